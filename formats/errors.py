@@ -1,0 +1,58 @@
+"""Errors that reach the user as one line: file, where, expected, found, hint."""
+
+from __future__ import annotations
+
+
+class TokpackError(Exception):
+    """Bad input or bad data. The CLI prints `str(err)` and exits with status 1.
+
+    Every field is optional except the message; fill in as many as are known so the
+    user can find the problem without a debugger.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | None = None,  # the file (or directory) at fault
+        where: str | None = None,  # offset, field, document number, shard...
+        expected: object = None,  # what tokpack needed to see
+        found: object = None,  # what it saw instead
+        hint: str | None = None,  # what the user can do about it
+    ):
+        self.message = message
+        self.file = None if file is None else str(file)
+        self.where = where
+        self.expected = expected
+        self.found = found
+        self.hint = hint
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        parts = []
+        if self.file:
+            parts.append(f"{self.file}" + (f" [{self.where}]" if self.where else ""))
+        elif self.where:
+            parts.append(f"[{self.where}]")
+        parts.append(self.message)
+        if self.expected is not None or self.found is not None:
+            parts.append(f"expected {self.expected}, found {self.found}")
+        line = ": ".join(parts[:2]) + ("; " + parts[2] if len(parts) > 2 else "")
+        if self.hint:
+            line += f". HINT: {self.hint}"
+        return line
+
+    def to_json(self) -> dict:
+        return {
+            "error": type(self).__name__,
+            "message": self.message,
+            "file": self.file,
+            "where": self.where,
+            "expected": None if self.expected is None else str(self.expected),
+            "found": None if self.found is None else str(self.found),
+            "hint": self.hint,
+        }
+
+
+class IncompleteError(TokpackError):
+    """A directory without its tokpack.json: a run that has not finished, not corrupt data."""

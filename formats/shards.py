@@ -1,0 +1,280 @@
+"""Shard files: the writers for packed sources and epochs, and the packed-source reader.
+
+A shard is datatrove's layout: `NNNNN.ds` (raw little-endian tokens), `NNNNN.ds.index`
+(uint64 cumulative ends, no leading 0), `NNNNN.ds.metadata` and optionally
+`NNNNN.ds.loss` (one byte per token). Writers hash while they write, so producing a
+manifest never costs a second read.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from .errors import TokpackError
+from .manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    commit_file,
+    dtype_from_name,
+    dtype_name,
+    fingerprint,
+    metadata_text,
+    multiset_hash_rows,
+    read_manifest,
+    tmp_path,
+    write_bytes_atomic,
+    write_manifest,
+)
+
+U64 = np.dtype("<u8")
+
+
+class _HashedFile:
+    """A file written under a temporary name, hashed as it goes, renamed on commit."""
+
+    def __init__(self, final: Path):
+        self.final = final
+        self.tmp = tmp_path(final)
+        self.f = open(self.tmp, "wb")
+        self.hash = xxhash.xxh3_128()
+        self.bytes = 0
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        self.f.write(mv)
+        self.hash.update(mv)
+        self.bytes += mv.nbytes
+
+    def commit(self) -> str:
+        self.f.close()
+        commit_file(self.tmp, self.final)
+        return self.hash.hexdigest()
+
+    def abort(self) -> None:
+        self.f.close()
+        Path(self.tmp).unlink(missing_ok=True)
+
+
+class SourceShardWriter:
+    """One shard of a packed source. Documents are appended whole; every one must end with EOS."""
+
+    def __init__(self, directory: str | Path, name: str, dtype: np.dtype, tokenizer: str, with_loss: bool = False):
+        self.directory = Path(directory)
+        self.name = name  # final file name, e.g. "00000.ds"
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.tokenizer = tokenizer
+        self.tokens = 0  # tokens written so far
+        self.documents = 0  # documents written so far
+        self._ds = _HashedFile(self.directory / name)
+        self._index = _HashedFile(self.directory / f"{name}.index")
+        self._loss = _HashedFile(self.directory / f"{name}.loss") if with_loss else None
+
+    def write(self, tokens: np.ndarray, doc_ends: np.ndarray, loss: np.ndarray | None = None) -> None:
+        """`doc_ends`: ends of the documents in `tokens`, relative to its start, last == len(tokens)."""
+        if len(tokens) == 0:
+            return
+        self._ds.write(np.ascontiguousarray(tokens, dtype=self.dtype))
+        self._index.write(np.asarray(doc_ends, dtype=U64) + np.uint64(self.tokens))
+        if self._loss is not None:
+            self._loss.write(np.ascontiguousarray(loss, dtype=np.uint8))
+        self.tokens += len(tokens)
+        self.documents += len(doc_ends)
+
+    def close(self) -> dict:
+        """Commits the files and returns the shard's manifest entry."""
+        entry = {
+            "path": self.name,
+            "tokens": self.tokens,
+            "bytes": self._ds.bytes,
+            "documents": self.documents,
+            "xxh3_128": self._ds.commit(),
+            "index_xxh3_128": self._index.commit(),
+        }
+        if self._loss is not None:
+            entry["loss_xxh3_128"] = self._loss.commit()
+        meta = metadata_text(self.tokenizer, self.dtype.itemsize, self.tokens).encode()
+        write_bytes_atomic(self.directory / f"{self.name}.metadata", meta)
+        entry["metadata_xxh3_128"] = xxhash.xxh3_128_hexdigest(meta)
+        return entry
+
+    def abort(self) -> None:
+        for f in (self._ds, self._index, self._loss):
+            if f is not None:
+                f.abort()
+
+
+class EpochShardWriter:
+    """One shard of an epoch: whole samples of `seq_len + 1` tokens, back to back.
+
+    The index lists every fragment end: the position after each EOS token and every
+    sample end, strictly increasing.
+    """
+
+    def __init__(self, directory: str | Path, name: str, dtype: np.dtype, seq_len: int, eos_id: int, tokenizer: str):
+        self.directory = Path(directory)
+        self.name = name  # final file name
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.row_tokens = seq_len + 1
+        self.eos_id = eos_id
+        self.tokenizer = tokenizer
+        self.samples = 0  # samples written so far
+        self.multiset = 0  # running sum of xxh3_64 over samples, mod 2^64
+        self._ds = _HashedFile(self.directory / name)
+        self._index = _HashedFile(self.directory / f"{name}.index")
+
+    def write_rows(self, rows: np.ndarray) -> None:
+        """`rows`: [n, seq_len+1] tokens, or the same bytes as a 1-D np.void row view."""
+        n = len(rows)
+        if n == 0:
+            return
+        tokens = np.ascontiguousarray(rows).view(self.dtype).reshape(n, self.row_tokens)
+        self._ds.write(tokens)
+        ends = tokens == self.eos_id
+        ends[:, -1] = True
+        self._index.write(np.flatnonzero(ends.ravel()).astype(U64) + np.uint64(self.samples * self.row_tokens + 1))
+        self.multiset = (self.multiset + multiset_hash_rows(tokens)) & 0xFFFFFFFFFFFFFFFF
+        self.samples += n
+
+    def close(self) -> dict:
+        tokens = self.samples * self.row_tokens
+        entry = {
+            "path": self.name,
+            "tokens": tokens,
+            "bytes": self._ds.bytes,
+            "samples": self.samples,
+            "xxh3_128": self._ds.commit(),
+            "index_xxh3_128": self._index.commit(),
+        }
+        meta = metadata_text(self.tokenizer, self.dtype.itemsize, tokens).encode()
+        write_bytes_atomic(self.directory / f"{self.name}.metadata", meta)
+        entry["metadata_xxh3_128"] = xxhash.xxh3_128_hexdigest(meta)
+        entry["multiset_hash"] = f"{self.multiset:016x}"
+        return entry
+
+    def abort(self) -> None:
+        self._ds.abort()
+        self._index.abort()
+
+
+def source_manifest(
+    shards: list[dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, **extra
+) -> dict:
+    name = dtype_name(dtype)
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "kind": "source",
+        "dtype": name,
+        "token_size": np.dtype(dtype).itemsize,
+        "vocab_size": int(vocab_size),
+        "eos_id": int(eos_id),
+        "tokenizer": tokenizer,
+        "tokens": sum(s["tokens"] for s in shards),
+        "documents": sum(s["documents"] for s in shards),
+        "fingerprint": fingerprint([s["xxh3_128"] for s in shards], name, vocab_size, eos_id),
+        "shards": shards,
+        **extra,
+    }
+
+
+@dataclass
+class PackedSource:
+    """A packed source opened for reading. Shard sizes are checked against the manifest
+    when it is opened, so a truncated or missing shard fails here, not mid-run."""
+
+    path: Path  # the source directory
+    manifest: dict  # its tokpack.json
+    dtype: np.dtype  # little-endian uint16 or uint32
+    shards: list[dict]  # manifest entries, in stream order
+    shard_starts: np.ndarray = field(repr=False)  # token offset of each shard in the stream, plus the total
+
+    @classmethod
+    def open(cls, path: str | Path, check_sizes: bool = True) -> "PackedSource":
+        path = Path(path)
+        manifest = read_manifest(path, kind="source")
+        dtype = dtype_from_name(manifest.get("dtype"))
+        shards = manifest.get("shards") or []
+        starts = np.zeros(len(shards) + 1, dtype=np.int64)
+        for i, s in enumerate(shards):
+            starts[i + 1] = starts[i] + int(s["tokens"])
+            if check_sizes:
+                f = path / s["path"]
+                expected = int(s["tokens"]) * dtype.itemsize
+                try:
+                    found = os.path.getsize(f)
+                except FileNotFoundError:
+                    raise TokpackError(
+                        "shard listed in the manifest is missing",
+                        file=f,
+                        hint="restore the file, or run `tokpack validate` on the source",
+                    ) from None
+                if found != expected:
+                    raise TokpackError(
+                        "shard size does not match the manifest",
+                        file=f,
+                        where="size",
+                        expected=f"{expected} bytes",
+                        found=f"{found} bytes",
+                        hint="the shard was truncated or replaced; run `tokpack validate` on the source",
+                    )
+        return cls(path, manifest, dtype, shards, starts)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.shard_starts[-1])
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.manifest["eos_id"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.manifest["vocab_size"])
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["fingerprint"]
+
+    def read_into(self, start: int, out: np.ndarray) -> np.ndarray:
+        """Fills `out` (a 1-D token buffer) with the stream's tokens [start, start+len(out)),
+        crossing shard boundaries with plain sequential reads."""
+        count = len(out)
+        if start < 0 or start + count > self.tokens:
+            raise IndexError(f"token range [{start}, {start + count}) outside the source's {self.tokens} tokens")
+        raw = out.view(np.uint8)
+        done = 0
+        i = int(np.searchsorted(self.shard_starts, start, side="right")) - 1
+        while done < count:
+            in_shard = start + done - int(self.shard_starts[i])
+            n = min(count - done, int(self.shard_starts[i + 1]) - start - done)
+            if n > 0:
+                with open(self.path / self.shards[i]["path"], "rb", buffering=0) as f:
+                    f.seek(in_shard * self.dtype.itemsize)
+                    view = memoryview(raw[done * self.dtype.itemsize : (done + n) * self.dtype.itemsize])
+                    while view.nbytes:
+                        got = f.readinto(view)
+                        if not got:
+                            raise TokpackError("shard shorter than its manifest says", file=self.path / self.shards[i]["path"])
+                        view = view[got:]
+            done += n
+            i += 1
+        return out
+
+    def doc_ends(self, shard: int) -> np.ndarray:
+        """The shard's `.ds.index`: cumulative document ends in tokens."""
+        return np.fromfile(self.path / f"{self.shards[shard]['path']}.index", dtype=U64)
+
+    def iter_documents(self):
+        """Yields every document as a token array, in stream order. For tests and small tools:
+        it reads one shard at a time."""
+        for i, s in enumerate(self.shards):
+            tokens = np.fromfile(self.path / s["path"], dtype=self.dtype)
+            prev = 0
+            for end in self.doc_ends(i).tolist():
+                yield tokens[prev:end]
+                prev = end
