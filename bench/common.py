@@ -1,0 +1,155 @@
+"""Shared benchmark plumbing: corpus generation, cold caches, timed child processes with
+peak RSS, and the table every bench script prints."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def parse_size(text: str) -> int:
+    from packer.cli import parse_size as parse
+
+    return parse(text)
+
+
+def can_drop_caches() -> bool:
+    return os.geteuid() == 0 and os.path.exists("/proc/sys/vm/drop_caches")
+
+
+def drop_caches() -> bool:
+    """Flush dirty pages and drop the page cache, so the next read comes from the disk."""
+    os.sync()
+    if not can_drop_caches():
+        return False
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class Measure:
+    seconds: float  # wall time
+    peak_rss_mb: float  # of the child process tree's largest process
+    returncode: int
+
+
+def run_measured(cmd: list[str] | str, env: dict | None = None, cwd: str | None = None, cold: bool = True,
+                 check: bool = True) -> Measure:
+    """Runs a command in a child process, after dropping caches; wall time and peak RSS."""
+    if cold:
+        drop_caches()
+    shell = isinstance(cmd, str)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, shell=shell, env={**os.environ, **(env or {})}, cwd=cwd,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - t0
+    code = os.waitstatus_to_exitcode(status)
+    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    if check and code != 0:
+        raise RuntimeError(f"{cmd!r} failed with {code}:\n{err[-3000:]}")
+    return Measure(seconds, usage.ru_maxrss / 1024, code)
+
+
+def python_cmd(code: str) -> list[str]:
+    """A fresh interpreter running `code` with the repo importable."""
+    return [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r})\n{code}"]
+
+
+def cp_sync(src: Path, dst: Path) -> Measure:
+    if dst.exists():
+        shutil.rmtree(dst)
+    return run_measured(f"cp -r '{src}' '{dst}' && sync")
+
+
+def cold_read(path: Path) -> Measure:
+    """A sequential read of every file under `path`, cache dropped first."""
+    return run_measured(f"find '{path}' -type f -print0 | xargs -0 cat > /dev/null")
+
+
+def median_of(fn, runs: int = 3) -> Measure:
+    results = [fn() for _ in range(runs)]
+    return Measure(statistics.median(r.seconds for r in results), max(r.peak_rss_mb for r in results), 0)
+
+
+def dir_bytes(path: Path, suffix: str = "") -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file() and p.name.endswith(suffix))
+
+
+def make_datatrove_corpus(out: Path, total_bytes: int, token_size: int = 2, files: int = 4,
+                          mean_doc: int = 1200, seed: int = 0, vocab_size: int | None = None,
+                          eos_id: int = 0) -> Path:
+    """A datatrove-layout tokenized folder (.ds/.ds.index/.ds.metadata) of random documents,
+    written in blocks so generation needs little memory."""
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = np.dtype("<u2") if token_size == 2 else np.dtype("<u4")
+    vocab_size = vocab_size or (50257 if token_size == 2 else 128256)
+    rng = np.random.default_rng(seed)
+    per_file = total_bytes // token_size // files
+    block = 8 << 20
+    for fi in range(files):
+        name = f"{fi:05d}_00000_doc_shuffled.ds"
+        ends, written = [], 0
+        with open(out / name, "wb") as f:
+            while written < per_file:
+                n = min(block, per_file - written)
+                toks = rng.integers(1, vocab_size, size=n, dtype=np.int64).astype(dtype)
+                lens = rng.geometric(1 / mean_doc, size=n // 8 + 16)
+                cuts = np.cumsum(lens)
+                cuts = cuts[cuts < n]
+                toks[cuts - 1] = eos_id
+                toks[-1] = eos_id
+                ends.append(cuts + written)
+                ends.append(np.array([written + n]))
+                f.write(toks.tobytes())
+                written += n
+        all_ends = np.unique(np.concatenate(ends)).astype("<u8")
+        all_ends.tofile(out / f"{name}.index")
+        (out / f"{name}.metadata").write_text(f"gpt2|{token_size}\n{written}\n{written / 1e9:.1f}GT")
+    return out
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}"
+
+
+def print_table(title: str, rows: list[dict], columns: list[str]) -> str:
+    """A Markdown table, printed and returned (so callers can paste it into BENCHMARKS.md)."""
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:,.2f}"
+        return "" if v is None else str(v)
+
+    widths = [max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns]
+    lines = [f"### {title}", "", "| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |",
+             "| " + " | ".join("-" * w for w in widths) + " |"]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)) + " |")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text

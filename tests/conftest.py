@@ -1,0 +1,79 @@
+"""Shared fixtures: a real tokenizer trained here, and packed sources written through the
+project's own shard writer (for stages that must not depend on `pack`)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from formats import SourceShardWriter, source_manifest, write_manifest
+from formats.manifest import shard_name
+
+EOS_TOKEN = "<|endoftext|>"
+WORDS = (
+    "the of and to in is was for on that with as by at from his her they were this which be are an "
+    "or had not but what all when we there can one their been has more if will would who so no out "
+    "token shard epoch window sample shuffle seed vocabulary document corpus stream index manifest"
+).split()
+
+
+def generate_texts(n: int, seed: int = 0, min_words: int = 5, max_words: int = 400) -> list[str]:
+    """Deterministic English-like documents of varied length."""
+    rng = random.Random(seed)
+    return [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) + "."
+        for _ in range(n)
+    ]
+
+
+@pytest.fixture(scope="session")
+def tokenizer_path(tmp_path_factory) -> Path:
+    """A byte-level BPE tokenizer trained locally with `tokenizers` (nothing is downloaded).
+    `<|endoftext|>` is id 0."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=[EOS_TOKEN], show_progress=False)
+    tok.train_from_iterator(generate_texts(300, seed=1), trainer=trainer)
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def random_docs(rng: np.random.Generator, n: int, vocab_size: int, eos_id: int,
+                min_len: int = 1, max_len: int = 300) -> list[np.ndarray]:
+    """Documents of random ids, each ending with EOS and holding no other EOS."""
+    docs = []
+    for _ in range(n):
+        body = rng.integers(0, vocab_size - 1, size=int(rng.integers(min_len, max_len)), dtype=np.int64)
+        body[body >= eos_id] += 1  # skip eos_id inside the body
+        docs.append(np.append(body, eos_id))
+    return docs
+
+
+def write_source(path: str | Path, docs: list[np.ndarray], vocab_size: int = 1000, eos_id: int = 0,
+                 docs_per_shard: int = 50, tokenizer: str = "test-tokenizer") -> Path:
+    """A packed source written with the project's shard writer, bypassing `pack`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
+    groups = [docs[i : i + docs_per_shard] for i in range(0, len(docs), docs_per_shard)]
+    entries = []
+    for i, group in enumerate(groups):
+        w = SourceShardWriter(path, shard_name(i), dtype, tokenizer)
+        w.write(np.concatenate(group).astype(dtype), np.cumsum([len(d) for d in group]))
+        entries.append(w.close())
+    write_manifest(path, source_manifest(entries, dtype, vocab_size, eos_id, tokenizer))
+    return path
+
+
+@pytest.fixture
+def small_source(tmp_path) -> tuple[Path, list[np.ndarray]]:
+    """A 3-shard packed source of 150 random documents (uint16, vocab 1000, EOS 0)."""
+    docs = random_docs(np.random.default_rng(7), 150, 1000, 0)
+    return write_source(tmp_path / "src", docs), docs
