@@ -179,6 +179,7 @@ def pack(inputs, output, input_format, column, dtype, tokenizer, eos_id, vocab_s
 def shuffle(sources, output, seq_len, seed, epochs, epoch, samples, tokens, shard_samples, memory, jitter,
             as_json, **kw):
     """Write globally shuffled epochs of fixed-length samples from packed SOURCEs."""
+    from packer.executors import ExecutorConfig, step_runner
     from shuffle.engine import shuffle_run
 
     if (epochs is None) == (epoch is None):
@@ -197,7 +198,7 @@ def shuffle(sources, output, seq_len, seed, epochs, epoch, samples, tokens, shar
         memory=memory,
         jitter=jitter,
         log=None if as_json else lambda msg: click.echo(msg, err=True),
-        **_executor_config(kw),
+        run_step=step_runner(ExecutorConfig(**_executor_config(kw))),
     )
     emit(summary, as_json)
 

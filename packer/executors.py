@@ -24,9 +24,6 @@ class ExecutorConfig:
     sbatch_args: str | None = None  # slurm: "key=value,key=value"
     ray_address: str | None = None  # ray: existing cluster, or None for a local one
 
-    @classmethod
-    def from_kwargs(cls, **kw) -> "ExecutorConfig":
-        return cls(**{k: v for k, v in kw.items() if v is not None or k in ("tasks", "logging_dir", "partition")})
 
 
 def run_step(step, tasks: int, config: ExecutorConfig, logging_dir: str | Path, job_name: str) -> None:
@@ -55,3 +52,13 @@ def run_step(step, tasks: int, config: ExecutorConfig, logging_dir: str | Path, 
             )
         return
     raise NotImplementedError(f"executor {config.executor!r}")
+
+
+def step_runner(config: ExecutorConfig):
+    """The `run_step(step, tasks, job_name, logging_dir)` callable that stages below `packer`
+    (e.g. shuffle) receive, so they never import the executor layer."""
+
+    def run(step, tasks: int, job_name: str, logging_dir: str | Path) -> None:
+        run_step(step, tasks, config, config.logging_dir and Path(config.logging_dir) / job_name or logging_dir, job_name)
+
+    return run
