@@ -54,17 +54,36 @@ def run_measured(cmd: list[str] | str, env: dict | None = None, cwd: str | None 
     """Runs a command in a child process, after dropping caches; wall time and peak RSS."""
     if cold:
         drop_caches()
-    shell = isinstance(cmd, str)
+    argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, shell=shell, env={**os.environ, **(env or {})}, cwd=cwd,
+    # Linux carries a process's RSS high-water mark across fork+exec, so a command forked
+    # straight from this (large) interpreter would report at least our RSS. A tiny launcher
+    # forks the command instead and reports the grandchild's own peak on fd 3.
+    rfd, wfd = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-S", "-c", _LAUNCHER, str(wfd), *argv],
+                            env={**os.environ, **(env or {})}, cwd=cwd, pass_fds=(wfd,),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
+    os.close(wfd)
+    err = proc.stderr.read().decode(errors="replace")
+    proc.wait()
     seconds = time.perf_counter() - t0
-    code = os.waitstatus_to_exitcode(status)
-    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    with os.fdopen(rfd) as r:
+        code, maxrss_kb = (int(x) for x in (r.read().split() or ["-1", "0"]))
     if check and code != 0:
         raise RuntimeError(f"{cmd!r} failed with {code}:\n{err[-3000:]}")
-    return Measure(seconds, usage.ru_maxrss / 1024, code)
+    return Measure(seconds, maxrss_kb / 1024, code)
+
+
+_LAUNCHER = """
+import os, sys
+fd = int(sys.argv[1]); argv = sys.argv[2:]
+pid = os.fork()
+if pid == 0:
+    os.close(fd)
+    os.execvp(argv[0], argv)
+_, status, usage = os.wait4(pid, 0)
+os.write(fd, f"{os.waitstatus_to_exitcode(status)} {usage.ru_maxrss}".encode())
+"""
 
 
 def python_cmd(code: str) -> list[str]:

@@ -84,10 +84,15 @@ def user_errors(fn):
 
 
 def executor_options(fn):
-    """Where the tasks run. Local is the default; slurm and ray go through datatrove's executors."""
+    """Where the tasks run. Local is the default; slurm and ray go through datatrove's executors.
+    Also lets INPUTS/SOURCES/-o be fsspec URLs: file:// is a local path, other URLs (s3://,
+    memory://, ...) are staged through a local work folder (packer.executors.with_local_paths)."""
+    from packer.executors import with_local_paths
+
+    fn = user_errors(with_local_paths(fn))  # staging errors are user errors too
     options = [
         click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Local worker processes (or concurrent tasks on slurm/ray)."),
+                     help="Local worker processes; on slurm/ray a cap on concurrent tasks (1: no cap)."),
         click.option("--executor", type=click.Choice(["local", "slurm", "ray"]), default="local", show_default=True,
                      help="datatrove executor that runs the tasks."),
         click.option("--tasks", type=click.IntRange(min=1), default=None,
@@ -95,9 +100,9 @@ def executor_options(fn):
         click.option("--logging-dir", default=None, help="datatrove logging dir (default: inside OUT's work folder)."),
         click.option("--partition", default=None, help="slurm: partition."),
         click.option("--time", "time_limit", default="24:00:00", show_default=True, help="slurm: time limit."),
-        click.option("--cpus-per-task", type=int, default=1, show_default=True, help="slurm: CPUs per task."),
+        click.option("--cpus-per-task", type=int, default=1, show_default=True, help="slurm/ray: CPUs per task."),
         click.option("--mem", "mem_per_cpu_gb", type=float, default=2, show_default=True,
-                     help="slurm: memory per CPU in GB."),
+                     help="slurm/ray: memory per CPU in GB."),
         click.option("--sbatch-args", default=None, help="slurm: extra sbatch arguments as 'key=value,key=value'."),
         click.option("--ray-address", default=None, help="ray: cluster address (default: start a local cluster)."),
     ]
@@ -169,9 +174,10 @@ def pack(inputs, output, input_format, column, dtype, tokenizer, eos_id, vocab_s
 @click.option("--samples", type=click.IntRange(min=1), default=None, help="Samples per epoch (with weights).")
 @click.option("--tokens", type=Size(), default=None, help="Trained tokens per epoch: samples = T // seq_len.")
 @click.option("--shard-samples", type=click.IntRange(min=1), default=None,
-              help="Samples per output shard [default: about 1 GiB of samples].")
+              help="Samples per output shard [default: 1 GiB // ((seq_len+1) * token_size), about 1 GiB].")
 @click.option("--memory", type=Size(), default="4GiB", show_default=True,
-              help="Memory budget; above it the out-of-core path runs.")
+              help="Total memory budget. An epoch whose windows fit runs in memory (one read, one write); "
+                   "otherwise out of core, each of --workers tasks using memory/workers.")
 @click.option("--jitter", is_flag=True, help="Shift window starts by a seeded per-epoch offset.")
 @executor_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
@@ -186,6 +192,7 @@ def shuffle(sources, output, seq_len, seed, epochs, epoch, samples, tokens, shar
         raise click.UsageError("give exactly one of --epochs N or --epoch E")
     if samples is not None and tokens is not None:
         raise click.UsageError("give at most one of --samples and --tokens")
+    config = ExecutorConfig(**_executor_config(kw))
     summary = shuffle_run(
         list(sources),
         output,
@@ -198,7 +205,12 @@ def shuffle(sources, output, seq_len, seed, epochs, epoch, samples, tokens, shar
         memory=memory,
         jitter=jitter,
         log=None if as_json else lambda msg: click.echo(msg, err=True),
-        run_step=step_runner(ExecutorConfig(**_executor_config(kw))),
+        workers=config.workers,
+        tasks=config.tasks,
+        # One local worker: the steps run in this process, sparing datatrove's executor start-up
+        # (about 1 s and a manager process per pass) and its log lines on stderr.
+        run_step=None if (config.executor, config.workers, config.logging_dir) == ("local", 1, None)
+        else step_runner(config),
     )
     emit(summary, as_json)
 
@@ -258,13 +270,15 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
 @click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Global batch size in samples [default: 64].")
 @click.option("--batches", type=click.IntRange(min=1), default=64, show_default=True, help="Global batches to analyse.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write the figures to FILE.png (needs matplotlib).")
+@click.option("--epoch", type=click.IntRange(min=0), default=None, help="Run: the epoch whose batches to analyse [default: first].")
+@click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Packed source: window length for the batch analysis.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @user_errors
-def inspect(directory, batch_size, batches, plot, as_json):
+def inspect(directory, batch_size, batches, plot, epoch, seq_len, as_json):
     """Report what a directory holds and what the shuffle did to batch diversity."""
     from packer.inspect import inspect as inspect_api
 
-    report = inspect_api(directory, batch_size=batch_size, batches=batches, plot=plot)
+    report = inspect_api(directory, batch_size=batch_size, batches=batches, plot=plot, epoch=epoch, seq_len=seq_len)
     if as_json:
         click.echo(json.dumps(report))
     else:

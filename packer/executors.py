@@ -1,64 +1,445 @@
 """Glue to datatrove's executors: the stages' tasks run as `PipelineStep`s on Local, Slurm or Ray.
 
-Parallelism is the executor's job: a step only knows `run(data, rank, world_size)`.
+Parallelism is the executor's job: a step only knows `run(data, rank, world_size)`. Whatever the
+executor, `run_step` returns only when every rank carries datatrove's completion marker, so the
+next pass (and the manifest) can rely on all outputs of this one. A rerun skips marked ranks.
+
+Paths: the stages read and write local files (mmap, pread, os.replace). `file://` URLs are local
+paths under another name; other fsspec URLs (s3://, memory://, ...) are staged through datatrove's
+`DataFolder`: inputs are copied into a local work folder, outputs are written there and uploaded.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from formats.errors import TokpackError
+
+# The folder holding packer/, shuffle/, formats/: Slurm jobs and Ray workers import the steps from here.
+PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 @dataclass
 class ExecutorConfig:
     """How and where tasks run. Mirrors the CLI's executor options."""
 
-    workers: int = 1  # concurrent tasks
+    workers: int = 1  # local: worker processes; slurm/ray: cap on concurrent tasks when > 1 (1 = no cap)
     executor: str = "local"  # local | slurm | ray
     tasks: int | None = None  # override of the natural task count
     logging_dir: str | None = None  # datatrove logging dir; default inside the output's work folder
-    partition: str | None = None  # slurm partition
+    partition: str | None = None  # slurm partition; None = the cluster's default partition
     time_limit: str = "24:00:00"  # slurm time limit
-    cpus_per_task: int = 1  # slurm
-    mem_per_cpu_gb: float = 2  # slurm
-    sbatch_args: str | None = None  # slurm: "key=value,key=value"
+    cpus_per_task: int = 1  # slurm and ray: CPUs reserved per task
+    mem_per_cpu_gb: float = 2  # slurm and ray: memory reserved per CPU, GB
+    sbatch_args: str | None = None  # slurm: extra sbatch arguments, "key=value,key=value"
     ray_address: str | None = None  # ray: existing cluster, or None for a local one
-
+    poll_seconds: float = 5.0  # slurm: longest pause between two looks at the markers and the queue
 
 
 def run_step(step, tasks: int, config: ExecutorConfig, logging_dir: str | Path, job_name: str) -> None:
-    """Runs `tasks` ranks of `step` to completion. Completed ranks (datatrove's completion
-    markers in `logging_dir`) are skipped, so a rerun only redoes what did not finish."""
-    if config.executor == "local":
-        from datatrove.executor import LocalPipelineExecutor
-
-        executor = LocalPipelineExecutor(
-            pipeline=[step],
-            tasks=tasks,
-            workers=min(config.workers, tasks),
-            logging_dir=str(logging_dir),
-            skip_completed=True,
-        )
-        executor.run()
-        incomplete = executor.get_incomplete_ranks(skip_completed=True)
-        if incomplete:
-            from formats.errors import TokpackError
-
-            raise TokpackError(
-                f"{len(incomplete)} of {tasks} {job_name} tasks did not complete",
-                file=logging_dir,
-                where=f"ranks {incomplete[:8]}",
-                hint="see the task logs in that folder; rerun the same command to redo only those tasks",
-            )
+    """Runs `tasks` ranks of `step` to completion on the configured executor. Completed ranks
+    (datatrove's completion markers in `logging_dir`) are skipped, so a rerun only redoes what did
+    not finish. Raises TokpackError naming the unfinished ranks if any task failed."""
+    logging_dir = str(logging_dir)
+    if tasks < 1:
         return
-    raise NotImplementedError(f"executor {config.executor!r}")
+    if config.executor == "local":
+        executor = _local_executor(step, tasks, config, logging_dir)
+    elif config.executor == "slurm":
+        executor = _slurm_executor(step, tasks, config, logging_dir, job_name)
+    elif config.executor == "ray":
+        executor = _ray_executor(step, tasks, config, logging_dir)
+    else:
+        raise TokpackError(f"unknown executor {config.executor!r}", expected="local, slurm or ray")
+    failure = None
+    try:
+        executor.run()
+        if config.executor == "slurm":
+            _wait_slurm(executor, config)
+    except TokpackError:
+        raise  # bad input found by a task: the task's own message says it best
+    except KeyboardInterrupt:
+        if config.executor == "slurm":
+            _cancel_slurm(executor)
+        raise
+    except Exception as e:  # a task crashed; its traceback is in the task log
+        failure = e
+    _check_complete(executor, tasks, logging_dir, job_name, failure)
+
+
+def run_steps(stages: list[tuple], config: ExecutorConfig) -> None:
+    """Runs passes `(step, tasks, job_name, logging_dir)` in order, each after the previous one has
+    completed. On Slurm they are queued at once, chained with `depends=` (afterok), so the whole
+    chain waits in the queue instead of in this process; elsewhere they run one after the other."""
+    if config.executor != "slurm" or len(stages) < 2:
+        for step, tasks, job_name, logging_dir in stages:
+            run_step(step, tasks, config, logging_dir, job_name)
+        return
+    executors, previous = [], None
+    for step, tasks, job_name, logging_dir in stages:
+        executor = _slurm_executor(step, tasks, config, str(logging_dir), job_name, depends=previous)
+        executors.append((executor, tasks, str(logging_dir), job_name))
+        previous = executor
+    failure = None
+    try:
+        executors[-1][0].run()  # launches the dependencies first
+        for executor, *_ in executors:
+            _wait_slurm(executor, config)
+    except TokpackError:
+        raise
+    except KeyboardInterrupt:
+        for executor, *_ in executors:
+            _cancel_slurm(executor)
+        raise
+    except Exception as e:  # e.g. sbatch refused the job (its message is on stderr)
+        failure = e
+    for executor, tasks, logging_dir, job_name in executors:
+        _check_complete(executor, tasks, logging_dir, job_name, failure)
 
 
 def step_runner(config: ExecutorConfig):
     """The `run_step(step, tasks, job_name, logging_dir)` callable that stages below `packer`
-    (e.g. shuffle) receive, so they never import the executor layer."""
+    (e.g. shuffle) receive, so they never import the executor layer. `--logging-dir` given by
+    the user holds one subfolder per job name. `.chain([(step, tasks, job_name, logging_dir), ...])`
+    runs dependent passes (see `run_steps`)."""
+
+    def where(job_name: str, logging_dir: str | Path) -> str:
+        return join_path(config.logging_dir, job_name) if config.logging_dir else str(logging_dir)
 
     def run(step, tasks: int, job_name: str, logging_dir: str | Path) -> None:
-        run_step(step, tasks, config, config.logging_dir and Path(config.logging_dir) / job_name or logging_dir, job_name)
+        run_step(step, tasks, config, where(job_name, logging_dir), job_name)
 
+    def chain(stages: list[tuple]) -> None:
+        run_steps([(s, t, j, where(j, d)) for s, t, j, d in stages], config)
+
+    run.chain = chain
+    run.config = config
     return run
+
+
+# ----------------------------------------------------------------------------------------------
+# local
+
+
+def _local_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str):
+    from datatrove.executor import LocalPipelineExecutor
+
+    return LocalPipelineExecutor(
+        pipeline=[step],
+        tasks=tasks,
+        workers=max(1, min(config.workers, tasks)),
+        logging_dir=logging_dir,
+        skip_completed=True,
+    )
+
+
+def _check_complete(executor, tasks: int, logging_dir: str, job_name: str, failure: Exception | None) -> None:
+    incomplete = executor.get_incomplete_ranks(range(tasks), skip_completed=True)
+    if not incomplete and failure is None:
+        return
+    if isinstance(failure, subprocess.CalledProcessError) and failure.cmd[0] == "sbatch":
+        raise TokpackError(f"sbatch refused the {job_name} job (exit status {failure.returncode}; "
+                           "its message is above)", file=logging_dir,
+                           hint="check --partition, --time, --mem and --sbatch-args") from failure
+    first = f"; first error: {type(failure).__name__}: {failure}" if failure is not None else ""
+    raise TokpackError(
+        f"{len(incomplete)} of {tasks} {job_name} tasks did not complete{first}",
+        file=logging_dir,
+        where=f"ranks {incomplete[:8]}{' ...' if len(incomplete) > 8 else ''}",
+        hint="the task logs are in logs/ (and slurm_logs/ on slurm) of that folder; "
+        "rerun the same command to redo only the unfinished tasks",
+    ) from failure
+
+
+# ----------------------------------------------------------------------------------------------
+# slurm
+
+
+def parse_sbatch_args(text: str | None) -> dict:
+    """'key=value,key=value' (or '--key=value --flag') -> {"key": "value", "flag": ""}."""
+    args = {}
+    for item in shlex.split((text or "").replace(",", " ")):
+        key, _, value = item.lstrip("-").partition("=")
+        if not key:
+            raise TokpackError("empty sbatch argument", where=f"--sbatch-args {text!r}",
+                               expected="key=value,key=value")
+        args[key] = value
+    return args
+
+
+def _slurm_command(*args: str) -> str:
+    try:
+        return subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        raise TokpackError(f"{args[0]} not found: --executor slurm needs the Slurm client commands",
+                           hint="run on a Slurm login node, or start a local cluster with scripts/slurm-local.sh")
+    except subprocess.CalledProcessError as e:
+        raise TokpackError(f"{' '.join(args)} failed: {e.stderr.strip() or e.returncode}",
+                           hint="is the Slurm controller up? (sinfo)")
+
+
+def default_partition() -> str:
+    """The partition sinfo marks with '*'; datatrove needs one by name."""
+    names = _slurm_command("sinfo", "-h", "-o", "%P").split()
+    for name in names:
+        if name.endswith("*"):
+            return name[:-1]
+    if names:
+        return names[0]
+    raise TokpackError("this Slurm cluster has no partition", hint="give --partition")
+
+
+def _slurm_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, job_name: str, depends=None):
+    from datatrove.executor import SlurmPipelineExecutor
+
+    sbatch = parse_sbatch_args(config.sbatch_args)
+    # datatrove writes "--mem-per-cpu={n}G", which sbatch refuses for fractions: give it megabytes.
+    sbatch.setdefault("mem-per-cpu", f"{max(1, round(config.mem_per_cpu_gb * 1024))}M")
+    # A pass whose dependency failed would otherwise wait in the queue forever.
+    sbatch.setdefault("kill-on-invalid-dep", "yes")
+    qos = sbatch.pop("qos", None)  # the user's default QOS unless asked: "normal" does not exist everywhere
+    # The job runs this interpreter (its venv's launch_pickled_pipeline) and imports this checkout.
+    bin_dir = os.path.dirname(sys.executable)
+    env = [f"export PATH={shlex.quote(bin_dir)}:$PATH",
+           f"export PYTHONPATH={shlex.quote(PROJECT_ROOT)}${{PYTHONPATH:+:$PYTHONPATH}}"]
+    if os.environ.get("VIRTUAL_ENV"):
+        env.append(f"export VIRTUAL_ENV={shlex.quote(os.environ['VIRTUAL_ENV'])}")
+    return SlurmPipelineExecutor(
+        pipeline=[step],
+        tasks=tasks,
+        time=config.time_limit,
+        partition=config.partition or default_partition(),
+        cpus_per_task=config.cpus_per_task,
+        mem_per_cpu_gb=config.mem_per_cpu_gb,
+        workers=config.workers if config.workers > 1 else -1,
+        job_name=f"tokpack-{job_name}",
+        qos=qos,
+        env_command="; ".join(env),
+        sbatch_args=sbatch,
+        logging_dir=logging_dir,
+        skip_completed=True,
+        depends=depends,
+        requeue_signals=None,  # a requeue would race this process's wait; a rerun redoes the task
+        mail_type=None,
+    )
+
+
+def _slurm_job_ids(executor) -> list[str]:
+    job_id = executor.job_id
+    return [] if job_id in (None, -1, "-1") else [str(job_id)]
+
+
+def _slurm_active(job_ids: list[str]) -> bool:
+    """Whether any array element of these jobs is still pending or running."""
+    if not job_ids:
+        return False
+    out = subprocess.run(["squeue", "-h", "-o", "%T", "-j", ",".join(job_ids)], capture_output=True, text=True)
+    # squeue forgets finished jobs after MinJobAge and then fails with "Invalid job id": not active.
+    return out.returncode == 0 and any(
+        s not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
+                  "DEADLINE", "PREEMPTED")
+        for s in out.stdout.split()
+    )
+
+
+def _wait_slurm(executor, config: ExecutorConfig) -> None:
+    """datatrove's SlurmPipelineExecutor only submits. Wait until every rank is marked complete,
+    or the array job has left the queue (then some tasks failed: the caller reports them)."""
+    job_ids = _slurm_job_ids(executor)
+    pause = 0.5
+    while executor.get_incomplete_ranks(skip_completed=True) and _slurm_active(job_ids):
+        time.sleep(pause)
+        pause = min(pause * 1.5, config.poll_seconds)
+    # Markers are written by the tasks; the queue may still hold the finishing job for a moment.
+    while _slurm_active(job_ids):
+        time.sleep(0.5)
+
+
+def _cancel_slurm(executor) -> None:
+    job_ids = _slurm_job_ids(executor)
+    if job_ids:
+        subprocess.run(["scancel", *job_ids], capture_output=True)
+        print(f"tokpack: cancelled slurm job {', '.join(job_ids)}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------
+# ray
+
+
+def ray_connect(config: ExecutorConfig) -> None:
+    """Joins the cluster at `--ray-address`, or starts a local one (one CPU per core, or
+    `--workers`) that lives as long as this process. An already initialised Ray is reused."""
+    try:
+        import ray
+    except ImportError:
+        raise TokpackError("--executor ray needs ray", hint="pip install 'ray[default]'")
+    if ray.is_initialized():
+        return
+    # Workers import the steps from this checkout even when tokpack is not installed on their path.
+    pythonpath = os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p)
+    runtime_env = {"env_vars": {"PYTHONPATH": pythonpath}}
+    if config.ray_address:
+        try:
+            ray.init(address=config.ray_address, runtime_env=runtime_env, log_to_driver=False)
+        except ConnectionError as e:
+            raise TokpackError(f"cannot connect to the Ray cluster: {e}", where="--ray-address",
+                               hint="is the head node up (ray status)? With token authentication (Ray >= 2.59 "
+                               "default), export the cluster's RAY_AUTH_TOKEN (ray get-auth-token)") from None
+    else:
+        num_cpus = config.workers if config.workers > 1 else os.cpu_count()
+        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
+
+
+def _ray_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str):
+    from datatrove.executor import RayPipelineExecutor
+
+    ray_connect(config)
+    return RayPipelineExecutor(
+        pipeline=[step],
+        tasks=tasks,
+        workers=config.workers if config.workers > 1 else -1,
+        logging_dir=logging_dir,
+        skip_completed=True,
+        cpus_per_task=config.cpus_per_task,
+        mem_per_cpu_gb=config.mem_per_cpu_gb,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# paths: local files, file:// URLs, other fsspec URLs staged through DataFolder
+
+
+def is_url(path: str | Path) -> bool:
+    return "://" in str(path)
+
+
+def local_path(path: str | Path) -> str | None:
+    """The local path a plain path or a `file://` URL names; None for other fsspec URLs."""
+    text = str(path)
+    if not is_url(text):
+        return text
+    if text.startswith("file://"):
+        from fsspec.implementations.local import make_path_posix
+
+        return make_path_posix(text[len("file://"):])
+    return None
+
+
+def join_path(base: str | Path, name: str) -> str:
+    """`base/name` that keeps a URL's `scheme://`."""
+    return f"{str(base).rstrip('/')}/{name}" if is_url(base) else str(Path(base) / name)
+
+
+def stage_in(url: str, workdir: str | Path) -> str:
+    """Copies a remote file or folder to a fresh local folder under `workdir`; returns its path."""
+    fs, remote = _fs_and_path(url)
+    dest = Path(tempfile.mkdtemp(prefix="in-", dir=workdir)) / (Path(remote.rstrip("/")).name or "data")
+    if not fs.exists(remote):
+        raise TokpackError("input not found", file=url)
+    if fs.isdir(remote):
+        _download_folder(url, dest)
+    else:
+        with fs.open(remote, "rb") as src, open(dest, "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 22)
+    return str(dest)
+
+
+def stage_out(local_dir: str | Path, url: str) -> None:
+    """Uploads a local output folder to `url` (a DataFolder); the manifest goes last so a partial
+    upload never looks complete."""
+    from datatrove.io import get_datafolder
+
+    folder = get_datafolder(url)
+    files = sorted(p for p in Path(local_dir).rglob("*") if p.is_file())
+    files.sort(key=lambda p: p.name == "tokpack.json")
+    for p in files:
+        rel = p.relative_to(local_dir).as_posix()
+        with open(p, "rb") as src, folder.open(rel, "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 22)
+
+
+def _fs_and_path(url: str):
+    from fsspec.core import url_to_fs
+
+    return url_to_fs(url)
+
+
+def _split_weight(arg: str) -> tuple[str, str]:
+    """'SOURCE=WEIGHT' -> ('SOURCE', '=WEIGHT'); a '=' that is not followed by a number stays."""
+    head, sep, tail = arg.rpartition("=")
+    if sep:
+        try:
+            float(tail)
+            return head, sep + tail
+        except ValueError:
+            pass
+    return arg, ""
+
+
+def with_local_paths(fn):
+    """Decorator for a CLI command: `file://` URLs in `inputs`/`sources`/`output` become local
+    paths; other fsspec URLs are staged through a local work folder (TOKPACK_STAGE_DIR or the
+    system temp dir): inputs are downloaded first, the output is uploaded after the command."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        staging = None
+        upload = None
+        try:
+            for key in ("inputs", "sources"):
+                if key not in kw:
+                    continue
+                paths = []
+                for arg in kw[key]:
+                    path, weight = _split_weight(arg) if key == "sources" else (arg, "")
+                    local = local_path(path)
+                    if local is None:
+                        staging = staging or tempfile.mkdtemp(prefix="tokpack-stage-",
+                                                              dir=os.environ.get("TOKPACK_STAGE_DIR"))
+                        local = stage_in(path, staging)
+                    paths.append(local + weight)
+                kw[key] = tuple(paths)
+            if kw.get("output") is not None:
+                local = local_path(kw["output"])
+                if local is None:
+                    staging = staging or tempfile.mkdtemp(prefix="tokpack-stage-",
+                                                          dir=os.environ.get("TOKPACK_STAGE_DIR"))
+                    upload = (os.path.join(staging, "out"), kw["output"])
+                    _download_if_exists(kw["output"], upload[0])  # resume or extend an existing run
+                    local = upload[0]
+                kw["output"] = local
+            result = fn(*args, **kw)
+            if upload:
+                stage_out(*upload)
+            return result
+        finally:
+            if staging:
+                shutil.rmtree(staging, ignore_errors=True)
+
+    return wrapper
+
+
+def _download_if_exists(url: str, dest: str) -> None:
+    fs, remote = _fs_and_path(url)
+    if fs.exists(remote) and fs.isdir(remote):
+        _download_folder(url, dest)
+
+
+def _download_folder(url: str, dest: str | Path) -> None:
+    from datatrove.io import get_datafolder
+
+    folder = get_datafolder(url)
+    for rel in folder.list_files(recursive=True):
+        target = Path(dest) / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with folder.open(rel, "rb") as src, open(target, "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 22)

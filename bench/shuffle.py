@@ -1,0 +1,137 @@
+"""tokpack shuffle against the physical floor and its peers, side by side in one run.
+
+    python bench/shuffle.py [--size 2GiB] [--seq-len 2047] [--runs 3] [--quick]
+
+Rows (each in a child process, page cache dropped first when running as root):
+  cold read        every input file read sequentially once (the floor for one read)
+  cp -r + sync     one read and one write of the data (the floor of the in-memory path)
+  tokpack (in memory)     --memory large enough for every window: one read, one write
+  tokpack (out of core)   --memory = 1/8 of the data: scatter + order, two reads and two writes
+  datatrove merger        DocumentTokenizerMerger(shuffle=True): interleaves documents only,
+                          no window cutting and no global window shuffle
+  HF datasets             shuffle(seed).flatten_indices().save_to_disk() over the same windows
+Goals from issue 3: in memory <= 1.3x cp+sync, out of core <= 2.3x, peak RSS <= --memory + 200 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import REPO, cold_read, cp_sync, make_datatrove_corpus, parse_size, print_table, run_measured  # noqa: E402
+from peers import datatrove_merger_cmd, hf_shuffle_cmd, missing, prepare_hf_windows  # noqa: E402
+
+COLUMNS = ["case", "seconds", "x cp+sync", "MB/s", "peak RSS MB", "--memory MB", "RSS - memory MB", "goal", "note"]
+
+
+def pack_corpus(corpus: Path, out: Path, vocab_size: int = 50257, eos_id: int = 0) -> Path:
+    """The datatrove corpus as a tokpack packed source, one shard per .ds file (untimed setup;
+    written with the project's shard writer so this bench does not depend on `pack`)."""
+    sys.path.insert(0, str(REPO))
+    from formats import SourceShardWriter, source_manifest, write_manifest
+    from formats.manifest import shard_name
+
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = np.dtype("<u2")
+    entries = []
+    for i, f in enumerate(sorted(corpus.glob("*.ds"))):
+        w = SourceShardWriter(out, shard_name(i), dtype, "gpt2")
+        w.write(np.fromfile(f, dtype=dtype), np.fromfile(f"{f}.index", dtype="<u8"))
+        entries.append(w.close())
+    write_manifest(out, source_manifest(entries, dtype, vocab_size, eos_id, "gpt2"))
+    return out
+
+
+def tokpack_cmd(source: Path, out: Path, seq_len: int, memory: int, workers: int = 1) -> list[str]:
+    return [sys.executable, "-m", "packer.cli", "shuffle", str(source), "-o", str(out), "--seq-len", str(seq_len),
+            "--seed", "1", "--epochs", "1", "--memory", str(memory), "--workers", str(workers), "--json"]
+
+
+def synced(cmd: list[str]) -> str:
+    """Every writer is timed up to its data being on disk, as cp + sync is."""
+    return f"{shlex.join(cmd)} && sync"
+
+
+def main(size: int | str = "2GiB", quick: bool = False, seq_len: int = 2047, workdir: str | None = None,
+         runs: int = 1) -> list[dict]:
+    """Builds the corpus, runs every case `runs` times round robin, prints and returns the rows
+    (median seconds, largest peak RSS). --quick: a tiny corpus, to check that every row runs."""
+    size = parse_size(size) if isinstance(size, str) else int(size)
+    if quick:
+        size, runs = min(size, 16 << 20), 1
+    tmp = Path(tempfile.mkdtemp(prefix="tokpack-bench-shuffle-", dir=workdir))
+    try:
+        corpus = make_datatrove_corpus(tmp / "corpus", size, files=4)
+        source = pack_corpus(corpus, tmp / "source")
+        data = common.dir_bytes(source, ".ds")
+        in_mem = int(data * 1.1) + (64 << 20)
+        ooc = max(1 << 20, data // 8)
+        cases = [  # (case, command or callable, --memory, note, output to remove after each run)
+            ("cold read", lambda: cold_read(source), None, "", None),
+            ("cp -r + sync", lambda: cp_sync(source, tmp / "copy"), None, "", tmp / "copy"),
+            ("tokpack shuffle (in memory)", synced(tokpack_cmd(source, tmp / "epochs", seq_len, in_mem)), in_mem,
+             "one read, one write", tmp / "epochs"),
+            ("tokpack shuffle (out of core, --memory = data/8)", synced(tokpack_cmd(source, tmp / "epochs", seq_len, ooc)),
+             ooc, "two reads, two writes", tmp / "epochs"),
+            ("datatrove DocumentTokenizerMerger(shuffle=True)", synced(datatrove_merger_cmd(corpus, tmp / "merged")),
+             None, "interleaves whole documents; no windows, no global shuffle", tmp / "merged"),
+        ]
+        why = missing("datasets")
+        if why is None:
+            arrow = prepare_hf_windows(corpus, tmp / "windows.arrow", seq_len)
+            cases.append(("HF datasets shuffle().flatten_indices().save_to_disk()",
+                          synced(hf_shuffle_cmd(arrow, tmp / "hf", tmp / "hf-cache.arrow")), None, "same windows",
+                          tmp / "hf"))
+        measures: dict[str, list] = {c[0]: [] for c in cases}
+        for _ in range(runs):
+            for case, cmd, _mem, _note, out in cases:
+                measures[case].append(cmd() if callable(cmd) else run_measured(cmd, cwd=str(REPO)))
+                for junk in (out, tmp / "hf-cache.arrow"):
+                    if junk is not None and junk.exists():
+                        shutil.rmtree(junk) if junk.is_dir() else junk.unlink()
+        rows = []
+        for case, _cmd, memory, note, _out in cases:
+            ms = measures[case]
+            r = {"case": case, "seconds": statistics.median(m.seconds for m in ms),
+                 "peak RSS MB": max(m.peak_rss_mb for m in ms), "note": note}
+            r["MB/s"] = data / 1e6 / r["seconds"]
+            if memory:
+                r["--memory MB"] = memory / 2**20
+                r["RSS - memory MB"] = r["peak RSS MB"] - memory / 2**20
+            rows.append(r)
+        if why is not None:
+            rows.append({"case": "HF datasets shuffle().flatten_indices().save_to_disk()", "note": why})
+        cp = next(r for r in rows if r["case"] == "cp -r + sync")["seconds"]
+        for r in rows:
+            if r.get("seconds"):
+                r["x cp+sync"] = r["seconds"] / cp
+            if r["case"].startswith("tokpack"):
+                limit = 1.3 if "in memory" in r["case"] else 2.3
+                ok = r["x cp+sync"] <= limit and r["RSS - memory MB"] <= 200
+                r["goal"] = f"<= {limit}x, RSS <= mem+200MB: {'met' if ok else 'MISSED'}"
+        cache = "page cache dropped before each run" if common.can_drop_caches() else "WARM page cache (not root)"
+        print_table(f"shuffle, {data / 2**20:.0f} MiB of tokens, seq_len {seq_len}, median of {runs}; "
+                    f"{common.machine_line()}; {cache}", rows, COLUMNS)
+        return rows
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="2GiB", help="generated corpus size (default 2GiB)")
+    ap.add_argument("--seq-len", type=int, default=2047)
+    ap.add_argument("--workdir", default=None, help="where to put the temporary corpus (default: $TMPDIR)")
+    ap.add_argument("--runs", type=int, default=1, help="runs per case, round robin; the table quotes the median")
+    ap.add_argument("--quick", action="store_true", help="16 MiB corpus, one run: checks that every row runs")
+    a = ap.parse_args()
+    main(a.size, quick=a.quick, seq_len=a.seq_len, workdir=a.workdir, runs=a.runs)

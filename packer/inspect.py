@@ -1,0 +1,548 @@
+"""`tokpack inspect`: what a directory holds, and what the shuffle did to batch diversity.
+
+Batch diversity is measured on the first K global batches of B samples:
+- distinct documents per batch, and
+- the largest share of a batch's tokens that comes from one document,
+each BEFORE the shuffle (window i = tokens [i(L+1), (i+1)(L+1)) of the sources read in
+order, i.e. what a sequential loader would feed) and AFTER it (the epoch's order).
+
+After the shuffle, each epoch sample is mapped back to its source window through the
+shuffle plan (shuffle.plan.EpochPlan.locate), so a document cut across several samples is
+still one document. The mapping is checked against the epoch's bytes; if the sources are
+unreachable or do not match, inspect falls back to EOS-delimited fragments inside the
+samples (then a document split across samples counts once per sample), and says so
+("document_identity": "plan" or "eos").
+
+Document lengths come from the sources' `.ds.index` files, streamed in blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from formats.errors import TokpackError
+from formats.manifest import dtype_from_name, epoch_dir_name, progress, read_manifest
+from formats.shards import U64, PackedSource
+
+DEFAULT_BATCH_SIZE = 64
+INDEX_BLOCK = 1 << 20  # index entries read at a time when streaming document lengths
+EXACT_LENGTHS = 1 << 16  # lengths below this are counted exactly; above, in 1/64-octave bins
+LOG_BINS_PER_OCTAVE = 64
+QUANTILES = (0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
+DOC_ID_SHIFT = 48  # a document's id in a batch: source index << 48 | document number in the source
+
+
+# ------------------------------------------------------------------ document lengths
+
+
+class LengthHistogram:
+    """Streaming distribution of document lengths: exact below 2^16 tokens, 1/64-octave
+    bins above (about 1% relative error), so memory is constant whatever the corpus."""
+
+    def __init__(self):
+        self.exact = np.zeros(EXACT_LENGTHS, dtype=np.int64)  # count per exact length < 2^16
+        self.log_bins: dict[int, int] = {}  # 1/64-octave bin above 2^16 -> count
+        self.count = 0  # documents seen
+        self.total = 0  # tokens seen
+        self.min = None  # shortest document
+        self.max = 0  # longest document
+
+    def add(self, lengths: np.ndarray) -> None:
+        if lengths.size == 0:
+            return
+        lengths = lengths.astype(np.int64, copy=False)
+        small = lengths[lengths < EXACT_LENGTHS]
+        self.exact += np.bincount(small, minlength=EXACT_LENGTHS)
+        big = lengths[lengths >= EXACT_LENGTHS]
+        if big.size:
+            bins = np.floor(np.log2(big / EXACT_LENGTHS) * LOG_BINS_PER_OCTAVE).astype(np.int64)
+            for b, c in zip(*np.unique(bins, return_counts=True)):
+                self.log_bins[int(b)] = self.log_bins.get(int(b), 0) + int(c)
+        self.count += int(lengths.size)
+        self.total += int(lengths.sum())
+        lo, hi = int(lengths.min()), int(lengths.max())
+        self.min = lo if self.min is None else min(self.min, lo)
+        self.max = max(self.max, hi)
+
+    def _log_bin_value(self, b: int) -> float:
+        return EXACT_LENGTHS * 2 ** ((b + 0.5) / LOG_BINS_PER_OCTAVE)
+
+    def quantile(self, q: float) -> float:
+        rank = q * (self.count - 1)  # the (0-based) rank of the wanted document in sorted order
+        cum = np.cumsum(self.exact)
+        if rank < cum[-1]:
+            return float(np.searchsorted(cum, rank, side="right"))
+        seen = int(cum[-1])
+        for b in sorted(self.log_bins):
+            seen += self.log_bins[b]
+            if rank < seen:
+                return min(float(self.max), self._log_bin_value(b))
+        return float(self.max)
+
+    def octaves(self) -> list[dict]:
+        """Counts per power-of-two bucket [2^k, 2^(k+1)): compact enough for a report."""
+        out: dict[int, int] = {}
+        nz = np.flatnonzero(self.exact)
+        if nz.size:
+            keys = np.where(nz == 0, -1, np.floor(np.log2(np.maximum(nz, 1))).astype(np.int64))
+            sums = np.bincount(keys + 1, weights=self.exact[nz])
+            for k, c in enumerate(sums):
+                if c:
+                    out[k - 1] = out.get(k - 1, 0) + int(c)
+        for b, c in self.log_bins.items():
+            k = 16 + b // LOG_BINS_PER_OCTAVE
+            out[k] = out.get(k, 0) + c
+        return [{"min": 0 if k < 0 else 1 << k, "max": 0 if k < 0 else (1 << (k + 1)) - 1, "documents": c}
+                for k, c in sorted(out.items())]
+
+    def plot_bins(self, per_octave: int = 4) -> tuple[np.ndarray, np.ndarray]:
+        """(bin edges, counts) on a log scale, for the figure."""
+        top = math.floor(math.log2(max(self.max, 1)) * per_octave) + 1  # the last edge lies above the longest
+        edges = 2.0 ** (np.arange(0, top + 1) / per_octave)
+        lengths = np.flatnonzero(self.exact)
+        counts = np.histogram(lengths, bins=edges, weights=self.exact[lengths])[0].astype(np.int64)
+        for b, c in self.log_bins.items():
+            counts[min(len(counts) - 1, max(0, np.searchsorted(edges, self._log_bin_value(b), side="right") - 1))] += c
+        return edges, counts
+
+    def report(self) -> dict:
+        if not self.count:
+            return {"documents": 0}
+        return {
+            "documents": self.count,
+            "tokens": self.total,
+            "mean": round(self.total / self.count, 2),
+            "min": self.min,
+            "max": self.max,
+            "quantiles": {f"p{round(q * 100)}": round(self.quantile(q), 1) for q in QUANTILES},
+            "histogram": self.octaves(),
+        }
+
+
+def document_lengths(sources: list[PackedSource]) -> LengthHistogram:
+    hist = LengthHistogram()
+    paths = [src.path / f"{s['path']}.index" for src in sources for s in src.shards]
+    with progress(sum(p.stat().st_size for p in paths), "document lengths") as bar:
+        for path in paths:
+            n = path.stat().st_size // U64.itemsize
+            prev = 0
+            for a in range(0, n, INDEX_BLOCK):
+                ends = np.fromfile(path, dtype=U64, count=min(INDEX_BLOCK, n - a), offset=a * U64.itemsize)
+                hist.add(np.diff(ends.astype(np.int64), prepend=prev))
+                prev = int(ends[-1])
+                bar.update(ends.nbytes)
+    return hist
+
+
+# -------------------------------------------------------------- documents in windows
+
+
+class DocumentMap:
+    """Token position -> document, for one packed source, from its `.ds.index` files opened
+    as memory maps (a lookup touches O(log n) pages, nothing is loaded whole)."""
+
+    def __init__(self, src: PackedSource, source_index: int):
+        self.src = src  # the packed source
+        self.tag = source_index << DOC_ID_SHIFT  # high bits of this source's document ids
+        docs = [int(s.get("documents", 0)) for s in src.shards]
+        self.docs_before = np.concatenate([[0], np.cumsum(docs)]).astype(np.int64)  # per shard
+        self._ends: dict[int, np.ndarray] = {}  # shard -> memory-mapped index
+
+    def ends(self, shard: int) -> np.ndarray:
+        if shard not in self._ends:
+            path = self.src.path / f"{self.src.shards[shard]['path']}.index"
+            self._ends[shard] = np.memmap(path, dtype=U64, mode="r") if path.stat().st_size else np.zeros(0, U64)
+        return self._ends[shard]
+
+    def documents(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(document ids, tokens of each inside [start, stop)) for a token range of the stream."""
+        ids, counts = [], []
+        starts = self.src.shard_starts
+        i = int(np.searchsorted(starts, start, side="right")) - 1
+        while start < stop:
+            base = int(starts[i])
+            hi = min(stop, int(starts[i + 1]))
+            if hi > start:
+                ends = self.ends(i)
+                a, b = start - base, hi - base
+                j0 = int(np.searchsorted(ends, a, side="right"))  # document holding token a
+                j1 = int(np.searchsorted(ends, b - 1, side="right"))  # document holding token b-1
+                cuts = np.concatenate([[a], np.asarray(ends[j0:j1], dtype=np.int64), [b]])
+                ids.append(self.tag + self.docs_before[i] + np.arange(j0, j1 + 1, dtype=np.int64))
+                counts.append(np.diff(cuts))
+                start = hi
+            i += 1
+        return np.concatenate(ids), np.concatenate(counts)
+
+
+def batch_stats(ids: list[np.ndarray], counts: list[np.ndarray]) -> tuple[int, float]:
+    """(distinct documents, largest single-document share of the batch's tokens)."""
+    ids_all, counts_all = np.concatenate(ids), np.concatenate(counts)
+    uniq, inv = np.unique(ids_all, return_inverse=True)
+    per_doc = np.bincount(inv, weights=counts_all)
+    return int(len(uniq)), float(per_doc.max() / counts_all.sum())
+
+
+def diversity_before(maps: list[DocumentMap], row: int, batch: int, batches: int) -> dict:
+    """Sequential windows of the sources in order (each source's stream cut from token 0)."""
+    windows = [m.src.tokens // row for m in maps]
+    total = sum(windows)
+    n = min(batches, total // batch)
+    distinct, share = [], []
+    for b in range(n):
+        ids, counts = [], []
+        for w in range(b * batch, (b + 1) * batch):
+            s = 0
+            while w >= windows[s]:
+                w -= windows[s]
+                s += 1
+            i, c = maps[s].documents(w * row, (w + 1) * row)
+            ids.append(i)
+            counts.append(c)
+        d, m = batch_stats(ids, counts)
+        distinct.append(d)
+        share.append(m)
+    return _series(distinct, share)
+
+
+def diversity_after_plan(plan, maps: list[DocumentMap], epoch_dir: Path, manifest: dict, batch: int,
+                         batches: int) -> tuple[dict | None, int]:
+    """Epoch order through the shuffle plan. Returns (series, samples whose bytes did not match
+    their planned window); a mismatch means the plan does not describe this epoch."""
+    n = min(batches, plan.samples // batch)
+    distinct, share = [], []
+    mismatches = 0
+    reader = _EpochRows(epoch_dir, manifest)
+    window = np.empty(plan.row_tokens, dtype=reader.dtype)
+    for b in range(n):
+        g = np.arange(b * batch, (b + 1) * batch, dtype=np.int64)
+        s_idx, w_idx, _ = plan.locate(g)
+        rows = reader.rows(b * batch, batch)
+        ids, counts = [], []
+        for k, (s, w) in enumerate(zip(s_idx.tolist(), w_idx.tolist())):
+            start, stop = plan.token_range(s, w)
+            maps[s].src.read_into(start, window)
+            if not np.array_equal(window, rows[k]):
+                mismatches += 1
+            i, c = maps[s].documents(start, stop)
+            ids.append(i)
+            counts.append(c)
+        d, m = batch_stats(ids, counts)
+        distinct.append(d)
+        share.append(m)
+    return _series(distinct, share), mismatches
+
+
+def diversity_after_eos(epoch_dir: Path, manifest: dict, batch: int, batches: int) -> dict:
+    """Epoch order, documents = EOS-delimited fragments within each sample."""
+    reader = _EpochRows(epoch_dir, manifest)
+    eos = int(manifest["eos_id"])
+    n = min(batches, int(manifest["samples"]) // batch)
+    distinct, share = [], []
+    for b in range(n):
+        rows = reader.rows(b * batch, batch)
+        ends_mask = rows == eos
+        ends_mask[:, -1] = True  # a sample end closes the fragment it cuts
+        ends = np.flatnonzero(ends_mask.ravel()) + 1
+        lengths = np.diff(ends, prepend=0)
+        distinct.append(int(len(lengths)))
+        share.append(float(lengths.max() / rows.size))
+    return _series(distinct, share)
+
+
+def _series(distinct: list[int], share: list[float]) -> dict:
+    out = {"batches": len(distinct), "distinct_documents": distinct, "max_doc_share": [round(x, 6) for x in share]}
+    if distinct:
+        out["summary"] = {
+            "distinct_documents": {"mean": round(float(np.mean(distinct)), 2), "min": int(min(distinct)),
+                                   "max": int(max(distinct))},
+            "max_doc_share": {"mean": round(float(np.mean(share)), 4), "min": round(min(share), 4),
+                              "max": round(max(share), 4)},
+        }
+    return out
+
+
+class _EpochRows:
+    """Reads consecutive samples of an epoch directory (sample g: shard g // shard_samples)."""
+
+    def __init__(self, epoch_dir: Path, manifest: dict):
+        self.dir = epoch_dir  # the epoch directory
+        self.dtype = dtype_from_name(manifest["dtype"])  # token dtype
+        self.row = int(manifest["seq_len"]) + 1  # tokens per sample
+        self.shards = manifest["shards"]  # manifest entries, in order
+        self.starts = np.concatenate([[0], np.cumsum([int(s["samples"]) for s in self.shards])])  # first sample per shard
+
+    def rows(self, g: int, n: int) -> np.ndarray:
+        out = np.empty((n, self.row), dtype=self.dtype)
+        done = 0
+        while done < n:
+            i = int(np.searchsorted(self.starts, g + done, side="right")) - 1
+            k = min(n - done, int(self.starts[i + 1]) - (g + done))
+            offset = (g + done - int(self.starts[i])) * self.row * self.dtype.itemsize
+            data = np.fromfile(self.dir / self.shards[i]["path"], dtype=self.dtype, count=k * self.row, offset=offset)
+            if data.size != k * self.row:
+                raise TokpackError("epoch shard shorter than its manifest says", file=self.dir / self.shards[i]["path"],
+                                   expected=f"{k * self.row} tokens at byte {offset}", found=f"{data.size}",
+                                   hint="run `tokpack validate` on the epoch")
+            out[done : done + k] = data.reshape(k, self.row)
+            done += k
+        return out
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def _open_source(entry: dict, near: Path) -> PackedSource | None:
+    """The packed source an epoch names, if reachable: its recorded path (absolute, or
+    relative to the working directory or to the run), checked by fingerprint."""
+    path = Path(str(entry.get("path", "")))
+    candidates = [path] if path.is_absolute() else [path, near / path, near.parent / path]
+    if entry.get("name"):
+        candidates.append(near.parent / str(entry["name"]))
+    for c in candidates:
+        try:
+            src = PackedSource.open(c)
+        except (TokpackError, OSError):
+            continue
+        if not entry.get("fingerprint") or src.fingerprint == entry["fingerprint"]:
+            return src
+    return None
+
+
+# ---------------------------------------------------------------------------- inspect
+
+
+def _share_text(r: dict) -> str:
+    """'name 75.0% (300 samples, chain pass 0-1)': the passes of the source's permutation chain it used."""
+    first, passes = r.get("first_pass"), r.get("passes") or 1
+    span = f"{first}" if first is None or passes <= 1 else f"{first}-{first + passes - 1}"
+    return f"{r['name']} {r['share']:.1%} ({r['samples']:,} samples, chain pass {span})"
+
+
+def inspect(directory, *, batch_size: int | None = None, batches: int = 64, plot: str | None = None,
+            seq_len: int | None = None, epoch: int | None = None) -> dict:
+    """Report on a source, a run or an epoch (dict with "lines" for humans). For a run, the
+    batch analysis uses `epoch` (default: the first listed); a packed source alone needs
+    `seq_len` for it."""
+    directory = Path(directory)
+    if plot is not None:
+        _require_matplotlib()
+    manifest = read_manifest(directory)
+    kind = manifest["kind"]
+    batch = batch_size or DEFAULT_BATCH_SIZE
+    report: dict = {"kind": kind, "path": str(directory), "batch_size": batch}
+    lines = [f"{kind} {directory}"]
+
+    epochs = _epochs_of(directory, manifest)
+    chosen = next((x for x in epochs if epoch is None or x[0] == epoch), None)
+    if epochs and chosen is None:
+        raise TokpackError("epoch not in this run", file=directory, where="--epoch",
+                           expected=[e for e, _, _ in epochs], found=epoch)
+    sources = _sources_of(directory, manifest, epochs, report, lines)
+    report["totals"] = _totals(manifest, epochs, sources, lines)
+    if epochs:
+        report["epochs"] = _epoch_shares(epochs, lines)
+
+    hist = document_lengths(sources) if sources else None
+    if hist is not None:
+        dl = report["document_lengths"] = hist.report()
+        lines.append(f"  document length: mean {dl.get('mean')}  "
+                     + "  ".join(f"{k} {v:g}" for k, v in dl.get("quantiles", {}).items()) + f"  max {dl.get('max')}")
+
+    L = report["totals"]["seq_len"] if kind != "source" else seq_len
+    if L is None:
+        lines.append("  batch diversity: pass --seq-len to see it for a packed source")
+    else:
+        diversity = _batch_diversity(sources, chosen, int(L), batch, batches)
+        if diversity:
+            report["batch_diversity"] = diversity
+            lines += _diversity_lines(diversity, batch)
+    if plot is not None:
+        write_plot(plot, report, hist)
+        report["plot"] = str(plot)
+        lines.append(f"  plot written to {plot}")
+    report["lines"] = lines
+    return report
+
+
+def _epochs_of(directory: Path, manifest: dict) -> list[tuple[int, Path, dict]]:
+    """(epoch, directory, manifest) of a run's listed epochs, or of an epoch directory itself."""
+    if manifest["kind"] == "epoch":
+        return [(int(manifest["epoch"]), directory, manifest)]
+    if manifest["kind"] == "run":
+        return [(int(e), directory / epoch_dir_name(int(e)), read_manifest(directory / epoch_dir_name(int(e)), "epoch"))
+                for e in manifest.get("epochs") or []]
+    return []
+
+
+def _sources_of(directory: Path, manifest: dict, epochs, report: dict, lines: list[str]) -> list[PackedSource]:
+    """The packed sources to read: the directory itself, or every source the epochs name
+    (all or none: statistics over part of a mixture would mislead)."""
+    if manifest["kind"] == "source":
+        return [PackedSource.open(directory)]
+    entries = (epochs[0][2].get("sources") if epochs else manifest.get("sources")) or []
+    near = directory if manifest["kind"] == "run" else directory.parent
+    opened = [_open_source(e, near) for e in entries]
+    missing = [str(e.get("name") or e.get("path")) for e, s in zip(entries, opened) if s is None]
+    if missing:
+        report["unreachable_sources"] = missing
+        lines.append(f"  sources not reachable (no document statistics): {', '.join(missing)}")
+        return []
+    return opened
+
+
+def _totals(manifest: dict, epochs, sources: list[PackedSource], lines: list[str]) -> dict:
+    if manifest["kind"] == "source":
+        totals = {"tokens": int(manifest["tokens"]), "documents": int(manifest["documents"]),
+                  "shards": len(manifest.get("shards") or [])}
+        lines.append(f"  tokens {totals['tokens']:,}  documents {totals['documents']:,}  shards {totals['shards']}")
+        return totals
+    totals = {
+        "epochs": [e for e, _, _ in epochs],
+        "samples": sum(int(m["samples"]) for _, _, m in epochs),
+        "tokens": sum(int(m["tokens"]) for _, _, m in epochs),
+        "shards": sum(len(m.get("shards") or []) for _, _, m in epochs),
+        "seq_len": int(epochs[0][2]["seq_len"]) if epochs else manifest.get("seq_len"),
+    }
+    lines.append(f"  epochs {totals['epochs']}  samples {totals['samples']:,}  tokens {totals['tokens']:,}  "
+                 f"shards {totals['shards']}  seq_len {totals['seq_len']}")
+    if sources:
+        totals["source_documents"] = sum(int(s.manifest["documents"]) for s in sources)
+        totals["source_tokens"] = sum(s.tokens for s in sources)
+        lines.append(f"  sources: {len(sources)}, {totals['source_tokens']:,} tokens, "
+                     f"{totals['source_documents']:,} documents")
+    return totals
+
+
+def _epoch_shares(epochs, lines: list[str]) -> list[dict]:
+    """Each epoch's sources and their share of its samples, from the epoch manifests."""
+    shares = []
+    for e, _, m in epochs:
+        n = int(m["samples"])
+        row = [{"name": str(s.get("name")), "samples": int(s.get("samples", 0)),
+                "share": round(int(s.get("samples", 0)) / n, 6) if n else 0.0, "weight": s.get("weight"),
+                "first_pass": s.get("first_pass"), "passes": s.get("passes")} for s in m.get("sources") or []]
+        shares.append({"epoch": e, "samples": n, "dropped_tokens": m.get("dropped_tokens"), "sources": row})
+        lines.append(f"  epoch {e}: {n:,} samples; " + ", ".join(_share_text(r) for r in row))
+    return shares
+
+
+def _batch_diversity(sources: list[PackedSource], chosen, L: int, batch: int, batches: int) -> dict:
+    """Before (sequential source windows) and after (the chosen epoch's order, documents
+    identified through the shuffle plan, else EOS fragments)."""
+    diversity: dict = {}
+    maps = [DocumentMap(s, i) for i, s in enumerate(sources)]
+    if maps:
+        diversity["before"] = diversity_before(maps, L + 1, batch, batches)
+    if chosen is None:
+        return diversity
+    e, edir, em = chosen
+    after, method, note = None, "eos", "sources not reachable"
+    if maps:
+        try:
+            from shuffle.plan import EpochPlan
+
+            plan = EpochPlan.from_manifest(em, sources)
+        except (ImportError, TokpackError, KeyError, ValueError) as err:
+            note = f"shuffle plan unavailable ({type(err).__name__}: {err})"
+        else:
+            after, mismatches = diversity_after_plan(plan, maps, edir, em, batch, batches)
+            note = None
+            if mismatches:
+                after, note = None, f"{mismatches} samples differ from their planned source window: plan not used"
+            else:
+                method = "plan"
+    diversity.update(epoch=e, after=after or diversity_after_eos(edir, em, batch, batches), document_identity=method)
+    if note:
+        diversity["note"] = note
+    return diversity
+
+
+def _diversity_lines(diversity: dict, batch: int) -> list[str]:
+    lines = []
+    for when in ("before", "after"):
+        if when not in diversity:
+            continue
+        s = diversity[when].get("summary")
+        label = when if when == "before" else f"after (epoch {diversity['epoch']}, {diversity['document_identity']})"
+        if not s:
+            lines.append(f"  batches {label}: fewer samples than one batch of {batch}")
+            continue
+        lines.append(f"  batches {label}: {diversity[when]['batches']} x {batch} samples; distinct documents "
+                     f"mean {s['distinct_documents']['mean']:g} min {s['distinct_documents']['min']}; "
+                     f"max single-document share mean {s['max_doc_share']['mean']:.3f} "
+                     f"max {s['max_doc_share']['max']:.3f}")
+    if diversity.get("note"):
+        lines.append(f"  note: {diversity['note']}")
+    return lines
+
+
+# ------------------------------------------------------------------------------ plot
+
+
+def _require_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise TokpackError("--plot needs matplotlib, which is not installed", where="--plot",
+                           hint="pip install matplotlib (or pip install 'tokpack[plot]')") from None
+
+
+def write_plot(path, report: dict, hist: LengthHistogram | None) -> None:
+    _require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    div = report.get("batch_diversity", {})
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), constrained_layout=True)
+    fig.suptitle(f"tokpack inspect: {report['kind']} {report['path']}  (global batch = {report['batch_size']} samples)",
+                 fontsize=12)
+
+    ax = axes[0]
+    if hist is not None and hist.count:
+        edges, counts = hist.plot_bins()
+        ax.stairs(counts, edges, fill=True, color="#4c72b0", alpha=0.85)
+        ax.set_xscale("log")
+        ax.set_yscale("log")  # so a single very long document stays visible
+        med = hist.quantile(0.5)
+        ax.axvline(med, color="k", ls="--", lw=1, label=f"median {med:,.0f}")
+        ax.axvline(hist.total / hist.count, color="#c44e52", ls=":", lw=1.5, label=f"mean {hist.total / hist.count:,.0f}")
+        ax.axvline(hist.max, color="#8172b2", ls="-.", lw=1, label=f"longest {hist.max:,}")
+        ax.set_ylim(bottom=0.5)  # a bin holding one document stays visible
+        ax.legend(fontsize=9)
+        ax.set_title(f"document length ({hist.count:,} documents)")
+    else:
+        ax.text(0.5, 0.5, "sources not reachable", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title("document length")
+    ax.set_xlabel("tokens per document (log scale)")
+    ax.set_ylabel("documents (log scale)")
+
+    styles = {"before": dict(color="#c44e52", label="before shuffle (sequential)"),
+              "after": dict(color="#55a868", label=f"after shuffle (epoch {div.get('epoch')})")}
+    for ax, key, title, ylabel in (
+        (axes[1], "distinct_documents", "distinct documents per batch", "documents"),
+        (axes[2], "max_doc_share", "largest single-document share per batch", "share of the batch's tokens"),
+    ):
+        for when, style in styles.items():
+            series = div.get(when, {}).get(key)
+            if series:
+                ax.plot(range(len(series)), series, marker="o", ms=3, lw=1.2, **style)
+        if key == "max_doc_share":
+            ax.set_ylim(0, 1.05)
+        else:
+            ax.set_ylim(bottom=0)
+        ax.set_title(title)
+        ax.set_xlabel("global batch")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=9)
+        else:
+            ax.text(0.5, 0.5, "no batches to analyse", ha="center", va="center", transform=ax.transAxes)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

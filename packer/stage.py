@@ -1,0 +1,594 @@
+"""`tokpack stage`: a verified, resumable, parallel copy of a tokpack directory to local disk.
+
+Every file is read once, in large sequential blocks through a buffer reused by its worker
+thread, hashed (xxh3_128) as it streams, and written under a temporary name; it is renamed
+into place only when its checksum equals the manifest's. Manifests are written last: each
+epoch's after its shards, the run's after everything. So DEST never holds a manifest
+vouching for a file that was not verified, and a rerun resumes by re-verifying the files
+already in place (one read each) and copying the rest.
+
+The source goes through datatrove's `DataFolder` (fsspec): any fsspec URL works. DEST is
+a local path.
+
+`--ranks r/W --micro-batch m` copies only the epoch shards those ranks read under the
+Megatron convention (global batch b = samples [b*W*m, (b+1)*W*m) of the staged epochs
+chained in order, rank r takes [r*m, (r+1)*m) of it; complete global batches only). The manifests stay identical to the source's; a
+`tokpack-stage.json` sidecar at DEST's root lists the ranks and the shards left out, so
+such a copy serves only those ranks and `tokpack validate` reports the missing shards.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from formats.errors import TokpackError
+from formats.manifest import (
+    MANIFEST,
+    check_manifest_header,
+    commit_file,
+    epoch_dir_name,
+    progress,
+    remove_tmp_files,
+    tmp_path,
+)
+
+# Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
+# handful of workers the memory stays at workers x STAGE_BLOCK.
+STAGE_BLOCK = 32 << 20
+PARTIAL_SIDECAR = "tokpack-stage.json"
+# Run-manifest fields that depend on which epochs were staged.
+_RUN_SELECTION_KEYS = ("epochs", "tokens", "documents")
+# copy_file_range errors that mean "not here" (old kernel, cross-filesystem, unsupported fs),
+# not a bad file: stage falls back to read + write through its buffer.
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
+
+
+# ------------------------------------------------------------------------ arguments
+
+
+def parse_epochs(spec) -> list[int] | None:
+    """'0,1' / '0-3' / '0-2,5' / [0, 1] -> sorted epoch numbers; None -> None (all)."""
+    if spec is None:
+        return None
+    if isinstance(spec, int):
+        return [spec]
+    if not isinstance(spec, str):
+        return sorted({int(e) for e in spec})
+    out: set[int] = set()
+    try:
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            lo, sep, hi = part.partition("-")
+            out.update(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+    except ValueError:
+        raise TokpackError("bad --epochs", where="--epochs", expected="e.g. '0,1' or '0-3'", found=spec) from None
+    if not out:
+        raise TokpackError("bad --epochs", where="--epochs", expected="at least one epoch", found=spec)
+    return sorted(out)
+
+
+def parse_ranks(spec) -> tuple[list[int], int] | None:
+    """'r/W', 'r1,r2/W' or 'a-b/W' -> (sorted ranks, W); None -> None (every rank)."""
+    if spec is None:
+        return None
+    if isinstance(spec, tuple):
+        ranks, world = spec
+        ranks = sorted(set(ranks))
+    else:
+        head, sep, tail = str(spec).partition("/")
+        try:
+            if not sep:
+                raise ValueError
+            world = int(tail)
+            ranks = parse_epochs(head) or []
+        except (ValueError, TokpackError):
+            raise TokpackError("bad --ranks", where="--ranks", expected="'r/W', 'r1,r2/W' or 'a-b/W'", found=spec) from None
+    if world < 1 or not ranks or ranks[0] < 0 or ranks[-1] >= world:
+        raise TokpackError("bad --ranks", where="--ranks", expected=f"ranks in [0, {world})", found=spec,
+                           hint="each rank must be below the world size W")
+    return ranks, world
+
+
+def shards_for_ranks(shard_samples: list[int], offset: int, ranks: list[int], world: int, micro_batch: int,
+                     end: int | None = None) -> list[bool]:
+    """Which shards the ranks read, for an epoch whose first sample is at `offset` in the
+    chained stream of `end` samples (None: unbounded). Rank r reads the positions p with
+    (p mod W*m) in [r*m, (r+1)*m), below the end of the last complete global batch (readers
+    serve complete global batches only). The set is periodic, so each shard is decided in
+    O(#ranks) from its sample range alone."""
+    period = world * micro_batch
+    limit = None if end is None else end // period * period  # end of the last complete global batch
+    out = []
+    start = offset
+    for n in shard_samples:
+        stop = start + n if limit is None else min(start + n, limit)
+        if n <= 0:
+            out.append(True)  # an empty shard costs nothing; readers may expect it present
+        elif stop <= start:
+            out.append(False)  # only in the incomplete last global batch, which no rank reads
+        elif stop - start >= period:
+            out.append(True)  # a full period contains every rank's slice
+        else:
+            a = start % period
+            b = a + (stop - start)  # < 2 * period: the range wraps at most once
+            out.append(any(
+                lo < b and a < lo + micro_batch
+                for r in ranks
+                for lo in (r * micro_batch, r * micro_batch + period)
+            ))
+        start += n
+    return out
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@dataclass
+class CopyJob:
+    rel: str  # path relative to the staged root, "/"-separated
+    size: int | None  # expected bytes, when the manifest says
+    checksum: str | None  # expected xxh3_128, when the manifest says
+    dir_rel: str  # the directory whose manifest vouches for this file ("" = root)
+
+
+@dataclass
+class DirPlan:
+    rel: str  # directory relative to the staged root ("" = root)
+    manifest: dict  # what DEST's tokpack.json will hold
+    jobs: list[CopyJob] = field(default_factory=list)  # its files (shards only; not the manifest)
+    skipped_shards: list[str] = field(default_factory=list)  # shards left out by --ranks
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p for p in parts if p)
+
+
+def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None) -> tuple[list[CopyJob], list[str]]:
+    """The files of a source or epoch manifest's shards: .ds, .ds.index, .ds.metadata, .ds.loss."""
+    jobs, skipped = [], []
+    for i, s in enumerate(manifest.get("shards") or []):
+        name = s.get("path")
+        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+            raise TokpackError("bad shard path in manifest", where=f"shards[{i}].path", expected="a file name",
+                               found=name)
+        if keep is not None and not keep[i]:
+            skipped.append(name)
+            continue
+        jobs.append(CopyJob(_join(dir_rel, name), _int_or_none(s.get("bytes")), s.get("xxh3_128"), dir_rel))
+        docs = s.get("documents") if manifest.get("kind") == "source" else None
+        jobs.append(CopyJob(_join(dir_rel, f"{name}.index"), None if docs is None else 8 * int(docs),
+                            s.get("index_xxh3_128"), dir_rel))
+        jobs.append(CopyJob(_join(dir_rel, f"{name}.metadata"), None, s.get("metadata_xxh3_128"), dir_rel))
+        if s.get("loss_xxh3_128"):
+            tokens = s.get("tokens")
+            jobs.append(CopyJob(_join(dir_rel, f"{name}.loss"), None if tokens is None else int(tokens),
+                                s["loss_xxh3_128"], dir_rel))
+    return jobs, skipped
+
+
+def _int_or_none(v):
+    return None if v is None else int(v)
+
+
+class Source:
+    """The directory being staged, read through datatrove's DataFolder (any fsspec path)."""
+
+    def __init__(self, path: str):
+        self.path = str(path)  # as the user gave it
+        self.folder = None  # fsspec DirFileSystem rooted at the source (remote sources only)
+        self.local_root = None  # local directory, read with plain unbuffered readinto
+        if "://" not in self.path:
+            # A plain local path: no fsspec layer in the hot loop, and no datatrove/hub import
+            # (about half a second of start-up) for the common NVMe-to-NVMe case.
+            self.local_root = os.path.abspath(self.path)
+            return
+        try:
+            from datatrove.io import get_datafolder
+            from fsspec.implementations.local import LocalFileSystem
+
+            self.folder = get_datafolder(self.path)
+            if isinstance(self.folder.fs, LocalFileSystem):  # file://...
+                self.local_root = self.folder.path
+        except Exception as e:  # noqa: BLE001 - fsspec raises anything (ImportError, ValueError, auth...)
+            raise TokpackError("cannot open the source", file=self.path, expected="a readable local path or fsspec URL",
+                               found=f"{type(e).__name__}: {e}",
+                               hint="install the fsspec backend it names (e.g. pip install s3fs)" if isinstance(e, ImportError)
+                               else "check the path or URL, and the credentials of its filesystem") from None
+
+    def open(self, rel: str):
+        if self.local_root is not None:
+            return open(os.path.join(self.local_root, rel), "rb", buffering=0)
+        return self.folder.open(rel, "rb", block_size=STAGE_BLOCK)
+
+    def manifest(self, rel_dir: str, kind=None) -> dict:
+        rel = _join(rel_dir, MANIFEST)
+        where = f"{self.path.rstrip('/')}/{rel}"
+        try:
+            with self.open(rel) as f:
+                raw = f.read()
+        except FileNotFoundError:
+            if rel_dir:
+                raise TokpackError("incomplete: no tokpack.json", file=where,
+                                   hint="the run that writes it was interrupted or is still running") from None
+            raise TokpackError("not a tokpack directory, or unreachable: no tokpack.json", file=where,
+                               hint="check the path; stage copies sources, runs and epochs") from None
+        except Exception as e:  # noqa: BLE001 - network/auth errors of any fsspec backend
+            raise TokpackError("cannot read the source", file=where, expected="a readable file",
+                               found=f"{type(e).__name__}: {e}",
+                               hint="check the path or URL, and the credentials of its filesystem") from None
+        try:
+            manifest = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise TokpackError("manifest is not valid JSON", file=where, found=f"{len(raw)} bytes",
+                               hint="restore it from the run that wrote this directory") from None
+        check_manifest_header(manifest, where, kind)
+        return manifest
+
+
+def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tuple[str, list[DirPlan]]:
+    """(kind, [directories]): the root is last, so its manifest is written after everything."""
+    root = src.manifest("")
+    kind = root["kind"]
+    if kind == "source":
+        if epochs is not None or ranks is not None:
+            raise TokpackError("--epochs and --ranks apply to runs and epochs, not to a packed source",
+                               file=src.path, where="kind", expected="run or epoch", found="source",
+                               hint="stage the source without them, or stage the run shuffled from it")
+        jobs, _ = shard_jobs(root, "")
+        return kind, [DirPlan("", root, jobs)]
+    if kind == "epoch":
+        if epochs is not None and epochs != [root.get("epoch")]:
+            raise TokpackError("--epochs does not match this epoch directory", file=src.path, where="epoch",
+                               expected=epochs, found=root.get("epoch"))
+        keep = _rank_keep(root, 0, _samples(root), ranks, micro_batch)
+        jobs, skipped = shard_jobs(root, "", keep)
+        return kind, [DirPlan("", root, jobs, skipped)]
+    # A run: its epochs in order, then the run manifest restricted to them.
+    available = [int(e) for e in root.get("epochs") or []]
+    chosen = available if epochs is None else epochs
+    missing = [e for e in chosen if e not in available]
+    if missing:
+        raise TokpackError("epochs not in this run", file=src.path, where="epochs", expected=f"some of {available}",
+                           found=missing, hint="write them with `tokpack shuffle --epoch E`, or pick others")
+    manifests = [src.manifest(epoch_dir_name(e), kind="epoch") for e in chosen]
+    end = sum(_samples(m) for m in manifests)  # the chained stream a reader of DEST sees
+    plans, offset = [], 0
+    for e, m in zip(chosen, manifests):
+        rel = epoch_dir_name(e)
+        jobs, skipped = shard_jobs(m, rel, _rank_keep(m, offset, end, ranks, micro_batch))
+        plans.append(DirPlan(rel, m, jobs, skipped))
+        offset += _samples(m)
+    run = {**root, "epochs": list(chosen)}
+    if chosen != available:  # the run's totals cover the epochs it lists
+        for key in ("tokens", "documents"):
+            if key in root:
+                run[key] = sum(int(p.manifest.get(key, 0)) for p in plans)
+    plans.append(DirPlan("", run))
+    return kind, plans
+
+
+def _samples(manifest: dict) -> int:
+    return int(manifest.get("samples") or sum(int(s.get("samples", 0)) for s in manifest.get("shards") or []))
+
+
+def _rank_keep(manifest: dict, offset: int, end: int, ranks, micro_batch: int) -> list[bool] | None:
+    if ranks is None:
+        return None
+    return shards_for_ranks([int(s.get("samples", 0)) for s in manifest.get("shards") or []], offset,
+                            ranks[0], ranks[1], micro_batch, end)
+
+
+# ----------------------------------------------------------------------------- copy
+
+
+class _Stager:
+    """Runs the copy jobs on a thread pool; reads and writes release the GIL."""
+
+    def __init__(self, src: Source, dest: Path, block: int):
+        self.src = src  # where files come from
+        self.dest = dest  # local root they go to
+        self.block = block  # bytes per read
+        self.local = threading.local()  # .buf: each worker's reused copy buffer
+        self.lock = threading.Lock()  # guards the counters and `invalidated`
+        self.invalidated: set[str] = set()  # dirs whose DEST manifest was removed before a rewrite
+        self.copied = self.skipped = 0  # files
+        self.bytes_copied = self.bytes_verified = 0  # bytes written / bytes re-verified in place
+        self.bar = None  # tqdm bar, bytes
+        self.kernel_copy = hasattr(os, "copy_file_range")  # cleared once the OS or filesystem refuses it
+
+    def _buf(self) -> memoryview:
+        if getattr(self.local, "buf", None) is None:
+            self.local.buf = memoryview(bytearray(self.block))
+        return self.local.buf
+
+    def _count(self, copied: bool, n: int) -> None:
+        with self.lock:
+            if copied:
+                self.copied += 1
+                self.bytes_copied += n
+            else:
+                self.skipped += 1
+                self.bytes_verified += n
+
+    def run_job(self, job: CopyJob) -> None:
+        final = self.dest / job.rel
+        if job.checksum and final.is_file() and (job.size is None or final.stat().st_size == job.size):
+            if self._hash_local(final) == job.checksum:
+                self._count(False, final.stat().st_size)
+                return
+        tmp = tmp_path(final)
+        try:
+            n, digest = self._copy(job.rel, tmp)
+            if job.checksum and digest != job.checksum:
+                raise TokpackError("checksum mismatch while copying", file=f"{self.src.path.rstrip('/')}/{job.rel}",
+                                   where="xxh3_128", expected=job.checksum, found=digest,
+                                   hint="the source file is corrupt; run `tokpack validate` on the source")
+            if job.size is not None and n != job.size:
+                raise TokpackError("file size does not match the manifest",
+                                   file=f"{self.src.path.rstrip('/')}/{job.rel}", where="size",
+                                   expected=f"{job.size} bytes", found=f"{n} bytes",
+                                   hint="the source file is truncated or replaced; run `tokpack validate` on it")
+            self._invalidate(job.dir_rel)
+            commit_file(tmp, final, fsync=True)
+        except OSError as e:  # disk full, permissions, I/O error: one line, not a traceback
+            tmp.unlink(missing_ok=True)
+            raise TokpackError("copy failed", file=final, expected=f"a copy of {self.src.path.rstrip('/')}/{job.rel}",
+                               found=f"{type(e).__name__}: {e.strerror or e}",
+                               hint="check free space and permissions at DEST; rerun to resume") from None
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._count(True, n)
+
+    def _invalidate(self, dir_rel: str) -> None:
+        """Before replacing a file under a directory DEST already calls complete, make it
+        incomplete (and the root with it): its manifest returns only once all is verified."""
+        with self.lock:
+            if dir_rel in self.invalidated:
+                return
+            for d in {dir_rel, ""}:
+                (self.dest / d / MANIFEST).unlink(missing_ok=True)
+                self.invalidated.add(d)
+
+    def _copy(self, rel: str, tmp: Path) -> tuple[int, str]:
+        try:
+            fin = self.src.open(rel)
+        except FileNotFoundError:
+            raise TokpackError("file listed in the manifest is missing", file=f"{self.src.path.rstrip('/')}/{rel}",
+                               hint="restore it, or run `tokpack validate` on the source") from None
+        except Exception as e:  # noqa: BLE001 - any fsspec backend error
+            raise TokpackError("cannot read the source", file=f"{self.src.path.rstrip('/')}/{rel}",
+                               expected="a readable file", found=f"{type(e).__name__}: {e}") from None
+        with fin, open(tmp, "wb", buffering=0) as fout:
+            if self.kernel_copy and self.src.local_root is not None:
+                try:
+                    return self._copy_in_kernel(fin, fout, rel)
+                except OSError as e:
+                    if e.errno not in _NO_KERNEL_COPY:
+                        raise
+                    self.kernel_copy = False  # e.g. EXDEV across filesystems: user-space copies from now on
+                    fout.seek(0)
+                    fout.truncate()
+            buf = self._buf()  # allocated only on this path: fresh pages are not free here
+            h = xxhash.xxh3_128()
+            total = 0
+            while True:
+                n = fin.readinto(buf)
+                if not n:
+                    break
+                chunk = buf[:n]
+                h.update(chunk)
+                while chunk.nbytes:
+                    chunk = chunk[fout.write(chunk):]
+                total += n
+                if self.bar is not None:
+                    with self.lock:
+                        self.bar.update(n)
+        return total, h.hexdigest()
+
+    def _copy_in_kernel(self, fin, fout, rel: str) -> tuple[int, str]:
+        """Local to local: `copy_file_range` moves the bytes inside the kernel (as `cp` does),
+        and the hash reads the same source pages through a memory map, now in the page cache.
+        Saves the two user-space copies of read+write: about 1.3-2x faster on warm data."""
+        size = os.fstat(fin.fileno()).st_size
+        h = xxhash.xxh3_128()
+        if size == 0:
+            return 0, h.hexdigest()
+        off = 0
+        while off < size:
+            n = os.copy_file_range(fin.fileno(), fout.fileno(), min(self.block, size - off), off, off)
+            if n == 0:
+                raise TokpackError("source file shrank while being copied",
+                                   file=f"{self.src.path.rstrip('/')}/{rel}", where=f"byte {off}",
+                                   expected=f"{size} bytes", found=f"{off} bytes")
+            _hash_mapped(h, fin.fileno(), off, n)
+            off += n
+            if self.bar is not None:
+                with self.lock:
+                    self.bar.update(n)
+        return size, h.hexdigest()
+
+    def _hash_local(self, path: Path) -> str:
+        """Through a memory map: no buffer to allocate (fresh pages cost more than the hash)."""
+        h = xxhash.xxh3_128()
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return h.hexdigest()
+            for off in range(0, size, self.block):
+                n = min(self.block, size - off)
+                _hash_mapped(h, f.fileno(), off, n)
+                if self.bar is not None:
+                    with self.lock:
+                        self.bar.update(n)
+        return h.hexdigest()
+
+
+def _hash_mapped(h, fd: int, offset: int, length: int) -> None:
+    """Feeds bytes [offset, offset+length) of a file to `h` through a memory map of just that
+    range (page-cache pages, no copy), so resident memory stays at one block per worker."""
+    skip = offset % mmap.ALLOCATIONGRANULARITY  # map offsets must be aligned
+    with mmap.mmap(fd, length + skip, offset=offset - skip, access=mmap.ACCESS_READ) as mm:
+        if hasattr(mm, "madvise"):
+            mm.madvise(mmap.MADV_SEQUENTIAL)
+        with memoryview(mm) as view, view[skip:] as chunk:
+            h.update(chunk)
+
+
+def _write_json_durable(path: Path, obj: dict) -> None:
+    tmp = tmp_path(path)
+    with open(tmp, "wb") as f:
+        f.write(json.dumps(obj, indent=1).encode() + b"\n")
+    commit_file(tmp, path, fsync=True)
+
+
+def _check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
+    """Refuse to mix two datasets in one DEST: an existing manifest must describe the same data."""
+    for p in plans:
+        path = dest / p.rel / MANIFEST
+        if not path.is_file():
+            continue
+        try:
+            have = json.loads(path.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            path.unlink()  # an unreadable manifest at DEST vouches for nothing; rewritten at the end
+            continue
+        want = p.manifest
+        if kind == "run" and p.rel == "":  # the same run staged with another --epochs selection
+            have = {k: v for k, v in have.items() if k not in _RUN_SELECTION_KEYS}
+            want = {k: v for k, v in want.items() if k not in _RUN_SELECTION_KEYS}
+        if have != want:
+            raise TokpackError("DEST already holds a different tokpack directory", file=path,
+                               expected="the same manifest as the source", found="a different one",
+                               hint="remove DEST or choose another destination")
+
+
+def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_batch: int = 1, log=None,
+          block: int = STAGE_BLOCK) -> dict:
+    """Copies DIRECTORY (source, run or epoch; any fsspec path) to the local DEST, verified.
+
+    Returns a summary dict. Raises TokpackError on a bad source, a checksum mismatch or a
+    DEST holding other data; DEST then has no manifest for anything unverified."""
+    t0 = time.perf_counter()
+    epochs = parse_epochs(epochs)
+    ranks = parse_ranks(ranks)
+    if micro_batch < 1:
+        raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
+    if "://" in str(dest):
+        raise TokpackError("DEST must be a local path", file=dest, expected="a local directory (e.g. on NVMe)",
+                           found="a URL", hint="stage reads from any fsspec URL but writes to local disk")
+    src = Source(str(directory))
+    kind, plans = make_plan(src, epochs, ranks, micro_batch)
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise TokpackError("DEST exists and is not a directory", file=dest, hint="choose a directory path")
+    _check_dest(dest, kind, plans)
+    try:
+        for p in plans:
+            (dest / p.rel).mkdir(parents=True, exist_ok=True)
+            remove_tmp_files(dest / p.rel)  # leftovers of an interrupted stage: never data
+    except OSError as e:
+        raise TokpackError("cannot create DEST", file=dest, found=f"{type(e).__name__}: {e.strerror or e}",
+                           hint="check the path and its permissions") from None
+
+    stager = _Stager(src, dest, block)
+    jobs = [j for p in plans for j in p.jobs]
+    total = sum(j.size or 0 for j in jobs)
+    if log:
+        log(f"stage: {kind} {src.path} -> {dest}: {len(jobs)} files, {total / 2**20:,.1f} MiB, {workers} workers")
+    pending = {p.rel: len(p.jobs) for p in plans}
+    by_dir = {p.rel: p for p in plans}
+    with progress(total, "stage") as bar, ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        stager.bar = bar
+        futures = {pool.submit(stager.run_job, j): j for j in jobs}
+        remaining = set(futures)
+        try:
+            while remaining:
+                done, remaining = wait(remaining, return_when=FIRST_EXCEPTION)
+                failed = [f for f in done if f.exception() is not None]
+                if failed:
+                    raise failed[0].exception()
+                for f in done:
+                    rel = futures[f].dir_rel
+                    pending[rel] -= 1
+                    # An epoch's manifest follows its own shards, so a long stage completes epoch by epoch.
+                    if pending[rel] == 0 and rel != "":
+                        _write_json_durable(dest / rel / MANIFEST, by_dir[rel].manifest)
+        except BaseException:
+            # A failure or Ctrl-C: drop the queued copies; the pool's exit waits only for the
+            # few in flight, each of which commits a verified file or removes its temporary.
+            for f in remaining:
+                f.cancel()
+            raise
+
+    # Directories without jobs (e.g. every shard filtered out) and the root come last.
+    for p in plans:
+        if p.rel != "" and not p.jobs:
+            _write_json_durable(dest / p.rel / MANIFEST, p.manifest)
+    missing = _partial_sidecar(dest, plans, ranks, micro_batch)
+    root = next(p for p in plans if p.rel == "")
+    _write_json_durable(dest / MANIFEST, root.manifest)
+
+    seconds = time.perf_counter() - t0
+    moved = stager.bytes_copied + stager.bytes_verified
+    summary = {
+        "ok": True,
+        "kind": kind,
+        "source": src.path,
+        "dest": str(dest),
+        "epochs": [p.manifest.get("epoch") for p in plans if p.manifest.get("kind") == "epoch"] if kind != "source" else None,
+        "files": len(jobs) + len(plans),
+        "copied_files": stager.copied,
+        "skipped_files": stager.skipped,
+        "bytes_copied": stager.bytes_copied,
+        "bytes_verified_in_place": stager.bytes_verified,
+        "seconds": round(seconds, 3),
+        "mib_per_s": round(moved / 2**20 / seconds, 1) if seconds > 0 else None,
+        "partial": bool(missing),
+    }
+    if ranks is not None:
+        summary.update(ranks=ranks[0], world_size=ranks[1], micro_batch=micro_batch,
+                       shards_skipped=sum(len(p.skipped_shards) for p in plans),
+                       shards_total=sum(len(p.manifest.get("shards") or []) for p in plans))
+    if log:
+        log(f"stage: {stager.copied} files copied, {stager.skipped} already in place and verified"
+            + (f"; partial copy for ranks {ranks[0]}/{ranks[1]} (see {PARTIAL_SIDECAR})" if missing else ""))
+    return summary
+
+
+def _partial_sidecar(dest: Path, plans: list[DirPlan], ranks, micro_batch: int) -> dict:
+    """Records at DEST's root which shards a --ranks stage left out (those not present at
+    DEST, counting earlier stages), or removes the record once nothing is missing."""
+    path = dest / PARTIAL_SIDECAR
+    try:
+        previous = json.loads(path.read_bytes()) if path.is_file() else {}
+    except (json.JSONDecodeError, OSError):
+        previous = {}
+    missing = {}
+    for p in plans:
+        absent = [s for s in p.skipped_shards if not (dest / p.rel / s).is_file()]
+        if absent:
+            missing[p.rel or "."] = absent
+    if not missing:
+        path.unlink(missing_ok=True)
+        return {}
+    stages = list(previous.get("stages", []))
+    if ranks is not None:
+        stages.append({"ranks": ranks[0], "world_size": ranks[1], "micro_batch": micro_batch})
+    _write_json_durable(path, {
+        "format": "tokpack-stage",
+        "partial": True,
+        "note": "a --ranks stage: only the listed ranks' shards were copied; the manifests are the source's",
+        "stages": stages,
+        "missing_shards": missing,
+    })
+    return missing

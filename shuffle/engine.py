@@ -1,0 +1,818 @@
+"""The permutation engine: carries out an epoch plan into `OUT/epoch-NNNNN/`.
+
+Two paths, both datatrove `PipelineStep`s run through the injected `run_step`:
+
+- in memory (the needed windows of every source fit `--memory`): one task maps each source
+  shard read-only and reads it ahead in one sequential sweep (MADV_POPULATE_READ), then
+  gathers each output chunk with `np.take(..., mode="clip")` on `np.void` row views and writes
+  it. One read, one write. Mapping the page cache instead of `readinto` a private buffer
+  avoids touching fresh anonymous memory, which costs 1.5-3 s/GiB on these VMs.
+- out of core: a SCATTER pass (tasks split by input range) reads the sources sequentially
+  and appends every row, with its output position g, to the file of its bucket (a
+  contiguous output range that fits the per-task budget and never spans an output shard);
+  an ORDER pass (one task per output shard) maps each bucket's files, places rows by g and
+  writes the shard sequentially. Two reads, two writes. Writing overlaps gathering (a writer
+  thread and a ring of chunk buffers).
+
+Every task is idempotent: a finished task leaves a done JSON (written last) in the work
+folder `OUT/.tokpack-work/`, and a rerun skips it. The epoch manifest is written after every
+shard is done, then the run manifest; the work folder is removed last.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import time
+import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+from datatrove.pipeline.base import PipelineStep
+
+from formats.errors import TokpackError
+from formats.manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    IO_BLOCK,
+    MANIFEST,
+    dtype_from_name,
+    dtype_name,
+    epoch_dir_name,
+    hash_hex64,
+    iter_file_blocks,
+    progress,
+    read_manifest,
+    remove_tmp_files,
+    shard_digits,
+    shard_name,
+    write_bytes_atomic,
+    write_manifest,
+    xxh3_128_file,
+)
+from formats.shards import EpochShardWriter, PackedSource
+
+from .plan import PLAN_ALGORITHM, EpochPlan, epoch_plan, iter_source_windows, parse_weight
+
+WORK_DIR = ".tokpack-work"
+DEFAULT_SHARD_BYTES = 1 << 30  # default --shard-samples: about 1 GiB of samples per shard
+MAX_CHUNK_BYTES = 8 << 20  # rows gathered and written per call: big enough for sequential I/O
+RING = 3  # chunk buffers: one being gathered while up to RING-1 are written by the writer thread
+CHUNKS_IN_BUDGET = RING + 3  # the ring, the gather scratch and the shard writer's temporaries
+MAX_BLOCK_BYTES = 64 << 20  # scatter read block
+SCATTER_ROW_OVERHEAD = 256  # bytes of index arrays per row of a scatter block (Feistel temporaries)
+ORDER_ROW_OVERHEAD = 24  # g, inverse and arange entries per bucket row
+MAX_OPEN_BUCKET_FILES = 128
+
+
+# ---------------------------------------------------------------------- buffers
+
+
+def alloc(nbytes: int) -> np.ndarray:
+    """A zero-copy uint8 buffer backed by an anonymous mmap with transparent huge pages
+    requested: first-touch page faults cost about half of plain 4 KiB pages here."""
+    nbytes = max(int(nbytes), 1)
+    m = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return np.frombuffer(m, dtype=np.uint8)
+
+
+_BUFFERS: dict[str, np.ndarray] = {}  # per-process reuse: fresh pages cost 1.5-3 s/GiB here
+
+
+def reused(name: str, nbytes: int) -> np.ndarray:
+    """A buffer of at least `nbytes` that later tasks in this process get back (its pages are
+    already faulted in). Only the largest buffer per name is kept."""
+    buf = _BUFFERS.get(name)
+    if buf is None or buf.nbytes < nbytes:
+        _BUFFERS.pop(name, None)
+        buf = _BUFFERS[name] = alloc(nbytes)
+    return buf[: max(int(nbytes), 1)]
+
+
+def release(*names: str) -> None:
+    """Frees cached buffers another pass needs no more, so passes run in one process never
+    hold more than one pass's budget."""
+    for name in names:
+        _BUFFERS.pop(name, None)
+
+
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+
+
+def map_file(path: Path, offset: int, length: int) -> np.ndarray:
+    """Bytes [offset, offset+length) of a file, memory-mapped read-only and read ahead in one
+    sequential sweep. Mapping the page cache costs no fresh memory, unlike a read into a buffer."""
+    if length <= 0:
+        return np.empty(0, dtype=np.uint8)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), offset + length - start, prot=mmap.PROT_READ, offset=start)
+    try:
+        m.madvise(MADV_POPULATE_READ)
+    except (OSError, ValueError):  # older kernels: a sequential read fills the page cache instead
+        for _ in iter_file_blocks(path, bytearray(IO_BLOCK), offset, length):
+            pass
+    return np.frombuffer(m, dtype=np.uint8, count=length, offset=offset - start)
+
+
+class RowStore:
+    """Rows held in several arrays (mapped files, small buffers) under one global row number."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = [p for p in parts if len(p)]  # np.void row arrays, in global row order
+        self.starts = np.cumsum([0] + [len(p) for p in self.parts]).astype(np.int64)  # first row of each part
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def gather(self, idx: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> np.ndarray:
+        """out[i] = row idx[i]. `np.take(mode="clip")` per part (clip never buffers; the indices
+        are in range by construction), then one scatter of the chunk when parts interleave."""
+        n = len(idx)
+        if n and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError("row index out of range")
+        part = np.searchsorted(self.starts, idx, side="right") - 1
+        if n == 0 or part[0] == part[-1] and (part == part[0]).all():
+            k = int(part[0]) if n else 0
+            return np.take(self.parts[k], idx - self.starts[k], out=out[:n], mode="clip") if n else out[:0]
+        order = np.argsort(part, kind="stable")
+        sorted_part = part[order]
+        cuts = np.flatnonzero(np.diff(sorted_part)) + 1
+        for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), n]):
+            k = int(sorted_part[a])
+            np.take(self.parts[k], idx[order[a:b]] - self.starts[k], out=tmp[a:b], mode="clip")
+        out[order] = tmp[:n]
+        return out[:n]
+
+
+# ---------------------------------------------------------------------- one epoch
+
+
+@dataclass
+class EpochJob:
+    """Everything a task needs to write its part of one epoch. Small and picklable."""
+
+    plan: EpochPlan  # what goes where
+    source_paths: tuple[str, ...]  # opened again inside each task
+    dtype: str  # uint16 | uint32
+    eos_id: int  # for the fragment index
+    tokenizer: str  # for .ds.metadata
+    epoch_dir: str  # OUT/epoch-NNNNN
+    work_dir: str  # OUT/.tokpack-work/epoch-NNNNN-<key>
+    shard_samples: int  # samples per output shard (the last may be short)
+
+    @property
+    def token_dtype(self) -> np.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.plan.row_tokens * self.token_dtype.itemsize
+
+    @property
+    def row_void(self) -> np.dtype:
+        return np.dtype((np.void, self.row_bytes))
+
+    @property
+    def n_shards(self) -> int:
+        return -(-self.plan.samples // self.shard_samples)
+
+    def shard_range(self, i: int) -> tuple[int, int]:
+        return i * self.shard_samples, min(self.plan.samples, (i + 1) * self.shard_samples)
+
+    def shard_file(self, i: int) -> str:
+        return shard_name(i, shard_digits(self.n_shards))
+
+    def done_path(self, i: int) -> Path:
+        return Path(self.work_dir) / "done" / f"{self.shard_file(i)}.json"
+
+    def open_sources(self) -> list[PackedSource]:
+        return [PackedSource.open(p, check_sizes=False) for p in self.source_paths]
+
+    def shard_done(self, i: int) -> dict | None:
+        """The shard's manifest entry if it was committed and recorded, and its files still verify."""
+        done = self.done_path(i)
+        if not done.exists():
+            return None
+        entry = json.loads(done.read_text())
+        d = Path(self.epoch_dir)
+        try:
+            if (os.path.getsize(d / entry["path"]) != entry["bytes"]
+                    or xxh3_128_file(d / entry["path"]) != entry["xxh3_128"]
+                    or xxh3_128_file(d / f"{entry['path']}.index") != entry["index_xxh3_128"]
+                    or not (d / f"{entry['path']}.metadata").exists()):
+                return None
+        except FileNotFoundError:
+            return None
+        return entry
+
+    def write_shard(self, i: int, blocks) -> dict:
+        """Writes shard i from `blocks` (an iterator of np.void row arrays, in output order),
+        then records it as done."""
+        g0, g1 = self.shard_range(i)
+        writer = EpochShardWriter(self.epoch_dir, self.shard_file(i), self.token_dtype, self.plan.seq_len,
+                                  self.eos_id, self.tokenizer)
+        try:
+            # Hashing, indexing and writing chunk c overlap with gathering chunk c+1: `blocks`
+            # fills RING buffers round robin, so at most RING-1 writes may be pending.
+            with ThreadPoolExecutor(1) as pool:
+                pending: deque = deque()
+                for rows in blocks:
+                    pending.append(pool.submit(writer.write_rows, rows))
+                    while len(pending) > RING - 1:
+                        pending.popleft().result()
+                while pending:
+                    pending.popleft().result()
+            if writer.samples != g1 - g0:
+                raise TokpackError("internal error: shard row count", where=f"shard {i}",
+                                   expected=g1 - g0, found=writer.samples)
+            entry = writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        entry["fragments"] = os.path.getsize(Path(self.epoch_dir) / f"{entry['path']}.index") // 8
+        self.done_path(i).parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(self.done_path(i), json.dumps(entry).encode())
+        return entry
+
+    def chunk_rows(self, budget: int) -> int:
+        return max(1, min(MAX_CHUNK_BYTES, budget // (2 * CHUNKS_IN_BUDGET)) // self.row_bytes)
+
+    def chunk_ring(self, budget: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """RING output buffers used round robin, plus one gather scratch buffer, all reused."""
+        nbytes = self.chunk_rows(budget) * self.row_bytes
+        ring = [reused(f"chunk{j}", nbytes).view(self.row_void) for j in range(RING)]
+        return ring, reused("gather-scratch", nbytes).view(self.row_void)
+
+
+class _Step(PipelineStep):
+    type = "tokpack"
+
+    def __init__(self, job: EpochJob):
+        super().__init__()
+        self.job = job
+
+
+class InMemoryStep(_Step):
+    """One task: read every needed window once, then gather each shard in output order."""
+
+    name = "shuffle in memory"
+
+    def __init__(self, job: EpochJob, budget: int):
+        super().__init__(job)
+        self.budget = budget  # bytes this task may use beyond the interpreter
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        job, plan = self.job, self.job.plan
+        todo = [i for i in range(rank, job.n_shards, world_size) if job.shard_done(i) is None]
+        if not todo:
+            return
+        release("scatter-in", "scatter-out", "inverse")
+        row_base = np.zeros(len(plan.sources), dtype=np.int64)  # first store row of each source
+        parts, total = [], 0
+        sources = job.open_sources()
+        with progress(sum(sp.windows for sp in plan.sources if sp.samples) * job.row_bytes,
+                      f"epoch {plan.epoch}: read") as bar:
+            for s, sp in enumerate(plan.sources):
+                if sp.samples:
+                    row_base[s] = total
+                    total += sp.windows
+                    for part in source_rows(sources[s], sp.offset, sp.windows, plan.row_tokens):
+                        parts.append(part)
+                        bar.update(part.nbytes)
+        store = RowStore(parts)
+        ring, tmp = job.chunk_ring(self.budget)
+        rows = len(tmp)
+
+        def blocks(i):
+            g0, g1 = job.shard_range(i)
+            for c, a in enumerate(range(g0, g1, rows)):
+                b = min(g1, a + rows)
+                s, window, _ = plan.locate(np.arange(a, b, dtype=np.int64))
+                yield store.gather(row_base[s] + window, ring[c % RING], tmp)
+
+        with progress(len(todo), f"epoch {plan.epoch}: write", unit="shard") as bar:
+            for i in todo:
+                job.write_shard(i, blocks(i))
+                bar.update(1)
+
+
+def source_rows(src: PackedSource, offset: int, windows: int, row_tokens: int) -> list[np.ndarray]:
+    """Windows [0, windows) of a source starting at token `offset`, as np.void row arrays in
+    window order: a mapped view per shard for the windows inside it, and a small copy for each
+    window that crosses a shard boundary."""
+    ts = src.dtype.itemsize
+    void = np.dtype((np.void, row_tokens * ts))
+    parts, w = [], 0
+    for k, shard in enumerate(src.shards):
+        t0, t1 = int(src.shard_starts[k]), int(src.shard_starts[k + 1])
+        while w < windows and offset + w * row_tokens < t0:  # starts in an earlier shard, crosses into this one
+            row = np.empty(row_tokens, dtype=src.dtype)
+            src.read_into(offset + w * row_tokens, row)
+            parts.append(row.view(void))
+            w += 1
+        first = w
+        last = min(windows, max(first, (t1 - offset) // row_tokens))  # windows that end inside this shard
+        if last > first:
+            start = offset + first * row_tokens - t0
+            parts.append(map_file(src.path / shard["path"], start * ts, (last - first) * row_tokens * ts).view(void))
+            w = last
+    if w != windows:
+        raise TokpackError("internal error: source windows", file=src.path, expected=windows, found=w)
+    return parts
+
+
+@dataclass
+class Layout:
+    """How the out-of-core path splits an epoch. Any layout gives the same bytes."""
+
+    tasks: int  # scatter tasks (split by input range)
+    bucket_starts: np.ndarray  # int64 output position where each bucket starts, plus N at the end
+    shard_buckets: np.ndarray  # first bucket of each shard, plus the bucket count at the end
+    block_rows: int  # scatter read block, in rows
+    dir: str  # OUT/.tokpack-work/epoch-.../ooc-<layout key>
+
+    @property
+    def max_bucket(self) -> int:
+        return int(np.diff(self.bucket_starts).max())
+
+    def input_segments(self, plan: EpochPlan, t: int) -> list[tuple[int, int, int]]:
+        """Task t's input range: (source, first window, end window) over the sources the epoch uses."""
+        sizes = [sp.windows if sp.samples else 0 for sp in plan.sources]
+        cum = np.concatenate([[0], np.cumsum(sizes)])
+        lo, hi = int(cum[-1]) * t // self.tasks, int(cum[-1]) * (t + 1) // self.tasks
+        out = []
+        for s, size in enumerate(sizes):
+            a, b = max(lo, int(cum[s])), min(hi, int(cum[s]) + size)
+            if a < b:
+                out.append((s, a - int(cum[s]), b - int(cum[s])))
+        return out
+
+    def task_dir(self, t: int) -> Path:
+        return Path(self.dir) / f"scatter-{t:05d}"
+
+    def task_done(self, t: int) -> Path:
+        return Path(self.dir) / f"scatter-{t:05d}.json"
+
+
+def make_layout(job: EpochJob, budget: int, tasks: int) -> Layout:
+    """Buckets as large as the per-task budget allows (fewer buckets = larger scatter writes)."""
+    rb, chunks = job.row_bytes, CHUNKS_IN_BUDGET * job.chunk_rows(budget) * job.row_bytes
+    bucket_rows = max(1, (budget - chunks) // (rb + ORDER_ROW_OVERHEAD))
+    block_rows = max(1, min(MAX_BLOCK_BYTES // rb, budget // (2 * rb + SCATTER_ROW_OVERHEAD)))
+    starts, firsts = [], []
+    for i in range(job.n_shards):
+        g0, g1 = job.shard_range(i)
+        nb = -(-(g1 - g0) // bucket_rows)
+        firsts.append(len(starts))
+        starts.extend(g0 + (j * (g1 - g0)) // nb for j in range(nb))
+    firsts.append(len(starts))
+    starts.append(job.plan.samples)
+    bucket_starts = np.array(starts, dtype=np.int64)
+    key = xxhash.xxh3_64_hexdigest(f"{tasks}|{block_rows}|".encode() + bucket_starts.tobytes())
+    return Layout(tasks, bucket_starts, np.array(firsts, dtype=np.int64), block_rows,
+                  str(Path(job.work_dir) / f"ooc-{key}"))
+
+
+class ScatterStep(_Step):
+    """Task t reads its input range sequentially and appends rows + output positions to the
+    files of their buckets: scatter-TTTTT/bBBBBBB.rows and .pos (int64 g per row)."""
+
+    name = "shuffle scatter"
+
+    def __init__(self, job: EpochJob, layout: Layout):
+        super().__init__(job)
+        self.layout = layout
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        for t in range(rank, self.layout.tasks, world_size):
+            self.scatter(t)
+
+    def scatter(self, t: int) -> None:
+        job, plan, lay = self.job, self.job.plan, self.layout
+        done = lay.task_done(t)
+        if done.exists():
+            return
+        release("inverse")
+        tdir = lay.task_dir(t)
+        shutil.rmtree(tdir, ignore_errors=True)
+        tdir.mkdir(parents=True)
+        segments = lay.input_segments(plan, t)
+        rows_in = min(lay.block_rows, max([b - a for _, a, b in segments], default=1))
+        inbuf = reused("scatter-in", rows_in * job.row_bytes)
+        outbuf = reused("scatter-out", rows_in * job.row_bytes).view(job.row_void)
+        tokens_in = inbuf.view(job.token_dtype)
+        sources = job.open_sources()
+        counts: dict[int, int] = {}  # rows written per bucket
+        files: dict[int, tuple] = {}  # open (rows, pos) files per bucket
+        try:
+            for s, w0, w1 in segments:
+                for a, block in iter_source_windows(plan, s, sources[s], w0=w0, w1=w1, buf=tokens_in):
+                    rows = block.reshape(-1).view(job.row_void)
+                    windows = np.arange(a, a + len(rows), dtype=np.int64)
+                    for _, sel, g in plan.outputs_of(s, windows):
+                        bucket = np.searchsorted(lay.bucket_starts, g, side="right") - 1
+                        order = np.argsort(bucket, kind="stable")
+                        m = len(order)
+                        np.take(rows, sel[order], out=outbuf[:m], mode="clip")
+                        g, bucket = g[order], bucket[order]
+                        cuts = np.flatnonzero(np.diff(bucket)) + 1
+                        for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), m]):
+                            b = int(bucket[x])
+                            if b not in files:
+                                if len(files) >= MAX_OPEN_BUCKET_FILES:
+                                    for fr, fp in files.values():
+                                        fr.close()
+                                        fp.close()
+                                    files.clear()
+                                files[b] = (open(tdir / f"b{b:07d}.rows", "ab"), open(tdir / f"b{b:07d}.pos", "ab"))
+                            files[b][0].write(memoryview(outbuf[x:y]).cast("B"))
+                            files[b][1].write(g[x:y].astype("<i8").tobytes())
+                            counts[b] = counts.get(b, 0) + (y - x)
+        finally:
+            for fr, fp in files.values():
+                fr.close()
+                fp.close()
+        write_bytes_atomic(done, json.dumps({"task": t, "rows": {str(k): v for k, v in sorted(counts.items())}}).encode())
+
+
+class OrderStep(_Step):
+    """Task i writes output shard i: each of its buckets is loaded, placed by g, written."""
+
+    name = "shuffle order"
+
+    def __init__(self, job: EpochJob, layout: Layout, budget: int):
+        super().__init__(job)
+        self.layout = layout
+        self.budget = budget
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        for i in range(rank, self.job.n_shards, world_size):
+            self.order(i)
+
+    def _buckets(self, i: int) -> range:
+        return range(int(self.layout.shard_buckets[i]), int(self.layout.shard_buckets[i + 1]))
+
+    def order(self, i: int) -> None:
+        job, lay = self.job, self.layout
+        if job.shard_done(i) is None:
+            release("scatter-in", "scatter-out")
+            buckets = self._buckets(i)
+            cap = max(int(np.diff(lay.bucket_starts[buckets.start: buckets.stop + 1]).max()), 1)
+            inv = reused("inverse", cap * 8).view(np.int64)
+            ramp = np.arange(cap, dtype=np.int64)
+            ring, tmp = job.chunk_ring(self.budget)
+            job.write_shard(i, self._blocks(i, inv, ramp, ring, tmp))
+        for b in self._buckets(i):  # the shard is safe: its bucket files are no longer needed
+            for t in range(lay.tasks):
+                for ext in ("rows", "pos"):
+                    (lay.task_dir(t) / f"b{b:07d}.{ext}").unlink(missing_ok=True)
+
+    def _blocks(self, i, inv, ramp, ring, tmp):
+        """Each bucket's files are mapped (no copy into fresh memory), placed by g through the
+        inverse permutation `inv`, and gathered in output order chunk by chunk."""
+        job, lay = self.job, self.layout
+        count = 0  # chunks yielded: picks the ring buffer
+        for b in self._buckets(i):
+            start, n = int(lay.bucket_starts[b]), int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
+            parts, positions = [], []
+            for t in range(lay.tasks):
+                f = lay.task_dir(t) / f"b{b:07d}.rows"
+                if f.exists():
+                    k = os.path.getsize(f) // job.row_bytes
+                    parts.append(map_file(f, 0, k * job.row_bytes).view(job.row_void))
+                    positions.append(map_file(f.with_suffix(".pos"), 0, k * 8).view("<i8"))
+            store = RowStore(parts)
+            if len(store) != n:
+                raise TokpackError("scatter files do not cover their bucket", file=lay.dir, where=f"bucket {b}",
+                                   expected=f"{n} rows", found=f"{len(store)} rows",
+                                   hint="delete OUT/.tokpack-work and rerun")
+            inv[:n] = -1
+            for pos, first in zip(positions, store.starts.tolist()):
+                local = pos - start
+                if len(local) and (local.min() < 0 or local.max() >= n):
+                    raise TokpackError("scatter file holds a row of another bucket", file=lay.dir, where=f"bucket {b}",
+                                       hint="delete OUT/.tokpack-work and rerun")
+                inv[local] = ramp[first: first + len(local)]
+            if n and inv[:n].min() < 0:
+                raise TokpackError("scatter files hold a position twice", file=lay.dir, where=f"bucket {b}",
+                                   hint="delete OUT/.tokpack-work and rerun")
+            for a in range(0, n, len(tmp)):
+                c = min(n, a + len(tmp))
+                yield store.gather(inv[a:c], ring[count % RING], tmp)
+                count += 1
+            del store, parts, positions
+
+
+def _run_in_process(step, tasks: int, job_name: str, logging_dir) -> None:
+    """The default runner: every rank in turn, in this process (no executor start-up cost)."""
+    for rank in range(tasks):
+        try:
+            step.run(None, rank, tasks)
+        except OSError as e:  # disk full, permissions...: the user's to fix, then rerun
+            raise TokpackError(f"{job_name} task {rank} of {tasks} failed: {e}", file=getattr(e, "filename", None),
+                               hint="fix the cause and rerun the same command; finished shards are kept") from e
+
+
+# ---------------------------------------------------------------------- the run
+
+
+def parse_source_args(args: list[str]) -> tuple[list[str], list[str | None]]:
+    """SOURCE[=WEIGHT]: an argument naming an existing path is a path even if it holds '='."""
+    paths, weights = [], []
+    for arg in args:
+        if "=" in arg and not Path(arg).exists():
+            path, weight = arg.rsplit("=", 1)
+            paths.append(path)
+            weights.append(weight)
+        else:
+            paths.append(arg)
+            weights.append(None)
+    return paths, weights
+
+
+def open_sources(paths: list[str]) -> list[PackedSource]:
+    sources = [PackedSource.open(p) for p in paths]
+    first = sources[0]
+    for src in sources[1:]:
+        for field in ("dtype", "vocab_size", "eos_id"):
+            if src.manifest.get(field) != first.manifest.get(field):
+                raise TokpackError(
+                    "sources disagree", file=src.path, where=field,
+                    expected=f"{first.manifest.get(field)} (as in {first.path})", found=src.manifest.get(field),
+                    hint="mix only sources packed with the same tokenizer and dtype")
+    return sources
+
+
+def _weights_key(weights: list[str | None]) -> list[str] | None:
+    if all(w is None for w in weights):
+        return None
+    return [str(parse_weight(w, "weight")) if w is not None else None for w in weights]
+
+
+def _run_params(plan: EpochPlan, weights, shard_samples: int) -> dict:
+    """What must match for two invocations to belong to the same run."""
+    return {
+        "fingerprints": [sp.fingerprint for sp in plan.sources],
+        "weights": _weights_key(weights),
+        "seq_len": plan.seq_len,
+        "seed": plan.seed,
+        "jitter": plan.jitter,
+        "samples": plan.samples,
+        "shard_samples": shard_samples,
+    }
+
+
+def _params_of_manifest(m: dict) -> dict:
+    ws = m.get("weights") if m.get("kind") == "run" else [s.get("weight") for s in m.get("sources", [])]
+    ws = ws if ws is not None else [None] * len(m.get("sources", []))
+    return {
+        "fingerprints": [s.get("fingerprint") for s in m.get("sources", [])],
+        "weights": _weights_key(ws),
+        "seq_len": m.get("seq_len"),
+        "seed": m.get("seed"),
+        "jitter": bool(m.get("jitter")),
+        "samples": m.get("samples"),
+        "shard_samples": m.get("shard_samples"),
+    }
+
+
+def _check_same_run(found: dict, wanted: dict, where: Path) -> None:
+    for key in ("fingerprints", "weights", "seq_len", "seed", "jitter", "samples", "shard_samples"):
+        if found[key] != wanted[key]:
+            raise TokpackError(
+                "output directory holds a different run", file=where, where=key, expected=wanted[key],
+                found=found[key], hint="use another -o, delete it, or repeat the run's exact sources, weights, "
+                "--seq-len, --seed, --jitter, --samples/--tokens and --shard-samples")
+
+
+def _existing_run(out: Path) -> dict | None:
+    """Parameters of the run already in OUT (run manifest, else any complete epoch), or None."""
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        raise TokpackError("output is not a directory", file=out)
+    if (out / MANIFEST).exists():
+        return _params_of_manifest(read_manifest(out, kind="run"))
+    foreign = [p.name for p in out.iterdir() if not (p.name.startswith("epoch-") or p.name == WORK_DIR)]
+    if foreign:
+        raise TokpackError("output directory is not a tokpack run", file=out, where="contents",
+                           expected="no files, or a run's tokpack.json and epoch-NNNNN/", found=", ".join(sorted(foreign)[:5]),
+                           hint="choose an empty or new -o directory")
+    for p in sorted(out.glob("epoch-*/" + MANIFEST)):
+        return _params_of_manifest(read_manifest(p.parent, kind="epoch"))
+    return None
+
+
+def _epoch_manifest(job: EpochJob, sources: list[PackedSource], entries: list[dict]) -> dict:
+    plan = job.plan
+    multiset = sum(int(e["multiset_hash"], 16) for e in entries)
+    first = sources[0].manifest
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "kind": "epoch",
+        "dtype": job.dtype,
+        "token_size": job.token_dtype.itemsize,
+        "vocab_size": int(first["vocab_size"]),
+        "eos_id": job.eos_id,
+        "tokenizer": job.tokenizer,
+        "tokens": plan.samples * plan.row_tokens,
+        "documents": sum(e["fragments"] for e in entries),
+        "shards": entries,
+        "epoch": plan.epoch,
+        "seed": plan.seed,
+        "seq_len": plan.seq_len,
+        "samples": plan.samples,
+        "shard_samples": job.shard_samples,
+        "dropped_tokens": plan.dropped_tokens(),
+        "jitter": plan.jitter,
+        "jitter_offsets": [sp.offset for sp in plan.sources],
+        "sources": plan.source_entries(),
+        "sample_multiset_hash": hash_hex64(multiset),
+        "shuffle": PLAN_ALGORITHM,
+    }
+
+
+def _run_manifest(out: Path, plan: EpochPlan, weights, sources: list[PackedSource], shard_samples: int,
+                  epochs: list[int]) -> dict:
+    first = sources[0].manifest
+    tokens = documents = 0
+    epochs = [e for e in epochs if (out / epoch_dir_name(e) / MANIFEST).exists()]
+    for e in epochs:
+        m = read_manifest(out / epoch_dir_name(e), kind="epoch")
+        tokens += int(m["tokens"])
+        documents += int(m["documents"])
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "kind": "run",
+        "dtype": first["dtype"],
+        "token_size": int(first["token_size"]),
+        "vocab_size": int(first["vocab_size"]),
+        "eos_id": int(first["eos_id"]),
+        "tokenizer": first.get("tokenizer", ""),
+        "tokens": tokens,
+        "documents": documents,
+        "sources": [{"name": sp.name, "path": sp.path, "fingerprint": sp.fingerprint, "tokens": sp.tokens,
+                     "weight": sp.weight} for sp in plan.sources],
+        "weights": None if all(w is None for w in weights) else list(weights),
+        "seq_len": plan.seq_len,
+        "seed": plan.seed,
+        "jitter": plan.jitter,
+        "samples": plan.samples,
+        "shard_samples": shard_samples,
+        "epochs": sorted(epochs),
+        "shuffle": PLAN_ALGORITHM,
+    }
+
+
+def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, run_step, log) -> dict:
+    """Writes one epoch directory (all shards, then its manifest). Returns a summary."""
+    plan = job.plan
+    work = Path(job.work_dir)
+    Path(job.epoch_dir).mkdir(parents=True, exist_ok=True)
+    remove_tmp_files(job.epoch_dir)
+    # A fresh name per invocation: our own done files decide what is skipped, so datatrove's
+    # completion markers from an earlier attempt (maybe with another layout) must never match.
+    attempt = uuid.uuid4().hex[:8]
+    logs = work / "logs" / attempt
+    needed = sum(sp.windows for sp in plan.sources if sp.samples) * job.row_bytes
+    in_memory = needed + CHUNKS_IN_BUDGET * job.chunk_rows(memory) * job.row_bytes <= memory
+    name = f"{epoch_dir_name(plan.epoch)}-{attempt}"
+    if in_memory:
+        if log:
+            log(f"epoch {plan.epoch}: {plan.samples} samples, in memory ({needed / 2**20:.1f} MiB of windows)")
+        run_step(InMemoryStep(job, memory), 1, f"{name}-inmemory", str(logs / "inmemory"))
+    else:
+        budget = max(1, memory // workers)
+        layout = make_layout(job, budget, tasks or workers)
+        if log:
+            log(f"epoch {plan.epoch}: {plan.samples} samples, out of core ({needed / 2**20:.1f} MiB of windows, "
+                f"{layout.tasks} scatter tasks, {len(layout.bucket_starts) - 1} buckets, {job.n_shards} shards)")
+        passes = [(ScatterStep(job, layout), layout.tasks, f"{name}-scatter", str(logs / "scatter")),
+                  (OrderStep(job, layout, budget), job.n_shards, f"{name}-order", str(logs / "order"))]
+        if hasattr(run_step, "chain"):  # e.g. Slurm: both passes queued at once, order after scatter
+            run_step.chain(passes)
+        else:
+            for step in passes:
+                run_step(*step)
+    entries = []
+    for i in range(job.n_shards):
+        done = job.done_path(i)
+        if not done.exists():
+            raise TokpackError("output shard did not complete", file=Path(job.epoch_dir) / job.shard_file(i),
+                               hint="rerun the same command; completed shards are kept")
+        entries.append(json.loads(done.read_text()))
+    keep = {e["path"] + ext for e in entries for ext in ("", ".index", ".metadata")}
+    for p in Path(job.epoch_dir).iterdir():  # leftovers of an earlier, different attempt
+        if p.is_file() and p.name not in keep:
+            p.unlink()
+    sources = job.open_sources()
+    manifest = _epoch_manifest(job, sources, entries)
+    write_manifest(job.epoch_dir, manifest)
+    shutil.rmtree(work, ignore_errors=True)
+    return {"epoch": plan.epoch, "path": "in-memory" if in_memory else "out-of-core", "samples": plan.samples,
+            "shards": job.n_shards, "sample_multiset_hash": manifest["sample_multiset_hash"]}
+
+
+def shuffle_run(
+    sources: list[str],
+    output: str,
+    *,
+    seq_len: int,
+    seed: int,
+    epochs: list[int],
+    samples: int | None = None,
+    tokens: int | None = None,
+    shard_samples: int | None = None,
+    memory: int = 4 << 30,
+    jitter: bool = False,
+    log=None,
+    workers: int = 1,
+    tasks: int | None = None,
+    run_step=None,
+) -> dict:
+    """Writes OUT/epoch-NNNNN/ for each epoch (skipping complete identical ones) and the run
+    manifest. `memory` is the total budget: the out-of-core path gives each of `workers`
+    concurrent tasks memory // workers. Returns a summary dict."""
+    t0 = time.perf_counter()
+    run_step = run_step or _run_in_process
+    paths, weights = parse_source_args(list(sources))
+    opened = open_sources(paths)
+    out = Path(output)
+    first = opened[0].manifest
+    dtype = dtype_name(opened[0].dtype)
+    row_bytes = (seq_len + 1) * opened[0].dtype.itemsize
+    existing = _existing_run(out)
+    if shard_samples is None:
+        shard_samples = existing["shard_samples"] if existing else max(1, DEFAULT_SHARD_BYTES // row_bytes)
+    names = [Path(p).resolve().name for p in paths]
+    done_epochs, skipped, summaries = [], [], []
+    if (out / MANIFEST).exists():
+        done_epochs = list(read_manifest(out, kind="run")["epochs"])
+    for epoch in epochs:
+        plan = epoch_plan(opened, seq_len=seq_len, seed=seed, epoch=epoch, weights=weights, samples=samples,
+                          tokens=tokens, jitter=jitter, names=names)
+        plan = _resolved_paths(plan)
+        params = _run_params(plan, weights, shard_samples)
+        if existing is not None:
+            _check_same_run(existing, params, out)
+        existing = params
+        out.mkdir(parents=True, exist_ok=True)
+        edir = out / epoch_dir_name(epoch)
+        if (edir / MANIFEST).exists():
+            m = read_manifest(edir, kind="epoch")
+            _check_same_run(_params_of_manifest(m), params, edir)
+            if _content(m.get("sources")) == _content(plan.source_entries()):
+                skipped.append(epoch)
+                if log:
+                    log(f"epoch {epoch}: already complete, skipped")
+            else:
+                raise TokpackError("epoch directory holds a different epoch", file=edir, where="sources",
+                                   hint="delete that epoch directory or use another -o")
+        else:
+            key = xxhash.xxh3_64_hexdigest(json.dumps([params, plan.source_entries(), PLAN_ALGORITHM, dtype]).encode())
+            job = EpochJob(plan, tuple(str(Path(p).resolve()) for p in paths), dtype, int(first["eos_id"]),
+                           first.get("tokenizer", ""), str(edir), str(out / WORK_DIR / f"{edir.name}-{key}"),
+                           shard_samples)
+            summaries.append(run_epoch(job, memory=memory, workers=workers, tasks=tasks, run_step=run_step, log=log))
+        done_epochs = sorted(set(done_epochs) | {epoch})
+        write_manifest(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs))
+    work = out / WORK_DIR
+    if work.exists() and not any(work.iterdir()):
+        work.rmdir()
+    return {
+        "output": str(out),
+        "epochs": done_epochs,
+        "written": [s["epoch"] for s in summaries],
+        "skipped": skipped,
+        "samples_per_epoch": existing["samples"] if existing else 0,
+        "seq_len": seq_len,
+        "shard_samples": shard_samples,
+        "path": ",".join(sorted({s["path"] for s in summaries})) or "none",
+        "seconds": round(time.perf_counter() - t0, 3),
+        "epochs_detail": summaries,
+    }
+
+
+def _content(entries) -> list[dict]:
+    """Source entries without where the sources lay: moving a source does not change an epoch."""
+    return [{k: v for k, v in e.items() if k not in ("path", "name")} for e in entries or []]
+
+
+def _resolved_paths(plan: EpochPlan) -> EpochPlan:
+    from dataclasses import replace
+
+    return replace(plan, sources=tuple(replace(sp, path=str(Path(sp.path).resolve())) for sp in plan.sources))

@@ -1,0 +1,328 @@
+"""Epoch plans: which window of which source goes to which output position.
+
+A plan is stateless and O(#sources): every question ("what is at output position g?",
+"where do these windows go?") is answered by evaluating keyed bijections
+(shuffle.permutation), never by materialising an index.
+
+Spec (docs/FORMAT.md, "Shuffle plan"):
+- L = seq_len, a window is L+1 tokens. Source s (in command-line order) has T_s tokens
+  (its shards concatenated in manifest order). Without jitter its window offset o_s = 0 and
+  W_s = T_s // (L+1); with jitter o_s = derive_key("jitter", seed, epoch, s) mod (L+1) and
+  W_s = (T_s - L) // (L+1), so W_s is the same every epoch. Window i covers tokens
+  [o_s + i(L+1), o_s + (i+1)(L+1)). Tokens outside windows are `dropped_tokens`.
+- N = --samples, or --tokens // L, or sum W_s. Without weights and without --samples/--tokens,
+  c_s = W_s; otherwise weights w_s (given, or W_s) and c_s = floor(w_s N / sum w) plus one for
+  the N - sum floor sources with the largest remainders (ties: lower s first), in exact
+  rational arithmetic.
+- Source s is consumed along an infinite chain: position pos -> pass p = pos // W_s,
+  k = pos % W_s, window pi_{s,p}(k), with pi_{s,p} = Bijection(W_s, "window", seed, s, p).
+  Epoch e takes positions [e c_s, (e+1) c_s).
+- The epoch list q in [0, N) concatenates the sources in order (source s at
+  base_s = sum_{t<s} c_t, its j-th consumed position at q = base_s + j); the sample at q goes
+  to output position g = sigma_e(q), sigma_e = Bijection(N, "epoch", seed, e).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Iterator
+
+import numpy as np
+
+from formats.errors import TokpackError
+from formats.manifest import IO_BLOCK, hash_hex64, row_hash
+from formats.shards import PackedSource
+
+from .permutation import Bijection, derive_key
+
+PLAN_ALGORITHM = "tokpack-feistel6-splitmix-xxh3-v1"  # recorded in manifests; bump on any change
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    """One source's share of one epoch."""
+
+    index: int  # s: position on the command line, part of every key
+    name: str  # directory name, for humans
+    path: str  # where it was read from
+    fingerprint: str  # the source manifest's fingerprint
+    weight: str | None  # as given (exact decimal/fraction text), None without weights
+    tokens: int  # T_s
+    offset: int  # o_s: first token of window 0 in this epoch
+    windows: int  # W_s: windows per pass
+    samples: int  # c_s: windows this epoch takes
+    base: int  # first epoch-list position q of this source
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """What epoch `epoch` holds and in which order. Small and picklable."""
+
+    seed: int  # the run's seed
+    epoch: int  # e
+    seq_len: int  # L
+    jitter: bool  # window starts shifted per epoch
+    samples: int  # N
+    sources: tuple[SourcePlan, ...]  # in command-line order
+
+    # ---------------------------------------------------------------- per source
+
+    @property
+    def row_tokens(self) -> int:
+        return self.seq_len + 1
+
+    def first_pass(self, s: int) -> int:
+        src = self.sources[s]
+        return self.epoch * src.samples // src.windows if src.samples else 0
+
+    def passes(self, s: int) -> int:
+        """Number of passes of the chain this epoch touches (0 when the source contributes nothing)."""
+        src = self.sources[s]
+        if not src.samples:
+            return 0
+        return ((self.epoch + 1) * src.samples - 1) // src.windows - self.first_pass(s) + 1
+
+    def window_perm(self, s: int, p: int) -> Bijection:
+        return Bijection(self.sources[s].windows, "window", self.seed, s, p)
+
+    def order(self) -> Bijection:
+        return Bijection(self.samples, "epoch", self.seed, self.epoch)
+
+    def dropped_tokens(self) -> int:
+        return sum(src.tokens - src.windows * self.row_tokens for src in self.sources)
+
+    def token_range(self, s: int, window: int) -> tuple[int, int]:
+        start = self.sources[s].offset + window * self.row_tokens
+        return start, start + self.row_tokens
+
+    # ---------------------------------------------------------------- queries
+
+    def locate(self, g) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For output positions g: (source index, window index, pass), as int64 arrays."""
+        g = np.asarray(g, dtype=np.int64)
+        q = self.order().inverse(g)
+        bases = np.array([src.base for src in self.sources], dtype=np.int64)
+        s = np.searchsorted(bases, q, side="right") - 1
+        # sources with samples == 0 share their base with the next one; searchsorted(right)
+        # picks the last of equal bases, which is the one that owns q.
+        counts = np.array([src.samples for src in self.sources], dtype=np.int64)
+        wins = np.array([max(src.windows, 1) for src in self.sources], dtype=np.int64)
+        pos = self.epoch * counts[s] + (q - bases[s])
+        p = pos // wins[s]
+        k = pos % wins[s]
+        window = np.empty_like(k)
+        first = np.array([self.first_pass(i) for i in range(len(self.sources))], dtype=np.int64)
+        group = (s << 32) | (p - first[s])  # (source, pass within this epoch): a handful of groups
+        order = np.argsort(group, kind="stable")
+        cuts = np.flatnonzero(np.diff(group[order])) + 1
+        for sel in np.split(order, cuts) if g.size else ():
+            si, pi = int(s[sel[0]]), int(p[sel[0]])
+            window[sel] = self.window_perm(si, pi).forward(k[sel])
+        return s, window, p
+
+    def outputs_of(self, s: int, windows: np.ndarray) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """Where windows of source s go this epoch: yields (pass, rows, g) per pass touched, where
+        `rows` indexes into `windows` and `g` are their output positions. A window appears once
+        per pass at most, so several times only when the source is upsampled."""
+        src = self.sources[s]
+        if not src.samples or len(windows) == 0:
+            return
+        lo, hi = self.epoch * src.samples, (self.epoch + 1) * src.samples
+        order = self.order()
+        for p in range(self.first_pass(s), self.first_pass(s) + self.passes(s)):
+            pos = self.window_perm(s, p).inverse(windows) + p * src.windows
+            rows = np.flatnonzero((pos >= lo) & (pos < hi))
+            if rows.size:
+                yield p, rows, order.forward(pos[rows] - lo + src.base)
+
+    # ---------------------------------------------------------------- manifests
+
+    def source_entries(self) -> list[dict]:
+        return [
+            {
+                "name": src.name,
+                "path": src.path,
+                "fingerprint": src.fingerprint,
+                "weight": src.weight,
+                "samples": src.samples,
+                "first_pass": self.first_pass(i),
+                "passes": self.passes(i),
+                "windows": src.windows,
+                "tokens": src.tokens,
+                "offset": src.offset,
+                "dropped_tokens": src.tokens - src.windows * self.row_tokens,
+            }
+            for i, src in enumerate(self.sources)
+        ]
+
+    @classmethod
+    def from_manifest(cls, manifest: dict, sources: list[PackedSource]) -> "EpochPlan":
+        """The plan an epoch manifest was written from, against the opened sources (matched by
+        fingerprint, in any order)."""
+        entries = manifest.get("sources") or []
+        pool = list(sources)
+        plans, base = [], 0
+        row = int(manifest["seq_len"]) + 1
+        for i, e in enumerate(entries):
+            match = next((p for p in pool if p.fingerprint == e.get("fingerprint")), None)
+            if match is None:
+                raise TokpackError(
+                    "source of the epoch not given",
+                    where=f"sources[{i}] ({e.get('name')})",
+                    expected=f"a source with fingerprint {e.get('fingerprint')}",
+                    found=", ".join(str(p.path) for p in pool) or "none left",
+                    hint="pass every source the epoch was shuffled from, unchanged",
+                )
+            pool.remove(match)
+            windows = int(e["windows"])
+            offset = int(e["offset"])
+            if offset + windows * row > match.tokens:
+                raise TokpackError("epoch manifest windows exceed the source", file=match.path, where=f"sources[{i}]",
+                                   expected=f"<= {match.tokens} tokens", found=offset + windows * row)
+            plans.append(SourcePlan(i, e.get("name", ""), e.get("path", ""), match.fingerprint, e.get("weight"),
+                                    match.tokens, offset, windows, int(e["samples"]), base))
+            base += int(e["samples"])
+        if base != int(manifest["samples"]):
+            raise TokpackError("epoch manifest source samples do not add up", where="sources[].samples",
+                               expected=manifest["samples"], found=base)
+        return cls(int(manifest["seed"]), int(manifest["epoch"]), int(manifest["seq_len"]),
+                   bool(manifest.get("jitter", False)), base, tuple(plans))
+
+
+# -------------------------------------------------------------------- construction
+
+
+def parse_weight(text: str, where: str) -> Fraction:
+    try:
+        w = Fraction(text.strip())
+    except (ValueError, ZeroDivisionError):
+        raise TokpackError("weight is not a number", where=where, expected="a non-negative number like 0.3, 2 or 1/3",
+                           found=repr(text), hint="write SOURCE=WEIGHT") from None
+    if w < 0:
+        raise TokpackError("weight is negative", where=where, expected=">= 0", found=text)
+    return w
+
+
+def largest_remainder(weights: list[Fraction], total: int) -> list[int]:
+    """Integer shares of `total` proportional to `weights`, summing exactly to `total`."""
+    wsum = sum(weights)
+    exact = [w * total / wsum for w in weights]
+    counts = [int(x) for x in exact]  # floor, the values are >= 0
+    left = total - sum(counts)
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in by_remainder[:left]:
+        counts[i] += 1
+    return counts
+
+
+def windows_of(tokens: int, seq_len: int, jitter: bool) -> int:
+    return (tokens - seq_len) // (seq_len + 1) if jitter else tokens // (seq_len + 1)
+
+
+def jitter_offset(seed: int, epoch: int, s: int, seq_len: int) -> int:
+    return derive_key("jitter", seed, epoch, s) % (seq_len + 1)
+
+
+def epoch_plan(
+    sources: list[PackedSource],
+    *,
+    seq_len: int,
+    seed: int,
+    epoch: int,
+    weights: list[str | None] | None = None,
+    samples: int | None = None,
+    tokens: int | None = None,
+    jitter: bool = False,
+    names: list[str] | None = None,
+) -> EpochPlan:
+    """The plan of one epoch. Cheap: O(#sources) plus a few hashes."""
+    if not sources:
+        raise TokpackError("no sources given", hint="tokpack shuffle SOURCE[=WEIGHT]... -o OUT")
+    weights = list(weights) if weights is not None else [None] * len(sources)
+    given = [w is not None for w in weights]
+    if any(given) and not all(given):
+        raise TokpackError("some sources have a weight and some do not", where="SOURCE=WEIGHT",
+                           expected="a weight on every source or on none",
+                           found=", ".join(f"{src.path}={w}" for src, w in zip(sources, weights)))
+    wins = []
+    for s, src in enumerate(sources):
+        w = windows_of(src.tokens, seq_len, jitter)
+        if w <= 0:
+            raise TokpackError(
+                "seq_len is larger than the source", file=src.path, where="--seq-len",
+                expected=f"a source of at least {seq_len + 1 + (seq_len if jitter else 0)} tokens",
+                found=f"{src.tokens} tokens", hint="lower --seq-len or drop this source")
+        wins.append(w)
+    if samples is not None:
+        n = int(samples)
+    elif tokens is not None:
+        n = int(tokens) // seq_len
+    else:
+        n = sum(wins)
+    if n < 1:
+        raise TokpackError("the epoch would hold no samples", where="--samples/--tokens", expected=">= 1 sample", found=n)
+    if all(given):
+        fr = [parse_weight(w, f"weight of {src.path}") for src, w in zip(sources, weights)]
+        if sum(fr) == 0:
+            raise TokpackError("weights sum to 0", where="SOURCE=WEIGHT", expected="a positive sum",
+                               found=", ".join(weights))
+        counts = largest_remainder(fr, n)
+    elif samples is not None or tokens is not None:
+        counts = largest_remainder([Fraction(w) for w in wins], n)
+    else:
+        counts = wins
+    plans, base = [], 0
+    for s, src in enumerate(sources):
+        offset = jitter_offset(seed, epoch, s, seq_len) if jitter else 0
+        name = names[s] if names else src.path.name
+        plans.append(SourcePlan(s, name, str(src.path), src.fingerprint,
+                                None if weights[s] is None else str(weights[s]), src.tokens, offset, wins[s],
+                                counts[s], base))
+        base += counts[s]
+    return EpochPlan(int(seed), int(epoch), int(seq_len), bool(jitter), n, tuple(plans))
+
+
+# -------------------------------------------------------------------- verification
+
+
+def iter_source_windows(plan: EpochPlan, s: int, src: PackedSource, block_bytes: int = IO_BLOCK,
+                        w0: int = 0, w1: int | None = None, buf: np.ndarray | None = None):
+    """Sequential reads of windows [w0, w1) of source s, `block_bytes` at a time, through one
+    reused buffer. Yields (first window, [rows, L+1] token view)."""
+    sp = plan.sources[s]
+    w1 = sp.windows if w1 is None else w1
+    row = plan.row_tokens
+    per = max(1, block_bytes // (row * src.dtype.itemsize))
+    if buf is None:
+        buf = np.empty(min(per, max(w1 - w0, 1)) * row, dtype=src.dtype)
+    per = len(buf) // row
+    for a in range(w0, w1, per):
+        b = min(w1, a + per)
+        view = buf[: (b - a) * row]
+        src.read_into(sp.offset + a * row, view)
+        yield a, view.reshape(b - a, row)
+
+
+def expected_multiset_hash(epoch_manifest: dict, sources: list[PackedSource]) -> str:
+    """The `sample_multiset_hash` the epoch must have, recomputed from its sources through the
+    plan (each window's xxh3_64 times the number of times the epoch uses it). Memory: one
+    IO block plus O(block rows) index arrays."""
+    plan = EpochPlan.from_manifest(epoch_manifest, sources)
+    by_fp = {}
+    for src in sources:
+        by_fp.setdefault(src.fingerprint, []).append(src)
+    total = 0
+    for s, sp in enumerate(plan.sources):
+        if not sp.samples:
+            continue
+        src = by_fp[sp.fingerprint][0]
+        for a, rows in iter_source_windows(plan, s, src):
+            uses = np.zeros(len(rows), dtype=np.int64)
+            for _, sel, _ in plan.outputs_of(s, np.arange(a, a + len(rows), dtype=np.int64)):
+                uses[sel] += 1
+            flat = memoryview(rows.reshape(-1).view(np.uint8))
+            step = flat.nbytes // len(rows)
+            for i in np.flatnonzero(uses).tolist():
+                total += int(uses[i]) * row_hash(flat[i * step : (i + 1) * step])
+    return hash_hex64(total)

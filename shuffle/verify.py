@@ -1,0 +1,108 @@
+"""`tokpack validate`: formats.validate's checks plus `--against`, which recomputes through the
+shuffle plan what each epoch must contain and compares sample multiset hashes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from formats.errors import TokpackError
+from formats.manifest import MANIFEST
+from formats.shards import PackedSource
+from formats.validate import DirReport, Problem, ValidationReport, validate_dirs
+
+from .plan import expected_multiset_hash
+
+
+def _against(report: ValidationReport, against: list[str]) -> list[Problem]:
+    """For every readable epoch: its sources are among `against` (by fingerprint) and the
+    multiset hash of the windows the plan assigns it equals the epoch's."""
+    sources, problems = [], []
+    for a in against:
+        try:
+            sources.append(PackedSource.open(a))
+        except TokpackError as e:
+            problems.append(Problem.from_error(e))
+    if problems:
+        return problems
+    given = {s.fingerprint: s for s in sources}
+    for d in report.dirs:
+        m = d.manifest
+        if d.kind != "epoch" or m is None or not isinstance(m.get("sources"), list):
+            continue
+        mfile = str(d.path / MANIFEST)
+        missing = False
+        for i, e in enumerate(m["sources"]):
+            fp = e.get("fingerprint") if isinstance(e, dict) else None
+            if fp not in given:
+                missing = True
+                problems.append(Problem(mfile, f"sources[{i}].fingerprint",
+                                        f"one of --against: {', '.join(sorted(given))}", fp,
+                                        f"epoch was shuffled from a source not given or changed since "
+                                        f"({e.get('name') if isinstance(e, dict) else e})"))
+        if missing:
+            continue
+        try:
+            expected = expected_multiset_hash(m, sources)
+        except (TokpackError, KeyError, TypeError, ValueError) as e:
+            err = e if isinstance(e, TokpackError) else TokpackError(f"cannot replay the plan: {e!r}")
+            problems.append(Problem(err.file or mfile, err.where, err.expected, err.found, err.message))
+            continue
+        if expected != m.get("sample_multiset_hash"):
+            problems.append(Problem(mfile, "sample_multiset_hash", f"{expected} (replayed from the sources)",
+                                    m.get("sample_multiset_hash"),
+                                    "epoch does not hold the samples its plan assigns (dropped/duplicated/altered)"))
+    return problems
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _status_line(d: DirReport, quick: bool) -> str:
+    what = d.kind or "directory"
+    if d.status == "ok":
+        return f"OK {what} {d.path} ({d.files} files, {_size(d.bytes)}{', quick' if quick else ''})"
+    n = len(d.problems)
+    return f"{d.status.upper()} {what} {d.path}: {n} problem{'s' * (n != 1)}"
+
+
+def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None = None, workers: int = 1,
+                 show_progress: bool | None = None) -> dict:
+    """Validates each directory (source, run or epoch); with `against`, also those sources and
+    every epoch's content through its plan. Returns the CLI report (see docs/FORMAT.md)."""
+    t0 = time.perf_counter()
+    against = list(against or [])
+    known = {Path(x).resolve() for x in dirs}
+    extra = [a for a in against if Path(a).resolve() not in known]
+    report = validate_dirs(list(dirs) + extra, quick=quick, workers=workers, show_progress=show_progress)
+    extra_problems = _against(report, against) if against else []
+    seconds = time.perf_counter() - t0
+    problems = report.problems + extra_problems
+    corrupt = any(not p.incomplete for p in problems)
+    status = "corrupt" if corrupt else ("incomplete" if problems else "ok")
+    lines = [p.line() for p in problems]
+    lines += [_status_line(d, quick) for d in report.dirs]
+    lines.append(
+        f"{status.upper()}: {len(report.dirs)} director{'ies' if len(report.dirs) != 1 else 'y'}, "
+        f"{report.files} files, {_size(report.bytes)} in {seconds:.2f} s "
+        f"({report.bytes / 1e6 / max(seconds, 1e-9):.0f} MB/s), {len(problems)} problem{'s' * (len(problems) != 1)}"
+        + (", quick (no checksums, no token scan)" if quick else "")
+        + (f", against {len(against)} source(s)" if against else "")
+    )
+    return {
+        "ok": not problems,
+        "status": status,
+        "quick": quick,
+        "problems": [p.to_json() for p in problems],
+        "dirs": [{"path": str(d.path), "kind": d.kind, "status": d.status, "problems": len(d.problems)}
+                 for d in report.dirs],
+        "files": report.files,
+        "bytes": report.bytes,
+        "seconds": round(seconds, 4),
+        "mb_per_s": round(report.bytes / 1e6 / max(seconds, 1e-9), 1),
+        "lines": lines,
+    }

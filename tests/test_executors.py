@@ -1,0 +1,264 @@
+"""pack and shuffle on datatrove's real executors: Local (more tasks than workers, a task
+SIGKILLed midway then rerun), a local Ray cluster, and a one-node Slurm cluster
+(scripts/slurm-local.sh); plus file:// and memory:// paths. Every run must give the bytes of
+the default in-process run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from conftest import random_docs, write_source
+from packer.cli import main
+from packer.executors import PROJECT_ROOT, ExecutorConfig, join_path, local_path, parse_sbatch_args
+
+# 300 documents, 718 samples of 64 tokens: 8 output shards of 100 samples, out of core at 64 KiB.
+SHUFFLE = ["--seq-len", "63", "--seed", "3", "--epochs", "1", "--shard-samples", "100", "--memory", "64KiB"]
+KILL_RANK = 3  # the order task killed midway in the recovery test
+
+
+def cli(*args: str) -> dict:
+    r = CliRunner().invoke(main, [*map(str, args), "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    """Every file under `root` by relative path (the run must have removed its work folder)."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def without_paths(files: dict[str, bytes]) -> dict[str, object]:
+    """Manifests minus where the sources lay (a staged copy lives elsewhere); data files as is."""
+
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k != "path"}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+
+    return {k: strip(json.loads(v)) if k.endswith("tokpack.json") else v for k, v in files.items()}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    docs = random_docs(np.random.default_rng(5), 300, 1000, 0)
+    return write_source(tmp_path_factory.mktemp("exec") / "src", docs, docs_per_shard=100)
+
+
+@pytest.fixture(scope="module")
+def reference(source, tmp_path_factory) -> dict[str, bytes]:
+    """The default: local executor, one worker, natural task counts."""
+    out = tmp_path_factory.mktemp("ref") / "run"
+    summary = cli("shuffle", source, "-o", out, *SHUFFLE)
+    assert summary["path"] == "out-of-core" and summary["samples_per_epoch"] == 718
+    files = tree(out)
+    assert len([f for f in files if f.endswith(".ds")]) == 8
+    return files
+
+
+@pytest.fixture(scope="module")
+def npy_inputs(tmp_path_factory) -> list[Path]:
+    """Three token files for pack (one pack task each): EOS-terminated documents, vocab 1000."""
+    d = tmp_path_factory.mktemp("npy")
+    rng = np.random.default_rng(11)
+    paths = []
+    for i in range(3):
+        p = d / f"part{i}.npy"
+        np.save(p, np.concatenate(random_docs(rng, 40 + 10 * i, 1000, 0)).astype(np.uint16))
+        paths.append(p)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def pack_reference(npy_inputs, tmp_path_factory) -> dict[str, bytes]:
+    out = tmp_path_factory.mktemp("packref") / "src"
+    cli("pack", *npy_inputs, "-o", out, "--eos-id", "0", "--vocab-size", "1000", "--shard-tokens", "3000")
+    return tree(out)
+
+
+# ------------------------------------------------------------------------------ local
+
+
+def test_local_more_tasks_than_workers(source, reference, npy_inputs, pack_reference, tmp_path):
+    out = tmp_path / "run"
+    summary = cli("shuffle", source, "-o", out, *SHUFFLE, "--workers", "2", "--tasks", "5")
+    assert summary["path"] == "out-of-core"
+    assert tree(out) == reference
+    packed = tmp_path / "packed"
+    cli("pack", *npy_inputs, "-o", packed, "--eos-id", "0", "--vocab-size", "1000", "--shard-tokens", "3000",
+        "--workers", "2")
+    assert tree(packed) == pack_reference
+
+
+KILLER = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    from datatrove.pipeline.base import PipelineStep
+    from packer.executors import ExecutorConfig, step_runner
+    from shuffle.engine import shuffle_run
+
+    class KillMidway(PipelineStep):
+        # Runs the wrapped step; in rank {rank} SIGKILLs the whole process right after the
+        # task's first committed file, before its done-file and datatrove's completion marker.
+        name = "kill midway"
+
+        def __init__(self, step):
+            super().__init__()
+            self.step = step
+
+        def run(self, data=None, rank=0, world_size=1):
+            if rank == {rank}:
+                replace = os.replace
+                def replace_then_die(*args, **kwargs):
+                    replace(*args, **kwargs)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                os.replace = replace_then_die
+            return self.step.run(data, rank, world_size)
+
+    inner = step_runner(ExecutorConfig(workers=1))  # in-process: the kill takes the driver down too
+
+    def run_step(step, tasks, job_name, logging_dir):
+        inner(KillMidway(step) if job_name.endswith("-order") else step, tasks, job_name, logging_dir)
+
+    shuffle_run([{src!r}], {out!r}, seq_len=63, seed=3, epochs=[0], shard_samples=100, memory=64 << 10,
+                workers=2, tasks=5, run_step=run_step)
+    """
+)
+
+
+def test_local_task_killed_midway_then_rerun(source, reference, tmp_path):
+    out = tmp_path / "run"
+    script = tmp_path / "kill.py"
+    script.write_text(KILLER.format(root=PROJECT_ROOT, rank=KILL_RANK, src=str(source), out=str(out)))
+    log = tmp_path / "kill.log"
+    with open(log, "wb") as f:  # not a pipe: the killed driver's orphans (datatrove's Manager) would hold it open
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        returncode = proc.wait()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # those orphans: the session the test started, nothing else
+    except ProcessLookupError:
+        pass
+    assert returncode == -signal.SIGKILL, log.read_text()[-2000:]
+    assert not (out / "tokpack.json").exists()
+    epoch = out / "epoch-00000"
+    markers = sorted(p.name for p in out.glob(".tokpack-work/**/order/completions/*"))
+    assert markers == [f"{i:05d}" for i in range(KILL_RANK)]  # ranks before the killed one finished
+    done = {i: (epoch / f"{i:05d}.ds").stat().st_ino for i in range(KILL_RANK)}
+    assert not (epoch / "tokpack.json").exists()
+    assert any(epoch.glob(f"{KILL_RANK:05d}.ds*"))  # the killed task had begun writing its shard
+
+    # Rerun the same command: only the unfinished order tasks run; the finished shards stay as they are.
+    cli("shuffle", source, "-o", out, *SHUFFLE, "--workers", "2", "--tasks", "5")
+    assert tree(out) == reference
+    assert {i: (epoch / f"{i:05d}.ds").stat().st_ino for i in range(KILL_RANK)} == done
+
+
+# ------------------------------------------------------------------------------ paths
+
+
+def test_file_and_memory_urls(source, reference, tmp_path):
+    out = tmp_path / "run"
+    cli("shuffle", f"file://{source}", "-o", f"file://{out}", *SHUFFLE, "--workers", "2")
+    assert tree(out) == reference
+
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for p in source.iterdir():
+        fs.pipe(f"/exec-test/src/{p.name}", p.read_bytes())
+    try:
+        cli("shuffle", "memory://exec-test/src", "-o", "memory://exec-test/run", *SHUFFLE, "--workers", "2")
+        got = {f[len("/exec-test/run/"):]: fs.cat(f) for f in fs.find("/exec-test/run")}
+    finally:
+        fs.rm("/exec-test", recursive=True)
+    assert without_paths(got) == without_paths(reference)
+
+
+def test_path_helpers():
+    assert local_path("file:///data/x") == "/data/x"
+    assert local_path("rel/x") == "rel/x"
+    assert local_path("s3://bucket/x") is None
+    assert join_path("s3://bucket/logs/", "pack") == "s3://bucket/logs/pack"
+    assert parse_sbatch_args("account=ml,exclusive,--qos=high") == {"account": "ml", "exclusive": "", "qos": "high"}
+    assert ExecutorConfig().executor == "local"
+
+
+# ------------------------------------------------------------------------------ ray
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray cluster (2 CPUs) for the module: starting Ray is the slow part."""
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'ray[default]')")
+    from packer.executors import ray_connect
+
+    started = not ray.is_initialized()
+    ray_connect(ExecutorConfig(executor="ray", workers=2))
+    assert ray.cluster_resources().get("CPU") == 2 or not started
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # datatrove's placement_group= use, in Ray 2.5x
+def test_ray_local_cluster(ray_cluster, source, reference, tmp_path):
+    out = tmp_path / "run"
+    cli("shuffle", source, "-o", out, *SHUFFLE, "--executor", "ray", "--workers", "2", "--tasks", "3")
+    assert tree(out) == reference
+
+
+# ------------------------------------------------------------------------------ slurm
+
+
+def slurm_unavailable() -> str | None:
+    """Why the Slurm test cannot run here, or None."""
+    if shutil.which("sbatch") is None:
+        return "sbatch not found: apt-get install slurm-wlm munge, then scripts/slurm-local.sh start"
+    try:
+        r = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer within 30 s: the slurm controller is not responding"
+    if r.returncode != 0:
+        return f"slurm controller not reachable (scripts/slurm-local.sh start): {r.stderr.strip()}"
+    states = r.stdout.split()
+    if not any(s.rstrip("*~#") in ("idle", "mix", "alloc") for s in states):
+        return f"no usable slurm node (node states: {states or 'none'}); see scripts/slurm-local.sh status"
+    return None
+
+
+def test_slurm_array_jobs(source, reference, npy_inputs, pack_reference, tmp_path):
+    if (reason := slurm_unavailable()) is not None:
+        pytest.skip(reason)
+    out = tmp_path / "run"
+    # 3 scatter tasks then 8 order tasks, each pass one array job; at most 2 tasks at a time.
+    cli("shuffle", source, "-o", out, *SHUFFLE, "--executor", "slurm", "--workers", "2", "--tasks", "3",
+        "--logging-dir", tmp_path / "logs", "--time", "00:10:00", "--mem", "0.5")
+    assert tree(out) == reference
+    scripts = sorted(tmp_path.glob("logs/*/launch_script.slurm"))
+    assert len(scripts) == 2 and all("#SBATCH --array=0-" in s.read_text() for s in scripts)
+    assert sum(1 for _ in tmp_path.glob("logs/*-order/completions/*")) == 8
+    packed = tmp_path / "packed"
+    cli("pack", *npy_inputs, "-o", packed, "--eos-id", "0", "--vocab-size", "1000", "--shard-tokens", "3000",
+        "--executor", "slurm", "--time", "00:10:00")
+    assert tree(packed) == pack_reference
+
+
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="sbatch not found (apt-get install slurm-wlm)")
+def test_slurm_refused_job_is_one_line_error(source, tmp_path):
+    r = CliRunner().invoke(main, ["shuffle", str(source), "-o", str(tmp_path / "run"), *SHUFFLE,
+                                  "--executor", "slurm", "--partition", "any", "--sbatch-args", "no-such-option=1"])
+    assert r.exit_code == 1
+    assert "sbatch refused the epoch-00000-" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "run" / "tokpack.json").exists()

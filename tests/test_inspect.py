@@ -1,0 +1,212 @@
+"""`tokpack inspect`: totals, source shares, document lengths and batch diversity before and
+after a real shuffle, checked against brute-force recomputation on constructed corpora."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from conftest import random_docs, write_source
+from formats.errors import TokpackError
+from formats.manifest import MANIFEST, epoch_dir_name
+from packer.cli import main
+from packer.inspect import LengthHistogram, inspect
+from shuffle.engine import shuffle_run
+
+L = 31  # seq_len: samples of 32 tokens
+BATCH = 16
+
+
+def shuffle(out, sources, epochs=1, **kw):
+    shuffle_run([str(s) for s in sources], str(out), seq_len=L, seed=5, epochs=list(range(epochs)),
+                shard_samples=kw.pop("shard_samples", 100), memory=8 << 20, **kw)
+    return out
+
+
+@pytest.fixture(scope="module")
+def huge_doc_run(tmp_path_factory):
+    """One 20,000-token document first, then 300 short ones (about 57% vs 43% of the tokens)."""
+    tmp = tmp_path_factory.mktemp("huge")
+    rng = np.random.default_rng(11)
+    huge = random_docs(rng, 1, 1000, 0, min_len=20000, max_len=20001)
+    small = random_docs(rng, 300, 1000, 0, min_len=20, max_len=80)
+    docs = huge + small
+    src = write_source(tmp / "src", docs, docs_per_shard=60)
+    run = shuffle(tmp / "run", [src], epochs=2)
+    return run, src, docs
+
+
+def doc_ids_of_stream(docs):
+    return np.concatenate([np.full(len(d), i) for i, d in enumerate(docs)])
+
+
+def brute_stats(id_rows):
+    """(distinct, max share) for one batch given each token's document id."""
+    ids = np.concatenate(id_rows)
+    _, counts = np.unique(ids, return_counts=True)
+    return len(counts), counts.max() / len(ids)
+
+
+def test_huge_document_before_and_after(huge_doc_run):
+    run, src, docs = huge_doc_run
+    report = inspect(run, batch_size=BATCH, batches=20)
+    div = report["batch_diversity"]
+    assert div["document_identity"] == "plan"
+    before, after = div["before"], div["after"]
+    assert before["batches"] == after["batches"] == 20
+    # Before: the first batches lie inside the huge document.
+    assert before["max_doc_share"] == [1.0] * 20
+    assert before["distinct_documents"] == [1] * 20
+    # After: each batch holds about the huge document's fraction of the corpus.
+    fraction = len(docs[0]) / sum(len(d) for d in docs)
+    assert abs(np.mean(after["max_doc_share"]) - fraction) < 0.08
+    assert max(after["max_doc_share"]) < 0.95
+    assert np.mean(after["distinct_documents"]) > 4
+
+
+def test_diversity_matches_brute_force(huge_doc_run):
+    """Every per-batch figure, recomputed from the token stream and the epoch's bytes alone
+    (samples are matched to source windows by content, not through the plan)."""
+    run, src, docs = huge_doc_run
+    report = inspect(run, batch_size=BATCH, batches=30, epoch=1)
+    div = report["batch_diversity"]
+    assert div["epoch"] == 1
+    stream = np.concatenate(docs).astype("<u2")
+    ids = doc_ids_of_stream(docs)
+    row = L + 1
+    n = len(stream) // row
+    windows = stream[: n * row].reshape(n, row)
+    by_bytes = {windows[i].tobytes(): i for i in range(n)}
+    assert len(by_bytes) == n  # random tokens: every window is unique
+    m = json.loads((run / epoch_dir_name(1) / MANIFEST).read_text())
+    epoch = np.concatenate([np.fromfile(run / epoch_dir_name(1) / s["path"], dtype="<u2") for s in m["shards"]])
+    epoch = epoch.reshape(-1, row)
+    for b in range(30):
+        w_before = range(b * BATCH, (b + 1) * BATCH)
+        d, s = brute_stats([ids[w * row:(w + 1) * row] for w in w_before])
+        assert div["before"]["distinct_documents"][b] == d
+        assert div["before"]["max_doc_share"][b] == pytest.approx(s, abs=1e-6)
+        w_after = [by_bytes[epoch[g].tobytes()] for g in range(b * BATCH, (b + 1) * BATCH)]
+        d, s = brute_stats([ids[w * row:(w + 1) * row] for w in w_after])
+        assert div["after"]["distinct_documents"][b] == d
+        assert div["after"]["max_doc_share"][b] == pytest.approx(s, abs=1e-6)
+
+
+def test_totals_shares_and_lengths(tmp_path):
+    rng = np.random.default_rng(2)
+    a = random_docs(rng, 120, 1000, 0, max_len=200)
+    b = random_docs(rng, 40, 1000, 0, max_len=60)
+    sa = write_source(tmp_path / "a", a, docs_per_shard=50)
+    sb = write_source(tmp_path / "b", b)
+    run = shuffle(tmp_path / "run", [f"{sa}=3", f"{sb}=1"], samples=400)
+    report = inspect(run, batch_size=8, batches=4)
+    t = report["totals"]
+    assert t["samples"] == 400 and t["tokens"] == 400 * (L + 1) and t["seq_len"] == L
+    assert t["source_documents"] == 160
+    shares = {s["name"]: s["share"] for s in report["epochs"][0]["sources"]}
+    assert shares == {"a": 0.75, "b": 0.25}
+    lengths = np.array([len(d) for d in a + b])
+    dl = report["document_lengths"]
+    assert dl["documents"] == 160 and dl["max"] == lengths.max() and dl["min"] == lengths.min()
+    assert dl["mean"] == pytest.approx(lengths.mean(), abs=0.01)
+    for q in (0.1, 0.5, 0.9, 0.99):
+        assert dl["quantiles"][f"p{round(q * 100)}"] == np.quantile(lengths, q, method="lower")
+    assert sum(h["documents"] for h in dl["histogram"]) == 160
+    assert any("a 75.0%" in line for line in report["lines"])
+    assert report["batch_diversity"]["document_identity"] == "plan"
+
+
+def test_length_histogram_long_documents():
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([rng.integers(1, 5000, 3000), rng.integers(70000, 3_000_000, 500)])
+    h = LengthHistogram()
+    for part in np.array_split(lengths, 7):  # streamed in blocks
+        h.add(part)
+    r = h.report()
+    assert r["documents"] == 3500 and r["max"] == lengths.max() and r["tokens"] == lengths.sum()
+    for q in (0.5, 0.9, 0.99):
+        exact = np.quantile(lengths, q, method="lower")
+        assert abs(h.quantile(q) - exact) <= 0.012 * exact
+    assert sum(b["documents"] for b in r["histogram"]) == 3500
+    assert sum(h.plot_bins()[1]) == 3500
+
+
+def test_jittered_epoch_uses_the_plan(tmp_path):
+    docs = random_docs(np.random.default_rng(8), 120, 1000, 0)
+    src = write_source(tmp_path / "s", docs)
+    run = shuffle(tmp_path / "run", [src], epochs=2, jitter=True)
+    report = inspect(run, batch_size=8, batches=5, epoch=1)
+    assert report["batch_diversity"]["document_identity"] == "plan"  # every sample matched its planned window
+    assert report["batch_diversity"]["after"]["batches"] == 5
+
+
+def test_eos_fallback_when_sources_unreachable(tmp_path, huge_doc_run):
+    run, src, docs = huge_doc_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    # Point the epoch at a path that does not exist: the plan cannot be used.
+    for p in (copy / MANIFEST, copy / epoch_dir_name(0) / MANIFEST):
+        m = json.loads(p.read_text())
+        for s in m["sources"]:
+            s["path"] = str(tmp_path / "gone")
+            s["name"] = "gone"
+        p.write_text(json.dumps(m))
+    report = inspect(copy, batch_size=BATCH, batches=5)
+    div = report["batch_diversity"]
+    assert div["document_identity"] == "eos" and "before" not in div
+    assert report["unreachable_sources"] == ["gone"]
+    m = json.loads((copy / epoch_dir_name(0) / MANIFEST).read_text())
+    epoch = np.concatenate([np.fromfile(copy / epoch_dir_name(0) / s["path"], dtype="<u2") for s in m["shards"]])
+    rows = epoch.reshape(-1, L + 1)
+    for b in range(5):
+        frag = []
+        for r in rows[b * BATCH:(b + 1) * BATCH]:
+            cuts = np.flatnonzero(r == 0) + 1
+            cuts = np.unique(np.append(cuts, L + 1))
+            frag.extend(np.diff(np.concatenate([[0], cuts])).tolist())
+        assert div["after"]["distinct_documents"][b] == len(frag)
+        assert div["after"]["max_doc_share"][b] == pytest.approx(max(frag) / (BATCH * (L + 1)), abs=1e-6)
+
+
+def test_source_only(tmp_path):
+    docs = random_docs(np.random.default_rng(4), 50, 1000, 0)
+    src = write_source(tmp_path / "s", docs, docs_per_shard=20)
+    report = inspect(src)
+    assert report["totals"] == {"tokens": sum(map(len, docs)), "documents": 50, "shards": 3}
+    assert "batch_diversity" not in report
+    report = inspect(src, seq_len=15, batch_size=4, batches=3)
+    assert report["batch_diversity"]["before"]["batches"] == 3
+
+
+def test_plot_png(huge_doc_run, tmp_path):
+    run, _, _ = huge_doc_run
+    out = tmp_path / "inspect.png"
+    report = inspect(run, batch_size=BATCH, batches=20, plot=str(out))
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert report["plot"] == str(out)
+
+
+def test_plot_without_matplotlib(huge_doc_run, tmp_path, monkeypatch):
+    run, _, _ = huge_doc_run
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    with pytest.raises(TokpackError, match="pip install matplotlib"):
+        inspect(run, plot=str(tmp_path / "x.png"))
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_cli_inspect(huge_doc_run):
+    run, _, _ = huge_doc_run
+    r = CliRunner().invoke(main, ["inspect", str(run), "--batch-size", "16", "--batches", "3", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.output)
+    assert rep["batch_diversity"]["before"]["batches"] == 3
+    r = CliRunner().invoke(main, ["inspect", str(run), "--batch-size", "16", "--batches", "3"])
+    assert r.exit_code == 0 and "batches before" in r.output and "after (epoch 0, plan)" in r.output
+    r = CliRunner().invoke(main, ["inspect", str(run), "--epoch", "7"])
+    assert r.exit_code == 1 and "epoch not in this run" in r.output

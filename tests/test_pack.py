@@ -1,0 +1,580 @@
+"""`tokpack pack`: round trips from every input format, written by real writers (datatrove's
+DocumentTokenizer / DocumentTokenizerMerger / MegatronDocumentTokenizer, megatron-core's
+IndexedDatasetBuilder, pyarrow, HF datasets, numpy), worker-count independence, resume,
+and every bad-input case of issue 2 through the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import EOS_TOKEN, generate_texts
+from formats.manifest import MANIFEST
+from formats.shards import PackedSource
+from packer import pack as pack_mod
+from packer.cli import main
+from packer.pack import pack
+
+SMALL_BLOCK = 512  # bytes: forces many blocks per file, so block seams are exercised
+
+
+def cli(*args):
+    return CliRunner().invoke(main, ["pack", *map(str, args)])
+
+
+def packed_docs(out) -> list[list[int]]:
+    return [d.tolist() for d in PackedSource.open(out).iter_documents()]
+
+
+def write_text_jsonl(folder: Path, files: int, docs: int, seed: int = 0, words=None) -> list[list[str]]:
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for k in range(files):
+        texts = generate_texts(docs, seed=seed + k, max_words=60)
+        if words is not None:
+            rng = np.random.default_rng(seed + k)
+            texts = [" ".join(words[i] for i in rng.integers(0, len(words), rng.integers(1, 40))) for _ in range(docs)]
+        with open(folder / f"part{k}.jsonl", "w") as f:
+            for i, t in enumerate(texts):
+                f.write(json.dumps({"text": t, "id": f"{k}-{i}"}) + "\n")
+        out.append(texts)
+    return out
+
+
+def dt_tokenize(text_dir: Path, out: Path, tokenizer, **kw) -> Path:
+    """datatrove's own reader and tokenizer, one rank per JSONL file, as an executor would run them."""
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.tokens.tokenizer import DocumentTokenizer
+
+    files = sorted(p.name for p in text_dir.glob("*.jsonl"))
+    for rank, name in enumerate(files):
+        reader = JsonlReader(str(text_dir), glob_pattern=name)
+        DocumentTokenizer(str(out), tokenizer_name_or_path=str(tokenizer), eos_token=EOS_TOKEN, **kw).run(
+            reader.run(None, 0, 1), rank=rank, world_size=len(files))
+    return out
+
+
+def read_dt_folder(folder: Path) -> list[list[int]]:
+    """The documents of a datatrove folder, read straight from its files (name order)."""
+    docs = []
+    for ds in sorted(folder.glob("*.ds")):
+        size = int(Path(f"{ds}.metadata").read_text().split("\n")[0].rsplit("|", 1)[1])
+        tokens = np.fromfile(ds, dtype="<u2" if size == 2 else "<u4")
+        prev = 0
+        for end in np.fromfile(f"{ds}.index", dtype="<u8").tolist():
+            docs.append(tokens[prev:end].tolist())
+            prev = end
+    return docs
+
+
+def encode_all(tokenizer_path, texts: list[str]) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    eos = tok.token_to_id(EOS_TOKEN)
+    return [tok.encode(t).ids + [eos] for t in texts]
+
+
+def tree_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, tokenizer_path):
+    """4 JSONL text files and their datatrove tokenizations (shuffled and unshuffled)."""
+    root = tmp_path_factory.mktemp("corpus")
+    texts = write_text_jsonl(root / "text", files=4, docs=25)
+    shuffled = dt_tokenize(root / "text", root / "dt", tokenizer_path, seed=3)
+    plain = dt_tokenize(root / "text", root / "dt_plain", tokenizer_path, shuffle_documents=False,
+                        save_loss_metadata=True)
+    return {"root": root, "texts": texts, "dt": shuffled, "dt_plain": plain}
+
+
+# ------------------------------------------------------------------------ datatrove
+
+
+def test_datatrove_doc_shuffled_round_trip(corpus, tokenizer_path, tmp_path):
+    dt = corpus["dt"]
+    assert sorted(p.name for p in dt.glob("*.ds"))[0] == "00000_00000_doc_shuffled.ds"
+    res = cli(dt, "-o", tmp_path / "out", "--shard-tokens", 700, "--json")
+    assert res.exit_code == 0, res.output + res.stderr
+    summary = json.loads(res.stdout)
+    written = read_dt_folder(dt)
+    assert packed_docs(tmp_path / "out") == written
+    assert sorted(written) == sorted(encode_all(tokenizer_path, sum(corpus["texts"], [])))
+    m = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    from tokenizers import Tokenizer
+
+    assert m["vocab_size"] == Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()  # from the metadata's tokenizer
+    assert (m["eos_id"], m["dtype"], summary["format"], summary["eos_appended"]) == (0, "uint16", "datatrove", 0)
+    assert summary["tokens"] == sum(map(len, written)) and summary["shards"] == len(m["shards"]) > 4
+    for s in m["shards"]:  # at most --shard-tokens, unless one document is larger
+        assert s["tokens"] <= 700 or s["documents"] == 1
+    # a shard never spans input files: each input's documents are a run of whole shards
+    per_input = [len(np.fromfile(f"{p}.index", dtype="<u8")) for p in sorted(dt.glob("*.ds"))]
+    bounds = set(np.cumsum([s["documents"] for s in m["shards"]]).tolist())
+    assert set(np.cumsum(per_input).tolist()) <= bounds
+
+
+def test_datatrove_unshuffled_and_merger_keep_order(corpus, tokenizer_path, tmp_path):
+    from datatrove.pipeline.tokens.merger import DocumentTokenizerMerger
+
+    plain = corpus["dt_plain"]
+    assert sorted(p.name for p in plain.glob("*.ds"))[0] == "00000_unshuffled.ds"
+    expected = encode_all(tokenizer_path, sum(corpus["texts"], []))
+    pack([str(plain)], str(tmp_path / "a"), block_bytes=SMALL_BLOCK, shard_tokens=1000)
+    assert packed_docs(tmp_path / "a") == expected
+    src = PackedSource.open(tmp_path / "a")
+    loss = b"".join((tmp_path / "a" / f"{s['path']}.loss").read_bytes() for s in src.shards)
+    assert loss == b"\x01" * src.tokens  # datatrove wrote ones; carried along per token
+    merged = tmp_path / "merged"
+    DocumentTokenizerMerger(str(plain), str(merged), save_filename="name", shuffle=False, max_tokens_per_file=1500,
+                            progress=False).run()
+    assert sorted(p.name for p in merged.glob("*.ds"))[0] == "000_name.ds"
+    pack([str(merged)], str(tmp_path / "b"))
+    assert packed_docs(tmp_path / "b") == expected
+
+
+def test_datatrove_uint32(tmp_path):
+    """A >65536-word vocabulary makes datatrove write uint32 tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(70000)]
+    tok = Tokenizer(models.WordLevel({EOS_TOKEN: 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}},
+                                     unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([EOS_TOKEN])
+    tok_path = tmp_path / "big.json"
+    tok.save(str(tok_path))
+    texts = write_text_jsonl(tmp_path / "text", files=2, docs=20, words=words[-500:])
+    dt = dt_tokenize(tmp_path / "text", tmp_path / "dt", tok_path, shuffle_documents=False)
+    assert (dt / "00000_unshuffled.ds.metadata").read_text().split("\n")[0].endswith("|4")
+    summary = pack([str(dt)], str(tmp_path / "out"), block_bytes=SMALL_BLOCK)
+    assert summary["dtype"] == "uint32" and summary["vocab_size"] == 70002
+    assert packed_docs(tmp_path / "out") == encode_all(tok_path, sum(texts, []))
+    assert max(max(d) for d in packed_docs(tmp_path / "out")) > 65536
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(block=st.integers(2, 5000), shard=st.integers(1, 4000))
+def test_output_independent_of_block_size(corpus, tmp_path_factory, block, shard):
+    """Memory (the read block) never changes the bytes; shards respect --shard-tokens."""
+    tmp = tmp_path_factory.mktemp("blocks")
+    pack([str(corpus["dt"])], str(tmp / "a"), shard_tokens=shard, block_bytes=block)
+    pack([str(corpus["dt"])], str(tmp / "b"), shard_tokens=shard)
+    assert tree_bytes(tmp / "a") == tree_bytes(tmp / "b")
+    assert packed_docs(tmp / "a") == read_dt_folder(corpus["dt"])
+    for s in json.loads((tmp / "a" / MANIFEST).read_text())["shards"]:
+        assert s["tokens"] <= shard or s["documents"] == 1
+
+
+def test_packed_source_read_by_datatrove_folder_dataset(corpus, tmp_path):
+    from datatrove.utils.dataset import DatatroveFolderDataset
+
+    pack([str(corpus["dt"])], str(tmp_path / "out"), shard_tokens=900)
+    seq = 32
+    ds = DatatroveFolderDataset(str(tmp_path / "out"), seq_len=seq, token_size=2, recursive=False)
+    got = np.concatenate([ds[i]["input_ids"].numpy() for i in range(len(ds))])
+    src = PackedSource.open(tmp_path / "out")
+    expected = []
+    for s in src.shards:  # datatrove cuts seq_len+1 windows per file
+        t = np.fromfile(tmp_path / "out" / s["path"], dtype="<u2")
+        expected.append(t[: len(t) // (seq + 1) * (seq + 1)])
+    assert len(ds) > 10 and np.array_equal(got, np.concatenate(expected))
+
+
+def test_workers_give_identical_bytes(corpus, tmp_path):
+    assert len(list(corpus["dt"].glob("*.ds"))) >= 4
+    for w in (1, 4):
+        res = cli(corpus["dt"], "-o", tmp_path / f"w{w}", "--shard-tokens", 500, "--workers", w, "--json")
+        assert res.exit_code == 0, res.stderr
+    assert tree_bytes(tmp_path / "w1") == tree_bytes(tmp_path / "w4")
+    assert not (tmp_path / "w4" / ".tokpack-work").exists()
+
+
+def test_killed_run_resumes_to_identical_output(corpus, tmp_path, monkeypatch):
+    pack([str(corpus["dt"])], str(tmp_path / "ref"), shard_tokens=600)
+    real = pack_mod.PackStep.pack_file
+
+    def dies_on_file_2(self, i):
+        if i == 2:
+            raise KeyboardInterrupt
+        return real(self, i)
+
+    monkeypatch.setattr(pack_mod.PackStep, "pack_file", dies_on_file_2)
+    with pytest.raises(KeyboardInterrupt):
+        pack([str(corpus["dt"])], str(tmp_path / "out"), shard_tokens=600)
+    work = tmp_path / "out" / ".tokpack-work"
+    assert (work / "part-00001.json").exists() and not (tmp_path / "out" / MANIFEST).exists()
+    assert not list((tmp_path / "out").glob("*.ds"))  # nothing under a final name
+    done = (work / "part-00000" / "00000.ds").stat().st_mtime_ns
+    monkeypatch.setattr(pack_mod.PackStep, "pack_file", real)
+
+    calls = []
+    real_manifest = pack_mod.write_manifest
+
+    def dies_before_manifest(*a):  # killed between the shard renames and tokpack.json
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pack_mod, "write_manifest", dies_before_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        pack([str(corpus["dt"])], str(tmp_path / "out"), shard_tokens=600)
+    assert calls and (work / "finalize.json").exists()
+    monkeypatch.setattr(pack_mod, "write_manifest", real_manifest)
+    summary = pack([str(corpus["dt"])], str(tmp_path / "out"), shard_tokens=600)
+    assert summary["status"] == "packed"
+    assert tree_bytes(tmp_path / "ref") == tree_bytes(tmp_path / "out")
+    assert not work.exists()
+    # rerun of a complete pack: nothing redone
+    again = cli(corpus["dt"], "-o", tmp_path / "out", "--shard-tokens", 600, "--json")
+    assert again.exit_code == 0 and json.loads(again.stdout)["status"] == "already complete"
+    assert (tmp_path / "out" / "00000.ds").stat().st_mtime_ns == done  # part 0 was reused, not rewritten
+
+
+def test_overwrite_replaces_a_different_source(corpus, tmp_path):
+    out = tmp_path / "out"
+    assert cli(corpus["dt"], "-o", out).exit_code == 0
+    res = cli(corpus["dt"], "-o", out, "--shard-tokens", 300)
+    assert res.exit_code == 1 and "different packed source" in res.stderr
+    res = cli(corpus["dt"], "-o", out, "--shard-tokens", 300, "--overwrite", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["status"] == "packed"
+    assert json.loads((out / MANIFEST).read_text())["shard_tokens"] == 300
+
+
+# ------------------------------------------------------------------------- megatron
+
+
+def test_megatron_from_datatrove_writer(corpus, tokenizer_path, tmp_path):
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.tokens.megatron_tokenizer import MegatronDocumentTokenizer
+
+    text = corpus["root"] / "text"
+    for rank, name in enumerate(sorted(p.name for p in text.glob("*.jsonl"))[:2]):
+        MegatronDocumentTokenizer(str(tmp_path / "mg"), tokenizer_name_or_path=str(tokenizer_path),
+                                  eos_token=EOS_TOKEN).run(JsonlReader(str(text), glob_pattern=name).run(None, 0, 1),
+                                                           rank=rank, world_size=2)
+    expected = encode_all(tokenizer_path, corpus["texts"][0] + corpus["texts"][1])
+    summary = pack([str(tmp_path / "mg")], str(tmp_path / "a"), eos_id=0, vocab_size=600, block_bytes=SMALL_BLOCK)
+    assert summary["format"] == "megatron" and packed_docs(tmp_path / "a") == expected
+    pack([str(tmp_path / "mg" / "00000_tokens")], str(tmp_path / "b"), eos_id=0, vocab_size=600)  # a path prefix
+    assert packed_docs(tmp_path / "b") == expected[:25]
+    try:
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+    except Exception:  # megatron-core is optional; the builder test below needs it too
+        return
+    mds = IndexedDataset(str(tmp_path / "mg" / "00000_tokens"))
+    assert [mds[i].tolist() for i in range(len(mds))] == expected[:25]
+
+
+MEGATRON_DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float64", "float32", "uint16"]
+
+
+@pytest.mark.parametrize("dtype", MEGATRON_DTYPES)
+def test_megatron_every_dtype_code(dtype, tmp_path):
+    """megatron-core's own writer for every dtype code; documents of several sequences;
+    megatron-core's reader cross-checks what we read."""
+    idx_mod = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    rng = np.random.default_rng(1)
+    docs = []
+    builder = idx_mod.IndexedDatasetBuilder(str(tmp_path / "d.bin"), dtype=getattr(np, dtype))
+    for k in range(40):
+        body = rng.integers(1, 120, size=int(rng.integers(0, 30))).tolist()
+        doc = body + ([0] if k % 3 else [])  # every third document lacks EOS
+        cut = len(doc) // 2
+        builder.add_document(np.array(doc), [cut, len(doc) - cut] if k % 2 else [len(doc)])
+        docs.append(doc)
+    builder.finalize(str(tmp_path / "d.idx"))
+    mds = idx_mod.IndexedDataset(str(tmp_path / "d"))
+    di = mds.document_indices
+    megatron_docs = [np.concatenate([mds[s] for s in range(di[d], di[d + 1])] or [np.zeros(0)]).tolist()
+                     for d in range(len(di) - 1)]
+    assert megatron_docs == docs
+    summary = pack([str(tmp_path / "d")], str(tmp_path / "out"), eos_id=0, vocab_size=128, block_bytes=64)
+    expected = [d if d[-1:] == [0] else d + [0] for d in docs if d]
+    assert packed_docs(tmp_path / "out") == expected
+    assert summary["empty_documents_dropped"] == sum(1 for d in docs if not d)
+    assert summary["eos_appended"] == sum(1 for d in docs if d and d[-1] != 0)
+
+
+# ------------------------------------------------------------ parquet, arrow, HF
+
+
+def varied_docs(seed=0, n=60, hi=500):
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(1, hi, size=int(rng.integers(0, 50))).tolist() for _ in range(n)]
+    return [d + [0] if i % 4 else d for i, d in enumerate(docs)]  # some lack EOS, some are empty
+
+
+def normalised(docs):
+    return [d if d[-1] == 0 else d + [0] for d in docs if d]
+
+
+def test_parquet_round_trip_with_missing_eos_and_empty_docs(tmp_path):
+    docs = varied_docs()
+    table = pa.table({"input_ids": pa.array(docs, type=pa.list_(pa.int32())), "other": list(range(len(docs)))})
+    (tmp_path / "pq").mkdir()
+    pq.write_table(table.slice(0, 30), tmp_path / "pq" / "a.parquet", row_group_size=7)
+    pq.write_table(table.slice(30), tmp_path / "pq" / "b.parquet", row_group_size=7)
+    res = cli(tmp_path / "pq", "-o", tmp_path / "out", "--eos-id", 0, "--vocab-size", 500, "--json")
+    assert res.exit_code == 0, res.stderr
+    s = json.loads(res.stdout)
+    assert packed_docs(tmp_path / "out") == normalised(docs)
+    assert (s["format"], s["dtype"]) == ("parquet", "uint16")
+    assert s["empty_documents_dropped"] == sum(1 for d in docs if not d)
+    assert s["eos_appended"] == sum(1 for d in docs if d and d[-1] != 0)
+    assert s["tokens"] == sum(map(len, normalised(docs)))  # no token lost
+
+
+def test_hf_save_to_disk_and_arrow_file(tmp_path, tokenizer_path):
+    docs = varied_docs(seed=2, hi=200)  # below the test tokenizer's vocabulary
+    try:
+        import datasets
+
+        datasets.Dataset.from_dict({"input_ids": docs}).save_to_disk(str(tmp_path / "hf"))
+    except ImportError:  # the arrow stream layout save_to_disk writes
+        (tmp_path / "hf").mkdir()
+        with pa.ipc.new_stream(str(tmp_path / "hf" / "data-00000-of-00001.arrow"),
+                               pa.schema({"input_ids": pa.list_(pa.int64())})) as w:
+            w.write_table(pa.table({"input_ids": docs}))
+        (tmp_path / "hf" / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    s = pack([str(tmp_path / "hf")], str(tmp_path / "out"), tokenizer=str(tokenizer_path))
+    assert packed_docs(tmp_path / "out") == normalised(docs) and s["format"] == "parquet"
+    with pa.OSFile(str(tmp_path / "f.arrow"), "wb") as sink:
+        with pa.ipc.new_file(sink, pa.schema({"ids": pa.list_(pa.uint16())})) as w:
+            w.write_table(pa.table({"ids": pa.array(docs, type=pa.list_(pa.uint16()))}), max_chunksize=9)
+    pack([str(tmp_path / "f.arrow")], str(tmp_path / "out2"), column="ids", eos_id=0)
+    assert packed_docs(tmp_path / "out2") == normalised(docs)
+
+
+# ------------------------------------------------------------- numpy and jsonl
+
+
+def test_npy_and_raw_split_at_eos(tmp_path):
+    docs = [d for d in varied_docs(seed=3) if d]
+    stream = np.concatenate([np.array(d) for d in docs])  # documents lacking EOS merge with the next
+    np.save(tmp_path / "t.npy", stream.astype(np.uint16))
+    s = pack([str(tmp_path / "t.npy")], str(tmp_path / "a"), eos_id=0, block_bytes=64)
+    ends = np.flatnonzero(stream == 0) + 1
+    expected = [x.tolist() for x in np.split(stream, ends) if len(x)]
+    expected = normalised(expected)
+    assert packed_docs(tmp_path / "a") == expected and s["vocab_size"] == 65536
+    stream.astype(np.int32).tofile(tmp_path / "t.tok")
+    res = cli(tmp_path / "t.tok", "-o", tmp_path / "b", "--format", "numpy", "--dtype", "int32", "--eos-id", 0,
+              "--vocab-size", 1000)
+    assert res.exit_code == 0, res.stderr
+    assert packed_docs(tmp_path / "b") == expected
+
+
+def test_jsonl_token_lists(tmp_path):
+    docs = varied_docs(seed=4)
+    with open(tmp_path / "t.jsonl", "w") as f:
+        for d in docs:
+            f.write(json.dumps({"ids": d, "meta": "x"}) + "\n")
+    res = cli(tmp_path / "t.jsonl", "-o", tmp_path / "out", "--column", "ids", "--eos-id", 0, "--vocab-size", 500)
+    assert res.exit_code == 0, res.stderr
+    assert "detected format jsonl" in res.stderr
+    assert packed_docs(tmp_path / "out") == normalised(docs)
+
+
+def test_raw_text_jsonl_and_parquet(corpus, tokenizer_path, tmp_path):
+    texts = corpus["texts"]
+    res = cli(corpus["root"] / "text", "-o", tmp_path / "a", "--tokenizer", tokenizer_path, "--workers", 2)
+    assert res.exit_code == 0, res.stderr
+    assert "detected format text" in res.stderr
+    assert packed_docs(tmp_path / "a") == encode_all(tokenizer_path, sum(texts, []))
+    pq.write_table(pa.table({"body": texts[0]}), tmp_path / "t.parquet")
+    pack([str(tmp_path / "t.parquet")], str(tmp_path / "b"), tokenizer=str(tokenizer_path), column="body",
+         input_format="text")
+    assert packed_docs(tmp_path / "b") == encode_all(tokenizer_path, texts[0])
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def copy_dt(corpus, tmp_path) -> Path:
+    dst = tmp_path / "in"
+    shutil.copytree(corpus["dt"], dst)
+    return dst
+
+
+def first_ds(folder: Path) -> Path:
+    return sorted(folder.glob("*.ds"))[0]
+
+
+def megatron_pair(tmp_path, code=8, n=5) -> Path:
+    """A small .bin/.idx written from the format spec (the header fields are what we corrupt)."""
+    import struct
+
+    sizes = np.full(n, 4, dtype=np.int32)
+    (np.arange(n * 4, dtype=np.uint16) % 7).tofile(tmp_path / "m.bin")
+    with open(tmp_path / "m.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, code, n, n + 1))
+        f.write(sizes.tobytes() + (np.arange(n, dtype=np.int64) * 8).tobytes() + np.arange(n + 1, dtype=np.int64).tobytes())
+    return tmp_path / "m"
+
+
+def bad_vocab(c, t):
+    return [c["dt"], "--vocab-size", 50]
+
+
+def bad_ds_size(c, t):
+    d = copy_dt(c, t)
+    with open(first_ds(d), "ab") as f:
+        f.write(b"\x01")
+    return [d]
+
+
+def bad_index_order(c, t):
+    d = copy_dt(c, t)
+    idx = Path(f"{first_ds(d)}.index")
+    a = np.fromfile(idx, dtype="<u8")
+    a[[1, 2]] = a[[2, 1]]
+    a.tofile(idx)
+    return [d]
+
+
+def bad_index_last(c, t):
+    d = copy_dt(c, t)
+    idx = Path(f"{first_ds(d)}.index")
+    np.fromfile(idx, dtype="<u8")[:-1].tofile(idx)
+    return [d]
+
+
+def bad_megatron_magic(c, t):
+    p = megatron_pair(t)
+    b = bytearray(p.with_suffix(".idx").read_bytes())
+    b[0:3] = b"XXX"
+    p.with_suffix(".idx").write_bytes(bytes(b))
+    return [p, "--eos-id", 0]
+
+
+def bad_megatron_version(c, t):
+    p = megatron_pair(t)
+    b = bytearray(p.with_suffix(".idx").read_bytes())
+    b[9] = 2
+    p.with_suffix(".idx").write_bytes(bytes(b))
+    return [p, "--eos-id", 0]
+
+
+def bad_megatron_dtype(c, t):
+    return [megatron_pair(t, code=9), "--eos-id", 0]
+
+
+def bad_megatron_pointers(c, t):
+    p = megatron_pair(t)
+    with open(p.with_suffix(".bin"), "r+b") as f:
+        f.truncate(20)
+    return [p, "--eos-id", 0]
+
+
+def bad_parquet_missing(c, t):
+    pq.write_table(pa.table({"tokens": [[1, 2, 0]]}), t / "x.parquet")
+    return [t / "x.parquet", "--eos-id", 0]
+
+
+def bad_parquet_type(c, t):
+    pq.write_table(pa.table({"input_ids": [["a", "b"]]}), t / "x.parquet")
+    return [t / "x.parquet", "--eos-id", 0]
+
+
+def bad_negative(c, t):
+    np.save(t / "x.npy", np.array([3, 4, 0, -2, 5, 0], dtype=np.int32))
+    return [t / "x.npy", "--eos-id", 0]
+
+
+def bad_empty_file(c, t):
+    (t / "x.jsonl").write_text("")
+    return [t / "x.jsonl", "--eos-id", 0, "--vocab-size", 10]
+
+
+def bad_empty_dir(c, t):
+    (t / "empty").mkdir()
+    return [t / "empty"]
+
+
+def bad_mixed_dtypes(c, t):
+    d = copy_dt(c, t)
+    meta = Path(f"{first_ds(d)}.metadata")
+    lines = meta.read_text().split("\n")
+    meta.write_text("\n".join([lines[0].rsplit("|", 1)[0] + "|4"] + lines[1:]))
+    # keep sizes coherent as uint32 so only the dtype mix is wrong
+    ds = first_ds(d)
+    np.fromfile(ds, dtype="<u2").astype("<u4").tofile(ds)
+    return [d]
+
+
+def bad_mixed_vocab(c, t):
+    d = copy_dt(c, t)
+    meta = Path(f"{first_ds(d)}.metadata")
+    meta.write_text("other-tokenizer" + meta.read_text()[meta.read_text().rindex("|"):])
+    return [d]
+
+
+def bad_mixed_megatron(c, t):
+    (t / "a").mkdir(), (t / "b").mkdir()
+    return [megatron_pair(t / "a", code=8), megatron_pair(t / "b", code=4), "--eos-id", 0]
+
+
+def bad_tokenizer_not_local(c, t):
+    return [c["dt"], "--tokenizer", "gpt2"]
+
+
+def bad_eos_unknown(c, t):
+    return [megatron_pair(t)]
+
+
+def bad_vocab_unknown(c, t):
+    (t / "x.jsonl").write_text('{"input_ids": [1, 2, 0]}\n')
+    return [t / "x.jsonl", "--eos-id", 0]
+
+
+BAD = [bad_vocab, bad_ds_size, bad_index_order, bad_index_last, bad_megatron_magic, bad_megatron_version,
+       bad_megatron_dtype, bad_megatron_pointers, bad_parquet_missing, bad_parquet_type, bad_negative,
+       bad_empty_file, bad_empty_dir, bad_mixed_dtypes, bad_mixed_vocab, bad_mixed_megatron,
+       bad_tokenizer_not_local, bad_eos_unknown, bad_vocab_unknown]
+WHAT = {
+    "bad_vocab": ["at or above vocab_size", "document", "token offset"],
+    "bad_ds_size": ["not a multiple of the token size"],
+    "bad_index_order": ["does not increase", "entry 2"],
+    "bad_index_last": ["last entry differs"],
+    "bad_megatron_magic": ["wrong magic"],
+    "bad_megatron_version": ["version"],
+    "bad_megatron_dtype": ["dtype code"],
+    "bad_megatron_pointers": ["past the end"],
+    "bad_parquet_missing": ["column not found", "input_ids"],
+    "bad_parquet_type": ["not a list of integers"],
+    "bad_negative": ["negative token id", "document 1"],
+    "bad_empty_file": ["empty input"],
+    "bad_empty_dir": ["no input files"],
+    "bad_mixed_dtypes": ["mixed token dtypes"],
+    "bad_mixed_vocab": ["mixed vocabularies"],
+    "bad_mixed_megatron": ["mixed token dtypes"],
+    "bad_tokenizer_not_local": ["not a local file"],
+    "bad_eos_unknown": ["EOS id unknown", "--eos-id"],
+    "bad_vocab_unknown": ["vocabulary size unknown", "--vocab-size"],
+}
+
+
+@pytest.mark.parametrize("case", BAD, ids=lambda f: f.__name__)
+def test_bad_input_is_one_line_and_no_output(case, corpus, tmp_path):
+    args = case(corpus, tmp_path)
+    out = tmp_path / "out"
+    res = cli(*args, "-o", out)
+    assert res.exit_code == 1, (res.output, res.stderr)
+    lines = [x for x in res.stderr.splitlines() if not x.startswith("tokpack pack: detected")]
+    assert len(lines) == 1 and lines[0].startswith("tokpack: error: "), res.stderr
+    assert "Traceback" not in res.stderr
+    for word in WHAT[case.__name__]:
+        assert word in lines[0]
+    assert not (out / MANIFEST).exists()
+    assert not out.exists() or not list(out.rglob("*.ds"))

@@ -1,0 +1,432 @@
+"""The training-side reader (formats/reader.py), its torch adapter and `tokpack read`.
+
+Epoch directories are written here with the real shard writer; every row is
+`expected_row(epoch, g)`, so each assertion can tell WHICH sample came back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings, strategies as st
+
+from formats.errors import IncompleteError, TokpackError
+from formats.manifest import epoch_dir_name, shard_name, write_manifest
+from formats.reader import SampleReader, positions_from_eos
+from formats.shards import EpochShardWriter
+
+SEQ = 15  # a row is 16 tokens
+EOS = 0
+VOCAB = 1000
+
+
+def expected_row(epoch: int, g: int, seq_len: int = SEQ) -> np.ndarray:
+    """Row g of epoch e: token 0 names the sample, token 1 the epoch, the rest are
+    pseudo-documents with EOS at seeded places."""
+    rng = np.random.default_rng(epoch * 1_000_003 + g)
+    row = rng.integers(1, VOCAB, size=seq_len + 1)
+    row[2:][rng.random(seq_len - 1) < 0.15] = EOS
+    row[0], row[1] = 1000 + g, 1 + epoch
+    return row.astype(np.uint16)
+
+
+def make_epoch(directory: Path, epoch: int, samples: int, shard_samples: int, seq_len: int = SEQ) -> Path:
+    """An epoch directory as shuffle writes it (shards, index, metadata, manifest last)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for i, lo in enumerate(range(0, samples, shard_samples)):
+        w = EpochShardWriter(directory, shard_name(i), np.uint16, seq_len, EOS, "test-tokenizer")
+        w.write_rows(np.stack([expected_row(epoch, g, seq_len) for g in range(lo, min(samples, lo + shard_samples))]))
+        shards.append(w.close())
+    write_manifest(directory, {
+        "format": "tokpack", "version": 1, "kind": "epoch", "epoch": epoch, "seed": 1, "seq_len": seq_len,
+        "dtype": "uint16", "token_size": 2, "vocab_size": VOCAB, "eos_id": EOS, "tokenizer": "test-tokenizer",
+        "samples": samples, "shard_samples": shard_samples, "dropped_tokens": 0,
+        "tokens": samples * (seq_len + 1), "documents": None, "shards": shards,
+    })
+    return directory
+
+
+def make_run(out: Path, sizes: dict[int, int], shard_samples: int = 7) -> Path:
+    for e, n in sizes.items():
+        make_epoch(out / epoch_dir_name(e), e, n, shard_samples)
+    write_manifest(out, {"format": "tokpack", "version": 1, "kind": "run", "seq_len": SEQ, "seed": 1,
+                         "dtype": "uint16", "epochs": sorted(sizes), "sources": [], "weights": [], "jitter": False})
+    return out
+
+
+def chained(sizes: dict[int, int]) -> list[tuple[int, int]]:
+    """(epoch, sample) of every sample of the chained stream, in order."""
+    return [(e, s) for e in sorted(sizes) for s in range(sizes[e])]
+
+
+def ids(rows: np.ndarray) -> list[tuple[int, int]]:
+    """Which (epoch, sample) each row is, read back from its first two tokens."""
+    return [(int(r[1]) - 1, int(r[0]) - 1000) for r in rows]
+
+
+SIZES = {0: 53, 1: 41, 2: 30}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    return make_run(tmp_path_factory.mktemp("reader") / "run", SIZES)
+
+
+# ------------------------------------------------------------------- order
+
+
+def test_reads_every_sample_in_chained_order(run_dir):
+    r = SampleReader.open(run_dir)
+    assert r.total_samples == sum(SIZES.values()) and r.epochs == [0, 1, 2] and r.seq_len == SEQ
+    rows = np.concatenate(list(r.batches(0, 1, 4)))
+    order = chained(SIZES)
+    usable = len(order) // 4 * 4  # only complete global batches are served
+    assert ids(rows) == order[:usable]
+    for (e, s), row in zip(order, rows):
+        np.testing.assert_array_equal(row, expected_row(e, s))
+
+
+def test_list_of_epoch_dirs_chains_in_given_order(run_dir):
+    r = SampleReader.open([run_dir / epoch_dir_name(2), run_dir / epoch_dir_name(0)])
+    assert r.epochs == [2, 0]
+    assert ids(r.read(29, 2)) == [(2, 29), (0, 0)]  # crosses the epoch boundary
+
+
+@settings(max_examples=40, deadline=None)
+@given(world=st.integers(1, 5), micro=st.integers(1, 4), start=st.integers(0, 124))
+def test_rank_slices_follow_megatron_formula(run_dir, world, micro, start):
+    r = SampleReader.open(run_dir)
+    order = chained(SIZES)
+    per_rank = [list(r.batches(rank, world, micro, start)) for rank in range(world)]
+    steps = (len(order) - start) // (world * micro)
+    assert all(len(p) == steps for p in per_rank)  # every rank stops at the same step
+    for b in range(steps):
+        batch = []
+        for rank in range(world):
+            got = ids(per_rank[rank][b])
+            lo = start + b * world * micro + rank * micro
+            assert got == order[lo: lo + micro]  # rank r takes [r*m, (r+1)*m) of global batch b
+            batch += got
+        # together the ranks cover the global batch exactly once
+        assert sorted(batch) == order[start + b * world * micro: start + (b + 1) * world * micro]
+
+
+@settings(max_examples=25, deadline=None)
+@given(world=st.integers(1, 4), micro=st.integers(1, 3), skip=st.integers(0, 20), workers=st.integers(1, 3))
+def test_resume_equals_skip(run_dir, world, micro, skip, workers):
+    """Resuming at consumed sample G == reading from 0 and dropping the first G / (W*m) steps."""
+    r = SampleReader.open(run_dir)
+    full = list(r.batches(world - 1, world, micro, 0))
+    skip = min(skip, len(full))
+    g = skip * world * micro
+    resumed = list(r.batches(world - 1, world, micro, g))
+    assert [ids(x) for x in resumed] == [ids(x) for x in full[skip:]]
+    # DataLoader-style worker split: interleaving the workers' items gives the same stream
+    parts = [list(r.batches(world - 1, world, micro, g, worker=w, num_workers=workers)) for w in range(workers)]
+    merged = [parts[i % workers][i // workers] for i in range(sum(map(len, parts)))]
+    assert [ids(x) for x in merged] == [ids(x) for x in resumed]
+
+
+def test_elastic_world_size_keeps_global_order(run_dir):
+    """Same global batch (16) with W=4,m=2,accum=2 then W=8,m=2,accum=1 from the consumed count."""
+    r = SampleReader.open(run_dir)
+    order = chained(SIZES)
+
+    def global_stream(world, micro, start, steps):
+        ranks = [list(r.batches(k, world, micro, start, steps=steps)) for k in range(world)]
+        return [s for b in range(steps) for k in range(world) for s in ids(ranks[k][b])]
+
+    first = global_stream(4, 2, 0, 6)  # 3 optimizer steps of 16 samples
+    consumed = 48
+    second = global_stream(8, 2, consumed, 4)
+    assert first + second == order[: consumed + 64]
+
+
+def test_start_from_tokens_and_bounds(run_dir):
+    r = SampleReader.open(run_dir)
+    assert r.start_from() == 0
+    assert r.start_from(consumed_tokens=SEQ * 60 + SEQ - 1) == 60
+    assert r.locate(60) == (1, 7) and r.position(1, 7) == 60
+    assert r.start_from(start_sample=r.total_samples) == r.total_samples
+    assert list(r.batches(0, 1, 1, r.total_samples)) == []  # end of the chained epochs: stop
+    with pytest.raises(TokpackError, match="beyond the end"):
+        r.start_from(start_sample=r.total_samples + 1)
+
+
+def test_positions_from_eos_and_index_agree_with_datatrove_convention(run_dir):
+    r = SampleReader.open(run_dir)
+    for world, micro, start in ((1, 1, 0), (2, 4, 5), (1, 3, 40)):  # every row, across shard and epoch ends
+        pairs = list(r.batches(world - 1, world, micro, start, positions="index"))
+        assert len(pairs) == (r.total_samples - start) // (world * micro)
+        for rows, pos in pairs:
+            np.testing.assert_array_equal(pos, positions_from_eos(rows, EOS))
+    for (rows_e, pos_e), (rows_i, pos_i) in zip(r.batches(1, 3, 5, 3, positions="eos"),
+                                                r.batches(1, 3, 5, 3, positions="index")):
+        np.testing.assert_array_equal(rows_e, rows_i)
+        np.testing.assert_array_equal(pos_e, pos_i)
+        for row, pos in zip(rows_e, pos_e):
+            expect, p = [], 0
+            for j in range(len(row)):  # restart AFTER each EOS
+                expect.append(p)
+                p = 0 if row[j] == EOS else p + 1
+            assert pos.tolist() == expect
+    assert positions_from_eos(np.array([5, 0, 7, 8, 0, 0, 3]), 0).tolist() == [[0, 1, 0, 1, 2, 0, 0]]
+
+
+# ------------------------------------------------------------- datatrove
+
+
+@pytest.fixture(scope="module")
+def shuffled_run(tmp_path_factory) -> tuple[Path, np.ndarray]:
+    """A real run written by the shuffle engine: 2 epochs of a 3-shard packed source."""
+    engine = pytest.importorskip("shuffle.engine")
+    from conftest import random_docs, write_source
+
+    base = tmp_path_factory.mktemp("shuffled")
+    docs = random_docs(np.random.default_rng(11), 150, VOCAB, EOS)
+    src = write_source(base / "src", docs)
+    engine.shuffle_run([str(src)], str(base / "run"), seq_len=SEQ, seed=5, epochs=[0, 1], shard_samples=40)
+    stream = np.concatenate(docs).astype(np.uint16)
+    windows = stream[: len(stream) // (SEQ + 1) * (SEQ + 1)].reshape(-1, SEQ + 1)
+    return base / "run", windows
+
+
+def sort_rows(rows: np.ndarray) -> np.ndarray:
+    return rows[np.lexsort(rows.T[::-1])]
+
+
+def test_real_shuffled_run(shuffled_run):
+    from formats.manifest import hash_hex64, multiset_hash_rows, read_manifest
+
+    run, windows = shuffled_run
+    r = SampleReader.open(run)
+    n = len(windows)
+    assert r.epochs == [0, 1] and r.total_samples == 2 * n
+    world, micro = 3, 2
+    parts = [list(r.batches(k, world, micro, 0, positions="index")) for k in range(world)]
+    rows = np.concatenate([parts[k][b][0] for b in range(len(parts[0])) for k in range(world)])
+    np.testing.assert_array_equal(rows, r.read(0, len(rows)))  # ranks interleave into the chained stream
+    epochs = [r.read(0, n), r.read(n, n)]
+    for e, rows_e in enumerate(epochs):
+        # each epoch holds every window of the source exactly once...
+        np.testing.assert_array_equal(sort_rows(rows_e), sort_rows(windows))
+        m = read_manifest(run / epoch_dir_name(e), kind="epoch")
+        assert hash_hex64(multiset_hash_rows(rows_e)) == m["sample_multiset_hash"]
+    assert not np.array_equal(epochs[0], epochs[1])  # ...in an order of its own
+    for b in range(len(parts[0])):  # the engine's .ds.index gives the same positions as EOS
+        tokens, pos = parts[1][b]
+        np.testing.assert_array_equal(pos, positions_from_eos(tokens, EOS))
+
+
+def test_matches_datatrove_folder_dataset(run_dir, shuffled_run):
+    """The contract: datatrove's own reader sees the same samples, in the same order, with
+    the same positions: on one epoch, and on a real shuffled run read recursively (chained)."""
+    real_run = shuffled_run[0]
+    code = (
+        "import json, sys, numpy as np\n"
+        "from datatrove.utils.dataset import DatatroveFolderDataset\n"
+        "out = []\n"
+        f"for d, pattern in (({str(run_dir / epoch_dir_name(1))!r}, '.ds'), ({str(real_run)!r}, '**/*.ds')):\n"
+        f"    ds = DatatroveFolderDataset(d, {SEQ}, filename_pattern=pattern, token_size=2, return_positions=True)\n"
+        "    out.append([[ds[i]['input_ids'].tolist(), ds[i]['positions'].tolist()] for i in range(len(ds))])\n"
+        "print(json.dumps(out))\n"
+    )
+    # a child process: datatrove.utils.dataset imports torch, which this reader must never need
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    for theirs, path in zip(json.loads(out.stdout), (run_dir / epoch_dir_name(1), real_run)):
+        r = SampleReader.open(path)
+        ours = [(rows[0].tolist(), pos[0].tolist()) for rows, pos in r.batches(0, 1, 1, positions="index")]
+        assert len(ours) == r.total_samples > 0
+        assert [tuple(x) for x in theirs] == ours
+
+
+def test_reader_does_not_import_torch(run_dir):
+    code = ("import sys\nfrom formats.reader import SampleReader\n"
+            f"r = SampleReader.open({str(run_dir)!r}); list(r.batches(0, 2, 2, 5, positions='index'))\n"
+            "bad = [m for m in ('torch', 'datatrove.utils.dataset') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+# ------------------------------------------------------------- bad data
+
+
+def test_incomplete_directory(tmp_path):
+    (tmp_path / "epoch-00000").mkdir()
+    with pytest.raises(IncompleteError):
+        SampleReader.open(tmp_path / "epoch-00000")
+
+
+def test_missing_epoch_of_run_is_incomplete(tmp_path):
+    run = make_run(tmp_path / "run", {0: 10, 1: 10})
+    (run / epoch_dir_name(1) / "tokpack.json").unlink()
+    with pytest.raises(IncompleteError, match="epoch-00001"):
+        SampleReader.open(run)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "missing", "grow"])
+def test_bad_shard_size_fails_at_open_naming_the_file(tmp_path, damage):
+    run = make_run(tmp_path / "run", {0: 20, 1: 20})
+    shard = run / epoch_dir_name(1) / "00002.ds"
+    if damage == "missing":
+        shard.unlink()
+    else:
+        os.truncate(shard, shard.stat().st_size + (-2 if damage == "truncate" else 32))
+    with pytest.raises(TokpackError) as err:
+        SampleReader.open(run)  # before any sample is returned
+    assert str(shard) in str(err.value)
+    assert ("missing" if damage == "missing" else "size") in str(err.value)
+
+
+def test_verify_catches_flipped_byte_before_returning_its_data(tmp_path):
+    run = make_run(tmp_path / "run", {0: 21})
+    shard = run / epoch_dir_name(0) / "00001.ds"  # samples 7..13
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 0xFF  # token 5 of sample 7
+    shard.write_bytes(bytes(data))
+    unchecked = SampleReader.open(run)  # the size is right: only a checksum can tell
+    assert not np.array_equal(unchecked.read(7, 1)[0], expected_row(0, 7))
+    for world, before in ((2, [0, 2, 4, 6]), (1, [])):  # W=1 reads blocks spanning shards: fails first
+        r = SampleReader.open(run, verify=True)
+        got = []
+        with pytest.raises(TokpackError, match="checksum mismatch") as err:
+            for rows in r.batches(0, world, 1):
+                assert np.array_equal(rows[0], expected_row(*ids(rows)[0]))
+                got.append(ids(rows)[0])
+        assert str(shard) in str(err.value)
+        assert got == [(0, s) for s in before]  # only shard 0's samples came out, all intact
+    from packer.cli import main
+
+    res = CliRunner().invoke(main, ["read", str(run), "--verify", "--world-size", "2", "--count", "20", "--json"])
+    assert res.exit_code == 1 and str(shard) in res.output and "checksum mismatch" in res.output
+    printed = [json.loads(x) for x in res.output.splitlines() if x.startswith("{\"epoch")]
+    assert [(x["epoch"], x["sample"]) for x in printed] == [(0, s) for s in (0, 2, 4, 6)]
+    assert all(x["tokens"] == expected_row(0, x["sample"]).tolist() for x in printed)
+
+
+# ------------------------------------------------------------- flat cost
+
+GBS, SEQ_BIG = 576, 4096
+NEAR, FAR = 32_000 * GBS, 3_200_000 * GBS
+
+
+def virtual_reader(tmp_path: Path) -> SampleReader:
+    """An epoch description of ~1.85e9 samples of 4097 tokens (15 TB) whose shards all name
+    one sparse file: nothing of that volume is written."""
+    shard_samples = 147_456  # divides both starts, so both begin at the same offset of the same file
+    row_bytes = (SEQ_BIG + 1) * 2
+    ds = tmp_path / "00000.ds"
+    with open(ds, "wb") as f:
+        f.truncate(shard_samples * row_bytes)  # sparse: reads zeros, occupies no disk
+    n_shards = FAR // shard_samples + 2
+    manifest = {"format": "tokpack", "version": 1, "kind": "epoch", "epoch": 0, "seq_len": SEQ_BIG,
+                "dtype": "uint16", "token_size": 2, "eos_id": 1, "samples": n_shards * shard_samples,
+                "shard_samples": shard_samples,
+                "shards": [{"path": "00000.ds", "samples": shard_samples, "bytes": shard_samples * row_bytes}] * n_shards}
+    return SampleReader.from_manifests([(tmp_path, manifest)])
+
+
+def test_flat_memory_and_reads_from_step_0_to_3_2_million(tmp_path):
+    r = virtual_reader(tmp_path)
+    assert r.total_samples > FAR + 10 * GBS
+
+    def cost(start: int, world: int) -> tuple[int, int, int]:
+        reads = r.reads
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        stream = r.batches(world - 1, world, GBS // world, start, positions="eos")
+        for _ in range(3):
+            tokens, pos = next(stream)
+            assert tokens.shape == pos.shape == (GBS // world, SEQ_BIG + 1)
+        peak = tracemalloc.get_traced_memory()[1] - before
+        del stream, tokens, pos
+        return peak, r.reads - reads, r.bytes_read
+
+    tracemalloc.start()
+    try:
+        for world in (8, 1):  # strided ranks, and one contiguous rank (block reads)
+            cost(0, world)  # warm up: open the file, first-call allocations
+            zero, near, far = cost(0, world), cost(NEAR, world), cost(FAR, world)
+            assert far[1] == near[1] == zero[1]  # same number of preads
+            # The far start allocates no more than the near one or a fresh run. The slack is
+            # Python's: an int above 2**30 takes 4 more bytes, and freelists shift a few dozen bytes.
+            assert far[0] <= near[0] + 1024 and near[0] <= zero[0] + 1024
+            assert far[0] < 64 << 20  # the rows themselves, not an index of 1.8e9 samples
+    finally:
+        tracemalloc.stop()
+
+
+# ------------------------------------------------------------- torch, CLI
+
+
+def test_torch_adapter_workers_cover_each_sample_once_and_resume(run_dir):
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from formats.torch_adapter import TokpackDataset
+
+    world, micro = 2, 3
+    order = chained(SIZES)
+    ds = TokpackDataset(run_dir, rank=1, world_size=world, micro_batch=micro, positions="eos")
+    batches = list(DataLoader(ds, batch_size=None, num_workers=2))
+    steps = len(order) // (world * micro)
+    assert len(batches) == steps
+    for b, batch in enumerate(batches):
+        lo = b * world * micro + micro
+        expect = np.stack([expected_row(e, s) for e, s in order[lo: lo + micro]]).astype(np.int64)
+        assert torch.equal(batch["input_ids"], torch.from_numpy(expect[:, :-1]))
+        assert torch.equal(batch["labels"], torch.from_numpy(expect[:, 1:]))
+        assert torch.equal(batch["position_ids"], torch.from_numpy(positions_from_eos(expect, EOS)[:, :-1]).long())
+        assert int(batch["consumed_samples"]) == (b + 1) * world * micro
+
+    state = ds.state_dict(batches[9])
+    assert state == {"epoch": 1, "sample": 60 - 53, "consumed_samples": 60}
+    assert all(isinstance(v, int) for v in state.values())
+    resumed = TokpackDataset(run_dir, rank=1, world_size=world, micro_batch=micro, positions="eos")
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    rest = list(DataLoader(resumed, batch_size=None, num_workers=2))
+    assert len(rest) == steps - 10
+    for a, b in zip(rest, batches[10:]):
+        assert torch.equal(a["input_ids"], b["input_ids"])
+    # in-process iteration keeps the state by itself
+    solo = TokpackDataset(run_dir, rank=0, world_size=1, micro_batch=4, positions=None)
+    it = iter(solo)
+    next(it), next(it)
+    assert solo.state_dict() == {"epoch": 0, "sample": 8, "consumed_samples": 8}
+
+
+def test_cli_read_json(run_dir):
+    from packer.cli import main
+
+    res = CliRunner().invoke(main, ["read", str(run_dir), "--rank", "1", "--world-size", "2", "--micro-batch", "3",
+                                    "--consumed-tokens", str(50 * SEQ + 3), "--count", "7", "--json"])
+    assert res.exit_code == 0, res.output
+    lines = [json.loads(x) for x in res.output.splitlines()]
+    order = chained(SIZES)
+    want = [order[50 + b * 6 + 3 + j] for b in range(3) for j in range(3)][:7]
+    assert [(x["epoch"], x["sample"]) for x in lines] == want
+    assert {x["rank"] for x in lines} == {1}
+    for x in lines:
+        assert x["tokens"] == expected_row(x["epoch"], x["sample"]).tolist()
+
+
+def test_cli_read_errors_are_one_line(tmp_path):
+    from packer.cli import main
+
+    run = make_run(tmp_path / "run", {0: 10})
+    (run / epoch_dir_name(0) / "00001.ds").unlink()
+    res = CliRunner().invoke(main, ["read", str(run)])
+    assert res.exit_code == 1
+    assert "00001.ds" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(main, ["read", str(tmp_path)])
+    assert res.exit_code == 1 and "incomplete" in res.output

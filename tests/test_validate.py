@@ -1,0 +1,422 @@
+"""`tokpack validate`: every fault of issue 5 injected into real directories (a packed source
+and a real shuffled run), the detection table printed, and a hypothesis property: any
+single-byte corruption of any file is caught by full validation."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from formats.manifest import MANIFEST, TMP_MARK, hash_hex64, xxh3_128_file
+from formats.shards import EpochShardWriter
+from formats.validate import validate_dirs
+from shuffle.verify import validate_all
+from tests.conftest import random_docs, write_source
+
+VOCAB, EOS, SEQ_LEN, SHARD_SAMPLES = 1000, 0, 15, 8
+ROW = SEQ_LEN + 1
+
+
+def make_run(src: Path, out: Path, seed: int, epochs: list[int]) -> Path:
+    """A real shuffled run (shuffle.engine), small shards so epochs have several."""
+    from shuffle.engine import shuffle_run
+
+    shuffle_run([str(src)], str(out), seq_len=SEQ_LEN, seed=seed, epochs=epochs, samples=None, tokens=None,
+                shard_samples=SHARD_SAMPLES, memory=1 << 20, jitter=False, log=None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """src/ (3 shards), run/ (seed 1, epochs 0 and 1), other/ (seed 2, epoch 0)."""
+    root = tmp_path_factory.mktemp("validate-base")
+    docs = random_docs(np.random.default_rng(3), 60, VOCAB, EOS, max_len=120)
+    write_source(root / "src", docs, vocab_size=VOCAB, eos_id=EOS, docs_per_shard=20)
+    make_run(root / "src", root / "run", seed=1, epochs=[0, 1])
+    make_run(root / "src", root / "other", seed=2, epochs=[0])
+    return root
+
+
+@pytest.fixture
+def env(base, tmp_path) -> Path:
+    """A private copy of the base directories, free to corrupt."""
+    for name in ("src", "run", "other"):
+        shutil.copytree(base / name, tmp_path / name)
+    return tmp_path
+
+
+# ------------------------------------------------------------------ fault helpers
+
+
+def flip_bit(path: Path, offset: int, bit: int = 0) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1 << bit
+    path.write_bytes(bytes(data))
+
+
+def load(path: Path) -> dict:
+    return json.loads((path / MANIFEST).read_text())
+
+
+def save(path: Path, manifest: dict) -> None:
+    """Rewrites a manifest exactly as tokpack writes it, as a buggy tool would."""
+    (path / MANIFEST).write_bytes(json.dumps(manifest, indent=1).encode() + b"\n")
+
+
+def reseal_source(src: Path) -> None:
+    """Recomputes every checksum and the fingerprint after an edit, so only content checks remain."""
+    from formats.manifest import fingerprint
+
+    m = load(src)
+    for s in m["shards"]:
+        s["xxh3_128"] = xxh3_128_file(src / s["path"])
+        s["index_xxh3_128"] = xxh3_128_file(src / (s["path"] + ".index"))
+    m["fingerprint"] = fingerprint([s["xxh3_128"] for s in m["shards"]], m["dtype"], m["vocab_size"], m["eos_id"])
+    save(src, m)
+
+
+def rewrite_epoch(epoch: Path, rows: np.ndarray) -> None:
+    """Writes `rows` as the epoch's samples with the real shard writer and a manifest that agrees
+    with them: what a shuffle bug that lost or repeated a sample would leave behind."""
+    m = load(epoch)
+    for s in m["shards"]:
+        for suffix in ("", ".index", ".metadata"):
+            (epoch / (s["path"] + suffix)).unlink()
+    entries = []
+    for i in range(0, len(rows), SHARD_SAMPLES):
+        w = EpochShardWriter(epoch, f"{i // SHARD_SAMPLES:05d}.ds", np.dtype("<u2"), SEQ_LEN, EOS, m["tokenizer"])
+        w.write_rows(rows[i : i + SHARD_SAMPLES])
+        entries.append(w.close())
+        entries[-1]["fragments"] = (epoch / (entries[-1]["path"] + ".index")).stat().st_size // 8
+    m["shards"] = entries
+    m["documents"] = sum(e["fragments"] for e in entries)
+    m["tokens"] = len(rows) * ROW
+    m["sample_multiset_hash"] = hash_hex64(sum(int(e["multiset_hash"], 16) for e in entries))
+    delta = len(rows) - m["samples"]
+    m["samples"] = len(rows)
+    m["sources"][0]["samples"] += delta
+    save(epoch, m)
+
+
+def epoch_rows(epoch: Path) -> np.ndarray:
+    m = load(epoch)
+    return np.concatenate([np.fromfile(epoch / s["path"], dtype="<u2") for s in m["shards"]]).reshape(-1, ROW)
+
+
+# Each fault: (name, target directory, function(env)). "consistent" faults also rewrite the
+# manifest to agree with the damage, so only the deeper checks can see them.
+E0 = "run/epoch-00000"
+
+
+def _swap(env, a, b):
+    for suffix in ("", ".index", ".metadata"):
+        pa, pb = env / E0 / (a + suffix), env / E0 / (b + suffix)
+        tmp = pa.with_name("swap")
+        pa.rename(tmp)
+        pb.rename(pa)
+        tmp.rename(pb)
+
+
+def _from_other_epoch(env):
+    for suffix in ("", ".index", ".metadata"):
+        shutil.copy(env / "run/epoch-00001" / ("00000.ds" + suffix), env / E0 / ("00000.ds" + suffix))
+
+
+def _extra_shard(env):
+    n = len(load(env / E0)["shards"])
+    for suffix in ("", ".index", ".metadata"):
+        shutil.copy(env / E0 / ("00000.ds" + suffix), env / E0 / (f"{n:05d}.ds" + suffix))
+
+
+def _delete_shard(env):
+    for suffix in ("", ".index", ".metadata"):
+        (env / E0 / ("00001.ds" + suffix)).unlink()
+
+
+def _manifest_value(path: Path, key: str):
+    """Flips the lowest bit of the last digit of the first `"key": <int>` in a manifest."""
+    text = (path / MANIFEST).read_bytes()
+    at = text.index(f'"{key}": '.encode()) + len(key) + 4
+    while chr(text[at]).isdigit():
+        at += 1
+    flip_bit(path / MANIFEST, at - 1)
+
+
+def _set_token(env, token: int, value: int, reseal: bool):
+    p = env / "src/00001.ds"
+    a = np.fromfile(p, dtype="<u2")
+    a[token] = value
+    a.tofile(p)
+    if reseal:
+        reseal_source(env / "src")
+
+
+def _missing_eos(env, reseal: bool):
+    ends = np.fromfile(env / "src/00001.ds.index", dtype="<u8")
+    _set_token(env, int(ends[3]) - 1, 7, reseal)
+
+
+def _dtype_label(env):
+    m = load(env / "src")
+    m["dtype"] = "uint32"
+    save(env / "src", m)
+
+
+def _duplicate_sample(env, consistent: bool):
+    rows = epoch_rows(env / E0)
+    if consistent:  # sample 5 written twice, sample 6 lost: counts unchanged
+        rows[6] = rows[5]
+        rewrite_epoch(env / E0, rows)
+    else:  # sample 1 overwritten with sample 0, in place
+        p = env / E0 / "00000.ds"
+        a = np.fromfile(p, dtype="<u2").reshape(-1, ROW)
+        a[1] = a[0]
+        a.tofile(p)
+
+
+def _drop_sample(env, consistent: bool):
+    rows = epoch_rows(env / E0)
+    if consistent:
+        rewrite_epoch(env / E0, rows[:-1])
+    else:
+        m = load(env / E0)
+        p = env / E0 / m["shards"][-1]["path"]
+        p.write_bytes(p.read_bytes()[: -ROW * 2])
+
+
+FAULTS = {
+    "bit flip in a source token": ("src", lambda env: flip_bit(env / "src/00001.ds", 101, 3)),
+    "bit flip in an epoch token": (E0, lambda env: flip_bit(env / E0 / "00001.ds", 77, 5)),
+    "bit flip in a source index": ("src", lambda env: flip_bit(env / "src/00000.ds.index", 8 * 5, 1)),
+    "bit flip in an epoch index": (E0, lambda env: flip_bit(env / E0 / "00000.ds.index", 8 * 2, 0)),
+    "bit flip in a source manifest value": ("src", lambda env: _manifest_value(env / "src", "documents")),
+    "bit flip in an epoch manifest value": (E0, lambda env: _manifest_value(env / E0, "seed")),
+    "truncated source shard": ("src", lambda env: (env / "src/00002.ds").write_bytes((env / "src/00002.ds").read_bytes()[:-2])),
+    "truncated epoch shard": (E0, lambda env: (env / E0 / "00000.ds").write_bytes((env / E0 / "00000.ds").read_bytes()[:-ROW * 2])),
+    "extended epoch shard": (E0, lambda env: (env / E0 / "00000.ds").open("ab").write(b"\x01\x00" * ROW)),
+    "extended source shard": ("src", lambda env: (env / "src/00000.ds").open("ab").write(b"\x00\x00")),
+    "deleted shard": (E0, _delete_shard),
+    "extra shard": (E0, _extra_shard),
+    "two shards swapped": (E0, lambda env: _swap(env, "00000.ds", "00001.ds")),
+    "shard taken from another epoch": (E0, _from_other_epoch),
+    "duplicated sample": (E0, lambda env: _duplicate_sample(env, False)),
+    "dropped sample": (E0, lambda env: _drop_sample(env, False)),
+    "duplicated sample, manifest rewritten to match": (E0, lambda env: _duplicate_sample(env, True)),
+    "dropped sample, manifest rewritten to match": (E0, lambda env: _drop_sample(env, True)),
+    "token >= vocab_size": ("src", lambda env: _set_token(env, 10, VOCAB, False)),
+    "token >= vocab_size, checksums rewritten": ("src", lambda env: _set_token(env, 10, VOCAB + 5, True)),
+    "missing EOS": ("src", lambda env: _missing_eos(env, False)),
+    "missing EOS, checksums rewritten": ("src", lambda env: _missing_eos(env, True)),
+    "epoch manifest from another run": (E0, lambda env: shutil.copy(env / "other/epoch-00000" / MANIFEST, env / E0 / MANIFEST)),
+    "empty shard file": (E0, lambda env: (env / E0 / "00001.ds").write_bytes(b"")),
+    "empty metadata file": ("src", lambda env: (env / "src/00000.ds.metadata").write_bytes(b"")),
+    "wrong dtype label": ("src", _dtype_label),
+    "zero-byte source manifest": ("src", lambda env: (env / "src" / MANIFEST).write_bytes(b"")),
+    "zero-byte epoch manifest": (E0, lambda env: (env / E0 / MANIFEST).write_bytes(b"")),
+}
+# Only a replay of the plan can tell these from a correct epoch: the manifest agrees with the data.
+NEEDS_AGAINST = {"duplicated sample, manifest rewritten to match", "dropped sample, manifest rewritten to match"}
+# (the dropped one is also caught without --against: its per-source pass bookkeeping no longer adds up)
+
+
+def detect(env: Path, target: str) -> dict:
+    """Validates the directory holding the fault the way a user would: an epoch through its run."""
+    path = env / ("run" if target.startswith("run") else target)
+    full = validate_all([str(path)], quick=False, against=[], workers=2, show_progress=False)
+    quick = validate_all([str(path)], quick=True, against=[], workers=1, show_progress=False)
+    against = validate_all([str(path)], quick=False, against=[str(env / "src")], show_progress=False) \
+        if target != "src" else full
+    return {"full": full, "quick": quick, "against": against}
+
+
+@pytest.fixture(scope="module")
+def detections(base, tmp_path_factory) -> dict:
+    """Every fault injected into its own copy of the base directories, validated three ways."""
+    out = {}
+    for i, (fault, (target, inject)) in enumerate(FAULTS.items()):
+        env = tmp_path_factory.mktemp(f"fault{i}")
+        for name in ("src", "run", "other"):
+            shutil.copytree(base / name, env / name)
+        inject(env)
+        out[fault] = detect(env, target)
+    return out
+
+
+def test_clean_directories_validate(base):
+    for quick in (False, True):
+        r = validate_all([str(base / "src"), str(base / "run"), str(base / "other")], quick=quick,
+                         against=[str(base / "src")], workers=2, show_progress=False)
+        assert r["ok"], r["lines"]
+        assert r["status"] == "ok" and r["problems"] == []
+        assert {d["kind"] for d in r["dirs"]} == {"source", "run", "epoch"}
+        assert r["files"] > 10 and r["bytes"] > 0
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_fault_detected(detections, fault):
+    r = detections[fault]
+    if fault in NEEDS_AGAINST:
+        assert not r["against"]["ok"]
+        assert any("plan" in p["message"] for p in r["against"]["problems"]), r["against"]["lines"]
+    else:
+        assert not r["full"]["ok"], f"{fault}: full validation passed"
+        assert r["full"]["status"] == "corrupt", r["full"]["lines"]
+        assert all(p["file"] for p in r["full"]["problems"])
+        assert not r["against"]["ok"]
+
+
+def test_detection_table(detections, capsys):
+    """The table issue 5 asks for: which mode catches which fault. Printed even without -s."""
+    rows = []
+    for fault, (target, _) in FAULTS.items():
+        r = detections[fault]
+        first = (r["against"] if fault in NEEDS_AGAINST else r["full"])["problems"][0]
+        rows.append((fault, target.split("/")[0], not r["quick"]["ok"], not r["full"]["ok"], not r["against"]["ok"],
+                     first["message"] + (f" [{first['where']}]" if first["where"] else "")))
+    assert all(full or (fault in NEEDS_AGAINST and against) for fault, _, _, full, against, _ in rows)
+    assert all(against for *_, against, _ in rows)
+    width = max(len(r[0]) for r in rows)
+    yes = lambda b: "yes" if b else "-"  # noqa: E731
+    lines = [f"{'fault':<{width}}  dir  quick  full  against  first problem reported",
+             "-" * (width + 70)]
+    lines += [f"{f:<{width}}  {t:<3}  {yes(q):<5}  {yes(fu):<4}  {yes(a):<7}  {m}" for f, t, q, fu, a, m in rows]
+    with capsys.disabled():
+        print("\n\nvalidate: fault detection (quick / full / full --against SOURCE)\n" + "\n".join(lines) + "\n")
+
+
+def test_incomplete_is_not_corrupt(env):
+    (env / E0 / MANIFEST).unlink()
+    r = validate_all([str(env / "run")], quick=False, against=[], workers=1, show_progress=False)
+    assert not r["ok"] and r["status"] == "incomplete", r["lines"]
+    assert all(p["severity"] == "incomplete" for p in r["problems"])
+    assert "INCOMPLETE" in r["lines"][0]
+    # the epoch directory on its own, and a source without its manifest
+    r = validate_all([str(env / E0)], quick=True, against=[], workers=1, show_progress=False)
+    assert r["status"] == "incomplete"
+    (env / "src" / MANIFEST).unlink()
+    assert validate_all([str(env / "src")], quick=True, against=[], workers=1)["status"] == "incomplete"
+
+
+def test_wrong_paths_are_errors_not_incomplete(env):
+    r = validate_all([str(env / "src/00000.ds"), str(env / "nope")], quick=True, against=[], workers=1)
+    assert r["status"] == "corrupt" and [p["message"] for p in r["problems"]] == ["not a directory", "no such directory"]
+
+
+def test_unlisted_epoch_is_incomplete(env):
+    shutil.copytree(env / "run/epoch-00001", env / "run/epoch-00002")
+    r = validate_all([str(env / "run")], quick=True, against=[], workers=1)
+    assert r["status"] == "incomplete", r["lines"]
+
+
+def test_tmp_files_are_not_data(env):
+    (env / E0 / f"00000.ds{TMP_MARK}123-abcd").write_bytes(b"junk")
+    (env / "src" / f"{MANIFEST}{TMP_MARK}9-x").write_bytes(b"{")
+    assert validate_all([str(env / "run"), str(env / "src")], quick=False, against=[], workers=1)["ok"]
+
+
+def test_against_wrong_source(env, tmp_path):
+    other = write_source(tmp_path / "src2", random_docs(np.random.default_rng(9), 30, VOCAB, EOS), vocab_size=VOCAB)
+    r = validate_all([str(env / "run")], quick=True, against=[str(other)], workers=1)
+    assert not r["ok"]
+    assert any(p["where"] == "sources[0].fingerprint" for p in r["problems"]), r["lines"]
+
+
+def test_problem_lines_name_file_where_expected_found(env):
+    _set_token(env, 10, VOCAB, True)
+    r = validate_all([str(env / "src")], quick=False, against=[], workers=1)
+    (p,) = r["problems"]
+    assert p["file"].endswith("00001.ds") and p["where"].startswith("token 10")
+    assert p["expected"] == f"< {VOCAB} (vocab_size)" and p["found"] == str(VOCAB)
+    assert r["lines"][0].startswith("CORRUPT ") and "00001.ds [token 10" in r["lines"][0]
+
+
+def test_cli_exit_codes_and_json(env):
+    cmd = [sys.executable, "-m", "packer.cli", "validate"]
+    ok = subprocess.run(cmd + [str(env / "src"), "--json"], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert ok.returncode == 0, ok.stderr
+    rep = json.loads(ok.stdout)
+    assert rep["ok"] and rep["files"] > 0 and rep["mb_per_s"] >= 0 and {"bytes", "seconds"} <= rep.keys()
+    flip_bit(env / "src/00000.ds", 3)
+    bad = subprocess.run(cmd + [str(env / "src")], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert bad.returncode == 1 and "checksum mismatch" in bad.stderr and "Traceback" not in bad.stderr
+    usage = subprocess.run(cmd + ["--no-such-flag"], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert usage.returncode == 2
+
+
+def test_workers_give_the_same_report(env):
+    flip_bit(env / E0 / "00001.ds", 9)
+    flip_bit(env / "src/00002.ds.index", 17)
+    a = validate_dirs([env / "src", env / "run"], quick=False, workers=1, show_progress=False)
+    b = validate_dirs([env / "src", env / "run"], quick=False, workers=4, show_progress=False)
+    assert [p.line() for p in a.problems] == [p.line() for p in b.problems] and len(a.problems) >= 2
+
+
+def test_blocks_smaller_than_a_shard(env, monkeypatch):
+    """The streaming path (several blocks per file, index consumed across blocks) on real data."""
+    import formats.validate as v
+
+    monkeypatch.setattr(v, "BLOCK", 64)
+    assert validate_dirs([env / "src", env / "run"], quick=False, workers=1).ok
+    _missing_eos(env, True)
+    r = validate_dirs([env / "src"], quick=False, workers=1)
+    assert [p.message for p in r.problems] == ["document does not end with EOS"]
+
+
+# ------------------------------------------------------------------ property
+
+
+@pytest.fixture(scope="module")
+def corruptible(base, tmp_path_factory) -> tuple[Path, list[Path]]:
+    root = tmp_path_factory.mktemp("prop")
+    shutil.copytree(base / "src", root / "src")
+    shutil.copytree(base / "run", root / "run")
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    return root, files
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_single_byte_corruption_is_detected(corruptible, data):
+    root, files = corruptible
+    path = data.draw(st.sampled_from(files), label="file")
+    raw = path.read_bytes()
+    offset = data.draw(st.integers(0, len(raw) - 1), label="offset")
+    value = data.draw(st.integers(0, 255).filter(lambda v: v != raw[offset]), label="new byte")
+    path.write_bytes(raw[:offset] + bytes([value]) + raw[offset + 1 :])
+    try:
+        r = validate_dirs([root / "src", root / "run"], quick=False, workers=1, show_progress=False)
+    finally:
+        path.write_bytes(raw)
+    assert not r.ok, f"undetected: {path.relative_to(root)} byte {offset} {raw[offset]} -> {value}"
+
+
+def test_real_pack_and_weighted_jittered_shuffle_validate(tmp_path):
+    """No false alarms on the other writers' real outputs: `pack` from JSONL token lists, and a
+    two-source weighted, jittered, upsampling shuffle over three epochs."""
+    from packer.pack import pack
+    from shuffle.engine import shuffle_run
+
+    rng = np.random.default_rng(5)
+    (tmp_path / "in.jsonl").write_text("".join(
+        json.dumps({"input_ids": rng.integers(1, VOCAB, int(rng.integers(1, 90))).tolist()}) + "\n" for _ in range(150)))
+    pack([str(tmp_path / "in.jsonl")], str(tmp_path / "a"), eos_id=EOS, vocab_size=VOCAB, shard_tokens=2500)
+    write_source(tmp_path / "b", random_docs(np.random.default_rng(6), 20, VOCAB, EOS, max_len=60), vocab_size=VOCAB)
+    sources = [str(tmp_path / "a") + "=0.3", str(tmp_path / "b") + "=0.7"]
+    shuffle_run(sources, str(tmp_path / "run"), seq_len=SEQ_LEN, seed=4, epochs=[0, 1, 2], samples=300,
+                tokens=None, shard_samples=40, memory=1 << 20, jitter=True, log=None)
+    dirs = [str(tmp_path / x) for x in ("a", "b", "run")]
+    r = validate_all(dirs, quick=False, against=dirs[:2], workers=2, show_progress=False)
+    assert r["ok"], r["lines"]
+    m = load(tmp_path / "run/epoch-00002")
+    assert m["jitter"] and m["sources"][1]["first_pass"] > 0 and len(r["dirs"]) == 6  # b is upsampled
+    # the same run checked against only one of its sources is refused
+    r = validate_all([dirs[2]], quick=True, against=dirs[:1], workers=1, show_progress=False)
+    assert not r["ok"] and all(p["where"] == "sources[1].fingerprint" for p in r["problems"])
