@@ -243,8 +243,11 @@ def _slurm_active(job_ids: list[str]) -> bool:
     if not job_ids:
         return False
     out = subprocess.run(["squeue", "-h", "-o", "%T", "-j", ",".join(job_ids)], capture_output=True, text=True)
-    # squeue forgets finished jobs after MinJobAge and then fails with "Invalid job id": not active.
-    return out.returncode == 0 and any(
+    if out.returncode != 0:
+        # squeue forgets finished jobs after MinJobAge and then says "Invalid job id": not active.
+        # Any other failure (controller busy, timeout) says nothing: keep waiting, ask again later.
+        return "invalid job id" not in out.stderr.lower()
+    return any(
         s not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
                   "DEADLINE", "PREEMPTED")
         for s in out.stdout.split()
