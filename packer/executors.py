@@ -11,6 +11,7 @@ paths under another name; other fsspec URLs (s3://, memory://, ...) are staged t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shlex
@@ -62,7 +63,8 @@ def run_step(step, tasks: int, config: ExecutorConfig, logging_dir: str | Path, 
         raise TokpackError(f"unknown executor {config.executor!r}", expected="local, slurm or ray")
     failure = None
     try:
-        executor.run()
+        with datatrove_logs_to_files():
+            executor.run()
         if config.executor == "slurm":
             _wait_slurm(executor, config)
     except TokpackError:
@@ -139,7 +141,47 @@ def _local_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str):
         workers=max(1, min(config.workers, tasks)),
         logging_dir=logging_dir,
         skip_completed=True,
+        # fork, not forkserver: workers inherit datatrove_logs_to_files()'s patch, and start
+        # without re-importing numpy and datatrove.
+        start_method="fork",
     )
+
+
+def _file_only_task_logger(logging_dir, rank, local_rank=0, node_rank=-1):
+    """datatrove's add_task_logger minus the console sink: task logs stay in the log files
+    and the command line shows only tokpack's progress and one-line errors."""
+    from loguru import logger
+
+    logger.remove()
+    logfile = logging_dir.open(f"logs/task_{rank:05d}.log", "w")
+    logger.add(logfile, colorize=False, level="DEBUG",
+               format="{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <8} | {name}:{function}:{line} - {message}")
+    logger.info(f"Launching pipeline for {rank=}")
+    return logfile
+
+
+@contextlib.contextmanager
+def datatrove_logs_to_files():
+    """datatrove logs every task to stderr; under tokpack its logs go to the task log files
+    only (TOKPACK_DATATROVE_LOGS=1 keeps them on stderr too, for debugging)."""
+    if os.environ.get("TOKPACK_DATATROVE_LOGS") == "1":
+        yield
+        return
+    import datatrove.executor.base as dt_base
+    from datatrove.utils import logging as dt_logging
+    from loguru import logger
+
+    original = dt_base.add_task_logger, dt_logging.setup_default_logger
+    dt_base.add_task_logger = _file_only_task_logger
+    dt_logging.setup_default_logger = logger.remove
+    logger.remove()
+    try:
+        yield
+    finally:
+        dt_base.add_task_logger, dt_logging.setup_default_logger = original
+        logger.remove()
+        # the process's real stderr: a test runner's captured stream may be closed by now
+        logger.add(sys.__stderr__, colorize=dt_logging.DATATROVE_COLORIZE_LOGS)
 
 
 def _check_complete(executor, tasks: int, logging_dir: str, job_name: str, failure: Exception | None) -> None:

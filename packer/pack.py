@@ -19,11 +19,9 @@ Layout decisions:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -89,11 +87,6 @@ class PackStep(PipelineStep):
         self.tokenizer = tokenizer  # written into each shard's .ds.metadata
         self.shard_tokens = shard_tokens  # max tokens per shard (but one oversized document)
         self.block_bytes = block_bytes  # input bytes per read block
-
-    def __setstate__(self, state):
-        # Unpickled in a pool worker before datatrove sets up the task's logger there.
-        self.__dict__.update(state)
-        _quiet_datatrove_console()
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         for i in range(rank, len(self.files), world_size):
@@ -197,10 +190,6 @@ class TokenizeTextStep(PipelineStep):
         self.tokenizer = tokenizer  # local tokenizer.json
         self.eos_token = eos_token  # appended to every document by the tokenizer's post-processor
 
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        _quiet_datatrove_console()
-
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         from datatrove.pipeline.readers import IpcReader, JsonlReader, ParquetReader
         from datatrove.pipeline.tokens.tokenizer import DocumentTokenizer
@@ -215,56 +204,6 @@ class TokenizeTextStep(PipelineStep):
             writer = DocumentTokenizer(self.folder, tokenizer_name_or_path=self.tokenizer, eos_token=self.eos_token,
                                        shuffle_documents=False)
             writer.run(reader.run(None, 0, 1), rank=i, world_size=len(self.files))
-
-
-# ------------------------------------------------------- datatrove console logging
-
-
-def _file_only_task_logger(logging_dir, rank, local_rank=0, node_rank=-1):
-    """datatrove's add_task_logger minus the console sink: task logs stay in the log files
-    and the command line shows only tokpack's progress and one-line errors."""
-    from loguru import logger
-
-    logger.remove()
-    logfile = logging_dir.open(f"logs/task_{rank:05d}.log", "w")
-    logger.add(logfile, colorize=False, level="DEBUG",
-               format="{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <8} | {name}:{function}:{line} - {message}")
-    logger.info(f"Launching pipeline for {rank=}")
-    return logfile
-
-
-_ORIGINAL: dict = {}
-
-
-def _quiet_datatrove_console() -> None:
-    import datatrove.executor.base as dt_base
-    from datatrove.utils import logging as dt_logging
-    from loguru import logger
-
-    if not _ORIGINAL:
-        _ORIGINAL["add_task_logger"] = dt_base.add_task_logger
-        _ORIGINAL["setup_default_logger"] = dt_logging.setup_default_logger
-    dt_base.add_task_logger = _file_only_task_logger
-    dt_logging.setup_default_logger = logger.remove
-    logger.remove()
-
-
-@contextlib.contextmanager
-def _quiet_datatrove():
-    """datatrove logs every task to stderr; inside `pack` its logs go to files only."""
-    _quiet_datatrove_console()
-    try:
-        yield
-    finally:
-        import datatrove.executor.base as dt_base
-        from datatrove.utils import logging as dt_logging
-
-        from loguru import logger
-
-        dt_base.add_task_logger = _ORIGINAL["add_task_logger"]
-        dt_logging.setup_default_logger = _ORIGINAL["setup_default_logger"]
-        # the process's real stderr: a test runner's captured stream may be closed by now
-        logger.add(sys.__stderr__, colorize=dt_logging.DATATROVE_COLORIZE_LOGS)
 
 
 # ----------------------------------------------------------------------- the driver
@@ -428,8 +367,7 @@ def _run_tasks(step: PackStep, ntasks: int, config: ExecutorConfig, logging_dir:
         for rank in range(ntasks):
             step.run(None, rank, ntasks)
         return
-    with _quiet_datatrove():
-        run_step(step, ntasks, config, logging_dir, "pack")
+    run_step(step, ntasks, config, logging_dir, "pack")
 
 
 def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: str | None = None,
@@ -498,9 +436,8 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
     if not plan_path.exists():
         if fmt == "text":
             text_dir = work / "text"
-            with _quiet_datatrove():
-                run_step(TokenizeTextStep(files, str(text_dir), tokenizer, eos_token), len(files), config,
-                         base_logs / "tokenize", "tokenize")
+            run_step(TokenizeTextStep(files, str(text_dir), tokenizer, eos_token), len(files), config,
+                     base_logs / "tokenize", "tokenize")
             _, packed_files = discover([str(text_dir)], "datatrove", None, None)
             for f in packed_files:
                 check_input(f)

@@ -107,6 +107,7 @@ def release(*names: str) -> None:
         _BUFFERS.pop(name, None)
 
 
+LOCATE_BATCH = 1 << 18  # output positions located per call (8 bytes each, a few arrays)
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 
 
@@ -297,10 +298,16 @@ class InMemoryStep(_Step):
 
         def blocks(i):
             g0, g1 = job.shard_range(i)
-            for c, a in enumerate(range(g0, g1, rows)):
-                b = min(g1, a + rows)
-                s, window, _ = plan.locate(np.arange(a, b, dtype=np.int64))
-                yield store.gather(row_base[s] + window, ring[c % RING], tmp)
+            c = 0
+            # Locate in batches much larger than a chunk: the Feistel rounds are many small numpy
+            # calls, whose fixed cost dominated when they ran once per chunk.
+            for a0 in range(g0, g1, max(rows, LOCATE_BATCH)):
+                b0 = min(g1, a0 + max(rows, LOCATE_BATCH))
+                s, window, _ = plan.locate(np.arange(a0, b0, dtype=np.int64))
+                idx = row_base[s] + window
+                for a in range(0, b0 - a0, rows):
+                    yield store.gather(idx[a : a + rows], ring[c % RING], tmp)
+                    c += 1
 
         with progress(len(todo), f"epoch {plan.epoch}: write", unit="shard") as bar:
             for i in todo:
