@@ -17,6 +17,7 @@ This module must not import torch (nor datatrove.utils.dataset, which imports it
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,23 @@ def _shard_error(message: str, path, **kw) -> TokpackError:
     return TokpackError(message, file=path, hint=kw.pop("hint", "restore the file, or run `tokpack validate` on the directory"), **kw)
 
 
+def partial_stage_absent(run_dir: Path) -> dict[str, str]:
+    """Shards a `tokpack stage --ranks` copy left out, from its `tokpack-stage.json` sidecar:
+    {shard path: "staged for ranks ... of W, micro-batch m"}."""
+    sidecar = Path(run_dir) / "tokpack-stage.json"
+    if not sidecar.exists():
+        return {}
+    try:
+        info = json.loads(sidecar.read_text())
+        stages = "; ".join(f"ranks {st['ranks']} of {st['world_size']}, micro-batch {st['micro_batch']}"
+                           for st in info.get("stages", []))
+        return {str(Path(run_dir) / epoch / name): f"staged only for {stages}"
+                for epoch, names in info.get("missing_shards", {}).items() for name in names}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise TokpackError("unreadable partial-stage sidecar", file=sidecar,
+                           hint="stage the directory again") from None
+
+
 def _positions_from_starts(starts: np.ndarray) -> np.ndarray:
     """starts[i, j] is True where a document fragment begins (always at j == 0); returns each
     token's offset in its fragment. Fragments are long, so repeating each start over its
@@ -142,6 +160,7 @@ class SampleReader:
         self.row_tokens = seq_len + 1  # tokens per sample
         self.row_bytes = self.row_tokens * self.dtype.itemsize  # bytes per sample
         self._verified: set[str] = set()  # files already checksummed by this reader
+        self.absent: dict[str, str] = {}  # shards a partial `tokpack stage --ranks` left out -> why
         self._fds: dict[str, tuple[int, int]] = {}  # open files: path -> (fd, size), at most MAX_OPEN_FILES
         self._hash_buf: bytearray | None = None  # reused by verify
         self._index_buf = np.empty(INDEX_CHUNK, dtype=U64)  # reused by index-derived positions
@@ -158,9 +177,11 @@ class SampleReader:
         if not paths:
             raise TokpackError("nothing to read", hint="give a run directory or epoch directories")
         epochs: list[tuple[Path, dict]] = []
+        absent: dict[str, str] = {}
         for p in paths:
             p = Path(p)
             manifest = read_manifest(p, kind=("run", "epoch"))
+            absent.update(partial_stage_absent(p))
             if manifest["kind"] == "epoch":
                 epochs.append((p, manifest))
                 continue
@@ -176,10 +197,11 @@ class SampleReader:
                     raise TokpackError("epoch seq_len differs from its run", file=d / "tokpack.json", where="seq_len",
                                        expected=manifest["seq_len"], found=m.get("seq_len"))
                 epochs.append((d, m))
-        return cls.from_manifests(epochs, verify=verify)
+        return cls.from_manifests(epochs, verify=verify, absent=absent)
 
     @classmethod
-    def from_manifests(cls, epochs: Sequence[tuple[str | Path, dict]], verify: bool = False) -> "SampleReader":
+    def from_manifests(cls, epochs: Sequence[tuple[str | Path, dict]], verify: bool = False,
+                       absent: dict[str, str] | None = None) -> "SampleReader":
         """Builds the reader from (epoch directory, epoch manifest) pairs, chained in order.
 
         The manifests may be built in memory: a test or benchmark can describe a huge
@@ -225,6 +247,8 @@ class SampleReader:
                 if per_shard is not None and k < len(shards) - 1 and n != int(per_shard):
                     raise TokpackError("only the last shard may hold fewer than shard_samples samples",
                                        file=where, where=f"shards[{k}].samples", expected=per_shard, found=n)
+                if absent and f in absent:
+                    sizes[f] = expected  # left out by a partial stage: an error only if a rank reads it
                 if f not in sizes:
                     try:
                         sizes[f] = os.stat(f).st_size
@@ -253,7 +277,9 @@ class SampleReader:
         np.cumsum(epoch_sizes, out=epoch_starts[1:])
         table = ShardTable(paths, starts, np.asarray(epoch_of, dtype=np.int32), epoch_starts, epoch_numbers,
                            [str(d) for d, _ in epochs], checksums, index_checksums)
-        return cls(table, seq_len, dtype, None if eos_id is None else int(eos_id), verify=verify)
+        reader = cls(table, seq_len, dtype, None if eos_id is None else int(eos_id), verify=verify)
+        reader.absent = dict(absent or {})
+        return reader
 
     # -------------------------------------------------------------- positions
 
@@ -306,6 +332,11 @@ class SampleReader:
 
     def _file(self, path: str) -> tuple[int, int]:
         got = self._fds.get(path)
+        if got is None and path in self.absent:
+            raise _shard_error("shard was left out by a partial stage", path, where="tokpack-stage.json",
+                               expected="a shard this rank reads", found=self.absent[path],
+                               hint="stage again with --ranks including this rank (same --micro-batch), "
+                                    "or stage the whole run")
         if got is None:
             if len(self._fds) >= MAX_OPEN_FILES:
                 oldest = next(iter(self._fds))

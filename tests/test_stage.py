@@ -285,6 +285,14 @@ def test_ranks_select_what_the_real_reader_feeds_them(run_dir, tmp_path):
     staged = {(int(p.parent.name.split("-")[1]), p.name) for p in dst.glob("epoch-*/*.ds")}
     assert staged == read and len(staged) < len(list(run.glob("epoch-*/*.ds")))
 
+    # The partial copy serves its rank exactly as the whole run does...
+    partial = SampleReader.open(dst)
+    want = [(i.epoch, i.sample, i.tokens.tobytes()) for i in reader.rank_samples(1, world, micro)]
+    assert [(i.epoch, i.sample, i.tokens.tobytes()) for i in partial.rank_samples(1, world, micro)] == want
+    # ...and a rank it was not staged for fails on the first absent shard, saying why.
+    with pytest.raises(TokpackError, match="left out by a partial stage"):
+        list(partial.rank_samples(0, world, micro))
+
 
 def test_ranks_on_source_is_an_error(small_source, tmp_path):
     src, _ = small_source
