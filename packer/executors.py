@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from datatrove.pipeline.base import PipelineStep
+
 from formats.errors import TokpackError
 
 # The folder holding packer/, shuffle/, formats/: Slurm jobs and Ray workers import the steps from here.
@@ -136,14 +138,11 @@ def _local_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str):
     from datatrove.executor import LocalPipelineExecutor
 
     return LocalPipelineExecutor(
-        pipeline=[step],
+        pipeline=[FileLoggedStep(step)],
         tasks=tasks,
         workers=max(1, min(config.workers, tasks)),
         logging_dir=logging_dir,
         skip_completed=True,
-        # fork, not forkserver: workers inherit datatrove_logs_to_files()'s patch, and start
-        # without re-importing numpy and datatrove.
-        start_method="fork",
     )
 
 
@@ -160,6 +159,38 @@ def _file_only_task_logger(logging_dir, rank, local_rank=0, node_rank=-1):
     return logfile
 
 
+def _route_datatrove_logs_to_files() -> tuple:
+    import datatrove.executor.base as dt_base
+    from datatrove.utils import logging as dt_logging
+    from loguru import logger
+
+    original = dt_base.add_task_logger, dt_logging.setup_default_logger
+    dt_base.add_task_logger = _file_only_task_logger
+    dt_logging.setup_default_logger = logger.remove
+    logger.remove()
+    return original
+
+
+class FileLoggedStep(PipelineStep):
+    """Runs `step` unchanged. Unpickled in a worker process (local pool, Slurm job, Ray task),
+    it first routes datatrove's task logging to the log files, before datatrove sets it up."""
+
+    type = "tokpack"
+
+    def __init__(self, step):
+        super().__init__()
+        self.step = step  # the stage's own PipelineStep
+        self.name = getattr(step, "name", type(step).__name__)
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if os.environ.get("TOKPACK_DATATROVE_LOGS") != "1":
+            _route_datatrove_logs_to_files()
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        return self.step.run(data, rank, world_size)
+
+
 @contextlib.contextmanager
 def datatrove_logs_to_files():
     """datatrove logs every task to stderr; under tokpack its logs go to the task log files
@@ -171,10 +202,7 @@ def datatrove_logs_to_files():
     from datatrove.utils import logging as dt_logging
     from loguru import logger
 
-    original = dt_base.add_task_logger, dt_logging.setup_default_logger
-    dt_base.add_task_logger = _file_only_task_logger
-    dt_logging.setup_default_logger = logger.remove
-    logger.remove()
+    original = _route_datatrove_logs_to_files()
     try:
         yield
     finally:
@@ -256,7 +284,7 @@ def _slurm_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, 
     if os.environ.get("VIRTUAL_ENV"):
         env.append(f"export VIRTUAL_ENV={shlex.quote(os.environ['VIRTUAL_ENV'])}")
     return SlurmPipelineExecutor(
-        pipeline=[step],
+        pipeline=[FileLoggedStep(step)],
         tasks=tasks,
         time=config.time_limit,
         partition=config.partition or default_partition(),
@@ -349,7 +377,7 @@ def _ray_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str):
 
     ray_connect(config)
     return RayPipelineExecutor(
-        pipeline=[step],
+        pipeline=[FileLoggedStep(step)],
         tasks=tasks,
         workers=config.workers if config.workers > 1 else -1,
         logging_dir=logging_dir,

@@ -78,7 +78,9 @@ def alloc(nbytes: int) -> np.ndarray:
     """A zero-copy uint8 buffer backed by an anonymous mmap with transparent huge pages
     requested: first-touch page faults cost about half of plain 4 KiB pages here."""
     nbytes = max(int(nbytes), 1)
-    m = mmap.mmap(-1, nbytes)
+    # MAP_PRIVATE: Python's default for anonymous maps is MAP_SHARED, which a forked worker
+    # would share with its parent, and the two would overwrite each other's rows.
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             m.madvise(mmap.MADV_HUGEPAGE)

@@ -262,3 +262,20 @@ def test_slurm_refused_job_is_one_line_error(source, tmp_path):
     assert r.exit_code == 1
     assert "sbatch refused the epoch-00000-" in r.output and "Traceback" not in r.output
     assert not (tmp_path / "run" / "tokpack.json").exists()
+
+
+def test_forked_workers_do_not_share_buffers(source, reference, tmp_path):
+    """Workers forked from a process that already ran a shuffle inherit its reused buffers;
+    those are private mappings, so two workers never write into each other's rows."""
+    from datatrove.executor import LocalPipelineExecutor
+
+    from shuffle.engine import shuffle_run
+
+    def forked(step, tasks, job_name, logging_dir):
+        LocalPipelineExecutor([step], tasks=tasks, workers=2, logging_dir=str(logging_dir),
+                              start_method="fork").run()
+
+    cli("shuffle", source, "-o", tmp_path / "warm", *SHUFFLE)  # fills this process's buffers
+    shuffle_run([str(source)], str(tmp_path / "run"), seq_len=63, seed=3, epochs=[0], samples=None, tokens=None,
+                shard_samples=100, memory=64 << 10, jitter=False, workers=2, tasks=5, run_step=forked)
+    assert tree(tmp_path / "run") == reference
