@@ -76,6 +76,10 @@ def user_errors(fn):
                 click.echo(json.dumps({"ok": False, "error": e.to_json()}))
             click.echo(f"tokpack: error: {e}", err=True)
             sys.exit(1)
+        except ModuleNotFoundError as e:  # an optional dependency this command needs
+            click.echo(f"tokpack: error: this command needs the module {e.name!r}, which is not installed. "
+                       f"HINT: pip install {e.name}", err=True)
+            sys.exit(1)
         except KeyboardInterrupt:
             click.echo("tokpack: interrupted; rerun the same command to resume", err=True)
             sys.exit(130)
