@@ -210,3 +210,20 @@ def test_cli_inspect(huge_doc_run):
     assert r.exit_code == 0 and "batches before" in r.output and "after (epoch 0, plan)" in r.output
     r = CliRunner().invoke(main, ["inspect", str(run), "--epoch", "7"])
     assert r.exit_code == 1 and "epoch not in this run" in r.output
+
+
+def test_document_lengths_sample_large_corpora(tmp_path, monkeypatch):
+    """Above the cap, evenly spaced blocks of the indexes are read, not all of them; the
+    sample's mean stays close to the corpus's, and the report says it was sampled."""
+    import packer.inspect as inspect_mod
+    from formats import PackedSource
+
+    rng = np.random.default_rng(3)
+    docs = random_docs(rng, 4000, 1000, 0, max_len=60)
+    src = PackedSource.open(write_source(tmp_path / "src", docs, docs_per_shard=500))
+    full = inspect_mod.document_lengths([src]).report()
+    assert full["documents"] == 4000 and "sampled_from_documents" not in full
+    monkeypatch.setattr(inspect_mod, "INDEX_BLOCK", 100)
+    sampled = inspect_mod.document_lengths([src], max_documents=1000).report()
+    assert sampled["documents"] == 1000 and sampled["sampled_from_documents"] == 4000
+    assert abs(sampled["mean"] - full["mean"]) < 0.1 * full["mean"]
