@@ -27,6 +27,8 @@ SHARD_NAME_DIGITS = 5
 # disk busy, small enough that memory does not depend on file size.
 IO_BLOCK = 16 << 20
 TMP_MARK = ".tmp-"
+# Written by `tokpack stage --ranks` at a run copy's root: which shards it left out.
+STAGE_SIDECAR = "tokpack-stage.json"
 
 
 # ---------------------------------------------------------------------------- dtypes
@@ -255,6 +257,23 @@ def check_manifest_header(manifest: object, path: str | Path, kind=None) -> None
 
 def manifest_kind(directory: str | Path) -> str:
     return read_manifest(directory)["kind"]
+
+
+def partial_stage_absent(run_dir: Path) -> dict[str, str]:
+    """Shards a `tokpack stage --ranks` copy left out, from its `tokpack-stage.json` sidecar:
+    {shard path: "staged for ranks ... of W, micro-batch m"}."""
+    sidecar = Path(run_dir) / STAGE_SIDECAR
+    if not sidecar.exists():
+        return {}
+    try:
+        info = json.loads(sidecar.read_text())
+        stages = "; ".join(f"ranks {st['ranks']} of {st['world_size']}, micro-batch {st['micro_batch']}"
+                           for st in info.get("stages", []))
+        return {str(Path(run_dir) / epoch / name): f"staged only for {stages}"
+                for epoch, names in info.get("missing_shards", {}).items() for name in names}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise TokpackError("unreadable partial-stage sidecar", file=sidecar,
+                           hint="stage the directory again") from None
 
 
 # ------------------------------------------------------------------------ progress

@@ -17,7 +17,6 @@ This module must not import torch (nor datatrove.utils.dataset, which imports it
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .errors import TokpackError
-from .manifest import dtype_from_name, epoch_dir_name, read_manifest, xxh3_128_file
+from .manifest import dtype_from_name, epoch_dir_name, partial_stage_absent, read_manifest, xxh3_128_file
 
 U64 = np.dtype("<u8")
 # One contiguous read when the rank's rows are contiguous (W == 1): large enough to keep a
@@ -101,23 +100,6 @@ class Sample:
 
 def _shard_error(message: str, path, **kw) -> TokpackError:
     return TokpackError(message, file=path, hint=kw.pop("hint", "restore the file, or run `tokpack validate` on the directory"), **kw)
-
-
-def partial_stage_absent(run_dir: Path) -> dict[str, str]:
-    """Shards a `tokpack stage --ranks` copy left out, from its `tokpack-stage.json` sidecar:
-    {shard path: "staged for ranks ... of W, micro-batch m"}."""
-    sidecar = Path(run_dir) / "tokpack-stage.json"
-    if not sidecar.exists():
-        return {}
-    try:
-        info = json.loads(sidecar.read_text())
-        stages = "; ".join(f"ranks {st['ranks']} of {st['world_size']}, micro-batch {st['micro_batch']}"
-                           for st in info.get("stages", []))
-        return {str(Path(run_dir) / epoch / name): f"staged only for {stages}"
-                for epoch, names in info.get("missing_shards", {}).items() for name in names}
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise TokpackError("unreadable partial-stage sidecar", file=sidecar,
-                           hint="stage the directory again") from None
 
 
 def _positions_from_starts(starts: np.ndarray) -> np.ndarray:

@@ -30,6 +30,7 @@ import xxhash
 from .errors import IncompleteError, TokpackError
 from .manifest import (
     MANIFEST,
+    STAGE_SIDECAR,
     TMP_MARK,
     dtype_for_vocab,
     dtype_name,
@@ -39,6 +40,7 @@ from .manifest import (
     metadata_text,
     multiset_hash_rows,
     parse_metadata_text,
+    partial_stage_absent,
     progress,
     read_manifest,
 )
@@ -647,6 +649,7 @@ def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: _Probl
 class _Dir:
     report: DirReport  # filled in as checks run
     jobs: list[ShardJob]  # shard checks still to run
+    partial: bool = False  # some shards absent by a partial stage: no whole-epoch sums to check
 
 
 def _open_manifest(path: Path, rep: DirReport, kinds) -> dict | None:
@@ -843,6 +846,12 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
             rep.problems.append(Problem(str(p), None, "an epoch listed in the run's `epochs`", "an unlisted epoch directory",
                                         "epoch not yet recorded in the run manifest (interrupted shuffle?); rerun it",
                                         incomplete=True))
+    # A `stage --ranks` copy: its absent shards are one problem, not one line per file.
+    absent = partial_stage_absent(path)
+    if absent:
+        rep.problems.append(Problem(str(path / STAGE_SIDECAR), "missing_shards", "every shard of the run",
+                                    f"{len(absent)} shards absent, {next(iter(absent.values()))}",
+                                    "partial stage: serves only the ranks it was staged for"))
     totals = [0, 0, 0]  # tokens, documents, readable epochs
     for e in epochs:
         sub = path / epoch_dir_name(e)
@@ -851,6 +860,8 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
                                         "no such directory", "epoch missing"))
             continue
         d = _plan_dir(sub, quick, kinds="epoch")
+        present = [j for j in d.jobs if str(j.directory / j.entry["path"]) not in absent]
+        d.jobs, d.partial = present, len(present) < len(d.jobs)
         plan.append(d)
         em = d.report.manifest
         if em is None or em.get("kind") != "epoch":
@@ -948,7 +959,7 @@ def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1
         recomputed.setdefault(id(d), []).append(res.multiset)
     for d in plan:
         rep, m = d.report, d.report.manifest
-        if rep.kind == "epoch" and d.jobs and not quick:
+        if rep.kind == "epoch" and d.jobs and not quick and not d.partial:
             parts = recomputed.get(id(d), [])
             if all(x is not None for x in parts):
                 rep.multiset = sum(parts) & MASK64

@@ -34,6 +34,7 @@ import xxhash
 from formats.errors import TokpackError
 from formats.manifest import (
     MANIFEST,
+    STAGE_SIDECAR,
     check_manifest_header,
     commit_file,
     epoch_dir_name,
@@ -45,7 +46,7 @@ from formats.manifest import (
 # Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
 # handful of workers the memory stays at workers x STAGE_BLOCK.
 STAGE_BLOCK = 32 << 20
-PARTIAL_SIDECAR = "tokpack-stage.json"
+PARTIAL_SIDECAR = STAGE_SIDECAR
 # Run-manifest fields that depend on which epochs were staged.
 _RUN_SELECTION_KEYS = ("epochs", "tokens", "documents")
 # copy_file_range errors that mean "not here" (old kernel, cross-filesystem, unsupported fs),

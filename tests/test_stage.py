@@ -257,7 +257,11 @@ def test_stage_ranks_copies_only_their_shards(run_dir, tmp_path):
             chained += s["samples"]
     from shuffle.verify import validate_all
 
-    assert not validate_all([str(dst)])["ok"]  # a partial copy never passes for the whole run
+    report = validate_all([str(dst)])
+    assert not report["ok"]  # a partial copy never passes for the whole run...
+    # ...and says so in one line, while the shards it holds are still checked in full.
+    assert [p["message"] for p in report["problems"]] == ["partial stage: serves only the ranks it was staged for"]
+    assert f"{summary['shards_skipped']} shards absent" in report["problems"][0]["found"]
     side = json.loads((dst / PARTIAL_SIDECAR).read_text())
     assert side["stages"] == [{"ranks": [3], "world_size": 5, "micro_batch": 8}]
     assert sum(len(v) for v in side["missing_shards"].values()) == summary["shards_skipped"]
