@@ -211,10 +211,7 @@ def shuffle(sources, output, seq_len, seed, epochs, epoch, samples, tokens, shar
         log=None if as_json else lambda msg: click.echo(msg, err=True),
         workers=config.workers,
         tasks=config.tasks,
-        # One local worker: the steps run in this process, sparing datatrove's executor start-up
-        # (about 1 s and a manager process per pass) and its log lines on stderr.
-        run_step=None if (config.executor, config.workers, config.logging_dir) == ("local", 1, None)
-        else step_runner(config),
+        run_step=step_runner(config),
     )
     emit(summary, as_json)
 

@@ -357,19 +357,6 @@ def _finalize(out: Path, work: Path, plan: dict) -> dict:
     return manifest
 
 
-def _run_tasks(step: PackStep, ntasks: int, config: ExecutorConfig, logging_dir: Path) -> None:
-    """One local worker runs the tasks in this process: importing datatrove's executor
-    (datatrove.io -> fsspec, huggingface_hub) and starting its worker manager costs about
-    2 s on a cold cache, which alone would break the 1.3x-cp goal on a 2 GiB pack. Resume
-    needs no completion markers: a task skips an input whose part JSON is complete. Any other
-    configuration goes through datatrove's executors (packer.executors.run_step)."""
-    if config.executor == "local" and config.workers == 1 and config.logging_dir is None:
-        for rank in range(ntasks):
-            step.run(None, rank, ntasks)
-        return
-    run_step(step, ntasks, config, logging_dir, "pack")
-
-
 def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: str | None = None,
          dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
          vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30, log=None,
@@ -446,7 +433,7 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
         step = PackStep(packed_files, str(work), vocab, eos, out_dtype.name, tok_name, int(shard_tokens), block_bytes)
         ntasks = min(config.tasks or len(packed_files), len(packed_files))
         try:
-            _run_tasks(step, ntasks, config, base_logs / "pack")
+            run_step(step, ntasks, config, base_logs / "pack", "pack")
         except Exception as e:
             _raise_task_error(work, out, created, e)
         _raise_task_error(work, out, created, None)

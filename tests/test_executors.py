@@ -126,7 +126,8 @@ KILLER = textwrap.dedent(
                 os.replace = replace_then_die
             return self.step.run(data, rank, world_size)
 
-    inner = step_runner(ExecutorConfig(workers=1))  # in-process: the kill takes the driver down too
+    # datatrove's LocalPipelineExecutor with one worker runs in this process: the kill takes the driver down too
+    inner = step_runner(ExecutorConfig(workers=1, in_process=False))
 
     def run_step(step, tasks, job_name, logging_dir):
         inner(KillMidway(step) if job_name.endswith("-order") else step, tasks, job_name, logging_dir)

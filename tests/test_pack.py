@@ -578,3 +578,18 @@ def test_bad_input_is_one_line_and_no_output(case, corpus, tmp_path):
         assert word in lines[0]
     assert not (out / MANIFEST).exists()
     assert not out.exists() or not list(out.rglob("*.ds"))
+
+
+def test_missing_optional_module_is_one_line(monkeypatch, tmp_path):
+    """A dependency missing at run time is named with the install hint, exit 1, no traceback."""
+    import packer.pack as pack_mod
+
+    def needs_tokenizers(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'tokenizers'", name="tokenizers")
+
+    monkeypatch.setattr(pack_mod, "pack", needs_tokenizers)
+    r = CliRunner().invoke(main, ["pack", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out")])
+    assert r.exit_code == 1
+    assert r.stderr.strip().splitlines() == [
+        "tokpack: error: this command needs the module 'tokenizers', which is not installed. HINT: pip install tokenizers"]
+    assert "Traceback" not in r.output
