@@ -107,6 +107,29 @@ def median_of(fn, runs: int = 3) -> Measure:
     return Measure(statistics.median(r.seconds for r in results), max(r.peak_rss_mb for r in results), 0)
 
 
+def alternate(cases: list[tuple[str, object]], runs: int) -> dict[str, list[Measure]]:
+    """Runs every case once per round, for `runs` rounds. `cases`: (name, a callable
+    returning a Measure). On these VMs the same cold read swings 2x within minutes; cases run
+    side by side in a round see the same disk, so per-round ratios are far steadier than
+    ratios of medians taken minutes apart."""
+    results: dict[str, list[Measure]] = {name: [] for name, _ in cases}
+    for r in range(runs):
+        # Each round starts one case later, so no case always runs right after the same one.
+        for name, fn in cases[r % len(cases):] + cases[: r % len(cases)]:
+            results[name].append(fn())
+    return results
+
+
+def paired_ratio(case: list[Measure], baseline: list[Measure]) -> tuple[float, float, float]:
+    """(median, lowest, highest) over rounds of case time / baseline time in the same round."""
+    ratios = sorted(c.seconds / b.seconds for c, b in zip(case, baseline))
+    return statistics.median(ratios), ratios[0], ratios[-1]
+
+
+def ratio_range(lo: float, hi: float) -> str:
+    return f"{lo:.2f}-{hi:.2f}"
+
+
 def dir_bytes(path: Path, suffix: str = "") -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file() and p.name.endswith(suffix))
 
@@ -140,7 +163,8 @@ def make_datatrove_corpus(out: Path, total_bytes: int, token_size: int = 2, file
                 written += n
         all_ends = np.unique(np.concatenate(ends)).astype("<u8")
         all_ends.tofile(out / f"{name}.index")
-        (out / f"{name}.metadata").write_text(f"gpt2|{token_size}\n{written}\n{written / 1e9:.1f}GT")
+        tokenizer = "gpt2" if token_size == 2 else "llama3"  # a 4-byte vocabulary is not gpt2's
+        (out / f"{name}.metadata").write_text(f"{tokenizer}|{token_size}\n{written}\n{written / 1e9:.1f}GT")
     return out
 
 

@@ -1,13 +1,14 @@
 """`tokpack pack` against the physical baseline, `cp -r` + `sync` of the same input files,
 in one run. Both are timed cold (page cache dropped first when running as root), as child
-processes, median of --runs. Pack's time includes a `sync`, so its written data is on disk
+processes, alternating cp and pack for --runs rounds; the ratio is the median of the
+per-round ratios, with their range. Pack's time includes a `sync`, so its written data is on disk
 like cp's. Goal (issue 2): pack <= 1.3x cp on >= 2 GiB of datatrove input.
 
 Cases: datatrove uint16 and uint32 folders (bench/common.make_datatrove_corpus); the uint16
 corpus also as Megatron .bin/.idx (the .bin hard-links the .ds: same bytes) and as Parquet
 list<uint16> (uncompressed, written once, untimed).
 
-    python bench/pack.py [--size 2GiB] [--runs 3] [--workers 1] [--quick]
+    python bench/pack.py [--size 2GiB] [--runs 5] [--workers 1] [--quick]
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, can_drop_caches, cp_sync, dir_bytes, machine_line, make_datatrove_corpus, parse_size, print_table, run_measured  # noqa: E402
+from common import (REPO, alternate, can_drop_caches, cp_sync, dir_bytes, machine_line, make_datatrove_corpus,  # noqa: E402
+                    paired_ratio, parse_size, print_table, ratio_range, run_measured)
 
-COLUMNS = ["case", "GB", "seconds", "MB/s", "peak RSS MB", "ratio to cp", "ratio excl. start-up"]
+COLUMNS = ["case", "GB", "seconds", "MB/s", "peak RSS MB", "ratio to cp", "ratio range", "ratio excl. start-up"]
 SIZE = "2GiB"
 QUICK_SIZE = "64MiB"
 
@@ -79,7 +81,7 @@ def timed(fn, runs: int):
     return statistics.median(r.seconds for r in results), max(r.peak_rss_mb for r in results)
 
 
-def main(size: str | int = SIZE, quick: bool = False, runs: int = 3, workers: int = 1, workdir: str | None = None) -> list[dict]:
+def main(size: str | int = SIZE, quick: bool = False, runs: int = 5, workers: int = 1, workdir: str | None = None) -> list[dict]:
     total = parse_size(QUICK_SIZE if quick else size) if isinstance(size, str) or quick else size
     runs = 1 if quick else runs
     root = Path(tempfile.mkdtemp(prefix="tokpack-bench-pack-", dir=workdir))
@@ -107,16 +109,19 @@ def main(size: str | int = SIZE, quick: bool = False, runs: int = 3, workers: in
                 shutil.rmtree(dst, ignore_errors=True)
                 return run_measured(pack_cmd(src, dst, workers, extra))
 
-            cp_s, cp_rss = timed(lambda: cp_sync(src, root / "cp"), runs)
-            pk_s, pk_rss = timed(one_pack, runs)
+            res = alternate([("cp", lambda: cp_sync(src, root / "cp")), ("pack", one_pack)], runs)
             shutil.rmtree(root / "cp", ignore_errors=True)
             shutil.rmtree(dst, ignore_errors=True)
+            cp_s = statistics.median(m.seconds for m in res["cp"])
+            pk_s = statistics.median(m.seconds for m in res["pack"])
+            ratio, lo, hi = paired_ratio(res["pack"], res["cp"])
+            no_start = statistics.median(max(p.seconds - startup, 0) / c.seconds for p, c in zip(res["pack"], res["cp"]))
             gb = nbytes / 1e9
             rows.append({"case": f"cp -r + sync ({name})", "GB": gb, "seconds": cp_s, "MB/s": nbytes / 1e6 / cp_s,
-                         "peak RSS MB": cp_rss, "ratio to cp": 1.0})
+                         "peak RSS MB": max(m.peak_rss_mb for m in res["cp"]), "ratio to cp": 1.0})
             rows.append({"case": f"tokpack pack {name}" + (f" --workers {workers}" if workers > 1 else ""), "GB": gb,
-                         "seconds": pk_s, "MB/s": nbytes / 1e6 / pk_s, "peak RSS MB": pk_rss,
-                         "ratio to cp": pk_s / cp_s, "ratio excl. start-up": max(pk_s - startup, 0) / cp_s})
+                         "seconds": pk_s, "MB/s": nbytes / 1e6 / pk_s, "peak RSS MB": max(m.peak_rss_mb for m in res["pack"]),
+                         "ratio to cp": ratio, "ratio range": ratio_range(lo, hi), "ratio excl. start-up": no_start})
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return rows
@@ -125,12 +130,12 @@ def main(size: str | int = SIZE, quick: bool = False, runs: int = 3, workers: in
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default=SIZE, help="corpus size per case, e.g. 2GiB (default)")
-    ap.add_argument("--runs", type=int, default=3, help="timed runs per row; the median is shown")
+    ap.add_argument("--runs", type=int, default=5, help="rounds of cp and pack, alternating; medians are shown")
     ap.add_argument("--workers", type=int, default=1, help="tokpack pack --workers")
     ap.add_argument("--workdir", default=None, help="where to generate the corpora (default: the temp dir)")
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_SIZE}, one run")
     a = ap.parse_args()
     rows = main(a.size, quick=a.quick, runs=a.runs, workers=a.workers, workdir=a.workdir)
     cache = "cold (page cache dropped before each run)" if can_drop_caches() else "warm (not root: cannot drop caches)"
-    print(f"{machine_line()}; {cache}; median of {1 if a.quick else a.runs}")
+    print(f"{machine_line()}; {cache}; {1 if a.quick else a.runs} alternating rounds")
     print_table(f"tokpack pack vs cp -r + sync ({a.size if not a.quick else QUICK_SIZE} per case)", rows, COLUMNS)

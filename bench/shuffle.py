@@ -1,6 +1,6 @@
 """tokpack shuffle against the physical floor and its peers, side by side in one run.
 
-    python bench/shuffle.py [--size 2GiB] [--seq-len 2047] [--runs 3] [--quick]
+    python bench/shuffle.py [--size 2GiB] [--seq-len 2047] [--runs 5] [--quick]
 
 Rows (each in a child process, page cache dropped first when running as root):
   cold read        every input file read sequentially once (the floor for one read)
@@ -30,7 +30,7 @@ import common  # noqa: E402
 from common import REPO, cold_read, cp_sync, make_datatrove_corpus, parse_size, print_table, run_measured  # noqa: E402
 from peers import datatrove_merger_cmd, hf_shuffle_cmd, missing, prepare_hf_windows  # noqa: E402
 
-COLUMNS = ["case", "seconds", "x cp+sync", "MB/s", "peak RSS MB", "--memory MB", "RSS - memory MB", "goal", "note"]
+COLUMNS = ["case", "seconds", "x cp+sync", "range", "MB/s", "peak RSS MB", "--memory MB", "RSS - memory MB", "goal", "note"]
 
 
 def pack_corpus(corpus: Path, out: Path, vocab_size: int = 50257, eos_id: int = 0) -> Path:
@@ -91,13 +91,16 @@ def main(size: int | str = "2GiB", quick: bool = False, seq_len: int = 2047, wor
             cases.append(("HF datasets shuffle().flatten_indices().save_to_disk()",
                           synced(hf_shuffle_cmd(arrow, tmp / "hf", tmp / "hf-cache.arrow")), None, "same windows",
                           tmp / "hf"))
-        measures: dict[str, list] = {c[0]: [] for c in cases}
-        for _ in range(runs):
-            for case, cmd, _mem, _note, out in cases:
-                measures[case].append(cmd() if callable(cmd) else run_measured(cmd, cwd=str(REPO)))
+        def timed(cmd, out):
+            def run():
+                m = cmd() if callable(cmd) else run_measured(cmd, cwd=str(REPO))
                 for junk in (out, tmp / "hf-cache.arrow"):
                     if junk is not None and junk.exists():
                         shutil.rmtree(junk) if junk.is_dir() else junk.unlink()
+                return m
+            return run
+
+        measures = common.alternate([(case, timed(cmd, out)) for case, cmd, _mem, _note, out in cases], runs)
         rows = []
         for case, _cmd, memory, note, _out in cases:
             ms = measures[case]
@@ -110,16 +113,17 @@ def main(size: int | str = "2GiB", quick: bool = False, seq_len: int = 2047, wor
             rows.append(r)
         if why is not None:
             rows.append({"case": "HF datasets shuffle().flatten_indices().save_to_disk()", "note": why})
-        cp = next(r for r in rows if r["case"] == "cp -r + sync")["seconds"]
         for r in rows:
             if r.get("seconds"):
-                r["x cp+sync"] = r["seconds"] / cp
+                ratio, lo, hi = common.paired_ratio(measures[r["case"]], measures["cp -r + sync"])
+                r["x cp+sync"], r["range"] = ratio, common.ratio_range(lo, hi)
             if r["case"].startswith("tokpack"):
                 limit = 1.3 if "in memory" in r["case"] else 2.3
                 ok = r["x cp+sync"] <= limit and r["RSS - memory MB"] <= 200
                 r["goal"] = f"<= {limit}x, RSS <= mem+200MB: {'met' if ok else 'MISSED'}"
         cache = "page cache dropped before each run" if common.can_drop_caches() else "WARM page cache (not root)"
-        print_table(f"shuffle, {data / 2**20:.0f} MiB of tokens, seq_len {seq_len}, median of {runs}; "
+        print_table(f"shuffle, {data / 2**20:.0f} MiB of tokens, seq_len {seq_len}, {runs} rounds, medians and "
+                    f"median per-round ratio to cp; "
                     f"{common.machine_line()}; {cache}", rows, COLUMNS)
         return rows
     finally:
@@ -131,7 +135,7 @@ if __name__ == "__main__":
     ap.add_argument("--size", default="2GiB", help="generated corpus size (default 2GiB)")
     ap.add_argument("--seq-len", type=int, default=2047)
     ap.add_argument("--workdir", default=None, help="where to put the temporary corpus (default: $TMPDIR)")
-    ap.add_argument("--runs", type=int, default=1, help="runs per case, round robin; the table quotes the median")
+    ap.add_argument("--runs", type=int, default=5, help="rounds, every case once per round; the table quotes medians")
     ap.add_argument("--quick", action="store_true", help="16 MiB corpus, one run: checks that every row runs")
     a = ap.parse_args()
     main(a.size, quick=a.quick, seq_len=a.seq_len, workdir=a.workdir, runs=a.runs)

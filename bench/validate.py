@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,13 +21,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (  # noqa: E402
+    alternate,
     cold_read,
     dir_bytes,
     drop_caches,
     machine_line,
+    paired_ratio,
     parse_size,
     print_table,
     python_cmd,
+    ratio_range,
     run_measured,
 )
 
@@ -107,14 +111,20 @@ def _inner_seconds(path: Path, *flags: str) -> float:
     return json.loads(out.stdout)["seconds"]
 
 
-def _row(dirname: str, what: str, nbytes: int, m, read, inner: float | None) -> dict:
-    return {"dir": dirname, "what": what, "MB": nbytes / 1e6, "seconds": m.seconds,
-            "MB/s": nbytes / 1e6 / m.seconds, "vs read": read.seconds / m.seconds,
-            "in-process s": inner, "vs read (in-process)": read.seconds / inner if inner else None,
-            "peak RSS MB": m.peak_rss_mb}
+def _row(dirname: str, what: str, nbytes: int, ms: list, reads: list, inner: float | None) -> dict:
+    """`ms`, `reads`: the case's and the cold read's measures, one per round."""
+    seconds = statistics.median(m.seconds for m in ms)
+    read = statistics.median(m.seconds for m in reads)
+    # throughput ratio = read time / validate time; paired_ratio gives validate / read
+    ratio, lo, hi = paired_ratio(ms, reads)
+    return {"dir": dirname, "what": what, "MB": nbytes / 1e6, "seconds": seconds,
+            "MB/s": nbytes / 1e6 / seconds, "vs read": 1 / ratio, "range": ratio_range(1 / hi, 1 / lo),
+            "in-process s": inner, "vs read (in-process)": read / inner if inner else None,
+            "peak RSS MB": max(m.peak_rss_mb for m in ms)}
 
 
-def main(size: int, quick: bool = False, workers: int = 2, work: Path | None = None) -> list[dict]:
+def main(size: int, quick: bool = False, workers: int = 2, work: Path | None = None, runs: int = 5) -> list[dict]:
+    runs = 1 if quick else runs
     tmp = Path(tempfile.mkdtemp(prefix="tokpack-bench-validate-", dir=work))
     rows = []
     try:
@@ -124,11 +134,13 @@ def main(size: int, quick: bool = False, workers: int = 2, work: Path | None = N
         shuffle_run([str(src)], str(tmp / "run"), seq_len=SEQ_LEN, seed=0, epochs=[0], memory=max(size, 64 << 20))
         for label, path in (("packed source", src), ("epoch", tmp / "run")):
             nbytes = dir_bytes(path)
-            read = cold_read(path)
+            variants = [["--workers", str(w)] for w in sorted({1, workers})] + [["--quick"]]
+            res = alternate([("read", lambda: cold_read(path))]
+                            + [(" ".join(f), lambda f=f: _measure_ok(validate_cmd(path, *f))) for f in variants], runs)
+            read = res["read"]
             rows.append(_row(label, "cold read (cat)", nbytes, read, read, None))
-            for flags in [["--workers", str(w)] for w in sorted({1, workers})] + [["--quick"]]:
-                m = _measure_ok(validate_cmd(path, *flags))
-                rows.append(_row(label, " ".join(["tokpack validate", *flags]), nbytes, m, read,
+            for flags in variants:
+                rows.append(_row(label, " ".join(["tokpack validate", *flags]), nbytes, res[" ".join(flags)], read,
                                  _inner_seconds(path, *flags)))
         shutil.rmtree(tmp / "src")
         shutil.rmtree(tmp / "run")
@@ -137,17 +149,17 @@ def main(size: int, quick: bool = False, workers: int = 2, work: Path | None = N
         many = make_many_shards(tmp / f"many-{n}", n)
         gen = time.perf_counter() - t0
         nbytes = dir_bytes(many)
-        read = cold_read(many)
+        read = [cold_read(many)]
         rows.append(_row(f"{n:,} shards", "cold read (cat)", nbytes, read, read, None))
         for flags in (["--quick"], ["--quick", "--workers", str(workers)], []):
-            m = _measure_ok(validate_cmd(many, *flags))
+            m = [_measure_ok(validate_cmd(many, *flags))]
             rows.append(_row(f"{n:,} shards", " ".join(["tokpack validate", *flags]), nbytes, m, read,
                              _inner_seconds(many, *flags)))
         print(f"(generating {n:,} shards took {gen:.1f} s)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print_table(f"tokpack validate, {size / 2**20:,.0f} MiB packed source + its epoch (seq_len {SEQ_LEN}); "
-                f"{machine_line()}", rows, ["dir", "what", "MB", "seconds", "MB/s", "vs read", "in-process s", "vs read (in-process)",
+                f"{machine_line()}", rows, ["dir", "what", "MB", "seconds", "MB/s", "vs read", "range", "in-process s", "vs read (in-process)",
                  "peak RSS MB"])
     print("goal: full validation >= 0.8x the cold read's throughput ('vs read' = read time / validate time; "
           "'in-process' leaves out the interpreter start, ~0.3-0.5 s here, which dominates small sizes)")
@@ -158,7 +170,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="1GiB", help="packed source size (IEC/SI units)")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--quick", action="store_true", help="1,000 shards instead of 10,000")
+    ap.add_argument("--quick", action="store_true", help="1,000 shards instead of 10,000, one round")
+    ap.add_argument("--runs", type=int, default=5, help="rounds of cold read and validate, alternating")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: system temp)")
     args = ap.parse_args()
-    main(parse_size(args.size), quick=args.quick, workers=args.workers, work=args.work)
+    main(parse_size(args.size), quick=args.quick, workers=args.workers, work=args.work, runs=args.runs)

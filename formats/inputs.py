@@ -35,6 +35,7 @@ FORMATS = ("datatrove", "megatron", "parquet", "numpy", "jsonl", "text")
 BLOCK_BYTES = 16 << 20
 INDEX_CHUNK = 1 << 20  # index entries (documents/sequences) loaded at a time
 TABLE_ROWS = 8192  # Parquet/Arrow rows per record batch
+PARQUET_READ_BYTES = 8 << 20  # Parquet column data is read in pieces of this size
 
 _BUFFERS: dict = {}  # (role, dtype) -> _Buffer, reused by every reader of this process
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
@@ -52,6 +53,12 @@ MEGATRON_DTYPES = {
 }
 RAW_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64")
 EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
+# Hub tokenizers whose EOS id and vocabulary are fixed facts: datatrove metadata names them
+# (its default is "gpt2") and tokpack never downloads, so without this they could not be used.
+KNOWN_TOKENIZERS = {
+    name: {"eos_id": 50256, "eos_token": "<|endoftext|>", "vocab_size": 50257}
+    for name in ("gpt2", "openai-community/gpt2")
+}
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson")
 ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
 
@@ -107,6 +114,7 @@ def discover(inputs: list[str], input_format: str = "auto", column: str | None =
     if not files:
         raise TokpackError("no input files found", file=", ".join(inputs), expected="at least one file",
                            found="nothing", hint="check the paths and --format")
+    _check_dtype_option(files, dtype)
     _check_consistent(files)
     return formats.pop(), files
 
@@ -186,6 +194,24 @@ def _discover_dir(path: Path, want, column, dtype) -> tuple[str, list[InputFile]
                expected="*.ds, *.bin+*.idx, *.parquet, *.arrow, *.npy or *.jsonl" if want == "auto" else want,
                found=f"{len(files)} files" + (f" ({', '.join(names[:4])}...)" if names else ""),
                hint="check the path, or pass --format")
+
+
+def _check_dtype_option(files: list[InputFile], dtype: str | None) -> None:
+    """--dtype describes raw token files; an input that records its own dtype must agree with
+    it, since silently ignoring the option would hide a wrong assumption about the data."""
+    if dtype is None:
+        return
+    try:
+        given = np.dtype(dtype).name
+    except TypeError:
+        given = dtype
+    for f in files:
+        if f.dtype is None:
+            raise _err(f"--dtype applies only to raw token files, not to {f.format} input", f.path, where="--dtype",
+                       expected="no --dtype", found=dtype, hint="drop --dtype")
+        if np.dtype(f.dtype).name != given:
+            raise _err(f"--dtype differs from the dtype the {f.format} input records", f.path, where="--dtype",
+                       expected=f.dtype, found=dtype, hint="drop --dtype, it is only for raw token files")
 
 
 def _check_consistent(files: list[InputFile]) -> None:
@@ -593,7 +619,11 @@ def iter_record_batches(f: InputFile, columns: list[str]):
 
     kind = f.extra.get("container", f.format)
     if kind == "parquet":
-        yield from pq.ParquetFile(f.path).iter_batches(batch_size=TABLE_ROWS, columns=columns)
+        # pyarrow's default pre-buffering reads ahead across row groups (a 512 MB file peaked at
+        # 717 MB of Arrow memory); a buffered stream decodes one row group with 8 MiB reads
+        # (186 MB for the same file: a row group's values plus its levels).
+        pf = pq.ParquetFile(f.path, pre_buffer=False, buffer_size=PARQUET_READ_BYTES)
+        yield from pf.iter_batches(batch_size=TABLE_ROWS, columns=columns)
         return
     with pa.memory_map(f.path) as src:
         if _arrow_kind(Path(f.path)) == "file":

@@ -6,6 +6,7 @@ parts every stage shares.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -171,11 +172,136 @@ def commit_file(tmp: str | Path, final: str | Path, fsync: bool = False) -> None
     os.replace(tmp, final)
 
 
-def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+def write_bytes_atomic(path: str | Path, data: bytes, fsync: bool = False) -> None:
     tmp = tmp_path(path)
     with open(tmp, "wb") as f:
         f.write(data)
+        if fsync:
+            os.fsync(f.fileno())
     commit_file(tmp, path)
+
+
+def fsync_dir(directory: str | Path) -> None:
+    """Makes the renames into `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a directory; the renames are still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+DIRECT_ALIGN = 4096  # O_DIRECT wants buffer address, length and file offset aligned to the block size
+DIRECT_STAGING = 4 << 20  # bytes staged for data that does not arrive aligned
+
+
+def _aligned_buffer(nbytes: int) -> memoryview:
+    import mmap
+
+    # MAP_PRIVATE: an anonymous map is MAP_SHARED by default, and a forked worker would share it
+    return memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+
+
+class DurableFile:
+    """A file written under a temporary name, hashed as it goes, and fsync'd and renamed on
+    commit: once committed, it survives a crash.
+
+    `direct=True` (for shard data, written once in large pieces) writes with O_DIRECT: the
+    disk reads the bytes straight from our buffers. Buffered writes first copy every byte into
+    freshly allocated page-cache pages and only reach the disk at fsync; measured here on
+    2 GiB, 0.7-1.0 s direct against 1.8-2.0 s buffered, fsync included. Data that arrives at
+    an unaligned address is copied through a small staging buffer; the last partial block is
+    written padded and the file truncated to its length. Filesystems without O_DIRECT (tmpfs)
+    get buffered writes. (Starting writeback early with sync_file_range instead measured slower
+    than one fdatasync at the end.)"""
+
+    def __init__(self, final: str | Path, direct: bool = False):
+        self.final = Path(final)  # the name it gets on commit
+        self.tmp = tmp_path(final)  # the name it is written under
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.hash = xxhash.xxh3_128()  # of every byte written
+        self.bytes = 0  # written so far (the file may hold fewer until commit, see _staged)
+        self._staging: memoryview | None = None  # O_DIRECT only: the unaligned tail, not yet written
+        self._staged = 0  # bytes in _staging
+        if direct and _set_direct(self.fd, True):
+            self._staging = _aligned_buffer(DIRECT_STAGING)
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        self.hash.update(mv)
+        self.bytes += mv.nbytes
+        if self._staging is None:
+            self._write_all(mv)
+            return
+        if self._staged:  # top the staging block up first: the file offset is unaligned until it is written
+            take = min(mv.nbytes, DIRECT_STAGING - self._staged)
+            self._staging[self._staged : self._staged + take] = mv[:take]
+            self._staged += take
+            mv = mv[take:]
+            if self._staged == DIRECT_STAGING:
+                self._write_all(self._staging)
+                self._staged = 0
+        if mv.nbytes >= DIRECT_ALIGN and _address(mv) % DIRECT_ALIGN == 0:
+            k = mv.nbytes - mv.nbytes % DIRECT_ALIGN
+            self._write_all(mv[:k])
+            mv = mv[k:]
+        while mv.nbytes:
+            take = min(mv.nbytes, DIRECT_STAGING)
+            self._staging[:take] = mv[:take]
+            self._staged = take
+            mv = mv[take:]
+            if take == DIRECT_STAGING:
+                self._write_all(self._staging)
+                self._staged = 0
+
+    def _write_all(self, mv: memoryview) -> None:
+        while mv.nbytes:
+            try:
+                n = os.write(self.fd, mv)
+            except OSError as e:
+                if e.errno != errno.EINVAL or self._staging is None:
+                    raise
+                _set_direct(self.fd, False)  # this filesystem takes O_DIRECT at open but not at write
+                n = os.write(self.fd, mv)
+            mv = mv[n:]
+
+    def commit(self) -> str:
+        """Returns the xxh3_128 hex digest."""
+        if self._staged:
+            pad = -self._staged % DIRECT_ALIGN
+            self._staging[self._staged : self._staged + pad] = bytes(pad)
+            self._write_all(self._staging[: self._staged + pad])
+            os.ftruncate(self.fd, self.bytes)
+            self._staged = 0
+        os.fdatasync(self.fd)
+        os.close(self.fd)
+        self._staging = None
+        os.replace(self.tmp, self.final)
+        return self.hash.hexdigest()
+
+    def abort(self) -> None:
+        os.close(self.fd)
+        self._staging = None
+        Path(self.tmp).unlink(missing_ok=True)
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turns O_DIRECT on or off for an open file; False where the OS or filesystem refuses."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    import fcntl
+
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+    except OSError:
+        return False
+    return True
+
+
+def _address(mv: memoryview) -> int:
+    return np.frombuffer(mv, dtype=np.uint8).ctypes.data if mv.nbytes else 0
 
 
 def remove_tmp_files(directory: str | Path) -> None:
@@ -193,7 +319,9 @@ def remove_tmp_files(directory: str | Path) -> None:
 def write_manifest(directory: str | Path, manifest: dict) -> None:
     """Written last, atomically: its presence is what makes a directory complete."""
     data = json.dumps(manifest, indent=1, sort_keys=False).encode() + b"\n"
-    write_bytes_atomic(Path(directory) / MANIFEST, data)
+    fsync_dir(directory)  # the shards' renames are on disk before a manifest can claim them
+    write_bytes_atomic(Path(directory) / MANIFEST, data, fsync=True)
+    fsync_dir(directory)
 
 
 def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = None) -> dict:

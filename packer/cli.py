@@ -136,7 +136,9 @@ def main():
 @click.option("--column", default=None,
               help="Parquet/Arrow column or JSONL key holding token lists [default: input_ids]; "
                    "for --format text, the text column/key [default: text].")
-@click.option("--dtype", default=None, help="Token dtype of raw numpy token files (uint16, uint32, int32, ...).")
+@click.option("--dtype", default=None,
+              help="Token dtype of raw token files (uint16, uint32, int32, ...); "
+                   "inputs that record their own dtype must agree with it.")
 @click.option("--tokenizer", default=None, help="Local tokenizer.json: for raw text, and to learn EOS and vocab size.")
 @click.option("--eos-id", type=int, default=None, help="EOS token id (default: from the tokenizer or datatrove metadata).")
 @click.option("--vocab-size", type=int, default=None, help="Vocabulary size (default: from the tokenizer or the input dtype).")

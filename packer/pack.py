@@ -31,6 +31,7 @@ from datatrove.pipeline.base import PipelineStep
 from formats.errors import TokpackError
 from formats.inputs import (
     BLOCK_BYTES,
+    KNOWN_TOKENIZERS,
     InputFile,
     Normalizer,
     check_input,
@@ -210,9 +211,10 @@ class TokenizeTextStep(PipelineStep):
 
 
 def resolve_vocab_eos(files: list[InputFile], tokenizer: str | None, eos_id: int | None,
-                      vocab_size: int | None) -> tuple[int, int, str, str | None]:
+                      vocab_size: int | None, say=None) -> tuple[int, int, str, str | None]:
     """(vocab_size, eos_id, tokenizer name, eos token text) from the options, the tokenizer,
-    the inputs' datatrove metadata or, for the vocabulary, the input dtype."""
+    the inputs' datatrove metadata (a local tokenizer file, else a KNOWN_TOKENIZERS name) or,
+    for the vocabulary, the input dtype."""
     tok_path = tokenizer
     named = files[0].tokenizer
     if tok_path is None and named:
@@ -222,9 +224,12 @@ def resolve_vocab_eos(files: list[InputFile], tokenizer: str | None, eos_id: int
                 tok_path = str(candidate)
                 break
     tok = load_tokenizer(tok_path) if tok_path else None
+    known = KNOWN_TOKENIZERS.get(named) if tok is None and named else None  # only when nothing more specific
     eos_token = None
     if vocab_size is None and tok is not None:
         vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    if vocab_size is None and known:
+        vocab_size = known["vocab_size"]
     if vocab_size is None:
         vocab_size = native_vocab(files[0].dtype)
     if vocab_size is None:
@@ -240,6 +245,10 @@ def resolve_vocab_eos(files: list[InputFile], tokenizer: str | None, eos_id: int
             eos_id, eos_token = found
     elif eos_id is not None and tok is not None:
         eos_token = tok.id_to_token(eos_id)
+    if eos_id is None and known:
+        eos_id, eos_token = known["eos_id"], known["eos_token"]
+        if say:
+            say(f"tokpack pack: EOS id {eos_id} from the known tokenizer {named!r}")
     if eos_id is None:
         raise TokpackError("EOS id unknown", file=tok_path or files[0].path, where="eos_id",
                            expected="--eos-id, or a tokenizer with an end-of-text token",
@@ -402,7 +411,7 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
             raise TokpackError("EOS id is not a token of the tokenizer", file=tokenizer, where="--eos-id",
                                expected="an id the tokenizer knows", found=eos_id)
     else:
-        vocab, eos, tok_name, _ = resolve_vocab_eos(files, tokenizer, eos_id, vocab_size)
+        vocab, eos, tok_name, _ = resolve_vocab_eos(files, tokenizer, eos_id, vocab_size, say)
         for f in files:
             check_input(f)
     out_dtype = dtype_for_vocab(vocab)

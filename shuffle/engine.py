@@ -31,6 +31,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import xxhash
@@ -56,19 +57,20 @@ from formats.manifest import (
     write_manifest,
     xxh3_128_file,
 )
-from formats.shards import EpochShardWriter, PackedSource
+from formats.shards import EpochShardWriter, PackedSource, RowFragments
 
 from .plan import PLAN_ALGORITHM, EpochPlan, epoch_plan, iter_source_windows, parse_weight
 
 WORK_DIR = ".tokpack-work"
 DEFAULT_SHARD_BYTES = 1 << 30  # default --shard-samples: about 1 GiB of samples per shard
 MAX_CHUNK_BYTES = 8 << 20  # rows gathered and written per call: big enough for sequential I/O
-RING = 3  # chunk buffers: one being gathered while up to RING-1 are written by the writer thread
+RING = 4  # chunk buffers: one being gathered while up to RING-1 are indexed or written
 CHUNKS_IN_BUDGET = RING + 3  # the ring, the gather scratch and the shard writer's temporaries
 MAX_BLOCK_BYTES = 64 << 20  # scatter read block
 SCATTER_ROW_OVERHEAD = 256  # bytes of index arrays per row of a scatter block (Feistel temporaries)
 ORDER_ROW_OVERHEAD = 24  # g, inverse and arange entries per bucket row
 MAX_OPEN_BUCKET_FILES = 128
+ROW_FACTS_BYTES = 32  # RowFragments per row in memory: first-EOS index, hash, and about one EOS column
 
 
 # ---------------------------------------------------------------------- buffers
@@ -121,12 +123,32 @@ def map_file(path: Path, offset: int, length: int) -> np.ndarray:
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), offset + length - start, prot=mmap.PROT_READ, offset=start)
-    try:
-        m.madvise(MADV_POPULATE_READ)
-    except (OSError, ValueError):  # older kernels: a sequential read fills the page cache instead
+    view = np.frombuffer(m, dtype=np.uint8)
+    if not _populate(view.ctypes.data, len(m)):  # older kernels: a sequential read fills the page cache
         for _ in iter_file_blocks(path, bytearray(IO_BLOCK), offset, length):
             pass
-    return np.frombuffer(m, dtype=np.uint8, count=length, offset=offset - start)
+    return view[offset - start : offset - start + length]
+
+
+def _load_madvise():
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
+
+
+_MADVISE = _load_madvise()
+
+
+def _populate(address: int, length: int) -> bool:
+    """MADV_POPULATE_READ: reads the mapping in with the kernel's read-ahead. Called through
+    ctypes, which releases the GIL for the second it takes (mmap.madvise holds it), so other
+    threads work on the parts already read."""
+    return _MADVISE is not None and _MADVISE(address, length, MADV_POPULATE_READ) == 0
 
 
 class RowStore:
@@ -221,22 +243,32 @@ class EpochJob:
         return entry
 
     def write_shard(self, i: int, blocks) -> dict:
-        """Writes shard i from `blocks` (an iterator of np.void row arrays, in output order),
-        then records it as done."""
+        """Writes shard i from `blocks` (an iterator, in output order, of np.void row arrays, or
+        of (rows, RowFragments, their store rows) when the rows' index is known already), then
+        records it as done."""
         g0, g1 = self.shard_range(i)
         writer = EpochShardWriter(self.epoch_dir, self.shard_file(i), self.token_dtype, self.plan.seq_len,
                                   self.eos_id, self.tokenizer)
         try:
-            # Hashing, indexing and writing chunk c overlap with gathering chunk c+1: `blocks`
-            # fills RING buffers round robin, so at most RING-1 writes may be pending.
-            with ThreadPoolExecutor(1) as pool:
+            # Three stages overlap: gathering chunk c (here), indexing and hashing an earlier
+            # chunk (CPU) and writing one to disk (I/O), each stage in order. `blocks` fills RING
+            # buffers round robin, so at most RING-1 chunks may be in flight.
+            with ThreadPoolExecutor(1) as disk, ThreadPoolExecutor(1) as index:
                 pending: deque = deque()
-                for rows in blocks:
-                    pending.append(pool.submit(writer.write_rows, rows))
+                for item in blocks:
+                    if isinstance(item, tuple):
+                        rows, facts, idx = item
+                        indexed = index.submit(lambda n, f, i: writer.write_known_index(n, *f.of(i)), len(rows), facts, idx)
+                    else:
+                        rows = item
+                        indexed = index.submit(writer.write_index, rows)
+                    pending.append((disk.submit(writer.write_tokens, rows), indexed))
                     while len(pending) > RING - 1:
-                        pending.popleft().result()
+                        for f in pending.popleft():
+                            f.result()
                 while pending:
-                    pending.popleft().result()
+                    for f in pending.popleft():
+                        f.result()
             if writer.samples != g1 - g0:
                 raise TokpackError("internal error: shard row count", where=f"shard {i}",
                                    expected=g1 - g0, found=writer.samples)
@@ -281,19 +313,28 @@ class InMemoryStep(_Step):
         todo = [i for i in range(rank, job.n_shards, world_size) if job.shard_done(i) is None]
         if not todo:
             return
-        release("scatter-in", "scatter-out", "inverse")
+        release("scatter-in", "scatter-out0", "scatter-out1", "inverse")
         row_base = np.zeros(len(plan.sources), dtype=np.int64)  # first store row of each source
         parts, total = [], 0
         sources = job.open_sources()
+        # The fragment index and row hashes are computed per part while the next part is read:
+        # the read waits on the disk, so this costs no time, and writing then needs no pass
+        # over the tokens besides the gather.
+        facts = RowFragments(plan.row_tokens)
         with progress(sum(sp.windows for sp in plan.sources if sp.samples) * job.row_bytes,
-                      f"epoch {plan.epoch}: read") as bar:
+                      f"epoch {plan.epoch}: read") as bar, ThreadPoolExecutor(1) as helper:
+            added = []
             for s, sp in enumerate(plan.sources):
                 if sp.samples:
                     row_base[s] = total
                     total += sp.windows
                     for part in source_rows(sources[s], sp.offset, sp.windows, plan.row_tokens):
                         parts.append(part)
+                        added.append(helper.submit(facts.add, part, job.token_dtype, job.eos_id))
                         bar.update(part.nbytes)
+            for f in added:
+                f.result()
+        facts.finish()
         store = RowStore(parts)
         ring, tmp = job.chunk_ring(self.budget)
         rows = len(tmp)
@@ -302,13 +343,15 @@ class InMemoryStep(_Step):
             g0, g1 = job.shard_range(i)
             c = 0
             # Locate in batches much larger than a chunk: the Feistel rounds are many small numpy
-            # calls, whose fixed cost dominated when they ran once per chunk.
+            # calls, whose fixed cost dominated when they ran once per chunk. (Gathering alternate
+            # chunks in two threads measured slower: the copy is bound by memory bandwidth.)
             for a0 in range(g0, g1, max(rows, LOCATE_BATCH)):
                 b0 = min(g1, a0 + max(rows, LOCATE_BATCH))
                 s, window, _ = plan.locate(np.arange(a0, b0, dtype=np.int64))
                 idx = row_base[s] + window
                 for a in range(0, b0 - a0, rows):
-                    yield store.gather(idx[a : a + rows], ring[c % RING], tmp)
+                    chunk = idx[a : a + rows]
+                    yield store.gather(chunk, ring[c % len(ring)], tmp), facts, chunk
                     c += 1
 
         with progress(len(todo), f"epoch {plan.epoch}: write", unit="shard") as bar:
@@ -317,29 +360,28 @@ class InMemoryStep(_Step):
                 bar.update(1)
 
 
-def source_rows(src: PackedSource, offset: int, windows: int, row_tokens: int) -> list[np.ndarray]:
+def source_rows(src: PackedSource, offset: int, windows: int, row_tokens: int) -> Iterator[np.ndarray]:
     """Windows [0, windows) of a source starting at token `offset`, as np.void row arrays in
-    window order: a mapped view per shard for the windows inside it, and a small copy for each
-    window that crosses a shard boundary."""
+    window order, each yielded once read: a mapped view per shard for the windows inside it,
+    and a small copy for each window that crosses a shard boundary."""
     ts = src.dtype.itemsize
     void = np.dtype((np.void, row_tokens * ts))
-    parts, w = [], 0
+    w = 0
     for k, shard in enumerate(src.shards):
         t0, t1 = int(src.shard_starts[k]), int(src.shard_starts[k + 1])
         while w < windows and offset + w * row_tokens < t0:  # starts in an earlier shard, crosses into this one
             row = np.empty(row_tokens, dtype=src.dtype)
             src.read_into(offset + w * row_tokens, row)
-            parts.append(row.view(void))
+            yield row.view(void)
             w += 1
         first = w
         last = min(windows, max(first, (t1 - offset) // row_tokens))  # windows that end inside this shard
         if last > first:
             start = offset + first * row_tokens - t0
-            parts.append(map_file(src.path / shard["path"], start * ts, (last - first) * row_tokens * ts).view(void))
+            yield map_file(src.path / shard["path"], start * ts, (last - first) * row_tokens * ts).view(void)
             w = last
     if w != windows:
         raise TokpackError("internal error: source windows", file=src.path, expected=windows, found=w)
-    return parts
 
 
 @dataclass
@@ -379,7 +421,7 @@ def make_layout(job: EpochJob, budget: int, tasks: int) -> Layout:
     """Buckets as large as the per-task budget allows (fewer buckets = larger scatter writes)."""
     rb, chunks = job.row_bytes, CHUNKS_IN_BUDGET * job.chunk_rows(budget) * job.row_bytes
     bucket_rows = max(1, (budget - chunks) // (rb + ORDER_ROW_OVERHEAD))
-    block_rows = max(1, min(MAX_BLOCK_BYTES // rb, budget // (2 * rb + SCATTER_ROW_OVERHEAD)))
+    block_rows = max(1, min(MAX_BLOCK_BYTES // rb, budget // (3 * rb + SCATTER_ROW_OVERHEAD)))
     starts, firsts = [], []
     for i in range(job.n_shards):
         g0, g1 = job.shard_range(i)
@@ -420,35 +462,51 @@ class ScatterStep(_Step):
         segments = lay.input_segments(plan, t)
         rows_in = min(lay.block_rows, max([b - a for _, a, b in segments], default=1))
         inbuf = reused("scatter-in", rows_in * job.row_bytes)
-        outbuf = reused("scatter-out", rows_in * job.row_bytes).view(job.row_void)
+        # Two output buffers: the disk thread appends one to the bucket files while this thread
+        # reads and sorts the next block into the other.
+        outbufs = [reused(f"scatter-out{j}", rows_in * job.row_bytes).view(job.row_void) for j in range(2)]
         tokens_in = inbuf.view(job.token_dtype)
         sources = job.open_sources()
         counts: dict[int, int] = {}  # rows written per bucket
-        files: dict[int, tuple] = {}  # open (rows, pos) files per bucket
+        files: dict[int, tuple] = {}  # open (rows, pos) files per bucket; used by the disk thread only
+
+        def append(out: np.ndarray, g: np.ndarray, runs: list[tuple[int, int, int]]) -> None:
+            for b, x, y in runs:
+                if b not in files:
+                    if len(files) >= MAX_OPEN_BUCKET_FILES:
+                        for fr, fp in files.values():
+                            fr.close()
+                            fp.close()
+                        files.clear()
+                    files[b] = (open(tdir / f"b{b:07d}.rows", "ab"), open(tdir / f"b{b:07d}.pos", "ab"))
+                files[b][0].write(memoryview(out[x:y]).cast("B"))
+                files[b][1].write(g[x:y].astype("<i8").tobytes())
+
+        pending: deque = deque()  # appends submitted, oldest first
+        used = 0  # output buffers filled so far
         try:
-            for s, w0, w1 in segments:
-                for a, block in iter_source_windows(plan, s, sources[s], w0=w0, w1=w1, buf=tokens_in):
-                    rows = block.reshape(-1).view(job.row_void)
-                    windows = np.arange(a, a + len(rows), dtype=np.int64)
-                    for _, sel, g in plan.outputs_of(s, windows):
-                        bucket = np.searchsorted(lay.bucket_starts, g, side="right") - 1
-                        order = np.argsort(bucket, kind="stable")
-                        m = len(order)
-                        np.take(rows, sel[order], out=outbuf[:m], mode="clip")
-                        g, bucket = g[order], bucket[order]
-                        cuts = np.flatnonzero(np.diff(bucket)) + 1
-                        for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), m]):
-                            b = int(bucket[x])
-                            if b not in files:
-                                if len(files) >= MAX_OPEN_BUCKET_FILES:
-                                    for fr, fp in files.values():
-                                        fr.close()
-                                        fp.close()
-                                    files.clear()
-                                files[b] = (open(tdir / f"b{b:07d}.rows", "ab"), open(tdir / f"b{b:07d}.pos", "ab"))
-                            files[b][0].write(memoryview(outbuf[x:y]).cast("B"))
-                            files[b][1].write(g[x:y].astype("<i8").tobytes())
-                            counts[b] = counts.get(b, 0) + (y - x)
+            with ThreadPoolExecutor(1) as disk:
+                for s, w0, w1 in segments:
+                    for a, block in iter_source_windows(plan, s, sources[s], w0=w0, w1=w1, buf=tokens_in):
+                        rows = block.reshape(-1).view(job.row_void)
+                        windows = np.arange(a, a + len(rows), dtype=np.int64)
+                        for _, sel, g in plan.outputs_of(s, windows):
+                            bucket = np.searchsorted(lay.bucket_starts, g, side="right") - 1
+                            order = np.argsort(bucket, kind="stable")
+                            m = len(order)
+                            while len(pending) >= len(outbufs):  # frees the buffer used two appends ago
+                                pending.popleft().result()
+                            out = outbufs[used % len(outbufs)]
+                            used += 1
+                            np.take(rows, sel[order], out=out[:m], mode="clip")
+                            g, bucket = g[order], bucket[order]
+                            cuts = np.flatnonzero(np.diff(bucket)) + 1
+                            runs = [(int(bucket[x]), x, y) for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), m])]
+                            for b, x, y in runs:
+                                counts[b] = counts.get(b, 0) + (y - x)
+                            pending.append(disk.submit(append, out, g, runs))
+                while pending:
+                    pending.popleft().result()
         finally:
             for fr, fp in files.values():
                 fr.close()
@@ -476,7 +534,7 @@ class OrderStep(_Step):
     def order(self, i: int) -> None:
         job, lay = self.job, self.layout
         if job.shard_done(i) is None:
-            release("scatter-in", "scatter-out")
+            release("scatter-in", "scatter-out0", "scatter-out1")
             buckets = self._buckets(i)
             cap = max(int(np.diff(lay.bucket_starts[buckets.start: buckets.stop + 1]).max()), 1)
             inv = reused("inverse", cap * 8).view(np.int64)
@@ -519,7 +577,7 @@ class OrderStep(_Step):
                                    hint="delete OUT/.tokpack-work and rerun")
             for a in range(0, n, len(tmp)):
                 c = min(n, a + len(tmp))
-                yield store.gather(inv[a:c], ring[count % RING], tmp)
+                yield store.gather(inv[a:c], ring[count % len(ring)], tmp)
                 count += 1
             del store, parts, positions
 
@@ -697,7 +755,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     # completion markers from an earlier attempt (maybe with another layout) must never match.
     attempt = uuid.uuid4().hex[:8]
     logs = work / "logs" / attempt
-    needed = sum(sp.windows for sp in plan.sources if sp.samples) * job.row_bytes
+    needed = sum(sp.windows for sp in plan.sources if sp.samples) * (job.row_bytes + ROW_FACTS_BYTES)
     in_memory = needed + CHUNKS_IN_BUDGET * job.chunk_rows(memory) * job.row_bytes <= memory
     name = f"{epoch_dir_name(plan.epoch)}-{attempt}"
     if in_memory:

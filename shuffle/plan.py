@@ -301,6 +301,7 @@ def iter_source_windows(plan: EpochPlan, s: int, src: PackedSource, block_bytes:
         b = min(w1, a + per)
         view = buf[: (b - a) * row]
         src.read_into(sp.offset + a * row, view)
+        src.prefetch(sp.offset + b * row, (min(w1, b + per) - b) * row)
         yield a, view.reshape(b - a, row)
 
 

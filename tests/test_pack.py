@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import EOS_TOKEN, generate_texts
+from conftest import EOS_TOKEN, generate_texts, random_docs
 from formats.manifest import MANIFEST
 from formats.shards import PackedSource
 from packer import pack as pack_mod
@@ -593,3 +593,151 @@ def test_missing_optional_module_is_one_line(monkeypatch, tmp_path):
     assert r.stderr.strip().splitlines() == [
         "tokpack: error: this command needs the module 'tokenizers', which is not installed. HINT: pip install tokenizers"]
     assert "Traceback" not in r.output
+
+
+# ------------------------------------------------ known tokenizer names, --dtype
+
+
+def write_named_datatrove(folder: Path, name: str = "gpt2", n: int = 30) -> list[list[int]]:
+    """A datatrove folder written by datatrove's own TokenizedFile under a hub tokenizer name
+    (datatrove's default is gpt2): uint16 ids below 50257, each document ending with EOS 50256.
+    Nothing loads or downloads the tokenizer."""
+    from datatrove.pipeline.tokens.tokenizer import TokenizedFile
+
+    docs = [d.tolist() for d in random_docs(np.random.default_rng(5), n, 50257, 50256)]
+    f = TokenizedFile(str(folder), "00000_unshuffled.ds", tokenizer_name_or_path=name, save_final_metadata=True)
+    for d in docs:
+        f.write(d, None)
+    f.close()
+    return docs
+
+
+def one_error_line(res) -> str:
+    assert res.exit_code == 1, (res.output, res.stderr)
+    assert "Traceback" not in res.output + res.stderr
+    lines = [x for x in res.stderr.splitlines() if not x.startswith("tokpack pack: detected")]
+    assert len(lines) == 1 and lines[0].startswith("tokpack: error: "), res.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "openai-community/gpt2"])
+def test_known_tokenizer_in_datatrove_metadata(name, tmp_path):
+    docs = write_named_datatrove(tmp_path / "dt", name)
+    assert (tmp_path / "dt" / "00000_unshuffled.ds.metadata").read_text().startswith(f"{name}|2\n")
+    res = cli(tmp_path / "dt", "-o", tmp_path / "a")
+    assert res.exit_code == 0, res.stderr
+    assert f"EOS id 50256 from the known tokenizer {name!r}" in res.stderr
+    m = json.loads((tmp_path / "a" / MANIFEST).read_text())
+    assert (m["eos_id"], m["vocab_size"], m["dtype"], m["tokenizer"]) == (50256, 50257, "uint16", name)
+    assert packed_docs(tmp_path / "a") == docs and m["eos_appended"] == 0
+    # explicit options win over the table
+    res = cli(tmp_path / "dt", "-o", tmp_path / "b", "--eos-id", 7, "--vocab-size", 60000)
+    assert res.exit_code == 0, res.stderr
+    assert "known tokenizer" not in res.stderr
+    m = json.loads((tmp_path / "b" / MANIFEST).read_text())
+    assert (m["eos_id"], m["vocab_size"], m["eos_appended"]) == (7, 60000, len(docs))
+
+
+def dtype_datatrove(t):
+    write_named_datatrove(t / "dt")
+    return [t / "dt"], "uint16"
+
+
+def dtype_megatron(t):
+    return [megatron_pair(t), "--eos-id", 0], "uint16"
+
+
+def dtype_npy(t):
+    np.save(t / "x.npy", np.array([3, 4, 0, 5, 0], dtype=np.int32))
+    return [t / "x.npy", "--eos-id", 0, "--vocab-size", 10], "int32"
+
+
+def dtype_parquet(t):
+    pq.write_table(pa.table({"input_ids": pa.array([[1, 2, 0], [3, 0]], type=pa.list_(pa.int32()))}), t / "x.parquet")
+    return [t / "x.parquet", "--eos-id", 0, "--vocab-size", 10], "int32"
+
+
+def dtype_arrow(t):
+    with pa.OSFile(str(t / "x.arrow"), "wb") as sink:
+        with pa.ipc.new_file(sink, pa.schema({"input_ids": pa.list_(pa.uint16())})) as w:
+            w.write_table(pa.table({"input_ids": pa.array([[1, 2, 0], [3, 0]], type=pa.list_(pa.uint16()))}))
+    return [t / "x.arrow", "--eos-id", 0], "uint16"
+
+
+@pytest.mark.parametrize("case", [dtype_datatrove, dtype_megatron, dtype_npy, dtype_parquet, dtype_arrow],
+                         ids=lambda f: f.__name__)
+def test_dtype_option_must_match_the_inputs_own_dtype(case, tmp_path):
+    args, own = case(tmp_path)
+    wrong = "uint32" if own != "uint32" else "uint16"
+    line = one_error_line(cli(*args, "--dtype", wrong, "-o", tmp_path / "bad"))
+    assert "[--dtype]" in line and f"expected {own}, found {wrong}" in line and "drop --dtype" in line
+    assert not (tmp_path / "bad").exists()
+    res = cli(*args, "--dtype", own, "-o", tmp_path / "ok")
+    assert res.exit_code == 0, res.stderr
+    assert (tmp_path / "ok" / MANIFEST).exists()
+
+
+def test_dtype_option_refused_for_jsonl_and_text(tmp_path, tokenizer_path):
+    (tmp_path / "ids.jsonl").write_text('{"input_ids": [1, 2, 0]}\n')
+    line = one_error_line(cli(tmp_path / "ids.jsonl", "--eos-id", 0, "--vocab-size", 10, "--dtype", "uint16",
+                              "-o", tmp_path / "a"))
+    assert "[--dtype]" in line and "only to raw token files" in line and "jsonl" in line
+    (tmp_path / "text.jsonl").write_text('{"text": "the corpus"}\n')
+    line = one_error_line(cli(tmp_path / "text.jsonl", "--tokenizer", tokenizer_path, "--dtype", "uint16",
+                              "-o", tmp_path / "b"))
+    assert "only to raw token files" in line and "text" in line
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_dtype_option_still_reads_datatrove_without_metadata(tmp_path):
+    """Without .ds.metadata the token size is unknown, so --dtype is what tells it."""
+    docs = write_named_datatrove(tmp_path / "dt")
+    (tmp_path / "dt" / "00000_unshuffled.ds.metadata").unlink()
+    res = cli(tmp_path / "dt", "--dtype", "uint16", "--eos-id", 50256, "--vocab-size", 50257, "-o", tmp_path / "out")
+    assert res.exit_code == 0, res.stderr
+    assert packed_docs(tmp_path / "out") == docs
+
+
+# ------------------------------------------------------------ durable shard files
+
+
+@pytest.mark.parametrize("where", ["tmp", "shm"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pieces=st.lists(st.one_of(st.integers(0, 5000), st.integers(4090, 40000)), max_size=8),
+       skew=st.sampled_from([0, 1, 512, 4095]))
+def test_durable_file_writes_exact_bytes(tmp_path, monkeypatch, where, pieces, skew):
+    """O_DIRECT with staging of unaligned data, the padded last block and the truncate, or
+    the buffered fallback (tmpfs may refuse O_DIRECT): the file and its hash are exactly the
+    bytes written, whatever the piece sizes and their alignment in memory. The staging
+    buffer is shrunk to 16 KiB so that small pieces cross it."""
+    import xxhash
+
+    from formats import manifest
+    from formats.manifest import DurableFile
+
+    monkeypatch.setattr(manifest, "DIRECT_STAGING", 16 << 10)
+
+    base = tmp_path if where == "tmp" or not Path("/dev/shm").is_dir() else Path("/dev/shm")
+    final = base / f"durable-{where}-{skew}.ds"
+    data = np.random.default_rng(len(pieces) + skew).integers(0, 256, sum(pieces) + skew, dtype=np.uint8)
+    f = DurableFile(final, direct=True)
+    try:
+        at = skew
+        for n in pieces:
+            f.write(data[at : at + n])
+            at += n
+        digest = f.commit()
+        assert final.read_bytes() == data[skew:].tobytes()
+        assert digest == xxhash.xxh3_128_hexdigest(data[skew:].tobytes())
+        assert not [p for p in base.iterdir() if p.name.startswith(final.name) and p != final]
+    finally:
+        final.unlink(missing_ok=True)
+
+
+def test_durable_file_abort_leaves_nothing(tmp_path):
+    from formats.manifest import DurableFile
+
+    f = DurableFile(tmp_path / "x.ds", direct=True)
+    f.write(b"\1" * 10000)
+    f.abort()
+    assert list(tmp_path.iterdir()) == []
