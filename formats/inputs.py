@@ -324,7 +324,7 @@ def _datatrove_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
             tokens = slot[0].read(ds, n, f.path, meta[2])
             return tokens, slot[1].read(lf, n, f.extra["loss"], meta[2]) if has_loss else None
 
-        ahead = _read_ahead(plan(), fill, [(_shared_buffer(f"tokens{k}", dtype), _shared_buffer(f"loss{k}", "u1"))
+        ahead = read_ahead(plan(), fill, [(_shared_buffer(f"tokens{k}", dtype), _shared_buffer(f"loss{k}", "u1"))
                                            for k in range(2)])
         try:
             for (tokens, loss), (ends, first, offset) in ahead:
@@ -333,7 +333,7 @@ def _datatrove_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
             ahead.close()  # stops the read-ahead thread before the files close
 
 
-def _read_ahead(plan, fill, slots: list) -> Iterator[tuple]:
+def read_ahead(plan, fill, slots: list) -> Iterator[tuple]:
     """Reads block k+1 in a thread while the caller checks, hashes and writes block k, so the
     disk never waits for the CPU (file reads release the GIL). `plan` yields (n, meta);
     `fill(slot, n, meta)` reads n tokens into one of the `slots` (reused buffers) and returns
@@ -537,7 +537,7 @@ def _megatron_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
                     pos += m
             return out
 
-        ahead = _read_ahead(plan(), fill, [_shared_buffer(f"tokens{k}", dtype) for k in range(2)])
+        ahead = read_ahead(plan(), fill, [_shared_buffer(f"tokens{k}", dtype) for k in range(2)])
         try:
             for tokens, (sizes, ptrs, ends, first) in ahead:
                 yield Block(tokens, ends, None, first, int(ptrs[0]) // itemsize if len(ptrs) else 0)

@@ -291,9 +291,11 @@ class PackedSource:
     def fingerprint(self) -> str:
         return self.manifest["fingerprint"]
 
-    def read_into(self, start: int, out: np.ndarray) -> np.ndarray:
+    def read_into(self, start: int, out: np.ndarray, handles: dict | None = None) -> np.ndarray:
         """Fills `out` (a 1-D token buffer) with the stream's tokens [start, start+len(out)),
-        crossing shard boundaries with plain sequential reads."""
+        crossing shard boundaries with plain sequential reads. `handles`, for a caller that
+        reads front to back: open files kept between calls (the caller closes them), so the
+        kernel's read-ahead of each file carries over from one call to the next."""
         count = len(out)
         if start < 0 or start + count > self.tokens:
             raise IndexError(f"token range [{start}, {start + count}) outside the source's {self.tokens} tokens")
@@ -304,7 +306,14 @@ class PackedSource:
             in_shard = start + done - int(self.shard_starts[i])
             n = min(count - done, int(self.shard_starts[i + 1]) - start - done)
             if n > 0:
-                with open(self.path / self.shards[i]["path"], "rb", buffering=0) as f:
+                f = handles.get(i) if handles is not None else None
+                if f is None:
+                    f = open(self.path / self.shards[i]["path"], "rb", buffering=0)
+                    if handles is not None:
+                        handles[i] = f
+                        if hasattr(os, "posix_fadvise"):
+                            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                try:
                     f.seek(in_shard * self.dtype.itemsize)
                     view = memoryview(raw[done * self.dtype.itemsize : (done + n) * self.dtype.itemsize])
                     while view.nbytes:
@@ -312,26 +321,12 @@ class PackedSource:
                         if not got:
                             raise TokpackError("shard shorter than its manifest says", file=self.path / self.shards[i]["path"])
                         view = view[got:]
+                finally:
+                    if handles is None:
+                        f.close()
             done += n
             i += 1
         return out
-
-    def prefetch(self, start: int, count: int) -> None:
-        """Asks the kernel to start reading tokens [start, start+count) into the page cache and
-        returns at once, so the next sequential read overlaps the caller's work on this one."""
-        if not hasattr(os, "posix_fadvise") or count <= 0:
-            return
-        end = min(start + count, self.tokens)
-        i = int(np.searchsorted(self.shard_starts, start, side="right")) - 1
-        while 0 <= i < len(self.shards) and int(self.shard_starts[i]) < end:
-            a = max(start, int(self.shard_starts[i])) - int(self.shard_starts[i])
-            b = min(end, int(self.shard_starts[i + 1])) - int(self.shard_starts[i])
-            fd = os.open(self.path / self.shards[i]["path"], os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, a * self.dtype.itemsize, (b - a) * self.dtype.itemsize, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
-            i += 1
 
     def doc_ends(self, shard: int) -> np.ndarray:
         """The shard's `.ds.index`: cumulative document ends in tokens."""

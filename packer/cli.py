@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import sys
 
@@ -222,7 +223,8 @@ def shuffle(sources, output, seq_len, seed, epochs, epoch, samples, tokens, shar
 @click.argument("dirs", nargs=-1, required=True)
 @click.option("--quick", is_flag=True, help="Structure and sizes only; skip checksums and token scans.")
 @click.option("--against", multiple=True, help="Packed SOURCE(s) the epoch was shuffled from: recompute its content.")
-@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Files checked in parallel.")
+@click.option("--workers", type=click.IntRange(min=1), default=min(4, os.cpu_count() or 1), show_default="min(4, cores)",
+              help="Files checked in parallel (more reads in flight keep the disk busy).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @user_errors
 def validate(dirs, quick, against, workers, as_json):

@@ -313,7 +313,7 @@ class InMemoryStep(_Step):
         todo = [i for i in range(rank, job.n_shards, world_size) if job.shard_done(i) is None]
         if not todo:
             return
-        release("scatter-in", "scatter-out0", "scatter-out1", "inverse")
+        release("scatter-in0", "scatter-in1", "scatter-out0", "scatter-out1", "inverse")
         row_base = np.zeros(len(plan.sources), dtype=np.int64)  # first store row of each source
         parts, total = [], 0
         sources = job.open_sources()
@@ -421,7 +421,7 @@ def make_layout(job: EpochJob, budget: int, tasks: int) -> Layout:
     """Buckets as large as the per-task budget allows (fewer buckets = larger scatter writes)."""
     rb, chunks = job.row_bytes, CHUNKS_IN_BUDGET * job.chunk_rows(budget) * job.row_bytes
     bucket_rows = max(1, (budget - chunks) // (rb + ORDER_ROW_OVERHEAD))
-    block_rows = max(1, min(MAX_BLOCK_BYTES // rb, budget // (3 * rb + SCATTER_ROW_OVERHEAD)))
+    block_rows = max(1, min(MAX_BLOCK_BYTES // rb, budget // (4 * rb + SCATTER_ROW_OVERHEAD)))
     starts, firsts = [], []
     for i in range(job.n_shards):
         g0, g1 = job.shard_range(i)
@@ -461,11 +461,10 @@ class ScatterStep(_Step):
         tdir.mkdir(parents=True)
         segments = lay.input_segments(plan, t)
         rows_in = min(lay.block_rows, max([b - a for _, a, b in segments], default=1))
-        inbuf = reused("scatter-in", rows_in * job.row_bytes)
-        # Two output buffers: the disk thread appends one to the bucket files while this thread
-        # reads and sorts the next block into the other.
+        # Two input buffers (a thread reads one block ahead) and two output buffers (the disk
+        # thread appends one to the bucket files while this thread sorts the next block).
+        inbufs = [reused(f"scatter-in{j}", rows_in * job.row_bytes).view(job.token_dtype) for j in range(2)]
         outbufs = [reused(f"scatter-out{j}", rows_in * job.row_bytes).view(job.row_void) for j in range(2)]
-        tokens_in = inbuf.view(job.token_dtype)
         sources = job.open_sources()
         counts: dict[int, int] = {}  # rows written per bucket
         files: dict[int, tuple] = {}  # open (rows, pos) files per bucket; used by the disk thread only
@@ -487,7 +486,7 @@ class ScatterStep(_Step):
         try:
             with ThreadPoolExecutor(1) as disk:
                 for s, w0, w1 in segments:
-                    for a, block in iter_source_windows(plan, s, sources[s], w0=w0, w1=w1, buf=tokens_in):
+                    for a, block in iter_source_windows(plan, s, sources[s], w0=w0, w1=w1, bufs=inbufs):
                         rows = block.reshape(-1).view(job.row_void)
                         windows = np.arange(a, a + len(rows), dtype=np.int64)
                         for _, sel, g in plan.outputs_of(s, windows):
@@ -534,7 +533,7 @@ class OrderStep(_Step):
     def order(self, i: int) -> None:
         job, lay = self.job, self.layout
         if job.shard_done(i) is None:
-            release("scatter-in", "scatter-out0", "scatter-out1")
+            release("scatter-in0", "scatter-in1", "scatter-out0", "scatter-out1")
             buckets = self._buckets(i)
             cap = max(int(np.diff(lay.bucket_starts[buckets.start: buckets.stop + 1]).max()), 1)
             inv = reused("inverse", cap * 8).view(np.int64)

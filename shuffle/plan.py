@@ -31,6 +31,7 @@ from typing import Iterator
 import numpy as np
 
 from formats.errors import TokpackError
+from formats.inputs import read_ahead
 from formats.manifest import IO_BLOCK, hash_hex64, row_hash
 from formats.shards import PackedSource
 
@@ -287,22 +288,36 @@ def epoch_plan(
 
 
 def iter_source_windows(plan: EpochPlan, s: int, src: PackedSource, block_bytes: int = IO_BLOCK,
-                        w0: int = 0, w1: int | None = None, buf: np.ndarray | None = None):
-    """Sequential reads of windows [w0, w1) of source s, `block_bytes` at a time, through one
-    reused buffer. Yields (first window, [rows, L+1] token view)."""
+                        w0: int = 0, w1: int | None = None, bufs: list[np.ndarray] | None = None):
+    """Sequential reads of windows [w0, w1) of source s, `block_bytes` at a time, alternating
+    between two reused buffers: a thread reads the next block while the caller works on this
+    one. Yields (first window, [rows, L+1] token view); a view is valid until the next item."""
     sp = plan.sources[s]
     w1 = sp.windows if w1 is None else w1
     row = plan.row_tokens
     per = max(1, block_bytes // (row * src.dtype.itemsize))
-    if buf is None:
-        buf = np.empty(min(per, max(w1 - w0, 1)) * row, dtype=src.dtype)
-    per = len(buf) // row
-    for a in range(w0, w1, per):
-        b = min(w1, a + per)
-        view = buf[: (b - a) * row]
-        src.read_into(sp.offset + a * row, view)
-        src.prefetch(sp.offset + b * row, (min(w1, b + per) - b) * row)
-        yield a, view.reshape(b - a, row)
+    if bufs is None:
+        bufs = [np.empty(min(per, max(w1 - w0, 1)) * row, dtype=src.dtype) for _ in range(2)]
+    per = len(bufs[0]) // row
+    handles: dict = {}  # used by the reading thread only
+
+    def blocks():
+        for a in range(w0, w1, per):
+            yield min(w1, a + per) - a, a
+
+    def fill(buf, n, a):
+        view = buf[: n * row]
+        src.read_into(sp.offset + a * row, view, handles)
+        return view.reshape(n, row)
+
+    ahead = read_ahead(blocks(), fill, bufs)
+    try:
+        for rows, a in ahead:
+            yield a, rows
+    finally:
+        ahead.close()  # stops the reading thread before its files close
+        for f in handles.values():
+            f.close()
 
 
 def expected_multiset_hash(epoch_manifest: dict, sources: list[PackedSource]) -> str:
