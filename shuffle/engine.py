@@ -3,7 +3,8 @@
 Two paths, both datatrove `PipelineStep`s run through the injected `run_step`:
 
 - in memory (the needed windows of every source fit `--memory`): one task maps each source
-  shard read-only and reads it ahead in one sequential sweep (MADV_POPULATE_READ), then
+  shard read-only and reads it ahead in one sequential sweep (MADV_POPULATE_READ), computing
+  each row's fragment ends and hash (RowFragments) while the next shard is read; then it
   gathers each output chunk with `np.take(..., mode="clip")` on `np.void` row views and writes
   it. One read, one write. Mapping the page cache instead of `readinto` a private buffer
   avoids touching fresh anonymous memory, which costs 1.5-3 s/GiB on these VMs.
@@ -11,8 +12,11 @@ Two paths, both datatrove `PipelineStep`s run through the injected `run_step`:
   and appends every row, with its output position g, to the file of its bucket (a
   contiguous output range that fits the per-task budget and never spans an output shard);
   an ORDER pass (one task per output shard) maps each bucket's files, places rows by g and
-  writes the shard sequentially. Two reads, two writes. Writing overlaps gathering (a writer
-  thread and a ring of chunk buffers).
+  writes the shard sequentially. Two reads, two writes.
+
+In both, a thread per stage keeps the disk and both cores busy: reading ahead, gathering,
+indexing and writing (shard data with O_DIRECT, see formats.manifest.DurableFile) overlap,
+through rings of reused buffers.
 
 Every task is idempotent: a finished task leaves a done JSON (written last) in the work
 folder `OUT/.tokpack-work/`, and a rerun skips it. The epoch manifest is written after every
