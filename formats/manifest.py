@@ -222,9 +222,10 @@ class DurableFile:
         self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.hash = xxhash.xxh3_128()  # of every byte written
         self.bytes = 0  # written so far (the file may hold fewer until commit, see _staged)
+        self.direct = bool(direct) and _set_direct(self.fd, True)  # O_DIRECT in effect
         self._staging: memoryview | None = None  # O_DIRECT only: the unaligned tail, not yet written
         self._staged = 0  # bytes in _staging
-        if direct and _set_direct(self.fd, True):
+        if self.direct:
             self._staging = _aligned_buffer(DIRECT_STAGING)
 
     def write(self, data) -> None:
@@ -263,6 +264,7 @@ class DurableFile:
                 if e.errno != errno.EINVAL or self._staging is None:
                     raise
                 _set_direct(self.fd, False)  # this filesystem takes O_DIRECT at open but not at write
+                self.direct = False
                 n = os.write(self.fd, mv)
             mv = mv[n:]
 

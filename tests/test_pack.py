@@ -727,11 +727,25 @@ def test_durable_file_writes_exact_bytes(tmp_path, monkeypatch, where, pieces, s
             f.write(data[at : at + n])
             at += n
         digest = f.commit()
+        assert f.direct == _takes_o_direct(base)  # the direct path ran wherever it can, and never fell back
         assert final.read_bytes() == data[skew:].tobytes()
         assert digest == xxhash.xxh3_128_hexdigest(data[skew:].tobytes())
         assert not [p for p in base.iterdir() if p.name.startswith(final.name) and p != final]
     finally:
         final.unlink(missing_ok=True)
+
+
+def _takes_o_direct(directory: Path) -> bool:
+    import os
+
+    probe = directory / "probe-o-direct"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def test_durable_file_abort_leaves_nothing(tmp_path):
