@@ -108,14 +108,17 @@ def median_of(fn, runs: int = 3) -> Measure:
 
 
 def alternate(cases: list[tuple[str, object]], runs: int) -> dict[str, list[Measure]]:
-    """Runs every case once per round, for `runs` rounds. `cases`: (name, a callable
-    returning a Measure). On these VMs the same cold read swings 2x within minutes; cases run
-    side by side in a round see the same disk, so per-round ratios are far steadier than
-    ratios of medians taken minutes apart."""
+    """Runs every case once per round, in a random order, for `runs` rounds. `cases`: (name, a
+    callable returning a Measure). On these VMs the same cold read swings 2x within minutes;
+    cases run side by side in a round see the same disk, so per-round ratios are far steadier
+    than ratios of medians taken minutes apart."""
     results: dict[str, list[Measure]] = {name: [] for name, _ in cases}
-    for r in range(runs):
-        # Each round starts one case later, so no case always runs right after the same one.
-        for name, fn in cases[r % len(cases):] + cases[: r % len(cases)]:
+    rng = np.random.default_rng(0)
+    for _ in range(runs):
+        # A new order every round (seeded, so a rerun repeats it): back-to-back cold reads here
+        # alternate fast and slow, and a fixed or rotated order keeps neighbours in opposite states.
+        for k in rng.permutation(len(cases)):
+            name, fn = cases[k]
             results[name].append(fn())
     return results
 
