@@ -128,16 +128,21 @@ def row_hash(row) -> int:
     return xxhash.xxh3_64_intdigest(row)
 
 
-def multiset_hash_rows(rows: np.ndarray) -> int:
-    """Sum mod 2^64 of xxh3_64 over the rows of a 2-D C-contiguous array."""
+def row_hashes(rows: np.ndarray) -> np.ndarray:
+    """xxh3_64 of each row of a 2-D array (or of each item of a 1-D np.void row array)."""
     rows = np.ascontiguousarray(rows)
     n = rows.shape[0]
     if n == 0:
-        return 0
+        return np.empty(0, dtype=np.uint64)
     flat = memoryview(rows.reshape(-1).view(np.uint8))
     step = flat.nbytes // n
     digest = xxhash.xxh3_64_intdigest
-    return sum(digest(flat[i : i + step]) for i in range(0, flat.nbytes, step)) & 0xFFFFFFFFFFFFFFFF
+    return np.fromiter((digest(flat[i : i + step]) for i in range(0, flat.nbytes, step)), dtype=np.uint64, count=n)
+
+
+def multiset_hash_rows(rows: np.ndarray) -> int:
+    """Sum mod 2^64 of xxh3_64 over the rows (uint64 sums wrap)."""
+    return int(row_hashes(rows).sum(dtype=np.uint64))
 
 
 def hash_hex64(value: int) -> str:

@@ -26,9 +26,8 @@ from .manifest import (
     metadata_text,
     multiset_hash_rows,
     read_manifest,
-    tmp_path,
+    row_hashes,
     write_bytes_atomic,
-    write_manifest,
 )
 
 U64 = np.dtype("<u8")
@@ -182,13 +181,9 @@ class RowFragments:
             flat = np.flatnonzero(tokens == eos_id)
             cols.append((flat % width + 1).astype(np.int32))
             counts[a : a + len(tokens)] = np.bincount(flat // width, minlength=len(tokens))
-        flat_bytes = memoryview(np.ascontiguousarray(rows).reshape(-1).view(np.uint8))
-        step = rows.dtype.itemsize
-        digest = xxhash.xxh3_64_intdigest
         self.cols.append(np.concatenate(cols) if cols else np.empty(0, np.int32))
         self.counts.append(counts)
-        self.hashes.append(np.fromiter((digest(flat_bytes[i : i + step]) for i in range(0, n * step, step)),
-                                       dtype=np.uint64, count=n))
+        self.hashes.append(row_hashes(rows))
 
     def finish(self) -> None:
         counts = np.concatenate(self.counts) if self.counts else np.empty(0, np.int64)

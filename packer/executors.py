@@ -26,6 +26,7 @@ from pathlib import Path
 from datatrove.pipeline.base import PipelineStep
 
 from formats.errors import TokpackError
+from shuffle.engine import run_in_process
 
 # The folder holding packer/, shuffle/, formats/: Slurm jobs and Ray workers import the steps from here.
 PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -57,7 +58,7 @@ def run_step(step, tasks: int, config: ExecutorConfig, logging_dir: str | Path, 
     if tasks < 1:
         return
     if runs_in_process(config):
-        _run_in_process(step, tasks, job_name)
+        run_in_process(step, tasks, job_name)
         return
     if config.executor == "local":
         executor = _local_executor(step, tasks, config, logging_dir)
@@ -90,15 +91,6 @@ def runs_in_process(config: ExecutorConfig) -> bool:
     shuffle's margin over `cp`; resume needs no completion markers there, since every task
     skips outputs its own checksummed done-files record."""
     return config.in_process and config.executor == "local" and config.workers == 1 and config.logging_dir is None
-
-
-def _run_in_process(step, tasks: int, job_name: str) -> None:
-    for rank in range(tasks):
-        try:
-            step.run(None, rank, tasks)
-        except OSError as e:  # disk full, permissions...: the user's to fix, then rerun
-            raise TokpackError(f"{job_name} task {rank} of {tasks} failed: {e}", file=getattr(e, "filename", None),
-                               hint="fix the cause and rerun the same command; finished outputs are kept") from e
 
 
 def run_steps(stages: list[tuple], config: ExecutorConfig) -> None:

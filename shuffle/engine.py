@@ -585,14 +585,15 @@ class OrderStep(_Step):
             del store, parts, positions
 
 
-def _run_in_process(step, tasks: int, job_name: str, logging_dir) -> None:
-    """The default runner: every rank in turn, in this process (no executor start-up cost)."""
+def run_in_process(step, tasks: int, job_name: str, logging_dir=None) -> None:
+    """The default runner: every rank in turn, in this process (no executor start-up cost).
+    packer.executors runs a single local worker through it too."""
     for rank in range(tasks):
         try:
             step.run(None, rank, tasks)
         except OSError as e:  # disk full, permissions...: the user's to fix, then rerun
             raise TokpackError(f"{job_name} task {rank} of {tasks} failed: {e}", file=getattr(e, "filename", None),
-                               hint="fix the cause and rerun the same command; finished shards are kept") from e
+                               hint="fix the cause and rerun the same command; finished outputs are kept") from e
 
 
 # ---------------------------------------------------------------------- the run
@@ -818,7 +819,7 @@ def shuffle_run(
     manifest. `memory` is the total budget: the out-of-core path gives each of `workers`
     concurrent tasks memory // workers. Returns a summary dict."""
     t0 = time.perf_counter()
-    run_step = run_step or _run_in_process
+    run_step = run_step or run_in_process
     paths, weights = parse_source_args(list(sources))
     opened = open_sources(paths)
     out = Path(output)
