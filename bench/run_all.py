@@ -63,7 +63,7 @@ from peers import summary_of, tokpack_cmd  # noqa: E402
 
 COLUMNS = ["section", "case", "wall s", "MB/s", "peak RSS MB", "ratio", "note"]
 SECTIONS = ["baseline", "pack", "shuffle", "read", "index", "validate", "scaling", "scripts"]
-SCRIPTS = ["pack", "shuffle", "read", "validate", "stage"]
+SCRIPTS = ["pack", "shuffle_bench", "read", "validate", "stage"]
 SEQ_LEN = 4096  # the incident's sequence length
 GBS = 576  # the incident's global batch size
 STEPS = [32_000, 3_200_000]  # the incident's step counts
@@ -500,7 +500,7 @@ def section_scripts(ctx: Ctx, size: str) -> list[dict]:
             continue
         t = time.perf_counter()
         try:
-            # By path, under another name: bench/shuffle.py must not shadow the `shuffle` package.
+            # By path, under a bench_ name, so a script's module never collides with a project package.
             spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)

@@ -1,6 +1,6 @@
 """tokpack shuffle against the physical floor and its peers, side by side in one run.
 
-    python bench/shuffle.py [--size 2GiB] [--seq-len 2047] [--runs 5] [--quick]
+    python bench/shuffle_bench.py [--size 2GiB] [--seq-len 2047] [--runs 5] [--quick]
 
 Rows (each in a child process, page cache dropped first when running as root):
   cold read        every input file read sequentially once (the floor for one read)
