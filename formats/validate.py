@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import threading
 import time
@@ -28,6 +27,7 @@ import numpy as np
 import xxhash
 
 from .errors import IncompleteError, TokpackError
+from .inputs import read_ahead
 from .manifest import (
     MANIFEST,
     STAGE_SIDECAR,
@@ -335,65 +335,33 @@ def _buffer(which: int = 0, size: int | None = None) -> bytearray:
 
 def _read_blocks(path: Path, total: int, block: int):
     """Yields (buffer, nbytes) for consecutive blocks of the first `total` bytes of a file.
-    A file of several blocks is read by a helper thread one block ahead (reads release the
-    GIL), so the disk keeps working while the previous block is hashed and scanned; the
-    two buffers are reused. Stops early, with a short last block, if the file is shorter."""
-
-    def fill(f, buf, want) -> int:
-        view, n = memoryview(buf), 0
-        while n < want:
-            got = f.readinto(view[n:want])
-            if not got:
-                break
-            n += got
-        return n
-
-    if total <= block:  # one block: no thread
-        buf = _buffer(0, block)
-        with open(path, "rb", buffering=0) as f:
-            yield buf, fill(f, buf, total)
-        return
-    free: queue.Queue = queue.Queue()  # buffers the reader may fill; None = stop
-    full: queue.Queue = queue.Queue()  # (buffer, nbytes) ready, or an exception
-    for i in (0, 1):
-        free.put(_buffer(i, block))
-
-    def reader():
-        try:
-            with open(path, "rb", buffering=0) as f:
-                if hasattr(os, "posix_fadvise"):  # a larger kernel read-ahead window for a cold read
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                off = 0
-                while off < total:
-                    buf = free.get()
-                    if buf is None:
-                        return
-                    want = min(block, total - off)
-                    n = fill(f, buf, want)
-                    full.put((buf, n))
-                    if n < want:
-                        return
-                    off += n
-        except Exception as e:  # handed to the consumer, which raises it
-            full.put(e)
-
-    thread = threading.Thread(target=reader, name="tokpack-validate-read", daemon=True)
-    thread.start()
-    try:
-        off = 0
-        while off < total:
-            item = full.get()
-            if isinstance(item, Exception):
-                raise item
-            buf, n = item
+    A file of several blocks is read one block ahead (`read_ahead`), so the disk keeps working
+    while the previous block is hashed and scanned; the two buffers are reused. Stops early,
+    with a short last block, if the file is shorter."""
+    with open(path, "rb", buffering=0) as f:
+        if total <= block:  # one block: no thread
+            buf = _buffer(0, block)
+            yield buf, _read_full(f, buf, total)
+            return
+        if hasattr(os, "posix_fadvise"):  # a larger kernel read-ahead window for a cold read
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        plan = ((min(block, total - off), None) for off in range(0, total, block))
+        for (buf, n), _ in read_ahead(plan, lambda buf, want, _: (buf, _read_full(f, buf, want)),
+                                      [_buffer(0, block), _buffer(1, block)]):
             yield buf, n
-            if n < min(block, total - off):
+            if n < block:  # the last block, or the file ended early: nothing follows
                 return
-            off += n
-            free.put(buf)
-    finally:
-        free.put(None)
-        thread.join()
+
+
+def _read_full(f, buf: bytearray, want: int) -> int:
+    """Reads up to `want` bytes into buf; fewer only at end of file."""
+    view, n = memoryview(buf), 0
+    while n < want:
+        got = f.readinto(view[n:want])
+        if not got:
+            break
+        n += got
+    return n
 
 
 def _scratch(n: int) -> np.ndarray:
