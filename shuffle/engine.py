@@ -229,8 +229,9 @@ class EpochJob:
     def open_sources(self) -> list[PackedSource]:
         return [PackedSource.open(p, check_sizes=False) for p in self.source_paths]
 
-    def shard_done(self, i: int) -> dict | None:
-        """The shard's manifest entry if it was committed and recorded, and its files still verify."""
+    def shard_done(self, i: int, checksums: bool = True) -> dict | None:
+        """The shard's manifest entry if it was committed and recorded, and its files still verify
+        (sizes only, without `checksums`: a stat instead of a read of the shard)."""
         done = self.done_path(i)
         if not done.exists():
             return None
@@ -238,8 +239,9 @@ class EpochJob:
         d = Path(self.epoch_dir)
         try:
             if (os.path.getsize(d / entry["path"]) != entry["bytes"]
-                    or xxh3_128_file(d / entry["path"]) != entry["xxh3_128"]
-                    or xxh3_128_file(d / f"{entry['path']}.index") != entry["index_xxh3_128"]
+                    or checksums and xxh3_128_file(d / entry["path"]) != entry["xxh3_128"]
+                    or checksums and xxh3_128_file(d / f"{entry['path']}.index") != entry["index_xxh3_128"]
+                    or not (d / f"{entry['path']}.index").exists()
                     or not (d / f"{entry['path']}.metadata").exists()):
                 return None
         except FileNotFoundError:
@@ -419,6 +421,16 @@ class Layout:
 
     def task_done(self, t: int) -> Path:
         return Path(self.dir) / f"scatter-{t:05d}.json"
+
+    def holds_rows_of(self, i: int, row_bytes: int) -> bool:
+        """Whether the bucket files still hold every row of output shard i (the order pass
+        deletes them once the shard is written)."""
+        for b in range(int(self.shard_buckets[i]), int(self.shard_buckets[i + 1])):
+            files = [self.task_dir(t) / f"b{b:07d}.rows" for t in range(self.tasks)]
+            held = sum(os.path.getsize(f) for f in files if f.exists())
+            if held != int(self.bucket_starts[b + 1] - self.bucket_starts[b]) * row_bytes:
+                return False
+        return True
 
 
 def make_layout(job: EpochJob, budget: int, tasks: int) -> Layout:
@@ -762,7 +774,13 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     needed = sum(sp.windows for sp in plan.sources if sp.samples) * (job.row_bytes + ROW_FACTS_BYTES)
     in_memory = needed + CHUNKS_IN_BUDGET * job.chunk_rows(memory) * job.row_bytes <= memory
     name = f"{epoch_dir_name(plan.epoch)}-{attempt}"
-    if in_memory:
+    # Sizes only: a done file is written after its shard is fsync'd and renamed, so only a file
+    # changed by hand since could fail a checksum here (and `tokpack validate` catches that).
+    shards_left = [i for i in range(job.n_shards) if job.shard_done(i, checksums=False) is None]
+    if not shards_left:  # a rerun after every shard finished: only the manifest is missing
+        if log:
+            log(f"epoch {plan.epoch}: all {job.n_shards} shards already written; writing the manifest")
+    elif in_memory:
         if log:
             log(f"epoch {plan.epoch}: {plan.samples} samples, in memory ({needed / 2**20:.1f} MiB of windows)")
         run_step(InMemoryStep(job, memory), 1, f"{name}-inmemory", str(logs / "inmemory"))
@@ -774,6 +792,13 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
                 f"{layout.tasks} scatter tasks, {len(layout.bucket_starts) - 1} buckets, {job.n_shards} shards)")
         passes = [(ScatterStep(job, layout), layout.tasks, f"{name}-scatter", str(logs / "scatter")),
                   (OrderStep(job, layout, budget), job.n_shards, f"{name}-order", str(logs / "order"))]
+        if all(layout.task_done(t).exists() for t in range(layout.tasks)):
+            if all(layout.holds_rows_of(i, job.row_bytes) for i in shards_left):
+                passes = passes[1:]  # a rerun after the scatter pass finished: no array of no-op tasks
+                if log:
+                    log(f"epoch {plan.epoch}: scatter pass already done; {len(shards_left)} shards left to order")
+            else:  # a written shard was lost after its bucket files went: scatter again
+                shutil.rmtree(layout.dir)
         if hasattr(run_step, "chain"):  # e.g. Slurm: both passes queued at once, order after scatter
             run_step.chain(passes)
         else:

@@ -374,7 +374,42 @@ def test_failure_midway_then_rerun_is_identical(sources, tmp_path, monkeypatch):
         read_manifest(out / "epoch-00000")
     monkeypatch.setattr(engine.EpochJob, "write_shard", real)
     calls.clear()
+    written, scattered = [], []
+    monkeypatch.setattr(engine.EpochJob, "write_shard", lambda self, i, blocks: (written.append(i), real(self, i, blocks)))
+    monkeypatch.setattr(engine.ScatterStep, "run", lambda self, *a, **k: scattered.append(a))
     shuffle_run([str(big), str(small)], str(out), **kw)
+    assert dir_files(out) == dir_files(ref)
+    # The rerun ran no scatter tasks (that pass had finished) and rewrote only the unfinished shards.
+    n_shards = len(read_manifest(out / "epoch-00000")["shards"])
+    assert scattered == [] and sorted(written) == list(range(3, n_shards)) and n_shards > 4
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_rerun_after_every_shard_writes_only_what_is_missing(sources, tmp_path, monkeypatch, lost):
+    """Killed before the manifest: the rerun writes just the manifest. If a written shard was
+    lost meanwhile (its bucket files are gone by then), the scatter pass runs again for it."""
+    big, small = sources
+    kw = dict(seq_len=L, seed=8, epochs=[0], memory=5000, shard_samples=60)
+    ref = tmp_path / "ref"
+    shuffle_run([str(big), str(small)], str(ref), **kw)
+    out = tmp_path / "out"
+    real_manifest, real_write, real_scatter = engine.write_manifest, engine.EpochJob.write_shard, engine.ScatterStep.run
+
+    def killed_before_manifest(path, manifest):
+        raise OSError("simulated crash")
+
+    monkeypatch.setattr(engine, "write_manifest", killed_before_manifest)
+    with pytest.raises(OSError, match="simulated crash"):
+        shuffle_run([str(big), str(small)], str(out), **kw)
+    monkeypatch.setattr(engine, "write_manifest", real_manifest)
+    if lost:
+        sorted((out / "epoch-00000").glob("*.ds"))[1].unlink()
+    ran = []
+    monkeypatch.setattr(engine.EpochJob, "write_shard", lambda self, i, blocks: (ran.append(i), real_write(self, i, blocks))[1])
+    monkeypatch.setattr(engine.ScatterStep, "run",
+                        lambda self, *a, **k: (ran.append("scatter"), real_scatter(self, *a, **k))[1])
+    shuffle_run([str(big), str(small)], str(out), **kw)
+    assert ran == (["scatter", 1] if lost else [])
     assert dir_files(out) == dir_files(ref)
 
 
