@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[0] = str(REPO)  # the repo, not bench/, where shuffle.py would hide the shuffle package
 
 
 def parse_size(text: str) -> int:

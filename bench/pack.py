@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO, alternate, can_drop_caches, cp_sync, dir_bytes, machine_line, make_datatrove_corpus,  # noqa: E402
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
+from bench.common import (REPO, alternate, can_drop_caches, cp_sync, dir_bytes, machine_line, make_datatrove_corpus,  # noqa: E402
                     paired_ratio, parse_size, print_table, ratio_range, run_measured)
 
 COLUMNS = ["case", "GB", "seconds", "MB/s", "peak RSS MB", "ratio to cp", "ratio range", "ratio excl. start-up"]

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, python_cmd  # noqa: E402
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
+from bench.common import REPO, python_cmd  # noqa: E402
 
 
 def tokpack_cmd(*args: str, result: Path | None = None) -> str:

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, can_drop_caches, machine_line, median_of, parse_size, print_table, python_cmd, run_measured  # noqa: E402
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
+from bench.common import REPO, can_drop_caches, machine_line, median_of, parse_size, print_table, python_cmd, run_measured  # noqa: E402
 
 SEQ_LEN = 4096
 GBS = 576

@@ -27,7 +27,7 @@ The table, the machine and the command are also written to bench/results/run_all
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import inspect
 import shlex
 import shutil
@@ -43,10 +43,9 @@ from typing import Callable
 import numpy as np
 
 BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-import peers  # noqa: E402
-import scaling  # noqa: E402
-from common import (  # noqa: E402
+sys.path[0] = str(BENCH.parent)  # the repo, not bench/, where shuffle.py would hide the shuffle package
+from bench import peers, scaling  # noqa: E402
+from bench.common import (  # noqa: E402
     Measure,
     can_drop_caches,
     cold_read,
@@ -59,11 +58,11 @@ from common import (  # noqa: E402
     python_cmd,
     run_measured,
 )
-from peers import summary_of, tokpack_cmd  # noqa: E402
+from bench.peers import summary_of, tokpack_cmd  # noqa: E402
 
 COLUMNS = ["section", "case", "wall s", "MB/s", "peak RSS MB", "ratio", "note"]
 SECTIONS = ["baseline", "pack", "shuffle", "read", "index", "validate", "scaling", "scripts"]
-SCRIPTS = ["pack", "shuffle_bench", "read", "validate", "stage"]
+SCRIPTS = ["pack", "shuffle", "read", "validate", "stage"]
 SEQ_LEN = 4096  # the incident's sequence length
 GBS = 576  # the incident's global batch size
 STEPS = [32_000, 3_200_000]  # the incident's step counts
@@ -500,11 +499,7 @@ def section_scripts(ctx: Ctx, size: str) -> list[dict]:
             continue
         t = time.perf_counter()
         try:
-            # By path, under a bench_ name, so a script's module never collides with a project package.
-            spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            main = module.main
+            main = importlib.import_module(f"bench.{name}").main
             kwargs = {"quick": ctx.quick}
             params = inspect.signature(main).parameters
             if "corpus" in params:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Measure, dir_bytes, make_datatrove_corpus, parse_size, print_table, run_measured  # noqa: E402
-from peers import summary_of, tokpack_cmd  # noqa: E402
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
+from bench.common import Measure, dir_bytes, make_datatrove_corpus, parse_size, print_table, run_measured  # noqa: E402
+from bench.peers import summary_of, tokpack_cmd  # noqa: E402
 
 SIZES = ["0.5GiB", "1GiB", "2GiB", "4GiB", "8GiB"]
 QUICK_SIZES = ["2MiB", "4MiB", "8MiB"]
@@ -86,7 +86,7 @@ def main(size=None, quick: bool = False, *, sizes: list[str] | None = None, memo
          runs: int | None = None, work: Path | None = None, cold: bool | None = None, seq_len: int = SEQ_LEN) -> list[dict]:
     """Rows for each corpus size plus one fit row. `size` is ignored (the sizes are fixed by the
     issue); it is accepted so run_all can call every bench script the same way."""
-    from common import can_drop_caches
+    from bench.common import can_drop_caches
 
     sizes = sizes or (QUICK_SIZES if quick else SIZES)
     memory_b = parse_size(memory or (QUICK_MEMORY if quick else MEMORY))

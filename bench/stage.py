@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO, can_drop_caches, cold_read, cp_sync, dir_bytes, machine_line, median_of,  # noqa: E402
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
+from bench.common import (REPO, can_drop_caches, cold_read, cp_sync, dir_bytes, machine_line, median_of,  # noqa: E402
                     parse_size, print_table, run_measured)
 
 COLUMNS = ["case", "wall s", "MB/s", "vs cp", "vs cp excl. start-up", "peak RSS MB", "note"]

@@ -1,6 +1,6 @@
 """tokpack shuffle against the physical floor and its peers, side by side in one run.
 
-    python bench/shuffle_bench.py [--size 2GiB] [--seq-len 2047] [--runs 5] [--quick]
+    python bench/shuffle.py [--size 2GiB] [--seq-len 2047] [--runs 5] [--quick]
 
 Rows (each in a child process, page cache dropped first when running as root):
   cold read        every input file read sequentially once (the floor for one read)
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import REPO, cold_read, cp_sync, make_datatrove_corpus, parse_size, print_table, run_measured  # noqa: E402
-from peers import datatrove_merger_cmd, hf_shuffle_cmd, missing, prepare_hf_windows  # noqa: E402
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
+from bench import common  # noqa: E402
+from bench.common import REPO, cold_read, cp_sync, make_datatrove_corpus, parse_size, print_table, run_measured  # noqa: E402
+from bench.peers import datatrove_merger_cmd, hf_shuffle_cmd, missing, prepare_hf_windows  # noqa: E402
 
 COLUMNS = ["case", "seconds", "x cp+sync", "range", "MB/s", "peak RSS MB", "--memory MB", "RSS - memory MB", "goal", "note"]
 
@@ -36,7 +36,6 @@ COLUMNS = ["case", "seconds", "x cp+sync", "range", "MB/s", "peak RSS MB", "--me
 def pack_corpus(corpus: Path, out: Path, vocab_size: int = 50257, eos_id: int = 0) -> Path:
     """The datatrove corpus as a tokpack packed source, one shard per .ds file (untimed setup;
     written with the project's shard writer so this bench does not depend on `pack`)."""
-    sys.path.insert(0, str(REPO))
     from formats import SourceShardWriter, source_manifest, write_manifest
     from formats.manifest import shard_name
 
