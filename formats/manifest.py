@@ -181,9 +181,7 @@ def write_bytes_atomic(path: str | Path, data: bytes, fsync: bool = False) -> No
     tmp = tmp_path(path)
     with open(tmp, "wb") as f:
         f.write(data)
-        if fsync:
-            os.fsync(f.fileno())
-    commit_file(tmp, path)
+    commit_file(tmp, path, fsync=fsync)
 
 
 def fsync_dir(directory: str | Path) -> None:

@@ -207,6 +207,20 @@ class RowFragments:
         return np.union1d(eos_ends, row_ends), multiset
 
 
+def shard_on_disk(directory: str | Path, entry: dict, itemsize: int) -> bool:
+    """Whether a shard its writer recorded (the entry close() returned) is still on disk: the
+    token file at its recorded size, the index and the metadata present. Sizes, not checksums:
+    each file is fsync'd before its rename and the entry recorded after, so a crash cannot
+    leave a present file wrong; a change by hand since is what `tokpack validate` reports."""
+    directory = Path(directory)
+    try:
+        return ((directory / entry["path"]).stat().st_size == entry["tokens"] * itemsize
+                and (directory / f"{entry['path']}.index").exists()
+                and (directory / f"{entry['path']}.metadata").exists())
+    except FileNotFoundError:
+        return False
+
+
 def source_manifest(
     shards: list[dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, **extra
 ) -> dict:

@@ -52,7 +52,7 @@ from formats.manifest import (
     write_bytes_atomic,
     write_manifest,
 )
-from formats.shards import PackedSource, SourceShardWriter, source_manifest
+from formats.shards import PackedSource, SourceShardWriter, shard_on_disk, source_manifest
 from packer.executors import ExecutorConfig, run_step
 
 WORK_DIR = ".tokpack-work"
@@ -103,7 +103,7 @@ class PackStep(PipelineStep):
         part_json = Path(self.work) / f"part-{i:05d}.json"
         if part_json.exists():
             part = json.loads(part_json.read_text())
-            if _part_files_ok(part_dir, part, np.dtype(self.dtype).itemsize):
+            if all(shard_on_disk(part_dir, e, np.dtype(self.dtype).itemsize) for e in part["shards"]):
                 return part  # done by an earlier run
             part_json.unlink()
         if part_dir.exists():
@@ -163,18 +163,8 @@ class PackStep(PipelineStep):
             "eos_appended": norm.eos_appended,
             "empty_documents_dropped": norm.empty_dropped,
         }
-        write_bytes_atomic(part_json, json.dumps(part).encode())
+        write_bytes_atomic(part_json, json.dumps(part).encode(), fsync=True)
         return part
-
-
-def _part_files_ok(part_dir: Path, part: dict, itemsize: int) -> bool:
-    for e in part["shards"]:
-        ds = part_dir / e["path"]
-        if not ds.exists() or ds.stat().st_size != e["tokens"] * itemsize:
-            return False
-        if not (part_dir / f"{e['path']}.index").exists() or not (part_dir / f"{e['path']}.metadata").exists():
-            return False
-    return True
 
 
 class TokenizeTextStep(PipelineStep):

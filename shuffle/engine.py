@@ -59,9 +59,8 @@ from formats.manifest import (
     shard_name,
     write_bytes_atomic,
     write_manifest,
-    xxh3_128_file,
 )
-from formats.shards import EpochShardWriter, PackedSource, RowFragments
+from formats.shards import EpochShardWriter, PackedSource, RowFragments, shard_on_disk
 
 from .plan import PLAN_ALGORITHM, EpochPlan, epoch_plan, iter_source_windows, parse_weight
 
@@ -229,24 +228,13 @@ class EpochJob:
     def open_sources(self) -> list[PackedSource]:
         return [PackedSource.open(p, check_sizes=False) for p in self.source_paths]
 
-    def shard_done(self, i: int, checksums: bool = True) -> dict | None:
-        """The shard's manifest entry if it was committed and recorded, and its files still verify
-        (sizes only, without `checksums`: a stat instead of a read of the shard)."""
+    def shard_done(self, i: int) -> dict | None:
+        """The shard's manifest entry if it was committed and recorded and is still on disk."""
         done = self.done_path(i)
         if not done.exists():
             return None
         entry = json.loads(done.read_text())
-        d = Path(self.epoch_dir)
-        try:
-            if (os.path.getsize(d / entry["path"]) != entry["bytes"]
-                    or checksums and xxh3_128_file(d / entry["path"]) != entry["xxh3_128"]
-                    or checksums and xxh3_128_file(d / f"{entry['path']}.index") != entry["index_xxh3_128"]
-                    or not (d / f"{entry['path']}.index").exists()
-                    or not (d / f"{entry['path']}.metadata").exists()):
-                return None
-        except FileNotFoundError:
-            return None
-        return entry
+        return entry if shard_on_disk(self.epoch_dir, entry, self.token_dtype.itemsize) else None
 
     def write_shard(self, i: int, blocks) -> dict:
         """Writes shard i from `blocks` (an iterator, in output order, of np.void row arrays, or
@@ -284,7 +272,7 @@ class EpochJob:
             raise
         entry["fragments"] = os.path.getsize(Path(self.epoch_dir) / f"{entry['path']}.index") // 8
         self.done_path(i).parent.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(self.done_path(i), json.dumps(entry).encode())
+        write_bytes_atomic(self.done_path(i), json.dumps(entry).encode(), fsync=True)
         return entry
 
     def chunk_rows(self, budget: int) -> int:
@@ -526,7 +514,8 @@ class ScatterStep(_Step):
             for fr, fp in files.values():
                 fr.close()
                 fp.close()
-        write_bytes_atomic(done, json.dumps({"task": t, "rows": {str(k): v for k, v in sorted(counts.items())}}).encode())
+        write_bytes_atomic(done, json.dumps({"task": t, "rows": {str(k): v for k, v in sorted(counts.items())}}).encode(),
+                           fsync=True)
 
 
 class OrderStep(_Step):
@@ -774,9 +763,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     needed = sum(sp.windows for sp in plan.sources if sp.samples) * (job.row_bytes + ROW_FACTS_BYTES)
     in_memory = needed + CHUNKS_IN_BUDGET * job.chunk_rows(memory) * job.row_bytes <= memory
     name = f"{epoch_dir_name(plan.epoch)}-{attempt}"
-    # Sizes only: a done file is written after its shard is fsync'd and renamed, so only a file
-    # changed by hand since could fail a checksum here (and `tokpack validate` catches that).
-    shards_left = [i for i in range(job.n_shards) if job.shard_done(i, checksums=False) is None]
+    shards_left = [i for i in range(job.n_shards) if job.shard_done(i) is None]
     if not shards_left:  # a rerun after every shard finished: only the manifest is missing
         if log:
             log(f"epoch {plan.epoch}: all {job.n_shards} shards already written; writing the manifest")

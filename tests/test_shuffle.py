@@ -20,6 +20,7 @@ from conftest import random_docs, write_source
 from formats.errors import IncompleteError, TokpackError
 from formats.manifest import multiset_hash_rows, read_manifest
 from formats.shards import PackedSource
+from formats.validate import validate_dirs
 from shuffle import engine
 from shuffle.engine import shuffle_run
 from shuffle.permutation import Bijection, derive_key
@@ -384,10 +385,11 @@ def test_failure_midway_then_rerun_is_identical(sources, tmp_path, monkeypatch):
     assert scattered == [] and sorted(written) == list(range(3, n_shards)) and n_shards > 4
 
 
-@pytest.mark.parametrize("lost", [False, True])
-def test_rerun_after_every_shard_writes_only_what_is_missing(sources, tmp_path, monkeypatch, lost):
+@pytest.mark.parametrize("shard", ["kept", "deleted", "edited"])
+def test_rerun_after_every_shard_writes_only_what_is_missing(sources, tmp_path, monkeypatch, shard):
     """Killed before the manifest: the rerun writes just the manifest. If a written shard was
-    lost meanwhile (its bucket files are gone by then), the scatter pass runs again for it."""
+    lost meanwhile (its bucket files are gone by then), the scatter pass runs again for it. A
+    shard edited by hand at the same size is kept, and validate reports it."""
     big, small = sources
     kw = dict(seq_len=L, seed=8, epochs=[0], memory=5000, shard_samples=60)
     ref = tmp_path / "ref"
@@ -402,14 +404,24 @@ def test_rerun_after_every_shard_writes_only_what_is_missing(sources, tmp_path, 
     with pytest.raises(OSError, match="simulated crash"):
         shuffle_run([str(big), str(small)], str(out), **kw)
     monkeypatch.setattr(engine, "write_manifest", real_manifest)
-    if lost:
-        sorted((out / "epoch-00000").glob("*.ds"))[1].unlink()
+    victim = sorted((out / "epoch-00000").glob("*.ds"))[1]
+    if shard == "edited":
+        raw = bytearray(victim.read_bytes())
+        raw[5] ^= 1
+        victim.write_bytes(raw)
+    elif shard == "deleted":
+        victim.unlink()
     ran = []
     monkeypatch.setattr(engine.EpochJob, "write_shard", lambda self, i, blocks: (ran.append(i), real_write(self, i, blocks))[1])
     monkeypatch.setattr(engine.ScatterStep, "run",
                         lambda self, *a, **k: (ran.append("scatter"), real_scatter(self, *a, **k))[1])
     shuffle_run([str(big), str(small)], str(out), **kw)
-    assert ran == (["scatter", 1] if lost else [])
+    assert ran == (["scatter", 1] if shard == "deleted" else [])
+    if shard == "edited":
+        report = validate_dirs([out], workers=1, show_progress=False)
+        assert not report.ok and str(victim) in {p.file for p in report.problems}, [p.line() for p in report.problems]
+        assert any("checksum" in p.message for p in report.problems), [p.line() for p in report.problems]
+        return
     assert dir_files(out) == dir_files(ref)
 
 
