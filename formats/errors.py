@@ -35,8 +35,11 @@ class TokpackError(Exception):
         elif self.where:
             parts.append(f"[{self.where}]")
         parts.append(self.message)
-        if self.expected is not None or self.found is not None:
-            parts.append(f"expected {self.expected}, found {self.found}")
+        # a field that is not known is left out: "expected None" would read as a requirement
+        seen = [f"{name} {value}" for name, value in (("expected", self.expected), ("found", self.found))
+                if value is not None]
+        if seen:
+            parts.append(", ".join(seen))
         line = ": ".join(parts[:2]) + ("; " + parts[2] if len(parts) > 2 else "")
         if self.hint:
             line += f". HINT: {self.hint}"

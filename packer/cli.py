@@ -9,49 +9,36 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import sys
 
 import click
 
 from formats.errors import TokpackError
-
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 1 << 10,
-    "MIB": 1 << 20,
-    "GIB": 1 << 30,
-    "TIB": 1 << 40,
-    "K": 1 << 10,
-    "M": 1 << 20,
-    "G": 1 << 30,
-    "T": 1 << 40,
-}
+from formats.units import byte_size, token_count
 
 
-def parse_size(text: str | int) -> int:
-    """'4GiB' -> 4294967296; IEC (KiB, MiB, GiB), SI (KB, MB, GB) and plain bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).upper() not in _SIZE_UNITS:
-        raise click.BadParameter(f"{text!r} is not a size; use e.g. 512MiB, 4GiB, 2GB or 1048576")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+class TokenCount(click.ParamType):
+    """A number of tokens: 1000000, 100B, 1.5M (K/M/B/T are 10^3..10^12; formats.units)."""
 
-
-class Size(click.ParamType):
-    name = "SIZE"
+    name = "TOKENS"
 
     def convert(self, value, param, ctx):
         try:
-            return parse_size(value)
-        except click.BadParameter as e:
-            self.fail(str(e.message), param, ctx)
+            return token_count(value)
+        except TokpackError as e:
+            self.fail(str(e), param, ctx)
+
+
+class ByteSize(click.ParamType):
+    """A number of bytes: 16GiB, 2GB, 4G (a bare K/M/G/T is binary; formats.units)."""
+
+    name = "BYTES"
+
+    def convert(self, value, param, ctx):
+        try:
+            return byte_size(value)
+        except TokpackError as e:
+            self.fail(str(e), param, ctx)
 
 
 def emit(summary: dict, as_json: bool) -> None:
@@ -144,7 +131,7 @@ def main():
 @click.option("--eos-id", type=int, default=None, help="EOS token id (default: from the tokenizer or datatrove metadata).")
 @click.option("--vocab-size", type=int, default=None, help="Vocabulary size (default: from the tokenizer or the input dtype).")
 @click.option("--overwrite", is_flag=True, help="Replace an output directory that holds a different packed source.")
-@click.option("--shard-tokens", type=Size(), default=str(1 << 30), show_default=True,
+@click.option("--shard-tokens", type=TokenCount(), default=1 << 30, show_default=True,
               help="Target tokens per output shard (documents never span shards).")
 @executor_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
@@ -179,11 +166,12 @@ def pack(inputs, output, input_format, column, dtype, tokenizer, eos_id, vocab_s
 @click.option("--epochs", type=click.IntRange(min=1), default=None, help="Write epochs 0..N-1.")
 @click.option("--epoch", type=click.IntRange(min=0), default=None, help="Write only epoch E (adds to an existing run).")
 @click.option("--samples", type=click.IntRange(min=1), default=None, help="Samples per epoch (with weights).")
-@click.option("--tokens", type=Size(), default=None, help="Trained tokens per epoch: samples = T // seq_len.")
+@click.option("--tokens", type=TokenCount(), default=None,
+              help="Trained tokens per epoch: samples = T // seq_len. K/M/B/T are 10^3..10^12 (100B).")
 @click.option("--shard-samples", type=click.IntRange(min=1), default=None,
               help="Samples per output shard [default: 1 GiB // ((seq_len+1) * token_size), about 1 GiB].")
-@click.option("--memory", type=Size(), default="4GiB", show_default=True,
-              help="Total memory budget. An epoch whose windows fit runs in memory (one read, one write); "
+@click.option("--memory", type=ByteSize(), default="4GiB", show_default=True,
+              help="Total memory budget in bytes (KB/MB/GB are 10^n; KiB/MiB/GiB and a bare K/M/G are 2^n). An epoch whose windows fit runs in memory (one read, one write); "
                    "otherwise out of core, each of --workers tasks using memory/workers.")
 @click.option("--jitter", is_flag=True, help="Shift window starts by a seeded per-epoch offset.")
 @executor_options
@@ -246,7 +234,8 @@ def validate(dirs, quick, against, workers, as_json):
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--start-sample", type=click.IntRange(min=0), default=None, help="Consumed samples so far (Megatron's consumed_samples).")
-@click.option("--consumed-tokens", type=click.IntRange(min=0), default=None, help="Consumed tokens: start = T // seq_len.")
+@click.option("--consumed-tokens", type=TokenCount(), default=None,
+              help="Consumed tokens: start = T // seq_len. K/M/B/T are 10^3..10^12.")
 @click.option("--count", type=click.IntRange(min=0), default=10, show_default=True, help="Samples this rank prints.")
 @click.option("--verify", is_flag=True, help="Checksum each shard when it is first read.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per sample.")

@@ -201,10 +201,11 @@ class TokenizeTextStep(PipelineStep):
 
 
 def resolve_vocab_eos(files: list[InputFile], tokenizer: str | None, eos_id: int | None,
-                      vocab_size: int | None, say=None) -> tuple[int, int, str, str | None]:
+                      vocab_size: int | None, say=None, warnings: list | None = None) -> tuple[int, int, str, str | None]:
     """(vocab_size, eos_id, tokenizer name, eos token text) from the options, the tokenizer,
     the inputs' datatrove metadata (a local tokenizer file, else a KNOWN_TOKENIZERS name) or,
-    for the vocabulary, the input dtype."""
+    for the vocabulary, the input dtype. Lines the user should read are said and appended to
+    `warnings`."""
     tok_path = tokenizer
     named = files[0].tokenizer
     if tok_path is None and named:
@@ -222,6 +223,15 @@ def resolve_vocab_eos(files: list[InputFile], tokenizer: str | None, eos_id: int
         vocab_size = known["vocab_size"]
     if vocab_size is None:
         vocab_size = native_vocab(files[0].dtype)
+        if vocab_size is not None and dtype_for_vocab(vocab_size).itemsize > 2:
+            # every id the input dtype can hold must fit, so a 16-bit vocabulary costs twice the disk
+            line = (f"tokpack pack: vocabulary size unknown, so tokens are stored as uint32, the width of the "
+                    f"{files[0].dtype} input. HINT: pass --vocab-size N (or --tokenizer) to store uint16 when the "
+                    f"ids fit below 65536")
+            if say:
+                say(line)
+            if warnings is not None:
+                warnings.append(line)
     if vocab_size is None:
         raise TokpackError("vocabulary size unknown", file=files[0].path, where="vocab_size",
                            expected="--vocab-size, --tokenizer, or an input dtype narrower than 64 bits",
@@ -304,7 +314,8 @@ def _clear(out: Path) -> None:
             p.unlink()
 
 
-def _summary(manifest: dict, out: Path, fmt: str, seconds: float, input_bytes: int, status: str) -> dict:
+def _summary(manifest: dict, out: Path, fmt: str, seconds: float, input_bytes: int, status: str,
+             warnings: list[str] = ()) -> dict:
     return {
         "output": str(out),
         "status": status,
@@ -323,6 +334,7 @@ def _summary(manifest: dict, out: Path, fmt: str, seconds: float, input_bytes: i
         "eos_appended": manifest.get("eos_appended", 0),
         "empty_documents_dropped": manifest.get("empty_documents_dropped", 0),
         "fingerprint": manifest["fingerprint"],
+        "warnings": list(warnings),
     }
 
 
@@ -392,6 +404,7 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
 
     work = out / WORK_DIR
     eos_token = None
+    warnings: list[str] = []
     if fmt == "text":
         if tokenizer is None:
             raise TokpackError("raw text needs a tokenizer", file=files[0].path, where="--tokenizer",
@@ -401,7 +414,7 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
             raise TokpackError("EOS id is not a token of the tokenizer", file=tokenizer, where="--eos-id",
                                expected="an id the tokenizer knows", found=eos_id)
     else:
-        vocab, eos, tok_name, _ = resolve_vocab_eos(files, tokenizer, eos_id, vocab_size, say)
+        vocab, eos, tok_name, _ = resolve_vocab_eos(files, tokenizer, eos_id, vocab_size, say, warnings)
         for f in files:
             check_input(f)
     out_dtype = dtype_for_vocab(vocab)
@@ -475,7 +488,7 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
     plan = json.loads(plan_path.read_text())
     manifest = _finalize(out, work, plan)
     seconds = time.perf_counter() - t0
-    summary = _summary(manifest, out, fmt, seconds, input_bytes, "packed")
+    summary = _summary(manifest, out, fmt, seconds, input_bytes, "packed", warnings)
     say(f"tokpack pack: {summary['tokens']:,} tokens, {summary['documents']:,} documents, {summary['shards']} shard(s) "
         f"-> {out} ({summary['mb_per_s']} MB/s)")
     return summary

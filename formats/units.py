@@ -1,0 +1,75 @@
+"""Token counts and byte sizes as people write them ("100B" tokens, "16GiB" of memory).
+
+The two are different units and are parsed by different functions, so a byte size never
+passes for a token count: `token_count("100GB")` is refused, not read as 10^11 tokens.
+
+- Token counts take decimal suffixes, as the field writes "15T tokens": K, M, B, T =
+  10^3, 10^6, 10^9, 10^12. Parsed exactly (no float); the result must be a whole count.
+- Byte sizes take B, SI units KB, MB, GB, TB (10^3..10^12) and IEC units KiB, MiB, GiB, TiB
+  (2^10..2^40). A bare K, M, G, T is binary (as in Slurm's --mem, `sort -S` or -Xmx): 4G is
+  4 GiB. A fractional byte count is rounded down (it is a budget).
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+from .errors import TokpackError
+
+TOKEN_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+
+BYTE_SUFFIXES = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+    "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
+}
+
+_NUMBER = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
+
+
+def _split(text: str) -> tuple[Fraction, str] | None:
+    m = _NUMBER.fullmatch(text)
+    if not m:
+        return None
+    return Fraction(m.group(1)), m.group(2).upper()  # Fraction("1.5") is exact: 3/2
+
+
+def token_count(value: str | int, *, what: str = "token count") -> int:
+    """'100B' -> 100_000_000_000; '1.5M' -> 1_500_000; '123456789012345678' stays exact."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise TokpackError(f"a {what} cannot be negative", found=value)
+        return value
+    parsed = _split(str(value))
+    if parsed is None:
+        raise TokpackError(f"{value!r} is not a {what}",
+                           hint="write an integer or use K, M, B, T (10^3..10^12), e.g. 100B")
+    number, suffix = parsed
+    if suffix not in TOKEN_SUFFIXES:
+        bytes_like = suffix in BYTE_SUFFIXES or suffix.endswith("B") or suffix.endswith("IB")
+        raise TokpackError(
+            f"{value!r} is not a {what}" + (": it is a byte size" if bytes_like else f": unknown suffix {suffix!r}"),
+            hint="token counts take K/M/B/T (10^3, 10^6, 10^9, 10^12), e.g. 100B for 10^11 tokens; "
+                 "byte sizes are for --memory")
+    count = number * TOKEN_SUFFIXES[suffix]
+    if count.denominator != 1:
+        raise TokpackError(f"{value!r} is not a whole number of tokens", found=f"{float(count):g}",
+                           hint="give more digits or a smaller suffix, e.g. 1500K")
+    return int(count)
+
+
+def byte_size(value: str | int, *, what: str = "byte size") -> int:
+    """'16GiB' -> 17179869184; '2GB' -> 2000000000; '4G' -> 4 GiB (a bare letter is binary)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise TokpackError(f"a {what} cannot be negative", found=value)
+        return value
+    parsed = _split(str(value))
+    if parsed is None or parsed[1] not in BYTE_SUFFIXES:
+        raise TokpackError(f"{value!r} is not a {what}",
+                           hint="use e.g. 512MiB, 4GiB, 2GB or 1048576 (KB/MB/GB are 10^n, KiB/MiB/GiB and a "
+                                "bare K/M/G are 2^n)")
+    number, suffix = parsed
+    return int(number * BYTE_SUFFIXES[suffix])  # int() of a Fraction rounds toward zero: down
