@@ -71,11 +71,16 @@ class Problem:
     message: str  # what is wrong, in words
     incomplete: bool = False  # unfinished output (rerun), rather than corrupt data
     hint: str | None = None  # what to do about it; a default by kind of problem when None
+    unverified: bool = False  # a check that was asked for could not be made (nothing found wrong)
+
+    @property
+    def severity(self) -> str:
+        return "incomplete" if self.incomplete else "unverified" if self.unverified else "corrupt"
 
     def line(self) -> str:
         err = TokpackError(self.message, file=self.file, where=self.where, expected=self.expected, found=self.found,
                            hint=self.hint_text())
-        return ("INCOMPLETE " if self.incomplete else "CORRUPT ") + str(err)
+        return f"{self.severity.upper()} {err}"
 
     def hint_text(self) -> str | None:
         if self.hint:
@@ -89,12 +94,18 @@ class Problem:
     def to_json(self) -> dict:
         s = lambda v: None if v is None else str(v)  # noqa: E731
         return {"file": self.file, "where": self.where, "expected": s(self.expected), "found": s(self.found),
-                "message": self.message, "severity": "incomplete" if self.incomplete else "corrupt",
+                "message": self.message, "severity": self.severity,
                 "hint": self.hint_text()}
 
     @classmethod
     def from_error(cls, e: TokpackError) -> "Problem":
         return cls(e.file or "", e.where, e.expected, e.found, e.message, isinstance(e, IncompleteError), e.hint)
+
+
+def worst_status(problems: list[Problem]) -> str:
+    """'ok' only without problems; otherwise the gravest severity among them."""
+    severities = {p.severity for p in problems}
+    return next((s for s in ("corrupt", "incomplete", "unverified") if s in severities), "ok")
 
 
 @dataclass
@@ -111,9 +122,7 @@ class DirReport:
 
     @property
     def status(self) -> str:
-        if any(not p.incomplete for p in self.problems):
-            return "corrupt"
-        return "incomplete" if self.problems else "ok"
+        return worst_status(self.problems)
 
 
 @dataclass
@@ -906,9 +915,9 @@ def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1
             d, job = item
             try:
                 res = check_shard(job)
-            except (NameError, AttributeError, ImportError):  # a bug in tokpack, not in the data: show it
-                raise
-            except Exception as e:  # unreadable file, or a manifest too broken to drive the checks
+            # Only an unreadable file is the data's fault (manifests were checked before their
+            # shards); any other exception is a bug in tokpack and must not be blamed on the data.
+            except (OSError, TokpackError) as e:
                 res = ShardResult([Problem(str(job.directory / job.entry["path"]), None, "a checkable shard",
                                            f"{type(e).__name__}: {e}", "cannot check shard")], 0, 0, None)
             bar.update(job.size() if not quick else 1)
@@ -933,8 +942,9 @@ def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1
                 rep.multiset = sum(parts) & MASK64
                 if isinstance(m.get("sample_multiset_hash"), str) and hash_hex64(rep.multiset) != m["sample_multiset_hash"]:
                     rep.problems.append(Problem(str(d.report.path), "sample_multiset_hash",
+                                                f"{m['sample_multiset_hash']} (recorded in {MANIFEST})",
                                                 hash_hex64(rep.multiset) + " (recomputed from the samples)",
-                                                m["sample_multiset_hash"], "the epoch's samples are not the ones recorded"))
+                                                "the epoch's samples are not the ones recorded"))
     for d in plan:
         d.report.problems = _cap_per_file(d.report.problems)
     return ValidationReport([d.report for d in plan], time.perf_counter() - t0)

@@ -9,49 +9,72 @@ from pathlib import Path
 from formats.errors import TokpackError
 from formats.manifest import MANIFEST
 from formats.shards import PackedSource
-from formats.validate import DirReport, Problem, ValidationReport, validate_dirs
+from formats.validate import DirReport, Problem, ValidationReport, validate_dirs, worst_status
 
 from .plan import expected_multiset_hash
 
 
+def _missing_sources(m: dict, given: dict[str, PackedSource], mfile: str) -> Problem | None:
+    """UNVERIFIED, naming each source of the epoch that `--against` did not give: without all of
+    them the plan cannot be replayed. Nothing is known to be wrong with the epoch."""
+    by_path = {Path(s.path).resolve(): s for s in given.values()}
+    missing, paths = [], []
+    for e in m["sources"]:
+        e = e if isinstance(e, dict) else {}
+        fp = e.get("fingerprint")
+        if fp in given:
+            continue
+        text = f"{e.get('name', '?')} (fingerprint {fp})"
+        same_place = by_path.get(Path(str(e.get("path", ""))).resolve()) if e.get("path") else None
+        if same_place is not None:  # given by path, but its content is not the one shuffled
+            text += f", changed since the shuffle: {same_place.path} now has fingerprint {same_place.fingerprint}"
+        missing.append(text)
+        paths.append(str(e.get("path") or e.get("name", "?")))
+    if not missing:
+        return None
+    n = len(m["sources"])
+    return Problem(mfile, "sources", f"--against for each of its {n} source{'s' * (n != 1)}",
+                   "none for " + "; ".join(missing),
+                   "epoch holds samples from a source not given to --against; its content is not verified",
+                   hint="give every source the epoch was shuffled from, as it was then: "
+                        + " ".join(f"--against {p}" for p in paths), unverified=True)
+
+
 def _against(report: ValidationReport, against: list[str]) -> list[Problem]:
     """For every readable epoch: its sources are among `against` (by fingerprint) and the
-    multiset hash of the windows the plan assigns it equals the epoch's."""
+    multiset hash of the windows the plan assigns it equals the epoch's. A problem with an
+    epoch goes into that epoch's report, so its status line says it too; the problems
+    returned are those of the `against` sources that cannot be opened."""
     sources, problems = [], []
     for a in against:
         try:
             sources.append(PackedSource.open(a))
         except TokpackError as e:
             problems.append(Problem.from_error(e))
-    if problems:
-        return problems
     given = {s.fingerprint: s for s in sources}
     for d in report.dirs:
         m = d.manifest
         if d.kind != "epoch" or m is None or not isinstance(m.get("sources"), list):
             continue
         mfile = str(d.path / MANIFEST)
-        missing = False
-        for i, e in enumerate(m["sources"]):
-            fp = e.get("fingerprint") if isinstance(e, dict) else None
-            if fp not in given:
-                missing = True
-                problems.append(Problem(mfile, f"sources[{i}].fingerprint",
-                                        f"one of --against: {', '.join(sorted(given))}", fp,
-                                        f"epoch was shuffled from a source not given or changed since "
-                                        f"({e.get('name') if isinstance(e, dict) else e})"))
-        if missing:
+        missing = _missing_sources(m, given, mfile)
+        if missing is not None:
+            d.problems.append(missing)
             continue
         try:
             expected = expected_multiset_hash(m, sources)
-        except (TokpackError, KeyError, TypeError, ValueError) as e:
-            err = e if isinstance(e, TokpackError) else TokpackError(f"cannot replay the plan: {e!r}")
-            problems.append(Problem(err.file or mfile, err.where, err.expected, err.found, err.message))
+        except (TokpackError, OSError) as e:
+            err = e if isinstance(e, TokpackError) else TokpackError(f"cannot replay the plan: {e}", file=e.filename)
+            d.problems.append(Problem(err.file or mfile, err.where, err.expected, err.found, err.message))
             continue
+        except (KeyError, TypeError, ValueError):
+            if any(p.file == mfile for p in d.problems):
+                continue  # a manifest already reported broken cannot drive the replay
+            raise  # from a manifest that passed every check: a bug in tokpack, not in the data
         if expected != m.get("sample_multiset_hash"):
-            problems.append(Problem(mfile, "sample_multiset_hash", f"{expected} (replayed from the sources)",
-                                    m.get("sample_multiset_hash"),
-                                    "epoch does not hold the samples its plan assigns (dropped/duplicated/altered)"))
+            d.problems.append(Problem(mfile, "sample_multiset_hash", f"{expected} (replayed from the sources)",
+                                      f"{m.get('sample_multiset_hash')} (recorded in {MANIFEST})",
+                                      "epoch does not hold the samples its plan assigns (dropped/duplicated/altered)"))
     return problems
 
 
@@ -82,8 +105,7 @@ def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None
     extra_problems = _against(report, against) if against else []
     seconds = time.perf_counter() - t0
     problems = report.problems + extra_problems
-    corrupt = any(not p.incomplete for p in problems)
-    status = "corrupt" if corrupt else ("incomplete" if problems else "ok")
+    status = worst_status(problems)
     lines = [p.line() for p in problems]
     lines += [_status_line(d, quick) for d in report.dirs]
     lines.append(

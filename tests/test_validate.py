@@ -326,7 +326,7 @@ def test_against_wrong_source(env, tmp_path):
     other = write_source(tmp_path / "src2", random_docs(np.random.default_rng(9), 30, VOCAB, EOS), vocab_size=VOCAB)
     r = validate_all([str(env / "run")], quick=True, against=[str(other)], workers=1)
     assert not r["ok"]
-    assert any(p["where"] == "sources[0].fingerprint" for p in r["problems"]), r["lines"]
+    assert any(p["where"] == "sources" and p["severity"] == "unverified" for p in r["problems"]), r["lines"]
 
 
 def test_problem_lines_name_file_where_expected_found(env):
@@ -419,4 +419,88 @@ def test_real_pack_and_weighted_jittered_shuffle_validate(tmp_path):
     assert m["jitter"] and m["sources"][1]["first_pass"] > 0 and len(r["dirs"]) == 6  # b is upsampled
     # the same run checked against only one of its sources is refused
     r = validate_all([dirs[2]], quick=True, against=dirs[:1], workers=1, show_progress=False)
-    assert not r["ok"] and all(p["where"] == "sources[1].fingerprint" for p in r["problems"])
+    assert not r["ok"] and all(p["where"] == "sources" and p["severity"] == "unverified" for p in r["problems"])
+
+
+# ------------------------------------------------------------------ --against tells the truth (issue 12)
+
+
+def test_against_one_source_of_a_mixed_run_is_unverified_not_corrupt(tmp_path):
+    """A run mixed from web and code, validated --against web only: every epoch is reported
+    UNVERIFIED, naming code's fingerprint; no epoch is printed OK or marked "ok" in the JSON."""
+    from shuffle.engine import shuffle_run
+
+    web = write_source(tmp_path / "web", random_docs(np.random.default_rng(1), 60, VOCAB, EOS), vocab_size=VOCAB)
+    code = write_source(tmp_path / "code", random_docs(np.random.default_rng(2), 40, VOCAB, EOS), vocab_size=VOCAB)
+    shuffle_run([f"{web}=0.7", f"{code}=0.3"], str(tmp_path / "run"), seq_len=SEQ_LEN, seed=1, epochs=[0, 1],
+                samples=200, tokens=None, shard_samples=50, memory=1 << 20, jitter=False, log=None)
+    code_fp = load(code)["fingerprint"]
+    cmd = [sys.executable, "-m", "packer.cli", "validate", str(tmp_path / "run"), "--against", str(web)]
+    human = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    as_json = subprocess.run(cmd + ["--json"], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert human.returncode == 1 and as_json.returncode == 1
+    lines = human.stderr.splitlines()
+    problem_lines = [x for x in lines if "not given to --against" in x]
+    assert len(problem_lines) == 2, lines
+    for line in problem_lines:
+        assert line.startswith("UNVERIFIED ") and code_fp in line and "code" in line
+        assert "edited" not in line and "CORRUPT" not in line
+        assert f"--against {code}" in line  # the hint names what to add
+    assert not any(x.startswith("OK epoch") for x in lines), lines
+    assert sum(x.startswith("UNVERIFIED epoch") for x in lines) == 2
+    assert lines[-1].startswith("UNVERIFIED:")
+    r = json.loads(as_json.stdout)
+    assert not r["ok"] and r["status"] == "unverified"
+    epochs = [d for d in r["dirs"] if d["kind"] == "epoch"]
+    assert len(epochs) == 2 and all(d["status"] == "unverified" and d["problems"] == 1 for d in epochs), r["dirs"]
+    assert [p["severity"] for p in r["problems"]] == ["unverified", "unverified"]
+    assert all(code_fp in p["found"] for p in r["problems"])
+    # with both sources the same run validates
+    both = validate_all([str(tmp_path / "run")], quick=False, against=[str(web), str(code)], workers=1)
+    assert both["ok"], both["lines"]
+
+
+def test_epoch_multiset_line_expects_the_recorded_hash(env):
+    """An altered sample whose shard checksums were rewritten: the epoch's multiset line
+    expects what its manifest records and found what its samples hash to."""
+    from formats.manifest import multiset_hash_rows
+
+    m = load(env / E0)
+    recorded = m["sample_multiset_hash"]
+    shard = env / E0 / m["shards"][0]["path"]
+    data = bytearray(shard.read_bytes())
+    rows = np.frombuffer(bytes(data), dtype="<u2").reshape(-1, ROW)
+    # a token in the middle of a row, not EOS before or after: the index stays right
+    r_, c_ = next((r, c) for r in range(len(rows)) for c in range(1, ROW - 1) if rows[r, c] not in (EOS, 1))
+    data[(r_ * ROW + c_) * 2 : (r_ * ROW + c_) * 2 + 2] = (1).to_bytes(2, "little")
+    shard.write_bytes(bytes(data))
+    found = multiset_hash_rows(np.frombuffer(bytes(data), dtype="<u2").reshape(-1, ROW))
+    for d in m["shards"][1:]:
+        found = (found + int(d["multiset_hash"], 16)) & ((1 << 64) - 1)
+    r = validate_all([str(env / E0)], quick=False, against=[], workers=1, show_progress=False)
+    (line,) = [p for p in r["problems"] if p["where"] == "sample_multiset_hash" and p["file"] == str(env / E0)]
+    assert line["expected"].startswith(recorded), line
+    assert line["found"].startswith(hash_hex64(found)), line
+
+
+def test_a_bug_in_validate_is_not_reported_as_corrupt_data(base, monkeypatch):
+    """An exception that is not about the data (here a KeyError standing for a bug in a shard
+    check) propagates: the report must not blame the data for it."""
+    import formats.validate as fv
+
+    def buggy_check(job):
+        raise KeyError("a field tokpack forgot")
+
+    monkeypatch.setattr(fv, "check_shard", buggy_check)
+    with pytest.raises(KeyError):
+        validate_dirs([base / "src"], quick=False, workers=2, show_progress=False)
+
+
+def test_an_unreadable_shard_file_is_still_a_data_problem(env):
+    """OSError stays a data problem: a metadata file replaced by a directory is one CORRUPT line."""
+    meta = env / "src/00000.ds.metadata"
+    meta.unlink()
+    meta.mkdir()
+    r = validate_all([str(env / "src")], quick=False, against=[], workers=1, show_progress=False)
+    assert not r["ok"] and r["status"] == "corrupt"
+    assert any("IsADirectoryError" in (p["found"] or "") for p in r["problems"]), r["lines"]
