@@ -18,6 +18,8 @@ import gzip
 import json
 import os
 import struct
+import threading
+import weakref
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -37,7 +39,8 @@ INDEX_CHUNK = 1 << 20  # index entries (documents/sequences) loaded at a time
 TABLE_ROWS = 8192  # Parquet/Arrow rows per record batch
 PARQUET_READ_BYTES = 8 << 20  # Parquet column data is read in pieces of this size
 
-_BUFFERS: dict = {}  # (role, dtype) -> _Buffer, reused by every reader of this process
+_FREE_BUFFERS: dict = {}  # dtype -> [_Buffer]: reusable buffers that no live reader holds
+_FREE_LOCK = threading.Lock()
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_HEADER = 34  # magic 9 + version 8 + dtype code 1 + sequence count 8 + document count 8
 # megatron.core.datasets.indexed_dataset.DType: every code Megatron defines.
@@ -324,13 +327,14 @@ def _datatrove_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
             tokens = slot[0].read(ds, n, f.path, meta[2])
             return tokens, slot[1].read(lf, n, f.extra["loss"], meta[2]) if has_loss else None
 
-        ahead = read_ahead(plan(), fill, [(_shared_buffer(f"tokens{k}", dtype), _shared_buffer(f"loss{k}", "u1"))
-                                           for k in range(2)])
+        slots = [(_take_buffer(dtype), _take_buffer(np.uint8)) for _ in range(2)]
+        ahead = read_ahead(plan(), fill, slots)
         try:
             for (tokens, loss), (ends, first, offset) in ahead:
                 yield Block(tokens, ends, loss, first, offset)
         finally:
-            ahead.close()  # stops the read-ahead thread before the files close
+            ahead.close()  # stops the read-ahead thread before the files close and the buffers go back
+            _give_buffers([b for slot in slots for b in slot])
 
 
 def read_ahead(plan, fill, slots: list) -> Iterator[tuple]:
@@ -384,12 +388,20 @@ class _nullctx:
         return False
 
 
-def _shared_buffer(role: str, dtype: np.dtype) -> "_Buffer":
-    """The process's reusable buffer for `role`: packing file after file touches no new memory."""
-    key = (role, np.dtype(dtype).str)
-    if key not in _BUFFERS:
-        _BUFFERS[key] = _Buffer(dtype)
-    return _BUFFERS[key]
+def _take_buffer(dtype: np.dtype) -> "_Buffer":
+    """A buffer the caller owns until it gives it back: two live readers never share one, and
+    packing file after file reuses the same pages instead of touching new memory."""
+    with _FREE_LOCK:
+        free = _FREE_BUFFERS.get(np.dtype(dtype).str)
+        if free:
+            return free.pop()
+    return _Buffer(dtype)
+
+
+def _give_buffers(buffers) -> None:
+    with _FREE_LOCK:
+        for b in buffers:
+            _FREE_BUFFERS.setdefault(b.dtype.str, []).append(b)
 
 
 def _sequential(fh) -> None:
@@ -537,12 +549,14 @@ def _megatron_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
                     pos += m
             return out
 
-        ahead = read_ahead(plan(), fill, [_shared_buffer(f"tokens{k}", dtype) for k in range(2)])
+        slots = [_take_buffer(dtype) for _ in range(2)]
+        ahead = read_ahead(plan(), fill, slots)
         try:
             for tokens, (sizes, ptrs, ends, first) in ahead:
                 yield Block(tokens, ends, None, first, int(ptrs[0]) // itemsize if len(ptrs) else 0)
         finally:
             ahead.close()
+            _give_buffers(slots)
 
 
 # --------------------------------------------------------------- parquet / arrow
@@ -883,7 +897,8 @@ class Normalizer:
         self.vocab_size = vocab_size  # ids must be below it
         self.eos_id = eos_id  # every output document ends with it
         self.out_dtype = np.dtype(out_dtype).newbyteorder("<")  # uint16 or uint32
-        self.out = _shared_buffer("cast", self.out_dtype)  # reused cast target
+        self.out = _take_buffer(self.out_dtype)  # reused cast target, this normalizer's own
+        weakref.finalize(self, _give_buffers, [self.out])
         self.eos_appended = 0  # documents that lacked EOS
         self.empty_dropped = 0  # documents with no tokens
 

@@ -222,14 +222,18 @@ class DurableFile:
     def __init__(self, final: str | Path, direct: bool = False):
         self.final = Path(final)  # the name it gets on commit
         self.tmp = tmp_path(final)  # the name it is written under
-        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # None once closed
         self.hash = xxhash.xxh3_128()  # of every byte written
         self.bytes = 0  # written so far (the file may hold fewer until commit, see _staged)
-        self.direct = bool(direct) and _set_direct(self.fd, True)  # O_DIRECT in effect
         self._staging: memoryview | None = None  # O_DIRECT only: the unaligned tail, not yet written
         self._staged = 0  # bytes in _staging
-        if self.direct:
-            self._staging = _aligned_buffer(DIRECT_STAGING)
+        try:
+            self.direct = bool(direct) and _set_direct(self.fd, True)  # O_DIRECT in effect
+            if self.direct:
+                self._staging = _aligned_buffer(DIRECT_STAGING)
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, data) -> None:
         mv = memoryview(data).cast("B")
@@ -280,14 +284,18 @@ class DurableFile:
             os.ftruncate(self.fd, self.bytes)
             self._staged = 0
         os.fdatasync(self.fd)
-        os.close(self.fd)
-        self._staging = None
+        self._close()
         os.replace(self.tmp, self.final)
         return self.hash.hexdigest()
 
+    def _close(self) -> None:
+        fd, self.fd, self._staging = self.fd, None, None
+        if fd is not None:
+            os.close(fd)
+
     def abort(self) -> None:
-        os.close(self.fd)
-        self._staging = None
+        """Closes and deletes the temporary file; safe after a failed write or commit."""
+        self._close()
         Path(self.tmp).unlink(missing_ok=True)
 
 

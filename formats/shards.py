@@ -43,9 +43,14 @@ class SourceShardWriter:
         self.tokenizer = tokenizer
         self.tokens = 0  # tokens written so far
         self.documents = 0  # documents written so far
-        self._ds = DurableFile(self.directory / name, direct=True)
-        self._index = DurableFile(self.directory / f"{name}.index")
-        self._loss = DurableFile(self.directory / f"{name}.loss") if with_loss else None
+        self._ds = self._index = self._loss = None
+        try:
+            self._ds = DurableFile(self.directory / name, direct=True)
+            self._index = DurableFile(self.directory / f"{name}.index")
+            self._loss = DurableFile(self.directory / f"{name}.loss") if with_loss else None
+        except BaseException:
+            self.abort()  # the files already open: no descriptor or temporary file left behind
+            raise
 
     def write(self, tokens: np.ndarray, doc_ends: np.ndarray, loss: np.ndarray | None = None) -> None:
         """`doc_ends`: ends of the documents in `tokens`, relative to its start, last == len(tokens)."""
@@ -97,8 +102,13 @@ class EpochShardWriter:
         self.tokenizer = tokenizer
         self.samples = 0  # samples written so far
         self.multiset = 0  # running sum of xxh3_64 over samples, mod 2^64
-        self._ds = DurableFile(self.directory / name, direct=True)
-        self._index = DurableFile(self.directory / f"{name}.index")
+        self._ds = self._index = None
+        try:
+            self._ds = DurableFile(self.directory / name, direct=True)
+            self._index = DurableFile(self.directory / f"{name}.index")
+        except BaseException:
+            self.abort()  # the file already open: no descriptor or temporary file left behind
+            raise
 
     def write_rows(self, rows: np.ndarray) -> None:
         """`rows`: [n, seq_len+1] tokens, or the same bytes as a 1-D np.void row view."""
@@ -154,8 +164,9 @@ class EpochShardWriter:
         return entry
 
     def abort(self) -> None:
-        self._ds.abort()
-        self._index.abort()
+        for f in (self._ds, self._index):
+            if f is not None:
+                f.abort()
 
 
 class RowFragments:

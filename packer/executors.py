@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 from datatrove.pipeline.base import PipelineStep
@@ -460,11 +461,14 @@ def _fs_and_path(url: str):
 
 
 def _split_weight(arg: str) -> tuple[str, str]:
-    """'SOURCE=WEIGHT' -> ('SOURCE', '=WEIGHT'); a '=' that is not followed by a number stays."""
+    """'SOURCE=WEIGHT' -> ('SOURCE', '=WEIGHT'); a '=' that is not followed by a number stays.
+    A number is what shuffle takes as a weight for a local source: 0.3, 2, 1/3 (a Fraction)."""
     head, sep, tail = arg.rpartition("=")
     if sep:
         try:
-            float(tail)
+            Fraction(tail.strip())
+            return head, sep + tail
+        except ZeroDivisionError:  # a weight, if not a valid one: shuffle says so
             return head, sep + tail
         except ValueError:
             pass

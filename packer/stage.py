@@ -38,9 +38,11 @@ from formats.manifest import (
     check_manifest_header,
     commit_file,
     epoch_dir_name,
+    fsync_dir,
     progress,
     remove_tmp_files,
     tmp_path,
+    write_manifest,
 )
 
 # Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
@@ -450,6 +452,7 @@ def _write_json_durable(path: Path, obj: dict) -> None:
     with open(tmp, "wb") as f:
         f.write(json.dumps(obj, indent=1).encode() + b"\n")
     commit_file(tmp, path, fsync=True)
+    fsync_dir(path.parent)  # the rename itself survives a crash
 
 
 def _check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
@@ -523,7 +526,7 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
                     pending[rel] -= 1
                     # An epoch's manifest follows its own shards, so a long stage completes epoch by epoch.
                     if pending[rel] == 0 and rel != "":
-                        _write_json_durable(dest / rel / MANIFEST, by_dir[rel].manifest)
+                        write_manifest(dest / rel, by_dir[rel].manifest)
         except BaseException:
             # A failure or Ctrl-C: drop the queued copies; the pool's exit waits only for the
             # few in flight, each of which commits a verified file or removes its temporary.
@@ -534,10 +537,10 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
     # Directories without jobs (e.g. every shard filtered out) and the root come last.
     for p in plans:
         if p.rel != "" and not p.jobs:
-            _write_json_durable(dest / p.rel / MANIFEST, p.manifest)
+            write_manifest(dest / p.rel, p.manifest)
     missing = _partial_sidecar(dest, plans, ranks, micro_batch)
     root = next(p for p in plans if p.rel == "")
-    _write_json_durable(dest / MANIFEST, root.manifest)
+    write_manifest(dest, root.manifest)  # like every manifest: the directory is fsync'd before and after
 
     seconds = time.perf_counter() - t0
     moved = stager.bytes_copied + stager.bytes_verified
