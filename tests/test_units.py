@@ -74,7 +74,7 @@ def test_shuffle_tokens_are_decimal(source, tmp_path):
     assert json.loads(r.stdout)["samples_per_epoch"] == 166
 
 
-@pytest.mark.parametrize("value", ["100GB", "1GiB"])
+@pytest.mark.parametrize("value", ["1KB", "2KiB"])  # small: a parser that took them would run quickly
 def test_shuffle_refuses_a_byte_size_as_tokens(source, tmp_path, value):
     r = tokpack("shuffle", str(source), "-o", str(tmp_path / "run"), "--seq-len", "9", "--seed", "1",
                 "--epochs", "1", "--tokens", value)
