@@ -20,9 +20,10 @@ sys.path[0] = str(REPO)  # the repo, not bench/, where shuffle.py would hide the
 
 
 def parse_size(text: str) -> int:
-    from packer.cli import parse_size as parse
+    """A byte size, as --memory takes it (formats.units)."""
+    from formats.units import byte_size
 
-    return parse(text)
+    return byte_size(text)
 
 
 def can_drop_caches() -> bool:
