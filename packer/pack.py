@@ -204,8 +204,8 @@ def resolve_vocab_eos(files: list[InputFile], tokenizer: str | None, eos_id: int
                       vocab_size: int | None, say=None, warnings: list | None = None) -> tuple[int, int, str, str | None]:
     """(vocab_size, eos_id, tokenizer name, eos token text) from the options, the tokenizer,
     the inputs' datatrove metadata (a local tokenizer file, else a KNOWN_TOKENIZERS name) or,
-    for the vocabulary, the input dtype. Lines the user should read are said and appended to
-    `warnings`."""
+    for the vocabulary, the input dtype. Lines the user should read once the pack is done are
+    appended to `warnings`."""
     tok_path = tokenizer
     named = files[0].tokenizer
     if tok_path is None and named:
@@ -225,13 +225,10 @@ def resolve_vocab_eos(files: list[InputFile], tokenizer: str | None, eos_id: int
         vocab_size = native_vocab(files[0].dtype)
         if vocab_size is not None and dtype_for_vocab(vocab_size).itemsize > 2:
             # every id the input dtype can hold must fit, so a 16-bit vocabulary costs twice the disk
-            line = (f"tokpack pack: vocabulary size unknown, so tokens are stored as uint32, the width of the "
-                    f"{files[0].dtype} input. HINT: pass --vocab-size N (or --tokenizer) to store uint16 when the "
-                    f"ids fit below 65536")
-            if say:
-                say(line)
             if warnings is not None:
-                warnings.append(line)
+                warnings.append(f"tokpack pack: vocabulary size unknown, so tokens are stored as uint32, the width "
+                                f"of the {files[0].dtype} input. HINT: pass --vocab-size N (or --tokenizer) to store "
+                                f"uint16 when the ids fit below 65536")
     if vocab_size is None:
         raise TokpackError("vocabulary size unknown", file=files[0].path, where="vocab_size",
                            expected="--vocab-size, --tokenizer, or an input dtype narrower than 64 bits",
@@ -489,6 +486,8 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
     manifest = _finalize(out, work, plan)
     seconds = time.perf_counter() - t0
     summary = _summary(manifest, out, fmt, seconds, input_bytes, "packed", warnings)
+    for line in warnings:  # after the work: a pack that fails prints its one error line only
+        say(line)
     say(f"tokpack pack: {summary['tokens']:,} tokens, {summary['documents']:,} documents, {summary['shards']} shard(s) "
         f"-> {out} ({summary['mb_per_s']} MB/s)")
     return summary
