@@ -106,6 +106,8 @@ class OutputLock:
                 _held[key] += 1
                 self.nested = True
                 return self
+        if self.directory.is_symlink() and not self.directory.exists():
+            os.stat(self.directory)  # a symlink loop or a dangling link: its own OSError (ELOOP, ENOENT)
         if not self.directory.exists():
             self.directory.mkdir(parents=True, exist_ok=True)
             self.created_dir = True

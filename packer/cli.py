@@ -173,6 +173,12 @@ def user_errors(fn):
         except OSError as e:  # the environment: a full disk, a read-only output, a symlink loop...
             line, error = _os_error_line(e)
             _report(line, error, 1, as_json)
+        except RuntimeError as e:
+            if not str(e).startswith("Symlink loop"):  # pathlib's resolve() before Python 3.13
+                _internal_error(command, e, as_json)
+            line, error = _os_error_line(OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(e).split("'")[1]
+                                                 if "'" in str(e) else None))
+            _report(line, error, 1, as_json)
         except KeyboardInterrupt:
             line = "tokpack: interrupted; rerun the same command to resume"
             _report(line, _error_json("KeyboardInterrupt", line), 130, as_json)
