@@ -198,12 +198,18 @@ def test_lock_released_on_ctrl_c_and_sigterm_and_the_rerun_completes(sources, tm
     assert tokpack(tmp_path, "validate", out).returncode == 0
 
 
-def test_lock_released_after_an_error(sources, tmp_path):
-    small, _ = sources
+def test_lock_released_after_an_error_mid_run(sources, tmp_path):
+    _, big = sources
+    src = tmp_path / "src"
+    shutil.copytree(big, src)
     out = tmp_path / "run"
-    assert tokpack(tmp_path, "shuffle", small, "-o", out, "--seq-len", "63", "--seed", "1", "--epochs", "1").returncode == 0
-    r = tokpack(tmp_path, "shuffle", small, "-o", out, "--seq-len", "63", "--seed", "2", "--epochs", "1")
-    assert r.returncode == 1 and "different run" in one_line(r.stderr)
+    proc = start_paused(tmp_path, "shuffle", src, "-o", out, *SHUFFLE)
+    assert (out / LOCK_NAME).exists()
+    (src / "00003.ds").unlink()  # the source loses a shard while the shuffle runs
+    os.kill(proc.pid, signal.SIGCONT)
+    _, err = proc.communicate()
+    errors = [line for line in err.splitlines() if line.startswith("tokpack")]
+    assert proc.returncode == 1 and len(errors) == 1 and "00003.ds" in errors[0] and "Traceback" not in err, err
     assert not (out / LOCK_NAME).exists()
 
 
