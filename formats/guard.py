@@ -55,6 +55,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _os_error(e: OSError) -> str:
+    return f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
+
+
 def _describe(holder: dict) -> str:
     since = holder.get("since")
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(since)) if isinstance(since, (int, float)) else "?"
@@ -106,15 +110,28 @@ class OutputLock:
                 _held[key] += 1
                 self.nested = True
                 return self
-        if self.directory.is_symlink() and not self.directory.exists():
-            os.stat(self.directory)  # a symlink loop or a dangling link: its own OSError (ELOOP, ENOENT)
-        if not self.directory.exists():
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self.created_dir = True
+        try:
+            if self.directory.is_symlink() and not self.directory.exists():
+                os.stat(self.directory)  # a symlink loop or a dangling link: its own error (ELOOP, ENOENT)
+            if not self.directory.exists():
+                self.directory.mkdir(parents=True, exist_ok=True)
+                self.created_dir = True
+        except OSError as e:
+            raise TokpackError("cannot create the output directory", file=self.directory,
+                               expected="a directory tokpack can create", found=_os_error(e),
+                               hint="check the path (symbolic links included) and that it is writable") from None
         if not self.directory.is_dir():
             raise TokpackError("output exists and is not a directory", file=self.directory, hint="choose another path")
         tmp = self.directory / f".{LOCK_NAME}.tmp-{os.getpid()}-{self.token[:8]}"
-        tmp.write_text(json.dumps(self._mine()))
+        try:
+            tmp.write_text(json.dumps(self._mine()))
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)  # a full disk may have let it be created
+            raise TokpackError("cannot write in the output directory", file=self.directory,
+                               expected="a writable directory", found=_os_error(e),
+                               hint="choose a writable directory (read-only filesystem, permissions, "
+                               "immutable attribute, full disk?)") from None
         try:
             for _ in range(8):  # each turn either wins, fails, or removes one stale lock
                 try:
