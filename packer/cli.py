@@ -254,6 +254,8 @@ class _Tokpack(click.Group):
         except KeyboardInterrupt:
             click.echo("tokpack: interrupted", err=True)
             sys.exit(130)
+        except Exception as e:  # noqa: BLE001 - outside any command (option parsing...): a bug too
+            _internal_error(next((a for a in argv if not a.startswith("-")), "command"), e, as_json)
         finally:
             if previous is signal.SIG_DFL:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
