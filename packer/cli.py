@@ -1,15 +1,23 @@
 """`tokpack` command line: a thin layer over the Python API.
 
-Exit status: 0 success, 1 the data or the input is wrong, 2 usage error. A user error is
-one line on stderr, never a traceback.
+Exit status: 0 success; 1 the data, the input or the environment is wrong (a full disk, a
+read-only output, a symlink loop, an output directory another command holds); 2 a usage error,
+or a bug in tokpack; 130 Ctrl-C; 143 SIGTERM. A failure is one line on stderr, never a
+traceback (a bug's traceback goes to a log file, or to stderr under `--debug`), and under
+`--json` stdout holds exactly one JSON object, `{"ok": false, "error": {...}}` on any failure.
 """
 
 from __future__ import annotations
 
+import datetime
+import errno
 import functools
 import json
 import os
+import signal
 import sys
+import threading
+import traceback
 
 import click
 
@@ -52,25 +60,120 @@ def emit(summary: dict, as_json: bool) -> None:
             click.echo(f"{key:>18}: {value}")
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that `finally` blocks (the output lock, temporary
+    files) run as for Ctrl-C. A BaseException: no `except Exception` swallows it."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+_DEBUG = False  # --debug: a bug's traceback goes to stderr instead of a log file
+_FAILED = False  # a failure was reported already (its JSON object printed): report nothing more
+
+# errno -> what the user can do about it
+_OS_HINTS = {
+    errno.ELOOP: "a symbolic link points (through others) back to itself: fix or remove the link",
+    errno.EROFS: "the filesystem is read-only: write to a writable directory",
+    errno.EACCES: "no permission to write there: choose a directory you may write, or fix its permissions",
+    errno.EPERM: "the operation is not permitted there (immutable file or directory?): choose another path",
+    errno.ENOSPC: "the disk is full: free some space, then rerun the same command to resume",
+    errno.EDQUOT: "the disk quota is exhausted: free some space, then rerun the same command to resume",
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: check the path",
+}
+
+
+def _report(line: str, error: dict, status: int, as_json: bool) -> None:
+    """The one line on stderr, the one JSON object on stdout under --json, then exit."""
+    global _FAILED
+    if as_json and not _FAILED:
+        click.echo(json.dumps({"ok": False, "error": error}))
+    _FAILED = True
+    click.echo(line, err=True)
+    sys.exit(status)
+
+
+def _error_json(kind: str, message: str, **fields) -> dict:
+    return {"error": kind, "message": message, "file": fields.get("file"), "where": None, "expected": None,
+            "found": None, "hint": fields.get("hint")}
+
+
+def _os_error_line(e: OSError) -> tuple[str, dict]:
+    where = e.filename if e.filename is not None else None
+    if getattr(e, "filename2", None):
+        where = f"{where} -> {e.filename2}"
+    name = errno.errorcode.get(e.errno, "") if e.errno else ""
+    message = f"{e.strerror or e}" + (f" ({name})" if name else "")
+    hint = _OS_HINTS.get(e.errno)
+    line = "tokpack: error: " + (f"{where}: " if where else "") + message + (f". HINT: {hint}" if hint else "")
+    return line, _error_json(type(e).__name__, message, file=None if where is None else str(where), hint=hint)
+
+
+def _crash_log(command: str, exc: BaseException) -> str:
+    """Writes the traceback of a bug to $TOKPACK_LOG_DIR (default ~/.cache/tokpack); returns
+    where, or why it could not."""
+    text = "".join(traceback.format_exception(exc))
+    folder = os.environ.get("TOKPACK_LOG_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokpack")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = os.path.join(folder, f"crash-{stamp}-{os.getpid()}.log")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(f"tokpack {command}\nargv: {sys.argv}\n\n{text}")
+    except OSError as e:
+        return f"not saved ({e.strerror or e}: {path}); rerun with --debug to see it"
+    return f"in {path}"
+
+
+def _internal_error(command: str, exc: BaseException, as_json: bool) -> None:
+    summary = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    if _DEBUG:
+        traceback.print_exception(exc, file=sys.stderr)
+        where = "above"
+    else:
+        where = _crash_log(command, exc)
+    line = f"tokpack {command}: internal error (a bug in tokpack): {summary}; the traceback is {where}"
+    _report(line, _error_json("InternalError", line), 2, as_json)
+
+
 def user_errors(fn):
-    """Turns TokpackError into one line on stderr and exit status 1."""
+    """Turns every failure of a command into one line on stderr (and one JSON object under
+    --json): TokpackError and OSError exit 1, Ctrl-C 130, SIGTERM 143, a bug in tokpack 2."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        as_json = bool(kwargs.get("as_json"))
+        ctx = click.get_current_context(silent=True)
+        command = ctx.info_name if ctx is not None else "command"
         try:
             return fn(*args, **kwargs)
+        except (SystemExit, click.exceptions.Exit, click.ClickException, click.Abort):
+            raise  # a status chosen already, or a usage error: main reports those
         except TokpackError as e:
-            if kwargs.get("as_json"):
-                click.echo(json.dumps({"ok": False, "error": e.to_json()}))
-            click.echo(f"tokpack: error: {e}", err=True)
-            sys.exit(1)
+            _report(f"tokpack: error: {e}", e.to_json(), 1, as_json)
         except ModuleNotFoundError as e:  # an optional dependency this command needs
-            click.echo(f"tokpack: error: this command needs the module {e.name!r}, which is not installed. "
-                       f"HINT: pip install {e.name}", err=True)
-            sys.exit(1)
+            line = (f"tokpack: error: this command needs the module {e.name!r}, which is not installed. "
+                    f"HINT: pip install {e.name}")
+            _report(line, _error_json("ModuleNotFoundError", line, hint=f"pip install {e.name}"), 1, as_json)
+        except OSError as e:  # the environment: a full disk, a read-only output, a symlink loop...
+            line, error = _os_error_line(e)
+            _report(line, error, 1, as_json)
+        except RuntimeError as e:
+            if not str(e).startswith("Symlink loop"):  # pathlib's resolve() before Python 3.13
+                _internal_error(command, e, as_json)
+            line, error = _os_error_line(OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(e).split("'")[1]
+                                                 if "'" in str(e) else None))
+            _report(line, error, 1, as_json)
         except KeyboardInterrupt:
-            click.echo("tokpack: interrupted; rerun the same command to resume", err=True)
-            sys.exit(130)
+            line = "tokpack: interrupted; rerun the same command to resume"
+            _report(line, _error_json("KeyboardInterrupt", line), 130, as_json)
+        except Terminated:
+            line = "tokpack: terminated (SIGTERM); rerun the same command to resume"
+            _report(line, _error_json("Terminated", line), 143, as_json)
+        except Exception as e:  # noqa: BLE001 - anything else is a bug in tokpack, not bad data
+            _internal_error(command, e, as_json)
 
     return wrapper
 
@@ -109,10 +212,52 @@ def _executor_config(kw: dict) -> dict:
     return {k: kw.pop(k) for k in keys}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Tokpack(click.Group):
+    """The command group, reporting what click itself refuses (usage errors) as the commands
+    report their failures: one line, and one JSON object on stdout under --json."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        global _DEBUG, _FAILED
+        argv = list(sys.argv[1:] if args is None else args)
+        _DEBUG, _FAILED = "--debug" in argv, False
+        as_json = "--json" in argv
+        # SIGTERM (a scheduler's kill, `timeout`) unwinds like Ctrl-C: the lock and temporary
+        # files are released. An embedding application's own handler is left alone.
+        previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+        if previous is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _raise_terminated)
+        try:
+            result = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as e:
+            if as_json and not _FAILED:
+                click.echo(json.dumps({"ok": False, "error": _error_json(type(e).__name__, e.format_message())}))
+            e.show()
+            sys.exit(e.exit_code)
+        except click.Abort:
+            sys.exit(130)
+        except Terminated:
+            click.echo("tokpack: terminated (SIGTERM)", err=True)
+            sys.exit(143)
+        except KeyboardInterrupt:
+            click.echo("tokpack: interrupted", err=True)
+            sys.exit(130)
+        except Exception as e:  # noqa: BLE001 - outside any command (option parsing...): a bug too
+            _internal_error(next((a for a in argv if not a.startswith("-")), "command"), e, as_json)
+        finally:
+            if previous is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if not standalone_mode:
+            return result
+        sys.exit(result if isinstance(result, int) else 0)
+
+
+@click.group(cls=_Tokpack, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--debug", is_flag=True, help="Print the traceback of an internal error instead of saving it to a log file.")
 @click.version_option(package_name="tokpack")
-def main():
+def main(debug):
     """Pack tokenized corpora, shuffle them offline per epoch, validate, stage and stream them."""
+    global _DEBUG
+    _DEBUG = _DEBUG or debug
 
 
 @main.command()

@@ -141,7 +141,15 @@ def document_lengths(sources: list[PackedSource], max_documents: int = MAX_LENGT
         for path, a, count in blocks:
             prev = 0 if a == 0 else int(np.fromfile(path, dtype=U64, count=1, offset=(a - 1) * U64.itemsize)[0])
             ends = np.fromfile(path, dtype=U64, count=count, offset=a * U64.itemsize)
-            hist.add(np.diff(ends.astype(np.int64), prepend=prev))
+            lengths = np.diff(ends.astype(np.int64), prepend=prev)
+            bad = np.flatnonzero(lengths <= 0)
+            if len(bad):  # the histogram would count negative lengths: name the entry instead
+                k = a + int(bad[0])
+                raise TokpackError("document index is not increasing", file=path, where=f"entry {k}",
+                                   expected=f"an end above {prev if k == a else int(ends[bad[0] - 1])}",
+                                   found=int(ends[bad[0]]),
+                                   hint="the packed source is corrupt: run `tokpack validate` on it, then pack it again")
+            hist.add(lengths)
             bar.update(ends.nbytes)
     return hist
 

@@ -29,6 +29,7 @@ import numpy as np
 from datatrove.pipeline.base import PipelineStep
 
 from formats.errors import TokpackError
+from formats.guard import LOCK_NAME, bytes_under, check_space, locked_output
 from formats.inputs import (
     BLOCK_BYTES,
     KNOWN_TOKENIZERS,
@@ -260,7 +261,7 @@ def resolve_vocab_eos(files: list[InputFile], tokenizer: str | None, eos_id: int
 
 def _is_ours(p: Path) -> bool:
     n = p.name
-    return n in (MANIFEST, WORK_DIR) or TMP_MARK in n or n.endswith((".ds", ".ds.index", ".ds.metadata", ".ds.loss"))
+    return n in (MANIFEST, WORK_DIR, LOCK_NAME) or TMP_MARK in n or n.endswith((".ds", ".ds.index", ".ds.metadata", ".ds.loss"))
 
 
 def _output_state(out: Path, request: dict, overwrite: bool) -> str:
@@ -269,7 +270,7 @@ def _output_state(out: Path, request: dict, overwrite: bool) -> str:
         return "fresh"
     if not out.is_dir():
         raise TokpackError("output exists and is not a directory", file=out, hint="choose another -o")
-    entries = list(out.iterdir())
+    entries = [p for p in out.iterdir() if p.name != LOCK_NAME and TMP_MARK not in p.name]
     if not entries:
         return "fresh"
     others = [p.name for p in entries if not _is_ours(p)]
@@ -305,6 +306,8 @@ def _output_state(out: Path, request: dict, overwrite: bool) -> str:
 
 def _clear(out: Path) -> None:
     for p in out.iterdir():
+        if p.name == LOCK_NAME:
+            continue  # this command's own lock
         if p.is_dir():
             shutil.rmtree(p)
         else:
@@ -365,6 +368,24 @@ def _finalize(out: Path, work: Path, plan: dict) -> dict:
     return manifest
 
 
+def _bytes_to_write(files: list[InputFile], out_dtype: np.dtype) -> int:
+    """Bytes the packed source will take, from the inputs whose token count their size tells
+    (datatrove, Megatron, NumPy, raw); Parquet, JSONL and text inputs count 0 here."""
+    total = 0
+    for f in files:
+        if f.format == "datatrove":
+            tokens = os.path.getsize(f.path) // np.dtype(f.dtype).itemsize
+            index = os.path.getsize(f.extra["index"]) if os.path.exists(f.extra["index"]) else 0
+            total += tokens * out_dtype.itemsize + index + (tokens if f.extra.get("loss") else 0)
+        elif f.format == "megatron":
+            total += os.path.getsize(f.path) // np.dtype(f.dtype).itemsize * out_dtype.itemsize
+            total += 8 * int(f.extra.get("documents") or 0)
+        elif f.format in ("numpy", "raw"):
+            total += int(f.extra["count"]) * out_dtype.itemsize
+    return total
+
+
+@locked_output("pack")
 def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: str | None = None,
          dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
          vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30, log=None,
@@ -415,6 +436,10 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
         for f in files:
             check_input(f)
     out_dtype = dtype_for_vocab(vocab)
+    # Shards are renamed out of the work folder, never copied: one copy of the output at most.
+    # What OUT holds already (a resumed or a replaced pack) is not needed again.
+    check_space([(out, _bytes_to_write(files, out_dtype) - bytes_under(out))], "pack",
+                hint="free some space there, or choose another -o")
 
     # Nothing has been written so far; from here on, OUT/.tokpack-work holds the run.
     created = not out.exists()

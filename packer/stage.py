@@ -32,6 +32,7 @@ from pathlib import Path
 import xxhash
 
 from formats.errors import TokpackError
+from formats.guard import check_space, locked_output
 from formats.manifest import (
     MANIFEST,
     STAGE_SIDECAR,
@@ -455,6 +456,11 @@ def _write_json_durable(path: Path, obj: dict) -> None:
     fsync_dir(path.parent)  # the rename itself survives a crash
 
 
+def _in_place(path: Path, size: int | None) -> bool:
+    """A file a rerun will verify in place, not copy again (or so its size says)."""
+    return size is not None and path.is_file() and path.stat().st_size == size
+
+
 def _check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
     """Refuse to mix two datasets in one DEST: an existing manifest must describe the same data."""
     for p in plans:
@@ -476,6 +482,7 @@ def _check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
                                hint="remove DEST or choose another destination")
 
 
+@locked_output("stage", arg="dest")
 def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_batch: int = 1, log=None,
           block: int = STAGE_BLOCK) -> dict:
     """Copies DIRECTORY (source, run or epoch; any fsspec path) to the local DEST, verified.
@@ -496,6 +503,8 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
     if dest.exists() and not dest.is_dir():
         raise TokpackError("DEST exists and is not a directory", file=dest, hint="choose a directory path")
     _check_dest(dest, kind, plans)
+    check_space([(dest, sum(j.size or 0 for p in plans for j in p.jobs if not _in_place(dest / j.rel, j.size)))],
+                "stage", hint="free some space there, choose another DEST, or stage fewer epochs (--epochs, --ranks)")
     try:
         for p in plans:
             (dest / p.rel).mkdir(parents=True, exist_ok=True)

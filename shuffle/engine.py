@@ -42,6 +42,7 @@ import xxhash
 from datatrove.pipeline.base import PipelineStep
 
 from formats.errors import TokpackError
+from formats.guard import LOCK_NAME, bytes_under, check_space, is_no_space, locked_output
 from formats.manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -53,6 +54,7 @@ from formats.manifest import (
     hash_hex64,
     iter_file_blocks,
     progress,
+    TMP_MARK,
     read_manifest,
     remove_tmp_files,
     shard_digits,
@@ -677,7 +679,8 @@ def _existing_run(out: Path) -> dict | None:
         raise TokpackError("output is not a directory", file=out)
     if (out / MANIFEST).exists():
         return _params_of_manifest(read_manifest(out, kind="run"))
-    foreign = [p.name for p in out.iterdir() if not (p.name.startswith("epoch-") or p.name == WORK_DIR)]
+    foreign = [p.name for p in out.iterdir()
+               if not (p.name.startswith("epoch-") or p.name in (WORK_DIR, LOCK_NAME) or TMP_MARK in p.name)]
     if foreign:
         raise TokpackError("output directory is not a tokpack run", file=out, where="contents",
                            expected="no files, or a run's tokpack.json and epoch-NNNNN/", found=", ".join(sorted(foreign)[:5]),
@@ -750,6 +753,33 @@ def _run_manifest(out: Path, plan: EpochPlan, weights, sources: list[PackedSourc
     }
 
 
+def _memory_path(job: EpochJob, memory: int) -> tuple[int, bool]:
+    """(bytes of the windows to hold, whether they fit `memory` so the epoch runs in memory)."""
+    needed = sum(sp.windows for sp in job.plan.sources if sp.samples) * (job.row_bytes + ROW_FACTS_BYTES)
+    return needed, needed + CHUNKS_IN_BUDGET * job.chunk_rows(memory) * job.row_bytes <= memory
+
+
+def _bytes_to_write(jobs: list[EpochJob], sources: list[PackedSource], memory: int) -> int:
+    """Peak bytes on OUT's filesystem while these epochs are written, less what a resumed run has
+    there already: the epochs written before, then this epoch's shards with, out of core, its
+    bucket scratch (every output row and its 8-byte position), of which the order pass deletes
+    each shard's part once the shard is written: the peak is the scratch plus the first shard."""
+    docs_per_token = sum(int(s.manifest.get("documents", 0)) for s in sources) / max(
+        1, sum(int(s.manifest.get("tokens", 0)) for s in sources))
+    peak = written = 0
+    for job in jobs:
+        rows = job.plan.samples
+        # .ds rows, plus an 8-byte index entry per fragment: a sample is cut at each document end
+        epoch = rows * job.row_bytes + 8 * int(rows * (1 + docs_per_token * job.plan.row_tokens))
+        have = bytes_under(job.epoch_dir) + bytes_under(job.work_dir)
+        during = epoch
+        if not _memory_path(job, memory)[1]:
+            during = rows * (job.row_bytes + 8) + epoch * min(1, job.shard_samples / max(rows, 1))
+        peak = max(peak, written + max(0, during - have))
+        written += max(0, epoch - have)
+    return int(max(peak, written))
+
+
 def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, run_step, log) -> dict:
     """Writes one epoch directory (all shards, then its manifest). Returns a summary."""
     plan = job.plan
@@ -760,37 +790,49 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     # completion markers from an earlier attempt (maybe with another layout) must never match.
     attempt = uuid.uuid4().hex[:8]
     logs = work / "logs" / attempt
-    needed = sum(sp.windows for sp in plan.sources if sp.samples) * (job.row_bytes + ROW_FACTS_BYTES)
-    in_memory = needed + CHUNKS_IN_BUDGET * job.chunk_rows(memory) * job.row_bytes <= memory
+    needed, in_memory = _memory_path(job, memory)
     name = f"{epoch_dir_name(plan.epoch)}-{attempt}"
     shards_left = [i for i in range(job.n_shards) if job.shard_done(i) is None]
-    if not shards_left:  # a rerun after every shard finished: only the manifest is missing
-        if log:
-            log(f"epoch {plan.epoch}: all {job.n_shards} shards already written; writing the manifest")
-    elif in_memory:
-        if log:
-            log(f"epoch {plan.epoch}: {plan.samples} samples, in memory ({needed / 2**20:.1f} MiB of windows)")
-        run_step(InMemoryStep(job, memory), 1, f"{name}-inmemory", str(logs / "inmemory"))
-    else:
-        budget = max(1, memory // workers)
-        layout = make_layout(job, budget, tasks or workers)
-        if log:
-            log(f"epoch {plan.epoch}: {plan.samples} samples, out of core ({needed / 2**20:.1f} MiB of windows, "
-                f"{layout.tasks} scatter tasks, {len(layout.bucket_starts) - 1} buckets, {job.n_shards} shards)")
-        passes = [(ScatterStep(job, layout), layout.tasks, f"{name}-scatter", str(logs / "scatter")),
-                  (OrderStep(job, layout, budget), job.n_shards, f"{name}-order", str(logs / "order"))]
-        if all(layout.task_done(t).exists() for t in range(layout.tasks)):
-            if all(layout.holds_rows_of(i, job.row_bytes) for i in shards_left):
-                passes = passes[1:]  # a rerun after the scatter pass finished: no array of no-op tasks
-                if log:
-                    log(f"epoch {plan.epoch}: scatter pass already done; {len(shards_left)} shards left to order")
-            else:  # a written shard was lost after its bucket files went: scatter again
-                shutil.rmtree(layout.dir)
-        if hasattr(run_step, "chain"):  # e.g. Slurm: both passes queued at once, order after scatter
-            run_step.chain(passes)
+    try:
+        if not shards_left:  # a rerun after every shard finished: only the manifest is missing
+            if log:
+                log(f"epoch {plan.epoch}: all {job.n_shards} shards already written; writing the manifest")
+        elif in_memory:
+            if log:
+                log(f"epoch {plan.epoch}: {plan.samples} samples, in memory ({needed / 2**20:.1f} MiB of windows)")
+            run_step(InMemoryStep(job, memory), 1, f"{name}-inmemory", str(logs / "inmemory"))
         else:
-            for step in passes:
-                run_step(*step)
+            budget = max(1, memory // workers)
+            layout = make_layout(job, budget, tasks or workers)
+            if log:
+                log(f"epoch {plan.epoch}: {plan.samples} samples, out of core ({needed / 2**20:.1f} MiB of windows, "
+                    f"{layout.tasks} scatter tasks, {len(layout.bucket_starts) - 1} buckets, {job.n_shards} shards)")
+            passes = [(ScatterStep(job, layout), layout.tasks, f"{name}-scatter", str(logs / "scatter")),
+                      (OrderStep(job, layout, budget), job.n_shards, f"{name}-order", str(logs / "order"))]
+            if all(layout.task_done(t).exists() for t in range(layout.tasks)):
+                if all(layout.holds_rows_of(i, job.row_bytes) for i in shards_left):
+                    passes = passes[1:]  # a rerun after the scatter pass finished: no array of no-op tasks
+                    if log:
+                        log(f"epoch {plan.epoch}: scatter pass already done; {len(shards_left)} shards left to order")
+                else:  # a written shard was lost after its bucket files went: scatter again
+                    shutil.rmtree(layout.dir)
+            if hasattr(run_step, "chain"):  # e.g. Slurm: both passes queued at once, order after scatter
+                run_step.chain(passes)
+            else:
+                for step in passes:
+                    run_step(*step)
+    except BaseException as e:
+        if not is_no_space(e):
+            raise
+        # Out of space: the bucket scratch and any half-written shard go, so the disk is not left
+        # full; the finished shards (and their done markers) stay for the rerun.
+        for d in work.glob("ooc-*"):
+            shutil.rmtree(d, ignore_errors=True)
+        remove_tmp_files(job.epoch_dir)
+        raise TokpackError(f"disk full while writing epoch {plan.epoch}; its scratch files were removed",
+                           file=job.epoch_dir, expected="free space", found="No space left on device",
+                           hint="free some space (or choose another -o), then rerun the same command; "
+                           "finished shards are kept") from e
     entries = []
     for i in range(job.n_shards):
         done = job.done_path(i)
@@ -810,6 +852,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
             "shards": job.n_shards, "sample_multiset_hash": manifest["sample_multiset_hash"]}
 
 
+@locked_output("shuffle")
 def shuffle_run(
     sources: list[str],
     output: str,
@@ -845,6 +888,7 @@ def shuffle_run(
     done_epochs, skipped, summaries = [], [], []
     if (out / MANIFEST).exists():
         done_epochs = list(read_manifest(out, kind="run")["epochs"])
+    todo = []  # (epoch, plan, job or None when the epoch is complete already): planned before any write
     for epoch in epochs:
         plan = epoch_plan(opened, seq_len=seq_len, seed=seed, epoch=epoch, weights=weights, samples=samples,
                           tokens=tokens, jitter=jitter, names=names)
@@ -853,16 +897,12 @@ def shuffle_run(
         if existing is not None:
             _check_same_run(existing, params, out)
         existing = params
-        out.mkdir(parents=True, exist_ok=True)
         edir = out / epoch_dir_name(epoch)
+        job = None
         if (edir / MANIFEST).exists():
             m = read_manifest(edir, kind="epoch")
             _check_same_run(_params_of_manifest(m), params, edir)
-            if _content(m.get("sources")) == _content(plan.source_entries()):
-                skipped.append(epoch)
-                if log:
-                    log(f"epoch {epoch}: already complete, skipped")
-            else:
+            if _content(m.get("sources")) != _content(plan.source_entries()):
                 raise TokpackError("epoch directory holds a different epoch", file=edir, where="sources",
                                    hint="delete that epoch directory or use another -o")
         else:
@@ -870,6 +910,16 @@ def shuffle_run(
             job = EpochJob(plan, tuple(str(Path(p).resolve()) for p in paths), dtype, int(first["eos_id"]),
                            first.get("tokenizer", ""), str(edir), str(out / WORK_DIR / f"{edir.name}-{key}"),
                            shard_samples)
+        todo.append((epoch, plan, job))
+    check_space([(out, _bytes_to_write([j for _, _, j in todo if j], opened, memory))], "shuffle",
+                hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)")
+    for epoch, plan, job in todo:
+        out.mkdir(parents=True, exist_ok=True)
+        if job is None:
+            skipped.append(epoch)
+            if log:
+                log(f"epoch {epoch}: already complete, skipped")
+        else:
             summaries.append(run_epoch(job, memory=memory, workers=workers, tasks=tasks, run_step=run_step, log=log))
         done_epochs = sorted(set(done_epochs) | {epoch})
         write_manifest(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs))

@@ -1,0 +1,293 @@
+"""Guards for the commands that write a directory: one writer per output directory, and
+enough free space before the first byte.
+
+The lock is a file `OUT/tokpack.lock`, created atomically (a complete temporary file hard-linked
+to its final name: `link` fails if the name exists, so two commands cannot both win, and a
+reader never sees a half-written holder). It names the holder's host, pid and the start time
+of that pid (from /proc), so a pid reused by another process after a crash is not mistaken for
+the holder. Readers and validators ignore it: it is never data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import inspect
+import json
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from .errors import TokpackError
+
+LOCK_NAME = "tokpack.lock"
+
+_held: dict[str, int] = {}  # lock path -> nesting depth, for this process
+_held_guard = threading.Lock()
+
+
+def process_start(pid: int) -> str | None:
+    """The start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22), or None
+    where /proc is absent. Together with the pid it names one process, even after pid reuse."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: count from the last ')'
+    fields = stat[stat.rfind(")") + 2:].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def _os_error(e: OSError) -> str:
+    return f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
+
+
+def _describe(holder: dict) -> str:
+    since = holder.get("since")
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(since)) if isinstance(since, (int, float)) else "?"
+    return (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {when}, "
+            f"command `{holder.get('command', '?')}`")
+
+
+class OutputLock:
+    """An exclusive lock on an output directory for the life of one command (a context manager).
+
+    A live holder makes `acquire` raise TokpackError at once. A holder on this host whose pid
+    is gone, or now names another process, is stale: the lock is taken over and `log` says so.
+    A holder on another host cannot be checked from here and is never taken over."""
+
+    def __init__(self, directory: str | Path, command: str, log=None):
+        self.directory = Path(directory)
+        self.path = self.directory / LOCK_NAME
+        self.command = command  # shown to a second command that finds the lock held
+        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.token = uuid.uuid4().hex  # tells our lock file from a successor's
+        self.created_dir = False  # the directory did not exist: removed again if left empty
+        self.nested = False  # this process already held it (an API entry point calling another)
+
+    def _mine(self) -> dict:
+        return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid()),
+                "since": time.time(), "command": self.command, "token": self.token}
+
+    def _read(self, path: Path) -> dict | None:
+        try:
+            return json.loads(path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except (ValueError, UnicodeDecodeError):
+            return {}  # unreadable: no holder can be named, treated as stale below
+
+    def _stale(self, holder: dict) -> bool:
+        if holder.get("host") != socket.gethostname():
+            return False
+        pid = holder.get("pid")
+        if not isinstance(pid, int) or pid <= 0 or not _pid_alive(pid):
+            return True
+        start = process_start(pid)
+        return start is not None and holder.get("start") is not None and start != holder.get("start")
+
+    def acquire(self) -> "OutputLock":
+        key = str(self.path.absolute())
+        with _held_guard:
+            if key in _held:
+                _held[key] += 1
+                self.nested = True
+                return self
+        try:
+            if self.directory.is_symlink() and not self.directory.exists():
+                os.stat(self.directory)  # a symlink loop or a dangling link: its own error (ELOOP, ENOENT)
+            if not self.directory.exists():
+                self.directory.mkdir(parents=True, exist_ok=True)
+                self.created_dir = True
+        except OSError as e:
+            raise TokpackError("cannot create the output directory", file=self.directory,
+                               expected="a directory tokpack can create", found=_os_error(e),
+                               hint="check the path (symbolic links included) and that it is writable") from None
+        if not self.directory.is_dir():
+            raise TokpackError("output exists and is not a directory", file=self.directory, hint="choose another path")
+        tmp = self.directory / f".{LOCK_NAME}.tmp-{os.getpid()}-{self.token[:8]}"
+        try:
+            tmp.write_text(json.dumps(self._mine()))
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)  # a full disk may have let it be created
+            raise TokpackError("cannot write in the output directory", file=self.directory,
+                               expected="a writable directory", found=_os_error(e),
+                               hint="choose a writable directory (read-only filesystem, permissions, "
+                               "immutable attribute, full disk?)") from None
+        try:
+            for _ in range(8):  # each turn either wins, fails, or removes one stale lock
+                try:
+                    os.link(tmp, self.path)
+                    break
+                except FileExistsError:
+                    pass
+                holder = self._read(self.path)
+                if holder is None:
+                    continue  # released meanwhile
+                if not self._stale(holder):
+                    hint = "wait for it to finish, or write to another directory"
+                    if holder.get("host") != socket.gethostname():
+                        hint += f"; if no tokpack command runs on {holder.get('host')} any more, delete {self.path}"
+                    raise TokpackError(f"output directory is in use by another tokpack command ({_describe(holder)})",
+                                       file=self.path, hint=hint)
+                if self._take_over(holder):
+                    self.log(f"tokpack: taking over the stale lock {self.path} of a command that is gone "
+                             f"({_describe(holder)})")
+            else:
+                raise TokpackError("could not take the output lock: other commands keep taking it", file=self.path,
+                                   hint="run one command at a time on this directory")
+        finally:
+            tmp.unlink(missing_ok=True)
+        with _held_guard:
+            _held[key] = 1
+        return self
+
+    def _take_over(self, stale: dict) -> bool:
+        """Removes the stale lock file unless another command replaced it meanwhile: it is moved
+        aside first (atomic), and put back if what was moved is not the stale holder."""
+        aside = self.directory / f".{LOCK_NAME}.tmp-stale-{self.token[:8]}"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False
+        moved = self._read(aside)
+        if moved != stale:
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, self.path)  # a live successor's lock: restore it
+            aside.unlink(missing_ok=True)
+            return False
+        aside.unlink(missing_ok=True)
+        return True
+
+    def release(self) -> None:
+        key = str(self.path.absolute())
+        with _held_guard:
+            depth = _held.get(key, 0)
+            if depth > 1:
+                _held[key] = depth - 1
+                return
+            _held.pop(key, None)
+        holder = self._read(self.path)
+        if holder and holder.get("token") == self.token:
+            self.path.unlink(missing_ok=True)
+        if self.created_dir:
+            with contextlib.suppress(OSError):
+                self.directory.rmdir()  # only if empty: a command that wrote nothing leaves nothing
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+        return False
+
+
+def command_line() -> str:
+    """How the running command was invoked, for the lock's holder line."""
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(("cli.py", "__main__.py", "-c")) or argv and argv[0] == "-m":
+        argv[0] = "tokpack"
+    elif argv:
+        argv[0] = os.path.basename(argv[0])
+    return " ".join(argv)
+
+
+def locked_output(command: str, arg: str = "output"):
+    """Decorator for a Python API entry point that writes the directory named by its argument
+    `arg`: the call holds that directory's OutputLock from start to end (error and Ctrl-C
+    included). Tasks it runs on an executor never take the lock; their submitter holds it."""
+
+    def wrap(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def locked(*args, **kwargs):
+            target = str(signature.bind(*args, **kwargs).arguments[arg])
+            if "://" in target:  # not a local directory: the entry point refuses it or stages it
+                return fn(*args, **kwargs)
+            who = command_line() if command in sys.argv[1:] else f"tokpack {command} (Python API)"
+            with OutputLock(target, who):
+                return fn(*args, **kwargs)
+
+        return locked
+
+    return wrap
+
+
+# --------------------------------------------------------------------------- free space
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = Path(path).absolute()
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def free_bytes(path: str | Path) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem holding `path` (or the
+    nearest existing parent of it)."""
+    return shutil.disk_usage(_existing_ancestor(Path(path))).free
+
+
+def check_space(needs: list[tuple[str | Path, int]], command: str, hint: str | None = None) -> None:
+    """Raises TokpackError (needed, available, where) when any filesystem among `needs`
+    (path, bytes to write there) has less free space than is to be written on it."""
+    by_fs: dict[int, list] = {}
+    for path, nbytes in needs:
+        where = _existing_ancestor(Path(path))
+        entry = by_fs.setdefault(os.stat(where).st_dev, [Path(path), where, 0])
+        entry[2] += max(0, int(nbytes))
+    for path, where, needed in by_fs.values():
+        free = shutil.disk_usage(where).free
+        if needed > free:
+            raise TokpackError(f"not enough free space for tokpack {command}", file=path,
+                               expected=f"{_mib(needed)} free ({needed} bytes, scratch included)",
+                               found=f"{_mib(free)} free on the filesystem of {where}",
+                               hint=hint or "free some space there, or write somewhere else")
+
+
+def is_no_space(exc: BaseException | None) -> bool:
+    """Whether `exc`, or an exception it was raised from, is a full disk (ENOSPC, EDQUOT)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def bytes_under(path: str | Path) -> int:
+    """Bytes of the files below `path` (0 if it does not exist): what a resumed command has
+    already written and need not find free again."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
