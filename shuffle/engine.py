@@ -949,6 +949,12 @@ def _source_check(job: EpochJob, layout: Layout | None):
         marker.unlink()
         if layout is not None:
             shutil.rmtree(layout.dir, ignore_errors=True)
+        work, edir = Path(job.work_dir), Path(job.epoch_dir)
+        if not any(work.glob("done/*.json")):  # nothing an earlier attempt finished: leave no trace
+            shutil.rmtree(work, ignore_errors=True)
+        for d in (edir, work.parent):
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
         raise source_changed_error(record) from None
 
 
