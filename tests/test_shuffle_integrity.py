@@ -245,7 +245,7 @@ def test_tokens_above_the_corpus_warn(sources, tmp_path):
     web, _ = sources
     windows = PackedSource.open(web).tokens // (L + 1)
     r, doc = run_json(web, "-o", tmp_path / "run", "--seq-len", L, "--seed", 1, "--epochs", 1,
-                      "--samples", 3 * windows)
+                      "--tokens", 3 * windows * L)
     assert r.returncode == 0, r.stderr
     (report,) = doc["epochs_detail"][0]["sources"]
     assert report["repeats"] == 2 * windows and report["passes"] == 3
