@@ -17,7 +17,7 @@ Two paths, both datatrove `PipelineStep`s run through the injected `run_step`:
 
 Both verify what they read: each source shard's xxh3_128 is computed over the bytes the
 sweep reads anyway and compared with the source manifest (a same-size edit since `pack`
-fails the epoch, see SourceChanged). Bucket files carry their xxh3_64 in the scatter task's
+fails the epoch, see EpochJob.source_changed). Bucket files carry their xxh3_64 in the scatter task's
 done JSON, checked by the order pass before it trusts them.
 
 In both, a thread per stage keeps the disk and both cores busy: reading ahead, gathering,
@@ -710,6 +710,7 @@ class OrderStep(_Step):
                     self._check_bucket(t, f, [rows, pos], recorded[t].get(str(b), [None, None]))
                     parts.append(rows[: k * job.row_bytes].view(job.row_void))
                     positions.append(pos[: k * 8].view("<i8"))
+                    del rows, pos  # the maps must go with `parts` below, before the next bucket is mapped
             store = RowStore(parts)
             if len(store) != n:
                 raise TokpackError("scatter files do not cover their bucket", file=lay.dir, where=f"bucket {b}",
