@@ -357,6 +357,26 @@ class EpochJob:
         return ring, reused("gather-scratch", nbytes).view(self.row_void)
 
 
+class _NoBar:
+    """What a disabled bar does, without importing tqdm (0.1-0.2 s of start-up)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B"):
+    return progress(total, desc, unit=unit, enabled=True) if enabled else _NoBar()
+
+
 class _Step(PipelineStep):
     type = "tokpack"
 
@@ -370,7 +390,7 @@ class _Step(PipelineStep):
 
     def bar(self, total: int, desc: str):
         if self._bar is None:
-            self._bar = progress(total, desc, enabled=self.job.show_progress)
+            self._bar = progress_bar(total, desc, self.job.show_progress)
         return self._bar
 
     def close_bar(self) -> None:
@@ -403,8 +423,8 @@ class InMemoryStep(_Step):
         facts = RowFragments(plan.row_tokens)
         # Each shard's checksum is computed over the mapped bytes in a thread of its own (xxh3
         # runs at about 25 GB/s and releases the GIL), and checked before anything is written.
-        with progress(sum(sp.windows for sp in plan.sources if sp.samples) * job.row_bytes,
-                      f"epoch {plan.epoch}: read", enabled=job.show_progress) as bar, \
+        with progress_bar(sum(sp.windows for sp in plan.sources if sp.samples) * job.row_bytes,
+                          f"epoch {plan.epoch}: read", job.show_progress) as read_bar, \
                 ThreadPoolExecutor(1) as helper, ThreadPoolExecutor(1) as hasher:
             added, hashed = [], []
             for s, sp in enumerate(plan.sources):
@@ -418,7 +438,7 @@ class InMemoryStep(_Step):
                     for part in source_rows(sources[s], sp.offset, sp.windows, plan.row_tokens, on_shard):
                         parts.append(part)
                         added.append(helper.submit(facts.add, part, job.token_dtype, job.eos_id))
-                        bar.update(part.nbytes)
+                        read_bar.update(part.nbytes)
             for f in added:
                 f.result()
             for src, k, f in hashed:
@@ -444,10 +464,10 @@ class InMemoryStep(_Step):
                     yield store.gather(chunk, ring[c % len(ring)], tmp), facts, chunk
                     c += 1
 
-        with progress(len(todo), f"epoch {plan.epoch}: write", unit="shard", enabled=job.show_progress) as bar:
+        with progress_bar(len(todo), f"epoch {plan.epoch}: write", job.show_progress, unit="shard") as write_bar:
             for i in todo:
                 job.write_shard(i, blocks(i))
-                bar.update(1)
+                write_bar.update(1)
 
 
 def source_rows(src: PackedSource, offset: int, windows: int, row_tokens: int, on_shard=None) -> Iterator[np.ndarray]:
@@ -602,8 +622,8 @@ class ScatterStep(_Step):
         # checked by the order pass: a file a crash cut short or garbled is caught without an
         # fsync of every bucket file (which the done JSON, fsync'd, would otherwise have to wait for).
         hashes: dict[int, tuple] = {}
-        bar = self.bar(sum(int(src.tokens) * src.dtype.itemsize for s, src in enumerate(sources)
-                           if plan.sources[s].samples), f"epoch {plan.epoch}: scatter")
+        scatter_bar = self.bar(sum(int(src.tokens) * src.dtype.itemsize for s, src in enumerate(sources)
+                                   if plan.sources[s].samples), f"epoch {plan.epoch}: scatter")
 
         def append(out: np.ndarray, g: np.ndarray, runs: list[tuple[int, int, int]]) -> None:
             for b, x, y in runs:
@@ -629,7 +649,7 @@ class ScatterStep(_Step):
                     shards = ShardHashes(sources[s], k0, k1, job.source_changed)
                     for a, block in iter_source_windows(plan, s, sources[s], w0=w0, w1=w1, bufs=inbufs,
                                                         on_read=shards.feed):
-                        bar.update(block.nbytes)
+                        scatter_bar.update(block.nbytes)
                         rows = block.reshape(-1).view(job.row_void)
                         windows = np.arange(a, a + len(rows), dtype=np.int64)
                         for _, sel, g in plan.outputs_of(s, windows):
@@ -697,7 +717,7 @@ class OrderStep(_Step):
         job, lay = self.job, self.layout
         count = 0  # chunks yielded: picks the ring buffer
         recorded = [json.loads(lay.task_done(t).read_text()).get("xxh3_64", {}) for t in range(lay.tasks)]
-        bar = self.bar(job.plan.samples * job.row_bytes, f"epoch {job.plan.epoch}: order")
+        order_bar = self.bar(job.plan.samples * job.row_bytes, f"epoch {job.plan.epoch}: order")
         for b in self._buckets(i):
             start, n = int(lay.bucket_starts[b]), int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
             parts, positions = [], []
@@ -729,7 +749,7 @@ class OrderStep(_Step):
             for a in range(0, n, len(tmp)):
                 c = min(n, a + len(tmp))
                 yield store.gather(inv[a:c], ring[count % len(ring)], tmp)
-                bar.update((c - a) * job.row_bytes)
+                order_bar.update((c - a) * job.row_bytes)
                 count += 1
             del store, parts, positions
 
