@@ -178,10 +178,18 @@ def user_errors(fn):
     return wrapper
 
 
-def executor_options(fn):
+SHUFFLE_TASKS_HELP = ("Out of core: scatter tasks, each reading one input range (a run of whole source shards, "
+                      "so at most one task per source shard) [default: --workers]; the order pass runs one task "
+                      "per output shard.")
+
+
+def executor_options(fn=None, *, tasks_help: str = "Number of tasks to split the work into "
+                     "(default: one per input file / output shard)."):
     """Where the tasks run. Local is the default; slurm and ray go through datatrove's executors.
     Also lets INPUTS/SOURCES/-o be fsspec URLs: file:// is a local path, other URLs (s3://,
     memory://, ...) are staged through a local work folder (packer.executors.with_local_paths)."""
+    if fn is None:
+        return functools.partial(executor_options, tasks_help=tasks_help)
     from packer.executors import with_local_paths
 
     fn = user_errors(with_local_paths(fn))  # staging errors are user errors too
@@ -190,8 +198,7 @@ def executor_options(fn):
                      help="Local worker processes; on slurm/ray a cap on concurrent tasks (1: no cap)."),
         click.option("--executor", type=click.Choice(["local", "slurm", "ray"]), default="local", show_default=True,
                      help="datatrove executor that runs the tasks."),
-        click.option("--tasks", type=click.IntRange(min=1), default=None,
-                     help="Number of tasks to split the work into (default: one per input file / output shard)."),
+        click.option("--tasks", type=click.IntRange(min=1), default=None, help=tasks_help),
         click.option("--logging-dir", default=None, help="datatrove logging dir (default: inside OUT's work folder)."),
         click.option("--partition", default=None, help="slurm: partition."),
         click.option("--time", "time_limit", default="24:00:00", show_default=True, help="slurm: time limit."),
@@ -319,7 +326,7 @@ def pack(inputs, output, input_format, column, dtype, tokenizer, eos_id, vocab_s
               help="Total memory budget in bytes (KB/MB/GB are 10^n; KiB/MiB/GiB and a bare K/M/G are 2^n). An epoch whose windows fit runs in memory (one read, one write); "
                    "otherwise out of core, each of --workers tasks using memory/workers.")
 @click.option("--jitter", is_flag=True, help="Shift window starts by a seeded per-epoch offset.")
-@executor_options
+@executor_options(tasks_help=SHUFFLE_TASKS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
 def shuffle(sources, output, seq_len, seed, epochs, epoch, samples, tokens, shard_samples, memory, jitter,
@@ -348,8 +355,18 @@ def shuffle(sources, output, seq_len, seed, epochs, epoch, samples, tokens, shar
         workers=config.workers,
         tasks=config.tasks,
         run_step=step_runner(config),
+        progress=False if as_json else None,
     )
     emit(summary, as_json)
+    if not as_json:
+        for detail in summary["epochs_detail"]:
+            for r in detail["sources"]:
+                click.echo(f"epoch {detail['epoch']} source {r['name']}: {r['samples']} samples of {r['windows']} "
+                           f"windows, {r['passes']} pass(es), {r['repeats']} repeated"
+                           f"{'' if r['weight'] is None else ', weight ' + r['weight']} ({r['path']}, "
+                           f"fingerprint {r['fingerprint'][:16]})")
+        for line in summary["warnings"]:
+            click.echo(f"tokpack: warning: {line}", err=True)
 
 
 @main.command()

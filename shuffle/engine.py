@@ -8,11 +8,17 @@ Two paths, both datatrove `PipelineStep`s run through the injected `run_step`:
   gathers each output chunk with `np.take(..., mode="clip")` on `np.void` row views and writes
   it. One read, one write. Mapping the page cache instead of `readinto` a private buffer
   avoids touching fresh anonymous memory, which costs 1.5-3 s/GiB on these VMs.
-- out of core: a SCATTER pass (tasks split by input range) reads the sources sequentially
-  and appends every row, with its output position g, to the file of its bucket (a
+- out of core: a SCATTER pass (tasks split by input range: runs of whole source shards)
+  reads the sources sequentially and appends every row, with its output position g, to the
+  file of its bucket (a
   contiguous output range that fits the per-task budget and never spans an output shard);
   an ORDER pass (one task per output shard) maps each bucket's files, places rows by g and
   writes the shard sequentially. Two reads, two writes.
+
+Both verify what they read: each source shard's xxh3_128 is computed over the bytes the
+sweep reads anyway and compared with the source manifest (a same-size edit since `pack`
+fails the epoch, see EpochJob.source_changed). Bucket files carry their xxh3_64 in the scatter task's
+done JSON, checked by the order pass before it trusts them.
 
 In both, a thread per stage keeps the disk and both cores busy: reading ahead, gathering,
 indexing and writing (shard data with O_DIRECT, see formats.manifest.DurableFile) overlap,
@@ -25,10 +31,12 @@ shard is done, then the run manifest; the work folder is removed last.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
 import shutil
+import sys
 import time
 import uuid
 from collections import deque
@@ -76,6 +84,8 @@ SCATTER_ROW_OVERHEAD = 256  # bytes of index arrays per row of a scatter block (
 ORDER_ROW_OVERHEAD = 24  # g, inverse and arange entries per bucket row
 MAX_OPEN_BUCKET_FILES = 128
 ROW_FACTS_BYTES = 32  # RowFragments per row in memory: first-EOS index, hash, and about one EOS column
+MIN_BUCKET_ROWS = 8  # below this many rows per bucket the out-of-core path spends its time per bucket, not per byte
+SOURCE_CHANGED = "source-changed.json"  # in the epoch's work folder: a task found a source shard edited since pack
 
 
 # ---------------------------------------------------------------------- buffers
@@ -186,6 +196,50 @@ class RowStore:
         return out[:n]
 
 
+class ShardHashes:
+    """xxh3_128 of source shards k0..k1-1, computed from their token stream fed in order (the
+    bytes a sweep reads anyway); what the sweep skips (the head before its first window, the
+    dropped tail) is read here. Each finished shard is compared with the source manifest."""
+
+    def __init__(self, src: PackedSource, k0: int, k1: int, on_mismatch):
+        self.src = src
+        self.k, self.k1 = k0, k1  # shard being hashed, end of the run
+        self.pos = int(src.shard_starts[k0])  # next stream token to hash
+        self.end = int(src.shard_starts[k1])
+        self.on_mismatch = on_mismatch  # (shard path, expected, found) -> raises
+        self.hash = xxhash.xxh3_128()
+        self._close_finished()
+
+    def feed(self, start: int, tokens: np.ndarray) -> None:
+        """`tokens`: contiguous stream tokens from token `start` (>= the last fed end)."""
+        if start > self.pos:
+            self._read_up_to(min(start, self.end))
+        data = tokens.reshape(-1)[max(0, self.pos - start):]
+        while len(data) and self.k < self.k1:
+            take = min(len(data), int(self.src.shard_starts[self.k + 1]) - self.pos)
+            self.hash.update(memoryview(np.ascontiguousarray(data[:take])).cast("B"))
+            self.pos += take
+            data = data[take:]
+            self._close_finished()
+
+    def finish(self) -> None:
+        self._read_up_to(self.end)
+
+    def _read_up_to(self, stop: int) -> None:
+        buf = np.empty(min(max(stop - self.pos, 1), IO_BLOCK // self.src.dtype.itemsize), dtype=self.src.dtype)
+        while self.pos < stop:
+            n = min(len(buf), stop - self.pos)
+            self.feed(self.pos, self.src.read_into(self.pos, buf[:n]))
+
+    def _close_finished(self) -> None:
+        while self.k < self.k1 and self.pos == int(self.src.shard_starts[self.k + 1]):
+            found, shard = self.hash.hexdigest(), self.src.shards[self.k]
+            if found != shard["xxh3_128"]:
+                self.on_mismatch(self.src.path / shard["path"], shard["xxh3_128"], found)
+            self.k += 1
+            self.hash = xxhash.xxh3_128()
+
+
 # ---------------------------------------------------------------------- one epoch
 
 
@@ -201,6 +255,24 @@ class EpochJob:
     epoch_dir: str  # OUT/epoch-NNNNN
     work_dir: str  # OUT/.tokpack-work/epoch-NNNNN-<key>
     shard_samples: int  # samples per output shard (the last may be short)
+    progress: bool = False  # tqdm bars, shown only by tasks running in the process that asked for them
+    main_pid: int = 0  # that process
+
+    @property
+    def show_progress(self) -> bool:
+        return self.progress and os.getpid() == self.main_pid and sys.stderr.isatty()
+
+    @property
+    def source_changed_path(self) -> Path:
+        return Path(self.work_dir) / SOURCE_CHANGED
+
+    def source_changed(self, shard: Path, expected: str, found: str) -> None:
+        """A task read a source shard whose bytes are not what `pack` recorded: leaves a marker the
+        submitting process turns into one line (tasks elsewhere can only fail), and stops."""
+        record = {"shard": str(shard), "expected": expected, "found": found}
+        Path(self.work_dir).mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(self.source_changed_path, json.dumps(record).encode(), fsync=True)
+        raise source_changed_error(record)
 
     @property
     def token_dtype(self) -> np.dtype:
@@ -287,12 +359,46 @@ class EpochJob:
         return ring, reused("gather-scratch", nbytes).view(self.row_void)
 
 
+class _NoBar:
+    """What a disabled bar does, without importing tqdm (0.1-0.2 s of start-up)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B"):
+    return progress(total, desc, unit=unit, enabled=True) if enabled else _NoBar()
+
+
 class _Step(PipelineStep):
     type = "tokpack"
 
     def __init__(self, job: EpochJob):
         super().__init__()
         self.job = job
+        self._bar = None  # one bar for the whole pass, in the submitting process only
+
+    def __getstate__(self):
+        return {**self.__dict__, "_bar": None}
+
+    def bar(self, total: int, desc: str):
+        if self._bar is None:
+            self._bar = progress_bar(total, desc, self.job.show_progress)
+        return self._bar
+
+    def close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 class InMemoryStep(_Step):
@@ -317,19 +423,29 @@ class InMemoryStep(_Step):
         # the read waits on the disk, so this costs no time, and writing then needs no pass
         # over the tokens besides the gather.
         facts = RowFragments(plan.row_tokens)
-        with progress(sum(sp.windows for sp in plan.sources if sp.samples) * job.row_bytes,
-                      f"epoch {plan.epoch}: read") as bar, ThreadPoolExecutor(1) as helper:
-            added = []
+        # Each shard's checksum is computed over the mapped bytes in a thread of its own (xxh3
+        # runs at about 25 GB/s and releases the GIL), and checked before anything is written.
+        with progress_bar(sum(sp.windows for sp in plan.sources if sp.samples) * job.row_bytes,
+                          f"epoch {plan.epoch}: read", job.show_progress) as read_bar, \
+                ThreadPoolExecutor(1) as helper, ThreadPoolExecutor(1) as hasher:
+            added, hashed = [], []
             for s, sp in enumerate(plan.sources):
                 if sp.samples:
                     row_base[s] = total
                     total += sp.windows
-                    for part in source_rows(sources[s], sp.offset, sp.windows, plan.row_tokens):
+
+                    def on_shard(k, whole, src=sources[s]):
+                        hashed.append((src, k, hasher.submit(xxhash.xxh3_128_hexdigest, whole)))
+
+                    for part in source_rows(sources[s], sp.offset, sp.windows, plan.row_tokens, on_shard):
                         parts.append(part)
                         added.append(helper.submit(facts.add, part, job.token_dtype, job.eos_id))
-                        bar.update(part.nbytes)
+                        read_bar.update(part.nbytes)
             for f in added:
                 f.result()
+            for src, k, f in hashed:
+                if f.result() != src.shards[k]["xxh3_128"]:
+                    job.source_changed(src.path / src.shards[k]["path"], src.shards[k]["xxh3_128"], f.result())
         facts.finish()
         store = RowStore(parts)
         ring, tmp = job.chunk_ring(self.budget)
@@ -350,16 +466,17 @@ class InMemoryStep(_Step):
                     yield store.gather(chunk, ring[c % len(ring)], tmp), facts, chunk
                     c += 1
 
-        with progress(len(todo), f"epoch {plan.epoch}: write", unit="shard") as bar:
+        with progress_bar(len(todo), f"epoch {plan.epoch}: write", job.show_progress, unit="shard") as write_bar:
             for i in todo:
                 job.write_shard(i, blocks(i))
-                bar.update(1)
+                write_bar.update(1)
 
 
-def source_rows(src: PackedSource, offset: int, windows: int, row_tokens: int) -> Iterator[np.ndarray]:
+def source_rows(src: PackedSource, offset: int, windows: int, row_tokens: int, on_shard=None) -> Iterator[np.ndarray]:
     """Windows [0, windows) of a source starting at token `offset`, as np.void row arrays in
     window order, each yielded once read: a mapped view per shard for the windows inside it,
-    and a small copy for each window that crosses a shard boundary."""
+    and a small copy for each window that crosses a shard boundary. Every shard is mapped
+    whole and handed to `on_shard(k, bytes)` once read (to verify it)."""
     ts = src.dtype.itemsize
     void = np.dtype((np.void, row_tokens * ts))
     w = 0
@@ -372,9 +489,12 @@ def source_rows(src: PackedSource, offset: int, windows: int, row_tokens: int) -
             w += 1
         first = w
         last = min(windows, max(first, (t1 - offset) // row_tokens))  # windows that end inside this shard
+        whole = map_file(src.path / shard["path"], 0, (t1 - t0) * ts)
+        if on_shard is not None:
+            on_shard(k, whole)
         if last > first:
-            start = offset + first * row_tokens - t0
-            yield map_file(src.path / shard["path"], start * ts, (last - first) * row_tokens * ts).view(void)
+            start = (offset + first * row_tokens - t0) * ts
+            yield whole[start : start + (last - first) * row_tokens * ts].view(void)
             w = last
     if w != windows:
         raise TokpackError("internal error: source windows", file=src.path, expected=windows, found=w)
@@ -389,21 +509,21 @@ class Layout:
     shard_buckets: np.ndarray  # first bucket of each shard, plus the bucket count at the end
     block_rows: int  # scatter read block, in rows
     dir: str  # OUT/.tokpack-work/epoch-.../ooc-<layout key>
+    task_shards: list  # per task: its input range, as runs (source, first shard, end shard) of whole shards
 
     @property
     def max_bucket(self) -> int:
         return int(np.diff(self.bucket_starts).max())
 
-    def input_segments(self, plan: EpochPlan, t: int) -> list[tuple[int, int, int]]:
-        """Task t's input range: (source, first window, end window) over the sources the epoch uses."""
-        sizes = [sp.windows if sp.samples else 0 for sp in plan.sources]
-        cum = np.concatenate([[0], np.cumsum(sizes)])
-        lo, hi = int(cum[-1]) * t // self.tasks, int(cum[-1]) * (t + 1) // self.tasks
+    def input_segments(self, plan: EpochPlan, sources: list[PackedSource], t: int) -> list[tuple[int, int, int, int, int]]:
+        """Task t's input: (source, first window, end window, first shard, end shard) per run of
+        whole shards. A task takes the windows that start in its shards, so each shard is read
+        in full, and verified, by exactly one task."""
         out = []
-        for s, size in enumerate(sizes):
-            a, b = max(lo, int(cum[s])), min(hi, int(cum[s]) + size)
-            if a < b:
-                out.append((s, a - int(cum[s]), b - int(cum[s])))
+        for s, k0, k1 in self.task_shards[t]:
+            sp, starts = plan.sources[s], sources[s].shard_starts
+            first, end = (max(0, min(sp.windows, -(-(int(starts[k]) - sp.offset) // plan.row_tokens))) for k in (k0, k1))
+            out.append((s, first, end, k0, k1))
         return out
 
     def task_dir(self, t: int) -> Path:
@@ -437,9 +557,35 @@ def make_layout(job: EpochJob, budget: int, tasks: int) -> Layout:
     firsts.append(len(starts))
     starts.append(job.plan.samples)
     bucket_starts = np.array(starts, dtype=np.int64)
-    key = xxhash.xxh3_64_hexdigest(f"{tasks}|{block_rows}|".encode() + bucket_starts.tobytes())
-    return Layout(tasks, bucket_starts, np.array(firsts, dtype=np.int64), block_rows,
-                  str(Path(job.work_dir) / f"ooc-{key}"))
+    task_shards = split_shards(job.plan, job.open_sources(), tasks)
+    key = xxhash.xxh3_64_hexdigest(f"{len(task_shards)}|{block_rows}|{task_shards}|".encode() + bucket_starts.tobytes())
+    return Layout(len(task_shards), bucket_starts, np.array(firsts, dtype=np.int64), block_rows,
+                  str(Path(job.work_dir) / f"ooc-{key}"), task_shards)
+
+
+def split_shards(plan: EpochPlan, sources: list[PackedSource], tasks: int) -> list[list[tuple[int, int, int]]]:
+    """The shards of the sources the epoch uses, in stream order, cut into at most `tasks`
+    runs of about equal tokens (at most one task per shard)."""
+    shards = [(s, k) for s, sp in enumerate(plan.sources) if sp.samples for k in range(len(sources[s].shards))]
+    sizes = np.array([int(sources[s].shards[k]["tokens"]) for s, k in shards], dtype=np.int64)
+    tasks = max(1, min(tasks, len(shards)))
+    ends = np.cumsum(sizes) if len(sizes) else np.zeros(0, np.int64)
+    cuts, prev = [0], 0
+    for t in range(1, tasks):  # first shard of task t: where the t-th share of the tokens ends
+        k = int(np.searchsorted(ends, int(ends[-1]) * t // tasks, side="right")) if len(ends) else 0
+        prev = min(max(k, prev + 1), len(shards) - (tasks - t))
+        cuts.append(prev)
+    cuts.append(len(shards))
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        runs: list[tuple[int, int, int]] = []
+        for s, k in shards[a:b]:
+            if runs and runs[-1][0] == s and runs[-1][2] == k:
+                runs[-1] = (s, runs[-1][1], k + 1)
+            else:
+                runs.append((s, k, k + 1))
+        out.append(runs)
+    return out
 
 
 class ScatterStep(_Step):
@@ -465,15 +611,21 @@ class ScatterStep(_Step):
         tdir = lay.task_dir(t)
         shutil.rmtree(tdir, ignore_errors=True)
         tdir.mkdir(parents=True)
-        segments = lay.input_segments(plan, t)
-        rows_in = min(lay.block_rows, max([b - a for _, a, b in segments], default=1))
+        sources = job.open_sources()
+        segments = lay.input_segments(plan, sources, t)
+        rows_in = max(1, min(lay.block_rows, max([b - a for _, a, b, _, _ in segments], default=1)))
         # Two input buffers (a thread reads one block ahead) and two output buffers (the disk
         # thread appends one to the bucket files while this thread sorts the next block).
         inbufs = [reused(f"scatter-in{j}", rows_in * job.row_bytes).view(job.token_dtype) for j in range(2)]
         outbufs = [reused(f"scatter-out{j}", rows_in * job.row_bytes).view(job.row_void) for j in range(2)]
-        sources = job.open_sources()
         counts: dict[int, int] = {}  # rows written per bucket
         files: dict[int, tuple] = {}  # open (rows, pos) files per bucket; used by the disk thread only
+        # xxh3_64 of each bucket's (rows, pos) file as written, recorded in the done JSON and
+        # checked by the order pass: a file a crash cut short or garbled is caught without an
+        # fsync of every bucket file (which the done JSON, fsync'd, would otherwise have to wait for).
+        hashes: dict[int, tuple] = {}
+        scatter_bar = self.bar(sum(int(src.tokens) * src.dtype.itemsize for s, src in enumerate(sources)
+                                   if plan.sources[s].samples), f"epoch {plan.epoch}: scatter")
 
         def append(out: np.ndarray, g: np.ndarray, runs: list[tuple[int, int, int]]) -> None:
             for b, x, y in runs:
@@ -484,15 +636,22 @@ class ScatterStep(_Step):
                             fp.close()
                         files.clear()
                     files[b] = (open(tdir / f"b{b:07d}.rows", "ab"), open(tdir / f"b{b:07d}.pos", "ab"))
-                files[b][0].write(memoryview(out[x:y]).cast("B"))
-                files[b][1].write(g[x:y].astype("<i8").tobytes())
+                    hashes.setdefault(b, (xxhash.xxh3_64(), xxhash.xxh3_64()))
+                rows_bytes, pos_bytes = memoryview(out[x:y]).cast("B"), g[x:y].astype("<i8").tobytes()
+                files[b][0].write(rows_bytes)
+                files[b][1].write(pos_bytes)
+                hashes[b][0].update(rows_bytes)
+                hashes[b][1].update(pos_bytes)
 
         pending: deque = deque()  # appends submitted, oldest first
         used = 0  # output buffers filled so far
         try:
             with ThreadPoolExecutor(1) as disk:
-                for s, w0, w1 in segments:
-                    for a, block in iter_source_windows(plan, s, sources[s], w0=w0, w1=w1, bufs=inbufs):
+                for s, w0, w1, k0, k1 in segments:
+                    shards = ShardHashes(sources[s], k0, k1, job.source_changed)
+                    for a, block in iter_source_windows(plan, s, sources[s], w0=w0, w1=w1, bufs=inbufs,
+                                                        on_read=shards.feed):
+                        scatter_bar.update(block.nbytes)
                         rows = block.reshape(-1).view(job.row_void)
                         windows = np.arange(a, a + len(rows), dtype=np.int64)
                         for _, sel, g in plan.outputs_of(s, windows):
@@ -510,14 +669,16 @@ class ScatterStep(_Step):
                             for b, x, y in runs:
                                 counts[b] = counts.get(b, 0) + (y - x)
                             pending.append(disk.submit(append, out, g, runs))
+                    shards.finish()
                 while pending:
                     pending.popleft().result()
         finally:
             for fr, fp in files.values():
                 fr.close()
                 fp.close()
-        write_bytes_atomic(done, json.dumps({"task": t, "rows": {str(k): v for k, v in sorted(counts.items())}}).encode(),
-                           fsync=True)
+        record = {"task": t, "rows": {str(k): v for k, v in sorted(counts.items())},
+                  "xxh3_64": {str(k): [h.hexdigest() for h in hs] for k, hs in sorted(hashes.items())}}
+        write_bytes_atomic(done, json.dumps(record).encode(), fsync=True)
 
 
 class OrderStep(_Step):
@@ -557,6 +718,8 @@ class OrderStep(_Step):
         inverse permutation `inv`, and gathered in output order chunk by chunk."""
         job, lay = self.job, self.layout
         count = 0  # chunks yielded: picks the ring buffer
+        recorded = [json.loads(lay.task_done(t).read_text()).get("xxh3_64", {}) for t in range(lay.tasks)]
+        order_bar = self.bar(job.plan.samples * job.row_bytes, f"epoch {job.plan.epoch}: order")
         for b in self._buckets(i):
             start, n = int(lay.bucket_starts[b]), int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
             parts, positions = [], []
@@ -564,8 +727,12 @@ class OrderStep(_Step):
                 f = lay.task_dir(t) / f"b{b:07d}.rows"
                 if f.exists():
                     k = os.path.getsize(f) // job.row_bytes
-                    parts.append(map_file(f, 0, k * job.row_bytes).view(job.row_void))
-                    positions.append(map_file(f.with_suffix(".pos"), 0, k * 8).view("<i8"))
+                    rows = map_file(f, 0, os.path.getsize(f))
+                    pos = map_file(f.with_suffix(".pos"), 0, os.path.getsize(f.with_suffix(".pos")))
+                    self._check_bucket(t, f, [rows, pos], recorded[t].get(str(b), [None, None]))
+                    parts.append(rows[: k * job.row_bytes].view(job.row_void))
+                    positions.append(pos[: k * 8].view("<i8"))
+                    del rows, pos  # the maps must go with `parts` below, before the next bucket is mapped
             store = RowStore(parts)
             if len(store) != n:
                 raise TokpackError("scatter files do not cover their bucket", file=lay.dir, where=f"bucket {b}",
@@ -584,8 +751,27 @@ class OrderStep(_Step):
             for a in range(0, n, len(tmp)):
                 c = min(n, a + len(tmp))
                 yield store.gather(inv[a:c], ring[count % len(ring)], tmp)
+                order_bar.update((c - a) * job.row_bytes)
                 count += 1
             del store, parts, positions
+
+    def _check_bucket(self, t: int, rows_file: Path, data: list[np.ndarray], expected: list) -> None:
+        """The bucket's files must be the bytes scatter task t wrote. If not (a crash after the
+        task's done JSON reached the disk but before its buffered bucket files did), that task
+        is redone on the next run."""
+        for f, d, want in zip((rows_file, rows_file.with_suffix(".pos")), data, expected):
+            found = xxhash.xxh3_64_hexdigest(d)
+            if found != want:
+                self.layout.task_done(t).unlink(missing_ok=True)
+                raise TokpackError("scatter bucket file does not match the checksum its task recorded", file=f,
+                                   where="xxh3_64", expected=want, found=found,
+                                   hint="rerun the same command: the scatter task that wrote it runs again")
+
+
+def source_changed_error(record: dict) -> TokpackError:
+    return TokpackError("source shard changed since it was packed; no epoch written", file=record["shard"],
+                        where="xxh3_128", expected=record["expected"], found=record["found"],
+                        hint="re-pack the source, or restore the file it was packed as")
 
 
 def run_in_process(step, tasks: int, job_name: str, logging_dir=None) -> None:
@@ -626,13 +812,31 @@ def open_sources(paths: list[str]) -> list[PackedSource]:
                     "sources disagree", file=src.path, where=field,
                     expected=f"{first.manifest.get(field)} (as in {first.path})", found=src.manifest.get(field),
                     hint="mix only sources packed with the same tokenizer and dtype")
+    seen: dict = {}
+    for src in sources:  # every window would appear twice, and epochs could not tell the copies apart
+        for key in (("path", src.path.resolve()), ("fingerprint", src.fingerprint)):
+            if key in seen:
+                raise TokpackError("the same source is given twice", file=src.path, where="SOURCE",
+                                   expected="each source once", found=f"the same {key[0]} as {seen[key]}",
+                                   hint="give each source once; to draw more from it, raise its weight")
+            seen[key] = src.path
     return sources
 
 
+def min_memory(row_bytes: int, workers: int) -> int:
+    """The smallest --memory that gives each worker's buckets MIN_BUCKET_ROWS rows (the chunk
+    ring takes at most half of a task's budget, see make_layout)."""
+    return workers * 2 * MIN_BUCKET_ROWS * (row_bytes + ORDER_ROW_OVERHEAD)
+
+
 def _weights_key(weights: list[str | None]) -> list[str] | None:
+    """Weights as exact shares of their sum: only the ratios decide an epoch, so 7/3 and
+    0.7/0.3 are the same run."""
     if all(w is None for w in weights):
         return None
-    return [str(parse_weight(w, "weight")) if w is not None else None for w in weights]
+    fr = [parse_weight(w, "weight") if w is not None else None for w in weights]
+    total = sum(f for f in fr if f is not None)
+    return [None if f is None else str(f / total if total else f) for f in fr]
 
 
 def _run_params(plan: EpochPlan, weights, shard_samples: int) -> dict:
@@ -654,6 +858,7 @@ def _params_of_manifest(m: dict) -> dict:
     return {
         "fingerprints": [s.get("fingerprint") for s in m.get("sources", [])],
         "weights": _weights_key(ws),
+        "given_weights": ws,  # as the run wrote them
         "seq_len": m.get("seq_len"),
         "seed": m.get("seed"),
         "jitter": bool(m.get("jitter")),
@@ -780,6 +985,30 @@ def _bytes_to_write(jobs: list[EpochJob], sources: list[PackedSource], memory: i
     return int(max(peak, written))
 
 
+@contextlib.contextmanager
+def _source_check(job: EpochJob, layout: Layout | None):
+    """A task that found a changed source shard left a marker: whatever the executor made of
+    the task's failure, the user gets the marker's one line, and the scatter output that came
+    from the changed source is deleted."""
+    try:
+        yield
+    except BaseException:
+        marker = job.source_changed_path
+        if not marker.exists():
+            raise
+        record = json.loads(marker.read_text())
+        marker.unlink()
+        if layout is not None:
+            shutil.rmtree(layout.dir, ignore_errors=True)
+        work, edir = Path(job.work_dir), Path(job.epoch_dir)
+        if not any(work.glob("done/*.json")):  # nothing an earlier attempt finished: leave no trace
+            shutil.rmtree(work, ignore_errors=True)
+        for d in (edir, work.parent):
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
+        raise source_changed_error(record) from None
+
+
 def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, run_step, log) -> dict:
     """Writes one epoch directory (all shards, then its manifest). Returns a summary."""
     plan = job.plan
@@ -792,15 +1021,18 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     logs = work / "logs" / attempt
     needed, in_memory = _memory_path(job, memory)
     name = f"{epoch_dir_name(plan.epoch)}-{attempt}"
+    job.source_changed_path.unlink(missing_ok=True)  # an earlier attempt's: this one reads the sources again
     shards_left = [i for i in range(job.n_shards) if job.shard_done(i) is None]
     try:
+        layout = None
         if not shards_left:  # a rerun after every shard finished: only the manifest is missing
             if log:
                 log(f"epoch {plan.epoch}: all {job.n_shards} shards already written; writing the manifest")
         elif in_memory:
             if log:
                 log(f"epoch {plan.epoch}: {plan.samples} samples, in memory ({needed / 2**20:.1f} MiB of windows)")
-            run_step(InMemoryStep(job, memory), 1, f"{name}-inmemory", str(logs / "inmemory"))
+            with _source_check(job, None):
+                run_step(InMemoryStep(job, memory), 1, f"{name}-inmemory", str(logs / "inmemory"))
         else:
             budget = max(1, memory // workers)
             layout = make_layout(job, budget, tasks or workers)
@@ -816,11 +1048,16 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
                         log(f"epoch {plan.epoch}: scatter pass already done; {len(shards_left)} shards left to order")
                 else:  # a written shard was lost after its bucket files went: scatter again
                     shutil.rmtree(layout.dir)
-            if hasattr(run_step, "chain"):  # e.g. Slurm: both passes queued at once, order after scatter
-                run_step.chain(passes)
-            else:
-                for step in passes:
-                    run_step(*step)
+            try:
+                with _source_check(job, layout):
+                    if hasattr(run_step, "chain"):  # e.g. Slurm: both passes queued at once, order after scatter
+                        run_step.chain(passes)
+                    else:
+                        for step in passes:
+                            run_step(*step)
+            finally:
+                for step, *_ in passes:
+                    step.close_bar()
     except BaseException as e:
         if not is_no_space(e):
             raise
@@ -869,19 +1106,33 @@ def shuffle_run(
     workers: int = 1,
     tasks: int | None = None,
     run_step=None,
+    progress: bool | None = None,
 ) -> dict:
     """Writes OUT/epoch-NNNNN/ for each epoch (skipping complete identical ones) and the run
     manifest. `memory` is the total budget: the out-of-core path gives each of `workers`
-    concurrent tasks memory // workers. Returns a summary dict."""
+    concurrent tasks memory // workers. `progress`: tqdm bars on stderr (default: when it is a
+    terminal and TOKPACK_PROGRESS is not 0). Returns a summary dict, with per-source counts of
+    every epoch written and a warning per source an epoch repeats windows of."""
     t0 = time.perf_counter()
     run_step = run_step or run_in_process
+    if progress is None:
+        progress = sys.stderr.isatty() and os.environ.get("TOKPACK_PROGRESS", "1") != "0"
     paths, weights = parse_source_args(list(sources))
     opened = open_sources(paths)
     out = Path(output)
     first = opened[0].manifest
     dtype = dtype_name(opened[0].dtype)
     row_bytes = (seq_len + 1) * opened[0].dtype.itemsize
+    floor = min_memory(row_bytes, workers)
+    if memory < floor:  # one bucket per handful of samples: hours of per-bucket overhead
+        raise TokpackError("--memory is too small to shuffle", where="--memory", expected=f">= {floor} bytes",
+                           found=f"{memory} bytes", hint=f"give --memory {floor} or more ({MIN_BUCKET_ROWS} samples "
+                           f"of {row_bytes} bytes per bucket, per worker); more memory is faster")
     existing = _existing_run(out)
+    if (existing is not None and existing.get("given_weights") is not None
+            and existing["fingerprints"] == [src.fingerprint for src in opened]
+            and existing["weights"] == _weights_key(weights)):
+        weights = list(existing["given_weights"])  # equal as ratios: the run's manifests keep one spelling
     if shard_samples is None:
         shard_samples = existing["shard_samples"] if existing else max(1, DEFAULT_SHARD_BYTES // row_bytes)
     names = [Path(p).resolve().name for p in paths]
@@ -909,7 +1160,7 @@ def shuffle_run(
             key = xxhash.xxh3_64_hexdigest(json.dumps([params, plan.source_entries(), PLAN_ALGORITHM, dtype]).encode())
             job = EpochJob(plan, tuple(str(Path(p).resolve()) for p in paths), dtype, int(first["eos_id"]),
                            first.get("tokenizer", ""), str(edir), str(out / WORK_DIR / f"{edir.name}-{key}"),
-                           shard_samples)
+                           shard_samples, progress=bool(progress), main_pid=os.getpid())
         todo.append((epoch, plan, job))
     check_space([(out, _bytes_to_write([j for _, _, j in todo if j], opened, memory))], "shuffle",
                 hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)")
@@ -920,7 +1171,9 @@ def shuffle_run(
             if log:
                 log(f"epoch {epoch}: already complete, skipped")
         else:
-            summaries.append(run_epoch(job, memory=memory, workers=workers, tasks=tasks, run_step=run_step, log=log))
+            summary = run_epoch(job, memory=memory, workers=workers, tasks=tasks, run_step=run_step, log=log)
+            summary["sources"] = plan.source_report()
+            summaries.append(summary)
         done_epochs = sorted(set(done_epochs) | {epoch})
         write_manifest(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs))
     work = out / WORK_DIR
@@ -937,7 +1190,23 @@ def shuffle_run(
         "path": ",".join(sorted({s["path"] for s in summaries})) or "none",
         "seconds": round(time.perf_counter() - t0, 3),
         "epochs_detail": summaries,
+        "warnings": [w for summary in summaries for w in repeat_warnings(summary["epoch"], summary["sources"])],
     }
+
+
+def repeat_warnings(epoch: int, report: list[dict]) -> list[str]:
+    """One line per source whose windows this epoch holds more than once."""
+    lines = []
+    for r in report:
+        if not r["repeats"]:
+            continue
+        span = f"pass {r['first_pass']}" if r["passes"] == 1 else f"passes {r['first_pass']}-{r['first_pass'] + r['passes'] - 1}"
+        why = ("it has fewer windows than its share of the epoch; lower its weight or --samples/--tokens, or add data"
+               if r["samples"] > r["windows"] else "the epoch ends one pass over it and starts the next, and the "
+               "two passes' orders differ; epochs that are whole passes (no --samples/--tokens/weights) never repeat")
+        lines.append(f"epoch {epoch}: source {r['name']} ({r['path']}) is used more than once: {r['repeats']} of its "
+                     f"{r['samples']} samples repeat a window ({r['windows']} windows, {span}). HINT: {why}")
+    return lines
 
 
 def _content(entries) -> list[dict]:

@@ -84,6 +84,45 @@ class EpochPlan:
             return 0
         return ((self.epoch + 1) * src.samples - 1) // src.windows - self.first_pass(s) + 1
 
+    def repeats(self, s: int) -> int:
+        """Samples of source s in this epoch that repeat a window the epoch already holds:
+        its samples minus the distinct windows they cover. Nonzero when the source is
+        upsampled (more samples than windows), and also when the epoch straddles two passes,
+        whose permutations differ. Costs one permutation evaluation per window of the
+        smaller straddling part, in batches."""
+        src = self.sources[s]
+        if not src.samples:
+            return 0
+        lo, hi = self.epoch * src.samples, (self.epoch + 1) * src.samples
+        w = src.windows
+        p0, p1 = lo // w, (hi - 1) // w
+        if p0 == p1:
+            return 0
+        a, b = lo - p0 * w, hi - p1 * w  # pass p0 from position a on, pass p1 up to position b
+        if p1 - p0 >= 2 or a == 0 or b == w:  # a whole pass inside: every window is there
+            return src.samples - w
+        # Windows of the tail of pass p0 that the head of pass p1 takes again.
+        first, second = self.window_perm(s, p0), self.window_perm(s, p1)
+        both, batch = 0, 1 << 20
+        if w - a <= b:
+            for x in range(a, w, batch):
+                ks = np.arange(x, min(w, x + batch), dtype=np.int64)
+                both += int((second.inverse(first.forward(ks)) < b).sum())
+        else:
+            for x in range(0, b, batch):
+                ks = np.arange(x, min(b, x + batch), dtype=np.int64)
+                both += int((first.inverse(second.forward(ks)) >= a).sum())
+        return both
+
+    def source_report(self) -> list[dict]:
+        """Per source, what this epoch takes from it: for summaries and warnings."""
+        return [
+            {"name": src.name, "path": src.path, "fingerprint": src.fingerprint, "weight": src.weight,
+             "samples": src.samples, "windows": src.windows, "passes": self.passes(i),
+             "first_pass": self.first_pass(i), "repeats": self.repeats(i)}
+            for i, src in enumerate(self.sources)
+        ]
+
     def window_perm(self, s: int, p: int) -> Bijection:
         return Bijection(self.sources[s].windows, "window", self.seed, s, p)
 
@@ -265,9 +304,10 @@ def epoch_plan(
         raise TokpackError("the epoch would hold no samples", where="--samples/--tokens", expected=">= 1 sample", found=n)
     if all(given):
         fr = [parse_weight(w, f"weight of {src.path}") for src, w in zip(sources, weights)]
-        if sum(fr) == 0:
-            raise TokpackError("weights sum to 0", where="SOURCE=WEIGHT", expected="a positive sum",
-                               found=", ".join(weights))
+        for src, w, f in zip(sources, weights, fr):
+            if f == 0:  # the other sources would be stretched over its share: silent repeats
+                raise TokpackError("weight is 0", file=src.path, where="SOURCE=WEIGHT", expected="a weight > 0",
+                                   found=w, hint="leave the source out instead of giving it weight 0")
         counts = largest_remainder(fr, n)
     elif samples is not None or tokens is not None:
         counts = largest_remainder([Fraction(w) for w in wins], n)
@@ -288,10 +328,11 @@ def epoch_plan(
 
 
 def iter_source_windows(plan: EpochPlan, s: int, src: PackedSource, block_bytes: int = IO_BLOCK,
-                        w0: int = 0, w1: int | None = None, bufs: list[np.ndarray] | None = None):
+                        w0: int = 0, w1: int | None = None, bufs: list[np.ndarray] | None = None, on_read=None):
     """Sequential reads of windows [w0, w1) of source s, `block_bytes` at a time, alternating
     between two reused buffers: a thread reads the next block while the caller works on this
-    one. Yields (first window, [rows, L+1] token view); a view is valid until the next item."""
+    one. Yields (first window, [rows, L+1] token view); a view is valid until the next item.
+    `on_read(first token, tokens)` is called in the reading thread on each block read."""
     sp = plan.sources[s]
     w1 = sp.windows if w1 is None else w1
     row = plan.row_tokens
@@ -308,6 +349,8 @@ def iter_source_windows(plan: EpochPlan, s: int, src: PackedSource, block_bytes:
     def fill(buf, n, a):
         view = buf[: n * row]
         src.read_into(sp.offset + a * row, view, handles)
+        if on_read is not None:
+            on_read(sp.offset + a * row, view)
         return view.reshape(n, row)
 
     ahead = read_ahead(blocks(), fill, bufs)
