@@ -403,9 +403,14 @@ class SampleReader:
     def missing_epoch_error(self, g: int, epoch: int) -> TokpackError:
         """Sample g lies in `epoch`, which this run does not hold (yet): say which command writes it."""
         run_dir, run = self.run if self.run is not None else (self.table.epoch_dirs[-1], {})
+        hint = f"write it with `{shuffle_command(run, run_dir, epoch)}`"
+        later = [pos for pos, first in enumerate(self.table.epoch_starts) if first > g]
+        if later:  # e.g. a staged copy of some epochs: the user may mean a written one
+            hint += (f", or start at a written epoch (epoch {self.table.epochs[later[0]]} "
+                     f"starts at sample {int(self.table.epoch_starts[later[0]])})")
         return TokpackError(f"sample {g} is in epoch {epoch}, which is not written yet", file=run_dir,
                             where=f"epoch {epoch}", expected=f"epoch {epoch} among the run's epochs",
-                            found=self.epochs, hint=f"write it with `{shuffle_command(run, run_dir, epoch)}`")
+                            found=self.epochs, hint=hint)
 
     def locate(self, g: int) -> tuple[int, int]:
         """Chained sample g -> (epoch number, sample index within that epoch)."""
@@ -466,7 +471,8 @@ class SampleReader:
         if self.numbering is not None and self.numbering.locate(self.total_samples) is not None:
             nxt = self.epoch_sample(self.total_samples)[0]
             hint += f", or write the next epoch: `{shuffle_command(self.run[1], self.run[0], nxt)}`"
-        raise TokpackError("less than one global batch left to read", file=self.table.epoch_dirs[-1],
+        where = self.run[0] if self.run is not None else self.table.epoch_dirs[-1]
+        raise TokpackError("less than one global batch left to read", file=where,
                            where=f"sample {start}", expected=f"{world_size * micro_batch} samples (W*m)",
                            found=f"{left} left", hint=hint)
 
