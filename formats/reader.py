@@ -72,11 +72,19 @@ class EpochNumbering:
         return 0 <= epoch and (epoch < len(self.planned) or self.samples is not None)
 
     def size(self, epoch: int) -> int:
+        self._check(epoch)
         return self.planned[epoch] if epoch < len(self.planned) else int(self.samples)
 
     def first(self, epoch: int) -> int:
         k = len(self.planned)
+        if epoch != k:  # the end of the planned epochs is a position too
+            self._check(epoch)
         return int(self._firsts[epoch]) if epoch <= k else int(self._firsts[-1]) + (epoch - k) * int(self.samples)
+
+    def _check(self, epoch: int) -> None:
+        if not self.has(epoch):
+            raise TokpackError("epoch is not in the run's plan", where="epoch",
+                               expected=f"0..{len(self.planned) - 1} (epoch_samples)", found=epoch)
 
     def locate(self, g: int) -> tuple[int, int] | None:
         """(epoch, sample) of G, or None when G lies past every epoch the run can hold."""
