@@ -6,6 +6,10 @@ list of epoch directories) are chained into one stream. Sample g of that stream 
 byte offset computed from g and a shard table of O(#shards) integers, so the reader never
 builds anything that grows with the step count.
 
+In a run directory, g is the run's consumed-sample number: it lies in epoch g div N
+(`EpochNumbering`), whichever epochs are written, so writing a missing epoch later never
+moves a sample. A list of epoch directories is numbered from 0 in the order given.
+
 Order (Megatron's pretraining sampler): from consumed sample G, global batch b is the
 chained samples [G + b*W*m, G + (b+1)*W*m) and rank r takes [r*m, (r+1)*m) of it. The
 order of the stream does not depend on W, so resuming with another W (same global batch,
@@ -18,6 +22,7 @@ This module must not import torch (nor datatrove.utils.dataset, which imports it
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -39,14 +44,85 @@ INDEX_CHUNK = 8192
 MAX_OPEN_FILES = 4
 
 
+class EpochNumbering:
+    """Consumed-sample number G -> (epoch, sample), from the run's parameters only: epoch e
+    holds G in [first(e), first(e) + size(e)). Every epoch has the run's `samples` N, so G is
+    sample G mod N of epoch G div N; a run that lists `epoch_samples` (sizes planned when it
+    was created) numbers its first epochs by those sizes instead."""
+
+    def __init__(self, samples: int | None, planned: Sequence[int] = ()):
+        self.samples = samples  # N for every epoch past `planned` (None: no epochs past it)
+        self.planned = tuple(int(n) for n in planned)  # sizes of epochs 0..len-1
+        self._firsts = np.concatenate([[0], np.cumsum(self.planned, dtype=np.int64)]).astype(np.int64)
+
+    @classmethod
+    def of_run(cls, manifest: dict, run_dir: str | Path) -> "EpochNumbering":
+        samples, planned = manifest.get("samples"), manifest.get("epoch_samples") or ()
+        ok = (samples is None or (isinstance(samples, int) and samples > 0)) and isinstance(planned, (list, tuple)) \
+            and all(isinstance(n, int) and n >= 0 for n in planned) and (samples is not None or planned)
+        if not ok:
+            raise TokpackError("run manifest does not say how many samples an epoch holds",
+                               file=Path(run_dir) / "tokpack.json", where="samples",
+                               expected="a positive integer (or an epoch_samples list)",
+                               found=samples if samples is not None else planned or None,
+                               hint="rerun the run's `tokpack shuffle` command to rewrite its manifest")
+        return cls(samples, planned)
+
+    def has(self, epoch: int) -> bool:
+        return 0 <= epoch and (epoch < len(self.planned) or self.samples is not None)
+
+    def size(self, epoch: int) -> int:
+        self._check(epoch)
+        return self.planned[epoch] if epoch < len(self.planned) else int(self.samples)
+
+    def first(self, epoch: int) -> int:
+        k = len(self.planned)
+        if epoch != k:  # the end of the planned epochs is a position too
+            self._check(epoch)
+        return int(self._firsts[epoch]) if epoch <= k else int(self._firsts[-1]) + (epoch - k) * int(self.samples)
+
+    def _check(self, epoch: int) -> None:
+        if not self.has(epoch):
+            raise TokpackError("epoch is not in the run's plan", where="epoch",
+                               expected=f"0..{len(self.planned) - 1} (epoch_samples)", found=epoch)
+
+    def locate(self, g: int) -> tuple[int, int] | None:
+        """(epoch, sample) of G, or None when G lies past every epoch the run can hold."""
+        if g < self._firsts[-1]:
+            e = int(np.searchsorted(self._firsts, g, side="right")) - 1
+            return e, int(g - self._firsts[e])
+        if self.samples is None:
+            return None
+        k = g - int(self._firsts[-1])
+        return len(self.planned) + k // self.samples, k % self.samples
+
+
+def shuffle_command(run: dict, run_dir: str | Path, epoch: int) -> str:
+    """The `tokpack shuffle` command that writes epoch `epoch` of this run, from its manifest."""
+    sources = run.get("sources") or []
+    weights = run.get("weights") or [None] * len(sources)
+    args = [shlex.quote(str(s.get("path")) + ("" if w is None else f"={w}")) for s, w in zip(sources, weights)]
+    args = args or ["SOURCE..."]
+    opts = [f"--seq-len {run.get('seq_len')}", f"--seed {run.get('seed')}"]
+    if run.get("samples") is not None:
+        opts.append(f"--samples {run['samples']}")
+    if run.get("shard_samples") is not None:
+        opts.append(f"--shard-samples {run['shard_samples']}")
+    if run.get("jitter"):
+        opts.append("--jitter")
+    return " ".join(["tokpack shuffle", *args, "-o", shlex.quote(str(run_dir)), *opts, f"--epoch {epoch}"])
+
+
 @dataclass
 class ShardTable:
     """Where every sample of the chained stream lives. O(#shards); never grows with the step."""
 
     paths: list[str]  # shard files, in chained-stream order
-    starts: np.ndarray  # int64 [n+1]: chained index of each shard's first sample, then the total
+    starts: np.ndarray  # int64 [n]: chained index of each shard's first sample
+    ends: np.ndarray  # int64 [n]: chained index after each shard's last sample
     epoch_of: np.ndarray  # int32 [n]: position in `epochs` of the epoch each shard belongs to
-    epoch_starts: np.ndarray  # int64 [E+1]: chained index of each epoch's first sample, then the total
+    epoch_starts: np.ndarray  # int64 [E]: chained index of each epoch's first sample
+    epoch_ends: np.ndarray  # int64 [E]: chained index after each epoch's last sample
     epochs: list[int]  # epoch numbers, in chain order
     epoch_dirs: list[str]  # epoch directories, in chain order
     checksums: list[str | None]  # manifest xxh3_128 of each shard (checked with verify=True)
@@ -54,13 +130,25 @@ class ShardTable:
 
     @property
     def total(self) -> int:
-        return int(self.starts[-1])
+        """End of the chained stream: after the last sample of the last epoch."""
+        return int(self.epoch_ends[-1]) if len(self.epoch_ends) else 0
 
     def shard_of(self, g: int) -> int:
         return int(np.searchsorted(self.starts, g, side="right")) - 1
 
     def epoch_pos_of(self, g: int) -> int:
-        return int(np.searchsorted(self.epoch_starts, g, side="right")) - 1
+        """Position in `epochs` of the epoch holding g, or -1 when no chained epoch holds it."""
+        pos = int(np.searchsorted(self.epoch_starts, g, side="right")) - 1
+        return pos if pos >= 0 and g < self.epoch_ends[pos] else -1
+
+    def reachable_end(self, g: int) -> int:
+        """How far the stream runs from g before an epoch is missing (or the chain ends)."""
+        pos = self.epoch_pos_of(g)
+        if pos < 0:
+            return g
+        while pos + 1 < len(self.epochs) and self.epoch_starts[pos + 1] == self.epoch_ends[pos]:
+            pos += 1
+        return int(self.epoch_ends[pos])
 
 
 @dataclass
@@ -143,6 +231,8 @@ class SampleReader:
         self.row_bytes = self.row_tokens * self.dtype.itemsize  # bytes per sample
         self._verified: set[str] = set()  # files already checksummed by this reader
         self.absent: dict[str, str] = {}  # shards a partial `tokpack stage --ranks` left out -> why
+        self.numbering: EpochNumbering | None = None  # a run's numbering; None: chain order from 0
+        self.run: tuple[str, dict] | None = None  # (run directory, run manifest), for the command hints
         self._fds: dict[str, tuple[int, int]] = {}  # open files: path -> (fd, size), at most MAX_OPEN_FILES
         self._hash_buf: bytearray | None = None  # reused by verify
         self._index_buf = np.empty(INDEX_CHUNK, dtype=U64)  # reused by index-derived positions
@@ -160,6 +250,7 @@ class SampleReader:
             raise TokpackError("nothing to read", hint="give a run directory or epoch directories")
         epochs: list[tuple[Path, dict]] = []
         absent: dict[str, str] = {}
+        numbering = run = None
         for p in paths:
             p = Path(p)
             manifest = read_manifest(p, kind=("run", "epoch"))
@@ -172,19 +263,28 @@ class SampleReader:
                 raise TokpackError("run manifest lists no epochs", file=p / "tokpack.json", where="epochs",
                                    expected="a non-empty list", found=listed,
                                    hint="write an epoch with `tokpack shuffle ... --epoch E`")
-            for e in listed:
-                d = p / epoch_dir_name(int(e))
+            if len(paths) == 1:  # a run on its own: its consumed-sample numbers (a chain of several counts from 0)
+                numbering, run = EpochNumbering.of_run(manifest, p), (str(p), manifest)
+            for e in sorted(int(e) for e in listed):
+                d = p / epoch_dir_name(e)
                 m = read_manifest(d, kind="epoch")
                 if "seq_len" in manifest and int(m.get("seq_len", -1)) != int(manifest["seq_len"]):
                     raise TokpackError("epoch seq_len differs from its run", file=d / "tokpack.json", where="seq_len",
                                        expected=manifest["seq_len"], found=m.get("seq_len"))
+                if numbering is not None and not (numbering.has(e) and int(m.get("samples", -1)) == numbering.size(e)):
+                    raise TokpackError("epoch size differs from its run's", file=d / "tokpack.json", where="samples",
+                                       expected=numbering.size(e) if numbering.has(e) else "no such epoch in the run's plan",
+                                       found=m.get("samples"), hint="the epoch belongs to another run; run `tokpack validate` on the run")
                 epochs.append((d, m))
-        return cls.from_manifests(epochs, verify=verify, absent=absent)
+        return cls.from_manifests(epochs, verify=verify, absent=absent, numbering=numbering, run=run)
 
     @classmethod
     def from_manifests(cls, epochs: Sequence[tuple[str | Path, dict]], verify: bool = False,
-                       absent: dict[str, str] | None = None) -> "SampleReader":
+                       absent: dict[str, str] | None = None, numbering: EpochNumbering | None = None,
+                       run: tuple[str, dict] | None = None) -> "SampleReader":
         """Builds the reader from (epoch directory, epoch manifest) pairs, chained in order.
+        With a run's `numbering`, epoch e starts at sample numbering.first(e) (epochs in
+        increasing order); without one, each epoch starts where the one before it ends.
 
         The manifests may be built in memory: a test or benchmark can describe a huge
         "virtual" epoch whose shard entries all name one small or sparse real file.
@@ -210,12 +310,16 @@ class SampleReader:
             if int(m.get("token_size", e_dtype.itemsize)) != e_dtype.itemsize:
                 raise TokpackError("token_size disagrees with dtype", file=where, where="token_size",
                                    expected=e_dtype.itemsize, found=m.get("token_size"))
+            e_eos = m.get("eos_id")
             if seq_len is None:
-                seq_len, dtype, eos_id = e_seq, e_dtype, m.get("eos_id")
+                seq_len, dtype, eos_id = e_seq, e_dtype, e_eos
             elif (e_seq, e_dtype) != (seq_len, dtype):
                 raise TokpackError("epochs cannot be chained: sample shape differs", file=where,
                                    where="seq_len/dtype", expected=f"{seq_len}/{dtype.name}",
                                    found=f"{e_seq}/{e_dtype.name}", hint="read these epochs separately")
+            elif e_eos != eos_id:  # position ids restart after EOS: one stream, one EOS
+                raise TokpackError("epochs cannot be chained: eos_id differs", file=where, where="eos_id",
+                                   expected=eos_id, found=e_eos, hint="read these epochs separately")
             row_bytes = (e_seq + 1) * e_dtype.itemsize
             per_shard = m.get("shard_samples")
             total = 0
@@ -253,20 +357,33 @@ class SampleReader:
             epoch_numbers.append(int(m.get("epoch", pos)))
         if seq_len is None:
             raise TokpackError("nothing to read", hint="give a run directory or epoch directories")
-        starts = np.zeros(len(paths) + 1, dtype=np.int64)
-        np.cumsum(shard_samples, out=starts[1:])
-        epoch_starts = np.zeros(len(epoch_sizes) + 1, dtype=np.int64)
-        np.cumsum(epoch_sizes, out=epoch_starts[1:])
-        table = ShardTable(paths, starts, np.asarray(epoch_of, dtype=np.int32), epoch_starts, epoch_numbers,
+        if numbering is None:
+            epoch_starts = np.concatenate([[0], np.cumsum(epoch_sizes[:-1], dtype=np.int64)]).astype(np.int64)
+        else:
+            epoch_starts = np.array([numbering.first(e) for e in epoch_numbers], dtype=np.int64)
+        epoch_ends = epoch_starts + np.asarray(epoch_sizes, dtype=np.int64)
+        if np.any(epoch_starts[1:] < epoch_ends[:-1]):
+            raise TokpackError("a run's epochs must be chained in increasing order", where="epochs", found=epoch_numbers)
+        shard_starts, at, prev = [], 0, -1
+        for pos, n in zip(epoch_of, shard_samples):
+            if pos != prev:
+                at, prev = int(epoch_starts[pos]), pos
+            shard_starts.append(at)
+            at += n
+        shard_starts = np.asarray(shard_starts, dtype=np.int64)
+        table = ShardTable(paths, shard_starts, shard_starts + np.asarray(shard_samples, dtype=np.int64),
+                           np.asarray(epoch_of, dtype=np.int32), epoch_starts, epoch_ends, epoch_numbers,
                            [str(d) for d, _ in epochs], checksums, index_checksums)
         reader = cls(table, seq_len, dtype, None if eos_id is None else int(eos_id), verify=verify)
         reader.absent = dict(absent or {})
+        reader.numbering, reader.run = numbering, run
         return reader
 
     # -------------------------------------------------------------- positions
 
     @property
     def total_samples(self) -> int:
+        """End of the chain: one past its last sample (in a run, a consumed-sample number)."""
         return self.table.total
 
     @property
@@ -275,40 +392,97 @@ class SampleReader:
 
     def start_from(self, start_sample: int | None = None, consumed_tokens: int | None = None) -> int:
         """The chained sample G to start from: `start_sample`, or `consumed_tokens // seq_len`
-        (each sample trains seq_len tokens). O(1); nothing is replayed."""
+        (each sample trains seq_len tokens). O(1); nothing is replayed. G may be the end of
+        the chain; a G in an epoch that is not written is an error naming the command."""
         if start_sample is not None and consumed_tokens is not None:
             raise TokpackError("give at most one of start_sample and consumed_tokens", where="start")
-        g = start_sample if start_sample is not None else (consumed_tokens or 0) // self.seq_len
-        if not 0 <= g <= self.total_samples:
-            raise TokpackError("start is beyond the end of the chained epochs", file=self.table.epoch_dirs[-1],
-                               where="start sample", expected=f"0..{self.total_samples}", found=g,
-                               hint="write more epochs (`tokpack shuffle --epoch E`) or pass the run directory")
-        return int(g)
+        g = int(start_sample if start_sample is not None else (consumed_tokens or 0) // self.seq_len)
+        if g < 0:
+            raise TokpackError("start must not be negative", where="start sample", found=g)
+        if g == self.total_samples or self.table.epoch_pos_of(g) >= 0:
+            return g
+        missing = self.numbering.locate(g) if self.numbering is not None else None
+        if missing is not None:
+            raise self.missing_epoch_error(g, missing[0])
+        raise TokpackError("start is beyond the end of the chained epochs", file=self.table.epoch_dirs[-1],
+                           where="start sample", expected=f"0..{self.total_samples}", found=g,
+                           hint="write more epochs (`tokpack shuffle --epoch E`) or pass the run directory")
+
+    def missing_epoch_error(self, g: int, epoch: int) -> TokpackError:
+        """Sample g lies in `epoch`, which this run does not hold (yet): say which command writes it."""
+        run_dir, run = self.run if self.run is not None else (self.table.epoch_dirs[-1], {})
+        hint = f"write it with `{shuffle_command(run, run_dir, epoch)}`"
+        later = [pos for pos, first in enumerate(self.table.epoch_starts) if first > g]
+        if later:  # e.g. a staged copy of some epochs: the user may mean a written one
+            hint += (f", or start at a written epoch (epoch {self.table.epochs[later[0]]} "
+                     f"starts at sample {int(self.table.epoch_starts[later[0]])})")
+        return TokpackError(f"sample {g} is in epoch {epoch}, which is not written yet", file=run_dir,
+                            where=f"epoch {epoch}", expected=f"epoch {epoch} among the run's epochs",
+                            found=self.epochs, hint=hint)
 
     def locate(self, g: int) -> tuple[int, int]:
         """Chained sample g -> (epoch number, sample index within that epoch)."""
-        if not 0 <= g < self.total_samples:
-            raise IndexError(f"sample {g} outside the chained stream of {self.total_samples}")
         pos = self.table.epoch_pos_of(g)
+        if pos < 0:
+            raise IndexError(f"sample {g} is in no epoch of this chain")
+        return self.table.epochs[pos], int(g - self.table.epoch_starts[pos])
+
+    def epoch_sample(self, g: int) -> tuple[int, int]:
+        """(epoch, sample) naming any position G, also one past the last written sample (a
+        resume point): the run's numbering, else the chain's (the end is the last epoch's size)."""
+        if self.numbering is not None:
+            where = self.numbering.locate(g)
+            if where is not None:
+                return where
+        pos = self.table.epoch_pos_of(g)
+        if pos < 0:
+            pos = len(self.table.epochs) - 1
         return self.table.epochs[pos], int(g - self.table.epoch_starts[pos])
 
     def position(self, epoch: int, sample: int) -> int:
-        """(epoch number, sample within it) -> chained index; sample may equal the epoch's size."""
-        try:
-            pos = self.table.epochs.index(epoch)
-        except ValueError:
-            raise TokpackError("epoch not in this reader's chain", where="epoch", expected=self.table.epochs,
-                               found=epoch) from None
-        g = int(self.table.epoch_starts[pos]) + sample
-        if not self.table.epoch_starts[pos] <= g <= self.table.epoch_starts[pos + 1]:
-            raise TokpackError("sample outside its epoch", where=f"epoch {epoch}",
-                               expected=f"0..{int(self.table.epoch_starts[pos + 1] - self.table.epoch_starts[pos])}",
-                               found=sample)
-        return g
+        """(epoch number, sample within it) -> chained index; sample may equal the epoch's size.
+        In a run the epoch need not be written (the position is the run's; reading it is not)."""
+        if self.numbering is not None and self.numbering.has(epoch):
+            first, size = self.numbering.first(epoch), self.numbering.size(epoch)
+        else:
+            try:
+                pos = self.table.epochs.index(epoch)
+            except ValueError:
+                raise TokpackError("epoch not in this reader's chain", where="epoch", expected=self.table.epochs,
+                                   found=epoch) from None
+            first = int(self.table.epoch_starts[pos])
+            size = int(self.table.epoch_ends[pos]) - first
+        if not 0 <= sample <= size:
+            raise TokpackError("sample outside its epoch", where=f"epoch {epoch}", expected=f"0..{size}", found=sample)
+        return first + sample
 
     def steps(self, world_size: int, micro_batch: int, start: int = 0) -> int:
-        """Complete global batches left from chained sample `start` (the stream stops there)."""
-        return max(0, (self.total_samples - start) // (world_size * micro_batch))
+        """Complete global batches from chained sample `start` before the chain ends or an
+        epoch is missing (the stream stops, or raises `missing_epoch_error`, there)."""
+        return max(0, (self.table.reachable_end(start) - start) // (world_size * micro_batch))
+
+    def blocked_at(self, start: int) -> int | None:
+        """Where the stream from `start` meets an epoch that is not written, or None when it
+        runs to the end of the chain."""
+        end = self.table.reachable_end(start)
+        return end if end < self.total_samples else None
+
+    def require_batch(self, world_size: int, micro_batch: int, start: int) -> None:
+        """One global batch of W*m samples must be left from `start`, else one line why not."""
+        if self.steps(world_size, micro_batch, start):
+            return
+        gap = self.blocked_at(start)
+        if gap is not None:
+            raise self.missing_epoch_error(gap, self.epoch_sample(gap)[0])
+        left = self.total_samples - start
+        hint = "start earlier, or use a smaller --world-size/--micro-batch"
+        if self.numbering is not None and self.numbering.locate(self.total_samples) is not None:
+            nxt = self.epoch_sample(self.total_samples)[0]
+            hint += f", or write the next epoch: `{shuffle_command(self.run[1], self.run[0], nxt)}`"
+        where = self.run[0] if self.run is not None else self.table.epoch_dirs[-1]
+        raise TokpackError("less than one global batch left to read", file=where,
+                           where=f"sample {start}", expected=f"{world_size * micro_batch} samples (W*m)",
+                           found=f"{left} left", hint=hint)
 
     # ------------------------------------------------------------------ files
 
@@ -359,10 +533,12 @@ class SampleReader:
 
     def _segments(self, g: int, n: int) -> Iterator[tuple[int, int, int]]:
         """Splits chained rows [g, g+n) at shard boundaries: (shard, first row in shard, rows)."""
-        starts = self.table.starts
+        starts, ends = self.table.starts, self.table.ends
         i = self.table.shard_of(g)
         while n > 0:
-            k = min(n, int(starts[i + 1]) - g)
+            if i < 0 or i >= len(starts) or not starts[i] <= g < ends[i]:
+                raise IndexError(f"sample {g} is in no epoch of this chain")
+            k = min(n, int(ends[i]) - g)
             yield i, g - int(starts[i]), k
             g += k
             n -= k
@@ -470,16 +646,18 @@ class SampleReader:
     # ------------------------------------------------------------------ streams
 
     def batches(self, rank: int, world_size: int, micro_batch: int, start: int = 0, *, positions: str | None = None,
-                steps: int | None = None, worker: int = 0, num_workers: int = 1, copy: bool = True) -> "RankStream":
+                steps: int | None = None, worker: int = 0, num_workers: int = 1, copy: bool = True,
+                first_step: int | None = None) -> "RankStream":
         """Rank r's micro-batches from chained sample `start`: arrays [m, seq_len+1] of the token
         dtype, or (tokens, positions) pairs with positions="eos" or "index".
 
         `worker`/`num_workers` split the rank's steps round-robin (step b goes to worker
-        b % num_workers), for DataLoader workers. `copy=False` yields views of a reused
-        buffer, valid until the next item.
+        b % num_workers), for DataLoader workers; `first_step` (default: `worker`) resumes a
+        worker's share. `copy=False` yields views of a reused buffer, valid until the next item.
+        A stream that reaches an epoch that is not written raises `missing_epoch_error` there.
         """
         return RankStream(self, rank, world_size, micro_batch, start, positions=positions, steps=steps,
-                          worker=worker, num_workers=num_workers, copy=copy)
+                          worker=worker, num_workers=num_workers, copy=copy, first_step=first_step)
 
     def rank_samples(self, rank: int, world_size: int, micro_batch: int, start: int = 0,
                      count: int | None = None) -> Iterator[Sample]:
@@ -504,11 +682,16 @@ class RankStream:
     """Iterator over one rank's micro-batches. Its position is `state`: a few integers."""
 
     def __init__(self, reader: SampleReader, rank: int, world_size: int, micro_batch: int, start: int, *,
-                 positions: str | None, steps: int | None, worker: int, num_workers: int, copy: bool):
+                 positions: str | None, steps: int | None, worker: int, num_workers: int, copy: bool,
+                 first_step: int | None = None):
         if not (world_size >= 1 and micro_batch >= 1 and 0 <= rank < world_size):
             raise ValueError(f"need 0 <= rank < world_size and micro_batch >= 1 (got {rank}, {world_size}, {micro_batch})")
         if not 0 <= worker < num_workers:
             raise ValueError(f"need 0 <= worker < num_workers (got {worker}, {num_workers})")
+        first_step = worker if first_step is None else first_step
+        if first_step < 0 or first_step % num_workers != worker:
+            raise ValueError(f"worker {worker} of {num_workers} serves steps b with b % {num_workers} == {worker}, "
+                             f"not {first_step}")
         if positions not in (None, "eos", "index"):
             raise ValueError(f"positions must be None, 'eos' or 'index', not {positions!r}")
         if positions == "eos" and reader.eos_id is None:
@@ -516,10 +699,12 @@ class RankStream:
                                hint="use positions='index'")
         start = reader.start_from(start_sample=start)
         end = reader.steps(world_size, micro_batch, start)
+        # Where the stream runs into an epoch that is not written: an error there, not a silent end.
+        self.blocked_at = reader.blocked_at(start) if steps is None or steps > end else None
         if steps is not None:
             end = min(end, steps)
         self.reader = reader  # the shared reader (shard table, open files)
-        self.state = StreamState(start, worker, rank, world_size, micro_batch, num_workers, end)
+        self.state = StreamState(start, first_step, rank, world_size, micro_batch, num_workers, end)
         self.positions = positions  # None, "eos" or "index"
         self.copy = copy  # False: yield views of a reused buffer
         self.last_step = -1  # global batch of the last item yielded
@@ -540,6 +725,8 @@ class RankStream:
     def __next__(self):
         st = self.state
         if st.step >= st.end_step:
+            if self.blocked_at is not None:
+                raise self.reader.missing_epoch_error(self.blocked_at, self.reader.epoch_sample(self.blocked_at)[0])
             raise StopIteration
         step = st.step
         g = st.first_sample(step)

@@ -412,6 +412,7 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
         raise click.UsageError(f"--rank {rank} must be below --world-size {world_size}")
     reader = SampleReader.open(directory, verify=verify)
     start = reader.start_from(start_sample=start_sample, consumed_tokens=consumed_tokens)
+    reader.require_batch(world_size, micro_batch, start)  # else the command would print nothing and exit 0
     for item in reader.rank_samples(rank, world_size, micro_batch, start=start, count=count):
         if as_json:
             click.echo(json.dumps({"epoch": item.epoch, "sample": item.sample, "rank": rank,

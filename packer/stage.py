@@ -33,6 +33,7 @@ import xxhash
 
 from formats.errors import TokpackError
 from formats.guard import check_space, locked_output
+from formats.reader import EpochNumbering, shuffle_command
 from formats.manifest import (
     MANIFEST,
     STAGE_SIDECAR,
@@ -258,19 +259,23 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
         return kind, [DirPlan("", root, jobs, skipped)]
     # A run: its epochs in order, then the run manifest restricted to them.
     available = [int(e) for e in root.get("epochs") or []]
-    chosen = available if epochs is None else epochs
+    chosen = sorted(available) if epochs is None else epochs
     missing = [e for e in chosen if e not in available]
     if missing:
         raise TokpackError("epochs not in this run", file=src.path, where="epochs", expected=f"some of {available}",
-                           found=missing, hint="write them with `tokpack shuffle --epoch E`, or pick others")
+                           found=missing, hint=f"write epoch {missing[0]} with `{shuffle_command(root, src.path, missing[0])}`"
+                           + (", and likewise the others," if len(missing) > 1 else "") + " or pick others")
     manifests = [src.manifest(epoch_dir_name(e), kind="epoch") for e in chosen]
-    end = sum(_samples(m) for m in manifests)  # the chained stream a reader of DEST sees
-    plans, offset = [], 0
+    # A reader of DEST numbers samples as the run does (epoch e starts at numbering.first(e)),
+    # so the ranks' shards are chosen at those positions, not where the staged epochs chain.
+    numbering = EpochNumbering.of_run(root, src.path) if ranks is not None else None
+    end = None if numbering is None else numbering.first(chosen[-1]) + _samples(manifests[-1])
+    plans = []
     for e, m in zip(chosen, manifests):
         rel = epoch_dir_name(e)
+        offset = None if numbering is None else numbering.first(e)
         jobs, skipped = shard_jobs(m, rel, _rank_keep(m, offset, end, ranks, micro_batch))
         plans.append(DirPlan(rel, m, jobs, skipped))
-        offset += _samples(m)
     run = {**root, "epochs": list(chosen)}
     if chosen != available:  # the run's totals cover the epochs it lists
         for key in ("tokens", "documents"):
