@@ -126,6 +126,10 @@ def _executor_config(kw: dict) -> dict:
 @click.version_option(package_name="tokpack")
 def main():
     """Pack tokenized corpora, shuffle them offline per epoch, validate, stage and stream them."""
+    from loguru import logger
+
+    # The command line is tokpack's own application: datatrove's messages belong in the task logs.
+    logger.remove()
 
 
 @main.command()

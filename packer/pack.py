@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from datatrove.pipeline.base import PipelineStep
 
 from formats.errors import TokpackError
 from formats.inputs import (
@@ -53,7 +52,13 @@ from formats.manifest import (
     write_manifest,
 )
 from formats.shards import PackedSource, SourceShardWriter, shard_on_disk, source_manifest
+from formats.sinks import app_sinks_kept
 from packer.executors import ExecutorConfig, run_step
+
+# Importing datatrove's logging module removes every loguru sink; the application's must stay.
+with app_sinks_kept():
+    import datatrove.utils.logging  # noqa: F401
+    from datatrove.pipeline.base import PipelineStep
 
 WORK_DIR = ".tokpack-work"
 SHARD_SUFFIXES = ("", ".index", ".metadata", ".loss")

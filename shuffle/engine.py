@@ -39,7 +39,6 @@ from typing import Iterator
 
 import numpy as np
 import xxhash
-from datatrove.pipeline.base import PipelineStep
 
 from formats.errors import TokpackError
 from formats.manifest import (
@@ -61,8 +60,14 @@ from formats.manifest import (
     write_manifest,
 )
 from formats.shards import EpochShardWriter, PackedSource, RowFragments, shard_on_disk
+from formats.sinks import app_sinks_kept
 
 from .plan import PLAN_ALGORITHM, EpochPlan, epoch_plan, iter_source_windows, parse_weight
+
+# Importing datatrove's logging module removes every loguru sink; the application's must stay.
+with app_sinks_kept():
+    import datatrove.utils.logging  # noqa: F401
+    from datatrove.pipeline.base import PipelineStep
 
 WORK_DIR = ".tokpack-work"
 DEFAULT_SHARD_BYTES = 1 << 30  # default --shard-samples: about 1 GiB of samples per shard
