@@ -111,6 +111,7 @@ class Runner:
     def __init__(self, work: Path):
         self.work = work
         self.runs = 0
+        self.leftovers = []  # commands that ended normally and still left processes
 
     def start(self, argv: list[str], out: Path) -> tuple[subprocess.Popen, str, Path]:
         token = uuid.uuid4().hex
@@ -127,7 +128,8 @@ class Runner:
     def run(self, argv: list[str], out: Path, timeout: float = 900) -> tuple[int, str]:
         proc, token, log = self.start(argv, out)
         rc = proc.wait(timeout=timeout)
-        self.reap(token)
+        if self.reap(token):
+            self.leftovers.append(" ".join(argv[:1]))
         return rc, log.read_text(errors="replace")
 
     def reap(self, token: str) -> list[int]:
@@ -317,6 +319,8 @@ def main(_size=None, quick: bool = False, *, kills: int | None = None, seed: int
         if own:
             shutil.rmtree(work, ignore_errors=True)
 
+    for command in r.leftovers:
+        t.problem("orphans", f"tokpack {command} ended normally and left processes")
     total = time.perf_counter() - t0
     per_kill = sum(kill_seconds) / len(kill_seconds) if kill_seconds else 0.0
     c = t.counts

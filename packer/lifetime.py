@@ -179,7 +179,8 @@ def children_bound():
 
 
 # Imported in multiprocess's forkserver (see _forkserver_preload): its forks die with it.
-if os.environ.get(MARKER_VAR) and "multiprocess.forkserver" in sys.modules and __name__ != "__main__":
+if (os.environ.get(MARKER_VAR) and __name__ != "__main__" and sys.argv[:1] == ["-c"]
+        and "multiprocess.forkserver" in sys.modules):
     install_fork_hook(always=True)
 
 
