@@ -72,6 +72,12 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
+    global _watchdog
+    # Only tokpack may hold the pipe's writing end: its end must mean tokpack's end.
+    if _watchdog is not None:
+        with contextlib.suppress(OSError, ValueError):
+            _watchdog.stdin.close()
+        _watchdog = None
     # The signal follows the thread that forked, not the process: a child forked from a
     # short-lived helper thread would be killed when that thread ends, so only the main thread's.
     if _depth > 0 and _forking_from_main:
@@ -274,7 +280,8 @@ def _watch(owner: int, token: str) -> None:
     submitted = False
     buffer = b""
     fd = sys.stdin.fileno()
-    while True:
+    owner_start = _start_time(owner)
+    while _start_time(owner) == owner_start:  # also ends if a stray fork kept the pipe open
         ready, _, _ = select.select([fd], [], [], _POLL_SECONDS)
         if ready:
             chunk = os.read(fd, 4096)
