@@ -865,6 +865,9 @@ def shuffle_run(
             _check_same_run(_params_of_manifest(m), params, edir)
             if _content(m.get("sources")) == _content(plan.source_entries()):
                 skipped.append(epoch)
+                # A kill while the finished epoch's scratch was being removed leaves part of it.
+                for stale in (out / WORK_DIR).glob(f"{edir.name}-*"):
+                    shutil.rmtree(stale, ignore_errors=True)
                 if log:
                     log(f"epoch {epoch}: already complete, skipped")
             else:

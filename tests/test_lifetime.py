@@ -212,3 +212,21 @@ def test_application_loguru_sink_survives_import_and_executor_runs(source, tmp_p
     received, same = done.stdout.splitlines()[-2:]
     assert "application message 0" in received and "application message 1" in received, done.stdout
     assert same.startswith("True"), same  # nothing of tokpack's or datatrove's is left behind
+
+
+def test_rerun_after_a_kill_during_cleanup_removes_the_scratch(source, tmp_path):
+    """Found by bench/soak.py: a kill after an epoch's manifest, while its scratch folder was
+    being removed, left part of the folder; the rerun skipped the complete epoch and kept it."""
+    from click.testing import CliRunner
+
+    from packer.cli import main
+
+    out = tmp_path / "run"
+    args = ["shuffle", str(source), "-o", str(out), *SHUFFLE, "--epochs", "1", "--workers", "1"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    complete = sorted(p.relative_to(out) for p in out.rglob("*"))
+    stale = out / ".tokpack-work" / "epoch-00000-0123456789abcdef" / "buckets"
+    stale.mkdir(parents=True)
+    (stale / "00000.bin").write_bytes(b"half-removed scratch")
+    assert CliRunner().invoke(main, args).exit_code == 0
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == complete
