@@ -336,7 +336,7 @@ def _slurm_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, 
 
 
 def _slurm_job_ids(executor) -> list[str]:
-    job_id = getattr(executor, "job_id", None)
+    job_id = executor.job_id
     return [] if job_id in (None, -1, "-1") else [str(job_id)]
 
 
