@@ -270,6 +270,10 @@ def _output_state(out: Path, request: dict, overwrite: bool) -> str:
     entries = list(out.iterdir())
     if not entries:
         return "fresh"
+    # request.json is the first file a pack writes: a work folder without it (a command killed
+    # right after creating the folder) holds nothing to keep.
+    if [p.name for p in entries] == [WORK_DIR] and not (out / WORK_DIR / "request.json").exists():
+        return "replace"
     others = [p.name for p in entries if not _is_ours(p)]
     if others:
         raise TokpackError("output directory holds other files", file=out, expected="an empty or tokpack directory",

@@ -230,3 +230,27 @@ def test_rerun_after_a_kill_during_cleanup_removes_the_scratch(source, tmp_path)
     (stale / "00000.bin").write_bytes(b"half-removed scratch")
     assert CliRunner().invoke(main, args).exit_code == 0
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == complete
+
+
+def test_pack_killed_before_its_request_is_recorded_reruns(tmp_path):
+    """Found by bench/soak.py: a pack killed between creating OUT/.tokpack-work and writing its
+    request.json (here: only the temp file of that write exists) was refused on rerun as "an
+    unfinished pack of other inputs"."""
+    from click.testing import CliRunner
+
+    from packer.cli import main
+
+    docs = random_docs(np.random.default_rng(3), 40, 1000, 0)
+    src = write_source(tmp_path / "src", docs)
+    inputs = sorted(str(p) for p in src.glob("*.ds"))
+    args = ["pack", *inputs, "-o", str(tmp_path / "packed"), "--eos-id", "0", "--vocab-size", "1000"]
+    reference = CliRunner().invoke(main, args)
+    assert reference.exit_code == 0, reference.output
+    expected = {p.relative_to(tmp_path / "packed"): p.read_bytes() for p in (tmp_path / "packed").rglob("*") if p.is_file()}
+    out = tmp_path / "killed"
+    (out / ".tokpack-work").mkdir(parents=True)
+    (out / ".tokpack-work" / "request.json.tmp-123").write_bytes(b'{"inp')
+    args[args.index(str(tmp_path / "packed"))] = str(out)
+    rerun = CliRunner().invoke(main, args)
+    assert rerun.exit_code == 0, rerun.output
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == expected
