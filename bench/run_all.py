@@ -12,7 +12,8 @@ Sections (each row: wall s, MB/s of token bytes, peak RSS MB, ratio to the secti
             those steps, computed and allocated; Megatron-style index build time with numpy
   validate  tokpack validate, full and --quick, against a cold read
   scaling   bench/scaling.py: shuffle time and RSS at 0.5..8 GiB, fixed --memory, fitted slope
-  scripts   the rows of bench/{pack,shuffle,read,validate,stage}.py main(), when they exist
+  scripts   the rows of bench/{pack,shuffle,read,validate,stage}.py main(), when they exist, and
+            with --quick bench/soak.py --quick (a few random kills; every failure count must be 0)
 
 Cases of a section run round-robin (A, B, C, A, B, C, ...) in child processes, and the table
 quotes the median of --runs (3; 1 with --quick). The page cache is dropped before every timed
@@ -492,7 +493,9 @@ def section_scripts(ctx: Ctx, size: str) -> list[dict]:
     """The other bench scripts' own rows (each makes its own corpus of `size` unless its main()
     accepts `corpus=`). A missing script is shown; one that raises fails the run."""
     rows = []
-    for name in SCRIPTS:
+    # The fault soak's --quick (a few kills) is a smoke run; a full soak (bench/soak.py --kills 500)
+    # takes over an hour and is run on its own.
+    for name in SCRIPTS + (["soak"] if ctx.quick else []):
         section = f"{name}.py"
         if not (BENCH / f"{name}.py").exists():
             rows.append({"section": section, "case": "-", "_required": False, "note": f"bench/{name}.py does not exist"})

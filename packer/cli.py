@@ -265,6 +265,10 @@ def main(debug):
     """Pack tokenized corpora, shuffle them offline per epoch, validate, stage and stream them."""
     global _DEBUG
     _DEBUG = _DEBUG or debug
+    from loguru import logger
+
+    # The command line is tokpack's own application: datatrove's messages belong in the task logs.
+    logger.remove()
 
 
 @main.command()

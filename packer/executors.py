@@ -24,9 +24,15 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from datatrove.pipeline.base import PipelineStep
-
 from formats.errors import TokpackError
+from formats.sinks import app_sinks_kept
+
+# Importing datatrove's logging module removes every loguru sink; the application's must stay.
+with app_sinks_kept():
+    import datatrove.utils.logging  # noqa: F401
+    from datatrove.pipeline.base import PipelineStep
+
+from packer import lifetime
 from shuffle.engine import run_in_process
 
 # The folder holding packer/, shuffle/, formats/: Slurm jobs and Ray workers import the steps from here.
@@ -61,6 +67,11 @@ def run_step(step, tasks: int, config: ExecutorConfig, logging_dir: str | Path, 
     if runs_in_process(config):
         run_in_process(step, tasks, job_name)
         return
+    with lifetime.children_bound():
+        _run_step(step, tasks, config, logging_dir, job_name)
+
+
+def _run_step(step, tasks: int, config: ExecutorConfig, logging_dir: str, job_name: str) -> None:
     if config.executor == "local":
         executor = _local_executor(step, tasks, config, logging_dir)
     elif config.executor == "slurm":
@@ -71,6 +82,8 @@ def run_step(step, tasks: int, config: ExecutorConfig, logging_dir: str | Path, 
         raise TokpackError(f"unknown executor {config.executor!r}", expected="local, slurm or ray")
     failure = None
     try:
+        if config.executor == "slurm":
+            lifetime.slurm_submitting()
         with datatrove_logs_to_files():
             executor.run()
         if config.executor == "slurm":
@@ -102,6 +115,11 @@ def run_steps(stages: list[tuple], config: ExecutorConfig) -> None:
         for step, tasks, job_name, logging_dir in stages:
             run_step(step, tasks, config, logging_dir, job_name)
         return
+    with lifetime.children_bound():
+        _run_slurm_chain(stages, config)
+
+
+def _run_slurm_chain(stages: list[tuple], config: ExecutorConfig) -> None:
     executors, previous = [], None
     for step, tasks, job_name, logging_dir in stages:
         executor = _slurm_executor(step, tasks, config, str(logging_dir), job_name, depends=previous)
@@ -109,6 +127,7 @@ def run_steps(stages: list[tuple], config: ExecutorConfig) -> None:
         previous = executor
     failure = None
     try:
+        lifetime.slurm_submitting()
         executors[-1][0].run()  # launches the dependencies first
         for executor, *_ in executors:
             _wait_slurm(executor, config)
@@ -214,16 +233,13 @@ def datatrove_logs_to_files():
         return
     import datatrove.executor.base as dt_base
     from datatrove.utils import logging as dt_logging
-    from loguru import logger
 
-    original = _route_datatrove_logs_to_files()
-    try:
-        yield
-    finally:
-        dt_base.add_task_logger, dt_logging.setup_default_logger = original
-        logger.remove()
-        # the process's real stderr: a test runner's captured stream may be closed by now
-        logger.add(sys.__stderr__, colorize=dt_logging.DATATROVE_COLORIZE_LOGS)
+    with app_sinks_kept():  # the task-log sinks come and go; the application's stay
+        original = _route_datatrove_logs_to_files()
+        try:
+            yield
+        finally:
+            dt_base.add_task_logger, dt_logging.setup_default_logger = original
 
 
 def _check_complete(executor, tasks: int, logging_dir: str, job_name: str, failure: Exception | None) -> None:
@@ -290,6 +306,9 @@ def _slurm_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, 
     sbatch.setdefault("mem-per-cpu", f"{max(1, round(config.mem_per_cpu_gb * 1024))}M")
     # A pass whose dependency failed would otherwise wait in the queue forever.
     sbatch.setdefault("kill-on-invalid-dep", "yes")
+    # The watchdog finds this run's jobs by it, even one submitted a moment before tokpack died.
+    if lifetime.slurm_comment():
+        sbatch.setdefault("comment", lifetime.slurm_comment())
     qos = sbatch.pop("qos", None)  # the user's default QOS unless asked: "normal" does not exist everywhere
     # The job runs this interpreter (its venv's launch_pickled_pipeline) and imports this checkout.
     bin_dir = os.path.dirname(sys.executable)
@@ -342,6 +361,8 @@ def _wait_slurm(executor, config: ExecutorConfig) -> None:
     """datatrove's SlurmPipelineExecutor only submits. Wait until every rank is marked complete,
     or the array job has left the queue (then some tasks failed: the caller reports them)."""
     job_ids = _slurm_job_ids(executor)
+    for job_id in job_ids:
+        lifetime.register_slurm_job(job_id)
     pause = 0.5
     while executor.get_incomplete_ranks(skip_completed=True) and _slurm_active(job_ids):
         time.sleep(pause)
@@ -349,6 +370,8 @@ def _wait_slurm(executor, config: ExecutorConfig) -> None:
     # Markers are written by the tasks; the queue may still hold the finishing job for a moment.
     while _slurm_active(job_ids):
         time.sleep(0.5)
+    for job_id in job_ids:
+        lifetime.forget_slurm_job(job_id)
 
 
 def _cancel_slurm(executor) -> None:
@@ -371,6 +394,11 @@ def ray_connect(config: ExecutorConfig) -> None:
         raise TokpackError("--executor ray needs ray", hint="pip install 'ray[default]'")
     if ray.is_initialized():
         return
+    with lifetime.children_bound():  # a local cluster's processes carry the marker: they end with tokpack
+        _ray_init(ray, config)
+
+
+def _ray_init(ray, config: ExecutorConfig) -> None:
     # Workers import the steps from this checkout even when tokpack is not installed on their path.
     pythonpath = os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p)
     runtime_env = {"env_vars": {"PYTHONPATH": pythonpath}}

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from datatrove.pipeline.base import PipelineStep
 
 from formats.errors import TokpackError
 from formats.guard import LOCK_NAME, bytes_under, check_space, locked_output
@@ -54,7 +53,13 @@ from formats.manifest import (
     write_manifest,
 )
 from formats.shards import PackedSource, SourceShardWriter, shard_on_disk, source_manifest
+from formats.sinks import app_sinks_kept
 from packer.executors import ExecutorConfig, run_step
+
+# Importing datatrove's logging module removes every loguru sink; the application's must stay.
+with app_sinks_kept():
+    import datatrove.utils.logging  # noqa: F401
+    from datatrove.pipeline.base import PipelineStep
 
 WORK_DIR = ".tokpack-work"
 SHARD_SUFFIXES = ("", ".index", ".metadata", ".loss")
@@ -273,6 +278,10 @@ def _output_state(out: Path, request: dict, overwrite: bool) -> str:
     entries = [p for p in out.iterdir() if p.name != LOCK_NAME and TMP_MARK not in p.name]
     if not entries:
         return "fresh"
+    # request.json is the first file a pack writes: a work folder without it (a command killed
+    # right after creating the folder) holds nothing to keep.
+    if [p.name for p in entries] == [WORK_DIR] and not (out / WORK_DIR / "request.json").exists():
+        return "replace"
     others = [p.name for p in entries if not _is_ours(p)]
     if others:
         raise TokpackError("output directory holds other files", file=out, expected="an empty or tokpack directory",

@@ -47,7 +47,6 @@ from typing import Iterator
 
 import numpy as np
 import xxhash
-from datatrove.pipeline.base import PipelineStep
 
 from formats.errors import TokpackError
 from formats.guard import LOCK_NAME, bytes_under, check_space, is_no_space, locked_output
@@ -71,8 +70,14 @@ from formats.manifest import (
     write_manifest,
 )
 from formats.shards import EpochShardWriter, PackedSource, RowFragments, shard_on_disk
+from formats.sinks import app_sinks_kept
 
 from .plan import PLAN_ALGORITHM, EpochPlan, epoch_plan, iter_source_windows, parse_weight
+
+# Importing datatrove's logging module removes every loguru sink; the application's must stay.
+with app_sinks_kept():
+    import datatrove.utils.logging  # noqa: F401
+    from datatrove.pipeline.base import PipelineStep
 
 WORK_DIR = ".tokpack-work"
 DEFAULT_SHARD_BYTES = 1 << 30  # default --shard-samples: about 1 GiB of samples per shard
@@ -1168,6 +1173,9 @@ def shuffle_run(
         out.mkdir(parents=True, exist_ok=True)
         if job is None:
             skipped.append(epoch)
+            # A kill while the finished epoch's scratch was being removed leaves part of it.
+            for stale in (out / WORK_DIR).glob(f"{epoch_dir_name(epoch)}-*"):
+                shutil.rmtree(stale, ignore_errors=True)
             if log:
                 log(f"epoch {epoch}: already complete, skipped")
         else:
