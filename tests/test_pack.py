@@ -17,13 +17,14 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import EOS_TOKEN, generate_texts, random_docs
+from conftest import EOS_TOKEN, generate_texts, random_docs, require
 from formats.manifest import MANIFEST
 from formats.shards import PackedSource
 from packer import pack as pack_mod
 from packer.cli import main
 from packer.pack import pack
 
+MEGATRON_CORE = "pip install -e '.[test]' installs megatron-core"
 SMALL_BLOCK = 512  # bytes: forces many blocks per file, so block seams are exercised
 
 
@@ -268,11 +269,8 @@ def test_megatron_from_datatrove_writer(corpus, tokenizer_path, tmp_path):
     assert summary["format"] == "megatron" and packed_docs(tmp_path / "a") == expected
     pack([str(tmp_path / "mg" / "00000_tokens")], str(tmp_path / "b"), eos_id=0, vocab_size=600)  # a path prefix
     assert packed_docs(tmp_path / "b") == expected[:25]
-    try:
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-    except Exception:  # megatron-core is optional; the builder test below needs it too
-        return
-    mds = IndexedDataset(str(tmp_path / "mg" / "00000_tokens"))
+    indexed = require("megatron.core.datasets.indexed_dataset", MEGATRON_CORE)
+    mds = indexed.IndexedDataset(str(tmp_path / "mg" / "00000_tokens"))
     assert [mds[i].tolist() for i in range(len(mds))] == expected[:25]
 
 
@@ -283,7 +281,7 @@ MEGATRON_DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float64", "float
 def test_megatron_every_dtype_code(dtype, tmp_path):
     """megatron-core's own writer for every dtype code; documents of several sequences;
     megatron-core's reader cross-checks what we read."""
-    idx_mod = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    idx_mod = require("megatron.core.datasets.indexed_dataset", MEGATRON_CORE)
     rng = np.random.default_rng(1)
     docs = []
     builder = idx_mod.IndexedDatasetBuilder(str(tmp_path / "d.bin"), dtype=getattr(np, dtype))
