@@ -304,6 +304,36 @@ def test_megatron_every_dtype_code(dtype, tmp_path):
     assert summary["eos_appended"] == sum(1 for d in docs if d and d[-1] != 0)
 
 
+@pytest.mark.parametrize("block", [16, 1 << 20], ids=["small-blocks", "one-block"])
+def test_megatron_sequences_out_of_order(block, tmp_path):
+    """A .bin whose sequences are not stored back to back (reversed, with gaps, one pair
+    adjacent), as an .idx may legally point: pack reads each sequence at its pointer, and
+    megatron-core's own reader agrees."""
+    import struct
+
+    indexed = require("megatron.core.datasets.indexed_dataset", MEGATRON_CORE)
+    rng = np.random.default_rng(4)
+    seqs = [rng.integers(1, 500, size=int(rng.integers(1, 12))).astype(np.uint16) for _ in range(9)]
+    for k in (1, 4, 8):
+        seqs[k][-1] = 0  # documents end at sequences 1, 4 and 8
+    doc_index = [0, 2, 5, 9]
+    blob, ptrs = b"", [0] * len(seqs)
+    for k in [8, 7, 5, 6, 4, 3, 2, 1, 0]:  # 5 then 6 back to back, everything else reversed
+        blob += b"\xff\xff" * int(rng.integers(0, 3)) if k != 6 else b""  # gaps of junk tokens
+        ptrs[k] = len(blob)
+        blob += seqs[k].tobytes()
+    (tmp_path / "m.bin").write_bytes(blob)
+    with open(tmp_path / "m.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, len(seqs), len(doc_index)))
+        f.write(np.array([len(x) for x in seqs], dtype=np.int32).tobytes() + np.array(ptrs, dtype=np.int64).tobytes()
+                + np.array(doc_index, dtype=np.int64).tobytes())
+    expected = [np.concatenate(seqs[a:b]).tolist() for a, b in zip(doc_index, doc_index[1:])]
+    mds = indexed.IndexedDataset(str(tmp_path / "m"))
+    assert [np.concatenate([mds[i] for i in range(a, b)]).tolist() for a, b in zip(doc_index, doc_index[1:])] == expected
+    pack([str(tmp_path / "m")], str(tmp_path / "out"), eos_id=0, vocab_size=500, block_bytes=block)
+    assert packed_docs(tmp_path / "out") == expected
+
+
 # ------------------------------------------------------------ parquet, arrow, HF
 
 
@@ -441,6 +471,15 @@ def bad_index_order(c, t):
     return [d]
 
 
+def bad_index_repeated(c, t):
+    d = copy_dt(c, t)
+    idx = Path(f"{first_ds(d)}.index")
+    a = np.fromfile(idx, dtype="<u8")
+    a[3] = a[2]  # a repeated end: an empty document that still "ends" right after an EOS
+    a.tofile(idx)
+    return [d]
+
+
 def bad_index_last(c, t):
     d = copy_dt(c, t)
     idx = Path(f"{first_ds(d)}.index")
@@ -536,7 +575,7 @@ def bad_vocab_unknown(c, t):
     return [t / "x.jsonl", "--eos-id", 0]
 
 
-BAD = [bad_vocab, bad_ds_size, bad_index_order, bad_index_last, bad_megatron_magic, bad_megatron_version,
+BAD = [bad_vocab, bad_ds_size, bad_index_order, bad_index_repeated, bad_index_last, bad_megatron_magic, bad_megatron_version,
        bad_megatron_dtype, bad_megatron_pointers, bad_parquet_missing, bad_parquet_type, bad_negative,
        bad_empty_file, bad_empty_dir, bad_mixed_dtypes, bad_mixed_vocab, bad_mixed_megatron,
        bad_tokenizer_not_local, bad_eos_unknown, bad_vocab_unknown]
@@ -544,6 +583,7 @@ WHAT = {
     "bad_vocab": ["at or above vocab_size", "document", "token offset"],
     "bad_ds_size": ["not a multiple of the token size"],
     "bad_index_order": ["does not increase", "entry 2"],
+    "bad_index_repeated": ["does not increase", "entry 3"],
     "bad_index_last": ["last entry differs"],
     "bad_megatron_magic": ["wrong magic"],
     "bad_megatron_version": ["version"],

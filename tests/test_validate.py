@@ -420,3 +420,76 @@ def test_real_pack_and_weighted_jittered_shuffle_validate(tmp_path):
     # the same run checked against only one of its sources is refused
     r = validate_all([dirs[2]], quick=True, against=dirs[:1], workers=1, show_progress=False)
     assert not r["ok"] and all(p["where"] == "sources[1].fingerprint" for p in r["problems"])
+
+
+# ------------------------------------------------------------------ checks no other check covers
+
+
+def reseal_epoch_index(epoch: Path, shard: str) -> None:
+    """Records the index file's current checksum in the epoch manifest, as a buggy writer would."""
+    m = load(epoch)
+    for s in m["shards"]:
+        if s["path"] == shard:
+            s["index_xxh3_128"] = xxh3_128_file(epoch / (shard + ".index"))
+    save(epoch, m)
+
+
+def test_swapped_rows_fail_on_the_token_checksum(env, tmp_path):
+    """Two samples of an epoch shard swapped, the index rewritten by the real writer: sizes,
+    index, metadata, fragment count and sample multiset all stay valid. Only the shard's
+    token checksum can tell, and it must."""
+    shard = env / E0 / "00000.ds"
+    rows = np.fromfile(shard, dtype="<u2").reshape(-1, ROW)
+    assert not np.array_equal(rows[0], rows[3])
+    rows[[0, 3]] = rows[[3, 0]]
+    rows.tofile(shard)
+    w = EpochShardWriter(tmp_path, "00000.ds", np.dtype("<u2"), SEQ_LEN, EOS, load(env / E0)["tokenizer"])
+    w.write_rows(rows)
+    entry = w.close()
+    shutil.copy(tmp_path / "00000.ds.index", env / E0 / "00000.ds.index")
+    reseal_epoch_index(env / E0, "00000.ds")
+    before = next(s for s in load(env / E0)["shards"] if s["path"] == "00000.ds")
+    assert entry["multiset_hash"] == before["multiset_hash"] and entry["xxh3_128"] != before["xxh3_128"]
+    r = validate_all([str(env / "run")], quick=False, against=[str(env / "src")], workers=1, show_progress=False)
+    assert [(Path(p["file"]).name, p["where"], p["message"]) for p in r["problems"]] == \
+        [("00000.ds", "xxh3_128", "checksum mismatch")], r["lines"]
+    assert r["status"] == "corrupt"
+
+
+def _index_fault(path: Path, how: str) -> int:
+    """Repeats or reverses entries 2 and 3 of an index; returns the entry number reported."""
+    a = np.fromfile(path, dtype="<u8")
+    if how == "repeated":
+        a[3] = a[2]
+    else:
+        a[[2, 3]] = a[[3, 2]]
+    a.tofile(path)
+    return 3
+
+
+@pytest.mark.parametrize("how", ["repeated", "decreasing"])
+@pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
+def test_source_index_not_increasing(env, how, quick):
+    """A source index whose entries repeat or decrease, checksums rewritten to match, so only
+    the order check can see it (a repeated end still points just past an EOS)."""
+    k = _index_fault(env / "src/00001.ds.index", how)
+    reseal_source(env / "src")
+    r = validate_all([str(env / "src")], quick=quick, against=[], workers=1, show_progress=False)
+    assert not r["ok"] and r["status"] == "corrupt"
+    (p,) = r["problems"]
+    assert p["file"].endswith("00001.ds.index") and p["where"] == f"entry {k}", r["lines"]
+    assert p["message"] == "index does not increase"
+
+
+@pytest.mark.parametrize("how", ["repeated", "decreasing"])
+@pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
+def test_epoch_index_not_increasing(env, how, quick):
+    k = _index_fault(env / E0 / "00001.ds.index", how)
+    reseal_epoch_index(env / E0, "00001.ds")
+    r = validate_all([str(env / "run")], quick=quick, against=[], workers=1, show_progress=False)
+    assert not r["ok"] and r["status"] == "corrupt"
+    idx = [p for p in r["problems"] if p["file"].endswith("00001.ds.index")]
+    assert idx and all(p["where"] == f"entry {k}" for p in idx), r["lines"]
+    assert idx[0]["message"] in ("index does not increase", "index disagrees with the tokens")
+    if quick:  # the index alone: only its order can tell
+        assert [p["message"] for p in idx] == ["index does not increase"]
