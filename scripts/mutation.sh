@@ -44,40 +44,62 @@ echo "mutation.sh: working in $WORK"
 (cd "$REPO" && git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$WORK" 2>/dev/null || true)
 cd "$WORK"
 
-# The scratch copy's [tool.mutmut] says what this mode mutates and which tests it runs.
+# Per module: the tests that run against its mutants (the fast golden files first), and for
+# the engine only its placement (which row goes where), not its I/O plumbing.
+declare -A TESTS=(
+  [shuffle/permutation.py]='["tests/test_permutation_golden.py", "tests/test_plan_golden.py"]'
+  [shuffle/plan.py]='["tests/test_plan_golden.py", "tests/test_permutation_golden.py"]'
+  [shuffle/engine.py]='["tests/test_shuffle.py"]'
+  [formats/reader.py]='["tests/test_reader.py"]'
+  [formats/validate.py]='["tests/test_validate.py"]'
+  [formats/inputs.py]='["tests/test_pack.py"]'
+)
+declare -A FUNCTIONS=([shuffle/engine.py]="*ǁgather__* *ǁinput_segments__* *ǁholds_rows_of__* *x_make_layout__* *ǁscatter__* *ǁorder__* *ǁ_blocks__* *x_source_rows__*")
+
 if [ "$mode" = ci ]; then targets=(shuffle/permutation.py); elif [ -n "$only" ]; then targets=("$only"); else targets=("${MODULES[@]}"); fi
-python - "$mode" "$CI_TESTS" "${targets[@]}" <<'PY'
+all_names=()
+for target in "${targets[@]}"; do
+  tests=${TESTS[$target]:?no tests listed for $target}
+  [ "$mode" = ci ] && tests=$CI_TESTS
+  # The scratch copy's [tool.mutmut]: this module, its tests.
+  python - "$tests" "$target" <<'PY'
 import json, sys, tomllib
-mode, ci_tests, *targets = sys.argv[1:]
+tests, target = sys.argv[1:]
 text = open("pyproject.toml").read()
 cfg = tomllib.loads(text)["tool"]["mutmut"]
-cfg["only_mutate"] = targets
-if mode == "ci":
-    cfg["pytest_add_cli_args_test_selection"] = json.loads(ci_tests)
+cfg["only_mutate"] = [target]
+cfg["pytest_add_cli_args_test_selection"] = json.loads(tests)
 head = text[: text.index("\n[tool.mutmut]")]
-body = "".join(f"{k} = {json.dumps(v)}\n" for k, v in cfg.items())
-open("pyproject.toml", "w").write(head + "\n[tool.mutmut]\n" + body)
+open("pyproject.toml", "w").write(head + "\n[tool.mutmut]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in cfg.items()))
 PY
-
-names=()
-if [ "$mode" = ci ]; then
-  names=("${CI_MUTANTS[@]}")
-elif [ "$sample" -gt 1 ]; then
-  # Generate the mutants without running anything, then keep every D-th name per module.
-  python -c "
+  module=${target%.py}; module=${module//\//.}
+  names=()
+  if [ "$mode" = ci ]; then
+    names=("${CI_MUTANTS[@]}")
+  elif [ "$sample" -gt 1 ] || [ -n "${FUNCTIONS[$target]:-}" ]; then
+    # Generate the mutants without running anything, then keep every D-th name of the module.
+    python -c "
 from mutmut.__main__ import copy_also_copy_files, copy_src_dir, create_mutants, setup_source_paths
 copy_src_dir(); copy_also_copy_files(); setup_source_paths(); create_mutants(2)" >/dev/null
-  mapfile -t names < <(mutmut results --all true | awk '{sub(":$", "", $1); print $1}' | sort |
-    awk -v d="$sample" -F'.x' '{m=$1; n[m]++} (n[m] - 1) % d == 0')
-  echo "mutation.sh: sampled ${#names[@]} mutants (every ${sample}th per module)"
-fi
-
-start=$(date +%s)
-mutmut run --max-children "${MUTATION_JOBS:-2}" "${names[@]}" > mutmut-run.log 2>&1 || true
-echo "mutation.sh: mutmut ran in $(( $(date +%s) - start )) s (log: $WORK/mutmut-run.log)"
+    mapfile -t names < <(mutmut results --all true | awk '{sub(":$", "", $1); print $1}' | grep -F "$module.x" |
+      python -c "
+import fnmatch, sys
+pats = sys.argv[2].split()
+names = sorted(n.strip() for n in sys.stdin if not pats or any(fnmatch.fnmatch(n.strip(), p) for p in pats))
+print('\n'.join(names[:: int(sys.argv[1])]))" "$sample" "${FUNCTIONS[$target]:-}")
+    echo "mutation.sh: $target: ${#names[@]} mutants (every ${sample}th)"
+  else
+    names=("$module.x*")
+  fi
+  [ ${#names[@]} -gt 0 ] || continue
+  t0=$(date +%s)
+  mutmut run --max-children "${MUTATION_JOBS:-2}" "${names[@]}" >> mutmut-run.log 2>&1 || true
+  echo "mutation.sh: $target: mutmut ran in $(( $(date +%s) - t0 )) s (log: $WORK/mutmut-run.log)"
+  all_names+=("${names[@]}")
+done
 
 mutmut results --all true > mutmut-results.txt
-python - "$mode" "$EQUIVALENT" "${names[@]}" <<'PY'
+python - "$mode" "$EQUIVALENT" "${all_names[@]}" <<'PY'
 import fnmatch, sys
 from collections import defaultdict
 
