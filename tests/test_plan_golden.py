@@ -251,3 +251,74 @@ def test_first_pass_and_passes_count_the_chain(windows, samples, epoch):
     assert plan.passes(0) == len(touched)
     if touched:
         assert plan.first_pass(0) == touched[0]
+
+
+def test_epoch_size_golden(sources):
+    """N and c_s from --tokens, from --samples without weights (shares by window count), and
+    from nothing (every window once)."""
+    plan = lambda **kw: epoch_plan(sources, seq_len=SEQ_LEN, seed=5, epoch=0, **kw)  # noqa: E731
+    assert [(p.samples, [sp.samples for sp in p.sources])
+            for p in (plan(tokens=400), plan(samples=10), plan())] == [(26, [19, 7]), (10, [7, 3]), (27, [20, 7])]
+
+
+# weights -> (c_s, base_s, and locate of the 9 samples of epoch 1: sources, windows, passes)
+GOLDEN_WEIGHTED = {
+    ("0", "1"): ([0, 9], [0, 0], [1] * 9, [6, 3, 3, 1, 2, 2, 1, 0, 5], [2, 2, 1, 1, 1, 2, 2, 1, 1]),
+    ("1", "0"): ([9, 0], [0, 9], [0] * 9, [0, 14, 6, 17, 15, 12, 19, 7, 11], [0] * 9),
+    ("1/3", "2/3"): ([3, 6], [0, 3], [1, 1, 0, 0, 1, 1, 1, 0, 1], [1, 3, 2, 4, 4, 6, 0, 10, 4],
+                     [1, 1, 0, 0, 1, 1, 1, 0, 0]),
+    ("0.5", "0.5"): ([5, 4], [0, 5], [1, 1, 0, 0, 0, 1, 1, 0, 0], [6, 4, 1, 2, 17, 0, 4, 8, 13],
+                     [0, 1, 0, 0, 0, 0, 0, 0, 0]),  # a tie: the lower source gets the extra sample
+}
+
+
+@pytest.mark.parametrize("weights", list(GOLDEN_WEIGHTED), ids="/".join)
+def test_weighted_shares_golden(sources, weights):
+    """Exact rational shares, ties to the lower source, and a source of weight 0 that shares its
+    base with the next one and never appears."""
+    p = epoch_plan(sources, seq_len=SEQ_LEN, seed=5, epoch=1, weights=list(weights), samples=9)
+    s, w, passes = p.locate(np.arange(9))
+    got = ([sp.samples for sp in p.sources], [sp.base for sp in p.sources], s.tolist(), w.tolist(), passes.tolist())
+    assert got == GOLDEN_WEIGHTED[weights]
+    for i, sp in enumerate(p.sources):
+        placed = [g for _, _, gs in p.outputs_of(i, np.arange(sp.windows)) for g in gs.tolist()]
+        assert sorted(placed) == sorted(np.flatnonzero(s == i).tolist())
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(weights=["1", "-1"]), "weight is negative"),
+    (dict(weights=["1", "x"]), "weight is not a number"),
+    (dict(weights=["1", "1/0"]), "weight is not a number"),
+    (dict(weights=["0", "0"]), "weights sum to 0"),
+    (dict(weights=["1", None]), "some sources have a weight and some do not"),
+    (dict(samples=0), "the epoch would hold no samples"),
+    (dict(tokens=SEQ_LEN - 1), "the epoch would hold no samples"),
+    (dict(seq_len=TOKENS[1]), "seq_len is larger than the source"),
+    (dict(seq_len=(TOKENS[1] - 1) // 2 + 1, jitter=True), "seq_len is larger than the source"),
+])
+def test_plan_refuses_bad_parameters(sources, kw, message):
+    kw = {"seq_len": SEQ_LEN, "seed": 1, "epoch": 0, **kw}
+    with pytest.raises(TokpackError, match=message):
+        epoch_plan(sources, **kw)
+    with pytest.raises(TokpackError, match="no sources given"):
+        epoch_plan([], seq_len=SEQ_LEN, seed=1, epoch=0)
+
+
+def test_plan_from_a_manifest_that_does_not_fit_its_sources(sources):
+    """An epoch manifest replayed against the wrong or changed sources is refused, naming the
+    field, before any window is read."""
+    good = {"seed": SEED, "epoch": 0, "seq_len": SEQ_LEN, "jitter": True, "samples": SAMPLES,
+            "sources": plan_of(sources, 0, True).source_entries(), "shuffle": PLAN_ALGORITHM}
+    assert EpochPlan.from_manifest(good, sources[::-1]).sources[0].fingerprint == sources[0].fingerprint
+    with pytest.raises(TokpackError, match="source of the epoch not given"):
+        EpochPlan.from_manifest(good, sources[:1])
+    too_far = {**good, "sources": [dict(e) for e in good["sources"]]}
+    too_far["sources"][1]["offset"] += ROW  # 6 windows from offset 9 + 16 end past 112 tokens
+    with pytest.raises(TokpackError, match="windows exceed the source"):
+        EpochPlan.from_manifest(too_far, sources)
+    exact = {**good, "sources": [dict(e) for e in good["sources"]]}
+    exact["sources"][1]["offset"] = TOKENS[1] - 6 * ROW  # the last window ends on the last token: fine
+    assert EpochPlan.from_manifest(exact, sources).sources[1].offset == SEQ_LEN + 1
+    short = {**good, "samples": SAMPLES + 1}
+    with pytest.raises(TokpackError, match="do not add up"):
+        EpochPlan.from_manifest(short, sources)
