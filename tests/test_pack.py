@@ -514,6 +514,41 @@ def bad_megatron_pointers(c, t):
     return [p, "--eos-id", 0]
 
 
+def _megatron_doc_index(t, values):
+    """megatron_pair with its document index array (n + 1 = 6 entries) replaced."""
+    p = megatron_pair(t)
+    b = bytearray(p.with_suffix(".idx").read_bytes())
+    b[-48:] = np.array(values, dtype=np.int64).tobytes()
+    p.with_suffix(".idx").write_bytes(bytes(b))
+    return [p, "--eos-id", 0]
+
+
+def bad_megatron_idx_size(c, t):
+    p = megatron_pair(t)
+    with open(p.with_suffix(".idx"), "ab") as f:
+        f.write(b"\x00" * 3)
+    return [p, "--eos-id", 0]
+
+
+def bad_megatron_bin_size(c, t):
+    p = megatron_pair(t)
+    with open(p.with_suffix(".bin"), "ab") as f:
+        f.write(b"\x00")  # half a uint16 token
+    return [p, "--eos-id", 0]
+
+
+def bad_megatron_doc_start(c, t):
+    return _megatron_doc_index(t, [1, 1, 2, 3, 4, 5])
+
+
+def bad_megatron_doc_decrease(c, t):
+    return _megatron_doc_index(t, [0, 2, 1, 3, 4, 5])
+
+
+def bad_megatron_doc_end(c, t):
+    return _megatron_doc_index(t, [0, 1, 2, 3, 4, 4])
+
+
 def bad_parquet_missing(c, t):
     pq.write_table(pa.table({"tokens": [[1, 2, 0]]}), t / "x.parquet")
     return [t / "x.parquet", "--eos-id", 0]
@@ -576,7 +611,8 @@ def bad_vocab_unknown(c, t):
 
 
 BAD = [bad_vocab, bad_ds_size, bad_index_order, bad_index_repeated, bad_index_last, bad_megatron_magic, bad_megatron_version,
-       bad_megatron_dtype, bad_megatron_pointers, bad_parquet_missing, bad_parquet_type, bad_negative,
+       bad_megatron_dtype, bad_megatron_pointers, bad_megatron_idx_size, bad_megatron_bin_size,
+       bad_megatron_doc_start, bad_megatron_doc_decrease, bad_megatron_doc_end, bad_parquet_missing, bad_parquet_type, bad_negative,
        bad_empty_file, bad_empty_dir, bad_mixed_dtypes, bad_mixed_vocab, bad_mixed_megatron,
        bad_tokenizer_not_local, bad_eos_unknown, bad_vocab_unknown]
 WHAT = {
@@ -589,6 +625,11 @@ WHAT = {
     "bad_megatron_version": ["version"],
     "bad_megatron_dtype": ["dtype code"],
     "bad_megatron_pointers": ["past the end"],
+    "bad_megatron_idx_size": [".idx size does not match its counts", "142 bytes for 5 sequences", "found 145 bytes"],
+    "bad_megatron_bin_size": [".bin size is not a multiple of the token size", "41 bytes"],
+    "bad_megatron_doc_start": ["do not start at 0", "document index 0"],
+    "bad_megatron_doc_decrease": ["decrease or exceed", "document index 2"],
+    "bad_megatron_doc_end": ["do not end at the sequence count", "document index 5"],
     "bad_parquet_missing": ["column not found", "input_ids"],
     "bad_parquet_type": ["not a list of integers"],
     "bad_negative": ["negative token id", "document 1"],
