@@ -493,3 +493,55 @@ def test_epoch_index_not_increasing(env, how, quick):
     assert idx[0]["message"] in ("index does not increase", "index disagrees with the tokens")
     if quick:  # the index alone: only its order can tell
         assert [p["message"] for p in idx] == ["index does not increase"]
+
+
+def _edit(m: dict, path: str, value) -> None:
+    """Sets m[a][b]... along a dotted path (integers index lists); value None deletes."""
+    *head, last = [int(k) if k.isdigit() else k for k in path.split(".")]
+    for k in head:
+        m = m[k]
+    if value is None:
+        del m[last]
+    elif callable(value):
+        m[last] = value(m[last])
+    else:
+        m[last] = value
+
+
+# (directory, dotted field, new value or function of the old one) -> the `where` reported
+MANIFEST_EDITS = [
+    (E0, "sources.0.offset", 3, "sources[0].offset"),
+    (E0, "sources.0.windows", lambda v: v + 1, "sources[0].windows"),
+    (E0, "sources.0.first_pass", 1, "sources[0].first_pass/passes"),
+    (E0, "sources.0.passes", 2, "sources[0].first_pass/passes"),
+    (E0, "jitter_offsets", [5], "jitter_offsets[0]"),
+    (E0, "dropped_tokens", lambda v: v + 1, "dropped_tokens"),
+    (E0, "documents", lambda v: v + 1, "documents"),
+    (E0, "epoch", 1, "epoch"),
+    (E0, "samples", lambda v: v + 1, "samples"),
+    (E0, "shards.0.tokens", lambda v: v + ROW, "shards[0].tokens"),
+    (E0, "sources.0", 5, "sources[0]"),
+    (E0, "sample_multiset_hash", "0" * 16, "sample_multiset_hash"),
+    (E0, "shards.0.xxh3_128", "XYZ", "shards[0].xxh3_128"),
+    (E0, "seed", None, "seed"),
+    (E0, "seed", "1", "seed"),
+    (E0, "seq_len", -1, "seq_len"),
+    ("src", "tokens", lambda v: v + 1, "tokens"),
+    ("src", "eos_id", VOCAB, "eos_id"),
+    ("src", "dtype", "int8", "dtype"),
+    ("src", "shards.1.documents", 0, "shards[1].documents"),
+    ("src", "shards.1.path", "../x.ds", "shards[1].path"),
+    ("run", "epochs", [0, 0], "epochs"),
+]
+
+
+@pytest.mark.parametrize("target,field,value,where", MANIFEST_EDITS, ids=[f"{t}:{f}" for t, f, _, _ in MANIFEST_EDITS])
+def test_manifest_field_checks(env, target, field, value, where):
+    """Each consistency rule of a manifest, broken alone: validation names that field."""
+    m = load(env / target)
+    _edit(m, field, value)
+    save(env / target, m)
+    path = env / ("run" if target.startswith("run") else target)
+    r = validate_all([str(path)], quick=True, against=[], workers=1, show_progress=False)
+    assert not r["ok"] and r["status"] == "corrupt", r["lines"]
+    assert where in [p["where"] for p in r["problems"]], r["lines"]
