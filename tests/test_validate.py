@@ -545,3 +545,63 @@ def test_manifest_field_checks(env, target, field, value, where):
     r = validate_all([str(path)], quick=True, against=[], workers=1, show_progress=False)
     assert not r["ok"] and r["status"] == "corrupt", r["lines"]
     assert where in [p["where"] for p in r["problems"]], r["lines"]
+
+
+@pytest.fixture
+def lossy(tmp_path) -> Path:
+    """A source whose shards carry a .loss mask (datatrove's save_loss_metadata), written with
+    the project's shard writer."""
+    from formats import SourceShardWriter, source_manifest, write_manifest
+    from formats.manifest import shard_name
+
+    docs = random_docs(np.random.default_rng(11), 40, VOCAB, EOS, max_len=50)
+    src = tmp_path / "lossy"
+    src.mkdir()
+    entries = []
+    for i in range(2):
+        group = docs[20 * i : 20 * (i + 1)]
+        toks = np.concatenate(group).astype("<u2")
+        w = SourceShardWriter(src, shard_name(i), np.dtype("<u2"), "test-tokenizer", with_loss=True)
+        w.write(toks, np.cumsum([len(d) for d in group]), (np.arange(len(toks)) % 3 > 0).astype(np.uint8))
+        entries.append(w.close())
+    write_manifest(src, source_manifest(entries, np.dtype("<u2"), VOCAB, EOS, "test-tokenizer"))
+    return src
+
+
+def _loss_value(src: Path, value: int, reseal: bool) -> None:
+    p = src / "00001.ds.loss"
+    a = np.fromfile(p, dtype=np.uint8)
+    a[7] = value
+    a.tofile(p)
+    if reseal:
+        m = load(src)
+        m["shards"][1]["loss_xxh3_128"] = xxh3_128_file(p)
+        save(src, m)
+
+
+LOSS_FAULTS = {
+    "clean": (lambda src: None, []),
+    "value 2": (lambda src: _loss_value(src, 2, True), [("00001.ds.loss", "byte 7", "loss mask value invalid")]),
+    "flipped 0/1": (lambda src: _loss_value(src, 1 - int(np.fromfile(src / "00001.ds.loss", np.uint8)[7]), False),
+                    [("00001.ds.loss", "xxh3_128", "checksum mismatch")]),
+    "missing": (lambda src: (src / "00000.ds.loss").unlink(), [("00000.ds.loss", None, "loss mask missing")]),
+    "short": (lambda src: (src / "00000.ds.loss").write_bytes((src / "00000.ds.loss").read_bytes()[:-1]),
+              [("00000.ds.loss", "size", "loss mask size wrong")]),
+    "unlisted": (lambda src: _unlist_loss(src), [("00000.ds.loss", None, "file not listed in the manifest")]),
+}
+
+
+def _unlist_loss(src: Path) -> None:
+    m = load(src)
+    del m["shards"][0]["loss_xxh3_128"]
+    save(src, m)
+
+
+@pytest.mark.parametrize("fault", list(LOSS_FAULTS))
+def test_loss_mask_checks(lossy, fault):
+    inject, expected = LOSS_FAULTS[fault]
+    inject(lossy)
+    r = validate_all([str(lossy)], quick=False, against=[], workers=1, show_progress=False)
+    got = [(Path(p["file"]).name, p["where"], p["message"]) for p in r["problems"]]
+    assert [g for g in got if g[0].endswith(".loss")] == expected, r["lines"]
+    assert r["ok"] == (not expected)
