@@ -285,40 +285,77 @@ def test_weighted_shares_golden(sources, weights):
         assert sorted(placed) == sorted(np.flatnonzero(s == i).tolist())
 
 
-@pytest.mark.parametrize("kw,message", [
-    (dict(weights=["1", "-1"]), "weight is negative"),
-    (dict(weights=["1", "x"]), "weight is not a number"),
-    (dict(weights=["1", "1/0"]), "weight is not a number"),
-    (dict(weights=["0", "0"]), "weights sum to 0"),
-    (dict(weights=["1", None]), "some sources have a weight and some do not"),
-    (dict(samples=0), "the epoch would hold no samples"),
-    (dict(tokens=SEQ_LEN - 1), "the epoch would hold no samples"),
-    (dict(seq_len=TOKENS[1]), "seq_len is larger than the source"),
-    (dict(seq_len=(TOKENS[1] - 1) // 2 + 1, jitter=True), "seq_len is larger than the source"),
+NEEDS_113 = ("<root>/b [--seq-len]: seq_len is larger than the source; expected a source of at least 113 tokens, "
+             "found 112 tokens. HINT: lower --seq-len or drop this source")
+NOT_A_NUMBER = ("[weight of <root>/b]: weight is not a number; expected a non-negative number like 0.3, 2 or 1/3, "
+                "found '{}'. HINT: write SOURCE=WEIGHT")
+
+
+@pytest.mark.parametrize("kw,line", [
+    (dict(weights=["1", "-1"]), "[weight of <root>/b]: weight is negative; expected >= 0, found -1"),
+    (dict(weights=["1", "x"]), NOT_A_NUMBER.format("x")),
+    (dict(weights=["1", "1/0"]), NOT_A_NUMBER.format("1/0")),
+    (dict(weights=["0", "0"]), "[SOURCE=WEIGHT]: weights sum to 0; expected a positive sum, found 0, 0"),
+    (dict(weights=["1", None]), "[SOURCE=WEIGHT]: some sources have a weight and some do not; expected a weight on "
+                                "every source or on none, found <root>/a=1, <root>/b=None"),
+    (dict(samples=0), "[--samples/--tokens]: the epoch would hold no samples; expected >= 1 sample, found 0"),
+    (dict(tokens=SEQ_LEN - 1), "[--samples/--tokens]: the epoch would hold no samples; expected >= 1 sample, found 0"),
+    (dict(seq_len=TOKENS[1]), NEEDS_113),
+    (dict(seq_len=(TOKENS[1] - 1) // 2 + 1, jitter=True), NEEDS_113),  # 56 + 1 + 56 for a jittered window
 ])
-def test_plan_refuses_bad_parameters(sources, kw, message):
+def test_plan_refuses_bad_parameters(sources, kw, line):
+    """The whole error line, as the CLI prints it (file, field, expected, found, hint)."""
+    root = str(sources[0].path.parent)
     kw = {"seq_len": SEQ_LEN, "seed": 1, "epoch": 0, **kw}
-    with pytest.raises(TokpackError, match=message):
+    with pytest.raises(TokpackError) as e:
         epoch_plan(sources, **kw)
-    with pytest.raises(TokpackError, match="no sources given"):
+    assert str(e.value).replace(root, "<root>") == line
+    with pytest.raises(TokpackError) as e:
         epoch_plan([], seq_len=SEQ_LEN, seed=1, epoch=0)
+    assert str(e.value) == "no sources given. HINT: tokpack shuffle SOURCE[=WEIGHT]... -o OUT"
+
+
+def test_source_entries_golden(sources):
+    """What every epoch manifest records per source, and the plan it is read back into."""
+    plan = plan_of(sources, 2, True)
+    root = str(sources[0].path.parent)
+    entries = [{**e, "path": e["path"].replace(root, "<root>")} for e in plan.source_entries()]
+    assert entries == [
+        {"name": "a", "path": "<root>/a", "fingerprint": sources[0].fingerprint, "weight": "1", "samples": 10,
+         "first_pass": 1, "passes": 1, "windows": 19, "tokens": 320, "offset": 7, "dropped_tokens": 16},
+        {"name": "b", "path": "<root>/b", "fingerprint": "9b727902748cf5240826f120f1f5e7ba", "weight": "3",
+         "samples": 30, "first_pass": 10, "passes": 5, "windows": 6, "tokens": 112, "offset": 10, "dropped_tokens": 16},
+    ]
+    manifest = {"seed": SEED, "epoch": 2, "seq_len": SEQ_LEN, "jitter": True, "samples": SAMPLES,
+                "sources": plan.source_entries(), "shuffle": PLAN_ALGORITHM}
+    assert EpochPlan.from_manifest(manifest, sources) == plan
+    assert EpochPlan.from_manifest(manifest, sources[::-1]) == plan  # sources matched by fingerprint
 
 
 def test_plan_from_a_manifest_that_does_not_fit_its_sources(sources):
-    """An epoch manifest replayed against the wrong or changed sources is refused, naming the
-    field, before any window is read."""
+    """An epoch manifest replayed against the wrong or changed sources, or written by another
+    order, is refused, naming the field, before any window is read."""
+    root = str(sources[0].path.parent)
     good = {"seed": SEED, "epoch": 0, "seq_len": SEQ_LEN, "jitter": True, "samples": SAMPLES,
             "sources": plan_of(sources, 0, True).source_entries(), "shuffle": PLAN_ALGORITHM}
-    assert EpochPlan.from_manifest(good, sources[::-1]).sources[0].fingerprint == sources[0].fingerprint
-    with pytest.raises(TokpackError, match="source of the epoch not given"):
-        EpochPlan.from_manifest(good, sources[:1])
+
+    def refused(manifest, srcs=sources) -> str:
+        with pytest.raises(TokpackError) as e:
+            EpochPlan.from_manifest(manifest, srcs)
+        return str(e.value).replace(root, "<root>")
+
+    assert refused({**good, "shuffle": "tokpack-feistel6-splitmix-xxh3-v0"}) == (
+        "[shuffle]: epoch shuffled by another shuffle algorithm; expected tokpack-feistel6-splitmix-xxh3-v1, found "
+        "tokpack-feistel6-splitmix-xxh3-v0. HINT: use the tokpack version that wrote the epoch to replay its plan")
+    assert refused(good, sources[:1]) == (
+        "[sources[1] (b)]: source of the epoch not given; expected a source with fingerprint "
+        "9b727902748cf5240826f120f1f5e7ba, found none left. HINT: pass every source the epoch was shuffled from, unchanged")
     too_far = {**good, "sources": [dict(e) for e in good["sources"]]}
     too_far["sources"][1]["offset"] += ROW  # 6 windows from offset 9 + 16 end past 112 tokens
-    with pytest.raises(TokpackError, match="windows exceed the source"):
-        EpochPlan.from_manifest(too_far, sources)
+    assert refused(too_far) == ("<root>/b [sources[1]]: epoch manifest windows exceed the source; "
+                                "expected <= 112 tokens, found 121")
     exact = {**good, "sources": [dict(e) for e in good["sources"]]}
     exact["sources"][1]["offset"] = TOKENS[1] - 6 * ROW  # the last window ends on the last token: fine
     assert EpochPlan.from_manifest(exact, sources).sources[1].offset == SEQ_LEN + 1
-    short = {**good, "samples": SAMPLES + 1}
-    with pytest.raises(TokpackError, match="do not add up"):
-        EpochPlan.from_manifest(short, sources)
+    assert refused({**good, "samples": SAMPLES + 1}) == (
+        "[sources[].samples]: epoch manifest source samples do not add up; expected 41, found 40")
