@@ -359,3 +359,47 @@ def test_plan_from_a_manifest_that_does_not_fit_its_sources(sources):
     assert EpochPlan.from_manifest(exact, sources).sources[1].offset == SEQ_LEN + 1
     assert refused({**good, "samples": SAMPLES + 1}) == (
         "[sources[].samples]: epoch manifest source samples do not add up; expected 41, found 40")
+
+
+GOLDEN_MULTISET = {(False, 0): "18c1dfa62ca96791", (True, 0): "8a895b30b1a66dde", (False, 1): "3d66e3262320b813",
+                   (True, 1): "8598d2a9b0f73deb", (False, 2): "1d5ea5502317a37f", (True, 2): "2e2cc75ae87ad0e6"}
+
+
+@pytest.mark.parametrize("jitter", [False, True], ids=["plain", "jitter"])
+@pytest.mark.parametrize("epoch", [0, 1, 2])
+def test_expected_multiset_hash(sources, epoch, jitter):
+    """The multiset hash validate --against recomputes through the plan is the golden value, and
+    equals the hash of the windows locate() names, read straight from the shard files."""
+    import shuffle.plan as plan_mod
+    from formats.manifest import hash_hex64, row_hash
+
+    plan = plan_of(sources, epoch, jitter)
+    manifest = {"seed": SEED, "epoch": epoch, "seq_len": SEQ_LEN, "jitter": jitter, "samples": SAMPLES,
+                "sources": plan.source_entries(), "shuffle": PLAN_ALGORITHM}
+    assert plan_mod.expected_multiset_hash(manifest, sources) == GOLDEN_MULTISET[jitter, epoch]
+    tokens = [np.concatenate([np.fromfile(src.path / s["path"], dtype="<u2") for s in src.shards]) for src in sources]
+    s, w, _ = plan.locate(np.arange(SAMPLES))
+    total = 0
+    for si, wi in zip(s.tolist(), w.tolist()):
+        a, b = plan.token_range(si, wi)
+        total += row_hash(tokens[si][a:b].tobytes())
+    assert hash_hex64(total) == GOLDEN_MULTISET[jitter, epoch]
+
+
+@pytest.mark.parametrize("block", [1, 3 * 2 * ROW, 1 << 20], ids=["row-blocks", "3-row-blocks", "one-block"])
+@pytest.mark.parametrize("w0,w1", [(0, None), (2, 5), (4, 4)])
+def test_iter_source_windows_reads_the_jittered_windows(sources, block, w0, w1):
+    from shuffle.plan import iter_source_windows
+
+    plan = plan_of(sources, 1, True)
+    for s, src in enumerate(sources):
+        tokens = np.concatenate([np.fromfile(src.path / sh["path"], dtype="<u2") for sh in src.shards])
+        end = plan.sources[s].windows if w1 is None else w1
+        got = {}
+        for a, rows in iter_source_windows(plan, s, src, block_bytes=block, w0=w0, w1=w1):
+            for k, row in enumerate(rows):
+                got[a + k] = row.tolist()
+        assert list(got) == list(range(w0, end))
+        for k, row in got.items():
+            lo, hi = plan.token_range(s, k)
+            assert row == tokens[lo:hi].tolist()
