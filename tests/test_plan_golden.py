@@ -403,3 +403,28 @@ def test_iter_source_windows_reads_the_jittered_windows(sources, block, w0, w1):
         for k, row in got.items():
             lo, hi = plan.token_range(s, k)
             assert row == tokens[lo:hi].tolist()
+
+
+def test_three_sources_and_a_silent_one(sources):
+    """Bases accumulate over every source before s (three sources, the same data twice), and a
+    source of weight 0 records no pass at all."""
+    three = epoch_plan([sources[0], sources[1], sources[0]], seq_len=SEQ_LEN, seed=5, epoch=1,
+                       weights=["1", "1", "1"], samples=9)
+    assert [(sp.samples, sp.base) for sp in three.sources] == [(3, 0), (3, 3), (3, 6)]
+    s, _, _ = three.locate(np.arange(9))
+    assert sorted(s.tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    silent = epoch_plan(sources, seq_len=SEQ_LEN, seed=5, epoch=3, weights=["1", "0"], samples=9)
+    entry = silent.source_entries()[1]
+    assert (entry["samples"], entry["first_pass"], entry["passes"]) == (0, 0, 0)
+    assert list(silent.outputs_of(1, np.arange(7))) == []
+
+
+def test_manifest_entries_without_name_or_path(sources):
+    """name and path are for humans: an entry without them still replays, with empty ones."""
+    plan = plan_of(sources, 0, False)
+    entries = [{k: v for k, v in e.items() if k not in ("name", "path")} for e in plan.source_entries()]
+    manifest = {"seed": SEED, "epoch": 0, "seq_len": SEQ_LEN, "jitter": False, "samples": SAMPLES,
+                "sources": entries, "shuffle": PLAN_ALGORITHM}
+    back = EpochPlan.from_manifest(manifest, sources)
+    assert [(sp.name, sp.path) for sp in back.sources] == [("", ""), ("", "")]
+    assert back.locate(np.arange(SAMPLES))[1].tolist() == GOLDEN_LOCATE[False, 0][0]
