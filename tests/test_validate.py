@@ -508,43 +508,51 @@ def _edit(m: dict, path: str, value) -> None:
         m[last] = value
 
 
-# (directory, dotted field, new value or function of the old one) -> the `where` reported
+# (directory, dotted field, new value or function of the old one) -> the problem reported
+# (where, expected, found); the base run has 210 samples in 27 shards of 8, 15 dropped tokens.
 MANIFEST_EDITS = [
-    (E0, "sources.0.offset", 3, "sources[0].offset"),
-    (E0, "sources.0.windows", lambda v: v + 1, "sources[0].windows"),
-    (E0, "sources.0.first_pass", 1, "sources[0].first_pass/passes"),
-    (E0, "sources.0.passes", 2, "sources[0].first_pass/passes"),
-    (E0, "jitter_offsets", [5], "jitter_offsets[0]"),
-    (E0, "dropped_tokens", lambda v: v + 1, "dropped_tokens"),
-    (E0, "documents", lambda v: v + 1, "documents"),
-    (E0, "epoch", 1, "epoch"),
-    (E0, "samples", lambda v: v + 1, "samples"),
-    (E0, "shards.0.tokens", lambda v: v + ROW, "shards[0].tokens"),
-    (E0, "sources.0", 5, "sources[0]"),
-    (E0, "sample_multiset_hash", "0" * 16, "sample_multiset_hash"),
-    (E0, "shards.0.xxh3_128", "XYZ", "shards[0].xxh3_128"),
-    (E0, "seed", None, "seed"),
-    (E0, "seed", "1", "seed"),
-    (E0, "seq_len", -1, "seq_len"),
-    ("src", "tokens", lambda v: v + 1, "tokens"),
-    ("src", "eos_id", VOCAB, "eos_id"),
-    ("src", "dtype", "int8", "dtype"),
-    ("src", "shards.1.documents", 0, "shards[1].documents"),
-    ("src", "shards.1.path", "../x.ds", "shards[1].path"),
-    ("run", "epochs", [0, 0], "epochs"),
+    (E0, "sources.0.offset", 3, ("sources[0].offset", "< 16 and 0 without jitter", "3")),
+    (E0, "sources.0.windows", lambda v: v + 1,
+     ("sources[0].windows", "windows x 16 + dropped_tokens == tokens (3375)", "211 x 16 + 15")),
+    (E0, "sources.0.first_pass", 1, ("sources[0].first_pass/passes", "0/1 (epoch 0, 210 of 210 windows)", "1/1")),
+    (E0, "sources.0.passes", 2, ("sources[0].first_pass/passes", "0/1 (epoch 0, 210 of 210 windows)", "0/2")),
+    (E0, "jitter_offsets", [5], ("jitter_offsets[0]", "0", "5")),
+    (E0, "jitter_offsets", [], ("jitter_offsets[0]", "0", "no entry")),
+    (E0, "dropped_tokens", lambda v: v + 1, ("dropped_tokens", "15 (sum over sources)", "16")),
+    (E0, "documents", lambda v: v + 1, ("documents", "262 (sum of the shards' fragments)", "263")),
+    (E0, "epoch", 1, ("epoch", "0 (from the directory name)", "1")),
+    (E0, "samples", lambda v: v + 1, ("samples", "210 (sum over shards)", "211")),
+    (E0, "shards.0.tokens", lambda v: v + ROW, ("shards[0].tokens", "128 (samples x 16)", "144")),
+    (E0, "shards.0.samples", lambda v: v - 1, ("shards[0].samples", "8", "7")),
+    (E0, "shards.26.samples", SHARD_SAMPLES + 1, ("shards[26].samples", "1..8", "9")),
+    (E0, "sources.0", 5, ("sources[0]", "an object", "5")),
+    (E0, "sample_multiset_hash", "0" * 16,
+     ("sample_multiset_hash", "e73f96199c6c04f9 (sum of the shards' multiset_hash)", "0000000000000000")),
+    (E0, "shards.0.xxh3_128", "XYZ", ("shards[0].xxh3_128", "32 lowercase hex digits", "'XYZ'")),
+    (E0, "seed", None, ("seed", "field 'seed'", "no such field")),
+    (E0, "seed", "1", ("seed", "a JSON int", "'1'")),
+    (E0, "seq_len", -1, ("seq_len", ">= 1", "-1")),
+    ("src", "tokens", lambda v: v + 1, ("tokens", "3375 (sum over shards)", "3376")),
+    ("src", "eos_id", VOCAB, ("eos_id", "< 1000 (vocab_size)", "1000")),
+    ("src", "dtype", "int8", ("dtype", "uint16 or uint32", "int8")),
+    ("src", "shards.1.documents", 0, ("shards[1].documents", "1..989", "0")),
+    ("src", "shards.1.path", "../x.ds", ("shards[1].path", "a plain NNNNN.ds file name", "'../x.ds'")),
+    ("run", "epochs", [0, 0], ("epochs", "distinct epoch numbers >= 0", "[0, 0]")),
 ]
 
 
-@pytest.mark.parametrize("target,field,value,where", MANIFEST_EDITS, ids=[f"{t}:{f}" for t, f, _, _ in MANIFEST_EDITS])
-def test_manifest_field_checks(env, target, field, value, where):
-    """Each consistency rule of a manifest, broken alone: validation names that field."""
+@pytest.mark.parametrize("target,field,value,problem", MANIFEST_EDITS,
+                         ids=[f"{t}:{f}={v if not callable(v) else 'edit'}" for t, f, v, _ in MANIFEST_EDITS])
+def test_manifest_field_checks(env, target, field, value, problem):
+    """Each consistency rule of a manifest, broken alone: validation names that field, what it
+    expected and what it found."""
     m = load(env / target)
     _edit(m, field, value)
     save(env / target, m)
     path = env / ("run" if target.startswith("run") else target)
     r = validate_all([str(path)], quick=True, against=[], workers=1, show_progress=False)
     assert not r["ok"] and r["status"] == "corrupt", r["lines"]
-    assert where in [p["where"] for p in r["problems"]], r["lines"]
+    assert problem in [(p["where"], p["expected"], p["found"]) for p in r["problems"]], r["lines"]
 
 
 @pytest.fixture
@@ -605,3 +613,18 @@ def test_loss_mask_checks(lossy, fault):
     got = [(Path(p["file"]).name, p["where"], p["message"]) for p in r["problems"]]
     assert [g for g in got if g[0].endswith(".loss")] == expected, r["lines"]
     assert r["ok"] == (not expected)
+
+
+def test_quick_mode_streams_the_index_in_small_chunks(env, monkeypatch):
+    """Quick mode reads each index in chunks of BLOCK/32 entries: with chunks of 2 entries every
+    sample boundary and every order check crosses chunk seams."""
+    import formats.validate as v
+
+    monkeypatch.setattr(v, "BLOCK", 64)
+    assert validate_dirs([env / "src", env / "run"], quick=True, workers=1).ok
+    a = np.fromfile(env / E0 / "00002.ds.index", dtype="<u8")
+    a[5] = a[4]
+    a.tofile(env / E0 / "00002.ds.index")
+    r = validate_dirs([env / "run"], quick=True, workers=1)
+    assert [(Path(p.file).name, p.where, p.message) for p in r.problems] == \
+        [("00002.ds.index", "entry 5", "index does not increase")]
