@@ -428,3 +428,55 @@ def test_manifest_entries_without_name_or_path(sources):
     back = EpochPlan.from_manifest(manifest, sources)
     assert [(sp.name, sp.path) for sp in back.sources] == [("", ""), ("", "")]
     assert back.locate(np.arange(SAMPLES))[1].tolist() == GOLDEN_LOCATE[False, 0][0]
+
+
+def test_edges_of_locate_and_outputs_of(sources, tmp_path):
+    """A source of exactly one window (W = 1, upsampled: every pass is that window), an epoch of
+    one sample, an empty query, single-window queries, and names given on the command line."""
+    one = PackedSource.open(write_source(tmp_path / "one", docs_of(ROW, 9)))
+    plan = epoch_plan([one, sources[1]], seq_len=SEQ_LEN, seed=5, epoch=2, weights=["1", "1"], samples=6,
+                      names=["first", "second"])
+    assert [(sp.name, sp.windows, sp.samples) for sp in plan.sources] == [("first", 1, 3), ("second", 7, 3)]
+    s, w, p = plan.locate(np.arange(6))
+    assert sorted(zip(s.tolist(), w.tolist(), p.tolist()))[:3] == [(0, 0, 6), (0, 0, 7), (0, 0, 8)]
+    assert [x.tolist() for x in plan.locate(np.array([], dtype=np.int64))] == [[], [], []]
+    for src in (0, 1):
+        for k in range(plan.sources[src].windows):
+            got = sorted(int(g) for _, _, gs in plan.outputs_of(src, np.array([k])) for g in gs)
+            assert got == sorted(np.flatnonzero((s == src) & (w == k)).tolist())
+    single = epoch_plan(sources, seq_len=SEQ_LEN, seed=5, epoch=0, samples=1)
+    assert single.samples == 1 and [sp.samples for sp in single.sources] == [1, 0]
+    assert [sp["weight"] for sp in single.source_entries()] == [None, None]
+
+
+def test_replay_details(sources, monkeypatch):
+    """A source matched twice leaves the other unmatched and is named; a manifest without a
+    jitter field is an unjittered epoch; the replayed multiset hash skips a weight-0 source and
+    goes on with the next, in blocks of any size."""
+    import functools
+
+    import shuffle.plan as plan_mod
+    from formats.manifest import hash_hex64, row_hash
+
+    root = str(sources[0].path.parent)
+    good = {"seed": SEED, "epoch": 0, "seq_len": SEQ_LEN, "samples": SAMPLES,
+            "sources": plan_of(sources, 0, False).source_entries(), "shuffle": PLAN_ALGORITHM}
+    assert EpochPlan.from_manifest(good, sources) == plan_of(sources, 0, False)  # no "jitter": False
+    with pytest.raises(TokpackError) as e:
+        EpochPlan.from_manifest(good, [sources[0], sources[0]])
+    assert str(e.value).replace(root, "<root>").endswith("found <root>/a. HINT: pass every source the epoch was "
+                                                         "shuffled from, unchanged")
+    plan = epoch_plan(sources, seq_len=SEQ_LEN, seed=5, epoch=1, weights=["0", "1"], samples=9)
+    manifest = {"seed": 5, "epoch": 1, "seq_len": SEQ_LEN, "jitter": False, "samples": 9,
+                "sources": plan.source_entries(), "shuffle": PLAN_ALGORITHM}
+    tokens = [np.concatenate([np.fromfile(src.path / sh["path"], dtype="<u2") for sh in src.shards]) for src in sources]
+    s, w, _ = plan.locate(np.arange(9))
+    want = hash_hex64(sum(row_hash(tokens[a][slice(*plan.token_range(a, b))].tobytes())
+                          for a, b in zip(s.tolist(), w.tolist())))
+    assert plan_mod.expected_multiset_hash(manifest, sources) == want
+    monkeypatch.setattr(plan_mod, "iter_source_windows",
+                        functools.partial(plan_mod.iter_source_windows, block_bytes=3 * 2 * ROW))
+    assert plan_mod.expected_multiset_hash(manifest, sources) == want
+    assert plan_mod.expected_multiset_hash({**manifest, **{"sources": plan_of(sources, 2, True).source_entries(),
+                                            "seed": SEED, "epoch": 2, "jitter": True, "samples": SAMPLES}},
+                                           sources) == GOLDEN_MULTISET[True, 2]
