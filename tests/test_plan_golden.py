@@ -463,9 +463,9 @@ def test_replay_details(sources, monkeypatch):
             "sources": plan_of(sources, 0, False).source_entries(), "shuffle": PLAN_ALGORITHM}
     assert EpochPlan.from_manifest(good, sources) == plan_of(sources, 0, False)  # no "jitter": False
     with pytest.raises(TokpackError) as e:
-        EpochPlan.from_manifest(good, [sources[0], sources[0]])
-    assert str(e.value).replace(root, "<root>").endswith("found <root>/a. HINT: pass every source the epoch was "
-                                                         "shuffled from, unchanged")
+        EpochPlan.from_manifest(good, [sources[0]] * 3)
+    assert str(e.value).replace(root, "<root>").endswith("found <root>/a, <root>/a. HINT: pass every source the "
+                                                         "epoch was shuffled from, unchanged")
     plan = epoch_plan(sources, seq_len=SEQ_LEN, seed=5, epoch=1, weights=["0", "1"], samples=9)
     manifest = {"seed": 5, "epoch": 1, "seq_len": SEQ_LEN, "jitter": False, "samples": 9,
                 "sources": plan.source_entries(), "shuffle": PLAN_ALGORITHM}
