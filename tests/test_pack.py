@@ -347,6 +347,16 @@ def normalised(docs):
     return [d if d[-1] == 0 else d + [0] for d in docs if d]
 
 
+@pytest.mark.parametrize("list_type", [pa.large_list(pa.int32()), pa.list_(pa.uint16(), 3)],
+                         ids=["large_list", "fixed_size_list"])
+def test_parquet_large_and_fixed_size_lists(list_type, tmp_path):
+    """Token columns written as large_list or fixed_size_list, as some writers do."""
+    docs = [[5, 6, 0], [7, 8, 9], [1, 0, 2]]
+    pq.write_table(pa.table({"input_ids": pa.array(docs, type=list_type)}), tmp_path / "x.parquet")
+    pack([str(tmp_path / "x.parquet")], str(tmp_path / "out"), eos_id=0, vocab_size=16)
+    assert packed_docs(tmp_path / "out") == [[5, 6, 0], [7, 8, 9, 0], [1, 0, 2, 0]]
+
+
 def test_parquet_round_trip_with_missing_eos_and_empty_docs(tmp_path):
     docs = varied_docs()
     table = pa.table({"input_ids": pa.array(docs, type=pa.list_(pa.int32())), "other": list(range(len(docs)))})
@@ -549,6 +559,21 @@ def bad_megatron_doc_end(c, t):
     return _megatron_doc_index(t, [0, 1, 2, 3, 4, 4])
 
 
+def bad_npy_header(c, t):
+    (t / "x.npy").write_bytes(b"\x93NUMPY\x01\x00garbage")
+    return [t / "x.npy", "--eos-id", 0, "--vocab-size", 10]
+
+
+def bad_raw_no_dtype(c, t):
+    (t / "x.tok").write_bytes(b"\x01\x00\x00\x00")
+    return [t / "x.tok", "--format", "numpy", "--eos-id", 0, "--vocab-size", 10]
+
+
+def bad_jsonl_line(c, t):
+    (t / "x.jsonl").write_text('{"input_ids": [1, 0]}\n{"input_ids": [2, \n')
+    return [t / "x.jsonl", "--eos-id", 0, "--vocab-size", 10]
+
+
 def bad_parquet_missing(c, t):
     pq.write_table(pa.table({"tokens": [[1, 2, 0]]}), t / "x.parquet")
     return [t / "x.parquet", "--eos-id", 0]
@@ -612,7 +637,8 @@ def bad_vocab_unknown(c, t):
 
 BAD = [bad_vocab, bad_ds_size, bad_index_order, bad_index_repeated, bad_index_last, bad_megatron_magic, bad_megatron_version,
        bad_megatron_dtype, bad_megatron_pointers, bad_megatron_idx_size, bad_megatron_bin_size,
-       bad_megatron_doc_start, bad_megatron_doc_decrease, bad_megatron_doc_end, bad_parquet_missing, bad_parquet_type, bad_negative,
+       bad_megatron_doc_start, bad_megatron_doc_decrease, bad_megatron_doc_end, bad_npy_header, bad_raw_no_dtype,
+       bad_jsonl_line, bad_parquet_missing, bad_parquet_type, bad_negative,
        bad_empty_file, bad_empty_dir, bad_mixed_dtypes, bad_mixed_vocab, bad_mixed_megatron,
        bad_tokenizer_not_local, bad_eos_unknown, bad_vocab_unknown]
 WHAT = {
@@ -627,9 +653,15 @@ WHAT = {
     "bad_megatron_pointers": ["past the end"],
     "bad_megatron_idx_size": [".idx size does not match its counts", "142 bytes for 5 sequences", "found 145 bytes"],
     "bad_megatron_bin_size": [".bin size is not a multiple of the token size", "41 bytes"],
-    "bad_megatron_doc_start": ["do not start at 0", "document index 0"],
-    "bad_megatron_doc_decrease": ["decrease or exceed", "document index 2"],
-    "bad_megatron_doc_end": ["do not end at the sequence count", "document index 5"],
+    "bad_megatron_doc_start": ["[document index 0]: Megatron document indices do not start at 0; expected 0, found 1"],
+    "bad_megatron_doc_decrease": ["[document index 2]: Megatron document indices decrease or exceed the sequence count; "
+                                  "expected non-decreasing, <= 5, found 1"],
+    "bad_megatron_doc_end": ["[document index 5]: Megatron document indices do not end at the sequence count; "
+                             "expected 5, found 4"],
+    "bad_npy_header": ["x.npy [header]: unreadable .npy header; expected a numpy .npy file, found "],
+    "bad_raw_no_dtype": ["x.tok [--dtype]: raw token file needs --dtype; expected uint8 | int8 | uint16 | int16 | "
+                         "uint32 | int32 | uint64 | int64, found None. HINT: pass --dtype"],
+    "bad_jsonl_line": ["x.jsonl [line 2]: invalid JSON; expected a JSON object, found "],
     "bad_parquet_missing": ["column not found", "input_ids"],
     "bad_parquet_type": ["not a list of integers"],
     "bad_negative": ["negative token id", "document 1"],
