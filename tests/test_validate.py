@@ -628,3 +628,21 @@ def test_quick_mode_streams_the_index_in_small_chunks(env, monkeypatch):
     r = validate_dirs([env / "run"], quick=True, workers=1)
     assert [(Path(p.file).name, p.where, p.message) for p in r.problems] == \
         [("00002.ds.index", "entry 5", "index does not increase")]
+
+
+def test_whole_problem_for_size_and_entry_faults(env):
+    """Every part of a problem is pinned, the message included: a shard two rows short, and a
+    run manifest whose source entry is not an object."""
+    shard = env / E0 / "00000.ds"
+    shard.write_bytes(shard.read_bytes()[: -2 * ROW * 2])
+
+    def problems():
+        r = validate_all([str(env / "run")], quick=True, against=[], workers=1, show_progress=False)
+        return {(Path(p["file"]).name, p["where"], p["expected"], p["found"], p["message"]) for p in r["problems"]}
+
+    assert ("00000.ds", "size", "256 bytes (128 tokens x 2)", "192 bytes",
+            "shard size does not match the manifest") in problems()
+    m = load(env / "run")
+    m["sources"][0] = 5
+    save(env / "run", m)
+    assert (MANIFEST, "sources[0]", "an object", "5", "bad source entry") in problems()
