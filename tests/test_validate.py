@@ -646,3 +646,29 @@ def test_whole_problem_for_size_and_entry_faults(env):
     m["sources"][0] = 5
     save(env / "run", m)
     assert (MANIFEST, "sources[0]", "an object", "5", "bad source entry") in problems()
+
+
+@pytest.mark.parametrize("target,field,value,problem", [
+    (E0, "seq_len", -1, ("seq_len", ">= 1", "-1", "manifest field out of range")),
+    ("src", "eos_id", -1, ("eos_id", ">= 0", "-1", "manifest field out of range")),
+    ("src", "documents", lambda v: v + 1, ("documents", "60 (sum over shards)", "61", "document count wrong")),
+], ids=["seq_len", "eos_id", "documents"])
+def test_manifest_rule_messages(env, target, field, value, problem):
+    m = load(env / target)
+    _edit(m, field, value)
+    save(env / target, m)
+    r = validate_all([str(env / ("run" if target.startswith("run") else target))], quick=True, against=[], workers=1,
+                     show_progress=False)
+    got = [(p["where"], p["expected"], p["found"], p["message"]) for p in r["problems"]]
+    assert problem in got, got
+
+
+def test_metadata_text_not_as_tokpack_writes_it(env):
+    """Metadata whose values are right but whose bytes differ (a trailing newline) is named, with
+    the text expected and found."""
+    meta = env / "src/00000.ds.metadata"
+    meta.write_bytes(meta.read_bytes() + b"\n")
+    r = validate_all([str(env / "src")], quick=True, against=[], workers=1, show_progress=False)
+    got = [(Path(p["file"]).name, p["where"], p["message"]) for p in r["problems"]]
+    assert got == [("00000.ds.metadata", "line 3", "metadata text differs from what tokpack writes")], r["lines"]
+    assert r["problems"][0]["found"].endswith("\\n'")
