@@ -200,6 +200,10 @@ class EpochPlan:
     def from_manifest(cls, manifest: dict, sources: list[PackedSource]) -> "EpochPlan":
         """The plan an epoch manifest was written from, against the opened sources (matched by
         fingerprint, in any order)."""
+        if manifest.get("shuffle") != PLAN_ALGORITHM:
+            raise TokpackError("epoch shuffled by another shuffle algorithm", where="shuffle",
+                               expected=PLAN_ALGORITHM, found=manifest.get("shuffle"),
+                               hint="use the tokpack version that wrote the epoch to replay its plan")
         entries = manifest.get("sources") or []
         pool = list(sources)
         plans, base = [], 0

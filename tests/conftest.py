@@ -3,6 +3,7 @@ project's own shard writer (for stages that must not depend on `pack`)."""
 
 from __future__ import annotations
 
+import importlib
 import random
 from pathlib import Path
 
@@ -11,6 +12,24 @@ import pytest
 
 from formats import SourceShardWriter, source_manifest, write_manifest
 from formats.manifest import shard_name
+
+PROJECT_PACKAGES = ("formats", "shuffle", "packer")
+
+
+def require(module: str, install_hint: str):
+    """Imports an optional third-party tool, or skips the test saying what is missing and how to
+    install it. Only a tool that is absent skips: a tool that is installed but breaks on import,
+    and any import error inside tokpack itself, fail the test."""
+    if module.split(".")[0] in PROJECT_PACKAGES:
+        raise ValueError(f"{module} is part of tokpack: import it, a failure there is a test failure")
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        missing = e.name or ""
+        if not (module == missing or module.startswith(missing + ".")):
+            raise  # the tool is there but something it (or tokpack) imports is not: a failure
+        pytest.skip(f"{module} is not installed ({install_hint})")
+
 
 EOS_TOKEN = "<|endoftext|>"
 WORDS = (

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import random_docs, write_source
+from conftest import random_docs, require, write_source
 from packer.cli import main
 from packer.executors import PROJECT_ROOT, ExecutorConfig, join_path, local_path, parse_sbatch_args
 
@@ -202,7 +202,7 @@ def test_path_helpers():
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One local Ray cluster (2 CPUs) for the module: starting Ray is the slow part."""
-    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'ray[default]')")
+    ray = require("ray", "pip install 'ray[default]'")
     from packer.executors import ray_connect
 
     started = not ray.is_initialized()

@@ -17,13 +17,14 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import EOS_TOKEN, generate_texts, random_docs
+from conftest import EOS_TOKEN, generate_texts, random_docs, require
 from formats.manifest import MANIFEST
 from formats.shards import PackedSource
 from packer import pack as pack_mod
 from packer.cli import main
 from packer.pack import pack
 
+MEGATRON_CORE = "pip install -e '.[test]' installs megatron-core"
 SMALL_BLOCK = 512  # bytes: forces many blocks per file, so block seams are exercised
 
 
@@ -268,11 +269,8 @@ def test_megatron_from_datatrove_writer(corpus, tokenizer_path, tmp_path):
     assert summary["format"] == "megatron" and packed_docs(tmp_path / "a") == expected
     pack([str(tmp_path / "mg" / "00000_tokens")], str(tmp_path / "b"), eos_id=0, vocab_size=600)  # a path prefix
     assert packed_docs(tmp_path / "b") == expected[:25]
-    try:
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-    except Exception:  # megatron-core is optional; the builder test below needs it too
-        return
-    mds = IndexedDataset(str(tmp_path / "mg" / "00000_tokens"))
+    indexed = require("megatron.core.datasets.indexed_dataset", MEGATRON_CORE)
+    mds = indexed.IndexedDataset(str(tmp_path / "mg" / "00000_tokens"))
     assert [mds[i].tolist() for i in range(len(mds))] == expected[:25]
 
 
@@ -283,7 +281,7 @@ MEGATRON_DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float64", "float
 def test_megatron_every_dtype_code(dtype, tmp_path):
     """megatron-core's own writer for every dtype code; documents of several sequences;
     megatron-core's reader cross-checks what we read."""
-    idx_mod = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    idx_mod = require("megatron.core.datasets.indexed_dataset", MEGATRON_CORE)
     rng = np.random.default_rng(1)
     docs = []
     builder = idx_mod.IndexedDatasetBuilder(str(tmp_path / "d.bin"), dtype=getattr(np, dtype))
@@ -306,6 +304,36 @@ def test_megatron_every_dtype_code(dtype, tmp_path):
     assert summary["eos_appended"] == sum(1 for d in docs if d and d[-1] != 0)
 
 
+@pytest.mark.parametrize("block", [16, 1 << 20], ids=["small-blocks", "one-block"])
+def test_megatron_sequences_out_of_order(block, tmp_path):
+    """A .bin whose sequences are not stored back to back (reversed, with gaps, one pair
+    adjacent), as an .idx may legally point: pack reads each sequence at its pointer, and
+    megatron-core's own reader agrees."""
+    import struct
+
+    indexed = require("megatron.core.datasets.indexed_dataset", MEGATRON_CORE)
+    rng = np.random.default_rng(4)
+    seqs = [rng.integers(1, 500, size=int(rng.integers(1, 12))).astype(np.uint16) for _ in range(9)]
+    for k in (1, 4, 8):
+        seqs[k][-1] = 0  # documents end at sequences 1, 4 and 8
+    doc_index = [0, 2, 5, 9]
+    blob, ptrs = b"", [0] * len(seqs)
+    for k in [8, 7, 5, 6, 4, 3, 2, 1, 0]:  # 5 then 6 back to back, everything else reversed
+        blob += b"\xff\xff" * int(rng.integers(0, 3)) if k != 6 else b""  # gaps of junk tokens
+        ptrs[k] = len(blob)
+        blob += seqs[k].tobytes()
+    (tmp_path / "m.bin").write_bytes(blob)
+    with open(tmp_path / "m.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, len(seqs), len(doc_index)))
+        f.write(np.array([len(x) for x in seqs], dtype=np.int32).tobytes() + np.array(ptrs, dtype=np.int64).tobytes()
+                + np.array(doc_index, dtype=np.int64).tobytes())
+    expected = [np.concatenate(seqs[a:b]).tolist() for a, b in zip(doc_index, doc_index[1:])]
+    mds = indexed.IndexedDataset(str(tmp_path / "m"))
+    assert [np.concatenate([mds[i] for i in range(a, b)]).tolist() for a, b in zip(doc_index, doc_index[1:])] == expected
+    pack([str(tmp_path / "m")], str(tmp_path / "out"), eos_id=0, vocab_size=500, block_bytes=block)
+    assert packed_docs(tmp_path / "out") == expected
+
+
 # ------------------------------------------------------------ parquet, arrow, HF
 
 
@@ -317,6 +345,16 @@ def varied_docs(seed=0, n=60, hi=500):
 
 def normalised(docs):
     return [d if d[-1] == 0 else d + [0] for d in docs if d]
+
+
+@pytest.mark.parametrize("list_type", [pa.large_list(pa.int32()), pa.list_(pa.uint16(), 3)],
+                         ids=["large_list", "fixed_size_list"])
+def test_parquet_large_and_fixed_size_lists(list_type, tmp_path):
+    """Token columns written as large_list or fixed_size_list, as some writers do."""
+    docs = [[5, 6, 0], [7, 8, 9], [1, 0, 2]]
+    pq.write_table(pa.table({"input_ids": pa.array(docs, type=list_type)}), tmp_path / "x.parquet")
+    pack([str(tmp_path / "x.parquet")], str(tmp_path / "out"), eos_id=0, vocab_size=16)
+    assert packed_docs(tmp_path / "out") == [[5, 6, 0], [7, 8, 9, 0], [1, 0, 2, 0]]
 
 
 def test_parquet_round_trip_with_missing_eos_and_empty_docs(tmp_path):
@@ -443,6 +481,15 @@ def bad_index_order(c, t):
     return [d]
 
 
+def bad_index_repeated(c, t):
+    d = copy_dt(c, t)
+    idx = Path(f"{first_ds(d)}.index")
+    a = np.fromfile(idx, dtype="<u8")
+    a[3] = a[2]  # a repeated end: an empty document that still "ends" right after an EOS
+    a.tofile(idx)
+    return [d]
+
+
 def bad_index_last(c, t):
     d = copy_dt(c, t)
     idx = Path(f"{first_ds(d)}.index")
@@ -475,6 +522,56 @@ def bad_megatron_pointers(c, t):
     with open(p.with_suffix(".bin"), "r+b") as f:
         f.truncate(20)
     return [p, "--eos-id", 0]
+
+
+def _megatron_doc_index(t, values):
+    """megatron_pair with its document index array (n + 1 = 6 entries) replaced."""
+    p = megatron_pair(t)
+    b = bytearray(p.with_suffix(".idx").read_bytes())
+    b[-48:] = np.array(values, dtype=np.int64).tobytes()
+    p.with_suffix(".idx").write_bytes(bytes(b))
+    return [p, "--eos-id", 0]
+
+
+def bad_megatron_idx_size(c, t):
+    p = megatron_pair(t)
+    with open(p.with_suffix(".idx"), "ab") as f:
+        f.write(b"\x00" * 3)
+    return [p, "--eos-id", 0]
+
+
+def bad_megatron_bin_size(c, t):
+    p = megatron_pair(t)
+    with open(p.with_suffix(".bin"), "ab") as f:
+        f.write(b"\x00")  # half a uint16 token
+    return [p, "--eos-id", 0]
+
+
+def bad_megatron_doc_start(c, t):
+    return _megatron_doc_index(t, [1, 1, 2, 3, 4, 5])
+
+
+def bad_megatron_doc_decrease(c, t):
+    return _megatron_doc_index(t, [0, 2, 1, 3, 4, 5])
+
+
+def bad_megatron_doc_end(c, t):
+    return _megatron_doc_index(t, [0, 1, 2, 3, 4, 4])
+
+
+def bad_npy_header(c, t):
+    (t / "x.npy").write_bytes(b"\x93NUMPY\x01\x00garbage")
+    return [t / "x.npy", "--eos-id", 0, "--vocab-size", 10]
+
+
+def bad_raw_no_dtype(c, t):
+    (t / "x.tok").write_bytes(b"\x01\x00\x00\x00")
+    return [t / "x.tok", "--format", "numpy", "--eos-id", 0, "--vocab-size", 10]
+
+
+def bad_jsonl_line(c, t):
+    (t / "x.jsonl").write_text('{"input_ids": [1, 0]}\n{"input_ids": [2, \n')
+    return [t / "x.jsonl", "--eos-id", 0, "--vocab-size", 10]
 
 
 def bad_parquet_missing(c, t):
@@ -538,19 +635,33 @@ def bad_vocab_unknown(c, t):
     return [t / "x.jsonl", "--eos-id", 0]
 
 
-BAD = [bad_vocab, bad_ds_size, bad_index_order, bad_index_last, bad_megatron_magic, bad_megatron_version,
-       bad_megatron_dtype, bad_megatron_pointers, bad_parquet_missing, bad_parquet_type, bad_negative,
+BAD = [bad_vocab, bad_ds_size, bad_index_order, bad_index_repeated, bad_index_last, bad_megatron_magic, bad_megatron_version,
+       bad_megatron_dtype, bad_megatron_pointers, bad_megatron_idx_size, bad_megatron_bin_size,
+       bad_megatron_doc_start, bad_megatron_doc_decrease, bad_megatron_doc_end, bad_npy_header, bad_raw_no_dtype,
+       bad_jsonl_line, bad_parquet_missing, bad_parquet_type, bad_negative,
        bad_empty_file, bad_empty_dir, bad_mixed_dtypes, bad_mixed_vocab, bad_mixed_megatron,
        bad_tokenizer_not_local, bad_eos_unknown, bad_vocab_unknown]
 WHAT = {
     "bad_vocab": ["at or above vocab_size", "document", "token offset"],
     "bad_ds_size": ["not a multiple of the token size"],
     "bad_index_order": ["does not increase", "entry 2"],
+    "bad_index_repeated": ["does not increase", "entry 3"],
     "bad_index_last": ["last entry differs"],
     "bad_megatron_magic": ["wrong magic"],
     "bad_megatron_version": ["version"],
     "bad_megatron_dtype": ["dtype code"],
     "bad_megatron_pointers": ["past the end"],
+    "bad_megatron_idx_size": [".idx size does not match its counts", "142 bytes for 5 sequences", "found 145 bytes"],
+    "bad_megatron_bin_size": [".bin size is not a multiple of the token size", "41 bytes"],
+    "bad_megatron_doc_start": ["[document index 0]: Megatron document indices do not start at 0; expected 0, found 1"],
+    "bad_megatron_doc_decrease": ["[document index 2]: Megatron document indices decrease or exceed the sequence count; "
+                                  "expected non-decreasing, <= 5, found 1"],
+    "bad_megatron_doc_end": ["[document index 5]: Megatron document indices do not end at the sequence count; "
+                             "expected 5, found 4"],
+    "bad_npy_header": ["x.npy [header]: unreadable .npy header; expected a numpy .npy file, found "],
+    "bad_raw_no_dtype": ["x.tok [--dtype]: raw token file needs --dtype; expected uint8 | int8 | uint16 | int16 | "
+                         "uint32 | int32 | uint64 | int64, found None. HINT: pass --dtype"],
+    "bad_jsonl_line": ["x.jsonl [line 2]: invalid JSON; expected a JSON object, found "],
     "bad_parquet_missing": ["column not found", "input_ids"],
     "bad_parquet_type": ["not a list of integers"],
     "bad_negative": ["negative token id", "document 1"],

@@ -504,3 +504,255 @@ def test_an_unreadable_shard_file_is_still_a_data_problem(env):
     r = validate_all([str(env / "src")], quick=False, against=[], workers=1, show_progress=False)
     assert not r["ok"] and r["status"] == "corrupt"
     assert any("IsADirectoryError" in (p["found"] or "") for p in r["problems"]), r["lines"]
+
+
+# ------------------------------------------------------------------ checks no other check covers
+
+
+def reseal_epoch_index(epoch: Path, shard: str) -> None:
+    """Records the index file's current checksum in the epoch manifest, as a buggy writer would."""
+    m = load(epoch)
+    for s in m["shards"]:
+        if s["path"] == shard:
+            s["index_xxh3_128"] = xxh3_128_file(epoch / (shard + ".index"))
+    save(epoch, m)
+
+
+def test_swapped_rows_fail_on_the_token_checksum(env, tmp_path):
+    """Two samples of an epoch shard swapped, the index rewritten by the real writer: sizes,
+    index, metadata, fragment count and sample multiset all stay valid. Only the shard's
+    token checksum can tell, and it must."""
+    shard = env / E0 / "00000.ds"
+    rows = np.fromfile(shard, dtype="<u2").reshape(-1, ROW)
+    assert not np.array_equal(rows[0], rows[3])
+    rows[[0, 3]] = rows[[3, 0]]
+    rows.tofile(shard)
+    w = EpochShardWriter(tmp_path, "00000.ds", np.dtype("<u2"), SEQ_LEN, EOS, load(env / E0)["tokenizer"])
+    w.write_rows(rows)
+    entry = w.close()
+    shutil.copy(tmp_path / "00000.ds.index", env / E0 / "00000.ds.index")
+    reseal_epoch_index(env / E0, "00000.ds")
+    before = next(s for s in load(env / E0)["shards"] if s["path"] == "00000.ds")
+    assert entry["multiset_hash"] == before["multiset_hash"] and entry["xxh3_128"] != before["xxh3_128"]
+    r = validate_all([str(env / "run")], quick=False, against=[str(env / "src")], workers=1, show_progress=False)
+    assert [(Path(p["file"]).name, p["where"], p["message"]) for p in r["problems"]] == \
+        [("00000.ds", "xxh3_128", "checksum mismatch")], r["lines"]
+    assert r["status"] == "corrupt"
+
+
+def _index_fault(path: Path, how: str) -> int:
+    """Repeats or reverses entries 2 and 3 of an index; returns the entry number reported."""
+    a = np.fromfile(path, dtype="<u8")
+    if how == "repeated":
+        a[3] = a[2]
+    else:
+        a[[2, 3]] = a[[3, 2]]
+    a.tofile(path)
+    return 3
+
+
+@pytest.mark.parametrize("how", ["repeated", "decreasing"])
+@pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
+def test_source_index_not_increasing(env, how, quick):
+    """A source index whose entries repeat or decrease, checksums rewritten to match, so only
+    the order check can see it (a repeated end still points just past an EOS)."""
+    k = _index_fault(env / "src/00001.ds.index", how)
+    reseal_source(env / "src")
+    r = validate_all([str(env / "src")], quick=quick, against=[], workers=1, show_progress=False)
+    assert not r["ok"] and r["status"] == "corrupt"
+    (p,) = r["problems"]
+    assert p["file"].endswith("00001.ds.index") and p["where"] == f"entry {k}", r["lines"]
+    assert p["message"] == "index does not increase"
+
+
+@pytest.mark.parametrize("how", ["repeated", "decreasing"])
+@pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
+def test_epoch_index_not_increasing(env, how, quick):
+    k = _index_fault(env / E0 / "00001.ds.index", how)
+    reseal_epoch_index(env / E0, "00001.ds")
+    r = validate_all([str(env / "run")], quick=quick, against=[], workers=1, show_progress=False)
+    assert not r["ok"] and r["status"] == "corrupt"
+    idx = [p for p in r["problems"] if p["file"].endswith("00001.ds.index")]
+    assert idx and all(p["where"] == f"entry {k}" for p in idx), r["lines"]
+    assert idx[0]["message"] in ("index does not increase", "index disagrees with the tokens")
+    if quick:  # the index alone: only its order can tell
+        assert [p["message"] for p in idx] == ["index does not increase"]
+
+
+def _edit(m: dict, path: str, value) -> None:
+    """Sets m[a][b]... along a dotted path (integers index lists); value None deletes."""
+    *head, last = [int(k) if k.isdigit() else k for k in path.split(".")]
+    for k in head:
+        m = m[k]
+    if value is None:
+        del m[last]
+    elif callable(value):
+        m[last] = value(m[last])
+    else:
+        m[last] = value
+
+
+# (directory, dotted field, new value or function of the old one) -> the problem reported
+# (where, expected, found); the base run has 210 samples in 27 shards of 8, 15 dropped tokens.
+MANIFEST_EDITS = [
+    (E0, "sources.0.offset", 3, ("sources[0].offset", "< 16 and 0 without jitter", "3")),
+    (E0, "sources.0.windows", lambda v: v + 1,
+     ("sources[0].windows", "windows x 16 + dropped_tokens == tokens (3375)", "211 x 16 + 15")),
+    (E0, "sources.0.first_pass", 1, ("sources[0].first_pass/passes", "0/1 (epoch 0, 210 of 210 windows)", "1/1")),
+    (E0, "sources.0.passes", 2, ("sources[0].first_pass/passes", "0/1 (epoch 0, 210 of 210 windows)", "0/2")),
+    (E0, "jitter_offsets", [5], ("jitter_offsets[0]", "0", "5")),
+    (E0, "jitter_offsets", [], ("jitter_offsets[0]", "0", "no entry")),
+    (E0, "dropped_tokens", lambda v: v + 1, ("dropped_tokens", "15 (sum over sources)", "16")),
+    (E0, "documents", lambda v: v + 1, ("documents", "262 (sum of the shards' fragments)", "263")),
+    (E0, "epoch", 1, ("epoch", "0 (from the directory name)", "1")),
+    (E0, "samples", lambda v: v + 1, ("samples", "210 (sum over shards)", "211")),
+    (E0, "shards.0.tokens", lambda v: v + ROW, ("shards[0].tokens", "128 (samples x 16)", "144")),
+    (E0, "shards.0.samples", lambda v: v - 1, ("shards[0].samples", "8", "7")),
+    (E0, "shards.26.samples", SHARD_SAMPLES + 1, ("shards[26].samples", "1..8", "9")),
+    (E0, "sources.0", 5, ("sources[0]", "an object", "5")),
+    (E0, "sample_multiset_hash", "0" * 16,
+     ("sample_multiset_hash", "e73f96199c6c04f9 (sum of the shards' multiset_hash)", "0000000000000000")),
+    (E0, "shards.0.xxh3_128", "XYZ", ("shards[0].xxh3_128", "32 lowercase hex digits", "'XYZ'")),
+    (E0, "seed", None, ("seed", "field 'seed'", "no such field")),
+    (E0, "seed", "1", ("seed", "a JSON int", "'1'")),
+    (E0, "seq_len", -1, ("seq_len", ">= 1", "-1")),
+    ("src", "tokens", lambda v: v + 1, ("tokens", "3375 (sum over shards)", "3376")),
+    ("src", "eos_id", VOCAB, ("eos_id", "< 1000 (vocab_size)", "1000")),
+    ("src", "dtype", "int8", ("dtype", "uint16 or uint32", "int8")),
+    ("src", "shards.1.documents", 0, ("shards[1].documents", "1..989", "0")),
+    ("src", "shards.1.path", "../x.ds", ("shards[1].path", "a plain NNNNN.ds file name", "'../x.ds'")),
+    ("run", "epochs", [0, 0], ("epochs", "distinct epoch numbers >= 0", "[0, 0]")),
+]
+
+
+@pytest.mark.parametrize("target,field,value,problem", MANIFEST_EDITS,
+                         ids=[f"{t}:{f}={v if not callable(v) else 'edit'}" for t, f, v, _ in MANIFEST_EDITS])
+def test_manifest_field_checks(env, target, field, value, problem):
+    """Each consistency rule of a manifest, broken alone: validation names that field, what it
+    expected and what it found."""
+    m = load(env / target)
+    _edit(m, field, value)
+    save(env / target, m)
+    path = env / ("run" if target.startswith("run") else target)
+    r = validate_all([str(path)], quick=True, against=[], workers=1, show_progress=False)
+    assert not r["ok"] and r["status"] == "corrupt", r["lines"]
+    assert problem in [(p["where"], p["expected"], p["found"]) for p in r["problems"]], r["lines"]
+
+
+@pytest.fixture
+def lossy(tmp_path) -> Path:
+    """A source whose shards carry a .loss mask (datatrove's save_loss_metadata), written with
+    the project's shard writer."""
+    from formats import SourceShardWriter, source_manifest, write_manifest
+    from formats.manifest import shard_name
+
+    docs = random_docs(np.random.default_rng(11), 40, VOCAB, EOS, max_len=50)
+    src = tmp_path / "lossy"
+    src.mkdir()
+    entries = []
+    for i in range(2):
+        group = docs[20 * i : 20 * (i + 1)]
+        toks = np.concatenate(group).astype("<u2")
+        w = SourceShardWriter(src, shard_name(i), np.dtype("<u2"), "test-tokenizer", with_loss=True)
+        w.write(toks, np.cumsum([len(d) for d in group]), (np.arange(len(toks)) % 3 > 0).astype(np.uint8))
+        entries.append(w.close())
+    write_manifest(src, source_manifest(entries, np.dtype("<u2"), VOCAB, EOS, "test-tokenizer"))
+    return src
+
+
+def _loss_value(src: Path, value: int, reseal: bool) -> None:
+    p = src / "00001.ds.loss"
+    a = np.fromfile(p, dtype=np.uint8)
+    a[7] = value
+    a.tofile(p)
+    if reseal:
+        m = load(src)
+        m["shards"][1]["loss_xxh3_128"] = xxh3_128_file(p)
+        save(src, m)
+
+
+LOSS_FAULTS = {
+    "clean": (lambda src: None, []),
+    "value 2": (lambda src: _loss_value(src, 2, True), [("00001.ds.loss", "byte 7", "loss mask value invalid")]),
+    "flipped 0/1": (lambda src: _loss_value(src, 1 - int(np.fromfile(src / "00001.ds.loss", np.uint8)[7]), False),
+                    [("00001.ds.loss", "xxh3_128", "checksum mismatch")]),
+    "missing": (lambda src: (src / "00000.ds.loss").unlink(), [("00000.ds.loss", None, "loss mask missing")]),
+    "short": (lambda src: (src / "00000.ds.loss").write_bytes((src / "00000.ds.loss").read_bytes()[:-1]),
+              [("00000.ds.loss", "size", "loss mask size wrong")]),
+    "unlisted": (lambda src: _unlist_loss(src), [("00000.ds.loss", None, "file not listed in the manifest")]),
+}
+
+
+def _unlist_loss(src: Path) -> None:
+    m = load(src)
+    del m["shards"][0]["loss_xxh3_128"]
+    save(src, m)
+
+
+@pytest.mark.parametrize("fault", list(LOSS_FAULTS))
+def test_loss_mask_checks(lossy, fault):
+    inject, expected = LOSS_FAULTS[fault]
+    inject(lossy)
+    r = validate_all([str(lossy)], quick=False, against=[], workers=1, show_progress=False)
+    got = [(Path(p["file"]).name, p["where"], p["message"]) for p in r["problems"]]
+    assert [g for g in got if g[0].endswith(".loss")] == expected, r["lines"]
+    assert r["ok"] == (not expected)
+
+
+def test_quick_mode_streams_the_index_in_small_chunks(env, monkeypatch):
+    """Quick mode reads each index in chunks of BLOCK/32 entries: with chunks of 2 entries every
+    sample boundary and every order check crosses chunk seams."""
+    import formats.validate as v
+
+    monkeypatch.setattr(v, "BLOCK", 64)
+    assert validate_dirs([env / "src", env / "run"], quick=True, workers=1).ok
+    a = np.fromfile(env / E0 / "00002.ds.index", dtype="<u8")
+    a[5] = a[4]
+    a.tofile(env / E0 / "00002.ds.index")
+    r = validate_dirs([env / "run"], quick=True, workers=1)
+    assert [(Path(p.file).name, p.where, p.message) for p in r.problems] == \
+        [("00002.ds.index", "entry 5", "index does not increase")]
+
+
+def test_whole_problem_for_size_and_entry_faults(env):
+    """Every part of a problem is pinned, the message included: a shard two rows short, and a
+    run manifest whose source entry is not an object."""
+    shard = env / E0 / "00000.ds"
+    shard.write_bytes(shard.read_bytes()[: -2 * ROW * 2])
+
+    def problems():
+        r = validate_all([str(env / "run")], quick=True, against=[], workers=1, show_progress=False)
+        return {(Path(p["file"]).name, p["where"], p["expected"], p["found"], p["message"]) for p in r["problems"]}
+
+    assert ("00000.ds", "size", "256 bytes (128 tokens x 2)", "192 bytes",
+            "shard size does not match the manifest") in problems()
+    m = load(env / "run")
+    m["sources"][0] = 5
+    save(env / "run", m)
+    assert (MANIFEST, "sources[0]", "an object", "5", "bad source entry") in problems()
+
+
+@pytest.mark.parametrize("target,field,value,problem", [
+    (E0, "seq_len", -1, ("seq_len", ">= 1", "-1", "manifest field out of range")),
+    ("src", "eos_id", -1, ("eos_id", ">= 0", "-1", "manifest field out of range")),
+    ("src", "documents", lambda v: v + 1, ("documents", "60 (sum over shards)", "61", "document count wrong")),
+], ids=["seq_len", "eos_id", "documents"])
+def test_manifest_rule_messages(env, target, field, value, problem):
+    m = load(env / target)
+    _edit(m, field, value)
+    save(env / target, m)
+    r = validate_all([str(env / ("run" if target.startswith("run") else target))], quick=True, against=[], workers=1,
+                     show_progress=False)
+    got = [(p["where"], p["expected"], p["found"], p["message"]) for p in r["problems"]]
+    assert problem in got, got
+
+
+def test_metadata_text_not_as_tokpack_writes_it(env):
+    """Metadata whose values are right but whose bytes differ (a trailing newline) is named, with
+    the text expected and found."""
+    meta = env / "src/00000.ds.metadata"
+    meta.write_bytes(meta.read_bytes() + b"\n")
+    r = validate_all([str(env / "src")], quick=True, against=[], workers=1, show_progress=False)
+    got = [(Path(p["file"]).name, p["where"], p["message"]) for p in r["problems"]]
+    assert got == [("00000.ds.metadata", "line 3", "metadata text differs from what tokpack writes")], r["lines"]
+    assert r["problems"][0]["found"].endswith("\\n'")

@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# Mutation testing (mutmut 3) of the modules that decide what a user's tokens become: the plan,
+# the permutation, the engine's placement, the reader, the validator and the input readers.
+#
+#   scripts/mutation.sh               every mutant of those modules (hours on 2 cores)
+#   scripts/mutation.sh --sample D    every D-th mutant of each module, in name order (D=10: ~1/10)
+#   scripts/mutation.sh --module M    only module M (e.g. shuffle/plan.py); combines with --sample
+#   scripts/mutation.sh --ci          a small fixed subset (the permutation's key and round set-up
+#                                     against tests/test_permutation_golden.py); .ci/run calls it;
+#                                     exits 1 if one of them survives
+#
+# mutmut writes its mutants/ tree into a scratch copy of the repository ($MUTATION_DIR, default
+# a temporary directory), never into the checkout. Per module it prints mutants, killed
+# (a timeout counts as killed: the tests did not pass), survived, known equivalent, and the
+# score killed / (checked - equivalent). Surviving mutants listed in
+# scripts/mutation-equivalent.txt ("name  reason", one a line) are printed with their reason.
+# Config: [tool.mutmut] in pyproject.toml (the test files run against the mutants).
+set -euo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+EQUIVALENT="$REPO/scripts/mutation-equivalent.txt"
+MODULES=(shuffle/plan.py shuffle/permutation.py shuffle/engine.py formats/reader.py formats/validate.py formats/inputs.py)
+CI_TESTS='["tests/test_permutation_golden.py"]'
+# The --ci subset: the mutants of key derivation, the mixer and the Feistel set-up. Pinned
+# by name so the run is the same every time (mutmut numbers a function's mutants in order).
+CI_MUTANTS=("shuffle.permutation.x_derive_key__mutmut_*" "shuffle.permutation.x__mix__mutmut_*"
+            "shuffle.permutation.xǁBijectionǁ__init____mutmut_*")
+
+mode=full sample=1 only=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --ci) mode=ci ;;
+    --sample) sample=${2:?--sample needs D}; shift ;;
+    --module) only=${2:?--module needs a path like shuffle/plan.py}; shift ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    *) echo "mutation.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+command -v mutmut >/dev/null || { echo "mutation.sh: mutmut not found: pip install -e '.[test]'" >&2; exit 2; }
+
+WORK=${MUTATION_DIR:-$(mktemp -d -t tokpack-mutation.XXXXXX)}
+mkdir -p "$WORK"
+echo "mutation.sh: working in $WORK"
+(cd "$REPO" && git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$WORK" 2>/dev/null || true)
+cd "$WORK"
+
+# Per module: the tests that run against its mutants (the fast golden files first), and for
+# the engine only its placement (which row goes where), not its I/O plumbing.
+declare -A TESTS=(
+  [shuffle/permutation.py]='["tests/test_permutation_golden.py", "tests/test_plan_golden.py"]'
+  [shuffle/plan.py]='["tests/test_plan_golden.py", "tests/test_permutation_golden.py"]'
+  [shuffle/engine.py]='["tests/test_shuffle.py"]'
+  [formats/reader.py]='["tests/test_reader.py"]'
+  [formats/validate.py]='["tests/test_validate.py"]'
+  [formats/inputs.py]='["tests/test_pack.py"]'
+)
+declare -A FUNCTIONS=([shuffle/engine.py]="*ǁgather__* *ǁinput_segments__* *ǁholds_rows_of__* *x_make_layout__* *ǁscatter__* *ǁorder__* *ǁ_blocks__* *x_source_rows__*")
+
+if [ "$mode" = ci ]; then targets=(shuffle/permutation.py); elif [ -n "$only" ]; then targets=("$only"); else targets=("${MODULES[@]}"); fi
+all_names=()
+for target in "${targets[@]}"; do
+  tests=${TESTS[$target]:?no tests listed for $target}
+  [ "$mode" = ci ] && tests=$CI_TESTS
+  # The scratch copy's [tool.mutmut]: this module, its tests.
+  python - "$tests" "$target" <<'PY'
+import json, sys, tomllib
+tests, target = sys.argv[1:]
+text = open("pyproject.toml").read()
+cfg = tomllib.loads(text)["tool"]["mutmut"]
+cfg["only_mutate"] = [target]
+cfg["pytest_add_cli_args_test_selection"] = json.loads(tests)
+head = text[: text.index("\n[tool.mutmut]")]
+open("pyproject.toml", "w").write(head + "\n[tool.mutmut]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in cfg.items()))
+PY
+  module=${target%.py}; module=${module//\//.}
+  names=()
+  if [ "$mode" = ci ]; then
+    names=("${CI_MUTANTS[@]}")
+  elif [ "$sample" -gt 1 ] || [ -n "${FUNCTIONS[$target]:-}" ]; then
+    # Generate the mutants without running anything, then keep every D-th name of the module.
+    python -c "
+from mutmut.__main__ import copy_also_copy_files, copy_src_dir, create_mutants, setup_source_paths
+copy_src_dir(); copy_also_copy_files(); setup_source_paths(); create_mutants(2)" >/dev/null
+    mapfile -t names < <(mutmut results --all true | awk '{sub(":$", "", $1); print $1}' | grep -F "$module.x" |
+      python -c "
+import fnmatch, sys
+pats = sys.argv[2].split()
+names = sorted(n.strip() for n in sys.stdin if not pats or any(fnmatch.fnmatch(n.strip(), p) for p in pats))
+print('\n'.join(names[:: int(sys.argv[1])]))" "$sample" "${FUNCTIONS[$target]:-}")
+    echo "mutation.sh: $target: ${#names[@]} mutants (every ${sample}th)"
+  else
+    names=("$module.x*")
+  fi
+  [ ${#names[@]} -gt 0 ] || continue
+  t0=$(date +%s)
+  mutmut run --max-children "${MUTATION_JOBS:-2}" "${names[@]}" >> mutmut-run.log 2>&1 || true
+  echo "mutation.sh: $target: mutmut ran in $(( $(date +%s) - t0 )) s (log: $WORK/mutmut-run.log)"
+  all_names+=("${names[@]}")
+done
+
+mutmut results --all true > mutmut-results.txt
+python - "$mode" "$EQUIVALENT" "${all_names[@]}" <<'PY'
+import fnmatch, sys
+from collections import defaultdict
+
+mode, equivalent_file, *wanted = sys.argv[1:]
+reasons = {}
+for line in open(equivalent_file):
+    if line.strip() and not line.startswith("#"):
+        name, _, why = line.strip().partition(" ")
+        reasons[name] = why.strip()
+rows = defaultdict(lambda: defaultdict(int))
+survivors = []
+for line in open("mutmut-results.txt"):
+    name, _, status = line.strip().rpartition(": ")
+    if wanted and not any(fnmatch.fnmatch(name, w) or name == w for w in wanted):
+        continue
+    module = name.split(".x")[0]
+    r = rows[module]
+    r["mutants"] += 1
+    if status in ("killed", "timeout", "segfault", "caught by type check"):
+        r["killed"] += 1
+    elif status == "survived" and name in reasons:
+        r["equivalent"] += 1
+        print(f"equivalent  {name}: {reasons[name]}")
+    elif status == "survived":
+        r["survived"] += 1
+        survivors.append(name)
+    else:  # not checked, no tests, suspicious, skipped
+        r[status.replace(" ", "_")] += 1
+print(f"\n{'module':<22} {'mutants':>7} {'killed':>6} {'survived':>8} {'equiv.':>6} {'other':>5} {'score':>6}")
+bad = False
+for module, r in sorted(rows.items()):
+    other = r["mutants"] - r["killed"] - r["survived"] - r["equivalent"]
+    checked = r["killed"] + r["survived"]
+    score = r["killed"] / checked if checked else float("nan")
+    bad |= r["survived"] > 0 or not checked
+    print(f"{module:<22} {r['mutants']:>7} {r['killed']:>6} {r['survived']:>8} {r['equivalent']:>6} {other:>5} {score:>6.1%}")
+for name in survivors:
+    print(f"survived    {name}   (mutmut show '{name}' in the work dir)")
+sys.exit(1 if bad and mode == "ci" else 0)  # the CI subset must stay fully killed
+PY
