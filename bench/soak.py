@@ -48,12 +48,10 @@ GONE_WITHIN = 5.0  # seconds a killed command's processes may take to end
 SIGNALS = [signal.SIGKILL, signal.SIGTERM, signal.SIGINT]
 MARK = "TOKPACK_SOAK_MARK"
 
-# Two commands on one output. Until every writing command holds a lock on its output, both may
-# finish: the output must then be identical to one run's. Once they do (issue 12), set
-# REFUSAL_MUST_NAME = "lock" and REFUSE_WHEN_OVERLAPPING = True: a second command started while
-# the first runs must then be refused with exit 1 and a line naming the lock.
-REFUSAL_MUST_NAME: str | None = None
-REFUSE_WHEN_OVERLAPPING = False
+# Two commands on one output: every writing command holds a lock on its output, so a second
+# command started while the first runs must be refused with exit 1 and a line naming the lock.
+REFUSAL_MUST_NAME: str | None = "lock"
+REFUSE_WHEN_OVERLAPPING = True
 
 # Tallies that must stay zero (the rest describe the soak).
 MUST_BE_ZERO = ["orphans", "false OKs", "reruns failed", "reruns different", "concurrent unsafe",

@@ -69,8 +69,6 @@ def test_require_skips_only_for_an_absent_tool(tmp_path, monkeypatch):
     assert require("numpy", "pip install numpy").__name__ == "numpy"
 
 
-# test_reader.py is being rewritten in parallel without its importorskip calls; empty this once merged.
-IMPORTORSKIP_BEING_REMOVED = {"test_reader.py"}
 BROAD = {"Exception", "BaseException", "ImportError", "ModuleNotFoundError"}
 
 
@@ -80,8 +78,7 @@ def test_tests_do_not_skip_on_import_errors():
     for path in sorted((REPO / "tests").glob("test_*.py")):
         text = path.read_text()
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip" \
-                    and path.name not in IMPORTORSKIP_BEING_REMOVED:
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip":
                 assert False, f"{path.name}:{node.lineno}: importorskip skips on any import error; use conftest.require"
             broad = node.type is None or any(isinstance(t, ast.Name) and t.id in BROAD for t in ast.walk(node.type)) \
                 if isinstance(node, ast.ExceptHandler) else False
