@@ -25,28 +25,31 @@ from formats.errors import TokpackError
 from formats.units import byte_size, token_count
 
 
-class TokenCount(click.ParamType):
-    """A number of tokens: 1000000, 100B, 1.5M (K/M/B/T are 10^3..10^12; formats.units)."""
+class _Quantity(click.ParamType):
+    """A command-line quantity parsed by one function of formats.units, so each quantity has its
+    own type and its own units."""
+
+    parse = staticmethod(int)
+
+    def convert(self, value, param, ctx):
+        try:
+            return self.parse(value)
+        except TokpackError as e:
+            self.fail(str(e), param, ctx)
+
+
+class TokenCount(_Quantity):
+    """A number of tokens: 1000000, 100B, 1.5M (K/M/B/T are 10^3..10^12)."""
 
     name = "TOKENS"
-
-    def convert(self, value, param, ctx):
-        try:
-            return token_count(value)
-        except TokpackError as e:
-            self.fail(str(e), param, ctx)
+    parse = staticmethod(token_count)
 
 
-class ByteSize(click.ParamType):
-    """A number of bytes: 16GiB, 2GB, 4G (a bare K/M/G/T is binary; formats.units)."""
+class ByteSize(_Quantity):
+    """A number of bytes: 16GiB, 2GB, 4G (a bare K/M/G/T is binary)."""
 
     name = "BYTES"
-
-    def convert(self, value, param, ctx):
-        try:
-            return byte_size(value)
-        except TokpackError as e:
-            self.fail(str(e), param, ctx)
+    parse = staticmethod(byte_size)
 
 
 def emit(summary: dict, as_json: bool) -> None:
