@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import random_docs, write_source
+from conftest import random_docs, require, write_source
 from packer.executors import PROJECT_ROOT
 
 GONE_WITHIN = 5.0  # seconds the issue allows the killed command's processes to end
@@ -133,7 +133,7 @@ def _parent(pid: int) -> int:
 
 
 def test_killed_shuffle_on_a_local_ray_cluster_leaves_no_process(source, tmp_path, start):
-    pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[test]')")
+    require("ray", "pip install -e '.[test]'")
     proc, token = start(["shuffle", str(source), "-o", str(tmp_path / "run"), *SHUFFLE, "--epochs", "2",
                          "--executor", "ray", "--workers", "2"])
 
