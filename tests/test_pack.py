@@ -660,7 +660,7 @@ WHAT = {
                              "expected 5, found 4"],
     "bad_npy_header": ["x.npy [header]: unreadable .npy header; expected a numpy .npy file, found "],
     "bad_raw_no_dtype": ["x.tok [--dtype]: raw token file needs --dtype; expected uint8 | int8 | uint16 | int16 | "
-                         "uint32 | int32 | uint64 | int64, found None. HINT: pass --dtype"],
+                         "uint32 | int32 | uint64 | int64. HINT: pass --dtype"],
     "bad_jsonl_line": ["x.jsonl [line 2]: invalid JSON; expected a JSON object, found "],
     "bad_parquet_missing": ["column not found", "input_ids"],
     "bad_parquet_type": ["not a list of integers"],
