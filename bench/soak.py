@@ -217,11 +217,13 @@ def kill_once(r: Runner, t: Tally, case: Case, sig: int, at: float, out: Path) -
         t.problem("reruns failed", f"{case.name} after {signal.Signals(sig).name} at {at:.2f} s: exit {rc}: "
                                    f"{text.strip().splitlines()[-1:] }")
         return
-    same = tree(out) == case.reference if case.writes else verdict(rc, text) == case.reference
-    if same:
+    after = tree(out) if case.writes else verdict(rc, text)
+    if after == case.reference:
         t.add("reruns identical")
     else:
-        t.problem("reruns different", f"{case.name} after {signal.Signals(sig).name} at {at:.2f} s")
+        which = sorted(k for k in set(after) | set(case.reference) if after.get(k) != case.reference.get(k)) \
+            if case.writes else [after]
+        t.problem("reruns different", f"{case.name} after {signal.Signals(sig).name} at {at:.2f} s: {which[:5]}")
 
 
 def concurrent_once(r: Runner, t: Tally, case: Case, offset: float, out: Path) -> None:

@@ -426,6 +426,8 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
     state = _output_state(out, request, overwrite)
     if state == "complete":
         manifest = read_manifest(out, kind="source")
+        # A pack killed between writing its manifest and removing its scratch left the scratch.
+        shutil.rmtree(out / WORK_DIR, ignore_errors=True)
         say(f"tokpack pack: {out} already holds this pack; nothing to do")
         return _summary(manifest, out, fmt, time.perf_counter() - t0, 0, "already complete")
 

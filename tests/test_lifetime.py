@@ -254,3 +254,26 @@ def test_pack_killed_before_its_request_is_recorded_reruns(tmp_path):
     rerun = CliRunner().invoke(main, args)
     assert rerun.exit_code == 0, rerun.output
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == expected
+
+
+def test_pack_killed_after_its_manifest_leaves_no_scratch_on_rerun(tmp_path):
+    """Found by bench/soak.py (seed 0, 500 kills): a pack killed after writing tokpack.json and
+    before removing OUT/.tokpack-work left the scratch folder; the rerun found the pack complete
+    and kept it."""
+    from click.testing import CliRunner
+
+    from packer.cli import main
+
+    docs = random_docs(np.random.default_rng(4), 40, 1000, 0)
+    src = write_source(tmp_path / "src", docs)
+    out = tmp_path / "packed"
+    args = ["pack", *sorted(str(p) for p in src.glob("*.ds")), "-o", str(out), "--eos-id", "0", "--vocab-size", "1000"]
+    assert (first := CliRunner().invoke(main, args)).exit_code == 0, first.output
+    expected = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    (out / ".tokpack-work" / "part-00000").mkdir(parents=True)
+    (out / ".tokpack-work" / "request.json").write_text("{}")
+    (out / ".tokpack-work" / "part-00000" / "000_x.ds").write_bytes(b"\0" * 64)
+    rerun = CliRunner().invoke(main, args)
+    assert rerun.exit_code == 0, rerun.output
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == expected
+    assert not (out / ".tokpack-work").exists()
