@@ -32,7 +32,7 @@ def make_run(out: Path, source: Path, seq_len: int, shard_samples: int, epochs: 
     from shuffle.engine import shuffle_run
 
     shuffle_run([str(source)], str(out), seq_len=seq_len, seed=seed, epochs=list(range(epochs)), samples=None,
-                tokens=None, shard_samples=shard_samples, memory=8 << 20, jitter=False, log=None, run_step=None)
+                tokens=None, shard_samples=shard_samples, memory=8 << 20, jitter=False, log=None)
     return out
 
 
