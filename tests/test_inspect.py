@@ -110,7 +110,7 @@ def test_totals_shares_and_lengths(tmp_path):
     b = random_docs(rng, 40, 1000, 0, max_len=60)
     sa = write_source(tmp_path / "a", a, docs_per_shard=50)
     sb = write_source(tmp_path / "b", b)
-    run = shuffle(tmp_path / "run", [f"{sa}=3", f"{sb}=1"], samples=400)
+    run = shuffle(tmp_path / "run", [sa, sb], weights=["3", "1"], samples=400)
     report = inspect(run, batch_size=8, batches=4)
     t = report["totals"]
     assert t["samples"] == 400 and t["tokens"] == 400 * (L + 1) and t["seq_len"] == L

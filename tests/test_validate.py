@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from formats.manifest import MANIFEST, TMP_MARK, hash_hex64, xxh3_128_file
 from formats.shards import EpochShardWriter
 from formats.validate import validate_dirs
+from shuffle.verify import report_lines
 from shuffle.verify import validate_all as validate_result
 from tests.conftest import random_docs, write_source
 
@@ -26,7 +27,9 @@ ROW = SEQ_LEN + 1
 
 
 def validate_all(*args, **kw) -> dict:
-    return validate_result(*args, **kw).to_json()
+    """The result as `--json` prints it, and the lines the command prints for humans."""
+    result = validate_result(*args, **kw)
+    return {**result.to_json(), "lines": report_lines(result)}
 
 
 def make_run(src: Path, out: Path, seed: int, epochs: list[int]) -> Path:
