@@ -214,11 +214,12 @@ def executor_options(fn=None, *, tasks_help: str = "Number of tasks to split the
 
 
 def _executor_config(kw: dict):
+    """The ExecutorConfig of the options `executor_options` added (each named as its field)."""
+    from dataclasses import fields
+
     from packer.api import ExecutorConfig
 
-    keys = ("workers", "executor", "tasks", "logging_dir", "partition", "time_limit", "cpus_per_task",
-            "mem_per_cpu_gb", "sbatch_args", "ray_address")
-    return ExecutorConfig(**{k: kw.pop(k) for k in keys})
+    return ExecutorConfig(**{f.name: kw.pop(f.name) for f in fields(ExecutorConfig) if f.name in kw})
 
 
 def _weighted_sources(args) -> list[tuple[str, str | None]]:
