@@ -8,8 +8,8 @@ the stages are imported when called.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping, Sequence
-from fractions import Fraction
 from pathlib import Path
 
 PathLike = str | Path
@@ -134,7 +134,7 @@ def _weighted(sources) -> tuple[list[str], list[str | None]]:
     paths, weights = [], []
     for path, weight in items:
         paths.append(str(path))
-        weights.append(None if weight is None else str(weight) if isinstance(weight, (str, int, Fraction))
+        weights.append(None if weight is None else str(weight) if isinstance(weight, (str, numbers.Rational))
                        else repr(float(weight)))
     return paths, weights
 
