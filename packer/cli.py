@@ -52,8 +52,9 @@ class ByteSize(_Quantity):
     parse = staticmethod(byte_size)
 
 
-def emit(summary: dict, as_json: bool) -> None:
+def emit(result, as_json: bool) -> None:
     """One machine-readable object on stdout with --json; a short human summary otherwise."""
+    summary = result.to_json()
     if as_json:
         click.echo(json.dumps(summary, default=str))
     else:
@@ -188,14 +189,10 @@ SHUFFLE_TASKS_HELP = ("Out of core: scatter tasks, each reading one input range 
 
 def executor_options(fn=None, *, tasks_help: str = "Number of tasks to split the work into "
                      "(default: one per input file / output shard)."):
-    """Where the tasks run. Local is the default; slurm and ray go through datatrove's executors.
-    Also lets INPUTS/SOURCES/-o be fsspec URLs: file:// is a local path, other URLs (s3://,
-    memory://, ...) are staged through a local work folder (packer.executors.with_local_paths)."""
+    """Where the tasks run (an ExecutorConfig). Local is the default; slurm and ray go through
+    datatrove's executors."""
     if fn is None:
         return functools.partial(executor_options, tasks_help=tasks_help)
-    from packer.executors import with_local_paths
-
-    fn = user_errors(with_local_paths(fn))  # staging errors are user errors too
     options = [
         click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Local worker processes; on slurm/ray a cap on concurrent tasks (1: no cap)."),
@@ -216,10 +213,38 @@ def executor_options(fn=None, *, tasks_help: str = "Number of tasks to split the
     return fn
 
 
-def _executor_config(kw: dict) -> dict:
-    keys = ("workers", "executor", "tasks", "logging_dir", "partition", "time_limit", "cpus_per_task",
-            "mem_per_cpu_gb", "sbatch_args", "ray_address")
-    return {k: kw.pop(k) for k in keys}
+def _executor_config(kw: dict):
+    """The ExecutorConfig of the options `executor_options` added (each named as its field)."""
+    from dataclasses import fields
+
+    from packer.api import ExecutorConfig
+
+    return ExecutorConfig(**{f.name: kw.pop(f.name) for f in fields(ExecutorConfig) if f.name in kw})
+
+
+def _weighted_sources(args) -> list[tuple[str, str | None]]:
+    """SOURCE[=WEIGHT] -> (SOURCE, WEIGHT or None). An argument naming an existing path is a path
+    even if it holds '='; in a URL, a '=' is a weight's only when a number follows it."""
+    pairs = []
+    for arg in args:
+        path, _, weight = arg.rpartition("=")
+        if not path or os.path.exists(arg) or "://" in arg and not _is_number(weight):
+            path, weight = arg, None
+        pairs.append((path, weight))
+    return pairs
+
+
+def _is_number(text: str) -> bool:
+    """A number as shuffle takes a weight: 0.3, 2, 1/3 (a Fraction; 1/0 is one, if not a valid one)."""
+    from fractions import Fraction
+
+    try:
+        Fraction(text.strip())
+    except ZeroDivisionError:
+        return True
+    except ValueError:
+        return False
+    return True
 
 
 class _Tokpack(click.Group):
@@ -298,9 +323,9 @@ def main(debug):
 def pack(inputs, output, input_format, column, dtype, tokenizer, eos_id, vocab_size, overwrite, shard_tokens,
          as_json, **kw):
     """Pack tokenized INPUTs into one packed source."""
-    from packer.pack import pack as pack_api
+    from packer.api import pack as pack_api
 
-    summary = pack_api(
+    result = pack_api(
         list(inputs),
         output,
         input_format=input_format,
@@ -312,9 +337,9 @@ def pack(inputs, output, input_format, column, dtype, tokenizer, eos_id, vocab_s
         overwrite=overwrite,
         shard_tokens=shard_tokens,
         log=None if as_json else lambda msg: click.echo(msg, err=True),
-        **_executor_config(kw),
+        executor=_executor_config(kw),
     )
-    emit(summary, as_json)
+    emit(result, as_json)
 
 
 @main.command()
@@ -339,16 +364,14 @@ def pack(inputs, output, input_format, column, dtype, tokenizer, eos_id, vocab_s
 def shuffle(sources, output, seq_len, seed, epochs, epoch, samples, tokens, shard_samples, memory, jitter,
             as_json, **kw):
     """Write globally shuffled epochs of fixed-length samples from packed SOURCEs."""
-    from packer.executors import ExecutorConfig, step_runner
-    from shuffle.engine import shuffle_run
+    from packer.api import shuffle as shuffle_api
 
     if (epochs is None) == (epoch is None):
         raise click.UsageError("give exactly one of --epochs N or --epoch E")
     if samples is not None and tokens is not None:
         raise click.UsageError("give at most one of --samples and --tokens")
-    config = ExecutorConfig(**_executor_config(kw))
-    summary = shuffle_run(
-        list(sources),
+    result = shuffle_api(
+        _weighted_sources(sources),
         output,
         seq_len=seq_len,
         seed=seed,
@@ -359,20 +382,18 @@ def shuffle(sources, output, seq_len, seed, epochs, epoch, samples, tokens, shar
         memory=memory,
         jitter=jitter,
         log=None if as_json else lambda msg: click.echo(msg, err=True),
-        workers=config.workers,
-        tasks=config.tasks,
-        run_step=step_runner(config),
+        executor=_executor_config(kw),
         progress=False if as_json else None,
     )
-    emit(summary, as_json)
+    emit(result, as_json)
     if not as_json:
-        for detail in summary["epochs_detail"]:
+        for detail in result.epochs_detail:
             for r in detail["sources"]:
                 click.echo(f"epoch {detail['epoch']} source {r['name']}: {r['samples']} samples of {r['windows']} "
                            f"windows, {r['passes']} pass(es), {r['repeats']} repeated"
                            f"{'' if r['weight'] is None else ', weight ' + r['weight']} ({r['path']}, "
                            f"fingerprint {r['fingerprint'][:16]})")
-        for line in summary["warnings"]:
+        for line in result.warnings:
             click.echo(f"tokpack: warning: {line}", err=True)
 
 
@@ -386,15 +407,16 @@ def shuffle(sources, output, seq_len, seed, epochs, epoch, samples, tokens, shar
 @user_errors
 def validate(dirs, quick, against, workers, as_json):
     """Check the integrity of tokpack directories (sources, runs, epochs). Exit 1 on any problem."""
-    from shuffle.verify import validate_all
+    from packer.api import validate as validate_api
+    from shuffle.verify import report_lines
 
-    report = validate_all(list(dirs), quick=quick, against=list(against), workers=workers)
+    result = validate_api(list(dirs), quick=quick, against=list(against), workers=workers)
     if as_json:
-        click.echo(json.dumps(report))
+        click.echo(json.dumps(result.to_json()))
     else:
-        for line in report["lines"]:
-            click.echo(line, err=not report["ok"])
-    sys.exit(0 if report["ok"] else 1)
+        for line in report_lines(result):
+            click.echo(line, err=not result.ok)
+    sys.exit(0 if result.ok else 1)
 
 
 @main.command()
@@ -440,13 +462,14 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
 @user_errors
 def inspect(directory, batch_size, batches, plot, epoch, seq_len, as_json):
     """Report what a directory holds and what the shuffle did to batch diversity."""
-    from packer.inspect import inspect as inspect_api
+    from packer.api import inspect as inspect_api
+    from packer.inspect import report_lines
 
-    report = inspect_api(directory, batch_size=batch_size, batches=batches, plot=plot, epoch=epoch, seq_len=seq_len)
+    result = inspect_api(directory, batch_size=batch_size, batches=batches, plot=plot, epoch=epoch, seq_len=seq_len)
     if as_json:
-        click.echo(json.dumps(report))
+        click.echo(json.dumps(result.to_json()))
     else:
-        for line in report.get("lines", []):
+        for line in report_lines(result):
             click.echo(line)
 
 
@@ -461,11 +484,11 @@ def inspect(directory, batch_size, batches, plot, epoch, seq_len, as_json):
 @user_errors
 def stage(directory, dest, workers, epochs, ranks, micro_batch, as_json):
     """Copy a tokpack DIRECTORY to DEST (e.g. local NVMe), verifying every file's checksum."""
-    from packer.stage import stage as stage_api
+    from packer.api import stage as stage_api
 
-    summary = stage_api(directory, dest, workers=workers, epochs=epochs, ranks=ranks, micro_batch=micro_batch,
-                        log=None if as_json else lambda msg: click.echo(msg, err=True))
-    emit(summary, as_json)
+    result = stage_api(directory, dest, workers=workers, epochs=epochs, ranks=ranks, micro_batch=micro_batch,
+                       log=None if as_json else lambda msg: click.echo(msg, err=True))
+    emit(result, as_json)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ paths under another name; other fsspec URLs (s3://, memory://, ...) are staged t
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import shlex
 import shutil
@@ -20,8 +19,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 
 from formats.errors import TokpackError
@@ -33,28 +30,11 @@ with app_sinks_kept():
     from datatrove.pipeline.base import PipelineStep
 
 from packer import lifetime
+from packer.api import ExecutorConfig
 from shuffle.engine import run_in_process
 
 # The folder holding packer/, shuffle/, formats/: Slurm jobs and Ray workers import the steps from here.
 PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
-
-
-@dataclass
-class ExecutorConfig:
-    """How and where tasks run. Mirrors the CLI's executor options."""
-
-    workers: int = 1  # local: worker processes; slurm/ray: cap on concurrent tasks when > 1 (1 = no cap)
-    executor: str = "local"  # local | slurm | ray
-    tasks: int | None = None  # override of the natural task count
-    logging_dir: str | None = None  # datatrove logging dir; default inside the output's work folder
-    partition: str | None = None  # slurm partition; None = the cluster's default partition
-    time_limit: str = "24:00:00"  # slurm time limit
-    cpus_per_task: int = 1  # slurm and ray: CPUs reserved per task
-    mem_per_cpu_gb: float = 2  # slurm and ray: memory reserved per CPU, GB
-    sbatch_args: str | None = None  # slurm: extra sbatch arguments, "key=value,key=value"
-    ray_address: str | None = None  # ray: existing cluster, or None for a local one
-    in_process: bool = True  # local, one worker, no logging dir: run the ranks here (False: datatrove's executor)
-    poll_seconds: float = 5.0  # slurm: longest pause between two looks at the markers and the queue
 
 
 def run_step(step, tasks: int, config: ExecutorConfig, logging_dir: str | Path, job_name: str) -> None:
@@ -143,24 +123,16 @@ def _run_slurm_chain(stages: list[tuple], config: ExecutorConfig) -> None:
         _check_complete(executor, tasks, logging_dir, job_name, failure)
 
 
-def step_runner(config: ExecutorConfig):
-    """The `run_step(step, tasks, job_name, logging_dir)` callable that stages below `packer`
-    (e.g. shuffle) receive, so they never import the executor layer. `--logging-dir` given by
-    the user holds one subfolder per job name. `.chain([(step, tasks, job_name, logging_dir), ...])`
-    runs dependent passes (see `run_steps`)."""
+def pass_runner(config: ExecutorConfig):
+    """The `run_passes([(step, tasks, job_name, logging_dir), ...])` callable that stages below
+    `packer` (e.g. shuffle) receive, so they never import the executor layer: it runs dependent
+    passes in order (see `run_steps`). A logging dir in `config` holds one subfolder per job."""
 
-    def where(job_name: str, logging_dir: str | Path) -> str:
-        return join_path(config.logging_dir, job_name) if config.logging_dir else str(logging_dir)
+    def run_passes(passes: list[tuple]) -> None:
+        run_steps([(step, tasks, job_name, join_path(config.logging_dir, job_name) if config.logging_dir
+                    else str(logging_dir)) for step, tasks, job_name, logging_dir in passes], config)
 
-    def run(step, tasks: int, job_name: str, logging_dir: str | Path) -> None:
-        run_step(step, tasks, config, where(job_name, logging_dir), job_name)
-
-    def chain(stages: list[tuple]) -> None:
-        run_steps([(s, t, j, where(j, d)) for s, t, j, d in stages], config)
-
-    run.chain = chain
-    run.config = config
-    return run
+    return run_passes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -488,62 +460,30 @@ def _fs_and_path(url: str):
     return url_to_fs(url)
 
 
-def _split_weight(arg: str) -> tuple[str, str]:
-    """'SOURCE=WEIGHT' -> ('SOURCE', '=WEIGHT'); a '=' that is not followed by a number stays.
-    A number is what shuffle takes as a weight for a local source: 0.3, 2, 1/3 (a Fraction)."""
-    head, sep, tail = arg.rpartition("=")
-    if sep:
-        try:
-            Fraction(tail.strip())
-            return head, sep + tail
-        except ZeroDivisionError:  # a weight, if not a valid one: shuffle says so
-            return head, sep + tail
-        except ValueError:
-            pass
-    return arg, ""
+@contextlib.contextmanager
+def local_paths(inputs: list[str], output: str):
+    """Yields (inputs, output) as local paths: `file://` URLs become paths; other fsspec URLs are
+    staged through a local work folder (TOKPACK_STAGE_DIR or the system temp dir): inputs are
+    downloaded first, and the output is uploaded when the body completes."""
+    staging = None
 
+    def folder() -> str:
+        nonlocal staging
+        staging = staging or tempfile.mkdtemp(prefix="tokpack-stage-", dir=os.environ.get("TOKPACK_STAGE_DIR"))
+        return staging
 
-def with_local_paths(fn):
-    """Decorator for a CLI command: `file://` URLs in `inputs`/`sources`/`output` become local
-    paths; other fsspec URLs are staged through a local work folder (TOKPACK_STAGE_DIR or the
-    system temp dir): inputs are downloaded first, the output is uploaded after the command."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kw):
-        staging = None
-        upload = None
-        try:
-            for key in ("inputs", "sources"):
-                if key not in kw:
-                    continue
-                paths = []
-                for arg in kw[key]:
-                    path, weight = _split_weight(arg) if key == "sources" else (arg, "")
-                    local = local_path(path)
-                    if local is None:
-                        staging = staging or tempfile.mkdtemp(prefix="tokpack-stage-",
-                                                              dir=os.environ.get("TOKPACK_STAGE_DIR"))
-                        local = stage_in(path, staging)
-                    paths.append(local + weight)
-                kw[key] = tuple(paths)
-            if kw.get("output") is not None:
-                local = local_path(kw["output"])
-                if local is None:
-                    staging = staging or tempfile.mkdtemp(prefix="tokpack-stage-",
-                                                          dir=os.environ.get("TOKPACK_STAGE_DIR"))
-                    upload = (os.path.join(staging, "out"), kw["output"])
-                    _download_if_exists(kw["output"], upload[0])  # resume or extend an existing run
-                    local = upload[0]
-                kw["output"] = local
-            result = fn(*args, **kw)
-            if upload:
-                stage_out(*upload)
-            return result
-        finally:
-            if staging:
-                shutil.rmtree(staging, ignore_errors=True)
-
-    return wrapper
+    try:
+        local_inputs = [local_path(p) or stage_in(p, folder()) for p in inputs]
+        local_output = local_path(output)
+        if local_output is None:
+            local_output = os.path.join(folder(), "out")
+            _download_if_exists(output, local_output)  # resume or extend an existing run
+        yield local_inputs, local_output
+        if local_path(output) is None:
+            stage_out(local_output, output)
+    finally:
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _download_if_exists(url: str, dest: str) -> None:

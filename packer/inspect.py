@@ -19,6 +19,7 @@ Document lengths come from the sources' `.ds.index` files, streamed in blocks.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ import numpy as np
 from formats.errors import TokpackError
 from formats.manifest import dtype_from_name, epoch_dir_name, progress, read_manifest
 from formats.shards import U64, PackedSource
+from packer.api import Result, optional_field
 
 DEFAULT_BATCH_SIZE = 64
 INDEX_BLOCK = 1 << 20  # index entries read at a time when streaming document lengths
@@ -339,9 +341,24 @@ def _share_text(r: dict) -> str:
     return f"{r['name']} {r['share']:.1%} ({r['samples']:,} samples, chain pass {span})"
 
 
+@dataclass
+class InspectResult(Result):
+    """What `inspect --json` prints."""
+
+    kind: str  # source, run or epoch
+    path: str
+    batch_size: int
+    unreachable_sources: list[str] | None = optional_field()  # named by the epochs, not found: no document statistics
+    totals: dict = field(default_factory=dict)
+    epochs: list[dict] | None = optional_field()  # each epoch's samples and sources' shares
+    document_lengths: dict | None = optional_field()
+    batch_diversity: dict | None = optional_field()  # before and after the shuffle
+    plot: str | None = optional_field()
+
+
 def inspect(directory, *, batch_size: int | None = None, batches: int = 64, plot: str | None = None,
-            seq_len: int | None = None, epoch: int | None = None) -> dict:
-    """Report on a source, a run or an epoch (dict with "lines" for humans). For a run, the
+            seq_len: int | None = None, epoch: int | None = None) -> InspectResult:
+    """Report on a source, a run or an epoch. For a run, the
     batch analysis uses `epoch` (default: the first listed); a packed source alone needs
     `seq_len` for it."""
     directory = Path(directory)
@@ -351,40 +368,60 @@ def inspect(directory, *, batch_size: int | None = None, batches: int = 64, plot
     kind = manifest["kind"]
     batch = batch_size or DEFAULT_BATCH_SIZE
     report: dict = {"kind": kind, "path": str(directory), "batch_size": batch}
-    lines = [f"{kind} {directory}"]
 
     epochs = _epochs_of(directory, manifest)
     chosen = next((x for x in epochs if epoch is None or x[0] == epoch), None)
     if epochs and chosen is None:
         raise TokpackError("epoch not in this run", file=directory, where="--epoch",
                            expected=[e for e, _, _ in epochs], found=epoch)
-    sources = _sources_of(directory, manifest, epochs, report, lines)
-    report["totals"] = _totals(manifest, epochs, sources, lines)
+    sources = _sources_of(directory, manifest, epochs, report)
+    report["totals"] = _totals(manifest, epochs, sources)
     if epochs:
-        report["epochs"] = _epoch_shares(epochs, lines)
+        report["epochs"] = _epoch_shares(epochs)
 
     hist = document_lengths(sources) if sources else None
     if hist is not None:
-        dl = report["document_lengths"] = hist.report()
+        report["document_lengths"] = hist.report()
+
+    L = report["totals"]["seq_len"] if kind != "source" else seq_len
+    if L is not None:
+        diversity = _batch_diversity(sources, chosen, int(L), batch, batches)
+        if diversity:
+            report["batch_diversity"] = diversity
+    if plot is not None:
+        write_plot(plot, report, hist)
+        report["plot"] = str(plot)
+    return InspectResult(**report)
+
+
+def report_lines(r: InspectResult) -> list[str]:
+    """The report for humans."""
+    lines = [f"{r.kind} {r.path}"]
+    if r.unreachable_sources:
+        lines.append(f"  sources not reachable (no document statistics): {', '.join(r.unreachable_sources)}")
+    t = r.totals
+    if r.kind == "source":
+        lines.append(f"  tokens {t['tokens']:,}  documents {t['documents']:,}  shards {t['shards']}")
+    else:
+        lines.append(f"  epochs {t['epochs']}  samples {t['samples']:,}  tokens {t['tokens']:,}  "
+                     f"shards {t['shards']}  seq_len {t['seq_len']}")
+        if "source_tokens" in t:
+            lines.append(f"  sources: {t['sources']}, {t['source_tokens']:,} tokens, {t['source_documents']:,} documents")
+    for e in r.epochs or []:
+        lines.append(f"  epoch {e['epoch']}: {e['samples']:,} samples; " + ", ".join(_share_text(s) for s in e["sources"]))
+    dl = r.document_lengths
+    if dl is not None:
         lines.append(f"  document length: mean {dl.get('mean')}  "
                      + "  ".join(f"{k} {v:g}" for k, v in dl.get("quantiles", {}).items()) + f"  max {dl.get('max')}"
                      + (f"  (sampled: {dl['documents']:,} of {dl['sampled_from_documents']:,} documents)"
                         if "sampled_from_documents" in dl else ""))
-
-    L = report["totals"]["seq_len"] if kind != "source" else seq_len
-    if L is None:
+    if r.batch_diversity is None and (r.kind == "source" or t.get("seq_len") is None):
         lines.append("  batch diversity: pass --seq-len to see it for a packed source")
-    else:
-        diversity = _batch_diversity(sources, chosen, int(L), batch, batches)
-        if diversity:
-            report["batch_diversity"] = diversity
-            lines += _diversity_lines(diversity, batch)
-    if plot is not None:
-        write_plot(plot, report, hist)
-        report["plot"] = str(plot)
-        lines.append(f"  plot written to {plot}")
-    report["lines"] = lines
-    return report
+    elif r.batch_diversity:
+        lines += _diversity_lines(r.batch_diversity, r.batch_size)
+    if r.plot is not None:
+        lines.append(f"  plot written to {r.plot}")
+    return lines
 
 
 def _epochs_of(directory: Path, manifest: dict) -> list[tuple[int, Path, dict]]:
@@ -397,7 +434,7 @@ def _epochs_of(directory: Path, manifest: dict) -> list[tuple[int, Path, dict]]:
     return []
 
 
-def _sources_of(directory: Path, manifest: dict, epochs, report: dict, lines: list[str]) -> list[PackedSource]:
+def _sources_of(directory: Path, manifest: dict, epochs, report: dict) -> list[PackedSource]:
     """The packed sources to read: the directory itself, or every source the epochs name
     (all or none: statistics over part of a mixture would mislead)."""
     if manifest["kind"] == "source":
@@ -408,16 +445,14 @@ def _sources_of(directory: Path, manifest: dict, epochs, report: dict, lines: li
     missing = [str(e.get("name") or e.get("path")) for e, s in zip(entries, opened) if s is None]
     if missing:
         report["unreachable_sources"] = missing
-        lines.append(f"  sources not reachable (no document statistics): {', '.join(missing)}")
         return []
     return opened
 
 
-def _totals(manifest: dict, epochs, sources: list[PackedSource], lines: list[str]) -> dict:
+def _totals(manifest: dict, epochs, sources: list[PackedSource]) -> dict:
     if manifest["kind"] == "source":
         totals = {"tokens": int(manifest["tokens"]), "documents": int(manifest["documents"]),
                   "shards": len(manifest.get("shards") or [])}
-        lines.append(f"  tokens {totals['tokens']:,}  documents {totals['documents']:,}  shards {totals['shards']}")
         return totals
     totals = {
         "epochs": [e for e, _, _ in epochs],
@@ -426,17 +461,14 @@ def _totals(manifest: dict, epochs, sources: list[PackedSource], lines: list[str
         "shards": sum(len(m.get("shards") or []) for _, _, m in epochs),
         "seq_len": int(epochs[0][2]["seq_len"]) if epochs else manifest.get("seq_len"),
     }
-    lines.append(f"  epochs {totals['epochs']}  samples {totals['samples']:,}  tokens {totals['tokens']:,}  "
-                 f"shards {totals['shards']}  seq_len {totals['seq_len']}")
     if sources:
         totals["source_documents"] = sum(int(s.manifest["documents"]) for s in sources)
         totals["source_tokens"] = sum(s.tokens for s in sources)
-        lines.append(f"  sources: {len(sources)}, {totals['source_tokens']:,} tokens, "
-                     f"{totals['source_documents']:,} documents")
+        totals["sources"] = len(sources)
     return totals
 
 
-def _epoch_shares(epochs, lines: list[str]) -> list[dict]:
+def _epoch_shares(epochs) -> list[dict]:
     """Each epoch's sources and their share of its samples, from the epoch manifests."""
     shares = []
     for e, _, m in epochs:
@@ -445,7 +477,6 @@ def _epoch_shares(epochs, lines: list[str]) -> list[dict]:
                 "share": round(int(s.get("samples", 0)) / n, 6) if n else 0.0, "weight": s.get("weight"),
                 "first_pass": s.get("first_pass"), "passes": s.get("passes")} for s in m.get("sources") or []]
         shares.append({"epoch": e, "samples": n, "dropped_tokens": m.get("dropped_tokens"), "sources": row})
-        lines.append(f"  epoch {e}: {n:,} samples; " + ", ".join(_share_text(r) for r in row))
     return shares
 
 

@@ -398,17 +398,13 @@ def _bytes_to_write(files: list[InputFile], out_dtype: np.dtype) -> int:
 def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: str | None = None,
          dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
          vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30, log=None,
-         workers: int = 1, executor: str = "local", tasks: int | None = None, logging_dir: str | None = None,
-         partition: str | None = None, time_limit: str = "24:00:00", cpus_per_task: int = 1,
-         mem_per_cpu_gb: float = 2, sbatch_args: str | None = None, ray_address: str | None = None,
-         block_bytes: int = BLOCK_BYTES) -> dict:
-    """Packs INPUTs into one packed source at `output`; returns the summary `--json` prints."""
+         config: ExecutorConfig | None = None, block_bytes: int = BLOCK_BYTES) -> dict:
+    """Packs local INPUTs into one packed source at the local `output`; returns the summary
+    `--json` prints (packer.api.pack takes URLs and returns it as a PackResult)."""
     t0 = time.perf_counter()
     say = log or (lambda msg: None)
     out = Path(output).absolute()
-    config = ExecutorConfig(workers=workers, executor=executor, tasks=tasks, logging_dir=logging_dir,
-                            partition=partition, time_limit=time_limit, cpus_per_task=cpus_per_task,
-                            mem_per_cpu_gb=mem_per_cpu_gb, sbatch_args=sbatch_args, ray_address=ray_address)
+    config = config or ExecutorConfig()
     if shard_tokens < 1:
         raise TokpackError("shard size must be positive", where="--shard-tokens", expected=">= 1", found=shard_tokens)
     if tokenizer is not None:

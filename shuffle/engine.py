@@ -1,6 +1,6 @@
 """The permutation engine: carries out an epoch plan into `OUT/epoch-NNNNN/`.
 
-Two paths, both datatrove `PipelineStep`s run through the injected `run_step`:
+Two paths, both datatrove `PipelineStep`s run through the injected `run_passes`:
 
 - in memory (the needed windows of every source fit `--memory`): one task maps each source
   shard read-only and reads it ahead in one sequential sweep (MADV_POPULATE_READ), computing
@@ -793,20 +793,6 @@ def run_in_process(step, tasks: int, job_name: str, logging_dir=None) -> None:
 # ---------------------------------------------------------------------- the run
 
 
-def parse_source_args(args: list[str]) -> tuple[list[str], list[str | None]]:
-    """SOURCE[=WEIGHT]: an argument naming an existing path is a path even if it holds '='."""
-    paths, weights = [], []
-    for arg in args:
-        if "=" in arg and not Path(arg).exists():
-            path, weight = arg.rsplit("=", 1)
-            paths.append(path)
-            weights.append(weight)
-        else:
-            paths.append(arg)
-            weights.append(None)
-    return paths, weights
-
-
 def open_sources(paths: list[str]) -> list[PackedSource]:
     sources = [PackedSource.open(p) for p in paths]
     first = sources[0]
@@ -1014,7 +1000,7 @@ def _source_check(job: EpochJob, layout: Layout | None):
         raise source_changed_error(record) from None
 
 
-def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, run_step, log) -> dict:
+def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, run_passes, log) -> dict:
     """Writes one epoch directory (all shards, then its manifest). Returns a summary."""
     plan = job.plan
     work = Path(job.work_dir)
@@ -1037,7 +1023,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
             if log:
                 log(f"epoch {plan.epoch}: {plan.samples} samples, in memory ({needed / 2**20:.1f} MiB of windows)")
             with _source_check(job, None):
-                run_step(InMemoryStep(job, memory), 1, f"{name}-inmemory", str(logs / "inmemory"))
+                run_passes([(InMemoryStep(job, memory), 1, f"{name}-inmemory", str(logs / "inmemory"))])
         else:
             budget = max(1, memory // workers)
             layout = make_layout(job, budget, tasks or workers)
@@ -1055,11 +1041,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
                     shutil.rmtree(layout.dir)
             try:
                 with _source_check(job, layout):
-                    if hasattr(run_step, "chain"):  # e.g. Slurm: both passes queued at once, order after scatter
-                        run_step.chain(passes)
-                    else:
-                        for step in passes:
-                            run_step(*step)
+                    run_passes(passes)  # on Slurm both passes are queued at once, order after scatter
             finally:
                 for step, *_ in passes:
                     step.close_bar()
@@ -1099,6 +1081,7 @@ def shuffle_run(
     sources: list[str],
     output: str,
     *,
+    weights: list[str | None] | None = None,
     seq_len: int,
     seed: int,
     epochs: list[int],
@@ -1110,19 +1093,22 @@ def shuffle_run(
     log=None,
     workers: int = 1,
     tasks: int | None = None,
-    run_step=None,
+    run_passes=None,
     progress: bool | None = None,
 ) -> dict:
     """Writes OUT/epoch-NNNNN/ for each epoch (skipping complete identical ones) and the run
     manifest. `memory` is the total budget: the out-of-core path gives each of `workers`
     concurrent tasks memory // workers. `progress`: tqdm bars on stderr (default: when it is a
-    terminal and TOKPACK_PROGRESS is not 0). Returns a summary dict, with per-source counts of
-    every epoch written and a warning per source an epoch repeats windows of."""
+    terminal and TOKPACK_PROGRESS is not 0). `weights`: one per source, as given ("0.25", "1/3"),
+    or None. `run_passes([(step, tasks, job_name, logging_dir), ...])` runs dependent passes in
+    order (default: here, in this process). Returns a summary dict, with per-source counts of
+    every epoch written and a warning per source an epoch repeats windows of (packer.api.shuffle
+    takes URLs and returns it as a ShuffleResult)."""
     t0 = time.perf_counter()
-    run_step = run_step or run_in_process
+    run_passes = run_passes or (lambda passes: [run_in_process(*p) for p in passes])
     if progress is None:
         progress = sys.stderr.isatty() and os.environ.get("TOKPACK_PROGRESS", "1") != "0"
-    paths, weights = parse_source_args(list(sources))
+    paths, weights = list(sources), list(weights or [None] * len(sources))
     opened = open_sources(paths)
     out = Path(output)
     first = opened[0].manifest
@@ -1179,7 +1165,7 @@ def shuffle_run(
             if log:
                 log(f"epoch {epoch}: already complete, skipped")
         else:
-            summary = run_epoch(job, memory=memory, workers=workers, tasks=tasks, run_step=run_step, log=log)
+            summary = run_epoch(job, memory=memory, workers=workers, tasks=tasks, run_passes=run_passes, log=log)
             summary["sources"] = plan.source_report()
             summaries.append(summary)
         done_epochs = sorted(set(done_epochs) | {epoch})

@@ -4,12 +4,13 @@ shuffle plan what each epoch must contain and compares sample multiset hashes.""
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from formats.errors import TokpackError
 from formats.manifest import MANIFEST
 from formats.shards import PackedSource
-from formats.validate import DirReport, Problem, ValidationReport, validate_dirs, worst_status
+from formats.validate import Problem, ValidationReport, validate_dirs, worst_status
 
 from .plan import expected_multiset_hash
 
@@ -85,18 +86,30 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def _status_line(d: DirReport, quick: bool) -> str:
-    what = d.kind or "directory"
-    if d.status == "ok":
-        return f"OK {what} {d.path} ({d.files} files, {_size(d.bytes)}{', quick' if quick else ''})"
-    n = len(d.problems)
-    return f"{d.status.upper()} {what} {d.path}: {n} problem{'s' * (n != 1)}"
+@dataclass
+class ValidateResult:
+    """What `validate --json` prints: `ok`, the gravest `status` ("ok", "corrupt", "incomplete",
+    "unverified"), each problem and each directory checked."""
+
+    ok: bool
+    status: str
+    quick: bool
+    problems: list[dict]  # Problem.to_json()
+    dirs: list[dict]  # path, kind, status, problems (a count), files, bytes
+    files: int
+    bytes: int
+    seconds: float
+    mb_per_s: float
+    against: list[str]
+
+    def to_json(self) -> dict:
+        return asdict(self)
 
 
 def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None = None, workers: int = 1,
-                 show_progress: bool | None = None) -> dict:
+                 show_progress: bool | None = None) -> ValidateResult:
     """Validates each directory (source, run or epoch); with `against`, also those sources and
-    every epoch's content through its plan. Returns the CLI report (see docs/FORMAT.md)."""
+    every epoch's content through its plan."""
     t0 = time.perf_counter()
     against = list(against or [])
     known = {Path(x).resolve() for x in dirs}
@@ -105,26 +118,36 @@ def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None
     extra_problems = _against(report, against) if against else []
     seconds = time.perf_counter() - t0
     problems = report.problems + extra_problems
-    status = worst_status(problems)
-    lines = [p.line() for p in problems]
-    lines += [_status_line(d, quick) for d in report.dirs]
-    lines.append(
-        f"{status.upper()}: {len(report.dirs)} director{'ies' if len(report.dirs) != 1 else 'y'}, "
-        f"{report.files} files, {_size(report.bytes)} in {seconds:.2f} s "
-        f"({report.bytes / 1e6 / max(seconds, 1e-9):.0f} MB/s), {len(problems)} problem{'s' * (len(problems) != 1)}"
-        + (", quick (no checksums, no token scan)" if quick else "")
-        + (f", against {len(against)} source(s)" if against else "")
+    return ValidateResult(
+        ok=not problems,
+        status=worst_status(problems),
+        quick=quick,
+        problems=[p.to_json() for p in problems],
+        dirs=[{"path": str(d.path), "kind": d.kind, "status": d.status, "problems": len(d.problems),
+               "files": d.files, "bytes": d.bytes} for d in report.dirs],
+        files=report.files,
+        bytes=report.bytes,
+        seconds=round(seconds, 4),
+        mb_per_s=round(report.bytes / 1e6 / max(seconds, 1e-9), 1),
+        against=against,
     )
-    return {
-        "ok": not problems,
-        "status": status,
-        "quick": quick,
-        "problems": [p.to_json() for p in problems],
-        "dirs": [{"path": str(d.path), "kind": d.kind, "status": d.status, "problems": len(d.problems)}
-                 for d in report.dirs],
-        "files": report.files,
-        "bytes": report.bytes,
-        "seconds": round(seconds, 4),
-        "mb_per_s": round(report.bytes / 1e6 / max(seconds, 1e-9), 1),
-        "lines": lines,
-    }
+
+
+def report_lines(r: ValidateResult) -> list[str]:
+    """The report for humans: each problem, each directory's status, then the verdict."""
+    lines = [f"{p['severity'].upper()} " + str(TokpackError(p["message"], file=p["file"], where=p["where"],
+                                                          expected=p["expected"], found=p["found"], hint=p["hint"]))
+             for p in r.problems]
+    for d in r.dirs:
+        what = d["kind"] or "directory"
+        n = d["problems"]
+        lines.append(f"OK {what} {d['path']} ({d['files']} files, {_size(d['bytes'])}{', quick' if r.quick else ''})"
+                     if d["status"] == "ok" else f"{d['status'].upper()} {what} {d['path']}: {n} problem{'s' * (n != 1)}")
+    n = len(r.problems)
+    lines.append(
+        f"{r.status.upper()}: {len(r.dirs)} director{'ies' if len(r.dirs) != 1 else 'y'}, "
+        f"{r.files} files, {_size(r.bytes)} in {r.seconds:.2f} s ({r.mb_per_s:.0f} MB/s), {n} problem{'s' * (n != 1)}"
+        + (", quick (no checksums, no token scan)" if r.quick else "")
+        + (f", against {len(r.against)} source(s)" if r.against else "")
+    )
+    return lines

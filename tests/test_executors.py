@@ -105,7 +105,7 @@ KILLER = textwrap.dedent(
     import os, signal, sys
     sys.path.insert(0, {root!r})
     from datatrove.pipeline.base import PipelineStep
-    from packer.executors import ExecutorConfig, step_runner
+    from packer.executors import ExecutorConfig, pass_runner
     from shuffle.engine import shuffle_run
 
     class KillMidway(PipelineStep):
@@ -127,13 +127,14 @@ KILLER = textwrap.dedent(
             return self.step.run(data, rank, world_size)
 
     # datatrove's LocalPipelineExecutor with one worker runs in this process: the kill takes the driver down too
-    inner = step_runner(ExecutorConfig(workers=1, in_process=False))
+    inner = pass_runner(ExecutorConfig(workers=1, in_process=False))
 
-    def run_step(step, tasks, job_name, logging_dir):
-        inner(KillMidway(step) if job_name.endswith("-order") else step, tasks, job_name, logging_dir)
+    def run_passes(passes):
+        inner([(KillMidway(step) if job_name.endswith("-order") else step, tasks, job_name, logging_dir)
+               for step, tasks, job_name, logging_dir in passes])
 
     shuffle_run([{src!r}], {out!r}, seq_len=63, seed=3, epochs=[0], shard_samples=100, memory=64 << 10,
-                workers=2, tasks=5, run_step=run_step)
+                workers=2, tasks=5, run_passes=run_passes)
     """
 )
 
@@ -272,11 +273,12 @@ def test_forked_workers_do_not_share_buffers(source, reference, tmp_path):
 
     from shuffle.engine import shuffle_run
 
-    def forked(step, tasks, job_name, logging_dir):
-        LocalPipelineExecutor([step], tasks=tasks, workers=2, logging_dir=str(logging_dir),
-                              start_method="fork").run()
+    def forked(passes):
+        for step, tasks, job_name, logging_dir in passes:
+            LocalPipelineExecutor([step], tasks=tasks, workers=2, logging_dir=str(logging_dir),
+                                  start_method="fork").run()
 
     cli("shuffle", source, "-o", tmp_path / "warm", *SHUFFLE)  # fills this process's buffers
     shuffle_run([str(source)], str(tmp_path / "run"), seq_len=63, seed=3, epochs=[0], samples=None, tokens=None,
-                shard_samples=100, memory=64 << 10, jitter=False, workers=2, tasks=5, run_step=forked)
+                shard_samples=100, memory=64 << 10, jitter=False, workers=2, tasks=5, run_passes=forked)
     assert tree(tmp_path / "run") == reference

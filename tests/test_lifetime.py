@@ -188,13 +188,12 @@ APP = textwrap.dedent(
     logger.remove()
     app_sink = logger.add(received.append, format="{{message}}")
 
-    from packer.executors import ExecutorConfig, step_runner
-    from shuffle.engine import shuffle_run
+    from packer import ExecutorConfig, shuffle
 
     if __name__ == "__main__":  # the forkserver imports this file too
         for n, config in enumerate([ExecutorConfig(workers=1, in_process=False), ExecutorConfig(workers=2)]):
-            shuffle_run([{src!r}], f"{out}-{{n}}", seq_len=63, seed=3, epochs=[0], shard_samples=1000,
-                        memory=64 << 10, run_step=step_runner(config))
+            shuffle([{src!r}], f"{out}-{{n}}", seq_len=63, seed=3, epochs=[0], shard_samples=1000,
+                    memory=64 << 10, executor=config)
             logger.info(f"application message {{n}}")
         handlers = sorted(logger._core.handlers)
         print(repr(received))

@@ -5,6 +5,7 @@ and every bad-input case of issue 2 through the CLI."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -20,9 +21,10 @@ from hypothesis import strategies as st
 from conftest import EOS_TOKEN, generate_texts, random_docs, require
 from formats.manifest import MANIFEST
 from formats.shards import PackedSource
-from packer import pack as pack_mod
 from packer.cli import main
 from packer.pack import pack
+
+pack_mod = importlib.import_module("packer.pack")  # `packer.pack` names the API function
 
 MEGATRON_CORE = "pip install -e '.[test]' installs megatron-core"
 SMALL_BLOCK = 512  # bytes: forces many blocks per file, so block seams are exercised
@@ -693,8 +695,6 @@ def test_bad_input_is_one_line_and_no_output(case, corpus, tmp_path):
 
 def test_missing_optional_module_is_one_line(monkeypatch, tmp_path):
     """A dependency missing at run time is named with the install hint, exit 1, no traceback."""
-    import packer.pack as pack_mod
-
     def needs_tokenizers(*args, **kwargs):
         raise ModuleNotFoundError("No module named 'tokenizers'", name="tokenizers")
 

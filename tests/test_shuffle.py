@@ -173,7 +173,7 @@ def test_windows_spanning_several_shards(tmp_path):
 def test_weighted_epoch_matches_plan_and_expected_hash(sources, tmp_path):
     big, small = sources
     out = tmp_path / "out"
-    shuffle_run([f"{big}=0.25", f"{small}=0.75"], str(out), seq_len=L, seed=9, epochs=[0, 1], samples=1000,
+    shuffle_run([str(big), str(small)], str(out), weights=["0.25", "0.75"], seq_len=L, seed=9, epochs=[0, 1], samples=1000,
                 memory=8000, shard_samples=128)
     srcs = [PackedSource.open(big), PackedSource.open(small)]
     wins = [source_windows(big), source_windows(small)]
@@ -209,8 +209,8 @@ def test_jitter_shifts_windows_per_epoch(sources, tmp_path):
 
 def test_bytes_identical_for_workers_memory_and_path(sources, tmp_path):
     big, small = sources
-    args = ([f"{big}=1", f"{small}=2"],)
-    kw = dict(seq_len=L, seed=11, epochs=[0, 1], samples=900, shard_samples=70)
+    args = ([str(big), str(small)],)
+    kw = dict(weights=["1", "2"], seq_len=L, seed=11, epochs=[0, 1], samples=900, shard_samples=70)
     variants = {
         "inmem": dict(memory=1 << 30, workers=1),
         "ooc-w1": dict(memory=9000, workers=1),

@@ -193,8 +193,8 @@ def test_weights_equal_as_ratios_add_an_epoch(sources, tmp_path):
     web, code = sources
     kw = dict(seq_len=L, seed=2, samples=600, memory=1 << 30, shard_samples=200)
     full, part = tmp_path / "full", tmp_path / "part"
-    shuffle_run([f"{web}=7", f"{code}=3"], str(full), epochs=[0, 1], **kw)
-    shuffle_run([f"{web}=7", f"{code}=3"], str(part), epochs=[0], **kw)
+    shuffle_run([str(web), str(code)], str(full), weights=["7", "3"], epochs=[0, 1], **kw)
+    shuffle_run([str(web), str(code)], str(part), weights=["7", "3"], epochs=[0], **kw)
     r = cli("shuffle", f"{web}=0.7", f"{code}=0.3", "-o", part, "--seq-len", L, "--seed", 2, "--epoch", 1,
             "--samples", 600, "--shard-samples", 200)
     assert r.returncode == 0, r.stderr

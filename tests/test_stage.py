@@ -32,7 +32,7 @@ def make_run(out: Path, source: Path, seq_len: int, shard_samples: int, epochs: 
     from shuffle.engine import shuffle_run
 
     shuffle_run([str(source)], str(out), seq_len=seq_len, seed=seed, epochs=list(range(epochs)), samples=None,
-                tokens=None, shard_samples=shard_samples, memory=8 << 20, jitter=False, log=None, run_step=None)
+                tokens=None, shard_samples=shard_samples, memory=8 << 20, jitter=False, log=None)
     return out
 
 
@@ -80,9 +80,9 @@ def test_stage_run_copies_listed_files_only_and_manifests(run_dir, tmp_path):
     got = tree(tmp_path / "dst")
     assert set(got) == listed_files(run)
     assert all(got[k] == (run / k).read_bytes() for k in got)
-    from shuffle.verify import validate_all
+    from packer import validate
 
-    assert validate_all([str(tmp_path / "dst")])["ok"]
+    assert validate(tmp_path / "dst").ok
 
 
 def test_resume_skips_verified_and_replaces_corrupt(small_source, tmp_path):
@@ -120,13 +120,13 @@ def test_corrupt_source_fails_and_leaves_no_manifest(small_source, tmp_path):
 
 def test_interrupted_copy_leaves_incomplete_dest(small_source, tmp_path, monkeypatch):
     """A crash mid-stage: no manifest at DEST, so nothing can take the copy for complete."""
-    from packer import stage as stage_mod
+    from packer.stage import _Stager
 
     src, _ = small_source
     dst = tmp_path / "dst"
     stage(src, dst)
     calls = {"n": 0}
-    real = stage_mod._Stager._copy
+    real = _Stager._copy
 
     def crash_on_second(self, rel, tmp):
         calls["n"] += 1
@@ -136,7 +136,7 @@ def test_interrupted_copy_leaves_incomplete_dest(small_source, tmp_path, monkeyp
 
     (dst / "00000.ds").write_bytes(b"x")  # forces a rewrite, which must first retract the manifest
     (dst / "00001.ds").write_bytes(b"y")
-    monkeypatch.setattr(stage_mod._Stager, "_copy", crash_on_second)
+    monkeypatch.setattr(_Stager, "_copy", crash_on_second)
     with pytest.raises(KeyboardInterrupt):
         stage(src, dst, workers=1)
     assert not (dst / MANIFEST).exists()
@@ -255,9 +255,9 @@ def test_stage_ranks_copies_only_their_shards(run_dir, tmp_path):
             needed = any((p % period) // micro in ranks for p in positions if p < total // period * period)
             assert (dst / epoch_dir_name(e) / s["path"]).exists() == needed
             chained += s["samples"]
-    from shuffle.verify import validate_all
+    from packer import validate
 
-    report = validate_all([str(dst)])
+    report = validate(dst).to_json()
     assert not report["ok"]  # a partial copy never passes for the whole run...
     # ...and says so in one line, while the shards it holds are still checked in full.
     assert [p["message"] for p in report["problems"]] == ["partial stage: serves only the ranks it was staged for"]

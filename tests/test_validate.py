@@ -18,11 +18,18 @@ from hypothesis import strategies as st
 from formats.manifest import MANIFEST, TMP_MARK, hash_hex64, xxh3_128_file
 from formats.shards import EpochShardWriter
 from formats.validate import validate_dirs
-from shuffle.verify import validate_all
+from shuffle.verify import report_lines
+from shuffle.verify import validate_all as validate_result
 from tests.conftest import random_docs, write_source
 
 VOCAB, EOS, SEQ_LEN, SHARD_SAMPLES = 1000, 0, 15, 8
 ROW = SEQ_LEN + 1
+
+
+def validate_all(*args, **kw) -> dict:
+    """The result as `--json` prints it, and the lines the command prints for humans."""
+    result = validate_result(*args, **kw)
+    return {**result.to_json(), "lines": report_lines(result)}
 
 
 def make_run(src: Path, out: Path, seed: int, epochs: list[int]) -> Path:
@@ -409,8 +416,8 @@ def test_real_pack_and_weighted_jittered_shuffle_validate(tmp_path):
         json.dumps({"input_ids": rng.integers(1, VOCAB, int(rng.integers(1, 90))).tolist()}) + "\n" for _ in range(150)))
     pack([str(tmp_path / "in.jsonl")], str(tmp_path / "a"), eos_id=EOS, vocab_size=VOCAB, shard_tokens=2500)
     write_source(tmp_path / "b", random_docs(np.random.default_rng(6), 20, VOCAB, EOS, max_len=60), vocab_size=VOCAB)
-    sources = [str(tmp_path / "a") + "=0.3", str(tmp_path / "b") + "=0.7"]
-    shuffle_run(sources, str(tmp_path / "run"), seq_len=SEQ_LEN, seed=4, epochs=[0, 1, 2], samples=300,
+    sources = [str(tmp_path / "a"), str(tmp_path / "b")]
+    shuffle_run(sources, str(tmp_path / "run"), weights=["0.3", "0.7"], seq_len=SEQ_LEN, seed=4, epochs=[0, 1, 2], samples=300,
                 tokens=None, shard_samples=40, memory=1 << 20, jitter=True, log=None)
     dirs = [str(tmp_path / x) for x in ("a", "b", "run")]
     r = validate_all(dirs, quick=False, against=dirs[:2], workers=2, show_progress=False)
@@ -432,7 +439,7 @@ def test_against_one_source_of_a_mixed_run_is_unverified_not_corrupt(tmp_path):
 
     web = write_source(tmp_path / "web", random_docs(np.random.default_rng(1), 60, VOCAB, EOS), vocab_size=VOCAB)
     code = write_source(tmp_path / "code", random_docs(np.random.default_rng(2), 40, VOCAB, EOS), vocab_size=VOCAB)
-    shuffle_run([f"{web}=0.7", f"{code}=0.3"], str(tmp_path / "run"), seq_len=SEQ_LEN, seed=1, epochs=[0, 1],
+    shuffle_run([str(web), str(code)], str(tmp_path / "run"), weights=["0.7", "0.3"], seq_len=SEQ_LEN, seed=1, epochs=[0, 1],
                 samples=200, tokens=None, shard_samples=50, memory=1 << 20, jitter=False, log=None)
     code_fp = load(code)["fingerprint"]
     cmd = [sys.executable, "-m", "packer.cli", "validate", str(tmp_path / "run"), "--against", str(web)]

@@ -1,0 +1,188 @@
+"""tokpack's Python API (docs/API.md): `pack`, `shuffle`, `validate`, `stage`, `inspect`.
+
+Each takes paths or fsspec URLs and returns a dataclass holding the facts the command prints
+under `--json` (`to_json()`), and no text for humans. This module imports no heavy dependency:
+the stages are imported when called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+PathLike = str | Path
+
+
+@dataclasses.dataclass
+class ExecutorConfig:
+    """How and where tasks run: here (local) or through datatrove's Slurm or Ray executor."""
+
+    workers: int = 1  # local: worker processes; slurm/ray: cap on concurrent tasks when > 1 (1 = no cap)
+    executor: str = "local"  # local | slurm | ray
+    tasks: int | None = None  # override of the natural task count
+    logging_dir: str | None = None  # datatrove logging dir; default inside the output's work folder
+    partition: str | None = None  # slurm partition; None = the cluster's default partition
+    time_limit: str = "24:00:00"  # slurm time limit
+    cpus_per_task: int = 1  # slurm and ray: CPUs reserved per task
+    mem_per_cpu_gb: float = 2  # slurm and ray: memory reserved per CPU, GB
+    sbatch_args: str | None = None  # slurm: extra sbatch arguments, "key=value,key=value"
+    ray_address: str | None = None  # ray: existing cluster, or None for a local one
+    in_process: bool = True  # local, one worker, no logging dir: run the ranks here (False: datatrove's executor)
+    poll_seconds: float = 5.0  # slurm: longest pause between two looks at the markers and the queue
+
+
+class Result:
+    """A command's result. `to_json()` is what `--json` prints: the fields, less the optional
+    ones (metadata optional=True) that are None."""
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if not (f.metadata.get("optional") and getattr(self, f.name) is None)}
+
+
+def optional_field():
+    return dataclasses.field(default=None, metadata={"optional": True})
+
+
+@dataclasses.dataclass
+class PackResult(Result):
+    output: str
+    status: str  # "packed" or "already complete"
+    format: str
+    inputs: int
+    tokens: int
+    documents: int
+    shards: int
+    bytes: int
+    input_bytes: int
+    seconds: float
+    mb_per_s: float | None
+    dtype: str
+    vocab_size: int
+    eos_id: int
+    eos_appended: int
+    empty_documents_dropped: int
+    fingerprint: str
+    warnings: list[str]
+
+
+@dataclasses.dataclass
+class ShuffleResult(Result):
+    output: str
+    epochs: list[int]  # every epoch the run holds
+    written: list[int]
+    skipped: list[int]  # complete already
+    samples_per_epoch: int
+    seq_len: int
+    shard_samples: int
+    path: str  # "in-memory", "out-of-core", both, or "none"
+    seconds: float
+    epochs_detail: list[dict]  # per epoch written: path, samples, shards, hash, per-source counts
+    warnings: list[str]  # one per source an epoch repeats windows of
+
+
+@dataclasses.dataclass
+class StageResult(Result):
+    ok: bool
+    kind: str
+    source: str
+    dest: str
+    epochs: list[int] | None
+    files: int
+    copied_files: int
+    skipped_files: int
+    bytes_copied: int
+    bytes_verified_in_place: int
+    seconds: float
+    mib_per_s: float | None
+    partial: bool
+    ranks: list[int] | None = optional_field()
+    world_size: int | None = optional_field()
+    micro_batch: int | None = optional_field()
+    shards_skipped: int | None = optional_field()
+    shards_total: int | None = optional_field()
+
+
+def _paths(inputs: PathLike | Sequence[PathLike]) -> list[str]:
+    return [str(inputs)] if isinstance(inputs, (str, Path)) else [str(p) for p in inputs]
+
+
+def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_format: str = "auto",
+         column: str | None = None, dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
+         vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30,
+         executor: ExecutorConfig | None = None, log=None) -> PackResult:
+    """Packs tokenized inputs (files, folders or URLs) into one packed source at `output`."""
+    from packer.executors import local_paths
+    from packer.pack import pack as pack_source
+
+    with local_paths(_paths(inputs), str(output)) as (local_inputs, local_output):
+        summary = pack_source(local_inputs, local_output, input_format=input_format, column=column, dtype=dtype,
+                              tokenizer=tokenizer, eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite,
+                              shard_tokens=shard_tokens, config=executor or ExecutorConfig(), log=log)
+    return PackResult(**summary)
+
+
+def _weighted(sources) -> tuple[list[str], list[str | None]]:
+    """Paths and weights (as given, spelled as text: "0.25", "1/3") of `sources`: a path, a
+    sequence of paths or of (path, weight) pairs, or a mapping path -> weight."""
+    if isinstance(sources, (str, Path)):
+        sources = [sources]
+    items = sources.items() if isinstance(sources, Mapping) else [s if isinstance(s, tuple) else (s, None)
+                                                                  for s in sources]
+    paths, weights = [], []
+    for path, weight in items:
+        paths.append(str(path))
+        weights.append(None if weight is None else str(weight) if isinstance(weight, (str, numbers.Rational))
+                       else repr(float(weight)))
+    return paths, weights
+
+
+def shuffle(sources, output: PathLike, *, seq_len: int, seed: int, epochs: int | Sequence[int] = 1,
+            samples: int | None = None, tokens: int | None = None, shard_samples: int | None = None,
+            memory: int = 4 << 30, jitter: bool = False, executor: ExecutorConfig | None = None, log=None,
+            progress: bool | None = None) -> ShuffleResult:
+    """Writes globally shuffled epochs of `seq_len + 1` tokens from packed sources into the run
+    directory `output`. `sources`: a path or URL, a list of them, or a mapping path -> weight
+    (a number, or text such as "1/3"). `epochs`: a count (epochs 0..N-1) or the epoch numbers."""
+    from packer.executors import local_paths, pass_runner
+    from shuffle.engine import shuffle_run
+
+    config = executor or ExecutorConfig()
+    paths, weights = _weighted(sources)
+    with local_paths(paths, str(output)) as (local_sources, local_output):
+        summary = shuffle_run(local_sources, local_output, weights=weights, seq_len=seq_len, seed=seed,
+                              epochs=list(range(epochs)) if isinstance(epochs, int) else list(epochs),
+                              samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory,
+                              jitter=jitter, log=log, workers=config.workers, tasks=config.tasks,
+                              run_passes=pass_runner(config), progress=progress)
+    return ShuffleResult(**summary)
+
+
+def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
+             against: PathLike | Sequence[PathLike] = (), workers: int = 1, show_progress: bool | None = None):
+    """Checks tokpack directories (sources, runs, epochs); `against`: the packed sources an
+    epoch was shuffled from, to recompute its content. Returns a shuffle.verify.ValidateResult."""
+    from shuffle.verify import validate_all
+
+    return validate_all(_paths(dirs), quick=quick, against=_paths(against), workers=workers,
+                        show_progress=show_progress)
+
+
+def stage(directory: PathLike, dest: PathLike, *, workers: int = 4, epochs: str | None = None,
+          ranks: str | None = None, micro_batch: int = 1, log=None) -> StageResult:
+    """Copies a tokpack directory (any fsspec URL) to the local `dest`, verifying every file."""
+    from packer.stage import stage as stage_copy
+
+    return StageResult(**stage_copy(str(directory), dest, workers=workers, epochs=epochs, ranks=ranks,
+                                    micro_batch=micro_batch, log=log))
+
+
+def inspect(directory: PathLike, *, batch_size: int | None = None, batches: int = 64, plot: PathLike | None = None,
+            seq_len: int | None = None, epoch: int | None = None):
+    """What a source, run or epoch holds and the batch diversity before and after the shuffle.
+    Returns a packer.inspect.InspectResult."""
+    from packer.inspect import inspect as inspect_dir
+
+    return inspect_dir(directory, batch_size=batch_size, batches=batches, plot=plot, seq_len=seq_len, epoch=epoch)

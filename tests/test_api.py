@@ -1,0 +1,161 @@
+"""The Python API (`from packer import ...`, docs/API.md): typed inputs, dataclass results that
+hold what `--json` prints and no text for humans, URLs staged as on the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from conftest import random_docs, write_source
+from packer import ExecutorConfig, inspect, pack, shuffle, stage, validate
+from packer.api import PackResult, ShuffleResult, StageResult
+from packer.cli import main
+from packer.inspect import InspectResult
+from shuffle.verify import ValidateResult
+
+ROOT = Path(__file__).resolve().parent.parent
+VOCAB, EOS = 1000, 0
+TIMINGS = {"seconds", "mb_per_s", "mib_per_s"}  # differ between two runs of the same command
+
+
+def write_corpus(path: Path, n: int = 120, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    docs = random_docs(rng, n, VOCAB, EOS, max_len=200)
+    path.write_text("".join(json.dumps({"input_ids": d[d != EOS].tolist()}) + "\n" for d in docs))
+    return path
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def cli_json(*args) -> dict:
+    r = CliRunner().invoke(main, [*map(str, args), "--json"])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def untimed(d: dict) -> dict:
+    return {k: v for k, v in d.items() if k not in TIMINGS}
+
+
+@pytest.fixture
+def sources(tmp_path) -> tuple[Path, Path]:
+    a = write_source(tmp_path / "a", random_docs(np.random.default_rng(1), 80, VOCAB, EOS), vocab_size=VOCAB)
+    b = write_source(tmp_path / "b", random_docs(np.random.default_rng(2), 40, VOCAB, EOS), vocab_size=VOCAB)
+    return Path(a), Path(b)
+
+
+def test_docs_api_blocks_run(tmp_path, monkeypatch, capsys):
+    """Every python block of docs/API.md runs, in order, against a small corpus: the doc cannot drift."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "API.md").read_text(), re.S)
+    assert len(blocks) >= 7
+    write_corpus(tmp_path / "web.jsonl", seed=1)
+    write_corpus(tmp_path / "code.jsonl", n=60, seed=2)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/API.md", "exec"), namespace)
+    assert validate(["web", "code", "run", "mixed", "local-run"]).ok
+    assert capsys.readouterr().out.count("\n") >= 6
+
+
+def test_weights_as_numbers_mapping_and_cli_text_give_one_run(sources, tmp_path):
+    a, b = sources
+    kw = dict(seq_len=31, seed=4, epochs=2, samples=150, shard_samples=40)
+    by_mapping = shuffle({a: 3, b: 1}, tmp_path / "mapping", **kw)
+    by_pairs = shuffle([(str(a), "3"), (str(b), 1)], tmp_path / "pairs", **kw)
+    cli = cli_json("shuffle", f"{a}=3", f"{b}=1", "-o", tmp_path / "cli", "--seq-len", 31, "--seed", 4,
+                   "--epochs", 2, "--samples", 150, "--shard-samples", 40)
+    assert tree(tmp_path / "mapping") == tree(tmp_path / "pairs") == tree(tmp_path / "cli")
+    assert [s["weight"] for s in by_mapping.epochs_detail[0]["sources"]] == ["3", "1"]
+    for result, out in ((by_mapping, "mapping"), (by_pairs, "pairs")):
+        expected = {**untimed(cli), "output": str(tmp_path / out)}
+        assert untimed(result.to_json()) == expected
+    # a float weight is recorded as it reads: 0.75, not 3/4 or 0.75000000000000001
+    f = shuffle({a: 0.75, b: 0.25}, tmp_path / "float", **kw)
+    assert [s["weight"] for s in f.epochs_detail[0]["sources"]] == ["0.75", "0.25"]
+
+
+def test_executor_config_local_workers_same_bytes(sources, tmp_path):
+    a, _ = sources
+    kw = dict(seq_len=31, seed=2, epochs=[0, 1], shard_samples=30, memory=64 << 10)
+    one = shuffle(a, tmp_path / "one", **kw)
+    two = shuffle([a], tmp_path / "two", executor=ExecutorConfig(workers=2, tasks=3), **kw)
+    assert one.path == two.path == "out-of-core"
+    assert tree(tmp_path / "one") == tree(tmp_path / "two")
+
+
+def test_results_are_dataclasses_with_the_cli_json(sources, tmp_path):
+    """Each call returns its dataclass; its to_json() is what the command prints under --json,
+    with no 'lines' of human text inside."""
+    a, b = sources
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    packed = pack([corpus], tmp_path / "src", eos_id=EOS, vocab_size=VOCAB)
+    again = cli_json("pack", corpus, "-o", tmp_path / "src", "--eos-id", EOS, "--vocab-size", VOCAB)
+    assert untimed(again) == untimed({**packed.to_json(), "status": "already complete", "input_bytes": 0})
+
+    run = shuffle({a: 1, b: 1}, tmp_path / "run", seq_len=31, seed=3, epochs=1)
+    checked = validate([tmp_path / "run"], against=[a, b])
+    info = inspect(tmp_path / "run", batch_size=4, batches=3)
+    staged = stage(tmp_path / "run", tmp_path / "copy", epochs="0", ranks="1/2")
+    for result, kind in ((packed, PackResult), (run, ShuffleResult), (checked, ValidateResult),
+                         (info, InspectResult), (staged, StageResult)):
+        assert isinstance(result, kind) and dataclasses.is_dataclass(result)
+        assert "lines" not in result.to_json()
+        json.dumps(result.to_json())  # plain data only
+    assert staged.ranks == [1] and staged.world_size == 2
+
+    assert untimed(cli_json("validate", tmp_path / "run", "--against", a, "--against", b)) == untimed(checked.to_json())
+    assert cli_json("inspect", tmp_path / "run", "--batch-size", 4, "--batches", 3) == info.to_json()
+    assert "batch_diversity" in info.to_json() and "plot" not in info.to_json()  # optional facts: only when known
+    restaged = cli_json("stage", tmp_path / "run", tmp_path / "copy", "--epochs", "0", "--ranks", "1/2")
+    assert set(restaged) == set(staged.to_json()) and restaged["files"] == staged.files
+
+
+def test_urls_are_staged_from_python(tmp_path):
+    """pack and shuffle read and write fsspec URLs from Python as on the command line."""
+    import fsspec
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/api-test/in/corpus.jsonl", corpus.read_bytes())
+    try:
+        packed = pack("memory://api-test/in", "memory://api-test/src", eos_id=EOS, vocab_size=VOCAB)
+        run = shuffle("memory://api-test/src", "memory://api-test/run", seq_len=31, seed=1, epochs=1)
+        got = {f[len("/api-test/run/"):]: fs.cat(f) for f in fs.find("/api-test/run")}
+    finally:
+        fs.rm("/api-test", recursive=True)
+    pack([corpus], tmp_path / "src", eos_id=EOS, vocab_size=VOCAB)
+    shuffle(tmp_path / "src", tmp_path / "run", seq_len=31, seed=1, epochs=1)
+    local = tree(tmp_path / "run")
+    assert packed.tokens > 0 and run.written == [0]
+    assert set(got) == set(local) and all(got[k] == local[k] for k in local if k.endswith(".ds"))
+
+
+def test_import_packer_is_light():
+    """`import packer` gives the API without importing datatrove, torch or ray."""
+    code = ("import sys, packer; from packer import pack, shuffle, validate, stage, inspect, ExecutorConfig; "
+            "print(sorted(m for m in ('datatrove', 'torch', 'ray', 'numpy') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "[]"
+
+
+def test_api_names_survive_importing_the_modules():
+    """packer.pack, packer.stage and packer.inspect stay the API functions after their modules load."""
+    import importlib
+
+    import packer
+
+    module = importlib.import_module("packer.pack")
+    assert packer.pack is pack and callable(module.pack) and module.pack is not pack
+    importlib.import_module("packer.stage")
+    importlib.import_module("packer.inspect")
+    assert packer.stage is stage and packer.inspect is inspect
