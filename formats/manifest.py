@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import sys
 import uuid
 from pathlib import Path
@@ -117,10 +118,6 @@ def xxh3_128_file(path: str | Path, buf: bytearray | None = None) -> str:
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
-
-
-def xxh3_128_bytes(data) -> str:
-    return xxhash.xxh3_128_hexdigest(data)
 
 
 def row_hash(row) -> int:
@@ -326,19 +323,182 @@ def remove_tmp_files(directory: str | Path) -> None:
                 p.unlink(missing_ok=True)
 
 
-# ----------------------------------------------------------------------- manifests
+# ------------------------------------------------------------------ manifest fields
+
+# Every manifest kind's fields: name -> (type, required, where it appears, meaning). docs/FORMAT.md
+# shows these tables row for row (tests/test_format_doc.py holds them equal). Readers ignore
+# fields they do not know, so a newer writer may add optional ones.
+MANIFEST_FIELDS = {
+    "format": ("string", True, "source, epoch, run", '`"tokpack"`'),
+    "version": ("int", True, "source, epoch, run", "`1`; see the version rule"),
+    "kind": ("string", True, "source, epoch, run", '`"source"`, `"epoch"` or `"run"`'),
+    "dtype": ("string", True, "source, epoch, run", '`"uint16"` if `vocab_size <= 65536`, else `"uint32"`'),
+    "token_size": ("int >= 1", True, "source, epoch, run", "bytes per token: 2 or 4"),
+    "vocab_size": ("int >= 1", True, "source, epoch, run", "every token id is `< vocab_size`"),
+    "eos_id": ("int >= 0", True, "source, epoch, run", "the end-of-document token, `< vocab_size`"),
+    "tokenizer": ("string", True, "source, epoch, run", "a name or path, informative"),
+    "tokens": ("int >= 0", True, "source, epoch, run", "tokens in the shards (a run: in its written epochs)"),
+    "documents": ("int >= 0", True, "source", "documents (index entries) over the shards"),
+    "fragments": ("int >= 0", True, "epoch, run", "index entries over the shards (a run: its written epochs)"),
+    "fingerprint": ("hex32", True, "source", "the source's identity (see Checksums)"),
+    "shards": ("list", True, "source, epoch", "shard entries in stream order (table below)"),
+    "inputs": ("list", False, "source", "`[{path, size, format}]` of the packed inputs"),
+    "shard_tokens": ("int >= 1", False, "source", "pack's shard size limit"),
+    "eos_appended": ("int >= 0", False, "source", "EOS tokens pack appended"),
+    "empty_documents_dropped": ("int >= 0", False, "source", "empty input documents pack dropped"),
+    "created_by": ("string", False, "source", "the writing tokpack's version"),
+    "request": ("object", False, "source", "pack's normalised options, which tell a rerun from another pack"),
+    "epoch": ("int >= 0", True, "epoch", "the epoch number, as in the directory name"),
+    "seed": ("int", True, "epoch, run", "the shuffle seed"),
+    "seq_len": ("int >= 1", True, "epoch, run", "`L`: a sample is `L + 1` tokens"),
+    "samples": ("int >= 0", True, "epoch, run", "samples in the epoch (a run: in each epoch)"),
+    "epoch_samples": ("list", False, "run", "sizes of epochs `0..k-1` when planned unequal"),
+    "shard_samples": ("int >= 1", True, "epoch, run", "samples in every shard but the last"),
+    "dropped_tokens": ("int >= 0", True, "epoch", "source tokens outside every window"),
+    "jitter": ("bool", True, "epoch, run", "windows start at a per-epoch offset"),
+    "jitter_offsets": ("list", True, "epoch", "each source's window offset"),
+    "sources": ("list", True, "epoch, run", "source entries in command-line order (table below)"),
+    "weights": ("list or null", True, "run", "the weights as given, or null"),
+    "sample_multiset_hash": ("hex16", True, "epoch", "sum of the shards' `multiset_hash` mod 2^64"),
+    "shuffle": ("string", True, "epoch, run", "the shuffle algorithm's name"),
+    "epochs": ("list", True, "run", "the epoch numbers written so far"),
+}
+SHARD_FIELDS = {
+    "path": ("string", True, "source, epoch", "the `.ds` file name"),
+    "tokens": ("int >= 0", True, "source, epoch", "tokens in the `.ds` file"),
+    "bytes": ("int >= 0", True, "source, epoch", "`tokens * token_size`"),
+    "documents": ("int >= 0", True, "source", "documents, = index entries"),
+    "samples": ("int >= 0", True, "epoch", "samples in the shard"),
+    "fragments": ("int >= 0", True, "epoch", "index entries"),
+    "xxh3_128": ("hex32", True, "source, epoch", "checksum of the `.ds` file"),
+    "index_xxh3_128": ("hex32", True, "source, epoch", "checksum of `.ds.index`"),
+    "metadata_xxh3_128": ("hex32", True, "source, epoch", "checksum of `.ds.metadata`"),
+    "loss_xxh3_128": ("hex32", False, "source", "checksum of `.ds.loss`, when there is one"),
+    "multiset_hash": ("hex16", True, "epoch", "sum of xxh3-64 over the shard's samples mod 2^64"),
+}
+SOURCE_FIELDS = {
+    "name": ("string", True, "epoch, run", "the source's name"),
+    "path": ("string", True, "epoch, run", "its directory as given"),
+    "fingerprint": ("hex32", True, "epoch, run", "its manifest's `fingerprint`"),
+    "weight": ("string or null", True, "epoch, run", "its weight as given, or null"),
+    "tokens": ("int >= 0", True, "epoch, run", "its tokens"),
+    "samples": ("int >= 0", True, "epoch", "`c_s`: samples it gives the epoch"),
+    "windows": ("int >= 0", True, "epoch", "`W_s`: its windows"),
+    "offset": ("int >= 0", True, "epoch", "`o_s`: its window offset"),
+    "dropped_tokens": ("int >= 0", True, "epoch", "its tokens outside every window"),
+    "first_pass": ("int >= 0", True, "epoch", "the first pass over its windows the epoch uses"),
+    "passes": ("int >= 0", True, "epoch", "how many passes the epoch uses"),
+}
+# `tokpack-stage.json`, which a `tokpack stage --ranks` copy adds at its root.
+STAGE_FIELDS = {
+    "format": ("string", True, "sidecar", '`"tokpack-stage"`'),
+    "partial": ("bool", True, "sidecar", "`true`"),
+    "note": ("string", False, "sidecar", "for a human reader"),
+    "stages": ("list", True, "sidecar", "one entry per `stage --ranks` into this copy"),
+    "missing_shards": ("object", True, "sidecar", '`{"epoch-NNNNN": ["NNNNN.ds", ...]}`: shards not copied'),
+    "ranks": ("list", True, "stages[]", "the ranks staged"),
+    "world_size": ("int >= 1", True, "stages[]", "`W`"),
+    "micro_batch": ("int >= 1", True, "stages[]", "`m`"),
+}
+# Keys earlier writers used, by kind: readers accept them under the current name.
+RENAMED = {"epoch": {"documents": "fragments"}, "run": {"documents": "fragments"}}
+HEX32 = re.compile(r"^[0-9a-f]{32}$")
+HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_JSON = {"string": str, "int": int, "bool": bool, "list": list, "object": dict, "null": type(None),
+         "hex32": str, "hex16": str, "int >= 0": int, "int >= 1": int}
 
 
-def write_manifest(directory: str | Path, manifest: dict) -> None:
+def field_problems(obj: dict, table: dict, kind: str) -> Iterator[tuple[str, str, object, str]]:
+    """(field, expected, found, what is wrong) for each field of `kind` in `table` that `obj` breaks."""
+    for key, (type_name, required, kinds, _) in table.items():
+        if kind not in kinds.split(", "):
+            continue
+        if key not in obj:
+            if required:
+                yield key, f"field {key!r}", "no such field", "manifest field missing"
+            continue
+        value, types = obj[key], type_name.split(" or ")
+        if not any(isinstance(value, _JSON[t]) and not (isinstance(value, bool) and t != "bool") for t in types):
+            yield key, f"a JSON {'/'.join(_JSON[t].__name__ for t in types)}", f"{value!r}"[:60], \
+                "manifest field has the wrong type"
+        elif type_name.startswith("int >= ") and value < int(type_name[-1]):
+            yield key, type_name[4:], value, "manifest field out of range"
+        elif type_name == "hex32" and not HEX32.match(value):
+            yield key, "32 lowercase hex digits", repr(value), "malformed checksum"
+        elif type_name == "hex16" and not HEX16.match(value):
+            yield key, "16 lowercase hex digits", repr(value), "malformed multiset hash"
+
+
+def upgrade(manifest: dict) -> dict:
+    """The manifest with the keys of earlier writers under their current names, in place."""
+    renamed = {old: new for old, new in RENAMED.get(manifest.get("kind"), {}).items()
+               if old in manifest and new not in manifest}
+    return {renamed.get(k, k): v for k, v in manifest.items()} if renamed else manifest
+
+
+# ------------------------------------------------------------------ manifest builders
+
+
+def _header(kind: str, dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, tokens: int) -> dict:
+    return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "kind": kind, "dtype": dtype_name(dtype),
+            "token_size": np.dtype(dtype).itemsize, "vocab_size": int(vocab_size), "eos_id": int(eos_id),
+            "tokenizer": tokenizer, "tokens": int(tokens)}
+
+
+def source_manifest(shards: list[dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str,
+                    **extra) -> dict:
+    return {**_header("source", dtype, vocab_size, eos_id, tokenizer, sum(s["tokens"] for s in shards)),
+            "documents": sum(s["documents"] for s in shards),
+            "fingerprint": fingerprint([s["xxh3_128"] for s in shards], dtype_name(dtype), vocab_size, eos_id),
+            "shards": shards, **extra}
+
+
+def epoch_manifest(shards: list[dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, *,
+                   tokens: int, epoch: int, seed: int, seq_len: int, samples: int, shard_samples: int,
+                   dropped_tokens: int, jitter: bool, sources: list[dict], shuffle: str) -> dict:
+    return {**_header("epoch", dtype, vocab_size, eos_id, tokenizer, tokens),
+            "fragments": sum(s["fragments"] for s in shards), "shards": shards, "epoch": epoch, "seed": seed,
+            "seq_len": seq_len, "samples": samples, "shard_samples": shard_samples, "dropped_tokens": dropped_tokens,
+            "jitter": jitter, "jitter_offsets": [s["offset"] for s in sources], "sources": sources,
+            "sample_multiset_hash": hash_hex64(sum(int(s["multiset_hash"], 16) for s in shards)),
+            "shuffle": shuffle}
+
+
+def run_manifest(epochs: dict[int, dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, *,
+                 sources: list[dict], weights: list | None, seq_len: int, seed: int, jitter: bool, samples: int,
+                 shard_samples: int, shuffle: str) -> dict:
+    """`epochs`: the manifests of the epochs written so far, by number."""
+    written = [upgrade(m) for m in epochs.values()]
+    return {**_header("run", dtype, vocab_size, eos_id, tokenizer, sum(int(m["tokens"]) for m in written)),
+            "fragments": sum(int(m["fragments"]) for m in written), "sources": sources, "weights": weights,
+            "seq_len": seq_len, "seed": seed, "jitter": jitter, "samples": samples, "shard_samples": shard_samples,
+            "epochs": sorted(epochs), "shuffle": shuffle}
+
+
+def stage_sidecar(stages: list[dict], missing_shards: dict[str, list[str]]) -> dict:
+    return {"format": "tokpack-stage", "partial": True,
+            "note": "a --ranks stage: only the listed ranks' shards were copied; the manifests are the source's",
+            "stages": stages, "missing_shards": missing_shards}
+
+
+# ------------------------------------------------------------------------ manifests
+
+
+def canonical_bytes(manifest: dict) -> bytes:
+    """The one serialisation of every manifest: a manifest whose bytes differ was edited."""
+    return json.dumps(manifest, indent=1, sort_keys=False).encode() + b"\n"
+
+
+def write_manifest(directory: str | Path, manifest: dict, name: str = MANIFEST) -> None:
     """Written last, atomically: its presence is what makes a directory complete."""
-    data = json.dumps(manifest, indent=1, sort_keys=False).encode() + b"\n"
     fsync_dir(directory)  # the shards' renames are on disk before a manifest can claim them
-    write_bytes_atomic(Path(directory) / MANIFEST, data, fsync=True)
+    write_bytes_atomic(Path(directory) / name, canonical_bytes(manifest), fsync=True)
     fsync_dir(directory)
 
 
 def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = None) -> dict:
-    """Reads and checks the parts of a manifest every reader relies on."""
+    """Reads and checks the parts of a manifest every reader relies on; keys of earlier writers
+    come under their current names."""
     directory = Path(directory)
     path = directory / MANIFEST
     if not directory.exists():
@@ -364,7 +524,7 @@ def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = No
             hint="restore it from the run that wrote this directory, or rerun that run",
         ) from None
     check_manifest_header(manifest, path, kind)
-    return manifest
+    return upgrade(manifest)
 
 
 def check_manifest_header(manifest: object, path: str | Path, kind=None) -> None:
@@ -396,10 +556,6 @@ def check_manifest_header(manifest: object, path: str | Path, kind=None) -> None
         )
 
 
-def manifest_kind(directory: str | Path) -> str:
-    return read_manifest(directory)["kind"]
-
-
 def partial_stage_absent(run_dir: Path) -> dict[str, str]:
     """Shards a `tokpack stage --ranks` copy left out, from its `tokpack-stage.json` sidecar:
     {shard path: "staged for ranks ... of W, micro-batch m"}."""
@@ -408,6 +564,9 @@ def partial_stage_absent(run_dir: Path) -> dict[str, str]:
         return {}
     try:
         info = json.loads(sidecar.read_text())
+        if any(field_problems(info, STAGE_FIELDS, "sidecar")) or any(
+                any(field_problems(st, STAGE_FIELDS, "stages[]")) for st in info["stages"]):
+            raise ValueError
         stages = "; ".join(f"ranks {st['ranks']} of {st['world_size']}, micro-batch {st['micro_batch']}"
                            for st in info.get("stages", []))
         return {str(Path(run_dir) / epoch / name): f"staged only for {stages}"
