@@ -1,7 +1,7 @@
-"""On-disk format v1: names, dtypes, checksums, atomic writes and the `tokpack.json` manifest.
+"""On-disk format v1: names, dtypes, checksums, atomic writes, and every manifest kind (source,
+epoch, run, the partial-stage sidecar): its field table, builder, checker and canonical bytes.
 
-docs/FORMAT.md is the specification; this module is its single implementation of the
-parts every stage shares.
+docs/FORMAT.md is the specification; this module is its single implementation.
 """
 
 from __future__ import annotations

@@ -707,7 +707,7 @@ def _check_epoch_manifest(path: Path, m: dict, rep: DirReport, row: int) -> None
 
 
 def _check_epoch_sources(m: dict, srcs: list, row: int, add) -> None:
-    """The windowing arithmetic of docs/FORMAT.md ("Shuffle plan") for each source entry that
+    """The windowing arithmetic of docs/COMMANDS.md ("The shuffle algorithm") for each source entry that
     records it: a corrupted count cannot hide behind a field nobody reads."""
     keys = ("tokens", "windows", "offset", "dropped_tokens", "samples", "first_pass", "passes")
     dropped = 0
