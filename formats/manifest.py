@@ -380,14 +380,14 @@ SOURCE_FIELDS = {
     "name": ("string", True, "epoch, run", "the source's name"),
     "path": ("string", True, "epoch, run", "its directory as given"),
     "fingerprint": ("hex32", True, "epoch, run", "its manifest's `fingerprint`"),
-    "weight": ("string or null", True, "epoch, run", "its weight as given, or null"),
     "tokens": ("int >= 0", True, "epoch, run", "its tokens"),
+    "weight": ("string or null", True, "epoch, run", "its weight as given, or null"),
     "samples": ("int >= 0", True, "epoch", "`c_s`: samples it gives the epoch"),
+    "first_pass": ("int >= 0", True, "epoch", "the first pass over its windows the epoch uses"),
+    "passes": ("int >= 0", True, "epoch", "how many passes the epoch uses"),
     "windows": ("int >= 0", True, "epoch", "`W_s`: its windows"),
     "offset": ("int >= 0", True, "epoch", "`o_s`: its window offset"),
     "dropped_tokens": ("int >= 0", True, "epoch", "its tokens outside every window"),
-    "first_pass": ("int >= 0", True, "epoch", "the first pass over its windows the epoch uses"),
-    "passes": ("int >= 0", True, "epoch", "how many passes the epoch uses"),
 }
 # `tokpack-stage.json`, which a `tokpack stage --ranks` copy adds at its root.
 STAGE_FIELDS = {
@@ -467,8 +467,9 @@ def epoch_manifest(shards: list[dict], dtype: np.dtype, vocab_size: int, eos_id:
 def run_manifest(epochs: dict[int, dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, *,
                  sources: list[dict], weights: list | None, seq_len: int, seed: int, jitter: bool, samples: int,
                  shard_samples: int, shuffle: str) -> dict:
-    """`epochs`: the manifests of the epochs written so far, by number."""
+    """`epochs`: the manifests of the epochs written so far, by number; `sources`: an epoch's entries."""
     written = [upgrade(m) for m in epochs.values()]
+    sources = [{k: s[k] for k, field in SOURCE_FIELDS.items() if "run" in field[2]} for s in sources]
     return {**_header("run", dtype, vocab_size, eos_id, tokenizer, sum(int(m["tokens"]) for m in written)),
             "fragments": sum(int(m["fragments"]) for m in written), "sources": sources, "weights": weights,
             "seq_len": seq_len, "seed": seed, "jitter": jitter, "samples": samples, "shard_samples": shard_samples,
@@ -511,7 +512,11 @@ def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = No
             file=directory,
             hint="the run that writes it was interrupted or is still running; rerun the same command to finish it",
         )
-    raw = path.read_bytes()
+    return upgrade(parse_manifest(path.read_bytes(), path, kind))
+
+
+def parse_manifest(raw: bytes, path: str | Path, kind: str | tuple[str, ...] | None = None) -> dict:
+    """A manifest's bytes as written (earlier writers' keys unchanged), header checked."""
     try:
         manifest = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -524,7 +529,7 @@ def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = No
             hint="restore it from the run that wrote this directory, or rerun that run",
         ) from None
     check_manifest_header(manifest, path, kind)
-    return upgrade(manifest)
+    return manifest
 
 
 def check_manifest_header(manifest: object, path: str | Path, kind=None) -> None:

@@ -154,11 +154,7 @@ class ValidationReport:
 
 
 def _type_ok(value, typ) -> bool:
-    if typ is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if typ is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, typ)
+    return isinstance(value, typ) and not (isinstance(value, bool) and typ is not bool)
 
 
 def check_fields(obj: dict, table: dict, kind: str, file: str, prefix: str = "") -> list[Problem]:

@@ -37,9 +37,9 @@ from formats.reader import EpochNumbering, shuffle_command
 from formats.manifest import (
     MANIFEST,
     STAGE_SIDECAR,
-    check_manifest_header,
     commit_file,
     epoch_dir_name,
+    parse_manifest,
     progress,
     remove_tmp_files,
     stage_sidecar,
@@ -231,13 +231,7 @@ class Source:
             raise TokpackError("cannot read the source", file=where, expected="a readable file",
                                found=f"{type(e).__name__}: {e}",
                                hint="check the path or URL, and the credentials of its filesystem") from None
-        try:
-            manifest = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise TokpackError("manifest is not valid JSON", file=where, found=f"{len(raw)} bytes",
-                               hint="restore it from the run that wrote this directory") from None
-        check_manifest_header(manifest, where, kind)
-        return manifest
+        return parse_manifest(raw, where, kind)
 
 
 def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tuple[str, list[DirPlan]]:

@@ -899,14 +899,6 @@ def _existing_run(out: Path) -> dict | None:
     return None
 
 
-def _epoch_manifest(job: EpochJob, sources: list[PackedSource], entries: list[dict]) -> dict:
-    plan = job.plan
-    return epoch_manifest(
-        entries, job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer, tokens=plan.samples * plan.row_tokens,
-        epoch=plan.epoch, seed=plan.seed, seq_len=plan.seq_len, samples=plan.samples, shard_samples=job.shard_samples,
-        dropped_tokens=plan.dropped_tokens(), jitter=plan.jitter, sources=plan.source_entries(), shuffle=PLAN_ALGORITHM)
-
-
 def _run_manifest(out: Path, plan: EpochPlan, weights, sources: list[PackedSource], shard_samples: int,
                   epochs: list[int]) -> dict:
     first = sources[0].manifest
@@ -914,10 +906,9 @@ def _run_manifest(out: Path, plan: EpochPlan, weights, sources: list[PackedSourc
                if (out / epoch_dir_name(e) / MANIFEST).exists()}
     return run_manifest(
         written, sources[0].dtype, first["vocab_size"], first["eos_id"], first.get("tokenizer", ""),
-        sources=[{"name": sp.name, "path": sp.path, "fingerprint": sp.fingerprint, "tokens": sp.tokens,
-                  "weight": sp.weight} for sp in plan.sources],
-        weights=None if all(w is None for w in weights) else list(weights), seq_len=plan.seq_len, seed=plan.seed,
-        jitter=plan.jitter, samples=plan.samples, shard_samples=shard_samples, shuffle=PLAN_ALGORITHM)
+        sources=plan.source_entries(), weights=None if all(w is None for w in weights) else list(weights),
+        seq_len=plan.seq_len, seed=plan.seed, jitter=plan.jitter, samples=plan.samples, shard_samples=shard_samples,
+        shuffle=PLAN_ALGORITHM)
 
 
 def _memory_path(job: EpochJob, memory: int) -> tuple[int, bool]:
@@ -1044,7 +1035,10 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
         if p.is_file() and p.name not in keep:
             p.unlink()
     sources = job.open_sources()
-    manifest = _epoch_manifest(job, sources, entries)
+    manifest = epoch_manifest(
+        entries, job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer, tokens=plan.samples * plan.row_tokens,
+        epoch=plan.epoch, seed=plan.seed, seq_len=plan.seq_len, samples=plan.samples, shard_samples=job.shard_samples,
+        dropped_tokens=plan.dropped_tokens(), jitter=plan.jitter, sources=plan.source_entries(), shuffle=PLAN_ALGORITHM)
     write_manifest(job.epoch_dir, manifest)
     shutil.rmtree(work, ignore_errors=True)
     return {"epoch": plan.epoch, "path": "in-memory" if in_memory else "out-of-core", "samples": plan.samples,
