@@ -325,81 +325,87 @@ def remove_tmp_files(directory: str | Path) -> None:
 
 # ------------------------------------------------------------------ manifest fields
 
-# Every manifest kind's fields: name -> (type, required, where it appears, meaning). docs/FORMAT.md
-# shows these tables row for row (tests/test_format_doc.py holds them equal). Readers ignore
-# fields they do not know, so a newer writer may add optional ones.
-MANIFEST_FIELDS = {
-    "format": ("string", True, "source, epoch, run", '`"tokpack"`'),
-    "version": ("int", True, "source, epoch, run", "`1`; see the version rule"),
-    "kind": ("string", True, "source, epoch, run", '`"source"`, `"epoch"` or `"run"`'),
-    "dtype": ("string", True, "source, epoch, run", '`"uint16"` if `vocab_size <= 65536`, else `"uint32"`'),
-    "token_size": ("int >= 1", True, "source, epoch, run", "bytes per token: 2 or 4"),
-    "vocab_size": ("int >= 1", True, "source, epoch, run", "every token id is `< vocab_size`"),
-    "eos_id": ("int >= 0", True, "source, epoch, run", "the end-of-document token, `< vocab_size`"),
-    "tokenizer": ("string", True, "source, epoch, run", "a name or path, informative"),
-    "tokens": ("int >= 0", True, "source, epoch, run", "tokens in the shards (a run: in its written epochs)"),
-    "documents": ("int >= 0", True, "source", "documents (index entries) over the shards"),
-    "fragments": ("int >= 0", True, "epoch, run", "index entries over the shards (a run: its written epochs)"),
-    "fingerprint": ("hex32", True, "source", "the source's identity (see Checksums)"),
-    "shards": ("list", True, "source, epoch", "shard entries in stream order (table below)"),
-    "inputs": ("list", False, "source", "`[{path, size, format}]` of the packed inputs"),
-    "shard_tokens": ("int >= 1", False, "source", "pack's shard size limit"),
-    "eos_appended": ("int >= 0", False, "source", "EOS tokens pack appended"),
-    "empty_documents_dropped": ("int >= 0", False, "source", "empty input documents pack dropped"),
-    "created_by": ("string", False, "source", "the writing tokpack's version"),
-    "request": ("object", False, "source", "pack's normalised options, which tell a rerun from another pack"),
-    "epoch": ("int >= 0", True, "epoch", "the epoch number, as in the directory name"),
-    "seed": ("int", True, "epoch, run", "the shuffle seed"),
-    "seq_len": ("int >= 1", True, "epoch, run", "`L`: a sample is `L + 1` tokens"),
-    "samples": ("int >= 0", True, "epoch, run", "samples in the epoch (a run: in each epoch)"),
-    "epoch_samples": ("list", False, "run", "sizes of epochs `0..k-1` when planned unequal"),
-    "shard_samples": ("int >= 1", True, "epoch, run", "samples in every shard but the last"),
-    "dropped_tokens": ("int >= 0", True, "epoch", "source tokens outside every window"),
-    "jitter": ("bool", True, "epoch, run", "windows start at a per-epoch offset"),
-    "jitter_offsets": ("list", True, "epoch", "each source's window offset"),
-    "sources": ("list", True, "epoch, run", "source entries in command-line order (table below)"),
-    "weights": ("list or null", True, "run", "the weights as given, or null"),
-    "sample_multiset_hash": ("hex16", True, "epoch", "sum of the shards' `multiset_hash` mod 2^64"),
-    "shuffle": ("string", True, "epoch, run", "the shuffle algorithm's name"),
-    "epochs": ("list", True, "run", "the epoch numbers written so far"),
-}
-SHARD_FIELDS = {
-    "path": ("string", True, "source, epoch", "the `.ds` file name"),
-    "tokens": ("int >= 0", True, "source, epoch", "tokens in the `.ds` file"),
-    "bytes": ("int >= 0", True, "source, epoch", "`tokens * token_size`"),
-    "documents": ("int >= 0", True, "source", "documents, = index entries"),
-    "samples": ("int >= 0", True, "epoch", "samples in the shard"),
-    "fragments": ("int >= 0", True, "epoch", "index entries"),
-    "xxh3_128": ("hex32", True, "source, epoch", "checksum of the `.ds` file"),
-    "index_xxh3_128": ("hex32", True, "source, epoch", "checksum of `.ds.index`"),
-    "metadata_xxh3_128": ("hex32", True, "source, epoch", "checksum of `.ds.metadata`"),
-    "loss_xxh3_128": ("hex32", False, "source", "checksum of `.ds.loss`, when there is one"),
-    "multiset_hash": ("hex16", True, "epoch", "sum of xxh3-64 over the shard's samples mod 2^64"),
-}
-SOURCE_FIELDS = {
-    "name": ("string", True, "epoch, run", "the source's name"),
-    "path": ("string", True, "epoch, run", "its directory as given"),
-    "fingerprint": ("hex32", True, "epoch, run", "its manifest's `fingerprint`"),
-    "tokens": ("int >= 0", True, "epoch, run", "its tokens"),
-    "weight": ("string or null", True, "epoch, run", "its weight as given, or null"),
-    "samples": ("int >= 0", True, "epoch", "`c_s`: samples it gives the epoch"),
-    "first_pass": ("int >= 0", True, "epoch", "the first pass over its windows the epoch uses"),
-    "passes": ("int >= 0", True, "epoch", "how many passes the epoch uses"),
-    "windows": ("int >= 0", True, "epoch", "`W_s`: its windows"),
-    "offset": ("int >= 0", True, "epoch", "`o_s`: its window offset"),
-    "dropped_tokens": ("int >= 0", True, "epoch", "its tokens outside every window"),
-}
-# `tokpack-stage.json`, which a `tokpack stage --ranks` copy adds at its root.
-STAGE_FIELDS = {
-    "format": ("string", True, "sidecar", '`"tokpack-stage"`'),
-    "partial": ("bool", True, "sidecar", "`true`"),
-    "note": ("string", False, "sidecar", "for a human reader"),
-    "stages": ("list", True, "sidecar", "one entry per `stage --ranks` into this copy"),
-    "missing_shards": ("object", True, "sidecar", '`{"epoch-NNNNN": ["NNNNN.ds", ...]}`: shards not copied'),
-    "ranks": ("list", True, "stages[]", "the ranks staged"),
-    "world_size": ("int >= 1", True, "stages[]", "`W`"),
-    "micro_batch": ("int >= 1", True, "stages[]", "`m`"),
-}
+# Every manifest kind's fields, as the markdown rows docs/FORMAT.md shows (tests/test_format.py
+# holds them equal): name, type, required, the kinds that carry it ("stages[]": the sidecar's
+# `stages` entries), meaning. Readers ignore fields they do not know, so a newer writer may add
+# optional ones.
+_FIELD_TABLES = """
+`tokpack.json`
+| `format` | string | yes | source, epoch, run | `"tokpack"` |
+| `version` | int | yes | source, epoch, run | `1`; see the version rule |
+| `kind` | string | yes | source, epoch, run | `"source"`, `"epoch"` or `"run"` |
+| `dtype` | string | yes | source, epoch, run | `"uint16"` if `vocab_size <= 65536`, else `"uint32"` |
+| `token_size` | int >= 1 | yes | source, epoch, run | bytes per token: 2 or 4 |
+| `vocab_size` | int >= 1 | yes | source, epoch, run | every token id is `< vocab_size` |
+| `eos_id` | int >= 0 | yes | source, epoch, run | the end-of-document token, `< vocab_size` |
+| `tokenizer` | string | yes | source, epoch, run | a name or path, informative |
+| `tokens` | int >= 0 | yes | source, epoch, run | tokens in the shards (a run: in its written epochs) |
+| `documents` | int >= 0 | yes | source | documents (index entries) over the shards |
+| `fragments` | int >= 0 | yes | epoch, run | index entries over the shards (a run: its written epochs) |
+| `fingerprint` | hex32 | yes | source | the source's identity (see Checksums) |
+| `shards` | list | yes | source, epoch | shard entries in stream order (table below) |
+| `inputs` | list | no | source | `[{path, size, format}]` of the packed inputs |
+| `shard_tokens` | int >= 1 | no | source | pack's shard size limit |
+| `eos_appended` | int >= 0 | no | source | EOS tokens pack appended |
+| `empty_documents_dropped` | int >= 0 | no | source | empty input documents pack dropped |
+| `created_by` | string | no | source | the writing tokpack's version |
+| `request` | object | no | source | pack's normalised options, which tell a rerun from another pack |
+| `epoch` | int >= 0 | yes | epoch | the epoch number, as in the directory name |
+| `seed` | int | yes | epoch, run | the shuffle seed |
+| `seq_len` | int >= 1 | yes | epoch, run | `L`: a sample is `L + 1` tokens |
+| `samples` | int >= 0 | yes | epoch, run | samples in the epoch (a run: in each epoch) |
+| `epoch_samples` | list | no | run | sizes of epochs `0..k-1` when planned unequal |
+| `shard_samples` | int >= 1 | yes | epoch, run | samples in every shard but the last |
+| `dropped_tokens` | int >= 0 | yes | epoch | source tokens outside every window |
+| `jitter` | bool | yes | epoch, run | windows start at a per-epoch offset |
+| `jitter_offsets` | list | yes | epoch | each source's window offset |
+| `sources` | list | yes | epoch, run | source entries in command-line order (table below) |
+| `weights` | list or null | yes | run | the weights as given, or null |
+| `sample_multiset_hash` | hex16 | yes | epoch | sum of the shards' `multiset_hash` mod 2^64 |
+| `shuffle` | string | yes | epoch, run | the shuffle algorithm's name |
+| `epochs` | list | yes | run | the epoch numbers written so far |
+
+`shards[]`
+| `path` | string | yes | source, epoch | the `.ds` file name |
+| `tokens` | int >= 0 | yes | source, epoch | tokens in the `.ds` file |
+| `bytes` | int >= 0 | yes | source, epoch | `tokens * token_size` |
+| `documents` | int >= 0 | yes | source | documents, = index entries |
+| `samples` | int >= 0 | yes | epoch | samples in the shard |
+| `fragments` | int >= 0 | yes | epoch | index entries |
+| `xxh3_128` | hex32 | yes | source, epoch | checksum of the `.ds` file |
+| `index_xxh3_128` | hex32 | yes | source, epoch | checksum of `.ds.index` |
+| `metadata_xxh3_128` | hex32 | yes | source, epoch | checksum of `.ds.metadata` |
+| `loss_xxh3_128` | hex32 | no | source | checksum of `.ds.loss`, when there is one |
+| `multiset_hash` | hex16 | yes | epoch | sum of xxh3-64 over the shard's samples mod 2^64 |
+
+`sources[]`
+| `name` | string | yes | epoch, run | the source's name |
+| `path` | string | yes | epoch, run | its directory as given |
+| `fingerprint` | hex32 | yes | epoch, run | its manifest's `fingerprint` |
+| `tokens` | int >= 0 | yes | epoch, run | its tokens |
+| `weight` | string or null | yes | epoch, run | its weight as given, or null |
+| `samples` | int >= 0 | yes | epoch | `c_s`: samples it gives the epoch |
+| `first_pass` | int >= 0 | yes | epoch | the first pass over its windows the epoch uses |
+| `passes` | int >= 0 | yes | epoch | how many passes the epoch uses |
+| `windows` | int >= 0 | yes | epoch | `W_s`: its windows |
+| `offset` | int >= 0 | yes | epoch | `o_s`: its window offset |
+| `dropped_tokens` | int >= 0 | yes | epoch | its tokens outside every window |
+
+`tokpack-stage.json`
+| `format` | string | yes | sidecar | `"tokpack-stage"` |
+| `partial` | bool | yes | sidecar | `true` |
+| `note` | string | no | sidecar | for a human reader |
+| `stages` | list | yes | sidecar | one entry per `stage --ranks` into this copy |
+| `missing_shards` | object | yes | sidecar | `{"epoch-NNNNN": ["NNNNN.ds", ...]}`: shards not copied |
+| `ranks` | list | yes | stages[] | the ranks staged |
+| `world_size` | int >= 1 | yes | stages[] | `W` |
+| `micro_batch` | int >= 1 | yes | stages[] | `m` |
+"""
+MANIFEST_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, STAGE_FIELDS = (  # name -> (type, required, kinds, meaning)
+    {name.strip("`"): (typ, required == "yes", kinds, meaning)
+     for name, typ, required, kinds, meaning in (row[2:-2].split(" | ") for row in table.splitlines()[1:])}
+    for table in _FIELD_TABLES.strip().split("\n\n"))
+
 # Keys earlier writers used, by kind: readers accept them under the current name.
 RENAMED = {"epoch": {"documents": "fragments"}, "run": {"documents": "fragments"}}
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
@@ -503,62 +509,35 @@ def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = No
     directory = Path(directory)
     path = directory / MANIFEST
     if not directory.exists():
-        raise TokpackError(
-            "no such directory", file=directory, hint="check the path; tokpack reads local directories"
-        )
+        raise TokpackError("no such directory", file=directory, hint="check the path; tokpack reads local directories")
     if not path.exists():
-        raise IncompleteError(
-            "incomplete: no tokpack.json",
-            file=directory,
-            hint="the run that writes it was interrupted or is still running; rerun the same command to finish it",
-        )
+        raise IncompleteError("incomplete: no tokpack.json", file=directory, hint="the run that writes it was "
+                              "interrupted or is still running; rerun the same command to finish it")
     return upgrade(parse_manifest(path.read_bytes(), path, kind))
 
 
 def parse_manifest(raw: bytes, path: str | Path, kind: str | tuple[str, ...] | None = None) -> dict:
-    """A manifest's bytes as written (earlier writers' keys unchanged), header checked."""
+    """A manifest's bytes as written (earlier writers' keys unchanged), its header checked."""
     try:
         manifest = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokpackError(
-            "manifest is not valid JSON",
-            file=path,
-            where=f"byte {getattr(e, 'pos', 0)}",
-            expected="a JSON object",
-            found=f"{len(raw)} bytes" if raw else "an empty file",
-            hint="restore it from the run that wrote this directory, or rerun that run",
-        ) from None
-    check_manifest_header(manifest, path, kind)
-    return manifest
-
-
-def check_manifest_header(manifest: object, path: str | Path, kind=None) -> None:
+        raise TokpackError("manifest is not valid JSON", file=path, where=f"byte {getattr(e, 'pos', 0)}",
+                           expected="a JSON object", found=f"{len(raw)} bytes" if raw else "an empty file",
+                           hint="restore it from the run that wrote this directory, or rerun that run") from None
     if not isinstance(manifest, dict):
-        raise TokpackError(
-            "manifest is not a JSON object", file=path, expected="object", found=type(manifest).__name__
-        )
+        raise TokpackError("manifest is not a JSON object", file=path, expected="object",
+                           found=type(manifest).__name__)
     if manifest.get("format") != FORMAT_NAME:
-        raise TokpackError(
-            "not a tokpack manifest", file=path, where="format", expected=FORMAT_NAME, found=manifest.get("format")
-        )
+        raise TokpackError("not a tokpack manifest", file=path, where="format", expected=FORMAT_NAME,
+                           found=manifest.get("format"))
     if manifest.get("version") != FORMAT_VERSION:
-        raise TokpackError(
-            "unsupported format version",
-            file=path,
-            where="version",
-            expected=FORMAT_VERSION,
-            found=manifest.get("version"),
-            hint="use the tokpack release that wrote this directory",
-        )
-    kinds = (kind,) if isinstance(kind, str) else kind
-    if manifest.get("kind") not in (kinds or KINDS):
-        raise TokpackError(
-            "wrong kind of tokpack directory",
-            file=path,
-            where="kind",
-            expected=" or ".join(kinds or KINDS),
-            found=manifest.get("kind"),
-        )
+        raise TokpackError("unsupported format version", file=path, where="version", expected=FORMAT_VERSION,
+                           found=manifest.get("version"), hint="use the tokpack release that wrote this directory")
+    kinds = ((kind,) if isinstance(kind, str) else kind) or KINDS
+    if manifest.get("kind") not in kinds:
+        raise TokpackError("wrong kind of tokpack directory", file=path, where="kind", expected=" or ".join(kinds),
+                           found=manifest.get("kind"))
+    return manifest
 
 
 def partial_stage_absent(run_dir: Path) -> dict[str, str]:
