@@ -694,7 +694,7 @@ def _check_epoch_manifest(path: Path, m: dict, rep: DirReport, row: int) -> None
         add("sources[].samples", f"{m['samples']} (the epoch's samples)", sum(s["samples"] for s in srcs),
             "per-source sample counts do not add up")
     frags = [s.get("fragments") for s in shards]
-    if all(_type_ok(f, int) for f in frags) and sum(frags) != m["fragments"]:
+    if "fragments" in m and all(_type_ok(f, int) for f in frags) and sum(frags) != m["fragments"]:
         add("fragments", f"{sum(frags)} (sum of the shards' fragments)", m["fragments"], "fragment count wrong")
     _check_epoch_sources(m, srcs, row, add)
     dir_epoch = EPOCH_DIR.match(path.name)
