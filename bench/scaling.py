@@ -43,7 +43,7 @@ def make_source(corpus: Path, out: Path, eos_id: int = 0, vocab_size: int = 5025
         except RuntimeError as e:
             reason = "tokpack pack failed: " + str(e).strip().splitlines()[-1][:120]
     from formats.manifest import shard_name, write_manifest
-    from formats.shards import SourceShardWriter, source_manifest
+    from formats import SourceShardWriter, source_manifest
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

@@ -30,7 +30,7 @@ def make_packed_source(out: Path, total_bytes: int, shards: int, seed: int = 0) 
     """A packed source of random uint16 documents, written with the project's shard writer in
     blocks (untimed preparation)."""
     from formats.manifest import shard_name, write_manifest
-    from formats.shards import SourceShardWriter, source_manifest
+    from formats import SourceShardWriter, source_manifest
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

@@ -40,7 +40,7 @@ VOCAB, EOS, SEQ_LEN = 50257, 0, 2048
 def make_source(out: Path, total_bytes: int, shards: int = 4, seed: int = 0) -> Path:
     """A packed source of random documents (mean 1,200 tokens), written with the shard writer in blocks."""
     from formats.manifest import shard_name, write_manifest
-    from formats.shards import SourceShardWriter, source_manifest
+    from formats import SourceShardWriter, source_manifest
 
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -64,31 +64,26 @@ def make_source(out: Path, total_bytes: int, shards: int = 4, seed: int = 0) -> 
 
 def make_many_shards(out: Path, shards: int, samples_per_shard: int = 1, seq_len: int = 15) -> Path:
     """An epoch directory of `shards` tiny shards, written directly with the epoch shard writer."""
-    from formats.manifest import FORMAT_NAME, FORMAT_VERSION, hash_hex64, shard_name, shard_digits, write_manifest
+    from formats.manifest import epoch_manifest, shard_name, shard_digits, write_manifest
     from formats.shards import EpochShardWriter
 
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(1)
     digits = shard_digits(shards)
-    entries, total = [], 0
+    entries = []
     for i in range(shards):
         w = EpochShardWriter(out, shard_name(i, digits), np.dtype("<u2"), seq_len, EOS, "gpt2")
         w.write_rows(rng.integers(0, 1000, size=(samples_per_shard, seq_len + 1)).astype("<u2"))
         e = w.close()
         e["fragments"] = (out / f"{e['path']}.index").stat().st_size // 8
         entries.append(e)
-        total = (total + int(e["multiset_hash"], 16)) & (2**64 - 1)
     n = shards * samples_per_shard
-    write_manifest(out, {
-        "format": FORMAT_NAME, "version": FORMAT_VERSION, "kind": "epoch", "dtype": "uint16", "token_size": 2,
-        "vocab_size": 1000, "eos_id": EOS, "tokenizer": "gpt2", "tokens": n * (seq_len + 1),
-        "documents": sum(e["fragments"] for e in entries), "shards": entries, "epoch": 0, "seed": 0,
-        "seq_len": seq_len, "samples": n, "shard_samples": samples_per_shard, "dropped_tokens": 0,
-        "jitter": False, "jitter_offsets": [0],
-        "sources": [{"name": "synthetic", "path": "synthetic", "fingerprint": "0" * 32, "weight": None, "samples": n,
-                     "first_pass": 0, "passes": 1, "windows": n, "tokens": n * (seq_len + 1), "offset": 0,
-                     "dropped_tokens": 0}],
-        "sample_multiset_hash": hash_hex64(total), "shuffle": "synthetic"})
+    source = {"name": "synthetic", "path": "synthetic", "fingerprint": "0" * 32, "weight": None, "samples": n,
+              "first_pass": 0, "passes": 1, "windows": n, "tokens": n * (seq_len + 1), "offset": 0, "dropped_tokens": 0}
+    write_manifest(out, epoch_manifest(
+        entries, np.dtype("<u2"), 1000, EOS, "gpt2", tokens=n * (seq_len + 1), epoch=0, seed=0, seq_len=seq_len,
+        samples=n, shard_samples=samples_per_shard, dropped_tokens=0, jitter=False, sources=[source],
+        shuffle="synthetic"))
     return out
 
 

@@ -1,8 +1,8 @@
 """On-disk layouts of tokpack. The bottom layer: imports nothing else from the project."""
 
 from .errors import IncompleteError, TokpackError
-from .manifest import MANIFEST, read_manifest, write_manifest
-from .shards import EpochShardWriter, PackedSource, SourceShardWriter, source_manifest
+from .manifest import MANIFEST, read_manifest, source_manifest, write_manifest
+from .shards import EpochShardWriter, PackedSource, SourceShardWriter
 
 __all__ = [
     "IncompleteError",

@@ -1,7 +1,7 @@
-"""On-disk format v1: names, dtypes, checksums, atomic writes and the `tokpack.json` manifest.
+"""On-disk format v1: names, dtypes, checksums, atomic writes, and every manifest kind (source,
+epoch, run, the partial-stage sidecar): its field table, builder, checker and canonical bytes.
 
-docs/FORMAT.md is the specification; this module is its single implementation of the
-parts every stage shares.
+docs/FORMAT.md is the specification; this module is its single implementation.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import sys
 import uuid
 from pathlib import Path
@@ -117,10 +118,6 @@ def xxh3_128_file(path: str | Path, buf: bytearray | None = None) -> str:
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
-
-
-def xxh3_128_bytes(data) -> str:
-    return xxhash.xxh3_128_hexdigest(data)
 
 
 def row_hash(row) -> int:
@@ -326,78 +323,221 @@ def remove_tmp_files(directory: str | Path) -> None:
                 p.unlink(missing_ok=True)
 
 
-# ----------------------------------------------------------------------- manifests
+# ------------------------------------------------------------------ manifest fields
+
+# Every manifest kind's fields, as the markdown rows docs/FORMAT.md shows (tests/test_format.py
+# holds them equal): name, type, required, the kinds that carry it ("stages[]": the sidecar's
+# `stages` entries), meaning. Readers ignore fields they do not know, so a newer writer may add
+# optional ones.
+_FIELD_TABLES = """
+`tokpack.json`
+| `format` | string | yes | source, epoch, run | `"tokpack"` |
+| `version` | int | yes | source, epoch, run | `1`; see the version rule |
+| `kind` | string | yes | source, epoch, run | `"source"`, `"epoch"` or `"run"` |
+| `dtype` | string | yes | source, epoch, run | `"uint16"` if `vocab_size <= 65536`, else `"uint32"` |
+| `token_size` | int >= 1 | yes | source, epoch, run | bytes per token: 2 or 4 |
+| `vocab_size` | int >= 1 | yes | source, epoch, run | every token id is `< vocab_size` |
+| `eos_id` | int >= 0 | yes | source, epoch, run | the end-of-document token, `< vocab_size` |
+| `tokenizer` | string | yes | source, epoch, run | a name or path, informative |
+| `tokens` | int >= 0 | yes | source, epoch, run | tokens in the shards (a run: in its written epochs) |
+| `documents` | int >= 0 | yes | source | documents (index entries) over the shards |
+| `fragments` | int >= 0 | yes | epoch, run | index entries over the shards (a run: its written epochs) |
+| `fingerprint` | hex32 | yes | source | the source's identity (see Checksums) |
+| `shards` | list | yes | source, epoch | shard entries in stream order (table below) |
+| `inputs` | list | no | source | `[{path, size, format}]` of the packed inputs |
+| `shard_tokens` | int >= 1 | no | source | pack's shard size limit |
+| `eos_appended` | int >= 0 | no | source | EOS tokens pack appended |
+| `empty_documents_dropped` | int >= 0 | no | source | empty input documents pack dropped |
+| `created_by` | string | no | source | the writing tokpack's version |
+| `request` | object | no | source | pack's normalised options, which tell a rerun from another pack |
+| `epoch` | int >= 0 | yes | epoch | the epoch number, as in the directory name |
+| `seed` | int | yes | epoch, run | the shuffle seed |
+| `seq_len` | int >= 1 | yes | epoch, run | `L`: a sample is `L + 1` tokens |
+| `samples` | int >= 0 | yes | epoch, run | samples in the epoch (a run: in each epoch) |
+| `epoch_samples` | list | no | run | sizes of epochs `0..k-1` when planned unequal |
+| `shard_samples` | int >= 1 | yes | epoch, run | samples in every shard but the last |
+| `dropped_tokens` | int >= 0 | yes | epoch | source tokens outside every window |
+| `jitter` | bool | yes | epoch, run | windows start at a per-epoch offset |
+| `jitter_offsets` | list | yes | epoch | each source's window offset |
+| `sources` | list | yes | epoch, run | source entries in command-line order (table below) |
+| `weights` | list or null | yes | run | the weights as given, or null |
+| `sample_multiset_hash` | hex16 | yes | epoch | sum of the shards' `multiset_hash` mod 2^64 |
+| `shuffle` | string | yes | epoch, run | the shuffle algorithm's name |
+| `epochs` | list | yes | run | the epoch numbers written so far |
+
+`shards[]`
+| `path` | string | yes | source, epoch | the `.ds` file name |
+| `tokens` | int >= 0 | yes | source, epoch | tokens in the `.ds` file |
+| `bytes` | int >= 0 | yes | source, epoch | `tokens * token_size` |
+| `documents` | int >= 0 | yes | source | documents, = index entries |
+| `samples` | int >= 0 | yes | epoch | samples in the shard |
+| `fragments` | int >= 0 | yes | epoch | index entries |
+| `xxh3_128` | hex32 | yes | source, epoch | checksum of the `.ds` file |
+| `index_xxh3_128` | hex32 | yes | source, epoch | checksum of `.ds.index` |
+| `metadata_xxh3_128` | hex32 | yes | source, epoch | checksum of `.ds.metadata` |
+| `loss_xxh3_128` | hex32 | no | source | checksum of `.ds.loss`, when there is one |
+| `multiset_hash` | hex16 | yes | epoch | sum of xxh3-64 over the shard's samples mod 2^64 |
+
+`sources[]`
+| `name` | string | yes | epoch, run | the source's name |
+| `path` | string | yes | epoch, run | its directory as given |
+| `fingerprint` | hex32 | yes | epoch, run | its manifest's `fingerprint` |
+| `tokens` | int >= 0 | yes | epoch, run | its tokens |
+| `weight` | string or null | yes | epoch, run | its weight as given, or null |
+| `samples` | int >= 0 | yes | epoch | `c_s`: samples it gives the epoch |
+| `first_pass` | int >= 0 | yes | epoch | the first pass over its windows the epoch uses |
+| `passes` | int >= 0 | yes | epoch | how many passes the epoch uses |
+| `windows` | int >= 0 | yes | epoch | `W_s`: its windows |
+| `offset` | int >= 0 | yes | epoch | `o_s`: its window offset |
+| `dropped_tokens` | int >= 0 | yes | epoch | its tokens outside every window |
+
+`tokpack-stage.json`
+| `format` | string | yes | sidecar | `"tokpack-stage"` |
+| `partial` | bool | yes | sidecar | `true` |
+| `note` | string | no | sidecar | for a human reader |
+| `stages` | list | yes | sidecar | one entry per `stage --ranks` into this copy |
+| `missing_shards` | object | yes | sidecar | `{"epoch-NNNNN": ["NNNNN.ds", ...]}`: shards not copied |
+| `ranks` | list | yes | stages[] | the ranks staged |
+| `world_size` | int >= 1 | yes | stages[] | `W` |
+| `micro_batch` | int >= 1 | yes | stages[] | `m` |
+"""
+MANIFEST_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, STAGE_FIELDS = (  # name -> (type, required, kinds, meaning)
+    {name.strip("`"): (typ, required == "yes", kinds, meaning)
+     for name, typ, required, kinds, meaning in (row[2:-2].split(" | ") for row in table.splitlines()[1:])}
+    for table in _FIELD_TABLES.strip().split("\n\n"))
+
+# Keys earlier writers used, by kind: readers accept them under the current name.
+RENAMED = {"epoch": {"documents": "fragments"}, "run": {"documents": "fragments"}}
+HEX32 = re.compile(r"^[0-9a-f]{32}$")
+HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_JSON = {"string": str, "int": int, "bool": bool, "list": list, "object": dict, "null": type(None),
+         "hex32": str, "hex16": str, "int >= 0": int, "int >= 1": int}
 
 
-def write_manifest(directory: str | Path, manifest: dict) -> None:
+def field_problems(obj: dict, table: dict, kind: str) -> Iterator[tuple[str, str, object, str]]:
+    """(field, expected, found, what is wrong) for each field of `kind` in `table` that `obj` breaks."""
+    for key, (type_name, required, kinds, _) in table.items():
+        if kind not in kinds.split(", "):
+            continue
+        if key not in obj:
+            if required:
+                yield key, f"field {key!r}", "no such field", "manifest field missing"
+            continue
+        value, types = obj[key], type_name.split(" or ")
+        if not any(isinstance(value, _JSON[t]) and not (isinstance(value, bool) and t != "bool") for t in types):
+            yield key, f"a JSON {'/'.join(_JSON[t].__name__ for t in types)}", f"{value!r}"[:60], \
+                "manifest field has the wrong type"
+        elif type_name.startswith("int >= ") and value < int(type_name[-1]):
+            yield key, type_name[4:], value, "manifest field out of range"
+        elif type_name == "hex32" and not HEX32.match(value):
+            yield key, "32 lowercase hex digits", repr(value), "malformed checksum"
+        elif type_name == "hex16" and not HEX16.match(value):
+            yield key, "16 lowercase hex digits", repr(value), "malformed multiset hash"
+
+
+def upgrade(manifest: dict) -> dict:
+    """The manifest with the keys of earlier writers under their current names, in place."""
+    renamed = {old: new for old, new in RENAMED.get(manifest.get("kind"), {}).items()
+               if old in manifest and new not in manifest}
+    return {renamed.get(k, k): v for k, v in manifest.items()} if renamed else manifest
+
+
+# ------------------------------------------------------------------ manifest builders
+
+
+def _header(kind: str, dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, tokens: int) -> dict:
+    return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "kind": kind, "dtype": dtype_name(dtype),
+            "token_size": np.dtype(dtype).itemsize, "vocab_size": int(vocab_size), "eos_id": int(eos_id),
+            "tokenizer": tokenizer, "tokens": int(tokens)}
+
+
+def source_manifest(shards: list[dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str,
+                    **extra) -> dict:
+    return {**_header("source", dtype, vocab_size, eos_id, tokenizer, sum(s["tokens"] for s in shards)),
+            "documents": sum(s["documents"] for s in shards),
+            "fingerprint": fingerprint([s["xxh3_128"] for s in shards], dtype_name(dtype), vocab_size, eos_id),
+            "shards": shards, **extra}
+
+
+def epoch_manifest(shards: list[dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, *,
+                   tokens: int, epoch: int, seed: int, seq_len: int, samples: int, shard_samples: int,
+                   dropped_tokens: int, jitter: bool, sources: list[dict], shuffle: str) -> dict:
+    return {**_header("epoch", dtype, vocab_size, eos_id, tokenizer, tokens),
+            "fragments": sum(s["fragments"] for s in shards), "shards": shards, "epoch": epoch, "seed": seed,
+            "seq_len": seq_len, "samples": samples, "shard_samples": shard_samples, "dropped_tokens": dropped_tokens,
+            "jitter": jitter, "jitter_offsets": [s["offset"] for s in sources], "sources": sources,
+            "sample_multiset_hash": hash_hex64(sum(int(s["multiset_hash"], 16) for s in shards)),
+            "shuffle": shuffle}
+
+
+def run_manifest(epochs: dict[int, dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, *,
+                 sources: list[dict], weights: list | None, seq_len: int, seed: int, jitter: bool, samples: int,
+                 shard_samples: int, shuffle: str) -> dict:
+    """`epochs`: the manifests of the epochs written so far, by number; `sources`: an epoch's entries."""
+    written = [upgrade(m) for m in epochs.values()]
+    sources = [{k: s[k] for k, field in SOURCE_FIELDS.items() if "run" in field[2]} for s in sources]
+    return {**_header("run", dtype, vocab_size, eos_id, tokenizer, sum(int(m["tokens"]) for m in written)),
+            "fragments": sum(int(m["fragments"]) for m in written), "sources": sources, "weights": weights,
+            "seq_len": seq_len, "seed": seed, "jitter": jitter, "samples": samples, "shard_samples": shard_samples,
+            "epochs": sorted(epochs), "shuffle": shuffle}
+
+
+def stage_sidecar(stages: list[dict], missing_shards: dict[str, list[str]]) -> dict:
+    return {"format": "tokpack-stage", "partial": True,
+            "note": "a --ranks stage: only the listed ranks' shards were copied; the manifests are the source's",
+            "stages": stages, "missing_shards": missing_shards}
+
+
+# ------------------------------------------------------------------------ manifests
+
+
+def canonical_bytes(manifest: dict) -> bytes:
+    """The one serialisation of every manifest: a manifest whose bytes differ was edited."""
+    return json.dumps(manifest, indent=1, sort_keys=False).encode() + b"\n"
+
+
+def write_manifest(directory: str | Path, manifest: dict, name: str = MANIFEST) -> None:
     """Written last, atomically: its presence is what makes a directory complete."""
-    data = json.dumps(manifest, indent=1, sort_keys=False).encode() + b"\n"
     fsync_dir(directory)  # the shards' renames are on disk before a manifest can claim them
-    write_bytes_atomic(Path(directory) / MANIFEST, data, fsync=True)
+    write_bytes_atomic(Path(directory) / name, canonical_bytes(manifest), fsync=True)
     fsync_dir(directory)
 
 
 def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = None) -> dict:
-    """Reads and checks the parts of a manifest every reader relies on."""
+    """Reads and checks the parts of a manifest every reader relies on; keys of earlier writers
+    come under their current names."""
     directory = Path(directory)
     path = directory / MANIFEST
     if not directory.exists():
-        raise TokpackError(
-            "no such directory", file=directory, hint="check the path; tokpack reads local directories"
-        )
+        raise TokpackError("no such directory", file=directory, hint="check the path; tokpack reads local directories")
     if not path.exists():
-        raise IncompleteError(
-            "incomplete: no tokpack.json",
-            file=directory,
-            hint="the run that writes it was interrupted or is still running; rerun the same command to finish it",
-        )
-    raw = path.read_bytes()
+        raise IncompleteError("incomplete: no tokpack.json", file=directory, hint="the run that writes it was "
+                              "interrupted or is still running; rerun the same command to finish it")
+    return upgrade(parse_manifest(path.read_bytes(), path, kind))
+
+
+def parse_manifest(raw: bytes, path: str | Path, kind: str | tuple[str, ...] | None = None) -> dict:
+    """A manifest's bytes as written (earlier writers' keys unchanged), its header checked."""
     try:
         manifest = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokpackError(
-            "manifest is not valid JSON",
-            file=path,
-            where=f"byte {getattr(e, 'pos', 0)}",
-            expected="a JSON object",
-            found=f"{len(raw)} bytes" if raw else "an empty file",
-            hint="restore it from the run that wrote this directory, or rerun that run",
-        ) from None
-    check_manifest_header(manifest, path, kind)
-    return manifest
-
-
-def check_manifest_header(manifest: object, path: str | Path, kind=None) -> None:
+        raise TokpackError("manifest is not valid JSON", file=path, where=f"byte {getattr(e, 'pos', 0)}",
+                           expected="a JSON object", found=f"{len(raw)} bytes" if raw else "an empty file",
+                           hint="restore it from the run that wrote this directory, or rerun that run") from None
     if not isinstance(manifest, dict):
-        raise TokpackError(
-            "manifest is not a JSON object", file=path, expected="object", found=type(manifest).__name__
-        )
+        raise TokpackError("manifest is not a JSON object", file=path, expected="object",
+                           found=type(manifest).__name__)
     if manifest.get("format") != FORMAT_NAME:
-        raise TokpackError(
-            "not a tokpack manifest", file=path, where="format", expected=FORMAT_NAME, found=manifest.get("format")
-        )
+        raise TokpackError("not a tokpack manifest", file=path, where="format", expected=FORMAT_NAME,
+                           found=manifest.get("format"))
     if manifest.get("version") != FORMAT_VERSION:
-        raise TokpackError(
-            "unsupported format version",
-            file=path,
-            where="version",
-            expected=FORMAT_VERSION,
-            found=manifest.get("version"),
-            hint="use the tokpack release that wrote this directory",
-        )
-    kinds = (kind,) if isinstance(kind, str) else kind
-    if manifest.get("kind") not in (kinds or KINDS):
-        raise TokpackError(
-            "wrong kind of tokpack directory",
-            file=path,
-            where="kind",
-            expected=" or ".join(kinds or KINDS),
-            found=manifest.get("kind"),
-        )
-
-
-def manifest_kind(directory: str | Path) -> str:
-    return read_manifest(directory)["kind"]
+        raise TokpackError("unsupported format version", file=path, where="version", expected=FORMAT_VERSION,
+                           found=manifest.get("version"), hint="use the tokpack release that wrote this directory")
+    kinds = ((kind,) if isinstance(kind, str) else kind) or KINDS
+    if manifest.get("kind") not in kinds:
+        raise TokpackError("wrong kind of tokpack directory", file=path, where="kind", expected=" or ".join(kinds),
+                           found=manifest.get("kind"))
+    return manifest
 
 
 def partial_stage_absent(run_dir: Path) -> dict[str, str]:
@@ -408,6 +548,9 @@ def partial_stage_absent(run_dir: Path) -> dict[str, str]:
         return {}
     try:
         info = json.loads(sidecar.read_text())
+        if any(field_problems(info, STAGE_FIELDS, "sidecar")) or any(
+                any(field_problems(st, STAGE_FIELDS, "stages[]")) for st in info["stages"]):
+            raise ValueError
         stages = "; ".join(f"ranks {st['ranks']} of {st['world_size']}, micro-batch {st['micro_batch']}"
                            for st in info.get("stages", []))
         return {str(Path(run_dir) / epoch / name): f"staged only for {stages}"

@@ -17,12 +17,8 @@ import xxhash
 
 from .errors import TokpackError
 from .manifest import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
     DurableFile,
     dtype_from_name,
-    dtype_name,
-    fingerprint,
     metadata_text,
     multiset_hash_rows,
     read_manifest,
@@ -230,27 +226,6 @@ def shard_on_disk(directory: str | Path, entry: dict, itemsize: int) -> bool:
                 and (directory / f"{entry['path']}.metadata").exists())
     except FileNotFoundError:
         return False
-
-
-def source_manifest(
-    shards: list[dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, **extra
-) -> dict:
-    name = dtype_name(dtype)
-    return {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "kind": "source",
-        "dtype": name,
-        "token_size": np.dtype(dtype).itemsize,
-        "vocab_size": int(vocab_size),
-        "eos_id": int(eos_id),
-        "tokenizer": tokenizer,
-        "tokens": sum(s["tokens"] for s in shards),
-        "documents": sum(s["documents"] for s in shards),
-        "fingerprint": fingerprint([s["xxh3_128"] for s in shards], name, vocab_size, eos_id),
-        "shards": shards,
-        **extra,
-    }
 
 
 @dataclass

@@ -30,11 +30,16 @@ from .errors import IncompleteError, TokpackError
 from .inputs import read_ahead
 from .manifest import (
     MANIFEST,
+    MANIFEST_FIELDS,
+    SHARD_FIELDS,
+    SOURCE_FIELDS,
     STAGE_SIDECAR,
     TMP_MARK,
+    canonical_bytes,
     dtype_for_vocab,
     dtype_name,
     epoch_dir_name,
+    field_problems,
     fingerprint,
     hash_hex64,
     metadata_text,
@@ -55,8 +60,6 @@ MAX_METADATA = 1 << 16
 # kept a cold read pipelined best here (measured 2-16 MiB), and fewer fresh pages are touched.
 BLOCK = 2 << 20
 SHARD_FILE = re.compile(r".*\.ds(\.index|\.metadata|\.loss)?$")
-HEX32 = re.compile(r"^[0-9a-f]{32}$")
-HEX16 = re.compile(r"^[0-9a-f]{16}$")
 EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
 
 
@@ -149,79 +152,15 @@ class ValidationReport:
 
 # --------------------------------------------------------------------------- schema
 
-# field -> (JSON type, required). Every field tokpack's writers produce is required, so a
-# corrupted key name is caught; fields added by newer writers are allowed and ignored.
-_OPT_STR = (str, type(None))
-_COMMON = {"format": (str, True), "version": (int, True), "kind": (str, True)}
-_DATA = {**_COMMON, "dtype": (str, True), "token_size": (int, True), "vocab_size": (int, True),
-         "eos_id": (int, True), "tokenizer": (str, True), "tokens": (int, True), "documents": (int, True)}
-SCHEMA = {
-    "source": {**_DATA, "fingerprint": (str, True), "shards": (list, True)},
-    "epoch": {**_DATA, "shards": (list, True), "epoch": (int, True), "seed": (int, True), "seq_len": (int, True),
-              "samples": (int, True), "shard_samples": (int, True), "dropped_tokens": (int, True),
-              "jitter": (bool, True), "jitter_offsets": (list, True), "sources": (list, True),
-              "sample_multiset_hash": (str, True), "shuffle": (str, True)},
-    "run": {**_DATA, "sources": (list, True), "weights": ((list, type(None)), True), "seq_len": (int, True),
-            "seed": (int, True), "jitter": (bool, True), "samples": (int, True), "shard_samples": (int, True),
-            "epochs": (list, True), "shuffle": (str, True)},
-}
-SHARD_SCHEMA = {
-    "source": {"path": (str, True), "tokens": (int, True), "bytes": (int, True), "documents": (int, True),
-               "xxh3_128": (str, True), "index_xxh3_128": (str, True), "metadata_xxh3_128": (str, True),
-               "loss_xxh3_128": (str, False)},
-    "epoch": {"path": (str, True), "tokens": (int, True), "bytes": (int, True), "samples": (int, True),
-              "xxh3_128": (str, True), "index_xxh3_128": (str, True), "metadata_xxh3_128": (str, True),
-              "multiset_hash": (str, True), "fragments": (int, True)},
-}
-EPOCH_SOURCE_SCHEMA = {"name": (str, True), "path": (str, True), "fingerprint": (str, True), "weight": (_OPT_STR, True),
-                       "samples": (int, True), "first_pass": (int, True), "passes": (int, True),
-                       "windows": (int, True), "tokens": (int, True), "offset": (int, True),
-                       "dropped_tokens": (int, True)}
-RUN_SOURCE_SCHEMA = {"name": (str, True), "path": (str, True), "fingerprint": (str, True), "tokens": (int, True),
-                     "weight": (_OPT_STR, True)}
-_NONNEGATIVE = {"tokens", "documents", "bytes", "samples", "dropped_tokens", "epoch", "eos_id", "fragments",
-                "first_pass", "passes", "windows", "offset"}
-_POSITIVE = {"token_size", "vocab_size", "seq_len", "shard_samples"}
-
 
 def _type_ok(value, typ) -> bool:
-    if typ is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if typ is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, typ)
+    return isinstance(value, typ) and not (isinstance(value, bool) and typ is not bool)
 
 
-def check_fields(obj: dict, schema: dict, file: str, prefix: str = "") -> list[Problem]:
-    """Presence, JSON type and sign of each field of `schema`; hex digests well formed."""
-    out = []
-    for key, (typ, required) in schema.items():
-        where = f"{prefix}{key}"
-        if key not in obj:
-            if required:
-                out.append(Problem(file, where, f"field {key!r}", "no such field", "manifest field missing"))
-            continue
-        value = obj[key]
-        if not _type_ok(value, typ):
-            names = "/".join(t.__name__ for t in (typ if isinstance(typ, tuple) else (typ,)))
-            out.append(Problem(file, where, f"a JSON {names}", f"{value!r}"[:60], "manifest field has the wrong type"))
-        elif key in _NONNEGATIVE and value < 0:
-            out.append(Problem(file, where, ">= 0", value, "manifest field out of range"))
-        elif key in _POSITIVE and value < 1:
-            out.append(Problem(file, where, ">= 1", value, "manifest field out of range"))
-        elif key.endswith("xxh3_128") or key == "fingerprint":
-            if not HEX32.match(value):
-                out.append(Problem(file, where, "32 lowercase hex digits", repr(value), "malformed checksum"))
-        elif key.endswith("multiset_hash"):
-            if not HEX16.match(value):
-                out.append(Problem(file, where, "16 lowercase hex digits", repr(value), "malformed multiset hash"))
-    return out
-
-
-def _canonical_bytes(manifest: dict) -> bytes:
-    """What formats.manifest.write_manifest writes for this object. A manifest that differs
-    from it byte for byte was edited after tokpack wrote it."""
-    return json.dumps(manifest, indent=1, sort_keys=False).encode() + b"\n"
+def check_fields(obj: dict, table: dict, kind: str, file: str, prefix: str = "") -> list[Problem]:
+    """The fields of `kind` in one of formats.manifest's field tables: presence, type, range."""
+    return [Problem(file, f"{prefix}{key}", expected, found, why) for key, expected, found, why
+            in field_problems(obj, table, kind)]
 
 
 # ----------------------------------------------------------------------- shard jobs
@@ -636,7 +575,7 @@ def _open_manifest(path: Path, rep: DirReport, kinds) -> dict | None:
         rep.problems.append(Problem.from_error(e))
         return None
     raw = (path / MANIFEST).read_bytes()
-    if raw != _canonical_bytes(manifest):
+    if raw != canonical_bytes(json.loads(raw)):  # as written, before earlier keys are renamed
         rep.problems.append(Problem(str(path / MANIFEST), "bytes", "the JSON text tokpack writes",
                                     "different bytes (edited after writing?)", "manifest text was altered"))
     rep.manifest = manifest
@@ -674,13 +613,13 @@ def _check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> li
     """Checks shared by sources and epochs; returns the shard jobs (empty if the manifest is unusable)."""
     mfile = str(path / MANIFEST)
     kind = m["kind"]
-    problems = check_fields(m, SCHEMA[kind], mfile)
+    problems = check_fields(m, MANIFEST_FIELDS, kind, mfile)
     shards = m.get("shards") if isinstance(m.get("shards"), list) else []
     for i, s in enumerate(shards):
         if not isinstance(s, dict):
             problems.append(Problem(mfile, f"shards[{i}]", "an object", repr(s)[:40], "bad shard entry"))
         else:
-            problems += check_fields(s, SHARD_SCHEMA[kind], mfile, f"shards[{i}].")
+            problems += check_fields(s, SHARD_FIELDS, kind, mfile, f"shards[{i}].")
     rep.problems += problems
     if problems:
         return []  # a malformed manifest cannot drive the file checks
@@ -750,13 +689,13 @@ def _check_epoch_manifest(path: Path, m: dict, rep: DirReport, row: int) -> None
         if not isinstance(s, dict):
             add(f"sources[{i}]", "an object", repr(s)[:40], "bad source entry")
             return
-        rep.problems.extend(check_fields(s, EPOCH_SOURCE_SCHEMA, mfile, f"sources[{i}]."))
+        rep.problems.extend(check_fields(s, SOURCE_FIELDS, "epoch", mfile, f"sources[{i}]."))
     if all(isinstance(s.get("samples"), int) for s in srcs) and sum(s["samples"] for s in srcs) != m["samples"]:
         add("sources[].samples", f"{m['samples']} (the epoch's samples)", sum(s["samples"] for s in srcs),
             "per-source sample counts do not add up")
     frags = [s.get("fragments") for s in shards]
-    if "documents" in m and all(_type_ok(f, int) for f in frags) and sum(frags) != m["documents"]:
-        add("documents", f"{sum(frags)} (sum of the shards' fragments)", m["documents"], "fragment count wrong")
+    if "fragments" in m and all(_type_ok(f, int) for f in frags) and sum(frags) != m["fragments"]:
+        add("fragments", f"{sum(frags)} (sum of the shards' fragments)", m["fragments"], "fragment count wrong")
     _check_epoch_sources(m, srcs, row, add)
     dir_epoch = EPOCH_DIR.match(path.name)
     if dir_epoch and int(dir_epoch.group(1)) != m["epoch"]:
@@ -764,7 +703,7 @@ def _check_epoch_manifest(path: Path, m: dict, rep: DirReport, row: int) -> None
 
 
 def _check_epoch_sources(m: dict, srcs: list, row: int, add) -> None:
-    """The windowing arithmetic of docs/FORMAT.md ("Shuffle plan") for each source entry that
+    """The windowing arithmetic of docs/COMMANDS.md ("The shuffle algorithm") for each source entry that
     records it: a corrupted count cannot hide behind a field nobody reads."""
     keys = ("tokens", "windows", "offset", "dropped_tokens", "samples", "first_pass", "passes")
     dropped = 0
@@ -804,10 +743,10 @@ RUN_KEYS = ("dtype", "token_size", "vocab_size", "eos_id", "tokenizer", "seq_len
 
 def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Dir"]) -> None:
     mfile = str(path / MANIFEST)
-    problems = check_fields(m, SCHEMA["run"], mfile)
+    problems = check_fields(m, MANIFEST_FIELDS, "run", mfile)
     for i, src in enumerate(m.get("sources") if isinstance(m.get("sources"), list) else []):
         if isinstance(src, dict):
-            problems += check_fields(src, RUN_SOURCE_SCHEMA, mfile, f"sources[{i}].")
+            problems += check_fields(src, SOURCE_FIELDS, "run", mfile, f"sources[{i}].")
         else:
             problems.append(Problem(mfile, f"sources[{i}]", "an object", repr(src)[:40], "bad source entry"))
     rep.problems += problems
@@ -861,7 +800,7 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
                         d.report.problems.append(Problem(efile, f"sources[{i}].weight", repr(m["weights"][i]),
                                                          repr(b["weight"]), "epoch weight differs from the run's"))
         totals[0] += em.get("tokens", 0) if _type_ok(em.get("tokens"), int) else 0
-        totals[1] += em.get("documents", 0) if _type_ok(em.get("documents"), int) else 0
+        totals[1] += em.get("fragments", 0) if _type_ok(em.get("fragments"), int) else 0
         totals[2] += 1
         if em.get("epoch") != e:
             d.report.problems.append(Problem(efile, "epoch", e, em.get("epoch"), "epoch manifest belongs to another epoch"))
@@ -869,7 +808,7 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
             d.report.problems.append(Problem(efile, "sources", _source_keys(m["sources"]), _source_keys(em["sources"]),
                                              "epoch was shuffled from other sources than its run"))
     if totals[2] == len(epochs):
-        for i, key in enumerate(("tokens", "documents")):
+        for i, key in enumerate(("tokens", "fragments")):
             if _type_ok(m.get(key), int) and m[key] != totals[i]:
                 rep.problems.append(Problem(mfile, key, f"{totals[i]} (sum over its epochs)", m[key],
                                             f"run {key} count wrong"))

@@ -49,10 +49,11 @@ from formats.manifest import (
     read_manifest,
     shard_digits,
     shard_name,
+    source_manifest,
     write_bytes_atomic,
     write_manifest,
 )
-from formats.shards import PackedSource, SourceShardWriter, shard_on_disk, source_manifest
+from formats.shards import PackedSource, SourceShardWriter, shard_on_disk
 from formats.sinks import app_sinks_kept
 from packer.executors import ExecutorConfig, run_step
 

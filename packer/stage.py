@@ -37,13 +37,14 @@ from formats.reader import EpochNumbering, shuffle_command
 from formats.manifest import (
     MANIFEST,
     STAGE_SIDECAR,
-    check_manifest_header,
     commit_file,
     epoch_dir_name,
-    fsync_dir,
+    parse_manifest,
     progress,
     remove_tmp_files,
+    stage_sidecar,
     tmp_path,
+    upgrade,
     write_manifest,
 )
 
@@ -52,7 +53,7 @@ from formats.manifest import (
 STAGE_BLOCK = 32 << 20
 PARTIAL_SIDECAR = STAGE_SIDECAR
 # Run-manifest fields that depend on which epochs were staged.
-_RUN_SELECTION_KEYS = ("epochs", "tokens", "documents")
+_RUN_SELECTION_KEYS = ("epochs", "tokens", "fragments", "documents")
 # copy_file_range errors that mean "not here" (old kernel, cross-filesystem, unsupported fs),
 # not a bad file: stage falls back to read + write through its buffer.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
@@ -230,13 +231,7 @@ class Source:
             raise TokpackError("cannot read the source", file=where, expected="a readable file",
                                found=f"{type(e).__name__}: {e}",
                                hint="check the path or URL, and the credentials of its filesystem") from None
-        try:
-            manifest = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise TokpackError("manifest is not valid JSON", file=where, found=f"{len(raw)} bytes",
-                               hint="restore it from the run that wrote this directory") from None
-        check_manifest_header(manifest, where, kind)
-        return manifest
+        return parse_manifest(raw, where, kind)
 
 
 def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tuple[str, list[DirPlan]]:
@@ -278,9 +273,10 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
         plans.append(DirPlan(rel, m, jobs, skipped))
     run = {**root, "epochs": list(chosen)}
     if chosen != available:  # the run's totals cover the epochs it lists
-        for key in ("tokens", "documents"):
+        staged = [upgrade(p.manifest) for p in plans]
+        for key in ("tokens", "fragments", "documents"):  # `documents`: earlier writers' name for fragments
             if key in root:
-                run[key] = sum(int(p.manifest.get(key, 0)) for p in plans)
+                run[key] = sum(int(m.get("fragments" if key == "documents" else key, 0)) for m in staged)
     plans.append(DirPlan("", run))
     return kind, plans
 
@@ -453,14 +449,6 @@ def _hash_mapped(h, fd: int, offset: int, length: int) -> None:
             h.update(chunk)
 
 
-def _write_json_durable(path: Path, obj: dict) -> None:
-    tmp = tmp_path(path)
-    with open(tmp, "wb") as f:
-        f.write(json.dumps(obj, indent=1).encode() + b"\n")
-    commit_file(tmp, path, fsync=True)
-    fsync_dir(path.parent)  # the rename itself survives a crash
-
-
 def _in_place(path: Path, size: int | None) -> bool:
     """A file a rerun will verify in place, not copy again (or so its size says)."""
     return size is not None and path.is_file() and path.stat().st_size == size
@@ -602,11 +590,5 @@ def _partial_sidecar(dest: Path, plans: list[DirPlan], ranks, micro_batch: int) 
     stages = list(previous.get("stages", []))
     if ranks is not None:
         stages.append({"ranks": ranks[0], "world_size": ranks[1], "micro_batch": micro_batch})
-    _write_json_durable(path, {
-        "format": "tokpack-stage",
-        "partial": True,
-        "note": "a --ranks stage: only the listed ranks' shards were copied; the manifests are the source's",
-        "stages": stages,
-        "missing_shards": missing,
-    })
+    write_manifest(path.parent, stage_sidecar(stages, missing), STAGE_SIDECAR)
     return missing

@@ -51,19 +51,18 @@ import xxhash
 from formats.errors import TokpackError
 from formats.guard import LOCK_NAME, bytes_under, check_space, is_no_space, locked_output
 from formats.manifest import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
     IO_BLOCK,
     MANIFEST,
     dtype_from_name,
     dtype_name,
     epoch_dir_name,
-    hash_hex64,
+    epoch_manifest,
     iter_file_blocks,
     progress,
     TMP_MARK,
     read_manifest,
     remove_tmp_files,
+    run_manifest,
     shard_digits,
     shard_name,
     write_bytes_atomic,
@@ -886,67 +885,16 @@ def _existing_run(out: Path) -> dict | None:
     return None
 
 
-def _epoch_manifest(job: EpochJob, sources: list[PackedSource], entries: list[dict]) -> dict:
-    plan = job.plan
-    multiset = sum(int(e["multiset_hash"], 16) for e in entries)
-    first = sources[0].manifest
-    return {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "kind": "epoch",
-        "dtype": job.dtype,
-        "token_size": job.token_dtype.itemsize,
-        "vocab_size": int(first["vocab_size"]),
-        "eos_id": job.eos_id,
-        "tokenizer": job.tokenizer,
-        "tokens": plan.samples * plan.row_tokens,
-        "documents": sum(e["fragments"] for e in entries),
-        "shards": entries,
-        "epoch": plan.epoch,
-        "seed": plan.seed,
-        "seq_len": plan.seq_len,
-        "samples": plan.samples,
-        "shard_samples": job.shard_samples,
-        "dropped_tokens": plan.dropped_tokens(),
-        "jitter": plan.jitter,
-        "jitter_offsets": [sp.offset for sp in plan.sources],
-        "sources": plan.source_entries(),
-        "sample_multiset_hash": hash_hex64(multiset),
-        "shuffle": PLAN_ALGORITHM,
-    }
-
-
 def _run_manifest(out: Path, plan: EpochPlan, weights, sources: list[PackedSource], shard_samples: int,
                   epochs: list[int]) -> dict:
     first = sources[0].manifest
-    tokens = documents = 0
-    epochs = [e for e in epochs if (out / epoch_dir_name(e) / MANIFEST).exists()]
-    for e in epochs:
-        m = read_manifest(out / epoch_dir_name(e), kind="epoch")
-        tokens += int(m["tokens"])
-        documents += int(m["documents"])
-    return {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "kind": "run",
-        "dtype": first["dtype"],
-        "token_size": int(first["token_size"]),
-        "vocab_size": int(first["vocab_size"]),
-        "eos_id": int(first["eos_id"]),
-        "tokenizer": first.get("tokenizer", ""),
-        "tokens": tokens,
-        "documents": documents,
-        "sources": [{"name": sp.name, "path": sp.path, "fingerprint": sp.fingerprint, "tokens": sp.tokens,
-                     "weight": sp.weight} for sp in plan.sources],
-        "weights": None if all(w is None for w in weights) else list(weights),
-        "seq_len": plan.seq_len,
-        "seed": plan.seed,
-        "jitter": plan.jitter,
-        "samples": plan.samples,
-        "shard_samples": shard_samples,
-        "epochs": sorted(epochs),
-        "shuffle": PLAN_ALGORITHM,
-    }
+    written = {e: read_manifest(out / epoch_dir_name(e), kind="epoch") for e in epochs
+               if (out / epoch_dir_name(e) / MANIFEST).exists()}
+    return run_manifest(
+        written, sources[0].dtype, first["vocab_size"], first["eos_id"], first.get("tokenizer", ""),
+        sources=plan.source_entries(), weights=None if all(w is None for w in weights) else list(weights),
+        seq_len=plan.seq_len, seed=plan.seed, jitter=plan.jitter, samples=plan.samples, shard_samples=shard_samples,
+        shuffle=PLAN_ALGORITHM)
 
 
 def _memory_path(job: EpochJob, memory: int) -> tuple[int, bool]:
@@ -1069,7 +1017,10 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
         if p.is_file() and p.name not in keep:
             p.unlink()
     sources = job.open_sources()
-    manifest = _epoch_manifest(job, sources, entries)
+    manifest = epoch_manifest(
+        entries, job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer, tokens=plan.samples * plan.row_tokens,
+        epoch=plan.epoch, seed=plan.seed, seq_len=plan.seq_len, samples=plan.samples, shard_samples=job.shard_samples,
+        dropped_tokens=plan.dropped_tokens(), jitter=plan.jitter, sources=plan.source_entries(), shuffle=PLAN_ALGORITHM)
     write_manifest(job.epoch_dir, manifest)
     shutil.rmtree(work, ignore_errors=True)
     return {"epoch": plan.epoch, "path": "in-memory" if in_memory else "out-of-core", "samples": plan.samples,

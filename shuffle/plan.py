@@ -4,7 +4,7 @@ A plan is stateless and O(#sources): every question ("what is at output position
 "where do these windows go?") is answered by evaluating keyed bijections
 (shuffle.permutation), never by materialising an index.
 
-Spec (docs/FORMAT.md, "Shuffle plan"):
+Spec (docs/COMMANDS.md, "The shuffle algorithm"):
 - L = seq_len, a window is L+1 tokens. Source s (in command-line order) has T_s tokens
   (its shards concatenated in manifest order). Without jitter its window offset o_s = 0 and
   W_s = T_s // (L+1); with jitter o_s = derive_key("jitter", seed, epoch, s) mod (L+1) and

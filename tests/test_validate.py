@@ -104,7 +104,7 @@ def rewrite_epoch(epoch: Path, rows: np.ndarray) -> None:
         entries.append(w.close())
         entries[-1]["fragments"] = (epoch / (entries[-1]["path"] + ".index")).stat().st_size // 8
     m["shards"] = entries
-    m["documents"] = sum(e["fragments"] for e in entries)
+    m["fragments"] = sum(e["fragments"] for e in entries)
     m["tokens"] = len(rows) * ROW
     m["sample_multiset_hash"] = hash_hex64(sum(int(e["multiset_hash"], 16) for e in entries))
     delta = len(rows) - m["samples"]
@@ -610,7 +610,7 @@ MANIFEST_EDITS = [
     (E0, "jitter_offsets", [5], ("jitter_offsets[0]", "0", "5")),
     (E0, "jitter_offsets", [], ("jitter_offsets[0]", "0", "no entry")),
     (E0, "dropped_tokens", lambda v: v + 1, ("dropped_tokens", "15 (sum over sources)", "16")),
-    (E0, "documents", lambda v: v + 1, ("documents", "262 (sum of the shards' fragments)", "263")),
+    (E0, "fragments", lambda v: v + 1, ("fragments", "262 (sum of the shards' fragments)", "263")),
     (E0, "epoch", 1, ("epoch", "0 (from the directory name)", "1")),
     (E0, "samples", lambda v: v + 1, ("samples", "210 (sum over shards)", "211")),
     (E0, "shards.0.tokens", lambda v: v + ROW, ("shards[0].tokens", "128 (samples x 16)", "144")),
