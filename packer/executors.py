@@ -33,7 +33,6 @@ with app_sinks_kept():
     from datatrove.pipeline.base import PipelineStep
 
 from packer import lifetime
-from shuffle.engine import run_in_process
 
 # The folder holding packer/, shuffle/, formats/: Slurm jobs and Ray workers import the steps from here.
 PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -55,6 +54,16 @@ class ExecutorConfig:
     ray_address: str | None = None  # ray: existing cluster, or None for a local one
     in_process: bool = True  # local, one worker, no logging dir: run the ranks here (False: datatrove's executor)
     poll_seconds: float = 5.0  # slurm: longest pause between two looks at the markers and the queue
+
+
+def run_in_process(step, tasks: int, job_name: str, logging_dir=None) -> None:
+    """Every rank in turn, in this process (no executor start-up cost): a single local worker."""
+    for rank in range(tasks):
+        try:
+            step.run(None, rank, tasks)
+        except OSError as e:  # disk full, permissions...: the user's to fix, then rerun
+            raise TokpackError(f"{job_name} task {rank} of {tasks} failed: {e}", file=getattr(e, "filename", None),
+                               hint="fix the cause and rerun the same command; finished outputs are kept") from e
 
 
 def run_step(step, tasks: int, config: ExecutorConfig, logging_dir: str | Path, job_name: str) -> None:

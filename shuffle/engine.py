@@ -49,7 +49,7 @@ import numpy as np
 import xxhash
 
 from formats.errors import TokpackError
-from formats.guard import LOCK_NAME, bytes_under, check_space, is_no_space, locked_output
+from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
 from formats.manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -79,7 +79,6 @@ with app_sinks_kept():
     import datatrove.utils.logging  # noqa: F401
     from datatrove.pipeline.base import PipelineStep
 
-WORK_DIR = ".tokpack-work"
 DEFAULT_SHARD_BYTES = 1 << 30  # default --shard-samples: about 1 GiB of samples per shard
 MAX_CHUNK_BYTES = 8 << 20  # rows gathered and written per call: big enough for sequential I/O
 RING = 4  # chunk buffers: one being gathered while up to RING-1 are indexed or written
@@ -779,18 +778,13 @@ def source_changed_error(record: dict) -> TokpackError:
                         hint="re-pack the source, or restore the file it was packed as")
 
 
-def run_in_process(step, tasks: int, job_name: str, logging_dir=None) -> None:
-    """The default runner: every rank in turn, in this process (no executor start-up cost).
-    packer.executors runs a single local worker through it too."""
-    for rank in range(tasks):
-        try:
-            step.run(None, rank, tasks)
-        except OSError as e:  # disk full, permissions...: the user's to fix, then rerun
-            raise TokpackError(f"{job_name} task {rank} of {tasks} failed: {e}", file=getattr(e, "filename", None),
-                               hint="fix the cause and rerun the same command; finished outputs are kept") from e
-
-
 # ---------------------------------------------------------------------- the run
+
+
+def _ranks_here(step, tasks: int, job_name: str, logging_dir) -> None:
+    """The runner when none is passed (packer passes packer.executors'): every rank in turn, here."""
+    for rank in range(tasks):
+        step.run(None, rank, tasks)
 
 
 def parse_source_args(args: list[str]) -> tuple[list[str], list[str | None]]:
@@ -1119,7 +1113,7 @@ def shuffle_run(
     terminal and TOKPACK_PROGRESS is not 0). Returns a summary dict, with per-source counts of
     every epoch written and a warning per source an epoch repeats windows of."""
     t0 = time.perf_counter()
-    run_step = run_step or run_in_process
+    run_step = run_step or _ranks_here
     if progress is None:
         progress = sys.stderr.isatty() and os.environ.get("TOKPACK_PROGRESS", "1") != "0"
     paths, weights = parse_source_args(list(sources))
