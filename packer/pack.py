@@ -29,7 +29,8 @@ import numpy as np
 
 from formats.errors import TokpackError
 from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, locked_output
-from formats.inputs import BLOCK_BYTES, InputFile, check_input, discover, read_blocks
+from formats.inputs import BLOCK_BYTES, InputFile
+from formats.inputs.discover import check_input, discover, read_blocks
 from formats.manifest import (
     MANIFEST,
     TMP_MARK,

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from formats.errors import TokpackError
-from formats.inputs import Block, InputFile, input_error
+from formats.inputs import Block, InputFile, input_error as _err
 from formats.io import give_buffers, take_buffer
 from formats.manifest import dtype_for_vocab
 
@@ -175,5 +175,5 @@ class Normalizer:
 
     def _fail(self, message, b: Block, pos: int, expected, found, hint=None):
         doc = b.first_doc + int(np.searchsorted(b.ends, pos, side="right"))
-        raise input_error(message, self.f.path, where=f"document {doc}, token offset {b.offset + pos}",
+        raise _err(message, self.f.path, where=f"document {doc}, token offset {b.offset + pos}",
                    expected=expected, found=found, hint=hint)

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..io import give_buffers, read_ahead, sequential, take_buffer
 from ..manifest import parse_metadata_text
-from .base import INDEX_CHUNK, Block, InputFile, input_error, read_exact
+from . import INDEX_CHUNK, Block, InputFile, input_error as _err, read_exact
 
 
 def datatrove_file(path: Path, dtype: str | None) -> InputFile:
@@ -21,7 +21,7 @@ def datatrove_file(path: Path, dtype: str | None) -> InputFile:
     if meta.exists():
         tokenizer, token_size, _ = parse_metadata_text(meta.read_text(), meta)
         if token_size not in (2, 4):
-            raise input_error("unsupported token size in datatrove metadata", meta, where="token_size",
+            raise _err("unsupported token size in datatrove metadata", meta, where="token_size",
                        expected="2 or 4", found=token_size)
         name = "uint16" if token_size == 2 else "uint32"
         if tokenizer.startswith("Unknown Tokenizer"):
@@ -29,7 +29,7 @@ def datatrove_file(path: Path, dtype: str | None) -> InputFile:
     elif dtype in ("uint16", "uint32"):
         name = dtype
     else:
-        raise input_error("datatrove file without .ds.metadata: token size unknown", path, where=".ds.metadata",
+        raise _err("datatrove file without .ds.metadata: token size unknown", path, where=".ds.metadata",
                    expected="a metadata file", found="none", hint="pass --dtype uint16 or --dtype uint32")
     loss = Path(f"{path}.loss")
     size = sum(os.path.getsize(p) for p in (path, Path(f"{path}.index"), loss) if p.exists())
@@ -41,17 +41,17 @@ def check_datatrove(f: InputFile) -> None:
     itemsize = np.dtype(f.dtype).itemsize
     size = os.path.getsize(f.path)
     if size % itemsize:
-        raise input_error(".ds size is not a multiple of the token size", f.path, where="size",
+        raise _err(".ds size is not a multiple of the token size", f.path, where="size",
                    expected=f"a multiple of {itemsize} bytes ({f.dtype})", found=f"{size} bytes",
                    hint="the file is truncated or its .ds.metadata names the wrong token size")
     tokens = size // itemsize
     index = f.extra["index"]
     if not os.path.exists(index):
-        raise input_error("datatrove file without its .ds.index", f.path, where=".ds.index", expected="an index file",
+        raise _err("datatrove file without its .ds.index", f.path, where=".ds.index", expected="an index file",
                    found="none", hint="document boundaries are needed; rerun the datatrove tokenizer with save_index=True")
     isize = os.path.getsize(index)
     if isize % 8:
-        raise input_error(".ds.index size is not a multiple of 8", index, where="size", expected="uint64 entries",
+        raise _err(".ds.index size is not a multiple of 8", index, where="size", expected="uint64 entries",
                    found=f"{isize} bytes", hint="the index is truncated")
     count = isize // 8
     prev = 0
@@ -60,10 +60,10 @@ def check_datatrove(f: InputFile) -> None:
         _check_increasing(ends, prev, index, start)
         prev = int(ends[-1])
     if prev != tokens:
-        raise input_error(".ds.index last entry differs from the token count", index, where=f"entry {count - 1}" if count else "end",
+        raise _err(".ds.index last entry differs from the token count", index, where=f"entry {count - 1}" if count else "end",
                    expected=tokens, found=prev, hint="the .ds or its index is truncated, or they come from different runs")
     if f.extra.get("loss") and os.path.getsize(f.extra["loss"]) != tokens:
-        raise input_error(".ds.loss size differs from the token count", f.extra["loss"], where="size",
+        raise _err(".ds.loss size differs from the token count", f.extra["loss"], where="size",
                    expected=f"{tokens} bytes", found=f"{os.path.getsize(f.extra['loss'])} bytes")
 
 
@@ -74,7 +74,7 @@ def _check_increasing(ends: np.ndarray, prev: int, index, start: int) -> None:
     if len(bad):
         i = int(bad[0])
         before = prev if i == 0 else int(ends[i - 1])
-        raise input_error(".ds.index does not increase", index, where=f"entry {start + i}",
+        raise _err(".ds.index does not increase", index, where=f"entry {start + i}",
                    expected=f"> {before}", found=int(ends[i]),
                    hint="document ends must be strictly increasing; the index is corrupt")
 

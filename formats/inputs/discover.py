@@ -1,20 +1,22 @@
-"""Finding the input files behind each INPUT path and telling their format."""
+"""Finding the input files behind each INPUT path, telling their format, and the module that
+checks and reads each format."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 from ..errors import TokpackError
 from ..manifest import MANIFEST, TMP_MARK
-from .base import InputFile, input_error
-from .datatrove_ds import datatrove_file
-from .jsonl import JSONL_SUFFIXES, jsonl_file
-from .megatron_bin import megatron_file
-from .npy_raw import npy_file, raw_file
-from .tables import ARROW_SUFFIXES, table_file
+from . import BLOCK_BYTES, Block, InputFile, input_error as _err
+from .datatrove_ds import check_datatrove, datatrove_blocks, datatrove_file
+from .jsonl import JSONL_SUFFIXES, jsonl_blocks, jsonl_file
+from .megatron_bin import check_megatron, megatron_blocks, megatron_file
+from .npy_raw import eos_split_blocks, npy_file, raw_file
+from .tables import ARROW_SUFFIXES, table_blocks, table_file
 
 FORMATS = ("datatrove", "megatron", "parquet", "numpy", "jsonl", "text")
 
@@ -47,7 +49,7 @@ def _discover_one(path: Path, want: str, column, dtype) -> tuple[str, list[Input
     if not path.exists():
         if Path(f"{path}.bin").exists() and Path(f"{path}.idx").exists() and want in ("auto", "megatron"):
             return "megatron", [megatron_file(Path(f"{path}.bin"))]
-        raise input_error("no such input", path, hint="give a file, a directory or a Megatron path prefix")
+        raise _err("no such input", path, hint="give a file, a directory or a Megatron path prefix")
     if path.is_dir():
         return _discover_dir(path, want, column, dtype)
     name = path.name
@@ -66,7 +68,7 @@ def _discover_one(path: Path, want: str, column, dtype) -> tuple[str, list[Input
         return jsonl_file(path, want, column)
     if want == "numpy" or (want == "auto" and dtype):
         return "numpy", [raw_file(path, dtype)]
-    raise input_error("cannot tell the input format", path, expected="a known format for --format " + want,
+    raise _err("cannot tell the input format", path, expected="a known format for --format " + want,
                found=f"a file named {name!r}",
                hint="pass --format (and --dtype for raw token files), or rename the file with its usual extension")
 
@@ -83,7 +85,7 @@ def _discover_dir(path: Path, want, column, dtype) -> tuple[str, list[InputFile]
         return "megatron", [megatron_file(p) for p in bins]
     if (path / "dataset_dict.json").exists():
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits")
-        raise input_error("a DatasetDict holds several splits", path, expected="one split's directory", found=splits,
+        raise _err("a DatasetDict holds several splits", path, expected="one split's directory", found=splits,
                    hint=f"pass one split, e.g. {path / (splits or ['train'])[0]}")
     arrows = [p for p in files if p.suffix in ARROW_SUFFIXES]
     if want in ("auto", "parquet", "text") and (path / "state.json").exists() and arrows:
@@ -114,7 +116,7 @@ def _discover_dir(path: Path, want, column, dtype) -> tuple[str, list[InputFile]
         return fmt, out
     if want == "numpy" and dtype:
         return "numpy", [raw_file(p, dtype) for p in files]
-    raise input_error("no input files of a known format in directory", path,
+    raise _err("no input files of a known format in directory", path,
                expected="*.ds, *.bin+*.idx, *.parquet, *.arrow, *.npy or *.jsonl" if want == "auto" else want,
                found=f"{len(files)} files" + (f" ({', '.join(names[:4])}...)" if names else ""),
                hint="check the path, or pass --format")
@@ -131,10 +133,10 @@ def _check_dtype_option(files: list[InputFile], dtype: str | None) -> None:
         given = dtype
     for f in files:
         if f.dtype is None:
-            raise input_error(f"--dtype applies only to raw token files, not to {f.format} input", f.path, where="--dtype",
+            raise _err(f"--dtype applies only to raw token files, not to {f.format} input", f.path, where="--dtype",
                        expected="no --dtype", found=dtype, hint="drop --dtype")
         if np.dtype(f.dtype).name != given:
-            raise input_error(f"--dtype differs from the dtype the {f.format} input records", f.path, where="--dtype",
+            raise _err(f"--dtype differs from the dtype the {f.format} input records", f.path, where="--dtype",
                        expected=f.dtype, found=dtype, hint="drop --dtype, it is only for raw token files")
 
 
@@ -143,14 +145,39 @@ def _check_consistent(files: list[InputFile]) -> None:
     first = files[0]
     for f in files[1:]:
         if f.dtype != first.dtype:
-            raise input_error("mixed token dtypes in one pack", f.path, where="dtype", expected=f"{first.dtype} (as in {first.path})",
+            raise _err("mixed token dtypes in one pack", f.path, where="dtype", expected=f"{first.dtype} (as in {first.path})",
                        found=f.dtype, hint="pack inputs of one dtype together, or convert them first")
         if f.tokenizer != first.tokenizer:
-            raise input_error("mixed vocabularies in one pack", f.path, where="tokenizer",
+            raise _err("mixed vocabularies in one pack", f.path, where="tokenizer",
                        expected=f"{first.tokenizer} (as in {first.path})", found=f.tokenizer,
                        hint="inputs tokenized with different tokenizers cannot share one packed source")
     with_loss = {bool(f.extra.get("loss")) for f in files}
     if len(with_loss) > 1:
         missing = next(f for f in files if not f.extra.get("loss"))
-        raise input_error("some datatrove files have a .ds.loss and others do not", missing.path, where=".ds.loss",
+        raise _err("some datatrove files have a .ds.loss and others do not", missing.path, where=".ds.loss",
                    expected="all or none", found="missing here", hint="pack them separately")
+
+
+def check_input(f: InputFile) -> None:
+    """Structural checks that need no token scan; run on every input before pack writes anything."""
+    if f.format == "datatrove":
+        check_datatrove(f)
+    elif f.format == "megatron":
+        check_megatron(f)
+
+
+def read_blocks(f: InputFile, eos_id: int, block_bytes: int = BLOCK_BYTES) -> Iterator[Block]:
+    """Whole documents of `f`, a block at a time, in file order."""
+    itemsize = np.dtype(f.dtype).itemsize if f.dtype else 8
+    block_tokens = max(1, block_bytes // itemsize)
+    if f.format == "datatrove":
+        return datatrove_blocks(f, block_tokens)
+    if f.format == "megatron":
+        return megatron_blocks(f, block_tokens)
+    if f.format in ("parquet", "arrow"):
+        return table_blocks(f, block_tokens)
+    if f.format in ("numpy", "raw"):
+        return eos_split_blocks(f, block_tokens, eos_id)
+    if f.format == "jsonl":
+        return jsonl_blocks(f, block_tokens)
+    raise ValueError(f"no block reader for {f.format!r}")

@@ -11,7 +11,7 @@ from typing import Iterator
 import numpy as np
 
 from ..io import give_buffers, read_ahead, sequential, take_buffer
-from .base import INDEX_CHUNK, Block, InputFile, input_error, read_exact
+from . import INDEX_CHUNK, Block, InputFile, input_error as _err, read_exact
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_HEADER = 34  # magic 9 + version 8 + dtype code 1 + sequence count 8 + document count 8
@@ -33,13 +33,13 @@ def megatron_file(bin_path: Path) -> InputFile:
     with open(idx, "rb") as fh:
         head = fh.read(MEGATRON_HEADER)
     if len(head) < MEGATRON_HEADER or head[:9] != MEGATRON_MAGIC:
-        raise input_error("not a Megatron index: wrong magic", idx, where="byte 0", expected=repr(MEGATRON_MAGIC),
+        raise _err("not a Megatron index: wrong magic", idx, where="byte 0", expected=repr(MEGATRON_MAGIC),
                    found=repr(head[:9]), hint="pass the .idx written with the .bin (Megatron's MMIDIDX format)")
     version, code, sequences, documents = struct.unpack("<QBQQ", head[9:])
     if version != 1:
-        raise input_error("unsupported Megatron index version", idx, where="byte 9 (version)", expected=1, found=version)
+        raise _err("unsupported Megatron index version", idx, where="byte 9 (version)", expected=1, found=version)
     if code not in MEGATRON_DTYPES:
-        raise input_error("unknown Megatron dtype code", idx, where="byte 17 (dtype code)",
+        raise _err("unknown Megatron dtype code", idx, where="byte 17 (dtype code)",
                    expected="1-8 (uint8 int8 int16 int32 int64 float64 float32 uint16)", found=code)
     size = os.path.getsize(bin_path) + os.path.getsize(idx)
     return InputFile(str(bin_path), "megatron", MEGATRON_DTYPES[code].name, size,
@@ -58,15 +58,15 @@ def check_megatron(f: InputFile) -> None:
     expected = MEGATRON_HEADER + 12 * seqs + 8 * docs
     isize = os.path.getsize(idx)
     if isize not in (expected, expected + seqs):  # + one int8 mode per sequence in multimodal indexes
-        raise input_error("Megatron .idx size does not match its counts", idx, where="size",
+        raise _err("Megatron .idx size does not match its counts", idx, where="size",
                    expected=f"{expected} bytes for {seqs} sequences and {docs} document indices",
                    found=f"{isize} bytes", hint="the index is truncated or corrupt")
     bsize = os.path.getsize(f.path)
     if bsize % itemsize:
-        raise input_error("Megatron .bin size is not a multiple of the token size", f.path, where="size",
+        raise _err("Megatron .bin size is not a multiple of the token size", f.path, where="size",
                    expected=f"a multiple of {itemsize} ({f.dtype})", found=f"{bsize} bytes")
     if docs < 1:
-        raise input_error("Megatron .idx has no document indices", idx, where="document count", expected=">= 1", found=docs)
+        raise _err("Megatron .idx has no document indices", idx, where="document count", expected=">= 1", found=docs)
     sizes_off, ptr_off, doc_off = _megatron_layout(f)
     for start in range(0, seqs, INDEX_CHUNK):
         n = min(INDEX_CHUNK, seqs - start)
@@ -75,7 +75,7 @@ def check_megatron(f: InputFile) -> None:
         bad = np.flatnonzero((sizes < 0) | (ptrs < 0) | (ptrs + sizes * itemsize > bsize))
         if len(bad):
             i = int(bad[0])
-            raise input_error("Megatron sequence pointer past the end of the .bin", idx, where=f"sequence {start + i}",
+            raise _err("Megatron sequence pointer past the end of the .bin", idx, where=f"sequence {start + i}",
                        expected=f"pointer + size*{itemsize} <= {bsize} (the .bin size)",
                        found=f"pointer {int(ptrs[i])}, size {int(sizes[i])}",
                        hint="the .bin is truncated or belongs to another .idx")
@@ -83,16 +83,16 @@ def check_megatron(f: InputFile) -> None:
     for start in range(0, docs, INDEX_CHUNK):
         di = np.fromfile(idx, dtype="<i8", count=min(INDEX_CHUNK, docs - start), offset=doc_off + 8 * start)
         if start == 0 and di[0] != 0:
-            raise input_error("Megatron document indices do not start at 0", idx, where="document index 0", expected=0,
+            raise _err("Megatron document indices do not start at 0", idx, where="document index 0", expected=0,
                        found=int(di[0]))
         bad = np.flatnonzero((np.diff(di, prepend=np.int64(prev)) < 0) | (di > seqs))
         if len(bad):
             i = int(bad[0])
-            raise input_error("Megatron document indices decrease or exceed the sequence count", idx,
+            raise _err("Megatron document indices decrease or exceed the sequence count", idx,
                        where=f"document index {start + i}", expected=f"non-decreasing, <= {seqs}", found=int(di[i]))
         prev = int(di[-1])
     if prev != seqs:
-        raise input_error("Megatron document indices do not end at the sequence count", idx, where=f"document index {docs - 1}",
+        raise _err("Megatron document indices do not end at the sequence count", idx, where=f"document index {docs - 1}",
                    expected=seqs, found=prev)
 
 

@@ -10,7 +10,7 @@ from typing import Iterator
 import numpy as np
 
 from ..io import Buffer
-from .base import Block, InputFile, input_error, read_exact
+from . import Block, InputFile, input_error as _err, read_exact
 
 RAW_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64")
 
@@ -22,17 +22,17 @@ def npy_file(path: Path) -> InputFile:
             read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
             shape, fortran, dtype = read_header(fh)
         except ValueError as e:
-            raise input_error("unreadable .npy header", path, where="header", expected="a numpy .npy file", found=str(e)) from None
+            raise _err("unreadable .npy header", path, where="header", expected="a numpy .npy file", found=str(e)) from None
         offset = fh.tell()
     if dtype.kind not in "iu":
-        raise input_error(".npy array is not of an integer type", path, where="dtype", expected="an integer dtype",
+        raise _err(".npy array is not of an integer type", path, where="dtype", expected="an integer dtype",
                    found=dtype.name, hint="token ids must be integers")
     if fortran and len(shape) > 1:
-        raise input_error(".npy array is in Fortran order", path, where="header", expected="C order", found="Fortran order")
+        raise _err(".npy array is in Fortran order", path, where="header", expected="C order", found="Fortran order")
     count = int(np.prod(shape, dtype=np.int64))
     expected = offset + count * dtype.itemsize
     if os.path.getsize(path) != expected:
-        raise input_error(".npy size does not match its header", path, where="size", expected=f"{expected} bytes",
+        raise _err(".npy size does not match its header", path, where="size", expected=f"{expected} bytes",
                    found=f"{os.path.getsize(path)} bytes", hint="the file is truncated")
     return InputFile(str(path), "numpy", dtype.newbyteorder("=").name, os.path.getsize(path),
                      extra={"offset": offset, "count": count, "byteorder": dtype.str})
@@ -40,12 +40,12 @@ def npy_file(path: Path) -> InputFile:
 
 def raw_file(path: Path, dtype: str | None) -> InputFile:
     if dtype not in RAW_DTYPES:
-        raise input_error("raw token file needs --dtype", path, where="--dtype", expected=" | ".join(RAW_DTYPES), found=dtype,
+        raise _err("raw token file needs --dtype", path, where="--dtype", expected=" | ".join(RAW_DTYPES), found=dtype,
                    hint="pass --dtype with the width the tokens were written in")
     itemsize = np.dtype(dtype).itemsize
     size = os.path.getsize(path)
     if size % itemsize:
-        raise input_error("raw token file size is not a multiple of the token size", path, where="size",
+        raise _err("raw token file size is not a multiple of the token size", path, where="size",
                    expected=f"a multiple of {itemsize} bytes ({dtype})", found=f"{size} bytes")
     return InputFile(str(path), "raw", dtype, size, extra={"offset": 0, "count": size // itemsize,
                                                            "byteorder": np.dtype(dtype).newbyteorder("<").str})

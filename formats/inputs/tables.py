@@ -10,7 +10,7 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import TokpackError
-from .base import Block, InputFile, input_error
+from . import Block, InputFile, input_error as _err
 
 TABLE_ROWS = 8192  # Parquet/Arrow rows per record batch
 PARQUET_READ_BYTES = 8 << 20  # Parquet column data is read in pieces of this size
@@ -39,7 +39,7 @@ def table_file(path: Path, kind: str, want: str, column: str | None) -> tuple[st
     try:
         schema = _table_schema(path, kind)
     except (pa.ArrowInvalid, OSError) as e:
-        raise input_error(f"unreadable {kind} file", path, expected=f"a {kind} file", found=str(e).splitlines()[0]) from None
+        raise _err(f"unreadable {kind} file", path, expected=f"a {kind} file", found=str(e).splitlines()[0]) from None
     text_col = column or "text"
     token_col = column or "input_ids"
     if want == "text" or (want == "auto" and token_col not in schema.names and text_col in schema.names
@@ -47,7 +47,7 @@ def table_file(path: Path, kind: str, want: str, column: str | None) -> tuple[st
         if text_col not in schema.names:
             raise _missing_column(path, text_col, schema.names)
         if not _is_string(schema.field(text_col).type):
-            raise input_error("text column is not a string column", path, where=f"column {text_col!r}",
+            raise _err("text column is not a string column", path, where=f"column {text_col!r}",
                        expected="string", found=str(schema.field(text_col).type), hint="pass --column with the text column")
         return "text", [InputFile(str(path), "text", None, os.path.getsize(path), column=text_col,
                                   extra={"container": kind})]
@@ -56,14 +56,14 @@ def table_file(path: Path, kind: str, want: str, column: str | None) -> tuple[st
     typ = schema.field(token_col).type
     value = _list_value_type(typ)
     if value is None or not pa.types.is_integer(value):
-        raise input_error("column is not a list of integers", path, where=f"column {token_col!r}",
+        raise _err("column is not a list of integers", path, where=f"column {token_col!r}",
                    expected="list<int>", found=str(typ), hint="pass --column with the token-id column")
     name = np.dtype(value.to_pandas_dtype()).name
     return "parquet", [InputFile(str(path), kind, name, os.path.getsize(path), column=token_col)]
 
 
 def _missing_column(path, col, names) -> TokpackError:
-    return input_error("column not found", path, where=f"column {col!r}", expected=col, found=f"columns {list(names)}",
+    return _err("column not found", path, where=f"column {col!r}", expected=col, found=f"columns {list(names)}",
                 hint="pass --column with the right column name")
 
 
@@ -113,7 +113,7 @@ def table_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
         lengths = pc.list_value_length(col).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
         values = pc.list_flatten(col)
         if values.null_count:
-            raise input_error("null token id in a list", f.path, where=f"column {f.column!r}, rows {row}-{row + len(col) - 1}",
+            raise _err("null token id in a list", f.path, where=f"column {f.column!r}, rows {row}-{row + len(col) - 1}",
                        expected="integers", found="null", hint="drop or fill the nulls before packing")
         tokens = values.to_numpy(zero_copy_only=False)
         ends = np.cumsum(lengths)
