@@ -1,16 +1,11 @@
-"""Input readers for `pack`: datatrove folders, Megatron .bin/.idx, Parquet/Arrow (and HF
-`save_to_disk` directories), numpy token arrays, raw token files and JSONL token lists: one
-module per format, and `discover` to find the files, tell their format and dispatch to it.
+"""Input readers for `pack`, one module per foreign format (datatrove, Megatron, Parquet/Arrow,
+.npy/raw tokens, JSONL); `discover` finds the files, tells their format and dispatches to it.
 This module holds what they share.
 
-Every reader streams: it yields `Block`s of whole documents, a few tens of MiB each, read
-into one reused buffer, so memory does not depend on the input's size (only a single
-document larger than a block is held whole). `check_input` runs the structural checks that
-need no token scan (sizes, headers, indexes, schemas) so `pack` can refuse a bad input
-before it writes anything; pack's `Normalizer` then does the token checks.
-
-Raw text is not read here: `pack` tokenizes it with datatrove's DocumentTokenizer into a
-datatrove folder, which is then read like any other.
+Every reader streams: it yields `Block`s of whole documents, a few tens of MiB each, read into
+one reused buffer, so memory does not depend on the input's size (only a single document
+larger than a block is held whole). Raw text is not read here: `pack` tokenizes it with
+datatrove's DocumentTokenizer into a datatrove folder, which is then read like any other.
 """
 
 from __future__ import annotations

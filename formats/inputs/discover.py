@@ -1,5 +1,5 @@
-"""Finding the input files behind each INPUT path, telling their format, and the module that
-checks and reads each format."""
+"""Finding the input files behind each INPUT path and telling their format; then, per format,
+the structural checks pack runs before it writes (`check_input`) and the reader (`read_blocks`)."""
 
 from __future__ import annotations
 
@@ -92,34 +92,31 @@ def _discover_dir(path: Path, want, column, dtype) -> tuple[str, list[InputFile]
         state = json.loads((path / "state.json").read_text())
         listed = [path / d["filename"] for d in state.get("_data_files", [])]
         arrows = [p for p in listed if p.exists()] if listed else arrows
-        fmt, out = None, []
-        for p in arrows:
-            fmt, fs = table_file(p, "arrow", want, column)
-            out += fs
-        return fmt, out
+        return _each(arrows, lambda p: table_file(p, "arrow", want, column))
     for suffixes, fmt_name in (((".parquet",), "parquet"), (ARROW_SUFFIXES, "arrow")):
         chosen = [p for p in files if p.suffix in suffixes]
         if want in ("auto", "parquet", "text") and chosen:
-            fmt, out = None, []
-            for p in chosen:
-                fmt, fs = table_file(p, fmt_name, want, column)
-                out += fs
-            return fmt, out
+            return _each(chosen, lambda p: table_file(p, fmt_name, want, column))
     if want in ("auto", "numpy") and any(p.suffix == ".npy" for p in files):
         return "numpy", [npy_file(p) for p in files if p.suffix == ".npy"]
     jsonl = [p for p in files if p.name.endswith(JSONL_SUFFIXES) and p.name != MANIFEST]
     if want in ("auto", "jsonl", "text") and jsonl:
-        fmt, out = None, []
-        for p in jsonl:
-            fmt, fs = jsonl_file(p, want, column)
-            out += fs
-        return fmt, out
+        return _each(jsonl, lambda p: jsonl_file(p, want, column))
     if want == "numpy" and dtype:
         return "numpy", [raw_file(p, dtype) for p in files]
     raise _err("no input files of a known format in directory", path,
                expected="*.ds, *.bin+*.idx, *.parquet, *.arrow, *.npy or *.jsonl" if want == "auto" else want,
                found=f"{len(files)} files" + (f" ({', '.join(names[:4])}...)" if names else ""),
                hint="check the path, or pass --format")
+
+
+def _each(paths: list[Path], tell) -> tuple[str, list[InputFile]]:
+    """The files of several paths of one kind; `tell(path)` gives (format, files) for one."""
+    fmt, out = None, []
+    for p in paths:
+        fmt, files = tell(p)
+        out += files
+    return fmt, out
 
 
 def _check_dtype_option(files: list[InputFile], dtype: str | None) -> None:
