@@ -782,7 +782,7 @@ def source_changed_error(record: dict) -> TokpackError:
 
 
 def _ranks_here(step, tasks: int, job_name: str, logging_dir) -> None:
-    """The runner when none is passed (packer passes packer.executors'): every rank in turn, here."""
+    """Every rank in turn, here: the runner for callers that pass none (packer passes its own)."""
     for rank in range(tasks):
         step.run(None, rank, tasks)
 
