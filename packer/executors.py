@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from formats.errors import TokpackError
+from formats.errors import TokpackError, task_failed
 from formats.sinks import app_sinks_kept
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
@@ -61,9 +61,8 @@ def run_in_process(step, tasks: int, job_name: str, logging_dir=None) -> None:
     for rank in range(tasks):
         try:
             step.run(None, rank, tasks)
-        except OSError as e:  # disk full, permissions...: the user's to fix, then rerun
-            raise TokpackError(f"{job_name} task {rank} of {tasks} failed: {e}", file=getattr(e, "filename", None),
-                               hint="fix the cause and rerun the same command; finished outputs are kept") from e
+        except OSError as e:
+            raise task_failed(job_name, rank, tasks, e) from e
 
 
 def run_step(step, tasks: int, config: ExecutorConfig, logging_dir: str | Path, job_name: str) -> None:

@@ -48,7 +48,7 @@ from typing import Iterator
 import numpy as np
 import xxhash
 
-from formats.errors import TokpackError
+from formats.errors import TokpackError, task_failed
 from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
 from formats.manifest import (
     FORMAT_NAME,
@@ -784,7 +784,10 @@ def source_changed_error(record: dict) -> TokpackError:
 def _ranks_here(step, tasks: int, job_name: str, logging_dir) -> None:
     """Every rank in turn, here: the runner for callers that pass none (packer passes its own)."""
     for rank in range(tasks):
-        step.run(None, rank, tasks)
+        try:
+            step.run(None, rank, tasks)
+        except OSError as e:
+            raise task_failed(job_name, rank, tasks, e) from e
 
 
 def parse_source_args(args: list[str]) -> tuple[list[str], list[str | None]]:
