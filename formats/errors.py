@@ -59,3 +59,9 @@ class TokpackError(Exception):
 
 class IncompleteError(TokpackError):
     """A directory without its tokpack.json: a run that has not finished, not corrupt data."""
+
+
+def task_failed(job_name: str, rank: int, tasks: int, e: OSError) -> TokpackError:
+    """An OSError in a task (disk full, permissions...) is the user's to fix, then rerun."""
+    return TokpackError(f"{job_name} task {rank} of {tasks} failed: {e}", file=getattr(e, "filename", None),
+                        hint="fix the cause and rerun the same command; finished outputs are kept")

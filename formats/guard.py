@@ -27,6 +27,7 @@ from pathlib import Path
 from .errors import TokpackError
 
 LOCK_NAME = "tokpack.lock"
+WORK_DIR = ".tokpack-work"  # a command's scratch inside OUT, removed when it finishes
 
 _held: dict[str, int] = {}  # lock path -> nesting depth, for this process
 _held_guard = threading.Lock()

@@ -30,9 +30,10 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .errors import TokpackError
+from .io import read_full
 from .manifest import dtype_from_name, epoch_dir_name, partial_stage_absent, read_manifest, xxh3_128_file
+from .shards import U64
 
-U64 = np.dtype("<u8")
 # One contiguous read when the rank's rows are contiguous (W == 1): large enough to keep a
 # disk or NFS busy, small enough not to matter next to a training process.
 BLOCK_BYTES = 4 << 20
@@ -521,15 +522,12 @@ class SampleReader:
         self._verified.add(path)
 
     def _pread(self, fd: int, view: memoryview, offset: int, path: str) -> None:
-        while view.nbytes:
-            n = os.preadv(fd, [view], offset)
-            self.reads += 1
-            if n <= 0:
-                raise _shard_error("shard is shorter than its manifest says (changed while reading?)", path,
-                                   where=f"byte {offset}", expected=f"{view.nbytes} more bytes", found="end of file")
-            self.bytes_read += n
-            view = view[n:]
-            offset += n
+        n = read_full(fd, view, offset)
+        self.reads += 1
+        self.bytes_read += n
+        if n < view.nbytes:
+            raise _shard_error("shard is shorter than its manifest says (changed while reading?)", path,
+                               where=f"byte {offset + n}", expected=f"{view.nbytes - n} more bytes", found="end of file")
 
     def _segments(self, g: int, n: int) -> Iterator[tuple[int, int, int]]:
         """Splits chained rows [g, g+n) at shard boundaries: (shard, first row in shard, rows)."""

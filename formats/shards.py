@@ -16,6 +16,7 @@ import numpy as np
 import xxhash
 
 from .errors import TokpackError
+from .io import read_full, sequential
 from .manifest import (
     DurableFile,
     dtype_from_name,
@@ -26,7 +27,8 @@ from .manifest import (
     write_bytes_atomic,
 )
 
-U64 = np.dtype("<u8")
+U64 = np.dtype("<u8")  # .ds.index entries
+SHARD_SUFFIXES = ("", ".index", ".metadata", ".loss")  # the files of one shard, after its name
 
 
 class SourceShardWriter:
@@ -306,16 +308,12 @@ class PackedSource:
                     f = open(self.path / self.shards[i]["path"], "rb", buffering=0)
                     if handles is not None:
                         handles[i] = f
-                        if hasattr(os, "posix_fadvise"):
-                            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                        sequential(f)
                 try:
                     f.seek(in_shard * self.dtype.itemsize)
                     view = memoryview(raw[done * self.dtype.itemsize : (done + n) * self.dtype.itemsize])
-                    while view.nbytes:
-                        got = f.readinto(view)
-                        if not got:
-                            raise TokpackError("shard shorter than its manifest says", file=self.path / self.shards[i]["path"])
-                        view = view[got:]
+                    if read_full(f, view) < view.nbytes:
+                        raise TokpackError("shard shorter than its manifest says", file=self.path / self.shards[i]["path"])
                 finally:
                     if handles is None:
                         f.close()

@@ -27,7 +27,7 @@ import numpy as np
 import xxhash
 
 from .errors import IncompleteError, TokpackError
-from .inputs import read_ahead
+from .io import read_ahead
 from .manifest import (
     MANIFEST,
     MANIFEST_FIELDS,
@@ -49,8 +49,8 @@ from .manifest import (
     progress,
     read_manifest,
 )
+from .shards import SHARD_SUFFIXES, U64
 
-U64 = np.dtype("<u8")
 MASK64 = 0xFFFFFFFFFFFFFFFF
 # One shard file rarely has more than a few independent faults worth reading about;
 # past this many lines the rest are counted, not listed.
@@ -600,7 +600,7 @@ def _check_listing(path: Path, shards: list[dict], rep: DirReport) -> None:
     if names != sorted(names, key=str) or len({len(n) for n in names if isinstance(n, str)}) > 1:
         rep.problems.append(Problem(mfile, "shards", "names of one width, in sorted order", names[:5],
                                     "shard names out of order"))
-    allowed = {n + suffix for n in listed for suffix in ("", ".index", ".metadata", ".loss")}
+    allowed = {n + suffix for n in listed for suffix in SHARD_SUFFIXES}
     for p in sorted(path.iterdir()):
         if TMP_MARK in p.name:
             continue  # a killed writer's leftover: never data

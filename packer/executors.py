@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from formats.errors import TokpackError
+from formats.errors import TokpackError, task_failed
 from formats.sinks import app_sinks_kept
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
@@ -31,10 +31,18 @@ with app_sinks_kept():
 
 from packer import lifetime
 from packer.api import ExecutorConfig
-from shuffle.engine import run_in_process
 
 # The folder holding packer/, shuffle/, formats/: Slurm jobs and Ray workers import the steps from here.
 PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def run_in_process(step, tasks: int, job_name: str, logging_dir=None) -> None:
+    """Every rank in turn, in this process (no executor start-up cost): a single local worker."""
+    for rank in range(tasks):
+        try:
+            step.run(None, rank, tasks)
+        except OSError as e:
+            raise task_failed(job_name, rank, tasks, e) from e
 
 
 def run_step(step, tasks: int, config: ExecutorConfig, logging_dir: str | Path, job_name: str) -> None:

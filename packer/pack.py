@@ -28,19 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from formats.errors import TokpackError
-from formats.guard import LOCK_NAME, bytes_under, check_space, locked_output
-from formats.inputs import (
-    BLOCK_BYTES,
-    KNOWN_TOKENIZERS,
-    InputFile,
-    Normalizer,
-    check_input,
-    discover,
-    load_tokenizer,
-    native_vocab,
-    read_blocks,
-    tokenizer_eos,
-)
+from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, locked_output
+from formats.inputs import BLOCK_BYTES, InputFile
+from formats.inputs.discover import check_input, discover, read_blocks
 from formats.manifest import (
     MANIFEST,
     TMP_MARK,
@@ -53,17 +43,15 @@ from formats.manifest import (
     write_bytes_atomic,
     write_manifest,
 )
-from formats.shards import PackedSource, SourceShardWriter, shard_on_disk
+from formats.shards import SHARD_SUFFIXES, PackedSource, SourceShardWriter, shard_on_disk
 from formats.sinks import app_sinks_kept
 from packer.executors import ExecutorConfig, run_step
+from packer.vocab import Normalizer, load_tokenizer, resolve_vocab_eos
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
 with app_sinks_kept():
     import datatrove.utils.logging  # noqa: F401
     from datatrove.pipeline.base import PipelineStep
-
-WORK_DIR = ".tokpack-work"
-SHARD_SUFFIXES = ("", ".index", ".metadata", ".loss")
 
 
 def _version() -> str:
@@ -207,67 +195,10 @@ class TokenizeTextStep(PipelineStep):
 # ----------------------------------------------------------------------- the driver
 
 
-def resolve_vocab_eos(files: list[InputFile], tokenizer: str | None, eos_id: int | None,
-                      vocab_size: int | None, say=None, warnings: list | None = None) -> tuple[int, int, str, str | None]:
-    """(vocab_size, eos_id, tokenizer name, eos token text) from the options, the tokenizer,
-    the inputs' datatrove metadata (a local tokenizer file, else a KNOWN_TOKENIZERS name) or,
-    for the vocabulary, the input dtype. Lines the user should read once the pack is done are
-    appended to `warnings`."""
-    tok_path = tokenizer
-    named = files[0].tokenizer
-    if tok_path is None and named:
-        # a metadata path is taken as written, then relative to the input's folder
-        for candidate in (Path(named), Path(files[0].path).parent / named):
-            if candidate.is_file():
-                tok_path = str(candidate)
-                break
-    tok = load_tokenizer(tok_path) if tok_path else None
-    known = KNOWN_TOKENIZERS.get(named) if tok is None and named else None  # only when nothing more specific
-    eos_token = None
-    if vocab_size is None and tok is not None:
-        vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    if vocab_size is None and known:
-        vocab_size = known["vocab_size"]
-    if vocab_size is None:
-        vocab_size = native_vocab(files[0].dtype)
-        if vocab_size is not None and dtype_for_vocab(vocab_size).itemsize > 2:
-            # every id the input dtype can hold must fit, so a 16-bit vocabulary costs twice the disk
-            if warnings is not None:
-                warnings.append(f"tokpack pack: vocabulary size unknown, so tokens are stored as uint32, the width "
-                                f"of the {files[0].dtype} input. HINT: pass --vocab-size N (or --tokenizer) to store "
-                                f"uint16 when the ids fit below 65536")
-    if vocab_size is None:
-        raise TokpackError("vocabulary size unknown", file=files[0].path, where="vocab_size",
-                           expected="--vocab-size, --tokenizer, or an input dtype narrower than 64 bits",
-                           found=f"{files[0].dtype or 'JSON integers'} token ids",
-                           hint="pass --vocab-size N or --tokenizer tokenizer.json")
-    if vocab_size < 1:
-        raise TokpackError("vocabulary size must be positive", where="--vocab-size", expected=">= 1", found=vocab_size)
-    if eos_id is None and tok is not None:
-        found = tokenizer_eos(tok)
-        if found:
-            eos_id, eos_token = found
-    elif eos_id is not None and tok is not None:
-        eos_token = tok.id_to_token(eos_id)
-    if eos_id is None and known:
-        eos_id, eos_token = known["eos_id"], known["eos_token"]
-        if say:
-            say(f"tokpack pack: EOS id {eos_id} from the known tokenizer {named!r}")
-    if eos_id is None:
-        raise TokpackError("EOS id unknown", file=tok_path or files[0].path, where="eos_id",
-                           expected="--eos-id, or a tokenizer with an end-of-text token",
-                           found="none" if tok is None else "no <|endoftext|>, </s>, <|end_of_text|> or <eos> token",
-                           hint="pass --eos-id N (or --tokenizer with a local tokenizer.json)")
-    if not 0 <= eos_id < vocab_size:
-        raise TokpackError("EOS id outside the vocabulary", where="eos_id", expected=f"0 <= eos_id < {vocab_size}",
-                           found=eos_id, hint="check --eos-id and --vocab-size")
-    name = tokenizer or named or "unknown"
-    return int(vocab_size), int(eos_id), str(name), eos_token
-
 
 def _is_ours(p: Path) -> bool:
     n = p.name
-    return n in (MANIFEST, WORK_DIR, LOCK_NAME) or TMP_MARK in n or n.endswith((".ds", ".ds.index", ".ds.metadata", ".ds.loss"))
+    return n in (MANIFEST, WORK_DIR, LOCK_NAME) or TMP_MARK in n or n.endswith(tuple(".ds" + s for s in SHARD_SUFFIXES))
 
 
 def _output_state(out: Path, request: dict, overwrite: bool) -> str:

@@ -29,10 +29,12 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from formats.errors import TokpackError
 from formats.guard import check_space, locked_output
+from formats.io import give_buffers, take_buffer
 from formats.reader import EpochNumbering, shuffle_command
 from formats.manifest import (
     MANIFEST,
@@ -302,18 +304,12 @@ class _Stager:
         self.src = src  # where files come from
         self.dest = dest  # local root they go to
         self.block = block  # bytes per read
-        self.local = threading.local()  # .buf: each worker's reused copy buffer
         self.lock = threading.Lock()  # guards the counters and `invalidated`
         self.invalidated: set[str] = set()  # dirs whose DEST manifest was removed before a rewrite
         self.copied = self.skipped = 0  # files
         self.bytes_copied = self.bytes_verified = 0  # bytes written / bytes re-verified in place
         self.bar = None  # tqdm bar, bytes
         self.kernel_copy = hasattr(os, "copy_file_range")  # cleared once the OS or filesystem refuses it
-
-    def _buf(self) -> memoryview:
-        if getattr(self.local, "buf", None) is None:
-            self.local.buf = memoryview(bytearray(self.block))
-        return self.local.buf
 
     def _count(self, copied: bool, n: int) -> None:
         with self.lock:
@@ -383,21 +379,22 @@ class _Stager:
                     self.kernel_copy = False  # e.g. EXDEV across filesystems: user-space copies from now on
                     fout.seek(0)
                     fout.truncate()
-            buf = self._buf()  # allocated only on this path: fresh pages are not free here
+            owned = take_buffer(np.uint8)  # taken only on this path, then reused: fresh pages are not free here
+            buf = memoryview(owned.ensure(self.block)[: self.block])
             h = xxhash.xxh3_128()
             total = 0
-            while True:
-                n = fin.readinto(buf)
-                if not n:
-                    break
-                chunk = buf[:n]
-                h.update(chunk)
-                while chunk.nbytes:
-                    chunk = chunk[fout.write(chunk):]
-                total += n
-                if self.bar is not None:
-                    with self.lock:
-                        self.bar.update(n)
+            try:
+                while n := fin.readinto(buf):
+                    chunk = buf[:n]
+                    h.update(chunk)
+                    while chunk.nbytes:
+                        chunk = chunk[fout.write(chunk):]
+                    total += n
+                    if self.bar is not None:
+                        with self.lock:
+                            self.bar.update(n)
+            finally:
+                give_buffers([owned])
         return total, h.hexdigest()
 
     def _copy_in_kernel(self, fin, fout, rel: str) -> tuple[int, str]:

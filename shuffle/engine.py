@@ -48,8 +48,8 @@ from typing import Iterator
 import numpy as np
 import xxhash
 
-from formats.errors import TokpackError
-from formats.guard import LOCK_NAME, bytes_under, check_space, is_no_space, locked_output
+from formats.errors import TokpackError, task_failed
+from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
 from formats.manifest import (
     IO_BLOCK,
     MANIFEST,
@@ -78,7 +78,6 @@ with app_sinks_kept():
     import datatrove.utils.logging  # noqa: F401
     from datatrove.pipeline.base import PipelineStep
 
-WORK_DIR = ".tokpack-work"
 DEFAULT_SHARD_BYTES = 1 << 30  # default --shard-samples: about 1 GiB of samples per shard
 MAX_CHUNK_BYTES = 8 << 20  # rows gathered and written per call: big enough for sequential I/O
 RING = 4  # chunk buffers: one being gathered while up to RING-1 are indexed or written
@@ -778,18 +777,16 @@ def source_changed_error(record: dict) -> TokpackError:
                         hint="re-pack the source, or restore the file it was packed as")
 
 
-def run_in_process(step, tasks: int, job_name: str, logging_dir=None) -> None:
-    """The default runner: every rank in turn, in this process (no executor start-up cost).
-    packer.executors runs a single local worker through it too."""
+# ---------------------------------------------------------------------- the run
+
+
+def _ranks_here(step, tasks: int, job_name: str, logging_dir) -> None:
+    """Every rank in turn, here: the runner for callers that pass none (packer passes its own)."""
     for rank in range(tasks):
         try:
             step.run(None, rank, tasks)
-        except OSError as e:  # disk full, permissions...: the user's to fix, then rerun
-            raise TokpackError(f"{job_name} task {rank} of {tasks} failed: {e}", file=getattr(e, "filename", None),
-                               hint="fix the cause and rerun the same command; finished outputs are kept") from e
-
-
-# ---------------------------------------------------------------------- the run
+        except OSError as e:
+            raise task_failed(job_name, rank, tasks, e) from e
 
 
 def open_sources(paths: list[str]) -> list[PackedSource]:
@@ -1056,7 +1053,7 @@ def shuffle_run(
     every epoch written and a warning per source an epoch repeats windows of (packer.api.shuffle
     takes URLs and returns it as a ShuffleResult)."""
     t0 = time.perf_counter()
-    run_passes = run_passes or (lambda passes: [run_in_process(*p) for p in passes])
+    run_passes = run_passes or (lambda passes: [_ranks_here(*p) for p in passes])
     if progress is None:
         progress = sys.stderr.isatty() and os.environ.get("TOKPACK_PROGRESS", "1") != "0"
     paths, weights = list(sources), list(weights or [None] * len(sources))

@@ -31,7 +31,7 @@ from typing import Iterator
 import numpy as np
 
 from formats.errors import TokpackError
-from formats.inputs import read_ahead
+from formats.io import read_ahead
 from formats.manifest import IO_BLOCK, hash_hex64, row_hash
 from formats.shards import PackedSource
 

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import EOS_TOKEN, random_docs, write_source
-from formats.inputs import discover, read_blocks
+from formats.inputs.discover import discover, read_blocks
 from formats.manifest import MANIFEST, TMP_MARK
 
 REPO = Path(__file__).resolve().parents[1]

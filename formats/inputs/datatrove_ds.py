@@ -1,0 +1,114 @@
+"""datatrove token files: `.ds` tokens, `.ds.index` document ends (uint64), optional
+`.ds.metadata` (tokenizer and token size) and `.ds.loss` (one byte per token)."""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from ..io import give_buffers, read_ahead, sequential, take_buffer
+from ..manifest import parse_metadata_text
+from . import INDEX_CHUNK, Block, InputFile, input_error as _err, read_exact
+
+
+def datatrove_file(path: Path, dtype: str | None) -> InputFile:
+    meta = Path(f"{path}.metadata")
+    tokenizer = None
+    if meta.exists():
+        tokenizer, token_size, _ = parse_metadata_text(meta.read_text(), meta)
+        if token_size not in (2, 4):
+            raise _err("unsupported token size in datatrove metadata", meta, where="token_size",
+                       expected="2 or 4", found=token_size)
+        name = "uint16" if token_size == 2 else "uint32"
+        if tokenizer.startswith("Unknown Tokenizer"):
+            tokenizer = None
+    elif dtype in ("uint16", "uint32"):
+        name = dtype
+    else:
+        raise _err("datatrove file without .ds.metadata: token size unknown", path, where=".ds.metadata",
+                   expected="a metadata file", found="none", hint="pass --dtype uint16 or --dtype uint32")
+    loss = Path(f"{path}.loss")
+    size = sum(os.path.getsize(p) for p in (path, Path(f"{path}.index"), loss) if p.exists())
+    return InputFile(str(path), "datatrove", name, size, tokenizer=tokenizer,
+                     extra={"index": f"{path}.index", "loss": str(loss) if loss.exists() else None})
+
+
+def check_datatrove(f: InputFile) -> None:
+    itemsize = np.dtype(f.dtype).itemsize
+    size = os.path.getsize(f.path)
+    if size % itemsize:
+        raise _err(".ds size is not a multiple of the token size", f.path, where="size",
+                   expected=f"a multiple of {itemsize} bytes ({f.dtype})", found=f"{size} bytes",
+                   hint="the file is truncated or its .ds.metadata names the wrong token size")
+    tokens = size // itemsize
+    index = f.extra["index"]
+    if not os.path.exists(index):
+        raise _err("datatrove file without its .ds.index", f.path, where=".ds.index", expected="an index file",
+                   found="none", hint="document boundaries are needed; rerun the datatrove tokenizer with save_index=True")
+    isize = os.path.getsize(index)
+    if isize % 8:
+        raise _err(".ds.index size is not a multiple of 8", index, where="size", expected="uint64 entries",
+                   found=f"{isize} bytes", hint="the index is truncated")
+    count = isize // 8
+    prev = 0
+    for start in range(0, count, INDEX_CHUNK):
+        ends = np.fromfile(index, dtype="<u8", count=min(INDEX_CHUNK, count - start), offset=start * 8)
+        _check_increasing(ends, prev, index, start)
+        prev = int(ends[-1])
+    if prev != tokens:
+        raise _err(".ds.index last entry differs from the token count", index, where=f"entry {count - 1}" if count else "end",
+                   expected=tokens, found=prev, hint="the .ds or its index is truncated, or they come from different runs")
+    if f.extra.get("loss") and os.path.getsize(f.extra["loss"]) != tokens:
+        raise _err(".ds.loss size differs from the token count", f.extra["loss"], where="size",
+                   expected=f"{tokens} bytes", found=f"{os.path.getsize(f.extra['loss'])} bytes")
+
+
+def _check_increasing(ends: np.ndarray, prev: int, index, start: int) -> None:
+    bad = np.flatnonzero(np.diff(ends.astype(np.int64), prepend=np.int64(prev)) <= 0) if len(ends) else []
+    if ends.dtype.kind == "u" and len(ends) and ends.max() > np.iinfo(np.int64).max:
+        bad = [int(np.argmax(ends))]
+    if len(bad):
+        i = int(bad[0])
+        before = prev if i == 0 else int(ends[i - 1])
+        raise _err(".ds.index does not increase", index, where=f"entry {start + i}",
+                   expected=f"> {before}", found=int(ends[i]),
+                   hint="document ends must be strictly increasing; the index is corrupt")
+
+
+def datatrove_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
+    dtype = np.dtype(f.dtype).newbyteorder("<")
+    count = os.path.getsize(f.extra["index"]) // 8
+    has_loss = bool(f.extra.get("loss"))
+
+    def plan():  # (tokens, (ends, first document, token offset)) per block; runs in the read-ahead thread
+        prev = 0  # token end of the previous document
+        for start in range(0, count, INDEX_CHUNK):
+            ends = np.fromfile(f.extra["index"], dtype="<u8", count=min(INDEX_CHUNK, count - start),
+                               offset=start * 8).astype(np.int64)
+            _check_increasing(ends, prev, f.extra["index"], start)
+            i = 0
+            while i < len(ends):
+                j = max(int(np.searchsorted(ends, prev + block_tokens, side="right")), i + 1)
+                yield int(ends[j - 1]) - prev, (ends[i:j] - prev, start + i, prev)
+                prev = int(ends[j - 1])
+                i = j
+
+    with open(f.path, "rb", buffering=0) as ds, (open(f.extra["loss"], "rb", buffering=0) if has_loss else nullcontext()) as lf:
+        sequential(ds)
+
+        def fill(slot, n, meta):
+            tokens = read_exact(ds, slot[0].ensure(n)[:n], f.path, meta[2])
+            return tokens, read_exact(lf, slot[1].ensure(n)[:n], f.extra["loss"], meta[2]) if has_loss else None
+
+        slots = [(take_buffer(dtype), take_buffer(np.uint8)) for _ in range(2)]
+        ahead = read_ahead(plan(), fill, slots)
+        try:
+            for (tokens, loss), (ends, first, offset) in ahead:
+                yield Block(tokens, ends, loss, first, offset)
+        finally:
+            ahead.close()  # stops the read-ahead thread before the files close and the buffers go back
+            give_buffers([b for slot in slots for b in slot])

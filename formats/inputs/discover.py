@@ -1,0 +1,180 @@
+"""Finding the input files behind each INPUT path and telling their format; then, per format,
+the structural checks pack runs before it writes (`check_input`) and the reader (`read_blocks`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import TokpackError
+from ..manifest import MANIFEST, TMP_MARK
+from . import BLOCK_BYTES, Block, InputFile, input_error as _err
+from .datatrove_ds import check_datatrove, datatrove_blocks, datatrove_file
+from .jsonl import JSONL_SUFFIXES, jsonl_blocks, jsonl_file
+from .megatron_bin import check_megatron, megatron_blocks, megatron_file
+from .npy_raw import eos_split_blocks, npy_file, raw_file
+from .tables import ARROW_SUFFIXES, table_blocks, table_file
+
+FORMATS = ("datatrove", "megatron", "parquet", "numpy", "jsonl", "text")
+
+
+def discover(inputs: list[str], input_format: str = "auto", column: str | None = None,
+             dtype: str | None = None) -> tuple[str, list[InputFile]]:
+    """Expands INPUT paths into input files, in order, and tells their format.
+    Returns (format, files); `format` is one of FORMATS."""
+    if not inputs:
+        raise TokpackError("no input given", hint="pass one or more files or directories")
+    found: list[tuple[str, list[InputFile]]] = []
+    for item in inputs:
+        fmt, files = _discover_one(Path(item), input_format, column, dtype)
+        found.append((fmt, files))
+    formats = {fmt for fmt, _ in found}
+    if len(formats) > 1:
+        kinds = ", ".join(f"{item} is {fmt}" for item, (fmt, _) in zip(inputs, found))
+        raise TokpackError("inputs of different formats in one pack", where="INPUT", expected="one format",
+                           found=kinds, hint="pack each format into its own source, then shuffle them together")
+    files = [f for _, fs in found for f in fs]
+    if not files:
+        raise TokpackError("no input files found", file=", ".join(inputs), expected="at least one file",
+                           found="nothing", hint="check the paths and --format")
+    _check_dtype_option(files, dtype)
+    _check_consistent(files)
+    return formats.pop(), files
+
+
+def _discover_one(path: Path, want: str, column, dtype) -> tuple[str, list[InputFile]]:
+    if not path.exists():
+        if Path(f"{path}.bin").exists() and Path(f"{path}.idx").exists() and want in ("auto", "megatron"):
+            return "megatron", [megatron_file(Path(f"{path}.bin"))]
+        raise _err("no such input", path, hint="give a file, a directory or a Megatron path prefix")
+    if path.is_dir():
+        return _discover_dir(path, want, column, dtype)
+    name = path.name
+    if want in ("auto", "datatrove") and name.endswith(".ds"):
+        return "datatrove", [datatrove_file(path, dtype)]
+    if want in ("auto", "megatron") and path.suffix in (".bin", ".idx") and path.with_suffix(".idx").exists() \
+            and path.with_suffix(".bin").exists():
+        return "megatron", [megatron_file(path.with_suffix(".bin"))]
+    if want in ("auto", "parquet", "text") and path.suffix == ".parquet":
+        return table_file(path, "parquet", want, column)
+    if want in ("auto", "parquet", "text") and path.suffix in ARROW_SUFFIXES:
+        return table_file(path, "arrow", want, column)
+    if want in ("auto", "numpy") and path.suffix == ".npy":
+        return "numpy", [npy_file(path)]
+    if want in ("auto", "jsonl", "text") and name.endswith(JSONL_SUFFIXES):
+        return jsonl_file(path, want, column)
+    if want == "numpy" or (want == "auto" and dtype):
+        return "numpy", [raw_file(path, dtype)]
+    raise _err("cannot tell the input format", path, expected="a known format for --format " + want,
+               found=f"a file named {name!r}",
+               hint="pass --format (and --dtype for raw token files), or rename the file with its usual extension")
+
+
+def _discover_dir(path: Path, want, column, dtype) -> tuple[str, list[InputFile]]:
+    files = sorted(p for p in path.iterdir() if p.is_file() and TMP_MARK not in p.name)
+    names = [p.name for p in files]
+    if want in ("auto", "datatrove") and any(n.endswith(".ds") for n in names):
+        # the order datatrove's own readers use (DataFolder.list_files sorts names)
+        return "datatrove", [datatrove_file(p, dtype) for p in files if p.name.endswith(".ds")]
+    idx = {p.stem for p in files if p.suffix == ".idx"}
+    bins = [p for p in files if p.suffix == ".bin" and p.stem in idx]
+    if want in ("auto", "megatron") and bins:
+        return "megatron", [megatron_file(p) for p in bins]
+    if (path / "dataset_dict.json").exists():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits")
+        raise _err("a DatasetDict holds several splits", path, expected="one split's directory", found=splits,
+                   hint=f"pass one split, e.g. {path / (splits or ['train'])[0]}")
+    arrows = [p for p in files if p.suffix in ARROW_SUFFIXES]
+    if want in ("auto", "parquet", "text") and (path / "state.json").exists() and arrows:
+        state = json.loads((path / "state.json").read_text())
+        listed = [path / d["filename"] for d in state.get("_data_files", [])]
+        arrows = [p for p in listed if p.exists()] if listed else arrows
+        return _each(arrows, lambda p: table_file(p, "arrow", want, column))
+    for suffixes, fmt_name in (((".parquet",), "parquet"), (ARROW_SUFFIXES, "arrow")):
+        chosen = [p for p in files if p.suffix in suffixes]
+        if want in ("auto", "parquet", "text") and chosen:
+            return _each(chosen, lambda p: table_file(p, fmt_name, want, column))
+    if want in ("auto", "numpy") and any(p.suffix == ".npy" for p in files):
+        return "numpy", [npy_file(p) for p in files if p.suffix == ".npy"]
+    jsonl = [p for p in files if p.name.endswith(JSONL_SUFFIXES) and p.name != MANIFEST]
+    if want in ("auto", "jsonl", "text") and jsonl:
+        return _each(jsonl, lambda p: jsonl_file(p, want, column))
+    if want == "numpy" and dtype:
+        return "numpy", [raw_file(p, dtype) for p in files]
+    raise _err("no input files of a known format in directory", path,
+               expected="*.ds, *.bin+*.idx, *.parquet, *.arrow, *.npy or *.jsonl" if want == "auto" else want,
+               found=f"{len(files)} files" + (f" ({', '.join(names[:4])}...)" if names else ""),
+               hint="check the path, or pass --format")
+
+
+def _each(paths: list[Path], tell) -> tuple[str, list[InputFile]]:
+    """The files of several paths of one kind; `tell(path)` gives (format, files) for one."""
+    fmt, out = None, []
+    for p in paths:
+        fmt, files = tell(p)
+        out += files
+    return fmt, out
+
+
+def _check_dtype_option(files: list[InputFile], dtype: str | None) -> None:
+    """--dtype describes raw token files; an input that records its own dtype must agree with
+    it, since silently ignoring the option would hide a wrong assumption about the data."""
+    if dtype is None:
+        return
+    try:
+        given = np.dtype(dtype).name
+    except TypeError:
+        given = dtype
+    for f in files:
+        if f.dtype is None:
+            raise _err(f"--dtype applies only to raw token files, not to {f.format} input", f.path, where="--dtype",
+                       expected="no --dtype", found=dtype, hint="drop --dtype")
+        if np.dtype(f.dtype).name != given:
+            raise _err(f"--dtype differs from the dtype the {f.format} input records", f.path, where="--dtype",
+                       expected=f.dtype, found=dtype, hint="drop --dtype, it is only for raw token files")
+
+
+def _check_consistent(files: list[InputFile]) -> None:
+    """One pack, one token type: files of different dtypes or tokenizers are refused."""
+    first = files[0]
+    for f in files[1:]:
+        if f.dtype != first.dtype:
+            raise _err("mixed token dtypes in one pack", f.path, where="dtype", expected=f"{first.dtype} (as in {first.path})",
+                       found=f.dtype, hint="pack inputs of one dtype together, or convert them first")
+        if f.tokenizer != first.tokenizer:
+            raise _err("mixed vocabularies in one pack", f.path, where="tokenizer",
+                       expected=f"{first.tokenizer} (as in {first.path})", found=f.tokenizer,
+                       hint="inputs tokenized with different tokenizers cannot share one packed source")
+    with_loss = {bool(f.extra.get("loss")) for f in files}
+    if len(with_loss) > 1:
+        missing = next(f for f in files if not f.extra.get("loss"))
+        raise _err("some datatrove files have a .ds.loss and others do not", missing.path, where=".ds.loss",
+                   expected="all or none", found="missing here", hint="pack them separately")
+
+
+def check_input(f: InputFile) -> None:
+    """Structural checks that need no token scan; run on every input before pack writes anything."""
+    if f.format == "datatrove":
+        check_datatrove(f)
+    elif f.format == "megatron":
+        check_megatron(f)
+
+
+def read_blocks(f: InputFile, eos_id: int, block_bytes: int = BLOCK_BYTES) -> Iterator[Block]:
+    """Whole documents of `f`, a block at a time, in file order."""
+    itemsize = np.dtype(f.dtype).itemsize if f.dtype else 8
+    block_tokens = max(1, block_bytes // itemsize)
+    if f.format == "datatrove":
+        return datatrove_blocks(f, block_tokens)
+    if f.format == "megatron":
+        return megatron_blocks(f, block_tokens)
+    if f.format in ("parquet", "arrow"):
+        return table_blocks(f, block_tokens)
+    if f.format in ("numpy", "raw"):
+        return eos_split_blocks(f, block_tokens, eos_id)
+    if f.format == "jsonl":
+        return jsonl_blocks(f, block_tokens)
+    raise ValueError(f"no block reader for {f.format!r}")

@@ -1,0 +1,58 @@
+"""formats/io.py: the read-until-full and buffer-ownership rules every reader relies on."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+
+from formats.io import give_buffers, read_full, take_buffer
+
+
+def test_read_full_waits_through_short_reads_and_stops_at_end_of_file():
+    r, w = os.pipe()
+
+    def writer():  # a pipe hands out what has arrived: each readinto returns a piece
+        for piece in (b"abc", b"defg", b"hij"):
+            os.write(w, piece)
+            time.sleep(0.05)
+        os.close(w)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    with os.fdopen(r, "rb", buffering=0) as f:
+        buf = bytearray(8)
+        assert read_full(f, memoryview(buf)) == 8
+        assert bytes(buf) == b"abcdefgh"
+        rest = bytearray(8)
+        assert read_full(f, memoryview(rest)) == 2  # end of file: fewer, not an endless loop
+        assert bytes(rest[:2]) == b"ij"
+    t.join()
+
+
+def test_read_full_at_an_offset_reads_there_without_moving_the_file_position(tmp_path):
+    path = tmp_path / "data"
+    path.write_bytes(bytes(range(100)))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = bytearray(10)
+        assert read_full(fd, memoryview(buf), 95) == 5
+        assert bytes(buf[:5]) == bytes(range(95, 100))
+        assert read_full(fd, memoryview(buf), 40) == 10
+        assert bytes(buf) == bytes(range(40, 50))
+        assert os.lseek(fd, 0, os.SEEK_CUR) == 0
+    finally:
+        os.close(fd)
+
+
+def test_a_taken_buffer_is_never_handed_out_twice_and_comes_back_after_give():
+    a, b = take_buffer(np.uint32), take_buffer(np.uint32)
+    assert a is not b
+    a.ensure(1000)[:] = 7
+    give_buffers([a])
+    again = take_buffer(np.uint32)
+    assert again is a and len(again.ensure(10)) >= 1000  # the same pages, not fresh memory
+    assert take_buffer(np.uint32) is not a
+    give_buffers([again, b])
