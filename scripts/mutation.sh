@@ -49,7 +49,7 @@ cd "$WORK"
 declare -A TESTS=(
   [shuffle/permutation.py]='["tests/test_permutation_golden.py", "tests/test_plan_golden.py"]'
   [shuffle/plan.py]='["tests/test_plan_golden.py", "tests/test_permutation_golden.py"]'
-  [shuffle/engine.py]='["tests/test_shuffle.py", "--deselect", "tests/test_shuffle.py::test_peak_memory_stays_within_budget_for_10x_data"]'
+  [shuffle/engine.py]='["tests/test_engine_placement.py", "tests/test_shuffle.py", "tests/test_shuffle_integrity.py", "--deselect", "tests/test_shuffle.py::test_peak_memory_stays_within_budget_for_10x_data"]'
   [formats/reader.py]='["tests/test_reader.py", "tests/test_resume.py"]'
   [formats/validate.py]='["tests/test_validate.py"]'
   [formats/inputs.py]='["tests/test_pack.py"]'
