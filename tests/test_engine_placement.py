@@ -6,6 +6,7 @@ Small and fast: scripts/mutation.sh runs the engine's mutants against this file 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,12 @@ from shuffle.engine import RowStore, shuffle_run
 L = 31  # 32-token rows
 ROW_BYTES = (L + 1) * 2
 HINT = ". HINT: delete OUT/.tokpack-work and rerun"
+# The layout of the run of KW over `scattered`'s sources (913 samples), computed once.
+GOLDEN_SHARDS = 7
+GOLDEN_BUCKET_STARTS = [*range(0, 901, 25), 913]
+GOLDEN_SHARD_BUCKETS = [0, 6, 12, 18, 24, 30, 36, 37]
+GOLDEN_TASK_SHARDS = [[(0, 0, 1)], [(0, 1, 3), (1, 0, 3)]]
+GOLDEN_LAYOUT_DIR = "ooc-1d358156b66ee3de"
 
 
 def rows(values) -> np.ndarray:
@@ -198,3 +205,127 @@ def test_passes_free_the_buffers_the_next_pass_does_not_use(scattered, monkeypat
     assert all(not scatter_names & held for held in held_by_name["inverse"])
     assert all("inverse" not in held for held in held_by_name["scatter-in0"])
     assert not scatter_names & set(engine._BUFFERS)
+
+
+def test_no_scatter_buffer_outlives_its_pass(scattered):
+    """Only the four named scatter buffers exist (two in, two out), and all go once the order
+    pass starts: a fifth would be held, unused, through every later pass of the process."""
+    srcs, out = scattered
+    assert {n for n in engine._BUFFERS if n.startswith("scatter-")} == {"scatter-in0", "scatter-in1",
+                                                                          "scatter-out0", "scatter-out1"}
+    shuffle_run(srcs, str(out), **KW)
+    assert not [n for n in engine._BUFFERS if n.startswith("scatter-")]
+
+
+def bucket_file_opens(monkeypatch) -> list[tuple[str, object]]:
+    """Records (thread name, file) for each bucket file the scatter pass opens (the real open)."""
+    opened = []
+    real_open = open
+
+    def spy(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        if str(path).endswith((".rows", ".pos")) and "a" in mode:
+            opened.append((threading.current_thread().name, f))
+        return f
+
+    monkeypatch.setattr(engine, "open", spy, raising=False)
+    return opened
+
+
+def test_scatter_keeps_at_most_the_limit_of_bucket_files_open(tmp_path, monkeypatch):
+    """With the limit at 2 buckets, no more than 2 (rows, pos) pairs are open at once (the
+    limit keeps a scatter task under the open-files ulimit) and the epoch is the same bytes."""
+    web = write_source(tmp_path / "web", random_docs(np.random.default_rng(7), 150, 1000, 0))
+    ref = tmp_path / "ref"
+    shuffle_run([str(web)], str(ref), **KW)
+    monkeypatch.setattr(engine, "MAX_OPEN_BUCKET_FILES", 2)
+    opened = bucket_file_opens(monkeypatch)
+    most = 0
+    real_open = engine.open
+
+    def counting(path, mode="r", *a, **k):
+        nonlocal most
+        f = real_open(path, mode, *a, **k)
+        most = max(most, sum(not g.closed for _, g in opened))
+        return f
+
+    monkeypatch.setattr(engine, "open", counting, raising=False)
+    out = tmp_path / "run"
+    shuffle_run([str(web)], str(out), **KW)
+    assert len(opened) > 8 and most == 4  # the limit is reached, never passed
+    assert dir_bytes(out) == dir_bytes(ref)
+
+
+def test_one_thread_appends_to_the_bucket_files(scattered, tmp_path, monkeypatch):
+    """Appends run in order in one disk thread: two at once could interleave one block's rows
+    with another's positions in a bucket's pair of files."""
+    srcs, _ = scattered
+    opened = bucket_file_opens(monkeypatch)
+    shuffle_run(srcs, str(tmp_path / "again"), **KW)
+    threads_by_task: dict[str, set] = {}
+    for name, f in opened:
+        threads_by_task.setdefault(Path(f.name).parent.name, set()).add(name)
+    assert len(opened) > 8 and len(threads_by_task) == 2
+    assert all(len(threads) == 1 for threads in threads_by_task.values()), threads_by_task
+    assert threading.main_thread().name not in set().union(*threads_by_task.values())
+
+
+def dir_bytes(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file() and engine.WORK_DIR not in p.parts}
+
+
+# ------------------------------------------------------------------ layout and source rows
+
+
+def captured_layout(srcs, out, monkeypatch, **kw):
+    """(job, budget, tasks, layout) of the real run's make_layout call."""
+    calls = []
+    real = engine.make_layout
+
+    def spy(job, budget, tasks):
+        calls.append((job, budget, tasks, real(job, budget, tasks)))
+        return calls[-1][-1]
+
+    monkeypatch.setattr(engine, "make_layout", spy)
+    shuffle_run(srcs, str(out), **{**KW, **kw})
+    (call,) = calls
+    return call
+
+
+def test_layout_of_a_small_budget_is_pinned(scattered, tmp_path, monkeypatch):
+    """Buckets, shards' first buckets, the scatter block and the tasks' input ranges of one run
+    (4 KiB budget, 2 tasks, 5 shards of up to 150 samples), computed once and written here."""
+    srcs, _ = scattered
+    job, budget, tasks, lay = captured_layout(srcs, tmp_path / "again", monkeypatch)
+    assert (budget, tasks, job.row_bytes, job.n_shards) == (4096, 2, ROW_BYTES, GOLDEN_SHARDS)
+    assert lay.bucket_starts.tolist() == GOLDEN_BUCKET_STARTS
+    assert lay.shard_buckets.tolist() == GOLDEN_SHARD_BUCKETS
+    assert (lay.tasks, lay.block_rows, lay.task_shards) == (2, 8, GOLDEN_TASK_SHARDS)
+    assert lay.max_bucket == max(np.diff(GOLDEN_BUCKET_STARTS))
+    assert Path(lay.dir).parent == Path(job.work_dir) and Path(lay.dir).name == GOLDEN_LAYOUT_DIR
+
+
+def test_scatter_block_of_a_large_budget_is_whole_rows(scattered, tmp_path, monkeypatch):
+    """With a budget far above the data, the scatter block is capped at MAX_BLOCK_BYTES in
+    whole rows (62-byte rows do not divide it), one bucket per shard."""
+    srcs, _ = scattered
+    job, _, _, _ = captured_layout(srcs, tmp_path / "again", monkeypatch, seq_len=30)
+    lay = engine.make_layout(job, 1 << 40, 3)
+    assert job.row_bytes == 62 and type(lay.block_rows) is int
+    assert lay.block_rows == engine.MAX_BLOCK_BYTES // 62 == 1082401
+    assert lay.shard_buckets.tolist() == list(range(job.n_shards + 1))
+    assert lay.bucket_starts.tolist() == [i * 150 for i in range(job.n_shards)] + [job.plan.samples]
+
+
+def test_source_rows_refuses_more_windows_than_the_source_holds(tmp_path):
+    """An internal check: asked for windows past the source's end, source_rows says how many
+    it was asked for and how many it found instead of yielding short."""
+    web = write_source(tmp_path / "web", random_docs(np.random.default_rng(7), 150, 1000, 0))
+    (src,) = engine.open_sources([str(web)])
+    whole = int(src.tokens) // 32
+    got = sum(len(part) for part in engine.source_rows(src, 0, whole, 32))
+    assert got == whole
+    with pytest.raises(TokpackError) as err:
+        sum(len(part) for part in engine.source_rows(src, 0, whole + 1, 32))
+    assert str(err.value) == f"{web}: internal error: source windows; expected {whole + 1}, found {whole}"
