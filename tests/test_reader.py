@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tracemalloc
@@ -433,3 +434,103 @@ def test_cli_read_errors_are_one_line(tmp_path):
     assert "00001.ds" in res.output and "Traceback" not in res.output
     res = CliRunner().invoke(main, ["read", str(tmp_path)])
     assert res.exit_code == 1 and "incomplete" in res.output
+
+
+# ------------------------------------------------------------- whole lines and edges
+
+
+def test_shuffle_command_repeats_the_run_options():
+    """The command a missing-epoch message names: every option the run recorded, and none it
+    did not record (a `--shard-samples None` would be refused by the CLI)."""
+    from formats.reader import shuffle_command
+
+    run = {"sources": [{"path": "/d/web"}, {"path": "/d/my code"}], "weights": ["0.7", None], "seq_len": 15,
+           "seed": 3, "samples": 100, "shard_samples": 7, "jitter": True}
+    assert shuffle_command(run, "/r/run 1", 4) == (
+        "tokpack shuffle /d/web=0.7 '/d/my code' -o '/r/run 1' --seq-len 15 --seed 3 --samples 100 "
+        "--shard-samples 7 --jitter --epoch 4")
+    bare = {"sources": [{"path": "/d/web"}], "seq_len": 15, "seed": 3}
+    assert shuffle_command(bare, "/r", 0) == "tokpack shuffle /d/web -o /r --seq-len 15 --seed 3 --epoch 0"
+    assert shuffle_command({"seq_len": 15, "seed": 3}, "/r", 1) == (
+        "tokpack shuffle SOURCE... -o /r --seq-len 15 --seed 3 --epoch 1")
+
+
+def test_locate_refuses_the_end_of_the_chain_and_a_gap(tmp_path):
+    """One past an epoch's last sample is in no epoch when nothing follows it (the end of the
+    chain, or an epoch not written): locate refuses it, epoch_sample still names it."""
+    run = make_run(tmp_path / "run", {0: 10, 1: 10, 2: 10})
+    shutil.rmtree(run / epoch_dir_name(1))
+    m = json.loads((run / "tokpack.json").read_text())
+    m["epochs"] = [0, 2]
+    write_manifest(run, m)
+    reader = SampleReader.open(run)
+    assert reader.locate(9) == (0, 9) and reader.locate(20) == (2, 0) and reader.locate(29) == (2, 9)
+    for g in (10, 19, 30):
+        with pytest.raises(IndexError, match=f"sample {g} is in no epoch of this chain"):
+            reader.locate(g)
+    assert reader.epoch_sample(10) == (1, 0) and reader.epoch_sample(30) == (3, 0)
+
+
+def test_reader_error_lines(tmp_path):
+    """The whole line of each refusal of a position: what was asked, what the chain holds."""
+    run = make_run(tmp_path / "run", {0: 10, 1: 10})
+    d0 = run / epoch_dir_name(0)
+    chain = SampleReader.open([d0])
+    with pytest.raises(TokpackError) as err:
+        chain.start_from(start_sample=11)
+    assert str(err.value) == (f"{d0} [start sample]: start is beyond the end of the chained epochs; "
+                              "expected 0..10, found 11. HINT: write more epochs (`tokpack shuffle --epoch E`) "
+                              "or pass the run directory")
+    with pytest.raises(TokpackError) as err:
+        chain.position(1, 0)
+    assert str(err.value) == "[epoch]: epoch not in this reader's chain; expected [0], found 1"
+    with pytest.raises(TokpackError) as err:
+        chain.position(0, 11)
+    assert str(err.value) == "[epoch 0]: sample outside its epoch; expected 0..10, found 11"
+    reader = SampleReader.open(run)
+    with pytest.raises(TokpackError) as err:
+        reader.start_from(start_sample=25)
+    assert str(err.value) == (
+        f"{run} [epoch 2]: sample 25 is in epoch 2, which is not written yet; expected epoch 2 among the "
+        f"run's epochs, found [0, 1]. HINT: write it with `tokpack shuffle SOURCE... -o {run} --seq-len {SEQ} --seed 1 "
+        "--samples 10 --epoch 2`")
+
+
+def test_rank_samples_default_to_the_whole_stream_from_sample_0(run_dir):
+    reader = SampleReader.open(run_dir)
+    world, micro = 3, 2
+    got = list(reader.rank_samples(1, world, micro))
+    steps = sum(SIZES.values()) // (world * micro)
+    assert len(got) == steps * micro
+    assert [s.index for s in got[:4]] == [2, 3, 8, 9] and got[-1].index == (steps - 1) * world * micro + 3
+    assert all(ids(s.tokens[None])[0] == (s.epoch, s.sample) for s in got)
+
+
+def test_reader_keeps_at_most_max_open_files(tmp_path):
+    """Reading across 12 shards one sample at a time: never more than MAX_OPEN_FILES shard
+    files are open at once (a rank reading a long chain must not run out of descriptors)."""
+    from formats.reader import MAX_OPEN_FILES
+
+    run = make_run(tmp_path / "run", {0: 40}, shard_samples=4)
+    reader = SampleReader.open(run)
+    before = len(os.listdir("/proc/self/fd"))
+    most = 0
+    for g in range(40):
+        assert ids(reader.read(g)) == [(0, g)]
+        most = max(most, len(os.listdir("/proc/self/fd")) - before)
+    assert most == MAX_OPEN_FILES
+    reader.close()
+
+
+def test_shard_cut_short_after_open_is_one_line_not_other_bytes(tmp_path):
+    """A shard truncated mid-row after the reader checked its size: the read stops at the end
+    of the file with a line naming the byte, instead of filling the row with other bytes."""
+    run = make_run(tmp_path / "run", {0: 14})
+    shard = run / epoch_dir_name(0) / "00001.ds"  # samples 7..13, 32 bytes each
+    reader = SampleReader.open(run)
+    os.truncate(shard, 6 * 32 + 10)
+    assert ids(reader.read(12)) == [(0, 12)]
+    with pytest.raises(TokpackError) as err:
+        reader.read(13)
+    assert str(err.value).startswith(f"{shard} [byte {6 * 32 + 10}]: shard is shorter than its manifest says "
+                                     "(changed while reading?); expected 22 more bytes, found end of file")
