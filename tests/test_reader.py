@@ -534,3 +534,51 @@ def test_shard_cut_short_after_open_is_one_line_not_other_bytes(tmp_path):
         reader.read(13)
     assert str(err.value).startswith(f"{shard} [byte {6 * 32 + 10}]: shard is shorter than its manifest says "
                                      "(changed while reading?); expected 22 more bytes, found end of file")
+
+
+def _edit_manifest(directory: Path, **fields) -> None:
+    """Rewrites a manifest with some fields changed (None: removed), as another tool would."""
+    m = json.loads((directory / "tokpack.json").read_text())
+    for k, v in fields.items():
+        if v is None:
+            m.pop(k, None)
+        else:
+            m[k] = v
+    write_manifest(directory, m)
+
+
+OPEN_REFUSALS = [  # (directory edited, fields, the line after "<that directory>/tokpack.json ")
+    ("run", {"epochs": []}, "[epochs]: run manifest lists no epochs; expected a non-empty list, found []. "
+                            "HINT: write an epoch with `tokpack shuffle ... --epoch E`"),
+    ("run", {"samples": None}, "[samples]: run manifest does not say how many samples an epoch holds; expected a "
+                               "positive integer (or an epoch_samples list). HINT: rerun the run's `tokpack shuffle` "
+                               "command to rewrite its manifest"),
+    ("run", {"samples": 0}, "[samples]: run manifest does not say how many samples an epoch holds; expected a "
+                            "positive integer (or an epoch_samples list), found 0. HINT: rerun the run's `tokpack "
+                            "shuffle` command to rewrite its manifest"),
+    ("epoch-00001", {"seq_len": 14}, "[seq_len]: epoch seq_len differs from its run; expected 15, found 14"),
+    ("epoch-00001", {"samples": 9}, "[samples]: epoch size differs from its run's; expected 10, found 9. HINT: the "
+                                    "epoch belongs to another run; run `tokpack validate` on the run"),
+    ("epoch-00001", {"token_size": 4}, "[token_size]: token_size disagrees with dtype; expected 2, found 4"),
+]
+
+
+@pytest.mark.parametrize("target,fields,line", OPEN_REFUSALS, ids=[f"{t}:{next(iter(f))}" for t, f, _ in OPEN_REFUSALS])
+def test_open_refusal_lines(tmp_path, target, fields, line):
+    run = make_run(tmp_path / "run", {0: 10, 1: 10})
+    directory = run if target == "run" else run / target
+    _edit_manifest(directory, **fields)
+    with pytest.raises(TokpackError) as err:
+        SampleReader.open(run)
+    assert str(err.value) == f"{directory / 'tokpack.json'} {line}"
+
+
+def test_epoch_numbering_refuses_an_epoch_past_its_plan():
+    from formats.reader import EpochNumbering
+
+    planned = EpochNumbering(None, [10, 12])
+    assert (planned.size(1), planned.first(1), planned.first(2)) == (12, 10, 22)
+    for ask in (planned.size, planned.first):
+        with pytest.raises(TokpackError) as err:
+            ask(3)
+        assert str(err.value) == "[epoch]: epoch is not in the run's plan; expected 0..1 (epoch_samples), found 3"
