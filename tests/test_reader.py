@@ -582,3 +582,36 @@ def test_epoch_numbering_refuses_an_epoch_past_its_plan():
         with pytest.raises(TokpackError) as err:
             ask(3)
         assert str(err.value) == "[epoch]: epoch is not in the run's plan; expected 0..1 (epoch_samples), found 3"
+
+
+def _edit_shard(directory: Path, k: int, **fields) -> None:
+    m = json.loads((directory / "tokpack.json").read_text())
+    m["shards"][k].update(fields)
+    write_manifest(directory, m)
+
+
+# Epochs 0 and 1 of 10 samples (shards of 7 and 3, 32-byte rows) chained as directories; epoch 1's
+# manifest edited -> the line after "<epoch 1>/tokpack.json ".
+CHAIN_REFUSALS = [
+    ("eos_id", lambda d: _edit_manifest(d, eos_id=1),
+     "[eos_id]: epochs cannot be chained: eos_id differs; expected 0, found 1. HINT: read these epochs separately"),
+    ("seq_len", lambda d: _edit_manifest(d, seq_len=14),
+     "[seq_len/dtype]: epochs cannot be chained: sample shape differs; expected 15/uint16, found 14/uint16. "
+     "HINT: read these epochs separately"),
+    ("bytes", lambda d: _edit_shard(d, 1, bytes=97),
+     "[shards[1]]: shard entry is inconsistent: bytes != samples * (seq_len+1) * token_size; expected 96, found 97"),
+    ("short shard", lambda d: _edit_shard(d, 0, samples=6, bytes=192),
+     "[shards[0].samples]: only the last shard may hold fewer than shard_samples samples; expected 7, found 6"),
+    ("samples", lambda d: _edit_manifest(d, samples=11),
+     "[samples]: shards do not add up to the epoch's samples; expected 11, found 10"),
+]
+
+
+@pytest.mark.parametrize("edit,line", [c[1:] for c in CHAIN_REFUSALS], ids=[c[0] for c in CHAIN_REFUSALS])
+def test_chain_refusal_lines(tmp_path, edit, line):
+    run = make_run(tmp_path / "run", {0: 10, 1: 10})
+    d0, d1 = run / epoch_dir_name(0), run / epoch_dir_name(1)
+    edit(d1)
+    with pytest.raises(TokpackError) as err:
+        SampleReader.open([d0, d1])
+    assert str(err.value) == f"{d1 / 'tokpack.json'} {line}"
