@@ -615,3 +615,28 @@ def test_chain_refusal_lines(tmp_path, edit, line):
     with pytest.raises(TokpackError) as err:
         SampleReader.open([d0, d1])
     assert str(err.value) == f"{d1 / 'tokpack.json'} {line}"
+
+
+def test_run_epochs_out_of_order_are_refused(tmp_path):
+    """from_manifests with a run's numbering takes epochs in increasing order; the check must
+    compare each epoch with the one before it, not only with the first."""
+    from formats.reader import EpochNumbering
+
+    run = make_run(tmp_path / "run", {0: 10, 1: 10, 2: 10})
+    pairs = [(run / epoch_dir_name(e), json.loads((run / epoch_dir_name(e) / "tokpack.json").read_text()))
+             for e in (0, 2, 1)]
+    with pytest.raises(TokpackError) as err:
+        SampleReader.from_manifests(pairs, numbering=EpochNumbering(10))
+    assert str(err.value) == "[epochs]: a run's epochs must be chained in increasing order; found [0, 2, 1]"
+    in_order = SampleReader.from_manifests(sorted(pairs, key=lambda p: p[0]), numbering=EpochNumbering(10))
+    assert in_order.total_samples == 30 and ids(in_order.read(19, 2)) == [(1, 9), (2, 0)]
+
+
+def test_shard_of_the_wrong_size_is_one_line(tmp_path):
+    run = make_run(tmp_path / "run", {0: 10})
+    shard = run / epoch_dir_name(0) / "00001.ds"  # 3 samples of 32 bytes
+    os.truncate(shard, 95)
+    with pytest.raises(TokpackError) as err:
+        SampleReader.open(run)
+    assert str(err.value) == (f"{shard} [size]: shard size does not match the manifest; expected 96 bytes, found "
+                              "95 bytes. HINT: the shard was truncated or replaced; run `tokpack validate` on the epoch")
