@@ -45,7 +45,9 @@ echo "mutation.sh: working in $WORK"
 cd "$WORK"
 
 # Per module: the tests that run against its mutants (the fast golden files first), and for
-# the engine only its placement (which row goes where), not its I/O plumbing.
+# the engine only its placement (which row goes where), not its I/O plumbing. The engine's
+# leave out the 10x-data memory test: under mutmut's tracer the process outgrows the budget
+# it checks (the suite still runs it).
 declare -A TESTS=(
   [shuffle/permutation.py]='["tests/test_permutation_golden.py", "tests/test_plan_golden.py"]'
   [shuffle/plan.py]='["tests/test_plan_golden.py", "tests/test_permutation_golden.py"]'
