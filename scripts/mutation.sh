@@ -45,12 +45,14 @@ echo "mutation.sh: working in $WORK"
 cd "$WORK"
 
 # Per module: the tests that run against its mutants (the fast golden files first), and for
-# the engine only its placement (which row goes where), not its I/O plumbing.
+# the engine only its placement (which row goes where), not its I/O plumbing. The engine's
+# leave out the 10x-data memory test: under mutmut's tracer the process outgrows the budget
+# it checks (the suite still runs it).
 declare -A TESTS=(
   [shuffle/permutation.py]='["tests/test_permutation_golden.py", "tests/test_plan_golden.py"]'
   [shuffle/plan.py]='["tests/test_plan_golden.py", "tests/test_permutation_golden.py"]'
-  [shuffle/engine.py]='["tests/test_shuffle.py"]'
-  [formats/reader.py]='["tests/test_reader.py"]'
+  [shuffle/engine.py]='["tests/test_engine_placement.py", "tests/test_shuffle.py", "tests/test_shuffle_integrity.py", "--deselect", "tests/test_shuffle.py::test_peak_memory_stays_within_budget_for_10x_data"]'
+  [formats/reader.py]='["tests/test_reader.py", "tests/test_resume.py"]'
   [formats/validate.py]='["tests/test_validate.py"]'
   [formats/inputs.py]='["tests/test_pack.py"]'
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tracemalloc
@@ -433,3 +434,209 @@ def test_cli_read_errors_are_one_line(tmp_path):
     assert "00001.ds" in res.output and "Traceback" not in res.output
     res = CliRunner().invoke(main, ["read", str(tmp_path)])
     assert res.exit_code == 1 and "incomplete" in res.output
+
+
+# ------------------------------------------------------------- whole lines and edges
+
+
+def test_shuffle_command_repeats_the_run_options():
+    """The command a missing-epoch message names: every option the run recorded, and none it
+    did not record (a `--shard-samples None` would be refused by the CLI)."""
+    from formats.reader import shuffle_command
+
+    run = {"sources": [{"path": "/d/web"}, {"path": "/d/my code"}], "weights": ["0.7", None], "seq_len": 15,
+           "seed": 3, "samples": 100, "shard_samples": 7, "jitter": True}
+    assert shuffle_command(run, "/r/run 1", 4) == (
+        "tokpack shuffle /d/web=0.7 '/d/my code' -o '/r/run 1' --seq-len 15 --seed 3 --samples 100 "
+        "--shard-samples 7 --jitter --epoch 4")
+    bare = {"sources": [{"path": "/d/web"}], "seq_len": 15, "seed": 3}
+    assert shuffle_command(bare, "/r", 0) == "tokpack shuffle /d/web -o /r --seq-len 15 --seed 3 --epoch 0"
+    assert shuffle_command({"seq_len": 15, "seed": 3}, "/r", 1) == (
+        "tokpack shuffle SOURCE... -o /r --seq-len 15 --seed 3 --epoch 1")
+
+
+def test_locate_refuses_the_end_of_the_chain_and_a_gap(tmp_path):
+    """One past an epoch's last sample is in no epoch when nothing follows it (the end of the
+    chain, or an epoch not written): locate refuses it, epoch_sample still names it."""
+    run = make_run(tmp_path / "run", {0: 10, 1: 10, 2: 10})
+    shutil.rmtree(run / epoch_dir_name(1))
+    m = json.loads((run / "tokpack.json").read_text())
+    m["epochs"] = [0, 2]
+    write_manifest(run, m)
+    reader = SampleReader.open(run)
+    assert reader.locate(9) == (0, 9) and reader.locate(20) == (2, 0) and reader.locate(29) == (2, 9)
+    for g in (10, 19, 30):
+        with pytest.raises(IndexError, match=f"sample {g} is in no epoch of this chain"):
+            reader.locate(g)
+    assert reader.epoch_sample(10) == (1, 0) and reader.epoch_sample(30) == (3, 0)
+
+
+def test_reader_error_lines(tmp_path):
+    """The whole line of each refusal of a position: what was asked, what the chain holds."""
+    run = make_run(tmp_path / "run", {0: 10, 1: 10})
+    d0 = run / epoch_dir_name(0)
+    chain = SampleReader.open([d0])
+    with pytest.raises(TokpackError) as err:
+        chain.start_from(start_sample=11)
+    assert str(err.value) == (f"{d0} [start sample]: start is beyond the end of the chained epochs; "
+                              "expected 0..10, found 11. HINT: write more epochs (`tokpack shuffle --epoch E`) "
+                              "or pass the run directory")
+    with pytest.raises(TokpackError) as err:
+        chain.position(1, 0)
+    assert str(err.value) == "[epoch]: epoch not in this reader's chain; expected [0], found 1"
+    with pytest.raises(TokpackError) as err:
+        chain.position(0, 11)
+    assert str(err.value) == "[epoch 0]: sample outside its epoch; expected 0..10, found 11"
+    reader = SampleReader.open(run)
+    with pytest.raises(TokpackError) as err:
+        reader.start_from(start_sample=25)
+    assert str(err.value) == (
+        f"{run} [epoch 2]: sample 25 is in epoch 2, which is not written yet; expected epoch 2 among the "
+        f"run's epochs, found [0, 1]. HINT: write it with `tokpack shuffle SOURCE... -o {run} --seq-len {SEQ} --seed 1 "
+        "--samples 10 --epoch 2`")
+
+
+def test_rank_samples_default_to_the_whole_stream_from_sample_0(run_dir):
+    reader = SampleReader.open(run_dir)
+    world, micro = 3, 2
+    got = list(reader.rank_samples(1, world, micro))
+    steps = sum(SIZES.values()) // (world * micro)
+    assert len(got) == steps * micro
+    assert [s.index for s in got[:4]] == [2, 3, 8, 9] and got[-1].index == (steps - 1) * world * micro + 3
+    assert all(ids(s.tokens[None])[0] == (s.epoch, s.sample) for s in got)
+
+
+def test_reader_keeps_at_most_max_open_files(tmp_path):
+    """Reading across 12 shards one sample at a time: never more than MAX_OPEN_FILES shard
+    files are open at once (a rank reading a long chain must not run out of descriptors)."""
+    from formats.reader import MAX_OPEN_FILES
+
+    run = make_run(tmp_path / "run", {0: 40}, shard_samples=4)
+    reader = SampleReader.open(run)
+    before = len(os.listdir("/proc/self/fd"))
+    most = 0
+    for g in range(40):
+        assert ids(reader.read(g)) == [(0, g)]
+        most = max(most, len(os.listdir("/proc/self/fd")) - before)
+    assert most == MAX_OPEN_FILES
+    reader.close()
+
+
+def test_shard_cut_short_after_open_is_one_line_not_other_bytes(tmp_path):
+    """A shard truncated mid-row after the reader checked its size: the read stops at the end
+    of the file with a line naming the byte, instead of filling the row with other bytes."""
+    run = make_run(tmp_path / "run", {0: 14})
+    shard = run / epoch_dir_name(0) / "00001.ds"  # samples 7..13, 32 bytes each
+    reader = SampleReader.open(run)
+    os.truncate(shard, 6 * 32 + 10)
+    assert ids(reader.read(12)) == [(0, 12)]
+    with pytest.raises(TokpackError) as err:
+        reader.read(13)
+    assert str(err.value).startswith(f"{shard} [byte {6 * 32 + 10}]: shard is shorter than its manifest says "
+                                     "(changed while reading?); expected 22 more bytes, found end of file")
+
+
+def _edit_manifest(directory: Path, **fields) -> None:
+    """Rewrites a manifest with some fields changed (None: removed), as another tool would."""
+    m = json.loads((directory / "tokpack.json").read_text())
+    for k, v in fields.items():
+        if v is None:
+            m.pop(k, None)
+        else:
+            m[k] = v
+    write_manifest(directory, m)
+
+
+OPEN_REFUSALS = [  # (directory edited, fields, the line after "<that directory>/tokpack.json ")
+    ("run", {"epochs": []}, "[epochs]: run manifest lists no epochs; expected a non-empty list, found []. "
+                            "HINT: write an epoch with `tokpack shuffle ... --epoch E`"),
+    ("run", {"samples": None}, "[samples]: run manifest does not say how many samples an epoch holds; expected a "
+                               "positive integer (or an epoch_samples list). HINT: rerun the run's `tokpack shuffle` "
+                               "command to rewrite its manifest"),
+    ("run", {"samples": 0}, "[samples]: run manifest does not say how many samples an epoch holds; expected a "
+                            "positive integer (or an epoch_samples list), found 0. HINT: rerun the run's `tokpack "
+                            "shuffle` command to rewrite its manifest"),
+    ("epoch-00001", {"seq_len": 14}, "[seq_len]: epoch seq_len differs from its run; expected 15, found 14"),
+    ("epoch-00001", {"samples": 9}, "[samples]: epoch size differs from its run's; expected 10, found 9. HINT: the "
+                                    "epoch belongs to another run; run `tokpack validate` on the run"),
+    ("epoch-00001", {"token_size": 4}, "[token_size]: token_size disagrees with dtype; expected 2, found 4"),
+]
+
+
+@pytest.mark.parametrize("target,fields,line", OPEN_REFUSALS, ids=[f"{t}:{next(iter(f))}" for t, f, _ in OPEN_REFUSALS])
+def test_open_refusal_lines(tmp_path, target, fields, line):
+    run = make_run(tmp_path / "run", {0: 10, 1: 10})
+    directory = run if target == "run" else run / target
+    _edit_manifest(directory, **fields)
+    with pytest.raises(TokpackError) as err:
+        SampleReader.open(run)
+    assert str(err.value) == f"{directory / 'tokpack.json'} {line}"
+
+
+def test_epoch_numbering_refuses_an_epoch_past_its_plan():
+    from formats.reader import EpochNumbering
+
+    planned = EpochNumbering(None, [10, 12])
+    assert (planned.size(1), planned.first(1), planned.first(2)) == (12, 10, 22)
+    for ask in (planned.size, planned.first):
+        with pytest.raises(TokpackError) as err:
+            ask(3)
+        assert str(err.value) == "[epoch]: epoch is not in the run's plan; expected 0..1 (epoch_samples), found 3"
+
+
+def _edit_shard(directory: Path, k: int, **fields) -> None:
+    m = json.loads((directory / "tokpack.json").read_text())
+    m["shards"][k].update(fields)
+    write_manifest(directory, m)
+
+
+# Epochs 0 and 1 of 10 samples (shards of 7 and 3, 32-byte rows) chained as directories; epoch 1's
+# manifest edited -> the line after "<epoch 1>/tokpack.json ".
+CHAIN_REFUSALS = [
+    ("eos_id", lambda d: _edit_manifest(d, eos_id=1),
+     "[eos_id]: epochs cannot be chained: eos_id differs; expected 0, found 1. HINT: read these epochs separately"),
+    ("seq_len", lambda d: _edit_manifest(d, seq_len=14),
+     "[seq_len/dtype]: epochs cannot be chained: sample shape differs; expected 15/uint16, found 14/uint16. "
+     "HINT: read these epochs separately"),
+    ("bytes", lambda d: _edit_shard(d, 1, bytes=97),
+     "[shards[1]]: shard entry is inconsistent: bytes != samples * (seq_len+1) * token_size; expected 96, found 97"),
+    ("short shard", lambda d: _edit_shard(d, 0, samples=6, bytes=192),
+     "[shards[0].samples]: only the last shard may hold fewer than shard_samples samples; expected 7, found 6"),
+    ("samples", lambda d: _edit_manifest(d, samples=11),
+     "[samples]: shards do not add up to the epoch's samples; expected 11, found 10"),
+]
+
+
+@pytest.mark.parametrize("edit,line", [c[1:] for c in CHAIN_REFUSALS], ids=[c[0] for c in CHAIN_REFUSALS])
+def test_chain_refusal_lines(tmp_path, edit, line):
+    run = make_run(tmp_path / "run", {0: 10, 1: 10})
+    d0, d1 = run / epoch_dir_name(0), run / epoch_dir_name(1)
+    edit(d1)
+    with pytest.raises(TokpackError) as err:
+        SampleReader.open([d0, d1])
+    assert str(err.value) == f"{d1 / 'tokpack.json'} {line}"
+
+
+def test_run_epochs_out_of_order_are_refused(tmp_path):
+    """from_manifests with a run's numbering takes epochs in increasing order; the check must
+    compare each epoch with the one before it, not only with the first."""
+    from formats.reader import EpochNumbering
+
+    run = make_run(tmp_path / "run", {0: 10, 1: 10, 2: 10})
+    pairs = [(run / epoch_dir_name(e), json.loads((run / epoch_dir_name(e) / "tokpack.json").read_text()))
+             for e in (0, 2, 1)]
+    with pytest.raises(TokpackError) as err:
+        SampleReader.from_manifests(pairs, numbering=EpochNumbering(10))
+    assert str(err.value) == "[epochs]: a run's epochs must be chained in increasing order; found [0, 2, 1]"
+    in_order = SampleReader.from_manifests(sorted(pairs, key=lambda p: p[0]), numbering=EpochNumbering(10))
+    assert in_order.total_samples == 30 and ids(in_order.read(19, 2)) == [(1, 9), (2, 0)]
+
+
+def test_shard_of_the_wrong_size_is_one_line(tmp_path):
+    run = make_run(tmp_path / "run", {0: 10})
+    shard = run / epoch_dir_name(0) / "00001.ds"  # 3 samples of 32 bytes
+    os.truncate(shard, 95)
+    with pytest.raises(TokpackError) as err:
+        SampleReader.open(run)
+    assert str(err.value) == (f"{shard} [size]: shard size does not match the manifest; expected 96 bytes, found "
+                              "95 bytes. HINT: the shard was truncated or replaced; run `tokpack validate` on the epoch")

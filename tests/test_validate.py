@@ -547,6 +547,26 @@ def test_swapped_rows_fail_on_the_token_checksum(env, tmp_path):
     assert r["status"] == "corrupt"
 
 
+@pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
+def test_epoch_index_with_fewer_entries_than_samples(env, quick):
+    """An epoch index cut to 7 entries for a shard of 8 samples, with the fragment count, the
+    document count and the index checksum rewritten to agree: every sample ends a fragment, so
+    the index size alone proves the shard wrong, and the line says what size it has."""
+    idx = env / E0 / "00001.ds.index"
+    idx.write_bytes(idx.read_bytes()[: 7 * 8])
+    m = load(env / E0)
+    m["documents"] -= m["shards"][1]["fragments"] - 7
+    m["shards"][1]["fragments"] = 7
+    save(env / E0, m)
+    reseal_epoch_index(env / E0, "00001.ds")
+    r = validate_all([str(env / "run")], quick=quick, against=[], workers=1, show_progress=False)
+    assert not r["ok"] and r["status"] == "corrupt", r["lines"]
+    assert [(p["where"], p["expected"], p["found"], p["message"]) for p in r["problems"]
+            if p["file"].endswith("00001.ds.index")] == [
+        ("size", f"a multiple of 8 in [{8 * SHARD_SAMPLES}, {8 * SHARD_SAMPLES * ROW}] bytes", "56 bytes",
+         "index size impossible for this shard")], r["lines"]
+
+
 def _index_fault(path: Path, how: str) -> int:
     """Repeats or reverses entries 2 and 3 of an index; returns the entry number reported."""
     a = np.fromfile(path, dtype="<u8")
