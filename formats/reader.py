@@ -121,7 +121,6 @@ class ShardTable:
     paths: list[str]  # shard files, in chained-stream order
     starts: np.ndarray  # int64 [n]: chained index of each shard's first sample
     ends: np.ndarray  # int64 [n]: chained index after each shard's last sample
-    epoch_of: np.ndarray  # int32 [n]: position in `epochs` of the epoch each shard belongs to
     epoch_starts: np.ndarray  # int64 [E]: chained index of each epoch's first sample
     epoch_ends: np.ndarray  # int64 [E]: chained index after each epoch's last sample
     epochs: list[int]  # epoch numbers, in chain order
@@ -373,7 +372,7 @@ class SampleReader:
             at += n
         shard_starts = np.asarray(shard_starts, dtype=np.int64)
         table = ShardTable(paths, shard_starts, shard_starts + np.asarray(shard_samples, dtype=np.int64),
-                           np.asarray(epoch_of, dtype=np.int32), epoch_starts, epoch_ends, epoch_numbers,
+                           epoch_starts, epoch_ends, epoch_numbers,
                            [str(d) for d, _ in epochs], checksums, index_checksums)
         reader = cls(table, seq_len, dtype, None if eos_id is None else int(eos_id), verify=verify)
         reader.absent = dict(absent or {})
