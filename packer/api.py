@@ -115,7 +115,7 @@ def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_forma
          executor: ExecutorConfig | None = None, log=None) -> PackResult:
     """Packs tokenized inputs (files, folders or URLs) into one packed source at `output`."""
     from packer.executors import local_paths
-    from packer.pack import pack as pack_source
+    from packer.packing import pack as pack_source
 
     with local_paths(_paths(inputs), str(output)) as (local_inputs, local_output):
         summary = pack_source(local_inputs, local_output, input_format=input_format, column=column, dtype=dtype,
@@ -173,7 +173,7 @@ def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
 def stage(directory: PathLike, dest: PathLike, *, workers: int = 4, epochs: str | None = None,
           ranks: str | None = None, micro_batch: int = 1, log=None) -> StageResult:
     """Copies a tokpack directory (any fsspec URL) to the local `dest`, verifying every file."""
-    from packer.stage import stage as stage_copy
+    from packer.staging import stage as stage_copy
 
     return StageResult(**stage_copy(str(directory), dest, workers=workers, epochs=epochs, ranks=ranks,
                                     micro_batch=micro_batch, log=log))
@@ -182,7 +182,7 @@ def stage(directory: PathLike, dest: PathLike, *, workers: int = 4, epochs: str 
 def inspect(directory: PathLike, *, batch_size: int | None = None, batches: int = 64, plot: PathLike | None = None,
             seq_len: int | None = None, epoch: int | None = None):
     """What a source, run or epoch holds and the batch diversity before and after the shuffle.
-    Returns a packer.inspect.InspectResult."""
-    from packer.inspect import inspect as inspect_dir
+    Returns a packer.inspection.InspectResult."""
+    from packer.inspection import inspect as inspect_dir
 
     return inspect_dir(directory, batch_size=batch_size, batches=batches, plot=plot, seq_len=seq_len, epoch=epoch)

@@ -463,7 +463,7 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
 def inspect(directory, batch_size, batches, plot, epoch, seq_len, as_json):
     """Report what a directory holds and what the shuffle did to batch diversity."""
     from packer.api import inspect as inspect_api
-    from packer.inspect import report_lines
+    from packer.inspection import report_lines
 
     result = inspect_api(directory, batch_size=batch_size, batches=batches, plot=plot, epoch=epoch, seq_len=seq_len)
     if as_json:

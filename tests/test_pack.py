@@ -5,7 +5,6 @@ and every bad-input case of issue 2 through the CLI."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 from pathlib import Path
@@ -22,9 +21,8 @@ from conftest import EOS_TOKEN, generate_texts, random_docs, require
 from formats.manifest import MANIFEST
 from formats.shards import PackedSource
 from packer.cli import main
-from packer.pack import pack
-
-pack_mod = importlib.import_module("packer.pack")  # `packer.pack` names the API function
+from packer import packing
+from packer.packing import pack
 
 MEGATRON_CORE = "pip install -e '.[test]' installs megatron-core"
 SMALL_BLOCK = 512  # bytes: forces many blocks per file, so block seams are exercised
@@ -206,34 +204,34 @@ def test_workers_give_identical_bytes(corpus, tmp_path):
 
 def test_killed_run_resumes_to_identical_output(corpus, tmp_path, monkeypatch):
     pack([str(corpus["dt"])], str(tmp_path / "ref"), shard_tokens=600)
-    real = pack_mod.PackStep.pack_file
+    real = packing.PackStep.pack_file
 
     def dies_on_file_2(self, i):
         if i == 2:
             raise KeyboardInterrupt
         return real(self, i)
 
-    monkeypatch.setattr(pack_mod.PackStep, "pack_file", dies_on_file_2)
+    monkeypatch.setattr(packing.PackStep, "pack_file", dies_on_file_2)
     with pytest.raises(KeyboardInterrupt):
         pack([str(corpus["dt"])], str(tmp_path / "out"), shard_tokens=600)
     work = tmp_path / "out" / ".tokpack-work"
     assert (work / "part-00001.json").exists() and not (tmp_path / "out" / MANIFEST).exists()
     assert not list((tmp_path / "out").glob("*.ds"))  # nothing under a final name
     done = (work / "part-00000" / "00000.ds").stat().st_mtime_ns
-    monkeypatch.setattr(pack_mod.PackStep, "pack_file", real)
+    monkeypatch.setattr(packing.PackStep, "pack_file", real)
 
     calls = []
-    real_manifest = pack_mod.write_manifest
+    real_manifest = packing.write_manifest
 
     def dies_before_manifest(*a):  # killed between the shard renames and tokpack.json
         calls.append(1)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pack_mod, "write_manifest", dies_before_manifest)
+    monkeypatch.setattr(packing, "write_manifest", dies_before_manifest)
     with pytest.raises(KeyboardInterrupt):
         pack([str(corpus["dt"])], str(tmp_path / "out"), shard_tokens=600)
     assert calls and (work / "finalize.json").exists()
-    monkeypatch.setattr(pack_mod, "write_manifest", real_manifest)
+    monkeypatch.setattr(packing, "write_manifest", real_manifest)
     summary = pack([str(corpus["dt"])], str(tmp_path / "out"), shard_tokens=600)
     assert summary["status"] == "packed"
     assert tree_bytes(tmp_path / "ref") == tree_bytes(tmp_path / "out")
@@ -698,7 +696,7 @@ def test_missing_optional_module_is_one_line(monkeypatch, tmp_path):
     def needs_tokenizers(*args, **kwargs):
         raise ModuleNotFoundError("No module named 'tokenizers'", name="tokenizers")
 
-    monkeypatch.setattr(pack_mod, "pack", needs_tokenizers)
+    monkeypatch.setattr(packing, "pack", needs_tokenizers)
     r = CliRunner().invoke(main, ["pack", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out")])
     assert r.exit_code == 1
     assert r.stderr.strip().splitlines() == [

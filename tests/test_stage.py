@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from formats.errors import TokpackError
 from formats.manifest import MANIFEST, TMP_MARK, epoch_dir_name
 from packer.cli import main
-from packer.stage import (
+from packer.staging import (
     PARTIAL_SIDECAR,
     parse_epochs,
     parse_ranks,
@@ -120,7 +120,7 @@ def test_corrupt_source_fails_and_leaves_no_manifest(small_source, tmp_path):
 
 def test_interrupted_copy_leaves_incomplete_dest(small_source, tmp_path, monkeypatch):
     """A crash mid-stage: no manifest at DEST, so nothing can take the copy for complete."""
-    from packer.stage import _Stager
+    from packer.staging import _Stager
 
     src, _ = small_source
     dst = tmp_path / "dst"
