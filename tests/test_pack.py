@@ -160,7 +160,7 @@ def test_datatrove_uint32(tmp_path):
     dt = dt_tokenize(tmp_path / "text", tmp_path / "dt", tok_path, shuffle_documents=False)
     assert (dt / "00000_unshuffled.ds.metadata").read_text().split("\n")[0].endswith("|4")
     summary = pack([str(dt)], str(tmp_path / "out"), block_bytes=SMALL_BLOCK)
-    assert summary["dtype"] == "uint32" and summary["vocab_size"] == 70002
+    assert summary.dtype == "uint32" and summary.vocab_size == 70002
     assert packed_docs(tmp_path / "out") == encode_all(tok_path, sum(texts, []))
     assert max(max(d) for d in packed_docs(tmp_path / "out")) > 65536
 
@@ -233,7 +233,7 @@ def test_killed_run_resumes_to_identical_output(corpus, tmp_path, monkeypatch):
     assert calls and (work / "finalize.json").exists()
     monkeypatch.setattr(packing, "write_manifest", real_manifest)
     summary = pack([str(corpus["dt"])], str(tmp_path / "out"), shard_tokens=600)
-    assert summary["status"] == "packed"
+    assert summary.status == "packed"
     assert tree_bytes(tmp_path / "ref") == tree_bytes(tmp_path / "out")
     assert not work.exists()
     # rerun of a complete pack: nothing redone
@@ -266,7 +266,7 @@ def test_megatron_from_datatrove_writer(corpus, tokenizer_path, tmp_path):
                                                            rank=rank, world_size=2)
     expected = encode_all(tokenizer_path, corpus["texts"][0] + corpus["texts"][1])
     summary = pack([str(tmp_path / "mg")], str(tmp_path / "a"), eos_id=0, vocab_size=600, block_bytes=SMALL_BLOCK)
-    assert summary["format"] == "megatron" and packed_docs(tmp_path / "a") == expected
+    assert summary.format == "megatron" and packed_docs(tmp_path / "a") == expected
     pack([str(tmp_path / "mg" / "00000_tokens")], str(tmp_path / "b"), eos_id=0, vocab_size=600)  # a path prefix
     assert packed_docs(tmp_path / "b") == expected[:25]
     indexed = require("megatron.core.datasets.indexed_dataset", MEGATRON_CORE)
@@ -300,8 +300,8 @@ def test_megatron_every_dtype_code(dtype, tmp_path):
     summary = pack([str(tmp_path / "d")], str(tmp_path / "out"), eos_id=0, vocab_size=128, block_bytes=64)
     expected = [d if d[-1:] == [0] else d + [0] for d in docs if d]
     assert packed_docs(tmp_path / "out") == expected
-    assert summary["empty_documents_dropped"] == sum(1 for d in docs if not d)
-    assert summary["eos_appended"] == sum(1 for d in docs if d and d[-1] != 0)
+    assert summary.empty_documents_dropped == sum(1 for d in docs if not d)
+    assert summary.eos_appended == sum(1 for d in docs if d and d[-1] != 0)
 
 
 @pytest.mark.parametrize("block", [16, 1 << 20], ids=["small-blocks", "one-block"])
@@ -386,7 +386,7 @@ def test_hf_save_to_disk_and_arrow_file(tmp_path, tokenizer_path):
             w.write_table(pa.table({"input_ids": docs}))
         (tmp_path / "hf" / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
     s = pack([str(tmp_path / "hf")], str(tmp_path / "out"), tokenizer=str(tokenizer_path))
-    assert packed_docs(tmp_path / "out") == normalised(docs) and s["format"] == "parquet"
+    assert packed_docs(tmp_path / "out") == normalised(docs) and s.format == "parquet"
     with pa.OSFile(str(tmp_path / "f.arrow"), "wb") as sink:
         with pa.ipc.new_file(sink, pa.schema({"ids": pa.list_(pa.uint16())})) as w:
             w.write_table(pa.table({"ids": pa.array(docs, type=pa.list_(pa.uint16()))}), max_chunksize=9)
@@ -405,7 +405,7 @@ def test_npy_and_raw_split_at_eos(tmp_path):
     ends = np.flatnonzero(stream == 0) + 1
     expected = [x.tolist() for x in np.split(stream, ends) if len(x)]
     expected = normalised(expected)
-    assert packed_docs(tmp_path / "a") == expected and s["vocab_size"] == 65536
+    assert packed_docs(tmp_path / "a") == expected and s.vocab_size == 65536
     stream.astype(np.int32).tofile(tmp_path / "t.tok")
     res = cli(tmp_path / "t.tok", "-o", tmp_path / "b", "--format", "numpy", "--dtype", "int32", "--eos-id", 0,
               "--vocab-size", 1000)
