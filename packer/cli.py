@@ -222,6 +222,11 @@ def _executor_config(kw: dict):
     return ExecutorConfig(**{f.name: kw.pop(f.name) for f in fields(ExecutorConfig) if f.name in kw})
 
 
+def _log(as_json: bool):
+    """Where a command's progress lines go: stderr, and nowhere under --json."""
+    return None if as_json else lambda msg: click.echo(msg, err=True)
+
+
 def _weighted_sources(args) -> list[tuple[str, str | None]]:
     """SOURCE[=WEIGHT] -> (SOURCE, WEIGHT or None). An argument naming an existing path is a path
     even if it holds '='; in a URL, a '=' is a weight's only when a number follows it."""
@@ -320,26 +325,12 @@ def main(debug):
 @executor_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
-def pack(inputs, output, input_format, column, dtype, tokenizer, eos_id, vocab_size, overwrite, shard_tokens,
-         as_json, **kw):
+def pack(inputs, output, as_json, **kw):
     """Pack tokenized INPUTs into one packed source."""
     from packer.api import pack as pack_api
 
-    result = pack_api(
-        list(inputs),
-        output,
-        input_format=input_format,
-        column=column,
-        dtype=dtype,
-        tokenizer=tokenizer,
-        eos_id=eos_id,
-        vocab_size=vocab_size,
-        overwrite=overwrite,
-        shard_tokens=shard_tokens,
-        log=None if as_json else lambda msg: click.echo(msg, err=True),
-        executor=_executor_config(kw),
-    )
-    emit(result, as_json)
+    executor = _executor_config(kw)
+    emit(pack_api(list(inputs), output, executor=executor, log=_log(as_json), **kw), as_json)
 
 
 @main.command()
@@ -361,30 +352,17 @@ def pack(inputs, output, input_format, column, dtype, tokenizer, eos_id, vocab_s
 @executor_options(tasks_help=SHUFFLE_TASKS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
-def shuffle(sources, output, seq_len, seed, epochs, epoch, samples, tokens, shard_samples, memory, jitter,
-            as_json, **kw):
+def shuffle(sources, output, epochs, epoch, as_json, **kw):
     """Write globally shuffled epochs of fixed-length samples from packed SOURCEs."""
     from packer.api import shuffle as shuffle_api
 
     if (epochs is None) == (epoch is None):
         raise click.UsageError("give exactly one of --epochs N or --epoch E")
-    if samples is not None and tokens is not None:
+    if kw["samples"] is not None and kw["tokens"] is not None:
         raise click.UsageError("give at most one of --samples and --tokens")
-    result = shuffle_api(
-        _weighted_sources(sources),
-        output,
-        seq_len=seq_len,
-        seed=seed,
-        epochs=list(range(epochs)) if epochs is not None else [epoch],
-        samples=samples,
-        tokens=tokens,
-        shard_samples=shard_samples,
-        memory=memory,
-        jitter=jitter,
-        log=None if as_json else lambda msg: click.echo(msg, err=True),
-        executor=_executor_config(kw),
-        progress=False if as_json else None,
-    )
+    executor = _executor_config(kw)
+    result = shuffle_api(_weighted_sources(sources), output, epochs=[epoch] if epochs is None else epochs,
+                         executor=executor, log=_log(as_json), progress=False if as_json else None, **kw)
     emit(result, as_json)
     if not as_json:
         for detail in result.epochs_detail:
@@ -460,12 +438,12 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
 @click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Packed source: window length for the batch analysis.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @user_errors
-def inspect(directory, batch_size, batches, plot, epoch, seq_len, as_json):
+def inspect(directory, as_json, **kw):
     """Report what a directory holds and what the shuffle did to batch diversity."""
     from packer.api import inspect as inspect_api
     from packer.inspection import report_lines
 
-    result = inspect_api(directory, batch_size=batch_size, batches=batches, plot=plot, epoch=epoch, seq_len=seq_len)
+    result = inspect_api(directory, **kw)
     if as_json:
         click.echo(json.dumps(result.to_json()))
     else:
@@ -482,13 +460,11 @@ def inspect(directory, batch_size, batches, plot, epoch, seq_len, as_json):
 @click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True, help="With --ranks.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
-def stage(directory, dest, workers, epochs, ranks, micro_batch, as_json):
+def stage(directory, dest, as_json, **kw):
     """Copy a tokpack DIRECTORY to DEST (e.g. local NVMe), verifying every file's checksum."""
     from packer.api import stage as stage_api
 
-    result = stage_api(directory, dest, workers=workers, epochs=epochs, ranks=ranks, micro_batch=micro_batch,
-                       log=None if as_json else lambda msg: click.echo(msg, err=True))
-    emit(result, as_json)
+    emit(stage_api(directory, dest, log=_log(as_json), **kw), as_json)
 
 
 if __name__ == "__main__":
