@@ -1,4 +1,4 @@
-"""`tokpack pack`: tokenized inputs -> one packed source (docs/FORMAT.md, "Packed source").
+"""`tokpack pack`: tokenized inputs -> one packed source (docs/COMMANDS.md, "Packing").
 
 Layout decisions:
 

@@ -221,7 +221,7 @@ class Source:
         self.local_root = None  # local directory, read with plain unbuffered readinto
         if "://" not in self.path:
             # A plain local path: no fsspec layer in the hot loop, and no datatrove/hub import
-            # (about half a second of start-up) for the common NVMe-to-NVMe case.
+            # (its start-up cost: BENCHMARKS.md, "Figures cited by the code") for NVMe-to-NVMe.
             self.local_root = os.path.abspath(self.path)
             return
         try:
@@ -425,7 +425,7 @@ class _Stager:
     def _copy_in_kernel(self, fin, fout, rel: str) -> tuple[int, str]:
         """Local to local: `copy_file_range` moves the bytes inside the kernel (as `cp` does),
         and the hash reads the same source pages through a memory map, now in the page cache.
-        Saves the two user-space copies of read+write: about 1.3-2x faster on warm data."""
+        Saves the two user-space copies of read+write (BENCHMARKS.md, "Figures cited by the code")."""
         size = os.fstat(fin.fileno()).st_size
         h = xxhash.xxh3_128()
         if size == 0:
