@@ -25,11 +25,13 @@ from formats.errors import TokpackError
 from formats.units import byte_size, token_count
 
 
-class _Quantity(click.ParamType):
+class Quantity(click.ParamType):
     """A command-line quantity parsed by one function of formats.units, so each quantity has its
-    own type and its own units."""
+    own type and its own units: TOKENS (1000000, 100B, 1.5M: K/M/B/T are 10^3..10^12) or BYTES
+    (16GiB, 2GB, 4G: a bare K/M/G/T is binary)."""
 
-    parse = staticmethod(int)
+    def __init__(self, name: str, parse):
+        self.name, self.parse = name, parse
 
     def convert(self, value, param, ctx):
         try:
@@ -38,18 +40,7 @@ class _Quantity(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
-class TokenCount(_Quantity):
-    """A number of tokens: 1000000, 100B, 1.5M (K/M/B/T are 10^3..10^12)."""
-
-    name = "TOKENS"
-    parse = staticmethod(token_count)
-
-
-class ByteSize(_Quantity):
-    """A number of bytes: 16GiB, 2GB, 4G (a bare K/M/G/T is binary)."""
-
-    name = "BYTES"
-    parse = staticmethod(byte_size)
+TOKENS, BYTES = Quantity("TOKENS", token_count), Quantity("BYTES", byte_size)
 
 
 def emit(result, as_json: bool) -> None:
@@ -320,7 +311,7 @@ def main(debug):
 @click.option("--eos-id", type=int, default=None, help="EOS token id (default: from the tokenizer or datatrove metadata).")
 @click.option("--vocab-size", type=int, default=None, help="Vocabulary size (default: from the tokenizer or the input dtype).")
 @click.option("--overwrite", is_flag=True, help="Replace an output directory that holds a different packed source.")
-@click.option("--shard-tokens", type=TokenCount(), default=1 << 30, show_default=True,
+@click.option("--shard-tokens", type=TOKENS, default=1 << 30, show_default=True,
               help="Target tokens per output shard (documents never span shards).")
 @executor_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
@@ -341,11 +332,11 @@ def pack(inputs, output, as_json, **kw):
 @click.option("--epochs", type=click.IntRange(min=1), default=None, help="Write epochs 0..N-1.")
 @click.option("--epoch", type=click.IntRange(min=0), default=None, help="Write only epoch E (adds to an existing run).")
 @click.option("--samples", type=click.IntRange(min=1), default=None, help="Samples per epoch (with weights).")
-@click.option("--tokens", type=TokenCount(), default=None,
+@click.option("--tokens", type=TOKENS, default=None,
               help="Trained tokens per epoch: samples = T // seq_len. K/M/B/T are 10^3..10^12 (100B).")
 @click.option("--shard-samples", type=click.IntRange(min=1), default=None,
               help="Samples per output shard [default: 1 GiB // ((seq_len+1) * token_size), about 1 GiB].")
-@click.option("--memory", type=ByteSize(), default="4GiB", show_default=True,
+@click.option("--memory", type=BYTES, default="4GiB", show_default=True,
               help="Total memory budget in bytes (KB/MB/GB are 10^n; KiB/MiB/GiB and a bare K/M/G are 2^n). An epoch whose windows fit runs in memory (one read, one write); "
                    "otherwise out of core, each of --workers tasks using memory/workers.")
 @click.option("--jitter", is_flag=True, help="Shift window starts by a seeded per-epoch offset.")
@@ -403,7 +394,7 @@ def validate(dirs, quick, against, workers, as_json):
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--start-sample", type=click.IntRange(min=0), default=None, help="Consumed samples so far (Megatron's consumed_samples).")
-@click.option("--consumed-tokens", type=TokenCount(), default=None,
+@click.option("--consumed-tokens", type=TOKENS, default=None,
               help="Consumed tokens: start = T // seq_len. K/M/B/T are 10^3..10^12.")
 @click.option("--count", type=click.IntRange(min=0), default=10, show_default=True, help="Samples this rank prints.")
 @click.option("--verify", is_flag=True, help="Checksum each shard when it is first read.")

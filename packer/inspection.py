@@ -436,9 +436,8 @@ def _sources_of(directory: Path, manifest: dict, epochs, report: dict) -> list[P
 
 def _totals(manifest: dict, epochs, sources: list[PackedSource]) -> dict:
     if manifest["kind"] == "source":
-        totals = {"tokens": int(manifest["tokens"]), "documents": int(manifest["documents"]),
-                  "shards": len(manifest.get("shards") or [])}
-        return totals
+        return {"tokens": int(manifest["tokens"]), "documents": int(manifest["documents"]),
+                "shards": len(manifest.get("shards") or [])}
     totals = {
         "epochs": [e for e, _, _ in epochs],
         "samples": sum(int(m["samples"]) for _, _, m in epochs),
