@@ -82,7 +82,7 @@ def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_forma
     with local_paths(_paths(inputs), str(output)) as (local_inputs, local_output):
         return pack_source(local_inputs, local_output, input_format=input_format, column=column, dtype=dtype,
                            tokenizer=tokenizer, eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite,
-                           shard_tokens=shard_tokens, config=executor or ExecutorConfig(), log=log)
+                           shard_tokens=shard_tokens, config=executor, log=log)
 
 
 def _weighted(sources) -> tuple[list[str], list[str | None]]:

@@ -54,7 +54,6 @@ from packer.api import Result, optional_field
 # Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
 # handful of workers the memory stays at workers x STAGE_BLOCK.
 STAGE_BLOCK = 32 << 20
-PARTIAL_SIDECAR = STAGE_SIDECAR
 # Run-manifest fields that depend on which epochs were staged.
 _RUN_SELECTION_KEYS = ("epochs", "tokens", "fragments", "documents")
 # copy_file_range errors that mean "not here" (old kernel, cross-filesystem, unsupported fs),
@@ -574,7 +573,7 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
         shards_total=sum(len(p.manifest.get("shards") or []) for p in plans))
     if log:
         log(f"stage: {stager.copied} files copied, {stager.skipped} already in place and verified"
-            + (f"; partial copy for ranks {ranks[0]}/{ranks[1]} (see {PARTIAL_SIDECAR})" if missing else ""))
+            + (f"; partial copy for ranks {ranks[0]}/{ranks[1]} (see {STAGE_SIDECAR})" if missing else ""))
     return StageResult(
         ok=True, kind=kind, source=src.path, dest=str(dest),
         epochs=[p.manifest.get("epoch") for p in plans if p.manifest.get("kind") == "epoch"] if kind != "source" else None,
@@ -586,7 +585,7 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
 def _partial_sidecar(dest: Path, plans: list[DirPlan], ranks, micro_batch: int) -> dict:
     """Records at DEST's root which shards a --ranks stage left out (those not present at
     DEST, counting earlier stages), or removes the record once nothing is missing."""
-    path = dest / PARTIAL_SIDECAR
+    path = dest / STAGE_SIDECAR
     try:
         previous = json.loads(path.read_bytes()) if path.is_file() else {}
     except (json.JSONDecodeError, OSError):

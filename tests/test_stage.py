@@ -15,10 +15,9 @@ from hypothesis import strategies as st
 from click.testing import CliRunner
 
 from formats.errors import TokpackError
-from formats.manifest import MANIFEST, TMP_MARK, epoch_dir_name
+from formats.manifest import MANIFEST, STAGE_SIDECAR, TMP_MARK, epoch_dir_name
 from packer.cli import main
 from packer.staging import (
-    PARTIAL_SIDECAR,
     parse_epochs,
     parse_ranks,
     shards_for_ranks,
@@ -262,12 +261,12 @@ def test_stage_ranks_copies_only_their_shards(run_dir, tmp_path):
     # ...and says so in one line, while the shards it holds are still checked in full.
     assert [p["message"] for p in report["problems"]] == ["partial stage: serves only the ranks it was staged for"]
     assert f"{summary.shards_skipped} shards absent" in report["problems"][0]["found"]
-    side = json.loads((dst / PARTIAL_SIDECAR).read_text())
+    side = json.loads((dst / STAGE_SIDECAR).read_text())
     assert side["stages"] == [{"ranks": [3], "world_size": 5, "micro_batch": 8}]
     assert sum(len(v) for v in side["missing_shards"].values()) == summary.shards_skipped
     # Completing the copy later removes the partial marker.
     summary = stage(run, dst)
-    assert not summary.partial and not (dst / PARTIAL_SIDECAR).exists()
+    assert not summary.partial and not (dst / STAGE_SIDECAR).exists()
     assert set(tree(dst)) == listed_files(run)
 
 
