@@ -29,8 +29,14 @@ BYTE_SUFFIXES = {
 _NUMBER = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
 
 
-def _split(text: str) -> tuple[Fraction, str] | None:
-    m = _NUMBER.fullmatch(text)
+def _parse(value: str | int, what: str) -> int | tuple[Fraction, str] | None:
+    """An int as it is (refused if negative); text as (number, SUFFIX), or None if it is not
+    a number with a suffix."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise TokpackError(f"a {what} cannot be negative", found=value)
+        return value
+    m = _NUMBER.fullmatch(str(value))
     if not m:
         return None
     return Fraction(m.group(1)), m.group(2).upper()  # Fraction("1.5") is exact: 3/2
@@ -38,11 +44,9 @@ def _split(text: str) -> tuple[Fraction, str] | None:
 
 def token_count(value: str | int, *, what: str = "token count") -> int:
     """'100B' -> 100_000_000_000; '1.5M' -> 1_500_000; '123456789012345678' stays exact."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise TokpackError(f"a {what} cannot be negative", found=value)
-        return value
-    parsed = _split(str(value))
+    parsed = _parse(value, what)
+    if isinstance(parsed, int):
+        return parsed
     if parsed is None:
         raise TokpackError(f"{value!r} is not a {what}",
                            hint="write an integer or use K, M, B, T (10^3..10^12), e.g. 100B")
@@ -62,11 +66,9 @@ def token_count(value: str | int, *, what: str = "token count") -> int:
 
 def byte_size(value: str | int, *, what: str = "byte size") -> int:
     """'16GiB' -> 17179869184; '2GB' -> 2000000000; '4G' -> 4 GiB (a bare letter is binary)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise TokpackError(f"a {what} cannot be negative", found=value)
-        return value
-    parsed = _split(str(value))
+    parsed = _parse(value, what)
+    if isinstance(parsed, int):
+        return parsed
     if parsed is None or parsed[1] not in BYTE_SUFFIXES:
         raise TokpackError(f"{value!r} is not a {what}",
                            hint="use e.g. 512MiB, 4GiB, 2GB or 1048576 (KB/MB/GB are 10^n, KiB/MiB/GiB and a "

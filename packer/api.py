@@ -11,6 +11,12 @@ import dataclasses
 import numbers
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the stages build their results; importing them here would import their dependencies
+    from packer.inspection import InspectResult
+    from packer.packing import PackResult
+    from packer.staging import StageResult
 
 PathLike = str | Path
 
@@ -47,28 +53,6 @@ def optional_field():
 
 
 @dataclasses.dataclass
-class PackResult(Result):
-    output: str
-    status: str  # "packed" or "already complete"
-    format: str
-    inputs: int
-    tokens: int
-    documents: int
-    shards: int
-    bytes: int
-    input_bytes: int
-    seconds: float
-    mb_per_s: float | None
-    dtype: str
-    vocab_size: int
-    eos_id: int
-    eos_appended: int
-    empty_documents_dropped: int
-    fingerprint: str
-    warnings: list[str]
-
-
-@dataclasses.dataclass
 class ShuffleResult(Result):
     output: str
     epochs: list[int]  # every epoch the run holds
@@ -83,28 +67,6 @@ class ShuffleResult(Result):
     warnings: list[str]  # one per source an epoch repeats windows of
 
 
-@dataclasses.dataclass
-class StageResult(Result):
-    ok: bool
-    kind: str
-    source: str
-    dest: str
-    epochs: list[int] | None
-    files: int
-    copied_files: int
-    skipped_files: int
-    bytes_copied: int
-    bytes_verified_in_place: int
-    seconds: float
-    mib_per_s: float | None
-    partial: bool
-    ranks: list[int] | None = optional_field()
-    world_size: int | None = optional_field()
-    micro_batch: int | None = optional_field()
-    shards_skipped: int | None = optional_field()
-    shards_total: int | None = optional_field()
-
-
 def _paths(inputs: PathLike | Sequence[PathLike]) -> list[str]:
     return [str(inputs)] if isinstance(inputs, (str, Path)) else [str(p) for p in inputs]
 
@@ -115,13 +77,12 @@ def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_forma
          executor: ExecutorConfig | None = None, log=None) -> PackResult:
     """Packs tokenized inputs (files, folders or URLs) into one packed source at `output`."""
     from packer.executors import local_paths
-    from packer.pack import pack as pack_source
+    from packer.packing import pack as pack_source
 
     with local_paths(_paths(inputs), str(output)) as (local_inputs, local_output):
-        summary = pack_source(local_inputs, local_output, input_format=input_format, column=column, dtype=dtype,
-                              tokenizer=tokenizer, eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite,
-                              shard_tokens=shard_tokens, config=executor or ExecutorConfig(), log=log)
-    return PackResult(**summary)
+        return pack_source(local_inputs, local_output, input_format=input_format, column=column, dtype=dtype,
+                           tokenizer=tokenizer, eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite,
+                           shard_tokens=shard_tokens, config=executor, log=log)
 
 
 def _weighted(sources) -> tuple[list[str], list[str | None]]:
@@ -173,16 +134,15 @@ def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
 def stage(directory: PathLike, dest: PathLike, *, workers: int = 4, epochs: str | None = None,
           ranks: str | None = None, micro_batch: int = 1, log=None) -> StageResult:
     """Copies a tokpack directory (any fsspec URL) to the local `dest`, verifying every file."""
-    from packer.stage import stage as stage_copy
+    from packer.staging import stage as stage_copy
 
-    return StageResult(**stage_copy(str(directory), dest, workers=workers, epochs=epochs, ranks=ranks,
-                                    micro_batch=micro_batch, log=log))
+    return stage_copy(str(directory), dest, workers=workers, epochs=epochs, ranks=ranks, micro_batch=micro_batch,
+                      log=log)
 
 
 def inspect(directory: PathLike, *, batch_size: int | None = None, batches: int = 64, plot: PathLike | None = None,
-            seq_len: int | None = None, epoch: int | None = None):
-    """What a source, run or epoch holds and the batch diversity before and after the shuffle.
-    Returns a packer.inspect.InspectResult."""
-    from packer.inspect import inspect as inspect_dir
+            seq_len: int | None = None, epoch: int | None = None) -> InspectResult:
+    """What a source, run or epoch holds and the batch diversity before and after the shuffle."""
+    from packer.inspection import inspect as inspect_dir
 
     return inspect_dir(directory, batch_size=batch_size, batches=batches, plot=plot, seq_len=seq_len, epoch=epoch)

@@ -25,11 +25,13 @@ from formats.errors import TokpackError
 from formats.units import byte_size, token_count
 
 
-class _Quantity(click.ParamType):
+class Quantity(click.ParamType):
     """A command-line quantity parsed by one function of formats.units, so each quantity has its
-    own type and its own units."""
+    own type and its own units: TOKENS (1000000, 100B, 1.5M: K/M/B/T are 10^3..10^12) or BYTES
+    (16GiB, 2GB, 4G: a bare K/M/G/T is binary)."""
 
-    parse = staticmethod(int)
+    def __init__(self, name: str, parse):
+        self.name, self.parse = name, parse
 
     def convert(self, value, param, ctx):
         try:
@@ -38,18 +40,7 @@ class _Quantity(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
-class TokenCount(_Quantity):
-    """A number of tokens: 1000000, 100B, 1.5M (K/M/B/T are 10^3..10^12)."""
-
-    name = "TOKENS"
-    parse = staticmethod(token_count)
-
-
-class ByteSize(_Quantity):
-    """A number of bytes: 16GiB, 2GB, 4G (a bare K/M/G/T is binary)."""
-
-    name = "BYTES"
-    parse = staticmethod(byte_size)
+TOKENS, BYTES = Quantity("TOKENS", token_count), Quantity("BYTES", byte_size)
 
 
 def emit(result, as_json: bool) -> None:
@@ -222,6 +213,11 @@ def _executor_config(kw: dict):
     return ExecutorConfig(**{f.name: kw.pop(f.name) for f in fields(ExecutorConfig) if f.name in kw})
 
 
+def _log(as_json: bool):
+    """Where a command's progress lines go: stderr, and nowhere under --json."""
+    return None if as_json else lambda msg: click.echo(msg, err=True)
+
+
 def _weighted_sources(args) -> list[tuple[str, str | None]]:
     """SOURCE[=WEIGHT] -> (SOURCE, WEIGHT or None). An argument naming an existing path is a path
     even if it holds '='; in a URL, a '=' is a weight's only when a number follows it."""
@@ -315,31 +311,17 @@ def main(debug):
 @click.option("--eos-id", type=int, default=None, help="EOS token id (default: from the tokenizer or datatrove metadata).")
 @click.option("--vocab-size", type=int, default=None, help="Vocabulary size (default: from the tokenizer or the input dtype).")
 @click.option("--overwrite", is_flag=True, help="Replace an output directory that holds a different packed source.")
-@click.option("--shard-tokens", type=TokenCount(), default=1 << 30, show_default=True,
+@click.option("--shard-tokens", type=TOKENS, default=1 << 30, show_default=True,
               help="Target tokens per output shard (documents never span shards).")
 @executor_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
-def pack(inputs, output, input_format, column, dtype, tokenizer, eos_id, vocab_size, overwrite, shard_tokens,
-         as_json, **kw):
+def pack(inputs, output, as_json, **kw):
     """Pack tokenized INPUTs into one packed source."""
     from packer.api import pack as pack_api
 
-    result = pack_api(
-        list(inputs),
-        output,
-        input_format=input_format,
-        column=column,
-        dtype=dtype,
-        tokenizer=tokenizer,
-        eos_id=eos_id,
-        vocab_size=vocab_size,
-        overwrite=overwrite,
-        shard_tokens=shard_tokens,
-        log=None if as_json else lambda msg: click.echo(msg, err=True),
-        executor=_executor_config(kw),
-    )
-    emit(result, as_json)
+    executor = _executor_config(kw)
+    emit(pack_api(list(inputs), output, executor=executor, log=_log(as_json), **kw), as_json)
 
 
 @main.command()
@@ -350,41 +332,28 @@ def pack(inputs, output, input_format, column, dtype, tokenizer, eos_id, vocab_s
 @click.option("--epochs", type=click.IntRange(min=1), default=None, help="Write epochs 0..N-1.")
 @click.option("--epoch", type=click.IntRange(min=0), default=None, help="Write only epoch E (adds to an existing run).")
 @click.option("--samples", type=click.IntRange(min=1), default=None, help="Samples per epoch (with weights).")
-@click.option("--tokens", type=TokenCount(), default=None,
+@click.option("--tokens", type=TOKENS, default=None,
               help="Trained tokens per epoch: samples = T // seq_len. K/M/B/T are 10^3..10^12 (100B).")
 @click.option("--shard-samples", type=click.IntRange(min=1), default=None,
               help="Samples per output shard [default: 1 GiB // ((seq_len+1) * token_size), about 1 GiB].")
-@click.option("--memory", type=ByteSize(), default="4GiB", show_default=True,
+@click.option("--memory", type=BYTES, default="4GiB", show_default=True,
               help="Total memory budget in bytes (KB/MB/GB are 10^n; KiB/MiB/GiB and a bare K/M/G are 2^n). An epoch whose windows fit runs in memory (one read, one write); "
                    "otherwise out of core, each of --workers tasks using memory/workers.")
 @click.option("--jitter", is_flag=True, help="Shift window starts by a seeded per-epoch offset.")
 @executor_options(tasks_help=SHUFFLE_TASKS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
-def shuffle(sources, output, seq_len, seed, epochs, epoch, samples, tokens, shard_samples, memory, jitter,
-            as_json, **kw):
+def shuffle(sources, output, epochs, epoch, as_json, **kw):
     """Write globally shuffled epochs of fixed-length samples from packed SOURCEs."""
     from packer.api import shuffle as shuffle_api
 
     if (epochs is None) == (epoch is None):
         raise click.UsageError("give exactly one of --epochs N or --epoch E")
-    if samples is not None and tokens is not None:
+    if kw["samples"] is not None and kw["tokens"] is not None:
         raise click.UsageError("give at most one of --samples and --tokens")
-    result = shuffle_api(
-        _weighted_sources(sources),
-        output,
-        seq_len=seq_len,
-        seed=seed,
-        epochs=list(range(epochs)) if epochs is not None else [epoch],
-        samples=samples,
-        tokens=tokens,
-        shard_samples=shard_samples,
-        memory=memory,
-        jitter=jitter,
-        log=None if as_json else lambda msg: click.echo(msg, err=True),
-        executor=_executor_config(kw),
-        progress=False if as_json else None,
-    )
+    executor = _executor_config(kw)
+    result = shuffle_api(_weighted_sources(sources), output, epochs=[epoch] if epochs is None else epochs,
+                         executor=executor, log=_log(as_json), progress=False if as_json else None, **kw)
     emit(result, as_json)
     if not as_json:
         for detail in result.epochs_detail:
@@ -425,7 +394,7 @@ def validate(dirs, quick, against, workers, as_json):
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--start-sample", type=click.IntRange(min=0), default=None, help="Consumed samples so far (Megatron's consumed_samples).")
-@click.option("--consumed-tokens", type=TokenCount(), default=None,
+@click.option("--consumed-tokens", type=TOKENS, default=None,
               help="Consumed tokens: start = T // seq_len. K/M/B/T are 10^3..10^12.")
 @click.option("--count", type=click.IntRange(min=0), default=10, show_default=True, help="Samples this rank prints.")
 @click.option("--verify", is_flag=True, help="Checksum each shard when it is first read.")
@@ -460,12 +429,12 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
 @click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Packed source: window length for the batch analysis.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @user_errors
-def inspect(directory, batch_size, batches, plot, epoch, seq_len, as_json):
+def inspect(directory, as_json, **kw):
     """Report what a directory holds and what the shuffle did to batch diversity."""
     from packer.api import inspect as inspect_api
-    from packer.inspect import report_lines
+    from packer.inspection import report_lines
 
-    result = inspect_api(directory, batch_size=batch_size, batches=batches, plot=plot, epoch=epoch, seq_len=seq_len)
+    result = inspect_api(directory, **kw)
     if as_json:
         click.echo(json.dumps(result.to_json()))
     else:
@@ -482,13 +451,11 @@ def inspect(directory, batch_size, batches, plot, epoch, seq_len, as_json):
 @click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True, help="With --ranks.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
-def stage(directory, dest, workers, epochs, ranks, micro_batch, as_json):
+def stage(directory, dest, as_json, **kw):
     """Copy a tokpack DIRECTORY to DEST (e.g. local NVMe), verifying every file's checksum."""
     from packer.api import stage as stage_api
 
-    result = stage_api(directory, dest, workers=workers, epochs=epochs, ranks=ranks, micro_batch=micro_batch,
-                       log=None if as_json else lambda msg: click.echo(msg, err=True))
-    emit(result, as_json)
+    emit(stage_api(directory, dest, log=_log(as_json), **kw), as_json)
 
 
 if __name__ == "__main__":

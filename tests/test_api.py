@@ -16,9 +16,11 @@ from click.testing import CliRunner
 
 from conftest import random_docs, write_source
 from packer import ExecutorConfig, inspect, pack, shuffle, stage, validate
-from packer.api import PackResult, ShuffleResult, StageResult
+from packer.api import ShuffleResult
 from packer.cli import main
-from packer.inspect import InspectResult
+from packer.inspection import InspectResult
+from packer.packing import PackResult
+from packer.staging import StageResult
 from shuffle.verify import ValidateResult
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,6 +122,38 @@ def test_results_are_dataclasses_with_the_cli_json(sources, tmp_path):
     assert set(restaged) == set(staged.to_json()) and restaged["files"] == staged.files
 
 
+PACK_KEYS = ["output", "status", "format", "inputs", "tokens", "documents", "shards", "bytes", "input_bytes", "seconds",
+             "mb_per_s", "dtype", "vocab_size", "eos_id", "eos_appended", "empty_documents_dropped", "fingerprint",
+             "warnings"]
+STAGE_KEYS = ["ok", "kind", "source", "dest", "epochs", "files", "copied_files", "skipped_files", "bytes_copied",
+              "bytes_verified_in_place", "seconds", "mib_per_s", "partial"]
+RANKS_KEYS = ["ranks", "world_size", "micro_batch", "shards_skipped", "shards_total"]
+
+
+def test_cli_json_keys_are_the_result_fields_in_order(sources, tmp_path):
+    """pack, stage and inspect print under --json the keys of their result's to_json(), in the
+    dataclass's order, which is the order --json has always had."""
+    a, _ = sources
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    packed = pack(corpus, tmp_path / "src", eos_id=EOS, vocab_size=VOCAB)
+    cli_pack = cli_json("pack", corpus, "-o", tmp_path / "src", "--eos-id", EOS, "--vocab-size", VOCAB)
+    assert list(cli_pack) == list(packed.to_json()) == PACK_KEYS
+    assert [f.name for f in dataclasses.fields(PackResult)] == PACK_KEYS
+
+    shuffle(a, tmp_path / "run", seq_len=31, seed=3, epochs=2)
+    for extra, keys in (((), STAGE_KEYS), (("--epochs", "1", "--ranks", "0/2"), STAGE_KEYS + RANKS_KEYS)):
+        kw = dict(zip(("epochs", "ranks"), extra[1::2]))
+        staged = stage(tmp_path / "run", tmp_path / f"api{len(extra)}", **kw)
+        cli_stage = cli_json("stage", tmp_path / "run", tmp_path / f"cli{len(extra)}", *extra)
+        assert list(cli_stage) == list(staged.to_json()) == keys
+
+    for args, kw in (((), {}), (("--epoch", 1, "--batch-size", 4, "--batches", 2), dict(epoch=1, batch_size=4, batches=2))):
+        info = inspect(tmp_path / "run", **kw)
+        cli_inspect = cli_json("inspect", tmp_path / "run", *args)
+        shown = [f.name for f in dataclasses.fields(InspectResult) if getattr(info, f.name) is not None]
+        assert list(cli_inspect) == list(info.to_json()) == shown and shown[:3] == ["kind", "path", "batch_size"]
+
+
 def test_urls_are_staged_from_python(tmp_path):
     """pack and shuffle read and write fsspec URLs from Python as on the command line."""
     import fsspec
@@ -149,13 +183,16 @@ def test_import_packer_is_light():
 
 
 def test_api_names_survive_importing_the_modules():
-    """packer.pack, packer.stage and packer.inspect stay the API functions after their modules load."""
+    """No module of packer/ is named as an API function, so importing every one of them leaves
+    packer.pack, packer.stage and packer.inspect the functions."""
     import importlib
+    import pkgutil
 
     import packer
 
-    module = importlib.import_module("packer.pack")
-    assert packer.pack is pack and callable(module.pack) and module.pack is not pack
-    importlib.import_module("packer.stage")
-    importlib.import_module("packer.inspect")
-    assert packer.stage is stage and packer.inspect is inspect
+    modules = [m.name for m in pkgutil.iter_modules(packer.__path__)]
+    assert {"packing", "staging", "inspection"} <= set(modules) and not set(modules) & set(packer.__all__)
+    for name in modules:
+        importlib.import_module(f"packer.{name}")
+    assert (packer.pack, packer.shuffle, packer.validate, packer.stage, packer.inspect) == (
+        pack, shuffle, validate, stage, inspect)

@@ -117,7 +117,7 @@ def test_old_key_fragment_count_is_still_checked(old_run):
 
 
 def test_run_with_old_key_epochs_extends_and_stages(old_run, tmp_path):
-    from packer.stage import stage
+    from packer.staging import stage
 
     src, run = old_run
     make_run(src, run, seed=4, epochs=[2])

@@ -3,8 +3,6 @@ after a real shuffle, checked against brute-force recomputation on constructed c
 
 from __future__ import annotations
 
-import importlib
-
 import json
 import shutil
 import sys
@@ -17,8 +15,8 @@ from conftest import random_docs, write_source
 from formats.errors import TokpackError
 from formats.manifest import MANIFEST, epoch_dir_name
 from packer.cli import main
-from packer.inspect import LengthHistogram, report_lines
-from packer.inspect import inspect as inspect_dir
+from packer.inspection import LengthHistogram, report_lines
+from packer.inspection import inspect as inspect_dir
 from shuffle.engine import shuffle_run
 
 L = 31  # seq_len: samples of 32 tokens
@@ -222,15 +220,15 @@ def test_cli_inspect(huge_doc_run):
 def test_document_lengths_sample_large_corpora(tmp_path, monkeypatch):
     """Above the cap, evenly spaced blocks of the indexes are read, not all of them; the
     sample's mean stays close to the corpus's, and the report says it was sampled."""
-    inspect_mod = importlib.import_module("packer.inspect")  # `packer.inspect` names the API function
     from formats import PackedSource
+    from packer import inspection
 
     rng = np.random.default_rng(3)
     docs = random_docs(rng, 4000, 1000, 0, max_len=60)
     src = PackedSource.open(write_source(tmp_path / "src", docs, docs_per_shard=500))
-    full = inspect_mod.document_lengths([src]).report()
+    full = inspection.document_lengths([src]).report()
     assert full["documents"] == 4000 and "sampled_from_documents" not in full
-    monkeypatch.setattr(inspect_mod, "INDEX_BLOCK", 100)
-    sampled = inspect_mod.document_lengths([src], max_documents=1000).report()
+    monkeypatch.setattr(inspection, "INDEX_BLOCK", 100)
+    sampled = inspection.document_lengths([src], max_documents=1000).report()
     assert sampled["documents"] == 1000 and sampled["sampled_from_documents"] == 4000
     assert abs(sampled["mean"] - full["mean"]) < 0.1 * full["mean"]

@@ -5,7 +5,6 @@ and every bad-input case of issue 2 through the CLI."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 from pathlib import Path
@@ -22,9 +21,8 @@ from conftest import EOS_TOKEN, generate_texts, random_docs, require
 from formats.manifest import MANIFEST
 from formats.shards import PackedSource
 from packer.cli import main
-from packer.pack import pack
-
-pack_mod = importlib.import_module("packer.pack")  # `packer.pack` names the API function
+from packer import packing
+from packer.packing import pack
 
 MEGATRON_CORE = "pip install -e '.[test]' installs megatron-core"
 SMALL_BLOCK = 512  # bytes: forces many blocks per file, so block seams are exercised
@@ -162,7 +160,7 @@ def test_datatrove_uint32(tmp_path):
     dt = dt_tokenize(tmp_path / "text", tmp_path / "dt", tok_path, shuffle_documents=False)
     assert (dt / "00000_unshuffled.ds.metadata").read_text().split("\n")[0].endswith("|4")
     summary = pack([str(dt)], str(tmp_path / "out"), block_bytes=SMALL_BLOCK)
-    assert summary["dtype"] == "uint32" and summary["vocab_size"] == 70002
+    assert summary.dtype == "uint32" and summary.vocab_size == 70002
     assert packed_docs(tmp_path / "out") == encode_all(tok_path, sum(texts, []))
     assert max(max(d) for d in packed_docs(tmp_path / "out")) > 65536
 
@@ -206,36 +204,36 @@ def test_workers_give_identical_bytes(corpus, tmp_path):
 
 def test_killed_run_resumes_to_identical_output(corpus, tmp_path, monkeypatch):
     pack([str(corpus["dt"])], str(tmp_path / "ref"), shard_tokens=600)
-    real = pack_mod.PackStep.pack_file
+    real = packing.PackStep.pack_file
 
     def dies_on_file_2(self, i):
         if i == 2:
             raise KeyboardInterrupt
         return real(self, i)
 
-    monkeypatch.setattr(pack_mod.PackStep, "pack_file", dies_on_file_2)
+    monkeypatch.setattr(packing.PackStep, "pack_file", dies_on_file_2)
     with pytest.raises(KeyboardInterrupt):
         pack([str(corpus["dt"])], str(tmp_path / "out"), shard_tokens=600)
     work = tmp_path / "out" / ".tokpack-work"
     assert (work / "part-00001.json").exists() and not (tmp_path / "out" / MANIFEST).exists()
     assert not list((tmp_path / "out").glob("*.ds"))  # nothing under a final name
     done = (work / "part-00000" / "00000.ds").stat().st_mtime_ns
-    monkeypatch.setattr(pack_mod.PackStep, "pack_file", real)
+    monkeypatch.setattr(packing.PackStep, "pack_file", real)
 
     calls = []
-    real_manifest = pack_mod.write_manifest
+    real_manifest = packing.write_manifest
 
     def dies_before_manifest(*a):  # killed between the shard renames and tokpack.json
         calls.append(1)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pack_mod, "write_manifest", dies_before_manifest)
+    monkeypatch.setattr(packing, "write_manifest", dies_before_manifest)
     with pytest.raises(KeyboardInterrupt):
         pack([str(corpus["dt"])], str(tmp_path / "out"), shard_tokens=600)
     assert calls and (work / "finalize.json").exists()
-    monkeypatch.setattr(pack_mod, "write_manifest", real_manifest)
+    monkeypatch.setattr(packing, "write_manifest", real_manifest)
     summary = pack([str(corpus["dt"])], str(tmp_path / "out"), shard_tokens=600)
-    assert summary["status"] == "packed"
+    assert summary.status == "packed"
     assert tree_bytes(tmp_path / "ref") == tree_bytes(tmp_path / "out")
     assert not work.exists()
     # rerun of a complete pack: nothing redone
@@ -268,7 +266,7 @@ def test_megatron_from_datatrove_writer(corpus, tokenizer_path, tmp_path):
                                                            rank=rank, world_size=2)
     expected = encode_all(tokenizer_path, corpus["texts"][0] + corpus["texts"][1])
     summary = pack([str(tmp_path / "mg")], str(tmp_path / "a"), eos_id=0, vocab_size=600, block_bytes=SMALL_BLOCK)
-    assert summary["format"] == "megatron" and packed_docs(tmp_path / "a") == expected
+    assert summary.format == "megatron" and packed_docs(tmp_path / "a") == expected
     pack([str(tmp_path / "mg" / "00000_tokens")], str(tmp_path / "b"), eos_id=0, vocab_size=600)  # a path prefix
     assert packed_docs(tmp_path / "b") == expected[:25]
     indexed = require("megatron.core.datasets.indexed_dataset", MEGATRON_CORE)
@@ -302,8 +300,8 @@ def test_megatron_every_dtype_code(dtype, tmp_path):
     summary = pack([str(tmp_path / "d")], str(tmp_path / "out"), eos_id=0, vocab_size=128, block_bytes=64)
     expected = [d if d[-1:] == [0] else d + [0] for d in docs if d]
     assert packed_docs(tmp_path / "out") == expected
-    assert summary["empty_documents_dropped"] == sum(1 for d in docs if not d)
-    assert summary["eos_appended"] == sum(1 for d in docs if d and d[-1] != 0)
+    assert summary.empty_documents_dropped == sum(1 for d in docs if not d)
+    assert summary.eos_appended == sum(1 for d in docs if d and d[-1] != 0)
 
 
 @pytest.mark.parametrize("block", [16, 1 << 20], ids=["small-blocks", "one-block"])
@@ -388,7 +386,7 @@ def test_hf_save_to_disk_and_arrow_file(tmp_path, tokenizer_path):
             w.write_table(pa.table({"input_ids": docs}))
         (tmp_path / "hf" / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
     s = pack([str(tmp_path / "hf")], str(tmp_path / "out"), tokenizer=str(tokenizer_path))
-    assert packed_docs(tmp_path / "out") == normalised(docs) and s["format"] == "parquet"
+    assert packed_docs(tmp_path / "out") == normalised(docs) and s.format == "parquet"
     with pa.OSFile(str(tmp_path / "f.arrow"), "wb") as sink:
         with pa.ipc.new_file(sink, pa.schema({"ids": pa.list_(pa.uint16())})) as w:
             w.write_table(pa.table({"ids": pa.array(docs, type=pa.list_(pa.uint16()))}), max_chunksize=9)
@@ -407,7 +405,7 @@ def test_npy_and_raw_split_at_eos(tmp_path):
     ends = np.flatnonzero(stream == 0) + 1
     expected = [x.tolist() for x in np.split(stream, ends) if len(x)]
     expected = normalised(expected)
-    assert packed_docs(tmp_path / "a") == expected and s["vocab_size"] == 65536
+    assert packed_docs(tmp_path / "a") == expected and s.vocab_size == 65536
     stream.astype(np.int32).tofile(tmp_path / "t.tok")
     res = cli(tmp_path / "t.tok", "-o", tmp_path / "b", "--format", "numpy", "--dtype", "int32", "--eos-id", 0,
               "--vocab-size", 1000)
@@ -698,7 +696,7 @@ def test_missing_optional_module_is_one_line(monkeypatch, tmp_path):
     def needs_tokenizers(*args, **kwargs):
         raise ModuleNotFoundError("No module named 'tokenizers'", name="tokenizers")
 
-    monkeypatch.setattr(pack_mod, "pack", needs_tokenizers)
+    monkeypatch.setattr(packing, "pack", needs_tokenizers)
     r = CliRunner().invoke(main, ["pack", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out")])
     assert r.exit_code == 1
     assert r.stderr.strip().splitlines() == [

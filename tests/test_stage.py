@@ -15,10 +15,9 @@ from hypothesis import strategies as st
 from click.testing import CliRunner
 
 from formats.errors import TokpackError
-from formats.manifest import MANIFEST, TMP_MARK, epoch_dir_name
+from formats.manifest import MANIFEST, STAGE_SIDECAR, TMP_MARK, epoch_dir_name
 from packer.cli import main
-from packer.stage import (
-    PARTIAL_SIDECAR,
+from packer.staging import (
     parse_epochs,
     parse_ranks,
     shards_for_ranks,
@@ -69,8 +68,8 @@ def test_stage_source_is_byte_identical(small_source, tmp_path):
     src, _ = small_source
     summary = stage(src, tmp_path / "dst", workers=3, block=1 << 12)
     assert tree(tmp_path / "dst") == tree(src)
-    assert summary["copied_files"] == 3 * 3 and summary["skipped_files"] == 0
-    assert summary["bytes_copied"] == sum(len(b) for k, b in tree(src).items() if k != MANIFEST)
+    assert summary.copied_files == 3 * 3 and summary.skipped_files == 0
+    assert summary.bytes_copied == sum(len(b) for k, b in tree(src).items() if k != MANIFEST)
 
 
 def test_stage_run_copies_listed_files_only_and_manifests(run_dir, tmp_path):
@@ -97,9 +96,9 @@ def test_resume_skips_verified_and_replaces_corrupt(small_source, tmp_path):
     (dst / "00002.ds.index").unlink()
     (dst / f"00000.ds{TMP_MARK}123-deadbeef").write_bytes(b"junk")
     summary = stage(src, dst, workers=2, block=5000)
-    assert summary["copied_files"] == 2
-    assert summary["skipped_files"] == 7
-    assert summary["bytes_verified_in_place"] > 0
+    assert summary.copied_files == 2
+    assert summary.skipped_files == 7
+    assert summary.bytes_verified_in_place > 0
     assert tree(dst) == tree(src)
 
 
@@ -120,7 +119,7 @@ def test_corrupt_source_fails_and_leaves_no_manifest(small_source, tmp_path):
 
 def test_interrupted_copy_leaves_incomplete_dest(small_source, tmp_path, monkeypatch):
     """A crash mid-stage: no manifest at DEST, so nothing can take the copy for complete."""
-    from packer.stage import _Stager
+    from packer.staging import _Stager
 
     src, _ = small_source
     dst = tmp_path / "dst"
@@ -195,14 +194,14 @@ def test_epochs_selection_restricts_run_manifest(run_dir, tmp_path):
     dst = tmp_path / "dst"
     summary = stage(run, dst, epochs="1")
     m = json.loads((dst / MANIFEST).read_text())
-    assert m["epochs"] == [1] and summary["epochs"] == [1]
+    assert m["epochs"] == [1] and summary.epochs == [1]
     e1 = json.loads((run / epoch_dir_name(1) / MANIFEST).read_text())
     assert m["tokens"] == e1["tokens"]  # the run's totals cover the epochs it lists
     assert not (dst / epoch_dir_name(0)).exists()
     assert tree(dst / epoch_dir_name(1)) == tree(run / epoch_dir_name(1))
     summary = stage(run, dst, epochs="0,1")  # the same run, more epochs: epoch 1 is verified in place
     assert json.loads((dst / MANIFEST).read_text()) == json.loads((run / MANIFEST).read_text())
-    assert summary["skipped_files"] > 0 and summary["copied_files"] > 0
+    assert summary.skipped_files > 0 and summary.copied_files > 0
     with pytest.raises(TokpackError, match="not in this run"):
         stage(run, tmp_path / "dst2", epochs="0-5")
 
@@ -241,7 +240,7 @@ def test_stage_ranks_copies_only_their_shards(run_dir, tmp_path):
     world, micro, ranks = 5, 8, [3]
     dst = tmp_path / "dst"
     summary = stage(run, dst, ranks="3/5", micro_batch=micro)
-    assert summary["partial"] and summary["shards_skipped"] > 0
+    assert summary.partial and summary.shards_skipped > 0
     period = world * micro
     epochs = json.loads((run / MANIFEST).read_text())["epochs"]
     total = sum(json.loads((run / epoch_dir_name(e) / MANIFEST).read_text())["samples"] for e in epochs)
@@ -261,13 +260,13 @@ def test_stage_ranks_copies_only_their_shards(run_dir, tmp_path):
     assert not report["ok"]  # a partial copy never passes for the whole run...
     # ...and says so in one line, while the shards it holds are still checked in full.
     assert [p["message"] for p in report["problems"]] == ["partial stage: serves only the ranks it was staged for"]
-    assert f"{summary['shards_skipped']} shards absent" in report["problems"][0]["found"]
-    side = json.loads((dst / PARTIAL_SIDECAR).read_text())
+    assert f"{summary.shards_skipped} shards absent" in report["problems"][0]["found"]
+    side = json.loads((dst / STAGE_SIDECAR).read_text())
     assert side["stages"] == [{"ranks": [3], "world_size": 5, "micro_batch": 8}]
-    assert sum(len(v) for v in side["missing_shards"].values()) == summary["shards_skipped"]
+    assert sum(len(v) for v in side["missing_shards"].values()) == summary.shards_skipped
     # Completing the copy later removes the partial marker.
     summary = stage(run, dst)
-    assert not summary["partial"] and not (dst / PARTIAL_SIDECAR).exists()
+    assert not summary.partial and not (dst / STAGE_SIDECAR).exists()
     assert set(tree(dst)) == listed_files(run)
 
 
@@ -328,7 +327,7 @@ def test_stage_epoch_dir_and_loss_files(run_dir, tmp_path):
     w.write(np.array([5, 6, 0, 7, 0], dtype="<u2"), np.array([3, 5]), loss=np.array([0, 1, 1, 1, 1], dtype=np.uint8))
     write_manifest(src, source_manifest([w.close()], np.dtype("<u2"), 1000, 0, "t"))
     summary = stage(src, tmp_path / "ldst")
-    assert summary["copied_files"] == 4
+    assert summary.copied_files == 4
     assert tree(tmp_path / "ldst") == tree(src)
     (src / "00000.ds.loss").write_bytes(b"\x01" * 5)
     with pytest.raises(TokpackError, match="checksum mismatch"):

@@ -408,7 +408,7 @@ def test_any_single_byte_corruption_is_detected(corruptible, data):
 def test_real_pack_and_weighted_jittered_shuffle_validate(tmp_path):
     """No false alarms on the other writers' real outputs: `pack` from JSONL token lists, and a
     two-source weighted, jittered, upsampling shuffle over three epochs."""
-    from packer.pack import pack
+    from packer.packing import pack
     from shuffle.engine import shuffle_run
 
     rng = np.random.default_rng(5)

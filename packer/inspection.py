@@ -197,9 +197,10 @@ class DocumentMap:
         return np.concatenate(ids), np.concatenate(counts)
 
 
-def batch_stats(ids: list[np.ndarray], counts: list[np.ndarray]) -> tuple[int, float]:
-    """(distinct documents, largest single-document share of the batch's tokens)."""
-    ids_all, counts_all = np.concatenate(ids), np.concatenate(counts)
+def batch_stats(docs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[int, float]:
+    """(distinct documents, largest single-document share of the batch's tokens) of a batch
+    given as (document ids, tokens of each) per sample."""
+    ids_all, counts_all = np.concatenate([i for i, _ in docs]), np.concatenate([c for _, c in docs])
     uniq, inv = np.unique(ids_all, return_inverse=True)
     per_doc = np.bincount(inv, weights=counts_all)
     return int(len(uniq)), float(per_doc.max() / counts_all.sum())
@@ -208,71 +209,55 @@ def batch_stats(ids: list[np.ndarray], counts: list[np.ndarray]) -> tuple[int, f
 def diversity_before(maps: list[DocumentMap], row: int, batch: int, batches: int) -> dict:
     """Sequential windows of the sources in order (each source's stream cut from token 0)."""
     windows = [m.src.tokens // row for m in maps]
-    total = sum(windows)
-    n = min(batches, total // batch)
-    distinct, share = [], []
-    for b in range(n):
-        ids, counts = [], []
-        for w in range(b * batch, (b + 1) * batch):
-            s = 0
-            while w >= windows[s]:
-                w -= windows[s]
-                s += 1
-            i, c = maps[s].documents(w * row, (w + 1) * row)
-            ids.append(i)
-            counts.append(c)
-        d, m = batch_stats(ids, counts)
-        distinct.append(d)
-        share.append(m)
-    return _series(distinct, share)
+
+    def window_docs(w: int) -> tuple[np.ndarray, np.ndarray]:
+        s = 0
+        while w >= windows[s]:
+            w -= windows[s]
+            s += 1
+        return maps[s].documents(w * row, (w + 1) * row)
+
+    n = min(batches, sum(windows) // batch)
+    return _series([batch_stats([window_docs(w) for w in range(b * batch, (b + 1) * batch)]) for b in range(n)])
 
 
 def diversity_after_plan(plan, maps: list[DocumentMap], epoch_dir: Path, manifest: dict, batch: int,
                          batches: int) -> tuple[dict | None, int]:
     """Epoch order through the shuffle plan. Returns (series, samples whose bytes did not match
     their planned window); a mismatch means the plan does not describe this epoch."""
-    n = min(batches, plan.samples // batch)
-    distinct, share = [], []
-    mismatches = 0
+    stats, mismatches = [], 0
     reader = _EpochRows(epoch_dir, manifest)
     window = np.empty(plan.row_tokens, dtype=reader.dtype)
-    for b in range(n):
-        g = np.arange(b * batch, (b + 1) * batch, dtype=np.int64)
-        s_idx, w_idx, _ = plan.locate(g)
+    for b in range(min(batches, plan.samples // batch)):
+        s_idx, w_idx, _ = plan.locate(np.arange(b * batch, (b + 1) * batch, dtype=np.int64))
         rows = reader.rows(b * batch, batch)
-        ids, counts = [], []
+        docs = []
         for k, (s, w) in enumerate(zip(s_idx.tolist(), w_idx.tolist())):
             start, stop = plan.token_range(s, w)
             maps[s].src.read_into(start, window)
-            if not np.array_equal(window, rows[k]):
-                mismatches += 1
-            i, c = maps[s].documents(start, stop)
-            ids.append(i)
-            counts.append(c)
-        d, m = batch_stats(ids, counts)
-        distinct.append(d)
-        share.append(m)
-    return _series(distinct, share), mismatches
+            mismatches += not np.array_equal(window, rows[k])
+            docs.append(maps[s].documents(start, stop))
+        stats.append(batch_stats(docs))
+    return _series(stats), mismatches
 
 
 def diversity_after_eos(epoch_dir: Path, manifest: dict, batch: int, batches: int) -> dict:
     """Epoch order, documents = EOS-delimited fragments within each sample."""
     reader = _EpochRows(epoch_dir, manifest)
     eos = int(manifest["eos_id"])
-    n = min(batches, int(manifest["samples"]) // batch)
-    distinct, share = [], []
-    for b in range(n):
+    stats = []
+    for b in range(min(batches, int(manifest["samples"]) // batch)):
         rows = reader.rows(b * batch, batch)
         ends_mask = rows == eos
         ends_mask[:, -1] = True  # a sample end closes the fragment it cuts
-        ends = np.flatnonzero(ends_mask.ravel()) + 1
-        lengths = np.diff(ends, prepend=0)
-        distinct.append(int(len(lengths)))
-        share.append(float(lengths.max() / rows.size))
-    return _series(distinct, share)
+        lengths = np.diff(np.flatnonzero(ends_mask.ravel()) + 1, prepend=0)
+        stats.append((int(len(lengths)), float(lengths.max() / rows.size)))
+    return _series(stats)
 
 
-def _series(distinct: list[int], share: list[float]) -> dict:
+def _series(stats: list[tuple[int, float]]) -> dict:
+    """Per batch (distinct documents, largest document share) -> the report's series and summary."""
+    distinct, share = [d for d, _ in stats], [m for _, m in stats]
     out = {"batches": len(distinct), "distinct_documents": distinct, "max_doc_share": [round(x, 6) for x in share]}
     if distinct:
         out["summary"] = {
@@ -451,9 +436,8 @@ def _sources_of(directory: Path, manifest: dict, epochs, report: dict) -> list[P
 
 def _totals(manifest: dict, epochs, sources: list[PackedSource]) -> dict:
     if manifest["kind"] == "source":
-        totals = {"tokens": int(manifest["tokens"]), "documents": int(manifest["documents"]),
-                  "shards": len(manifest.get("shards") or [])}
-        return totals
+        return {"tokens": int(manifest["tokens"]), "documents": int(manifest["documents"]),
+                "shards": len(manifest.get("shards") or [])}
     totals = {
         "epochs": [e for e, _, _ in epochs],
         "samples": sum(int(m["samples"]) for _, _, m in epochs),

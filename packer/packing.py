@@ -1,4 +1,4 @@
-"""`tokpack pack`: tokenized inputs -> one packed source (docs/FORMAT.md, "Packed source").
+"""`tokpack pack`: tokenized inputs -> one packed source (docs/COMMANDS.md, "Packing").
 
 Layout decisions:
 
@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,7 @@ from formats.manifest import (
 )
 from formats.shards import SHARD_SUFFIXES, PackedSource, SourceShardWriter, shard_on_disk
 from formats.sinks import app_sinks_kept
+from packer.api import Result
 from packer.executors import ExecutorConfig, run_step
 from packer.vocab import Normalizer, load_tokenizer, resolve_vocab_eos
 
@@ -255,28 +257,41 @@ def _clear(out: Path) -> None:
             p.unlink()
 
 
-def _summary(manifest: dict, out: Path, fmt: str, seconds: float, input_bytes: int, status: str,
-             warnings: list[str] = ()) -> dict:
-    return {
-        "output": str(out),
-        "status": status,
-        "format": fmt,
-        "inputs": len(manifest.get("inputs", [])),
-        "tokens": manifest["tokens"],
-        "documents": manifest["documents"],
-        "shards": len(manifest["shards"]),
-        "bytes": sum(s["bytes"] for s in manifest["shards"]),
-        "input_bytes": input_bytes,
-        "seconds": round(seconds, 3),
-        "mb_per_s": round(input_bytes / 1e6 / seconds, 1) if seconds > 0 and input_bytes else None,
-        "dtype": manifest["dtype"],
-        "vocab_size": manifest["vocab_size"],
-        "eos_id": manifest["eos_id"],
-        "eos_appended": manifest.get("eos_appended", 0),
-        "empty_documents_dropped": manifest.get("empty_documents_dropped", 0),
-        "fingerprint": manifest["fingerprint"],
-        "warnings": list(warnings),
-    }
+@dataclass
+class PackResult(Result):
+    """What `pack --json` prints."""
+
+    output: str
+    status: str  # "packed" or "already complete"
+    format: str
+    inputs: int
+    tokens: int
+    documents: int
+    shards: int
+    bytes: int
+    input_bytes: int
+    seconds: float
+    mb_per_s: float | None
+    dtype: str
+    vocab_size: int
+    eos_id: int
+    eos_appended: int
+    empty_documents_dropped: int
+    fingerprint: str
+    warnings: list[str]
+
+
+def _result(manifest: dict, out: Path, fmt: str, seconds: float, input_bytes: int, status: str,
+            warnings: list[str] = ()) -> PackResult:
+    return PackResult(
+        output=str(out), status=status, format=fmt, inputs=len(manifest.get("inputs", [])),
+        tokens=manifest["tokens"], documents=manifest["documents"], shards=len(manifest["shards"]),
+        bytes=sum(s["bytes"] for s in manifest["shards"]), input_bytes=input_bytes, seconds=round(seconds, 3),
+        mb_per_s=round(input_bytes / 1e6 / seconds, 1) if seconds > 0 and input_bytes else None,
+        dtype=manifest["dtype"], vocab_size=manifest["vocab_size"], eos_id=manifest["eos_id"],
+        eos_appended=manifest.get("eos_appended", 0),
+        empty_documents_dropped=manifest.get("empty_documents_dropped", 0),
+        fingerprint=manifest["fingerprint"], warnings=list(warnings))
 
 
 def _raise_task_error(work: Path, out: Path, created: bool, cause: BaseException | None) -> None:
@@ -330,9 +345,9 @@ def _bytes_to_write(files: list[InputFile], out_dtype: np.dtype) -> int:
 def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: str | None = None,
          dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
          vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30, log=None,
-         config: ExecutorConfig | None = None, block_bytes: int = BLOCK_BYTES) -> dict:
-    """Packs local INPUTs into one packed source at the local `output`; returns the summary
-    `--json` prints (packer.api.pack takes URLs and returns it as a PackResult)."""
+         config: ExecutorConfig | None = None, block_bytes: int = BLOCK_BYTES) -> PackResult:
+    """Packs local INPUTs into one packed source at the local `output` (packer.api.pack also
+    takes URLs)."""
     t0 = time.perf_counter()
     say = log or (lambda msg: None)
     out = Path(output).absolute()
@@ -357,7 +372,7 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
         # A pack killed between writing its manifest and removing its scratch left the scratch.
         shutil.rmtree(out / WORK_DIR, ignore_errors=True)
         say(f"tokpack pack: {out} already holds this pack; nothing to do")
-        return _summary(manifest, out, fmt, time.perf_counter() - t0, 0, "already complete")
+        return _result(manifest, out, fmt, time.perf_counter() - t0, 0, "already complete")
 
     work = out / WORK_DIR
     eos_token = None
@@ -449,9 +464,9 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
     plan = json.loads(plan_path.read_text())
     manifest = _finalize(out, work, plan)
     seconds = time.perf_counter() - t0
-    summary = _summary(manifest, out, fmt, seconds, input_bytes, "packed", warnings)
+    result = _result(manifest, out, fmt, seconds, input_bytes, "packed", warnings)
     for line in warnings:  # after the work: a pack that fails prints its one error line only
         say(line)
-    say(f"tokpack pack: {summary['tokens']:,} tokens, {summary['documents']:,} documents, {summary['shards']} shard(s) "
-        f"-> {out} ({summary['mb_per_s']} MB/s)")
-    return summary
+    say(f"tokpack pack: {result.tokens:,} tokens, {result.documents:,} documents, {result.shards} shard(s) "
+        f"-> {out} ({result.mb_per_s} MB/s)")
+    return result

@@ -49,16 +49,40 @@ from formats.manifest import (
     upgrade,
     write_manifest,
 )
+from packer.api import Result, optional_field
 
 # Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
 # handful of workers the memory stays at workers x STAGE_BLOCK.
 STAGE_BLOCK = 32 << 20
-PARTIAL_SIDECAR = STAGE_SIDECAR
 # Run-manifest fields that depend on which epochs were staged.
 _RUN_SELECTION_KEYS = ("epochs", "tokens", "fragments", "documents")
 # copy_file_range errors that mean "not here" (old kernel, cross-filesystem, unsupported fs),
 # not a bad file: stage falls back to read + write through its buffer.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
+
+
+@dataclass
+class StageResult(Result):
+    """What `stage --json` prints."""
+
+    ok: bool
+    kind: str
+    source: str
+    dest: str
+    epochs: list[int] | None
+    files: int
+    copied_files: int
+    skipped_files: int
+    bytes_copied: int
+    bytes_verified_in_place: int
+    seconds: float
+    mib_per_s: float | None
+    partial: bool
+    ranks: list[int] | None = optional_field()  # with --ranks: the ranks and the shards left out
+    world_size: int | None = optional_field()
+    micro_batch: int | None = optional_field()
+    shards_skipped: int | None = optional_field()
+    shards_total: int | None = optional_field()
 
 
 # ------------------------------------------------------------------------ arguments
@@ -196,7 +220,7 @@ class Source:
         self.local_root = None  # local directory, read with plain unbuffered readinto
         if "://" not in self.path:
             # A plain local path: no fsspec layer in the hot loop, and no datatrove/hub import
-            # (about half a second of start-up) for the common NVMe-to-NVMe case.
+            # (its start-up cost: BENCHMARKS.md, "Figures cited by the code") for NVMe-to-NVMe.
             self.local_root = os.path.abspath(self.path)
             return
         try:
@@ -400,7 +424,7 @@ class _Stager:
     def _copy_in_kernel(self, fin, fout, rel: str) -> tuple[int, str]:
         """Local to local: `copy_file_range` moves the bytes inside the kernel (as `cp` does),
         and the hash reads the same source pages through a memory map, now in the page cache.
-        Saves the two user-space copies of read+write: about 1.3-2x faster on warm data."""
+        Saves the two user-space copies of read+write (BENCHMARKS.md, "Figures cited by the code")."""
         size = os.fstat(fin.fileno()).st_size
         h = xxhash.xxh3_128()
         if size == 0:
@@ -474,10 +498,10 @@ def _check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
 
 @locked_output("stage", arg="dest")
 def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_batch: int = 1, log=None,
-          block: int = STAGE_BLOCK) -> dict:
+          block: int = STAGE_BLOCK) -> StageResult:
     """Copies DIRECTORY (source, run or epoch; any fsspec path) to the local DEST, verified.
 
-    Returns a summary dict. Raises TokpackError on a bad source, a checksum mismatch or a
+    Raises TokpackError on a bad source, a checksum mismatch or a
     DEST holding other data; DEST then has no manifest for anything unverified."""
     t0 = time.perf_counter()
     epochs = parse_epochs(epochs)
@@ -543,35 +567,25 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
 
     seconds = time.perf_counter() - t0
     moved = stager.bytes_copied + stager.bytes_verified
-    summary = {
-        "ok": True,
-        "kind": kind,
-        "source": src.path,
-        "dest": str(dest),
-        "epochs": [p.manifest.get("epoch") for p in plans if p.manifest.get("kind") == "epoch"] if kind != "source" else None,
-        "files": len(jobs) + len(plans),
-        "copied_files": stager.copied,
-        "skipped_files": stager.skipped,
-        "bytes_copied": stager.bytes_copied,
-        "bytes_verified_in_place": stager.bytes_verified,
-        "seconds": round(seconds, 3),
-        "mib_per_s": round(moved / 2**20 / seconds, 1) if seconds > 0 else None,
-        "partial": bool(missing),
-    }
-    if ranks is not None:
-        summary.update(ranks=ranks[0], world_size=ranks[1], micro_batch=micro_batch,
-                       shards_skipped=sum(len(p.skipped_shards) for p in plans),
-                       shards_total=sum(len(p.manifest.get("shards") or []) for p in plans))
+    selection = {} if ranks is None else dict(
+        ranks=ranks[0], world_size=ranks[1], micro_batch=micro_batch,
+        shards_skipped=sum(len(p.skipped_shards) for p in plans),
+        shards_total=sum(len(p.manifest.get("shards") or []) for p in plans))
     if log:
         log(f"stage: {stager.copied} files copied, {stager.skipped} already in place and verified"
-            + (f"; partial copy for ranks {ranks[0]}/{ranks[1]} (see {PARTIAL_SIDECAR})" if missing else ""))
-    return summary
+            + (f"; partial copy for ranks {ranks[0]}/{ranks[1]} (see {STAGE_SIDECAR})" if missing else ""))
+    return StageResult(
+        ok=True, kind=kind, source=src.path, dest=str(dest),
+        epochs=[p.manifest.get("epoch") for p in plans if p.manifest.get("kind") == "epoch"] if kind != "source" else None,
+        files=len(jobs) + len(plans), copied_files=stager.copied, skipped_files=stager.skipped,
+        bytes_copied=stager.bytes_copied, bytes_verified_in_place=stager.bytes_verified, seconds=round(seconds, 3),
+        mib_per_s=round(moved / 2**20 / seconds, 1) if seconds > 0 else None, partial=bool(missing), **selection)
 
 
 def _partial_sidecar(dest: Path, plans: list[DirPlan], ranks, micro_batch: int) -> dict:
     """Records at DEST's root which shards a --ranks stage left out (those not present at
     DEST, counting earlier stages), or removes the record once nothing is missing."""
-    path = dest / PARTIAL_SIDECAR
+    path = dest / STAGE_SIDECAR
     try:
         previous = json.loads(path.read_bytes()) if path.is_file() else {}
     except (json.JSONDecodeError, OSError):
