@@ -19,7 +19,7 @@ from packer import ExecutorConfig, inspect, pack, shuffle, stage, validate
 from packer.api import PackResult, ShuffleResult, StageResult
 from packer.cli import main
 from packer.inspect import InspectResult
-from shuffle.verify import ValidateResult
+from formats.dir_checks import ValidateResult
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB, EOS = 1000, 0
