@@ -15,7 +15,7 @@ import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import TokpackError
@@ -38,7 +38,7 @@ from .manifest import (
     progress,
     read_manifest,
 )
-from .shard_scan import MASK64, Problem, ShardJob, ShardResult, _type_ok, check_shard, problem_line, worst_status
+from .shard_scan import MASK64, Findings, Problem, ShardJob, _type_ok, check_shard, problem_line, worst_status
 from .shards import SHARD_SUFFIXES, PackedSource
 
 # One shard file rarely has more than a few independent faults worth reading about;
@@ -48,17 +48,13 @@ SHARD_FILE = re.compile(r".*\.ds(\.index|\.metadata|\.loss)?$")
 EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
 
 
-@dataclass
-class DirReport:
+@dataclass(kw_only=True)
+class DirReport(Findings):
     """What validation found in one directory (a run's epochs get their own)."""
 
     path: Path  # the directory
-    kind: str | None  # "source", "run", "epoch", or None when the manifest is unreadable
-    manifest: dict | None  # its tokpack.json, when readable
-    problems: list[Problem] = field(default_factory=list)  # in discovery order
-    files: int = 0  # data files checked
-    bytes: int = 0  # bytes of those files (read in full mode, stat'ed in quick mode)
-    multiset: int | None = None  # epoch, full mode: recomputed sum of sample hashes
+    kind: str | None = None  # "source", "run", "epoch", or None when the manifest is unreadable
+    manifest: dict | None = None  # its tokpack.json, when readable
 
     @property
     def status(self) -> str:
@@ -68,7 +64,6 @@ class DirReport:
 @dataclass
 class ValidationReport:
     dirs: list[DirReport]  # every directory checked, runs before their epochs
-    seconds: float  # wall time
 
     @property
     def problems(self) -> list[Problem]:
@@ -111,12 +106,11 @@ def _open_manifest(path: Path, rep: DirReport, kinds) -> dict | None:
         return None
     raw = (path / MANIFEST).read_bytes()
     if raw != canonical_bytes(json.loads(raw)):  # as written, before earlier keys are renamed
-        rep.problems.append(Problem(str(path / MANIFEST), "bytes", "the JSON text tokpack writes",
-                                    "different bytes (edited after writing?)", "manifest text was altered"))
+        rep.add(path / MANIFEST, "bytes", "the JSON text tokpack writes",
+                "different bytes (edited after writing?)", "manifest text was altered")
     rep.manifest = manifest
     rep.kind = manifest["kind"]
-    rep.files += 1
-    rep.bytes += len(raw)
+    rep.saw(len(raw))
     return manifest
 
 
@@ -126,22 +120,20 @@ def _check_listing(path: Path, shards: list[dict], rep: DirReport) -> None:
     names = [s.get("path") for s in shards]
     for i, name in enumerate(names):
         if not isinstance(name, str) or "/" in name or name.startswith(".") or not name.endswith(".ds"):
-            rep.problems.append(Problem(mfile, f"shards[{i}].path", "a plain NNNNN.ds file name", repr(name),
-                                        "bad shard path"))
+            rep.add(mfile, f"shards[{i}].path", "a plain NNNNN.ds file name", repr(name), "bad shard path")
             continue
         if name in listed:
-            rep.problems.append(Problem(mfile, f"shards[{i}].path", "unique names", name, "shard listed twice"))
+            rep.add(mfile, f"shards[{i}].path", "unique names", name, "shard listed twice")
         listed.add(name)
     if names != sorted(names, key=str) or len({len(n) for n in names if isinstance(n, str)}) > 1:
-        rep.problems.append(Problem(mfile, "shards", "names of one width, in sorted order", names[:5],
-                                    "shard names out of order"))
+        rep.add(mfile, "shards", "names of one width, in sorted order", names[:5], "shard names out of order")
     allowed = {n + suffix for n in listed for suffix in SHARD_SUFFIXES}
     for p in sorted(path.iterdir()):
         if TMP_MARK in p.name:
             continue  # a killed writer's leftover: never data
         if SHARD_FILE.match(p.name) and p.name not in allowed:
-            rep.problems.append(Problem(str(p), None, "only the files listed in the manifest", "an unlisted file",
-                                        "file not listed in the manifest"))
+            rep.add(p, None, "only the files listed in the manifest", "an unlisted file",
+                    "file not listed in the manifest")
 
 
 def _check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> list[ShardJob]:
@@ -161,33 +153,33 @@ def _check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> li
     try:
         dtype, rule = dtype_from_name(m["dtype"]), dtype_name(dtype_for_vocab(m["vocab_size"]))
     except TokpackError as e:
-        rep.problems.append(Problem(mfile, e.where, e.expected, e.found, e.message))
+        rep.add(mfile, e.where, e.expected, e.found, e.message)
         return []
     if m["dtype"] != rule:
-        rep.problems.append(Problem(mfile, "dtype", f"{rule} (vocab_size {m['vocab_size']})", m["dtype"],
-                                    "dtype label disagrees with the vocabulary size"))
+        rep.add(mfile, "dtype", f"{rule} (vocab_size {m['vocab_size']})", m["dtype"],
+                "dtype label disagrees with the vocabulary size")
     if m["token_size"] != dtype.itemsize:
-        rep.problems.append(Problem(mfile, "token_size", f"{dtype.itemsize} ({m['dtype']})", m["token_size"],
-                                    "token size disagrees with the dtype label"))
+        rep.add(mfile, "token_size", f"{dtype.itemsize} ({m['dtype']})", m["token_size"],
+                "token size disagrees with the dtype label")
     if m["eos_id"] >= m["vocab_size"]:
-        rep.problems.append(Problem(mfile, "eos_id", f"< {m['vocab_size']} (vocab_size)", m["eos_id"], "EOS id out of vocabulary"))
+        rep.add(mfile, "eos_id", f"< {m['vocab_size']} (vocab_size)", m["eos_id"], "EOS id out of vocabulary")
     total = sum(s["tokens"] for s in shards)
     if total != m["tokens"]:
-        rep.problems.append(Problem(mfile, "tokens", f"{total} (sum over shards)", m["tokens"], "token count wrong"))
+        rep.add(mfile, "tokens", f"{total} (sum over shards)", m["tokens"], "token count wrong")
     _check_listing(path, shards, rep)
     row = None
     if kind == "source":
         docs = sum(s["documents"] for s in shards)
         if docs != m["documents"]:
-            rep.problems.append(Problem(mfile, "documents", f"{docs} (sum over shards)", m["documents"], "document count wrong"))
+            rep.add(mfile, "documents", f"{docs} (sum over shards)", m["documents"], "document count wrong")
         fp = fingerprint([s["xxh3_128"] for s in shards], m["dtype"], m["vocab_size"], m["eos_id"])
         if fp != m["fingerprint"]:
-            rep.problems.append(Problem(mfile, "fingerprint", fp, m["fingerprint"],
-                                        "fingerprint disagrees with the shard checksums, dtype, vocab_size, eos_id"))
+            rep.add(mfile, "fingerprint", fp, m["fingerprint"],
+                    "fingerprint disagrees with the shard checksums, dtype, vocab_size, eos_id")
         for i, s in enumerate(shards):
             if s["documents"] > s["tokens"] or (s["tokens"] > 0) != (s["documents"] > 0):
-                rep.problems.append(Problem(mfile, f"shards[{i}].documents", f"1..{s['tokens']}", s["documents"],
-                                            "document count impossible for the token count"))
+                rep.add(mfile, f"shards[{i}].documents", f"1..{s['tokens']}", s["documents"],
+                        "document count impossible for the token count")
     else:
         row = m["seq_len"] + 1
         _check_epoch_manifest(path, m, rep, row)
@@ -198,7 +190,7 @@ def _check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> li
 
 def _check_epoch_manifest(path: Path, m: dict, rep: DirReport, row: int) -> None:
     mfile = str(path / MANIFEST)
-    add = lambda *a: rep.problems.append(Problem(mfile, *a))  # noqa: E731
+    add = lambda *a: rep.add(mfile, *a)  # noqa: E731
     shards = m["shards"]
     per = m["shard_samples"]
     for i, s in enumerate(shards):
@@ -285,26 +277,25 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
         return
     epochs = m["epochs"]
     if not all(_type_ok(e, int) and e >= 0 for e in epochs) or len(set(epochs)) != len(epochs):
-        rep.problems.append(Problem(mfile, "epochs", "distinct epoch numbers >= 0", epochs, "bad epoch list"))
+        rep.add(mfile, "epochs", "distinct epoch numbers >= 0", epochs, "bad epoch list")
         return
     listed = {epoch_dir_name(e) for e in epochs}
     for p in sorted(path.iterdir()):
         if p.is_dir() and EPOCH_DIR.match(p.name) and p.name not in listed:
-            rep.problems.append(Problem(str(p), None, "an epoch listed in the run's `epochs`", "an unlisted epoch directory",
-                                        "epoch not yet recorded in the run manifest (interrupted shuffle?); rerun it",
-                                        incomplete=True))
+            rep.add(p, None, "an epoch listed in the run's `epochs`", "an unlisted epoch directory",
+                    "epoch not yet recorded in the run manifest (interrupted shuffle?); rerun it", incomplete=True)
     # A `stage --ranks` copy: its absent shards are one problem, not one line per file.
     absent = partial_stage_absent(path)
     if absent:
-        rep.problems.append(Problem(str(path / STAGE_SIDECAR), "missing_shards", "every shard of the run",
-                                    f"{len(absent)} shards absent, {next(iter(absent.values()))}",
-                                    "partial stage: serves only the ranks it was staged for"))
+        rep.add(path / STAGE_SIDECAR, "missing_shards", "every shard of the run",
+                f"{len(absent)} shards absent, {next(iter(absent.values()))}",
+                "partial stage: serves only the ranks it was staged for")
     totals = [0, 0, 0]  # tokens, documents, readable epochs
     for e in epochs:
         sub = path / epoch_dir_name(e)
         if not sub.is_dir():
-            rep.problems.append(Problem(str(sub), None, "the epoch directory listed in the run manifest",
-                                        "no such directory", "epoch missing"))
+            rep.add(sub, None, "the epoch directory listed in the run manifest", "no such directory",
+                    "epoch missing")
             continue
         d = _plan_dir(sub, quick, kinds="epoch")
         present = [j for j in d.jobs if str(j.directory / j.entry["path"]) not in absent]
@@ -316,41 +307,40 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
         efile = str(sub / MANIFEST)
         for key in RUN_KEYS:
             if key in m and key in em and em[key] != m[key]:
-                d.report.problems.append(Problem(efile, key, f"{m[key]!r} (the run's)", repr(em[key]),
-                                                 "epoch manifest belongs to another run"))
+                d.report.add(efile, key, f"{m[key]!r} (the run's)", repr(em[key]),
+                             "epoch manifest belongs to another run")
         esrc = em.get("sources") if isinstance(em.get("sources"), list) else []
         if len(esrc) == len(m["sources"]):
             for i, (a, b) in enumerate(zip(m["sources"], esrc)):
                 if isinstance(a, dict) and isinstance(b, dict):
                     for key in sorted(a.keys() & b.keys()):
                         if a[key] != b[key]:
-                            d.report.problems.append(Problem(efile, f"sources[{i}].{key}", f"{a[key]!r} (the run's)",
-                                                             repr(b[key]), "epoch source differs from the run's"))
+                            d.report.add(efile, f"sources[{i}].{key}", f"{a[key]!r} (the run's)", repr(b[key]),
+                                         "epoch source differs from the run's")
                     if isinstance(m.get("weights"), list) and i < len(m["weights"]) and "weight" in b \
                             and m["weights"][i] != b["weight"]:
-                        d.report.problems.append(Problem(efile, f"sources[{i}].weight", repr(m["weights"][i]),
-                                                         repr(b["weight"]), "epoch weight differs from the run's"))
+                        d.report.add(efile, f"sources[{i}].weight", repr(m["weights"][i]), repr(b["weight"]),
+                                     "epoch weight differs from the run's")
         totals[0] += em.get("tokens", 0) if _type_ok(em.get("tokens"), int) else 0
         totals[1] += em.get("fragments", 0) if _type_ok(em.get("fragments"), int) else 0
         totals[2] += 1
         if em.get("epoch") != e:
-            d.report.problems.append(Problem(efile, "epoch", e, em.get("epoch"), "epoch manifest belongs to another epoch"))
+            d.report.add(efile, "epoch", e, em.get("epoch"), "epoch manifest belongs to another epoch")
         if isinstance(em.get("sources"), list) and _source_keys(em["sources"]) != _source_keys(m["sources"]):
-            d.report.problems.append(Problem(efile, "sources", _source_keys(m["sources"]), _source_keys(em["sources"]),
-                                             "epoch was shuffled from other sources than its run"))
+            d.report.add(efile, "sources", _source_keys(m["sources"]), _source_keys(em["sources"]),
+                         "epoch was shuffled from other sources than its run")
     if totals[2] == len(epochs):
         for i, key in enumerate(("tokens", "fragments")):
             if _type_ok(m.get(key), int) and m[key] != totals[i]:
-                rep.problems.append(Problem(mfile, key, f"{totals[i]} (sum over its epochs)", m[key],
-                                            f"run {key} count wrong"))
+                rep.add(mfile, key, f"{totals[i]} (sum over its epochs)", m[key], f"run {key} count wrong")
 
 
 def _plan_dir(path: Path, quick: bool, kinds=None) -> _Dir:
-    rep = DirReport(path, None, None)
+    rep = DirReport(path=path)
     d = _Dir(rep, [])
     if path.exists() and not path.is_dir():
-        rep.problems.append(Problem(str(path), None, "a tokpack directory", "a file", "not a directory",
-                                    hint="pass the directory that holds tokpack.json"))
+        rep.add(path, None, "a tokpack directory", "a file", "not a directory",
+                hint="pass the directory that holds tokpack.json")
         return d
     m = _open_manifest(path, rep, kinds)
     if m is None:
@@ -375,7 +365,6 @@ def plan_validation(paths: list[str | Path], quick: bool) -> list[_Dir]:
 def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1,
                   show_progress: bool | None = None) -> ValidationReport:
     """Validates sources, runs (with their epochs) and epoch directories. Never raises for bad data."""
-    t0 = time.perf_counter()
     plan = plan_validation(paths, quick)
     jobs = [(d, j) for d in plan for j in d.jobs]
     total = sum(j.size() for _, j in jobs) if not quick else len(jobs)
@@ -388,8 +377,9 @@ def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1
             # Only an unreadable file is the data's fault (manifests were checked before their
             # shards); any other exception is a bug in tokpack and must not be blamed on the data.
             except (OSError, TokpackError) as e:
-                res = ShardResult([Problem(str(job.directory / job.entry["path"]), None, "a checkable shard",
-                                           f"{type(e).__name__}: {e}", "cannot check shard")], 0, 0, None)
+                res = Findings()
+                res.add(job.directory / job.entry["path"], None, "a checkable shard", f"{type(e).__name__}: {e}",
+                        "cannot check shard")
             bar.update(job.size() if not quick else 1)
             return d, res
 
@@ -411,13 +401,13 @@ def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1
             if all(x is not None for x in parts):
                 rep.multiset = sum(parts) & MASK64
                 if isinstance(m.get("sample_multiset_hash"), str) and hash_hex64(rep.multiset) != m["sample_multiset_hash"]:
-                    rep.problems.append(Problem(str(d.report.path), "sample_multiset_hash",
-                                                f"{m['sample_multiset_hash']} (recorded in {MANIFEST})",
-                                                hash_hex64(rep.multiset) + " (recomputed from the samples)",
-                                                "the epoch's samples are not the ones recorded"))
+                    rep.add(rep.path, "sample_multiset_hash",
+                            f"{m['sample_multiset_hash']} (recorded in {MANIFEST})",
+                            hash_hex64(rep.multiset) + " (recomputed from the samples)",
+                            "the epoch's samples are not the ones recorded")
     for d in plan:
         d.report.problems = _cap_per_file(d.report.problems)
-    return ValidationReport([d.report for d in plan], time.perf_counter() - t0)
+    return ValidationReport([d.report for d in plan])
 
 
 def _cap_per_file(problems: list[Problem]) -> list[Problem]:
@@ -463,9 +453,9 @@ def _missing_sources(m: dict, given: dict[str, PackedSource], mfile: str) -> Pro
 def _against(report: ValidationReport, against: list[str], expected_multiset_hash) -> list[Problem]:
     """For every readable epoch: its sources are among `against` (by fingerprint) and the
     multiset hash of the windows the plan assigns it (`expected_multiset_hash(manifest,
-    sources)`) equals the epoch's. A problem with an
-    epoch goes into that epoch's report, so its status line says it too; the problems
-    returned are those of the `against` sources that cannot be opened."""
+    sources)`) equals the epoch's. A problem with an epoch goes into that epoch's report, so its
+    status line says it too; the problems returned are those of the `against` sources that
+    cannot be opened."""
     sources, problems = [], []
     for a in against:
         try:
@@ -486,16 +476,16 @@ def _against(report: ValidationReport, against: list[str], expected_multiset_has
             expected = expected_multiset_hash(m, sources)
         except (TokpackError, OSError) as e:
             err = e if isinstance(e, TokpackError) else TokpackError(f"cannot replay the plan: {e}", file=e.filename)
-            d.problems.append(Problem(err.file or mfile, err.where, err.expected, err.found, err.message))
+            d.add(err.file or mfile, err.where, err.expected, err.found, err.message)
             continue
         except (KeyError, TypeError, ValueError):
             if any(p.file == mfile for p in d.problems):
                 continue  # a manifest already reported broken cannot drive the replay
             raise  # from a manifest that passed every check: a bug in tokpack, not in the data
         if expected != m.get("sample_multiset_hash"):
-            d.problems.append(Problem(mfile, "sample_multiset_hash", f"{expected} (replayed from the sources)",
-                                      f"{m.get('sample_multiset_hash')} (recorded in {MANIFEST})",
-                                      "epoch does not hold the samples its plan assigns (dropped/duplicated/altered)"))
+            d.add(mfile, "sample_multiset_hash", f"{expected} (replayed from the sources)",
+                  f"{m.get('sample_multiset_hash')} (recorded in {MANIFEST})",
+                  "epoch does not hold the samples its plan assigns (dropped/duplicated/altered)")
     return problems
 
 

@@ -11,7 +11,7 @@ Problems are collected, never raised: a CI log should list all of them, one line
 from __future__ import annotations
 
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -108,18 +108,20 @@ class ShardJob:
 
 
 @dataclass
-class ShardResult:
-    problems: list[Problem]  # in check order
-    files: int  # files looked at
-    bytes: int  # bytes of those files
-    multiset: int | None  # epoch, full mode: recomputed sum of sample hashes
+class Findings:
+    """What checks found, in one shard (check_shard's result) or one directory (DirReport)."""
 
+    problems: list[Problem] = field(default_factory=list)  # in check order
+    files: int = 0  # files looked at
+    bytes: int = 0  # bytes of those files (read in full mode, stat'ed in quick mode)
+    multiset: int | None = None  # epoch, full mode: recomputed sum of sample hashes
 
-class _Problems(list):
-    """The problems of one shard check, added field by field."""
+    def add(self, file, where, expected, found, message, **kw) -> None:
+        self.problems.append(Problem(str(file), where, expected, found, message, **kw))
 
-    def add(self, file, where, expected, found, message) -> None:
-        self.append(Problem(str(file), where, expected, found, message))
+    def saw(self, nbytes: int) -> None:
+        self.files += 1
+        self.bytes += nbytes
 
 
 class _IndexStream:
@@ -219,11 +221,11 @@ def _file_size(path: Path) -> int | None:
         return None
 
 
-def check_shard(job: ShardJob) -> ShardResult:
+def check_shard(job: ShardJob) -> Findings:
     """All checks of one shard (.ds, .ds.index, .ds.metadata, .ds.loss). One sequential pass
     over the token file does the hash, the vocabulary scan, the EOS/fragment-end check
     and the multiset hash together."""
-    out = _Problems()
+    out = Findings()
     e = job.entry
     ds = job.directory / e["path"]
     idx_path = ds.with_name(ds.name + ".index")
@@ -231,8 +233,6 @@ def check_shard(job: ShardJob) -> ShardResult:
     loss_path = ds.with_name(ds.name + ".loss")
     tokens = int(e["tokens"])
     tsize = job.dtype.itemsize
-    files = nbytes = 0
-    multiset = None
 
     # ---- sizes (every mode)
     ds_size = _file_size(ds)
@@ -243,8 +243,7 @@ def check_shard(job: ShardJob) -> ShardResult:
         out.add(ds, "size", f"{tokens * tsize} bytes ({tokens} tokens x {tsize})", f"{ds_size} bytes",
                 "shard size does not match the manifest" + (" (empty file)" if ds_size == 0 else ""))
     if ds_size is not None:
-        files += 1
-        nbytes += ds_size
+        out.saw(ds_size)
     if ds_ok and e["bytes"] != tokens * tsize:
         out.add(job.directory / MANIFEST, f"shards[{e['path']}].bytes", tokens * tsize, e["bytes"],
                 "manifest byte count disagrees with its token count")
@@ -254,8 +253,7 @@ def check_shard(job: ShardJob) -> ShardResult:
     if idx_size is None:
         out.add(idx_path, None, "a file listed in the manifest", "no such file", "index missing")
     else:
-        files += 1
-        nbytes += idx_size
+        out.saw(idx_size)
         if job.kind == "source" and idx_size != 8 * int(e["documents"]):
             out.add(idx_path, "size", f"{8 * int(e['documents'])} bytes ({e['documents']} documents x 8)",
                     f"{idx_size} bytes", "index size does not match the manifest's document count")
@@ -278,8 +276,7 @@ def check_shard(job: ShardJob) -> ShardResult:
     except FileNotFoundError:
         out.add(meta_path, None, "a file listed in the manifest", "no such file", "metadata missing")
     else:
-        files += 1
-        nbytes += len(raw)
+        out.saw(len(raw))
         if not job.quick and xxhash.xxh3_128_hexdigest(raw) != e["metadata_xxh3_128"]:
             out.add(meta_path, "xxh3_128", e["metadata_xxh3_128"], xxhash.xxh3_128_hexdigest(raw), "checksum mismatch")
         try:
@@ -303,8 +300,7 @@ def check_shard(job: ShardJob) -> ShardResult:
     if has_loss and loss_size is None:
         out.add(loss_path, None, "a file listed in the manifest", "no such file", "loss mask missing")
     elif loss_size is not None:
-        files += 1
-        nbytes += loss_size
+        out.saw(loss_size)
         if not has_loss:
             out.add(loss_path, None, "no .loss file (none listed)", f"{loss_size} bytes", "file not listed in the manifest")
         elif loss_size != tokens:
@@ -329,11 +325,11 @@ def check_shard(job: ShardJob) -> ShardResult:
         if job.quick or not ds_ok or not whole_rows:
             _index_only(job, idx_path, tokens, out, idx_size)
         else:
-            multiset = _full_pass(job, ds, idx_path, tokens, out, idx_size)
-    return ShardResult(list(out), files, nbytes, multiset)
+            out.multiset = _full_pass(job, ds, idx_path, tokens, out, idx_size)
+    return out
 
 
-def _index_problems(stream: _IndexStream, job: ShardJob, idx_path: Path, tokens: int, out: _Problems) -> None:
+def _index_problems(stream: _IndexStream, job: ShardJob, idx_path: Path, tokens: int, out: Findings) -> None:
     if stream.broken is not None:
         k, prev, found = stream.broken
         out.add(idx_path, f"entry {k}", f"> {prev} (strictly increasing, no leading 0)", found, "index does not increase")
@@ -342,7 +338,7 @@ def _index_problems(stream: _IndexStream, job: ShardJob, idx_path: Path, tokens:
                 "index does not end at the token count")
 
 
-def _index_only(job: ShardJob, idx_path: Path, tokens: int, out: _Problems, idx_size: int) -> None:
+def _index_only(job: ShardJob, idx_path: Path, tokens: int, out: Findings, idx_size: int) -> None:
     """Quick mode: the index alone, streamed. For epochs, every sample end must be an entry:
     entries are distinct, so counting the multiples of seq_len+1 per chunk is enough."""
     stream = _IndexStream(idx_path, min(BLOCK // 8 // 4, idx_size // 8), hashed=False, size=idx_size)
@@ -374,7 +370,7 @@ def _first_missing_sample_end(ends: np.ndarray, lo: int, hi: int, row: int) -> i
     return int(missing[0]) if len(missing) else -1
 
 
-def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: _Problems, idx_size: int) -> int | None:
+def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: Findings, idx_size: int) -> int | None:
     """Full mode: one read of the token file, with the index streamed alongside."""
     tsize = job.dtype.itemsize
     row = job.row_tokens
