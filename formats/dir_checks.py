@@ -70,17 +70,8 @@ class ValidationReport:
         return [p for d in self.dirs for p in d.problems]
 
     @property
-    def files(self) -> int:
-        return sum(d.files for d in self.dirs)
-
-    @property
-    def bytes(self) -> int:
-        return sum(d.bytes for d in self.dirs)
-
-    @property
     def ok(self) -> bool:
         return not self.problems
-
 
 
 def check_fields(obj: dict, table: dict, kind: str, file: str, prefix: str = "") -> list[Problem]:
@@ -88,7 +79,12 @@ def check_fields(obj: dict, table: dict, kind: str, file: str, prefix: str = "")
     return [Problem(file, f"{prefix}{key}", expected, found, why) for key, expected, found, why
             in field_problems(obj, table, kind)]
 
-# ----------------------------------------------------------------- directory checks
+
+def check_entries(items: list, table: dict, kind: str, file: str, name: str) -> list[Problem]:
+    """Each entry of the manifest's list `name` ("shards", "sources") against its field table."""
+    return [p for i, s in enumerate(items) for p in (
+        check_fields(s, table, kind, file, f"{name}[{i}].") if isinstance(s, dict)
+        else [Problem(file, f"{name}[{i}]", "an object", repr(s)[:40], f"bad {name[:-1]} entry")])]
 
 
 @dataclass
@@ -140,13 +136,9 @@ def _check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> li
     """Checks shared by sources and epochs; returns the shard jobs (empty if the manifest is unusable)."""
     mfile = str(path / MANIFEST)
     kind = m["kind"]
-    problems = check_fields(m, MANIFEST_FIELDS, kind, mfile)
     shards = m.get("shards") if isinstance(m.get("shards"), list) else []
-    for i, s in enumerate(shards):
-        if not isinstance(s, dict):
-            problems.append(Problem(mfile, f"shards[{i}]", "an object", repr(s)[:40], "bad shard entry"))
-        else:
-            problems += check_fields(s, SHARD_FIELDS, kind, mfile, f"shards[{i}].")
+    problems = check_fields(m, MANIFEST_FIELDS, kind, mfile) + check_entries(shards, SHARD_FIELDS, kind, mfile,
+                                                                             "shards")
     rep.problems += problems
     if problems:
         return []  # a malformed manifest cannot drive the file checks
@@ -266,12 +258,9 @@ RUN_KEYS = ("dtype", "token_size", "vocab_size", "eos_id", "tokenizer", "seq_len
 
 def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Dir"]) -> None:
     mfile = str(path / MANIFEST)
-    problems = check_fields(m, MANIFEST_FIELDS, "run", mfile)
-    for i, src in enumerate(m.get("sources") if isinstance(m.get("sources"), list) else []):
-        if isinstance(src, dict):
-            problems += check_fields(src, SOURCE_FIELDS, "run", mfile, f"sources[{i}].")
-        else:
-            problems.append(Problem(mfile, f"sources[{i}]", "an object", repr(src)[:40], "bad source entry"))
+    sources = m.get("sources") if isinstance(m.get("sources"), list) else []
+    problems = check_fields(m, MANIFEST_FIELDS, "run", mfile) + check_entries(sources, SOURCE_FIELDS, "run", mfile,
+                                                                              "sources")
     rep.problems += problems
     if problems:
         return
@@ -529,6 +518,7 @@ def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None
     extra_problems = _against(report, against, expected_multiset_hash) if against else []
     seconds = time.perf_counter() - t0
     problems = report.problems + extra_problems
+    nbytes = sum(d.bytes for d in report.dirs)
     return ValidateResult(
         ok=not problems,
         status=worst_status(problems),
@@ -536,10 +526,10 @@ def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None
         problems=[p.to_json() for p in problems],
         dirs=[{"path": str(d.path), "kind": d.kind, "status": d.status, "problems": len(d.problems),
                "files": d.files, "bytes": d.bytes} for d in report.dirs],
-        files=report.files,
-        bytes=report.bytes,
+        files=sum(d.files for d in report.dirs),
+        bytes=nbytes,
         seconds=round(seconds, 4),
-        mb_per_s=round(report.bytes / 1e6 / max(seconds, 1e-9), 1),
+        mb_per_s=round(nbytes / 1e6 / max(seconds, 1e-9), 1),
         against=against,
     )
 

@@ -86,9 +86,6 @@ def _type_ok(value, typ) -> bool:
     return isinstance(value, typ) and not (isinstance(value, bool) and typ is not bool)
 
 
-# ----------------------------------------------------------------------- shard jobs
-
-
 @dataclass
 class ShardJob:
     """One shard's files and what the manifest promises about them."""
@@ -129,7 +126,6 @@ class _IndexStream:
     entries strictly increase. `upto(limit)` hands out the entries <= limit in order."""
 
     def __init__(self, path: Path, chunk_entries: int, hashed: bool, size: int):
-        self.path = path
         self.f = open(path, "rb", buffering=0)
         self.left = size  # bytes not yet read (the size was checked), so EOF costs no extra read
         self.buf = np.empty(max(chunk_entries, 1), dtype=U64)  # reused read buffer
