@@ -1,6 +1,6 @@
 """`tokpack validate`: the manifest and directory checks of packed sources, runs and epochs,
 the entry point that runs them with formats.shard_scan over every shard, `--against`, and the
-report (its text: docs/COMMANDS.md, "validate").
+report (its text and exit codes: docs/COMMANDS.md, "Validating").
 
 A manifest is checked for schema, version, byte-exact form, sums and cross-field rules, and
 its directory for holding the listed files and only those; a run's epochs must agree with the
