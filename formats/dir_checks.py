@@ -38,7 +38,7 @@ from .manifest import (
     progress,
     read_manifest,
 )
-from .shard_scan import MASK64, Findings, Problem, ShardJob, _type_ok, check_shard, problem_line, worst_status
+from .shard_scan import MASK64, Findings, Problem, ShardJob, type_ok, check_shard, problem_line, worst_status
 from .shards import SHARD_SUFFIXES, PackedSource
 
 # One shard file rarely has more than a few independent faults worth reading about;
@@ -209,7 +209,7 @@ def _check_epoch_manifest(path: Path, m: dict, rep: DirReport, row: int) -> None
         add("sources[].samples", f"{m['samples']} (the epoch's samples)", sum(s["samples"] for s in srcs),
             "per-source sample counts do not add up")
     frags = [s.get("fragments") for s in shards]
-    if "fragments" in m and all(_type_ok(f, int) for f in frags) and sum(frags) != m["fragments"]:
+    if "fragments" in m and all(type_ok(f, int) for f in frags) and sum(frags) != m["fragments"]:
         add("fragments", f"{sum(frags)} (sum of the shards' fragments)", m["fragments"], "fragment count wrong")
     _check_epoch_sources(m, srcs, row, add)
     dir_epoch = EPOCH_DIR.match(path.name)
@@ -223,7 +223,7 @@ def _check_epoch_sources(m: dict, srcs: list, row: int, add) -> None:
     keys = ("tokens", "windows", "offset", "dropped_tokens", "samples", "first_pass", "passes")
     dropped = 0
     for i, s in enumerate(srcs):
-        if not all(_type_ok(s.get(k), int) and s[k] >= 0 for k in keys):
+        if not all(type_ok(s.get(k), int) and s[k] >= 0 for k in keys):
             return
         t, w, o, c = s["tokens"], s["windows"], s["offset"], s["samples"]
         if o >= row or (not m.get("jitter", False) and o):
@@ -265,7 +265,7 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
     if problems:
         return
     epochs = m["epochs"]
-    if not all(_type_ok(e, int) and e >= 0 for e in epochs) or len(set(epochs)) != len(epochs):
+    if not all(type_ok(e, int) and e >= 0 for e in epochs) or len(set(epochs)) != len(epochs):
         rep.add(mfile, "epochs", "distinct epoch numbers >= 0", epochs, "bad epoch list")
         return
     listed = {epoch_dir_name(e) for e in epochs}
@@ -310,8 +310,8 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
                             and m["weights"][i] != b["weight"]:
                         d.report.add(efile, f"sources[{i}].weight", repr(m["weights"][i]), repr(b["weight"]),
                                      "epoch weight differs from the run's")
-        totals[0] += em.get("tokens", 0) if _type_ok(em.get("tokens"), int) else 0
-        totals[1] += em.get("fragments", 0) if _type_ok(em.get("fragments"), int) else 0
+        totals[0] += em.get("tokens", 0) if type_ok(em.get("tokens"), int) else 0
+        totals[1] += em.get("fragments", 0) if type_ok(em.get("fragments"), int) else 0
         totals[2] += 1
         if em.get("epoch") != e:
             d.report.add(efile, "epoch", e, em.get("epoch"), "epoch manifest belongs to another epoch")
@@ -320,7 +320,7 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
                          "epoch was shuffled from other sources than its run")
     if totals[2] == len(epochs):
         for i, key in enumerate(("tokens", "fragments")):
-            if _type_ok(m.get(key), int) and m[key] != totals[i]:
+            if type_ok(m.get(key), int) and m[key] != totals[i]:
                 rep.add(mfile, key, f"{totals[i]} (sum over its epochs)", m[key], f"run {key} count wrong")
 
 

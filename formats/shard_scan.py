@@ -82,7 +82,7 @@ def worst_status(problems: list[Problem]) -> str:
     return next((s for s in ("corrupt", "incomplete", "unverified") if s in severities), "ok")
 
 
-def _type_ok(value, typ) -> bool:
+def type_ok(value, typ) -> bool:
     return isinstance(value, typ) and not (isinstance(value, bool) and typ is not bool)
 
 
@@ -254,7 +254,7 @@ def check_shard(job: ShardJob) -> Findings:
             out.add(idx_path, "size", f"{8 * int(e['documents'])} bytes ({e['documents']} documents x 8)",
                     f"{idx_size} bytes", "index size does not match the manifest's document count")
             idx_ok = False
-        elif job.kind == "epoch" and _type_ok(e.get("fragments"), int) and idx_size != 8 * e["fragments"]:
+        elif job.kind == "epoch" and type_ok(e.get("fragments"), int) and idx_size != 8 * e["fragments"]:
             out.add(idx_path, "size", f"{8 * e['fragments']} bytes ({e['fragments']} fragments x 8)",
                     f"{idx_size} bytes", "index size does not match the manifest's fragment count")
             idx_ok = False
