@@ -124,11 +124,12 @@ def shuffle(sources, output: PathLike, *, seq_len: int, seed: int, epochs: int |
 def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
              against: PathLike | Sequence[PathLike] = (), workers: int = 1, show_progress: bool | None = None):
     """Checks tokpack directories (sources, runs, epochs); `against`: the packed sources an
-    epoch was shuffled from, to recompute its content. Returns a shuffle.verify.ValidateResult."""
-    from shuffle.verify import validate_all
+    epoch was shuffled from, to recompute its content. Returns a formats.dir_checks.ValidateResult."""
+    from formats.dir_checks import validate_all
+    from shuffle.plan import expected_multiset_hash
 
     return validate_all(_paths(dirs), quick=quick, against=_paths(against), workers=workers,
-                        show_progress=show_progress)
+                        show_progress=show_progress, expected_multiset_hash=expected_multiset_hash)
 
 
 def stage(directory: PathLike, dest: PathLike, *, workers: int = 4, epochs: str | None = None,

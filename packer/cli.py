@@ -377,7 +377,7 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
 def validate(dirs, quick, against, workers, as_json):
     """Check the integrity of tokpack directories (sources, runs, epochs). Exit 1 on any problem."""
     from packer.api import validate as validate_api
-    from shuffle.verify import report_lines
+    from formats.dir_checks import report_lines
 
     result = validate_api(list(dirs), quick=quick, against=list(against), workers=workers)
     if as_json:

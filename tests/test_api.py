@@ -18,10 +18,10 @@ from conftest import random_docs, write_source
 from packer import ExecutorConfig, inspect, pack, shuffle, stage, validate
 from packer.api import ShuffleResult
 from packer.cli import main
+from formats.dir_checks import ValidateResult
 from packer.inspection import InspectResult
 from packer.packing import PackResult
 from packer.staging import StageResult
-from shuffle.verify import ValidateResult
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB, EOS = 1000, 0

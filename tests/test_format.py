@@ -24,7 +24,7 @@ from formats.manifest import (
     read_manifest,
 )
 from formats.reader import SampleReader
-from formats.validate import validate_dirs
+from formats.dir_checks import validate_dirs
 from tests.conftest import random_docs, write_source
 from tests.test_validate import EOS, VOCAB, make_run
 

@@ -47,7 +47,7 @@ def test_bench_scripts_see_the_project_packages(script):
     would hide the shuffle package; each script must take bench/ off the path itself."""
     code = (f"import runpy, sys; sys.path[0] = {str(REPO / 'bench')!r}\n"
             f"runpy.run_path({str(REPO / 'bench' / script)!r}, run_name='bench_script')\n"
-            "import packer.cli, packer.executors, shuffle.engine, formats.validate")
+            "import packer.cli, packer.executors, shuffle.engine, formats.dir_checks")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO / "bench")
     assert done.returncode == 0, done.stderr[-2000:]
 

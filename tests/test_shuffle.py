@@ -20,7 +20,7 @@ from conftest import random_docs, write_source
 from formats.errors import IncompleteError, TokpackError
 from formats.manifest import multiset_hash_rows, read_manifest
 from formats.shards import PackedSource
-from formats.validate import validate_dirs
+from formats.dir_checks import validate_dirs
 from shuffle import engine
 from shuffle.engine import shuffle_run
 from shuffle.permutation import Bijection, derive_key

@@ -17,9 +17,8 @@ from hypothesis import strategies as st
 
 from formats.manifest import MANIFEST, TMP_MARK, hash_hex64, xxh3_128_file
 from formats.shards import EpochShardWriter
-from formats.validate import validate_dirs
-from shuffle.verify import report_lines
-from shuffle.verify import validate_all as validate_result
+from formats.dir_checks import report_lines, validate_dirs
+from packer.api import validate as validate_result
 from tests.conftest import random_docs, write_source
 
 VOCAB, EOS, SEQ_LEN, SHARD_SAMPLES = 1000, 0, 15, 8
@@ -368,7 +367,7 @@ def test_workers_give_the_same_report(env):
 
 def test_blocks_smaller_than_a_shard(env, monkeypatch):
     """The streaming path (several blocks per file, index consumed across blocks) on real data."""
-    import formats.validate as v
+    import formats.shard_scan as v
 
     monkeypatch.setattr(v, "BLOCK", 64)
     assert validate_dirs([env / "src", env / "run"], quick=False, workers=1).ok
@@ -493,7 +492,7 @@ def test_epoch_multiset_line_expects_the_recorded_hash(env):
 def test_a_bug_in_validate_is_not_reported_as_corrupt_data(base, monkeypatch):
     """An exception that is not about the data (here a KeyError standing for a bug in a shard
     check) propagates: the report must not blame the data for it."""
-    import formats.validate as fv
+    import formats.dir_checks as fv
 
     def buggy_check(job):
         raise KeyError("a field tokpack forgot")
@@ -729,7 +728,7 @@ def test_loss_mask_checks(lossy, fault):
 def test_quick_mode_streams_the_index_in_small_chunks(env, monkeypatch):
     """Quick mode reads each index in chunks of BLOCK/32 entries: with chunks of 2 entries every
     sample boundary and every order check crosses chunk seams."""
-    import formats.validate as v
+    import formats.shard_scan as v
 
     monkeypatch.setattr(v, "BLOCK", 64)
     assert validate_dirs([env / "src", env / "run"], quick=True, workers=1).ok

@@ -1,0 +1,552 @@
+"""`tokpack validate`: the manifest and directory checks of packed sources, runs and epochs,
+the entry point that runs them with formats.shard_scan over every shard, `--against`, and the
+report (its text and exit codes: docs/COMMANDS.md, "Validating").
+
+A manifest is checked for schema, version, byte-exact form, sums and cross-field rules, and
+its directory for holding the listed files and only those; a run's epochs must agree with the
+run. `--against` replays each epoch's plan over the given sources and compares sample multiset
+hashes; that replay is shuffle's (shuffle.plan.expected_multiset_hash), so the caller passes it
+in and this module imports nothing from shuffle/ or packer/.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .errors import TokpackError
+from .manifest import (
+    MANIFEST,
+    MANIFEST_FIELDS,
+    SHARD_FIELDS,
+    SOURCE_FIELDS,
+    STAGE_SIDECAR,
+    TMP_MARK,
+    canonical_bytes,
+    dtype_for_vocab,
+    dtype_from_name,
+    dtype_name,
+    epoch_dir_name,
+    field_problems,
+    fingerprint,
+    hash_hex64,
+    partial_stage_absent,
+    progress,
+    read_manifest,
+)
+from .shard_scan import MASK64, Findings, Problem, ShardJob, type_ok, check_shard, problem_line, worst_status
+from .shards import SHARD_SUFFIXES, PackedSource
+
+# One shard file rarely has more than a few independent faults worth reading about;
+# past this many lines the rest are counted, not listed.
+MAX_PROBLEMS_PER_FILE = 5
+SHARD_FILE = re.compile(r".*\.ds(\.index|\.metadata|\.loss)?$")
+EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
+
+
+@dataclass(kw_only=True)
+class DirReport(Findings):
+    """What validation found in one directory (a run's epochs get their own)."""
+
+    path: Path  # the directory
+    kind: str | None = None  # "source", "run", "epoch", or None when the manifest is unreadable
+    manifest: dict | None = None  # its tokpack.json, when readable
+
+    @property
+    def status(self) -> str:
+        return worst_status(self.problems)
+
+
+@dataclass
+class ValidationReport:
+    dirs: list[DirReport]  # every directory checked, runs before their epochs
+
+    @property
+    def problems(self) -> list[Problem]:
+        return [p for d in self.dirs for p in d.problems]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def check_fields(obj: dict, table: dict, kind: str, file: str, prefix: str = "") -> list[Problem]:
+    """The fields of `kind` in one of formats.manifest's field tables: presence, type, range."""
+    return [Problem(file, f"{prefix}{key}", expected, found, why) for key, expected, found, why
+            in field_problems(obj, table, kind)]
+
+
+def check_entries(items: list, table: dict, kind: str, file: str, name: str) -> list[Problem]:
+    """Each entry of the manifest's list `name` ("shards", "sources") against its field table."""
+    return [p for i, s in enumerate(items) for p in (
+        check_fields(s, table, kind, file, f"{name}[{i}].") if isinstance(s, dict)
+        else [Problem(file, f"{name}[{i}]", "an object", repr(s)[:40], f"bad {name[:-1]} entry")])]
+
+
+@dataclass
+class _Dir:
+    report: DirReport  # filled in as checks run
+    jobs: list[ShardJob]  # shard checks still to run
+    partial: bool = False  # some shards absent by a partial stage: no whole-epoch sums to check
+
+
+def _open_manifest(path: Path, rep: DirReport, kinds) -> dict | None:
+    try:
+        manifest = read_manifest(path, kind=kinds)
+    except TokpackError as e:
+        rep.problems.append(Problem.from_error(e))
+        return None
+    raw = (path / MANIFEST).read_bytes()
+    if raw != canonical_bytes(json.loads(raw)):  # as written, before earlier keys are renamed
+        rep.add(path / MANIFEST, "bytes", "the JSON text tokpack writes",
+                "different bytes (edited after writing?)", "manifest text was altered")
+    rep.manifest = manifest
+    rep.kind = manifest["kind"]
+    rep.saw(len(raw))
+    return manifest
+
+
+def _check_listing(path: Path, shards: list[dict], rep: DirReport) -> None:
+    mfile = str(path / MANIFEST)
+    listed = set()
+    names = [s.get("path") for s in shards]
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or "/" in name or name.startswith(".") or not name.endswith(".ds"):
+            rep.add(mfile, f"shards[{i}].path", "a plain NNNNN.ds file name", repr(name), "bad shard path")
+            continue
+        if name in listed:
+            rep.add(mfile, f"shards[{i}].path", "unique names", name, "shard listed twice")
+        listed.add(name)
+    if names != sorted(names, key=str) or len({len(n) for n in names if isinstance(n, str)}) > 1:
+        rep.add(mfile, "shards", "names of one width, in sorted order", names[:5], "shard names out of order")
+    allowed = {n + suffix for n in listed for suffix in SHARD_SUFFIXES}
+    for p in sorted(path.iterdir()):
+        if TMP_MARK in p.name:
+            continue  # a killed writer's leftover: never data
+        if SHARD_FILE.match(p.name) and p.name not in allowed:
+            rep.add(p, None, "only the files listed in the manifest", "an unlisted file",
+                    "file not listed in the manifest")
+
+
+def _check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> list[ShardJob]:
+    """Checks shared by sources and epochs; returns the shard jobs (empty if the manifest is unusable)."""
+    mfile = str(path / MANIFEST)
+    kind = m["kind"]
+    shards = m.get("shards") if isinstance(m.get("shards"), list) else []
+    problems = check_fields(m, MANIFEST_FIELDS, kind, mfile) + check_entries(shards, SHARD_FIELDS, kind, mfile,
+                                                                             "shards")
+    rep.problems += problems
+    if problems:
+        return []  # a malformed manifest cannot drive the file checks
+    try:
+        dtype, rule = dtype_from_name(m["dtype"]), dtype_name(dtype_for_vocab(m["vocab_size"]))
+    except TokpackError as e:
+        rep.add(mfile, e.where, e.expected, e.found, e.message)
+        return []
+    if m["dtype"] != rule:
+        rep.add(mfile, "dtype", f"{rule} (vocab_size {m['vocab_size']})", m["dtype"],
+                "dtype label disagrees with the vocabulary size")
+    if m["token_size"] != dtype.itemsize:
+        rep.add(mfile, "token_size", f"{dtype.itemsize} ({m['dtype']})", m["token_size"],
+                "token size disagrees with the dtype label")
+    if m["eos_id"] >= m["vocab_size"]:
+        rep.add(mfile, "eos_id", f"< {m['vocab_size']} (vocab_size)", m["eos_id"], "EOS id out of vocabulary")
+    total = sum(s["tokens"] for s in shards)
+    if total != m["tokens"]:
+        rep.add(mfile, "tokens", f"{total} (sum over shards)", m["tokens"], "token count wrong")
+    _check_listing(path, shards, rep)
+    row = None
+    if kind == "source":
+        docs = sum(s["documents"] for s in shards)
+        if docs != m["documents"]:
+            rep.add(mfile, "documents", f"{docs} (sum over shards)", m["documents"], "document count wrong")
+        fp = fingerprint([s["xxh3_128"] for s in shards], m["dtype"], m["vocab_size"], m["eos_id"])
+        if fp != m["fingerprint"]:
+            rep.add(mfile, "fingerprint", fp, m["fingerprint"],
+                    "fingerprint disagrees with the shard checksums, dtype, vocab_size, eos_id")
+        for i, s in enumerate(shards):
+            if s["documents"] > s["tokens"] or (s["tokens"] > 0) != (s["documents"] > 0):
+                rep.add(mfile, f"shards[{i}].documents", f"1..{s['tokens']}", s["documents"],
+                        "document count impossible for the token count")
+    else:
+        row = m["seq_len"] + 1
+        _check_epoch_manifest(path, m, rep, row)
+        if any(s["tokens"] != s["samples"] * row for s in shards):
+            return []  # seq_len or the counts are wrong: rows cannot be cut, the lines above say why
+    return [ShardJob(path, s, kind, dtype, m["vocab_size"], m["eos_id"], m["tokenizer"], row, quick) for s in shards]
+
+
+def _check_epoch_manifest(path: Path, m: dict, rep: DirReport, row: int) -> None:
+    mfile = str(path / MANIFEST)
+    add = lambda *a: rep.add(mfile, *a)  # noqa: E731
+    shards = m["shards"]
+    per = m["shard_samples"]
+    for i, s in enumerate(shards):
+        if s["tokens"] != s["samples"] * row:
+            add(f"shards[{i}].tokens", f"{s['samples'] * row} (samples x {row})", s["tokens"], "shard token count wrong")
+        last = i == len(shards) - 1
+        if (not last and s["samples"] != per) or (last and not 1 <= s["samples"] <= per):
+            add(f"shards[{i}].samples", per if not last else f"1..{per}", s["samples"],
+                "every shard but the last holds exactly shard_samples samples")
+    total = sum(s["samples"] for s in shards)
+    if total != m["samples"]:
+        add("samples", f"{total} (sum over shards)", m["samples"], "sample count wrong")
+    multiset = sum(int(s["multiset_hash"], 16) for s in shards) & MASK64
+    if hash_hex64(multiset) != m["sample_multiset_hash"]:
+        add("sample_multiset_hash", f"{hash_hex64(multiset)} (sum of the shards' multiset_hash)",
+            m["sample_multiset_hash"], "multiset hash disagrees with its shards")
+    srcs = m["sources"]
+    for i, s in enumerate(srcs):
+        if not isinstance(s, dict):
+            add(f"sources[{i}]", "an object", repr(s)[:40], "bad source entry")
+            return
+        rep.problems.extend(check_fields(s, SOURCE_FIELDS, "epoch", mfile, f"sources[{i}]."))
+    if all(isinstance(s.get("samples"), int) for s in srcs) and sum(s["samples"] for s in srcs) != m["samples"]:
+        add("sources[].samples", f"{m['samples']} (the epoch's samples)", sum(s["samples"] for s in srcs),
+            "per-source sample counts do not add up")
+    frags = [s.get("fragments") for s in shards]
+    if "fragments" in m and all(type_ok(f, int) for f in frags) and sum(frags) != m["fragments"]:
+        add("fragments", f"{sum(frags)} (sum of the shards' fragments)", m["fragments"], "fragment count wrong")
+    _check_epoch_sources(m, srcs, row, add)
+    dir_epoch = EPOCH_DIR.match(path.name)
+    if dir_epoch and int(dir_epoch.group(1)) != m["epoch"]:
+        add("epoch", f"{int(dir_epoch.group(1))} (from the directory name)", m["epoch"], "epoch number wrong")
+
+
+def _check_epoch_sources(m: dict, srcs: list, row: int, add) -> None:
+    """The windowing arithmetic of docs/COMMANDS.md ("The shuffle algorithm") for each source entry that
+    records it: a corrupted count cannot hide behind a field nobody reads."""
+    keys = ("tokens", "windows", "offset", "dropped_tokens", "samples", "first_pass", "passes")
+    dropped = 0
+    for i, s in enumerate(srcs):
+        if not all(type_ok(s.get(k), int) and s[k] >= 0 for k in keys):
+            return
+        t, w, o, c = s["tokens"], s["windows"], s["offset"], s["samples"]
+        if o >= row or (not m.get("jitter", False) and o):
+            add(f"sources[{i}].offset", f"< {row}" + (" and 0 without jitter" if not m.get("jitter") else ""), o,
+                "window offset impossible")
+        if w < 1 or o + w * row > t or t - w * row != s["dropped_tokens"]:
+            add(f"sources[{i}].windows", f"windows x {row} + dropped_tokens == tokens ({t})",
+                f"{w} x {row} + {s['dropped_tokens']}", "source window counts do not add up")
+            return
+        first = m["epoch"] * c // w if c else 0
+        passes = ((m["epoch"] + 1) * c - 1) // w - first + 1 if c else 0
+        if (s["first_pass"], s["passes"]) != (first, passes):
+            add(f"sources[{i}].first_pass/passes", f"{first}/{passes} (epoch {m['epoch']}, {c} of {w} windows)",
+                f"{s['first_pass']}/{s['passes']}", "source pass bookkeeping wrong")
+        offsets = m.get("jitter_offsets")
+        if isinstance(offsets, list) and (i >= len(offsets) or offsets[i] != o):
+            add(f"jitter_offsets[{i}]", o, offsets[i] if i < len(offsets) else "no entry", "jitter offset disagrees with its source entry")
+        dropped += s["dropped_tokens"]
+    if srcs and dropped != m["dropped_tokens"]:
+        add("dropped_tokens", f"{dropped} (sum over sources)", m["dropped_tokens"], "dropped token count wrong")
+
+
+def _source_keys(sources: list) -> list:
+    """What identifies a run's or epoch's sources: their fingerprints in order."""
+    return [s.get("fingerprint") if isinstance(s, dict) else s for s in sources]
+
+
+# Fields a run and each of its epochs must agree on (when both record them).
+RUN_KEYS = ("dtype", "token_size", "vocab_size", "eos_id", "tokenizer", "seq_len", "seed", "jitter", "samples",
+            "shard_samples", "shuffle")
+
+
+def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Dir"]) -> None:
+    mfile = str(path / MANIFEST)
+    sources = m.get("sources") if isinstance(m.get("sources"), list) else []
+    problems = check_fields(m, MANIFEST_FIELDS, "run", mfile) + check_entries(sources, SOURCE_FIELDS, "run", mfile,
+                                                                              "sources")
+    rep.problems += problems
+    if problems:
+        return
+    epochs = m["epochs"]
+    if not all(type_ok(e, int) and e >= 0 for e in epochs) or len(set(epochs)) != len(epochs):
+        rep.add(mfile, "epochs", "distinct epoch numbers >= 0", epochs, "bad epoch list")
+        return
+    listed = {epoch_dir_name(e) for e in epochs}
+    for p in sorted(path.iterdir()):
+        if p.is_dir() and EPOCH_DIR.match(p.name) and p.name not in listed:
+            rep.add(p, None, "an epoch listed in the run's `epochs`", "an unlisted epoch directory",
+                    "epoch not yet recorded in the run manifest (interrupted shuffle?); rerun it", incomplete=True)
+    # A `stage --ranks` copy: its absent shards are one problem, not one line per file.
+    absent = partial_stage_absent(path)
+    if absent:
+        rep.add(path / STAGE_SIDECAR, "missing_shards", "every shard of the run",
+                f"{len(absent)} shards absent, {next(iter(absent.values()))}",
+                "partial stage: serves only the ranks it was staged for")
+    totals = [0, 0, 0]  # tokens, documents, readable epochs
+    for e in epochs:
+        sub = path / epoch_dir_name(e)
+        if not sub.is_dir():
+            rep.add(sub, None, "the epoch directory listed in the run manifest", "no such directory",
+                    "epoch missing")
+            continue
+        d = _plan_dir(sub, quick, kinds="epoch")
+        present = [j for j in d.jobs if str(j.directory / j.entry["path"]) not in absent]
+        d.jobs, d.partial = present, len(present) < len(d.jobs)
+        plan.append(d)
+        em = d.report.manifest
+        if em is None or em.get("kind") != "epoch":
+            continue
+        efile = str(sub / MANIFEST)
+        for key in RUN_KEYS:
+            if key in m and key in em and em[key] != m[key]:
+                d.report.add(efile, key, f"{m[key]!r} (the run's)", repr(em[key]),
+                             "epoch manifest belongs to another run")
+        esrc = em.get("sources") if isinstance(em.get("sources"), list) else []
+        if len(esrc) == len(m["sources"]):
+            for i, (a, b) in enumerate(zip(m["sources"], esrc)):
+                if isinstance(a, dict) and isinstance(b, dict):
+                    for key in sorted(a.keys() & b.keys()):
+                        if a[key] != b[key]:
+                            d.report.add(efile, f"sources[{i}].{key}", f"{a[key]!r} (the run's)", repr(b[key]),
+                                         "epoch source differs from the run's")
+                    if isinstance(m.get("weights"), list) and i < len(m["weights"]) and "weight" in b \
+                            and m["weights"][i] != b["weight"]:
+                        d.report.add(efile, f"sources[{i}].weight", repr(m["weights"][i]), repr(b["weight"]),
+                                     "epoch weight differs from the run's")
+        totals[0] += em.get("tokens", 0) if type_ok(em.get("tokens"), int) else 0
+        totals[1] += em.get("fragments", 0) if type_ok(em.get("fragments"), int) else 0
+        totals[2] += 1
+        if em.get("epoch") != e:
+            d.report.add(efile, "epoch", e, em.get("epoch"), "epoch manifest belongs to another epoch")
+        if isinstance(em.get("sources"), list) and _source_keys(em["sources"]) != _source_keys(m["sources"]):
+            d.report.add(efile, "sources", _source_keys(m["sources"]), _source_keys(em["sources"]),
+                         "epoch was shuffled from other sources than its run")
+    if totals[2] == len(epochs):
+        for i, key in enumerate(("tokens", "fragments")):
+            if type_ok(m.get(key), int) and m[key] != totals[i]:
+                rep.add(mfile, key, f"{totals[i]} (sum over its epochs)", m[key], f"run {key} count wrong")
+
+
+def _plan_dir(path: Path, quick: bool, kinds=None) -> _Dir:
+    rep = DirReport(path=path)
+    d = _Dir(rep, [])
+    if path.exists() and not path.is_dir():
+        rep.add(path, None, "a tokpack directory", "a file", "not a directory",
+                hint="pass the directory that holds tokpack.json")
+        return d
+    m = _open_manifest(path, rep, kinds)
+    if m is None:
+        return d
+    if m["kind"] in ("source", "epoch"):
+        d.jobs = _check_data_manifest(path, m, rep, quick)
+    return d
+
+
+def plan_validation(paths: list[str | Path], quick: bool) -> list[_Dir]:
+    """Reads every manifest and runs the manifest-level checks; returns the shard jobs to run."""
+    plan: list[_Dir] = []
+    for p in paths:
+        path = Path(p)
+        d = _plan_dir(path, quick)
+        plan.append(d)
+        if d.report.kind == "run":
+            _check_run(path, d.report.manifest, d.report, quick, plan)
+    return plan
+
+
+def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1,
+                  show_progress: bool | None = None) -> ValidationReport:
+    """Validates sources, runs (with their epochs) and epoch directories. Never raises for bad data."""
+    plan = plan_validation(paths, quick)
+    jobs = [(d, j) for d in plan for j in d.jobs]
+    total = sum(j.size() for _, j in jobs) if not quick else len(jobs)
+    with progress(total, "validate" + (" --quick" if quick else ""), unit="B" if not quick else "shard",
+                  enabled=show_progress) as bar:
+        def run(item):
+            d, job = item
+            try:
+                res = check_shard(job)
+            # Only an unreadable file is the data's fault (manifests were checked before their
+            # shards); any other exception is a bug in tokpack and must not be blamed on the data.
+            except (OSError, TokpackError) as e:
+                res = Findings()
+                res.add(job.directory / job.entry["path"], None, "a checkable shard", f"{type(e).__name__}: {e}",
+                        "cannot check shard")
+            bar.update(job.size() if not quick else 1)
+            return d, res
+
+        if workers > 1 and len(jobs) > 1:
+            with ThreadPoolExecutor(workers) as pool:
+                results = list(pool.map(run, jobs))
+        else:
+            results = [run(j) for j in jobs]
+    recomputed: dict[int, list] = {}
+    for d, res in results:  # in job order, so the report is deterministic
+        d.report.problems += res.problems
+        d.report.files += res.files
+        d.report.bytes += res.bytes
+        recomputed.setdefault(id(d), []).append(res.multiset)
+    for d in plan:
+        rep, m = d.report, d.report.manifest
+        if rep.kind == "epoch" and d.jobs and not quick and not d.partial:
+            parts = recomputed.get(id(d), [])
+            if all(x is not None for x in parts):
+                rep.multiset = sum(parts) & MASK64
+                if isinstance(m.get("sample_multiset_hash"), str) and hash_hex64(rep.multiset) != m["sample_multiset_hash"]:
+                    rep.add(rep.path, "sample_multiset_hash",
+                            f"{m['sample_multiset_hash']} (recorded in {MANIFEST})",
+                            hash_hex64(rep.multiset) + " (recomputed from the samples)",
+                            "the epoch's samples are not the ones recorded")
+    for d in plan:
+        d.report.problems = _cap_per_file(d.report.problems)
+    return ValidationReport([d.report for d in plan])
+
+
+def _cap_per_file(problems: list[Problem]) -> list[Problem]:
+    """One broken field can break every shard entry; list a few lines per file, count the rest."""
+    seen: dict[str, int] = {}
+    out = []
+    for p in problems:
+        seen[p.file] = seen.get(p.file, 0) + 1
+        if seen[p.file] <= MAX_PROBLEMS_PER_FILE:
+            out.append(p)
+    for f, n in seen.items():
+        if n > MAX_PROBLEMS_PER_FILE:
+            out.append(Problem(f, None, None, None, f"{n - MAX_PROBLEMS_PER_FILE} more problems in this file"))
+    return out
+
+
+def _missing_sources(m: dict, given: dict[str, PackedSource], mfile: str) -> Problem | None:
+    """UNVERIFIED, naming each source of the epoch that `--against` did not give: without all of
+    them the plan cannot be replayed. Nothing is known to be wrong with the epoch."""
+    by_path = {Path(s.path).resolve(): s for s in given.values()}
+    missing, paths = [], []
+    for e in m["sources"]:
+        e = e if isinstance(e, dict) else {}
+        fp = e.get("fingerprint")
+        if fp in given:
+            continue
+        text = f"{e.get('name', '?')} (fingerprint {fp})"
+        same_place = by_path.get(Path(str(e.get("path", ""))).resolve()) if e.get("path") else None
+        if same_place is not None:  # given by path, but its content is not the one shuffled
+            text += f", changed since the shuffle: {same_place.path} now has fingerprint {same_place.fingerprint}"
+        missing.append(text)
+        paths.append(str(e.get("path") or e.get("name", "?")))
+    if not missing:
+        return None
+    n = len(m["sources"])
+    return Problem(mfile, "sources", f"--against for each of its {n} source{'s' * (n != 1)}",
+                   "none for " + "; ".join(missing),
+                   "epoch holds samples from a source not given to --against; its content is not verified",
+                   hint="give every source the epoch was shuffled from, as it was then: "
+                        + " ".join(f"--against {p}" for p in paths), unverified=True)
+
+
+def _against(report: ValidationReport, against: list[str], expected_multiset_hash) -> list[Problem]:
+    """For every readable epoch: its sources are among `against` (by fingerprint) and the
+    multiset hash of the windows the plan assigns it (`expected_multiset_hash(manifest,
+    sources)`) equals the epoch's. A problem with an epoch goes into that epoch's report, so its
+    status line says it too; the problems returned are those of the `against` sources that
+    cannot be opened."""
+    sources, problems = [], []
+    for a in against:
+        try:
+            sources.append(PackedSource.open(a))
+        except TokpackError as e:
+            problems.append(Problem.from_error(e))
+    given = {s.fingerprint: s for s in sources}
+    for d in report.dirs:
+        m = d.manifest
+        if d.kind != "epoch" or m is None or not isinstance(m.get("sources"), list):
+            continue
+        mfile = str(d.path / MANIFEST)
+        missing = _missing_sources(m, given, mfile)
+        if missing is not None:
+            d.problems.append(missing)
+            continue
+        try:
+            expected = expected_multiset_hash(m, sources)
+        except (TokpackError, OSError) as e:
+            err = e if isinstance(e, TokpackError) else TokpackError(f"cannot replay the plan: {e}", file=e.filename)
+            d.add(err.file or mfile, err.where, err.expected, err.found, err.message)
+            continue
+        except (KeyError, TypeError, ValueError):
+            if any(p.file == mfile for p in d.problems):
+                continue  # a manifest already reported broken cannot drive the replay
+            raise  # from a manifest that passed every check: a bug in tokpack, not in the data
+        if expected != m.get("sample_multiset_hash"):
+            d.add(mfile, "sample_multiset_hash", f"{expected} (replayed from the sources)",
+                  f"{m.get('sample_multiset_hash')} (recorded in {MANIFEST})",
+                  "epoch does not hold the samples its plan assigns (dropped/duplicated/altered)")
+    return problems
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+@dataclass
+class ValidateResult:
+    """What `validate --json` prints: `ok`, the gravest `status` ("ok", "corrupt", "incomplete",
+    "unverified"), each problem and each directory checked."""
+
+    ok: bool
+    status: str
+    quick: bool
+    problems: list[dict]  # Problem.to_json()
+    dirs: list[dict]  # path, kind, status, problems (a count), files, bytes
+    files: int
+    bytes: int
+    seconds: float
+    mb_per_s: float
+    against: list[str]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None = None, workers: int = 1,
+                 show_progress: bool | None = None, expected_multiset_hash=None) -> ValidateResult:
+    """Validates each directory (source, run or epoch); with `against`, also those sources and
+    every epoch's content through its plan, replayed by `expected_multiset_hash` (shuffle.plan's,
+    given by the caller: this layer does not import shuffle)."""
+    t0 = time.perf_counter()
+    against = list(against or [])
+    known = {Path(x).resolve() for x in dirs}
+    extra = [a for a in against if Path(a).resolve() not in known]
+    report = validate_dirs(list(dirs) + extra, quick=quick, workers=workers, show_progress=show_progress)
+    extra_problems = _against(report, against, expected_multiset_hash) if against else []
+    seconds = time.perf_counter() - t0
+    problems = report.problems + extra_problems
+    nbytes = sum(d.bytes for d in report.dirs)
+    return ValidateResult(
+        ok=not problems,
+        status=worst_status(problems),
+        quick=quick,
+        problems=[p.to_json() for p in problems],
+        dirs=[{"path": str(d.path), "kind": d.kind, "status": d.status, "problems": len(d.problems),
+               "files": d.files, "bytes": d.bytes} for d in report.dirs],
+        files=sum(d.files for d in report.dirs),
+        bytes=nbytes,
+        seconds=round(seconds, 4),
+        mb_per_s=round(nbytes / 1e6 / max(seconds, 1e-9), 1),
+        against=against,
+    )
+
+
+def report_lines(r: ValidateResult) -> list[str]:
+    """The report for humans: each problem, each directory's status, then the verdict."""
+    lines = [problem_line(p) for p in r.problems]
+    for d in r.dirs:
+        what = d["kind"] or "directory"
+        n = d["problems"]
+        lines.append(f"OK {what} {d['path']} ({d['files']} files, {_size(d['bytes'])}{', quick' if r.quick else ''})"
+                     if d["status"] == "ok" else f"{d['status'].upper()} {what} {d['path']}: {n} problem{'s' * (n != 1)}")
+    n = len(r.problems)
+    lines.append(
+        f"{r.status.upper()}: {len(r.dirs)} director{'ies' if len(r.dirs) != 1 else 'y'}, "
+        f"{r.files} files, {_size(r.bytes)} in {r.seconds:.2f} s ({r.mb_per_s:.0f} MB/s), {n} problem{'s' * (n != 1)}"
+        + (", quick (no checksums, no token scan)" if r.quick else "")
+        + (f", against {len(r.against)} source(s)" if r.against else "")
+    )
+    return lines

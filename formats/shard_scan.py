@@ -1,0 +1,443 @@
+"""The streaming shard scan of `tokpack validate`: every check of one shard's files (.ds,
+.ds.index, .ds.metadata, .ds.loss). Every mode checks sizes, `.ds.metadata` and each
+`.ds.index` (strictly increasing, ending at the token count; in epochs every sample end is an
+entry). Full mode adds one sequential pass over every file that hashes it (xxh3_128), scans
+tokens (< vocab_size; a source's documents end with EOS; an epoch's index equals its EOS
+positions plus sample ends) and recomputes the sample multiset hash.
+
+Problems are collected, never raised: a CI log should list all of them, one line each.
+"""
+
+from __future__ import annotations
+
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import xxhash
+
+from .errors import IncompleteError, TokpackError
+from .io import give_buffers, read_ahead, read_full, sequential, take_buffer
+from .manifest import MANIFEST, hash_hex64, metadata_text, multiset_hash_rows, parse_metadata_text
+from .shards import U64
+
+MASK64 = 0xFFFFFFFFFFFFFFFF
+MAX_METADATA = 1 << 16
+# Read block: smaller than formats.manifest.IO_BLOCK, and it keeps a cold read pipelined best
+# with the read-ahead thread (BENCHMARKS.md, "validate").
+BLOCK = 2 << 20
+
+
+@dataclass
+class Problem:
+    """One thing wrong, as one line of the report."""
+
+    file: str  # the file (or directory) at fault
+    where: str | None  # field, byte/token offset, entry number...
+    expected: object  # what the format requires
+    found: object  # what is there
+    message: str  # what is wrong, in words
+    incomplete: bool = False  # unfinished output (rerun), rather than corrupt data
+    hint: str | None = None  # what to do about it; a default by kind of problem when None
+    unverified: bool = False  # a check that was asked for could not be made (nothing found wrong)
+
+    @property
+    def severity(self) -> str:
+        return "incomplete" if self.incomplete else "unverified" if self.unverified else "corrupt"
+
+    def line(self) -> str:
+        return problem_line(self.to_json())
+
+    def hint_text(self) -> str | None:
+        if self.hint:
+            return self.hint
+        if self.incomplete:
+            return "a run was interrupted or is still going; rerun the same command to finish it"
+        if self.file.endswith(MANIFEST):
+            return "the manifest was edited or belongs elsewhere; restore it or rerun the command that wrote it"
+        return "the data changed after it was written; restore it from a good copy or rerun the stage that wrote it"
+
+    def to_json(self) -> dict:
+        s = lambda v: None if v is None else str(v)  # noqa: E731
+        return {"file": self.file, "where": self.where, "expected": s(self.expected), "found": s(self.found),
+                "message": self.message, "severity": self.severity,
+                "hint": self.hint_text()}
+
+    @classmethod
+    def from_error(cls, e: TokpackError) -> "Problem":
+        return cls(e.file or "", e.where, e.expected, e.found, e.message, isinstance(e, IncompleteError), e.hint)
+
+
+def problem_line(p: dict) -> str:
+    """A problem (`Problem.to_json()`) as one line of the report."""
+    return f"{p['severity'].upper()} " + str(TokpackError(p["message"], file=p["file"], where=p["where"],
+                                                        expected=p["expected"], found=p["found"], hint=p["hint"]))
+
+
+def worst_status(problems: list[Problem]) -> str:
+    """'ok' only without problems; otherwise the gravest severity among them."""
+    severities = {p.severity for p in problems}
+    return next((s for s in ("corrupt", "incomplete", "unverified") if s in severities), "ok")
+
+
+def type_ok(value, typ) -> bool:
+    return isinstance(value, typ) and not (isinstance(value, bool) and typ is not bool)
+
+
+@dataclass
+class ShardJob:
+    """One shard's files and what the manifest promises about them."""
+
+    directory: Path  # where the shard lives
+    entry: dict  # its manifest entry (fields already type-checked)
+    kind: str  # "source" or "epoch"
+    dtype: np.dtype  # token dtype from the manifest
+    vocab_size: int  # token ids must be below it
+    eos_id: int  # end-of-document id
+    tokenizer: str  # expected in .ds.metadata
+    row_tokens: int | None  # epoch: seq_len + 1 tokens per sample; None for sources
+    quick: bool  # structure only: no checksums, no token scan
+
+    def size(self) -> int:
+        return int(self.entry["tokens"]) * self.dtype.itemsize
+
+
+@dataclass
+class Findings:
+    """What checks found, in one shard (check_shard's result) or one directory (DirReport)."""
+
+    problems: list[Problem] = field(default_factory=list)  # in check order
+    files: int = 0  # files looked at
+    bytes: int = 0  # bytes of those files (read in full mode, stat'ed in quick mode)
+    multiset: int | None = None  # epoch, full mode: recomputed sum of sample hashes
+
+    def add(self, file, where, expected, found, message, **kw) -> None:
+        self.problems.append(Problem(str(file), where, expected, found, message, **kw))
+
+    def saw(self, nbytes: int) -> None:
+        self.files += 1
+        self.bytes += nbytes
+
+
+class _IndexStream:
+    """Reads a `.ds.index` front to back in chunks, hashing its bytes and checking that
+    entries strictly increase. `upto(limit)` hands out the entries <= limit in order."""
+
+    def __init__(self, path: Path, chunk_entries: int, hashed: bool, size: int):
+        self.f = open(path, "rb", buffering=0)
+        self.left = size  # bytes not yet read (the size was checked), so EOF costs no extra read
+        self.buf = np.empty(max(chunk_entries, 1), dtype=U64)  # reused read buffer
+        self.pending = self.buf[:0]  # read but not yet handed out
+        self.hash = xxhash.xxh3_128() if hashed else None  # running checksum of the file
+        self.last = 0  # last entry read; the next must exceed it (no leading 0)
+        self.count = 0  # entries read so far
+        self.broken: tuple | None = None  # (entry number, previous, found) of the first decrease
+
+    def _fill(self) -> bool:
+        raw = memoryview(self.buf.view(np.uint8))[: min(self.buf.nbytes, self.left)]
+        n = read_full(self.f, raw)
+        self.left -= n
+        if self.hash is not None:
+            self.hash.update(raw[:n])
+        entries = self.buf[: n // U64.itemsize]
+        if len(entries) and self.broken is None:
+            prev = np.empty(len(entries), dtype=U64)
+            prev[0] = self.last
+            prev[1:] = entries[:-1]
+            bad = np.flatnonzero(entries <= prev)
+            if len(bad):
+                k = int(bad[0])
+                self.broken = (self.count + k, int(prev[k]), int(entries[k]))
+        if len(entries):
+            self.last = int(entries[-1])
+        self.count += len(entries)
+        self.pending = entries
+        return len(entries) > 0
+
+    def upto(self, limit: int) -> np.ndarray:
+        pieces = []
+        while True:
+            if not len(self.pending) and not self._fill():
+                break
+            k = int(np.searchsorted(self.pending, limit, side="right")) if self.broken is None else len(self.pending)
+            pieces.append(self.pending[:k].copy())
+            self.pending = self.pending[k:]
+            if len(self.pending) or self.broken is not None:
+                break
+        if len(pieces) == 1:
+            return pieces[0]
+        return np.concatenate(pieces) if pieces else np.empty(0, dtype=U64)
+
+    def rest(self) -> int:
+        """Reads to the end; returns how many entries were left over."""
+        left = len(self.pending)
+        self.pending = self.buf[:0]
+        while self._fill():
+            left += len(self.pending)
+        self.pending = self.buf[:0]
+        return left
+
+    def close(self):
+        self.f.close()
+
+
+def _read_blocks(path: Path, total: int, block: int) -> Iterator[memoryview]:
+    """Yields consecutive blocks of the first `total` bytes of a file, each valid until the next.
+    A file of several blocks is read one block ahead (io.read_ahead), so the disk keeps working
+    while the previous block is hashed and scanned. Stops early, with a short last block, if the
+    file is shorter."""
+    bufs = [take_buffer(np.uint8) for _ in range(1 if total <= block else 2)]
+
+    def fill(buf, want: int, _) -> memoryview:
+        view = memoryview(buf.ensure(block))[:want]
+        return view[: read_full(f, view)]
+
+    try:
+        with open(path, "rb", buffering=0) as f:
+            if total <= block:  # one block: no thread
+                yield fill(bufs[0], total, None)
+                return
+            sequential(f)
+            plan = ((min(block, total - off), None) for off in range(0, total, block))
+            with closing(read_ahead(plan, fill, bufs)) as blocks:
+                for view, _ in blocks:
+                    yield view
+                    if len(view) < block:  # the last block, or the file ended early: nothing follows
+                        return
+    finally:
+        give_buffers(bufs)
+
+
+def _file_size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def check_shard(job: ShardJob) -> Findings:
+    """All checks of one shard (.ds, .ds.index, .ds.metadata, .ds.loss). One sequential pass
+    over the token file does the hash, the vocabulary scan, the EOS/fragment-end check
+    and the multiset hash together."""
+    out = Findings()
+    e = job.entry
+    ds = job.directory / e["path"]
+    idx_path = ds.with_name(ds.name + ".index")
+    meta_path = ds.with_name(ds.name + ".metadata")
+    loss_path = ds.with_name(ds.name + ".loss")
+    tokens = int(e["tokens"])
+    tsize = job.dtype.itemsize
+
+    # ---- sizes (every mode)
+    ds_size = _file_size(ds)
+    ds_ok = ds_size == tokens * tsize
+    if ds_size is None:
+        out.add(ds, None, "a file listed in the manifest", "no such file", "shard missing")
+    elif not ds_ok:
+        out.add(ds, "size", f"{tokens * tsize} bytes ({tokens} tokens x {tsize})", f"{ds_size} bytes",
+                "shard size does not match the manifest" + (" (empty file)" if ds_size == 0 else ""))
+    if ds_size is not None:
+        out.saw(ds_size)
+    if ds_ok and e["bytes"] != tokens * tsize:
+        out.add(job.directory / MANIFEST, f"shards[{e['path']}].bytes", tokens * tsize, e["bytes"],
+                "manifest byte count disagrees with its token count")
+
+    idx_size = _file_size(idx_path)
+    idx_ok = idx_size is not None and idx_size % 8 == 0 and idx_size > 0 or (idx_size == 0 and tokens == 0)
+    if idx_size is None:
+        out.add(idx_path, None, "a file listed in the manifest", "no such file", "index missing")
+    else:
+        out.saw(idx_size)
+        if job.kind == "source" and idx_size != 8 * int(e["documents"]):
+            out.add(idx_path, "size", f"{8 * int(e['documents'])} bytes ({e['documents']} documents x 8)",
+                    f"{idx_size} bytes", "index size does not match the manifest's document count")
+            idx_ok = False
+        elif job.kind == "epoch" and type_ok(e.get("fragments"), int) and idx_size != 8 * e["fragments"]:
+            out.add(idx_path, "size", f"{8 * e['fragments']} bytes ({e['fragments']} fragments x 8)",
+                    f"{idx_size} bytes", "index size does not match the manifest's fragment count")
+            idx_ok = False
+        elif job.kind == "epoch" and not (8 * int(e["samples"]) <= idx_size <= 8 * tokens and idx_size % 8 == 0):
+            out.add(idx_path, "size", f"a multiple of 8 in [{8 * int(e['samples'])}, {8 * tokens}] bytes",
+                    f"{idx_size} bytes", "index size impossible for this shard")
+            idx_ok = False
+        elif not idx_ok:
+            out.add(idx_path, "size", "a non-empty multiple of 8 bytes", f"{idx_size} bytes", "index size invalid")
+
+    # ---- metadata (every mode: small)
+    try:
+        with open(meta_path, "rb") as f:
+            raw = f.read(MAX_METADATA)  # a few dozen bytes; a replaced file must not be read whole
+    except FileNotFoundError:
+        out.add(meta_path, None, "a file listed in the manifest", "no such file", "metadata missing")
+    else:
+        out.saw(len(raw))
+        if not job.quick and xxhash.xxh3_128_hexdigest(raw) != e["metadata_xxh3_128"]:
+            out.add(meta_path, "xxh3_128", e["metadata_xxh3_128"], xxhash.xxh3_128_hexdigest(raw), "checksum mismatch")
+        try:
+            tok, size, count = parse_metadata_text(raw.decode("utf-8", errors="replace"), meta_path)
+        except TokpackError as err:
+            out.add(meta_path, err.where, err.expected, err.found, err.message)
+        else:
+            if tok != job.tokenizer:
+                out.add(meta_path, "tokenizer", job.tokenizer, tok, "metadata tokenizer differs from the manifest")
+            if size != tsize:
+                out.add(meta_path, "token_size", tsize, size, "metadata token size differs from the manifest dtype")
+            if count != tokens:
+                out.add(meta_path, "tokens", tokens, count, "metadata token count differs from the manifest")
+            if (tok, size, count) == (job.tokenizer, tsize, tokens) and raw != metadata_text(tok, size, count).encode():
+                out.add(meta_path, "line 3", repr(metadata_text(tok, size, count)), repr(raw.decode(errors="replace")),
+                        "metadata text differs from what tokpack writes")
+
+    # ---- loss (optional, sources only)
+    has_loss = "loss_xxh3_128" in e
+    loss_size = _file_size(loss_path)
+    if has_loss and loss_size is None:
+        out.add(loss_path, None, "a file listed in the manifest", "no such file", "loss mask missing")
+    elif loss_size is not None:
+        out.saw(loss_size)
+        if not has_loss:
+            out.add(loss_path, None, "no .loss file (none listed)", f"{loss_size} bytes", "file not listed in the manifest")
+        elif loss_size != tokens:
+            out.add(loss_path, "size", f"{tokens} bytes (one per token)", f"{loss_size} bytes", "loss mask size wrong")
+        elif not job.quick:
+            h, offset = xxhash.xxh3_128(), 0
+            for view in _read_blocks(loss_path, tokens, BLOCK):
+                h.update(view)
+                block = np.frombuffer(view, dtype=np.uint8)
+                if block.max(initial=0) > 1:
+                    out.add(loss_path, f"byte {offset + int(np.argmax(block > 1))}", "0 or 1",
+                            int(block[np.argmax(block > 1)]), "loss mask value invalid")
+                offset += len(view)
+            if h.hexdigest() != e["loss_xxh3_128"]:
+                out.add(loss_path, "xxh3_128", e["loss_xxh3_128"], h.hexdigest(), "checksum mismatch")
+
+    # ---- index and tokens
+    if idx_size is not None and idx_ok:
+        # an epoch whose token count is not whole samples was reported from the manifest;
+        # its rows cannot be cut, so only its index is checked
+        whole_rows = not job.row_tokens or tokens % job.row_tokens == 0
+        if job.quick or not ds_ok or not whole_rows:
+            _index_only(job, idx_path, tokens, out, idx_size)
+        else:
+            out.multiset = _full_pass(job, ds, idx_path, tokens, out, idx_size)
+    return out
+
+
+def _index_problems(stream: _IndexStream, job: ShardJob, idx_path: Path, tokens: int, out: Findings) -> None:
+    if stream.broken is not None:
+        k, prev, found = stream.broken
+        out.add(idx_path, f"entry {k}", f"> {prev} (strictly increasing, no leading 0)", found, "index does not increase")
+    elif stream.last != tokens:
+        out.add(idx_path, f"entry {stream.count - 1} (last)", f"{tokens} (the token count)", stream.last,
+                "index does not end at the token count")
+
+
+def _index_only(job: ShardJob, idx_path: Path, tokens: int, out: Findings, idx_size: int) -> None:
+    """Quick mode: the index alone, streamed. For epochs, every sample end must be an entry:
+    entries are distinct, so counting the multiples of seq_len+1 per chunk is enough."""
+    stream = _IndexStream(idx_path, min(BLOCK // 8 // 4, idx_size // 8), hashed=False, size=idx_size)
+    row = job.row_tokens
+    try:
+        prev_last = 0
+        while stream._fill():
+            if stream.broken is not None:
+                break
+            if row:
+                ends = stream.pending
+                hi = min(stream.last, tokens)
+                want = hi // row - prev_last // row
+                have = int(np.count_nonzero((ends % row == 0) & (ends <= tokens)))
+                if have != want:
+                    missing = _first_missing_sample_end(ends, prev_last, hi, row)
+                    out.add(idx_path, f"sample end {missing}", "an index entry at every sample end",
+                            "no entry", "index misses a sample boundary")
+                    return
+                prev_last = stream.last
+        _index_problems(stream, job, idx_path, tokens, out)
+    finally:
+        stream.close()
+
+
+def _first_missing_sample_end(ends: np.ndarray, lo: int, hi: int, row: int) -> int:
+    expect = np.arange((lo // row + 1) * row, hi + 1, row, dtype=np.int64)
+    missing = np.setdiff1d(expect, ends.astype(np.int64))
+    return int(missing[0]) if len(missing) else -1
+
+
+def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: Findings, idx_size: int) -> int | None:
+    """Full mode: one read of the token file, with the index streamed alongside."""
+    tsize = job.dtype.itemsize
+    row = job.row_tokens
+    # Epoch blocks hold whole samples so each row is hashed once, in one piece.
+    block_tokens = BLOCK // tsize if not row else max(1, BLOCK // (row * tsize)) * row
+    stream = _IndexStream(idx_path, min(max(1024, block_tokens // 64), tokens), hashed=True, size=idx_size)
+    h = xxhash.xxh3_128()
+    multiset = 0
+    vocab_bad = eos_bad = index_bad = False
+    a = 0  # token offset of the current block
+    scratch = take_buffer(bool)  # EOS flags of a block's rows, reused from block to block
+    try:
+        for view in _read_blocks(ds, tokens * tsize, block_tokens * tsize):
+            n = len(view)
+            if n < min(block_tokens, tokens - a) * tsize:  # the file shrank under us
+                out.add(ds, f"byte {a * tsize + n}", "more data", "end of file", "shard shorter than expected")
+                return None
+            h.update(view)
+            blk = np.frombuffer(view, dtype=job.dtype, count=n // tsize)
+            b = a + len(blk)
+            if not vocab_bad and int(blk.max(initial=0)) >= job.vocab_size:
+                k = int(np.argmax(blk >= job.vocab_size))
+                out.add(ds, f"token {a + k} (byte {(a + k) * tsize})", f"< {job.vocab_size} (vocab_size)",
+                        int(blk[k]), "token id out of vocabulary")
+                vocab_bad = True
+            ends = stream.upto(b)
+            if stream.broken is None and not index_bad:
+                if row is None:
+                    at = ends.astype(np.int64) - 1 - a
+                    bad = np.flatnonzero(blk[at] != job.eos_id) if len(at) else at
+                    if len(bad) and not eos_bad:
+                        k = int(bad[0])
+                        out.add(ds, f"token {int(ends[k]) - 1} (end of document {stream.count - len(stream.pending) - len(ends) + k})",
+                                f"EOS id {job.eos_id}", int(blk[at[k]]), "document does not end with EOS")
+                        eos_bad = True
+                else:
+                    rows = blk.reshape(-1, row)
+                    is_end = np.equal(rows, job.eos_id, out=scratch.ensure(rows.size)[: rows.size].reshape(rows.shape))
+                    is_end[:, -1] = True
+                    calc = np.flatnonzero(is_end.ravel()).astype(U64) + np.uint64(a + 1)
+                    if not np.array_equal(calc, ends):
+                        n_both = min(len(calc), len(ends))
+                        diff = np.flatnonzero(calc[:n_both] != ends[:n_both])
+                        k = int(diff[0]) if len(diff) else n_both  # first disagreement
+                        exp = int(calc[k]) if k < len(calc) else "no entry"
+                        got_ = int(ends[k]) if k < len(ends) else "no entry"
+                        out.add(idx_path, f"entry {stream.count - len(stream.pending) - len(ends) + k}",
+                                f"{exp} (EOS positions + sample ends)", got_, "index disagrees with the tokens")
+                        index_bad = True
+            if row:
+                multiset = (multiset + multiset_hash_rows(blk.reshape(-1, row))) & MASK64
+            a = b
+        extra = stream.rest()
+        if stream.broken is not None:
+            _index_problems(stream, job, idx_path, tokens, out)
+        elif extra and not index_bad:
+            out.add(idx_path, f"entry {stream.count - extra}", f"<= {tokens} (the token count)",
+                    f"{extra} more entries", "index runs past the end of the shard")
+        elif not index_bad:
+            _index_problems(stream, job, idx_path, tokens, out)
+        if stream.hash.hexdigest() != job.entry["index_xxh3_128"]:
+            out.add(idx_path, "xxh3_128", job.entry["index_xxh3_128"], stream.hash.hexdigest(), "checksum mismatch")
+    finally:
+        stream.close()
+        give_buffers([scratch])
+    if h.hexdigest() != job.entry["xxh3_128"]:
+        out.add(ds, "xxh3_128", job.entry["xxh3_128"], h.hexdigest(), "checksum mismatch")
+    if row:
+        if multiset != int(job.entry["multiset_hash"], 16):
+            out.add(ds, "multiset_hash", job.entry["multiset_hash"], hash_hex64(multiset),
+                    "sample multiset hash of the shard differs from the manifest")
+        return multiset
+    return None
+
