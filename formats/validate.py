@@ -28,13 +28,13 @@ import xxhash
 
 from .errors import IncompleteError, TokpackError
 from .io import read_ahead
+from .io import TMP_MARK, progress
 from .manifest import (
     MANIFEST,
     MANIFEST_FIELDS,
     SHARD_FIELDS,
     SOURCE_FIELDS,
     STAGE_SIDECAR,
-    TMP_MARK,
     canonical_bytes,
     dtype_for_vocab,
     dtype_name,
@@ -46,7 +46,6 @@ from .manifest import (
     multiset_hash_rows,
     parse_metadata_text,
     partial_stage_absent,
-    progress,
     read_manifest,
 )
 from .shards import SHARD_SUFFIXES, U64
@@ -56,7 +55,7 @@ MASK64 = 0xFFFFFFFFFFFFFFFF
 # past this many lines the rest are counted, not listed.
 MAX_PROBLEMS_PER_FILE = 5
 MAX_METADATA = 1 << 16
-# Read block. Smaller than formats.manifest.IO_BLOCK: with the read-ahead thread, 2 MiB blocks
+# Read block. Smaller than formats.io.IO_BLOCK: with the read-ahead thread, 2 MiB blocks
 # kept a cold read pipelined best here (measured 2-16 MiB), and fewer fresh pages are touched.
 BLOCK = 2 << 20
 SHARD_FILE = re.compile(r".*\.ds(\.index|\.metadata|\.loss)?$")

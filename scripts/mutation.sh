@@ -18,7 +18,7 @@
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 EQUIVALENT="$REPO/scripts/mutation-equivalent.txt"
-MODULES=(shuffle/plan.py shuffle/permutation.py shuffle/engine.py formats/reader.py formats/validate.py formats/inputs.py)
+MODULES=(shuffle/plan.py shuffle/permutation.py shuffle/steps.py formats/reader.py formats/validate.py formats/inputs.py)
 CI_TESTS='["tests/test_permutation_golden.py"]'
 # The --ci subset: the mutants of key derivation, the mixer and the Feistel set-up. Pinned
 # by name so the run is the same every time (mutmut numbers a function's mutants in order).
@@ -49,12 +49,12 @@ cd "$WORK"
 declare -A TESTS=(
   [shuffle/permutation.py]='["tests/test_permutation_golden.py", "tests/test_plan_golden.py"]'
   [shuffle/plan.py]='["tests/test_plan_golden.py", "tests/test_permutation_golden.py"]'
-  [shuffle/engine.py]='["tests/test_shuffle.py"]'
+  [shuffle/steps.py]='["tests/test_shuffle.py"]'
   [formats/reader.py]='["tests/test_reader.py"]'
   [formats/validate.py]='["tests/test_validate.py"]'
   [formats/inputs.py]='["tests/test_pack.py"]'
 )
-declare -A FUNCTIONS=([shuffle/engine.py]="*ǁgather__* *ǁinput_segments__* *ǁholds_rows_of__* *x_make_layout__* *ǁscatter__* *ǁorder__* *ǁ_blocks__* *x_source_rows__*")
+declare -A FUNCTIONS=([shuffle/steps.py]="*ǁgather__* *ǁinput_segments__* *ǁholds_rows_of__* *x_make_layout__* *ǁscatter__* *ǁorder__* *ǁ_blocks__* *x_source_rows__*")
 
 if [ "$mode" = ci ]; then targets=(shuffle/permutation.py); elif [ -n "$only" ]; then targets=("$only"); else targets=("${MODULES[@]}"); fi
 all_names=()

@@ -824,7 +824,7 @@ def test_durable_file_writes_exact_bytes(tmp_path, monkeypatch, where, pieces, s
     import xxhash
 
     from formats import manifest
-    from formats.manifest import DurableFile
+    from formats.io import DurableFile
 
     monkeypatch.setattr(manifest, "DIRECT_STAGING", 16 << 10)
 
@@ -860,7 +860,7 @@ def _takes_o_direct(directory: Path) -> bool:
 
 
 def test_durable_file_abort_leaves_nothing(tmp_path):
-    from formats.manifest import DurableFile
+    from formats.io import DurableFile
 
     f = DurableFile(tmp_path / "x.ds", direct=True)
     f.write(b"\1" * 10000)
