@@ -116,7 +116,7 @@ def _populate(address: int, length: int) -> bool:
 def anonymous(nbytes: int) -> np.ndarray:
     """A zero-filled uint8 buffer backed by an anonymous private mapping, with transparent huge
     pages requested: first-touch page faults cost less than on plain 4 KiB pages (BENCHMARKS.md,
-    "Figures cited by the code")."""
+    "Figures cited by the code": huge pages)."""
     # MAP_PRIVATE: Python's default for anonymous maps is MAP_SHARED, which a forked worker
     # would share with its parent, and the two would overwrite each other's bytes.
     m = mmap.mmap(-1, max(int(nbytes), 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -145,7 +145,7 @@ class Buffer:
 def take_buffer(dtype: np.dtype, use: str = "") -> Buffer:
     """A buffer the caller owns until it gives it back: two live readers never share one, and
     work done file after file (or task after task) reuses the same pages instead of touching
-    new memory, which is slow (BENCHMARKS.md, "Figures cited by the code")."""
+    new memory, which is slow (BENCHMARKS.md, "Figures cited by the code": fresh memory)."""
     with _FREE_LOCK:
         free = _FREE_BUFFERS.get((use, np.dtype(dtype).str))
         if free:
@@ -287,12 +287,12 @@ class DurableFile:
 
     `direct=True` (for shard data, written once in large pieces) writes with O_DIRECT: the
     disk reads the bytes straight from our buffers. Buffered writes first copy every byte into
-    freshly allocated page-cache pages and only reach the disk at fsync; measured here on
-    2 GiB, 0.7-1.0 s direct against 1.8-2.0 s buffered, fsync included. Data that arrives at
-    an unaligned address is copied through a small staging buffer; the last partial block is
-    written padded and the file truncated to its length. Filesystems without O_DIRECT (tmpfs)
-    get buffered writes. (Starting writeback early with sync_file_range instead measured slower
-    than one fdatasync at the end.)"""
+    freshly allocated page-cache pages and only reach the disk at fsync, which takes about twice
+    as long, and starting writeback early with sync_file_range does not help (BENCHMARKS.md,
+    "Figures cited by the code": O_DIRECT shard writes). Data that arrives at an unaligned
+    address is copied through a small staging buffer; the last partial block is written padded
+    and the file truncated to its length. Filesystems without O_DIRECT (tmpfs) get buffered
+    writes."""
 
     def __init__(self, final: str | Path, direct: bool = False):
         self.final = Path(final)  # the name it gets on commit
@@ -415,7 +415,7 @@ def progress(total: int | None, desc: str, unit: str = "B", enabled: bool | None
 
 
 class _NoBar:
-    """What a disabled bar does, without importing tqdm (BENCHMARKS.md, "Figures cited by the code")."""
+    """What a disabled bar does, without importing tqdm (BENCHMARKS.md, "Figures cited by the code": tqdm import)."""
 
     def __enter__(self):
         return self

@@ -89,8 +89,8 @@ def _run_step(step, tasks: int, config: ExecutorConfig, logging_dir: str, job_na
 
 def runs_in_process(config: ExecutorConfig) -> bool:
     """One local worker and no logging dir asked for: the ranks run in this process. Importing
-    datatrove's executor and starting its manager costs 1.5-2 s, most of a 2 GiB pack or
-    shuffle's margin over `cp`; resume needs no completion markers there, since every task
+    datatrove's executor and starting its manager costs most of a 2 GiB pack's or shuffle's
+    margin over `cp` (BENCHMARKS.md, "Figures cited by the code"); resume needs no completion markers there, since every task
     skips outputs its own checksummed done-files record."""
     return config.in_process and config.executor == "local" and config.workers == 1 and config.logging_dir is None
 

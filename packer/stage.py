@@ -397,7 +397,7 @@ class _Stager:
     def _copy_in_kernel(self, fin, fout, rel: str) -> tuple[int, str]:
         """Local to local: `copy_file_range` moves the bytes inside the kernel (as `cp` does),
         and the hash reads the same source pages through a memory map, now in the page cache.
-        Saves the two user-space copies of read+write: about 1.3-2x faster on warm data."""
+        Saves the two user-space copies of read+write (BENCHMARKS.md, "Figures cited by the code")."""
         size = os.fstat(fin.fileno()).st_size
         h = xxhash.xxh3_128()
         if size == 0:

@@ -7,7 +7,7 @@ runs them, through the injected `run_passes`):
   it gathers each output chunk with `np.take(..., mode="clip")` on `np.void` row views and
   writes it. One read, one write. Mapping the page cache instead of `readinto` a private buffer
   avoids touching fresh anonymous memory, which is slow (BENCHMARKS.md, "Figures cited by the
-  code").
+  code": fresh memory).
 - out of core: a ScatterStep pass (tasks split by input range: runs of whole source shards)
   reads the sources sequentially and appends every row, with its output position g, to the
   file of its bucket (a contiguous output range that fits the per-task budget and never spans
@@ -297,7 +297,8 @@ class InMemoryStep(_Step):
         # over the tokens besides the gather.
         facts = RowFragments(plan.row_tokens)
         # Each shard's checksum is computed over the mapped bytes in a thread of its own (xxh3
-        # runs at about 25 GB/s and releases the GIL), and checked before anything is written.
+        # outruns the disk and releases the GIL: BENCHMARKS.md, "Figures cited by the code"), and
+        # checked before anything is written.
         with progress(sum(sp.windows for sp in plan.sources if sp.samples) * job.row_bytes,
                       f"epoch {plan.epoch}: read", enabled=job.show_progress) as read_bar, Worker() as helper, \
                 Worker() as hasher:
