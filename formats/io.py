@@ -426,5 +426,4 @@ class _NoBar:
     def update(self, n: int = 1) -> None:
         pass
 
-    def close(self) -> None:
-        pass
+    close = update

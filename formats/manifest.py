@@ -15,7 +15,7 @@ import numpy as np
 import xxhash
 
 from .errors import IncompleteError, TokpackError
-from .io import IO_BLOCK, fsync_dir, write_bytes_atomic
+from .io import IO_BLOCK, fsync_dir, iter_file_blocks, write_bytes_atomic
 
 FORMAT_NAME = "tokpack"
 FORMAT_VERSION = 1
@@ -105,11 +105,8 @@ def parse_metadata_text(text: str, path: str | Path) -> tuple[str, int, int]:
 def xxh3_128_file(path: str | Path, buf: bytearray | None = None) -> str:
     """Streaming xxh3_128 of a whole file, as 32 lowercase hex digits."""
     h = xxhash.xxh3_128()
-    buf = buf if buf is not None else bytearray(IO_BLOCK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
+    for block in iter_file_blocks(path, buf if buf is not None else bytearray(IO_BLOCK)):
+        h.update(block)
     return h.hexdigest()
 
 

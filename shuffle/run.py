@@ -217,7 +217,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
             if log:
                 log(f"epoch {plan.epoch}: {plan.samples} samples, in memory ({needed / 2**20:.1f} MiB of windows)")
             with _source_check(job, None):
-                run_passes([(InMemoryStep(job, memory), 1, f"{name}-inmemory", str(logs / "inmemory"))])
+                run_passes([(InMemoryStep(job, budget=memory), 1, f"{name}-inmemory", str(logs / "inmemory"))])
         else:
             budget = max(1, memory // workers)
             layout = make_layout(job, budget, tasks or workers)

@@ -253,11 +253,14 @@ class EpochJob:
 
 
 class _Step(PipelineStep):
+    """A pass over one epoch: its tasks share the job, the out-of-core layout (if any) and the
+    bytes each task may use beyond the interpreter."""
+
     type = "tokpack"
 
-    def __init__(self, job: EpochJob):
+    def __init__(self, job: EpochJob, layout: Layout | None = None, budget: int = 0):
         super().__init__()
-        self.job = job
+        self.job, self.layout, self.budget = job, layout, budget
         self._bar = None  # one bar for the whole pass, in the submitting process only
 
     def __getstate__(self):
@@ -278,10 +281,6 @@ class InMemoryStep(_Step):
     """One task: read every needed window once, then gather each shard in output order."""
 
     name = "shuffle in memory"
-
-    def __init__(self, job: EpochJob, budget: int):
-        super().__init__(job)
-        self.budget = budget  # bytes this task may use beyond the interpreter
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         job, plan = self.job, self.job.plan
@@ -405,11 +404,15 @@ class Layout:
     def task_done(self, t: int) -> Path:
         return Path(self.dir) / f"scatter-{t:05d}.json"
 
+    def bucket_file(self, t: int, b: int, ext: str) -> Path:
+        """Task t's rows (ext "rows") or their output positions ("pos") of bucket b."""
+        return self.task_dir(t) / f"b{b:07d}.{ext}"
+
     def holds_rows_of(self, i: int, row_bytes: int) -> bool:
         """Whether the bucket files still hold every row of output shard i (the order pass
         deletes them once the shard is written)."""
         for b in range(int(self.shard_buckets[i]), int(self.shard_buckets[i + 1])):
-            files = [self.task_dir(t) / f"b{b:07d}.rows" for t in range(self.tasks)]
+            files = [self.bucket_file(t, b, "rows") for t in range(self.tasks)]
             held = sum(os.path.getsize(f) for f in files if f.exists())
             if held != int(self.bucket_starts[b + 1] - self.bucket_starts[b]) * row_bytes:
                 return False
@@ -467,10 +470,6 @@ class ScatterStep(_Step):
 
     name = "shuffle scatter"
 
-    def __init__(self, job: EpochJob, layout: Layout):
-        super().__init__(job)
-        self.layout = layout
-
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         for t in range(rank, self.layout.tasks, world_size):
             self.scatter(t)
@@ -509,7 +508,7 @@ class ScatterStep(_Step):
                                 fr.close()
                                 fp.close()
                             files.clear()
-                        files[b] = (open(tdir / f"b{b:07d}.rows", "ab"), open(tdir / f"b{b:07d}.pos", "ab"))
+                        files[b] = tuple(open(lay.bucket_file(t, b, ext), "ab") for ext in ("rows", "pos"))
                         hashes.setdefault(b, (xxhash.xxh3_64(), xxhash.xxh3_64()))
                     rows_bytes, pos_bytes = memoryview(out[x:y]).cast("B"), g[x:y].astype("<i8").tobytes()
                     files[b][0].write(rows_bytes)
@@ -555,11 +554,6 @@ class OrderStep(_Step):
 
     name = "shuffle order"
 
-    def __init__(self, job: EpochJob, layout: Layout, budget: int):
-        super().__init__(job)
-        self.layout = layout
-        self.budget = budget
-
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         for i in range(rank, self.job.n_shards, world_size):
             self.order(i)
@@ -579,7 +573,7 @@ class OrderStep(_Step):
         for b in self._buckets(i):  # the shard is safe: its bucket files are no longer needed
             for t in range(lay.tasks):
                 for ext in ("rows", "pos"):
-                    (lay.task_dir(t) / f"b{b:07d}.{ext}").unlink(missing_ok=True)
+                    lay.bucket_file(t, b, ext).unlink(missing_ok=True)
 
     def _blocks(self, i, inv, ramp, ring, tmp):
         """Each bucket's files are mapped (no copy into fresh memory), placed by g through the
@@ -592,7 +586,7 @@ class OrderStep(_Step):
             start, n = int(lay.bucket_starts[b]), int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
             parts, positions = [], []
             for t in range(lay.tasks):
-                f = lay.task_dir(t) / f"b{b:07d}.rows"
+                f = lay.bucket_file(t, b, "rows")
                 if f.exists():
                     k = os.path.getsize(f) // job.row_bytes
                     rows = map_file(f, 0, os.path.getsize(f))
