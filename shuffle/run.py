@@ -95,16 +95,14 @@ def _params_of_manifest(m: dict) -> dict:
         "fingerprints": [s.get("fingerprint") for s in m.get("sources", [])],
         "weights": _weights_key(ws),
         "given_weights": ws,  # as the run wrote them
-        "seq_len": m.get("seq_len"),
-        "seed": m.get("seed"),
         "jitter": bool(m.get("jitter")),
-        "samples": m.get("samples"),
-        "shard_samples": m.get("shard_samples"),
+        **{key: m.get(key) for key in ("seq_len", "seed", "samples", "shard_samples")},
     }
 
 
 def _check_same_run(found: dict, wanted: dict, where: Path) -> None:
-    for key in ("fingerprints", "weights", "seq_len", "seed", "jitter", "samples", "shard_samples"):
+    """`wanted`: the _run_params of this invocation."""
+    for key in wanted:
         if found[key] != wanted[key]:
             raise TokpackError(
                 "output directory holds a different run", file=where, where=key, expected=wanted[key],
@@ -211,26 +209,22 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     try:
         layout = None
         if not shards_left:  # a rerun after every shard finished: only the manifest is missing
-            if log:
-                log(f"epoch {plan.epoch}: all {job.n_shards} shards already written; writing the manifest")
+            log(f"epoch {plan.epoch}: all {job.n_shards} shards already written; writing the manifest")
         elif in_memory:
-            if log:
-                log(f"epoch {plan.epoch}: {plan.samples} samples, in memory ({needed / 2**20:.1f} MiB of windows)")
+            log(f"epoch {plan.epoch}: {plan.samples} samples, in memory ({needed / 2**20:.1f} MiB of windows)")
             with _source_check(job, None):
                 run_passes([(InMemoryStep(job, budget=memory), 1, f"{name}-inmemory", str(logs / "inmemory"))])
         else:
             budget = max(1, memory // workers)
             layout = make_layout(job, budget, tasks or workers)
-            if log:
-                log(f"epoch {plan.epoch}: {plan.samples} samples, out of core ({needed / 2**20:.1f} MiB of windows, "
-                    f"{layout.tasks} scatter tasks, {len(layout.bucket_starts) - 1} buckets, {job.n_shards} shards)")
+            log(f"epoch {plan.epoch}: {plan.samples} samples, out of core ({needed / 2**20:.1f} MiB of windows, "
+                f"{layout.tasks} scatter tasks, {len(layout.bucket_starts) - 1} buckets, {job.n_shards} shards)")
             passes = [(ScatterStep(job, layout), layout.tasks, f"{name}-scatter", str(logs / "scatter")),
                       (OrderStep(job, layout, budget), job.n_shards, f"{name}-order", str(logs / "order"))]
             if all(layout.task_done(t).exists() for t in range(layout.tasks)):
                 if all(layout.holds_rows_of(i, job.row_bytes) for i in shards_left):
                     passes = passes[1:]  # a rerun after the scatter pass finished: no array of no-op tasks
-                    if log:
-                        log(f"epoch {plan.epoch}: scatter pass already done; {len(shards_left)} shards left to order")
+                    log(f"epoch {plan.epoch}: scatter pass already done; {len(shards_left)} shards left to order")
                 else:  # a written shard was lost after its bucket files went: scatter again
                     shutil.rmtree(layout.dir)
             try:
@@ -302,6 +296,7 @@ def shuffle_run(
     every epoch written and a warning per source an epoch repeats windows of (packer.api.shuffle
     takes URLs and returns it as a ShuffleResult)."""
     t0 = time.perf_counter()
+    log = log or (lambda line: None)
     if progress is None:
         progress = sys.stderr.isatty() and os.environ.get("TOKPACK_PROGRESS", "1") != "0"
     paths, weights = list(sources), list(weights or [None] * len(sources))
@@ -358,8 +353,7 @@ def shuffle_run(
             # A kill while the finished epoch's scratch was being removed leaves part of it.
             for stale in (out / WORK_DIR).glob(f"{epoch_dir_name(epoch)}-*"):
                 shutil.rmtree(stale, ignore_errors=True)
-            if log:
-                log(f"epoch {epoch}: already complete, skipped")
+            log(f"epoch {epoch}: already complete, skipped")
         else:
             summary = run_epoch(job, memory=memory, workers=workers, tasks=tasks, run_passes=run_passes, log=log)
             summary["sources"] = plan.source_report()
