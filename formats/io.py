@@ -183,8 +183,8 @@ def lent(use: str, nbytes: int, count: int = 1) -> Iterator[list[np.ndarray]]:
 class Worker:
     """The one pipelining idiom: a thread that runs the calls submitted to it in order while
     the caller goes on, with at most `depth` calls pending (a submit waits for the oldest), so
-    a ring of `depth + 1` buffers is enough. Use it as a context manager: leaving the block
-    waits for every pending call and raises the first failure."""
+    a ring of `depth + 1` buffers is enough. A failed call raises at a later submit or when
+    the `with` block ends, which waits for every pending call."""
 
     def __init__(self, depth: int | None = None):
         self.depth = depth  # None: no bound
@@ -192,8 +192,8 @@ class Worker:
         self._pool = ThreadPoolExecutor(1)
 
     def submit(self, fn, *args) -> Future:
-        while self.depth is not None and len(self.pending) >= self.depth:
-            self.pending.popleft().result()
+        while self.pending and (self.pending[0].done() or self.depth is not None and len(self.pending) >= self.depth):
+            self.pending.popleft().result()  # finished calls leave, so a long run holds no list of them
         self.pending.append(self._pool.submit(fn, *args))
         return self.pending[-1]
 
@@ -246,11 +246,7 @@ def tmp_path(final: str | Path) -> Path:
 
 def commit_file(tmp: str | Path, final: str | Path, fsync: bool = False) -> None:
     if fsync:
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(tmp)
     os.replace(tmp, final)
 
 
@@ -263,11 +259,16 @@ def write_bytes_atomic(path: str | Path, data: bytes, fsync: bool = False) -> No
 
 def fsync_dir(directory: str | Path) -> None:
     """Makes the renames into `directory` durable."""
-    fd = os.open(directory, os.O_RDONLY)
+    _fsync(directory, refusable=True)  # some filesystems refuse fsync on a directory; the renames are still atomic
+
+
+def _fsync(path: str | Path, refusable: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on a directory; the renames are still atomic
-        pass
+    except OSError:
+        if not refusable:
+            raise
     finally:
         os.close(fd)
 
