@@ -124,9 +124,11 @@ def main(size: int, quick: bool = False, workers: int = 2, work: Path | None = N
     rows = []
     try:
         src = make_source(tmp / "src", size)
-        from shuffle.engine import shuffle_run
+        from packer.executors import ExecutorConfig, pass_runner
+        from shuffle.run import shuffle_run
 
-        shuffle_run([str(src)], str(tmp / "run"), seq_len=SEQ_LEN, seed=0, epochs=[0], memory=max(size, 64 << 20))
+        shuffle_run([str(src)], str(tmp / "run"), seq_len=SEQ_LEN, seed=0, epochs=[0], memory=max(size, 64 << 20),
+                    run_passes=pass_runner(ExecutorConfig()))
         for label, path in (("packed source", src), ("epoch", tmp / "run")):
             nbytes = dir_bytes(path)
             variants = [["--workers", str(w)] for w in sorted({1, workers})] + [["--quick"]]

@@ -19,13 +19,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import TokpackError
+from .io import TMP_MARK, progress
 from .manifest import (
     MANIFEST,
     MANIFEST_FIELDS,
     SHARD_FIELDS,
     SOURCE_FIELDS,
     STAGE_SIDECAR,
-    TMP_MARK,
     canonical_bytes,
     dtype_for_vocab,
     dtype_from_name,
@@ -35,7 +35,6 @@ from .manifest import (
     fingerprint,
     hash_hex64,
     partial_stage_absent,
-    progress,
     read_manifest,
 )
 from .shard_scan import MASK64, Findings, Problem, ShardJob, type_ok, check_shard, problem_line, worst_status

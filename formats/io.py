@@ -1,18 +1,40 @@
-"""The I/O layer every stage reads through: read-until-full, reusable buffers a reader owns,
-and read-ahead (the one pipelining idiom: the next block is read in a thread while the caller
-works on this one)."""
+"""The I/O layer every stage reads and writes through: read-until-full, anonymous private
+mappings, reusable buffers a reader owns, memory-mapped reads, the one pipelining idiom
+(`Worker`: calls run in order in one thread, a bounded number ahead), atomic and O_DIRECT
+writes, and progress bars."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import mmap
 import os
-import queue
+import sys
 import threading
+import uuid
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+import xxhash
 
-_FREE_BUFFERS: dict = {}  # dtype -> [Buffer]: reusable buffers that no live reader holds
+from .errors import TokpackError
+
+# Reads and checksums stream through buffers of this size: large enough to keep the
+# disk busy, small enough that memory does not depend on file size.
+IO_BLOCK = 16 << 20
+TMP_MARK = ".tmp-"  # in the name of a file being written: never data, removed by the next run
+DIRECT_ALIGN = 4096  # O_DIRECT wants buffer address, length and file offset aligned to the block size
+DIRECT_STAGING = 4 << 20  # bytes staged for data that does not arrive aligned
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+
+_FREE_BUFFERS: dict = {}  # (use, dtype) -> [Buffer]: reusable buffers that no live reader holds
 _FREE_LOCK = threading.Lock()
+
+
+# ------------------------------------------------------------------------------ reads
 
 
 def read_full(f, view: memoryview, offset: int | None = None) -> int:
@@ -35,70 +57,374 @@ def sequential(f) -> None:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
 
+def iter_file_blocks(path: str | Path, buf: bytearray, offset: int = 0, length: int | None = None) -> Iterator[memoryview]:
+    """Sequential `readinto` over [offset, offset+length) of a file, reusing one buffer."""
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        remaining = length if length is not None else os.fstat(f.fileno()).st_size - offset
+        while remaining > 0:
+            n = f.readinto(view[: min(len(buf), remaining)])
+            if not n:
+                raise TokpackError(
+                    "file shorter than expected", file=path, where=f"byte {offset}", expected="more data", found="end of file"
+                )
+            remaining -= n
+            offset += n
+            yield view[:n]
+
+
+def map_file(path: Path, offset: int, length: int) -> np.ndarray:
+    """Bytes [offset, offset+length) of a file, memory-mapped read-only and read ahead in one
+    sequential sweep. Mapping the page cache costs no fresh memory, unlike a read into a buffer."""
+    if length <= 0:
+        return np.empty(0, dtype=np.uint8)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), offset + length - start, prot=mmap.PROT_READ, offset=start)
+    view = np.frombuffer(m, dtype=np.uint8)
+    if not _populate(view.ctypes.data, len(m)):  # older kernels: a sequential read fills the page cache
+        for _ in iter_file_blocks(path, bytearray(IO_BLOCK), offset, length):
+            pass
+    return view[offset - start : offset - start + length]
+
+
+def _load_madvise():
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
+
+
+_MADVISE = _load_madvise()
+
+
+def _populate(address: int, length: int) -> bool:
+    """MADV_POPULATE_READ: reads the mapping in with the kernel's read-ahead. Called through
+    ctypes, which releases the GIL for the second it takes (mmap.madvise holds it), so other
+    threads work on the parts already read."""
+    return _MADVISE is not None and _MADVISE(address, length, MADV_POPULATE_READ) == 0
+
+
+# ---------------------------------------------------------------------------- buffers
+
+
+def anonymous(nbytes: int) -> np.ndarray:
+    """A zero-filled uint8 buffer backed by an anonymous private mapping, with transparent huge
+    pages requested: first-touch page faults cost less than on plain 4 KiB pages (BENCHMARKS.md,
+    "Figures cited by the code": huge pages)."""
+    # MAP_PRIVATE: Python's default for anonymous maps is MAP_SHARED, which a forked worker
+    # would share with its parent, and the two would overwrite each other's bytes.
+    m = mmap.mmap(-1, max(int(nbytes), 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return np.frombuffer(m, dtype=np.uint8)
+
+
 class Buffer:
     """One reusable buffer that grows only when asked for more than it holds."""
 
-    def __init__(self, dtype: np.dtype):
+    def __init__(self, dtype: np.dtype, use: str = ""):
         self.dtype = np.dtype(dtype)  # element type of the views handed out
+        self.use = use  # what it holds: the pool keeps buffers of one use together
         self.array = np.empty(0, self.dtype)  # the storage, reused from block to block
 
     def ensure(self, n: int) -> np.ndarray:
         if len(self.array) < n:
-            self.array = np.empty(max(n, 2 * len(self.array)), self.dtype)
+            self.array = anonymous(max(n, 2 * len(self.array)) * self.dtype.itemsize).view(self.dtype)
         return self.array
 
 
-def take_buffer(dtype: np.dtype) -> Buffer:
+def take_buffer(dtype: np.dtype, use: str = "") -> Buffer:
     """A buffer the caller owns until it gives it back: two live readers never share one, and
-    work done file after file reuses the same pages instead of touching new memory."""
+    work done file after file (or task after task) reuses the same pages instead of touching
+    new memory, which is slow (BENCHMARKS.md, "Figures cited by the code": fresh memory)."""
     with _FREE_LOCK:
-        free = _FREE_BUFFERS.get(np.dtype(dtype).str)
+        free = _FREE_BUFFERS.get((use, np.dtype(dtype).str))
         if free:
             return free.pop()
-    return Buffer(dtype)
+    return Buffer(dtype, use)
 
 
 def give_buffers(buffers) -> None:
     with _FREE_LOCK:
         for b in buffers:
-            _FREE_BUFFERS.setdefault(b.dtype.str, []).append(b)
+            _FREE_BUFFERS.setdefault((b.use, b.dtype.str), []).append(b)
+
+
+def drop_buffers(*uses: str) -> None:
+    """Frees the pooled buffers of these uses, so work that needs them no more (another pass
+    run in the same process) does not hold their memory on top of its own."""
+    with _FREE_LOCK:
+        for key in [k for k in _FREE_BUFFERS if k[0] in uses]:
+            del _FREE_BUFFERS[key]
+
+
+@contextlib.contextmanager
+def lent(use: str, nbytes: int, count: int = 1) -> Iterator[list[np.ndarray]]:
+    """`count` uint8 buffers of `nbytes` each from the pool, given back when the block ends."""
+    owned = [take_buffer(np.uint8, use) for _ in range(count)]
+    try:
+        yield [b.ensure(nbytes)[: max(int(nbytes), 1)] for b in owned]
+    finally:
+        give_buffers(owned)
+
+
+# ------------------------------------------------------------------------- pipelining
+
+
+class Worker:
+    """The one pipelining idiom: a thread that runs the calls submitted to it in order while
+    the caller goes on, with at most `depth` calls pending (a submit waits for the oldest), so
+    a ring of `depth + 1` buffers is enough. A failed call raises at a later submit or when
+    the `with` block ends, which waits for every pending call."""
+
+    def __init__(self, depth: int | None = None):
+        self.depth = depth  # None: no bound
+        self.pending: deque[Future] = deque()  # submitted calls, oldest first
+        self._pool = ThreadPoolExecutor(1)
+
+    def submit(self, fn, *args) -> Future:
+        while self.pending and (self.pending[0].done() or self.depth is not None and len(self.pending) >= self.depth):
+            self.pending.popleft().result()  # finished calls leave, so a long run holds no list of them
+        self.pending.append(self._pool.submit(fn, *args))
+        return self.pending[-1]
+
+    def drain(self) -> None:
+        while self.pending:
+            self.pending.popleft().result()
+
+    def __enter__(self) -> "Worker":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> bool:
+        try:
+            if exc_type is None:
+                self.drain()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)
+        return False
 
 
 def read_ahead(plan, fill, slots: list) -> Iterator[tuple]:
-    """Reads block k+1 in a thread while the caller checks, hashes and writes block k, so the
+    """Reads block k+1 in a Worker while the caller checks, hashes and writes block k, so the
     disk never waits for the CPU (file reads release the GIL). `plan` yields (n, meta);
     `fill(slot, n, meta)` reads n items into one of the `slots` (reused buffers) and returns
     the views. Yields (views, meta) in plan order; a view is valid until the next item."""
-    free: queue.Queue = queue.Queue()
-    ready: queue.Queue = queue.Queue()
-    for slot in slots:
-        free.put(slot)
-    stop = threading.Event()
+    plan = iter(plan)
+    with Worker() as reader:
+        queued: deque = deque()  # (slot, its read, meta), oldest first
 
-    def worker():
-        try:
-            for n, meta in plan:
-                slot = free.get()
-                if stop.is_set():
-                    return
-                ready.put((slot, fill(slot, n, meta), meta))
-            ready.put(None)
-        except BaseException as e:  # handed to the caller, raised there
-            ready.put(e)
+        def read_next(slot) -> None:
+            item = next(plan, None)
+            if item is not None:
+                queued.append((slot, reader.submit(fill, slot, *item), item[1]))
 
-    thread = threading.Thread(target=worker, name="tokpack-read-ahead", daemon=True)
-    thread.start()
+        for slot in slots:
+            read_next(slot)
+        while queued:
+            slot, views, meta = queued.popleft()
+            yield views.result(), meta
+            read_next(slot)
+
+
+# ----------------------------------------------------------------------------- writes
+
+
+def tmp_path(final: str | Path) -> Path:
+    """A sibling name no reader treats as data (it does not end in .ds or .json)."""
+    final = Path(final)
+    return final.with_name(f"{final.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def commit_file(tmp: str | Path, final: str | Path, fsync: bool = False) -> None:
+    if fsync:
+        _fsync(tmp)
+    os.replace(tmp, final)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes, fsync: bool = False) -> None:
+    tmp = tmp_path(path)
+    with open(tmp, "wb") as f:
+        f.write(data)
+    commit_file(tmp, path, fsync=fsync)
+
+
+def fsync_dir(directory: str | Path) -> None:
+    """Makes the renames into `directory` durable."""
+    _fsync(directory, refusable=True)  # some filesystems refuse fsync on a directory; the renames are still atomic
+
+
+def _fsync(path: str | Path, refusable: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        while True:
-            item = ready.get()
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            slot, views, meta = item
-            yield views, meta
-            free.put(slot)
+        os.fsync(fd)
+    except OSError:
+        if not refusable:
+            raise
     finally:
-        stop.set()
-        free.put(None)  # wakes a worker waiting for a free slot
-        thread.join()
+        os.close(fd)
+
+
+def remove_tmp_files(directory: str | Path) -> None:
+    """Leftovers of a killed run: never data, safe to delete."""
+    directory = Path(directory)
+    if directory.is_dir():
+        for p in directory.iterdir():
+            if TMP_MARK in p.name and p.is_file():
+                p.unlink(missing_ok=True)
+
+
+class DurableFile:
+    """A file written under a temporary name, hashed as it goes, and fsync'd and renamed on
+    commit: once committed, it survives a crash.
+
+    `direct=True` (for shard data, written once in large pieces) writes with O_DIRECT: the
+    disk reads the bytes straight from our buffers. Buffered writes first copy every byte into
+    freshly allocated page-cache pages and only reach the disk at fsync, which takes about twice
+    as long, and starting writeback early with sync_file_range does not help (BENCHMARKS.md,
+    "Figures cited by the code": O_DIRECT shard writes). Data that arrives at an unaligned
+    address is copied through a small staging buffer; the last partial block is written padded
+    and the file truncated to its length. Filesystems without O_DIRECT (tmpfs) get buffered
+    writes."""
+
+    def __init__(self, final: str | Path, direct: bool = False):
+        self.final = Path(final)  # the name it gets on commit
+        self.tmp = tmp_path(final)  # the name it is written under
+        self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # None once closed
+        self.hash = xxhash.xxh3_128()  # of every byte written
+        self.bytes = 0  # written so far (the file may hold fewer until commit, see _staged)
+        self._staging: memoryview | None = None  # O_DIRECT only: the unaligned tail, not yet written
+        self._staged = 0  # bytes in _staging
+        try:
+            self.direct = bool(direct) and _set_direct(self.fd, True)  # O_DIRECT in effect
+            if self.direct:
+                self._staging = memoryview(anonymous(DIRECT_STAGING))
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        self.hash.update(mv)
+        self.bytes += mv.nbytes
+        if self._staging is None:
+            self._write_all(mv)
+            return
+        if self._staged:  # top the staging block up first: the file offset is unaligned until it is written
+            take = min(mv.nbytes, DIRECT_STAGING - self._staged)
+            self._staging[self._staged : self._staged + take] = mv[:take]
+            self._staged += take
+            mv = mv[take:]
+            if self._staged == DIRECT_STAGING:
+                self._write_all(self._staging)
+                self._staged = 0
+        if mv.nbytes >= DIRECT_ALIGN and _address(mv) % DIRECT_ALIGN == 0:
+            k = mv.nbytes - mv.nbytes % DIRECT_ALIGN
+            self._write_all(mv[:k])
+            mv = mv[k:]
+        while mv.nbytes:
+            take = min(mv.nbytes, DIRECT_STAGING)
+            self._staging[:take] = mv[:take]
+            self._staged = take
+            mv = mv[take:]
+            if take == DIRECT_STAGING:
+                self._write_all(self._staging)
+                self._staged = 0
+
+    def _write_all(self, mv: memoryview) -> None:
+        while mv.nbytes:
+            try:
+                n = os.write(self.fd, mv)
+            except OSError as e:
+                if e.errno != errno.EINVAL or self._staging is None:
+                    raise
+                _set_direct(self.fd, False)  # this filesystem takes O_DIRECT at open but not at write
+                self.direct = False
+                n = os.write(self.fd, mv)
+            mv = mv[n:]
+
+    def commit(self) -> str:
+        """Returns the xxh3_128 hex digest."""
+        if self._staged:
+            pad = -self._staged % DIRECT_ALIGN
+            self._staging[self._staged : self._staged + pad] = bytes(pad)
+            self._write_all(self._staging[: self._staged + pad])
+            os.ftruncate(self.fd, self.bytes)
+            self._staged = 0
+        os.fdatasync(self.fd)
+        self._close()
+        os.replace(self.tmp, self.final)
+        return self.hash.hexdigest()
+
+    def _close(self) -> None:
+        fd, self.fd, self._staging = self.fd, None, None
+        if fd is not None:
+            os.close(fd)
+
+    def abort(self) -> None:
+        """Closes and deletes the temporary file; safe after a failed write or commit."""
+        self._close()
+        Path(self.tmp).unlink(missing_ok=True)
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turns O_DIRECT on or off for an open file; False where the OS or filesystem refuses."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    import fcntl
+
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+    except OSError:
+        return False
+    return True
+
+
+def _address(mv: memoryview) -> int:
+    return np.frombuffer(mv, dtype=np.uint8).ctypes.data if mv.nbytes else 0
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def progress(total: int | None, desc: str, unit: str = "B", enabled: bool | None = None):
+    """A tqdm bar on a terminal, silent otherwise (CI logs, --json)."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=True,
+        unit_divisor=1024 if unit == "B" else 1000,
+        leave=False,
+        file=sys.stderr,
+    )
+
+
+class _NoBar:
+    """What a disabled bar does, without importing tqdm (BENCHMARKS.md, "Figures cited by the code": tqdm import)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    close = update

@@ -1,4 +1,4 @@
-"""On-disk format v1: names, dtypes, checksums, atomic writes, and every manifest kind (source,
+"""On-disk format v1: names, dtypes, checksums, and every manifest kind (source,
 epoch, run, the partial-stage sidecar): its field table, builder, checker and canonical bytes.
 
 docs/FORMAT.md is the specification; this module is its single implementation.
@@ -6,12 +6,8 @@ docs/FORMAT.md is the specification; this module is its single implementation.
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import re
-import sys
-import uuid
 from pathlib import Path
 from typing import Iterator
 
@@ -19,16 +15,13 @@ import numpy as np
 import xxhash
 
 from .errors import IncompleteError, TokpackError
+from .io import IO_BLOCK, fsync_dir, iter_file_blocks, write_bytes_atomic
 
 FORMAT_NAME = "tokpack"
 FORMAT_VERSION = 1
 MANIFEST = "tokpack.json"
 KINDS = ("source", "run", "epoch")
 SHARD_NAME_DIGITS = 5
-# Reads and checksums stream through buffers of this size: large enough to keep the
-# disk busy, small enough that memory does not depend on file size.
-IO_BLOCK = 16 << 20
-TMP_MARK = ".tmp-"
 # Written by `tokpack stage --ranks` at a run copy's root: which shards it left out.
 STAGE_SIDECAR = "tokpack-stage.json"
 
@@ -112,11 +105,8 @@ def parse_metadata_text(text: str, path: str | Path) -> tuple[str, int, int]:
 def xxh3_128_file(path: str | Path, buf: bytearray | None = None) -> str:
     """Streaming xxh3_128 of a whole file, as 32 lowercase hex digits."""
     h = xxhash.xxh3_128()
-    buf = buf if buf is not None else bytearray(IO_BLOCK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
+    for block in iter_file_blocks(path, buf if buf is not None else bytearray(IO_BLOCK)):
+        h.update(block)
     return h.hexdigest()
 
 
@@ -153,174 +143,6 @@ def fingerprint(shard_checksums: list[str], dtype: str, vocab_size: int, eos_id:
     for c in shard_checksums:
         h.update(c.encode() + b"|")
     return h.hexdigest()
-
-
-# --------------------------------------------------------------------- atomic writes
-
-
-def tmp_path(final: str | Path) -> Path:
-    """A sibling name no reader treats as data (it does not end in .ds or .json)."""
-    final = Path(final)
-    return final.with_name(f"{final.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
-def commit_file(tmp: str | Path, final: str | Path, fsync: bool = False) -> None:
-    if fsync:
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    os.replace(tmp, final)
-
-
-def write_bytes_atomic(path: str | Path, data: bytes, fsync: bool = False) -> None:
-    tmp = tmp_path(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-    commit_file(tmp, path, fsync=fsync)
-
-
-def fsync_dir(directory: str | Path) -> None:
-    """Makes the renames into `directory` durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on a directory; the renames are still atomic
-        pass
-    finally:
-        os.close(fd)
-
-
-DIRECT_ALIGN = 4096  # O_DIRECT wants buffer address, length and file offset aligned to the block size
-DIRECT_STAGING = 4 << 20  # bytes staged for data that does not arrive aligned
-
-
-def _aligned_buffer(nbytes: int) -> memoryview:
-    import mmap
-
-    # MAP_PRIVATE: an anonymous map is MAP_SHARED by default, and a forked worker would share it
-    return memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
-
-
-class DurableFile:
-    """A file written under a temporary name, hashed as it goes, and fsync'd and renamed on
-    commit: once committed, it survives a crash.
-
-    `direct=True` (for shard data, written once in large pieces) writes with O_DIRECT: the
-    disk reads the bytes straight from our buffers. Buffered writes first copy every byte into
-    freshly allocated page-cache pages and only reach the disk at fsync; measured here on
-    2 GiB, 0.7-1.0 s direct against 1.8-2.0 s buffered, fsync included. Data that arrives at
-    an unaligned address is copied through a small staging buffer; the last partial block is
-    written padded and the file truncated to its length. Filesystems without O_DIRECT (tmpfs)
-    get buffered writes. (Starting writeback early with sync_file_range instead measured slower
-    than one fdatasync at the end.)"""
-
-    def __init__(self, final: str | Path, direct: bool = False):
-        self.final = Path(final)  # the name it gets on commit
-        self.tmp = tmp_path(final)  # the name it is written under
-        self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # None once closed
-        self.hash = xxhash.xxh3_128()  # of every byte written
-        self.bytes = 0  # written so far (the file may hold fewer until commit, see _staged)
-        self._staging: memoryview | None = None  # O_DIRECT only: the unaligned tail, not yet written
-        self._staged = 0  # bytes in _staging
-        try:
-            self.direct = bool(direct) and _set_direct(self.fd, True)  # O_DIRECT in effect
-            if self.direct:
-                self._staging = _aligned_buffer(DIRECT_STAGING)
-        except BaseException:
-            self.abort()
-            raise
-
-    def write(self, data) -> None:
-        mv = memoryview(data).cast("B")
-        self.hash.update(mv)
-        self.bytes += mv.nbytes
-        if self._staging is None:
-            self._write_all(mv)
-            return
-        if self._staged:  # top the staging block up first: the file offset is unaligned until it is written
-            take = min(mv.nbytes, DIRECT_STAGING - self._staged)
-            self._staging[self._staged : self._staged + take] = mv[:take]
-            self._staged += take
-            mv = mv[take:]
-            if self._staged == DIRECT_STAGING:
-                self._write_all(self._staging)
-                self._staged = 0
-        if mv.nbytes >= DIRECT_ALIGN and _address(mv) % DIRECT_ALIGN == 0:
-            k = mv.nbytes - mv.nbytes % DIRECT_ALIGN
-            self._write_all(mv[:k])
-            mv = mv[k:]
-        while mv.nbytes:
-            take = min(mv.nbytes, DIRECT_STAGING)
-            self._staging[:take] = mv[:take]
-            self._staged = take
-            mv = mv[take:]
-            if take == DIRECT_STAGING:
-                self._write_all(self._staging)
-                self._staged = 0
-
-    def _write_all(self, mv: memoryview) -> None:
-        while mv.nbytes:
-            try:
-                n = os.write(self.fd, mv)
-            except OSError as e:
-                if e.errno != errno.EINVAL or self._staging is None:
-                    raise
-                _set_direct(self.fd, False)  # this filesystem takes O_DIRECT at open but not at write
-                self.direct = False
-                n = os.write(self.fd, mv)
-            mv = mv[n:]
-
-    def commit(self) -> str:
-        """Returns the xxh3_128 hex digest."""
-        if self._staged:
-            pad = -self._staged % DIRECT_ALIGN
-            self._staging[self._staged : self._staged + pad] = bytes(pad)
-            self._write_all(self._staging[: self._staged + pad])
-            os.ftruncate(self.fd, self.bytes)
-            self._staged = 0
-        os.fdatasync(self.fd)
-        self._close()
-        os.replace(self.tmp, self.final)
-        return self.hash.hexdigest()
-
-    def _close(self) -> None:
-        fd, self.fd, self._staging = self.fd, None, None
-        if fd is not None:
-            os.close(fd)
-
-    def abort(self) -> None:
-        """Closes and deletes the temporary file; safe after a failed write or commit."""
-        self._close()
-        Path(self.tmp).unlink(missing_ok=True)
-
-
-def _set_direct(fd: int, on: bool) -> bool:
-    """Turns O_DIRECT on or off for an open file; False where the OS or filesystem refuses."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    import fcntl
-
-    try:
-        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
-    except OSError:
-        return False
-    return True
-
-
-def _address(mv: memoryview) -> int:
-    return np.frombuffer(mv, dtype=np.uint8).ctypes.data if mv.nbytes else 0
-
-
-def remove_tmp_files(directory: str | Path) -> None:
-    """Leftovers of a killed run: never data, safe to delete."""
-    directory = Path(directory)
-    if directory.is_dir():
-        for p in directory.iterdir():
-            if TMP_MARK in p.name and p.is_file():
-                p.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------ manifest fields
@@ -558,41 +380,3 @@ def partial_stage_absent(run_dir: Path) -> dict[str, str]:
     except (ValueError, KeyError, TypeError, AttributeError):
         raise TokpackError("unreadable partial-stage sidecar", file=sidecar,
                            hint="stage the directory again") from None
-
-
-# ------------------------------------------------------------------------ progress
-
-
-def progress(total: int | None, desc: str, unit: str = "B", enabled: bool | None = None):
-    """A tqdm bar on a terminal, silent otherwise (CI logs, --json)."""
-    from tqdm import tqdm
-
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit=unit,
-        unit_scale=True,
-        unit_divisor=1024 if unit == "B" else 1000,
-        disable=not enabled,
-        leave=False,
-        file=sys.stderr,
-    )
-
-
-def iter_file_blocks(path: str | Path, buf: bytearray, offset: int = 0, length: int | None = None) -> Iterator[memoryview]:
-    """Sequential `readinto` over [offset, offset+length) of a file, reusing one buffer."""
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        f.seek(offset)
-        remaining = length if length is not None else os.fstat(f.fileno()).st_size - offset
-        while remaining > 0:
-            n = f.readinto(view[: min(len(buf), remaining)])
-            if not n:
-                raise TokpackError(
-                    "file shorter than expected", file=path, where=f"byte {offset}", expected="more data", found="end of file"
-                )
-            remaining -= n
-            offset += n
-            yield view[:n]

@@ -25,7 +25,7 @@ from .shards import U64
 
 MASK64 = 0xFFFFFFFFFFFFFFFF
 MAX_METADATA = 1 << 16
-# Read block: smaller than formats.manifest.IO_BLOCK, and it keeps a cold read pipelined best
+# Read block: smaller than formats.io.IO_BLOCK, and it keeps a cold read pipelined best
 # with the read-ahead thread (BENCHMARKS.md, "validate").
 BLOCK = 2 << 20
 

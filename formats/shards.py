@@ -17,15 +17,8 @@ import xxhash
 
 from .errors import TokpackError
 from .io import read_full, sequential
-from .manifest import (
-    DurableFile,
-    dtype_from_name,
-    metadata_text,
-    multiset_hash_rows,
-    read_manifest,
-    row_hashes,
-    write_bytes_atomic,
-)
+from .io import DurableFile, write_bytes_atomic
+from .manifest import dtype_from_name, metadata_text, multiset_hash_rows, read_manifest, row_hashes
 
 U64 = np.dtype("<u8")  # .ds.index entries
 SHARD_SUFFIXES = ("", ".index", ".metadata", ".loss")  # the files of one shard, after its name

@@ -108,7 +108,7 @@ def shuffle(sources, output: PathLike, *, seq_len: int, seed: int, epochs: int |
     directory `output`. `sources`: a path or URL, a list of them, or a mapping path -> weight
     (a number, or text such as "1/3"). `epochs`: a count (epochs 0..N-1) or the epoch numbers."""
     from packer.executors import local_paths, pass_runner
-    from shuffle.engine import shuffle_run
+    from shuffle.run import shuffle_run
 
     config = executor or ExecutorConfig()
     paths, weights = _weighted(sources)

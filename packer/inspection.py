@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from formats.errors import TokpackError
-from formats.manifest import dtype_from_name, epoch_dir_name, progress, read_manifest
+from formats.io import progress
+from formats.manifest import dtype_from_name, epoch_dir_name, read_manifest
 from formats.shards import U64, PackedSource
 from packer.api import Result, optional_field
 

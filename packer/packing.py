@@ -32,16 +32,14 @@ from formats.errors import TokpackError
 from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, locked_output
 from formats.inputs import BLOCK_BYTES, InputFile
 from formats.inputs.discover import check_input, discover, read_blocks
+from formats.io import TMP_MARK, progress, write_bytes_atomic
 from formats.manifest import (
     MANIFEST,
-    TMP_MARK,
     dtype_for_vocab,
-    progress,
     read_manifest,
     shard_digits,
     shard_name,
     source_manifest,
-    write_bytes_atomic,
     write_manifest,
 )
 from formats.shards import SHARD_SUFFIXES, PackedSource, SourceShardWriter, shard_on_disk

@@ -36,16 +36,13 @@ from formats.errors import TokpackError
 from formats.guard import check_space, locked_output
 from formats.io import give_buffers, take_buffer
 from formats.reader import EpochNumbering, shuffle_command
+from formats.io import commit_file, progress, remove_tmp_files, tmp_path
 from formats.manifest import (
     MANIFEST,
     STAGE_SIDECAR,
-    commit_file,
     epoch_dir_name,
     parse_manifest,
-    progress,
-    remove_tmp_files,
     stage_sidecar,
-    tmp_path,
     upgrade,
     write_manifest,
 )

@@ -18,7 +18,7 @@
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 EQUIVALENT="$REPO/scripts/mutation-equivalent.txt"
-MODULES=(shuffle/plan.py shuffle/permutation.py shuffle/engine.py formats/reader.py formats/shard_scan.py formats/dir_checks.py
+MODULES=(shuffle/plan.py shuffle/permutation.py shuffle/steps.py formats/reader.py formats/shard_scan.py formats/dir_checks.py
          formats/inputs/discover.py formats/inputs/datatrove_ds.py formats/inputs/megatron_bin.py
          formats/inputs/tables.py formats/inputs/npy_raw.py formats/inputs/jsonl.py)
 CI_TESTS='["tests/test_permutation_golden.py"]'
@@ -53,13 +53,13 @@ cd "$WORK"
 declare -A TESTS=(
   [shuffle/permutation.py]='["tests/test_permutation_golden.py", "tests/test_plan_golden.py"]'
   [shuffle/plan.py]='["tests/test_plan_golden.py", "tests/test_permutation_golden.py"]'
-  [shuffle/engine.py]='["tests/test_engine_placement.py", "tests/test_shuffle.py", "tests/test_shuffle_integrity.py", "--deselect", "tests/test_shuffle.py::test_peak_memory_stays_within_budget_for_10x_data"]'
+  [shuffle/steps.py]='["tests/test_engine_placement.py", "tests/test_shuffle.py", "tests/test_shuffle_integrity.py", "--deselect", "tests/test_shuffle.py::test_peak_memory_stays_within_budget_for_10x_data"]'
   [formats/reader.py]='["tests/test_reader.py", "tests/test_resume.py"]'
   [formats/shard_scan.py]='["tests/test_validate.py"]'
   [formats/dir_checks.py]='["tests/test_validate.py"]'
   [formats/inputs/]='["tests/test_pack.py"]'  # every module of the package
 )
-declare -A FUNCTIONS=([shuffle/engine.py]="*ǁgather__* *ǁinput_segments__* *ǁholds_rows_of__* *x_make_layout__* *ǁscatter__* *ǁorder__* *ǁ_blocks__* *x_source_rows__*")
+declare -A FUNCTIONS=([shuffle/steps.py]="*ǁgather__* *ǁinput_segments__* *ǁholds_rows_of__* *x_make_layout__* *ǁscatter__* *ǁorder__* *ǁ_blocks__* *x_source_rows__*")
 
 if [ "$mode" = ci ]; then targets=(shuffle/permutation.py); elif [ -n "$only" ]; then targets=("$only"); else targets=("${MODULES[@]}"); fi
 all_names=()

@@ -32,7 +32,8 @@ import numpy as np
 
 from formats.errors import TokpackError
 from formats.io import read_ahead
-from formats.manifest import IO_BLOCK, hash_hex64, row_hash
+from formats.io import IO_BLOCK
+from formats.manifest import hash_hex64, row_hash
 from formats.shards import PackedSource
 
 from .permutation import Bijection, derive_key

@@ -31,6 +31,15 @@ def require(module: str, install_hint: str):
         pytest.skip(f"{module} is not installed ({install_hint})")
 
 
+def shuffle_run(*args, **kw):
+    """shuffle.run.shuffle_run with the runner packer.api.shuffle gives it for a default
+    ExecutorConfig (every rank in this process), for tests that call the engine directly."""
+    from packer.executors import ExecutorConfig, pass_runner
+    from shuffle.run import shuffle_run as run
+
+    return run(*args, run_passes=kw.pop("run_passes", None) or pass_runner(ExecutorConfig()), **kw)
+
+
 EOS_TOKEN = "<|endoftext|>"
 WORDS = (
     "the of and to in is was for on that with as by at from his her they were this which be are an "

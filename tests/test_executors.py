@@ -106,7 +106,7 @@ KILLER = textwrap.dedent(
     sys.path.insert(0, {root!r})
     from datatrove.pipeline.base import PipelineStep
     from packer.executors import ExecutorConfig, pass_runner
-    from shuffle.engine import shuffle_run
+    from shuffle.run import shuffle_run
 
     class KillMidway(PipelineStep):
         # Runs the wrapped step; in rank {rank} SIGKILLs the whole process right after the
@@ -271,7 +271,7 @@ def test_forked_workers_do_not_share_buffers(source, reference, tmp_path):
     those are private mappings, so two workers never write into each other's rows."""
     from datatrove.executor import LocalPipelineExecutor
 
-    from shuffle.engine import shuffle_run
+    from shuffle.run import shuffle_run
 
     def forked(passes):
         for step, tasks, job_name, logging_dir in passes:

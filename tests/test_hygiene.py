@@ -19,7 +19,8 @@ from click.testing import CliRunner
 
 from conftest import EOS_TOKEN, random_docs, write_source
 from formats.inputs.discover import discover, read_blocks
-from formats.manifest import MANIFEST, TMP_MARK
+from formats.io import TMP_MARK
+from formats.manifest import MANIFEST
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -112,7 +113,7 @@ def test_stage_fsyncs_each_directory_after_its_manifest(tmp_path):
     of its directory, so the manifest (what makes the copy complete) survives a power loss."""
     if shutil.which("strace") is None:
         pytest.skip("strace is not installed")
-    from shuffle.engine import shuffle_run
+    from conftest import shuffle_run
 
     src = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 60, 1000, 0), docs_per_shard=20)
     shuffle_run([str(src)], str(tmp_path / "run"), seq_len=31, seed=1, epochs=[0, 1], shard_samples=50,

@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import random_docs, write_source
+from conftest import random_docs, shuffle_run, write_source
 from formats.errors import TokpackError
 from formats.manifest import MANIFEST, epoch_dir_name
 from packer.cli import main
 from packer.inspection import LengthHistogram, report_lines
 from packer.inspection import inspect as inspect_dir
-from shuffle.engine import shuffle_run
 
 L = 31  # seq_len: samples of 32 tokens
 BATCH = 16

@@ -27,12 +27,12 @@ SHUFFLE = ["--seq-len", "127", "--seed", "1", "--epochs", "1"]
 # its lock: the test then acts while it is provably mid-run, with no timing guesses.
 PAUSED = """
 import os, signal, sys
-import shuffle.engine as engine
-run_epoch = engine.run_epoch
+import shuffle.run
+run_epoch = shuffle.run.run_epoch
 def paused(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGSTOP)
     return run_epoch(*args, **kwargs)
-engine.run_epoch = paused
+shuffle.run.run_epoch = paused
 from packer.cli import main
 main()
 """
@@ -338,7 +338,7 @@ def test_inspect_of_a_non_increasing_index_is_one_line(sources, tmp_path):
 def test_a_bug_in_tokpack_exits_2_with_its_traceback_in_a_log(sources, tmp_path):
     small, _ = sources
     out = tmp_path / "run"
-    code = BUGGY.format(module="shuffle.engine", name="open_sources", exc="KeyError")
+    code = BUGGY.format(module="shuffle.run", name="open_sources", exc="KeyError")
     r = tokpack(tmp_path, "shuffle", small, "-o", out, "--seq-len", "63", "--seed", "1", "--epochs", "1", "--json",
                 code=code)
     assert r.returncode == 2

@@ -7,8 +7,9 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
-from formats.io import give_buffers, read_full, take_buffer
+from formats.io import Worker, drop_buffers, give_buffers, lent, read_full, take_buffer
 
 
 def test_read_full_waits_through_short_reads_and_stops_at_end_of_file():
@@ -56,3 +57,29 @@ def test_a_taken_buffer_is_never_handed_out_twice_and_comes_back_after_give():
     assert again is a and len(again.ensure(10)) >= 1000  # the same pages, not fresh memory
     assert take_buffer(np.uint32) is not a
     give_buffers([again, b])
+
+
+def test_worker_runs_calls_in_order_waits_for_the_oldest_beyond_its_depth_and_raises_a_failure():
+    gate, done = threading.Event(), []
+    with Worker(2) as worker:
+        worker.submit(gate.wait)
+        worker.submit(done.append, 1)
+        threading.Timer(0.2, gate.set).start()
+        worker.submit(done.append, 2)  # two pending: waits until the first (the gate) has run
+        assert gate.is_set() and len(worker.pending) <= 2
+    assert done == [1, 2]
+    with pytest.raises(ZeroDivisionError):
+        with Worker() as worker:
+            worker.submit(lambda: 1 / 0)
+
+
+def test_pooled_buffers_of_one_use_stay_apart_from_others_and_are_dropped_together():
+    with lent("test-use-a", 1000, 2) as (x, y):
+        assert len(x) == len(y) == 1000 and x.ctypes.data != y.ctypes.data
+        x[:], y[:] = 1, 1
+    a = take_buffer(np.uint8, "test-use-a")
+    assert a.ensure(1000)[0] == 1  # given back when the block ended: the same pages again
+    give_buffers([a])
+    assert take_buffer(np.uint8, "test-use-b") is not a
+    drop_buffers("test-use-a")
+    assert take_buffer(np.uint8, "test-use-a") is not a

@@ -47,7 +47,7 @@ def test_bench_scripts_see_the_project_packages(script):
     would hide the shuffle package; each script must take bench/ off the path itself."""
     code = (f"import runpy, sys; sys.path[0] = {str(REPO / 'bench')!r}\n"
             f"runpy.run_path({str(REPO / 'bench' / script)!r}, run_name='bench_script')\n"
-            "import packer.cli, packer.executors, shuffle.engine, formats.dir_checks")
+            "import packer.cli, packer.executors, shuffle.run, formats.dir_checks")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO / "bench")
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -64,7 +64,7 @@ def test_require_skips_only_for_an_absent_tool(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="no_such_dependency_4f2a"):
         require("broken_tool_4f2a", "pip install broken-tool")
-    for module in ("shuffle.engine", "formats"):
+    for module in ("shuffle.run", "formats"):
         with pytest.raises(ValueError, match="part of tokpack"):
             require(module, "")
     assert require("numpy", "pip install numpy").__name__ == "numpy"

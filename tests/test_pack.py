@@ -821,10 +821,10 @@ def test_durable_file_writes_exact_bytes(tmp_path, monkeypatch, where, pieces, s
     buffer is shrunk to 16 KiB so that small pieces cross it."""
     import xxhash
 
-    from formats import manifest
-    from formats.manifest import DurableFile
+    from formats import io
+    from formats.io import DurableFile
 
-    monkeypatch.setattr(manifest, "DIRECT_STAGING", 16 << 10)
+    monkeypatch.setattr(io, "DIRECT_STAGING", 16 << 10)
 
     base = tmp_path if where == "tmp" or not Path("/dev/shm").is_dir() else Path("/dev/shm")
     final = base / f"durable-{where}-{skew}.ds"
@@ -858,7 +858,7 @@ def _takes_o_direct(directory: Path) -> bool:
 
 
 def test_durable_file_abort_leaves_nothing(tmp_path):
-    from formats.manifest import DurableFile
+    from formats.io import DurableFile
 
     f = DurableFile(tmp_path / "x.ds", direct=True)
     f.write(b"\1" * 10000)

@@ -192,13 +192,12 @@ def test_positions_from_eos_and_index_agree_with_datatrove_convention(run_dir):
 @pytest.fixture(scope="module")
 def shuffled_run(tmp_path_factory) -> tuple[Path, np.ndarray]:
     """A real run written by the shuffle engine: 2 epochs of a 3-shard packed source."""
-    from conftest import random_docs, write_source
-    from shuffle import engine  # the project's own engine: an import error must fail, not skip
+    from conftest import random_docs, shuffle_run, write_source  # the project's own engine: an import error must fail, not skip
 
     base = tmp_path_factory.mktemp("shuffled")
     docs = random_docs(np.random.default_rng(11), 150, VOCAB, EOS)
     src = write_source(base / "src", docs)
-    engine.shuffle_run([str(src)], str(base / "run"), seq_len=SEQ, seed=5, epochs=[0, 1], shard_samples=40)
+    shuffle_run([str(src)], str(base / "run"), seq_len=SEQ, seed=5, epochs=[0, 1], shard_samples=40)
     stream = np.concatenate(docs).astype(np.uint16)
     windows = stream[: len(stream) // (SEQ + 1) * (SEQ + 1)].reshape(-1, SEQ + 1)
     return base / "run", windows

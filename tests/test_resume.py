@@ -19,13 +19,12 @@ import torch
 from click.testing import CliRunner
 from torch.utils.data import DataLoader
 
-from conftest import random_docs, write_source
+from conftest import random_docs, shuffle_run, write_source
 from formats.errors import TokpackError
 from formats.manifest import epoch_dir_name, read_manifest
 from formats.reader import SampleReader
 from formats.torch_adapter import TokpackDataset
 from packer.cli import main
-from shuffle.engine import shuffle_run
 
 SEQ = 15
 N = 50  # samples per epoch

@@ -16,13 +16,12 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import given, settings, strategies as st
 
-from conftest import random_docs, write_source
+from conftest import random_docs, shuffle_run, write_source
 from formats.errors import IncompleteError, TokpackError
 from formats.manifest import multiset_hash_rows, read_manifest
 from formats.shards import PackedSource
 from formats.dir_checks import validate_dirs
-from shuffle import engine
-from shuffle.engine import shuffle_run
+from shuffle import run, steps
 from shuffle.permutation import Bijection, derive_key
 from shuffle.plan import EpochPlan, SourcePlan, epoch_plan, expected_multiset_hash, largest_remainder
 
@@ -258,18 +257,20 @@ def test_epoch_added_later_equals_epoch_of_full_run(sources, tmp_path):
     assert summary["skipped"] == [0] and summary["written"] == [1]
     assert (part / "epoch-00000" / "tokpack.json").stat().st_mtime_ns == before
     assert dir_files(part) == dir_files(full)
-    assert not (part / engine.WORK_DIR).exists()
+    assert not (part / run.WORK_DIR).exists()
 
 
 PEAK_SCRIPT = """
 import json, sys
-from shuffle.engine import shuffle_run
+from packer.executors import ExecutorConfig, pass_runner
+from shuffle.run import shuffle_run
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 base = status("VmRSS:")
-summary = shuffle_run([sys.argv[1]], sys.argv[2], seq_len=2047, seed=1, epochs=[0], memory=int(sys.argv[3]))
+summary = shuffle_run([sys.argv[1]], sys.argv[2], seq_len=2047, seed=1, epochs=[0], memory=int(sys.argv[3]),
+                      run_passes=pass_runner(ExecutorConfig()))
 print(json.dumps({"growth": status("VmHWM:") - base, "path": summary["path"]}))
 """
 
@@ -358,7 +359,7 @@ def test_failure_midway_then_rerun_is_identical(sources, tmp_path, monkeypatch):
     ref = tmp_path / "ref"
     shuffle_run([str(big), str(small)], str(ref), **kw)
     out = tmp_path / "out"
-    real = engine.EpochJob.write_shard
+    real = steps.EpochJob.write_shard
     calls = []
 
     def failing(self, i, blocks):
@@ -368,16 +369,16 @@ def test_failure_midway_then_rerun_is_identical(sources, tmp_path, monkeypatch):
             raise OSError("simulated crash")
         return real(self, i, blocks)
 
-    monkeypatch.setattr(engine.EpochJob, "write_shard", failing)
+    monkeypatch.setattr(steps.EpochJob, "write_shard", failing)
     with pytest.raises(TokpackError, match="simulated crash"):  # an OSError in a task is the user's to fix
         shuffle_run([str(big), str(small)], str(out), **kw)
     with pytest.raises(IncompleteError):
         read_manifest(out / "epoch-00000")
-    monkeypatch.setattr(engine.EpochJob, "write_shard", real)
+    monkeypatch.setattr(steps.EpochJob, "write_shard", real)
     calls.clear()
     written, scattered = [], []
-    monkeypatch.setattr(engine.EpochJob, "write_shard", lambda self, i, blocks: (written.append(i), real(self, i, blocks)))
-    monkeypatch.setattr(engine.ScatterStep, "run", lambda self, *a, **k: scattered.append(a))
+    monkeypatch.setattr(steps.EpochJob, "write_shard", lambda self, i, blocks: (written.append(i), real(self, i, blocks)))
+    monkeypatch.setattr(steps.ScatterStep, "run", lambda self, *a, **k: scattered.append(a))
     shuffle_run([str(big), str(small)], str(out), **kw)
     assert dir_files(out) == dir_files(ref)
     # The rerun ran no scatter tasks (that pass had finished) and rewrote only the unfinished shards.
@@ -395,15 +396,15 @@ def test_rerun_after_every_shard_writes_only_what_is_missing(sources, tmp_path, 
     ref = tmp_path / "ref"
     shuffle_run([str(big), str(small)], str(ref), **kw)
     out = tmp_path / "out"
-    real_manifest, real_write, real_scatter = engine.write_manifest, engine.EpochJob.write_shard, engine.ScatterStep.run
+    real_manifest, real_write, real_scatter = run.write_manifest, steps.EpochJob.write_shard, steps.ScatterStep.run
 
     def killed_before_manifest(path, manifest):
         raise OSError("simulated crash")
 
-    monkeypatch.setattr(engine, "write_manifest", killed_before_manifest)
+    monkeypatch.setattr(run, "write_manifest", killed_before_manifest)
     with pytest.raises(OSError, match="simulated crash"):
         shuffle_run([str(big), str(small)], str(out), **kw)
-    monkeypatch.setattr(engine, "write_manifest", real_manifest)
+    monkeypatch.setattr(run, "write_manifest", real_manifest)
     victim = sorted((out / "epoch-00000").glob("*.ds"))[1]
     if shard == "edited":
         raw = bytearray(victim.read_bytes())
@@ -412,8 +413,8 @@ def test_rerun_after_every_shard_writes_only_what_is_missing(sources, tmp_path, 
     elif shard == "deleted":
         victim.unlink()
     ran = []
-    monkeypatch.setattr(engine.EpochJob, "write_shard", lambda self, i, blocks: (ran.append(i), real_write(self, i, blocks))[1])
-    monkeypatch.setattr(engine.ScatterStep, "run",
+    monkeypatch.setattr(steps.EpochJob, "write_shard", lambda self, i, blocks: (ran.append(i), real_write(self, i, blocks))[1])
+    monkeypatch.setattr(steps.ScatterStep, "run",
                         lambda self, *a, **k: (ran.append("scatter"), real_scatter(self, *a, **k))[1])
     shuffle_run([str(big), str(small)], str(out), **kw)
     assert ran == (["scatter", 1] if shard == "deleted" else [])
@@ -438,7 +439,7 @@ def test_sigkill_then_rerun_is_identical(tmp_path, kill_at):
     pattern = "*/ooc-*/scatter-00000/*.pos" if kill_at == "scatter" else "*/done/*.json"
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:
-        if any((out / engine.WORK_DIR).glob(pattern)):
+        if any((out / run.WORK_DIR).glob(pattern)):
             os.kill(proc.pid, signal.SIGKILL)
             break
         time.sleep(0.002)

@@ -20,12 +20,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import random_docs, write_source
+from conftest import random_docs, shuffle_run, write_source
 from formats.errors import TokpackError
 from formats.manifest import read_manifest
 from formats.shards import PackedSource
-from shuffle import engine
-from shuffle.engine import shuffle_run
+from shuffle import run, steps
 from shuffle.plan import EpochPlan, SourcePlan, epoch_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,12 +109,12 @@ def test_scatter_tasks_read_whole_shards(sources, tmp_path):
     web, code = sources
     srcs = [PackedSource.open(web), PackedSource.open(code)]
     plan = epoch_plan(srcs, seq_len=L, seed=1, epoch=0)
-    runs = engine.split_shards(plan, srcs, 100)
+    runs = steps.split_shards(plan, srcs, 100)
     owned = [(s, k) for task in runs for s, k0, k1 in task for k in range(k0, k1)]
     assert len(runs) == 6 and sorted(owned) == [(s, k) for s in (0, 1) for k in range(3)]
-    assert len(engine.split_shards(plan, srcs, 4)) == 4
+    assert len(steps.split_shards(plan, srcs, 4)) == 4
     # the windows of all tasks together are every window once
-    lay = engine.Layout(len(runs), np.array([0, plan.samples]), np.array([0, 1]), 64, str(tmp_path), runs)
+    lay = steps.Layout(len(runs), np.array([0, plan.samples]), np.array([0, 1]), 64, str(tmp_path), runs)
     covered = Counter()
     for t in range(lay.tasks):
         for s, w0, w1, _, _ in lay.input_segments(plan, srcs, t):
@@ -135,15 +134,15 @@ def test_garbled_bucket_file_is_caught_then_redone(sources, tmp_path, monkeypatc
     ref = tmp_path / "ref"
     shuffle_run([str(web), str(code)], str(ref), **kw)
     out = tmp_path / "run"
-    real_order = engine.OrderStep.run
+    real_order = steps.OrderStep.run
 
     def stop(self, *a, **k):
         raise OSError("simulated crash after the scatter pass")
 
-    monkeypatch.setattr(engine.OrderStep, "run", stop)
+    monkeypatch.setattr(steps.OrderStep, "run", stop)
     with pytest.raises(TokpackError, match="simulated crash"):
         shuffle_run([str(web), str(code)], str(out), **kw)
-    monkeypatch.setattr(engine.OrderStep, "run", real_order)
+    monkeypatch.setattr(steps.OrderStep, "run", real_order)
     victim = sorted(out.rglob("*.rows"))[0]
     raw = bytearray(victim.read_bytes())
     raw[3] ^= 0x10
@@ -273,7 +272,7 @@ def test_repeats_is_exact(windows, samples):
 
 def test_memory_below_one_useful_bucket_is_refused(sources, tmp_path):
     web, _ = sources
-    floor = engine.min_memory(ROW_BYTES, 1)
+    floor = run.min_memory(ROW_BYTES, 1)
     for memory in (0, 1, floor - 1):
         r = cli("shuffle", web, "-o", tmp_path / "run", "--seq-len", L, "--seed", 1, "--epochs", 1, "--memory", memory)
         assert r.returncode == 1, r.stderr

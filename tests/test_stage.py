@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from click.testing import CliRunner
 
 from formats.errors import TokpackError
-from formats.manifest import MANIFEST, STAGE_SIDECAR, TMP_MARK, epoch_dir_name
+from formats.io import TMP_MARK
+from formats.manifest import MANIFEST, STAGE_SIDECAR, epoch_dir_name
 from packer.cli import main
 from packer.staging import (
     parse_epochs,
@@ -28,7 +29,7 @@ from conftest import random_docs, write_source
 
 def make_run(out: Path, source: Path, seq_len: int, shard_samples: int, epochs: int, seed: int = 0) -> Path:
     """A real shuffled run of `source` (in-memory path, one local task)."""
-    from shuffle.engine import shuffle_run
+    from conftest import shuffle_run
 
     shuffle_run([str(source)], str(out), seq_len=seq_len, seed=seed, epochs=list(range(epochs)), samples=None,
                 tokens=None, shard_samples=shard_samples, memory=8 << 20, jitter=False, log=None)

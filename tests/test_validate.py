@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from formats.manifest import MANIFEST, TMP_MARK, hash_hex64, xxh3_128_file
+from formats.io import TMP_MARK
+from formats.manifest import MANIFEST, hash_hex64, xxh3_128_file
 from formats.shards import EpochShardWriter
 from formats.dir_checks import report_lines, validate_dirs
 from packer.api import validate as validate_result
@@ -32,8 +33,8 @@ def validate_all(*args, **kw) -> dict:
 
 
 def make_run(src: Path, out: Path, seed: int, epochs: list[int]) -> Path:
-    """A real shuffled run (shuffle.engine), small shards so epochs have several."""
-    from shuffle.engine import shuffle_run
+    """A real shuffled run (shuffle.run), small shards so epochs have several."""
+    from tests.conftest import shuffle_run
 
     shuffle_run([str(src)], str(out), seq_len=SEQ_LEN, seed=seed, epochs=epochs, samples=None, tokens=None,
                 shard_samples=SHARD_SAMPLES, memory=1 << 20, jitter=False, log=None)
@@ -408,7 +409,7 @@ def test_real_pack_and_weighted_jittered_shuffle_validate(tmp_path):
     """No false alarms on the other writers' real outputs: `pack` from JSONL token lists, and a
     two-source weighted, jittered, upsampling shuffle over three epochs."""
     from packer.packing import pack
-    from shuffle.engine import shuffle_run
+    from tests.conftest import shuffle_run
 
     rng = np.random.default_rng(5)
     (tmp_path / "in.jsonl").write_text("".join(
@@ -434,7 +435,7 @@ def test_real_pack_and_weighted_jittered_shuffle_validate(tmp_path):
 def test_against_one_source_of_a_mixed_run_is_unverified_not_corrupt(tmp_path):
     """A run mixed from web and code, validated --against web only: every epoch is reported
     UNVERIFIED, naming code's fingerprint; no epoch is printed OK or marked "ok" in the JSON."""
-    from shuffle.engine import shuffle_run
+    from tests.conftest import shuffle_run
 
     web = write_source(tmp_path / "web", random_docs(np.random.default_rng(1), 60, VOCAB, EOS), vocab_size=VOCAB)
     code = write_source(tmp_path / "code", random_docs(np.random.default_rng(2), 40, VOCAB, EOS), vocab_size=VOCAB)

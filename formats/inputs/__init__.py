@@ -19,7 +19,8 @@ from ..io import read_full
 
 # Input bytes per block: big enough for sequential I/O and to amortise per-block numpy
 # calls, small enough that its buffer stays in cache-friendly, already-faulted memory
-# (touching fresh pages costs 2-3 s/GiB on these VMs, so buffers are reused per process).
+# (touching fresh pages is slow, BENCHMARKS.md "Figures cited by the code": fresh memory, so
+# buffers are reused per process).
 BLOCK_BYTES = 16 << 20
 INDEX_CHUNK = 1 << 20  # index entries (documents/sequences) loaded at a time
 

@@ -10,7 +10,8 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import TokpackError
-from ..manifest import MANIFEST, TMP_MARK
+from ..io import TMP_MARK
+from ..manifest import MANIFEST
 from . import BLOCK_BYTES, Block, InputFile, input_error as _err
 from .datatrove_ds import check_datatrove, datatrove_blocks, datatrove_file
 from .jsonl import JSONL_SUFFIXES, jsonl_blocks, jsonl_file

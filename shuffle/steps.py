@@ -1,0 +1,636 @@
+"""The datatrove steps that write an epoch plan's shards into `OUT/epoch-NNNNN/` (shuffle/run.py
+runs them, through the injected `run_passes`):
+
+- in memory (the needed windows of every source fit `--memory`), InMemoryStep: one task maps
+  each source shard read-only and reads it ahead in one sequential sweep (MADV_POPULATE_READ),
+  computing each row's fragment ends and hash (RowFragments) while the next shard is read; then
+  it gathers each output chunk with `np.take(..., mode="clip")` on `np.void` row views and
+  writes it. One read, one write. Mapping the page cache instead of `readinto` a private buffer
+  avoids touching fresh anonymous memory, which is slow (BENCHMARKS.md, "Figures cited by the
+  code": fresh memory).
+- out of core: a ScatterStep pass (tasks split by input range: runs of whole source shards)
+  reads the sources sequentially and appends every row, with its output position g, to the
+  file of its bucket (a contiguous output range that fits the per-task budget and never spans
+  an output shard); an OrderStep pass (one task per output shard) maps each bucket's files,
+  places rows by g and writes the shard sequentially. Two reads, two writes.
+
+Both verify what they read: each source shard's xxh3_128 is computed over the bytes the
+sweep reads anyway and compared with the source manifest (a same-size edit since `pack`
+fails the epoch, see EpochJob.source_changed). Bucket files carry their xxh3_64 in the scatter
+task's done JSON, checked by the order pass before it trusts them.
+
+In both, a formats.io.Worker per stage keeps the disk and both cores busy: reading ahead,
+gathering, indexing and writing (shard data with O_DIRECT, see formats.io.DurableFile) overlap,
+through rings of buffers lent by the formats.io pool.
+
+Every task is idempotent: a finished task leaves a done JSON (written last) in the epoch's work
+folder, and a rerun skips it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import xxhash
+
+from formats.errors import TokpackError
+from formats.io import IO_BLOCK, Worker, drop_buffers, lent, map_file, progress, write_bytes_atomic
+from formats.manifest import dtype_from_name, shard_digits, shard_name
+from formats.shards import EpochShardWriter, PackedSource, RowFragments, shard_on_disk
+from formats.sinks import app_sinks_kept
+
+from .plan import EpochPlan, iter_source_windows
+
+# Importing datatrove's logging module removes every loguru sink; the application's must stay.
+with app_sinks_kept():
+    import datatrove.utils.logging  # noqa: F401
+    from datatrove.pipeline.base import PipelineStep
+
+MAX_CHUNK_BYTES = 8 << 20  # rows gathered and written per call: big enough for sequential I/O
+RING = 4  # chunk buffers: one being gathered while up to RING-1 are indexed or written
+CHUNKS_IN_BUDGET = RING + 3  # the ring, the gather scratch and the shard writer's temporaries
+MAX_BLOCK_BYTES = 64 << 20  # scatter read block
+SCATTER_ROW_OVERHEAD = 256  # bytes of index arrays per row of a scatter block (Feistel temporaries)
+ORDER_ROW_OVERHEAD = 24  # g, inverse and arange entries per bucket row
+MAX_OPEN_BUCKET_FILES = 128
+SOURCE_CHANGED = "source-changed.json"  # in the epoch's work folder: a task found a source shard edited since pack
+LOCATE_BATCH = 1 << 18  # output positions located per call (8 bytes each, a few arrays)
+
+
+class RowStore:
+    """Rows held in several arrays (mapped files, small buffers) under one global row number."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = [p for p in parts if len(p)]  # np.void row arrays, in global row order
+        self.starts = np.cumsum([0] + [len(p) for p in self.parts]).astype(np.int64)  # first row of each part
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def gather(self, idx: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> np.ndarray:
+        """out[i] = row idx[i]. `np.take(mode="clip")` per part (clip never buffers; the indices
+        are in range by construction), then one scatter of the chunk when parts interleave."""
+        n = len(idx)
+        if n and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError("row index out of range")
+        part = np.searchsorted(self.starts, idx, side="right") - 1
+        if n == 0 or part[0] == part[-1] and (part == part[0]).all():
+            k = int(part[0]) if n else 0
+            return np.take(self.parts[k], idx - self.starts[k], out=out[:n], mode="clip") if n else out[:0]
+        order = np.argsort(part, kind="stable")
+        sorted_part = part[order]
+        cuts = np.flatnonzero(np.diff(sorted_part)) + 1
+        for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), n]):
+            k = int(sorted_part[a])
+            np.take(self.parts[k], idx[order[a:b]] - self.starts[k], out=tmp[a:b], mode="clip")
+        out[order] = tmp[:n]
+        return out[:n]
+
+
+class ShardHashes:
+    """xxh3_128 of source shards k0..k1-1, computed from their token stream fed in order (the
+    bytes a sweep reads anyway); what the sweep skips (the head before its first window, the
+    dropped tail) is read here. Each finished shard is compared with the source manifest."""
+
+    def __init__(self, src: PackedSource, k0: int, k1: int, on_mismatch):
+        self.src = src
+        self.k, self.k1 = k0, k1  # shard being hashed, end of the run
+        self.pos = int(src.shard_starts[k0])  # next stream token to hash
+        self.end = int(src.shard_starts[k1])
+        self.on_mismatch = on_mismatch  # (shard path, expected, found) -> raises
+        self.hash = xxhash.xxh3_128()
+        self._close_finished()
+
+    def feed(self, start: int, tokens: np.ndarray) -> None:
+        """`tokens`: contiguous stream tokens from token `start` (>= the last fed end)."""
+        if start > self.pos:
+            self._read_up_to(min(start, self.end))
+        data = tokens.reshape(-1)[max(0, self.pos - start):]
+        while len(data) and self.k < self.k1:
+            take = min(len(data), int(self.src.shard_starts[self.k + 1]) - self.pos)
+            self.hash.update(memoryview(np.ascontiguousarray(data[:take])).cast("B"))
+            self.pos += take
+            data = data[take:]
+            self._close_finished()
+
+    def finish(self) -> None:
+        self._read_up_to(self.end)
+
+    def _read_up_to(self, stop: int) -> None:
+        buf = np.empty(min(max(stop - self.pos, 1), IO_BLOCK // self.src.dtype.itemsize), dtype=self.src.dtype)
+        while self.pos < stop:
+            n = min(len(buf), stop - self.pos)
+            self.feed(self.pos, self.src.read_into(self.pos, buf[:n]))
+
+    def _close_finished(self) -> None:
+        while self.k < self.k1 and self.pos == int(self.src.shard_starts[self.k + 1]):
+            found, shard = self.hash.hexdigest(), self.src.shards[self.k]
+            if found != shard["xxh3_128"]:
+                self.on_mismatch(self.src.path / shard["path"], shard["xxh3_128"], found)
+            self.k += 1
+            self.hash = xxhash.xxh3_128()
+
+
+# ---------------------------------------------------------------------- one epoch
+
+
+@dataclass
+class EpochJob:
+    """Everything a task needs to write its part of one epoch. Small and picklable."""
+
+    plan: EpochPlan  # what goes where
+    source_paths: tuple[str, ...]  # opened again inside each task
+    dtype: str  # uint16 | uint32
+    eos_id: int  # for the fragment index
+    tokenizer: str  # for .ds.metadata
+    epoch_dir: str  # OUT/epoch-NNNNN
+    work_dir: str  # OUT/.tokpack-work/epoch-NNNNN-<key>
+    shard_samples: int  # samples per output shard (the last may be short)
+    progress: bool = False  # tqdm bars, shown only by tasks running in the process that asked for them
+    main_pid: int = 0  # that process
+
+    @property
+    def show_progress(self) -> bool:
+        return self.progress and os.getpid() == self.main_pid and sys.stderr.isatty()
+
+    @property
+    def source_changed_path(self) -> Path:
+        return Path(self.work_dir) / SOURCE_CHANGED
+
+    def source_changed(self, shard: Path, expected: str, found: str) -> None:
+        """A task read a source shard whose bytes are not what `pack` recorded: leaves a marker the
+        submitting process turns into one line (tasks elsewhere can only fail), and stops."""
+        record = {"shard": str(shard), "expected": expected, "found": found}
+        Path(self.work_dir).mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(self.source_changed_path, json.dumps(record).encode(), fsync=True)
+        raise source_changed_error(record)
+
+    @property
+    def token_dtype(self) -> np.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.plan.row_tokens * self.token_dtype.itemsize
+
+    @property
+    def row_void(self) -> np.dtype:
+        return np.dtype((np.void, self.row_bytes))
+
+    @property
+    def n_shards(self) -> int:
+        return -(-self.plan.samples // self.shard_samples)
+
+    def shard_range(self, i: int) -> tuple[int, int]:
+        return i * self.shard_samples, min(self.plan.samples, (i + 1) * self.shard_samples)
+
+    def shard_file(self, i: int) -> str:
+        return shard_name(i, shard_digits(self.n_shards))
+
+    def done_path(self, i: int) -> Path:
+        return Path(self.work_dir) / "done" / f"{self.shard_file(i)}.json"
+
+    def open_sources(self) -> list[PackedSource]:
+        return [PackedSource.open(p, check_sizes=False) for p in self.source_paths]
+
+    def shard_done(self, i: int) -> dict | None:
+        """The shard's manifest entry if it was committed and recorded and is still on disk."""
+        done = self.done_path(i)
+        if not done.exists():
+            return None
+        entry = json.loads(done.read_text())
+        return entry if shard_on_disk(self.epoch_dir, entry, self.token_dtype.itemsize) else None
+
+    def write_shard(self, i: int, blocks) -> dict:
+        """Writes shard i from `blocks` (an iterator, in output order, of np.void row arrays, or
+        of (rows, RowFragments, their store rows) when the rows' index is known already), then
+        records it as done."""
+        g0, g1 = self.shard_range(i)
+        writer = EpochShardWriter(self.epoch_dir, self.shard_file(i), self.token_dtype, self.plan.seq_len,
+                                  self.eos_id, self.tokenizer)
+        try:
+            # Three stages overlap: gathering chunk c (here), indexing and hashing an earlier
+            # chunk (CPU) and writing one to disk (I/O), each stage in order. `blocks` fills RING
+            # buffers round robin, so at most RING-1 chunks may be in flight.
+            with Worker(RING - 1) as disk, Worker(RING - 1) as index:
+                for item in blocks:
+                    if isinstance(item, tuple):
+                        rows, facts, idx = item
+                        index.submit(lambda n, f, i: writer.write_known_index(n, *f.of(i)), len(rows), facts, idx)
+                    else:
+                        rows = item
+                        index.submit(writer.write_index, rows)
+                    disk.submit(writer.write_tokens, rows)
+            if writer.samples != g1 - g0:
+                raise TokpackError("internal error: shard row count", where=f"shard {i}",
+                                   expected=g1 - g0, found=writer.samples)
+            entry = writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        entry["fragments"] = os.path.getsize(Path(self.epoch_dir) / f"{entry['path']}.index") // 8
+        self.done_path(i).parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(self.done_path(i), json.dumps(entry).encode(), fsync=True)
+        return entry
+
+    def chunk_rows(self, budget: int) -> int:
+        return max(1, min(MAX_CHUNK_BYTES, budget // (2 * CHUNKS_IN_BUDGET)) // self.row_bytes)
+
+    @contextlib.contextmanager
+    def chunk_ring(self, budget: int) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+        """RING output buffers used round robin, plus one gather scratch buffer, all reused."""
+        with lent("chunk", self.chunk_rows(budget) * self.row_bytes, RING + 1) as bufs:
+            *ring, tmp = (b.view(self.row_void) for b in bufs)
+            yield ring, tmp
+
+
+class _Step(PipelineStep):
+    """A pass over one epoch: its tasks share the job, the out-of-core layout (if any) and the
+    bytes each task may use beyond the interpreter."""
+
+    type = "tokpack"
+
+    def __init__(self, job: EpochJob, layout: Layout | None = None, budget: int = 0):
+        super().__init__()
+        self.job, self.layout, self.budget = job, layout, budget
+        self._bar = None  # one bar for the whole pass, in the submitting process only
+
+    def __getstate__(self):
+        return {**self.__dict__, "_bar": None}
+
+    def bar(self, total: int, desc: str):
+        if self._bar is None:
+            self._bar = progress(total, desc, enabled=self.job.show_progress)
+        return self._bar
+
+    def close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class InMemoryStep(_Step):
+    """One task: read every needed window once, then gather each shard in output order."""
+
+    name = "shuffle in memory"
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        job, plan = self.job, self.job.plan
+        todo = [i for i in range(rank, job.n_shards, world_size) if job.shard_done(i) is None]
+        if not todo:
+            return
+        drop_buffers("scatter", "inverse")
+        row_base = np.zeros(len(plan.sources), dtype=np.int64)  # first store row of each source
+        parts, total = [], 0
+        sources = job.open_sources()
+        # The fragment index and row hashes are computed per part while the next part is read:
+        # the read waits on the disk, so this costs no time, and writing then needs no pass
+        # over the tokens besides the gather.
+        facts = RowFragments(plan.row_tokens)
+        # Each shard's checksum is computed over the mapped bytes in a thread of its own (xxh3
+        # outruns the disk and releases the GIL: BENCHMARKS.md, "Figures cited by the code"), and
+        # checked before anything is written.
+        with progress(sum(sp.windows for sp in plan.sources if sp.samples) * job.row_bytes,
+                      f"epoch {plan.epoch}: read", enabled=job.show_progress) as read_bar, Worker() as helper, \
+                Worker() as hasher:
+            hashed = []
+            for s, sp in enumerate(plan.sources):
+                if sp.samples:
+                    row_base[s] = total
+                    total += sp.windows
+
+                    def on_shard(k, whole, src=sources[s]):
+                        hashed.append((src, k, hasher.submit(xxhash.xxh3_128_hexdigest, whole)))
+
+                    for part in source_rows(sources[s], sp.offset, sp.windows, plan.row_tokens, on_shard):
+                        parts.append(part)
+                        helper.submit(facts.add, part, job.token_dtype, job.eos_id)
+                        read_bar.update(part.nbytes)
+            helper.drain()
+            for src, k, f in hashed:
+                if f.result() != src.shards[k]["xxh3_128"]:
+                    job.source_changed(src.path / src.shards[k]["path"], src.shards[k]["xxh3_128"], f.result())
+        facts.finish()
+        store = RowStore(parts)
+        with job.chunk_ring(self.budget) as (ring, tmp):
+            rows = len(tmp)
+
+            def blocks(i):
+                g0, g1 = job.shard_range(i)
+                c = 0
+                # Locate in batches much larger than a chunk: the Feistel rounds are many small numpy
+                # calls, whose fixed cost dominated when they ran once per chunk. (Gathering alternate
+                # chunks in two threads measured slower: the copy is bound by memory bandwidth.)
+                for a0 in range(g0, g1, max(rows, LOCATE_BATCH)):
+                    b0 = min(g1, a0 + max(rows, LOCATE_BATCH))
+                    s, window, _ = plan.locate(np.arange(a0, b0, dtype=np.int64))
+                    idx = row_base[s] + window
+                    for a in range(0, b0 - a0, rows):
+                        chunk = idx[a : a + rows]
+                        yield store.gather(chunk, ring[c % len(ring)], tmp), facts, chunk
+                        c += 1
+
+            with progress(len(todo), f"epoch {plan.epoch}: write", unit="shard", enabled=job.show_progress) as write_bar:
+                for i in todo:
+                    job.write_shard(i, blocks(i))
+                    write_bar.update(1)
+
+
+def source_rows(src: PackedSource, offset: int, windows: int, row_tokens: int, on_shard=None) -> Iterator[np.ndarray]:
+    """Windows [0, windows) of a source starting at token `offset`, as np.void row arrays in
+    window order, each yielded once read: a mapped view per shard for the windows inside it,
+    and a small copy for each window that crosses a shard boundary. Every shard is mapped
+    whole and handed to `on_shard(k, bytes)` once read (to verify it)."""
+    ts = src.dtype.itemsize
+    void = np.dtype((np.void, row_tokens * ts))
+    w = 0
+    for k, shard in enumerate(src.shards):
+        t0, t1 = int(src.shard_starts[k]), int(src.shard_starts[k + 1])
+        while w < windows and offset + w * row_tokens < t0:  # starts in an earlier shard, crosses into this one
+            row = np.empty(row_tokens, dtype=src.dtype)
+            src.read_into(offset + w * row_tokens, row)
+            yield row.view(void)
+            w += 1
+        first = w
+        last = min(windows, max(first, (t1 - offset) // row_tokens))  # windows that end inside this shard
+        whole = map_file(src.path / shard["path"], 0, (t1 - t0) * ts)
+        if on_shard is not None:
+            on_shard(k, whole)
+        if last > first:
+            start = (offset + first * row_tokens - t0) * ts
+            yield whole[start : start + (last - first) * row_tokens * ts].view(void)
+            w = last
+    if w != windows:
+        raise TokpackError("internal error: source windows", file=src.path, expected=windows, found=w)
+
+
+@dataclass
+class Layout:
+    """How the out-of-core path splits an epoch. Any layout gives the same bytes."""
+
+    tasks: int  # scatter tasks (split by input range)
+    bucket_starts: np.ndarray  # int64 output position where each bucket starts, plus N at the end
+    shard_buckets: np.ndarray  # first bucket of each shard, plus the bucket count at the end
+    block_rows: int  # scatter read block, in rows
+    dir: str  # OUT/.tokpack-work/epoch-.../ooc-<layout key>
+    task_shards: list  # per task: its input range, as runs (source, first shard, end shard) of whole shards
+
+    @property
+    def max_bucket(self) -> int:
+        return int(np.diff(self.bucket_starts).max())
+
+    def input_segments(self, plan: EpochPlan, sources: list[PackedSource], t: int) -> list[tuple[int, int, int, int, int]]:
+        """Task t's input: (source, first window, end window, first shard, end shard) per run of
+        whole shards. A task takes the windows that start in its shards, so each shard is read
+        in full, and verified, by exactly one task."""
+        out = []
+        for s, k0, k1 in self.task_shards[t]:
+            sp, starts = plan.sources[s], sources[s].shard_starts
+            first, end = (max(0, min(sp.windows, -(-(int(starts[k]) - sp.offset) // plan.row_tokens))) for k in (k0, k1))
+            out.append((s, first, end, k0, k1))
+        return out
+
+    def task_dir(self, t: int) -> Path:
+        return Path(self.dir) / f"scatter-{t:05d}"
+
+    def task_done(self, t: int) -> Path:
+        return Path(self.dir) / f"scatter-{t:05d}.json"
+
+    def bucket_file(self, t: int, b: int, ext: str) -> Path:
+        """Task t's rows (ext "rows") or their output positions ("pos") of bucket b."""
+        return self.task_dir(t) / f"b{b:07d}.{ext}"
+
+    def holds_rows_of(self, i: int, row_bytes: int) -> bool:
+        """Whether the bucket files still hold every row of output shard i (the order pass
+        deletes them once the shard is written)."""
+        for b in range(int(self.shard_buckets[i]), int(self.shard_buckets[i + 1])):
+            files = [self.bucket_file(t, b, "rows") for t in range(self.tasks)]
+            held = sum(os.path.getsize(f) for f in files if f.exists())
+            if held != int(self.bucket_starts[b + 1] - self.bucket_starts[b]) * row_bytes:
+                return False
+        return True
+
+
+def make_layout(job: EpochJob, budget: int, tasks: int) -> Layout:
+    """Buckets as large as the per-task budget allows (fewer buckets = larger scatter writes)."""
+    rb, chunks = job.row_bytes, CHUNKS_IN_BUDGET * job.chunk_rows(budget) * job.row_bytes
+    bucket_rows = max(1, (budget - chunks) // (rb + ORDER_ROW_OVERHEAD))
+    block_rows = max(1, min(MAX_BLOCK_BYTES // rb, budget // (4 * rb + SCATTER_ROW_OVERHEAD)))
+    starts, firsts = [], []
+    for i in range(job.n_shards):
+        g0, g1 = job.shard_range(i)
+        nb = -(-(g1 - g0) // bucket_rows)
+        firsts.append(len(starts))
+        starts.extend(g0 + (j * (g1 - g0)) // nb for j in range(nb))
+    firsts.append(len(starts))
+    starts.append(job.plan.samples)
+    bucket_starts = np.array(starts, dtype=np.int64)
+    task_shards = split_shards(job.plan, job.open_sources(), tasks)
+    key = xxhash.xxh3_64_hexdigest(f"{len(task_shards)}|{block_rows}|{task_shards}|".encode() + bucket_starts.tobytes())
+    return Layout(len(task_shards), bucket_starts, np.array(firsts, dtype=np.int64), block_rows,
+                  str(Path(job.work_dir) / f"ooc-{key}"), task_shards)
+
+
+def split_shards(plan: EpochPlan, sources: list[PackedSource], tasks: int) -> list[list[tuple[int, int, int]]]:
+    """The shards of the sources the epoch uses, in stream order, cut into at most `tasks`
+    runs of about equal tokens (at most one task per shard)."""
+    shards = [(s, k) for s, sp in enumerate(plan.sources) if sp.samples for k in range(len(sources[s].shards))]
+    sizes = np.array([int(sources[s].shards[k]["tokens"]) for s, k in shards], dtype=np.int64)
+    tasks = max(1, min(tasks, len(shards)))
+    ends = np.cumsum(sizes) if len(sizes) else np.zeros(0, np.int64)
+    cuts, prev = [0], 0
+    for t in range(1, tasks):  # first shard of task t: where the t-th share of the tokens ends
+        k = int(np.searchsorted(ends, int(ends[-1]) * t // tasks, side="right")) if len(ends) else 0
+        prev = min(max(k, prev + 1), len(shards) - (tasks - t))
+        cuts.append(prev)
+    cuts.append(len(shards))
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        runs: list[tuple[int, int, int]] = []
+        for s, k in shards[a:b]:
+            if runs and runs[-1][0] == s and runs[-1][2] == k:
+                runs[-1] = (s, runs[-1][1], k + 1)
+            else:
+                runs.append((s, k, k + 1))
+        out.append(runs)
+    return out
+
+
+class ScatterStep(_Step):
+    """Task t reads its input range sequentially and appends rows + output positions to the
+    files of their buckets: scatter-TTTTT/bBBBBBB.rows and .pos (int64 g per row)."""
+
+    name = "shuffle scatter"
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        for t in range(rank, self.layout.tasks, world_size):
+            self.scatter(t)
+
+    def scatter(self, t: int) -> None:
+        job, plan, lay = self.job, self.job.plan, self.layout
+        done = lay.task_done(t)
+        if done.exists():
+            return
+        drop_buffers("inverse")
+        tdir = lay.task_dir(t)
+        shutil.rmtree(tdir, ignore_errors=True)
+        tdir.mkdir(parents=True)
+        sources = job.open_sources()
+        segments = lay.input_segments(plan, sources, t)
+        rows_in = max(1, min(lay.block_rows, max([b - a for _, a, b, _, _ in segments], default=1)))
+        # Two input buffers (a thread reads one block ahead) and two output buffers (the disk
+        # thread appends one to the bucket files while this thread sorts the next block).
+        with lent("scatter", rows_in * job.row_bytes, 4) as bufs:
+            inbufs = [b.view(job.token_dtype) for b in bufs[:2]]
+            outbufs = [b.view(job.row_void) for b in bufs[2:]]
+            counts: dict[int, int] = {}  # rows written per bucket
+            files: dict[int, tuple] = {}  # open (rows, pos) files per bucket; used by the disk thread only
+            # xxh3_64 of each bucket's (rows, pos) file as written, recorded in the done JSON and
+            # checked by the order pass: a file a crash cut short or garbled is caught without an
+            # fsync of every bucket file (which the done JSON, fsync'd, would otherwise have to wait for).
+            hashes: dict[int, tuple] = {}
+            scatter_bar = self.bar(sum(int(src.tokens) * src.dtype.itemsize for s, src in enumerate(sources)
+                                       if plan.sources[s].samples), f"epoch {plan.epoch}: scatter")
+
+            def append(out: np.ndarray, g: np.ndarray, runs: list[tuple[int, int, int]]) -> None:
+                for b, x, y in runs:
+                    if b not in files:
+                        if len(files) >= MAX_OPEN_BUCKET_FILES:
+                            for fr, fp in files.values():
+                                fr.close()
+                                fp.close()
+                            files.clear()
+                        files[b] = tuple(open(lay.bucket_file(t, b, ext), "ab") for ext in ("rows", "pos"))
+                        hashes.setdefault(b, (xxhash.xxh3_64(), xxhash.xxh3_64()))
+                    rows_bytes, pos_bytes = memoryview(out[x:y]).cast("B"), g[x:y].astype("<i8").tobytes()
+                    files[b][0].write(rows_bytes)
+                    files[b][1].write(pos_bytes)
+                    hashes[b][0].update(rows_bytes)
+                    hashes[b][1].update(pos_bytes)
+
+            used = 0  # output buffers filled so far
+            try:
+                with Worker(len(outbufs) - 1) as disk:  # the append of one buffer overlaps the fill of the other
+                    for s, w0, w1, k0, k1 in segments:
+                        shards = ShardHashes(sources[s], k0, k1, job.source_changed)
+                        for a, block in iter_source_windows(plan, s, sources[s], w0=w0, w1=w1, bufs=inbufs,
+                                                            on_read=shards.feed):
+                            scatter_bar.update(block.nbytes)
+                            rows = block.reshape(-1).view(job.row_void)
+                            windows = np.arange(a, a + len(rows), dtype=np.int64)
+                            for _, sel, g in plan.outputs_of(s, windows):
+                                bucket = np.searchsorted(lay.bucket_starts, g, side="right") - 1
+                                order = np.argsort(bucket, kind="stable")
+                                m = len(order)
+                                out = outbufs[used % len(outbufs)]
+                                used += 1
+                                np.take(rows, sel[order], out=out[:m], mode="clip")
+                                g, bucket = g[order], bucket[order]
+                                cuts = np.flatnonzero(np.diff(bucket)) + 1
+                                runs = [(int(bucket[x]), x, y) for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), m])]
+                                for b, x, y in runs:
+                                    counts[b] = counts.get(b, 0) + (y - x)
+                                disk.submit(append, out, g, runs)
+                        shards.finish()
+            finally:
+                for fr, fp in files.values():
+                    fr.close()
+                    fp.close()
+            record = {"task": t, "rows": {str(k): v for k, v in sorted(counts.items())},
+                      "xxh3_64": {str(k): [h.hexdigest() for h in hs] for k, hs in sorted(hashes.items())}}
+            write_bytes_atomic(done, json.dumps(record).encode(), fsync=True)
+
+
+class OrderStep(_Step):
+    """Task i writes output shard i: each of its buckets is loaded, placed by g, written."""
+
+    name = "shuffle order"
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        for i in range(rank, self.job.n_shards, world_size):
+            self.order(i)
+
+    def _buckets(self, i: int) -> range:
+        return range(int(self.layout.shard_buckets[i]), int(self.layout.shard_buckets[i + 1]))
+
+    def order(self, i: int) -> None:
+        job, lay = self.job, self.layout
+        if job.shard_done(i) is None:
+            drop_buffers("scatter")
+            buckets = self._buckets(i)
+            cap = max(int(np.diff(lay.bucket_starts[buckets.start: buckets.stop + 1]).max()), 1)
+            ramp = np.arange(cap, dtype=np.int64)
+            with lent("inverse", cap * 8) as (inv,), job.chunk_ring(self.budget) as (ring, tmp):
+                job.write_shard(i, self._blocks(i, inv.view(np.int64), ramp, ring, tmp))
+        for b in self._buckets(i):  # the shard is safe: its bucket files are no longer needed
+            for t in range(lay.tasks):
+                for ext in ("rows", "pos"):
+                    lay.bucket_file(t, b, ext).unlink(missing_ok=True)
+
+    def _blocks(self, i, inv, ramp, ring, tmp):
+        """Each bucket's files are mapped (no copy into fresh memory), placed by g through the
+        inverse permutation `inv`, and gathered in output order chunk by chunk."""
+        job, lay = self.job, self.layout
+        count = 0  # chunks yielded: picks the ring buffer
+        recorded = [json.loads(lay.task_done(t).read_text()).get("xxh3_64", {}) for t in range(lay.tasks)]
+        order_bar = self.bar(job.plan.samples * job.row_bytes, f"epoch {job.plan.epoch}: order")
+        for b in self._buckets(i):
+            start, n = int(lay.bucket_starts[b]), int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
+            parts, positions = [], []
+            for t in range(lay.tasks):
+                f = lay.bucket_file(t, b, "rows")
+                if f.exists():
+                    k = os.path.getsize(f) // job.row_bytes
+                    rows = map_file(f, 0, os.path.getsize(f))
+                    pos = map_file(f.with_suffix(".pos"), 0, os.path.getsize(f.with_suffix(".pos")))
+                    self._check_bucket(t, f, [rows, pos], recorded[t].get(str(b), [None, None]))
+                    parts.append(rows[: k * job.row_bytes].view(job.row_void))
+                    positions.append(pos[: k * 8].view("<i8"))
+                    del rows, pos  # the maps must go with `parts` below, before the next bucket is mapped
+            store = RowStore(parts)
+            if len(store) != n:
+                raise TokpackError("scatter files do not cover their bucket", file=lay.dir, where=f"bucket {b}",
+                                   expected=f"{n} rows", found=f"{len(store)} rows",
+                                   hint="delete OUT/.tokpack-work and rerun")
+            inv[:n] = -1
+            for pos, first in zip(positions, store.starts.tolist()):
+                local = pos - start
+                if len(local) and (local.min() < 0 or local.max() >= n):
+                    raise TokpackError("scatter file holds a row of another bucket", file=lay.dir, where=f"bucket {b}",
+                                       hint="delete OUT/.tokpack-work and rerun")
+                inv[local] = ramp[first: first + len(local)]
+            if n and inv[:n].min() < 0:
+                raise TokpackError("scatter files hold a position twice", file=lay.dir, where=f"bucket {b}",
+                                   hint="delete OUT/.tokpack-work and rerun")
+            for a in range(0, n, len(tmp)):
+                c = min(n, a + len(tmp))
+                yield store.gather(inv[a:c], ring[count % len(ring)], tmp)
+                order_bar.update((c - a) * job.row_bytes)
+                count += 1
+            del store, parts, positions
+
+    def _check_bucket(self, t: int, rows_file: Path, data: list[np.ndarray], expected: list) -> None:
+        """The bucket's files must be the bytes scatter task t wrote. If not (a crash after the
+        task's done JSON reached the disk but before its buffered bucket files did), that task
+        is redone on the next run."""
+        for f, d, want in zip((rows_file, rows_file.with_suffix(".pos")), data, expected):
+            found = xxhash.xxh3_64_hexdigest(d)
+            if found != want:
+                self.layout.task_done(t).unlink(missing_ok=True)
+                raise TokpackError("scatter bucket file does not match the checksum its task recorded", file=f,
+                                   where="xxh3_64", expected=want, found=found,
+                                   hint="rerun the same command: the scatter task that wrote it runs again")
+
+
+def source_changed_error(record: dict) -> TokpackError:
+    return TokpackError("source shard changed since it was packed; no epoch written", file=record["shard"],
+                        where="xxh3_128", expected=record["expected"], found=record["found"],
+                        hint="re-pack the source, or restore the file it was packed as")
