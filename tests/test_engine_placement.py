@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 import xxhash
 
-from conftest import random_docs, write_source
+from conftest import random_docs, shuffle_run, write_source
 from formats.errors import TokpackError
-from shuffle import engine
-from shuffle.engine import RowStore, shuffle_run
+from formats import io
+from formats.guard import WORK_DIR
+from shuffle import run, steps
+from shuffle.steps import RowStore
 
 L = 31  # 32-token rows
 ROW_BYTES = (L + 1) * 2
@@ -93,15 +95,15 @@ def scattered(tmp_path, monkeypatch):
     web = write_source(tmp_path / "web", random_docs(np.random.default_rng(7), 150, 1000, 0))
     code = write_source(tmp_path / "code", random_docs(np.random.default_rng(8), 40, 1000, 0), docs_per_shard=15)
     srcs, out = [str(web), str(code)], tmp_path / "run"
-    real_order = engine.OrderStep.run
+    real_order = steps.OrderStep.run
 
     def stop(self, *a, **k):
         raise OSError("simulated crash after the scatter pass")
 
-    monkeypatch.setattr(engine.OrderStep, "run", stop)
+    monkeypatch.setattr(steps.OrderStep, "run", stop)
     with pytest.raises(TokpackError, match="simulated crash"):
         shuffle_run(srcs, str(out), **KW)
-    monkeypatch.setattr(engine.OrderStep, "run", real_order)
+    monkeypatch.setattr(steps.OrderStep, "run", real_order)
     return srcs, out
 
 
@@ -191,35 +193,45 @@ def test_scatter_files_holding_a_position_twice_are_refused(scattered):
 # ------------------------------------------------------------------ buffers
 
 
+def pooled_uses() -> set[str]:
+    return {use for use, _ in io._FREE_BUFFERS}
+
+
 def test_passes_free_the_buffers_the_next_pass_does_not_use(scattered, monkeypatch):
-    """The order pass frees the scatter pass's four buffers before it takes its own, and the
-    next scatter frees the order's inverse, so one process never holds two passes' budgets."""
+    """The order pass frees the scatter pass's buffers before it takes its own, and the next
+    scatter frees the order's inverse, so one process never holds two passes' budgets."""
     srcs, out = scattered
-    scatter_names = {"scatter-in0", "scatter-in1", "scatter-out0", "scatter-out1"}
-    assert scatter_names <= set(engine._BUFFERS)
-    held_by_name: dict[str, list[set]] = {}
-    real_reused = engine.reused
+    pooled_when_lent: dict[str, list[set]] = {}
+    real_lent = steps.lent
 
-    def reused(name, nbytes):
-        held_by_name.setdefault(name, []).append(set(engine._BUFFERS))
-        return real_reused(name, nbytes)
+    def lent(use, nbytes, count=1):
+        pooled_when_lent.setdefault(use, []).append(pooled_uses())
+        return real_lent(use, nbytes, count)
 
-    monkeypatch.setattr(engine, "reused", reused)
+    monkeypatch.setattr(steps, "lent", lent)
     shuffle_run(srcs, str(out), **{**KW, "epochs": [0, 1]})
-    assert held_by_name["inverse"] and held_by_name["scatter-in0"]
-    assert all(not scatter_names & held for held in held_by_name["inverse"])
-    assert all("inverse" not in held for held in held_by_name["scatter-in0"])
-    assert not scatter_names & set(engine._BUFFERS)
+    assert pooled_when_lent["inverse"] and pooled_when_lent["scatter"]
+    assert all("scatter" not in pooled for pooled in pooled_when_lent["inverse"])
+    assert all("inverse" not in pooled for pooled in pooled_when_lent["scatter"])
+    assert "scatter" not in pooled_uses()
 
 
-def test_no_scatter_buffer_outlives_its_pass(scattered):
-    """Only the four named scatter buffers exist (two in, two out), and all go once the order
-    pass starts: a fifth would be held, unused, through every later pass of the process."""
-    srcs, out = scattered
-    assert {n for n in engine._BUFFERS if n.startswith("scatter-")} == {"scatter-in0", "scatter-in1",
-                                                                          "scatter-out0", "scatter-out1"}
-    shuffle_run(srcs, str(out), **KW)
-    assert not [n for n in engine._BUFFERS if n.startswith("scatter-")]
+def test_no_scatter_buffer_outlives_its_pass(tmp_path, monkeypatch):
+    """The scatter pass borrows exactly four buffers (two in, two out), and they go once the
+    order pass starts: a fifth would be held, unused, through every later pass of the process."""
+    web = write_source(tmp_path / "web", random_docs(np.random.default_rng(7), 150, 1000, 0))
+    counts = []
+    real_lent = steps.lent
+
+    def lent(use, nbytes, count=1):
+        if use == "scatter":
+            counts.append(count)
+        return real_lent(use, nbytes, count)
+
+    monkeypatch.setattr(steps, "lent", lent)
+    shuffle_run([str(web)], str(tmp_path / "run"), **KW)
+    assert counts and set(counts) == {4}
+    assert "scatter" not in pooled_uses()
 
 
 def bucket_file_opens(monkeypatch) -> list[tuple[str, object]]:
@@ -233,7 +245,7 @@ def bucket_file_opens(monkeypatch) -> list[tuple[str, object]]:
             opened.append((threading.current_thread().name, f))
         return f
 
-    monkeypatch.setattr(engine, "open", spy, raising=False)
+    monkeypatch.setattr(steps, "open", spy, raising=False)
     return opened
 
 
@@ -243,10 +255,10 @@ def test_scatter_keeps_at_most_the_limit_of_bucket_files_open(tmp_path, monkeypa
     web = write_source(tmp_path / "web", random_docs(np.random.default_rng(7), 150, 1000, 0))
     ref = tmp_path / "ref"
     shuffle_run([str(web)], str(ref), **KW)
-    monkeypatch.setattr(engine, "MAX_OPEN_BUCKET_FILES", 2)
+    monkeypatch.setattr(steps, "MAX_OPEN_BUCKET_FILES", 2)
     opened = bucket_file_opens(monkeypatch)
     most = 0
-    real_open = engine.open
+    real_open = steps.open
 
     def counting(path, mode="r", *a, **k):
         nonlocal most
@@ -254,7 +266,7 @@ def test_scatter_keeps_at_most_the_limit_of_bucket_files_open(tmp_path, monkeypa
         most = max(most, sum(not g.closed for _, g in opened))
         return f
 
-    monkeypatch.setattr(engine, "open", counting, raising=False)
+    monkeypatch.setattr(steps, "open", counting, raising=False)
     out = tmp_path / "run"
     shuffle_run([str(web)], str(out), **KW)
     assert len(opened) > 8 and most == 4  # the limit is reached, never passed
@@ -277,7 +289,7 @@ def test_one_thread_appends_to_the_bucket_files(scattered, tmp_path, monkeypatch
 
 def dir_bytes(path: Path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
-            if p.is_file() and engine.WORK_DIR not in p.parts}
+            if p.is_file() and WORK_DIR not in p.parts}
 
 
 # ------------------------------------------------------------------ layout and source rows
@@ -286,13 +298,13 @@ def dir_bytes(path: Path) -> dict[str, bytes]:
 def captured_layout(srcs, out, monkeypatch, **kw):
     """(job, budget, tasks, layout) of the real run's make_layout call."""
     calls = []
-    real = engine.make_layout
+    real = steps.make_layout
 
     def spy(job, budget, tasks):
         calls.append((job, budget, tasks, real(job, budget, tasks)))
         return calls[-1][-1]
 
-    monkeypatch.setattr(engine, "make_layout", spy)
+    monkeypatch.setattr(run, "make_layout", spy)
     shuffle_run(srcs, str(out), **{**KW, **kw})
     (call,) = calls
     return call
@@ -316,9 +328,9 @@ def test_scatter_block_of_a_large_budget_is_whole_rows(scattered, tmp_path, monk
     whole rows (62-byte rows do not divide it), one bucket per shard."""
     srcs, _ = scattered
     job, _, _, _ = captured_layout(srcs, tmp_path / "again", monkeypatch, seq_len=30)
-    lay = engine.make_layout(job, 1 << 40, 3)
+    lay = steps.make_layout(job, 1 << 40, 3)
     assert job.row_bytes == 62 and type(lay.block_rows) is int
-    assert lay.block_rows == engine.MAX_BLOCK_BYTES // 62 == 1082401
+    assert lay.block_rows == steps.MAX_BLOCK_BYTES // 62 == 1082401
     assert lay.shard_buckets.tolist() == list(range(job.n_shards + 1))
     assert lay.bucket_starts.tolist() == [i * 150 for i in range(job.n_shards)] + [job.plan.samples]
 
@@ -327,12 +339,12 @@ def test_source_rows_refuses_more_windows_than_the_source_holds(tmp_path):
     """An internal check: asked for windows past the source's end, source_rows says how many
     it was asked for and how many it found instead of yielding short."""
     web = write_source(tmp_path / "web", random_docs(np.random.default_rng(7), 150, 1000, 0))
-    (src,) = engine.open_sources([str(web)])
+    (src,) = run.open_sources([str(web)])
     whole = int(src.tokens) // 32
-    got = sum(len(part) for part in engine.source_rows(src, 0, whole, 32))
+    got = sum(len(part) for part in steps.source_rows(src, 0, whole, 32))
     assert got == whole
     with pytest.raises(TokpackError) as err:
-        sum(len(part) for part in engine.source_rows(src, 0, whole + 1, 32))
+        sum(len(part) for part in steps.source_rows(src, 0, whole + 1, 32))
     assert str(err.value) == f"{web}: internal error: source windows; expected {whole + 1}, found {whole}"
 
 
@@ -354,11 +366,17 @@ def test_pass_bars_count_every_byte_once(scattered, tmp_path, monkeypatch):
         def close(self):
             pass
 
-    def spy(total, desc, enabled, unit="B"):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def spy(total, desc, unit="B", enabled=None):
         bars.append(Bar(total, desc))
         return bars[-1]
 
-    monkeypatch.setattr(engine, "progress_bar", spy)
+    monkeypatch.setattr(steps, "progress", spy)
     shuffle_run(srcs, str(tmp_path / "again"), **KW)
     source_bytes = sum((Path(s) / m["path"]).stat().st_size for s in srcs
                        for m in json.loads((Path(s) / "tokpack.json").read_text())["shards"])
