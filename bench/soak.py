@@ -39,6 +39,7 @@ from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
 from bench.common import REPO, machine_line, make_datatrove_corpus, print_table  # noqa: E402
+from packer.lifetime import marked  # noqa: E402
 
 CORPUS_BYTES = 1 << 20  # small on purpose: many short runs, each killed somewhere in its life
 QUICK_KILLS = 3
@@ -87,25 +88,6 @@ def tree(root: Path) -> dict[str, bytes]:
         if root.exists() else {}
 
 
-def marked(token: str) -> list[int]:
-    """Live processes whose environment carries this command's marker."""
-    needle = f"{MARK}={token}\0".encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = f.read() + b"\0"
-            with open(f"/proc/{name}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if needle in env and state != b"Z":
-            found.append(int(name))
-    return found
-
-
 class Runner:
     def __init__(self, work: Path):
         self.work = work
@@ -134,10 +116,10 @@ class Runner:
     def reap(self, token: str) -> list[int]:
         """Waits up to GONE_WITHIN for the command's processes to end; kills and returns those left."""
         deadline = time.monotonic() + GONE_WITHIN
-        left = marked(token)
+        left = marked(MARK, token)
         while left and time.monotonic() < deadline:
             time.sleep(0.1)
-            left = marked(token)
+            left = marked(MARK, token)
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)

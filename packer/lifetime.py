@@ -227,18 +227,23 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _marked(token: bytes) -> list[int]:
-    needle = f"{MARKER_VAR}=".encode() + token + b"\0"
+def marked(var: str, value: str) -> list[int]:
+    """Live processes (zombies left out: they hold nothing) whose environment has var=value,
+    which every descendant inherits."""
+    needle = f"{var}={value}\0".encode()
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/environ", "rb") as f:
-                if needle in f.read() + b"\0":
-                    found.append(int(name))
-        except OSError:
-            pass
+                env = f.read() + b"\0"
+            with open(f"/proc/{name}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if needle in env and state != b"Z":
+            found.append(int(name))
     return found
 
 
@@ -260,7 +265,7 @@ def _kill_all(seen: dict[int, str], token: str) -> None:
     deadline = time.monotonic() + _KILL_ROUNDS_SECONDS
     while True:
         victims = {pid for pid, start in seen.items() if _start_time(pid) == start}
-        victims |= set(_marked(token.encode()))
+        victims |= set(marked(MARKER_VAR, token))
         for pid in list(victims):
             victims |= set(_descendants(pid))
         victims.discard(me)
