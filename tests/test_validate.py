@@ -549,13 +549,13 @@ def test_swapped_rows_fail_on_the_token_checksum(env, tmp_path):
 
 @pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
 def test_epoch_index_with_fewer_entries_than_samples(env, quick):
-    """An epoch index cut to 7 entries for a shard of 8 samples, with the fragment count, the
-    document count and the index checksum rewritten to agree: every sample ends a fragment, so
+    """An epoch index cut to 7 entries for a shard of 8 samples, with the shard's and the
+    epoch's fragment counts and the index checksum rewritten to agree: every sample ends a fragment, so
     the index size alone proves the shard wrong, and the line says what size it has."""
     idx = env / E0 / "00001.ds.index"
     idx.write_bytes(idx.read_bytes()[: 7 * 8])
     m = load(env / E0)
-    m["documents"] -= m["shards"][1]["fragments"] - 7
+    m["fragments"] -= m["shards"][1]["fragments"] - 7
     m["shards"][1]["fragments"] = 7
     save(env / E0, m)
     reseal_epoch_index(env / E0, "00001.ds")
