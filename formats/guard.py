@@ -159,7 +159,19 @@ class OutputLock:
             tmp.unlink(missing_ok=True)
         with _held_guard:
             _held[key] = 1
+        self._remove_dead_temporaries()
         return self
+
+    def _remove_dead_temporaries(self) -> None:
+        """Removes the lock's temporary files left by commands killed while taking it (their
+        creator, named in the file and its name, is gone); only its creator touches such a file."""
+        for leftover in self.directory.glob(f".{LOCK_NAME}.tmp-[0-9]*"):
+            holder = self._read(leftover)
+            if not holder:  # killed while writing it: only its name says whose it is
+                pid = leftover.name.split(".tmp-", 1)[1].split("-", 1)[0]
+                holder = {"host": socket.gethostname(), "pid": int(pid) if pid.isdigit() else 0}
+            if self._stale(holder):
+                leftover.unlink(missing_ok=True)
 
     def _take_over(self, stale: dict) -> bool:
         """Removes the stale lock file unless another command replaced it meanwhile: it is moved

@@ -157,6 +157,23 @@ def test_stale_lock_is_taken_over_with_one_line(sources, tmp_path, holder):
     assert tokpack(tmp_path, "validate", out).returncode == 0
 
 
+def test_lock_temporaries_of_killed_commands_are_removed(sources, tmp_path):
+    """Found by bench/soak.py (seed 0, 500 kills): a shuffle killed between writing the lock's
+    temporary file and linking it left `.tokpack.lock.tmp-PID-...`; the rerun kept it. A
+    temporary of a live process (another command taking the lock right now) stays."""
+    small, _ = sources
+    out = tmp_path / "run"
+    out.mkdir()
+    gone = dead_pid()
+    (out / f".{LOCK_NAME}.tmp-{gone}-0badc0de").write_text(json.dumps({"host": socket.gethostname(), "pid": gone}))
+    (out / f".{LOCK_NAME}.tmp-{dead_pid()}-halfdone").write_bytes(b'{"ho')  # killed mid-write
+    alive = {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid())}
+    (out / f".{LOCK_NAME}.tmp-{os.getpid()}-feedf00d").write_text(json.dumps(alive))
+    r = tokpack(tmp_path, "shuffle", small, "-o", out, "--seq-len", "63", "--seed", "1", "--epochs", "1")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.glob(f".{LOCK_NAME}*")) == [f".{LOCK_NAME}.tmp-{os.getpid()}-feedf00d"]
+
+
 @pytest.mark.parametrize("command", ["pack", "shuffle", "stage"])
 @pytest.mark.parametrize("where", ["this host", "another host"])
 def test_held_lock_refuses_pack_shuffle_and_stage(sources, tmp_path, command, where):
