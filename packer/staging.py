@@ -341,6 +341,11 @@ class _Stager:
                 self.skipped += 1
                 self.bytes_verified += n
 
+    def _advance(self, n: int) -> None:
+        if self.bar is not None:
+            with self.lock:
+                self.bar.update(n)
+
     def run_job(self, job: CopyJob) -> None:
         final = self.dest / job.rel
         if job.checksum and final.is_file() and (job.size is None or final.stat().st_size == job.size):
@@ -411,9 +416,7 @@ class _Stager:
                     while chunk.nbytes:
                         chunk = chunk[fout.write(chunk):]
                     total += n
-                    if self.bar is not None:
-                        with self.lock:
-                            self.bar.update(n)
+                    self._advance(n)
             finally:
                 give_buffers([owned])
         return total, h.hexdigest()
@@ -435,9 +438,7 @@ class _Stager:
                                    expected=f"{size} bytes", found=f"{off} bytes")
             _hash_mapped(h, fin.fileno(), off, n)
             off += n
-            if self.bar is not None:
-                with self.lock:
-                    self.bar.update(n)
+            self._advance(n)
         return size, h.hexdigest()
 
     def _hash_local(self, path: Path) -> str:
@@ -450,9 +451,7 @@ class _Stager:
             for off in range(0, size, self.block):
                 n = min(self.block, size - off)
                 _hash_mapped(h, f.fileno(), off, n)
-                if self.bar is not None:
-                    with self.lock:
-                        self.bar.update(n)
+                self._advance(n)
         return h.hexdigest()
 
 
