@@ -29,14 +29,12 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import xxhash
 
 from formats.errors import TokpackError
 from formats.guard import check_space, locked_output
-from formats.io import give_buffers, take_buffer
 from formats.reader import EpochNumbering, shuffle_command
-from formats.io import commit_file, progress, remove_tmp_files, tmp_path
+from formats.io import commit_file, lent, progress, remove_tmp_files, tmp_path
 from formats.manifest import (
     MANIFEST,
     STAGE_SIDECAR,
@@ -405,11 +403,10 @@ class _Stager:
                     self.kernel_copy = False  # e.g. EXDEV across filesystems: user-space copies from now on
                     fout.seek(0)
                     fout.truncate()
-            owned = take_buffer(np.uint8)  # taken only on this path, then reused: fresh pages are not free here
-            buf = memoryview(owned.ensure(self.block)[: self.block])
             h = xxhash.xxh3_128()
             total = 0
-            try:
+            with lent("", self.block) as (raw,):  # taken only on this path, then reused: fresh pages are not free here
+                buf = memoryview(raw)
                 while n := fin.readinto(buf):
                     chunk = buf[:n]
                     h.update(chunk)
@@ -417,8 +414,6 @@ class _Stager:
                         chunk = chunk[fout.write(chunk):]
                     total += n
                     self._advance(n)
-            finally:
-                give_buffers([owned])
         return total, h.hexdigest()
 
     def _copy_in_kernel(self, fin, fout, rel: str) -> tuple[int, str]:
