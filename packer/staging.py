@@ -190,7 +190,8 @@ def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None) -> 
         if keep is not None and not keep[i]:
             skipped.append(name)
             continue
-        jobs.append(CopyJob(_join(dir_rel, name), _int_or_none(s.get("bytes")), s.get("xxh3_128"), dir_rel))
+        size = s.get("bytes")
+        jobs.append(CopyJob(_join(dir_rel, name), None if size is None else int(size), s.get("xxh3_128"), dir_rel))
         docs = s.get("documents") if manifest.get("kind") == "source" else None
         jobs.append(CopyJob(_join(dir_rel, f"{name}.index"), None if docs is None else 8 * int(docs),
                             s.get("index_xxh3_128"), dir_rel))
@@ -200,10 +201,6 @@ def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None) -> 
             jobs.append(CopyJob(_join(dir_rel, f"{name}.loss"), None if tokens is None else int(tokens),
                                 s["loss_xxh3_128"], dir_rel))
     return jobs, skipped
-
-
-def _int_or_none(v):
-    return None if v is None else int(v)
 
 
 class Source:
