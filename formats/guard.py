@@ -81,7 +81,6 @@ class OutputLock:
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.token = uuid.uuid4().hex  # tells our lock file from a successor's
         self.created_dir = False  # the directory did not exist: removed again if left empty
-        self.nested = False  # this process already held it (an API entry point calling another)
 
     def _mine(self) -> dict:
         return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid()),
@@ -108,8 +107,7 @@ class OutputLock:
         key = str(self.path.absolute())
         with _held_guard:
             if key in _held:
-                _held[key] += 1
-                self.nested = True
+                _held[key] += 1  # this process holds it already: an API entry point calling another
                 return self
         try:
             if self.directory.is_symlink() and not self.directory.exists():
@@ -257,12 +255,6 @@ def _existing_ancestor(path: Path) -> Path:
     while not path.exists() and path.parent != path:
         path = path.parent
     return path
-
-
-def free_bytes(path: str | Path) -> int:
-    """Bytes an unprivileged writer may still use on the filesystem holding `path` (or the
-    nearest existing parent of it)."""
-    return shutil.disk_usage(_existing_ancestor(Path(path))).free
 
 
 def check_space(needs: list[tuple[str | Path, int]], command: str, hint: str | None = None) -> None:

@@ -246,8 +246,6 @@ class SampleReader:
         """A run directory (its epochs in the order of its manifest's `epochs`), one epoch
         directory, or a list of either, chained in the order given."""
         paths = [path] if isinstance(path, (str, Path)) else list(path)
-        if not paths:
-            raise TokpackError("nothing to read", hint="give a run directory or epoch directories")
         epochs: list[tuple[Path, dict]] = []
         absent: dict[str, str] = {}
         numbering = run = None

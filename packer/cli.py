@@ -43,11 +43,15 @@ class Quantity(click.ParamType):
 TOKENS, BYTES = Quantity("TOKENS", token_count), Quantity("BYTES", byte_size)
 
 
-def emit(result, as_json: bool) -> None:
-    """One machine-readable object on stdout with --json; a short human summary otherwise."""
+def emit(result, as_json: bool, report_lines=None, err: bool = False) -> None:
+    """One machine-readable object on stdout with --json; otherwise the `report_lines(result)`
+    of a command that has them (on stderr if `err`), or a short human summary."""
     summary = result.to_json()
     if as_json:
         click.echo(json.dumps(summary, default=str))
+    elif report_lines is not None:
+        for line in report_lines(result):
+            click.echo(line, err=err)
     else:
         for key, value in summary.items():
             if isinstance(value, (list, dict)):
@@ -380,11 +384,7 @@ def validate(dirs, quick, against, workers, as_json):
     from formats.dir_checks import report_lines
 
     result = validate_api(list(dirs), quick=quick, against=list(against), workers=workers)
-    if as_json:
-        click.echo(json.dumps(result.to_json()))
-    else:
-        for line in report_lines(result):
-            click.echo(line, err=not result.ok)
+    emit(result, as_json, report_lines, err=not result.ok)
     sys.exit(0 if result.ok else 1)
 
 
@@ -434,12 +434,7 @@ def inspect(directory, as_json, **kw):
     from packer.api import inspect as inspect_api
     from packer.inspection import report_lines
 
-    result = inspect_api(directory, **kw)
-    if as_json:
-        click.echo(json.dumps(result.to_json()))
-    else:
-        for line in report_lines(result):
-            click.echo(line)
+    emit(inspect_api(directory, **kw), as_json, report_lines)
 
 
 @main.command()

@@ -485,19 +485,15 @@ def local_paths(inputs: list[str], output: str):
         local_output = local_path(output)
         if local_output is None:
             local_output = os.path.join(folder(), "out")
-            _download_if_exists(output, local_output)  # resume or extend an existing run
+            fs, remote = _fs_and_path(output)
+            if fs.exists(remote) and fs.isdir(remote):  # resume or extend an existing run
+                _download_folder(output, local_output)
         yield local_inputs, local_output
         if local_path(output) is None:
             stage_out(local_output, output)
     finally:
         if staging:
             shutil.rmtree(staging, ignore_errors=True)
-
-
-def _download_if_exists(url: str, dest: str) -> None:
-    fs, remote = _fs_and_path(url)
-    if fs.exists(remote) and fs.isdir(remote):
-        _download_folder(url, dest)
 
 
 def _download_folder(url: str, dest: str | Path) -> None:

@@ -26,7 +26,8 @@ import numpy as np
 
 from formats.errors import TokpackError
 from formats.io import progress
-from formats.manifest import dtype_from_name, epoch_dir_name, read_manifest
+from formats.manifest import epoch_dir_name, read_manifest
+from formats.reader import SampleReader
 from formats.shards import U64, PackedSource
 from packer.api import Result, optional_field
 
@@ -227,11 +228,11 @@ def diversity_after_plan(plan, maps: list[DocumentMap], epoch_dir: Path, manifes
     """Epoch order through the shuffle plan. Returns (series, samples whose bytes did not match
     their planned window); a mismatch means the plan does not describe this epoch."""
     stats, mismatches = [], 0
-    reader = _EpochRows(epoch_dir, manifest)
+    reader = SampleReader.from_manifests([(epoch_dir, manifest)])
     window = np.empty(plan.row_tokens, dtype=reader.dtype)
     for b in range(min(batches, plan.samples // batch)):
         s_idx, w_idx, _ = plan.locate(np.arange(b * batch, (b + 1) * batch, dtype=np.int64))
-        rows = reader.rows(b * batch, batch)
+        rows = reader.read(b * batch, batch)
         docs = []
         for k, (s, w) in enumerate(zip(s_idx.tolist(), w_idx.tolist())):
             start, stop = plan.token_range(s, w)
@@ -244,11 +245,11 @@ def diversity_after_plan(plan, maps: list[DocumentMap], epoch_dir: Path, manifes
 
 def diversity_after_eos(epoch_dir: Path, manifest: dict, batch: int, batches: int) -> dict:
     """Epoch order, documents = EOS-delimited fragments within each sample."""
-    reader = _EpochRows(epoch_dir, manifest)
+    reader = SampleReader.from_manifests([(epoch_dir, manifest)])
     eos = int(manifest["eos_id"])
     stats = []
     for b in range(min(batches, int(manifest["samples"]) // batch)):
-        rows = reader.rows(b * batch, batch)
+        rows = reader.read(b * batch, batch)
         ends_mask = rows == eos
         ends_mask[:, -1] = True  # a sample end closes the fragment it cuts
         lengths = np.diff(np.flatnonzero(ends_mask.ravel()) + 1, prepend=0)
@@ -268,33 +269,6 @@ def _series(stats: list[tuple[int, float]]) -> dict:
                               "max": round(max(share), 4)},
         }
     return out
-
-
-class _EpochRows:
-    """Reads consecutive samples of an epoch directory (sample g: shard g // shard_samples)."""
-
-    def __init__(self, epoch_dir: Path, manifest: dict):
-        self.dir = epoch_dir  # the epoch directory
-        self.dtype = dtype_from_name(manifest["dtype"])  # token dtype
-        self.row = int(manifest["seq_len"]) + 1  # tokens per sample
-        self.shards = manifest["shards"]  # manifest entries, in order
-        self.starts = np.concatenate([[0], np.cumsum([int(s["samples"]) for s in self.shards])])  # first sample per shard
-
-    def rows(self, g: int, n: int) -> np.ndarray:
-        out = np.empty((n, self.row), dtype=self.dtype)
-        done = 0
-        while done < n:
-            i = int(np.searchsorted(self.starts, g + done, side="right")) - 1
-            k = min(n - done, int(self.starts[i + 1]) - (g + done))
-            offset = (g + done - int(self.starts[i])) * self.row * self.dtype.itemsize
-            data = np.fromfile(self.dir / self.shards[i]["path"], dtype=self.dtype, count=k * self.row, offset=offset)
-            if data.size != k * self.row:
-                raise TokpackError("epoch shard shorter than its manifest says", file=self.dir / self.shards[i]["path"],
-                                   expected=f"{k * self.row} tokens at byte {offset}", found=f"{data.size}",
-                                   hint="run `tokpack validate` on the epoch")
-            out[done : done + k] = data.reshape(k, self.row)
-            done += k
-        return out
 
 
 # --------------------------------------------------------------------------- sources

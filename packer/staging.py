@@ -29,14 +29,12 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import xxhash
 
 from formats.errors import TokpackError
 from formats.guard import check_space, locked_output
-from formats.io import give_buffers, take_buffer
 from formats.reader import EpochNumbering, shuffle_command
-from formats.io import commit_file, progress, remove_tmp_files, tmp_path
+from formats.io import commit_file, lent, progress, remove_tmp_files, tmp_path
 from formats.manifest import (
     MANIFEST,
     STAGE_SIDECAR,
@@ -192,7 +190,8 @@ def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None) -> 
         if keep is not None and not keep[i]:
             skipped.append(name)
             continue
-        jobs.append(CopyJob(_join(dir_rel, name), _int_or_none(s.get("bytes")), s.get("xxh3_128"), dir_rel))
+        size = s.get("bytes")
+        jobs.append(CopyJob(_join(dir_rel, name), None if size is None else int(size), s.get("xxh3_128"), dir_rel))
         docs = s.get("documents") if manifest.get("kind") == "source" else None
         jobs.append(CopyJob(_join(dir_rel, f"{name}.index"), None if docs is None else 8 * int(docs),
                             s.get("index_xxh3_128"), dir_rel))
@@ -202,10 +201,6 @@ def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None) -> 
             jobs.append(CopyJob(_join(dir_rel, f"{name}.loss"), None if tokens is None else int(tokens),
                                 s["loss_xxh3_128"], dir_rel))
     return jobs, skipped
-
-
-def _int_or_none(v):
-    return None if v is None else int(v)
 
 
 class Source:
@@ -341,6 +336,11 @@ class _Stager:
                 self.skipped += 1
                 self.bytes_verified += n
 
+    def _advance(self, n: int) -> None:
+        if self.bar is not None:
+            with self.lock:
+                self.bar.update(n)
+
     def run_job(self, job: CopyJob) -> None:
         final = self.dest / job.rel
         if job.checksum and final.is_file() and (job.size is None or final.stat().st_size == job.size):
@@ -400,22 +400,17 @@ class _Stager:
                     self.kernel_copy = False  # e.g. EXDEV across filesystems: user-space copies from now on
                     fout.seek(0)
                     fout.truncate()
-            owned = take_buffer(np.uint8)  # taken only on this path, then reused: fresh pages are not free here
-            buf = memoryview(owned.ensure(self.block)[: self.block])
             h = xxhash.xxh3_128()
             total = 0
-            try:
+            with lent("", self.block) as (raw,):  # taken only on this path, then reused: fresh pages are not free here
+                buf = memoryview(raw)
                 while n := fin.readinto(buf):
                     chunk = buf[:n]
                     h.update(chunk)
                     while chunk.nbytes:
                         chunk = chunk[fout.write(chunk):]
                     total += n
-                    if self.bar is not None:
-                        with self.lock:
-                            self.bar.update(n)
-            finally:
-                give_buffers([owned])
+                    self._advance(n)
         return total, h.hexdigest()
 
     def _copy_in_kernel(self, fin, fout, rel: str) -> tuple[int, str]:
@@ -435,9 +430,7 @@ class _Stager:
                                    expected=f"{size} bytes", found=f"{off} bytes")
             _hash_mapped(h, fin.fileno(), off, n)
             off += n
-            if self.bar is not None:
-                with self.lock:
-                    self.bar.update(n)
+            self._advance(n)
         return size, h.hexdigest()
 
     def _hash_local(self, path: Path) -> str:
@@ -450,9 +443,7 @@ class _Stager:
             for off in range(0, size, self.block):
                 n = min(self.block, size - off)
                 _hash_mapped(h, f.fileno(), off, n)
-                if self.bar is not None:
-                    with self.lock:
-                        self.bar.update(n)
+                self._advance(n)
         return h.hexdigest()
 
 

@@ -17,6 +17,7 @@ import shutil
 import sys
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import xxhash
@@ -325,7 +326,7 @@ def shuffle_run(
     for epoch in epochs:
         plan = epoch_plan(opened, seq_len=seq_len, seed=seed, epoch=epoch, weights=weights, samples=samples,
                           tokens=tokens, jitter=jitter, names=names)
-        plan = _resolved_paths(plan)
+        plan = replace(plan, sources=tuple(replace(sp, path=str(Path(sp.path).resolve())) for sp in plan.sources))
         params = _run_params(plan, weights, shard_samples)
         if existing is not None:
             _check_same_run(existing, params, out)
@@ -396,9 +397,3 @@ def repeat_warnings(epoch: int, report: list[dict]) -> list[str]:
 def _content(entries) -> list[dict]:
     """Source entries without where the sources lay: moving a source does not change an epoch."""
     return [{k: v for k, v in e.items() if k not in ("path", "name")} for e in entries or []]
-
-
-def _resolved_paths(plan: EpochPlan) -> EpochPlan:
-    from dataclasses import replace
-
-    return replace(plan, sources=tuple(replace(sp, path=str(Path(sp.path).resolve())) for sp in plan.sources))

@@ -28,10 +28,7 @@ def discover(inputs: list[str], input_format: str = "auto", column: str | None =
     Returns (format, files); `format` is one of FORMATS."""
     if not inputs:
         raise TokpackError("no input given", hint="pass one or more files or directories")
-    found: list[tuple[str, list[InputFile]]] = []
-    for item in inputs:
-        fmt, files = _discover_one(Path(item), input_format, column, dtype)
-        found.append((fmt, files))
+    found = [_discover_one(Path(item), input_format, column, dtype) for item in inputs]
     formats = {fmt for fmt, _ in found}
     if len(formats) > 1:
         kinds = ", ".join(f"{item} is {fmt}" for item, (fmt, _) in zip(inputs, found))
