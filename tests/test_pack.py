@@ -5,8 +5,10 @@ and every bad-input case of issue 2 through the CLI."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -413,6 +415,22 @@ def test_npy_and_raw_split_at_eos(tmp_path):
     assert packed_docs(tmp_path / "b") == expected
 
 
+@contextlib.contextmanager
+def finishes_within(seconds: int, what: str):
+    """Fails the test, instead of hanging it, when the block does not return in time (a reader
+    that stops making progress loops forever)."""
+    def hung(signum, frame):
+        raise AssertionError(f"{what} did not finish within {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
 @pytest.mark.parametrize("block", [4, 6, 64], ids=lambda b: f"block{b}B")
 def test_npy_and_raw_last_document_without_eos(block, tmp_path):
     """The tokens after a file's last EOS are a document of their own, whole, with EOS appended;
@@ -421,8 +439,9 @@ def test_npy_and_raw_last_document_without_eos(block, tmp_path):
     for name, stream, expected in [("tail", [5, 6, 0, 7, 8, 9], [[5, 6, 0], [7, 8, 9, 0]]),
                                    ("none", [7, 8, 9, 4, 3], [[7, 8, 9, 4, 3, 0]])]:
         np.save(tmp_path / f"{name}.npy", np.array(stream, dtype=np.uint16))
-        s = pack([str(tmp_path / f"{name}.npy")], str(tmp_path / f"{name}-npy"), eos_id=0, vocab_size=16,
-                 block_bytes=block)
+        with finishes_within(60, f"pack of {name}.npy"):
+            s = pack([str(tmp_path / f"{name}.npy")], str(tmp_path / f"{name}-npy"), eos_id=0, vocab_size=16,
+                     block_bytes=block)
         assert packed_docs(tmp_path / f"{name}-npy") == expected and s.eos_appended == 1
         np.array(stream, dtype="<u4").tofile(tmp_path / f"{name}.tok")
         res = cli(tmp_path / f"{name}.tok", "-o", tmp_path / f"{name}-raw", "--format", "numpy", "--dtype", "uint32",
@@ -431,29 +450,14 @@ def test_npy_and_raw_last_document_without_eos(block, tmp_path):
         assert packed_docs(tmp_path / f"{name}-raw") == expected
 
 
-class _Hung(Exception):
-    pass
-
-
 def test_npy_document_longer_than_the_read_buffer(tmp_path):
     """A document many blocks long grows the reader's buffer until it fits (a reader that stops
     growing it reads nothing more and never returns: the alarm turns that into a failure)."""
-    import signal
-
     rng = np.random.default_rng(7)
     docs = [rng.integers(1, 500, 1000).tolist() + [0], [3, 4, 0], rng.integers(1, 500, 300).tolist()]
     np.save(tmp_path / "t.npy", np.concatenate([np.array(d) for d in docs]).astype(np.uint16))
-
-    def hung(signum, frame):
-        raise _Hung("pack of a 1001-token document did not finish within 60 s")
-
-    old = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(60)
-    try:
+    with finishes_within(60, "pack of a 1001-token document"):
         pack([str(tmp_path / "t.npy")], str(tmp_path / "out"), eos_id=0, vocab_size=500, block_bytes=64)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
     assert packed_docs(tmp_path / "out") == [docs[0], docs[1], docs[2] + [0]]
 
 
