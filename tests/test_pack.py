@@ -461,6 +461,25 @@ def test_npy_document_longer_than_the_read_buffer(tmp_path):
     assert packed_docs(tmp_path / "out") == [docs[0], docs[1], docs[2] + [0]]
 
 
+@pytest.mark.parametrize("variant", ["big-endian", "v2.0 header", "v3.0 header", "2-D C order", "1-D Fortran flag"])
+def test_npy_header_variants(variant, tmp_path):
+    """The .npy files numpy writes besides the common little-endian 1-D version 1.0 one."""
+    tokens = np.array([5, 6, 0, 7, 8, 0, 9], dtype="<u4")
+    with open(tmp_path / "t.npy", "wb") as f:
+        if variant == "big-endian":
+            np.lib.format.write_array(f, tokens.astype(">u4"), version=(1, 0))
+        elif variant == "2-D C order":
+            np.lib.format.write_array(f, tokens[:6].reshape(2, 3), version=(1, 0))
+        elif variant == "1-D Fortran flag":  # other writers may set it: one axis has one order
+            np.lib.format.write_array_header_1_0(f, {"descr": "<u4", "fortran_order": True, "shape": (7,)})
+            f.write(tokens.tobytes())
+        else:
+            np.lib.format.write_array(f, tokens, version={"v2.0 header": (2, 0), "v3.0 header": (3, 0)}[variant])
+    s = pack([str(tmp_path / "t.npy")], str(tmp_path / "out"), eos_id=0, vocab_size=16)
+    expected = [[5, 6, 0], [7, 8, 0]] + ([] if variant == "2-D C order" else [[9, 0]])
+    assert packed_docs(tmp_path / "out") == expected and s.eos_appended == len(expected) - 2
+
+
 def test_jsonl_token_lists(tmp_path):
     docs = varied_docs(seed=4)
     with open(tmp_path / "t.jsonl", "w") as f:
