@@ -463,7 +463,7 @@ def test_npy_document_longer_than_the_read_buffer(tmp_path):
 
 @pytest.mark.parametrize("variant", ["big-endian", "v2.0 header", "v3.0 header", "2-D C order", "1-D Fortran flag"])
 def test_npy_header_variants(variant, tmp_path):
-    """The .npy files numpy writes besides the common little-endian 1-D version 1.0 one."""
+    """.npy layouts besides the common little-endian 1-D version 1.0 one pack to the same documents."""
     tokens = np.array([5, 6, 0, 7, 8, 0, 9], dtype="<u4")
     with open(tmp_path / "t.npy", "wb") as f:
         if variant == "big-endian":
