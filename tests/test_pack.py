@@ -5,8 +5,10 @@ and every bad-input case of issue 2 through the CLI."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -413,6 +415,71 @@ def test_npy_and_raw_split_at_eos(tmp_path):
     assert packed_docs(tmp_path / "b") == expected
 
 
+@contextlib.contextmanager
+def finishes_within(seconds: int, what: str):
+    """Fails the test, instead of hanging it, when the block does not return in time (a reader
+    that stops making progress loops forever)."""
+    def hung(signum, frame):
+        raise AssertionError(f"{what} did not finish within {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("block", [4, 6, 64], ids=lambda b: f"block{b}B")
+def test_npy_and_raw_last_document_without_eos(block, tmp_path):
+    """The tokens after a file's last EOS are a document of their own, whole, with EOS appended;
+    a file with no EOS at all is one document. Small blocks put the file's end inside a block
+    holding earlier EOS and inside one holding none."""
+    for name, stream, expected in [("tail", [5, 6, 0, 7, 8, 9], [[5, 6, 0], [7, 8, 9, 0]]),
+                                   ("none", [7, 8, 9, 4, 3], [[7, 8, 9, 4, 3, 0]])]:
+        np.save(tmp_path / f"{name}.npy", np.array(stream, dtype=np.uint16))
+        with finishes_within(60, f"pack of {name}.npy"):
+            s = pack([str(tmp_path / f"{name}.npy")], str(tmp_path / f"{name}-npy"), eos_id=0, vocab_size=16,
+                     block_bytes=block)
+        assert packed_docs(tmp_path / f"{name}-npy") == expected and s.eos_appended == 1
+        np.array(stream, dtype="<u4").tofile(tmp_path / f"{name}.tok")
+        res = cli(tmp_path / f"{name}.tok", "-o", tmp_path / f"{name}-raw", "--format", "numpy", "--dtype", "uint32",
+                  "--eos-id", 0, "--vocab-size", 16)
+        assert res.exit_code == 0, res.stderr
+        assert packed_docs(tmp_path / f"{name}-raw") == expected
+
+
+def test_npy_document_longer_than_the_read_buffer(tmp_path):
+    """A document many blocks long grows the reader's buffer until it fits (a reader that stops
+    growing it reads nothing more and never returns: the alarm turns that into a failure)."""
+    rng = np.random.default_rng(7)
+    docs = [rng.integers(1, 500, 1000).tolist() + [0], [3, 4, 0], rng.integers(1, 500, 300).tolist()]
+    np.save(tmp_path / "t.npy", np.concatenate([np.array(d) for d in docs]).astype(np.uint16))
+    with finishes_within(60, "pack of a 1001-token document"):
+        pack([str(tmp_path / "t.npy")], str(tmp_path / "out"), eos_id=0, vocab_size=500, block_bytes=64)
+    assert packed_docs(tmp_path / "out") == [docs[0], docs[1], docs[2] + [0]]
+
+
+@pytest.mark.parametrize("variant", ["big-endian", "v2.0 header", "v3.0 header", "2-D C order", "1-D Fortran flag"])
+def test_npy_header_variants(variant, tmp_path):
+    """.npy layouts besides the common little-endian 1-D version 1.0 one pack to the same documents."""
+    tokens = np.array([5, 6, 0, 7, 8, 0, 9], dtype="<u4")
+    with open(tmp_path / "t.npy", "wb") as f:
+        if variant == "big-endian":
+            np.lib.format.write_array(f, tokens.astype(">u4"), version=(1, 0))
+        elif variant == "2-D C order":
+            np.lib.format.write_array(f, tokens[:6].reshape(2, 3), version=(1, 0))
+        elif variant == "1-D Fortran flag":  # other writers may set it: one axis has one order
+            np.lib.format.write_array_header_1_0(f, {"descr": "<u4", "fortran_order": True, "shape": (7,)})
+            f.write(tokens.tobytes())
+        else:
+            np.lib.format.write_array(f, tokens, version={"v2.0 header": (2, 0), "v3.0 header": (3, 0)}[variant])
+    s = pack([str(tmp_path / "t.npy")], str(tmp_path / "out"), eos_id=0, vocab_size=16)
+    expected = [[5, 6, 0], [7, 8, 0]] + ([] if variant == "2-D C order" else [[9, 0]])
+    assert packed_docs(tmp_path / "out") == expected and s.eos_appended == len(expected) - 2
+
+
 def test_jsonl_token_lists(tmp_path):
     docs = varied_docs(seed=4)
     with open(tmp_path / "t.jsonl", "w") as f:
@@ -569,6 +636,32 @@ def bad_raw_no_dtype(c, t):
     return [t / "x.tok", "--format", "numpy", "--eos-id", 0, "--vocab-size", 10]
 
 
+def bad_npy_float(c, t):
+    np.save(t / "x.npy", np.array([1.0, 2.0, 0.0], dtype=np.float32))
+    return [t / "x.npy", "--eos-id", 0, "--vocab-size", 10]
+
+
+def bad_npy_fortran(c, t):
+    np.save(t / "x.npy", np.asfortranarray(np.array([[1, 2, 0], [3, 4, 0]], dtype=np.int32)))
+    return [t / "x.npy", "--eos-id", 0, "--vocab-size", 10]
+
+
+def bad_npy_truncated(c, t):
+    np.save(t / "x.npy", np.array([3, 4, 0, 5, 6, 0], dtype=np.int32))  # 128-byte header + 24 bytes
+    (t / "x.npy").write_bytes((t / "x.npy").read_bytes()[:-2])
+    return [t / "x.npy", "--eos-id", 0, "--vocab-size", 10]
+
+
+def bad_raw_dtype_not_integer(c, t):
+    (t / "x.tok").write_bytes(b"\x01\x00\x00\x00")
+    return [t / "x.tok", "--format", "numpy", "--dtype", "float32", "--eos-id", 0, "--vocab-size", 10]
+
+
+def bad_raw_size(c, t):
+    (t / "x.tok").write_bytes(b"\x01\x00\x00\x00\x00")
+    return [t / "x.tok", "--format", "numpy", "--dtype", "uint16", "--eos-id", 0, "--vocab-size", 10]
+
+
 def bad_jsonl_line(c, t):
     (t / "x.jsonl").write_text('{"input_ids": [1, 0]}\n{"input_ids": [2, \n')
     return [t / "x.jsonl", "--eos-id", 0, "--vocab-size", 10]
@@ -638,6 +731,7 @@ def bad_vocab_unknown(c, t):
 BAD = [bad_vocab, bad_ds_size, bad_index_order, bad_index_repeated, bad_index_last, bad_megatron_magic, bad_megatron_version,
        bad_megatron_dtype, bad_megatron_pointers, bad_megatron_idx_size, bad_megatron_bin_size,
        bad_megatron_doc_start, bad_megatron_doc_decrease, bad_megatron_doc_end, bad_npy_header, bad_raw_no_dtype,
+       bad_npy_float, bad_npy_fortran, bad_npy_truncated, bad_raw_dtype_not_integer, bad_raw_size,
        bad_jsonl_line, bad_parquet_missing, bad_parquet_type, bad_negative,
        bad_empty_file, bad_empty_dir, bad_mixed_dtypes, bad_mixed_vocab, bad_mixed_megatron,
        bad_tokenizer_not_local, bad_eos_unknown, bad_vocab_unknown]
@@ -661,6 +755,16 @@ WHAT = {
     "bad_npy_header": ["x.npy [header]: unreadable .npy header; expected a numpy .npy file, found "],
     "bad_raw_no_dtype": ["x.tok [--dtype]: raw token file needs --dtype; expected uint8 | int8 | uint16 | int16 | "
                          "uint32 | int32 | uint64 | int64. HINT: pass --dtype"],
+    "bad_npy_float": ["x.npy [dtype]: .npy array is not of an integer type; expected an integer dtype, found float32. "
+                      "HINT: token ids must be integers"],
+    "bad_npy_fortran": ["x.npy [header]: .npy array is in Fortran order; expected C order, found Fortran order"],
+    "bad_npy_truncated": ["x.npy [size]: .npy size does not match its header; expected 152 bytes, found 150 bytes. "
+                          "HINT: the file is truncated"],
+    "bad_raw_dtype_not_integer": ["x.tok [--dtype]: raw token file needs --dtype; expected uint8 | int8 | uint16 | "
+                                  "int16 | uint32 | int32 | uint64 | int64, found float32. HINT: pass --dtype with "
+                                  "the width"],
+    "bad_raw_size": ["x.tok [size]: raw token file size is not a multiple of the token size; expected a multiple of 2 "
+                     "bytes (uint16), found 5 bytes"],
     "bad_jsonl_line": ["x.jsonl [line 2]: invalid JSON; expected a JSON object, found "],
     "bad_parquet_missing": ["column not found", "input_ids"],
     "bad_parquet_type": ["not a list of integers"],
