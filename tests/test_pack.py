@@ -760,7 +760,7 @@ WHAT = {
     "bad_npy_fortran": ["x.npy [header]: .npy array is in Fortran order; expected C order, found Fortran order"],
     "bad_npy_truncated": ["x.npy [size]: .npy size does not match its header; expected 152 bytes, found 150 bytes. "
                           "HINT: the file is truncated"],
-    "bad_raw_dtype_not_integer": ["x.tok [--dtype]: raw token file needs --dtype; expected uint8 | int8 | uint16 | "
+    "bad_raw_dtype_not_integer": ["x.tok [--dtype]: raw token file needs an integer --dtype; expected uint8 | int8 | uint16 | "
                                   "int16 | uint32 | int32 | uint64 | int64, found float32. HINT: pass --dtype with "
                                   "the width"],
     "bad_raw_size": ["x.tok [size]: raw token file size is not a multiple of the token size; expected a multiple of 2 "

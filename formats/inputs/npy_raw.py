@@ -40,7 +40,8 @@ def npy_file(path: Path) -> InputFile:
 
 def raw_file(path: Path, dtype: str | None) -> InputFile:
     if dtype not in RAW_DTYPES:
-        raise _err("raw token file needs --dtype", path, where="--dtype", expected=" | ".join(RAW_DTYPES), found=dtype,
+        raise _err("raw token file needs --dtype" if dtype is None else "raw token file needs an integer --dtype",
+                   path, where="--dtype", expected=" | ".join(RAW_DTYPES), found=dtype,
                    hint="pass --dtype with the width the tokens were written in")
     itemsize = np.dtype(dtype).itemsize
     size = os.path.getsize(path)
