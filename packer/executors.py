@@ -1,8 +1,8 @@
 """Glue to datatrove's executors: the stages' tasks run as `PipelineStep`s on Local, Slurm or Ray.
 
 Parallelism is the executor's job: a step only knows `run(data, rank, world_size)`. Whatever the
-executor, `run_step` returns only when every rank carries datatrove's completion marker, so the
-next pass (and the manifest) can rely on all outputs of this one. A rerun skips marked ranks.
+executor, `run_steps` finishes a pass only when every rank carries datatrove's completion marker,
+so the next pass (and the manifest) can rely on all outputs of this one. A rerun skips marked ranks.
 
 Paths: the stages read and write local files (mmap, pread, os.replace). `file://` URLs are local
 paths under another name; other fsspec URLs (s3://, memory://, ...) are staged through datatrove's
@@ -45,48 +45,6 @@ def run_in_process(step, tasks: int, job_name: str, logging_dir=None) -> None:
             raise task_failed(job_name, rank, tasks, e) from e
 
 
-def run_step(step, tasks: int, config: ExecutorConfig, logging_dir: str | Path, job_name: str) -> None:
-    """Runs `tasks` ranks of `step` to completion on the configured executor. Completed ranks
-    (datatrove's completion markers in `logging_dir`) are skipped, so a rerun only redoes what did
-    not finish. Raises TokpackError naming the unfinished ranks if any task failed."""
-    logging_dir = str(logging_dir)
-    if tasks < 1:
-        return
-    if runs_in_process(config):
-        run_in_process(step, tasks, job_name)
-        return
-    with lifetime.children_bound():
-        _run_step(step, tasks, config, logging_dir, job_name)
-
-
-def _run_step(step, tasks: int, config: ExecutorConfig, logging_dir: str, job_name: str) -> None:
-    if config.executor == "local":
-        executor = _local_executor(step, tasks, config, logging_dir)
-    elif config.executor == "slurm":
-        executor = _slurm_executor(step, tasks, config, logging_dir, job_name)
-    elif config.executor == "ray":
-        executor = _ray_executor(step, tasks, config, logging_dir)
-    else:
-        raise TokpackError(f"unknown executor {config.executor!r}", expected="local, slurm or ray")
-    failure = None
-    try:
-        if config.executor == "slurm":
-            lifetime.slurm_submitting()
-        with datatrove_logs_to_files():
-            executor.run()
-        if config.executor == "slurm":
-            _wait_slurm(executor, config)
-    except TokpackError:
-        raise  # bad input found by a task: the task's own message says it best
-    except KeyboardInterrupt:
-        if config.executor == "slurm":
-            _cancel_slurm(executor)
-        raise
-    except Exception as e:  # a task crashed; its traceback is in the task log
-        failure = e
-    _check_complete(executor, tasks, logging_dir, job_name, failure)
-
-
 def runs_in_process(config: ExecutorConfig) -> bool:
     """One local worker and no logging dir asked for: the ranks run in this process. Importing
     datatrove's executor and starting its manager costs most of a 2 GiB pack or shuffle's margin
@@ -96,39 +54,60 @@ def runs_in_process(config: ExecutorConfig) -> bool:
 
 
 def run_steps(stages: list[tuple], config: ExecutorConfig) -> None:
-    """Runs passes `(step, tasks, job_name, logging_dir)` in order, each after the previous one has
-    completed. On Slurm they are queued at once, chained with `depends=` (afterok), so the whole
-    chain waits in the queue instead of in this process; elsewhere they run one after the other."""
-    if config.executor != "slurm" or len(stages) < 2:
-        for step, tasks, job_name, logging_dir in stages:
-            run_step(step, tasks, config, logging_dir, job_name)
+    """Runs passes `(step, tasks, job_name, logging_dir)` in order, each to completion before the
+    next: a pass returns only when every rank carries datatrove's completion marker in its
+    logging dir, and a rerun skips marked ranks. On Slurm the passes are queued at once, chained
+    with `depends=` (afterok), so the chain waits in the queue instead of in this process.
+    Raises TokpackError naming the unfinished ranks if any task failed."""
+    stages = [(step, tasks, job_name, str(logging_dir)) for step, tasks, job_name, logging_dir in stages if tasks >= 1]
+    if runs_in_process(config):
+        for step, tasks, job_name, _ in stages:
+            run_in_process(step, tasks, job_name)
         return
     with lifetime.children_bound():
-        _run_slurm_chain(stages, config)
+        if config.executor == "slurm":
+            _run_executors(stages, config)
+        else:
+            for stage in stages:
+                _run_executors([stage], config)
 
 
-def _run_slurm_chain(stages: list[tuple], config: ExecutorConfig) -> None:
-    executors, previous = [], None
+def _run_executors(stages: list[tuple], config: ExecutorConfig) -> None:
+    runs, previous = [], None  # (executor, tasks, logging_dir, job_name); on Slurm each depends on the one before
     for step, tasks, job_name, logging_dir in stages:
-        executor = _slurm_executor(step, tasks, config, str(logging_dir), job_name, depends=previous)
-        executors.append((executor, tasks, str(logging_dir), job_name))
-        previous = executor
+        previous = _executor(step, tasks, config, logging_dir, job_name, depends=previous)
+        runs.append((previous, tasks, logging_dir, job_name))
+    slurm = config.executor == "slurm"
     failure = None
     try:
-        lifetime.slurm_submitting()
-        executors[-1][0].run()  # launches the dependencies first
-        for executor, *_ in executors:
-            _wait_slurm(executor, config)
+        if slurm:
+            lifetime.slurm_submitting()
+        with datatrove_logs_to_files():
+            runs[-1][0].run()  # on Slurm this submits the dependencies first
+        if slurm:
+            for executor, *_ in runs:
+                _wait_slurm(executor, config)
     except TokpackError:
-        raise
+        raise  # bad input found by a task: the task's own message says it best
     except KeyboardInterrupt:
-        for executor, *_ in executors:
-            _cancel_slurm(executor)
+        if slurm:
+            for executor, *_ in runs:
+                _cancel_slurm(executor)
         raise
-    except Exception as e:  # e.g. sbatch refused the job (its message is on stderr)
+    except Exception as e:  # a task crashed (its traceback is in the task log), or sbatch refused the job
         failure = e
-    for executor, tasks, logging_dir, job_name in executors:
+    for executor, tasks, logging_dir, job_name in runs:
         _check_complete(executor, tasks, logging_dir, job_name, failure)
+
+
+def _executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, job_name: str, depends=None):
+    if config.executor == "local":
+        return _local_executor(step, tasks, config, logging_dir)
+    if config.executor == "slurm":
+        return _slurm_executor(step, tasks, config, logging_dir, job_name, depends=depends)
+    if config.executor == "ray":
+        return _ray_executor(step, tasks, config, logging_dir)
+    raise TokpackError(f"unknown executor {config.executor!r}", expected="local, slurm or ray")
 
 
 def pass_runner(config: ExecutorConfig):

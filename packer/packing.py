@@ -45,7 +45,7 @@ from formats.manifest import (
 from formats.shards import SHARD_SUFFIXES, PackedSource, SourceShardWriter, shard_on_disk
 from formats.sinks import app_sinks_kept
 from packer.api import Result
-from packer.executors import ExecutorConfig, run_step
+from packer.executors import ExecutorConfig, run_steps
 from packer.vocab import Normalizer, load_tokenizer, resolve_vocab_eos
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
@@ -409,8 +409,8 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
     if not plan_path.exists():
         if fmt == "text":
             text_dir = work / "text"
-            run_step(TokenizeTextStep(files, str(text_dir), tokenizer, eos_token), len(files), config,
-                     base_logs / "tokenize", "tokenize")
+            run_steps([(TokenizeTextStep(files, str(text_dir), tokenizer, eos_token), len(files), "tokenize",
+                        base_logs / "tokenize")], config)
             _, packed_files = discover([str(text_dir)], "datatrove", None, None)
             for f in packed_files:
                 check_input(f)
@@ -419,7 +419,7 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
         step = PackStep(packed_files, str(work), vocab, eos, out_dtype.name, tok_name, int(shard_tokens), block_bytes)
         ntasks = min(config.tasks or len(packed_files), len(packed_files))
         try:
-            run_step(step, ntasks, config, base_logs / "pack", "pack")
+            run_steps([(step, ntasks, "pack", base_logs / "pack")], config)
         except Exception as e:
             _raise_task_error(work, out, created, e)
         _raise_task_error(work, out, created, None)

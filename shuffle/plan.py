@@ -4,22 +4,9 @@ A plan is stateless and O(#sources): every question ("what is at output position
 "where do these windows go?") is answered by evaluating keyed bijections
 (shuffle.permutation), never by materialising an index.
 
-Spec (docs/COMMANDS.md, "The shuffle algorithm"):
-- L = seq_len, a window is L+1 tokens. Source s (in command-line order) has T_s tokens
-  (its shards concatenated in manifest order). Without jitter its window offset o_s = 0 and
-  W_s = T_s // (L+1); with jitter o_s = derive_key("jitter", seed, epoch, s) mod (L+1) and
-  W_s = (T_s - L) // (L+1), so W_s is the same every epoch. Window i covers tokens
-  [o_s + i(L+1), o_s + (i+1)(L+1)). Tokens outside windows are `dropped_tokens`.
-- N = --samples, or --tokens // L, or sum W_s. Without weights and without --samples/--tokens,
-  c_s = W_s; otherwise weights w_s (given, or W_s) and c_s = floor(w_s N / sum w) plus one for
-  the N - sum floor sources with the largest remainders (ties: lower s first), in exact
-  rational arithmetic.
-- Source s is consumed along an infinite chain: position pos -> pass p = pos // W_s,
-  k = pos % W_s, window pi_{s,p}(k), with pi_{s,p} = Bijection(W_s, "window", seed, s, p).
-  Epoch e takes positions [e c_s, (e+1) c_s).
-- The epoch list q in [0, N) concatenates the sources in order (source s at
-  base_s = sum_{t<s} c_t, its j-th consumed position at q = base_s + j); the sample at q goes
-  to output position g = sigma_e(q), sigma_e = Bijection(N, "epoch", seed, e).
+The algorithm (windows, jitter, mixture, chains, the epoch permutation) is specified in
+docs/COMMANDS.md, "The shuffle algorithm", and pinned by tests/test_plan_golden.py; the names
+below follow it (L, W_s, o_s, c_s, N, pi_{s,p}, sigma_e).
 """
 
 from __future__ import annotations
