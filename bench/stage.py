@@ -4,6 +4,11 @@ fsyncing it; the goal is at least 0.9x cp's throughput. The resume row re-stages
 complete copy: every file is re-read and verified in place, nothing is written.
 
     python bench/stage.py [--size 1GiB] [--shards 8] [--quick]
+    python bench/stage.py --s3 [--size 1GiB]    # from a bucket on a local S3 server (moto)
+
+With --s3 the source sits in a bucket of moto's S3 server on 127.0.0.1 (one process, objects
+in memory) and stage is compared with s3fs's own recursive `get` and `aws s3 cp --recursive`
+(when the AWS CLI is installed) from the same server: the server, not the disk, is the limit.
 """
 
 from __future__ import annotations
@@ -108,11 +113,74 @@ def main(size=None, quick: bool = False, *, shards: int = 8, workers: tuple[int,
     return rows
 
 
+def s3_main(size=None, quick: bool = False, *, shards: int = 8, workers: tuple[int, ...] = (1, 4)) -> list[dict]:
+    import os
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    nbytes = parse_size(size or (QUICK_SIZE if quick else SIZE))
+    work = Path(tempfile.mkdtemp(prefix="tokpack-stage-s3-bench-"))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
+           "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+    os.environ.update(env)
+    rows = []
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(env["AWS_ENDPOINT_URL"] + "/moto-api/", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        import s3fs
+
+        fs = s3fs.S3FileSystem()
+        fs.mkdir("bench")
+        src = make_packed_source(work / "src", nbytes, shards)
+        total = dir_bytes(src)
+        fs.put(str(src), "bench/src", recursive=True)
+        url = "s3://bench/src"
+        cases = [("s3fs get --recursive", lambda dst: [sys.executable, "-c", "import s3fs, sys; "
+                  "s3fs.S3FileSystem().get('bench/src', sys.argv[1], recursive=True)", str(dst)])]
+        if shutil.which("aws"):
+            cases.append(("aws s3 cp --recursive", lambda dst: ["aws", "s3", "cp", "--recursive", "--quiet", url, str(dst)]))
+        cases += [(f"tokpack stage --workers {w}", lambda dst, w=w: [sys.executable, "-m", "packer.cli", "stage", url,
+                   str(dst), "--workers", str(w), "--json"]) for w in workers]
+        base = None
+        for name, argv in cases:
+            times = []
+            for _ in range(1 if quick else 3):
+                shutil.rmtree(work / "dst", ignore_errors=True)
+                times.append(run_measured(argv(work / "dst"), cwd=str(REPO), cold=False))
+            m = sorted(times, key=lambda t: t.seconds)[len(times) // 2]
+            if dir_bytes(work / "dst") != total:
+                raise RuntimeError(f"{name} copied {dir_bytes(work / 'dst')} of {total} bytes")
+            base = base or m
+            rows.append({"case": name, "wall s": m.seconds, "MB/s": total / 1e6 / m.seconds,
+                         "vs s3fs get": base.seconds / m.seconds, "peak RSS MB": m.peak_rss_mb,
+                         "note": "median of 3" if not quick else "one run"})
+    finally:
+        server.terminate()
+        server.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"{machine_line()}; {total / 2**20:,.0f} MiB in {shards} shards, moto S3 server on 127.0.0.1")
+    print_table(f"stage from a local S3 server vs s3fs get ({total / 2**20:,.0f} MiB)", rows,
+                ["case", "wall s", "MB/s", "vs s3fs get", "peak RSS MB", "note"])
+    return rows
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default=None, help=f"corpus size [default: {SIZE}; --quick: {QUICK_SIZE}]")
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--workers", default="1,4", help="worker counts to measure, e.g. 1,4")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--s3", action="store_true", help="stage from a bucket on a local S3 server (moto)")
     a = ap.parse_args()
-    main(a.size, a.quick, shards=a.shards, workers=tuple(int(x) for x in a.workers.split(",")))
+    (s3_main if a.s3 else main)(a.size, a.quick, shards=a.shards, workers=tuple(int(x) for x in a.workers.split(",")))

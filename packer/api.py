@@ -71,6 +71,19 @@ def _paths(inputs: PathLike | Sequence[PathLike]) -> list[str]:
     return [str(inputs)] if isinstance(inputs, (str, Path)) else [str(p) for p in inputs]
 
 
+def _local_dirs(dirs: list[str], command: str) -> list[str]:
+    """`validate` and `inspect` read local directories (a `file://` URL names one)."""
+    from formats.errors import TokpackError
+    from packer.executors import local_path
+
+    for d in dirs:
+        if local_path(d) is None:
+            raise TokpackError(f"{command} reads local directories, not object-store URLs", file=d,
+                               hint=f"stage it first: `tokpack stage {d} DIR` verifies every file as it copies; "
+                               f"then `tokpack {command} DIR`")
+    return [local_path(d) for d in dirs]
+
+
 def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_format: str = "auto",
          column: str | None = None, dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
          vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30,
@@ -117,7 +130,8 @@ def shuffle(sources, output: PathLike, *, seq_len: int, seed: int, epochs: int |
                               epochs=list(range(epochs)) if isinstance(epochs, int) else list(epochs),
                               samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory,
                               jitter=jitter, log=log, workers=config.workers, tasks=config.tasks,
-                              run_passes=pass_runner(config), progress=progress)
+                              run_passes=pass_runner(config), progress=progress,
+                              given=[p if "://" in p else str(Path(p).resolve()) for p in paths])
     return ShuffleResult(**summary)
 
 
@@ -128,7 +142,8 @@ def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
     from formats.dir_checks import validate_all
     from shuffle.plan import expected_multiset_hash
 
-    return validate_all(_paths(dirs), quick=quick, against=_paths(against), workers=workers,
+    return validate_all(_local_dirs(_paths(dirs), "validate"), quick=quick,
+                        against=_local_dirs(_paths(against), "validate"), workers=workers,
                         show_progress=show_progress, expected_multiset_hash=expected_multiset_hash)
 
 
@@ -146,4 +161,5 @@ def inspect(directory: PathLike, *, batch_size: int | None = None, batches: int 
     """What a source, run or epoch holds and the batch diversity before and after the shuffle."""
     from packer.inspection import inspect as inspect_dir
 
+    directory, = _local_dirs([str(directory)], "inspect")
     return inspect_dir(directory, batch_size=batch_size, batches=batches, plot=plot, seq_len=seq_len, epoch=epoch)

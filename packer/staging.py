@@ -25,7 +25,10 @@ import mmap
 import os
 import threading
 import time
+from collections import deque
+from contextlib import nullcontext
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from itertools import islice
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +52,10 @@ from packer.api import Result, optional_field
 # Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
 # handful of workers the memory stays at workers x STAGE_BLOCK.
 STAGE_BLOCK = 32 << 20
+# A remote file is fetched in ranged reads of a quarter block, this many at a time per file (so
+# memory stays at one block per file in flight): an object store serves one connection far
+# slower than several, and a run may be a few large shards.
+RANGES_IN_FLIGHT = 4
 # Run-manifest fields that depend on which epochs were staged.
 _RUN_SELECTION_KEYS = ("epochs", "tokens", "fragments", "documents")
 # copy_file_range errors that mean "not here" (old kernel, cross-filesystem, unsupported fs),
@@ -233,6 +240,21 @@ class Source:
             return open(os.path.join(self.local_root, rel), "rb", buffering=0)
         return self.folder.open(rel, "rb", block_size=STAGE_BLOCK)
 
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of a remote file: one ranged GET on an object store."""
+        try:
+            return self.folder.cat_file(rel, start=start, end=end)
+        except Exception as e:  # noqa: BLE001 - any fsspec backend error
+            raise self.read_error(rel, e) from None
+
+    def read_error(self, rel: str, e: Exception) -> TokpackError:
+        where = f"{self.path.rstrip('/')}/{rel}"
+        if isinstance(e, FileNotFoundError):
+            return TokpackError("file listed in the manifest is missing", file=where,
+                                hint="restore it, or run `tokpack validate` on the source")
+        return TokpackError("cannot read the source", file=where, expected="a readable file",
+                            found=f"{type(e).__name__}: {e}")
+
     def manifest(self, rel_dir: str, kind=None) -> dict:
         rel = _join(rel_dir, MANIFEST)
         where = f"{self.path.rstrip('/')}/{rel}"
@@ -316,10 +338,11 @@ def _rank_keep(manifest: dict, offset: int, end: int, ranks, micro_batch: int) -
 class _Stager:
     """Runs the copy jobs on a thread pool; reads and writes release the GIL."""
 
-    def __init__(self, src: Source, dest: Path, block: int):
+    def __init__(self, src: Source, dest: Path, block: int, fetchers: ThreadPoolExecutor | None = None):
         self.src = src  # where files come from
         self.dest = dest  # local root they go to
         self.block = block  # bytes per read
+        self.fetchers = fetchers  # remote sources: the pool that runs every file's ranged reads
         self.lock = threading.Lock()  # guards the counters and `invalidated`
         self.invalidated: set[str] = set()  # dirs whose DEST manifest was removed before a rewrite
         self.copied = self.skipped = 0  # files
@@ -349,7 +372,7 @@ class _Stager:
                 return
         tmp = tmp_path(final)
         try:
-            n, digest = self._copy(job.rel, tmp)
+            n, digest = self._copy(job.rel, tmp, job.size)
             if job.checksum and digest != job.checksum:
                 raise TokpackError("checksum mismatch while copying", file=f"{self.src.path.rstrip('/')}/{job.rel}",
                                    where="xxh3_128", expected=job.checksum, found=digest,
@@ -381,15 +404,13 @@ class _Stager:
                 (self.dest / d / MANIFEST).unlink(missing_ok=True)
                 self.invalidated.add(d)
 
-    def _copy(self, rel: str, tmp: Path) -> tuple[int, str]:
+    def _copy(self, rel: str, tmp: Path, size: int | None) -> tuple[int, str]:
+        if self.fetchers is not None and size is not None and size > self.block // RANGES_IN_FLIGHT:
+            return self._copy_ranges(rel, tmp, size)
         try:
             fin = self.src.open(rel)
-        except FileNotFoundError:
-            raise TokpackError("file listed in the manifest is missing", file=f"{self.src.path.rstrip('/')}/{rel}",
-                               hint="restore it, or run `tokpack validate` on the source") from None
         except Exception as e:  # noqa: BLE001 - any fsspec backend error
-            raise TokpackError("cannot read the source", file=f"{self.src.path.rstrip('/')}/{rel}",
-                               expected="a readable file", found=f"{type(e).__name__}: {e}") from None
+            raise self.src.read_error(rel, e) from None
         with fin, open(tmp, "wb", buffering=0) as fout:
             if self.kernel_copy and self.src.local_root is not None:
                 try:
@@ -412,6 +433,42 @@ class _Stager:
                     total += n
                     self._advance(n)
         return total, h.hexdigest()
+
+    def _copy_ranges(self, rel: str, tmp: Path, size: int) -> tuple[int, str]:
+        """A remote file of known size: RANGES_IN_FLIGHT ranged reads run ahead on the shared
+        fetch pool while this thread hashes and writes the earlier ranges, in order."""
+        h = xxhash.xxh3_128()
+        span = max(1, self.block // RANGES_IN_FLIGHT)
+        offsets = iter(range(0, size, span))
+
+        def fetch(off: int) -> bytes:
+            return self.src.read_range(rel, off, min(size, off + span))
+
+        queued = deque(self.fetchers.submit(fetch, off) for off in islice(offsets, RANGES_IN_FLIGHT))
+        try:
+            with open(tmp, "wb", buffering=0) as fout:
+                done = 0
+                while queued:
+                    data = queued.popleft().result()
+                    want = min(span, size - done)
+                    if len(data) != want:  # the object is shorter than its manifest says
+                        raise TokpackError("file size does not match the manifest",
+                                           file=f"{self.src.path.rstrip('/')}/{rel}", where="size",
+                                           expected=f"{size} bytes", found=f"{done + len(data)} bytes or fewer",
+                                           hint="the source file is truncated or replaced; run `tokpack validate` on it")
+                    nxt = next(offsets, None)
+                    if nxt is not None:
+                        queued.append(self.fetchers.submit(fetch, nxt))
+                    h.update(data)
+                    view = memoryview(data)
+                    while view.nbytes:
+                        view = view[fout.write(view):]
+                    done += len(data)
+                    self._advance(len(data))
+        finally:
+            for f in queued:
+                f.cancel()
+        return size, h.hexdigest()
 
     def _copy_in_kernel(self, fin, fout, rel: str) -> tuple[int, str]:
         """Local to local: `copy_file_range` moves the bytes inside the kernel (as `cp` does),
@@ -515,14 +572,16 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
         raise TokpackError("cannot create DEST", file=dest, found=f"{type(e).__name__}: {e.strerror or e}",
                            hint="check the path and its permissions") from None
 
-    stager = _Stager(src, dest, block)
     jobs = [j for p in plans for j in p.jobs]
     total = sum(j.size or 0 for j in jobs)
     if log:
         log(f"stage: {kind} {src.path} -> {dest}: {len(jobs)} files, {total / 2**20:,.1f} MiB, {workers} workers")
     pending = {p.rel: len(p.jobs) for p in plans}
     by_dir = {p.rel: p for p in plans}
-    with progress(total, "stage") as bar, ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+    # A remote source's ranged reads share one pool; it closes after the copies that use it.
+    fetch_pool = ThreadPoolExecutor(max_workers=max(1, workers)) if src.local_root is None else nullcontext()
+    with progress(total, "stage") as bar, fetch_pool as fetchers, ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        stager = _Stager(src, dest, block, fetchers)
         stager.bar = bar
         futures = {pool.submit(stager.run_job, j): j for j in jobs}
         remaining = set(futures)

@@ -287,13 +287,16 @@ def shuffle_run(
     tasks: int | None = None,
     run_passes,
     progress: bool | None = None,
+    given: list[str] | None = None,
 ) -> dict:
     """Writes OUT/epoch-NNNNN/ for each epoch (skipping complete identical ones) and the run
     manifest. `memory` is the total budget: the out-of-core path gives each of `workers`
     concurrent tasks memory // workers. `progress`: tqdm bars on stderr (default: when it is a
     terminal and TOKPACK_PROGRESS is not 0). `weights`: one per source, as given ("0.25", "1/3"),
     or None. `run_passes([(step, tasks, job_name, logging_dir), ...])` runs dependent passes in
-    order (packer.executors.pass_runner makes one). Returns a summary dict, with per-source counts of
+    order (packer.executors.pass_runner makes one). `given`: the sources as the user named them,
+    when `sources` are local copies of URLs; the manifests record those names (default: each
+    path, resolved). Returns a summary dict, with per-source counts of
     every epoch written and a warning per source an epoch repeats windows of (packer.api.shuffle
     takes URLs and returns it as a ShuffleResult)."""
     t0 = time.perf_counter()
@@ -318,7 +321,8 @@ def shuffle_run(
         weights = list(existing["given_weights"])  # equal as ratios: the run's manifests keep one spelling
     if shard_samples is None:
         shard_samples = existing["shard_samples"] if existing else max(1, DEFAULT_SHARD_BYTES // row_bytes)
-    names = [Path(p).resolve().name for p in paths]
+    recorded = list(given) if given else [str(Path(p).resolve()) for p in paths]
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in recorded]
     done_epochs, skipped, summaries = [], [], []
     if (out / MANIFEST).exists():
         done_epochs = list(read_manifest(out, kind="run")["epochs"])
@@ -326,7 +330,7 @@ def shuffle_run(
     for epoch in epochs:
         plan = epoch_plan(opened, seq_len=seq_len, seed=seed, epoch=epoch, weights=weights, samples=samples,
                           tokens=tokens, jitter=jitter, names=names)
-        plan = replace(plan, sources=tuple(replace(sp, path=str(Path(sp.path).resolve())) for sp in plan.sources))
+        plan = replace(plan, sources=tuple(replace(sp, path=recorded[sp.index]) for sp in plan.sources))
         params = _run_params(plan, weights, shard_samples)
         if existing is not None:
             _check_same_run(existing, params, out)

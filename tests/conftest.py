@@ -105,3 +105,76 @@ def small_source(tmp_path) -> tuple[Path, list[np.ndarray]]:
     """A 3-shard packed source of 150 random documents (uint16, vocab 1000, EOS 0)."""
     docs = random_docs(np.random.default_rng(7), 150, 1000, 0)
     return write_source(tmp_path / "src", docs), docs
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_s3_server(**env) -> tuple:
+    """moto's S3 API server on 127.0.0.1 (a real HTTP server, in its own process); returns
+    (process, endpoint URL) once it answers."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    require("moto.server", "pip install 'moto[server]'")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(url + "/moto-api/", timeout=1)
+            return proc, url
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moto server exited with {proc.returncode}")
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("moto server did not answer within 15 s")
+
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A moto S3 server for the session; AWS_ENDPOINT_URL and test credentials are set in this
+    process's environment (so subprocesses and s3fs find it the standard way) while it runs."""
+    import os
+
+    require("s3fs", "pip install s3fs")
+    proc, url = start_s3_server()
+    saved = {k: os.environ.get(k) for k in [*S3_ENV, "AWS_ENDPOINT_URL"]}
+    os.environ.update(S3_ENV, AWS_ENDPOINT_URL=url)
+    try:
+        yield url
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint, request):
+    """A fresh bucket on the session's S3 server; returns (s3fs filesystem, bucket name)."""
+    import re
+
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem()
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-") or "bucket"
+    fs.mkdir(name)
+    return fs, name

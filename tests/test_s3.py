@@ -1,0 +1,183 @@
+"""Object stores (issue 15): a real S3 API (moto's server on 127.0.0.1) through s3fs, found the
+standard way (AWS_ENDPOINT_URL and the AWS credential variables)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import S3_ENV, random_docs, start_s3_server, write_source
+from formats.manifest import MANIFEST
+from packer import pack, shuffle, stage, validate
+from test_pack import dt_tokenize, write_text_jsonl
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def without_paths(files: dict[str, bytes]) -> dict[str, object]:
+    """Shard bytes as they are; manifests with each source's `path` (the directory as given:
+    a URL here, a local path there) left out."""
+    out = {}
+    for name, data in files.items():
+        if name.endswith(MANIFEST):
+            m = json.loads(data)
+            for s in m.get("sources") or []:
+                s.pop("path", None)
+            out[name] = m
+        else:
+            out[name] = data
+    return out
+
+
+def upload(fs, local: Path, url: str) -> None:
+    fs.put(str(local), url.removeprefix("s3://"), recursive=True)
+
+
+def cli(*args, env=None, check=False) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "packer.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, check=check)
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    """The error line of a command that failed with exit 1 (progress lines aside), no traceback."""
+    assert proc.returncode == 1, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("tokpack")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def test_pack_shuffle_stage_validate_through_a_bucket_equals_local(s3_bucket, tokenizer_path, tmp_path):
+    """datatrove's tokenizer writes into the bucket; pack from it, shuffle into it, stage the run
+    back and validate: the same bytes as the same steps on local paths."""
+    fs, bucket = s3_bucket
+    write_text_jsonl(tmp_path / "text", files=2, docs=80)
+    dt_tokenize(tmp_path / "text", tmp_path / "tokenized", tokenizer_path, seed=3)
+    dt_tokenize(tmp_path / "text", f"s3://{bucket}/tokenized", tokenizer_path, seed=3)
+    assert sorted(Path(p).name for p in fs.ls(f"{bucket}/tokenized")) == sorted(p.name for p in (tmp_path / "tokenized").iterdir())
+
+    pack(tmp_path / "tokenized", tmp_path / "packed", tokenizer=str(tokenizer_path))
+    pack(f"s3://{bucket}/tokenized", f"s3://{bucket}/packed", tokenizer=str(tokenizer_path))
+    args = dict(seq_len=31, seed=5, epochs=2, shard_samples=40)
+    shuffle(tmp_path / "packed", tmp_path / "run", **args)
+    shuffle(f"s3://{bucket}/packed", f"s3://{bucket}/run", **args)
+
+    stage(f"s3://{bucket}/run", tmp_path / "staged", workers=3)
+    assert validate(tmp_path / "staged").ok
+    assert without_paths(tree(tmp_path / "staged")) == without_paths(tree(tmp_path / "run"))
+    run = json.loads((tmp_path / "staged" / MANIFEST).read_text())
+    assert [s["path"] for s in run["sources"]] == [f"s3://{bucket}/packed"]  # as given, not a temporary copy
+
+
+@pytest.fixture
+def bucket_run(s3_bucket, tmp_path):
+    """A packed source and a two-epoch run of it, made locally and uploaded: (fs, bucket, run dir)."""
+    fs, bucket = s3_bucket
+    docs = random_docs(np.random.default_rng(11), 400, 1000, 0)
+    src = write_source(tmp_path / "src", docs, docs_per_shard=100)
+    shuffle(src, tmp_path / "run", seq_len=63, seed=2, epochs=2, shard_samples=150)
+    upload(fs, tmp_path / "run", f"s3://{bucket}/run")
+    return fs, bucket, tmp_path / "run"
+
+
+def test_stage_reads_large_objects_in_parallel_ranges(bucket_run, tmp_path, monkeypatch):
+    """Files larger than a range are fetched as ranged reads, several at once, and still
+    hashed in order: the copy is byte-identical and verified."""
+    from packer.staging import RANGES_IN_FLIGHT, Source, stage as stage_copy
+
+    fs, bucket, run = bucket_run
+    block = 4096
+    span = block // RANGES_IN_FLIGHT
+    ranges, real = [], Source.read_range
+    monkeypatch.setattr(Source, "read_range", lambda self, rel, a, b: ranges.append((rel, a, b)) or real(self, rel, a, b))
+    result = stage_copy(f"s3://{bucket}/run", tmp_path / "staged", workers=3, block=block)
+    assert tree(tmp_path / "staged") == tree(run)
+    big = {str(p.relative_to(run)): p.stat().st_size for p in run.rglob("*.ds") if p.stat().st_size > span}
+    assert big and {rel for rel, _, _ in ranges} >= set(big)
+    for rel, size in big.items():  # every byte of each large shard, in span-sized ranges
+        assert sorted((a, b) for r, a, b in ranges if r == rel) == [(a, min(size, a + span)) for a in range(0, size, span)]
+    assert result.copied_files == len(list(run.rglob("*.ds*"))) and result.bytes_copied > 0
+    assert validate(tmp_path / "staged").ok
+
+
+def test_stage_killed_midway_then_rerun_is_identical(bucket_run, tmp_path):
+    fs, bucket, run = bucket_run
+    dest = tmp_path / "staged"
+    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "stage", f"s3://{bucket}/run", str(dest),
+                             "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    while proc.poll() is None and not any(dest.rglob("*.ds")):  # the first verified shard is in place
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the stage finished before it could be killed"
+    assert not (dest / MANIFEST).exists()  # a killed stage never looks complete
+    rerun = cli("stage", f"s3://{bucket}/run", str(dest), "--json")
+    assert rerun.returncode == 0, rerun.stderr
+    summary = json.loads(rerun.stdout)
+    assert summary["skipped_files"] >= 1  # what the killed stage verified is not fetched again
+    assert tree(dest) == tree(run)
+
+
+def test_corrupted_object_is_caught_by_stage(bucket_run, tmp_path):
+    fs, bucket, run = bucket_run
+    key = f"{bucket}/run/epoch-00001/00000.ds"
+    data = bytearray(fs.cat(key))
+    data[len(data) // 2] ^= 0x01  # one bit of one token
+    fs.pipe(key, bytes(data))
+    line = one_line_error(cli("stage", f"s3://{bucket}/run", str(tmp_path / "staged")))
+    assert f"s3://{bucket}/run/epoch-00001/00000.ds" in line and "checksum mismatch" in line and "HINT" in line
+    assert not (tmp_path / "staged" / MANIFEST).exists()
+    assert not (tmp_path / "staged" / "epoch-00001" / MANIFEST).exists()
+    assert not (tmp_path / "staged" / "epoch-00001" / "00000.ds").exists()
+
+
+def test_missing_bucket_and_wrong_endpoint_are_one_line(s3_endpoint, tmp_path):
+    line = one_line_error(cli("stage", "s3://no-such-bucket-here/run", str(tmp_path / "a")))
+    assert "s3://no-such-bucket-here/run" in line
+    closed = f"http://127.0.0.1:{_closed_port()}"
+    line = one_line_error(cli("stage", "s3://any/run", str(tmp_path / "b"),
+                              env={"AWS_ENDPOINT_URL": closed, "AWS_MAX_ATTEMPTS": "1"}))
+    assert "s3://any/run" in line and "cannot read the source" in line
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+
+
+def test_denied_access_is_one_line_and_never_shows_the_secret(tmp_path):
+    """A server that checks credentials (moto with IAM enforced) refusing ours."""
+    proc, url = start_s3_server(INITIAL_NO_AUTH_ACTION_COUNT="0")
+    try:
+        secret = "s3cr3t-never-printed"
+        env = {**S3_ENV, "AWS_ENDPOINT_URL": url, "AWS_SECRET_ACCESS_KEY": secret}
+        result = cli("stage", "s3://locked/run", str(tmp_path / "dst"), env=env)
+        line = one_line_error(result)
+        assert "s3://locked/run" in line
+        assert secret not in result.stderr + result.stdout
+        result = cli("stage", "s3://locked/run", str(tmp_path / "dst"), "--json", env=env)
+        assert result.returncode == 1 and secret not in result.stderr + result.stdout
+        assert json.loads(result.stdout)["ok"] is False
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _closed_port() -> int:
+    from conftest import _free_port
+
+    return _free_port()  # nothing listens there once the probe socket is closed
+
+
+def test_validate_and_inspect_of_a_url_say_to_stage_first(s3_bucket):
+    fs, bucket = s3_bucket
+    for command in ("validate", "inspect"):
+        line = one_line_error(cli(command, f"s3://{bucket}/run"))
+        assert line.startswith(f"tokpack: error: s3://{bucket}/run: {command} reads local directories")
+        assert f"tokpack stage s3://{bucket}/run DIR" in line
