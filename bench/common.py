@@ -50,9 +50,39 @@ class Measure:
     returncode: int
 
 
+_CACHE_CGROUP: str | None = None  # cgroup.procs of the memory cgroup every timed command joins, if capped
+
+
+def cap_page_cache(limit: int) -> str:
+    """From now on every command run_measured times runs in one memory cgroup limited to
+    `limit` bytes, page cache included, so data larger than the limit must come from the disk
+    and go back to it (the kernel evicts the cgroup's own pages). cgroup v2 (`memory.max`) or
+    v1 (`memory.limit_in_bytes`); needs root. Returns what it set up, or raises RuntimeError
+    saying why it cannot."""
+    global _CACHE_CGROUP
+    import atexit
+
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+    if v2.exists() and "memory" in v2.read_text().split():
+        folder, knob = Path(f"/sys/fs/cgroup/tokpack-bench-{os.getpid()}"), "memory.max"
+    elif Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists():
+        folder, knob = Path(f"/sys/fs/cgroup/memory/tokpack-bench-{os.getpid()}"), "memory.limit_in_bytes"
+    else:
+        raise RuntimeError("no memory cgroup controller here (neither cgroup v2 memory.max nor v1 memory.limit_in_bytes)")
+    try:
+        folder.mkdir(exist_ok=True)
+        (folder / knob).write_text(str(int(limit)))
+    except OSError as e:
+        raise RuntimeError(f"cannot create a memory cgroup at {folder} ({e.strerror}); run as root") from None
+    atexit.register(lambda: folder.rmdir() if folder.exists() else None)
+    _CACHE_CGROUP = str(folder / "cgroup.procs")
+    return f"page cache and memory of each timed command capped at {limit / 2**20:,.0f} MiB ({folder}/{knob})"
+
+
 def run_measured(cmd: list[str] | str, env: dict | None = None, cwd: str | None = None, cold: bool = True,
                  check: bool = True) -> Measure:
-    """Runs a command in a child process, after dropping caches; wall time and peak RSS."""
+    """Runs a command in a child process, after dropping caches (in the capped cgroup once
+    cap_page_cache has run); wall time and peak RSS."""
     if cold:
         drop_caches()
     argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
@@ -61,7 +91,7 @@ def run_measured(cmd: list[str] | str, env: dict | None = None, cwd: str | None 
     # straight from this (large) interpreter would report at least our RSS. A tiny launcher
     # forks the command instead and reports the grandchild's own peak on fd 3.
     rfd, wfd = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-S", "-c", _LAUNCHER, str(wfd), *argv],
+    proc = subprocess.Popen([sys.executable, "-S", "-c", _LAUNCHER, str(wfd), _CACHE_CGROUP or "-", *argv],
                             env={**os.environ, **(env or {})}, cwd=cwd, pass_fds=(wfd,),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     os.close(wfd)
@@ -77,10 +107,13 @@ def run_measured(cmd: list[str] | str, env: dict | None = None, cwd: str | None 
 
 _LAUNCHER = """
 import os, sys
-fd = int(sys.argv[1]); argv = sys.argv[2:]
+fd, cgroup, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
 pid = os.fork()
 if pid == 0:
     os.close(fd)
+    if cgroup != "-":
+        with open(cgroup, "w") as f:
+            f.write(str(os.getpid()))
     os.execvp(argv[0], argv)
 _, status, usage = os.wait4(pid, 0)
 os.write(fd, f"{os.waitstatus_to_exitcode(status)} {usage.ru_maxrss}".encode())
