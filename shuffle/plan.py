@@ -11,17 +11,22 @@ below follow it (L, W_s, o_s, c_s, N, pi_{s,p}, sigma_e).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
+import xxhash
+
 from formats.errors import TokpackError
 from formats.io import read_ahead
 from formats.io import IO_BLOCK
-from formats.manifest import hash_hex64, row_hash
+from formats.manifest import dtype_from_name, hash_hex64, row_hash
 from formats.shards import PackedSource
+from formats.units import token_count
 
 from .permutation import Bijection, derive_key
 
@@ -220,6 +225,58 @@ class EpochPlan:
                                expected=manifest["samples"], found=base)
         return cls(int(manifest["seed"]), int(manifest["epoch"]), int(manifest["seq_len"]),
                    bool(manifest.get("jitter", False)), base, tuple(plans))
+
+
+# -------------------------------------------------------------------- sources
+
+VIRTUAL = "virtual:"  # a source described by its counts, for `tokpack plan`: nothing is read
+VIRTUAL_KEYS = {"tokens": "a token count (11T)", "documents": "a document count (5.5B)",
+                "dtype": "uint16 or uint32", "shard_tokens": "tokens per shard [default: 1B, pack's]",
+                "vocab_size": "[default: the dtype's range]", "eos_id": "[default: 0]"}
+
+
+def is_virtual(path) -> bool:
+    return str(path).startswith(VIRTUAL)
+
+
+def open_source(path, check_sizes: bool = True) -> PackedSource:
+    """A packed source directory, or a virtual one: `virtual:tokens=11T,documents=5.5B,dtype=uint16`."""
+    return virtual_source(str(path)) if is_virtual(path) else PackedSource.open(path, check_sizes=check_sizes)
+
+
+def source_location(path) -> str:
+    """Where a source lies, as plans and manifests record it (a virtual source: its description)."""
+    return str(path) if is_virtual(path) else str(Path(path).resolve())
+
+
+@functools.lru_cache(maxsize=16)
+def virtual_source(spec: str) -> PackedSource:
+    """A source with the counts `spec` gives and no files: shards of `shard_tokens` tokens (the
+    last one shorter), so the planning code sees what a packed source of that size would be."""
+    fields: dict[str, str] = {}
+    for item in filter(None, spec[len(VIRTUAL):].split(",")):
+        key, sep, value = item.partition("=")
+        if key.strip() not in VIRTUAL_KEYS or not sep:
+            raise TokpackError("bad virtual source", file=spec, where=key.strip() or "(empty)",
+                               expected="key=value with key one of " + ", ".join(VIRTUAL_KEYS), found=item,
+                               hint="e.g. virtual:tokens=11T,documents=5.5B,dtype=uint16")
+        fields[key.strip()] = value.strip()
+    missing = [k for k in ("tokens", "documents", "dtype") if k not in fields]
+    if missing:
+        raise TokpackError("bad virtual source", file=spec, where=missing[0], expected=VIRTUAL_KEYS[missing[0]],
+                           found="nothing", hint="e.g. virtual:tokens=11T,documents=5.5B,dtype=uint16")
+    counts = {k: token_count(fields.get(k, default), what=f"count ({k}= of the virtual source)")
+              for k, default in (("tokens", 0), ("documents", 0), ("shard_tokens", 1 << 30), ("eos_id", 0))}
+    dtype = dtype_from_name(fields["dtype"])
+    vocab = token_count(fields.get("vocab_size", 1 << (8 * dtype.itemsize)), what="count (vocab_size= of the virtual source)")
+    per = max(1, counts["shard_tokens"])
+    sizes = [per] * (counts["tokens"] // per) + ([counts["tokens"] % per] if counts["tokens"] % per else [])
+    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+    starts[1:] = np.cumsum(sizes, dtype=np.int64)
+    manifest = {"kind": "source", "dtype": fields["dtype"], "vocab_size": vocab, "eos_id": counts["eos_id"],
+                "tokenizer": "virtual", "tokens": counts["tokens"], "documents": counts["documents"],
+                "fingerprint": xxhash.xxh3_128_hexdigest(spec.encode())}
+    return PackedSource(Path(spec), manifest, dtype, [{"tokens": n} for n in sizes], starts)
 
 
 # -------------------------------------------------------------------- construction

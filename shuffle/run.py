@@ -17,7 +17,7 @@ import shutil
 import sys
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import xxhash
@@ -25,11 +25,12 @@ import xxhash
 from formats.errors import TokpackError
 from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
 from formats.io import TMP_MARK, remove_tmp_files
-from formats.manifest import (MANIFEST, dtype_name, epoch_dir_name, epoch_manifest, read_manifest, run_manifest,
+from formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
+                              read_manifest, run_manifest,
                               write_manifest)
 from formats.shards import SHARD_SUFFIXES, PackedSource
 
-from .plan import PLAN_ALGORITHM, EpochPlan, epoch_plan, parse_weight
+from .plan import PLAN_ALGORITHM, EpochPlan, epoch_plan, is_virtual, open_source, parse_weight, source_location
 from .steps import (CHUNKS_IN_BUDGET, ORDER_ROW_OVERHEAD, EpochJob, InMemoryStep, Layout, OrderStep, ScatterStep,
                     make_layout, source_changed_error)
 
@@ -40,7 +41,7 @@ EPOCH_SHARD_SUFFIXES = tuple(s for s in SHARD_SUFFIXES if s != ".loss")  # an ep
 
 
 def open_sources(paths: list[str]) -> list[PackedSource]:
-    sources = [PackedSource.open(p) for p in paths]
+    sources = [open_source(p) for p in paths]
     first = sources[0]
     for src in sources[1:]:
         for field in ("dtype", "vocab_size", "eos_id"):
@@ -142,28 +143,68 @@ def _run_manifest(out: Path, plan: EpochPlan, weights, sources: list[PackedSourc
         shuffle=PLAN_ALGORITHM)
 
 
-def _memory_path(job: EpochJob, memory: int) -> tuple[int, bool]:
+def memory_path(job: EpochJob, memory: int) -> tuple[int, bool]:
     """(bytes of the windows to hold, whether they fit `memory` so the epoch runs in memory)."""
     needed = sum(sp.windows for sp in job.plan.sources if sp.samples) * (job.row_bytes + ROW_FACTS_BYTES)
     return needed, needed + CHUNKS_IN_BUDGET * job.chunk_rows(memory) * job.row_bytes <= memory
 
 
-def _bytes_to_write(jobs: list[EpochJob], sources: list[PackedSource], memory: int) -> int:
-    """Peak bytes on OUT's filesystem while these epochs are written, less what a resumed run has
-    there already: the epochs written before, then this epoch's shards with, out of core, its
-    bucket scratch (every output row and its 8-byte position), of which the order pass deletes
-    each shard's part once the shard is written: the peak is the scratch plus the first shard."""
-    docs_per_token = sum(int(s.manifest.get("documents", 0)) for s in sources) / max(
+def epoch_layout(job: EpochJob, *, memory: int, workers: int, tasks: int | None) -> Layout | None:
+    """The out-of-core layout of the epoch's passes, or None when it runs in memory."""
+    if memory_path(job, memory)[1]:
+        return None
+    return make_layout(job, max(1, memory // workers), tasks or workers)
+
+
+def docs_per_token(sources: list[PackedSource]) -> float:
+    return sum(int(s.manifest.get("documents", 0)) for s in sources) / max(
         1, sum(int(s.manifest.get("tokens", 0)) for s in sources))
+
+
+def planned_epoch_manifest(job: EpochJob, sources: list[PackedSource]) -> dict:
+    """The epoch manifest as the run will write it, but for its checksums and its fragment
+    counts, which are estimates (a sample is cut at each document end: one fragment per sample
+    plus the sources' documents per token): its size is the written one's to a few bytes."""
+    plan, per_row = job.plan, 1 + docs_per_token(sources) * job.plan.row_tokens
+    entries = []
+    for i in range(job.n_shards):
+        g0, g1 = job.shard_range(i)
+        entries.append({"path": job.shard_file(i), "tokens": (g1 - g0) * plan.row_tokens,
+                        "bytes": (g1 - g0) * job.row_bytes, "samples": g1 - g0, "xxh3_128": "0" * 32,
+                        "index_xxh3_128": "0" * 32, "metadata_xxh3_128": "0" * 32, "multiset_hash": "0" * 16,
+                        "fragments": int((g1 - g0) * per_row)})
+    return epoch_manifest(entries, job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer,
+                          tokens=plan.samples * plan.row_tokens, epoch=plan.epoch, seed=plan.seed, seq_len=plan.seq_len,
+                          samples=plan.samples, shard_samples=job.shard_samples, dropped_tokens=plan.dropped_tokens(),
+                          jitter=plan.jitter, sources=plan.source_entries(), shuffle=PLAN_ALGORITHM)
+
+
+def epoch_bytes(job: EpochJob, manifest: dict) -> int:
+    """Bytes of the epoch directory its planned manifest describes: each shard's rows, its
+    index (8 bytes a fragment), its .ds.metadata, and the manifest."""
+    meta = sum(len(metadata_text(job.tokenizer, job.token_dtype.itemsize, s["tokens"]).encode())
+               for s in manifest["shards"])
+    return manifest["tokens"] * job.token_dtype.itemsize + 8 * manifest["fragments"] + meta + len(
+        canonical_bytes(manifest))
+
+
+def scratch_bytes(job: EpochJob) -> int:
+    """Out of core, the bucket scratch: every output row and its 8-byte position."""
+    return job.plan.samples * (job.row_bytes + 8)
+
+
+def bytes_to_write(jobs: list[EpochJob], sources: list[PackedSource], memory: int) -> int:
+    """Peak bytes on OUT's filesystem while these epochs are written, less what a resumed run has
+    there already: the epochs written before, then this epoch's files with, out of core, its
+    bucket scratch, of which the order pass deletes each shard's part once the shard is
+    written: the peak is the scratch plus the first shard."""
     peak = written = 0
     for job in jobs:
-        rows = job.plan.samples
-        # .ds rows, plus an 8-byte index entry per fragment: a sample is cut at each document end
-        epoch = rows * job.row_bytes + 8 * int(rows * (1 + docs_per_token * job.plan.row_tokens))
+        epoch = epoch_bytes(job, planned_epoch_manifest(job, sources))
         have = bytes_under(job.epoch_dir) + bytes_under(job.work_dir)
         during = epoch
-        if not _memory_path(job, memory)[1]:
-            during = rows * (job.row_bytes + 8) + epoch * min(1, job.shard_samples / max(rows, 1))
+        if not memory_path(job, memory)[1]:
+            during = scratch_bytes(job) + epoch * min(1, job.shard_samples / max(job.plan.samples, 1))
         peak = max(peak, written + max(0, during - have))
         written += max(0, epoch - have)
     return int(max(peak, written))
@@ -203,7 +244,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     # completion markers from an earlier attempt (maybe with another layout) must never match.
     attempt = uuid.uuid4().hex[:8]
     logs = work / "logs" / attempt
-    needed, in_memory = _memory_path(job, memory)
+    needed, in_memory = memory_path(job, memory)
     name = f"{epoch_dir_name(plan.epoch)}-{attempt}"
     job.source_changed_path.unlink(missing_ok=True)  # an earlier attempt's: this one reads the sources again
     shards_left = [i for i in range(job.n_shards) if job.shard_done(i) is None]
@@ -217,7 +258,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
                 run_passes([(InMemoryStep(job, budget=memory), 1, f"{name}-inmemory", str(logs / "inmemory"))])
         else:
             budget = max(1, memory // workers)
-            layout = make_layout(job, budget, tasks or workers)
+            layout = epoch_layout(job, memory=memory, workers=workers, tasks=tasks)
             log(f"epoch {plan.epoch}: {plan.samples} samples, out of core ({needed / 2**20:.1f} MiB of windows, "
                 f"{layout.tasks} scatter tasks, {len(layout.bucket_starts) - 1} buckets, {job.n_shards} shards)")
             passes = [(ScatterStep(job, layout), layout.tasks, f"{name}-scatter", str(logs / "scatter")),
@@ -268,6 +309,77 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
             "shards": job.n_shards, "sample_multiset_hash": manifest["sample_multiset_hash"]}
 
 
+@dataclass
+class RunSetup:
+    """What a shuffle invocation will do, decided before it writes a byte: `shuffle_run` runs it,
+    `tokpack plan shuffle` (packer/planning.py) reports it."""
+
+    sources: list[PackedSource]  # opened, in command-line order
+    weights: list[str | None]  # as the run spells them
+    shard_samples: int
+    done_epochs: list[int]  # listed by OUT's run manifest already
+    todo: list[tuple[int, EpochPlan, EpochJob | None]]  # per epoch asked for; no job: complete already
+    params: dict | None  # what makes two invocations the same run
+
+    @property
+    def jobs(self) -> list[EpochJob]:
+        return [job for _, _, job in self.todo if job is not None]
+
+
+def setup_run(paths: list[str], output: str, *, weights, seq_len: int, seed: int, epochs: list[int], samples,
+              tokens, shard_samples, memory: int, jitter: bool, workers: int, progress: bool = False,
+              given: list[str] | None = None) -> RunSetup:
+    """Opens the sources and OUT's run (if any), checks they agree, and plans every epoch. Reads only.
+    `given`: as in shuffle_run."""
+    paths, weights = list(paths), list(weights or [None] * len(paths))
+    opened = open_sources(paths)
+    out = Path(output)
+    first = opened[0].manifest
+    dtype = dtype_name(opened[0].dtype)
+    row_bytes = (seq_len + 1) * opened[0].dtype.itemsize
+    floor = min_memory(row_bytes, workers)
+    if memory < floor:  # one bucket per handful of samples: hours of per-bucket overhead
+        raise TokpackError("--memory is too small to shuffle", where="--memory", expected=f">= {floor} bytes",
+                           found=f"{memory} bytes", hint=f"give --memory {floor} or more ({MIN_BUCKET_ROWS} samples "
+                           f"of {row_bytes} bytes per bucket, per worker); more memory is faster")
+    existing = _existing_run(out)
+    if (existing is not None and existing.get("given_weights") is not None
+            and existing["fingerprints"] == [src.fingerprint for src in opened]
+            and existing["weights"] == _weights_key(weights)):
+        weights = list(existing["given_weights"])  # equal as ratios: the run's manifests keep one spelling
+    if shard_samples is None:
+        shard_samples = existing["shard_samples"] if existing else max(1, DEFAULT_SHARD_BYTES // row_bytes)
+    recorded = list(given) if given else [source_location(p) for p in paths]
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in recorded]
+    done_epochs = []
+    if (out / MANIFEST).exists():
+        done_epochs = list(read_manifest(out, kind="run")["epochs"])
+    todo = []  # (epoch, plan, job or None when the epoch is complete already): planned before any write
+    for epoch in epochs:
+        plan = epoch_plan(opened, seq_len=seq_len, seed=seed, epoch=epoch, weights=weights, samples=samples,
+                          tokens=tokens, jitter=jitter, names=names)
+        plan = replace(plan, sources=tuple(replace(sp, path=recorded[sp.index]) for sp in plan.sources))
+        params = _run_params(plan, weights, shard_samples)
+        if existing is not None:
+            _check_same_run(existing, params, out)
+        existing = params
+        edir = out / epoch_dir_name(epoch)
+        job = None
+        if (edir / MANIFEST).exists():
+            m = read_manifest(edir, kind="epoch")
+            _check_same_run(_params_of_manifest(m), params, edir)
+            if _content(m.get("sources")) != _content(plan.source_entries()):
+                raise TokpackError("epoch directory holds a different epoch", file=edir, where="sources",
+                                   hint="delete that epoch directory or use another -o")
+        else:
+            key = xxhash.xxh3_64_hexdigest(json.dumps([params, plan.source_entries(), PLAN_ALGORITHM, dtype]).encode())
+            job = EpochJob(plan, tuple(source_location(p) for p in paths), dtype, int(first["eos_id"]),
+                           first.get("tokenizer", ""), str(edir), str(out / WORK_DIR / f"{edir.name}-{key}"),
+                           shard_samples, progress=bool(progress), main_pid=os.getpid())
+        todo.append((epoch, plan, job))
+    return RunSetup(opened, weights, shard_samples, done_epochs, todo, existing)
+
+
 @locked_output("shuffle")
 def shuffle_run(
     sources: list[str],
@@ -303,55 +415,18 @@ def shuffle_run(
     log = log or (lambda line: None)
     if progress is None:
         progress = sys.stderr.isatty() and os.environ.get("TOKPACK_PROGRESS", "1") != "0"
-    paths, weights = list(sources), list(weights or [None] * len(sources))
-    opened = open_sources(paths)
-    out = Path(output)
-    first = opened[0].manifest
-    dtype = dtype_name(opened[0].dtype)
-    row_bytes = (seq_len + 1) * opened[0].dtype.itemsize
-    floor = min_memory(row_bytes, workers)
-    if memory < floor:  # one bucket per handful of samples: hours of per-bucket overhead
-        raise TokpackError("--memory is too small to shuffle", where="--memory", expected=f">= {floor} bytes",
-                           found=f"{memory} bytes", hint=f"give --memory {floor} or more ({MIN_BUCKET_ROWS} samples "
-                           f"of {row_bytes} bytes per bucket, per worker); more memory is faster")
-    existing = _existing_run(out)
-    if (existing is not None and existing.get("given_weights") is not None
-            and existing["fingerprints"] == [src.fingerprint for src in opened]
-            and existing["weights"] == _weights_key(weights)):
-        weights = list(existing["given_weights"])  # equal as ratios: the run's manifests keep one spelling
-    if shard_samples is None:
-        shard_samples = existing["shard_samples"] if existing else max(1, DEFAULT_SHARD_BYTES // row_bytes)
-    recorded = list(given) if given else [str(Path(p).resolve()) for p in paths]
-    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in recorded]
-    done_epochs, skipped, summaries = [], [], []
-    if (out / MANIFEST).exists():
-        done_epochs = list(read_manifest(out, kind="run")["epochs"])
-    todo = []  # (epoch, plan, job or None when the epoch is complete already): planned before any write
-    for epoch in epochs:
-        plan = epoch_plan(opened, seq_len=seq_len, seed=seed, epoch=epoch, weights=weights, samples=samples,
-                          tokens=tokens, jitter=jitter, names=names)
-        plan = replace(plan, sources=tuple(replace(sp, path=recorded[sp.index]) for sp in plan.sources))
-        params = _run_params(plan, weights, shard_samples)
-        if existing is not None:
-            _check_same_run(existing, params, out)
-        existing = params
-        edir = out / epoch_dir_name(epoch)
-        job = None
-        if (edir / MANIFEST).exists():
-            m = read_manifest(edir, kind="epoch")
-            _check_same_run(_params_of_manifest(m), params, edir)
-            if _content(m.get("sources")) != _content(plan.source_entries()):
-                raise TokpackError("epoch directory holds a different epoch", file=edir, where="sources",
-                                   hint="delete that epoch directory or use another -o")
-        else:
-            key = xxhash.xxh3_64_hexdigest(json.dumps([params, plan.source_entries(), PLAN_ALGORITHM, dtype]).encode())
-            job = EpochJob(plan, tuple(str(Path(p).resolve()) for p in paths), dtype, int(first["eos_id"]),
-                           first.get("tokenizer", ""), str(edir), str(out / WORK_DIR / f"{edir.name}-{key}"),
-                           shard_samples, progress=bool(progress), main_pid=os.getpid())
-        todo.append((epoch, plan, job))
-    check_space([(out, _bytes_to_write([j for _, _, j in todo if j], opened, memory))], "shuffle",
+    virtual = [p for p in sources if is_virtual(p)]
+    if virtual:
+        raise TokpackError("a virtual source has no data to shuffle", file=virtual[0], where="SOURCE",
+                           expected="a packed source directory", hint="plan it instead: tokpack plan shuffle ...")
+    setup = setup_run(sources, output, weights=weights, seq_len=seq_len, seed=seed, epochs=epochs, samples=samples,
+                      tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter, workers=workers,
+                      progress=bool(progress), given=given)
+    out, opened, weights, shard_samples = Path(output), setup.sources, setup.weights, setup.shard_samples
+    done_epochs, existing, skipped, summaries = setup.done_epochs, setup.params, [], []
+    check_space([(out, bytes_to_write(setup.jobs, opened, memory))], "shuffle",
                 hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)")
-    for epoch, plan, job in todo:
+    for epoch, plan, job in setup.todo:
         out.mkdir(parents=True, exist_ok=True)
         if job is None:
             skipped.append(epoch)
