@@ -257,16 +257,21 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
-def check_space(needs: list[tuple[str | Path, int]], command: str, hint: str | None = None) -> None:
-    """Raises TokpackError (needed, available, where) when any filesystem among `needs`
-    (path, bytes to write there) has less free space than is to be written on it."""
+def space_needs(needs: list[tuple[str | Path, int]]) -> list[tuple[Path, Path, int, int]]:
+    """(first path, its nearest existing directory, bytes to write, free bytes) per filesystem
+    among `needs` (path, bytes to write there)."""
     by_fs: dict[int, list] = {}
     for path, nbytes in needs:
         where = _existing_ancestor(Path(path))
         entry = by_fs.setdefault(os.stat(where).st_dev, [Path(path), where, 0])
         entry[2] += max(0, int(nbytes))
-    for path, where, needed in by_fs.values():
-        free = shutil.disk_usage(where).free
+    return [(path, where, needed, shutil.disk_usage(where).free) for path, where, needed in by_fs.values()]
+
+
+def check_space(needs: list[tuple[str | Path, int]], command: str, hint: str | None = None) -> None:
+    """Raises TokpackError (needed, available, where) when any filesystem among `needs`
+    (path, bytes to write there) has less free space than is to be written on it."""
+    for path, where, needed, free in space_needs(needs):
         if needed > free:
             raise TokpackError(f"not enough free space for tokpack {command}", file=path,
                                expected=f"{_mib(needed)} free ({needed} bytes, scratch included)",

@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -339,6 +339,71 @@ def _bytes_to_write(files: list[InputFile], out_dtype: np.dtype) -> int:
     return total
 
 
+@dataclass
+class PackSetup:
+    """What a pack will read and write, decided before it writes a byte: `pack` runs it,
+    `tokpack plan pack` (packer/planning.py) reports it."""
+
+    fmt: str
+    files: list[InputFile]
+    tokenizer: str | None  # absolute when a local file
+    request: dict  # pack's normalised options (see _output_state)
+    state: str  # 'fresh', 'resume', 'complete' or 'replace'
+    vocab: int = 0  # the rest is resolved unless the pack is complete already
+    eos: int = 0
+    tok_name: str = ""
+    eos_token: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    out_dtype: np.dtype | None = None
+
+    def bytes_to_write(self, out: Path) -> int:
+        """Shards are renamed out of the work folder, never copied: one copy of the output at
+        most. What OUT holds already (a resumed or a replaced pack) is not needed again."""
+        return _bytes_to_write(self.files, self.out_dtype) - bytes_under(out)
+
+
+def pack_tasks(files: int, config: ExecutorConfig) -> int:
+    return min(config.tasks or files, files)
+
+
+def setup_pack(inputs: list[str], out: Path, *, input_format: str = "auto", column: str | None = None,
+               dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
+               vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30,
+               say=lambda msg: None) -> PackSetup:
+    """Finds the inputs, checks them (every check that needs no token scan) and OUT. Reads only."""
+    if shard_tokens < 1:
+        raise TokpackError("shard size must be positive", where="--shard-tokens", expected=">= 1", found=shard_tokens)
+    if tokenizer is not None:
+        tokenizer = str(Path(tokenizer).absolute()) if os.path.isfile(tokenizer) else tokenizer
+        load_tokenizer(tokenizer)
+    fmt, files = discover(list(inputs), input_format, column, dtype)
+    say(f"tokpack pack: detected format {fmt}: {len(files)} file(s), "
+        f"{', '.join(sorted({f.format + (' ' + f.dtype if f.dtype else '') for f in files}))}")
+    request = {
+        "inputs": [{"path": str(Path(f.path).absolute()), "size": f.size, "format": f.format} for f in files],
+        "format": fmt, "column": column, "dtype": dtype, "tokenizer": tokenizer, "eos_id": eos_id,
+        "vocab_size": vocab_size, "shard_tokens": int(shard_tokens),
+    }
+    setup = PackSetup(fmt, files, tokenizer, request, _output_state(out, request, overwrite))
+    if setup.state == "complete":
+        return setup
+    if fmt == "text":
+        if tokenizer is None:
+            raise TokpackError("raw text needs a tokenizer", file=files[0].path, where="--tokenizer",
+                               expected="a local tokenizer.json", found="none", hint="pass --tokenizer tokenizer.json")
+        setup.vocab, setup.eos, setup.tok_name, setup.eos_token = resolve_vocab_eos(files, tokenizer, eos_id, vocab_size)
+        if setup.eos_token is None:
+            raise TokpackError("EOS id is not a token of the tokenizer", file=tokenizer, where="--eos-id",
+                               expected="an id the tokenizer knows", found=eos_id)
+    else:
+        setup.vocab, setup.eos, setup.tok_name, _ = resolve_vocab_eos(files, tokenizer, eos_id, vocab_size, say,
+                                                                      setup.warnings)
+        for f in files:
+            check_input(f)
+    setup.out_dtype = dtype_for_vocab(setup.vocab)
+    return setup
+
+
 @locked_output("pack")
 def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: str | None = None,
          dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
@@ -350,21 +415,10 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
     say = log or (lambda msg: None)
     out = Path(output).absolute()
     config = config or ExecutorConfig()
-    if shard_tokens < 1:
-        raise TokpackError("shard size must be positive", where="--shard-tokens", expected=">= 1", found=shard_tokens)
-    if tokenizer is not None:
-        tokenizer = str(Path(tokenizer).absolute()) if os.path.isfile(tokenizer) else tokenizer
-        load_tokenizer(tokenizer)
-    fmt, files = discover(list(inputs), input_format, column, dtype)
+    setup = setup_pack(inputs, out, input_format=input_format, column=column, dtype=dtype, tokenizer=tokenizer,
+                       eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite, shard_tokens=shard_tokens, say=say)
+    fmt, files, tokenizer, request, state = setup.fmt, setup.files, setup.tokenizer, setup.request, setup.state
     input_bytes = sum(f.size for f in files)
-    say(f"tokpack pack: detected format {fmt}: {len(files)} file(s), "
-        f"{', '.join(sorted({f.format + (' ' + f.dtype if f.dtype else '') for f in files}))}")
-    request = {
-        "inputs": [{"path": str(Path(f.path).absolute()), "size": f.size, "format": f.format} for f in files],
-        "format": fmt, "column": column, "dtype": dtype, "tokenizer": tokenizer, "eos_id": eos_id,
-        "vocab_size": vocab_size, "shard_tokens": int(shard_tokens),
-    }
-    state = _output_state(out, request, overwrite)
     if state == "complete":
         manifest = read_manifest(out, kind="source")
         # A pack killed between writing its manifest and removing its scratch left the scratch.
@@ -373,25 +427,9 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
         return _result(manifest, out, fmt, time.perf_counter() - t0, 0, "already complete")
 
     work = out / WORK_DIR
-    eos_token = None
-    warnings: list[str] = []
-    if fmt == "text":
-        if tokenizer is None:
-            raise TokpackError("raw text needs a tokenizer", file=files[0].path, where="--tokenizer",
-                               expected="a local tokenizer.json", found="none", hint="pass --tokenizer tokenizer.json")
-        vocab, eos, tok_name, eos_token = resolve_vocab_eos(files, tokenizer, eos_id, vocab_size)
-        if eos_token is None:
-            raise TokpackError("EOS id is not a token of the tokenizer", file=tokenizer, where="--eos-id",
-                               expected="an id the tokenizer knows", found=eos_id)
-    else:
-        vocab, eos, tok_name, _ = resolve_vocab_eos(files, tokenizer, eos_id, vocab_size, say, warnings)
-        for f in files:
-            check_input(f)
-    out_dtype = dtype_for_vocab(vocab)
-    # Shards are renamed out of the work folder, never copied: one copy of the output at most.
-    # What OUT holds already (a resumed or a replaced pack) is not needed again.
-    check_space([(out, _bytes_to_write(files, out_dtype) - bytes_under(out))], "pack",
-                hint="free some space there, or choose another -o")
+    vocab, eos, tok_name, eos_token, warnings = setup.vocab, setup.eos, setup.tok_name, setup.eos_token, setup.warnings
+    out_dtype = setup.out_dtype
+    check_space([(out, setup.bytes_to_write(out))], "pack", hint="free some space there, or choose another -o")
 
     # Nothing has been written so far; from here on, OUT/.tokpack-work holds the run.
     created = not out.exists()
@@ -417,7 +455,7 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
         else:
             packed_files = files
         step = PackStep(packed_files, str(work), vocab, eos, out_dtype.name, tok_name, int(shard_tokens), block_bytes)
-        ntasks = min(config.tasks or len(packed_files), len(packed_files))
+        ntasks = pack_tasks(len(packed_files), config)
         try:
             run_steps([(step, ntasks, "pack", base_logs / "pack")], config)
         except Exception as e:
