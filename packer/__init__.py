@@ -1,5 +1,5 @@
-"""tokpack's Python API: `from packer import pack, shuffle, validate, stage, inspect` (docs/API.md)."""
+"""tokpack's Python API: `from packer import pack, shuffle, validate, stage, inspect, plan` (docs/API.md)."""
 
-from packer.api import ExecutorConfig, inspect, pack, shuffle, stage, validate
+from packer.api import ExecutorConfig, inspect, pack, plan, shuffle, stage, validate
 
-__all__ = ["ExecutorConfig", "inspect", "pack", "shuffle", "stage", "validate"]
+__all__ = ["ExecutorConfig", "inspect", "pack", "plan", "shuffle", "stage", "validate"]

@@ -1,4 +1,4 @@
-"""tokpack's Python API (docs/API.md): `pack`, `shuffle`, `validate`, `stage`, `inspect`.
+"""tokpack's Python API (docs/API.md): `pack`, `shuffle`, `validate`, `stage`, `inspect`, `plan`.
 
 Each takes paths or fsspec URLs and returns a dataclass holding the facts the command prints
 under `--json` (`to_json()`), and no text for humans. This module imports no heavy dependency:
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the stages build their results; importing them here would import their dependencies
     from packer.inspection import InspectResult
     from packer.packing import PackResult
+    from packer.planning import PlanResult
     from packer.staging import StageResult
 
 PathLike = str | Path
@@ -163,3 +164,16 @@ def inspect(directory: PathLike, *, batch_size: int | None = None, batches: int 
 
     directory, = _local_dirs([str(directory)], "inspect")
     return inspect_dir(directory, batch_size=batch_size, batches=batches, plot=plot, seq_len=seq_len, epoch=epoch)
+
+
+def plan(command: str, *args, **kwargs) -> PlanResult:
+    """What `pack`, `shuffle` or `stage` (`command`) would do with these arguments (that function's,
+    plus `disk_mbps`), writing nothing: tasks, files, bytes per pass, space, manifest sizes and a
+    predicted wall time (packer.planning)."""
+    from formats.errors import TokpackError
+    from packer import planning
+
+    planner = {"pack": planning.plan_pack, "shuffle": planning.plan_shuffle, "stage": planning.plan_stage}.get(command)
+    if planner is None:
+        raise TokpackError("no such command to plan", where="command", expected="pack, shuffle or stage", found=command)
+    return planner(*args, **kwargs)

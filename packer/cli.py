@@ -228,7 +228,8 @@ def _weighted_sources(args) -> list[tuple[str, str | None]]:
     pairs = []
     for arg in args:
         path, _, weight = arg.rpartition("=")
-        if not path or os.path.exists(arg) or "://" in arg and not _is_number(weight):
+        if not path or os.path.exists(arg) or "://" in arg and not _is_number(weight) or (
+                arg.startswith("virtual:") and arg.rsplit(",", 1)[-1].count("=") < 2):  # its last key=value, no weight
             path, weight = arg, None
         pairs.append((path, weight))
     return pairs
@@ -328,6 +329,15 @@ def pack(inputs, output, as_json, **kw):
     emit(pack_api(list(inputs), output, executor=executor, log=_log(as_json), **kw), as_json)
 
 
+def _epochs_asked(epochs, epoch, kw) -> list[int] | int:
+    """shuffle's --epochs N / --epoch E, with its usage checks."""
+    if (epochs is None) == (epoch is None):
+        raise click.UsageError("give exactly one of --epochs N or --epoch E")
+    if kw["samples"] is not None and kw["tokens"] is not None:
+        raise click.UsageError("give at most one of --samples and --tokens")
+    return [epoch] if epochs is None else epochs
+
+
 @main.command()
 @click.argument("sources", nargs=-1, required=True, metavar="SOURCE[=WEIGHT]...")
 @click.option("-o", "--output", required=True, help="Run directory; one epoch-NNNNN/ per epoch inside.")
@@ -351,13 +361,10 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
     """Write globally shuffled epochs of fixed-length samples from packed SOURCEs."""
     from packer.api import shuffle as shuffle_api
 
-    if (epochs is None) == (epoch is None):
-        raise click.UsageError("give exactly one of --epochs N or --epoch E")
-    if kw["samples"] is not None and kw["tokens"] is not None:
-        raise click.UsageError("give at most one of --samples and --tokens")
+    epochs = _epochs_asked(epochs, epoch, kw)
     executor = _executor_config(kw)
-    result = shuffle_api(_weighted_sources(sources), output, epochs=[epoch] if epochs is None else epochs,
-                         executor=executor, log=_log(as_json), progress=False if as_json else None, **kw)
+    result = shuffle_api(_weighted_sources(sources), output, epochs=epochs, executor=executor, log=_log(as_json),
+                         progress=False if as_json else None, **kw)
     emit(result, as_json)
     if not as_json:
         for detail in result.epochs_detail:
@@ -451,6 +458,53 @@ def stage(directory, dest, as_json, **kw):
     from packer.api import stage as stage_api
 
     emit(stage_api(directory, dest, log=_log(as_json), **kw), as_json)
+
+
+@main.group()
+def plan():
+    """Print what pack, shuffle or stage would do, writing nothing: tasks, files, bytes, free space,
+    manifest sizes and a predicted wall time."""
+
+
+DISK_MBPS = click.Option(["--disk-mbps"], type=click.FloatRange(min=0, min_open=True), default=None,
+                         help="Disk throughput in MB/s for the predicted time [default: measured in about 2 s "
+                              "next to the output, with a temporary file removed at once].")
+
+
+def _planned(command: click.Command):
+    """Registers `tokpack plan COMMAND`: COMMAND's own arguments and options, plus --disk-mbps."""
+
+    def register(fn):
+        plan.add_command(click.Command(command.name, params=[*command.params, DISK_MBPS], callback=user_errors(fn),
+                                       help=f"Plan `tokpack {command.name}` with the same arguments; writes nothing. "
+                                            "A shuffle SOURCE may be virtual:tokens=11T,documents=5.5B,dtype=uint16."))
+        return fn
+
+    return register
+
+
+def _emit_plan(command: str, as_json: bool, *args, **kw) -> None:
+    from packer.api import plan as plan_api
+    from packer.planning import report_lines
+
+    emit(plan_api(command, *args, **kw), as_json, report_lines)
+
+
+@_planned(shuffle)
+def plan_shuffle(sources, output, epochs, epoch, as_json, **kw):
+    epochs = _epochs_asked(epochs, epoch, kw)
+    _emit_plan("shuffle", as_json, _weighted_sources(sources), output, epochs=epochs, executor=_executor_config(kw),
+               **kw)
+
+
+@_planned(pack)
+def plan_pack(inputs, output, as_json, **kw):
+    _emit_plan("pack", as_json, list(inputs), output, executor=_executor_config(kw), **kw)
+
+
+@_planned(stage)
+def plan_stage(directory, dest, as_json, **kw):
+    _emit_plan("stage", as_json, directory, dest, **kw)
 
 
 if __name__ == "__main__":

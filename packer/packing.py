@@ -322,20 +322,25 @@ def _finalize(out: Path, work: Path, plan: dict) -> dict:
     return manifest
 
 
+def known_tokens(f: InputFile) -> int | None:
+    """The input's token count where its size tells it (datatrove, Megatron, NumPy, raw), else None."""
+    if f.format in ("datatrove", "megatron"):
+        return os.path.getsize(f.path) // np.dtype(f.dtype).itemsize
+    return int(f.extra["count"]) if f.format in ("numpy", "raw") else None
+
+
 def _bytes_to_write(files: list[InputFile], out_dtype: np.dtype) -> int:
-    """Bytes the packed source will take, from the inputs whose token count their size tells
-    (datatrove, Megatron, NumPy, raw); Parquet, JSONL and text inputs count 0 here."""
+    """Bytes the packed source will take, from the inputs whose token count their size tells;
+    Parquet, JSONL and text inputs count 0 here."""
     total = 0
     for f in files:
+        tokens = known_tokens(f) or 0
+        total += tokens * out_dtype.itemsize
         if f.format == "datatrove":
-            tokens = os.path.getsize(f.path) // np.dtype(f.dtype).itemsize
             index = os.path.getsize(f.extra["index"]) if os.path.exists(f.extra["index"]) else 0
-            total += tokens * out_dtype.itemsize + index + (tokens if f.extra.get("loss") else 0)
+            total += index + (tokens if f.extra.get("loss") else 0)
         elif f.format == "megatron":
-            total += os.path.getsize(f.path) // np.dtype(f.dtype).itemsize * out_dtype.itemsize
             total += 8 * int(f.extra.get("documents") or 0)
-        elif f.format in ("numpy", "raw"):
-            total += int(f.extra["count"]) * out_dtype.itemsize
     return total
 
 

@@ -520,6 +520,11 @@ def _in_place(path: Path, size: int | None) -> bool:
     return size is not None and path.is_file() and path.stat().st_size == size
 
 
+def bytes_to_copy(dest: Path, plans: list[DirPlan]) -> int:
+    """Bytes of the files a stage into `dest` copies: those not in place already."""
+    return sum(j.size or 0 for p in plans for j in p.jobs if not _in_place(dest / j.rel, j.size))
+
+
 def _check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
     """Refuse to mix two datasets in one DEST: an existing manifest must describe the same data."""
     for p in plans:
@@ -562,8 +567,7 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
     if dest.exists() and not dest.is_dir():
         raise TokpackError("DEST exists and is not a directory", file=dest, hint="choose a directory path")
     _check_dest(dest, kind, plans)
-    check_space([(dest, sum(j.size or 0 for p in plans for j in p.jobs if not _in_place(dest / j.rel, j.size)))],
-                "stage", hint="free some space there, choose another DEST, or stage fewer epochs (--epochs, --ranks)")
+    check_space([(dest, bytes_to_copy(dest, plans))], "stage", hint="free some space there, choose another DEST, or stage fewer epochs (--epochs, --ranks)")
     try:
         for p in plans:
             (dest / p.rel).mkdir(parents=True, exist_ok=True)

@@ -143,17 +143,23 @@ def _run_manifest(out: Path, plan: EpochPlan, weights, sources: list[PackedSourc
         shuffle=PLAN_ALGORITHM)
 
 
-def memory_path(job: EpochJob, memory: int) -> tuple[int, bool]:
-    """(bytes of the windows to hold, whether they fit `memory` so the epoch runs in memory)."""
+def memory_path(job: EpochJob, memory: int) -> tuple[int, int]:
+    """(bytes of the windows to hold, bytes the in-memory path holds with its chunk buffers): the
+    epoch runs in memory when the latter fits `memory`."""
     needed = sum(sp.windows for sp in job.plan.sources if sp.samples) * (job.row_bytes + ROW_FACTS_BYTES)
-    return needed, needed + CHUNKS_IN_BUDGET * job.chunk_rows(memory) * job.row_bytes <= memory
+    return needed, needed + CHUNKS_IN_BUDGET * job.chunk_rows(memory) * job.row_bytes
+
+
+def task_budget(memory: int, workers: int) -> int:
+    """Out of core, the bytes each of `workers` concurrent tasks may use."""
+    return max(1, memory // workers)
 
 
 def epoch_layout(job: EpochJob, *, memory: int, workers: int, tasks: int | None) -> Layout | None:
     """The out-of-core layout of the epoch's passes, or None when it runs in memory."""
-    if memory_path(job, memory)[1]:
+    if memory_path(job, memory)[1] <= memory:
         return None
-    return make_layout(job, max(1, memory // workers), tasks or workers)
+    return make_layout(job, task_budget(memory, workers), tasks or workers)
 
 
 def docs_per_token(sources: list[PackedSource]) -> float:
@@ -203,7 +209,7 @@ def bytes_to_write(jobs: list[EpochJob], sources: list[PackedSource], memory: in
         epoch = epoch_bytes(job, planned_epoch_manifest(job, sources))
         have = bytes_under(job.epoch_dir) + bytes_under(job.work_dir)
         during = epoch
-        if not memory_path(job, memory)[1]:
+        if memory_path(job, memory)[1] > memory:
             during = scratch_bytes(job) + epoch * min(1, job.shard_samples / max(job.plan.samples, 1))
         peak = max(peak, written + max(0, during - have))
         written += max(0, epoch - have)
@@ -244,7 +250,8 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     # completion markers from an earlier attempt (maybe with another layout) must never match.
     attempt = uuid.uuid4().hex[:8]
     logs = work / "logs" / attempt
-    needed, in_memory = memory_path(job, memory)
+    needed, held = memory_path(job, memory)
+    in_memory = held <= memory
     name = f"{epoch_dir_name(plan.epoch)}-{attempt}"
     job.source_changed_path.unlink(missing_ok=True)  # an earlier attempt's: this one reads the sources again
     shards_left = [i for i in range(job.n_shards) if job.shard_done(i) is None]
@@ -257,7 +264,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
             with _source_check(job, None):
                 run_passes([(InMemoryStep(job, budget=memory), 1, f"{name}-inmemory", str(logs / "inmemory"))])
         else:
-            budget = max(1, memory // workers)
+            budget = task_budget(memory, workers)
             layout = epoch_layout(job, memory=memory, workers=workers, tasks=tasks)
             log(f"epoch {plan.epoch}: {plan.samples} samples, out of core ({needed / 2**20:.1f} MiB of windows, "
                 f"{layout.tasks} scatter tasks, {len(layout.bucket_starts) - 1} buckets, {job.n_shards} shards)")

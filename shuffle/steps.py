@@ -47,7 +47,7 @@ from formats.manifest import dtype_from_name, shard_digits, shard_name
 from formats.shards import EpochShardWriter, PackedSource, RowFragments, shard_on_disk
 from formats.sinks import app_sinks_kept
 
-from .plan import EpochPlan, iter_source_windows
+from .plan import EpochPlan, iter_source_windows, open_source
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
 with app_sinks_kept():
@@ -199,7 +199,7 @@ class EpochJob:
         return Path(self.work_dir) / "done" / f"{self.shard_file(i)}.json"
 
     def open_sources(self) -> list[PackedSource]:
-        return [PackedSource.open(p, check_sizes=False) for p in self.source_paths]
+        return [open_source(p, check_sizes=False) for p in self.source_paths]
 
     def shard_done(self, i: int) -> dict | None:
         """The shard's manifest entry if it was committed and recorded and is still on disk."""

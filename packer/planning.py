@@ -1,0 +1,269 @@
+"""`tokpack plan shuffle|pack|stage`: what the command would do, from the planning code the
+command itself runs, with nothing written (docs/COMMANDS.md, "Planning a run").
+
+Each plan_* function calls its command's own setup (shuffle.run.setup_run and epoch_layout,
+packer.packing.setup_pack, packer.staging.make_plan) and byte counts, then predicts the wall
+time: each pass moves the bytes it reads and writes at the disk throughput, over the tasks
+that run at once on separate disks (slurm, ray: one node each) or over one disk (local: its
+workers share it). The throughput is `disk_mbps`, or is measured in about two seconds by
+writing (fsync'd) and reading back a temporary file next to the output, removed at once: the
+only file a plan touches.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from formats.errors import TokpackError
+from formats.guard import _existing_ancestor, space_needs
+from formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, run_manifest, source_manifest
+from packer.api import ExecutorConfig, Result, _weighted, optional_field
+
+MEASURE_BYTES = 256 << 20  # at most this much is written, then read back, to measure the disk
+MEASURE_SECONDS = 1.0  # per direction
+MEASURE_BLOCK = 8 << 20
+
+
+@dataclass
+class PlanResult(Result):
+    """What `tokpack plan ... --json` prints."""
+
+    command: str  # shuffle | pack | stage
+    output: str
+    path: str  # shuffle: in-memory and/or out-of-core; pack: the input format; stage: the kind copied
+    shards: int  # output shards (pack: at least this many, or 0 when the inputs' token counts are unknown)
+    passes: list[dict]  # in order: name, epoch (shuffle), tasks, memory_per_task, read_bytes, written_bytes, seconds
+    space: list[dict]  # per target filesystem: path, filesystem, needed_bytes, free_bytes, enough
+    manifests: dict  # manifest file under the output -> bytes
+    workers: int
+    executor: str
+    disk_mbps: float | None  # read + write throughput the prediction uses
+    disk: str  # where disk_mbps comes from
+    predicted_seconds: float | None
+    samples_per_epoch: int | None = optional_field()
+    sources: list[dict] | None = optional_field()  # shuffle: per source of the first epoch planned
+    epochs: list[dict] | None = optional_field()  # shuffle: per epoch asked for
+    buckets: int | None = optional_field()  # shuffle, out of core: over every epoch
+    bucket_files: int | None = optional_field()  # at most: each scatter task writes 2 files per bucket its rows reach
+
+
+# ------------------------------------------------------------------------ the disk
+
+
+def measure_disk(directory: Path) -> tuple[float | None, str]:
+    """(MB/s, how it was found) of a sequential write, fsync'd, then a read of the same file
+    with its pages dropped from the cache, in `directory`; the file is removed before return."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".tokpack-plan-", dir=directory)
+    except OSError as e:
+        return None, f"not measured ({e.strerror or e} in {directory}); give --disk-mbps"
+    moved, block = 0, memoryview(os.urandom(MEASURE_BLOCK))
+    try:
+        os.unlink(name)  # gone from the directory at once; the open descriptor keeps the data
+        t0 = time.perf_counter()
+        while moved < MEASURE_BYTES and time.perf_counter() - t0 < MEASURE_SECONDS:
+            moved += os.write(fd, block)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the read-back comes from the disk
+        read, buf = 0, bytearray(MEASURE_BLOCK)
+        while n := os.preadv(fd, [buf], read):
+            read += n
+        seconds = time.perf_counter() - t0
+    except OSError as e:
+        return None, f"not measured ({e.strerror or e} in {directory}); give --disk-mbps"
+    finally:
+        os.close(fd)
+    return round(2 * moved / 1e6 / seconds, 1), f"measured: {moved >> 20} MiB written and read back in {directory}"
+
+
+def _disk(output: Path, disk_mbps: float | None) -> tuple[float | None, str]:
+    if disk_mbps is not None:
+        if disk_mbps <= 0:
+            raise TokpackError("disk throughput must be positive", where="--disk-mbps", expected="> 0",
+                               found=disk_mbps)
+        return float(disk_mbps), "given"
+    return measure_disk(_existing_ancestor(output))
+
+
+def _result(command: str, output: str, passes: list[dict], needs: list[tuple], config: ExecutorConfig,
+            disk_mbps: float | None, concurrent: bool, **fields) -> PlanResult:
+    """`passes` get their predicted seconds; `concurrent`: whether tasks running at once have a
+    disk each (slurm, ray), so a pass of T tasks moves its bytes min(T, workers) times faster."""
+    mbps, disk = _disk(Path(output), disk_mbps)
+    for p in passes:
+        at_once = 1 if not concurrent else p["tasks"] if config.workers == 1 else min(config.workers, p["tasks"])
+        p["seconds"] = None if mbps is None else round((p["read_bytes"] + p["written_bytes"]) / (mbps * 1e6) / at_once, 1)
+    space = [{"path": str(path), "filesystem": str(where), "needed_bytes": needed, "free_bytes": free,
+              "enough": needed <= free} for path, where, needed, free in space_needs(needs)]
+    total = None if mbps is None else round(sum(p["seconds"] for p in passes), 1)
+    return PlanResult(command=command, output=str(output), passes=passes, space=space, workers=config.workers,
+                      executor=config.executor, disk_mbps=mbps, disk=disk, predicted_seconds=total, **fields)
+
+
+def _pass(name: str, tasks: int, memory: int, read: int, written: int, **extra) -> dict:
+    return {"name": name, **extra, "tasks": tasks, "memory_per_task": memory, "read_bytes": read,
+            "written_bytes": written}
+
+
+def _local(paths: list[str]) -> None:
+    for p in paths:
+        if "://" in str(p):
+            raise TokpackError("tokpack plan reads local paths", file=p, expected="a local path or a virtual source",
+                               found="a URL", hint="plan with a local copy of the manifests, or a virtual: source")
+
+
+# ------------------------------------------------------------------------ the commands
+
+
+def plan_shuffle(sources, output, *, seq_len: int, seed: int, epochs=1, samples: int | None = None,
+                 tokens: int | None = None, shard_samples: int | None = None, memory: int = 4 << 30,
+                 jitter: bool = False, executor: ExecutorConfig | None = None,
+                 disk_mbps: float | None = None) -> PlanResult:
+    """What `shuffle` with these arguments would do. A source may be virtual:
+    `virtual:tokens=11T,documents=5.5B,dtype=uint16` (shuffle/plan.py, virtual_source)."""
+    from shuffle.plan import PLAN_ALGORITHM
+    from shuffle.run import (bytes_to_write, epoch_bytes, epoch_layout, memory_path, planned_epoch_manifest,
+                             scratch_bytes, setup_run, task_budget)
+
+    config = executor or ExecutorConfig()
+    paths, weights = _weighted(sources)
+    _local(paths + [str(output)])
+    setup = setup_run(paths, str(output), weights=weights, seq_len=seq_len, seed=seed,
+                      epochs=list(range(epochs)) if isinstance(epochs, int) else list(epochs), samples=samples,
+                      tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter, workers=config.workers)
+    opened, first = setup.sources, setup.sources[0]
+    passes, details, manifests, written = [], [], {}, {}
+    buckets = bucket_files = 0
+    for epoch, plan, job in setup.todo:
+        if job is None:
+            details.append({"epoch": epoch, "path": "complete already", "samples": plan.samples})
+            continue
+        read = sum(src.tokens * src.dtype.itemsize for src, sp in zip(opened, plan.sources) if sp.samples)
+        manifest = planned_epoch_manifest(job, opened)
+        written[epoch] = manifest
+        size = epoch_bytes(job, manifest)
+        manifests[f"{epoch_dir_name(epoch)}/{MANIFEST}"] = len(canonical_bytes(manifest))
+        layout = epoch_layout(job, memory=memory, workers=config.workers, tasks=config.tasks)
+        detail = {"epoch": epoch, "path": "in-memory" if layout is None else "out-of-core", "samples": plan.samples,
+                  "shards": job.n_shards, "output_bytes": size}
+        if layout is None:
+            detail["memory_bytes"] = memory_path(job, memory)[1]
+            passes.append(_pass("in-memory", 1, detail["memory_bytes"], read, size, epoch=epoch))
+        else:
+            budget, scratch = task_budget(memory, config.workers), scratch_bytes(job)
+            detail.update(scatter_tasks=layout.tasks, buckets=len(layout.bucket_starts) - 1,
+                          bucket_files=2 * layout.tasks * (len(layout.bucket_starts) - 1), scratch_bytes=scratch,
+                          max_bucket_rows=layout.max_bucket, scatter_block_rows=layout.block_rows)
+            buckets, bucket_files = buckets + detail["buckets"], bucket_files + detail["bucket_files"]
+            passes += [_pass("scatter", layout.tasks, budget, read, scratch, epoch=epoch),
+                       _pass("order", job.n_shards, budget, scratch, size, epoch=epoch)]
+        details.append(detail)
+    if written:
+        plan = setup.todo[-1][1]
+        run = run_manifest(written, first.dtype, first.vocab_size, first.eos_id, first.manifest.get("tokenizer", ""),
+                           sources=plan.source_entries(), weights=None if all(w is None for w in setup.weights)
+                           else list(setup.weights), seq_len=seq_len, seed=seed, jitter=jitter, samples=plan.samples,
+                           shard_samples=setup.shard_samples, shuffle=PLAN_ALGORITHM)
+        manifests[MANIFEST] = len(canonical_bytes(run))
+    plan = setup.todo[0][1]
+    paths_taken = sorted({d["path"] for d in details if "shards" in d})
+    return _result(
+        "shuffle", str(output), passes, [(output, bytes_to_write(setup.jobs, opened, memory))], config, disk_mbps,
+        config.executor != "local", path=",".join(paths_taken) or "none",
+        shards=sum(d.get("shards", 0) for d in details), manifests=manifests, samples_per_epoch=plan.samples,
+        sources=[{"name": sp.name, "path": sp.path, "tokens": sp.tokens, "windows": sp.windows, "samples": sp.samples,
+                  "passes": plan.passes(i), "first_pass": plan.first_pass(i)} for i, sp in enumerate(plan.sources)],
+        epochs=details, buckets=buckets if bucket_files else None, bucket_files=bucket_files or None)
+
+
+def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None = None, dtype: str | None = None,
+              tokenizer: str | None = None, eos_id: int | None = None, vocab_size: int | None = None,
+              overwrite: bool = False, shard_tokens: int = 1 << 30, executor: ExecutorConfig | None = None,
+              disk_mbps: float | None = None) -> PlanResult:
+    """What `pack` with these arguments would do: one task per input file, its shards of at most
+    `shard_tokens` tokens cut at document ends (so at least tokens / shard_tokens of them)."""
+    from packer.api import _paths
+    from packer.packing import known_tokens, pack_tasks, setup_pack
+
+    config = executor or ExecutorConfig()
+    paths, out = _paths(inputs), Path(output).absolute()
+    _local(paths + [str(output)])
+    setup = setup_pack(paths, out, input_format=input_format, column=column, dtype=dtype, tokenizer=tokenizer,
+                       eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite, shard_tokens=shard_tokens)
+    done = setup.state == "complete"
+    counts = [known_tokens(f) for f in setup.files]
+    shards = [] if done or None in counts else [-(-n // shard_tokens) for n in counts]
+    written = 0 if done else setup.bytes_to_write(out)
+    manifests = {}
+    if shards:  # the source manifest with placeholder checksums: its size, to a few bytes
+        entries = [{"path": f"{i:05d}.ds", "tokens": shard_tokens, "bytes": shard_tokens * setup.out_dtype.itemsize,
+                    "documents": 0, "xxh3_128": "0" * 32, "index_xxh3_128": "0" * 32, "metadata_xxh3_128": "0" * 32}
+                   for i in range(sum(shards))]
+        manifests[MANIFEST] = len(canonical_bytes(source_manifest(
+            entries, setup.out_dtype, setup.vocab, setup.eos, setup.tok_name, inputs=setup.request["inputs"],
+            shard_tokens=int(shard_tokens), eos_appended=0, empty_documents_dropped=0, created_by="tokpack",
+            request=setup.request)))
+    tasks = 0 if done else pack_tasks(len(setup.files), config)
+    passes = [] if done else [_pass("pack", tasks, 0, sum(f.size for f in setup.files), written)]
+    return _result("pack", str(output), passes, [(out, written)], config, disk_mbps, config.executor != "local",
+                   path=setup.fmt, shards=sum(shards), manifests=manifests)
+
+
+def plan_stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_batch: int = 1,
+               disk_mbps: float | None = None) -> PlanResult:
+    """What `stage` with these arguments would do: every file is read once (hashed), the ones not
+    in place at DEST are written; the copy threads share DEST's disk."""
+    from packer.staging import STAGE_BLOCK, Source, _in_place, bytes_to_copy, make_plan, parse_epochs, parse_ranks
+
+    _local([str(dest)])
+    kind, plans = make_plan(Source(str(directory)), parse_epochs(epochs), parse_ranks(ranks), micro_batch)
+    dest = Path(dest)
+    jobs = [j for p in plans for j in p.jobs]
+    copy = bytes_to_copy(dest, plans)
+    passes = [_pass("copy", len(jobs), STAGE_BLOCK, sum(j.size or 0 for j in jobs), copy,
+                    files_in_place=sum(_in_place(dest / j.rel, j.size) for j in jobs))]
+    manifests = {f"{p.rel}/{MANIFEST}".lstrip("/"): len(canonical_bytes(p.manifest)) for p in plans}
+    return _result("stage", str(dest), passes, [(dest, copy)], ExecutorConfig(workers=workers), disk_mbps, False,
+                   path=kind, shards=sum(j.rel.endswith(".ds") for j in jobs), manifests=manifests)
+
+
+# ------------------------------------------------------------------------ for humans
+
+
+def _size(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "unknown"
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.1f} s"
+
+
+def report_lines(r: PlanResult) -> list[str]:
+    """The human summary of a plan; nothing has been written."""
+    lines = [f"plan {r.command} -> {r.output}: {r.path}, {r.shards:,} shard(s); nothing written"]
+    if r.samples_per_epoch is not None:
+        lines.append(f"  samples per epoch: {r.samples_per_epoch:,}")
+        lines += [f"  source {s['name']}: {s['tokens']:,} tokens, {s['windows']:,} windows, {s['samples']:,} samples, "
+                  f"{s['passes']} pass(es) from pass {s['first_pass']}" for s in r.sources or []]
+    for e in r.epochs or []:
+        extra = "" if e["path"] != "out-of-core" else (
+            f", {e['scatter_tasks']} scatter tasks, {e['buckets']:,} buckets (at most {e['bucket_files']:,} bucket "
+            f"files), {_size(e['scratch_bytes'])} scratch")
+        lines.append(f"  epoch {e['epoch']}: {e['path']}, {e['samples']:,} samples, {e.get('shards', 0):,} shards{extra}")
+    for p in r.passes:
+        lines.append(f"  pass {p['name']}{'' if 'epoch' not in p else ' (epoch %d)' % p['epoch']}: {p['tasks']:,} "
+                     f"task(s), {_size(p['memory_per_task'])} memory per task, reads {_size(p['read_bytes'])}, writes "
+                     f"{_size(p['written_bytes'])}, {_duration(p['seconds'])}")
+    for s in r.space:
+        lines.append(f"  space on {s['filesystem']}: needs {_size(s['needed_bytes'])} (scratch included), "
+                     f"{_size(s['free_bytes'])} free: {'enough' if s['enough'] else 'NOT ENOUGH'}")
+    lines += [f"  manifest {name}: {n:,} bytes" for name, n in r.manifests.items()]
+    lines.append(f"  predicted wall time: {_duration(r.predicted_seconds)} ({r.executor}, {r.workers} worker(s), disk "
+                 f"{r.disk_mbps if r.disk_mbps is not None else '?'} MB/s {r.disk})")
+    return lines
