@@ -199,8 +199,8 @@ def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None) -> 
             continue
         size = s.get("bytes")
         jobs.append(CopyJob(_join(dir_rel, name), None if size is None else int(size), s.get("xxh3_128"), dir_rel))
-        docs = s.get("documents") if manifest.get("kind") == "source" else None
-        jobs.append(CopyJob(_join(dir_rel, f"{name}.index"), None if docs is None else 8 * int(docs),
+        entries = s.get("documents") if manifest.get("kind") == "source" else s.get("fragments")  # 8 bytes each
+        jobs.append(CopyJob(_join(dir_rel, f"{name}.index"), None if entries is None else 8 * int(entries),
                             s.get("index_xxh3_128"), dir_rel))
         jobs.append(CopyJob(_join(dir_rel, f"{name}.metadata"), None, s.get("metadata_xxh3_128"), dir_rel))
         if s.get("loss_xxh3_128"):
