@@ -396,7 +396,8 @@ def setup_pack(inputs: list[str], out: Path, *, input_format: str = "auto", colu
         if tokenizer is None:
             raise TokpackError("raw text needs a tokenizer", file=files[0].path, where="--tokenizer",
                                expected="a local tokenizer.json", found="none", hint="pass --tokenizer tokenizer.json")
-        setup.vocab, setup.eos, setup.tok_name, setup.eos_token = resolve_vocab_eos(files, tokenizer, eos_id, vocab_size)
+        resolved = resolve_vocab_eos(files, tokenizer, eos_id, vocab_size)
+        setup.vocab, setup.eos, setup.tok_name, setup.eos_token = resolved
         if setup.eos_token is None:
             raise TokpackError("EOS id is not a token of the tokenizer", file=tokenizer, where="--eos-id",
                                expected="an id the tokenizer knows", found=eos_id)

@@ -96,7 +96,8 @@ def _result(command: str, output: str, passes: list[dict], needs: list[tuple], c
     mbps, disk = _disk(Path(output), disk_mbps)
     for p in passes:
         at_once = 1 if not concurrent else p["tasks"] if config.workers == 1 else min(config.workers, p["tasks"])
-        p["seconds"] = None if mbps is None else round((p["read_bytes"] + p["written_bytes"]) / (mbps * 1e6) / at_once, 1)
+        moved = p["read_bytes"] + p["written_bytes"]
+        p["seconds"] = None if mbps is None else round(moved / (mbps * 1e6) / at_once, 1)
     space = [{"path": str(path), "filesystem": str(where), "needed_bytes": needed, "free_bytes": free,
               "enough": needed <= free} for path, where, needed, free in space_needs(needs)]
     total = None if mbps is None else round(sum(p["seconds"] for p in passes), 1)
@@ -234,14 +235,16 @@ def plan_stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, mi
 # ------------------------------------------------------------------------ for humans
 
 
-def _size(n: int | None) -> str:
-    return "?" if n is None else f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+def _size(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
 
 
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "unknown"
-    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.1f} s"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.1f} s"
 
 
 def report_lines(r: PlanResult) -> list[str]:
@@ -255,7 +258,8 @@ def report_lines(r: PlanResult) -> list[str]:
         extra = "" if e["path"] != "out-of-core" else (
             f", {e['scatter_tasks']} scatter tasks, {e['buckets']:,} buckets (at most {e['bucket_files']:,} bucket "
             f"files), {_size(e['scratch_bytes'])} scratch")
-        lines.append(f"  epoch {e['epoch']}: {e['path']}, {e['samples']:,} samples, {e.get('shards', 0):,} shards{extra}")
+        lines.append(f"  epoch {e['epoch']}: {e['path']}, {e['samples']:,} samples, {e.get('shards', 0):,} shards"
+                     + extra)
     for p in r.passes:
         lines.append(f"  pass {p['name']}{'' if 'epoch' not in p else ' (epoch %d)' % p['epoch']}: {p['tasks']:,} "
                      f"task(s), {_size(p['memory_per_task'])} memory per task, reads {_size(p['read_bytes'])}, writes "

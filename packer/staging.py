@@ -567,7 +567,8 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
     if dest.exists() and not dest.is_dir():
         raise TokpackError("DEST exists and is not a directory", file=dest, hint="choose a directory path")
     _check_dest(dest, kind, plans)
-    check_space([(dest, bytes_to_copy(dest, plans))], "stage", hint="free some space there, choose another DEST, or stage fewer epochs (--epochs, --ranks)")
+    check_space([(dest, bytes_to_copy(dest, plans))], "stage",
+                hint="free some space there, choose another DEST, or stage fewer epochs (--epochs, --ranks)")
     try:
         for p in plans:
             (dest / p.rel).mkdir(parents=True, exist_ok=True)

@@ -268,7 +268,8 @@ def virtual_source(spec: str) -> PackedSource:
     counts = {k: token_count(fields.get(k, default), what=f"count ({k}= of the virtual source)")
               for k, default in (("tokens", 0), ("documents", 0), ("shard_tokens", 1 << 30), ("eos_id", 0))}
     dtype = dtype_from_name(fields["dtype"])
-    vocab = token_count(fields.get("vocab_size", 1 << (8 * dtype.itemsize)), what="count (vocab_size= of the virtual source)")
+    vocab = token_count(fields.get("vocab_size", 1 << (8 * dtype.itemsize)),
+                        what="count (vocab_size= of the virtual source)")
     per = max(1, counts["shard_tokens"])
     sizes = [per] * (counts["tokens"] // per) + ([counts["tokens"] % per] if counts["tokens"] % per else [])
     starts = np.zeros(len(sizes) + 1, dtype=np.int64)
