@@ -231,7 +231,7 @@ class EpochPlan:
 
 VIRTUAL = "virtual:"  # a source described by its counts, for `tokpack plan`: nothing is read
 VIRTUAL_KEYS = {"tokens": "a token count (11T)", "documents": "a document count (5.5B)",
-                "dtype": "uint16 or uint32", "shard_tokens": "tokens per shard [default: 1B, pack's]",
+                "dtype": "uint16 or uint32", "shard_tokens": "tokens per shard [default: 2^30, as pack]",
                 "vocab_size": "[default: the dtype's range]", "eos_id": "[default: 0]"}
 
 
