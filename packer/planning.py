@@ -36,7 +36,8 @@ class PlanResult(Result):
     output: str
     path: str  # shuffle: in-memory and/or out-of-core; pack: the input format; stage: the kind copied
     shards: int  # output shards (pack: at least this many, or 0 when the inputs' token counts are unknown)
-    passes: list[dict]  # in order: name, epoch (shuffle), tasks, memory_per_task, read_bytes, written_bytes, seconds
+    passes: list[dict]  # in order: name, epoch (shuffle), tasks, memory_per_task (pack: null), read_bytes,
+    # written_bytes, seconds
     space: list[dict]  # per target filesystem: path, filesystem, needed_bytes, free_bytes, enough
     manifests: dict  # manifest file under the output -> bytes
     workers: int
@@ -105,7 +106,7 @@ def _result(command: str, output: str, passes: list[dict], needs: list[tuple], c
                       executor=config.executor, disk_mbps=mbps, disk=disk, predicted_seconds=total, **fields)
 
 
-def _pass(name: str, tasks: int, memory: int, read: int, written: int, **extra) -> dict:
+def _pass(name: str, tasks: int, memory: int | None, read: int, written: int, **extra) -> dict:
     return {"name": name, **extra, "tasks": tasks, "memory_per_task": memory, "read_bytes": read,
             "written_bytes": written}
 
@@ -157,7 +158,8 @@ def plan_shuffle(sources, output, *, seq_len: int, seed: int, epochs=1, samples:
         else:
             budget, scratch = task_budget(memory, config.workers), scratch_bytes(job)
             detail.update(scatter_tasks=layout.tasks, buckets=len(layout.bucket_starts) - 1,
-                          bucket_files=2 * layout.tasks * (len(layout.bucket_starts) - 1), scratch_bytes=scratch,
+                          bucket_files=2 * layout.tasks * (len(layout.bucket_starts) - 1),
+                          files_per_scatter_dir=2 * (len(layout.bucket_starts) - 1), scratch_bytes=scratch,
                           max_bucket_rows=layout.max_bucket, scatter_block_rows=layout.block_rows)
             buckets, bucket_files = buckets + detail["buckets"], bucket_files + detail["bucket_files"]
             passes += [_pass("scatter", layout.tasks, budget, read, scratch, epoch=epoch),
@@ -209,7 +211,8 @@ def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None 
             shard_tokens=int(shard_tokens), eos_appended=0, empty_documents_dropped=0, created_by="tokpack",
             request=setup.request)))
     tasks = 0 if done else pack_tasks(len(setup.files), config)
-    passes = [] if done else [_pass("pack", tasks, 0, sum(f.size for f in setup.files), written)]
+    # No option bounds a pack task's memory: a read block plus what the input's decoder holds.
+    passes = [] if done else [_pass("pack", tasks, None, sum(f.size for f in setup.files), written)]
     return _result("pack", str(output), passes, [(out, written)], config, disk_mbps, config.executor != "local",
                    path=setup.fmt, shards=sum(shards), manifests=manifests)
 
@@ -262,7 +265,8 @@ def report_lines(r: PlanResult) -> list[str]:
                      + extra)
     for p in r.passes:
         lines.append(f"  pass {p['name']}{'' if 'epoch' not in p else ' (epoch %d)' % p['epoch']}: {p['tasks']:,} "
-                     f"task(s), {_size(p['memory_per_task'])} memory per task, reads {_size(p['read_bytes'])}, writes "
+                     f"task(s), {'?' if p['memory_per_task'] is None else _size(p['memory_per_task'])} memory per "
+                     f"task, reads {_size(p['read_bytes'])}, writes "
                      f"{_size(p['written_bytes'])}, {_duration(p['seconds'])}")
     for s in r.space:
         lines.append(f"  space on {s['filesystem']}: needs {_size(s['needed_bytes'])} (scratch included), "

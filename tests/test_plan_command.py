@@ -82,6 +82,7 @@ def test_plan_counts_and_bytes_equal_the_engine_run(corpus, tmp_path, memory, wo
             assert e["scatter_tasks"] == s["scatter_done"] == s["tasks"]
             assert e["buckets"] == len(s["bucket_ids"])
             assert e["bucket_files"] == s["bucket_files"]  # every task's rows reach every bucket here
+            assert e["files_per_scatter_dir"] == 2 * e["buckets"]
             assert abs(e["scratch_bytes"] - s["bucket_bytes"]) <= 0.01 * s["bucket_bytes"]
     # The space prediction against what the run left: every epoch's files and the manifests.
     on_disk = file_bytes(out)
