@@ -252,7 +252,8 @@ def _duration(seconds: float | None) -> str:
 
 def report_lines(r: PlanResult) -> list[str]:
     """The human summary of a plan; nothing has been written."""
-    lines = [f"plan {r.command} -> {r.output}: {r.path}, {r.shards:,} shard(s); nothing written"]
+    at_least = "at least " if r.command == "pack" else ""
+    lines = [f"plan {r.command} -> {r.output}: {r.path}, {at_least}{r.shards:,} shard(s); nothing written"]
     if r.samples_per_epoch is not None:
         lines.append(f"  samples per epoch: {r.samples_per_epoch:,}")
         lines += [f"  source {s['name']}: {s['tokens']:,} tokens, {s['windows']:,} windows, {s['samples']:,} samples, "
@@ -264,9 +265,9 @@ def report_lines(r: PlanResult) -> list[str]:
         lines.append(f"  epoch {e['epoch']}: {e['path']}, {e['samples']:,} samples, {e.get('shards', 0):,} shards"
                      + extra)
     for p in r.passes:
+        memory = "no set memory bound" if p["memory_per_task"] is None else f"{_size(p['memory_per_task'])} memory"
         lines.append(f"  pass {p['name']}{'' if 'epoch' not in p else ' (epoch %d)' % p['epoch']}: {p['tasks']:,} "
-                     f"task(s), {'?' if p['memory_per_task'] is None else _size(p['memory_per_task'])} memory per "
-                     f"task, reads {_size(p['read_bytes'])}, writes "
+                     f"task(s), {memory} per task, reads {_size(p['read_bytes'])}, writes "
                      f"{_size(p['written_bytes'])}, {_duration(p['seconds'])}")
     for s in r.space:
         lines.append(f"  space on {s['filesystem']}: needs {_size(s['needed_bytes'])} (scratch included), "
