@@ -113,6 +113,11 @@ def test_plan_writes_nothing_and_measures_the_disk(corpus, tmp_path):
     assert listing(tmp_path) == before and not (out / LOCK_NAME).exists()
     assert [e["path"] for e in again.epochs] == ["complete already", "in-memory"]
     assert "epoch-00000/tokpack.json" not in again.manifests and "epoch-00001/tokpack.json" in again.manifests
+    # What stops the shuffle stops its plan, with the same line: here, another seed for the same OUT.
+    proc = tokpack("plan", "shuffle", str(corpus), "-o", str(out), "--seq-len", str(SEQ_LEN), "--seed", "6",
+                   "--epoch", "1", "--disk-mbps", "100", cwd=tmp_path)
+    assert proc.returncode == 1 and "output directory holds a different run" in proc.stderr, proc.stderr
+    assert listing(tmp_path) == before
 
 
 AUDIT = """
