@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-
 import xxhash
 
 from formats.errors import TokpackError

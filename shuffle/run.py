@@ -26,8 +26,7 @@ from formats.errors import TokpackError
 from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
 from formats.io import TMP_MARK, remove_tmp_files
 from formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
-                              read_manifest, run_manifest,
-                              write_manifest)
+                              read_manifest, run_manifest, write_manifest)
 from formats.shards import SHARD_SUFFIXES, PackedSource
 
 from .plan import PLAN_ALGORITHM, EpochPlan, epoch_plan, is_virtual, open_source, parse_weight, source_location
