@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from formats.errors import TokpackError
-from formats.guard import _existing_ancestor, space_needs
+from formats.guard import space_needs
 from formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, run_manifest, source_manifest
 from packer.api import ExecutorConfig, Result, _weighted, optional_field
 
@@ -81,26 +81,19 @@ def measure_disk(directory: Path) -> tuple[float | None, str]:
     return round(2 * moved / 1e6 / seconds, 1), f"measured: {moved >> 20} MiB written and read back in {directory}"
 
 
-def _disk(output: Path, disk_mbps: float | None) -> tuple[float | None, str]:
-    if disk_mbps is not None:
-        if disk_mbps <= 0:
-            raise TokpackError("disk throughput must be positive", where="--disk-mbps", expected="> 0",
-                               found=disk_mbps)
-        return float(disk_mbps), "given"
-    return measure_disk(_existing_ancestor(output))
-
-
 def _result(command: str, output: str, passes: list[dict], needs: list[tuple], config: ExecutorConfig,
             disk_mbps: float | None, concurrent: bool, **fields) -> PlanResult:
     """`passes` get their predicted seconds; `concurrent`: whether tasks running at once have a
     disk each (slurm, ray), so a pass of T tasks moves its bytes min(T, workers) times faster."""
-    mbps, disk = _disk(Path(output), disk_mbps)
+    space = [{"path": str(path), "filesystem": str(where), "needed_bytes": needed, "free_bytes": free,
+              "enough": needed <= free} for path, where, needed, free in space_needs(needs)]
+    if disk_mbps is not None and disk_mbps <= 0:
+        raise TokpackError("disk throughput must be positive", where="--disk-mbps", expected="> 0", found=disk_mbps)
+    mbps, disk = (float(disk_mbps), "given") if disk_mbps else measure_disk(Path(space[0]["filesystem"]))
     for p in passes:
         at_once = 1 if not concurrent else p["tasks"] if config.workers == 1 else min(config.workers, p["tasks"])
         moved = p["read_bytes"] + p["written_bytes"]
         p["seconds"] = None if mbps is None else round(moved / (mbps * 1e6) / at_once, 1)
-    space = [{"path": str(path), "filesystem": str(where), "needed_bytes": needed, "free_bytes": free,
-              "enough": needed <= free} for path, where, needed, free in space_needs(needs)]
     total = None if mbps is None else round(sum(p["seconds"] for p in passes), 1)
     return PlanResult(command=command, output=str(output), passes=passes, space=space, workers=config.workers,
                       executor=config.executor, disk_mbps=mbps, disk=disk, predicted_seconds=total, **fields)
@@ -111,11 +104,15 @@ def _pass(name: str, tasks: int, memory: int | None, read: int, written: int, **
             "written_bytes": written}
 
 
-def _local(paths: list[str]) -> None:
+def _local(paths: list[str]) -> list[str]:
+    """The local paths (`file://` URLs included) a plan reads or writes next to; other URLs are refused."""
+    from packer.executors import local_path
+
     for p in paths:
-        if "://" in str(p):
+        if local_path(p) is None:
             raise TokpackError("tokpack plan reads local paths", file=p, expected="a local path or a virtual source",
                                found="a URL", hint="plan with a local copy of the manifests, or a virtual: source")
+    return [local_path(p) for p in paths]
 
 
 # ------------------------------------------------------------------------ the commands
@@ -133,7 +130,7 @@ def plan_shuffle(sources, output, *, seq_len: int, seed: int, epochs=1, samples:
 
     config = executor or ExecutorConfig()
     paths, weights = _weighted(sources)
-    _local(paths + [str(output)])
+    *paths, output = _local(paths + [str(output)])
     setup = setup_run(paths, str(output), weights=weights, seq_len=seq_len, seed=seed,
                       epochs=list(range(epochs)) if isinstance(epochs, int) else list(epochs), samples=samples,
                       tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter, workers=config.workers)
@@ -193,8 +190,8 @@ def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None 
     from packer.packing import known_tokens, pack_tasks, setup_pack
 
     config = executor or ExecutorConfig()
-    paths, out = _paths(inputs), Path(output).absolute()
-    _local(paths + [str(output)])
+    *paths, output = _local(_paths(inputs) + [str(output)])
+    out = Path(output).absolute()
     setup = setup_pack(paths, out, input_format=input_format, column=column, dtype=dtype, tokenizer=tokenizer,
                        eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite, shard_tokens=shard_tokens)
     done = setup.state == "complete"
@@ -223,7 +220,7 @@ def plan_stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, mi
     in place at DEST are written; the copy threads share DEST's disk."""
     from packer.staging import STAGE_BLOCK, Source, _in_place, bytes_to_copy, make_plan, parse_epochs, parse_ranks
 
-    _local([str(dest)])
+    (dest,) = _local([str(dest)])
     kind, plans = make_plan(Source(str(directory)), parse_epochs(epochs), parse_ranks(ranks), micro_batch)
     dest = Path(dest)
     jobs = [j for p in plans for j in p.jobs]
