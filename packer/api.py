@@ -121,7 +121,7 @@ def shuffle(sources, output: PathLike, *, seq_len: int, seed: int, epochs: int |
     """Writes globally shuffled epochs of `seq_len + 1` tokens from packed sources into the run
     directory `output`. `sources`: a path or URL, a list of them, or a mapping path -> weight
     (a number, or text such as "1/3"). `epochs`: a count (epochs 0..N-1) or the epoch numbers."""
-    from packer.executors import local_paths, pass_runner
+    from packer.executors import local_path, local_paths, pass_runner
     from shuffle.run import shuffle_run
 
     config = executor or ExecutorConfig()
@@ -132,7 +132,7 @@ def shuffle(sources, output: PathLike, *, seq_len: int, seed: int, epochs: int |
                               samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory,
                               jitter=jitter, log=log, workers=config.workers, tasks=config.tasks,
                               run_passes=pass_runner(config), progress=progress,
-                              given=[p if "://" in p else str(Path(p).resolve()) for p in paths])
+                              given=[p if local_path(p) is None else str(Path(local_path(p)).resolve()) for p in paths])
     return ShuffleResult(**summary)
 
 
