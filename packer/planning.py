@@ -125,6 +125,7 @@ def plan_shuffle(sources, output, *, seq_len: int, seed: int, epochs=1, samples:
     """What `shuffle` with these arguments would do. A source may be virtual:
     `virtual:tokens=11T,documents=5.5B,dtype=uint16` (shuffle/plan.py, virtual_source)."""
     from shuffle.plan import PLAN_ALGORITHM
+    from shuffle.steps import BUCKETS_PER_FOLDER
     from shuffle.run import (bytes_to_write, epoch_bytes, epoch_layout, memory_path, planned_epoch_manifest,
                              scratch_bytes, setup_run, task_budget)
 
@@ -156,7 +157,7 @@ def plan_shuffle(sources, output, *, seq_len: int, seed: int, epochs=1, samples:
             budget, scratch = task_budget(memory, config.workers), scratch_bytes(job)
             detail.update(scatter_tasks=layout.tasks, buckets=len(layout.bucket_starts) - 1,
                           bucket_files=2 * layout.tasks * (len(layout.bucket_starts) - 1),
-                          files_per_scatter_dir=2 * (len(layout.bucket_starts) - 1), scratch_bytes=scratch,
+                          files_per_folder=2 * min(BUCKETS_PER_FOLDER, len(layout.bucket_starts) - 1), scratch_bytes=scratch,
                           max_bucket_rows=layout.max_bucket, scatter_block_rows=layout.block_rows)
             buckets, bucket_files = buckets + detail["buckets"], bucket_files + detail["bucket_files"]
             passes += [_pass("scatter", layout.tasks, budget, read, scratch, epoch=epoch),

@@ -61,6 +61,10 @@ MAX_BLOCK_BYTES = 64 << 20  # scatter read block
 SCATTER_ROW_OVERHEAD = 256  # bytes of index arrays per row of a scatter block (Feistel temporaries)
 ORDER_ROW_OVERHEAD = 24  # g, inverse and arange entries per bucket row
 MAX_OPEN_BUCKET_FILES = 128
+# Buckets whose files share a folder of a scatter task's: a task's rows reach every bucket, so
+# without the fan-out its folder would hold 2 x buckets files (40,980 for the 11T-token run,
+# and growing with the corpus); with it, at most 2 x BUCKETS_PER_FOLDER.
+BUCKETS_PER_FOLDER = 1024
 SOURCE_CHANGED = "source-changed.json"  # in the epoch's work folder: a task found a source shard edited since pack
 LOCATE_BATCH = 1 << 18  # output positions located per call (8 bytes each, a few arrays)
 
@@ -406,7 +410,7 @@ class Layout:
 
     def bucket_file(self, t: int, b: int, ext: str) -> Path:
         """Task t's rows (ext "rows") or their output positions ("pos") of bucket b."""
-        return self.task_dir(t) / f"b{b:07d}.{ext}"
+        return self.task_dir(t) / f"{b // BUCKETS_PER_FOLDER:04d}" / f"b{b:07d}.{ext}"
 
     def holds_rows_of(self, i: int, row_bytes: int) -> bool:
         """Whether the bucket files still hold every row of output shard i (the order pass
@@ -508,6 +512,7 @@ class ScatterStep(_Step):
                                 fr.close()
                                 fp.close()
                             files.clear()
+                        lay.bucket_file(t, b, "rows").parent.mkdir(exist_ok=True)
                         files[b] = tuple(open(lay.bucket_file(t, b, ext), "ab") for ext in ("rows", "pos"))
                         hashes.setdefault(b, (xxhash.xxh3_64(), xxhash.xxh3_64()))
                     rows_bytes, pos_bytes = memoryview(out[x:y]).cast("B"), g[x:y].astype("<i8").tobytes()

@@ -114,7 +114,7 @@ def bucket_files(out: Path, b: int) -> list[Path]:
 def reseal(rows_file: Path) -> None:
     """Records the bucket files' current checksums in their task's done JSON, as a scatter bug
     (not a crash) would have written them: only the placement checks can then see the damage."""
-    done = rows_file.parent.with_suffix(".json")
+    done = scatter_folder(rows_file).with_suffix(".json")
     record = json.loads(done.read_text())
     b = str(int(rows_file.stem[1:]))
     record["xxh3_64"][b] = [xxhash.xxh3_64_hexdigest(rows_file.read_bytes()),
@@ -129,8 +129,13 @@ def refusal(srcs, out) -> str:
     return str(err.value)
 
 
+def scatter_folder(bucket_file: Path) -> Path:
+    """The folder of the scatter task that wrote a bucket file (scatter-TTTTT/FFFF/bBBBBBBB.rows)."""
+    return next(p for p in bucket_file.parents if p.name.startswith("scatter-"))
+
+
 def work_dir(out: Path) -> str:
-    (layout,) = {str(p.parent.parent) for p in out.rglob("b*.rows")}
+    (layout,) = {str(scatter_folder(p).parent) for p in out.rglob("b*.rows")}
     return layout
 
 
@@ -281,7 +286,7 @@ def test_one_thread_appends_to_the_bucket_files(scattered, tmp_path, monkeypatch
     shuffle_run(srcs, str(tmp_path / "again"), **KW)
     threads_by_task: dict[str, set] = {}
     for name, f in opened:
-        threads_by_task.setdefault(Path(f.name).parent.name, set()).add(name)
+        threads_by_task.setdefault(scatter_folder(Path(f.name)).name, set()).add(name)
     assert len(opened) > 8 and len(threads_by_task) == 2
     assert all(len(threads) == 1 for threads in threads_by_task.values()), threads_by_task
     assert threading.main_thread().name not in set().union(*threads_by_task.values())

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -48,11 +49,12 @@ def recording_runner(out: Path, workers: int, seen: list[dict]):
         for step, tasks, name, logs in passes:
             real([(step, tasks, name, logs)])
             work = out / WORK_DIR
-            buckets = [p for p in work.glob("*/ooc-*/scatter-*/b*") if p.suffix in (".rows", ".pos")]
+            buckets = [p for p in work.glob("*/ooc-*/scatter-*/*/b*") if p.suffix in (".rows", ".pos")]
             seen.append({"pass": name.rsplit("-", 1)[1], "tasks": tasks,
                          "scatter_done": len(list(work.glob("*/ooc-*/scatter-*.json"))),
                          "bucket_files": len(buckets), "bucket_ids": {p.stem for p in buckets},
-                         "bucket_bytes": sum(p.stat().st_size for p in buckets)})
+                         "bucket_bytes": sum(p.stat().st_size for p in buckets),
+                         "most_per_folder": max(Counter(p.parent for p in buckets).values(), default=0)})
 
     return run_passes
 
@@ -82,7 +84,7 @@ def test_plan_counts_and_bytes_equal_the_engine_run(corpus, tmp_path, memory, wo
             assert e["scatter_tasks"] == s["scatter_done"] == s["tasks"]
             assert e["buckets"] == len(s["bucket_ids"])
             assert e["bucket_files"] == s["bucket_files"]  # every task's rows reach every bucket here
-            assert e["files_per_scatter_dir"] == 2 * e["buckets"]
+            assert e["files_per_folder"] == s["most_per_folder"] == 2 * e["buckets"]
             assert abs(e["scratch_bytes"] - s["bucket_bytes"]) <= 0.01 * s["bucket_bytes"]
     # The space prediction against what the run left: every epoch's files and the manifests.
     on_disk = file_bytes(out)
@@ -228,3 +230,22 @@ def test_plan_pack_and_stage_equal_the_runs(corpus, tmp_path):
     assert planned.shards == len(list((tmp_path / "copy").glob("epoch-*/*.ds")))
     assert planned.manifests == {name: (tmp_path / "copy" / name).stat().st_size
                                  for name in ("epoch-00001/tokpack.json", "tokpack.json")}
+
+
+def test_bucket_files_fan_out_into_bounded_folders(corpus, tmp_path, monkeypatch):
+    """A scatter task's bucket files are spread over folders of BUCKETS_PER_FOLDER buckets, as
+    plan says, and the epoch's bytes do not depend on the fan-out."""
+    import shuffle.steps
+
+    kw = dict(seq_len=SEQ_LEN, seed=5, shard_samples=SHARD_SAMPLES, memory=64 << 10)
+    shuffle_run([str(corpus)], str(tmp_path / "plain"), epochs=[0], **kw)
+    monkeypatch.setattr(shuffle.steps, "BUCKETS_PER_FOLDER", 2)
+    planned = plan("shuffle", str(corpus), str(tmp_path / "fanned"), epochs=1, disk_mbps=500, **kw)
+    assert planned.epochs[0]["buckets"] > 2 and planned.epochs[0]["files_per_folder"] == 4
+    seen: list[dict] = []
+    shuffle_run([str(corpus)], str(tmp_path / "fanned"), epochs=[0], run_passes=recording_runner(tmp_path / "fanned", 1, seen), **kw)
+    assert seen[0]["pass"] == "scatter" and seen[0]["most_per_folder"] == 4
+    assert len({p.parent for p in (tmp_path / "fanned").rglob("b*.rows")}) == 0  # scratch gone after the run
+    epoch = "epoch-00000"
+    assert {p.name: p.read_bytes() for p in (tmp_path / "plain" / epoch).iterdir()} == \
+        {p.name: p.read_bytes() for p in (tmp_path / "fanned" / epoch).iterdir()}

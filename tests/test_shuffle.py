@@ -436,7 +436,7 @@ def test_sigkill_then_rerun_is_identical(tmp_path, kill_at):
     cmd = [sys.executable, "-m", "packer.cli", "shuffle", str(big), "-o", str(out), "--seq-len", "15", "--seed", "5",
            "--epochs", "1", "--memory", "2KiB", "--shard-samples", "200", "--json"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    pattern = "*/ooc-*/scatter-00000/*.pos" if kill_at == "scatter" else "*/done/*.json"
+    pattern = "*/ooc-*/scatter-00000/*/*.pos" if kill_at == "scatter" else "*/done/*.json"
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:
         if any((out / run.WORK_DIR).glob(pattern)):
