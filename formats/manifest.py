@@ -294,14 +294,15 @@ def epoch_manifest(shards: list[dict], dtype: np.dtype, vocab_size: int, eos_id:
 
 def run_manifest(epochs: dict[int, dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, *,
                  sources: list[dict], weights: list | None, seq_len: int, seed: int, jitter: bool, samples: int,
-                 shard_samples: int, shuffle: str) -> dict:
-    """`epochs`: the manifests of the epochs written so far, by number; `sources`: an epoch's entries."""
+                 shard_samples: int, shuffle: str, extra: dict | None = None) -> dict:
+    """`epochs`: the manifests of the epochs written so far, by number; `sources`: an epoch's entries;
+    `extra`: a scheduled run's fields (epoch_samples, schedule...)."""
     written = [upgrade(m) for m in epochs.values()]
     sources = [{k: s[k] for k, field in SOURCE_FIELDS.items() if "run" in field[2]} for s in sources]
     return {**_header("run", dtype, vocab_size, eos_id, tokenizer, sum(int(m["tokens"]) for m in written)),
             "fragments": sum(int(m["fragments"]) for m in written), "sources": sources, "weights": weights,
             "seq_len": seq_len, "seed": seed, "jitter": jitter, "samples": samples, "shard_samples": shard_samples,
-            "epochs": sorted(epochs), "shuffle": shuffle}
+            "epochs": sorted(epochs), "shuffle": shuffle, **(extra or {})}
 
 
 def stage_sidecar(stages: list[dict], missing_shards: dict[str, list[str]]) -> dict:

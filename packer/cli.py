@@ -329,10 +329,13 @@ def pack(inputs, output, as_json, **kw):
 
 
 @main.command()
-@click.argument("sources", nargs=-1, required=True, metavar="SOURCE[=WEIGHT]...")
+@click.argument("sources", nargs=-1, metavar="SOURCE[=WEIGHT]...")
 @click.option("-o", "--output", required=True, help="Run directory; one epoch-NNNNN/ per epoch inside.")
-@click.option("--seq-len", type=click.IntRange(min=1), required=True, help="Tokens per sample is seq_len + 1.")
-@click.option("--seed", type=int, required=True, help="Shuffle seed.")
+@click.option("--schedule", type=click.Path(dir_okay=False), default=None,
+              help="A schedule YAML (seq_len, seed, stages of sources and weights) instead of SOURCEs, "
+                   "--seq-len, --seed, --samples/--tokens and --jitter; without --epoch(s), every epoch.")
+@click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per sample is seq_len + 1.")
+@click.option("--seed", type=int, default=None, help="Shuffle seed.")
 @click.option("--epochs", type=click.IntRange(min=1), default=None, help="Write epochs 0..N-1.")
 @click.option("--epoch", type=click.IntRange(min=0), default=None, help="Write only epoch E (adds to an existing run).")
 @click.option("--samples", type=click.IntRange(min=1), default=None, help="Samples per epoch (with weights).")
@@ -351,17 +354,28 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
     """Write globally shuffled epochs of fixed-length samples from packed SOURCEs."""
     from packer.api import shuffle as shuffle_api
 
-    if (epochs is None) == (epoch is None):
+    if kw["schedule"] is not None:
+        given = [f"--{k.replace('_', '-')}" for k in ("seq_len", "seed", "samples", "tokens") if kw[k] is not None]
+        if sources or given or kw["jitter"]:
+            raise click.UsageError("--schedule declares the sources, --seq-len, --seed, --samples/--tokens and "
+                                   f"--jitter; drop {' '.join(given + ['--jitter'] * kw['jitter']) or 'the SOURCEs'}")
+        if epochs is not None and epoch is not None:
+            raise click.UsageError("give at most one of --epochs N and --epoch E")
+    elif not sources or kw["seq_len"] is None or kw["seed"] is None:
+        raise click.UsageError("give SOURCE[=WEIGHT]..., --seq-len and --seed (or --schedule FILE)")
+    elif (epochs is None) == (epoch is None):
         raise click.UsageError("give exactly one of --epochs N or --epoch E")
     if kw["samples"] is not None and kw["tokens"] is not None:
         raise click.UsageError("give at most one of --samples and --tokens")
     executor = _executor_config(kw)
-    result = shuffle_api(_weighted_sources(sources), output, epochs=[epoch] if epochs is None else epochs,
+    result = shuffle_api(_weighted_sources(sources), output, epochs=[epoch] if epoch is not None else epochs,
                          executor=executor, log=_log(as_json), progress=False if as_json else None, **kw)
     emit(result, as_json)
     if not as_json:
         for detail in result.epochs_detail:
             for r in detail["sources"]:
+                if not r["samples"] and r["weight"] is None:
+                    continue  # a source of the schedule that this epoch's stage does not use
                 click.echo(f"epoch {detail['epoch']} source {r['name']}: {r['samples']} samples of {r['windows']} "
                            f"windows, {r['passes']} pass(es), {r['repeats']} repeated"
                            f"{'' if r['weight'] is None else ', weight ' + r['weight']} ({r['path']}, "

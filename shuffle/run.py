@@ -29,7 +29,8 @@ from formats.manifest import (MANIFEST, dtype_name, epoch_dir_name, epoch_manife
                               write_manifest)
 from formats.shards import SHARD_SUFFIXES, PackedSource
 
-from .plan import PLAN_ALGORITHM, EpochPlan, epoch_plan, parse_weight
+from .plan import PLAN_ALGORITHM, EpochPlan, parse_weight
+from .schedule import RunPlan, Schedule
 from .steps import (CHUNKS_IN_BUDGET, ORDER_ROW_OVERHEAD, EpochJob, InMemoryStep, Layout, OrderStep, ScatterStep,
                     make_layout, source_changed_error)
 
@@ -89,6 +90,20 @@ def _run_params(plan: EpochPlan, weights, shard_samples: int) -> dict:
     }
 
 
+def _schedule_params(runplan: RunPlan, sources: list[PackedSource], shard_samples: int) -> dict:
+    """What must match for two invocations to belong to the same run made from a schedule file."""
+    fields = runplan.manifest_fields()
+    sc = runplan.schedule
+    return {"fingerprints": [src.fingerprint for src in sources], "weights": None, "seq_len": sc.seq_len,
+            "seed": sc.seed, "jitter": sc.jitter, "samples": 0, "shard_samples": shard_samples,
+            "epoch_samples": fields["epoch_samples"], "schedule": _schedule_key(fields["schedule"])}
+
+
+def _schedule_key(entries) -> list | None:
+    """A run's schedule with its weights as exact shares, as `_weights_key` does for a run's."""
+    return None if entries is None else [{**e, "weights": _weights_key(e.get("weights") or [])} for e in entries]
+
+
 def _params_of_manifest(m: dict) -> dict:
     ws = m.get("weights") if m.get("kind") == "run" else [s.get("weight") for s in m.get("sources", [])]
     ws = ws if ws is not None else [None] * len(m.get("sources", []))
@@ -97,12 +112,22 @@ def _params_of_manifest(m: dict) -> dict:
         "weights": _weights_key(ws),
         "given_weights": ws,  # as the run wrote them
         "jitter": bool(m.get("jitter")),
-        **{key: m.get(key) for key in ("seq_len", "seed", "samples", "shard_samples")},
+        "schedule": _schedule_key(m.get("schedule")),
+        **{key: m.get(key) for key in ("seq_len", "seed", "samples", "shard_samples", "epoch_samples")},
     }
 
 
 def _check_same_run(found: dict, wanted: dict, where: Path) -> None:
-    """`wanted`: the _run_params of this invocation."""
+    """`wanted`: the _run_params (or _schedule_params) of this invocation."""
+    if found.get("schedule") is not None and wanted.get("schedule") is not None:
+        old, new = found["schedule"], wanted["schedule"]
+        for e in range(max(len(old), len(new))):
+            a, b = (old[e] if e < len(old) else None), (new[e] if e < len(new) else None)
+            if a != b:
+                raise TokpackError("the schedule differs from the one the run was made with", file=where,
+                                   where=f"epoch {e}", expected=a or "no such epoch", found=b or "no such epoch",
+                                   hint="restore the run's schedule file (its xxh3_128 is in the run manifest), "
+                                   "or write the new schedule to another -o")
     for key in wanted:
         if found[key] != wanted[key]:
             raise TokpackError(
@@ -131,15 +156,22 @@ def _existing_run(out: Path) -> dict | None:
 
 
 def _run_manifest(out: Path, plan: EpochPlan, weights, sources: list[PackedSource], shard_samples: int,
-                  epochs: list[int]) -> dict:
+                  epochs: list[int], runplan: RunPlan) -> dict:
     first = sources[0].manifest
     written = {e: read_manifest(out / epoch_dir_name(e), kind="epoch") for e in epochs
                if (out / epoch_dir_name(e) / MANIFEST).exists()}
+    entries = plan.source_entries()
+    scheduled = runplan.schedule.file is not None  # the weights and sizes are per epoch, in `schedule`
+    extra = runplan.manifest_fields() if scheduled else None
+    if scheduled and (out / MANIFEST).exists():  # fixed when the run was created (the same schedule, maybe respelled)
+        old = read_manifest(out, kind="run")
+        extra = {key: old.get(key) for key in extra}
     return run_manifest(
         written, sources[0].dtype, first["vocab_size"], first["eos_id"], first.get("tokenizer", ""),
-        sources=plan.source_entries(), weights=None if all(w is None for w in weights) else list(weights),
-        seq_len=plan.seq_len, seed=plan.seed, jitter=plan.jitter, samples=plan.samples, shard_samples=shard_samples,
-        shuffle=PLAN_ALGORITHM)
+        sources=[{**e, "weight": None} for e in entries] if scheduled else entries,
+        weights=None if scheduled or all(w is None for w in weights) else list(weights),
+        seq_len=plan.seq_len, seed=plan.seed, jitter=plan.jitter, samples=0 if scheduled else plan.samples,
+        shard_samples=shard_samples, shuffle=PLAN_ALGORITHM, extra=extra)
 
 
 def _memory_path(job: EpochJob, memory: int) -> tuple[int, bool]:
@@ -274,9 +306,9 @@ def shuffle_run(
     output: str,
     *,
     weights: list[str | None] | None = None,
-    seq_len: int,
-    seed: int,
-    epochs: list[int],
+    seq_len: int | None = None,
+    seed: int | None = None,
+    epochs: list[int] | None,
     samples: int | None = None,
     tokens: int | None = None,
     shard_samples: int | None = None,
@@ -287,6 +319,7 @@ def shuffle_run(
     tasks: int | None = None,
     run_passes,
     progress: bool | None = None,
+    schedule: Schedule | None = None,
 ) -> dict:
     """Writes OUT/epoch-NNNNN/ for each epoch (skipping complete identical ones) and the run
     manifest. `memory` is the total budget: the out-of-core path gives each of `workers`
@@ -295,11 +328,16 @@ def shuffle_run(
     or None. `run_passes([(step, tasks, job_name, logging_dir), ...])` runs dependent passes in
     order (packer.executors.pass_runner makes one). Returns a summary dict, with per-source counts of
     every epoch written and a warning per source an epoch repeats windows of (packer.api.shuffle
-    takes URLs and returns it as a ShuffleResult)."""
+    takes URLs and returns it as a ShuffleResult). `schedule`: the run's stages (shuffle.schedule),
+    instead of `sources`, `weights`, `seq_len`, `seed`, `samples`, `tokens` and `jitter`; `epochs`
+    None: every epoch of the schedule."""
     t0 = time.perf_counter()
     log = log or (lambda line: None)
     if progress is None:
         progress = sys.stderr.isatty() and os.environ.get("TOKPACK_PROGRESS", "1") != "0"
+    if schedule is not None:
+        seq_len, seed, jitter, sources = schedule.seq_len, schedule.seed, schedule.jitter, schedule.paths
+        shard_samples = shard_samples or schedule.shard_samples
     paths, weights = list(sources), list(weights or [None] * len(sources))
     opened = open_sources(paths)
     out = Path(output)
@@ -319,18 +357,22 @@ def shuffle_run(
     if shard_samples is None:
         shard_samples = existing["shard_samples"] if existing else max(1, DEFAULT_SHARD_BYTES // row_bytes)
     names = [Path(p).resolve().name for p in paths]
+    runplan = RunPlan(schedule or Schedule.of_flags(paths, weights, seq_len=seq_len, seed=seed, samples=samples,
+                                                    tokens=tokens, jitter=jitter), opened, names)
+    run_params = None if schedule is None or schedule.file is None else _schedule_params(runplan, opened, shard_samples)
+    if epochs is None:
+        epochs = list(range(runplan.schedule.epochs or 1))
     done_epochs, skipped, summaries = [], [], []
     if (out / MANIFEST).exists():
         done_epochs = list(read_manifest(out, kind="run")["epochs"])
     todo = []  # (epoch, plan, job or None when the epoch is complete already): planned before any write
     for epoch in epochs:
-        plan = epoch_plan(opened, seq_len=seq_len, seed=seed, epoch=epoch, weights=weights, samples=samples,
-                          tokens=tokens, jitter=jitter, names=names)
+        plan = runplan.epoch_plan(epoch)
         plan = replace(plan, sources=tuple(replace(sp, path=str(Path(sp.path).resolve())) for sp in plan.sources))
-        params = _run_params(plan, weights, shard_samples)
+        params = _run_params(plan, [sp.weight for sp in plan.sources], shard_samples)
         if existing is not None:
-            _check_same_run(existing, params, out)
-        existing = params
+            _check_same_run(existing, run_params or params, out)
+        existing = run_params or params
         edir = out / epoch_dir_name(epoch)
         job = None
         if (edir / MANIFEST).exists():
@@ -347,6 +389,9 @@ def shuffle_run(
         todo.append((epoch, plan, job))
     check_space([(out, _bytes_to_write([j for _, _, j in todo if j], opened, memory))], "shuffle",
                 hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)")
+    if run_params is not None and not (out / MANIFEST).exists():  # the run's sample numbering, fixed at creation
+        out.mkdir(parents=True, exist_ok=True)
+        write_manifest(out, _run_manifest(out, todo[0][1], weights, opened, shard_samples, done_epochs, runplan))
     for epoch, plan, job in todo:
         out.mkdir(parents=True, exist_ok=True)
         if job is None:
@@ -360,7 +405,7 @@ def shuffle_run(
             summary["sources"] = plan.source_report()
             summaries.append(summary)
         done_epochs = sorted(set(done_epochs) | {epoch})
-        write_manifest(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs))
+        write_manifest(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan))
     work = out / WORK_DIR
     if work.exists() and not any(work.iterdir()):
         work.rmdir()
