@@ -175,8 +175,8 @@ _FIELD_TABLES = """
 | `epoch` | int >= 0 | yes | epoch | the epoch number, as in the directory name |
 | `seed` | int | yes | epoch, run | the shuffle seed |
 | `seq_len` | int >= 1 | yes | epoch, run | `L`: a sample is `L + 1` tokens |
-| `samples` | int >= 0 | yes | epoch, run | samples in the epoch (a run: in each epoch) |
-| `epoch_samples` | list | no | run | sizes of epochs `0..k-1` when planned unequal |
+| `samples` | int >= 0 | yes | epoch, run | samples in the epoch (a run: in each epoch; a scheduled run: 0) |
+| `epoch_samples` | list | no | run | sizes of epochs `0..k-1` when planned unequal (a scheduled run: every epoch) |
 | `shard_samples` | int >= 1 | yes | epoch, run | samples in every shard but the last |
 | `dropped_tokens` | int >= 0 | yes | epoch | source tokens outside every window |
 | `jitter` | bool | yes | epoch, run | windows start at a per-epoch offset |
@@ -186,6 +186,9 @@ _FIELD_TABLES = """
 | `sample_multiset_hash` | hex16 | yes | epoch | sum of the shards' `multiset_hash` mod 2^64 |
 | `shuffle` | string | yes | epoch, run | the shuffle algorithm's name |
 | `epochs` | list | yes | run | the epoch numbers written so far |
+| `schedule` | list | no | run | a scheduled run: per epoch, `{stage, sources, weights, samples}` (see Schedules) |
+| `schedule_file` | string | no | run | a scheduled run: the schedule file it was made from |
+| `schedule_xxh3_128` | hex32 | no | run | a scheduled run: checksum of that file |
 
 `shards[]`
 | `path` | string | yes | source, epoch | the `.ds` file name |
@@ -212,6 +215,7 @@ _FIELD_TABLES = """
 | `windows` | int >= 0 | yes | epoch | `W_s`: its windows |
 | `offset` | int >= 0 | yes | epoch | `o_s`: its window offset |
 | `dropped_tokens` | int >= 0 | yes | epoch | its tokens outside every window |
+| `cursor` | int >= 0 | no | epoch | a run of several stages: where in its chain the epoch starts |
 
 `tokpack-stage.json`
 | `format` | string | yes | sidecar | `"tokpack-stage"` |
