@@ -113,6 +113,7 @@ def _params_of_manifest(m: dict) -> dict:
         "given_weights": ws,  # as the run wrote them
         "jitter": bool(m.get("jitter")),
         "schedule": _schedule_key(m.get("schedule")),
+        "given_schedule": m.get("schedule"),  # as the run wrote it
         **{key: m.get(key) for key in ("seq_len", "seed", "samples", "shard_samples", "epoch_samples")},
     }
 
@@ -360,6 +361,10 @@ def shuffle_run(
     runplan = RunPlan(schedule or Schedule.of_flags(paths, weights, seq_len=seq_len, seed=seed, samples=samples,
                                                     tokens=tokens, jitter=jitter), opened, names)
     run_params = None if schedule is None or schedule.file is None else _schedule_params(runplan, opened, shard_samples)
+    if run_params is not None and existing is not None and existing["schedule"] == run_params["schedule"]:
+        spelled = {e["stage"]: e["weights"] for e in existing["given_schedule"]}  # equal as ratios: keep the run's
+        runplan = RunPlan(replace(schedule, stages=tuple(replace(st, weights=tuple(spelled[st.name]))
+                                                         for st in schedule.stages)), opened, names)
     if epochs is None:
         epochs = list(range(runplan.schedule.epochs or 1))
     done_epochs, skipped, summaries = [], [], []
