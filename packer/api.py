@@ -113,10 +113,13 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
     (pass sources=None)."""
     from packer.executors import local_paths, pass_runner
     from shuffle.run import shuffle_run
+    from formats.errors import TokpackError
     from shuffle.schedule import read_schedule
 
     config = executor or ExecutorConfig()
     plan = read_schedule(schedule) if schedule is not None else None
+    if plan is None and not sources:
+        raise TokpackError("no sources given", hint="give the packed sources, or schedule=FILE")
     paths, weights = _weighted(sources) if plan is None else ([], None)
     if epochs is None and plan is None:
         epochs = 1

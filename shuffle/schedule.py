@@ -138,8 +138,10 @@ def read_schedule(path: str | Path) -> Schedule:
                   f"{name!r}, the name of stages[{names[name]}]")
         names[name] = i
         sources = st.get("sources")
-        if not isinstance(sources, dict) or not sources:
+        if not sources:
             _fail("stage has no sources", path, f"{where}sources", "{SOURCE: WEIGHT, ...}", repr(sources))
+        if not isinstance(sources, dict):
+            _fail("stage sources need weights", path, f"{where}sources", "{SOURCE: WEIGHT, ...}", repr(sources)[:60])
         paths = [str(p if Path(str(p)).is_absolute() else path.parent / str(p)) for p in sources]
         weights = [_weight(w, path, f"{where}sources.{p}") for p, w in sources.items()]
         if ("tokens" in st) == ("epochs" in st):
@@ -189,7 +191,7 @@ class RunPlan:
             if st.epochs is None or epoch < first + st.epochs:
                 return k, first
             first += st.epochs
-        raise TokpackError("epoch is not in the schedule", file=self.schedule.file, where="--epoch",
+        raise TokpackError("epoch is not in the schedule", file=self.schedule.file, where="--epoch/--epochs",
                            expected=f"0..{first - 1} ({len(self.schedule.stages)} stages)", found=epoch,
                            hint="the schedule's epochs are numbered through all its stages")
 
