@@ -104,7 +104,8 @@ class EpochNumbering:
 def shuffle_command(run: dict, run_dir: str | Path, epoch: int) -> str:
     """The `tokpack shuffle` command that writes epoch `epoch` of this run, from its manifest."""
     if run.get("schedule_file"):
-        return f"tokpack shuffle --schedule {shlex.quote(run['schedule_file'])} -o {shlex.quote(str(run_dir))} --epoch {epoch}"
+        return (f"tokpack shuffle --schedule {shlex.quote(run['schedule_file'])} -o {shlex.quote(str(run_dir))} "
+                f"--epoch {epoch}")
     sources = run.get("sources") or []
     weights = run.get("weights") or [None] * len(sources)
     args = [shlex.quote(str(s.get("path")) + ("" if w is None else f"={w}")) for s, w in zip(sources, weights)]

@@ -371,11 +371,11 @@ def report_lines(r: InspectResult) -> list[str]:
         if "source_tokens" in t:
             lines.append(f"  sources: {t['sources']}, {t['source_tokens']:,} tokens, {t['source_documents']:,} documents")
     for st in r.stages or []:
-        lines.append(f"  stage {st['stage']}: epochs {st['epochs'][0]}-{st['epochs'][-1]} ({len(st['written'])} written), "
-                     f"{st['samples']:,} samples; " + ", ".join(f"{s['name']} weight {s['weight']} ({s['samples']:,} samples)"
-                                                              for s in st["sources"]))
+        mixture = ", ".join(f"{s['name']} weight {s['weight']} ({s['samples']:,} samples)" for s in st["sources"])
+        lines.append(f"  stage {st['stage']}: epochs {st['epochs'][0]}-{st['epochs'][-1]} ({len(st['written'])} "
+                     f"written), {st['samples']:,} samples; {mixture}")
     for e in r.epochs or []:
-        used = [s for s in e["sources"] if s["samples"] or s["weight"] is not None]  # a scheduled run lists every source
+        used = [s for s in e["sources"] if s["samples"] or s["weight"] is not None]  # a scheduled run lists all
         lines.append(f"  epoch {e['epoch']}: {e['samples']:,} samples; " + ", ".join(_share_text(s) for s in used))
     dl = r.document_lengths
     if dl is not None:

@@ -209,9 +209,10 @@ class EpochPlan:
         row = int(manifest["seq_len"]) + 1
         for i, e in enumerate(entries):
             match = next((p for p in pool if p.fingerprint == e.get("fingerprint")), None)
-            if match is None and int(e["samples"]) == 0:  # a scheduled run lists every source; this epoch uses none of it
+            if match is None and int(e["samples"]) == 0:  # a scheduled run lists every source; this epoch uses none
                 plans.append(SourcePlan(i, e.get("name", ""), e.get("path", ""), e.get("fingerprint"), e.get("weight"),
-                                        int(e["tokens"]), int(e["offset"]), int(e["windows"]), 0, base, e.get("cursor")))
+                                        int(e["tokens"]), int(e["offset"]), int(e["windows"]), 0, base,
+                                        e.get("cursor")))
                 continue
             if match is None:
                 raise TokpackError(

@@ -394,7 +394,7 @@ def shuffle_run(
         todo.append((epoch, plan, job))
     check_space([(out, _bytes_to_write([j for _, _, j in todo if j], opened, memory))], "shuffle",
                 hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)")
-    if run_params is not None and not (out / MANIFEST).exists():  # the run's sample numbering, fixed at creation
+    if run_params is not None and todo and not (out / MANIFEST).exists():  # its sample numbering, fixed at creation
         out.mkdir(parents=True, exist_ok=True)
         write_manifest(out, _run_manifest(out, todo[0][1], weights, opened, shard_samples, done_epochs, runplan))
     for epoch, plan, job in todo:

@@ -111,8 +111,8 @@ def test_epochs_built_one_by_one_in_shuffled_order_are_byte_identical(run, corpu
 
 def test_a_flags_run_is_a_schedule_of_one_stage(corpus, tmp_path):
     """The same mixture from flags and from a one-stage schedule file: the same epochs, byte for byte."""
-    (tmp_path / "one.yaml").write_text(f"seq_len: {SEQ}\nseed: 7\nshard_samples: 50\nstages:\n"
-                                       f"  - {{name: only, epochs: 2, sources: {{{corpus}/web: 2, {corpus}/code: 1}}}}\n")
+    stage = f"  - {{name: only, epochs: 2, sources: {{{corpus}/web: 2, {corpus}/code: 1}}}}\n"
+    (tmp_path / "one.yaml").write_text(f"seq_len: {SEQ}\nseed: 7\nshard_samples: 50\nstages:\n{stage}")
     shuffle(None, tmp_path / "a", schedule=tmp_path / "one.yaml", memory=MEMORY)
     shuffle({str(corpus / "web"): "2", str(corpus / "code"): "1"}, tmp_path / "b", seq_len=SEQ, seed=7, epochs=2,
             shard_samples=50, memory=MEMORY)
