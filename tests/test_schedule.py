@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import random_docs, write_source
 from formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, read_manifest
@@ -26,6 +28,7 @@ from formats.shards import PackedSource
 from packer.api import ExecutorConfig, inspect, shuffle, stage, validate
 from packer.cli import main
 from shuffle.plan import EpochPlan
+from shuffle.schedule import RunPlan, Schedule, Stage
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 31  # a sample is 32 tokens
@@ -245,7 +248,10 @@ def test_validate_checks_each_epoch_against_its_stage_sources(run, corpus):
     assert validate(run / epoch_dir_name(3), against=[corpus / "math", corpus / "code"]).ok
 
 
-def test_validate_reports_a_window_taken_twice_before_exhaustion(run, tmp_path):
+@pytest.mark.parametrize("cursor, first_pass, message", [
+    (600, 1, "taken twice before its source is exhausted"),  # restarts web's chain inside pass 1, not at 1236
+    (1300, 2, "windows of its chain skipped")])
+def test_validate_reports_a_chain_that_does_not_continue(run, tmp_path, cursor, first_pass, message):
     import shutil
 
     copy = tmp_path / "run"
@@ -254,11 +260,11 @@ def test_validate_reports_a_window_taken_twice_before_exhaustion(run, tmp_path):
     m = read_manifest(path, kind="epoch")
     web = m["sources"][0]
     assert (web["name"], web["cursor"]) == ("web", 2 * 618)
-    web.update(cursor=600, first_pass=1, passes=1)  # restarts web's chain inside pass 1 instead of pass 2
+    web.update(cursor=cursor, first_pass=first_pass, passes=1)  # the pass bookkeeping agrees with the cursor
     (path / MANIFEST).write_bytes(canonical_bytes(m))
-    problems = [p for p in validate(copy).problems if p["where"] == "sources[0].cursor"]
-    assert len(problems) == 1
-    assert "taken twice before its source is exhausted" in problems[0]["message"]
+    problems = validate(copy).problems
+    assert [p["where"] for p in problems] == ["sources[0].cursor"]
+    assert message in problems[0]["message"]
     assert problems[0]["expected"].startswith("1236")
 
 
@@ -275,6 +281,9 @@ def test_validate_reports_a_changed_schedule_file(run, corpus, tmp_path):
     problems = validate(copy).problems
     assert [p["where"] for p in problems] == ["xxh3_128"]
     assert "schedule file changed" in problems[0]["message"]
+    changed.unlink()
+    result = validate(copy)
+    assert result.status == "unverified" and [p["where"] for p in result.problems] == ["schedule_file"]
 
 
 # ------------------------------------------------------------------ bad input
@@ -325,3 +334,38 @@ def test_changed_schedule_is_refused_against_the_existing_run(run, corpus, tmp_p
     code, lines = cli("shuffle", "--schedule", changed, "-o", run, "--memory", MEMORY, "--json")
     assert code == 0 and json.loads(lines[-1])["skipped"] == [0, 1, 2, 3]
     assert tree(run) == before
+
+
+# ------------------------------------------------------------------ the plan, any schedule
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 4), min_size=3, max_size=3).filter(any),
+                          st.one_of(st.integers(1, 3).map(lambda k: ("epochs", k)),
+                                    st.integers(SEQ, 40 * SEQ).map(lambda t: ("tokens", t)))),
+                min_size=1, max_size=4),
+       st.booleans())
+def test_any_schedule_continues_every_chain(corpus, stages, jitter):
+    """For any schedule: each epoch starts each source's chain where the epochs before it left
+    it, and no (pass, window) of a source is taken twice over the whole run."""
+    paths = [str(corpus / name) for name in ("web", "code", "math")]
+    schedule = Schedule(SEQ, 3, tuple(
+        Stage(f"s{k}", tuple(p for p, w in zip(paths, ws) if w), tuple(str(w) for w in ws if w),
+              size if kind == "epochs" else 1, tokens=size if kind == "tokens" else None)
+        for k, (ws, (kind, size)) in enumerate(stages)), jitter)
+    union = schedule.paths
+    plan = RunPlan(schedule, [PackedSource.open(p) for p in union], [Path(p).name for p in union])
+    taken = [0] * len(union)
+    seen: set = set()
+    for e in range(schedule.epochs):
+        ep = plan.epoch_plan(e)
+        for u, sp in enumerate(ep.sources if len(stages) > 1 else ()):
+            assert (sp.index, ep.chain_start(u)) == (u, taken[u])
+        s, window, passes = ep.locate(np.arange(ep.samples))
+        keys = {(ep.sources[i].index, p, w) for i, p, w in zip(s.tolist(), passes.tolist(), window.tolist())}
+        counts = np.bincount(s, minlength=len(ep.sources)).tolist()
+        assert not keys & seen
+        # within an epoch, a window repeats only in another pass: the keys are distinct
+        assert len(keys) == ep.samples
+        seen |= keys
+        taken = [t + counts[u] for u, t in enumerate(taken)] if len(stages) > 1 else taken
