@@ -46,10 +46,10 @@ class Schedule:
     file_hash: str | None = None  # xxh3_128 of that file's bytes
 
     @classmethod
-    def of_flags(cls, paths, weights, *, seq_len: int, seed: int, samples=None, tokens=None, jitter=False,
-                 shard_samples=None) -> "Schedule":
+    def of_flags(cls, paths, weights, *, seq_len: int, seed: int, samples=None, tokens=None,
+                 jitter=False) -> "Schedule":
         stage = Stage("", tuple(paths), tuple(weights), None, samples, tokens)
-        return cls(int(seq_len), int(seed), (stage,), bool(jitter), shard_samples)
+        return cls(int(seq_len), int(seed), (stage,), bool(jitter))
 
     @property
     def paths(self) -> list[str]:
