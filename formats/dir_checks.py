@@ -22,6 +22,7 @@ from .errors import TokpackError
 from .io import TMP_MARK, progress
 from .manifest import (
     MANIFEST,
+    xxh3_128_file,
     MANIFEST_FIELDS,
     SHARD_FIELDS,
     SOURCE_FIELDS,
@@ -232,8 +233,9 @@ def _check_epoch_sources(m: dict, srcs: list, row: int, add) -> None:
             add(f"sources[{i}].windows", f"windows x {row} + dropped_tokens == tokens ({t})",
                 f"{w} x {row} + {s['dropped_tokens']}", "source window counts do not add up")
             return
-        first = m["epoch"] * c // w if c else 0
-        passes = ((m["epoch"] + 1) * c - 1) // w - first + 1 if c else 0
+        start = s["cursor"] if type_ok(s.get("cursor"), int) else m["epoch"] * c  # where its chain starts
+        first = start // w if c else 0
+        passes = (start + c - 1) // w - first + 1 if c else 0
         if (s["first_pass"], s["passes"]) != (first, passes):
             add(f"sources[{i}].first_pass/passes", f"{first}/{passes} (epoch {m['epoch']}, {c} of {w} windows)",
                 f"{s['first_pass']}/{s['passes']}", "source pass bookkeeping wrong")
@@ -255,6 +257,75 @@ RUN_KEYS = ("dtype", "token_size", "vocab_size", "eos_id", "tokenizer", "seq_len
             "shard_samples", "shuffle")
 
 
+def _scheduled_epochs(path: Path, m: dict, rep: DirReport) -> list[dict] | None:
+    """A scheduled run's recorded schedule (docs/FORMAT.md, "Schedules") as, per epoch, each run
+    source's `samples`, `weight` and `cursor` (the samples the epochs before took from it); None
+    for a run without one, or one too broken to follow (reported). Also checks the schedule file
+    against its recorded checksum."""
+    if m.get("schedule") is None:
+        return None
+    mfile, sched, sizes, n = str(path / MANIFEST), m["schedule"], m.get("epoch_samples"), len(m["sources"])
+    try:
+        per_epoch, taken = [], [0] * n
+        for e, entry in enumerate(sched):
+            idx, weights, counts = entry["sources"], entry["weights"], entry["samples"]
+            if not (len(idx) == len(weights) == len(counts) and all(0 <= i < n for i in idx)
+                    and all(type_ok(c, int) and c >= 0 for c in counts)):
+                raise ValueError(e)
+            row = {"samples": [0] * n, "weight": [None] * n, "cursor": list(taken)}
+            for i, w, c in zip(idx, weights, counts):
+                row["samples"][i], row["weight"][i] = c, w
+            if sum(counts) != sizes[e]:
+                rep.add(mfile, f"epoch_samples[{e}]", f"{sum(counts)} (schedule[{e}].samples summed)", sizes[e],
+                        "scheduled epoch size wrong")
+            taken = [t + c for t, c in zip(taken, row["samples"])]
+            per_epoch.append(row)
+        if len(sizes) != len(sched) or m.get("samples") != 0:
+            raise ValueError(len(sched))
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        rep.add(mfile, "schedule", "per epoch {stage, sources, weights, samples}, one per epoch_samples entry, "
+                "and samples 0", f"a malformed entry ({e})", "scheduled run manifest malformed")
+        return None
+    file = Path(str(m.get("schedule_file")))
+    if not file.is_file():
+        rep.add(mfile, "schedule_file", "the schedule file the run was made from", f"no file {file}",
+                "schedule file not found: the run's schedule is not checked against it", unverified=True,
+                hint="give the run's schedule file back its path, or ignore this if it is gone for good")
+    elif xxh3_128_file(file) != m.get("schedule_xxh3_128"):
+        rep.add(file, "xxh3_128", f"{m.get('schedule_xxh3_128')} (recorded in {mfile})", xxh3_128_file(file),
+                "schedule file changed since the run was made; the run follows the schedule it recorded",
+                hint="restore the file the run was made from, or write the new schedule to another run directory")
+    return per_epoch
+
+
+def _check_scheduled_epoch(efile: str, e: int, em: dict, sched: list[dict] | None, add) -> None:
+    """Epoch e of a scheduled run against the run's schedule: its size, weights and per-source
+    samples, and that each source's chain continues exactly where the epochs before left it."""
+    if sched is None or not isinstance(em.get("sources"), list):
+        return
+    if e >= len(sched):
+        add(efile, "epoch", f"< {len(sched)} (the schedule's epochs)", e, "epoch is not in the run's schedule")
+        return
+    row = sched[e]
+    if em.get("samples") != sum(row["samples"]):
+        add(efile, "samples", f"{sum(row['samples'])} (epoch_samples[{e}])", em.get("samples"),
+            "epoch size differs from the run's schedule")
+    for i, src in enumerate(em["sources"][: len(row["samples"])]):
+        if not isinstance(src, dict):
+            continue
+        c, at = row["samples"][i], row["cursor"][i]
+        for key, want in (("weight", row["weight"][i]), ("samples", c)):
+            if src.get(key) != want:
+                add(efile, f"sources[{i}].{key}", f"{want!r} (schedule[{e}])", repr(src.get(key)),
+                    "epoch source differs from the run's schedule")
+        start = src.get("cursor", e * c)
+        if c and type_ok(start, int) and start != at:
+            why = (f"windows at chain positions {start}..{min(at, start + c) - 1} were taken before; a window is "
+                   f"taken twice before its source is exhausted") if start < at else "windows of its chain skipped"
+            add(efile, f"sources[{i}].cursor", f"{at} (what epochs 0..{e - 1} took from {src.get('name')})", start,
+                f"source chain not contiguous across the schedule: {why}")
+
+
 def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Dir"]) -> None:
     mfile = str(path / MANIFEST)
     sources = m.get("sources") if isinstance(m.get("sources"), list) else []
@@ -263,6 +334,7 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
     rep.problems += problems
     if problems:
         return
+    sched = _scheduled_epochs(path, m, rep)
     epochs = m["epochs"]
     if not all(type_ok(e, int) and e >= 0 for e in epochs) or len(set(epochs)) != len(epochs):
         rep.add(mfile, "epochs", "distinct epoch numbers >= 0", epochs, "bad epoch list")
@@ -293,15 +365,16 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
         if em is None or em.get("kind") != "epoch":
             continue
         efile = str(sub / MANIFEST)
+        _check_scheduled_epoch(efile, e, em, sched, d.report.add)
         for key in RUN_KEYS:
-            if key in m and key in em and em[key] != m[key]:
+            if key in m and key in em and em[key] != m[key] and not (key == "samples" and "schedule" in m):
                 d.report.add(efile, key, f"{m[key]!r} (the run's)", repr(em[key]),
                              "epoch manifest belongs to another run")
         esrc = em.get("sources") if isinstance(em.get("sources"), list) else []
         if len(esrc) == len(m["sources"]):
             for i, (a, b) in enumerate(zip(m["sources"], esrc)):
                 if isinstance(a, dict) and isinstance(b, dict):
-                    for key in sorted(a.keys() & b.keys()):
+                    for key in sorted(a.keys() & b.keys() - ({"weight"} if "schedule" in m else set())):
                         if a[key] != b[key]:
                             d.report.add(efile, f"sources[{i}].{key}", f"{a[key]!r} (the run's)", repr(b[key]),
                                          "epoch source differs from the run's")
@@ -420,7 +493,7 @@ def _missing_sources(m: dict, given: dict[str, PackedSource], mfile: str) -> Pro
     for e in m["sources"]:
         e = e if isinstance(e, dict) else {}
         fp = e.get("fingerprint")
-        if fp in given:
+        if fp in given or e.get("samples") == 0:  # a source of a scheduled run that this epoch does not use
             continue
         text = f"{e.get('name', '?')} (fingerprint {fp})"
         same_place = by_path.get(Path(str(e.get("path", ""))).resolve()) if e.get("path") else None

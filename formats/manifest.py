@@ -175,8 +175,8 @@ _FIELD_TABLES = """
 | `epoch` | int >= 0 | yes | epoch | the epoch number, as in the directory name |
 | `seed` | int | yes | epoch, run | the shuffle seed |
 | `seq_len` | int >= 1 | yes | epoch, run | `L`: a sample is `L + 1` tokens |
-| `samples` | int >= 0 | yes | epoch, run | samples in the epoch (a run: in each epoch) |
-| `epoch_samples` | list | no | run | sizes of epochs `0..k-1` when planned unequal |
+| `samples` | int >= 0 | yes | epoch, run | samples in the epoch (a run: in each epoch; a scheduled run: 0) |
+| `epoch_samples` | list | no | run | sizes of epochs `0..k-1` when planned unequal (a scheduled run: every epoch) |
 | `shard_samples` | int >= 1 | yes | epoch, run | samples in every shard but the last |
 | `dropped_tokens` | int >= 0 | yes | epoch | source tokens outside every window |
 | `jitter` | bool | yes | epoch, run | windows start at a per-epoch offset |
@@ -186,6 +186,9 @@ _FIELD_TABLES = """
 | `sample_multiset_hash` | hex16 | yes | epoch | sum of the shards' `multiset_hash` mod 2^64 |
 | `shuffle` | string | yes | epoch, run | the shuffle algorithm's name |
 | `epochs` | list | yes | run | the epoch numbers written so far |
+| `schedule` | list | no | run | a scheduled run: per epoch, `{stage, sources, weights, samples}` (see Schedules) |
+| `schedule_file` | string | no | run | a scheduled run: the schedule file it was made from |
+| `schedule_xxh3_128` | hex32 | no | run | a scheduled run: checksum of that file |
 
 `shards[]`
 | `path` | string | yes | source, epoch | the `.ds` file name |
@@ -212,6 +215,7 @@ _FIELD_TABLES = """
 | `windows` | int >= 0 | yes | epoch | `W_s`: its windows |
 | `offset` | int >= 0 | yes | epoch | `o_s`: its window offset |
 | `dropped_tokens` | int >= 0 | yes | epoch | its tokens outside every window |
+| `cursor` | int >= 0 | no | epoch | a run of several stages: where in its chain the epoch starts |
 
 `tokpack-stage.json`
 | `format` | string | yes | sidecar | `"tokpack-stage"` |
@@ -294,14 +298,15 @@ def epoch_manifest(shards: list[dict], dtype: np.dtype, vocab_size: int, eos_id:
 
 def run_manifest(epochs: dict[int, dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, *,
                  sources: list[dict], weights: list | None, seq_len: int, seed: int, jitter: bool, samples: int,
-                 shard_samples: int, shuffle: str) -> dict:
-    """`epochs`: the manifests of the epochs written so far, by number; `sources`: an epoch's entries."""
+                 shard_samples: int, shuffle: str, extra: dict | None = None) -> dict:
+    """`epochs`: the manifests of the epochs written so far, by number; `sources`: an epoch's entries;
+    `extra`: a scheduled run's fields (epoch_samples, schedule...)."""
     written = [upgrade(m) for m in epochs.values()]
     sources = [{k: s[k] for k, field in SOURCE_FIELDS.items() if "run" in field[2]} for s in sources]
     return {**_header("run", dtype, vocab_size, eos_id, tokenizer, sum(int(m["tokens"]) for m in written)),
             "fragments": sum(int(m["fragments"]) for m in written), "sources": sources, "weights": weights,
             "seq_len": seq_len, "seed": seed, "jitter": jitter, "samples": samples, "shard_samples": shard_samples,
-            "epochs": sorted(epochs), "shuffle": shuffle}
+            "epochs": sorted(epochs), "shuffle": shuffle, **(extra or {})}
 
 
 def stage_sidecar(stages: list[dict], missing_shards: dict[str, list[str]]) -> dict:

@@ -49,7 +49,8 @@ class EpochNumbering:
     """Consumed-sample number G -> (epoch, sample), from the run's parameters only: epoch e
     holds G in [first(e), first(e) + size(e)). Every epoch has the run's `samples` N, so G is
     sample G mod N of epoch G div N; a run that lists `epoch_samples` (sizes planned when it
-    was created) numbers its first epochs by those sizes instead."""
+    was created) numbers its first epochs by those sizes instead; a scheduled run lists every
+    epoch there and has `samples` 0: no epoch past them."""
 
     def __init__(self, samples: int | None, planned: Sequence[int] = ()):
         self.samples = samples  # N for every epoch past `planned` (None: no epochs past it)
@@ -59,6 +60,8 @@ class EpochNumbering:
     @classmethod
     def of_run(cls, manifest: dict, run_dir: str | Path) -> "EpochNumbering":
         samples, planned = manifest.get("samples"), manifest.get("epoch_samples") or ()
+        if samples == 0 and planned:
+            samples = None
         ok = (samples is None or (isinstance(samples, int) and samples > 0)) and isinstance(planned, (list, tuple)) \
             and all(isinstance(n, int) and n >= 0 for n in planned) and (samples is not None or planned)
         if not ok:
@@ -100,6 +103,9 @@ class EpochNumbering:
 
 def shuffle_command(run: dict, run_dir: str | Path, epoch: int) -> str:
     """The `tokpack shuffle` command that writes epoch `epoch` of this run, from its manifest."""
+    if run.get("schedule_file"):
+        return (f"tokpack shuffle --schedule {shlex.quote(run['schedule_file'])} -o {shlex.quote(str(run_dir))} "
+                f"--epoch {epoch}")
     sources = run.get("sources") or []
     weights = run.get("weights") or [None] * len(sources)
     args = [shlex.quote(str(s.get("path")) + ("" if w is None else f"={w}")) for s, w in zip(sources, weights)]

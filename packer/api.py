@@ -114,24 +114,35 @@ def _weighted(sources) -> tuple[list[str], list[str | None]]:
     return paths, weights
 
 
-def shuffle(sources, output: PathLike, *, seq_len: int, seed: int, epochs: int | Sequence[int] = 1,
-            samples: int | None = None, tokens: int | None = None, shard_samples: int | None = None,
-            memory: int = 4 << 30, jitter: bool = False, executor: ExecutorConfig | None = None, log=None,
-            progress: bool | None = None) -> ShuffleResult:
+def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int | None = None,
+            epochs: int | Sequence[int] | None = None, samples: int | None = None, tokens: int | None = None,
+            shard_samples: int | None = None, memory: int = 4 << 30, jitter: bool = False,
+            executor: ExecutorConfig | None = None, log=None, progress: bool | None = None,
+            schedule: PathLike | None = None) -> ShuffleResult:
     """Writes globally shuffled epochs of `seq_len + 1` tokens from packed sources into the run
     directory `output`. `sources`: a path or URL, a list of them, or a mapping path -> weight
-    (a number, or text such as "1/3"). `epochs`: a count (epochs 0..N-1) or the epoch numbers."""
+    (a number, or text such as "1/3"). `epochs`: a count (epochs 0..N-1) or the epoch numbers
+    [default: epoch 0; with a schedule, all its epochs]. `schedule`: a schedule YAML file
+    (docs/COMMANDS.md, "Schedules") that declares the sources, seq_len, seed and stages instead
+    (pass sources=None)."""
     from packer.executors import local_path, local_paths, pass_runner
     from shuffle.run import shuffle_run
+    from formats.errors import TokpackError
+    from shuffle.schedule import read_schedule
 
     config = executor or ExecutorConfig()
-    paths, weights = _weighted(sources)
+    scheduled = read_schedule(schedule) if schedule is not None else None
+    if scheduled is None and not sources:
+        raise TokpackError("no sources given", hint="give the packed sources, or schedule=FILE")
+    paths, weights = _weighted(sources) if scheduled is None else ([], None)
+    if epochs is None and scheduled is None:
+        epochs = 1
     with local_paths(paths, str(output)) as (local_sources, local_output):
         summary = shuffle_run(local_sources, local_output, weights=weights, seq_len=seq_len, seed=seed,
-                              epochs=list(range(epochs)) if isinstance(epochs, int) else list(epochs),
+                              epochs=list(range(epochs)) if isinstance(epochs, int) else epochs and list(epochs),
                               samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory,
                               jitter=jitter, log=log, workers=config.workers, tasks=config.tasks,
-                              run_passes=pass_runner(config), progress=progress,
+                              run_passes=pass_runner(config), progress=progress, schedule=scheduled,
                               given=[p if local_path(p) is None else str(Path(local_path(p)).resolve()) for p in paths])
     return ShuffleResult(**summary)
 

@@ -329,20 +329,33 @@ def pack(inputs, output, as_json, **kw):
     emit(pack_api(list(inputs), output, executor=executor, log=_log(as_json), **kw), as_json)
 
 
-def _epochs_asked(epochs, epoch, kw) -> list[int] | int:
-    """shuffle's --epochs N / --epoch E, with its usage checks."""
-    if (epochs is None) == (epoch is None):
+def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
+    """shuffle's --epochs N / --epoch E (None: every epoch of --schedule), with the usage checks
+    of its arguments."""
+    if kw["schedule"] is not None:
+        given = [f"--{k.replace('_', '-')}" for k in ("seq_len", "seed", "samples", "tokens") if kw[k] is not None]
+        if sources or given or kw["jitter"]:
+            raise click.UsageError("--schedule declares the sources, --seq-len, --seed, --samples/--tokens and "
+                                   f"--jitter; drop {' '.join(given + ['--jitter'] * kw['jitter']) or 'the SOURCEs'}")
+        if epochs is not None and epoch is not None:
+            raise click.UsageError("give at most one of --epochs N and --epoch E")
+    elif not sources or kw["seq_len"] is None or kw["seed"] is None:
+        raise click.UsageError("give SOURCE[=WEIGHT]..., --seq-len and --seed (or --schedule FILE)")
+    elif (epochs is None) == (epoch is None):
         raise click.UsageError("give exactly one of --epochs N or --epoch E")
     if kw["samples"] is not None and kw["tokens"] is not None:
         raise click.UsageError("give at most one of --samples and --tokens")
-    return [epoch] if epochs is None else epochs
+    return [epoch] if epoch is not None else epochs
 
 
 @main.command()
-@click.argument("sources", nargs=-1, required=True, metavar="SOURCE[=WEIGHT]...")
+@click.argument("sources", nargs=-1, metavar="SOURCE[=WEIGHT]...")
 @click.option("-o", "--output", required=True, help="Run directory; one epoch-NNNNN/ per epoch inside.")
-@click.option("--seq-len", type=click.IntRange(min=1), required=True, help="Tokens per sample is seq_len + 1.")
-@click.option("--seed", type=int, required=True, help="Shuffle seed.")
+@click.option("--schedule", type=click.Path(dir_okay=False), default=None,
+              help="A schedule YAML (seq_len, seed, stages of sources and weights) instead of SOURCEs, "
+                   "--seq-len, --seed, --samples/--tokens and --jitter; without --epoch(s), every epoch.")
+@click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per sample is seq_len + 1.")
+@click.option("--seed", type=int, default=None, help="Shuffle seed.")
 @click.option("--epochs", type=click.IntRange(min=1), default=None, help="Write epochs 0..N-1.")
 @click.option("--epoch", type=click.IntRange(min=0), default=None, help="Write only epoch E (adds to an existing run).")
 @click.option("--samples", type=click.IntRange(min=1), default=None, help="Samples per epoch (with weights).")
@@ -361,7 +374,7 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
     """Write globally shuffled epochs of fixed-length samples from packed SOURCEs."""
     from packer.api import shuffle as shuffle_api
 
-    epochs = _epochs_asked(epochs, epoch, kw)
+    epochs = _epochs_asked(sources, epochs, epoch, kw)
     executor = _executor_config(kw)
     result = shuffle_api(_weighted_sources(sources), output, epochs=epochs, executor=executor, log=_log(as_json),
                          progress=False if as_json else None, **kw)
@@ -369,6 +382,8 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
     if not as_json:
         for detail in result.epochs_detail:
             for r in detail["sources"]:
+                if not r["samples"] and r["weight"] is None:
+                    continue  # a source of the schedule that this epoch's stage does not use
                 click.echo(f"epoch {detail['epoch']} source {r['name']}: {r['samples']} samples of {r['windows']} "
                            f"windows, {r['passes']} pass(es), {r['repeats']} repeated"
                            f"{'' if r['weight'] is None else ', weight ' + r['weight']} ({r['path']}, "
@@ -492,7 +507,7 @@ def _emit_plan(command: str, as_json: bool, *args, **kw) -> None:
 
 @_planned(shuffle)
 def plan_shuffle(sources, output, epochs, epoch, as_json, **kw):
-    epochs = _epochs_asked(epochs, epoch, kw)
+    epochs = _epochs_asked(sources, epochs, epoch, kw)
     _emit_plan("shuffle", as_json, _weighted_sources(sources), output, epochs=epochs, executor=_executor_config(kw),
                **kw)
 

@@ -311,6 +311,7 @@ class InspectResult(Result):
     unreachable_sources: list[str] | None = optional_field()  # named by the epochs, not found: no document statistics
     totals: dict = field(default_factory=dict)
     epochs: list[dict] | None = optional_field()  # each epoch's samples and sources' shares
+    stages: list[dict] | None = optional_field()  # a scheduled run: each stage's epochs, samples and mixture
     document_lengths: dict | None = optional_field()
     batch_diversity: dict | None = optional_field()  # before and after the shuffle
     plot: str | None = optional_field()
@@ -338,6 +339,8 @@ def inspect(directory, *, batch_size: int | None = None, batches: int = 64, plot
     report["totals"] = _totals(manifest, epochs, sources)
     if epochs:
         report["epochs"] = _epoch_shares(epochs)
+    if kind == "run" and manifest.get("schedule"):
+        report["stages"] = _stages(manifest)
 
     hist = document_lengths(sources) if sources else None
     if hist is not None:
@@ -367,8 +370,13 @@ def report_lines(r: InspectResult) -> list[str]:
                      f"shards {t['shards']}  seq_len {t['seq_len']}")
         if "source_tokens" in t:
             lines.append(f"  sources: {t['sources']}, {t['source_tokens']:,} tokens, {t['source_documents']:,} documents")
+    for st in r.stages or []:
+        mixture = ", ".join(f"{s['name']} weight {s['weight']} ({s['samples']:,} samples)" for s in st["sources"])
+        lines.append(f"  stage {st['stage']}: epochs {st['epochs'][0]}-{st['epochs'][-1]} ({len(st['written'])} "
+                     f"written), {st['samples']:,} samples; {mixture}")
     for e in r.epochs or []:
-        lines.append(f"  epoch {e['epoch']}: {e['samples']:,} samples; " + ", ".join(_share_text(s) for s in e["sources"]))
+        used = [s for s in e["sources"] if s["samples"] or s["weight"] is not None]  # a scheduled run lists all
+        lines.append(f"  epoch {e['epoch']}: {e['samples']:,} samples; " + ", ".join(_share_text(s) for s in used))
     dl = r.document_lengths
     if dl is not None:
         lines.append(f"  document length: mean {dl.get('mean')}  "
@@ -437,6 +445,22 @@ def _epoch_shares(epochs) -> list[dict]:
                 "first_pass": s.get("first_pass"), "passes": s.get("passes")} for s in m.get("sources") or []]
         shares.append({"epoch": e, "samples": n, "dropped_tokens": m.get("dropped_tokens"), "sources": row})
     return shares
+
+
+def _stages(run: dict) -> list[dict]:
+    """A scheduled run's stages, from its recorded schedule: epochs (planned and written),
+    samples, and each source's weight and samples over the stage."""
+    stages: dict[str, dict] = {}
+    for e, entry in enumerate(run["schedule"]):
+        st = stages.setdefault(entry["stage"], {"stage": entry["stage"], "epochs": [], "written": [], "samples": 0,
+                                                "sources": {}})
+        st["epochs"].append(e)
+        st["written"] += [e] if e in run["epochs"] else []
+        st["samples"] += sum(entry["samples"])
+        for i, w, c in zip(entry["sources"], entry["weights"], entry["samples"]):
+            src = st["sources"].setdefault(i, {"name": run["sources"][i]["name"], "weight": w, "samples": 0})
+            src["samples"] += c
+    return [{**st, "sources": list(st["sources"].values())} for st in stages.values()]
 
 
 def _batch_diversity(sources: list[PackedSource], chosen, L: int, batch: int, batches: int) -> dict:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from formats.errors import TokpackError
 from formats.guard import space_needs
-from formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, run_manifest, source_manifest
+from formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, source_manifest
 from packer.api import ExecutorConfig, Result, _weighted, optional_field
 
 MEASURE_BYTES = 256 << 20  # at most this much is written, then read back, to measure the disk
@@ -118,24 +118,30 @@ def _local(paths: list[str]) -> list[str]:
 # ------------------------------------------------------------------------ the commands
 
 
-def plan_shuffle(sources, output, *, seq_len: int, seed: int, epochs=1, samples: int | None = None,
-                 tokens: int | None = None, shard_samples: int | None = None, memory: int = 4 << 30,
-                 jitter: bool = False, executor: ExecutorConfig | None = None,
-                 disk_mbps: float | None = None) -> PlanResult:
+def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | None = None, epochs=None,
+                 samples: int | None = None, tokens: int | None = None, shard_samples: int | None = None,
+                 memory: int = 4 << 30, jitter: bool = False, executor: ExecutorConfig | None = None,
+                 disk_mbps: float | None = None, schedule=None) -> PlanResult:
     """What `shuffle` with these arguments would do. A source may be virtual:
-    `virtual:tokens=11T,documents=5.5B,dtype=uint16` (shuffle/plan.py, virtual_source)."""
-    from shuffle.plan import PLAN_ALGORITHM
+    `virtual:tokens=11T,documents=5.5B,dtype=uint16` (shuffle/plan.py, virtual_source). `schedule`:
+    a schedule file instead of sources and their settings (every epoch unless `epochs` says)."""
     from shuffle.steps import BUCKETS_PER_FOLDER
     from shuffle.run import (bytes_to_write, epoch_bytes, epoch_layout, memory_path, planned_epoch_manifest,
-                             scratch_bytes, setup_run, task_budget)
+                             run_manifest_of, scratch_bytes, setup_run, task_budget)
+
+    from shuffle.schedule import read_schedule
 
     config = executor or ExecutorConfig()
-    paths, weights = _weighted(sources)
+    scheduled = read_schedule(schedule) if schedule is not None else None
+    paths, weights = _weighted(sources) if scheduled is None else ([], None)
     *paths, output = _local(paths + [str(output)])
+    if epochs is None and scheduled is None:
+        epochs = 1
     setup = setup_run(paths, str(output), weights=weights, seq_len=seq_len, seed=seed,
-                      epochs=list(range(epochs)) if isinstance(epochs, int) else list(epochs), samples=samples,
-                      tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter, workers=config.workers)
-    opened, first = setup.sources, setup.sources[0]
+                      epochs=list(range(epochs)) if isinstance(epochs, int) else epochs and list(epochs),
+                      samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter,
+                      workers=config.workers, schedule=scheduled)
+    opened = setup.sources
     passes, details, manifests, written = [], [], {}, {}
     buckets = bucket_files = 0
     for epoch, plan, job in setup.todo:
@@ -164,11 +170,7 @@ def plan_shuffle(sources, output, *, seq_len: int, seed: int, epochs=1, samples:
                        _pass("order", job.n_shards, budget, scratch, size, epoch=epoch)]
         details.append(detail)
     if written:
-        plan = setup.todo[-1][1]
-        run = run_manifest(written, first.dtype, first.vocab_size, first.eos_id, first.manifest.get("tokenizer", ""),
-                           sources=plan.source_entries(), weights=None if all(w is None for w in setup.weights)
-                           else list(setup.weights), seq_len=seq_len, seed=seed, jitter=jitter, samples=plan.samples,
-                           shard_samples=setup.shard_samples, shuffle=PLAN_ALGORITHM)
+        run = run_manifest_of(written, setup.todo[-1][1], setup.weights, opened, setup.shard_samples, setup.runplan)
         manifests[MANIFEST] = len(canonical_bytes(run))
     plan = setup.todo[0][1]
     paths_taken = sorted({d["path"] for d in details if "shards" in d})

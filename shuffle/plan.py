@@ -46,6 +46,7 @@ class SourcePlan:
     windows: int  # W_s: windows per pass
     samples: int  # c_s: windows this epoch takes
     base: int  # first epoch-list position q of this source
+    cursor: int | None = None  # chain position of its first sample; None: epoch * c_s (one mixture for the run)
 
 
 @dataclass(frozen=True)
@@ -65,16 +66,22 @@ class EpochPlan:
     def row_tokens(self) -> int:
         return self.seq_len + 1
 
+    def chain_start(self, s: int) -> int:
+        """Position in source s's chain of this epoch's first sample from it: where the epochs
+        before it left the chain."""
+        src = self.sources[s]
+        return self.epoch * src.samples if src.cursor is None else src.cursor
+
     def first_pass(self, s: int) -> int:
         src = self.sources[s]
-        return self.epoch * src.samples // src.windows if src.samples else 0
+        return self.chain_start(s) // src.windows if src.samples else 0
 
     def passes(self, s: int) -> int:
         """Number of passes of the chain this epoch touches (0 when the source contributes nothing)."""
         src = self.sources[s]
         if not src.samples:
             return 0
-        return ((self.epoch + 1) * src.samples - 1) // src.windows - self.first_pass(s) + 1
+        return (self.chain_start(s) + src.samples - 1) // src.windows - self.first_pass(s) + 1
 
     def repeats(self, s: int) -> int:
         """Samples of source s in this epoch that repeat a window the epoch already holds:
@@ -85,7 +92,8 @@ class EpochPlan:
         src = self.sources[s]
         if not src.samples:
             return 0
-        lo, hi = self.epoch * src.samples, (self.epoch + 1) * src.samples
+        lo = self.chain_start(s)
+        hi = lo + src.samples
         w = src.windows
         p0, p1 = lo // w, (hi - 1) // w
         if p0 == p1:
@@ -140,7 +148,8 @@ class EpochPlan:
         # picks the last of equal bases, which is the one that owns q.
         counts = np.array([src.samples for src in self.sources], dtype=np.int64)
         wins = np.array([max(src.windows, 1) for src in self.sources], dtype=np.int64)
-        pos = self.epoch * counts[s] + (q - bases[s])
+        starts = np.array([self.chain_start(i) for i in range(len(self.sources))], dtype=np.int64)
+        pos = starts[s] + (q - bases[s])
         p = pos // wins[s]
         k = pos % wins[s]
         window = np.empty_like(k)
@@ -160,7 +169,8 @@ class EpochPlan:
         src = self.sources[s]
         if not src.samples or len(windows) == 0:
             return
-        lo, hi = self.epoch * src.samples, (self.epoch + 1) * src.samples
+        lo = self.chain_start(s)
+        hi = lo + src.samples
         order = self.order()
         for p in range(self.first_pass(s), self.first_pass(s) + self.passes(s)):
             pos = self.window_perm(s, p).inverse(windows) + p * src.windows
@@ -184,6 +194,7 @@ class EpochPlan:
                 "tokens": src.tokens,
                 "offset": src.offset,
                 "dropped_tokens": src.tokens - src.windows * self.row_tokens,
+                **({} if src.cursor is None else {"cursor": src.cursor}),
             }
             for i, src in enumerate(self.sources)
         ]
@@ -202,6 +213,11 @@ class EpochPlan:
         row = int(manifest["seq_len"]) + 1
         for i, e in enumerate(entries):
             match = next((p for p in pool if p.fingerprint == e.get("fingerprint")), None)
+            if match is None and int(e["samples"]) == 0:  # a scheduled run lists every source; this epoch uses none
+                plans.append(SourcePlan(i, e.get("name", ""), e.get("path", ""), e.get("fingerprint"), e.get("weight"),
+                                        int(e["tokens"]), int(e["offset"]), int(e["windows"]), 0, base,
+                                        e.get("cursor")))
+                continue
             if match is None:
                 raise TokpackError(
                     "source of the epoch not given",
@@ -217,7 +233,7 @@ class EpochPlan:
                 raise TokpackError("epoch manifest windows exceed the source", file=match.path, where=f"sources[{i}]",
                                    expected=f"<= {match.tokens} tokens", found=offset + windows * row)
             plans.append(SourcePlan(i, e.get("name", ""), e.get("path", ""), match.fingerprint, e.get("weight"),
-                                    match.tokens, offset, windows, int(e["samples"]), base))
+                                    match.tokens, offset, windows, int(e["samples"]), base, e.get("cursor")))
             base += int(e["samples"])
         if base != int(manifest["samples"]):
             raise TokpackError("epoch manifest source samples do not add up", where="sources[].samples",

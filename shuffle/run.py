@@ -29,7 +29,8 @@ from formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_n
                               read_manifest, run_manifest, write_manifest)
 from formats.shards import SHARD_SUFFIXES, PackedSource
 
-from .plan import PLAN_ALGORITHM, EpochPlan, epoch_plan, is_virtual, open_source, parse_weight, source_location
+from .plan import PLAN_ALGORITHM, EpochPlan, is_virtual, open_source, parse_weight, source_location
+from .schedule import RunPlan, Schedule
 from .steps import (CHUNKS_IN_BUDGET, ORDER_ROW_OVERHEAD, EpochJob, InMemoryStep, Layout, OrderStep, ScatterStep,
                     make_layout, source_changed_error)
 
@@ -89,6 +90,20 @@ def _run_params(plan: EpochPlan, weights, shard_samples: int) -> dict:
     }
 
 
+def _schedule_params(runplan: RunPlan, sources: list[PackedSource], shard_samples: int) -> dict:
+    """What must match for two invocations to belong to the same run made from a schedule file."""
+    fields = runplan.manifest_fields()
+    sc = runplan.schedule
+    return {"fingerprints": [src.fingerprint for src in sources], "weights": None, "seq_len": sc.seq_len,
+            "seed": sc.seed, "jitter": sc.jitter, "samples": 0, "shard_samples": shard_samples,
+            "epoch_samples": fields["epoch_samples"], "schedule": _schedule_key(fields["schedule"])}
+
+
+def _schedule_key(entries) -> list | None:
+    """A run's schedule with its weights as exact shares, as `_weights_key` does for a run's."""
+    return None if entries is None else [{**e, "weights": _weights_key(e.get("weights") or [])} for e in entries]
+
+
 def _params_of_manifest(m: dict) -> dict:
     ws = m.get("weights") if m.get("kind") == "run" else [s.get("weight") for s in m.get("sources", [])]
     ws = ws if ws is not None else [None] * len(m.get("sources", []))
@@ -97,12 +112,23 @@ def _params_of_manifest(m: dict) -> dict:
         "weights": _weights_key(ws),
         "given_weights": ws,  # as the run wrote them
         "jitter": bool(m.get("jitter")),
-        **{key: m.get(key) for key in ("seq_len", "seed", "samples", "shard_samples")},
+        "schedule": _schedule_key(m.get("schedule")),
+        "given_schedule": m.get("schedule"),  # as the run wrote it
+        **{key: m.get(key) for key in ("seq_len", "seed", "samples", "shard_samples", "epoch_samples")},
     }
 
 
 def _check_same_run(found: dict, wanted: dict, where: Path) -> None:
-    """`wanted`: the _run_params of this invocation."""
+    """`wanted`: the _run_params (or _schedule_params) of this invocation."""
+    if found.get("schedule") is not None and wanted.get("schedule") is not None:
+        old, new = found["schedule"], wanted["schedule"]
+        for e in range(max(len(old), len(new))):
+            a, b = (old[e] if e < len(old) else None), (new[e] if e < len(new) else None)
+            if a != b:
+                raise TokpackError("the schedule differs from the one the run was made with", file=where,
+                                   where=f"epoch {e}", expected=a or "no such epoch", found=b or "no such epoch",
+                                   hint="restore the run's schedule file (its xxh3_128 is in the run manifest), "
+                                   "or write the new schedule to another -o")
     for key in wanted:
         if found[key] != wanted[key]:
             raise TokpackError(
@@ -131,15 +157,29 @@ def _existing_run(out: Path) -> dict | None:
 
 
 def _run_manifest(out: Path, plan: EpochPlan, weights, sources: list[PackedSource], shard_samples: int,
-                  epochs: list[int]) -> dict:
-    first = sources[0].manifest
+                  epochs: list[int], runplan: RunPlan) -> dict:
     written = {e: read_manifest(out / epoch_dir_name(e), kind="epoch") for e in epochs
                if (out / epoch_dir_name(e) / MANIFEST).exists()}
+    created = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
+    return run_manifest_of(written, plan, weights, sources, shard_samples, runplan, created)
+
+
+def run_manifest_of(written: dict, plan: EpochPlan, weights, sources: list[PackedSource], shard_samples: int,
+                    runplan: RunPlan, created: dict | None = None) -> dict:
+    """The run manifest over the epoch manifests `written`; `created`: the run's manifest so far,
+    whose schedule fields (fixed when the run was created, maybe spelled otherwise) it keeps."""
+    first = sources[0].manifest
+    entries = plan.source_entries()
+    scheduled = runplan.schedule.file is not None  # the weights and sizes are per epoch, in `schedule`
+    extra = runplan.manifest_fields() if scheduled else None
+    if scheduled and created is not None:
+        extra = {key: created.get(key) for key in extra}
     return run_manifest(
         written, sources[0].dtype, first["vocab_size"], first["eos_id"], first.get("tokenizer", ""),
-        sources=plan.source_entries(), weights=None if all(w is None for w in weights) else list(weights),
-        seq_len=plan.seq_len, seed=plan.seed, jitter=plan.jitter, samples=plan.samples, shard_samples=shard_samples,
-        shuffle=PLAN_ALGORITHM)
+        sources=[{**e, "weight": None} for e in entries] if scheduled else entries,
+        weights=None if scheduled or all(w is None for w in weights) else list(weights),
+        seq_len=plan.seq_len, seed=plan.seed, jitter=plan.jitter, samples=0 if scheduled else plan.samples,
+        shard_samples=shard_samples, shuffle=PLAN_ALGORITHM, extra=extra)
 
 
 def memory_path(job: EpochJob, memory: int) -> tuple[int, int]:
@@ -326,17 +366,22 @@ class RunSetup:
     done_epochs: list[int]  # listed by OUT's run manifest already
     todo: list[tuple[int, EpochPlan, EpochJob | None]]  # per epoch asked for; no job: complete already
     params: dict | None  # what makes two invocations the same run
+    runplan: RunPlan  # the run's stages (one, for a run made with flags), planning any epoch
+    run_params: dict | None  # a run made from a schedule file: its schedule, fixed when the run is created
 
     @property
     def jobs(self) -> list[EpochJob]:
         return [job for _, _, job in self.todo if job is not None]
 
 
-def setup_run(paths: list[str], output: str, *, weights, seq_len: int, seed: int, epochs: list[int], samples,
-              tokens, shard_samples, memory: int, jitter: bool, workers: int, progress: bool = False,
-              given: list[str] | None = None) -> RunSetup:
+def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, seed: int | None,
+              epochs: list[int] | None, samples, tokens, shard_samples, memory: int, jitter: bool, workers: int,
+              progress: bool = False, given: list[str] | None = None, schedule: Schedule | None = None) -> RunSetup:
     """Opens the sources and OUT's run (if any), checks they agree, and plans every epoch. Reads only.
-    `given`: as in shuffle_run."""
+    `given`, `schedule`: as in shuffle_run."""
+    if schedule is not None:
+        seq_len, seed, jitter, paths = schedule.seq_len, schedule.seed, schedule.jitter, schedule.paths
+        shard_samples = shard_samples or schedule.shard_samples
     paths, weights = list(paths), list(weights or [None] * len(paths))
     opened = open_sources(paths)
     out = Path(output)
@@ -357,18 +402,26 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int, seed: int
         shard_samples = existing["shard_samples"] if existing else max(1, DEFAULT_SHARD_BYTES // row_bytes)
     recorded = list(given) if given else [source_location(p) for p in paths]
     names = [p.rstrip("/").rsplit("/", 1)[-1] for p in recorded]
+    runplan = RunPlan(schedule or Schedule.of_flags(paths, weights, seq_len=seq_len, seed=seed, samples=samples,
+                                                    tokens=tokens, jitter=jitter), opened, names)
+    run_params = None if schedule is None or schedule.file is None else _schedule_params(runplan, opened, shard_samples)
+    if run_params is not None and existing is not None and existing["schedule"] == run_params["schedule"]:
+        spelled = {e["stage"]: e["weights"] for e in existing["given_schedule"]}  # equal as ratios: keep the run's
+        runplan = RunPlan(replace(schedule, stages=tuple(replace(st, weights=tuple(spelled[st.name]))
+                                                         for st in schedule.stages)), opened, names)
+    if epochs is None:
+        epochs = list(range(runplan.schedule.epochs or 1))
     done_epochs = []
     if (out / MANIFEST).exists():
         done_epochs = list(read_manifest(out, kind="run")["epochs"])
     todo = []  # (epoch, plan, job or None when the epoch is complete already): planned before any write
     for epoch in epochs:
-        plan = epoch_plan(opened, seq_len=seq_len, seed=seed, epoch=epoch, weights=weights, samples=samples,
-                          tokens=tokens, jitter=jitter, names=names)
+        plan = runplan.epoch_plan(epoch)
         plan = replace(plan, sources=tuple(replace(sp, path=recorded[sp.index]) for sp in plan.sources))
-        params = _run_params(plan, weights, shard_samples)
+        params = _run_params(plan, [sp.weight for sp in plan.sources], shard_samples)
         if existing is not None:
-            _check_same_run(existing, params, out)
-        existing = params
+            _check_same_run(existing, run_params or params, out)
+        existing = run_params or params
         edir = out / epoch_dir_name(epoch)
         job = None
         if (edir / MANIFEST).exists():
@@ -383,7 +436,7 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int, seed: int
                            first.get("tokenizer", ""), str(edir), str(out / WORK_DIR / f"{edir.name}-{key}"),
                            shard_samples, progress=bool(progress), main_pid=os.getpid())
         todo.append((epoch, plan, job))
-    return RunSetup(opened, weights, shard_samples, done_epochs, todo, existing)
+    return RunSetup(opened, weights, shard_samples, done_epochs, todo, existing, runplan, run_params)
 
 
 @locked_output("shuffle")
@@ -392,9 +445,9 @@ def shuffle_run(
     output: str,
     *,
     weights: list[str | None] | None = None,
-    seq_len: int,
-    seed: int,
-    epochs: list[int],
+    seq_len: int | None = None,
+    seed: int | None = None,
+    epochs: list[int] | None,
     samples: int | None = None,
     tokens: int | None = None,
     shard_samples: int | None = None,
@@ -406,6 +459,7 @@ def shuffle_run(
     run_passes,
     progress: bool | None = None,
     given: list[str] | None = None,
+    schedule: Schedule | None = None,
 ) -> dict:
     """Writes OUT/epoch-NNNNN/ for each epoch (skipping complete identical ones) and the run
     manifest. `memory` is the total budget: the out-of-core path gives each of `workers`
@@ -416,7 +470,9 @@ def shuffle_run(
     when `sources` are local copies of URLs; the manifests record those names (default: each
     path, resolved). Returns a summary dict, with per-source counts of
     every epoch written and a warning per source an epoch repeats windows of (packer.api.shuffle
-    takes URLs and returns it as a ShuffleResult)."""
+    takes URLs and returns it as a ShuffleResult). `schedule`: the run's stages (shuffle.schedule),
+    instead of `sources`, `weights`, `seq_len`, `seed`, `samples`, `tokens` and `jitter`; `epochs`
+    None: every epoch of the schedule."""
     t0 = time.perf_counter()
     log = log or (lambda line: None)
     if progress is None:
@@ -427,11 +483,14 @@ def shuffle_run(
                            expected="a packed source directory", hint="plan it instead: tokpack plan shuffle ...")
     setup = setup_run(sources, output, weights=weights, seq_len=seq_len, seed=seed, epochs=epochs, samples=samples,
                       tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter, workers=workers,
-                      progress=bool(progress), given=given)
+                      progress=bool(progress), given=given, schedule=schedule)
     out, opened, weights, shard_samples = Path(output), setup.sources, setup.weights, setup.shard_samples
-    done_epochs, existing, skipped, summaries = setup.done_epochs, setup.params, [], []
+    done_epochs, existing, runplan, skipped, summaries = setup.done_epochs, setup.params, setup.runplan, [], []
     check_space([(out, bytes_to_write(setup.jobs, opened, memory))], "shuffle",
                 hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)")
+    if setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():  # its numbering, fixed at creation
+        out.mkdir(parents=True, exist_ok=True)
+        write_manifest(out, _run_manifest(out, setup.todo[0][1], weights, opened, shard_samples, done_epochs, runplan))
     for epoch, plan, job in setup.todo:
         out.mkdir(parents=True, exist_ok=True)
         if job is None:
@@ -445,7 +504,7 @@ def shuffle_run(
             summary["sources"] = plan.source_report()
             summaries.append(summary)
         done_epochs = sorted(set(done_epochs) | {epoch})
-        write_manifest(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs))
+        write_manifest(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan))
     work = out / WORK_DIR
     if work.exists() and not any(work.iterdir()):
         work.rmdir()
@@ -455,7 +514,7 @@ def shuffle_run(
         "written": [s["epoch"] for s in summaries],
         "skipped": skipped,
         "samples_per_epoch": existing["samples"] if existing else 0,
-        "seq_len": seq_len,
+        "seq_len": runplan.schedule.seq_len,
         "shard_samples": shard_samples,
         "path": ",".join(sorted({s["path"] for s in summaries})) or "none",
         "seconds": round(time.perf_counter() - t0, 3),

@@ -1,0 +1,230 @@
+"""Data schedules: a run declared as an ordered list of stages, each a mixture of packed sources
+and a size (docs/COMMANDS.md, "Schedules"). A run made with flags is a schedule of one
+open-ended stage, and is planned exactly as it was before schedules existed.
+
+Epochs are numbered through the whole schedule. Each source keeps one chain over the run: an
+epoch starts each source's chain where the epochs before it left it (its cursor: the samples
+taken from it so far), so no window repeats before its source is exhausted.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import xxhash
+
+from formats.errors import TokpackError
+from formats.shards import PackedSource
+from formats.units import token_count
+
+from .plan import EpochPlan, SourcePlan, epoch_plan, jitter_offset, parse_weight, windows_of
+
+SCHEDULE_KEYS = ("seq_len", "seed", "jitter", "shard_samples", "stages")
+STAGE_KEYS = ("name", "sources", "tokens", "epochs")
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    paths: tuple[str, ...]  # its sources (a file's relative paths resolved against the file's directory)
+    weights: tuple[str | None, ...]  # one per source, as given; None without weights
+    epochs: int | None = 1  # None: open-ended (a run made with flags)
+    samples: int | None = None  # per epoch; with neither samples nor tokens, one pass over its windows
+    tokens: int | None = None  # per epoch: samples = tokens // seq_len
+
+
+@dataclass(frozen=True)
+class Schedule:
+    seq_len: int
+    seed: int
+    stages: tuple[Stage, ...]
+    jitter: bool = False
+    shard_samples: int | None = None
+    file: str | None = None  # the YAML file it was read from; None for a run made with flags
+    file_hash: str | None = None  # xxh3_128 of that file's bytes
+
+    @classmethod
+    def of_flags(cls, paths, weights, *, seq_len: int, seed: int, samples=None, tokens=None,
+                 jitter=False) -> "Schedule":
+        stage = Stage("", tuple(paths), tuple(weights), None, samples, tokens)
+        return cls(int(seq_len), int(seed), (stage,), bool(jitter))
+
+    @property
+    def paths(self) -> list[str]:
+        """Every source of the schedule, once, in order of first appearance: its key in the plan."""
+        seen: dict = {}
+        for stage in self.stages:
+            for p in stage.paths:
+                seen.setdefault(Path(p).resolve(), p)
+        return list(seen.values())
+
+    @property
+    def epochs(self) -> int | None:
+        """Epochs in the schedule; None when it is open-ended."""
+        return None if any(st.epochs is None for st in self.stages) else sum(st.epochs for st in self.stages)
+
+
+def _fail(message: str, file, where: str, expected=None, found=None, hint=None):
+    raise TokpackError(message, file=file, where=where, expected=expected, found=found,
+                       hint=hint or "see docs/COMMANDS.md, \"Schedules\", for the file's shape")
+
+
+def _check_keys(obj, allowed: tuple[str, ...], file, where: str) -> None:
+    if not isinstance(obj, dict):
+        _fail("schedule entry is not a mapping", file, where, "key: value pairs", type(obj).__name__)
+    unknown = [k for k in obj if k not in allowed]
+    if unknown:
+        _fail("unknown key in the schedule", file, f"{where}{unknown[0]}", f"one of {', '.join(allowed)}",
+              repr(unknown[0]))
+
+
+def _int(obj: dict, key: str, file, where: str, minimum: int | None = None, required: bool = True):
+    if key not in obj:
+        if required:
+            _fail("schedule key missing", file, f"{where}{key}", f"{key}: an integer", "no such key")
+        return None
+    value = obj[key]
+    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
+        _fail("schedule value is not a valid integer", file, f"{where}{key}",
+              "an integer" + ("" if minimum is None else f" >= {minimum}"), repr(value))
+    return value
+
+
+def _weight(value, file, where: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, numbers.Real)):
+        _fail("weight is not a number", file, where, "a number like 0.3, 2 or 1/3", repr(value))
+    text = str(value) if isinstance(value, (str, numbers.Rational)) else repr(float(value))
+    try:
+        weight = parse_weight(text, where)
+    except TokpackError as e:
+        _fail(e.message, file, where, e.expected, e.found)
+    if weight == 0:
+        _fail("weight is 0", file, where, "a weight > 0", text, hint="leave the source out of the stage instead")
+    return text
+
+
+def read_schedule(path: str | Path) -> Schedule:
+    """The schedule in a YAML file; any shape the file may not have is one TokpackError."""
+    import yaml
+
+    path = Path(path)
+    raw = path.read_bytes()
+    try:
+        doc = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        _fail("schedule is not valid YAML", path, f"line {mark.line + 1}" if mark else "", "YAML",
+              getattr(e, "problem", None) or type(e).__name__)
+    _check_keys(doc, SCHEDULE_KEYS, path, "")
+    seq_len = _int(doc, "seq_len", path, "", 1)
+    seed = _int(doc, "seed", path, "")
+    shard_samples = _int(doc, "shard_samples", path, "", 1, required=False)
+    jitter = doc.get("jitter", False)
+    if not isinstance(jitter, bool):
+        _fail("schedule value is not true or false", path, "jitter", "true or false", repr(jitter))
+    if not isinstance(doc.get("stages"), list) or not doc["stages"]:
+        _fail("schedule has no stages", path, "stages", "a list of stages", repr(doc.get("stages")))
+    stages, names = [], {}
+    for i, st in enumerate(doc["stages"]):
+        where = f"stages[{i}]."
+        _check_keys(st, STAGE_KEYS, path, where)
+        name = st.get("name")
+        if not isinstance(name, str) or not name:
+            _fail("stage has no name", path, f"{where}name", "a non-empty name", repr(name))
+        if name in names:
+            _fail("two stages have the same name", path, f"{where}name", "a name no other stage has",
+                  f"{name!r}, the name of stages[{names[name]}]")
+        names[name] = i
+        sources = st.get("sources")
+        if not sources:
+            _fail("stage has no sources", path, f"{where}sources", "{SOURCE: WEIGHT, ...}", repr(sources))
+        if not isinstance(sources, dict):
+            _fail("stage sources need weights", path, f"{where}sources", "{SOURCE: WEIGHT, ...}", repr(sources)[:60])
+        paths = [str(p if Path(str(p)).is_absolute() else path.parent / str(p)) for p in sources]
+        weights = [_weight(w, path, f"{where}sources.{p}") for p, w in sources.items()]
+        if ("tokens" in st) == ("epochs" in st):
+            _fail("stage needs exactly one of tokens and epochs", path, where.rstrip("."), "tokens: 8T or epochs: 3",
+                  "both" if "tokens" in st else "neither")
+        tokens = epochs = None
+        if "tokens" in st:
+            try:
+                tokens = token_count(st["tokens"] if isinstance(st["tokens"], (int, str)) else repr(st["tokens"]))
+            except TokpackError as e:
+                _fail(e.message, path, f"{where}tokens", "a token count like 8T or 1.5B", repr(st["tokens"]))
+            if tokens < seq_len:
+                _fail("stage is smaller than one sample", path, f"{where}tokens", f">= seq_len ({seq_len}) tokens",
+                      tokens, hint="raise the stage's tokens or lower seq_len")
+        else:
+            epochs = _int(st, "epochs", path, where, 1)
+        stages.append(Stage(name, tuple(paths), tuple(weights), 1 if tokens is not None else epochs, tokens=tokens))
+    return Schedule(seq_len, seed, tuple(stages), jitter, shard_samples, str(path.resolve()),
+                    xxhash.xxh3_128_hexdigest(raw))
+
+
+class RunPlan:
+    """A schedule against its opened sources (`sources`, in `Schedule.paths` order): what each
+    epoch takes from each source, and where in the source's chain."""
+
+    def __init__(self, schedule: Schedule, sources: list[PackedSource], names: list[str]):
+        self.schedule, self.sources, self.names = schedule, sources, names
+        key = {Path(p).resolve(): u for u, p in enumerate(schedule.paths)}
+        self.members = [[key[Path(p).resolve()] for p in st.paths] for st in schedule.stages]
+        self.counts = []  # per stage: samples per epoch of each source (0: not in the stage)
+        for k in range(len(schedule.stages)):
+            counts = [0] * len(sources)
+            for u, sp in zip(self.members[k], self._stage_plan(k, 0).sources):
+                counts[u] = sp.samples
+            self.counts.append(counts)
+
+    def _stage_plan(self, k: int, epoch: int) -> EpochPlan:
+        st, sc, members = self.schedule.stages[k], self.schedule, self.members[k]
+        return epoch_plan([self.sources[u] for u in members], seq_len=sc.seq_len, seed=sc.seed, epoch=epoch,
+                          weights=list(st.weights), samples=st.samples, tokens=st.tokens, jitter=sc.jitter,
+                          names=[self.names[u] for u in members])
+
+    def stage_of(self, epoch: int) -> tuple[int, int]:
+        """(stage, the stage's first epoch) of an epoch of the schedule."""
+        first = 0
+        for k, st in enumerate(self.schedule.stages):
+            if st.epochs is None or epoch < first + st.epochs:
+                return k, first
+            first += st.epochs
+        raise TokpackError("epoch is not in the schedule", file=self.schedule.file, where="--epoch/--epochs",
+                           expected=f"0..{first - 1} ({len(self.schedule.stages)} stages)", found=epoch,
+                           hint="the schedule's epochs are numbered through all its stages")
+
+    def epoch_plan(self, epoch: int) -> EpochPlan:
+        k, first = self.stage_of(epoch)
+        plan = self._stage_plan(k, epoch)
+        if len(self.schedule.stages) == 1:
+            return plan  # one mixture for the run: every chain is at epoch * c_s
+        # Several stages: the epoch lists every source of the schedule (its position is its key),
+        # and each source's chain starts where the epochs before this one left it.
+        stage_of = dict(zip(self.members[k], plan.sources))
+        seq_len, seed = plan.seq_len, plan.seed
+        entries, base = [], 0
+        for u, src in enumerate(self.sources):
+            cursor = sum(self.counts[j][u] * self.schedule.stages[j].epochs for j in range(k)) \
+                + (epoch - first) * self.counts[k][u]
+            offset = jitter_offset(seed, epoch, u, seq_len) if plan.jitter else 0
+            sp = stage_of.get(u) or SourcePlan(u, self.names[u], str(src.path), src.fingerprint, None, src.tokens,
+                                               offset, windows_of(src.tokens, seq_len, plan.jitter), 0, base)
+            entries.append(replace(sp, index=u, offset=offset, base=base, cursor=cursor))
+            base += sp.samples
+        return replace(plan, sources=tuple(entries))
+
+    def manifest_fields(self) -> dict:
+        """What a run made from a schedule file records: per epoch its stage, sources (indices
+        into the run's `sources`), weights and per-source samples; the epoch sizes (which number
+        the run's samples); the file and its checksum."""
+        entries, sizes = [], []
+        for k, st in enumerate(self.schedule.stages):
+            counts = [self.counts[k][u] for u in self.members[k]]
+            for _ in range(st.epochs):
+                entries.append({"stage": st.name, "sources": self.members[k], "weights": list(st.weights),
+                                "samples": counts})
+                sizes.append(sum(counts))
+        return {"epoch_samples": sizes, "schedule": entries, "schedule_file": self.schedule.file,
+                "schedule_xxh3_128": self.schedule.file_hash}

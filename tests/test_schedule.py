@@ -1,0 +1,386 @@
+"""Data schedules (`tokpack shuffle --schedule run.yaml`): a run whose stages change the mixture.
+
+Runs are written by the real shuffle engine (out of core under a small --memory, local
+executor with worker processes); loaders are torchdata's StatefulDataLoader with workers and
+datatrove's DatatroveFolderDataset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import random_docs, write_source
+from formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, read_manifest
+from formats.reader import SampleReader
+from formats.shards import PackedSource
+from packer.api import ExecutorConfig, inspect, shuffle, stage, validate
+from packer.cli import main
+from shuffle.plan import EpochPlan
+from shuffle.schedule import RunPlan, Schedule, Stage
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ = 31  # a sample is 32 tokens
+MEMORY = 48 << 10  # well under the windows of an epoch: the out-of-core path
+# web: 576 windows, code: 307, math: 137. Stage "stable" takes 618 web samples an epoch (its
+# chain wraps within epoch 0) and 265 code samples (its chain wraps within epoch 1); "mid" and
+# "decay" continue both chains and start math's.
+SCHEDULE = """\
+seq_len: 31
+seed: 7
+shard_samples: 50
+stages:
+  - name: stable
+    epochs: 2
+    sources: {web: 0.7, code: 0.3}
+  - name: mid
+    tokens: 8K            # 258 samples
+    sources: {web: 0.5, code: 0.3, math: 0.2}
+  - name: decay
+    tokens: 3K            # 96 samples
+    sources: {math: 0.6, code: 0.4}
+"""
+SIZES = [883, 883, 258, 96]
+STAGES = ["stable", "stable", "mid", "decay"]
+BOUNDARY = SIZES[0] + SIZES[1]  # consumed-sample number of the first sample of stage "mid" (epoch 2)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("schedule")
+    for k, (name, n) in enumerate([("web", 120), ("code", 60), ("math", 30)]):
+        write_source(root / name, random_docs(np.random.default_rng(k), n, 1000, 0), docs_per_shard=20)
+    (root / "run.yaml").write_text(SCHEDULE)
+    return root
+
+
+@pytest.fixture(scope="module")
+def run(corpus) -> Path:
+    """The three-stage run, every epoch written by one command, in order."""
+    out = corpus / "run"
+    result = shuffle(None, out, schedule=corpus / "run.yaml", memory=MEMORY)
+    assert result.written == [0, 1, 2, 3]
+    assert "out-of-core" in result.path
+    return out
+
+
+def tree(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def cli(*args) -> tuple[int, list[str]]:
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    return res.exit_code, res.output.strip().splitlines()
+
+
+# ------------------------------------------------------------------ building
+
+
+def test_the_run_records_its_schedule(run, corpus):
+    m = read_manifest(run, kind="run")
+    assert m["epoch_samples"] == SIZES and m["samples"] == 0 and m["epochs"] == [0, 1, 2, 3]
+    assert [e["stage"] for e in m["schedule"]] == STAGES
+    assert [s["name"] for s in m["sources"]] == ["web", "code", "math"]
+    assert m["schedule"][3] == {"stage": "decay", "sources": [2, 1], "weights": ["0.6", "0.4"], "samples": [58, 38]}
+    assert m["schedule_file"] == str((corpus / "run.yaml").resolve())
+    for e, size in enumerate(SIZES):
+        assert read_manifest(run / epoch_dir_name(e), kind="epoch")["samples"] == size
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_epochs_built_one_by_one_in_shuffled_order_are_byte_identical(run, corpus, tmp_path, workers):
+    out = tmp_path / "run"
+    order = [0, 1, 2, 3]
+    random.Random(workers).shuffle(order)
+    order = order if order != [0, 1, 2, 3] else [3, 1, 0, 2]
+    for e in order:
+        code, lines = cli("shuffle", "--schedule", corpus / "run.yaml", "-o", out, "--epoch", e,
+                          "--memory", MEMORY, "--workers", workers, "--json")
+        assert code == 0, lines
+    assert tree(out) == tree(run)
+
+
+def test_a_flags_run_is_a_schedule_of_one_stage(corpus, tmp_path):
+    """The same mixture from flags and from a one-stage schedule file: the same epochs, byte for byte."""
+    stage = f"  - {{name: only, epochs: 2, sources: {{{corpus}/web: 2, {corpus}/code: 1}}}}\n"
+    (tmp_path / "one.yaml").write_text(f"seq_len: {SEQ}\nseed: 7\nshard_samples: 50\nstages:\n{stage}")
+    shuffle(None, tmp_path / "a", schedule=tmp_path / "one.yaml", memory=MEMORY)
+    shuffle({str(corpus / "web"): "2", str(corpus / "code"): "1"}, tmp_path / "b", seq_len=SEQ, seed=7, epochs=2,
+            shard_samples=50, memory=MEMORY)
+    for e in range(2):
+        assert tree(tmp_path / "a" / epoch_dir_name(e)) == tree(tmp_path / "b" / epoch_dir_name(e))
+    assert "cursor" not in json.dumps(read_manifest(tmp_path / "a" / epoch_dir_name(1)))
+
+
+# ---------------------------------------------------------- chains across stages
+
+
+def test_each_window_once_per_pass_across_stages(run, corpus):
+    """Directly, from the samples: every sample of every epoch is its source's window (read
+    from the source), and each source's windows are taken once each, pass after pass, over the
+    whole run: a later stage continues the chain where the earlier epochs left it."""
+    sources = {name: PackedSource.open(corpus / name) for name in ("web", "code", "math")}
+    taken: dict[int, list[tuple[int, int]]] = {0: [], 1: [], 2: []}
+    reader = SampleReader.open(run)
+    for e, size in enumerate(SIZES):
+        m = read_manifest(run / epoch_dir_name(e), kind="epoch")
+        plan = EpochPlan.from_manifest(m, list(sources.values()))
+        s, window, passes = plan.locate(np.arange(size))
+        rows = reader.read(reader.position(e, 0), size)
+        for g in range(size):
+            src = sources[plan.sources[s[g]].name]
+            lo, hi = plan.token_range(int(s[g]), int(window[g]))
+            got = np.empty(hi - lo, dtype=src.dtype)
+            src.read_into(lo, got, {})
+            assert np.array_equal(rows[g], got), (e, g)
+        for g in range(size):
+            taken[int(s[g])].append((int(passes[g]), int(window[g])))
+    windows = {0: 576, 1: 307, 2: 137}
+    totals = {0: 618 * 2 + 129, 1: 265 * 2 + 77 + 38, 2: 52 + 58}
+    for u, pairs in taken.items():
+        assert len(pairs) == totals[u]
+        assert len(set(pairs)) == len(pairs)  # no (pass, window) twice: no window twice within a pass
+        for p in range(totals[u] // windows[u]):  # every complete pass holds every window once
+            assert sorted(w for q, w in pairs if q == p) == list(range(windows[u]))
+        assert max(q for q, _ in pairs) == (totals[u] - 1) // windows[u]  # and no pass is started early
+
+
+# ------------------------------------------------------------------ reading
+
+
+def test_global_batch_across_a_stage_boundary_sample_reader(run):
+    reader = SampleReader.open(run)
+    g0 = BOUNDARY - 3
+    assert reader.epoch_sample(g0) == (1, SIZES[1] - 3)
+    assert reader.epoch_sample(BOUNDARY) == (2, 0)
+    assert reader.total_samples == sum(SIZES)
+    epoch1, epoch2 = (SampleReader.open(run / epoch_dir_name(e)) for e in (1, 2))
+    want = np.concatenate([epoch1.read(SIZES[1] - 3, 3), epoch2.read(0, 3)])
+    world, micro = 2, 3  # one global batch of 6: three samples of "stable", three of "mid"
+    got = [s for r in range(world) for s in reader.rank_samples(r, world, micro, start=g0, count=micro)]
+    assert [(s.epoch, s.sample) for s in got] == [(1, SIZES[1] - 3), (1, SIZES[1] - 2), (1, SIZES[1] - 1),
+                                                   (2, 0), (2, 1), (2, 2)]
+    assert np.array_equal(np.stack([s.tokens for s in got]), want)
+    code, lines = cli("read", run, "--rank", 1, "--world-size", 2, "--micro-batch", 3, "--start-sample", g0,
+                      "--count", 3, "--json")
+    assert code == 0 and [(x["epoch"], x["sample"]) for x in map(json.loads, lines)] == [(2, 0), (2, 1), (2, 2)]
+
+
+def test_tokpack_dataset_workers_cross_a_stage_boundary_and_resume_inside_it(run):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from formats.torch_adapter import TokpackDataset
+
+    world, micro = 2, 3
+    start = BOUNDARY - 9  # step 0 ends in "stable", step 1 spans the boundary, step 2 is in "mid"
+    reader = SampleReader.open(run)
+    want = [reader.read(start + b * world * micro + micro, micro).astype(np.int64) for b in range(3)]
+    ds = TokpackDataset(run, rank=1, world_size=world, micro_batch=micro, start_sample=start, positions="eos")
+    loader = StatefulDataLoader(ds, batch_size=None, num_workers=2)
+    it = iter(loader)
+    first = next(it)
+    saved = loader.state_dict()  # after step 0: the next item is the one across the boundary
+    crossing, after = next(it), next(it)
+    del it
+    for batch, rows in zip((first, crossing, after), want):
+        assert torch.equal(batch["input_ids"], torch.from_numpy(rows[:, :-1]))
+    assert int(crossing["consumed_samples"]) == BOUNDARY + 3
+    assert ds.state_dict(crossing) == {"epoch": 2, "sample": 3, "consumed_samples": BOUNDARY + 3}
+    resumed = StatefulDataLoader(TokpackDataset(run, rank=1, world_size=world, micro_batch=micro, start_sample=start,
+                                                positions="eos"), batch_size=None, num_workers=2)
+    resumed.load_state_dict(saved)
+    it = iter(resumed)
+    again = next(it), next(it)
+    del it
+    assert torch.equal(again[0]["input_ids"], crossing["input_ids"])
+    assert torch.equal(again[1]["input_ids"], after["input_ids"])
+    assert TokpackDataset.consumed_samples(saved) == start + world * micro
+
+
+def test_datatrove_folder_dataset_reads_the_epochs_in_order(run):
+    code = (
+        "import json\n"
+        "from datatrove.utils.dataset import DatatroveFolderDataset\n"
+        f"ds = DatatroveFolderDataset({str(run)!r}, {SEQ}, filename_pattern='**/*.ds', token_size=2)\n"
+        "print(json.dumps([ds[i]['input_ids'].tolist() for i in range(len(ds))]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    theirs = json.loads(out.stdout.splitlines()[-1])
+    reader = SampleReader.open(run)
+    assert len(theirs) == reader.total_samples == sum(SIZES)
+    assert np.array_equal(np.array(theirs), reader.read(0, reader.total_samples))
+
+
+def test_stage_ranks_and_inspect_follow_the_stages(run, tmp_path):
+    world, micro = 2, 3
+    start = BOUNDARY - 3
+    stage(run, tmp_path / "copy", ranks=f"1/{world}", micro_batch=micro)
+    full, part = SampleReader.open(run), SampleReader.open(tmp_path / "copy")
+    ours = [(s.epoch, s.sample, s.tokens.tolist()) for s in part.rank_samples(1, world, micro, start=start, count=9)]
+    assert ours == [(s.epoch, s.sample, s.tokens.tolist()) for s in full.rank_samples(1, world, micro, start=start,
+                                                                                      count=9)]
+    assert ours[0][:2] == (2, 0)
+    report = inspect(run, batches=2, batch_size=8)
+    assert [(st["stage"], st["epochs"], st["samples"]) for st in report.stages] == [
+        ("stable", [0, 1], SIZES[0] + SIZES[1]), ("mid", [2], SIZES[2]), ("decay", [3], SIZES[3])]
+    assert [s["name"] for s in report.stages[2]["sources"]] == ["math", "code"]
+
+
+# ------------------------------------------------------------------ checking
+
+
+def test_validate_checks_each_epoch_against_its_stage_sources(run, corpus):
+    result = validate(run, against=[corpus / "web", corpus / "code", corpus / "math"])
+    assert result.ok, result.problems
+    # epoch 3 ("decay") against its stage's sources only
+    assert validate(run / epoch_dir_name(3), against=[corpus / "math", corpus / "code"]).ok
+
+
+@pytest.mark.parametrize("cursor, first_pass, message", [
+    (600, 1, "taken twice before its source is exhausted"),  # restarts web's chain inside pass 1, not at 1236
+    (1300, 2, "windows of its chain skipped")])
+def test_validate_reports_a_chain_that_does_not_continue(run, tmp_path, cursor, first_pass, message):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    path = copy / epoch_dir_name(2)
+    m = read_manifest(path, kind="epoch")
+    web = m["sources"][0]
+    assert (web["name"], web["cursor"]) == ("web", 2 * 618)
+    web.update(cursor=cursor, first_pass=first_pass, passes=1)  # the pass bookkeeping agrees with the cursor
+    (path / MANIFEST).write_bytes(canonical_bytes(m))
+    problems = validate(copy).problems
+    assert [p["where"] for p in problems] == ["sources[0].cursor"]
+    assert message in problems[0]["message"]
+    assert problems[0]["expected"].startswith("1236")
+
+
+def test_validate_reports_a_changed_schedule_file(run, corpus, tmp_path):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    changed = tmp_path / "run.yaml"
+    changed.write_text(SCHEDULE.replace("math: 0.6", "math: 0.7"))
+    m = read_manifest(copy, kind="run")
+    m["schedule_file"] = str(changed)
+    (copy / MANIFEST).write_bytes(canonical_bytes(m))
+    problems = validate(copy).problems
+    assert [p["where"] for p in problems] == ["xxh3_128"]
+    assert "schedule file changed" in problems[0]["message"]
+    changed.unlink()
+    result = validate(copy)
+    assert result.status == "unverified" and [p["where"] for p in result.problems] == ["schedule_file"]
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def stage_line(**kw) -> str:
+    fields = {"name": "a", "epochs": 1, "sources": "{web: 1}", **kw}
+    return "  - {" + ", ".join(f"{k}: {v}" for k, v in fields.items() if v is not None) + "}\n"
+
+
+BAD = {
+    "no sources": (stage_line(sources="{}"), "stage has no sources"),
+    "weight 0": (stage_line(sources="{web: 0, code: 1}"), "weight is 0"),
+    "unknown key": (stage_line(weight=2), "unknown key in the schedule"),
+    "smaller than one sample": (stage_line(epochs=None, tokens=30), "stage is smaller than one sample"),
+    "dtype differs": (stage_line() + stage_line(name="b", sources="{wide: 1}"), "sources disagree"),
+    "same name twice": (stage_line() + stage_line(sources="{code: 1}"), "two stages have the same name"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_schedule_is_one_line_and_writes_nothing(corpus, tmp_path, case):
+    if not (corpus / "wide").exists():
+        write_source(corpus / "wide", random_docs(np.random.default_rng(9), 10, 70000, 0), vocab_size=70000)
+    stages, message = BAD[case]
+    (tmp_path / "bad.yaml").write_text(f"seq_len: {SEQ}\nseed: 1\nstages:\n{stages}".replace("{web", f"{{{corpus}/web")
+                                       .replace("code:", f"{corpus}/code:").replace("{wide", f"{{{corpus}/wide"))
+    code, lines = cli("shuffle", "--schedule", tmp_path / "bad.yaml", "-o", tmp_path / "out", "--memory", MEMORY)
+    assert code == 1 and len(lines) == 1 and message in lines[0], lines
+    assert lines[0].startswith("tokpack: error: ")
+    assert not (tmp_path / "out").exists()
+
+
+def test_changed_schedule_is_refused_against_the_existing_run(run, corpus, tmp_path):
+    changed = corpus / "changed.yaml"
+    for text, where in ((SCHEDULE.replace("web: 0.5, code: 0.3", "web: 0.4, code: 0.4"), "epoch 2"),
+                        (SCHEDULE.replace("tokens: 3K", "tokens: 4K"), "epoch 3"),
+                        (SCHEDULE.replace("epochs: 2", "epochs: 3"), "epoch 2")):
+        changed.write_text(text)
+        before = tree(run)
+        code, lines = cli("shuffle", "--schedule", changed, "-o", run, "--epoch", 0, "--memory", MEMORY)
+        assert code == 1 and len(lines) == 1, lines
+        assert "the schedule differs from the one the run was made with" in lines[0] and f"[{where}]" in lines[0]
+        assert tree(run) == before
+    # the same schedule, weights respelled (equal ratios): the run, unchanged, is complete already
+    changed.write_text(SCHEDULE.replace("web: 0.7, code: 0.3", "web: 7, code: 3"))
+    before = tree(run)
+    code, lines = cli("shuffle", "--schedule", changed, "-o", run, "--memory", MEMORY, "--json")
+    assert code == 0 and json.loads(lines[-1])["skipped"] == [0, 1, 2, 3]
+    assert tree(run) == before
+
+
+# ------------------------------------------------------------------ the plan, any schedule
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 4), min_size=3, max_size=3).filter(any),
+                          st.one_of(st.integers(1, 3).map(lambda k: ("epochs", k)),
+                                    st.integers(SEQ, 40 * SEQ).map(lambda t: ("tokens", t)))),
+                min_size=1, max_size=4),
+       st.booleans())
+def test_any_schedule_continues_every_chain(corpus, stages, jitter):
+    """For any schedule: each epoch starts each source's chain where the epochs before it left
+    it, and no (pass, window) of a source is taken twice over the whole run."""
+    paths = [str(corpus / name) for name in ("web", "code", "math")]
+    schedule = Schedule(SEQ, 3, tuple(
+        Stage(f"s{k}", tuple(p for p, w in zip(paths, ws) if w), tuple(str(w) for w in ws if w),
+              size if kind == "epochs" else 1, tokens=size if kind == "tokens" else None)
+        for k, (ws, (kind, size)) in enumerate(stages)), jitter)
+    union = schedule.paths
+    plan = RunPlan(schedule, [PackedSource.open(p) for p in union], [Path(p).name for p in union])
+    taken = [0] * len(union)
+    seen: set = set()
+    for e in range(schedule.epochs):
+        ep = plan.epoch_plan(e)
+        for u, sp in enumerate(ep.sources if len(stages) > 1 else ()):
+            assert (sp.index, ep.chain_start(u)) == (u, taken[u])
+        s, window, passes = ep.locate(np.arange(ep.samples))
+        keys = {(ep.sources[i].index, p, w) for i, p, w in zip(s.tolist(), passes.tolist(), window.tolist())}
+        counts = np.bincount(s, minlength=len(ep.sources)).tolist()
+        assert not keys & seen
+        # within an epoch, a window repeats only in another pass: the keys are distinct
+        assert len(keys) == ep.samples
+        seen |= keys
+        taken = [t + counts[u] for u, t in enumerate(taken)] if len(stages) > 1 else taken
+
+
+def test_plan_of_a_schedule_is_the_run(run, corpus, tmp_path):
+    """`tokpack plan shuffle --schedule` plans every epoch of the schedule as the run made them:
+    sizes, shards, and the run manifest's size (its schedule fields included)."""
+    from packer import plan
+
+    planned = plan("shuffle", None, tmp_path / "planned", schedule=corpus / "run.yaml", memory=MEMORY, disk_mbps=100)
+    assert [e["samples"] for e in planned.epochs] == SIZES
+    assert [e["shards"] for e in planned.epochs] == [len(list((run / epoch_dir_name(e)).glob("*.ds"))) for e in range(4)]
+    assert abs(planned.manifests["tokpack.json"] - (run / "tokpack.json").stat().st_size) <= 0.01 * (run / "tokpack.json").stat().st_size
+    assert not (tmp_path / "planned").exists()
+    code, lines = cli("plan", "shuffle", "--schedule", corpus / "run.yaml", "-o", tmp_path / "p2", "--epoch", "2",
+                      "--memory", str(MEMORY), "--disk-mbps", "100", "--json")
+    assert code == 0 and [e["samples"] for e in json.loads("\n".join(lines))["epochs"]] == [SIZES[2]]
