@@ -494,8 +494,8 @@ def section_scripts(ctx: Ctx, size: str) -> list[dict]:
     accepts `corpus=`). A missing script is shown; one that raises fails the run."""
     rows = []
     # The fault soak's --quick (a few kills) is a smoke run; a full soak (bench/soak.py --kills 500)
-    # takes over an hour and is run on its own.
-    for name in SCRIPTS + (["soak"] if ctx.quick else []):
+    # takes over an hour and is run on its own. Likewise the scale model's tiny model and its full one.
+    for name in SCRIPTS + (["soak", "scale_model"] if ctx.quick else []):
         section = f"{name}.py"
         if not (BENCH / f"{name}.py").exists():
             rows.append({"section": section, "case": "-", "_required": False, "note": f"bench/{name}.py does not exist"})
