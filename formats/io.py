@@ -184,12 +184,13 @@ class Worker:
     """The one pipelining idiom: a thread that runs the calls submitted to it in order while
     the caller goes on, with at most `depth` calls pending (a submit waits for the oldest), so
     a ring of `depth + 1` buffers is enough. A failed call raises at a later submit or when
-    the `with` block ends, which waits for every pending call."""
+    the `with` block ends, which waits for every pending call. With `threads` > 1, that many
+    calls run at once (their results still come back in submission order)."""
 
-    def __init__(self, depth: int | None = None):
+    def __init__(self, depth: int | None = None, threads: int = 1):
         self.depth = depth  # None: no bound
         self.pending: deque[Future] = deque()  # submitted calls, oldest first
-        self._pool = ThreadPoolExecutor(1)
+        self._pool = ThreadPoolExecutor(threads)
 
     def submit(self, fn, *args) -> Future:
         while self.pending and (self.pending[0].done() or self.depth is not None and len(self.pending) >= self.depth):
@@ -213,13 +214,14 @@ class Worker:
         return False
 
 
-def read_ahead(plan, fill, slots: list) -> Iterator[tuple]:
+def read_ahead(plan, fill, slots: list, threads: int = 1) -> Iterator[tuple]:
     """Reads block k+1 in a Worker while the caller checks, hashes and writes block k, so the
     disk never waits for the CPU (file reads release the GIL). `plan` yields (n, meta);
     `fill(slot, n, meta)` reads n items into one of the `slots` (reused buffers) and returns
-    the views. Yields (views, meta) in plan order; a view is valid until the next item."""
+    the views. Yields (views, meta) in plan order; a view is valid until the next item.
+    `threads` > 1 fills several slots at once (a fill that decodes, not just reads)."""
     plan = iter(plan)
-    with Worker() as reader:
+    with Worker(threads=threads) as reader:
         queued: deque = deque()  # (slot, its read, meta), oldest first
 
         def read_next(slot) -> None:

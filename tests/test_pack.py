@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import EOS_TOKEN, generate_texts, random_docs, require
+from formats.errors import TokpackError
 from formats.manifest import MANIFEST
 from formats.shards import PackedSource
 from packer.cli import main
@@ -373,6 +374,33 @@ def test_parquet_round_trip_with_missing_eos_and_empty_docs(tmp_path):
     assert s["empty_documents_dropped"] == sum(1 for d in docs if not d)
     assert s["eos_appended"] == sum(1 for d in docs if d and d[-1] != 0)
     assert s["tokens"] == sum(map(len, normalised(docs)))  # no token lost
+
+
+def test_parquet_row_groups_decoded_in_parallel_pack_as_one_at_a_time(tmp_path, monkeypatch):
+    """Row groups decoded several at once come out in file order: the same packed bytes, and
+    the same error line for a null id in a late row group, as decoding one at a time."""
+    import formats.inputs.tables as tables
+
+    docs = varied_docs(seed=4)
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"input_ids": pa.array(docs, type=pa.list_(pa.int32()))}), tmp_path / "pq" / "a.parquet",
+                   row_group_size=3)
+    bad = [list(d) for d in docs]
+    bad[-2] = [1, None, 0]
+    pq.write_table(pa.table({"input_ids": pa.array(bad, type=pa.list_(pa.int32()))}), tmp_path / "bad.parquet",
+                   row_group_size=3)
+    assert pq.ParquetFile(tmp_path / "pq" / "a.parquet").num_row_groups > 8
+    outs, errors = [], []
+    for threads in (1, 3):
+        monkeypatch.setattr(tables, "PARQUET_DECODE_THREADS", threads)
+        pack([str(tmp_path / "pq")], str(tmp_path / f"out{threads}"), eos_id=0, vocab_size=500)
+        outs.append({p.name: p.read_bytes() for p in (tmp_path / f"out{threads}").iterdir()})
+        with pytest.raises(TokpackError) as err:
+            pack([str(tmp_path / "bad.parquet")], str(tmp_path / f"bad{threads}"), eos_id=0, vocab_size=500)
+        errors.append(str(err.value))
+        assert not (tmp_path / f"bad{threads}" / "tokpack.json").exists()
+    assert outs[0] == outs[1] and packed_docs(tmp_path / "out3") == normalised(docs)
+    assert errors[0] == errors[1] and "null token id" in errors[0] and f"row {len(docs) - 2}]" in errors[0]
 
 
 def test_hf_save_to_disk_and_arrow_file(tmp_path, tokenizer_path):

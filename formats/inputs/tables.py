@@ -10,10 +10,16 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import TokpackError
+from ..io import read_ahead
 from . import Block, InputFile, input_error as _err
 
 TABLE_ROWS = 8192  # Parquet/Arrow rows per record batch
 PARQUET_READ_BYTES = 8 << 20  # Parquet column data is read in pieces of this size
+# Decoding a list column takes one core per row group (BENCHMARKS.md, "Parquet decoding"), so
+# row groups are decoded this many at a time, with one more decoded ahead of the packer...
+PARQUET_DECODE_THREADS = max(1, min(4, os.cpu_count() or 1))
+# ...when each is at most this large (in memory): PARQUET_DECODE_THREADS + 1 of them are held.
+PARQUET_PARALLEL_GROUP_BYTES = 128 << 20
 ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
 
 
@@ -91,8 +97,27 @@ def iter_record_batches(f: InputFile, columns: list[str]):
         # pyarrow's default pre-buffering reads ahead across row groups (a 512 MB file peaked at
         # 717 MB of Arrow memory); a buffered stream decodes one row group with 8 MiB reads
         # (186 MB for the same file: a row group's values plus its levels).
-        pf = pq.ParquetFile(f.path, pre_buffer=False, buffer_size=PARQUET_READ_BYTES)
-        yield from pf.iter_batches(batch_size=TABLE_ROWS, columns=columns)
+        def reader():
+            return pq.ParquetFile(f.path, pre_buffer=False, buffer_size=PARQUET_READ_BYTES)
+
+        pf = reader()
+        groups = pf.num_row_groups
+        largest = max((pf.metadata.row_group(i).total_byte_size for i in range(groups)), default=0)
+        if PARQUET_DECODE_THREADS < 2 or groups < 2 or largest > PARQUET_PARALLEL_GROUP_BYTES:
+            yield from pf.iter_batches(batch_size=TABLE_ROWS, columns=columns)
+            return
+
+        def decode(_slot, _n, group: int) -> list:  # a reader per call: one ParquetFile is not shared by threads
+            return list(reader().iter_batches(batch_size=TABLE_ROWS, row_groups=[group], columns=columns,
+                                              use_threads=False))
+
+        ahead = read_ahead(((1, g) for g in range(groups)), decode, [None] * (PARQUET_DECODE_THREADS + 1),
+                           threads=PARQUET_DECODE_THREADS)
+        try:
+            for batches, _ in ahead:
+                yield from batches
+        finally:
+            ahead.close()
         return
     with pa.memory_map(f.path) as src:
         if _arrow_kind(Path(f.path)) == "file":
@@ -112,8 +137,9 @@ def table_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
         col = batch.column(0)
         lengths = pc.list_value_length(col).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
         values = pc.list_flatten(col)
-        if values.null_count:
-            raise _err("null token id in a list", f.path, where=f"column {f.column!r}, rows {row}-{row + len(col) - 1}",
+        if values.null_count:  # named by its row, which does not depend on how the file is batched
+            first = pc.list_parent_indices(col)[pc.index(values.is_null(), True).as_py()].as_py()
+            raise _err("null token id in a list", f.path, where=f"column {f.column!r}, row {row + first}",
                        expected="integers", found="null", hint="drop or fill the nulls before packing")
         tokens = values.to_numpy(zero_copy_only=False)
         ends = np.cumsum(lengths)
