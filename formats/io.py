@@ -1,5 +1,5 @@
-"""The I/O layer every stage reads and writes through: read-until-full, anonymous private
-mappings, reusable buffers a reader owns, memory-mapped reads, the one pipelining idiom
+"""The I/O layer every stage reads and writes through: local paths and fsspec URLs behind one
+set of file calls, read-until-full, anonymous private mappings, reusable buffers a reader owns, memory-mapped reads, the one pipelining idiom
 (`Worker`: calls run in order in one thread, a bounded number ahead), atomic and O_DIRECT
 writes, and progress bars."""
 
@@ -9,6 +9,7 @@ import contextlib
 import errno
 import mmap
 import os
+import posixpath
 import sys
 import threading
 import uuid
@@ -32,6 +33,127 @@ MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 
 _FREE_BUFFERS: dict = {}  # (use, dtype) -> [Buffer]: reusable buffers that no live reader holds
 _FREE_LOCK = threading.Lock()
+
+
+# ---------------------------------------------------------------- local paths and URLs
+
+
+def is_url(path) -> bool:
+    return "://" in str(path)
+
+
+def local_path(path) -> str | None:
+    """The local path a plain path or a `file://` URL names; None for other fsspec URLs."""
+    text = str(path)
+    if not is_url(text):
+        return text
+    if text.startswith("file://"):
+        from fsspec.implementations.local import make_path_posix
+
+        return make_path_posix(text[len("file://"):])
+    return None
+
+
+def as_path(path) -> "Path | RemotePath":
+    """A `pathlib.Path` for a local path (plain os calls, nothing in between), a RemotePath for
+    any other fsspec URL."""
+    if isinstance(path, (Path, RemotePath)):
+        return path
+    local = local_path(path)
+    return Path(local) if local is not None else RemotePath(str(path))
+
+
+class RemotePath:
+    """A file or folder at an fsspec URL (s3://bucket/key...) with the pathlib calls tokpack's
+    readers make, so one code path reads local files and objects alike. The filesystem is
+    fsspec's (s3fs for s3://: credentials and endpoint from the standard AWS environment)."""
+
+    def __init__(self, url: str, fs=None):
+        self.url = url.rstrip("/")  # as given, scheme included: what messages and manifests name
+        if fs is None:
+            from fsspec.core import url_to_fs
+
+            fs = url_to_fs(self.url)[0]
+        self.fs = fs
+        self.key = fs._strip_protocol(self.url)  # the path the filesystem knows it by
+
+    def __str__(self) -> str:
+        return self.url
+
+    __repr__ = __str__
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, RemotePath) and self.url == other.url
+
+    def __hash__(self) -> int:
+        return hash(self.url)
+
+    def __lt__(self, other) -> bool:
+        return self.url < str(other)
+
+    def __truediv__(self, name) -> "RemotePath":
+        return RemotePath(f"{self.url}/{name}", self.fs)
+
+    name = property(lambda self: posixpath.basename(self.url))
+    suffix = property(lambda self: posixpath.splitext(self.name)[1])
+    stem = property(lambda self: posixpath.splitext(self.name)[0])
+    parent = property(lambda self: RemotePath(posixpath.dirname(self.url), self.fs))
+
+    def with_name(self, name: str) -> "RemotePath":
+        return self.parent / name
+
+    def with_suffix(self, suffix: str) -> "RemotePath":
+        return self.parent / (self.stem + suffix)
+
+    def is_absolute(self) -> bool:
+        return True
+
+    def resolve(self) -> "RemotePath":
+        return self
+
+    def exists(self) -> bool:
+        return self.fs.exists(self.key)
+
+    def is_dir(self) -> bool:
+        return self.fs.isdir(self.key)
+
+    def is_file(self) -> bool:
+        return self.fs.isfile(self.key)
+
+    def iterdir(self) -> Iterator["RemotePath"]:
+        return (self / posixpath.basename(k.rstrip("/")) for k in self.fs.ls(self.key, detail=False))
+
+    def stat(self) -> os.stat_result:
+        return os.stat_result((0, 0, 0, 0, 0, 0, self.fs.size(self.key), 0, 0, 0))
+
+    def read_bytes(self) -> bytes:
+        return self.fs.cat_file(self.key)
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode("utf-8")
+
+
+def open_read(path, block: int = IO_BLOCK):
+    """`path` (local path or URL) opened for reads front to back (`readinto`, `read`, `seek`):
+    a local file unbuffered, with the kernel's read-ahead; a URL through fsspec's read-ahead
+    cache, one ranged GET per `block` bytes, so memory holds a block or two, never the file."""
+    path = as_path(path)
+    if isinstance(path, RemotePath):
+        return path.fs.open(path.key, "rb", block_size=block, cache_type="readahead")
+    f = open(path, "rb", buffering=0)
+    sequential(f)
+    return f
+
+
+def read_array(path, dtype, count: int = -1, offset: int = 0) -> np.ndarray:
+    """Up to `count` items (-1: to the end) of `dtype` at byte `offset`; fewer where the file
+    ends, as np.fromfile. A URL costs one ranged GET."""
+    path = as_path(path)
+    if isinstance(path, Path):
+        return np.fromfile(path, dtype=dtype, count=count, offset=offset)
+    dtype = np.dtype(dtype)
+    data = path.fs.cat_file(path.key, start=offset, end=None if count < 0 else offset + count * dtype.itemsize)
+    return np.frombuffer(data, dtype=dtype, count=len(data) // dtype.itemsize)
 
 
 # ------------------------------------------------------------------------------ reads

@@ -89,12 +89,13 @@ def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_forma
          column: str | None = None, dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
          vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30,
          executor: ExecutorConfig | None = None, log=None) -> PackResult:
-    """Packs tokenized inputs (files, folders or URLs) into one packed source at `output`."""
+    """Packs tokenized inputs (files, folders or URLs) into one packed source at `output`.
+    URL inputs are read where they are (streamed); a URL output is written locally, then uploaded."""
     from packer.executors import local_paths
     from packer.packing import pack as pack_source
 
-    with local_paths(_paths(inputs), str(output)) as (local_inputs, local_output):
-        return pack_source(local_inputs, local_output, input_format=input_format, column=column, dtype=dtype,
+    with local_paths([], str(output)) as (_, local_output):
+        return pack_source(_paths(inputs), local_output, input_format=input_format, column=column, dtype=dtype,
                            tokenizer=tokenizer, eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite,
                            shard_tokens=shard_tokens, config=executor, log=log)
 

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from formats.errors import TokpackError, task_failed
+from formats.io import is_url, local_path
 from formats.sinks import app_sinks_kept
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
@@ -390,22 +391,6 @@ def _ray_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str):
 
 # ----------------------------------------------------------------------------------------------
 # paths: local files, file:// URLs, other fsspec URLs staged through DataFolder
-
-
-def is_url(path: str | Path) -> bool:
-    return "://" in str(path)
-
-
-def local_path(path: str | Path) -> str | None:
-    """The local path a plain path or a `file://` URL names; None for other fsspec URLs."""
-    text = str(path)
-    if not is_url(text):
-        return text
-    if text.startswith("file://"):
-        from fsspec.implementations.local import make_path_posix
-
-        return make_path_posix(text[len("file://"):])
-    return None
 
 
 def join_path(base: str | Path, name: str) -> str:

@@ -32,7 +32,7 @@ from formats.errors import TokpackError
 from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, locked_output
 from formats.inputs import BLOCK_BYTES, InputFile
 from formats.inputs.discover import check_input, discover, read_blocks
-from formats.io import TMP_MARK, progress, write_bytes_atomic
+from formats.io import TMP_MARK, as_path, is_url, progress, write_bytes_atomic
 from formats.manifest import (
     MANIFEST,
     dtype_for_vocab,
@@ -185,7 +185,7 @@ class TokenizeTextStep(PipelineStep):
             kind = f.extra.get("container")
             reader_cls = {"jsonl": JsonlReader, "parquet": ParquetReader, "arrow": IpcReader}[kind]
             kw = {"stream": True} if kind == "arrow" else {}
-            reader = reader_cls(str(Path(f.path).parent), glob_pattern=Path(f.path).name, text_key=f.column,
+            reader = reader_cls(str(as_path(f.path).parent), glob_pattern=as_path(f.path).name, text_key=f.column,
                                 recursive=False, **kw)
             writer = DocumentTokenizer(self.folder, tokenizer_name_or_path=self.tokenizer, eos_token=self.eos_token,
                                        shuffle_documents=False)
@@ -325,7 +325,7 @@ def _finalize(out: Path, work: Path, plan: dict) -> dict:
 def known_tokens(f: InputFile) -> int | None:
     """The input's token count where its size tells it (datatrove, Megatron, NumPy, raw), else None."""
     if f.format in ("datatrove", "megatron"):
-        return os.path.getsize(f.path) // np.dtype(f.dtype).itemsize
+        return as_path(f.path).stat().st_size // np.dtype(f.dtype).itemsize
     return int(f.extra["count"]) if f.format in ("numpy", "raw") else None
 
 
@@ -337,7 +337,7 @@ def _bytes_to_write(files: list[InputFile], out_dtype: np.dtype) -> int:
         tokens = known_tokens(f) or 0
         total += tokens * out_dtype.itemsize
         if f.format == "datatrove":
-            index = os.path.getsize(f.extra["index"]) if os.path.exists(f.extra["index"]) else 0
+            index = as_path(f.extra["index"]).stat().st_size if as_path(f.extra["index"]).exists() else 0
             total += index + (tokens if f.extra.get("loss") else 0)
         elif f.format == "megatron":
             total += 8 * int(f.extra.get("documents") or 0)
@@ -385,7 +385,8 @@ def setup_pack(inputs: list[str], out: Path, *, input_format: str = "auto", colu
     say(f"tokpack pack: detected format {fmt}: {len(files)} file(s), "
         f"{', '.join(sorted({f.format + (' ' + f.dtype if f.dtype else '') for f in files}))}")
     request = {
-        "inputs": [{"path": str(Path(f.path).absolute()), "size": f.size, "format": f.format} for f in files],
+        "inputs": [{"path": f.path if is_url(f.path) else str(Path(f.path).absolute()), "size": f.size,
+                    "format": f.format} for f in files],
         "format": fmt, "column": column, "dtype": dtype, "tokenizer": tokenizer, "eos_id": eos_id,
         "vocab_size": vocab_size, "shard_tokens": int(shard_tokens),
     }
@@ -415,8 +416,8 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
          dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
          vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30, log=None,
          config: ExecutorConfig | None = None, block_bytes: int = BLOCK_BYTES) -> PackResult:
-    """Packs local INPUTs into one packed source at the local `output` (packer.api.pack also
-    takes URLs)."""
+    """Packs INPUTs (local paths or fsspec URLs, read where they are) into one packed source at
+    the local `output` (packer.api.pack also takes a URL output)."""
     t0 = time.perf_counter()
     say = log or (lambda msg: None)
     out = Path(output).absolute()

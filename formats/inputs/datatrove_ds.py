@@ -3,20 +3,18 @@
 
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-from ..io import give_buffers, read_ahead, sequential, take_buffer
+from ..io import as_path, give_buffers, open_read, read_ahead, read_array, take_buffer
 from ..manifest import parse_metadata_text
 from . import INDEX_CHUNK, Block, InputFile, input_error as _err, read_exact
 
 
-def datatrove_file(path: Path, dtype: str | None) -> InputFile:
-    meta = Path(f"{path}.metadata")
+def datatrove_file(path, dtype: str | None) -> InputFile:
+    meta = as_path(f"{path}.metadata")
     tokenizer = None
     if meta.exists():
         tokenizer, token_size, _ = parse_metadata_text(meta.read_text(), meta)
@@ -31,40 +29,41 @@ def datatrove_file(path: Path, dtype: str | None) -> InputFile:
     else:
         raise _err("datatrove file without .ds.metadata: token size unknown", path, where=".ds.metadata",
                    expected="a metadata file", found="none", hint="pass --dtype uint16 or --dtype uint32")
-    loss = Path(f"{path}.loss")
-    size = sum(os.path.getsize(p) for p in (path, Path(f"{path}.index"), loss) if p.exists())
+    loss = as_path(f"{path}.loss")
+    size = sum(p.stat().st_size for p in (path, as_path(f"{path}.index"), loss) if p.exists())
     return InputFile(str(path), "datatrove", name, size, tokenizer=tokenizer,
                      extra={"index": f"{path}.index", "loss": str(loss) if loss.exists() else None})
 
 
 def check_datatrove(f: InputFile) -> None:
     itemsize = np.dtype(f.dtype).itemsize
-    size = os.path.getsize(f.path)
+    size = as_path(f.path).stat().st_size
     if size % itemsize:
         raise _err(".ds size is not a multiple of the token size", f.path, where="size",
                    expected=f"a multiple of {itemsize} bytes ({f.dtype})", found=f"{size} bytes",
                    hint="the file is truncated or its .ds.metadata names the wrong token size")
     tokens = size // itemsize
     index = f.extra["index"]
-    if not os.path.exists(index):
+    if not as_path(index).exists():
         raise _err("datatrove file without its .ds.index", f.path, where=".ds.index", expected="an index file",
                    found="none", hint="document boundaries are needed; rerun the datatrove tokenizer with save_index=True")
-    isize = os.path.getsize(index)
+    isize = as_path(index).stat().st_size
     if isize % 8:
         raise _err(".ds.index size is not a multiple of 8", index, where="size", expected="uint64 entries",
                    found=f"{isize} bytes", hint="the index is truncated")
     count = isize // 8
     prev = 0
     for start in range(0, count, INDEX_CHUNK):
-        ends = np.fromfile(index, dtype="<u8", count=min(INDEX_CHUNK, count - start), offset=start * 8)
+        ends = read_array(index, "<u8", min(INDEX_CHUNK, count - start), start * 8)
         _check_increasing(ends, prev, index, start)
         prev = int(ends[-1])
     if prev != tokens:
         raise _err(".ds.index last entry differs from the token count", index, where=f"entry {count - 1}" if count else "end",
                    expected=tokens, found=prev, hint="the .ds or its index is truncated, or they come from different runs")
-    if f.extra.get("loss") and os.path.getsize(f.extra["loss"]) != tokens:
+    loss_size = as_path(f.extra["loss"]).stat().st_size if f.extra.get("loss") else tokens
+    if loss_size != tokens:
         raise _err(".ds.loss size differs from the token count", f.extra["loss"], where="size",
-                   expected=f"{tokens} bytes", found=f"{os.path.getsize(f.extra['loss'])} bytes")
+                   expected=f"{tokens} bytes", found=f"{loss_size} bytes")
 
 
 def _check_increasing(ends: np.ndarray, prev: int, index, start: int) -> None:
@@ -81,14 +80,13 @@ def _check_increasing(ends: np.ndarray, prev: int, index, start: int) -> None:
 
 def datatrove_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
     dtype = np.dtype(f.dtype).newbyteorder("<")
-    count = os.path.getsize(f.extra["index"]) // 8
+    count = as_path(f.extra["index"]).stat().st_size // 8
     has_loss = bool(f.extra.get("loss"))
 
     def plan():  # (tokens, (ends, first document, token offset)) per block; runs in the read-ahead thread
         prev = 0  # token end of the previous document
         for start in range(0, count, INDEX_CHUNK):
-            ends = np.fromfile(f.extra["index"], dtype="<u8", count=min(INDEX_CHUNK, count - start),
-                               offset=start * 8).astype(np.int64)
+            ends = read_array(f.extra["index"], "<u8", min(INDEX_CHUNK, count - start), start * 8).astype(np.int64)
             _check_increasing(ends, prev, f.extra["index"], start)
             i = 0
             while i < len(ends):
@@ -97,9 +95,7 @@ def datatrove_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
                 prev = int(ends[j - 1])
                 i = j
 
-    with open(f.path, "rb", buffering=0) as ds, (open(f.extra["loss"], "rb", buffering=0) if has_loss else nullcontext()) as lf:
-        sequential(ds)
-
+    with open_read(f.path) as ds, (open_read(f.extra["loss"]) if has_loss else nullcontext()) as lf:
         def fill(slot, n, meta):
             tokens = read_exact(ds, slot[0].ensure(n)[:n], f.path, meta[2])
             return tokens, read_exact(lf, slot[1].ensure(n)[:n], f.extra["loss"], meta[2]) if has_loss else None

@@ -10,7 +10,7 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import TokpackError
-from ..io import TMP_MARK
+from ..io import TMP_MARK, as_path
 from ..manifest import MANIFEST
 from . import BLOCK_BYTES, Block, InputFile, input_error as _err
 from .datatrove_ds import check_datatrove, datatrove_blocks, datatrove_file
@@ -28,7 +28,7 @@ def discover(inputs: list[str], input_format: str = "auto", column: str | None =
     Returns (format, files); `format` is one of FORMATS."""
     if not inputs:
         raise TokpackError("no input given", hint="pass one or more files or directories")
-    found = [_discover_one(Path(item), input_format, column, dtype) for item in inputs]
+    found = [_discover_one(as_path(item), input_format, column, dtype) for item in inputs]
     formats = {fmt for fmt, _ in found}
     if len(formats) > 1:
         kinds = ", ".join(f"{item} is {fmt}" for item, (fmt, _) in zip(inputs, found))
@@ -45,8 +45,8 @@ def discover(inputs: list[str], input_format: str = "auto", column: str | None =
 
 def _discover_one(path: Path, want: str, column, dtype) -> tuple[str, list[InputFile]]:
     if not path.exists():
-        if Path(f"{path}.bin").exists() and Path(f"{path}.idx").exists() and want in ("auto", "megatron"):
-            return "megatron", [megatron_file(Path(f"{path}.bin"))]
+        if as_path(f"{path}.bin").exists() and as_path(f"{path}.idx").exists() and want in ("auto", "megatron"):
+            return "megatron", [megatron_file(as_path(f"{path}.bin"))]
         raise _err("no such input", path, hint="give a file, a directory or a Megatron path prefix")
     if path.is_dir():
         return _discover_dir(path, want, column, dtype)

@@ -4,24 +4,26 @@ text under a key."""
 from __future__ import annotations
 
 import gzip
+import io
 import json
-import os
 from itertools import chain
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
+from ..io import is_url, open_read
 from . import Block, InputFile, input_error as _err
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson")
 
 
 def _open_text(path):
-    return gzip.open(path, "rt", encoding="utf-8") if str(path).endswith(".gz") else open(path, encoding="utf-8")
+    binary = io.BufferedReader(open_read(path)) if is_url(path) else path
+    return gzip.open(binary, "rt", encoding="utf-8") if str(path).endswith(".gz") else \
+        io.TextIOWrapper(binary, encoding="utf-8") if is_url(path) else open(path, encoding="utf-8")
 
 
-def jsonl_file(path: Path, want: str, column: str | None) -> tuple[str, list[InputFile]]:
+def jsonl_file(path, want: str, column: str | None) -> tuple[str, list[InputFile]]:
     first = None
     with _open_text(path) as fh:
         for line in fh:
@@ -42,9 +44,9 @@ def jsonl_file(path: Path, want: str, column: str | None) -> tuple[str, list[Inp
                        found=f"keys {list(obj)[:8]}" if isinstance(obj, dict) else type(obj).__name__,
                        hint="pass --column with the key holding the token ids")
     if fmt == "text":
-        return "text", [InputFile(str(path), "text", None, os.path.getsize(path), column=text_key,
+        return "text", [InputFile(str(path), "text", None, path.stat().st_size, column=text_key,
                                   extra={"container": "jsonl"})]
-    return "jsonl", [InputFile(str(path), "jsonl", None, os.path.getsize(path), column=token_key)]
+    return "jsonl", [InputFile(str(path), "jsonl", None, path.stat().st_size, column=token_key)]
 
 
 def jsonl_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:

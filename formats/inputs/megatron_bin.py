@@ -3,14 +3,12 @@ pointers and document boundaries."""
 
 from __future__ import annotations
 
-import os
 import struct
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-from ..io import give_buffers, read_ahead, sequential, take_buffer
+from ..io import as_path, give_buffers, open_read, read_ahead, read_array, take_buffer
 from . import INDEX_CHUNK, Block, InputFile, input_error as _err, read_exact
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
@@ -28,10 +26,9 @@ MEGATRON_DTYPES = {
 }
 
 
-def megatron_file(bin_path: Path) -> InputFile:
+def megatron_file(bin_path) -> InputFile:
     idx = bin_path.with_suffix(".idx")
-    with open(idx, "rb") as fh:
-        head = fh.read(MEGATRON_HEADER)
+    head = read_array(idx, np.uint8, MEGATRON_HEADER).tobytes()
     if len(head) < MEGATRON_HEADER or head[:9] != MEGATRON_MAGIC:
         raise _err("not a Megatron index: wrong magic", idx, where="byte 0", expected=repr(MEGATRON_MAGIC),
                    found=repr(head[:9]), hint="pass the .idx written with the .bin (Megatron's MMIDIDX format)")
@@ -41,7 +38,7 @@ def megatron_file(bin_path: Path) -> InputFile:
     if code not in MEGATRON_DTYPES:
         raise _err("unknown Megatron dtype code", idx, where="byte 17 (dtype code)",
                    expected="1-8 (uint8 int8 int16 int32 int64 float64 float32 uint16)", found=code)
-    size = os.path.getsize(bin_path) + os.path.getsize(idx)
+    size = bin_path.stat().st_size + idx.stat().st_size
     return InputFile(str(bin_path), "megatron", MEGATRON_DTYPES[code].name, size,
                      extra={"idx": str(idx), "code": code, "sequences": sequences, "documents": documents})
 
@@ -56,12 +53,12 @@ def check_megatron(f: InputFile) -> None:
     idx, seqs, docs = f.extra["idx"], f.extra["sequences"], f.extra["documents"]
     itemsize = np.dtype(f.dtype).itemsize
     expected = MEGATRON_HEADER + 12 * seqs + 8 * docs
-    isize = os.path.getsize(idx)
+    isize = as_path(idx).stat().st_size
     if isize not in (expected, expected + seqs):  # + one int8 mode per sequence in multimodal indexes
         raise _err("Megatron .idx size does not match its counts", idx, where="size",
                    expected=f"{expected} bytes for {seqs} sequences and {docs} document indices",
                    found=f"{isize} bytes", hint="the index is truncated or corrupt")
-    bsize = os.path.getsize(f.path)
+    bsize = as_path(f.path).stat().st_size
     if bsize % itemsize:
         raise _err("Megatron .bin size is not a multiple of the token size", f.path, where="size",
                    expected=f"a multiple of {itemsize} ({f.dtype})", found=f"{bsize} bytes")
@@ -70,8 +67,8 @@ def check_megatron(f: InputFile) -> None:
     sizes_off, ptr_off, doc_off = _megatron_layout(f)
     for start in range(0, seqs, INDEX_CHUNK):
         n = min(INDEX_CHUNK, seqs - start)
-        sizes = np.fromfile(idx, dtype="<i4", count=n, offset=sizes_off + 4 * start).astype(np.int64)
-        ptrs = np.fromfile(idx, dtype="<i8", count=n, offset=ptr_off + 8 * start)
+        sizes = read_array(idx, "<i4", n, sizes_off + 4 * start).astype(np.int64)
+        ptrs = read_array(idx, "<i8", n, ptr_off + 8 * start)
         bad = np.flatnonzero((sizes < 0) | (ptrs < 0) | (ptrs + sizes * itemsize > bsize))
         if len(bad):
             i = int(bad[0])
@@ -81,7 +78,7 @@ def check_megatron(f: InputFile) -> None:
                        hint="the .bin is truncated or belongs to another .idx")
     prev = 0
     for start in range(0, docs, INDEX_CHUNK):
-        di = np.fromfile(idx, dtype="<i8", count=min(INDEX_CHUNK, docs - start), offset=doc_off + 8 * start)
+        di = read_array(idx, "<i8", min(INDEX_CHUNK, docs - start), doc_off + 8 * start)
         if start == 0 and di[0] != 0:
             raise _err("Megatron document indices do not start at 0", idx, where="document index 0", expected=0,
                        found=int(di[0]))
@@ -105,10 +102,10 @@ def megatron_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
     def plan():  # (tokens, (first seq, last seq, sizes, pointers, ends, first document)); read-ahead thread
         for dstart in range(0, docs, INDEX_CHUNK):
             nd = min(INDEX_CHUNK, docs - dstart)
-            di = np.fromfile(idx, dtype="<i8", count=nd + 1, offset=doc_off + 8 * dstart)
+            di = read_array(idx, "<i8", nd + 1, doc_off + 8 * dstart)
             s0, s1 = int(di[0]), int(di[-1])
-            sizes = np.fromfile(idx, dtype="<i4", count=s1 - s0, offset=sizes_off + 4 * s0).astype(np.int64)
-            ptrs = np.fromfile(idx, dtype="<i8", count=s1 - s0, offset=ptr_off + 8 * s0)
+            sizes = read_array(idx, "<i4", s1 - s0, sizes_off + 4 * s0).astype(np.int64)
+            ptrs = read_array(idx, "<i8", s1 - s0, ptr_off + 8 * s0)
             seq_cum = np.concatenate([[0], np.cumsum(sizes)])
             doc_ends = seq_cum[di[1:] - s0]  # token end of each document, relative to sequence s0
             i = 0
@@ -119,9 +116,7 @@ def megatron_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
                 yield int(doc_ends[j - 1]) - base, (sizes[a:b], ptrs[a:b], doc_ends[i:j] - base, dstart + i)
                 i = j
 
-    with open(f.path, "rb", buffering=0) as fh:
-        sequential(fh)
-
+    with open_read(f.path) as fh:
         def fill(slot, n, meta):
             sizes, ptrs = meta[0], meta[1]
             out = slot.ensure(n)[:n]

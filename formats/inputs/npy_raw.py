@@ -3,20 +3,18 @@ after each EOS."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-from ..io import Buffer
+from ..io import Buffer, open_read
 from . import Block, InputFile, input_error as _err, read_exact
 
 RAW_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64")
 
 
-def npy_file(path: Path) -> InputFile:
-    with open(path, "rb") as fh:
+def npy_file(path) -> InputFile:
+    with open_read(path, 1 << 16) as fh:
         try:
             version = np.lib.format.read_magic(fh)
             read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
@@ -31,20 +29,21 @@ def npy_file(path: Path) -> InputFile:
         raise _err(".npy array is in Fortran order", path, where="header", expected="C order", found="Fortran order")
     count = int(np.prod(shape, dtype=np.int64))
     expected = offset + count * dtype.itemsize
-    if os.path.getsize(path) != expected:
+    size = path.stat().st_size
+    if size != expected:
         raise _err(".npy size does not match its header", path, where="size", expected=f"{expected} bytes",
-                   found=f"{os.path.getsize(path)} bytes", hint="the file is truncated")
-    return InputFile(str(path), "numpy", dtype.newbyteorder("=").name, os.path.getsize(path),
+                   found=f"{size} bytes", hint="the file is truncated")
+    return InputFile(str(path), "numpy", dtype.newbyteorder("=").name, size,
                      extra={"offset": offset, "count": count, "byteorder": dtype.str})
 
 
-def raw_file(path: Path, dtype: str | None) -> InputFile:
+def raw_file(path, dtype: str | None) -> InputFile:
     if dtype not in RAW_DTYPES:
         raise _err("raw token file needs --dtype" if dtype is None else "raw token file needs an integer --dtype",
                    path, where="--dtype", expected=" | ".join(RAW_DTYPES), found=dtype,
                    hint="pass --dtype with the width the tokens were written in")
     itemsize = np.dtype(dtype).itemsize
-    size = os.path.getsize(path)
+    size = path.stat().st_size
     if size % itemsize:
         raise _err("raw token file size is not a multiple of the token size", path, where="size",
                    expected=f"a multiple of {itemsize} bytes ({dtype})", found=f"{size} bytes")
@@ -61,7 +60,7 @@ def eos_split_blocks(f: InputFile, block_tokens: int, eos_id: int) -> Iterator[B
     carry = 0  # tokens at the front of the buffer: a document not yet ended
     pos = 0  # tokens read from the file
     doc = offset = 0
-    with open(f.path, "rb", buffering=0) as fh:
+    with open_read(f.path) as fh:
         fh.seek(f.extra["offset"])
         while pos < count or carry:
             if pos < count:

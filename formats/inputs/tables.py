@@ -4,13 +4,12 @@ or a string column of raw text."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from ..errors import TokpackError
-from ..io import read_ahead
+from ..io import is_url, open_read, read_ahead
 from . import Block, InputFile, input_error as _err
 
 TABLE_ROWS = 8192  # Parquet/Arrow rows per record batch
@@ -23,23 +22,33 @@ PARQUET_PARALLEL_GROUP_BYTES = 128 << 20
 ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
 
 
-def _arrow_kind(path: Path) -> str:
-    with open(path, "rb") as fh:
+def _arrow_kind(path) -> str:
+    with open_read(path, 1 << 16) as fh:
         return "file" if fh.read(6) == b"ARROW1" else "stream"
 
 
-def _table_schema(path: Path, kind: str):
+def _open_table(path, kind: str):
+    """What pyarrow reads: a local path as it is (pyarrow's own reads; Arrow IPC memory-mapped),
+    a URL as an fsspec file read in PARQUET_READ_BYTES ranges."""
+    import pyarrow as pa
+
+    if is_url(path):
+        return open_read(path, PARQUET_READ_BYTES)
+    return str(path) if kind == "parquet" else pa.memory_map(str(path))
+
+
+def _table_schema(path, kind: str):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     if kind == "parquet":
-        return pq.read_schema(path)
-    with pa.memory_map(str(path)) as src:
+        return pq.read_schema(_open_table(path, kind))
+    with _open_table(path, kind) as src:
         reader = pa.ipc.open_file(src) if _arrow_kind(path) == "file" else pa.ipc.open_stream(src)
         return reader.schema
 
 
-def table_file(path: Path, kind: str, want: str, column: str | None) -> tuple[str, list[InputFile]]:
+def table_file(path, kind: str, want: str, column: str | None) -> tuple[str, list[InputFile]]:
     import pyarrow as pa
 
     try:
@@ -55,7 +64,7 @@ def table_file(path: Path, kind: str, want: str, column: str | None) -> tuple[st
         if not _is_string(schema.field(text_col).type):
             raise _err("text column is not a string column", path, where=f"column {text_col!r}",
                        expected="string", found=str(schema.field(text_col).type), hint="pass --column with the text column")
-        return "text", [InputFile(str(path), "text", None, os.path.getsize(path), column=text_col,
+        return "text", [InputFile(str(path), "text", None, path.stat().st_size, column=text_col,
                                   extra={"container": kind})]
     if token_col not in schema.names:
         raise _missing_column(path, token_col, schema.names)
@@ -65,7 +74,7 @@ def table_file(path: Path, kind: str, want: str, column: str | None) -> tuple[st
         raise _err("column is not a list of integers", path, where=f"column {token_col!r}",
                    expected="list<int>", found=str(typ), hint="pass --column with the token-id column")
     name = np.dtype(value.to_pandas_dtype()).name
-    return "parquet", [InputFile(str(path), kind, name, os.path.getsize(path), column=token_col)]
+    return "parquet", [InputFile(str(path), kind, name, path.stat().st_size, column=token_col)]
 
 
 def _missing_column(path, col, names) -> TokpackError:
@@ -98,7 +107,7 @@ def iter_record_batches(f: InputFile, columns: list[str]):
         # 717 MB of Arrow memory); a buffered stream decodes one row group with 8 MiB reads
         # (186 MB for the same file: a row group's values plus its levels).
         def reader():
-            return pq.ParquetFile(f.path, pre_buffer=False, buffer_size=PARQUET_READ_BYTES)
+            return pq.ParquetFile(_open_table(f.path, kind), pre_buffer=False, buffer_size=PARQUET_READ_BYTES)
 
         pf = reader()
         groups = pf.num_row_groups
@@ -119,8 +128,8 @@ def iter_record_batches(f: InputFile, columns: list[str]):
         finally:
             ahead.close()
         return
-    with pa.memory_map(f.path) as src:
-        if _arrow_kind(Path(f.path)) == "file":
+    with _open_table(f.path, kind) as src:
+        if _arrow_kind(f.path) == "file":
             reader = pa.ipc.open_file(src)
             for i in range(reader.num_record_batches):
                 yield reader.get_batch(i).select(columns)
