@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import S3_ENV, random_docs, start_s3_server, write_source
+from conftest import EOS_TOKEN, S3_ENV, random_docs, start_s3_server, write_source
 from formats.manifest import MANIFEST
-from packer import pack, shuffle, stage, validate
-from test_pack import dt_tokenize, write_text_jsonl
+from packer import ExecutorConfig, pack, shuffle, stage, validate
+from test_pack import dt_tokenize, varied_docs, write_text_jsonl
 
 
 def tree(root: Path) -> dict[str, bytes]:
@@ -51,7 +51,7 @@ def cli(*args, env=None, check=False) -> subprocess.CompletedProcess:
 def one_line_error(proc: subprocess.CompletedProcess) -> str:
     """The error line of a command that failed with exit 1 (progress lines aside), no traceback."""
     assert proc.returncode == 1, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("tokpack")]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("tokpack: ")]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     return lines[0]
 
@@ -181,3 +181,134 @@ def test_validate_and_inspect_of_a_url_say_to_stage_first(s3_bucket):
         line = one_line_error(cli(command, f"s3://{bucket}/run"))
         assert line.startswith(f"tokpack: error: s3://{bucket}/run: {command} reads local directories")
         assert f"tokpack stage s3://{bucket}/run DIR" in line
+
+
+# ---------------------------------------------------------------- pack streams URL inputs
+
+
+def megatron_input(root: Path, tokenizer_path) -> dict:
+    """datatrove's Megatron writer, two ranks."""
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.tokens.megatron_tokenizer import MegatronDocumentTokenizer
+
+    write_text_jsonl(root / "text", files=2, docs=30, seed=9)
+    for rank, name in enumerate(["part0.jsonl", "part1.jsonl"]):
+        MegatronDocumentTokenizer(str(root / "in"), tokenizer_name_or_path=str(tokenizer_path), eos_token=EOS_TOKEN).run(
+            JsonlReader(str(root / "text"), glob_pattern=name).run(None, 0, 1), rank=rank, world_size=2)
+    return dict(tokenizer=str(tokenizer_path))
+
+
+def parquet_input(root: Path, tokenizer_path) -> dict:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = varied_docs(seed=5, n=200)
+    (root / "in").mkdir(parents=True)
+    table = pa.table({"input_ids": pa.array(docs, type=pa.list_(pa.int32()))})
+    pq.write_table(table.slice(0, 120), root / "in" / "a.parquet", row_group_size=16)
+    pq.write_table(table.slice(120), root / "in" / "b.parquet", row_group_size=16)
+    return dict(eos_id=0, vocab_size=500)
+
+
+def jsonl_input(root: Path, tokenizer_path) -> dict:
+    (root / "in").mkdir(parents=True)
+    (root / "in" / "t.jsonl").write_text("".join(json.dumps({"ids": d}) + "\n" for d in varied_docs(seed=6, n=150)))
+    return dict(eos_id=0, vocab_size=500, column="ids")
+
+
+def npy_input(root: Path, tokenizer_path) -> dict:
+    (root / "in").mkdir(parents=True)
+    np.save(root / "in" / "t.npy", np.concatenate([np.array(d, np.uint16) for d in varied_docs(seed=7) if d]))
+    return dict(eos_id=0, vocab_size=500)
+
+
+def source_files(out: Path) -> tuple[dict, dict]:
+    """(shard files' bytes, manifest less its `inputs` paths) of a packed source."""
+    files = tree(out)
+    manifest = json.loads(files.pop(MANIFEST))
+    paths = [i.pop("path") for i in manifest["inputs"]]
+    manifest.pop("request", None)
+    return files, manifest, paths
+
+
+def test_pack_streams_datatrove_output_written_to_the_bucket(s3_bucket, tokenizer_path, tmp_path):
+    """datatrove's tokenizer writes straight into the bucket; pack reads it from there (two
+    worker processes, each reading its own objects) into the same bytes as from local paths,
+    and the manifest names the objects it read."""
+    fs, bucket = s3_bucket
+    write_text_jsonl(tmp_path / "text", files=3, docs=60)
+    dt_tokenize(tmp_path / "text", tmp_path / "tokenized", tokenizer_path, save_loss_metadata=True, seed=3)
+    dt_tokenize(tmp_path / "text", f"s3://{bucket}/tokenized", tokenizer_path, save_loss_metadata=True, seed=3)
+    pack(tmp_path / "tokenized", tmp_path / "local", tokenizer=str(tokenizer_path))
+    pack(f"s3://{bucket}/tokenized", tmp_path / "remote", tokenizer=str(tokenizer_path),
+         executor=ExecutorConfig(workers=2, in_process=False))
+    local, remote = source_files(tmp_path / "local"), source_files(tmp_path / "remote")
+    assert remote[:2] == local[:2] and any(name.endswith(".loss") for name in remote[0])
+    assert remote[2] == [f"s3://{bucket}/tokenized/{Path(p).name}" for p in local[2]]
+
+
+@pytest.mark.parametrize("make", [megatron_input, parquet_input, jsonl_input, npy_input],
+                         ids=["megatron", "parquet", "jsonl", "npy"])
+def test_pack_streams_uploaded_inputs(make, s3_bucket, tokenizer_path, tmp_path):
+    fs, bucket = s3_bucket
+    kw = make(tmp_path, tokenizer_path)
+    upload(fs, tmp_path / "in", f"s3://{bucket}/in")
+    pack(tmp_path / "in", tmp_path / "local", **kw)
+    pack(f"s3://{bucket}/in", tmp_path / "remote", **kw)
+    local, remote = source_files(tmp_path / "local"), source_files(tmp_path / "remote")
+    assert remote[:2] == local[:2]
+    assert remote[2] == [f"s3://{bucket}/in/{Path(p).name}" for p in local[2]]
+
+
+def disk_use(root: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, n)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def test_pack_from_a_bucket_keeps_no_local_copy(s3_bucket, tokenizer_path, tmp_path):
+    """The local temp folder (TMPDIR) stays far below the corpus while pack reads it from the
+    bucket: the inputs are streamed, not downloaded."""
+    fs, bucket = s3_bucket
+    write_text_jsonl(tmp_path / "text", files=2, docs=400)
+    dt_tokenize(tmp_path / "text", f"s3://{bucket}/tokenized", tokenizer_path)
+    corpus = sum(fs.du(f"{bucket}/tokenized", total=False).values())
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "TOKPACK_STAGE_DIR"}
+    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "pack", f"s3://{bucket}/tokenized", "-o",
+                             str(tmp_path / "out"), "--tokenizer", str(tokenizer_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**env, "TMPDIR": str(tmp),
+                                 "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, disk_use(tmp))
+    assert proc.wait() == 0, proc.stderr.read()
+    assert (tmp_path / "out" / MANIFEST).exists()
+    assert peak < corpus / 10, (peak, corpus)
+
+
+def test_corrupted_input_object_is_one_line_naming_it(s3_bucket, tokenizer_path, tmp_path):
+    """One byte changed in an index object: the same one line as for the local file, naming
+    the object's URL; nothing is left that could pass for data."""
+    fs, bucket = s3_bucket
+    write_text_jsonl(tmp_path / "text", files=2, docs=40)
+    dt_tokenize(tmp_path / "text", tmp_path / "tokenized", tokenizer_path)
+    index = sorted((tmp_path / "tokenized").glob("*.ds.index"))[0]
+    data = bytearray(index.read_bytes())
+    data[8 + 7] = 0x01  # entry 1's top byte: its end now lies past entry 2's
+    index.write_bytes(bytes(data))
+    upload(fs, tmp_path / "tokenized", f"s3://{bucket}/tokenized")
+    args = ["--tokenizer", str(tokenizer_path)]
+    local = one_line_error(cli("pack", str(tmp_path / "tokenized"), "-o", str(tmp_path / "a"), *args))
+    remote = one_line_error(cli("pack", f"s3://{bucket}/tokenized", "-o", str(tmp_path / "b"), *args))
+    url = f"s3://{bucket}/tokenized/{index.name}"
+    assert url in remote and "does not increase" in remote
+    assert remote == local.replace(str(index), url)
+    assert not (tmp_path / "b" / MANIFEST).exists()
