@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import TokpackError
-from .io import TMP_MARK, progress
+from .io import TMP_MARK, as_path, progress
 from .manifest import (
     MANIFEST,
     xxh3_128_file,
@@ -415,7 +415,7 @@ def plan_validation(paths: list[str | Path], quick: bool) -> list[_Dir]:
     """Reads every manifest and runs the manifest-level checks; returns the shard jobs to run."""
     plan: list[_Dir] = []
     for p in paths:
-        path = Path(p)
+        path = as_path(p)
         d = _plan_dir(path, quick)
         plan.append(d)
         if d.report.kind == "run":
@@ -584,8 +584,8 @@ def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None
     given by the caller: this layer does not import shuffle)."""
     t0 = time.perf_counter()
     against = list(against or [])
-    known = {Path(x).resolve() for x in dirs}
-    extra = [a for a in against if Path(a).resolve() not in known]
+    known = {as_path(x).resolve() for x in dirs}
+    extra = [a for a in against if as_path(a).resolve() not in known]
     report = validate_dirs(list(dirs) + extra, quick=quick, workers=workers, show_progress=show_progress)
     extra_problems = _against(report, against, expected_multiset_hash) if against else []
     seconds = time.perf_counter() - t0

@@ -15,7 +15,7 @@ import numpy as np
 import xxhash
 
 from .errors import IncompleteError, TokpackError
-from .io import IO_BLOCK, fsync_dir, iter_file_blocks, write_bytes_atomic
+from .io import IO_BLOCK, as_path, fsync_dir, iter_file_blocks, write_bytes_atomic
 
 FORMAT_NAME = "tokpack"
 FORMAT_VERSION = 1
@@ -333,10 +333,10 @@ def write_manifest(directory: str | Path, manifest: dict, name: str = MANIFEST) 
 def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = None) -> dict:
     """Reads and checks the parts of a manifest every reader relies on; keys of earlier writers
     come under their current names."""
-    directory = Path(directory)
+    directory = as_path(directory)
     path = directory / MANIFEST
     if not directory.exists():
-        raise TokpackError("no such directory", file=directory, hint="check the path; tokpack reads local directories")
+        raise TokpackError("no such directory", file=directory, hint="check the path or URL")
     if not path.exists():
         raise IncompleteError("incomplete: no tokpack.json", file=directory, hint="the run that writes it was "
                               "interrupted or is still running; rerun the same command to finish it")
@@ -370,7 +370,7 @@ def parse_manifest(raw: bytes, path: str | Path, kind: str | tuple[str, ...] | N
 def partial_stage_absent(run_dir: Path) -> dict[str, str]:
     """Shards a `tokpack stage --ranks` copy left out, from its `tokpack-stage.json` sidecar:
     {shard path: "staged for ranks ... of W, micro-batch m"}."""
-    sidecar = Path(run_dir) / STAGE_SIDECAR
+    sidecar = as_path(run_dir) / STAGE_SIDECAR
     if not sidecar.exists():
         return {}
     try:
@@ -380,7 +380,7 @@ def partial_stage_absent(run_dir: Path) -> dict[str, str]:
             raise ValueError
         stages = "; ".join(f"ranks {st['ranks']} of {st['world_size']}, micro-batch {st['micro_batch']}"
                            for st in info.get("stages", []))
-        return {str(Path(run_dir) / epoch / name): f"staged only for {stages}"
+        return {str(as_path(run_dir) / epoch / name): f"staged only for {stages}"
                 for epoch, names in info.get("missing_shards", {}).items() for name in names}
     except (ValueError, KeyError, TypeError, AttributeError):
         raise TokpackError("unreadable partial-stage sidecar", file=sidecar,

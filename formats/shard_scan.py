@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 
 from .errors import IncompleteError, TokpackError
-from .io import give_buffers, read_ahead, read_full, sequential, take_buffer
+from .io import give_buffers, open_read, read_ahead, read_full, take_buffer
 from .manifest import MANIFEST, hash_hex64, metadata_text, multiset_hash_rows, parse_metadata_text
 from .shards import U64
 
@@ -126,7 +126,7 @@ class _IndexStream:
     entries strictly increase. `upto(limit)` hands out the entries <= limit in order."""
 
     def __init__(self, path: Path, chunk_entries: int, hashed: bool, size: int):
-        self.f = open(path, "rb", buffering=0)
+        self.f = open_read(path, BLOCK)
         self.left = size  # bytes not yet read (the size was checked), so EOF costs no extra read
         self.buf = np.empty(max(chunk_entries, 1), dtype=U64)  # reused read buffer
         self.pending = self.buf[:0]  # read but not yet handed out
@@ -195,11 +195,10 @@ def _read_blocks(path: Path, total: int, block: int) -> Iterator[memoryview]:
         return view[: read_full(f, view)]
 
     try:
-        with open(path, "rb", buffering=0) as f:
+        with open_read(path, block) as f:
             if total <= block:  # one block: no thread
                 yield fill(bufs[0], total, None)
                 return
-            sequential(f)
             plan = ((min(block, total - off), None) for off in range(0, total, block))
             with closing(read_ahead(plan, fill, bufs)) as blocks:
                 for view, _ in blocks:
@@ -267,7 +266,7 @@ def check_shard(job: ShardJob) -> Findings:
 
     # ---- metadata (every mode: small)
     try:
-        with open(meta_path, "rb") as f:
+        with open_read(meta_path, MAX_METADATA) as f:
             raw = f.read(MAX_METADATA)  # a few dozen bytes; a replaced file must not be read whole
     except FileNotFoundError:
         out.add(meta_path, None, "a file listed in the manifest", "no such file", "metadata missing")

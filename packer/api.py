@@ -72,19 +72,6 @@ def _paths(inputs: PathLike | Sequence[PathLike]) -> list[str]:
     return [str(inputs)] if isinstance(inputs, (str, Path)) else [str(p) for p in inputs]
 
 
-def _local_dirs(dirs: list[str], command: str) -> list[str]:
-    """`validate` and `inspect` read local directories (a `file://` URL names one)."""
-    from formats.errors import TokpackError
-    from packer.executors import local_path
-
-    for d in dirs:
-        if local_path(d) is None:
-            raise TokpackError(f"{command} reads local directories, not object-store URLs", file=d,
-                               hint=f"stage it first: `tokpack stage {d} DIR` verifies every file as it copies; "
-                               f"then `tokpack {command} DIR`")
-    return [local_path(d) for d in dirs]
-
-
 def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_format: str = "auto",
          column: str | None = None, dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
          vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30,
@@ -155,8 +142,7 @@ def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
     from formats.dir_checks import validate_all
     from shuffle.plan import expected_multiset_hash
 
-    return validate_all(_local_dirs(_paths(dirs), "validate"), quick=quick,
-                        against=_local_dirs(_paths(against), "validate"), workers=workers,
+    return validate_all(_paths(dirs), quick=quick, against=_paths(against), workers=workers,
                         show_progress=show_progress, expected_multiset_hash=expected_multiset_hash)
 
 
@@ -174,7 +160,6 @@ def inspect(directory: PathLike, *, batch_size: int | None = None, batches: int 
     """What a source, run or epoch holds and the batch diversity before and after the shuffle."""
     from packer.inspection import inspect as inspect_dir
 
-    directory, = _local_dirs([str(directory)], "inspect")
     return inspect_dir(directory, batch_size=batch_size, batches=batches, plot=plot, seq_len=seq_len, epoch=epoch)
 
 

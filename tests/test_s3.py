@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -175,12 +176,41 @@ def _closed_port() -> int:
     return _free_port()  # nothing listens there once the probe socket is closed
 
 
-def test_validate_and_inspect_of_a_url_say_to_stage_first(s3_bucket):
-    fs, bucket = s3_bucket
-    for command in ("validate", "inspect"):
-        line = one_line_error(cli(command, f"s3://{bucket}/run"))
-        assert line.startswith(f"tokpack: error: s3://{bucket}/run: {command} reads local directories")
-        assert f"tokpack stage s3://{bucket}/run DIR" in line
+def test_validate_reads_a_bucket(bucket_run, tmp_path):
+    """validate of an s3:// run and source, read in place: OK when good; one byte changed in
+    an object is its checksum line, naming the URL."""
+    fs, bucket, run = bucket_run
+    upload(fs, tmp_path / "src", f"s3://{bucket}/src")
+    for d in ("run", "src"):
+        result = cli("validate", f"s3://{bucket}/{d}", "--json")
+        assert result.returncode == 0, result.stdout + result.stderr
+        report = json.loads(result.stdout)
+        assert report["ok"] and report["files"] == len(list((tmp_path / d).rglob("*.ds*"))) + len(list((tmp_path / d).rglob(MANIFEST)))
+        assert report["bytes"] == sum(p.stat().st_size for p in (tmp_path / d).rglob("*") if p.is_file() and p.name != "tokpack-stage.json")
+    key = f"{bucket}/run/epoch-00001/00001.ds"
+    data = bytearray(fs.cat(key))
+    data[len(data) // 3] ^= 0x01
+    fs.pipe(key, bytes(data))
+    shutil.copytree(run, tmp_path / "bad")
+    (tmp_path / "bad" / "epoch-00001" / "00001.ds").write_bytes(bytes(data))
+    remote, local = cli("validate", f"s3://{bucket}/run", "--json"), cli("validate", str(tmp_path / "bad"), "--json")
+    assert remote.returncode == 1 and local.returncode == 1
+    problems = json.loads(remote.stdout)["problems"]
+    assert problems[0]["file"] == f"s3://{key}" and problems[0]["message"] == "checksum mismatch"
+    assert json.dumps(problems) == json.dumps(json.loads(local.stdout)["problems"]).replace(str(tmp_path / "bad"), f"s3://{bucket}/run")
+
+
+def test_inspect_reads_a_bucket(bucket_run, tmp_path):
+    """inspect of an s3:// run (its sources in the bucket too) reports what the local copy does."""
+    fs, bucket, run = bucket_run
+    upload(fs, tmp_path / "src", f"s3://{bucket}/src")
+    manifest = json.loads((run / MANIFEST).read_text())
+    result = cli("inspect", f"s3://{bucket}/run", "--json")
+    assert result.returncode == 0, result.stderr
+    remote = json.loads(result.stdout)
+    local = json.loads(cli("inspect", str(run), "--json").stdout)
+    assert remote.pop("path") == f"s3://{bucket}/run" and local.pop("path") == str(run)
+    assert remote == local and remote["totals"]["samples"] == manifest["samples"]
 
 
 # ---------------------------------------------------------------- pack streams URL inputs
