@@ -111,37 +111,55 @@ class RemotePath:
     def resolve(self) -> "RemotePath":
         return self
 
+    def call(self, method: str, *args, **kw):
+        """The filesystem's `method` on this path. Its own errors other than OSError's (botocore's
+        for an endpoint that does not answer, expired credentials...) become one line naming
+        the URL; not found and denied stay OSErrors, as for a local file."""
+        try:
+            return getattr(self.fs, method)(self.key, *args, **kw)
+        except OSError as e:
+            if e.filename is None:  # s3fs's errors name no object
+                raise type(e)(e.errno, e.strerror or str(e), self.url) from None
+            raise
+        except TokpackError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the fsspec backend raises
+            raise TokpackError("cannot read from the object store", file=self.url, found=f"{type(e).__name__}: {e}",
+                               hint="check the URL, the endpoint (AWS_ENDPOINT_URL) and the credentials") from None
+
     def exists(self) -> bool:
-        return self.fs.exists(self.key)
+        return self.call("exists")
 
     def is_dir(self) -> bool:
-        return self.fs.isdir(self.key)
+        return self.call("isdir")
 
     def is_file(self) -> bool:
-        return self.fs.isfile(self.key)
+        return self.call("isfile")
 
     def iterdir(self) -> Iterator["RemotePath"]:
-        return (self / posixpath.basename(k.rstrip("/")) for k in self.fs.ls(self.key, detail=False))
+        return (self / posixpath.basename(k.rstrip("/")) for k in self.call("ls", detail=False))
 
     def stat(self) -> os.stat_result:
-        return os.stat_result((0, 0, 0, 0, 0, 0, self.fs.size(self.key), 0, 0, 0))
+        return os.stat_result((0, 0, 0, 0, 0, 0, self.call("size"), 0, 0, 0))
 
     def read_bytes(self) -> bytes:
-        return self.fs.cat_file(self.key)
+        return self.call("cat_file")
 
     def read_text(self) -> str:
         return self.read_bytes().decode("utf-8")
 
 
-def open_read(path, block: int = IO_BLOCK):
+def open_read(path, block: int = IO_BLOCK, ahead: bool = True):
     """`path` (local path or URL) opened for reads front to back (`readinto`, `read`, `seek`):
     a local file unbuffered, with the kernel's read-ahead; a URL through fsspec's read-ahead
-    cache, one ranged GET per `block` bytes, so memory holds a block or two, never the file."""
+    cache, one ranged GET per `block` bytes, so memory holds a block or two, never the file.
+    `ahead=False`, for reads at scattered places: no read-ahead, a URL fetches what is asked."""
     path = as_path(path)
     if isinstance(path, RemotePath):
-        return path.fs.open(path.key, "rb", block_size=block, cache_type="readahead")
+        return path.call("open", "rb", block_size=block, cache_type="readahead" if ahead else "none")
     f = open(path, "rb", buffering=0)
-    sequential(f)
+    if ahead:
+        sequential(f)
     return f
 
 
@@ -152,7 +170,7 @@ def read_array(path, dtype, count: int = -1, offset: int = 0) -> np.ndarray:
     if isinstance(path, Path):
         return np.fromfile(path, dtype=dtype, count=count, offset=offset)
     dtype = np.dtype(dtype)
-    data = path.fs.cat_file(path.key, start=offset, end=None if count < 0 else offset + count * dtype.itemsize)
+    data = path.call("cat_file", start=offset, end=None if count < 0 else offset + count * dtype.itemsize)
     return np.frombuffer(data, dtype=dtype, count=len(data) // dtype.itemsize)
 
 
@@ -163,7 +181,10 @@ def read_full(f, view: memoryview, offset: int | None = None) -> int:
     """Reads into `view` until it is full or the file ends; returns the bytes read, so a short
     count means end of file (one read may return less on pipes, NFS or a signal). `f` is a file
     read from its position, or, given `offset`, a descriptor read there (pread: no seek, so
-    threads may share it)."""
+    threads may share it) or a file (open_read of a URL) read there after a seek."""
+    if offset is not None and not isinstance(f, int):
+        f.seek(offset)
+        offset = None
     n = 0
     while n < view.nbytes:
         got = f.readinto(view[n:]) if offset is None else os.preadv(f, [view[n:]], offset + n)

@@ -30,7 +30,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .errors import TokpackError
-from .io import read_full
+from .io import as_path, is_url, open_read, read_full
 from .manifest import dtype_from_name, epoch_dir_name, partial_stage_absent, read_manifest, xxh3_128_file
 from .shards import U64
 
@@ -192,6 +192,13 @@ class Sample:
     tokens: np.ndarray  # seq_len + 1 tokens
 
 
+def _close(fd) -> None:
+    if isinstance(fd, int):
+        os.close(fd)
+    else:
+        fd.close()
+
+
 def _shard_error(message: str, path, **kw) -> TokpackError:
     return TokpackError(message, file=path, hint=kw.pop("hint", "restore the file, or run `tokpack validate` on the directory"), **kw)
 
@@ -256,7 +263,7 @@ class SampleReader:
         absent: dict[str, str] = {}
         numbering = run = None
         for p in paths:
-            p = Path(p)
+            p = as_path(p)
             manifest = read_manifest(p, kind=("run", "epoch"))
             absent.update(partial_stage_absent(p))
             if manifest["kind"] == "epoch":
@@ -303,7 +310,7 @@ class SampleReader:
         seq_len = dtype = eos_id = None
         sizes: dict[str, int] = {}  # stat once per distinct file
         for pos, (directory, m) in enumerate(epochs):
-            directory = Path(directory)
+            directory = as_path(directory)
             where = directory / "tokpack.json"
             try:
                 e_seq, e_dtype = int(m["seq_len"]), dtype_from_name(m["dtype"])
@@ -341,7 +348,7 @@ class SampleReader:
                     sizes[f] = expected  # left out by a partial stage: an error only if a rank reads it
                 if f not in sizes:
                     try:
-                        sizes[f] = os.stat(f).st_size
+                        sizes[f] = as_path(f).stat().st_size
                     except FileNotFoundError:
                         raise _shard_error("shard listed in the manifest is missing", f) from None
                 if sizes[f] != expected:
@@ -500,12 +507,12 @@ class SampleReader:
         if got is None:
             if len(self._fds) >= MAX_OPEN_FILES:
                 oldest = next(iter(self._fds))
-                os.close(self._fds.pop(oldest)[0])
-            try:
-                fd = os.open(path, os.O_RDONLY)
+                _close(self._fds.pop(oldest)[0])
+            try:  # a URL: a file read at each place asked (pread needs a descriptor)
+                fd = open_read(path, ahead=False) if is_url(path) else os.open(path, os.O_RDONLY)
             except FileNotFoundError:
                 raise _shard_error("file disappeared after the reader was opened", path) from None
-            got = self._fds[path] = (fd, os.fstat(fd).st_size)
+            got = self._fds[path] = (fd, os.fstat(fd).st_size if isinstance(fd, int) else fd.size)
         return got
 
     def _check(self, path: str, expected: str | None) -> None:
@@ -572,7 +579,8 @@ class SampleReader:
             return
         for i, row, k in self._segments(g, n):
             fd, _ = self._file(self.table.paths[i])
-            os.posix_fadvise(fd, row * self.row_bytes, k * self.row_bytes, os.POSIX_FADV_WILLNEED)
+            if isinstance(fd, int):
+                os.posix_fadvise(fd, row * self.row_bytes, k * self.row_bytes, os.POSIX_FADV_WILLNEED)
 
     def index_positions(self, g: int, n: int) -> np.ndarray:
         """Positions of chained rows [g, g+n) derived from the shards' `.ds.index` (fragment ends),
@@ -622,7 +630,7 @@ class SampleReader:
 
     def close(self) -> None:
         for fd, _ in self._fds.values():
-            os.close(fd)
+            _close(fd)
         self._fds.clear()
 
     def __enter__(self) -> "SampleReader":

@@ -8,7 +8,6 @@ manifest never costs a second read.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import numpy as np
 import xxhash
 
 from .errors import TokpackError
-from .io import read_full, sequential
+from .io import as_path, open_read, read_array, read_full
 from .io import DurableFile, write_bytes_atomic
 from .manifest import dtype_from_name, metadata_text, multiset_hash_rows, read_manifest, row_hashes
 
@@ -236,7 +235,7 @@ class PackedSource:
 
     @classmethod
     def open(cls, path: str | Path, check_sizes: bool = True) -> "PackedSource":
-        path = Path(path)
+        path = as_path(path)
         manifest = read_manifest(path, kind="source")
         dtype = dtype_from_name(manifest.get("dtype"))
         shards = manifest.get("shards") or []
@@ -247,7 +246,7 @@ class PackedSource:
                 f = path / s["path"]
                 expected = int(s["tokens"]) * dtype.itemsize
                 try:
-                    found = os.path.getsize(f)
+                    found = f.stat().st_size
                 except FileNotFoundError:
                     raise TokpackError(
                         "shard listed in the manifest is missing",
@@ -298,10 +297,9 @@ class PackedSource:
             if n > 0:
                 f = handles.get(i) if handles is not None else None
                 if f is None:
-                    f = open(self.path / self.shards[i]["path"], "rb", buffering=0)
+                    f = open_read(self.path / self.shards[i]["path"], ahead=handles is not None)
                     if handles is not None:
                         handles[i] = f
-                        sequential(f)
                 try:
                     f.seek(in_shard * self.dtype.itemsize)
                     view = memoryview(raw[done * self.dtype.itemsize : (done + n) * self.dtype.itemsize])
@@ -316,13 +314,13 @@ class PackedSource:
 
     def doc_ends(self, shard: int) -> np.ndarray:
         """The shard's `.ds.index`: cumulative document ends in tokens."""
-        return np.fromfile(self.path / f"{self.shards[shard]['path']}.index", dtype=U64)
+        return read_array(self.path / f"{self.shards[shard]['path']}.index", U64)
 
     def iter_documents(self):
         """Yields every document as a token array, in stream order. For tests and small tools:
         it reads one shard at a time."""
         for i, s in enumerate(self.shards):
-            tokens = np.fromfile(self.path / s["path"], dtype=self.dtype)
+            tokens = read_array(self.path / s["path"], self.dtype)
             prev = 0
             for end in self.doc_ends(i).tolist():
                 yield tokens[prev:end]

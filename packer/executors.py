@@ -7,6 +7,7 @@ so the next pass (and the manifest) can rely on all outputs of this one. A rerun
 Paths: the stages read and write local files (mmap, pread, os.replace). `file://` URLs are local
 paths under another name; other fsspec URLs (s3://, memory://, ...) are staged through datatrove's
 `DataFolder`: inputs are copied into a local work folder, outputs are written there and uploaded.
+pack's input readers read URLs in place instead (formats.io), so pack stages only its output.
 """
 
 from __future__ import annotations

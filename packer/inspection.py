@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from formats.errors import TokpackError
-from formats.io import progress
+from formats.io import as_path, progress, read_array
 from formats.manifest import epoch_dir_name, read_manifest
 from formats.reader import SampleReader
 from formats.shards import U64, PackedSource
@@ -143,8 +143,8 @@ def document_lengths(sources: list[PackedSource], max_documents: int = MAX_LENGT
         blocks = [blocks[i * len(blocks) // keep] for i in range(keep)]
     with progress(sum(b[2] for b in blocks) * U64.itemsize, "document lengths") as bar:
         for path, a, count in blocks:
-            prev = 0 if a == 0 else int(np.fromfile(path, dtype=U64, count=1, offset=(a - 1) * U64.itemsize)[0])
-            ends = np.fromfile(path, dtype=U64, count=count, offset=a * U64.itemsize)
+            prev = 0 if a == 0 else int(read_array(path, U64, 1, (a - 1) * U64.itemsize)[0])
+            ends = read_array(path, U64, count, a * U64.itemsize)
             lengths = np.diff(ends.astype(np.int64), prepend=prev)
             bad = np.flatnonzero(lengths <= 0)
             if len(bad):  # the histogram would count negative lengths: name the entry instead
@@ -175,7 +175,9 @@ class DocumentMap:
     def ends(self, shard: int) -> np.ndarray:
         if shard not in self._ends:
             path = self.src.path / f"{self.src.shards[shard]['path']}.index"
-            self._ends[shard] = np.memmap(path, dtype=U64, mode="r") if path.stat().st_size else np.zeros(0, U64)
+            # a URL: the shard's index read whole (a shard's documents x 8 bytes)
+            self._ends[shard] = read_array(path, U64) if not isinstance(path, Path) \
+                else np.memmap(path, dtype=U64, mode="r") if path.stat().st_size else np.zeros(0, U64)
         return self._ends[shard]
 
     def documents(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
@@ -277,7 +279,7 @@ def _series(stats: list[tuple[int, float]]) -> dict:
 def _open_source(entry: dict, near: Path) -> PackedSource | None:
     """The packed source an epoch names, if reachable: its recorded path (absolute, or
     relative to the working directory or to the run), checked by fingerprint."""
-    path = Path(str(entry.get("path", "")))
+    path = as_path(str(entry.get("path", "")))
     candidates = [path] if path.is_absolute() else [path, near / path, near.parent / path]
     if entry.get("name"):
         candidates.append(near.parent / str(entry["name"]))
@@ -322,7 +324,7 @@ def inspect(directory, *, batch_size: int | None = None, batches: int = 64, plot
     """Report on a source, a run or an epoch. For a run, the
     batch analysis uses `epoch` (default: the first listed); a packed source alone needs
     `seq_len` for it."""
-    directory = Path(directory)
+    directory = as_path(directory)
     if plot is not None:
         _require_matplotlib()
     manifest = read_manifest(directory)

@@ -170,6 +170,29 @@ def test_denied_access_is_one_line_and_never_shows_the_secret(tmp_path):
         proc.wait(10)
 
 
+def test_reading_commands_give_one_line_for_missing_unreachable_and_denied(s3_endpoint, tmp_path):
+    """pack, validate and inspect of a URL: a missing bucket, an endpoint nobody answers at and
+    a refused access each give one line naming the URL, exit 1, never the secret."""
+    closed = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{_closed_port()}", "AWS_MAX_ATTEMPTS": "1"}
+    proc, url = start_s3_server(INITIAL_NO_AUTH_ACTION_COUNT="0")
+    secret = "s3cr3t-never-printed"
+    denied = {**S3_ENV, "AWS_ENDPOINT_URL": url, "AWS_SECRET_ACCESS_KEY": secret}
+    try:
+        for env, found in ((None, ("no such",)), (closed, ("cannot read from the object store", "EndpointConnectionError")),
+                           (denied, ("Forbidden",))):
+            for command in (["pack", "s3://no-such-bucket-here/d", "-o", str(tmp_path / "out")],
+                            ["validate", "s3://no-such-bucket-here/d"], ["inspect", "s3://no-such-bucket-here/d"]):
+                result = cli(*command, env=env)
+                line = one_line_error(result) if "tokpack: error" in result.stderr else \
+                    next(x for x in result.stderr.splitlines() if x.startswith("CORRUPT s3://"))  # validate's report
+                assert result.returncode == 1 and "s3://no-such-bucket-here/d" in line, (command, result.stderr)
+                assert any(f in line for f in found) and secret not in result.stdout + result.stderr, (command, line)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert not (tmp_path / "out").exists()
+
+
 def _closed_port() -> int:
     from conftest import _free_port
 
@@ -201,16 +224,21 @@ def test_validate_reads_a_bucket(bucket_run, tmp_path):
 
 
 def test_inspect_reads_a_bucket(bucket_run, tmp_path):
-    """inspect of an s3:// run (its sources in the bucket too) reports what the local copy does."""
+    """inspect of an s3:// run whose source is in the bucket too (found next to the run, by
+    name): the report of the local run with its local source."""
     fs, bucket, run = bucket_run
+    args = ["--json", "--batch-size", "16", "--batches", "4"]
+    local = cli("inspect", str(run), *args)
+    assert local.returncode == 0, local.stderr
     upload(fs, tmp_path / "src", f"s3://{bucket}/src")
-    manifest = json.loads((run / MANIFEST).read_text())
-    result = cli("inspect", f"s3://{bucket}/run", "--json")
-    assert result.returncode == 0, result.stderr
-    remote = json.loads(result.stdout)
-    local = json.loads(cli("inspect", str(run), "--json").stdout)
+    (tmp_path / "src").rename(tmp_path / "elsewhere")  # the path the run records no longer leads to it
+    remote = cli("inspect", f"s3://{bucket}/run", *args)
+    assert remote.returncode == 0, remote.stderr
+    local, remote = json.loads(local.stdout), json.loads(remote.stdout)
     assert remote.pop("path") == f"s3://{bucket}/run" and local.pop("path") == str(run)
-    assert remote == local and remote["totals"]["samples"] == manifest["samples"]
+    assert remote == local and remote["batch_diversity"]["document_identity"] == "plan"
+    assert remote["totals"]["samples"] == 2 * json.loads((run / MANIFEST).read_text())["samples"]  # two epochs
+    assert "unreachable_sources" not in remote and remote["document_lengths"]["documents"] > 0
 
 
 # ---------------------------------------------------------------- pack streams URL inputs
