@@ -318,6 +318,26 @@ def test_pack_streams_uploaded_inputs(make, s3_bucket, tokenizer_path, tmp_path)
     assert remote[2] == [f"s3://{bucket}/in/{Path(p).name}" for p in local[2]]
 
 
+def test_slurm_tasks_read_their_own_objects(s3_bucket, tmp_path):
+    """Slurm array tasks (scripts/slurm-local.sh) each open their own input objects from the
+    bucket (the endpoint and credentials reach them through the job's environment)."""
+    from test_executors import slurm_unavailable
+
+    if (reason := slurm_unavailable()) is not None:
+        pytest.skip(reason)
+    fs, bucket = s3_bucket
+    npy_input(tmp_path, None)
+    np.save(tmp_path / "in" / "u.npy", np.concatenate([np.array(d, np.uint16) for d in varied_docs(seed=8) if d]))
+    upload(fs, tmp_path / "in", f"s3://{bucket}/in")
+    kw = dict(eos_id=0, vocab_size=500, shard_tokens=500)
+    pack(tmp_path / "in", tmp_path / "local", **kw)
+    pack(f"s3://{bucket}/in", tmp_path / "remote", **kw,
+         executor=ExecutorConfig(executor="slurm", time_limit="00:10:00", logging_dir=str(tmp_path / "logs")))
+    assert len(list((tmp_path / "logs").glob("*/completions/*"))) == 2  # one task per input object
+    remote, local = source_files(tmp_path / "remote"), source_files(tmp_path / "local")
+    assert remote[:2] == local[:2] and remote[2] == [f"s3://{bucket}/in/t.npy", f"s3://{bucket}/in/u.npy"]
+
+
 def disk_use(root: Path) -> int:
     total = 0
     for dirpath, _, names in os.walk(root):
