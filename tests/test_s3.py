@@ -268,6 +268,19 @@ def parquet_input(root: Path, tokenizer_path) -> dict:
     return dict(eos_id=0, vocab_size=500)
 
 
+def arrow_input(root: Path, tokenizer_path) -> dict:
+    """The Arrow stream layout of HF `save_to_disk` (state.json naming the files)."""
+    import pyarrow as pa
+
+    (root / "in").mkdir(parents=True)
+    docs = varied_docs(seed=4, n=150)
+    for k, part in enumerate((docs[:90], docs[90:])):
+        with pa.ipc.new_stream(str(root / "in" / f"data-{k:05d}-of-00002.arrow"), pa.schema({"input_ids": pa.list_(pa.int64())})) as w:
+            w.write_table(pa.table({"input_ids": part}), max_chunksize=16)
+    (root / "in" / "state.json").write_text(json.dumps({"_data_files": [{"filename": f"data-{k:05d}-of-00002.arrow"} for k in range(2)]}))
+    return dict(eos_id=0, vocab_size=500)
+
+
 def jsonl_input(root: Path, tokenizer_path) -> dict:
     (root / "in").mkdir(parents=True)
     (root / "in" / "t.jsonl").write_text("".join(json.dumps({"ids": d}) + "\n" for d in varied_docs(seed=6, n=150)))
@@ -298,15 +311,18 @@ def test_pack_streams_datatrove_output_written_to_the_bucket(s3_bucket, tokenize
     dt_tokenize(tmp_path / "text", tmp_path / "tokenized", tokenizer_path, save_loss_metadata=True, seed=3)
     dt_tokenize(tmp_path / "text", f"s3://{bucket}/tokenized", tokenizer_path, save_loss_metadata=True, seed=3)
     pack(tmp_path / "tokenized", tmp_path / "local", tokenizer=str(tokenizer_path))
-    pack(f"s3://{bucket}/tokenized", tmp_path / "remote", tokenizer=str(tokenizer_path),
-         executor=ExecutorConfig(workers=2, in_process=False))
+    # a fresh process: datatrove's worker processes must see the endpoint this test set (a
+    # forkserver started earlier in the session would not)
+    result = cli("pack", f"s3://{bucket}/tokenized", "-o", str(tmp_path / "remote"), "--tokenizer", str(tokenizer_path),
+                 "--workers", "2")
+    assert result.returncode == 0, result.stderr
     local, remote = source_files(tmp_path / "local"), source_files(tmp_path / "remote")
     assert remote[:2] == local[:2] and any(name.endswith(".loss") for name in remote[0])
     assert remote[2] == [f"s3://{bucket}/tokenized/{Path(p).name}" for p in local[2]]
 
 
-@pytest.mark.parametrize("make", [megatron_input, parquet_input, jsonl_input, npy_input],
-                         ids=["megatron", "parquet", "jsonl", "npy"])
+@pytest.mark.parametrize("make", [megatron_input, parquet_input, arrow_input, jsonl_input, npy_input],
+                         ids=["megatron", "parquet", "arrow", "jsonl", "npy"])
 def test_pack_streams_uploaded_inputs(make, s3_bucket, tokenizer_path, tmp_path):
     fs, bucket = s3_bucket
     kw = make(tmp_path, tokenizer_path)

@@ -43,9 +43,9 @@ def _table_schema(path, kind: str):
 
     if kind == "parquet":
         return pq.read_schema(_open_table(path, kind))
+    layout = _arrow_kind(path)  # before the open below: an in-memory fsspec filesystem shares one file object
     with _open_table(path, kind) as src:
-        reader = pa.ipc.open_file(src) if _arrow_kind(path) == "file" else pa.ipc.open_stream(src)
-        return reader.schema
+        return (pa.ipc.open_file(src) if layout == "file" else pa.ipc.open_stream(src)).schema
 
 
 def table_file(path, kind: str, want: str, column: str | None) -> tuple[str, list[InputFile]]:
@@ -128,8 +128,9 @@ def iter_record_batches(f: InputFile, columns: list[str]):
         finally:
             ahead.close()
         return
+    layout = _arrow_kind(f.path)
     with _open_table(f.path, kind) as src:
-        if _arrow_kind(f.path) == "file":
+        if layout == "file":
             reader = pa.ipc.open_file(src)
             for i in range(reader.num_record_batches):
                 yield reader.get_batch(i).select(columns)
