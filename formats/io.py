@@ -1,7 +1,7 @@
 """The I/O layer every stage reads and writes through: local paths and fsspec URLs behind one
-set of file calls, read-until-full, anonymous private mappings, reusable buffers a reader owns, memory-mapped reads, the one pipelining idiom
-(`Worker`: calls run in order in one thread, a bounded number ahead), atomic and O_DIRECT
-writes, and progress bars."""
+set of file calls, read-until-full, anonymous private mappings, reusable buffers a reader owns,
+memory-mapped reads, the one pipelining idiom (`Worker`: calls run in order in one thread, a
+bounded number ahead), atomic and O_DIRECT writes, and progress bars."""
 
 from __future__ import annotations
 
@@ -120,8 +120,6 @@ class RemotePath:
         except OSError as e:
             if e.filename is None:  # s3fs's errors name no object
                 raise type(e)(e.errno, e.strerror or str(e), self.url) from None
-            raise
-        except TokpackError:
             raise
         except Exception as e:  # noqa: BLE001 - whatever the fsspec backend raises
             raise TokpackError("cannot read from the object store", file=self.url, found=f"{type(e).__name__}: {e}",
