@@ -336,6 +336,79 @@ def test_megatron_sequences_out_of_order(block, tmp_path):
     assert packed_docs(tmp_path / "out") == expected
 
 
+def megatron_core_docs(path: Path, docs: list[list[int]], split=lambda k, doc: [len(doc)], dtype=np.uint16,
+                       multimodal: bool = False) -> Path:
+    """`docs` written by megatron-core's own IndexedDatasetBuilder; `split(k, doc)` gives the
+    sequence lengths of document k ([] = a document of no sequences)."""
+    indexed = require("megatron.core.datasets.indexed_dataset", MEGATRON_CORE)
+    builder = indexed.IndexedDatasetBuilder(f"{path}.bin", dtype=dtype, multimodal=multimodal)
+    for k, doc in enumerate(docs):
+        lengths = split(k, doc)
+        builder.add_document(np.array(doc, dtype=dtype), lengths, modes=[k % 3] * len(lengths) if multimodal else None)
+    builder.finalize(f"{path}.idx")
+    return path
+
+
+def test_megatron_index_read_in_chunks(monkeypatch, tmp_path):
+    """Indexes longer than one chunk of entries are read chunk by chunk, in check and in read:
+    a 3-entry chunk puts chunk seams inside documents of several sequences and between empty
+    ones; the packed documents, the manifest's input size and the errors of later chunks are
+    exactly those of one chunk."""
+    from formats.inputs import megatron_bin
+
+    rng = np.random.default_rng(9)
+    docs = [rng.integers(1, 120, size=int(rng.integers(0, 12))).tolist() + [0] * (k % 4 > 0) for k in range(40)]
+    split = lambda k, doc: [] if not doc else [len(doc) // 2, len(doc) - len(doc) // 2] if k % 2 else [len(doc)]
+    m = megatron_core_docs(tmp_path / "m", docs, split)
+    expected = normalised(docs)
+    monkeypatch.setattr(megatron_bin, "INDEX_CHUNK", 3)
+    for block in (8, 64, 1 << 20):
+        pack([str(m)], str(tmp_path / f"out{block}"), eos_id=0, vocab_size=128, block_bytes=block)
+        assert packed_docs(tmp_path / f"out{block}") == expected
+    manifest = json.loads((tmp_path / "out8" / MANIFEST).read_text())
+    size = m.with_suffix(".bin").stat().st_size + m.with_suffix(".idx").stat().st_size
+    assert manifest["inputs"] == [{"path": str(m.with_suffix(".bin")), "size": size, "format": "megatron"}]
+
+    idx = m.with_suffix(".idx").read_bytes()
+    sequences = int(np.frombuffer(idx, "<u8", count=1, offset=18)[0])
+    size7 = int(np.frombuffer(idx, "<i4", count=1, offset=34 + 4 * 7)[0])
+    bad = bytearray(idx)
+    at = 34 + 4 * sequences + 8 * 7  # pointer of sequence 7, in the third chunk
+    bad[at : at + 8] = np.int64(1 << 20).tobytes()
+    m.with_suffix(".idx").write_bytes(bytes(bad))
+    line = one_error_line(cli(m, "-o", tmp_path / "bad1", "--eos-id", 0, "--vocab-size", 128))
+    assert line.endswith(f"m.idx [sequence 7]: Megatron sequence lies outside the .bin; expected pointer >= 0, "
+                         f"size >= 0, pointer + size*2 <= {m.with_suffix('.bin').stat().st_size} (the .bin size), "
+                         f"found pointer {1 << 20}, size {size7}. HINT: the .bin is truncated or belongs to another .idx"), line
+    doc_off = 34 + 12 * sequences
+    di = np.frombuffer(idx, "<i8", offset=doc_off).copy()
+    di[2] = di[3] + 1  # entry 3 (second chunk) below entry 2 (end of the first)
+    m.with_suffix(".idx").write_bytes(idx[:doc_off] + di.tobytes())
+    line = one_error_line(cli(m, "-o", tmp_path / "bad2", "--eos-id", 0, "--vocab-size", 128))
+    assert line.endswith(f"m.idx [document index 3]: Megatron document indices decrease or exceed the sequence count; "
+                         f"expected non-decreasing, <= {sequences}, found {di[3]}"), line
+
+
+def test_megatron_bad_id_names_document_and_token_offset(tmp_path):
+    """A block of only empty documents (no sequences, so no pointer) comes first; the bad id's
+    document number and token offset in the .bin are exact."""
+    docs = [[], [], list(range(1, 21)), [5, 600, 0]]
+    m = megatron_core_docs(tmp_path / "m", docs, lambda k, doc: [len(doc)] if doc else [])
+    line = one_error_line(cli(m, "-o", tmp_path / "out", "--eos-id", 0, "--vocab-size", 500))
+    assert line.endswith("m.bin [document 3, token offset 21]: token id at or above vocab_size; expected < 500, "
+                         "found 600. HINT: pass the right --vocab-size or --tokenizer, or fix the input"), line
+    pack([str(m)], str(tmp_path / "ok"), eos_id=0, vocab_size=601, block_bytes=16)
+    assert packed_docs(tmp_path / "ok") == [list(range(1, 21)) + [0], [5, 600, 0]]
+
+
+def test_megatron_multimodal_index(tmp_path):
+    """A multimodal index (one mode byte per sequence after the document indices) reads as text."""
+    docs = [[3, 4, 0], [5, 6, 7, 8, 0], [9, 0]]
+    m = megatron_core_docs(tmp_path / "m", docs, lambda k, doc: [2, len(doc) - 2], multimodal=True)
+    pack([str(m)], str(tmp_path / "out"), eos_id=0, vocab_size=16)
+    assert packed_docs(tmp_path / "out") == docs
+
+
 # ------------------------------------------------------------ parquet, arrow, HF
 
 
@@ -584,6 +657,10 @@ def bad_megatron_dtype(c, t):
     return [megatron_pair(t, code=9), "--eos-id", 0]
 
 
+def bad_megatron_dtype_high(c, t):
+    return [megatron_pair(t, code=200), "--eos-id", 0]  # the code is an unsigned byte
+
+
 def bad_megatron_pointers(c, t):
     p = megatron_pair(t)
     with open(p.with_suffix(".bin"), "r+b") as f:
@@ -624,6 +701,42 @@ def bad_megatron_doc_decrease(c, t):
 
 def bad_megatron_doc_end(c, t):
     return _megatron_doc_index(t, [0, 1, 2, 3, 4, 4])
+
+
+def _megatron_idx_patch(t, offset, data: bytes):
+    """megatron_pair (5 sequences of 4 uint16 tokens, 6 document indices) with idx bytes patched."""
+    p = megatron_pair(t)
+    b = bytearray(p.with_suffix(".idx").read_bytes())
+    b[offset : offset + len(data)] = data
+    p.with_suffix(".idx").write_bytes(bytes(b))
+    return [p, "--eos-id", 0]
+
+
+def bad_megatron_short_header(c, t):
+    p = megatron_pair(t)
+    p.with_suffix(".idx").write_bytes(p.with_suffix(".idx").read_bytes()[:20])
+    return [p, "--eos-id", 0]
+
+
+def bad_megatron_no_documents(c, t):
+    import struct
+
+    p = megatron_pair(t)
+    idx = p.with_suffix(".idx").read_bytes()
+    p.with_suffix(".idx").write_bytes(idx[:9] + struct.pack("<QBQQ", 1, 8, 5, 0) + idx[34:-48])
+    return [p, "--eos-id", 0]
+
+
+def bad_megatron_negative_pointer(c, t):
+    return _megatron_idx_patch(t, 34 + 20 + 8 * 3, np.int64(-8).tobytes())
+
+
+def bad_megatron_negative_size(c, t):
+    return _megatron_idx_patch(t, 34 + 4 * 1, np.int32(-4).tobytes())
+
+
+def bad_megatron_doc_exceeds(c, t):
+    return _megatron_doc_index(t, [0, 1, 2, 3, 7, 5])
 
 
 def bad_npy_header(c, t):
@@ -729,8 +842,10 @@ def bad_vocab_unknown(c, t):
 
 
 BAD = [bad_vocab, bad_ds_size, bad_index_order, bad_index_repeated, bad_index_last, bad_megatron_magic, bad_megatron_version,
-       bad_megatron_dtype, bad_megatron_pointers, bad_megatron_idx_size, bad_megatron_bin_size,
-       bad_megatron_doc_start, bad_megatron_doc_decrease, bad_megatron_doc_end, bad_npy_header, bad_raw_no_dtype,
+       bad_megatron_dtype, bad_megatron_dtype_high, bad_megatron_pointers, bad_megatron_idx_size, bad_megatron_bin_size,
+       bad_megatron_doc_start, bad_megatron_doc_decrease, bad_megatron_doc_end, bad_megatron_short_header,
+       bad_megatron_no_documents, bad_megatron_negative_pointer, bad_megatron_negative_size,
+       bad_megatron_doc_exceeds, bad_npy_header, bad_raw_no_dtype,
        bad_npy_float, bad_npy_fortran, bad_npy_truncated, bad_raw_dtype_not_integer, bad_raw_size,
        bad_jsonl_line, bad_parquet_missing, bad_parquet_type, bad_negative,
        bad_empty_file, bad_empty_dir, bad_mixed_dtypes, bad_mixed_vocab, bad_mixed_megatron,
@@ -741,12 +856,32 @@ WHAT = {
     "bad_index_order": ["does not increase", "entry 2"],
     "bad_index_repeated": ["does not increase", "entry 3"],
     "bad_index_last": ["last entry differs"],
-    "bad_megatron_magic": ["wrong magic"],
-    "bad_megatron_version": ["version"],
-    "bad_megatron_dtype": ["dtype code"],
-    "bad_megatron_pointers": ["past the end"],
-    "bad_megatron_idx_size": [".idx size does not match its counts", "142 bytes for 5 sequences", "found 145 bytes"],
-    "bad_megatron_bin_size": [".bin size is not a multiple of the token size", "41 bytes"],
+    "bad_megatron_magic": ["m.idx [byte 0]: not a Megatron index: wrong magic; expected b'MMIDIDX\\x00\\x00', found "
+                           "b'XXXDIDX\\x00\\x00'. HINT: pass the .idx written with the .bin (Megatron's MMIDIDX format)"],
+    "bad_megatron_version": ["m.idx [byte 9 (version)]: unsupported Megatron index version; expected 1, found 2"],
+    "bad_megatron_dtype": ["m.idx [byte 17 (dtype code)]: unknown Megatron dtype code; expected 1-8 (uint8 int8 int16 "
+                           "int32 int64 float64 float32 uint16), found 9"],
+    "bad_megatron_dtype_high": ["m.idx [byte 17 (dtype code)]: unknown Megatron dtype code; expected 1-8 (uint8 "
+                                "int8 int16 int32 int64 float64 float32 uint16), found 200"],
+    "bad_megatron_pointers": ["m.idx [sequence 2]: Megatron sequence lies outside the .bin; expected pointer >= 0, "
+                              "size >= 0, pointer + size*2 <= 20 (the .bin size), found pointer 16, size 4. HINT: the "
+                              ".bin is truncated or belongs to another .idx"],
+    "bad_megatron_idx_size": ["m.idx [size]: Megatron .idx size does not match its counts; expected 142 bytes for 5 "
+                              "sequences and 6 document indices, found 145 bytes. HINT: the index is truncated or corrupt"],
+    "bad_megatron_bin_size": ["m.bin [size]: Megatron .bin size is not a multiple of the token size; expected a "
+                              "multiple of 2 (uint16), found 41 bytes"],
+    "bad_megatron_short_header": ["m.idx [header]: Megatron index header is truncated; expected 34 bytes, found 20 "
+                                  "bytes. HINT: the index is truncated or corrupt"],
+    "bad_megatron_no_documents": ["m.idx [document count]: Megatron .idx has no document indices; expected >= 1, "
+                                  "found 0"],
+    "bad_megatron_negative_pointer": ["m.idx [sequence 3]: Megatron sequence lies outside the .bin; expected "
+                                      "pointer >= 0, size >= 0, pointer + size*2 <= 40 (the .bin size), found "
+                                      "pointer -8, size 4."],
+    "bad_megatron_negative_size": ["m.idx [sequence 1]: Megatron sequence lies outside the .bin; expected "
+                                   "pointer >= 0, size >= 0, pointer + size*2 <= 40 (the .bin size), found "
+                                   "pointer 8, size -4."],
+    "bad_megatron_doc_exceeds": ["[document index 4]: Megatron document indices decrease or exceed the sequence "
+                                 "count; expected non-decreasing, <= 5, found 7"],
     "bad_megatron_doc_start": ["[document index 0]: Megatron document indices do not start at 0; expected 0, found 1"],
     "bad_megatron_doc_decrease": ["[document index 2]: Megatron document indices decrease or exceed the sequence count; "
                                   "expected non-decreasing, <= 5, found 1"],
