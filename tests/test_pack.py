@@ -448,6 +448,22 @@ def test_parquet_round_trip_with_missing_eos_and_empty_docs(tmp_path):
     assert s["tokens"] == sum(map(len, normalised(docs)))  # no token lost
 
 
+def test_parquet_null_rows_and_null_ids(tmp_path):
+    """A null list is an empty document (dropped and counted); a null id inside a list is an
+    error naming the column and the rows of the record batch (8192 rows) that holds it."""
+    docs = [[i % 50 + 1, 0] for i in range(10000)]
+    rows = [None if i in (3, 8500) else d for i, d in enumerate(docs)]
+    pq.write_table(pa.table({"input_ids": pa.array(rows, type=pa.list_(pa.int32()))}), tmp_path / "ok.parquet")
+    s = pack([str(tmp_path / "ok.parquet")], str(tmp_path / "ok"), eos_id=0, vocab_size=64)
+    assert packed_docs(tmp_path / "ok") == [d for r, d in zip(rows, docs) if r is not None]
+    assert s.empty_documents_dropped == 2
+    rows[9000] = [7, None, 0]
+    pq.write_table(pa.table({"input_ids": pa.array(rows, type=pa.list_(pa.int32()))}), tmp_path / "x.parquet")
+    line = one_error_line(cli(tmp_path / "x.parquet", "-o", tmp_path / "out", "--eos-id", 0, "--vocab-size", 64))
+    assert line.endswith("x.parquet [column 'input_ids', rows 8192-9999]: null token id in a list; expected "
+                         "integers, found null. HINT: drop or fill the nulls before packing"), line
+
+
 def test_hf_save_to_disk_and_arrow_file(tmp_path, tokenizer_path):
     docs = varied_docs(seed=2, hi=200)  # below the test tokenizer's vocabulary
     try:
