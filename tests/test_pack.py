@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import EOS_TOKEN, generate_texts, random_docs, require
+from formats.errors import TokpackError
 from formats.manifest import MANIFEST
 from formats.shards import PackedSource
 from packer.cli import main
@@ -580,6 +581,47 @@ def test_jsonl_token_lists(tmp_path):
     assert packed_docs(tmp_path / "out") == normalised(docs)
 
 
+def test_jsonl_blocks_blank_lines_and_empty_lists(tmp_path):
+    """Token lists read in blocks of any size, blank lines between them, and a last block
+    holding only empty lists; a bad id in a later block names its document and token offset."""
+    docs = varied_docs(seed=6, n=30) + [[], []]
+    with open(tmp_path / "t.jsonl", "w") as f:
+        for i, d in enumerate(docs):
+            f.write(json.dumps(d) + ("\n\n" if i % 7 == 0 else "\n"))
+    for block in (8, 64, 1 << 20):
+        s = pack([str(tmp_path / "t.jsonl")], str(tmp_path / f"out{block}"), eos_id=0, vocab_size=500, block_bytes=block)
+        assert packed_docs(tmp_path / f"out{block}") == normalised(docs)
+        assert s.empty_documents_dropped == sum(1 for d in docs if not d)
+    (tmp_path / "v.jsonl").write_text("[1, 2, 0]\n" * 5 + "[3, 700, 0]\n")
+    with pytest.raises(TokpackError) as e:
+        pack([str(tmp_path / "v.jsonl")], str(tmp_path / "v"), eos_id=0, vocab_size=500, block_bytes=16)
+    assert str(e.value).endswith("v.jsonl [document 5, token offset 16]: token id at or above vocab_size; expected "
+                                 "< 500, found 700. HINT: pass the right --vocab-size or --tokenizer, or fix the input")
+
+
+@pytest.mark.parametrize("bad, expected", [
+    ("5", "[line 7, key 'input_ids']: JSONL line has no token list; expected a list of token ids, found int. "
+          "HINT: pass --column with the key holding the token ids"),
+    ('{"ids": [2, 0]}', "[line 7, key 'input_ids']: JSONL line has no token list; expected a list of token ids, "
+                        "found no such key. HINT: pass --column with the key holding the token ids"),
+    ('{"input_ids": [3, -2, "x"]}', "[line 7 (document 5), position 2]: token id is not an integer; expected an "
+                                    "integer, found 'x'"),
+    ('{"input_ids": [4, true, 0], "ok": false}', "[line 7 (document 5), position 1]: token id is not an integer; "
+                                                 "expected an integer, found True"),
+    ("[1, [2, 3], 0]", "[line 7 (document 5), position 1]: token id is not an integer; expected an integer, found [2, 3]"),
+    ("[18446744073709551615, -1]", "[lines 6-7]: token ids do not fit one integer type; expected ids in [0, 2^64), "
+                                   "found ids from -1 to 18446744073709551615"),
+], ids=["not-a-list", "no-key", "string-id", "true", "nested-list", "int64-and-uint64"])
+def test_jsonl_bad_ids_name_line_and_position(bad, expected, tmp_path):
+    """Five good lines (one blank line among them, so line and document numbers differ) read in
+    blocks of 3 ids, then a bad one: the error names its line, document and position exactly."""
+    (tmp_path / "x.jsonl").write_text("[1, 0]\n[2, 0]\n\n[3, 0]\n[4, 0]\n[5, 0]\n" + bad + "\n")
+    with pytest.raises(TokpackError) as e:
+        pack([str(tmp_path / "x.jsonl")], str(tmp_path / "out"), eos_id=0, vocab_size=500, block_bytes=24)
+    assert str(e.value) == f"{tmp_path / 'x.jsonl'} {expected}"
+    assert not (tmp_path / "out" / MANIFEST).exists()
+
+
 def test_raw_text_jsonl_and_parquet(corpus, tokenizer_path, tmp_path):
     texts = corpus["texts"]
     res = cli(corpus["root"] / "text", "-o", tmp_path / "a", "--tokenizer", tokenizer_path, "--workers", 2)
@@ -796,6 +838,11 @@ def bad_jsonl_line(c, t):
     return [t / "x.jsonl", "--eos-id", 0, "--vocab-size", 10]
 
 
+def bad_jsonl_nested(c, t):
+    (t / "x.jsonl").write_text('{"input_ids": [1, [2, 3], 0]}\n')
+    return [t / "x.jsonl", "--eos-id", 0, "--vocab-size", 10]
+
+
 def bad_parquet_missing(c, t):
     pq.write_table(pa.table({"tokens": [[1, 2, 0]]}), t / "x.parquet")
     return [t / "x.parquet", "--eos-id", 0]
@@ -863,7 +910,7 @@ BAD = [bad_vocab, bad_ds_size, bad_index_order, bad_index_repeated, bad_index_la
        bad_megatron_no_documents, bad_megatron_negative_pointer, bad_megatron_negative_size,
        bad_megatron_doc_exceeds, bad_npy_header, bad_raw_no_dtype,
        bad_npy_float, bad_npy_fortran, bad_npy_truncated, bad_raw_dtype_not_integer, bad_raw_size,
-       bad_jsonl_line, bad_parquet_missing, bad_parquet_type, bad_negative,
+       bad_jsonl_line, bad_jsonl_nested, bad_parquet_missing, bad_parquet_type, bad_negative,
        bad_empty_file, bad_empty_dir, bad_mixed_dtypes, bad_mixed_vocab, bad_mixed_megatron,
        bad_tokenizer_not_local, bad_eos_unknown, bad_vocab_unknown]
 WHAT = {
@@ -917,6 +964,8 @@ WHAT = {
     "bad_raw_size": ["x.tok [size]: raw token file size is not a multiple of the token size; expected a multiple of 2 "
                      "bytes (uint16), found 5 bytes"],
     "bad_jsonl_line": ["x.jsonl [line 2]: invalid JSON; expected a JSON object, found "],
+    "bad_jsonl_nested": ["x.jsonl [line 1 (document 0), position 1]: token id is not an integer; expected an integer, "
+                         "found [2, 3]"],
     "bad_parquet_missing": ["column not found", "input_ids"],
     "bad_parquet_type": ["not a list of integers"],
     "bad_negative": ["negative token id", "document 1"],
