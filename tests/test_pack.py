@@ -604,22 +604,37 @@ def test_jsonl_blocks_blank_lines_and_empty_lists(tmp_path):
           "HINT: pass --column with the key holding the token ids"),
     ('{"ids": [2, 0]}', "[line 7, key 'input_ids']: JSONL line has no token list; expected a list of token ids, "
                         "found no such key. HINT: pass --column with the key holding the token ids"),
-    ('{"input_ids": [3, -2, "x"]}', "[line 7 (document 5), position 2]: token id is not an integer; expected an "
-                                    "integer, found 'x'"),
-    ('{"input_ids": [4, true, 0], "ok": false}', "[line 7 (document 5), position 1]: token id is not an integer; "
-                                                 "expected an integer, found True"),
-    ("[1, [2, 3], 0]", "[line 7 (document 5), position 1]: token id is not an integer; expected an integer, found [2, 3]"),
+    ('{"input_ids": [3, -2, "x"]}', "[line 7 (document 5), position 2]: token id is not a 64-bit integer; "
+                                    "expected an integer in [-2^63, 2^64), found 'x'"),
+    ('{"input_ids": [4, true, 0]}', "[line 7 (document 5), position 1]: token id is not a 64-bit integer; expected "
+                                    "an integer in [-2^63, 2^64), found True"),
+    ("[false, 0]", "[line 7 (document 5), position 0]: token id is not a 64-bit integer; expected an integer in "
+                   "[-2^63, 2^64), found False"),
+    ("[1, [2, 3], 0]", "[line 7 (document 5), position 1]: token id is not a 64-bit integer; expected an integer in "
+                       "[-2^63, 2^64), found [2, 3]"),
+    ("[1, 18446744073709551616]", "[line 7 (document 5), position 1]: token id is not a 64-bit integer; expected an "
+                                  "integer in [-2^63, 2^64), found 18446744073709551616"),
     ("[18446744073709551615, -1]", "[lines 6-7]: token ids do not fit one integer type; expected ids in [0, 2^64), "
                                    "found ids from -1 to 18446744073709551615"),
-], ids=["not-a-list", "no-key", "string-id", "true", "nested-list", "int64-and-uint64"])
+], ids=["not-a-list", "no-key", "string-id", "true", "false", "nested-list", "2^64", "int64-and-uint64"])
 def test_jsonl_bad_ids_name_line_and_position(bad, expected, tmp_path):
     """Five good lines (one blank line among them, so line and document numbers differ) read in
-    blocks of 3 ids, then a bad one: the error names its line, document and position exactly."""
-    (tmp_path / "x.jsonl").write_text("[1, 0]\n[2, 0]\n\n[3, 0]\n[4, 0]\n[5, 0]\n" + bad + "\n")
+    blocks of 3 ids (lines 1-2, 4-5 exactly 3, 6-7), then a bad one: the error names its line,
+    document and position exactly."""
+    (tmp_path / "x.jsonl").write_text("[1, 0]\n[2, 0]\n\n[3, 0]\n[4]\n[5, 0]\n" + bad + "\n")
     with pytest.raises(TokpackError) as e:
         pack([str(tmp_path / "x.jsonl")], str(tmp_path / "out"), eos_id=0, vocab_size=500, block_bytes=24)
     assert str(e.value) == f"{tmp_path / 'x.jsonl'} {expected}"
     assert not (tmp_path / "out" / MANIFEST).exists()
+
+
+def test_jsonl_bool_ids_refused_anywhere_in_a_block(tmp_path):
+    """A true/false on one line of a block is found even when the block's later lines spell none."""
+    (tmp_path / "x.jsonl").write_text("[3, 0]\n[true, 1]\n[2, 0]\n")
+    with pytest.raises(TokpackError) as e:
+        pack([str(tmp_path / "x.jsonl")], str(tmp_path / "out"), eos_id=0, vocab_size=500)
+    assert str(e.value).endswith("x.jsonl [line 2 (document 1), position 0]: token id is not a 64-bit integer; "
+                                 "expected an integer in [-2^63, 2^64), found True")
 
 
 def test_raw_text_jsonl_and_parquet(corpus, tokenizer_path, tmp_path):
@@ -964,8 +979,8 @@ WHAT = {
     "bad_raw_size": ["x.tok [size]: raw token file size is not a multiple of the token size; expected a multiple of 2 "
                      "bytes (uint16), found 5 bytes"],
     "bad_jsonl_line": ["x.jsonl [line 2]: invalid JSON; expected a JSON object, found "],
-    "bad_jsonl_nested": ["x.jsonl [line 1 (document 0), position 1]: token id is not an integer; expected an integer, "
-                         "found [2, 3]"],
+    "bad_jsonl_nested": ["x.jsonl [line 1 (document 0), position 1]: token id is not a 64-bit integer; expected an "
+                         "integer in [-2^63, 2^64), found [2, 3]"],
     "bad_parquet_missing": ["column not found", "input_ids"],
     "bad_parquet_type": ["not a list of integers"],
     "bad_negative": ["negative token id", "document 1"],

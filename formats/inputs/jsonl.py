@@ -91,9 +91,9 @@ def _jsonl_block(f: InputFile, lists: list[list], lines: list[int], doc: int, of
         for k, ids in enumerate(lists):
             for pos, v in enumerate(ids):
                 if not isinstance(v, int) or isinstance(v, bool) or not -(1 << 63) <= v < (1 << 64):
-                    raise _err("token id is not an integer", f.path,
+                    raise _err("token id is not a 64-bit integer", f.path,
                                where=f"line {lines[k]} (document {doc + k}), position {pos}",
-                               expected="an integer", found=repr(v)[:40])
+                               expected="an integer in [-2^63, 2^64)", found=repr(v)[:40])
     if tokens.dtype.kind not in "iu" or tokens.ndim != 1:  # ids each in range, but no one dtype holds them all
         raise _err("token ids do not fit one integer type", f.path, where=f"lines {lines[0]}-{lines[-1]}",
                    expected="ids in [0, 2^64)", found=f"ids from {min(flat)} to {max(flat)}")
