@@ -390,6 +390,43 @@ def test_megatron_index_read_in_chunks(monkeypatch, tmp_path):
                          f"expected non-decreasing, <= {sequences}, found {di[3]}"), line
 
 
+def test_megatron_gap_after_a_shorter_sequence(tmp_path):
+    """Pointers evenly spaced by the first sequence's size while a later sequence is shorter:
+    the gap after it holds a junk token, which pack must skip (megatron-core agrees)."""
+    import struct
+
+    indexed = require("megatron.core.datasets.indexed_dataset", MEGATRON_CORE)
+    (tmp_path / "m.bin").write_bytes(np.array([5, 6, 7, 999, 8, 0], dtype="<u2").tobytes())
+    with open(tmp_path / "m.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, 3, 2))
+        f.write(np.array([2, 1, 2], "<i4").tobytes() + np.array([0, 4, 8], "<i8").tobytes() + np.array([0, 3], "<i8").tobytes())
+    mds = indexed.IndexedDataset(str(tmp_path / "m"))
+    assert np.concatenate([mds[i] for i in range(3)]).tolist() == [5, 6, 7, 8, 0]
+    pack([str(tmp_path / "m")], str(tmp_path / "out"), eos_id=0, vocab_size=16)
+    assert packed_docs(tmp_path / "out") == [[5, 6, 7, 8, 0]]
+
+
+@pytest.mark.parametrize("layout", ["back-to-back", "out-of-order"])
+def test_megatron_bin_truncated_while_reading(layout, tmp_path):
+    """A .bin that shrinks after the checks (another process rewriting it) is named in the error."""
+    from formats.inputs.discover import check_input, discover, read_blocks
+
+    docs = [[1, 2, 0], [3, 4, 5, 0]]
+    m = megatron_core_docs(tmp_path / "m", docs)
+    if layout == "out-of-order":  # the second document first in the .bin
+        idx = bytearray(m.with_suffix(".idx").read_bytes())
+        idx[34 + 8 : 34 + 24] = np.array([8, 0], "<i8").tobytes()
+        m.with_suffix(".idx").write_bytes(bytes(idx))
+        m.with_suffix(".bin").write_bytes(np.array([3, 4, 5, 0, 1, 2, 0], "<u2").tobytes())
+    _, (f,) = discover([str(m)])
+    check_input(f)
+    with open(m.with_suffix(".bin"), "r+b") as fh:
+        fh.truncate(10)
+    with pytest.raises(TokpackError) as e:
+        list(read_blocks(f, eos_id=0))
+    assert str(e.value).startswith(f"{m.with_suffix('.bin')} [token ") and "file ended early" in str(e.value)
+
+
 def test_megatron_bad_id_names_document_and_token_offset(tmp_path):
     """A block of only empty documents (no sequences, so no pointer) comes first; the bad id's
     document number and token offset in the .bin are exact."""
@@ -398,16 +435,24 @@ def test_megatron_bad_id_names_document_and_token_offset(tmp_path):
     line = one_error_line(cli(m, "-o", tmp_path / "out", "--eos-id", 0, "--vocab-size", 500))
     assert line.endswith("m.bin [document 3, token offset 21]: token id at or above vocab_size; expected < 500, "
                          "found 600. HINT: pass the right --vocab-size or --tokenizer, or fix the input"), line
+    with pytest.raises(TokpackError) as e:  # blocks of 8 ids: the bad document is the fourth block's first
+        pack([str(m)], str(tmp_path / "small"), eos_id=0, vocab_size=500, block_bytes=16)
+    assert f"{m.with_suffix('.bin')} [document 3, token offset 21]: token id at or above" in str(e.value)
     pack([str(m)], str(tmp_path / "ok"), eos_id=0, vocab_size=601, block_bytes=16)
     assert packed_docs(tmp_path / "ok") == [list(range(1, 21)) + [0], [5, 600, 0]]
 
 
-def test_megatron_multimodal_index(tmp_path):
+def test_megatron_multimodal_index(monkeypatch, tmp_path):
     """A multimodal index (one mode byte per sequence after the document indices) reads as text."""
-    docs = [[3, 4, 0], [5, 6, 7, 8, 0], [9, 0]]
+    from formats.inputs import megatron_bin
+
+    docs = [[3, 4, 0], [5, 6, 7, 8, 0], [9, 0]] * 4
     m = megatron_core_docs(tmp_path / "m", docs, lambda k, doc: [2, len(doc) - 2], multimodal=True)
     pack([str(m)], str(tmp_path / "out"), eos_id=0, vocab_size=16)
     assert packed_docs(tmp_path / "out") == docs
+    monkeypatch.setattr(megatron_bin, "INDEX_CHUNK", 3)  # the last chunk of document indices is short
+    pack([str(m)], str(tmp_path / "chunked"), eos_id=0, vocab_size=16, block_bytes=8)
+    assert packed_docs(tmp_path / "chunked") == docs
 
 
 # ------------------------------------------------------------ parquet, arrow, HF
@@ -805,7 +850,7 @@ def bad_megatron_negative_pointer(c, t):
 
 
 def bad_megatron_negative_size(c, t):
-    return _megatron_idx_patch(t, 34 + 4 * 1, np.int32(-4).tobytes())
+    return _megatron_idx_patch(t, 34, np.int32(-4).tobytes())  # sequence 0: the first one checked
 
 
 def bad_megatron_doc_exceeds(c, t):
@@ -955,15 +1000,15 @@ WHAT = {
     "bad_megatron_negative_pointer": ["m.idx [sequence 3]: Megatron sequence lies outside the .bin; expected "
                                       "pointer >= 0, size >= 0, pointer + size*2 <= 40 (the .bin size), found "
                                       "pointer -8, size 4."],
-    "bad_megatron_negative_size": ["m.idx [sequence 1]: Megatron sequence lies outside the .bin; expected "
+    "bad_megatron_negative_size": ["m.idx [sequence 0]: Megatron sequence lies outside the .bin; expected "
                                    "pointer >= 0, size >= 0, pointer + size*2 <= 40 (the .bin size), found "
-                                   "pointer 8, size -4."],
-    "bad_megatron_doc_exceeds": ["[document index 4]: Megatron document indices decrease or exceed the sequence "
+                                   "pointer 0, size -4."],
+    "bad_megatron_doc_exceeds": ["m.idx [document index 4]: Megatron document indices decrease or exceed the sequence "
                                  "count; expected non-decreasing, <= 5, found 7"],
-    "bad_megatron_doc_start": ["[document index 0]: Megatron document indices do not start at 0; expected 0, found 1"],
-    "bad_megatron_doc_decrease": ["[document index 2]: Megatron document indices decrease or exceed the sequence count; "
+    "bad_megatron_doc_start": ["m.idx [document index 0]: Megatron document indices do not start at 0; expected 0, found 1"],
+    "bad_megatron_doc_decrease": ["m.idx [document index 2]: Megatron document indices decrease or exceed the sequence count; "
                                   "expected non-decreasing, <= 5, found 1"],
-    "bad_megatron_doc_end": ["[document index 5]: Megatron document indices do not end at the sequence count; "
+    "bad_megatron_doc_end": ["m.idx [document index 5]: Megatron document indices do not end at the sequence count; "
                              "expected 5, found 4"],
     "bad_npy_header": ["x.npy [header]: unreadable .npy header; expected a numpy .npy file, found "],
     "bad_raw_no_dtype": ["x.tok [--dtype]: raw token file needs --dtype; expected uint8 | int8 | uint16 | int16 | "
