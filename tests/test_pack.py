@@ -638,35 +638,41 @@ def test_jsonl_blocks_blank_lines_and_empty_lists(tmp_path):
         assert packed_docs(tmp_path / f"out{block}") == normalised(docs)
         assert s.empty_documents_dropped == sum(1 for d in docs if not d)
     (tmp_path / "v.jsonl").write_text("[1, 2, 0]\n" * 5 + "[3, 700, 0]\n")
-    with pytest.raises(TokpackError) as e:
-        pack([str(tmp_path / "v.jsonl")], str(tmp_path / "v"), eos_id=0, vocab_size=500, block_bytes=16)
-    assert str(e.value).endswith("v.jsonl [document 5, token offset 16]: token id at or above vocab_size; expected "
-                                 "< 500, found 700. HINT: pass the right --vocab-size or --tokenizer, or fix the input")
+    for block in (16, 1 << 20):  # the bad id in a block of its own, or in the one last block
+        with pytest.raises(TokpackError) as e:
+            pack([str(tmp_path / "v.jsonl")], str(tmp_path / "v"), eos_id=0, vocab_size=500, block_bytes=block)
+        assert str(e.value).endswith("v.jsonl [document 5, token offset 16]: token id at or above vocab_size; "
+                                     "expected < 500, found 700. HINT: pass the right --vocab-size or --tokenizer, "
+                                     "or fix the input")
 
 
 @pytest.mark.parametrize("bad, expected", [
-    ("5", "[line 7, key 'input_ids']: JSONL line has no token list; expected a list of token ids, found int. "
+    ("5", "[line 8, key 'input_ids']: JSONL line has no token list; expected a list of token ids, found int. "
           "HINT: pass --column with the key holding the token ids"),
-    ('{"ids": [2, 0]}', "[line 7, key 'input_ids']: JSONL line has no token list; expected a list of token ids, "
+    ('{"ids": [2, 0]}', "[line 8, key 'input_ids']: JSONL line has no token list; expected a list of token ids, "
                         "found no such key. HINT: pass --column with the key holding the token ids"),
-    ('{"input_ids": [3, -2, "x"]}', "[line 7 (document 5), position 2]: token id is not a 64-bit integer; "
+    ('{"input_ids": [3, -2, "x"]}', "[line 8 (document 6), position 2]: token id is not a 64-bit integer; "
                                     "expected an integer in [-2^63, 2^64), found 'x'"),
-    ('{"input_ids": [4, true, 0]}', "[line 7 (document 5), position 1]: token id is not a 64-bit integer; expected "
+    ('{"input_ids": [4, true, 0]}', "[line 8 (document 6), position 1]: token id is not a 64-bit integer; expected "
                                     "an integer in [-2^63, 2^64), found True"),
-    ("[false, 0]", "[line 7 (document 5), position 0]: token id is not a 64-bit integer; expected an integer in "
+    ("[false, 0]", "[line 8 (document 6), position 0]: token id is not a 64-bit integer; expected an integer in "
                    "[-2^63, 2^64), found False"),
-    ("[1, [2, 3], 0]", "[line 7 (document 5), position 1]: token id is not a 64-bit integer; expected an integer in "
+    ("[1, [2, 3], 0]", "[line 8 (document 6), position 1]: token id is not a 64-bit integer; expected an integer in "
                        "[-2^63, 2^64), found [2, 3]"),
-    ("[1, 18446744073709551616]", "[line 7 (document 5), position 1]: token id is not a 64-bit integer; expected an "
+    ("[1, 18446744073709551616]", "[line 8 (document 6), position 1]: token id is not a 64-bit integer; expected an "
                                   "integer in [-2^63, 2^64), found 18446744073709551616"),
-    ("[18446744073709551615, -1]", "[lines 6-7]: token ids do not fit one integer type; expected ids in [0, 2^64), "
-                                   "found ids from -1 to 18446744073709551615"),
-], ids=["not-a-list", "no-key", "string-id", "true", "false", "nested-list", "2^64", "int64-and-uint64"])
+    ('{"input_ids": 5}', "[line 8, key 'input_ids']: JSONL line has no token list; expected a list of token ids, "
+                         "found int. HINT: pass --column with the key holding the token ids"),
+    ("[-9223372036854775808, 18446744073709551615]", "[lines 6-8]: token ids do not fit one integer type; expected "
+                                                     "ids in [0, 2^64), found ids from -9223372036854775808 to "
+                                                     "18446744073709551615"),
+], ids=["not-a-list", "no-key", "string-id", "true", "false", "nested-list", "2^64", "int-under-key",
+                          "int64-and-uint64"])
 def test_jsonl_bad_ids_name_line_and_position(bad, expected, tmp_path):
-    """Five good lines (one blank line among them, so line and document numbers differ) read in
-    blocks of 3 ids (lines 1-2, 4-5 exactly 3, 6-7), then a bad one: the error names its line,
-    document and position exactly."""
-    (tmp_path / "x.jsonl").write_text("[1, 0]\n[2, 0]\n\n[3, 0]\n[4]\n[5, 0]\n" + bad + "\n")
+    """Six good lines (one blank line among them, so line and document numbers differ) read in
+    blocks of 3 ids (lines 1-2, 4-5 exactly 3, 6-8), then a bad one on line 8: the error names
+    its line, document and position exactly."""
+    (tmp_path / "x.jsonl").write_text("[1, 0]\n[2, 0]\n\n[3, 0]\n[4]\n[5]\n[6]\n" + bad + "\n")
     with pytest.raises(TokpackError) as e:
         pack([str(tmp_path / "x.jsonl")], str(tmp_path / "out"), eos_id=0, vocab_size=500, block_bytes=24)
     assert str(e.value) == f"{tmp_path / 'x.jsonl'} {expected}"
@@ -903,6 +909,11 @@ def bad_jsonl_nested(c, t):
     return [t / "x.jsonl", "--eos-id", 0, "--vocab-size", 10]
 
 
+def bad_jsonl_nested_equal(c, t):
+    (t / "x.jsonl").write_text('{"input_ids": [[1, 2], [3, 4]]}\n')  # numpy makes it a 2-D int array
+    return [t / "x.jsonl", "--eos-id", 0, "--vocab-size", 10]
+
+
 def bad_parquet_missing(c, t):
     pq.write_table(pa.table({"tokens": [[1, 2, 0]]}), t / "x.parquet")
     return [t / "x.parquet", "--eos-id", 0]
@@ -970,7 +981,7 @@ BAD = [bad_vocab, bad_ds_size, bad_index_order, bad_index_repeated, bad_index_la
        bad_megatron_no_documents, bad_megatron_negative_pointer, bad_megatron_negative_size,
        bad_megatron_doc_exceeds, bad_npy_header, bad_raw_no_dtype,
        bad_npy_float, bad_npy_fortran, bad_npy_truncated, bad_raw_dtype_not_integer, bad_raw_size,
-       bad_jsonl_line, bad_jsonl_nested, bad_parquet_missing, bad_parquet_type, bad_negative,
+       bad_jsonl_line, bad_jsonl_nested, bad_jsonl_nested_equal, bad_parquet_missing, bad_parquet_type, bad_negative,
        bad_empty_file, bad_empty_dir, bad_mixed_dtypes, bad_mixed_vocab, bad_mixed_megatron,
        bad_tokenizer_not_local, bad_eos_unknown, bad_vocab_unknown]
 WHAT = {
@@ -1026,6 +1037,8 @@ WHAT = {
     "bad_jsonl_line": ["x.jsonl [line 2]: invalid JSON; expected a JSON object, found "],
     "bad_jsonl_nested": ["x.jsonl [line 1 (document 0), position 1]: token id is not a 64-bit integer; expected an "
                          "integer in [-2^63, 2^64), found [2, 3]"],
+    "bad_jsonl_nested_equal": ["x.jsonl [line 1 (document 0), position 0]: token id is not a 64-bit integer; "
+                               "expected an integer in [-2^63, 2^64), found [1, 2]"],
     "bad_parquet_missing": ["column not found", "input_ids"],
     "bad_parquet_type": ["not a list of integers"],
     "bad_negative": ["negative token id", "document 1"],
