@@ -480,7 +480,7 @@ def test_parquet_large_and_fixed_size_lists(list_type, tmp_path):
 
 def test_parquet_round_trip_with_missing_eos_and_empty_docs(tmp_path):
     docs = varied_docs()
-    table = pa.table({"input_ids": pa.array(docs, type=pa.list_(pa.int32())), "other": list(range(len(docs)))})
+    table = pa.table({"other": list(range(len(docs))), "input_ids": pa.array(docs, type=pa.list_(pa.int32()))})
     (tmp_path / "pq").mkdir()
     pq.write_table(table.slice(0, 30), tmp_path / "pq" / "a.parquet", row_group_size=7)
     pq.write_table(table.slice(30), tmp_path / "pq" / "b.parquet", row_group_size=7)
@@ -503,6 +503,11 @@ def test_parquet_null_rows_and_null_ids(tmp_path):
     s = pack([str(tmp_path / "ok.parquet")], str(tmp_path / "ok"), eos_id=0, vocab_size=64)
     assert packed_docs(tmp_path / "ok") == [d for r, d in zip(rows, docs) if r is not None]
     assert s.empty_documents_dropped == 2
+    rows[9000] = [7, 99, 0]  # in the second record batch, after two null rows
+    pq.write_table(pa.table({"input_ids": pa.array(rows, type=pa.list_(pa.int32()))}), tmp_path / "v.parquet")
+    line = one_error_line(cli(tmp_path / "v.parquet", "-o", tmp_path / "v", "--eos-id", 0, "--vocab-size", 64))
+    assert line.endswith("v.parquet [document 9000, token offset 17997]: token id at or above vocab_size; expected "
+                         "< 64, found 99. HINT: pass the right --vocab-size or --tokenizer, or fix the input"), line
     rows[9000] = [7, None, 0]
     pq.write_table(pa.table({"input_ids": pa.array(rows, type=pa.list_(pa.int32()))}), tmp_path / "x.parquet")
     line = one_error_line(cli(tmp_path / "x.parquet", "-o", tmp_path / "out", "--eos-id", 0, "--vocab-size", 64))
@@ -1039,8 +1044,10 @@ WHAT = {
                          "integer in [-2^63, 2^64), found [2, 3]"],
     "bad_jsonl_nested_equal": ["x.jsonl [line 1 (document 0), position 0]: token id is not a 64-bit integer; "
                                "expected an integer in [-2^63, 2^64), found [1, 2]"],
-    "bad_parquet_missing": ["column not found", "input_ids"],
-    "bad_parquet_type": ["not a list of integers"],
+    "bad_parquet_missing": ["x.parquet [column 'input_ids']: column not found; expected input_ids, found columns "
+                            "['tokens']. HINT: pass --column with the right column name"],
+    "bad_parquet_type": ["x.parquet [column 'input_ids']: column is not a list of integers; expected list<int>, found "
+                         "list<element: string>. HINT: pass --column with the token-id column"],
     "bad_negative": ["negative token id", "document 1"],
     "bad_empty_file": ["empty input"],
     "bad_empty_dir": ["no input files"],
