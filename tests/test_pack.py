@@ -337,6 +337,124 @@ def test_megatron_sequences_out_of_order(block, tmp_path):
     assert packed_docs(tmp_path / "out") == expected
 
 
+def megatron_core_docs(path: Path, docs: list[list[int]], split=lambda k, doc: [len(doc)], dtype=np.uint16,
+                       multimodal: bool = False) -> Path:
+    """`docs` written by megatron-core's own IndexedDatasetBuilder; `split(k, doc)` gives the
+    sequence lengths of document k ([] = a document of no sequences)."""
+    indexed = require("megatron.core.datasets.indexed_dataset", MEGATRON_CORE)
+    builder = indexed.IndexedDatasetBuilder(f"{path}.bin", dtype=dtype, multimodal=multimodal)
+    for k, doc in enumerate(docs):
+        lengths = split(k, doc)
+        builder.add_document(np.array(doc, dtype=dtype), lengths, modes=[k % 3] * len(lengths) if multimodal else None)
+    builder.finalize(f"{path}.idx")
+    return path
+
+
+def test_megatron_index_read_in_chunks(monkeypatch, tmp_path):
+    """Indexes longer than one chunk of entries are read chunk by chunk, in check and in read:
+    a 3-entry chunk puts chunk seams inside documents of several sequences and between empty
+    ones; the packed documents, the manifest's input size and the errors of later chunks are
+    exactly those of one chunk."""
+    from formats.inputs import megatron_bin
+
+    rng = np.random.default_rng(9)
+    docs = [rng.integers(1, 120, size=int(rng.integers(0, 12))).tolist() + [0] * (k % 4 > 0) for k in range(40)]
+    split = lambda k, doc: [] if not doc else [len(doc) // 2, len(doc) - len(doc) // 2] if k % 2 else [len(doc)]
+    m = megatron_core_docs(tmp_path / "m", docs, split)
+    expected = normalised(docs)
+    monkeypatch.setattr(megatron_bin, "INDEX_CHUNK", 3)
+    for block in (8, 64, 1 << 20):
+        pack([str(m)], str(tmp_path / f"out{block}"), eos_id=0, vocab_size=128, block_bytes=block)
+        assert packed_docs(tmp_path / f"out{block}") == expected
+    manifest = json.loads((tmp_path / "out8" / MANIFEST).read_text())
+    size = m.with_suffix(".bin").stat().st_size + m.with_suffix(".idx").stat().st_size
+    assert manifest["inputs"] == [{"path": str(m.with_suffix(".bin")), "size": size, "format": "megatron"}]
+
+    idx = m.with_suffix(".idx").read_bytes()
+    sequences = int(np.frombuffer(idx, "<u8", count=1, offset=18)[0])
+    size7 = int(np.frombuffer(idx, "<i4", count=1, offset=34 + 4 * 7)[0])
+    bad = bytearray(idx)
+    at = 34 + 4 * sequences + 8 * 7  # pointer of sequence 7, in the third chunk
+    bad[at : at + 8] = np.int64(1 << 20).tobytes()
+    m.with_suffix(".idx").write_bytes(bytes(bad))
+    line = one_error_line(cli(m, "-o", tmp_path / "bad1", "--eos-id", 0, "--vocab-size", 128))
+    assert line.endswith(f"m.idx [sequence 7]: Megatron sequence lies outside the .bin; expected pointer >= 0, "
+                         f"size >= 0, pointer + size*2 <= {m.with_suffix('.bin').stat().st_size} (the .bin size), "
+                         f"found pointer {1 << 20}, size {size7}. HINT: the .bin is truncated or belongs to another .idx"), line
+    doc_off = 34 + 12 * sequences
+    di = np.frombuffer(idx, "<i8", offset=doc_off).copy()
+    di[2] = di[3] + 1  # entry 3 (second chunk) below entry 2 (end of the first)
+    m.with_suffix(".idx").write_bytes(idx[:doc_off] + di.tobytes())
+    line = one_error_line(cli(m, "-o", tmp_path / "bad2", "--eos-id", 0, "--vocab-size", 128))
+    assert line.endswith(f"m.idx [document index 3]: Megatron document indices decrease or exceed the sequence count; "
+                         f"expected non-decreasing, <= {sequences}, found {di[3]}"), line
+
+
+def test_megatron_gap_after_a_shorter_sequence(tmp_path):
+    """Pointers evenly spaced by the first sequence's size while a later sequence is shorter:
+    the gap after it holds a junk token, which pack must skip (megatron-core agrees)."""
+    import struct
+
+    indexed = require("megatron.core.datasets.indexed_dataset", MEGATRON_CORE)
+    (tmp_path / "m.bin").write_bytes(np.array([5, 6, 7, 999, 8, 0], dtype="<u2").tobytes())
+    with open(tmp_path / "m.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, 3, 2))
+        f.write(np.array([2, 1, 2], "<i4").tobytes() + np.array([0, 4, 8], "<i8").tobytes() + np.array([0, 3], "<i8").tobytes())
+    mds = indexed.IndexedDataset(str(tmp_path / "m"))
+    assert np.concatenate([mds[i] for i in range(3)]).tolist() == [5, 6, 7, 8, 0]
+    pack([str(tmp_path / "m")], str(tmp_path / "out"), eos_id=0, vocab_size=16)
+    assert packed_docs(tmp_path / "out") == [[5, 6, 7, 8, 0]]
+
+
+@pytest.mark.parametrize("layout", ["back-to-back", "out-of-order"])
+def test_megatron_bin_truncated_while_reading(layout, tmp_path):
+    """A .bin that shrinks after the checks (another process rewriting it) is named in the error."""
+    from formats.inputs.discover import check_input, discover, read_blocks
+
+    docs = [[1, 2, 0], [3, 4, 5, 0]]
+    m = megatron_core_docs(tmp_path / "m", docs)
+    if layout == "out-of-order":  # the second document first in the .bin
+        idx = bytearray(m.with_suffix(".idx").read_bytes())
+        idx[34 + 8 : 34 + 24] = np.array([8, 0], "<i8").tobytes()
+        m.with_suffix(".idx").write_bytes(bytes(idx))
+        m.with_suffix(".bin").write_bytes(np.array([3, 4, 5, 0, 1, 2, 0], "<u2").tobytes())
+    _, (f,) = discover([str(m)])
+    check_input(f)
+    with open(m.with_suffix(".bin"), "r+b") as fh:
+        fh.truncate(10)
+    with pytest.raises(TokpackError) as e:
+        list(read_blocks(f, eos_id=0))
+    assert str(e.value).startswith(f"{m.with_suffix('.bin')} [token ") and "file ended early" in str(e.value)
+
+
+def test_megatron_bad_id_names_document_and_token_offset(tmp_path):
+    """A block of only empty documents (no sequences, so no pointer) comes first; the bad id's
+    document number and token offset in the .bin are exact."""
+    docs = [[], [], list(range(1, 21)), [5, 600, 0]]
+    m = megatron_core_docs(tmp_path / "m", docs, lambda k, doc: [len(doc)] if doc else [])
+    line = one_error_line(cli(m, "-o", tmp_path / "out", "--eos-id", 0, "--vocab-size", 500))
+    assert line.endswith("m.bin [document 3, token offset 21]: token id at or above vocab_size; expected < 500, "
+                         "found 600. HINT: pass the right --vocab-size or --tokenizer, or fix the input"), line
+    with pytest.raises(TokpackError) as e:  # blocks of 8 ids: the bad document is the fourth block's first
+        pack([str(m)], str(tmp_path / "small"), eos_id=0, vocab_size=500, block_bytes=16)
+    assert f"{m.with_suffix('.bin')} [document 3, token offset 21]: token id at or above" in str(e.value)
+    pack([str(m)], str(tmp_path / "ok"), eos_id=0, vocab_size=601, block_bytes=16)
+    assert packed_docs(tmp_path / "ok") == [list(range(1, 21)) + [0], [5, 600, 0]]
+
+
+def test_megatron_multimodal_index(monkeypatch, tmp_path):
+    """A multimodal index (one mode byte per sequence after the document indices) reads as text."""
+    from formats.inputs import megatron_bin
+
+    docs = [[3, 4, 0], [5, 6, 7, 8, 0], [9, 0]] * 4
+    m = megatron_core_docs(tmp_path / "m", docs, lambda k, doc: [2, len(doc) - 2], multimodal=True)
+    pack([str(m)], str(tmp_path / "out"), eos_id=0, vocab_size=16)
+    assert packed_docs(tmp_path / "out") == docs
+    monkeypatch.setattr(megatron_bin, "INDEX_CHUNK", 3)  # the last chunk of document indices is short
+    pack([str(m)], str(tmp_path / "chunked"), eos_id=0, vocab_size=16, block_bytes=8)
+    assert packed_docs(tmp_path / "chunked") == docs
+
+
 # ------------------------------------------------------------ parquet, arrow, HF
 
 
@@ -362,7 +480,7 @@ def test_parquet_large_and_fixed_size_lists(list_type, tmp_path):
 
 def test_parquet_round_trip_with_missing_eos_and_empty_docs(tmp_path):
     docs = varied_docs()
-    table = pa.table({"input_ids": pa.array(docs, type=pa.list_(pa.int32())), "other": list(range(len(docs)))})
+    table = pa.table({"other": list(range(len(docs))), "input_ids": pa.array(docs, type=pa.list_(pa.int32()))})
     (tmp_path / "pq").mkdir()
     pq.write_table(table.slice(0, 30), tmp_path / "pq" / "a.parquet", row_group_size=7)
     pq.write_table(table.slice(30), tmp_path / "pq" / "b.parquet", row_group_size=7)
@@ -401,6 +519,27 @@ def test_parquet_row_groups_decoded_in_parallel_pack_as_one_at_a_time(tmp_path, 
         assert not (tmp_path / f"bad{threads}" / "tokpack.json").exists()
     assert outs[0] == outs[1] and packed_docs(tmp_path / "out3") == normalised(docs)
     assert errors[0] == errors[1] and "null token id" in errors[0] and f"row {len(docs) - 2}]" in errors[0]
+
+
+def test_parquet_null_rows_and_null_ids(tmp_path):
+    """A null list is an empty document (dropped and counted); a null id inside a list is an
+    error naming the column and its row."""
+    docs = [[i % 50 + 1, 0] for i in range(10000)]
+    rows = [None if i in (3, 8500) else d for i, d in enumerate(docs)]
+    pq.write_table(pa.table({"input_ids": pa.array(rows, type=pa.list_(pa.int32()))}), tmp_path / "ok.parquet")
+    s = pack([str(tmp_path / "ok.parquet")], str(tmp_path / "ok"), eos_id=0, vocab_size=64)
+    assert packed_docs(tmp_path / "ok") == [d for r, d in zip(rows, docs) if r is not None]
+    assert s.empty_documents_dropped == 2
+    rows[9000] = [7, 99, 0]  # in the second record batch, after two null rows
+    pq.write_table(pa.table({"input_ids": pa.array(rows, type=pa.list_(pa.int32()))}), tmp_path / "v.parquet")
+    line = one_error_line(cli(tmp_path / "v.parquet", "-o", tmp_path / "v", "--eos-id", 0, "--vocab-size", 64))
+    assert line.endswith("v.parquet [document 9000, token offset 17997]: token id at or above vocab_size; expected "
+                         "< 64, found 99. HINT: pass the right --vocab-size or --tokenizer, or fix the input"), line
+    rows[9000] = [7, None, 0]
+    pq.write_table(pa.table({"input_ids": pa.array(rows, type=pa.list_(pa.int32()))}), tmp_path / "x.parquet")
+    line = one_error_line(cli(tmp_path / "x.parquet", "-o", tmp_path / "out", "--eos-id", 0, "--vocab-size", 64))
+    assert line.endswith("x.parquet [column 'input_ids', row 9000]: null token id in a list; expected "
+                         "integers, found null. HINT: drop or fill the nulls before packing"), line
 
 
 def test_hf_save_to_disk_and_arrow_file(tmp_path, tokenizer_path):
@@ -519,6 +658,68 @@ def test_jsonl_token_lists(tmp_path):
     assert packed_docs(tmp_path / "out") == normalised(docs)
 
 
+def test_jsonl_blocks_blank_lines_and_empty_lists(tmp_path):
+    """Token lists read in blocks of any size, blank lines between them, and a last block
+    holding only empty lists; a bad id in a later block names its document and token offset."""
+    docs = varied_docs(seed=6, n=30) + [[], []]
+    with open(tmp_path / "t.jsonl", "w") as f:
+        for i, d in enumerate(docs):
+            f.write(json.dumps(d) + ("\n\n" if i % 7 == 0 else "\n"))
+    for block in (8, 64, 1 << 20):
+        s = pack([str(tmp_path / "t.jsonl")], str(tmp_path / f"out{block}"), eos_id=0, vocab_size=500, block_bytes=block)
+        assert packed_docs(tmp_path / f"out{block}") == normalised(docs)
+        assert s.empty_documents_dropped == sum(1 for d in docs if not d)
+    (tmp_path / "v.jsonl").write_text("[1, 2, 0]\n" * 5 + "[3, 700, 0]\n")
+    for block in (16, 1 << 20):  # the bad id in a block of its own, or in the one last block
+        with pytest.raises(TokpackError) as e:
+            pack([str(tmp_path / "v.jsonl")], str(tmp_path / "v"), eos_id=0, vocab_size=500, block_bytes=block)
+        assert str(e.value).endswith("v.jsonl [document 5, token offset 16]: token id at or above vocab_size; "
+                                     "expected < 500, found 700. HINT: pass the right --vocab-size or --tokenizer, "
+                                     "or fix the input")
+
+
+@pytest.mark.parametrize("bad, expected", [
+    ("5", "[line 8, key 'input_ids']: JSONL line has no token list; expected a list of token ids, found int. "
+          "HINT: pass --column with the key holding the token ids"),
+    ('{"ids": [2, 0]}', "[line 8, key 'input_ids']: JSONL line has no token list; expected a list of token ids, "
+                        "found no such key. HINT: pass --column with the key holding the token ids"),
+    ('{"input_ids": [3, -2, "x"]}', "[line 8 (document 6), position 2]: token id is not a 64-bit integer; "
+                                    "expected an integer in [-2^63, 2^64), found 'x'"),
+    ('{"input_ids": [4, true, 0]}', "[line 8 (document 6), position 1]: token id is not a 64-bit integer; expected "
+                                    "an integer in [-2^63, 2^64), found True"),
+    ("[false, 0]", "[line 8 (document 6), position 0]: token id is not a 64-bit integer; expected an integer in "
+                   "[-2^63, 2^64), found False"),
+    ("[1, [2, 3], 0]", "[line 8 (document 6), position 1]: token id is not a 64-bit integer; expected an integer in "
+                       "[-2^63, 2^64), found [2, 3]"),
+    ("[1, 18446744073709551616]", "[line 8 (document 6), position 1]: token id is not a 64-bit integer; expected an "
+                                  "integer in [-2^63, 2^64), found 18446744073709551616"),
+    ('{"input_ids": 5}', "[line 8, key 'input_ids']: JSONL line has no token list; expected a list of token ids, "
+                         "found int. HINT: pass --column with the key holding the token ids"),
+    ("[-9223372036854775808, 18446744073709551615]", "[lines 6-8]: token ids do not fit one integer type; expected "
+                                                     "ids in [0, 2^64), found ids from -9223372036854775808 to "
+                                                     "18446744073709551615"),
+], ids=["not-a-list", "no-key", "string-id", "true", "false", "nested-list", "2^64", "int-under-key",
+                          "int64-and-uint64"])
+def test_jsonl_bad_ids_name_line_and_position(bad, expected, tmp_path):
+    """Six good lines (one blank line among them, so line and document numbers differ) read in
+    blocks of 3 ids (lines 1-2, 4-5 exactly 3, 6-8), then a bad one on line 8: the error names
+    its line, document and position exactly."""
+    (tmp_path / "x.jsonl").write_text("[1, 0]\n[2, 0]\n\n[3, 0]\n[4]\n[5]\n[6]\n" + bad + "\n")
+    with pytest.raises(TokpackError) as e:
+        pack([str(tmp_path / "x.jsonl")], str(tmp_path / "out"), eos_id=0, vocab_size=500, block_bytes=24)
+    assert str(e.value) == f"{tmp_path / 'x.jsonl'} {expected}"
+    assert not (tmp_path / "out" / MANIFEST).exists()
+
+
+def test_jsonl_bool_ids_refused_anywhere_in_a_block(tmp_path):
+    """A true/false on one line of a block is found even when the block's later lines spell none."""
+    (tmp_path / "x.jsonl").write_text("[3, 0]\n[true, 1]\n[2, 0]\n")
+    with pytest.raises(TokpackError) as e:
+        pack([str(tmp_path / "x.jsonl")], str(tmp_path / "out"), eos_id=0, vocab_size=500)
+    assert str(e.value).endswith("x.jsonl [line 2 (document 1), position 0]: token id is not a 64-bit integer; "
+                                 "expected an integer in [-2^63, 2^64), found True")
+
+
 def test_raw_text_jsonl_and_parquet(corpus, tokenizer_path, tmp_path):
     texts = corpus["texts"]
     res = cli(corpus["root"] / "text", "-o", tmp_path / "a", "--tokenizer", tokenizer_path, "--workers", 2)
@@ -612,6 +813,10 @@ def bad_megatron_dtype(c, t):
     return [megatron_pair(t, code=9), "--eos-id", 0]
 
 
+def bad_megatron_dtype_high(c, t):
+    return [megatron_pair(t, code=200), "--eos-id", 0]  # the code is an unsigned byte
+
+
 def bad_megatron_pointers(c, t):
     p = megatron_pair(t)
     with open(p.with_suffix(".bin"), "r+b") as f:
@@ -654,6 +859,42 @@ def bad_megatron_doc_end(c, t):
     return _megatron_doc_index(t, [0, 1, 2, 3, 4, 4])
 
 
+def _megatron_idx_patch(t, offset, data: bytes):
+    """megatron_pair (5 sequences of 4 uint16 tokens, 6 document indices) with idx bytes patched."""
+    p = megatron_pair(t)
+    b = bytearray(p.with_suffix(".idx").read_bytes())
+    b[offset : offset + len(data)] = data
+    p.with_suffix(".idx").write_bytes(bytes(b))
+    return [p, "--eos-id", 0]
+
+
+def bad_megatron_short_header(c, t):
+    p = megatron_pair(t)
+    p.with_suffix(".idx").write_bytes(p.with_suffix(".idx").read_bytes()[:20])
+    return [p, "--eos-id", 0]
+
+
+def bad_megatron_no_documents(c, t):
+    import struct
+
+    p = megatron_pair(t)
+    idx = p.with_suffix(".idx").read_bytes()
+    p.with_suffix(".idx").write_bytes(idx[:9] + struct.pack("<QBQQ", 1, 8, 5, 0) + idx[34:-48])
+    return [p, "--eos-id", 0]
+
+
+def bad_megatron_negative_pointer(c, t):
+    return _megatron_idx_patch(t, 34 + 20 + 8 * 3, np.int64(-8).tobytes())
+
+
+def bad_megatron_negative_size(c, t):
+    return _megatron_idx_patch(t, 34, np.int32(-4).tobytes())  # sequence 0: the first one checked
+
+
+def bad_megatron_doc_exceeds(c, t):
+    return _megatron_doc_index(t, [0, 1, 2, 3, 7, 5])
+
+
 def bad_npy_header(c, t):
     (t / "x.npy").write_bytes(b"\x93NUMPY\x01\x00garbage")
     return [t / "x.npy", "--eos-id", 0, "--vocab-size", 10]
@@ -692,6 +933,16 @@ def bad_raw_size(c, t):
 
 def bad_jsonl_line(c, t):
     (t / "x.jsonl").write_text('{"input_ids": [1, 0]}\n{"input_ids": [2, \n')
+    return [t / "x.jsonl", "--eos-id", 0, "--vocab-size", 10]
+
+
+def bad_jsonl_nested(c, t):
+    (t / "x.jsonl").write_text('{"input_ids": [1, [2, 3], 0]}\n')
+    return [t / "x.jsonl", "--eos-id", 0, "--vocab-size", 10]
+
+
+def bad_jsonl_nested_equal(c, t):
+    (t / "x.jsonl").write_text('{"input_ids": [[1, 2], [3, 4]]}\n')  # numpy makes it a 2-D int array
     return [t / "x.jsonl", "--eos-id", 0, "--vocab-size", 10]
 
 
@@ -757,10 +1008,12 @@ def bad_vocab_unknown(c, t):
 
 
 BAD = [bad_vocab, bad_ds_size, bad_index_order, bad_index_repeated, bad_index_last, bad_megatron_magic, bad_megatron_version,
-       bad_megatron_dtype, bad_megatron_pointers, bad_megatron_idx_size, bad_megatron_bin_size,
-       bad_megatron_doc_start, bad_megatron_doc_decrease, bad_megatron_doc_end, bad_npy_header, bad_raw_no_dtype,
+       bad_megatron_dtype, bad_megatron_dtype_high, bad_megatron_pointers, bad_megatron_idx_size, bad_megatron_bin_size,
+       bad_megatron_doc_start, bad_megatron_doc_decrease, bad_megatron_doc_end, bad_megatron_short_header,
+       bad_megatron_no_documents, bad_megatron_negative_pointer, bad_megatron_negative_size,
+       bad_megatron_doc_exceeds, bad_npy_header, bad_raw_no_dtype,
        bad_npy_float, bad_npy_fortran, bad_npy_truncated, bad_raw_dtype_not_integer, bad_raw_size,
-       bad_jsonl_line, bad_parquet_missing, bad_parquet_type, bad_negative,
+       bad_jsonl_line, bad_jsonl_nested, bad_jsonl_nested_equal, bad_parquet_missing, bad_parquet_type, bad_negative,
        bad_empty_file, bad_empty_dir, bad_mixed_dtypes, bad_mixed_vocab, bad_mixed_megatron,
        bad_tokenizer_not_local, bad_eos_unknown, bad_vocab_unknown]
 WHAT = {
@@ -769,16 +1022,36 @@ WHAT = {
     "bad_index_order": ["does not increase", "entry 2"],
     "bad_index_repeated": ["does not increase", "entry 3"],
     "bad_index_last": ["last entry differs"],
-    "bad_megatron_magic": ["wrong magic"],
-    "bad_megatron_version": ["version"],
-    "bad_megatron_dtype": ["dtype code"],
-    "bad_megatron_pointers": ["past the end"],
-    "bad_megatron_idx_size": [".idx size does not match its counts", "142 bytes for 5 sequences", "found 145 bytes"],
-    "bad_megatron_bin_size": [".bin size is not a multiple of the token size", "41 bytes"],
-    "bad_megatron_doc_start": ["[document index 0]: Megatron document indices do not start at 0; expected 0, found 1"],
-    "bad_megatron_doc_decrease": ["[document index 2]: Megatron document indices decrease or exceed the sequence count; "
+    "bad_megatron_magic": ["m.idx [byte 0]: not a Megatron index: wrong magic; expected b'MMIDIDX\\x00\\x00', found "
+                           "b'XXXDIDX\\x00\\x00'. HINT: pass the .idx written with the .bin (Megatron's MMIDIDX format)"],
+    "bad_megatron_version": ["m.idx [byte 9 (version)]: unsupported Megatron index version; expected 1, found 2"],
+    "bad_megatron_dtype": ["m.idx [byte 17 (dtype code)]: unknown Megatron dtype code; expected 1-8 (uint8 int8 int16 "
+                           "int32 int64 float64 float32 uint16), found 9"],
+    "bad_megatron_dtype_high": ["m.idx [byte 17 (dtype code)]: unknown Megatron dtype code; expected 1-8 (uint8 "
+                                "int8 int16 int32 int64 float64 float32 uint16), found 200"],
+    "bad_megatron_pointers": ["m.idx [sequence 2]: Megatron sequence lies outside the .bin; expected pointer >= 0, "
+                              "size >= 0, pointer + size*2 <= 20 (the .bin size), found pointer 16, size 4. HINT: the "
+                              ".bin is truncated or belongs to another .idx"],
+    "bad_megatron_idx_size": ["m.idx [size]: Megatron .idx size does not match its counts; expected 142 bytes for 5 "
+                              "sequences and 6 document indices, found 145 bytes. HINT: the index is truncated or corrupt"],
+    "bad_megatron_bin_size": ["m.bin [size]: Megatron .bin size is not a multiple of the token size; expected a "
+                              "multiple of 2 (uint16), found 41 bytes"],
+    "bad_megatron_short_header": ["m.idx [header]: Megatron index header is truncated; expected 34 bytes, found 20 "
+                                  "bytes. HINT: the index is truncated or corrupt"],
+    "bad_megatron_no_documents": ["m.idx [document count]: Megatron .idx has no document indices; expected >= 1, "
+                                  "found 0"],
+    "bad_megatron_negative_pointer": ["m.idx [sequence 3]: Megatron sequence lies outside the .bin; expected "
+                                      "pointer >= 0, size >= 0, pointer + size*2 <= 40 (the .bin size), found "
+                                      "pointer -8, size 4."],
+    "bad_megatron_negative_size": ["m.idx [sequence 0]: Megatron sequence lies outside the .bin; expected "
+                                   "pointer >= 0, size >= 0, pointer + size*2 <= 40 (the .bin size), found "
+                                   "pointer 0, size -4."],
+    "bad_megatron_doc_exceeds": ["m.idx [document index 4]: Megatron document indices decrease or exceed the sequence "
+                                 "count; expected non-decreasing, <= 5, found 7"],
+    "bad_megatron_doc_start": ["m.idx [document index 0]: Megatron document indices do not start at 0; expected 0, found 1"],
+    "bad_megatron_doc_decrease": ["m.idx [document index 2]: Megatron document indices decrease or exceed the sequence count; "
                                   "expected non-decreasing, <= 5, found 1"],
-    "bad_megatron_doc_end": ["[document index 5]: Megatron document indices do not end at the sequence count; "
+    "bad_megatron_doc_end": ["m.idx [document index 5]: Megatron document indices do not end at the sequence count; "
                              "expected 5, found 4"],
     "bad_npy_header": ["x.npy [header]: unreadable .npy header; expected a numpy .npy file, found "],
     "bad_raw_no_dtype": ["x.tok [--dtype]: raw token file needs --dtype; expected uint8 | int8 | uint16 | int16 | "
@@ -794,8 +1067,14 @@ WHAT = {
     "bad_raw_size": ["x.tok [size]: raw token file size is not a multiple of the token size; expected a multiple of 2 "
                      "bytes (uint16), found 5 bytes"],
     "bad_jsonl_line": ["x.jsonl [line 2]: invalid JSON; expected a JSON object, found "],
-    "bad_parquet_missing": ["column not found", "input_ids"],
-    "bad_parquet_type": ["not a list of integers"],
+    "bad_jsonl_nested": ["x.jsonl [line 1 (document 0), position 1]: token id is not a 64-bit integer; expected an "
+                         "integer in [-2^63, 2^64), found [2, 3]"],
+    "bad_jsonl_nested_equal": ["x.jsonl [line 1 (document 0), position 0]: token id is not a 64-bit integer; "
+                               "expected an integer in [-2^63, 2^64), found [1, 2]"],
+    "bad_parquet_missing": ["x.parquet [column 'input_ids']: column not found; expected input_ids, found columns "
+                            "['tokens']. HINT: pass --column with the right column name"],
+    "bad_parquet_type": ["x.parquet [column 'input_ids']: column is not a list of integers; expected list<int>, found "
+                         "list<element: string>. HINT: pass --column with the token-id column"],
     "bad_negative": ["negative token id", "document 1"],
     "bad_empty_file": ["empty input"],
     "bad_empty_dir": ["no input files"],

@@ -51,9 +51,10 @@ def jsonl_file(path, want: str, column: str | None) -> tuple[str, list[InputFile
 
 def jsonl_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
     lists: list[list] = []
+    lines: list[int] = []  # the line number of each list, for messages
     pending = 0  # tokens in `lists`
     doc = offset = 0
-    first_line = 1
+    literals = False  # a line of the block spells true/false, which numpy would take as ids 1/0
     with _open_text(f.path) as fh:
         for line_no, line in enumerate(fh, 1):
             if not line.strip():
@@ -65,32 +66,37 @@ def jsonl_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
             ids = obj if isinstance(obj, list) else obj.get(f.column) if isinstance(obj, dict) else None
             if not isinstance(ids, list):
                 raise _err("JSONL line has no token list", f.path, where=f"line {line_no}, key {f.column!r}",
-                           expected="a list of token ids", found=type(ids).__name__ if ids is not None else "no such key",
+                           expected="a list of token ids", found="no such key" if isinstance(obj, dict) and f.column not in obj
+                           else type(ids if isinstance(obj, dict) else obj).__name__,
                            hint="pass --column with the key holding the token ids")
-            if not lists:
-                first_line = line_no
             lists.append(ids)
+            lines.append(line_no)
+            literals = literals or "true" in line or "false" in line
             pending += len(ids)
             if pending >= block_tokens:
-                yield _jsonl_block(f, lists, doc, offset, first_line)
+                yield _jsonl_block(f, lists, lines, doc, offset, literals)
                 doc += len(lists)
                 offset += pending
-                lists, pending = [], 0
+                lists, lines, pending, literals = [], [], 0, False
     if lists:
-        yield _jsonl_block(f, lists, doc, offset, first_line)
+        yield _jsonl_block(f, lists, lines, doc, offset, literals)
 
 
-def _jsonl_block(f: InputFile, lists: list[list], doc: int, offset: int, first_line: int) -> Block:
+def _jsonl_block(f: InputFile, lists: list[list], lines: list[int], doc: int, offset: int, literals: bool) -> Block:
     lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
     flat = list(chain.from_iterable(lists))
-    tokens = np.array(flat) if flat else np.zeros(0, np.int64)
-    if tokens.dtype.kind not in "iu" or tokens.ndim != 1:
+    try:
+        tokens = np.array(flat) if flat else np.zeros(0, np.int64)
+    except ValueError:  # nested lists of unequal lengths; found below
+        tokens = None
+    if literals or tokens is None or tokens.dtype.kind not in "iu" or tokens.ndim != 1:
         for k, ids in enumerate(lists):
             for pos, v in enumerate(ids):
                 if not isinstance(v, int) or isinstance(v, bool) or not -(1 << 63) <= v < (1 << 64):
-                    raise _err("token id is not an integer", f.path,
-                               where=f"document {doc + k} (from line {first_line}), position {pos}",
-                               expected="an integer", found=repr(v)[:40])
-        raise _err("token ids are not integers", f.path, where=f"lines from {first_line}", expected="integers",
-                   found=str(tokens.dtype))
+                    raise _err("token id is not a 64-bit integer", f.path,
+                               where=f"line {lines[k]} (document {doc + k}), position {pos}",
+                               expected="an integer in [-2^63, 2^64)", found=repr(v)[:40])
+    if tokens.dtype.kind not in "iu" or tokens.ndim != 1:  # ids each in range, but no one dtype holds them all
+        raise _err("token ids do not fit one integer type", f.path, where=f"lines {lines[0]}-{lines[-1]}",
+                   expected="ids in [0, 2^64)", found=f"ids from {min(flat)} to {max(flat)}")
     return Block(tokens, np.cumsum(lengths), None, doc, offset)

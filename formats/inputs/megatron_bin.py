@@ -29,9 +29,12 @@ MEGATRON_DTYPES = {
 def megatron_file(bin_path) -> InputFile:
     idx = bin_path.with_suffix(".idx")
     head = read_array(idx, np.uint8, MEGATRON_HEADER).tobytes()
-    if len(head) < MEGATRON_HEADER or head[:9] != MEGATRON_MAGIC:
+    if head[:9] != MEGATRON_MAGIC:
         raise _err("not a Megatron index: wrong magic", idx, where="byte 0", expected=repr(MEGATRON_MAGIC),
                    found=repr(head[:9]), hint="pass the .idx written with the .bin (Megatron's MMIDIDX format)")
+    if len(head) < MEGATRON_HEADER:
+        raise _err("Megatron index header is truncated", idx, where="header", expected=f"{MEGATRON_HEADER} bytes",
+                   found=f"{len(head)} bytes", hint="the index is truncated or corrupt")
     version, code, sequences, documents = struct.unpack("<QBQQ", head[9:])
     if version != 1:
         raise _err("unsupported Megatron index version", idx, where="byte 9 (version)", expected=1, found=version)
@@ -40,7 +43,7 @@ def megatron_file(bin_path) -> InputFile:
                    expected="1-8 (uint8 int8 int16 int32 int64 float64 float32 uint16)", found=code)
     size = bin_path.stat().st_size + idx.stat().st_size
     return InputFile(str(bin_path), "megatron", MEGATRON_DTYPES[code].name, size,
-                     extra={"idx": str(idx), "code": code, "sequences": sequences, "documents": documents})
+                     extra={"idx": str(idx), "sequences": sequences, "documents": documents})
 
 
 def _megatron_layout(f: InputFile) -> tuple[int, int, int]:
@@ -72,8 +75,8 @@ def check_megatron(f: InputFile) -> None:
         bad = np.flatnonzero((sizes < 0) | (ptrs < 0) | (ptrs + sizes * itemsize > bsize))
         if len(bad):
             i = int(bad[0])
-            raise _err("Megatron sequence pointer past the end of the .bin", idx, where=f"sequence {start + i}",
-                       expected=f"pointer + size*{itemsize} <= {bsize} (the .bin size)",
+            raise _err("Megatron sequence lies outside the .bin", idx, where=f"sequence {start + i}",
+                       expected=f"pointer >= 0, size >= 0, pointer + size*{itemsize} <= {bsize} (the .bin size)",
                        found=f"pointer {int(ptrs[i])}, size {int(sizes[i])}",
                        hint="the .bin is truncated or belongs to another .idx")
     prev = 0
