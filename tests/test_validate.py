@@ -783,3 +783,168 @@ def test_metadata_text_not_as_tokpack_writes_it(env):
     got = [(Path(p["file"]).name, p["where"], p["message"]) for p in r["problems"]]
     assert got == [("00000.ds.metadata", "line 3", "metadata text differs from what tokpack writes")], r["lines"]
     assert r["problems"][0]["found"].endswith("\\n'")
+
+
+# ------------------------------------------------------------------ each line of the shard scan, whole
+
+
+def _lines(r: dict, quick: bool) -> list[tuple]:
+    """The shard files' problems of one mode (the manifest's own lines left out), whole."""
+    return [(Path(p["file"]).name, p["where"], p["expected"], p["found"], p["message"])
+            for p in r["quick" if quick else "full"]["problems"] if not p["file"].endswith(MANIFEST)]
+
+
+def _scan(env: Path, target: str) -> dict:
+    path = env / ("run" if target.startswith("run") else target)
+    return {mode: validate_all([str(path)], quick=mode == "quick", against=[], workers=1, show_progress=False)
+            for mode in ("full", "quick")}
+
+
+def _set_entry(directory: Path, shard: str, **fields) -> None:
+    m = load(directory)
+    entry = next(s for s in m["shards"] if s["path"] == shard)
+    if "tokens" in fields:
+        m["tokens"] += fields["tokens"] - entry["tokens"]
+    if "fragments" in fields:
+        m["fragments"] += fields["fragments"] - entry["fragments"]
+    entry.update(fields)
+    save(directory, m)
+
+
+def _write_index(epoch: Path, shard: str, entries: np.ndarray) -> None:
+    """An epoch index rewritten with its fragment counts and checksum made to agree, so only the
+    scan of its entries can tell."""
+    np.asarray(entries, dtype="<u8").tofile(epoch / (shard + ".index"))
+    _set_entry(epoch, shard, fragments=len(entries))
+    reseal_epoch_index(epoch, shard)
+
+
+MISSING = ("a file listed in the manifest", "no such file")
+
+
+@pytest.mark.parametrize("suffix,message", [("", "shard missing"), (".index", "index missing"),
+                                            (".metadata", "metadata missing")])
+def test_missing_shard_file_line(env, suffix, message):
+    (env / "src" / ("00000.ds" + suffix)).unlink()
+    r = _scan(env, "src")
+    for quick in (False, True):
+        assert _lines(r, quick) == [("00000.ds" + suffix, None, *MISSING, message)], r
+        assert r["quick" if quick else "full"]["status"] == "corrupt"
+
+
+def test_source_index_size_lines(env):
+    """A source index one entry short, and an empty one for a shard whose manifest claims no
+    documents (its other counts rewritten to agree): neither is read, and each says why."""
+    idx = env / "src/00000.ds.index"
+    idx.write_bytes(idx.read_bytes()[:-8])
+    docs = load(env / "src")["shards"][0]["documents"]
+    want = [("00000.ds.index", "size", f"{8 * docs} bytes ({docs} documents x 8)", f"{8 * docs - 8} bytes",
+             "index size does not match the manifest's document count")]
+    r = _scan(env, "src")
+    assert _lines(r, False) == want and _lines(r, True) == want, r
+    idx.write_bytes(b"")
+    m = load(env / "src")
+    m["documents"] -= docs
+    m["shards"][0]["documents"] = 0
+    save(env / "src", m)
+    want = [("00000.ds.index", "size", "a non-empty multiple of 8 bytes", "0 bytes", "index size invalid")]
+    r = _scan(env, "src")
+    assert _lines(r, False) == want and _lines(r, True) == want, r
+
+
+def test_manifest_byte_count_line(env):
+    _set_entry(env / "src", "00000.ds", bytes=2 * load(env / "src")["shards"][0]["tokens"] + 2)
+    r = validate_all([str(env / "src")], quick=False, against=[], workers=1, show_progress=False)
+    tokens = load(env / "src")["shards"][0]["tokens"]
+    assert [(p["file"], p["where"], p["expected"], p["found"], p["message"]) for p in r["problems"]] == [
+        (str(env / "src" / MANIFEST), "shards[00000.ds].bytes", str(2 * tokens), str(2 * tokens + 2),
+         "manifest byte count disagrees with its token count")], r["lines"]
+
+
+def test_metadata_field_lines(env):
+    """Metadata naming another tokenizer, token size and token count: one line each, and its
+    checksum in full mode."""
+    from formats.manifest import metadata_text
+
+    meta = env / "src/00000.ds.metadata"
+    meta.write_text(metadata_text("other-tokenizer", 4, 999))
+    tokens = load(env / "src")["shards"][0]["tokens"]
+    want = [("00000.ds.metadata", "tokenizer", "test-tokenizer", "other-tokenizer",
+             "metadata tokenizer differs from the manifest"),
+            ("00000.ds.metadata", "token_size", "2", "4", "metadata token size differs from the manifest dtype"),
+            ("00000.ds.metadata", "tokens", str(tokens), "999", "metadata token count differs from the manifest")]
+    r = _scan(env, "src")
+    assert _lines(r, True) == want, r
+    recorded = load(env / "src")["shards"][0]["metadata_xxh3_128"]
+    assert _lines(r, False) == [("00000.ds.metadata", "xxh3_128", recorded, xxh3_128_file(meta),
+                                 "checksum mismatch")] + want, r
+
+
+def test_recorded_index_and_multiset_hash_lines(env):
+    """An epoch shard entry whose index checksum and multiset hash were rewritten: the scan names
+    each, what the manifest records and what the files hold. Quick mode reads neither."""
+    shard = load(env / E0)["shards"][0]
+    _set_entry(env / E0, "00000.ds", index_xxh3_128="0" * 32, multiset_hash="0" * 16)
+    r = _scan(env, E0)
+    assert _lines(r, False) == [
+        ("00000.ds.index", "xxh3_128", "0" * 32, xxh3_128_file(env / E0 / "00000.ds.index"), "checksum mismatch"),
+        ("00000.ds", "multiset_hash", "0" * 16, shard["multiset_hash"],
+         "sample multiset hash of the shard differs from the manifest")], r
+    assert _lines(r, True) == []
+
+
+# Entries of the base run's epoch 0, shard 00000.ds: [16, 32, 48, 53, 64, 80, 96, 112, 128] (8
+# samples of 16 tokens; 53 is an EOS inside sample 3). Each edit keeps the entries increasing.
+EPOCH_INDEX_EDITS = {
+    "EOS entry moved": (lambda a: np.where(a == 53, 54, a),
+                        [("entry 3", "53 (EOS positions + sample ends)", "54", "index disagrees with the tokens")],
+                        []),
+    "sample end moved": (lambda a: np.where(a == 48, 49, a),
+                         [("entry 2", "48 (EOS positions + sample ends)", "49", "index disagrees with the tokens")],
+                         [("sample end 48", "an index entry at every sample end", "no entry",
+                           "index misses a sample boundary")]),
+    "last entry dropped": (lambda a: a[:-1],
+                           [("entry 8", "128 (EOS positions + sample ends)", "no entry",
+                             "index disagrees with the tokens")],
+                           [("entry 7 (last)", "128 (the token count)", "112", "index does not end at the token count")]),
+    "entry past the end": (lambda a: np.append(a, 133),
+                           [("entry 9", "<= 128 (the token count)", "1 more entries",
+                             "index runs past the end of the shard")],
+                           [("entry 9 (last)", "128 (the token count)", "133", "index does not end at the token count")]),
+}
+
+
+@pytest.mark.parametrize("block", [None, 64], ids=["one block", "64-byte blocks"])
+@pytest.mark.parametrize("edit", list(EPOCH_INDEX_EDITS))
+def test_epoch_index_entry_lines(env, monkeypatch, edit, block):
+    """An epoch index edited with its fragment counts and checksum rewritten: full mode compares
+    it with the EOS positions and sample ends, quick mode with the sample ends alone, and each
+    names the first wrong entry, what it expected and what it found. Also in blocks of a few
+    rows, where the index is handed out block by block (and in quick mode, 2 entries a chunk)."""
+    import formats.shard_scan as v
+
+    if block:
+        monkeypatch.setattr(v, "BLOCK", block)
+    change, full, quick = EPOCH_INDEX_EDITS[edit]
+    a = np.fromfile(env / E0 / "00000.ds.index", dtype="<u8")
+    assert a.tolist() == [16, 32, 48, 53, 64, 80, 96, 112, 128]
+    _write_index(env / E0, "00000.ds", change(a))
+    r = _scan(env, E0)
+    assert _lines(r, False) == [("00000.ds.index", *p) for p in full], r["full"]["lines"]
+    assert _lines(r, True) == [("00000.ds.index", *p) for p in quick], r["quick"]["lines"]
+
+
+def test_shard_shorter_than_its_size(env):
+    """A file whose size promises more bytes than a read delivers (a pseudo-file here; in life a
+    file cut short while validate reads it): named at the byte where the data ended."""
+    short = Path("/sys/devices/system/cpu/online")
+    if not short.is_file() or short.stat().st_size <= len(short.read_bytes()):
+        pytest.skip("needs sysfs: a file whose st_size exceeds its content")
+    size, content = short.stat().st_size, short.read_bytes()
+    (env / "src/00000.ds").unlink()
+    (env / "src/00000.ds").symlink_to(short)
+    _set_entry(env / "src", "00000.ds", tokens=size // 2, bytes=size)
+    r = validate_all([str(env / "src")], quick=False, against=[], workers=1, show_progress=False)
+    assert [p[1:] for p in _lines({"full": r}, False) if p[0] == "00000.ds"] == [
+        (f"byte {len(content)}", "more data", "end of file", "shard shorter than expected")], r["lines"]
+    assert r["status"] == "corrupt"
