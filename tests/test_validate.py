@@ -948,3 +948,203 @@ def test_shard_shorter_than_its_size(env):
     assert [p[1:] for p in _lines({"full": r}, False) if p[0] == "00000.ds"] == [
         (f"byte {len(content)}", "more data", "end of file", "shard shorter than expected")], r["lines"]
     assert r["status"] == "corrupt"
+
+
+# ------------------------------------------------------------------ each line of the directory checks, whole
+
+
+def _all_lines(r: dict) -> list[tuple]:
+    return [(p["file"], p["where"], p["expected"], p["found"], p["message"]) for p in r["problems"]]
+
+
+def _check(path: Path, quick: bool = True, **kw) -> dict:
+    return validate_all([str(path)], quick=quick, against=kw.pop("against", []), workers=1, show_progress=False, **kw)
+
+
+def test_manifest_text_altered_line(env):
+    """A manifest with the same JSON in other bytes (re-indented by an editor), in a source and
+    in a run: one line each, and the run's other checks still run and keep it."""
+    for d in ("src", "run"):
+        (env / d / MANIFEST).write_text(json.dumps(load(env / d), indent=2))
+        r = _check(env / d)
+        assert _all_lines(r) == [(str(env / d / MANIFEST), "bytes", "the JSON text tokpack writes",
+                                  "different bytes (edited after writing?)", "manifest text was altered")], r["lines"]
+
+
+def test_shard_path_lines(env):
+    m = load(env / "src")
+    m["shards"][0]["path"] = ".00000.ds"
+    save(env / "src", m)
+    mfile = str(env / "src" / MANIFEST)
+    assert (mfile, "shards[0].path", "a plain NNNNN.ds file name", "'.00000.ds'", "bad shard path") in \
+        _all_lines(_check(env / "src"))
+    m["shards"][0]["path"] = m["shards"][1]["path"]
+    save(env / "src", m)
+    assert (mfile, "shards[1].path", "unique names", "00001.ds", "shard listed twice") in _all_lines(_check(env / "src"))
+
+
+def test_source_manifest_rule_lines(env):
+    """dtype label and EOS id against the vocabulary: whole lines, file included."""
+    m = load(env / "src")
+    m["dtype"], m["token_size"] = "uint32", 4
+    save(env / "src", m)
+    mfile = str(env / "src" / MANIFEST)
+    assert (mfile, "dtype", "uint16 (vocab_size 1000)", "uint32", "dtype label disagrees with the vocabulary size") \
+        in _all_lines(_check(env / "src"))
+    m = load(env / "src")
+    m["dtype"], m["token_size"], m["eos_id"] = "uint16", 2, VOCAB
+    save(env / "src", m)
+    assert (mfile, "eos_id", "< 1000 (vocab_size)", "1000", "EOS id out of vocabulary") in _all_lines(_check(env / "src"))
+
+
+def test_epoch_source_entry_field_line(env):
+    """A field missing from an epoch's source entry is named with its place in the list."""
+    m = load(env / E0)
+    del m["sources"][0]["first_pass"]
+    save(env / E0, m)
+    assert [(p[1], p[2], p[3]) for p in _all_lines(_check(env / E0))] == [
+        ("sources[0].first_pass", "field 'first_pass'", "no such field")]
+
+
+def test_window_past_the_source_end_line(env):
+    """An epoch source entry whose windows fit its token count only without the offset: the
+    windows line, though tokens - windows x row still equals dropped_tokens."""
+    m = load(env / E0)
+    s = m["sources"][0]
+    s["tokens"], s["dropped_tokens"], s["offset"] = s["windows"] * ROW + 1, 1, 3
+    m["dropped_tokens"] = 1
+    save(env / E0, m)
+    assert (str(env / E0 / MANIFEST), "sources[0].windows", f"windows x 16 + dropped_tokens == tokens ({s['tokens']})",
+            f"{s['windows']} x 16 + 1", "source window counts do not add up") in _all_lines(_check(env / E0))
+
+
+def test_run_directory_lines(env):
+    """An epoch directory left unlisted, one listed but gone: whole lines with their severities."""
+    shutil.copytree(env / "run/epoch-00001", env / "run/epoch-00002")
+    shutil.rmtree(env / "run/epoch-00001")
+    r = _check(env / "run")
+    assert [(*p, q["severity"]) for p, q in zip(_all_lines(r), r["problems"])] == [
+        (str(env / "run/epoch-00002"), None, "an epoch listed in the run's `epochs`", "an unlisted epoch directory",
+         "epoch not yet recorded in the run manifest (interrupted shuffle?); rerun it", "incomplete"),
+        (str(env / "run/epoch-00001"), None, "the epoch directory listed in the run manifest", "no such directory",
+         "epoch missing", "corrupt")], r["lines"]
+
+
+def test_partial_stage_line(env, tmp_path):
+    from packer.api import stage
+
+    summary = stage(env / "run", tmp_path / "dst", ranks="0/4", micro_batch=8)
+    assert summary.partial and summary.shards_skipped > 0
+    r = _check(tmp_path / "dst")
+    assert _all_lines(r) == [(str(tmp_path / "dst/tokpack-stage.json"), "missing_shards", "every shard of the run",
+                              r["problems"][0]["found"], "partial stage: serves only the ranks it was staged for")]
+    assert r["problems"][0]["found"].startswith(f"{summary.shards_skipped} shards absent, staged only for ranks [0] of 4")
+
+
+def test_epoch_against_its_run_lines(env):
+    """Each field an epoch must share with its run, broken alone in the epoch: the line names the
+    epoch's manifest, the run's value and the epoch's."""
+    efile = str(env / E0 / MANIFEST)
+    run_m, epoch_m = load(env / "run"), load(env / E0)
+    cases = [
+        (lambda m, e: e.update(seed=2), (efile, "seed", "1 (the run's)", "2", "epoch manifest belongs to another run")),
+        (lambda m, e: e["sources"][0].update(name="other"),
+         (efile, "sources[0].name", "'src' (the run's)", "'other'", "epoch source differs from the run's")),
+        (lambda m, e: m.update(weights=[0.5]),
+         (efile, "sources[0].weight", "0.5", "None", "epoch weight differs from the run's")),
+        (lambda m, e: e["sources"][0].update(fingerprint="0" * 32),
+         (efile, "sources", str([run_m["sources"][0]["fingerprint"]]), str(["0" * 32]),
+          "epoch was shuffled from other sources than its run")),
+        (lambda m, e: m.update(tokens=m["tokens"] + 1),
+         (str(env / "run" / MANIFEST), "tokens", f"{run_m['tokens']} (sum over its epochs)", str(run_m["tokens"] + 1),
+          "run tokens count wrong")),
+    ]
+    for edit, line in cases:
+        m, e = json.loads(json.dumps(run_m)), json.loads(json.dumps(epoch_m))
+        edit(m, e)
+        save(env / "run", m)
+        save(env / E0, e)
+        assert line in _all_lines(_check(env / "run")), line
+
+
+def test_problems_per_file_are_capped_after_five(env):
+    """Five problems in one manifest are all listed; a sixth is counted in a last line instead."""
+    m = load(env / "src")
+    m["tokens"] += 1
+    m["documents"] += 1
+    m["eos_id"] = VOCAB
+    m["fingerprint"] = "0" * 32
+    m["shards"][2]["documents"] = m["shards"][2]["tokens"] + 1
+    save(env / "src", m)
+    mfile = str(env / "src" / MANIFEST)
+    lines = [p for p in _all_lines(_check(env / "src")) if p[0] == mfile]
+    assert [p[1] for p in lines] == ["eos_id", "tokens", "documents", "fingerprint", "shards[2].documents"]
+    m["shards"][1]["documents"] = 0
+    save(env / "src", m)
+    lines = [p for p in _all_lines(_check(env / "src")) if p[0] == mfile]
+    assert len(lines) == 6 and lines[-1] == (mfile, None, None, None, "1 more problems in this file"), lines
+
+
+def test_against_without_the_epochs_source_line(env, tmp_path):
+    """--against a source the epoch was not shuffled from: UNVERIFIED, naming the source missing
+    and, in the hint, the --against to add; an entry without path or name is shown as "?"."""
+    other = write_source(tmp_path / "src2", random_docs(np.random.default_rng(9), 30, VOCAB, EOS), vocab_size=VOCAB)
+    fp, path = load(env / E0)["sources"][0]["fingerprint"], load(env / E0)["sources"][0]["path"]
+    want = {"file": str(env / E0 / MANIFEST), "where": "sources", "expected": "--against for each of its 1 source",
+            "found": f"none for src (fingerprint {fp})",
+            "message": "epoch holds samples from a source not given to --against; its content is not verified",
+            "severity": "unverified",
+            "hint": f"give every source the epoch was shuffled from, as it was then: --against {path}"}
+    assert _check(env / E0, against=[str(other)])["problems"] == [want]
+    m = load(env / E0)
+    del m["sources"][0]["path"], m["sources"][0]["name"]
+    save(env / E0, m)
+    got = [p for p in _check(env / E0, against=[str(other)])["problems"] if p["where"] == "sources"]
+    assert got == [{**want, "found": f"none for ? (fingerprint {fp})",
+                    "hint": "give every source the epoch was shuffled from, as it was then: --against ?"}]
+
+
+def test_against_a_source_that_cannot_be_replayed(env):
+    """A source with its fingerprint intact whose shard reads shorter than its size (a pseudo-file
+    here): the replay's own line, in the epoch's report, names the shard."""
+    short = Path("/sys/devices/system/cpu/online")
+    if not short.is_file() or short.stat().st_size <= len(short.read_bytes()):
+        pytest.skip("needs sysfs: a file whose st_size exceeds its content")
+    (env / "src/00000.ds").unlink()
+    (env / "src/00000.ds").symlink_to(short)
+    _set_entry(env / "src", "00000.ds", tokens=short.stat().st_size // 2, bytes=short.stat().st_size)
+    r = _check(env / E0, against=[str(env / "src")])
+    epoch = [p for p in r["problems"] if p["file"] == str(env / "src/00000.ds")]
+    assert [(p["where"], p["expected"], p["found"], p["message"]) for p in epoch] == [
+        (None, None, None, "shard shorter than its manifest says")], r["lines"]
+    assert [d["status"] for d in r["dirs"] if d["kind"] == "epoch"] == ["corrupt"]
+
+
+def test_report_text(env):
+    """The summary line: sizes in B, kB, MB and GB switching at exactly 1000, the time taken, and
+    what quick mode leaves out."""
+    from formats.dir_checks import ValidateResult
+
+    def summary(nbytes: int) -> str:
+        r = ValidateResult(ok=True, status="ok", quick=False, problems=[], dirs=[], files=1, bytes=nbytes, seconds=2.0,
+                           mb_per_s=0.0, against=[])
+        return report_lines(r)[-1]
+
+    assert [summary(n).split(", ")[2].split(" in ")[0] for n in (999, 1000, 999_999, 10**6, 10**9 - 10**5, 10**9)] == [
+        "999 B", "1.0 kB", "1000.0 kB", "1.0 MB", "999.9 MB", "1.0 GB"]
+    r = _check(env / "src")
+    assert isinstance(r["seconds"], float) and r["seconds"] > 0
+    assert r["lines"][-1] == (f"OK: 1 directory, {r['files']} files, 8.3 kB in {r['seconds']:.2f} s "
+                              f"({r['mb_per_s']:.0f} MB/s), 0 problems, quick (no checksums, no token scan)")
+
+
+def test_progress_bar_counts_bytes_or_shards(env, capsys):
+    """show_progress=True: a bar over the bytes to read in full mode, over the shards in quick mode."""
+    from tqdm import tqdm
+
+    total = sum(s["bytes"] for s in load(env / "src")["shards"])
+    for quick, head in ((False, f"validate:   0%|          | 0.00/{tqdm.format_sizeof(total, divisor=1024)} "),
+                        (True, "validate --quick:   0%|          | 0.00/3.00 ")):
+        validate_all([str(env / "src")], quick=quick, against=[], workers=1, show_progress=True)
+        err = capsys.readouterr().err
+        assert head in err and ("?shard/s" if quick else "?B/s") in err, err
