@@ -1148,3 +1148,66 @@ def test_progress_bar_counts_bytes_or_shards(env, capsys):
         validate_all([str(env / "src")], quick=quick, against=[], workers=1, show_progress=True)
         err = capsys.readouterr().err
         assert head in err and ("?shard/s" if quick else "?B/s") in err, err
+
+
+def test_unreadable_manifest_line(env):
+    """A manifest tokpack refuses to read (another format version): its whole line, hint included."""
+    m = load(env / "src")
+    m["version"] = 99
+    save(env / "src", m)
+    assert _check(env / "src")["problems"] == [{
+        "file": str(env / "src" / MANIFEST), "where": "version", "expected": "1", "found": "99",
+        "message": "unsupported format version", "severity": "corrupt",
+        "hint": "use the tokpack release that wrote this directory"}]
+
+
+def test_epoch_index_size_against_fragments_line(env):
+    idx = env / E0 / "00000.ds.index"
+    idx.write_bytes(idx.read_bytes()[:-8])
+    want = [("00000.ds.index", "size", "72 bytes (9 fragments x 8)", "64 bytes",
+             "index size does not match the manifest's fragment count")]
+    r = _scan(env, E0)
+    assert _lines(r, False) == want and _lines(r, True) == want, r
+
+
+@pytest.mark.parametrize("block", [None, 64], ids=["one block", "64-byte blocks"])
+def test_source_index_ending_before_the_tokens(env, monkeypatch, block):
+    """A source whose last document was dropped from the index (counts and checksums rewritten to
+    agree): its tokens run on past the last entry, through blocks the index has nothing for."""
+    import formats.shard_scan as v
+
+    if block:
+        monkeypatch.setattr(v, "BLOCK", block)
+    idx = env / "src/00001.ds.index"
+    a = np.fromfile(idx, dtype="<u8")
+    a[:-1].tofile(idx)
+    m = load(env / "src")
+    m["documents"] -= 1
+    m["shards"][1]["documents"] -= 1
+    save(env / "src", m)
+    reseal_source(env / "src")
+    assert int(a[-1] - a[-2]) > 32  # the last document spans more than one 64-byte block
+    want = [("00001.ds.index", f"entry {len(a) - 2} (last)", f"{int(a[-1])} (the token count)", str(int(a[-2])),
+             "index does not end at the token count")]
+    r = _scan(env, "src")
+    assert _lines(r, False) == want and _lines(r, True) == want, r
+
+
+@pytest.mark.parametrize("block", [None, 64], ids=["one block", "64-byte blocks"])
+def test_missing_eos_line_once_per_shard(env, monkeypatch, block):
+    """Two documents of one shard without their EOS, far apart (in different blocks when blocks
+    are small): the first is named, token, document and the id found; the shard gets one line."""
+    import formats.shard_scan as v
+
+    if block:
+        monkeypatch.setattr(v, "BLOCK", block)
+    ends = np.fromfile(env / "src/00001.ds.index", dtype="<u8")
+    p = env / "src/00001.ds"
+    t = np.fromfile(p, dtype="<u2")
+    t[int(ends[3]) - 1] = 7
+    t[int(ends[15]) - 1] = 9
+    t.tofile(p)
+    reseal_source(env / "src")
+    r = _scan(env, "src")
+    assert _lines(r, False) == [("00001.ds", f"token {int(ends[3]) - 1} (end of document 3)", f"EOS id {EOS}", "7",
+                                 "document does not end with EOS")], r["full"]["lines"]
