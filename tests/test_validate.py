@@ -1211,3 +1211,19 @@ def test_missing_eos_line_once_per_shard(env, monkeypatch, block):
     r = _scan(env, "src")
     assert _lines(r, False) == [("00001.ds", f"token {int(ends[3]) - 1} (end of document 3)", f"EOS id {EOS}", "7",
                                  "document does not end with EOS")], r["full"]["lines"]
+
+
+def test_quick_index_past_the_end_across_chunks(env, monkeypatch):
+    """Quick mode, an epoch index running two entries past the token count, read 2 entries a
+    chunk so that the chunk after them starts beyond the last sample: the line says the index
+    does not end at the token count (it said "sample end -1" once)."""
+    import formats.shard_scan as v
+
+    monkeypatch.setattr(v, "BLOCK", 64)
+    a = np.fromfile(env / E0 / "00000.ds.index", dtype="<u8")
+    _write_index(env / E0, "00000.ds", np.append(a, [150, 160]))
+    r = _scan(env, E0)
+    assert _lines(r, True) == [("00000.ds.index", "entry 10 (last)", "128 (the token count)", "160",
+                                "index does not end at the token count")], r["quick"]["lines"]
+    assert _lines(r, False) == [("00000.ds.index", "entry 9", "<= 128 (the token count)", "2 more entries",
+                                 "index runs past the end of the shard")], r["full"]["lines"]
