@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -969,6 +970,8 @@ def test_manifest_text_altered_line(env):
         r = _check(env / d)
         assert _all_lines(r) == [(str(env / d / MANIFEST), "bytes", "the JSON text tokpack writes",
                                   "different bytes (edited after writing?)", "manifest text was altered")], r["lines"]
+        assert f"CORRUPT {load(env / d)['kind']} {env / d}: 1 problem" in r["lines"]
+        assert r["lines"][-1].startswith("CORRUPT: ") and ", 1 problem, quick" in r["lines"][-1]
 
 
 def test_shard_path_lines(env):
@@ -1085,7 +1088,7 @@ def test_problems_per_file_are_capped_after_five(env):
     assert len(lines) == 6 and lines[-1] == (mfile, None, None, None, "1 more problems in this file"), lines
 
 
-def test_against_without_the_epochs_source_line(env, tmp_path):
+def test_against_without_the_epochs_source_line(env, tmp_path, monkeypatch):
     """--against a source the epoch was not shuffled from: UNVERIFIED, naming the source missing
     and, in the hint, the --against to add; an entry without path or name is shown as "?"."""
     other = write_source(tmp_path / "src2", random_docs(np.random.default_rng(9), 30, VOCAB, EOS), vocab_size=VOCAB)
@@ -1099,7 +1102,8 @@ def test_against_without_the_epochs_source_line(env, tmp_path):
     m = load(env / E0)
     del m["sources"][0]["path"], m["sources"][0]["name"]
     save(env / E0, m)
-    got = [p for p in _check(env / E0, against=[str(other)])["problems"] if p["where"] == "sources"]
+    monkeypatch.chdir(other)  # an entry without a path is not taken for the source at "."
+    got = [p for p in _check(env / E0, against=["."])["problems"] if p["where"] == "sources"]
     assert got == [{**want, "found": f"none for ? (fingerprint {fp})",
                     "hint": "give every source the epoch was shuffled from, as it was then: --against ?"}]
 
@@ -1132,8 +1136,11 @@ def test_report_text(env):
 
     assert [summary(n).split(", ")[2].split(" in ")[0] for n in (999, 1000, 999_999, 10**6, 10**9 - 10**5, 10**9)] == [
         "999 B", "1.0 kB", "1000.0 kB", "1.0 MB", "999.9 MB", "1.0 GB"]
+    t0 = time.perf_counter()
     r = _check(env / "src")
-    assert isinstance(r["seconds"], float) and r["seconds"] > 0
+    took = time.perf_counter() - t0
+    assert isinstance(r["seconds"], float) and 0 < r["seconds"] <= took
+    assert _check(env / "src", quick=False)["lines"][-2] == f"OK source {env / 'src'} ({r['files']} files, 8.3 kB)"
     assert r["lines"][-1] == (f"OK: 1 directory, {r['files']} files, 8.3 kB in {r['seconds']:.2f} s "
                               f"({r['mb_per_s']:.0f} MB/s), 0 problems, quick (no checksums, no token scan)")
 
@@ -1227,3 +1234,22 @@ def test_quick_index_past_the_end_across_chunks(env, monkeypatch):
                                 "index does not end at the token count")], r["quick"]["lines"]
     assert _lines(r, False) == [("00000.ds.index", "entry 9", "<= 128 (the token count)", "2 more entries",
                                  "index runs past the end of the shard")], r["full"]["lines"]
+
+
+def test_against_replay_lines(env):
+    """--against: an epoch whose samples differ from what its plan assigns (manifest rewritten to
+    agree), and one recorded as shuffled by another algorithm: each line whole."""
+    mfile = str(env / E0 / MANIFEST)
+    planned = load(env / E0)["sample_multiset_hash"]
+    _duplicate_sample(env, True)
+    r = _check(env / E0, against=[str(env / "src")])
+    assert (mfile, "sample_multiset_hash", f"{planned} (replayed from the sources)",
+            f"{load(env / E0)['sample_multiset_hash']} (recorded in {MANIFEST})",
+            "epoch does not hold the samples its plan assigns (dropped/duplicated/altered)") in _all_lines(r), r["lines"]
+    m = load(env / E0)
+    shuffle = m["shuffle"]
+    m["shuffle"] = "other-v0"
+    save(env / E0, m)
+    r = _check(env / E0, against=[str(env / "src")])
+    assert (mfile, "shuffle", shuffle, "other-v0", "epoch shuffled by another shuffle algorithm") in _all_lines(r), \
+        r["lines"]
