@@ -984,6 +984,38 @@ def test_shard_path_lines(env):
     m["shards"][0]["path"] = m["shards"][1]["path"]
     save(env / "src", m)
     assert (mfile, "shards[1].path", "unique names", "00001.ds", "shard listed twice") in _all_lines(_check(env / "src"))
+    m = load(env / "src")
+    m["shards"][0]["path"] = "sub/00000.ds"
+    save(env / "src", m)
+    assert (mfile, "shards[0].path", "a plain NNNNN.ds file name", "'sub/00000.ds'", "bad shard path") in \
+        _all_lines(_check(env / "src"))
+    m = load(env / "src")
+    m["shards"][0]["path"], m["shards"][1]["path"] = "00001.ds", "00000.ds"
+    save(env / "src", m)
+    assert (mfile, "shards", "names of one width, in sorted order", "['00001.ds', '00000.ds', '00002.ds']",
+            "shard names out of order") in _all_lines(_check(env / "src"))
+
+
+def test_unlisted_shard_file_line(env):
+    """A shard file the manifest does not list is named, next to a killed writer's leftover that is not."""
+    shutil.copy(env / "src/00000.ds", env / "src/00003.ds")
+    (env / "src" / f"00004.ds{TMP_MARK}1-x").write_bytes(b"junk")
+    assert _all_lines(_check(env / "src")) == [(str(env / "src/00003.ds"), None, "only the files listed in the manifest",
+                                                "an unlisted file", "file not listed in the manifest")]
+
+
+def test_one_window_source_with_no_samples_validates(env, tmp_path):
+    """A weighted run whose second source has a single window and, at its small weight, no sample
+    in the epoch: a valid manifest (one window, no passes), not a window or pass problem."""
+    from tests.conftest import shuffle_run
+
+    tiny = write_source(tmp_path / "tiny", [np.array([5] * 19 + [EOS])], vocab_size=VOCAB)
+    shuffle_run([str(env / "src"), str(tiny)], str(tmp_path / "mixed"), weights=["1", "0.001"], seq_len=SEQ_LEN, seed=3,
+                epochs=[0], samples=20, tokens=None, shard_samples=8, memory=1 << 20, jitter=False, log=None)
+    s = load(tmp_path / "mixed/epoch-00000")["sources"][1]
+    assert (s["windows"], s["samples"], s["first_pass"], s["passes"]) == (1, 0, 0, 0)
+    r = validate_all([str(tmp_path / "mixed")], quick=False, against=[str(env / "src"), str(tiny)], workers=1)
+    assert r["ok"], r["lines"]
 
 
 def test_source_manifest_rule_lines(env):
