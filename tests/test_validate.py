@@ -316,6 +316,7 @@ def test_incomplete_is_not_corrupt(env):
 def test_wrong_paths_are_errors_not_incomplete(env):
     r = validate_all([str(env / "src/00000.ds"), str(env / "nope")], quick=True, against=[], workers=1)
     assert r["status"] == "corrupt" and [p["message"] for p in r["problems"]] == ["not a directory", "no such directory"]
+    assert _all_lines(r)[0] == (str(env / "src/00000.ds"), None, "a tokpack directory", "a file", "not a directory")
 
 
 def test_unlisted_epoch_is_incomplete(env):
@@ -512,6 +513,10 @@ def test_an_unreadable_shard_file_is_still_a_data_problem(env):
     r = validate_all([str(env / "src")], quick=False, against=[], workers=1, show_progress=False)
     assert not r["ok"] and r["status"] == "corrupt"
     assert any("IsADirectoryError" in (p["found"] or "") for p in r["problems"]), r["lines"]
+    (p,) = r["problems"]
+    assert (p["file"], p["where"], p["expected"], p["message"]) == (
+        str(env / "src/00000.ds"), None, "a checkable shard", "cannot check shard"), r["lines"]
+    assert p["found"].startswith("IsADirectoryError: ")
 
 
 # ------------------------------------------------------------------ checks no other check covers
