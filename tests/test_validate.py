@@ -1290,3 +1290,24 @@ def test_against_replay_lines(env):
     r = _check(env / E0, against=[str(env / "src")])
     assert (mfile, "shuffle", shuffle, "other-v0", "epoch shuffled by another shuffle algorithm") in _all_lines(r), \
         r["lines"]
+
+
+def test_loss_mask_lines_whole(lossy):
+    """The .loss lines with what they expected and found: a checksum, and a file not listed."""
+    recorded = load(lossy)["shards"][1]["loss_xxh3_128"]
+    _loss_value(lossy, 1 - int(np.fromfile(lossy / "00001.ds.loss", np.uint8)[7]), False)
+    _unlist_loss(lossy)
+    size = (lossy / "00000.ds.loss").stat().st_size
+    r = validate_all([str(lossy)], quick=False, against=[], workers=1, show_progress=False)
+    assert [p for p in _lines({"full": r}, False) if p[0].endswith(".loss")] == [
+        ("00000.ds.loss", None, "no .loss file (none listed)", f"{size} bytes", "file not listed in the manifest"),
+        ("00001.ds.loss", "xxh3_128", recorded, xxh3_128_file(lossy / "00001.ds.loss"), "checksum mismatch")], r["lines"]
+
+
+def test_run_epoch_list_of_booleans(env):
+    """JSON true is not an epoch number, though Python counts it as 1."""
+    m = load(env / "run")
+    m["epochs"] = [True]
+    save(env / "run", m)
+    assert (str(env / "run" / MANIFEST), "epochs", "distinct epoch numbers >= 0", "[True]", "bad epoch list") in \
+        _all_lines(_check(env / "run"))
