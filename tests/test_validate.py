@@ -1311,3 +1311,18 @@ def test_run_epoch_list_of_booleans(env):
     save(env / "run", m)
     assert (str(env / "run" / MANIFEST), "epochs", "distinct epoch numbers >= 0", "[True]", "bad epoch list") in \
         _all_lines(_check(env / "run"))
+
+
+def test_empty_shard_with_a_loss_mask_validates(lossy):
+    """A shard of no tokens, written by the shard writer with its (empty) .loss: valid, and its
+    empty loss mask is scanned without error."""
+    from formats import SourceShardWriter, source_manifest, write_manifest
+    from formats.manifest import shard_name
+
+    m = load(lossy)
+    w = SourceShardWriter(lossy, shard_name(2), np.dtype("<u2"), "test-tokenizer", with_loss=True)
+    (lossy / MANIFEST).unlink()
+    write_manifest(lossy, source_manifest(m["shards"] + [w.close()], np.dtype("<u2"), VOCAB, EOS, "test-tokenizer"))
+    assert (lossy / "00002.ds.loss").stat().st_size == 0
+    r = validate_all([str(lossy)], quick=False, against=[], workers=1, show_progress=False)
+    assert r["ok"], r["lines"]
