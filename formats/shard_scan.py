@@ -346,10 +346,11 @@ def _index_only(job: ShardJob, idx_path: Path, tokens: int, out: Findings, idx_s
             if row:
                 ends = stream.pending
                 hi = min(stream.last, tokens)
-                want = hi // row - prev_last // row
+                lo = min(prev_last, hi)  # a chunk past the last sample end owes none
+                want = hi // row - lo // row
                 have = int(np.count_nonzero((ends % row == 0) & (ends <= tokens)))
                 if have != want:
-                    missing = _first_missing_sample_end(ends, prev_last, hi, row)
+                    missing = _first_missing_sample_end(ends, lo, hi, row)
                     out.add(idx_path, f"sample end {missing}", "an index entry at every sample end",
                             "no entry", "index misses a sample boundary")
                     return

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -315,6 +316,7 @@ def test_incomplete_is_not_corrupt(env):
 def test_wrong_paths_are_errors_not_incomplete(env):
     r = validate_all([str(env / "src/00000.ds"), str(env / "nope")], quick=True, against=[], workers=1)
     assert r["status"] == "corrupt" and [p["message"] for p in r["problems"]] == ["not a directory", "no such directory"]
+    assert _all_lines(r)[0] == (str(env / "src/00000.ds"), None, "a tokpack directory", "a file", "not a directory")
 
 
 def test_unlisted_epoch_is_incomplete(env):
@@ -511,6 +513,10 @@ def test_an_unreadable_shard_file_is_still_a_data_problem(env):
     r = validate_all([str(env / "src")], quick=False, against=[], workers=1, show_progress=False)
     assert not r["ok"] and r["status"] == "corrupt"
     assert any("IsADirectoryError" in (p["found"] or "") for p in r["problems"]), r["lines"]
+    (p,) = r["problems"]
+    assert (p["file"], p["where"], p["expected"], p["message"]) == (
+        str(env / "src/00000.ds"), None, "a checkable shard", "cannot check shard"), r["lines"]
+    assert p["found"].startswith("IsADirectoryError: ")
 
 
 # ------------------------------------------------------------------ checks no other check covers
@@ -783,3 +789,540 @@ def test_metadata_text_not_as_tokpack_writes_it(env):
     got = [(Path(p["file"]).name, p["where"], p["message"]) for p in r["problems"]]
     assert got == [("00000.ds.metadata", "line 3", "metadata text differs from what tokpack writes")], r["lines"]
     assert r["problems"][0]["found"].endswith("\\n'")
+
+
+# ------------------------------------------------------------------ each line of the shard scan, whole
+
+
+def _lines(r: dict, quick: bool) -> list[tuple]:
+    """The shard files' problems of one mode (the manifest's own lines left out), whole."""
+    return [(Path(p["file"]).name, p["where"], p["expected"], p["found"], p["message"])
+            for p in r["quick" if quick else "full"]["problems"] if not p["file"].endswith(MANIFEST)]
+
+
+def _scan(env: Path, target: str) -> dict:
+    path = env / ("run" if target.startswith("run") else target)
+    return {mode: validate_all([str(path)], quick=mode == "quick", against=[], workers=1, show_progress=False)
+            for mode in ("full", "quick")}
+
+
+def _set_entry(directory: Path, shard: str, **fields) -> None:
+    m = load(directory)
+    entry = next(s for s in m["shards"] if s["path"] == shard)
+    if "tokens" in fields:
+        m["tokens"] += fields["tokens"] - entry["tokens"]
+    if "fragments" in fields:
+        m["fragments"] += fields["fragments"] - entry["fragments"]
+    entry.update(fields)
+    save(directory, m)
+
+
+def _write_index(epoch: Path, shard: str, entries: np.ndarray) -> None:
+    """An epoch index rewritten with its fragment counts and checksum made to agree, so only the
+    scan of its entries can tell."""
+    np.asarray(entries, dtype="<u8").tofile(epoch / (shard + ".index"))
+    _set_entry(epoch, shard, fragments=len(entries))
+    reseal_epoch_index(epoch, shard)
+
+
+MISSING = ("a file listed in the manifest", "no such file")
+
+
+@pytest.mark.parametrize("suffix,message", [("", "shard missing"), (".index", "index missing"),
+                                            (".metadata", "metadata missing")])
+def test_missing_shard_file_line(env, suffix, message):
+    (env / "src" / ("00000.ds" + suffix)).unlink()
+    r = _scan(env, "src")
+    for quick in (False, True):
+        assert _lines(r, quick) == [("00000.ds" + suffix, None, *MISSING, message)], r
+        assert r["quick" if quick else "full"]["status"] == "corrupt"
+
+
+def test_source_index_size_lines(env):
+    """A source index one entry short, and an empty one for a shard whose manifest claims no
+    documents (its other counts rewritten to agree): neither is read, and each says why."""
+    idx = env / "src/00000.ds.index"
+    idx.write_bytes(idx.read_bytes()[:-8])
+    docs = load(env / "src")["shards"][0]["documents"]
+    want = [("00000.ds.index", "size", f"{8 * docs} bytes ({docs} documents x 8)", f"{8 * docs - 8} bytes",
+             "index size does not match the manifest's document count")]
+    r = _scan(env, "src")
+    assert _lines(r, False) == want and _lines(r, True) == want, r
+    idx.write_bytes(b"")
+    m = load(env / "src")
+    m["documents"] -= docs
+    m["shards"][0]["documents"] = 0
+    save(env / "src", m)
+    want = [("00000.ds.index", "size", "a non-empty multiple of 8 bytes", "0 bytes", "index size invalid")]
+    r = _scan(env, "src")
+    assert _lines(r, False) == want and _lines(r, True) == want, r
+
+
+def test_manifest_byte_count_line(env):
+    _set_entry(env / "src", "00000.ds", bytes=2 * load(env / "src")["shards"][0]["tokens"] + 2)
+    r = validate_all([str(env / "src")], quick=False, against=[], workers=1, show_progress=False)
+    tokens = load(env / "src")["shards"][0]["tokens"]
+    assert [(p["file"], p["where"], p["expected"], p["found"], p["message"]) for p in r["problems"]] == [
+        (str(env / "src" / MANIFEST), "shards[00000.ds].bytes", str(2 * tokens), str(2 * tokens + 2),
+         "manifest byte count disagrees with its token count")], r["lines"]
+
+
+def test_metadata_field_lines(env):
+    """Metadata naming another tokenizer, token size and token count: one line each, and its
+    checksum in full mode."""
+    from formats.manifest import metadata_text
+
+    meta = env / "src/00000.ds.metadata"
+    meta.write_text(metadata_text("other-tokenizer", 4, 999))
+    tokens = load(env / "src")["shards"][0]["tokens"]
+    want = [("00000.ds.metadata", "tokenizer", "test-tokenizer", "other-tokenizer",
+             "metadata tokenizer differs from the manifest"),
+            ("00000.ds.metadata", "token_size", "2", "4", "metadata token size differs from the manifest dtype"),
+            ("00000.ds.metadata", "tokens", str(tokens), "999", "metadata token count differs from the manifest")]
+    r = _scan(env, "src")
+    assert _lines(r, True) == want, r
+    recorded = load(env / "src")["shards"][0]["metadata_xxh3_128"]
+    assert _lines(r, False) == [("00000.ds.metadata", "xxh3_128", recorded, xxh3_128_file(meta),
+                                 "checksum mismatch")] + want, r
+
+
+def test_recorded_index_and_multiset_hash_lines(env):
+    """An epoch shard entry whose index checksum and multiset hash were rewritten: the scan names
+    each, what the manifest records and what the files hold. Quick mode reads neither."""
+    shard = load(env / E0)["shards"][0]
+    _set_entry(env / E0, "00000.ds", index_xxh3_128="0" * 32, multiset_hash="0" * 16)
+    r = _scan(env, E0)
+    assert _lines(r, False) == [
+        ("00000.ds.index", "xxh3_128", "0" * 32, xxh3_128_file(env / E0 / "00000.ds.index"), "checksum mismatch"),
+        ("00000.ds", "multiset_hash", "0" * 16, shard["multiset_hash"],
+         "sample multiset hash of the shard differs from the manifest")], r
+    assert _lines(r, True) == []
+
+
+# Entries of the base run's epoch 0, shard 00000.ds: [16, 32, 48, 53, 64, 80, 96, 112, 128] (8
+# samples of 16 tokens; 53 is an EOS inside sample 3). Each edit keeps the entries increasing.
+EPOCH_INDEX_EDITS = {
+    "EOS entry moved": (lambda a: np.where(a == 53, 54, a),
+                        [("entry 3", "53 (EOS positions + sample ends)", "54", "index disagrees with the tokens")],
+                        []),
+    "sample end moved": (lambda a: np.where(a == 48, 49, a),
+                         [("entry 2", "48 (EOS positions + sample ends)", "49", "index disagrees with the tokens")],
+                         [("sample end 48", "an index entry at every sample end", "no entry",
+                           "index misses a sample boundary")]),
+    "last entry dropped": (lambda a: a[:-1],
+                           [("entry 8", "128 (EOS positions + sample ends)", "no entry",
+                             "index disagrees with the tokens")],
+                           [("entry 7 (last)", "128 (the token count)", "112", "index does not end at the token count")]),
+    "entry past the end": (lambda a: np.append(a, 133),
+                           [("entry 9", "<= 128 (the token count)", "1 more entries",
+                             "index runs past the end of the shard")],
+                           [("entry 9 (last)", "128 (the token count)", "133", "index does not end at the token count")]),
+}
+
+
+@pytest.mark.parametrize("block", [None, 64], ids=["one block", "64-byte blocks"])
+@pytest.mark.parametrize("edit", list(EPOCH_INDEX_EDITS))
+def test_epoch_index_entry_lines(env, monkeypatch, edit, block):
+    """An epoch index edited with its fragment counts and checksum rewritten: full mode compares
+    it with the EOS positions and sample ends, quick mode with the sample ends alone, and each
+    names the first wrong entry, what it expected and what it found. Also in blocks of a few
+    rows, where the index is handed out block by block (and in quick mode, 2 entries a chunk)."""
+    import formats.shard_scan as v
+
+    if block:
+        monkeypatch.setattr(v, "BLOCK", block)
+    change, full, quick = EPOCH_INDEX_EDITS[edit]
+    a = np.fromfile(env / E0 / "00000.ds.index", dtype="<u8")
+    assert a.tolist() == [16, 32, 48, 53, 64, 80, 96, 112, 128]
+    _write_index(env / E0, "00000.ds", change(a))
+    r = _scan(env, E0)
+    assert _lines(r, False) == [("00000.ds.index", *p) for p in full], r["full"]["lines"]
+    assert _lines(r, True) == [("00000.ds.index", *p) for p in quick], r["quick"]["lines"]
+
+
+def test_shard_shorter_than_its_size(env):
+    """A file whose size promises more bytes than a read delivers (a pseudo-file here; in life a
+    file cut short while validate reads it): named at the byte where the data ended."""
+    short = Path("/sys/devices/system/cpu/online")
+    if not short.is_file() or short.stat().st_size <= len(short.read_bytes()):
+        pytest.skip("needs sysfs: a file whose st_size exceeds its content")
+    size, content = short.stat().st_size, short.read_bytes()
+    (env / "src/00000.ds").unlink()
+    (env / "src/00000.ds").symlink_to(short)
+    _set_entry(env / "src", "00000.ds", tokens=size // 2, bytes=size)
+    r = validate_all([str(env / "src")], quick=False, against=[], workers=1, show_progress=False)
+    assert [p[1:] for p in _lines({"full": r}, False) if p[0] == "00000.ds"] == [
+        (f"byte {len(content)}", "more data", "end of file", "shard shorter than expected")], r["lines"]
+    assert r["status"] == "corrupt"
+
+
+# ------------------------------------------------------------------ each line of the directory checks, whole
+
+
+def _all_lines(r: dict) -> list[tuple]:
+    return [(p["file"], p["where"], p["expected"], p["found"], p["message"]) for p in r["problems"]]
+
+
+def _check(path: Path, quick: bool = True, **kw) -> dict:
+    return validate_all([str(path)], quick=quick, against=kw.pop("against", []), workers=1, show_progress=False, **kw)
+
+
+def test_manifest_text_altered_line(env):
+    """A manifest with the same JSON in other bytes (re-indented by an editor), in a source and
+    in a run: one line each, and the run's other checks still run and keep it."""
+    for d in ("src", "run"):
+        (env / d / MANIFEST).write_text(json.dumps(load(env / d), indent=2))
+        r = _check(env / d)
+        assert _all_lines(r) == [(str(env / d / MANIFEST), "bytes", "the JSON text tokpack writes",
+                                  "different bytes (edited after writing?)", "manifest text was altered")], r["lines"]
+        assert f"CORRUPT {load(env / d)['kind']} {env / d}: 1 problem" in r["lines"]
+        assert r["lines"][-1].startswith("CORRUPT: ") and ", 1 problem, quick" in r["lines"][-1]
+
+
+def test_shard_path_lines(env):
+    m = load(env / "src")
+    m["shards"][0]["path"] = ".00000.ds"
+    save(env / "src", m)
+    mfile = str(env / "src" / MANIFEST)
+    assert (mfile, "shards[0].path", "a plain NNNNN.ds file name", "'.00000.ds'", "bad shard path") in \
+        _all_lines(_check(env / "src"))
+    m["shards"][0]["path"] = m["shards"][1]["path"]
+    save(env / "src", m)
+    assert (mfile, "shards[1].path", "unique names", "00001.ds", "shard listed twice") in _all_lines(_check(env / "src"))
+    m = load(env / "src")
+    m["shards"][0]["path"] = "sub/00000.ds"
+    save(env / "src", m)
+    assert (mfile, "shards[0].path", "a plain NNNNN.ds file name", "'sub/00000.ds'", "bad shard path") in \
+        _all_lines(_check(env / "src"))
+    m = load(env / "src")
+    m["shards"][0]["path"], m["shards"][1]["path"] = "00001.ds", "00000.ds"
+    save(env / "src", m)
+    assert (mfile, "shards", "names of one width, in sorted order", "['00001.ds', '00000.ds', '00002.ds']",
+            "shard names out of order") in _all_lines(_check(env / "src"))
+
+
+def test_unlisted_shard_file_line(env):
+    """A shard file the manifest does not list is named, next to a killed writer's leftover that is not."""
+    shutil.copy(env / "src/00000.ds", env / "src/00003.ds")
+    (env / "src" / f"00004.ds{TMP_MARK}1-x").write_bytes(b"junk")
+    assert _all_lines(_check(env / "src")) == [(str(env / "src/00003.ds"), None, "only the files listed in the manifest",
+                                                "an unlisted file", "file not listed in the manifest")]
+
+
+def test_one_window_source_with_no_samples_validates(env, tmp_path):
+    """A weighted run whose second source has a single window and, at its small weight, no sample
+    in the epoch: a valid manifest (one window, no passes), not a window or pass problem."""
+    from tests.conftest import shuffle_run
+
+    tiny = write_source(tmp_path / "tiny", [np.array([5] * 19 + [EOS])], vocab_size=VOCAB)
+    shuffle_run([str(env / "src"), str(tiny)], str(tmp_path / "mixed"), weights=["1", "0.001"], seq_len=SEQ_LEN, seed=3,
+                epochs=[0], samples=20, tokens=None, shard_samples=8, memory=1 << 20, jitter=False, log=None)
+    s = load(tmp_path / "mixed/epoch-00000")["sources"][1]
+    assert (s["windows"], s["samples"], s["first_pass"], s["passes"]) == (1, 0, 0, 0)
+    r = validate_all([str(tmp_path / "mixed")], quick=False, against=[str(env / "src"), str(tiny)], workers=1)
+    assert r["ok"], r["lines"]
+
+
+def test_source_manifest_rule_lines(env):
+    """dtype label and EOS id against the vocabulary: whole lines, file included."""
+    m = load(env / "src")
+    m["dtype"], m["token_size"] = "uint32", 4
+    save(env / "src", m)
+    mfile = str(env / "src" / MANIFEST)
+    assert (mfile, "dtype", "uint16 (vocab_size 1000)", "uint32", "dtype label disagrees with the vocabulary size") \
+        in _all_lines(_check(env / "src"))
+    m = load(env / "src")
+    m["dtype"], m["token_size"], m["eos_id"] = "uint16", 2, VOCAB
+    save(env / "src", m)
+    assert (mfile, "eos_id", "< 1000 (vocab_size)", "1000", "EOS id out of vocabulary") in _all_lines(_check(env / "src"))
+
+
+def test_epoch_source_entry_field_line(env):
+    """A field missing from an epoch's source entry is named with its place in the list."""
+    m = load(env / E0)
+    del m["sources"][0]["first_pass"]
+    save(env / E0, m)
+    assert [(p[1], p[2], p[3]) for p in _all_lines(_check(env / E0))] == [
+        ("sources[0].first_pass", "field 'first_pass'", "no such field")]
+
+
+def test_window_past_the_source_end_line(env):
+    """An epoch source entry whose windows fit its token count only without the offset: the
+    windows line, though tokens - windows x row still equals dropped_tokens."""
+    m = load(env / E0)
+    s = m["sources"][0]
+    s["tokens"], s["dropped_tokens"], s["offset"] = s["windows"] * ROW + 1, 1, 3
+    m["dropped_tokens"] = 1
+    save(env / E0, m)
+    assert (str(env / E0 / MANIFEST), "sources[0].windows", f"windows x 16 + dropped_tokens == tokens ({s['tokens']})",
+            f"{s['windows']} x 16 + 1", "source window counts do not add up") in _all_lines(_check(env / E0))
+
+
+def test_run_directory_lines(env):
+    """An epoch directory left unlisted, one listed but gone: whole lines with their severities."""
+    shutil.copytree(env / "run/epoch-00001", env / "run/epoch-00002")
+    shutil.rmtree(env / "run/epoch-00001")
+    r = _check(env / "run")
+    assert [(*p, q["severity"]) for p, q in zip(_all_lines(r), r["problems"])] == [
+        (str(env / "run/epoch-00002"), None, "an epoch listed in the run's `epochs`", "an unlisted epoch directory",
+         "epoch not yet recorded in the run manifest (interrupted shuffle?); rerun it", "incomplete"),
+        (str(env / "run/epoch-00001"), None, "the epoch directory listed in the run manifest", "no such directory",
+         "epoch missing", "corrupt")], r["lines"]
+
+
+def test_partial_stage_line(env, tmp_path):
+    from packer.api import stage
+
+    summary = stage(env / "run", tmp_path / "dst", ranks="0/4", micro_batch=8)
+    assert summary.partial and summary.shards_skipped > 0
+    r = _check(tmp_path / "dst")
+    assert _all_lines(r) == [(str(tmp_path / "dst/tokpack-stage.json"), "missing_shards", "every shard of the run",
+                              r["problems"][0]["found"], "partial stage: serves only the ranks it was staged for")]
+    assert r["problems"][0]["found"].startswith(f"{summary.shards_skipped} shards absent, staged only for ranks [0] of 4")
+
+
+def test_epoch_against_its_run_lines(env):
+    """Each field an epoch must share with its run, broken alone in the epoch: the line names the
+    epoch's manifest, the run's value and the epoch's."""
+    efile = str(env / E0 / MANIFEST)
+    run_m, epoch_m = load(env / "run"), load(env / E0)
+    cases = [
+        (lambda m, e: e.update(seed=2), (efile, "seed", "1 (the run's)", "2", "epoch manifest belongs to another run")),
+        (lambda m, e: e["sources"][0].update(name="other"),
+         (efile, "sources[0].name", "'src' (the run's)", "'other'", "epoch source differs from the run's")),
+        (lambda m, e: m.update(weights=[0.5]),
+         (efile, "sources[0].weight", "0.5", "None", "epoch weight differs from the run's")),
+        (lambda m, e: e["sources"][0].update(fingerprint="0" * 32),
+         (efile, "sources", str([run_m["sources"][0]["fingerprint"]]), str(["0" * 32]),
+          "epoch was shuffled from other sources than its run")),
+        (lambda m, e: m.update(tokens=m["tokens"] + 1),
+         (str(env / "run" / MANIFEST), "tokens", f"{run_m['tokens']} (sum over its epochs)", str(run_m["tokens"] + 1),
+          "run tokens count wrong")),
+    ]
+    for edit, line in cases:
+        m, e = json.loads(json.dumps(run_m)), json.loads(json.dumps(epoch_m))
+        edit(m, e)
+        save(env / "run", m)
+        save(env / E0, e)
+        assert line in _all_lines(_check(env / "run")), line
+
+
+def test_problems_per_file_are_capped_after_five(env):
+    """Five problems in one manifest are all listed; a sixth is counted in a last line instead."""
+    m = load(env / "src")
+    m["tokens"] += 1
+    m["documents"] += 1
+    m["eos_id"] = VOCAB
+    m["fingerprint"] = "0" * 32
+    m["shards"][2]["documents"] = m["shards"][2]["tokens"] + 1
+    save(env / "src", m)
+    mfile = str(env / "src" / MANIFEST)
+    lines = [p for p in _all_lines(_check(env / "src")) if p[0] == mfile]
+    assert [p[1] for p in lines] == ["eos_id", "tokens", "documents", "fingerprint", "shards[2].documents"]
+    m["shards"][1]["documents"] = 0
+    save(env / "src", m)
+    lines = [p for p in _all_lines(_check(env / "src")) if p[0] == mfile]
+    assert len(lines) == 6 and lines[-1] == (mfile, None, None, None, "1 more problems in this file"), lines
+
+
+def test_against_without_the_epochs_source_line(env, tmp_path, monkeypatch):
+    """--against a source the epoch was not shuffled from: UNVERIFIED, naming the source missing
+    and, in the hint, the --against to add; an entry without path or name is shown as "?"."""
+    other = write_source(tmp_path / "src2", random_docs(np.random.default_rng(9), 30, VOCAB, EOS), vocab_size=VOCAB)
+    fp, path = load(env / E0)["sources"][0]["fingerprint"], load(env / E0)["sources"][0]["path"]
+    want = {"file": str(env / E0 / MANIFEST), "where": "sources", "expected": "--against for each of its 1 source",
+            "found": f"none for src (fingerprint {fp})",
+            "message": "epoch holds samples from a source not given to --against; its content is not verified",
+            "severity": "unverified",
+            "hint": f"give every source the epoch was shuffled from, as it was then: --against {path}"}
+    assert _check(env / E0, against=[str(other)])["problems"] == [want]
+    m = load(env / E0)
+    del m["sources"][0]["path"], m["sources"][0]["name"]
+    save(env / E0, m)
+    monkeypatch.chdir(other)  # an entry without a path is not taken for the source at "."
+    got = [p for p in _check(env / E0, against=["."])["problems"] if p["where"] == "sources"]
+    assert got == [{**want, "found": f"none for ? (fingerprint {fp})",
+                    "hint": "give every source the epoch was shuffled from, as it was then: --against ?"}]
+
+
+def test_against_a_source_that_cannot_be_replayed(env):
+    """A source with its fingerprint intact whose shard reads shorter than its size (a pseudo-file
+    here): the replay's own line, in the epoch's report, names the shard."""
+    short = Path("/sys/devices/system/cpu/online")
+    if not short.is_file() or short.stat().st_size <= len(short.read_bytes()):
+        pytest.skip("needs sysfs: a file whose st_size exceeds its content")
+    (env / "src/00000.ds").unlink()
+    (env / "src/00000.ds").symlink_to(short)
+    _set_entry(env / "src", "00000.ds", tokens=short.stat().st_size // 2, bytes=short.stat().st_size)
+    r = _check(env / E0, against=[str(env / "src")])
+    epoch = [p for p in r["problems"] if p["file"] == str(env / "src/00000.ds")]
+    assert [(p["where"], p["expected"], p["found"], p["message"]) for p in epoch] == [
+        (None, None, None, "shard shorter than its manifest says")], r["lines"]
+    assert [d["status"] for d in r["dirs"] if d["kind"] == "epoch"] == ["corrupt"]
+
+
+def test_report_text(env):
+    """The summary line: sizes in B, kB, MB and GB switching at exactly 1000, the time taken, and
+    what quick mode leaves out."""
+    from formats.dir_checks import ValidateResult
+
+    def summary(nbytes: int) -> str:
+        r = ValidateResult(ok=True, status="ok", quick=False, problems=[], dirs=[], files=1, bytes=nbytes, seconds=2.0,
+                           mb_per_s=0.0, against=[])
+        return report_lines(r)[-1]
+
+    assert [summary(n).split(", ")[2].split(" in ")[0] for n in (999, 1000, 999_999, 10**6, 10**9 - 10**5, 10**9)] == [
+        "999 B", "1.0 kB", "1000.0 kB", "1.0 MB", "999.9 MB", "1.0 GB"]
+    t0 = time.perf_counter()
+    r = _check(env / "src")
+    took = time.perf_counter() - t0
+    assert isinstance(r["seconds"], float) and 0 < r["seconds"] <= took
+    assert _check(env / "src", quick=False)["lines"][-2] == f"OK source {env / 'src'} ({r['files']} files, 8.3 kB)"
+    assert r["lines"][-1] == (f"OK: 1 directory, {r['files']} files, 8.3 kB in {r['seconds']:.2f} s "
+                              f"({r['mb_per_s']:.0f} MB/s), 0 problems, quick (no checksums, no token scan)")
+
+
+def test_progress_bar_counts_bytes_or_shards(env, capsys):
+    """show_progress=True: a bar over the bytes to read in full mode, over the shards in quick mode."""
+    from tqdm import tqdm
+
+    total = sum(s["bytes"] for s in load(env / "src")["shards"])
+    for quick, head in ((False, f"validate:   0%|          | 0.00/{tqdm.format_sizeof(total, divisor=1024)} "),
+                        (True, "validate --quick:   0%|          | 0.00/3.00 ")):
+        validate_all([str(env / "src")], quick=quick, against=[], workers=1, show_progress=True)
+        err = capsys.readouterr().err
+        assert head in err and ("?shard/s" if quick else "?B/s") in err, err
+
+
+def test_unreadable_manifest_line(env):
+    """A manifest tokpack refuses to read (another format version): its whole line, hint included."""
+    m = load(env / "src")
+    m["version"] = 99
+    save(env / "src", m)
+    assert _check(env / "src")["problems"] == [{
+        "file": str(env / "src" / MANIFEST), "where": "version", "expected": "1", "found": "99",
+        "message": "unsupported format version", "severity": "corrupt",
+        "hint": "use the tokpack release that wrote this directory"}]
+
+
+def test_epoch_index_size_against_fragments_line(env):
+    idx = env / E0 / "00000.ds.index"
+    idx.write_bytes(idx.read_bytes()[:-8])
+    want = [("00000.ds.index", "size", "72 bytes (9 fragments x 8)", "64 bytes",
+             "index size does not match the manifest's fragment count")]
+    r = _scan(env, E0)
+    assert _lines(r, False) == want and _lines(r, True) == want, r
+
+
+@pytest.mark.parametrize("block", [None, 64], ids=["one block", "64-byte blocks"])
+def test_source_index_ending_before_the_tokens(env, monkeypatch, block):
+    """A source whose last document was dropped from the index (counts and checksums rewritten to
+    agree): its tokens run on past the last entry, through blocks the index has nothing for."""
+    import formats.shard_scan as v
+
+    if block:
+        monkeypatch.setattr(v, "BLOCK", block)
+    idx = env / "src/00001.ds.index"
+    a = np.fromfile(idx, dtype="<u8")
+    a[:-1].tofile(idx)
+    m = load(env / "src")
+    m["documents"] -= 1
+    m["shards"][1]["documents"] -= 1
+    save(env / "src", m)
+    reseal_source(env / "src")
+    assert int(a[-1] - a[-2]) > 32  # the last document spans more than one 64-byte block
+    want = [("00001.ds.index", f"entry {len(a) - 2} (last)", f"{int(a[-1])} (the token count)", str(int(a[-2])),
+             "index does not end at the token count")]
+    r = _scan(env, "src")
+    assert _lines(r, False) == want and _lines(r, True) == want, r
+
+
+@pytest.mark.parametrize("block", [None, 64], ids=["one block", "64-byte blocks"])
+def test_missing_eos_line_once_per_shard(env, monkeypatch, block):
+    """Two documents of one shard without their EOS, far apart (in different blocks when blocks
+    are small): the first is named, token, document and the id found; the shard gets one line."""
+    import formats.shard_scan as v
+
+    if block:
+        monkeypatch.setattr(v, "BLOCK", block)
+    ends = np.fromfile(env / "src/00001.ds.index", dtype="<u8")
+    p = env / "src/00001.ds"
+    t = np.fromfile(p, dtype="<u2")
+    t[int(ends[3]) - 1] = 7
+    t[int(ends[15]) - 1] = 9
+    t.tofile(p)
+    reseal_source(env / "src")
+    r = _scan(env, "src")
+    assert _lines(r, False) == [("00001.ds", f"token {int(ends[3]) - 1} (end of document 3)", f"EOS id {EOS}", "7",
+                                 "document does not end with EOS")], r["full"]["lines"]
+
+
+def test_quick_index_past_the_end_across_chunks(env, monkeypatch):
+    """Quick mode, an epoch index running two entries past the token count, read 2 entries a
+    chunk so that the chunk after them starts beyond the last sample: the line says the index
+    does not end at the token count (it said "sample end -1" once)."""
+    import formats.shard_scan as v
+
+    monkeypatch.setattr(v, "BLOCK", 64)
+    a = np.fromfile(env / E0 / "00000.ds.index", dtype="<u8")
+    _write_index(env / E0, "00000.ds", np.append(a, [150, 160]))
+    r = _scan(env, E0)
+    assert _lines(r, True) == [("00000.ds.index", "entry 10 (last)", "128 (the token count)", "160",
+                                "index does not end at the token count")], r["quick"]["lines"]
+    assert _lines(r, False) == [("00000.ds.index", "entry 9", "<= 128 (the token count)", "2 more entries",
+                                 "index runs past the end of the shard")], r["full"]["lines"]
+
+
+def test_against_replay_lines(env):
+    """--against: an epoch whose samples differ from what its plan assigns (manifest rewritten to
+    agree), and one recorded as shuffled by another algorithm: each line whole."""
+    mfile = str(env / E0 / MANIFEST)
+    planned = load(env / E0)["sample_multiset_hash"]
+    _duplicate_sample(env, True)
+    r = _check(env / E0, against=[str(env / "src")])
+    assert (mfile, "sample_multiset_hash", f"{planned} (replayed from the sources)",
+            f"{load(env / E0)['sample_multiset_hash']} (recorded in {MANIFEST})",
+            "epoch does not hold the samples its plan assigns (dropped/duplicated/altered)") in _all_lines(r), r["lines"]
+    m = load(env / E0)
+    shuffle = m["shuffle"]
+    m["shuffle"] = "other-v0"
+    save(env / E0, m)
+    r = _check(env / E0, against=[str(env / "src")])
+    assert (mfile, "shuffle", shuffle, "other-v0", "epoch shuffled by another shuffle algorithm") in _all_lines(r), \
+        r["lines"]
+
+
+def test_loss_mask_lines_whole(lossy):
+    """The .loss lines with what they expected and found: a checksum, and a file not listed."""
+    recorded = load(lossy)["shards"][1]["loss_xxh3_128"]
+    _loss_value(lossy, 1 - int(np.fromfile(lossy / "00001.ds.loss", np.uint8)[7]), False)
+    _unlist_loss(lossy)
+    size = (lossy / "00000.ds.loss").stat().st_size
+    r = validate_all([str(lossy)], quick=False, against=[], workers=1, show_progress=False)
+    assert [p for p in _lines({"full": r}, False) if p[0].endswith(".loss")] == [
+        ("00000.ds.loss", None, "no .loss file (none listed)", f"{size} bytes", "file not listed in the manifest"),
+        ("00001.ds.loss", "xxh3_128", recorded, xxh3_128_file(lossy / "00001.ds.loss"), "checksum mismatch")], r["lines"]
+
+
+def test_run_epoch_list_of_booleans(env):
+    """JSON true is not an epoch number, though Python counts it as 1."""
+    m = load(env / "run")
+    m["epochs"] = [True]
+    save(env / "run", m)
+    assert (str(env / "run" / MANIFEST), "epochs", "distinct epoch numbers >= 0", "[True]", "bad epoch list") in \
+        _all_lines(_check(env / "run"))
+
+
+def test_empty_shard_with_a_loss_mask_validates(lossy):
+    """A shard of no tokens, written by the shard writer with its (empty) .loss: valid, and its
+    empty loss mask is scanned without error."""
+    from formats import SourceShardWriter, source_manifest, write_manifest
+    from formats.manifest import shard_name
+
+    m = load(lossy)
+    w = SourceShardWriter(lossy, shard_name(2), np.dtype("<u2"), "test-tokenizer", with_loss=True)
+    (lossy / MANIFEST).unlink()
+    write_manifest(lossy, source_manifest(m["shards"] + [w.close()], np.dtype("<u2"), VOCAB, EOS, "test-tokenizer"))
+    assert (lossy / "00002.ds.loss").stat().st_size == 0
+    r = validate_all([str(lossy)], quick=False, against=[], workers=1, show_progress=False)
+    assert r["ok"], r["lines"]
