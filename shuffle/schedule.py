@@ -109,10 +109,21 @@ def read_schedule(path: str | Path) -> Schedule:
     """The schedule in a YAML file; any shape the file may not have is one TokpackError."""
     import yaml
 
+    class UniqueKeys(yaml.SafeLoader):
+        """A key given twice (say a source under two weights) would silently keep the last."""
+
+        def construct_mapping(self, node, deep=False):
+            keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+            twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+            if twice is not None:
+                _fail("schedule key given twice", path, f"line {node.start_mark.line + 1}", "each key once",
+                      repr(twice), hint="merge the two entries into one")
+            return super().construct_mapping(node, deep=deep)
+
     path = Path(path)
     raw = path.read_bytes()
     try:
-        doc = yaml.safe_load(raw)
+        doc = yaml.load(raw, Loader=UniqueKeys)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         _fail("schedule is not valid YAML", path, f"line {mark.line + 1}" if mark else "", "YAML",

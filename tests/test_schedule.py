@@ -301,6 +301,7 @@ BAD = {
     "smaller than one sample": (stage_line(epochs=None, tokens=30), "stage is smaller than one sample"),
     "dtype differs": (stage_line() + stage_line(name="b", sources="{wide: 1}"), "sources disagree"),
     "same name twice": (stage_line() + stage_line(sources="{code: 1}"), "two stages have the same name"),
+    "a source twice": (stage_line(sources="{web: 1, code: 1, code: 2}"), "schedule key given twice"),
 }
 
 
