@@ -15,9 +15,10 @@ from . import Block, InputFile, input_error as _err
 TABLE_ROWS = 8192  # Parquet/Arrow rows per record batch
 PARQUET_READ_BYTES = 8 << 20  # Parquet column data is read in pieces of this size
 # Decoding a list column takes one core per row group (BENCHMARKS.md, "Parquet decoding"), so
-# row groups are decoded this many at a time, with one more decoded ahead of the packer...
+# row groups are decoded this many at a time, ahead of the packer...
 PARQUET_DECODE_THREADS = max(1, min(4, os.cpu_count() or 1))
-# ...when each is at most this large (in memory): PARQUET_DECODE_THREADS + 1 of them are held.
+# ...when each is at most this large (in memory): decoding one holds about 6x its size (values,
+# repetition and definition levels, the read buffer), so this many are held at once.
 PARQUET_PARALLEL_GROUP_BYTES = 128 << 20
 ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
 
@@ -120,7 +121,7 @@ def iter_record_batches(f: InputFile, columns: list[str]):
             return list(reader().iter_batches(batch_size=TABLE_ROWS, row_groups=[group], columns=columns,
                                               use_threads=False))
 
-        ahead = read_ahead(((1, g) for g in range(groups)), decode, [None] * (PARQUET_DECODE_THREADS + 1),
+        ahead = read_ahead(((1, g) for g in range(groups)), decode, [None] * PARQUET_DECODE_THREADS,
                            threads=PARQUET_DECODE_THREADS)
         try:
             for batches, _ in ahead:
