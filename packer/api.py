@@ -68,7 +68,7 @@ class ShuffleResult(Result):
     warnings: list[str]  # one per source an epoch repeats windows of
 
 
-def _paths(inputs: PathLike | Sequence[PathLike]) -> list[str]:
+def as_paths(inputs: PathLike | Sequence[PathLike]) -> list[str]:
     return [str(inputs)] if isinstance(inputs, (str, Path)) else [str(p) for p in inputs]
 
 
@@ -82,12 +82,12 @@ def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_forma
     from packer.packing import pack as pack_source
 
     with local_paths([], str(output)) as (_, local_output):
-        return pack_source(_paths(inputs), local_output, input_format=input_format, column=column, dtype=dtype,
+        return pack_source(as_paths(inputs), local_output, input_format=input_format, column=column, dtype=dtype,
                            tokenizer=tokenizer, eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite,
                            shard_tokens=shard_tokens, config=executor, log=log)
 
 
-def _weighted(sources) -> tuple[list[str], list[str | None]]:
+def weighted_sources(sources) -> tuple[list[str], list[str | None]]:
     """Paths and weights (as given, spelled as text: "0.25", "1/3") of `sources`: a path, a
     sequence of paths or of (path, weight) pairs, or a mapping path -> weight."""
     if isinstance(sources, (str, Path)):
@@ -122,7 +122,7 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
     scheduled = read_schedule(schedule) if schedule is not None else None
     if scheduled is None and not sources:
         raise TokpackError("no sources given", hint="give the packed sources, or schedule=FILE")
-    paths, weights = _weighted(sources) if scheduled is None else ([], None)
+    paths, weights = weighted_sources(sources) if scheduled is None else ([], None)
     if epochs is None and scheduled is None:
         epochs = 1
     with local_paths(paths, str(output)) as (local_sources, local_output):
@@ -142,7 +142,7 @@ def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
     from formats.dir_checks import validate_all
     from shuffle.plan import expected_multiset_hash
 
-    return validate_all(_paths(dirs), quick=quick, against=_paths(against), workers=workers,
+    return validate_all(as_paths(dirs), quick=quick, against=as_paths(against), workers=workers,
                         show_progress=show_progress, expected_multiset_hash=expected_multiset_hash)
 
 

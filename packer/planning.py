@@ -21,7 +21,7 @@ from pathlib import Path
 from formats.errors import TokpackError
 from formats.guard import space_needs
 from formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, source_manifest
-from packer.api import ExecutorConfig, Result, _weighted, optional_field
+from packer.api import ExecutorConfig, Result, weighted_sources, optional_field
 
 MEASURE_BYTES = 256 << 20  # at most this much is written, then read back, to measure the disk
 MEASURE_SECONDS = 1.0  # per direction
@@ -133,7 +133,7 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
 
     config = executor or ExecutorConfig()
     scheduled = read_schedule(schedule) if schedule is not None else None
-    paths, weights = _weighted(sources) if scheduled is None else ([], None)
+    paths, weights = weighted_sources(sources) if scheduled is None else ([], None)
     *paths, output = _local(paths + [str(output)])
     if epochs is None and scheduled is None:
         epochs = 1
@@ -189,11 +189,11 @@ def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None 
               disk_mbps: float | None = None) -> PlanResult:
     """What `pack` with these arguments would do: one task per input file, its shards of at most
     `shard_tokens` tokens cut at document ends (so at least tokens / shard_tokens of them)."""
-    from packer.api import _paths
+    from packer.api import as_paths
     from packer.packing import known_tokens, pack_tasks, setup_pack
 
     config = executor or ExecutorConfig()
-    *paths, output = _local(_paths(inputs) + [str(output)])
+    *paths, output = _local(as_paths(inputs) + [str(output)])
     out = Path(output).absolute()
     setup = setup_pack(paths, out, input_format=input_format, column=column, dtype=dtype, tokenizer=tokenizer,
                        eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite, shard_tokens=shard_tokens)
@@ -221,7 +221,7 @@ def plan_stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, mi
                disk_mbps: float | None = None) -> PlanResult:
     """What `stage` with these arguments would do: every file is read once (hashed), the ones not
     in place at DEST are written; the copy threads share DEST's disk."""
-    from packer.staging import STAGE_BLOCK, Source, _in_place, bytes_to_copy, make_plan, parse_epochs, parse_ranks
+    from packer.staging import STAGE_BLOCK, Source, in_place, bytes_to_copy, make_plan, parse_epochs, parse_ranks
 
     (dest,) = _local([str(dest)])
     kind, plans = make_plan(Source(str(directory)), parse_epochs(epochs), parse_ranks(ranks), micro_batch)
@@ -229,7 +229,7 @@ def plan_stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, mi
     jobs = [j for p in plans for j in p.jobs]
     copy = bytes_to_copy(dest, plans)
     passes = [_pass("copy", len(jobs), STAGE_BLOCK, sum(j.size or 0 for j in jobs), copy,
-                    files_in_place=sum(_in_place(dest / j.rel, j.size) for j in jobs))]
+                    files_in_place=sum(in_place(dest / j.rel, j.size) for j in jobs))]
     manifests = {f"{p.rel}/{MANIFEST}".lstrip("/"): len(canonical_bytes(p.manifest)) for p in plans}
     return _result("stage", str(dest), passes, [(dest, copy)], ExecutorConfig(workers=workers), disk_mbps, False,
                    path=kind, shards=sum(j.rel.endswith(".ds") for j in jobs), manifests=manifests)

@@ -515,14 +515,14 @@ def _hash_mapped(h, fd: int, offset: int, length: int) -> None:
             h.update(chunk)
 
 
-def _in_place(path: Path, size: int | None) -> bool:
+def in_place(path: Path, size: int | None) -> bool:
     """A file a rerun will verify in place, not copy again (or so its size says)."""
     return size is not None and path.is_file() and path.stat().st_size == size
 
 
 def bytes_to_copy(dest: Path, plans: list[DirPlan]) -> int:
     """Bytes of the files a stage into `dest` copies: those not in place already."""
-    return sum(j.size or 0 for p in plans for j in p.jobs if not _in_place(dest / j.rel, j.size))
+    return sum(j.size or 0 for p in plans for j in p.jobs if not in_place(dest / j.rel, j.size))
 
 
 def _check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
