@@ -37,7 +37,7 @@ import xxhash
 from formats.errors import TokpackError
 from formats.guard import check_space, locked_output
 from formats.reader import EpochNumbering, shuffle_command
-from formats.io import commit_file, lent, progress, remove_tmp_files, tmp_path
+from formats.io import as_path, commit_file, lent, open_read, progress, remove_tmp_files, tmp_path
 from formats.manifest import (
     MANIFEST,
     STAGE_SIDECAR,
@@ -211,44 +211,36 @@ def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None) -> 
 
 
 class Source:
-    """The directory being staged, read through datatrove's DataFolder (any fsspec path)."""
+    """The directory being staged: a local path, or any fsspec URL through formats.io's one
+    file-access layer."""
 
     def __init__(self, path: str):
         self.path = str(path)  # as the user gave it
-        self.folder = None  # fsspec DirFileSystem rooted at the source (remote sources only)
-        self.local_root = None  # local directory, read with plain unbuffered readinto
-        if "://" not in self.path:
-            # A plain local path: no fsspec layer in the hot loop, and no datatrove/hub import
-            # (its start-up cost: BENCHMARKS.md, "Figures cited by the code") for NVMe-to-NVMe.
-            self.local_root = os.path.abspath(self.path)
-            return
         try:
-            from datatrove.io import get_datafolder
-            from fsspec.implementations.local import LocalFileSystem
-
-            self.folder = get_datafolder(self.path)
-            if isinstance(self.folder.fs, LocalFileSystem):  # file://...
-                self.local_root = self.folder.path
+            self.root = as_path(self.path)  # a Path (plain os calls, kernel copies) or a RemotePath
         except Exception as e:  # noqa: BLE001 - fsspec raises anything (ImportError, ValueError, auth...)
             raise TokpackError("cannot open the source", file=self.path, expected="a readable local path or fsspec URL",
                                found=f"{type(e).__name__}: {e}",
                                hint="install the fsspec backend it names (e.g. pip install s3fs)" if isinstance(e, ImportError)
                                else "check the path or URL, and the credentials of its filesystem") from None
+        self.local_root = str(self.root.absolute()) if isinstance(self.root, Path) else None  # None: remote
 
     def open(self, rel: str):
         if self.local_root is not None:
             return open(os.path.join(self.local_root, rel), "rb", buffering=0)
-        return self.folder.open(rel, "rb", block_size=STAGE_BLOCK)
+        return open_read(self.root / rel, block=STAGE_BLOCK)
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of a remote file: one ranged GET on an object store."""
         try:
-            return self.folder.cat_file(rel, start=start, end=end)
-        except Exception as e:  # noqa: BLE001 - any fsspec backend error
+            return (self.root / rel).call("cat_file", start=start, end=end)
+        except OSError as e:
             raise self.read_error(rel, e) from None
 
     def read_error(self, rel: str, e: Exception) -> TokpackError:
         where = f"{self.path.rstrip('/')}/{rel}"
+        if isinstance(e, TokpackError):
+            return e
         if isinstance(e, FileNotFoundError):
             return TokpackError("file listed in the manifest is missing", file=where,
                                 hint="restore it, or run `tokpack validate` on the source")
@@ -269,7 +261,7 @@ class Source:
                                hint="check the path; stage copies sources, runs and epochs") from None
         except Exception as e:  # noqa: BLE001 - network/auth errors of any fsspec backend
             raise TokpackError("cannot read the source", file=where, expected="a readable file",
-                               found=f"{type(e).__name__}: {e}",
+                               found=e.found if isinstance(e, TokpackError) else f"{type(e).__name__}: {e}",
                                hint="check the path or URL, and the credentials of its filesystem") from None
         return parse_manifest(raw, where, kind)
 
