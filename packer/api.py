@@ -113,7 +113,7 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
     [default: epoch 0; with a schedule, all its epochs]. `schedule`: a schedule YAML file
     (docs/COMMANDS.md, "Schedules") that declares the sources, seq_len, seed and stages instead
     (pass sources=None)."""
-    from packer.executors import local_path, local_paths, pass_runner
+    from packer.executors import local_paths, pass_runner
     from shuffle.run import shuffle_run
     from formats.errors import TokpackError
     from shuffle.schedule import read_schedule
@@ -131,7 +131,7 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
                               samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory,
                               jitter=jitter, log=log, workers=config.workers, tasks=config.tasks,
                               run_passes=pass_runner(config), progress=progress, schedule=scheduled,
-                              given=[p if local_path(p) is None else str(Path(local_path(p)).resolve()) for p in paths])
+                              given=paths)
     return ShuffleResult(**summary)
 
 

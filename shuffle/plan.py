@@ -21,8 +21,7 @@ import numpy as np
 import xxhash
 
 from formats.errors import TokpackError
-from formats.io import read_ahead
-from formats.io import IO_BLOCK
+from formats.io import IO_BLOCK, local_path, read_ahead
 from formats.manifest import dtype_from_name, hash_hex64, row_hash
 from formats.shards import PackedSource
 from formats.units import token_count
@@ -146,7 +145,6 @@ class EpochPlan:
         s = np.searchsorted(bases, q, side="right") - 1
         # sources with samples == 0 share their base with the next one; searchsorted(right)
         # picks the last of equal bases, which is the one that owns q.
-        counts = np.array([src.samples for src in self.sources], dtype=np.int64)
         wins = np.array([max(src.windows, 1) for src in self.sources], dtype=np.int64)
         starts = np.array([self.chain_start(i) for i in range(len(self.sources))], dtype=np.int64)
         pos = starts[s] + (q - bases[s])
@@ -260,8 +258,10 @@ def open_source(path, check_sizes: bool = True) -> PackedSource:
 
 
 def source_location(path) -> str:
-    """Where a source lies, as plans and manifests record it (a virtual source: its description)."""
-    return str(path) if is_virtual(path) else str(Path(path).resolve())
+    """Where a source lies, as plans and manifests record it: a local path (or file:// URL)
+    resolved; an object-store URL or a virtual source's description as given."""
+    local = None if is_virtual(path) else local_path(path)
+    return str(path) if local is None else str(Path(local).resolve())
 
 
 @functools.lru_cache(maxsize=16)

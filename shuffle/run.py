@@ -400,7 +400,7 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
         weights = list(existing["given_weights"])  # equal as ratios: the run's manifests keep one spelling
     if shard_samples is None:
         shard_samples = existing["shard_samples"] if existing else max(1, DEFAULT_SHARD_BYTES // row_bytes)
-    recorded = list(given) if given else [source_location(p) for p in paths]
+    recorded = [source_location(p) for p in (given or paths)]
     names = [p.rstrip("/").rsplit("/", 1)[-1] for p in recorded]
     runplan = RunPlan(schedule or Schedule.of_flags(paths, weights, seq_len=seq_len, seed=seed, samples=samples,
                                                     tokens=tokens, jitter=jitter), opened, names)
@@ -467,8 +467,8 @@ def shuffle_run(
     terminal and TOKPACK_PROGRESS is not 0). `weights`: one per source, as given ("0.25", "1/3"),
     or None. `run_passes([(step, tasks, job_name, logging_dir), ...])` runs dependent passes in
     order (packer.executors.pass_runner makes one). `given`: the sources as the user named them,
-    when `sources` are local copies of URLs; the manifests record those names (default: each
-    path, resolved). Returns a summary dict, with per-source counts of
+    when `sources` are local copies of URLs; the manifests record those names (plan.source_location:
+    a local path resolved, an object-store URL as given). Returns a summary dict, with per-source counts of
     every epoch written and a warning per source an epoch repeats windows of (packer.api.shuffle
     takes URLs and returns it as a ShuffleResult). `schedule`: the run's stages (shuffle.schedule),
     instead of `sources`, `weights`, `seq_len`, `seed`, `samples`, `tokens` and `jitter`; `epochs`
