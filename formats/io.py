@@ -115,15 +115,38 @@ class RemotePath:
         """The filesystem's `method` on this path. Its own errors other than OSError's (botocore's
         for an endpoint that does not answer, expired credentials...) become one line naming
         the URL; not found and denied stay OSErrors, as for a local file."""
+        return self._guarded(getattr(self.fs, method), "read from", self.key, *args, **kw)
+
+    def _guarded(self, fn, doing: str, *args, **kw):
         try:
-            return getattr(self.fs, method)(self.key, *args, **kw)
+            return fn(*args, **kw)
         except OSError as e:
             if e.filename is None:  # s3fs's errors name no object
                 raise type(e)(e.errno, e.strerror or str(e), self.url) from None
             raise
         except Exception as e:  # noqa: BLE001 - whatever the fsspec backend raises
-            raise TokpackError("cannot read from the object store", file=self.url, found=f"{type(e).__name__}: {e}",
+            raise TokpackError(f"cannot {doing} the object store", file=self.url, found=f"{type(e).__name__}: {e}",
                                hint="check the URL, the endpoint (AWS_ENDPOINT_URL) and the credentials") from None
+
+    def upload_from(self, local: str | Path) -> None:
+        """This object written whole from a local file. An object store has no rename, but an
+        object appears only once its upload is complete (one PUT, or a multipart upload's
+        completion), which is what a rename gives a local file."""
+        self._guarded(self.fs.put_file, "write to", str(local), self.key)
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        if missing_ok and not self.exists():
+            return
+        self._guarded(self.fs.rm_file, "write to", self.key)
+
+    def remove_tree(self) -> None:
+        """Every object under this prefix deleted; nothing there is fine."""
+        if self.exists():
+            self._guarded(self.fs.rm, "write to", self.key, recursive=True)
+
+    def move_to(self, other: "RemotePath") -> None:
+        """A copy inside the store (no bytes through this machine), then this object deleted."""
+        self._guarded(self.fs.mv, "write to", self.key, other.key)
 
     def exists(self) -> bool:
         return self.call("exists")
@@ -145,6 +168,49 @@ class RemotePath:
 
     def read_text(self) -> str:
         return self.read_bytes().decode("utf-8")
+
+
+class Outbox:
+    """A command's output that goes to an object store (`remote`, a URL): the command writes
+    and commits its files under the local folder `local` exactly as for a local output, then
+    sends each committed file to the same relative path under `remote`. A data file is removed
+    here once sent, so the local disk holds a few shards at a time, not the output; state files
+    (JSON: manifests, records of finished work) stay, and a rerun on a fresh machine fetches
+    them first. The manifest is sent last: a partial upload never looks complete."""
+
+    def __init__(self, local: str | Path, remote: str):
+        self.local = str(Path(local).absolute())
+        self.remote = remote.rstrip("/")
+
+    def __repr__(self) -> str:
+        return f"Outbox({self.local!r} -> {self.remote!r})"
+
+    def remote_of(self, local: str | Path) -> RemotePath:
+        """The object (or prefix) a local file (or folder) under `local` is sent to."""
+        rel = Path(local).absolute().relative_to(self.local).as_posix()
+        return RemotePath(self.remote if rel == "." else f"{self.remote}/{rel}")
+
+    def send(self, *files: str | Path, keep: bool = False) -> None:
+        """Uploads each file, in order, then removes it here unless `keep`."""
+        for f in files:
+            self.remote_of(f).upload_from(f)
+            if not keep:
+                os.unlink(f)
+
+    def fetch_state(self, manifest: str) -> None:
+        """Copies every JSON file under `remote` (the state an earlier run left) to `local`, after
+        dropping the local manifests (named `manifest`) the store lacks: only a sent manifest
+        makes something complete."""
+        root = RemotePath(self.remote)
+        found = root.call("find", detail=False) if root.exists() else []
+        for p in Path(self.local).rglob(manifest):
+            if posixpath.join(root.key, p.relative_to(self.local).as_posix()) not in found:
+                p.unlink()
+        for key in (k for k in found if k.endswith(".json")):
+            rel = posixpath.relpath(key, root.key)
+            target = Path(self.local) / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes_atomic(target, (root / rel).read_bytes())
 
 
 def open_read(path, block: int = IO_BLOCK, ahead: bool = True):

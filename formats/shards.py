@@ -21,6 +21,12 @@ from .manifest import dtype_from_name, metadata_text, multiset_hash_rows, read_m
 
 U64 = np.dtype("<u8")  # .ds.index entries
 SHARD_SUFFIXES = ("", ".index", ".metadata", ".loss")  # the files of one shard, after its name
+EPOCH_SHARD_SUFFIXES = tuple(s for s in SHARD_SUFFIXES if s != ".loss")  # an epoch's shards carry no loss mask
+
+
+def shard_suffixes(entry: dict) -> tuple[str, ...]:
+    """The files of the shard a manifest entry records: a loss mask only where it has one."""
+    return SHARD_SUFFIXES if "loss_xxh3_128" in entry else EPOCH_SHARD_SUFFIXES
 
 
 class SourceShardWriter:
@@ -212,8 +218,9 @@ def shard_on_disk(directory: str | Path, entry: dict, itemsize: int) -> bool:
     """Whether a shard its writer recorded (the entry close() returned) is still on disk: the
     token file at its recorded size, the index and the metadata present. Sizes, not checksums:
     each file is fsync'd before its rename and the entry recorded after, so a crash cannot
-    leave a present file wrong; a change by hand since is what `tokpack validate` reports."""
-    directory = Path(directory)
+    leave a present file wrong; a change by hand since is what `tokpack validate` reports.
+    `directory` may be a URL: an outbox's shards are checked where they were sent."""
+    directory = as_path(directory)
     try:
         return ((directory / entry["path"]).stat().st_size == entry["tokens"] * itemsize
                 and (directory / f"{entry['path']}.index").exists()

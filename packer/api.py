@@ -75,16 +75,18 @@ def as_paths(inputs: PathLike | Sequence[PathLike]) -> list[str]:
 def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_format: str = "auto",
          column: str | None = None, dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
          vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30,
-         executor: ExecutorConfig | None = None, log=None) -> PackResult:
+         executor: ExecutorConfig | None = None, log=None, scratch: PathLike | None = None) -> PackResult:
     """Packs tokenized inputs (files, folders or URLs) into one packed source at `output`.
-    URL inputs are read where they are (streamed); a URL output is written locally, then uploaded."""
+    URL inputs are read where they are (streamed). A URL output is written under `scratch` (a
+    local or shared folder; default $TOKPACK_STAGE_DIR, else the system temp dir) and each shard
+    is sent to the store once written (packer.executors.local_paths)."""
     from packer.executors import local_paths
     from packer.packing import pack as pack_source
 
-    with local_paths([], str(output)) as (_, local_output):
+    with local_paths([], str(output), scratch and str(scratch)) as (_, local_output, outbox):
         return pack_source(as_paths(inputs), local_output, input_format=input_format, column=column, dtype=dtype,
                            tokenizer=tokenizer, eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite,
-                           shard_tokens=shard_tokens, config=executor, log=log)
+                           shard_tokens=shard_tokens, config=executor, log=log, outbox=outbox)
 
 
 def weighted_sources(sources) -> tuple[list[str], list[str | None]]:
@@ -106,13 +108,14 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
             epochs: int | Sequence[int] | None = None, samples: int | None = None, tokens: int | None = None,
             shard_samples: int | None = None, memory: int = 4 << 30, jitter: bool = False,
             executor: ExecutorConfig | None = None, log=None, progress: bool | None = None,
-            schedule: PathLike | None = None) -> ShuffleResult:
+            schedule: PathLike | None = None, scratch: PathLike | None = None) -> ShuffleResult:
     """Writes globally shuffled epochs of `seq_len + 1` tokens from packed sources into the run
     directory `output`. `sources`: a path or URL, a list of them, or a mapping path -> weight
     (a number, or text such as "1/3"). `epochs`: a count (epochs 0..N-1) or the epoch numbers
     [default: epoch 0; with a schedule, all its epochs]. `schedule`: a schedule YAML file
     (docs/COMMANDS.md, "Schedules") that declares the sources, seq_len, seed and stages instead
-    (pass sources=None)."""
+    (pass sources=None). A URL `output` is written under `scratch` (as for `pack`), out-of-core
+    buckets included, and each shard is sent to the store once written."""
     from packer.executors import local_paths, pass_runner
     from shuffle.run import shuffle_run
     from formats.errors import TokpackError
@@ -125,13 +128,13 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
     paths, weights = weighted_sources(sources) if scheduled is None else ([], None)
     if epochs is None and scheduled is None:
         epochs = 1
-    with local_paths(paths, str(output)) as (local_sources, local_output):
+    with local_paths(paths, str(output), scratch and str(scratch)) as (local_sources, local_output, outbox):
         summary = shuffle_run(local_sources, local_output, weights=weights, seq_len=seq_len, seed=seed,
                               epochs=list(range(epochs)) if isinstance(epochs, int) else epochs and list(epochs),
                               samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory,
                               jitter=jitter, log=log, workers=config.workers, tasks=config.tasks,
                               run_passes=pass_runner(config), progress=progress, schedule=scheduled,
-                              given=paths)
+                              given=paths, outbox=outbox)
     return ShuffleResult(**summary)
 
 

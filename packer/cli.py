@@ -300,6 +300,12 @@ def main(debug):
     logger.remove()
 
 
+SCRATCH = click.option(
+    "--scratch", type=click.Path(file_okay=False), default=None,
+    help="With an -o URL (s3://...): the local or shared folder where shards are written before each is sent, "
+         "and out-of-core buckets [default: $TOKPACK_STAGE_DIR, else the system temp dir].")
+
+
 @main.command()
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("-o", "--output", required=True, help="Output directory for the packed source.")
@@ -319,6 +325,7 @@ def main(debug):
 @click.option("--shard-tokens", type=TOKENS, default=1 << 30, show_default=True,
               help="Target tokens per output shard (documents never span shards).")
 @executor_options
+@SCRATCH
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
 def pack(inputs, output, as_json, **kw):
@@ -368,6 +375,7 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
                    "otherwise out of core, each of --workers tasks using memory/workers.")
 @click.option("--jitter", is_flag=True, help="Shift window starts by a seeded per-epoch offset.")
 @executor_options(tasks_help=SHUFFLE_TASKS_HELP)
+@SCRATCH
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
 def shuffle(sources, output, epochs, epoch, as_json, **kw):
@@ -490,7 +498,8 @@ def _planned(command: click.Command):
     """Registers `tokpack plan COMMAND`: COMMAND's own arguments and options, plus --disk-mbps."""
 
     def register(fn):
-        plan.add_command(click.Command(command.name, params=[*command.params, DISK_MBPS], callback=user_errors(fn),
+        params = [p for p in command.params if p.name != "scratch"]  # plan takes local outputs only
+        plan.add_command(click.Command(command.name, params=[*params, DISK_MBPS], callback=user_errors(fn),
                                        help=f"Plan `tokpack {command.name}` with the same arguments; writes nothing. "
                                             "A shuffle SOURCE may be virtual:tokens=11T,documents=5.5B,dtype=uint16."))
         return fn

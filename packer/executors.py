@@ -4,10 +4,10 @@ Parallelism is the executor's job: a step only knows `run(data, rank, world_size
 executor, `run_steps` finishes a pass only when every rank carries datatrove's completion marker,
 so the next pass (and the manifest) can rely on all outputs of this one. A rerun skips marked ranks.
 
-Paths: the stages read and write local files (mmap, pread, os.replace). `file://` URLs are local
-paths under another name; other fsspec URLs (s3://, memory://, ...) are staged through datatrove's
-`DataFolder`: inputs are copied into a local work folder, outputs are written there and uploaded.
-pack's input readers read URLs in place instead (formats.io), so pack stages only its output.
+Paths: the stages write local files (O_DIRECT, os.replace). `file://` URLs are local paths under
+another name. An output at another fsspec URL (s3://, ...) is written to a local folder and sent
+to the store shard by shard as each is committed (formats.io.Outbox); shuffle's URL sources are
+downloaded first (through datatrove's `DataFolder`), pack's inputs are read in place (formats.io).
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import xxhash
+
 from formats.errors import TokpackError, task_failed
-from formats.io import is_url, local_path
+from formats.io import Outbox, is_url, local_path
+from formats.manifest import MANIFEST
 from formats.sinks import app_sinks_kept
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
@@ -413,20 +416,6 @@ def stage_in(url: str, workdir: str | Path) -> str:
     return str(dest)
 
 
-def stage_out(local_dir: str | Path, url: str) -> None:
-    """Uploads a local output folder to `url` (a DataFolder); the manifest goes last so a partial
-    upload never looks complete."""
-    from datatrove.io import get_datafolder
-
-    folder = get_datafolder(url)
-    files = sorted(p for p in Path(local_dir).rglob("*") if p.is_file())
-    files.sort(key=lambda p: p.name == "tokpack.json")
-    for p in files:
-        rel = p.relative_to(local_dir).as_posix()
-        with open(p, "rb") as src, folder.open(rel, "wb") as out:
-            shutil.copyfileobj(src, out, 1 << 22)
-
-
 def _fs_and_path(url: str):
     from fsspec.core import url_to_fs
 
@@ -434,31 +423,32 @@ def _fs_and_path(url: str):
 
 
 @contextlib.contextmanager
-def local_paths(inputs: list[str], output: str):
-    """Yields (inputs, output) as local paths: `file://` URLs become paths; other fsspec URLs are
-    staged through a local work folder (TOKPACK_STAGE_DIR or the system temp dir): inputs are
-    downloaded first, and the output is uploaded when the body completes."""
-    staging = None
-
-    def folder() -> str:
-        nonlocal staging
-        staging = staging or tempfile.mkdtemp(prefix="tokpack-stage-", dir=os.environ.get("TOKPACK_STAGE_DIR"))
-        return staging
-
+def local_paths(inputs: list[str], output: str, scratch: str | None = None):
+    """Yields (inputs, output, outbox) as local paths: `file://` URLs become paths. Other fsspec
+    URLs: inputs are downloaded to a temporary folder; an output is written to a local folder
+    named after the URL under `scratch` (default: TOKPACK_STAGE_DIR, else the system temp dir)
+    and goes to the store file by file through `outbox` (formats.io.Outbox; None for a local
+    output). That folder is kept when the command fails, for its rerun, and removed when it
+    succeeds."""
+    scratch = scratch or os.environ.get("TOKPACK_STAGE_DIR") or tempfile.gettempdir()
+    downloads = None
     try:
-        local_inputs = [local_path(p) or stage_in(p, folder()) for p in inputs]
+        if any(local_path(p) is None for p in inputs):
+            downloads = tempfile.mkdtemp(prefix="tokpack-stage-", dir=scratch)
+        local_inputs = [local_path(p) or stage_in(p, downloads) for p in inputs]
+        outbox = None
         local_output = local_path(output)
         if local_output is None:
-            local_output = os.path.join(folder(), "out")
-            fs, remote = _fs_and_path(output)
-            if fs.exists(remote) and fs.isdir(remote):  # resume or extend an existing run
-                _download_folder(output, local_output)
-        yield local_inputs, local_output
-        if local_path(output) is None:
-            stage_out(local_output, output)
+            local_output = os.path.join(scratch, f"tokpack-out-{xxhash.xxh3_64_hexdigest(output.rstrip('/').encode())}")
+            os.makedirs(local_output, exist_ok=True)
+            outbox = Outbox(local_output, output)
+            outbox.fetch_state(MANIFEST)
+        yield local_inputs, local_output, outbox
+        if outbox is not None:
+            shutil.rmtree(local_output, ignore_errors=True)
     finally:
-        if staging:
-            shutil.rmtree(staging, ignore_errors=True)
+        if downloads:
+            shutil.rmtree(downloads, ignore_errors=True)
 
 
 def _download_folder(url: str, dest: str | Path) -> None:

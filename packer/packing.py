@@ -32,7 +32,7 @@ from formats.errors import TokpackError
 from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, locked_output
 from formats.inputs import BLOCK_BYTES, InputFile
 from formats.inputs.discover import check_input, discover, read_blocks
-from formats.io import TMP_MARK, as_path, is_url, progress, write_bytes_atomic
+from formats.io import TMP_MARK, Outbox, as_path, is_url, progress, write_bytes_atomic
 from formats.manifest import (
     MANIFEST,
     dtype_for_vocab,
@@ -42,7 +42,7 @@ from formats.manifest import (
     source_manifest,
     write_manifest,
 )
-from formats.shards import SHARD_SUFFIXES, PackedSource, SourceShardWriter, shard_on_disk
+from formats.shards import SHARD_SUFFIXES, PackedSource, SourceShardWriter, shard_on_disk, shard_suffixes
 from formats.sinks import app_sinks_kept
 from packer.api import Result
 from packer.executors import ExecutorConfig, run_steps
@@ -73,7 +73,7 @@ class PackStep(PipelineStep):
     type = "🔢 - TOKENIZER"
 
     def __init__(self, files: list[InputFile], work: str, vocab_size: int, eos_id: int, dtype: str,
-                 tokenizer: str, shard_tokens: int, block_bytes: int = BLOCK_BYTES):
+                 tokenizer: str, shard_tokens: int, block_bytes: int = BLOCK_BYTES, outbox: Outbox | None = None):
         super().__init__()
         self.files = files  # every input file, in input order
         self.work = work  # OUT/.tokpack-work
@@ -83,6 +83,7 @@ class PackStep(PipelineStep):
         self.tokenizer = tokenizer  # written into each shard's .ds.metadata
         self.shard_tokens = shard_tokens  # max tokens per shard (but one oversized document)
         self.block_bytes = block_bytes  # input bytes per read block
+        self.outbox = outbox  # an output in an object store: each shard is sent there once written
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         for i in range(rank, len(self.files), world_size):
@@ -96,19 +97,30 @@ class PackStep(PipelineStep):
         f = self.files[i]
         part_dir = Path(self.work) / f"part-{i:05d}"
         part_json = Path(self.work) / f"part-{i:05d}.json"
+        shards_at = self.outbox.remote_of(part_dir) if self.outbox else part_dir
         if part_json.exists():
             part = json.loads(part_json.read_text())
-            if all(shard_on_disk(part_dir, e, np.dtype(self.dtype).itemsize) for e in part["shards"]):
+            if all(shard_on_disk(shards_at, e, np.dtype(self.dtype).itemsize) for e in part["shards"]):
                 return part  # done by an earlier run
             part_json.unlink()
         if part_dir.exists():
             shutil.rmtree(part_dir)
+        if self.outbox:
+            shards_at.remove_tree()
         part_dir.mkdir(parents=True)
         out_dtype = np.dtype(self.dtype)
         norm = Normalizer(f, self.vocab_size, self.eos_id, out_dtype)
         with_loss = bool(f.extra.get("loss"))
         entries: list[dict] = []
         writer = None
+
+        def close_shard() -> None:
+            nonlocal writer
+            entry, writer = writer.close(), None
+            entries.append(entry)
+            if self.outbox:
+                self.outbox.send(*(part_dir / f"{entry['path']}{s}" for s in shard_suffixes(entry)))
+
         in_itemsize = np.dtype(f.dtype).itemsize if f.dtype else 0
         bar = progress(f.size, f"pack {Path(f.path).name}")
         blocks = None  # the reader's generator, closed explicitly on failure
@@ -125,19 +137,17 @@ class PackStep(PipelineStep):
                     stop = int(np.searchsorted(ends, base + self.shard_tokens - writer.tokens, side="right"))
                     if stop == done:
                         if writer.tokens:  # the next document does not fit: start a new shard
-                            entries.append(writer.close())
-                            writer = None
+                            close_shard()
                             continue
                         stop = done + 1  # a document larger than a shard: a shard of its own
                     end = int(ends[stop - 1])
                     writer.write(tokens[base:end], ends[done:stop] - base, None if loss is None else loss[base:end])
                     done = stop
                     if writer.tokens >= self.shard_tokens:
-                        entries.append(writer.close())
-                        writer = None
+                        close_shard()
                 bar.update(in_bytes)
             if writer is not None and writer.tokens:
-                entries.append(writer.close())
+                close_shard()
             elif writer is not None:
                 writer.abort()
             writer = None
@@ -159,6 +169,8 @@ class PackStep(PipelineStep):
             "empty_documents_dropped": norm.empty_dropped,
         }
         write_bytes_atomic(part_json, json.dumps(part).encode(), fsync=True)
+        if self.outbox:
+            self.outbox.send(part_json, keep=True)
         return part
 
 
@@ -292,7 +304,14 @@ def _result(manifest: dict, out: Path, fmt: str, seconds: float, input_bytes: in
         fingerprint=manifest["fingerprint"], warnings=list(warnings))
 
 
-def _raise_task_error(work: Path, out: Path, created: bool, cause: BaseException | None) -> None:
+def _remove_work(work: Path, outbox: Outbox | None) -> None:
+    shutil.rmtree(work, ignore_errors=True)
+    if outbox:
+        outbox.remote_of(work).remove_tree()
+
+
+def _raise_task_error(work: Path, out: Path, created: bool, cause: BaseException | None,
+                      outbox: Outbox | None) -> None:
     """A task's data error: remove the partial output and raise the task's own message."""
     errors = sorted(work.glob("part-*.error.json")) if work.exists() else []
     if not errors:
@@ -300,25 +319,26 @@ def _raise_task_error(work: Path, out: Path, created: bool, cause: BaseException
             raise cause
         return
     err = json.loads(errors[0].read_text())
-    shutil.rmtree(work, ignore_errors=True)
+    _remove_work(work, outbox)
     if created and out.exists() and not any(out.iterdir()):
         out.rmdir()
     raise TokpackError(err["message"], file=err.get("file"), where=err.get("where"), expected=err.get("expected"),
                        found=err.get("found"), hint=err.get("hint")) from None
 
 
-def _finalize(out: Path, work: Path, plan: dict) -> dict:
-    """Moves the parts' shards to their global names, then writes tokpack.json last."""
+def _finalize(out: Path, work: Path, plan: dict, outbox: Outbox | None) -> dict:
+    """Moves the parts' shards to their global names (inside the store, to an outbox), then
+    writes tokpack.json last."""
     manifest = plan["manifest"]
     for src, dst, size in plan["moves"]:
-        src, dst = Path(src), Path(dst)
+        src, dst = (outbox.remote_of(p) if outbox else Path(p) for p in (src, dst))
         if src.exists():
-            os.replace(src, dst)
+            src.move_to(dst) if outbox else os.replace(src, dst)
         elif not dst.exists() or (size is not None and dst.stat().st_size != size):
             raise TokpackError("a shard disappeared while finishing the pack", file=dst, expected="the moved shard",
                                found="nothing", hint="rerun with --overwrite to pack again from scratch")
-    write_manifest(out, manifest)
-    shutil.rmtree(work, ignore_errors=True)
+    write_manifest(out, manifest, outbox=outbox)
+    _remove_work(work, outbox)
     return manifest
 
 
@@ -361,10 +381,14 @@ class PackSetup:
     warnings: list[str] = field(default_factory=list)
     out_dtype: np.dtype | None = None
 
-    def bytes_to_write(self, out: Path) -> int:
+    def bytes_to_write(self, out: Path, outbox_shards: int = 0) -> int:
         """Shards are renamed out of the work folder, never copied: one copy of the output at
-        most. What OUT holds already (a resumed or a replaced pack) is not needed again."""
-        return _bytes_to_write(self.files, self.out_dtype) - bytes_under(out)
+        most. What OUT holds already (a resumed or a replaced pack) is not needed again. To an
+        outbox, OUT holds `outbox_shards` (a shard per task) at most, each sent once written."""
+        total = _bytes_to_write(self.files, self.out_dtype)
+        if outbox_shards:
+            return min(total, outbox_shards * int(self.request["shard_tokens"]) * self.out_dtype.itemsize)
+        return total - bytes_under(out)
 
 
 def pack_tasks(files: int, config: ExecutorConfig) -> int:
@@ -374,8 +398,9 @@ def pack_tasks(files: int, config: ExecutorConfig) -> int:
 def setup_pack(inputs: list[str], out: Path, *, input_format: str = "auto", column: str | None = None,
                dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
                vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30,
-               say=lambda msg: None) -> PackSetup:
-    """Finds the inputs, checks them (every check that needs no token scan) and OUT. Reads only."""
+               say=lambda msg: None, outbox: Outbox | None = None) -> PackSetup:
+    """Finds the inputs, checks them (every check that needs no token scan) and OUT (to an
+    outbox: what the store holds). Reads only."""
     if shard_tokens < 1:
         raise TokpackError("shard size must be positive", where="--shard-tokens", expected=">= 1", found=shard_tokens)
     if tokenizer is not None:
@@ -390,7 +415,8 @@ def setup_pack(inputs: list[str], out: Path, *, input_format: str = "auto", colu
         "format": fmt, "column": column, "dtype": dtype, "tokenizer": tokenizer, "eos_id": eos_id,
         "vocab_size": vocab_size, "shard_tokens": int(shard_tokens),
     }
-    setup = PackSetup(fmt, files, tokenizer, request, _output_state(out, request, overwrite))
+    setup = PackSetup(fmt, files, tokenizer, request,
+                      _output_state(outbox.remote_of(out) if outbox else out, request, overwrite))
     if setup.state == "complete":
         return setup
     if fmt == "text":
@@ -415,37 +441,46 @@ def setup_pack(inputs: list[str], out: Path, *, input_format: str = "auto", colu
 def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: str | None = None,
          dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
          vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30, log=None,
-         config: ExecutorConfig | None = None, block_bytes: int = BLOCK_BYTES) -> PackResult:
+         config: ExecutorConfig | None = None, block_bytes: int = BLOCK_BYTES,
+         outbox: Outbox | None = None) -> PackResult:
     """Packs INPUTs (local paths or fsspec URLs, read where they are) into one packed source at
-    the local `output` (packer.api.pack also takes a URL output)."""
+    the local `output`, or, through `outbox`, at its URL (packer.api.pack makes the outbox)."""
     t0 = time.perf_counter()
     say = log or (lambda msg: None)
     out = Path(output).absolute()
     config = config or ExecutorConfig()
     setup = setup_pack(inputs, out, input_format=input_format, column=column, dtype=dtype, tokenizer=tokenizer,
-                       eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite, shard_tokens=shard_tokens, say=say)
+                       eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite, shard_tokens=shard_tokens, say=say,
+                       outbox=outbox)
     fmt, files, tokenizer, request, state = setup.fmt, setup.files, setup.tokenizer, setup.request, setup.state
     input_bytes = sum(f.size for f in files)
+    shown = outbox.remote if outbox else out  # where the packed source is
     if state == "complete":
-        manifest = read_manifest(out, kind="source")
+        manifest = read_manifest(outbox.remote_of(out) if outbox else out, kind="source")
         # A pack killed between writing its manifest and removing its scratch left the scratch.
-        shutil.rmtree(out / WORK_DIR, ignore_errors=True)
-        say(f"tokpack pack: {out} already holds this pack; nothing to do")
-        return _result(manifest, out, fmt, time.perf_counter() - t0, 0, "already complete")
+        _remove_work(out / WORK_DIR, outbox)
+        say(f"tokpack pack: {shown} already holds this pack; nothing to do")
+        return _result(manifest, shown, fmt, time.perf_counter() - t0, 0, "already complete")
 
     work = out / WORK_DIR
     vocab, eos, tok_name, eos_token, warnings = setup.vocab, setup.eos, setup.tok_name, setup.eos_token, setup.warnings
     out_dtype = setup.out_dtype
-    check_space([(out, setup.bytes_to_write(out))], "pack", hint="free some space there, or choose another -o")
+    ntasks = pack_tasks(len(files), config)
+    check_space([(out, setup.bytes_to_write(out, ntasks if outbox else 0))], "pack",
+                hint="free some space there, or choose another -o")
 
     # Nothing has been written so far; from here on, OUT/.tokpack-work holds the run.
     created = not out.exists()
-    if state == "replace":
+    if state == "replace" or (outbox and state == "fresh" and out.exists()):  # a stale local copy: the store decides
         _clear(out)
+        if outbox:
+            outbox.remote_of(out).remove_tree()
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(exist_ok=True)
     if not (work / "request.json").exists():
         write_bytes_atomic(work / "request.json", json.dumps(request).encode())
+        if outbox:
+            outbox.send(work / "request.json", keep=True)
     for p in work.glob("part-*.error.json"):
         p.unlink()
     base_logs = Path(config.logging_dir) if config.logging_dir else work / "logs"
@@ -461,13 +496,14 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
                 check_input(f)
         else:
             packed_files = files
-        step = PackStep(packed_files, str(work), vocab, eos, out_dtype.name, tok_name, int(shard_tokens), block_bytes)
+        step = PackStep(packed_files, str(work), vocab, eos, out_dtype.name, tok_name, int(shard_tokens), block_bytes,
+                        outbox)
         ntasks = pack_tasks(len(packed_files), config)
         try:
             run_steps([(step, ntasks, "pack", base_logs / "pack")], config)
         except Exception as e:
-            _raise_task_error(work, out, created, e)
-        _raise_task_error(work, out, created, None)
+            _raise_task_error(work, out, created, e, outbox)
+        _raise_task_error(work, out, created, None, outbox)
         parts = []
         for i in range(len(packed_files)):
             part_json = work / f"part-{i:05d}.json"
@@ -477,7 +513,7 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
             parts.append(json.loads(part_json.read_text()))
         total = sum(len(p["shards"]) for p in parts)
         if total == 0:
-            shutil.rmtree(work, ignore_errors=True)
+            _remove_work(work, outbox)
             if created and out.exists() and not any(out.iterdir()):
                 out.rmdir()
             raise TokpackError("empty input: no documents", file=", ".join(inputs), expected="at least one document",
@@ -487,10 +523,8 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
         for i, part in enumerate(parts):
             for e in part["shards"]:
                 name = shard_name(len(entries), digits)
-                for suffix in SHARD_SUFFIXES:
+                for suffix in shard_suffixes(e):
                     src = work / f"part-{i:05d}" / f"{e['path']}{suffix}"
-                    if suffix == ".loss" and "loss_xxh3_128" not in e:
-                        continue
                     size = e["tokens"] * out_dtype.itemsize if suffix == "" else None
                     moves.append((str(src), str(out / f"{name}{suffix}"), size))
                 entries.append({**e, "path": name})
@@ -504,12 +538,14 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
             request=request,
         )
         write_bytes_atomic(plan_path, json.dumps({"manifest": manifest, "moves": moves}).encode())
+        if outbox:  # from here a rerun only finishes the moves
+            outbox.send(plan_path, keep=True)
     plan = json.loads(plan_path.read_text())
-    manifest = _finalize(out, work, plan)
+    manifest = _finalize(out, work, plan, outbox)
     seconds = time.perf_counter() - t0
-    result = _result(manifest, out, fmt, seconds, input_bytes, "packed", warnings)
+    result = _result(manifest, shown, fmt, seconds, input_bytes, "packed", warnings)
     for line in warnings:  # after the work: a pack that fails prints its one error line only
         say(line)
     say(f"tokpack pack: {result.tokens:,} tokens, {result.documents:,} documents, {result.shards} shard(s) "
-        f"-> {out} ({result.mb_per_s} MB/s)")
+        f"-> {shown} ({result.mb_per_s} MB/s)")
     return result

@@ -24,10 +24,10 @@ import xxhash
 
 from formats.errors import TokpackError
 from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
-from formats.io import TMP_MARK, remove_tmp_files
+from formats.io import TMP_MARK, Outbox, remove_tmp_files
 from formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
                               read_manifest, run_manifest, write_manifest)
-from formats.shards import SHARD_SUFFIXES, PackedSource
+from formats.shards import EPOCH_SHARD_SUFFIXES, PackedSource
 
 from .plan import PLAN_ALGORITHM, EpochPlan, is_virtual, open_source, parse_weight, source_location
 from .schedule import RunPlan, Schedule
@@ -37,7 +37,6 @@ from .steps import (CHUNKS_IN_BUDGET, ORDER_ROW_OVERHEAD, EpochJob, InMemoryStep
 DEFAULT_SHARD_BYTES = 1 << 30  # default --shard-samples: about 1 GiB of samples per shard
 ROW_FACTS_BYTES = 32  # RowFragments per row in memory: first-EOS index, hash, and about one EOS column
 MIN_BUCKET_ROWS = 8  # below this many rows per bucket the out-of-core path spends its time per bucket, not per byte
-EPOCH_SHARD_SUFFIXES = tuple(s for s in SHARD_SUFFIXES if s != ".loss")  # an epoch's shards carry no loss mask
 
 
 def open_sources(paths: list[str]) -> list[PackedSource]:
@@ -137,15 +136,17 @@ def _check_same_run(found: dict, wanted: dict, where: Path) -> None:
                 "--seq-len, --seed, --jitter, --samples/--tokens and --shard-samples")
 
 
-def _existing_run(out: Path) -> dict | None:
-    """Parameters of the run already in OUT (run manifest, else any complete epoch), or None."""
+def _existing_run(out: Path, outbox: Outbox | None = None) -> dict | None:
+    """Parameters of the run already in OUT (run manifest, else any complete epoch), or None.
+    To an outbox, OUT holds the state fetched from the store, and the store what else is there."""
     if not out.exists():
         return None
     if not out.is_dir():
         raise TokpackError("output is not a directory", file=out)
     if (out / MANIFEST).exists():
         return _params_of_manifest(read_manifest(out, kind="run"))
-    foreign = [p.name for p in out.iterdir()
+    listed = outbox.remote_of(out) if outbox and outbox.remote_of(out).exists() else out
+    foreign = [p.name for p in listed.iterdir()
                if not (p.name.startswith("epoch-") or p.name in (WORK_DIR, LOCK_NAME) or TMP_MARK in p.name)]
     if foreign:
         raise TokpackError("output directory is not a tokpack run", file=out, where="contents",
@@ -238,20 +239,23 @@ def scratch_bytes(job: EpochJob) -> int:
     return job.plan.samples * (job.row_bytes + 8)
 
 
-def bytes_to_write(jobs: list[EpochJob], sources: list[PackedSource], memory: int) -> int:
+def bytes_to_write(jobs: list[EpochJob], sources: list[PackedSource], memory: int, workers: int = 1) -> int:
     """Peak bytes on OUT's filesystem while these epochs are written, less what a resumed run has
     there already: the epochs written before, then this epoch's files with, out of core, its
     bucket scratch, of which the order pass deletes each shard's part once the shard is
-    written: the peak is the scratch plus the first shard."""
+    written: the peak is the scratch plus the first shard. To an outbox, the local folder holds
+    the scratch and a shard per worker at most, each sent and removed once committed."""
     peak = written = 0
     for job in jobs:
         epoch = epoch_bytes(job, planned_epoch_manifest(job, sources))
+        shard = epoch * min(1, job.shard_samples / max(job.plan.samples, 1))
         have = bytes_under(job.epoch_dir) + bytes_under(job.work_dir)
-        during = epoch
+        during = epoch if job.outbox is None else min(epoch, workers * shard)
         if memory_path(job, memory)[1] > memory:
-            during = scratch_bytes(job) + epoch * min(1, job.shard_samples / max(job.plan.samples, 1))
+            during = scratch_bytes(job) + shard
         peak = max(peak, written + max(0, during - have))
-        written += max(0, epoch - have)
+        if job.outbox is None:
+            written += max(0, epoch - have)
     return int(max(peak, written))
 
 
@@ -335,21 +339,24 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
                            "finished shards are kept") from e
     entries = []
     for i in range(job.n_shards):
-        done = job.done_path(i)
-        if not done.exists():
+        entry = job.done_entry(i)
+        if entry is None:
             raise TokpackError("output shard did not complete", file=Path(job.epoch_dir) / job.shard_file(i),
                                hint="rerun the same command; completed shards are kept")
-        entries.append(json.loads(done.read_text()))
+        entries.append(entry)
     keep = {e["path"] + ext for e in entries for ext in EPOCH_SHARD_SUFFIXES}
-    for p in Path(job.epoch_dir).iterdir():  # leftovers of an earlier, different attempt
-        if p.is_file() and p.name not in keep:
-            p.unlink()
+    for edir in [Path(job.epoch_dir)] + ([job.outbox.remote_of(job.epoch_dir)] if job.outbox else []):
+        for p in list(edir.iterdir()) if edir.is_dir() else []:  # leftovers of an earlier, different attempt
+            if p.name not in keep and p.is_file():
+                p.unlink()
     sources = job.open_sources()
     manifest = epoch_manifest(
         entries, job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer, tokens=plan.samples * plan.row_tokens,
         epoch=plan.epoch, seed=plan.seed, seq_len=plan.seq_len, samples=plan.samples, shard_samples=job.shard_samples,
         dropped_tokens=plan.dropped_tokens(), jitter=plan.jitter, sources=plan.source_entries(), shuffle=PLAN_ALGORITHM)
-    write_manifest(job.epoch_dir, manifest)
+    write_manifest(job.epoch_dir, manifest, outbox=job.outbox)
+    if job.outbox:
+        job.outbox.remote_of(work).remove_tree()
     shutil.rmtree(work, ignore_errors=True)
     return {"epoch": plan.epoch, "path": "in-memory" if in_memory else "out-of-core", "samples": plan.samples,
             "shards": job.n_shards, "sample_multiset_hash": manifest["sample_multiset_hash"]}
@@ -376,9 +383,10 @@ class RunSetup:
 
 def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, seed: int | None,
               epochs: list[int] | None, samples, tokens, shard_samples, memory: int, jitter: bool, workers: int,
-              progress: bool = False, given: list[str] | None = None, schedule: Schedule | None = None) -> RunSetup:
+              progress: bool = False, given: list[str] | None = None, schedule: Schedule | None = None,
+              outbox: Outbox | None = None) -> RunSetup:
     """Opens the sources and OUT's run (if any), checks they agree, and plans every epoch. Reads only.
-    `given`, `schedule`: as in shuffle_run."""
+    `given`, `schedule`, `outbox`: as in shuffle_run."""
     if schedule is not None:
         seq_len, seed, jitter, paths = schedule.seq_len, schedule.seed, schedule.jitter, schedule.paths
         shard_samples = shard_samples or schedule.shard_samples
@@ -393,7 +401,7 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
         raise TokpackError("--memory is too small to shuffle", where="--memory", expected=f">= {floor} bytes",
                            found=f"{memory} bytes", hint=f"give --memory {floor} or more ({MIN_BUCKET_ROWS} samples "
                            f"of {row_bytes} bytes per bucket, per worker); more memory is faster")
-    existing = _existing_run(out)
+    existing = _existing_run(out, outbox)
     if (existing is not None and existing.get("given_weights") is not None
             and existing["fingerprints"] == [src.fingerprint for src in opened]
             and existing["weights"] == _weights_key(weights)):
@@ -434,7 +442,7 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
             key = xxhash.xxh3_64_hexdigest(json.dumps([params, plan.source_entries(), PLAN_ALGORITHM, dtype]).encode())
             job = EpochJob(plan, tuple(source_location(p) for p in paths), dtype, int(first["eos_id"]),
                            first.get("tokenizer", ""), str(edir), str(out / WORK_DIR / f"{edir.name}-{key}"),
-                           shard_samples, progress=bool(progress), main_pid=os.getpid())
+                           shard_samples, progress=bool(progress), main_pid=os.getpid(), outbox=outbox)
         todo.append((epoch, plan, job))
     return RunSetup(opened, weights, shard_samples, done_epochs, todo, existing, runplan, run_params)
 
@@ -460,6 +468,7 @@ def shuffle_run(
     progress: bool | None = None,
     given: list[str] | None = None,
     schedule: Schedule | None = None,
+    outbox: Outbox | None = None,
 ) -> dict:
     """Writes OUT/epoch-NNNNN/ for each epoch (skipping complete identical ones) and the run
     manifest. `memory` is the total budget: the out-of-core path gives each of `workers`
@@ -472,7 +481,8 @@ def shuffle_run(
     every epoch written and a warning per source an epoch repeats windows of (packer.api.shuffle
     takes URLs and returns it as a ShuffleResult). `schedule`: the run's stages (shuffle.schedule),
     instead of `sources`, `weights`, `seq_len`, `seed`, `samples`, `tokens` and `jitter`; `epochs`
-    None: every epoch of the schedule."""
+    None: every epoch of the schedule. `outbox`: the run goes to an object store (formats.io.Outbox
+    from `output`, its local folder, to the URL): fetch its state into `output` first."""
     t0 = time.perf_counter()
     log = log or (lambda line: None)
     if progress is None:
@@ -483,14 +493,15 @@ def shuffle_run(
                            expected="a packed source directory", hint="plan it instead: tokpack plan shuffle ...")
     setup = setup_run(sources, output, weights=weights, seq_len=seq_len, seed=seed, epochs=epochs, samples=samples,
                       tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter, workers=workers,
-                      progress=bool(progress), given=given, schedule=schedule)
+                      progress=bool(progress), given=given, schedule=schedule, outbox=outbox)
     out, opened, weights, shard_samples = Path(output), setup.sources, setup.weights, setup.shard_samples
     done_epochs, existing, runplan, skipped, summaries = setup.done_epochs, setup.params, setup.runplan, [], []
-    check_space([(out, bytes_to_write(setup.jobs, opened, memory))], "shuffle",
+    check_space([(out, bytes_to_write(setup.jobs, opened, memory, workers))], "shuffle",
                 hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)")
     if setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():  # its numbering, fixed at creation
         out.mkdir(parents=True, exist_ok=True)
-        write_manifest(out, _run_manifest(out, setup.todo[0][1], weights, opened, shard_samples, done_epochs, runplan))
+        write_manifest(out, _run_manifest(out, setup.todo[0][1], weights, opened, shard_samples, done_epochs, runplan),
+                       outbox=outbox)
     for epoch, plan, job in setup.todo:
         out.mkdir(parents=True, exist_ok=True)
         if job is None:
@@ -498,18 +509,20 @@ def shuffle_run(
             # A kill while the finished epoch's scratch was being removed leaves part of it.
             for stale in (out / WORK_DIR).glob(f"{epoch_dir_name(epoch)}-*"):
                 shutil.rmtree(stale, ignore_errors=True)
+                if outbox:
+                    outbox.remote_of(stale).remove_tree()
             log(f"epoch {epoch}: already complete, skipped")
         else:
             summary = run_epoch(job, memory=memory, workers=workers, tasks=tasks, run_passes=run_passes, log=log)
             summary["sources"] = plan.source_report()
             summaries.append(summary)
         done_epochs = sorted(set(done_epochs) | {epoch})
-        write_manifest(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan))
+        write_manifest(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan), outbox=outbox)
     work = out / WORK_DIR
     if work.exists() and not any(work.iterdir()):
         work.rmdir()
     return {
-        "output": str(out),
+        "output": outbox.remote if outbox else str(out),
         "epochs": done_epochs,
         "written": [s["epoch"] for s in summaries],
         "skipped": skipped,

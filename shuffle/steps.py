@@ -42,9 +42,9 @@ import numpy as np
 import xxhash
 
 from formats.errors import TokpackError
-from formats.io import IO_BLOCK, Worker, drop_buffers, lent, map_file, progress, write_bytes_atomic
+from formats.io import IO_BLOCK, Outbox, Worker, drop_buffers, lent, map_file, progress, write_bytes_atomic
 from formats.manifest import dtype_from_name, shard_digits, shard_name
-from formats.shards import EpochShardWriter, PackedSource, RowFragments, shard_on_disk
+from formats.shards import EPOCH_SHARD_SUFFIXES, EpochShardWriter, PackedSource, RowFragments, shard_on_disk
 from formats.sinks import app_sinks_kept
 
 from .plan import EpochPlan, iter_source_windows, open_source
@@ -160,6 +160,7 @@ class EpochJob:
     shard_samples: int  # samples per output shard (the last may be short)
     progress: bool = False  # tqdm bars, shown only by tasks running in the process that asked for them
     main_pid: int = 0  # that process
+    outbox: Outbox | None = None  # a run written to an object store: each shard is sent there once committed
 
     @property
     def show_progress(self) -> bool:
@@ -205,13 +206,16 @@ class EpochJob:
     def open_sources(self) -> list[PackedSource]:
         return [open_source(p, check_sizes=False) for p in self.source_paths]
 
-    def shard_done(self, i: int) -> dict | None:
-        """The shard's manifest entry if it was committed and recorded and is still on disk."""
+    def done_entry(self, i: int) -> dict | None:
+        """The manifest entry recorded when shard i was committed (and sent, to an outbox)."""
         done = self.done_path(i)
-        if not done.exists():
-            return None
-        entry = json.loads(done.read_text())
-        return entry if shard_on_disk(self.epoch_dir, entry, self.token_dtype.itemsize) else None
+        return json.loads(done.read_text()) if done.exists() else None
+
+    def shard_done(self, i: int) -> dict | None:
+        """The shard's manifest entry if it was committed and recorded and is still there."""
+        entry = self.done_entry(i)
+        where = self.outbox.remote_of(self.epoch_dir) if self.outbox else self.epoch_dir
+        return entry if entry is not None and shard_on_disk(where, entry, self.token_dtype.itemsize) else None
 
     def write_shard(self, i: int, blocks) -> dict:
         """Writes shard i from `blocks` (an iterator, in output order, of np.void row arrays, or
@@ -243,6 +247,9 @@ class EpochJob:
         entry["fragments"] = os.path.getsize(Path(self.epoch_dir) / f"{entry['path']}.index") // 8
         self.done_path(i).parent.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(self.done_path(i), json.dumps(entry).encode(), fsync=True)
+        if self.outbox:  # the shard's files, then the record that they are there
+            self.outbox.send(*(Path(self.epoch_dir) / f"{entry['path']}{s}" for s in EPOCH_SHARD_SUFFIXES))
+            self.outbox.send(self.done_path(i), keep=True)
         return entry
 
     def chunk_rows(self, budget: int) -> int:

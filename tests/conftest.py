@@ -175,6 +175,10 @@ def s3_bucket(s3_endpoint, request):
 
     s3fs.S3FileSystem.clear_instance_cache()
     fs = s3fs.S3FileSystem()
+    import zlib
+
+    # unique per test id (parametrized ids share their first 50 characters), at most 63 characters
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-") or "bucket"
+    name = f"{name}-{zlib.crc32(request.node.nodeid.encode()):08x}"
     fs.mkdir(name)
     return fs, name

@@ -406,3 +406,144 @@ def test_corrupted_input_object_is_one_line_naming_it(s3_bucket, tokenizer_path,
     assert url in remote and "does not increase" in remote
     assert remote == local.replace(str(index), url)
     assert not (tmp_path / "b" / MANIFEST).exists()
+
+
+# ------------------------------------------------------------------ output to a bucket (item 3)
+
+
+def versions(fs, bucket: str, prefix: str) -> dict[str, int]:
+    """Object key -> how many times it was written (a versioned bucket keeps every upload)."""
+    listed = fs.call_s3("list_object_versions", Bucket=bucket, Prefix=prefix)
+    assert not listed.get("IsTruncated")
+    counts: dict[str, int] = {}
+    for v in listed.get("Versions", []):
+        counts[v["Key"]] = counts.get(v["Key"], 0) + 1
+    return counts
+
+
+def run_watched(args: list[str], scratch: Path, until=None, env=None) -> tuple[subprocess.Popen, int]:
+    """The CLI in its own process group, the disk use under `scratch` sampled until it exits or
+    `until()` holds (then the whole group is killed with SIGKILL); returns (process, peak bytes)."""
+    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", *args, "--scratch", str(scratch)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})})
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, disk_use(scratch))
+        if until is not None and until():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            break
+    return proc, peak
+
+
+def objects(fs, url: str, suffix: str) -> list[str]:
+    """The keys under `url` ending in `suffix`, as the store lists them now (no s3fs cache)."""
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    listed = fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix + "/")
+    assert not listed.get("IsTruncated")
+    return sorted(f"{bucket}/{o['Key']}" for o in listed.get("Contents", []) if o["Key"].endswith(suffix))
+
+
+def shard_objects(fs, url: str) -> list[str]:
+    return objects(fs, url, ".ds")
+
+
+@pytest.fixture
+def many_shard_source(tmp_path):
+    docs = random_docs(np.random.default_rng(5), 20000, 1000, 0)
+    return write_source(tmp_path / "src", docs, docs_per_shard=2000)
+
+
+SHUFFLE_ARGS = ["--seq-len", "1023", "--seed", "4", "--epochs", "1", "--shard-samples", "16", "--workers", "2"]
+SHUFFLE_KW = dict(seq_len=1023, seed=4, epochs=1, shard_samples=16)
+LOGS = 256 << 10  # the task logs and records of finished work a command keeps in its scratch folder
+
+
+def test_shuffle_to_a_bucket_keeps_a_few_shards_on_the_local_disk(s3_bucket, many_shard_source, tmp_path):
+    """`shuffle -o s3://` sends each shard once committed and removes it locally: the scratch
+    folder holds a few shards at a time, never the run; the run in the bucket is the local run."""
+    fs, bucket = s3_bucket
+    shuffle(many_shard_source, tmp_path / "local", **SHUFFLE_KW)
+    run_bytes = sum(p.stat().st_size for p in (tmp_path / "local").rglob("*") if p.is_file())
+    shard_bytes = max(p.stat().st_size for p in (tmp_path / "local").rglob("*.ds"))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    proc, peak = run_watched(["shuffle", str(many_shard_source), "-o", f"s3://{bucket}/run", *SHUFFLE_ARGS], scratch)
+    assert proc.returncode == 0, proc.stderr.read()
+    assert len(shard_objects(fs, f"s3://{bucket}/run")) > 50
+    # two workers, each with a shard being written and one being sent; the index and metadata files are small
+    assert 0 < peak <= 6 * shard_bytes + LOGS < run_bytes / 8, (peak, shard_bytes, run_bytes)
+    assert not any(scratch.iterdir())  # removed once the run is complete
+    stage(f"s3://{bucket}/run", tmp_path / "staged")
+    assert without_paths(tree(tmp_path / "staged")) == without_paths(tree(tmp_path / "local"))
+
+
+@pytest.mark.parametrize("path", ["in-memory", "out-of-core"])
+def test_shuffle_to_a_bucket_killed_then_rerun_sends_only_what_is_missing(s3_bucket, many_shard_source, tmp_path,
+                                                                          path):
+    """SIGKILL while shards are being sent: the bucket holds no run manifest (a partial upload
+    never looks complete); the rerun, from a fresh scratch folder as on another machine, sends
+    only the missing shards (a versioned bucket counts every upload) and the run equals the
+    local one."""
+    fs, bucket = s3_bucket
+    fs.call_s3("put_bucket_versioning", Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    memory = ["--memory", "600KiB"] if path == "out-of-core" else []
+    url = f"s3://{bucket}/run"
+    made = shuffle(many_shard_source, tmp_path / "local", **SHUFFLE_KW, memory=600 << 10 if memory else 4 << 30)
+    assert made.path == path
+    args = ["shuffle", str(many_shard_source), "-o", url, *SHUFFLE_ARGS, *memory]
+    (tmp_path / "a").mkdir()
+    proc, _ = run_watched(args, tmp_path / "a", until=lambda: len(shard_objects(fs, url)) >= 5)
+    before = shard_objects(fs, url)
+    total = len(list((tmp_path / "local").rglob("*.ds")))
+    assert proc.returncode == -signal.SIGKILL and 5 <= len(before) < total, (proc.returncode, len(before), total)
+    assert not objects(fs, url, MANIFEST)
+    recorded = [Path(p).name.removesuffix(".ds.json") for p in objects(fs, f"{url}/.tokpack-work", ".ds.json")]
+    assert recorded  # the records of shards sent in full
+    check = cli("validate", url)
+    assert check.returncode == 1 and f"INCOMPLETE {url}: incomplete: no tokpack.json" in check.stderr, check.stderr
+
+    (tmp_path / "b").mkdir()
+    proc, _ = run_watched(args, tmp_path / "b")
+    assert proc.returncode == 0, proc.stderr.read()
+    written = versions(fs, bucket, "run/epoch-")
+    again = sorted(k for k, n in written.items() if n > 1)
+    assert len({k.split(".")[0] for k in written if k.endswith(".ds")}) == total
+    # at most a shard per worker was being sent when the kill came; every recorded shard went once
+    assert len({k.split(".")[0] for k in again}) <= 2, again
+    assert not {Path(k).name.split(".")[0] for k in again} & set(recorded), (again, recorded)
+    assert not objects(fs, f"{url}/.tokpack-work", "")  # the records go once the run is complete
+    stage(url, tmp_path / "staged")
+    assert without_paths(tree(tmp_path / "staged")) == without_paths(tree(tmp_path / "local"))
+
+
+def test_pack_to_a_bucket_bounded_and_resumed(s3_bucket, tmp_path):
+    """`pack -o s3://`: each shard is sent once written (the scratch folder stays a few shards),
+    a SIGKILL leaves no manifest, and the rerun sends only what is missing and finishes with
+    copies inside the store: the source equals the local pack."""
+    fs, bucket = s3_bucket
+    fs.call_s3("put_bucket_versioning", Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    rng = np.random.default_rng(8)
+    (tmp_path / "in").mkdir()
+    for name in ("a", "b"):
+        np.save(tmp_path / "in" / f"{name}.npy", np.concatenate(random_docs(rng, 8000, 1000, 0)).astype(np.uint16))
+    args = ["--format", "numpy", "--eos-id", "0", "--vocab-size", "1000", "--shard-tokens", "16000"]
+    assert cli("pack", str(tmp_path / "in"), "-o", str(tmp_path / "local"), *args).returncode == 0
+    shard_bytes = 16000 * 2
+    url = f"s3://{bucket}/packed"
+    (tmp_path / "a").mkdir()
+    proc, peak = run_watched(["pack", str(tmp_path / "in"), "-o", url, *args, "--workers", "2"], tmp_path / "a",
+                             until=lambda: len(shard_objects(fs, url)) >= 10)
+    assert proc.returncode == -signal.SIGKILL and not objects(fs, url, MANIFEST)
+    proc, peak2 = run_watched(["pack", str(tmp_path / "in"), "-o", url, *args, "--workers", "2"], tmp_path / "a")
+    assert proc.returncode == 0, proc.stderr.read()
+    local_bytes = sum(p.stat().st_size for p in (tmp_path / "local").iterdir())
+    assert max(peak, peak2) <= 8 * shard_bytes + LOGS < local_bytes / 4, (peak, peak2, local_bytes)
+    written = versions(fs, bucket, "packed/")
+    assert all(n == 1 for n in written.values()), {k: n for k, n in written.items() if n > 1}
+    assert not objects(fs, f"{url}/.tokpack-work", "")
+    stage(url, tmp_path / "staged")
+    assert tree(tmp_path / "staged") == tree(tmp_path / "local")
+    again = json.loads(cli("pack", str(tmp_path / "in"), "-o", url, *args, "--json").stdout)
+    assert again["status"] == "already complete" and again["output"] == url
