@@ -197,6 +197,16 @@ class Outbox:
             if not keep:
                 os.unlink(f)
 
+    def check_bucket(self) -> None:
+        """One line now, not a failed task later, when the bucket is not there."""
+        root = RemotePath(self.remote)
+        bucket = root.key.split("/", 1)[0]
+        try:  # not exists(): s3fs answers False for an endpoint that does not answer too
+            root._guarded(root.fs.info, "read from", bucket)
+        except FileNotFoundError:
+            raise TokpackError("no such bucket", file=self.remote, expected=f"an existing bucket {bucket!r}",
+                               found="none", hint="create it first (aws s3 mb), or check the URL and the endpoint") from None
+
     def fetch_state(self, manifest: str) -> None:
         """Copies every JSON file under `remote` (the state an earlier run left) to `local`, after
         dropping the local manifests (named `manifest`) the store lacks: only a sent manifest

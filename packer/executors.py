@@ -440,10 +440,16 @@ def local_paths(inputs: list[str], output: str, scratch: str | None = None):
         local_output = local_path(output)
         if local_output is None:
             local_output = os.path.join(scratch, f"tokpack-out-{xxhash.xxh3_64_hexdigest(output.rstrip('/').encode())}")
-            os.makedirs(local_output, exist_ok=True)
             outbox = Outbox(local_output, output)
+            outbox.check_bucket()
+            os.makedirs(local_output, exist_ok=True)
             outbox.fetch_state(MANIFEST)
-        yield local_inputs, local_output, outbox
+        try:
+            yield local_inputs, local_output, outbox
+        except TokpackError as e:
+            if outbox is not None and e.file and e.file.startswith(outbox.local):
+                e.file = outbox.remote + e.file[len(outbox.local):]  # the user's name for it, not ours
+            raise
         if outbox is not None:
             shutil.rmtree(local_output, ignore_errors=True)
     finally:

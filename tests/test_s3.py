@@ -171,8 +171,12 @@ def test_denied_access_is_one_line_and_never_shows_the_secret(tmp_path):
 
 
 def test_reading_commands_give_one_line_for_missing_unreachable_and_denied(s3_endpoint, tmp_path):
-    """pack, validate and inspect of a URL: a missing bucket, an endpoint nobody answers at and
-    a refused access each give one line naming the URL, exit 1, never the secret."""
+    """pack, validate and inspect of a URL, pack and shuffle to a URL: a missing bucket, an
+    endpoint nobody answers at and a refused access each give one line naming the URL, exit 1,
+    never the secret, and nothing is left in the scratch folder."""
+    src = write_source(tmp_path / "src", random_docs(np.random.default_rng(1), 50, 1000, 0))
+    (tmp_path / "scratch").mkdir()
+    scratch = ["--scratch", str(tmp_path / "scratch")]
     closed = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{_closed_port()}", "AWS_MAX_ATTEMPTS": "1"}
     proc, url = start_s3_server(INITIAL_NO_AUTH_ACTION_COUNT="0")
     secret = "s3cr3t-never-printed"
@@ -181,7 +185,10 @@ def test_reading_commands_give_one_line_for_missing_unreachable_and_denied(s3_en
         for env, found in ((None, ("no such",)), (closed, ("cannot read from the object store", "EndpointConnectionError")),
                            (denied, ("Forbidden",))):
             for command in (["pack", "s3://no-such-bucket-here/d", "-o", str(tmp_path / "out")],
-                            ["validate", "s3://no-such-bucket-here/d"], ["inspect", "s3://no-such-bucket-here/d"]):
+                            ["validate", "s3://no-such-bucket-here/d"], ["inspect", "s3://no-such-bucket-here/d"],
+                            ["pack", str(src), "-o", "s3://no-such-bucket-here/d", *scratch],
+                            ["shuffle", str(src), "-o", "s3://no-such-bucket-here/d", "--seq-len", "7", "--seed", "1",
+                             "--epochs", "1", *scratch]):
                 result = cli(*command, env=env)
                 line = one_line_error(result) if "tokpack: error" in result.stderr else \
                     next(x for x in result.stderr.splitlines() if x.startswith("CORRUPT s3://"))  # validate's report
@@ -190,7 +197,7 @@ def test_reading_commands_give_one_line_for_missing_unreachable_and_denied(s3_en
     finally:
         proc.terminate()
         proc.wait(10)
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and not any((tmp_path / "scratch").iterdir())
 
 
 def _closed_port() -> int:
