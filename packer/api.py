@@ -80,10 +80,11 @@ def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_forma
     URL inputs are read where they are (streamed). A URL output is written under `scratch` (a
     local or shared folder; default $TOKPACK_STAGE_DIR, else the system temp dir) and each shard
     is sent to the store once written (packer.executors.local_paths)."""
-    from packer.executors import local_paths
+    from packer.executors import local_paths, runs_in_process
     from packer.packing import pack as pack_source
 
-    with local_paths([], str(output), scratch and str(scratch)) as (_, local_output, outbox):
+    in_process = runs_in_process(executor or ExecutorConfig())
+    with local_paths([], str(output), scratch and str(scratch), in_process) as (_, local_output, outbox):
         return pack_source(as_paths(inputs), local_output, input_format=input_format, column=column, dtype=dtype,
                            tokenizer=tokenizer, eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite,
                            shard_tokens=shard_tokens, config=executor, log=log, outbox=outbox)
@@ -116,7 +117,7 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
     (docs/COMMANDS.md, "Schedules") that declares the sources, seq_len, seed and stages instead
     (pass sources=None). A URL `output` is written under `scratch` (as for `pack`), out-of-core
     buckets included, and each shard is sent to the store once written."""
-    from packer.executors import local_paths, pass_runner
+    from packer.executors import local_paths, pass_runner, runs_in_process
     from shuffle.run import shuffle_run
     from formats.errors import TokpackError
     from shuffle.schedule import read_schedule
@@ -128,7 +129,8 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
     paths, weights = weighted_sources(sources) if scheduled is None else ([], None)
     if epochs is None and scheduled is None:
         epochs = 1
-    with local_paths(paths, str(output), scratch and str(scratch)) as (local_sources, local_output, outbox):
+    with local_paths(paths, str(output), scratch and str(scratch), runs_in_process(config)) as (
+            local_sources, local_output, outbox):
         summary = shuffle_run(local_sources, local_output, weights=weights, seq_len=seq_len, seed=seed,
                               epochs=list(range(epochs)) if isinstance(epochs, int) else epochs and list(epochs),
                               samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory,

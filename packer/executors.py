@@ -423,13 +423,13 @@ def _fs_and_path(url: str):
 
 
 @contextlib.contextmanager
-def local_paths(inputs: list[str], output: str, scratch: str | None = None):
+def local_paths(inputs: list[str], output: str, scratch: str | None = None, in_process: bool = True):
     """Yields (inputs, output, outbox) as local paths: `file://` URLs become paths. Other fsspec
     URLs: inputs are downloaded to a temporary folder; an output is written to a local folder
     named after the URL under `scratch` (default: TOKPACK_STAGE_DIR, else the system temp dir)
     and goes to the store file by file through `outbox` (formats.io.Outbox; None for a local
     output). That folder is kept when the command fails, for its rerun, and removed when it
-    succeeds."""
+    succeeds. `in_process`: every task runs in this process (the tasks send the shards)."""
     scratch = scratch or os.environ.get("TOKPACK_STAGE_DIR") or tempfile.gettempdir()
     downloads = None
     try:
@@ -441,6 +441,10 @@ def local_paths(inputs: list[str], output: str, scratch: str | None = None):
         if local_output is None:
             local_output = os.path.join(scratch, f"tokpack-out-{xxhash.xxh3_64_hexdigest(output.rstrip('/').encode())}")
             outbox = Outbox(local_output, output)
+            if not in_process and outbox.in_one_process():
+                raise TokpackError("this store keeps its objects inside one process", file=output,
+                                   expected="tasks that run in this process", found="tasks in other processes",
+                                   hint="use --workers 1, or a store every process reaches (s3://..., a path)")
             outbox.check_bucket()
             os.makedirs(local_output, exist_ok=True)
             outbox.fetch_state(MANIFEST)

@@ -181,7 +181,13 @@ def test_file_and_memory_urls(source, reference, tmp_path):
     for p in source.iterdir():
         fs.pipe(f"/exec-test/src/{p.name}", p.read_bytes())
     try:
-        cli("shuffle", "memory://exec-test/src", "-o", "memory://exec-test/run", *SHUFFLE, "--workers", "2")
+        # memory:// lives in one process: tasks in other processes would send their shards to
+        # stores the command never sees, so that is refused before anything is written
+        r = CliRunner().invoke(main, ["shuffle", "memory://exec-test/src", "-o", "memory://exec-test/run",
+                                      *map(str, SHUFFLE), "--workers", "2"])
+        assert r.exit_code == 1 and "this store keeps its objects inside one process" in r.output, r.output
+        assert not fs.exists("/exec-test/run")
+        cli("shuffle", "memory://exec-test/src", "-o", "memory://exec-test/run", *SHUFFLE, "--workers", "1")
         got = {f[len("/exec-test/run/"):]: fs.cat(f) for f in fs.find("/exec-test/run")}
     finally:
         fs.rm("/exec-test", recursive=True)
