@@ -2,7 +2,12 @@
 fixed --memory, below the smallest corpus, so every size takes the out-of-core path. Linear time
 and flat memory show as a straight fitted line (slope in s/GiB) and a small RSS spread.
 
-    python bench/scaling.py [--sizes 0.5GiB,1GiB,2GiB,4GiB,8GiB] [--memory 256MiB] [--quick]
+    python bench/scaling.py [--sizes 0.5GiB,1GiB,2GiB,4GiB,8GiB] [--memory 256MiB] [--quick] [--cap-cache]
+
+--cap-cache runs every timed command of a size in a memory cgroup capped at a third of that
+size's data plus --memory and 160 MiB for the process itself (bench/common.cap_page_cache),
+page cache included, so the bucket files reach the disk and come back, and times `cp -r && sync` of the source under the same cap: the `x cp`
+column is the shuffle's time over that copy's.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ SIZES = ["0.5GiB", "1GiB", "2GiB", "4GiB", "8GiB"]
 QUICK_SIZES = ["2MiB", "4MiB", "8MiB"]
 MEMORY = "256MiB"
 QUICK_MEMORY = "1MiB"
+PROCESS_ALLOWANCE = 160 << 20  # an interpreter with numpy, datatrove and the engine's buffers, beyond --memory
 SEQ_LEN = 4096
-COLUMNS = ["section", "case", "wall s", "MB/s", "peak RSS MB", "ratio", "note"]
+COLUMNS = ["section", "case", "wall s", "MB/s", "peak RSS MB", "ratio", "x cp", "note"]
 
 
 def make_source(corpus: Path, out: Path, eos_id: int = 0, vocab_size: int = 50257,
@@ -83,10 +89,11 @@ def fit(sizes_gib: list[float], seconds: list[float]) -> tuple[float, float, flo
 
 
 def main(size=None, quick: bool = False, *, sizes: list[str] | None = None, memory: str | None = None,
-         runs: int | None = None, work: Path | None = None, cold: bool | None = None, seq_len: int = SEQ_LEN) -> list[dict]:
+         runs: int | None = None, work: Path | None = None, cold: bool | None = None, seq_len: int = SEQ_LEN,
+         cap_cache: bool = False) -> list[dict]:
     """Rows for each corpus size plus one fit row. `size` is ignored (the sizes are fixed by the
     issue); it is accepted so run_all can call every bench script the same way."""
-    from bench.common import can_drop_caches
+    from bench.common import can_drop_caches, cap_page_cache
 
     sizes = sizes or (QUICK_SIZES if quick else SIZES)
     memory_b = parse_size(memory or (QUICK_MEMORY if quick else MEMORY))
@@ -102,8 +109,17 @@ def main(size=None, quick: bool = False, *, sizes: list[str] | None = None, memo
             source, note = make_source(corpus, work / f"source-{text}", use_pack=False)
             token_bytes = dir_bytes(corpus, ".ds")
             shutil.rmtree(corpus)
-            measures, path = [], "?"
+            measures, path, copy = [], "?", None
             try:
+                if cap_cache:
+                    # the process's own memory counts against a cgroup's limit: it gets --memory plus
+                    # an interpreter's worth on top, so the page cache is what holds a third of the data
+                    capped = cap_page_cache(dir_bytes(source, ".ds") // 3 + memory_b + PROCESS_ALLOWANCE)
+                    copies = []
+                    for _ in range(runs):
+                        copies.append(run_measured(f"cp -r '{source}' '{work / 'copy'}' && sync", cold=cold).seconds)
+                        shutil.rmtree(work / "copy", ignore_errors=True)
+                    copy = statistics.median(copies)
                 for _ in range(runs):
                     measures.append(shuffle_once(source, work / "out", memory_b, seq_len, work / "result.json", cold))
                     path = summary_of(work / "result.json").get("path", "?")
@@ -115,8 +131,9 @@ def main(size=None, quick: bool = False, *, sizes: list[str] | None = None, memo
                 rss.append(peak)
                 rows.append({"section": "scaling", "case": f"shuffle {text}", "wall s": sec,
                              "MB/s": token_bytes / 1e6 / sec, "peak RSS MB": peak, "ratio": None,
+                             "x cp": sec / copy if copy else None,
                              "note": f"--memory {memory or (QUICK_MEMORY if quick else MEMORY)}, {path}, "
-                                     f"median of {runs}; {note}", "_required": True})
+                                     f"median of {runs}; {note}" + (f"; {capped}" if copy else ""), "_required": True})
             except Exception as e:  # one size failing must not hide the others
                 rows.append({"section": "scaling", "case": f"shuffle {text}", "wall s": None,
                              "note": f"FAILED: {str(e).strip().splitlines()[-1][:200]}", "_required": True})
@@ -142,7 +159,10 @@ if __name__ == "__main__":
     ap.add_argument("--memory", default=None, help=f"fixed --memory for every size [default: {MEMORY}]")
     ap.add_argument("--size", default=None, help="ignored; for a uniform interface with the other bench scripts")
     ap.add_argument("--quick", action="store_true", help=f"tiny sizes ({','.join(QUICK_SIZES)}), one run")
+    ap.add_argument("--cap-cache", action="store_true",
+                    help="cap each timed command's page cache and memory at a third of the size's data (memory cgroup)")
     args = ap.parse_args()
-    out = main(args.size, args.quick, sizes=args.sizes.split(",") if args.sizes else None, memory=args.memory)
+    out = main(args.size, args.quick, sizes=args.sizes.split(",") if args.sizes else None, memory=args.memory,
+               cap_cache=args.cap_cache)
     print_table("shuffle scaling", out, COLUMNS)
     sys.exit(1 if any(r["_required"] and r.get("wall s") is None for r in out) else 0)
