@@ -226,7 +226,7 @@ def test_killed_run_resumes_to_identical_output(corpus, tmp_path, monkeypatch):
     calls = []
     real_manifest = packing.write_manifest
 
-    def dies_before_manifest(*a):  # killed between the shard renames and tokpack.json
+    def dies_before_manifest(*a, **kw):  # killed between the shard renames and tokpack.json
         calls.append(1)
         raise KeyboardInterrupt
 

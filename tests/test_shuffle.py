@@ -398,7 +398,7 @@ def test_rerun_after_every_shard_writes_only_what_is_missing(sources, tmp_path, 
     out = tmp_path / "out"
     real_manifest, real_write, real_scatter = run.write_manifest, steps.EpochJob.write_shard, steps.ScatterStep.run
 
-    def killed_before_manifest(path, manifest):
+    def killed_before_manifest(path, manifest, **kw):
         raise OSError("simulated crash")
 
     monkeypatch.setattr(run, "write_manifest", killed_before_manifest)
