@@ -331,7 +331,7 @@ def _finalize(out: Path, work: Path, plan: dict, outbox: Outbox | None) -> dict:
     writes tokpack.json last."""
     manifest = plan["manifest"]
     for src, dst, size in plan["moves"]:
-        src, dst = (outbox.remote_of(p) if outbox else Path(p) for p in (src, dst))
+        src, dst = (outbox.remote_of(out / p) if outbox else out / p for p in (src, dst))
         if src.exists():
             src.move_to(dst) if outbox else os.replace(src, dst)
         elif not dst.exists() or (size is not None and dst.stat().st_size != size):
@@ -526,7 +526,8 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
                 for suffix in shard_suffixes(e):
                     src = work / f"part-{i:05d}" / f"{e['path']}{suffix}"
                     size = e["tokens"] * out_dtype.itemsize if suffix == "" else None
-                    moves.append((str(src), str(out / f"{name}{suffix}"), size))
+                    # relative to OUT: a rerun elsewhere (another scratch folder for a URL) finds them
+                    moves.append((src.relative_to(out).as_posix(), f"{name}{suffix}", size))
                 entries.append({**e, "path": name})
         manifest = source_manifest(
             entries, out_dtype, vocab, eos, tok_name,

@@ -530,7 +530,7 @@ def test_shuffle_to_a_bucket_killed_then_rerun_sends_only_what_is_missing(s3_buc
 
 def test_pack_to_a_bucket_bounded_and_resumed(s3_bucket, tmp_path):
     """`pack -o s3://`: each shard is sent once written (the scratch folder stays a few shards),
-    a SIGKILL leaves no manifest, and the rerun sends again only the shards of inputs whose
+    a SIGKILL leaves no manifest, and the rerun (from another scratch folder) sends again only the shards of inputs whose
     record was not sent (pack resumes input by input), names the shards with copies inside
     the store, and the source equals the local pack."""
     fs, bucket = s3_bucket
@@ -552,7 +552,8 @@ def test_pack_to_a_bucket_bounded_and_resumed(s3_bucket, tmp_path):
     proc, peak = run_watched(command, tmp_path / "a", until=lambda: len(parts_recorded()) >= 1)
     recorded = parts_recorded()
     assert proc.returncode == -signal.SIGKILL and not objects(fs, url, MANIFEST) and 1 <= len(recorded) < 6
-    proc, peak2 = run_watched(command, tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    proc, peak2 = run_watched(command, tmp_path / "b")  # another scratch folder: as on another machine
     assert proc.returncode == 0, proc.stderr.read()
     local_bytes = sum(p.stat().st_size for p in (tmp_path / "local").iterdir())
     assert max(peak, peak2) <= 8 * shard_bytes + LOGS < local_bytes / 4, (peak, peak2, local_bytes)
@@ -566,3 +567,30 @@ def test_pack_to_a_bucket_bounded_and_resumed(s3_bucket, tmp_path):
     assert tree(tmp_path / "staged") == tree(tmp_path / "local")
     again = json.loads(cli("pack", str(tmp_path / "in"), "-o", url, *args, "--json").stdout)
     assert again["status"] == "already complete" and again["output"] == url
+
+
+def test_pack_to_a_bucket_killed_while_naming_its_shards_finishes_from_another_machine(s3_bucket, tmp_path,
+                                                                                       monkeypatch):
+    """Killed between the copies that name the shards and the manifest: a rerun from another
+    scratch folder finds the plan in the bucket, finishes the moves and sends the manifest."""
+    from packer import packing
+
+    fs, bucket = s3_bucket
+    (tmp_path / "in").mkdir()
+    np.save(tmp_path / "in" / "a.npy", np.concatenate(random_docs(np.random.default_rng(3), 300, 1000, 0)).astype(np.uint16))
+    kw = dict(input_format="numpy", eos_id=0, vocab_size=1000, shard_tokens=4000)
+    pack(tmp_path / "in", tmp_path / "local", **kw)
+    real = packing.write_manifest
+
+    def killed(directory, manifest, name=MANIFEST, outbox=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(packing, "write_manifest", killed)
+    with pytest.raises(KeyboardInterrupt):
+        pack(tmp_path / "in", f"s3://{bucket}/p", scratch=tmp_path / "a", **kw)
+    monkeypatch.setattr(packing, "write_manifest", real)
+    assert objects(fs, f"s3://{bucket}/p", ".ds") and not objects(fs, f"s3://{bucket}/p", MANIFEST)
+    result = pack(tmp_path / "in", f"s3://{bucket}/p", scratch=tmp_path / "b", **kw)
+    assert result.status == "packed" and result.output == f"s3://{bucket}/p"
+    stage(f"s3://{bucket}/p", tmp_path / "staged")
+    assert tree(tmp_path / "staged") == tree(tmp_path / "local")
