@@ -482,7 +482,7 @@ def shuffle_run(
     takes URLs and returns it as a ShuffleResult). `schedule`: the run's stages (shuffle.schedule),
     instead of `sources`, `weights`, `seq_len`, `seed`, `samples`, `tokens` and `jitter`; `epochs`
     None: every epoch of the schedule. `outbox`: the run goes to an object store (formats.io.Outbox
-    from `output`, its local folder, to the URL): fetch its state into `output` first."""
+    from `output`, its local folder, to the URL), and `output` holds the state fetched from it."""
     t0 = time.perf_counter()
     log = log or (lambda line: None)
     if progress is None:
