@@ -4,11 +4,13 @@ fsyncing it; the goal is at least 0.9x cp's throughput. The resume row re-stages
 complete copy: every file is re-read and verified in place, nothing is written.
 
     python bench/stage.py [--size 1GiB] [--shards 8] [--quick]
-    python bench/stage.py --s3 [--size 1GiB]    # from a bucket on a local S3 server (moto)
+    python bench/stage.py --s3 [--size 1GiB]    # from a bucket on a local S3 server (moto), and shuffle -o s3://
 
 With --s3 the source sits in a bucket of moto's S3 server on 127.0.0.1 (one process, objects
 in memory) and stage is compared with s3fs's own recursive `get` and `aws s3 cp --recursive`
 (when the AWS CLI is installed) from the same server: the server, not the disk, is the limit.
+A second table sends a shuffled epoch to the bucket (`shuffle -o s3://`, a shard at a time)
+against writing it locally and uploading it with s3fs's `put`, with each one's peak local disk.
 """
 
 from __future__ import annotations
@@ -165,6 +167,7 @@ def s3_main(size=None, quick: bool = False, *, shards: int = 8, workers: tuple[i
             rows.append({"case": name, "wall s": m.seconds, "MB/s": total / 1e6 / m.seconds,
                          "vs s3fs get": base.seconds / m.seconds, "peak RSS MB": m.peak_rss_mb,
                          "note": "median of 3" if not quick else "one run"})
+        out_rows = shuffle_to_bucket(src, work, fs, quick)
     finally:
         server.terminate()
         server.wait(10)
@@ -172,6 +175,60 @@ def s3_main(size=None, quick: bool = False, *, shards: int = 8, workers: tuple[i
     print(f"{machine_line()}; {total / 2**20:,.0f} MiB in {shards} shards, moto S3 server on 127.0.0.1")
     print_table(f"stage from a local S3 server vs s3fs get ({total / 2**20:,.0f} MiB)", rows,
                 ["case", "wall s", "MB/s", "vs s3fs get", "peak RSS MB", "note"])
+    print_table("shuffle -o s3:// (each shard sent once committed) vs shuffle to a local folder, then s3fs put",
+                out_rows, ["case", "wall s", "MB/s", "vs local + put", "peak local MB", "peak RSS MB", "note"])
+    return rows + out_rows
+
+
+OUTPUT_SHARDS = 16  # the run's shards: the scratch bound is about a shard per worker
+
+
+def shuffle_to_bucket(src: Path, work: Path, fs, quick: bool) -> list[dict]:
+    """One epoch of `src` shuffled in memory into the bucket, and the same written locally then
+    uploaded by s3fs: wall time, and the peak disk use of the local folder the command writes."""
+    import threading
+
+    seq_len = 4095
+    shard_samples = max(1, dir_bytes(src, ".ds") // OUTPUT_SHARDS // ((seq_len + 1) * 2))
+    shuffle = [sys.executable, "-m", "packer.cli", "shuffle", str(src), "--seq-len", str(seq_len), "--seed", "1",
+               "--epochs", "1", "--shard-samples", str(shard_samples), "--workers", "2", "--json"]
+    local, scratch = work / "run", work / "scratch"
+    cases = [("tokpack shuffle -o DIR, then s3fs put --recursive", local,
+              f"{shlex.join(shuffle + ['-o', str(local)])} && {shlex.quote(sys.executable)} -c "
+              f"\"import s3fs; s3fs.S3FileSystem().put('{local}', 'bench/run-put', recursive=True)\""),
+             ("tokpack shuffle -o s3://", scratch, shuffle + ["-o", "s3://bench/run", "--scratch", str(scratch)])]
+    rows, base = [], None
+    for name, folder, cmd in cases:
+        times, peaks = [], []
+        for _ in range(1 if quick else 3):
+            for d in (local, scratch):
+                shutil.rmtree(d, ignore_errors=True)
+            scratch.mkdir()
+            fs.rm("bench/run", recursive=True) if fs.exists("bench/run") else None
+            fs.rm("bench/run-put", recursive=True) if fs.exists("bench/run-put") else None
+            peak, done = [0], threading.Event()
+
+            def watch():
+                while not done.wait(0.02):
+                    peak[0] = max(peak[0], dir_bytes(folder) if folder.exists() else 0)
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            try:
+                times.append(run_measured(cmd, cwd=str(REPO), cold=False))
+            finally:
+                done.set()
+                watcher.join()
+            peaks.append(peak[0])
+        m = sorted(times, key=lambda t: t.seconds)[len(times) // 2]
+        fs.invalidate_cache()
+        sent = sum(fs.du("bench/run" if "s3://" in name else "bench/run-put", total=False).values())
+        base = base or m
+        rows.append({"case": name, "wall s": m.seconds, "MB/s": sent / 1e6 / m.seconds,
+                     "vs local + put": base.seconds / m.seconds, "peak local MB": max(peaks) / 1e6,
+                     "peak RSS MB": m.peak_rss_mb,
+                     "note": f"{sent / 1e6:,.0f} MB in {OUTPUT_SHARDS} shards, 2 workers; "
+                             + ("median of 3" if not quick else "one run")})
     return rows
 
 
