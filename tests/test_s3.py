@@ -359,6 +359,12 @@ def test_slurm_tasks_read_their_own_objects(s3_bucket, tmp_path):
     assert len(list((tmp_path / "logs").glob("*/completions/*"))) == 2  # one task per input object
     remote, local = source_files(tmp_path / "remote"), source_files(tmp_path / "local")
     assert remote[:2] == local[:2] and remote[2] == [f"s3://{bucket}/in/t.npy", f"s3://{bucket}/in/u.npy"]
+    # and to the bucket: the tasks send their own shards from the (shared) scratch folder
+    result = pack(f"s3://{bucket}/in", f"s3://{bucket}/packed", **kw, scratch=tmp_path / "scratch",
+                  executor=ExecutorConfig(executor="slurm", time_limit="00:10:00", logging_dir=str(tmp_path / "logs2")))
+    assert len(list((tmp_path / "logs2").glob("*/completions/*"))) == 2 and result.output == f"s3://{bucket}/packed"
+    stage(f"s3://{bucket}/packed", tmp_path / "staged")
+    assert source_files(tmp_path / "staged")[:2] == local[:2]
 
 
 def disk_use(root: Path) -> int:
