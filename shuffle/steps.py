@@ -573,7 +573,7 @@ class OrderStep(_Step):
             buckets = self._buckets(i)
             cap = max(int(np.diff(lay.bucket_starts[buckets.start: buckets.stop + 1]).max()), 1)
             ramp = np.arange(cap, dtype=np.int64)
-            # The page-cache hints go to a thread of their own: a read-ahead may wait for the disk queue.
+            # A thread of its own reads the next bucket ahead (and waits for the disk), see _blocks.
             with lent("inverse", cap * 8) as (inv,), job.chunk_ring(self.budget) as (ring, tmp), Worker() as cache:
                 job.write_shard(i, self._blocks(i, inv.view(np.int64), ramp, ring, tmp, cache))
         for b in self._buckets(i):  # the shard is safe: its bucket files are no longer needed
@@ -626,35 +626,17 @@ class OrderStep(_Step):
                 order_bar.update((c - a) * job.row_bytes)
                 count += 1
             del store, parts, positions
-            # Dropped now: else a capped page cache would evict the next bucket (read ahead, not yet
-            # mapped) before these pages (mapped, so more recently used).
-            cache.submit(self._advise, b, os.POSIX_FADV_DONTNEED)
-
-    def _bucket_files(self, b: int) -> Iterator[Path]:
-        for t in range(self.layout.tasks):
-            for ext in ("rows", "pos"):
-                f = self.layout.bucket_file(t, b, ext)
-                if f.exists():
-                    yield f
 
     def _read_ahead(self, b: int) -> None:
         """Brings bucket b's files into the page cache, a block at a time, each block mapped only
         while it is read: no copy, and no more than a block resident at once. (POSIX_FADV_WILLNEED
         would read only the first read_ahead_kb of each file.)"""
-        for f in self._bucket_files(b):
-            size = os.path.getsize(f)
-            for a in range(0, size, IO_BLOCK):
-                map_file(f, a, min(IO_BLOCK, size - a))
-
-    def _advise(self, b: int, advice: int) -> None:
-        """posix_fadvise over bucket b's files."""
-        for f in self._bucket_files(b):
-            with contextlib.suppress(FileNotFoundError):
-                fd = os.open(f, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, advice)
-                finally:
-                    os.close(fd)
+        for t in range(self.layout.tasks):
+            for ext in ("rows", "pos"):
+                f = self.layout.bucket_file(t, b, ext)
+                size = os.path.getsize(f) if f.exists() else 0
+                for a in range(0, size, IO_BLOCK):
+                    map_file(f, a, min(IO_BLOCK, size - a))
 
     def _check_bucket(self, t: int, rows_file: Path, data: list[np.ndarray], expected: list) -> None:
         """The bucket's files must be the bytes scatter task t wrote. If not (a crash after the
