@@ -12,7 +12,8 @@ runs them, through the injected `run_passes`):
   reads the sources sequentially and appends every row, with its output position g, to the
   file of its bucket (a contiguous output range that fits the per-task budget and never spans
   an output shard); an OrderStep pass (one task per output shard) maps each bucket's files,
-  places rows by g and writes the shard sequentially. Two reads, two writes.
+  places rows by g and writes the shard sequentially, reading the next bucket into the page
+  cache meanwhile. Two reads, two writes.
 
 Both verify what they read: each source shard's xxh3_128 is computed over the bytes the
 sweep reads anyway and compared with the source manifest (a same-size edit since `pack`
