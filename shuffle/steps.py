@@ -12,8 +12,7 @@ runs them, through the injected `run_passes`):
   reads the sources sequentially and appends every row, with its output position g, to the
   file of its bucket (a contiguous output range that fits the per-task budget and never spans
   an output shard); an OrderStep pass (one task per output shard) maps each bucket's files,
-  places rows by g and writes the shard sequentially, reading the next bucket into the page
-  cache meanwhile. Two reads, two writes.
+  places rows by g and writes the shard sequentially. Two reads, two writes.
 
 Both verify what they read: each source shard's xxh3_128 is computed over the bytes the
 sweep reads anyway and compared with the source manifest (a same-size edit since `pack`
@@ -574,19 +573,16 @@ class OrderStep(_Step):
             buckets = self._buckets(i)
             cap = max(int(np.diff(lay.bucket_starts[buckets.start: buckets.stop + 1]).max()), 1)
             ramp = np.arange(cap, dtype=np.int64)
-            # A thread of its own reads the next bucket ahead (and waits for the disk), see _blocks.
-            with lent("inverse", cap * 8) as (inv,), job.chunk_ring(self.budget) as (ring, tmp), Worker() as cache:
-                job.write_shard(i, self._blocks(i, inv.view(np.int64), ramp, ring, tmp, cache))
+            with lent("inverse", cap * 8) as (inv,), job.chunk_ring(self.budget) as (ring, tmp):
+                job.write_shard(i, self._blocks(i, inv.view(np.int64), ramp, ring, tmp))
         for b in self._buckets(i):  # the shard is safe: its bucket files are no longer needed
             for t in range(lay.tasks):
                 for ext in ("rows", "pos"):
                     lay.bucket_file(t, b, ext).unlink(missing_ok=True)
 
-    def _blocks(self, i, inv, ramp, ring, tmp, cache: Worker):
+    def _blocks(self, i, inv, ramp, ring, tmp):
         """Each bucket's files are mapped (no copy into fresh memory), placed by g through the
-        inverse permutation `inv`, and gathered in output order chunk by chunk. Once a bucket is
-        read, `cache` reads the next one ahead into the page cache, so the read-back overlaps
-        the shard's writes instead of alternating with them."""
+        inverse permutation `inv`, and gathered in output order chunk by chunk."""
         job, lay = self.job, self.layout
         count = 0  # chunks yielded: picks the ring buffer
         recorded = [json.loads(lay.task_done(t).read_text()).get("xxh3_64", {}) for t in range(lay.tasks)]
@@ -604,8 +600,6 @@ class OrderStep(_Step):
                     parts.append(rows[: k * job.row_bytes].view(job.row_void))
                     positions.append(pos[: k * 8].view("<i8"))
                     del rows, pos  # the maps must go with `parts` below, before the next bucket is mapped
-            if b + 1 < self._buckets(i).stop:
-                cache.submit(self._read_ahead, b + 1)
             store = RowStore(parts)
             if len(store) != n:
                 raise TokpackError("scatter files do not cover their bucket", file=lay.dir, where=f"bucket {b}",
@@ -627,17 +621,6 @@ class OrderStep(_Step):
                 order_bar.update((c - a) * job.row_bytes)
                 count += 1
             del store, parts, positions
-
-    def _read_ahead(self, b: int) -> None:
-        """Brings bucket b's files into the page cache, a block at a time, each block mapped only
-        while it is read: no copy, and no more than a block resident at once. (POSIX_FADV_WILLNEED
-        would read only the first read_ahead_kb of each file.)"""
-        for t in range(self.layout.tasks):
-            for ext in ("rows", "pos"):
-                f = self.layout.bucket_file(t, b, ext)
-                size = os.path.getsize(f) if f.exists() else 0
-                for a in range(0, size, IO_BLOCK):
-                    map_file(f, a, min(IO_BLOCK, size - a))
 
     def _check_bucket(self, t: int, rows_file: Path, data: list[np.ndarray], expected: list) -> None:
         """The bucket's files must be the bytes scatter task t wrote. If not (a crash after the

@@ -5,12 +5,8 @@ Small and fast: scripts/mutation.sh runs the engine's mutants against this file 
 
 from __future__ import annotations
 
-import ctypes
 import json
-import mmap
-import os
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +29,6 @@ GOLDEN_BUCKET_STARTS = [*range(0, 901, 25), 913]
 GOLDEN_SHARD_BUCKETS = [0, 6, 12, 18, 24, 30, 36, 37]
 GOLDEN_TASK_SHARDS = [[(0, 0, 1)], [(0, 1, 3), (1, 0, 3)]]
 GOLDEN_LAYOUT_DIR = "ooc-1d358156b66ee3de"
-LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def rows(values) -> np.ndarray:
@@ -393,65 +388,3 @@ def test_pass_bars_count_every_byte_once(scattered, tmp_path, monkeypatch):
     assert [(b.desc, b.total, b.done) for b in bars] == [
         ("epoch 0: scatter", source_bytes, 913 * ROW_BYTES),
         ("epoch 0: order", 913 * ROW_BYTES, 913 * ROW_BYTES)]
-
-
-# ------------------------------------------------------------------ order pass read-ahead
-
-
-def in_page_cache(path: Path) -> bool:
-    """Whether every page of the file is in the page cache (mincore on a mapping never touched,
-    so the question reads nothing; a read, even with RWF_NOWAIT, may start a read-ahead)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
-    view = np.frombuffer(m, np.uint8)
-    vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
-    try:
-        if LIBC.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vec) != 0:
-            raise OSError(ctypes.get_errno(), "mincore")
-        return all(v & 1 for v in vec)
-    finally:
-        del view
-        m.close()
-
-
-def test_order_pass_reads_each_bucket_ahead_of_its_turn(scattered, monkeypatch):
-    """With the bucket files out of the page cache, as on a corpus larger than RAM, every bucket
-    of a shard but its first is in the page cache by the time the order pass maps it: it was
-    read while the bucket before it was gathered and written, not after (the first buckets show
-    that the eviction held). The shards are the same bytes as a run that was not stopped."""
-    srcs, out = scattered
-    files = sorted(out.rglob("b*.rows")) + sorted(out.rglob("b*.pos"))
-    os.sync()
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-    if any(in_page_cache(f) for f in files):
-        pytest.skip("this filesystem keeps the files in the page cache (tmpfs?)")
-    firsts = set(GOLDEN_SHARD_BUCKETS[:-1])  # a shard's first bucket is not read ahead: the eviction holds there
-    cached_when_mapped: dict[int, bool] = {}
-    waited_in_vain = False
-    real_map = steps.map_file
-
-    def spy(path, offset, length):
-        nonlocal waited_in_vain
-        path = Path(path)
-        if threading.current_thread() is threading.main_thread() and path.suffix == ".rows" and offset == 0:
-            b = int(path.stem[1:])
-            # The read-ahead runs in another thread: give it time to finish (once, to fail fast without it).
-            deadline = time.monotonic() + (0 if waited_in_vain or b in firsts else 30)
-            while not in_page_cache(path) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            cached = in_page_cache(path)
-            waited_in_vain |= not cached and b not in firsts
-            cached_when_mapped[b] = cached_when_mapped.get(b, True) and cached
-        return real_map(path, offset, length)
-
-    monkeypatch.setattr(steps, "map_file", spy)
-    shuffle_run(srcs, str(out), **KW)
-    assert sorted(cached_when_mapped) == list(range(GOLDEN_SHARD_BUCKETS[-1]))
-    assert {b for b, cached in cached_when_mapped.items() if not cached} == firsts
-    ref = out.parent / "ref"
-    shuffle_run(srcs, str(ref), **KW)
-    assert dir_bytes(out) == dir_bytes(ref)
