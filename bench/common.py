@@ -131,6 +131,17 @@ def cp_sync(src: Path, dst: Path) -> Measure:
     return run_measured(f"cp -r '{src}' '{dst}' && sync")
 
 
+def cp_twice_sync(src: Path, middle: Path, dst: Path) -> Measure:
+    """Two reads and two writes of the data, each write synced before the next read: the
+    physical floor of a two-pass shuffle (scatter, then order) on this disk."""
+    for d in (middle, dst):
+        if d.exists():
+            shutil.rmtree(d)
+    m = run_measured(f"cp -r '{src}' '{middle}' && sync && cp -r '{middle}' '{dst}' && sync")
+    shutil.rmtree(middle, ignore_errors=True)
+    return m
+
+
 def cold_read(path: Path) -> Measure:
     """A sequential read of every file under `path`, cache dropped first."""
     return run_measured(f"find '{path}' -type f -print0 | xargs -0 cat > /dev/null")
