@@ -51,6 +51,7 @@ class Measure:
 
 
 _CACHE_CGROUP: str | None = None  # cgroup.procs of the memory cgroup every timed command joins, if capped
+PROCESS_ALLOWANCE = 160 << 20  # a tokpack process beyond --memory (interpreter, numpy, datatrove, buffers)
 
 
 def cap_page_cache(limit: int) -> str:

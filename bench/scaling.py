@@ -22,14 +22,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
-from bench.common import Measure, dir_bytes, make_datatrove_corpus, parse_size, print_table, run_measured  # noqa: E402
+from bench.common import PROCESS_ALLOWANCE, Measure, dir_bytes, make_datatrove_corpus, parse_size, print_table, run_measured  # noqa: E402
 from bench.peers import summary_of, tokpack_cmd  # noqa: E402
 
 SIZES = ["0.5GiB", "1GiB", "2GiB", "4GiB", "8GiB"]
 QUICK_SIZES = ["2MiB", "4MiB", "8MiB"]
 MEMORY = "256MiB"
 QUICK_MEMORY = "1MiB"
-PROCESS_ALLOWANCE = 160 << 20  # an interpreter with numpy, datatrove and the engine's buffers, beyond --memory
 SEQ_LEN = 4096
 COLUMNS = ["section", "case", "wall s", "MB/s", "peak RSS MB", "ratio", "x cp", "note"]
 

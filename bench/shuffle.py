@@ -84,9 +84,11 @@ def main(size: int | str = "2GiB", quick: bool = False, seq_len: int = 2047, wor
         corpus = make_datatrove_corpus(tmp / "corpus", size, files=4)
         source = pack_corpus(corpus, tmp / "source")
         data = common.dir_bytes(source, ".ds")
-        capped = common.cap_page_cache(data // 3) if cap_cache else None
         in_mem = int(data * 1.1) + (64 << 20)
         ooc = max(1 << 20, data // 8)
+        # a third of the data, which holds the process too; never below what the process needs
+        # (a tiny --quick corpus would get a cap that kills the interpreter)
+        capped = common.cap_page_cache(max(data // 3, ooc + common.PROCESS_ALLOWANCE)) if cap_cache else None
         cases = [  # (case, command or callable, --memory, note, output to remove after each run)
             ("cold read", lambda: cold_read(source), None, "", None),
             ("cp -r + sync", lambda: cp_sync(source, tmp / "copy"), None, "", tmp / "copy"),
