@@ -313,7 +313,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
                 f"{layout.tasks} scatter tasks, {len(layout.bucket_starts) - 1} buckets, {job.n_shards} shards)")
             passes = [(ScatterStep(job, layout), layout.tasks, f"{name}-scatter", str(logs / "scatter")),
                       (OrderStep(job, layout, budget), job.n_shards, f"{name}-order", str(logs / "order"))]
-            if all(layout.task_done(t).exists() for t in range(layout.tasks)):
+            if all(layout.scatter_done(t) for t in range(layout.tasks)):
                 if all(layout.holds_rows_of(i, job.row_bytes) for i in shards_left):
                     passes = passes[1:]  # a rerun after the scatter pass finished: no array of no-op tasks
                     log(f"epoch {plan.epoch}: scatter pass already done; {len(shards_left)} shards left to order")

@@ -415,6 +415,21 @@ class Layout:
     def task_done(self, t: int) -> Path:
         return Path(self.dir) / f"scatter-{t:05d}.json"
 
+    def scatter_done(self, t: int) -> bool:
+        """Task t's records are written (then its done file, last)."""
+        return self.task_done(t).exists() and self.task_records(t).exists()
+
+    def task_records(self, t: int) -> Path:
+        """Scatter task t's record per bucket: rows, xxh3_64 of its rows file and of its
+        positions file, three little-endian uint64 a bucket, in bucket order (0s: none)."""
+        return Path(self.dir) / f"scatter-{t:05d}.records"
+
+    def recorded(self, t: int, buckets: range) -> np.ndarray:
+        """Task t's records of `buckets` only: an order task reads its own buckets' records, a
+        few bytes each, not the whole table (which grows with the bucket count)."""
+        return np.fromfile(self.task_records(t), dtype="<u8", count=3 * len(buckets),
+                           offset=24 * buckets.start).reshape(-1, 3)
+
     def bucket_file(self, t: int, b: int, ext: str) -> Path:
         """Task t's rows (ext "rows") or their output positions ("pos") of bucket b."""
         return self.task_dir(t) / f"{b // BUCKETS_PER_FOLDER:04d}" / f"b{b:07d}.{ext}"
@@ -488,7 +503,7 @@ class ScatterStep(_Step):
     def scatter(self, t: int) -> None:
         job, plan, lay = self.job, self.job.plan, self.layout
         done = lay.task_done(t)
-        if done.exists():
+        if lay.scatter_done(t):
             return
         drop_buffers("inverse")
         tdir = lay.task_dir(t)
@@ -504,7 +519,7 @@ class ScatterStep(_Step):
             outbufs = [b.view(job.row_void) for b in bufs[2:]]
             counts: dict[int, int] = {}  # rows written per bucket
             files: dict[int, tuple] = {}  # open (rows, pos) files per bucket; used by the disk thread only
-            # xxh3_64 of each bucket's (rows, pos) file as written, recorded in the done JSON and
+            # xxh3_64 of each bucket's (rows, pos) file as written, recorded in task_records and
             # checked by the order pass: a file a crash cut short or garbled is caught without an
             # fsync of every bucket file (which the done JSON, fsync'd, would otherwise have to wait for).
             hashes: dict[int, tuple] = {}
@@ -556,9 +571,11 @@ class ScatterStep(_Step):
                 for fr, fp in files.values():
                     fr.close()
                     fp.close()
-            record = {"task": t, "rows": {str(k): v for k, v in sorted(counts.items())},
-                      "xxh3_64": {str(k): [h.hexdigest() for h in hs] for k, hs in sorted(hashes.items())}}
-            write_bytes_atomic(done, json.dumps(record).encode(), fsync=True)
+            table = np.zeros((len(lay.bucket_starts) - 1, 3), dtype="<u8")
+            for b, n in counts.items():
+                table[b] = n, hashes[b][0].intdigest(), hashes[b][1].intdigest()
+            write_bytes_atomic(lay.task_records(t), table.tobytes(), fsync=True)
+            write_bytes_atomic(done, json.dumps({"task": t, "buckets": len(table)}).encode(), fsync=True)
 
 
 class OrderStep(_Step):
@@ -592,9 +609,10 @@ class OrderStep(_Step):
         inverse permutation `inv`, and gathered in output order chunk by chunk."""
         job, lay = self.job, self.layout
         count = 0  # chunks yielded: picks the ring buffer
-        recorded = [json.loads(lay.task_done(t).read_text()).get("xxh3_64", {}) for t in range(lay.tasks)]
+        buckets = self._buckets(i)
+        recorded = [lay.recorded(t, buckets) for t in range(lay.tasks)]
         order_bar = self.bar(job.plan.samples * job.row_bytes, f"epoch {job.plan.epoch}: order")
-        for b in self._buckets(i):
+        for b in buckets:
             start, n = int(lay.bucket_starts[b]), int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
             parts, positions = [], []
             for t in range(lay.tasks):
@@ -603,7 +621,7 @@ class OrderStep(_Step):
                     k = os.path.getsize(f) // job.row_bytes
                     rows = map_file(f, 0, os.path.getsize(f))
                     pos = map_file(f.with_suffix(".pos"), 0, os.path.getsize(f.with_suffix(".pos")))
-                    self._check_bucket(t, f, [rows, pos], recorded[t].get(str(b), [None, None]))
+                    self._check_bucket(t, f, [rows, pos], recorded[t][b - buckets.start, 1:].tolist())
                     parts.append(rows[: k * job.row_bytes].view(job.row_void))
                     positions.append(pos[: k * 8].view("<i8"))
                     del rows, pos  # the maps must go with `parts` below, before the next bucket is mapped
@@ -634,11 +652,11 @@ class OrderStep(_Step):
         task's done JSON reached the disk but before its buffered bucket files did), that task
         is redone on the next run."""
         for f, d, want in zip((rows_file, rows_file.with_suffix(".pos")), data, expected):
-            found = xxhash.xxh3_64_hexdigest(d)
+            found = xxhash.xxh3_64_intdigest(d)
             if found != want:
                 self.layout.task_done(t).unlink(missing_ok=True)
                 raise TokpackError("scatter bucket file does not match the checksum its task recorded", file=f,
-                                   where="xxh3_64", expected=want, found=found,
+                                   where="xxh3_64", expected=f"{want:016x}", found=f"{found:016x}",
                                    hint="rerun the same command: the scatter task that wrote it runs again")
 
 

@@ -114,12 +114,12 @@ def bucket_files(out: Path, b: int) -> list[Path]:
 def reseal(rows_file: Path) -> None:
     """Records the bucket files' current checksums in their task's done JSON, as a scatter bug
     (not a crash) would have written them: only the placement checks can then see the damage."""
-    done = scatter_folder(rows_file).with_suffix(".json")
-    record = json.loads(done.read_text())
-    b = str(int(rows_file.stem[1:]))
-    record["xxh3_64"][b] = [xxhash.xxh3_64_hexdigest(rows_file.read_bytes()),
-                            xxhash.xxh3_64_hexdigest(rows_file.with_suffix(".pos").read_bytes())]
-    done.write_text(json.dumps(record))
+    records = scatter_folder(rows_file).with_suffix(".records")
+    table = np.fromfile(records, dtype="<u8").reshape(-1, 3)
+    b = int(rows_file.stem[1:])
+    table[b, 1:] = [xxhash.xxh3_64_intdigest(rows_file.read_bytes()),
+                    xxhash.xxh3_64_intdigest(rows_file.with_suffix(".pos").read_bytes())]
+    table.tofile(records)
 
 
 def refusal(srcs, out) -> str:
