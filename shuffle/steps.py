@@ -57,7 +57,8 @@ with app_sinks_kept():
 MAX_CHUNK_BYTES = 8 << 20  # rows gathered and written per call: big enough for sequential I/O
 RING = 4  # chunk buffers: one being gathered while up to RING-1 are indexed or written
 CHUNKS_IN_BUDGET = RING + 3  # the ring, the gather scratch and the shard writer's temporaries
-MAX_BLOCK_BYTES = 64 << 20  # scatter read block
+MAX_BLOCK_BYTES = 64 << 20  # scatter read block, unless the buckets need larger (ROWS_PER_APPEND)
+ROWS_PER_APPEND = 32  # a scatter block large enough for this many rows per bucket on average, when memory allows
 SCATTER_ROW_OVERHEAD = 256  # bytes of index arrays per row of a scatter block (Feistel temporaries)
 ORDER_ROW_OVERHEAD = 24  # g, inverse and arange entries per bucket row
 MAX_OPEN_BUCKET_FILES = 128
@@ -449,7 +450,6 @@ def make_layout(job: EpochJob, budget: int, tasks: int) -> Layout:
     """Buckets as large as the per-task budget allows (fewer buckets = larger scatter writes)."""
     rb, chunks = job.row_bytes, CHUNKS_IN_BUDGET * job.chunk_rows(budget) * job.row_bytes
     bucket_rows = max(1, (budget - chunks) // (rb + ORDER_ROW_OVERHEAD))
-    block_rows = max(1, min(MAX_BLOCK_BYTES // rb, budget // (4 * rb + SCATTER_ROW_OVERHEAD)))
     starts, firsts = [], []
     for i in range(job.n_shards):
         g0, g1 = job.shard_range(i)
@@ -459,6 +459,11 @@ def make_layout(job: EpochJob, budget: int, tasks: int) -> Layout:
     firsts.append(len(starts))
     starts.append(job.plan.samples)
     bucket_starts = np.array(starts, dtype=np.int64)
+    # With many buckets (a large epoch: one per shard at least), a 64 MiB block spreads to about
+    # one row per bucket, and a row per append costs a file open each: the block grows, within
+    # the budget, until the appends carry ROWS_PER_APPEND rows.
+    wanted = max(MAX_BLOCK_BYTES // rb, ROWS_PER_APPEND * (len(bucket_starts) - 1))
+    block_rows = max(1, min(wanted, budget // (4 * rb + SCATTER_ROW_OVERHEAD)))
     task_shards = split_shards(job.plan, job.open_sources(), tasks)
     key = xxhash.xxh3_64_hexdigest(f"{len(task_shards)}|{block_rows}|{task_shards}|".encode() + bucket_starts.tobytes())
     return Layout(len(task_shards), bucket_starts, np.array(firsts, dtype=np.int64), block_rows,
