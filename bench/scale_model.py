@@ -84,6 +84,35 @@ class SampledOrder(PipelineStep):
         self.order.order(rank * self.stride)
 
 
+class NoopStep(PipelineStep):
+    """A task that does nothing: what the executor itself costs a task."""
+
+    name = "no-op"
+    type = "tokpack"
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        pass
+
+
+def task_overhead(executor: str, tasks: int, work: Path) -> float | None:
+    """Worker seconds the executor costs a task (start, log file, completion marker; on Slurm
+    the array element's start): from a pass of `tasks` no-op tasks less a pass of a quarter as
+    many (both start the same worker pool)."""
+    from bench.scale_model import NoopStep  # by module name, so a Slurm job can unpickle it
+    from packer.executors import ExecutorConfig, pass_runner
+
+    if executor == "slurm" and not shutil.which("sinfo"):
+        return None
+    run = pass_runner(ExecutorConfig(executor=executor, workers=LOCAL_WORKERS, poll_seconds=0.5))
+    seconds = []
+    counts = (max(LOCAL_WORKERS, tasks // 4), tasks)
+    for n in counts:
+        t0 = time.perf_counter()
+        run([(NoopStep(), n, f"noop-{n}", str(work / f"noop-{executor}-{n}"))])
+        seconds.append(time.perf_counter() - t0)
+    return max(0.0, seconds[1] - seconds[0]) * LOCAL_WORKERS / (counts[1] - counts[0])
+
+
 class _Sampled(Exception):
     """The model stops after the sampled order tasks: the epoch is not complete."""
 
@@ -197,8 +226,11 @@ def _max_open() -> int:
 
 
 def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 4000), node_mbps: float = 2000,
-         shared_mbps: float = 40000, order_sample: int = ORDER_SAMPLE, work: Path | None = None) -> list[dict]:
-    """`size` is not used (bench/run_all.py passes one): the model's size is `scale` of 11T tokens."""
+         shared_mbps: float = 40000, order_sample: int = ORDER_SAMPLE, work: Path | None = None,
+         keep: Path | None = None) -> list[dict]:
+    """`size` is not used (bench/run_all.py passes one): the model's size is `scale` of 11T tokens.
+    `keep`: a JSON file of the models' measurements, written as each model ends and read back on
+    the next run with the same arguments (the projection is then redone without them)."""
     from loguru import logger
 
     from packer.planning import measure_disk
@@ -216,12 +248,21 @@ def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 4000),
         tasks = 4 if quick else fe["scatter_tasks"]
         task_budget = full.passes[0]["memory_per_task"]
         models = []
+        kept = json.loads(keep.read_text()) if keep and keep.exists() else {}
         for s in (scale, scale / 4):
             tokens = int(INCIDENT_TOKENS * s)
             shard_samples = max(1, round(full_shard_samples * s)) if not quick else max(1, tokens // (SEQ_LEN + 1) // 64)
-            models.append(run_model(work / f"model-{len(models)}", tokens, tasks, shard_samples, int(task_budget * s),
-                                    order_sample))
+            key = f"{s} {tasks} {shard_samples} {order_sample}"
+            if key not in kept:
+                kept[key] = run_model(work / f"model-{len(models)}", tokens, tasks, shard_samples,
+                                      int(task_budget * s), order_sample)
+                if keep:
+                    keep.write_text(json.dumps(kept, indent=1))
+            models.append(kept[key])
         big, small = models
+        # the order pass's per-task cost holds the local executor's; the full run's tasks are Slurm array elements
+        local_task = task_overhead("local", 16 if quick else 400, work)
+        slurm_task = None if quick else task_overhead("slurm", 16, work)
         node_rate = min(node_mbps, shared_mbps / NODES) * 1e6  # bytes/s a node moves when all 48 run at once
         full_buckets, full_tasks = fe["bucket_files"] // (2 * NODES), fe["scatter_tasks"]
         rows = []
@@ -243,12 +284,13 @@ def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 4000),
         parse_rate = big["record_bytes"] / big["parse_s"]
         full_parse = full_tasks * full_buckets * big["record_entry_bytes"] / parse_rate
         full_order_bytes = full.passes[1]["read_bytes"] + full.passes[1]["written_bytes"]
-        order_task = full_order_bytes / fe["shards"] / (node_rate * eff_o) + oc + full_parse
+        order_fixed = oc - local_task + (local_task if slurm_task is None else slurm_task)
+        order_task = full_order_bytes / fe["shards"] / (node_rate * eff_o) + order_fixed + full_parse
         order_s = order_task * -(-fe["shards"] // NODES)
         rows.append({"case": "order", "model s (scale)": big["order_s"] * big["order_tasks"] / big["order_sampled"],
                      "model s (scale/4)": small["order_s"] * small["order_tasks"] / small["order_sampled"],
                      "model files": big["files"], "of disk rate": eff_o, "us per file": None,
-                     "ms per task": (oc + full_parse) * 1e3, "full TB moved": full_order_bytes / 1e12,
+                     "ms per task": (order_fixed + full_parse) * 1e3, "full TB moved": full_order_bytes / 1e12,
                      "projected s": order_s})
         total = scatter_s + order_s
         rows.append({"case": "total", "projected s": total, "full TB moved": sum(r["full TB moved"] for r in rows)})
@@ -260,6 +302,9 @@ def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 4000),
         print(f"scatter records: {big['record_bytes'] / 1e6:.1f} MB parsed by each model order task in "
               f"{big['parse_s'] * 1e3:.0f} ms ({big['record_entry_bytes']:.0f} bytes a bucket); full run: "
               f"{full_tasks * full_buckets * big['record_entry_bytes'] / 1e6:.0f} MB, {full_parse:.2f} s per order task")
+        print(f"executor cost a task (no-op tasks, worker seconds): local {local_task * 1e3:.0f} ms, Slurm "
+              + ("not measured" if slurm_task is None else f"{slurm_task * 1e3:.0f} ms (this machine's "
+                 "one-node cluster)") + "; the projection's order tasks pay the Slurm figure where measured")
         print(f"full run: {fe['shards']:,} shards, {fe['bucket_files']:,} bucket files, {NODES} nodes at "
               f"{node_mbps:g} MB/s each, shared filesystem {shared_mbps:g} MB/s: {node_rate / 1e6:g} MB/s a node")
         print_table(f"scale model: the 11T-token shuffle projected on {NODES} nodes: {total / 60:.1f} min "
@@ -282,6 +327,7 @@ if __name__ == "__main__":
     ap.add_argument("--order-sample", type=int, default=ORDER_SAMPLE, help="order tasks each model runs (an even sample)")
     ap.add_argument("--quick", action="store_true", help="a tiny model (4 tasks, 64 shards): checks that it runs")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: system temp)")
+    ap.add_argument("--keep", type=Path, default=None, help="JSON file keeping the models' measurements between runs")
     a = ap.parse_args()
     main(quick=a.quick, scale=Fraction(a.scale), node_mbps=a.node_mbps, shared_mbps=a.shared_mbps,
-         order_sample=a.order_sample, work=a.work)
+         order_sample=a.order_sample, work=a.work, keep=a.keep)
