@@ -59,6 +59,7 @@ SEQ_LEN = 4096
 FULL_MEMORY = 3 << 40  # 64 GiB a task on 48 nodes
 LOCAL_WORKERS = 2
 ORDER_SAMPLE = 256  # order tasks the full-size model runs, out of about 20,490
+OOC_VS_CP = 1.63  # the out-of-core shuffle's time over `cp -r && sync` (BENCHMARKS.md, 1d95acf): its bytes' rate
 
 
 def full_plan(disk_mbps: float):
@@ -157,6 +158,7 @@ def run_model(work: Path, tokens: int, tasks: int, shard_samples: int, task_budg
         t0 = time.perf_counter()
         real([(SampledOrder(order, stride) if stride > 1 else order, sample, order_name, order_logs)])
         m["order_s"], m["order_sampled"] = time.perf_counter() - t0, sample
+        m["block_rows"] = lay.block_rows
         if stride > 1:
             raise _Sampled
 
@@ -211,7 +213,9 @@ def bounded_rows(record_entry_bytes: float, budget_per_task: int = BOUNDED_TASK_
         e = r["epochs"][0]
         rows.append({"case": f"{tokens / 1e12:g}T tokens", "path": e["path"], "scatter tasks": e.get("scatter_tasks"),
                      "memory per task MiB": r["passes"][0]["memory_per_task"] / 2**20, "shards": e["shards"],
-                     "bucket files": e.get("bucket_files"), "files per folder": e.get("files_per_folder"),
+                     "bucket files": e.get("bucket_files"), "files per bucket folder": e.get("files_per_folder"),
+                     # a shard's .ds, .index and .metadata; datatrove's log, marker and stats per order task
+                     "files in epoch folder": 3 * e["shards"] + 1, "files in a log folder": e["shards"],
                      "open files per task": 2 * _max_open(), "epoch manifest MB": r["manifests"]["epoch-00000/tokpack.json"] / 1e6,
                      # every order task reads every scatter task's record: one entry per bucket it wrote
                      "scatter records read per order task MB": (e.get("bucket_files") or 0) / 2 * record_entry_bytes / 1e6,
@@ -233,6 +237,7 @@ def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 4000),
     the next run with the same arguments (the projection is then redone without them)."""
     from loguru import logger
 
+    from packer.executors import SLURM_ELEMENTS_PER_WORKER
     from packer.planning import measure_disk
 
     logger.remove()  # datatrove's executor logs every task; the tables are the output here
@@ -264,36 +269,46 @@ def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 4000),
         local_task = task_overhead("local", 16 if quick else 400, work)
         slurm_task = None if quick else task_overhead("slurm", 16, work)
         node_rate = min(node_mbps, shared_mbps / NODES) * 1e6  # bytes/s a node moves when all 48 run at once
+        byte_rate = node_rate / OOC_VS_CP  # the engine's bytes, at its measured ratio to cp
         full_buckets, full_tasks = fe["bucket_files"] // (2 * NODES), fe["scatter_tasks"]
         rows = []
-        # scatter: wall = per byte x bytes + per file x files (2 workers share the disk; a file costs a worker)
-        sb, sf = solve2(*((m["scatter_bytes"], m["files"], m["scatter_s"]) for m in models))
-        eff_s = min(1.0, 1 / (sb * disk_mbps * 1e6)) if sb and disk_mbps else 1.0
+        # scatter: wall = fixed + per row x rows. Its blocks are smaller than the bucket count here as in
+        # the full run, so nearly every row is its own append (two bucket files opened, written, closed):
+        # the model is bound by that, not by its bytes, and rows grow with bytes, so one slope holds both.
+        per_row, scatter_fixed = solve2(*((m["rows"], 1.0, m["scatter_s"]) for m in models))
+        per_row *= LOCAL_WORKERS  # worker seconds
         full_scatter_bytes = full.passes[0]["read_bytes"] + full.passes[0]["written_bytes"]
-        scatter_task = (full_scatter_bytes / full_tasks / (node_rate * eff_s)
-                        + fe["bucket_files"] / full_tasks * sf * LOCAL_WORKERS)
+        scatter_task = (full_scatter_bytes / full_tasks / byte_rate + full.samples_per_epoch / full_tasks * per_row
+                        + scatter_fixed * LOCAL_WORKERS / big["scatter_tasks"])
         scatter_s = scatter_task * -(-full_tasks // NODES)
         rows.append({"case": "scatter", "model s (scale)": big["scatter_s"], "model s (scale/4)": small["scatter_s"],
-                     "model files": big["files"], "of disk rate": eff_s, "us per file": sf * LOCAL_WORKERS * 1e6,
-                     "ms per task": None, "full TB moved": full_scatter_bytes / 1e12, "projected s": scatter_s})
-        # order, per task on one worker: per byte x bytes + per task, plus the scatter records' parse
-        per_task = [(m["order_task_bytes"], 1.0, m["order_s"] * LOCAL_WORKERS / m["order_sampled"] - m["parse_s"])
-                    for m in models]
-        ob, oc = solve2(*per_task)
-        eff_o = min(1.0, 1 / (ob * disk_mbps * 1e6 / LOCAL_WORKERS)) if ob and disk_mbps else 1.0
+                     "model MB/s": big["scatter_bytes"] / big["scatter_s"] / 1e6, "us per row": per_row * 1e6,
+                     "ms per task": None, "full TB moved": full_scatter_bytes / 1e12,
+                     "full s per node in bytes": full_scatter_bytes / NODES / byte_rate, "projected s": scatter_s})
+        # order, per task on one worker: fixed + per bucket file x files it maps, plus the parse of the
+        # scatter records (measured apart: it grows with the records, which are sparse here); its bytes
+        # (0.5 MB a task here) are too few to time, and go at byte_rate
+        per_task = [(m["files"] / m["order_tasks"], 1.0,
+                     m["order_s"] * LOCAL_WORKERS / m["order_sampled"] - m["parse_s"]) for m in models]
+        per_file, order_fixed = solve2(*per_task)
         parse_rate = big["record_bytes"] / big["parse_s"]
         full_parse = full_tasks * full_buckets * big["record_entry_bytes"] / parse_rate
         full_order_bytes = full.passes[1]["read_bytes"] + full.passes[1]["written_bytes"]
-        order_fixed = oc - local_task + (local_task if slurm_task is None else slurm_task)
-        order_task = full_order_bytes / fe["shards"] / (node_rate * eff_o) + order_fixed + full_parse
-        order_s = order_task * -(-fe["shards"] // NODES)
+        order_task = (full_order_bytes / fe["shards"] / byte_rate + order_fixed + 2 * full_tasks * per_file
+                      + full_parse)
+        order_tasks_per_node = -(-fe["shards"] // NODES)
+        # on Slurm a node starts SLURM_ELEMENTS_PER_WORKER array elements, each running its tasks in turn
+        slurm_starts = 0.0 if slurm_task is None else SLURM_ELEMENTS_PER_WORKER * slurm_task
+        order_s = order_task * order_tasks_per_node + slurm_starts
         rows.append({"case": "order", "model s (scale)": big["order_s"] * big["order_tasks"] / big["order_sampled"],
                      "model s (scale/4)": small["order_s"] * small["order_tasks"] / small["order_sampled"],
-                     "model files": big["files"], "of disk rate": eff_o, "us per file": None,
-                     "ms per task": (order_fixed + full_parse) * 1e3, "full TB moved": full_order_bytes / 1e12,
-                     "projected s": order_s})
+                     "model MB/s": None, "us per row": None, "ms per task": (order_task - full_order_bytes / fe["shards"]
+                                                                              / byte_rate) * 1e3,
+                     "full TB moved": full_order_bytes / 1e12,
+                     "full s per node in bytes": full_order_bytes / NODES / byte_rate, "projected s": order_s})
         total = scatter_s + order_s
-        rows.append({"case": "total", "projected s": total, "full TB moved": sum(r["full TB moved"] for r in rows)})
+        rows.append({"case": "total", "projected s": total, "full TB moved": sum(r["full TB moved"] for r in rows),
+                     "full s per node in bytes": sum(r["full s per node in bytes"] for r in rows)})
         print(f"{machine_line()}; this disk {disk_mbps} MB/s read+write ({how})")
         print(f"model: {scale} of 11T tokens ({big['samples']:,} samples, {big['scatter_tasks']} scatter tasks, "
               f"{big['buckets']:,} buckets, {big['files']:,} bucket files, {big['order_tasks']:,} order tasks of "
@@ -302,15 +317,20 @@ def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 4000),
         print(f"scatter records: {big['record_bytes'] / 1e6:.1f} MB parsed by each model order task in "
               f"{big['parse_s'] * 1e3:.0f} ms ({big['record_entry_bytes']:.0f} bytes a bucket); full run: "
               f"{full_tasks * full_buckets * big['record_entry_bytes'] / 1e6:.0f} MB, {full_parse:.2f} s per order task")
-        print(f"executor cost a task (no-op tasks, worker seconds): local {local_task * 1e3:.0f} ms, Slurm "
-              + ("not measured" if slurm_task is None else f"{slurm_task * 1e3:.0f} ms (this machine's "
-                 "one-node cluster)") + "; the projection's order tasks pay the Slurm figure where measured")
+        print(f"executor cost a task (no-op tasks, worker seconds): local {local_task * 1e3:.0f} ms, Slurm array "
+              f"element " + ("not measured" if slurm_task is None else f"{slurm_task * 1e3:.0f} ms (this machine's "
+              f"one-node cluster): {order_tasks_per_node * slurm_task:.0f} s a node if every order task were an "
+              f"element, {slurm_starts:.0f} s with {SLURM_ELEMENTS_PER_WORKER} elements a node"))
+        print(f"order task: {order_fixed * 1e3:.0f} ms fixed (local executor included) + {per_file * 1e3:.1f} ms a "
+              f"bucket file (96 in the full run) + {full_parse:.2f} s of scatter records; scatter: "
+              f"{per_row * 1e6:.0f} us a row (one append each; full run {full.samples_per_epoch / full_tasks / 1e6:.0f}M "
+              f"rows a task, blocks of {fe.get('scatter_block_rows')} rows over {full_buckets:,} buckets)")
         print(f"full run: {fe['shards']:,} shards, {fe['bucket_files']:,} bucket files, {NODES} nodes at "
               f"{node_mbps:g} MB/s each, shared filesystem {shared_mbps:g} MB/s: {node_rate / 1e6:g} MB/s a node")
         print_table(f"scale model: the 11T-token shuffle projected on {NODES} nodes: {total / 60:.1f} min "
                     f"(the incident's pre-shuffle: about {INCIDENT_SECONDS / 60:.0f} min)", rows,
-                    ["case", "model s (scale)", "model s (scale/4)", "model files", "of disk rate", "us per file",
-                     "ms per task", "full TB moved", "projected s"])
+                    ["case", "model s (scale)", "model s (scale/4)", "model MB/s", "us per row", "ms per task",
+                     "full TB moved", "full s per node in bytes", "projected s"])
         bounded = bounded_rows(big["record_entry_bytes"])
         print_table(f"what stays bounded as the corpus grows 1,000x (plan, {BOUNDED_TASK_BUDGET >> 20} MiB a task, "
                     f"{NODES} tasks)", bounded, list(bounded[0]))
