@@ -1,8 +1,8 @@
 """A scale model of the run tokpack exists for: 11T tokens (uint16, 22 TB), shuffled offline on
 48 nodes in about an hour (issue 14).
 
-    python bench/scale_model.py                    # by hand: 1/4000 of the corpus (5.5 GB), ~25 min
-    python bench/scale_model.py --scale 1/4000 --node-mbps 2000 --shared-mbps 40000
+    python bench/scale_model.py                    # by hand: 1/4000 of the corpus (5.5 GB), ~20 min
+    python bench/scale_model.py --scale 1/4000 --node-mbps 2000 --shared-mbps 40000 --keep models.json
     python bench/scale_model.py --quick            # a tiny model: bench/run_all.py --quick
 
 1. The full run's shape comes from `tokpack plan shuffle` (packer.planning) on a virtual source
@@ -12,19 +12,23 @@
    shape scaled down: a source of 48 shards, so 48 scatter tasks; shards and budgets scaled by
    `scale`, so the same buckets and order tasks; --workers 2 (this machine's cores). It runs
    twice, at `scale` and `scale`/4, out of core, each pass through the local executor:
-   - the scatter pass in full: its time splits into a cost per byte and a cost per bucket file
-     (the two models write different numbers of files: a sparse model leaves some task x
-     bucket files empty; the counts are read from the scatter tasks' records);
+   - the scatter pass in full. Its blocks are smaller than the bucket count, here as in the
+     full run, so nearly every row is an append of its own (two bucket files opened): its time
+     splits into a fixed part and a cost per row (rows grow with bytes, so the cost per byte
+     is inside the cost per row);
    - the order pass on an even sample of its tasks (--order-sample, every k-th shard; the
-     real OrderStep.order per task, through the same executor): 20,490 order tasks at about a
-     second each would take hours on 2 cores, and every order task has the same shape (one
+     real OrderStep.order per task, through the same executor): 20,490 order tasks at about
+     2 s each would take hours on 2 cores, and every order task has the same shape (one
      shard's buckets, from the files of all 48 scatter tasks). Its time per task splits into a
-     cost per byte and a cost per task, less the part spent parsing the 48 scatter records,
-     which is measured apart and scaled to the full run's record size (one entry per bucket).
-3. The projection gives each of the full run's passes its tasks spread over 48 nodes, each
-   task's bytes at a node's throughput, min(--node-mbps, --shared-mbps / 48), times the fraction
-   of this machine's disk throughput (measured by plan's probe) the engine reached here, plus
-   its per-file and per-task costs as measured here.
+     fixed part and a cost per bucket file it maps (the models are sparse: some task x bucket
+     files are empty; the counts come from the scatter tasks' records), less the part spent
+     parsing the 48 scatter records, which is measured apart and scaled to the full run's
+     record size (one entry per bucket).
+   No-op passes measure what the executor costs a task, locally and as a Slurm array element.
+3. The projection gives each of the full run's passes its tasks spread over 48 nodes: each
+   task's bytes at a node's throughput, min(--node-mbps, --shared-mbps / 48), over the
+   out-of-core shuffle's measured ratio to `cp` (OOC_VS_CP), plus its per-row, per-file and
+   per-task costs as measured here, and on Slurm a few array-element starts a node.
 4. What stays bounded as the corpus grows 1,000x at a fixed budget: plan's figures for 11B to
    11T tokens (memory per task, files per folder, open files per task, manifest bytes), the
    scatter records each order task reads, and the peak RSS of the planning driver, which runs
@@ -38,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -294,16 +297,15 @@ def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 4000),
         parse_rate = big["record_bytes"] / big["parse_s"]
         full_parse = full_tasks * full_buckets * big["record_entry_bytes"] / parse_rate
         full_order_bytes = full.passes[1]["read_bytes"] + full.passes[1]["written_bytes"]
-        order_task = (full_order_bytes / fe["shards"] / byte_rate + order_fixed + 2 * full_tasks * per_file
-                      + full_parse)
+        order_costs = order_fixed + 2 * full_tasks * per_file + full_parse  # all but its bytes
+        order_task = full_order_bytes / fe["shards"] / byte_rate + order_costs
         order_tasks_per_node = -(-fe["shards"] // NODES)
         # on Slurm a node starts SLURM_ELEMENTS_PER_WORKER array elements, each running its tasks in turn
         slurm_starts = 0.0 if slurm_task is None else SLURM_ELEMENTS_PER_WORKER * slurm_task
         order_s = order_task * order_tasks_per_node + slurm_starts
         rows.append({"case": "order", "model s (scale)": big["order_s"] * big["order_tasks"] / big["order_sampled"],
                      "model s (scale/4)": small["order_s"] * small["order_tasks"] / small["order_sampled"],
-                     "model MB/s": None, "us per row": None, "ms per task": (order_task - full_order_bytes / fe["shards"]
-                                                                              / byte_rate) * 1e3,
+                     "model MB/s": None, "us per row": None, "ms per task": order_costs * 1e3,
                      "full TB moved": full_order_bytes / 1e12,
                      "full s per node in bytes": full_order_bytes / NODES / byte_rate, "projected s": order_s})
         total = scatter_s + order_s
