@@ -1,28 +1,41 @@
 """A scale model of the run tokpack exists for: 11T tokens (uint16, 22 TB), shuffled offline on
 48 nodes in about an hour (issue 14).
 
-    python bench/scale_model.py                    # by hand: 1/2000 of the corpus (11 GB), ~15 min
-    python bench/scale_model.py --scale 1/4000 --node-mbps 2000 --shared-mbps 40000
+    python bench/scale_model.py                    # by hand: 1/4000 of the corpus (5.5 GB), ~20 min
+    python bench/scale_model.py --scale 1/4000 --node-mbps 2000 --shared-mbps 40000 --keep models.json
     python bench/scale_model.py --quick            # a tiny model: bench/run_all.py --quick
 
 1. The full run's shape comes from `tokpack plan shuffle` (packer.planning) on a virtual source
    of 11T tokens and 5.5B documents: 48 scatter tasks of 64 GiB (--memory 3TiB --workers 48),
    1 GiB shards, one bucket per shard.
 2. The model runs the real engine here on a random corpus of `scale` x 11T tokens with that
-   shape scaled down: the same 48 scatter tasks, shards and budgets scaled by `scale`, so the
-   same buckets, bucket files per task and order tasks; --workers 2 (this machine's cores). It
-   runs twice, at `scale` and `scale`/4: each pass's time then splits into a cost per byte and
-   a cost per file (the files are the same in both).
-3. The projection gives each of the full run's passes its bytes at the nodes' throughput,
-   min(48 x --node-mbps, --shared-mbps), times the fraction of this machine's disk throughput
-   (measured by plan's probe) the engine reached here, plus its files at the per-file cost
-   measured here, spread over 48 nodes.
+   shape scaled down: a source of 48 shards, so 48 scatter tasks; shards and budgets scaled by
+   `scale`, so the same buckets and order tasks; --workers 2 (this machine's cores). It runs
+   twice, at `scale` and `scale`/4, out of core, each pass through the local executor:
+   - the scatter pass in full. Its blocks are smaller than the bucket count, here as in the
+     full run, so nearly every row is an append of its own (two bucket files opened): its time
+     splits into a fixed part and a cost per row (rows grow with bytes, so the cost per byte
+     is inside the cost per row);
+   - the order pass on an even sample of its tasks (--order-sample, every k-th shard; the
+     real OrderStep.order per task, through the same executor): 20,490 order tasks at about
+     2 s each would take hours on 2 cores, and every order task has the same shape (one
+     shard's buckets, from the files of all 48 scatter tasks). Its time per task splits into a
+     fixed part and a cost per bucket file it maps (the models are sparse: some task x bucket
+     files are empty; the counts come from the scatter tasks' records), less the part spent
+     parsing the 48 scatter records, which is measured apart and scaled to the full run's
+     record size (one entry per bucket).
+   No-op passes measure what the executor costs a task, locally and as a Slurm array element.
+3. The projection gives each of the full run's passes its tasks spread over 48 nodes: each
+   task's bytes at a node's throughput, min(--node-mbps, --shared-mbps / 48), over the
+   out-of-core shuffle's measured ratio to `cp` (OOC_VS_CP), plus its per-row, per-file and
+   per-task costs as measured here, and on Slurm a few array-element starts a node.
 4. What stays bounded as the corpus grows 1,000x at a fixed budget: plan's figures for 11B to
-   11T tokens (memory per task, files per folder, open files per task, manifest bytes) and the
-   peak RSS of the planning driver, which runs the code the shuffle driver runs first.
+   11T tokens (memory per task, files per folder, open files per task, manifest bytes), the
+   scatter records each order task reads, and the peak RSS of the planning driver, which runs
+   the code the shuffle driver runs first.
 
---quick shrinks the shape too (4 scatter tasks, 64 shards): it checks that every step runs,
-its projection means little.
+--quick shrinks the shape too (4 scatter tasks, about 64 shards) and runs every order task, so
+the epoch is written and checked: it checks that every step runs, its projection means little.
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
 from bench.common import machine_line, make_datatrove_corpus, print_table, python_cmd, run_measured  # noqa: E402
 from bench.shuffle import pack_corpus  # noqa: E402
+from datatrove.pipeline.base import PipelineStep  # noqa: E402
 
 INCIDENT_TOKENS = 11 * 10**12
 INCIDENT_DOCUMENTS = 55 * 10**8
@@ -47,6 +61,8 @@ NODES = 48
 SEQ_LEN = 4096
 FULL_MEMORY = 3 << 40  # 64 GiB a task on 48 nodes
 LOCAL_WORKERS = 2
+ORDER_SAMPLE = 256  # order tasks the full-size model runs, out of about 20,490
+OOC_VS_CP = 1.63  # the out-of-core shuffle's time over `cp -r && sync` (BENCHMARKS.md, 1d95acf): its bytes' rate
 
 
 def full_plan(disk_mbps: float):
@@ -57,52 +73,134 @@ def full_plan(disk_mbps: float):
                 executor=ExecutorConfig(executor="slurm", workers=NODES, tasks=NODES), disk_mbps=disk_mbps)
 
 
-def run_model(work: Path, tokens: int, tasks: int, shard_samples: int, task_budget: int) -> dict:
-    """The real engine, out of core, each pass timed: {pass: (seconds, bytes moved)}, files."""
+class SampledOrder(PipelineStep):
+    """Rank r of the executor runs the real order task of shard r x stride: an even sample of
+    the order pass, each task as the engine runs it."""
+
+    name = "shuffle order (sample)"
+    type = "tokpack"
+
+    def __init__(self, order, stride: int):
+        super().__init__()
+        self.order, self.stride = order, stride
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        self.order.order(rank * self.stride)
+
+
+class NoopStep(PipelineStep):
+    """A task that does nothing: what the executor itself costs a task."""
+
+    name = "no-op"
+    type = "tokpack"
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        pass
+
+
+def task_overhead(executor: str, tasks: int, work: Path) -> float | None:
+    """Worker seconds the executor costs a task (start, log file, completion marker; on Slurm
+    the array element's start): from a pass of `tasks` no-op tasks less a pass of a quarter as
+    many (both start the same worker pool)."""
+    from bench.scale_model import NoopStep  # by module name, so a Slurm job can unpickle it
+    from packer.executors import ExecutorConfig, pass_runner
+
+    if executor == "slurm" and not shutil.which("sinfo"):
+        return None
+    run = pass_runner(ExecutorConfig(executor=executor, workers=LOCAL_WORKERS, poll_seconds=0.5))
+    seconds = []
+    counts = (max(LOCAL_WORKERS, tasks // 4), tasks)
+    for n in counts:
+        t0 = time.perf_counter()
+        run([(NoopStep(), n, f"noop-{n}", str(work / f"noop-{executor}-{n}"))])
+        seconds.append(time.perf_counter() - t0)
+    return max(0.0, seconds[1] - seconds[0]) * LOCAL_WORKERS / (counts[1] - counts[0])
+
+
+class _Sampled(Exception):
+    """The model stops after the sampled order tasks: the epoch is not complete."""
+
+
+def parse_records(layout) -> tuple[float, int]:
+    """(seconds, bytes) to read and parse the scatter tasks' records, as each order task does."""
+    t0 = time.perf_counter()
+    size = 0
+    for t in range(layout.tasks):
+        text = layout.task_done(t).read_text()
+        size += len(text)
+        json.loads(text)
+    return time.perf_counter() - t0, size
+
+
+def run_model(work: Path, tokens: int, tasks: int, shard_samples: int, task_budget: int, order_sample: int) -> dict:
+    """The real engine, out of core, each pass timed through the local executor."""
     from packer.executors import ExecutorConfig, pass_runner
     from shuffle.run import min_memory, shuffle_run
 
-    corpus = make_datatrove_corpus(work / "corpus", tokens * 2, files=8, mean_doc=INCIDENT_TOKENS // INCIDENT_DOCUMENTS)
+    # one source shard per scatter task (the engine gives a task whole shards)
+    corpus = make_datatrove_corpus(work / "corpus", tokens * 2, files=tasks, mean_doc=INCIDENT_TOKENS // INCIDENT_DOCUMENTS)
     source = pack_corpus(corpus, work / "source")
     shutil.rmtree(corpus)
+    data = sum(p.stat().st_size for p in source.glob("*.ds"))
     real = pass_runner(ExecutorConfig(workers=LOCAL_WORKERS))
-    timed: dict[str, float] = {}
+    m: dict = {}
 
     def run_passes(passes):
-        for step, n, name, logs in passes:
-            t0 = time.perf_counter()
-            real([(step, n, name, logs)])
-            timed[name.rsplit("-", 1)[1]] = time.perf_counter() - t0
+        (scatter, n_scatter, *_), (order, n_order, order_name, order_logs) = passes
+        lay = order.layout
+        t0 = time.perf_counter()
+        real([passes[0]])
+        m["scatter_s"] = time.perf_counter() - t0
+        records = [json.loads(lay.task_done(t).read_text()) for t in range(lay.tasks)]
+        m.update(scatter_tasks=n_scatter, order_tasks=n_order, buckets=len(lay.bucket_starts) - 1,
+                 files=2 * sum(len(r["rows"]) for r in records), rows=sum(sum(r["rows"].values()) for r in records))
+        m["parse_s"], m["record_bytes"] = min(parse_records(lay) for _ in range(3))
+        m["record_entry_bytes"] = m["record_bytes"] / (m["files"] / 2)
+        stride = max(1, n_order // order_sample)
+        sample = -(-n_order // stride)
+        t0 = time.perf_counter()
+        real([(SampledOrder(order, stride) if stride > 1 else order, sample, order_name, order_logs)])
+        m["order_s"], m["order_sampled"] = time.perf_counter() - t0, sample
+        m["block_rows"] = lay.block_rows
+        if stride > 1:
+            raise _Sampled
 
     out = work / "run"
-    t0 = time.perf_counter()
+    row_bytes = (SEQ_LEN + 1) * 2
     # at least a shard a task (one bucket per shard, as in the full run), and above the engine's floor
-    memory = max(LOCAL_WORKERS * max(task_budget, shard_samples * (SEQ_LEN + 1) * 2),
-                 min_memory((SEQ_LEN + 1) * 2, LOCAL_WORKERS))
-    result = shuffle_run([str(source)], str(out), seq_len=SEQ_LEN, seed=1, epochs=[0], shard_samples=shard_samples,
-                         memory=memory, workers=LOCAL_WORKERS, tasks=tasks, run_passes=run_passes)
-    wall = time.perf_counter() - t0
-    assert result["path"] == "out-of-core", result["path"]
-    data = sum(p.stat().st_size for p in source.glob("*.ds"))
-    shards = len(list(out.glob("epoch-00000/*.ds")))
+    memory = max(LOCAL_WORKERS * max(task_budget, shard_samples * row_bytes * 2), min_memory(row_bytes, LOCAL_WORKERS))
+    try:
+        result = shuffle_run([str(source)], str(out), seq_len=SEQ_LEN, seed=1, epochs=[0], shard_samples=shard_samples,
+                             memory=memory, workers=LOCAL_WORKERS, tasks=tasks, run_passes=run_passes)
+        assert result["path"] == "out-of-core", result["path"]
+        assert len(list(out.glob("epoch-00000/*.ds"))) == m["order_tasks"]
+    except _Sampled:
+        pass
     shutil.rmtree(work)
+    samples = m["rows"]
     # scatter reads the source and writes every row with its position; order reads those and writes the epoch
-    scratch = result["samples_per_epoch"] * ((SEQ_LEN + 1) * 2 + 8)
-    return {"wall": wall, "shards": shards, "files": 2 * tasks * shards, "scatter": (timed["scatter"], data + scratch),
-            "order": (timed["order"], scratch + result["samples_per_epoch"] * (SEQ_LEN + 1) * 2)}
+    scratch = samples * (row_bytes + 8)
+    return {**m, "tokens": tokens, "samples": samples, "scatter_bytes": data + scratch,
+            "order_task_bytes": (scratch + samples * row_bytes) / m["order_tasks"]}
 
 
-def fit(big: dict, small: dict, name: str) -> tuple[float, float]:
-    """(seconds per byte, seconds per file) of a pass, from two models with the same files."""
-    (t1, b1), (t0, b0) = big[name], small[name]
-    per_byte = max(0.0, (t1 - t0) / (b1 - b0))
-    return per_byte, max(0.0, (t0 - per_byte * b0) / big["files"])
+def solve2(a: tuple[float, float, float], b: tuple[float, float, float]) -> tuple[float, float]:
+    """(x, y) with x*a0 + y*a1 = a2 and x*b0 + y*b1 = b2, each at least 0 (a negative share is
+    noise: the other term then takes the whole time)."""
+    det = a[0] * b[1] - a[1] * b[0]
+    x = (a[2] * b[1] - a[1] * b[2]) / det if det else 0.0
+    y = (a[0] * b[2] - a[2] * b[0]) / det if det else 0.0
+    if x < 0:
+        return 0.0, a[2] / a[1]
+    if y < 0:
+        return a[2] / a[0], 0.0
+    return x, y
 
 
 BOUNDED_TASK_BUDGET = 256 << 20  # small enough that even the smallest corpus shuffles out of core
 
 
-def bounded_rows(budget_per_task: int = BOUNDED_TASK_BUDGET) -> list[dict]:
+def bounded_rows(record_entry_bytes: float, budget_per_task: int = BOUNDED_TASK_BUDGET) -> list[dict]:
     """Plan's figures, and the planning driver's peak RSS, as the corpus grows 1,000x."""
     rows = []
     for tokens in (11 * 10**9, 11 * 10**10, 11 * 10**11, 11 * 10**12):
@@ -118,8 +216,12 @@ def bounded_rows(budget_per_task: int = BOUNDED_TASK_BUDGET) -> list[dict]:
         e = r["epochs"][0]
         rows.append({"case": f"{tokens / 1e12:g}T tokens", "path": e["path"], "scatter tasks": e.get("scatter_tasks"),
                      "memory per task MiB": r["passes"][0]["memory_per_task"] / 2**20, "shards": e["shards"],
-                     "bucket files": e.get("bucket_files"), "files per folder": e.get("files_per_folder"),
+                     "bucket files": e.get("bucket_files"), "files per bucket folder": e.get("files_per_folder"),
+                     # a shard's .ds, .index and .metadata; datatrove's log, marker and stats per order task
+                     "files in epoch folder": 3 * e["shards"] + 1, "files in a log folder": e["shards"],
                      "open files per task": 2 * _max_open(), "epoch manifest MB": r["manifests"]["epoch-00000/tokpack.json"] / 1e6,
+                     # every order task reads every scatter task's record: one entry per bucket it wrote
+                     "scatter records read per order task MB": (e.get("bucket_files") or 0) / 2 * record_entry_bytes / 1e6,
                      "driver peak RSS MB": m.peak_rss_mb})
     return rows
 
@@ -130,16 +232,22 @@ def _max_open() -> int:
     return MAX_OPEN_BUCKET_FILES
 
 
-def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 2000), node_mbps: float = 2000,
-         shared_mbps: float = 40000, work: Path | None = None) -> list[dict]:
-    """`size` is not used (bench/run_all.py passes one): the model's size is `scale` of 11T tokens."""
+def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 4000), node_mbps: float = 2000,
+         shared_mbps: float = 40000, order_sample: int = ORDER_SAMPLE, work: Path | None = None,
+         keep: Path | None = None) -> list[dict]:
+    """`size` is not used (bench/run_all.py passes one): the model's size is `scale` of 11T tokens.
+    `keep`: a JSON file of the models' measurements, written as each model ends and read back on
+    the next run with the same arguments (the projection is then redone without them)."""
     from loguru import logger
 
+    from packer.executors import SLURM_ELEMENTS_PER_WORKER
     from packer.planning import measure_disk
 
     logger.remove()  # datatrove's executor logs every task; the tables are the output here
     scale = Fraction(1, 10**6) if quick else scale
+    order_sample = 10**9 if quick else order_sample  # the tiny model writes its whole epoch
     work = Path(tempfile.mkdtemp(prefix="tokpack-scale-model-", dir=work))
+    started = time.perf_counter()
     try:
         disk_mbps, how = measure_disk(work)
         full = full_plan(node_mbps)
@@ -148,35 +256,84 @@ def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 2000),
         tasks = 4 if quick else fe["scatter_tasks"]
         task_budget = full.passes[0]["memory_per_task"]
         models = []
+        kept = json.loads(keep.read_text()) if keep and keep.exists() else {}
         for s in (scale, scale / 4):
             tokens = int(INCIDENT_TOKENS * s)
-            shard_samples = max(1, int(full_shard_samples * s)) if not quick else max(1, tokens // (SEQ_LEN + 1) // 64)
-            models.append(run_model(work / f"model-{len(models)}", tokens, tasks, shard_samples, int(task_budget * s)))
+            shard_samples = max(1, round(full_shard_samples * s)) if not quick else max(1, tokens // (SEQ_LEN + 1) // 64)
+            key = f"{s} {tasks} {shard_samples} {order_sample}"
+            if key not in kept:
+                kept[key] = run_model(work / f"model-{len(models)}", tokens, tasks, shard_samples,
+                                      int(task_budget * s), order_sample)
+                if keep:
+                    keep.write_text(json.dumps(kept, indent=1))
+            models.append(kept[key])
         big, small = models
+        # the order pass's per-task cost holds the local executor's; the full run's tasks are Slurm array elements
+        local_task = task_overhead("local", 16 if quick else 400, work)
+        slurm_task = None if quick else task_overhead("slurm", 16, work)
+        node_rate = min(node_mbps, shared_mbps / NODES) * 1e6  # bytes/s a node moves when all 48 run at once
+        byte_rate = node_rate / OOC_VS_CP  # the engine's bytes, at its measured ratio to cp
+        full_buckets, full_tasks = fe["bucket_files"] // (2 * NODES), fe["scatter_tasks"]
         rows = []
-        aggregate = min(NODES * node_mbps, shared_mbps) * 1e6
-        total = 0.0
-        for i, name in enumerate(("scatter", "order")):
-            per_byte, per_file = fit(big, small, name)
-            efficiency = min(1.0, 1 / (per_byte * disk_mbps * 1e6)) if per_byte and disk_mbps else 1.0
-            moved = full.passes[i]["read_bytes"] + full.passes[i]["written_bytes"]
-            seconds = moved / (aggregate * efficiency) + fe["bucket_files"] * per_file * LOCAL_WORKERS / NODES
-            total += seconds
-            rows.append({"case": name, "model s (scale)": big[name][0], "model s (scale/4)": small[name][0],
-                         "model GB": big[name][1] / 1e9, "us per file": per_file * 1e6,
-                         "of disk rate": efficiency, "full TB moved": moved / 1e12, "projected s": seconds})
+        # scatter: wall = fixed + per row x rows. Its blocks are smaller than the bucket count here as in
+        # the full run, so nearly every row is its own append (two bucket files opened, written, closed):
+        # the model is bound by that, not by its bytes, and rows grow with bytes, so one slope holds both.
+        per_row, scatter_fixed = solve2(*((m["rows"], 1.0, m["scatter_s"]) for m in models))
+        per_row *= LOCAL_WORKERS  # worker seconds
+        full_scatter_bytes = full.passes[0]["read_bytes"] + full.passes[0]["written_bytes"]
+        scatter_task = (full_scatter_bytes / full_tasks / byte_rate + full.samples_per_epoch / full_tasks * per_row
+                        + scatter_fixed * LOCAL_WORKERS / big["scatter_tasks"])
+        scatter_s = scatter_task * -(-full_tasks // NODES)
+        rows.append({"case": "scatter", "model s (scale)": big["scatter_s"], "model s (scale/4)": small["scatter_s"],
+                     "model MB/s": big["scatter_bytes"] / big["scatter_s"] / 1e6, "us per row": per_row * 1e6,
+                     "ms per task": None, "full TB moved": full_scatter_bytes / 1e12,
+                     "full s per node in bytes": full_scatter_bytes / NODES / byte_rate, "projected s": scatter_s})
+        # order, per task on one worker: fixed + per bucket file x files it maps, plus the parse of the
+        # scatter records (measured apart: it grows with the records, which are sparse here); its bytes
+        # (0.5 MB a task here) are too few to time, and go at byte_rate
+        per_task = [(m["files"] / m["order_tasks"], 1.0,
+                     m["order_s"] * LOCAL_WORKERS / m["order_sampled"] - m["parse_s"]) for m in models]
+        per_file, order_fixed = solve2(*per_task)
+        parse_rate = big["record_bytes"] / big["parse_s"]
+        full_parse = full_tasks * full_buckets * big["record_entry_bytes"] / parse_rate
+        full_order_bytes = full.passes[1]["read_bytes"] + full.passes[1]["written_bytes"]
+        order_costs = order_fixed + 2 * full_tasks * per_file + full_parse  # all but its bytes
+        order_task = full_order_bytes / fe["shards"] / byte_rate + order_costs
+        order_tasks_per_node = -(-fe["shards"] // NODES)
+        # on Slurm a node starts SLURM_ELEMENTS_PER_WORKER array elements, each running its tasks in turn
+        slurm_starts = 0.0 if slurm_task is None else SLURM_ELEMENTS_PER_WORKER * slurm_task
+        order_s = order_task * order_tasks_per_node + slurm_starts
+        rows.append({"case": "order", "model s (scale)": big["order_s"] * big["order_tasks"] / big["order_sampled"],
+                     "model s (scale/4)": small["order_s"] * small["order_tasks"] / small["order_sampled"],
+                     "model MB/s": None, "us per row": None, "ms per task": order_costs * 1e3,
+                     "full TB moved": full_order_bytes / 1e12,
+                     "full s per node in bytes": full_order_bytes / NODES / byte_rate, "projected s": order_s})
+        total = scatter_s + order_s
         rows.append({"case": "total", "projected s": total, "full TB moved": sum(r["full TB moved"] for r in rows),
-                     "of disk rate": None})
+                     "full s per node in bytes": sum(r["full s per node in bytes"] for r in rows)})
         print(f"{machine_line()}; this disk {disk_mbps} MB/s read+write ({how})")
-        print(f"model: {scale} of 11T tokens ({big['shards']:,} shards, {big['files']:,} bucket files, {tasks} scatter "
-              f"tasks, --workers {LOCAL_WORKERS}), and {scale / 4}; full run: {fe['shards']:,} shards, "
-              f"{fe['bucket_files']:,} bucket files, {NODES} nodes at {node_mbps:g} MB/s each, shared filesystem "
-              f"{shared_mbps:g} MB/s")
+        print(f"model: {scale} of 11T tokens ({big['samples']:,} samples, {big['scatter_tasks']} scatter tasks, "
+              f"{big['buckets']:,} buckets, {big['files']:,} bucket files, {big['order_tasks']:,} order tasks of "
+              f"which {big['order_sampled']} run), and {scale / 4} ({small['files']:,} bucket files, "
+              f"{small['order_sampled']} order tasks run); --workers {LOCAL_WORKERS}; {time.perf_counter() - started:.0f} s")
+        print(f"scatter records: {big['record_bytes'] / 1e6:.1f} MB parsed by each model order task in "
+              f"{big['parse_s'] * 1e3:.0f} ms ({big['record_entry_bytes']:.0f} bytes a bucket); full run: "
+              f"{full_tasks * full_buckets * big['record_entry_bytes'] / 1e6:.0f} MB, {full_parse:.2f} s per order task")
+        print(f"executor cost a task (no-op tasks, worker seconds): local {local_task * 1e3:.0f} ms, Slurm array "
+              f"element " + ("not measured" if slurm_task is None else f"{slurm_task * 1e3:.0f} ms (this machine's "
+              f"one-node cluster): {order_tasks_per_node * slurm_task:.0f} s a node if every order task were an "
+              f"element, {slurm_starts:.0f} s with {SLURM_ELEMENTS_PER_WORKER} elements a node"))
+        print(f"order task: {order_fixed * 1e3:.0f} ms fixed (local executor included) + {per_file * 1e3:.1f} ms a "
+              f"bucket file (96 in the full run) + {full_parse:.2f} s of scatter records; scatter: "
+              f"{per_row * 1e6:.0f} us a row (one append each; full run {full.samples_per_epoch / full_tasks / 1e6:.0f}M "
+              f"rows a task, blocks of {fe.get('scatter_block_rows')} rows over {full_buckets:,} buckets)")
+        print(f"full run: {fe['shards']:,} shards, {fe['bucket_files']:,} bucket files, {NODES} nodes at "
+              f"{node_mbps:g} MB/s each, shared filesystem {shared_mbps:g} MB/s: {node_rate / 1e6:g} MB/s a node")
         print_table(f"scale model: the 11T-token shuffle projected on {NODES} nodes: {total / 60:.1f} min "
                     f"(the incident's pre-shuffle: about {INCIDENT_SECONDS / 60:.0f} min)", rows,
-                    ["case", "model s (scale)", "model s (scale/4)", "model GB", "us per file", "of disk rate",
-                     "full TB moved", "projected s"])
-        bounded = bounded_rows()
+                    ["case", "model s (scale)", "model s (scale/4)", "model MB/s", "us per row", "ms per task",
+                     "full TB moved", "full s per node in bytes", "projected s"])
+        bounded = bounded_rows(big["record_entry_bytes"])
         print_table(f"what stays bounded as the corpus grows 1,000x (plan, {BOUNDED_TASK_BUDGET >> 20} MiB a task, "
                     f"{NODES} tasks)", bounded, list(bounded[0]))
         return rows + bounded
@@ -186,10 +343,13 @@ def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 2000),
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scale", default="1/2000", help="fraction of the 11T-token corpus the model shuffles")
+    ap.add_argument("--scale", default="1/4000", help="fraction of the 11T-token corpus the model shuffles")
     ap.add_argument("--node-mbps", type=float, default=2000, help="each node's disk or network throughput, MB/s")
     ap.add_argument("--shared-mbps", type=float, default=40000, help="the shared filesystem's aggregate throughput, MB/s")
+    ap.add_argument("--order-sample", type=int, default=ORDER_SAMPLE, help="order tasks each model runs (an even sample)")
     ap.add_argument("--quick", action="store_true", help="a tiny model (4 tasks, 64 shards): checks that it runs")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: system temp)")
+    ap.add_argument("--keep", type=Path, default=None, help="JSON file keeping the models' measurements between runs")
     a = ap.parse_args()
-    main(quick=a.quick, scale=Fraction(a.scale), node_mbps=a.node_mbps, shared_mbps=a.shared_mbps, work=a.work)
+    main(quick=a.quick, scale=Fraction(a.scale), node_mbps=a.node_mbps, shared_mbps=a.shared_mbps,
+         order_sample=a.order_sample, work=a.work, keep=a.keep)

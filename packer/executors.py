@@ -39,6 +39,11 @@ from packer.api import ExecutorConfig
 
 # The folder holding packer/, shuffle/, formats/: Slurm jobs and Ray workers import the steps from here.
 PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+# Slurm array elements per worker slot. An element starts a Python, datatrove and the pickled
+# pass (seconds: BENCHMARKS.md, "Scale model") and then runs its run of ranks in turn, so a pass
+# of many small tasks (20,490 order tasks on 48 nodes) pays that start a few times per node, not
+# per task, while a slow node still holds only a quarter of its share back at the end.
+SLURM_ELEMENTS_PER_WORKER = 4
 
 
 def run_in_process(step, tasks: int, job_name: str, logging_dir=None) -> None:
@@ -283,6 +288,7 @@ def _slurm_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, 
     return SlurmPipelineExecutor(
         pipeline=[FileLoggedStep(step)],
         tasks=tasks,
+        tasks_per_job=-(-tasks // (SLURM_ELEMENTS_PER_WORKER * config.workers)) if config.workers > 1 else 1,
         time=config.time_limit,
         partition=config.partition or default_partition(),
         cpus_per_task=config.cpus_per_task,

@@ -263,6 +263,23 @@ def test_slurm_array_jobs(source, reference, npy_inputs, pack_reference, tmp_pat
     assert tree(packed) == pack_reference
 
 
+def test_slurm_array_element_runs_several_small_tasks(source, tmp_path):
+    """18 order tasks, at most 2 at a time: 6 array elements of 3 tasks each (SLURM_ELEMENTS_PER_WORKER
+    per worker slot), not one element, and one Python and datatrove start, per task."""
+    if (reason := slurm_unavailable()) is not None:
+        pytest.skip(reason)
+    args = [*SHUFFLE[:-4], "--shard-samples", "40", "--memory", "64KiB"]
+    cli("shuffle", source, "-o", tmp_path / "ref", *args)
+    expected = tree(tmp_path / "ref")
+    out = tmp_path / "run"
+    cli("shuffle", source, "-o", out, *args, "--executor", "slurm", "--workers", "2", "--tasks", "3",
+        "--logging-dir", tmp_path / "logs", "--time", "00:10:00", "--mem", "0.5")
+    assert tree(out) == expected and len([f for f in expected if f.endswith(".ds")]) == 18
+    order_script = next(tmp_path.glob("logs/*-order/launch_script.slurm")).read_text()
+    assert "#SBATCH --array=0-5%2" in order_script
+    assert sum(1 for _ in tmp_path.glob("logs/*-order/completions/*")) == 18
+
+
 @pytest.mark.skipif(shutil.which("sbatch") is None, reason="sbatch not found (apt-get install slurm-wlm)")
 def test_slurm_refused_job_is_one_line_error(source, tmp_path):
     r = CliRunner().invoke(main, ["shuffle", str(source), "-o", str(tmp_path / "run"), *SHUFFLE,
