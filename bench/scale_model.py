@@ -12,18 +12,18 @@
    shape scaled down: a source of 48 shards, so 48 scatter tasks; shards and budgets scaled by
    `scale`, so the same buckets and order tasks; --workers 2 (this machine's cores). It runs
    twice, at `scale` and `scale`/4, out of core, each pass through the local executor:
-   - the scatter pass in full. Its blocks are smaller than the bucket count, here as in the
-     full run, so nearly every row is an append of its own (two bucket files opened): its time
-     splits into a fixed part and a cost per row (rows grow with bytes, so the cost per byte
-     is inside the cost per row);
+   - the scatter pass in full. Its blocks are far smaller than the bucket count, so nearly
+     every row is an append of its own (two bucket files opened): its time splits into a fixed
+     part and a cost per append (rows grow with bytes, so the cost per byte is inside it); the
+     full run's larger blocks carry about 32 rows an append (shuffle.steps.ROWS_PER_APPEND);
    - the order pass on an even sample of its tasks (--order-sample, every k-th shard; the
      real OrderStep.order per task, through the same executor): 20,490 order tasks at about
      2 s each would take hours on 2 cores, and every order task has the same shape (one
      shard's buckets, from the files of all 48 scatter tasks). Its time per task splits into a
      fixed part and a cost per bucket file it maps (the models are sparse: some task x bucket
      files are empty; the counts come from the scatter tasks' records), less the part spent
-     parsing the 48 scatter records, which is measured apart and scaled to the full run's
-     record size (one entry per bucket).
+     reading its buckets' records from the 48 scatter tasks, which is timed apart on record
+     tables of the full run's size.
    No-op passes measure what the executor costs a task, locally and as a Slurm array element.
 3. The projection gives each of the full run's passes its tasks spread over 48 nodes: each
    task's bytes at a node's throughput, min(--node-mbps, --shared-mbps / 48), over the
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import tempfile
@@ -52,6 +53,8 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
 from bench.common import machine_line, make_datatrove_corpus, print_table, python_cmd, run_measured  # noqa: E402
 from bench.shuffle import pack_corpus  # noqa: E402
+import numpy as np  # noqa: E402
+from shuffle.steps import RECORD_BYTES  # noqa: E402
 from datatrove.pipeline.base import PipelineStep  # noqa: E402
 
 INCIDENT_TOKENS = 11 * 10**12
@@ -122,14 +125,34 @@ class _Sampled(Exception):
 
 
 def parse_records(layout) -> tuple[float, int]:
-    """(seconds, bytes) to read and parse the scatter tasks' records, as each order task does."""
+    """(seconds, bytes) to read the scatter tasks' records of one shard's buckets, as each order
+    task does (Layout.recorded)."""
     t0 = time.perf_counter()
-    size = 0
-    for t in range(layout.tasks):
-        text = layout.task_done(t).read_text()
-        size += len(text)
-        json.loads(text)
+    buckets = range(int(layout.shard_buckets[0]), int(layout.shard_buckets[1]))
+    size = sum(layout.recorded(t, buckets).nbytes for t in range(layout.tasks))
     return time.perf_counter() - t0, size
+
+
+def records_read(work: Path, tasks: int, buckets: int, per_shard: int) -> tuple[float, int]:
+    """(seconds, bytes) an order task of a run with `tasks` scatter tasks and `buckets` buckets
+    takes to read its `per_shard` buckets' records, on record tables of that size written here."""
+    folder = work / "records"
+    folder.mkdir()
+    for t in range(tasks):
+        np.zeros(buckets * 3, dtype="<u8").tofile(folder / f"{t}.records")
+    mid = buckets // 2 * RECORD_BYTES
+    t0 = time.perf_counter()
+    size = sum(np.fromfile(folder / f"{t}.records", dtype="<u8", count=3 * per_shard, offset=mid).nbytes
+               for t in range(tasks))
+    seconds = time.perf_counter() - t0
+    shutil.rmtree(folder)
+    return seconds, size
+
+
+def appends_per_row(block_rows: int, buckets: int) -> float:
+    """A scatter block of `block_rows` rows reaches about buckets x (1 - e^(-block/buckets))
+    buckets, an append (two files opened and written) each."""
+    return buckets * -math.expm1(-block_rows / buckets) / block_rows
 
 
 def run_model(work: Path, tokens: int, tasks: int, shard_samples: int, task_budget: int, order_sample: int) -> dict:
@@ -151,17 +174,15 @@ def run_model(work: Path, tokens: int, tasks: int, shard_samples: int, task_budg
         t0 = time.perf_counter()
         real([passes[0]])
         m["scatter_s"] = time.perf_counter() - t0
-        records = [json.loads(lay.task_done(t).read_text()) for t in range(lay.tasks)]
+        counts = np.concatenate([lay.recorded(t, range(len(lay.bucket_starts) - 1))[:, 0] for t in range(lay.tasks)])
         m.update(scatter_tasks=n_scatter, order_tasks=n_order, buckets=len(lay.bucket_starts) - 1,
-                 files=2 * sum(len(r["rows"]) for r in records), rows=sum(sum(r["rows"].values()) for r in records))
+                 files=2 * int(np.count_nonzero(counts)), rows=int(counts.sum()), block_rows=lay.block_rows)
         m["parse_s"], m["record_bytes"] = min(parse_records(lay) for _ in range(3))
-        m["record_entry_bytes"] = m["record_bytes"] / (m["files"] / 2)
         stride = max(1, n_order // order_sample)
         sample = -(-n_order // stride)
         t0 = time.perf_counter()
         real([(SampledOrder(order, stride) if stride > 1 else order, sample, order_name, order_logs)])
         m["order_s"], m["order_sampled"] = time.perf_counter() - t0, sample
-        m["block_rows"] = lay.block_rows
         if stride > 1:
             raise _Sampled
 
@@ -200,7 +221,7 @@ def solve2(a: tuple[float, float, float], b: tuple[float, float, float]) -> tupl
 BOUNDED_TASK_BUDGET = 256 << 20  # small enough that even the smallest corpus shuffles out of core
 
 
-def bounded_rows(record_entry_bytes: float, budget_per_task: int = BOUNDED_TASK_BUDGET) -> list[dict]:
+def bounded_rows(budget_per_task: int = BOUNDED_TASK_BUDGET) -> list[dict]:
     """Plan's figures, and the planning driver's peak RSS, as the corpus grows 1,000x."""
     rows = []
     for tokens in (11 * 10**9, 11 * 10**10, 11 * 10**11, 11 * 10**12):
@@ -220,8 +241,9 @@ def bounded_rows(record_entry_bytes: float, budget_per_task: int = BOUNDED_TASK_
                      # a shard's .ds, .index and .metadata; datatrove's log, marker and stats per order task
                      "files in epoch folder": 3 * e["shards"] + 1, "files in a log folder": e["shards"],
                      "open files per task": 2 * _max_open(), "epoch manifest MB": r["manifests"]["epoch-00000/tokpack.json"] / 1e6,
-                     # every order task reads every scatter task's record: one entry per bucket it wrote
-                     "scatter records read per order task MB": (e.get("bucket_files") or 0) / 2 * record_entry_bytes / 1e6,
+                     # an order task reads its buckets' records from every scatter task (Layout.recorded)
+                     "scatter records read per order task kB":
+                         RECORD_BYTES * e.get("scatter_tasks", 0) * e.get("buckets", 0) / e["shards"] / 1e3,
                      "driver peak RSS MB": m.peak_rss_mb})
     return rows
 
@@ -275,27 +297,30 @@ def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 4000),
         byte_rate = node_rate / OOC_VS_CP  # the engine's bytes, at its measured ratio to cp
         full_buckets, full_tasks = fe["bucket_files"] // (2 * NODES), fe["scatter_tasks"]
         rows = []
-        # scatter: wall = fixed + per row x rows. Its blocks are smaller than the bucket count here as in
-        # the full run, so nearly every row is its own append (two bucket files opened, written, closed):
-        # the model is bound by that, not by its bytes, and rows grow with bytes, so one slope holds both.
-        per_row, scatter_fixed = solve2(*((m["rows"], 1.0, m["scatter_s"]) for m in models))
-        per_row *= LOCAL_WORKERS  # worker seconds
+        # scatter: wall = fixed + per append x appends (an append: one bucket's two files opened and
+        # written). The model's blocks are far smaller than its bucket count, so its appends are about
+        # its rows, and rows grow with bytes: the per-append cost holds the per-byte cost too. The full
+        # run's blocks give each append about ROWS_PER_APPEND rows (shuffle.steps.make_layout).
+        model_appends = [m["rows"] * (appends_per_row(m["block_rows"], m["buckets"]) if "block_rows" in m else 1.0)
+                         for m in models]  # measurements kept from before block_rows was recorded: a row each
+        per_append, scatter_fixed = solve2(*((a, 1.0, m["scatter_s"]) for a, m in zip(model_appends, models)))
+        per_append *= LOCAL_WORKERS  # worker seconds
+        full_appends = full.samples_per_epoch / full_tasks * appends_per_row(fe["scatter_block_rows"], fe["buckets"])
         full_scatter_bytes = full.passes[0]["read_bytes"] + full.passes[0]["written_bytes"]
-        scatter_task = (full_scatter_bytes / full_tasks / byte_rate + full.samples_per_epoch / full_tasks * per_row
+        scatter_task = (full_scatter_bytes / full_tasks / byte_rate + full_appends * per_append
                         + scatter_fixed * LOCAL_WORKERS / big["scatter_tasks"])
         scatter_s = scatter_task * -(-full_tasks // NODES)
         rows.append({"case": "scatter", "model s (scale)": big["scatter_s"], "model s (scale/4)": small["scatter_s"],
-                     "model MB/s": big["scatter_bytes"] / big["scatter_s"] / 1e6, "us per row": per_row * 1e6,
+                     "model MB/s": big["scatter_bytes"] / big["scatter_s"] / 1e6, "us per append": per_append * 1e6,
                      "ms per task": None, "full TB moved": full_scatter_bytes / 1e12,
                      "full s per node in bytes": full_scatter_bytes / NODES / byte_rate, "projected s": scatter_s})
-        # order, per task on one worker: fixed + per bucket file x files it maps, plus the parse of the
-        # scatter records (measured apart: it grows with the records, which are sparse here); its bytes
-        # (0.5 MB a task here) are too few to time, and go at byte_rate
+        # order, per task on one worker: fixed + per bucket file x files it maps, plus reading its
+        # buckets' scatter records (timed here on tables of the full run's size); its bytes (0.5 MB a
+        # task here) are too few to time, and go at byte_rate
         per_task = [(m["files"] / m["order_tasks"], 1.0,
                      m["order_s"] * LOCAL_WORKERS / m["order_sampled"] - m["parse_s"]) for m in models]
         per_file, order_fixed = solve2(*per_task)
-        parse_rate = big["record_bytes"] / big["parse_s"]
-        full_parse = full_tasks * full_buckets * big["record_entry_bytes"] / parse_rate
+        full_parse, full_record_bytes = records_read(work, full_tasks, fe["buckets"], fe["buckets"] // fe["shards"])
         full_order_bytes = full.passes[1]["read_bytes"] + full.passes[1]["written_bytes"]
         order_costs = order_fixed + 2 * full_tasks * per_file + full_parse  # all but its bytes
         order_task = full_order_bytes / fe["shards"] / byte_rate + order_costs
@@ -305,7 +330,7 @@ def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 4000),
         order_s = order_task * order_tasks_per_node + slurm_starts
         rows.append({"case": "order", "model s (scale)": big["order_s"] * big["order_tasks"] / big["order_sampled"],
                      "model s (scale/4)": small["order_s"] * small["order_tasks"] / small["order_sampled"],
-                     "model MB/s": None, "us per row": None, "ms per task": order_costs * 1e3,
+                     "model MB/s": None, "us per append": None, "ms per task": order_costs * 1e3,
                      "full TB moved": full_order_bytes / 1e12,
                      "full s per node in bytes": full_order_bytes / NODES / byte_rate, "projected s": order_s})
         total = scatter_s + order_s
@@ -316,24 +341,24 @@ def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 4000),
               f"{big['buckets']:,} buckets, {big['files']:,} bucket files, {big['order_tasks']:,} order tasks of "
               f"which {big['order_sampled']} run), and {scale / 4} ({small['files']:,} bucket files, "
               f"{small['order_sampled']} order tasks run); --workers {LOCAL_WORKERS}; {time.perf_counter() - started:.0f} s")
-        print(f"scatter records: {big['record_bytes'] / 1e6:.1f} MB parsed by each model order task in "
-              f"{big['parse_s'] * 1e3:.0f} ms ({big['record_entry_bytes']:.0f} bytes a bucket); full run: "
-              f"{full_tasks * full_buckets * big['record_entry_bytes'] / 1e6:.0f} MB, {full_parse:.2f} s per order task")
+        print(f"scatter records an order task reads: model {big['record_bytes'] / 1e3:.1f} kB in "
+              f"{big['parse_s'] * 1e3:.1f} ms; full run {full_record_bytes / 1e3:.1f} kB in {full_parse * 1e3:.1f} ms")
         print(f"executor cost a task (no-op tasks, worker seconds): local {local_task * 1e3:.0f} ms, Slurm array "
               f"element " + ("not measured" if slurm_task is None else f"{slurm_task * 1e3:.0f} ms (this machine's "
               f"one-node cluster): {order_tasks_per_node * slurm_task:.0f} s a node if every order task were an "
               f"element, {slurm_starts:.0f} s with {SLURM_ELEMENTS_PER_WORKER} elements a node"))
         print(f"order task: {order_fixed * 1e3:.0f} ms fixed (local executor included) + {per_file * 1e3:.1f} ms a "
-              f"bucket file (96 in the full run) + {full_parse:.2f} s of scatter records; scatter: "
-              f"{per_row * 1e6:.0f} us a row (one append each; full run {full.samples_per_epoch / full_tasks / 1e6:.0f}M "
-              f"rows a task, blocks of {fe.get('scatter_block_rows')} rows over {full_buckets:,} buckets)")
+              f"bucket file (96 in the full run) + {full_parse * 1e3:.1f} ms of scatter records; scatter: "
+              f"{per_append * 1e6:.0f} us an append (model: {model_appends[0] / big['rows']:.2f} a row; full run "
+              f"{full.samples_per_epoch / full_tasks / 1e6:.0f}M rows a task in {full_appends / 1e6:.2f}M appends, "
+              f"blocks of {fe.get('scatter_block_rows'):,} rows over {full_buckets:,} buckets)")
         print(f"full run: {fe['shards']:,} shards, {fe['bucket_files']:,} bucket files, {NODES} nodes at "
               f"{node_mbps:g} MB/s each, shared filesystem {shared_mbps:g} MB/s: {node_rate / 1e6:g} MB/s a node")
         print_table(f"scale model: the 11T-token shuffle projected on {NODES} nodes: {total / 60:.1f} min "
                     f"(the incident's pre-shuffle: about {INCIDENT_SECONDS / 60:.0f} min)", rows,
-                    ["case", "model s (scale)", "model s (scale/4)", "model MB/s", "us per row", "ms per task",
+                    ["case", "model s (scale)", "model s (scale/4)", "model MB/s", "us per append", "ms per task",
                      "full TB moved", "full s per node in bytes", "projected s"])
-        bounded = bounded_rows(big["record_entry_bytes"])
+        bounded = bounded_rows()
         print_table(f"what stays bounded as the corpus grows 1,000x (plan, {BOUNDED_TASK_BUDGET >> 20} MiB a task, "
                     f"{NODES} tasks)", bounded, list(bounded[0]))
         return rows + bounded

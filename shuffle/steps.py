@@ -58,6 +58,7 @@ MAX_CHUNK_BYTES = 8 << 20  # rows gathered and written per call: big enough for 
 RING = 4  # chunk buffers: one being gathered while up to RING-1 are indexed or written
 CHUNKS_IN_BUDGET = RING + 3  # the ring, the gather scratch and the shard writer's temporaries
 MAX_BLOCK_BYTES = 64 << 20  # scatter read block, unless the buckets need larger (ROWS_PER_APPEND)
+RECORD_BYTES = 24  # a scatter task's record of one bucket: rows, xxh3_64 of its rows file and of its positions file
 ROWS_PER_APPEND = 32  # a scatter block large enough for this many rows per bucket on average, when memory allows
 SCATTER_ROW_OVERHEAD = 256  # bytes of index arrays per row of a scatter block (Feistel temporaries)
 ORDER_ROW_OVERHEAD = 24  # g, inverse and arange entries per bucket row
@@ -429,7 +430,7 @@ class Layout:
         """Task t's records of `buckets` only: an order task reads its own buckets' records, a
         few bytes each, not the whole table (which grows with the bucket count)."""
         return np.fromfile(self.task_records(t), dtype="<u8", count=3 * len(buckets),
-                           offset=24 * buckets.start).reshape(-1, 3)
+                           offset=RECORD_BYTES * buckets.start).reshape(-1, 3)
 
     def bucket_file(self, t: int, b: int, ext: str) -> Path:
         """Task t's rows (ext "rows") or their output positions ("pos") of bucket b."""
