@@ -221,15 +221,16 @@ class Outbox:
         dropping the local manifests (named `manifest`) the store lacks: only a sent manifest
         makes something complete."""
         root = RemotePath(self.remote)
-        found = root.call("find", detail=False) if root.exists() else []
+        found = set(root.call("find", detail=False)) if root.exists() else set()
         for p in Path(self.local).rglob(manifest):
             if posixpath.join(root.key, p.relative_to(self.local).as_posix()) not in found:
                 p.unlink()
-        for key in (k for k in found if k.endswith(".json")):
-            rel = posixpath.relpath(key, root.key)
-            target = Path(self.local) / rel
+        keys = sorted(k for k in found if k.endswith(".json"))
+        # one batch: fsspec's async stores (s3fs) fetch the many small records concurrently
+        for key, data in (root._guarded(root.fs.cat, "read from", keys) if keys else {}).items():
+            target = Path(self.local) / posixpath.relpath(key, root.key)
             target.parent.mkdir(parents=True, exist_ok=True)
-            write_bytes_atomic(target, (root / rel).read_bytes())
+            write_bytes_atomic(target, data)
 
 
 def open_read(path, block: int = IO_BLOCK, ahead: bool = True):
