@@ -221,6 +221,11 @@ def command_line() -> str:
     return " ".join(argv)
 
 
+def holder_name(command: str) -> str:
+    """How a second command that finds the lock held is told who holds it."""
+    return command_line() if command in sys.argv[1:] else f"tokpack {command} (Python API)"
+
+
 def locked_output(command: str, arg: str = "output"):
     """Decorator for a Python API entry point that writes the directory named by its argument
     `arg`: the call holds that directory's OutputLock from start to end (error and Ctrl-C
@@ -234,8 +239,7 @@ def locked_output(command: str, arg: str = "output"):
             target = str(signature.bind(*args, **kwargs).arguments[arg])
             if "://" in target:  # not a local directory: the entry point refuses it or stages it
                 return fn(*args, **kwargs)
-            who = command_line() if command in sys.argv[1:] else f"tokpack {command} (Python API)"
-            with OutputLock(target, who):
+            with OutputLock(target, holder_name(command)):
                 return fn(*args, **kwargs)
 
         return locked

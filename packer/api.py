@@ -84,7 +84,7 @@ def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_forma
     from packer.packing import pack as pack_source
 
     in_process = runs_in_process(executor or ExecutorConfig())
-    with local_paths([], str(output), scratch and str(scratch), in_process) as (_, local_output, outbox):
+    with local_paths([], str(output), scratch and str(scratch), in_process, "pack") as (_, local_output, outbox):
         return pack_source(as_paths(inputs), local_output, input_format=input_format, column=column, dtype=dtype,
                            tokenizer=tokenizer, eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite,
                            shard_tokens=shard_tokens, config=executor, log=log, outbox=outbox)

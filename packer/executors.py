@@ -25,6 +25,7 @@ from pathlib import Path
 import xxhash
 
 from formats.errors import TokpackError, task_failed
+from formats.guard import OutputLock, holder_name
 from formats.io import Outbox, is_url, local_path
 from formats.manifest import MANIFEST
 from formats.sinks import app_sinks_kept
@@ -429,37 +430,41 @@ def _fs_and_path(url: str):
 
 
 @contextlib.contextmanager
-def local_paths(inputs: list[str], output: str, scratch: str | None = None, in_process: bool = True):
+def local_paths(inputs: list[str], output: str, scratch: str | None = None, in_process: bool = True,
+                command: str = "shuffle"):
     """Yields (inputs, output, outbox) as local paths: `file://` URLs become paths. Other fsspec
     URLs: inputs are downloaded to a temporary folder; an output is written to a local folder
     named after the URL under `scratch` (default: TOKPACK_STAGE_DIR, else the system temp dir)
     and goes to the store file by file through `outbox` (formats.io.Outbox; None for a local
-    output). That folder is kept when the command fails, for its rerun, and removed when it
-    succeeds. `in_process`: every task runs in this process (the tasks send the shards)."""
+    output). That folder is locked (for `command`) before the store's state is fetched into it,
+    kept when the command fails, for its rerun, and removed when it succeeds. `in_process`:
+    every task runs in this process (the tasks send the shards)."""
     scratch = scratch or os.environ.get("TOKPACK_STAGE_DIR") or tempfile.gettempdir()
     downloads = None
     try:
-        if any(local_path(p) is None for p in inputs):
-            downloads = tempfile.mkdtemp(prefix="tokpack-stage-", dir=scratch)
-        local_inputs = [local_path(p) or stage_in(p, downloads) for p in inputs]
-        outbox = None
-        local_output = local_path(output)
-        if local_output is None:
-            local_output = os.path.join(scratch, f"tokpack-out-{xxhash.xxh3_64_hexdigest(output.rstrip('/').encode())}")
-            outbox = Outbox(local_output, output)
-            if not in_process and outbox.in_one_process():
-                raise TokpackError("this store keeps its objects inside one process", file=output,
-                                   expected="tasks that run in this process", found="tasks in other processes",
-                                   hint="use --workers 1, or a store every process reaches (s3://..., a path)")
-            outbox.check_bucket()
-            os.makedirs(local_output, exist_ok=True)
-            outbox.fetch_state(MANIFEST)
-        try:
-            yield local_inputs, local_output, outbox
-        except TokpackError as e:
-            if outbox is not None and e.file and e.file.startswith(outbox.local):
-                e.file = outbox.remote + e.file[len(outbox.local):]  # the user's name for it, not ours
-            raise
+        with contextlib.ExitStack() as held:
+            if any(local_path(p) is None for p in inputs):
+                downloads = tempfile.mkdtemp(prefix="tokpack-stage-", dir=scratch)
+            local_inputs = [local_path(p) or stage_in(p, downloads) for p in inputs]
+            outbox = None
+            local_output = local_path(output)
+            if local_output is None:
+                name = f"tokpack-out-{xxhash.xxh3_64_hexdigest(output.rstrip('/').encode())}"
+                local_output = os.path.join(scratch, name)
+                outbox = Outbox(local_output, output)
+                if not in_process and outbox.in_one_process():
+                    raise TokpackError("this store keeps its objects inside one process", file=output,
+                                       expected="tasks that run in this process", found="tasks in other processes",
+                                       hint="use --workers 1, or a store every process reaches (s3://..., a path)")
+                outbox.check_bucket()
+                held.enter_context(OutputLock(local_output, holder_name(command)))
+                outbox.fetch_state(MANIFEST)
+            try:
+                yield local_inputs, local_output, outbox
+            except TokpackError as e:
+                if outbox is not None and e.file and e.file.startswith(outbox.local):
+                    e.file = outbox.remote + e.file[len(outbox.local):]  # the user's name for it, not ours
+                raise
         if outbox is not None:
             shutil.rmtree(local_output, ignore_errors=True)
     finally:

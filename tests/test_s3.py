@@ -600,3 +600,21 @@ def test_pack_to_a_bucket_killed_while_naming_its_shards_finishes_from_another_m
     assert result.status == "packed" and result.output == f"s3://{bucket}/p"
     stage(f"s3://{bucket}/p", tmp_path / "staged")
     assert tree(tmp_path / "staged") == tree(tmp_path / "local")
+
+
+def test_two_commands_on_one_bucket_output_meet_at_the_scratch_lock(s3_bucket, many_shard_source, tmp_path):
+    """A second shuffle to the same URL from this machine, while the first runs, is refused with
+    one line before it touches anything; the first finishes and its run is whole."""
+    fs, bucket = s3_bucket
+    url = f"s3://{bucket}/run"
+    (tmp_path / "s").mkdir()
+    args = ["shuffle", str(many_shard_source), "-o", url, *SHUFFLE_ARGS, "--scratch", str(tmp_path / "s")]
+    first = subprocess.Popen([sys.executable, "-m", "packer.cli", *args], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    while not objects(fs, url, ".ds") and first.poll() is None:
+        time.sleep(0.05)
+    second = cli(*args)
+    line = one_line_error(second)
+    assert "in use by another tokpack command" in line and "tokpack.lock" in line, line
+    assert first.wait() == 0, first.stderr.read()
+    assert cli("validate", url).returncode == 0
