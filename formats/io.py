@@ -144,8 +144,9 @@ class RemotePath:
         if self.exists():
             self._guarded(self.fs.rm, "write to", self.key, recursive=True)
 
-    def move_to(self, other: "RemotePath") -> None:
-        """A copy inside the store (no bytes through this machine), then this object deleted."""
+    def replace(self, other: "RemotePath") -> None:
+        """pathlib's rename onto `other`: a copy inside the store (no bytes through this
+        machine), then this object deleted."""
         self._guarded(self.fs.mv, "write to", self.key, other.key)
 
     def exists(self) -> bool:
@@ -168,6 +169,12 @@ class RemotePath:
 
     def read_text(self) -> str:
         return self.read_bytes().decode("utf-8")
+
+
+def kept_at(path: str | Path, outbox: "Outbox | None") -> "Path | RemotePath":
+    """Where a committed output file or folder is kept: its twin in the store when an outbox
+    sends it there, else the local path itself."""
+    return outbox.remote_of(path) if outbox else Path(path)
 
 
 class Outbox:

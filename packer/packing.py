@@ -32,7 +32,7 @@ from formats.errors import TokpackError
 from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, locked_output
 from formats.inputs import BLOCK_BYTES, InputFile
 from formats.inputs.discover import check_input, discover, read_blocks
-from formats.io import TMP_MARK, Outbox, as_path, is_url, progress, write_bytes_atomic
+from formats.io import TMP_MARK, Outbox, as_path, kept_at, is_url, progress, write_bytes_atomic
 from formats.manifest import (
     MANIFEST,
     dtype_for_vocab,
@@ -97,7 +97,7 @@ class PackStep(PipelineStep):
         f = self.files[i]
         part_dir = Path(self.work) / f"part-{i:05d}"
         part_json = Path(self.work) / f"part-{i:05d}.json"
-        shards_at = self.outbox.remote_of(part_dir) if self.outbox else part_dir
+        shards_at = kept_at(part_dir, self.outbox)
         if part_json.exists():
             part = json.loads(part_json.read_text())
             if all(shard_on_disk(shards_at, e, np.dtype(self.dtype).itemsize) for e in part["shards"]):
@@ -331,9 +331,9 @@ def _finalize(out: Path, work: Path, plan: dict, outbox: Outbox | None) -> dict:
     writes tokpack.json last."""
     manifest = plan["manifest"]
     for src, dst, size in plan["moves"]:
-        src, dst = (outbox.remote_of(out / p) if outbox else out / p for p in (src, dst))
+        src, dst = (kept_at(out / p, outbox) for p in (src, dst))
         if src.exists():
-            src.move_to(dst) if outbox else os.replace(src, dst)
+            src.replace(dst)
         elif not dst.exists() or (size is not None and dst.stat().st_size != size):
             raise TokpackError("a shard disappeared while finishing the pack", file=dst, expected="the moved shard",
                                found="nothing", hint="rerun with --overwrite to pack again from scratch")
@@ -416,7 +416,7 @@ def setup_pack(inputs: list[str], out: Path, *, input_format: str = "auto", colu
         "vocab_size": vocab_size, "shard_tokens": int(shard_tokens),
     }
     setup = PackSetup(fmt, files, tokenizer, request,
-                      _output_state(outbox.remote_of(out) if outbox else out, request, overwrite))
+                      _output_state(kept_at(out, outbox), request, overwrite))
     if setup.state == "complete":
         return setup
     if fmt == "text":
@@ -456,7 +456,7 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
     input_bytes = sum(f.size for f in files)
     shown = outbox.remote if outbox else out  # where the packed source is
     if state == "complete":
-        manifest = read_manifest(outbox.remote_of(out) if outbox else out, kind="source")
+        manifest = read_manifest(kept_at(out, outbox), kind="source")
         # A pack killed between writing its manifest and removing its scratch left the scratch.
         _remove_work(out / WORK_DIR, outbox)
         say(f"tokpack pack: {shown} already holds this pack; nothing to do")

@@ -24,10 +24,10 @@ import xxhash
 
 from formats.errors import TokpackError
 from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
-from formats.io import TMP_MARK, Outbox, remove_tmp_files
+from formats.io import TMP_MARK, Outbox, kept_at, remove_tmp_files
 from formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
                               read_manifest, run_manifest, write_manifest)
-from formats.shards import EPOCH_SHARD_SUFFIXES, PackedSource
+from formats.shards import PackedSource, shard_suffixes
 
 from .plan import PLAN_ALGORITHM, EpochPlan, is_virtual, open_source, parse_weight, source_location
 from .schedule import RunPlan, Schedule
@@ -145,7 +145,8 @@ def _existing_run(out: Path, outbox: Outbox | None = None) -> dict | None:
         raise TokpackError("output is not a directory", file=out)
     if (out / MANIFEST).exists():
         return _params_of_manifest(read_manifest(out, kind="run"))
-    listed = outbox.remote_of(out) if outbox and outbox.remote_of(out).exists() else out
+    kept = kept_at(out, outbox)
+    listed = kept if kept.exists() else out
     foreign = [p.name for p in listed.iterdir()
                if not (p.name.startswith("epoch-") or p.name in (WORK_DIR, LOCK_NAME) or TMP_MARK in p.name)]
     if foreign:
@@ -344,8 +345,8 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
             raise TokpackError("output shard did not complete", file=Path(job.epoch_dir) / job.shard_file(i),
                                hint="rerun the same command; completed shards are kept")
         entries.append(entry)
-    keep = {e["path"] + ext for e in entries for ext in EPOCH_SHARD_SUFFIXES}
-    for edir in [Path(job.epoch_dir)] + ([job.outbox.remote_of(job.epoch_dir)] if job.outbox else []):
+    keep = {e["path"] + ext for e in entries for ext in shard_suffixes(e)}
+    for edir in {Path(job.epoch_dir), kept_at(job.epoch_dir, job.outbox)}:  # here, and where its shards went
         for p in list(edir.iterdir()) if edir.is_dir() else []:  # leftovers of an earlier, different attempt
             if p.name not in keep and p.is_file():
                 p.unlink()

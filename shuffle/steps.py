@@ -42,9 +42,9 @@ import numpy as np
 import xxhash
 
 from formats.errors import TokpackError
-from formats.io import IO_BLOCK, Outbox, Worker, drop_buffers, lent, map_file, progress, write_bytes_atomic
+from formats.io import IO_BLOCK, Outbox, Worker, kept_at, drop_buffers, lent, map_file, progress, write_bytes_atomic
 from formats.manifest import dtype_from_name, shard_digits, shard_name
-from formats.shards import EPOCH_SHARD_SUFFIXES, EpochShardWriter, PackedSource, RowFragments, shard_on_disk
+from formats.shards import EpochShardWriter, PackedSource, RowFragments, shard_on_disk, shard_suffixes
 from formats.sinks import app_sinks_kept
 
 from .plan import EpochPlan, iter_source_windows, open_source
@@ -216,8 +216,8 @@ class EpochJob:
     def shard_done(self, i: int) -> dict | None:
         """The shard's manifest entry if it was committed and recorded and is still there."""
         entry = self.done_entry(i)
-        where = self.outbox.remote_of(self.epoch_dir) if self.outbox else self.epoch_dir
-        return entry if entry is not None and shard_on_disk(where, entry, self.token_dtype.itemsize) else None
+        kept = kept_at(self.epoch_dir, self.outbox)
+        return entry if entry is not None and shard_on_disk(kept, entry, self.token_dtype.itemsize) else None
 
     def write_shard(self, i: int, blocks) -> dict:
         """Writes shard i from `blocks` (an iterator, in output order, of np.void row arrays, or
@@ -250,7 +250,7 @@ class EpochJob:
         self.done_path(i).parent.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(self.done_path(i), json.dumps(entry).encode(), fsync=True)
         if self.outbox:  # the shard's files, then the record that they are there
-            self.outbox.send(*(Path(self.epoch_dir) / f"{entry['path']}{s}" for s in EPOCH_SHARD_SUFFIXES))
+            self.outbox.send(*(Path(self.epoch_dir) / f"{entry['path']}{s}" for s in shard_suffixes(entry)))
             self.outbox.send(self.done_path(i), keep=True)
         return entry
 
