@@ -41,12 +41,13 @@ class ExecutorConfig:
 
 
 class Result:
-    """A command's result. `to_json()` is what `--json` prints: the fields, less the optional
-    ones (metadata optional=True) that are None."""
+    """A command's result. `to_json()` is what `--json` prints: `"ok": true` (unless the result
+    has its own `ok`), then the fields, less the optional ones (metadata optional=True) that are
+    None. Every command's JSON has `ok`, so a script can test `.ok` whatever it ran."""
 
     def to_json(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if not (f.metadata.get("optional") and getattr(self, f.name) is None)}
+        return {"ok": True, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                               if not (f.metadata.get("optional") and getattr(self, f.name) is None)}}
 
 
 def optional_field():
@@ -58,13 +59,18 @@ class ShuffleResult(Result):
     output: str
     epochs: list[int]  # every epoch the run holds
     written: list[int]
-    skipped: list[int]  # complete already
-    samples_per_epoch: int
+    skipped: list[int]  # complete already: reused as they were
+    reused_shards: int  # shards of the epochs written that an earlier, interrupted command had written
+    samples_per_epoch: int | None  # None when the epochs differ in size (a schedule's stages): see epoch_samples
+    epoch_samples: list[int]  # per epoch of `epochs`
     seq_len: int
     shard_samples: int
     path: str  # "in-memory", "out-of-core", both, or "none"
+    bytes_written: int  # the sample bytes of the shards this command wrote (not their small index files)
     seconds: float
-    epochs_detail: list[dict]  # per epoch written: path, samples, shards, hash, per-source counts
+    mb_per_s: float | None  # bytes_written / seconds; None when nothing was written
+    epochs_detail: list[dict]  # per epoch written: path, stage, samples, shards, shards_reused, bytes_written,
+    # hash, per-source counts
     warnings: list[str]  # one per source an epoch repeats windows of
 
 

@@ -54,7 +54,7 @@ def emit(result, as_json: bool, report_lines=None, err: bool = False) -> None:
             click.echo(line, err=err)
     else:
         for key, value in summary.items():
-            if isinstance(value, (list, dict)):
+            if value is None or isinstance(value, (list, dict)):
                 continue
             click.echo(f"{key:>18}: {value}")
 
@@ -389,6 +389,10 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
     emit(result, as_json)
     if not as_json:
         for detail in result.epochs_detail:
+            stage = "" if detail["stage"] is None else f" (stage {detail['stage']})"
+            reused = f" ({detail['shards_reused']} reused from an earlier attempt)" if detail["shards_reused"] else ""
+            click.echo(f"epoch {detail['epoch']}{stage}: {detail['samples']} samples, {detail['shards']} "
+                       f"shards{reused}, {detail['path']}")
             for r in detail["sources"]:
                 if not r["samples"] and r["weight"] is None:
                     continue  # a source of the schedule that this epoch's stage does not use

@@ -45,9 +45,11 @@ class PlanResult(Result):
     disk_mbps: float | None  # read + write throughput the prediction uses
     disk: str  # where disk_mbps comes from
     predicted_seconds: float | None
-    samples_per_epoch: int | None = optional_field()
+    samples_per_epoch: int | None = optional_field()  # shuffle: when every epoch planned has one size
     sources: list[dict] | None = optional_field()  # shuffle: per source of the first epoch planned
-    epochs: list[dict] | None = optional_field()  # shuffle: per epoch asked for
+    epochs: list[dict] | None = optional_field()  # shuffle: per epoch asked for: its stage, samples, path, shards,
+    # and per source what it takes (the `sources` of shuffle's epochs_detail)
+    warnings: list[str] | None = optional_field()  # shuffle: the repeat warnings shuffle would give
     buckets: int | None = optional_field()  # shuffle, out of core: over every epoch
     bucket_files: int | None = optional_field()  # at most: each scatter task writes 2 files per bucket its rows reach
 
@@ -127,7 +129,7 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
     a schedule file instead of sources and their settings (every epoch unless `epochs` says)."""
     from shuffle.steps import BUCKETS_PER_FOLDER
     from shuffle.run import (bytes_to_write, epoch_bytes, epoch_layout, memory_path, planned_epoch_manifest,
-                             run_manifest_of, scratch_bytes, setup_run, task_budget)
+                             repeat_warnings, run_manifest_of, scratch_bytes, setup_run, task_budget)
 
     from shuffle.schedule import read_schedule
 
@@ -144,9 +146,15 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
     opened = setup.sources
     passes, details, manifests, written = [], [], {}, {}
     buckets = bucket_files = 0
+    warnings = []
     for epoch, plan, job in setup.todo:
+        stage, report = setup.runplan.stage_name(epoch), plan.source_report()
+        if setup.runplan.schedule.file is not None:  # a schedule's epoch lists every source; show its stage's
+            report = [r for r in report if r["samples"] or r["weight"] is not None]
+        warnings += repeat_warnings(epoch, report, stage)
         if job is None:
-            details.append({"epoch": epoch, "path": "complete already", "samples": plan.samples})
+            details.append({"epoch": epoch, "stage": stage, "path": "complete already", "samples": plan.samples,
+                            "sources": report})
             continue
         read = sum(src.tokens * src.dtype.itemsize for src, sp in zip(opened, plan.sources) if sp.samples)
         manifest = planned_epoch_manifest(job, opened)
@@ -154,8 +162,8 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
         size = epoch_bytes(job, manifest)
         manifests[f"{epoch_dir_name(epoch)}/{MANIFEST}"] = len(canonical_bytes(manifest))
         layout = epoch_layout(job, memory=memory, workers=config.workers, tasks=config.tasks)
-        detail = {"epoch": epoch, "path": "in-memory" if layout is None else "out-of-core", "samples": plan.samples,
-                  "shards": job.n_shards, "output_bytes": size}
+        detail = {"epoch": epoch, "stage": stage, "path": "in-memory" if layout is None else "out-of-core",
+                  "samples": plan.samples, "shards": job.n_shards, "output_bytes": size, "sources": report}
         if layout is None:
             detail["memory_bytes"] = memory_path(job, memory)[1]
             passes.append(_pass("in-memory", 1, detail["memory_bytes"], read, size, epoch=epoch))
@@ -173,11 +181,13 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
         run = run_manifest_of(written, setup.todo[-1][1], setup.weights, opened, setup.shard_samples, setup.runplan)
         manifests[MANIFEST] = len(canonical_bytes(run))
     plan = setup.todo[0][1]
+    sizes = {d["samples"] for d in details}
     paths_taken = sorted({d["path"] for d in details if "shards" in d})
     return _result(
         "shuffle", str(output), passes, [(output, bytes_to_write(setup.jobs, opened, memory))], config, disk_mbps,
         config.executor != "local", path=",".join(paths_taken) or "none",
-        shards=sum(d.get("shards", 0) for d in details), manifests=manifests, samples_per_epoch=plan.samples,
+        shards=sum(d.get("shards", 0) for d in details), manifests=manifests,
+        samples_per_epoch=sizes.pop() if len(sizes) == 1 else None, warnings=warnings,
         sources=[{"name": sp.name, "path": sp.path, "tokens": sp.tokens, "windows": sp.windows, "samples": sp.samples,
                   "passes": plan.passes(i), "first_pass": plan.first_pass(i)} for i, sp in enumerate(plan.sources)],
         epochs=details, buckets=buckets if bucket_files else None, bucket_files=bucket_files or None)
@@ -256,14 +266,18 @@ def report_lines(r: PlanResult) -> list[str]:
     lines = [f"plan {r.command} -> {r.output}: {r.path}, {at_least}{r.shards:,} shard(s); nothing written"]
     if r.samples_per_epoch is not None:
         lines.append(f"  samples per epoch: {r.samples_per_epoch:,}")
-        lines += [f"  source {s['name']}: {s['tokens']:,} tokens, {s['windows']:,} windows, {s['samples']:,} samples, "
-                  f"{s['passes']} pass(es) from pass {s['first_pass']}" for s in r.sources or []]
+    tokens = {s["name"]: s["tokens"] for s in r.sources or []}
     for e in r.epochs or []:
         extra = "" if e["path"] != "out-of-core" else (
             f", {e['scatter_tasks']} scatter tasks, {e['buckets']:,} buckets (at most {e['bucket_files']:,} bucket "
             f"files), {_size(e['scratch_bytes'])} scratch")
-        lines.append(f"  epoch {e['epoch']}: {e['path']}, {e['samples']:,} samples, {e.get('shards', 0):,} shards"
-                     + extra)
+        stage = "" if e["stage"] is None else f" (stage {e['stage']})"
+        lines.append(f"  epoch {e['epoch']}{stage}: {e['path']}, {e['samples']:,} samples, {e.get('shards', 0):,} "
+                     "shards" + extra)
+        lines += [f"    source {s['name']}: {s['samples']:,} samples of {s['windows']:,} windows"
+                  + (f" ({tokens[s['name']]:,} tokens)" if s["name"] in tokens else "")
+                  + f", {s['passes']} pass(es) from pass {s['first_pass']}, {s['repeats']:,} repeated"
+                  for s in e["sources"]]
     for p in r.passes:
         memory = "no set memory bound" if p["memory_per_task"] is None else f"{_size(p['memory_per_task'])} memory"
         lines.append(f"  pass {p['name']}{'' if 'epoch' not in p else ' (epoch %d)' % p['epoch']}: {p['tasks']:,} "
@@ -275,4 +289,5 @@ def report_lines(r: PlanResult) -> list[str]:
     lines += [f"  manifest {name}: {n:,} bytes" for name, n in r.manifests.items()]
     lines.append(f"  predicted wall time: {_duration(r.predicted_seconds)} ({r.executor}, {r.workers} worker(s), disk "
                  f"{r.disk_mbps if r.disk_mbps is not None else '?'} MB/s {r.disk})")
+    lines += [f"tokpack: warning: {w}" for w in r.warnings or []]
     return lines

@@ -299,6 +299,10 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     name = f"{epoch_dir_name(plan.epoch)}-{attempt}"
     job.source_changed_path.unlink(missing_ok=True)  # an earlier attempt's: this one reads the sources again
     shards_left = [i for i in range(job.n_shards) if job.shard_done(i) is None]
+    reused = job.n_shards - len(shards_left)
+    if shards_left and reused:
+        log(f"epoch {plan.epoch}: resuming: {reused} of {job.n_shards} shards were written by an earlier "
+            f"attempt and are reused; {len(shards_left)} left to write")
     try:
         layout = None
         if not shards_left:  # a rerun after every shard finished: only the manifest is missing
@@ -360,7 +364,9 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
         job.outbox.remote_of(work).remove_tree()
     shutil.rmtree(work, ignore_errors=True)
     return {"epoch": plan.epoch, "path": "in-memory" if in_memory else "out-of-core", "samples": plan.samples,
-            "shards": job.n_shards, "sample_multiset_hash": manifest["sample_multiset_hash"]}
+            "shards": job.n_shards, "shards_reused": reused,
+            "bytes_written": sum(entries[i]["bytes"] for i in shards_left),
+            "sample_multiset_hash": manifest["sample_multiset_hash"]}
 
 
 @dataclass
@@ -496,7 +502,7 @@ def shuffle_run(
                       tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter, workers=workers,
                       progress=bool(progress), given=given, schedule=schedule, outbox=outbox)
     out, opened, weights, shard_samples = Path(output), setup.sources, setup.weights, setup.shard_samples
-    done_epochs, existing, runplan, skipped, summaries = setup.done_epochs, setup.params, setup.runplan, [], []
+    done_epochs, runplan, skipped, summaries = setup.done_epochs, setup.runplan, [], []
     check_space([(out, bytes_to_write(setup.jobs, opened, memory, workers))], "shuffle",
                 hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)")
     if setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():  # its numbering, fixed at creation
@@ -515,6 +521,7 @@ def shuffle_run(
             log(f"epoch {epoch}: already complete, skipped")
         else:
             summary = run_epoch(job, memory=memory, workers=workers, tasks=tasks, run_passes=run_passes, log=log)
+            summary["stage"] = runplan.stage_name(epoch)
             summary["sources"] = plan.source_report()
             summaries.append(summary)
         done_epochs = sorted(set(done_epochs) | {epoch})
@@ -522,32 +529,52 @@ def shuffle_run(
     work = out / WORK_DIR
     if work.exists() and not any(work.iterdir()):
         work.rmdir()
+    seconds = time.perf_counter() - t0
+    written = sum(s["bytes_written"] for s in summaries)
+    sizes = epoch_samples(runplan, done_epochs)
     return {
         "output": outbox.remote if outbox else str(out),
         "epochs": done_epochs,
         "written": [s["epoch"] for s in summaries],
         "skipped": skipped,
-        "samples_per_epoch": existing["samples"] if existing else 0,
+        "reused_shards": sum(s["shards_reused"] for s in summaries),
+        "samples_per_epoch": sizes[0] if len(set(sizes)) == 1 else None,
+        "epoch_samples": sizes,
         "seq_len": runplan.schedule.seq_len,
         "shard_samples": shard_samples,
         "path": ",".join(sorted({s["path"] for s in summaries})) or "none",
-        "seconds": round(time.perf_counter() - t0, 3),
+        "bytes_written": written,
+        "seconds": round(seconds, 3),
+        "mb_per_s": round(written / 1e6 / seconds, 1) if seconds > 0 and written else None,
         "epochs_detail": summaries,
-        "warnings": [w for summary in summaries for w in repeat_warnings(summary["epoch"], summary["sources"])],
+        "warnings": [w for summary in summaries for w in repeat_warnings(summary["epoch"], summary["sources"],
+                                                                         summary["stage"])],
     }
 
 
-def repeat_warnings(epoch: int, report: list[dict]) -> list[str]:
-    """One line per source whose windows this epoch holds more than once."""
+def epoch_samples(runplan: RunPlan, epochs: list[int]) -> list[int]:
+    """The samples of each of `epochs` (a schedule's stages differ in size)."""
+    return [runplan.epoch_plan(e).samples for e in epochs]
+
+
+def repeat_warnings(epoch: int, report: list[dict], stage: str | None = None) -> list[str]:
+    """One line per source whose windows this epoch holds more than once. `stage`: the epoch's
+    stage in a schedule (None: a run made with flags), whose sizes and weights are the file's."""
     lines = []
     for r in report:
         if not r["repeats"]:
             continue
         span = f"pass {r['first_pass']}" if r["passes"] == 1 else f"passes {r['first_pass']}-{r['first_pass'] + r['passes'] - 1}"
-        why = ("it has fewer windows than its share of the epoch; lower its weight or --samples/--tokens, or add data"
-               if r["samples"] > r["windows"] else "the epoch ends one pass over it and starts the next, and the "
-               "two passes' orders differ; epochs that are whole passes (no --samples/--tokens/weights) never repeat")
-        lines.append(f"epoch {epoch}: source {r['name']} ({r['path']}) is used more than once: {r['repeats']} of its "
+        if stage is None:
+            why = ("it has fewer windows than its share of the epoch; lower its weight or --samples/--tokens, or add "
+                   "data" if r["samples"] > r["windows"] else "the epoch ends one pass over it and starts the next, "
+                   "and the two passes' orders differ; epochs that are whole passes (no --samples/--tokens/weights) "
+                   "never repeat")
+        else:
+            why = (f"the schedule's stages take more than its windows; in the schedule file lower its weight or "
+                   f"the size of stage {stage!r} (or of the stages before it), or add data")
+        where = f"epoch {epoch}" if stage is None else f"epoch {epoch} (stage {stage})"
+        lines.append(f"{where}: source {r['name']} ({r['path']}) is used more than once: {r['repeats']} of its "
                      f"{r['samples']} samples repeat a window ({r['windows']} windows, {span}). HINT: {why}")
     return lines
 

@@ -206,6 +206,10 @@ class RunPlan:
                            expected=f"0..{first - 1} ({len(self.schedule.stages)} stages)", found=epoch,
                            hint="the schedule's epochs are numbered through all its stages")
 
+    def stage_name(self, epoch: int) -> str | None:
+        """The name of the stage an epoch belongs to; None for a run made with flags (one unnamed stage)."""
+        return self.schedule.stages[self.stage_of(epoch)[0]].name or None
+
     def epoch_plan(self, epoch: int) -> EpochPlan:
         k, first = self.stage_of(epoch)
         plan = self._stage_plan(k, epoch)

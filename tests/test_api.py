@@ -122,7 +122,7 @@ def test_results_are_dataclasses_with_the_cli_json(sources, tmp_path):
     assert set(restaged) == set(staged.to_json()) and restaged["files"] == staged.files
 
 
-PACK_KEYS = ["output", "status", "format", "inputs", "tokens", "documents", "shards", "bytes", "input_bytes", "seconds",
+PACK_KEYS = ["ok", "output", "status", "format", "inputs", "tokens", "documents", "shards", "bytes", "input_bytes", "seconds",
              "mb_per_s", "dtype", "vocab_size", "eos_id", "eos_appended", "empty_documents_dropped", "fingerprint",
              "warnings"]
 STAGE_KEYS = ["ok", "kind", "source", "dest", "epochs", "files", "copied_files", "skipped_files", "bytes_copied",
@@ -138,7 +138,7 @@ def test_cli_json_keys_are_the_result_fields_in_order(sources, tmp_path):
     packed = pack(corpus, tmp_path / "src", eos_id=EOS, vocab_size=VOCAB)
     cli_pack = cli_json("pack", corpus, "-o", tmp_path / "src", "--eos-id", EOS, "--vocab-size", VOCAB)
     assert list(cli_pack) == list(packed.to_json()) == PACK_KEYS
-    assert [f.name for f in dataclasses.fields(PackResult)] == PACK_KEYS
+    assert ["ok"] + [f.name for f in dataclasses.fields(PackResult)] == PACK_KEYS
 
     shuffle(a, tmp_path / "run", seq_len=31, seed=3, epochs=2)
     for extra, keys in (((), STAGE_KEYS), (("--epochs", "1", "--ranks", "0/2"), STAGE_KEYS + RANKS_KEYS)):
@@ -150,8 +150,8 @@ def test_cli_json_keys_are_the_result_fields_in_order(sources, tmp_path):
     for args, kw in (((), {}), (("--epoch", 1, "--batch-size", 4, "--batches", 2), dict(epoch=1, batch_size=4, batches=2))):
         info = inspect(tmp_path / "run", **kw)
         cli_inspect = cli_json("inspect", tmp_path / "run", *args)
-        shown = [f.name for f in dataclasses.fields(InspectResult) if getattr(info, f.name) is not None]
-        assert list(cli_inspect) == list(info.to_json()) == shown and shown[:3] == ["kind", "path", "batch_size"]
+        shown = ["ok"] + [f.name for f in dataclasses.fields(InspectResult) if getattr(info, f.name) is not None]
+        assert list(cli_inspect) == list(info.to_json()) == shown and shown[:4] == ["ok", "kind", "path", "batch_size"]
 
 
 def test_urls_are_staged_from_python(tmp_path):

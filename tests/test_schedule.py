@@ -54,6 +54,7 @@ stages:
 SIZES = [883, 883, 258, 96]
 STAGES = ["stable", "stable", "mid", "decay"]
 BOUNDARY = SIZES[0] + SIZES[1]  # consumed-sample number of the first sample of stage "mid" (epoch 2)
+RESULTS: dict = {}  # the ShuffleResult of the `run` fixture
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,7 @@ def run(corpus) -> Path:
     """The three-stage run, every epoch written by one command, in order."""
     out = corpus / "run"
     result = shuffle(None, out, schedule=corpus / "run.yaml", memory=MEMORY)
+    RESULTS["run"] = result
     assert result.written == [0, 1, 2, 3]
     assert "out-of-core" in result.path
     return out
@@ -385,3 +387,29 @@ def test_plan_of_a_schedule_is_the_run(run, corpus, tmp_path):
     code, lines = cli("plan", "shuffle", "--schedule", corpus / "run.yaml", "-o", tmp_path / "p2", "--epoch", "2",
                       "--memory", str(MEMORY), "--disk-mbps", "100", "--json")
     assert code == 0 and [e["samples"] for e in json.loads("\n".join(lines))["epochs"]] == [SIZES[2]]
+
+
+def test_summary_and_plan_of_a_schedule_report_every_epoch_and_stage(run, corpus, tmp_path):
+    """shuffle's summary gives each epoch's size (not one samples_per_epoch of 0) and stage; the
+    plan shows every epoch's stage and per-source lines, and gives shuffle's own repeat warnings,
+    whose hint points at the schedule file, not at --samples/--tokens."""
+    from packer import plan
+
+    result = RESULTS["run"]
+    assert result.samples_per_epoch is None and result.epoch_samples == SIZES
+    assert [d["stage"] for d in result.epochs_detail] == STAGES
+    assert result.bytes_written == sum(p.stat().st_size for p in run.rglob("*.ds")) and result.mb_per_s > 0
+    planned = plan("shuffle", None, tmp_path / "planned", schedule=corpus / "run.yaml", memory=MEMORY, disk_mbps=100)
+    assert [e["stage"] for e in planned.epochs] == STAGES and planned.samples_per_epoch is None
+    for e, d in zip(planned.epochs, result.epochs_detail):
+        assert e["sources"] == [s for s in d["sources"] if s["samples"] or s["weight"] is not None]
+    assert [s["name"] for s in planned.epochs[2]["sources"]] == ["web", "code", "math"]
+    # web wraps in epoch 0 and 1, code in 1 and 3 (decay): a later stage repeats a source
+    assert planned.warnings == result.warnings and len(result.warnings) == 4
+    assert "epoch 3 (stage decay): source code" in result.warnings[-1]
+    assert all("schedule file" in w and "--samples" not in w for w in result.warnings)
+    code, lines = cli("plan", "shuffle", "--schedule", corpus / "run.yaml", "-o", tmp_path / "p", "--memory", str(MEMORY),
+                      "--disk-mbps", "100")
+    text = "\n".join(lines)
+    assert code == 0 and "epoch 2 (stage mid)" in text and "source math: 58 samples" in text
+    assert text.count("tokpack: warning:") == 4

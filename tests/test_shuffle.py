@@ -416,8 +416,15 @@ def test_rerun_after_every_shard_writes_only_what_is_missing(sources, tmp_path, 
     monkeypatch.setattr(steps.EpochJob, "write_shard", lambda self, i, blocks: (ran.append(i), real_write(self, i, blocks))[1])
     monkeypatch.setattr(steps.ScatterStep, "run",
                         lambda self, *a, **k: (ran.append("scatter"), real_scatter(self, *a, **k))[1])
-    shuffle_run([str(big), str(small)], str(out), **kw)
+    logged = []
+    summary = shuffle_run([str(big), str(small)], str(out), log=logged.append, **kw)
     assert ran == (["scatter", 1] if shard == "deleted" else [])
+    # the summary and a log line say what the rerun reused
+    n_shards = len(list((out / "epoch-00000").glob("*.ds")))
+    assert summary["reused_shards"] == summary["epochs_detail"][0]["shards_reused"] == n_shards - len(ran[1:])
+    assert summary["bytes_written"] == sum(victim.stat().st_size for _ in ran[1:])
+    if shard == "deleted":
+        assert f"epoch 0: resuming: {n_shards - 1} of {n_shards} shards were written by an earlier attempt" in "".join(logged)
     if shard == "edited":
         report = validate_dirs([out], workers=1, show_progress=False)
         assert not report.ok and str(victim) in {p.file for p in report.problems}, [p.line() for p in report.problems]
