@@ -198,8 +198,11 @@ def executor_options(fn=None, *, tasks_help: str = "Number of tasks to split the
         click.option("--partition", default=None, help="slurm: partition."),
         click.option("--time", "time_limit", default="24:00:00", show_default=True, help="slurm: time limit."),
         click.option("--cpus-per-task", type=int, default=1, show_default=True, help="slurm/ray: CPUs per task."),
-        click.option("--mem", "mem_per_cpu_gb", type=float, default=2, show_default=True,
-                     help="slurm/ray: memory per CPU in GB."),
+        click.option("--mem-per-cpu-gb", "mem_per_cpu_gb", type=float, default=2, show_default=True,
+                     help="slurm/ray: memory reserved per CPU of a task, in GB (sbatch --mem-per-cpu); "
+                          "not a budget tokpack keeps (that is shuffle's --memory)."),
+        click.option("--mem", "deprecated_mem", type=float, default=None, hidden=True,
+                     help="Deprecated spelling of --mem-per-cpu-gb."),
         click.option("--sbatch-args", default=None, help="slurm: extra sbatch arguments as 'key=value,key=value'."),
         click.option("--ray-address", default=None, help="ray: cluster address (default: start a local cluster)."),
     ]
@@ -214,6 +217,14 @@ def _executor_config(kw: dict):
 
     from packer.api import ExecutorConfig
 
+    deprecated = kw.pop("deprecated_mem", None)
+    if deprecated is not None:  # --mem, GB per CPU, read next to --memory, bytes, as one option: renamed
+        ctx = click.get_current_context()
+        if ctx.get_parameter_source("mem_per_cpu_gb") is click.core.ParameterSource.COMMANDLINE:
+            raise click.UsageError("give --mem-per-cpu-gb only (--mem is its deprecated spelling)")
+        click.echo("tokpack: warning: --mem is deprecated (it is easily taken for --memory); "
+                   "use --mem-per-cpu-gb, GB of memory per CPU of a slurm/ray task", err=True)
+        kw["mem_per_cpu_gb"] = deprecated
     return ExecutorConfig(**{f.name: kw.pop(f.name) for f in fields(ExecutorConfig) if f.name in kw})
 
 
@@ -291,7 +302,15 @@ class _Tokpack(click.Group):
 @click.option("--debug", is_flag=True, help="Print the traceback of an internal error instead of saving it to a log file.")
 @click.version_option(package_name="tokpack")
 def main(debug):
-    """Pack tokenized corpora, shuffle them offline per epoch, validate, stage and stream them."""
+    """Pack tokenized corpora, shuffle them offline per epoch, validate, stage and stream them.
+
+    \b
+    Example:
+      tokpack pack corpus.jsonl -o packed --tokenizer tokenizer.json
+      tokpack shuffle packed -o run --seq-len 2048 --seed 1 --epochs 2
+      tokpack validate run --against packed
+      tokpack COMMAND --help
+    """
     global _DEBUG
     _DEBUG = _DEBUG or debug
     from loguru import logger
@@ -322,14 +341,20 @@ SCRATCH = click.option(
 @click.option("--eos-id", type=int, default=None, help="EOS token id (default: from the tokenizer or datatrove metadata).")
 @click.option("--vocab-size", type=int, default=None, help="Vocabulary size (default: from the tokenizer or the input dtype).")
 @click.option("--overwrite", is_flag=True, help="Replace an output directory that holds a different packed source.")
-@click.option("--shard-tokens", type=TOKENS, default=1 << 30, show_default=True,
-              help="Target tokens per output shard (documents never span shards).")
+@click.option("--shard-tokens", type=TOKENS, default=1 << 30,
+              help="Target tokens per output shard (documents never span shards) [default: 2^30 = 1Gi tokens].")
 @executor_options
 @SCRATCH
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
 def pack(inputs, output, as_json, **kw):
-    """Pack tokenized INPUTs into one packed source."""
+    """Pack tokenized INPUTs into one packed source.
+
+    \b
+    Example:
+      tokpack pack /data/tokenized/web/ -o /data/packed/web --workers 8
+      tokpack pack data.parquet -o packed --column input_ids --eos-id 0 --vocab-size 50304
+    """
     from packer.api import pack as pack_api
 
     executor = _executor_config(kw)
@@ -379,7 +404,14 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
 def shuffle(sources, output, epochs, epoch, as_json, **kw):
-    """Write globally shuffled epochs of fixed-length samples from packed SOURCEs."""
+    """Write globally shuffled epochs of fixed-length samples from packed SOURCEs.
+
+    \b
+    Example:
+      tokpack shuffle /data/packed/web=0.7 /data/packed/code=0.3 -o /data/runs/r1 \\
+          --seq-len 4096 --seed 1234 --epochs 3 --tokens 100B --memory 16GiB --workers 4
+      tokpack shuffle --schedule run.yaml -o /data/runs/r2
+    """
     from packer.api import shuffle as shuffle_api
 
     epochs = _epochs_asked(sources, epochs, epoch, kw)
@@ -413,7 +445,13 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @user_errors
 def validate(dirs, quick, against, workers, as_json):
-    """Check the integrity of tokpack directories (sources, runs, epochs). Exit 1 on any problem."""
+    """Check the integrity of tokpack directories (sources, runs, epochs). Exit 1 on any problem.
+
+    \b
+    Example:
+      tokpack validate /data/packed/web /data/runs/r1
+      tokpack validate /data/runs/r1/epoch-00000 --against /data/packed/web --json
+    """
     from packer.api import validate as validate_api
     from formats.dir_checks import report_lines
 
@@ -424,9 +462,12 @@ def validate(dirs, quick, against, workers, as_json):
 
 @main.command()
 @click.argument("directory")
-@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True,
+              help="The data-parallel rank whose samples to print (below --world-size).")
+@click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Data-parallel ranks sharing each global batch of world-size x micro-batch samples.")
+@click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Samples per rank per step.")
 @click.option("--start-sample", type=click.IntRange(min=0), default=None, help="Consumed samples so far (Megatron's consumed_samples).")
 @click.option("--consumed-tokens", type=TOKENS, default=None,
               help="Consumed tokens: start = T // seq_len. K/M/B/T are 10^3..10^12.")
@@ -435,7 +476,12 @@ def validate(dirs, quick, against, workers, as_json):
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per sample.")
 @user_errors
 def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens, count, verify, as_json):
-    """Print what rank R of W is fed from DIRECTORY (a run or an epoch), for debugging."""
+    """Print what rank R of W is fed from DIRECTORY (a run or an epoch), for debugging.
+
+    \b
+    Example:
+      tokpack read /data/runs/r1 --rank 3 --world-size 8 --micro-batch 4 --start-sample 1024 --count 4
+    """
     from formats.reader import SampleReader
 
     if start_sample is not None and consumed_tokens is not None:
@@ -464,7 +510,13 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @user_errors
 def inspect(directory, as_json, **kw):
-    """Report what a directory holds and what the shuffle did to batch diversity."""
+    """Report what a directory holds and what the shuffle did to batch diversity.
+
+    \b
+    Example:
+      tokpack inspect /data/runs/r1 --epoch 0 --batch-size 512
+      tokpack inspect /data/packed/web --seq-len 4096 --plot web.png
+    """
     from packer.api import inspect as inspect_api
     from packer.inspection import report_lines
 
@@ -481,7 +533,13 @@ def inspect(directory, as_json, **kw):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
 def stage(directory, dest, as_json, **kw):
-    """Copy a tokpack DIRECTORY to DEST (e.g. local NVMe), verifying every file's checksum."""
+    """Copy a tokpack DIRECTORY to DEST (e.g. local NVMe), verifying every file's checksum.
+
+    \b
+    Example:
+      tokpack stage s3://bucket/runs/r1 /local_nvme/r1 --epochs 0-1 --workers 8
+      tokpack stage /shared/runs/r1 /local_nvme/r1 --ranks 0-7/64 --micro-batch 4
+    """
     from packer.api import stage as stage_api
 
     emit(stage_api(directory, dest, log=_log(as_json), **kw), as_json)
@@ -490,7 +548,13 @@ def stage(directory, dest, as_json, **kw):
 @main.group()
 def plan():
     """Print what pack, shuffle or stage would do, writing nothing: tasks, files, bytes, free space,
-    manifest sizes and a predicted wall time."""
+    manifest sizes and a predicted wall time.
+
+    \b
+    Example:
+      tokpack plan shuffle --schedule run.yaml -o /data/runs/r1 --memory 16GiB --workers 4
+      tokpack plan pack data.parquet -o packed --eos-id 0 --vocab-size 50304 --disk-mbps 500
+    """
 
 
 DISK_MBPS = click.Option(["--disk-mbps"], type=click.FloatRange(min=0, min_open=True), default=None,
@@ -498,14 +562,27 @@ DISK_MBPS = click.Option(["--disk-mbps"], type=click.FloatRange(min=0, min_open=
                               "next to the output, with a temporary file removed at once].")
 
 
+PLAN_HELP = {
+    "shuffle": "A SOURCE may be virtual: virtual:tokens=11T,documents=5.5B,dtype=uint16 (a corpus not on this "
+               "machine).\n\n\b\nExample:\n  tokpack plan shuffle virtual:tokens=11T,documents=5.5B,dtype=uint16 "
+               "-o /data/runs/r1 \\\n      --seq-len 4096 --seed 1 --epochs 1 --memory 64GiB --executor slurm "
+               "--workers 48 --disk-mbps 2000",
+    "pack": "\b\nExample:\n  tokpack plan pack data.parquet -o packed --eos-id 0 --vocab-size 50304",
+    "stage": "\b\nExample:\n  tokpack plan stage /shared/runs/r1 /local_nvme/r1 --epochs 0-1",
+}
+
+
 def _planned(command: click.Command):
-    """Registers `tokpack plan COMMAND`: COMMAND's own arguments and options, plus --disk-mbps."""
+    """Registers `tokpack plan COMMAND`: every argument and option of COMMAND, plus --disk-mbps.
+    Plans are of local paths (packer.planning), so --scratch, which only a URL -o uses, changes
+    nothing in a plan, as it changes nothing in the command with a local -o."""
 
     def register(fn):
-        params = [p for p in command.params if p.name != "scratch"]  # plan takes local outputs only
-        plan.add_command(click.Command(command.name, params=[*params, DISK_MBPS], callback=user_errors(fn),
-                                       help=f"Plan `tokpack {command.name}` with the same arguments; writes nothing. "
-                                            "A shuffle SOURCE may be virtual:tokens=11T,documents=5.5B,dtype=uint16."))
+        plan.add_command(click.Command(
+            command.name, params=[*command.params, DISK_MBPS], callback=user_errors(fn),
+            help=f"Plan `tokpack {command.name}` with the same arguments (every one it takes); writes nothing. "
+                 f"Paths are local: a URL -o is refused, so --scratch, used only for one, changes nothing. "
+                 f"{PLAN_HELP[command.name]}"))
         return fn
 
     return register

@@ -123,10 +123,12 @@ def _local(paths: list[str]) -> list[str]:
 def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | None = None, epochs=None,
                  samples: int | None = None, tokens: int | None = None, shard_samples: int | None = None,
                  memory: int = 4 << 30, jitter: bool = False, executor: ExecutorConfig | None = None,
-                 disk_mbps: float | None = None, schedule=None) -> PlanResult:
+                 disk_mbps: float | None = None, schedule=None, scratch=None) -> PlanResult:
     """What `shuffle` with these arguments would do. A source may be virtual:
     `virtual:tokens=11T,documents=5.5B,dtype=uint16` (shuffle/plan.py, virtual_source). `schedule`:
-    a schedule file instead of sources and their settings (every epoch unless `epochs` says)."""
+    a schedule file instead of sources and their settings (every epoch unless `epochs` says).
+    `scratch` is taken as shuffle takes it, and is unused: only a URL output writes there, and
+    a plan's output is local."""
     from shuffle.steps import BUCKETS_PER_FOLDER
     from shuffle.run import (bytes_to_write, epoch_bytes, epoch_layout, memory_path, planned_epoch_manifest,
                              repeat_warnings, run_manifest_of, scratch_bytes, setup_run, task_budget)
@@ -196,9 +198,10 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
 def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None = None, dtype: str | None = None,
               tokenizer: str | None = None, eos_id: int | None = None, vocab_size: int | None = None,
               overwrite: bool = False, shard_tokens: int = 1 << 30, executor: ExecutorConfig | None = None,
-              disk_mbps: float | None = None) -> PlanResult:
+              disk_mbps: float | None = None, scratch=None) -> PlanResult:
     """What `pack` with these arguments would do: one task per input file, its shards of at most
-    `shard_tokens` tokens cut at document ends (so at least tokens / shard_tokens of them)."""
+    `shard_tokens` tokens cut at document ends (so at least tokens / shard_tokens of them).
+    `scratch`: as in plan_shuffle, unused."""
     from packer.api import as_paths
     from packer.packing import known_tokens, pack_tasks, setup_pack
 

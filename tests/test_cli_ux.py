@@ -1,0 +1,127 @@
+"""What a newcomer meets first: one JSON schema for every command, help that shows an example,
+options that say what they mean, deprecated spellings that still work."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import click
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from conftest import random_docs, write_source
+from packer.cli import _executor_config, executor_options, main
+
+VOCAB, EOS = 1000, 0
+
+
+def run(*args) -> click.testing.Result:
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def json_of(*args) -> dict:
+    r = run(*args, "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    rng = np.random.default_rng(0)
+    docs = random_docs(rng, 80, VOCAB, EOS, max_len=200)
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": d[d != EOS].tolist()}) + "\n" for d in docs))
+    return path
+
+
+def test_every_command_json_has_ok(corpus, tmp_path):
+    """On success every command's --json object says "ok": true, as a failure's says false, so a
+    CI script can test `.ok` whatever it ran."""
+    src, out = tmp_path / "src", tmp_path / "run"
+    shuffle_args = [src, "-o", out, "--seq-len", 31, "--seed", 1, "--epochs", 1, "--memory", "64KiB"]
+    results = {
+        "plan pack": json_of("plan", "pack", corpus, "-o", src, "--eos-id", EOS, "--vocab-size", VOCAB,
+                             "--disk-mbps", 100),
+        "pack": json_of("pack", corpus, "-o", src, "--eos-id", EOS, "--vocab-size", VOCAB),
+        "plan shuffle": json_of("plan", "shuffle", *shuffle_args, "--disk-mbps", 100),
+        "shuffle": json_of("shuffle", *shuffle_args),
+        "validate": json_of("validate", out),
+        "inspect": json_of("inspect", out, "--batch-size", 4, "--batches", 2),
+        "plan stage": json_of("plan", "stage", out, tmp_path / "copy", "--disk-mbps", 100),
+        "stage": json_of("stage", out, tmp_path / "copy"),
+    }
+    assert {name: r.get("ok") for name, r in results.items()} == dict.fromkeys(results, True)
+    assert list(results["pack"])[0] == "ok"
+    failed = run("inspect", tmp_path / "nowhere", "--json")
+    assert failed.exit_code == 1 and json.loads(failed.stdout)["ok"] is False
+
+
+def commands(group: click.Group = main, prefix: tuple = ()):
+    """(path, command) of the group and of every command under it."""
+    yield prefix, group
+    for name, cmd in group.commands.items():
+        if isinstance(cmd, click.Group):
+            yield from commands(cmd, prefix + (name,))
+        else:
+            yield prefix + (name,), cmd
+
+
+@pytest.mark.parametrize("path", [p for p, _ in commands()], ids=lambda p: " ".join(p) or "tokpack")
+def test_every_help_has_an_example_and_every_option_a_meaning(path):
+    r = run(*path, "--help")
+    assert r.exit_code == 0
+    example = r.output.split("Example:", 1)
+    assert len(example) == 2, f"no example in tokpack {' '.join(path)} --help"
+    first = example[1].strip().splitlines()[0].strip()
+    assert first.startswith("tokpack " + " ".join(path)), first  # the command itself, its lines kept
+    cmd = dict(commands())[path]
+    no_help = [p.name for p in cmd.params if isinstance(p, click.Option) and not p.hidden and not p.help]
+    assert no_help == []
+
+
+def test_only_plan_shuffle_speaks_of_virtual_sources():
+    assert "virtual:" in run("plan", "shuffle", "--help").output
+    for command in ("pack", "stage"):
+        assert "virtual" not in run("plan", command, "--help").output
+
+
+def test_shard_tokens_default_reads_as_a_count():
+    text = " ".join(run("pack", "--help").output.split())
+    assert "2^30 = 1Gi tokens" in text and "1073741824" not in text
+
+
+def test_plan_takes_every_argument_of_the_command_it_plans(corpus, tmp_path):
+    """`plan X` has every parameter of X (it says it takes the command's arguments): --scratch
+    included, which with a local -o changes nothing, in the plan as in the command."""
+    plan = main.commands["plan"]
+    for name in ("pack", "shuffle", "stage"):
+        own = {p.name for p in main.commands[name].params}
+        assert own <= {p.name for p in plan.commands[name].params}, name
+    with_scratch = json_of("plan", "pack", corpus, "-o", tmp_path / "src", "--eos-id", EOS, "--vocab-size", VOCAB,
+                           "--scratch", tmp_path / "scratch", "--disk-mbps", 100)
+    without = json_of("plan", "pack", corpus, "-o", tmp_path / "src", "--eos-id", EOS, "--vocab-size", VOCAB,
+                      "--disk-mbps", 100)
+    assert with_scratch["passes"] == without["passes"] and not (tmp_path / "scratch").exists()
+
+
+@click.command()
+@executor_options
+def probe(**kw):
+    click.echo(json.dumps(dataclasses.asdict(_executor_config(kw))))
+
+
+def test_slurm_memory_option_is_unambiguous_and_mem_still_works():
+    """--mem (GB per CPU) sat next to shuffle's --memory (bytes): it is --mem-per-cpu-gb now;
+    --mem still works, hidden, with one warning."""
+    runner = CliRunner()
+    new = runner.invoke(probe, ["--mem-per-cpu-gb", "5"])
+    assert json.loads(new.stdout)["mem_per_cpu_gb"] == 5 and new.stderr == ""
+    old = runner.invoke(probe, ["--mem", "3"])
+    assert json.loads(old.stdout)["mem_per_cpu_gb"] == 3
+    assert old.stderr.count("warning: --mem is deprecated") == 1 and "--mem-per-cpu-gb" in old.stderr
+    assert runner.invoke(probe, ["--mem", "3", "--mem-per-cpu-gb", "5"]).exit_code == 2
+    shown = run("shuffle", "--help").output
+    assert "--mem-per-cpu-gb" in shown and "--mem " not in shown and "--memory" in shown
