@@ -32,6 +32,7 @@ from formats.errors import TokpackError
 from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, locked_output
 from formats.inputs import BLOCK_BYTES, InputFile
 from formats.inputs.discover import check_input, discover, read_blocks
+from formats.inputs.tables import parquet_values
 from formats.io import TMP_MARK, Outbox, as_path, kept_at, is_url, progress, write_bytes_atomic
 from formats.manifest import (
     MANIFEST,
@@ -343,15 +344,18 @@ def _finalize(out: Path, work: Path, plan: dict, outbox: Outbox | None) -> dict:
 
 
 def known_tokens(f: InputFile) -> int | None:
-    """The input's token count where its size tells it (datatrove, Megatron, NumPy, raw), else None."""
+    """The input's token count where its size tells it (datatrove, Megatron, NumPy, raw) or its
+    footer does (Parquet: formats.inputs.tables.parquet_values, an estimate), else None."""
     if f.format in ("datatrove", "megatron"):
         return as_path(f.path).stat().st_size // np.dtype(f.dtype).itemsize
+    if f.format == "parquet":
+        return parquet_values(f)
     return int(f.extra["count"]) if f.format in ("numpy", "raw") else None
 
 
 def _bytes_to_write(files: list[InputFile], out_dtype: np.dtype) -> int:
-    """Bytes the packed source will take, from the inputs whose token count their size tells;
-    Parquet, JSONL and text inputs count 0 here."""
+    """Bytes the packed source will take, from the inputs whose token count their size or
+    footer tells; Arrow, JSONL and text inputs count 0 here."""
     total = 0
     for f in files:
         tokens = known_tokens(f) or 0

@@ -26,6 +26,15 @@ from packer.api import ExecutorConfig, Result, weighted_sources, optional_field
 MEASURE_BYTES = 256 << 20  # at most this much is written, then read back, to measure the disk
 MEASURE_SECONDS = 1.0  # per direction
 MEASURE_BLOCK = 8 << 20
+# Decoding a Parquet list column runs at about this many values a second per core (BENCHMARKS.md,
+# "Parquet decoded row group by row group in parallel": 150-190 MB/s of list<uint16>): a pack of
+# Parquet is CPU-bound, not disk-bound, and a plan that counted bytes only predicted 1 s for 16 s.
+PARQUET_VALUES_PER_CORE_S = 80e6
+# Start-up, which dominates a small run (BENCHMARKS.md): the command itself ("tokpack pack
+# start-up", 0.44 s), and each pass run through datatrove's executor rather than in the
+# command's process ("datatrove executor start-up", 1.5-2 s: its import, its manager, the workers).
+COMMAND_START_SECONDS = 0.5
+EXECUTOR_START_SECONDS = 1.75
 
 
 @dataclass
@@ -37,13 +46,14 @@ class PlanResult(Result):
     path: str  # shuffle: in-memory and/or out-of-core; pack: the input format; stage: the kind copied
     shards: int  # output shards (pack: at least this many, or 0 when the inputs' token counts are unknown)
     passes: list[dict]  # in order: name, epoch (shuffle), tasks, memory_per_task (pack: null), read_bytes,
-    # written_bytes, seconds
+    # written_bytes, decode_seconds (pack of Parquet: its CPU-bound list decoding), seconds
     space: list[dict]  # per target filesystem: path, filesystem, needed_bytes, free_bytes, enough
     manifests: dict  # manifest file under the output -> bytes
     workers: int
     executor: str
     disk_mbps: float | None  # read + write throughput the prediction uses
     disk: str  # where disk_mbps comes from
+    startup_seconds: float  # of predicted_seconds: the command's start, and datatrove's executor's per pass
     predicted_seconds: float | None
     samples_per_epoch: int | None = optional_field()  # shuffle: when every epoch planned has one size
     sources: list[dict] | None = optional_field()  # shuffle: per source of the first epoch planned
@@ -95,10 +105,15 @@ def _result(command: str, output: str, passes: list[dict], needs: list[tuple], c
     for p in passes:
         at_once = 1 if not concurrent else p["tasks"] if config.workers == 1 else min(config.workers, p["tasks"])
         moved = p["read_bytes"] + p["written_bytes"]
-        p["seconds"] = None if mbps is None else round(moved / (mbps * 1e6) / at_once, 1)
-    total = None if mbps is None else round(sum(p["seconds"] for p in passes), 1)
+        p["seconds"] = None if mbps is None else round(max(moved / (mbps * 1e6) / at_once,
+                                                           p.get("decode_seconds") or 0), 1)
+    from packer.executors import runs_in_process
+
+    startup = COMMAND_START_SECONDS + (0 if runs_in_process(config) else EXECUTOR_START_SECONDS * len(passes))
+    total = None if mbps is None else round(sum(p["seconds"] for p in passes) + startup, 1)
     return PlanResult(command=command, output=str(output), passes=passes, space=space, workers=config.workers,
-                      executor=config.executor, disk_mbps=mbps, disk=disk, predicted_seconds=total, **fields)
+                      executor=config.executor, disk_mbps=mbps, disk=disk, startup_seconds=startup,
+                      predicted_seconds=total, **fields)
 
 
 def _pass(name: str, tasks: int, memory: int | None, read: int, written: int, **extra) -> dict:
@@ -203,6 +218,7 @@ def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None 
     `shard_tokens` tokens cut at document ends (so at least tokens / shard_tokens of them).
     `scratch`: as in plan_shuffle, unused."""
     from packer.api import as_paths
+    from formats.inputs.tables import PARQUET_DECODE_THREADS
     from packer.packing import known_tokens, pack_tasks, setup_pack
 
     config = executor or ExecutorConfig()
@@ -226,6 +242,13 @@ def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None 
     tasks = 0 if done else pack_tasks(len(setup.files), config)
     # No option bounds a pack task's memory: a read block plus what the input's decoder holds.
     passes = [] if done else [_pass("pack", tasks, None, sum(f.size for f in setup.files), written)]
+    decoded = sum(n for f, n in zip(setup.files, counts) if f.format == "parquet" and n)
+    if passes and decoded:  # tasks at once, each decoding PARQUET_DECODE_THREADS row groups at once
+        at_once = min(config.workers, tasks) if config.workers > 1 or config.executor == "local" else tasks
+        cores = at_once * PARQUET_DECODE_THREADS
+        if config.executor == "local":
+            cores = min(cores, os.cpu_count() or 1)
+        passes[0]["decode_seconds"] = round(decoded / (PARQUET_VALUES_PER_CORE_S * cores), 3)
     return _result("pack", str(output), passes, [(out, written)], config, disk_mbps, config.executor != "local",
                    path=setup.fmt, shards=sum(shards), manifests=manifests)
 
@@ -265,8 +288,9 @@ def _duration(seconds: float | None) -> str:
 
 def report_lines(r: PlanResult) -> list[str]:
     """The human summary of a plan; nothing has been written."""
-    at_least = "at least " if r.command == "pack" else ""
-    lines = [f"plan {r.command} -> {r.output}: {r.path}, {at_least}{r.shards:,} shard(s); nothing written"]
+    shards = (f"at least {r.shards:,}" if r.shards else "an unknown number of (the inputs do not tell their "
+              "token count)") if r.command == "pack" else f"{r.shards:,}"
+    lines = [f"plan {r.command} -> {r.output}: {r.path}, {shards} shard(s); nothing written"]
     if r.samples_per_epoch is not None:
         lines.append(f"  samples per epoch: {r.samples_per_epoch:,}")
     tokens = {s["name"]: s["tokens"] for s in r.sources or []}
@@ -285,12 +309,14 @@ def report_lines(r: PlanResult) -> list[str]:
         memory = "no set memory bound" if p["memory_per_task"] is None else f"{_size(p['memory_per_task'])} memory"
         lines.append(f"  pass {p['name']}{'' if 'epoch' not in p else ' (epoch %d)' % p['epoch']}: {p['tasks']:,} "
                      f"task(s), {memory} per task, reads {_size(p['read_bytes'])}, writes "
-                     f"{_size(p['written_bytes'])}, {_duration(p['seconds'])}")
+                     f"{_size(p['written_bytes'])}, {_duration(p['seconds'])}"
+                     + (f" (decoding Parquet: {_duration(p['decode_seconds'])})" if p.get("decode_seconds") else ""))
     for s in r.space:
         lines.append(f"  space on {s['filesystem']}: needs {_size(s['needed_bytes'])} (scratch included), "
                      f"{_size(s['free_bytes'])} free: {'enough' if s['enough'] else 'NOT ENOUGH'}")
     lines += [f"  manifest {name}: {n:,} bytes" for name, n in r.manifests.items()]
     lines.append(f"  predicted wall time: {_duration(r.predicted_seconds)} ({r.executor}, {r.workers} worker(s), disk "
-                 f"{r.disk_mbps if r.disk_mbps is not None else '?'} MB/s {r.disk})")
+                 f"{r.disk_mbps if r.disk_mbps is not None else '?'} MB/s {r.disk}; {r.startup_seconds:.1f} s of it "
+                 "start-up)")
     lines += [f"tokpack: warning: {w}" for w in r.warnings or []]
     return lines

@@ -249,3 +249,26 @@ def test_bucket_files_fan_out_into_bounded_folders(corpus, tmp_path, monkeypatch
     epoch = "epoch-00000"
     assert {p.name: p.read_bytes() for p in (tmp_path / "plain" / epoch).iterdir()} == \
         {p.name: p.read_bytes() for p in (tmp_path / "fanned" / epoch).iterdir()}
+
+
+def test_plan_pack_of_parquet_counts_tokens_from_the_footer(tmp_path):
+    """Parquet input: the plan reads the token count from the file's footer (the row groups'
+    value counts of the list column), so it predicts the shards, the bytes and a CPU-bound time
+    instead of 0 shards and the disk time of nothing written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(7)
+    docs = [rng.integers(1, 1000, rng.integers(1, 400)).tolist() for _ in range(3000)]  # no EOS: one is appended each
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"input_ids": pa.array(docs, pa.list_(pa.uint16())), "id": range(len(docs))}), path,
+                   row_group_size=700)
+    tokens = sum(map(len, docs))
+    kw = dict(eos_id=0, vocab_size=1000, shard_tokens=100_000)
+    planned = plan("pack", str(path), str(tmp_path / "packed"), disk_mbps=100, **kw)
+    packed = pack(str(path), tmp_path / "packed", **kw)
+    (p,) = planned.passes
+    assert packed.tokens == tokens + len(docs)  # the EOS appended, which the footer does not count
+    assert planned.shards == -(-tokens // kw["shard_tokens"]) and packed.shards >= planned.shards >= 1
+    assert abs(p["written_bytes"] - packed.bytes) <= 0.15 * packed.bytes
+    assert p["decode_seconds"] > 0 and p["seconds"] >= round(p["decode_seconds"], 1)

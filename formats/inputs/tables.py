@@ -78,6 +78,21 @@ def table_file(path, kind: str, want: str, column: str | None) -> tuple[str, lis
     return "parquet", [InputFile(str(path), kind, name, path.stat().st_size, column=token_col)]
 
 
+def parquet_values(f: InputFile) -> int | None:
+    """The token ids a Parquet file's list column holds, from its footer alone: the row groups'
+    value counts of the column's leaf (an empty or null list counts one there, so it is an
+    estimate, over by the empty documents). None for another container, or a text column."""
+    import pyarrow.parquet as pq
+
+    if f.format != "parquet":
+        return None
+    meta = pq.ParquetFile(_open_table(f.path, "parquet")).metadata
+    leaves = [j for j in range(meta.num_columns) if meta.schema.column(j).path.split(".")[0] == f.column]
+    if len(leaves) != 1:
+        return None
+    return sum(meta.row_group(g).column(leaves[0]).num_values for g in range(meta.num_row_groups))
+
+
 def _missing_column(path, col, names) -> TokpackError:
     return _err("column not found", path, where=f"column {col!r}", expected=col, found=f"columns {list(names)}",
                 hint="pass --column with the right column name")
