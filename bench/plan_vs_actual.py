@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -104,7 +105,9 @@ def main(size: int, workdir: str | None) -> list[dict]:
         results = parquet_case(root / "parquet", size) + schedule_case(root / "schedule", size)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print_table(f"plan vs actual ({size / 2**20:,.0f} MiB of input per case; {machine_line()})", results,
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    print_table(f"plan vs actual ({size / 2**20:,.0f} MiB of input per case; {machine_line()}; load average "
+                f"{load} at the end)", results,
                 ["case", "quantity", "predicted", "measured", "ratio", "note"])
     return results
 

@@ -125,3 +125,13 @@ def test_slurm_memory_option_is_unambiguous_and_mem_still_works():
     assert runner.invoke(probe, ["--mem", "3", "--mem-per-cpu-gb", "5"]).exit_code == 2
     shown = run("shuffle", "--help").output
     assert "--mem-per-cpu-gb" in shown and "--mem " not in shown and "--memory" in shown
+
+
+def test_readme_installs_torch_without_the_cuda_wheel():
+    """The [torch] extra takes any torch >= 2.1; the README installs the CPU build first, from
+    PyTorch's CPU index through pip's --index-url, then the extra (which keeps it)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("Installing torch", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    first, second = [line.split("#")[0].split() for line in block.strip().splitlines()]
+    assert first[:5] == ["python", "-m", "pip", "install", "torch"] and "--index-url" in first
+    assert second == ["python", "-m", "pip", "install", "-e", "'.[torch]'"]
