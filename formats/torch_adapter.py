@@ -22,12 +22,21 @@ consumed-sample count to start a fresh dataset from. Without StatefulDataLoader,
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .errors import TokpackError
 from .reader import SampleReader
+
+# torchdata 0.11's StatefulDataLoader.__init__ calls torch.set_vital, which torch 2.13 no longer
+# has: torch's module __getattr__ warns "'set_vital' is deprecated" and hands back a no-op. Every
+# loader built over a TokpackDataset printed it; the call does nothing either way, so that one
+# warning, raised from that one module, is ignored (nothing else from torch or torchdata).
+warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated", category=UserWarning,
+                        module=r"torchdata\.stateful_dataloader\.stateful_dataloader")
 
 _RESTART_HINT = ("restart from the consumed-sample count: "
                  "TokpackDataset(..., start_sample=TokpackDataset.consumed_samples(loader_state)) "
@@ -42,6 +51,18 @@ class TokpackDataset(IterableDataset):
     def __init__(self, path, *, rank: int = 0, world_size: int = 1, micro_batch: int = 1,
                  start_sample: int | None = None, consumed_tokens: int | None = None,
                  positions: str | None = "eos", verify: bool = False):
+        """Rank `rank` of `world_size` data-parallel ranks, `micro_batch` samples a step, over
+        `path`: a run directory (its epochs chained, in order) or one epoch directory.
+
+        Each item is a dict: `input_ids` and `labels` ([micro_batch, seq_len] int64, labels
+        shifted by one), `position_ids` (same shape, restarting at 0 at each row start and on
+        the token after each EOS: positions="eos" finds the EOS tokens, "index" reads the
+        shards' .ds.index, the same on tokpack epochs; None: no such key) and `consumed_samples` (a 0-d
+        int64 tensor: the consumed-sample count once every rank has trained on this global
+        batch, i.e. Megatron's `consumed_samples` to checkpoint; `start_sample=` it to resume).
+        `start_sample` (G) or `consumed_tokens` (T, G = T // seq_len): where to start, O(1),
+        default 0. `verify`: checksum each shard when it is first read. The shard table is
+        opened here, so a missing or truncated shard fails before training starts."""
         # Opened here, in the main process, so a missing or truncated shard fails before training starts.
         self.reader = SampleReader.open(path, verify=verify)  # shard table; fds reopen in each worker
         self.rank = rank  # r

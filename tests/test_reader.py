@@ -372,6 +372,24 @@ def test_flat_memory_and_reads_from_step_0_to_3_2_million(tmp_path):
 # ------------------------------------------------------------- torch, CLI
 
 
+def test_a_stateful_dataloader_over_the_dataset_warns_nothing(run_dir):
+    """torchdata 0.11 calls torch.set_vital, gone from torch 2.13: every loader printed a
+    deprecation warning. None now, while building the loader and iterating it."""
+    import warnings
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from formats.torch_adapter import TokpackDataset
+
+    ds = TokpackDataset(run_dir, micro_batch=2)
+    with warnings.catch_warnings(record=True) as caught:  # entering resets the once-per-place registries
+        loader = StatefulDataLoader(ds, batch_size=None)
+        batch = next(iter(loader))
+        loader.state_dict()
+    assert [f"{w.filename}:{w.lineno}: {w.message}" for w in caught] == []
+    assert int(batch["consumed_samples"]) == 2
+
+
 def test_torch_adapter_workers_cover_each_sample_once_and_resume(run_dir):
     import torch
     from torch.utils.data import DataLoader
