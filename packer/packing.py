@@ -46,7 +46,7 @@ from formats.manifest import (
 from formats.shards import SHARD_SUFFIXES, PackedSource, SourceShardWriter, shard_on_disk, shard_suffixes
 from formats.sinks import app_sinks_kept
 from packer.api import Result
-from packer.executors import ExecutorConfig, run_steps
+from packer.executors import ExecutorConfig, run_steps, runs_in_process
 from packer.vocab import Normalizer, load_tokenizer, resolve_vocab_eos
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
@@ -85,6 +85,9 @@ class PackStep(PipelineStep):
         self.shard_tokens = shard_tokens  # max tokens per shard (but one oversized document)
         self.block_bytes = block_bytes  # input bytes per read block
         self.outbox = outbox  # an output in an object store: each shard is sent there once written
+        # The bar over every file, next to each file's own, when the ranks run in the command's
+        # process (never pickled to a worker); moved by whole files: a JSONL block's bytes are not known.
+        self.overall = None
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         for i in range(rank, len(self.files), world_size):
@@ -93,6 +96,8 @@ class PackStep(PipelineStep):
             except TokpackError as e:
                 write_bytes_atomic(Path(self.work) / f"part-{i:05d}.error.json", json.dumps(e.to_json()).encode())
                 raise
+            if self.overall is not None:
+                self.overall.update(self.files[i].size)
 
     def pack_file(self, i: int) -> dict:
         f = self.files[i]
@@ -503,10 +508,16 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
         step = PackStep(packed_files, str(work), vocab, eos, out_dtype.name, tok_name, int(shard_tokens), block_bytes,
                         outbox)
         ntasks = pack_tasks(len(packed_files), config)
+        if runs_in_process(config):
+            step.overall = progress(sum(f.size for f in packed_files), f"pack: {len(packed_files)} file(s)")
         try:
             run_steps([(step, ntasks, "pack", base_logs / "pack")], config)
         except Exception as e:
             _raise_task_error(work, out, created, e, outbox)
+        finally:
+            if step.overall is not None:
+                step.overall.close()
+                step.overall = None
         _raise_task_error(work, out, created, None, outbox)
         parts = []
         for i in range(len(packed_files)):

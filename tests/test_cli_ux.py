@@ -135,3 +135,31 @@ def test_readme_installs_torch_without_the_cuda_wheel():
     first, second = [line.split("#")[0].split() for line in block.strip().splitlines()]
     assert first[:5] == ["python", "-m", "pip", "install", "torch"] and "--index-url" in first
     assert second == ["python", "-m", "pip", "install", "-e", "'.[torch]'"]
+
+
+def test_pack_shows_an_overall_bar_over_its_files(corpus, tmp_path, monkeypatch):
+    """Besides a bar per input file, one bar over all of them, moved by each file's bytes."""
+    import formats.io
+    import packer.packing
+    from packer import pack
+
+    bars = []
+
+    class Recorder(formats.io._NoBar):
+        def __init__(self, total, desc, **kw):
+            self.total, self.desc, self.done = total, desc, 0
+            bars.append(self)
+
+        def update(self, n: int = 1) -> None:
+            self.done += n
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(packer.packing, "progress", Recorder)
+    other = tmp_path / "more.jsonl"
+    other.write_text(corpus.read_text())
+    pack([corpus, other], tmp_path / "src", eos_id=EOS, vocab_size=VOCAB)
+    (overall,) = [b for b in bars if b.desc == "pack: 2 file(s)"]
+    assert overall.total == overall.done == corpus.stat().st_size + other.stat().st_size
+    assert sorted(b.desc for b in bars if b is not overall) == ["pack corpus.jsonl", "pack more.jsonl"]
