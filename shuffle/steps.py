@@ -16,8 +16,10 @@ runs them, through the injected `run_passes`):
 
 Both verify what they read: each source shard's xxh3_128 is computed over the bytes the
 sweep reads anyway and compared with the source manifest (a same-size edit since `pack`
-fails the epoch, see EpochJob.source_changed). Bucket files carry their xxh3_64 in the scatter
-task's done JSON, checked by the order pass before it trusts them.
+fails the epoch, see EpochJob.source_changed). Each scatter task records every bucket file's
+xxh3_64 in its binary records table (`scatter-TTTTT.records`: rows and the two checksums per
+bucket, Layout.task_records), written before its done JSON; the order pass reads its buckets'
+entries and checks each file against them before it trusts it.
 
 In both, a formats.io.Worker per stage keeps the disk and both cores busy: reading ahead,
 gathering, indexing and writing (shard data with O_DIRECT, see formats.io.DurableFile) overlap,
@@ -654,9 +656,9 @@ class OrderStep(_Step):
             del store, parts, positions
 
     def _check_bucket(self, t: int, rows_file: Path, data: list[np.ndarray], expected: list) -> None:
-        """The bucket's files must be the bytes scatter task t wrote. If not (a crash after the
-        task's done JSON reached the disk but before its buffered bucket files did), that task
-        is redone on the next run."""
+        """The bucket's files must be the bytes scatter task t wrote (their checksums in its
+        records table). If not (a crash after the task's records and done JSON reached the disk
+        but before its buffered bucket files did), that task is redone on the next run."""
         for f, d, want in zip((rows_file, rows_file.with_suffix(".pos")), data, expected):
             found = xxhash.xxh3_64_intdigest(d)
             if found != want:
