@@ -31,12 +31,17 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .errors import TokpackError
 from .reader import SampleReader
 
-# torchdata 0.11's StatefulDataLoader.__init__ calls torch.set_vital, which torch 2.13 no longer
-# has: torch's module __getattr__ warns "'set_vital' is deprecated" and hands back a no-op. Every
-# loader built over a TokpackDataset printed it; the call does nothing either way, so that one
-# warning, raised from that one module, is ignored (nothing else from torch or torchdata).
-warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated", category=UserWarning,
-                        module=r"torchdata\.stateful_dataloader\.stateful_dataloader")
+
+def _ignore_set_vital_warning() -> None:
+    """torchdata 0.11's StatefulDataLoader.__init__ calls torch.set_vital, which torch 2.13 no
+    longer has: torch's module __getattr__ warns "'set_vital' is deprecated" and hands back a
+    no-op. Every loader built over a TokpackDataset printed it; the call does nothing either way,
+    so that one warning, raised from that one module, is ignored (nothing else from torch or
+    torchdata). Installed by each TokpackDataset, which comes before its loader: a filter added
+    at import would be lost with a `warnings.catch_warnings()` block the import ran in.
+    Adding the same filter again replaces it: the list does not grow."""
+    warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated", category=UserWarning,
+                            module=r"torchdata\.stateful_dataloader\.stateful_dataloader")
 
 _RESTART_HINT = ("restart from the consumed-sample count: "
                  "TokpackDataset(..., start_sample=TokpackDataset.consumed_samples(loader_state)) "
@@ -63,6 +68,7 @@ class TokpackDataset(IterableDataset):
         `start_sample` (G) or `consumed_tokens` (T, G = T // seq_len): where to start, O(1),
         default 0. `verify`: checksum each shard when it is first read. The shard table is
         opened here, so a missing or truncated shard fails before training starts."""
+        _ignore_set_vital_warning()
         # Opened here, in the main process, so a missing or truncated shard fails before training starts.
         self.reader = SampleReader.open(path, verify=verify)  # shard table; fds reopen in each worker
         self.rank = rank  # r
