@@ -592,7 +592,11 @@ def _emit_plan(command: str, as_json: bool, *args, **kw) -> None:
     from packer.api import plan as plan_api
     from packer.planning import report_lines
 
-    emit(plan_api(command, *args, **kw), as_json, report_lines)
+    result = plan_api(command, *args, **kw)
+    emit(result, as_json, report_lines)
+    if not as_json:
+        for line in result.warnings or []:  # as shuffle gives them
+            click.echo(f"tokpack: warning: {line}", err=True)
 
 
 @_planned(shuffle)

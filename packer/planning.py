@@ -288,9 +288,10 @@ def _duration(seconds: float | None) -> str:
 
 def report_lines(r: PlanResult) -> list[str]:
     """The human summary of a plan; nothing has been written."""
-    shards = (f"at least {r.shards:,}" if r.shards else "an unknown number of (the inputs do not tell their "
-              "token count)") if r.command == "pack" else f"{r.shards:,}"
-    lines = [f"plan {r.command} -> {r.output}: {r.path}, {shards} shard(s); nothing written"]
+    shards = f"{r.shards:,} shard(s)"
+    if r.command == "pack":
+        shards = f"at least {shards}" if r.shards else "shards unknown (the inputs do not tell their token count)"
+    lines = [f"plan {r.command} -> {r.output}: {r.path}, {shards}; nothing written"]
     if r.samples_per_epoch is not None:
         lines.append(f"  samples per epoch: {r.samples_per_epoch:,}")
     tokens = {s["name"]: s["tokens"] for s in r.sources or []}
@@ -318,5 +319,4 @@ def report_lines(r: PlanResult) -> list[str]:
     lines.append(f"  predicted wall time: {_duration(r.predicted_seconds)} ({r.executor}, {r.workers} worker(s), disk "
                  f"{r.disk_mbps if r.disk_mbps is not None else '?'} MB/s {r.disk}; {r.startup_seconds:.1f} s of it "
                  "start-up)")
-    lines += [f"tokpack: warning: {w}" for w in r.warnings or []]
     return lines
