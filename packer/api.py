@@ -143,7 +143,8 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
 def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
              against: PathLike | Sequence[PathLike] = (), workers: int = 1, show_progress: bool | None = None):
     """Checks tokpack directories (sources, runs, epochs); `against`: the packed sources an
-    epoch was shuffled from, to recompute its content. Returns a formats.dir_checks.ValidateResult."""
+    epoch was shuffled from, to recompute its content and prove its order. Returns a
+    formats.dir_checks.ValidateResult."""
     from formats.dir_checks import validate_all
     from shuffle.plan import replay_hashes
 
