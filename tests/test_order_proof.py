@@ -25,6 +25,7 @@ from formats.shards import PackedSource
 from packer.api import shuffle, validate
 from shuffle import steps
 from shuffle.plan import expected_multiset_hash, replay_hashes
+from test_shuffle_integrity import cli
 from test_engine_placement import KW as OOC_KW, bucket_files, refusal, scattered, scatter_folder  # noqa: F401
 from tests.test_validate import EOS, SEQ_LEN, SHARD_SAMPLES, VOCAB, epoch_rows, load, rewrite_epoch, save
 
@@ -160,6 +161,10 @@ def test_swapped_pair_inside_one_shard(env):
     planned = proved(epoch, srcs)
     rewrite_epoch(epoch, swap(epoch_rows(epoch), 1, 5))
     assert_only_order_wrong(epoch, srcs, planned, first=0, wrong=1)
+    r = cli("validate", env / "run", "--against", srcs[0], "--against", srcs[1])
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    (line,) = [x for x in r.stdout.splitlines() + r.stderr.splitlines() if "order_hash" in x]
+    assert line.startswith(f"CORRUPT {epoch / '00000.ds'} [order_hash]: sample order differs from the plan (1 of ")
 
 
 def test_swapped_pair_across_two_shards(env):
