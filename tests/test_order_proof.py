@@ -218,29 +218,39 @@ def test_terms_are_xxh3_64_of_position_and_row_hash():
     assert order_hash_terms(g, h).tolist() == want
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31), docs=st.integers(8, 60), seq_len=st.sampled_from([7, 15, 31]),
-       shard_samples=st.integers(3, 40), memory=st.sampled_from([OUT_OF_CORE, IN_MEMORY]), data=st.data())
+       shard_samples=st.integers(3, 40), memory=st.sampled_from([OUT_OF_CORE, IN_MEMORY]),
+       epoch=st.integers(0, 2), mixture=st.none() | st.tuples(st.integers(1, 4), st.floats(0.3, 2.5)),
+       data=st.data())
 def test_any_engine_epoch_is_proved_and_any_swap_caught(tmp_path_factory, seed, docs, seq_len, shard_samples, memory,
-                                                        data):
+                                                        epoch, mixture, data):
+    """Any corpus, seed, epoch and shard size, on either path, one source or a weighted pair whose
+    epoch size is a random fraction of the windows (repeats and chains straddling passes): the
+    engine's epoch is proved, and swapping any two distinct samples fails exactly their shards."""
     root = tmp_path_factory.mktemp("h")
-    src = write_source(root / "src", random_docs(np.random.default_rng(seed), docs, VOCAB, EOS, max_len=90),
-                       docs_per_shard=7)
-    shuffle_run([str(src)], str(root / "run"), seq_len=seq_len, seed=seed, epochs=[0], shard_samples=shard_samples,
-                memory=memory)
-    epoch = root / "run" / E0
-    planned = proved(epoch, [str(src)])
-    m = load(epoch)
-    rows = np.concatenate([np.fromfile(epoch / s["path"], dtype="<u2") for s in m["shards"]]).reshape(-1, seq_len + 1)
+    rng = np.random.default_rng(seed)
+    srcs = [str(write_source(root / "a", random_docs(rng, docs, VOCAB, EOS, max_len=90), docs_per_shard=7))]
+    kw = {}
+    if mixture is not None:
+        srcs.append(str(write_source(root / "b", random_docs(rng, 6, VOCAB, EOS, max_len=90), docs_per_shard=4)))
+        windows = sum(PackedSource.open(s).tokens // (seq_len + 1) for s in srcs)
+        kw = dict(weights=[str(mixture[0]), "1"], samples=max(2, int(windows * mixture[1])))
+    shuffle_run(srcs, str(root / "run"), seq_len=seq_len, seed=seed, epochs=[epoch], shard_samples=shard_samples,
+                memory=memory, **kw)
+    path = root / "run" / epoch_dir_name(epoch)
+    planned = proved(path, srcs)
+    m = load(path)
+    rows = np.concatenate([np.fromfile(path / s["path"], dtype="<u2") for s in m["shards"]]).reshape(-1, seq_len + 1)
     a, b = data.draw(st.lists(st.integers(0, len(rows) - 1), min_size=2, max_size=2, unique=True))
     if np.array_equal(rows[a], rows[b]):
-        return  # identical samples: the same epoch
+        return  # identical samples (a repeated window): the same epoch
     rows[[a, b]] = rows[[b, a]]
     for i, s in enumerate(m["shards"]):  # the checksums now fail too; the order hashes are what is looked at
-        rows[i * shard_samples: i * shard_samples + s["samples"]].tofile(epoch / s["path"])
-    found = validate_dirs([epoch], order=True).dirs[0].shard_orders
-    wrong = {i for i, s in enumerate(m["shards"]) if found[s["path"]] != planned[i]}
-    assert wrong == {a // shard_samples, b // shard_samples}
+        rows[i * shard_samples: i * shard_samples + s["samples"]].tofile(path / s["path"])
+    found = validate_dirs([path], order=True).dirs[0].shard_orders
+    assert {i for i, s in enumerate(m["shards"]) if found[s["path"]] != planned[i]} == {a // shard_samples,
+                                                                                         b // shard_samples}
 
 
 # ------------------------------------------------------------------ the out-of-core scratch checksums
