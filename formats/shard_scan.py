@@ -424,8 +424,8 @@ def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: Findin
                 hashes = row_hashes(blk.reshape(-1, row))
                 multiset = (multiset + int(hashes.sum(dtype=np.uint64))) & MASK64
                 if job.first_sample is not None:
-                    first = job.first_sample + a // row
-                    order = (order + order_hash(np.arange(first, first + len(hashes), dtype=np.uint64), hashes)) & MASK64
+                    g = np.arange(len(hashes), dtype=np.uint64) + np.uint64(job.first_sample + a // row)
+                    order = (order + order_hash(g, hashes)) & MASK64
             a = b
         extra = stream.rest()
         if stream.broken is not None:

@@ -306,3 +306,20 @@ def test_unchecked_bucket_swap_would_misplace_samples(scattered, monkeypatch, ex
     assert len(lines) == 1 and lines[0][1:] == ("order_hash", f"sample order differs from the plan (1 of "
                                                               f"{len(m['shards'])} shards checked differ)"), lines
 
+
+
+def test_replay_refuses_a_sample_count_its_shards_cannot_hold(env):
+    """A manifest claiming 10^15 samples (its source entry made to agree) but listing a few shards:
+    the replay refuses it by arithmetic, in one line, before it would walk 10^15 positions."""
+    epoch, srcs = env / "run" / E0, sources(env)
+    m = load(epoch)
+    listed = len(m["shards"])
+    m["sources"][0]["samples"] += 10**15 - m["samples"]
+    m["samples"] = 10**15
+    save(epoch, m)
+    problems = validate(epoch, against=srcs).to_json()["problems"]
+    lines = [(p["where"], p["message"], p["expected"], p["found"]) for p in problems
+             if p["where"] == "shards" and "do not hold" in p["message"]]
+    assert lines == [("shards", "epoch manifest's shards do not hold its samples",
+                      f"{-(-10**15 // SHARD_SAMPLES)} shards ({10**15} samples, {SHARD_SAMPLES} a shard)",
+                      f"{listed} shards")]
