@@ -1,8 +1,10 @@
 """Benchmark of `tokpack validate`: full validation against a cold sequential read of the same
-bytes (goal >= 0.8x the read's throughput), and `--quick` on a directory of 10,000 shards.
+bytes (goal >= 0.8x the read's throughput), `--quick` on a directory of 10,000 shards, and the
+cost of `--against`'s order proof beside the multiset-only comparison it extends.
 
     python bench/validate.py --size 64MiB          # small check
     python bench/validate.py --size 4GiB           # the lead's full-size run
+    python bench/validate.py --size 1GiB --against-only   # the order proof's table alone
 """
 
 from __future__ import annotations
@@ -118,7 +120,66 @@ def _row(dirname: str, what: str, nbytes: int, ms: list, reads: list, inner: flo
             "peak RSS MB": max(m.peak_rss_mb for m in ms)}
 
 
-def main(size: int, quick: bool = False, workers: int = 2, work: Path | None = None, runs: int = 5) -> list[dict]:
+def against_cmd(epoch: Path, src: Path, order: bool, scan: bool = True, workers: int = 2) -> list[str]:
+    """`validate EPOCH --against SRC` as the CLI runs it, with (`order`) or without the order proof
+    (without: the multiset-only comparison --against made before it); `scan=False`: the plan's
+    replay over the source alone."""
+    if not scan:
+        return python_cmd(f"from formats.manifest import read_manifest; from formats.shards import PackedSource\n"
+                          f"from shuffle.plan import replay_hashes\n"
+                          f"replay_hashes(read_manifest({str(epoch)!r}), [PackedSource.open({str(src)!r})], {order})")
+    return python_cmd(f"from functools import partial\nfrom formats.dir_checks import _against, validate_dirs\n"
+                      f"from shuffle.plan import replay_hashes\n"
+                      f"report = validate_dirs([{str(epoch)!r}, {str(src)!r}], workers={workers}, order={order})\n"
+                      f"assert report.ok and not _against(report, [{str(src)!r}], partial(replay_hashes, order={order}))\n"
+                      f"assert all(d.shard_orders for d in report.dirs if d.kind == 'epoch') == {order}")
+
+
+def against_rows(src: Path, epoch: Path, runs: int, workers: int) -> list[dict]:
+    """The order proof's cost: `--against` with and without it, the replay alone with and without
+    it, and plain validation of the same two directories, beside a cold read of them."""
+    cases = {
+        "tokpack validate EPOCH SRC (no --against)": lambda: _measure_ok(validate_cmd(epoch, str(src))),
+        "--against, multiset only (before)": lambda: _measure_ok(against_cmd(epoch, src, False, workers=workers)),
+        "--against, multiset + order proof": lambda: _measure_ok(against_cmd(epoch, src, True, workers=workers)),
+        "tokpack validate EPOCH --against SRC": lambda: _measure_ok(validate_cmd(epoch, "--against", str(src))),
+        "replay alone, multiset only (before)": lambda: _measure_ok(against_cmd(epoch, src, False, scan=False)),
+        "replay alone, multiset + order": lambda: _measure_ok(against_cmd(epoch, src, True, scan=False)),
+    }
+    nbytes = dir_bytes(src) + dir_bytes(epoch)
+    read = f"find '{src}' '{epoch}' -type f -print0 | xargs -0 cat > /dev/null"  # as cold_read, both folders
+    res = alternate([("read", lambda: run_measured(read))] + list(cases.items()), runs)
+    rows = [_row("epoch + source", "cold read (cat)", nbytes, res["read"], res["read"], None)]
+    # the replay alone reads the source only: its MB/s counts those bytes ('vs read' stays a ratio of times)
+    rows += [_row("epoch + source", name, dir_bytes(src) if name.startswith("replay") else nbytes, res[name],
+                  res["read"], None) for name in cases]
+    return rows
+
+
+def order_terms_cpu(epoch: Path, rounds: int = 5) -> str:
+    """The CPU the order proof adds per side, apart from the disk: its terms for as many samples
+    as the epoch holds, timed warm in this process (best of `rounds`)."""
+    from formats.manifest import order_hash_terms, read_manifest, row_hashes
+
+    m = read_manifest(epoch)
+    n = m["samples"]
+    g, h = np.arange(n, dtype=np.int64), np.random.default_rng(0).integers(0, 2**63, n).astype(np.uint64)
+    terms = min(_cpu(lambda: order_hash_terms(g, h)) for _ in range(rounds))
+    rows = np.fromfile(epoch / m["shards"][0]["path"], dtype="<u2").reshape(-1, m["seq_len"] + 1)
+    per_row = min(_cpu(lambda: row_hashes(rows)) for _ in range(rounds)) / len(rows)
+    return (f"order terms for the epoch's {n:,} samples: {terms:.3f} s of CPU per side (scan, replay), "
+            f"{terms / n * 1e9:.0f} ns a sample; the row hashes both sides compute already: "
+            f"{per_row * n:.3f} s ({per_row * 1e9:.0f} ns a sample)")
+
+
+def _cpu(fn) -> float:
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
+
+
+def main(size: int, quick: bool = False, workers: int = 2, work: Path | None = None, runs: int = 5,
+         against_only: bool = False) -> list[dict]:
     runs = 1 if quick else runs
     tmp = Path(tempfile.mkdtemp(prefix="tokpack-bench-validate-", dir=work))
     rows = []
@@ -129,6 +190,14 @@ def main(size: int, quick: bool = False, workers: int = 2, work: Path | None = N
 
         shuffle_run([str(src)], str(tmp / "run"), seq_len=SEQ_LEN, seed=0, epochs=[0], memory=max(size, 64 << 20),
                     run_passes=pass_runner(ExecutorConfig()))
+        rows += against_rows(src, tmp / "run" / "epoch-00000", runs, workers)
+        cpu = order_terms_cpu(tmp / "run" / "epoch-00000")
+        if against_only:
+            print_table(f"tokpack validate --against: the order proof's cost, {size / 2**20:,.0f} MiB packed "
+                        f"source + its epoch (seq_len {SEQ_LEN}); {machine_line()}", rows,
+                        ["dir", "what", "MB", "seconds", "MB/s", "vs read", "range", "peak RSS MB"])
+            print(cpu)
+            return rows
         for label, path in (("packed source", src), ("epoch", tmp / "run")):
             nbytes = dir_bytes(path)
             variants = [["--workers", str(w)] for w in sorted({1, workers})] + [["--quick"]]
@@ -158,6 +227,7 @@ def main(size: int, quick: bool = False, workers: int = 2, work: Path | None = N
     print_table(f"tokpack validate, {size / 2**20:,.0f} MiB packed source + its epoch (seq_len {SEQ_LEN}); "
                 f"{machine_line()}", rows, ["dir", "what", "MB", "seconds", "MB/s", "vs read", "range", "in-process s", "vs read (in-process)",
                  "peak RSS MB"])
+    print(cpu)
     print("goal: full validation >= 0.8x the cold read's throughput ('vs read' = read time / validate time; "
           "'in-process' leaves out the interpreter start, ~0.3-0.5 s here, which dominates small sizes)")
     return rows
@@ -170,5 +240,7 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true", help="1,000 shards instead of 10,000, one round")
     ap.add_argument("--runs", type=int, default=5, help="rounds of cold read and validate, alternating")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: system temp)")
+    ap.add_argument("--against-only", action="store_true", help="only the order proof's table (validate --against)")
     args = ap.parse_args()
-    main(parse_size(args.size), quick=args.quick, workers=args.workers, work=args.work, runs=args.runs)
+    main(parse_size(args.size), quick=args.quick, workers=args.workers, work=args.work, runs=args.runs,
+         against_only=args.against_only)

@@ -4,9 +4,10 @@ report (its text and exit codes: docs/COMMANDS.md, "Validating").
 
 A manifest is checked for schema, version, byte-exact form, sums and cross-field rules, and
 its directory for holding the listed files and only those; a run's epochs must agree with the
-run. `--against` replays each epoch's plan over the given sources and compares sample multiset
-hashes; that replay is shuffle's (shuffle.plan.expected_multiset_hash), so the caller passes it
-in and this module imports nothing from shuffle/ or packer/.
+run. `--against` replays each epoch's plan over the given sources and compares the sample
+multiset hash and each shard's order hash (which sample sits at which position); that replay is
+shuffle's (shuffle.plan.replay_hashes), so the caller passes it in and this module imports
+nothing from shuffle/ or packer/.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import TokpackError
@@ -55,6 +56,7 @@ class DirReport(Findings):
     path: Path  # the directory
     kind: str | None = None  # "source", "run", "epoch", or None when the manifest is unreadable
     manifest: dict | None = None  # its tokpack.json, when readable
+    shard_orders: dict[str, int] = field(default_factory=dict)  # epoch: order hash recomputed per shard path
 
     @property
     def status(self) -> str:
@@ -424,9 +426,17 @@ def plan_validation(paths: list[str | Path], quick: bool) -> list[_Dir]:
 
 
 def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1,
-                  show_progress: bool | None = None) -> ValidationReport:
-    """Validates sources, runs (with their epochs) and epoch directories. Never raises for bad data."""
+                  show_progress: bool | None = None, order: bool = False) -> ValidationReport:
+    """Validates sources, runs (with their epochs) and epoch directories. Never raises for bad data.
+    `order` (full mode): also each epoch shard's order hash, for `--against` to compare."""
     plan = plan_validation(paths, quick)
+    if order and not quick:
+        for d in plan:
+            if d.report.kind == "epoch" and d.jobs:  # jobs exist only for a manifest whose fields are sound
+                m = d.report.manifest
+                first = {s["path"]: i * m["shard_samples"] for i, s in enumerate(m["shards"])}
+                for job in d.jobs:
+                    job.first_sample = first[job.entry["path"]]
     jobs = [(d, j) for d in plan for j in d.jobs]
     total = sum(j.size() for _, j in jobs) if not quick else len(jobs)
     with progress(total, "validate" + (" --quick" if quick else ""), unit="B" if not quick else "shard",
@@ -450,11 +460,13 @@ def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1
         else:
             results = [run(j) for j in jobs]
     recomputed: dict[int, list] = {}
-    for d, res in results:  # in job order, so the report is deterministic
+    for (d, res), (_, job) in zip(results, jobs):  # in job order, so the report is deterministic
         d.report.problems += res.problems
         d.report.files += res.files
         d.report.bytes += res.bytes
         recomputed.setdefault(id(d), []).append(res.multiset)
+        if res.order is not None:
+            d.report.shard_orders[job.entry["path"]] = res.order
     for d in plan:
         rep, m = d.report, d.report.manifest
         if rep.kind == "epoch" and d.jobs and not quick and not d.partial:
@@ -511,10 +523,11 @@ def _missing_sources(m: dict, given: dict[str, PackedSource], mfile: str) -> Pro
                         + " ".join(f"--against {p}" for p in paths), unverified=True)
 
 
-def _against(report: ValidationReport, against: list[str], expected_multiset_hash) -> list[Problem]:
-    """For every readable epoch: its sources are among `against` (by fingerprint) and the
-    multiset hash of the windows the plan assigns it (`expected_multiset_hash(manifest,
-    sources)`) equals the epoch's. A problem with an epoch goes into that epoch's report, so its
+def _against(report: ValidationReport, against: list[str], replay) -> list[Problem]:
+    """For every readable epoch: its sources are among `against` (by fingerprint), the multiset
+    hash of the windows the plan assigns it equals the epoch's, and so does the order hash of
+    every shard the scan read (`replay(manifest, sources)` gives the planned multiset hash and
+    per-shard order hashes). A problem with an epoch goes into that epoch's report, so its
     status line says it too; the problems returned are those of the `against` sources that
     cannot be opened."""
     sources, problems = [], []
@@ -534,7 +547,7 @@ def _against(report: ValidationReport, against: list[str], expected_multiset_has
             d.problems.append(missing)
             continue
         try:
-            expected = expected_multiset_hash(m, sources)
+            expected, orders = replay(m, sources)
         except (TokpackError, OSError) as e:
             err = e if isinstance(e, TokpackError) else TokpackError(f"cannot replay the plan: {e}", file=e.filename)
             d.add(err.file or mfile, err.where, err.expected, err.found, err.message)
@@ -547,7 +560,24 @@ def _against(report: ValidationReport, against: list[str], expected_multiset_has
             d.add(mfile, "sample_multiset_hash", f"{expected} (replayed from the sources)",
                   f"{m.get('sample_multiset_hash')} (recorded in {MANIFEST})",
                   "epoch does not hold the samples its plan assigns (dropped/duplicated/altered)")
+        _order_problem(d, orders)
     return problems
+
+
+def _order_problem(d: DirReport, planned: list[int]) -> None:
+    """One line for an epoch whose shards, as scanned, do not hold the samples at the positions
+    its plan gives them: it names the first such shard and counts the others."""
+    shards = d.manifest["shards"]
+    found = d.shard_orders
+    wrong = [i for i, s in enumerate(shards) if s["path"] in found and found[s["path"]] != planned[i]]
+    if not wrong:
+        return
+    i = wrong[0]
+    d.add(d.path / shards[i]["path"], "order_hash", f"{hash_hex64(planned[i])} (replayed from the sources)",
+          f"{hash_hex64(found[shards[i]['path']])} (from its samples)",
+          f"sample order differs from the plan ({len(wrong)} of {len(found)} shards checked differ)",
+          hint="the epoch's samples are not at the positions its seed and epoch give them: restore the epoch "
+               "from a good copy, or shuffle it again from the same sources, seed and epoch")
 
 
 def _size(n: int) -> str:
@@ -578,16 +608,17 @@ class ValidateResult:
 
 
 def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None = None, workers: int = 1,
-                 show_progress: bool | None = None, expected_multiset_hash=None) -> ValidateResult:
+                 show_progress: bool | None = None, replay=None) -> ValidateResult:
     """Validates each directory (source, run or epoch); with `against`, also those sources and
-    every epoch's content through its plan, replayed by `expected_multiset_hash` (shuffle.plan's,
-    given by the caller: this layer does not import shuffle)."""
+    every epoch's content and order through its plan, replayed by `replay` (shuffle.plan's
+    replay_hashes, given by the caller: this layer does not import shuffle)."""
     t0 = time.perf_counter()
     against = list(against or [])
     known = {as_path(x).resolve() for x in dirs}
     extra = [a for a in against if as_path(a).resolve() not in known]
-    report = validate_dirs(list(dirs) + extra, quick=quick, workers=workers, show_progress=show_progress)
-    extra_problems = _against(report, against, expected_multiset_hash) if against else []
+    report = validate_dirs(list(dirs) + extra, quick=quick, workers=workers, show_progress=show_progress,
+                           order=bool(against))
+    extra_problems = _against(report, against, replay) if against else []
     seconds = time.perf_counter() - t0
     problems = report.problems + extra_problems
     nbytes = sum(d.bytes for d in report.dirs)

@@ -132,6 +132,22 @@ def multiset_hash_rows(rows: np.ndarray) -> int:
     return int(row_hashes(rows).sum(dtype=np.uint64))
 
 
+def order_hash_terms(positions: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+    """What a sample adds to an order hash: xxh3_64 (seed 0) of 16 bytes, its output position g
+    in the epoch then its `row_hash`, each a little-endian uint64. Keyed by g, a term moves
+    with its position, so samples swapped, shifted or permuted change the sum (docs/FORMAT.md,
+    "Checksums"), where the multiset hash cannot see them."""
+    pairs = np.empty((len(hashes), 2), dtype="<u8")
+    pairs[:, 0] = positions
+    pairs[:, 1] = hashes
+    return row_hashes(pairs)
+
+
+def order_hash(positions: np.ndarray, hashes: np.ndarray) -> int:
+    """Sum mod 2^64 of `order_hash_terms`: the order hash of the samples at `positions`."""
+    return int(order_hash_terms(positions, hashes).sum(dtype=np.uint64))
+
+
 def hash_hex64(value: int) -> str:
     return f"{value & 0xFFFFFFFFFFFFFFFF:016x}"
 

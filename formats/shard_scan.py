@@ -3,7 +3,8 @@
 `.ds.index` (strictly increasing, ending at the token count; in epochs every sample end is an
 entry). Full mode adds one sequential pass over every file that hashes it (xxh3_128), scans
 tokens (< vocab_size; a source's documents end with EOS; an epoch's index equals its EOS
-positions plus sample ends) and recomputes the sample multiset hash.
+positions plus sample ends) and recomputes the sample multiset hash (and, for `--against`,
+the order hash of the shard's samples at their output positions).
 
 Problems are collected, never raised: a CI log should list all of them, one line each.
 """
@@ -20,7 +21,7 @@ import xxhash
 
 from .errors import IncompleteError, TokpackError
 from .io import give_buffers, open_read, read_ahead, read_full, take_buffer
-from .manifest import MANIFEST, hash_hex64, metadata_text, multiset_hash_rows, parse_metadata_text
+from .manifest import MANIFEST, hash_hex64, metadata_text, order_hash, parse_metadata_text, row_hashes
 from .shards import U64
 
 MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -99,6 +100,8 @@ class ShardJob:
     tokenizer: str  # expected in .ds.metadata
     row_tokens: int | None  # epoch: seq_len + 1 tokens per sample; None for sources
     quick: bool  # structure only: no checksums, no token scan
+    first_sample: int | None = None  # epoch, full mode: output position of its first sample, to sum its
+    # order hash (validate --against); None: no order hash
 
     def size(self) -> int:
         return int(self.entry["tokens"]) * self.dtype.itemsize
@@ -112,6 +115,7 @@ class Findings:
     files: int = 0  # files looked at
     bytes: int = 0  # bytes of those files (read in full mode, stat'ed in quick mode)
     multiset: int | None = None  # epoch, full mode: recomputed sum of sample hashes
+    order: int | None = None  # epoch, full mode with ShardJob.first_sample: recomputed order hash
 
     def add(self, file, where, expected, found, message, **kw) -> None:
         self.problems.append(Problem(str(file), where, expected, found, message, **kw))
@@ -374,7 +378,7 @@ def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: Findin
     block_tokens = BLOCK // tsize if not row else max(1, BLOCK // (row * tsize)) * row
     stream = _IndexStream(idx_path, min(max(1024, block_tokens // 64), tokens), hashed=True, size=idx_size)
     h = xxhash.xxh3_128()
-    multiset = 0
+    multiset = order = 0
     vocab_bad = eos_bad = index_bad = False
     a = 0  # token offset of the current block
     scratch = take_buffer(bool)  # EOS flags of a block's rows, reused from block to block
@@ -417,7 +421,11 @@ def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: Findin
                                 f"{exp} (EOS positions + sample ends)", got_, "index disagrees with the tokens")
                         index_bad = True
             if row:
-                multiset = (multiset + multiset_hash_rows(blk.reshape(-1, row))) & MASK64
+                hashes = row_hashes(blk.reshape(-1, row))
+                multiset = (multiset + int(hashes.sum(dtype=np.uint64))) & MASK64
+                if job.first_sample is not None:
+                    g = np.arange(len(hashes), dtype=np.uint64) + np.uint64(job.first_sample + a // row)
+                    order = (order + order_hash(g, hashes)) & MASK64
             a = b
         extra = stream.rest()
         if stream.broken is not None:
@@ -438,6 +446,7 @@ def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: Findin
         if multiset != int(job.entry["multiset_hash"], 16):
             out.add(ds, "multiset_hash", job.entry["multiset_hash"], hash_hex64(multiset),
                     "sample multiset hash of the shard differs from the manifest")
+        out.order = order if job.first_sample is not None else None
         return multiset
     return None
 

@@ -149,12 +149,13 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
 def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
              against: PathLike | Sequence[PathLike] = (), workers: int = 1, show_progress: bool | None = None):
     """Checks tokpack directories (sources, runs, epochs); `against`: the packed sources an
-    epoch was shuffled from, to recompute its content. Returns a formats.dir_checks.ValidateResult."""
+    epoch was shuffled from, to recompute its content and prove its order. Returns a
+    formats.dir_checks.ValidateResult."""
     from formats.dir_checks import validate_all
-    from shuffle.plan import expected_multiset_hash
+    from shuffle.plan import replay_hashes
 
     return validate_all(as_paths(dirs), quick=quick, against=as_paths(against), workers=workers,
-                        show_progress=show_progress, expected_multiset_hash=expected_multiset_hash)
+                        show_progress=show_progress, replay=replay_hashes)
 
 
 def stage(directory: PathLike, dest: PathLike, *, workers: int = 4, epochs: str | None = None,

@@ -22,7 +22,7 @@ import xxhash
 
 from formats.errors import TokpackError
 from formats.io import IO_BLOCK, local_path, read_ahead
-from formats.manifest import dtype_from_name, hash_hex64, row_hash
+from formats.manifest import dtype_from_name, hash_hex64, order_hash_terms, row_hashes
 from formats.shards import PackedSource
 from formats.units import token_count
 
@@ -428,25 +428,42 @@ def iter_source_windows(plan: EpochPlan, s: int, src: PackedSource, block_bytes:
             f.close()
 
 
-def expected_multiset_hash(epoch_manifest: dict, sources: list[PackedSource]) -> str:
-    """The `sample_multiset_hash` the epoch must have, recomputed from its sources through the
-    plan (each window's xxh3_64 times the number of times the epoch uses it). Memory: one
-    IO block plus O(block rows) index arrays."""
+def replay_hashes(epoch_manifest: dict, sources: list[PackedSource], order: bool = True) -> tuple[str, list[int]]:
+    """What the epoch must hold, recomputed from its sources through the plan: its
+    `sample_multiset_hash` (each window's row_hash times the number of times the epoch uses it)
+    and, with `order`, each output shard's order hash (docs/FORMAT.md, "Checksums": the sum of
+    the order terms of the samples the plan puts at the shard's positions). Each source is read
+    once, sequentially in its own order, and each window's terms are added at every position the
+    plan sends it to (`outputs_of`), so the epoch's order needs no table. Memory: one IO block,
+    O(block rows) index arrays and 8 bytes per output shard."""
     plan = EpochPlan.from_manifest(epoch_manifest, sources)
+    per, listed = (int(epoch_manifest["shard_samples"]), len(epoch_manifest["shards"])) if order else (1, 0)
+    if order and (per < 1 or -(-plan.samples // per) != listed):  # before the per-shard sums are allocated
+        raise TokpackError("epoch manifest's shards do not hold its samples", where="shards",
+                           expected=f"{-(-plan.samples // max(per, 1))} shards ({plan.samples} samples, "
+                                    f"{per} a shard)", found=f"{listed} shards")
     by_fp = {}
     for src in sources:
         by_fp.setdefault(src.fingerprint, []).append(src)
-    total = 0
+    multiset, shard_orders = 0, np.zeros(listed if order else 0, dtype=np.uint64)
     for s, sp in enumerate(plan.sources):
         if not sp.samples:
             continue
-        src = by_fp[sp.fingerprint][0]
-        for a, rows in iter_source_windows(plan, s, src):
-            uses = np.zeros(len(rows), dtype=np.int64)
-            for _, sel, _ in plan.outputs_of(s, np.arange(a, a + len(rows), dtype=np.int64)):
-                uses[sel] += 1
-            flat = memoryview(rows.reshape(-1).view(np.uint8))
-            step = flat.nbytes // len(rows)
-            for i in np.flatnonzero(uses).tolist():
-                total += int(uses[i]) * row_hash(flat[i * step : (i + 1) * step])
-    return hash_hex64(total)
+        for a, rows in iter_source_windows(plan, s, by_fp[sp.fingerprint][0]):
+            uses = list(plan.outputs_of(s, np.arange(a, a + len(rows), dtype=np.int64)))
+            if not uses:
+                continue
+            used = np.unique(np.concatenate([sel for _, sel, _ in uses]))
+            hashes = np.zeros(len(rows), dtype=np.uint64)  # only the windows the epoch uses are hashed
+            hashes[used] = row_hashes(rows if len(used) == len(rows) else rows[used])
+            for _, sel, g in uses:
+                multiset += int(hashes[sel].sum(dtype=np.uint64))
+                if order:  # uint64 sums wrap: mod 2^64
+                    np.add.at(shard_orders, g // per, order_hash_terms(g, hashes[sel]))
+    return hash_hex64(multiset), shard_orders.tolist()
+
+
+def expected_multiset_hash(epoch_manifest: dict, sources: list[PackedSource]) -> str:
+    """The `sample_multiset_hash` the epoch must have (replay_hashes without the order: what
+    `validate --against` compared before it proved the order; bench/validate.py times both)."""
+    return replay_hashes(epoch_manifest, sources, order=False)[0]
