@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import numpy as np
 import xxhash
@@ -29,6 +29,35 @@ from formats.units import token_count
 from .permutation import Bijection, derive_key
 
 PLAN_ALGORITHM = "tokpack-feistel6-splitmix-xxh3-v1"  # recorded in manifests; bump on any change
+
+
+class SamplePlan(Protocol):
+    """What an epoch holds and in which order, as the engines, `validate --against` and the
+    summaries ask it. Two implementations: EpochPlan (windows, O(#sources), nothing stored) and
+    shuffle.packed.PackedPlan (best-fit rows, a materialised and checksummed row table)."""
+
+    seed: int
+    epoch: int
+    seq_len: int
+    samples: int  # N: rows in the epoch
+    sources: tuple  # per source: index, name, path, fingerprint, weight, tokens, windows, samples, base, cursor
+    jitter: bool
+
+    @property
+    def row_tokens(self) -> int: ...  # L + 1
+
+    @property
+    def algorithm(self) -> str: ...  # the manifests' `shuffle` name
+
+    def chain_start(self, s: int) -> int: ...  # where source s's chain is at this epoch's first sample
+
+    def order(self) -> "Bijection": ...  # sigma_e: epoch-list position q -> output position g
+
+    def dropped_tokens(self) -> int: ...
+
+    def source_report(self) -> list[dict]: ...  # per source: samples, windows, passes, repeats...
+
+    def source_entries(self) -> list[dict]: ...  # the epoch manifest's `sources`
 
 
 @dataclass(frozen=True)
@@ -64,6 +93,10 @@ class EpochPlan:
     @property
     def row_tokens(self) -> int:
         return self.seq_len + 1
+
+    @property
+    def algorithm(self) -> str:
+        return PLAN_ALGORITHM
 
     def chain_start(self, s: int) -> int:
         """Position in source s's chain of this epoch's first sample from it: where the epochs
