@@ -16,9 +16,10 @@ import xxhash
 from formats.io import progress
 
 from .packed import PIECE, TokenPool, read_table, row_padding
-from .steps import MAX_CHUNK_BYTES, EpochJob, _Step
+from .steps import RING, EpochJob, _Step
 
-GATHER_BYTES_PER_TOKEN = 16  # the int64 destination and source index of each token of a chunk
+GATHER_TOKENS = 1 << 18  # tokens of rows assembled per call
+GATHER_BYTES_PER_TOKEN = 40  # int64 temporaries of a chunk's gather: repeats, steps, destination and source
 
 
 def packed_memory(job, sources) -> int:
@@ -29,7 +30,7 @@ def packed_memory(job, sources) -> int:
     docs = sum(int(sources[s].manifest.get("documents", 0)) for s in used)
     itemsize = job.token_dtype.itemsize
     pieces = docs * max(1, max((sp.passes for sp in plan.sources), default=1)) + plan.samples
-    chunk = MAX_CHUNK_BYTES // itemsize * (GATHER_BYTES_PER_TOKEN + itemsize)
+    chunk = GATHER_TOKENS * GATHER_BYTES_PER_TOKEN + RING * GATHER_TOKENS * itemsize  # in flight: RING chunks
     return tokens * itemsize + pieces * (PIECE.itemsize * 2 + 16) + plan.samples * 12 + chunk
 
 
@@ -57,7 +58,7 @@ class PackedInMemoryStep(_Step):
                 job.source_changed(src.path / src.shards[k]["path"], src.shards[k]["xxh3_128"], found)
 
         pool = TokenPool(plan, sources, check)
-        rows = max(1, MAX_CHUNK_BYTES // job.row_bytes)
+        rows = max(1, GATHER_TOKENS // plan.row_tokens)
 
         def blocks(g0, g1):
             for a in range(g0, g1, rows):

@@ -303,6 +303,13 @@ def _source_check(job: EpochJob, layout: Layout | None):
 def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, run_passes, log) -> dict:
     """Writes one epoch directory (all shards, then its manifest). Returns a summary."""
     plan = job.plan
+    packed = plan.algorithm == PACKED_ALGORITHM
+    if packed:  # checked before anything is written
+        held = packed_memory(job, job.open_sources())
+        if held > memory:
+            raise TokpackError(f"epoch {plan.epoch} does not fit --memory for best-fit packing, and best-fit has no "
+                               "out-of-core path yet", where="--memory", expected=f">= {held} bytes",
+                               found=f"{memory} bytes", hint="give more --memory, or use --packing concat")
     work = Path(job.work_dir)
     Path(job.epoch_dir).mkdir(parents=True, exist_ok=True)
     remove_tmp_files(job.epoch_dir)
@@ -310,17 +317,10 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     # completion markers from an earlier attempt (maybe with another layout) must never match.
     attempt = uuid.uuid4().hex[:8]
     logs = work / "logs" / attempt
-    needed, held = memory_path(job, memory)
+    needed, held = (held, held) if packed else memory_path(job, memory)
     in_memory = held <= memory
-    packed = plan.algorithm == PACKED_ALGORITHM
     if packed:
         table_file, table_sum, padding = _packed_table(job)
-        needed = held = packed_memory(job, job.open_sources())
-        in_memory = True
-        if held > memory:
-            raise TokpackError(f"epoch {plan.epoch} does not fit --memory for best-fit packing, and best-fit has no "
-                               "out-of-core path yet", where="--memory", expected=f">= {held} bytes",
-                               found=f"{memory} bytes", hint="give more --memory, or use --packing concat")
     name = f"{epoch_dir_name(plan.epoch)}-{attempt}"
     job.source_changed_path.unlink(missing_ok=True)  # an earlier attempt's: this one reads the sources again
     shards_left = [i for i in range(job.n_shards) if job.shard_done(i) is None]
