@@ -200,6 +200,12 @@ class PackedPlan:
     def dropped_tokens(self) -> int:
         return 0
 
+    def first_pass(self, s: int) -> int:
+        return self.sources[s].first_pass
+
+    def passes(self, s: int) -> int:
+        return self.sources[s].passes
+
     def order(self) -> Bijection:
         return Bijection(self.samples, "epoch", self.seed, self.epoch)
 

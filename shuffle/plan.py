@@ -51,6 +51,10 @@ class SamplePlan(Protocol):
 
     def chain_start(self, s: int) -> int: ...  # where source s's chain is at this epoch's first sample
 
+    def first_pass(self, s: int) -> int: ...
+
+    def passes(self, s: int) -> int: ...  # passes over source s this epoch touches
+
     def order(self) -> "Bijection": ...  # sigma_e: epoch-list position q -> output position g
 
     def dropped_tokens(self) -> int: ...

@@ -202,7 +202,11 @@ def run_manifest_of(written: dict, plan: EpochPlan, weights, sources: list[Packe
 
 def memory_path(job: EpochJob, memory: int) -> tuple[int, int]:
     """(bytes of the windows to hold, bytes the in-memory path holds with its chunk buffers): the
-    epoch runs in memory when the latter fits `memory`."""
+    epoch runs in memory when the latter fits `memory`. A best-fit epoch: what its in-memory
+    path holds, twice (it has no other path)."""
+    if job.plan.algorithm == PACKED_ALGORITHM:
+        held = packed_memory(job, job.open_sources())
+        return held, held
     needed = sum(sp.windows for sp in job.plan.sources if sp.samples) * (job.row_bytes + ROW_FACTS_BYTES)
     return needed, needed + CHUNKS_IN_BUDGET * job.chunk_rows(memory) * job.row_bytes
 
@@ -213,8 +217,9 @@ def task_budget(memory: int, workers: int) -> int:
 
 
 def epoch_layout(job: EpochJob, *, memory: int, workers: int, tasks: int | None) -> Layout | None:
-    """The out-of-core layout of the epoch's passes, or None when it runs in memory."""
-    if memory_path(job, memory)[1] <= memory:
+    """The out-of-core layout of the epoch's passes, or None when it runs in memory (a best-fit
+    epoch always: run_epoch refuses one that does not fit)."""
+    if memory_path(job, memory)[1] <= memory or job.plan.algorithm == PACKED_ALGORITHM:
         return None
     return make_layout(job, task_budget(memory, workers), tasks or workers)
 
@@ -305,7 +310,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     plan = job.plan
     packed = plan.algorithm == PACKED_ALGORITHM
     if packed:  # checked before anything is written
-        held = packed_memory(job, job.open_sources())
+        held = memory_path(job, memory)[1]
         if held > memory:
             raise TokpackError(f"epoch {plan.epoch} does not fit --memory for best-fit packing, and best-fit has no "
                                "out-of-core path yet", where="--memory", expected=f">= {held} bytes",
@@ -317,7 +322,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     # completion markers from an earlier attempt (maybe with another layout) must never match.
     attempt = uuid.uuid4().hex[:8]
     logs = work / "logs" / attempt
-    needed, held = (held, held) if packed else memory_path(job, memory)
+    needed, held = memory_path(job, memory)
     in_memory = held <= memory
     if packed:
         table_file, table_sum, padding = _packed_table(job)

@@ -362,3 +362,33 @@ def test_datatrove_reads_a_best_fit_epoch_in_order(run):
         # datatrove's positions from the .ds.index: a restart after each EOS (a pad token that
         # is EOS is a document of one token to it; TokpackDataset makes the padding one segment).
         assert np.array_equal(item["positions"].numpy(), reader.index_positions(g, 1)[0])
+
+
+def test_plan_shuffle_reports_a_best_fit_epoch(sources, tmp_path):
+    res = CliRunner().invoke(main, ["plan", "shuffle", *map(str, sources), "-o", str(tmp_path / "p"), "--seq-len", "63",
+                                    "--seed", "3", "--epochs", "1", "--packing", "best-fit", "--json"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.output)
+    assert got["path"] == "in-memory" and not (tmp_path / "p").exists()
+    opened = [PackedSource.open(s) for s in sources]
+    plan = packed_epoch_plan(opened, seq_len=63, seed=3, epoch=0)
+    assert got["samples_per_epoch"] == plan.samples == sum(s.windows for s in plan.sources)
+
+
+def test_a_schedule_declares_best_fit(sources, tmp_path):
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text(f"seq_len: 63\nseed: 4\npacking: best-fit\nstages:\n"
+                         f"  - name: a\n    epochs: 1\n    sources: {{{sources[0]}: 1}}\n"
+                         f"  - name: b\n    epochs: 1\n    sources: {{{sources[0]}: 1, {sources[1]}: 1}}\n")
+    res = CliRunner().invoke(main, ["shuffle", "--schedule", str(yaml_file), "-o", str(tmp_path / "run")])
+    assert res.exit_code == 0, res.output
+    run = read_manifest(tmp_path / "run", kind="run")
+    assert run["shuffle"] == PACKED_ALGORITHM and run["packing"]["method"] == "best-fit"
+    e1 = read_manifest(tmp_path / "run" / "epoch-00001", kind="epoch")
+    assert e1["sources"][0]["cursor"] == read_manifest(tmp_path / "run" / "epoch-00000", kind="epoch")["samples"]
+    against = [a for s in sources for a in ("--against", str(s))]
+    res = CliRunner().invoke(main, ["validate", str(tmp_path / "run"), *against])
+    assert res.exit_code == 0, res.output
+    yaml_file.write_text(yaml_file.read_text().replace("packing: best-fit", "packing: best"))
+    res = CliRunner().invoke(main, ["shuffle", "--schedule", str(yaml_file), "-o", str(tmp_path / "other")])
+    assert res.exit_code == 1 and "unknown packing" in res.output and "Traceback" not in res.output
