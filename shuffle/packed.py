@@ -209,11 +209,26 @@ class PackedPlan:
     def order(self) -> Bijection:
         return Bijection(self.samples, "epoch", self.seed, self.epoch)
 
+    def repeats(self, s: int) -> int:
+        """Pieces (documents or fragments) of source s this epoch holds more than once: nonzero
+        when its chain range spans more than one pass (upsampled, or straddling two)."""
+        sp = self.sources[s]
+        if sp.passes < 2:
+            return 0
+        lo, hi = self.chain_start(s), self.chain_start(s) + sp.samples
+        at, keys = pass_start(self, s, sp.first_pass), []
+        for p in range(sp.first_pass, sp.first_pass + sp.passes):
+            pr = source_pass(self, s, p)
+            sel = (pr.row >= lo - at) & (pr.row < hi - at)
+            keys.append(np.stack([pr.doc[sel], pr.doc_offset[sel]], axis=1))
+            at += pr.rows
+        keys = np.concatenate(keys)
+        return int(len(keys) - len(np.unique(keys, axis=0)))
+
     def source_report(self) -> list[dict]:
         return [{"name": s.name, "path": s.path, "fingerprint": s.fingerprint, "weight": s.weight,
                  "samples": s.samples, "windows": s.windows, "passes": s.passes, "first_pass": s.first_pass,
-                 "repeats": max(0, s.samples - s.windows) if s.passes > 1 else 0}
-                for s in self.sources]
+                 "repeats": self.repeats(i)} for i, s in enumerate(self.sources)]
 
     def source_entries(self) -> list[dict]:
         return [{"name": s.name, "path": s.path, "fingerprint": s.fingerprint, "weight": s.weight,

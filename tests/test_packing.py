@@ -392,3 +392,26 @@ def test_a_schedule_declares_best_fit(sources, tmp_path):
     yaml_file.write_text(yaml_file.read_text().replace("packing: best-fit", "packing: best"))
     res = CliRunner().invoke(main, ["shuffle", "--schedule", str(yaml_file), "-o", str(tmp_path / "other")])
     assert res.exit_code == 1 and "unknown packing" in res.output and "Traceback" not in res.output
+
+
+def test_repeats_count_the_pieces_an_upsampled_epoch_holds_twice(corpus3):
+    plan = packed_epoch_plan(corpus3, seq_len=63, seed=2, epoch=0, weights=["1", "1", "4"], samples=300)
+    table = plan.table(corpus3)
+    for s, r in enumerate(plan.source_report()):
+        sel = table[table["source"] == s]
+        distinct = len(np.unique(np.stack([sel["doc"], sel["doc_offset"]], axis=1), axis=0))
+        assert r["repeats"] == len(sel) - distinct
+    assert plan.source_report()[2]["repeats"] > 0  # math is upsampled
+
+
+def test_a_source_edited_since_pack_fails_a_best_fit_epoch(sources, tmp_path):
+    copies = [tmp_path / p.name for p in sources]
+    for p, c in zip(sources, copies):
+        shutil.copytree(p, c)
+    f = copies[1] / "00000.ds"
+    data = bytearray(f.read_bytes())
+    data[10] ^= 1
+    f.write_bytes(bytes(data))
+    with pytest.raises(TokpackError, match="source shard changed since it was packed"):
+        shuffle_packed(copies, tmp_path / "out", epochs=[0])
+    assert not (tmp_path / "out" / "epoch-00000" / "tokpack.json").exists()
