@@ -24,7 +24,7 @@ from formats.manifest import hash_hex64, multiset_hash_rows
 from formats.shards import PackedSource
 
 from .permutation import Bijection
-from .plan import PLAN_ALGORITHM, EpochPlan, SourcePlan, expected_multiset_hash, largest_remainder, parse_weight
+from .plan import PLAN_ALGORITHM, EpochPlan, SourcePlan, expected_multiset_hash, mixture
 
 PACKED_ALGORITHM = "tokpack-bfd-feistel6-splitmix-xxh3-v1"  # the `shuffle` name of a packed epoch
 PACKINGS = ("concat", "best-fit")
@@ -185,17 +185,14 @@ class PackedPlan:
     pad_id: int
     jitter: bool = False
 
-    @property
-    def row_tokens(self) -> int:
-        return self.seq_len + 1
+    # The same chains and the same epoch order as the window plan.
+    row_tokens = EpochPlan.row_tokens
+    chain_start = EpochPlan.chain_start
+    order = EpochPlan.order
 
     @property
     def algorithm(self) -> str:
         return PACKED_ALGORITHM
-
-    def chain_start(self, s: int) -> int:
-        src = self.sources[s]
-        return self.epoch * src.samples if src.cursor is None else src.cursor
 
     def dropped_tokens(self) -> int:
         return 0
@@ -205,9 +202,6 @@ class PackedPlan:
 
     def passes(self, s: int) -> int:
         return self.sources[s].passes
-
-    def order(self) -> Bijection:
-        return Bijection(self.samples, "epoch", self.seed, self.epoch)
 
     def repeats(self, s: int) -> int:
         """Pieces (documents or fragments) of source s this epoch holds more than once: nonzero
@@ -332,17 +326,7 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
     rows0 = [source_pass(stub, s, 0).rows for s in range(len(sources))]
     weights = list(weights) if weights is not None else [None] * len(sources)
     if counts is None:
-        n = int(samples) if samples is not None else int(tokens) // seq_len if tokens is not None else sum(rows0)
-        if n < 1:
-            raise TokpackError("the epoch would hold no samples", where="--samples/--tokens", expected=">= 1 sample",
-                               found=n)
-        if all(w is not None for w in weights):
-            counts = largest_remainder([parse_weight(w, f"weight of {src.path}") for src, w in zip(sources, weights)], n)
-        elif samples is not None or tokens is not None:
-            from fractions import Fraction
-            counts = largest_remainder([Fraction(r) for r in rows0], n)
-        else:
-            counts = rows0
+        counts = mixture(sources, weights, rows0, samples=samples, tokens=tokens, seq_len=seq_len)[1]
     plans, base = [], 0
     for s, src in enumerate(sources):
         cursor = None if cursors is None else cursors[s]

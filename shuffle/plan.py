@@ -366,6 +366,35 @@ def jitter_offset(seed: int, epoch: int, s: int, seq_len: int) -> int:
     return derive_key("jitter", seed, epoch, s) % (seq_len + 1)
 
 
+def mixture(sources: list[PackedSource], weights: list[str | None], units: list[int], *, samples: int | None,
+            tokens: int | None, seq_len: int) -> tuple[int, list[int]]:
+    """(N, c_s): the epoch's size and each source's share, from the weights (all given or
+    none) and each source's units per pass (W_s, or a packed pass's rows)."""
+    given = [w is not None for w in weights]
+    if any(given) and not all(given):
+        raise TokpackError("some sources have a weight and some do not", where="SOURCE=WEIGHT",
+                           expected="a weight on every source or on none",
+                           found=", ".join(f"{src.path}={w}" for src, w in zip(sources, weights)))
+    if samples is not None:
+        n = int(samples)
+    elif tokens is not None:
+        n = int(tokens) // seq_len
+    else:
+        n = sum(units)
+    if n < 1:
+        raise TokpackError("the epoch would hold no samples", where="--samples/--tokens", expected=">= 1 sample", found=n)
+    if all(w is not None for w in weights):
+        fr = [parse_weight(w, f"weight of {src.path}") for src, w in zip(sources, weights)]
+        for src, w, f in zip(sources, weights, fr):
+            if f == 0:  # the other sources would be stretched over its share: silent repeats
+                raise TokpackError("weight is 0", file=src.path, where="SOURCE=WEIGHT", expected="a weight > 0",
+                                   found=w, hint="leave the source out instead of giving it weight 0")
+        return n, largest_remainder(fr, n)
+    if samples is not None or tokens is not None:
+        return n, largest_remainder([Fraction(w) for w in units], n)
+    return n, list(units)
+
+
 def epoch_plan(
     sources: list[PackedSource],
     *,
@@ -382,11 +411,6 @@ def epoch_plan(
     if not sources:
         raise TokpackError("no sources given", hint="tokpack shuffle SOURCE[=WEIGHT]... -o OUT")
     weights = list(weights) if weights is not None else [None] * len(sources)
-    given = [w is not None for w in weights]
-    if any(given) and not all(given):
-        raise TokpackError("some sources have a weight and some do not", where="SOURCE=WEIGHT",
-                           expected="a weight on every source or on none",
-                           found=", ".join(f"{src.path}={w}" for src, w in zip(sources, weights)))
     wins = []
     for s, src in enumerate(sources):
         w = windows_of(src.tokens, seq_len, jitter)
@@ -396,25 +420,7 @@ def epoch_plan(
                 expected=f"a source of at least {seq_len + 1 + (seq_len if jitter else 0)} tokens",
                 found=f"{src.tokens} tokens", hint="lower --seq-len or drop this source")
         wins.append(w)
-    if samples is not None:
-        n = int(samples)
-    elif tokens is not None:
-        n = int(tokens) // seq_len
-    else:
-        n = sum(wins)
-    if n < 1:
-        raise TokpackError("the epoch would hold no samples", where="--samples/--tokens", expected=">= 1 sample", found=n)
-    if all(given):
-        fr = [parse_weight(w, f"weight of {src.path}") for src, w in zip(sources, weights)]
-        for src, w, f in zip(sources, weights, fr):
-            if f == 0:  # the other sources would be stretched over its share: silent repeats
-                raise TokpackError("weight is 0", file=src.path, where="SOURCE=WEIGHT", expected="a weight > 0",
-                                   found=w, hint="leave the source out instead of giving it weight 0")
-        counts = largest_remainder(fr, n)
-    elif samples is not None or tokens is not None:
-        counts = largest_remainder([Fraction(w) for w in wins], n)
-    else:
-        counts = wins
+    n, counts = mixture(sources, weights, wins, samples=samples, tokens=tokens, seq_len=seq_len)
     plans, base = [], 0
     for s, src in enumerate(sources):
         offset = jitter_offset(seed, epoch, s, seq_len) if jitter else 0
