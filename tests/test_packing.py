@@ -415,3 +415,10 @@ def test_a_source_edited_since_pack_fails_a_best_fit_epoch(sources, tmp_path):
     with pytest.raises(TokpackError, match="source shard changed since it was packed"):
         shuffle_packed(copies, tmp_path / "out", epochs=[0])
     assert not (tmp_path / "out" / "epoch-00000" / "tokpack.json").exists()
+
+
+def test_inspect_identifies_documents_through_the_packed_plan(run):
+    res = CliRunner().invoke(main, ["inspect", str(run), "--json"])
+    assert res.exit_code == 0, res.output
+    diversity = json.loads(res.output)["batch_diversity"]
+    assert diversity["document_identity"] == "plan" and "note" not in diversity
