@@ -422,3 +422,41 @@ def test_inspect_identifies_documents_through_the_packed_plan(run):
     assert res.exit_code == 0, res.output
     diversity = json.loads(res.output)["batch_diversity"]
     assert diversity["document_identity"] == "plan" and "note" not in diversity
+
+
+# ------------------------------------------------------------------ validate's fault table on a best-fit run
+
+
+@pytest.fixture(scope="module")
+def fault_base(tmp_path_factory) -> Path:
+    """test_validate's src/, run/ and other/, shuffled with --packing best-fit."""
+    import tests.test_validate as tv
+
+    root = tmp_path_factory.mktemp("bfd-validate-base")
+    docs = random_docs(np.random.default_rng(3), 60, tv.VOCAB, tv.EOS, max_len=120)
+    write_source(root / "src", docs, vocab_size=tv.VOCAB, eos_id=tv.EOS, docs_per_shard=20)
+    for name, seed, epochs in (("run", 1, [0, 1]), ("other", 2, [0])):
+        shuffle_run([str(root / "src")], str(root / name), seq_len=tv.SEQ_LEN, seed=seed, epochs=epochs,
+                    shard_samples=tv.SHARD_SAMPLES, memory=64 << 20, packing="best-fit")
+    return root
+
+
+def test_validate_catches_every_fault_of_its_table_on_a_best_fit_run(fault_base, tmp_path):
+    """Each of test_validate's faults, injected into a best-fit run, is reported: by a full
+    validation, and with --against by the replay of the packed plan."""
+    import tests.test_validate as tv
+
+    clean = tv.validate_all([str(fault_base / "run")], quick=False, against=[str(fault_base / "src")],
+                            show_progress=False)
+    assert clean["ok"], clean["lines"]
+    missed = []
+    for i, (fault, (target, inject)) in enumerate(tv.FAULTS.items()):
+        env = tmp_path / f"f{i}"
+        for name in ("src", "run", "other"):
+            shutil.copytree(fault_base / name, env / name)
+        inject(env)
+        r = tv.detect(env, target)
+        if not r["against"]["ok"] and (fault in tv.NEEDS_AGAINST or not r["full"]["ok"]):
+            continue
+        missed.append(fault)
+    assert missed == []
