@@ -30,7 +30,7 @@ from formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_n
 from formats.shards import PackedSource, shard_suffixes
 
 from .packed import PACKED_ALGORITHM, PACKINGS, packing_settings, write_table
-from .packed_step import PackedInMemoryStep, packed_memory
+from .packed_step import PackedInMemoryStep, PackedOrderStep, PackedScatterStep, packed_memory
 from .plan import PLAN_ALGORITHM, EpochPlan, SamplePlan, is_virtual, open_source, parse_weight, source_location
 from .schedule import RunPlan, Schedule
 from .steps import (CHUNKS_IN_BUDGET, ORDER_ROW_OVERHEAD, EpochJob, InMemoryStep, Layout, OrderStep, ScatterStep,
@@ -217,9 +217,8 @@ def task_budget(memory: int, workers: int) -> int:
 
 
 def epoch_layout(job: EpochJob, *, memory: int, workers: int, tasks: int | None) -> Layout | None:
-    """The out-of-core layout of the epoch's passes, or None when it runs in memory (a best-fit
-    epoch always: run_epoch refuses one that does not fit)."""
-    if memory_path(job, memory)[1] <= memory or job.plan.algorithm == PACKED_ALGORITHM:
+    """The out-of-core layout of the epoch's passes, or None when it runs in memory."""
+    if memory_path(job, memory)[1] <= memory:
         return None
     return make_layout(job, task_budget(memory, workers), tasks or workers)
 
@@ -309,12 +308,6 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     """Writes one epoch directory (all shards, then its manifest). Returns a summary."""
     plan = job.plan
     packed = plan.algorithm == PACKED_ALGORITHM
-    if packed:  # checked before anything is written
-        held = memory_path(job, memory)[1]
-        if held > memory:
-            raise TokpackError(f"epoch {plan.epoch} does not fit --memory for best-fit packing, and best-fit has no "
-                               "out-of-core path yet", where="--memory", expected=f">= {held} bytes",
-                               found=f"{memory} bytes", hint="give more --memory, or use --packing concat")
     work = Path(job.work_dir)
     Path(job.epoch_dir).mkdir(parents=True, exist_ok=True)
     remove_tmp_files(job.epoch_dir)
@@ -333,7 +326,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
         layout = None
         if not shards_left:  # a rerun after every shard finished: only the manifest is missing
             log(f"epoch {plan.epoch}: all {job.n_shards} shards already written; writing the manifest")
-        elif packed:
+        elif packed and in_memory:
             log(f"epoch {plan.epoch}: {plan.samples} samples, best-fit in memory ({held / 2**20:.1f} MiB)")
             with _source_check(job, None):
                 run_passes([(PackedInMemoryStep(job, table_file, table_sum, budget=memory), 1, f"{name}-bestfit",
@@ -349,6 +342,10 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
                 f"{layout.tasks} scatter tasks, {len(layout.bucket_starts) - 1} buckets, {job.n_shards} shards)")
             passes = [(ScatterStep(job, layout), layout.tasks, f"{name}-scatter", str(logs / "scatter")),
                       (OrderStep(job, layout, budget), job.n_shards, f"{name}-order", str(logs / "order"))]
+            if packed:  # the same two passes over document pieces
+                passes = [(PackedScatterStep(job, layout, table_file, table_sum), layout.tasks, f"{name}-scatter",
+                           str(logs / "scatter")),
+                          (PackedOrderStep(job, layout, budget), job.n_shards, f"{name}-order", str(logs / "order"))]
             if all(layout.scatter_done(t) for t in range(layout.tasks)):
                 if all(layout.holds_rows_of(i, job.row_bytes) for i in shards_left):
                     passes = passes[1:]  # a rerun after the scatter pass finished: no array of no-op tasks
