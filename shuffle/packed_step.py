@@ -23,7 +23,7 @@ from formats.io import map_file, progress, write_bytes_atomic
 from formats.shards import PAD_DTYPE
 
 from .packed import PIECE, TokenPool, documents_of, read_table, row_padding
-from .steps import RING, EpochJob, _Step
+from .steps import RING, EpochJob, OrderStep, _Step
 
 GATHER_TOKENS = 1 << 20  # tokens of rows assembled per call
 
@@ -86,8 +86,8 @@ RECORD = np.dtype([("g", "<u8"), ("row_offset", "<u4"), ("length", "<u4")])
 
 
 def _pieces_by_shard(table: np.ndarray, pool_starts: dict, sources) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per piece of the table: its source shard's global number (sources' shards in order),
-    and its first token inside that shard; plus each piece's index (for stable ordering)."""
+    """Per piece of the table: its source shard's number (the sources' shards numbered in
+    order) and its first token inside that shard; and each source's first shard number."""
     shard = np.empty(len(table), np.int64)
     local = np.empty(len(table), np.int64)
     src = table["source"].astype(np.int64)
@@ -163,29 +163,25 @@ class PackedScatterStep(_Step):
         write_bytes_atomic(lay.task_done(t), json.dumps({"task": t, "buckets": nb}).encode(), fsync=True)
 
 
-class PackedOrderStep(_Step):
+class PackedOrderStep(OrderStep):
     """Task i writes output shard i: each of its buckets' pieces is read back and placed in its row."""
 
     name = "shuffle best-fit order"
 
-    def run(self, data=None, rank: int = 0, world_size: int = 1):
-        for i in range(rank, self.job.n_shards, world_size):
-            self.order(i)
-
     def order(self, i: int) -> None:
         job, lay = self.job, self.layout
-        buckets = range(int(lay.shard_buckets[i]), int(lay.shard_buckets[i + 1]))
+        buckets = self._buckets(i)
         if job.shard_done(i) is None:
             g0, g1 = job.shard_range(i)
             # Filled while write_shard consumes the buckets, and read by it only after the last.
             pad = np.full(g1 - g0, job.plan.row_tokens, dtype=np.int64)
-            job.write_shard(i, self._buckets(buckets, g0, pad), pad=pad)
+            job.write_shard(i, self._pieces(buckets, g0, pad), pad=pad)
         for b in buckets:  # the shard is safe: its bucket files are no longer needed
             for t in range(lay.tasks):
                 for ext in ("rows", "pos"):
                     lay.bucket_file(t, b, ext).unlink(missing_ok=True)
 
-    def _buckets(self, buckets: range, g0: int, pad: np.ndarray):
+    def _pieces(self, buckets: range, g0: int, pad: np.ndarray):
         """Each bucket's rows, in output order, as np.void rows; `pad` gets their padding."""
         job, lay = self.job, self.layout
         recorded = [lay.recorded(t, buckets) for t in range(lay.tasks)]
