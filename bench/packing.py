@@ -21,8 +21,9 @@ Tables, at seq_len 2048 and 4096:
             segment-tree OBFD over all documents at once, long documents fragmented); its
             classes are compiled from the installed file (the package's __init__ needs cloud
             clients this bench has no use for), not copied
-  speed     one epoch in memory: concat vs best-fit vs cp -r + sync, alternating, cold cache
-            when root; peak RSS against --memory
+  speed     one epoch, in memory and out of core (--memory = 1/8 of the sources): concat vs
+            best-fit vs cp -r + sync, alternating, cold cache when root; peak RSS against
+            --memory; "x concat" compares each best-fit case with concat on the same path
 Needs ai2-olmo-core (bench only): `pip install --no-deps ai2-olmo-core==3.0.0` (or set
 OLMO_CORE_PATH to a folder holding olmo_core/).
 """
@@ -221,13 +222,17 @@ def main() -> None:
             return
         for seq_len in (2048, 4096):
             cases = [("cp -r + sync", lambda: common.cp_sync(work / "src", work / "copy"))]
+            small = f"{max(1, common.dir_bytes(work / 'src') // 8 // 2**20)}MiB"  # out of core, as bench/shuffle.py
             for packing in ("concat", "best-fit"):
-                out = work / f"run-{packing}"
+                for where, memory in (("", args.memory), (" (out of core)", small)):
+                    out = work / f"run-{packing}"
 
-                def run(out=out, packing=packing):
-                    shutil.rmtree(out, ignore_errors=True)
-                    return common.run_measured(shuffle_cmd(sources, out, seq_len, packing, args.memory))
-                cases.append((f"tokpack {packing}", run))
+                    def run(out=out, packing=packing, memory=memory):
+                        shutil.rmtree(out, ignore_errors=True)
+                        return common.run_measured(shuffle_cmd(sources, out, seq_len, packing, memory))
+                    cases.append((f"tokpack {packing}{where}", (run, memory)))
+            memories = {name: fn[1] for name, fn in cases[1:]}
+            cases = [(name, fn if callable(fn) else fn[0]) for name, fn in cases]
             results = common.alternate(cases, args.runs)
             base = results["cp -r + sync"]
             rows = []
@@ -236,9 +241,9 @@ def main() -> None:
                 rows.append({"case": name, "median s": sorted(m.seconds for m in ms)[len(ms) // 2],
                              "x cp": f"{med:.2f} ({common.ratio_range(lo, hi)})",
                              "x concat": "" if name == "cp -r + sync" else
-                             f"{common.paired_ratio(ms, results['tokpack concat'])[0]:.2f}",
-                             "peak RSS MB": round(max(m.peak_rss_mb for m in ms)), "--memory": args.memory})
-            common.print_table(f"One epoch in memory at seq_len {seq_len} ({sum(int(x.sum()) for x in lengths.values()):,} "
+                             f"{common.paired_ratio(ms, results[name.replace('best-fit', 'concat')])[0]:.2f}",
+                             "peak RSS MB": round(max(m.peak_rss_mb for m in ms)), "--memory": memories.get(name, "")})
+            common.print_table(f"One epoch at seq_len {seq_len} ({sum(int(x.sum()) for x in lengths.values()):,} "
                                f"tokens, {args.runs} rounds)", rows, list(rows[0]))
     finally:
         shutil.rmtree(work, ignore_errors=True)

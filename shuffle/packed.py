@@ -25,7 +25,7 @@ from formats.manifest import hash_hex64, multiset_hash_rows
 from formats.shards import PackedSource
 
 from .permutation import Bijection
-from .plan import PLAN_ALGORITHM, EpochPlan, SourcePlan, expected_multiset_hash, mixture
+from .plan import EpochPlan, expected_multiset_hash, mixture
 
 PACKED_ALGORITHM = "tokpack-bfd-feistel6-splitmix-xxh3-v1"  # the `shuffle` name of a packed epoch
 PACKINGS = ("concat", "best-fit")
@@ -488,10 +488,6 @@ def expected_multiset_hash_any(manifest: dict, sources: list[PackedSource]) -> s
         raise TokpackError("epoch's row table is not the one its plan packs", where="packing.table_xxh3_128",
                            expected=f"{table_sum} (replayed from the sources)", found=recorded)
     return multiset
-
-
-__all__ = ["PACKED_ALGORITHM", "PLAN_ALGORITHM", "PackedPlan", "packed_epoch_plan", "packed_plan_from_manifest",
-           "EpochPlan", "SourcePlan"]
 
 
 def packing_settings(packing: str, sources: list[PackedSource], pad_id: int | None = None,

@@ -20,7 +20,6 @@ import xxhash
 
 from formats.errors import TokpackError
 from formats.io import map_file, progress, write_bytes_atomic
-from formats.shards import PAD_DTYPE
 
 from .packed import PIECE, TokenPool, documents_of, read_table, row_padding
 from .steps import RING, EpochJob, OrderStep, _Step

@@ -20,7 +20,7 @@ from formats.shards import PackedSource
 from formats.units import token_count
 
 from .packed import PACKINGS, packed_epoch_plan
-from .plan import EpochPlan, SamplePlan, SourcePlan, epoch_plan, jitter_offset, parse_weight, windows_of
+from .plan import SamplePlan, SourcePlan, epoch_plan, jitter_offset, parse_weight, windows_of
 
 SCHEDULE_KEYS = ("seq_len", "seed", "jitter", "shard_samples", "stages", "packing")
 STAGE_KEYS = ("name", "sources", "tokens", "epochs")
