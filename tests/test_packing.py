@@ -465,3 +465,15 @@ def test_validate_catches_every_fault_of_its_table_on_a_best_fit_run(fault_base,
             continue
         missed.append(fault)
     assert missed == []
+
+
+def test_stage_copies_the_padding_sidecars(run, tmp_path):
+    from packer.api import stage, validate
+
+    stage(run, tmp_path / "staged")
+    for e in ("epoch-00000", "epoch-00001"):
+        for f in (run / e).glob("*.pad"):
+            assert (tmp_path / "staged" / e / f.name).read_bytes() == f.read_bytes()
+    assert validate(tmp_path / "staged").ok
+    reader = SampleReader.open(tmp_path / "staged")
+    assert np.array_equal(reader.padding(0, 50), SampleReader.open(run).padding(0, 50))
