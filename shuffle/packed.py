@@ -325,6 +325,10 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
         for s, src in enumerate(sources)), int(group_tokens), pad)
     lengths = [documents_of(src)[1] for src in sources]
     rows0 = [source_pass(stub, s, 0).rows for s in range(len(sources))]
+    for src, rows in zip(sources, rows0):
+        if rows == 0:  # its chain would hold nothing to take
+            raise TokpackError("source holds no documents", file=src.path, where="documents",
+                               expected=">= 1 document", found=0, hint="drop this source")
     weights = list(weights) if weights is not None else [None] * len(sources)
     if counts is None:
         counts = mixture(sources, weights, rows0, samples=samples, tokens=tokens, seq_len=seq_len)[1]

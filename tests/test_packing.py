@@ -477,3 +477,9 @@ def test_stage_copies_the_padding_sidecars(run, tmp_path):
     assert validate(tmp_path / "staged").ok
     reader = SampleReader.open(tmp_path / "staged")
     assert np.array_equal(reader.padding(0, 50), SampleReader.open(run).padding(0, 50))
+
+
+def test_an_empty_source_is_refused_in_one_line(sources, tmp_path):
+    empty = write_source(tmp_path / "empty", [])
+    with pytest.raises(TokpackError, match="source holds no documents"):
+        shuffle_packed([sources[0], empty], tmp_path / "out", epochs=[0])
