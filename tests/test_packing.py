@@ -514,3 +514,10 @@ def test_a_written_epoch_holds_every_document_once(tmp_path_factory, lengths, pe
     fill = np.bincount(table["g"].astype(np.int64), weights=table["length"], minlength=m["samples"])
     assert np.array_equal(fill.astype(np.int64), seq_len + 1 - pad)
     assert all(np.all(rows[g, seq_len + 1 - p:] == 0) for g, p in enumerate(pad.tolist()))
+
+
+def test_jitter_with_best_fit_is_refused(sources, tmp_path):
+    res = CliRunner().invoke(main, ["shuffle", *map(str, sources), "-o", str(tmp_path / "j"), "--seq-len", "63",
+                                    "--seed", "3", "--epochs", "1", "--packing", "best-fit", "--jitter"])
+    assert res.exit_code == 1 and "--jitter" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "j").exists()
