@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import xxhash
+
 from .errors import TokpackError
 from .io import TMP_MARK, as_path, progress
 from .manifest import (
@@ -40,12 +42,12 @@ from .manifest import (
     read_manifest,
 )
 from .shard_scan import MASK64, Findings, Problem, ShardJob, type_ok, check_shard, problem_line, worst_status
-from .shards import SHARD_SUFFIXES, PackedSource
+from .shards import PAD_DTYPE, PAD_SUFFIX, SHARD_SUFFIXES, PackedSource
 
 # One shard file rarely has more than a few independent faults worth reading about;
 # past this many lines the rest are counted, not listed.
 MAX_PROBLEMS_PER_FILE = 5
-SHARD_FILE = re.compile(r".*\.ds(\.index|\.metadata|\.loss)?$")
+SHARD_FILE = re.compile(r".*\.ds(\.index|\.metadata|\.loss|\.pad)?$")
 EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
 
 
@@ -125,13 +127,33 @@ def _check_listing(path: Path, shards: list[dict], rep: DirReport) -> None:
         listed.add(name)
     if names != sorted(names, key=str) or len({len(n) for n in names if isinstance(n, str)}) > 1:
         rep.add(mfile, "shards", "names of one width, in sorted order", names[:5], "shard names out of order")
-    allowed = {n + suffix for n in listed for suffix in SHARD_SUFFIXES}
+    allowed = {n + suffix for n in listed for suffix in (*SHARD_SUFFIXES, PAD_SUFFIX)}
+    _check_pads(path, shards, rep)
     for p in sorted(path.iterdir()):
         if TMP_MARK in p.name:
             continue  # a killed writer's leftover: never data
         if SHARD_FILE.match(p.name) and p.name not in allowed:
             rep.add(p, None, "only the files listed in the manifest", "an unlisted file",
                     "file not listed in the manifest")
+
+
+def _check_pads(path: Path, shards: list[dict], rep: DirReport) -> None:
+    """A best-fit epoch shard's `.ds.pad`: one uint32 per sample, each <= the sample's tokens,
+    matching its recorded checksum."""
+    for i, s in enumerate(shards):
+        if not isinstance(s, dict) or "pad_xxh3_128" not in s or not isinstance(s.get("path"), str):
+            continue
+        f = path / f"{s['path']}{PAD_SUFFIX}"
+        try:
+            data = f.read_bytes()
+        except FileNotFoundError:
+            rep.add(f, None, "the padding sidecar the manifest lists", "no such file", "shard file missing")
+            continue
+        want = int(s.get("samples", -1)) * PAD_DTYPE.itemsize
+        if len(data) != want:
+            rep.add(f, "size", f"{want} bytes (4 per sample)", f"{len(data)} bytes", "padding sidecar has the wrong size")
+        elif xxhash.xxh3_128_hexdigest(data) != s["pad_xxh3_128"]:
+            rep.add(f, "xxh3_128", s["pad_xxh3_128"], xxhash.xxh3_128_hexdigest(data), "checksum mismatch")
 
 
 def _check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> list[ShardJob]:
@@ -213,7 +235,8 @@ def _check_epoch_manifest(path: Path, m: dict, rep: DirReport, row: int) -> None
     frags = [s.get("fragments") for s in shards]
     if "fragments" in m and all(type_ok(f, int) for f in frags) and sum(frags) != m["fragments"]:
         add("fragments", f"{sum(frags)} (sum of the shards' fragments)", m["fragments"], "fragment count wrong")
-    _check_epoch_sources(m, srcs, row, add)
+    if "packing" not in m:  # a best-fit epoch has no windows: its plan is proven by --against's replay
+        _check_epoch_sources(m, srcs, row, add)
     dir_epoch = EPOCH_DIR.match(path.name)
     if dir_epoch and int(dir_epoch.group(1)) != m["epoch"]:
         add("epoch", f"{int(dir_epoch.group(1))} (from the directory name)", m["epoch"], "epoch number wrong")

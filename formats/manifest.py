@@ -205,6 +205,7 @@ _FIELD_TABLES = """
 | `schedule` | list | no | run | a scheduled run: per epoch, `{stage, sources, weights, samples}` (see Schedules) |
 | `schedule_file` | string | no | run | a scheduled run: the schedule file it was made from |
 | `schedule_xxh3_128` | hex32 | no | run | a scheduled run: checksum of that file |
+| `packing` | object | no | epoch, run | a best-fit epoch or run: `{method, group_tokens, pad_id}`, an epoch also `padding_tokens` and `table_xxh3_128` (see Packing) |
 
 `shards[]`
 | `path` | string | yes | source, epoch | the `.ds` file name |
@@ -218,6 +219,7 @@ _FIELD_TABLES = """
 | `metadata_xxh3_128` | hex32 | yes | source, epoch | checksum of `.ds.metadata` |
 | `loss_xxh3_128` | hex32 | no | source | checksum of `.ds.loss`, when there is one |
 | `multiset_hash` | hex16 | yes | epoch | sum of xxh3-64 over the shard's samples mod 2^64 |
+| `pad_xxh3_128` | hex32 | no | epoch | a best-fit epoch: checksum of `.ds.pad` |
 
 `sources[]`
 | `name` | string | yes | epoch, run | the source's name |
@@ -232,6 +234,7 @@ _FIELD_TABLES = """
 | `offset` | int >= 0 | yes | epoch | `o_s`: its window offset |
 | `dropped_tokens` | int >= 0 | yes | epoch | its tokens outside every window |
 | `cursor` | int >= 0 | no | epoch | a run of several stages: where in its chain the epoch starts |
+| `documents` | int >= 0 | no | epoch | a best-fit epoch: `D_s`, the source's documents |
 
 `tokpack-stage.json`
 | `format` | string | yes | sidecar | `"tokpack-stage"` |

@@ -32,7 +32,7 @@ import numpy as np
 from .errors import TokpackError
 from .io import as_path, is_url, open_read, read_full
 from .manifest import dtype_from_name, epoch_dir_name, partial_stage_absent, read_manifest, xxh3_128_file
-from .shards import U64
+from .shards import PAD_DTYPE, PAD_SUFFIX, U64
 
 # One contiguous read when the rank's rows are contiguous (W == 1): large enough to keep a
 # disk or NFS busy, small enough not to matter next to a training process.
@@ -226,6 +226,31 @@ def positions_from_eos(tokens: np.ndarray, eos_id: int) -> np.ndarray:
     return _positions_from_starts(starts)
 
 
+def document_masks(rows: np.ndarray, pad: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(position ids, real-token mask) of [m, L+1] rows whose last `pad[i]` tokens are padding:
+    positions restart after each EOS and at the padding, which is one segment of its own (so a
+    pad id equal to EOS does not make each pad token a document)."""
+    rows = np.atleast_2d(rows)
+    m, width = rows.shape
+    real = np.arange(width)[None, :] < (width - pad.astype(np.int64))[:, None]
+    starts = np.zeros(rows.shape, dtype=bool)
+    starts[:, 0] = True
+    np.equal(rows[:, :-1], eos_id, out=starts[:, 1:])
+    starts[:, 1:] &= real[:, 1:]
+    first_pad = np.clip(width - pad.astype(np.int64), 0, width - 1)
+    has = pad > 0
+    starts[np.flatnonzero(has), first_pad[has]] = True
+    return _positions_from_starts(starts), real
+
+
+def cu_seqlens(positions: np.ndarray) -> np.ndarray:
+    """Cumulative document lengths (int32, from 0 to the token count) over a flattened batch of
+    position ids, as flash-attn's varlen kernels and FlexAttention document masks take them:
+    a document starts wherever its position is 0 (and at every row start)."""
+    flat = positions.reshape(-1)
+    return np.append(np.flatnonzero(flat == 0), flat.size).astype(np.int32)
+
+
 class SampleReader:
     """Sequential reader over chained epoch directories. Open with `SampleReader.open(path)`.
 
@@ -244,6 +269,7 @@ class SampleReader:
         self.row_bytes = self.row_tokens * self.dtype.itemsize  # bytes per sample
         self._verified: set[str] = set()  # files already checksummed by this reader
         self.absent: dict[str, str] = {}  # shards a partial `tokpack stage --ranks` left out -> why
+        self.pads: list[tuple[str, str] | None] | None = None  # best-fit epochs: per shard its .pad (file, xxh3_128)
         self.numbering: EpochNumbering | None = None  # a run's numbering; None: chain order from 0
         self.run: tuple[str, dict] | None = None  # (run directory, run manifest), for the command hints
         self._fds: dict[str, tuple[int, int]] = {}  # open files: path -> (fd, size), at most MAX_OPEN_FILES
@@ -307,6 +333,7 @@ class SampleReader:
         epoch_numbers: list[int] = []
         checksums: list[str | None] = []
         index_checksums: list[str | None] = []
+        pads: list[tuple[str, str] | None] = []  # per shard: a best-fit epoch's (.pad file, its xxh3_128)
         seq_len = dtype = eos_id = None
         sizes: dict[str, int] = {}  # stat once per distinct file
         for pos, (directory, m) in enumerate(epochs):
@@ -360,6 +387,7 @@ class SampleReader:
                 epoch_of.append(pos)
                 checksums.append(s.get("xxh3_128"))
                 index_checksums.append(s.get("index_xxh3_128"))
+                pads.append((f + PAD_SUFFIX, s["pad_xxh3_128"]) if "pad_xxh3_128" in s else None)
                 total += n
             if total != e_samples:
                 raise TokpackError("shards do not add up to the epoch's samples", file=where, where="samples",
@@ -388,6 +416,7 @@ class SampleReader:
         reader = cls(table, seq_len, dtype, None if eos_id is None else int(eos_id), verify=verify)
         reader.absent = dict(absent or {})
         reader.numbering, reader.run = numbering, run
+        reader.pads = pads if any(pads) else None
         return reader
 
     # -------------------------------------------------------------- positions
@@ -581,6 +610,28 @@ class SampleReader:
             fd, _ = self._file(self.table.paths[i])
             if isinstance(fd, int):
                 os.posix_fadvise(fd, row * self.row_bytes, k * self.row_bytes, os.POSIX_FADV_WILLNEED)
+
+    @property
+    def packed(self) -> bool:
+        """Whether any chained epoch is best-fit packed (its samples may end in padding)."""
+        return self.pads is not None
+
+    def padding(self, g: int, n: int) -> np.ndarray:
+        """Padding tokens at the end of each of chained rows [g, g+n) (uint32; 0 for rows of
+        an epoch without a `.ds.pad`). O(1) preads of 4 bytes a row."""
+        out = np.zeros(n, dtype=PAD_DTYPE)
+        if not self.packed:
+            return out
+        done = 0
+        for i, row, k in self._segments(g, n):
+            pad = self.pads[i]
+            if pad is not None:
+                if self.verify:
+                    self._check(pad[0], pad[1])
+                fd, _ = self._file(pad[0])
+                self._pread(fd, memoryview(out[done: done + k].view(np.uint8)), row * PAD_DTYPE.itemsize, pad[0])
+            done += k
+        return out
 
     def index_positions(self, g: int, n: int) -> np.ndarray:
         """Positions of chained rows [g, g+n) derived from the shards' `.ds.index` (fragment ends),

@@ -24,9 +24,22 @@ SHARD_SUFFIXES = ("", ".index", ".metadata", ".loss")  # the files of one shard,
 EPOCH_SHARD_SUFFIXES = tuple(s for s in SHARD_SUFFIXES if s != ".loss")  # an epoch's shards carry no loss mask
 
 
+PAD_SUFFIX = ".pad"  # a best-fit epoch shard: uint32 LE per sample, its padding tokens (at the sample's end)
+PAD_DTYPE = np.dtype("<u4")
+
+
 def shard_suffixes(entry: dict) -> tuple[str, ...]:
-    """The files of the shard a manifest entry records: a loss mask only where it has one."""
-    return SHARD_SUFFIXES if "loss_xxh3_128" in entry else EPOCH_SHARD_SUFFIXES
+    """The files of the shard a manifest entry records: a loss mask or a padding sidecar only
+    where it has one."""
+    base = SHARD_SUFFIXES if "loss_xxh3_128" in entry else EPOCH_SHARD_SUFFIXES
+    return base + (PAD_SUFFIX,) if "pad_xxh3_128" in entry else base
+
+
+def write_pad_sidecar(directory: str | Path, name: str, pad: np.ndarray) -> str:
+    """`NAME.pad` of an epoch shard (atomically, fsync'd); returns its xxh3_128."""
+    data = np.ascontiguousarray(pad, dtype=PAD_DTYPE).tobytes()
+    write_bytes_atomic(Path(directory) / f"{name}{PAD_SUFFIX}", data, fsync=True)
+    return xxhash.xxh3_128_hexdigest(data)
 
 
 class SourceShardWriter:

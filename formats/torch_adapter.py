@@ -8,6 +8,13 @@
         batch["input_ids"], batch["labels"], batch["position_ids"]   # [m, seq_len] int64
         saved = loader.state_dict()                 # exact, with or without workers
 
+A best-fit epoch (`tokpack shuffle --packing best-fit`) adds, per micro-batch: `loss_mask`
+[m, seq_len] (1 where the label is a real token, 0 where it is padding), `labels` -100 on
+padding (torch's cross-entropy ignore_index), `position_ids` restarting at each document (the
+padding is one segment of its own) and `cu_seqlens` [documents + 1] int32, the document
+boundaries over the flattened micro-batch, for flash-attn varlen or a FlexAttention document
+mask.
+
 Each item is one micro-batch of rank r (global batch b, Megatron order). With DataLoader
 workers, worker w of K serves global batches b with b % K == w; DataLoader returns items
 round-robin from its workers, so the rank still sees b = 0, 1, 2, ... once each.
@@ -29,7 +36,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .errors import TokpackError
-from .reader import SampleReader
+from .reader import SampleReader, cu_seqlens, document_masks
 
 
 def _ignore_set_vital_warning() -> None:
@@ -103,11 +110,25 @@ class TokpackDataset(IterableDataset):
             batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
             if pos is not None:
                 batch["position_ids"] = torch.from_numpy(pos[:, :-1].astype(np.int64))
+            if self.reader.packed:
+                batch.update(self._documents(rows, stream.state.first_sample(stream.last_step)))
             consumed = stream.state.consumed_after(stream.last_step)
             batch["consumed_samples"] = torch.tensor(consumed, dtype=torch.int64)
             if info is None:
                 self.consumed = consumed  # in-process iteration: state_dict() follows by itself
             yield batch
+
+    def _documents(self, rows: np.ndarray, g: int) -> dict:
+        """A best-fit micro-batch's masks: rows [g, g+m) with their padding from `.ds.pad`."""
+        pos, real = document_masks(rows, self.reader.padding(g, len(rows)), self.reader.eos_id)
+        labels = rows[:, 1:].astype(np.int64)
+        labels[~real[:, 1:]] = -100
+        out = {"labels": torch.from_numpy(labels), "loss_mask": torch.from_numpy(real[:, 1:].astype(np.int64))}
+        if self.positions:
+            pos = pos[:, :-1]
+            out["position_ids"] = torch.from_numpy(pos.astype(np.int64))
+            out["cu_seqlens"] = torch.from_numpy(cu_seqlens(pos))
+        return out
 
     def _resume_share(self, saved: dict, worker: int, workers: int) -> tuple[int, int]:
         """(start, first step) of this worker's share of the steps, from its saved state."""

@@ -115,14 +115,16 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
             epochs: int | Sequence[int] | None = None, samples: int | None = None, tokens: int | None = None,
             shard_samples: int | None = None, memory: int = 4 << 30, jitter: bool = False,
             executor: ExecutorConfig | None = None, log=None, progress: bool | None = None,
-            schedule: PathLike | None = None, scratch: PathLike | None = None) -> ShuffleResult:
+            schedule: PathLike | None = None, scratch: PathLike | None = None, packing: str = "concat",
+            pad_id: int | None = None) -> ShuffleResult:
     """Writes globally shuffled epochs of `seq_len + 1` tokens from packed sources into the run
     directory `output`. `sources`: a path or URL, a list of them, or a mapping path -> weight
     (a number, or text such as "1/3"). `epochs`: a count (epochs 0..N-1) or the epoch numbers
     [default: epoch 0; with a schedule, all its epochs]. `schedule`: a schedule YAML file
     (docs/COMMANDS.md, "Schedules") that declares the sources, seq_len, seed and stages instead
     (pass sources=None). A URL `output` is written under `scratch` (as for `pack`), out-of-core
-    buckets included, and each shard is sent to the store once written."""
+    buckets included, and each shard is sent to the store once written. `packing`: "concat" or
+    "best-fit" (docs/COMMANDS.md, "Best-fit packing"), `pad_id` its padding token [default: EOS]."""
     from packer.executors import local_paths, pass_runner, runs_in_process
     from shuffle.run import shuffle_run
     from formats.errors import TokpackError
@@ -142,7 +144,7 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
                               samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory,
                               jitter=jitter, log=log, workers=config.workers, tasks=config.tasks,
                               run_passes=pass_runner(config), progress=progress, schedule=scheduled,
-                              given=paths, outbox=outbox)
+                              given=paths, outbox=outbox, packing=packing, pad_id=pad_id)
     return ShuffleResult(**summary)
 
 
@@ -152,7 +154,7 @@ def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
     epoch was shuffled from, to recompute its content and prove its order. Returns a
     formats.dir_checks.ValidateResult."""
     from formats.dir_checks import validate_all
-    from shuffle.plan import replay_hashes
+    from shuffle.packed import replay_hashes_any as replay_hashes
 
     return validate_all(as_paths(dirs), quick=quick, against=as_paths(against), workers=workers,
                         show_progress=show_progress, replay=replay_hashes)

@@ -399,6 +399,11 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
               help="Total memory budget in bytes (KB/MB/GB are 10^n; KiB/MiB/GiB and a bare K/M/G are 2^n). An epoch whose windows fit runs in memory (one read, one write); "
                    "otherwise out of core, each of --workers tasks using memory/workers.")
 @click.option("--jitter", is_flag=True, help="Shift window starts by a seeded per-epoch offset.")
+@click.option("--packing", type=click.Choice(["concat", "best-fit"]), default="concat", show_default=True,
+              help="concat: windows of the concatenated documents; best-fit: whole documents packed into samples "
+                   "by best-fit decreasing, per epoch (only documents longer than a sample are cut).")
+@click.option("--pad-id", type=click.IntRange(min=0), default=None,
+              help="best-fit: the token that fills a sample's tail [default: the EOS id].")
 @executor_options(tasks_help=SHUFFLE_TASKS_HELP)
 @SCRATCH
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")

@@ -245,6 +245,28 @@ def diversity_after_plan(plan, maps: list[DocumentMap], epoch_dir: Path, manifes
     return _series(stats), mismatches
 
 
+def diversity_after_packed(plan, maps: list[DocumentMap], epoch_dir: Path, manifest: dict, batch: int,
+                           batches: int) -> tuple[dict | None, int]:
+    """A best-fit epoch in order: each sample's documents from the plan's row table. Returns
+    (series, samples whose bytes differ from the rows the table builds)."""
+    from shuffle.packed import TokenPool
+
+    opened = [m.src for m in maps]
+    table = plan.table(opened)
+    pool = TokenPool(plan, opened)
+    reader = SampleReader.from_manifests([(epoch_dir, manifest)])
+    stats, mismatches = [], 0
+    for b in range(min(batches, plan.samples // batch)):
+        g0, g1 = b * batch, (b + 1) * batch
+        rows = reader.read(g0, batch)
+        mismatches += int((rows != pool.rows(table, g0, g1, plan.row_tokens, plan.pad_id)).any(axis=1).sum())
+        lo, hi = np.searchsorted(table["g"], [g0, g1])
+        t = table[lo:hi]
+        ids = (t["source"].astype(np.int64) << DOC_ID_SHIFT) + t["doc"].astype(np.int64)
+        stats.append(batch_stats([(ids, t["length"].astype(np.int64))]))
+    return _series(stats), mismatches
+
+
 def diversity_after_eos(epoch_dir: Path, manifest: dict, batch: int, batches: int) -> dict:
     """Epoch order, documents = EOS-delimited fragments within each sample."""
     reader = SampleReader.from_manifests([(epoch_dir, manifest)])
@@ -478,13 +500,16 @@ def _batch_diversity(sources: list[PackedSource], chosen, L: int, batch: int, ba
     after, method, note = None, "eos", "sources not reachable"
     if maps:
         try:
+            from shuffle.packed import PACKED_ALGORITHM, packed_plan_from_manifest
             from shuffle.plan import EpochPlan
 
-            plan = EpochPlan.from_manifest(em, sources)
+            packed = em.get("shuffle") == PACKED_ALGORITHM
+            plan = (packed_plan_from_manifest if packed else EpochPlan.from_manifest)(em, sources)
         except (ImportError, TokpackError, KeyError, ValueError) as err:
             note = f"shuffle plan unavailable ({type(err).__name__}: {err})"
         else:
-            after, mismatches = diversity_after_plan(plan, maps, edir, em, batch, batches)
+            after, mismatches = (diversity_after_packed if packed else diversity_after_plan)(
+                plan, maps, edir, em, batch, batches)
             note = None
             if mismatches:
                 after, note = None, f"{mismatches} samples differ from their planned source window: plan not used"

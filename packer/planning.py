@@ -138,7 +138,8 @@ def _local(paths: list[str]) -> list[str]:
 def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | None = None, epochs=None,
                  samples: int | None = None, tokens: int | None = None, shard_samples: int | None = None,
                  memory: int = 4 << 30, jitter: bool = False, executor: ExecutorConfig | None = None,
-                 disk_mbps: float | None = None, schedule=None, scratch=None) -> PlanResult:
+                 disk_mbps: float | None = None, schedule=None, scratch=None, packing: str = "concat",
+                 pad_id: int | None = None) -> PlanResult:
     """What `shuffle` with these arguments would do. A source may be virtual:
     `virtual:tokens=11T,documents=5.5B,dtype=uint16` (shuffle/plan.py, virtual_source). `schedule`:
     a schedule file instead of sources and their settings (every epoch unless `epochs` says).
@@ -159,7 +160,7 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
     setup = setup_run(paths, str(output), weights=weights, seq_len=seq_len, seed=seed,
                       epochs=list(range(epochs)) if isinstance(epochs, int) else epochs and list(epochs),
                       samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter,
-                      workers=config.workers, schedule=scheduled)
+                      workers=config.workers, schedule=scheduled, packing=packing, pad_id=pad_id)
     opened = setup.sources
     passes, details, manifests, written = [], [], {}, {}
     buckets = bucket_files = 0

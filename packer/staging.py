@@ -187,7 +187,8 @@ def _join(*parts: str) -> str:
 
 
 def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None) -> tuple[list[CopyJob], list[str]]:
-    """The files of a source or epoch manifest's shards: .ds, .ds.index, .ds.metadata, .ds.loss."""
+    """The files of a source or epoch manifest's shards: .ds, .ds.index, .ds.metadata, .ds.loss,
+    .ds.pad."""
     jobs, skipped = [], []
     for i, s in enumerate(manifest.get("shards") or []):
         name = s.get("path")
@@ -207,6 +208,10 @@ def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None) -> 
             tokens = s.get("tokens")
             jobs.append(CopyJob(_join(dir_rel, f"{name}.loss"), None if tokens is None else int(tokens),
                                 s["loss_xxh3_128"], dir_rel))
+        if s.get("pad_xxh3_128"):  # a best-fit epoch's padding per sample, 4 bytes each
+            samples = s.get("samples")
+            jobs.append(CopyJob(_join(dir_rel, f"{name}.pad"), None if samples is None else 4 * int(samples),
+                                s["pad_xxh3_128"], dir_rel))
     return jobs, skipped
 
 

@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import numpy as np
 import xxhash
@@ -29,6 +29,39 @@ from formats.units import token_count
 from .permutation import Bijection, derive_key
 
 PLAN_ALGORITHM = "tokpack-feistel6-splitmix-xxh3-v1"  # recorded in manifests; bump on any change
+
+
+class SamplePlan(Protocol):
+    """What an epoch holds and in which order, as the engines, `validate --against` and the
+    summaries ask it. Two implementations: EpochPlan (windows, O(#sources), nothing stored) and
+    shuffle.packed.PackedPlan (best-fit rows, a materialised and checksummed row table)."""
+
+    seed: int
+    epoch: int
+    seq_len: int
+    samples: int  # N: rows in the epoch
+    sources: tuple  # per source: index, name, path, fingerprint, weight, tokens, windows, samples, base, cursor
+    jitter: bool
+
+    @property
+    def row_tokens(self) -> int: ...  # L + 1
+
+    @property
+    def algorithm(self) -> str: ...  # the manifests' `shuffle` name
+
+    def chain_start(self, s: int) -> int: ...  # where source s's chain is at this epoch's first sample
+
+    def first_pass(self, s: int) -> int: ...
+
+    def passes(self, s: int) -> int: ...  # passes over source s this epoch touches
+
+    def order(self) -> "Bijection": ...  # sigma_e: epoch-list position q -> output position g
+
+    def dropped_tokens(self) -> int: ...
+
+    def source_report(self) -> list[dict]: ...  # per source: samples, windows, passes, repeats...
+
+    def source_entries(self) -> list[dict]: ...  # the epoch manifest's `sources`
 
 
 @dataclass(frozen=True)
@@ -64,6 +97,10 @@ class EpochPlan:
     @property
     def row_tokens(self) -> int:
         return self.seq_len + 1
+
+    @property
+    def algorithm(self) -> str:
+        return PLAN_ALGORITHM
 
     def chain_start(self, s: int) -> int:
         """Position in source s's chain of this epoch's first sample from it: where the epochs
@@ -329,6 +366,35 @@ def jitter_offset(seed: int, epoch: int, s: int, seq_len: int) -> int:
     return derive_key("jitter", seed, epoch, s) % (seq_len + 1)
 
 
+def mixture(sources: list[PackedSource], weights: list[str | None], units: list[int], *, samples: int | None,
+            tokens: int | None, seq_len: int) -> tuple[int, list[int]]:
+    """(N, c_s): the epoch's size and each source's share, from the weights (all given or
+    none) and each source's units per pass (W_s, or a packed pass's rows)."""
+    given = [w is not None for w in weights]
+    if any(given) and not all(given):
+        raise TokpackError("some sources have a weight and some do not", where="SOURCE=WEIGHT",
+                           expected="a weight on every source or on none",
+                           found=", ".join(f"{src.path}={w}" for src, w in zip(sources, weights)))
+    if samples is not None:
+        n = int(samples)
+    elif tokens is not None:
+        n = int(tokens) // seq_len
+    else:
+        n = sum(units)
+    if n < 1:
+        raise TokpackError("the epoch would hold no samples", where="--samples/--tokens", expected=">= 1 sample", found=n)
+    if all(w is not None for w in weights):
+        fr = [parse_weight(w, f"weight of {src.path}") for src, w in zip(sources, weights)]
+        for src, w, f in zip(sources, weights, fr):
+            if f == 0:  # the other sources would be stretched over its share: silent repeats
+                raise TokpackError("weight is 0", file=src.path, where="SOURCE=WEIGHT", expected="a weight > 0",
+                                   found=w, hint="leave the source out instead of giving it weight 0")
+        return n, largest_remainder(fr, n)
+    if samples is not None or tokens is not None:
+        return n, largest_remainder([Fraction(w) for w in units], n)
+    return n, list(units)
+
+
 def epoch_plan(
     sources: list[PackedSource],
     *,
@@ -345,11 +411,6 @@ def epoch_plan(
     if not sources:
         raise TokpackError("no sources given", hint="tokpack shuffle SOURCE[=WEIGHT]... -o OUT")
     weights = list(weights) if weights is not None else [None] * len(sources)
-    given = [w is not None for w in weights]
-    if any(given) and not all(given):
-        raise TokpackError("some sources have a weight and some do not", where="SOURCE=WEIGHT",
-                           expected="a weight on every source or on none",
-                           found=", ".join(f"{src.path}={w}" for src, w in zip(sources, weights)))
     wins = []
     for s, src in enumerate(sources):
         w = windows_of(src.tokens, seq_len, jitter)
@@ -359,25 +420,7 @@ def epoch_plan(
                 expected=f"a source of at least {seq_len + 1 + (seq_len if jitter else 0)} tokens",
                 found=f"{src.tokens} tokens", hint="lower --seq-len or drop this source")
         wins.append(w)
-    if samples is not None:
-        n = int(samples)
-    elif tokens is not None:
-        n = int(tokens) // seq_len
-    else:
-        n = sum(wins)
-    if n < 1:
-        raise TokpackError("the epoch would hold no samples", where="--samples/--tokens", expected=">= 1 sample", found=n)
-    if all(given):
-        fr = [parse_weight(w, f"weight of {src.path}") for src, w in zip(sources, weights)]
-        for src, w, f in zip(sources, weights, fr):
-            if f == 0:  # the other sources would be stretched over its share: silent repeats
-                raise TokpackError("weight is 0", file=src.path, where="SOURCE=WEIGHT", expected="a weight > 0",
-                                   found=w, hint="leave the source out instead of giving it weight 0")
-        counts = largest_remainder(fr, n)
-    elif samples is not None or tokens is not None:
-        counts = largest_remainder([Fraction(w) for w in wins], n)
-    else:
-        counts = wins
+    n, counts = mixture(sources, weights, wins, samples=samples, tokens=tokens, seq_len=seq_len)
     plans, base = [], 0
     for s, src in enumerate(sources):
         offset = jitter_offset(seed, epoch, s, seq_len) if jitter else 0
@@ -428,6 +471,17 @@ def iter_source_windows(plan: EpochPlan, s: int, src: PackedSource, block_bytes:
             f.close()
 
 
+def shard_count_checked(epoch_manifest: dict, samples: int) -> tuple[int, int]:
+    """(shard_samples, shards listed), once the listed shards are known to hold the plan's
+    samples: checked by arithmetic before any per-shard sum is allocated."""
+    per, listed = int(epoch_manifest["shard_samples"]), len(epoch_manifest["shards"])
+    if per < 1 or -(-samples // per) != listed:
+        raise TokpackError("epoch manifest's shards do not hold its samples", where="shards",
+                           expected=f"{-(-samples // max(per, 1))} shards ({samples} samples, "
+                                    f"{per} a shard)", found=f"{listed} shards")
+    return per, listed
+
+
 def replay_hashes(epoch_manifest: dict, sources: list[PackedSource], order: bool = True) -> tuple[str, list[int]]:
     """What the epoch must hold, recomputed from its sources through the plan: its
     `sample_multiset_hash` (each window's row_hash times the number of times the epoch uses it)
@@ -437,11 +491,7 @@ def replay_hashes(epoch_manifest: dict, sources: list[PackedSource], order: bool
     plan sends it to (`outputs_of`), so the epoch's order needs no table. Memory: one IO block,
     O(block rows) index arrays and 8 bytes per output shard."""
     plan = EpochPlan.from_manifest(epoch_manifest, sources)
-    per, listed = (int(epoch_manifest["shard_samples"]), len(epoch_manifest["shards"])) if order else (1, 0)
-    if order and (per < 1 or -(-plan.samples // per) != listed):  # before the per-shard sums are allocated
-        raise TokpackError("epoch manifest's shards do not hold its samples", where="shards",
-                           expected=f"{-(-plan.samples // max(per, 1))} shards ({plan.samples} samples, "
-                                    f"{per} a shard)", found=f"{listed} shards")
+    per, listed = shard_count_checked(epoch_manifest, plan.samples) if order else (1, 0)
     by_fp = {}
     for src in sources:
         by_fp.setdefault(src.fingerprint, []).append(src)

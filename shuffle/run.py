@@ -29,7 +29,9 @@ from formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_n
                               read_manifest, run_manifest, write_manifest)
 from formats.shards import PackedSource, shard_suffixes
 
-from .plan import PLAN_ALGORITHM, EpochPlan, is_virtual, open_source, parse_weight, source_location
+from .packed import PACKED_ALGORITHM, PACKINGS, packing_settings, write_table
+from .packed_step import PackedInMemoryStep, PackedOrderStep, PackedScatterStep, packed_memory
+from .plan import PLAN_ALGORITHM, EpochPlan, SamplePlan, is_virtual, open_source, parse_weight, source_location
 from .schedule import RunPlan, Schedule
 from .steps import (CHUNKS_IN_BUDGET, ORDER_ROW_OVERHEAD, EpochJob, InMemoryStep, Layout, OrderStep, ScatterStep,
                     make_layout, source_changed_error)
@@ -76,9 +78,16 @@ def _weights_key(weights: list[str | None]) -> list[str] | None:
     return [None if f is None else str(f / total if total else f) for f in fr]
 
 
-def _run_params(plan: EpochPlan, weights, shard_samples: int) -> dict:
+def _packing_of(plan: SamplePlan) -> dict | None:
+    return {"method": "best-fit", "group_tokens": plan.group_tokens, "pad_id": plan.pad_id} \
+        if plan.algorithm == PACKED_ALGORITHM else None
+
+
+def _run_params(plan: SamplePlan, weights, shard_samples: int) -> dict:
     """What must match for two invocations to belong to the same run."""
     return {
+        "shuffle": plan.algorithm,
+        "packing": _packing_of(plan),
         "fingerprints": [sp.fingerprint for sp in plan.sources],
         "weights": _weights_key(weights),
         "seq_len": plan.seq_len,
@@ -93,7 +102,9 @@ def _schedule_params(runplan: RunPlan, sources: list[PackedSource], shard_sample
     """What must match for two invocations to belong to the same run made from a schedule file."""
     fields = runplan.manifest_fields()
     sc = runplan.schedule
-    return {"fingerprints": [src.fingerprint for src in sources], "weights": None, "seq_len": sc.seq_len,
+    packing = packing_settings(sc.packing, sources, **runplan.packed)
+    return {"shuffle": PLAN_ALGORITHM if packing is None else PACKED_ALGORITHM, "packing": packing,
+            "fingerprints": [src.fingerprint for src in sources], "weights": None, "seq_len": sc.seq_len,
             "seed": sc.seed, "jitter": sc.jitter, "samples": 0, "shard_samples": shard_samples,
             "epoch_samples": fields["epoch_samples"], "schedule": _schedule_key(fields["schedule"])}
 
@@ -113,6 +124,9 @@ def _params_of_manifest(m: dict) -> dict:
         "jitter": bool(m.get("jitter")),
         "schedule": _schedule_key(m.get("schedule")),
         "given_schedule": m.get("schedule"),  # as the run wrote it
+        "shuffle": m.get("shuffle"),
+        "packing": None if not isinstance(m.get("packing"), dict) else {
+            k: m["packing"].get(k) for k in ("method", "group_tokens", "pad_id")},
         **{key: m.get(key) for key in ("seq_len", "seed", "samples", "shard_samples", "epoch_samples")},
     }
 
@@ -176,17 +190,23 @@ def run_manifest_of(written: dict, plan: EpochPlan, weights, sources: list[Packe
     extra = runplan.manifest_fields() if scheduled else None
     if scheduled and created is not None:
         extra = {key: created.get(key) for key in extra}
+    if _packing_of(plan) is not None:
+        extra = {**(extra or {}), "packing": _packing_of(plan)}
     return run_manifest(
         written, sources[0].dtype, first["vocab_size"], first["eos_id"], first.get("tokenizer", ""),
         sources=[{**e, "weight": None} for e in entries] if scheduled else entries,
         weights=None if scheduled or all(w is None for w in weights) else list(weights),
         seq_len=plan.seq_len, seed=plan.seed, jitter=plan.jitter, samples=0 if scheduled else plan.samples,
-        shard_samples=shard_samples, shuffle=PLAN_ALGORITHM, extra=extra)
+        shard_samples=shard_samples, shuffle=plan.algorithm, extra=extra)
 
 
 def memory_path(job: EpochJob, memory: int) -> tuple[int, int]:
     """(bytes of the windows to hold, bytes the in-memory path holds with its chunk buffers): the
-    epoch runs in memory when the latter fits `memory`."""
+    epoch runs in memory when the latter fits `memory`. A best-fit epoch: what its in-memory
+    path holds, twice (it has no other path)."""
+    if job.plan.algorithm == PACKED_ALGORITHM:
+        held = packed_memory(job, job.open_sources())
+        return held, held
     needed = sum(sp.windows for sp in job.plan.sources if sp.samples) * (job.row_bytes + ROW_FACTS_BYTES)
     return needed, needed + CHUNKS_IN_BUDGET * job.chunk_rows(memory) * job.row_bytes
 
@@ -287,6 +307,7 @@ def _source_check(job: EpochJob, layout: Layout | None):
 def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, run_passes, log) -> dict:
     """Writes one epoch directory (all shards, then its manifest). Returns a summary."""
     plan = job.plan
+    packed = plan.algorithm == PACKED_ALGORITHM
     work = Path(job.work_dir)
     Path(job.epoch_dir).mkdir(parents=True, exist_ok=True)
     remove_tmp_files(job.epoch_dir)
@@ -296,6 +317,8 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     logs = work / "logs" / attempt
     needed, held = memory_path(job, memory)
     in_memory = held <= memory
+    if packed:
+        table_file, table_sum, padding = _packed_table(job)
     name = f"{epoch_dir_name(plan.epoch)}-{attempt}"
     job.source_changed_path.unlink(missing_ok=True)  # an earlier attempt's: this one reads the sources again
     shards_left = [i for i in range(job.n_shards) if job.shard_done(i) is None]
@@ -307,6 +330,11 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
         layout = None
         if not shards_left:  # a rerun after every shard finished: only the manifest is missing
             log(f"epoch {plan.epoch}: all {job.n_shards} shards already written; writing the manifest")
+        elif packed and in_memory:
+            log(f"epoch {plan.epoch}: {plan.samples} samples, best-fit in memory ({held / 2**20:.1f} MiB)")
+            with _source_check(job, None):
+                run_passes([(PackedInMemoryStep(job, table_file, table_sum, budget=memory), 1, f"{name}-bestfit",
+                             str(logs / "bestfit"))])
         elif in_memory:
             log(f"epoch {plan.epoch}: {plan.samples} samples, in memory ({needed / 2**20:.1f} MiB of windows)")
             with _source_check(job, None):
@@ -318,6 +346,10 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
                 f"{layout.tasks} scatter tasks, {len(layout.bucket_starts) - 1} buckets, {job.n_shards} shards)")
             passes = [(ScatterStep(job, layout), layout.tasks, f"{name}-scatter", str(logs / "scatter")),
                       (OrderStep(job, layout, budget), job.n_shards, f"{name}-order", str(logs / "order"))]
+            if packed:  # the same two passes over document pieces
+                passes = [(PackedScatterStep(job, layout, table_file, table_sum), layout.tasks, f"{name}-scatter",
+                           str(logs / "scatter")),
+                          (PackedOrderStep(job, layout, budget), job.n_shards, f"{name}-order", str(logs / "order"))]
             if all(layout.scatter_done(t) for t in range(layout.tasks)):
                 if all(layout.holds_rows_of(i, job.row_bytes) for i in shards_left):
                     passes = passes[1:]  # a rerun after the scatter pass finished: no array of no-op tasks
@@ -358,7 +390,9 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     manifest = epoch_manifest(
         entries, job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer, tokens=plan.samples * plan.row_tokens,
         epoch=plan.epoch, seed=plan.seed, seq_len=plan.seq_len, samples=plan.samples, shard_samples=job.shard_samples,
-        dropped_tokens=plan.dropped_tokens(), jitter=plan.jitter, sources=plan.source_entries(), shuffle=PLAN_ALGORITHM)
+        dropped_tokens=plan.dropped_tokens(), jitter=plan.jitter, sources=plan.source_entries(), shuffle=plan.algorithm)
+    if packed:
+        manifest["packing"] = plan.packing_entry(table_sum, padding)
     write_manifest(job.epoch_dir, manifest, outbox=job.outbox)
     if job.outbox:
         job.outbox.remote_of(work).remove_tree()
@@ -367,6 +401,17 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
             "shards": job.n_shards, "shards_reused": reused,
             "bytes_written": sum(entries[i]["bytes"] for i in shards_left),
             "sample_multiset_hash": manifest["sample_multiset_hash"]}
+
+
+def _packed_table(job: EpochJob) -> tuple[str, str, int]:
+    """The epoch's row table, materialised in its work folder: (file, xxh3_128, padding tokens)."""
+    from .packed import row_padding
+
+    plan = job.plan
+    table = plan.table(job.open_sources())
+    Path(job.work_dir).mkdir(parents=True, exist_ok=True)
+    path = str(Path(job.work_dir) / "packing.table")
+    return path, write_table(path, table), int(row_padding(table, plan.samples, plan.row_tokens).sum())
 
 
 @dataclass
@@ -391,9 +436,19 @@ class RunSetup:
 def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, seed: int | None,
               epochs: list[int] | None, samples, tokens, shard_samples, memory: int, jitter: bool, workers: int,
               progress: bool = False, given: list[str] | None = None, schedule: Schedule | None = None,
-              outbox: Outbox | None = None) -> RunSetup:
+              outbox: Outbox | None = None, packing: str = "concat", pad_id: int | None = None) -> RunSetup:
     """Opens the sources and OUT's run (if any), checks they agree, and plans every epoch. Reads only.
-    `given`, `schedule`, `outbox`: as in shuffle_run."""
+    `given`, `schedule`, `outbox`, `packing`, `pad_id`: as in shuffle_run."""
+    if packing not in PACKINGS:
+        raise TokpackError("unknown packing", where="--packing", expected=" or ".join(PACKINGS), found=packing)
+    if packing != "concat" and jitter:
+        raise TokpackError("--jitter shifts windows; best-fit packing has none", where="--jitter",
+                           hint="drop --jitter, or use --packing concat")
+    if schedule is not None and packing != "concat":
+        if schedule.packing not in ("concat", packing):
+            raise TokpackError("--packing differs from the schedule's packing", where="--packing",
+                               expected=schedule.packing, found=packing, hint="drop --packing")
+        schedule = replace(schedule, packing=packing)
     if schedule is not None:
         seq_len, seed, jitter, paths = schedule.seq_len, schedule.seed, schedule.jitter, schedule.paths
         shard_samples = shard_samples or schedule.shard_samples
@@ -418,12 +473,13 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
     recorded = [source_location(p) for p in (given or paths)]
     names = [p.rstrip("/").rsplit("/", 1)[-1] for p in recorded]
     runplan = RunPlan(schedule or Schedule.of_flags(paths, weights, seq_len=seq_len, seed=seed, samples=samples,
-                                                    tokens=tokens, jitter=jitter), opened, names)
+                                                    tokens=tokens, jitter=jitter, packing=packing), opened, names,
+                      pad_id=pad_id)
     run_params = None if schedule is None or schedule.file is None else _schedule_params(runplan, opened, shard_samples)
     if run_params is not None and existing is not None and existing["schedule"] == run_params["schedule"]:
         spelled = {e["stage"]: e["weights"] for e in existing["given_schedule"]}  # equal as ratios: keep the run's
         runplan = RunPlan(replace(schedule, stages=tuple(replace(st, weights=tuple(spelled[st.name]))
-                                                         for st in schedule.stages)), opened, names)
+                                                         for st in schedule.stages)), opened, names, pad_id=pad_id)
     if epochs is None:
         epochs = list(range(runplan.schedule.epochs or 1))
     done_epochs = []
@@ -446,7 +502,7 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
                 raise TokpackError("epoch directory holds a different epoch", file=edir, where="sources",
                                    hint="delete that epoch directory or use another -o")
         else:
-            key = xxhash.xxh3_64_hexdigest(json.dumps([params, plan.source_entries(), PLAN_ALGORITHM, dtype]).encode())
+            key = xxhash.xxh3_64_hexdigest(json.dumps([params, plan.source_entries(), plan.algorithm, dtype]).encode())
             job = EpochJob(plan, tuple(source_location(p) for p in paths), dtype, int(first["eos_id"]),
                            first.get("tokenizer", ""), str(edir), str(out / WORK_DIR / f"{edir.name}-{key}"),
                            shard_samples, progress=bool(progress), main_pid=os.getpid(), outbox=outbox)
@@ -476,6 +532,8 @@ def shuffle_run(
     given: list[str] | None = None,
     schedule: Schedule | None = None,
     outbox: Outbox | None = None,
+    packing: str = "concat",
+    pad_id: int | None = None,
 ) -> dict:
     """Writes OUT/epoch-NNNNN/ for each epoch (skipping complete identical ones) and the run
     manifest. `memory` is the total budget: the out-of-core path gives each of `workers`
@@ -489,7 +547,9 @@ def shuffle_run(
     takes URLs and returns it as a ShuffleResult). `schedule`: the run's stages (shuffle.schedule),
     instead of `sources`, `weights`, `seq_len`, `seed`, `samples`, `tokens` and `jitter`; `epochs`
     None: every epoch of the schedule. `outbox`: the run goes to an object store (formats.io.Outbox
-    from `output`, its local folder, to the URL), and `output` holds the state fetched from it."""
+    from `output`, its local folder, to the URL), and `output` holds the state fetched from it.
+    `packing`: "concat" (windows) or "best-fit" (whole documents, shuffle.packed; with a schedule,
+    its `packing:` key); `pad_id`: best-fit's padding token [default: the EOS id]."""
     t0 = time.perf_counter()
     log = log or (lambda line: None)
     if progress is None:
@@ -500,7 +560,8 @@ def shuffle_run(
                            expected="a packed source directory", hint="plan it instead: tokpack plan shuffle ...")
     setup = setup_run(sources, output, weights=weights, seq_len=seq_len, seed=seed, epochs=epochs, samples=samples,
                       tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter, workers=workers,
-                      progress=bool(progress), given=given, schedule=schedule, outbox=outbox)
+                      progress=bool(progress), given=given, schedule=schedule, outbox=outbox, packing=packing,
+                      pad_id=pad_id)
     out, opened, weights, shard_samples = Path(output), setup.sources, setup.weights, setup.shard_samples
     done_epochs, runplan, skipped, summaries = setup.done_epochs, setup.runplan, [], []
     check_space([(out, bytes_to_write(setup.jobs, opened, memory, workers))], "shuffle",

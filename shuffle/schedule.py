@@ -19,9 +19,10 @@ from formats.errors import TokpackError
 from formats.shards import PackedSource
 from formats.units import token_count
 
-from .plan import EpochPlan, SourcePlan, epoch_plan, jitter_offset, parse_weight, windows_of
+from .packed import PACKINGS, packed_epoch_plan
+from .plan import SamplePlan, SourcePlan, epoch_plan, jitter_offset, parse_weight, windows_of
 
-SCHEDULE_KEYS = ("seq_len", "seed", "jitter", "shard_samples", "stages")
+SCHEDULE_KEYS = ("seq_len", "seed", "jitter", "shard_samples", "stages", "packing")
 STAGE_KEYS = ("name", "sources", "tokens", "epochs")
 
 
@@ -44,12 +45,13 @@ class Schedule:
     shard_samples: int | None = None
     file: str | None = None  # the YAML file it was read from; None for a run made with flags
     file_hash: str | None = None  # xxh3_128 of that file's bytes
+    packing: str = "concat"  # "concat" (windows) or "best-fit" (shuffle.packed), for the whole run
 
     @classmethod
     def of_flags(cls, paths, weights, *, seq_len: int, seed: int, samples=None, tokens=None,
-                 jitter=False) -> "Schedule":
+                 jitter=False, packing: str = "concat") -> "Schedule":
         stage = Stage("", tuple(paths), tuple(weights), None, samples, tokens)
-        return cls(int(seq_len), int(seed), (stage,), bool(jitter))
+        return cls(int(seq_len), int(seed), (stage,), bool(jitter), packing=packing)
 
     @property
     def paths(self) -> list[str]:
@@ -135,6 +137,11 @@ def read_schedule(path: str | Path) -> Schedule:
     jitter = doc.get("jitter", False)
     if not isinstance(jitter, bool):
         _fail("schedule value is not true or false", path, "jitter", "true or false", repr(jitter))
+    packing = doc.get("packing", "concat")
+    if packing not in PACKINGS:
+        _fail("unknown packing in the schedule", path, "packing", " or ".join(PACKINGS), repr(packing))
+    if packing != "concat" and jitter:
+        _fail("jitter applies to windows only", path, "jitter", "no jitter with packing: best-fit", repr(jitter))
     if not isinstance(doc.get("stages"), list) or not doc["stages"]:
         _fail("schedule has no stages", path, "stages", "a list of stages", repr(doc.get("stages")))
     stages, names = [], {}
@@ -171,15 +178,19 @@ def read_schedule(path: str | Path) -> Schedule:
             epochs = _int(st, "epochs", path, where, 1)
         stages.append(Stage(name, tuple(paths), tuple(weights), 1 if tokens is not None else epochs, tokens=tokens))
     return Schedule(seq_len, seed, tuple(stages), jitter, shard_samples, str(path.resolve()),
-                    xxhash.xxh3_128_hexdigest(raw))
+                    xxhash.xxh3_128_hexdigest(raw), packing)
 
 
 class RunPlan:
     """A schedule against its opened sources (`sources`, in `Schedule.paths` order): what each
     epoch takes from each source, and where in the source's chain."""
 
-    def __init__(self, schedule: Schedule, sources: list[PackedSource], names: list[str]):
+    def __init__(self, schedule: Schedule, sources: list[PackedSource], names: list[str],
+                 pad_id: int | None = None, group_tokens: int | None = None):
         self.schedule, self.sources, self.names = schedule, sources, names
+        # best-fit packing only: its pad id and group size (None: the defaults)
+        self.packed = {} if schedule.packing == "concat" else {
+            k: v for k, v in (("pad_id", pad_id), ("group_tokens", group_tokens)) if v is not None}
         key = {Path(p).resolve(): u for u, p in enumerate(schedule.paths)}
         self.members = [[key[Path(p).resolve()] for p in st.paths] for st in schedule.stages]
         self.counts = []  # per stage: samples per epoch of each source (0: not in the stage)
@@ -189,8 +200,12 @@ class RunPlan:
                 counts[u] = sp.samples
             self.counts.append(counts)
 
-    def _stage_plan(self, k: int, epoch: int) -> EpochPlan:
+    def _stage_plan(self, k: int, epoch: int) -> SamplePlan:
         st, sc, members = self.schedule.stages[k], self.schedule, self.members[k]
+        if sc.packing != "concat":
+            return packed_epoch_plan([self.sources[u] for u in members], seq_len=sc.seq_len, seed=sc.seed, epoch=epoch,
+                                     weights=list(st.weights), samples=st.samples, tokens=st.tokens,
+                                     names=[self.names[u] for u in members], **self.packed)
         return epoch_plan([self.sources[u] for u in members], seq_len=sc.seq_len, seed=sc.seed, epoch=epoch,
                           weights=list(st.weights), samples=st.samples, tokens=st.tokens, jitter=sc.jitter,
                           names=[self.names[u] for u in members])
@@ -210,11 +225,19 @@ class RunPlan:
         """The name of the stage an epoch belongs to; None for a run made with flags (one unnamed stage)."""
         return self.schedule.stages[self.stage_of(epoch)[0]].name or None
 
-    def epoch_plan(self, epoch: int) -> EpochPlan:
+    def epoch_plan(self, epoch: int) -> SamplePlan:
         k, first = self.stage_of(epoch)
         plan = self._stage_plan(k, epoch)
         if len(self.schedule.stages) == 1:
             return plan  # one mixture for the run: every chain is at epoch * c_s
+        if self.schedule.packing != "concat":  # the same chains and cursors, over packed rows
+            cursors = [sum(self.counts[j][u] * self.schedule.stages[j].epochs for j in range(k))
+                       + (epoch - first) * self.counts[k][u] for u in range(len(self.sources))]
+            weights = [None] * len(self.sources)
+            for u, w in zip(self.members[k], self.schedule.stages[k].weights):
+                weights[u] = w
+            return packed_epoch_plan(self.sources, seq_len=plan.seq_len, seed=plan.seed, epoch=epoch, weights=weights,
+                                     names=self.names, cursors=cursors, counts=self.counts[k], **self.packed)
         # Several stages: the epoch lists every source of the schedule (its position is its key),
         # and each source's chain starts where the epochs before this one left it.
         stage_of = dict(zip(self.members[k], plan.sources))

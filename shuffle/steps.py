@@ -46,7 +46,8 @@ import xxhash
 from formats.errors import TokpackError
 from formats.io import IO_BLOCK, Outbox, Worker, kept_at, drop_buffers, lent, map_file, progress, write_bytes_atomic
 from formats.manifest import dtype_from_name, shard_digits, shard_name
-from formats.shards import EpochShardWriter, PackedSource, RowFragments, shard_on_disk, shard_suffixes
+from formats.shards import (EpochShardWriter, PackedSource, RowFragments, shard_on_disk, shard_suffixes,
+                            write_pad_sidecar)
 from formats.sinks import app_sinks_kept
 
 from .plan import EpochPlan, iter_source_windows, open_source
@@ -221,10 +222,10 @@ class EpochJob:
         kept = kept_at(self.epoch_dir, self.outbox)
         return entry if entry is not None and shard_on_disk(kept, entry, self.token_dtype.itemsize) else None
 
-    def write_shard(self, i: int, blocks) -> dict:
+    def write_shard(self, i: int, blocks, pad: np.ndarray | None = None) -> dict:
         """Writes shard i from `blocks` (an iterator, in output order, of np.void row arrays, or
         of (rows, RowFragments, their store rows) when the rows' index is known already), then
-        records it as done."""
+        records it as done. `pad`: a best-fit epoch's padding per row, for the `.pad` sidecar."""
         g0, g1 = self.shard_range(i)
         writer = EpochShardWriter(self.epoch_dir, self.shard_file(i), self.token_dtype, self.plan.seq_len,
                                   self.eos_id, self.tokenizer)
@@ -245,6 +246,8 @@ class EpochJob:
                 raise TokpackError("internal error: shard row count", where=f"shard {i}",
                                    expected=g1 - g0, found=writer.samples)
             entry = writer.close()
+            if pad is not None:
+                entry["pad_xxh3_128"] = write_pad_sidecar(self.epoch_dir, entry["path"], pad)
         except BaseException:
             writer.abort()
             raise

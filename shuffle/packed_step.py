@@ -1,0 +1,213 @@
+"""The datatrove step that writes a best-fit epoch (shuffle.packed) in memory: one task reads
+every used source once (verifying each shard's xxh3_128 against its manifest), builds the row
+table, then assembles each output shard's rows from the documents, padding each row's tail
+with the pad id, and writes them in output order through EpochJob.write_shard, with the
+shard's `.pad` sidecar. One read, one write, as the window shuffle's InMemoryStep.
+
+Memory: the used sources' tokens, the row table (PIECE, 36 bytes a piece) and the chunks of
+rows in flight. shuffle/run.py runs an epoch here only when
+that fits `--memory`; otherwise out of core: PackedScatterStep then PackedOrderStep, the window
+shuffle's two passes and bucket layout (shuffle.steps.Layout) over document pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import xxhash
+
+from formats.errors import TokpackError
+from formats.io import map_file, progress, write_bytes_atomic
+
+from .packed import PIECE, TokenPool, documents_of, read_table, row_padding
+from .steps import RING, EpochJob, OrderStep, _Step
+
+GATHER_TOKENS = 1 << 20  # tokens of rows assembled per call
+
+
+def packed_memory(job, sources) -> int:
+    """Bytes the in-memory best-fit path holds for the epoch `job`."""
+    plan = job.plan
+    used = [s for s, sp in enumerate(plan.sources) if sp.samples]
+    tokens = sum(sources[s].tokens for s in used)
+    docs = sum(int(sources[s].manifest.get("documents", 0)) for s in used)
+    itemsize = job.token_dtype.itemsize
+    pieces = docs * max(1, max((sp.passes for sp in plan.sources), default=1)) + plan.samples
+    chunk = RING * GATHER_TOKENS * itemsize  # in flight: RING chunks
+    return tokens * itemsize + pieces * (PIECE.itemsize * 2 + 16) + plan.samples * 12 + chunk
+
+
+class PackedInMemoryStep(_Step):
+    """One task: the row table, the sources read once, then every shard in output order."""
+
+    name = "shuffle best-fit in memory"
+
+    def __init__(self, job: EpochJob, table_file: str, table_hash: str, budget: int = 0):
+        super().__init__(job, budget=budget)
+        self.table_file, self.table_hash = table_file, table_hash  # the materialised row table
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        job, plan = self.job, self.job.plan
+        todo = [i for i in range(rank, job.n_shards, world_size) if job.shard_done(i) is None]
+        if not todo:
+            return
+        sources = job.open_sources()
+        table = read_table(self.table_file, self.table_hash)
+        pad = row_padding(table, plan.samples, plan.row_tokens)
+
+        def check(src, k, tokens):
+            found = xxhash.xxh3_128_hexdigest(tokens)
+            if found != src.shards[k]["xxh3_128"]:
+                job.source_changed(src.path / src.shards[k]["path"], src.shards[k]["xxh3_128"], found)
+
+        pool = TokenPool(plan, sources, check)
+        rows = max(1, GATHER_TOKENS // plan.row_tokens)
+
+        def blocks(g0, g1):
+            for a in range(g0, g1, rows):
+                chunk = pool.rows(table, a, min(g1, a + rows), plan.row_tokens, plan.pad_id)
+                yield chunk.reshape(-1).view(job.row_void)
+
+        with progress(len(todo), f"epoch {plan.epoch}: write", unit="shard", enabled=job.show_progress) as bar:
+            for i in todo:
+                g0, g1 = job.shard_range(i)
+                job.write_shard(i, blocks(g0, g1), pad=pad[g0:g1])
+                bar.update(1)
+
+
+# ---------------------------------------------------------------------- out of core
+
+# A scatter record: one piece as its bucket file holds it (the tokens are in the rows file, in
+# record order): output row, offset in the row, length.
+RECORD = np.dtype([("g", "<u8"), ("row_offset", "<u4"), ("length", "<u4")])
+
+
+def _pieces_by_shard(table: np.ndarray, pool_starts: dict, sources) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per piece of the table: its source shard's number (the sources' shards numbered in
+    order) and its first token inside that shard; and each source's first shard number."""
+    shard = np.empty(len(table), np.int64)
+    local = np.empty(len(table), np.int64)
+    src = table["source"].astype(np.int64)
+    first = np.cumsum([0] + [len(s.shards) for s in sources])
+    for s in np.unique(src).tolist():
+        sel = src == s
+        start = pool_starts[s][table["doc"][sel].astype(np.int64)] + table["doc_offset"][sel].astype(np.int64)
+        k = np.searchsorted(sources[s].shard_starts, start, side="right") - 1
+        shard[sel], local[sel] = first[s] + k, start - sources[s].shard_starts[k]
+    return shard, local, first
+
+
+class PackedScatterStep(_Step):
+    """Task t reads its source shards in order (each verified, once, by one task) and appends each
+    piece they hold to the files of its output bucket: bBBBBBBB.rows (the tokens) and .pos (RECORD)."""
+
+    name = "shuffle best-fit scatter"
+
+    def __init__(self, job: EpochJob, layout, table_file: str, table_hash: str):
+        super().__init__(job, layout)
+        self.table_file, self.table_hash = table_file, table_hash
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        for t in range(rank, self.layout.tasks, world_size):
+            self.scatter(t)
+
+    def scatter(self, t: int) -> None:
+        job, plan, lay = self.job, self.job.plan, self.layout
+        if lay.scatter_done(t):
+            return
+        tdir = lay.task_dir(t)
+        shutil.rmtree(tdir, ignore_errors=True)
+        tdir.mkdir(parents=True)
+        sources = job.open_sources()
+        table = read_table(self.table_file, self.table_hash)
+        starts = {s: documents_of(sources[s])[0] for s, sp in enumerate(plan.sources) if sp.samples}
+        shard, local, first = _pieces_by_shard(table, starts, sources)
+        bucket = np.searchsorted(lay.bucket_starts, table["g"].astype(np.int64), side="right") - 1
+        nb = len(lay.bucket_starts) - 1
+        counts = np.zeros(nb, np.int64)
+        hashes = [[xxhash.xxh3_64(), xxhash.xxh3_64()] for _ in range(nb)]
+        mine = [(s, k) for s, k0, k1 in lay.task_shards[t] for k in range(k0, k1)]
+        for s, k in mine:
+            src = sources[s]
+            n = int(src.shards[k]["tokens"])
+            data = map_file(src.path / src.shards[k]["path"], 0, n * src.dtype.itemsize).view(src.dtype)
+            found = xxhash.xxh3_128_hexdigest(data)
+            if found != src.shards[k]["xxh3_128"]:
+                job.source_changed(src.path / src.shards[k]["path"], src.shards[k]["xxh3_128"], found)
+            sel = np.flatnonzero(shard == first[s] + k)
+            if not len(sel):
+                continue
+            sel = sel[np.lexsort((table["row_offset"][sel], table["g"][sel], bucket[sel]))]
+            cuts = np.flatnonzero(np.diff(bucket[sel])) + 1
+            for run in np.split(sel, cuts):
+                b = int(bucket[run[0]])
+                rec = np.empty(len(run), RECORD)
+                rec["g"], rec["row_offset"], rec["length"] = table["g"][run], table["row_offset"][run], table["length"][run]
+                tokens = np.concatenate([data[a: a + m] for a, m in zip(local[run].tolist(), rec["length"].tolist())])
+                f = lay.bucket_file(t, b, "rows")
+                f.parent.mkdir(exist_ok=True)
+                for ext, payload, h in (("rows", tokens, hashes[b][0]), ("pos", rec, hashes[b][1])):
+                    raw = payload.tobytes()
+                    with open(lay.bucket_file(t, b, ext), "ab") as out:
+                        out.write(raw)
+                    h.update(raw)
+                counts[b] += len(run)
+            del data
+        records = np.zeros((nb, 3), dtype="<u8")
+        for b in np.flatnonzero(counts).tolist():
+            records[b] = counts[b], hashes[b][0].intdigest(), hashes[b][1].intdigest()
+        write_bytes_atomic(lay.task_records(t), records.tobytes(), fsync=True)
+        write_bytes_atomic(lay.task_done(t), json.dumps({"task": t, "buckets": nb}).encode(), fsync=True)
+
+
+class PackedOrderStep(OrderStep):
+    """Task i writes output shard i: each of its buckets' pieces is read back and placed in its row."""
+
+    name = "shuffle best-fit order"
+
+    def order(self, i: int) -> None:
+        job, lay = self.job, self.layout
+        buckets = self._buckets(i)
+        if job.shard_done(i) is None:
+            g0, g1 = job.shard_range(i)
+            # Filled while write_shard consumes the buckets, and read by it only after the last.
+            pad = np.full(g1 - g0, job.plan.row_tokens, dtype=np.int64)
+            job.write_shard(i, self._pieces(buckets, g0, pad), pad=pad)
+        for b in buckets:  # the shard is safe: its bucket files are no longer needed
+            for t in range(lay.tasks):
+                for ext in ("rows", "pos"):
+                    lay.bucket_file(t, b, ext).unlink(missing_ok=True)
+
+    def _pieces(self, buckets: range, g0: int, pad: np.ndarray):
+        """Each bucket's rows, in output order, as np.void rows; `pad` gets their padding."""
+        job, lay = self.job, self.layout
+        recorded = [lay.recorded(t, buckets) for t in range(lay.tasks)]
+        for b in buckets:
+            start, n = int(lay.bucket_starts[b]), int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
+            rows = np.full((n, job.plan.row_tokens), job.plan.pad_id, dtype=job.token_dtype)
+            flat = rows.reshape(-1)
+            for t in range(lay.tasks):
+                f = lay.bucket_file(t, b, "rows")
+                if not f.exists():
+                    continue
+                raw = [f.read_bytes(), f.with_suffix(".pos").read_bytes()]
+                for path, data, want in zip((f, f.with_suffix(".pos")), raw, recorded[t][b - buckets.start, 1:]):
+                    if xxhash.xxh3_64_intdigest(data) != int(want):
+                        lay.task_done(t).unlink(missing_ok=True)
+                        raise TokpackError("scatter bucket file does not match the checksum its task recorded",
+                                           file=path, where="xxh3_64", expected=f"{int(want):016x}",
+                                           found=f"{xxhash.xxh3_64_intdigest(data):016x}",
+                                           hint="rerun the same command: the scatter task that wrote it runs again")
+                tokens, rec = np.frombuffer(raw[0], dtype=job.token_dtype), np.frombuffer(raw[1], dtype=RECORD)
+                local = rec["g"].astype(np.int64) - start
+                if len(local) and (local.min() < 0 or local.max() >= n):
+                    raise TokpackError("scatter file holds a piece of another bucket", file=f, where=f"bucket {b}",
+                                       hint="delete OUT/.tokpack-work and rerun")
+                dest = local * job.plan.row_tokens + rec["row_offset"].astype(np.int64)
+                at = np.concatenate([[0], np.cumsum(rec["length"].astype(np.int64))])
+                for d, a, m in zip(dest.tolist(), at[:-1].tolist(), rec["length"].tolist()):
+                    flat[d: d + m] = tokens[a: a + m]
+                np.subtract.at(pad, local + start - g0, rec["length"].astype(np.int64))
+            yield rows.reshape(-1).view(job.row_void)
