@@ -504,11 +504,6 @@ def replay_hashes_any(manifest: dict, sources: list[PackedSource], order: bool =
     return multiset, orders
 
 
-def expected_multiset_hash_any(manifest: dict, sources: list[PackedSource]) -> str:
-    """The multiset half of `replay_hashes_any` (tests and bench compare it with the manifest)."""
-    return replay_hashes_any(manifest, sources, order=False)[0]
-
-
 def packing_settings(packing: str, sources: list[PackedSource], pad_id: int | None = None,
                      group_tokens: int | None = None) -> dict | None:
     """What a run records (and a rerun must repeat) of its packing; None for concat."""

@@ -19,6 +19,7 @@ from formats.errors import TokpackError
 from formats.manifest import canonical_bytes, read_manifest
 from formats.reader import SampleReader, cu_seqlens, document_masks, positions_from_eos
 from formats.shards import PAD_DTYPE, PackedSource
+from packer.api import validate
 from packer.cli import main
 from shuffle.packed import (PACKED_ALGORITHM, PIECE, TokenPool, best_fit_decreasing, cut_problems, documents_of,
                             pack_pass, packed_epoch_plan, packed_plan_from_manifest, row_padding, source_pass,
@@ -521,3 +522,38 @@ def test_jitter_with_best_fit_is_refused(sources, tmp_path):
                                     "--seed", "3", "--epochs", "1", "--packing", "best-fit", "--jitter"])
     assert res.exit_code == 1 and "--jitter" in res.output and "Traceback" not in res.output
     assert not (tmp_path / "j").exists()
+
+
+def test_order_proof_catches_two_rows_swapped_in_a_best_fit_epoch(fault_base, tmp_path):
+    """Two rows of a best-fit shard swapped, with its index, padding sidecar and manifest entry
+    rewritten to agree: every checksum, the multiset and the row table still hold; only the
+    order proof of `validate --against` sees that the rows are not where the plan put them."""
+    import tests.test_validate as tv
+    from formats.shards import EpochShardWriter, write_pad_sidecar
+
+    for name in ("src", "run"):
+        shutil.copytree(fault_base / name, tmp_path / name)
+    epoch = tmp_path / "run" / "epoch-00000"
+    m = tv.load(epoch)
+    entry = m["shards"][0]
+    rows = np.fromfile(epoch / entry["path"], dtype="<u2").reshape(-1, tv.SEQ_LEN + 1)
+    pad = np.fromfile(epoch / (entry["path"] + ".pad"), dtype="<u4")
+    a, b = 0, next(i for i in range(1, len(rows)) if not np.array_equal(rows[i], rows[0]))
+    rows[[a, b]], pad[[a, b]] = rows[[b, a]], pad[[b, a]]
+    for suffix in ("", ".index", ".metadata"):
+        (epoch / (entry["path"] + suffix)).unlink()
+    w = EpochShardWriter(epoch, entry["path"], np.dtype("<u2"), tv.SEQ_LEN, tv.EOS, m["tokenizer"])
+    w.write_rows(rows)
+    new = w.close()
+    new["fragments"] = (epoch / (entry["path"] + ".index")).stat().st_size // 8
+    new["pad_xxh3_128"] = write_pad_sidecar(epoch, entry["path"], pad)
+    m["shards"][0] = {k: new.get(k, v) for k, v in entry.items()}
+    m["fragments"] = sum(s["fragments"] for s in m["shards"])
+    tv.save(epoch, m)
+
+    assert validate(str(epoch)).ok, validate(str(epoch)).to_json()["problems"]
+    r = validate(str(epoch), against=[str(tmp_path / "src")])
+    assert not r.ok
+    (p,) = r.to_json()["problems"]
+    assert (Path(p["file"]).name, p["where"]) == (entry["path"], "order_hash"), p
+    assert p["message"].startswith("sample order differs from the plan (1 of ")
