@@ -36,7 +36,7 @@ with app_sinks_kept():
     from datatrove.pipeline.base import PipelineStep
 
 from packer import lifetime
-from packer.api import ExecutorConfig
+from packer.shared import ExecutorConfig
 
 # The folder holding packer/, shuffle/, formats/: Slurm jobs and Ray workers import the steps from here.
 PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
