@@ -28,7 +28,7 @@ from formats.errors import TokpackError, task_failed
 from formats.guard import OutputLock, holder_name
 from formats.io import Outbox, is_url, local_path
 from formats.manifest import MANIFEST
-from formats.sinks import app_sinks_kept
+from shuffle.sinks import app_sinks_kept
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
 with app_sinks_kept():

@@ -43,7 +43,7 @@ from formats.manifest import (
     write_manifest,
 )
 from formats.shards import SHARD_SUFFIXES, PackedSource, SourceShardWriter, shard_on_disk, shard_suffixes
-from formats.sinks import app_sinks_kept
+from shuffle.sinks import app_sinks_kept
 from packer.shared import Result
 from packer.executors import ExecutorConfig, run_steps
 from packer.vocab import Normalizer, load_tokenizer, resolve_vocab_eos

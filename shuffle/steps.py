@@ -45,9 +45,9 @@ from formats.errors import TokpackError
 from formats.io import IO_BLOCK, Outbox, Worker, kept_at, drop_buffers, lent, map_file, progress, write_bytes_atomic
 from formats.manifest import dtype_from_name, shard_digits, shard_name
 from formats.shards import EpochShardWriter, PackedSource, RowFragments, shard_on_disk, shard_suffixes
-from formats.sinks import app_sinks_kept
 
 from .plan import EpochPlan, iter_source_windows, open_source
+from .sinks import app_sinks_kept
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
 with app_sinks_kept():

@@ -42,6 +42,19 @@ def test_imports_flow_one_way():
     assert not wrong, wrong
 
 
+def test_format_layer_has_no_logging_or_executor_dependency():
+    """formats/ is the file format: reading and writing it needs neither datatrove nor loguru
+    (their logging set-up lives with the steps that import datatrove, shuffle/sinks.py)."""
+    wrong = []
+    for module in sorted((REPO / "formats").rglob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            wrong += [f"{module.relative_to(REPO)} imports {n}" for n in names
+                      if n.split(".")[0] in ("datatrove", "loguru")]
+    assert not wrong, wrong
+
+
 def project_modules() -> dict[str, Path]:
     """Every module of the project's packages by dotted name (a package by its own name)."""
     modules = {}
