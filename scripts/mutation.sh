@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Mutation testing (mutmut 3) of the modules that decide what a user's tokens become: the plan,
-# the permutation, the engine's placement, the reader, the validator and the input readers.
+# the permutation, the engine's placement and records, the reader, the validator, the input
+# readers; and those that keep them safe: units, the lock, the torch adapter, schedules, the
+# outbox and plan's arithmetic.
 #
 #   scripts/mutation.sh               every mutant of those modules (hours on 2 cores)
 #   scripts/mutation.sh --sample D    every D-th mutant of each module, in name order (D=10: ~1/10)
@@ -20,7 +22,9 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 EQUIVALENT="$REPO/scripts/mutation-equivalent.txt"
 MODULES=(shuffle/plan.py shuffle/permutation.py shuffle/steps.py formats/reader.py formats/shard_scan.py formats/dir_checks.py
          formats/inputs/discover.py formats/inputs/datatrove_ds.py formats/inputs/megatron_bin.py
-         formats/inputs/tables.py formats/inputs/npy_raw.py formats/inputs/jsonl.py)
+         formats/inputs/tables.py formats/inputs/npy_raw.py formats/inputs/jsonl.py
+         formats/units.py formats/guard.py formats/torch_adapter.py shuffle/schedule.py formats/io.py
+         packer/planning.py)
 CI_TESTS='["tests/test_permutation_golden.py"]'
 # The --ci subset: the mutants of key derivation, the mixer and the Feistel set-up. Pinned
 # by name so the run is the same every time (mutmut numbers a function's mutants in order).
@@ -58,8 +62,17 @@ declare -A TESTS=(
   [formats/shard_scan.py]='["tests/test_validate.py"]'
   [formats/dir_checks.py]='["tests/test_validate.py"]'
   [formats/inputs/]='["tests/test_pack.py"]'  # every module of the package
+  [formats/units.py]='["tests/test_units.py"]'
+  [formats/guard.py]='["tests/test_guard.py", "tests/test_integrity_cli.py", "-k", "lock or space or guard"]'
+  [formats/torch_adapter.py]='["tests/test_reader.py", "tests/test_resume.py", "-k", "torch or stateful or consumed"]'
+  [shuffle/schedule.py]='["tests/test_schedule.py"]'
+  [formats/io.py]='["tests/test_s3.py", "-k", "to_a_bucket or one_bucket"]'
+  [packer/planning.py]='["tests/test_plan_command.py"]'
 )
-declare -A FUNCTIONS=([shuffle/steps.py]="*ǁgather__* *ǁinput_segments__* *ǁholds_rows_of__* *x_make_layout__* *ǁscatter__* *ǁorder__* *ǁ_blocks__* *x_source_rows__*")
+# Within a module, only these functions' mutants (the rest is plumbing other tests cover): the
+# engine's placement and its scatter records; formats/io.py's Outbox (sending outputs to a store).
+declare -A FUNCTIONS=([shuffle/steps.py]="*ǁgather__* *ǁinput_segments__* *ǁholds_rows_of__* *x_make_layout__* *ǁscatter__* *ǁorder__* *ǁ_blocks__* *x_source_rows__* *ǁrecorded__* *ǁscatter_done__* *ǁ_check_bucket__*"
+                      [formats/io.py]="*ǁOutboxǁ*")
 
 if [ "$mode" = ci ]; then targets=(shuffle/permutation.py); elif [ -n "$only" ]; then targets=("$only"); else targets=("${MODULES[@]}"); fi
 all_names=()

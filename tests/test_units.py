@@ -50,6 +50,10 @@ def test_token_counts_refuse_byte_units_and_fractions(text, says):
     ("1048576", 1 << 20), ("100B", 100), ("2KB", 2000), ("2GB", 2 * 10**9), ("16GiB", 16 << 30),
     ("512MiB", 512 << 20), ("4G", 4 << 30), ("1K", 1024), ("1.5KiB", 1536), ("1TiB", 1 << 40),
     ("123456789012345678", 123456789012345678),
+    # every unit once: an SI unit read as binary (or the reverse) changes a budget by 5-10%
+    ("3KB", 3 * 10**3), ("3MB", 3 * 10**6), ("3GB", 3 * 10**9), ("3TB", 3 * 10**12),
+    ("3KiB", 3 << 10), ("3MiB", 3 << 20), ("3GiB", 3 << 30), ("3TiB", 3 << 40),
+    ("3K", 3 << 10), ("3M", 3 << 20), ("3G", 3 << 30), ("3T", 3 << 40), ("3mb", 3 * 10**6), ("3b", 3),
 ])
 def test_byte_sizes_take_si_and_iec_units(text, size):
     assert byte_size(text) == size

@@ -1,0 +1,82 @@
+"""formats/guard.py's output lock, in one process: what each command may remove, and when it
+must refuse. (tests/test_integrity_cli.py drives the same lock through the commands.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from formats.errors import TokpackError
+from formats.guard import LOCK_NAME, OutputLock, process_start
+
+
+def holder(pid: int, token: str = "f" * 32, host: str | None = None) -> dict:
+    return {"host": host or socket.gethostname(), "pid": pid, "start": process_start(pid), "since": 0.0,
+            "command": "tokpack shuffle (another)", "token": token}
+
+
+@pytest.fixture
+def other_live_process():
+    """A process that is not this one and is alive for the test: a live holder."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_release_leaves_a_lock_that_is_no_longer_this_commands(tmp_path, other_live_process):
+    """A command whose lock was taken over (it looked stale: a pid reused, a clock) must not
+    delete its successor's lock when it finishes: that would let a third command in."""
+    lock = OutputLock(tmp_path, "tokpack pack").acquire()
+    successor = holder(other_live_process)
+    (tmp_path / LOCK_NAME).write_text(json.dumps(successor))
+    lock.release()
+    assert json.loads((tmp_path / LOCK_NAME).read_text()) == successor
+    with pytest.raises(TokpackError, match="in use by another tokpack command"):
+        OutputLock(tmp_path, "tokpack shuffle").acquire()
+
+
+def test_release_removes_this_commands_own_lock_and_the_folder_it_created(tmp_path):
+    out = tmp_path / "new"
+    lock = OutputLock(out, "tokpack pack").acquire()
+    mine = json.loads((out / LOCK_NAME).read_text())
+    assert mine["token"] == lock.token and mine["pid"] == os.getpid() and mine["command"] == "tokpack pack"
+    lock.release()
+    assert not out.exists()  # it wrote nothing: nothing is left
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with OutputLock(kept, "tokpack pack"):
+        (kept / "data").write_text("x")
+    assert sorted(p.name for p in kept.iterdir()) == ["data"]
+
+
+def test_nested_acquire_in_one_process_keeps_the_lock_until_the_outer_release(tmp_path):
+    outer = OutputLock(tmp_path, "tokpack shuffle").acquire()
+    inner = OutputLock(tmp_path, "tokpack shuffle").acquire()
+    inner.release()
+    assert (tmp_path / LOCK_NAME).exists()
+    outer.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_live_and_foreign_holders_refuse_and_a_dead_one_is_taken_over(tmp_path, other_live_process):
+    path = tmp_path / LOCK_NAME
+    path.write_text(json.dumps(holder(other_live_process)))
+    with pytest.raises(TokpackError, match=f"pid {other_live_process}"):
+        OutputLock(tmp_path, "tokpack pack").acquire()
+    path.write_text(json.dumps(holder(1 << 22, host="another-host.example")))  # cannot be checked from here
+    with pytest.raises(TokpackError, match="another-host.example") as err:
+        OutputLock(tmp_path, "tokpack pack").acquire()
+    assert str(path) in str(err.value)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    path.write_text(json.dumps(holder(int(dead.stdout))))
+    said = []
+    lock = OutputLock(tmp_path, "tokpack pack", log=said.append).acquire()
+    assert json.loads(path.read_text())["token"] == lock.token
+    assert len(said) == 1 and "taking over the stale lock" in said[0]
+    lock.release()
