@@ -27,7 +27,7 @@ from formats.reader import SampleReader
 from formats.shards import PackedSource
 from packer.api import ExecutorConfig, inspect, shuffle, stage, validate
 from packer.cli import main
-from shuffle.plan import EpochPlan
+from shuffle.plan import EpochPlan, jitter_offset
 from shuffle.schedule import RunPlan, Schedule, Stage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -362,6 +362,10 @@ def test_any_schedule_continues_every_chain(corpus, stages, jitter):
         ep = plan.epoch_plan(e)
         for u, sp in enumerate(ep.sources if len(stages) > 1 else ()):
             assert (sp.index, ep.chain_start(u)) == (u, taken[u])
+        # jitter offsets are keyed by the run's epoch and the source's key: a later stage never
+        # repeats an earlier stage's offsets
+        assert [sp.offset for sp in ep.sources] == [jitter_offset(3, e, sp.index, SEQ) if jitter else 0
+                                                    for sp in ep.sources]
         s, window, passes = ep.locate(np.arange(ep.samples))
         keys = {(ep.sources[i].index, p, w) for i, p, w in zip(s.tolist(), passes.tolist(), window.tolist())}
         counts = np.bincount(s, minlength=len(ep.sources)).tolist()
