@@ -340,6 +340,52 @@ def test_scatter_block_of_a_large_budget_is_whole_rows(scattered, tmp_path, monk
     assert lay.bucket_starts.tolist() == [i * 150 for i in range(job.n_shards)] + [job.plan.samples]
 
 
+def test_scatter_block_grows_with_the_bucket_count_within_the_budget(scattered, tmp_path, monkeypatch):
+    """Below MAX_BLOCK_BYTES, the scatter block is ROWS_PER_APPEND rows per bucket (of all the
+    epoch's buckets, not its shards), capped by what the budget holds; a block sized from
+    another count only costs time, so the sizes are asserted here."""
+    srcs, _ = scattered
+    job, _, _, _ = captured_layout(srcs, tmp_path / "again", monkeypatch)
+    rb = job.row_bytes
+    # Scaled down so this small epoch reaches the regime of a large one: a block set by the bucket count.
+    monkeypatch.setattr(steps, "MAX_BLOCK_BYTES", 4 * rb)
+    monkeypatch.setattr(steps, "ROWS_PER_APPEND", 2)
+    bucket_bound = 0
+    for budget in (8 << 10, 16 << 10, 32 << 10, 64 << 10, 1 << 20, 1 << 40):
+        lay = steps.make_layout(job, budget, 2)
+        buckets = len(lay.bucket_starts) - 1
+        fits = budget // (4 * rb + steps.SCATTER_ROW_OVERHEAD)
+        assert lay.block_rows * (4 * rb + steps.SCATTER_ROW_OVERHEAD) <= max(budget, 4 * rb + 256)
+        assert lay.block_rows == max(1, min(steps.ROWS_PER_APPEND * buckets, fits))
+        bucket_bound += buckets > job.n_shards and steps.ROWS_PER_APPEND * buckets <= fits
+    assert bucket_bound  # some budget had more buckets than shards, and the block followed them
+
+
+def test_scatter_task_borrows_blocks_of_its_own_rows_at_most(scattered, tmp_path, monkeypatch):
+    """A scatter task's four buffers hold min(block, its largest input run) rows each: a task
+    of few windows does not take a whole block of memory, and none takes less than it reads."""
+    import dataclasses
+
+    srcs, _ = scattered
+    job, _, _, lay = captured_layout(srcs, tmp_path / "again", monkeypatch)
+    sizes = []
+    real_lent = steps.lent
+
+    def lent(use, nbytes, count=1):
+        sizes.append(nbytes) if use == "scatter" else None
+        return real_lent(use, nbytes, count)
+
+    monkeypatch.setattr(steps, "lent", lent)
+    runs = [max(b - a for _, a, b, _, _ in lay.input_segments(job.plan, job.open_sources(), t)) for t in range(lay.tasks)]
+    assert len(set(runs)) > 1
+    for block in (min(runs), max(runs) + 7):  # a block between the tasks' runs, and one above both
+        again = dataclasses.replace(lay, block_rows=block, dir=str(tmp_path / f"block-{block}"))
+        sizes.clear()
+        for t in range(again.tasks):
+            steps.ScatterStep(job, again).scatter(t)
+        assert sizes == [min(block, n) * job.row_bytes for n in runs]
+
+
 def test_source_rows_refuses_more_windows_than_the_source_holds(tmp_path):
     """An internal check: asked for windows past the source's end, source_rows says how many
     it was asked for and how many it found instead of yielding short."""
