@@ -434,3 +434,34 @@ def test_pass_bars_count_every_byte_once(scattered, tmp_path, monkeypatch):
     assert [(b.desc, b.total, b.done) for b in bars] == [
         ("epoch 0: scatter", source_bytes, 913 * ROW_BYTES),
         ("epoch 0: order", 913 * ROW_BYTES, 913 * ROW_BYTES)]
+
+
+@pytest.mark.parametrize("damage", ["last rows file", "records entry", "records table cut short"])
+def test_order_pass_checks_every_bucket_file_against_its_tasks_records(scattered, damage):
+    """The records table (rows, xxh3_64 of rows and of positions, per bucket and scatter task)
+    is what the order pass checks the scratch files against, for every task and bucket, not
+    only the first: a damaged file, or a damaged record, is refused, then the scatter task that
+    wrote it runs again and the epoch is the reference bytes."""
+    srcs, out = scattered
+    lay = Path(work_dir(out))
+    tables = sorted(lay.glob("scatter-*.records"))
+    assert len(tables) == 2
+    firsts = set(GOLDEN_SHARD_BUCKETS)  # the layout of this run (test_layout_of_a_small_budget_is_pinned)
+    if damage == "last rows file":  # of the last task, in a bucket that is not its shard's first
+        victim = [f for f in sorted(out.rglob("scatter-00001/*/b*.rows")) if int(f.stem[1:]) not in firsts][-1]
+        raw = bytearray(victim.read_bytes())
+        raw[-1] ^= 0x01
+        victim.write_bytes(raw)
+    else:
+        victim = tables[-1]
+        table = np.fromfile(victim, dtype="<u8").reshape(-1, 3)
+        b = [int(b) for b in np.flatnonzero(table[:, 0]) if b not in firsts][-1]  # one it wrote rows to
+        if damage == "records entry":
+            table[b, 1] ^= 1
+            table.tofile(victim)
+        else:
+            victim.write_bytes(table[:b].tobytes())
+    message = refusal(srcs, out)
+    assert "scatter" in message and ("rerun" in message or "delete" in message), message
+    shuffle_run(srcs, str(out), **KW)
+    assert (out / "epoch-00000" / "tokpack.json").exists()
