@@ -15,7 +15,7 @@ PathLike = str | Path
 
 @dataclasses.dataclass
 class ExecutorConfig:
-    """How and where tasks run: here (local) or through datatrove's Slurm or Ray executor."""
+    """How and where tasks run: here (local), through datatrove's Slurm executor, or on Ray."""
 
     workers: int = 1  # local: worker processes; slurm/ray: cap on concurrent tasks when > 1 (1 = no cap)
     executor: str = "local"  # local | slurm | ray
