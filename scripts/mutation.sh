@@ -66,7 +66,7 @@ declare -A TESTS=(
   [formats/guard.py]='["tests/test_guard.py", "tests/test_integrity_cli.py", "-k", "lock or space or guard"]'
   [formats/torch_adapter.py]='["tests/test_reader.py", "tests/test_resume.py", "-k", "torch or stateful or consumed"]'
   [shuffle/schedule.py]='["tests/test_schedule.py"]'
-  [formats/io.py]='["tests/test_s3.py", "-k", "to_a_bucket or one_bucket"]'
+  [formats/io.py]='["tests/test_io.py", "tests/test_api.py", "-k", "send or urls"]'  # memory:// stores: no moto
   [packer/planning.py]='["tests/test_plan_command.py"]'
 )
 # Within a module, only these functions' mutants (the rest is plumbing other tests cover): the
