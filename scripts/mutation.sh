@@ -7,6 +7,8 @@
 #   scripts/mutation.sh               every mutant of those modules (hours on 2 cores)
 #   scripts/mutation.sh --sample D    every D-th mutant of each module, in name order (D=10: ~1/10)
 #   scripts/mutation.sh --module M    only module M (e.g. shuffle/plan.py); combines with --sample
+#   scripts/mutation.sh --module M --functions 'P...'   only the mutants of M's functions matching
+#                                     these mutmut name patterns (e.g. '*ǁrecorded__*')
 #   scripts/mutation.sh --ci          a small fixed subset (the permutation's key and round set-up
 #                                     against tests/test_permutation_golden.py); .ci/run calls it;
 #                                     exits 1 if one of them survives
@@ -31,13 +33,14 @@ CI_TESTS='["tests/test_permutation_golden.py"]'
 CI_MUTANTS=("shuffle.permutation.x_derive_key__mutmut_*" "shuffle.permutation.x__mix__mutmut_*"
             "shuffle.permutation.xǁBijectionǁ__init____mutmut_*")
 
-mode=full sample=1 only=""
+mode=full sample=1 only="" functions=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --ci) mode=ci ;;
     --sample) sample=${2:?--sample needs D}; shift ;;
     --module) only=${2:?--module needs a path like shuffle/plan.py}; shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    --functions) functions=${2:?--functions needs mutmut name patterns}; shift ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "mutation.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -75,6 +78,8 @@ declare -A FUNCTIONS=([shuffle/steps.py]="*ǁgather__* *ǁinput_segments__* *ǁh
                       [formats/io.py]="*ǁOutboxǁ*")
 
 if [ "$mode" = ci ]; then targets=(shuffle/permutation.py); elif [ -n "$only" ]; then targets=("$only"); else targets=("${MODULES[@]}"); fi
+[ -z "$functions" ] || [ -n "$only" ] || { echo "mutation.sh: --functions needs --module" >&2; exit 2; }
+[ -z "$functions" ] || FUNCTIONS[$only]=$functions
 all_names=()
 for target in "${targets[@]}"; do
   tests=${TESTS[$target]:-${TESTS[${target%/*}/]:-}}
