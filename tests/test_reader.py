@@ -664,13 +664,18 @@ def test_torch_adapter_state_forms_resume_in_process(run_dir):
         ds.load_state_dict(state)
         assert first(ds) == want, state
         assert ds.state_dict() == fresh().state_dict({"consumed_samples": 60}), state  # follows its own batches
-    for wrong, says in (({"num_workers": 2}, "another number of DataLoader workers"),
-                        ({"worker": 1}, "another number of DataLoader workers"),
-                        ({"global_batch": 4}, "another global batch")):
+    restart = ("restart from the consumed-sample count: TokpackDataset(..., start_sample=TokpackDataset."
+               "consumed_samples(loader_state)) with a fresh StatefulDataLoader")
+    workers = "[num_workers]: loader state was saved with another number of DataLoader workers; expected {}, found 1. " \
+              "HINT: use num_workers={}, or " + restart
+    for wrong, line in (({"num_workers": 2}, workers.format(2, 2)), ({"worker": 1}, workers.format(1, 1)),
+                        ({"global_batch": 4}, "[global_batch]: loader state was saved with DataLoader workers and "
+                         "another global batch (W*m); expected 4, found 2. HINT: " + restart)):
         ds = fresh()
         ds.load_state_dict({"start": 50, "next_step": 4, "worker": 0, "num_workers": 1, "global_batch": 2, **wrong})
-        with pytest.raises(TokpackError, match=says):
+        with pytest.raises(TokpackError) as err:
             first(ds)
+        assert str(err.value) == line
     again = fresh()
     again.load_state_dict({"start": 50, "next_step": 4, "worker": 0, "num_workers": 1, "global_batch": 2})
     first(again)
