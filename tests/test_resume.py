@@ -221,8 +221,11 @@ def test_state_dict_in_main_process_while_workers_iterate_is_an_error(tmp_path):
     ds = TokpackDataset(run, micro_batch=4, positions=None)
     it = iter(DataLoader(ds, batch_size=None, num_workers=2))
     batches = [next(it) for _ in range(12)]  # 48 samples consumed
-    with pytest.raises(TokpackError, match="loader.state_dict"):
+    with pytest.raises(TokpackError, match="loader.state_dict") as err:
         ds.state_dict()
+    assert str(err.value) == ("[num_workers > 0]: TokpackDataset.state_dict() in the main process cannot see what "
+                              "DataLoader workers have served. HINT: save loader.state_dict() of a torchdata "
+                              "StatefulDataLoader, or call ds.state_dict(batch) with the last batch the loader returned")
     assert ds.state_dict(batches[-1]) == {"epoch": 0, "sample": 48, "consumed_samples": 48}
     del it
 
