@@ -80,3 +80,58 @@ def test_live_and_foreign_holders_refuse_and_a_dead_one_is_taken_over(tmp_path, 
     assert json.loads(path.read_text())["token"] == lock.token
     assert len(said) == 1 and "taking over the stale lock" in said[0]
     lock.release()
+
+
+def test_refusals_are_whole_lines(tmp_path, other_live_process):
+    """What a second command is told, field by field: the holder's host, pid, start time and
+    command, the lock's path, and what to do."""
+    path = tmp_path / LOCK_NAME
+    path.write_text(json.dumps({**holder(other_live_process), "since": 0.0}))
+    with pytest.raises(TokpackError) as err:
+        OutputLock(tmp_path, "tokpack pack").acquire()
+    assert str(err.value) == (
+        f"{path}: output directory is in use by another tokpack command (host {socket.gethostname()}, pid "
+        f"{other_live_process}, started 1970-01-01 00:00:00 UTC, command `tokpack shuffle (another)`). "
+        "HINT: wait for it to finish, or write to another directory")
+    path.write_text(json.dumps({"host": "another-host.example", "pid": 5}))
+    with pytest.raises(TokpackError) as err:
+        OutputLock(tmp_path, "tokpack pack").acquire()
+    assert str(err.value) == (
+        f"{path}: output directory is in use by another tokpack command (host another-host.example, pid 5, "
+        f"started ?, command `?`). HINT: wait for it to finish, or write to another directory; if no tokpack "
+        f"command runs on another-host.example any more, delete {path}")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(TokpackError) as err:
+        OutputLock(tmp_path / "file", "tokpack pack").acquire()
+    assert str(err.value) == f"{tmp_path / 'file'}: output exists and is not a directory. HINT: choose another path"
+
+
+def test_a_reused_pid_makes_the_lock_stale(tmp_path, other_live_process):
+    """A holder whose pid now names another process (started at another time) is gone: the lock
+    is taken over. The holder records its process's start for this."""
+    lock = OutputLock(tmp_path, "tokpack pack").acquire()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["start"] == process_start(os.getpid()) is not None
+    lock.release()
+    (tmp_path / LOCK_NAME).write_text(json.dumps({**holder(other_live_process), "start": "1"}))
+    lock = OutputLock(tmp_path, "tokpack pack", log=lambda _: None).acquire()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["token"] == lock.token
+    lock.release()
+
+
+def test_an_existing_empty_output_folder_is_kept(tmp_path):
+    """Only a folder the lock created is removed when left empty; the user's stays."""
+    (tmp_path / "mine").mkdir()
+    OutputLock(tmp_path / "mine", "tokpack pack").acquire().release()
+    assert (tmp_path / "mine").is_dir()
+    OutputLock(tmp_path / "deep" / "er", "tokpack pack").acquire().release()  # parents made as needed
+    assert not (tmp_path / "deep" / "er").exists()
+
+
+def test_temporaries_of_dead_commands_are_removed_and_a_live_ones_kept(tmp_path, other_live_process):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = tmp_path / f".{LOCK_NAME}.tmp-{int(dead.stdout)}-abcdef12"  # killed while writing it: empty
+    gone.write_text("")
+    live = tmp_path / f".{LOCK_NAME}.tmp-{other_live_process}-abcdef12"
+    live.write_text("")
+    OutputLock(tmp_path, "tokpack pack").acquire().release()
+    assert not gone.exists() and live.exists()
