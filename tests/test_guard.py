@@ -104,6 +104,11 @@ def test_refusals_are_whole_lines(tmp_path, other_live_process):
     with pytest.raises(TokpackError) as err:
         OutputLock(tmp_path / "file", "tokpack pack").acquire()
     assert str(err.value) == f"{tmp_path / 'file'}: output exists and is not a directory. HINT: choose another path"
+    with pytest.raises(TokpackError) as err:
+        OutputLock(tmp_path / "file" / "out", "tokpack pack").acquire()
+    assert str(err.value).startswith(f"{tmp_path / 'file' / 'out'}: cannot create the output directory; expected "
+                                     "a directory tokpack can create, found ")
+    assert str(err.value).endswith(". HINT: check the path (symbolic links included) and that it is writable")
 
 
 def test_a_reused_pid_makes_the_lock_stale(tmp_path, other_live_process):
