@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import random_docs, write_source
+from formats.errors import TokpackError
 from formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, read_manifest
 from formats.reader import SampleReader
 from formats.shards import PackedSource
@@ -389,3 +390,22 @@ def test_plan_of_a_schedule_is_the_run(run, corpus, tmp_path):
     code, lines = cli("plan", "shuffle", "--schedule", corpus / "run.yaml", "-o", tmp_path / "p2", "--epoch", "2",
                       "--memory", str(MEMORY), "--disk-mbps", "100", "--json")
     assert code == 0 and [e["samples"] for e in json.loads("\n".join(lines))["epochs"]] == [SIZES[2]]
+
+
+def test_a_run_made_with_flags_is_a_one_stage_schedule_of_those_flags(tmp_path):
+    """`shuffle SOURCE... --tokens N --jitter` is planned as a schedule of one stage: the flags
+    all reach it (a dropped --tokens or --jitter would plan another epoch)."""
+    from shuffle.schedule import read_schedule
+
+    flags = Schedule.of_flags(["a", "b"], ["0.25", None], seq_len=31, seed=9, tokens=5000, jitter=True)
+    assert (flags.seq_len, flags.seed, flags.jitter, flags.file) == (31, 9, True, None)
+    (stage,) = flags.stages
+    assert (stage.paths, stage.weights, stage.epochs, stage.samples, stage.tokens) == (("a", "b"), ("0.25", None),
+                                                                                        None, None, 5000)
+    assert Schedule.of_flags(["a"], [None], seq_len=31, seed=9, samples=12).stages[0].samples == 12
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seq_len: 31\nseed: 1\nstages: [3]\n")
+    with pytest.raises(TokpackError) as err:
+        read_schedule(bad)
+    assert str(err.value) == (f"{bad} [stages[0].]: schedule entry is not a mapping; expected key: value pairs, "
+                              'found int. HINT: see docs/COMMANDS.md, "Schedules", for the file\'s shape')
