@@ -10,8 +10,7 @@
 #   scripts/mutation.sh --module M --functions 'P...'   only the mutants of M's functions matching
 #                                     these mutmut name patterns (e.g. '*ǁrecorded__*')
 #   scripts/mutation.sh --ci          a small fixed subset (the permutation's key and round set-up
-#                                     against tests/test_permutation_golden.py, byte_size against its unit
-#                                     tests); .ci/run calls it;
+#                                     against tests/test_permutation_golden.py); .ci/run calls it;
 #                                     exits 1 if one of them survives
 #
 # mutmut writes its mutants/ tree into a scratch copy of the repository ($MUTATION_DIR, default
@@ -28,13 +27,11 @@ MODULES=(shuffle/plan.py shuffle/permutation.py shuffle/steps.py formats/reader.
          formats/inputs/tables.py formats/inputs/npy_raw.py formats/inputs/jsonl.py
          formats/units.py formats/guard.py formats/torch_adapter.py shuffle/schedule.py formats/io.py
          packer/planning.py)
-# The --ci subset: the mutants of key derivation, the mixer and the Feistel set-up, and of
-# byte_size (an SI unit read as binary changes every --memory budget). Pinned by name so the
-# run is the same every time (mutmut numbers a function's mutants in order).
-declare -A CI_TESTS=([shuffle/permutation.py]='["tests/test_permutation_golden.py"]'
-                     [formats/units.py]='["tests/test_units.py", "-k", "byte_sizes or whole_numbers or unit_errors"]')
+CI_TESTS='["tests/test_permutation_golden.py"]'
+# The --ci subset: the mutants of key derivation, the mixer and the Feistel set-up. Pinned
+# by name so the run is the same every time (mutmut numbers a function's mutants in order).
 CI_MUTANTS=("shuffle.permutation.x_derive_key__mutmut_*" "shuffle.permutation.x__mix__mutmut_*"
-            "shuffle.permutation.xǁBijectionǁ__init____mutmut_*" "formats.units.x_byte_size__mutmut_*")
+            "shuffle.permutation.xǁBijectionǁ__init____mutmut_*")
 
 mode=full sample=1 only="" functions=""
 while [ $# -gt 0 ]; do
@@ -43,7 +40,7 @@ while [ $# -gt 0 ]; do
     --sample) sample=${2:?--sample needs D}; shift ;;
     --module) only=${2:?--module needs a path like shuffle/plan.py}; shift ;;
     --functions) functions=${2:?--functions needs mutmut name patterns}; shift ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "mutation.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -80,14 +77,14 @@ declare -A TESTS=(
 declare -A FUNCTIONS=([shuffle/steps.py]="*ǁgather__* *ǁinput_segments__* *ǁholds_rows_of__* *x_make_layout__* *ǁscatter__* *ǁorder__* *ǁ_blocks__* *x_source_rows__* *ǁrecorded__* *ǁscatter_done__* *ǁ_check_bucket__*"
                       [formats/io.py]="*ǁOutboxǁ*")
 
-if [ "$mode" = ci ]; then targets=(shuffle/permutation.py formats/units.py); elif [ -n "$only" ]; then targets=("$only"); else targets=("${MODULES[@]}"); fi
+if [ "$mode" = ci ]; then targets=(shuffle/permutation.py); elif [ -n "$only" ]; then targets=("$only"); else targets=("${MODULES[@]}"); fi
 [ -z "$functions" ] || [ -n "$only" ] || { echo "mutation.sh: --functions needs --module" >&2; exit 2; }
 [ -z "$functions" ] || FUNCTIONS[$only]=$functions
 all_names=()
 for target in "${targets[@]}"; do
   tests=${TESTS[$target]:-${TESTS[${target%/*}/]:-}}
   [ -n "$tests" ] || { echo "mutation.sh: no tests listed for $target" >&2; exit 2; }
-  [ "$mode" = ci ] && tests=${CI_TESTS[$target]}
+  [ "$mode" = ci ] && tests=$CI_TESTS
   # The scratch copy's [tool.mutmut]: this module, its tests.
   python - "$tests" "$target" <<'PY'
 import json, sys, tomllib
@@ -102,8 +99,7 @@ PY
   module=${target%.py}; module=${module//\//.}
   names=()
   if [ "$mode" = ci ]; then
-    names=()
-    for pattern in "${CI_MUTANTS[@]}"; do [[ $pattern == "$module".x* ]] && names+=("$pattern"); done
+    names=("${CI_MUTANTS[@]}")
   elif [ "$sample" -gt 1 ] || [ -n "${FUNCTIONS[$target]:-}" ]; then
     # Generate the mutants without running anything, then keep every D-th name of the module.
     python -c "
