@@ -437,10 +437,19 @@ def _ray_runners(config: ExecutorConfig) -> list:
     import ray
 
     global _ray_pool
-    slots = config.workers if config.workers > 1 else \
-        max(1, int(ray.cluster_resources().get("CPU", 1) // config.cpus_per_task))
     options = {"num_cpus": config.cpus_per_task,
                "memory": int(config.mem_per_cpu_gb * config.cpus_per_task * (1 << 30))}
+    held = ray.cluster_resources()
+    # No more runners than the cluster can start at once: a runner left waiting for resources
+    # would hold the runs handed to it until the end of the command.
+    fit = int(min(held.get("CPU", 1) // max(options["num_cpus"], 1e-9),
+                  held.get("memory", float("inf")) // max(options["memory"], 1)))
+    if fit < 1:
+        raise TokpackError("the Ray cluster cannot start one task", where="--cpus-per-task, --mem",
+                           expected=f"{options['num_cpus']} CPUs and {options['memory'] / 2**30:g} GiB a task",
+                           found=f"{held.get('CPU', 0):g} CPUs and {held.get('memory', 0) / 2**30:.1f} GiB in the cluster",
+                           hint="lower --mem or --cpus-per-task, or use a larger cluster")
+    slots = min(config.workers, fit) if config.workers > 1 else fit
     key = (ray.get_runtime_context().get_job_id(), slots, tuple(sorted(options.items())))
     if _ray_pool is not None and _ray_pool[0] == key:
         return _ray_pool[1]

@@ -234,6 +234,15 @@ def test_ray_local_cluster(ray_cluster, source, reference, tmp_path):
     assert 1 <= len(runners) <= 2 and all(pid.isdigit() for pid in runners)
 
 
+def test_ray_task_the_cluster_cannot_start_is_one_line(ray_cluster, source, tmp_path):
+    """A runner asking for more than the cluster holds would wait forever: refused at once."""
+    r = CliRunner().invoke(main, ["shuffle", str(source), "-o", str(tmp_path / "run"), *SHUFFLE, "--executor", "ray",
+                                  "--workers", "2", "--mem", "100000"])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert "the Ray cluster cannot start one task" in r.output and "100000 GiB a task" in r.output, r.output
+    assert not (tmp_path / "run" / "epoch-00000" / "tokpack.json").exists()
+
+
 def test_ray_ranks_run_in_contiguous_runs():
     """Every rank in exactly one run, in order, about RAY_CALLS_PER_WORKER runs a worker slot."""
     from packer.executors import RAY_CALLS_PER_WORKER, rank_runs
