@@ -110,7 +110,14 @@ def task_overhead(executor: str, tasks: int, work: Path) -> float | None:
 
     if executor == "slurm" and not shutil.which("sinfo"):
         return None
+    if executor == "ray":
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            return None
     run = pass_runner(ExecutorConfig(executor=executor, workers=LOCAL_WORKERS, poll_seconds=0.5))
+    if executor == "ray":  # the cluster and its rank runners start once a command, not once a pass
+        run([(NoopStep(), LOCAL_WORKERS, "noop-start", str(work / "noop-ray-start"))])
     seconds = []
     counts = (max(LOCAL_WORKERS, tasks // 4), tasks)
     for n in counts:
@@ -293,6 +300,7 @@ def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 4000),
         # the order pass's per-task cost holds the local executor's; the full run's tasks are Slurm array elements
         local_task = task_overhead("local", 16 if quick else 400, work)
         slurm_task = None if quick else task_overhead("slurm", 16, work)
+        ray_task = None if quick else task_overhead("ray", 400, work)
         node_rate = min(node_mbps, shared_mbps / NODES) * 1e6  # bytes/s a node moves when all 48 run at once
         byte_rate = node_rate / OOC_VS_CP  # the engine's bytes, at its measured ratio to cp
         full_buckets, full_tasks = fe["bucket_files"] // (2 * NODES), fe["scatter_tasks"]
@@ -347,6 +355,10 @@ def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 4000),
               f"element " + ("not measured" if slurm_task is None else f"{slurm_task * 1e3:.0f} ms (this machine's "
               f"one-node cluster): {order_tasks_per_node * slurm_task:.0f} s a node if every order task were an "
               f"element, {slurm_starts:.0f} s with {SLURM_ELEMENTS_PER_WORKER} elements a node"))
+        print("Ray (rank runners started once a command, ranks in turn): " + (
+            "not measured" if ray_task is None else f"{ray_task * 1e3:.0f} ms a task (this machine's local "
+            f"cluster): {order_tasks_per_node * ray_task:.0f} s a node for the full run's "
+            f"{fe['shards']:,} order tasks ({order_tasks_per_node} a node)"))
         print(f"order task: {order_fixed * 1e3:.0f} ms fixed (local executor included) + {per_file * 1e3:.1f} ms a "
               f"bucket file (96 in the full run) + {full_parse * 1e3:.1f} ms of scatter records; scatter: "
               f"{per_append * 1e6:.0f} us an append (model: {model_appends[0] / big['rows']:.2f} a row; full run "

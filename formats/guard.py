@@ -25,9 +25,7 @@ import uuid
 from pathlib import Path
 
 from .errors import TokpackError
-
-LOCK_NAME = "tokpack.lock"
-WORK_DIR = ".tokpack-work"  # a command's scratch inside OUT, removed when it finishes
+from .manifest import LOCK_NAME, WORK_DIR  # noqa: F401 (importable from here too)
 
 _held: dict[str, int] = {}  # lock path -> nesting depth, for this process
 _held_guard = threading.Lock()

@@ -17,11 +17,10 @@ import xxhash
 from .errors import TokpackError
 from .io import as_path, open_read, read_array, read_full
 from .io import DurableFile, write_bytes_atomic
+from .manifest import EPOCH_SHARD_SUFFIXES, SHARD_SUFFIXES  # noqa: F401 (importable from here too)
 from .manifest import dtype_from_name, metadata_text, multiset_hash_rows, read_manifest, row_hashes
 
 U64 = np.dtype("<u8")  # .ds.index entries
-SHARD_SUFFIXES = ("", ".index", ".metadata", ".loss")  # the files of one shard, after its name
-EPOCH_SHARD_SUFFIXES = tuple(s for s in SHARD_SUFFIXES if s != ".loss")  # an epoch's shards carry no loss mask
 
 
 PAD_SUFFIX = ".pad"  # a best-fit epoch shard: uint32 LE per sample, its padding tokens (at the sample's end)

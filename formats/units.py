@@ -52,7 +52,7 @@ def token_count(value: str | int, *, what: str = "token count") -> int:
                            hint="write an integer or use K, M, B, T (10^3..10^12), e.g. 100B")
     number, suffix = parsed
     if suffix not in TOKEN_SUFFIXES:
-        bytes_like = suffix in BYTE_SUFFIXES or suffix.endswith("B") or suffix.endswith("IB")
+        bytes_like = suffix in BYTE_SUFFIXES or suffix.endswith("B")  # KiB, MiB... end with B too
         raise TokpackError(
             f"{value!r} is not a {what}" + (": it is a byte size" if bytes_like else f": unknown suffix {suffix!r}"),
             hint="token counts take K/M/B/T (10^3, 10^6, 10^9, 10^12), e.g. 100B for 10^11 tokens; "

@@ -8,50 +8,17 @@ the stages are imported when called.
 from __future__ import annotations
 
 import dataclasses
-import numbers
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+# Defined in the leaf packer.shared (the stages import it, not this module); kept importable from here.
+from packer.shared import ExecutorConfig, PathLike, Result, as_paths, optional_field, weighted_sources  # noqa: F401
 
 if TYPE_CHECKING:  # the stages build their results; importing them here would import their dependencies
     from packer.inspection import InspectResult
     from packer.packing import PackResult
     from packer.planning import PlanResult
     from packer.staging import StageResult
-
-PathLike = str | Path
-
-
-@dataclasses.dataclass
-class ExecutorConfig:
-    """How and where tasks run: here (local) or through datatrove's Slurm or Ray executor."""
-
-    workers: int = 1  # local: worker processes; slurm/ray: cap on concurrent tasks when > 1 (1 = no cap)
-    executor: str = "local"  # local | slurm | ray
-    tasks: int | None = None  # override of the natural task count
-    logging_dir: str | None = None  # datatrove logging dir; default inside the output's work folder
-    partition: str | None = None  # slurm partition; None = the cluster's default partition
-    time_limit: str = "24:00:00"  # slurm time limit
-    cpus_per_task: int = 1  # slurm and ray: CPUs reserved per task
-    mem_per_cpu_gb: float = 2  # slurm and ray: memory reserved per CPU, GB
-    sbatch_args: str | None = None  # slurm: extra sbatch arguments, "key=value,key=value"
-    ray_address: str | None = None  # ray: existing cluster, or None for a local one
-    in_process: bool = True  # local, one worker, no logging dir: run the ranks here (False: datatrove's executor)
-    poll_seconds: float = 5.0  # slurm: longest pause between two looks at the markers and the queue
-
-
-class Result:
-    """A command's result. `to_json()` is what `--json` prints: `"ok": true` (unless the result
-    has its own `ok`), then the fields, less the optional ones (metadata optional=True) that are
-    None. Every command's JSON has `ok`, so a script can test `.ok` whatever it ran."""
-
-    def to_json(self) -> dict:
-        return {"ok": True, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                               if not (f.metadata.get("optional") and getattr(self, f.name) is None)}}
-
-
-def optional_field():
-    return dataclasses.field(default=None, metadata={"optional": True})
 
 
 @dataclasses.dataclass
@@ -74,10 +41,6 @@ class ShuffleResult(Result):
     warnings: list[str]  # one per source an epoch repeats windows of
 
 
-def as_paths(inputs: PathLike | Sequence[PathLike]) -> list[str]:
-    return [str(inputs)] if isinstance(inputs, (str, Path)) else [str(p) for p in inputs]
-
-
 def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_format: str = "auto",
          column: str | None = None, dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
          vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30,
@@ -94,21 +57,6 @@ def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_forma
         return pack_source(as_paths(inputs), local_output, input_format=input_format, column=column, dtype=dtype,
                            tokenizer=tokenizer, eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite,
                            shard_tokens=shard_tokens, config=executor, log=log, outbox=outbox)
-
-
-def weighted_sources(sources) -> tuple[list[str], list[str | None]]:
-    """Paths and weights (as given, spelled as text: "0.25", "1/3") of `sources`: a path, a
-    sequence of paths or of (path, weight) pairs, or a mapping path -> weight."""
-    if isinstance(sources, (str, Path)):
-        sources = [sources]
-    items = sources.items() if isinstance(sources, Mapping) else [s if isinstance(s, tuple) else (s, None)
-                                                                  for s in sources]
-    paths, weights = [], []
-    for path, weight in items:
-        paths.append(str(path))
-        weights.append(None if weight is None else str(weight) if isinstance(weight, (str, numbers.Rational))
-                       else repr(float(weight)))
-    return paths, weights
 
 
 def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int | None = None,

@@ -1,4 +1,5 @@
-"""Glue to datatrove's executors: the stages' tasks run as `PipelineStep`s on Local, Slurm or Ray.
+"""Glue to datatrove's executors: the stages' tasks run as `PipelineStep`s on Local, Slurm or Ray
+(Ray through this module's rank runners, actors that live as long as the command).
 
 Parallelism is the executor's job: a step only knows `run(data, rank, world_size)`. Whatever the
 executor, `run_steps` finishes a pass only when every rank carries datatrove's completion marker,
@@ -28,7 +29,7 @@ from formats.errors import TokpackError, task_failed
 from formats.guard import OutputLock, holder_name
 from formats.io import Outbox, is_url, local_path
 from formats.manifest import MANIFEST
-from formats.sinks import app_sinks_kept
+from shuffle.sinks import app_sinks_kept
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
 with app_sinks_kept():
@@ -36,7 +37,7 @@ with app_sinks_kept():
     from datatrove.pipeline.base import PipelineStep
 
 from packer import lifetime
-from packer.api import ExecutorConfig
+from packer.shared import ExecutorConfig
 
 # The folder holding packer/, shuffle/, formats/: Slurm jobs and Ray workers import the steps from here.
 PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -117,7 +118,7 @@ def _executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, job_na
     if config.executor == "slurm":
         return _slurm_executor(step, tasks, config, logging_dir, job_name, depends=depends)
     if config.executor == "ray":
-        return _ray_executor(step, tasks, config, logging_dir)
+        return _ray_executor(step, tasks, config, logging_dir, job_name)
     raise TokpackError(f"unknown executor {config.executor!r}", expected="local, slurm or ray")
 
 
@@ -385,19 +386,134 @@ def _ray_init(ray, config: ExecutorConfig) -> None:
         ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
 
 
-def _ray_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str):
-    from datatrove.executor import RayPipelineExecutor
-
+def _ray_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, job_name: str):
     ray_connect(config)
-    return RayPipelineExecutor(
-        pipeline=[FileLoggedStep(step)],
-        tasks=tasks,
-        workers=config.workers if config.workers > 1 else -1,
-        logging_dir=logging_dir,
-        skip_completed=True,
-        cpus_per_task=config.cpus_per_task,
-        mem_per_cpu_gb=config.mem_per_cpu_gb,
-    )
+    return RayPass(step, tasks, config, logging_dir, job_name)
+
+
+# Ray calls per worker slot in a pass: contiguous runs of ranks, so a slow rank holds back a
+# quarter of a slot's share at most, as on Slurm (SLURM_ELEMENTS_PER_WORKER).
+RAY_CALLS_PER_WORKER = 4
+_ray_pool: tuple | None = None  # (key, actors): the rank runners every pass of this process reuses
+
+
+class RankRunner:
+    """A Ray actor that runs ranks of a pass in turn, in one long-lived worker process.
+    datatrove's RayPipelineExecutor starts a new actor in a new placement group for every task
+    (a fresh Python importing datatrove and the pass: seconds a task, BENCHMARKS.md "Ray");
+    these start once per command and serve every pass."""
+
+    def run(self, step, ranks: list[int], tasks: int, logging_dir: str, job_name: str) -> list[tuple[int, Exception]]:
+        """Runs each rank of `ranks` not marked complete in `logging_dir`, writing datatrove's
+        task log and completion marker; the failures, as (rank, exception), for the caller."""
+        from datatrove.io import get_datafolder
+        from datatrove.utils.logging import close_task_logger
+        from loguru import logger
+
+        folder = get_datafolder(logging_dir)
+        failures = []
+        for rank in ranks:
+            if folder.isfile(f"completions/{rank:05d}"):
+                continue
+            logfile = _file_only_task_logger(folder, rank)
+            try:
+                step.run(None, rank, tasks)
+            except Exception as e:  # reported by the caller, with the ranks left unfinished
+                logger.exception(e)
+                failures.append((rank, task_failed(job_name, rank, tasks, e)
+                                 if isinstance(e, OSError) else e))
+                continue
+            finally:
+                close_task_logger(logfile)
+            with folder.open(f"completions/{rank:05d}", "w") as marker:
+                marker.write(str(os.getpid()))  # which runner ran it (datatrove's markers are empty)
+        return failures
+
+
+def _ray_runners(config: ExecutorConfig) -> list:
+    """The rank runners of this process: one per worker slot (`--workers`, else as many as the
+    cluster's CPUs hold), created at the first pass and reused; new ones if the cluster or the
+    reservation changed (the old ones are ended first: they hold the cluster's CPUs)."""
+    import ray
+
+    global _ray_pool
+    options = {"num_cpus": config.cpus_per_task,
+               "memory": int(config.mem_per_cpu_gb * config.cpus_per_task * (1 << 30))}
+    held = ray.cluster_resources()
+    # No more runners than the cluster can start at once: a runner left waiting for resources
+    # would hold the runs handed to it until the end of the command.
+    fit = int(min(held.get("CPU", 1) // max(options["num_cpus"], 1e-9),
+                  held.get("memory", float("inf")) // max(options["memory"], 1)))
+    if fit < 1:
+        raise TokpackError("the Ray cluster cannot start one task", where="--cpus-per-task, --mem",
+                           expected=f"{options['num_cpus']} CPUs and {options['memory'] / 2**30:g} GiB a task",
+                           found=f"{held.get('CPU', 0):g} CPUs and {held.get('memory', 0) / 2**30:.1f} GiB in the cluster",
+                           hint="lower --mem or --cpus-per-task, or use a larger cluster")
+    slots = min(config.workers, fit) if config.workers > 1 else fit
+    key = (ray.get_runtime_context().get_job_id(), slots, tuple(sorted(options.items())))
+    if _ray_pool is not None and _ray_pool[0] == key:
+        return _ray_pool[1]
+    _end_ray_runners()
+    actors = [ray.remote(RankRunner).options(**options).remote() for _ in range(slots)]
+    _ray_pool = (key, actors)
+    return actors
+
+
+def _end_ray_runners() -> None:
+    global _ray_pool
+    if _ray_pool is not None:
+        import ray
+
+        for actor in _ray_pool[1]:
+            with contextlib.suppress(Exception):  # the cluster may be gone already
+                ray.kill(actor)
+        _ray_pool = None
+
+
+def rank_runs(ranks: list[int], slots: int) -> list[list[int]]:
+    """`ranks` cut into contiguous runs, about RAY_CALLS_PER_WORKER a slot; each rank in one run."""
+    size = max(1, -(-len(ranks) // (RAY_CALLS_PER_WORKER * slots)))
+    return [ranks[i:i + size] for i in range(0, len(ranks), size)]
+
+
+class RayPass:
+    """One pass on Ray: its unfinished ranks in contiguous runs, handed to the process's rank
+    runners as each becomes free. Completion markers as datatrove's executors write them."""
+
+    def __init__(self, step, tasks: int, config: ExecutorConfig, logging_dir: str, job_name: str):
+        from datatrove.io import get_datafolder
+
+        self.step, self.tasks, self.config, self.logging_dir, self.job_name = step, tasks, config, logging_dir, job_name
+        self.folder = get_datafolder(logging_dir)
+
+    def get_incomplete_ranks(self, ranks=None, skip_completed: bool = True) -> list[int]:
+        return [r for r in (range(self.tasks) if ranks is None else ranks)
+                if not self.folder.isfile(f"completions/{r:05d}")]
+
+    def run(self) -> None:
+        import ray
+        from ray.util import ActorPool
+
+        todo = self.get_incomplete_ranks()
+        if not todo:
+            return
+        runners = _ray_runners(self.config)
+        runs = rank_runs(todo, len(runners))
+        step = ray.put(self.step)
+        failures = []
+        try:
+            for failed in ActorPool(runners).map_unordered(
+                    lambda actor, ranks: actor.run.remote(step, ranks, self.tasks, self.logging_dir, self.job_name), runs):
+                failures += failed
+        except ray.exceptions.RayError:  # a runner died (killed, out of memory): the next pass starts new ones
+            _end_ray_runners()
+            raise
+        bad_input = [e for _, e in failures if isinstance(e, TokpackError)]
+        if bad_input:
+            raise bad_input[0]  # the task's own message says it best
+        if failures:
+            rank, e = failures[0]
+            raise RuntimeError(f"rank {rank}: {type(e).__name__}: {e}") from e
 
 
 # ----------------------------------------------------------------------------------------------

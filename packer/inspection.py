@@ -29,7 +29,7 @@ from formats.io import as_path, progress, read_array
 from formats.manifest import epoch_dir_name, read_manifest
 from formats.reader import SampleReader
 from formats.shards import U64, PackedSource
-from packer.api import Result, optional_field
+from packer.shared import Result, optional_field
 
 DEFAULT_BATCH_SIZE = 64
 INDEX_BLOCK = 1 << 20  # index entries read at a time when streaming document lengths

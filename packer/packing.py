@@ -44,8 +44,8 @@ from formats.manifest import (
     write_manifest,
 )
 from formats.shards import SHARD_SUFFIXES, PackedSource, SourceShardWriter, shard_on_disk, shard_suffixes
-from formats.sinks import app_sinks_kept
-from packer.api import Result
+from shuffle.sinks import app_sinks_kept
+from packer.shared import Result
 from packer.executors import ExecutorConfig, run_steps, runs_in_process
 from packer.vocab import Normalizer, load_tokenizer, resolve_vocab_eos
 

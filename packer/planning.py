@@ -21,7 +21,7 @@ from pathlib import Path
 from formats.errors import TokpackError
 from formats.guard import space_needs
 from formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, source_manifest
-from packer.api import ExecutorConfig, Result, weighted_sources, optional_field
+from packer.shared import ExecutorConfig, Result, as_paths, optional_field, weighted_sources
 
 MEASURE_BYTES = 256 << 20  # at most this much is written, then read back, to measure the disk
 MEASURE_SECONDS = 1.0  # per direction
@@ -218,7 +218,7 @@ def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None 
     """What `pack` with these arguments would do: one task per input file, its shards of at most
     `shard_tokens` tokens cut at document ends (so at least tokens / shard_tokens of them).
     `scratch`: as in plan_shuffle, unused."""
-    from packer.api import as_paths
+    from packer.shared import as_paths
     from formats.inputs.tables import PARQUET_DECODE_THREADS
     from packer.packing import known_tokens, pack_tasks, setup_pack
 

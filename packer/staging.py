@@ -47,7 +47,7 @@ from formats.manifest import (
     upgrade,
     write_manifest,
 )
-from packer.api import Result, optional_field
+from packer.shared import Result, optional_field
 
 # Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
 # handful of workers the memory stays at workers x STAGE_BLOCK.

@@ -22,13 +22,11 @@ import xxhash
 
 from formats.errors import TokpackError
 from formats.io import IO_BLOCK, local_path, read_ahead
-from formats.manifest import dtype_from_name, hash_hex64, order_hash_terms, row_hashes
+from formats.manifest import PLAN_ALGORITHM, dtype_from_name, hash_hex64, order_hash_terms, row_hashes
 from formats.shards import PackedSource
 from formats.units import token_count
 
 from .permutation import Bijection, derive_key
-
-PLAN_ALGORITHM = "tokpack-feistel6-splitmix-xxh3-v1"  # recorded in manifests; bump on any change
 
 
 class SamplePlan(Protocol):

@@ -48,9 +48,10 @@ from formats.io import IO_BLOCK, Outbox, Worker, kept_at, drop_buffers, lent, ma
 from formats.manifest import dtype_from_name, shard_digits, shard_name
 from formats.shards import (EpochShardWriter, PackedSource, RowFragments, shard_on_disk, shard_suffixes,
                             write_pad_sidecar)
-from formats.sinks import app_sinks_kept
+from shuffle.sinks import app_sinks_kept
 
 from .plan import EpochPlan, iter_source_windows, open_source
+from .sinks import app_sinks_kept
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
 with app_sinks_kept():
@@ -434,8 +435,16 @@ class Layout:
     def recorded(self, t: int, buckets: range) -> np.ndarray:
         """Task t's records of `buckets` only: an order task reads its own buckets' records, a
         few bytes each, not the whole table (which grows with the bucket count)."""
-        return np.fromfile(self.task_records(t), dtype="<u8", count=3 * len(buckets),
-                           offset=RECORD_BYTES * buckets.start).reshape(-1, 3)
+        table = np.fromfile(self.task_records(t), dtype="<u8", count=3 * len(buckets),
+                            offset=RECORD_BYTES * buckets.start)
+        if len(table) != 3 * len(buckets):  # written whole and atomically: only damage cuts it short
+            self.task_done(t).unlink(missing_ok=True)
+            raise TokpackError("scatter task's records are cut short", file=self.task_records(t),
+                               where=f"buckets {buckets.start}..{buckets.stop - 1}",
+                               expected=f"{RECORD_BYTES * buckets.stop} bytes at least",
+                               found=f"{os.path.getsize(self.task_records(t))} bytes",
+                               hint="rerun the same command: the scatter task that wrote it runs again")
+        return table.reshape(-1, 3)
 
     def bucket_file(self, t: int, b: int, ext: str) -> Path:
         """Task t's rows (ext "rows") or their output positions ("pos") of bucket b."""

@@ -340,6 +340,52 @@ def test_scatter_block_of_a_large_budget_is_whole_rows(scattered, tmp_path, monk
     assert lay.bucket_starts.tolist() == [i * 150 for i in range(job.n_shards)] + [job.plan.samples]
 
 
+def test_scatter_block_grows_with_the_bucket_count_within_the_budget(scattered, tmp_path, monkeypatch):
+    """Below MAX_BLOCK_BYTES, the scatter block is ROWS_PER_APPEND rows per bucket (of all the
+    epoch's buckets, not its shards), capped by what the budget holds; a block sized from
+    another count only costs time, so the sizes are asserted here."""
+    srcs, _ = scattered
+    job, _, _, _ = captured_layout(srcs, tmp_path / "again", monkeypatch)
+    rb = job.row_bytes
+    # Scaled down so this small epoch reaches the regime of a large one: a block set by the bucket count.
+    monkeypatch.setattr(steps, "MAX_BLOCK_BYTES", 4 * rb)
+    monkeypatch.setattr(steps, "ROWS_PER_APPEND", 2)
+    bucket_bound = 0
+    for budget in (8 << 10, 16 << 10, 32 << 10, 64 << 10, 1 << 20, 1 << 40):
+        lay = steps.make_layout(job, budget, 2)
+        buckets = len(lay.bucket_starts) - 1
+        fits = budget // (4 * rb + steps.SCATTER_ROW_OVERHEAD)
+        assert lay.block_rows * (4 * rb + steps.SCATTER_ROW_OVERHEAD) <= max(budget, 4 * rb + 256)
+        assert lay.block_rows == max(1, min(steps.ROWS_PER_APPEND * buckets, fits))
+        bucket_bound += buckets > job.n_shards and steps.ROWS_PER_APPEND * buckets <= fits
+    assert bucket_bound  # some budget had more buckets than shards, and the block followed them
+
+
+def test_scatter_task_borrows_blocks_of_its_own_rows_at_most(scattered, tmp_path, monkeypatch):
+    """A scatter task's four buffers hold min(block, its largest input run) rows each: a task
+    of few windows does not take a whole block of memory, and none takes less than it reads."""
+    import dataclasses
+
+    srcs, _ = scattered
+    job, _, _, lay = captured_layout(srcs, tmp_path / "again", monkeypatch)
+    sizes = []
+    real_lent = steps.lent
+
+    def lent(use, nbytes, count=1):
+        sizes.append(nbytes) if use == "scatter" else None
+        return real_lent(use, nbytes, count)
+
+    monkeypatch.setattr(steps, "lent", lent)
+    runs = [max(b - a for _, a, b, _, _ in lay.input_segments(job.plan, job.open_sources(), t)) for t in range(lay.tasks)]
+    assert len(set(runs)) > 1
+    for block in (min(runs), max(runs) + 7):  # a block between the tasks' runs, and one above both
+        again = dataclasses.replace(lay, block_rows=block, dir=str(tmp_path / f"block-{block}"))
+        sizes.clear()
+        for t in range(again.tasks):
+            steps.ScatterStep(job, again).scatter(t)
+        assert sizes == [min(block, n) * job.row_bytes for n in runs]
+
+
 def test_source_rows_refuses_more_windows_than_the_source_holds(tmp_path):
     """An internal check: asked for windows past the source's end, source_rows says how many
     it was asked for and how many it found instead of yielding short."""
@@ -388,3 +434,34 @@ def test_pass_bars_count_every_byte_once(scattered, tmp_path, monkeypatch):
     assert [(b.desc, b.total, b.done) for b in bars] == [
         ("epoch 0: scatter", source_bytes, 913 * ROW_BYTES),
         ("epoch 0: order", 913 * ROW_BYTES, 913 * ROW_BYTES)]
+
+
+@pytest.mark.parametrize("damage", ["last rows file", "records entry", "records table cut short"])
+def test_order_pass_checks_every_bucket_file_against_its_tasks_records(scattered, damage):
+    """The records table (rows, xxh3_64 of rows and of positions, per bucket and scatter task)
+    is what the order pass checks the scratch files against, for every task and bucket, not
+    only the first: a damaged file, or a damaged record, is refused, then the scatter task that
+    wrote it runs again and the epoch is the reference bytes."""
+    srcs, out = scattered
+    lay = Path(work_dir(out))
+    tables = sorted(lay.glob("scatter-*.records"))
+    assert len(tables) == 2
+    firsts = set(GOLDEN_SHARD_BUCKETS)  # the layout of this run (test_layout_of_a_small_budget_is_pinned)
+    if damage == "last rows file":  # of the last task, in a bucket that is not its shard's first
+        victim = [f for f in sorted(out.rglob("scatter-00001/*/b*.rows")) if int(f.stem[1:]) not in firsts][-1]
+        raw = bytearray(victim.read_bytes())
+        raw[-1] ^= 0x01
+        victim.write_bytes(raw)
+    else:
+        victim = tables[-1]
+        table = np.fromfile(victim, dtype="<u8").reshape(-1, 3)
+        b = [int(b) for b in np.flatnonzero(table[:, 0]) if b not in firsts][-1]  # one it wrote rows to
+        if damage == "records entry":
+            table[b, 1] ^= 1
+            table.tofile(victim)
+        else:
+            victim.write_bytes(table[:b].tobytes())
+    message = refusal(srcs, out)
+    assert "scatter" in message and ("rerun" in message or "delete" in message), message
+    shuffle_run(srcs, str(out), **KW)
+    assert (out / "epoch-00000" / "tokpack.json").exists()

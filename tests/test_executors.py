@@ -220,11 +220,39 @@ def ray_cluster():
         ray.shutdown()
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # datatrove's placement_group= use, in Ray 2.5x
 def test_ray_local_cluster(ray_cluster, source, reference, tmp_path):
-    out = tmp_path / "run"
-    cli("shuffle", source, "-o", out, *SHUFFLE, "--executor", "ray", "--workers", "2", "--tasks", "3")
+    """The bytes of the local run; every rank of both passes marked complete once, each by one of
+    the two rank runners, which serve both passes (not a new Ray worker per task: issue 27)."""
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    cli("shuffle", source, "-o", out, *SHUFFLE, "--executor", "ray", "--workers", "2", "--tasks", "3",
+        "--logging-dir", logs)
     assert tree(out) == reference
+    markers = {p.parent.parent.name.rsplit("-", 1)[-1]: sorted(m.name for m in p.parent.glob("*"))
+               for p in logs.glob("*/completions/*")}
+    assert markers == {"scatter": [f"{r:05d}" for r in range(3)], "order": [f"{r:05d}" for r in range(8)]}
+    runners = {m.read_text() for m in logs.glob("*/completions/*")}
+    assert 1 <= len(runners) <= 2 and all(pid.isdigit() for pid in runners)
+
+
+def test_ray_task_the_cluster_cannot_start_is_one_line(ray_cluster, source, tmp_path):
+    """A runner asking for more than the cluster holds would wait forever: refused at once."""
+    r = CliRunner().invoke(main, ["shuffle", str(source), "-o", str(tmp_path / "run"), *SHUFFLE, "--executor", "ray",
+                                  "--workers", "2", "--mem", "100000"])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert "the Ray cluster cannot start one task" in r.output and "100000 GiB a task" in r.output, r.output
+    assert not (tmp_path / "run" / "epoch-00000" / "tokpack.json").exists()
+
+
+def test_ray_ranks_run_in_contiguous_runs():
+    """Every rank in exactly one run, in order, about RAY_CALLS_PER_WORKER runs a worker slot."""
+    from packer.executors import RAY_CALLS_PER_WORKER, rank_runs
+
+    for ranks, slots in [(list(range(37)), 2), (list(range(2)), 2), ([3, 5, 6, 9], 1), (list(range(20490)), 96)]:
+        runs = rank_runs(ranks, slots)
+        assert [r for run in runs for r in run] == ranks
+        assert len(runs) <= RAY_CALLS_PER_WORKER * slots
+        assert len(runs) >= min(len(ranks), RAY_CALLS_PER_WORKER * slots) // 2
+    assert len(rank_runs(list(range(37)), 2)) == 8 and rank_runs([], 2) == []
 
 
 # ------------------------------------------------------------------------------ slurm

@@ -83,3 +83,57 @@ def test_pooled_buffers_of_one_use_stay_apart_from_others_and_are_dropped_togeth
     assert take_buffer(np.uint8, "test-use-b") is not a
     drop_buffers("test-use-a")
     assert take_buffer(np.uint8, "test-use-a") is not a
+
+
+@pytest.mark.parametrize("rerun_scratch", ["scratch", "fresh"])
+def test_rerun_from_the_same_scratch_after_an_interrupted_send_completes_the_store(tmp_path, monkeypatch,
+                                                                                   rerun_scratch):
+    """A shuffle to a store killed while sending its manifests leaves them committed in the
+    scratch folder but not in the store. The rerun from the same scratch must not take those
+    local manifests for finished work: it drops them (Outbox.fetch_state), writes again what
+    the store lacks and sends the manifests, so the store holds the whole run, as a fresh one.
+    From a fresh scratch (another machine), the state it fetches spares the sent shards."""
+    import fsspec
+
+    from conftest import random_docs, write_source
+    from formats.io import Outbox
+    from packer import shuffle
+
+    src = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 60, 1000, 0))
+    fs = fsspec.filesystem("memory")
+    kw = dict(seq_len=31, seed=1, epochs=2, memory=64 << 10)
+    real_send = Outbox.send
+
+    def send_all_but_manifests(self, *files, keep=False):
+        if any(str(f).endswith("tokpack.json") for f in files):
+            raise KeyboardInterrupt  # killed before a manifest reached the store
+        return real_send(self, *files, keep=keep)
+
+    try:
+        monkeypatch.setattr(Outbox, "send", send_all_but_manifests)
+        with pytest.raises(KeyboardInterrupt):
+            shuffle(src, "memory://io-test/run", scratch=tmp_path / "scratch", **kw)
+        assert not [f for f in fs.find("/io-test/run") if f.endswith("tokpack.json")]
+        assert list((tmp_path / "scratch").rglob("tokpack.json"))  # committed here, never sent
+        sent = [str(f) for f in fs.find("/io-test/run") if f.endswith(".ds")]
+        assert sent  # epoch 0's shards went before its manifest
+        resent = []
+
+        def counting_send(self, *files, keep=False):
+            resent.extend(str(self.remote_of(f)) for f in files if str(f).endswith(".ds"))
+            return real_send(self, *files, keep=keep)
+
+        monkeypatch.setattr(Outbox, "send", counting_send)
+        again = shuffle(src, "memory://io-test/run", scratch=tmp_path / rerun_scratch, **kw)
+        got = {f[len("/io-test/run/"):]: fs.cat(f) for f in fs.find("/io-test/run")}
+    finally:
+        if fs.exists("/io-test"):
+            fs.rm("/io-test", recursive=True)
+    shuffle(src, tmp_path / "ref", **kw)
+    ref = {p.relative_to(tmp_path / "ref").as_posix(): p.read_bytes()
+           for p in (tmp_path / "ref").rglob("*") if p.is_file()}
+    assert again.written == [0, 1]
+    assert not {r.split("://", 1)[1].lstrip("/") for r in resent} & {s.lstrip("/") for s in sent}, resent
+    assert {k for k in got if k.endswith("tokpack.json")} == {"tokpack.json", "epoch-00000/tokpack.json",
+                                                               "epoch-00001/tokpack.json"}
+    assert {k: v for k, v in got.items() if k.endswith(".ds")} == {k: v for k, v in ref.items() if k.endswith(".ds")}

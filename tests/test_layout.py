@@ -4,6 +4,7 @@ import the project's packages, not their namesakes in bench/."""
 from __future__ import annotations
 
 import ast
+import graphlib
 import subprocess
 import sys
 import tomllib
@@ -39,6 +40,73 @@ def test_imports_flow_one_way():
             if extra:
                 wrong.append(f"{module.relative_to(REPO)} imports {sorted(extra)}")
     assert not wrong, wrong
+
+
+def test_format_layer_has_no_logging_or_executor_dependency():
+    """formats/ is the file format: reading and writing it needs neither datatrove nor loguru
+    (their logging set-up lives with the steps that import datatrove, shuffle/sinks.py)."""
+    wrong = []
+    for module in sorted((REPO / "formats").rglob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            wrong += [f"{module.relative_to(REPO)} imports {n}" for n in names
+                      if n.split(".")[0] in ("datatrove", "loguru")]
+    assert not wrong, wrong
+
+
+def project_modules() -> dict[str, Path]:
+    """Every module of the project's packages by dotted name (a package by its own name)."""
+    modules = {}
+    for package in sorted(TOP_PACKAGES):
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def module_imports(name: str, path: Path, modules) -> set[str]:
+    """The project modules `name` imports: at the top, in a function, or under TYPE_CHECKING
+    (a lazy import still ties the two modules together: a cycle through one is a cycle).
+    `from P import m` counts as importing the module P.m when there is one, else P."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names} & set(modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                found |= {target} if target in modules else {base} & set(modules)
+    return found - {name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {name: module_imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_module_imports_have_no_cycle():
+    """No two project modules import each other, directly or round a circle, lazily or not: the
+    shared types live in a leaf (packer.shared) that the API and its stages both import."""
+    try:
+        list(graphlib.TopologicalSorter(import_graph()).static_order())
+    except graphlib.CycleError as cycle:
+        assert False, f"import cycle: {' -> '.join(reversed(cycle.args[1]))}"
+
+
+def test_import_graph_sees_lazy_and_relative_imports():
+    """The graph the cycle check walks holds the imports a cycle could hide in."""
+    graph = import_graph()
+    assert "packer.shared" in graph["packer.api"]  # top-level `from X import Y`
+    assert "packer.executors" in graph["packer.api"]  # an import inside a function
+    assert "packer.lifetime" in graph["packer.executors"]  # `from packer import lifetime`: the module
+    assert {"formats.errors", "formats.manifest"} <= graph["formats"]  # relative, in a package's __init__
+    assert "formats.errors" in graph["formats.units"]  # relative, in a module
+    assert graph["packer.shared"] == set()
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "bench").glob("*.py")))

@@ -96,6 +96,21 @@ def test_plan_counts_and_bytes_equal_the_engine_run(corpus, tmp_path, memory, wo
         assert abs(size - (out / name).stat().st_size) <= 0.01 * size, name
 
 
+@pytest.mark.parametrize("executor, workers, at_once", [("local", 2, lambda tasks: 1), ("slurm", 3, lambda tasks: min(3, tasks)),
+                                                     ("ray", 1, lambda tasks: tasks)])
+def test_plan_seconds_are_bytes_over_the_disks_working_at_once(corpus, tmp_path, executor, workers, at_once):
+    """A pass's predicted seconds: its bytes at --disk-mbps, shared by the tasks that run at once
+    on separate disks (Slurm and Ray: up to --workers, or every task; local: one disk)."""
+    config = ExecutorConfig(executor=executor, workers=workers)
+    planned = plan("shuffle", str(corpus), str(tmp_path / "run"), seq_len=SEQ_LEN, seed=5, epochs=2,
+                   shard_samples=SHARD_SAMPLES, memory=64 << 10, executor=config, disk_mbps=2.5)
+    assert len({p["tasks"] for p in planned.passes}) > 1 and planned.disk == "given" and planned.disk_mbps == 2.5
+    for p in planned.passes:
+        assert p["seconds"] == round((p["read_bytes"] + p["written_bytes"]) / 2.5e6 / at_once(p["tasks"]), 1), p
+    assert planned.predicted_seconds == round(sum(p["seconds"] for p in planned.passes), 1)
+    assert (planned.workers, planned.executor) == (workers, executor)
+
+
 def test_plan_writes_nothing_and_measures_the_disk(corpus, tmp_path):
     """Without --disk-mbps the disk is measured with a file removed at once: the directory
     listing is the same after, no OUT, no lock. A run's complete epoch is reported as such."""

@@ -657,3 +657,45 @@ def test_shard_of_the_wrong_size_is_one_line(tmp_path):
         SampleReader.open(run)
     assert str(err.value) == (f"{shard} [size]: shard size does not match the manifest; expected 96 bytes, found "
                               "95 bytes. HINT: the shard was truncated or replaced; run `tokpack validate` on the epoch")
+
+
+def test_torch_adapter_state_forms_resume_in_process(run_dir):
+    """Each form load_state_dict takes resumes at the same sample, here in the main process
+    (a DataLoader's workers run the same code out of reach of in-process checks): a position
+    (epoch, sample), a consumed_samples count alone, and a worker's share (start, next step);
+    a share saved with other workers or another global batch is refused."""
+    from formats.errors import TokpackError
+    from formats.torch_adapter import TokpackDataset
+
+    def first(ds) -> list:
+        return next(iter(ds))["input_ids"].tolist()
+
+    def fresh():
+        return TokpackDataset(run_dir, world_size=1, micro_batch=2, positions=None)
+
+    want = first(TokpackDataset(run_dir, world_size=1, micro_batch=2, positions=None, start_sample=58))
+    position = fresh().state_dict({"consumed_samples": 58})
+    assert position["consumed_samples"] == 58 and position["epoch"] == 1
+    for state in ({"epoch": position["epoch"], "sample": position["sample"]}, {"consumed_samples": 58},
+                  {"start": 50, "next_step": 4, "worker": 0, "num_workers": 1, "global_batch": 2}):
+        ds = fresh()
+        ds.load_state_dict(state)
+        assert first(ds) == want, state
+        assert ds.state_dict() == fresh().state_dict({"consumed_samples": 60}), state  # follows its own batches
+    restart = ("restart from the consumed-sample count: TokpackDataset(..., start_sample=TokpackDataset."
+               "consumed_samples(loader_state)) with a fresh StatefulDataLoader")
+    workers = "[num_workers]: loader state was saved with another number of DataLoader workers; expected {}, found 1. " \
+              "HINT: use num_workers={}, or " + restart
+    for wrong, line in (({"num_workers": 2}, workers.format(2, 2)), ({"worker": 1}, workers.format(1, 1)),
+                        ({"global_batch": 4}, "[global_batch]: loader state was saved with DataLoader workers and "
+                         "another global batch (W*m); expected 4, found 2. HINT: " + restart)):
+        ds = fresh()
+        ds.load_state_dict({"start": 50, "next_step": 4, "worker": 0, "num_workers": 1, "global_batch": 2, **wrong})
+        with pytest.raises(TokpackError) as err:
+            first(ds)
+        assert str(err.value) == line
+    again = fresh()
+    again.load_state_dict({"start": 50, "next_step": 4, "worker": 0, "num_workers": 1, "global_batch": 2})
+    first(again)
+    # a worker's share is used once: the next pass goes on from the dataset's own position
+    assert first(again) == first(TokpackDataset(run_dir, world_size=1, micro_batch=2, positions=None, start_sample=60))

@@ -221,7 +221,29 @@ def test_state_dict_in_main_process_while_workers_iterate_is_an_error(tmp_path):
     ds = TokpackDataset(run, micro_batch=4, positions=None)
     it = iter(DataLoader(ds, batch_size=None, num_workers=2))
     batches = [next(it) for _ in range(12)]  # 48 samples consumed
-    with pytest.raises(TokpackError, match="loader.state_dict"):
+    with pytest.raises(TokpackError, match="loader.state_dict") as err:
         ds.state_dict()
+    assert str(err.value) == ("[num_workers > 0]: TokpackDataset.state_dict() in the main process cannot see what "
+                              "DataLoader workers have served. HINT: save loader.state_dict() of a torchdata "
+                              "StatefulDataLoader, or call ds.state_dict(batch) with the last batch the loader returned")
     assert ds.state_dict(batches[-1]) == {"epoch": 0, "sample": 48, "consumed_samples": 48}
     del it
+
+
+@pytest.mark.parametrize("workers, every", [(2, 1), (2, 3), (2, 5), (0, 3)])
+def test_consumed_samples_of_a_stateful_loader_on_every_rank_at_any_snapshot_interval(tmp_path, workers, every):
+    """consumed_samples (each batch's, and the one read back from a StatefulDataLoader state) is
+    the global count after that step on every rank, not only the last, whatever the loader's
+    snapshot interval (a state between snapshots counts the steps since the last one)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    run = make_run(tmp_path, [0, 1], shard_samples=8)
+    world, micro, k = 2, 2, 7  # 7 is no multiple of 3 or 5: the state falls between snapshots
+    for rank in range(world):
+        ds = TokpackDataset(run, rank=rank, world_size=world, micro_batch=micro, positions=None)
+        loader = StatefulDataLoader(ds, batch_size=None, num_workers=workers, snapshot_every_n_steps=every)
+        it = iter(loader)
+        seen = [int(next(it)["consumed_samples"]) for _ in range(k)]
+        assert seen == [(b + 1) * world * micro for b in range(k)], (rank, seen)
+        assert TokpackDataset.consumed_samples(loader.state_dict()) == k * world * micro, rank
+        del it

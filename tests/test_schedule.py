@@ -22,12 +22,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import random_docs, write_source
+from formats.errors import TokpackError
 from formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, read_manifest
 from formats.reader import SampleReader
 from formats.shards import PackedSource
 from packer.api import ExecutorConfig, inspect, shuffle, stage, validate
 from packer.cli import main
-from shuffle.plan import EpochPlan
+from shuffle.plan import EpochPlan, jitter_offset
 from shuffle.schedule import RunPlan, Schedule, Stage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -364,6 +365,10 @@ def test_any_schedule_continues_every_chain(corpus, stages, jitter):
         ep = plan.epoch_plan(e)
         for u, sp in enumerate(ep.sources if len(stages) > 1 else ()):
             assert (sp.index, ep.chain_start(u)) == (u, taken[u])
+        # jitter offsets are keyed by the run's epoch and the source's key: a later stage never
+        # repeats an earlier stage's offsets
+        assert [sp.offset for sp in ep.sources] == [jitter_offset(3, e, sp.index, SEQ) if jitter else 0
+                                                    for sp in ep.sources]
         s, window, passes = ep.locate(np.arange(ep.samples))
         keys = {(ep.sources[i].index, p, w) for i, p, w in zip(s.tolist(), passes.tolist(), window.tolist())}
         counts = np.bincount(s, minlength=len(ep.sources)).tolist()
@@ -413,3 +418,22 @@ def test_summary_and_plan_of_a_schedule_report_every_epoch_and_stage(run, corpus
     text = "\n".join(lines)
     assert code == 0 and "epoch 2 (stage mid)" in text and "source math: 58 samples" in text
     assert text.count("tokpack: warning:") == 4
+
+
+def test_a_run_made_with_flags_is_a_one_stage_schedule_of_those_flags(tmp_path):
+    """`shuffle SOURCE... --tokens N --jitter` is planned as a schedule of one stage: the flags
+    all reach it (a dropped --tokens or --jitter would plan another epoch)."""
+    from shuffle.schedule import read_schedule
+
+    flags = Schedule.of_flags(["a", "b"], ["0.25", None], seq_len=31, seed=9, tokens=5000, jitter=True)
+    assert (flags.seq_len, flags.seed, flags.jitter, flags.file) == (31, 9, True, None)
+    (stage,) = flags.stages
+    assert (stage.paths, stage.weights, stage.epochs, stage.samples, stage.tokens) == (("a", "b"), ("0.25", None),
+                                                                                        None, None, 5000)
+    assert Schedule.of_flags(["a"], [None], seq_len=31, seed=9, samples=12).stages[0].samples == 12
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seq_len: 31\nseed: 1\nstages: [3]\n")
+    with pytest.raises(TokpackError) as err:
+        read_schedule(bad)
+    assert str(err.value) == (f"{bad} [stages[0].]: schedule entry is not a mapping; expected key: value pairs, "
+                              'found int. HINT: see docs/COMMANDS.md, "Schedules", for the file\'s shape')

@@ -289,6 +289,20 @@ def test_peak_memory_stays_within_budget_for_10x_data(tmp_path):
     assert read_manifest(tmp_path / "out" / "epoch-00000")["samples"] == PackedSource.open(src).tokens // 2048
 
 
+def test_in_memory_choice_counts_every_window_the_path_holds(sources, tmp_path):
+    """The in-memory path holds every window of each source it samples, not only the samples
+    the epoch takes: with a budget below the windows (far above the samples), the epoch goes
+    out of core, and with room for the windows it stays in memory."""
+    big, small = sources
+    windows = sum(PackedSource.open(s).tokens // (L + 1) for s in (big, small))
+    holds = windows * ((L + 1) * 2 + run.ROW_FACTS_BYTES)  # rows and their facts, before chunk buffers
+    kw = dict(seq_len=L, seed=1, epochs=[0], samples=windows // 5)
+    assert shuffle_run([str(big), str(small)], str(tmp_path / "tight"), memory=holds * 9 // 10, **kw)["path"] \
+        == "out-of-core"
+    assert shuffle_run([str(big), str(small)], str(tmp_path / "room"), memory=holds + (64 << 20), **kw)["path"] \
+        == "in-memory"
+
+
 # ------------------------------------------------------------------ randomness
 
 

@@ -50,6 +50,10 @@ def test_token_counts_refuse_byte_units_and_fractions(text, says):
     ("1048576", 1 << 20), ("100B", 100), ("2KB", 2000), ("2GB", 2 * 10**9), ("16GiB", 16 << 30),
     ("512MiB", 512 << 20), ("4G", 4 << 30), ("1K", 1024), ("1.5KiB", 1536), ("1TiB", 1 << 40),
     ("123456789012345678", 123456789012345678),
+    # every unit once: an SI unit read as binary (or the reverse) changes a budget by 5-10%
+    ("3KB", 3 * 10**3), ("3MB", 3 * 10**6), ("3GB", 3 * 10**9), ("3TB", 3 * 10**12),
+    ("3KiB", 3 << 10), ("3MiB", 3 << 20), ("3GiB", 3 << 30), ("3TiB", 3 << 40),
+    ("3K", 3 << 10), ("3M", 3 << 20), ("3G", 3 << 30), ("3T", 3 << 40), ("3mb", 3 * 10**6), ("3b", 3),
 ])
 def test_byte_sizes_take_si_and_iec_units(text, size):
     assert byte_size(text) == size
@@ -125,3 +129,30 @@ def test_docs_use_token_units_for_token_counts():
     assert shown, "the README shows --tokens"
     for value in shown:
         token_count(value)
+
+
+def test_unit_errors_say_what_was_wrong_and_what_to_write():
+    """Whole lines, so a lost hint, a lost `found` or the wrong kind of refusal shows."""
+    def line(fn, value, **kw) -> str:
+        with pytest.raises(TokpackError) as e:
+            fn(value, **kw)
+        return str(e.value)
+
+    assert line(token_count, -5, what="--tokens") == "a --tokens cannot be negative: found -5"
+    assert line(byte_size, -1) == "a byte size cannot be negative: found -1"
+    assert line(token_count, "5PB") == ("'5PB' is not a token count: it is a byte size. HINT: token counts take K/M/B/T "
+                                        "(10^3, 10^6, 10^9, 10^12), e.g. 100B for 10^11 tokens; byte sizes are for --memory")
+    assert line(token_count, "5XiB").startswith("'5XiB' is not a token count: it is a byte size. HINT")
+    assert line(token_count, "2x").startswith("'2x' is not a token count: unknown suffix 'X'. HINT")
+    assert line(token_count, "ten") == ("'ten' is not a token count. HINT: write an integer or use K, M, B, T "
+                                        "(10^3..10^12), e.g. 100B")
+    assert line(token_count, "1.5") == ("'1.5' is not a whole number of tokens: found 1.5. HINT: give more digits "
+                                        "or a smaller suffix, e.g. 1500K")
+    assert line(byte_size, "4 apples") == ("'4 apples' is not a byte size. HINT: use e.g. 512MiB, 4GiB, 2GB or 1048576 "
+                                           "(KB/MB/GB are 10^n, KiB/MiB/GiB and a bare K/M/G are 2^n)")
+    assert line(token_count, True).startswith("True is not a token count")  # a bool is no count
+
+
+@pytest.mark.parametrize("value", [0, 1, 7, 2**70])
+def test_whole_numbers_pass_as_they_are(value):
+    assert token_count(value) == byte_size(value) == value

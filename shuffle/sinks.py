@@ -2,7 +2,10 @@
 `logger.remove()` (every sink) when it is imported and around each task; an application that
 logs with loguru and calls tokpack must keep its sinks. Inside `app_sinks_kept()` a
 `logger.remove()` that names no sink removes only the sinks added inside the block, and those
-are removed when it ends, so tokpack (and datatrove under it) add and remove only their own."""
+are removed when it ends, so tokpack (and datatrove under it) add and remove only their own.
+
+It lives in the lowest layer that imports datatrove (shuffle/steps.py; packer/ imports it from
+here): the format layer imports neither datatrove nor loguru (tests/test_layout.py)."""
 
 from __future__ import annotations
 
