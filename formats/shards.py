@@ -15,9 +15,9 @@ import numpy as np
 import xxhash
 
 from .errors import TokpackError
-from .io import as_path, open_read, read_array, read_full
+from .io import as_path, contained, open_read, read_array, read_full, regular_size
 from .io import DurableFile, write_bytes_atomic
-from .manifest import dtype_from_name, metadata_text, multiset_hash_rows, read_manifest, row_hashes
+from .manifest import MANIFEST, dtype_from_name, metadata_text, multiset_hash_rows, read_manifest, row_hashes
 
 U64 = np.dtype("<u8")  # .ds.index entries
 SHARD_SUFFIXES = ("", ".index", ".metadata", ".loss")  # the files of one shard, after its name
@@ -27,6 +27,16 @@ EPOCH_SHARD_SUFFIXES = tuple(s for s in SHARD_SUFFIXES if s != ".loss")  # an ep
 def shard_suffixes(entry: dict) -> tuple[str, ...]:
     """The files of the shard a manifest entry records: a loss mask only where it has one."""
     return SHARD_SUFFIXES if "loss_xxh3_128" in entry else EPOCH_SHARD_SUFFIXES
+
+
+def contained_shard(directory, entry: dict, i: int) -> "Path":
+    """The token file of shard `i` (its manifest entry), once it and every file of the shard are
+    known to stay inside `directory` (formats.io.contained; a TokpackError otherwise)."""
+    manifest, name = as_path(directory) / MANIFEST, entry.get("path")
+    first = contained(directory, name, manifest=manifest, where=f"shards[{i}].path")
+    for suffix in SHARD_SUFFIXES[1:]:
+        contained(directory, name + suffix, manifest=manifest, where=f"shards[{i}].path ({suffix})")
+    return first
 
 
 class SourceShardWriter:
@@ -249,11 +259,11 @@ class PackedSource:
         starts = np.zeros(len(shards) + 1, dtype=np.int64)
         for i, s in enumerate(shards):
             starts[i + 1] = starts[i] + int(s["tokens"])
+            f = contained_shard(path, s, i)
             if check_sizes:
-                f = path / s["path"]
                 expected = int(s["tokens"]) * dtype.itemsize
                 try:
-                    found = f.stat().st_size
+                    found = regular_size(f)
                 except FileNotFoundError:
                     raise TokpackError(
                         "shard listed in the manifest is missing",
