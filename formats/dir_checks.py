@@ -231,7 +231,7 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
     totals = [0, 0, 0]  # tokens, documents, readable epochs
     for e in epochs:
         try:
-            sub = contained(path, epoch_dir_name(e), manifest=mfile, where=f"epochs ({e})")
+            sub = contained(path, epoch_dir_name(e), manifest=mfile, where=f"epochs ({e})", regular=False)
         except TokpackError as err:  # a symlink out of the run: reported, never opened
             rep.problems.append(Problem.from_error(err))
             continue
@@ -322,7 +322,10 @@ def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1
                 res = check_shard(job)
             # Only an unreadable file is the data's fault (manifests were checked before their
             # shards); any other exception is a bug in tokpack and must not be blamed on the data.
-            except (OSError, TokpackError) as e:
+            except TokpackError as e:  # e.g. a FIFO where a file should be: its own line
+                res = Findings()
+                res.problems.append(Problem.from_error(e))
+            except OSError as e:
                 res = Findings()
                 res.add(job.directory / job.entry["path"], None, "a checkable shard", f"{type(e).__name__}: {e}",
                         "cannot check shard")
@@ -330,8 +333,11 @@ def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1
             return d, res
 
         if workers > 1 and len(jobs) > 1:
-            with ThreadPoolExecutor(workers) as pool:
+            pool = ThreadPoolExecutor(workers)
+            try:
                 results = list(pool.map(run, jobs))
+            finally:  # Ctrl-C or SIGTERM: the shards not started are dropped, not checked first
+                pool.shutdown(wait=True, cancel_futures=True)
         else:
             results = [run(j) for j in jobs]
     recomputed: dict[int, list] = {}

@@ -267,22 +267,27 @@ def name_problem(name) -> str | None:
     return None
 
 
-def contained(directory, name, *, manifest=None, where: str | None = None) -> "Path | RemotePath":
+def contained(directory, name, *, manifest=None, where: str | None = None, regular: bool = True) -> "Path | RemotePath":
     """`directory / name`, for a `name` that a manifest (`manifest`, its field `where`) gives,
-    once it is known to stay inside `directory`; a TokpackError naming the field otherwise.
-    One lstat on local disk: a name that is not a symlink is inside by construction."""
+    once it is known to stay inside `directory` (and, with `regular`, to be a regular file if
+    it exists); a TokpackError naming the field otherwise. One lstat on local disk when the
+    name is not a symlink: such a name is inside by construction."""
     directory = as_path(directory)
     why = name_problem(name)
     path = None if why else directory / name
     if path is not None and isinstance(path, Path):
         try:
-            linked = stat.S_ISLNK(os.lstat(path).st_mode)
+            mode = os.lstat(path).st_mode
         except (FileNotFoundError, NotADirectoryError):
-            linked = False  # a missing file is the caller's to report, as missing
-        if linked:
+            mode = None  # a missing file is the caller's to report, as missing
+        if mode is not None and stat.S_ISLNK(mode):
             target, root = os.path.realpath(path), os.path.realpath(directory)
             if os.path.commonpath([root, target]) != root:
                 why = f"a symlink to {target}, outside the folder"
+            else:
+                mode = os.stat(path).st_mode if os.path.exists(target) else None
+        if not why and regular and mode is not None and not stat.S_ISREG(mode):
+            raise _not_regular(path, mode)
     if why:
         raise TokpackError(f"manifest names a file outside its folder ({why})",
                            file=manifest if manifest is not None else directory, where=where,

@@ -273,7 +273,7 @@ class SampleReader:
             if len(paths) == 1:  # a run on its own: its consumed-sample numbers (a chain of several counts from 0)
                 numbering, run = EpochNumbering.of_run(manifest, p), (str(p), manifest)
             for e in sorted(int(e) for e in listed):
-                d = contained(p, epoch_dir_name(e), manifest=p / "tokpack.json", where=f"epochs ({e})")
+                d = contained(p, epoch_dir_name(e), manifest=p / "tokpack.json", where=f"epochs ({e})", regular=False)
                 m = read_manifest(d, kind="epoch")
                 if "seq_len" in manifest and int(m.get("seq_len", -1)) != int(manifest["seq_len"]):
                     raise TokpackError("epoch seq_len differs from its run", file=d / "tokpack.json", where="seq_len",

@@ -255,7 +255,7 @@ class Source:
         rel = _join(rel_dir, MANIFEST)
         where = f"{self.path.rstrip('/')}/{rel}"
         if rel_dir:  # an epoch directory of the run: inside it, not a symlink out
-            contained(self.root, rel_dir, manifest=self.root / MANIFEST, where=f"epochs ({rel_dir})")
+            contained(self.root, rel_dir, manifest=self.root / MANIFEST, where=f"epochs ({rel_dir})", regular=False)
         try:
             with self.open(rel) as f:
                 raw = f.read(MAX_MANIFEST_BYTES + 1)  # parse_manifest refuses more
