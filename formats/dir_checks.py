@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import TokpackError
-from .io import TMP_MARK, as_path, contained, name_problem, progress, read_limited
+from .io import TMP_MARK, ThreadPool, as_path, contained, name_problem, progress, read_limited
 from .manifest import (
     EPOCH_DIR,
     MANIFEST,
@@ -333,11 +332,8 @@ def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1
             return d, res
 
         if workers > 1 and len(jobs) > 1:
-            pool = ThreadPoolExecutor(workers)
-            try:
+            with ThreadPool(workers) as pool:  # Ctrl-C, SIGTERM: the shards not started are dropped
                 results = list(pool.map(run, jobs))
-            finally:  # Ctrl-C or SIGTERM: the shards not started are dropped, not checked first
-                pool.shutdown(wait=True, cancel_futures=True)
         else:
             results = [run(j) for j in jobs]
     recomputed: dict[int, list] = {}

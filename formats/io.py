@@ -14,8 +14,9 @@ import stat
 import sys
 import threading
 import uuid
+import weakref
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Iterator
 
@@ -31,6 +32,7 @@ TMP_MARK = ".tmp-"  # in the name of a file being written: never data, removed b
 DIRECT_ALIGN = 4096  # O_DIRECT wants buffer address, length and file offset aligned to the block size
 DIRECT_STAGING = 4 << 20  # bytes staged for data that does not arrive aligned
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+STOP_GRACE = 2.0  # seconds a stopped pool waits for its running calls (ThreadPool)
 
 _FREE_BUFFERS: dict = {}  # (use, dtype) -> [Buffer]: reusable buffers that no live reader holds
 _FREE_LOCK = threading.Lock()
@@ -558,6 +560,29 @@ class Worker:
                 self.drain()
         finally:
             self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)
+        return False
+
+
+class ThreadPool(ThreadPoolExecutor):
+    """A ThreadPoolExecutor whose `with` block, when it ends by an exception (a failure, Ctrl-C,
+    SIGTERM), drops the calls not started and waits at most STOP_GRACE seconds for those
+    running: a thread blocked in a read (a hung network mount) must not hold the command, which
+    then unwinds (its lock, its one line) and exits; packer.cli leaves such a thread behind."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._submitted = weakref.WeakSet()  # futures not yet collected
+
+    def submit(self, *args, **kw) -> Future:
+        future = super().submit(*args, **kw)
+        self._submitted.add(future)
+        return future
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            return super().__exit__(exc_type, exc, tb)
+        self.shutdown(wait=False, cancel_futures=True)
+        wait(list(self._submitted), timeout=STOP_GRACE)
         return False
 
 

@@ -38,7 +38,7 @@ from formats.errors import TokpackError
 from formats.guard import check_space, locked_output
 from formats.reader import EpochNumbering, shuffle_command
 from formats.shards import contained_shard
-from formats.io import as_path, commit_file, contained, lent, open_read, progress, regular_fd, remove_tmp_files, tmp_path
+from formats.io import ThreadPool, as_path, commit_file, contained, lent, open_read, progress, regular_fd, remove_tmp_files, tmp_path
 from formats.manifest import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -584,8 +584,8 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
     pending = {p.rel: len(p.jobs) for p in plans}
     by_dir = {p.rel: p for p in plans}
     # A remote source's ranged reads share one pool; it closes after the copies that use it.
-    fetch_pool = ThreadPoolExecutor(max_workers=max(1, workers)) if src.local_root is None else nullcontext()
-    with progress(total, "stage") as bar, fetch_pool as fetchers, ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+    fetch_pool = ThreadPool(max_workers=max(1, workers)) if src.local_root is None else nullcontext()
+    with progress(total, "stage") as bar, fetch_pool as fetchers, ThreadPool(max_workers=max(1, workers)) as pool:
         stager = _Stager(src, dest, block, fetchers)
         stager.bar = bar
         futures = {pool.submit(stager.run_job, j): j for j in jobs}

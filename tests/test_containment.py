@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,7 @@ import pytest
 
 from conftest import random_docs, shuffle_run, write_source
 from formats.errors import TokpackError
+from formats.guard import LOCK_NAME
 from formats.manifest import MANIFEST, epoch_dir_name
 from formats.reader import SampleReader
 
@@ -284,3 +287,46 @@ def test_run_whose_epoch_samples_contradict_its_epochs_is_corrupt(tmp_path):
     assert "epoch size differs from its run's" in corrupt(r), r.stderr
     r, _ = tokpack(tmp_path, "read", run)
     assert "epoch size differs from its run's" in one_line(r)
+
+
+# ------------------------------------------------------ signals stop blocked workers
+
+# A worker that never returns, as a read from a hung network mount would not: injected into the
+# child only. The command must still end soon after SIGTERM or Ctrl-C.
+BLOCKED = """
+import os, sys, threading
+from pathlib import Path
+import {module} as target
+def blocked(*args, **kwargs):
+    Path(os.environ["BLOCKED"]).touch()
+    threading.Event().wait()
+target.{name} = blocked
+from packer.cli import main
+main()
+"""
+
+
+@pytest.mark.parametrize("command, module, name", [
+    ("validate", "formats.dir_checks", "check_shard"),
+    ("stage", "packer.staging", "_Stager.run_job"),
+])
+@pytest.mark.parametrize("sig, status, said", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupt")])
+def test_signal_stops_a_command_whose_workers_are_blocked(data, tmp_path, command, module, name, sig, status, said):
+    src, _, _ = data
+    args = ["validate", src, "--workers", "2"] if command == "validate" else ["stage", src, tmp_path / "dest"]
+    marker = tmp_path / "blocked"
+    proc = subprocess.Popen([sys.executable, "-c", BLOCKED.format(module=module, name=name), *map(str, args)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT), BLOCKED=str(marker)))
+    try:
+        for _ in range(600):  # up to a minute for the first worker to block
+            if marker.exists() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert marker.exists(), proc.communicate()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=TIMEOUT)  # blocked forever before: the threads were joined
+    finally:
+        proc.kill()
+    assert proc.returncode == status and said in err and "Traceback" not in err, (proc.returncode, err)
+    assert not (tmp_path / "dest" / LOCK_NAME).exists()  # unwound before it left: the lock is released
