@@ -376,8 +376,8 @@ def _check_shard_names(shards: list[dict], mfile: str, add) -> bool:
     for i, name in enumerate(names):
         why = name_problem(name)
         if why or name.startswith(".") or not name.endswith(".ds"):
-            add(mfile, f"shards[{i}].path", "a plain NNNNN.ds file name in the manifest's folder", repr(name)[:120],
-                f"bad shard path ({why or 'not a NNNNN.ds name'})")
+            add(mfile, f"shards[{i}].path", "a plain NNNNN.ds file name", repr(name)[:120],
+                f"bad shard path ({why})" if why else "bad shard path")
             usable = False
             continue
         if name in listed:

@@ -289,7 +289,7 @@ def _open_source(entry: dict, near: Path) -> PackedSource | None:
     for c in candidates:
         try:
             src = PackedSource.open(c)
-        except (TokpackError, OSError):
+        except (TokpackError, OSError, ValueError):  # ValueError: a NUL byte in the recorded path
             continue
         if not entry.get("fingerprint") or src.fingerprint == entry["fingerprint"]:
             return src
