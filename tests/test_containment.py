@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import random_docs, shuffle_run, write_source
+from conftest import random_docs, require, shuffle_run, write_source
 from formats.errors import TokpackError
 from formats.guard import LOCK_NAME
 from formats.manifest import MANIFEST, epoch_dir_name
@@ -121,7 +121,7 @@ def test_epoch_shard_path_absolute_is_refused_by_read_and_the_reader(data, tmp_p
     for path in (run, epoch):
         with pytest.raises(TokpackError, match=r"\[shards\[0\]\.path\]"):
             SampleReader.open(path, verify=True)
-    pytest.importorskip("torch")
+    require("torch", "pip install torch")
     from formats.torch_adapter import TokpackDataset
 
     with pytest.raises(TokpackError, match=r"\[shards\[0\]\.path\]"):
