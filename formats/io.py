@@ -269,34 +269,49 @@ def name_problem(name) -> str | None:
     return None
 
 
-def contained(directory, name, *, manifest=None, where: str | None = None, regular: bool = True) -> "Path | RemotePath":
+def contained(directory, name, *, manifest=None, where: str | None = None, regular: bool = True,
+              siblings: tuple[str, ...] = ()) -> "Path | RemotePath":
     """`directory / name`, for a `name` that a manifest (`manifest`, its field `where`) gives,
-    once it is known to stay inside `directory` (and, with `regular`, to be a regular file if
-    it exists); a TokpackError naming the field otherwise. One lstat on local disk when the
-    name is not a symlink: such a name is inside by construction."""
+    once it is known to stay inside `directory` (and, with `regular`, to be a regular file if it
+    exists); so are `name + s` for each suffix s in `siblings` (a shard's other files). A
+    TokpackError naming the field otherwise. On local disk one lstat per file: a plain name that
+    is not a symlink is inside by construction."""
     directory = as_path(directory)
-    why = name_problem(name)
-    path = None if why else directory / name
-    if path is not None and isinstance(path, Path):
-        try:
-            mode = os.lstat(path).st_mode
-        except (FileNotFoundError, NotADirectoryError):
-            mode = None  # a missing file is the caller's to report, as missing
-        if mode is not None and stat.S_ISLNK(mode):
-            target, root = os.path.realpath(path), os.path.realpath(directory)
-            if os.path.commonpath([root, target]) != root:
-                why = f"a symlink to {target}, outside the folder"
-            else:
-                mode = os.stat(path).st_mode if os.path.exists(target) else None
-        if not why and regular and mode is not None and not stat.S_ISREG(mode):
-            raise _not_regular(path, mode)
+    why, found = name_problem(name), name
+    if not why and isinstance(directory, Path):
+        base = os.fspath(directory)
+        for found in (name, *(name + s for s in siblings)):
+            why = _leaves(base, found, regular)
+            if why:
+                break
     if why:
         raise TokpackError(f"manifest names a file outside its folder ({why})",
                            file=manifest if manifest is not None else directory, where=where,
-                           expected=f"a file name inside {directory}", found=repr(name)[:120],
+                           expected=f"a file name inside {directory}", found=repr(found)[:120],
                            hint="a manifest names only files in its own folder (docs/FORMAT.md); restore the "
                                 "manifest (and files) from the run that wrote them, or do not trust this copy")
-    return path
+    return directory / name
+
+
+def _leaves(base: str, name: str, regular: bool) -> str | None:
+    """How the file `name` of the local folder `base` leaves it (None: it does not, or is missing;
+    a missing file is its reader's to report)."""
+    path = os.path.join(base, name)
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISLNK(mode):
+        target, root = os.path.realpath(path), os.path.realpath(base)
+        if os.path.commonpath([root, target]) != root:
+            return f"a symlink to {target}, outside the folder"
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            return None
+    if regular and not stat.S_ISREG(mode):
+        raise _not_regular(path, mode)
+    return None
 
 
 # ----------------------------------------------------------------- regular files only

@@ -32,11 +32,8 @@ def shard_suffixes(entry: dict) -> tuple[str, ...]:
 def contained_shard(directory, entry: dict, i: int) -> "Path":
     """The token file of shard `i` (its manifest entry), once it and every file of the shard are
     known to stay inside `directory` (formats.io.contained; a TokpackError otherwise)."""
-    manifest, name = as_path(directory) / MANIFEST, entry.get("path")
-    first = contained(directory, name, manifest=manifest, where=f"shards[{i}].path")
-    for suffix in SHARD_SUFFIXES[1:]:
-        contained(directory, name + suffix, manifest=manifest, where=f"shards[{i}].path ({suffix})")
-    return first
+    return contained(directory, entry.get("path"), manifest=f"{str(directory).rstrip('/')}/{MANIFEST}",
+                     where=f"shards[{i}].path", siblings=SHARD_SUFFIXES[1:])
 
 
 class SourceShardWriter:

@@ -205,7 +205,9 @@ def test_fifo_shard_in_the_folder_is_refused_promptly(data, tmp_path):
 
 def test_fifo_reached_through_dotdot_is_refused_promptly(data, tmp_path):
     src, _, outside = data
-    os.mkfifo(outside / "pipe.ds")
+    for suffix in ("", ".metadata"):  # validate used to open the metadata, and block there
+        os.mkfifo(outside / f"pipe.ds{suffix}")
+    shutil.copy(src / "00000.ds.index", outside / "pipe.ds.index")
     _set_shard_path(src, "../outside/pipe.ds")
     r, _ = tokpack(tmp_path, "validate", src, "--workers", 2)
     assert "[shards[0].path]" in corrupt(r)
@@ -235,9 +237,11 @@ def _damage(kind: str, path: Path) -> None:
         m["eos_id"] = -1
         text = json.dumps(m)
     path.write_text(text)
-    if kind == "300 MB":  # sparse: refused by its size before a byte is read
-        with open(path, "r+b") as f:
-            f.truncate(300 << 20)
+    if kind == "300 MB":  # valid JSON (whitespace may follow), refused by its size before a byte is read
+        with open(path, "ab") as f:
+            block = b" " * (1 << 20)
+            for _ in range(300):
+                f.write(block)
 
 
 DAMAGE = ["nan", "1e400", "10**400", "list for object", "deep", "300 MB", "eos -1"]
