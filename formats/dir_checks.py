@@ -119,6 +119,8 @@ def _check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> li
     row = m["seq_len"] + 1 if kind == "epoch" else None
     jobs = []
     for i, s in enumerate(shards):
+        if name_problem(s["path"]):
+            continue  # reported by check_manifest; never opened
         try:
             contained_shard(path, s, i)
         except TokpackError as e:  # a symlink out of the folder: reported, never opened

@@ -348,7 +348,7 @@ def check_manifest(m: dict, directory, add) -> bool:
     total = sum(s["tokens"] for s in shards)
     if total != m["tokens"]:
         add(mfile, "tokens", f"{total} (sum over shards)", m["tokens"], "token count wrong")
-    usable = _check_shard_names(shards, mfile, add)
+    _check_shard_names(shards, mfile, add)
     if kind == "source":
         docs = sum(s["documents"] for s in shards)
         if docs != m["documents"]:
@@ -361,31 +361,29 @@ def check_manifest(m: dict, directory, add) -> bool:
             if s["documents"] > s["tokens"] or (s["tokens"] > 0) != (s["documents"] > 0):
                 add(mfile, f"shards[{i}].documents", f"1..{s['tokens']}", s["documents"],
                     "document count impossible for the token count")
-        return usable
+        return True
     row = m["seq_len"] + 1
     _check_epoch_manifest(as_path(directory), m, mfile, add, row)
     # seq_len or the counts are wrong: rows cannot be cut, the lines above say why
-    return usable and all(s["tokens"] == s["samples"] * row for s in shards)
+    return all(s["tokens"] == s["samples"] * row for s in shards)
 
 
-def _check_shard_names(shards: list[dict], mfile: str, add) -> bool:
+def _check_shard_names(shards: list[dict], mfile: str, add) -> None:
     """Each shard's `path` a plain `.ds` file name (formats.io's containment rule), once each,
-    of one width, in sorted order. False when a name is unusable."""
-    listed, usable = set(), True
+    of one width, in sorted order."""
+    listed = set()
     names = [s.get("path") for s in shards]
     for i, name in enumerate(names):
         why = name_problem(name)
         if why or name.startswith(".") or not name.endswith(".ds"):
             add(mfile, f"shards[{i}].path", "a plain NNNNN.ds file name", repr(name)[:120],
                 f"bad shard path ({why})" if why else "bad shard path")
-            usable = False
             continue
         if name in listed:
             add(mfile, f"shards[{i}].path", "unique names", name, "shard listed twice")
         listed.add(name)
     if names != sorted(names, key=str) or len({len(n) for n in names if isinstance(n, str)}) > 1:
         add(mfile, "shards", "names of one width, in sorted order", names[:5], "shard names out of order")
-    return usable
 
 
 def _check_epoch_manifest(path, m: dict, mfile: str, add, row: int) -> None:
