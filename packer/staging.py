@@ -603,8 +603,9 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
                     if pending[rel] == 0 and rel != "":
                         write_manifest(dest / rel, by_dir[rel].manifest)
         except BaseException:
-            # A failure or Ctrl-C: drop the queued copies; the pool's exit waits only for the
-            # few in flight, each of which commits a verified file or removes its temporary.
+            # A failure or Ctrl-C: drop the queued copies; the pool's exit waits (at most
+            # formats.io.STOP_GRACE) for the few in flight, each of which commits a verified file
+            # or removes its temporary; one blocked in a read is left (a rerun removes its temporary).
             for f in remaining:
                 f.cancel()
             raise
