@@ -15,40 +15,37 @@ from __future__ import annotations
 import json
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import xxhash
 
 from .errors import TokpackError
-from .io import TMP_MARK, as_path, progress
+from .io import TMP_MARK, ThreadPool, as_path, contained, name_problem, progress, read_limited
 from .manifest import (
+    EPOCH_DIR,
     MANIFEST,
-    xxh3_128_file,
-    MANIFEST_FIELDS,
-    SHARD_FIELDS,
-    SOURCE_FIELDS,
+    MASK64,
+    MAX_MANIFEST_BYTES,
     STAGE_SIDECAR,
     canonical_bytes,
-    dtype_for_vocab,
+    check_manifest,
     dtype_from_name,
-    dtype_name,
     epoch_dir_name,
-    field_problems,
-    fingerprint,
     hash_hex64,
     partial_stage_absent,
     read_manifest,
+    type_ok,
+    xxh3_128_file,
 )
-from .shard_scan import MASK64, Findings, Problem, ShardJob, type_ok, check_shard, problem_line, worst_status
-from .shards import PAD_DTYPE, PAD_SUFFIX, SHARD_SUFFIXES, PackedSource
+from .reader import EpochNumbering
+from .shard_scan import Findings, Problem, ShardJob, check_shard, problem_line, worst_status
+from .shards import PAD_DTYPE, PAD_SUFFIX, SHARD_SUFFIXES, PackedSource, contained_shard
 
 # One shard file rarely has more than a few independent faults worth reading about;
 # past this many lines the rest are counted, not listed.
 MAX_PROBLEMS_PER_FILE = 5
 SHARD_FILE = re.compile(r".*\.ds(\.index|\.metadata|\.loss|\.pad)?$")
-EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
 
 
 @dataclass(kw_only=True)
@@ -78,19 +75,6 @@ class ValidationReport:
         return not self.problems
 
 
-def check_fields(obj: dict, table: dict, kind: str, file: str, prefix: str = "") -> list[Problem]:
-    """The fields of `kind` in one of formats.manifest's field tables: presence, type, range."""
-    return [Problem(file, f"{prefix}{key}", expected, found, why) for key, expected, found, why
-            in field_problems(obj, table, kind)]
-
-
-def check_entries(items: list, table: dict, kind: str, file: str, name: str) -> list[Problem]:
-    """Each entry of the manifest's list `name` ("shards", "sources") against its field table."""
-    return [p for i, s in enumerate(items) for p in (
-        check_fields(s, table, kind, file, f"{name}[{i}].") if isinstance(s, dict)
-        else [Problem(file, f"{name}[{i}]", "an object", repr(s)[:40], f"bad {name[:-1]} entry")])]
-
-
 @dataclass
 class _Dir:
     report: DirReport  # filled in as checks run
@@ -100,11 +84,11 @@ class _Dir:
 
 def _open_manifest(path: Path, rep: DirReport, kinds) -> dict | None:
     try:
-        manifest = read_manifest(path, kind=kinds)
+        manifest = read_manifest(path, kind=kinds, checked=False)  # every problem reported, not the first
     except TokpackError as e:
         rep.problems.append(Problem.from_error(e))
         return None
-    raw = (path / MANIFEST).read_bytes()
+    raw = read_limited(path / MANIFEST, MAX_MANIFEST_BYTES, "manifest")
     if raw != canonical_bytes(json.loads(raw)):  # as written, before earlier keys are renamed
         rep.add(path / MANIFEST, "bytes", "the JSON text tokpack writes",
                 "different bytes (edited after writing?)", "manifest text was altered")
@@ -115,19 +99,8 @@ def _open_manifest(path: Path, rep: DirReport, kinds) -> dict | None:
 
 
 def _check_listing(path: Path, shards: list[dict], rep: DirReport) -> None:
-    mfile = str(path / MANIFEST)
-    listed = set()
-    names = [s.get("path") for s in shards]
-    for i, name in enumerate(names):
-        if not isinstance(name, str) or "/" in name or name.startswith(".") or not name.endswith(".ds"):
-            rep.add(mfile, f"shards[{i}].path", "a plain NNNNN.ds file name", repr(name), "bad shard path")
-            continue
-        if name in listed:
-            rep.add(mfile, f"shards[{i}].path", "unique names", name, "shard listed twice")
-        listed.add(name)
-    if names != sorted(names, key=str) or len({len(n) for n in names if isinstance(n, str)}) > 1:
-        rep.add(mfile, "shards", "names of one width, in sorted order", names[:5], "shard names out of order")
-    allowed = {n + suffix for n in listed for suffix in (*SHARD_SUFFIXES, PAD_SUFFIX)}
+    """The directory holds no shard file the manifest does not list (the names were checked)."""
+    allowed = {s["path"] + suffix for s in shards for suffix in (*SHARD_SUFFIXES, PAD_SUFFIX)}
     _check_pads(path, shards, rep)
     for p in sorted(path.iterdir()):
         if TMP_MARK in p.name:
@@ -144,12 +117,15 @@ def _check_pads(path: Path, shards: list[dict], rep: DirReport) -> None:
         if not isinstance(s, dict) or "pad_xxh3_128" not in s or not isinstance(s.get("path"), str):
             continue
         f = path / f"{s['path']}{PAD_SUFFIX}"
+        want = int(s.get("samples", -1)) * PAD_DTYPE.itemsize
         try:
-            data = f.read_bytes()
+            data = read_limited(f, max(want, 0), "padding sidecar")
+        except TokpackError as e:
+            rep.problems.append(Problem.from_error(e))
+            continue
         except FileNotFoundError:
             rep.add(f, None, "the padding sidecar the manifest lists", "no such file", "shard file missing")
             continue
-        want = int(s.get("samples", -1)) * PAD_DTYPE.itemsize
         if len(data) != want:
             rep.add(f, "size", f"{want} bytes (4 per sample)", f"{len(data)} bytes", "padding sidecar has the wrong size")
         elif xxhash.xxh3_128_hexdigest(data) != s["pad_xxh3_128"]:
@@ -157,119 +133,28 @@ def _check_pads(path: Path, shards: list[dict], rep: DirReport) -> None:
 
 
 def _check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> list[ShardJob]:
-    """Checks shared by sources and epochs; returns the shard jobs (empty if the manifest is unusable)."""
-    mfile = str(path / MANIFEST)
-    kind = m["kind"]
+    """The manifest checks (formats.manifest.check_manifest, which every command applies) and the
+    listing; returns the shard jobs (empty if the manifest cannot drive them)."""
+    usable = check_manifest(m, path, rep.add)
     shards = m.get("shards") if isinstance(m.get("shards"), list) else []
-    problems = check_fields(m, MANIFEST_FIELDS, kind, mfile) + check_entries(shards, SHARD_FIELDS, kind, mfile,
-                                                                             "shards")
-    rep.problems += problems
-    if problems:
-        return []  # a malformed manifest cannot drive the file checks
-    try:
-        dtype, rule = dtype_from_name(m["dtype"]), dtype_name(dtype_for_vocab(m["vocab_size"]))
-    except TokpackError as e:
-        rep.add(mfile, e.where, e.expected, e.found, e.message)
+    if all(isinstance(s, dict) and name_problem(s.get("path")) is None for s in shards):
+        _check_listing(path, shards, rep)
+    if not usable:
         return []
-    if m["dtype"] != rule:
-        rep.add(mfile, "dtype", f"{rule} (vocab_size {m['vocab_size']})", m["dtype"],
-                "dtype label disagrees with the vocabulary size")
-    if m["token_size"] != dtype.itemsize:
-        rep.add(mfile, "token_size", f"{dtype.itemsize} ({m['dtype']})", m["token_size"],
-                "token size disagrees with the dtype label")
-    if m["eos_id"] >= m["vocab_size"]:
-        rep.add(mfile, "eos_id", f"< {m['vocab_size']} (vocab_size)", m["eos_id"], "EOS id out of vocabulary")
-    total = sum(s["tokens"] for s in shards)
-    if total != m["tokens"]:
-        rep.add(mfile, "tokens", f"{total} (sum over shards)", m["tokens"], "token count wrong")
-    _check_listing(path, shards, rep)
-    row = None
-    if kind == "source":
-        docs = sum(s["documents"] for s in shards)
-        if docs != m["documents"]:
-            rep.add(mfile, "documents", f"{docs} (sum over shards)", m["documents"], "document count wrong")
-        fp = fingerprint([s["xxh3_128"] for s in shards], m["dtype"], m["vocab_size"], m["eos_id"])
-        if fp != m["fingerprint"]:
-            rep.add(mfile, "fingerprint", fp, m["fingerprint"],
-                    "fingerprint disagrees with the shard checksums, dtype, vocab_size, eos_id")
-        for i, s in enumerate(shards):
-            if s["documents"] > s["tokens"] or (s["tokens"] > 0) != (s["documents"] > 0):
-                rep.add(mfile, f"shards[{i}].documents", f"1..{s['tokens']}", s["documents"],
-                        "document count impossible for the token count")
-    else:
-        row = m["seq_len"] + 1
-        _check_epoch_manifest(path, m, rep, row)
-        if any(s["tokens"] != s["samples"] * row for s in shards):
-            return []  # seq_len or the counts are wrong: rows cannot be cut, the lines above say why
-    return [ShardJob(path, s, kind, dtype, m["vocab_size"], m["eos_id"], m["tokenizer"], row, quick) for s in shards]
-
-
-def _check_epoch_manifest(path: Path, m: dict, rep: DirReport, row: int) -> None:
-    mfile = str(path / MANIFEST)
-    add = lambda *a: rep.add(mfile, *a)  # noqa: E731
-    shards = m["shards"]
-    per = m["shard_samples"]
+    kind = m["kind"]
+    dtype = dtype_from_name(m["dtype"])
+    row = m["seq_len"] + 1 if kind == "epoch" else None
+    jobs = []
     for i, s in enumerate(shards):
-        if s["tokens"] != s["samples"] * row:
-            add(f"shards[{i}].tokens", f"{s['samples'] * row} (samples x {row})", s["tokens"], "shard token count wrong")
-        last = i == len(shards) - 1
-        if (not last and s["samples"] != per) or (last and not 1 <= s["samples"] <= per):
-            add(f"shards[{i}].samples", per if not last else f"1..{per}", s["samples"],
-                "every shard but the last holds exactly shard_samples samples")
-    total = sum(s["samples"] for s in shards)
-    if total != m["samples"]:
-        add("samples", f"{total} (sum over shards)", m["samples"], "sample count wrong")
-    multiset = sum(int(s["multiset_hash"], 16) for s in shards) & MASK64
-    if hash_hex64(multiset) != m["sample_multiset_hash"]:
-        add("sample_multiset_hash", f"{hash_hex64(multiset)} (sum of the shards' multiset_hash)",
-            m["sample_multiset_hash"], "multiset hash disagrees with its shards")
-    srcs = m["sources"]
-    for i, s in enumerate(srcs):
-        if not isinstance(s, dict):
-            add(f"sources[{i}]", "an object", repr(s)[:40], "bad source entry")
-            return
-        rep.problems.extend(check_fields(s, SOURCE_FIELDS, "epoch", mfile, f"sources[{i}]."))
-    if all(isinstance(s.get("samples"), int) for s in srcs) and sum(s["samples"] for s in srcs) != m["samples"]:
-        add("sources[].samples", f"{m['samples']} (the epoch's samples)", sum(s["samples"] for s in srcs),
-            "per-source sample counts do not add up")
-    frags = [s.get("fragments") for s in shards]
-    if "fragments" in m and all(type_ok(f, int) for f in frags) and sum(frags) != m["fragments"]:
-        add("fragments", f"{sum(frags)} (sum of the shards' fragments)", m["fragments"], "fragment count wrong")
-    if "packing" not in m:  # a best-fit epoch has no windows: its plan is proven by --against's replay
-        _check_epoch_sources(m, srcs, row, add)
-    dir_epoch = EPOCH_DIR.match(path.name)
-    if dir_epoch and int(dir_epoch.group(1)) != m["epoch"]:
-        add("epoch", f"{int(dir_epoch.group(1))} (from the directory name)", m["epoch"], "epoch number wrong")
-
-
-def _check_epoch_sources(m: dict, srcs: list, row: int, add) -> None:
-    """The windowing arithmetic of docs/COMMANDS.md ("The shuffle algorithm") for each source entry that
-    records it: a corrupted count cannot hide behind a field nobody reads."""
-    keys = ("tokens", "windows", "offset", "dropped_tokens", "samples", "first_pass", "passes")
-    dropped = 0
-    for i, s in enumerate(srcs):
-        if not all(type_ok(s.get(k), int) and s[k] >= 0 for k in keys):
-            return
-        t, w, o, c = s["tokens"], s["windows"], s["offset"], s["samples"]
-        if o >= row or (not m.get("jitter", False) and o):
-            add(f"sources[{i}].offset", f"< {row}" + (" and 0 without jitter" if not m.get("jitter") else ""), o,
-                "window offset impossible")
-        if w < 1 or o + w * row > t or t - w * row != s["dropped_tokens"]:
-            add(f"sources[{i}].windows", f"windows x {row} + dropped_tokens == tokens ({t})",
-                f"{w} x {row} + {s['dropped_tokens']}", "source window counts do not add up")
-            return
-        start = s["cursor"] if type_ok(s.get("cursor"), int) else m["epoch"] * c  # where its chain starts
-        first = start // w if c else 0
-        passes = (start + c - 1) // w - first + 1 if c else 0
-        if (s["first_pass"], s["passes"]) != (first, passes):
-            add(f"sources[{i}].first_pass/passes", f"{first}/{passes} (epoch {m['epoch']}, {c} of {w} windows)",
-                f"{s['first_pass']}/{s['passes']}", "source pass bookkeeping wrong")
-        offsets = m.get("jitter_offsets")
-        if isinstance(offsets, list) and (i >= len(offsets) or offsets[i] != o):
-            add(f"jitter_offsets[{i}]", o, offsets[i] if i < len(offsets) else "no entry", "jitter offset disagrees with its source entry")
-        dropped += s["dropped_tokens"]
-    if srcs and dropped != m["dropped_tokens"]:
-        add("dropped_tokens", f"{dropped} (sum over sources)", m["dropped_tokens"], "dropped token count wrong")
+        if name_problem(s["path"]):
+            continue  # reported by check_manifest; never opened
+        try:
+            contained_shard(path, s, i)
+        except TokpackError as e:  # a symlink out of the folder: reported, never opened
+            rep.problems.append(Problem.from_error(e))
+            continue
+        jobs.append(ShardJob(path, s, kind, dtype, m["vocab_size"], m["eos_id"], m["tokenizer"], row, quick))
+    return jobs
 
 
 def _source_keys(sources: list) -> list:
@@ -353,17 +238,13 @@ def _check_scheduled_epoch(efile: str, e: int, em: dict, sched: list[dict] | Non
 
 def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Dir"]) -> None:
     mfile = str(path / MANIFEST)
-    sources = m.get("sources") if isinstance(m.get("sources"), list) else []
-    problems = check_fields(m, MANIFEST_FIELDS, "run", mfile) + check_entries(sources, SOURCE_FIELDS, "run", mfile,
-                                                                              "sources")
-    rep.problems += problems
-    if problems:
+    before = len(rep.problems)
+    check_manifest(m, path, rep.add)
+    if len(rep.problems) > before:
         return
     sched = _scheduled_epochs(path, m, rep)
     epochs = m["epochs"]
-    if not all(type_ok(e, int) and e >= 0 for e in epochs) or len(set(epochs)) != len(epochs):
-        rep.add(mfile, "epochs", "distinct epoch numbers >= 0", epochs, "bad epoch list")
-        return
+    numbering = EpochNumbering.of_run(m, path)
     listed = {epoch_dir_name(e) for e in epochs}
     for p in sorted(path.iterdir()):
         if p.is_dir() and EPOCH_DIR.match(p.name) and p.name not in listed:
@@ -377,7 +258,11 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
                 "partial stage: serves only the ranks it was staged for")
     totals = [0, 0, 0]  # tokens, documents, readable epochs
     for e in epochs:
-        sub = path / epoch_dir_name(e)
+        try:
+            sub = contained(path, epoch_dir_name(e), manifest=mfile, where=f"epochs ({e})", regular=False)
+        except TokpackError as err:  # a symlink out of the run: reported, never opened
+            rep.problems.append(Problem.from_error(err))
+            continue
         if not sub.is_dir():
             rep.add(sub, None, "the epoch directory listed in the run manifest", "no such directory",
                     "epoch missing")
@@ -391,6 +276,9 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
             continue
         efile = str(sub / MANIFEST)
         _check_scheduled_epoch(efile, e, em, sched, d.report.add)
+        if "epoch_samples" in m and "schedule" not in m and not (numbering.has(e) and em.get("samples") == numbering.size(e)):
+            d.report.add(efile, "samples", f"{numbering.size(e)} (the run's epoch_samples)" if numbering.has(e)
+                         else "no such epoch in the run's plan", em.get("samples"), "epoch size differs from its run's")
         for key in RUN_KEYS:
             if key in m and key in em and em[key] != m[key] and not (key == "samples" and "schedule" in m):
                 d.report.add(efile, key, f"{m[key]!r} (the run's)", repr(em[key]),
@@ -470,7 +358,10 @@ def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1
                 res = check_shard(job)
             # Only an unreadable file is the data's fault (manifests were checked before their
             # shards); any other exception is a bug in tokpack and must not be blamed on the data.
-            except (OSError, TokpackError) as e:
+            except TokpackError as e:  # e.g. a FIFO where a file should be: its own line
+                res = Findings()
+                res.problems.append(Problem.from_error(e))
+            except OSError as e:
                 res = Findings()
                 res.add(job.directory / job.entry["path"], None, "a checkable shard", f"{type(e).__name__}: {e}",
                         "cannot check shard")
@@ -478,7 +369,7 @@ def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1
             return d, res
 
         if workers > 1 and len(jobs) > 1:
-            with ThreadPoolExecutor(workers) as pool:
+            with ThreadPool(workers) as pool:  # Ctrl-C, SIGTERM: the shards not started are dropped
                 results = list(pool.map(run, jobs))
         else:
             results = [run(j) for j in jobs]

@@ -10,11 +10,13 @@ import errno
 import mmap
 import os
 import posixpath
+import stat
 import sys
 import threading
 import uuid
+import weakref
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Iterator
 
@@ -30,6 +32,7 @@ TMP_MARK = ".tmp-"  # in the name of a file being written: never data, removed b
 DIRECT_ALIGN = 4096  # O_DIRECT wants buffer address, length and file offset aligned to the block size
 DIRECT_STAGING = 4 << 20  # bytes staged for data that does not arrive aligned
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+STOP_GRACE = 2.0  # seconds a stopped pool waits for its running calls (ThreadPool)
 
 _FREE_BUFFERS: dict = {}  # (use, dtype) -> [Buffer]: reusable buffers that no live reader holds
 _FREE_LOCK = threading.Lock()
@@ -240,6 +243,132 @@ class Outbox:
             write_bytes_atomic(target, data)
 
 
+# ------------------------------------------------ containment: what a manifest may name
+
+# The rule (docs/COMMANDS.md, "Containment"): a name a manifest gives (a shard's `path`, an epoch
+# directory) is a plain file name inside the manifest's folder, and stays there: no separator,
+# no `..`, no NUL, not empty, and, on local disk, not a symlink that resolves outside the folder.
+# A bucket has no symlinks: a plain name is a key under the folder's prefix.
+
+
+def name_problem(name) -> str | None:
+    """Why `name` is not a plain file name (None when it is): the string half of the rule,
+    which needs no filesystem."""
+    if not isinstance(name, str):
+        return "not a string"
+    if not name:
+        return "empty"
+    if "\0" in name:
+        return "holds a NUL byte"
+    if name.startswith("/"):
+        return "an absolute path"
+    if name in (".", "..") or ".." in name.split("/"):
+        return "climbs out with '..'"
+    if "/" in name or "\\" in name:
+        return "holds a path separator"
+    return None
+
+
+def contained(directory, name, *, manifest=None, where: str | None = None, regular: bool = True,
+              siblings: tuple[str, ...] = ()) -> "Path | RemotePath":
+    """`directory / name`, for a `name` that a manifest (`manifest`, its field `where`) gives,
+    once it is known to stay inside `directory` (and, with `regular`, to be a regular file if it
+    exists); so are `name + s` for each suffix s in `siblings` (a shard's other files). A
+    TokpackError naming the field otherwise. On local disk one lstat per file: a plain name that
+    is not a symlink is inside by construction."""
+    directory = as_path(directory)
+    why, found = name_problem(name), name
+    if not why and isinstance(directory, Path):
+        base = os.fspath(directory)
+        for found in (name, *(name + s for s in siblings)):
+            why = _leaves(base, found, regular)
+            if why:
+                break
+    if why:
+        raise TokpackError(f"manifest names a file outside its folder ({why})",
+                           file=manifest if manifest is not None else directory, where=where,
+                           expected=f"a file name inside {directory}", found=repr(found)[:120],
+                           hint="a manifest names only files in its own folder (docs/FORMAT.md); restore the "
+                                "manifest (and files) from the run that wrote them, or do not trust this copy")
+    return directory / name
+
+
+def _leaves(base: str, name: str, regular: bool) -> str | None:
+    """How the file `name` of the local folder `base` leaves it (None: it does not, or is missing;
+    a missing file is its reader's to report)."""
+    path = os.path.join(base, name)
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISLNK(mode):
+        target, root = os.path.realpath(path), os.path.realpath(base)
+        if os.path.commonpath([root, target]) != root:
+            return f"a symlink to {target}, outside the folder"
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            return None
+    if regular and not stat.S_ISREG(mode):
+        raise _not_regular(path, mode)
+    return None
+
+
+# ----------------------------------------------------------------- regular files only
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _not_regular(path, mode: int) -> TokpackError:
+    what = next((text for test, text in _FILE_KINDS if test(mode)), "not a regular file")
+    return TokpackError("not a regular file", file=path, expected="a regular file", found=what,
+                        hint="tokpack reads data only from regular files; remove or replace it")
+
+
+def regular_fd(path) -> int:
+    """A read-only descriptor of the local file `path`, refused (TokpackError, one line) unless
+    it is a regular file. A FIFO, a socket or a device never blocks the open: the file is
+    stat'ed first, then opened with O_NONBLOCK (in case it was swapped in between) and checked
+    again on the descriptor."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(path, st.st_mode)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, mode)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def regular_size(path) -> int:
+    """The size of `path` (local or URL); a TokpackError when it is not a regular file."""
+    path = as_path(path)
+    st = path.stat()
+    if isinstance(path, Path) and not stat.S_ISREG(st.st_mode):
+        raise _not_regular(path, st.st_mode)
+    return st.st_size
+
+
+def read_limited(path, limit: int, what: str) -> bytes:
+    """The whole of a small file (a manifest, a record) of at most `limit` bytes: its size is
+    checked before anything is read, so a huge file costs no memory."""
+    path = as_path(path)
+    size = regular_size(path)
+    if size > limit:
+        raise TokpackError(f"{what} is too large", file=path, expected=f"at most {limit:,} bytes",
+                           found=f"{size:,} bytes", hint=f"this is not a {what} tokpack wrote; restore it")
+    if isinstance(path, RemotePath):
+        return path.read_bytes()
+    with open_read(path, ahead=False) as f:
+        return f.read(limit + 1)
+
+
 def open_read(path, block: int = IO_BLOCK, ahead: bool = True):
     """`path` (local path or URL) opened for reads front to back (`readinto`, `read`, `seek`):
     a local file unbuffered, with the kernel's read-ahead; a URL through fsspec's read-ahead
@@ -248,7 +377,7 @@ def open_read(path, block: int = IO_BLOCK, ahead: bool = True):
     path = as_path(path)
     if isinstance(path, RemotePath):
         return path.call("open", "rb", block_size=block, cache_type="readahead" if ahead else "none")
-    f = open(path, "rb", buffering=0)
+    f = open(regular_fd(path), "rb", buffering=0)
     if ahead:
         sequential(f)
     return f
@@ -259,7 +388,8 @@ def read_array(path, dtype, count: int = -1, offset: int = 0) -> np.ndarray:
     ends, as np.fromfile. A URL costs one ranged GET."""
     path = as_path(path)
     if isinstance(path, Path):
-        return np.fromfile(path, dtype=dtype, count=count, offset=offset)
+        with open_read(path, ahead=False) as f:
+            return np.fromfile(f, dtype=dtype, count=count, offset=offset)
     dtype = np.dtype(dtype)
     data = path.call("cat_file", start=offset, end=None if count < 0 else offset + count * dtype.itemsize)
     return np.frombuffer(data, dtype=dtype, count=len(data) // dtype.itemsize)
@@ -294,7 +424,7 @@ def sequential(f) -> None:
 def iter_file_blocks(path: str | Path, buf: bytearray, offset: int = 0, length: int | None = None) -> Iterator[memoryview]:
     """Sequential `readinto` over [offset, offset+length) of a file, reusing one buffer."""
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with open_read(path) as f:
         f.seek(offset)
         remaining = length if length is not None else os.fstat(f.fileno()).st_size - offset
         while remaining > 0:
@@ -314,7 +444,7 @@ def map_file(path: Path, offset: int, length: int) -> np.ndarray:
     if length <= 0:
         return np.empty(0, dtype=np.uint8)
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    with open(path, "rb") as f:
+    with open_read(path, ahead=False) as f:
         m = mmap.mmap(f.fileno(), offset + length - start, prot=mmap.PROT_READ, offset=start)
     view = np.frombuffer(m, dtype=np.uint8)
     if not _populate(view.ctypes.data, len(m)):  # older kernels: a sequential read fills the page cache
@@ -445,6 +575,29 @@ class Worker:
                 self.drain()
         finally:
             self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)
+        return False
+
+
+class ThreadPool(ThreadPoolExecutor):
+    """A ThreadPoolExecutor whose `with` block, when it ends by an exception (a failure, Ctrl-C,
+    SIGTERM), drops the calls not started and waits at most STOP_GRACE seconds for those
+    running: a thread blocked in a read (a hung network mount) must not hold the command, which
+    then unwinds (its lock, its one line) and exits; packer.cli leaves such a thread behind."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._submitted = weakref.WeakSet()  # futures not yet collected
+
+    def submit(self, *args, **kw) -> Future:
+        future = super().submit(*args, **kw)
+        self._submitted.add(future)
+        return future
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            return super().__exit__(exc_type, exc, tb)
+        self.shutdown(wait=False, cancel_futures=True)
+        wait(list(self._submitted), timeout=STOP_GRACE)
         return False
 
 

@@ -7,6 +7,7 @@ docs/FORMAT.md is the specification; this module is its single implementation.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Iterator
@@ -15,7 +16,7 @@ import numpy as np
 import xxhash
 
 from .errors import IncompleteError, TokpackError
-from .io import IO_BLOCK, as_path, fsync_dir, iter_file_blocks, write_bytes_atomic
+from .io import IO_BLOCK, as_path, fsync_dir, iter_file_blocks, name_problem, read_limited, write_bytes_atomic
 
 FORMAT_NAME = "tokpack"
 FORMAT_VERSION = 1
@@ -31,6 +32,12 @@ WORK_DIR = ".tokpack-work"  # a command's scratch inside OUT, removed when it fi
 # The `shuffle` a run and its epochs record: names the plan (shuffle/plan.py, shuffle/permutation.py).
 # A change to which window lands where is a new name, not a new format version.
 PLAN_ALGORITHM = "tokpack-feistel6-splitmix-xxh3-v1"
+# A manifest larger than this is refused by its size, before it is read. An epoch manifest
+# takes about 330 bytes per shard: this allows some 800,000 shards in one directory (at the
+# default shard size, some 800 TB), far beyond a real run, while a hostile file costs no memory.
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_MANIFEST_DEPTH = 32  # lists and objects in lists and objects; a manifest tokpack writes nests 4
+INT_RANGE = (-(1 << 63), 1 << 64)  # every integer in a manifest; a seed may use 64 unsigned bits
 
 
 # ---------------------------------------------------------------------------- dtypes
@@ -266,25 +273,43 @@ _JSON = {"string": str, "int": int, "bool": bool, "list": list, "object": dict, 
          "hex32": str, "hex16": str, "int >= 0": int, "int >= 1": int}
 
 
+_SPECS: dict = {}  # (id of a field table, kind) -> its fields of that kind, ready to check
+_HEX = {"hex32": (HEX32, 32, "malformed checksum"), "hex16": (HEX16, 16, "malformed multiset hash")}
+
+
+def _spec(table: dict, kind: str) -> list[tuple]:
+    """(name, required, exact JSON types, type names, lower bound or None, _HEX entry or None)
+    of each field of `kind`: worked out once, since every command checks every shard entry."""
+    spec = _SPECS.get((id(table), kind))
+    if spec is None:
+        spec = []
+        for key, (type_name, required, kinds, _) in table.items():
+            if kind in kinds.split(", "):
+                types = type_name.split(" or ")
+                spec.append((key, required, frozenset(_JSON[t] for t in types), types,
+                             int(type_name[-1]) if type_name.startswith("int >= ") else None,
+                             _HEX.get(type_name)))
+        _SPECS[(id(table), kind)] = spec
+    return spec
+
+
 def field_problems(obj: dict, table: dict, kind: str) -> Iterator[tuple[str, str, object, str]]:
     """(field, expected, found, what is wrong) for each field of `kind` in `table` that `obj` breaks."""
-    for key, (type_name, required, kinds, _) in table.items():
-        if kind not in kinds.split(", "):
-            continue
+    for key, required, exact, types, lower, hexa in _spec(table, kind):
         if key not in obj:
             if required:
                 yield key, f"field {key!r}", "no such field", "manifest field missing"
             continue
-        value, types = obj[key], type_name.split(" or ")
-        if not any(isinstance(value, _JSON[t]) and not (isinstance(value, bool) and t != "bool") for t in types):
+        value = obj[key]
+        # parsed JSON has exactly these types (a bool is no int here); a subclass is checked the long way
+        if type(value) not in exact and not any(
+                isinstance(value, _JSON[t]) and not (isinstance(value, bool) and t != "bool") for t in types):
             yield key, f"a JSON {'/'.join(_JSON[t].__name__ for t in types)}", f"{value!r}"[:60], \
                 "manifest field has the wrong type"
-        elif type_name.startswith("int >= ") and value < int(type_name[-1]):
-            yield key, type_name[4:], value, "manifest field out of range"
-        elif type_name == "hex32" and not HEX32.match(value):
-            yield key, "32 lowercase hex digits", repr(value), "malformed checksum"
-        elif type_name == "hex16" and not HEX16.match(value):
-            yield key, "16 lowercase hex digits", repr(value), "malformed multiset hash"
+        elif lower is not None and value < lower:
+            yield key, f">= {lower}", value, "manifest field out of range"
+        elif hexa is not None and not hexa[0].match(value):
+            yield key, f"{hexa[1]} lowercase hex digits", repr(value), hexa[2]
 
 
 def upgrade(manifest: dict) -> dict:
@@ -292,6 +317,208 @@ def upgrade(manifest: dict) -> dict:
     renamed = {old: new for old, new in RENAMED.get(manifest.get("kind"), {}).items()
                if old in manifest and new not in manifest}
     return {renamed.get(k, k): v for k, v in manifest.items()} if renamed else manifest
+
+
+# ------------------------------------------------------------------- manifest checks
+
+# What every command checks of a manifest before it uses it, and `tokpack validate` reports:
+# fields, the dtype rule, sums and the windowing arithmetic. `add(file, where, expected, found,
+# message)` receives each problem; read_manifest's raises at the first (one line), validate's
+# collects them all. The files on disk are the checks' of formats.dir_checks and shard_scan.
+
+EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
+MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+def type_ok(value, typ) -> bool:
+    return isinstance(value, typ) and not (isinstance(value, bool) and typ is not bool)
+
+
+def _fields(obj: dict, table: dict, kind: str, mfile: str, add, prefix: str = "") -> int:
+    """The fields of `kind` in one of the field tables: presence, type, range. Returns the count."""
+    n = 0
+    for key, expected, found, why in field_problems(obj, table, kind):
+        add(mfile, f"{prefix}{key}", expected, found, why)
+        n += 1
+    return n
+
+
+def _entries(items: list, table: dict, kind: str, mfile: str, name: str, add) -> int:
+    """Each entry of the manifest's list `name` ("shards", "sources") against its field table."""
+    n = 0
+    for i, s in enumerate(items):
+        if isinstance(s, dict):
+            n += _fields(s, table, kind, mfile, add, f"{name}[{i}].")
+        else:
+            add(mfile, f"{name}[{i}]", "an object", repr(s)[:40], f"bad {name[:-1]} entry")
+            n += 1
+    return n
+
+
+def epoch_sizes_problem(samples, planned) -> str | None:
+    """Why a run's `samples` and `epoch_samples` do not say how many samples each epoch holds
+    (None when they do): `samples` > 0, or `samples` 0 with every epoch's size in `epoch_samples`."""
+    if not (planned is None or isinstance(planned, list) and all(type_ok(n, int) and n >= 0 for n in planned)):
+        return "epoch_samples is not a list of sample counts"
+    if not type_ok(samples, int) or samples < 0 or (samples == 0 and not planned):
+        return "samples is neither a positive count nor 0 with an epoch_samples list"
+    return None
+
+
+def check_manifest(m: dict, directory, add) -> bool:
+    """The manifest-level checks of `m` (read from `directory`); True when its shard entries can
+    drive the file checks (every field well-formed and the rows cut evenly)."""
+    mfile = str(as_path(directory) / MANIFEST)
+    kind = m["kind"]
+    if kind == "run":
+        _check_run_manifest(m, mfile, add)
+        return False
+    shards = m.get("shards") if isinstance(m.get("shards"), list) else []
+    if _fields(m, MANIFEST_FIELDS, kind, mfile, add) + _entries(shards, SHARD_FIELDS, kind, mfile, "shards", add):
+        return False  # a malformed manifest cannot drive the checks below
+    try:
+        dtype, rule = dtype_from_name(m["dtype"]), dtype_name(dtype_for_vocab(m["vocab_size"]))
+    except TokpackError as e:
+        add(mfile, e.where, e.expected, e.found, e.message)
+        return False
+    if m["dtype"] != rule:
+        add(mfile, "dtype", f"{rule} (vocab_size {m['vocab_size']})", m["dtype"],
+            "dtype label disagrees with the vocabulary size")
+    if m["token_size"] != dtype.itemsize:
+        add(mfile, "token_size", f"{dtype.itemsize} ({m['dtype']})", m["token_size"],
+            "token size disagrees with the dtype label")
+    if m["eos_id"] >= m["vocab_size"]:
+        add(mfile, "eos_id", f"< {m['vocab_size']} (vocab_size)", m["eos_id"], "EOS id out of vocabulary")
+    total = sum(s["tokens"] for s in shards)
+    if total != m["tokens"]:
+        add(mfile, "tokens", f"{total} (sum over shards)", m["tokens"], "token count wrong")
+    _check_shard_names(shards, mfile, add)
+    if kind == "source":
+        docs = sum(s["documents"] for s in shards)
+        if docs != m["documents"]:
+            add(mfile, "documents", f"{docs} (sum over shards)", m["documents"], "document count wrong")
+        fp = fingerprint([s["xxh3_128"] for s in shards], m["dtype"], m["vocab_size"], m["eos_id"])
+        if fp != m["fingerprint"]:
+            add(mfile, "fingerprint", fp, m["fingerprint"],
+                "fingerprint disagrees with the shard checksums, dtype, vocab_size, eos_id")
+        for i, s in enumerate(shards):
+            if s["documents"] > s["tokens"] or (s["tokens"] > 0) != (s["documents"] > 0):
+                add(mfile, f"shards[{i}].documents", f"1..{s['tokens']}", s["documents"],
+                    "document count impossible for the token count")
+        return True
+    row = m["seq_len"] + 1
+    _check_epoch_manifest(as_path(directory), m, mfile, add, row)
+    # seq_len or the counts are wrong: rows cannot be cut, the lines above say why
+    return all(s["tokens"] == s["samples"] * row for s in shards)
+
+
+def _check_shard_names(shards: list[dict], mfile: str, add) -> None:
+    """Each shard's `path` a plain `.ds` file name (formats.io's containment rule), once each,
+    of one width, in sorted order."""
+    listed = set()
+    names = [s.get("path") for s in shards]
+    for i, name in enumerate(names):
+        why = name_problem(name)
+        if why or name.startswith(".") or not name.endswith(".ds"):
+            add(mfile, f"shards[{i}].path", "a plain NNNNN.ds file name", repr(name)[:120],
+                f"bad shard path ({why})" if why else "bad shard path")
+            continue
+        if name in listed:
+            add(mfile, f"shards[{i}].path", "unique names", name, "shard listed twice")
+        listed.add(name)
+    if names != sorted(names, key=str) or len({len(n) for n in names if isinstance(n, str)}) > 1:
+        add(mfile, "shards", "names of one width, in sorted order", names[:5], "shard names out of order")
+
+
+def _check_epoch_manifest(path, m: dict, mfile: str, add, row: int) -> None:
+    shards = m["shards"]
+    per = m["shard_samples"]
+    for i, s in enumerate(shards):
+        if s["tokens"] != s["samples"] * row:
+            add(mfile, f"shards[{i}].tokens", f"{s['samples'] * row} (samples x {row})", s["tokens"],
+                "shard token count wrong")
+        last = i == len(shards) - 1
+        if (not last and s["samples"] != per) or (last and not 1 <= s["samples"] <= per):
+            add(mfile, f"shards[{i}].samples", per if not last else f"1..{per}", s["samples"],
+                "every shard but the last holds exactly shard_samples samples")
+    total = sum(s["samples"] for s in shards)
+    if total != m["samples"]:
+        add(mfile, "samples", f"{total} (sum over shards)", m["samples"], "sample count wrong")
+    multiset = sum(int(s["multiset_hash"], 16) for s in shards) & MASK64
+    if hash_hex64(multiset) != m["sample_multiset_hash"]:
+        add(mfile, "sample_multiset_hash", f"{hash_hex64(multiset)} (sum of the shards' multiset_hash)",
+            m["sample_multiset_hash"], "multiset hash disagrees with its shards")
+    srcs = m["sources"]
+    for i, s in enumerate(srcs):
+        if not isinstance(s, dict):
+            add(mfile, f"sources[{i}]", "an object", repr(s)[:40], "bad source entry")
+            return
+        _fields(s, SOURCE_FIELDS, "epoch", mfile, add, f"sources[{i}].")
+    if all(type_ok(s.get("samples"), int) for s in srcs) and sum(s["samples"] for s in srcs) != m["samples"]:
+        add(mfile, "sources[].samples", f"{m['samples']} (the epoch's samples)", sum(s["samples"] for s in srcs),
+            "per-source sample counts do not add up")
+    frags = [s.get("fragments") for s in shards]
+    if "fragments" in m and all(type_ok(f, int) for f in frags) and sum(frags) != m["fragments"]:
+        add(mfile, "fragments", f"{sum(frags)} (sum of the shards' fragments)", m["fragments"], "fragment count wrong")
+    if "packing" not in m:  # a best-fit epoch has no windows: its plan is proven by --against's replay
+        _check_epoch_sources(m, srcs, row, lambda *a: add(mfile, *a))
+    dir_epoch = EPOCH_DIR.match(path.name)
+    if dir_epoch and int(dir_epoch.group(1)) != m["epoch"]:
+        add(mfile, "epoch", f"{int(dir_epoch.group(1))} (from the directory name)", m["epoch"], "epoch number wrong")
+
+
+def _check_epoch_sources(m: dict, srcs: list, row: int, add) -> None:
+    """The windowing arithmetic of docs/COMMANDS.md ("The shuffle algorithm") for each source entry that
+    records it: a corrupted count cannot hide behind a field nobody reads."""
+    keys = ("tokens", "windows", "offset", "dropped_tokens", "samples", "first_pass", "passes")
+    dropped = 0
+    for i, s in enumerate(srcs):
+        if not all(type_ok(s.get(k), int) and s[k] >= 0 for k in keys):
+            return
+        t, w, o, c = s["tokens"], s["windows"], s["offset"], s["samples"]
+        if o >= row or (not m.get("jitter", False) and o):
+            add(f"sources[{i}].offset", f"< {row}" + (" and 0 without jitter" if not m.get("jitter") else ""), o,
+                "window offset impossible")
+        if w < 1 or o + w * row > t or t - w * row != s["dropped_tokens"]:
+            add(f"sources[{i}].windows", f"windows x {row} + dropped_tokens == tokens ({t})",
+                f"{w} x {row} + {s['dropped_tokens']}", "source window counts do not add up")
+            return
+        start = s["cursor"] if type_ok(s.get("cursor"), int) else m["epoch"] * c  # where its chain starts
+        first = start // w if c else 0
+        passes = (start + c - 1) // w - first + 1 if c else 0
+        if (s["first_pass"], s["passes"]) != (first, passes):
+            add(f"sources[{i}].first_pass/passes", f"{first}/{passes} (epoch {m['epoch']}, {c} of {w} windows)",
+                f"{s['first_pass']}/{s['passes']}", "source pass bookkeeping wrong")
+        offsets = m.get("jitter_offsets")
+        if isinstance(offsets, list) and (i >= len(offsets) or offsets[i] != o):
+            add(f"jitter_offsets[{i}]", o, offsets[i] if i < len(offsets) else "no entry", "jitter offset disagrees with its source entry")
+        dropped += s["dropped_tokens"]
+    if srcs and dropped != m["dropped_tokens"]:
+        add("dropped_tokens", f"{dropped} (sum over sources)", m["dropped_tokens"], "dropped token count wrong")
+
+
+def _check_run_manifest(m: dict, mfile: str, add) -> None:
+    sources = m.get("sources") if isinstance(m.get("sources"), list) else []
+    if _fields(m, MANIFEST_FIELDS, "run", mfile, add) + _entries(sources, SOURCE_FIELDS, "run", mfile, "sources", add):
+        return
+    epochs = m["epochs"]
+    if not all(type_ok(e, int) and e >= 0 for e in epochs) or len(set(epochs)) != len(epochs):
+        add(mfile, "epochs", "distinct epoch numbers >= 0", epochs[:8], "bad epoch list")
+        return
+    why = epoch_sizes_problem(m["samples"], m.get("epoch_samples"))
+    planned = m.get("epoch_samples") or []
+    if why is None and m["samples"] == 0 and any(e >= len(planned) for e in epochs):
+        why = f"epoch {max(epochs)} is written but epoch_samples sizes only epochs 0..{len(planned) - 1}"
+    if why:
+        add(mfile, "samples/epoch_samples", "a size for every epoch the run lists",
+            f"samples {m['samples']!r}, epoch_samples {repr(m.get('epoch_samples'))[:60]}",
+            f"run manifest does not say how many samples its epochs hold: {why}")
+
+
+def _raise_first(file, where, expected, found, message, **kw):
+    raise TokpackError(message, file=file, where=where, expected=expected, found=found,
+                       hint=kw.get("hint") or "the manifest was edited or damaged; restore it (or rerun the "
+                                              "command that wrote it), and run `tokpack validate` on the directory")
 
 
 # ------------------------------------------------------------------ manifest builders
@@ -359,9 +586,10 @@ def write_manifest(directory: str | Path, manifest: dict, name: str = MANIFEST, 
         outbox.send(Path(directory) / name, keep=True)
 
 
-def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = None) -> dict:
-    """Reads and checks the parts of a manifest every reader relies on; keys of earlier writers
-    come under their current names."""
+def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = None, checked: bool = True) -> dict:
+    """Reads a manifest, strictly and bounded (parse_manifest), and with `checked` applies
+    check_manifest: its first problem is a TokpackError. Keys of earlier writers come under
+    their current names. `checked=False` is for validate, which reports every problem."""
     directory = as_path(directory)
     path = directory / MANIFEST
     if not directory.exists():
@@ -369,20 +597,82 @@ def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = No
     if not path.exists():
         raise IncompleteError("incomplete: no tokpack.json", file=directory, hint="the run that writes it was "
                               "interrupted or is still running; rerun the same command to finish it")
-    return upgrade(parse_manifest(path.read_bytes(), path, kind))
+    manifest = upgrade(parse_manifest(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path, kind))
+    if checked:
+        require_valid(manifest, directory)
+    return manifest
+
+
+def require_valid(manifest: dict, directory) -> None:
+    """check_manifest for a command about to use `manifest`: its first problem is a TokpackError."""
+    check_manifest(upgrade(manifest), directory, _raise_first)
+
+
+class _Refused(ValueError):
+    """A JSON value the format never holds: (what was found, what was expected)."""
+
+
+def _constant(name: str):
+    raise _Refused(name, "a finite number (JSON has no NaN or Infinity)")
+
+
+def _check_values(obj) -> None:
+    """Every integer in range, every number finite, lists and objects nested at most
+    MAX_MANIFEST_DEPTH deep: one walk without recursion (json's own parser does the work of
+    reading the numbers, which a per-number hook would slow down 1.6x)."""
+    stack = [(obj, 1)]
+    while stack:
+        o, depth = stack.pop()
+        if depth > MAX_MANIFEST_DEPTH:
+            raise _Refused("deeper", f"at most {MAX_MANIFEST_DEPTH} levels of lists and objects")
+        for c in (o.values() if type(o) is dict else o):
+            kind = type(c)
+            if kind is dict or kind is list:
+                stack.append((c, depth + 1))
+            elif kind is int and not INT_RANGE[0] <= c < INT_RANGE[1]:
+                text = str(c)
+                raise _Refused(f"{text[:24]}{'...' if len(text) > 24 else ''}", "an integer in [-2**63, 2**64)")
+            elif kind is float and not math.isfinite(c):
+                raise _Refused(repr(c), "a finite number")
+
+
+def strict_json(raw: bytes, path, what: str = "manifest"):
+    """JSON a tokpack file holds, read strictly and bounded (docs/COMMANDS.md, "Containment"):
+    at most MAX_MANIFEST_BYTES, integers in [-2**63, 2**64), finite numbers only, lists and
+    objects nested at most MAX_MANIFEST_DEPTH deep. Anything else is one TokpackError."""
+    bad = dict(file=path, hint=f"this is not a {what} tokpack wrote; restore it from the run that wrote this "
+                               "directory, or rerun that run")
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise TokpackError(f"{what} is too large", expected=f"at most {MAX_MANIFEST_BYTES:,} bytes",
+                           found=f"{len(raw):,} bytes", **bad)
+    try:
+        value = json.loads(raw, parse_constant=_constant)
+        if type(value) is dict or type(value) is list:
+            _check_values(value)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TokpackError(f"{what} is not valid JSON", where=f"byte {getattr(e, 'pos', getattr(e, 'start', 0))}",
+                           expected="a JSON object", found=f"{len(raw)} bytes" if raw else "an empty file",
+                           **bad) from None
+    except _Refused as e:
+        raise TokpackError(f"{what} holds a value outside the format", expected=e.args[1], found=e.args[0],
+                           **bad) from None
+    except ValueError:  # an integer of more than 4300 digits, which int() refuses to read
+        raise TokpackError(f"{what} holds a value outside the format", expected="an integer in [-2**63, 2**64)",
+                           found="an integer of thousands of digits", **bad) from None
+    except RecursionError:
+        raise TokpackError(f"{what} holds a value outside the format",
+                           expected=f"at most {MAX_MANIFEST_DEPTH} levels of lists and objects", found="deeper",
+                           **bad) from None
+    return value
 
 
 def parse_manifest(raw: bytes, path: str | Path, kind: str | tuple[str, ...] | None = None) -> dict:
-    """A manifest's bytes as written (earlier writers' keys unchanged), its header checked."""
-    try:
-        manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokpackError("manifest is not valid JSON", file=path, where=f"byte {getattr(e, 'pos', 0)}",
-                           expected="a JSON object", found=f"{len(raw)} bytes" if raw else "an empty file",
-                           hint="restore it from the run that wrote this directory, or rerun that run") from None
+    """A manifest's bytes as written (earlier writers' keys unchanged), read by strict_json, its
+    header checked."""
+    manifest = strict_json(raw, path)
     if not isinstance(manifest, dict):
         raise TokpackError("manifest is not a JSON object", file=path, expected="object",
-                           found=type(manifest).__name__)
+                           found=type(manifest).__name__, hint="restore it from the run that wrote this directory")
     if manifest.get("format") != FORMAT_NAME:
         raise TokpackError("not a tokpack manifest", file=path, where="format", expected=FORMAT_NAME,
                            found=manifest.get("format"))
@@ -403,7 +693,8 @@ def partial_stage_absent(run_dir: Path) -> dict[str, str]:
     if not sidecar.exists():
         return {}
     try:
-        info = json.loads(sidecar.read_text())
+        info = strict_json(read_limited(sidecar, MAX_MANIFEST_BYTES, "partial-stage sidecar"), sidecar,
+                           "partial-stage sidecar")
         if any(field_problems(info, STAGE_FIELDS, "sidecar")) or any(
                 any(field_problems(st, STAGE_FIELDS, "stages[]")) for st in info["stages"]):
             raise ValueError
@@ -411,6 +702,6 @@ def partial_stage_absent(run_dir: Path) -> dict[str, str]:
                            for st in info.get("stages", []))
         return {str(as_path(run_dir) / epoch / name): f"staged only for {stages}"
                 for epoch, names in info.get("missing_shards", {}).items() for name in names}
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, TokpackError):
         raise TokpackError("unreadable partial-stage sidecar", file=sidecar,
                            hint="stage the directory again") from None

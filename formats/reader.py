@@ -30,9 +30,9 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .errors import TokpackError
-from .io import as_path, is_url, open_read, read_full
-from .manifest import dtype_from_name, epoch_dir_name, partial_stage_absent, read_manifest, xxh3_128_file
-from .shards import PAD_DTYPE, PAD_SUFFIX, U64
+from .io import as_path, contained, is_url, open_read, read_full, regular_fd, regular_size
+from .manifest import dtype_from_name, epoch_dir_name, epoch_sizes_problem, partial_stage_absent, read_manifest, xxh3_128_file
+from .shards import PAD_DTYPE, PAD_SUFFIX, U64, contained_shard
 
 # One contiguous read when the rank's rows are contiguous (W == 1): large enough to keep a
 # disk or NFS busy, small enough not to matter next to a training process.
@@ -59,18 +59,14 @@ class EpochNumbering:
 
     @classmethod
     def of_run(cls, manifest: dict, run_dir: str | Path) -> "EpochNumbering":
-        samples, planned = manifest.get("samples"), manifest.get("epoch_samples") or ()
-        if samples == 0 and planned:
-            samples = None
-        ok = (samples is None or (isinstance(samples, int) and samples > 0)) and isinstance(planned, (list, tuple)) \
-            and all(isinstance(n, int) and n >= 0 for n in planned) and (samples is not None or planned)
-        if not ok:
+        samples, planned = manifest.get("samples"), manifest.get("epoch_samples")
+        if epoch_sizes_problem(samples, planned) is not None:
             raise TokpackError("run manifest does not say how many samples an epoch holds",
                                file=Path(run_dir) / "tokpack.json", where="samples",
                                expected="a positive integer (or an epoch_samples list)",
                                found=samples if samples is not None else planned or None,
                                hint="rerun the run's `tokpack shuffle` command to rewrite its manifest")
-        return cls(samples, planned)
+        return cls(None if samples == 0 else samples, planned or ())
 
     def has(self, epoch: int) -> bool:
         return 0 <= epoch and (epoch < len(self.planned) or self.samples is not None)
@@ -303,7 +299,7 @@ class SampleReader:
             if len(paths) == 1:  # a run on its own: its consumed-sample numbers (a chain of several counts from 0)
                 numbering, run = EpochNumbering.of_run(manifest, p), (str(p), manifest)
             for e in sorted(int(e) for e in listed):
-                d = p / epoch_dir_name(e)
+                d = contained(p, epoch_dir_name(e), manifest=p / "tokpack.json", where=f"epochs ({e})", regular=False)
                 m = read_manifest(d, kind="epoch")
                 if "seq_len" in manifest and int(m.get("seq_len", -1)) != int(manifest["seq_len"]):
                     raise TokpackError("epoch seq_len differs from its run", file=d / "tokpack.json", where="seq_len",
@@ -362,7 +358,7 @@ class SampleReader:
             per_shard = m.get("shard_samples")
             total = 0
             for k, s in enumerate(shards):
-                f = str(directory / s["path"])
+                f = str(contained_shard(directory, s, k))
                 n = int(s["samples"])
                 expected = n * row_bytes
                 if int(s.get("bytes", expected)) != expected:
@@ -375,7 +371,7 @@ class SampleReader:
                     sizes[f] = expected  # left out by a partial stage: an error only if a rank reads it
                 if f not in sizes:
                     try:
-                        sizes[f] = as_path(f).stat().st_size
+                        sizes[f] = regular_size(f)
                     except FileNotFoundError:
                         raise _shard_error("shard listed in the manifest is missing", f) from None
                 if sizes[f] != expected:
@@ -538,7 +534,7 @@ class SampleReader:
                 oldest = next(iter(self._fds))
                 _close(self._fds.pop(oldest)[0])
             try:  # a URL: a file read at each place asked (pread needs a descriptor)
-                fd = open_read(path, ahead=False) if is_url(path) else os.open(path, os.O_RDONLY)
+                fd = open_read(path, ahead=False) if is_url(path) else regular_fd(path)
             except FileNotFoundError:
                 raise _shard_error("file disappeared after the reader was opened", path) from None
             got = self._fds[path] = (fd, os.fstat(fd).st_size if isinstance(fd, int) else fd.size)

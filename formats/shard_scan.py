@@ -20,11 +20,10 @@ import numpy as np
 import xxhash
 
 from .errors import IncompleteError, TokpackError
-from .io import give_buffers, open_read, read_ahead, read_full, take_buffer
-from .manifest import MANIFEST, hash_hex64, metadata_text, order_hash, parse_metadata_text, row_hashes
+from .io import give_buffers, open_read, read_ahead, read_full, regular_size, take_buffer
+from .manifest import MANIFEST, MASK64, hash_hex64, metadata_text, order_hash, parse_metadata_text, row_hashes, type_ok
 from .shards import U64
 
-MASK64 = 0xFFFFFFFFFFFFFFFF
 MAX_METADATA = 1 << 16
 # Read block: smaller than formats.io.IO_BLOCK, and it keeps a cold read pipelined best
 # with the read-ahead thread (BENCHMARKS.md, "validate").
@@ -81,10 +80,6 @@ def worst_status(problems: list[Problem]) -> str:
     """'ok' only without problems; otherwise the gravest severity among them."""
     severities = {p.severity for p in problems}
     return next((s for s in ("corrupt", "incomplete", "unverified") if s in severities), "ok")
-
-
-def type_ok(value, typ) -> bool:
-    return isinstance(value, typ) and not (isinstance(value, bool) and typ is not bool)
 
 
 @dataclass
@@ -215,7 +210,7 @@ def _read_blocks(path: Path, total: int, block: int) -> Iterator[memoryview]:
 
 def _file_size(path: Path) -> int | None:
     try:
-        return path.stat().st_size
+        return regular_size(path)
     except FileNotFoundError:
         return None
 

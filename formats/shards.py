@@ -15,10 +15,10 @@ import numpy as np
 import xxhash
 
 from .errors import TokpackError
-from .io import as_path, open_read, read_array, read_full
+from .io import as_path, contained, open_read, read_array, read_full, regular_size
 from .io import DurableFile, write_bytes_atomic
 from .manifest import EPOCH_SHARD_SUFFIXES, SHARD_SUFFIXES  # noqa: F401 (importable from here too)
-from .manifest import dtype_from_name, metadata_text, multiset_hash_rows, read_manifest, row_hashes
+from .manifest import MANIFEST, dtype_from_name, metadata_text, multiset_hash_rows, read_manifest, row_hashes
 
 U64 = np.dtype("<u8")  # .ds.index entries
 
@@ -39,6 +39,13 @@ def write_pad_sidecar(directory: str | Path, name: str, pad: np.ndarray) -> str:
     data = np.ascontiguousarray(pad, dtype=PAD_DTYPE).tobytes()
     write_bytes_atomic(Path(directory) / f"{name}{PAD_SUFFIX}", data, fsync=True)
     return xxhash.xxh3_128_hexdigest(data)
+
+
+def contained_shard(directory, entry: dict, i: int) -> "Path":
+    """The token file of shard `i` (its manifest entry), once it and every file of the shard are
+    known to stay inside `directory` (formats.io.contained; a TokpackError otherwise)."""
+    return contained(directory, entry.get("path"), manifest=f"{str(directory).rstrip('/')}/{MANIFEST}",
+                     where=f"shards[{i}].path", siblings=(*SHARD_SUFFIXES[1:], PAD_SUFFIX))
 
 
 class SourceShardWriter:
@@ -261,11 +268,11 @@ class PackedSource:
         starts = np.zeros(len(shards) + 1, dtype=np.int64)
         for i, s in enumerate(shards):
             starts[i + 1] = starts[i] + int(s["tokens"])
+            f = contained_shard(path, s, i)
             if check_sizes:
-                f = path / s["path"]
                 expected = int(s["tokens"]) * dtype.itemsize
                 try:
-                    found = f.stat().st_size
+                    found = regular_size(f)
                 except FileNotFoundError:
                     raise TokpackError(
                         "shard listed in the manifest is missing",

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 
 import click
@@ -64,8 +65,36 @@ class Terminated(BaseException):
     files) run as for Ctrl-C. A BaseException: no `except Exception` swallows it."""
 
 
+# After Ctrl-C or SIGTERM the command unwinds in the main thread (its lock, its temporaries),
+# but a worker thread blocked in a read (a hung network mount) must not keep the process alive:
+# a tokpack process exits this long after the signal whatever its threads do (the lifetime
+# watchdog then ends its child processes).
+EXIT_GRACE_SECONDS = 5.0
+_OWN_PROCESS = False  # main() runs the process's own command line (not a CliRunner or an embedding)
+
+
+def _exit_soon(code: int) -> None:
+    def leave():
+        time.sleep(EXIT_GRACE_SECONDS)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed pipe: nothing more to say
+                pass
+        os._exit(code)
+
+    if _OWN_PROCESS:
+        threading.Thread(target=leave, name="tokpack-exit-grace", daemon=True).start()
+
+
 def _raise_terminated(signum, frame):
+    _exit_soon(143)
     raise Terminated()
+
+
+def _raise_interrupt(signum, frame):
+    _exit_soon(130)
+    raise KeyboardInterrupt
 
 
 _DEBUG = False  # --debug: a bug's traceback goes to stderr instead of a log file
@@ -264,7 +293,8 @@ class _Tokpack(click.Group):
     report their failures: one line, and one JSON object on stdout under --json."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        global _DEBUG, _FAILED
+        global _DEBUG, _FAILED, _OWN_PROCESS
+        _OWN_PROCESS = args is None and threading.current_thread() is threading.main_thread()
         argv = list(sys.argv[1:] if args is None else args)
         _DEBUG, _FAILED = "--debug" in argv, False
         as_json = "--json" in argv
@@ -273,6 +303,9 @@ class _Tokpack(click.Group):
         previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
         if previous is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _raise_terminated)
+        interrupt = signal.getsignal(signal.SIGINT) if previous is not None else None
+        if interrupt is signal.default_int_handler:  # Ctrl-C as Python's, with the same grace
+            signal.signal(signal.SIGINT, _raise_interrupt)
         try:
             result = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except click.ClickException as e:
@@ -293,6 +326,8 @@ class _Tokpack(click.Group):
         finally:
             if previous is signal.SIG_DFL:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if interrupt is signal.default_int_handler:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
         if not standalone_mode:
             return result
         sys.exit(result if isinstance(result, int) else 0)

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from formats.errors import TokpackError
-from formats.io import as_path, progress, read_array
+from formats.io import as_path, open_read, progress, read_array, regular_size
 from formats.manifest import epoch_dir_name, read_manifest
 from formats.reader import SampleReader
 from formats.shards import U64, PackedSource
@@ -135,7 +135,7 @@ def document_lengths(sources: list[PackedSource], max_documents: int = MAX_LENGT
     of consecutive entries instead of everything, and says so in the report."""
     hist = LengthHistogram()
     paths = [src.path / f"{s['path']}.index" for src in sources for s in src.shards]
-    sizes = [p.stat().st_size // U64.itemsize for p in paths]
+    sizes = [regular_size(p) // U64.itemsize for p in paths]
     blocks = [(path, a, min(INDEX_BLOCK, n - a)) for path, n in zip(paths, sizes) for a in range(0, n, INDEX_BLOCK)]
     hist.corpus_documents = sum(sizes)
     if hist.corpus_documents > max_documents:
@@ -176,8 +176,11 @@ class DocumentMap:
         if shard not in self._ends:
             path = self.src.path / f"{self.src.shards[shard]['path']}.index"
             # a URL: the shard's index read whole (a shard's documents x 8 bytes)
-            self._ends[shard] = read_array(path, U64) if not isinstance(path, Path) \
-                else np.memmap(path, dtype=U64, mode="r") if path.stat().st_size else np.zeros(0, U64)
+            if not isinstance(path, Path) or not regular_size(path):
+                self._ends[shard] = read_array(path, U64)
+            else:
+                with open_read(path, ahead=False) as f:  # a regular file only: a FIFO must not block
+                    self._ends[shard] = np.memmap(f, dtype=U64, mode="r")
         return self._ends[shard]
 
     def documents(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
@@ -308,7 +311,7 @@ def _open_source(entry: dict, near: Path) -> PackedSource | None:
     for c in candidates:
         try:
             src = PackedSource.open(c)
-        except (TokpackError, OSError):
+        except (TokpackError, OSError, ValueError):  # ValueError: a NUL byte in the recorded path
             continue
         if not entry.get("fingerprint") or src.fingerprint == entry["fingerprint"]:
             return src

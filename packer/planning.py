@@ -218,7 +218,6 @@ def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None 
     """What `pack` with these arguments would do: one task per input file, its shards of at most
     `shard_tokens` tokens cut at document ends (so at least tokens / shard_tokens of them).
     `scratch`: as in plan_shuffle, unused."""
-    from packer.shared import as_paths
     from formats.inputs.tables import PARQUET_DECODE_THREADS
     from packer.packing import known_tokens, pack_tasks, setup_pack
 

@@ -37,12 +37,15 @@ import xxhash
 from formats.errors import TokpackError
 from formats.guard import check_space, locked_output
 from formats.reader import EpochNumbering, shuffle_command
-from formats.io import as_path, commit_file, lent, open_read, progress, remove_tmp_files, tmp_path
+from formats.shards import contained_shard
+from formats.io import ThreadPool, as_path, commit_file, contained, lent, open_read, progress, regular_fd, remove_tmp_files, tmp_path
 from formats.manifest import (
     MANIFEST,
+    MAX_MANIFEST_BYTES,
     STAGE_SIDECAR,
     epoch_dir_name,
     parse_manifest,
+    require_valid,
     stage_sidecar,
     upgrade,
     write_manifest,
@@ -186,15 +189,16 @@ def _join(*parts: str) -> str:
     return "/".join(p for p in parts if p)
 
 
-def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None) -> tuple[list[CopyJob], list[str]]:
+def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None, root=None) -> tuple[list[CopyJob], list[str]]:
     """The files of a source or epoch manifest's shards: .ds, .ds.index, .ds.metadata, .ds.loss,
-    .ds.pad."""
+    .ds.pad,
+    each known to stay inside its folder under `root` (formats.io.contained)."""
     jobs, skipped = [], []
+    folder = None if root is None else root / dir_rel if dir_rel else root  # Source.manifest checked dir_rel
     for i, s in enumerate(manifest.get("shards") or []):
         name = s.get("path")
-        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
-            raise TokpackError("bad shard path in manifest", where=f"shards[{i}].path", expected="a file name",
-                               found=name)
+        if folder is not None:
+            contained_shard(folder, s, i)
         if keep is not None and not keep[i]:
             skipped.append(name)
             continue
@@ -231,8 +235,8 @@ class Source:
         self.local_root = str(self.root.absolute()) if isinstance(self.root, Path) else None  # None: remote
 
     def open(self, rel: str):
-        if self.local_root is not None:
-            return open(os.path.join(self.local_root, rel), "rb", buffering=0)
+        if self.local_root is not None:  # a regular file only: a FIFO must not block the copy
+            return open(regular_fd(os.path.join(self.local_root, rel)), "rb", buffering=0)
         return open_read(self.root / rel, block=STAGE_BLOCK)
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
@@ -255,9 +259,11 @@ class Source:
     def manifest(self, rel_dir: str, kind=None) -> dict:
         rel = _join(rel_dir, MANIFEST)
         where = f"{self.path.rstrip('/')}/{rel}"
+        if rel_dir:  # an epoch directory of the run: inside it, not a symlink out
+            contained(self.root, rel_dir, manifest=self.root / MANIFEST, where=f"epochs ({rel_dir})", regular=False)
         try:
             with self.open(rel) as f:
-                raw = f.read()
+                raw = f.read(MAX_MANIFEST_BYTES + 1)  # parse_manifest refuses more
         except FileNotFoundError:
             if rel_dir:
                 raise TokpackError("incomplete: no tokpack.json", file=where,
@@ -268,7 +274,9 @@ class Source:
             raise TokpackError("cannot read the source", file=where, expected="a readable file",
                                found=e.found if isinstance(e, TokpackError) else f"{type(e).__name__}: {e}",
                                hint="check the path or URL, and the credentials of its filesystem") from None
-        return parse_manifest(raw, where, kind)
+        manifest = parse_manifest(raw, where, kind)
+        require_valid(manifest, self.root / rel_dir if rel_dir else self.root)
+        return manifest
 
 
 def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tuple[str, list[DirPlan]]:
@@ -280,14 +288,14 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
             raise TokpackError("--epochs and --ranks apply to runs and epochs, not to a packed source",
                                file=src.path, where="kind", expected="run or epoch", found="source",
                                hint="stage the source without them, or stage the run shuffled from it")
-        jobs, _ = shard_jobs(root, "")
+        jobs, _ = shard_jobs(root, "", root=src.root)
         return kind, [DirPlan("", root, jobs)]
     if kind == "epoch":
         if epochs is not None and epochs != [root.get("epoch")]:
             raise TokpackError("--epochs does not match this epoch directory", file=src.path, where="epoch",
                                expected=epochs, found=root.get("epoch"))
         keep = _rank_keep(root, 0, _samples(root), ranks, micro_batch)
-        jobs, skipped = shard_jobs(root, "", keep)
+        jobs, skipped = shard_jobs(root, "", keep, root=src.root)
         return kind, [DirPlan("", root, jobs, skipped)]
     # A run: its epochs in order, then the run manifest restricted to them.
     available = [int(e) for e in root.get("epochs") or []]
@@ -306,7 +314,7 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
     for e, m in zip(chosen, manifests):
         rel = epoch_dir_name(e)
         offset = None if numbering is None else numbering.first(e)
-        jobs, skipped = shard_jobs(m, rel, _rank_keep(m, offset, end, ranks, micro_batch))
+        jobs, skipped = shard_jobs(m, rel, _rank_keep(m, offset, end, ranks, micro_batch), root=src.root)
         plans.append(DirPlan(rel, m, jobs, skipped))
     run = {**root, "epochs": list(chosen)}
     if chosen != available:  # the run's totals cover the epochs it lists
@@ -581,8 +589,8 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
     pending = {p.rel: len(p.jobs) for p in plans}
     by_dir = {p.rel: p for p in plans}
     # A remote source's ranged reads share one pool; it closes after the copies that use it.
-    fetch_pool = ThreadPoolExecutor(max_workers=max(1, workers)) if src.local_root is None else nullcontext()
-    with progress(total, "stage") as bar, fetch_pool as fetchers, ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+    fetch_pool = ThreadPool(max_workers=max(1, workers)) if src.local_root is None else nullcontext()
+    with progress(total, "stage") as bar, fetch_pool as fetchers, ThreadPool(max_workers=max(1, workers)) as pool:
         stager = _Stager(src, dest, block, fetchers)
         stager.bar = bar
         futures = {pool.submit(stager.run_job, j): j for j in jobs}
@@ -600,8 +608,9 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
                     if pending[rel] == 0 and rel != "":
                         write_manifest(dest / rel, by_dir[rel].manifest)
         except BaseException:
-            # A failure or Ctrl-C: drop the queued copies; the pool's exit waits only for the
-            # few in flight, each of which commits a verified file or removes its temporary.
+            # A failure or Ctrl-C: drop the queued copies; the pool's exit waits (at most
+            # formats.io.STOP_GRACE) for the few in flight, each of which commits a verified file
+            # or removes its temporary; one blocked in a read is left (a rerun removes its temporary).
             for f in remaining:
                 f.cancel()
             raise

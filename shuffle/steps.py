@@ -48,7 +48,6 @@ from formats.io import IO_BLOCK, Outbox, Worker, kept_at, drop_buffers, lent, ma
 from formats.manifest import dtype_from_name, shard_digits, shard_name
 from formats.shards import (EpochShardWriter, PackedSource, RowFragments, shard_on_disk, shard_suffixes,
                             write_pad_sidecar)
-from shuffle.sinks import app_sinks_kept
 
 from .plan import EpochPlan, iter_source_windows, open_source
 from .sinks import app_sinks_kept

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings, strategies as st
 
 from formats.errors import IncompleteError, TokpackError
-from formats.manifest import epoch_dir_name, shard_name, write_manifest
+from formats.manifest import epoch_dir_name, epoch_manifest, run_manifest, shard_name, write_manifest
 from formats.reader import SampleReader, positions_from_eos
 from formats.shards import EpochShardWriter
 
@@ -40,30 +40,39 @@ def expected_row(epoch: int, g: int, seq_len: int = SEQ) -> np.ndarray:
 
 
 def make_epoch(directory: Path, epoch: int, samples: int, shard_samples: int, seq_len: int = SEQ) -> Path:
-    """An epoch directory as shuffle writes it (shards, index, metadata, manifest last)."""
+    """An epoch directory as shuffle writes it (shards, index, metadata, manifest last), its
+    manifest complete: every command checks it before use."""
     directory.mkdir(parents=True, exist_ok=True)
     shards = []
     for i, lo in enumerate(range(0, samples, shard_samples)):
         w = EpochShardWriter(directory, shard_name(i), np.uint16, seq_len, EOS, "test-tokenizer")
         w.write_rows(np.stack([expected_row(epoch, g, seq_len) for g in range(lo, min(samples, lo + shard_samples))]))
-        shards.append(w.close())
-    write_manifest(directory, {
-        "format": "tokpack", "version": 1, "kind": "epoch", "epoch": epoch, "seed": 1, "seq_len": seq_len,
-        "dtype": "uint16", "token_size": 2, "vocab_size": VOCAB, "eos_id": EOS, "tokenizer": "test-tokenizer",
-        "samples": samples, "shard_samples": shard_samples, "dropped_tokens": 0,
-        "tokens": samples * (seq_len + 1), "documents": None, "shards": shards,
-    })
+        entry = w.close()
+        shards.append({**entry, "fragments": (directory / f"{entry['path']}.index").stat().st_size // 8})
+    write_manifest(directory, epoch_manifest(
+        shards, np.dtype("<u2"), VOCAB, EOS, "test-tokenizer", tokens=samples * (seq_len + 1), epoch=epoch, seed=1,
+        seq_len=seq_len, samples=samples, shard_samples=shard_samples, dropped_tokens=0, jitter=False,
+        sources=[_source_entry(epoch, samples, seq_len)], shuffle="test"))
     return directory
 
 
+def _source_entry(epoch: int, samples: int, seq_len: int) -> dict:
+    """One source that gives the epoch all its samples, one window each, in one pass."""
+    return {"name": "src", "path": "src", "fingerprint": "0" * 32, "tokens": samples * (seq_len + 1), "weight": None,
+            "samples": samples, "first_pass": epoch, "passes": 1, "windows": samples, "offset": 0,
+            "dropped_tokens": 0}
+
+
 def make_run(out: Path, sizes: dict[int, int], shard_samples: int = 7) -> Path:
-    for e, n in sizes.items():
-        make_epoch(out / epoch_dir_name(e), e, n, shard_samples)
+    epochs = {e: make_epoch(out / epoch_dir_name(e), e, n, shard_samples) for e, n in sizes.items()}
     # Epochs of different sizes: the run plans each one's size (epoch_samples), as FORMAT.md allows.
-    numbering = {"samples": n} if len(set(sizes.values())) == 1 else {"epoch_samples": [sizes[e] for e in range(max(sizes) + 1)]}
-    write_manifest(out, {"format": "tokpack", "version": 1, "kind": "run", "seq_len": SEQ, "seed": 1,
-                         "dtype": "uint16", "epochs": sorted(sizes), "sources": [], "weights": [], "jitter": False,
-                         **numbering})
+    equal = len(set(sizes.values())) == 1
+    extra = {} if equal else {"epoch_samples": [sizes.get(e, 0) for e in range(max(sizes) + 1)]}
+    manifests = {e: json.loads((d / "tokpack.json").read_text()) for e, d in epochs.items()}
+    write_manifest(out, run_manifest(
+        manifests, np.dtype("<u2"), VOCAB, EOS, "test-tokenizer", sources=[_source_entry(0, 1, SEQ)], weights=None,
+        seq_len=SEQ, seed=1, jitter=False, samples=next(iter(sizes.values())) if equal else 0,
+        shard_samples=shard_samples, shuffle="test", extra=extra))
     return out
 
 
@@ -509,8 +518,8 @@ def test_reader_error_lines(tmp_path):
         reader.start_from(start_sample=25)
     assert str(err.value) == (
         f"{run} [epoch 2]: sample 25 is in epoch 2, which is not written yet; expected epoch 2 among the "
-        f"run's epochs, found [0, 1]. HINT: write it with `tokpack shuffle SOURCE... -o {run} --seq-len {SEQ} --seed 1 "
-        "--samples 10 --epoch 2`")
+        f"run's epochs, found [0, 1]. HINT: write it with `tokpack shuffle src -o {run} --seq-len {SEQ} --seed 1 "
+        "--samples 10 --shard-samples 7 --epoch 2`")
 
 
 def test_rank_samples_default_to_the_whole_stream_from_sample_0(run_dir):
@@ -564,19 +573,21 @@ def _edit_manifest(directory: Path, **fields) -> None:
     write_manifest(directory, m)
 
 
+# The hint of a manifest that formats.manifest.check_manifest refuses (every command applies it).
+CHECKED = (". HINT: the manifest was edited or damaged; restore it (or rerun the command that wrote it), and run "
+           "`tokpack validate` on the directory")
 OPEN_REFUSALS = [  # (directory edited, fields, the line after "<that directory>/tokpack.json ")
     ("run", {"epochs": []}, "[epochs]: run manifest lists no epochs; expected a non-empty list, found []. "
                             "HINT: write an epoch with `tokpack shuffle ... --epoch E`"),
-    ("run", {"samples": None}, "[samples]: run manifest does not say how many samples an epoch holds; expected a "
-                               "positive integer (or an epoch_samples list). HINT: rerun the run's `tokpack shuffle` "
-                               "command to rewrite its manifest"),
-    ("run", {"samples": 0}, "[samples]: run manifest does not say how many samples an epoch holds; expected a "
-                            "positive integer (or an epoch_samples list), found 0. HINT: rerun the run's `tokpack "
-                            "shuffle` command to rewrite its manifest"),
-    ("epoch-00001", {"seq_len": 14}, "[seq_len]: epoch seq_len differs from its run; expected 15, found 14"),
-    ("epoch-00001", {"samples": 9}, "[samples]: epoch size differs from its run's; expected 10, found 9. HINT: the "
-                                    "epoch belongs to another run; run `tokpack validate` on the run"),
-    ("epoch-00001", {"token_size": 4}, "[token_size]: token_size disagrees with dtype; expected 2, found 4"),
+    ("run", {"samples": None}, "[samples]: manifest field missing; expected field 'samples', found no such field" + CHECKED),
+    ("run", {"samples": 0}, "[samples/epoch_samples]: run manifest does not say how many samples its epochs hold: "
+                            "samples is neither a positive count nor 0 with an epoch_samples list; expected a size "
+                            "for every epoch the run lists, found samples 0, epoch_samples None" + CHECKED),
+    ("epoch-00001", {"seq_len": 14}, "[shards[0].tokens]: shard token count wrong; expected 105 (samples x 15), "
+                                     "found 112" + CHECKED),
+    ("epoch-00001", {"samples": 9}, "[samples]: sample count wrong; expected 10 (sum over shards), found 9" + CHECKED),
+    ("epoch-00001", {"token_size": 4}, "[token_size]: token size disagrees with the dtype label; expected 2 (uint16), "
+                                       "found 4" + CHECKED),
 ]
 
 
@@ -613,14 +624,13 @@ CHAIN_REFUSALS = [
     ("eos_id", lambda d: _edit_manifest(d, eos_id=1),
      "[eos_id]: epochs cannot be chained: eos_id differs; expected 0, found 1. HINT: read these epochs separately"),
     ("seq_len", lambda d: _edit_manifest(d, seq_len=14),
-     "[seq_len/dtype]: epochs cannot be chained: sample shape differs; expected 15/uint16, found 14/uint16. "
-     "HINT: read these epochs separately"),
+     "[shards[0].tokens]: shard token count wrong; expected 105 (samples x 15), found 112" + CHECKED),
     ("bytes", lambda d: _edit_shard(d, 1, bytes=97),
      "[shards[1]]: shard entry is inconsistent: bytes != samples * (seq_len+1) * token_size; expected 96, found 97"),
     ("short shard", lambda d: _edit_shard(d, 0, samples=6, bytes=192),
-     "[shards[0].samples]: only the last shard may hold fewer than shard_samples samples; expected 7, found 6"),
+     "[shards[0].tokens]: shard token count wrong; expected 96 (samples x 16), found 112" + CHECKED),
     ("samples", lambda d: _edit_manifest(d, samples=11),
-     "[samples]: shards do not add up to the epoch's samples; expected 11, found 10"),
+     "[samples]: sample count wrong; expected 10 (sum over shards), found 11" + CHECKED),
 ]
 
 
