@@ -129,7 +129,7 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
     from shuffle.run import (bytes_to_write, epoch_bytes, epoch_layout, memory_path, planned_epoch_manifest,
                              run_manifest_of, scratch_bytes, setup_run, task_budget)
 
-    from shuffle.schedule import read_schedule
+    from shuffle.schedule import epoch_numbers, read_schedule
 
     config = executor or ExecutorConfig()
     scheduled = read_schedule(schedule) if schedule is not None else None
@@ -138,7 +138,7 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
     if epochs is None and scheduled is None:
         epochs = 1
     setup = setup_run(paths, str(output), weights=weights, seq_len=seq_len, seed=seed,
-                      epochs=list(range(epochs)) if isinstance(epochs, int) else epochs and list(epochs),
+                      epochs=epoch_numbers(epochs),
                       samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter,
                       workers=config.workers, schedule=scheduled)
     opened = setup.sources

@@ -24,11 +24,14 @@ from formats.errors import TokpackError
 from formats.io import IO_BLOCK, local_path, read_ahead
 from formats.manifest import dtype_from_name, hash_hex64, row_hash
 from formats.shards import PackedSource
-from formats.units import token_count
+from formats.units import at_most, token_count
 
 from .permutation import Bijection, derive_key
 
 PLAN_ALGORITHM = "tokpack-feistel6-splitmix-xxh3-v1"  # recorded in manifests; bump on any change
+# Passes over one source in one epoch: each costs a step per block of the source it reads, so an epoch
+# that repeats a source more often than this spends its time on repeats (and is surely a typo).
+MAX_PASSES = 10**5
 
 
 @dataclass(frozen=True)
@@ -378,6 +381,10 @@ def epoch_plan(
         counts = largest_remainder([Fraction(w) for w in wins], n)
     else:
         counts = wins
+    for src, count, w in zip(sources, counts, wins):
+        at_most(-(-count // w), MAX_PASSES, "passes over one source in one epoch", file=src.path,
+                where="--samples/--tokens/SOURCE=WEIGHT", hint=f"the epoch takes {count:,} samples from its "
+                f"{w:,} windows: ask for fewer samples, lower its weight, or add data")
     plans, base = [], 0
     for s, src in enumerate(sources):
         offset = jitter_offset(seed, epoch, s, seq_len) if jitter else 0

@@ -28,6 +28,7 @@ from formats.io import TMP_MARK, Outbox, kept_at, remove_tmp_files
 from formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
                               read_manifest, run_manifest, write_manifest)
 from formats.shards import PackedSource, shard_suffixes
+from formats.units import at_most
 
 from .plan import PLAN_ALGORITHM, EpochPlan, is_virtual, open_source, parse_weight, source_location
 from .schedule import RunPlan, Schedule
@@ -36,6 +37,9 @@ from .steps import (CHUNKS_IN_BUDGET, ORDER_ROW_OVERHEAD, EpochJob, InMemoryStep
 
 DEFAULT_SHARD_BYTES = 1 << 30  # default --shard-samples: about 1 GiB of samples per shard
 ROW_FACTS_BYTES = 32  # RowFragments per row in memory: first-EOS index, hash, and about one EOS column
+# Output shards one command plans and writes (each three files and a manifest entry): past this, the
+# numbers asked for (--samples, --tokens, --epochs, --shard-samples) are a typo, not a run.
+MAX_SHARDS = 10**6
 MIN_BUCKET_ROWS = 8  # below this many rows per bucket the out-of-core path spends its time per bucket, not per byte
 
 
@@ -424,8 +428,13 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
     if (out / MANIFEST).exists():
         done_epochs = list(read_manifest(out, kind="run")["epochs"])
     todo = []  # (epoch, plan, job or None when the epoch is complete already): planned before any write
+    shards = 0
     for epoch in epochs:
         plan = runplan.epoch_plan(epoch)
+        shards += -(-plan.samples // shard_samples)
+        at_most(shards, MAX_SHARDS, f"number of output shards (through epoch {epoch}, {plan.samples:,} samples "
+                f"of {shard_samples:,} per shard)", where="--samples/--tokens/--shard-samples",
+                hint="ask for fewer samples or epochs per command (--epoch E), or raise --shard-samples")
         plan = replace(plan, sources=tuple(replace(sp, path=recorded[sp.index]) for sp in plan.sources))
         params = _run_params(plan, [sp.weight for sp in plan.sources], shard_samples)
         if existing is not None:
@@ -497,6 +506,9 @@ def shuffle_run(
                       progress=bool(progress), given=given, schedule=schedule, outbox=outbox)
     out, opened, weights, shard_samples = Path(output), setup.sources, setup.weights, setup.shard_samples
     done_epochs, existing, runplan, skipped, summaries = setup.done_epochs, setup.params, setup.runplan, [], []
+    # The samples alone, by arithmetic, before the exact count below spends time per shard.
+    check_space([(out, sum(job.plan.samples * job.row_bytes for job in setup.jobs) - bytes_under(out))], "shuffle",
+                hint="ask for fewer samples, free some space there, or choose another -o")
     check_space([(out, bytes_to_write(setup.jobs, opened, memory, workers))], "shuffle",
                 hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)")
     if setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():  # its numbering, fixed at creation
