@@ -27,7 +27,7 @@ from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_s
 from formats.io import TMP_MARK, Outbox, kept_at, remove_tmp_files
 from formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
                               read_manifest, run_manifest, write_manifest)
-from formats.shards import PackedSource, shard_suffixes
+from formats.shards import PackedSource, is_own_file, shard_suffixes
 from formats.units import at_most
 
 from .plan import PLAN_ALGORITHM, EpochPlan, is_virtual, open_source, parse_weight, source_location
@@ -352,7 +352,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     keep = {e["path"] + ext for e in entries for ext in shard_suffixes(e)}
     for edir in {Path(job.epoch_dir), kept_at(job.epoch_dir, job.outbox)}:  # here, and where its shards went
         for p in list(edir.iterdir()) if edir.is_dir() else []:  # leftovers of an earlier, different attempt
-            if p.name not in keep and p.is_file():
+            if p.name not in keep and is_own_file(p):
                 p.unlink()
     sources = job.open_sources()
     manifest = epoch_manifest(
@@ -449,12 +449,25 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
                 raise TokpackError("epoch directory holds a different epoch", file=edir, where="sources",
                                    hint="delete that epoch directory or use another -o")
         else:
+            _refuse_foreign_files(edir, outbox)
             key = xxhash.xxh3_64_hexdigest(json.dumps([params, plan.source_entries(), PLAN_ALGORITHM, dtype]).encode())
             job = EpochJob(plan, tuple(source_location(p) for p in paths), dtype, int(first["eos_id"]),
                            first.get("tokenizer", ""), str(edir), str(out / WORK_DIR / f"{edir.name}-{key}"),
                            shard_samples, progress=bool(progress), main_pid=os.getpid(), outbox=outbox)
         todo.append((epoch, plan, job))
     return RunSetup(opened, weights, shard_samples, done_epochs, todo, existing, runplan, run_params)
+
+
+def _refuse_foreign_files(edir: Path, outbox: Outbox | None) -> None:
+    """An epoch folder about to be written may hold what an earlier attempt left (replaced or
+    removed as it finishes), and nothing else: anything else is refused before a byte is written."""
+    for where in {edir, kept_at(edir, outbox)}:
+        foreign = sorted(p.name for p in where.iterdir() if not is_own_file(p)) if where.is_dir() else []
+        if foreign:
+            raise TokpackError("epoch directory holds files tokpack did not write", file=where / foreign[0],
+                               expected="only the epoch's shards and tokpack.json", found=", ".join(foreign[:5]),
+                               hint="move them out of the run (shuffle replaces what is in epoch-NNNNN/), "
+                                    "or choose another -o")
 
 
 @locked_output("shuffle")

@@ -120,7 +120,7 @@ def test_schedule_alias_bomb_is_refused(data, tmp_path):
     ("  - {name: a, sources: {SRC: 1}, epochs: 1000000000000}\n", ["epoch count", "100,000"]),
     ("".join(f"  - {{name: s{i}, sources: {{SRC: 1}}, epochs: 1000}}\n" for i in range(101)), ["epoch count"]),
     ("  - {name: a, sources: {SRC: 1}, tokens: 1000T}\n", ["passes over one source"]),
-])
+], ids=["epochs-10^12", "101-stages-of-1000-epochs", "tokens-1000T"])
 def test_schedule_sizes_are_bounded(data, tmp_path, body, says):
     src, _ = data
     refused(tokpack("shuffle", "--schedule", _schedule(tmp_path, src, body), "-o", tmp_path / "out",
