@@ -160,6 +160,9 @@ class RemotePath:
     def is_file(self) -> bool:
         return self.call("isfile")
 
+    def is_symlink(self) -> bool:
+        return False  # a store has no links
+
     def iterdir(self) -> Iterator["RemotePath"]:
         return (self / posixpath.basename(k.rstrip("/")) for k in self.call("ls", detail=False))
 
@@ -501,12 +504,12 @@ def read_record(path: str | Path) -> dict | None:
     """A JSON object tokpack wrote to record its work (a request, a finished task); None when
     it is missing or damaged (truncated, edited, not an object): such a record vouches for
     nothing, and the work it names is done again or refused, never a crash."""
+    path = as_path(path)
     try:
-        with open(path, "rb") as f:
-            record = json.loads(f.read(MAX_RECORD_BYTES + 1))
-    except FileNotFoundError:
-        return None
-    except (ValueError, RecursionError):
+        if path.stat().st_size > MAX_RECORD_BYTES:
+            return None
+        record = json.loads(path.read_bytes())
+    except (FileNotFoundError, ValueError, RecursionError):
         return None
     return record if isinstance(record, dict) else None
 

@@ -252,7 +252,7 @@ def _output_state(out: Path, request: dict, overwrite: bool) -> str:
         return "replace"
     work = out / WORK_DIR
     req = work / "request.json"
-    record = read_record(req)  # None if damaged: that pack cannot be resumed, only replaced
+    record = read_record(req) if req.exists() else None  # None if damaged: it cannot be resumed, only replaced
     if record == request:
         return "resume"
     if not overwrite:

@@ -38,11 +38,13 @@ def refused(r: subprocess.CompletedProcess, *says: str) -> str:
     """The failure is one line with exit 1 (data or arguments), naming what `says` lists."""
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
-    assert len(lines) == 1 and lines[0].startswith("tokpack: error:"), r.stderr[-2000:]
+    # pack says first what it detected; the failure itself is the last line, and the only error
+    assert [line for line in lines if "error" in line] == lines[-1:], r.stderr[-2000:]
+    assert lines[-1].startswith("tokpack: error:") and all(line.startswith("tokpack ") for line in lines[:-1])
     assert "Traceback" not in r.stderr and "internal error" not in r.stderr
     for text in says:
-        assert text in lines[0], lines[0]
-    return lines[0]
+        assert text in lines[-1], lines[-1]
+    return lines[-1]
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +152,124 @@ def test_read_count_is_a_limit_not_an_allocation(data):
     r = tokpack("read", run, "--count", str(10**18))
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.splitlines()) == 2 * 496  # every sample of both epochs, then the end of the run
+
+
+# ------------------------------------------------------------------ item 4: own files only
+
+
+def test_shuffle_refuses_a_user_file_in_an_epoch_folder_before_writing(data, tmp_path):
+    src, _ = data
+    out = tmp_path / "run"
+    (out / "epoch-00000").mkdir(parents=True)
+    (out / "epoch-00000" / "notes.txt").write_text("mine")
+    line = refused(tokpack("shuffle", src, "-o", out, *SHUFFLE, "--epochs", "1"), "notes.txt",
+                   "tokpack did not write")
+    assert str(out / "epoch-00000" / "notes.txt") in line
+    assert (out / "epoch-00000" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.rglob("*")) == ["epoch-00000", "notes.txt"]  # nothing written
+
+
+def _jsonl(path: Path, rows: int, seed: int) -> Path:
+    rng = np.random.default_rng(seed)
+    path.write_text("".join(json.dumps({"input_ids": rng.integers(1, 1000, 20).tolist() + [0]}) + "\n"
+                            for _ in range(rows)))
+    return path
+
+
+PACK = ["--eos-id", "0", "--vocab-size", "1000"]
+
+
+@pytest.mark.parametrize("name, folder", [
+    ("notes.ds", True),  # named like a shard, but a user's folder: main deleted it recursively
+    ("mine.ds.index", False),  # a shard suffix on a name tokpack never gives
+    ("draft.tmp-v2", False),  # the temporary mark, but not tokpack's FINAL.tmp-PID-HEX
+])
+def test_pack_overwrite_replaces_only_its_own_files(tmp_path, name, folder):
+    out = tmp_path / "out"
+    assert tokpack("pack", _jsonl(tmp_path / "a.jsonl", 30, 1), "-o", out, *PACK).returncode == 0
+    user = out / name
+    if folder:
+        user.mkdir()
+        (user / "keep.txt").write_text("mine")
+    else:
+        user.write_text("mine")
+    r = tokpack("pack", _jsonl(tmp_path / "b.jsonl", 30, 2), "-o", out, *PACK, "--overwrite")
+    refused(r, name, "other files")
+    assert (user / "keep.txt" if folder else user).read_text() == "mine"
+    assert json.loads((out / "tokpack.json").read_text())["inputs"][0]["path"].endswith("a.jsonl")  # untouched
+
+
+def test_a_folder_named_like_a_lock_temporary_is_left_alone(data, tmp_path):
+    src, _ = data
+    out = tmp_path / "run"
+    stray = out / ".tokpack.lock.tmp-999999999-notes"
+    stray.mkdir(parents=True)
+    (stray / "keep.txt").write_text("mine")
+    r = tokpack("shuffle", src, "-o", out, *SHUFFLE, "--epochs", "1")
+    assert r.returncode == 0, r.stderr
+    assert (stray / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("how", ["same path", "symlink", "hard link", "folder and a file in it"])
+def test_pack_refuses_the_same_input_twice(tmp_path, how):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    a = _jsonl(folder / "a.jsonl", 10, 1)
+    _jsonl(folder / "b.jsonl", 10, 2)
+    if how == "same path":
+        args = [a, a]
+    elif how == "symlink":
+        (tmp_path / "link.jsonl").symlink_to(a)
+        args = [a, tmp_path / "link.jsonl"]
+    elif how == "hard link":
+        os.link(a, tmp_path / "hard.jsonl")
+        args = [tmp_path / "hard.jsonl", a]
+    else:
+        args = [folder, a]
+    line = refused(tokpack("pack", *args, "-o", tmp_path / "out", *PACK), "given twice")
+    assert repr(str(args[0])) in line and repr(str(args[1])) in line
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ item 5: exit codes mean one thing
+
+
+@pytest.mark.parametrize("content", [b"garbage", b"[1, 2]", b'"text"', b'{"host": "HOST", "pid": [1]}', b""],
+                         ids=["not-json", "a-list", "a-string", "pid-of-wrong-type", "empty"])
+def test_a_lock_that_names_no_holder_is_one_line_with_how_to_clear_it(data, tmp_path, content):
+    import socket
+
+    src, _ = data
+    out = tmp_path / "run"
+    out.mkdir()
+    lock = out / "tokpack.lock"
+    lock.write_bytes(content.replace(b"HOST", socket.gethostname().encode()))
+    line = refused(tokpack("shuffle", src, "-o", out, *SHUFFLE, "--epochs", "1"), "names no command",
+                   f"delete {lock}")
+    assert "None" not in line
+    assert lock.exists() and sorted(p.name for p in out.iterdir()) == ["tokpack.lock"]  # not taken, nothing written
+
+
+def test_a_damaged_pack_work_record_is_one_line_and_overwrite_replaces_it(tmp_path):
+    out = tmp_path / "out"
+    (out / ".tokpack-work").mkdir(parents=True)
+    (out / ".tokpack-work" / "request.json").write_text('{"inputs": [')
+    src = _jsonl(tmp_path / "a.jsonl", 10, 1)
+    refused(tokpack("pack", src, "-o", out, *PACK), "damaged .tokpack-work/request.json", "--overwrite")
+    r = tokpack("pack", src, "-o", out, *PACK, "--overwrite")
+    assert r.returncode == 0, r.stderr
+    assert tokpack("validate", out).returncode == 0
+
+
+DEAD_STORE = {"AWS_ENDPOINT_URL": "http://127.0.0.1:1", "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+              "AWS_MAX_ATTEMPTS": "1"}  # nothing listens on port 1
+
+
+@pytest.mark.parametrize("command", ["shuffle", "pack", "validate --against"])
+def test_an_unreachable_store_is_exit_1_not_a_bug(data, tmp_path, command):
+    pytest.importorskip("s3fs")
+    src, run = data
+    args = {"shuffle": ["shuffle", "s3://nowhere/src", "-o", tmp_path / "out", *SHUFFLE, "--epochs", "1"],
+            "pack": ["pack", "s3://nowhere/a.jsonl", "-o", tmp_path / "out", *PACK],
+            "validate --against": ["validate", run / "epoch-00000", "--against", "s3://nowhere/src"]}[command]
+    refused(tokpack(*args, env=DEAD_STORE), "s3://nowhere/", "AWS_ENDPOINT_URL")
