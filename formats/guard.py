@@ -310,6 +310,18 @@ def check_space(needs: list[tuple[str | Path, int]], command: str, hint: str | N
                                hint=hint or "free some space there, or write somewhere else")
 
 
+def physical_memory() -> int | None:
+    """This machine's RAM in bytes (MemTotal in /proc/meminfo), or None where it is unknown."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemTotal:"):
+                    return int(line.split()[1]) * 1024  # in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def is_no_space(exc: BaseException | None) -> bool:
     """Whether `exc`, or an exception it was raised from, is a full disk (ENOSPC, EDQUOT)."""
     seen = set()

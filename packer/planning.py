@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from formats.errors import TokpackError
-from formats.guard import space_needs
+from formats.guard import physical_memory, space_needs
 from formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, source_manifest
 from packer.api import ExecutorConfig, Result, weighted_sources, optional_field
 
@@ -50,6 +50,7 @@ class PlanResult(Result):
     epochs: list[dict] | None = optional_field()  # shuffle: per epoch asked for
     buckets: int | None = optional_field()  # shuffle, out of core: over every epoch
     bucket_files: int | None = optional_field()  # at most: each scatter task writes 2 files per bucket its rows reach
+    warnings: list[str] | None = optional_field()  # shuffle: an in-memory epoch larger than this machine's RAM
 
 
 # ------------------------------------------------------------------------ the disk
@@ -142,7 +143,8 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
                       samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter,
                       workers=config.workers, schedule=scheduled)
     opened = setup.sources
-    passes, details, manifests, written = [], [], {}, {}
+    passes, details, manifests, written, warnings = [], [], {}, {}, []
+    ram = physical_memory()
     buckets = bucket_files = 0
     for epoch, plan, job in setup.todo:
         if job is None:
@@ -158,6 +160,10 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
                   "shards": job.n_shards, "output_bytes": size}
         if layout is None:
             detail["memory_bytes"] = memory_path(job, memory)[1]
+            if ram is not None and detail["memory_bytes"] > ram:
+                warnings.append(f"epoch {epoch} runs in memory (it fits --memory {memory:,}) and needs "
+                                f"{_size(detail['memory_bytes'])}, more than this machine's {_size(ram)} of RAM. HINT: "
+                                f"give a --memory below the RAM (e.g. {ram // 2:,}) to run it out of core")
             passes.append(_pass("in-memory", 1, detail["memory_bytes"], read, size, epoch=epoch))
         else:
             budget, scratch = task_budget(memory, config.workers), scratch_bytes(job)
@@ -180,7 +186,8 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
         shards=sum(d.get("shards", 0) for d in details), manifests=manifests, samples_per_epoch=plan.samples,
         sources=[{"name": sp.name, "path": sp.path, "tokens": sp.tokens, "windows": sp.windows, "samples": sp.samples,
                   "passes": plan.passes(i), "first_pass": plan.first_pass(i)} for i, sp in enumerate(plan.sources)],
-        epochs=details, buckets=buckets if bucket_files else None, bucket_files=bucket_files or None)
+        epochs=details, buckets=buckets if bucket_files else None, bucket_files=bucket_files or None,
+        warnings=warnings or None)
 
 
 def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None = None, dtype: str | None = None,
@@ -275,4 +282,5 @@ def report_lines(r: PlanResult) -> list[str]:
     lines += [f"  manifest {name}: {n:,} bytes" for name, n in r.manifests.items()]
     lines.append(f"  predicted wall time: {_duration(r.predicted_seconds)} ({r.executor}, {r.workers} worker(s), disk "
                  f"{r.disk_mbps if r.disk_mbps is not None else '?'} MB/s {r.disk})")
+    lines += [f"tokpack: warning: {w}" for w in r.warnings or []]
     return lines

@@ -154,6 +154,22 @@ def test_read_count_is_a_limit_not_an_allocation(data):
     assert len(r.stdout.splitlines()) == 2 * 496  # every sample of both epochs, then the end of the run
 
 
+def test_plan_warns_when_an_in_memory_epoch_exceeds_this_machines_ram(tmp_path):
+    """--memory above the RAM picks the in-memory path for an epoch no machine holds (22 TB)."""
+    source = "virtual:tokens=11T,documents=5.5B,dtype=uint16"
+    args = ["plan", "shuffle", source, "-o", tmp_path / "out", "--seq-len", "2047", "--seed", "1", "--epochs", "1",
+            "--disk-mbps", "100", "--json"]
+    big = tokpack(*args, "--memory", "1000T")
+    assert big.returncode == 0, big.stderr
+    plan = json.loads(big.stdout)
+    assert plan["epochs"][0]["path"] == "in-memory"
+    [warning] = plan["warnings"]
+    assert "more than this machine's" in warning and "RAM" in warning and "--memory below" in warning
+    small = tokpack(*args, "--memory", "4GiB")  # out of core: within any machine
+    assert small.returncode == 0, small.stderr
+    assert "warnings" not in json.loads(small.stdout)
+
+
 # ------------------------------------------------------------------ item 4: own files only
 
 
