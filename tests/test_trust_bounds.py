@@ -289,3 +289,17 @@ def test_an_unreachable_store_is_exit_1_not_a_bug(data, tmp_path, command):
             "pack": ["pack", "s3://nowhere/a.jsonl", "-o", tmp_path / "out", *PACK],
             "validate --against": ["validate", run / "epoch-00000", "--against", "s3://nowhere/src"]}[command]
     refused(tokpack(*args, env=DEAD_STORE), "s3://nowhere/", "AWS_ENDPOINT_URL")
+
+
+def test_a_damaged_work_record_in_the_bucket_is_one_line(s3_bucket, tmp_path):
+    """A URL output keeps its records of work in the store (`.tokpack-work/request.json`): a
+    damaged one is the data's fault, exit 1, and --overwrite replaces it."""
+    fs, bucket = s3_bucket
+    out = f"s3://{bucket}/out"
+    fs.pipe(f"{bucket}/out/.tokpack-work/request.json", b"\x00not json")
+    src = _jsonl(tmp_path / "a.jsonl", 10, 1)
+    scratch = ["--scratch", tmp_path / "scratch"]
+    refused(tokpack("pack", src, "-o", out, *PACK, *scratch), "damaged .tokpack-work/request.json")
+    r = tokpack("pack", src, "-o", out, *PACK, *scratch, "--overwrite")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(fs.cat(f"{bucket}/out/tokpack.json"))["kind"] == "source"
