@@ -210,13 +210,18 @@ def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None 
     written = 0 if done else setup.bytes_to_write(out)
     manifests = {}
     if shards:  # the source manifest with placeholder checksums: its size, to a few bytes
-        entries = [{"path": f"{i:05d}.ds", "tokens": shard_tokens, "bytes": shard_tokens * setup.out_dtype.itemsize,
-                    "documents": 0, "xxh3_128": "0" * 32, "index_xxh3_128": "0" * 32, "metadata_xxh3_128": "0" * 32}
-                   for i in range(sum(shards))]
-        manifests[MANIFEST] = len(canonical_bytes(source_manifest(
-            entries, setup.out_dtype, setup.vocab, setup.eos, setup.tok_name, inputs=setup.request["inputs"],
-            shard_tokens=int(shard_tokens), eos_appended=0, empty_documents_dropped=0, created_by="tokpack",
-            request=setup.request)))
+
+        def size(n: int) -> int:
+            entries = [{"path": f"{i:05d}.ds", "tokens": shard_tokens, "bytes": shard_tokens * setup.out_dtype.itemsize,
+                        "documents": 0, "xxh3_128": "0" * 32, "index_xxh3_128": "0" * 32,
+                        "metadata_xxh3_128": "0" * 32} for i in range(n)]
+            return len(canonical_bytes(source_manifest(
+                entries, setup.out_dtype, setup.vocab, setup.eos, setup.tok_name, inputs=setup.request["inputs"],
+                shard_tokens=int(shard_tokens), eos_appended=0, empty_documents_dropped=0, created_by="tokpack",
+                request=setup.request)))
+
+        # Entries of one size: two tell them all, so a tiny --shard-tokens costs no list of entries.
+        manifests[MANIFEST] = size(1) + (sum(shards) - 1) * (size(2) - size(1))
     tasks = 0 if done else pack_tasks(len(setup.files), config)
     # No option bounds a pack task's memory: a read block plus what the input's decoder holds.
     passes = [] if done else [_pass("pack", tasks, None, sum(f.size for f in setup.files), written)]

@@ -170,6 +170,16 @@ def test_plan_warns_when_an_in_memory_epoch_exceeds_this_machines_ram(tmp_path):
     assert "warnings" not in json.loads(small.stdout)
 
 
+def test_plan_pack_sizes_a_manifest_of_tiny_shards_without_listing_them(tmp_path):
+    """--shard-tokens 1 over 10^7 tokens: the plan sized a manifest of 10^7 entries by building them."""
+    np.save(tmp_path / "tokens.npy", np.ones(10**7, dtype=np.uint16))
+    r = tokpack("plan", "pack", tmp_path / "tokens.npy", "-o", tmp_path / "out", *PACK, "--shard-tokens", "1",
+                "--disk-mbps", "100", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads(r.stdout)
+    assert plan["shards"] == 10**7 and plan["manifests"]["tokpack.json"] > 10**7 * 200
+
+
 # ------------------------------------------------------------------ item 4: own files only
 
 
