@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import random_docs, shuffle_run, write_source
+from conftest import random_docs, require, shuffle_run, write_source
 
 REPO = Path(__file__).resolve().parents[1]
 MEMORY_LIMIT = 3 << 30  # address space of each command: far above what any of these needs when bounded
@@ -293,7 +293,7 @@ DEAD_STORE = {"AWS_ENDPOINT_URL": "http://127.0.0.1:1", "AWS_ACCESS_KEY_ID": "te
 
 @pytest.mark.parametrize("command", ["shuffle", "pack", "validate --against"])
 def test_an_unreachable_store_is_exit_1_not_a_bug(data, tmp_path, command):
-    pytest.importorskip("s3fs")
+    require("s3fs", "pip install s3fs")
     src, run = data
     args = {"shuffle": ["shuffle", "s3://nowhere/src", "-o", tmp_path / "out", *SHUFFLE, "--epochs", "1"],
             "pack": ["pack", "s3://nowhere/a.jsonl", "-o", tmp_path / "out", *PACK],
