@@ -16,6 +16,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -26,6 +27,9 @@ from pathlib import Path
 
 from .errors import TokpackError
 from .manifest import LOCK_NAME, WORK_DIR  # noqa: F401 (importable from here too)
+
+_LOCK_TEMPORARY = re.compile(re.escape(f".{LOCK_NAME}.tmp-") + r"([0-9]+)-[0-9a-f]{8}")
+MAX_LOCK_BYTES = 1 << 12  # a lock names a host, a pid and a command line: a larger file is not one of ours
 
 _held: dict[str, int] = {}  # lock path -> nesting depth, for this process
 _held_guard = threading.Lock()
@@ -58,6 +62,15 @@ def _os_error(e: OSError) -> str:
     return f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
 
 
+def _first_bytes(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(60)
+    except OSError as e:
+        return _os_error(e)
+    return repr(head.decode(errors="replace")) + ("..." if len(head) == 60 else "")
+
+
 def _describe(holder: dict) -> str:
     since = holder.get("since")
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(since)) if isinstance(since, (int, float)) else "?"
@@ -85,12 +98,19 @@ class OutputLock:
                 "since": time.time(), "command": self.command, "token": self.token}
 
     def _read(self, path: Path) -> dict | None:
+        """The holder a lock file names; None if there is no such file; {} if it names none (not
+        JSON, or not the fields tokpack writes: another program's file, or a damaged one)."""
         try:
-            return json.loads(path.read_bytes())
+            with open(path, "rb") as f:
+                holder = json.loads(f.read(MAX_LOCK_BYTES + 1))
         except FileNotFoundError:
             return None
-        except (ValueError, UnicodeDecodeError):
-            return {}  # unreadable: no holder can be named, treated as stale below
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+            return {}
+        valid = (isinstance(holder, dict) and isinstance(holder.get("host"), str)
+                 and type(holder.get("pid")) is int and holder["pid"] > 0
+                 and isinstance(holder.get("start"), (str, type(None))))
+        return holder if valid else {}
 
     def _stale(self, holder: dict) -> bool:
         if holder.get("host") != socket.gethostname():
@@ -139,6 +159,11 @@ class OutputLock:
                 holder = self._read(self.path)
                 if holder is None:
                     continue  # released meanwhile
+                if not holder:  # written whole before it is linked (above): not a tokpack lock
+                    raise TokpackError("the output lock names no command that holds it", file=self.path,
+                                       expected='a tokpack lock: {"host": ..., "pid": ..., ...}',
+                                       found=_first_bytes(self.path), hint=f"if no tokpack command is writing "
+                                       f"{self.directory}, delete {self.path} and rerun")
                 if not self._stale(holder):
                     hint = "wait for it to finish, or write to another directory"
                     if holder.get("host") != socket.gethostname():
@@ -162,10 +187,12 @@ class OutputLock:
         """Removes the lock's temporary files left by commands killed while taking it (their
         creator, named in the file and its name, is gone); only its creator touches such a file."""
         for leftover in self.directory.glob(f".{LOCK_NAME}.tmp-[0-9]*"):
+            named = _LOCK_TEMPORARY.fullmatch(leftover.name)  # exactly the name acquire() gives it
+            if named is None or leftover.is_symlink() or not leftover.is_file():
+                continue  # not one of ours: never touched
             holder = self._read(leftover)
             if not holder:  # killed while writing it: only its name says whose it is
-                pid = leftover.name.split(".tmp-", 1)[1].split("-", 1)[0]
-                holder = {"host": socket.gethostname(), "pid": int(pid) if pid.isdigit() else 0}
+                holder = {"host": socket.gethostname(), "pid": int(named.group(1))}
             if self._stale(holder):
                 leftover.unlink(missing_ok=True)
 
@@ -279,6 +306,18 @@ def check_space(needs: list[tuple[str | Path, int]], command: str, hint: str | N
                                expected=f"{_mib(needed)} free ({needed} bytes, scratch included)",
                                found=f"{_mib(free)} free on the filesystem of {where}",
                                hint=hint or "free some space there, or write somewhere else")
+
+
+def physical_memory() -> int | None:
+    """This machine's RAM in bytes (MemTotal in /proc/meminfo), or None where it is unknown."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemTotal:"):
+                    return int(line.split()[1]) * 1024  # in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def is_no_space(exc: BaseException | None) -> bool:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import mmap
 import os
 import posixpath
+import re
 import stat
 import sys
 import threading
@@ -160,6 +162,9 @@ class RemotePath:
 
     def is_file(self) -> bool:
         return self.call("isfile")
+
+    def is_symlink(self) -> bool:
+        return False  # a store has no links
 
     def iterdir(self) -> Iterator["RemotePath"]:
         return (self / posixpath.basename(k.rstrip("/")) for k in self.call("ls", detail=False))
@@ -633,10 +638,36 @@ def tmp_path(final: str | Path) -> Path:
     return final.with_name(f"{final.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
+def is_tmp_name(name: str) -> bool:
+    """Whether `name` is one tmp_path gives (FINAL.tmp-PID-RANDOM): nothing else is removed as
+    a leftover."""
+    return _TMP_NAME.fullmatch(name) is not None
+
+
+_TMP_NAME = re.compile(".+" + re.escape(TMP_MARK) + "[0-9]+-[0-9a-f]{8}")
+
+
 def commit_file(tmp: str | Path, final: str | Path, fsync: bool = False) -> None:
     if fsync:
         _fsync(tmp)
     os.replace(tmp, final)
+
+
+def read_record(path: str | Path) -> dict | None:
+    """A JSON object tokpack wrote to record its work (a request, a finished task); None when
+    it is missing or damaged (truncated, edited, not an object): such a record vouches for
+    nothing, and the work it names is done again or refused, never a crash."""
+    path = as_path(path)
+    try:
+        if path.stat().st_size > MAX_RECORD_BYTES:
+            return None
+        record = json.loads(path.read_bytes())
+    except (FileNotFoundError, ValueError, RecursionError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+MAX_RECORD_BYTES = 1 << 30  # a pack's finishing plan lists every shard; no record comes near this
 
 
 def write_bytes_atomic(path: str | Path, data: bytes, fsync: bool = False) -> None:
@@ -667,7 +698,7 @@ def remove_tmp_files(directory: str | Path) -> None:
     directory = Path(directory)
     if directory.is_dir():
         for p in directory.iterdir():
-            if TMP_MARK in p.name and p.is_file():
+            if is_tmp_name(p.name) and p.is_file():
                 p.unlink(missing_ok=True)
 
 

@@ -87,6 +87,11 @@ def epoch_dir_name(epoch: int) -> str:
     return f"epoch-{epoch:05d}"
 
 
+# Epoch numbers run from 0 to MAX_EPOCHS - 1: their five digits keep a run's epoch-NNNNN folders
+# listed in order, and a run manifest lists each epoch written.
+MAX_EPOCHS = 10**5
+
+
 def metadata_text(tokenizer: str, token_size: int, tokens: int) -> str:
     """datatrove's `.ds.metadata` layout: "{tokenizer}|{token_size}\\n{tokens}\\n{humanized}"."""
     import humanize  # a datatrove dependency; its metric() is what datatrove writes

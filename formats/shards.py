@@ -8,6 +8,7 @@ manifest never costs a second read.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import xxhash
 
 from .errors import TokpackError
 from .io import as_path, contained, open_read, read_array, read_full, regular_size
-from .io import DurableFile, write_bytes_atomic
+from .io import DurableFile, is_tmp_name, write_bytes_atomic
 from .manifest import EPOCH_SHARD_SUFFIXES, SHARD_SUFFIXES  # noqa: F401 (importable from here too)
 from .manifest import MANIFEST, dtype_from_name, metadata_text, multiset_hash_rows, read_manifest, row_hashes
 
@@ -25,6 +26,17 @@ U64 = np.dtype("<u8")  # .ds.index entries
 
 PAD_SUFFIX = ".pad"  # a best-fit epoch shard: uint32 LE per sample, its padding tokens (at the sample's end)
 PAD_DTYPE = np.dtype("<u4")
+
+
+_SHARD_FILE = re.compile("[0-9]+[.]ds(" + "|".join(re.escape(s) for s in (*SHARD_SUFFIXES, PAD_SUFFIX) if s) + ")?")
+
+
+def is_own_file(path: Path) -> bool:
+    """A file named as tokpack names what it writes in a packed directory: tokpack.json, a
+    shard's files (manifest.shard_name: digits, .ds) or a temporary. A command deletes or
+    replaces nothing else."""
+    return path.is_file() and (path.name == MANIFEST or _SHARD_FILE.fullmatch(path.name) is not None
+                               or is_tmp_name(path.name))
 
 
 def shard_suffixes(entry: dict) -> tuple[str, ...]:
@@ -240,10 +252,13 @@ def shard_on_disk(directory: str | Path, entry: dict, itemsize: int) -> bool:
     leave a present file wrong; a change by hand since is what `tokpack validate` reports.
     `directory` may be a URL: an outbox's shards are checked where they were sent."""
     directory = as_path(directory)
+    name, tokens = (entry.get("path"), entry.get("tokens")) if isinstance(entry, dict) else (None, None)
+    if not isinstance(name, str) or _SHARD_FILE.fullmatch(name) is None or type(tokens) is not int:
+        return False  # a damaged record vouches for nothing: the shard is written again
     try:
-        return ((directory / entry["path"]).stat().st_size == entry["tokens"] * itemsize
-                and (directory / f"{entry['path']}.index").exists()
-                and (directory / f"{entry['path']}.metadata").exists())
+        return ((directory / name).stat().st_size == tokens * itemsize
+                and (directory / f"{name}.index").exists()
+                and (directory / f"{name}.metadata").exists())
     except FileNotFoundError:
         return False
 

@@ -75,3 +75,12 @@ def byte_size(value: str | int, *, what: str = "byte size") -> int:
                                 "bare K/M/G are 2^n)")
     number, suffix = parsed
     return int(number * BYTE_SUFFIXES[suffix])  # int() of a Fraction rounds toward zero: down
+
+
+def at_most(value: int, limit: int, what: str, *, hint: str, where: str | None = None, file=None) -> int:
+    """`value`, or one line naming it, its limit and what to do: a count the user typed (or a
+    file declares) is checked by arithmetic before anything of its size is allocated."""
+    if value > limit:
+        raise TokpackError(f"{what} is too large", file=file, where=where, expected=f"at most {limit:,}",
+                           found=f"{value:,}", hint=hint)
+    return value

@@ -76,7 +76,7 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
     from packer.executors import local_paths, pass_runner, runs_in_process
     from shuffle.run import shuffle_run
     from formats.errors import TokpackError
-    from shuffle.schedule import read_schedule
+    from shuffle.schedule import epoch_numbers, read_schedule
 
     config = executor or ExecutorConfig()
     scheduled = read_schedule(schedule) if schedule is not None else None
@@ -88,7 +88,7 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
     with local_paths(paths, str(output), scratch and str(scratch), runs_in_process(config)) as (
             local_sources, local_output, outbox):
         summary = shuffle_run(local_sources, local_output, weights=weights, seq_len=seq_len, seed=seed,
-                              epochs=list(range(epochs)) if isinstance(epochs, int) else epochs and list(epochs),
+                              epochs=epoch_numbers(epochs),
                               samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory,
                               jitter=jitter, log=log, workers=config.workers, tasks=config.tasks,
                               run_passes=pass_runner(config), progress=progress, schedule=scheduled,

@@ -1,8 +1,9 @@
 """`tokpack` command line: a thin layer over the Python API.
 
-Exit status: 0 success; 1 the data, the input or the environment is wrong (a full disk, a
-read-only output, a symlink loop, an output directory another command holds); 2 a usage error,
-or a bug in tokpack; 130 Ctrl-C; 143 SIGTERM. A failure is one line on stderr, never a
+Exit status (docs/COMMANDS.md, "Exit status"): 0 success; 1 the data, the input or the
+environment is wrong (a full disk, a read-only output, a symlink loop, an output directory
+another command holds, a store that cannot be reached); 2 a usage error (click's); 70 a bug in
+tokpack (EX_SOFTWARE of sysexits.h); 130 Ctrl-C; 143 SIGTERM. A failure is one line on stderr, never a
 traceback (a bug's traceback goes to a log file, or to stderr under `--debug`), and under
 `--json` stdout holds exactly one JSON object, `{"ok": false, "error": {...}}` on any failure.
 """
@@ -92,6 +93,9 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
+EXIT_DATA, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 70, 130, 143
+
+
 def _raise_interrupt(signum, frame):
     _exit_soon(130)
     raise KeyboardInterrupt
@@ -163,12 +167,12 @@ def _internal_error(command: str, exc: BaseException, as_json: bool) -> None:
     else:
         where = _crash_log(command, exc)
     line = f"tokpack {command}: internal error (a bug in tokpack): {summary}; the traceback is {where}"
-    _report(line, _error_json("InternalError", line), 2, as_json)
+    _report(line, _error_json("InternalError", line), EXIT_BUG, as_json)
 
 
 def user_errors(fn):
     """Turns every failure of a command into one line on stderr (and one JSON object under
-    --json): TokpackError and OSError exit 1, Ctrl-C 130, SIGTERM 143, a bug in tokpack 2."""
+    --json): TokpackError and OSError exit 1, Ctrl-C 130, SIGTERM 143, a bug in tokpack 70."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -180,26 +184,26 @@ def user_errors(fn):
         except (SystemExit, click.exceptions.Exit, click.ClickException, click.Abort):
             raise  # a status chosen already, or a usage error: main reports those
         except TokpackError as e:
-            _report(f"tokpack: error: {e}", e.to_json(), 1, as_json)
+            _report(f"tokpack: error: {e}", e.to_json(), EXIT_DATA, as_json)
         except ModuleNotFoundError as e:  # an optional dependency this command needs
             line = (f"tokpack: error: this command needs the module {e.name!r}, which is not installed. "
                     f"HINT: pip install {e.name}")
-            _report(line, _error_json("ModuleNotFoundError", line, hint=f"pip install {e.name}"), 1, as_json)
+            _report(line, _error_json("ModuleNotFoundError", line, hint=f"pip install {e.name}"), EXIT_DATA, as_json)
         except OSError as e:  # the environment: a full disk, a read-only output, a symlink loop...
             line, error = _os_error_line(e)
-            _report(line, error, 1, as_json)
+            _report(line, error, EXIT_DATA, as_json)
         except RuntimeError as e:
             if not str(e).startswith("Symlink loop"):  # pathlib's resolve() before Python 3.13
                 _internal_error(command, e, as_json)
             line, error = _os_error_line(OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(e).split("'")[1]
                                                  if "'" in str(e) else None))
-            _report(line, error, 1, as_json)
+            _report(line, error, EXIT_DATA, as_json)
         except KeyboardInterrupt:
             line = "tokpack: interrupted; rerun the same command to resume"
-            _report(line, _error_json("KeyboardInterrupt", line), 130, as_json)
+            _report(line, _error_json("KeyboardInterrupt", line), EXIT_INTERRUPTED, as_json)
         except Terminated:
             line = "tokpack: terminated (SIGTERM); rerun the same command to resume"
-            _report(line, _error_json("Terminated", line), 143, as_json)
+            _report(line, _error_json("Terminated", line), EXIT_TERMINATED, as_json)
         except Exception as e:  # noqa: BLE001 - anything else is a bug in tokpack, not bad data
             _internal_error(command, e, as_json)
 
@@ -314,13 +318,13 @@ class _Tokpack(click.Group):
             e.show()
             sys.exit(e.exit_code)
         except click.Abort:
-            sys.exit(130)
+            sys.exit(EXIT_INTERRUPTED)
         except Terminated:
             click.echo("tokpack: terminated (SIGTERM)", err=True)
-            sys.exit(143)
+            sys.exit(EXIT_TERMINATED)
         except KeyboardInterrupt:
             click.echo("tokpack: interrupted", err=True)
-            sys.exit(130)
+            sys.exit(EXIT_INTERRUPTED)
         except Exception as e:  # noqa: BLE001 - outside any command (option parsing...): a bug too
             _internal_error(next((a for a in argv if not a.startswith("-")), "command"), e, as_json)
         finally:

@@ -27,7 +27,7 @@ import xxhash
 
 from formats.errors import TokpackError, task_failed
 from formats.guard import OutputLock, holder_name
-from formats.io import Outbox, is_url, local_path
+from formats.io import Outbox, RemotePath, is_url, local_path
 from formats.manifest import MANIFEST
 from shuffle.sinks import app_sinks_kept
 
@@ -529,9 +529,10 @@ def stage_in(url: str, workdir: str | Path) -> str:
     """Copies a remote file or folder to a fresh local folder under `workdir`; returns its path."""
     fs, remote = _fs_and_path(url)
     dest = Path(tempfile.mkdtemp(prefix="in-", dir=workdir)) / (Path(remote.rstrip("/")).name or "data")
-    if not fs.exists(remote):
+    where = RemotePath(url, fs)  # a store that does not answer is one line, not a bug
+    if not where.call("exists"):
         raise TokpackError("input not found", file=url)
-    if fs.isdir(remote):
+    if where.call("isdir"):
         _download_folder(url, dest)
     else:
         with fs.open(remote, "rb") as src, open(dest, "wb") as out:

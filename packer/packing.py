@@ -33,7 +33,7 @@ from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, locked_
 from formats.inputs import BLOCK_BYTES, InputFile
 from formats.inputs.discover import check_input, discover, read_blocks
 from formats.inputs.tables import parquet_values
-from formats.io import TMP_MARK, Outbox, as_path, kept_at, is_url, progress, write_bytes_atomic
+from formats.io import Outbox, as_path, is_tmp_name, kept_at, is_url, progress, read_record, write_bytes_atomic
 from formats.manifest import (
     MANIFEST,
     dtype_for_vocab,
@@ -43,7 +43,7 @@ from formats.manifest import (
     source_manifest,
     write_manifest,
 )
-from formats.shards import SHARD_SUFFIXES, PackedSource, SourceShardWriter, shard_on_disk, shard_suffixes
+from formats.shards import PackedSource, SourceShardWriter, is_own_file, shard_on_disk, shard_suffixes
 from shuffle.sinks import app_sinks_kept
 from packer.shared import Result
 from packer.executors import ExecutorConfig, run_steps, runs_in_process
@@ -104,11 +104,13 @@ class PackStep(PipelineStep):
         part_dir = Path(self.work) / f"part-{i:05d}"
         part_json = Path(self.work) / f"part-{i:05d}.json"
         shards_at = kept_at(part_dir, self.outbox)
-        if part_json.exists():
-            part = json.loads(part_json.read_text())
-            if all(shard_on_disk(shards_at, e, np.dtype(self.dtype).itemsize) for e in part["shards"]):
+        part = read_record(part_json)  # a damaged record: the file is packed again
+        if part is not None:
+            shards = part.get("shards")
+            if isinstance(shards, list) and all(shard_on_disk(shards_at, e, np.dtype(self.dtype).itemsize)
+                                                for e in shards):
                 return part  # done by an earlier run
-            part_json.unlink()
+        part_json.unlink(missing_ok=True)
         if part_dir.exists():
             shutil.rmtree(part_dir)
         if self.outbox:
@@ -215,8 +217,10 @@ class TokenizeTextStep(PipelineStep):
 
 
 def _is_ours(p: Path) -> bool:
-    n = p.name
-    return n in (MANIFEST, WORK_DIR, LOCK_NAME) or TMP_MARK in n or n.endswith(tuple(".ds" + s for s in SHARD_SUFFIXES))
+    """What pack writes in OUT, by name and kind: the only entries --overwrite replaces."""
+    if p.name == WORK_DIR:
+        return p.is_dir() and not p.is_symlink()
+    return is_own_file(p) or p.name == LOCK_NAME and p.is_file()
 
 
 def _output_state(out: Path, request: dict, overwrite: bool) -> str:
@@ -225,7 +229,7 @@ def _output_state(out: Path, request: dict, overwrite: bool) -> str:
         return "fresh"
     if not out.is_dir():
         raise TokpackError("output exists and is not a directory", file=out, hint="choose another -o")
-    entries = [p for p in out.iterdir() if p.name != LOCK_NAME and TMP_MARK not in p.name]
+    entries = [p for p in out.iterdir() if not (p.name == LOCK_NAME or is_tmp_name(p.name)) or not _is_ours(p)]
     if not entries:
         return "fresh"
     # request.json is the first file a pack writes: a work folder without it (a command killed
@@ -254,19 +258,21 @@ def _output_state(out: Path, request: dict, overwrite: bool) -> str:
         return "replace"
     work = out / WORK_DIR
     req = work / "request.json"
-    if req.exists() and json.loads(req.read_text()) == request:
+    record = read_record(req) if req.exists() else None  # None if damaged: it cannot be resumed, only replaced
+    if record == request:
         return "resume"
     if not overwrite:
         raise TokpackError("output directory holds an unfinished pack of other inputs", file=out,
-                           expected="the same inputs and options", found="another request",
+                           expected="the same inputs and options",
+                           found=f"a damaged {WORK_DIR}/request.json" if req.exists() and record is None else "another request",
                            hint="rerun that pack to finish it, or pass --overwrite to replace it")
     return "replace"
 
 
 def _clear(out: Path) -> None:
     for p in out.iterdir():
-        if p.name == LOCK_NAME:
-            continue  # this command's own lock
+        if p.name == LOCK_NAME or not _is_ours(p):
+            continue  # this command's own lock; what pack did not write (_output_state refused it)
         if p.is_dir():
             shutil.rmtree(p)
         else:
@@ -522,10 +528,11 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
         parts = []
         for i in range(len(packed_files)):
             part_json = work / f"part-{i:05d}.json"
-            if not part_json.exists():
-                raise TokpackError("a pack task finished without its part", file=part_json,
+            part = read_record(part_json)
+            if part is None:
+                raise TokpackError("a pack task finished without its part record, or it is damaged", file=part_json,
                                    hint="rerun the same command to redo it")
-            parts.append(json.loads(part_json.read_text()))
+            parts.append(part)
         total = sum(len(p["shards"]) for p in parts)
         if total == 0:
             _remove_work(work, outbox)
@@ -556,7 +563,10 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
         write_bytes_atomic(plan_path, json.dumps({"manifest": manifest, "moves": moves}).encode())
         if outbox:  # from here a rerun only finishes the moves
             outbox.send(plan_path, keep=True)
-    plan = json.loads(plan_path.read_text())
+    plan = read_record(plan_path)
+    if plan is None:
+        raise TokpackError("pack's finishing record is damaged: the shards it moved cannot be found again",
+                           file=plan_path, hint="rerun with --overwrite to pack again from scratch")
     manifest = _finalize(out, work, plan, outbox)
     seconds = time.perf_counter() - t0
     result = _result(manifest, shown, fmt, seconds, input_bytes, "packed", warnings)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from formats.errors import TokpackError
-from formats.guard import space_needs
+from formats.guard import physical_memory, space_needs
 from formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, source_manifest
 from packer.shared import ExecutorConfig, Result, as_paths, optional_field, weighted_sources
 
@@ -59,7 +59,8 @@ class PlanResult(Result):
     sources: list[dict] | None = optional_field()  # shuffle: per source of the first epoch planned
     epochs: list[dict] | None = optional_field()  # shuffle: per epoch asked for: its stage, samples, path, shards,
     # and per source what it takes (the `sources` of shuffle's epochs_detail)
-    warnings: list[str] | None = optional_field()  # shuffle: the repeat warnings shuffle would give
+    warnings: list[str] | None = optional_field()  # shuffle: the repeat warnings shuffle would give, and
+    # an in-memory epoch larger than this machine's RAM
     buckets: int | None = optional_field()  # shuffle, out of core: over every epoch
     bucket_files: int | None = optional_field()  # at most: each scatter task writes 2 files per bucket its rows reach
 
@@ -149,7 +150,7 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
     from shuffle.run import (bytes_to_write, epoch_bytes, epoch_layout, memory_path, planned_epoch_manifest,
                              repeat_warnings, run_manifest_of, scratch_bytes, setup_run, task_budget)
 
-    from shuffle.schedule import read_schedule
+    from shuffle.schedule import epoch_numbers, read_schedule
 
     config = executor or ExecutorConfig()
     scheduled = read_schedule(schedule) if schedule is not None else None
@@ -158,13 +159,13 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
     if epochs is None and scheduled is None:
         epochs = 1
     setup = setup_run(paths, str(output), weights=weights, seq_len=seq_len, seed=seed,
-                      epochs=list(range(epochs)) if isinstance(epochs, int) else epochs and list(epochs),
+                      epochs=epoch_numbers(epochs),
                       samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter,
                       workers=config.workers, schedule=scheduled, packing=packing, pad_id=pad_id)
     opened = setup.sources
-    passes, details, manifests, written = [], [], {}, {}
+    passes, details, manifests, written, warnings = [], [], {}, {}, []
+    ram = physical_memory()
     buckets = bucket_files = 0
-    warnings = []
     for epoch, plan, job in setup.todo:
         stage, report = setup.runplan.stage_name(epoch), plan.source_report()
         if setup.runplan.schedule.file is not None:  # a schedule's epoch lists every source; show its stage's
@@ -184,6 +185,10 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
                   "samples": plan.samples, "shards": job.n_shards, "output_bytes": size, "sources": report}
         if layout is None:
             detail["memory_bytes"] = memory_path(job, memory)[1]
+            if ram is not None and detail["memory_bytes"] > ram:
+                warnings.append(f"epoch {epoch} runs in memory (it fits --memory {memory:,}) and needs "
+                                f"{_size(detail['memory_bytes'])}, more than this machine's {_size(ram)} of RAM. HINT: "
+                                f"give a --memory below the RAM (e.g. {ram // 2:,}) to run it out of core")
             passes.append(_pass("in-memory", 1, detail["memory_bytes"], read, size, epoch=epoch))
         else:
             budget, scratch = task_budget(memory, config.workers), scratch_bytes(job)
@@ -205,10 +210,11 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
         "shuffle", str(output), passes, [(output, bytes_to_write(setup.jobs, opened, memory))], config, disk_mbps,
         config.executor != "local", path=",".join(paths_taken) or "none",
         shards=sum(d.get("shards", 0) for d in details), manifests=manifests,
-        samples_per_epoch=sizes.pop() if len(sizes) == 1 else None, warnings=warnings,
+        samples_per_epoch=sizes.pop() if len(sizes) == 1 else None,
         sources=[{"name": sp.name, "path": sp.path, "tokens": sp.tokens, "windows": sp.windows, "samples": sp.samples,
                   "passes": plan.passes(i), "first_pass": plan.first_pass(i)} for i, sp in enumerate(plan.sources)],
-        epochs=details, buckets=buckets if bucket_files else None, bucket_files=bucket_files or None)
+        epochs=details, buckets=buckets if bucket_files else None, bucket_files=bucket_files or None,
+        warnings=warnings or None)
 
 
 def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None = None, dtype: str | None = None,
@@ -232,13 +238,18 @@ def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None 
     written = 0 if done else setup.bytes_to_write(out)
     manifests = {}
     if shards:  # the source manifest with placeholder checksums: its size, to a few bytes
-        entries = [{"path": f"{i:05d}.ds", "tokens": shard_tokens, "bytes": shard_tokens * setup.out_dtype.itemsize,
-                    "documents": 0, "xxh3_128": "0" * 32, "index_xxh3_128": "0" * 32, "metadata_xxh3_128": "0" * 32}
-                   for i in range(sum(shards))]
-        manifests[MANIFEST] = len(canonical_bytes(source_manifest(
-            entries, setup.out_dtype, setup.vocab, setup.eos, setup.tok_name, inputs=setup.request["inputs"],
-            shard_tokens=int(shard_tokens), eos_appended=0, empty_documents_dropped=0, created_by="tokpack",
-            request=setup.request)))
+
+        def size(n: int) -> int:
+            entries = [{"path": f"{i:05d}.ds", "tokens": shard_tokens, "bytes": shard_tokens * setup.out_dtype.itemsize,
+                        "documents": 0, "xxh3_128": "0" * 32, "index_xxh3_128": "0" * 32,
+                        "metadata_xxh3_128": "0" * 32} for i in range(n)]
+            return len(canonical_bytes(source_manifest(
+                entries, setup.out_dtype, setup.vocab, setup.eos, setup.tok_name, inputs=setup.request["inputs"],
+                shard_tokens=int(shard_tokens), eos_appended=0, empty_documents_dropped=0, created_by="tokpack",
+                request=setup.request)))
+
+        # Entries of one size: two tell them all, so a tiny --shard-tokens costs no list of entries.
+        manifests[MANIFEST] = size(1) + (sum(shards) - 1) * (size(2) - size(1))
     tasks = 0 if done else pack_tasks(len(setup.files), config)
     # No option bounds a pack task's memory: a read block plus what the input's decoder holds.
     passes = [] if done else [_pass("pack", tasks, None, sum(f.size for f in setup.files), written)]

@@ -36,12 +36,14 @@ import xxhash
 
 from formats.errors import TokpackError
 from formats.guard import check_space, locked_output
+from formats.units import at_most
 from formats.reader import EpochNumbering, shuffle_command
 from formats.shards import contained_shard
 from formats.io import ThreadPool, as_path, commit_file, contained, lent, open_read, progress, regular_fd, remove_tmp_files, tmp_path
 from formats.manifest import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
+    MAX_EPOCHS,
     STAGE_SIDECAR,
     epoch_dir_name,
     parse_manifest,
@@ -55,6 +57,8 @@ from packer.shared import Result, optional_field
 # Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
 # handful of workers the memory stays at workers x STAGE_BLOCK.
 STAGE_BLOCK = 32 << 20
+# The largest W of --ranks r/W: bigger than any cluster, small enough that a list of ranks fits in memory.
+MAX_WORLD_SIZE = 1 << 20
 # A remote file is fetched in ranged reads of a quarter block, this many at a time per file (so
 # memory stays at one block per file in flight): an object store serves one connection far
 # slower than several, and a run may be a few large shards.
@@ -93,28 +97,36 @@ class StageResult(Result):
 # ------------------------------------------------------------------------ arguments
 
 
-def parse_epochs(spec) -> list[int] | None:
-    """'0,1' / '0-3' / '0-2,5' / [0, 1] -> sorted epoch numbers; None -> None (all)."""
+def parse_epochs(spec, *, limit: int = MAX_EPOCHS, option: str = "--epochs", what: str = "epoch number",
+                 hint: str = f"epochs are numbered 0 to {MAX_EPOCHS - 1}; give those of the run") -> list[int] | None:
+    """'0,1' / '0-3' / '0-2,5' / [0, 1] -> sorted epoch numbers; None -> None (all). Every
+    number is checked against `limit` before a range is expanded."""
     if spec is None:
         return None
     if isinstance(spec, int):
-        return [spec]
+        spec = [spec]
     if not isinstance(spec, str):
-        return sorted({int(e) for e in spec})
-    out: set[int] = set()
+        numbers = {int(e) for e in spec}
+        at_most(max(numbers, default=0), limit - 1, what, where=option, hint=hint)
+        return sorted(numbers)
+    spans = []
     try:
         for part in filter(None, (p.strip() for p in spec.split(","))):
             lo, sep, hi = part.partition("-")
-            out.update(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+            spans.append((int(lo), int(hi) if sep else int(lo)))
     except ValueError:
-        raise TokpackError("bad --epochs", where="--epochs", expected="e.g. '0,1' or '0-3'", found=spec) from None
+        raise TokpackError(f"bad {option}", where=option, expected="e.g. '0,1' or '0-3'", found=spec) from None
+    for _, hi in spans:
+        at_most(hi, limit - 1, what, where=option, hint=hint)
+    out = {e for lo, hi in spans for e in range(lo, hi + 1)}
     if not out:
-        raise TokpackError("bad --epochs", where="--epochs", expected="at least one epoch", found=spec)
+        raise TokpackError(f"bad {option}", where=option, expected="at least one epoch", found=spec)
     return sorted(out)
 
 
 def parse_ranks(spec) -> tuple[list[int], int] | None:
-    """'r/W', 'r1,r2/W' or 'a-b/W' -> (sorted ranks, W); None -> None (every rank)."""
+    """'r/W', 'r1,r2/W' or 'a-b/W' -> (sorted ranks, W); None -> None (every rank). W is checked
+    against MAX_WORLD_SIZE and each rank against W before a range is expanded."""
     if spec is None:
         return None
     if isinstance(spec, tuple):
@@ -122,13 +134,17 @@ def parse_ranks(spec) -> tuple[list[int], int] | None:
         ranks = sorted(set(ranks))
     else:
         head, sep, tail = str(spec).partition("/")
+        world = int(tail) if sep and tail.strip().isdigit() else 0
+        at_most(world, MAX_WORLD_SIZE, "world size", where="--ranks", hint="W in r/W is the number of ranks that read the run")
         try:
             if not sep:
                 raise ValueError
             world = int(tail)
-            ranks = parse_epochs(head) or []
+            ranks = parse_epochs(head, limit=max(world, 1), option="--ranks", what="rank") or []
         except (ValueError, TokpackError):
-            raise TokpackError("bad --ranks", where="--ranks", expected="'r/W', 'r1,r2/W' or 'a-b/W'", found=spec) from None
+            raise TokpackError("bad --ranks", where="--ranks", expected=f"ranks in [0, {world})" if world > 0 else
+                               "'r/W', 'r1,r2/W' or 'a-b/W'", found=spec, hint="each rank must be below the world size W"
+                               if world > 0 else None) from None
     if world < 1 or not ranks or ranks[0] < 0 or ranks[-1] >= world:
         raise TokpackError("bad --ranks", where="--ranks", expected=f"ranks in [0, {world})", found=spec,
                            hint="each rank must be below the world size W")
@@ -300,7 +316,7 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
     # A run: its epochs in order, then the run manifest restricted to them.
     available = [int(e) for e in root.get("epochs") or []]
     chosen = sorted(available) if epochs is None else epochs
-    missing = [e for e in chosen if e not in available]
+    missing = sorted(set(chosen) - set(available))
     if missing:
         raise TokpackError("epochs not in this run", file=src.path, where="epochs", expected=f"some of {available}",
                            found=missing, hint=f"write epoch {missing[0]} with `{shuffle_command(root, src.path, missing[0])}`"

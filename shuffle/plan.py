@@ -24,7 +24,7 @@ from formats.errors import TokpackError
 from formats.io import IO_BLOCK, local_path, read_ahead
 from formats.manifest import PLAN_ALGORITHM, dtype_from_name, hash_hex64, order_hash_terms, row_hashes
 from formats.shards import PackedSource
-from formats.units import token_count
+from formats.units import at_most, token_count
 
 from .permutation import Bijection, derive_key
 
@@ -60,6 +60,11 @@ class SamplePlan(Protocol):
     def source_report(self) -> list[dict]: ...  # per source: samples, windows, passes, repeats...
 
     def source_entries(self) -> list[dict]: ...  # the epoch manifest's `sources`
+
+
+# Passes over one source in one epoch: each costs a step per block of the source it reads, so an epoch
+# that repeats a source more often than this spends its time on repeats (and is surely a typo).
+MAX_PASSES = 10**5
 
 
 @dataclass(frozen=True)
@@ -419,6 +424,10 @@ def epoch_plan(
                 found=f"{src.tokens} tokens", hint="lower --seq-len or drop this source")
         wins.append(w)
     n, counts = mixture(sources, weights, wins, samples=samples, tokens=tokens, seq_len=seq_len)
+    for src, count, w in zip(sources, counts, wins):
+        at_most(-(-count // w), MAX_PASSES, "passes over one source in one epoch", file=src.path,
+                where="--samples/--tokens/SOURCE=WEIGHT", hint=f"the epoch takes {count:,} samples from its "
+                f"{w:,} windows: ask for fewer samples, lower its weight, or add data")
     plans, base = [], 0
     for s, src in enumerate(sources):
         offset = jitter_offset(seed, epoch, s, seq_len) if jitter else 0

@@ -27,7 +27,8 @@ from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_s
 from formats.io import TMP_MARK, Outbox, kept_at, remove_tmp_files
 from formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
                               read_manifest, run_manifest, write_manifest)
-from formats.shards import PackedSource, shard_suffixes
+from formats.shards import PackedSource, is_own_file, shard_suffixes
+from formats.units import at_most
 
 from .packed import PACKED_ALGORITHM, PACKINGS, packing_settings, write_table
 from .packed_step import PackedInMemoryStep, PackedOrderStep, PackedScatterStep, packed_memory
@@ -38,6 +39,9 @@ from .steps import (CHUNKS_IN_BUDGET, ORDER_ROW_OVERHEAD, EpochJob, InMemoryStep
 
 DEFAULT_SHARD_BYTES = 1 << 30  # default --shard-samples: about 1 GiB of samples per shard
 ROW_FACTS_BYTES = 32  # RowFragments per row in memory: first-EOS index, hash, and about one EOS column
+# Output shards one command plans and writes (each three files and a manifest entry): past this, the
+# numbers asked for (--samples, --tokens, --epochs, --shard-samples) are a typo, not a run.
+MAX_SHARDS = 10**6
 MIN_BUCKET_ROWS = 8  # below this many rows per bucket the out-of-core path spends its time per bucket, not per byte
 
 
@@ -384,7 +388,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     keep = {e["path"] + ext for e in entries for ext in shard_suffixes(e)}
     for edir in {Path(job.epoch_dir), kept_at(job.epoch_dir, job.outbox)}:  # here, and where its shards went
         for p in list(edir.iterdir()) if edir.is_dir() else []:  # leftovers of an earlier, different attempt
-            if p.name not in keep and p.is_file():
+            if p.name not in keep and is_own_file(p):
                 p.unlink()
     sources = job.open_sources()
     manifest = epoch_manifest(
@@ -486,8 +490,13 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
     if (out / MANIFEST).exists():
         done_epochs = list(read_manifest(out, kind="run")["epochs"])
     todo = []  # (epoch, plan, job or None when the epoch is complete already): planned before any write
+    shards = 0
     for epoch in epochs:
         plan = runplan.epoch_plan(epoch)
+        shards += -(-plan.samples // shard_samples)
+        at_most(shards, MAX_SHARDS, f"number of output shards (through epoch {epoch}, {plan.samples:,} samples "
+                f"of {shard_samples:,} per shard)", where="--samples/--tokens/--shard-samples",
+                hint="ask for fewer samples or epochs per command (--epoch E), or raise --shard-samples")
         plan = replace(plan, sources=tuple(replace(sp, path=recorded[sp.index]) for sp in plan.sources))
         params = _run_params(plan, [sp.weight for sp in plan.sources], shard_samples)
         if existing is not None:
@@ -502,12 +511,25 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
                 raise TokpackError("epoch directory holds a different epoch", file=edir, where="sources",
                                    hint="delete that epoch directory or use another -o")
         else:
+            _refuse_foreign_files(edir, outbox)
             key = xxhash.xxh3_64_hexdigest(json.dumps([params, plan.source_entries(), plan.algorithm, dtype]).encode())
             job = EpochJob(plan, tuple(source_location(p) for p in paths), dtype, int(first["eos_id"]),
                            first.get("tokenizer", ""), str(edir), str(out / WORK_DIR / f"{edir.name}-{key}"),
                            shard_samples, progress=bool(progress), main_pid=os.getpid(), outbox=outbox)
         todo.append((epoch, plan, job))
     return RunSetup(opened, weights, shard_samples, done_epochs, todo, existing, runplan, run_params)
+
+
+def _refuse_foreign_files(edir: Path, outbox: Outbox | None) -> None:
+    """An epoch folder about to be written may hold what an earlier attempt left (replaced or
+    removed as it finishes), and nothing else: anything else is refused before a byte is written."""
+    for where in {edir, kept_at(edir, outbox)}:
+        foreign = sorted(p.name for p in where.iterdir() if not is_own_file(p)) if where.is_dir() else []
+        if foreign:
+            raise TokpackError("epoch directory holds files tokpack did not write", file=where / foreign[0],
+                               expected="only the epoch's shards and tokpack.json", found=", ".join(foreign[:5]),
+                               hint="move them out of the run (shuffle replaces what is in epoch-NNNNN/), "
+                                    "or choose another -o")
 
 
 @locked_output("shuffle")
@@ -564,6 +586,9 @@ def shuffle_run(
                       pad_id=pad_id)
     out, opened, weights, shard_samples = Path(output), setup.sources, setup.weights, setup.shard_samples
     done_epochs, runplan, skipped, summaries = setup.done_epochs, setup.runplan, [], []
+    # The samples alone, by arithmetic, before the exact count below spends time per shard.
+    check_space([(out, sum(job.plan.samples * job.row_bytes for job in setup.jobs) - bytes_under(out))], "shuffle",
+                hint="ask for fewer samples, free some space there, or choose another -o")
     check_space([(out, bytes_to_write(setup.jobs, opened, memory, workers))], "shuffle",
                 hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)")
     if setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():  # its numbering, fixed at creation

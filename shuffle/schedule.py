@@ -16,13 +16,15 @@ from pathlib import Path
 import xxhash
 
 from formats.errors import TokpackError
+from formats.manifest import MAX_EPOCHS
 from formats.shards import PackedSource
-from formats.units import token_count
+from formats.units import at_most, token_count
 
 from .packed import PACKINGS, packed_epoch_plan
 from .plan import SamplePlan, SourcePlan, epoch_plan, jitter_offset, parse_weight, windows_of
 
 SCHEDULE_KEYS = ("seq_len", "seed", "jitter", "shard_samples", "stages", "packing")
+MAX_SCHEDULE_BYTES = 1 << 20  # a schedule is a few dozen lines; a larger file is not one
 STAGE_KEYS = ("name", "sources", "tokens", "epochs")
 
 
@@ -66,6 +68,19 @@ class Schedule:
     def epochs(self) -> int | None:
         """Epochs in the schedule; None when it is open-ended."""
         return None if any(st.epochs is None for st in self.stages) else sum(st.epochs for st in self.stages)
+
+
+def epoch_numbers(epochs) -> list[int] | None:
+    """shuffle's `epochs` as numbers: a count N is 0..N-1; each number is checked against
+    MAX_EPOCHS before the list is made."""
+    if epochs is None:
+        return None
+    hint = f"epochs are numbered 0 to {MAX_EPOCHS - 1}"
+    if isinstance(epochs, int):
+        return list(range(at_most(epochs, MAX_EPOCHS, "epoch count", where="--epochs", hint=hint)))
+    epochs = [int(e) for e in epochs]
+    at_most(max(epochs, default=0), MAX_EPOCHS - 1, "epoch number", where="--epoch", hint=hint)
+    return epochs
 
 
 def _fail(message: str, file, where: str, expected=None, found=None, hint=None):
@@ -122,14 +137,27 @@ def read_schedule(path: str | Path) -> Schedule:
                       repr(twice), hint="merge the two entries into one")
             return super().construct_mapping(node, deep=deep)
 
+        def compose_node(self, parent, index):
+            # An alias repeats a node without its text: a few lines can stand for gigabytes.
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                _fail("schedule uses a YAML alias (*name)", path, f"line {mark.line + 1}", "plain values",
+                      "an alias", hint="write the value out where it is used; schedules take no anchors or aliases")
+            return super().compose_node(parent, index)
+
     path = Path(path)
-    raw = path.read_bytes()
+    with open(path, "rb") as f:
+        raw = f.read(MAX_SCHEDULE_BYTES + 1)
+    at_most(len(raw), MAX_SCHEDULE_BYTES, "schedule file size in bytes", file=path,
+            hint="a schedule is a short YAML file of stages; check that this is the right file")
     try:
         doc = yaml.load(raw, Loader=UniqueKeys)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         _fail("schedule is not valid YAML", path, f"line {mark.line + 1}" if mark else "", "YAML",
               getattr(e, "problem", None) or type(e).__name__)
+    except RecursionError:
+        _fail("schedule is nested too deeply", path, "", "a few levels of stages and sources", "thousands")
     _check_keys(doc, SCHEDULE_KEYS, path, "")
     seq_len = _int(doc, "seq_len", path, "", 1)
     seed = _int(doc, "seed", path, "")
@@ -177,6 +205,8 @@ def read_schedule(path: str | Path) -> Schedule:
         else:
             epochs = _int(st, "epochs", path, where, 1)
         stages.append(Stage(name, tuple(paths), tuple(weights), 1 if tokens is not None else epochs, tokens=tokens))
+        at_most(sum(st.epochs for st in stages), MAX_EPOCHS, "schedule's epoch count", file=path,
+                where=f"{where}epochs", hint=f"epochs are numbered 0 to {MAX_EPOCHS - 1} through all stages")
     return Schedule(seq_len, seed, tuple(stages), jitter, shard_samples, str(path.resolve()),
                     xxhash.xxh3_128_hexdigest(raw), packing)
 

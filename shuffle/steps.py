@@ -44,7 +44,7 @@ import numpy as np
 import xxhash
 
 from formats.errors import TokpackError
-from formats.io import IO_BLOCK, Outbox, Worker, kept_at, drop_buffers, lent, map_file, progress, write_bytes_atomic
+from formats.io import IO_BLOCK, Outbox, Worker, kept_at, drop_buffers, lent, map_file, progress, read_record, write_bytes_atomic
 from formats.manifest import dtype_from_name, shard_digits, shard_name
 from formats.shards import (EpochShardWriter, PackedSource, RowFragments, shard_on_disk, shard_suffixes,
                             write_pad_sidecar)
@@ -213,8 +213,7 @@ class EpochJob:
 
     def done_entry(self, i: int) -> dict | None:
         """The manifest entry recorded when shard i was committed (and sent, to an outbox)."""
-        done = self.done_path(i)
-        return json.loads(done.read_text()) if done.exists() else None
+        return read_record(self.done_path(i))  # a damaged record: the shard is written again
 
     def shard_done(self, i: int) -> dict | None:
         """The shard's manifest entry if it was committed and recorded and is still there."""

@@ -166,7 +166,7 @@ def test_lock_temporaries_of_killed_commands_are_removed(sources, tmp_path):
     out.mkdir()
     gone = dead_pid()
     (out / f".{LOCK_NAME}.tmp-{gone}-0badc0de").write_text(json.dumps({"host": socket.gethostname(), "pid": gone}))
-    (out / f".{LOCK_NAME}.tmp-{dead_pid()}-halfdone").write_bytes(b'{"ho')  # killed mid-write
+    (out / f".{LOCK_NAME}.tmp-{dead_pid()}-0a1fd0e0").write_bytes(b'{"ho')  # killed mid-write
     alive = {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid())}
     (out / f".{LOCK_NAME}.tmp-{os.getpid()}-feedf00d").write_text(json.dumps(alive))
     r = tokpack(tmp_path, "shuffle", small, "-o", out, "--seq-len", "63", "--seed", "1", "--epochs", "1")
@@ -352,13 +352,13 @@ def test_inspect_of_a_non_increasing_index_is_one_line(sources, tmp_path):
     assert json_failure(r.stdout)["where"] == "entry 4"
 
 
-def test_a_bug_in_tokpack_exits_2_with_its_traceback_in_a_log(sources, tmp_path):
+def test_a_bug_in_tokpack_exits_70_with_its_traceback_in_a_log(sources, tmp_path):
     small, _ = sources
     out = tmp_path / "run"
     code = BUGGY.format(module="shuffle.run", name="open_sources", exc="KeyError")
     r = tokpack(tmp_path, "shuffle", small, "-o", out, "--seq-len", "63", "--seed", "1", "--epochs", "1", "--json",
                 code=code)
-    assert r.returncode == 2
+    assert r.returncode == 70  # EX_SOFTWARE: not 1 (bad data) nor 2 (usage)
     line = one_line(r.stderr)
     assert "internal error (a bug in tokpack): KeyError: 'injected bug'" in line
     logs = list((tmp_path / "crash-logs").glob("crash-*.log"))
@@ -369,14 +369,14 @@ def test_a_bug_in_tokpack_exits_2_with_its_traceback_in_a_log(sources, tmp_path)
     assert not out.exists()  # the lock, and the directory it created, are gone
     debug = tokpack(tmp_path, "--debug", "shuffle", small, "-o", out, "--seq-len", "63", "--seed", "1", "--epochs", "1",
                     code=code)
-    assert debug.returncode == 2 and "Traceback" in debug.stderr and "KeyError: 'injected bug'" in debug.stderr
+    assert debug.returncode == 70 and "Traceback" in debug.stderr and "KeyError: 'injected bug'" in debug.stderr
 
 
 def test_validate_never_reports_its_own_bug_as_corrupt(sources, tmp_path):
     small, _ = sources
     code = BUGGY.format(module="formats.dir_checks", name="validate_all", exc="TypeError")
     r = tokpack(tmp_path, "validate", small, "--json", code=code)
-    assert r.returncode == 2
+    assert r.returncode == 70
     line = one_line(r.stderr)
     assert "internal error (a bug in tokpack): TypeError" in line and "CORRUPT" not in r.stderr + r.stdout
     json_failure(r.stdout)

@@ -34,6 +34,7 @@ def discover(inputs: list[str], input_format: str = "auto", column: str | None =
         kinds = ", ".join(f"{item} is {fmt}" for item, (fmt, _) in zip(inputs, found))
         raise TokpackError("inputs of different formats in one pack", where="INPUT", expected="one format",
                            found=kinds, hint="pack each format into its own source, then shuffle them together")
+    _refuse_twice(inputs, found)
     files = [f for _, fs in found for f in fs]
     if not files:
         raise TokpackError("no input files found", file=", ".join(inputs), expected="at least one file",
@@ -41,6 +42,23 @@ def discover(inputs: list[str], input_format: str = "auto", column: str | None =
     _check_dtype_option(files, dtype)
     _check_consistent(files)
     return formats.pop(), files
+
+
+def _refuse_twice(inputs: list[str], found: list[tuple[str, list[InputFile]]]) -> None:
+    """One file reached twice (a path given twice, a symbolic or hard link to it, a folder and a
+    file in it) would pack its tokens twice: refused, naming both arguments."""
+    seen: dict = {}
+    for item, (_, files) in zip(inputs, found):
+        for f in files:
+            path = as_path(f.path)
+            key = (path.stat().st_dev, path.stat().st_ino) if isinstance(path, Path) else str(path)
+            if key in seen:
+                other, other_path = seen[key]
+                same = f.path if other_path == f.path else f"{other_path} and {f.path}"
+                raise TokpackError("the same input file is given twice", file=f.path, where="INPUT",
+                                   expected="each input file once", found=f"{other!r} and {item!r} both reach {same}",
+                                   hint="give each input once; its tokens would be packed twice")
+            seen[key] = (item, f.path)
 
 
 def _discover_one(path: Path, want: str, column, dtype) -> tuple[str, list[InputFile]]:
