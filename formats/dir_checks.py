@@ -21,6 +21,7 @@ from pathlib import Path
 from .errors import TokpackError
 from .io import TMP_MARK, as_path, progress
 from .manifest import (
+    KINDS,
     MANIFEST,
     xxh3_128_file,
     MANIFEST_FIELDS,
@@ -39,12 +40,13 @@ from .manifest import (
     read_manifest,
 )
 from .shard_scan import MASK64, Findings, Problem, ShardJob, type_ok, check_shard, problem_line, worst_status
-from .shards import SHARD_SUFFIXES, PackedSource
+from .shards import ROWS_SUFFIX, SHARD_SUFFIXES, PackedSource
+from .slices import SLICE, slice_against_run, slice_shard_jobs
 
 # One shard file rarely has more than a few independent faults worth reading about;
 # past this many lines the rest are counted, not listed.
 MAX_PROBLEMS_PER_FILE = 5
-SHARD_FILE = re.compile(r".*\.ds(\.index|\.metadata|\.loss)?$")
+SHARD_FILE = re.compile(r".*\.ds(\.index|\.metadata|\.loss|\.rows)?$")
 EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
 
 
@@ -123,7 +125,7 @@ def _check_listing(path: Path, shards: list[dict], rep: DirReport) -> None:
         listed.add(name)
     if names != sorted(names, key=str) or len({len(n) for n in names if isinstance(n, str)}) > 1:
         rep.add(mfile, "shards", "names of one width, in sorted order", names[:5], "shard names out of order")
-    allowed = {n + suffix for n in listed for suffix in SHARD_SUFFIXES}
+    allowed = {n + suffix for n in listed for suffix in (*SHARD_SUFFIXES, ROWS_SUFFIX)}
     for p in sorted(path.iterdir()):
         if TMP_MARK in p.name:
             continue  # a killed writer's leftover: never data
@@ -403,11 +405,14 @@ def _plan_dir(path: Path, quick: bool, kinds=None) -> _Dir:
         rep.add(path, None, "a tokpack directory", "a file", "not a directory",
                 hint="pass the directory that holds tokpack.json")
         return d
-    m = _open_manifest(path, rep, kinds)
+    m = _open_manifest(path, rep, kinds or (*KINDS, SLICE))
     if m is None:
         return d
     if m["kind"] in ("source", "epoch"):
         d.jobs = _check_data_manifest(path, m, rep, quick)
+    elif m["kind"] == SLICE:  # a node slice: its rank files are checked as epoch shards
+        rep.problems += check_fields(m, MANIFEST_FIELDS, SLICE, str(path / MANIFEST))
+        d.jobs = slice_shard_jobs(path, m, rep, quick) if not rep.problems else []
     return d
 
 
@@ -550,6 +555,13 @@ def _against(report: ValidationReport, against: list[str], expected_multiset_has
     return problems
 
 
+def _kind(path) -> str | None:
+    try:
+        return json.loads((as_path(path) / MANIFEST).read_bytes()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _size(n: int) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
@@ -585,9 +597,17 @@ def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None
     t0 = time.perf_counter()
     against = list(against or [])
     known = {as_path(x).resolve() for x in dirs}
+    # A slice's --against is its run: compared by row hashes, not validated whole.
+    slice_runs = [a for a in against if _kind(a) == "run"] if any(_kind(x) == SLICE for x in dirs) else []
+    against = [a for a in against if a not in slice_runs]
     extra = [a for a in against if as_path(a).resolve() not in known]
     report = validate_dirs(list(dirs) + extra, quick=quick, workers=workers, show_progress=show_progress)
     extra_problems = _against(report, against, expected_multiset_hash) if against else []
+    for d in report.dirs:
+        if d.kind == SLICE and d.manifest is not None:
+            for run in slice_runs:
+                slice_against_run(d.path, d.manifest, run, d)
+    against += slice_runs
     seconds = time.perf_counter() - t0
     problems = report.problems + extra_problems
     nbytes = sum(d.bytes for d in report.dirs)

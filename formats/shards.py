@@ -17,16 +17,19 @@ import xxhash
 from .errors import TokpackError
 from .io import as_path, open_read, read_array, read_full
 from .io import DurableFile, write_bytes_atomic
-from .manifest import dtype_from_name, metadata_text, multiset_hash_rows, read_manifest, row_hashes
+from .manifest import dtype_from_name, metadata_text, read_manifest, row_hashes
 
 U64 = np.dtype("<u8")  # .ds.index entries
 SHARD_SUFFIXES = ("", ".index", ".metadata", ".loss")  # the files of one shard, after its name
 EPOCH_SHARD_SUFFIXES = tuple(s for s in SHARD_SUFFIXES if s != ".loss")  # an epoch's shards carry no loss mask
+ROWS_SUFFIX = ".rows"  # an epoch shard's row hashes (docs/FORMAT.md): present when its entry has rows_xxh3_128
 
 
 def shard_suffixes(entry: dict) -> tuple[str, ...]:
-    """The files of the shard a manifest entry records: a loss mask only where it has one."""
-    return SHARD_SUFFIXES if "loss_xxh3_128" in entry else EPOCH_SHARD_SUFFIXES
+    """The files of the shard a manifest entry records: a loss mask or row hashes only where it has one."""
+    if "loss_xxh3_128" in entry:
+        return SHARD_SUFFIXES
+    return EPOCH_SHARD_SUFFIXES + ((ROWS_SUFFIX,) if "rows_xxh3_128" in entry else ())
 
 
 class SourceShardWriter:
@@ -98,10 +101,12 @@ class EpochShardWriter:
         self.tokenizer = tokenizer
         self.samples = 0  # samples written so far
         self.multiset = 0  # running sum of xxh3_64 over samples, mod 2^64
-        self._ds = self._index = None
+        self._ds = self._index = self._rows = None
         try:
             self._ds = DurableFile(self.directory / name, direct=True)
             self._index = DurableFile(self.directory / f"{name}.index")
+            # Each sample's xxh3_64: what lets a node copy and verify some rows without the others.
+            self._rows = DurableFile(self.directory / f"{name}{ROWS_SUFFIX}")
         except BaseException:
             self.abort()  # the file already open: no descriptor or temporary file left behind
             raise
@@ -122,8 +127,8 @@ class EpochShardWriter:
         if len(rows):
             self._ds.write(self._tokens(rows))
 
-    def write_index(self, rows: np.ndarray) -> None:
-        """The rows' fragment ends into the .ds.index file, and their multiset hash."""
+    def write_index(self, rows: np.ndarray, hashes: np.ndarray | None = None) -> None:
+        """The rows' fragment ends into the .ds.index file, and their hashes (`hashes`: when known)."""
         n = len(rows)
         if n == 0:
             return
@@ -131,17 +136,21 @@ class EpochShardWriter:
         ends = tokens == self.eos_id
         ends[:, -1] = True
         self._index.write(np.flatnonzero(ends.ravel()).astype(U64) + np.uint64(self.samples * self.row_tokens + 1))
-        self.multiset = (self.multiset + multiset_hash_rows(tokens)) & 0xFFFFFFFFFFFFFFFF
+        self._add_hashes(row_hashes(tokens) if hashes is None else hashes)
         self.samples += n
 
-    def write_known_index(self, n: int, ends: np.ndarray, multiset: int) -> None:
+    def write_known_index(self, n: int, ends: np.ndarray, hashes: np.ndarray) -> None:
         """What write_index(rows) writes, for n rows whose fragment ends (relative to their
-        first row, see RowFragments) and multiset hash the caller already knows."""
+        first row, see RowFragments) and row hashes the caller already knows."""
         if n == 0:
             return
         self._index.write(ends.astype(U64) + np.uint64(self.samples * self.row_tokens))
-        self.multiset = (self.multiset + multiset) & 0xFFFFFFFFFFFFFFFF
+        self._add_hashes(hashes)
         self.samples += n
+
+    def _add_hashes(self, hashes: np.ndarray) -> None:
+        self._rows.write(np.ascontiguousarray(hashes, dtype=U64))
+        self.multiset = (self.multiset + int(hashes.sum(dtype=np.uint64))) & 0xFFFFFFFFFFFFFFFF
 
     def close(self) -> dict:
         tokens = self.samples * self.row_tokens
@@ -152,6 +161,7 @@ class EpochShardWriter:
             "samples": self.samples,
             "xxh3_128": self._ds.commit(),
             "index_xxh3_128": self._index.commit(),
+            "rows_xxh3_128": self._rows.commit(),
         }
         meta = metadata_text(self.tokenizer, self.dtype.itemsize, tokens).encode()
         write_bytes_atomic(self.directory / f"{self.name}.metadata", meta, fsync=True)
@@ -160,7 +170,7 @@ class EpochShardWriter:
         return entry
 
     def abort(self) -> None:
-        for f in (self._ds, self._index):
+        for f in (self._ds, self._index, self._rows):
             if f is not None:
                 f.abort()
 
@@ -199,8 +209,8 @@ class RowFragments:
         self._hash = np.concatenate(self.hashes) if self.hashes else np.empty(0, np.uint64)
         self.cols, self.counts, self.hashes = [], [], []
 
-    def of(self, idx: np.ndarray) -> tuple[np.ndarray, int]:
-        """(fragment ends relative to the first row, multiset hash) of store rows `idx` laid
+    def of(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(fragment ends relative to the first row, row hashes) of store rows `idx` laid
         out one after another: each EOS end, and every row end."""
         width = self.row_tokens
         first, count = self._first[idx], self._first[idx + 1] - self._first[idx]
@@ -210,8 +220,7 @@ class RowFragments:
         at = np.repeat(first - starts, count) + np.arange(total, dtype=np.int64)
         eos_ends = out_row * width + self._cols[at]
         row_ends = np.arange(1, len(idx) + 1, dtype=np.int64) * width
-        multiset = int(self._hash[idx].sum(dtype=np.uint64))
-        return np.union1d(eos_ends, row_ends), multiset
+        return np.union1d(eos_ends, row_ends), self._hash[idx]
 
 
 def shard_on_disk(directory: str | Path, entry: dict, itemsize: int) -> bool:

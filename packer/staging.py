@@ -37,6 +37,7 @@ import xxhash
 from formats.errors import TokpackError
 from formats.guard import check_space, locked_output
 from formats.reader import EpochNumbering, shuffle_command
+from formats.shards import ROWS_SUFFIX
 from formats.io import as_path, commit_file, lent, open_read, progress, remove_tmp_files, tmp_path
 from formats.manifest import (
     MANIFEST,
@@ -203,6 +204,10 @@ def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None) -> 
         jobs.append(CopyJob(_join(dir_rel, f"{name}.index"), None if entries is None else 8 * int(entries),
                             s.get("index_xxh3_128"), dir_rel))
         jobs.append(CopyJob(_join(dir_rel, f"{name}.metadata"), None, s.get("metadata_xxh3_128"), dir_rel))
+        if s.get("rows_xxh3_128"):  # an epoch shard's row hashes: 8 bytes a sample
+            samples = s.get("samples")
+            jobs.append(CopyJob(_join(dir_rel, f"{name}{ROWS_SUFFIX}"), None if samples is None else 8 * int(samples),
+                                s["rows_xxh3_128"], dir_rel))
         if s.get("loss_xxh3_128"):
             tokens = s.get("tokens")
             jobs.append(CopyJob(_join(dir_rel, f"{name}.loss"), None if tokens is None else int(tokens),

@@ -534,7 +534,7 @@ def reseal_epoch_index(epoch: Path, shard: str) -> None:
 def test_swapped_rows_fail_on_the_token_checksum(env, tmp_path):
     """Two samples of an epoch shard swapped, the index rewritten by the real writer: sizes,
     index, metadata, fragment count and sample multiset all stay valid. Only the shard's
-    token checksum can tell, and it must."""
+    token checksum and its row hashes (`.ds.rows`, in order) can tell, and they must."""
     shard = env / E0 / "00000.ds"
     rows = np.fromfile(shard, dtype="<u2").reshape(-1, ROW)
     assert not np.array_equal(rows[0], rows[3])
@@ -549,7 +549,8 @@ def test_swapped_rows_fail_on_the_token_checksum(env, tmp_path):
     assert entry["multiset_hash"] == before["multiset_hash"] and entry["xxh3_128"] != before["xxh3_128"]
     r = validate_all([str(env / "run")], quick=False, against=[str(env / "src")], workers=1, show_progress=False)
     assert [(Path(p["file"]).name, p["where"], p["message"]) for p in r["problems"]] == \
-        [("00000.ds", "xxh3_128", "checksum mismatch")], r["lines"]
+        [("00000.ds", "xxh3_128", "checksum mismatch"),
+         ("00000.ds.rows", "entry 0", "row hash disagrees with the sample")], r["lines"]
     assert r["status"] == "corrupt"
 
 
