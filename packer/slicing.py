@@ -246,6 +246,49 @@ class _EpochStager:
         return kept
 
 
+@dataclass
+class SlicePlan:
+    """What a node slice of a run costs, by arithmetic on its manifests (nothing read but them)."""
+
+    ranks: tuple[int, int]
+    world_size: int
+    rows: RankRows
+    run: dict
+    epochs: list[int]
+    kept: dict[int, int]  # epoch -> bytes of its rank files
+    read: dict[int, int]  # epoch -> bytes the stage reads: the kept rows, plus row hashes or whole shards
+    by_rows: dict[int, bool]  # epoch -> verified by row hashes (else by whole shards)
+
+
+def plan_slice(src: Source, ranks=None, world_size: int | None = None, micro_batch: int = 1, node=None,
+               ranks_per_node: int | None = None, start_sample: int = 0, epochs=None) -> SlicePlan:
+    a, b, w = slice_ranks(ranks, world_size, node, ranks_per_node)
+    if micro_batch < 1:
+        raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
+    rows = RankRows(w, micro_batch, start_sample)
+    run = src.manifest("")
+    if run["kind"] != "run":
+        raise TokpackError("a node slice is staged from a run", file=src.path, where="kind", expected="run",
+                           found=run["kind"], hint="give the run directory (the one holding epoch-NNNNN/)")
+    numbering = EpochNumbering.of_run(run, src.path)
+    available = sorted(int(e) for e in run.get("epochs") or [])  # complete epochs only: a run being shuffled lists those
+    chosen = available if epochs is None else parse_epochs(epochs)
+    missing = [e for e in chosen if e not in available]
+    if missing:
+        raise TokpackError("epochs not in this run (yet)", file=src.path, where="epochs", expected=f"some of {available}",
+                           found=missing, hint=f"write epoch {missing[0]} with `{shuffle_command(run, src.path, missing[0])}`"
+                           " or stage the written ones")
+    row_bytes = (int(run["seq_len"]) + 1) * int(run["token_size"])
+    kept, read, by_rows = {}, {}, {}
+    for e in chosen:
+        m = src.manifest(epoch_dir_name(e), kind="epoch")
+        first, n = numbering.first(e), numbering.size(e)
+        kept[e] = sum(rows.rows(r, first, first + n) for r in range(a, b + 1)) * row_bytes
+        by_rows[e] = all("rows_xxh3_128" in s for s in m.get("shards") or [])
+        read[e] = kept[e] + (8 * n if by_rows[e] else n * row_bytes)
+    return SlicePlan((a, b), w, rows, run, chosen, kept, read, by_rows)
+
+
 def _epoch_in_place(d: Path, want: dict) -> bool:
     """The epoch's slice manifest is there, for this slice and this run epoch, with its files at their sizes."""
     try:
@@ -273,26 +316,13 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
                 log=None) -> SliceResult:
     """Writes the node slice of ranks A..B of a run (local or any fsspec URL) into the local DEST."""
     t0 = time.perf_counter()
-    a, b, w = slice_ranks(ranks, world_size, node, ranks_per_node)
-    if micro_batch < 1:
-        raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
     if "://" in str(dest):
         raise TokpackError("DEST must be a local path", file=dest, expected="a local directory (e.g. on NVMe)",
                            found="a URL", hint="stage reads from any fsspec URL but writes to local disk")
-    rows = RankRows(w, micro_batch, start_sample)
     src = Source(str(directory))
-    run = src.manifest("")
-    if run["kind"] != "run":
-        raise TokpackError("a node slice is staged from a run", file=src.path, where="kind", expected="run",
-                           found=run["kind"], hint="give the run directory (the one holding epoch-NNNNN/)")
+    plan = plan_slice(src, ranks, world_size, micro_batch, node, ranks_per_node, start_sample, epochs)
+    (a, b), w, rows, run, chosen = plan.ranks, plan.world_size, plan.rows, plan.run, plan.epochs
     numbering = EpochNumbering.of_run(run, src.path)
-    available = sorted(int(e) for e in run.get("epochs") or [])  # complete epochs only: a run being shuffled lists those
-    chosen = available if epochs is None else parse_epochs(epochs)
-    missing = [e for e in chosen if e not in available]
-    if missing:
-        raise TokpackError("epochs not in this run (yet)", file=src.path, where="epochs", expected=f"some of {available}",
-                           found=missing, hint=f"write epoch {missing[0]} with `{shuffle_command(run, src.path, missing[0])}`"
-                           " or stage the written ones")
     dest = Path(dest)
     root = {**_header(run, SLICE), "tokens": 0, "seq_len": run["seq_len"], "run": run_identity(run),
             "source": src.path, "world_size": w, "micro_batch": micro_batch, "ranks": list(range(a, b + 1)),
@@ -300,9 +330,8 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
     previous = _previous_slice(dest, root, src.path)
     dest.mkdir(parents=True, exist_ok=True)
     row_bytes = (int(run["seq_len"]) + 1) * int(run["token_size"])
-    need = sum(sum(rows.rows(r, numbering.first(e), numbering.first(e) + numbering.size(e)) for r in range(a, b + 1))
-               for e in chosen if e not in previous) * row_bytes
-    check_space([(dest, need)], "stage", hint="free some space there, choose another DEST, or stage fewer epochs (--epochs)")
+    check_space([(dest, sum(plan.kept[e] for e in chosen if e not in previous))], "stage",
+                hint="free some space there, choose another DEST, or stage fewer epochs (--epochs)")
 
     staged, in_place, verified_by, kept_rows = [], [], set(), 0
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:

@@ -578,6 +578,9 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
     total = sum(j.size or 0 for j in jobs)
     if log:
         log(f"stage: {kind} {src.path} -> {dest}: {len(jobs)} files, {total / 2**20:,.1f} MiB, {workers} workers")
+        note = whole_copy_note(plans, ranks, micro_batch, src.path, str(dest))
+        if note:
+            log(note)
     pending = {p.rel: len(p.jobs) for p in plans}
     by_dir = {p.rel: p for p in plans}
     # A remote source's ranged reads share one pool; it closes after the copies that use it.
@@ -629,6 +632,25 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
         files=len(jobs) + len(plans), copied_files=stager.copied, skipped_files=stager.skipped,
         bytes_copied=stager.bytes_copied, bytes_verified_in_place=stager.bytes_verified, seconds=round(seconds, 3),
         mib_per_s=round(moved / 2**20 / seconds, 1) if seconds > 0 else None, partial=bool(missing), **selection)
+
+
+def whole_copy_note(plans: list[DirPlan], ranks, micro_batch: int, source: str, dest: str) -> str | None:
+    """One line when a `--ranks r/W` stage copies (nearly) the whole run anyway: how much, why,
+    and the node-slice command that copies only the ranks' rows."""
+    if ranks is None:
+        return None
+    total = sum(int(s.get("bytes") or 0) for p in plans for s in p.manifest.get("shards") or [])
+    left = sum(int(s.get("bytes") or 0) for p in plans for s in p.manifest.get("shards") or []
+               if s.get("path") in p.skipped_shards)
+    if not total or left > total / 2:
+        return None
+    from formats.slices import stage_command
+
+    (rs, world), per = ranks, max([int(p.manifest.get("shard_samples") or 0) for p in plans] or [0])
+    return (f"stage: whole-run copy ({100 * (total - left) / total:.0f}% of the run's shard bytes): --ranks "
+            f"{','.join(map(str, rs))}/{world} copies whole shards, and a shard ({per:,} samples) holds rows of these "
+            f"ranks in any global batch it spans ({world * micro_batch:,} samples each); "
+            f"`{stage_command(source, dest, rs[0], rs[-1], world, micro_batch)}` copies only their rows")
 
 
 def _partial_sidecar(dest: Path, plans: list[DirPlan], ranks, micro_batch: int) -> dict:

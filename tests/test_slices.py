@@ -345,3 +345,21 @@ def test_validate_a_slice_alone_and_against_its_run(run, tmp_path):
     (s / epoch_dir_name(0) / rank_file_name(1)).write_bytes(bytes(raw))
     code, out = cli("validate", s)
     assert code != 0 and "rank-00001.ds [xxh3_128]: checksum mismatch" in out, out
+
+
+def test_plan_stage_predicts_the_slice_and_the_old_path_says_whole_run_copy(run, tmp_path):
+    """`plan stage --ranks A-B --world-size W`: the bytes a node keeps and reads, as the stage
+    then counts them; the shard-level `--ranks r/W` says on one line that it copies the whole
+    run, and why, in plan and in stage."""
+    code, out = cli("plan", "stage", run, tmp_path / "s", "--ranks", "1-2", "--world-size", W, "--micro-batch", M,
+                    "--disk-mbps", 100, "--json")
+    assert code == 0, out
+    planned = json.loads(out)
+    res = stage_slice(str(run), tmp_path / "s", ranks="1-2", world_size=W, micro_batch=M)
+    assert planned["bytes_per_node"] == res.bytes_kept
+    assert planned["passes"][0]["read_bytes"] == res.bytes_read
+    assert planned["read_amplification"] == res.read_amplification
+    code, out = cli("plan", "stage", run, tmp_path / "old", "--ranks", "1/4", "--micro-batch", M, "--disk-mbps", 100)
+    assert code == 0 and out.count("whole-run copy") == 1 and "--ranks 1 --world-size 4 --micro-batch 3" in out, out
+    code, out = cli("stage", run, tmp_path / "old", "--ranks", "1/4", "--micro-batch", M)
+    assert code == 0 and out.count("whole-run copy") == 1, out
