@@ -129,14 +129,31 @@ class _Reads:
         self.bytes = 0
         self._fds: dict[str, int] = {}
 
+    def _fd(self, rel: str) -> int:
+        fd = self._fds.get(rel)
+        if fd is None:
+            try:
+                fd = self._fds[rel] = os.open(os.path.join(self.src.local_root, rel), os.O_RDONLY)
+            except OSError as e:
+                raise self.src.read_error(rel, e) from None
+        return fd
+
+    def read_all(self, jobs: list[tuple[str, int, memoryview]]) -> None:
+        """Every (file, offset, buffer): a local file's ranges are all announced to the kernel
+        first (its read-ahead fetches them concurrently) and then read in order, in this thread;
+        a remote file's are ranged GETs, `workers` in flight."""
+        if self.src.local_root is None:
+            list(self.pool.map(lambda j: self.read(*j), jobs))
+            return
+        if hasattr(os, "posix_fadvise"):
+            for rel, start, out in jobs:
+                os.posix_fadvise(self._fd(rel), start, out.nbytes, os.POSIX_FADV_WILLNEED)
+        for job in jobs:
+            self.read(*job)
+
     def read(self, rel: str, start: int, out: memoryview) -> None:
         if self.src.local_root is not None:
-            fd = self._fds.get(rel)
-            if fd is None:
-                try:
-                    fd = self._fds[rel] = os.open(os.path.join(self.src.local_root, rel), os.O_RDONLY)
-                except OSError as e:
-                    raise self.src.read_error(rel, e) from None
+            fd = self._fd(rel)
             done = 0
             while done < out.nbytes:
                 n = os.preadv(fd, [out[done:]], start + done)
@@ -155,8 +172,8 @@ class _Reads:
 
     def whole(self, rel: str, size: int) -> bytes:
         buf = bytearray(size)
-        step = CHUNK_BYTES
-        list(self.pool.map(lambda off: self.read(rel, off, memoryview(buf)[off: off + step]), range(0, size, step)))
+        view = memoryview(buf)
+        self.read_all([(rel, off, view[off: off + CHUNK_BYTES]) for off in range(0, size, CHUNK_BYTES)])
         return bytes(buf)
 
     def close(self) -> None:
@@ -221,8 +238,8 @@ class _EpochStager:
             hi = np.concatenate([breaks, [len(pos)]])
             flat = memoryview(buf.reshape(-1))
             jobs = [(int(shard[a]), int(pos[a] - shard[a] * self.per_shard), int(a), int(b)) for a, b in zip(lo, hi)]
-            list(self.reads.pool.map(lambda j: self.reads.read(
-                self.shard_path(j[0]), j[1] * self.row_bytes, flat[j[2] * self.row_bytes: j[3] * self.row_bytes]), jobs))
+            self.reads.read_all([(self.shard_path(i), row * self.row_bytes, flat[a * self.row_bytes: b * self.row_bytes])
+                                 for i, row, a, b in jobs])
             found = row_hashes(buf)
             for i in np.unique(shard):
                 sel = shard == i

@@ -218,8 +218,8 @@ def planned_epoch_manifest(job: EpochJob, sources: list[PackedSource]) -> dict:
         g0, g1 = job.shard_range(i)
         entries.append({"path": job.shard_file(i), "tokens": (g1 - g0) * plan.row_tokens,
                         "bytes": (g1 - g0) * job.row_bytes, "samples": g1 - g0, "xxh3_128": "0" * 32,
-                        "index_xxh3_128": "0" * 32, "metadata_xxh3_128": "0" * 32, "multiset_hash": "0" * 16,
-                        "fragments": int((g1 - g0) * per_row)})
+                        "index_xxh3_128": "0" * 32, "rows_xxh3_128": "0" * 32, "metadata_xxh3_128": "0" * 32,
+                        "multiset_hash": "0" * 16, "fragments": int((g1 - g0) * per_row)})
     return epoch_manifest(entries, job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer,
                           tokens=plan.samples * plan.row_tokens, epoch=plan.epoch, seed=plan.seed, seq_len=plan.seq_len,
                           samples=plan.samples, shard_samples=job.shard_samples, dropped_tokens=plan.dropped_tokens(),
@@ -228,10 +228,10 @@ def planned_epoch_manifest(job: EpochJob, sources: list[PackedSource]) -> dict:
 
 def epoch_bytes(job: EpochJob, manifest: dict) -> int:
     """Bytes of the epoch directory its planned manifest describes: each shard's rows, its
-    index (8 bytes a fragment), its .ds.metadata, and the manifest."""
+    index (8 bytes a fragment), its row hashes (8 bytes a sample), its .ds.metadata, and the manifest."""
     meta = sum(len(metadata_text(job.tokenizer, job.token_dtype.itemsize, s["tokens"]).encode())
                for s in manifest["shards"])
-    return manifest["tokens"] * job.token_dtype.itemsize + 8 * manifest["fragments"] + meta + len(
+    return manifest["tokens"] * job.token_dtype.itemsize + 8 * manifest["fragments"] + 8 * manifest["samples"] + meta + len(
         canonical_bytes(manifest))
 
 
