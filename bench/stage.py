@@ -17,6 +17,7 @@ against writing it locally and uploading it with s3fs's `put`, with each one's p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import shutil
 import sys
@@ -116,15 +117,16 @@ def main(size=None, quick: bool = False, *, shards: int = 8, workers: tuple[int,
     return rows
 
 
-def s3_main(size=None, quick: bool = False, *, shards: int = 8, workers: tuple[int, ...] = (1, 4)) -> list[dict]:
+@contextlib.contextmanager
+def moto_server():
+    """moto's S3 server on 127.0.0.1 (one process, objects in memory), found by s3fs through
+    AWS_ENDPOINT_URL and test credentials set in this process's environment; yields that environment."""
     import os
     import socket
     import subprocess
     import time
     import urllib.request
 
-    nbytes = parse_size(size or (QUICK_SIZE if quick else SIZE))
-    work = Path(tempfile.mkdtemp(prefix="tokpack-stage-s3-bench-"))
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -133,7 +135,6 @@ def s3_main(size=None, quick: bool = False, *, shards: int = 8, workers: tuple[i
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
            "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
     os.environ.update(env)
-    rows = []
     try:
         while True:
             try:
@@ -141,6 +142,19 @@ def s3_main(size=None, quick: bool = False, *, shards: int = 8, workers: tuple[i
                 break
             except OSError:
                 time.sleep(0.1)
+        yield env
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def s3_main(size=None, quick: bool = False, *, shards: int = 8, workers: tuple[int, ...] = (1, 4)) -> list[dict]:
+    import subprocess
+
+    nbytes = parse_size(size or (QUICK_SIZE if quick else SIZE))
+    work = Path(tempfile.mkdtemp(prefix="tokpack-stage-s3-bench-"))
+    rows = []
+    with moto_server() as env:
         import s3fs
 
         fs = s3fs.S3FileSystem()
@@ -169,10 +183,7 @@ def s3_main(size=None, quick: bool = False, *, shards: int = 8, workers: tuple[i
                          "vs s3fs get": base.seconds / m.seconds, "peak RSS MB": m.peak_rss_mb,
                          "note": "median of 3" if not quick else "one run"})
         out_rows = shuffle_to_bucket(src, work, fs, quick)
-    finally:
-        server.terminate()
-        server.wait(10)
-        shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
     print(f"{machine_line()}; {total / 2**20:,.0f} MiB in {shards} shards, moto S3 server on 127.0.0.1")
     print_table(f"stage from a local S3 server vs s3fs get ({total / 2**20:,.0f} MiB)", rows,
                 ["case", "wall s", "MB/s", "vs s3fs get", "peak RSS MB", "note"])
@@ -305,27 +316,8 @@ def slices_main(size=None, quick: bool = False, *, workers: int = 4, s3: bool = 
 def _slice_from_bucket(run: Path, work: Path, name: str, args: list[str], workers: int) -> dict:
     """The same slice staged from the run uploaded to moto's S3 server on 127.0.0.1."""
     import json
-    import os
-    import socket
-    import subprocess
-    import time
-    import urllib.request
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
-           "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
-    os.environ.update(env)
-    try:
-        while True:
-            try:
-                urllib.request.urlopen(env["AWS_ENDPOINT_URL"] + "/moto-api/", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
+    with moto_server():
         import s3fs
 
         s3fs.S3FileSystem.clear_instance_cache()
@@ -338,13 +330,10 @@ def _slice_from_bucket(run: Path, work: Path, name: str, args: list[str], worker
         res = json.loads(out.read_text())
         kept = dir_bytes(dst)
         shutil.rmtree(dst)
-        return {"case": f"tokpack stage slice from s3 (moto), {name}", "wall s": m.seconds,
-                "read MB": res["bytes_read"] / 1e6, "kept MB": kept / 1e6, "read/kept": res["read_amplification"],
-                "vs cp of kept": None, "peak RSS MB": m.peak_rss_mb,
-                "note": f"ranged GETs, --workers {workers * 4}; server in one process"}
-    finally:
-        server.terminate()
-        server.wait(10)
+    return {"case": f"tokpack stage slice from s3 (moto), {name}", "wall s": m.seconds,
+            "read MB": res["bytes_read"] / 1e6, "kept MB": kept / 1e6, "read/kept": res["read_amplification"],
+            "vs cp of kept": None, "peak RSS MB": m.peak_rss_mb,
+            "note": f"ranged GETs, --workers {workers * 4}; server in one process"}
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import random_docs, require, write_source
 from formats.errors import TokpackError
@@ -63,6 +65,24 @@ def stream(reader: SampleReader, rank: int, start: int, positions=None) -> list:
     for item in reader.batches(rank, W, M, start, positions=positions):
         out.append([x.tolist() for x in item] if positions else item.tolist())
     return out
+
+
+# ------------------------------------------------------------------ the arithmetic
+
+
+@settings(max_examples=300, deadline=None)
+@given(w=st.integers(1, 9), m=st.integers(1, 5), phase=st.integers(0, 60), first=st.integers(0, 200),
+       n=st.integers(0, 120), a=st.integers(0, 8), k=st.integers(1, 4), chunk=st.integers(1, 40))
+def test_rank_arithmetic_equals_counting(w, m, phase, first, n, a, k, chunk):
+    """Which samples a node's ranks read, and a sample's row in its rank file, equal a brute
+    count over the epoch, for any world size, micro-batch, batch grid, epoch start and size."""
+    a, b = min(a, w - 1), min(a + k - 1, w - 1)
+    rows = RankRows(w, m, phase)
+    owner = [((g - phase) % (w * m)) // m for g in range(first, first + n)]
+    got = list(rows.node_positions(first, n, (a, b), chunk))
+    assert [int(p) for arr in got for p in arr] == [p for p, r in enumerate(owner) if a <= r <= b]
+    for p, r in enumerate(owner):
+        assert rows.rank_of(first + p) == r and rows.rows(r, first, first + p) == owner[:p].count(r)
 
 
 # ------------------------------------------------------------------ the layout and the reader
