@@ -225,15 +225,14 @@ class RowFragments:
 
 def shard_on_disk(directory: str | Path, entry: dict, itemsize: int) -> bool:
     """Whether a shard its writer recorded (the entry close() returned) is still on disk: the
-    token file at its recorded size, the index and the metadata present. Sizes, not checksums:
+    token file at its recorded size, its other files (index, metadata, ...) present. Sizes, not checksums:
     each file is fsync'd before its rename and the entry recorded after, so a crash cannot
     leave a present file wrong; a change by hand since is what `tokpack validate` reports.
     `directory` may be a URL: an outbox's shards are checked where they were sent."""
     directory = as_path(directory)
     try:
         return ((directory / entry["path"]).stat().st_size == entry["tokens"] * itemsize
-                and (directory / f"{entry['path']}.index").exists()
-                and (directory / f"{entry['path']}.metadata").exists())
+                and all((directory / f"{entry['path']}{suffix}").exists() for suffix in shard_suffixes(entry)[1:]))
     except FileNotFoundError:
         return False
 

@@ -342,7 +342,7 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
     numbering = EpochNumbering.of_run(run, src.path)
     dest = Path(dest)
     root = {**_header(run, SLICE), "tokens": 0, "seq_len": run["seq_len"], "run": run_identity(run),
-            "source": src.path, "world_size": w, "micro_batch": micro_batch, "ranks": list(range(a, b + 1)),
+            "source": src.local_root or src.path, "world_size": w, "micro_batch": micro_batch, "ranks": list(range(a, b + 1)),
             "batch_phase": rows.phase, "epochs": []}
     previous = _previous_slice(dest, root, src.path)
     dest.mkdir(parents=True, exist_ok=True)
