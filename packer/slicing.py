@@ -227,10 +227,13 @@ class _EpochStager:
         n = int(self.m["samples"])
         kept = 0
         max_rows = max(1, CHUNK_BYTES // self.row_bytes)
+        scratch = None
         for pos in self.rows.node_positions(self.first, n, self.ranks, max_rows):
             if not len(pos):
                 continue
-            buf = np.empty((len(pos), self.row_bytes), dtype=np.uint8)
+            if scratch is None or len(scratch) < len(pos):  # one buffer for every chunk: fresh pages cost
+                scratch = np.empty((len(pos), self.row_bytes), dtype=np.uint8)
+            buf = scratch[: len(pos)]
             shard = pos // self.per_shard
             # Ranges: consecutive positions in one shard are one read.
             breaks = np.flatnonzero((np.diff(pos) != 1) | (np.diff(shard) != 0)) + 1
@@ -255,6 +258,10 @@ class _EpochStager:
             rank = ((g - self.rows.phase) % self.rows.global_batch) // self.rows.micro_batch
             tokens = buf.view(writers[self.ranks[0]].dtype)
             for r, w in writers.items():
+                if len(writers) == 1:  # every row is this rank's: no gather
+                    w.write_tokens(tokens)
+                    w.write_index(tokens, found)
+                    continue
                 sel = rank == r
                 if sel.any():
                     w.write_tokens(tokens[sel])
