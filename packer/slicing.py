@@ -38,9 +38,9 @@ from formats.manifest import (
     hash_hex64,
     parse_manifest,
     row_hashes,
-    write_manifest,
 )
 from formats.reader import EpochNumbering, shuffle_command
+from formats.outputs import LocalOutput
 from formats.shards import ROWS_SUFFIX, U64, EpochShardWriter
 from formats.slices import SLICE, SLICE_EPOCH, RankRows, rank_file_name, run_identity, stage_command
 from packer.api import Result
@@ -357,6 +357,7 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
     check_space([(dest, sum(plan.kept[e] for e in chosen if e not in previous))], "stage",
                 hint="free some space there, choose another DEST, or stage fewer epochs (--epochs)")
 
+    output = LocalOutput()  # a node slice is written on the node (formats.outputs: the shared shard interface)
     staged, in_place, verified_by, kept_rows = [], [], set(), 0
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         reads = _Reads(src, pool)
@@ -387,14 +388,15 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
                     log(f"stage: epoch {e} was written without row hashes (.ds.rows): verifying it by reading its "
                         f"shards whole, about {w / (b - a + 1):.0f}x the slice's bytes; rewrite the epoch with this "
                         "tokpack to stage only the slice")
-                writers = {r: EpochShardWriter(d, rank_file_name(r), dtype_from_name(m["dtype"]), int(m["seq_len"]),
-                                               int(m["eos_id"]), m["tokenizer"]) for r in range(a, b + 1)}
+                writers = {r: output.open_shard(d, rank_file_name(r), dtype_from_name(m["dtype"]), int(m["seq_len"]),
+                                                int(m["eos_id"]), m["tokenizer"]) for r in range(a, b + 1)}
                 try:
                     kept_rows += stager.run(writers)
                     entries = []
                     for r, wr in writers.items():
                         entry = wr.close()
                         entry["fragments"] = os.path.getsize(d / f"{entry['path']}.index") // 8
+                        output.commit(d, entry)
                         entries.append({**entry, "rank": r})
                 except BaseException:
                     for wr in writers.values():
@@ -402,7 +404,7 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
                     raise
                 want["shards"] = entries
                 want["tokens"] = sum(s["tokens"] for s in entries)
-                write_manifest(d, want)
+                output.finish(d, want)
                 staged.append(e)
                 if log:
                     log(f"stage: epoch {e}: {sum(s['samples'] for s in entries):,} rows of ranks {a}-{b} "
@@ -411,7 +413,7 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
             reads.close()
     root["epochs"] = sorted(set(previous) | set(chosen))
     root["tokens"] = sum(_epoch_tokens(dest / epoch_dir_name(e)) for e in root["epochs"])
-    write_manifest(dest, root)
+    output.finish(dest, root)
     seconds = time.perf_counter() - t0
     kept = kept_rows * row_bytes
     if log:

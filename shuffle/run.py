@@ -25,8 +25,9 @@ import xxhash
 from formats.errors import TokpackError
 from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
 from formats.io import TMP_MARK, Outbox, kept_at, remove_tmp_files
+from formats.outputs import output_for
 from formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
-                              read_manifest, run_manifest, write_manifest)
+                              read_manifest, run_manifest)
 from formats.shards import PackedSource, shard_suffixes
 
 from .plan import PLAN_ALGORITHM, EpochPlan, is_virtual, open_source, parse_weight, source_location
@@ -346,7 +347,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
                                hint="rerun the same command; completed shards are kept")
         entries.append(entry)
     keep = {e["path"] + ext for e in entries for ext in shard_suffixes(e)}
-    for edir in {Path(job.epoch_dir), kept_at(job.epoch_dir, job.outbox)}:  # here, and where its shards went
+    for edir in {Path(job.epoch_dir), job.output.where(job.epoch_dir)}:  # here, and where its shards went
         for p in list(edir.iterdir()) if edir.is_dir() else []:  # leftovers of an earlier, different attempt
             if p.name not in keep and p.is_file():
                 p.unlink()
@@ -355,7 +356,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
         entries, job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer, tokens=plan.samples * plan.row_tokens,
         epoch=plan.epoch, seed=plan.seed, seq_len=plan.seq_len, samples=plan.samples, shard_samples=job.shard_samples,
         dropped_tokens=plan.dropped_tokens(), jitter=plan.jitter, sources=plan.source_entries(), shuffle=PLAN_ALGORITHM)
-    write_manifest(job.epoch_dir, manifest, outbox=job.outbox)
+    job.output.finish(job.epoch_dir, manifest)
     if job.outbox:
         job.outbox.remote_of(work).remove_tree()
     shutil.rmtree(work, ignore_errors=True)
@@ -501,8 +502,8 @@ def shuffle_run(
                 hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)")
     if setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():  # its numbering, fixed at creation
         out.mkdir(parents=True, exist_ok=True)
-        write_manifest(out, _run_manifest(out, setup.todo[0][1], weights, opened, shard_samples, done_epochs, runplan),
-                       outbox=outbox)
+        output_for(outbox).finish(out, _run_manifest(out, setup.todo[0][1], weights, opened, shard_samples,
+                                                     done_epochs, runplan))
     for epoch, plan, job in setup.todo:
         out.mkdir(parents=True, exist_ok=True)
         if job is None:
@@ -518,7 +519,7 @@ def shuffle_run(
             summary["sources"] = plan.source_report()
             summaries.append(summary)
         done_epochs = sorted(set(done_epochs) | {epoch})
-        write_manifest(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan), outbox=outbox)
+        output_for(outbox).finish(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan))
     work = out / WORK_DIR
     if work.exists() and not any(work.iterdir()):
         work.rmdir()
