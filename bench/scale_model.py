@@ -68,6 +68,37 @@ ORDER_SAMPLE = 256  # order tasks the full-size model runs, out of about 20,490
 OOC_VS_CP = 1.63  # the out-of-core shuffle's time over `cp -r && sync` (BENCHMARKS.md, 1d95acf): its bytes' rate
 
 
+INCIDENT_COPY_SECONDS = 5400  # the incident's copy of the whole run to each node's NVMe from a healthy peer: 1.5 h
+SLICE_RANKS_PER_NODE, SLICE_MICRO_BATCH, SLICE_SEQ_LEN = 8, 4, 4096  # the training the slices serve
+
+
+def ready_rows(shuffle_s: float, node_mbps: float, shared_mbps: float, slice_vs_cp: float) -> list[dict]:
+    """"Ready on 48 nodes" at the incident's scale: the shuffle, then every node stages its node
+    slice from the shared filesystem at once (each at min(node, shared / 48)), against the
+    incident's hour of shuffle and 1.5 h copy of the whole run to each node; and a replacement
+    node staging one slice alone (min(node, shared)). Bytes come from the format's arithmetic
+    (slicing: kept = the run / 48; read adds 8 bytes of row hash a sample of the run),
+    times at cp's rate times `slice_vs_cp`, the measured slice / cp ratio (bench/stage.py --slices)."""
+    row_bytes = (SLICE_SEQ_LEN + 1) * 2
+    samples = INCIDENT_TOKENS // SLICE_SEQ_LEN
+    kept = samples // NODES * row_bytes
+    read = kept + 8 * samples
+    all_at_once = read / (min(node_mbps, shared_mbps / NODES) * 1e6) * slice_vs_cp
+    alone = read / (min(node_mbps, shared_mbps) * 1e6) * slice_vs_cp
+    return [
+        {"case": "incident: shuffle + whole-run copy to each node", "shuffle min": INCIDENT_SECONDS / 60,
+         "stage min": INCIDENT_COPY_SECONDS / 60, "ready min": (INCIDENT_SECONDS + INCIDENT_COPY_SECONDS) / 60,
+         "per node GB": 2 * INCIDENT_TOKENS / 1e9, "note": "the incident's own figures"},
+        {"case": "tokpack: shuffle + every node stages its slice", "shuffle min": shuffle_s / 60,
+         "stage min": all_at_once / 60, "ready min": (shuffle_s + all_at_once) / 60, "per node GB": kept / 1e9,
+         "note": f"reads {read / 1e9:,.0f} GB a node (x{read / kept:.3f}) at {min(node_mbps, shared_mbps / NODES):g} MB/s, "
+                 f"x{slice_vs_cp:g} cp"},
+        {"case": "tokpack: a replacement node stages one slice", "shuffle min": 0.0, "stage min": alone / 60,
+         "ready min": alone / 60, "per node GB": kept / 1e9,
+         "note": f"alone at {min(node_mbps, shared_mbps):g} MB/s; the incident's: {INCIDENT_COPY_SECONDS / 60:.0f} min"},
+    ]
+
+
 def full_plan(disk_mbps: float):
     from packer import ExecutorConfig, plan
 
@@ -262,6 +293,7 @@ def _max_open() -> int:
 
 
 def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 4000), node_mbps: float = 2000,
+         slice_vs_cp: float = 1.0,
          shared_mbps: float = 40000, order_sample: int = ORDER_SAMPLE, work: Path | None = None,
          keep: Path | None = None) -> list[dict]:
     """`size` is not used (bench/run_all.py passes one): the model's size is `scale` of 11T tokens.
@@ -370,6 +402,8 @@ def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 4000),
                     f"(the incident's pre-shuffle: about {INCIDENT_SECONDS / 60:.0f} min)", rows,
                     ["case", "model s (scale)", "model s (scale/4)", "model MB/s", "us per append", "ms per task",
                      "full TB moved", "full s per node in bytes", "projected s"])
+        ready = ready_rows(total, node_mbps, shared_mbps, slice_vs_cp)
+        print_table(f"ready on {NODES} nodes: shuffle, then node slices", ready, list(ready[0]))
         bounded = bounded_rows()
         print_table(f"what stays bounded as the corpus grows 1,000x (plan, {BOUNDED_TASK_BUDGET >> 20} MiB a task, "
                     f"{NODES} tasks)", bounded, list(bounded[0]))
@@ -387,6 +421,14 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true", help="a tiny model (4 tasks, 64 shards): checks that it runs")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: system temp)")
     ap.add_argument("--keep", type=Path, default=None, help="JSON file keeping the models' measurements between runs")
+    ap.add_argument("--slice-vs-cp", type=float, default=1.0,
+                    help="a node slice's time over cp of its bytes (bench/stage.py --slices), for the ready table")
+    ap.add_argument("--ready-only", type=float, default=None, metavar="SHUFFLE_MIN",
+                    help="print only the ready-on-48-nodes table, for a shuffle of this many minutes (no model run)")
     a = ap.parse_args()
-    main(quick=a.quick, scale=Fraction(a.scale), node_mbps=a.node_mbps, shared_mbps=a.shared_mbps,
+    if a.ready_only is not None:
+        rows = ready_rows(a.ready_only * 60, a.node_mbps, a.shared_mbps, a.slice_vs_cp)
+        print_table(f"ready on {NODES} nodes: shuffle, then node slices", rows, list(rows[0]))
+        sys.exit(0)
+    main(quick=a.quick, slice_vs_cp=a.slice_vs_cp, scale=Fraction(a.scale), node_mbps=a.node_mbps, shared_mbps=a.shared_mbps,
          order_sample=a.order_sample, work=a.work, keep=a.keep)

@@ -5,6 +5,7 @@ complete copy: every file is re-read and verified in place, nothing is written.
 
     python bench/stage.py [--size 1GiB] [--shards 8] [--quick]
     python bench/stage.py --s3 [--size 1GiB]    # from a bucket on a local S3 server (moto), and shuffle -o s3://
+    python bench/stage.py --slices [--s3] [--size 512MiB]   # node slices vs a whole stage vs cp of the slice
 
 With --s3 the source sits in a bucket of moto's S3 server on 127.0.0.1 (one process, objects
 in memory) and stage is compared with s3fs's own recursive `get` and `aws s3 cp --recursive`
@@ -16,6 +17,7 @@ against writing it locally and uploading it with s3fs's `put`, with each one's p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import shutil
 import sys
@@ -115,15 +117,16 @@ def main(size=None, quick: bool = False, *, shards: int = 8, workers: tuple[int,
     return rows
 
 
-def s3_main(size=None, quick: bool = False, *, shards: int = 8, workers: tuple[int, ...] = (1, 4)) -> list[dict]:
+@contextlib.contextmanager
+def moto_server():
+    """moto's S3 server on 127.0.0.1 (one process, objects in memory), found by s3fs through
+    AWS_ENDPOINT_URL and test credentials set in this process's environment; yields that environment."""
     import os
     import socket
     import subprocess
     import time
     import urllib.request
 
-    nbytes = parse_size(size or (QUICK_SIZE if quick else SIZE))
-    work = Path(tempfile.mkdtemp(prefix="tokpack-stage-s3-bench-"))
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -132,7 +135,6 @@ def s3_main(size=None, quick: bool = False, *, shards: int = 8, workers: tuple[i
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
            "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
     os.environ.update(env)
-    rows = []
     try:
         while True:
             try:
@@ -140,6 +142,19 @@ def s3_main(size=None, quick: bool = False, *, shards: int = 8, workers: tuple[i
                 break
             except OSError:
                 time.sleep(0.1)
+        yield env
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def s3_main(size=None, quick: bool = False, *, shards: int = 8, workers: tuple[int, ...] = (1, 4)) -> list[dict]:
+    import subprocess
+
+    nbytes = parse_size(size or (QUICK_SIZE if quick else SIZE))
+    work = Path(tempfile.mkdtemp(prefix="tokpack-stage-s3-bench-"))
+    rows = []
+    with moto_server() as env:
         import s3fs
 
         fs = s3fs.S3FileSystem()
@@ -168,10 +183,7 @@ def s3_main(size=None, quick: bool = False, *, shards: int = 8, workers: tuple[i
                          "vs s3fs get": base.seconds / m.seconds, "peak RSS MB": m.peak_rss_mb,
                          "note": "median of 3" if not quick else "one run"})
         out_rows = shuffle_to_bucket(src, work, fs, quick)
-    finally:
-        server.terminate()
-        server.wait(10)
-        shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
     print(f"{machine_line()}; {total / 2**20:,.0f} MiB in {shards} shards, moto S3 server on 127.0.0.1")
     print_table(f"stage from a local S3 server vs s3fs get ({total / 2**20:,.0f} MiB)", rows,
                 ["case", "wall s", "MB/s", "vs s3fs get", "peak RSS MB", "note"])
@@ -232,6 +244,132 @@ def shuffle_to_bucket(src: Path, work: Path, fs, quick: bool) -> list[dict]:
     return rows
 
 
+def slice_cmd(run: Path, dst: Path, args: list[str], out: Path) -> str:
+    argv = [sys.executable, "-m", "packer.cli", "stage", str(run), str(dst), *args, "--json"]
+    return f"cd {shlex.quote(str(REPO))} && {' '.join(shlex.quote(a) for a in argv)} > {shlex.quote(str(out))}"
+
+
+# The reads a slice of rank r of W (micro-batch m) makes, and nothing else: its row ranges in
+# each epoch shard, announced to the kernel, then read in order (argv: run, r, W, m).
+STRIDED_READ = """
+import json, os, sys
+from pathlib import Path
+from formats.slices import RankRows
+run, r, w, m = Path(sys.argv[1]), *map(int, sys.argv[2:])
+rows = RankRows(w, m)
+for d in sorted(run.glob("epoch-*")):
+    e = json.loads((d / "tokpack.json").read_text())
+    row, per, first = (e["seq_len"] + 1) * e["token_size"], e["shard_samples"], e["epoch"] * e["samples"]
+    buf = bytearray(m * row)
+    fds = {}
+    for pos in rows.node_positions(first, e["samples"], (r, r), 1 << 20):
+        starts = pos[::m]
+        ranges = [(int(p) // per, int(p) % per * row) for p in starts]
+        for i, off in ranges:
+            if i not in fds:
+                fds[i] = os.open(d / e["shards"][i]["path"], os.O_RDONLY)
+            os.posix_fadvise(fds[i], off, len(buf), os.POSIX_FADV_WILLNEED)
+        for i, off in ranges:
+            os.preadv(fds[i], [buf], off)
+"""
+
+
+def slices_main(size=None, quick: bool = False, *, workers: int = 4, s3: bool = False) -> list[dict]:
+    """Node slices: a 1/8 slice (W=8, m=4, 1 rank a node; W=16, 2 ranks a node) of a shuffled
+    run against the whole-run stage and against `cp -r && sync` of the slice's own bytes."""
+    import json
+    import subprocess
+
+    nbytes = parse_size(size or ("64MiB" if quick else "512MiB"))
+    work = Path(tempfile.mkdtemp(prefix="tokpack-slice-bench-"))
+    rows = []
+    try:
+        src = make_packed_source(work / "src", nbytes, 8)
+        subprocess.run([sys.executable, "-m", "packer.cli", "shuffle", str(src), "-o", str(work / "run"), "--seq-len",
+                        "4095", "--seed", "1", "--epochs", "1", "--memory", "256MiB"], cwd=REPO, check=True,
+                       stdout=subprocess.DEVNULL)
+        run = work / "run"
+        total = dir_bytes(run)
+        if s3:  # moto copies a whole object for each ranged GET: the bucket's run has 8 MiB shards
+            small_run = work / "run-8mib-shards"
+            subprocess.run([sys.executable, "-m", "packer.cli", "shuffle", str(src), "-o", str(small_run), "--seq-len",
+                            "4095", "--seed", "1", "--epochs", "1", "--memory", "256MiB", "--shard-samples", "1024"],
+                           cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+        note = "cold cache" if can_drop_caches() else "warm cache (not root: cannot drop caches)"
+        # The fixed cost of a Python command (interpreter, imports) dominates a small slice: a
+        # slice of a one-shard run, median of 3, is subtracted in the last ratio column.
+        tiny = make_packed_source(work / "tiny", 1 << 18, 1)
+        subprocess.run([sys.executable, "-m", "packer.cli", "shuffle", str(tiny), "-o", str(work / "tiny-run"),
+                        "--seq-len", "63", "--seed", "1", "--epochs", "1"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+
+        def tiny_slice():
+            shutil.rmtree(work / "tiny-slice", ignore_errors=True)
+            return run_measured(slice_cmd(work / "tiny-run", work / "tiny-slice",
+                                          ["--ranks", "3", "--world-size", "8", "--micro-batch", "4"], work / "t.json"))
+
+        start = median_of(tiny_slice, 3)
+        rows.append({"case": "tokpack stage slice of a 256 KiB run", "wall s": start.seconds,
+                     "peak RSS MB": start.peak_rss_mb, "note": "fixed start-up cost (median of 3): interpreter, imports"})
+        m = run_measured(stage_cmd(run, work / "full", workers))
+        shutil.rmtree(work / "full")
+        rows.append({"case": "tokpack stage (whole run)", "wall s": m.seconds, "read MB": total / 1e6,
+                     "kept MB": total / 1e6, "read/kept": 1.0, "vs cp of kept": None, "peak RSS MB": m.peak_rss_mb,
+                     "note": note})
+        m = run_measured([sys.executable, "-c", STRIDED_READ, str(run), "3", "8", "4"], cwd=str(REPO))
+        rows.append({"case": "cold read of the 1/8 slice's rows in place", "wall s": m.seconds,
+                     "peak RSS MB": m.peak_rss_mb,
+                     "note": "the physical floor of the slice's reads: its ranges, WILLNEED, then pread; no write"})
+        for name, args in [("1 rank a node (W=8)", ["--ranks", "3", "--world-size", "8"]),
+                           ("2 ranks a node (W=16)", ["--ranks", "6-7", "--world-size", "16"])]:
+            dst, out = work / "slice", work / "slice.json"
+            shutil.rmtree(dst, ignore_errors=True)
+            m = run_measured(slice_cmd(run, dst, [*args, "--micro-batch", "4", "--workers", str(workers)], out))
+            res = json.loads(out.read_text())
+            cp = cp_sync(dst, work / "cp")
+            shutil.rmtree(work / "cp")
+            kept = dir_bytes(dst)
+            rows.append({"case": f"cp -r + sync of the slice, {name}", "wall s": cp.seconds, "read MB": kept / 1e6,
+                         "kept MB": kept / 1e6, "read/kept": 1.0, "vs cp of kept": 1.0, "peak RSS MB": cp.peak_rss_mb,
+                         "note": "the slice's own files"})
+            rows.append({"case": f"tokpack stage slice, {name}", "wall s": m.seconds,
+                         "read MB": res["bytes_read"] / 1e6, "kept MB": kept / 1e6,
+                         "read/kept": res["read_amplification"], "vs cp of kept": m.seconds / cp.seconds,
+                         "excl. start-up": (m.seconds - start.seconds) / cp.seconds, "peak RSS MB": m.peak_rss_mb,
+                         "note": f"1/8 of {total / 1e6:,.0f} MB; rows verified by .ds.rows; read/kept over token bytes"})
+            if s3:
+                rows.append(_slice_from_bucket(small_run, work, name, args, workers))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"{machine_line()}; run of {total / 2**20:,.0f} MiB (seq_len 4095, uint16), --workers {workers}")
+    print_table("node slice vs whole-run stage vs cp of the slice's bytes", rows,
+                ["case", "wall s", "read MB", "kept MB", "read/kept", "vs cp of kept", "excl. start-up", "peak RSS MB",
+                 "note"])
+    return rows
+
+
+def _slice_from_bucket(run: Path, work: Path, name: str, args: list[str], workers: int) -> dict:
+    """The same slice staged from the run uploaded to moto's S3 server on 127.0.0.1."""
+    import json
+
+    with moto_server():
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
+        fs = s3fs.S3FileSystem()
+        fs.mkdir("bench")
+        fs.put(str(run), "bench/run", recursive=True)
+        dst, out = work / "slice-s3", work / "slice-s3.json"
+        m = run_measured(slice_cmd("s3://bench/run", dst, [*args, "--micro-batch", "4", "--workers", str(workers * 4)],
+                                   out), cold=False)
+        res = json.loads(out.read_text())
+        kept = dir_bytes(dst)
+        shutil.rmtree(dst)
+    return {"case": f"tokpack stage slice from s3 (moto), {name}", "wall s": m.seconds,
+            "read MB": res["bytes_read"] / 1e6, "kept MB": kept / 1e6, "read/kept": res["read_amplification"],
+            "vs cp of kept": None, "peak RSS MB": m.peak_rss_mb,
+            "note": f"8 MiB shards, ranged GETs, --workers {workers * 4}; moto in one process"}
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default=None, help=f"corpus size [default: {SIZE}; --quick: {QUICK_SIZE}]")
@@ -239,5 +377,9 @@ if __name__ == "__main__":
     ap.add_argument("--workers", default="1,4", help="worker counts to measure, e.g. 1,4")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--s3", action="store_true", help="stage from a bucket on a local S3 server (moto)")
+    ap.add_argument("--slices", action="store_true", help="node slices (W=8 and 16, m=4) against a whole stage and cp")
     a = ap.parse_args()
+    if a.slices:
+        slices_main(a.size, a.quick, s3=a.s3)
+        sys.exit(0)
     (s3_main if a.s3 else main)(a.size, a.quick, shards=a.shards, workers=tuple(int(x) for x in a.workers.split(",")))

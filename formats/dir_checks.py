@@ -24,6 +24,7 @@ from .errors import TokpackError
 from .io import TMP_MARK, ThreadPool, as_path, contained, name_problem, progress, read_limited
 from .manifest import (
     EPOCH_DIR,
+    KINDS,
     MANIFEST,
     MASK64,
     MAX_MANIFEST_BYTES,
@@ -37,15 +38,18 @@ from .manifest import (
     read_manifest,
     type_ok,
     xxh3_128_file,
+    field_problems,
+    MANIFEST_FIELDS,
 )
 from .reader import EpochNumbering
 from .shard_scan import Findings, Problem, ShardJob, check_shard, problem_line, worst_status
-from .shards import PAD_DTYPE, PAD_SUFFIX, SHARD_SUFFIXES, PackedSource, contained_shard
+from .shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, SHARD_SUFFIXES, PackedSource, contained_shard
+from .slices import SLICE, slice_against_run, slice_shard_jobs
 
 # One shard file rarely has more than a few independent faults worth reading about;
 # past this many lines the rest are counted, not listed.
 MAX_PROBLEMS_PER_FILE = 5
-SHARD_FILE = re.compile(r".*\.ds(\.index|\.metadata|\.loss|\.pad)?$")
+SHARD_FILE = re.compile(r".*\.ds(\.index|\.metadata|\.loss|\.pad|\.rows)?$")
 
 
 @dataclass(kw_only=True)
@@ -100,7 +104,7 @@ def _open_manifest(path: Path, rep: DirReport, kinds) -> dict | None:
 
 def _check_listing(path: Path, shards: list[dict], rep: DirReport) -> None:
     """The directory holds no shard file the manifest does not list (the names were checked)."""
-    allowed = {s["path"] + suffix for s in shards for suffix in (*SHARD_SUFFIXES, PAD_SUFFIX)}
+    allowed = {s["path"] + suffix for s in shards for suffix in (*SHARD_SUFFIXES, PAD_SUFFIX, ROWS_SUFFIX)}
     _check_pads(path, shards, rep)
     for p in sorted(path.iterdir()):
         if TMP_MARK in p.name:
@@ -316,11 +320,15 @@ def _plan_dir(path: Path, quick: bool, kinds=None) -> _Dir:
         rep.add(path, None, "a tokpack directory", "a file", "not a directory",
                 hint="pass the directory that holds tokpack.json")
         return d
-    m = _open_manifest(path, rep, kinds)
+    m = _open_manifest(path, rep, kinds or (*KINDS, SLICE))
     if m is None:
         return d
     if m["kind"] in ("source", "epoch"):
         d.jobs = _check_data_manifest(path, m, rep, quick)
+    elif m["kind"] == SLICE:  # a node slice: its rank files are checked as epoch shards
+        for key, expected, found, message in field_problems(m, MANIFEST_FIELDS, SLICE):
+            rep.add(str(path / MANIFEST), key, expected, found, message)
+        d.jobs = slice_shard_jobs(path, m, rep, quick) if not rep.problems else []
     return d
 
 
@@ -494,6 +502,13 @@ def _order_problem(d: DirReport, planned: list[int]) -> None:
                "from a good copy, or shuffle it again from the same sources, seed and epoch")
 
 
+def _kind(path) -> str | None:
+    try:
+        return json.loads((as_path(path) / MANIFEST).read_bytes()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _size(n: int) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
@@ -529,10 +544,18 @@ def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None
     t0 = time.perf_counter()
     against = list(against or [])
     known = {as_path(x).resolve() for x in dirs}
+    # A slice's --against is its run: compared by row hashes, not validated whole.
+    slice_runs = [a for a in against if _kind(a) == "run"] if any(_kind(x) == SLICE for x in dirs) else []
+    against = [a for a in against if a not in slice_runs]
     extra = [a for a in against if as_path(a).resolve() not in known]
     report = validate_dirs(list(dirs) + extra, quick=quick, workers=workers, show_progress=show_progress,
                            order=bool(against))
     extra_problems = _against(report, against, replay) if against else []
+    for d in report.dirs:
+        if d.kind == SLICE and d.manifest is not None:
+            for run in slice_runs:
+                slice_against_run(d.path, d.manifest, run, d)
+    against += slice_runs
     seconds = time.perf_counter() - t0
     problems = report.problems + extra_problems
     nbytes = sum(d.bytes for d in report.dirs)

@@ -188,29 +188,29 @@ def fingerprint(shard_checksums: list[str], dtype: str, vocab_size: int, eos_id:
 # optional ones.
 _FIELD_TABLES = """
 `tokpack.json`
-| `format` | string | yes | source, epoch, run | `"tokpack"` |
-| `version` | int | yes | source, epoch, run | `1`; see the version rule |
-| `kind` | string | yes | source, epoch, run | `"source"`, `"epoch"` or `"run"` |
-| `dtype` | string | yes | source, epoch, run | `"uint16"` if `vocab_size <= 65536`, else `"uint32"` |
-| `token_size` | int >= 1 | yes | source, epoch, run | bytes per token: 2 or 4 |
-| `vocab_size` | int >= 1 | yes | source, epoch, run | every token id is `< vocab_size` |
-| `eos_id` | int >= 0 | yes | source, epoch, run | the end-of-document token, `< vocab_size` |
-| `tokenizer` | string | yes | source, epoch, run | a name or path, informative |
-| `tokens` | int >= 0 | yes | source, epoch, run | tokens in the shards (a run: in its written epochs) |
+| `format` | string | yes | source, epoch, run, slice, slice-epoch | `"tokpack"` |
+| `version` | int | yes | source, epoch, run, slice, slice-epoch | `1`; see the version rule |
+| `kind` | string | yes | source, epoch, run, slice, slice-epoch | `"source"`, `"epoch"`, `"run"`, `"slice"` or `"slice-epoch"` |
+| `dtype` | string | yes | source, epoch, run, slice, slice-epoch | `"uint16"` if `vocab_size <= 65536`, else `"uint32"` |
+| `token_size` | int >= 1 | yes | source, epoch, run, slice, slice-epoch | bytes per token: 2 or 4 |
+| `vocab_size` | int >= 1 | yes | source, epoch, run, slice, slice-epoch | every token id is `< vocab_size` |
+| `eos_id` | int >= 0 | yes | source, epoch, run, slice, slice-epoch | the end-of-document token, `< vocab_size` |
+| `tokenizer` | string | yes | source, epoch, run, slice, slice-epoch | a name or path, informative |
+| `tokens` | int >= 0 | yes | source, epoch, run, slice, slice-epoch | tokens in the shards (a run: in its written epochs; a slice: in its rank files) |
 | `documents` | int >= 0 | yes | source | documents (index entries) over the shards |
 | `fragments` | int >= 0 | yes | epoch, run | index entries over the shards (a run: its written epochs) |
 | `fingerprint` | hex32 | yes | source | the source's identity (see Checksums) |
-| `shards` | list | yes | source, epoch | shard entries in stream order (table below) |
+| `shards` | list | yes | source, epoch, slice-epoch | shard entries in stream order (table below; a slice epoch: one per rank) |
 | `inputs` | list | no | source | `[{path, size, format}]` of the packed inputs |
 | `shard_tokens` | int >= 1 | no | source | pack's shard size limit |
 | `eos_appended` | int >= 0 | no | source | EOS tokens pack appended |
 | `empty_documents_dropped` | int >= 0 | no | source | empty input documents pack dropped |
 | `created_by` | string | no | source | the writing tokpack's version |
 | `request` | object | no | source | pack's normalised options, which tell a rerun from another pack |
-| `epoch` | int >= 0 | yes | epoch | the epoch number, as in the directory name |
+| `epoch` | int >= 0 | yes | epoch, slice-epoch | the epoch number, as in the directory name |
 | `seed` | int | yes | epoch, run | the shuffle seed |
-| `seq_len` | int >= 1 | yes | epoch, run | `L`: a sample is `L + 1` tokens |
-| `samples` | int >= 0 | yes | epoch, run | samples in the epoch (a run: in each epoch; a scheduled run: 0) |
+| `seq_len` | int >= 1 | yes | epoch, run, slice, slice-epoch | `L`: a sample is `L + 1` tokens |
+| `samples` | int >= 0 | yes | epoch, run, slice-epoch | samples in the epoch (a run: in each epoch; a scheduled run: 0; a slice epoch: the run's epoch) |
 | `epoch_samples` | list | no | run | sizes of epochs `0..k-1` when planned unequal (a scheduled run: every epoch) |
 | `shard_samples` | int >= 1 | yes | epoch, run | samples in every shard but the last |
 | `dropped_tokens` | int >= 0 | yes | epoch | source tokens outside every window |
@@ -220,25 +220,35 @@ _FIELD_TABLES = """
 | `weights` | list or null | yes | run | the weights as given, or null |
 | `sample_multiset_hash` | hex16 | yes | epoch | sum of the shards' `multiset_hash` mod 2^64 |
 | `shuffle` | string | yes | epoch, run | the shuffle algorithm's name |
-| `epochs` | list | yes | run | the epoch numbers written so far |
+| `epochs` | list | yes | run, slice | the epoch numbers written so far (a slice: staged) |
 | `schedule` | list | no | run | a scheduled run: per epoch, `{stage, sources, weights, samples}` (see Schedules) |
 | `schedule_file` | string | no | run | a scheduled run: the schedule file it was made from |
 | `schedule_xxh3_128` | hex32 | no | run | a scheduled run: checksum of that file |
 | `packing` | object | no | epoch, run | a best-fit epoch or run: `{method, group_tokens, pad_id}`, an epoch also `padding_tokens` and `table_xxh3_128` (see Packing) |
+| `run` | object | yes | slice, slice-epoch | the run's manifest without `epochs`, `tokens`, `fragments`: its identity and sample numbering |
+| `source` | string | no | slice | the run directory or URL it was staged from, informative |
+| `world_size` | int >= 1 | yes | slice, slice-epoch | `W`: data-parallel ranks of the training it serves |
+| `micro_batch` | int >= 1 | yes | slice, slice-epoch | `m`: samples per rank per global batch |
+| `ranks` | list | yes | slice, slice-epoch | the consecutive ranks `A..B` it holds, in order |
+| `batch_phase` | int >= 0 | yes | slice, slice-epoch | `G mod W*m` of every global batch's first sample (0: training from sample 0) |
+| `first_sample` | int >= 0 | yes | slice-epoch | the run's consumed-sample number `G` of the epoch's first sample |
+| `epoch_xxh3_128` | hex32 | yes | slice-epoch | checksum of the run's epoch manifest bytes: which epoch the rows came from |
 
 `shards[]`
-| `path` | string | yes | source, epoch | the `.ds` file name |
-| `tokens` | int >= 0 | yes | source, epoch | tokens in the `.ds` file |
-| `bytes` | int >= 0 | yes | source, epoch | `tokens * token_size` |
+| `path` | string | yes | source, epoch, slice-epoch | the `.ds` file name |
+| `tokens` | int >= 0 | yes | source, epoch, slice-epoch | tokens in the `.ds` file |
+| `bytes` | int >= 0 | yes | source, epoch, slice-epoch | `tokens * token_size` |
 | `documents` | int >= 0 | yes | source | documents, = index entries |
-| `samples` | int >= 0 | yes | epoch | samples in the shard |
-| `fragments` | int >= 0 | yes | epoch | index entries |
-| `xxh3_128` | hex32 | yes | source, epoch | checksum of the `.ds` file |
-| `index_xxh3_128` | hex32 | yes | source, epoch | checksum of `.ds.index` |
-| `metadata_xxh3_128` | hex32 | yes | source, epoch | checksum of `.ds.metadata` |
+| `samples` | int >= 0 | yes | epoch, slice-epoch | samples in the shard |
+| `fragments` | int >= 0 | yes | epoch, slice-epoch | index entries |
+| `xxh3_128` | hex32 | yes | source, epoch, slice-epoch | checksum of the `.ds` file |
+| `index_xxh3_128` | hex32 | yes | source, epoch, slice-epoch | checksum of `.ds.index` |
+| `metadata_xxh3_128` | hex32 | yes | source, epoch, slice-epoch | checksum of `.ds.metadata` |
 | `loss_xxh3_128` | hex32 | no | source | checksum of `.ds.loss`, when there is one |
-| `multiset_hash` | hex16 | yes | epoch | sum of xxh3-64 over the shard's samples mod 2^64 |
+| `multiset_hash` | hex16 | yes | epoch, slice-epoch | sum of xxh3-64 over the shard's samples mod 2^64 |
 | `pad_xxh3_128` | hex32 | no | epoch | a best-fit epoch: checksum of `.ds.pad` |
+| `rows_xxh3_128` | hex32 | no | epoch, slice-epoch | checksum of `.ds.rows`, the xxh3-64 of each sample (written since node slices) |
+| `rank` | int >= 0 | yes | slice-epoch | the rank whose rows the file holds |
 
 `sources[]`
 | `name` | string | yes | epoch, run | the source's name |

@@ -286,7 +286,14 @@ class SampleReader:
         numbering = run = None
         for p in paths:
             p = as_path(p)
-            manifest = read_manifest(p, kind=("run", "epoch"))
+            manifest = read_manifest(p, kind=("run", "epoch", "slice"))
+            if manifest["kind"] == "slice":  # a node slice (formats/slices.py): its ranks' rows, the run's numbers
+                from .slices import SliceReader
+
+                if len(paths) != 1:
+                    raise TokpackError("a node slice is read on its own, not chained", file=p, where="paths",
+                                       expected="one slice directory", found=len(paths))
+                return SliceReader.open_slice(p, manifest, verify=verify)
             absent.update(partial_stage_absent(p))
             if manifest["kind"] == "epoch":
                 epochs.append((p, manifest))
@@ -712,8 +719,12 @@ class SampleReader:
         worker's share. `copy=False` yields views of a reused buffer, valid until the next item.
         A stream that reaches an epoch that is not written raises `missing_epoch_error` there.
         """
+        self.serves(rank, world_size, micro_batch, self.start_from(start_sample=start))
         return RankStream(self, rank, world_size, micro_batch, start, positions=positions, steps=steps,
                           worker=worker, num_workers=num_workers, copy=copy, first_step=first_step)
+
+    def serves(self, rank: int, world_size: int, micro_batch: int, start: int) -> None:
+        """Raises when this reader cannot serve that rank's stream (a node slice of other ranks)."""
 
     def rank_samples(self, rank: int, world_size: int, micro_batch: int, start: int = 0,
                      count: int | None = None) -> Iterator[Sample]:

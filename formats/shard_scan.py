@@ -22,7 +22,7 @@ import xxhash
 from .errors import IncompleteError, TokpackError
 from .io import give_buffers, open_read, read_ahead, read_full, regular_size, take_buffer
 from .manifest import MANIFEST, MASK64, hash_hex64, metadata_text, order_hash, parse_metadata_text, row_hashes, type_ok
-from .shards import U64
+from .shards import ROWS_SUFFIX, U64
 
 MAX_METADATA = 1 << 16
 # Read block: smaller than formats.io.IO_BLOCK, and it keeps a cold read pipelined best
@@ -311,6 +311,19 @@ def check_shard(job: ShardJob) -> Findings:
             if h.hexdigest() != e["loss_xxh3_128"]:
                 out.add(loss_path, "xxh3_128", e["loss_xxh3_128"], h.hexdigest(), "checksum mismatch")
 
+    # ---- row hashes (optional, epochs): size here, checksum and content with the tokens
+    rows = None
+    if "rows_xxh3_128" in e:
+        rows_path = ds.with_name(ds.name + ROWS_SUFFIX)
+        rows_size, want = _file_size(rows_path), 8 * int(e.get("samples", 0))
+        if rows_size is None:
+            out.add(rows_path, None, "a file listed in the manifest", "no such file", "row hashes missing")
+        elif rows_size != want:
+            out.add(rows_path, "size", f"{want} bytes (8 per sample)", f"{rows_size} bytes", "row hashes size wrong")
+        else:
+            out.saw(rows_size)
+            rows = _RowHashes(rows_path, rows_size, e["rows_xxh3_128"])
+
     # ---- index and tokens
     if idx_size is not None and idx_ok:
         # an epoch whose token count is not whole samples was reported from the manifest;
@@ -319,8 +332,40 @@ def check_shard(job: ShardJob) -> Findings:
         if job.quick or not ds_ok or not whole_rows:
             _index_only(job, idx_path, tokens, out, idx_size)
         else:
-            out.multiset = _full_pass(job, ds, idx_path, tokens, out, idx_size)
+            out.multiset = _full_pass(job, ds, idx_path, tokens, out, idx_size, rows)
+    if rows is not None and not job.quick:
+        rows.finish(out)
     return out
+
+
+class _RowHashes:
+    """An epoch shard's `.ds.rows`, read alongside its tokens: each entry must be its row's xxh3_64."""
+
+    def __init__(self, path: Path, size: int, checksum: str):
+        self.path, self.size, self.checksum = path, size, checksum
+        self.hash = xxhash.xxh3_128()
+        self.done = 0  # entries compared
+        self.bad: tuple[int, int, int] | None = None  # first (row, recorded, recomputed) that differ
+
+    def feed(self, f, hashes: np.ndarray) -> None:
+        raw = f.read(8 * len(hashes))
+        self.hash.update(raw)
+        have = np.frombuffer(raw, dtype=U64)
+        if self.bad is None and len(have) == len(hashes) and not np.array_equal(have, hashes):
+            k = int(np.flatnonzero(have != hashes)[0])
+            self.bad = (self.done + k, int(have[k]), int(hashes[k]))
+        self.done += len(hashes)
+
+    def finish(self, out) -> None:
+        if self.done * 8 != self.size:  # not compared with the tokens (a bad .ds): the checksum alone
+            with open_read(self.path, BLOCK) as f:
+                self.hash = xxhash.xxh3_128(f.read(self.size))
+        elif self.bad is not None:
+            row, have, calc = self.bad
+            out.add(self.path, f"entry {row}", f"{hash_hex64(calc)} (xxh3_64 of sample {row})", hash_hex64(have),
+                    "row hash disagrees with the sample")
+        if self.hash.hexdigest() != self.checksum:
+            out.add(self.path, "xxh3_128", self.checksum, self.hash.hexdigest(), "checksum mismatch")
 
 
 def _index_problems(stream: _IndexStream, job: ShardJob, idx_path: Path, tokens: int, out: Findings) -> None:
@@ -365,7 +410,8 @@ def _first_missing_sample_end(ends: np.ndarray, lo: int, hi: int, row: int) -> i
     return int(missing[0]) if len(missing) else -1
 
 
-def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: Findings, idx_size: int) -> int | None:
+def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: Findings, idx_size: int,
+               recorded: _RowHashes | None = None) -> int | None:
     """Full mode: one read of the token file, with the index streamed alongside."""
     tsize = job.dtype.itemsize
     row = job.row_tokens
@@ -377,6 +423,7 @@ def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: Findin
     vocab_bad = eos_bad = index_bad = False
     a = 0  # token offset of the current block
     scratch = take_buffer(bool)  # EOS flags of a block's rows, reused from block to block
+    rows_file = open_read(recorded.path, BLOCK) if recorded is not None else None
     try:
         for view in _read_blocks(ds, tokens * tsize, block_tokens * tsize):
             n = len(view)
@@ -421,6 +468,8 @@ def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: Findin
                 if job.first_sample is not None:
                     g = np.arange(len(hashes), dtype=np.uint64) + np.uint64(job.first_sample + a // row)
                     order = (order + order_hash(g, hashes)) & MASK64
+                if rows_file is not None:
+                    recorded.feed(rows_file, hashes)
             a = b
         extra = stream.rest()
         if stream.broken is not None:
@@ -434,6 +483,8 @@ def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: Findin
             out.add(idx_path, "xxh3_128", job.entry["index_xxh3_128"], stream.hash.hexdigest(), "checksum mismatch")
     finally:
         stream.close()
+        if rows_file is not None:
+            rows_file.close()
         give_buffers([scratch])
     if h.hexdigest() != job.entry["xxh3_128"]:
         out.add(ds, "xxh3_128", job.entry["xxh3_128"], h.hexdigest(), "checksum mismatch")

@@ -19,16 +19,17 @@ from .errors import TokpackError
 from .io import as_path, contained, open_read, read_array, read_full, regular_size
 from .io import DurableFile, is_tmp_name, write_bytes_atomic
 from .manifest import EPOCH_SHARD_SUFFIXES, SHARD_SUFFIXES  # noqa: F401 (importable from here too)
-from .manifest import MANIFEST, dtype_from_name, metadata_text, multiset_hash_rows, read_manifest, row_hashes
+from .manifest import MANIFEST, dtype_from_name, metadata_text, read_manifest, row_hashes
 
 U64 = np.dtype("<u8")  # .ds.index entries
+ROWS_SUFFIX = ".rows"  # an epoch shard's row hashes (docs/FORMAT.md): present when its entry has rows_xxh3_128
 
 
 PAD_SUFFIX = ".pad"  # a best-fit epoch shard: uint32 LE per sample, its padding tokens (at the sample's end)
 PAD_DTYPE = np.dtype("<u4")
 
 
-_SHARD_FILE = re.compile("[0-9]+[.]ds(" + "|".join(re.escape(s) for s in (*SHARD_SUFFIXES, PAD_SUFFIX) if s) + ")?")
+_SHARD_FILE = re.compile("[0-9]+[.]ds(" + "|".join(re.escape(s) for s in (*SHARD_SUFFIXES, PAD_SUFFIX, ROWS_SUFFIX) if s) + ")?")
 
 
 def is_own_file(path: Path) -> bool:
@@ -40,10 +41,11 @@ def is_own_file(path: Path) -> bool:
 
 
 def shard_suffixes(entry: dict) -> tuple[str, ...]:
-    """The files of the shard a manifest entry records: a loss mask or a padding sidecar only
-    where it has one."""
+    """The files of the shard a manifest entry records: a loss mask, row hashes or a padding
+    sidecar only where it has one."""
     base = SHARD_SUFFIXES if "loss_xxh3_128" in entry else EPOCH_SHARD_SUFFIXES
-    return base + (PAD_SUFFIX,) if "pad_xxh3_128" in entry else base
+    return (base + ((ROWS_SUFFIX,) if "rows_xxh3_128" in entry else ())
+            + ((PAD_SUFFIX,) if "pad_xxh3_128" in entry else ()))
 
 
 def write_pad_sidecar(directory: str | Path, name: str, pad: np.ndarray) -> str:
@@ -57,7 +59,7 @@ def contained_shard(directory, entry: dict, i: int) -> "Path":
     """The token file of shard `i` (its manifest entry), once it and every file of the shard are
     known to stay inside `directory` (formats.io.contained; a TokpackError otherwise)."""
     return contained(directory, entry.get("path"), manifest=f"{str(directory).rstrip('/')}/{MANIFEST}",
-                     where=f"shards[{i}].path", siblings=(*SHARD_SUFFIXES[1:], PAD_SUFFIX))
+                     where=f"shards[{i}].path", siblings=(*SHARD_SUFFIXES[1:], PAD_SUFFIX, ROWS_SUFFIX))
 
 
 class SourceShardWriter:
@@ -129,10 +131,12 @@ class EpochShardWriter:
         self.tokenizer = tokenizer
         self.samples = 0  # samples written so far
         self.multiset = 0  # running sum of xxh3_64 over samples, mod 2^64
-        self._ds = self._index = None
+        self._ds = self._index = self._rows = None
         try:
             self._ds = DurableFile(self.directory / name, direct=True)
             self._index = DurableFile(self.directory / f"{name}.index")
+            # Each sample's xxh3_64: what lets a node copy and verify some rows without the others.
+            self._rows = DurableFile(self.directory / f"{name}{ROWS_SUFFIX}")
         except BaseException:
             self.abort()  # the file already open: no descriptor or temporary file left behind
             raise
@@ -153,8 +157,8 @@ class EpochShardWriter:
         if len(rows):
             self._ds.write(self._tokens(rows))
 
-    def write_index(self, rows: np.ndarray) -> None:
-        """The rows' fragment ends into the .ds.index file, and their multiset hash."""
+    def write_index(self, rows: np.ndarray, hashes: np.ndarray | None = None) -> None:
+        """The rows' fragment ends into the .ds.index file, and their hashes (`hashes`: when known)."""
         n = len(rows)
         if n == 0:
             return
@@ -162,17 +166,21 @@ class EpochShardWriter:
         ends = tokens == self.eos_id
         ends[:, -1] = True
         self._index.write(np.flatnonzero(ends.ravel()).astype(U64) + np.uint64(self.samples * self.row_tokens + 1))
-        self.multiset = (self.multiset + multiset_hash_rows(tokens)) & 0xFFFFFFFFFFFFFFFF
+        self._add_hashes(row_hashes(tokens) if hashes is None else hashes)
         self.samples += n
 
-    def write_known_index(self, n: int, ends: np.ndarray, multiset: int) -> None:
+    def write_known_index(self, n: int, ends: np.ndarray, hashes: np.ndarray) -> None:
         """What write_index(rows) writes, for n rows whose fragment ends (relative to their
-        first row, see RowFragments) and multiset hash the caller already knows."""
+        first row, see RowFragments) and row hashes the caller already knows."""
         if n == 0:
             return
         self._index.write(ends.astype(U64) + np.uint64(self.samples * self.row_tokens))
-        self.multiset = (self.multiset + multiset) & 0xFFFFFFFFFFFFFFFF
+        self._add_hashes(hashes)
         self.samples += n
+
+    def _add_hashes(self, hashes: np.ndarray) -> None:
+        self._rows.write(np.ascontiguousarray(hashes, dtype=U64))
+        self.multiset = (self.multiset + int(hashes.sum(dtype=np.uint64))) & 0xFFFFFFFFFFFFFFFF
 
     def close(self) -> dict:
         tokens = self.samples * self.row_tokens
@@ -183,6 +191,7 @@ class EpochShardWriter:
             "samples": self.samples,
             "xxh3_128": self._ds.commit(),
             "index_xxh3_128": self._index.commit(),
+            "rows_xxh3_128": self._rows.commit(),
         }
         meta = metadata_text(self.tokenizer, self.dtype.itemsize, tokens).encode()
         write_bytes_atomic(self.directory / f"{self.name}.metadata", meta, fsync=True)
@@ -191,7 +200,7 @@ class EpochShardWriter:
         return entry
 
     def abort(self) -> None:
-        for f in (self._ds, self._index):
+        for f in (self._ds, self._index, self._rows):
             if f is not None:
                 f.abort()
 
@@ -230,8 +239,8 @@ class RowFragments:
         self._hash = np.concatenate(self.hashes) if self.hashes else np.empty(0, np.uint64)
         self.cols, self.counts, self.hashes = [], [], []
 
-    def of(self, idx: np.ndarray) -> tuple[np.ndarray, int]:
-        """(fragment ends relative to the first row, multiset hash) of store rows `idx` laid
+    def of(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(fragment ends relative to the first row, row hashes) of store rows `idx` laid
         out one after another: each EOS end, and every row end."""
         width = self.row_tokens
         first, count = self._first[idx], self._first[idx + 1] - self._first[idx]
@@ -241,13 +250,12 @@ class RowFragments:
         at = np.repeat(first - starts, count) + np.arange(total, dtype=np.int64)
         eos_ends = out_row * width + self._cols[at]
         row_ends = np.arange(1, len(idx) + 1, dtype=np.int64) * width
-        multiset = int(self._hash[idx].sum(dtype=np.uint64))
-        return np.union1d(eos_ends, row_ends), multiset
+        return np.union1d(eos_ends, row_ends), self._hash[idx]
 
 
 def shard_on_disk(directory: str | Path, entry: dict, itemsize: int) -> bool:
     """Whether a shard its writer recorded (the entry close() returned) is still on disk: the
-    token file at its recorded size, the index and the metadata present. Sizes, not checksums:
+    token file at its recorded size, its other files (index, metadata, ...) present. Sizes, not checksums:
     each file is fsync'd before its rename and the entry recorded after, so a crash cannot
     leave a present file wrong; a change by hand since is what `tokpack validate` reports.
     `directory` may be a URL: an outbox's shards are checked where they were sent."""
@@ -257,8 +265,7 @@ def shard_on_disk(directory: str | Path, entry: dict, itemsize: int) -> bool:
         return False  # a damaged record vouches for nothing: the shard is written again
     try:
         return ((directory / name).stat().st_size == tokens * itemsize
-                and (directory / f"{name}.index").exists()
-                and (directory / f"{name}.metadata").exists())
+                and all((directory / f"{name}{suffix}").exists() for suffix in shard_suffixes(entry)[1:]))
     except FileNotFoundError:
         return False
 

@@ -83,6 +83,7 @@ class TokpackDataset(IterableDataset):
         self.micro_batch = micro_batch  # m
         self.positions = positions  # None, "eos" or "index"
         self.consumed = self.reader.start_from(start_sample=start_sample, consumed_tokens=consumed_tokens)  # G
+        self.reader.serves(rank, world_size, micro_batch, self.consumed)  # a node slice of other ranks: refused now
         self._worker_resume: dict | None = None  # a worker's saved share of the steps, until __iter__ uses it
         self._stream = None  # the stream this process is iterating
         # Set by workers when they start iterating, seen by the main process (shared memory

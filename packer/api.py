@@ -109,8 +109,16 @@ def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
 
 
 def stage(directory: PathLike, dest: PathLike, *, workers: int = 4, epochs: str | None = None,
-          ranks: str | None = None, micro_batch: int = 1, log=None) -> StageResult:
-    """Copies a tokpack directory (any fsspec URL) to the local `dest`, verifying every file."""
+          ranks: str | None = None, micro_batch: int = 1, world_size: int | None = None, node: str | None = None,
+          ranks_per_node: int | None = None, start_sample: int = 0, log=None):
+    """Copies a tokpack directory (any fsspec URL) to the local `dest`, verifying every file. With
+    `world_size` or `node`: the node slice of ranks A..B of a run (packer.slicing), a SliceResult."""
+    if world_size is not None or node is not None:
+        from packer.slicing import stage_slice
+
+        return stage_slice(str(directory), dest, ranks=ranks, world_size=world_size, micro_batch=micro_batch,
+                           node=node, ranks_per_node=ranks_per_node, start_sample=start_sample, epochs=epochs,
+                           workers=workers, log=log)
     from packer.staging import stage as stage_copy
 
     return stage_copy(str(directory), dest, workers=workers, epochs=epochs, ranks=ranks, micro_batch=micro_batch,

@@ -572,8 +572,14 @@ def inspect(directory, as_json, **kw):
 @click.argument("dest")
 @click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="Files copied in parallel.")
 @click.option("--epochs", default=None, help="Only these epochs of a run, e.g. '0,1' or '0-3'.")
-@click.option("--ranks", default=None, help="Only the shards ranks r/W will read: 'r/W' or 'r1,r2/W'.")
-@click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True, help="With --ranks.")
+@click.option("--ranks", default=None, help="With --world-size: the node slice of consecutive ranks 'A-B' (only "
+              "their rows, one file per rank). Alone, 'r/W': the whole shards ranks r of W read.")
+@click.option("--world-size", type=click.IntRange(min=1), default=None, help="W: data-parallel ranks; makes a node slice.")
+@click.option("--node", default=None, help="'n/N': the node slice of node n of N (with --ranks-per-node K; W = N*K).")
+@click.option("--ranks-per-node", type=click.IntRange(min=1), default=None, help="K: ranks on each node, with --node.")
+@click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True, help="With --ranks or --node.")
+@click.option("--start-sample", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Node slice: global batches start at this sample mod W*m (a run resumed off that grid).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
 def stage(directory, dest, as_json, **kw):

@@ -63,6 +63,9 @@ class PlanResult(Result):
     # an in-memory epoch larger than this machine's RAM
     buckets: int | None = optional_field()  # shuffle, out of core: over every epoch
     bucket_files: int | None = optional_field()  # at most: each scatter task writes 2 files per bucket its rows reach
+    bytes_per_node: int | None = optional_field()  # stage, node slice: bytes its rank files hold
+    read_amplification: float | None = optional_field()  # stage, node slice: bytes read / bytes kept
+    note: str | None = optional_field()  # stage: one line worth knowing before it runs (e.g. a whole-run copy)
 
 
 # ------------------------------------------------------------------------ the disk
@@ -265,13 +268,32 @@ def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None 
 
 
 def plan_stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_batch: int = 1,
+               world_size: int | None = None, node=None, ranks_per_node: int | None = None, start_sample: int = 0,
                disk_mbps: float | None = None) -> PlanResult:
     """What `stage` with these arguments would do: every file is read once (hashed), the ones not
-    in place at DEST are written; the copy threads share DEST's disk."""
-    from packer.staging import STAGE_BLOCK, Source, in_place, bytes_to_copy, make_plan, parse_epochs, parse_ranks
+    in place at DEST are written; the copy threads share DEST's disk. A node slice (world_size
+    or node): the bytes its node keeps and reads, by arithmetic on the run's manifests."""
+    from packer.staging import (STAGE_BLOCK, Source, in_place, bytes_to_copy, make_plan, parse_epochs, parse_ranks,
+                                whole_copy_note)
 
     (dest,) = _local([str(dest)])
-    kind, plans = make_plan(Source(str(directory)), parse_epochs(epochs), parse_ranks(ranks), micro_batch)
+    if world_size is not None or node is not None:
+        from packer.slicing import CHUNK_BYTES, plan_slice
+
+        sp = plan_slice(Source(str(directory)), ranks, world_size, micro_batch, node, ranks_per_node, start_sample,
+                        epochs)
+        kept, read = sum(sp.kept.values()), sum(sp.read.values())
+        passes = [_pass("slice", len(sp.epochs), CHUNK_BYTES, read, kept)]
+        manifests = {MANIFEST: 0, **{f"{epoch_dir_name(e)}/{MANIFEST}": 0 for e in sp.epochs}}
+        a, b = sp.ranks
+        return _result("stage", str(dest), passes, [(Path(dest), kept)], ExecutorConfig(workers=workers), disk_mbps,
+                       False, path=f"node slice of ranks {a}-{b} of {sp.world_size}", shards=(b - a + 1) * len(sp.epochs),
+                       manifests=manifests, bytes_per_node=kept,
+                       read_amplification=round(read / kept, 4) if kept else None,
+                       note=None if all(sp.by_rows.values()) else
+                       "epochs written before row hashes are verified by reading their shards whole")
+    src = Source(str(directory))
+    kind, plans = make_plan(src, parse_epochs(epochs), parse_ranks(ranks), micro_batch)
     dest = Path(dest)
     jobs = [j for p in plans for j in p.jobs]
     copy = bytes_to_copy(dest, plans)
@@ -279,7 +301,8 @@ def plan_stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, mi
                     files_in_place=sum(in_place(dest / j.rel, j.size) for j in jobs))]
     manifests = {f"{p.rel}/{MANIFEST}".lstrip("/"): len(canonical_bytes(p.manifest)) for p in plans}
     return _result("stage", str(dest), passes, [(dest, copy)], ExecutorConfig(workers=workers), disk_mbps, False,
-                   path=kind, shards=sum(j.rel.endswith(".ds") for j in jobs), manifests=manifests)
+                   path=kind, shards=sum(j.rel.endswith(".ds") for j in jobs), manifests=manifests,
+                   note=whole_copy_note(plans, parse_ranks(ranks), micro_batch, src.path, str(dest)))
 
 
 # ------------------------------------------------------------------------ for humans
@@ -326,7 +349,12 @@ def report_lines(r: PlanResult) -> list[str]:
     for s in r.space:
         lines.append(f"  space on {s['filesystem']}: needs {_size(s['needed_bytes'])} (scratch included), "
                      f"{_size(s['free_bytes'])} free: {'enough' if s['enough'] else 'NOT ENOUGH'}")
-    lines += [f"  manifest {name}: {n:,} bytes" for name, n in r.manifests.items()]
+    if r.bytes_per_node is not None:
+        lines.append(f"  node slice: keeps {_size(r.bytes_per_node)} on the node, reads "
+                     f"{_size(r.passes[0]['read_bytes'])} (read amplification {r.read_amplification}x)")
+    if r.note:
+        lines.append(f"  note: {r.note}")
+    lines += [f"  manifest {name}: {n:,} bytes" for name, n in r.manifests.items() if n]
     lines.append(f"  predicted wall time: {_duration(r.predicted_seconds)} ({r.executor}, {r.workers} worker(s), disk "
                  f"{r.disk_mbps if r.disk_mbps is not None else '?'} MB/s {r.disk}; {r.startup_seconds:.1f} s of it "
                  "start-up)")

@@ -38,7 +38,7 @@ from formats.errors import TokpackError
 from formats.guard import check_space, locked_output
 from formats.units import at_most
 from formats.reader import EpochNumbering, shuffle_command
-from formats.shards import contained_shard
+from formats.shards import ROWS_SUFFIX, contained_shard
 from formats.io import ThreadPool, as_path, commit_file, contained, lent, open_read, progress, regular_fd, remove_tmp_files, tmp_path
 from formats.manifest import (
     MANIFEST,
@@ -224,6 +224,10 @@ def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None, roo
         jobs.append(CopyJob(_join(dir_rel, f"{name}.index"), None if entries is None else 8 * int(entries),
                             s.get("index_xxh3_128"), dir_rel))
         jobs.append(CopyJob(_join(dir_rel, f"{name}.metadata"), None, s.get("metadata_xxh3_128"), dir_rel))
+        if s.get("rows_xxh3_128"):  # an epoch shard's row hashes: 8 bytes a sample
+            samples = s.get("samples")
+            jobs.append(CopyJob(_join(dir_rel, f"{name}{ROWS_SUFFIX}"), None if samples is None else 8 * int(samples),
+                                s["rows_xxh3_128"], dir_rel))
         if s.get("loss_xxh3_128"):
             tokens = s.get("tokens")
             jobs.append(CopyJob(_join(dir_rel, f"{name}.loss"), None if tokens is None else int(tokens),
@@ -602,6 +606,9 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
     total = sum(j.size or 0 for j in jobs)
     if log:
         log(f"stage: {kind} {src.path} -> {dest}: {len(jobs)} files, {total / 2**20:,.1f} MiB, {workers} workers")
+        note = whole_copy_note(plans, ranks, micro_batch, src.path, str(dest))
+        if note:
+            log(note)
     pending = {p.rel: len(p.jobs) for p in plans}
     by_dir = {p.rel: p for p in plans}
     # A remote source's ranged reads share one pool; it closes after the copies that use it.
@@ -654,6 +661,25 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
         files=len(jobs) + len(plans), copied_files=stager.copied, skipped_files=stager.skipped,
         bytes_copied=stager.bytes_copied, bytes_verified_in_place=stager.bytes_verified, seconds=round(seconds, 3),
         mib_per_s=round(moved / 2**20 / seconds, 1) if seconds > 0 else None, partial=bool(missing), **selection)
+
+
+def whole_copy_note(plans: list[DirPlan], ranks, micro_batch: int, source: str, dest: str) -> str | None:
+    """One line when a `--ranks r/W` stage copies (nearly) the whole run anyway: how much, why,
+    and the node-slice command that copies only the ranks' rows."""
+    if ranks is None:
+        return None
+    total = sum(int(s.get("bytes") or 0) for p in plans for s in p.manifest.get("shards") or [])
+    left = sum(int(s.get("bytes") or 0) for p in plans for s in p.manifest.get("shards") or []
+               if s.get("path") in p.skipped_shards)
+    if not total or left > total / 2:
+        return None
+    from formats.slices import stage_command
+
+    (rs, world), per = ranks, max([int(p.manifest.get("shard_samples") or 0) for p in plans] or [0])
+    return (f"stage: whole-run copy ({100 * (total - left) / total:.0f}% of the run's shard bytes): --ranks "
+            f"{','.join(map(str, rs))}/{world} copies whole shards, and a shard ({per:,} samples) holds rows of these "
+            f"ranks in any global batch it spans ({world * micro_batch:,} samples each); "
+            f"`{stage_command(source, dest, rs[0], rs[-1], world, micro_batch)}` copies only their rows")
 
 
 def _partial_sidecar(dest: Path, plans: list[DirPlan], ranks, micro_batch: int) -> dict:

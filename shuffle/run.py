@@ -25,8 +25,9 @@ import xxhash
 from formats.errors import TokpackError
 from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
 from formats.io import TMP_MARK, Outbox, kept_at, remove_tmp_files
+from formats.outputs import output_for
 from formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
-                              read_manifest, run_manifest, write_manifest)
+                              read_manifest, run_manifest)
 from formats.shards import PackedSource, is_own_file, shard_suffixes
 from formats.units import at_most
 
@@ -242,8 +243,8 @@ def planned_epoch_manifest(job: EpochJob, sources: list[PackedSource]) -> dict:
         g0, g1 = job.shard_range(i)
         entries.append({"path": job.shard_file(i), "tokens": (g1 - g0) * plan.row_tokens,
                         "bytes": (g1 - g0) * job.row_bytes, "samples": g1 - g0, "xxh3_128": "0" * 32,
-                        "index_xxh3_128": "0" * 32, "metadata_xxh3_128": "0" * 32, "multiset_hash": "0" * 16,
-                        "fragments": int((g1 - g0) * per_row)})
+                        "index_xxh3_128": "0" * 32, "rows_xxh3_128": "0" * 32, "metadata_xxh3_128": "0" * 32,
+                        "multiset_hash": "0" * 16, "fragments": int((g1 - g0) * per_row)})
     return epoch_manifest(entries, job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer,
                           tokens=plan.samples * plan.row_tokens, epoch=plan.epoch, seed=plan.seed, seq_len=plan.seq_len,
                           samples=plan.samples, shard_samples=job.shard_samples, dropped_tokens=plan.dropped_tokens(),
@@ -252,10 +253,10 @@ def planned_epoch_manifest(job: EpochJob, sources: list[PackedSource]) -> dict:
 
 def epoch_bytes(job: EpochJob, manifest: dict) -> int:
     """Bytes of the epoch directory its planned manifest describes: each shard's rows, its
-    index (8 bytes a fragment), its .ds.metadata, and the manifest."""
+    index (8 bytes a fragment), its row hashes (8 bytes a sample), its .ds.metadata, and the manifest."""
     meta = sum(len(metadata_text(job.tokenizer, job.token_dtype.itemsize, s["tokens"]).encode())
                for s in manifest["shards"])
-    return manifest["tokens"] * job.token_dtype.itemsize + 8 * manifest["fragments"] + meta + len(
+    return manifest["tokens"] * job.token_dtype.itemsize + 8 * manifest["fragments"] + 8 * manifest["samples"] + meta + len(
         canonical_bytes(manifest))
 
 
@@ -386,7 +387,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
                                hint="rerun the same command; completed shards are kept")
         entries.append(entry)
     keep = {e["path"] + ext for e in entries for ext in shard_suffixes(e)}
-    for edir in {Path(job.epoch_dir), kept_at(job.epoch_dir, job.outbox)}:  # here, and where its shards went
+    for edir in {Path(job.epoch_dir), job.output.where(job.epoch_dir)}:  # here, and where its shards went
         for p in list(edir.iterdir()) if edir.is_dir() else []:  # leftovers of an earlier, different attempt
             if p.name not in keep and is_own_file(p):
                 p.unlink()
@@ -397,7 +398,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
         dropped_tokens=plan.dropped_tokens(), jitter=plan.jitter, sources=plan.source_entries(), shuffle=plan.algorithm)
     if packed:
         manifest["packing"] = plan.packing_entry(table_sum, padding)
-    write_manifest(job.epoch_dir, manifest, outbox=job.outbox)
+    job.output.finish(job.epoch_dir, manifest)
     if job.outbox:
         job.outbox.remote_of(work).remove_tree()
     shutil.rmtree(work, ignore_errors=True)
@@ -593,8 +594,8 @@ def shuffle_run(
                 hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)")
     if setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():  # its numbering, fixed at creation
         out.mkdir(parents=True, exist_ok=True)
-        write_manifest(out, _run_manifest(out, setup.todo[0][1], weights, opened, shard_samples, done_epochs, runplan),
-                       outbox=outbox)
+        output_for(outbox).finish(out, _run_manifest(out, setup.todo[0][1], weights, opened, shard_samples,
+                                                     done_epochs, runplan))
     for epoch, plan, job in setup.todo:
         out.mkdir(parents=True, exist_ok=True)
         if job is None:
@@ -611,7 +612,7 @@ def shuffle_run(
             summary["sources"] = plan.source_report()
             summaries.append(summary)
         done_epochs = sorted(set(done_epochs) | {epoch})
-        write_manifest(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan), outbox=outbox)
+        output_for(outbox).finish(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan))
     work = out / WORK_DIR
     if work.exists() and not any(work.iterdir()):
         work.rmdir()

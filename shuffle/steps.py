@@ -44,10 +44,10 @@ import numpy as np
 import xxhash
 
 from formats.errors import TokpackError
-from formats.io import IO_BLOCK, Outbox, Worker, kept_at, drop_buffers, lent, map_file, progress, read_record, write_bytes_atomic
+from formats.io import IO_BLOCK, Outbox, Worker, drop_buffers, lent, map_file, progress, read_record, write_bytes_atomic
 from formats.manifest import dtype_from_name, shard_digits, shard_name
-from formats.shards import (EpochShardWriter, PackedSource, RowFragments, shard_on_disk, shard_suffixes,
-                            write_pad_sidecar)
+from formats.outputs import LocalOutput, output_for
+from formats.shards import PackedSource, RowFragments, write_pad_sidecar
 
 from .plan import EpochPlan, iter_source_windows, open_source
 from .sinks import app_sinks_kept
@@ -215,19 +215,23 @@ class EpochJob:
         """The manifest entry recorded when shard i was committed (and sent, to an outbox)."""
         return read_record(self.done_path(i))  # a damaged record: the shard is written again
 
+    @property
+    def output(self) -> LocalOutput:
+        """Where the epoch's shards go (formats.outputs): a local folder, or a bucket through the outbox."""
+        return output_for(self.outbox)
+
     def shard_done(self, i: int) -> dict | None:
         """The shard's manifest entry if it was committed and recorded and is still there."""
         entry = self.done_entry(i)
-        kept = kept_at(self.epoch_dir, self.outbox)
-        return entry if entry is not None and shard_on_disk(kept, entry, self.token_dtype.itemsize) else None
+        return entry if entry is not None and self.output.has(self.epoch_dir, entry, self.token_dtype.itemsize) else None
 
     def write_shard(self, i: int, blocks, pad: np.ndarray | None = None) -> dict:
         """Writes shard i from `blocks` (an iterator, in output order, of np.void row arrays, or
         of (rows, RowFragments, their store rows) when the rows' index is known already), then
         records it as done. `pad`: a best-fit epoch's padding per row, for the `.pad` sidecar."""
         g0, g1 = self.shard_range(i)
-        writer = EpochShardWriter(self.epoch_dir, self.shard_file(i), self.token_dtype, self.plan.seq_len,
-                                  self.eos_id, self.tokenizer)
+        writer = self.output.open_shard(self.epoch_dir, self.shard_file(i), self.token_dtype, self.plan.seq_len,
+                                        self.eos_id, self.tokenizer)
         try:
             # Three stages overlap: gathering chunk c (here), indexing and hashing an earlier
             # chunk (CPU) and writing one to disk (I/O), each stage in order. `blocks` fills RING
@@ -253,9 +257,7 @@ class EpochJob:
         entry["fragments"] = os.path.getsize(Path(self.epoch_dir) / f"{entry['path']}.index") // 8
         self.done_path(i).parent.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(self.done_path(i), json.dumps(entry).encode(), fsync=True)
-        if self.outbox:  # the shard's files, then the record that they are there
-            self.outbox.send(*(Path(self.epoch_dir) / f"{entry['path']}{s}" for s in shard_suffixes(entry)))
-            self.outbox.send(self.done_path(i), keep=True)
+        self.output.commit(self.epoch_dir, entry, self.done_path(i))  # to a bucket: its files, then the record
         return entry
 
     def chunk_rows(self, budget: int) -> int:

@@ -93,7 +93,7 @@ LEAK_PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("kind, opened", [("source", 1), ("source", 2), ("epoch", 1)])
+@pytest.mark.parametrize("kind, opened", [("source", 1), ("source", 2), ("epoch", 1), ("epoch", 2)])
 def test_shard_writer_leaks_nothing_when_a_later_file_fails_to_open(tmp_path, kind, opened):
     """A real EMFILE on the writer's second or third file: the files it had opened are closed
     and their temporaries removed."""

@@ -618,3 +618,18 @@ def test_two_commands_on_one_bucket_output_meet_at_the_scratch_lock(s3_bucket, m
     assert "in use by another tokpack command" in line and "tokpack.lock" in line, line
     assert first.wait() == 0, first.stderr.read()
     assert cli("validate", url).returncode == 0
+
+
+def test_node_slice_from_a_bucket_equals_the_local_slice(bucket_run, tmp_path):
+    """`stage RUN DEST --ranks A-B --world-size W` from an s3:// run: ranged reads of the
+    ranks' rows and the row hashes only; the slice is byte-identical to the one staged from
+    the local run, and reads less than the run holds."""
+    from packer.slicing import stage_slice
+
+    fs, bucket, run = bucket_run
+    remote = stage_slice(f"s3://{bucket}/run", tmp_path / "remote", ranks="1-2", world_size=4, micro_batch=2, workers=4)
+    local = stage_slice(str(run), tmp_path / "local", ranks="1-2", world_size=4, micro_batch=2)
+    files = lambda root: {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))  # noqa: E731
+                          if p.is_file() and p.name != "tokpack.lock" and p.name != MANIFEST}
+    assert files(tmp_path / "remote") == files(tmp_path / "local") and remote.rows_kept == local.rows_kept
+    assert remote.bytes_read == local.bytes_read < sum(p.stat().st_size for p in run.rglob("*.ds"))

@@ -21,6 +21,7 @@ from formats.errors import IncompleteError, TokpackError
 from formats.manifest import multiset_hash_rows, read_manifest
 from formats.shards import PackedSource
 from formats.dir_checks import validate_dirs
+from formats import outputs
 from shuffle import run, steps
 from shuffle.permutation import Bijection, derive_key
 from shuffle.plan import EpochPlan, SourcePlan, epoch_plan, expected_multiset_hash, largest_remainder
@@ -410,15 +411,15 @@ def test_rerun_after_every_shard_writes_only_what_is_missing(sources, tmp_path, 
     ref = tmp_path / "ref"
     shuffle_run([str(big), str(small)], str(ref), **kw)
     out = tmp_path / "out"
-    real_manifest, real_write, real_scatter = run.write_manifest, steps.EpochJob.write_shard, steps.ScatterStep.run
+    real_manifest, real_write, real_scatter = outputs.write_manifest, steps.EpochJob.write_shard, steps.ScatterStep.run
 
     def killed_before_manifest(path, manifest, **kw):
         raise OSError("simulated crash")
 
-    monkeypatch.setattr(run, "write_manifest", killed_before_manifest)
+    monkeypatch.setattr(outputs, "write_manifest", killed_before_manifest)  # every manifest shuffle writes
     with pytest.raises(OSError, match="simulated crash"):
         shuffle_run([str(big), str(small)], str(out), **kw)
-    monkeypatch.setattr(run, "write_manifest", real_manifest)
+    monkeypatch.setattr(outputs, "write_manifest", real_manifest)
     victim = sorted((out / "epoch-00000").glob("*.ds"))[1]
     if shard == "edited":
         raw = bytearray(victim.read_bytes())

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from formats.errors import TokpackError
 from formats.io import TMP_MARK
 from formats.manifest import MANIFEST, STAGE_SIDECAR, epoch_dir_name
+from formats.shards import shard_suffixes
 from packer.cli import main
 from packer.staging import (
     parse_epochs,
@@ -55,7 +56,7 @@ def listed_files(root: Path) -> set[str]:
         m = json.loads((root / rel_dir / MANIFEST).read_text())
         out.add(os.path.join(rel_dir, MANIFEST) if rel_dir else MANIFEST)
         for s in m.get("shards") or []:
-            for suffix in ("", ".index", ".metadata"):
+            for suffix in shard_suffixes(s):
                 out.add(os.path.join(rel_dir, s["path"] + suffix) if rel_dir else s["path"] + suffix)
         return m
 

@@ -533,7 +533,8 @@ def reseal_epoch_index(epoch: Path, shard: str) -> None:
 def test_swapped_rows_fail_on_the_token_checksum(env, tmp_path):
     """Two samples of an epoch shard swapped, the index rewritten by the real writer: sizes,
     index, metadata, fragment count and sample multiset all stay valid. Only the shard's
-    token checksum can tell, and it must (and, against the sources, the order proof)."""
+    token checksum and its row hashes (`.ds.rows`, in order) can tell, and they must (and, against
+    the sources, the order proof)."""
     shard = env / E0 / "00000.ds"
     rows = np.fromfile(shard, dtype="<u2").reshape(-1, ROW)
     assert not np.array_equal(rows[0], rows[3])
@@ -549,7 +550,8 @@ def test_swapped_rows_fail_on_the_token_checksum(env, tmp_path):
     r = validate_all([str(env / "run")], quick=False, against=[str(env / "src")], workers=1, show_progress=False)
     assert [(Path(p["file"]).name, p["where"], p["message"]) for p in r["problems"]] == \
         [("00000.ds", "xxh3_128", "checksum mismatch"),
-         ("00000.ds", "order_hash", "sample order differs from the plan (1 of 27 shards checked differ)")], r["lines"]
+         ("00000.ds", "order_hash", "sample order differs from the plan (1 of 27 shards checked differ)"),
+         ("00000.ds.rows", "entry 0", "row hash disagrees with the sample")], r["lines"]
     assert r["status"] == "corrupt"
 
 

@@ -1,0 +1,331 @@
+"""Node slices (docs/FORMAT.md, "Node slices"): the rows that consecutive data-parallel ranks
+A..B read, one plain file per rank and epoch, and the reader that serves them as the run does.
+
+Which rows a rank reads is arithmetic on the run's consumed-sample numbers G (Megatron's
+sampler): global batches are the samples [phase + k*W*m, phase + (k+1)*W*m) and rank r takes
+[r*m, (r+1)*m) of each. `epoch-NNNNN/rank-RRRRR.ds` holds the samples of epoch NNNNN that rank
+r reads, in increasing G: every one of them, also those of a global batch that spans into the
+next epoch, so the file never depends on which epochs exist. A rank's sample G therefore sits
+at row `count(r, G) - count(r, first(e))` of its epoch's file, in O(1).
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from .errors import TokpackError
+from .io import as_path
+from .manifest import MANIFEST, MANIFEST_FIELDS, SHARD_FIELDS, dtype_from_name, epoch_dir_name, field_problems, read_manifest
+from .reader import EpochNumbering, SampleReader, ShardTable, _shard_error
+
+SLICE = "slice"  # kind of a slice's root manifest
+SLICE_EPOCH = "slice-epoch"  # kind of a slice epoch's manifest
+# Run-manifest fields that change as epochs are written: not part of the run's identity.
+RUN_SELECTION_KEYS = ("epochs", "tokens", "fragments", "documents")
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.ds"
+
+
+def run_identity(run: dict) -> dict:
+    """What a slice records of its run: every field but those that grow as epochs are written."""
+    return {k: v for k, v in run.items() if k not in RUN_SELECTION_KEYS}
+
+
+def stage_command(source: str, dest: str, first: int, last: int, world_size: int, micro_batch: int,
+                  phase: int = 0) -> str:
+    """The `tokpack stage` command that writes the slice of ranks first..last."""
+    ranks = f"{first}" if first == last else f"{first}-{last}"
+    cmd = (f"tokpack stage {shlex.quote(str(source))} {shlex.quote(str(dest))} --ranks {ranks} "
+           f"--world-size {world_size} --micro-batch {micro_batch}")
+    return cmd + (f" --start-sample {phase}" if phase else "")
+
+
+class RankRows:
+    """Which consumed-sample numbers each rank reads: W ranks, micro-batch m, global batches
+    starting at G = phase (mod W*m). Pure arithmetic, a few integers."""
+
+    def __init__(self, world_size: int, micro_batch: int, phase: int = 0):
+        self.world_size, self.micro_batch = int(world_size), int(micro_batch)
+        self.global_batch = self.world_size * self.micro_batch
+        self.phase = int(phase) % self.global_batch
+
+    def rank_of(self, g: int) -> int:
+        return ((g - self.phase) % self.global_batch) // self.micro_batch
+
+    def count(self, rank: int, g: int) -> int:
+        """Samples rank `rank` reads below G (up to a constant: use differences)."""
+        y = g - self.phase
+        return (y // self.global_batch) * self.micro_batch + min(max(y % self.global_batch - rank * self.micro_batch, 0),
+                                                                 self.micro_batch)
+
+    def rows(self, rank: int, first: int, g: int) -> int:
+        """Samples of rank `rank` in [first, g): the row of G in the file of an epoch starting at `first`."""
+        return self.count(rank, g) - self.count(rank, first)
+
+    def node_positions(self, first: int, n: int, ranks: tuple[int, int], max_rows: int) -> Iterator[np.ndarray]:
+        """Positions within an epoch of `n` samples starting at G = `first` that ranks
+        ranks[0]..ranks[1] read, in increasing order, in arrays of about `max_rows` (whole runs
+        of (B-A+1)*m rows, one run per global batch)."""
+        gb, k_rows = self.global_batch, (ranks[1] - ranks[0] + 1) * self.micro_batch
+        off = self.phase + ranks[0] * self.micro_batch  # G of a run's first row, mod W*m
+        k_lo = -((off + k_rows - 1 - first) // gb)  # first run ending after `first`
+        k_hi = (first + n - 1 - off) // gb  # last run starting before the epoch's end
+        step = max(1, max_rows // k_rows)
+        span = np.arange(k_rows, dtype=np.int64)
+        for k in range(k_lo, k_hi + 1, step):
+            ks = np.arange(k, min(k + step, k_hi + 1), dtype=np.int64)
+            pos = ((off - first) + ks * gb)[:, None] + span
+            pos = pos.ravel()
+            yield pos[(pos >= 0) & (pos < n)]
+
+
+def slice_error(message: str, path, manifest: dict, rank: int, world_size: int, micro_batch: int,
+                phase: int) -> TokpackError:
+    """One line: what the slice holds, and the `tokpack stage` command for the slice asked for."""
+    ranks = manifest["ranks"]
+    source = manifest.get("source") or "RUN"
+    return TokpackError(message, file=path, where="rank/world_size/micro_batch",
+                        expected=f"ranks {ranks[0]}-{ranks[-1]} of world size {manifest['world_size']}, "
+                                 f"micro-batch {manifest['micro_batch']}"
+                                 + (f", global batches from sample {manifest['batch_phase']} mod W*m"
+                                    if manifest["batch_phase"] else ""),
+                        found=f"rank {rank} of world size {world_size}, micro-batch {micro_batch}",
+                        hint="stage that rank's slice: `"
+                             + stage_command(source, f"{str(path).rstrip('/')}-rank-{rank}", rank, rank, world_size,
+                                             micro_batch, phase) + "`")
+
+
+def check_slice_epoch(path: Path, root: dict, m: dict) -> None:
+    """An epoch manifest of a slice must describe the slice its root describes."""
+    for key in ("world_size", "micro_batch", "ranks", "batch_phase", "run", "seq_len", "dtype"):
+        if m.get(key) != root.get(key):
+            raise TokpackError("slice epoch belongs to another slice", file=path / MANIFEST, where=key,
+                               expected=root.get(key) if key != "run" else "the root's run",
+                               found=m.get(key) if key != "run" else "another run",
+                               hint="stage the slice again into an empty directory")
+
+
+class SliceReader(SampleReader):
+    """A SampleReader over a node slice: the run's consumed-sample numbers, the rows of its ranks only."""
+
+    @classmethod
+    def open_slice(cls, path: str | Path, root: dict, verify: bool = False) -> "SliceReader":
+        path = as_path(path)
+        ranks = [int(r) for r in root["ranks"]]
+        numbering = EpochNumbering.of_run(root["run"], path)
+        rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
+        row_bytes = (int(root["seq_len"]) + 1) * int(root["token_size"])
+        paths, checksums, index_checksums, starts, ends, epochs, dirs = [], [], [], [], [], [], []
+        for e in sorted(int(e) for e in root.get("epochs") or []):
+            d = path / epoch_dir_name(e)
+            m = read_manifest(d, kind=SLICE_EPOCH)
+            check_slice_epoch(d, root, m)
+            first, n = numbering.first(e), numbering.size(e)
+            if (int(m["epoch"]), int(m["first_sample"]), int(m["samples"])) != (e, first, n):
+                raise TokpackError("slice epoch disagrees with its run's numbering", file=d / MANIFEST,
+                                   where="epoch/first_sample/samples", expected=(e, first, n),
+                                   found=(m.get("epoch"), m.get("first_sample"), m.get("samples")))
+            by_rank = {int(s["rank"]): s for s in m["shards"]}
+            for r in ranks:
+                s = by_rank.get(r)
+                f = d / rank_file_name(r)
+                want = rows.rows(r, first, first + n) * row_bytes
+                if s is None or s.get("path") != f.name or int(s.get("bytes", -1)) != want:
+                    raise TokpackError("slice epoch lacks a rank's file", file=d / MANIFEST, where=f"rank {r}",
+                                       expected=f"{f.name}, {want} bytes", found=s, hint="stage the slice again")
+                try:
+                    size = f.stat().st_size
+                except FileNotFoundError:
+                    raise _shard_error("rank file listed in the slice manifest is missing", f,
+                                       hint="stage the slice again: the same command resumes") from None
+                if size != want:
+                    raise _shard_error("rank file size does not match the slice manifest", f, where="size",
+                                       expected=f"{want} bytes", found=f"{size} bytes",
+                                       hint="stage the slice again: the same command resumes")
+                paths.append(str(f))
+                checksums.append(s.get("xxh3_128"))
+                index_checksums.append(s.get("index_xxh3_128"))
+            starts.append(first)
+            ends.append(first + n)
+            epochs.append(e)
+            dirs.append(str(d))
+        if not epochs:
+            raise TokpackError("node slice holds no epoch", file=path / MANIFEST, where="epochs",
+                               expected="a non-empty list", found=root.get("epochs"), hint="stage the slice again")
+        starts_a, ends_a = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+        table = ShardTable(paths, np.repeat(starts_a, len(ranks)), np.repeat(ends_a, len(ranks)), starts_a, ends_a,
+                           epochs, dirs, checksums, index_checksums)
+        reader = cls(table, int(root["seq_len"]), dtype_from_name(root["dtype"]), int(root["eos_id"]), verify=verify)
+        reader.numbering = numbering
+        reader.run = (root.get("source") or str(path), root["run"])
+        reader.slice_path, reader.slice = str(path), root
+        reader.rank_rows, reader.slice_ranks = rows, ranks
+        return reader
+
+    def serves(self, rank: int, world_size: int, micro_batch: int, start: int) -> None:
+        """Refuses, in one line, a stream this slice does not hold."""
+        rr = self.rank_rows
+        if (world_size, micro_batch) != (rr.world_size, rr.micro_batch) or rank not in self.slice_ranks:
+            raise slice_error("this node slice does not hold that rank's rows", self.slice_path, self.slice, rank,
+                              world_size, micro_batch, start % (world_size * micro_batch))
+        if start % rr.global_batch != rr.phase:
+            raise slice_error(f"this node slice serves global batches starting at samples = {rr.phase} mod "
+                              f"{rr.global_batch}, not at {start}", self.slice_path, self.slice, rank, world_size,
+                              micro_batch, start % rr.global_batch)
+
+    def _segments(self, g: int, n: int) -> Iterator[tuple[int, int, int]]:
+        """Chained rows [g, g+n) -> (rank file, row in it, rows): split at epoch ends and where
+        the rank changes; a row of a rank outside the slice is an error."""
+        rr, table, k_ranks = self.rank_rows, self.table, len(self.slice_ranks)
+        while n > 0:
+            pos = table.epoch_pos_of(g)
+            if pos < 0:
+                raise IndexError(f"sample {g} is in no epoch of this slice")
+            r = rr.rank_of(g)
+            if r not in self.slice_ranks:
+                raise slice_error(f"sample {g} is read by rank {r}, which this node slice does not hold",
+                                  self.slice_path, self.slice, r, rr.world_size, rr.micro_batch, rr.phase)
+            k = min(n, int(table.epoch_ends[pos]) - g, rr.micro_batch - (g - rr.phase) % rr.micro_batch)
+            yield pos * k_ranks + (r - self.slice_ranks[0]), rr.rows(r, int(table.epoch_starts[pos]), g), k
+            g += k
+            n -= k
+
+
+# ------------------------------------------------------------------ validate
+
+
+def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
+    """`tokpack validate SLICE`: the slice's manifests agree with each other and with the rank
+    arithmetic; returns the rank files' checks (every file an epoch-shard check: sizes, index,
+    metadata, row hashes, checksums) for formats.dir_checks to run. Problems go into `rep`."""
+    from .shard_scan import ShardJob
+
+    jobs = []
+    try:
+        numbering = EpochNumbering.of_run(root["run"], path)
+        rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
+        dtype, row = dtype_from_name(root["dtype"]), int(root["seq_len"]) + 1
+        ranks = [int(r) for r in root["ranks"]]
+        epochs = [int(e) for e in root["epochs"]]
+    except (KeyError, TypeError, ValueError, TokpackError) as e:
+        rep.add(path / MANIFEST, getattr(e, "where", None) or str(e), "a slice manifest's fields", "missing or malformed",
+                "slice manifest unusable")
+        return []
+    if not ranks or ranks != list(range(ranks[0], ranks[0] + len(ranks))):
+        rep.add(path / MANIFEST, "ranks", "consecutive ranks A..B", ranks, "slice ranks not consecutive")
+        return []
+    for e in epochs:
+        d = path / epoch_dir_name(e)
+        try:
+            m = read_manifest(d, kind=SLICE_EPOCH)
+            check_slice_epoch(d, root, m)
+        except TokpackError as err:
+            rep.add(err.file or d / MANIFEST, err.where, err.expected, err.found, err.message)
+            continue
+        broken = [(f"{where}{key}", exp, found, msg) for where, obj, table in
+                  [("", m, MANIFEST_FIELDS)] + [(f"shards[{i}].", s, SHARD_FIELDS) for i, s in enumerate(m["shards"])
+                                                if isinstance(m.get("shards"), list) and isinstance(s, dict)]
+                  for key, exp, found, msg in field_problems(obj, table, SLICE_EPOCH)]
+        for where, exp, found, msg in broken:
+            rep.add(d / MANIFEST, where, exp, found, msg)
+        if broken:
+            continue
+        first, n = numbering.first(e), numbering.size(e)
+        if (m.get("epoch"), m.get("first_sample"), m.get("samples")) != (e, first, n):
+            rep.add(d / MANIFEST, "epoch/first_sample/samples", (e, first, n),
+                    (m.get("epoch"), m.get("first_sample"), m.get("samples")), "slice epoch disagrees with its run's numbering")
+            continue
+        entries = m.get("shards") if isinstance(m.get("shards"), list) else []
+        if [s.get("rank") for s in entries] != ranks or [s.get("path") for s in entries] != [rank_file_name(r) for r in ranks]:
+            rep.add(d / MANIFEST, "shards", [rank_file_name(r) for r in ranks], [s.get("path") for s in entries],
+                    "slice epoch does not list one file per rank, in rank order")
+            continue
+        for r, s in zip(ranks, entries):
+            want = rows.rows(r, first, first + n)
+            if s.get("samples") != want:
+                rep.add(d / MANIFEST, f"shards[rank {r}].samples", f"{want} (the samples rank {r} reads in epoch {e})",
+                        s.get("samples"), "rank file holds the wrong number of samples")
+                continue
+            jobs.append(ShardJob(d, s, "epoch", dtype, int(root["vocab_size"]), int(root["eos_id"]), root["tokenizer"],
+                                 row, quick))
+    return jobs
+
+
+def slice_against_run(path: Path, root: dict, run_path, rep) -> None:
+    """`tokpack validate SLICE --against RUN`: each rank file holds exactly the run's samples
+    that rank reads, in order: its rows' xxh3-64, position by position, against the run's
+    row hashes (`.ds.rows`, or the run's shards for an epoch written before them)."""
+    import xxhash
+
+    from .manifest import row_hashes
+    from .shards import ROWS_SUFFIX, U64
+
+    run_path = as_path(run_path)
+    try:
+        run = read_manifest(run_path, kind="run")
+    except TokpackError as e:
+        rep.add(e.file or run_path, e.where, e.expected, e.found, e.message)
+        return
+    if run_identity(run) != root.get("run"):
+        rep.add(path / MANIFEST, "run", f"the run at {run_path}", "another run (seed, sources or plan differ)",
+                "slice was not staged from this run")
+        return
+    rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
+    numbering = EpochNumbering.of_run(run, run_path)
+    row_bytes = (int(root["seq_len"]) + 1) * int(root["token_size"])
+    for e in root["epochs"]:
+        d, rd = path / epoch_dir_name(e), run_path / epoch_dir_name(e)
+        try:
+            m = read_manifest(d, kind=SLICE_EPOCH)
+            raw = (rd / MANIFEST).read_bytes()
+        except (TokpackError, OSError) as err:
+            rep.add(getattr(err, "file", None) or rd, None, "a readable manifest", str(err), "cannot compare epoch")
+            continue
+        if xxhash.xxh3_128_hexdigest(raw) != m.get("epoch_xxh3_128"):
+            rep.add(d / MANIFEST, "epoch_xxh3_128", m.get("epoch_xxh3_128"), xxhash.xxh3_128_hexdigest(raw),
+                    f"slice epoch {e} was staged from another version of the run's epoch")
+            continue
+        em = read_manifest(rd, kind="epoch")
+        per = int(em["shard_samples"])
+        expected: dict[int, np.ndarray] = {}
+
+        def recorded(i: int) -> np.ndarray:
+            if i not in expected:
+                s = em["shards"][i]
+                f = rd / (s["path"] + (ROWS_SUFFIX if "rows_xxh3_128" in s else ""))
+                data = f.read_bytes()
+                if "rows_xxh3_128" in s:
+                    expected[i] = np.frombuffer(data, dtype=U64)
+                else:
+                    expected[i] = row_hashes(np.frombuffer(data, dtype=np.uint8).reshape(-1, row_bytes))
+            return expected[i]
+
+        first = numbering.first(e)
+        for s in m["shards"]:
+            r = int(s["rank"])
+            pos = np.concatenate(list(rows.node_positions(first, numbering.size(e), (r, r), 1 << 20)) or [np.empty(0, np.int64)])
+            f = d / s["path"]
+            try:
+                data = f.read_bytes()
+            except OSError as err:
+                rep.add(f, None, "a readable rank file", str(err), "cannot compare rank file")
+                continue
+            if len(data) != len(pos) * row_bytes:
+                rep.add(f, "size", f"{len(pos) * row_bytes} bytes ({len(pos)} samples of rank {r})", f"{len(data)} bytes",
+                        "rank file does not hold that rank's samples")
+                continue
+            found = row_hashes(np.frombuffer(data, dtype=np.uint8).reshape(-1, row_bytes))
+            want = np.concatenate([recorded(int(i))[pos[pos // per == i] - i * per] for i in np.unique(pos // per)]
+                                  or [np.empty(0, U64)])
+            bad = np.flatnonzero(found != want)
+            if len(bad):
+                k = int(bad[0])
+                rep.add(f, f"row {k}", f"{int(want[k]):016x} (run epoch {e}, sample {int(pos[k])})", f"{int(found[k]):016x}",
+                        f"rank file row differs from the run's sample rank {r} reads there"
+                        + (f" ({len(bad)} rows differ)" if len(bad) > 1 else ""))

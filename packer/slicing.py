@@ -1,0 +1,467 @@
+"""`tokpack stage RUN DEST --ranks A-B --world-size W --micro-batch m`: a node slice.
+
+Only the rows that ranks A..B read are copied (formats/slices.py says which), each into its
+rank's file of its epoch, in the order the rank reads them. Per global batch those rows are
+one run of (B-A+1)*m consecutive samples of the epoch, so the copy reads those runs (ranged
+reads, several in flight) and never the other nodes' rows.
+
+Every row kept is checked against the xxh3-64 the shuffle recorded for it (`NNNNN.ds.rows`,
+itself checked against its manifest checksum). An epoch written before row hashes existed
+is verified by reading its shards whole (their manifest checksums), with one line saying so.
+
+Resumable: an epoch is committed by its slice manifest, written after its rank files; a
+rerun skips the committed epochs (they are not read or rewritten) and redoes the others, with
+the same bytes. The root manifest is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from formats.errors import TokpackError
+from formats.guard import check_space, locked_output
+from formats.io import remove_tmp_files
+from formats.manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST,
+    dtype_from_name,
+    epoch_dir_name,
+    hash_hex64,
+    parse_manifest,
+    row_hashes,
+)
+from formats.reader import EpochNumbering, shuffle_command
+from formats.outputs import LocalOutput
+from formats.shards import ROWS_SUFFIX, U64, EpochShardWriter
+from formats.slices import SLICE, SLICE_EPOCH, RankRows, rank_file_name, run_identity, stage_command
+from packer.api import Result
+from packer.staging import Source, parse_epochs
+
+# Rows gathered per step: bytes in flight, so memory stays near this whatever the epoch's size.
+CHUNK_BYTES = 32 << 20
+
+
+@dataclass
+class SliceResult(Result):
+    """What `stage --ranks A-B --world-size W --json` prints."""
+
+    ok: bool
+    kind: str
+    source: str
+    dest: str
+    ranks: list[int]
+    world_size: int
+    micro_batch: int
+    batch_phase: int
+    epochs: list[int]  # every epoch the slice holds
+    epochs_staged: list[int]  # copied by this call
+    epochs_in_place: list[int]  # already complete at DEST, not read again
+    verified_by: str  # "row hashes", "whole shards" or "row hashes, whole shards"
+    rows_kept: int
+    bytes_kept: int
+    bytes_read: int
+    read_amplification: float | None  # bytes read / bytes kept (rank-file token bytes)
+    seconds: float
+    mib_per_s: float | None
+
+
+def parse_rank_range(spec) -> tuple[int, int, int | None]:
+    """'A-B', 'A' or 'A-B/W' -> (A, B, W or None)."""
+    head, sep, tail = str(spec).partition("/")
+    lo, dash, hi = head.partition("-")
+    try:
+        a, b = int(lo), int(hi) if dash else int(lo)
+        w = int(tail) if sep else None
+    except ValueError:
+        raise TokpackError("bad --ranks", where="--ranks", expected="'A-B' (consecutive ranks of one node) or 'A'",
+                           found=spec) from None
+    if a < 0 or b < a:
+        raise TokpackError("bad --ranks", where="--ranks", expected="0 <= A <= B", found=spec)
+    return a, b, w
+
+
+def slice_ranks(ranks=None, world_size: int | None = None, node=None, ranks_per_node: int | None = None
+                ) -> tuple[int, int, int]:
+    """(A, B, W) from `--ranks A-B --world-size W` or `--node n/N --ranks-per-node K` (W = N*K)."""
+    if node is not None:
+        if ranks is not None:
+            raise TokpackError("give --ranks or --node, not both", where="--node")
+        try:
+            n, _, count = str(node).partition("/")
+            n, count = int(n), int(count)
+        except ValueError:
+            raise TokpackError("bad --node", where="--node", expected="'n/N': node n of N", found=node) from None
+        k = ranks_per_node
+        if k is None or k < 1 or count < 1 or not 0 <= n < count:
+            raise TokpackError("bad --node", where="--node/--ranks-per-node", expected="0 <= n < N and K >= 1",
+                               found=f"{node}, --ranks-per-node {k}")
+        if world_size is not None and world_size != count * k:
+            raise TokpackError("--world-size disagrees with --node and --ranks-per-node", where="--world-size",
+                               expected=f"{count * k} (N*K)", found=world_size)
+        return n * k, n * k + k - 1, count * k
+    if ranks is None:
+        raise TokpackError("a node slice needs its ranks", where="--ranks",
+                           hint="add --ranks A-B, or --node n/N --ranks-per-node K")
+    a, b, w = parse_rank_range(ranks)
+    if w is not None and world_size is not None and w != world_size:
+        raise TokpackError("--ranks and --world-size disagree", where="--ranks", expected=f"/{world_size}", found=ranks)
+    w = world_size if world_size is not None else w
+    if w is None or w < 1 or b >= w:
+        raise TokpackError("bad --ranks", where="--ranks", expected=f"ranks in [0, {w})" if w else "a --world-size",
+                           found=ranks, hint="each rank must be below the world size W")
+    return a, b, w
+
+
+class _Reads:
+    """Ranged reads of the source's shard files, counted: preads of a local file, ranged GETs of a URL."""
+
+    def __init__(self, src: Source, pool: ThreadPoolExecutor):
+        self.src, self.pool = src, pool
+        self.bytes = 0
+        self._fds: dict[str, int] = {}
+
+    def _fd(self, rel: str) -> int:
+        fd = self._fds.get(rel)
+        if fd is None:
+            try:
+                fd = self._fds[rel] = os.open(os.path.join(self.src.local_root, rel), os.O_RDONLY)
+            except OSError as e:
+                raise self.src.read_error(rel, e) from None
+        return fd
+
+    def read_all(self, jobs: list[tuple[str, int, memoryview]]) -> None:
+        """Every (file, offset, buffer): a local file's ranges are all announced to the kernel
+        first (its read-ahead fetches them concurrently) and then read in order, in this thread;
+        a remote file's are ranged GETs, `workers` in flight."""
+        if self.src.local_root is None:
+            list(self.pool.map(lambda j: self.read(*j), jobs))
+            return
+        if hasattr(os, "posix_fadvise"):
+            for rel, start, out in jobs:
+                os.posix_fadvise(self._fd(rel), start, out.nbytes, os.POSIX_FADV_WILLNEED)
+        for job in jobs:
+            self.read(*job)
+
+    def read(self, rel: str, start: int, out: memoryview) -> None:
+        if self.src.local_root is not None:
+            fd = self._fd(rel)
+            done = 0
+            while done < out.nbytes:
+                n = os.preadv(fd, [out[done:]], start + done)
+                if n == 0:
+                    break
+                done += n
+        else:
+            data = self.src.read_range(rel, start, start + out.nbytes)
+            done = len(data)
+            out[:done] = data
+        if done != out.nbytes:
+            raise TokpackError("shard is shorter than its manifest says", file=f"{self.src.path.rstrip('/')}/{rel}",
+                               where=f"byte {start + done}", expected=f"{out.nbytes - done} more bytes",
+                               found="end of file", hint="run `tokpack validate` on the run")
+        self.bytes += done
+
+    def whole(self, rel: str, size: int) -> bytes:
+        buf = bytearray(size)
+        view = memoryview(buf)
+        self.read_all([(rel, off, view[off: off + CHUNK_BYTES]) for off in range(0, size, CHUNK_BYTES)])
+        return bytes(buf)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+class _EpochStager:
+    """Copies one epoch's rows of the node's ranks into their rank files, verified row by row."""
+
+    def __init__(self, src: Source, reads: _Reads, rel: str, manifest: dict, rows: RankRows, ranks: tuple[int, int],
+                 first: int, log):
+        self.src, self.reads, self.rel, self.m = src, reads, rel, manifest
+        self.rows, self.ranks, self.first, self.log = rows, ranks, first, log
+        self.shards = manifest["shards"]
+        self.per_shard = int(manifest["shard_samples"])
+        self.row_bytes = (int(manifest["seq_len"]) + 1) * int(manifest["token_size"])
+        self.hashes: dict[int, np.ndarray] = {}  # shard -> recorded (or verified-recomputed) row hashes
+        self.by_rows = all("rows_xxh3_128" in s for s in self.shards)
+
+    def shard_path(self, i: int) -> str:
+        return f"{self.rel}/{self.shards[i]['path']}"
+
+    def expected(self, i: int) -> np.ndarray:
+        """Shard i's row hashes: its `.ds.rows` checked against the manifest, or, for an epoch
+        written before them, recomputed from the whole shard checked against its checksum."""
+        got = self.hashes.get(i)
+        if got is not None:
+            return got
+        s = self.shards[i]
+        n = int(s["samples"])
+        if "rows_xxh3_128" in s:
+            raw = self.reads.whole(self.shard_path(i) + ROWS_SUFFIX, 8 * n)
+            digest, want, what = xxhash.xxh3_128_hexdigest(raw), s["rows_xxh3_128"], ROWS_SUFFIX
+            got = np.frombuffer(raw, dtype=U64)
+        else:
+            raw = self.reads.whole(self.shard_path(i), n * self.row_bytes)
+            digest, want, what = xxhash.xxh3_128_hexdigest(raw), s["xxh3_128"], ""
+            got = row_hashes(np.frombuffer(raw, dtype=np.uint8).reshape(n, self.row_bytes))
+        if digest != want:
+            raise TokpackError("checksum mismatch in the run", file=f"{self.src.path.rstrip('/')}/{self.shard_path(i)}{what}",
+                               where="xxh3_128", expected=want, found=digest,
+                               hint="the run's file is corrupt: run `tokpack validate` on the run; nothing was kept")
+        self.hashes = {k: v for k, v in self.hashes.items() if k > i - 2}  # positions only increase
+        self.hashes[i] = got
+        return got
+
+    def run(self, writers: dict[int, EpochShardWriter]) -> int:
+        """Writes the rows; returns the rows kept."""
+        n = int(self.m["samples"])
+        kept = 0
+        max_rows = max(1, CHUNK_BYTES // self.row_bytes)
+        scratch = None
+        for pos in self.rows.node_positions(self.first, n, self.ranks, max_rows):
+            if not len(pos):
+                continue
+            if scratch is None or len(scratch) < len(pos):  # one buffer for every chunk: fresh pages cost
+                scratch = np.empty((len(pos), self.row_bytes), dtype=np.uint8)
+            buf = scratch[: len(pos)]
+            shard = pos // self.per_shard
+            # Ranges: consecutive positions in one shard are one read.
+            breaks = np.flatnonzero((np.diff(pos) != 1) | (np.diff(shard) != 0)) + 1
+            lo = np.concatenate([[0], breaks])
+            hi = np.concatenate([breaks, [len(pos)]])
+            flat = memoryview(buf.reshape(-1))
+            jobs = [(int(shard[a]), int(pos[a] - shard[a] * self.per_shard), int(a), int(b)) for a, b in zip(lo, hi)]
+            self.reads.read_all([(self.shard_path(i), row * self.row_bytes, flat[a * self.row_bytes: b * self.row_bytes])
+                                 for i, row, a, b in jobs])
+            found = row_hashes(buf)
+            for i in np.unique(shard):
+                sel = shard == i
+                want = self.expected(int(i))[pos[sel] - i * self.per_shard]
+                bad = np.flatnonzero(want != found[sel])
+                if len(bad):
+                    k = int(pos[sel][bad[0]] - i * self.per_shard)
+                    raise TokpackError("sample differs from the run's row hash", file=f"{self.src.path.rstrip('/')}/{self.shard_path(int(i))}",
+                                       where=f"sample {k} (byte {k * self.row_bytes})",
+                                       expected=hash_hex64(int(want[bad[0]])), found=hash_hex64(int(found[sel][bad[0]])),
+                                       hint="the run's shard is corrupt: run `tokpack validate` on the run; nothing was kept")
+            g = pos + self.first
+            rank = ((g - self.rows.phase) % self.rows.global_batch) // self.rows.micro_batch
+            tokens = buf.view(writers[self.ranks[0]].dtype)
+            for r, w in writers.items():
+                if len(writers) == 1:  # every row is this rank's: no gather
+                    w.write_tokens(tokens)
+                    w.write_index(tokens, found)
+                    continue
+                sel = rank == r
+                if sel.any():
+                    w.write_tokens(tokens[sel])
+                    w.write_index(tokens[sel], found[sel])
+            kept += len(pos)
+        return kept
+
+
+@dataclass
+class SlicePlan:
+    """What a node slice of a run costs, by arithmetic on its manifests (nothing read but them)."""
+
+    ranks: tuple[int, int]
+    world_size: int
+    rows: RankRows
+    run: dict
+    epochs: list[int]
+    kept: dict[int, int]  # epoch -> bytes of its rank files
+    read: dict[int, int]  # epoch -> bytes the stage reads: the kept rows, plus row hashes or whole shards
+    by_rows: dict[int, bool]  # epoch -> verified by row hashes (else by whole shards)
+
+
+def plan_slice(src: Source, ranks=None, world_size: int | None = None, micro_batch: int = 1, node=None,
+               ranks_per_node: int | None = None, start_sample: int = 0, epochs=None) -> SlicePlan:
+    a, b, w = slice_ranks(ranks, world_size, node, ranks_per_node)
+    if micro_batch < 1:
+        raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
+    rows = RankRows(w, micro_batch, start_sample)
+    run = src.manifest("")
+    if run["kind"] != "run":
+        raise TokpackError("a node slice is staged from a run", file=src.path, where="kind", expected="run",
+                           found=run["kind"], hint="give the run directory (the one holding epoch-NNNNN/)")
+    numbering = EpochNumbering.of_run(run, src.path)
+    available = sorted(int(e) for e in run.get("epochs") or [])  # complete epochs only: a run being shuffled lists those
+    chosen = available if epochs is None else parse_epochs(epochs)
+    missing = [e for e in chosen if e not in available]
+    if missing:
+        raise TokpackError("epochs not in this run (yet)", file=src.path, where="epochs", expected=f"some of {available}",
+                           found=missing, hint=f"write epoch {missing[0]} with `{shuffle_command(run, src.path, missing[0])}`"
+                           " or stage the written ones")
+    row_bytes = (int(run["seq_len"]) + 1) * int(run["token_size"])
+    kept, read, by_rows = {}, {}, {}
+    for e in chosen:
+        m = src.manifest(epoch_dir_name(e), kind="epoch")
+        first, n = numbering.first(e), numbering.size(e)
+        kept[e] = sum(rows.rows(r, first, first + n) for r in range(a, b + 1)) * row_bytes
+        by_rows[e] = all("rows_xxh3_128" in s for s in m.get("shards") or [])
+        read[e] = kept[e] + (8 * n if by_rows[e] else n * row_bytes)
+    return SlicePlan((a, b), w, rows, run, chosen, kept, read, by_rows)
+
+
+def _epoch_in_place(d: Path, want: dict) -> bool:
+    """The epoch's slice manifest is there, for this slice and this run epoch, with its files at their sizes."""
+    try:
+        have = json.loads((d / MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return False
+    keys = ("kind", "epoch", "epoch_xxh3_128", "world_size", "micro_batch", "ranks", "batch_phase", "run")
+    if not isinstance(have, dict) or any(have.get(k) != want[k] for k in keys):
+        return False
+    try:
+        return all((d / s["path"]).stat().st_size == s["bytes"] and (d / f"{s['path']}.index").is_file()
+                   for s in have["shards"])
+    except (OSError, KeyError, TypeError):
+        return False
+
+
+def _header(m: dict, kind: str) -> dict:
+    return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "kind": kind,
+            **{k: m[k] for k in ("dtype", "token_size", "vocab_size", "eos_id", "tokenizer")}}
+
+
+@locked_output("stage", arg="dest")
+def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, micro_batch: int = 1,
+                node=None, ranks_per_node: int | None = None, start_sample: int = 0, epochs=None, workers: int = 4,
+                log=None) -> SliceResult:
+    """Writes the node slice of ranks A..B of a run (local or any fsspec URL) into the local DEST."""
+    t0 = time.perf_counter()
+    if "://" in str(dest):
+        raise TokpackError("DEST must be a local path", file=dest, expected="a local directory (e.g. on NVMe)",
+                           found="a URL", hint="stage reads from any fsspec URL but writes to local disk")
+    src = Source(str(directory))
+    plan = plan_slice(src, ranks, world_size, micro_batch, node, ranks_per_node, start_sample, epochs)
+    (a, b), w, rows, run, chosen = plan.ranks, plan.world_size, plan.rows, plan.run, plan.epochs
+    numbering = EpochNumbering.of_run(run, src.path)
+    dest = Path(dest)
+    root = {**_header(run, SLICE), "tokens": 0, "seq_len": run["seq_len"], "run": run_identity(run),
+            "source": src.local_root or src.path, "world_size": w, "micro_batch": micro_batch, "ranks": list(range(a, b + 1)),
+            "batch_phase": rows.phase, "epochs": []}
+    previous = _previous_slice(dest, root, src.path)
+    dest.mkdir(parents=True, exist_ok=True)
+    row_bytes = (int(run["seq_len"]) + 1) * int(run["token_size"])
+    check_space([(dest, sum(plan.kept[e] for e in chosen if e not in previous))], "stage",
+                hint="free some space there, choose another DEST, or stage fewer epochs (--epochs)")
+
+    output = LocalOutput()  # a node slice is written on the node (formats.outputs: the shared shard interface)
+    staged, in_place, verified_by, kept_rows = [], [], set(), 0
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        reads = _Reads(src, pool)
+        try:
+            for e in chosen:
+                rel = epoch_dir_name(e)
+                raw = _raw_manifest(src, rel)
+                m = parse_manifest(raw, f"{src.path.rstrip('/')}/{rel}/{MANIFEST}", "epoch")
+                first = numbering.first(e)
+                if int(m["samples"]) != numbering.size(e) or int(m["seq_len"]) != int(run["seq_len"]):
+                    raise TokpackError("epoch does not belong to its run", file=f"{src.path.rstrip('/')}/{rel}",
+                                       where="samples/seq_len", expected=(numbering.size(e), run["seq_len"]),
+                                       found=(m.get("samples"), m.get("seq_len")), hint="run `tokpack validate` on the run")
+                want = {**_header(run, SLICE_EPOCH), "tokens": 0, "seq_len": run["seq_len"], "run": root["run"],
+                        "world_size": w, "micro_batch": micro_batch, "ranks": root["ranks"],
+                        "batch_phase": rows.phase, "epoch": e, "samples": int(m["samples"]), "first_sample": first,
+                        "epoch_xxh3_128": xxhash.xxh3_128_hexdigest(raw), "shards": []}
+                d = dest / rel
+                if _epoch_in_place(d, want):
+                    in_place.append(e)
+                    continue
+                d.mkdir(parents=True, exist_ok=True)
+                (d / MANIFEST).unlink(missing_ok=True)
+                remove_tmp_files(d)
+                stager = _EpochStager(src, reads, rel, m, rows, (a, b), first, log)
+                verified_by.add("row hashes" if stager.by_rows else "whole shards")
+                if log and not stager.by_rows:
+                    log(f"stage: epoch {e} was written without row hashes (.ds.rows): verifying it by reading its "
+                        f"shards whole, about {w / (b - a + 1):.0f}x the slice's bytes; rewrite the epoch with this "
+                        "tokpack to stage only the slice")
+                writers = {r: output.open_shard(d, rank_file_name(r), dtype_from_name(m["dtype"]), int(m["seq_len"]),
+                                                int(m["eos_id"]), m["tokenizer"]) for r in range(a, b + 1)}
+                try:
+                    kept_rows += stager.run(writers)
+                    entries = []
+                    for r, wr in writers.items():
+                        entry = wr.close()
+                        entry["fragments"] = os.path.getsize(d / f"{entry['path']}.index") // 8
+                        output.commit(d, entry)
+                        entries.append({**entry, "rank": r})
+                except BaseException:
+                    for wr in writers.values():
+                        wr.abort()
+                    raise
+                want["shards"] = entries
+                want["tokens"] = sum(s["tokens"] for s in entries)
+                output.finish(d, want)
+                staged.append(e)
+                if log:
+                    log(f"stage: epoch {e}: {sum(s['samples'] for s in entries):,} rows of ranks {a}-{b} "
+                        f"({want['tokens'] * int(run['token_size']) / 2**20:,.1f} MiB)")
+        finally:
+            reads.close()
+    root["epochs"] = sorted(set(previous) | set(chosen))
+    root["tokens"] = sum(_epoch_tokens(dest / epoch_dir_name(e)) for e in root["epochs"])
+    output.finish(dest, root)
+    seconds = time.perf_counter() - t0
+    kept = kept_rows * row_bytes
+    if log:
+        log(f"stage: slice of ranks {a}-{b} of {w} (micro-batch {micro_batch}) at {dest}: epochs {root['epochs']}, "
+            f"{len(staged)} staged, {len(in_place)} already in place; read {reads.bytes / 2**20:,.1f} MiB "
+            f"for {kept / 2**20:,.1f} MiB kept")
+    return SliceResult(ok=True, kind=SLICE, source=src.path, dest=str(dest), ranks=root["ranks"], world_size=w,
+                       micro_batch=micro_batch, batch_phase=rows.phase, epochs=root["epochs"], epochs_staged=staged,
+                       epochs_in_place=in_place, verified_by=", ".join(sorted(verified_by)), rows_kept=kept_rows,
+                       bytes_kept=kept, bytes_read=reads.bytes,
+                       read_amplification=round(reads.bytes / kept, 4) if kept else None,
+                       seconds=round(seconds, 3), mib_per_s=round(reads.bytes / 2**20 / seconds, 1) if seconds > 0 else None)
+
+
+def _raw_manifest(src: Source, rel: str) -> bytes:
+    src.manifest(rel, kind="epoch")  # one line for a missing or broken manifest
+    with src.open(f"{rel}/{MANIFEST}") as f:
+        return f.read()
+
+
+def _epoch_tokens(d: Path) -> int:
+    return int(json.loads((d / MANIFEST).read_bytes())["tokens"])
+
+
+def _previous_slice(dest: Path, root: dict, source: str) -> list[int]:
+    """The epochs a slice at DEST already holds; refuses a DEST holding anything else."""
+    path = dest / MANIFEST
+    if not path.is_file():
+        if dest.is_dir() and any(p.name != "tokpack.lock" for p in dest.iterdir()) and not any(
+                p.name.startswith("epoch-") for p in dest.iterdir()):
+            raise TokpackError("DEST is not empty and holds no node slice", file=dest,
+                               hint="choose an empty directory or an existing slice of this run")
+        return []
+    have = parse_manifest(path.read_bytes(), path, kind=(SLICE, "source", "run", "epoch"))
+    if have.get("kind") != SLICE:
+        raise TokpackError("DEST already holds a different tokpack directory", file=path, where="kind",
+                           expected=SLICE, found=have.get("kind"), hint="remove DEST or choose another destination")
+    if have.get("run") != root["run"]:
+        raise TokpackError("DEST holds a slice of another run (its seed, sources or plan differ)", file=path,
+                           where="run", expected="the run being staged", found=f"seed {have.get('run', {}).get('seed')}",
+                           hint="remove DEST or choose another destination")
+    for key in ("world_size", "micro_batch", "ranks", "batch_phase"):
+        if have.get(key) != root[key]:
+            ranks = have.get("ranks") or [0]
+            raise TokpackError("DEST holds a slice for other ranks", file=path, where=key, expected=root[key],
+                               found=have.get(key),
+                               hint="remove DEST or choose another destination; it was made by `"
+                                    + stage_command(source, str(dest), ranks[0], ranks[-1], have.get("world_size"),
+                                                    have.get("micro_batch"), have.get("batch_phase") or 0) + "`")
+    return [int(e) for e in have.get("epochs") or []]
+
