@@ -10,7 +10,7 @@ import sys
 
 _LOG = os.environ.get("TOKPACK_AUDIT_LOG")
 if _LOG:
-    _ROOT = os.path.abspath(os.environ.get("TOKPACK_AUDIT_ROOT") or "/")
+    _ROOT = os.path.abspath(os.environ.get("TOKPACK_AUDIT_ROOT") or "/").rstrip("/") + "/"
     _FD = os.open(_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)  # before the hook
     _EVENTS = ("open", "os.mkdir", "os.rename", "os.remove", "os.rmdir", "os.link", "os.symlink",
                "os.truncate", "shutil.rmtree", "shutil.move", "shutil.copyfile")
@@ -22,7 +22,7 @@ if _LOG:
             path = _os.path.abspath(_os.fsdecode(args[0]))
         except (TypeError, ValueError):
             return
-        if not (path == _root or path.startswith(_root + "/") or path.startswith("/dev/")):
+        if not (path.startswith(_root) or path + "/" == _root or path.startswith("/dev/")):
             return
         mode = args[1] if event == "open" and len(args) > 1 else ""
         flags = args[2] if event == "open" and len(args) > 2 else 0
