@@ -148,30 +148,15 @@ class World:
     root: Path
     user_files: dict[Path, bytes] = field(default_factory=dict)
 
-    @property
-    def data(self) -> Path:
-        return self.root / "data"
+    # world.data, world.outside, and under data: world.src, world.run, world.epoch, world.sched ...
+    PLACES = {"data": "data", "outside": "outside", "src": "data/src", "other": "data/other", "run": "data/run",
+              "epoch": "data/run/epoch-00000", "wrun": "data/wrun", "out": "data/out", "dest": "data/dest",
+              "sched": "data/sched.yaml", "npy": "data/tokens.npy"}
 
-    @property
-    def outside(self) -> Path:
-        return self.root / "outside"
-
-    def __getattr__(self, name):  # world.src, world.run, world.sched ...
-        if name in ("src", "other", "run", "wrun", "out", "dest"):
-            return self.data / name
+    def __getattr__(self, name) -> Path:
+        if name in World.PLACES:
+            return self.root / World.PLACES[name]
         raise AttributeError(name)
-
-    @property
-    def epoch(self) -> Path:
-        return self.run / "epoch-00000"
-
-    @property
-    def sched(self) -> Path:
-        return self.data / "sched.yaml"
-
-    @property
-    def npy(self) -> Path:
-        return self.data / "tokens.npy"
 
     def plant(self, path: Path, text: str = "a user's notes\n") -> None:
         """A file the user made; it must survive every command byte for byte."""
@@ -596,28 +581,27 @@ def test_every_command_accepts_the_undamaged_world(worlds):
         assert (w.wrun / "epoch-00000" / shard.name).read_bytes() == shard.read_bytes(), shard.name
 
 
-@FUZZ
-@given(mutation=mutations, commands=commands_of(SRC_CMDS), name=st.sampled_from(ODD_NAMES))
-def test_damaged_source_manifest(worlds, mutation, commands, name):
+def damaged_manifest(worlds, name: str, place: str, mutation, commands: list[str], table) -> None:
+    """Each command in a world of its own whose manifest at `place` has the same mutation."""
     cases = []
     for command in commands:
         w = worlds(name)
-        what, must = mutate_manifest(w, w.src, mutation)
-        cases.append(guarded(_src_cmds(w)[command](), must))
-    _explain(what)
+        what, must = mutate_manifest(w, getattr(w, place), mutation)
+        cases.append(guarded(table(w)[command](), must))
+    _explain(f"{place}: {what}")
     check(*cases)
+
+
+@FUZZ
+@given(mutation=mutations, commands=commands_of(SRC_CMDS), name=st.sampled_from(ODD_NAMES))
+def test_damaged_source_manifest(worlds, mutation, commands, name):
+    damaged_manifest(worlds, name, "src", mutation, commands, _src_cmds)
 
 
 @FUZZ
 @given(mutation=mutations, commands=commands_of(EPOCH_CMDS), name=st.sampled_from(ODD_NAMES))
 def test_damaged_epoch_manifest(worlds, mutation, commands, name):
-    cases = []
-    for command in commands:
-        w = worlds(name)
-        what, must = mutate_manifest(w, w.epoch, mutation)
-        cases.append(guarded(_epoch_cmds(w, w.epoch)[command](), must))
-    _explain(what)
-    check(*cases)
+    damaged_manifest(worlds, name, "epoch", mutation, commands, lambda w: _epoch_cmds(w, w.epoch))
 
 
 @FUZZ
@@ -625,13 +609,7 @@ def test_damaged_epoch_manifest(worlds, mutation, commands, name):
        name=st.sampled_from(ODD_NAMES))
 def test_damaged_run_manifest(worlds, mutation, commands, epoch_too, name):
     """The run's own manifest, or the manifest of an epoch inside a run."""
-    cases = []
-    for command in commands:
-        w = worlds(name)
-        what, must = mutate_manifest(w, w.epoch if epoch_too else w.run, mutation)
-        cases.append(guarded(_run_cmds(w)[command](), must))
-    _explain(("epoch-00000: " if epoch_too else "run: ") + what)
-    check(*cases)
+    damaged_manifest(worlds, name, "epoch" if epoch_too else "run", mutation, commands, _run_cmds)
 
 
 @FUZZ
