@@ -74,7 +74,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from conftest import random_docs, shuffle_run, write_source
-from probes import AUDIT_SITE, MARK, audit_env, audited, kill_marked
+from probes import AUDIT_SITE, MARK, audit_env, audited, describe, kill_marked, marked
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = int(os.environ.get("TOKPACK_FUZZ_EXAMPLES", "5"))
@@ -84,7 +84,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database
                                        HealthCheck.data_too_large])
 TIMEOUT = float(os.environ.get("TOKPACK_FUZZ_TIMEOUT", "60"))  # seconds; a healthy case takes about one
 REPORT = os.environ.get("TOKPACK_FUZZ_REPORT")  # a file: record every failing case there instead of failing
-MEMORY = 3 << 30  # RLIMIT_AS: a healthy case peaks near 0.7 GiB of address space (stage's threads, torch)
+MEMORY = 2 << 30  # RLIMIT_AS: a healthy case peaks near 0.65 GiB of address space (torch; stage 0.5 GiB)
 EXTRA_PROCESSES = 64  # RLIMIT_NPROC above what the user already runs: a worker count is not a fork bomb
 SEQ = ["--seq-len", "7", "--seed", "1"]
 OOC = ["--memory", "4KiB", "--shard-samples", "40"]  # out of core: the bucket path runs
@@ -246,14 +246,17 @@ def run(*cases: Case) -> list[Outcome]:
             status = proc.wait(max(0.0, t0 + TIMEOUT - time.monotonic()))
         except subprocess.TimeoutExpired:
             status = None
+        left = []
+        if status is not None:  # the command ended: whatever it started must end with it
+            deadline = time.monotonic() + 5
+            while (left := describe(marked(token))) and time.monotonic() < deadline:
+                time.sleep(0.1)
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         proc.wait()
-        deadline = time.monotonic() + 5
-        while (left := kill_marked(token)) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        left = left or kill_marked(token)  # (after a hang: what escaped the process group)
         if os.environ.get("TOKPACK_FUZZ_TIMES"):
             print(f"{time.monotonic() - t0:6.2f} s  {case.what[:150]}", file=sys.stderr)
         o = Outcome(case.what, status, (logs / "stdout").read_bytes().decode(errors="replace"),
@@ -560,6 +563,28 @@ _damage: list[str] = []  # the current example's, for TOKPACK_FUZZ_REPORT
 
 
 # ------------------------------------------------------------------------------------ tests
+
+
+MISBEHAVING = """
+import os, subprocess, sys
+open(os.path.join("..", "outside", "canary.txt")).read()
+os.remove("notes.txt")
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print("tokpack: error: one\\ntokpack: error: two", file=sys.stderr)
+sys.exit(1)
+"""
+
+
+def test_the_probes_see_what_they_must(worlds):
+    """The harness itself: a process that reads the canary, deletes a user file, leaves a child
+    running and prints two error lines is caught on each count."""
+    w = worlds("two words")
+    [o] = run(Case(w, ["-c", MISBEHAVING], "misbehaving"))
+    found = problems(w, o)
+    assert found == sorted(["not exactly one `tokpack: error:` line", f"open of {w.outside / 'canary.txt'} "
+                            "(outside the dataset)", "user file data/notes.txt deleted or changed",
+                            f"processes left: {o.left}"]), found
+    assert o.left and "time.sleep(60)" in o.left[0]
 
 
 def test_every_command_accepts_the_undamaged_world(worlds):
