@@ -46,7 +46,7 @@ by C code without Python's `open` (the audit hook does not see them: pyarrow, to
 file changed while the command runs; signals sent during a case (tests/test_lifetime.py);
 pack's input formats other than NumPy; resource exhaustion of the disk (tests/test_hygiene.py).
 
-`TOKPACK_FUZZ_EXAMPLES=N` raises the examples per test (default 5); `TOKPACK_FUZZ_SHRINK=1`
+`TOKPACK_FUZZ_EXAMPLES=N` raises the examples per test (default 4); `TOKPACK_FUZZ_SHRINK=1`
 lets hypothesis shrink a failure (off by default: a hang would be rerun for every shrink step);
 `TOKPACK_FUZZ_TIMEOUT=S` sets the per-case timeout (default 60 s). To explore rather than test,
 `TOKPACK_FUZZ_REPORT=FILE` appends every failing case to FILE and lets the tests pass.
@@ -77,7 +77,7 @@ from conftest import random_docs, shuffle_run, write_source
 from probes import AUDIT_SITE, MARK, audit_env, audited, describe, kill_marked, marked
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = int(os.environ.get("TOKPACK_FUZZ_EXAMPLES", "5"))
+EXAMPLES = int(os.environ.get("TOKPACK_FUZZ_EXAMPLES", "4"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 phases=[Phase.explicit, Phase.generate] + ([Phase.shrink] if os.environ.get("TOKPACK_FUZZ_SHRINK") else []),
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
@@ -336,7 +336,9 @@ def problems(world: World, o: Outcome, *, must_fail: bool = False, before: dict 
     """Everything the trust boundary forbids that this outcome shows."""
     found = []
     text = o.stdout + o.stderr
-    usage = o.status in (1, 2) and "\nError: " in "\n" + o.stderr and "internal error" not in text
+    # a usage error (click's "Error:" line, or tokpack's own wording of one), whichever of 1 and 2 it exits with
+    usage = o.status in (1, 2) and "internal error" not in text and (
+        "\nError: " in "\n" + o.stderr or "usage" in o.stderr.lower())
     # validate's product is a report, one line per problem, its verdict last
     report = o.status == 1 and re.match(r"[A-Z]+: \d+ director", (o.stderr.strip().splitlines() or [""])[-1])
     if o.status is None:
@@ -453,6 +455,9 @@ READS_SHARDS = {"validate", "validate-against", "read-verify", "stage", "stage-e
 
 class Raw(str):
     """JSON text put into a manifest as is (what json.dumps cannot write: NaN, 1e400, deep nesting)."""
+
+    def __repr__(self) -> str:  # a falsifying example stays readable
+        return f"Raw({str.__repr__(self[:40])}{f' ({len(self)} characters)' if len(self) > 40 else ''})"
 
 
 HOSTILE_JSON = [
