@@ -20,32 +20,11 @@ import numpy as np
 import pytest
 
 from conftest import random_docs, require, write_source
+from probes import MARK, cmdline, describe, marked
 from packer.executors import PROJECT_ROOT
 
 GONE_WITHIN = 5.0  # seconds the issue allows the killed command's processes to end
 SHUFFLE = ["--seq-len", "63", "--seed", "3", "--shard-samples", "100", "--memory", "64KiB"]
-
-
-def marked(token: str) -> list[int]:
-    """Pids of live processes whose environment carries TOKPACK_TEST_MARK=token."""
-    needle = f"TOKPACK_TEST_MARK={token}\0".encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/environ", "rb") as f:
-                    env = f.read()
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-            except OSError:
-                continue
-            if needle in env + b"\0" and not zombie:
-                found.append(int(name))
-    return found
-
-
-def describe(pids: list[int]) -> list[str]:
-    return [f"{pid}: {_cmdline(pid).replace(bytes(1), b' ').decode()[:150]}" for pid in pids]
 
 
 def wait_for(condition, what: str, timeout: float = 120.0, proc: subprocess.Popen | None = None):
@@ -69,7 +48,7 @@ def start(tmp_path):
 
     def run(args: list[str]) -> tuple[subprocess.Popen, str]:
         token = uuid.uuid4().hex
-        env = {**os.environ, "TOKPACK_TEST_MARK": token, "PYTHONPATH": PROJECT_ROOT}
+        env = {**os.environ, MARK: token, "PYTHONPATH": PROJECT_ROOT}
         with open(tmp_path / f"cmd-{token[:8]}.log", "wb") as log:  # not a pipe: a leftover would hold it open
             proc = subprocess.Popen([sys.executable, "-m", "packer.cli", *args], env=env, stdout=log,
                                     stderr=subprocess.STDOUT, cwd=tmp_path)
@@ -138,19 +117,12 @@ def test_killed_shuffle_on_a_local_ray_cluster_leaves_no_process(source, tmp_pat
                          "--executor", "ray", "--workers", "2"])
 
     def raylet_running():
-        return any(b"raylet" in _cmdline(p) for p in marked(token))
+        return any(b"raylet" in cmdline(p) for p in marked(token))
 
     wait_for(raylet_running, "the local Ray cluster started", timeout=300, proc=proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert_nothing_left(token)
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def test_killed_shuffle_on_slurm_leaves_no_job_and_no_process(source, tmp_path, start):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import random_docs, shuffle_run, write_source
+from probes import AUDIT_SITE, audit_env, audited
 from formats.guard import LOCK_NAME, WORK_DIR
 from packer import ExecutorConfig, pack, plan, stage
 from packer.executors import pass_runner
@@ -137,33 +138,25 @@ def test_plan_writes_nothing_and_measures_the_disk(corpus, tmp_path):
     assert listing(tmp_path) == before
 
 
-AUDIT = """
-import json, os, sys
-writes = []
-def hook(event, args):
-    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
-        mode, flags = args[1] or "r", args[2] or 0
-        if any(c in str(mode) for c in "wax+") or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
-            writes.append(str(args[0]))
-    elif event in ("os.mkdir", "os.rename", "os.remove", "os.link", "shutil.rmtree"):
-        writes.append(f"{event} {args[0]}")
-sys.addaudithook(hook)
+PLAN_INCIDENT = """
+import json, sys
 from packer import ExecutorConfig, plan
 r = plan("shuffle", sys.argv[1], sys.argv[2], seq_len=4096, seed=1, epochs=1, memory=3 << 40, disk_mbps=2000,
          executor=ExecutorConfig(executor="slurm", workers=48, tasks=48))
-print(json.dumps({"writes": writes, "plan": r.to_json()}))
+print(json.dumps(r.to_json()))
 """
 
 
 def test_the_incidents_11T_corpus_plans_without_touching_disk(tmp_path):
     """The 11T-token, 48-node run, planned from a virtual source: no file is opened for writing
     and no directory made (an audit hook watches the whole process)."""
-    proc = subprocess.run([sys.executable, "-c", AUDIT, INCIDENT, str(tmp_path / "nowhere" / "run")],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    log = tmp_path / "audit.log"
+    proc = subprocess.run([sys.executable, "-c", PLAN_INCIDENT, INCIDENT, str(tmp_path / "nowhere" / "run")],
+                          capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([AUDIT_SITE, str(ROOT)]), **audit_env(log, "/")})
     assert proc.returncode == 0, proc.stderr
-    found = json.loads(proc.stdout)
-    assert found["writes"] == []
-    r = found["plan"]
+    assert [a for a in audited(log) if a.writes] == []
+    r = json.loads(proc.stdout)
     samples = 11 * 10**12 // 4097
     assert r["samples_per_epoch"] == samples and r["path"] == "out-of-core"
     shard_samples = (1 << 30) // (4097 * 2)

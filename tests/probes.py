@@ -1,0 +1,88 @@
+"""Probes that watch a tested command from outside: which of its processes are still alive
+(a marker in their environment), and what every one of its Python processes opened or changed
+on disk (an audit hook installed by tests/audit_site/sitecustomize.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+AUDIT_SITE = str(Path(__file__).resolve().parent / "audit_site")
+MARK = "TOKPACK_TEST_MARK"
+
+
+def marked(token: str) -> list[int]:
+    """Pids of live processes whose environment carries TOKPACK_TEST_MARK=token."""
+    needle = f"{MARK}={token}\0".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    env = f.read()
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+            except OSError:
+                continue
+            if needle in env + b"\0" and not zombie:
+                found.append(int(name))
+    return found
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b"?"
+
+
+def describe(pids: list[int]) -> list[str]:
+    return [f"{pid}: {cmdline(pid).replace(bytes(1), b' ').decode(errors='replace')[:150]}" for pid in pids]
+
+
+def kill_marked(token: str) -> list[str]:
+    """Kills whatever still carries the marker; returns what it found (empty: nothing was left)."""
+    left = marked(token)
+    found = describe(left)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return found
+
+
+@dataclass(frozen=True)
+class Access:
+    pid: int
+    event: str  # "open", "os.remove", "shutil.rmtree", ...
+    path: str  # absolute, as the process named it (symbolic links not resolved)
+    mode: str  # open(): "r", "wb", ...; os.open(): ""
+    flags: int
+
+    @property
+    def writes(self) -> bool:
+        if self.event != "open":
+            return True
+        return any(c in self.mode for c in "wax+") or bool(self.flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+
+
+def audit_env(log: str | Path, root: str | Path) -> dict[str, str]:
+    """Environment variables that make every Python process started with them record its file
+    accesses under `root` (and under /dev) in `log`; the caller adds AUDIT_SITE to PYTHONPATH."""
+    return {"TOKPACK_AUDIT_LOG": str(log), "TOKPACK_AUDIT_ROOT": str(root)}
+
+
+def audited(log: str | Path) -> list[Access]:
+    try:
+        text = Path(log).read_bytes().decode("utf-8", "surrogateescape")
+    except FileNotFoundError:
+        return []
+    found = []
+    for line in text.splitlines():
+        pid, event, path, mode, flags = line.split("\t")
+        found.append(Access(int(pid), event, path, mode, int(flags)))
+    return found
