@@ -40,6 +40,7 @@ from .manifest import (
     xxh3_128_file,
     field_problems,
     MANIFEST_FIELDS,
+    strict_json,
 )
 from .reader import EpochNumbering
 from .shard_scan import Findings, Problem, ShardJob, check_shard, problem_line, worst_status
@@ -504,8 +505,9 @@ def _order_problem(d: DirReport, planned: list[int]) -> None:
 
 def _kind(path) -> str | None:
     try:
-        return json.loads((as_path(path) / MANIFEST).read_bytes()).get("kind")
-    except (OSError, ValueError, AttributeError):
+        manifest = as_path(path) / MANIFEST
+        return strict_json(read_limited(manifest, MAX_MANIFEST_BYTES, "manifest"), manifest).get("kind")
+    except (TokpackError, OSError, AttributeError):
         return None
 
 

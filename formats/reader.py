@@ -247,6 +247,11 @@ def cu_seqlens(positions: np.ndarray) -> np.ndarray:
     return np.append(np.flatnonzero(flat == 0), flat.size).astype(np.int32)
 
 
+# Readers of directory kinds built on this one, by manifest kind; formats/slices.py registers the
+# node slice's (formats/__init__.py imports it), so that it may import this module and not the reverse.
+OPENERS: dict = {}
+
+
 class SampleReader:
     """Sequential reader over chained epoch directories. Open with `SampleReader.open(path)`.
 
@@ -288,12 +293,10 @@ class SampleReader:
             p = as_path(p)
             manifest = read_manifest(p, kind=("run", "epoch", "slice"))
             if manifest["kind"] == "slice":  # a node slice (formats/slices.py): its ranks' rows, the run's numbers
-                from .slices import SliceReader
-
                 if len(paths) != 1:
                     raise TokpackError("a node slice is read on its own, not chained", file=p, where="paths",
                                        expected="one slice directory", found=len(paths))
-                return SliceReader.open_slice(p, manifest, verify=verify)
+                return OPENERS["slice"](p, manifest, verify=verify)
             absent.update(partial_stage_absent(p))
             if manifest["kind"] == "epoch":
                 epochs.append((p, manifest))

@@ -18,9 +18,9 @@ from typing import Iterator
 import numpy as np
 
 from .errors import TokpackError
-from .io import as_path
-from .manifest import MANIFEST, MANIFEST_FIELDS, SHARD_FIELDS, dtype_from_name, epoch_dir_name, field_problems, read_manifest
-from .reader import EpochNumbering, SampleReader, ShardTable, _shard_error
+from .io import as_path, read_limited
+from .manifest import MANIFEST, MANIFEST_FIELDS, MAX_MANIFEST_BYTES, SHARD_FIELDS, dtype_from_name, epoch_dir_name, field_problems, read_manifest
+from .reader import OPENERS, EpochNumbering, SampleReader, ShardTable, _shard_error
 
 SLICE = "slice"  # kind of a slice's root manifest
 SLICE_EPOCH = "slice-epoch"  # kind of a slice epoch's manifest
@@ -283,7 +283,7 @@ def slice_against_run(path: Path, root: dict, run_path, rep) -> None:
         d, rd = path / epoch_dir_name(e), run_path / epoch_dir_name(e)
         try:
             m = read_manifest(d, kind=SLICE_EPOCH)
-            raw = (rd / MANIFEST).read_bytes()
+            raw = read_limited(rd / MANIFEST, MAX_MANIFEST_BYTES, "manifest")
         except (TokpackError, OSError) as err:
             rep.add(getattr(err, "file", None) or rd, None, "a readable manifest", str(err), "cannot compare epoch")
             continue
@@ -329,3 +329,6 @@ def slice_against_run(path: Path, root: dict, run_path, rep) -> None:
                 rep.add(f, f"row {k}", f"{int(want[k]):016x} (run epoch {e}, sample {int(pos[k])})", f"{int(found[k]):016x}",
                         f"rank file row differs from the run's sample rank {r} reads there"
                         + (f" ({len(bad)} rows differ)" if len(bad) > 1 else ""))
+
+
+OPENERS[SLICE] = SliceReader.open_slice

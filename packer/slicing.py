@@ -16,7 +16,6 @@ the same bytes. The root manifest is written last.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,8 +27,10 @@ import xxhash
 
 from formats.errors import TokpackError
 from formats.guard import check_space, locked_output
-from formats.io import remove_tmp_files
+from formats.io import read_limited, remove_tmp_files
 from formats.manifest import (
+    MAX_MANIFEST_BYTES,
+    strict_json,
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST,
@@ -43,7 +44,7 @@ from formats.reader import EpochNumbering, shuffle_command
 from formats.outputs import LocalOutput
 from formats.shards import ROWS_SUFFIX, U64, EpochShardWriter
 from formats.slices import SLICE, SLICE_EPOCH, RankRows, rank_file_name, run_identity, stage_command
-from packer.api import Result
+from packer.shared import Result
 from packer.staging import Source, parse_epochs
 
 # Rows gathered per step: bytes in flight, so memory stays near this whatever the epoch's size.
@@ -316,8 +317,8 @@ def plan_slice(src: Source, ranks=None, world_size: int | None = None, micro_bat
 def _epoch_in_place(d: Path, want: dict) -> bool:
     """The epoch's slice manifest is there, for this slice and this run epoch, with its files at their sizes."""
     try:
-        have = json.loads((d / MANIFEST).read_bytes())
-    except (OSError, ValueError):
+        have = _small_json(d / MANIFEST)
+    except (OSError, TokpackError):
         return False
     keys = ("kind", "epoch", "epoch_xxh3_128", "world_size", "micro_batch", "ranks", "batch_phase", "run")
     if not isinstance(have, dict) or any(have.get(k) != want[k] for k in keys):
@@ -435,7 +436,12 @@ def _raw_manifest(src: Source, rel: str) -> bytes:
 
 
 def _epoch_tokens(d: Path) -> int:
-    return int(json.loads((d / MANIFEST).read_bytes())["tokens"])
+    return int(_small_json(d / MANIFEST)["tokens"])
+
+
+def _small_json(path: Path):
+    """A manifest this command wrote, read bounded and strictly as every manifest is."""
+    return strict_json(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path)
 
 
 def _previous_slice(dest: Path, root: dict, source: str) -> list[int]:
@@ -447,7 +453,7 @@ def _previous_slice(dest: Path, root: dict, source: str) -> list[int]:
             raise TokpackError("DEST is not empty and holds no node slice", file=dest,
                                hint="choose an empty directory or an existing slice of this run")
         return []
-    have = parse_manifest(path.read_bytes(), path, kind=(SLICE, "source", "run", "epoch"))
+    have = parse_manifest(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path, kind=(SLICE, "source", "run", "epoch"))
     if have.get("kind") != SLICE:
         raise TokpackError("DEST already holds a different tokpack directory", file=path, where="kind",
                            expected=SLICE, found=have.get("kind"), hint="remove DEST or choose another destination")
