@@ -108,7 +108,13 @@ def test_plan_seconds_are_bytes_over_the_disks_working_at_once(corpus, tmp_path,
     assert len({p["tasks"] for p in planned.passes}) > 1 and planned.disk == "given" and planned.disk_mbps == 2.5
     for p in planned.passes:
         assert p["seconds"] == round((p["read_bytes"] + p["written_bytes"]) / 2.5e6 / at_once(p["tasks"]), 1), p
-    assert planned.predicted_seconds == round(sum(p["seconds"] for p in planned.passes), 1)
+    # plus the start-up: the command's, and datatrove's executor's for each pass it runs
+    from packer.executors import runs_in_process
+    from packer.planning import COMMAND_START_SECONDS, EXECUTOR_START_SECONDS
+
+    startup = COMMAND_START_SECONDS + (0 if runs_in_process(config) else EXECUTOR_START_SECONDS * len(planned.passes))
+    assert planned.startup_seconds == startup and startup > COMMAND_START_SECONDS
+    assert planned.predicted_seconds == round(sum(p["seconds"] for p in planned.passes) + startup, 1)
     assert (planned.workers, planned.executor) == (workers, executor)
 
 
