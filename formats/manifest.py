@@ -391,6 +391,9 @@ def check_manifest(m: dict, directory, add) -> bool:
     shards = m.get("shards") if isinstance(m.get("shards"), list) else []
     if _fields(m, MANIFEST_FIELDS, kind, mfile, add) + _entries(shards, SHARD_FIELDS, kind, mfile, "shards", add):
         return False  # a malformed manifest cannot drive the checks below
+    if kind not in ("source", "epoch"):  # a node slice's: its fields here, its arithmetic in formats/slices.py
+        _check_shard_names(shards, mfile, add)
+        return True
     try:
         dtype, rule = dtype_from_name(m["dtype"]), dtype_name(dtype_for_vocab(m["vocab_size"]))
     except TokpackError as e:

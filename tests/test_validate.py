@@ -550,8 +550,8 @@ def test_swapped_rows_fail_on_the_token_checksum(env, tmp_path):
     r = validate_all([str(env / "run")], quick=False, against=[str(env / "src")], workers=1, show_progress=False)
     assert [(Path(p["file"]).name, p["where"], p["message"]) for p in r["problems"]] == \
         [("00000.ds", "xxh3_128", "checksum mismatch"),
-         ("00000.ds", "order_hash", "sample order differs from the plan (1 of 27 shards checked differ)"),
-         ("00000.ds.rows", "entry 0", "row hash disagrees with the sample")], r["lines"]
+         ("00000.ds.rows", "entry 0", "row hash disagrees with the sample"),
+         ("00000.ds", "order_hash", "sample order differs from the plan (1 of 27 shards checked differ)")], r["lines"]
     assert r["status"] == "corrupt"
 
 
