@@ -588,7 +588,7 @@ def stage(directory, dest, as_json, **kw):
     \b
     Example:
       tokpack stage s3://bucket/runs/r1 /local_nvme/r1 --epochs 0-1 --workers 8
-      tokpack stage /shared/runs/r1 /local_nvme/r1 --ranks 0-7/64 --micro-batch 4
+      tokpack stage /shared/runs/r1 /local_nvme/slice --ranks 0-7 --world-size 64 --micro-batch 4
     """
     from packer.api import stage as stage_api
 
