@@ -41,7 +41,7 @@ NANOSET_B, BLEND_B = 16, 10
 
 def make_epoch(out: Path, size: int, seed: int = 0) -> Path:
     """An epoch directory of random documents (EOS = 0) written with the real shard writer."""
-    from formats.manifest import shard_name, write_manifest
+    from formats.manifest import PLAN_ALGORITHM, epoch_manifest, shard_name, write_manifest
     from formats.shards import EpochShardWriter
 
     out.mkdir(parents=True, exist_ok=True)
@@ -57,10 +57,16 @@ def make_epoch(out: Path, size: int, seed: int = 0) -> Path:
             rows[rng.random(rows.shape) < 1 / 1200] = 0
             w.write_rows(rows)
         shards.append(w.close())
-    write_manifest(out, {"format": "tokpack", "version": 1, "kind": "epoch", "epoch": 0, "seed": seed,
-                         "seq_len": SEQ_LEN, "dtype": "uint16", "token_size": 2, "vocab_size": 50_257, "eos_id": 0,
-                         "tokenizer": "bench", "samples": samples, "shard_samples": shard_samples,
-                         "dropped_tokens": 0, "tokens": samples * (SEQ_LEN + 1), "documents": None, "shards": shards})
+    for s in shards:
+        s["fragments"] = (out / f"{s['path']}.index").stat().st_size // 8
+    row = SEQ_LEN + 1
+    # One stand-in source whose windows are the epoch's samples: the manifest checks every reader
+    # applies (formats.manifest.check_manifest) hold, as for an epoch the shuffle wrote.
+    source = {"name": "bench", "path": "bench", "fingerprint": "0" * 32, "tokens": samples * row, "weight": None,
+              "samples": samples, "first_pass": 0, "passes": 1, "windows": samples, "offset": 0, "dropped_tokens": 0}
+    write_manifest(out, epoch_manifest(shards, np.dtype("<u2"), 50_257, 0, "bench", tokens=samples * row, epoch=0,
+                                       seed=seed, seq_len=SEQ_LEN, samples=samples, shard_samples=shard_samples,
+                                       dropped_tokens=0, jitter=False, sources=[source], shuffle=PLAN_ALGORITHM))
     return out
 
 

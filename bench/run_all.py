@@ -31,6 +31,7 @@ import argparse
 import importlib
 import inspect
 import shlex
+import os
 import shutil
 import statistics
 import sys
@@ -314,11 +315,12 @@ def section_shuffle(ctx: Ctx) -> list[dict]:
     return rows
 
 
-def reader_cmd(epoch: Path, filler: Path, start: int, samples: int, result: Path) -> list[str]:
+def reader_cmd(epoch: Path, virtual_dir: Path, start: int, samples: int, result: Path) -> list[str]:
     """Rank 0 of W=1 reads the `samples` samples of `epoch` placed at chained sample `start`:
-    a virtual epoch (SampleReader.from_manifests) whose first shard is a sparse file of `start`
-    samples, never read, followed by the real shards. The shard table has the same size for
-    every start, so only the step number differs between the cases."""
+    a virtual epoch (SampleReader.from_manifests) in `virtual_dir`, whose first shard
+    `filler.ds` is a sparse file of `start` samples, never read, followed by the real shards
+    (hard links: a manifest names files inside its own folder only). The shard table has the
+    same size for every start, so only the step number differs between the cases."""
     return python_cmd(
         "import json, time\n"
         "from pathlib import Path\n"
@@ -327,11 +329,11 @@ def reader_cmd(epoch: Path, filler: Path, start: int, samples: int, result: Path
         f"e, start = Path({str(epoch)!r}), {start}\n"
         "m = read_manifest(e, kind='epoch')\n"
         "rb = (int(m['seq_len']) + 1) * int(m['token_size'])\n"
-        f"shards = [{{'path': {str(filler)!r}, 'samples': start, 'bytes': start * rb}}]\n"
-        "shards += [{**s, 'path': str(e / s['path'])} for s in m['shards']]\n"
+        "shards = [{'path': 'filler.ds', 'samples': start, 'bytes': start * rb}]\n"
+        "shards += m['shards']\n"
         "virtual = {**m, 'samples': start + int(m['samples']), 'shards': shards}\n"
         "virtual.pop('shard_samples', None)\n"
-        "reader = SampleReader.from_manifests([(e, virtual)])\n"
+        f"reader = SampleReader.from_manifests([({str(virtual_dir)!r}, virtual)])\n"
         "t = time.perf_counter()\n"
         "n = 0\n"
         f"for rows in reader.batches(0, 1, 1, start=start, steps={samples}, copy=False):\n"
@@ -360,13 +362,17 @@ def section_read(ctx: Ctx) -> list[dict]:
 
     def read(step: int) -> Callable[[], Measure]:
         g = step * GBS
-        filler = ctx.work / f"filler-{step}.ds"
-        with open(filler, "wb") as f:  # sparse: holes take no disk and are never read
+        vdir = ctx.work / f"virtual-{step}"
+        vdir.mkdir(exist_ok=True)
+        for f in epoch.iterdir():
+            if ".ds" in f.name and not (vdir / f.name).exists():
+                os.link(f, vdir / f.name)
+        with open(vdir / "filler.ds", "wb") as f:  # sparse: holes take no disk and are never read
             f.truncate(g * row_bytes)
 
         def run() -> Measure:
             result.unlink(missing_ok=True)
-            m = run_measured(reader_cmd(epoch, filler, g, samples, result), cold=ctx.cold)
+            m = run_measured(reader_cmd(epoch, vdir, g, samples, result), cold=ctx.cold)
             got = peers.read_result(result)["bytes"]
             if got != nbytes:
                 raise RuntimeError(f"reader returned {got} bytes, expected {nbytes}")
@@ -381,8 +387,8 @@ def section_read(ctx: Ctx) -> list[dict]:
     rows = measure("read", cases, ctx, baseline="cold cat of the epoch shards")
     for step, r in zip([0, *STEPS], rows[1:]):
         ctx.reader_rss[step] = r.get("peak RSS MB")
-    for f in ctx.work.glob("filler-*.ds"):
-        f.unlink()
+    for d in ctx.work.glob("virtual-*"):
+        shutil.rmtree(d)
     return rows
 
 
