@@ -28,6 +28,7 @@ import xxhash
 from formats.errors import TokpackError
 from formats.guard import check_space, locked_output
 from formats.io import read_limited, remove_tmp_files
+from formats.units import at_most
 from formats.manifest import (
     MAX_MANIFEST_BYTES,
     strict_json,
@@ -90,9 +91,22 @@ def parse_rank_range(spec) -> tuple[int, int, int | None]:
     return a, b, w
 
 
+# Ranks one node slice holds: each is a file written at once during a stage, so the bound is the
+# open files a process may hold, far above the GPUs a node has.
+MAX_SLICE_RANKS = 256
+
+
 def slice_ranks(ranks=None, world_size: int | None = None, node=None, ranks_per_node: int | None = None
                 ) -> tuple[int, int, int]:
-    """(A, B, W) from `--ranks A-B --world-size W` or `--node n/N --ranks-per-node K` (W = N*K)."""
+    """(A, B, W) from `--ranks A-B --world-size W` or `--node n/N --ranks-per-node K` (W = N*K),
+    with at most MAX_SLICE_RANKS ranks, checked before anything is written."""
+    a, b, w = _slice_ranks(ranks, world_size, node, ranks_per_node)
+    at_most(b - a + 1, MAX_SLICE_RANKS, "ranks in one node slice", where="--ranks/--ranks-per-node",
+            hint="a node slice holds the ranks of one node: stage each node's ranks (--node n/N) on that node")
+    return a, b, w
+
+
+def _slice_ranks(ranks, world_size, node, ranks_per_node) -> tuple[int, int, int]:
     if node is not None:
         if ranks is not None:
             raise TokpackError("give --ranks or --node, not both", where="--node")

@@ -313,3 +313,21 @@ def test_a_damaged_work_record_in_the_bucket_is_one_line(s3_bucket, tmp_path):
     r = tokpack("pack", src, "-o", out, *PACK, *scratch, "--overwrite")
     assert r.returncode == 0, r.stderr
     assert json.loads(fs.cat(f"{bucket}/out/tokpack.json"))["kind"] == "source"
+
+
+@pytest.mark.parametrize("args", [["--ranks", "0-99999999", "--world-size", "100000000"],
+                                  ["--node", "0/2", "--ranks-per-node", "300"]], ids=["ranks", "node"])
+def test_a_node_slice_of_too_many_ranks_is_refused_before_writing(tmp_path, args):
+    """A slice writes one file per rank at once: 10^8 ranks ran out of open files after writing
+    ~20,000 temporaries. The count is refused by arithmetic, and nothing is written."""
+    import subprocess
+    import sys
+
+    dest = tmp_path / "slice"
+    r = subprocess.run([sys.executable, "-m", "packer.cli", "stage", str(tmp_path / "no-run"), str(dest), *args,
+                        "--micro-batch", "2"], capture_output=True, text=True, cwd=Path(__file__).parent.parent,
+                       timeout=120)
+    lines = [x for x in r.stderr.splitlines() if x.startswith("tokpack")]
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert "ranks in one node slice is too large" in lines[0] and "at most 256" in lines[0], lines[0]
+    assert not dest.exists()
