@@ -179,12 +179,6 @@ class RemotePath:
         return self.read_bytes().decode("utf-8")
 
 
-def kept_at(path: str | Path, outbox: "Outbox | None") -> "Path | RemotePath":
-    """Where a committed output file or folder is kept: its twin in the store when an outbox
-    sends it there, else the local path itself."""
-    return outbox.remote_of(path) if outbox else Path(path)
-
-
 class Outbox:
     """A command's output that goes to an object store (`remote`, a URL): the command writes
     and commits its files under the local folder `local` exactly as for a local output, then

@@ -594,14 +594,12 @@ def canonical_bytes(manifest: dict) -> bytes:
     return json.dumps(manifest, indent=1, sort_keys=False).encode() + b"\n"
 
 
-def write_manifest(directory: str | Path, manifest: dict, name: str = MANIFEST, outbox=None) -> None:
-    """Written last, atomically: its presence is what makes a directory complete. To an outbox
-    (formats.io.Outbox), also sent last, after everything it lists."""
+def write_manifest(directory: str | Path, manifest: dict, name: str = MANIFEST) -> None:
+    """Written last, atomically: its presence is what makes a directory complete (an Output that
+    sends its files elsewhere sends it last too: formats.outputs)."""
     fsync_dir(directory)  # the shards' renames are on disk before a manifest can claim them
     write_bytes_atomic(Path(directory) / name, canonical_bytes(manifest), fsync=True)
     fsync_dir(directory)
-    if outbox is not None:
-        outbox.send(Path(directory) / name, keep=True)
 
 
 def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = None, checked: bool = True) -> dict:

@@ -258,7 +258,7 @@ def shard_on_disk(directory: str | Path, entry: dict, itemsize: int) -> bool:
     token file at its recorded size, its other files (index, metadata, ...) present. Sizes, not checksums:
     each file is fsync'd before its rename and the entry recorded after, so a crash cannot
     leave a present file wrong; a change by hand since is what `tokpack validate` reports.
-    `directory` may be a URL: an outbox's shards are checked where they were sent."""
+    `directory` may be a URL: a bucket output's shards are checked where they were sent."""
     directory = as_path(directory)
     name, tokens = (entry.get("path"), entry.get("tokens")) if isinstance(entry, dict) else (None, None)
     if not isinstance(name, str) or _SHARD_FILE.fullmatch(name) is None or type(tokens) is not int:

@@ -53,10 +53,10 @@ def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_forma
     from packer.packing import pack as pack_source
 
     in_process = runs_in_process(executor or ExecutorConfig())
-    with local_paths([], str(output), scratch and str(scratch), in_process, "pack") as (_, local_output, outbox):
+    with local_paths([], str(output), scratch and str(scratch), in_process, "pack") as (_, local_output, to):
         return pack_source(as_paths(inputs), local_output, input_format=input_format, column=column, dtype=dtype,
                            tokenizer=tokenizer, eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite,
-                           shard_tokens=shard_tokens, config=executor, log=log, outbox=outbox)
+                           shard_tokens=shard_tokens, config=executor, log=log, to=to)
 
 
 def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int | None = None,
@@ -86,13 +86,13 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
     if epochs is None and scheduled is None:
         epochs = 1
     with local_paths(paths, str(output), scratch and str(scratch), runs_in_process(config)) as (
-            local_sources, local_output, outbox):
+            local_sources, local_output, to):
         summary = shuffle_run(local_sources, local_output, weights=weights, seq_len=seq_len, seed=seed,
                               epochs=epoch_numbers(epochs),
                               samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory,
                               jitter=jitter, log=log, workers=config.workers, tasks=config.tasks,
                               run_passes=pass_runner(config), progress=progress, schedule=scheduled,
-                              given=paths, outbox=outbox, packing=packing, pad_id=pad_id)
+                              given=paths, to=to, packing=packing, pad_id=pad_id)
     return ShuffleResult(**summary)
 
 

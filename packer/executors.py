@@ -28,6 +28,7 @@ import xxhash
 from formats.errors import TokpackError, task_failed
 from formats.guard import OutputLock, holder_name
 from formats.io import Outbox, RemotePath, is_url, local_path
+from formats.outputs import BucketOutput, LocalOutput
 from formats.manifest import MANIFEST
 from shuffle.sinks import app_sinks_kept
 
@@ -549,13 +550,14 @@ def _fs_and_path(url: str):
 @contextlib.contextmanager
 def local_paths(inputs: list[str], output: str, scratch: str | None = None, in_process: bool = True,
                 command: str = "shuffle"):
-    """Yields (inputs, output, outbox) as local paths: `file://` URLs become paths. Other fsspec
-    URLs: inputs are downloaded to a temporary folder; an output is written to a local folder
-    named after the URL under `scratch` (default: TOKPACK_STAGE_DIR, else the system temp dir)
-    and goes to the store file by file through `outbox` (formats.io.Outbox; None for a local
-    output). That folder is locked (for `command`) before the store's state is fetched into it,
-    kept when the command fails, for its rerun, and removed when it succeeds. `in_process`:
-    every task runs in this process (the tasks send the shards)."""
+    """Yields (inputs, output folder, Output): local paths, `file://` URLs made paths, and the
+    formats.outputs Output the command writes through. Other fsspec URLs: inputs are downloaded
+    to a temporary folder; an output is written to a local folder named after the URL under
+    `scratch` (default: TOKPACK_STAGE_DIR, else the system temp dir) and goes to the store file
+    by file (a BucketOutput over a formats.io.Outbox; a LocalOutput for a local output). That
+    folder is locked (for `command`) before the store's state is fetched into it, kept when the
+    command fails, for its rerun, and removed when it succeeds. `in_process`: every task runs in
+    this process (the tasks send the shards)."""
     scratch = scratch or os.environ.get("TOKPACK_STAGE_DIR") or tempfile.gettempdir()
     downloads = None
     try:
@@ -577,7 +579,7 @@ def local_paths(inputs: list[str], output: str, scratch: str | None = None, in_p
                 held.enter_context(OutputLock(local_output, holder_name(command)))
                 outbox.fetch_state(MANIFEST)
             try:
-                yield local_inputs, local_output, outbox
+                yield local_inputs, local_output, LocalOutput() if outbox is None else BucketOutput(outbox)
             except TokpackError as e:
                 if outbox is not None and e.file and e.file.startswith(outbox.local):
                     e.file = outbox.remote + e.file[len(outbox.local):]  # the user's name for it, not ours

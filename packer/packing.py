@@ -33,7 +33,7 @@ from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, locked_
 from formats.inputs import BLOCK_BYTES, InputFile
 from formats.inputs.discover import check_input, discover, read_blocks
 from formats.inputs.tables import parquet_values
-from formats.io import Outbox, as_path, is_tmp_name, kept_at, is_url, progress, read_record, write_bytes_atomic
+from formats.io import as_path, is_tmp_name, is_url, progress, read_record, write_bytes_atomic
 from formats.manifest import (
     MANIFEST,
     dtype_for_vocab,
@@ -41,9 +41,9 @@ from formats.manifest import (
     shard_digits,
     shard_name,
     source_manifest,
-    write_manifest,
 )
-from formats.shards import PackedSource, SourceShardWriter, is_own_file, shard_on_disk, shard_suffixes
+from formats.outputs import LocalOutput
+from formats.shards import PackedSource, SourceShardWriter, is_own_file, shard_suffixes
 from shuffle.sinks import app_sinks_kept
 from packer.shared import Result
 from packer.executors import ExecutorConfig, run_steps, runs_in_process
@@ -74,7 +74,8 @@ class PackStep(PipelineStep):
     type = "🔢 - TOKENIZER"
 
     def __init__(self, files: list[InputFile], work: str, vocab_size: int, eos_id: int, dtype: str,
-                 tokenizer: str, shard_tokens: int, block_bytes: int = BLOCK_BYTES, outbox: Outbox | None = None):
+                 tokenizer: str, shard_tokens: int, block_bytes: int = BLOCK_BYTES,
+                 output: LocalOutput = LocalOutput()):
         super().__init__()
         self.files = files  # every input file, in input order
         self.work = work  # OUT/.tokpack-work
@@ -84,7 +85,7 @@ class PackStep(PipelineStep):
         self.tokenizer = tokenizer  # written into each shard's .ds.metadata
         self.shard_tokens = shard_tokens  # max tokens per shard (but one oversized document)
         self.block_bytes = block_bytes  # input bytes per read block
-        self.outbox = outbox  # an output in an object store: each shard is sent there once written
+        self.output = output  # where the shards go (formats.outputs): to a bucket, each is sent once written
         # The bar over every file, next to each file's own, when the ranks run in the command's
         # process (never pickled to a worker); moved by whole files: a JSONL block's bytes are not known.
         self.overall = None
@@ -103,18 +104,16 @@ class PackStep(PipelineStep):
         f = self.files[i]
         part_dir = Path(self.work) / f"part-{i:05d}"
         part_json = Path(self.work) / f"part-{i:05d}.json"
-        shards_at = kept_at(part_dir, self.outbox)
         part = read_record(part_json)  # a damaged record: the file is packed again
         if part is not None:
             shards = part.get("shards")
-            if isinstance(shards, list) and all(shard_on_disk(shards_at, e, np.dtype(self.dtype).itemsize)
+            if isinstance(shards, list) and all(self.output.has(part_dir, e, np.dtype(self.dtype).itemsize)
                                                 for e in shards):
                 return part  # done by an earlier run
         part_json.unlink(missing_ok=True)
         if part_dir.exists():
             shutil.rmtree(part_dir)
-        if self.outbox:
-            shards_at.remove_tree()
+        self.output.remove_sent(part_dir)
         part_dir.mkdir(parents=True)
         out_dtype = np.dtype(self.dtype)
         norm = Normalizer(f, self.vocab_size, self.eos_id, out_dtype)
@@ -126,8 +125,7 @@ class PackStep(PipelineStep):
             nonlocal writer
             entry, writer = writer.close(), None
             entries.append(entry)
-            if self.outbox:
-                self.outbox.send(*(part_dir / f"{entry['path']}{s}" for s in shard_suffixes(entry)))
+            self.output.commit(part_dir, entry)
 
         in_itemsize = np.dtype(f.dtype).itemsize if f.dtype else 0
         bar = progress(f.size, f"pack {Path(f.path).name}")
@@ -177,8 +175,7 @@ class PackStep(PipelineStep):
             "empty_documents_dropped": norm.empty_dropped,
         }
         write_bytes_atomic(part_json, json.dumps(part).encode(), fsync=True)
-        if self.outbox:
-            self.outbox.send(part_json, keep=True)
+        self.output.send_record(part_json)
         return part
 
 
@@ -316,14 +313,7 @@ def _result(manifest: dict, out: Path, fmt: str, seconds: float, input_bytes: in
         fingerprint=manifest["fingerprint"], warnings=list(warnings))
 
 
-def _remove_work(work: Path, outbox: Outbox | None) -> None:
-    shutil.rmtree(work, ignore_errors=True)
-    if outbox:
-        outbox.remote_of(work).remove_tree()
-
-
-def _raise_task_error(work: Path, out: Path, created: bool, cause: BaseException | None,
-                      outbox: Outbox | None) -> None:
+def _raise_task_error(work: Path, out: Path, created: bool, cause: BaseException | None, to: LocalOutput) -> None:
     """A task's data error: remove the partial output and raise the task's own message."""
     errors = sorted(work.glob("part-*.error.json")) if work.exists() else []
     if not errors:
@@ -331,26 +321,26 @@ def _raise_task_error(work: Path, out: Path, created: bool, cause: BaseException
             raise cause
         return
     err = json.loads(errors[0].read_text())
-    _remove_work(work, outbox)
+    to.remove_tree(work)
     if created and out.exists() and not any(out.iterdir()):
         out.rmdir()
     raise TokpackError(err["message"], file=err.get("file"), where=err.get("where"), expected=err.get("expected"),
                        found=err.get("found"), hint=err.get("hint")) from None
 
 
-def _finalize(out: Path, work: Path, plan: dict, outbox: Outbox | None) -> dict:
-    """Moves the parts' shards to their global names (inside the store, to an outbox), then
+def _finalize(out: Path, work: Path, plan: dict, to: LocalOutput) -> dict:
+    """Moves the parts' shards to their global names (inside the store, to a bucket), then
     writes tokpack.json last."""
     manifest = plan["manifest"]
     for src, dst, size in plan["moves"]:
-        src, dst = (kept_at(out / p, outbox) for p in (src, dst))
+        src, dst = (to.where(out / p) for p in (src, dst))
         if src.exists():
             src.replace(dst)
         elif not dst.exists() or (size is not None and dst.stat().st_size != size):
             raise TokpackError("a shard disappeared while finishing the pack", file=dst, expected="the moved shard",
                                found="nothing", hint="rerun with --overwrite to pack again from scratch")
-    write_manifest(out, manifest, outbox=outbox)
-    _remove_work(work, outbox)
+    to.finish(out, manifest)
+    to.remove_tree(work)
     return manifest
 
 
@@ -396,14 +386,13 @@ class PackSetup:
     warnings: list[str] = field(default_factory=list)
     out_dtype: np.dtype | None = None
 
-    def bytes_to_write(self, out: Path, outbox_shards: int = 0) -> int:
+    def bytes_to_write(self, out: Path, to: LocalOutput = LocalOutput(), tasks: int = 1) -> int:
         """Shards are renamed out of the work folder, never copied: one copy of the output at
-        most. What OUT holds already (a resumed or a replaced pack) is not needed again. To an
-        outbox, OUT holds `outbox_shards` (a shard per task) at most, each sent once written."""
+        most. What OUT holds already (a resumed or a replaced pack) is not needed again. To a
+        bucket, OUT holds a shard per task at most, each sent once written."""
         total = _bytes_to_write(self.files, self.out_dtype)
-        if outbox_shards:
-            return min(total, outbox_shards * int(self.request["shard_tokens"]) * self.out_dtype.itemsize)
-        return total - bytes_under(out)
+        shard = int(self.request["shard_tokens"]) * self.out_dtype.itemsize
+        return to.local_need(total, tasks * shard, here=bytes_under(out))
 
 
 def pack_tasks(files: int, config: ExecutorConfig) -> int:
@@ -413,9 +402,9 @@ def pack_tasks(files: int, config: ExecutorConfig) -> int:
 def setup_pack(inputs: list[str], out: Path, *, input_format: str = "auto", column: str | None = None,
                dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
                vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30,
-               say=lambda msg: None, outbox: Outbox | None = None) -> PackSetup:
-    """Finds the inputs, checks them (every check that needs no token scan) and OUT (to an
-    outbox: what the store holds). Reads only."""
+               say=lambda msg: None, to: LocalOutput = LocalOutput()) -> PackSetup:
+    """Finds the inputs, checks them (every check that needs no token scan) and OUT (to a
+    bucket: what the store holds). Reads only."""
     if shard_tokens < 1:
         raise TokpackError("shard size must be positive", where="--shard-tokens", expected=">= 1", found=shard_tokens)
     if tokenizer is not None:
@@ -431,7 +420,7 @@ def setup_pack(inputs: list[str], out: Path, *, input_format: str = "auto", colu
         "vocab_size": vocab_size, "shard_tokens": int(shard_tokens),
     }
     setup = PackSetup(fmt, files, tokenizer, request,
-                      _output_state(kept_at(out, outbox), request, overwrite))
+                      _output_state(to.where(out), request, overwrite))
     if setup.state == "complete":
         return setup
     if fmt == "text":
@@ -457,23 +446,24 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
          dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
          vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30, log=None,
          config: ExecutorConfig | None = None, block_bytes: int = BLOCK_BYTES,
-         outbox: Outbox | None = None) -> PackResult:
+         to: LocalOutput = LocalOutput()) -> PackResult:
     """Packs INPUTs (local paths or fsspec URLs, read where they are) into one packed source at
-    the local `output`, or, through `outbox`, at its URL (packer.api.pack makes the outbox)."""
+    the local `output`, or, `to` another Output (formats.outputs), where it sends them from
+    there (packer.api.pack picks the Output)."""
     t0 = time.perf_counter()
     say = log or (lambda msg: None)
     out = Path(output).absolute()
     config = config or ExecutorConfig()
     setup = setup_pack(inputs, out, input_format=input_format, column=column, dtype=dtype, tokenizer=tokenizer,
                        eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite, shard_tokens=shard_tokens, say=say,
-                       outbox=outbox)
+                       to=to)
     fmt, files, tokenizer, request, state = setup.fmt, setup.files, setup.tokenizer, setup.request, setup.state
     input_bytes = sum(f.size for f in files)
-    shown = outbox.remote if outbox else out  # where the packed source is
+    shown = to.shown(out)  # where the packed source is
     if state == "complete":
-        manifest = read_manifest(kept_at(out, outbox), kind="source")
+        manifest = read_manifest(to.where(out), kind="source")
         # A pack killed between writing its manifest and removing its scratch left the scratch.
-        _remove_work(out / WORK_DIR, outbox)
+        to.remove_tree(out / WORK_DIR)
         say(f"tokpack pack: {shown} already holds this pack; nothing to do")
         return _result(manifest, shown, fmt, time.perf_counter() - t0, 0, "already complete")
 
@@ -481,21 +471,19 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
     vocab, eos, tok_name, eos_token, warnings = setup.vocab, setup.eos, setup.tok_name, setup.eos_token, setup.warnings
     out_dtype = setup.out_dtype
     ntasks = pack_tasks(len(files), config)
-    check_space([(out, setup.bytes_to_write(out, ntasks if outbox else 0))], "pack",
+    check_space([(out, setup.bytes_to_write(out, to, ntasks))], "pack",
                 hint="free some space there, or choose another -o")
 
     # Nothing has been written so far; from here on, OUT/.tokpack-work holds the run.
     created = not out.exists()
-    if state == "replace" or (outbox and state == "fresh" and out.exists()):  # a stale local copy: the store decides
+    if state == "replace" or (to.staged and state == "fresh" and out.exists()):  # a stale local copy: the store decides
         _clear(out)
-        if outbox:
-            outbox.remote_of(out).remove_tree()
+        to.remove_sent(out)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(exist_ok=True)
     if not (work / "request.json").exists():
         write_bytes_atomic(work / "request.json", json.dumps(request).encode())
-        if outbox:
-            outbox.send(work / "request.json", keep=True)
+        to.send_record(work / "request.json")
     for p in work.glob("part-*.error.json"):
         p.unlink()
     base_logs = Path(config.logging_dir) if config.logging_dir else work / "logs"
@@ -512,19 +500,19 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
         else:
             packed_files = files
         step = PackStep(packed_files, str(work), vocab, eos, out_dtype.name, tok_name, int(shard_tokens), block_bytes,
-                        outbox)
+                        to)
         ntasks = pack_tasks(len(packed_files), config)
         if runs_in_process(config):
             step.overall = progress(sum(f.size for f in packed_files), f"pack: {len(packed_files)} file(s)")
         try:
             run_steps([(step, ntasks, "pack", base_logs / "pack")], config)
         except Exception as e:
-            _raise_task_error(work, out, created, e, outbox)
+            _raise_task_error(work, out, created, e, to)
         finally:
             if step.overall is not None:
                 step.overall.close()
                 step.overall = None
-        _raise_task_error(work, out, created, None, outbox)
+        _raise_task_error(work, out, created, None, to)
         parts = []
         for i in range(len(packed_files)):
             part_json = work / f"part-{i:05d}.json"
@@ -535,7 +523,7 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
             parts.append(part)
         total = sum(len(p["shards"]) for p in parts)
         if total == 0:
-            _remove_work(work, outbox)
+            to.remove_tree(work)
             if created and out.exists() and not any(out.iterdir()):
                 out.rmdir()
             raise TokpackError("empty input: no documents", file=", ".join(inputs), expected="at least one document",
@@ -561,13 +549,12 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
             request=request,
         )
         write_bytes_atomic(plan_path, json.dumps({"manifest": manifest, "moves": moves}).encode())
-        if outbox:  # from here a rerun only finishes the moves
-            outbox.send(plan_path, keep=True)
+        to.send_record(plan_path)  # from here a rerun only finishes the moves
     plan = read_record(plan_path)
     if plan is None:
         raise TokpackError("pack's finishing record is damaged: the shards it moved cannot be found again",
                            file=plan_path, hint="rerun with --overwrite to pack again from scratch")
-    manifest = _finalize(out, work, plan, outbox)
+    manifest = _finalize(out, work, plan, to)
     seconds = time.perf_counter() - t0
     result = _result(manifest, shown, fmt, seconds, input_bytes, "packed", warnings)
     for line in warnings:  # after the work: a pack that fails prints its one error line only

@@ -24,8 +24,8 @@ import xxhash
 
 from formats.errors import TokpackError
 from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
-from formats.io import TMP_MARK, Outbox, kept_at, remove_tmp_files
-from formats.outputs import output_for
+from formats.io import TMP_MARK, remove_tmp_files
+from formats.outputs import LocalOutput
 from formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
                               read_manifest, run_manifest)
 from formats.shards import PackedSource, is_own_file, shard_suffixes
@@ -155,16 +155,16 @@ def _check_same_run(found: dict, wanted: dict, where: Path) -> None:
                 "--seq-len, --seed, --jitter, --samples/--tokens and --shard-samples")
 
 
-def _existing_run(out: Path, outbox: Outbox | None = None) -> dict | None:
+def _existing_run(out: Path, to: LocalOutput = LocalOutput()) -> dict | None:
     """Parameters of the run already in OUT (run manifest, else any complete epoch), or None.
-    To an outbox, OUT holds the state fetched from the store, and the store what else is there."""
+    To a bucket, OUT holds the state fetched from the store, and the store what else is there."""
     if not out.exists():
         return None
     if not out.is_dir():
         raise TokpackError("output is not a directory", file=out)
     if (out / MANIFEST).exists():
         return _params_of_manifest(read_manifest(out, kind="run"))
-    kept = kept_at(out, outbox)
+    kept = to.where(out)
     listed = kept if kept.exists() else out
     foreign = [p.name for p in listed.iterdir()
                if not (p.name.startswith("epoch-") or p.name in (WORK_DIR, LOCK_NAME) or TMP_MARK in p.name)]
@@ -269,19 +269,18 @@ def bytes_to_write(jobs: list[EpochJob], sources: list[PackedSource], memory: in
     """Peak bytes on OUT's filesystem while these epochs are written, less what a resumed run has
     there already: the epochs written before, then this epoch's files with, out of core, its
     bucket scratch, of which the order pass deletes each shard's part once the shard is
-    written: the peak is the scratch plus the first shard. To an outbox, the local folder holds
+    written: the peak is the scratch plus the first shard. To a bucket, the local folder holds
     the scratch and a shard per worker at most, each sent and removed once committed."""
     peak = written = 0
     for job in jobs:
         epoch = epoch_bytes(job, planned_epoch_manifest(job, sources))
         shard = epoch * min(1, job.shard_samples / max(job.plan.samples, 1))
         have = bytes_under(job.epoch_dir) + bytes_under(job.work_dir)
-        during = epoch if job.outbox is None else min(epoch, workers * shard)
+        during = job.output.local_need(epoch, workers * shard)
         if memory_path(job, memory)[1] > memory:
             during = scratch_bytes(job) + shard
         peak = max(peak, written + max(0, during - have))
-        if job.outbox is None:
-            written += max(0, epoch - have)
+        written += job.output.local_need(max(0, epoch - have), 0)
     return int(max(peak, written))
 
 
@@ -399,9 +398,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     if packed:
         manifest["packing"] = plan.packing_entry(table_sum, padding)
     job.output.finish(job.epoch_dir, manifest)
-    if job.outbox:
-        job.outbox.remote_of(work).remove_tree()
-    shutil.rmtree(work, ignore_errors=True)
+    job.output.remove_tree(work)
     return {"epoch": plan.epoch, "path": "in-memory" if in_memory else "out-of-core", "samples": plan.samples,
             "shards": job.n_shards, "shards_reused": reused,
             "bytes_written": sum(entries[i]["bytes"] for i in shards_left),
@@ -441,9 +438,9 @@ class RunSetup:
 def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, seed: int | None,
               epochs: list[int] | None, samples, tokens, shard_samples, memory: int, jitter: bool, workers: int,
               progress: bool = False, given: list[str] | None = None, schedule: Schedule | None = None,
-              outbox: Outbox | None = None, packing: str = "concat", pad_id: int | None = None) -> RunSetup:
+              to: LocalOutput = LocalOutput(), packing: str = "concat", pad_id: int | None = None) -> RunSetup:
     """Opens the sources and OUT's run (if any), checks they agree, and plans every epoch. Reads only.
-    `given`, `schedule`, `outbox`, `packing`, `pad_id`: as in shuffle_run."""
+    `given`, `schedule`, `to`, `packing`, `pad_id`: as in shuffle_run."""
     if packing not in PACKINGS:
         raise TokpackError("unknown packing", where="--packing", expected=" or ".join(PACKINGS), found=packing)
     if packing != "concat" and jitter:
@@ -468,7 +465,7 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
         raise TokpackError("--memory is too small to shuffle", where="--memory", expected=f">= {floor} bytes",
                            found=f"{memory} bytes", hint=f"give --memory {floor} or more ({MIN_BUCKET_ROWS} samples "
                            f"of {row_bytes} bytes per bucket, per worker); more memory is faster")
-    existing = _existing_run(out, outbox)
+    existing = _existing_run(out, to)
     if (existing is not None and existing.get("given_weights") is not None
             and existing["fingerprints"] == [src.fingerprint for src in opened]
             and existing["weights"] == _weights_key(weights)):
@@ -512,19 +509,19 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
                 raise TokpackError("epoch directory holds a different epoch", file=edir, where="sources",
                                    hint="delete that epoch directory or use another -o")
         else:
-            _refuse_foreign_files(edir, outbox)
+            _refuse_foreign_files(edir, to)
             key = xxhash.xxh3_64_hexdigest(json.dumps([params, plan.source_entries(), plan.algorithm, dtype]).encode())
             job = EpochJob(plan, tuple(source_location(p) for p in paths), dtype, int(first["eos_id"]),
                            first.get("tokenizer", ""), str(edir), str(out / WORK_DIR / f"{edir.name}-{key}"),
-                           shard_samples, progress=bool(progress), main_pid=os.getpid(), outbox=outbox)
+                           shard_samples, progress=bool(progress), main_pid=os.getpid(), output=to)
         todo.append((epoch, plan, job))
     return RunSetup(opened, weights, shard_samples, done_epochs, todo, existing, runplan, run_params)
 
 
-def _refuse_foreign_files(edir: Path, outbox: Outbox | None) -> None:
+def _refuse_foreign_files(edir: Path, to: LocalOutput) -> None:
     """An epoch folder about to be written may hold what an earlier attempt left (replaced or
     removed as it finishes), and nothing else: anything else is refused before a byte is written."""
-    for where in {edir, kept_at(edir, outbox)}:
+    for where in {edir, to.where(edir)}:
         foreign = sorted(p.name for p in where.iterdir() if not is_own_file(p)) if where.is_dir() else []
         if foreign:
             raise TokpackError("epoch directory holds files tokpack did not write", file=where / foreign[0],
@@ -554,7 +551,7 @@ def shuffle_run(
     progress: bool | None = None,
     given: list[str] | None = None,
     schedule: Schedule | None = None,
-    outbox: Outbox | None = None,
+    to: LocalOutput = LocalOutput(),
     packing: str = "concat",
     pad_id: int | None = None,
 ) -> dict:
@@ -569,8 +566,8 @@ def shuffle_run(
     every epoch written and a warning per source an epoch repeats windows of (packer.api.shuffle
     takes URLs and returns it as a ShuffleResult). `schedule`: the run's stages (shuffle.schedule),
     instead of `sources`, `weights`, `seq_len`, `seed`, `samples`, `tokens` and `jitter`; `epochs`
-    None: every epoch of the schedule. `outbox`: the run goes to an object store (formats.io.Outbox
-    from `output`, its local folder, to the URL), and `output` holds the state fetched from it.
+    None: every epoch of the schedule. `to`: where the run goes (formats.outputs; to a bucket,
+    `output` is its local folder and holds the state fetched from the store).
     `packing`: "concat" (windows) or "best-fit" (whole documents, shuffle.packed; with a schedule,
     its `packing:` key); `pad_id`: best-fit's padding token [default: the EOS id]."""
     t0 = time.perf_counter()
@@ -583,7 +580,7 @@ def shuffle_run(
                            expected="a packed source directory", hint="plan it instead: tokpack plan shuffle ...")
     setup = setup_run(sources, output, weights=weights, seq_len=seq_len, seed=seed, epochs=epochs, samples=samples,
                       tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter, workers=workers,
-                      progress=bool(progress), given=given, schedule=schedule, outbox=outbox, packing=packing,
+                      progress=bool(progress), given=given, schedule=schedule, to=to, packing=packing,
                       pad_id=pad_id)
     out, opened, weights, shard_samples = Path(output), setup.sources, setup.weights, setup.shard_samples
     done_epochs, runplan, skipped, summaries = setup.done_epochs, setup.runplan, [], []
@@ -594,17 +591,14 @@ def shuffle_run(
                 hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)")
     if setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():  # its numbering, fixed at creation
         out.mkdir(parents=True, exist_ok=True)
-        output_for(outbox).finish(out, _run_manifest(out, setup.todo[0][1], weights, opened, shard_samples,
-                                                     done_epochs, runplan))
+        to.finish(out, _run_manifest(out, setup.todo[0][1], weights, opened, shard_samples, done_epochs, runplan))
     for epoch, plan, job in setup.todo:
         out.mkdir(parents=True, exist_ok=True)
         if job is None:
             skipped.append(epoch)
             # A kill while the finished epoch's scratch was being removed leaves part of it.
             for stale in (out / WORK_DIR).glob(f"{epoch_dir_name(epoch)}-*"):
-                shutil.rmtree(stale, ignore_errors=True)
-                if outbox:
-                    outbox.remote_of(stale).remove_tree()
+                to.remove_tree(stale)
             log(f"epoch {epoch}: already complete, skipped")
         else:
             summary = run_epoch(job, memory=memory, workers=workers, tasks=tasks, run_passes=run_passes, log=log)
@@ -612,7 +606,7 @@ def shuffle_run(
             summary["sources"] = plan.source_report()
             summaries.append(summary)
         done_epochs = sorted(set(done_epochs) | {epoch})
-        output_for(outbox).finish(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan))
+        to.finish(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan))
     work = out / WORK_DIR
     if work.exists() and not any(work.iterdir()):
         work.rmdir()
@@ -620,7 +614,7 @@ def shuffle_run(
     written = sum(s["bytes_written"] for s in summaries)
     sizes = epoch_samples(runplan, done_epochs)
     return {
-        "output": outbox.remote if outbox else str(out),
+        "output": to.shown(out),
         "epochs": done_epochs,
         "written": [s["epoch"] for s in summaries],
         "skipped": skipped,

@@ -44,9 +44,9 @@ import numpy as np
 import xxhash
 
 from formats.errors import TokpackError
-from formats.io import IO_BLOCK, Outbox, Worker, drop_buffers, lent, map_file, progress, read_record, write_bytes_atomic
+from formats.io import IO_BLOCK, Worker, drop_buffers, lent, map_file, progress, read_record, write_bytes_atomic
 from formats.manifest import dtype_from_name, shard_digits, shard_name
-from formats.outputs import LocalOutput, output_for
+from formats.outputs import LocalOutput
 from formats.shards import PackedSource, RowFragments, write_pad_sidecar
 
 from .plan import EpochPlan, iter_source_windows, open_source
@@ -165,7 +165,7 @@ class EpochJob:
     shard_samples: int  # samples per output shard (the last may be short)
     progress: bool = False  # tqdm bars, shown only by tasks running in the process that asked for them
     main_pid: int = 0  # that process
-    outbox: Outbox | None = None  # a run written to an object store: each shard is sent there once committed
+    output: LocalOutput = LocalOutput()  # where the shards go (formats.outputs): a folder, a bucket
 
     @property
     def show_progress(self) -> bool:
@@ -212,13 +212,8 @@ class EpochJob:
         return [open_source(p, check_sizes=False) for p in self.source_paths]
 
     def done_entry(self, i: int) -> dict | None:
-        """The manifest entry recorded when shard i was committed (and sent, to an outbox)."""
+        """The manifest entry recorded when shard i was committed (and sent, to a bucket)."""
         return read_record(self.done_path(i))  # a damaged record: the shard is written again
-
-    @property
-    def output(self) -> LocalOutput:
-        """Where the epoch's shards go (formats.outputs): a local folder, or a bucket through the outbox."""
-        return output_for(self.outbox)
 
     def shard_done(self, i: int) -> dict | None:
         """The shard's manifest entry if it was committed and recorded and is still there."""

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import EOS_TOKEN, generate_texts, random_docs, require
+from formats import outputs
 from formats.errors import TokpackError
 from formats.manifest import MANIFEST
 from formats.shards import PackedSource
@@ -224,17 +225,17 @@ def test_killed_run_resumes_to_identical_output(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(packing.PackStep, "pack_file", real)
 
     calls = []
-    real_manifest = packing.write_manifest
+    real_manifest = outputs.write_manifest  # pack's manifest is written by its Output
 
     def dies_before_manifest(*a, **kw):  # killed between the shard renames and tokpack.json
         calls.append(1)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(packing, "write_manifest", dies_before_manifest)
+    monkeypatch.setattr(outputs, "write_manifest", dies_before_manifest)
     with pytest.raises(KeyboardInterrupt):
         pack([str(corpus["dt"])], str(tmp_path / "out"), shard_tokens=600)
     assert calls and (work / "finalize.json").exists()
-    monkeypatch.setattr(packing, "write_manifest", real_manifest)
+    monkeypatch.setattr(outputs, "write_manifest", real_manifest)
     summary = pack([str(corpus["dt"])], str(tmp_path / "out"), shard_tokens=600)
     assert summary.status == "packed"
     assert tree_bytes(tmp_path / "ref") == tree_bytes(tmp_path / "out")

@@ -579,22 +579,22 @@ def test_pack_to_a_bucket_killed_while_naming_its_shards_finishes_from_another_m
                                                                                        monkeypatch):
     """Killed between the copies that name the shards and the manifest: a rerun from another
     scratch folder finds the plan in the bucket, finishes the moves and sends the manifest."""
-    from packer import packing
+    from formats import outputs
 
     fs, bucket = s3_bucket
     (tmp_path / "in").mkdir()
     np.save(tmp_path / "in" / "a.npy", np.concatenate(random_docs(np.random.default_rng(3), 300, 1000, 0)).astype(np.uint16))
     kw = dict(input_format="numpy", eos_id=0, vocab_size=1000, shard_tokens=4000)
     pack(tmp_path / "in", tmp_path / "local", **kw)
-    real = packing.write_manifest
+    real = outputs.write_manifest
 
-    def killed(directory, manifest, name=MANIFEST, outbox=None):
+    def killed(directory, manifest, name=MANIFEST):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(packing, "write_manifest", killed)
+    monkeypatch.setattr(outputs, "write_manifest", killed)
     with pytest.raises(KeyboardInterrupt):
         pack(tmp_path / "in", f"s3://{bucket}/p", scratch=tmp_path / "a", **kw)
-    monkeypatch.setattr(packing, "write_manifest", real)
+    monkeypatch.setattr(outputs, "write_manifest", real)
     assert objects(fs, f"s3://{bucket}/p", ".ds") and not objects(fs, f"s3://{bucket}/p", MANIFEST)
     result = pack(tmp_path / "in", f"s3://{bucket}/p", scratch=tmp_path / "b", **kw)
     assert result.status == "packed" and result.output == f"s3://{bucket}/p"
