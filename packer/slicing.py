@@ -6,7 +6,9 @@ one run of (B-A+1)*m consecutive samples of the epoch, so the copy reads those r
 reads, several in flight) and never the other nodes' rows.
 
 Every row kept is checked against the xxh3-64 the shuffle recorded for it (`NNNNN.ds.rows`,
-itself checked against its manifest checksum). An epoch written before row hashes existed
+itself checked against its manifest checksum). A best-fit epoch's padding per row (`.ds.pad`,
+which the row hashes do not cover) comes from the shard's sidecar read whole and checked
+against its `pad_xxh3_128`, and goes into the rank's `.ds.pad`. An epoch written before row hashes existed
 is verified by reading its shards whole (their manifest checksums), with one line saying so.
 
 Resumable: an epoch is committed by its slice manifest, written after its rank files; a
@@ -27,7 +29,7 @@ import xxhash
 
 from formats.errors import TokpackError
 from formats.guard import check_space, locked_output
-from formats.io import read_limited, remove_tmp_files
+from formats.io import DurableFile, read_limited, regular_fd, remove_tmp_files
 from formats.units import at_most
 from formats.manifest import (
     MAX_MANIFEST_BYTES,
@@ -43,7 +45,7 @@ from formats.manifest import (
 )
 from formats.reader import EpochNumbering, shuffle_command
 from formats.outputs import LocalOutput
-from formats.shards import ROWS_SUFFIX, U64, EpochShardWriter
+from formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, EpochShardWriter, shard_suffixes
 from formats.slices import SLICE, SLICE_EPOCH, RankRows, rank_file_name, run_identity, stage_command
 from packer.shared import Result
 from packer.staging import Source, parse_epochs
@@ -148,7 +150,7 @@ class _Reads:
         fd = self._fds.get(rel)
         if fd is None:
             try:
-                fd = self._fds[rel] = os.open(os.path.join(self.src.local_root, rel), os.O_RDONLY)
+                fd = self._fds[rel] = regular_fd(os.path.join(self.src.local_root, rel))  # a FIFO would block
             except OSError as e:
                 raise self.src.read_error(rel, e) from None
         return fd
@@ -208,7 +210,9 @@ class _EpochStager:
         self.per_shard = int(manifest["shard_samples"])
         self.row_bytes = (int(manifest["seq_len"]) + 1) * int(manifest["token_size"])
         self.hashes: dict[int, np.ndarray] = {}  # shard -> recorded (or verified-recomputed) row hashes
+        self.pads: dict[int, np.ndarray] = {}  # shard -> its verified `.ds.pad` (best-fit)
         self.by_rows = all("rows_xxh3_128" in s for s in self.shards)
+        self.packed = any("pad_xxh3_128" in s for s in self.shards)  # best-fit: rank files get a `.ds.pad`
 
     def shard_path(self, i: int) -> str:
         return f"{self.rel}/{self.shards[i]['path']}"
@@ -229,16 +233,36 @@ class _EpochStager:
             raw = self.reads.whole(self.shard_path(i), n * self.row_bytes)
             digest, want, what = xxhash.xxh3_128_hexdigest(raw), s["xxh3_128"], ""
             got = row_hashes(np.frombuffer(raw, dtype=np.uint8).reshape(n, self.row_bytes))
-        if digest != want:
-            raise TokpackError("checksum mismatch in the run", file=f"{self.src.path.rstrip('/')}/{self.shard_path(i)}{what}",
-                               where="xxh3_128", expected=want, found=digest,
-                               hint="the run's file is corrupt: run `tokpack validate` on the run; nothing was kept")
+        self._check(i, what, digest, want)
         self.hashes = {k: v for k, v in self.hashes.items() if k > i - 2}  # positions only increase
         self.hashes[i] = got
         return got
 
-    def run(self, writers: dict[int, EpochShardWriter]) -> int:
-        """Writes the rows; returns the rows kept."""
+    def padding(self, i: int) -> np.ndarray:
+        """Shard i's padding per row: its `.ds.pad` read whole (4 bytes a row) and checked
+        against the manifest; zeros for a shard without one (as the reader takes it)."""
+        got = self.pads.get(i)
+        if got is None:
+            s = self.shards[i]
+            n = int(s["samples"])
+            if "pad_xxh3_128" not in s:
+                got = np.zeros(n, dtype=PAD_DTYPE)
+            else:
+                raw = self.reads.whole(self.shard_path(i) + PAD_SUFFIX, PAD_DTYPE.itemsize * n)
+                self._check(i, PAD_SUFFIX, xxhash.xxh3_128_hexdigest(raw), s["pad_xxh3_128"])
+                got = np.frombuffer(raw, dtype=PAD_DTYPE)
+            self.pads = {k: v for k, v in self.pads.items() if k > i - 2}
+            self.pads[i] = got
+        return got
+
+    def _check(self, i: int, suffix: str, digest: str, want: str) -> None:
+        if digest != want:
+            raise TokpackError("checksum mismatch in the run", file=f"{self.src.path.rstrip('/')}/{self.shard_path(i)}{suffix}",
+                               where="xxh3_128", expected=want, found=digest,
+                               hint="the run's file is corrupt: run `tokpack validate` on the run; nothing was kept")
+
+    def run(self, writers: dict[int, EpochShardWriter], pads: dict[int, DurableFile] | None = None) -> int:
+        """Writes the rows (and, best-fit, their padding into `pads`); returns the rows kept."""
         n = int(self.m["samples"])
         kept = 0
         max_rows = max(1, CHUNK_BYTES // self.row_bytes)
@@ -269,6 +293,12 @@ class _EpochStager:
                                        where=f"sample {k} (byte {k * self.row_bytes})",
                                        expected=hash_hex64(int(want[bad[0]])), found=hash_hex64(int(found[sel][bad[0]])),
                                        hint="the run's shard is corrupt: run `tokpack validate` on the run; nothing was kept")
+            pad = None
+            if pads:
+                pad = np.empty(len(pos), dtype=PAD_DTYPE)
+                for i in np.unique(shard):
+                    sel = shard == i
+                    pad[sel] = self.padding(int(i))[pos[sel] - i * self.per_shard]
             g = pos + self.first
             rank = ((g - self.rows.phase) % self.rows.global_batch) // self.rows.micro_batch
             tokens = buf.view(writers[self.ranks[0]].dtype)
@@ -276,11 +306,15 @@ class _EpochStager:
                 if len(writers) == 1:  # every row is this rank's: no gather
                     w.write_tokens(tokens)
                     w.write_index(tokens, found)
+                    if pad is not None:
+                        pads[r].write(pad)
                     continue
                 sel = rank == r
                 if sel.any():
                     w.write_tokens(tokens[sel])
                     w.write_index(tokens[sel], found[sel])
+                    if pad is not None:
+                        pads[r].write(pad[sel])
             kept += len(pos)
         return kept
 
@@ -324,7 +358,8 @@ def plan_slice(src: Source, ranks=None, world_size: int | None = None, micro_bat
         first, n = numbering.first(e), numbering.size(e)
         kept[e] = sum(rows.rows(r, first, first + n) for r in range(a, b + 1)) * row_bytes
         by_rows[e] = all("rows_xxh3_128" in s for s in m.get("shards") or [])
-        read[e] = kept[e] + (8 * n if by_rows[e] else n * row_bytes)
+        pad = sum(PAD_DTYPE.itemsize * int(s["samples"]) for s in m.get("shards") or [] if "pad_xxh3_128" in s)
+        read[e] = kept[e] + (8 * n if by_rows[e] else n * row_bytes) + pad
     return SlicePlan((a, b), w, rows, run, chosen, kept, read, by_rows)
 
 
@@ -338,8 +373,8 @@ def _epoch_in_place(d: Path, want: dict) -> bool:
     if not isinstance(have, dict) or any(have.get(k) != want[k] for k in keys):
         return False
     try:
-        return all((d / s["path"]).stat().st_size == s["bytes"] and (d / f"{s['path']}.index").is_file()
-                   for s in have["shards"])
+        return all((d / s["path"]).stat().st_size == s["bytes"]
+                   and all((d / f"{s['path']}{x}").is_file() for x in shard_suffixes(s)[1:]) for s in have["shards"])
     except (OSError, KeyError, TypeError):
         return False
 
@@ -405,16 +440,21 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
                         "tokpack to stage only the slice")
                 writers = {r: output.open_shard(d, rank_file_name(r), dtype_from_name(m["dtype"]), int(m["seq_len"]),
                                                 int(m["eos_id"]), m["tokenizer"]) for r in range(a, b + 1)}
+                pads = {}
                 try:
-                    kept_rows += stager.run(writers)
+                    if stager.packed:
+                        pads = {r: DurableFile(d / f"{rank_file_name(r)}{PAD_SUFFIX}") for r in writers}
+                    kept_rows += stager.run(writers, pads)
                     entries = []
                     for r, wr in writers.items():
                         entry = wr.close()
+                        if r in pads:
+                            entry["pad_xxh3_128"] = pads[r].commit()
                         entry["fragments"] = os.path.getsize(d / f"{entry['path']}.index") // 8
                         output.commit(d, entry)
                         entries.append({**entry, "rank": r})
                 except BaseException:
-                    for wr in writers.values():
+                    for wr in (*writers.values(), *pads.values()):
                         wr.abort()
                     raise
                 want["shards"] = entries
