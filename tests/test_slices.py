@@ -516,3 +516,50 @@ def test_validate_against_reads_rank_files_in_bounded_memory(tmp_path):
     f.write_bytes(bytes(raw))
     problems = against()
     assert len(problems) == 1 and problems[0].where == "row 300" and "(2 rows differ)" in problems[0].message, problems
+
+
+# ------------------------------------------------------------------ regular files only
+
+
+@pytest.mark.parametrize("victim", ["00001.ds", "00001.ds.rows", "00001.ds.pad"])
+def test_a_fifo_in_the_run_stops_stage_promptly(packed_run, tmp_path, victim):
+    """A FIFO where a run shard's file (tokens, row hashes, padding) should be: `stage --ranks`
+    gives one line naming it and exits 1, within the timeout, instead of blocking in open()."""
+    from test_containment import one_line, tokpack
+
+    run = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(packed_run), str(run)], check=True)
+    (run / epoch_dir_name(0) / victim).unlink()
+    os.mkfifo(run / epoch_dir_name(0) / victim)
+    r, _ = tokpack(tmp_path, "stage", run, tmp_path / "s", "--ranks", "0-1", "--world-size", BW, "--micro-batch", BM)
+    line = one_line(r)
+    assert "a FIFO" in line and victim in line, line
+
+
+@pytest.mark.parametrize("victim", [rank_file_name(1), rank_file_name(1) + ".pad", rank_file_name(1) + ".index"])
+def test_a_fifo_in_a_slice_is_refused_promptly(packed_run, tmp_path, victim):
+    """A FIFO in place of a rank file or its sidecars: `validate SLICE`, `validate SLICE
+    --against RUN` and `read SLICE` (or, for the sidecars `read` does not open, the torch
+    dataset) finish within the timeout with an error naming it."""
+    from test_containment import corrupt, one_line, tokpack
+
+    s = tmp_path / "s"
+    stage_slice(str(packed_run), s, ranks="0-1", world_size=BW, micro_batch=BM)
+    (s / epoch_dir_name(1) / victim).unlink()
+    os.mkfifo(s / epoch_dir_name(1) / victim)
+    for args in ((), ("--against", packed_run)):
+        r, _ = tokpack(tmp_path, "validate", s, *args)
+        assert "a FIFO" in corrupt(r) and victim in r.stderr, r.stderr
+    r, _ = tokpack(tmp_path, "read", s, "--rank", 1, "--world-size", BW, "--micro-batch", BM, "--start-sample", 248,
+                   "--count", 8)
+    if victim.endswith(".ds"):
+        line = one_line(r)
+        assert "a FIFO" in line and victim in line, line
+        return
+    assert r.returncode == 0, r.stderr  # `read` prints tokens: it opens neither sidecar
+    require("torch", "pip install torch")
+    from formats.torch_adapter import TokpackDataset
+
+    ds = TokpackDataset(s, rank=1, world_size=BW, micro_batch=BM, start_sample=248, positions="index")
+    with pytest.raises(TokpackError, match=f"{victim}.*a FIFO"):
+        next(iter(ds))
