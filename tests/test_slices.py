@@ -440,8 +440,15 @@ def test_a_best_fit_slice_validates_and_a_flipped_pad_byte_is_caught(packed_run,
     """`validate SLICE` and `--against RUN` pass; a flipped byte in a rank's `.ds.pad` fails
     the first (its checksum), and with the checksum resealed, the second (the run's padding);
     a flipped byte in the run's `.ds.pad` stops the stage with one line, nothing kept."""
+    from packer.slicing import plan_slice
+    from packer.staging import Source
+
     s = tmp_path / "s"
-    stage_slice(str(packed_run), s, ranks="1-2", world_size=BW, micro_batch=BM)
+    res = stage_slice(str(packed_run), s, ranks="1-2", world_size=BW, micro_batch=BM)
+    planned = plan_slice(Source(str(packed_run)), "1-2", BW, BM)
+    assert sum(planned.read.values()) == res.bytes_read  # the rows, the .ds.rows and the .ds.pad read
+    again = stage_slice(str(packed_run), s, ranks="1-2", world_size=BW, micro_batch=BM)
+    assert again.epochs_in_place == [0, 1] and again.bytes_read == 0
     for args in ((), ("--against", packed_run)):
         code, out = cli("validate", s, *args)
         assert code == 0, out
