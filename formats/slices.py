@@ -103,6 +103,21 @@ def slice_error(message: str, path, manifest: dict, rank: int, world_size: int, 
                                              micro_batch, phase) + "`")
 
 
+def missing_padding(path: Path, root: dict, entry: dict) -> TokpackError | None:
+    """The error for a rank file of a best-fit run's slice without its `.ds.pad` (staged before
+    slices carried it): read anyway, its padding would be trained on as tokens."""
+    packing = root.get("run", {}).get("packing") if isinstance(root.get("run"), dict) else None
+    if not isinstance(packing, dict) or packing.get("method") != "best-fit" or "pad_xxh3_128" in entry:
+        return None
+    ranks = root.get("ranks") or [0]
+    return TokpackError("node slice of a best-fit run lacks the padding of its rows (.ds.pad)", file=path / MANIFEST,
+                        where=f"shards[rank {entry.get('rank')}].pad_xxh3_128", expected="the rank file's padding sidecar",
+                        found="none (staged by a tokpack before slices carried it)",
+                        hint="stage it again, which rewrites the epochs lacking it: `" + stage_command(
+                            root.get("source") or "RUN", str(path.parent), ranks[0], ranks[-1], root.get("world_size"),
+                            root.get("micro_batch"), root.get("batch_phase") or 0) + "`")
+
+
 def check_slice_epoch(path: Path, root: dict, m: dict) -> None:
     """An epoch manifest of a slice must describe the slice its root describes."""
     for key in ("world_size", "micro_batch", "ranks", "batch_phase", "run", "seq_len", "dtype"):
@@ -151,6 +166,9 @@ class SliceReader(SampleReader):
                     raise _shard_error("rank file size does not match the slice manifest", f, where="size",
                                        expected=f"{want} bytes", found=f"{size} bytes",
                                        hint="stage the slice again: the same command resumes")
+                err = missing_padding(d, root, s)
+                if err is not None:
+                    raise err
                 paths.append(str(f))
                 checksums.append(s.get("xxh3_128"))
                 index_checksums.append(s.get("index_xxh3_128"))
@@ -257,6 +275,9 @@ def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
                 rep.add(d / MANIFEST, f"shards[rank {r}].samples", f"{want} (the samples rank {r} reads in epoch {e})",
                         s.get("samples"), "rank file holds the wrong number of samples")
                 continue
+            err = missing_padding(d, root, s)
+            if err is not None:
+                rep.add(err.file, err.where, err.expected, err.found, err.message, hint=err.hint)
             jobs.append(ShardJob(d, s, "epoch", dtype, int(root["vocab_size"]), int(root["eos_id"]), root["tokenizer"],
                                  row, quick))
     return jobs

@@ -49,7 +49,8 @@ from formats.manifest import (
 from formats.reader import EpochNumbering, shuffle_command
 from formats.outputs import LocalOutput
 from formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, EpochShardWriter, shard_suffixes
-from formats.slices import SLICE, SLICE_EPOCH, RankRows, rank_file_name, run_identity, stage_command
+from formats.slices import (SLICE, SLICE_EPOCH, RankRows, missing_padding, rank_file_name, run_identity,
+                            stage_command)
 from packer.shared import Result
 from packer.staging import Source, parse_epochs
 
@@ -425,7 +426,7 @@ def _epoch_in_place(d: Path, want: dict) -> bool:
     if not isinstance(have, dict) or any(have.get(k) != want[k] for k in keys):
         return False
     try:
-        return all((d / s["path"]).stat().st_size == s["bytes"]
+        return all((d / s["path"]).stat().st_size == s["bytes"] and missing_padding(d, want, s) is None
                    and all((d / f"{s['path']}{x}").is_file() for x in shard_suffixes(s)[1:]) for s in have["shards"])
     except (OSError, KeyError, TypeError):
         return False

@@ -570,3 +570,24 @@ def test_a_fifo_in_a_slice_is_refused_promptly(packed_run, tmp_path, victim):
     ds = TokpackDataset(s, rank=1, world_size=BW, micro_batch=BM, start_sample=248, positions="index")
     with pytest.raises(TokpackError, match=f"{victim}.*a FIFO"):
         next(iter(ds))
+
+
+def test_a_best_fit_slice_without_its_padding_is_refused(packed_run, tmp_path):
+    """A slice of a best-fit run whose rank files lack `.ds.pad` (as slices were staged before
+    they carried it) would train on padding as tokens: the reader refuses it in one line with the
+    command that stages it again, and validate reports it."""
+    s = tmp_path / "s"
+    stage_slice(str(packed_run), s, ranks="2", world_size=BW, micro_batch=BM)
+    d = s / epoch_dir_name(0)
+    (d / (rank_file_name(2) + ".pad")).unlink()
+    m = json.loads((d / MANIFEST).read_text())
+    m["shards"] = [{k: v for k, v in x.items() if k != "pad_xxh3_128"} for x in m["shards"]]
+    (d / MANIFEST).write_text(json.dumps(m, indent=1) + "\n")
+    with pytest.raises(TokpackError) as e:
+        SampleReader.open(s)
+    assert "lacks the padding" in str(e.value) and "tokpack stage" in str(e.value) and "\n" not in str(e.value)
+    code, out = cli("validate", s)
+    assert code != 0 and "lacks the padding of its rows" in out, out
+    again = stage_slice(str(packed_run), s, ranks="2", world_size=BW, micro_batch=BM)  # the command the hint gives
+    assert again.epochs_staged == [0] and again.epochs_in_place == [1]
+    assert packed_batches(s, 2) == packed_batches(packed_run, 2)
