@@ -410,8 +410,8 @@ def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: 
         rep.add(f, "size", f"{want_rows * row_bytes} bytes ({want_rows} samples of rank {r})", f"{size} bytes",
                 "rank file does not hold that rank's samples")
         return
-    packed = "pad_xxh3_128" in s or any("pad_xxh3_128" in x for x in shards.shards)
-    pad_file = open_read(f.with_name(f.name + PAD_SUFFIX)) if packed else None
+    # a rank file of a best-fit run without one is reported by the slice's own checks (missing_padding)
+    pad_file = open_read(f.with_name(f.name + PAD_SUFFIX)) if "pad_xxh3_128" in s else None
     pad_buf = np.empty(len(buf), dtype=PAD_DTYPE)
     done, bad_rows, bad_pads, first_bad, first_pad = 0, 0, 0, None, None
     try:

@@ -8,8 +8,9 @@ reads, several in flight) and never the other nodes' rows.
 Every row kept is checked against the xxh3-64 the shuffle recorded for it (`NNNNN.ds.rows`,
 itself checked against its manifest checksum). A best-fit epoch's padding per row (`.ds.pad`,
 which the row hashes do not cover) comes from the shard's sidecar read whole and checked
-against its `pad_xxh3_128`, and goes into the rank's `.ds.pad`. An epoch written before row hashes existed
-is verified by reading its shards whole (their manifest checksums), with one line saying so.
+against its `pad_xxh3_128`, and goes into the rank's `.ds.pad`. An epoch written before row
+hashes existed is verified by reading its shards whole (their manifest checksums), with one
+line saying so.
 
 Resumable: an epoch is committed by its slice manifest, written after its rank files; a
 rerun skips the committed epochs (they are not read or rewritten) and redoes the others, with
