@@ -330,6 +330,8 @@ def _plan_dir(path: Path, quick: bool, kinds=None) -> _Dir:
         for key, expected, found, message in field_problems(m, MANIFEST_FIELDS, SLICE):
             rep.add(str(path / MANIFEST), key, expected, found, message)
         d.jobs = slice_shard_jobs(path, m, rep, quick) if not rep.problems else []
+        for job in d.jobs:  # a slice of a best-fit run: each rank file's padding sidecar
+            _check_pads(job.directory, [job.entry], rep)
     return d
 
 

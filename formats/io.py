@@ -365,7 +365,7 @@ def read_limited(path, limit: int, what: str) -> bytes:
     if isinstance(path, RemotePath):
         return path.read_bytes()
     with open_read(path, ahead=False) as f:
-        return f.read(limit + 1)
+        return f.read(size + 1)  # an unbuffered read allocates what it is asked for: the size, not the limit
 
 
 def open_read(path, block: int = IO_BLOCK, ahead: bool = True):

@@ -246,7 +246,7 @@ _FIELD_TABLES = """
 | `metadata_xxh3_128` | hex32 | yes | source, epoch, slice-epoch | checksum of `.ds.metadata` |
 | `loss_xxh3_128` | hex32 | no | source | checksum of `.ds.loss`, when there is one |
 | `multiset_hash` | hex16 | yes | epoch, slice-epoch | sum of xxh3-64 over the shard's samples mod 2^64 |
-| `pad_xxh3_128` | hex32 | no | epoch | a best-fit epoch: checksum of `.ds.pad` |
+| `pad_xxh3_128` | hex32 | no | epoch, slice-epoch | a best-fit epoch (or a node slice of one): checksum of `.ds.pad` |
 | `rows_xxh3_128` | hex32 | no | epoch, slice-epoch | checksum of `.ds.rows`, the xxh3-64 of each sample (written since node slices) |
 | `rank` | int >= 0 | yes | slice-epoch | the rank whose rows the file holds |
 

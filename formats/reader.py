@@ -654,6 +654,8 @@ class SampleReader:
             try:
                 fd, size = self._file(path)
             except TokpackError:
+                if not is_url(path) and os.path.lexists(path):
+                    raise  # there, but not a file to read (a FIFO, a device): its own line
                 raise _shard_error("index file is missing (needed for positions from the index)", path,
                                    hint="use positions from EOS instead, or restore the file") from None
             lo, hi = row * L, (row + k) * L

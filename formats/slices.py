@@ -18,9 +18,11 @@ from typing import Iterator
 import numpy as np
 
 from .errors import TokpackError
-from .io import as_path, read_limited
-from .manifest import MANIFEST, MANIFEST_FIELDS, MAX_MANIFEST_BYTES, SHARD_FIELDS, dtype_from_name, epoch_dir_name, field_problems, read_manifest
+from .io import IO_BLOCK, as_path, open_read, read_full, read_limited, regular_size
+from .manifest import (MANIFEST, MANIFEST_FIELDS, MAX_MANIFEST_BYTES, SHARD_FIELDS, dtype_from_name, epoch_dir_name,
+                       field_problems, read_manifest, row_hashes)
 from .reader import OPENERS, EpochNumbering, SampleReader, ShardTable, _shard_error
+from .shards import PAD_SUFFIX
 
 SLICE = "slice"  # kind of a slice's root manifest
 SLICE_EPOCH = "slice-epoch"  # kind of a slice epoch's manifest
@@ -101,6 +103,21 @@ def slice_error(message: str, path, manifest: dict, rank: int, world_size: int, 
                                              micro_batch, phase) + "`")
 
 
+def missing_padding(path: Path, root: dict, entry: dict) -> TokpackError | None:
+    """The error for a rank file of a best-fit run's slice without its `.ds.pad` (staged before
+    slices carried it): read anyway, its padding would be trained on as tokens."""
+    packing = root.get("run", {}).get("packing") if isinstance(root.get("run"), dict) else None
+    if not isinstance(packing, dict) or packing.get("method") != "best-fit" or "pad_xxh3_128" in entry:
+        return None
+    ranks = root.get("ranks") or [0]
+    return TokpackError("node slice of a best-fit run lacks the padding of its rows (.ds.pad)", file=path / MANIFEST,
+                        where=f"shards[rank {entry.get('rank')}].pad_xxh3_128", expected="the rank file's padding sidecar",
+                        found="none (staged by a tokpack before slices carried it)",
+                        hint="stage it again, which rewrites the epochs lacking it: `" + stage_command(
+                            root.get("source") or "RUN", str(path.parent), ranks[0], ranks[-1], root.get("world_size"),
+                            root.get("micro_batch"), root.get("batch_phase") or 0) + "`")
+
+
 def check_slice_epoch(path: Path, root: dict, m: dict) -> None:
     """An epoch manifest of a slice must describe the slice its root describes."""
     for key in ("world_size", "micro_batch", "ranks", "batch_phase", "run", "seq_len", "dtype"):
@@ -122,6 +139,7 @@ class SliceReader(SampleReader):
         rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
         row_bytes = (int(root["seq_len"]) + 1) * int(root["token_size"])
         paths, checksums, index_checksums, starts, ends, epochs, dirs = [], [], [], [], [], [], []
+        pads: list[tuple[str, str] | None] = []  # per rank file: a best-fit epoch's (.pad file, its xxh3_128)
         for e in sorted(int(e) for e in root.get("epochs") or []):
             d = path / epoch_dir_name(e)
             m = read_manifest(d, kind=SLICE_EPOCH)
@@ -140,7 +158,7 @@ class SliceReader(SampleReader):
                     raise TokpackError("slice epoch lacks a rank's file", file=d / MANIFEST, where=f"rank {r}",
                                        expected=f"{f.name}, {want} bytes", found=s, hint="stage the slice again")
                 try:
-                    size = f.stat().st_size
+                    size = regular_size(f)  # a FIFO or device in its place: refused here, in one line
                 except FileNotFoundError:
                     raise _shard_error("rank file listed in the slice manifest is missing", f,
                                        hint="stage the slice again: the same command resumes") from None
@@ -148,9 +166,13 @@ class SliceReader(SampleReader):
                     raise _shard_error("rank file size does not match the slice manifest", f, where="size",
                                        expected=f"{want} bytes", found=f"{size} bytes",
                                        hint="stage the slice again: the same command resumes")
+                err = missing_padding(d, root, s)
+                if err is not None:
+                    raise err
                 paths.append(str(f))
                 checksums.append(s.get("xxh3_128"))
                 index_checksums.append(s.get("index_xxh3_128"))
+                pads.append((str(f) + PAD_SUFFIX, s["pad_xxh3_128"]) if "pad_xxh3_128" in s else None)
             starts.append(first)
             ends.append(first + n)
             epochs.append(e)
@@ -163,6 +185,7 @@ class SliceReader(SampleReader):
                            epochs, dirs, checksums, index_checksums)
         reader = cls(table, int(root["seq_len"]), dtype_from_name(root["dtype"]), int(root["eos_id"]), verify=verify)
         reader.numbering = numbering
+        reader.pads = pads if any(pads) else None
         reader.run = (root.get("source") or str(path), root["run"])
         reader.slice_path, reader.slice = str(path), root
         reader.rank_rows, reader.slice_ranks = rows, ranks
@@ -252,19 +275,90 @@ def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
                 rep.add(d / MANIFEST, f"shards[rank {r}].samples", f"{want} (the samples rank {r} reads in epoch {e})",
                         s.get("samples"), "rank file holds the wrong number of samples")
                 continue
+            err = missing_padding(d, root, s)
+            if err is not None:
+                rep.add(err.file, err.where, err.expected, err.found, err.message, hint=err.hint)
             jobs.append(ShardJob(d, s, "epoch", dtype, int(root["vocab_size"]), int(root["eos_id"]), root["tokenizer"],
                                  row, quick))
     return jobs
 
 
-def slice_against_run(path: Path, root: dict, run_path, rep) -> None:
+class _RunShards:
+    """The run epoch's per-row facts, one shard at a time (each checked against the epoch's
+    manifest; the last two kept): row hashes from `.ds.rows`, or for an epoch written before
+    them from its shard read in blocks; padding from `.ds.pad`. Memory: 12 bytes a row of two shards."""
+
+    def __init__(self, directory: Path, manifest: dict, row_bytes: int):
+        self.dir, self.shards, self.row_bytes = directory, manifest["shards"], row_bytes
+        self.per = int(manifest["shard_samples"])
+        self._hashes: dict[int, np.ndarray] = {}
+        self._pads: dict[int, np.ndarray] = {}
+
+    def _sidecar(self, i: int, suffix: str, key: str, dtype) -> np.ndarray:
+        import xxhash
+
+        s = self.shards[i]
+        f = self.dir / (s["path"] + suffix)
+        data = read_limited(f, int(s["samples"]) * np.dtype(dtype).itemsize, "sidecar")
+        if xxhash.xxh3_128_hexdigest(data) != s[key]:
+            raise TokpackError("checksum mismatch in the run", file=f, where="xxh3_128", expected=s[key],
+                               found=xxhash.xxh3_128_hexdigest(data), hint="run `tokpack validate` on the run")
+        return np.frombuffer(data, dtype=dtype)
+
+    def hashes(self, i: int) -> np.ndarray:
+        if i not in self._hashes:
+            import xxhash
+
+            from .shards import ROWS_SUFFIX, U64
+
+            s = self.shards[i]
+            if "rows_xxh3_128" in s:
+                got = self._sidecar(i, ROWS_SUFFIX, "rows_xxh3_128", U64)
+            else:  # an epoch written before row hashes: the shard in blocks of whole rows
+                f, n = self.dir / s["path"], int(s["samples"])
+                got, whole = np.empty(n, dtype=U64), xxhash.xxh3_128()
+                k = max(1, IO_BLOCK // self.row_bytes)
+                buf = np.empty((k, self.row_bytes), dtype=np.uint8)
+                with open_read(f) as fh:
+                    for a in range(0, n, k):
+                        b = min(n, a + k)
+                        view = memoryview(buf[: b - a].reshape(-1))
+                        if read_full(fh, view) != view.nbytes:
+                            raise TokpackError("shard is shorter than its manifest says", file=f,
+                                               where=f"sample {a}", hint="run `tokpack validate` on the run")
+                        whole.update(view)
+                        got[a:b] = row_hashes(buf[: b - a])
+                if whole.hexdigest() != s["xxh3_128"]:
+                    raise TokpackError("checksum mismatch in the run", file=f, where="xxh3_128", expected=s["xxh3_128"],
+                                       found=whole.hexdigest(), hint="run `tokpack validate` on the run")
+            self._hashes = {k: v for k, v in self._hashes.items() if k > i - 2}  # positions only increase
+            self._hashes[i] = got
+        return self._hashes[i]
+
+    def pads(self, i: int) -> np.ndarray:
+        if i not in self._pads:
+            from .shards import PAD_DTYPE
+
+            s = self.shards[i]
+            self._pads = {k: v for k, v in self._pads.items() if k > i - 2}
+            self._pads[i] = (self._sidecar(i, PAD_SUFFIX, "pad_xxh3_128", PAD_DTYPE) if "pad_xxh3_128" in s
+                             else np.zeros(int(s["samples"]), dtype=PAD_DTYPE))
+        return self._pads[i]
+
+    def gather(self, pos: np.ndarray, of) -> np.ndarray:
+        """`of(shard)[row]` of epoch positions `pos` (increasing)."""
+        shard = pos // self.per
+        return np.concatenate([of(int(i))[pos[shard == i] - i * self.per] for i in np.unique(shard)]
+                              or [of(0)[:0]])
+
+
+def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLOCK) -> None:
     """`tokpack validate SLICE --against RUN`: each rank file holds exactly the run's samples
     that rank reads, in order: its rows' xxh3-64, position by position, against the run's
-    row hashes (`.ds.rows`, or the run's shards for an epoch written before them)."""
+    row hashes (`.ds.rows`, or the run's shards for an epoch written before them), and a
+    best-fit slice's `.ds.pad` against the run's. Rank files are read in blocks of about
+    `block` bytes: memory does not grow with the slice."""
     import xxhash
-
-    from .manifest import row_hashes
-    from .shards import ROWS_SUFFIX, U64
 
     run_path = as_path(run_path)
     try:
@@ -279,6 +373,7 @@ def slice_against_run(path: Path, root: dict, run_path, rep) -> None:
     rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
     numbering = EpochNumbering.of_run(run, run_path)
     row_bytes = (int(root["seq_len"]) + 1) * int(root["token_size"])
+    buf = np.empty((max(1, block // row_bytes, rows.micro_batch), row_bytes), dtype=np.uint8)  # a chunk: whole micro-batches
     for e in root["epochs"]:
         d, rd = path / epoch_dir_name(e), run_path / epoch_dir_name(e)
         try:
@@ -291,44 +386,71 @@ def slice_against_run(path: Path, root: dict, run_path, rep) -> None:
             rep.add(d / MANIFEST, "epoch_xxh3_128", m.get("epoch_xxh3_128"), xxhash.xxh3_128_hexdigest(raw),
                     f"slice epoch {e} was staged from another version of the run's epoch")
             continue
-        em = read_manifest(rd, kind="epoch")
-        per = int(em["shard_samples"])
-        expected: dict[int, np.ndarray] = {}
-
-        def recorded(i: int) -> np.ndarray:
-            if i not in expected:
-                s = em["shards"][i]
-                f = rd / (s["path"] + (ROWS_SUFFIX if "rows_xxh3_128" in s else ""))
-                data = f.read_bytes()
-                if "rows_xxh3_128" in s:
-                    expected[i] = np.frombuffer(data, dtype=U64)
-                else:
-                    expected[i] = row_hashes(np.frombuffer(data, dtype=np.uint8).reshape(-1, row_bytes))
-            return expected[i]
-
-        first = numbering.first(e)
+        shards = _RunShards(rd, read_manifest(rd, kind="epoch"), row_bytes)
+        first, n = numbering.first(e), numbering.size(e)
         for s in m["shards"]:
             r = int(s["rank"])
-            pos = np.concatenate(list(rows.node_positions(first, numbering.size(e), (r, r), 1 << 20)) or [np.empty(0, np.int64)])
             f = d / s["path"]
             try:
-                data = f.read_bytes()
+                _against_rank_file(f, s, r, e, rows, first, n, shards, buf, row_bytes, rep)
+            except TokpackError as err:
+                rep.add(err.file or f, err.where, err.expected, err.found, err.message, hint=err.hint)
             except OSError as err:
-                rep.add(f, None, "a readable rank file", str(err), "cannot compare rank file")
-                continue
-            if len(data) != len(pos) * row_bytes:
-                rep.add(f, "size", f"{len(pos) * row_bytes} bytes ({len(pos)} samples of rank {r})", f"{len(data)} bytes",
-                        "rank file does not hold that rank's samples")
-                continue
-            found = row_hashes(np.frombuffer(data, dtype=np.uint8).reshape(-1, row_bytes))
-            want = np.concatenate([recorded(int(i))[pos[pos // per == i] - i * per] for i in np.unique(pos // per)]
-                                  or [np.empty(0, U64)])
-            bad = np.flatnonzero(found != want)
-            if len(bad):
-                k = int(bad[0])
-                rep.add(f, f"row {k}", f"{int(want[k]):016x} (run epoch {e}, sample {int(pos[k])})", f"{int(found[k]):016x}",
-                        f"rank file row differs from the run's sample rank {r} reads there"
-                        + (f" ({len(bad)} rows differ)" if len(bad) > 1 else ""))
+                rep.add(err.filename or f, None, "a readable rank file and run", err.strerror, "cannot compare rank file")
+
+
+def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: int, n: int, shards: _RunShards,
+                       buf: np.ndarray, row_bytes: int, rep) -> None:
+    """One rank file (and its `.ds.pad`) against the run's rows rank r reads in epoch e, block by block."""
+    from .shards import PAD_DTYPE
+
+    want_rows = rows.rows(r, first, first + n)
+    size = regular_size(f)
+    if size != want_rows * row_bytes:
+        rep.add(f, "size", f"{want_rows * row_bytes} bytes ({want_rows} samples of rank {r})", f"{size} bytes",
+                "rank file does not hold that rank's samples")
+        return
+    # a rank file of a best-fit run without one is reported by the slice's own checks (missing_padding)
+    pad_file = open_read(f.with_name(f.name + PAD_SUFFIX)) if "pad_xxh3_128" in s else None
+    pad_buf = np.empty(len(buf), dtype=PAD_DTYPE)
+    done, bad_rows, bad_pads, first_bad, first_pad = 0, 0, 0, None, None
+    try:
+        with open_read(f) as fh:
+            for pos in rows.node_positions(first, n, (r, r), len(buf)):
+                k = len(pos)
+                if not k:
+                    continue
+                view = memoryview(buf[:k].reshape(-1))
+                if read_full(fh, view) != view.nbytes:
+                    raise TokpackError("rank file ended early", file=f, where=f"row {done}")
+                found, want = row_hashes(buf[:k]), shards.gather(pos, shards.hashes)
+                bad = np.flatnonzero(found != want)
+                if len(bad) and first_bad is None:
+                    j = int(bad[0])
+                    first_bad = (done + j, int(want[j]), int(pos[j]), int(found[j]))
+                bad_rows += len(bad)
+                if pad_file is not None:
+                    pv = memoryview(pad_buf[:k].view(np.uint8))
+                    got = read_full(pad_file, pv)
+                    wp = shards.gather(pos, shards.pads)
+                    bad = np.flatnonzero(pad_buf[:k] != wp) if got == pv.nbytes else np.arange(k)
+                    if len(bad) and first_pad is None:
+                        j = int(bad[0])
+                        first_pad = (done + j, int(wp[j]), int(pos[j]), int(pad_buf[j]) if got == pv.nbytes else "end of file")
+                    bad_pads += len(bad)
+                done += k
+    finally:
+        if pad_file is not None:
+            pad_file.close()
+    if first_bad is not None:
+        k, want, p, found = first_bad
+        rep.add(f, f"row {k}", f"{want:016x} (run epoch {e}, sample {p})", f"{found:016x}",
+                f"rank file row differs from the run's sample rank {r} reads there"
+                + (f" ({bad_rows} rows differ)" if bad_rows > 1 else ""))
+    if first_pad is not None:
+        k, want, p, found = first_pad
+        rep.add(f.with_name(f.name + PAD_SUFFIX), f"row {k}", f"{want} padding tokens (run epoch {e}, sample {p})",
+                found, "rank file padding differs from the run's" + (f" ({bad_pads} rows differ)" if bad_pads > 1 else ""))
 
 
 OPENERS[SLICE] = SliceReader.open_slice

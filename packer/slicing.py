@@ -6,8 +6,11 @@ one run of (B-A+1)*m consecutive samples of the epoch, so the copy reads those r
 reads, several in flight) and never the other nodes' rows.
 
 Every row kept is checked against the xxh3-64 the shuffle recorded for it (`NNNNN.ds.rows`,
-itself checked against its manifest checksum). An epoch written before row hashes existed
-is verified by reading its shards whole (their manifest checksums), with one line saying so.
+itself checked against its manifest checksum). A best-fit epoch's padding per row (`.ds.pad`,
+which the row hashes do not cover) comes from the shard's sidecar read whole and checked
+against its `pad_xxh3_128`, and goes into the rank's `.ds.pad`. An epoch written before row
+hashes existed is verified by reading its shards whole (their manifest checksums), with one
+line saying so.
 
 Resumable: an epoch is committed by its slice manifest, written after its rank files; a
 rerun skips the committed epochs (they are not read or rewritten) and redoes the others, with
@@ -16,8 +19,11 @@ the same bytes. The root manifest is written last.
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +33,7 @@ import xxhash
 
 from formats.errors import TokpackError
 from formats.guard import check_space, locked_output
-from formats.io import read_limited, remove_tmp_files
+from formats.io import IO_BLOCK, DurableFile, Worker, read_limited, regular_fd, remove_tmp_files
 from formats.units import at_most
 from formats.manifest import (
     MAX_MANIFEST_BYTES,
@@ -43,13 +49,15 @@ from formats.manifest import (
 )
 from formats.reader import EpochNumbering, shuffle_command
 from formats.outputs import LocalOutput
-from formats.shards import ROWS_SUFFIX, U64, EpochShardWriter
-from formats.slices import SLICE, SLICE_EPOCH, RankRows, rank_file_name, run_identity, stage_command
+from formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, EpochShardWriter, shard_suffixes
+from formats.slices import (SLICE, SLICE_EPOCH, RankRows, missing_padding, rank_file_name, run_identity,
+                            stage_command)
 from packer.shared import Result
 from packer.staging import Source, parse_epochs
 
-# Rows gathered per step: bytes in flight, so memory stays near this whatever the epoch's size.
-CHUNK_BYTES = 32 << 20
+# Rows gathered per step: three chunks in flight (read, verified, written), so memory stays near
+# 3x this whatever the epoch's size.
+CHUNK_BYTES = IO_BLOCK
 
 
 @dataclass
@@ -143,28 +151,38 @@ class _Reads:
         self.src, self.pool = src, pool
         self.bytes = 0
         self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()  # the read-ahead and the reader threads open files
 
     def _fd(self, rel: str) -> int:
         fd = self._fds.get(rel)
         if fd is None:
-            try:
-                fd = self._fds[rel] = os.open(os.path.join(self.src.local_root, rel), os.O_RDONLY)
-            except OSError as e:
-                raise self.src.read_error(rel, e) from None
+            with self._lock:  # once per file, whichever thread comes first
+                fd = self._fds.get(rel)
+                if fd is None:
+                    try:
+                        fd = self._fds[rel] = regular_fd(os.path.join(self.src.local_root, rel))  # a FIFO would block
+                    except OSError as e:
+                        raise self.src.read_error(rel, e) from None
         return fd
 
-    def read_all(self, jobs: list[tuple[str, int, memoryview]]) -> None:
+    def read_all(self, jobs: list[tuple[str, int, memoryview]], advised: bool = False) -> None:
         """Every (file, offset, buffer): a local file's ranges are all announced to the kernel
         first (its read-ahead fetches them concurrently) and then read in order, in this thread;
         a remote file's are ranged GETs, `workers` in flight."""
         if self.src.local_root is None:
             list(self.pool.map(lambda j: self.read(*j), jobs))
             return
-        if hasattr(os, "posix_fadvise"):
-            for rel, start, out in jobs:
-                os.posix_fadvise(self._fd(rel), start, out.nbytes, os.POSIX_FADV_WILLNEED)
+        if not advised:
+            self.advise([(rel, start, out.nbytes) for rel, start, out in jobs])
         for job in jobs:
             self.read(*job)
+
+    def advise(self, ranges: list[tuple[str, int, int]]) -> None:
+        """Announces (file, offset, length) ranges of local files to the kernel, which starts
+        fetching them (WILLNEED); a no-op for a URL."""
+        if self.src.local_root is not None and hasattr(os, "posix_fadvise"):
+            for rel, start, size in ranges:
+                os.posix_fadvise(self._fd(rel), start, size, os.POSIX_FADV_WILLNEED)
 
     def read(self, rel: str, start: int, out: memoryview) -> None:
         if self.src.local_root is not None:
@@ -208,7 +226,9 @@ class _EpochStager:
         self.per_shard = int(manifest["shard_samples"])
         self.row_bytes = (int(manifest["seq_len"]) + 1) * int(manifest["token_size"])
         self.hashes: dict[int, np.ndarray] = {}  # shard -> recorded (or verified-recomputed) row hashes
+        self.pads: dict[int, np.ndarray] = {}  # shard -> its verified `.ds.pad` (best-fit)
         self.by_rows = all("rows_xxh3_128" in s for s in self.shards)
+        self.packed = any("pad_xxh3_128" in s for s in self.shards)  # best-fit: rank files get a `.ds.pad`
 
     def shard_path(self, i: int) -> str:
         return f"{self.rel}/{self.shards[i]['path']}"
@@ -229,59 +249,127 @@ class _EpochStager:
             raw = self.reads.whole(self.shard_path(i), n * self.row_bytes)
             digest, want, what = xxhash.xxh3_128_hexdigest(raw), s["xxh3_128"], ""
             got = row_hashes(np.frombuffer(raw, dtype=np.uint8).reshape(n, self.row_bytes))
-        if digest != want:
-            raise TokpackError("checksum mismatch in the run", file=f"{self.src.path.rstrip('/')}/{self.shard_path(i)}{what}",
-                               where="xxh3_128", expected=want, found=digest,
-                               hint="the run's file is corrupt: run `tokpack validate` on the run; nothing was kept")
+        self._check(i, what, digest, want)
         self.hashes = {k: v for k, v in self.hashes.items() if k > i - 2}  # positions only increase
         self.hashes[i] = got
         return got
 
-    def run(self, writers: dict[int, EpochShardWriter]) -> int:
-        """Writes the rows; returns the rows kept."""
+    def padding(self, i: int) -> np.ndarray:
+        """Shard i's padding per row: its `.ds.pad` read whole (4 bytes a row) and checked
+        against the manifest; zeros for a shard without one (as the reader takes it)."""
+        got = self.pads.get(i)
+        if got is None:
+            s = self.shards[i]
+            n = int(s["samples"])
+            if "pad_xxh3_128" not in s:
+                got = np.zeros(n, dtype=PAD_DTYPE)
+            else:
+                raw = self.reads.whole(self.shard_path(i) + PAD_SUFFIX, PAD_DTYPE.itemsize * n)
+                self._check(i, PAD_SUFFIX, xxhash.xxh3_128_hexdigest(raw), s["pad_xxh3_128"])
+                got = np.frombuffer(raw, dtype=PAD_DTYPE)
+            self.pads = {k: v for k, v in self.pads.items() if k > i - 2}
+            self.pads[i] = got
+        return got
+
+    def _check(self, i: int, suffix: str, digest: str, want: str) -> None:
+        if digest != want:
+            raise TokpackError("checksum mismatch in the run", file=f"{self.src.path.rstrip('/')}/{self.shard_path(i)}{suffix}",
+                               where="xxh3_128", expected=want, found=digest,
+                               hint="the run's file is corrupt: run `tokpack validate` on the run; nothing was kept")
+
+    def _ranges(self, pos: np.ndarray) -> tuple[np.ndarray, list[tuple[str, int, int, int]]]:
+        """(shard of each position, [(shard file, byte offset, first, end)]): consecutive
+        positions in one shard are one range, rows [first, end) of the chunk."""
+        shard = pos // self.per_shard
+        breaks = np.flatnonzero((np.diff(pos) != 1) | (np.diff(shard) != 0)) + 1
+        lo = np.concatenate([[0], breaks]).tolist()
+        hi = np.concatenate([breaks, [len(pos)]]).tolist()
+        offs = ((pos[lo] - shard[lo] * self.per_shard) * self.row_bytes).tolist()
+        names = shard[lo].tolist()
+        return shard, [(self.shard_path(i), off, a, b) for i, off, a, b in zip(names, offs, lo, hi)]
+
+    def _fill(self, slot: list, pos: np.ndarray, shard: np.ndarray, ranges: list) -> tuple:
+        """In the reader thread: the rows at epoch positions `pos` read into the slot's buffer,
+        with what the run recorded for them (row hashes; best-fit, padding), gathered here so
+        that the sidecar caches are used by this thread only. Returns (rows, shard of each,
+        expected hashes, padding or None)."""
+        k = len(pos)
+        if slot[0] is None or len(slot[0]) < k:  # one buffer a slot for every chunk: fresh pages cost
+            slot[0] = np.empty((k, self.row_bytes), dtype=np.uint8)
+        buf = slot[0][:k]
+        flat = memoryview(buf.reshape(-1))
+        rb = self.row_bytes
+        self.reads.read_all([(rel, off, flat[a * rb: b * rb]) for rel, off, a, b in ranges], advised=True)
+        want = np.empty(k, dtype=U64)
+        pad = np.empty(k, dtype=PAD_DTYPE) if self.packed else None
+        for i in np.unique(shard):
+            sel = shard == i
+            at = pos[sel] - i * self.per_shard
+            want[sel] = self.expected(int(i))[at]
+            if pad is not None:
+                pad[sel] = self.padding(int(i))[at]
+        return buf, shard, want, pad
+
+    def run(self, writers: dict[int, EpochShardWriter], pads: dict[int, DurableFile] | None = None) -> int:
+        """Writes the rows (and, best-fit, their padding into `pads`); returns the rows kept.
+
+        Three stages overlap, each in order: a reader thread reads chunks c+1 and c+2 (their
+        ranges announced to the kernel as soon as they are planned), this thread verifies and
+        indexes chunk c, a disk thread writes chunk c's tokens. Reads and writes are the disk's,
+        hashing the CPU's: overlapped, the stage takes about its slowest part rather than their
+        sum. Three buffers rotate: one being written, two being read."""
         n = int(self.m["samples"])
-        kept = 0
         max_rows = max(1, CHUNK_BYTES // self.row_bytes)
-        scratch = None
-        for pos in self.rows.node_positions(self.first, n, self.ranks, max_rows):
-            if not len(pos):
-                continue
-            if scratch is None or len(scratch) < len(pos):  # one buffer for every chunk: fresh pages cost
-                scratch = np.empty((len(pos), self.row_bytes), dtype=np.uint8)
-            buf = scratch[: len(pos)]
-            shard = pos // self.per_shard
-            # Ranges: consecutive positions in one shard are one read.
-            breaks = np.flatnonzero((np.diff(pos) != 1) | (np.diff(shard) != 0)) + 1
-            lo = np.concatenate([[0], breaks])
-            hi = np.concatenate([breaks, [len(pos)]])
-            flat = memoryview(buf.reshape(-1))
-            jobs = [(int(shard[a]), int(pos[a] - shard[a] * self.per_shard), int(a), int(b)) for a, b in zip(lo, hi)]
-            self.reads.read_all([(self.shard_path(i), row * self.row_bytes, flat[a * self.row_bytes: b * self.row_bytes])
-                                 for i, row, a, b in jobs])
-            found = row_hashes(buf)
-            for i in np.unique(shard):
-                sel = shard == i
-                want = self.expected(int(i))[pos[sel] - i * self.per_shard]
-                bad = np.flatnonzero(want != found[sel])
+        plan = (p for p in self.rows.node_positions(self.first, n, self.ranks, max_rows) if len(p))
+        slots = [[None] for _ in range(3)]
+        written: list = [None] * 3  # per slot: the disk's last job using it
+        kept = 0
+        dtype = writers[self.ranks[0]].dtype
+        with Worker() as ahead, Worker() as reader, Worker() as disk:
+            queued: deque = deque()
+
+            def read_next(j: int) -> None:
+                if written[j] is not None:
+                    written[j].result()  # its rows are on disk: the buffer is free
+                pos = next(plan, None)
+                if pos is not None:
+                    shard, ranges = self._ranges(pos)
+                    # announced now, read once the chunks before it are: the disk has a queue
+                    ahead.submit(self.reads.advise, [(rel, off, (b - a) * self.row_bytes) for rel, off, a, b in ranges])
+                    queued.append((pos, reader.submit(self._fill, slots[j], pos, shard, ranges)))
+
+            read_next(0)
+            read_next(1)
+            for c in itertools.count():
+                if not queued:
+                    break
+                pos, job = queued.popleft()
+                buf, shard, want, pad = job.result()
+                found = row_hashes(buf)
+                bad = np.flatnonzero(want != found)
                 if len(bad):
-                    k = int(pos[sel][bad[0]] - i * self.per_shard)
-                    raise TokpackError("sample differs from the run's row hash", file=f"{self.src.path.rstrip('/')}/{self.shard_path(int(i))}",
+                    b = int(bad[0])
+                    i = int(shard[b])
+                    k = int(pos[b] - i * self.per_shard)
+                    raise TokpackError("sample differs from the run's row hash", file=f"{self.src.path.rstrip('/')}/{self.shard_path(i)}",
                                        where=f"sample {k} (byte {k * self.row_bytes})",
-                                       expected=hash_hex64(int(want[bad[0]])), found=hash_hex64(int(found[sel][bad[0]])),
+                                       expected=hash_hex64(int(want[b])), found=hash_hex64(int(found[b])),
                                        hint="the run's shard is corrupt: run `tokpack validate` on the run; nothing was kept")
-            g = pos + self.first
-            rank = ((g - self.rows.phase) % self.rows.global_batch) // self.rows.micro_batch
-            tokens = buf.view(writers[self.ranks[0]].dtype)
-            for r, w in writers.items():
+                tokens = buf.view(dtype)
                 if len(writers) == 1:  # every row is this rank's: no gather
-                    w.write_tokens(tokens)
-                    w.write_index(tokens, found)
-                    continue
-                sel = rank == r
-                if sel.any():
-                    w.write_tokens(tokens[sel])
-                    w.write_index(tokens[sel], found[sel])
-            kept += len(pos)
+                    parts = [(r, tokens, found, pad) for r in writers]
+                else:
+                    rank = ((pos + self.first - self.rows.phase) % self.rows.global_batch) // self.rows.micro_batch
+                    parts = [(r, tokens[sel], found[sel], None if pad is None else pad[sel])
+                             for r, sel in ((r, rank == r) for r in writers) if sel.any()]
+                for r, t, h, p in parts:
+                    last = disk.submit(writers[r].write_tokens, t)
+                    writers[r].write_index(t, h)
+                    if p is not None:
+                        pads[r].write(p)
+                written[c % 3] = last
+                read_next((c + 2) % 3)
+                kept += len(pos)
         return kept
 
 
@@ -324,7 +412,8 @@ def plan_slice(src: Source, ranks=None, world_size: int | None = None, micro_bat
         first, n = numbering.first(e), numbering.size(e)
         kept[e] = sum(rows.rows(r, first, first + n) for r in range(a, b + 1)) * row_bytes
         by_rows[e] = all("rows_xxh3_128" in s for s in m.get("shards") or [])
-        read[e] = kept[e] + (8 * n if by_rows[e] else n * row_bytes)
+        pad = sum(PAD_DTYPE.itemsize * int(s["samples"]) for s in m.get("shards") or [] if "pad_xxh3_128" in s)
+        read[e] = kept[e] + (8 * n if by_rows[e] else n * row_bytes) + pad
     return SlicePlan((a, b), w, rows, run, chosen, kept, read, by_rows)
 
 
@@ -338,8 +427,8 @@ def _epoch_in_place(d: Path, want: dict) -> bool:
     if not isinstance(have, dict) or any(have.get(k) != want[k] for k in keys):
         return False
     try:
-        return all((d / s["path"]).stat().st_size == s["bytes"] and (d / f"{s['path']}.index").is_file()
-                   for s in have["shards"])
+        return all((d / s["path"]).stat().st_size == s["bytes"] and missing_padding(d, want, s) is None
+                   and all((d / f"{s['path']}{x}").is_file() for x in shard_suffixes(s)[1:]) for s in have["shards"])
     except (OSError, KeyError, TypeError):
         return False
 
@@ -405,16 +494,21 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
                         "tokpack to stage only the slice")
                 writers = {r: output.open_shard(d, rank_file_name(r), dtype_from_name(m["dtype"]), int(m["seq_len"]),
                                                 int(m["eos_id"]), m["tokenizer"]) for r in range(a, b + 1)}
+                pads = {}
                 try:
-                    kept_rows += stager.run(writers)
+                    if stager.packed:
+                        pads = {r: DurableFile(d / f"{rank_file_name(r)}{PAD_SUFFIX}") for r in writers}
+                    kept_rows += stager.run(writers, pads)
                     entries = []
                     for r, wr in writers.items():
                         entry = wr.close()
+                        if r in pads:
+                            entry["pad_xxh3_128"] = pads[r].commit()
                         entry["fragments"] = os.path.getsize(d / f"{entry['path']}.index") // 8
                         output.commit(d, entry)
                         entries.append({**entry, "rank": r})
                 except BaseException:
-                    for wr in writers.values():
+                    for wr in (*writers.values(), *pads.values()):
                         wr.abort()
                     raise
                 want["shards"] = entries

@@ -383,3 +383,212 @@ def test_plan_stage_predicts_the_slice_and_the_old_path_says_whole_run_copy(run,
     assert code == 0 and out.count("whole-run copy") == 1 and "--ranks 1 --world-size 4 --micro-batch 3" in out, out
     code, out = cli("stage", run, tmp_path / "old", "--ranks", "1/4", "--micro-batch", M)
     assert code == 0 and out.count("whole-run copy") == 1, out
+
+
+# ------------------------------------------------------------------ best-fit runs
+
+BW, BM = 4, 2  # global batch 8; the best-fit epochs (250 samples) are not a multiple of it
+
+
+@pytest.fixture(scope="module")
+def packed_run(tmp_path_factory) -> Path:
+    from conftest import shuffle_run
+
+    root = tmp_path_factory.mktemp("packed-slices")
+    rng = np.random.default_rng(5)
+    sources = [write_source(root / "big", random_docs(rng, 300, 1000, 0, 30, 60)),
+               write_source(root / "small", random_docs(rng, 60, 1000, 0, 1, 400))]
+    shuffle_run([str(s) for s in sources], str(root / "run"), weights=["2", "1"], seq_len=SEQ, seed=9, epochs=[0, 1],
+                samples=250, shard_samples=40, memory=8 << 20, packing="best-fit", jitter=False, log=None)
+    return root / "run"
+
+
+def packed_batches(path, rank: int, start: int = 0) -> list:
+    from formats.torch_adapter import TokpackDataset
+
+    ds = TokpackDataset(path, rank=rank, world_size=BW, micro_batch=BM, start_sample=start)
+    return [{k: v.tolist() for k, v in b.items()} for b in ds]
+
+
+@pytest.mark.parametrize("first,last", [(0, 0), (1, 2), (3, 3)])
+def test_a_slice_of_a_best_fit_run_serves_its_masks(packed_run, tmp_path, first, last):
+    """A best-fit run's slice carries each rank's padding (`.ds.pad`): TokpackDataset yields the
+    same batches as on the run, loss_mask, labels (-100 on padding), position_ids and
+    cu_seqlens included, from 0 and from the global batch spanning the epochs; the rank
+    files' `.ds.index` gives the run's positions."""
+    require("torch", "pip install torch")
+    s = tmp_path / "s"
+    res = stage_slice(str(packed_run), s, ranks=f"{first}-{last}", world_size=BW, micro_batch=BM)
+    assert res.epochs_staged == [0, 1]
+    n = json.loads((packed_run / MANIFEST).read_text())["samples"]
+    assert n % (BW * BM)
+    for e in (0, 1):
+        m = json.loads((s / epoch_dir_name(e) / MANIFEST).read_text())
+        assert all("pad_xxh3_128" in x and (s / epoch_dir_name(e) / (x["path"] + ".pad")).is_file() for x in m["shards"])
+    for rank in range(first, last + 1):
+        for start in ((n // 8) * 8, 0):
+            want = packed_batches(packed_run, rank, start)
+            assert want and packed_batches(s, rank, start) == want
+            assert {"loss_mask", "cu_seqlens"} <= set(want[0])
+        assert any(0 in row for b in want for row in b["loss_mask"])  # padding is there, and masked alike
+        full, part = SampleReader.open(packed_run), SampleReader.open(s)
+        got = [[x.tolist() for x in it] for it in part.batches(rank, BW, BM, 0, positions="index")]
+        assert got == [[x.tolist() for x in it] for it in full.batches(rank, BW, BM, 0, positions="index")]
+
+
+def test_a_best_fit_slice_validates_and_a_flipped_pad_byte_is_caught(packed_run, tmp_path):
+    """`validate SLICE` and `--against RUN` pass; a flipped byte in a rank's `.ds.pad` fails
+    the first (its checksum), and with the checksum resealed, the second (the run's padding);
+    a flipped byte in the run's `.ds.pad` stops the stage with one line, nothing kept."""
+    from packer.slicing import plan_slice
+    from packer.staging import Source
+
+    s = tmp_path / "s"
+    res = stage_slice(str(packed_run), s, ranks="1-2", world_size=BW, micro_batch=BM)
+    planned = plan_slice(Source(str(packed_run)), "1-2", BW, BM)
+    assert sum(planned.read.values()) == res.bytes_read  # the rows, the .ds.rows and the .ds.pad read
+    again = stage_slice(str(packed_run), s, ranks="1-2", world_size=BW, micro_batch=BM)
+    assert again.epochs_in_place == [0, 1] and again.bytes_read == 0
+    for args in ((), ("--against", packed_run)):
+        code, out = cli("validate", s, *args)
+        assert code == 0, out
+    d = s / epoch_dir_name(1)
+    pad = d / (rank_file_name(2) + ".pad")
+    raw = bytearray(pad.read_bytes())
+    raw[4 * 3] ^= 1
+    pad.write_bytes(bytes(raw))
+    code, out = cli("validate", s)
+    assert code != 0 and "rank-00002.ds.pad [xxh3_128]: checksum mismatch" in out, out
+    import xxhash
+
+    m = json.loads((d / MANIFEST).read_text())
+    m["shards"] = [{**x, "pad_xxh3_128": xxhash.xxh3_128_hexdigest(bytes(raw))} if x["rank"] == 2 else x
+                   for x in m["shards"]]
+    (d / MANIFEST).write_text(json.dumps(m, indent=1) + "\n")
+    code, out = cli("validate", s)
+    assert code == 0, out  # consistent with itself...
+    code, out = cli("validate", s, "--against", packed_run)
+    assert code != 0 and "rank-00002.ds.pad [row 3]" in out and "padding differs" in out, out  # ...not with the run
+    bad = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(packed_run), str(bad)], check=True)
+    f = bad / epoch_dir_name(0) / "00000.ds.pad"
+    raw = bytearray(f.read_bytes())
+    raw[0] ^= 1
+    f.write_bytes(bytes(raw))
+    with pytest.raises(TokpackError) as e:
+        stage_slice(str(bad), tmp_path / "s2", ranks="0", world_size=BW, micro_batch=BM)
+    assert "00000.ds.pad" in str(e.value) and "checksum mismatch in the run" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "s2" / MANIFEST).exists() and not list((tmp_path / "s2").rglob("rank-*"))
+
+
+def test_validate_against_reads_rank_files_in_bounded_memory(tmp_path):
+    """`validate SLICE --against RUN` streams: on a slice whose rank files are MBs, the peak of
+    Python and numpy allocations stays far below one rank file (it read them whole before), and
+    the streamed comparison still finds a flipped byte and a swapped pair of rows."""
+    import tracemalloc
+
+    from formats.dir_checks import DirReport
+    from formats.manifest import read_manifest
+    from formats.slices import slice_against_run
+
+    big = write_source(tmp_path / "src", random_docs(np.random.default_rng(4), 600, 1000, 0, 4000, 6000))
+    run = make_run(tmp_path / "run", big, [0], seq_len=1023, shard_samples=64)
+    s = tmp_path / "s"
+    stage_slice(str(run), s, ranks="1", world_size=2, micro_batch=2)
+    f = s / epoch_dir_name(0) / rank_file_name(1)
+    size = f.stat().st_size
+    assert size > 2 << 20
+    root = read_manifest(s, kind="slice")
+
+    def against(block=64 << 10) -> list:
+        rep = DirReport(path=s)
+        slice_against_run(s, root, run, rep, block=block)
+        return rep.problems
+
+    tracemalloc.start()
+    try:
+        assert against() == []
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < size / 8, (peak, size)
+    raw = bytearray(f.read_bytes())
+    row = 1024 * 2
+    raw[row * 100 + 7] ^= 1
+    f.write_bytes(bytes(raw))
+    problems = against()
+    assert len(problems) == 1 and problems[0].where == "row 100", problems
+    raw[row * 100 + 7] ^= 1
+    raw[row * 300: row * 301], raw[row * 301: row * 302] = raw[row * 301: row * 302], raw[row * 300: row * 301]
+    f.write_bytes(bytes(raw))
+    problems = against()
+    assert len(problems) == 1 and problems[0].where == "row 300" and "(2 rows differ)" in problems[0].message, problems
+
+
+# ------------------------------------------------------------------ regular files only
+
+
+@pytest.mark.parametrize("victim", ["00001.ds", "00001.ds.rows", "00001.ds.pad"])
+def test_a_fifo_in_the_run_stops_stage_promptly(packed_run, tmp_path, victim):
+    """A FIFO where a run shard's file (tokens, row hashes, padding) should be: `stage --ranks`
+    gives one line naming it and exits 1, within the timeout, instead of blocking in open()."""
+    from test_containment import one_line, tokpack
+
+    run = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(packed_run), str(run)], check=True)
+    (run / epoch_dir_name(0) / victim).unlink()
+    os.mkfifo(run / epoch_dir_name(0) / victim)
+    r, _ = tokpack(tmp_path, "stage", run, tmp_path / "s", "--ranks", "0-1", "--world-size", BW, "--micro-batch", BM)
+    line = one_line(r)
+    assert "a FIFO" in line and victim in line, line
+
+
+@pytest.mark.parametrize("victim", [rank_file_name(1), rank_file_name(1) + ".pad", rank_file_name(1) + ".index"])
+def test_a_fifo_in_a_slice_is_refused_promptly(packed_run, tmp_path, victim):
+    """A FIFO in place of a rank file or its sidecars: `validate SLICE`, `validate SLICE
+    --against RUN` and `read SLICE` (or, for the sidecars `read` does not open, the torch
+    dataset) finish within the timeout with an error naming it."""
+    from test_containment import corrupt, one_line, tokpack
+
+    s = tmp_path / "s"
+    stage_slice(str(packed_run), s, ranks="0-1", world_size=BW, micro_batch=BM)
+    (s / epoch_dir_name(1) / victim).unlink()
+    os.mkfifo(s / epoch_dir_name(1) / victim)
+    for args in ((), ("--against", packed_run)):
+        r, _ = tokpack(tmp_path, "validate", s, *args)
+        assert "a FIFO" in corrupt(r) and victim in r.stderr, r.stderr
+    r, _ = tokpack(tmp_path, "read", s, "--rank", 1, "--world-size", BW, "--micro-batch", BM, "--start-sample", 248,
+                   "--count", 8)
+    if victim.endswith(".ds"):
+        line = one_line(r)
+        assert "a FIFO" in line and victim in line, line
+        return
+    assert r.returncode == 0, r.stderr  # `read` prints tokens: it opens neither sidecar
+    require("torch", "pip install torch")
+    from formats.torch_adapter import TokpackDataset
+
+    ds = TokpackDataset(s, rank=1, world_size=BW, micro_batch=BM, start_sample=248, positions="index")
+    with pytest.raises(TokpackError, match=f"{victim}.*a FIFO"):
+        next(iter(ds))
+
+
+def test_a_best_fit_slice_without_its_padding_is_refused(packed_run, tmp_path):
+    """A slice of a best-fit run whose rank files lack `.ds.pad` (as slices were staged before
+    they carried it) would train on padding as tokens: the reader refuses it in one line with the
+    command that stages it again, and validate reports it."""
+    s = tmp_path / "s"
+    stage_slice(str(packed_run), s, ranks="2", world_size=BW, micro_batch=BM)
+    d = s / epoch_dir_name(0)
+    (d / (rank_file_name(2) + ".pad")).unlink()
+    m = json.loads((d / MANIFEST).read_text())
+    m["shards"] = [{k: v for k, v in x.items() if k != "pad_xxh3_128"} for x in m["shards"]]
+    (d / MANIFEST).write_text(json.dumps(m, indent=1) + "\n")
+    with pytest.raises(TokpackError) as e:
+        SampleReader.open(s)
+    assert "lacks the padding" in str(e.value) and "tokpack stage" in str(e.value) and "\n" not in str(e.value)
+    for args in ((), ("--against", packed_run)):
+        code, out = cli("validate", s, *args)
+        assert code != 0 and "lacks the padding of its rows" in out and "internal error" not in out, out
+    again = stage_slice(str(packed_run), s, ranks="2", world_size=BW, micro_batch=BM)  # the command the hint gives
+    assert again.epochs_staged == [0] and again.epochs_in_place == [1]
+    assert packed_batches(s, 2) == packed_batches(packed_run, 2)
