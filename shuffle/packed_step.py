@@ -4,10 +4,11 @@ table, then assembles each output shard's rows from the documents, padding each 
 with the pad id, and writes them in output order through EpochJob.write_shard, with the
 shard's `.pad` sidecar. One read, one write, as the window shuffle's InMemoryStep.
 
-Memory: the used sources' tokens, the row table (PIECE, 36 bytes a piece) and the chunks of
-rows in flight. shuffle/run.py runs an epoch here only when
-that fits `--memory`; otherwise out of core: PackedScatterStep then PackedOrderStep, the window
-shuffle's two passes and bucket layout (shuffle.steps.Layout) over document pieces.
+Memory: the used sources' tokens, one output shard's part of the row table (read from the
+table build_table wrote in the work folder) and the chunks of rows in flight. shuffle/run.py
+runs an epoch here only when that fits `--memory`; otherwise out of core: PackedScatterStep
+then PackedOrderStep, the window shuffle's two passes and bucket layout (shuffle.steps.Layout)
+over document pieces, each scatter task reading only its source shards' files of the table.
 """
 
 from __future__ import annotations
@@ -21,22 +22,23 @@ import xxhash
 from formats.errors import TokpackError
 from formats.io import map_file, progress, write_bytes_atomic
 
-from .packed import PIECE, TokenPool, documents_of, read_table, row_padding
+from .packed import PIECE_STATE_BYTES, PackedTable, TokenPool, row_padding
 from .steps import RING, EpochJob, OrderStep, _Step
 
 GATHER_TOKENS = 1 << 20  # tokens of rows assembled per call
 
 
 def packed_memory(job, sources) -> int:
-    """Bytes the in-memory best-fit path holds for the epoch `job`."""
+    """Bytes the in-memory best-fit path holds for the epoch `job`: the used sources' tokens,
+    one shard's pieces of the row table, and the chunks in flight."""
     plan = job.plan
     used = [s for s, sp in enumerate(plan.sources) if sp.samples]
     tokens = sum(sources[s].tokens for s in used)
     docs = sum(int(sources[s].manifest.get("documents", 0)) for s in used)
     itemsize = job.token_dtype.itemsize
-    pieces = docs * max(1, max((sp.passes for sp in plan.sources), default=1)) + plan.samples
+    per_row = 2 + plan.row_tokens * docs // max(1, tokens)  # pieces a row, about
     chunk = RING * GATHER_TOKENS * itemsize  # in flight: RING chunks
-    return tokens * itemsize + pieces * (PIECE.itemsize * 2 + 16) + plan.samples * 12 + chunk
+    return tokens * itemsize + min(job.shard_samples, plan.samples) * (per_row * PIECE_STATE_BYTES + 12) + chunk
 
 
 class PackedInMemoryStep(_Step):
@@ -44,9 +46,9 @@ class PackedInMemoryStep(_Step):
 
     name = "shuffle best-fit in memory"
 
-    def __init__(self, job: EpochJob, table_file: str, table_hash: str, budget: int = 0):
+    def __init__(self, job: EpochJob, table_dir: str, table_hash: str, budget: int = 0):
         super().__init__(job, budget=budget)
-        self.table_file, self.table_hash = table_file, table_hash  # the materialised row table
+        self.table_dir, self.table_hash = table_dir, table_hash  # the materialised row table (build_table)
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         job, plan = self.job, self.job.plan
@@ -54,8 +56,7 @@ class PackedInMemoryStep(_Step):
         if not todo:
             return
         sources = job.open_sources()
-        table = read_table(self.table_file, self.table_hash)
-        pad = row_padding(table, plan.samples, plan.row_tokens)
+        built = PackedTable.open(self.table_dir, self.table_hash)
 
         def check(src, k, tokens):
             found = xxhash.xxh3_128_hexdigest(tokens)
@@ -65,15 +66,17 @@ class PackedInMemoryStep(_Step):
         pool = TokenPool(plan, sources, check)
         rows = max(1, GATHER_TOKENS // plan.row_tokens)
 
-        def blocks(g0, g1):
+        def blocks(table, starts, g0, g1):
             for a in range(g0, g1, rows):
-                chunk = pool.rows(table, a, min(g1, a + rows), plan.row_tokens, plan.pad_id)
+                chunk = pool.rows(table, a, min(g1, a + rows), plan.row_tokens, plan.pad_id, starts)
                 yield chunk.reshape(-1).view(job.row_void)
 
         with progress(len(todo), f"epoch {plan.epoch}: write", unit="shard", enabled=job.show_progress) as bar:
             for i in todo:
                 g0, g1 = job.shard_range(i)
-                job.write_shard(i, blocks(g0, g1), pad=pad[g0:g1])
+                table, starts = built.rows(g0, g1)
+                pad = row_padding(table, g1 - g0, plan.row_tokens, g0)
+                job.write_shard(i, blocks(table, starts, g0, g1), pad=pad)
                 bar.update(1)
 
 
@@ -84,30 +87,15 @@ class PackedInMemoryStep(_Step):
 RECORD = np.dtype([("g", "<u8"), ("row_offset", "<u4"), ("length", "<u4")])
 
 
-def _pieces_by_shard(table: np.ndarray, pool_starts: dict, sources) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per piece of the table: its source shard's number (the sources' shards numbered in
-    order) and its first token inside that shard; and each source's first shard number."""
-    shard = np.empty(len(table), np.int64)
-    local = np.empty(len(table), np.int64)
-    src = table["source"].astype(np.int64)
-    first = np.cumsum([0] + [len(s.shards) for s in sources])
-    for s in np.unique(src).tolist():
-        sel = src == s
-        start = pool_starts[s][table["doc"][sel].astype(np.int64)] + table["doc_offset"][sel].astype(np.int64)
-        k = np.searchsorted(sources[s].shard_starts, start, side="right") - 1
-        shard[sel], local[sel] = first[s] + k, start - sources[s].shard_starts[k]
-    return shard, local, first
-
-
 class PackedScatterStep(_Step):
     """Task t reads its source shards in order (each verified, once, by one task) and appends each
     piece they hold to the files of its output bucket: bBBBBBBB.rows (the tokens) and .pos (RECORD)."""
 
     name = "shuffle best-fit scatter"
 
-    def __init__(self, job: EpochJob, layout, table_file: str, table_hash: str):
-        super().__init__(job, layout)
-        self.table_file, self.table_hash = table_file, table_hash
+    def __init__(self, job: EpochJob, layout, table_dir: str, table_hash: str, budget: int = 1 << 30):
+        super().__init__(job, layout, budget)
+        self.table_dir, self.table_hash = table_dir, table_hash
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         for t in range(rank, self.layout.tasks, world_size):
@@ -121,14 +109,13 @@ class PackedScatterStep(_Step):
         shutil.rmtree(tdir, ignore_errors=True)
         tdir.mkdir(parents=True)
         sources = job.open_sources()
-        table = read_table(self.table_file, self.table_hash)
-        starts = {s: documents_of(sources[s])[0] for s, sp in enumerate(plan.sources) if sp.samples}
-        shard, local, first = _pieces_by_shard(table, starts, sources)
-        bucket = np.searchsorted(lay.bucket_starts, table["g"].astype(np.int64), side="right") - 1
+        built = PackedTable.open(self.table_dir, self.table_hash)
         nb = len(lay.bucket_starts) - 1
         counts = np.zeros(nb, np.int64)
-        hashes = [[xxhash.xxh3_64(), xxhash.xxh3_64()] for _ in range(nb)]
+        hashes: dict[int, list] = {}  # per bucket written: xxh3_64 of its rows file and of its pos file
         mine = [(s, k) for s, k0, k1 in lay.task_shards[t] for k in range(k0, k1)]
+        # Pieces read per chunk: their records, sort arrays and tokens fit the task's budget.
+        chunk = max(1, self.budget // (PIECE_STATE_BYTES + plan.row_tokens * job.token_dtype.itemsize))
         for s, k in mine:
             src = sources[s]
             n = int(src.shards[k]["tokens"])
@@ -136,24 +123,26 @@ class PackedScatterStep(_Step):
             found = xxhash.xxh3_128_hexdigest(data)
             if found != src.shards[k]["xxh3_128"]:
                 job.source_changed(src.path / src.shards[k]["path"], src.shards[k]["xxh3_128"], found)
-            sel = np.flatnonzero(shard == first[s] + k)
-            if not len(sel):
-                continue
-            sel = sel[np.lexsort((table["row_offset"][sel], table["g"][sel], bucket[sel]))]
-            cuts = np.flatnonzero(np.diff(bucket[sel])) + 1
-            for run in np.split(sel, cuts):
-                b = int(bucket[run[0]])
-                rec = np.empty(len(run), RECORD)
-                rec["g"], rec["row_offset"], rec["length"] = table["g"][run], table["row_offset"][run], table["length"][run]
-                tokens = np.concatenate([data[a: a + m] for a, m in zip(local[run].tolist(), rec["length"].tolist())])
-                f = lay.bucket_file(t, b, "rows")
-                f.parent.mkdir(exist_ok=True)
-                for ext, payload, h in (("rows", tokens, hashes[b][0]), ("pos", rec, hashes[b][1])):
-                    raw = payload.tobytes()
-                    with open(lay.bucket_file(t, b, ext), "ab") as out:
-                        out.write(raw)
-                    h.update(raw)
-                counts[b] += len(run)
+            for pieces in built.shard_pieces(s, k, chunk):
+                bucket = np.searchsorted(lay.bucket_starts, pieces["g"].astype(np.int64), side="right") - 1
+                sel = np.lexsort((pieces["row_offset"], pieces["g"], bucket))
+                cuts = np.flatnonzero(np.diff(bucket[sel])) + 1
+                for run in np.split(sel, cuts):
+                    b = int(bucket[run[0]])
+                    rec = np.empty(len(run), RECORD)
+                    rec["g"], rec["row_offset"], rec["length"] = pieces["g"][run], pieces["row_offset"][run], \
+                        pieces["length"][run]
+                    tokens = np.concatenate([data[a: a + m] for a, m in zip(pieces["local"][run].tolist(),
+                                                                            rec["length"].tolist())])
+                    f = lay.bucket_file(t, b, "rows")
+                    f.parent.mkdir(exist_ok=True)
+                    for ext, payload, h in zip(("rows", "pos"), (tokens, rec),
+                                               hashes.setdefault(b, [xxhash.xxh3_64(), xxhash.xxh3_64()])):
+                        raw = payload.tobytes()
+                        with open(lay.bucket_file(t, b, ext), "ab") as out:
+                            out.write(raw)
+                        h.update(raw)
+                    counts[b] += len(run)
             del data
         records = np.zeros((nb, 3), dtype="<u8")
         for b in np.flatnonzero(counts).tolist():

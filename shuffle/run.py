@@ -31,7 +31,7 @@ from formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_n
 from formats.shards import PackedSource, is_own_file, shard_suffixes
 from formats.units import at_most
 
-from .packed import PACKED_ALGORITHM, PACKINGS, packing_settings, write_table
+from .packed import PACKED_ALGORITHM, PACKINGS, build_table, packing_settings, set_plan_memory
 from .packed_step import PackedInMemoryStep, PackedOrderStep, PackedScatterStep, packed_memory
 from .plan import PLAN_ALGORITHM, EpochPlan, SamplePlan, is_virtual, open_source, parse_weight, source_location
 from .schedule import RunPlan, Schedule
@@ -323,7 +323,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     needed, held = memory_path(job, memory)
     in_memory = held <= memory
     if packed:
-        table_file, table_sum, padding = _packed_table(job)
+        table_file, table_sum, padding = _packed_table(job, memory)
     name = f"{epoch_dir_name(plan.epoch)}-{attempt}"
     job.source_changed_path.unlink(missing_ok=True)  # an earlier attempt's: this one reads the sources again
     shards_left = [i for i in range(job.n_shards) if job.shard_done(i) is None]
@@ -352,7 +352,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
             passes = [(ScatterStep(job, layout), layout.tasks, f"{name}-scatter", str(logs / "scatter")),
                       (OrderStep(job, layout, budget), job.n_shards, f"{name}-order", str(logs / "order"))]
             if packed:  # the same two passes over document pieces
-                passes = [(PackedScatterStep(job, layout, table_file, table_sum), layout.tasks, f"{name}-scatter",
+                passes = [(PackedScatterStep(job, layout, table_file, table_sum, budget), layout.tasks, f"{name}-scatter",
                            str(logs / "scatter")),
                           (PackedOrderStep(job, layout, budget), job.n_shards, f"{name}-order", str(logs / "order"))]
             if all(layout.scatter_done(t) for t in range(layout.tasks)):
@@ -408,15 +408,12 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
             "sample_multiset_hash": manifest["sample_multiset_hash"]}
 
 
-def _packed_table(job: EpochJob) -> tuple[str, str, int]:
-    """The epoch's row table, materialised in its work folder: (file, xxh3_128, padding tokens)."""
-    from .packed import row_padding
-
-    plan = job.plan
-    table = plan.table(job.open_sources())
-    Path(job.work_dir).mkdir(parents=True, exist_ok=True)
-    path = str(Path(job.work_dir) / "packing.table")
-    return path, write_table(path, table), int(row_padding(table, plan.samples, plan.row_tokens).sum())
+def _packed_table(job: EpochJob, memory: int) -> tuple[str, str, int]:
+    """The epoch's row table, materialised in its work folder by build_table within `memory`:
+    (folder, xxh3_128, padding tokens)."""
+    path = Path(job.work_dir) / "packing"
+    built = build_table(job.plan, job.open_sources(), path, memory)
+    return str(path), built.table_xxh3_128, built.padding
 
 
 @dataclass
@@ -577,6 +574,7 @@ def shuffle_run(
     log = log or (lambda line: None)
     if progress is None:
         progress = sys.stderr.isatty() and os.environ.get("TOKPACK_PROGRESS", "1") != "0"
+    set_plan_memory(memory)  # a best-fit plan's passes are counted within it
     virtual = [p for p in sources if is_virtual(p)]
     if virtual:
         raise TokpackError("a virtual source has no data to shuffle", file=virtual[0], where="SOURCE",
