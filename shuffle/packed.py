@@ -458,7 +458,7 @@ def _locate_chain(plan, s: int, lo: int, n: int, src: PackedSource) -> tuple[int
 def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, epoch: int,
                       weights: list[str | None] | None = None, samples: int | None = None,
                       tokens: int | None = None, names: list[str] | None = None,
-                      group_tokens: int = DEFAULT_GROUP_TOKENS, pad_id: int | None = None,
+                      group_tokens: int | None = None, pad_id: int | None = None,
                       cursors: list[int | None] | None = None, counts: list[int] | None = None) -> PackedPlan:
     """The packed plan of one epoch. c_s: as the window plan apportions samples, with R_{s,0}
     (the rows of pass 0) in place of W_s. `counts` (a schedule's per-source samples) overrides it."""
@@ -470,7 +470,7 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
                            found=pad, hint="leave --pad-id out to pad with the EOS id")
     stub = PackedPlan(int(seed), int(epoch), int(seq_len), 0, tuple(
         PackedSourcePlan(s, "", str(src.path), src.fingerprint, None, src.tokens, 0, 0, 0, 0)
-        for s, src in enumerate(sources)), int(group_tokens), pad)
+        for s, src in enumerate(sources)), int(group_tokens or DEFAULT_GROUP_TOKENS), pad)
     for src in sources:
         _check_real(src)
     documents = [document_count(src) for src in sources]
