@@ -546,6 +546,7 @@ SHARD_PIECE = np.dtype([("g", "<u8"), ("row_offset", "<u4"), ("length", "<u4"), 
 _BUILD = np.dtype(PIECE.descr + [("start", "<u8")])  # a piece while the table is built
 KEY = np.dtype([("doc", "<u8"), ("doc_offset", "<u8")])  # a piece's identity in its source
 PIECE_STATE_BYTES = 4 * _BUILD.itemsize  # a buffered piece and the arrays that sort it
+TABLE_PIECE_BYTES = _BUILD.itemsize + SHARD_PIECE.itemsize  # on disk a piece, at the build's peak and after it
 
 
 class Buckets:

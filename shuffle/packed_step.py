@@ -22,7 +22,7 @@ import xxhash
 from formats.errors import TokpackError
 from formats.io import map_file, progress, write_bytes_atomic
 
-from .packed import PIECE_STATE_BYTES, PackedTable, TokenPool, row_padding
+from .packed import DOC, PIECE_STATE_BYTES, TABLE_PIECE_BYTES, PackedTable, TokenPool, document_count, row_padding
 from .steps import RING, EpochJob, OrderStep, _Step
 
 GATHER_TOKENS = 1 << 20  # tokens of rows assembled per call
@@ -39,6 +39,42 @@ def packed_memory(job, sources) -> int:
     per_row = 2 + plan.row_tokens * docs // max(1, tokens)  # pieces a row, about
     chunk = RING * GATHER_TOKENS * itemsize  # in flight: RING chunks
     return tokens * itemsize + min(job.shard_samples, plan.samples) * (per_row * PIECE_STATE_BYTES + 12) + chunk
+
+
+# Pieces (documents or fragments) best_fit_decreasing and its group work place a second, on one
+# core: 500,000-600,000 measured on 20-token documents (BENCHMARKS.md, "Best-fit packing: out of core").
+PACK_PIECES_PER_S = 4e5
+
+
+def table_estimate(job, sources) -> dict:
+    """What building the epoch's row table (shuffle.packed.build_table) costs, from the sources'
+    document and token counts (their manifests, else their index sizes), without packing:
+    `pieces` in the table (each row holds its tokens' documents and at most one more piece,
+    the fragment or tail cut at a row's end); `table_bytes` its peak in the work folder (the
+    build's buckets of rows and by-shard files, then the table, its starts and the by-shard
+    files, plus the bucket files of the largest pass's documents); `packed_pieces` the pieces
+    packed, twice each pass the epoch touches (its rows counted by the plan, then built); the
+    `pack_seconds` that takes."""
+    plan, pieces, packed, largest = job.plan, 0, 0, 0
+    for s, sp in enumerate(plan.sources):
+        if not sp.samples:
+            continue
+        src = sources[s]
+        docs = int(src.manifest.get("documents") or document_count(src))
+        per_token = docs / max(1, src.tokens)
+        pieces += int(sp.samples * (plan.row_tokens * per_token + 1))
+        packed += 2 * sp.passes * (docs + src.tokens // plan.row_tokens)
+        largest = max(largest, docs)
+    return {"pieces": pieces, "table_bytes": pieces * TABLE_PIECE_BYTES + largest * DOC.itemsize,
+            "packed_pieces": packed, "pack_seconds": round(packed / PACK_PIECES_PER_S, 3)}
+
+
+def packed_scratch_bytes(job, sources, out_of_core: bool) -> int:
+    """Peak scratch of a best-fit epoch: its row table, and out of core also the bucket files
+    (every output token and a RECORD per piece)."""
+    est = table_estimate(job, sources)
+    buckets = job.plan.samples * job.row_bytes + est["pieces"] * RECORD.itemsize if out_of_core else 0
+    return est["table_bytes"] + buckets
 
 
 class PackedInMemoryStep(_Step):

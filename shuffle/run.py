@@ -32,7 +32,7 @@ from formats.shards import PackedSource, is_own_file, shard_suffixes
 from formats.units import at_most
 
 from .packed import PACKED_ALGORITHM, PACKINGS, build_table, packing_settings, set_plan_memory
-from .packed_step import PackedInMemoryStep, PackedOrderStep, PackedScatterStep, packed_memory
+from .packed_step import PackedInMemoryStep, PackedOrderStep, PackedScatterStep, packed_memory, packed_scratch_bytes
 from .plan import PLAN_ALGORITHM, EpochPlan, SamplePlan, is_virtual, open_source, parse_weight, source_location
 from .schedule import RunPlan, Schedule
 from .steps import (CHUNKS_IN_BUDGET, ORDER_ROW_OVERHEAD, EpochJob, InMemoryStep, Layout, OrderStep, ScatterStep,
@@ -260,9 +260,12 @@ def epoch_bytes(job: EpochJob, manifest: dict) -> int:
         canonical_bytes(manifest))
 
 
-def scratch_bytes(job: EpochJob) -> int:
-    """Out of core, the bucket scratch: every output row and its 8-byte position."""
-    return job.plan.samples * (job.row_bytes + 8)
+def scratch_bytes(job: EpochJob, out_of_core: bool = True) -> int:
+    """Out of core, the bucket scratch: every output row and its 8-byte position. A best-fit
+    epoch's: its row table too, in memory or not (shuffle.packed_step.packed_scratch_bytes)."""
+    if job.plan.algorithm == PACKED_ALGORITHM:
+        return packed_scratch_bytes(job, job.open_sources(), out_of_core)
+    return job.plan.samples * (job.row_bytes + 8) if out_of_core else 0
 
 
 def bytes_to_write(jobs: list[EpochJob], sources: list[PackedSource], memory: int, workers: int = 1) -> int:
@@ -279,6 +282,8 @@ def bytes_to_write(jobs: list[EpochJob], sources: list[PackedSource], memory: in
         during = epoch if job.outbox is None else min(epoch, workers * shard)
         if memory_path(job, memory)[1] > memory:
             during = scratch_bytes(job) + shard
+        else:
+            during += scratch_bytes(job, out_of_core=False)
         peak = max(peak, written + max(0, during - have))
         if job.outbox is None:
             written += max(0, epoch - have)
@@ -372,7 +377,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
             raise
         # Out of space: the bucket scratch and any half-written shard go, so the disk is not left
         # full; the finished shards (and their done markers) stay for the rerun.
-        for d in work.glob("ooc-*"):
+        for d in [*work.glob("ooc-*"), work / "packing", work / "packing.tmp"]:
             shutil.rmtree(d, ignore_errors=True)
         remove_tmp_files(job.epoch_dir)
         raise TokpackError(f"disk full while writing epoch {plan.epoch}; its scratch files were removed",

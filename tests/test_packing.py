@@ -381,6 +381,35 @@ def test_plan_shuffle_reports_a_best_fit_epoch(sources, tmp_path):
     assert got["samples_per_epoch"] == plan.samples == sum(s.windows for s in plan.sources)
 
 
+@pytest.mark.parametrize("memory", [64 << 20, 1 << 20])
+def test_plan_shuffle_predicts_the_row_tables_scratch(sources, tmp_path, memory):
+    """The plan's "table" pass and its scratch, estimated from the sources' counts, against the
+    files build_table writes for the same epoch: at least them, within 3x."""
+    from packer.planning import plan_shuffle, report_lines
+    from shuffle.packed import build_table
+
+    weights = {str(sources[0]): "2", str(sources[1]): "1"}
+    got = plan_shuffle(weights, tmp_path / "p", seq_len=63, seed=9, samples=500, shard_samples=128, memory=memory,
+                       packing="best-fit", disk_mbps=100)
+    (epoch,) = got.epochs
+    assert epoch["path"] == ("in-memory" if memory == 64 << 20 else "out-of-core")
+    table = next(p for p in got.passes if p["name"] == "table")
+    assert table["written_bytes"] == epoch["table_bytes"] and table["pack_seconds"] > 0 and table["memory_per_task"] == memory
+    assert table["seconds"] == round(max(2 * table["written_bytes"] / 100e6, table["pack_seconds"]), 1)
+    opened = [PackedSource.open(s) for s in sources]
+    plan = packed_epoch_plan(opened, seq_len=63, seed=9, epoch=0, weights=["2", "1"], samples=500)
+    built = build_table(plan, opened, tmp_path / "packing", memory)
+    written = sum(f.stat().st_size for f in (tmp_path / "packing").iterdir())
+    pieces = (tmp_path / "packing" / "table").stat().st_size // PIECE.itemsize
+    assert pieces <= epoch["table_pieces"] <= 3 * pieces
+    assert written <= epoch["table_bytes"] <= 3 * written, (written, epoch["table_bytes"])
+    assert built.padding >= 0
+    # The space check counts the table with the epoch (and out of core with the buckets).
+    assert got.space[0]["needed_bytes"] >= epoch["output_bytes"] + epoch["table_bytes"]
+    assert any("row table of ~" in line for line in report_lines(got))
+    assert not (tmp_path / "p").exists()
+
+
 def test_a_schedule_declares_best_fit(sources, tmp_path):
     yaml_file = tmp_path / "run.yaml"
     yaml_file.write_text(f"seq_len: 63\nseed: 4\npacking: best-fit\nstages:\n"
