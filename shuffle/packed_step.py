@@ -1,6 +1,7 @@
-"""The datatrove step that writes a best-fit epoch (shuffle.packed) in memory: one task reads
-every used source once (verifying each shard's xxh3_128 against its manifest), builds the row
-table, then assembles each output shard's rows from the documents, padding each row's tail
+"""The datatrove steps that write a best-fit epoch (shuffle.packed) from the row table
+shuffle.packed.build_table wrote in the epoch's work folder. In memory: one task reads every
+used source once (verifying each shard's xxh3_128 against its manifest), then, reading the
+table one output shard at a time, assembles each shard's rows from the documents, padding each row's tail
 with the pad id, and writes them in output order through EpochJob.write_shard, with the
 shard's `.pad` sidecar. One read, one write, as the window shuffle's InMemoryStep.
 
@@ -14,6 +15,7 @@ over document pieces, each scatter task reading only its source shards' files of
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -150,8 +152,9 @@ class PackedScatterStep(_Step):
         counts = np.zeros(nb, np.int64)
         hashes: dict[int, list] = {}  # per bucket written: xxh3_64 of its rows file and of its pos file
         mine = [(s, k) for s, k0, k1 in lay.task_shards[t] for k in range(k0, k1)]
-        # Pieces read per chunk: their records, sort arrays and tokens fit the task's budget.
-        chunk = max(1, self.budget // (PIECE_STATE_BYTES + plan.row_tokens * job.token_dtype.itemsize))
+        # Pieces read per chunk: their records, sort arrays and tokens fit half the task's budget
+        # (the shard being read is mapped beside them).
+        chunk = max(1, self.budget // 2 // (PIECE_STATE_BYTES + plan.row_tokens * job.token_dtype.itemsize))
         for s, k in mine:
             src = sources[s]
             n = int(src.shards[k]["tokens"])
@@ -174,7 +177,7 @@ class PackedScatterStep(_Step):
                     f.parent.mkdir(exist_ok=True)
                     for ext, payload, h in zip(("rows", "pos"), (tokens, rec),
                                                hashes.setdefault(b, [xxhash.xxh3_64(), xxhash.xxh3_64()])):
-                        raw = payload.tobytes()
+                        raw = memoryview(payload).cast("B")
                         with open(lay.bucket_file(t, b, ext), "ab") as out:
                             out.write(raw)
                         h.update(raw)
@@ -185,6 +188,19 @@ class PackedScatterStep(_Step):
             records[b] = counts[b], hashes[b][0].intdigest(), hashes[b][1].intdigest()
         write_bytes_atomic(lay.task_records(t), records.tobytes(), fsync=True)
         write_bytes_atomic(lay.task_done(t), json.dumps({"task": t, "buckets": nb}).encode(), fsync=True)
+
+
+def holds_pieces_of(layout, i: int) -> bool:
+    """Whether the bucket files still hold every piece of output shard i that the scatter tasks
+    recorded (the order pass deletes them once the shard is written): as Layout.holds_rows_of,
+    by the pieces' records, since a bucket's token files hold no padding."""
+    buckets = range(int(layout.shard_buckets[i]), int(layout.shard_buckets[i + 1]))
+    for t in range(layout.tasks):
+        for b, n in zip(buckets, layout.recorded(t, buckets)[:, 0].tolist()):
+            pos = layout.bucket_file(t, b, "pos")
+            if (os.path.getsize(pos) if pos.exists() else 0) != n * RECORD.itemsize:
+                return False
+    return True
 
 
 class PackedOrderStep(OrderStep):
@@ -205,6 +221,13 @@ class PackedOrderStep(OrderStep):
                 for ext in ("rows", "pos"):
                     lay.bucket_file(t, b, ext).unlink(missing_ok=True)
 
+    def _check(self, t: int, path, want, found: int) -> None:
+        if found != int(want):
+            self.layout.task_done(t).unlink(missing_ok=True)
+            raise TokpackError("scatter bucket file does not match the checksum its task recorded", file=path,
+                               where="xxh3_64", expected=f"{int(want):016x}", found=f"{found:016x}",
+                               hint="rerun the same command: the scatter task that wrote it runs again")
+
     def _pieces(self, buckets: range, g0: int, pad: np.ndarray):
         """Each bucket's rows, in output order, as np.void rows; `pad` gets their padding."""
         job, lay = self.job, self.layout
@@ -217,22 +240,35 @@ class PackedOrderStep(OrderStep):
                 f = lay.bucket_file(t, b, "rows")
                 if not f.exists():
                     continue
-                raw = [f.read_bytes(), f.with_suffix(".pos").read_bytes()]
-                for path, data, want in zip((f, f.with_suffix(".pos")), raw, recorded[t][b - buckets.start, 1:]):
-                    if xxhash.xxh3_64_intdigest(data) != int(want):
-                        lay.task_done(t).unlink(missing_ok=True)
-                        raise TokpackError("scatter bucket file does not match the checksum its task recorded",
-                                           file=path, where="xxh3_64", expected=f"{int(want):016x}",
-                                           found=f"{xxhash.xxh3_64_intdigest(data):016x}",
-                                           hint="rerun the same command: the scatter task that wrote it runs again")
-                tokens, rec = np.frombuffer(raw[0], dtype=job.token_dtype), np.frombuffer(raw[1], dtype=RECORD)
+                want = recorded[t][b - buckets.start, 1:]
+                raw = f.with_suffix(".pos").read_bytes()
+                self._check(t, f.with_suffix(".pos"), want[1], xxhash.xxh3_64_intdigest(raw))
+                rec = np.frombuffer(raw, dtype=RECORD)
                 local = rec["g"].astype(np.int64) - start
                 if len(local) and (local.min() < 0 or local.max() >= n):
                     raise TokpackError("scatter file holds a piece of another bucket", file=f, where=f"bucket {b}",
                                        hint="delete OUT/.tokpack-work and rerun")
                 dest = local * job.plan.row_tokens + rec["row_offset"].astype(np.int64)
-                at = np.concatenate([[0], np.cumsum(rec["length"].astype(np.int64))])
-                for d, a, m in zip(dest.tolist(), at[:-1].tolist(), rec["length"].tolist()):
-                    flat[d: d + m] = tokens[a: a + m]
-                np.subtract.at(pad, local + start - g0, rec["length"].astype(np.int64))
+                length = rec["length"].astype(np.int64)
+                ends = np.cumsum(length)
+                # The tokens are read a chunk of whole pieces at a time (not the file at once: the
+                # bucket's rows take the budget already), hashed as they are read.
+                h, i = xxhash.xxh3_64(), 0
+                with open(f, "rb") as fh:
+                    while i < len(rec):
+                        first = int(ends[i - 1]) if i else 0
+                        j = max(i + 1, int(np.searchsorted(ends, first + GATHER_TOKENS, side="right")))
+                        need = (int(ends[j - 1]) - first) * job.token_dtype.itemsize
+                        data = fh.read(need)
+                        h.update(data)
+                        if len(data) != need:  # cut short: its checksum below says so
+                            break
+                        tokens = np.frombuffer(data, dtype=job.token_dtype)
+                        for d, a, m in zip(dest[i:j].tolist(), (ends[i:j] - length[i:j] - first).tolist(),
+                                           length[i:j].tolist()):
+                            flat[d: d + m] = tokens[a: a + m]
+                        i = j
+                    h.update(fh.read())
+                self._check(t, f, want[0], h.intdigest())
+                np.subtract.at(pad, local + start - g0, length)
             yield rows.reshape(-1).view(job.row_void)

@@ -32,7 +32,8 @@ from formats.shards import PackedSource, is_own_file, shard_suffixes
 from formats.units import at_most
 
 from .packed import PACKED_ALGORITHM, PACKINGS, build_table, packing_settings, set_plan_memory
-from .packed_step import PackedInMemoryStep, PackedOrderStep, PackedScatterStep, packed_memory, packed_scratch_bytes
+from .packed_step import (PackedInMemoryStep, PackedOrderStep, PackedScatterStep, holds_pieces_of, packed_memory,
+                          packed_scratch_bytes)
 from .plan import PLAN_ALGORITHM, EpochPlan, SamplePlan, is_virtual, open_source, parse_weight, source_location
 from .schedule import RunPlan, Schedule
 from .steps import (CHUNKS_IN_BUDGET, ORDER_ROW_OVERHEAD, EpochJob, InMemoryStep, Layout, OrderStep, ScatterStep,
@@ -361,7 +362,8 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
                            str(logs / "scatter")),
                           (PackedOrderStep(job, layout, budget), job.n_shards, f"{name}-order", str(logs / "order"))]
             if all(layout.scatter_done(t) for t in range(layout.tasks)):
-                if all(layout.holds_rows_of(i, job.row_bytes) for i in shards_left):
+                if all(holds_pieces_of(layout, i) if packed else layout.holds_rows_of(i, job.row_bytes)
+                       for i in shards_left):
                     passes = passes[1:]  # a rerun after the scatter pass finished: no array of no-op tasks
                     log(f"epoch {plan.epoch}: scatter pass already done; {len(shards_left)} shards left to order")
                 else:  # a written shard was lost after its bucket files went: scatter again
@@ -446,6 +448,7 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
               outbox: Outbox | None = None, packing: str = "concat", pad_id: int | None = None) -> RunSetup:
     """Opens the sources and OUT's run (if any), checks they agree, and plans every epoch. Reads only.
     `given`, `schedule`, `outbox`, `packing`, `pad_id`: as in shuffle_run."""
+    set_plan_memory(memory)  # a best-fit plan's passes are counted within it
     if packing not in PACKINGS:
         raise TokpackError("unknown packing", where="--packing", expected=" or ".join(PACKINGS), found=packing)
     if packing != "concat" and jitter:
@@ -579,7 +582,6 @@ def shuffle_run(
     log = log or (lambda line: None)
     if progress is None:
         progress = sys.stderr.isatty() and os.environ.get("TOKPACK_PROGRESS", "1") != "0"
-    set_plan_memory(memory)  # a best-fit plan's passes are counted within it
     virtual = [p for p in sources if is_virtual(p)]
     if virtual:
         raise TokpackError("a virtual source has no data to shuffle", file=virtual[0], where="SOURCE",

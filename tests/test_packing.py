@@ -687,3 +687,35 @@ def test_a_damaged_row_table_in_the_work_folder_is_refused(golden, tmp_path):
     f.write_bytes(bytes(data))
     with pytest.raises(TokpackError, match="packing table in the work folder is damaged"):
         PackedTable.open(tmp_path / "packing", GOLDEN[0][1]).rows(0, 5)
+
+
+@pytest.mark.parametrize("damage", ["flipped", "cut short"])
+def test_a_damaged_best_fit_bucket_file_is_refused_then_redone(run, sources, tmp_path, monkeypatch, damage):
+    """The order pass reads a bucket's tokens a chunk at a time, hashing them as it goes: a
+    bucket file damaged after the scatter pass (here, the last one of the last task) is
+    refused in one line before its shard is written; the rerun scatters again and writes the
+    reference bytes."""
+    import shuffle.steps as steps
+
+    out, real = tmp_path / "again", steps.OrderStep.run
+
+    def crash(self, *a, **k):
+        raise OSError("simulated crash after the scatter pass")
+
+    monkeypatch.setattr(steps.OrderStep, "run", crash)
+    with pytest.raises(TokpackError, match="simulated crash"):
+        shuffle_packed(sources, out, memory=1 << 20, tasks=2, epochs=[0])
+    monkeypatch.setattr(steps.OrderStep, "run", real)
+    victim = sorted(out.rglob("scatter-00001/*/b*.rows"))[-1]
+    raw = bytearray(victim.read_bytes())
+    if damage == "flipped":
+        raw[-1] ^= 1
+    else:
+        del raw[-3:]
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(TokpackError, match="does not match the checksum its task recorded") as err:
+        shuffle_packed(sources, out, memory=1 << 20, tasks=2, epochs=[0])
+    assert str(victim) in str(err.value)
+    shuffle_packed(sources, out, memory=1 << 20, tasks=2, epochs=[0])
+    for f in sorted((run / "epoch-00000").iterdir()):
+        assert (out / "epoch-00000" / f.name).read_bytes() == f.read_bytes(), f
