@@ -215,7 +215,8 @@ class PackedOrderStep(OrderStep):
             g0, g1 = job.shard_range(i)
             # Filled while write_shard consumes the buckets, and read by it only after the last.
             pad = np.full(g1 - g0, job.plan.row_tokens, dtype=np.int64)
-            job.write_shard(i, self._pieces(buckets, g0, pad), pad=pad)
+            with job.chunk_ring(self.budget) as (ring, _):
+                job.write_shard(i, self._pieces(buckets, g0, pad, ring), pad=pad)
         for b in buckets:  # the shard is safe: its bucket files are no longer needed
             for t in range(lay.tasks):
                 for ext in ("rows", "pos"):
@@ -228,9 +229,12 @@ class PackedOrderStep(OrderStep):
                                where="xxh3_64", expected=f"{int(want):016x}", found=f"{found:016x}",
                                hint="rerun the same command: the scatter task that wrote it runs again")
 
-    def _pieces(self, buckets: range, g0: int, pad: np.ndarray):
-        """Each bucket's rows, in output order, as np.void rows; `pad` gets their padding."""
+    def _pieces(self, buckets: range, g0: int, pad: np.ndarray, ring: list[np.ndarray]):
+        """Each bucket's rows, in output order, as np.void rows copied into the `ring` buffers a
+        chunk at a time (write_shard keeps up to RING - 1 chunks in flight: never a whole
+        bucket); `pad` gets their padding."""
         job, lay = self.job, self.layout
+        count = 0  # chunks yielded: picks the ring buffer
         recorded = [lay.recorded(t, buckets) for t in range(lay.tasks)]
         for b in buckets:
             start, n = int(lay.bucket_starts[b]), int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
@@ -271,4 +275,10 @@ class PackedOrderStep(OrderStep):
                     h.update(fh.read())
                 self._check(t, f, want[0], h.intdigest())
                 np.subtract.at(pad, local + start - g0, length)
-            yield rows.reshape(-1).view(job.row_void)
+            rows = rows.reshape(-1).view(job.row_void)
+            for a in range(0, n, len(ring[0])):
+                out = ring[count % len(ring)][: min(n - a, len(ring[0]))]
+                out[:] = rows[a: a + len(out)]
+                count += 1
+                yield out
+            del rows, flat
