@@ -107,9 +107,13 @@ def source_documents(src: PackedSource, chunk: int):
 
 
 def document_count_of(index_file) -> int:
-    import os
-
-    return os.path.getsize(index_file) // 8
+    """Documents a shard's `.ds.index` lists (8 bytes a document end)."""
+    try:
+        return os.path.getsize(index_file) // 8
+    except FileNotFoundError:
+        raise TokpackError("source shard's document index is missing", file=index_file,
+                           expected="the shard's .ds.index (best-fit packing reads each document's end)",
+                           hint="restore the file, or re-pack the source; `tokpack validate` checks it") from None
 
 
 def documents_of(src: PackedSource) -> tuple[np.ndarray, np.ndarray]:

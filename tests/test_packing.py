@@ -719,3 +719,13 @@ def test_a_damaged_best_fit_bucket_file_is_refused_then_redone(run, sources, tmp
     shuffle_packed(sources, out, memory=1 << 20, tasks=2, epochs=[0])
     for f in sorted((run / "epoch-00000").iterdir()):
         assert (out / "epoch-00000" / f.name).read_bytes() == f.read_bytes(), f
+
+
+def test_a_missing_document_index_is_one_line(sources, tmp_path):
+    copy = tmp_path / "small"
+    shutil.copytree(sources[1], copy)
+    (copy / "00000.ds.index").unlink()
+    res = CliRunner().invoke(main, ["shuffle", str(copy), "-o", str(tmp_path / "out"), "--seq-len", "63",
+                                    "--seed", "1", "--epochs", "1", "--packing", "best-fit"])
+    assert res.exit_code == 1 and "document index is missing" in res.output and "00000.ds.index" in res.output
+    assert "Traceback" not in res.output and not (tmp_path / "out").exists()
