@@ -22,7 +22,7 @@ import numpy as np
 import xxhash
 
 from formats.errors import TokpackError
-from formats.io import map_file, write_bytes_atomic
+from formats.io import map_file, read_array, regular_size, write_bytes_atomic
 from formats.manifest import hash_hex64, order_hash_terms, row_hashes
 from formats.shards import PackedSource
 
@@ -95,7 +95,7 @@ def source_documents(src: PackedSource, chunk: int):
         f, n = src.path / f"{shard['path']}.index", int(shard["tokens"])
         count, prev = document_count_of(f), 0
         for a in range(0, count, chunk):
-            ends = np.fromfile(f, dtype="<u8", count=min(chunk, count - a), offset=8 * a).astype(np.int64)
+            ends = read_array(f, "<u8", count=min(chunk, count - a), offset=8 * a).astype(np.int64)
             first = np.concatenate([[prev], ends[:-1]])
             last = a + len(ends) == count
             if len(ends) != min(chunk, count - a) or np.any(ends <= first) or (last and ends[-1] != n) or ends[-1] > n:
@@ -109,7 +109,7 @@ def source_documents(src: PackedSource, chunk: int):
 def document_count_of(index_file) -> int:
     """Documents a shard's `.ds.index` lists (8 bytes a document end)."""
     try:
-        return os.path.getsize(index_file) // 8
+        return regular_size(index_file) // 8
     except FileNotFoundError:
         raise TokpackError("source shard's document index is missing", file=index_file,
                            expected="the shard's .ds.index (best-fit packing reads each document's end)",
