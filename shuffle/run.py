@@ -448,7 +448,6 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
               outbox: Outbox | None = None, packing: str = "concat", pad_id: int | None = None) -> RunSetup:
     """Opens the sources and OUT's run (if any), checks they agree, and plans every epoch. Reads only.
     `given`, `schedule`, `outbox`, `packing`, `pad_id`: as in shuffle_run."""
-    set_plan_memory(memory)  # a best-fit plan's passes are counted within it
     if packing not in PACKINGS:
         raise TokpackError("unknown packing", where="--packing", expected=" or ".join(PACKINGS), found=packing)
     if packing != "concat" and jitter:
@@ -463,6 +462,7 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
         seq_len, seed, jitter, paths = schedule.seq_len, schedule.seed, schedule.jitter, schedule.paths
         shard_samples = shard_samples or schedule.shard_samples
     paths, weights = list(paths), list(weights or [None] * len(paths))
+    set_plan_memory(memory)  # a best-fit plan's passes are counted within it
     opened = open_sources(paths)
     out = Path(output)
     first = opened[0].manifest
