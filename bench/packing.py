@@ -2,6 +2,7 @@
 OLMo-core's own optimized best-fit decreasing, on documents of real tokenized text.
 
     python bench/packing.py [--runs 3] [--copies 4] [--quick]
+    python bench/packing.py --cap-cache --copies 24 [--runs 3]   # out of core, capped page cache
 
 The corpus is real text that ships with this machine's Python installations, tokenized by
 pack with the repo's examples/tokenizer.json, in two sources:
@@ -23,7 +24,12 @@ Tables, at seq_len 2048 and 4096:
             clients this bench has no use for), not copied
   speed     one epoch, in memory and out of core (--memory = 1/8 of the sources): concat vs
             best-fit vs cp -r + sync, alternating, cold cache when root; peak RSS against
-            --memory; "x concat" compares each best-fit case with concat on the same path
+            --memory; "x concat" compares each best-fit case with concat on the same path.
+            --cap-cache (root, a memory cgroup): the out-of-core cases only, against "cp twice +
+            sync" (two reads, two writes: the out-of-core floor), each run in a cgroup whose
+            memory, page cache included, is capped as bench/shuffle.py --cap-cache caps it
+            (a third of the sources, or --memory + the process allowance if more): the
+            sources must come from the disk, and the scratch go back to it
 Needs ai2-olmo-core (bench only): `pip install --no-deps ai2-olmo-core==3.0.0` (or set
 OLMO_CORE_PATH to a folder holding olmo_core/).
 """
@@ -198,6 +204,7 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=4)
     ap.add_argument("--memory", default="4GiB")
     ap.add_argument("--quick", action="store_true", help="one copy, one run, no speed table")
+    ap.add_argument("--cap-cache", action="store_true", help="out of core only, page cache capped (root)")
     args = ap.parse_args()
     from formats.shards import PackedSource
     from shuffle.packed import DEFAULT_GROUP_TOKENS, documents_of
@@ -220,11 +227,20 @@ def main() -> None:
             common.print_table(f"Padding at seq_len {seq_len}", pads, list(pads[0]))
         if args.quick:
             return
+        data = common.dir_bytes(work / "src")
+        small = f"{max(1, data // 8 // 2**20)}MiB"  # out of core, as bench/shuffle.py
+        base_case, capped = "cp -r + sync", None
+        if args.cap_cache:
+            base_case = "cp twice + sync"
+            capped = common.cap_page_cache(max(data // 3, common.parse_size(small) + common.PROCESS_ALLOWANCE))
+            print(capped)
         for seq_len in (2048, 4096):
-            cases = [("cp -r + sync", lambda: common.cp_sync(work / "src", work / "copy"))]
-            small = f"{max(1, common.dir_bytes(work / 'src') // 8 // 2**20)}MiB"  # out of core, as bench/shuffle.py
+            cases = [(base_case, lambda: common.cp_sync(work / "src", work / "copy")) if not capped else
+                     (base_case, lambda: common.cp_twice_sync(work / "src", work / "copy", work / "copy2"))]
             for packing in ("concat", "best-fit"):
                 for where, memory in (("", args.memory), (" (out of core)", small)):
+                    if capped and not where:  # the in-memory path holds more than the cap
+                        continue
                     out = work / f"run-{packing}"
 
                     def run(out=out, packing=packing, memory=memory):
@@ -234,17 +250,19 @@ def main() -> None:
             memories = {name: fn[1] for name, fn in cases[1:]}
             cases = [(name, fn if callable(fn) else fn[0]) for name, fn in cases]
             results = common.alternate(cases, args.runs)
-            base = results["cp -r + sync"]
+            for junk in ("copy", "copy2"):
+                shutil.rmtree(work / junk, ignore_errors=True)
+            base = results[base_case]
             rows = []
             for name, ms in results.items():
                 med, lo, hi = common.paired_ratio(ms, base)
                 rows.append({"case": name, "median s": sorted(m.seconds for m in ms)[len(ms) // 2],
-                             "x cp": f"{med:.2f} ({common.ratio_range(lo, hi)})",
-                             "x concat": "" if name == "cp -r + sync" else
+                             "x cp" if not capped else "x floor": f"{med:.2f} ({common.ratio_range(lo, hi)})",
+                             "x concat": "" if name == base_case else
                              f"{common.paired_ratio(ms, results[name.replace('best-fit', 'concat')])[0]:.2f}",
                              "peak RSS MB": round(max(m.peak_rss_mb for m in ms)), "--memory": memories.get(name, "")})
             common.print_table(f"One epoch at seq_len {seq_len} ({sum(int(x.sum()) for x in lengths.values()):,} "
-                               f"tokens, {args.runs} rounds)", rows, list(rows[0]))
+                               f"tokens, {args.runs} rounds{'; ' + capped if capped else ''})", rows, list(rows[0]))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

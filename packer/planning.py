@@ -46,7 +46,8 @@ class PlanResult(Result):
     path: str  # shuffle: in-memory and/or out-of-core; pack: the input format; stage: the kind copied
     shards: int  # output shards (pack: at least this many, or 0 when the inputs' token counts are unknown)
     passes: list[dict]  # in order: name, epoch (shuffle), tasks, memory_per_task (pack: null), read_bytes,
-    # written_bytes, decode_seconds (pack of Parquet: its CPU-bound list decoding), seconds
+    # written_bytes, decode_seconds (pack of Parquet: its CPU-bound list decoding), pack_seconds (shuffle
+    # --packing best-fit: the "table" pass packing its documents on one core), seconds
     space: list[dict]  # per target filesystem: path, filesystem, needed_bytes, free_bytes, enough
     manifests: dict  # manifest file under the output -> bytes
     workers: int
@@ -110,7 +111,7 @@ def _result(command: str, output: str, passes: list[dict], needs: list[tuple], c
         at_once = 1 if not concurrent else p["tasks"] if config.workers == 1 else min(config.workers, p["tasks"])
         moved = p["read_bytes"] + p["written_bytes"]
         p["seconds"] = None if mbps is None else round(max(moved / (mbps * 1e6) / at_once,
-                                                           p.get("decode_seconds") or 0), 1)
+                                                           p.get("decode_seconds") or p.get("pack_seconds") or 0), 1)
     from packer.executors import runs_in_process
 
     startup = COMMAND_START_SECONDS + (0 if runs_in_process(config) else EXECUTOR_START_SECONDS * len(passes))
@@ -149,6 +150,8 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
     a schedule file instead of sources and their settings (every epoch unless `epochs` says).
     `scratch` is taken as shuffle takes it, and is unused: only a URL output writes there, and
     a plan's output is local."""
+    from shuffle.packed import PACKED_ALGORITHM
+    from shuffle.packed_step import table_estimate
     from shuffle.steps import BUCKETS_PER_FOLDER
     from shuffle.run import (bytes_to_write, epoch_bytes, epoch_layout, memory_path, planned_epoch_manifest,
                              repeat_warnings, run_manifest_of, scratch_bytes, setup_run, task_budget)
@@ -186,6 +189,12 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
         layout = epoch_layout(job, memory=memory, workers=config.workers, tasks=config.tasks)
         detail = {"epoch": epoch, "stage": stage, "path": "in-memory" if layout is None else "out-of-core",
                   "samples": plan.samples, "shards": job.n_shards, "output_bytes": size, "sources": report}
+        table = 0
+        if plan.algorithm == PACKED_ALGORITHM:  # first the row table, built in the work folder within --memory
+            est = table_estimate(job, opened)
+            table = est["table_bytes"]
+            detail.update(table_pieces=est["pieces"], table_bytes=table)
+            passes.append(_pass("table", 1, memory, table, table, epoch=epoch, pack_seconds=est["pack_seconds"]))
         if layout is None:
             detail["memory_bytes"] = memory_path(job, memory)[1]
             if ram is not None and detail["memory_bytes"] > ram:
@@ -200,8 +209,8 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
                           files_per_folder=2 * min(BUCKETS_PER_FOLDER, len(layout.bucket_starts) - 1), scratch_bytes=scratch,
                           max_bucket_rows=layout.max_bucket, scatter_block_rows=layout.block_rows)
             buckets, bucket_files = buckets + detail["buckets"], bucket_files + detail["bucket_files"]
-            passes += [_pass("scatter", layout.tasks, budget, read, scratch, epoch=epoch),
-                       _pass("order", job.n_shards, budget, scratch, size, epoch=epoch)]
+            passes += [_pass("scatter", layout.tasks, budget, read, scratch - table, epoch=epoch),
+                       _pass("order", job.n_shards, budget, scratch - table, size, epoch=epoch)]
         details.append(detail)
     if written:
         run = run_manifest_of(written, setup.todo[-1][1], setup.weights, opened, setup.shard_samples, setup.runplan)
@@ -333,6 +342,8 @@ def report_lines(r: PlanResult) -> list[str]:
         extra = "" if e["path"] != "out-of-core" else (
             f", {e['scatter_tasks']} scatter tasks, {e['buckets']:,} buckets (at most {e['bucket_files']:,} bucket "
             f"files), {_size(e['scratch_bytes'])} scratch")
+        if "table_bytes" in e:
+            extra += f", row table of ~{e['table_pieces']:,} pieces ({_size(e['table_bytes'])} scratch)"
         stage = "" if e["stage"] is None else f" (stage {e['stage']})"
         lines.append(f"  epoch {e['epoch']}{stage}: {e['path']}, {e['samples']:,} samples, {e.get('shards', 0):,} "
                      "shards" + extra)
@@ -345,7 +356,8 @@ def report_lines(r: PlanResult) -> list[str]:
         lines.append(f"  pass {p['name']}{'' if 'epoch' not in p else ' (epoch %d)' % p['epoch']}: {p['tasks']:,} "
                      f"task(s), {memory} per task, reads {_size(p['read_bytes'])}, writes "
                      f"{_size(p['written_bytes'])}, {_duration(p['seconds'])}"
-                     + (f" (decoding Parquet: {_duration(p['decode_seconds'])})" if p.get("decode_seconds") else ""))
+                     + (f" (decoding Parquet: {_duration(p['decode_seconds'])})" if p.get("decode_seconds") else "")
+                     + (f" (packing: {_duration(p['pack_seconds'])})" if p.get("pack_seconds") else ""))
     for s in r.space:
         lines.append(f"  space on {s['filesystem']}: needs {_size(s['needed_bytes'])} (scratch included), "
                      f"{_size(s['free_bytes'])} free: {'enough' if s['enough'] else 'NOT ENOUGH'}")

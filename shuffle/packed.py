@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import bisect
 import functools
+import json
+import os
 from dataclasses import dataclass, replace
 
 import numpy as np
 import xxhash
 
 from formats.errors import TokpackError
-from formats.io import map_file
+from formats.io import map_file, read_array, regular_size, write_bytes_atomic
 from formats.manifest import hash_hex64, order_hash_terms, row_hashes
 from formats.shards import PackedSource
 
@@ -43,6 +45,28 @@ PIECE = np.dtype([("g", "<u8"), ("row_offset", "<u4"), ("source", "<u4"), ("doc"
 
 # -------------------------------------------------------------------- documents
 
+# Plan state per document while a pass's documents are permuted out of core: a DOC record in
+# its bucket file and the arrays that place it (about 4x the record).
+DOC = np.dtype([("k", "<u8"), ("doc", "<u8"), ("start", "<u8"), ("length", "<u8")])
+DOC_STATE_BYTES = 4 * DOC.itemsize
+MIN_CHUNK = 1 << 12  # documents (or pieces) per chunk at the least, whatever the budget
+DEFAULT_PLAN_MEMORY = 256 << 20  # a plan's budget when no --memory bounds it (plan, validate, inspect)
+_PLANNING = {"memory": DEFAULT_PLAN_MEMORY}  # set_plan_memory
+
+
+def set_plan_memory(memory: int) -> None:
+    """The budget (bytes) of every packed plan made from now on in this process (shuffle sets
+    it from --memory): counting a pass's rows permutes its documents within it."""
+    _PLANNING["memory"] = max(1, int(memory))
+
+
+def _scratch(folder=None):
+    """A scratch folder removed after use: in `folder` (an epoch's work folder), else in the
+    system's temporary folder (a plan made before any output exists)."""
+    import tempfile
+
+    return tempfile.TemporaryDirectory(prefix="tokpack-plan-", dir=folder)
+
 
 @functools.lru_cache(maxsize=8)
 def _doc_table(path: str, fingerprint: str) -> tuple[np.ndarray, np.ndarray]:
@@ -52,29 +76,150 @@ def _doc_table(path: str, fingerprint: str) -> tuple[np.ndarray, np.ndarray]:
 
 def doc_table(src: PackedSource) -> tuple[np.ndarray, np.ndarray]:
     """(first token in the stream, length) of every document of a source, from its `.ds.index`.
-    Checked: each shard's index ends at its token count and increases strictly."""
-    starts, lengths = [], []
+    O(documents): for tests and small tools; the engines stream (source_documents)."""
+    parts = list(source_documents(src, max(1, document_count(src))))
+    return tuple(np.concatenate([q[i] for q in parts]) if parts else np.zeros(0, np.int64) for i in (1, 2))
+
+
+def document_count(src: PackedSource) -> int:
+    """D_s, from the sizes of the shards' `.ds.index` files (8 bytes a document end)."""
+    return sum(document_count_of(src.path / f"{sh['path']}.index") for sh in src.shards)
+
+
+def source_documents(src: PackedSource, chunk: int):
+    """The source's documents in stream order, `chunk` at a time: (document numbers, first
+    token in the stream, lengths), read from each shard's `.ds.index` in pieces. Checked: each
+    shard's index ends at its token count and increases strictly."""
+    doc = 0
     for k, shard in enumerate(src.shards):
-        ends = src.doc_ends(k).astype(np.int64)
-        n = int(shard["tokens"])
-        if len(ends) and (ends[-1] != n or np.any(np.diff(ends) <= 0) or ends[0] <= 0):
-            raise TokpackError("source index does not describe its shard", file=src.path / f"{shard['path']}.index",
-                               expected=f"strictly increasing ends up to {n}", found=f"{len(ends)} entries",
-                               hint="run `tokpack validate` on the source")
-        first = np.concatenate([[0], ends[:-1]])
-        starts.append(first + int(src.shard_starts[k]))
-        lengths.append(ends - first)
-    cat = (lambda a: np.concatenate(a) if a else np.zeros(0, np.int64))
-    return cat(starts), cat(lengths)
+        f, n = src.path / f"{shard['path']}.index", int(shard["tokens"])
+        count, prev = document_count_of(f), 0
+        for a in range(0, count, chunk):
+            ends = read_array(f, "<u8", count=min(chunk, count - a), offset=8 * a).astype(np.int64)
+            first = np.concatenate([[prev], ends[:-1]])
+            last = a + len(ends) == count
+            if len(ends) != min(chunk, count - a) or np.any(ends <= first) or (last and ends[-1] != n) or ends[-1] > n:
+                raise TokpackError("source index does not describe its shard", file=f,
+                                   expected=f"strictly increasing ends up to {n}", found=f"{count} entries",
+                                   hint="run `tokpack validate` on the source")
+            yield np.arange(doc, doc + len(ends), dtype=np.int64), first + int(src.shard_starts[k]), ends - first
+            doc, prev = doc + len(ends), int(ends[-1])
+
+
+def document_count_of(index_file) -> int:
+    """Documents a shard's `.ds.index` lists (8 bytes a document end)."""
+    try:
+        return regular_size(index_file) // 8
+    except FileNotFoundError:
+        raise TokpackError("source shard's document index is missing", file=index_file,
+                           expected="the shard's .ds.index (best-fit packing reads each document's end)",
+                           hint="restore the file, or re-pack the source; `tokpack validate` checks it") from None
 
 
 def documents_of(src: PackedSource) -> tuple[np.ndarray, np.ndarray]:
-    if str(src.path).startswith("virtual:"):
-        raise TokpackError("best-fit packing needs the documents of the source", file=src.path,
-                           hint="plan a best-fit run on packed sources, not virtual ones")
+    _check_real(src)
     starts, lengths = _doc_table(str(src.path), src.fingerprint)
     _LENGTHS[src.fingerprint] = lengths
     return starts, lengths
+
+
+def _check_real(src: PackedSource) -> None:
+    if str(src.path).startswith("virtual:"):
+        raise TokpackError("best-fit packing needs the documents of the source", file=src.path,
+                           hint="plan a best-fit run on packed sources, not virtual ones")
+
+
+def permuted_documents(src: PackedSource, perm: Bijection | None, memory: int, scratch: str | None):
+    """The source's documents in the order of `perm` (position k holds document perm(k)), as
+    chunks (doc, start, length) in position order. Bounded by `memory`: when the documents do
+    not fit it, each is appended, with its position k, to the bucket file of its range of k
+    (in `scratch`), and each bucket is read back and placed: one write and one read of 32
+    bytes a document."""
+    _check_real(src)
+    d = document_count(src)
+    if d == 0:
+        return
+    chunk = max(MIN_CHUNK, memory // DOC_STATE_BYTES)
+    if d <= chunk:
+        parts = list(source_documents(src, d))
+        start, length = (np.concatenate([q[i] for q in parts]) for i in (1, 2))
+        doc = perm.forward(np.arange(d, dtype=np.int64))
+        yield doc, start[doc], length[doc]
+        return
+    from pathlib import Path
+
+    folder = Path(scratch)
+    nb = -(-d // chunk)
+    for docs, start, length in source_documents(src, chunk):
+        k = perm.inverse(docs)
+        rec = np.empty(len(k), DOC)
+        rec["k"], rec["doc"], rec["start"], rec["length"] = k, docs, start, length
+        b = k // chunk
+        rec, b = rec[np.argsort(b, kind="stable")], np.sort(b)
+        cuts = np.flatnonzero(np.diff(b)) + 1
+        for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), len(b)]):
+            with open(folder / f"docs-{int(b[x]):07d}", "ab") as out:
+                out.write(rec[x:y].tobytes())
+    for b in range(nb):
+        f = folder / f"docs-{b:07d}"
+        rec = np.fromfile(f, dtype=DOC)
+        f.unlink()
+        k0, n = b * chunk, min(chunk, d - b * chunk)
+        local = rec["k"].astype(np.int64) - k0
+        if len(rec) != n or np.any(np.bincount(local, minlength=n) != 1):  # only damage to our own scratch
+            raise TokpackError("packing scratch file is damaged", file=f, expected=f"{n} documents",
+                               found=len(rec), hint="rerun the same command")
+        out = np.empty(n, DOC)
+        out[local] = rec
+        del rec
+        yield out["doc"].astype(np.int64), out["start"].astype(np.int64), out["length"].astype(np.int64)
+
+
+def pass_groups(chunks, group_tokens: int):
+    """Cuts a pass's permuted documents (chunks of (doc, start, length) in position order) into
+    groups: from position a, up to and including the first document at which the group's
+    tokens reach group_tokens (the last group may hold fewer). Yields (first position, doc,
+    start, length) per group; holds at most one chunk and one group."""
+    pos = 0  # position of the first pending document
+    pend = [np.zeros(0, np.int64)] * 3
+    chunks = iter(chunks)
+    final = False
+    while not final:
+        nxt = next(chunks, None)
+        if nxt is None:
+            final = True
+        else:
+            pend = [np.concatenate([p, c]) for p, c in zip(pend, nxt)]
+        cum, a = np.cumsum(pend[2]), 0
+        while a < len(cum):
+            base = int(cum[a - 1]) if a else 0
+            i = int(np.searchsorted(cum, base + group_tokens, side="left"))
+            if i >= len(cum) and not final:
+                break
+            b = min(len(cum), i + 1)
+            yield (pos + a, *(p[a:b] for p in pend))
+            a = b
+        pend, pos = [p[a:] for p in pend], pos + a
+
+
+def pack_group(gl: np.ndarray, positions: np.ndarray, row_tokens: int) -> tuple[np.ndarray, ...]:
+    """One group (its documents' lengths `gl`, in permuted order, and their positions): the
+    full-row fragments of documents longer than a row first, in permuted order, then the
+    best-fit rows of the remaining pieces (see best_fit_decreasing). Returns (row, row_offset,
+    which document of the group, doc_offset, length) per piece, sorted by (row, row_offset),
+    and the row count."""
+    full = gl // row_tokens
+    tail = gl - full * row_tokens
+    nf = int(full.sum())
+    f_which = np.repeat(np.arange(len(gl), dtype=np.int64), full)
+    f_k = np.arange(nf, dtype=np.int64) - np.repeat(np.cumsum(full) - full, full)
+    has = np.flatnonzero(tail)
+    r, off, nb = best_fit_decreasing(tail[has], positions[has], row_tokens)
+    cols = [np.concatenate(c) for c in ((np.arange(nf, dtype=np.int64), nf + r), (np.zeros(nf, np.int64), off),
+                                        (f_which, has), (f_k * row_tokens, full[has] * row_tokens),
+                                        (np.full(nf, row_tokens, np.int64), tail[has]))]
+    srt = np.lexsort((cols[1], cols[0]))
+    return (*(c[srt] for c in cols), nf + nb)
 
 
 # -------------------------------------------------------------------- one pass
@@ -116,36 +261,30 @@ def best_fit_decreasing(tails: np.ndarray, positions: np.ndarray, row_tokens: in
 
 
 def pack_pass(lengths: np.ndarray, perm: Bijection, row_tokens: int, group_tokens: int) -> PassRows:
-    """One pass over a source whose documents have `lengths`: documents in the order of `perm`,
-    cut into groups of >= group_tokens tokens (the last may be smaller); per group, the full-row
-    fragments of documents longer than a row first, then the best-fit rows of the remaining
-    pieces (see best_fit_decreasing)."""
+    """One pass over a source whose documents have `lengths`, in memory: documents in the order
+    of `perm`, cut into groups (pass_groups), each packed by pack_group."""
     d = len(lengths)
-    order = perm.forward(np.arange(d, dtype=np.int64))  # position k holds document order[k]
-    lens = lengths[order]
-    cum = np.cumsum(lens)
-    parts, rows, a = [], 0, 0
-    while a < d:
-        base = int(cum[a - 1]) if a else 0
-        b = min(d, int(np.searchsorted(cum, base + group_tokens, side="left")) + 1)
-        gl, gd = lens[a:b], order[a:b]
-        full = gl // row_tokens
-        tail = gl - full * row_tokens
-        # Full rows: one per row_tokens of each long document, in permuted order.
-        nf = int(full.sum())
-        f_doc = np.repeat(gd, full)
-        f_k = np.arange(nf, dtype=np.int64) - np.repeat(np.cumsum(full) - full, full)
-        parts.append((rows + np.arange(nf, dtype=np.int64), np.zeros(nf, np.int64), f_doc, f_k * row_tokens,
-                      np.full(nf, row_tokens, np.int64)))
-        rows += nf
-        has = np.flatnonzero(tail)
-        r, off, nb = best_fit_decreasing(tail[has], np.arange(a, b, dtype=np.int64)[has], row_tokens)
-        parts.append((rows + r, off, gd[has], full[has] * row_tokens, tail[has]))
-        rows += nb
-        a = b
+    order = perm.forward(np.arange(d, dtype=np.int64))
+    parts, rows = [], 0
+    for a, gd, _, gl in pass_groups([(order, order, lengths[order])] if d else [], group_tokens):
+        r, ro, which, do, ln, n = pack_group(gl, np.arange(a, a + len(gl), dtype=np.int64), row_tokens)
+        parts.append((rows + r, ro, gd[which], do, ln))
+        rows += n
     cols = [np.concatenate([p[i] for p in parts]) if parts else np.zeros(0, np.int64) for i in range(5)]
-    srt = np.lexsort((cols[1], cols[0]))
-    return PassRows(rows, *(c[srt] for c in cols))
+    return PassRows(rows, *cols)
+
+
+def iter_pass(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, group_tokens: int, memory: int,
+              scratch: str | None):
+    """Pass p over source s, group by group, bounded by `memory` (permuted_documents) and a
+    group: (first row of the group in the pass, row count, and per piece: row in the pass,
+    row_offset, doc, doc_offset, length, first token in the stream, the document's length)."""
+    perm = Bijection(max(document_count(src), 1), "docs", seed, s, p)
+    rows = 0
+    for a, gd, gs, gl in pass_groups(permuted_documents(src, perm, memory, scratch), group_tokens):
+        r, ro, which, do, ln, n = pack_group(gl, np.arange(a, a + len(gl), dtype=np.int64), row_tokens)
+        yield rows, n, (rows + r, ro, gd[which], do, ln, gs[which] + do, gl[which])
+        rows += n
 
 
 # -------------------------------------------------------------------- the plan
@@ -206,19 +345,29 @@ class PackedPlan:
 
     def repeats(self, s: int) -> int:
         """Pieces (documents or fragments) of source s this epoch holds more than once: nonzero
-        when its chain range spans more than one pass (upsampled, or straddling two)."""
+        when its chain range spans more than one pass (upsampled, or straddling two). Out of
+        core: the epoch's pieces of s go to bucket files by document range, and each bucket
+        counts its duplicates."""
         sp = self.sources[s]
         if sp.passes < 2:
             return 0
-        lo, hi = self.chain_start(s), self.chain_start(s) + sp.samples
-        at, keys = pass_start(self, s, sp.first_pass), []
-        for p in range(sp.first_pass, sp.first_pass + sp.passes):
-            pr = source_pass(self, s, p)
-            sel = (pr.row >= lo - at) & (pr.row < hi - at)
-            keys.append(np.stack([pr.doc[sel], pr.doc_offset[sel]], axis=1))
-            at += pr.rows
-        keys = np.concatenate(keys)
-        return int(len(keys) - len(np.unique(keys, axis=0)))
+        src = PackedSource.open(sp.path, check_sizes=False)
+        memory = _PLANNING["memory"]
+        per = max(MIN_CHUNK, memory // (KEY.itemsize * 4 * sp.passes * (1 + src.tokens // max(
+            1, sp.documents * self.row_tokens))))
+        with _scratch() as d:
+            from pathlib import Path
+
+            files = Buckets(Path(d), "keys")
+            for _, ro, doc, do, *_ in chain_pieces(self, s, src, memory, d):
+                keys = np.empty(len(doc), KEY)
+                keys["doc"], keys["doc_offset"] = doc, do
+                files.append(doc // per, keys)
+            repeats = 0
+            for b in files.names():
+                keys = files.read(b, KEY)
+                repeats += len(keys) - len(np.unique(keys))
+            return int(repeats)
 
     def source_report(self) -> list[dict]:
         return [{"name": s.name, "path": s.path, "fingerprint": s.fingerprint, "weight": s.weight,
@@ -237,37 +386,24 @@ class PackedPlan:
                 "padding_tokens": padding, "table_xxh3_128": table_hash}
 
     def table(self, sources: list[PackedSource]) -> np.ndarray:
-        """The row table (PIECE records in output order). O(pieces) memory."""
-        order = self.order()
-        out = []
-        for s, sp in enumerate(self.sources):
-            if not sp.samples:
-                continue
-            documents_of(sources[s])
-            lo, hi = self.chain_start(s), self.chain_start(s) + sp.samples
-            at = pass_start(self, s, sp.first_pass)  # chain position of pass first_pass's row 0
-            for p in range(sp.first_pass, sp.first_pass + sp.passes):
-                pr = source_pass(self, s, p)
-                a, b = max(lo - at, 0), min(hi - at, pr.rows)
-                sel = np.flatnonzero((pr.row >= a) & (pr.row < b))
-                q = sp.base + (at + pr.row[sel] - lo)
-                rec = np.empty(len(sel), PIECE)
-                rec["g"] = order.forward(q)
-                rec["row_offset"], rec["source"] = pr.row_offset[sel], s
-                rec["doc"], rec["doc_offset"], rec["length"] = pr.doc[sel], pr.doc_offset[sel], pr.length[sel]
-                out.append(rec)
-                at += pr.rows
-        table = np.concatenate(out) if out else np.zeros(0, PIECE)
-        return table[np.lexsort((table["row_offset"], table["g"]))]
+        """The row table (PIECE records in output order), built by build_table in a temporary
+        folder and read whole: O(pieces) memory, for tests and small tools."""
+        with _scratch() as d:
+            from pathlib import Path
+
+            built = build_table(self, sources, Path(d) / "packing", _PLANNING["memory"])
+            return np.fromfile(built.folder / TABLE_FILE, dtype=PIECE)
 
 
 def table_hash(table: np.ndarray) -> str:
     return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(table).tobytes())
 
 
-def row_padding(table: np.ndarray, samples: int, row_tokens: int) -> np.ndarray:
-    """Padding tokens at the end of each output row (uint32)."""
-    used = np.bincount(table["g"].astype(np.int64), weights=table["length"].astype(np.float64), minlength=samples)
+def row_padding(table: np.ndarray, samples: int, row_tokens: int, g0: int = 0) -> np.ndarray:
+    """Padding tokens at the end of each output row g0.. g0 + samples - 1 (uint32), from the
+    pieces of those rows."""
+    used = np.bincount(table["g"].astype(np.int64) - g0, weights=table["length"].astype(np.float64),
+                       minlength=samples)
     return (row_tokens - used.astype(np.int64)).astype("<u4")
 
 
@@ -281,27 +417,43 @@ def _pass_cached(fingerprint: str, seed: int, s: int, p: int, row_tokens: int, g
 
 
 def source_pass(plan, s: int, p: int) -> PassRows:
-    """Pass p over source s: its documents permuted by rho_{s,p} = Bijection(D_s, "docs", seed, s, p).
-    The source's documents must have been read (documents_of) first."""
-    return _pass_cached(plan.sources[s].fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens)
+    """Pass p over source s, in memory (O(documents): for tests and small tools): its documents
+    permuted by rho_{s,p} = Bijection(D_s, "docs", seed, s, p)."""
+    sp = plan.sources[s]
+    documents_of(PackedSource.open(sp.path, check_sizes=False))
+    return _pass_cached(sp.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens)
 
 
-def pass_start(plan, s: int, p: int) -> int:
+_ROWS: dict[tuple, int] = {}  # (fingerprint, seed, s, p, row_tokens, group_tokens) -> R_{s,p}
+
+
+def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
+    """R_{s,p}, the rows of pass p over source s: the pass is packed group by group (iter_pass,
+    bounded by the plan memory) and counted; the count is kept."""
+    key = (src.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens)
+    if key not in _ROWS:
+        with _scratch() as d:
+            _ROWS[key] = sum(n for _, n, _ in iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens,
+                                                        _PLANNING["memory"], d))
+    return _ROWS[key]
+
+
+def pass_start(plan, s: int, p: int, src: PackedSource) -> int:
     """Chain position of the first row of pass p: the rows of passes 0..p-1."""
-    return sum(source_pass(plan, s, k).rows for k in range(p))
+    return sum(pass_rows(plan, s, k, src) for k in range(p))
 
 
-def _locate_chain(plan, s: int, lo: int, n: int) -> tuple[int, int, tuple[int, ...]]:
+def _locate_chain(plan, s: int, lo: int, n: int, src: PackedSource) -> tuple[int, int, tuple[int, ...]]:
     """(first pass, passes, their row counts) covering chain positions [lo, lo + n)."""
     p, at = 0, 0
     while True:
-        r = source_pass(plan, s, p).rows
+        r = pass_rows(plan, s, p, src)
         if at + r > lo:
             break
         at, p = at + r, p + 1
     first, counts = p, []
     while at < lo + n:
-        r = source_pass(plan, s, p).rows
+        r = pass_rows(plan, s, p, src)
         counts.append(r)
         at, p = at + r, p + 1
     return first, len(counts), tuple(counts)
@@ -310,7 +462,7 @@ def _locate_chain(plan, s: int, lo: int, n: int) -> tuple[int, int, tuple[int, .
 def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, epoch: int,
                       weights: list[str | None] | None = None, samples: int | None = None,
                       tokens: int | None = None, names: list[str] | None = None,
-                      group_tokens: int = DEFAULT_GROUP_TOKENS, pad_id: int | None = None,
+                      group_tokens: int | None = None, pad_id: int | None = None,
                       cursors: list[int | None] | None = None, counts: list[int] | None = None) -> PackedPlan:
     """The packed plan of one epoch. c_s: as the window plan apportions samples, with R_{s,0}
     (the rows of pass 0) in place of W_s. `counts` (a schedule's per-source samples) overrides it."""
@@ -322,9 +474,11 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
                            found=pad, hint="leave --pad-id out to pad with the EOS id")
     stub = PackedPlan(int(seed), int(epoch), int(seq_len), 0, tuple(
         PackedSourcePlan(s, "", str(src.path), src.fingerprint, None, src.tokens, 0, 0, 0, 0)
-        for s, src in enumerate(sources)), int(group_tokens), pad)
-    lengths = [documents_of(src)[1] for src in sources]
-    rows0 = [source_pass(stub, s, 0).rows for s in range(len(sources))]
+        for s, src in enumerate(sources)), int(group_tokens or DEFAULT_GROUP_TOKENS), pad)
+    for src in sources:
+        _check_real(src)
+    documents = [document_count(src) for src in sources]
+    rows0 = [pass_rows(stub, s, 0, src) for s, src in enumerate(sources)]
     for src, rows in zip(sources, rows0):
         if rows == 0:  # its chain would hold nothing to take
             raise TokpackError("source holds no documents", file=src.path, where="documents",
@@ -336,7 +490,7 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
     for s, src in enumerate(sources):
         cursor = None if cursors is None else cursors[s]
         sp = PackedSourcePlan(s, names[s] if names else src.path.name, str(src.path), src.fingerprint,
-                              None if weights[s] is None else str(weights[s]), src.tokens, len(lengths[s]), rows0[s],
+                              None if weights[s] is None else str(weights[s]), src.tokens, documents[s], rows0[s],
                               counts[s], base, cursor)
         plans.append(sp)
         base += counts[s]
@@ -344,7 +498,7 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
     located = []
     for s, sp in enumerate(plan.sources):
         if sp.samples:
-            first, k, rows = _locate_chain(plan, s, plan.chain_start(s), sp.samples)
+            first, k, rows = _locate_chain(plan, s, plan.chain_start(s), sp.samples, sources[s])
             sp = replace(sp, first_pass=first, passes=k, pass_rows=rows)
         located.append(sp)
     plan = replace(plan, sources=tuple(located))
@@ -383,6 +537,242 @@ def packed_plan_from_manifest(manifest: dict, sources: list[PackedSource]) -> Pa
     return plan
 
 
+# -------------------------------------------------------------------- the row table on disk
+
+# What the build writes in its folder (OUT/.tokpack-work/epoch-.../packing/, shuffle/run.py):
+TABLE_FILE = "table"  # the row table: PIECE records in output order; its xxh3_128 is table_xxh3_128
+STARTS_FILE = "starts"  # per piece of the table, its first token in its source's stream (<u8)
+INDEX_FILE = "index"  # per bucket of rows: first piece, xxh3_64 of its table part and of its starts part
+BUILT_FILE = "built.json"  # written last: the checksum, padding, bucket rows, and the by-shard files' xxh3_64
+# A piece as a scatter task reads it from its source shard's file (source-SSSS-KKKKKK): output
+# row, offset in the row, length, first token in the shard.
+SHARD_PIECE = np.dtype([("g", "<u8"), ("row_offset", "<u4"), ("length", "<u4"), ("local", "<u8")])
+_BUILD = np.dtype(PIECE.descr + [("start", "<u8")])  # a piece while the table is built
+KEY = np.dtype([("doc", "<u8"), ("doc_offset", "<u8")])  # a piece's identity in its source
+PIECE_STATE_BYTES = 4 * _BUILD.itemsize  # a buffered piece and the arrays that sort it
+TABLE_PIECE_BYTES = _BUILD.itemsize + SHARD_PIECE.itemsize  # on disk a piece, at the build's peak and after it
+
+
+class Buckets:
+    """Append-only numbered scratch files in a folder: records of several buckets at once, each
+    run to its own file."""
+
+    def __init__(self, folder, stem: str):
+        self.folder, self.stem, self.seen = folder, stem, set()
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def file(self, b: int):
+        return self.folder / f"{self.stem}-{b:07d}"
+
+    def append(self, bucket: np.ndarray, records: np.ndarray) -> None:
+        order = np.argsort(bucket, kind="stable")
+        bucket, records = bucket[order], records[order]
+        cuts = np.flatnonzero(np.diff(bucket)) + 1
+        for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), len(bucket)]):
+            b = int(bucket[x])
+            self.seen.add(b)
+            with open(self.file(b), "ab") as out:
+                out.write(records[x:y].tobytes())
+
+    def names(self) -> list[int]:
+        return sorted(self.seen)
+
+    def read(self, b: int, dtype) -> np.ndarray:
+        f = self.file(b)
+        if not f.exists():
+            return np.zeros(0, dtype)
+        data = np.fromfile(f, dtype=dtype)
+        f.unlink()
+        return data
+
+
+def chain_pieces(plan, s: int, src: PackedSource, memory: int, scratch: str | None):
+    """The pieces of source s this epoch takes, group by group: (chain-derived output position
+    q = base + chain position - cursor, row_offset, doc, doc_offset, length, first token in
+    the stream, the document's length), passes packed by iter_pass."""
+    sp = plan.sources[s]
+    lo, hi = plan.chain_start(s), plan.chain_start(s) + sp.samples
+    at = pass_start(plan, s, sp.first_pass, src)
+    for p in range(sp.first_pass, sp.first_pass + sp.passes):
+        a, b = lo - at, hi - at  # the pass's rows this epoch takes
+        for first, n, (row, *rest) in iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, memory,
+                                                scratch):
+            if first + n <= a:
+                continue
+            if first >= b:
+                break
+            sel = np.flatnonzero((row >= a) & (row < b))
+            yield (sp.base + at + row[sel] - lo, *(c[sel] for c in rest))
+        at += pass_rows(plan, s, p, src)
+
+
+@dataclass(frozen=True)
+class PackedTable:
+    """A row table build_table wrote: read by ranges of output rows, or by source shard."""
+
+    folder: object  # pathlib.Path
+    table_xxh3_128: str
+    padding: int
+    bucket_rows: int
+    problems: tuple[str, ...]
+    shard_files: dict  # "S-K" -> xxh3_64 of source shard (S, K)'s pieces file
+
+    @classmethod
+    def open(cls, folder, expected: str | None = None) -> "PackedTable":
+        from pathlib import Path
+
+        folder = Path(folder)
+        try:
+            built = json.loads((folder / BUILT_FILE).read_text())
+        except (OSError, ValueError):
+            raise TokpackError("packing table in the work folder is missing or damaged", file=folder / BUILT_FILE,
+                               hint="rerun the same command") from None
+        if expected is not None and built["table_xxh3_128"] != expected:
+            raise TokpackError("packing table in the work folder is not this epoch's", file=folder / BUILT_FILE,
+                               where="table_xxh3_128", expected=expected, found=built["table_xxh3_128"],
+                               hint="rerun the same command")
+        return cls(folder, built["table_xxh3_128"], int(built["padding"]), int(built["bucket_rows"]),
+                   tuple(built["problems"]), built["shard_files"])
+
+    def rows(self, g0: int, g1: int) -> tuple[np.ndarray, np.ndarray]:
+        """(PIECE records, their first tokens in the stream) of output rows [g0, g1), sorted by
+        (g, row_offset): only the buckets of rows that hold them are read, each checked."""
+        if g1 <= g0:
+            return np.zeros(0, PIECE), np.zeros(0, np.int64)
+        b0, b1 = g0 // self.bucket_rows, (g1 - 1) // self.bucket_rows + 1
+        index = np.fromfile(self.folder / INDEX_FILE, dtype="<u8", count=3 * (b1 - b0 + 1), offset=24 * b0)
+        if len(index) != 3 * (b1 - b0 + 1):
+            raise TokpackError("packing table index is cut short", file=self.folder / INDEX_FILE,
+                               hint="rerun the same command")
+        index = index.reshape(-1, 3)
+        a, n = int(index[0, 0]), int(index[-1, 0] - index[0, 0])
+        table = np.fromfile(self.folder / TABLE_FILE, dtype=PIECE, count=n, offset=PIECE.itemsize * a)
+        starts = np.fromfile(self.folder / STARTS_FILE, dtype="<u8", count=n, offset=8 * a)
+        for k in range(b1 - b0):
+            x, y = int(index[k, 0]) - a, int(index[k + 1, 0]) - a
+            for name, part, want in ((TABLE_FILE, table[x:y], index[k, 1]), (STARTS_FILE, starts[x:y], index[k, 2])):
+                if len(table) != n or len(starts) != n or xxhash.xxh3_64_intdigest(part.tobytes()) != int(want):
+                    raise TokpackError("packing table in the work folder is damaged", file=self.folder / name,
+                                       where=f"rows {(b0 + k) * self.bucket_rows}..", expected=f"xxh3_64 {int(want):016x}",
+                                       hint="rerun the same command")
+        x, y = np.searchsorted(table["g"], [g0, g1])
+        return table[x:y], starts[x:y].astype(np.int64)
+
+    def shard_pieces(self, s: int, k: int, chunk: int):
+        """The pieces in source shard (s, k) (SHARD_PIECE), `chunk` at a time, checked against
+        the recorded xxh3_64 once read whole (a caller keeps nothing until then)."""
+        f = self.folder / f"source-{s:04d}-{k:06d}"
+        want = self.shard_files.get(f"{s}-{k}")
+        if want is None:
+            return
+        h, count = xxhash.xxh3_64(), os.path.getsize(f) // SHARD_PIECE.itemsize
+        for a in range(0, count, chunk):
+            rec = np.fromfile(f, dtype=SHARD_PIECE, count=min(chunk, count - a), offset=SHARD_PIECE.itemsize * a)
+            h.update(rec.tobytes())
+            yield rec
+        if h.intdigest() != int(want) or os.path.getsize(f) != count * SHARD_PIECE.itemsize:
+            raise TokpackError("packing table in the work folder is damaged", file=f, where="xxh3_64",
+                               expected=f"{int(want):016x}", found=f"{h.intdigest():016x}", hint="rerun the same command")
+
+
+def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: int) -> PackedTable:
+    """Writes the epoch's row table into `folder`, bounded by `memory` (plus a group): each
+    source's passes are packed group by group (chain_pieces) and each piece, given its output
+    row g = sigma_e(q), is appended to the scratch file of its bucket of output rows and to
+    the file of the source shard that holds it; then each bucket, in output order, is sorted by
+    (g, row_offset) and appended to the table, whose xxh3_128 is computed as it is written.
+    Atomic: written under a temporary name, renamed whole; BUILT_FILE last."""
+    import shutil
+    from pathlib import Path
+
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    order = plan.order()
+    used = [s for s, sp in enumerate(plan.sources) if sp.samples]
+    docs = sum(max(1, plan.sources[s].documents) for s in used)
+    per_row = 2 + plan.row_tokens * docs // max(1, sum(sources[s].tokens for s in used))  # pieces a row, about
+    cap = max(MIN_CHUNK, memory // PIECE_STATE_BYTES)  # pieces buffered, and pieces of a bucket of rows
+    bucket_rows = max(1, cap // per_row)
+    tmp.mkdir(parents=True)
+    rows_files, shard_files = Buckets(tmp / "rows", "rows"), Buckets(tmp / "shards", "s")
+    shard_hashes: dict[int, xxhash.xxh3_64] = {}
+    first_shard = np.cumsum([0] + [len(src.shards) for src in sources])
+    buffered, held, problems = [], 0, set()
+
+    def flush():
+        rec = np.concatenate(buffered)
+        buffered.clear()
+        rows_files.append(rec["g"].astype(np.int64) // bucket_rows, rec)
+        src = rec["source"].astype(np.int64)
+        key, local = np.empty(len(rec), np.int64), np.empty(len(rec), np.int64)
+        for s in np.unique(src).tolist():
+            sel = src == s
+            k = np.searchsorted(sources[s].shard_starts, rec["start"][sel].astype(np.int64), side="right") - 1
+            key[sel], local[sel] = first_shard[s] + k, rec["start"][sel].astype(np.int64) - sources[s].shard_starts[k]
+        out = np.empty(len(rec), SHARD_PIECE)
+        out["g"], out["row_offset"], out["length"], out["local"] = rec["g"], rec["row_offset"], rec["length"], local
+        order_ = np.argsort(key, kind="stable")
+        key, out = key[order_], out[order_]
+        cuts = np.flatnonzero(np.diff(key)) + 1
+        for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), len(key)]):
+            raw = out[x:y].tobytes()
+            b = int(key[x])
+            with open(shard_files.file(b), "ab") as f:
+                f.write(raw)
+            shard_hashes.setdefault(b, xxhash.xxh3_64()).update(raw)
+
+    with _scratch(tmp) as perm_scratch:
+        for s in used:
+            for q, ro, doc, do, ln, start, full in chain_pieces(plan, s, sources[s], memory, perm_scratch):
+                problems.update(_cut_problems(ln, do, ro, full, plan.row_tokens))
+                rec = np.empty(len(q), _BUILD)
+                rec["g"], rec["row_offset"], rec["source"] = order.forward(q), ro, s
+                rec["doc"], rec["doc_offset"], rec["length"], rec["start"] = doc, do, ln, start
+                buffered.append(rec)
+                held += len(rec)
+                if held >= cap:
+                    flush()
+                    held = 0
+    if buffered:
+        flush()
+    nb = -(-plan.samples // bucket_rows)
+    index = np.zeros((nb + 1, 3), "<u8")
+    h, padding, pieces = xxhash.xxh3_128(), 0, 0
+    with open(tmp / TABLE_FILE, "wb") as tf, open(tmp / STARTS_FILE, "wb") as sf:
+        for b in range(nb):
+            rec = rows_files.read(b, _BUILD)
+            rec = rec[np.lexsort((rec["row_offset"], rec["g"]))]
+            table = np.empty(len(rec), PIECE)
+            for name in PIECE.names:
+                table[name] = rec[name]
+            raw, starts = table.tobytes(), rec["start"].astype("<u8").tobytes()
+            tf.write(raw)
+            sf.write(starts)
+            h.update(raw)
+            index[b] = pieces, xxhash.xxh3_64_intdigest(raw), xxhash.xxh3_64_intdigest(starts)
+            g0, g1 = b * bucket_rows, min(plan.samples, (b + 1) * bucket_rows)
+            if len(rec) and (int(rec["g"][0]) < g0 or int(rec["g"][-1]) >= g1):
+                raise TokpackError("internal error: a piece in another bucket of rows", where=f"rows {g0}..{g1}")
+            padding += (g1 - g0) * plan.row_tokens - int(rec["length"].astype(np.int64).sum())
+            pieces += len(rec)
+    index[nb, 0] = pieces
+    (tmp / INDEX_FILE).write_bytes(index.tobytes())
+    shutil.rmtree(tmp / "rows", ignore_errors=True)
+    names = {}
+    for b, hs in shard_hashes.items():
+        s = int(np.searchsorted(first_shard, b, side="right")) - 1
+        shard_files.file(b).rename(tmp / f"source-{s:04d}-{b - int(first_shard[s]):06d}")
+        names[f"{s}-{b - int(first_shard[s])}"] = hs.intdigest()
+    shutil.rmtree(tmp / "shards", ignore_errors=True)
+    built = {"table_xxh3_128": h.hexdigest(), "padding": padding, "bucket_rows": bucket_rows,
+             "problems": sorted(problems), "shard_files": names}
+    write_bytes_atomic(tmp / BUILT_FILE, json.dumps(built).encode(), fsync=False)
+    tmp.rename(folder)
+    return PackedTable.open(folder)
+
+
 # -------------------------------------------------------------------- building rows
 
 
@@ -406,10 +796,13 @@ class TokenPool:
                 if on_shard is not None:
                     on_shard(src, k, part)
                 self.parts.append(part)
-        self.doc_starts = {s: documents_of(sources[s])[0] for s in used}
+        self.sources = sources
 
-    def rows(self, table: np.ndarray, g0: int, g1: int, row_tokens: int, pad_id: int) -> np.ndarray:
-        """Output rows [g0, g1) as an [n, row_tokens] token array."""
+    def rows(self, table: np.ndarray, g0: int, g1: int, row_tokens: int, pad_id: int,
+             starts: np.ndarray | None = None) -> np.ndarray:
+        """Output rows [g0, g1) as an [n, row_tokens] token array. `starts`: each piece's first
+        token in its source's stream (PackedTable.rows); None: from the sources' whole document
+        tables (documents_of, O(documents): tests and small tools)."""
         out = np.full((g1 - g0, row_tokens), pad_id, dtype=self.dtype)
         a, b = np.searchsorted(table["g"], [g0, g1])
         t = table[a:b]
@@ -420,7 +813,10 @@ class TokenPool:
         local = np.empty(len(t), np.int64)
         for s in np.unique(src).tolist():
             sel = src == s
-            start = self.doc_starts[s][t["doc"][sel].astype(np.int64)] + t["doc_offset"][sel].astype(np.int64)
+            if starts is None:
+                start = documents_of(self.sources[s])[0][t["doc"][sel].astype(np.int64)] + t["doc_offset"][sel].astype(np.int64)
+            else:
+                start = starts[a:b][sel]
             k = np.searchsorted(self.part_starts[s], start, side="right") - 1
             part[sel], local[sel] = self.first[s] + k, start - self.part_starts[s][k]
         dest = (t["g"].astype(np.int64) - g0) * row_tokens + t["row_offset"].astype(np.int64)
@@ -436,25 +832,32 @@ class TokenPool:
 
 
 def cut_problems(table: np.ndarray, lengths: dict[int, np.ndarray], row_tokens: int) -> list[str]:
-    """The packing rules a row table must keep, each broken one named once: every piece of a
-    document longer than a row but its tail is a full row at a multiple of row_tokens, and a
-    document that fits a row is whole in one row."""
-    problems = []
+    """The packing rules a row table must keep (_cut_problems), each broken one named once;
+    `lengths`: each source's document lengths."""
     if not len(table):
-        return problems
+        return []
     src, doc = table["source"].astype(np.int64), table["doc"].astype(np.int64)
     full = np.empty(len(table), np.int64)
     for s, ls in lengths.items():
         sel = src == s
         full[sel] = ls[doc[sel]]
-    length, off = table["length"].astype(np.int64), table["doc_offset"].astype(np.int64)
+    return _cut_problems(table["length"].astype(np.int64), table["doc_offset"].astype(np.int64),
+                         table["row_offset"].astype(np.int64), full, row_tokens)
+
+
+def _cut_problems(length: np.ndarray, off: np.ndarray, row_offset: np.ndarray, full: np.ndarray,
+                  row_tokens: int) -> list[str]:
+    """Per piece (its length, offset in its document, offset in its row, its document's
+    length): every piece of a document longer than a row but its tail is a full row at a
+    multiple of row_tokens, and a document that fits a row is whole in one row."""
+    problems = []
     fits = full <= row_tokens
     if np.any(fits & ((length != full) | (off != 0))):
         problems.append("a document that fits a row is cut")
     long = ~fits
     tail = full - (full // row_tokens) * row_tokens
     is_tail = long & (off == full - tail) & (tail > 0)
-    if np.any(long & ~is_tail & ((length != row_tokens) | (off % row_tokens != 0) | (table["row_offset"] != 0))):
+    if np.any(long & ~is_tail & ((length != row_tokens) | (off % row_tokens != 0) | (row_offset != 0))):
         problems.append("a long document is cut other than into full rows and its tail")
     if np.any(is_tail & (length != tail)):
         problems.append("a long document's tail has the wrong length")
@@ -470,20 +873,22 @@ def packed_replay(manifest: dict, sources: list[PackedSource], order: bool = Tru
     per, listed = shard_count_checked(manifest, plan.samples) if order else (1, 0)
     by_fp = {s.fingerprint: s for s in sources}
     opened = [by_fp[sp.fingerprint] for sp in plan.sources]
-    table = plan.table(opened)
-    problems = cut_problems(table, {s: documents_of(opened[s])[1] for s, sp in enumerate(plan.sources) if sp.samples},
-                            plan.row_tokens)
     pool = TokenPool(plan, opened)
     total, step = 0, 1 << 14
     shard_orders = np.zeros(listed, dtype=np.uint64)
-    for g0 in range(0, plan.samples, step):
-        g1 = min(plan.samples, g0 + step)
-        hashes = row_hashes(pool.rows(table, g0, g1, plan.row_tokens, plan.pad_id))
-        total += int(hashes.sum(dtype=np.uint64))
-        if order:  # uint64 sums wrap: mod 2^64
-            g = np.arange(g0, g1, dtype=np.int64)
-            np.add.at(shard_orders, g // per, order_hash_terms(g, hashes))
-    return hash_hex64(total), shard_orders.tolist(), table_hash(table), problems
+    with _scratch() as d:
+        from pathlib import Path
+
+        built = build_table(plan, opened, Path(d) / "packing", _PLANNING["memory"])
+        for g0 in range(0, plan.samples, step):
+            g1 = min(plan.samples, g0 + step)
+            table, starts = built.rows(g0, g1)
+            hashes = row_hashes(pool.rows(table, g0, g1, plan.row_tokens, plan.pad_id, starts))
+            total += int(hashes.sum(dtype=np.uint64))
+            if order:  # uint64 sums wrap: mod 2^64
+                g = np.arange(g0, g1, dtype=np.int64)
+                np.add.at(shard_orders, g // per, order_hash_terms(g, hashes))
+    return hash_hex64(total), shard_orders.tolist(), built.table_xxh3_128, list(built.problems)
 
 
 def replay_hashes_any(manifest: dict, sources: list[PackedSource], order: bool = True) -> tuple[str, list[int]]:
@@ -513,20 +918,3 @@ def packing_settings(packing: str, sources: list[PackedSource], pad_id: int | No
         raise TokpackError("unknown packing", where="--packing", expected=" or ".join(PACKINGS), found=packing)
     return {"method": packing, "group_tokens": int(group_tokens or DEFAULT_GROUP_TOKENS),
             "pad_id": sources[0].eos_id if pad_id is None else int(pad_id)}
-
-
-def write_table(path, table: np.ndarray) -> str:
-    """The row table, materialised for the engine (atomically); returns its checksum."""
-    from formats.io import write_bytes_atomic
-
-    write_bytes_atomic(path, np.ascontiguousarray(table).tobytes(), fsync=False)
-    return table_hash(table)
-
-
-def read_table(path, expected: str) -> np.ndarray:
-    """The row table `write_table` wrote, checked against its checksum."""
-    table = np.fromfile(path, dtype=PIECE)
-    if table_hash(table) != expected:
-        raise TokpackError("packing table in the work folder is damaged", file=path, where="xxh3_128",
-                           expected=expected, found=table_hash(table), hint="rerun the same command")
-    return table

@@ -1,18 +1,21 @@
-"""The datatrove step that writes a best-fit epoch (shuffle.packed) in memory: one task reads
-every used source once (verifying each shard's xxh3_128 against its manifest), builds the row
-table, then assembles each output shard's rows from the documents, padding each row's tail
+"""The datatrove steps that write a best-fit epoch (shuffle.packed) from the row table
+shuffle.packed.build_table wrote in the epoch's work folder. In memory: one task reads every
+used source once (verifying each shard's xxh3_128 against its manifest), then, reading the
+table one output shard at a time, assembles each shard's rows from the documents, padding each row's tail
 with the pad id, and writes them in output order through EpochJob.write_shard, with the
 shard's `.pad` sidecar. One read, one write, as the window shuffle's InMemoryStep.
 
-Memory: the used sources' tokens, the row table (PIECE, 36 bytes a piece) and the chunks of
-rows in flight. shuffle/run.py runs an epoch here only when
-that fits `--memory`; otherwise out of core: PackedScatterStep then PackedOrderStep, the window
-shuffle's two passes and bucket layout (shuffle.steps.Layout) over document pieces.
+Memory: the used sources' tokens, one output shard's part of the row table (read from the
+table build_table wrote in the work folder) and the chunks of rows in flight. shuffle/run.py
+runs an epoch here only when that fits `--memory`; otherwise out of core: PackedScatterStep
+then PackedOrderStep, the window shuffle's two passes and bucket layout (shuffle.steps.Layout)
+over document pieces, each scatter task reading only its source shards' files of the table.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -21,22 +24,59 @@ import xxhash
 from formats.errors import TokpackError
 from formats.io import map_file, progress, write_bytes_atomic
 
-from .packed import PIECE, TokenPool, documents_of, read_table, row_padding
+from .packed import DOC, PIECE_STATE_BYTES, TABLE_PIECE_BYTES, PackedTable, TokenPool, document_count, row_padding
 from .steps import RING, EpochJob, OrderStep, _Step
 
 GATHER_TOKENS = 1 << 20  # tokens of rows assembled per call
 
 
 def packed_memory(job, sources) -> int:
-    """Bytes the in-memory best-fit path holds for the epoch `job`."""
+    """Bytes the in-memory best-fit path holds for the epoch `job`: the used sources' tokens,
+    one shard's pieces of the row table, and the chunks in flight."""
     plan = job.plan
     used = [s for s, sp in enumerate(plan.sources) if sp.samples]
     tokens = sum(sources[s].tokens for s in used)
     docs = sum(int(sources[s].manifest.get("documents", 0)) for s in used)
     itemsize = job.token_dtype.itemsize
-    pieces = docs * max(1, max((sp.passes for sp in plan.sources), default=1)) + plan.samples
+    per_row = 2 + plan.row_tokens * docs // max(1, tokens)  # pieces a row, about
     chunk = RING * GATHER_TOKENS * itemsize  # in flight: RING chunks
-    return tokens * itemsize + pieces * (PIECE.itemsize * 2 + 16) + plan.samples * 12 + chunk
+    return tokens * itemsize + min(job.shard_samples, plan.samples) * (per_row * PIECE_STATE_BYTES + 12) + chunk
+
+
+# Pieces (documents or fragments) best_fit_decreasing and its group work place a second, on one
+# core: 500,000-600,000 measured on 20-token documents (BENCHMARKS.md, "Best-fit packing: out of core").
+PACK_PIECES_PER_S = 4e5
+
+
+def table_estimate(job, sources) -> dict:
+    """What building the epoch's row table (shuffle.packed.build_table) costs, from the sources'
+    document and token counts (their manifests, else their index sizes), without packing:
+    `pieces` in the table (each row holds its tokens' documents and at most one more piece,
+    the fragment or tail cut at a row's end); `table_bytes` its peak in the work folder (the
+    build's buckets of rows and by-shard files, then the table, its starts and the by-shard
+    files, plus the bucket files of the largest pass's documents); `packed_pieces` the pieces
+    packed, twice each pass the epoch touches (its rows counted by the plan, then built); the
+    `pack_seconds` that takes."""
+    plan, pieces, packed, largest = job.plan, 0, 0, 0
+    for s, sp in enumerate(plan.sources):
+        if not sp.samples:
+            continue
+        src = sources[s]
+        docs = int(src.manifest.get("documents") or document_count(src))
+        per_token = docs / max(1, src.tokens)
+        pieces += int(sp.samples * (plan.row_tokens * per_token + 1))
+        packed += 2 * sp.passes * (docs + src.tokens // plan.row_tokens)
+        largest = max(largest, docs)
+    return {"pieces": pieces, "table_bytes": pieces * TABLE_PIECE_BYTES + largest * DOC.itemsize,
+            "packed_pieces": packed, "pack_seconds": round(packed / PACK_PIECES_PER_S, 3)}
+
+
+def packed_scratch_bytes(job, sources, out_of_core: bool) -> int:
+    """Peak scratch of a best-fit epoch: its row table, and out of core also the bucket files
+    (every output token and a RECORD per piece)."""
+    est = table_estimate(job, sources)
+    buckets = job.plan.samples * job.row_bytes + est["pieces"] * RECORD.itemsize if out_of_core else 0
+    return est["table_bytes"] + buckets
 
 
 class PackedInMemoryStep(_Step):
@@ -44,9 +84,9 @@ class PackedInMemoryStep(_Step):
 
     name = "shuffle best-fit in memory"
 
-    def __init__(self, job: EpochJob, table_file: str, table_hash: str, budget: int = 0):
+    def __init__(self, job: EpochJob, table_dir: str, table_hash: str, budget: int = 0):
         super().__init__(job, budget=budget)
-        self.table_file, self.table_hash = table_file, table_hash  # the materialised row table
+        self.table_dir, self.table_hash = table_dir, table_hash  # the materialised row table (build_table)
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         job, plan = self.job, self.job.plan
@@ -54,8 +94,7 @@ class PackedInMemoryStep(_Step):
         if not todo:
             return
         sources = job.open_sources()
-        table = read_table(self.table_file, self.table_hash)
-        pad = row_padding(table, plan.samples, plan.row_tokens)
+        built = PackedTable.open(self.table_dir, self.table_hash)
 
         def check(src, k, tokens):
             found = xxhash.xxh3_128_hexdigest(tokens)
@@ -65,15 +104,17 @@ class PackedInMemoryStep(_Step):
         pool = TokenPool(plan, sources, check)
         rows = max(1, GATHER_TOKENS // plan.row_tokens)
 
-        def blocks(g0, g1):
+        def blocks(table, starts, g0, g1):
             for a in range(g0, g1, rows):
-                chunk = pool.rows(table, a, min(g1, a + rows), plan.row_tokens, plan.pad_id)
+                chunk = pool.rows(table, a, min(g1, a + rows), plan.row_tokens, plan.pad_id, starts)
                 yield chunk.reshape(-1).view(job.row_void)
 
         with progress(len(todo), f"epoch {plan.epoch}: write", unit="shard", enabled=job.show_progress) as bar:
             for i in todo:
                 g0, g1 = job.shard_range(i)
-                job.write_shard(i, blocks(g0, g1), pad=pad[g0:g1])
+                table, starts = built.rows(g0, g1)
+                pad = row_padding(table, g1 - g0, plan.row_tokens, g0)
+                job.write_shard(i, blocks(table, starts, g0, g1), pad=pad)
                 bar.update(1)
 
 
@@ -84,30 +125,15 @@ class PackedInMemoryStep(_Step):
 RECORD = np.dtype([("g", "<u8"), ("row_offset", "<u4"), ("length", "<u4")])
 
 
-def _pieces_by_shard(table: np.ndarray, pool_starts: dict, sources) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per piece of the table: its source shard's number (the sources' shards numbered in
-    order) and its first token inside that shard; and each source's first shard number."""
-    shard = np.empty(len(table), np.int64)
-    local = np.empty(len(table), np.int64)
-    src = table["source"].astype(np.int64)
-    first = np.cumsum([0] + [len(s.shards) for s in sources])
-    for s in np.unique(src).tolist():
-        sel = src == s
-        start = pool_starts[s][table["doc"][sel].astype(np.int64)] + table["doc_offset"][sel].astype(np.int64)
-        k = np.searchsorted(sources[s].shard_starts, start, side="right") - 1
-        shard[sel], local[sel] = first[s] + k, start - sources[s].shard_starts[k]
-    return shard, local, first
-
-
 class PackedScatterStep(_Step):
     """Task t reads its source shards in order (each verified, once, by one task) and appends each
     piece they hold to the files of its output bucket: bBBBBBBB.rows (the tokens) and .pos (RECORD)."""
 
     name = "shuffle best-fit scatter"
 
-    def __init__(self, job: EpochJob, layout, table_file: str, table_hash: str):
-        super().__init__(job, layout)
-        self.table_file, self.table_hash = table_file, table_hash
+    def __init__(self, job: EpochJob, layout, table_dir: str, table_hash: str, budget: int = 1 << 30):
+        super().__init__(job, layout, budget)
+        self.table_dir, self.table_hash = table_dir, table_hash
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         for t in range(rank, self.layout.tasks, world_size):
@@ -121,14 +147,14 @@ class PackedScatterStep(_Step):
         shutil.rmtree(tdir, ignore_errors=True)
         tdir.mkdir(parents=True)
         sources = job.open_sources()
-        table = read_table(self.table_file, self.table_hash)
-        starts = {s: documents_of(sources[s])[0] for s, sp in enumerate(plan.sources) if sp.samples}
-        shard, local, first = _pieces_by_shard(table, starts, sources)
-        bucket = np.searchsorted(lay.bucket_starts, table["g"].astype(np.int64), side="right") - 1
+        built = PackedTable.open(self.table_dir, self.table_hash)
         nb = len(lay.bucket_starts) - 1
         counts = np.zeros(nb, np.int64)
-        hashes = [[xxhash.xxh3_64(), xxhash.xxh3_64()] for _ in range(nb)]
+        hashes: dict[int, list] = {}  # per bucket written: xxh3_64 of its rows file and of its pos file
         mine = [(s, k) for s, k0, k1 in lay.task_shards[t] for k in range(k0, k1)]
+        # Pieces read per chunk: their records, sort arrays and tokens fit half the task's budget
+        # (the shard being read is mapped beside them).
+        chunk = max(1, self.budget // 2 // (PIECE_STATE_BYTES + plan.row_tokens * job.token_dtype.itemsize))
         for s, k in mine:
             src = sources[s]
             n = int(src.shards[k]["tokens"])
@@ -136,30 +162,45 @@ class PackedScatterStep(_Step):
             found = xxhash.xxh3_128_hexdigest(data)
             if found != src.shards[k]["xxh3_128"]:
                 job.source_changed(src.path / src.shards[k]["path"], src.shards[k]["xxh3_128"], found)
-            sel = np.flatnonzero(shard == first[s] + k)
-            if not len(sel):
-                continue
-            sel = sel[np.lexsort((table["row_offset"][sel], table["g"][sel], bucket[sel]))]
-            cuts = np.flatnonzero(np.diff(bucket[sel])) + 1
-            for run in np.split(sel, cuts):
-                b = int(bucket[run[0]])
-                rec = np.empty(len(run), RECORD)
-                rec["g"], rec["row_offset"], rec["length"] = table["g"][run], table["row_offset"][run], table["length"][run]
-                tokens = np.concatenate([data[a: a + m] for a, m in zip(local[run].tolist(), rec["length"].tolist())])
-                f = lay.bucket_file(t, b, "rows")
-                f.parent.mkdir(exist_ok=True)
-                for ext, payload, h in (("rows", tokens, hashes[b][0]), ("pos", rec, hashes[b][1])):
-                    raw = payload.tobytes()
-                    with open(lay.bucket_file(t, b, ext), "ab") as out:
-                        out.write(raw)
-                    h.update(raw)
-                counts[b] += len(run)
+            for pieces in built.shard_pieces(s, k, chunk):
+                bucket = np.searchsorted(lay.bucket_starts, pieces["g"].astype(np.int64), side="right") - 1
+                sel = np.lexsort((pieces["row_offset"], pieces["g"], bucket))
+                cuts = np.flatnonzero(np.diff(bucket[sel])) + 1
+                for run in np.split(sel, cuts):
+                    b = int(bucket[run[0]])
+                    rec = np.empty(len(run), RECORD)
+                    rec["g"], rec["row_offset"], rec["length"] = pieces["g"][run], pieces["row_offset"][run], \
+                        pieces["length"][run]
+                    tokens = np.concatenate([data[a: a + m] for a, m in zip(pieces["local"][run].tolist(),
+                                                                            rec["length"].tolist())])
+                    f = lay.bucket_file(t, b, "rows")
+                    f.parent.mkdir(exist_ok=True)
+                    for ext, payload, h in zip(("rows", "pos"), (tokens, rec),
+                                               hashes.setdefault(b, [xxhash.xxh3_64(), xxhash.xxh3_64()])):
+                        raw = memoryview(payload).cast("B")
+                        with open(lay.bucket_file(t, b, ext), "ab") as out:
+                            out.write(raw)
+                        h.update(raw)
+                    counts[b] += len(run)
             del data
         records = np.zeros((nb, 3), dtype="<u8")
         for b in np.flatnonzero(counts).tolist():
             records[b] = counts[b], hashes[b][0].intdigest(), hashes[b][1].intdigest()
         write_bytes_atomic(lay.task_records(t), records.tobytes(), fsync=True)
         write_bytes_atomic(lay.task_done(t), json.dumps({"task": t, "buckets": nb}).encode(), fsync=True)
+
+
+def holds_pieces_of(layout, i: int) -> bool:
+    """Whether the bucket files still hold every piece of output shard i that the scatter tasks
+    recorded (the order pass deletes them once the shard is written): as Layout.holds_rows_of,
+    by the pieces' records, since a bucket's token files hold no padding."""
+    buckets = range(int(layout.shard_buckets[i]), int(layout.shard_buckets[i + 1]))
+    for t in range(layout.tasks):
+        for b, n in zip(buckets, layout.recorded(t, buckets)[:, 0].tolist()):
+            pos = layout.bucket_file(t, b, "pos")
+            if (os.path.getsize(pos) if pos.exists() else 0) != n * RECORD.itemsize:
+                return False
+    return True
 
 
 class PackedOrderStep(OrderStep):
@@ -174,15 +215,26 @@ class PackedOrderStep(OrderStep):
             g0, g1 = job.shard_range(i)
             # Filled while write_shard consumes the buckets, and read by it only after the last.
             pad = np.full(g1 - g0, job.plan.row_tokens, dtype=np.int64)
-            job.write_shard(i, self._pieces(buckets, g0, pad), pad=pad)
+            with job.chunk_ring(self.budget) as (ring, _):
+                job.write_shard(i, self._pieces(buckets, g0, pad, ring), pad=pad)
         for b in buckets:  # the shard is safe: its bucket files are no longer needed
             for t in range(lay.tasks):
                 for ext in ("rows", "pos"):
                     lay.bucket_file(t, b, ext).unlink(missing_ok=True)
 
-    def _pieces(self, buckets: range, g0: int, pad: np.ndarray):
-        """Each bucket's rows, in output order, as np.void rows; `pad` gets their padding."""
+    def _check(self, t: int, path, want, found: int) -> None:
+        if found != int(want):
+            self.layout.task_done(t).unlink(missing_ok=True)
+            raise TokpackError("scatter bucket file does not match the checksum its task recorded", file=path,
+                               where="xxh3_64", expected=f"{int(want):016x}", found=f"{found:016x}",
+                               hint="rerun the same command: the scatter task that wrote it runs again")
+
+    def _pieces(self, buckets: range, g0: int, pad: np.ndarray, ring: list[np.ndarray]):
+        """Each bucket's rows, in output order, as np.void rows copied into the `ring` buffers a
+        chunk at a time (write_shard keeps up to RING - 1 chunks in flight: never a whole
+        bucket); `pad` gets their padding."""
         job, lay = self.job, self.layout
+        count = 0  # chunks yielded: picks the ring buffer
         recorded = [lay.recorded(t, buckets) for t in range(lay.tasks)]
         for b in buckets:
             start, n = int(lay.bucket_starts[b]), int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
@@ -192,22 +244,41 @@ class PackedOrderStep(OrderStep):
                 f = lay.bucket_file(t, b, "rows")
                 if not f.exists():
                     continue
-                raw = [f.read_bytes(), f.with_suffix(".pos").read_bytes()]
-                for path, data, want in zip((f, f.with_suffix(".pos")), raw, recorded[t][b - buckets.start, 1:]):
-                    if xxhash.xxh3_64_intdigest(data) != int(want):
-                        lay.task_done(t).unlink(missing_ok=True)
-                        raise TokpackError("scatter bucket file does not match the checksum its task recorded",
-                                           file=path, where="xxh3_64", expected=f"{int(want):016x}",
-                                           found=f"{xxhash.xxh3_64_intdigest(data):016x}",
-                                           hint="rerun the same command: the scatter task that wrote it runs again")
-                tokens, rec = np.frombuffer(raw[0], dtype=job.token_dtype), np.frombuffer(raw[1], dtype=RECORD)
+                want = recorded[t][b - buckets.start, 1:]
+                raw = f.with_suffix(".pos").read_bytes()
+                self._check(t, f.with_suffix(".pos"), want[1], xxhash.xxh3_64_intdigest(raw))
+                rec = np.frombuffer(raw, dtype=RECORD)
                 local = rec["g"].astype(np.int64) - start
                 if len(local) and (local.min() < 0 or local.max() >= n):
                     raise TokpackError("scatter file holds a piece of another bucket", file=f, where=f"bucket {b}",
                                        hint="delete OUT/.tokpack-work and rerun")
                 dest = local * job.plan.row_tokens + rec["row_offset"].astype(np.int64)
-                at = np.concatenate([[0], np.cumsum(rec["length"].astype(np.int64))])
-                for d, a, m in zip(dest.tolist(), at[:-1].tolist(), rec["length"].tolist()):
-                    flat[d: d + m] = tokens[a: a + m]
-                np.subtract.at(pad, local + start - g0, rec["length"].astype(np.int64))
-            yield rows.reshape(-1).view(job.row_void)
+                length = rec["length"].astype(np.int64)
+                ends = np.cumsum(length)
+                # The tokens are read a chunk of whole pieces at a time (not the file at once: the
+                # bucket's rows take the budget already), hashed as they are read.
+                h, i = xxhash.xxh3_64(), 0
+                with open(f, "rb") as fh:
+                    while i < len(rec):
+                        first = int(ends[i - 1]) if i else 0
+                        j = max(i + 1, int(np.searchsorted(ends, first + GATHER_TOKENS, side="right")))
+                        need = (int(ends[j - 1]) - first) * job.token_dtype.itemsize
+                        data = fh.read(need)
+                        h.update(data)
+                        if len(data) != need:  # cut short: its checksum below says so
+                            break
+                        tokens = np.frombuffer(data, dtype=job.token_dtype)
+                        for d, a, m in zip(dest[i:j].tolist(), (ends[i:j] - length[i:j] - first).tolist(),
+                                           length[i:j].tolist()):
+                            flat[d: d + m] = tokens[a: a + m]
+                        i = j
+                    h.update(fh.read())
+                self._check(t, f, want[0], h.intdigest())
+                np.subtract.at(pad, local + start - g0, length)
+            rows = rows.reshape(-1).view(job.row_void)
+            for a in range(0, n, len(ring[0])):
+                out = ring[count % len(ring)][: min(n - a, len(ring[0]))]
+                out[:] = rows[a: a + len(out)]
+                count += 1
+                yield out
+            del rows, flat

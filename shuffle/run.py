@@ -31,8 +31,9 @@ from formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_n
 from formats.shards import PackedSource, is_own_file, shard_suffixes
 from formats.units import at_most
 
-from .packed import PACKED_ALGORITHM, PACKINGS, packing_settings, write_table
-from .packed_step import PackedInMemoryStep, PackedOrderStep, PackedScatterStep, packed_memory
+from .packed import PACKED_ALGORITHM, PACKINGS, build_table, packing_settings, set_plan_memory
+from .packed_step import (PackedInMemoryStep, PackedOrderStep, PackedScatterStep, holds_pieces_of, packed_memory,
+                          packed_scratch_bytes)
 from .plan import PLAN_ALGORITHM, EpochPlan, SamplePlan, is_virtual, open_source, parse_weight, source_location
 from .schedule import RunPlan, Schedule
 from .steps import (CHUNKS_IN_BUDGET, ORDER_ROW_OVERHEAD, EpochJob, InMemoryStep, Layout, OrderStep, ScatterStep,
@@ -260,9 +261,12 @@ def epoch_bytes(job: EpochJob, manifest: dict) -> int:
         canonical_bytes(manifest))
 
 
-def scratch_bytes(job: EpochJob) -> int:
-    """Out of core, the bucket scratch: every output row and its 8-byte position."""
-    return job.plan.samples * (job.row_bytes + 8)
+def scratch_bytes(job: EpochJob, out_of_core: bool = True) -> int:
+    """Out of core, the bucket scratch: every output row and its 8-byte position. A best-fit
+    epoch's: its row table too, in memory or not (shuffle.packed_step.packed_scratch_bytes)."""
+    if job.plan.algorithm == PACKED_ALGORITHM:
+        return packed_scratch_bytes(job, job.open_sources(), out_of_core)
+    return job.plan.samples * (job.row_bytes + 8) if out_of_core else 0
 
 
 def bytes_to_write(jobs: list[EpochJob], sources: list[PackedSource], memory: int, workers: int = 1) -> int:
@@ -279,6 +283,8 @@ def bytes_to_write(jobs: list[EpochJob], sources: list[PackedSource], memory: in
         during = job.output.local_need(epoch, workers * shard)
         if memory_path(job, memory)[1] > memory:
             during = scratch_bytes(job) + shard
+        else:
+            during += scratch_bytes(job, out_of_core=False)
         peak = max(peak, written + max(0, during - have))
         written += job.output.local_need(max(0, epoch - have), 0)
     return int(max(peak, written))
@@ -322,7 +328,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     needed, held = memory_path(job, memory)
     in_memory = held <= memory
     if packed:
-        table_file, table_sum, padding = _packed_table(job)
+        table_file, table_sum, padding = _packed_table(job, memory)
     name = f"{epoch_dir_name(plan.epoch)}-{attempt}"
     job.source_changed_path.unlink(missing_ok=True)  # an earlier attempt's: this one reads the sources again
     shards_left = [i for i in range(job.n_shards) if job.shard_done(i) is None]
@@ -351,11 +357,12 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
             passes = [(ScatterStep(job, layout), layout.tasks, f"{name}-scatter", str(logs / "scatter")),
                       (OrderStep(job, layout, budget), job.n_shards, f"{name}-order", str(logs / "order"))]
             if packed:  # the same two passes over document pieces
-                passes = [(PackedScatterStep(job, layout, table_file, table_sum), layout.tasks, f"{name}-scatter",
+                passes = [(PackedScatterStep(job, layout, table_file, table_sum, budget), layout.tasks, f"{name}-scatter",
                            str(logs / "scatter")),
                           (PackedOrderStep(job, layout, budget), job.n_shards, f"{name}-order", str(logs / "order"))]
             if all(layout.scatter_done(t) for t in range(layout.tasks)):
-                if all(layout.holds_rows_of(i, job.row_bytes) for i in shards_left):
+                if all(holds_pieces_of(layout, i) if packed else layout.holds_rows_of(i, job.row_bytes)
+                       for i in shards_left):
                     passes = passes[1:]  # a rerun after the scatter pass finished: no array of no-op tasks
                     log(f"epoch {plan.epoch}: scatter pass already done; {len(shards_left)} shards left to order")
                 else:  # a written shard was lost after its bucket files went: scatter again
@@ -371,7 +378,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
             raise
         # Out of space: the bucket scratch and any half-written shard go, so the disk is not left
         # full; the finished shards (and their done markers) stay for the rerun.
-        for d in work.glob("ooc-*"):
+        for d in [*work.glob("ooc-*"), work / "packing", work / "packing.tmp"]:
             shutil.rmtree(d, ignore_errors=True)
         remove_tmp_files(job.epoch_dir)
         raise TokpackError(f"disk full while writing epoch {plan.epoch}; its scratch files were removed",
@@ -405,15 +412,12 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
             "sample_multiset_hash": manifest["sample_multiset_hash"]}
 
 
-def _packed_table(job: EpochJob) -> tuple[str, str, int]:
-    """The epoch's row table, materialised in its work folder: (file, xxh3_128, padding tokens)."""
-    from .packed import row_padding
-
-    plan = job.plan
-    table = plan.table(job.open_sources())
-    Path(job.work_dir).mkdir(parents=True, exist_ok=True)
-    path = str(Path(job.work_dir) / "packing.table")
-    return path, write_table(path, table), int(row_padding(table, plan.samples, plan.row_tokens).sum())
+def _packed_table(job: EpochJob, memory: int) -> tuple[str, str, int]:
+    """The epoch's row table, materialised in its work folder by build_table within `memory`:
+    (folder, xxh3_128, padding tokens)."""
+    path = Path(job.work_dir) / "packing"
+    built = build_table(job.plan, job.open_sources(), path, memory)
+    return str(path), built.table_xxh3_128, built.padding
 
 
 @dataclass
@@ -455,6 +459,7 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
         seq_len, seed, jitter, paths = schedule.seq_len, schedule.seed, schedule.jitter, schedule.paths
         shard_samples = shard_samples or schedule.shard_samples
     paths, weights = list(paths), list(weights or [None] * len(paths))
+    set_plan_memory(memory)  # a best-fit plan's passes are counted within it
     opened = open_sources(paths)
     out = Path(output)
     first = opened[0].manifest

@@ -5,6 +5,7 @@ of `validate --against`."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -380,6 +381,35 @@ def test_plan_shuffle_reports_a_best_fit_epoch(sources, tmp_path):
     assert got["samples_per_epoch"] == plan.samples == sum(s.windows for s in plan.sources)
 
 
+@pytest.mark.parametrize("memory", [64 << 20, 1 << 20])
+def test_plan_shuffle_predicts_the_row_tables_scratch(sources, tmp_path, memory):
+    """The plan's "table" pass and its scratch, estimated from the sources' counts, against the
+    files build_table writes for the same epoch: at least them, within 3x."""
+    from packer.planning import plan_shuffle, report_lines
+    from shuffle.packed import build_table
+
+    weights = {str(sources[0]): "2", str(sources[1]): "1"}
+    got = plan_shuffle(weights, tmp_path / "p", seq_len=63, seed=9, samples=500, shard_samples=128, memory=memory,
+                       packing="best-fit", disk_mbps=100)
+    (epoch,) = got.epochs
+    assert epoch["path"] == ("in-memory" if memory == 64 << 20 else "out-of-core")
+    table = next(p for p in got.passes if p["name"] == "table")
+    assert table["written_bytes"] == epoch["table_bytes"] and table["pack_seconds"] > 0 and table["memory_per_task"] == memory
+    assert table["seconds"] == round(max(2 * table["written_bytes"] / 100e6, table["pack_seconds"]), 1)
+    opened = [PackedSource.open(s) for s in sources]
+    plan = packed_epoch_plan(opened, seq_len=63, seed=9, epoch=0, weights=["2", "1"], samples=500)
+    built = build_table(plan, opened, tmp_path / "packing", memory)
+    written = sum(f.stat().st_size for f in (tmp_path / "packing").iterdir())
+    pieces = (tmp_path / "packing" / "table").stat().st_size // PIECE.itemsize
+    assert pieces <= epoch["table_pieces"] <= 3 * pieces
+    assert written <= epoch["table_bytes"] <= 3 * written, (written, epoch["table_bytes"])
+    assert built.padding >= 0
+    # The space check counts the table with the epoch (and out of core with the buckets).
+    assert got.space[0]["needed_bytes"] >= epoch["output_bytes"] + epoch["table_bytes"]
+    assert any("row table of ~" in line for line in report_lines(got))
+    assert not (tmp_path / "p").exists()
+
+
 def test_a_schedule_declares_best_fit(sources, tmp_path):
     yaml_file = tmp_path / "run.yaml"
     yaml_file.write_text(f"seq_len: 63\nseed: 4\npacking: best-fit\nstages:\n"
@@ -557,3 +587,145 @@ def test_order_proof_catches_two_rows_swapped_in_a_best_fit_epoch(fault_base, tm
     (p,) = r.to_json()["problems"]
     assert (Path(p["file"]).name, p["where"]) == (entry["path"], "order_hash"), p
     assert p["message"].startswith("sample order differs from the plan (1 of ")
+
+
+# ------------------------------------------------------------------ out of core: the plan on disk
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(1, 90), min_size=1, max_size=150), per_shard=st.integers(1, 40),
+       row_tokens=st.sampled_from([8, 32]), group=st.integers(1, 400), memory=st.integers(1, 3000),
+       seed=st.integers(0, 5))
+def test_a_pass_packed_out_of_core_is_the_pass_packed_in_memory(tmp_path_factory, lengths, per_shard, row_tokens,
+                                                                group, memory, seed):
+    """Documents permuted through bucket files (a budget of a few documents) and packed group
+    by group give the pieces pack_pass gives with every document in memory."""
+    import shuffle.packed as packed
+
+    root = tmp_path_factory.mktemp("ooc-pass")
+    docs = [np.append(np.full(n - 1, 5), 0) for n in lengths]
+    src = PackedSource.open(write_source(root / "src", docs, docs_per_shard=per_shard))
+    want = pack_pass(np.array(lengths, np.int64), Bijection(len(lengths), "docs", seed, 1, 2), row_tokens, group)
+    chunk, packed.MIN_CHUNK = packed.MIN_CHUNK, 1  # chunks of memory // DOC_STATE_BYTES documents
+    try:
+        got = list(packed.iter_pass(src, 1, 2, seed, row_tokens, group, memory, str(root)))
+    finally:
+        packed.MIN_CHUNK = chunk
+    assert sum(n for _, n, _ in got) == want.rows
+    cols = [np.concatenate([g[2][i] for g in got]) for i in range(7)]
+    for c, w in zip(cols, (want.row, want.row_offset, want.doc, want.doc_offset, want.length)):
+        assert np.array_equal(c, w)
+    starts = np.r_[0, np.cumsum(lengths)[:-1]]
+    assert np.array_equal(cols[5], starts[cols[2]] + cols[3]) and np.array_equal(cols[6], np.array(lengths)[cols[2]])
+    assert not list(root.glob("docs-*"))  # the bucket files are gone once read
+
+
+def many_docs(path: Path, n: int) -> Path:
+    rng = np.random.default_rng(1)
+    lens = rng.integers(2, 40, size=n)
+    tokens = rng.integers(1, 999, size=int(lens.sum())).astype(np.uint16)
+    ends = np.cumsum(lens)
+    tokens[ends - 1] = 0
+    return write_source(path, np.split(tokens, ends[:-1]), docs_per_shard=4000)
+
+
+OOC_CHILD = """
+import sys
+import shuffle.packed
+shuffle.packed.DEFAULT_GROUP_TOKENS = 1 << 14
+from packer.api import shuffle
+shuffle([sys.argv[1]], sys.argv[2], seq_len=63, seed=3, epochs=1, shard_samples=4096, memory=1 << 20,
+        packing="best-fit", progress=False)
+# This process's peak RSS: VmHWM, since ru_maxrss keeps the forking parent's peak across exec.
+print(next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM:")))
+"""
+
+
+def test_the_memory_of_an_out_of_core_best_fit_epoch_does_not_grow_with_its_documents(tmp_path, monkeypatch):
+    """At --memory 1 MiB, a corpus of 8x the documents (its row table about 6x --memory) peaks
+    at about the same RSS as the small one (measured +2 MB): the table is on disk, and each
+    task reads its part. (The old engine held the table, the document tables and the passes:
+    +28 MB.) The bytes are the in-memory run's."""
+    import subprocess
+    import sys
+
+    import shuffle.packed as packed
+
+    peaks, big = [], None
+    for n in (20_000, 160_000):
+        src = many_docs(tmp_path / f"src{n}", n)
+        res = subprocess.run([sys.executable, "-c", OOC_CHILD, str(src), str(tmp_path / f"ooc{n}")], cwd=Path.cwd(),
+                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+        assert res.returncode == 0, res.stderr
+        peaks.append(int(res.stdout.split()[-1]))
+        big = src
+    m = read_manifest(tmp_path / "ooc160000" / "epoch-00000", kind="epoch")
+    table_bytes = PIECE.itemsize * 160_000  # a piece a document: none is longer than a row
+    assert table_bytes > 5 * (1 << 20)
+    assert peaks[1] - peaks[0] < table_bytes, peaks
+    monkeypatch.setattr(packed, "DEFAULT_GROUP_TOKENS", 1 << 14)
+    shuffle_run([str(big)], str(tmp_path / "inmem"), seq_len=63, seed=3, epochs=[0], shard_samples=4096,
+                memory=256 << 20, packing="best-fit")
+    assert read_manifest(tmp_path / "inmem" / "epoch-00000", kind="epoch")["packing"] == m["packing"]
+    for f in sorted((tmp_path / "inmem" / "epoch-00000").iterdir()):
+        assert (tmp_path / "ooc160000" / "epoch-00000" / f.name).read_bytes() == f.read_bytes(), f
+
+
+def test_a_damaged_row_table_in_the_work_folder_is_refused(golden, tmp_path):
+    from shuffle.packed import PackedTable, build_table
+
+    plan = packed_epoch_plan(golden, seq_len=SEQ_LEN, seed=SEED, epoch=0, weights=["1", "3"], samples=40,
+                             group_tokens=256)
+    built = build_table(plan, golden, tmp_path / "packing", 1 << 20)
+    assert built.table_xxh3_128 == GOLDEN[0][1] and built.padding == GOLDEN[0][2]
+    table, _ = built.rows(0, plan.samples)
+    assert table_hash(table) == GOLDEN[0][1]
+    assert [tuple(int(x) for x in r) for r in built.rows(4, 5)[0][:2]] == GOLDEN_PIECES[4:]  # row 4 alone
+    f = tmp_path / "packing" / "table"
+    data = bytearray(f.read_bytes())
+    data[40] ^= 1
+    f.write_bytes(bytes(data))
+    with pytest.raises(TokpackError, match="packing table in the work folder is damaged"):
+        PackedTable.open(tmp_path / "packing", GOLDEN[0][1]).rows(0, 5)
+
+
+@pytest.mark.parametrize("damage", ["flipped", "cut short"])
+def test_a_damaged_best_fit_bucket_file_is_refused_then_redone(run, sources, tmp_path, monkeypatch, damage):
+    """The order pass reads a bucket's tokens a chunk at a time, hashing them as it goes: a
+    bucket file damaged after the scatter pass (here, the last one of the last task) is
+    refused in one line before its shard is written; the rerun scatters again and writes the
+    reference bytes."""
+    import shuffle.steps as steps
+
+    out, real = tmp_path / "again", steps.OrderStep.run
+
+    def crash(self, *a, **k):
+        raise OSError("simulated crash after the scatter pass")
+
+    monkeypatch.setattr(steps.OrderStep, "run", crash)
+    with pytest.raises(TokpackError, match="simulated crash"):
+        shuffle_packed(sources, out, memory=1 << 20, tasks=2, epochs=[0])
+    monkeypatch.setattr(steps.OrderStep, "run", real)
+    victim = sorted(out.rglob("scatter-00001/*/b*.rows"))[-1]
+    raw = bytearray(victim.read_bytes())
+    if damage == "flipped":
+        raw[-1] ^= 1
+    else:
+        del raw[-3:]
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(TokpackError, match="does not match the checksum its task recorded") as err:
+        shuffle_packed(sources, out, memory=1 << 20, tasks=2, epochs=[0])
+    assert str(victim) in str(err.value)
+    shuffle_packed(sources, out, memory=1 << 20, tasks=2, epochs=[0])
+    for f in sorted((run / "epoch-00000").iterdir()):
+        assert (out / "epoch-00000" / f.name).read_bytes() == f.read_bytes(), f
+
+
+def test_a_missing_document_index_is_one_line(sources, tmp_path):
+    copy = tmp_path / "small"
+    shutil.copytree(sources[1], copy)
+    (copy / "00000.ds.index").unlink()
+    res = CliRunner().invoke(main, ["shuffle", str(copy), "-o", str(tmp_path / "out"), "--seq-len", "63",
+                                    "--seed", "1", "--epochs", "1", "--packing", "best-fit"])
+    assert res.exit_code == 1 and "document index is missing" in res.output and "00000.ds.index" in res.output
+    assert "Traceback" not in res.output and not (tmp_path / "out").exists()
