@@ -296,7 +296,9 @@ def test_run_whose_epoch_samples_contradict_its_epochs_is_corrupt(tmp_path):
 # ------------------------------------------------------ signals stop blocked workers
 
 # A worker that never returns, as a read from a hung network mount would not: injected into the
-# child only. The command must still end soon after SIGTERM or Ctrl-C.
+# child only. The command must still end soon after SIGTERM or Ctrl-C. Both graces are shortened,
+# in the order they have (a stopped pool waits for its running calls, then the unwinding prints and
+# releases the lock, then the process leaves whatever its threads do): 0.5 s and 2 s, not 2 s and 5 s.
 BLOCKED = """
 import os, sys, threading
 from pathlib import Path
@@ -305,6 +307,8 @@ def blocked(*args, **kwargs):
     Path(os.environ["BLOCKED"]).touch()
     threading.Event().wait()
 target.{name} = blocked
+import formats.io, packer.cli
+formats.io.STOP_GRACE, packer.cli.EXIT_GRACE_SECONDS = 0.5, 2.0
 from packer.cli import main
 main()
 """
