@@ -90,14 +90,14 @@ def edit(directory: Path, fn) -> None:
     (directory / MANIFEST).write_text(json.dumps(m))
 
 
-@pytest.fixture
-def data(tmp_path):
-    """A 3-shard source, a run of one epoch shuffled from it, and an `outside` folder holding a
-    copy of shard 0 of each (same bytes, same size): what a hostile manifest would point at."""
-    src = write_source(tmp_path / "src", random_docs(np.random.default_rng(5), 150, 1000, 0))
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def pristine_data(tmp_path_factory) -> Path:
+    """`data`'s three folders, made once for the module; tests get copies."""
+    base = tmp_path_factory.mktemp("containment-data")
+    src = write_source(base / "src", random_docs(np.random.default_rng(5), 150, 1000, 0))
+    run = base / "run"
     shuffle_run([str(src)], str(run), seq_len=31, seed=1, epochs=[0], shard_samples=40, memory=8 << 20, log=None)
-    outside = tmp_path / "outside"
+    outside = base / "outside"
     outside.mkdir()
     shutil.copy(src / "00000.ds", outside / "x.ds")
     epoch = run / epoch_dir_name(0)
@@ -105,7 +105,21 @@ def data(tmp_path):
     for suffix in (".index", ".metadata"):
         shutil.copy(src / f"00000.ds{suffix}", outside / f"x.ds{suffix}")
         shutil.copy(epoch / f"00000.ds{suffix}", outside / f"e.ds{suffix}")
-    return src, run, outside
+    return base
+
+
+@pytest.fixture
+def data(pristine_data, tmp_path):
+    """A 3-shard source, a run of one epoch shuffled from it, and an `outside` folder holding a
+    copy of shard 0 of each (same bytes, same size): what a hostile manifest would point at.
+    A copy of the module's, in this test's folder; the run's manifests name this copy's source."""
+    old, new = json.dumps(str(pristine_data))[1:-1], json.dumps(str(tmp_path))[1:-1]
+    for name in ("src", "run", "outside"):
+        shutil.copytree(pristine_data / name, tmp_path / name)
+    for f in (tmp_path / "run").rglob("*.json"):
+        f.write_text(f.read_text().replace(old, new))
+    assert str(pristine_data) not in "".join(f.read_text() for f in tmp_path.rglob("*.json"))
+    return tmp_path / "src", tmp_path / "run", tmp_path / "outside"
 
 
 def _set_shard_path(directory: Path, path: str) -> None:
