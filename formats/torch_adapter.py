@@ -133,10 +133,15 @@ class TokpackDataset(IterableDataset):
 
     def _resume_share(self, saved: dict, worker: int, workers: int) -> tuple[int, int]:
         """(start, first step) of this worker's share of the steps, from its saved state."""
-        if int(saved["num_workers"]) != workers or int(saved["worker"]) != worker:
+        if int(saved["num_workers"]) != workers:
             raise TokpackError("loader state was saved with another number of DataLoader workers",
                                where="num_workers", expected=saved["num_workers"], found=workers,
                                hint=f"use num_workers={saved['num_workers']}, or {_RESTART_HINT}")
+        if int(saved["worker"]) != worker:
+            raise TokpackError("loader state is the share of another DataLoader worker", where="worker",
+                               expected=f"worker {saved['worker']} of {saved['num_workers']}",
+                               found=f"worker {worker} of {workers}",
+                               hint=f"load each worker's own state (a StatefulDataLoader does), or {_RESTART_HINT}")
         if int(saved["global_batch"]) != self.global_batch:
             raise TokpackError("loader state was saved with DataLoader workers and another global batch (W*m)",
                                where="global_batch", expected=saved["global_batch"], found=self.global_batch,

@@ -97,6 +97,9 @@ def install_fork_hook(always: bool = False) -> None:
         _hook_installed = True
 
 
+_WORKER_MODULES = ("packer.executors", "packer.packing", "shuffle.steps", "shuffle.packed_step", "datatrove.pipeline.base")
+
+
 def _forkserver_preload() -> None:
     """multiprocess's forkserver (datatrove's local pool) imports this module before it forks
     the pool's workers: each worker then dies with the forkserver, which exits with tokpack."""
@@ -106,7 +109,9 @@ def _forkserver_preload() -> None:
         return
     modules = list(getattr(forkserver._forkserver, "_preload_modules", ["__main__"]))
     if __name__ not in modules and __name__ != "__main__":
-        forkserver.set_forkserver_preload(modules + [__name__])
+        # The passes' own modules too: imported once in the forkserver, not again in every
+        # worker of every pass (a pool is made per pass).
+        forkserver.set_forkserver_preload(modules + [__name__, *_WORKER_MODULES])
 
 
 # ---------------------------------------------------------------------------------- watchdog

@@ -88,23 +88,28 @@ def _fail(message: str, file, where: str, expected=None, found=None, hint=None):
                        hint=hint or "see docs/COMMANDS.md, \"Schedules\", for the file's shape")
 
 
+def _field(where: str, key: str) -> str:
+    """The path of `key` inside the entry at `where` ("" for the file's top level)."""
+    return f"{where}.{key}" if where else key
+
+
 def _check_keys(obj, allowed: tuple[str, ...], file, where: str) -> None:
     if not isinstance(obj, dict):
         _fail("schedule entry is not a mapping", file, where, "key: value pairs", type(obj).__name__)
     unknown = [k for k in obj if k not in allowed]
     if unknown:
-        _fail("unknown key in the schedule", file, f"{where}{unknown[0]}", f"one of {', '.join(allowed)}",
+        _fail("unknown key in the schedule", file, _field(where, unknown[0]), f"one of {', '.join(allowed)}",
               repr(unknown[0]))
 
 
 def _int(obj: dict, key: str, file, where: str, minimum: int | None = None, required: bool = True):
     if key not in obj:
         if required:
-            _fail("schedule key missing", file, f"{where}{key}", f"{key}: an integer", "no such key")
+            _fail("schedule key missing", file, _field(where, key), f"{key}: an integer", "no such key")
         return None
     value = obj[key]
     if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
-        _fail("schedule value is not a valid integer", file, f"{where}{key}",
+        _fail("schedule value is not a valid integer", file, _field(where, key),
               "an integer" + ("" if minimum is None else f" >= {minimum}"), repr(value))
     return value
 
@@ -174,39 +179,39 @@ def read_schedule(path: str | Path) -> Schedule:
         _fail("schedule has no stages", path, "stages", "a list of stages", repr(doc.get("stages")))
     stages, names = [], {}
     for i, st in enumerate(doc["stages"]):
-        where = f"stages[{i}]."
+        where = f"stages[{i}]"
         _check_keys(st, STAGE_KEYS, path, where)
         name = st.get("name")
         if not isinstance(name, str) or not name:
-            _fail("stage has no name", path, f"{where}name", "a non-empty name", repr(name))
+            _fail("stage has no name", path, f"{where}.name", "a non-empty name", repr(name))
         if name in names:
-            _fail("two stages have the same name", path, f"{where}name", "a name no other stage has",
+            _fail("two stages have the same name", path, f"{where}.name", "a name no other stage has",
                   f"{name!r}, the name of stages[{names[name]}]")
         names[name] = i
         sources = st.get("sources")
         if not sources:
-            _fail("stage has no sources", path, f"{where}sources", "{SOURCE: WEIGHT, ...}", repr(sources))
+            _fail("stage has no sources", path, f"{where}.sources", "{SOURCE: WEIGHT, ...}", repr(sources))
         if not isinstance(sources, dict):
-            _fail("stage sources need weights", path, f"{where}sources", "{SOURCE: WEIGHT, ...}", repr(sources)[:60])
+            _fail("stage sources need weights", path, f"{where}.sources", "{SOURCE: WEIGHT, ...}", repr(sources)[:60])
         paths = [str(p if Path(str(p)).is_absolute() else path.parent / str(p)) for p in sources]
-        weights = [_weight(w, path, f"{where}sources.{p}") for p, w in sources.items()]
+        weights = [_weight(w, path, f"{where}.sources.{p}") for p, w in sources.items()]
         if ("tokens" in st) == ("epochs" in st):
-            _fail("stage needs exactly one of tokens and epochs", path, where.rstrip("."), "tokens: 8T or epochs: 3",
+            _fail("stage needs exactly one of tokens and epochs", path, where, "tokens: 8T or epochs: 3",
                   "both" if "tokens" in st else "neither")
         tokens = epochs = None
         if "tokens" in st:
             try:
                 tokens = token_count(st["tokens"] if isinstance(st["tokens"], (int, str)) else repr(st["tokens"]))
             except TokpackError as e:
-                _fail(e.message, path, f"{where}tokens", "a token count like 8T or 1.5B", repr(st["tokens"]))
+                _fail(e.message, path, f"{where}.tokens", "a token count like 8T or 1.5B", repr(st["tokens"]))
             if tokens < seq_len:
-                _fail("stage is smaller than one sample", path, f"{where}tokens", f">= seq_len ({seq_len}) tokens",
+                _fail("stage is smaller than one sample", path, f"{where}.tokens", f">= seq_len ({seq_len}) tokens",
                       tokens, hint="raise the stage's tokens or lower seq_len")
         else:
             epochs = _int(st, "epochs", path, where, 1)
         stages.append(Stage(name, tuple(paths), tuple(weights), 1 if tokens is not None else epochs, tokens=tokens))
         at_most(sum(st.epochs for st in stages), MAX_EPOCHS, "schedule's epoch count", file=path,
-                where=f"{where}epochs", hint=f"epochs are numbered 0 to {MAX_EPOCHS - 1} through all stages")
+                where=f"{where}.epochs", hint=f"epochs are numbered 0 to {MAX_EPOCHS - 1} through all stages")
     return Schedule(seq_len, seed, tuple(stages), jitter, shard_samples, str(path.resolve()),
                     xxhash.xxh3_128_hexdigest(raw), packing)
 

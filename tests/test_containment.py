@@ -54,6 +54,23 @@ def tokpack(tmp_path: Path, *args, watch: Path | None = None) -> tuple[subproces
     return r, json.loads(seen.read_text()) if seen.exists() else []
 
 
+def in_process(tmp_path: Path, *args) -> subprocess.CompletedProcess:
+    """`tokpack ARGS` through click's runner in this process (no audit hook: for cases that
+    check only the exit status and what is said), as a CompletedProcess; an exception that
+    escaped the command is a bug, reported as exit 70 with its traceback."""
+    import traceback
+
+    from click.testing import CliRunner
+
+    from packer.cli import main
+
+    r = CliRunner().invoke(main, [str(a) for a in args], env={"TOKPACK_LOG_DIR": str(tmp_path / "crash-logs")})
+    code, err = r.exit_code, r.stderr
+    if r.exc_info is not None and not isinstance(r.exception, SystemExit):
+        code, err = 70, err + "".join(traceback.format_exception(*r.exc_info))
+    return subprocess.CompletedProcess(args, code, r.stdout, err)
+
+
 def one_line(r: subprocess.CompletedProcess) -> str:
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
@@ -73,14 +90,14 @@ def edit(directory: Path, fn) -> None:
     (directory / MANIFEST).write_text(json.dumps(m))
 
 
-@pytest.fixture
-def data(tmp_path):
-    """A 3-shard source, a run of one epoch shuffled from it, and an `outside` folder holding a
-    copy of shard 0 of each (same bytes, same size): what a hostile manifest would point at."""
-    src = write_source(tmp_path / "src", random_docs(np.random.default_rng(5), 150, 1000, 0))
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def pristine_data(tmp_path_factory) -> Path:
+    """`data`'s three folders, made once for the module; tests get copies."""
+    base = tmp_path_factory.mktemp("containment-data")
+    src = write_source(base / "src", random_docs(np.random.default_rng(5), 150, 1000, 0))
+    run = base / "run"
     shuffle_run([str(src)], str(run), seq_len=31, seed=1, epochs=[0], shard_samples=40, memory=8 << 20, log=None)
-    outside = tmp_path / "outside"
+    outside = base / "outside"
     outside.mkdir()
     shutil.copy(src / "00000.ds", outside / "x.ds")
     epoch = run / epoch_dir_name(0)
@@ -88,7 +105,21 @@ def data(tmp_path):
     for suffix in (".index", ".metadata"):
         shutil.copy(src / f"00000.ds{suffix}", outside / f"x.ds{suffix}")
         shutil.copy(epoch / f"00000.ds{suffix}", outside / f"e.ds{suffix}")
-    return src, run, outside
+    return base
+
+
+@pytest.fixture
+def data(pristine_data, tmp_path):
+    """A 3-shard source, a run of one epoch shuffled from it, and an `outside` folder holding a
+    copy of shard 0 of each (same bytes, same size): what a hostile manifest would point at.
+    A copy of the module's, in this test's folder; the run's manifests name this copy's source."""
+    old, new = json.dumps(str(pristine_data))[1:-1], json.dumps(str(tmp_path))[1:-1]
+    for name in ("src", "run", "outside"):
+        shutil.copytree(pristine_data / name, tmp_path / name)
+    for f in (tmp_path / "run").rglob("*.json"):
+        f.write_text(f.read_text().replace(old, new))
+    assert str(pristine_data) not in "".join(f.read_text() for f in tmp_path.rglob("*.json"))
+    return tmp_path / "src", tmp_path / "run", tmp_path / "outside"
 
 
 def _set_shard_path(directory: Path, path: str) -> None:
@@ -249,16 +280,23 @@ DAMAGE = ["nan", "1e400", "10**400", "list for object", "deep", "300 MB", "eos -
 
 @pytest.mark.parametrize("kind", DAMAGE)
 def test_damaged_manifest_is_one_line_for_every_command(data, tmp_path, kind):
+    """Each kind of damage runs one of the seven commands as a real process (a different one
+    for each kind, so every command and every kind runs once as its own process) and the other
+    six in this process: the same CLI code and the same lines, without six interpreter starts."""
     src, run, _ = data
     _damage(kind, src / MANIFEST)
     _damage(kind, run / epoch_dir_name(0) / MANIFEST)
-    for args in (["shuffle", src, "-o", tmp_path / "out", "--seq-len", 31, "--seed", 1, "--epochs", 1], ["inspect", src],
-                 ["stage", src, tmp_path / "dest"], ["read", run], ["inspect", run], ["stage", run, tmp_path / "d2"]):
-        r, _ = tokpack(tmp_path, *args)
-        line = one_line(r)  # exit 1, not 2 ("a bug in tokpack")
+    own_process = DAMAGE.index(kind) % 7
+
+    def command(i, *args):
+        return tokpack(tmp_path, *args)[0] if i == own_process else in_process(tmp_path, *args)
+
+    for i, args in enumerate((["shuffle", src, "-o", tmp_path / "out", "--seq-len", 31, "--seed", 1, "--epochs", 1],
+                              ["inspect", src], ["stage", src, tmp_path / "dest"], ["read", run], ["inspect", run],
+                              ["stage", run, tmp_path / "d2"])):
+        line = one_line(command(i, *args))  # exit 1, not 2 ("a bug in tokpack")
         assert "tokpack.json" in line and "HINT" in line, line
-    r, _ = tokpack(tmp_path, "validate", src, run)
-    report = corrupt(r)
+    report = corrupt(command(6, "validate", src, run))
     for directory in (src, run / epoch_dir_name(0)):
         assert f"CORRUPT {directory / MANIFEST}" in report, report
 
@@ -296,7 +334,9 @@ def test_run_whose_epoch_samples_contradict_its_epochs_is_corrupt(tmp_path):
 # ------------------------------------------------------ signals stop blocked workers
 
 # A worker that never returns, as a read from a hung network mount would not: injected into the
-# child only. The command must still end soon after SIGTERM or Ctrl-C.
+# child only. The command must still end soon after SIGTERM or Ctrl-C. Both graces are shortened,
+# in the order they have (a stopped pool waits for its running calls, then the unwinding prints and
+# releases the lock, then the process leaves whatever its threads do): 0.5 s and 2 s, not 2 s and 5 s.
 BLOCKED = """
 import os, sys, threading
 from pathlib import Path
@@ -305,6 +345,8 @@ def blocked(*args, **kwargs):
     Path(os.environ["BLOCKED"]).touch()
     threading.Event().wait()
 target.{name} = blocked
+import formats.io, packer.cli
+formats.io.STOP_GRACE, packer.cli.EXIT_GRACE_SECONDS = 0.5, 2.0
 from packer.cli import main
 main()
 """

@@ -236,12 +236,18 @@ def test_pack_says_when_it_widens_to_uint32(tmp_path):
     assert human.returncode == 0, human.stderr
     said = [x for x in human.stderr.splitlines() if "uint32" in x]
     assert len(said) == 1 and "--vocab-size" in said[0] and "HINT" in said[0], human.stderr
-    as_json = tokpack("pack", tmp_path / "in.parquet", "-o", tmp_path / "b", "--eos-id", "0", "--json")
+    from packer.cli import main
+
+    # the --json summaries through click's runner in this process (the line above is the process's)
+    as_json = CliRunner().invoke(main, ["pack", str(tmp_path / "in.parquet"), "-o", str(tmp_path / "b"), "--eos-id",
+                                        "0", "--json"])
+    assert as_json.exit_code == 0, as_json.output
     summary = json.loads(as_json.stdout)
     assert summary["dtype"] == "uint32"
     (warning,) = summary["warnings"]
     assert "uint32" in warning and "--vocab-size" in warning
-    narrow = tokpack("pack", tmp_path / "in.parquet", "-o", tmp_path / "c", "--eos-id", "0", "--vocab-size", "500",
-                     "--json")
+    narrow = CliRunner().invoke(main, ["pack", str(tmp_path / "in.parquet"), "-o", str(tmp_path / "c"), "--eos-id",
+                                       "0", "--vocab-size", "500", "--json"])
+    assert narrow.exit_code == 0, narrow.output
     summary = json.loads(narrow.stdout)
     assert summary["dtype"] == "uint16" and summary["warnings"] == []

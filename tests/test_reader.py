@@ -696,7 +696,9 @@ def test_torch_adapter_state_forms_resume_in_process(run_dir):
                "consumed_samples(loader_state)) with a fresh StatefulDataLoader")
     workers = "[num_workers]: loader state was saved with another number of DataLoader workers; expected {}, found 1. " \
               "HINT: use num_workers={}, or " + restart
-    for wrong, line in (({"num_workers": 2}, workers.format(2, 2)), ({"worker": 1}, workers.format(1, 1)),
+    share = ("[worker]: loader state is the share of another DataLoader worker; expected worker 1 of 1, found worker 0 "
+             "of 1. HINT: load each worker's own state (a StatefulDataLoader does), or " + restart)
+    for wrong, line in (({"num_workers": 2}, workers.format(2, 2)), ({"worker": 1}, share),
                         ({"global_batch": 4}, "[global_batch]: loader state was saved with DataLoader workers and "
                          "another global batch (W*m); expected 4, found 2. HINT: " + restart)):
         ds = fresh()

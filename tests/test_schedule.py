@@ -435,5 +435,34 @@ def test_a_run_made_with_flags_is_a_one_stage_schedule_of_those_flags(tmp_path):
     bad.write_text("seq_len: 31\nseed: 1\nstages: [3]\n")
     with pytest.raises(TokpackError) as err:
         read_schedule(bad)
-    assert str(err.value) == (f"{bad} [stages[0].]: schedule entry is not a mapping; expected key: value pairs, "
+    assert str(err.value) == (f"{bad} [stages[0]]: schedule entry is not a mapping; expected key: value pairs, "
                               'found int. HINT: see docs/COMMANDS.md, "Schedules", for the file\'s shape')
+
+
+SHAPE_HINT = 'HINT: see docs/COMMANDS.md, "Schedules", for the file\'s shape'
+FIELD_PATHS = {
+    "stages: [3]": "[stages[0]]: schedule entry is not a mapping; expected key: value pairs, found int.",
+    "stages: [{name: a, sources: {x: 1}, weights: 1, epochs: 1}]":
+        "[stages[0].weights]: unknown key in the schedule; expected one of name, sources, tokens, epochs, "
+        "found 'weights'.",
+    "stages: [{name: a, sources: {x: 1}}]":
+        "[stages[0]]: stage needs exactly one of tokens and epochs; expected tokens: 8T or epochs: 3, found neither.",
+    "stages: [{name: a, sources: {x: 1}, epochs: 1}, {name: b, sources: {x: 1}, epochs: 0}]":
+        "[stages[1].epochs]: schedule value is not a valid integer; expected an integer >= 1, found 0.",
+    "stages: [{name: a, sources: {x: 1}, epochs: 1}]\nweights: 1":
+        "[weights]: unknown key in the schedule; expected one of seq_len, seed, jitter, shard_samples, stages, "
+        "packing, found 'weights'.",
+}
+
+
+@pytest.mark.parametrize("body", sorted(FIELD_PATHS))
+def test_schedule_errors_name_the_field_by_its_path(tmp_path, body):
+    """The field of a bad schedule is `stages[0]`, `stages[0].weights` or a top-level key: no stray
+    dot after a stage's index and none before a top-level key."""
+    from shuffle.schedule import read_schedule
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"seq_len: 31\nseed: 1\n{body}\n")
+    with pytest.raises(TokpackError) as err:
+        read_schedule(bad)
+    assert str(err.value) == f"{bad} {FIELD_PATHS[body]} {SHAPE_HINT}"
