@@ -6,8 +6,11 @@ names follow it (R = L + 1, D_s, rho_{s,p}, G, R_{s,p}, c_s, sigma_e).
 
 Unlike the window plan (O(#sources), shuffle.plan.EpochPlan), a packed plan is materialised:
 its row table (per output row, the pieces of documents it holds) is computed from the sources'
-document lengths (their `.ds.index`), O(documents) in memory, and checksummed; the checksum is
-recorded in the epoch manifest so `validate --against` proves the epoch is this table's.
+document lengths (their `.ds.index`) and checksummed; the checksum is recorded in the epoch
+manifest so `validate --against` proves the epoch is this table's. The table is O(documents),
+so a shuffle builds it on disk in the epoch's work folder within --memory (build_table) and
+each task reads only its rows' or its source shard's part (PackedTable); the plan object
+itself holds row counts per source and pass, O(#sources x passes).
 """
 
 from __future__ import annotations
