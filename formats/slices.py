@@ -78,7 +78,14 @@ class RankRows:
         off = self.phase + ranks[0] * self.micro_batch  # G of a run's first row, mod W*m
         k_lo = -((off + k_rows - 1 - first) // gb)  # first run ending after `first`
         k_hi = (first + n - 1 - off) // gb  # last run starting before the epoch's end
-        step = max(1, max_rows // k_rows)
+        if k_rows > max_rows:  # a run longer than a chunk (up to a global batch past the epoch): its rows in the epoch, a chunk at a time
+            for k in range(k_lo, k_hi + 1):
+                start = off - first + k * gb
+                lo, hi = max(start, 0), min(start + k_rows, n)
+                for c in range(lo, hi, max_rows):
+                    yield np.arange(c, min(c + max_rows, hi), dtype=np.int64)
+            return
+        step = max_rows // k_rows
         span = np.arange(k_rows, dtype=np.int64)
         for k in range(k_lo, k_hi + 1, step):
             ks = np.arange(k, min(k + step, k_hi + 1), dtype=np.int64)

@@ -53,7 +53,7 @@ from formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, EpochShardWr
 from formats.slices import (SLICE, SLICE_EPOCH, RankRows, missing_padding, rank_file_name, run_identity,
                             stage_command)
 from packer.shared import Result
-from packer.staging import Source, parse_epochs
+from packer.staging import MAX_WORLD_SIZE, Source, parse_epochs
 
 # Rows gathered per step: three chunks in flight (read, verified, written), so memory stays near
 # 3x this whatever the epoch's size.
@@ -102,6 +102,9 @@ def parse_rank_range(spec) -> tuple[int, int, int | None]:
 # Ranks one node slice holds: each is a file written at once during a stage, so the bound is the
 # open files a process may hold, far above the GPUs a node has.
 MAX_SLICE_RANKS = 256
+# Samples in a global batch: far above any run's (2^48 rows is an exabyte at seq_len 4096), and
+# low enough that the row arithmetic of formats/slices.py stays inside int64.
+MAX_GLOBAL_BATCH = 1 << 48
 
 
 def slice_ranks(ranks=None, world_size: int | None = None, node=None, ranks_per_node: int | None = None
@@ -111,6 +114,7 @@ def slice_ranks(ranks=None, world_size: int | None = None, node=None, ranks_per_
     a, b, w = _slice_ranks(ranks, world_size, node, ranks_per_node)
     at_most(b - a + 1, MAX_SLICE_RANKS, "ranks in one node slice", where="--ranks/--ranks-per-node",
             hint="a node slice holds the ranks of one node: stage each node's ranks (--node n/N) on that node")
+    at_most(w, MAX_WORLD_SIZE, "world size", where="--world-size", hint="W is the number of data-parallel ranks that read the run")
     return a, b, w
 
 
@@ -392,6 +396,8 @@ def plan_slice(src: Source, ranks=None, world_size: int | None = None, micro_bat
     a, b, w = slice_ranks(ranks, world_size, node, ranks_per_node)
     if micro_batch < 1:
         raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
+    at_most(w * micro_batch, MAX_GLOBAL_BATCH, "samples in a global batch (W*m)", where="--world-size/--micro-batch",
+            hint="W is the data-parallel ranks and m the samples each reads per step; a run holds far fewer samples")
     rows = RankRows(w, micro_batch, start_sample)
     run = src.manifest("")
     if run["kind"] != "run":

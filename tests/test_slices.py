@@ -80,6 +80,7 @@ def test_rank_arithmetic_equals_counting(w, m, phase, first, n, a, k, chunk):
     rows = RankRows(w, m, phase)
     owner = [((g - phase) % (w * m)) // m for g in range(first, first + n)]
     got = list(rows.node_positions(first, n, (a, b), chunk))
+    assert all(len(arr) <= max(chunk, 1) for arr in got)  # memory: a chunk at most, even when a run is longer
     assert [int(p) for arr in got for p in arr] == [p for p, r in enumerate(owner) if a <= r <= b]
     for p, r in enumerate(owner):
         assert rows.rank_of(first + p) == r and rows.rows(r, first, first + p) == owner[:p].count(r)

@@ -331,3 +331,22 @@ def test_a_node_slice_of_too_many_ranks_is_refused_before_writing(tmp_path, args
     assert r.returncode == 1 and len(lines) == 1, r.stderr
     assert "ranks in one node slice is too large" in lines[0] and "at most 256" in lines[0], lines[0]
     assert not dest.exists()
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--ranks", "0", "--world-size", str(10**15), "--micro-batch", "1"], "world size is too large"),
+    (["--ranks", "0-1", "--world-size", "4", "--micro-batch", str(10**15)], "samples in a global batch (W*m) is too large"),
+], ids=["world-size", "micro-batch"])
+def test_a_node_slice_of_an_impossible_global_batch_is_refused_before_writing(tmp_path, args, said):
+    """--micro-batch 10^15 once asked numpy for 14 PiB (exit 70): W and W*m are refused by
+    arithmetic before the run is opened, and nothing is written."""
+    import subprocess
+    import sys
+
+    dest = tmp_path / "slice"
+    r = subprocess.run([sys.executable, "-m", "packer.cli", "stage", str(tmp_path / "no-run"), str(dest), *args],
+                       capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=120)
+    lines = [x for x in r.stderr.splitlines() if x.startswith("tokpack")]
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert said in lines[0] and "HINT" in lines[0], lines[0]
+    assert not dest.exists()
