@@ -45,6 +45,7 @@ from formats.manifest import (
     epoch_dir_name,
     hash_hex64,
     parse_manifest,
+    require_valid,
     row_hashes,
 )
 from formats.reader import EpochNumbering, shuffle_command
@@ -571,6 +572,7 @@ def _previous_slice(dest: Path, root: dict, source: str) -> list[int]:
     if have.get("kind") != SLICE:
         raise TokpackError("DEST already holds a different tokpack directory", file=path, where="kind",
                            expected=SLICE, found=have.get("kind"), hint="remove DEST or choose another destination")
+    require_valid(have, dest)  # a damaged slice manifest is one line, as for every reader
     if have.get("run") != root["run"]:
         raise TokpackError("DEST holds a slice of another run (its seed, sources or plan differ)", file=path,
                            where="run", expected="the run being staged", found=f"seed {have.get('run', {}).get('seed')}",

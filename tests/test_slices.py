@@ -283,6 +283,22 @@ def test_a_slice_of_another_run_or_other_ranks_is_refused(source, run, tmp_path)
         stage_slice(str(run), tmp_path / "s", ranks="1", world_size=W, micro_batch=M)
 
 
+@pytest.mark.parametrize("damage", [5, "x", {"seed": [1]}], ids=["int", "string", "odd run"])
+def test_a_damaged_slice_manifest_in_dest_is_one_line_and_kept(run, tmp_path, damage):
+    """DEST's slice manifest is input too: a `run` edited to a non-object once crashed stage
+    (AttributeError, exit 70). Now one line, exit 1, and DEST's files untouched."""
+    dest = tmp_path / "s"
+    stage_slice(str(run), dest, ranks="0", world_size=W, micro_batch=M)
+    m = json.loads((dest / MANIFEST).read_text())
+    m["run"] = damage
+    (dest / MANIFEST).write_text(json.dumps(m))
+    before = tree(dest)
+    code, out = cli("stage", run, dest, "--ranks", "0", "--world-size", W, "--micro-batch", M)
+    lines = [x for x in out.splitlines() if x.startswith("tokpack")]
+    assert code == 1 and len(lines) == 1 and "tokpack.json" in lines[0] and "HINT" in lines[0], out
+    assert tree(dest) == before
+
+
 def test_read_amplification_at_w8_m4(source, tmp_path):
     """Bytes read over bytes kept, counted by the stager, with 1 and 2 ranks a node at W=8,
     m=4 (4 and 8 rows a global batch): at most 1.25 (the rows read, plus 8 bytes of row hash
