@@ -38,8 +38,6 @@ from .manifest import (
     read_manifest,
     type_ok,
     xxh3_128_file,
-    field_problems,
-    MANIFEST_FIELDS,
     strict_json,
 )
 from .reader import EpochNumbering
@@ -327,9 +325,7 @@ def _plan_dir(path: Path, quick: bool, kinds=None) -> _Dir:
     if m["kind"] in ("source", "epoch"):
         d.jobs = _check_data_manifest(path, m, rep, quick)
     elif m["kind"] == SLICE:  # a node slice: its rank files are checked as epoch shards
-        for key, expected, found, message in field_problems(m, MANIFEST_FIELDS, SLICE):
-            rep.add(str(path / MANIFEST), key, expected, found, message)
-        d.jobs = slice_shard_jobs(path, m, rep, quick) if not rep.problems else []
+        d.jobs = slice_shard_jobs(path, m, rep, quick) if check_manifest(m, path, rep.add) else []
         for job in d.jobs:  # a slice of a best-fit run: each rank file's padding sidecar
             _check_pads(job.directory, [job.entry], rep)
     return d

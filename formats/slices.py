@@ -19,8 +19,8 @@ import numpy as np
 
 from .errors import TokpackError
 from .io import IO_BLOCK, as_path, open_read, read_full, read_limited, regular_size
-from .manifest import (MANIFEST, MANIFEST_FIELDS, MAX_MANIFEST_BYTES, SHARD_FIELDS, dtype_from_name, epoch_dir_name,
-                       field_problems, read_manifest, row_hashes)
+from .manifest import (MANIFEST, MAX_MANIFEST_BYTES, check_manifest, dtype_from_name, epoch_dir_name, read_manifest,
+                       row_hashes)
 from .reader import OPENERS, EpochNumbering, SampleReader, ShardTable, _shard_error
 from .shards import PAD_SUFFIX
 
@@ -253,18 +253,16 @@ def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
     for e in epochs:
         d = path / epoch_dir_name(e)
         try:
-            m = read_manifest(d, kind=SLICE_EPOCH)
-            check_slice_epoch(d, root, m)
+            m = read_manifest(d, kind=SLICE_EPOCH, checked=False)  # every problem reported, not the first
         except TokpackError as err:
             rep.add(err.file or d / MANIFEST, err.where, err.expected, err.found, err.message)
             continue
-        broken = [(f"{where}{key}", exp, found, msg) for where, obj, table in
-                  [("", m, MANIFEST_FIELDS)] + [(f"shards[{i}].", s, SHARD_FIELDS) for i, s in enumerate(m["shards"])
-                                                if isinstance(m.get("shards"), list) and isinstance(s, dict)]
-                  for key, exp, found, msg in field_problems(obj, table, SLICE_EPOCH)]
-        for where, exp, found, msg in broken:
-            rep.add(d / MANIFEST, where, exp, found, msg)
-        if broken:
+        if not check_manifest(m, d, rep.add):
+            continue
+        try:
+            check_slice_epoch(d, root, m)
+        except TokpackError as err:
+            rep.add(err.file or d / MANIFEST, err.where, err.expected, err.found, err.message)
             continue
         first, n = numbering.first(e), numbering.size(e)
         if (m.get("epoch"), m.get("first_sample"), m.get("samples")) != (e, first, n):
