@@ -30,7 +30,7 @@ from formats.manifest import hash_hex64, order_hash_terms, row_hashes
 from formats.shards import PackedSource
 
 from .permutation import Bijection
-from .plan import EpochPlan, mixture, replay_hashes, shard_count_checked
+from .plan import EpochPlan, check_passes, mixture, replay_hashes, shard_count_checked
 
 PACKED_ALGORITHM = "tokpack-bfd-feistel6-splitmix-xxh3-v1"  # the `shuffle` name of a packed epoch
 PACKINGS = ("concat", "best-fit")
@@ -489,6 +489,7 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
     weights = list(weights) if weights is not None else [None] * len(sources)
     if counts is None:
         counts = mixture(sources, weights, rows0, samples=samples, tokens=tokens, seq_len=seq_len)[1]
+    check_passes(sources, counts, rows0, "rows a pass")
     plans, base = [], 0
     for s, src in enumerate(sources):
         cursor = None if cursors is None else cursors[s]

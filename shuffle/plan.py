@@ -398,6 +398,15 @@ def mixture(sources: list[PackedSource], weights: list[str | None], units: list[
     return n, list(units)
 
 
+def check_passes(sources, counts, rows_per_pass, what: str) -> None:
+    """Each source's passes in one epoch (its samples over its rows per pass), bounded by
+    arithmetic before any pass is planned, for either packing."""
+    for src, count, w in zip(sources, counts, rows_per_pass):
+        at_most(-(-count // max(1, w)), MAX_PASSES, "passes over one source in one epoch", file=src.path,
+                where="--samples/--tokens/SOURCE=WEIGHT", hint=f"the epoch takes {count:,} samples from its "
+                f"{w:,} {what}: ask for fewer samples, lower its weight, or add data")
+
+
 def epoch_plan(
     sources: list[PackedSource],
     *,
@@ -424,10 +433,7 @@ def epoch_plan(
                 found=f"{src.tokens} tokens", hint="lower --seq-len or drop this source")
         wins.append(w)
     n, counts = mixture(sources, weights, wins, samples=samples, tokens=tokens, seq_len=seq_len)
-    for src, count, w in zip(sources, counts, wins):
-        at_most(-(-count // w), MAX_PASSES, "passes over one source in one epoch", file=src.path,
-                where="--samples/--tokens/SOURCE=WEIGHT", hint=f"the epoch takes {count:,} samples from its "
-                f"{w:,} windows: ask for fewer samples, lower its weight, or add data")
+    check_passes(sources, counts, wins, "windows")
     plans, base = [], 0
     for s, src in enumerate(sources):
         offset = jitter_offset(seed, epoch, s, seq_len) if jitter else 0

@@ -85,6 +85,10 @@ SHUFFLE = ["--seq-len", "63", "--seed", "1", "--memory", "1MiB"]
     (["--epoch", str(10**12)], ["epoch number", "99,999"]),
     # 496 windows each used 100,000+ times: the out-of-core passes would loop per repeat
     (["--epochs", "1", "--samples", str(496 * 100_001)], ["passes over one source", "100,000"]),
+    # best-fit packs each pass to count its rows: 10^10 samples once ran on past a minute
+    (["--epochs", "1", "--samples", str(10**10), "--packing", "best-fit"], ["passes over one source", "100,000",
+                                                                            "rows a pass"]),
+    (["--epochs", "1", "--tokens", "1000T", "--packing", "best-fit"], ["passes over one source", "100,000"]),
 ])
 def test_shuffle_counts_are_bounded_before_allocation(data, tmp_path, args, says):
     src, _ = data
@@ -96,6 +100,7 @@ def test_shuffle_counts_are_bounded_before_allocation(data, tmp_path, args, says
     (["--epochs", str(10**12)], ["epoch count"]),
     (["--epochs", "1", "--samples", str(10**7), "--shard-samples", "1"], ["number of output shards"]),
     (["--epochs", "1", "--samples", str(496 * 100_001)], ["passes over one source"]),
+    (["--epochs", "1", "--samples", str(10**10), "--packing", "best-fit"], ["passes over one source"]),
 ])
 def test_plan_shuffle_is_bounded_too(data, tmp_path, args, says):
     src, _ = data
