@@ -222,13 +222,6 @@ class PackedOrderStep(OrderStep):
                 for ext in ("rows", "pos"):
                     lay.bucket_file(t, b, ext).unlink(missing_ok=True)
 
-    def _check(self, t: int, path, want, found: int) -> None:
-        if found != int(want):
-            self.layout.task_done(t).unlink(missing_ok=True)
-            raise TokpackError("scatter bucket file does not match the checksum its task recorded", file=path,
-                               where="xxh3_64", expected=f"{int(want):016x}", found=f"{found:016x}",
-                               hint="rerun the same command: the scatter task that wrote it runs again")
-
     def _pieces(self, buckets: range, g0: int, pad: np.ndarray, ring: list[np.ndarray]):
         """Each bucket's rows, in output order, as np.void rows copied into the `ring` buffers a
         chunk at a time (write_shard keeps up to RING - 1 chunks in flight: never a whole
@@ -246,7 +239,7 @@ class PackedOrderStep(OrderStep):
                     continue
                 want = recorded[t][b - buckets.start, 1:]
                 raw = f.with_suffix(".pos").read_bytes()
-                self._check(t, f.with_suffix(".pos"), want[1], xxhash.xxh3_64_intdigest(raw))
+                self._check_file(t, f.with_suffix(".pos"), want[1], xxhash.xxh3_64_intdigest(raw))
                 rec = np.frombuffer(raw, dtype=RECORD)
                 local = rec["g"].astype(np.int64) - start
                 if len(local) and (local.min() < 0 or local.max() >= n):
@@ -273,7 +266,7 @@ class PackedOrderStep(OrderStep):
                             flat[d: d + m] = tokens[a: a + m]
                         i = j
                     h.update(fh.read())
-                self._check(t, f, want[0], h.intdigest())
+                self._check_file(t, f, want[0], h.intdigest())
                 np.subtract.at(pad, local + start - g0, length)
             rows = rows.reshape(-1).view(job.row_void)
             for a in range(0, n, len(ring[0])):

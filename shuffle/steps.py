@@ -667,12 +667,15 @@ class OrderStep(_Step):
         records table). If not (a crash after the task's records and done JSON reached the disk
         but before its buffered bucket files did), that task is redone on the next run."""
         for f, d, want in zip((rows_file, rows_file.with_suffix(".pos")), data, expected):
-            found = xxhash.xxh3_64_intdigest(d)
-            if found != want:
-                self.layout.task_done(t).unlink(missing_ok=True)
-                raise TokpackError("scatter bucket file does not match the checksum its task recorded", file=f,
-                                   where="xxh3_64", expected=f"{want:016x}", found=f"{found:016x}",
-                                   hint="rerun the same command: the scatter task that wrote it runs again")
+            self._check_file(t, f, want, xxhash.xxh3_64_intdigest(d))
+
+    def _check_file(self, t: int, path, want, found: int) -> None:
+        """One bucket file of scatter task t hashed to `found`; its task recorded `want`."""
+        if found != int(want):
+            self.layout.task_done(t).unlink(missing_ok=True)
+            raise TokpackError("scatter bucket file does not match the checksum its task recorded", file=path,
+                               where="xxh3_64", expected=f"{int(want):016x}", found=f"{found:016x}",
+                               hint="rerun the same command: the scatter task that wrote it runs again")
 
 
 def source_changed_error(record: dict) -> TokpackError:
