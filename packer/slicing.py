@@ -32,7 +32,7 @@ import numpy as np
 import xxhash
 
 from formats.errors import TokpackError
-from formats.guard import check_space, locked_output
+from formats.guard import check_space, is_no_space, locked_output
 from formats.io import IO_BLOCK, DurableFile, Worker, read_limited, regular_fd, remove_tmp_files
 from formats.units import at_most
 from formats.manifest import (
@@ -514,9 +514,14 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
                         entry["fragments"] = os.path.getsize(d / f"{entry['path']}.index") // 8
                         output.commit(d, entry)
                         entries.append({**entry, "rank": r})
-                except BaseException:
+                except BaseException as err:
                     for wr in (*writers.values(), *pads.values()):
                         wr.abort()
+                    if is_no_space(err):  # the rank files' temporaries are gone: the disk is not left full
+                        raise TokpackError(f"disk full while staging epoch {e}; its partial rank files were removed",
+                                           file=d, expected="free space", found="No space left on device",
+                                           hint="free some space there (or choose another DEST), then rerun the "
+                                                "same command: the epochs already staged are kept") from None
                     raise
                 want["shards"] = entries
                 want["tokens"] = sum(s["tokens"] for s in entries)

@@ -393,3 +393,30 @@ def test_usage_errors_still_print_one_json_object(sources, tmp_path, args):
     r = tokpack(tmp_path, *args, "--json")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     json_failure(r.stdout)
+
+
+def test_disk_filled_while_staging_a_node_slice_is_one_line_and_leaves_no_partial_rank_file(sources, tmp_path):
+    """The space check counts the slice's token bytes; its row hashes and index need more. With
+    just the token bytes free, the write runs out of space: one line naming the epoch folder,
+    no temporary left to fill the disk, and the rerun with space completes and validates."""
+    from packer.slicing import plan_slice
+    from packer.staging import Source
+
+    _, big = sources
+    run = tmp_path / "run"
+    assert tokpack(tmp_path, "shuffle", big, "-o", run, *SHUFFLE).returncode == 0
+    stage = ["stage", run, None, "--ranks", "0", "--world-size", "2", "--micro-batch", "4"]
+    kept = sum(plan_slice(Source(str(run)), ranks="0", world_size=2, micro_batch=4).kept.values())
+    with mounted(tmp_path / "fs", f"size={kept // 2**20 + 2}m") as fs:
+        free = shutil.disk_usage(fs).free
+        subprocess.run(["dd", "if=/dev/zero", f"of={fs / 'filler'}", "bs=4096", f"count={(free - kept - 16384) // 4096}"],
+                       capture_output=True, check=True)
+        stage[2] = fs / "slice"
+        r = tokpack(tmp_path, *stage)
+        assert r.returncode == 1, r.stderr
+        line = one_line(r.stderr)
+        assert "disk full while staging epoch 0" in line and str(fs / "slice" / "epoch-00000") in line, line
+        assert not [p for p in (fs / "slice").rglob("*") if p.is_file()]  # no partial rank file, no manifest
+        (fs / "filler").unlink()
+        assert tokpack(tmp_path, *stage).returncode == 0
+        assert tokpack(tmp_path, "validate", fs / "slice", "--against", run).returncode == 0
