@@ -20,8 +20,8 @@ sys.path[0] = str(REPO)  # the repo, not bench/, where shuffle.py would hide the
 
 
 def parse_size(text: str) -> int:
-    """A byte size, as --memory takes it (formats.units)."""
-    from formats.units import byte_size
+    """A byte size, as --memory takes it (tokpack.formats.units)."""
+    from tokpack.formats.units import byte_size
 
     return byte_size(text)
 

@@ -71,7 +71,7 @@ def make_parquet(dt: Path, out: Path, rows_per_group: int = 16384) -> Path:
 
 
 def pack_cmd(src: Path, dst: Path, workers: int, extra: list[str]) -> str:
-    args = [sys.executable, "-m", "packer.cli", "pack", str(src), "-o", str(dst), "--workers", str(workers), "--json",
+    args = [sys.executable, "-m", "tokpack.packer.cli", "pack", str(src), "-o", str(dst), "--workers", str(workers), "--json",
             *extra]
     return f"cd {shlex.quote(str(REPO))} && {' '.join(shlex.quote(a) for a in args)} > /dev/null && sync"
 

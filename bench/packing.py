@@ -93,7 +93,7 @@ def code_documents() -> list[str]:
 
 
 def build_sources(root: Path, copies: int) -> dict[str, Path]:
-    from packer.api import pack
+    from tokpack.packer.api import pack
 
     out = {}
     for name, docs in (("prose", prose_documents()), ("code", code_documents())):
@@ -156,8 +156,8 @@ def olmo_padding(packer_cls, lengths: np.ndarray, row: int) -> tuple[int, int]:
 
 
 def cut_rows(lengths_by_source: dict[str, np.ndarray], row: int, groups: list[int], packer_cls) -> tuple[list, list]:
-    from shuffle.packed import pack_pass
-    from shuffle.permutation import Bijection
+    from tokpack.shuffle.packed import pack_pass
+    from tokpack.shuffle.permutation import Bijection
 
     cuts, pads = [], []
     for name, lengths in lengths_by_source.items():
@@ -191,7 +191,7 @@ def cut_rows(lengths_by_source: dict[str, np.ndarray], row: int, groups: list[in
 def shuffle_cmd(sources: dict[str, Path], out: Path, seq_len: int, packing: str, memory: str) -> list[str]:
     args = dict(seq_len=seq_len, seed=1, epochs=1, memory=common.parse_size(memory), packing=packing,
                 progress=False)
-    return common.python_cmd(f"from packer.api import shuffle\nshuffle({[str(p) for p in sources.values()]!r}, "
+    return common.python_cmd(f"from tokpack.packer.api import shuffle\nshuffle({[str(p) for p in sources.values()]!r}, "
                              f"{str(out)!r}, **{args!r})")
 
 
@@ -206,8 +206,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one copy, one run, no speed table")
     ap.add_argument("--cap-cache", action="store_true", help="out of core only, page cache capped (root)")
     args = ap.parse_args()
-    from formats.shards import PackedSource
-    from shuffle.packed import DEFAULT_GROUP_TOKENS, documents_of
+    from tokpack.formats.shards import PackedSource
+    from tokpack.shuffle.packed import DEFAULT_GROUP_TOKENS, documents_of
 
     assert DEFAULT_GROUP_TOKENS == DEFAULT_GROUP
     work = Path(tempfile.mkdtemp(prefix="tokpack-bench-packing-"))

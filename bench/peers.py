@@ -23,8 +23,8 @@ from bench.common import REPO, python_cmd  # noqa: E402
 
 
 def tokpack_cmd(*args: str, result: Path | None = None) -> str:
-    """`python -m packer.cli ARGS --json` from the repo, its summary kept in `result`."""
-    cmd = shlex.join([sys.executable, "-m", "packer.cli", *args, "--json"])
+    """`python -m tokpack.packer.cli ARGS --json` from the repo, its summary kept in `result`."""
+    cmd = shlex.join([sys.executable, "-m", "tokpack.packer.cli", *args, "--json"])
     return f"cd {shlex.quote(str(REPO))} && {cmd} > {shlex.quote(str(result or '/dev/null'))}"
 
 

@@ -28,7 +28,7 @@ MEMORY = "96MiB"  # well under an epoch's windows: the shuffle runs out of core
 
 
 def tokpack(*args) -> list[str]:
-    return [sys.executable, "-m", "packer.cli", *map(str, args)]
+    return [sys.executable, "-m", "tokpack.packer.cli", *map(str, args)]
 
 
 def plan_json(*args) -> dict:

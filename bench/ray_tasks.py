@@ -28,7 +28,7 @@ SHUFFLE = ["--seq-len", "2047", "--seed", "1", "--shard-samples", "49", "--epoch
 
 
 def tokpack(*args: str) -> list[str]:
-    return [sys.executable, "-m", "packer.cli", *args]
+    return [sys.executable, "-m", "tokpack.packer.cli", *args]
 
 
 def same_tree(a: Path, b: Path) -> bool:

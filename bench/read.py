@@ -41,8 +41,8 @@ NANOSET_B, BLEND_B = 16, 10
 
 def make_epoch(out: Path, size: int, seed: int = 0) -> Path:
     """An epoch directory of random documents (EOS = 0) written with the real shard writer."""
-    from formats.manifest import PLAN_ALGORITHM, epoch_manifest, shard_name, write_manifest
-    from formats.shards import EpochShardWriter
+    from tokpack.formats.manifest import PLAN_ALGORITHM, epoch_manifest, shard_name, write_manifest
+    from tokpack.formats.shards import EpochShardWriter
 
     out.mkdir(parents=True, exist_ok=True)
     samples = max(8, size // ROW_BYTES)
@@ -61,7 +61,7 @@ def make_epoch(out: Path, size: int, seed: int = 0) -> Path:
         s["fragments"] = (out / f"{s['path']}.index").stat().st_size // 8
     row = SEQ_LEN + 1
     # One stand-in source whose windows are the epoch's samples: the manifest checks every reader
-    # applies (formats.manifest.check_manifest) hold, as for an epoch the shuffle wrote.
+    # applies (tokpack.formats.manifest.check_manifest) hold, as for an epoch the shuffle wrote.
     source = {"name": "bench", "path": "bench", "fingerprint": "0" * 32, "tokens": samples * row, "weight": None,
               "samples": samples, "first_pass": 0, "passes": 1, "windows": samples, "offset": 0, "dropped_tokens": 0}
     write_manifest(out, epoch_manifest(shards, np.dtype("<u2"), 50_257, 0, "bench", tokens=samples * row, epoch=0,
@@ -92,7 +92,7 @@ def make_virtual_shard(epoch: Path, out: Path) -> int:
 HWM = "int([x.split()[1] for x in open('/proc/self/status') if x.startswith('VmHWM')][0]) / 1024"
 READ_CHILD = """
 import json, time
-from formats.reader import SampleReader
+from tokpack.formats.reader import SampleReader
 t0 = time.perf_counter()
 r = SampleReader.open({path!r})
 t1 = time.perf_counter()
@@ -105,7 +105,7 @@ json.dump({{"open_s": t1 - t0, "read_s": t2 - t1, "bytes": n, "rss_mb": {hwm}}},
 
 VIRTUAL_CHILD = """
 import json, time
-from formats.reader import SampleReader
+from tokpack.formats.reader import SampleReader
 rows, shard = {rows}, {shard}
 m = {{"format": "tokpack", "version": 1, "kind": "epoch", "seq_len": {seq}, "dtype": "uint16", "token_size": 2,
      "eos_id": 0, "samples": {n_shards} * shard, "shard_samples": shard,
@@ -135,7 +135,7 @@ json.dump({{"open_s": 0.0, "read_s": time.perf_counter() - t0, "bytes": n, "rss_
 ALLOC_CHILD = """
 import json
 import numpy as np
-import formats.reader
+import tokpack.formats.reader
 n = {n}
 # Allocated and filled the way the loader's index builder does (every entry is written).
 a = np.empty(n, dtype={first!r}); a[:] = 1

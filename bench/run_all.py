@@ -324,8 +324,8 @@ def reader_cmd(epoch: Path, virtual_dir: Path, start: int, samples: int, result:
     return python_cmd(
         "import json, time\n"
         "from pathlib import Path\n"
-        "from formats.manifest import read_manifest\n"
-        "from formats.reader import SampleReader\n"
+        "from tokpack.formats.manifest import read_manifest\n"
+        "from tokpack.formats.reader import SampleReader\n"
         f"e, start = Path({str(epoch)!r}), {start}\n"
         "m = read_manifest(e, kind='epoch')\n"
         "rb = (int(m['seq_len']) + 1) * int(m['token_size'])\n"
@@ -345,7 +345,7 @@ def reader_cmd(epoch: Path, virtual_dir: Path, start: int, samples: int, result:
 
 def epoch_info(run_dir: Path) -> tuple[Path, int, int]:
     """(epoch 0 dir, samples, shard bytes) of a shuffled run."""
-    from formats.manifest import epoch_dir_name, read_manifest
+    from tokpack.formats.manifest import epoch_dir_name, read_manifest
 
     e = run_dir / epoch_dir_name(read_manifest(run_dir, kind="run")["epochs"][0])
     m = read_manifest(e, kind="epoch")

@@ -5,7 +5,7 @@
     python bench/scale_model.py --scale 1/4000 --node-mbps 2000 --shared-mbps 40000 --keep models.json
     python bench/scale_model.py --quick            # a tiny model: bench/run_all.py --quick
 
-1. The full run's shape comes from `tokpack plan shuffle` (packer.planning) on a virtual source
+1. The full run's shape comes from `tokpack plan shuffle` (tokpack.packer.planning) on a virtual source
    of 11T tokens and 5.5B documents: 48 scatter tasks of 64 GiB (--memory 3TiB --workers 48),
    1 GiB shards, one bucket per shard.
 2. The model runs the real engine here on a random corpus of `scale` x 11T tokens with that
@@ -15,7 +15,7 @@
    - the scatter pass in full. Its blocks are far smaller than the bucket count, so nearly
      every row is an append of its own (two bucket files opened): its time splits into a fixed
      part and a cost per append (rows grow with bytes, so the cost per byte is inside it); the
-     full run's larger blocks carry about 32 rows an append (shuffle.steps.ROWS_PER_APPEND);
+     full run's larger blocks carry about 32 rows an append (tokpack.shuffle.steps.ROWS_PER_APPEND);
    - the order pass on an even sample of its tasks (--order-sample, every k-th shard; the
      real OrderStep.order per task, through the same executor): 20,490 order tasks at about
      2 s each would take hours on 2 cores, and every order task has the same shape (one
@@ -54,7 +54,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, 
 from bench.common import machine_line, make_datatrove_corpus, print_table, python_cmd, run_measured  # noqa: E402
 from bench.shuffle import pack_corpus  # noqa: E402
 import numpy as np  # noqa: E402
-from shuffle.steps import RECORD_BYTES  # noqa: E402
+from tokpack.shuffle.steps import RECORD_BYTES  # noqa: E402
 from datatrove.pipeline.base import PipelineStep  # noqa: E402
 
 INCIDENT_TOKENS = 11 * 10**12
@@ -100,7 +100,7 @@ def ready_rows(shuffle_s: float, node_mbps: float, shared_mbps: float, slice_vs_
 
 
 def full_plan(disk_mbps: float):
-    from packer import ExecutorConfig, plan
+    from tokpack.packer import ExecutorConfig, plan
 
     virtual = f"virtual:tokens={INCIDENT_TOKENS},documents={INCIDENT_DOCUMENTS},dtype=uint16"
     return plan("shuffle", virtual, "/nonexistent/run", seq_len=SEQ_LEN, seed=1, epochs=1, memory=FULL_MEMORY,
@@ -137,7 +137,7 @@ def task_overhead(executor: str, tasks: int, work: Path) -> float | None:
     the array element's start): from a pass of `tasks` no-op tasks less a pass of a quarter as
     many (both start the same worker pool)."""
     from bench.scale_model import NoopStep  # by module name, so a Slurm job can unpickle it
-    from packer.executors import ExecutorConfig, pass_runner
+    from tokpack.packer.executors import ExecutorConfig, pass_runner
 
     if executor == "slurm" and not shutil.which("sinfo"):
         return None
@@ -195,8 +195,8 @@ def appends_per_row(block_rows: int, buckets: int) -> float:
 
 def run_model(work: Path, tokens: int, tasks: int, shard_samples: int, task_budget: int, order_sample: int) -> dict:
     """The real engine, out of core, each pass timed through the local executor."""
-    from packer.executors import ExecutorConfig, pass_runner
-    from shuffle.run import min_memory, shuffle_run
+    from tokpack.packer.executors import ExecutorConfig, pass_runner
+    from tokpack.shuffle.run import min_memory, shuffle_run
 
     # one source shard per scatter task (the engine gives a task whole shards)
     corpus = make_datatrove_corpus(work / "corpus", tokens * 2, files=tasks, mean_doc=INCIDENT_TOKENS // INCIDENT_DOCUMENTS)
@@ -287,7 +287,7 @@ def bounded_rows(budget_per_task: int = BOUNDED_TASK_BUDGET) -> list[dict]:
 
 
 def _max_open() -> int:
-    from shuffle.steps import MAX_OPEN_BUCKET_FILES
+    from tokpack.shuffle.steps import MAX_OPEN_BUCKET_FILES
 
     return MAX_OPEN_BUCKET_FILES
 
@@ -301,8 +301,8 @@ def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 4000),
     the next run with the same arguments (the projection is then redone without them)."""
     from loguru import logger
 
-    from packer.executors import SLURM_ELEMENTS_PER_WORKER
-    from packer.planning import measure_disk
+    from tokpack.packer.executors import SLURM_ELEMENTS_PER_WORKER
+    from tokpack.packer.planning import measure_disk
 
     logger.remove()  # datatrove's executor logs every task; the tables are the output here
     scale = Fraction(1, 10**6) if quick else scale
@@ -340,7 +340,7 @@ def main(size=None, quick: bool = False, *, scale: Fraction = Fraction(1, 4000),
         # scatter: wall = fixed + per append x appends (an append: one bucket's two files opened and
         # written). The model's blocks are far smaller than its bucket count, so its appends are about
         # its rows, and rows grow with bytes: the per-append cost holds the per-byte cost too. The full
-        # run's blocks give each append about ROWS_PER_APPEND rows (shuffle.steps.make_layout).
+        # run's blocks give each append about ROWS_PER_APPEND rows (tokpack.shuffle.steps.make_layout).
         model_appends = [m["rows"] * (appends_per_row(m["block_rows"], m["buckets"]) if "block_rows" in m else 1.0)
                          for m in models]  # measurements kept from before block_rows was recorded: a row each
         per_append, scatter_fixed = solve2(*((a, 1.0, m["scatter_s"]) for a, m in zip(model_appends, models)))

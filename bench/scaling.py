@@ -47,8 +47,8 @@ def make_source(corpus: Path, out: Path, eos_id: int = 0, vocab_size: int = 5025
             return out, "source from tokpack pack"
         except RuntimeError as e:
             reason = "tokpack pack failed: " + str(e).strip().splitlines()[-1][:120]
-    from formats.manifest import shard_name, write_manifest
-    from formats import SourceShardWriter, source_manifest
+    from tokpack.formats.manifest import shard_name, write_manifest
+    from tokpack.formats import SourceShardWriter, source_manifest
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

@@ -48,8 +48,8 @@ COLUMNS = ["case", "seconds", "x cp+sync", "range", "x floor", "MB/s", "peak RSS
 def pack_corpus(corpus: Path, out: Path, vocab_size: int = 50257, eos_id: int = 0) -> Path:
     """The datatrove corpus as a tokpack packed source, one shard per .ds file (untimed setup;
     written with the project's shard writer so this bench does not depend on `pack`)."""
-    from formats import SourceShardWriter, source_manifest, write_manifest
-    from formats.manifest import shard_name
+    from tokpack.formats import SourceShardWriter, source_manifest, write_manifest
+    from tokpack.formats.manifest import shard_name
 
     out.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype("<u2")
@@ -63,7 +63,7 @@ def pack_corpus(corpus: Path, out: Path, vocab_size: int = 50257, eos_id: int = 
 
 
 def tokpack_cmd(source: Path, out: Path, seq_len: int, memory: int, workers: int = 1) -> list[str]:
-    return [sys.executable, "-m", "packer.cli", "shuffle", str(source), "-o", str(out), "--seq-len", str(seq_len),
+    return [sys.executable, "-m", "tokpack.packer.cli", "shuffle", str(source), "-o", str(out), "--seq-len", str(seq_len),
             "--seed", "1", "--epochs", "1", "--memory", str(memory), "--workers", str(workers), "--json"]
 
 

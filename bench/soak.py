@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
 from bench.common import REPO, machine_line, make_datatrove_corpus, print_table  # noqa: E402
-from packer.lifetime import marked  # noqa: E402
+from tokpack.packer.lifetime import marked  # noqa: E402
 
 CORPUS_BYTES = 1 << 20  # small on purpose: many short runs, each killed somewhere in its life
 QUICK_KILLS = 3
@@ -101,7 +101,7 @@ class Runner:
         log.parent.mkdir(exist_ok=True)
         args = [a.replace("{out}", str(out)) for a in argv]
         with open(log, "wb") as f:  # a file, not a pipe: a leftover process would hold a pipe open
-            proc = subprocess.Popen([sys.executable, "-m", "packer.cli", *args], env=env, stdout=f, stderr=f,
+            proc = subprocess.Popen([sys.executable, "-m", "tokpack.packer.cli", *args], env=env, stdout=f, stderr=f,
                                     cwd=self.work)
         self.runs += 1
         return proc, token, log

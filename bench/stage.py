@@ -39,8 +39,8 @@ QUICK_SIZE = "64MiB"
 def make_packed_source(out: Path, total_bytes: int, shards: int, seed: int = 0) -> Path:
     """A packed source of random uint16 documents, written with the project's shard writer in
     blocks (untimed preparation)."""
-    from formats.manifest import shard_name, write_manifest
-    from formats import SourceShardWriter, source_manifest
+    from tokpack.formats.manifest import shard_name, write_manifest
+    from tokpack.formats import SourceShardWriter, source_manifest
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -65,7 +65,7 @@ def make_packed_source(out: Path, total_bytes: int, shards: int, seed: int = 0) 
 
 
 def stage_cmd(src: Path, dst: Path, workers: int) -> str:
-    args = [sys.executable, "-m", "packer.cli", "stage", str(src), str(dst), "--workers", str(workers), "--json"]
+    args = [sys.executable, "-m", "tokpack.packer.cli", "stage", str(src), str(dst), "--workers", str(workers), "--json"]
     return f"cd {shlex.quote(str(REPO))} && {' '.join(shlex.quote(a) for a in args)} > /dev/null"
 
 
@@ -168,7 +168,7 @@ def s3_main(size=None, quick: bool = False, *, shards: int = 8, workers: tuple[i
                   "s3fs.S3FileSystem().get('bench/src', sys.argv[1], recursive=True)", str(dst)])]
         if shutil.which("aws"):
             cases.append(("aws s3 cp --recursive", lambda dst: ["aws", "s3", "cp", "--recursive", "--quiet", url, str(dst)]))
-        cases += [(f"tokpack stage --workers {w}", lambda dst, w=w: [sys.executable, "-m", "packer.cli", "stage", url,
+        cases += [(f"tokpack stage --workers {w}", lambda dst, w=w: [sys.executable, "-m", "tokpack.packer.cli", "stage", url,
                    str(dst), "--workers", str(w), "--json"]) for w in workers]
         base = None
         for name, argv in cases:
@@ -203,7 +203,7 @@ def shuffle_to_bucket(src: Path, work: Path, fs, quick: bool) -> list[dict]:
 
     seq_len = 4095
     shard_samples = max(1, dir_bytes(src, ".ds") // OUTPUT_SHARDS // ((seq_len + 1) * 2))
-    shuffle = [sys.executable, "-m", "packer.cli", "shuffle", str(src), "--seq-len", str(seq_len), "--seed", "1",
+    shuffle = [sys.executable, "-m", "tokpack.packer.cli", "shuffle", str(src), "--seq-len", str(seq_len), "--seed", "1",
                "--epochs", "1", "--shard-samples", str(shard_samples), "--workers", "2", "--json"]
     local, scratch = work / "run", work / "scratch"
     cases = [("tokpack shuffle -o DIR, then s3fs put --recursive", local,
@@ -246,7 +246,7 @@ def shuffle_to_bucket(src: Path, work: Path, fs, quick: bool) -> list[dict]:
 
 
 def slice_cmd(run: Path, dst: Path, args: list[str], out: Path) -> str:
-    argv = [sys.executable, "-m", "packer.cli", "stage", str(run), str(dst), *args, "--json"]
+    argv = [sys.executable, "-m", "tokpack.packer.cli", "stage", str(run), str(dst), *args, "--json"]
     return f"cd {shlex.quote(str(REPO))} && {' '.join(shlex.quote(a) for a in argv)} > {shlex.quote(str(out))}"
 
 
@@ -256,7 +256,7 @@ def slice_cmd(run: Path, dst: Path, args: list[str], out: Path) -> str:
 STRIDED_READ = """
 import json, os, sys, time
 from pathlib import Path
-from formats.slices import RankRows
+from tokpack.formats.slices import RankRows
 t0 = time.perf_counter()
 run, r, w, m = Path(sys.argv[1]), *map(int, sys.argv[2:5])
 rows = RankRows(w, m)
@@ -289,14 +289,14 @@ def slices_main(size=None, quick: bool = False, *, workers: int = 4, s3: bool = 
     rows = []
     try:
         src = make_packed_source(work / "src", nbytes, 8)
-        subprocess.run([sys.executable, "-m", "packer.cli", "shuffle", str(src), "-o", str(work / "run"), "--seq-len",
+        subprocess.run([sys.executable, "-m", "tokpack.packer.cli", "shuffle", str(src), "-o", str(work / "run"), "--seq-len",
                         "4095", "--seed", "1", "--epochs", "1", "--memory", "256MiB"], cwd=REPO, check=True,
                        stdout=subprocess.DEVNULL)
         run = work / "run"
         total = dir_bytes(run)
         if s3:  # moto copies a whole object for each ranged GET: the bucket's run has 8 MiB shards
             small_run = work / "run-8mib-shards"
-            subprocess.run([sys.executable, "-m", "packer.cli", "shuffle", str(src), "-o", str(small_run), "--seq-len",
+            subprocess.run([sys.executable, "-m", "tokpack.packer.cli", "shuffle", str(src), "-o", str(small_run), "--seq-len",
                             "4095", "--seed", "1", "--epochs", "1", "--memory", "256MiB", "--shard-samples", "1024"],
                            cwd=REPO, check=True, stdout=subprocess.DEVNULL)
         note = "cold cache" if can_drop_caches() else "warm cache (not root: cannot drop caches)"
@@ -304,7 +304,7 @@ def slices_main(size=None, quick: bool = False, *, workers: int = 4, s3: bool = 
         # slice of a one-shard run, median of 3, shows it. The ratios "excl. start-up" take the
         # stage's own `seconds` (its JSON: from its call, after the interpreter and imports).
         tiny = make_packed_source(work / "tiny", 1 << 18, 1)
-        subprocess.run([sys.executable, "-m", "packer.cli", "shuffle", str(tiny), "-o", str(work / "tiny-run"),
+        subprocess.run([sys.executable, "-m", "tokpack.packer.cli", "shuffle", str(tiny), "-o", str(work / "tiny-run"),
                         "--seq-len", "63", "--seed", "1", "--epochs", "1"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
 
         def tiny_slice():

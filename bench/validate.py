@@ -41,8 +41,8 @@ VOCAB, EOS, SEQ_LEN = 50257, 0, 2048
 
 def make_source(out: Path, total_bytes: int, shards: int = 4, seed: int = 0) -> Path:
     """A packed source of random documents (mean 1,200 tokens), written with the shard writer in blocks."""
-    from formats.manifest import shard_name, write_manifest
-    from formats import SourceShardWriter, source_manifest
+    from tokpack.formats.manifest import shard_name, write_manifest
+    from tokpack.formats import SourceShardWriter, source_manifest
 
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -66,8 +66,8 @@ def make_source(out: Path, total_bytes: int, shards: int = 4, seed: int = 0) -> 
 
 def make_many_shards(out: Path, shards: int, samples_per_shard: int = 1, seq_len: int = 15) -> Path:
     """An epoch directory of `shards` tiny shards, written directly with the epoch shard writer."""
-    from formats.manifest import epoch_manifest, shard_name, shard_digits, write_manifest
-    from formats.shards import EpochShardWriter
+    from tokpack.formats.manifest import epoch_manifest, shard_name, shard_digits, write_manifest
+    from tokpack.formats.shards import EpochShardWriter
 
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(1)
@@ -90,7 +90,7 @@ def make_many_shards(out: Path, shards: int, samples_per_shard: int = 1, seq_len
 
 
 def validate_cmd(path: Path, *flags: str) -> list[str]:
-    return python_cmd(f"from packer.cli import main; main({['validate', str(path), *flags]!r})")
+    return python_cmd(f"from tokpack.packer.cli import main; main({['validate', str(path), *flags]!r})")
 
 
 def _measure_ok(cmd) -> object:
@@ -125,11 +125,11 @@ def against_cmd(epoch: Path, src: Path, order: bool, scan: bool = True, workers:
     (without: the multiset-only comparison --against made before it); `scan=False`: the plan's
     replay over the source alone."""
     if not scan:
-        return python_cmd(f"from formats.manifest import read_manifest; from formats.shards import PackedSource\n"
-                          f"from shuffle.plan import replay_hashes\n"
+        return python_cmd(f"from tokpack.formats.manifest import read_manifest; from tokpack.formats.shards import PackedSource\n"
+                          f"from tokpack.shuffle.plan import replay_hashes\n"
                           f"replay_hashes(read_manifest({str(epoch)!r}), [PackedSource.open({str(src)!r})], {order})")
-    return python_cmd(f"from functools import partial\nfrom formats.dir_checks import _against, validate_dirs\n"
-                      f"from shuffle.plan import replay_hashes\n"
+    return python_cmd(f"from functools import partial\nfrom tokpack.formats.dir_checks import _against, validate_dirs\n"
+                      f"from tokpack.shuffle.plan import replay_hashes\n"
                       f"report = validate_dirs([{str(epoch)!r}, {str(src)!r}], workers={workers}, order={order})\n"
                       f"assert report.ok and not _against(report, [{str(src)!r}], partial(replay_hashes, order={order}))\n"
                       f"assert all(d.shard_orders for d in report.dirs if d.kind == 'epoch') == {order}")
@@ -159,7 +159,7 @@ def against_rows(src: Path, epoch: Path, runs: int, workers: int) -> list[dict]:
 def order_terms_cpu(epoch: Path, rounds: int = 5) -> str:
     """The CPU the order proof adds per side, apart from the disk: its terms for as many samples
     as the epoch holds, timed warm in this process (best of `rounds`)."""
-    from formats.manifest import order_hash_terms, read_manifest, row_hashes
+    from tokpack.formats.manifest import order_hash_terms, read_manifest, row_hashes
 
     m = read_manifest(epoch)
     n = m["samples"]
@@ -185,8 +185,8 @@ def main(size: int, quick: bool = False, workers: int = 2, work: Path | None = N
     rows = []
     try:
         src = make_source(tmp / "src", size)
-        from packer.executors import ExecutorConfig, pass_runner
-        from shuffle.run import shuffle_run
+        from tokpack.packer.executors import ExecutorConfig, pass_runner
+        from tokpack.shuffle.run import shuffle_run
 
         shuffle_run([str(src)], str(tmp / "run"), seq_len=SEQ_LEN, seed=0, epochs=[0], memory=max(size, 64 << 20),
                     run_passes=pass_runner(ExecutorConfig()))

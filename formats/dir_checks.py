@@ -1,12 +1,12 @@
 """`tokpack validate`: the manifest and directory checks of packed sources, runs and epochs,
-the entry point that runs them with formats.shard_scan over every shard, `--against`, and the
+the entry point that runs them with tokpack.formats.shard_scan over every shard, `--against`, and the
 report (its text and exit codes: docs/COMMANDS.md, "Validating").
 
 A manifest is checked for schema, version, byte-exact form, sums and cross-field rules, and
 its directory for holding the listed files and only those; a run's epochs must agree with the
 run. `--against` replays each epoch's plan over the given sources and compares the sample
 multiset hash and each shard's order hash (which sample sits at which position); that replay is
-shuffle's (shuffle.plan.replay_hashes), so the caller passes it in and this module imports
+shuffle's (tokpack.shuffle.plan.replay_hashes), so the caller passes it in and this module imports
 nothing from shuffle/ or packer/.
 """
 
@@ -136,7 +136,7 @@ def _check_pads(path: Path, shards: list[dict], rep: DirReport) -> None:
 
 
 def _check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> list[ShardJob]:
-    """The manifest checks (formats.manifest.check_manifest, which every command applies) and the
+    """The manifest checks (tokpack.formats.manifest.check_manifest, which every command applies) and the
     listing; returns the shard jobs (empty if the manifest cannot drive them)."""
     usable = check_manifest(m, path, rep.add)
     shards = m.get("shards") if isinstance(m.get("shards"), list) else []
@@ -539,7 +539,7 @@ class ValidateResult:
 def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None = None, workers: int = 1,
                  show_progress: bool | None = None, replay=None) -> ValidateResult:
     """Validates each directory (source, run or epoch); with `against`, also those sources and
-    every epoch's content and order through its plan, replayed by `replay` (shuffle.plan's
+    every epoch's content and order through its plan, replayed by `replay` (tokpack.shuffle.plan's
     replay_hashes, given by the caller: this layer does not import shuffle)."""
     t0 = time.perf_counter()
     against = list(against or [])

@@ -581,7 +581,7 @@ class ThreadPool(ThreadPoolExecutor):
     """A ThreadPoolExecutor whose `with` block, when it ends by an exception (a failure, Ctrl-C,
     SIGTERM), drops the calls not started and waits at most STOP_GRACE seconds for those
     running: a thread blocked in a read (a hung network mount) must not hold the command, which
-    then unwinds (its lock, its one line) and exits; packer.cli leaves such a thread behind."""
+    then unwinds (its lock, its one line) and exits; tokpack.packer.cli leaves such a thread behind."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)

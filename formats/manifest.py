@@ -339,7 +339,7 @@ def upgrade(manifest: dict) -> dict:
 # What every command checks of a manifest before it uses it, and `tokpack validate` reports:
 # fields, the dtype rule, sums and the windowing arithmetic. `add(file, where, expected, found,
 # message)` receives each problem; read_manifest's raises at the first (one line), validate's
-# collects them all. The files on disk are the checks' of formats.dir_checks and shard_scan.
+# collects them all. The files on disk are the checks' of tokpack.formats.dir_checks and shard_scan.
 
 EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
 MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -431,7 +431,7 @@ def check_manifest(m: dict, directory, add) -> bool:
 
 
 def _check_shard_names(shards: list[dict], mfile: str, add) -> None:
-    """Each shard's `path` a plain `.ds` file name (formats.io's containment rule), once each,
+    """Each shard's `path` a plain `.ds` file name (tokpack.formats.io's containment rule), once each,
     of one width, in sorted order."""
     listed = set()
     names = [s.get("path") for s in shards]
@@ -596,7 +596,7 @@ def canonical_bytes(manifest: dict) -> bytes:
 
 def write_manifest(directory: str | Path, manifest: dict, name: str = MANIFEST) -> None:
     """Written last, atomically: its presence is what makes a directory complete (an Output that
-    sends its files elsewhere sends it last too: formats.outputs)."""
+    sends its files elsewhere sends it last too: tokpack.formats.outputs)."""
     fsync_dir(directory)  # the shards' renames are on disk before a manifest can claim them
     write_bytes_atomic(Path(directory) / name, canonical_bytes(manifest), fsync=True)
     fsync_dir(directory)

@@ -6,7 +6,7 @@ temporary name, renames it, and then tells its Output. The Output decides what e
 
 - `LocalOutput`: the local folder is the output. Nothing else happens.
 - `BucketOutput`: the local folder is a working copy of an object-store prefix, driven through
-  a `formats.io.Outbox`. Each committed shard is sent and then removed here, so the local disk
+  a `tokpack.formats.io.Outbox`. Each committed shard is sent and then removed here, so the local disk
   holds only a few shards at a time. Records of finished work are sent and kept here. The
   manifest is sent last, so a partial upload never looks complete.
 

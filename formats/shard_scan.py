@@ -25,7 +25,7 @@ from .manifest import MANIFEST, MASK64, hash_hex64, metadata_text, order_hash, p
 from .shards import ROWS_SUFFIX, U64
 
 MAX_METADATA = 1 << 16
-# Read block: smaller than formats.io.IO_BLOCK, and it keeps a cold read pipelined best
+# Read block: smaller than tokpack.formats.io.IO_BLOCK, and it keeps a cold read pipelined best
 # with the read-ahead thread (BENCHMARKS.md, "validate").
 BLOCK = 2 << 20
 

@@ -57,7 +57,7 @@ def write_pad_sidecar(directory: str | Path, name: str, pad: np.ndarray) -> str:
 
 def contained_shard(directory, entry: dict, i: int) -> "Path":
     """The token file of shard `i` (its manifest entry), once it and every file of the shard are
-    known to stay inside `directory` (formats.io.contained; a TokpackError otherwise)."""
+    known to stay inside `directory` (tokpack.formats.io.contained; a TokpackError otherwise)."""
     return contained(directory, entry.get("path"), manifest=f"{str(directory).rstrip('/')}/{MANIFEST}",
                      where=f"shards[{i}].path", siblings=(*SHARD_SUFFIXES[1:], PAD_SUFFIX, ROWS_SUFFIX))
 

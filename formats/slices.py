@@ -233,7 +233,7 @@ class SliceReader(SampleReader):
 def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
     """`tokpack validate SLICE`: the slice's manifests agree with each other and with the rank
     arithmetic; returns the rank files' checks (every file an epoch-shard check: sizes, index,
-    metadata, row hashes, checksums) for formats.dir_checks to run. Problems go into `rep`."""
+    metadata, row hashes, checksums) for tokpack.formats.dir_checks to run. Problems go into `rep`."""
     from .shard_scan import ShardJob
 
     jobs = []

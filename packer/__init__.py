@@ -1,5 +1,5 @@
-"""tokpack's Python API: `from packer import pack, shuffle, validate, stage, inspect, plan` (docs/API.md)."""
+"""tokpack's Python API: `from tokpack import pack, shuffle, validate, stage, inspect, plan` (docs/API.md)."""
 
-from packer.api import ExecutorConfig, inspect, pack, plan, shuffle, stage, validate
+from tokpack.packer.api import ExecutorConfig, inspect, pack, plan, shuffle, stage, validate
 
 __all__ = ["ExecutorConfig", "inspect", "pack", "plan", "shuffle", "stage", "validate"]

@@ -11,14 +11,14 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-# Defined in the leaf packer.shared (the stages import it, not this module); kept importable from here.
-from packer.shared import ExecutorConfig, PathLike, Result, as_paths, optional_field, weighted_sources  # noqa: F401
+# Defined in the leaf tokpack.packer.shared (the stages import it, not this module); kept importable from here.
+from tokpack.packer.shared import ExecutorConfig, PathLike, Result, as_paths, optional_field, weighted_sources  # noqa: F401
 
 if TYPE_CHECKING:  # the stages build their results; importing them here would import their dependencies
-    from packer.inspection import InspectResult
-    from packer.packing import PackResult
-    from packer.planning import PlanResult
-    from packer.staging import StageResult
+    from tokpack.packer.inspection import InspectResult
+    from tokpack.packer.packing import PackResult
+    from tokpack.packer.planning import PlanResult
+    from tokpack.packer.staging import StageResult
 
 
 @dataclasses.dataclass
@@ -48,9 +48,9 @@ def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_forma
     """Packs tokenized inputs (files, folders or URLs) into one packed source at `output`.
     URL inputs are read where they are (streamed). A URL output is written under `scratch` (a
     local or shared folder; default $TOKPACK_STAGE_DIR, else the system temp dir) and each shard
-    is sent to the store once written (packer.executors.local_paths)."""
-    from packer.executors import local_paths, runs_in_process
-    from packer.packing import pack as pack_source
+    is sent to the store once written (tokpack.packer.executors.local_paths)."""
+    from tokpack.packer.executors import local_paths, runs_in_process
+    from tokpack.packer.packing import pack as pack_source
 
     in_process = runs_in_process(executor or ExecutorConfig())
     with local_paths([], str(output), scratch and str(scratch), in_process, "pack") as (_, local_output, to):
@@ -73,10 +73,10 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
     (pass sources=None). A URL `output` is written under `scratch` (as for `pack`), out-of-core
     buckets included, and each shard is sent to the store once written. `packing`: "concat" or
     "best-fit" (docs/COMMANDS.md, "Best-fit packing"), `pad_id` its padding token [default: EOS]."""
-    from packer.executors import local_paths, pass_runner, runs_in_process
-    from shuffle.run import shuffle_run
-    from formats.errors import TokpackError
-    from shuffle.schedule import epoch_numbers, read_schedule
+    from tokpack.packer.executors import local_paths, pass_runner, runs_in_process
+    from tokpack.shuffle.run import shuffle_run
+    from tokpack.formats.errors import TokpackError
+    from tokpack.shuffle.schedule import epoch_numbers, read_schedule
 
     config = executor or ExecutorConfig()
     scheduled = read_schedule(schedule) if schedule is not None else None
@@ -100,9 +100,9 @@ def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
              against: PathLike | Sequence[PathLike] = (), workers: int = 1, show_progress: bool | None = None):
     """Checks tokpack directories (sources, runs, epochs); `against`: the packed sources an
     epoch was shuffled from, to recompute its content and prove its order. Returns a
-    formats.dir_checks.ValidateResult."""
-    from formats.dir_checks import validate_all
-    from shuffle.packed import replay_hashes_any as replay_hashes
+    tokpack.formats.dir_checks.ValidateResult."""
+    from tokpack.formats.dir_checks import validate_all
+    from tokpack.shuffle.packed import replay_hashes_any as replay_hashes
 
     return validate_all(as_paths(dirs), quick=quick, against=as_paths(against), workers=workers,
                         show_progress=show_progress, replay=replay_hashes)
@@ -112,14 +112,14 @@ def stage(directory: PathLike, dest: PathLike, *, workers: int = 4, epochs: str 
           ranks: str | None = None, micro_batch: int = 1, world_size: int | None = None, node: str | None = None,
           ranks_per_node: int | None = None, start_sample: int = 0, log=None):
     """Copies a tokpack directory (any fsspec URL) to the local `dest`, verifying every file. With
-    `world_size` or `node`: the node slice of ranks A..B of a run (packer.slicing), a SliceResult."""
+    `world_size` or `node`: the node slice of ranks A..B of a run (tokpack.packer.slicing), a SliceResult."""
     if world_size is not None or node is not None:
-        from packer.slicing import stage_slice
+        from tokpack.packer.slicing import stage_slice
 
         return stage_slice(str(directory), dest, ranks=ranks, world_size=world_size, micro_batch=micro_batch,
                            node=node, ranks_per_node=ranks_per_node, start_sample=start_sample, epochs=epochs,
                            workers=workers, log=log)
-    from packer.staging import stage as stage_copy
+    from tokpack.packer.staging import stage as stage_copy
 
     return stage_copy(str(directory), dest, workers=workers, epochs=epochs, ranks=ranks, micro_batch=micro_batch,
                       log=log)
@@ -128,7 +128,7 @@ def stage(directory: PathLike, dest: PathLike, *, workers: int = 4, epochs: str 
 def inspect(directory: PathLike, *, batch_size: int | None = None, batches: int = 64, plot: PathLike | None = None,
             seq_len: int | None = None, epoch: int | None = None) -> InspectResult:
     """What a source, run or epoch holds and the batch diversity before and after the shuffle."""
-    from packer.inspection import inspect as inspect_dir
+    from tokpack.packer.inspection import inspect as inspect_dir
 
     return inspect_dir(directory, batch_size=batch_size, batches=batches, plot=plot, seq_len=seq_len, epoch=epoch)
 
@@ -136,9 +136,9 @@ def inspect(directory: PathLike, *, batch_size: int | None = None, batches: int 
 def plan(command: str, *args, **kwargs) -> PlanResult:
     """What `pack`, `shuffle` or `stage` (`command`) would do with these arguments (that function's,
     plus `disk_mbps`), writing nothing: tasks, files, bytes per pass, space, manifest sizes and a
-    predicted wall time (packer.planning)."""
-    from formats.errors import TokpackError
-    from packer import planning
+    predicted wall time (tokpack.packer.planning)."""
+    from tokpack.formats.errors import TokpackError
+    from tokpack.packer import planning
 
     planner = {"pack": planning.plan_pack, "shuffle": planning.plan_shuffle, "stage": planning.plan_stage}.get(command)
     if planner is None:

@@ -23,12 +23,12 @@ import traceback
 
 import click
 
-from formats.errors import TokpackError
-from formats.units import byte_size, token_count
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.units import byte_size, token_count
 
 
 class Quantity(click.ParamType):
-    """A command-line quantity parsed by one function of formats.units, so each quantity has its
+    """A command-line quantity parsed by one function of tokpack.formats.units, so each quantity has its
     own type and its own units: TOKENS (1000000, 100B, 1.5M: K/M/B/T are 10^3..10^12) or BYTES
     (16GiB, 2GB, 4G: a bare K/M/G/T is binary)."""
 
@@ -248,7 +248,7 @@ def _executor_config(kw: dict):
     """The ExecutorConfig of the options `executor_options` added (each named as its field)."""
     from dataclasses import fields
 
-    from packer.api import ExecutorConfig
+    from tokpack.packer.api import ExecutorConfig
 
     deprecated = kw.pop("deprecated_mem", None)
     if deprecated is not None:  # --mem, GB per CPU, read next to --memory, bytes, as one option: renamed
@@ -339,7 +339,7 @@ class _Tokpack(click.Group):
 
 @click.group(cls=_Tokpack, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--debug", is_flag=True, help="Print the traceback of an internal error instead of saving it to a log file.")
-@click.version_option(package_name="tokpack")
+@click.version_option(package_name="tokpack", prog_name="tokpack")
 def main(debug):
     """Pack tokenized corpora, shuffle them offline per epoch, validate, stage and stream them.
 
@@ -394,7 +394,7 @@ def pack(inputs, output, as_json, **kw):
       tokpack pack /data/tokenized/web/ -o /data/packed/web --workers 8
       tokpack pack data.parquet -o packed --column input_ids --eos-id 0 --vocab-size 50304
     """
-    from packer.api import pack as pack_api
+    from tokpack.packer.api import pack as pack_api
 
     executor = _executor_config(kw)
     emit(pack_api(list(inputs), output, executor=executor, log=_log(as_json), **kw), as_json)
@@ -456,7 +456,7 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
           --seq-len 4096 --seed 1234 --epochs 3 --tokens 100B --memory 16GiB --workers 4
       tokpack shuffle --schedule run.yaml -o /data/runs/r2
     """
-    from packer.api import shuffle as shuffle_api
+    from tokpack.packer.api import shuffle as shuffle_api
 
     epochs = _epochs_asked(sources, epochs, epoch, kw)
     executor = _executor_config(kw)
@@ -496,8 +496,8 @@ def validate(dirs, quick, against, workers, as_json):
       tokpack validate /data/packed/web /data/runs/r1
       tokpack validate /data/runs/r1/epoch-00000 --against /data/packed/web --json
     """
-    from packer.api import validate as validate_api
-    from formats.dir_checks import report_lines
+    from tokpack.packer.api import validate as validate_api
+    from tokpack.formats.dir_checks import report_lines
 
     result = validate_api(list(dirs), quick=quick, against=list(against), workers=workers)
     emit(result, as_json, report_lines, err=not result.ok)
@@ -526,7 +526,7 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
     Example:
       tokpack read /data/runs/r1 --rank 3 --world-size 8 --micro-batch 4 --start-sample 1024 --count 4
     """
-    from formats.reader import SampleReader
+    from tokpack.formats.reader import SampleReader
 
     if start_sample is not None and consumed_tokens is not None:
         raise click.UsageError("give at most one of --start-sample and --consumed-tokens")
@@ -561,8 +561,8 @@ def inspect(directory, as_json, **kw):
       tokpack inspect /data/runs/r1 --epoch 0 --batch-size 512
       tokpack inspect /data/packed/web --seq-len 4096 --plot web.png
     """
-    from packer.api import inspect as inspect_api
-    from packer.inspection import report_lines
+    from tokpack.packer.api import inspect as inspect_api
+    from tokpack.packer.inspection import report_lines
 
     emit(inspect_api(directory, **kw), as_json, report_lines)
 
@@ -590,7 +590,7 @@ def stage(directory, dest, as_json, **kw):
       tokpack stage s3://bucket/runs/r1 /local_nvme/r1 --epochs 0-1 --workers 8
       tokpack stage /shared/runs/r1 /local_nvme/slice --ranks 0-7 --world-size 64 --micro-batch 4
     """
-    from packer.api import stage as stage_api
+    from tokpack.packer.api import stage as stage_api
 
     emit(stage_api(directory, dest, log=_log(as_json), **kw), as_json)
 
@@ -624,7 +624,7 @@ PLAN_HELP = {
 
 def _planned(command: click.Command):
     """Registers `tokpack plan COMMAND`: every argument and option of COMMAND, plus --disk-mbps.
-    Plans are of local paths (packer.planning), so --scratch, which only a URL -o uses, changes
+    Plans are of local paths (tokpack.packer.planning), so --scratch, which only a URL -o uses, changes
     nothing in a plan, as it changes nothing in the command with a local -o."""
 
     def register(fn):
@@ -639,8 +639,8 @@ def _planned(command: click.Command):
 
 
 def _emit_plan(command: str, as_json: bool, *args, **kw) -> None:
-    from packer.api import plan as plan_api
-    from packer.planning import report_lines
+    from tokpack.packer.api import plan as plan_api
+    from tokpack.packer.planning import report_lines
 
     result = plan_api(command, *args, **kw)
     emit(result, as_json, report_lines)

@@ -7,8 +7,8 @@ so the next pass (and the manifest) can rely on all outputs of this one. A rerun
 
 Paths: the stages write local files (O_DIRECT, os.replace). `file://` URLs are local paths under
 another name. An output at another fsspec URL (s3://, ...) is written to a local folder and sent
-to the store shard by shard as each is committed (formats.io.Outbox); shuffle's URL sources are
-downloaded first (through datatrove's `DataFolder`), pack's inputs are read in place (formats.io).
+to the store shard by shard as each is committed (tokpack.formats.io.Outbox); shuffle's URL sources are
+downloaded first (through datatrove's `DataFolder`), pack's inputs are read in place (tokpack.formats.io).
 """
 
 from __future__ import annotations
@@ -25,20 +25,20 @@ from pathlib import Path
 
 import xxhash
 
-from formats.errors import TokpackError, task_failed
-from formats.guard import OutputLock, holder_name
-from formats.io import Outbox, RemotePath, is_url, local_path
-from formats.outputs import BucketOutput, LocalOutput
-from formats.manifest import MANIFEST
-from shuffle.sinks import app_sinks_kept
+from tokpack.formats.errors import TokpackError, task_failed
+from tokpack.formats.guard import OutputLock, holder_name
+from tokpack.formats.io import Outbox, RemotePath, is_url, local_path
+from tokpack.formats.outputs import BucketOutput, LocalOutput
+from tokpack.formats.manifest import MANIFEST
+from tokpack.shuffle.sinks import app_sinks_kept
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
 with app_sinks_kept():
     import datatrove.utils.logging  # noqa: F401
     from datatrove.pipeline.base import PipelineStep
 
-from packer import lifetime
-from packer.shared import ExecutorConfig
+from tokpack.packer import lifetime
+from tokpack.packer.shared import ExecutorConfig
 
 # The folder holding packer/, shuffle/, formats/: Slurm jobs and Ray workers import the steps from here.
 PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -551,10 +551,10 @@ def _fs_and_path(url: str):
 def local_paths(inputs: list[str], output: str, scratch: str | None = None, in_process: bool = True,
                 command: str = "shuffle"):
     """Yields (inputs, output folder, Output): local paths, `file://` URLs made paths, and the
-    formats.outputs Output the command writes through. Other fsspec URLs: inputs are downloaded
+    tokpack.formats.outputs Output the command writes through. Other fsspec URLs: inputs are downloaded
     to a temporary folder; an output is written to a local folder named after the URL under
     `scratch` (default: TOKPACK_STAGE_DIR, else the system temp dir) and goes to the store file
-    by file (a BucketOutput over a formats.io.Outbox; a LocalOutput for a local output). That
+    by file (a BucketOutput over a tokpack.formats.io.Outbox; a LocalOutput for a local output). That
     folder is locked (for `command`) before the store's state is fetched into it, kept when the
     command fails, for its rerun, and removed when it succeeds. `in_process`: every task runs in
     this process (the tasks send the shards)."""

@@ -7,7 +7,7 @@ each BEFORE the shuffle (window i = tokens [i(L+1), (i+1)(L+1)) of the sources r
 order, i.e. what a sequential loader would feed) and AFTER it (the epoch's order).
 
 After the shuffle, each epoch sample is mapped back to its source window through the
-shuffle plan (shuffle.plan.EpochPlan.locate), so a document cut across several samples is
+shuffle plan (tokpack.shuffle.plan.EpochPlan.locate), so a document cut across several samples is
 still one document. The mapping is checked against the epoch's bytes; if the sources are
 unreachable or do not match, inspect falls back to EOS-delimited fragments inside the
 samples (then a document split across samples counts once per sample), and says so
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from formats.errors import TokpackError
-from formats.io import as_path, open_read, progress, read_array, regular_size
-from formats.manifest import epoch_dir_name, read_manifest
-from formats.reader import SampleReader
-from formats.shards import U64, PackedSource
-from packer.shared import Result, optional_field
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import as_path, open_read, progress, read_array, regular_size
+from tokpack.formats.manifest import epoch_dir_name, read_manifest
+from tokpack.formats.reader import SampleReader
+from tokpack.formats.shards import U64, PackedSource
+from tokpack.packer.shared import Result, optional_field
 
 DEFAULT_BATCH_SIZE = 64
 INDEX_BLOCK = 1 << 20  # index entries read at a time when streaming document lengths
@@ -252,7 +252,7 @@ def diversity_after_packed(plan, maps: list[DocumentMap], epoch_dir: Path, manif
                            batches: int) -> tuple[dict | None, int]:
     """A best-fit epoch in order: each sample's documents from the plan's row table. Returns
     (series, samples whose bytes differ from the rows the table builds)."""
-    from shuffle.packed import TokenPool
+    from tokpack.shuffle.packed import TokenPool
 
     opened = [m.src for m in maps]
     table = plan.table(opened)
@@ -503,8 +503,8 @@ def _batch_diversity(sources: list[PackedSource], chosen, L: int, batch: int, ba
     after, method, note = None, "eos", "sources not reachable"
     if maps:
         try:
-            from shuffle.packed import PACKED_ALGORITHM, packed_plan_from_manifest
-            from shuffle.plan import EpochPlan
+            from tokpack.shuffle.packed import PACKED_ALGORITHM, packed_plan_from_manifest
+            from tokpack.shuffle.plan import EpochPlan
 
             packed = em.get("shuffle") == PACKED_ALGORITHM
             plan = (packed_plan_from_manifest if packed else EpochPlan.from_manifest)(em, sources)

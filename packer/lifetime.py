@@ -97,7 +97,7 @@ def install_fork_hook(always: bool = False) -> None:
         _hook_installed = True
 
 
-_WORKER_MODULES = ("packer.executors", "packer.packing", "shuffle.steps", "shuffle.packed_step", "datatrove.pipeline.base")
+_WORKER_MODULES = ("tokpack.packer.executors", "tokpack.packer.packing", "tokpack.shuffle.steps", "tokpack.shuffle.packed_step", "datatrove.pipeline.base")
 
 
 def _forkserver_preload() -> None:

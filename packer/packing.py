@@ -28,13 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
-from formats.errors import TokpackError
-from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, locked_output
-from formats.inputs import BLOCK_BYTES, InputFile
-from formats.inputs.discover import check_input, discover, read_blocks
-from formats.inputs.tables import parquet_values
-from formats.io import as_path, is_tmp_name, is_url, progress, read_record, write_bytes_atomic
-from formats.manifest import (
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, locked_output
+from tokpack.formats.inputs import BLOCK_BYTES, InputFile
+from tokpack.formats.inputs.discover import check_input, discover, read_blocks
+from tokpack.formats.inputs.tables import parquet_values
+from tokpack.formats.io import as_path, is_tmp_name, is_url, progress, read_record, write_bytes_atomic
+from tokpack.formats.manifest import (
     MANIFEST,
     dtype_for_vocab,
     read_manifest,
@@ -42,12 +42,12 @@ from formats.manifest import (
     shard_name,
     source_manifest,
 )
-from formats.outputs import LocalOutput
-from formats.shards import PackedSource, SourceShardWriter, is_own_file, shard_suffixes
-from shuffle.sinks import app_sinks_kept
-from packer.shared import Result
-from packer.executors import ExecutorConfig, run_steps, runs_in_process
-from packer.vocab import Normalizer, load_tokenizer, resolve_vocab_eos
+from tokpack.formats.outputs import LocalOutput
+from tokpack.formats.shards import PackedSource, SourceShardWriter, is_own_file, shard_suffixes
+from tokpack.shuffle.sinks import app_sinks_kept
+from tokpack.packer.shared import Result
+from tokpack.packer.executors import ExecutorConfig, run_steps, runs_in_process
+from tokpack.packer.vocab import Normalizer, load_tokenizer, resolve_vocab_eos
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
 with app_sinks_kept():
@@ -85,7 +85,7 @@ class PackStep(PipelineStep):
         self.tokenizer = tokenizer  # written into each shard's .ds.metadata
         self.shard_tokens = shard_tokens  # max tokens per shard (but one oversized document)
         self.block_bytes = block_bytes  # input bytes per read block
-        self.output = output  # where the shards go (formats.outputs): to a bucket, each is sent once written
+        self.output = output  # where the shards go (tokpack.formats.outputs): to a bucket, each is sent once written
         # The bar over every file, next to each file's own, when the ranks run in the command's
         # process (never pickled to a worker); moved by whole files: a JSONL block's bytes are not known.
         self.overall = None
@@ -346,7 +346,7 @@ def _finalize(out: Path, work: Path, plan: dict, to: LocalOutput) -> dict:
 
 def known_tokens(f: InputFile) -> int | None:
     """The input's token count where its size tells it (datatrove, Megatron, NumPy, raw) or its
-    footer does (Parquet: formats.inputs.tables.parquet_values, an estimate), else None."""
+    footer does (Parquet: tokpack.formats.inputs.tables.parquet_values, an estimate), else None."""
     if f.format in ("datatrove", "megatron"):
         return as_path(f.path).stat().st_size // np.dtype(f.dtype).itemsize
     if f.format == "parquet":
@@ -448,8 +448,8 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
          config: ExecutorConfig | None = None, block_bytes: int = BLOCK_BYTES,
          to: LocalOutput = LocalOutput()) -> PackResult:
     """Packs INPUTs (local paths or fsspec URLs, read where they are) into one packed source at
-    the local `output`, or, `to` another Output (formats.outputs), where it sends them from
-    there (packer.api.pack picks the Output)."""
+    the local `output`, or, `to` another Output (tokpack.formats.outputs), where it sends them from
+    there (tokpack.packer.api.pack picks the Output)."""
     t0 = time.perf_counter()
     say = log or (lambda msg: None)
     out = Path(output).absolute()

@@ -1,8 +1,8 @@
 """`tokpack plan shuffle|pack|stage`: what the command would do, from the planning code the
 command itself runs, with nothing written (docs/COMMANDS.md, "Planning a run").
 
-Each plan_* function calls its command's own setup (shuffle.run.setup_run and epoch_layout,
-packer.packing.setup_pack, packer.staging.make_plan) and byte counts, then predicts the wall
+Each plan_* function calls its command's own setup (tokpack.shuffle.run.setup_run and epoch_layout,
+tokpack.packer.packing.setup_pack, tokpack.packer.staging.make_plan) and byte counts, then predicts the wall
 time: each pass moves the bytes it reads and writes at the disk throughput, over the tasks
 that run at once on separate disks (slurm, ray: one node each) or over one disk (local: its
 workers share it). The throughput is `disk_mbps`, or is measured in about two seconds by
@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from formats.errors import TokpackError
-from formats.guard import physical_memory, space_needs
-from formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, source_manifest
-from packer.shared import ExecutorConfig, Result, as_paths, optional_field, weighted_sources
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.guard import physical_memory, space_needs
+from tokpack.formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, source_manifest
+from tokpack.packer.shared import ExecutorConfig, Result, as_paths, optional_field, weighted_sources
 
 MEASURE_BYTES = 256 << 20  # at most this much is written, then read back, to measure the disk
 MEASURE_SECONDS = 1.0  # per direction
@@ -112,7 +112,7 @@ def _result(command: str, output: str, passes: list[dict], needs: list[tuple], c
         moved = p["read_bytes"] + p["written_bytes"]
         p["seconds"] = None if mbps is None else round(max(moved / (mbps * 1e6) / at_once,
                                                            p.get("decode_seconds") or p.get("pack_seconds") or 0), 1)
-    from packer.executors import runs_in_process
+    from tokpack.packer.executors import runs_in_process
 
     startup = COMMAND_START_SECONDS + (0 if runs_in_process(config) else EXECUTOR_START_SECONDS * len(passes))
     total = None if mbps is None else round(sum(p["seconds"] for p in passes) + startup, 1)
@@ -128,7 +128,7 @@ def _pass(name: str, tasks: int, memory: int | None, read: int, written: int, **
 
 def _local(paths: list[str]) -> list[str]:
     """The local paths (`file://` URLs included) a plan reads or writes next to; other URLs are refused."""
-    from packer.executors import local_path
+    from tokpack.packer.executors import local_path
 
     for p in paths:
         if local_path(p) is None:
@@ -150,13 +150,13 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
     a schedule file instead of sources and their settings (every epoch unless `epochs` says).
     `scratch` is taken as shuffle takes it, and is unused: only a URL output writes there, and
     a plan's output is local."""
-    from shuffle.packed import PACKED_ALGORITHM
-    from shuffle.packed_step import table_estimate
-    from shuffle.steps import BUCKETS_PER_FOLDER
-    from shuffle.run import (bytes_to_write, epoch_bytes, epoch_layout, memory_path, planned_epoch_manifest,
+    from tokpack.shuffle.packed import PACKED_ALGORITHM
+    from tokpack.shuffle.packed_step import table_estimate
+    from tokpack.shuffle.steps import BUCKETS_PER_FOLDER
+    from tokpack.shuffle.run import (bytes_to_write, epoch_bytes, epoch_layout, memory_path, planned_epoch_manifest,
                              repeat_warnings, run_manifest_of, scratch_bytes, setup_run, task_budget)
 
-    from shuffle.schedule import epoch_numbers, read_schedule
+    from tokpack.shuffle.schedule import epoch_numbers, read_schedule
 
     config = executor or ExecutorConfig()
     scheduled = read_schedule(schedule) if schedule is not None else None
@@ -236,8 +236,8 @@ def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None 
     """What `pack` with these arguments would do: one task per input file, its shards of at most
     `shard_tokens` tokens cut at document ends (so at least tokens / shard_tokens of them).
     `scratch`: as in plan_shuffle, unused."""
-    from formats.inputs.tables import PARQUET_DECODE_THREADS
-    from packer.packing import known_tokens, pack_tasks, setup_pack
+    from tokpack.formats.inputs.tables import PARQUET_DECODE_THREADS
+    from tokpack.packer.packing import known_tokens, pack_tasks, setup_pack
 
     config = executor or ExecutorConfig()
     *paths, output = _local(as_paths(inputs) + [str(output)])
@@ -282,12 +282,12 @@ def plan_stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, mi
     """What `stage` with these arguments would do: every file is read once (hashed), the ones not
     in place at DEST are written; the copy threads share DEST's disk. A node slice (world_size
     or node): the bytes its node keeps and reads, by arithmetic on the run's manifests."""
-    from packer.staging import (STAGE_BLOCK, Source, in_place, bytes_to_copy, make_plan, parse_epochs, parse_ranks,
+    from tokpack.packer.staging import (STAGE_BLOCK, Source, in_place, bytes_to_copy, make_plan, parse_epochs, parse_ranks,
                                 whole_copy_note)
 
     (dest,) = _local([str(dest)])
     if world_size is not None or node is not None:
-        from packer.slicing import CHUNK_BYTES, plan_slice
+        from tokpack.packer.slicing import CHUNK_BYTES, plan_slice
 
         sp = plan_slice(Source(str(directory)), ranks, world_size, micro_batch, node, ranks_per_node, start_sample,
                         epochs)

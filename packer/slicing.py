@@ -31,11 +31,11 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from formats.errors import TokpackError
-from formats.guard import check_space, is_no_space, locked_output
-from formats.io import IO_BLOCK, DurableFile, Worker, read_limited, regular_fd, remove_tmp_files
-from formats.units import at_most
-from formats.manifest import (
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.guard import check_space, is_no_space, locked_output
+from tokpack.formats.io import IO_BLOCK, DurableFile, Worker, read_limited, regular_fd, remove_tmp_files
+from tokpack.formats.units import at_most
+from tokpack.formats.manifest import (
     MAX_MANIFEST_BYTES,
     strict_json,
     FORMAT_NAME,
@@ -48,13 +48,13 @@ from formats.manifest import (
     require_valid,
     row_hashes,
 )
-from formats.reader import EpochNumbering, shuffle_command
-from formats.outputs import LocalOutput
-from formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, EpochShardWriter, shard_suffixes
-from formats.slices import (SLICE, SLICE_EPOCH, RankRows, missing_padding, rank_file_name, run_identity,
+from tokpack.formats.reader import EpochNumbering, shuffle_command
+from tokpack.formats.outputs import LocalOutput
+from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, EpochShardWriter, shard_suffixes
+from tokpack.formats.slices import (SLICE, SLICE_EPOCH, RankRows, missing_padding, rank_file_name, run_identity,
                             stage_command)
-from packer.shared import Result
-from packer.staging import MAX_WORLD_SIZE, Source, parse_epochs
+from tokpack.packer.shared import Result
+from tokpack.packer.staging import MAX_WORLD_SIZE, Source, parse_epochs
 
 # Rows gathered per step: three chunks in flight (read, verified, written), so memory stays near
 # 3x this whatever the epoch's size.
@@ -468,7 +468,7 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
     check_space([(dest, sum(plan.kept[e] for e in chosen if e not in previous))], "stage",
                 hint="free some space there, choose another DEST, or stage fewer epochs (--epochs)")
 
-    output = LocalOutput()  # a node slice is written on the node (formats.outputs: the shared shard interface)
+    output = LocalOutput()  # a node slice is written on the node (tokpack.formats.outputs: the shared shard interface)
     staged, in_place, verified_by, kept_rows = [], [], set(), 0
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         reads = _Reads(src, pool)

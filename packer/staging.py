@@ -34,13 +34,13 @@ from pathlib import Path
 
 import xxhash
 
-from formats.errors import TokpackError
-from formats.guard import check_space, locked_output
-from formats.units import at_most
-from formats.reader import EpochNumbering, shuffle_command
-from formats.shards import ROWS_SUFFIX, contained_shard
-from formats.io import ThreadPool, as_path, commit_file, contained, lent, open_read, progress, regular_fd, remove_tmp_files, tmp_path
-from formats.manifest import (
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.guard import check_space, locked_output
+from tokpack.formats.units import at_most
+from tokpack.formats.reader import EpochNumbering, shuffle_command
+from tokpack.formats.shards import ROWS_SUFFIX, contained_shard
+from tokpack.formats.io import ThreadPool, as_path, commit_file, contained, lent, open_read, progress, regular_fd, remove_tmp_files, tmp_path
+from tokpack.formats.manifest import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     MAX_EPOCHS,
@@ -52,7 +52,7 @@ from formats.manifest import (
     upgrade,
     write_manifest,
 )
-from packer.shared import Result, optional_field
+from tokpack.packer.shared import Result, optional_field
 
 # Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
 # handful of workers the memory stays at workers x STAGE_BLOCK.
@@ -208,7 +208,7 @@ def _join(*parts: str) -> str:
 def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None, root=None) -> tuple[list[CopyJob], list[str]]:
     """The files of a source or epoch manifest's shards: .ds, .ds.index, .ds.metadata, .ds.loss,
     .ds.pad,
-    each known to stay inside its folder under `root` (formats.io.contained)."""
+    each known to stay inside its folder under `root` (tokpack.formats.io.contained)."""
     jobs, skipped = [], []
     folder = None if root is None else root / dir_rel if dir_rel else root  # Source.manifest checked dir_rel
     for i, s in enumerate(manifest.get("shards") or []):
@@ -240,7 +240,7 @@ def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None, roo
 
 
 class Source:
-    """The directory being staged: a local path, or any fsspec URL through formats.io's one
+    """The directory being staged: a local path, or any fsspec URL through tokpack.formats.io's one
     file-access layer."""
 
     def __init__(self, path: str):
@@ -632,7 +632,7 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
                         write_manifest(dest / rel, by_dir[rel].manifest)
         except BaseException:
             # A failure or Ctrl-C: drop the queued copies; the pool's exit waits (at most
-            # formats.io.STOP_GRACE) for the few in flight, each of which commits a verified file
+            # tokpack.formats.io.STOP_GRACE) for the few in flight, each of which commits a verified file
             # or removes its temporary; one blocked in a read is left (a rerun removes its temporary).
             for f in remaining:
                 f.cancel()
@@ -673,7 +673,7 @@ def whole_copy_note(plans: list[DirPlan], ranks, micro_batch: int, source: str, 
                if s.get("path") in p.skipped_shards)
     if not total or left > total / 2:
         return None
-    from formats.slices import stage_command
+    from tokpack.formats.slices import stage_command
 
     (rs, world), per = ranks, max([int(p.manifest.get("shard_samples") or 0) for p in plans] or [0])
     return (f"stage: whole-run copy ({100 * (total - left) / total:.0f}% of the run's shard bytes): --ranks "

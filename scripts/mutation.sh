@@ -30,8 +30,8 @@ MODULES=(shuffle/plan.py shuffle/permutation.py shuffle/steps.py formats/reader.
 CI_TESTS='["tests/test_permutation_golden.py"]'
 # The --ci subset: the mutants of key derivation, the mixer and the Feistel set-up. Pinned
 # by name so the run is the same every time (mutmut numbers a function's mutants in order).
-CI_MUTANTS=("shuffle.permutation.x_derive_key__mutmut_*" "shuffle.permutation.x__mix__mutmut_*"
-            "shuffle.permutation.xǁBijectionǁ__init____mutmut_*")
+CI_MUTANTS=("tokpack.shuffle.permutation.x_derive_key__mutmut_*" "tokpack.shuffle.permutation.x__mix__mutmut_*"
+            "tokpack.shuffle.permutation.xǁBijectionǁ__init____mutmut_*")
 
 mode=full sample=1 only="" functions=""
 while [ $# -gt 0 ]; do

@@ -4,7 +4,7 @@ decreasing, per source and per pass, then the rows of all sources permuted globa
 Specified in docs/COMMANDS.md, "Best-fit packing", and pinned by tests/test_packing.py; the
 names follow it (R = L + 1, D_s, rho_{s,p}, G, R_{s,p}, c_s, sigma_e).
 
-Unlike the window plan (O(#sources), shuffle.plan.EpochPlan), a packed plan is materialised:
+Unlike the window plan (O(#sources), tokpack.shuffle.plan.EpochPlan), a packed plan is materialised:
 its row table (per output row, the pieces of documents it holds) is computed from the sources'
 document lengths (their `.ds.index`) and checksummed; the checksum is recorded in the epoch
 manifest so `validate --against` proves the epoch is this table's. The table is O(documents),
@@ -24,10 +24,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import xxhash
 
-from formats.errors import TokpackError
-from formats.io import map_file, read_array, regular_size, write_bytes_atomic
-from formats.manifest import hash_hex64, order_hash_terms, row_hashes
-from formats.shards import PackedSource
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import map_file, read_array, regular_size, write_bytes_atomic
+from tokpack.formats.manifest import hash_hex64, order_hash_terms, row_hashes
+from tokpack.formats.shards import PackedSource
 
 from .permutation import Bijection
 from .plan import EpochPlan, check_passes, mixture, replay_hashes, shard_count_checked
@@ -317,7 +317,7 @@ class PackedSourcePlan:
 
 @dataclass(frozen=True)
 class PackedPlan:
-    """A packed epoch (see the module docstring). Implements shuffle.plan.SamplePlan."""
+    """A packed epoch (see the module docstring). Implements tokpack.shuffle.plan.SamplePlan."""
 
     seed: int
     epoch: int

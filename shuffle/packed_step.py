@@ -1,5 +1,5 @@
-"""The datatrove steps that write a best-fit epoch (shuffle.packed) from the row table
-shuffle.packed.build_table wrote in the epoch's work folder. In memory: one task reads every
+"""The datatrove steps that write a best-fit epoch (tokpack.shuffle.packed) from the row table
+tokpack.shuffle.packed.build_table wrote in the epoch's work folder. In memory: one task reads every
 used source once (verifying each shard's xxh3_128 against its manifest), then, reading the
 table one output shard at a time, assembles each shard's rows from the documents, padding each row's tail
 with the pad id, and writes them in output order through EpochJob.write_shard, with the
@@ -8,7 +8,7 @@ shard's `.pad` sidecar. One read, one write, as the window shuffle's InMemorySte
 Memory: the used sources' tokens, one output shard's part of the row table (read from the
 table build_table wrote in the work folder) and the chunks of rows in flight. shuffle/run.py
 runs an epoch here only when that fits `--memory`; otherwise out of core: PackedScatterStep
-then PackedOrderStep, the window shuffle's two passes and bucket layout (shuffle.steps.Layout)
+then PackedOrderStep, the window shuffle's two passes and bucket layout (tokpack.shuffle.steps.Layout)
 over document pieces, each scatter task reading only its source shards' files of the table.
 """
 
@@ -21,8 +21,8 @@ import shutil
 import numpy as np
 import xxhash
 
-from formats.errors import TokpackError
-from formats.io import map_file, progress, write_bytes_atomic
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import map_file, progress, write_bytes_atomic
 
 from .packed import DOC, PIECE_STATE_BYTES, TABLE_PIECE_BYTES, PackedTable, TokenPool, document_count, row_padding
 from .steps import RING, EpochJob, OrderStep, _Step
@@ -49,7 +49,7 @@ PACK_PIECES_PER_S = 4e5
 
 
 def table_estimate(job, sources) -> dict:
-    """What building the epoch's row table (shuffle.packed.build_table) costs, from the sources'
+    """What building the epoch's row table (tokpack.shuffle.packed.build_table) costs, from the sources'
     document and token counts (their manifests, else their index sizes), without packing:
     `pieces` in the table (each row holds its tokens' documents and at most one more piece,
     the fragment or tail cut at a row's end); `table_bytes` its peak in the work folder (the

@@ -2,7 +2,7 @@
 
 A plan is stateless and O(#sources): every question ("what is at output position g?",
 "where do these windows go?") is answered by evaluating keyed bijections
-(shuffle.permutation), never by materialising an index.
+(tokpack.shuffle.permutation), never by materialising an index.
 
 The algorithm (windows, jitter, mixture, chains, the epoch permutation) is specified in
 docs/COMMANDS.md, "The shuffle algorithm", and pinned by tests/test_plan_golden.py; the names
@@ -20,11 +20,11 @@ from typing import Iterator, Protocol
 import numpy as np
 import xxhash
 
-from formats.errors import TokpackError
-from formats.io import IO_BLOCK, local_path, read_ahead
-from formats.manifest import PLAN_ALGORITHM, dtype_from_name, hash_hex64, order_hash_terms, row_hashes
-from formats.shards import PackedSource
-from formats.units import at_most, token_count
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import IO_BLOCK, local_path, read_ahead
+from tokpack.formats.manifest import PLAN_ALGORITHM, dtype_from_name, hash_hex64, order_hash_terms, row_hashes
+from tokpack.formats.shards import PackedSource
+from tokpack.formats.units import at_most, token_count
 
 from .permutation import Bijection, derive_key
 
@@ -32,7 +32,7 @@ from .permutation import Bijection, derive_key
 class SamplePlan(Protocol):
     """What an epoch holds and in which order, as the engines, `validate --against` and the
     summaries ask it. Two implementations: EpochPlan (windows, O(#sources), nothing stored) and
-    shuffle.packed.PackedPlan (best-fit rows, a materialised and checksummed row table)."""
+    tokpack.shuffle.packed.PackedPlan (best-fit rows, a materialised and checksummed row table)."""
 
     seed: int
     epoch: int

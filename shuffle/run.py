@@ -22,14 +22,14 @@ from pathlib import Path
 
 import xxhash
 
-from formats.errors import TokpackError
-from formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
-from formats.io import TMP_MARK, remove_tmp_files
-from formats.outputs import LocalOutput
-from formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
+from tokpack.formats.io import TMP_MARK, remove_tmp_files
+from tokpack.formats.outputs import LocalOutput
+from tokpack.formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
                               read_manifest, run_manifest)
-from formats.shards import PackedSource, is_own_file, shard_suffixes
-from formats.units import at_most
+from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
+from tokpack.formats.units import at_most
 
 from .packed import PACKED_ALGORITHM, PACKINGS, build_table, packing_settings, set_plan_memory
 from .packed_step import (PackedInMemoryStep, PackedOrderStep, PackedScatterStep, holds_pieces_of, packed_memory,
@@ -263,7 +263,7 @@ def epoch_bytes(job: EpochJob, manifest: dict) -> int:
 
 def scratch_bytes(job: EpochJob, out_of_core: bool = True) -> int:
     """Out of core, the bucket scratch: every output row and its 8-byte position. A best-fit
-    epoch's: its row table too, in memory or not (shuffle.packed_step.packed_scratch_bytes)."""
+    epoch's: its row table too, in memory or not (tokpack.shuffle.packed_step.packed_scratch_bytes)."""
     if job.plan.algorithm == PACKED_ALGORITHM:
         return packed_scratch_bytes(job, job.open_sources(), out_of_core)
     return job.plan.samples * (job.row_bytes + 8) if out_of_core else 0
@@ -565,15 +565,15 @@ def shuffle_run(
     concurrent tasks memory // workers. `progress`: tqdm bars on stderr (default: when it is a
     terminal and TOKPACK_PROGRESS is not 0). `weights`: one per source, as given ("0.25", "1/3"),
     or None. `run_passes([(step, tasks, job_name, logging_dir), ...])` runs dependent passes in
-    order (packer.executors.pass_runner makes one). `given`: the sources as the user named them,
+    order (tokpack.packer.executors.pass_runner makes one). `given`: the sources as the user named them,
     when `sources` are local copies of URLs; the manifests record those names (plan.source_location:
     a local path resolved, an object-store URL as given). Returns a summary dict, with per-source counts of
-    every epoch written and a warning per source an epoch repeats windows of (packer.api.shuffle
-    takes URLs and returns it as a ShuffleResult). `schedule`: the run's stages (shuffle.schedule),
+    every epoch written and a warning per source an epoch repeats windows of (tokpack.packer.api.shuffle
+    takes URLs and returns it as a ShuffleResult). `schedule`: the run's stages (tokpack.shuffle.schedule),
     instead of `sources`, `weights`, `seq_len`, `seed`, `samples`, `tokens` and `jitter`; `epochs`
-    None: every epoch of the schedule. `to`: where the run goes (formats.outputs; to a bucket,
+    None: every epoch of the schedule. `to`: where the run goes (tokpack.formats.outputs; to a bucket,
     `output` is its local folder and holds the state fetched from the store).
-    `packing`: "concat" (windows) or "best-fit" (whole documents, shuffle.packed; with a schedule,
+    `packing`: "concat" (windows) or "best-fit" (whole documents, tokpack.shuffle.packed; with a schedule,
     its `packing:` key); `pad_id`: best-fit's padding token [default: the EOS id]."""
     t0 = time.perf_counter()
     log = log or (lambda line: None)

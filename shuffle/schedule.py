@@ -15,10 +15,10 @@ from pathlib import Path
 
 import xxhash
 
-from formats.errors import TokpackError
-from formats.manifest import MAX_EPOCHS
-from formats.shards import PackedSource
-from formats.units import at_most, token_count
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.manifest import MAX_EPOCHS
+from tokpack.formats.shards import PackedSource
+from tokpack.formats.units import at_most, token_count
 
 from .packed import PACKINGS, packed_epoch_plan
 from .plan import SamplePlan, SourcePlan, epoch_plan, jitter_offset, parse_weight, windows_of
@@ -47,7 +47,7 @@ class Schedule:
     shard_samples: int | None = None
     file: str | None = None  # the YAML file it was read from; None for a run made with flags
     file_hash: str | None = None  # xxh3_128 of that file's bytes
-    packing: str = "concat"  # "concat" (windows) or "best-fit" (shuffle.packed), for the whole run
+    packing: str = "concat"  # "concat" (windows) or "best-fit" (tokpack.shuffle.packed), for the whole run
 
     @classmethod
     def of_flags(cls, paths, weights, *, seq_len: int, seed: int, samples=None, tokens=None,

@@ -21,9 +21,9 @@ xxh3_64 in its binary records table (`scatter-TTTTT.records`: rows and the two c
 bucket, Layout.task_records), written before its done JSON; the order pass reads its buckets'
 entries and checks each file against them before it trusts it.
 
-In both, a formats.io.Worker per stage keeps the disk and both cores busy: reading ahead,
-gathering, indexing and writing (shard data with O_DIRECT, see formats.io.DurableFile) overlap,
-through rings of buffers lent by the formats.io pool.
+In both, a tokpack.formats.io.Worker per stage keeps the disk and both cores busy: reading ahead,
+gathering, indexing and writing (shard data with O_DIRECT, see tokpack.formats.io.DurableFile) overlap,
+through rings of buffers lent by the tokpack.formats.io pool.
 
 Every task is idempotent: a finished task leaves a done JSON (written last) in the epoch's work
 folder, and a rerun skips it.
@@ -43,11 +43,11 @@ from typing import Iterator
 import numpy as np
 import xxhash
 
-from formats.errors import TokpackError
-from formats.io import IO_BLOCK, Worker, drop_buffers, lent, map_file, progress, read_record, write_bytes_atomic
-from formats.manifest import dtype_from_name, shard_digits, shard_name
-from formats.outputs import LocalOutput
-from formats.shards import PackedSource, RowFragments, write_pad_sidecar
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import IO_BLOCK, Worker, drop_buffers, lent, map_file, progress, read_record, write_bytes_atomic
+from tokpack.formats.manifest import dtype_from_name, shard_digits, shard_name
+from tokpack.formats.outputs import LocalOutput
+from tokpack.formats.shards import PackedSource, RowFragments, write_pad_sidecar
 
 from .plan import EpochPlan, iter_source_windows, open_source
 from .sinks import app_sinks_kept
@@ -165,7 +165,7 @@ class EpochJob:
     shard_samples: int  # samples per output shard (the last may be short)
     progress: bool = False  # tqdm bars, shown only by tasks running in the process that asked for them
     main_pid: int = 0  # that process
-    output: LocalOutput = LocalOutput()  # where the shards go (formats.outputs): a folder, a bucket
+    output: LocalOutput = LocalOutput()  # where the shards go (tokpack.formats.outputs): a folder, a bucket
 
     @property
     def show_progress(self) -> bool:

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from formats import SourceShardWriter, source_manifest, write_manifest
-from formats.manifest import shard_name
+from tokpack.formats import SourceShardWriter, source_manifest, write_manifest
+from tokpack.formats.manifest import shard_name
 
-PROJECT_PACKAGES = ("formats", "shuffle", "packer")
+PROJECT_PACKAGES = ("tokpack",)
 
 
 def require(module: str, install_hint: str):
@@ -32,10 +32,10 @@ def require(module: str, install_hint: str):
 
 
 def shuffle_run(*args, **kw):
-    """shuffle.run.shuffle_run with the runner packer.api.shuffle gives it for a default
+    """tokpack.shuffle.run.shuffle_run with the runner tokpack.packer.api.shuffle gives it for a default
     ExecutorConfig (every rank in this process), for tests that call the engine directly."""
-    from packer.executors import ExecutorConfig, pass_runner
-    from shuffle.run import shuffle_run as run
+    from tokpack.packer.executors import ExecutorConfig, pass_runner
+    from tokpack.shuffle.run import shuffle_run as run
 
     return run(*args, run_passes=kw.pop("run_passes", None) or pass_runner(ExecutorConfig()), **kw)
 

@@ -15,13 +15,13 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import random_docs, write_source
-from packer import ExecutorConfig, inspect, pack, shuffle, stage, validate
-from packer.api import ShuffleResult
-from packer.cli import main
-from formats.dir_checks import ValidateResult
-from packer.inspection import InspectResult
-from packer.packing import PackResult
-from packer.staging import StageResult
+from tokpack.packer import ExecutorConfig, inspect, pack, shuffle, stage, validate
+from tokpack.packer.api import ShuffleResult
+from tokpack.packer.cli import main
+from tokpack.formats.dir_checks import ValidateResult
+from tokpack.packer.inspection import InspectResult
+from tokpack.packer.packing import PackResult
+from tokpack.packer.staging import StageResult
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB, EOS = 1000, 0
@@ -184,15 +184,15 @@ def test_import_packer_is_light():
 
 def test_api_names_survive_importing_the_modules():
     """No module of packer/ is named as an API function, so importing every one of them leaves
-    packer.pack, packer.stage and packer.inspect the functions."""
+    tokpack.packer.pack, tokpack.packer.stage and tokpack.packer.inspect the functions."""
     import importlib
     import pkgutil
 
-    import packer
+    import tokpack.packer
 
-    modules = [m.name for m in pkgutil.iter_modules(packer.__path__)]
-    assert {"packing", "staging", "inspection"} <= set(modules) and not set(modules) & set(packer.__all__)
+    modules = [m.name for m in pkgutil.iter_modules(tokpack.packer.__path__)]
+    assert {"packing", "staging", "inspection"} <= set(modules) and not set(modules) & set(tokpack.packer.__all__)
     for name in modules:
         importlib.import_module(f"packer.{name}")
-    assert (packer.pack, packer.shuffle, packer.validate, packer.stage, packer.inspect) == (
+    assert (tokpack.packer.pack, tokpack.packer.shuffle, tokpack.packer.validate, tokpack.packer.stage, tokpack.packer.inspect) == (
         pack, shuffle, validate, stage, inspect)

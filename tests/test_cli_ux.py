@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import random_docs, write_source
-from packer.cli import _executor_config, executor_options, main
+from tokpack.packer.cli import _executor_config, executor_options, main
 
 VOCAB, EOS = 1000, 0
 
@@ -139,13 +139,13 @@ def test_readme_installs_torch_without_the_cuda_wheel():
 
 def test_pack_shows_an_overall_bar_over_its_files(corpus, tmp_path, monkeypatch):
     """Besides a bar per input file, one bar over all of them, moved by each file's bytes."""
-    import formats.io
-    import packer.packing
-    from packer import pack
+    import tokpack.formats.io
+    import tokpack.packer.packing
+    from tokpack.packer import pack
 
     bars = []
 
-    class Recorder(formats.io._NoBar):
+    class Recorder(tokpack.formats.io._NoBar):
         def __init__(self, total, desc, **kw):
             self.total, self.desc, self.done = total, desc, 0
             bars.append(self)
@@ -156,7 +156,7 @@ def test_pack_shows_an_overall_bar_over_its_files(corpus, tmp_path, monkeypatch)
         def close(self) -> None:
             pass
 
-    monkeypatch.setattr(packer.packing, "progress", Recorder)
+    monkeypatch.setattr(tokpack.packer.packing, "progress", Recorder)
     other = tmp_path / "more.jsonl"
     other.write_text(corpus.read_text())
     pack([corpus, other], tmp_path / "src", eos_id=EOS, vocab_size=VOCAB)

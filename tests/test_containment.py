@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from conftest import random_docs, require, shuffle_run, write_source
-from formats.errors import TokpackError
-from formats.guard import LOCK_NAME
-from formats.manifest import MANIFEST, epoch_dir_name
-from formats.reader import SampleReader
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.guard import LOCK_NAME
+from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.formats.reader import SampleReader
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 60  # a refusal takes a second; a command blocked on a FIFO would take forever
@@ -39,7 +39,7 @@ def hook(event, args):
             seen.append(path)
 sys.addaudithook(hook)
 atexit.register(lambda: open(os.environ["SEEN"], "w").write(json.dumps(seen)))
-from packer.cli import main
+from tokpack.packer.cli import main
 main()
 """
 
@@ -62,7 +62,7 @@ def in_process(tmp_path: Path, *args) -> subprocess.CompletedProcess:
 
     from click.testing import CliRunner
 
-    from packer.cli import main
+    from tokpack.packer.cli import main
 
     r = CliRunner().invoke(main, [str(a) for a in args], env={"TOKPACK_LOG_DIR": str(tmp_path / "crash-logs")})
     code, err = r.exit_code, r.stderr
@@ -153,7 +153,7 @@ def test_epoch_shard_path_absolute_is_refused_by_read_and_the_reader(data, tmp_p
         with pytest.raises(TokpackError, match=r"\[shards\[0\]\.path\]"):
             SampleReader.open(path, verify=True)
     require("torch", "pip install torch")
-    from formats.torch_adapter import TokpackDataset
+    from tokpack.formats.torch_adapter import TokpackDataset
 
     with pytest.raises(TokpackError, match=r"\[shards\[0\]\.path\]"):
         TokpackDataset(run)
@@ -345,16 +345,16 @@ def blocked(*args, **kwargs):
     Path(os.environ["BLOCKED"]).touch()
     threading.Event().wait()
 target.{name} = blocked
-import formats.io, packer.cli
-formats.io.STOP_GRACE, packer.cli.EXIT_GRACE_SECONDS = 0.5, 2.0
-from packer.cli import main
+import tokpack.formats.io, tokpack.packer.cli
+tokpack.formats.io.STOP_GRACE, tokpack.packer.cli.EXIT_GRACE_SECONDS = 0.5, 2.0
+from tokpack.packer.cli import main
 main()
 """
 
 
 @pytest.mark.parametrize("command, module, name", [
-    ("validate", "formats.dir_checks", "check_shard"),
-    ("stage", "packer.staging", "_Stager.run_job"),
+    ("validate", "tokpack.formats.dir_checks", "check_shard"),
+    ("stage", "tokpack.packer.staging", "_Stager.run_job"),
 ])
 @pytest.mark.parametrize("sig, status, said", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupt")])
 def test_signal_stops_a_command_whose_workers_are_blocked(data, tmp_path, command, module, name, sig, status, said):

@@ -14,11 +14,11 @@ import pytest
 import xxhash
 
 from conftest import random_docs, shuffle_run, write_source
-from formats.errors import TokpackError
-from formats import io
-from formats.guard import WORK_DIR
-from shuffle import run, steps
-from shuffle.steps import RowStore
+from tokpack.formats.errors import TokpackError
+from tokpack.formats import io
+from tokpack.formats.guard import WORK_DIR
+from tokpack.shuffle import run, steps
+from tokpack.shuffle.steps import RowStore
 
 L = 31  # 32-token rows
 ROW_BYTES = (L + 1) * 2

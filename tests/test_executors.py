@@ -19,8 +19,8 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import random_docs, require, write_source
-from packer.cli import main
-from packer.executors import PROJECT_ROOT, ExecutorConfig, join_path, local_path, parse_sbatch_args
+from tokpack.packer.cli import main
+from tokpack.packer.executors import PROJECT_ROOT, ExecutorConfig, join_path, local_path, parse_sbatch_args
 
 # 300 documents, 718 samples of 64 tokens: 8 output shards of 100 samples, out of core at 64 KiB.
 SHUFFLE = ["--seq-len", "63", "--seed", "3", "--epochs", "1", "--shard-samples", "100", "--memory", "64KiB"]
@@ -105,8 +105,8 @@ KILLER = textwrap.dedent(
     import os, signal, sys
     sys.path.insert(0, {root!r})
     from datatrove.pipeline.base import PipelineStep
-    from packer.executors import ExecutorConfig, pass_runner
-    from shuffle.run import shuffle_run
+    from tokpack.packer.executors import ExecutorConfig, pass_runner
+    from tokpack.shuffle.run import shuffle_run
 
     class KillMidway(PipelineStep):
         # Runs the wrapped step; in rank {rank} SIGKILLs the whole process right after the
@@ -210,7 +210,7 @@ def test_path_helpers():
 def ray_cluster():
     """One local Ray cluster (2 CPUs) for the module: starting Ray is the slow part."""
     ray = require("ray", "pip install 'ray[default]'")
-    from packer.executors import ray_connect
+    from tokpack.packer.executors import ray_connect
 
     started = not ray.is_initialized()
     ray_connect(ExecutorConfig(executor="ray", workers=2))
@@ -245,7 +245,7 @@ def test_ray_task_the_cluster_cannot_start_is_one_line(ray_cluster, source, tmp_
 
 def test_ray_ranks_run_in_contiguous_runs():
     """Every rank in exactly one run, in order, about RAY_CALLS_PER_WORKER runs a worker slot."""
-    from packer.executors import RAY_CALLS_PER_WORKER, rank_runs
+    from tokpack.packer.executors import RAY_CALLS_PER_WORKER, rank_runs
 
     for ranks, slots in [(list(range(37)), 2), (list(range(2)), 2), ([3, 5, 6, 9], 1), (list(range(20490)), 96)]:
         runs = rank_runs(ranks, slots)
@@ -322,7 +322,7 @@ def test_forked_workers_do_not_share_buffers(source, reference, tmp_path):
     those are private mappings, so two workers never write into each other's rows."""
     from datatrove.executor import LocalPipelineExecutor
 
-    from shuffle.run import shuffle_run
+    from tokpack.shuffle.run import shuffle_run
 
     def forked(passes):
         for step, tasks, job_name, logging_dir in passes:

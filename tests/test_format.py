@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from formats.manifest import (
+from tokpack.formats.manifest import (
     MANIFEST,
     MANIFEST_FIELDS,
     SHARD_FIELDS,
@@ -23,8 +23,8 @@ from formats.manifest import (
     epoch_dir_name,
     read_manifest,
 )
-from formats.reader import SampleReader
-from formats.dir_checks import validate_dirs
+from tokpack.formats.reader import SampleReader
+from tokpack.formats.dir_checks import validate_dirs
 from tests.conftest import random_docs, write_source
 from tests.test_validate import EOS, VOCAB, make_run
 
@@ -55,7 +55,7 @@ def doc_tables() -> list[list[str]]:
 
 def test_format_md_tables_are_the_module_tables():
     found = doc_tables()
-    assert len(found) == len(TABLES), "FORMAT.md must hold one field table per table of formats.manifest"
+    assert len(found) == len(TABLES), "FORMAT.md must hold one field table per table of tokpack.formats.manifest"
     for rows, table in zip(found, TABLES):
         parsed = [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows]
         # names, types, required, kinds first: the facts a reader of either relies on
@@ -66,7 +66,7 @@ def test_format_md_tables_are_the_module_tables():
 
 def test_every_table_type_is_checked():
     """A type the doc shows but the checker does not know would pass anything."""
-    from formats.manifest import _JSON, field_problems
+    from tokpack.formats.manifest import _JSON, field_problems
 
     for table in TABLES:
         for name, (typ, _, kinds, _) in table.items():
@@ -117,7 +117,7 @@ def test_old_key_fragment_count_is_still_checked(old_run):
 
 
 def test_run_with_old_key_epochs_extends_and_stages(old_run, tmp_path):
-    from packer.staging import stage
+    from tokpack.packer.staging import stage
 
     src, run = old_run
     make_run(src, run, seed=4, epochs=[2])

@@ -27,8 +27,8 @@ Covered classes of damaged input:
 
 Commands driven: pack, shuffle (flags and --schedule, in memory and out of core), validate
 (full, --quick, --against), read (with and without --verify), inspect, stage (whole, --epochs,
---ranks), plan shuffle/pack/stage; and `formats.reader.SampleReader`,
-`formats.torch_adapter.TokpackDataset` and `packer.validate` in a Python process of their own.
+--ranks), plan shuffle/pack/stage; and `tokpack.formats.reader.SampleReader`,
+`tokpack.formats.torch_adapter.TokpackDataset` and `tokpack.packer.validate` in a Python process of their own.
 
 Every case must: end within the timeout (no hang); exit 0, or 1 with exactly one
 `tokpack: error:` line (a click usage error is accepted for an argument click itself refuses);
@@ -119,7 +119,7 @@ def pristine(tmp_path_factory) -> Path:
     (data / "sched.yaml").write_text(SCHEDULE)
     np.save(data / "tokens.npy", np.array([5, 6, 0, 7, 8, 9, 0, 3, 0] * 40, dtype=np.uint16))
 
-    from packer.executors import ExecutorConfig, pass_runner
+    from tokpack.packer.executors import ExecutorConfig, pass_runner
 
     real = pass_runner(ExecutorConfig())
 
@@ -271,7 +271,7 @@ def run(*cases: Case) -> list[Outcome]:
 
 def cli(world: World, *args) -> Case:
     args = [str(a) for a in args]
-    return Case(world, ["-m", "packer.cli", *args], "tokpack " + " ".join(args))
+    return Case(world, ["-m", "tokpack.packer.cli", *args], "tokpack " + " ".join(args))
 
 
 API_CASE = """
@@ -280,20 +280,20 @@ for call, path, verify in json.loads(sys.argv[1]):
     ok = True
     try:
         if call == "reader":
-            from formats.reader import SampleReader
+            from tokpack.formats.reader import SampleReader
             r = SampleReader.open(path, verify=verify)
             for _ in r.rank_samples(0, 1, 1, count=400):
                 pass
         elif call == "dataset":
-            from formats.torch_adapter import TokpackDataset
+            from tokpack.formats.torch_adapter import TokpackDataset
             for _ in zip(range(400), TokpackDataset(path, verify=verify, positions="index")):
                 pass
         else:
-            from packer import validate
+            from tokpack.packer import validate
             ok = validate([path], quick=not verify).ok
         print(json.dumps({"call": call, "path": path, "raised": None, "ok": ok}), flush=True)
     except BaseException as e:
-        from formats.errors import TokpackError
+        from tokpack.formats.errors import TokpackError
         print(json.dumps({"call": call, "path": path, "raised": type(e).__name__, "tokpack": isinstance(e, TokpackError),
                           "message": str(e)[:500], "traceback": "" if isinstance(e, TokpackError) else traceback.format_exc()}),
               flush=True)
@@ -302,7 +302,7 @@ for call, path, verify in json.loads(sys.argv[1]):
 
 def api(world: World, call: str, path: Path, verify: bool = False) -> Case:
     """A Python API call in a process of its own: SampleReader.open and iteration, TokpackDataset
-    iteration, packer.validate (a failed validation counts as exit 1)."""
+    iteration, tokpack.packer.validate (a failed validation counts as exit 1)."""
     return api_calls(world, [(call, path, verify)])
 
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from formats.errors import TokpackError
-from formats.guard import LOCK_NAME, OutputLock, process_start
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.guard import LOCK_NAME, OutputLock, process_start
 
 
 def holder(pid: int, token: str = "f" * 32, host: str | None = None) -> dict:

@@ -18,15 +18,15 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import EOS_TOKEN, random_docs, write_source
-from formats.inputs.discover import discover, read_blocks
-from formats.io import TMP_MARK
-from formats.manifest import MANIFEST
+from tokpack.formats.inputs.discover import discover, read_blocks
+from tokpack.formats.io import TMP_MARK
+from tokpack.formats.manifest import MANIFEST
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def tokpack(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "packer.cli", *map(str, args)], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tokpack.packer.cli", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True)
 
 
@@ -71,7 +71,7 @@ def test_two_live_read_blocks_generators_do_not_share_buffers(tmp_path):
 LEAK_PROBE = textwrap.dedent("""
     import fcntl, mmap, os, resource, sys  # imported now: importing them later needs a descriptor
     import numpy as np
-    from formats.shards import EpochShardWriter, SourceShardWriter
+    from tokpack.formats.shards import EpochShardWriter, SourceShardWriter
 
     out = sys.argv[1]
     make = {
@@ -121,7 +121,7 @@ def test_stage_fsyncs_each_directory_after_its_manifest(tmp_path):
     dest = tmp_path / "dest"
     trace = tmp_path / "trace.txt"
     r = subprocess.run(["strace", "-f", "-qq", "-o", str(trace), "-e", "trace=openat,rename,renameat,renameat2,fsync,fdatasync,close",
-                        sys.executable, "-m", "packer.cli", "stage", str(tmp_path / "run"), str(dest), "--json"],
+                        sys.executable, "-m", "tokpack.packer.cli", "stage", str(tmp_path / "run"), str(dest), "--json"],
                        cwd=REPO, capture_output=True, text=True)
     if r.returncode != 0 and "ptrace" in r.stderr:
         pytest.skip(f"strace cannot trace here: {r.stderr.strip()[:200]}")
@@ -150,7 +150,7 @@ def test_url_source_with_a_fractional_weight(tmp_path):
     path=1/3 is; it used to be staged as a path named 'web=1/3'."""
     import fsspec
 
-    from packer.cli import main
+    from tokpack.packer.cli import main
 
     web = write_source(tmp_path / "web", random_docs(np.random.default_rng(1), 60, 1000, 0))
     code = write_source(tmp_path / "code", random_docs(np.random.default_rng(2), 60, 1000, 0))
@@ -236,7 +236,7 @@ def test_pack_says_when_it_widens_to_uint32(tmp_path):
     assert human.returncode == 0, human.stderr
     said = [x for x in human.stderr.splitlines() if "uint32" in x]
     assert len(said) == 1 and "--vocab-size" in said[0] and "HINT" in said[0], human.stderr
-    from packer.cli import main
+    from tokpack.packer.cli import main
 
     # the --json summaries through click's runner in this process (the line above is the process's)
     as_json = CliRunner().invoke(main, ["pack", str(tmp_path / "in.parquet"), "-o", str(tmp_path / "b"), "--eos-id",

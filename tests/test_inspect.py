@@ -12,11 +12,11 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import random_docs, shuffle_run, write_source
-from formats.errors import TokpackError
-from formats.manifest import MANIFEST, epoch_dir_name
-from packer.cli import main
-from packer.inspection import LengthHistogram, report_lines
-from packer.inspection import inspect as inspect_dir
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.packer.cli import main
+from tokpack.packer.inspection import LengthHistogram, report_lines
+from tokpack.packer.inspection import inspect as inspect_dir
 
 L = 31  # seq_len: samples of 32 tokens
 BATCH = 16
@@ -219,8 +219,8 @@ def test_cli_inspect(huge_doc_run):
 def test_document_lengths_sample_large_corpora(tmp_path, monkeypatch):
     """Above the cap, evenly spaced blocks of the indexes are read, not all of them; the
     sample's mean stays close to the corpus's, and the report says it was sampled."""
-    from formats import PackedSource
-    from packer import inspection
+    from tokpack.formats import PackedSource
+    from tokpack.packer import inspection
 
     rng = np.random.default_rng(3)
     docs = random_docs(rng, 4000, 1000, 0, max_len=60)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import random_docs, write_source
-from formats.guard import LOCK_NAME, process_start
+from tokpack.formats.guard import LOCK_NAME, process_start
 
 ROOT = Path(__file__).resolve().parents[1]
 SHUFFLE = ["--seq-len", "127", "--seed", "1", "--epochs", "1"]
@@ -27,13 +27,13 @@ SHUFFLE = ["--seq-len", "127", "--seed", "1", "--epochs", "1"]
 # its lock: the test then acts while it is provably mid-run, with no timing guesses.
 PAUSED = """
 import os, signal, sys
-import shuffle.run
-run_epoch = shuffle.run.run_epoch
+import tokpack.shuffle.run
+run_epoch = tokpack.shuffle.run.run_epoch
 def paused(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGSTOP)
     return run_epoch(*args, **kwargs)
-shuffle.run.run_epoch = paused
-from packer.cli import main
+tokpack.shuffle.run.run_epoch = paused
+from tokpack.packer.cli import main
 main()
 """
 
@@ -44,7 +44,7 @@ import {module} as target
 def broken(*args, **kwargs):
     raise {exc}("injected bug")
 target.{name} = broken
-from packer.cli import main
+from tokpack.packer.cli import main
 main()
 """
 
@@ -54,7 +54,7 @@ def child_env(tmp_path: Path) -> dict:
 
 
 def tokpack(tmp_path: Path, *args, code: str | None = None) -> subprocess.CompletedProcess:
-    head = [sys.executable, "-c", code] if code else [sys.executable, "-m", "packer.cli"]
+    head = [sys.executable, "-c", code] if code else [sys.executable, "-m", "tokpack.packer.cli"]
     return subprocess.run(head + [str(a) for a in args], capture_output=True, text=True, cwd=ROOT,
                           env=child_env(tmp_path))
 
@@ -355,7 +355,7 @@ def test_inspect_of_a_non_increasing_index_is_one_line(sources, tmp_path):
 def test_a_bug_in_tokpack_exits_70_with_its_traceback_in_a_log(sources, tmp_path):
     small, _ = sources
     out = tmp_path / "run"
-    code = BUGGY.format(module="shuffle.run", name="open_sources", exc="KeyError")
+    code = BUGGY.format(module="tokpack.shuffle.run", name="open_sources", exc="KeyError")
     r = tokpack(tmp_path, "shuffle", small, "-o", out, "--seq-len", "63", "--seed", "1", "--epochs", "1", "--json",
                 code=code)
     assert r.returncode == 70  # EX_SOFTWARE: not 1 (bad data) nor 2 (usage)
@@ -374,7 +374,7 @@ def test_a_bug_in_tokpack_exits_70_with_its_traceback_in_a_log(sources, tmp_path
 
 def test_validate_never_reports_its_own_bug_as_corrupt(sources, tmp_path):
     small, _ = sources
-    code = BUGGY.format(module="formats.dir_checks", name="validate_all", exc="TypeError")
+    code = BUGGY.format(module="tokpack.formats.dir_checks", name="validate_all", exc="TypeError")
     r = tokpack(tmp_path, "validate", small, "--json", code=code)
     assert r.returncode == 70
     line = one_line(r.stderr)
@@ -399,8 +399,8 @@ def test_disk_filled_while_staging_a_node_slice_is_one_line_and_leaves_no_partia
     """The space check counts the slice's token bytes; its row hashes and index need more. With
     just the token bytes free, the write runs out of space: one line naming the epoch folder,
     no temporary left to fill the disk, and the rerun with space completes and validates."""
-    from packer.slicing import plan_slice
-    from packer.staging import Source
+    from tokpack.packer.slicing import plan_slice
+    from tokpack.packer.staging import Source
 
     _, big = sources
     run = tmp_path / "run"

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from formats.io import Worker, drop_buffers, give_buffers, lent, read_full, take_buffer
+from tokpack.formats.io import Worker, drop_buffers, give_buffers, lent, read_full, take_buffer
 
 
 def test_read_full_waits_through_short_reads_and_stops_at_end_of_file():
@@ -96,8 +96,8 @@ def test_rerun_from_the_same_scratch_after_an_interrupted_send_completes_the_sto
     import fsspec
 
     from conftest import random_docs, write_source
-    from formats.io import Outbox
-    from packer import shuffle
+    from tokpack.formats.io import Outbox
+    from tokpack.packer import shuffle
 
     src = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 60, 1000, 0))
     fs = fsspec.filesystem("memory")

@@ -13,13 +13,22 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-TOP_PACKAGES = {name.split(".")[0] for name in PACKAGES}
+SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+PACKAGES = SETUPTOOLS["packages"]
+FOLDERS = SETUPTOOLS["package-dir"]  # installed name -> folder in the repository
+# The subpackages under the one `tokpack.` namespace, by their short name (formats, shuffle, ...)
+TOP_PACKAGES = {name.split(".")[1] for name in PACKAGES if name.count(".") == 1}
 ALLOWED = {"formats": set(), "shuffle": {"formats"}, "packer": {"formats", "shuffle"}}
 
 
+def subpackage(name: str) -> str | None:
+    """`tokpack.formats.io` -> `formats`; None for a name outside tokpack's subpackages."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "tokpack" and len(parts) > 1 and parts[1] in TOP_PACKAGES else None
+
+
 def project_imports(path: Path) -> set[str]:
-    """The project packages a module imports, at any depth (lazy imports count too)."""
+    """The project subpackages a module imports, at any depth (lazy imports count too)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         names = []
@@ -27,8 +36,38 @@ def project_imports(path: Path) -> set[str]:
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
-        found |= {name.split(".")[0] for name in names} & TOP_PACKAGES
+        found |= {subpackage(name) for name in names} - {None}
     return found
+
+
+def test_everything_installs_under_one_namespace():
+    """Nothing lands in site-packages as a top-level formats, shuffle or packer: every package is
+    tokpack or under it, each mapped from the layout's folder of the same name."""
+    assert all(name == "tokpack" or name.startswith("tokpack.") for name in PACKAGES), PACKAGES
+    assert {name: FOLDERS[name] for name in FOLDERS if name != "tokpack"} == \
+        {f"tokpack.{p}": p for p in TOP_PACKAGES}
+    for name in PACKAGES:  # a subpackage of a mapped one (formats.inputs) is its folder's subfolder
+        top = ".".join(name.split(".")[:2])
+        folder = REPO / FOLDERS[top] / Path(*name.split(".")[2:])
+        assert (folder / "__init__.py").is_file(), name
+    for folder in sorted(TOP_PACKAGES):  # every package folder in the tree is listed
+        for init in (REPO / folder).rglob("__init__.py"):
+            dotted = ".".join(("tokpack",) + init.parent.relative_to(REPO).parts)
+            assert dotted in PACKAGES, f"{init.parent.relative_to(REPO)} is not in pyproject's packages"
+
+
+def test_no_module_imports_the_old_top_level_names():
+    """`from formats...` would find PyPI's `formats` (or nothing) once installed: every absolute
+    import of the project's code goes through `tokpack.`."""
+    wrong = []
+    trees = [REPO / p for p in (*TOP_PACKAGES, "tokpack", "tests", "bench", "examples", "scripts")]
+    for path in sorted(p for tree in trees for p in tree.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            wrong += [f"{path.relative_to(REPO)}:{node.lineno} imports {n}" for n in names
+                      if n.split(".")[0] in TOP_PACKAGES]
+    assert not wrong, wrong
 
 
 def test_imports_flow_one_way():
@@ -60,7 +99,7 @@ def project_modules() -> dict[str, Path]:
     modules = {}
     for package in sorted(TOP_PACKAGES):
         for path in sorted((REPO / package).rglob("*.py")):
-            parts = path.relative_to(REPO).with_suffix("").parts
+            parts = ("tokpack",) + path.relative_to(REPO).with_suffix("").parts
             modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return modules
 
@@ -91,7 +130,7 @@ def import_graph() -> dict[str, set[str]]:
 
 def test_module_imports_have_no_cycle():
     """No two project modules import each other, directly or round a circle, lazily or not: the
-    shared types live in a leaf (packer.shared) that the API and its stages both import."""
+    shared types live in a leaf (tokpack.packer.shared) that the API and its stages both import."""
     try:
         list(graphlib.TopologicalSorter(import_graph()).static_order())
     except graphlib.CycleError as cycle:
@@ -101,12 +140,12 @@ def test_module_imports_have_no_cycle():
 def test_import_graph_sees_lazy_and_relative_imports():
     """The graph the cycle check walks holds the imports a cycle could hide in."""
     graph = import_graph()
-    assert "packer.shared" in graph["packer.api"]  # top-level `from X import Y`
-    assert "packer.executors" in graph["packer.api"]  # an import inside a function
-    assert "packer.lifetime" in graph["packer.executors"]  # `from packer import lifetime`: the module
-    assert {"formats.errors", "formats.manifest"} <= graph["formats"]  # relative, in a package's __init__
-    assert "formats.errors" in graph["formats.units"]  # relative, in a module
-    assert graph["packer.shared"] == set()
+    assert "tokpack.packer.shared" in graph["tokpack.packer.api"]  # top-level `from X import Y`
+    assert "tokpack.packer.executors" in graph["tokpack.packer.api"]  # an import inside a function
+    assert "tokpack.packer.lifetime" in graph["tokpack.packer.executors"]  # `from packer import lifetime`: the module
+    assert {"tokpack.formats.errors", "tokpack.formats.manifest"} <= graph["tokpack.formats"]  # relative, in a package's __init__
+    assert "tokpack.formats.errors" in graph["tokpack.formats.units"]  # relative, in a module
+    assert graph["tokpack.packer.shared"] == set()
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "bench").glob("*.py")))
@@ -115,7 +154,7 @@ def test_bench_scripts_see_the_project_packages(script):
     would hide the shuffle package; each script must take bench/ off the path itself."""
     code = (f"import runpy, sys; sys.path[0] = {str(REPO / 'bench')!r}\n"
             f"runpy.run_path({str(REPO / 'bench' / script)!r}, run_name='bench_script')\n"
-            "import packer.cli, packer.executors, shuffle.run, formats.dir_checks")
+            "import tokpack.packer.cli, tokpack.packer.executors, tokpack.shuffle.run, tokpack.formats.dir_checks")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO / "bench")
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -132,7 +171,7 @@ def test_require_skips_only_for_an_absent_tool(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="no_such_dependency_4f2a"):
         require("broken_tool_4f2a", "pip install broken-tool")
-    for module in ("shuffle.run", "formats"):
+    for module in ("tokpack.shuffle.run", "tokpack.formats", "tokpack"):
         with pytest.raises(ValueError, match="part of tokpack"):
             require(module, "")
     assert require("numpy", "pip install numpy").__name__ == "numpy"

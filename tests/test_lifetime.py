@@ -21,7 +21,7 @@ import pytest
 
 from conftest import random_docs, require, write_source
 from probes import MARK, cmdline, describe, marked
-from packer.executors import PROJECT_ROOT
+from tokpack.packer.executors import PROJECT_ROOT
 
 GONE_WITHIN = 5.0  # seconds the issue allows the killed command's processes to end
 SHUFFLE = ["--seq-len", "63", "--seed", "3", "--shard-samples", "100", "--memory", "64KiB"]
@@ -42,7 +42,7 @@ def wait_for(condition, what: str, timeout: float = 120.0, proc: subprocess.Pope
 
 @pytest.fixture
 def start(tmp_path):
-    """Starts `python -m packer.cli ARGS` with a marker of its own; at teardown, whatever a failed
+    """Starts `python -m tokpack.packer.cli ARGS` with a marker of its own; at teardown, whatever a failed
     test left running (the command, its processes) is killed."""
     started = []
 
@@ -50,7 +50,7 @@ def start(tmp_path):
         token = uuid.uuid4().hex
         env = {**os.environ, MARK: token, "PYTHONPATH": PROJECT_ROOT}
         with open(tmp_path / f"cmd-{token[:8]}.log", "wb") as log:  # not a pipe: a leftover would hold it open
-            proc = subprocess.Popen([sys.executable, "-m", "packer.cli", *args], env=env, stdout=log,
+            proc = subprocess.Popen([sys.executable, "-m", "tokpack.packer.cli", *args], env=env, stdout=log,
                                     stderr=subprocess.STDOUT, cwd=tmp_path)
         started.append((proc, token))
         return proc, token
@@ -160,7 +160,7 @@ APP = textwrap.dedent(
     logger.remove()
     app_sink = logger.add(received.append, format="{{message}}")
 
-    from packer import ExecutorConfig, shuffle
+    from tokpack.packer import ExecutorConfig, shuffle
 
     if __name__ == "__main__":  # the forkserver imports this file too
         for n, config in enumerate([ExecutorConfig(workers=1, in_process=False), ExecutorConfig(workers=2)]):
@@ -190,7 +190,7 @@ def test_rerun_after_a_kill_during_cleanup_removes_the_scratch(source, tmp_path)
     being removed, left part of the folder; the rerun skipped the complete epoch and kept it."""
     from click.testing import CliRunner
 
-    from packer.cli import main
+    from tokpack.packer.cli import main
 
     out = tmp_path / "run"
     args = ["shuffle", str(source), "-o", str(out), *SHUFFLE, "--epochs", "1", "--workers", "1"]
@@ -209,7 +209,7 @@ def test_pack_killed_before_its_request_is_recorded_reruns(tmp_path):
     unfinished pack of other inputs"."""
     from click.testing import CliRunner
 
-    from packer.cli import main
+    from tokpack.packer.cli import main
 
     docs = random_docs(np.random.default_rng(3), 40, 1000, 0)
     src = write_source(tmp_path / "src", docs)
@@ -233,7 +233,7 @@ def test_pack_killed_after_its_manifest_leaves_no_scratch_on_rerun(tmp_path):
     and kept it."""
     from click.testing import CliRunner
 
-    from packer.cli import main
+    from tokpack.packer.cli import main
 
     docs = random_docs(np.random.default_rng(4), 40, 1000, 0)
     src = write_source(tmp_path / "src", docs)

@@ -1,6 +1,6 @@
 """The order of an epoch is proved (issue 24, item 6): `validate --against` compares, shard by
-shard, the order hash of the samples read (formats.shard_scan) with the one the plan's replay
-gives (shuffle.plan.replay_hashes). Epochs whose every field but the order is consistent (a swap
+shard, the order hash of the samples read (tokpack.formats.shard_scan) with the one the plan's replay
+gives (tokpack.shuffle.plan.replay_hashes). Epochs whose every field but the order is consistent (a swap
 inside a shard, a swap across shards, a rotated shard, another seed's permutation) fail it; the
 epochs the engine writes (in memory, out of core, weighted with repeats, scheduled) pass it.
 Also the out-of-core order pass's scratch checksums: a bucket's positions or rows file that is
@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import random_docs, shuffle_run, write_source
-from formats.dir_checks import validate_dirs
-from formats.manifest import MANIFEST, epoch_dir_name, hash_hex64, order_hash_terms, read_manifest
-from formats.shards import PackedSource, shard_suffixes
-from packer.api import shuffle, validate
-from shuffle import steps
-from shuffle.plan import expected_multiset_hash, replay_hashes
+from tokpack.formats.dir_checks import validate_dirs
+from tokpack.formats.manifest import MANIFEST, epoch_dir_name, hash_hex64, order_hash_terms, read_manifest
+from tokpack.formats.shards import PackedSource, shard_suffixes
+from tokpack.packer.api import shuffle, validate
+from tokpack.shuffle import steps
+from tokpack.shuffle.plan import expected_multiset_hash, replay_hashes
 from test_shuffle_integrity import cli
 from test_engine_placement import KW as OOC_KW, bucket_files, refusal, scattered, scatter_folder  # noqa: F401
 from tests.test_validate import EOS, SEQ_LEN, SHARD_SAMPLES, VOCAB, epoch_rows, load, rewrite_epoch, save

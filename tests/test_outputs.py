@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 
 from conftest import random_docs, write_source
-from formats.io import Outbox
-from formats.manifest import MANIFEST
-from formats.outputs import BucketOutput, LocalOutput
-from formats.guard import WORK_DIR
-from packer import pack, shuffle
+from tokpack.formats.io import Outbox
+from tokpack.formats.manifest import MANIFEST
+from tokpack.formats.outputs import BucketOutput, LocalOutput
+from tokpack.formats.guard import WORK_DIR
+from tokpack.packer import pack, shuffle
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,7 +110,7 @@ def test_pack_through_a_bucket_output_writes_the_local_output_bytes_manifest_las
 def test_outputs_travel_to_tasks_and_answer_for_their_place(tmp_path):
     """An EpochJob (pickled to executor tasks) keeps its Output; each Output names and sizes
     its own place, and a local folder's removal removes it."""
-    from shuffle.steps import EpochJob
+    from tokpack.shuffle.steps import EpochJob
 
     bucket = BucketOutput(Outbox(tmp_path / "out", "s3://b/run/"))
     job = EpochJob(None, (), "uint16", 0, "", str(tmp_path / "out" / "epoch-00000"), "w", 10, output=bucket)

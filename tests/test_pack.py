@@ -20,13 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import EOS_TOKEN, generate_texts, random_docs, require
-from formats import outputs
-from formats.errors import TokpackError
-from formats.manifest import MANIFEST
-from formats.shards import PackedSource
-from packer.cli import main
-from packer import packing
-from packer.packing import pack
+from tokpack.formats import outputs
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.manifest import MANIFEST
+from tokpack.formats.shards import PackedSource
+from tokpack.packer.cli import main
+from tokpack.packer import packing
+from tokpack.packer.packing import pack
 
 MEGATRON_CORE = "pip install -e '.[test]' installs megatron-core"
 SMALL_BLOCK = 512  # bytes: forces many blocks per file, so block seams are exercised
@@ -356,7 +356,7 @@ def test_megatron_index_read_in_chunks(monkeypatch, tmp_path):
     a 3-entry chunk puts chunk seams inside documents of several sequences and between empty
     ones; the packed documents, the manifest's input size and the errors of later chunks are
     exactly those of one chunk."""
-    from formats.inputs import megatron_bin
+    from tokpack.formats.inputs import megatron_bin
 
     rng = np.random.default_rng(9)
     docs = [rng.integers(1, 120, size=int(rng.integers(0, 12))).tolist() + [0] * (k % 4 > 0) for k in range(40)]
@@ -410,7 +410,7 @@ def test_megatron_gap_after_a_shorter_sequence(tmp_path):
 @pytest.mark.parametrize("layout", ["back-to-back", "out-of-order"])
 def test_megatron_bin_truncated_while_reading(layout, tmp_path):
     """A .bin that shrinks after the checks (another process rewriting it) is named in the error."""
-    from formats.inputs.discover import check_input, discover, read_blocks
+    from tokpack.formats.inputs.discover import check_input, discover, read_blocks
 
     docs = [[1, 2, 0], [3, 4, 5, 0]]
     m = megatron_core_docs(tmp_path / "m", docs)
@@ -445,7 +445,7 @@ def test_megatron_bad_id_names_document_and_token_offset(tmp_path):
 
 def test_megatron_multimodal_index(monkeypatch, tmp_path):
     """A multimodal index (one mode byte per sequence after the document indices) reads as text."""
-    from formats.inputs import megatron_bin
+    from tokpack.formats.inputs import megatron_bin
 
     docs = [[3, 4, 0], [5, 6, 7, 8, 0], [9, 0]] * 4
     m = megatron_core_docs(tmp_path / "m", docs, lambda k, doc: [2, len(doc) - 2], multimodal=True)
@@ -498,7 +498,7 @@ def test_parquet_round_trip_with_missing_eos_and_empty_docs(tmp_path):
 def test_parquet_row_groups_decoded_in_parallel_pack_as_one_at_a_time(tmp_path, monkeypatch):
     """Row groups decoded several at once come out in file order: the same packed bytes, and
     the same error line for a null id in a late row group, as decoding one at a time."""
-    import formats.inputs.tables as tables
+    import tokpack.formats.inputs.tables as tables
 
     docs = varied_docs(seed=4)
     (tmp_path / "pq").mkdir()
@@ -1233,8 +1233,8 @@ def test_durable_file_writes_exact_bytes(tmp_path, monkeypatch, where, pieces, s
     buffer is shrunk to 16 KiB so that small pieces cross it."""
     import xxhash
 
-    from formats import io
-    from formats.io import DurableFile
+    from tokpack.formats import io
+    from tokpack.formats.io import DurableFile
 
     monkeypatch.setattr(io, "DIRECT_STAGING", 16 << 10)
 
@@ -1270,7 +1270,7 @@ def _takes_o_direct(directory: Path) -> bool:
 
 
 def test_durable_file_abort_leaves_nothing(tmp_path):
-    from formats.io import DurableFile
+    from tokpack.formats.io import DurableFile
 
     f = DurableFile(tmp_path / "x.ds", direct=True)
     f.write(b"\1" * 10000)

@@ -16,17 +16,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import random_docs, require, shuffle_run, write_source
-from formats.errors import TokpackError
-from formats.manifest import canonical_bytes, read_manifest
-from formats.reader import SampleReader, cu_seqlens, document_masks, positions_from_eos
-from formats.shards import PAD_DTYPE, PackedSource
-from packer.api import validate
-from packer.cli import main
-from shuffle.packed import (PACKED_ALGORITHM, PIECE, TokenPool, best_fit_decreasing, cut_problems, documents_of,
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.manifest import canonical_bytes, read_manifest
+from tokpack.formats.reader import SampleReader, cu_seqlens, document_masks, positions_from_eos
+from tokpack.formats.shards import PAD_DTYPE, PackedSource
+from tokpack.packer.api import validate
+from tokpack.packer.cli import main
+from tokpack.shuffle.packed import (PACKED_ALGORITHM, PIECE, TokenPool, best_fit_decreasing, cut_problems, documents_of,
                             pack_pass, packed_epoch_plan, packed_plan_from_manifest, row_padding, source_pass,
                             table_hash)
-from shuffle.permutation import Bijection
-from shuffle.schedule import RunPlan, Schedule, Stage
+from tokpack.shuffle.permutation import Bijection
+from tokpack.shuffle.schedule import RunPlan, Schedule, Stage
 
 # ------------------------------------------------------------------ the packing rules
 
@@ -328,7 +328,7 @@ def test_document_masks_by_hand():
 
 def test_tokpack_dataset_masks(run, sources):
     torch = require("torch", "pip install torch")
-    from formats.torch_adapter import TokpackDataset
+    from tokpack.formats.torch_adapter import TokpackDataset
 
     reader = SampleReader.open(run)
     m = read_manifest(run / "epoch-00000", kind="epoch")
@@ -385,8 +385,8 @@ def test_plan_shuffle_reports_a_best_fit_epoch(sources, tmp_path):
 def test_plan_shuffle_predicts_the_row_tables_scratch(sources, tmp_path, memory):
     """The plan's "table" pass and its scratch, estimated from the sources' counts, against the
     files build_table writes for the same epoch: at least them, within 3x."""
-    from packer.planning import plan_shuffle, report_lines
-    from shuffle.packed import build_table
+    from tokpack.packer.planning import plan_shuffle, report_lines
+    from tokpack.shuffle.packed import build_table
 
     weights = {str(sources[0]): "2", str(sources[1]): "1"}
     got = plan_shuffle(weights, tmp_path / "p", seq_len=63, seed=9, samples=500, shard_samples=128, memory=memory,
@@ -499,7 +499,7 @@ def test_validate_catches_every_fault_of_its_table_on_a_best_fit_run(fault_base,
 
 
 def test_stage_copies_the_padding_sidecars(run, tmp_path):
-    from packer.api import stage, validate
+    from tokpack.packer.api import stage, validate
 
     stage(run, tmp_path / "staged")
     for e in ("epoch-00000", "epoch-00001"):
@@ -559,7 +559,7 @@ def test_order_proof_catches_two_rows_swapped_in_a_best_fit_epoch(fault_base, tm
     rewritten to agree: every checksum, the multiset and the row table still hold; only the
     order proof of `validate --against` sees that the rows are not where the plan put them."""
     import tests.test_validate as tv
-    from formats.shards import EpochShardWriter, write_pad_sidecar
+    from tokpack.formats.shards import EpochShardWriter, write_pad_sidecar
 
     for name in ("src", "run"):
         shutil.copytree(fault_base / name, tmp_path / name)
@@ -600,7 +600,7 @@ def test_a_pass_packed_out_of_core_is_the_pass_packed_in_memory(tmp_path_factory
                                                                 group, memory, seed):
     """Documents permuted through bucket files (a budget of a few documents) and packed group
     by group give the pieces pack_pass gives with every document in memory."""
-    import shuffle.packed as packed
+    import tokpack.shuffle.packed as packed
 
     root = tmp_path_factory.mktemp("ooc-pass")
     docs = [np.append(np.full(n - 1, 5), 0) for n in lengths]
@@ -631,9 +631,9 @@ def many_docs(path: Path, n: int) -> Path:
 
 OOC_CHILD = """
 import sys
-import shuffle.packed
-shuffle.packed.DEFAULT_GROUP_TOKENS = 1 << 14
-from packer.api import shuffle
+import tokpack.shuffle.packed
+tokpack.shuffle.packed.DEFAULT_GROUP_TOKENS = 1 << 14
+from tokpack.packer.api import shuffle
 shuffle([sys.argv[1]], sys.argv[2], seq_len=63, seed=3, epochs=1, shard_samples=4096, memory=1 << 20,
         packing="best-fit", progress=False)
 # This process's peak RSS: VmHWM, since ru_maxrss keeps the forking parent's peak across exec.
@@ -649,7 +649,7 @@ def test_the_memory_of_an_out_of_core_best_fit_epoch_does_not_grow_with_its_docu
     import subprocess
     import sys
 
-    import shuffle.packed as packed
+    import tokpack.shuffle.packed as packed
 
     peaks, big = [], None
     for n in (20_000, 160_000):
@@ -672,7 +672,7 @@ def test_the_memory_of_an_out_of_core_best_fit_epoch_does_not_grow_with_its_docu
 
 
 def test_a_damaged_row_table_in_the_work_folder_is_refused(golden, tmp_path):
-    from shuffle.packed import PackedTable, build_table
+    from tokpack.shuffle.packed import PackedTable, build_table
 
     plan = packed_epoch_plan(golden, seq_len=SEQ_LEN, seed=SEED, epoch=0, weights=["1", "3"], samples=40,
                              group_tokens=256)
@@ -695,7 +695,7 @@ def test_a_damaged_best_fit_bucket_file_is_refused_then_redone(run, sources, tmp
     bucket file damaged after the scatter pass (here, the last one of the last task) is
     refused in one line before its shard is written; the rerun scatters again and writes the
     reference bytes."""
-    import shuffle.steps as steps
+    import tokpack.shuffle.steps as steps
 
     out, real = tmp_path / "again", steps.OrderStep.run
 

@@ -1,4 +1,4 @@
-"""Golden values for shuffle.permutation, the only source of randomness in a shuffle: fast and
+"""Golden values for tokpack.shuffle.permutation, the only source of randomness in a shuffle: fast and
 file-free, so `scripts/mutation.sh --ci` can run every permutation mutant against them. The
 values hold for PLAN_ALGORITHM "tokpack-feistel6-splitmix-xxh3-v1" (tests/test_plan_golden.py
 ties the two together)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shuffle.permutation import Bijection, _mix, derive_key
+from tokpack.shuffle.permutation import Bijection, _mix, derive_key
 
 # n -> (forward, inverse) of 0..min(n, 8)-1 under Bijection(n, "golden", 9). The sizes straddle
 # the Feistel domain's even-bit rounding (4 = 2^2, 16 = 2^4, 64 = 2^6) and cycle-walking.

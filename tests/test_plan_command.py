@@ -17,9 +17,9 @@ import pytest
 
 from conftest import random_docs, shuffle_run, write_source
 from probes import AUDIT_SITE, audit_env, audited
-from formats.guard import LOCK_NAME, WORK_DIR
-from packer import ExecutorConfig, pack, plan, stage
-from packer.executors import pass_runner
+from tokpack.formats.guard import LOCK_NAME, WORK_DIR
+from tokpack.packer import ExecutorConfig, pack, plan, stage
+from tokpack.packer.executors import pass_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN, SHARD_SAMPLES = 63, 1000  # 128-byte rows, 5 shards an epoch
@@ -109,8 +109,8 @@ def test_plan_seconds_are_bytes_over_the_disks_working_at_once(corpus, tmp_path,
     for p in planned.passes:
         assert p["seconds"] == round((p["read_bytes"] + p["written_bytes"]) / 2.5e6 / at_once(p["tasks"]), 1), p
     # plus the start-up: the command's, and datatrove's executor's for each pass it runs
-    from packer.executors import runs_in_process
-    from packer.planning import COMMAND_START_SECONDS, EXECUTOR_START_SECONDS
+    from tokpack.packer.executors import runs_in_process
+    from tokpack.packer.planning import COMMAND_START_SECONDS, EXECUTOR_START_SECONDS
 
     startup = COMMAND_START_SECONDS + (0 if runs_in_process(config) else EXECUTOR_START_SECONDS * len(planned.passes))
     assert planned.startup_seconds == startup and startup > COMMAND_START_SECONDS
@@ -123,7 +123,7 @@ def test_plan_writes_nothing_and_measures_the_disk(corpus, tmp_path):
     listing is the same after, no OUT, no lock. A run's complete epoch is reported as such."""
     out = tmp_path / "run"
     before = listing(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "packer.cli", "plan", "shuffle", str(corpus), "-o", str(out),
+    proc = subprocess.run([sys.executable, "-m", "tokpack.packer.cli", "plan", "shuffle", str(corpus), "-o", str(out),
                            "--seq-len", str(SEQ_LEN), "--seed", "5", "--epochs", "1", "--json"],
                           capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
@@ -146,7 +146,7 @@ def test_plan_writes_nothing_and_measures_the_disk(corpus, tmp_path):
 
 PLAN_INCIDENT = """
 import json, sys
-from packer import ExecutorConfig, plan
+from tokpack.packer import ExecutorConfig, plan
 r = plan("shuffle", sys.argv[1], sys.argv[2], seq_len=4096, seed=1, epochs=1, memory=3 << 40, disk_mbps=2000,
          executor=ExecutorConfig(executor="slurm", workers=48, tasks=48))
 print(json.dumps(r.to_json()))
@@ -177,7 +177,7 @@ def test_the_incidents_11T_corpus_plans_without_touching_disk(tmp_path):
 
 
 def tokpack(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "packer.cli", *args], capture_output=True, text=True, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "tokpack.packer.cli", *args], capture_output=True, text=True, cwd=cwd,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
@@ -249,11 +249,11 @@ def test_plan_pack_and_stage_equal_the_runs(corpus, tmp_path):
 def test_bucket_files_fan_out_into_bounded_folders(corpus, tmp_path, monkeypatch):
     """A scatter task's bucket files are spread over folders of BUCKETS_PER_FOLDER buckets, as
     plan says, and the epoch's bytes do not depend on the fan-out."""
-    import shuffle.steps
+    import tokpack.shuffle.steps
 
     kw = dict(seq_len=SEQ_LEN, seed=5, shard_samples=SHARD_SAMPLES, memory=64 << 10)
     shuffle_run([str(corpus)], str(tmp_path / "plain"), epochs=[0], **kw)
-    monkeypatch.setattr(shuffle.steps, "BUCKETS_PER_FOLDER", 2)
+    monkeypatch.setattr(tokpack.shuffle.steps, "BUCKETS_PER_FOLDER", 2)
     planned = plan("shuffle", str(corpus), str(tmp_path / "fanned"), epochs=1, disk_mbps=500, **kw)
     assert planned.epochs[0]["buckets"] > 2 and planned.epochs[0]["files_per_folder"] == 4
     seen: list[dict] = []

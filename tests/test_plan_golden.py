@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import write_source
-from formats.errors import TokpackError
-from formats.shards import PackedSource
-from shuffle.plan import PLAN_ALGORITHM, EpochPlan, SourcePlan, epoch_plan, jitter_offset, windows_of
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.shards import PackedSource
+from tokpack.shuffle.plan import PLAN_ALGORITHM, EpochPlan, SourcePlan, epoch_plan, jitter_offset, windows_of
 
 # The algorithm the values below were computed with. Changing the order means bumping
 # PLAN_ALGORITHM in formats/manifest.py, recomputing every value here, and changing this line.
@@ -370,8 +370,8 @@ GOLDEN_MULTISET = {(False, 0): "18c1dfa62ca96791", (True, 0): "8a895b30b1a66dde"
 def test_expected_multiset_hash(sources, epoch, jitter):
     """The multiset hash validate --against recomputes through the plan is the golden value, and
     equals the hash of the windows locate() names, read straight from the shard files."""
-    import shuffle.plan as plan_mod
-    from formats.manifest import hash_hex64, row_hash
+    import tokpack.shuffle.plan as plan_mod
+    from tokpack.formats.manifest import hash_hex64, row_hash
 
     plan = plan_of(sources, epoch, jitter)
     manifest = {"seed": SEED, "epoch": epoch, "seq_len": SEQ_LEN, "jitter": jitter, "samples": SAMPLES,
@@ -389,7 +389,7 @@ def test_expected_multiset_hash(sources, epoch, jitter):
 @pytest.mark.parametrize("block", [1, 3 * 2 * ROW, 1 << 20], ids=["row-blocks", "3-row-blocks", "one-block"])
 @pytest.mark.parametrize("w0,w1", [(0, None), (2, 5), (4, 4)])
 def test_iter_source_windows_reads_the_jittered_windows(sources, block, w0, w1):
-    from shuffle.plan import iter_source_windows
+    from tokpack.shuffle.plan import iter_source_windows
 
     plan = plan_of(sources, 1, True)
     for s, src in enumerate(sources):
@@ -451,8 +451,8 @@ def test_replay_details(sources, monkeypatch):
     size."""
     import functools
 
-    import shuffle.plan as plan_mod
-    from formats.manifest import hash_hex64, row_hash
+    import tokpack.shuffle.plan as plan_mod
+    from tokpack.formats.manifest import hash_hex64, row_hash
 
     root = str(sources[0].path.parent)
     good = {"seed": SEED, "epoch": 0, "seq_len": SEQ_LEN, "samples": SAMPLES,

@@ -19,10 +19,10 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import given, settings, strategies as st
 
-from formats.errors import IncompleteError, TokpackError
-from formats.manifest import epoch_dir_name, epoch_manifest, run_manifest, shard_name, write_manifest
-from formats.reader import SampleReader, positions_from_eos
-from formats.shards import EpochShardWriter
+from tokpack.formats.errors import IncompleteError, TokpackError
+from tokpack.formats.manifest import epoch_dir_name, epoch_manifest, run_manifest, shard_name, write_manifest
+from tokpack.formats.reader import SampleReader, positions_from_eos
+from tokpack.formats.shards import EpochShardWriter
 
 SEQ = 15  # a row is 16 tokens
 EOS = 0
@@ -217,7 +217,7 @@ def sort_rows(rows: np.ndarray) -> np.ndarray:
 
 
 def test_real_shuffled_run(shuffled_run):
-    from formats.manifest import hash_hex64, multiset_hash_rows, read_manifest
+    from tokpack.formats.manifest import hash_hex64, multiset_hash_rows, read_manifest
 
     run, windows = shuffled_run
     r = SampleReader.open(run)
@@ -263,7 +263,7 @@ def test_matches_datatrove_folder_dataset(run_dir, shuffled_run):
 
 
 def test_reader_does_not_import_torch(run_dir):
-    code = ("import sys\nfrom formats.reader import SampleReader\n"
+    code = ("import sys\nfrom tokpack.formats.reader import SampleReader\n"
             f"r = SampleReader.open({str(run_dir)!r}); list(r.batches(0, 2, 2, 5, positions='index'))\n"
             "bad = [m for m in ('torch', 'datatrove.utils.dataset') if m in sys.modules]\n"
             "assert not bad, bad\n")
@@ -317,7 +317,7 @@ def test_verify_catches_flipped_byte_before_returning_its_data(tmp_path):
                 got.append(ids(rows)[0])
         assert str(shard) in str(err.value)
         assert got == [(0, s) for s in before]  # only shard 0's samples came out, all intact
-    from packer.cli import main
+    from tokpack.packer.cli import main
 
     res = CliRunner().invoke(main, ["read", str(run), "--verify", "--world-size", "2", "--count", "20", "--json"])
     assert res.exit_code == 1 and str(shard) in res.output and "checksum mismatch" in res.output
@@ -388,7 +388,7 @@ def test_a_stateful_dataloader_over_the_dataset_warns_nothing(run_dir):
 
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from formats.torch_adapter import TokpackDataset
+    from tokpack.formats.torch_adapter import TokpackDataset
 
     ds = TokpackDataset(run_dir, micro_batch=2)
     with warnings.catch_warnings(record=True) as caught:  # entering resets the once-per-place registries
@@ -403,7 +403,7 @@ def test_torch_adapter_workers_cover_each_sample_once_and_resume(run_dir):
     import torch
     from torch.utils.data import DataLoader
 
-    from formats.torch_adapter import TokpackDataset
+    from tokpack.formats.torch_adapter import TokpackDataset
 
     world, micro = 2, 3
     order = chained(SIZES)
@@ -436,7 +436,7 @@ def test_torch_adapter_workers_cover_each_sample_once_and_resume(run_dir):
 
 
 def test_cli_read_json(run_dir):
-    from packer.cli import main
+    from tokpack.packer.cli import main
 
     res = CliRunner().invoke(main, ["read", str(run_dir), "--rank", "1", "--world-size", "2", "--micro-batch", "3",
                                     "--consumed-tokens", str(50 * SEQ + 3), "--count", "7", "--json"])
@@ -451,7 +451,7 @@ def test_cli_read_json(run_dir):
 
 
 def test_cli_read_errors_are_one_line(tmp_path):
-    from packer.cli import main
+    from tokpack.packer.cli import main
 
     run = make_run(tmp_path / "run", {0: 10})
     (run / epoch_dir_name(0) / "00001.ds").unlink()
@@ -468,7 +468,7 @@ def test_cli_read_errors_are_one_line(tmp_path):
 def test_shuffle_command_repeats_the_run_options():
     """The command a missing-epoch message names: every option the run recorded, and none it
     did not record (a `--shard-samples None` would be refused by the CLI)."""
-    from formats.reader import shuffle_command
+    from tokpack.formats.reader import shuffle_command
 
     run = {"sources": [{"path": "/d/web"}, {"path": "/d/my code"}], "weights": ["0.7", None], "seq_len": 15,
            "seed": 3, "samples": 100, "shard_samples": 7, "jitter": True}
@@ -535,7 +535,7 @@ def test_rank_samples_default_to_the_whole_stream_from_sample_0(run_dir):
 def test_reader_keeps_at_most_max_open_files(tmp_path):
     """Reading across 12 shards one sample at a time: never more than MAX_OPEN_FILES shard
     files are open at once (a rank reading a long chain must not run out of descriptors)."""
-    from formats.reader import MAX_OPEN_FILES
+    from tokpack.formats.reader import MAX_OPEN_FILES
 
     run = make_run(tmp_path / "run", {0: 40}, shard_samples=4)
     reader = SampleReader.open(run)
@@ -573,7 +573,7 @@ def _edit_manifest(directory: Path, **fields) -> None:
     write_manifest(directory, m)
 
 
-# The hint of a manifest that formats.manifest.check_manifest refuses (every command applies it).
+# The hint of a manifest that tokpack.formats.manifest.check_manifest refuses (every command applies it).
 CHECKED = (". HINT: the manifest was edited or damaged; restore it (or rerun the command that wrote it), and run "
            "`tokpack validate` on the directory")
 OPEN_REFUSALS = [  # (directory edited, fields, the line after "<that directory>/tokpack.json ")
@@ -602,7 +602,7 @@ def test_open_refusal_lines(tmp_path, target, fields, line):
 
 
 def test_epoch_numbering_refuses_an_epoch_past_its_plan():
-    from formats.reader import EpochNumbering
+    from tokpack.formats.reader import EpochNumbering
 
     planned = EpochNumbering(None, [10, 12])
     assert (planned.size(1), planned.first(1), planned.first(2)) == (12, 10, 22)
@@ -647,7 +647,7 @@ def test_chain_refusal_lines(tmp_path, edit, line):
 def test_run_epochs_out_of_order_are_refused(tmp_path):
     """from_manifests with a run's numbering takes epochs in increasing order; the check must
     compare each epoch with the one before it, not only with the first."""
-    from formats.reader import EpochNumbering
+    from tokpack.formats.reader import EpochNumbering
 
     run = make_run(tmp_path / "run", {0: 10, 1: 10, 2: 10})
     pairs = [(run / epoch_dir_name(e), json.loads((run / epoch_dir_name(e) / "tokpack.json").read_text()))
@@ -674,8 +674,8 @@ def test_torch_adapter_state_forms_resume_in_process(run_dir):
     (a DataLoader's workers run the same code out of reach of in-process checks): a position
     (epoch, sample), a consumed_samples count alone, and a worker's share (start, next step);
     a share saved with other workers or another global batch is refused."""
-    from formats.errors import TokpackError
-    from formats.torch_adapter import TokpackDataset
+    from tokpack.formats.errors import TokpackError
+    from tokpack.formats.torch_adapter import TokpackDataset
 
     def first(ds) -> list:
         return next(iter(ds))["input_ids"].tolist()

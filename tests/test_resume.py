@@ -20,11 +20,11 @@ from click.testing import CliRunner
 from torch.utils.data import DataLoader
 
 from conftest import random_docs, shuffle_run, write_source
-from formats.errors import TokpackError
-from formats.manifest import epoch_dir_name, read_manifest
-from formats.reader import SampleReader
-from formats.torch_adapter import TokpackDataset
-from packer.cli import main
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.manifest import epoch_dir_name, read_manifest
+from tokpack.formats.reader import SampleReader
+from tokpack.formats.torch_adapter import TokpackDataset
+from tokpack.packer.cli import main
 
 SEQ = 15
 N = 50  # samples per epoch
@@ -146,7 +146,7 @@ def test_read_with_less_than_one_global_batch_left_is_one_line(tmp_path):
 SCRIPT = r"""
 import json, sys, torch
 from torchdata.stateful_dataloader import StatefulDataLoader
-from formats.torch_adapter import TokpackDataset
+from tokpack.formats.torch_adapter import TokpackDataset
 
 job = json.loads(sys.argv[1])
 out = {}

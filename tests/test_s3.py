@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from conftest import EOS_TOKEN, S3_ENV, random_docs, start_s3_server, write_source
-from formats.manifest import MANIFEST
-from packer import ExecutorConfig, pack, shuffle, stage, validate
+from tokpack.formats.manifest import MANIFEST
+from tokpack.packer import ExecutorConfig, pack, shuffle, stage, validate
 from test_pack import dt_tokenize, varied_docs, write_text_jsonl
 
 
@@ -45,7 +45,7 @@ def upload(fs, local: Path, url: str) -> None:
 
 
 def cli(*args, env=None, check=False) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "packer.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tokpack.packer.cli", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, check=check)
 
 
@@ -93,7 +93,7 @@ def bucket_run(s3_bucket, tmp_path):
 def test_stage_reads_large_objects_in_parallel_ranges(bucket_run, tmp_path, monkeypatch):
     """Files larger than a range are fetched as ranged reads, several at once, and still
     hashed in order: the copy is byte-identical and verified."""
-    from packer.staging import RANGES_IN_FLIGHT, Source, stage as stage_copy
+    from tokpack.packer.staging import RANGES_IN_FLIGHT, Source, stage as stage_copy
 
     fs, bucket, run = bucket_run
     block = 4096
@@ -113,7 +113,7 @@ def test_stage_reads_large_objects_in_parallel_ranges(bucket_run, tmp_path, monk
 def test_stage_killed_midway_then_rerun_is_identical(bucket_run, tmp_path):
     fs, bucket, run = bucket_run
     dest = tmp_path / "staged"
-    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "stage", f"s3://{bucket}/run", str(dest),
+    proc = subprocess.Popen([sys.executable, "-m", "tokpack.packer.cli", "stage", f"s3://{bucket}/run", str(dest),
                              "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     while proc.poll() is None and not any(dest.rglob("*.ds")):  # the first verified shard is in place
@@ -388,7 +388,7 @@ def test_pack_from_a_bucket_keeps_no_local_copy(s3_bucket, tokenizer_path, tmp_p
     tmp = tmp_path / "tmpdir"
     tmp.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "TOKPACK_STAGE_DIR"}
-    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "pack", f"s3://{bucket}/tokenized", "-o",
+    proc = subprocess.Popen([sys.executable, "-m", "tokpack.packer.cli", "pack", f"s3://{bucket}/tokenized", "-o",
                              str(tmp_path / "out"), "--tokenizer", str(tokenizer_path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**env, "TMPDIR": str(tmp),
@@ -440,7 +440,7 @@ def versions(fs, bucket: str, prefix: str) -> dict[str, int]:
 def run_watched(args: list[str], scratch: Path, until=None, env=None) -> tuple[subprocess.Popen, int]:
     """The CLI in its own process group, the disk use under `scratch` sampled until it exits or
     `until()` holds (then the whole group is killed with SIGKILL); returns (process, peak bytes)."""
-    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", *args, "--scratch", str(scratch)],
+    proc = subprocess.Popen([sys.executable, "-m", "tokpack.packer.cli", *args, "--scratch", str(scratch)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})})
     peak = 0
@@ -579,7 +579,7 @@ def test_pack_to_a_bucket_killed_while_naming_its_shards_finishes_from_another_m
                                                                                        monkeypatch):
     """Killed between the copies that name the shards and the manifest: a rerun from another
     scratch folder finds the plan in the bucket, finishes the moves and sends the manifest."""
-    from formats import outputs
+    from tokpack.formats import outputs
 
     fs, bucket = s3_bucket
     (tmp_path / "in").mkdir()
@@ -609,7 +609,7 @@ def test_two_commands_on_one_bucket_output_meet_at_the_scratch_lock(s3_bucket, m
     url = f"s3://{bucket}/run"
     (tmp_path / "s").mkdir()
     args = ["shuffle", str(many_shard_source), "-o", url, *SHUFFLE_ARGS, "--scratch", str(tmp_path / "s")]
-    first = subprocess.Popen([sys.executable, "-m", "packer.cli", *args], stdout=subprocess.DEVNULL,
+    first = subprocess.Popen([sys.executable, "-m", "tokpack.packer.cli", *args], stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
     while not objects(fs, url, ".ds") and first.poll() is None:
         time.sleep(0.05)
@@ -624,7 +624,7 @@ def test_node_slice_from_a_bucket_equals_the_local_slice(bucket_run, tmp_path):
     """`stage RUN DEST --ranks A-B --world-size W` from an s3:// run: ranged reads of the
     ranks' rows and the row hashes only; the slice is byte-identical to the one staged from
     the local run, and reads less than the run holds."""
-    from packer.slicing import stage_slice
+    from tokpack.packer.slicing import stage_slice
 
     fs, bucket, run = bucket_run
     remote = stage_slice(f"s3://{bucket}/run", tmp_path / "remote", ranks="1-2", world_size=4, micro_batch=2, workers=4)

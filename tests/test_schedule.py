@@ -22,14 +22,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import random_docs, write_source
-from formats.errors import TokpackError
-from formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, read_manifest
-from formats.reader import SampleReader
-from formats.shards import PackedSource
-from packer.api import ExecutorConfig, inspect, shuffle, stage, validate
-from packer.cli import main
-from shuffle.plan import EpochPlan, jitter_offset
-from shuffle.schedule import RunPlan, Schedule, Stage
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, read_manifest
+from tokpack.formats.reader import SampleReader
+from tokpack.formats.shards import PackedSource
+from tokpack.packer.api import ExecutorConfig, inspect, shuffle, stage, validate
+from tokpack.packer.cli import main
+from tokpack.shuffle.plan import EpochPlan, jitter_offset
+from tokpack.shuffle.schedule import RunPlan, Schedule, Stage
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 31  # a sample is 32 tokens
@@ -184,7 +184,7 @@ def test_global_batch_across_a_stage_boundary_sample_reader(run):
 def test_tokpack_dataset_workers_cross_a_stage_boundary_and_resume_inside_it(run):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from formats.torch_adapter import TokpackDataset
+    from tokpack.formats.torch_adapter import TokpackDataset
 
     world, micro = 2, 3
     start = BOUNDARY - 9  # step 0 ends in "stable", step 1 spans the boundary, step 2 is in "mid"
@@ -382,7 +382,7 @@ def test_any_schedule_continues_every_chain(corpus, stages, jitter):
 def test_plan_of_a_schedule_is_the_run(run, corpus, tmp_path):
     """`tokpack plan shuffle --schedule` plans every epoch of the schedule as the run made them:
     sizes, shards, and the run manifest's size (its schedule fields included)."""
-    from packer import plan
+    from tokpack.packer import plan
 
     planned = plan("shuffle", None, tmp_path / "planned", schedule=corpus / "run.yaml", memory=MEMORY, disk_mbps=100)
     assert [e["samples"] for e in planned.epochs] == SIZES
@@ -398,7 +398,7 @@ def test_summary_and_plan_of_a_schedule_report_every_epoch_and_stage(run, corpus
     """shuffle's summary gives each epoch's size (not one samples_per_epoch of 0) and stage; the
     plan shows every epoch's stage and per-source lines, and gives shuffle's own repeat warnings,
     whose hint points at the schedule file, not at --samples/--tokens."""
-    from packer import plan
+    from tokpack.packer import plan
 
     result = RESULTS["run"]
     assert result.samples_per_epoch is None and result.epoch_samples == SIZES
@@ -423,7 +423,7 @@ def test_summary_and_plan_of_a_schedule_report_every_epoch_and_stage(run, corpus
 def test_a_run_made_with_flags_is_a_one_stage_schedule_of_those_flags(tmp_path):
     """`shuffle SOURCE... --tokens N --jitter` is planned as a schedule of one stage: the flags
     all reach it (a dropped --tokens or --jitter would plan another epoch)."""
-    from shuffle.schedule import read_schedule
+    from tokpack.shuffle.schedule import read_schedule
 
     flags = Schedule.of_flags(["a", "b"], ["0.25", None], seq_len=31, seed=9, tokens=5000, jitter=True)
     assert (flags.seq_len, flags.seed, flags.jitter, flags.file) == (31, 9, True, None)
@@ -459,7 +459,7 @@ FIELD_PATHS = {
 def test_schedule_errors_name_the_field_by_its_path(tmp_path, body):
     """The field of a bad schedule is `stages[0]`, `stages[0].weights` or a top-level key: no stray
     dot after a stage's index and none before a top-level key."""
-    from shuffle.schedule import read_schedule
+    from tokpack.shuffle.schedule import read_schedule
 
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"seq_len: 31\nseed: 1\n{body}\n")

@@ -17,14 +17,14 @@ from click.testing import CliRunner
 from hypothesis import given, settings, strategies as st
 
 from conftest import random_docs, shuffle_run, write_source
-from formats.errors import IncompleteError, TokpackError
-from formats.manifest import multiset_hash_rows, read_manifest
-from formats.shards import PackedSource
-from formats.dir_checks import validate_dirs
-from formats import outputs
-from shuffle import run, steps
-from shuffle.permutation import Bijection, derive_key
-from shuffle.plan import EpochPlan, SourcePlan, epoch_plan, expected_multiset_hash, largest_remainder
+from tokpack.formats.errors import IncompleteError, TokpackError
+from tokpack.formats.manifest import multiset_hash_rows, read_manifest
+from tokpack.formats.shards import PackedSource
+from tokpack.formats.dir_checks import validate_dirs
+from tokpack.formats import outputs
+from tokpack.shuffle import run, steps
+from tokpack.shuffle.permutation import Bijection, derive_key
+from tokpack.shuffle.plan import EpochPlan, SourcePlan, epoch_plan, expected_multiset_hash, largest_remainder
 
 REPO = Path(__file__).resolve().parents[1]
 L = 31  # seq_len of most tests: 32-token rows
@@ -235,7 +235,7 @@ def test_real_datatrove_executor_with_workers(sources, tmp_path):
     ref = tmp_path / "ref"
     shuffle_run([str(big), str(small)], str(ref), seq_len=L, seed=2, epochs=[0], memory=7000, shard_samples=150)
     out = tmp_path / "cli"
-    proc = subprocess.run([sys.executable, "-m", "packer.cli", "shuffle", str(big), str(small), "-o", str(out),
+    proc = subprocess.run([sys.executable, "-m", "tokpack.packer.cli", "shuffle", str(big), str(small), "-o", str(out),
                            "--seq-len", str(L), "--seed", "2", "--epochs", "1", "--memory", "14000",
                            "--shard-samples", "150", "--workers", "2", "--json"],
                           cwd=REPO, capture_output=True, text=True)
@@ -263,8 +263,8 @@ def test_epoch_added_later_equals_epoch_of_full_run(sources, tmp_path):
 
 PEAK_SCRIPT = """
 import json, sys
-from packer.executors import ExecutorConfig, pass_runner
-from shuffle.run import shuffle_run
+from tokpack.packer.executors import ExecutorConfig, pass_runner
+from tokpack.shuffle.run import shuffle_run
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
@@ -455,7 +455,7 @@ def test_sigkill_then_rerun_is_identical(tmp_path, kill_at):
     ref = tmp_path / "ref"
     shuffle_run([str(big)], str(ref), **kw)  # in process: the bytes do not depend on how it runs
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "packer.cli", "shuffle", str(big), "-o", str(out), "--seq-len", "15", "--seed", "5",
+    cmd = [sys.executable, "-m", "tokpack.packer.cli", "shuffle", str(big), "-o", str(out), "--seq-len", "15", "--seed", "5",
            "--epochs", "1", "--memory", "2KiB", "--shard-samples", "200", "--json"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pattern = "*/ooc-*/scatter-00000/*/*.pos" if kill_at == "scatter" else "*/done/*.json"
@@ -478,7 +478,7 @@ def test_sigkill_then_rerun_is_identical(tmp_path, kill_at):
 
 
 def run_cli(*args):
-    from packer.cli import main
+    from tokpack.packer.cli import main
 
     result = CliRunner().invoke(main, ["shuffle", *map(str, args)])
     return result

@@ -21,11 +21,11 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import random_docs, shuffle_run, write_source
-from formats.errors import TokpackError
-from formats.manifest import read_manifest
-from formats.shards import PackedSource
-from shuffle import run, steps
-from shuffle.plan import EpochPlan, SourcePlan, epoch_plan
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.manifest import read_manifest
+from tokpack.formats.shards import PackedSource
+from tokpack.shuffle import run, steps
+from tokpack.shuffle.plan import EpochPlan, SourcePlan, epoch_plan
 
 REPO = Path(__file__).resolve().parents[1]
 L = 31  # 32-token rows
@@ -34,7 +34,7 @@ ROW_BYTES = (L + 1) * 2
 
 def cli(*args, env=None) -> subprocess.CompletedProcess:
     """The real command in its own process."""
-    return subprocess.run([sys.executable, "-m", "packer.cli", *map(str, args)], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tokpack.packer.cli", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
 
 
@@ -292,7 +292,7 @@ def on_a_terminal(args) -> str:
     leader, follower = pty.openpty()
     # a real terminal has a size; tqdm draws nothing on a 0x0 one
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", *map(str, args)], cwd=REPO, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "tokpack.packer.cli", *map(str, args)], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=follower, env={**os.environ, "PYTHONPATH": str(REPO)})
     os.close(follower)
     chunks = []
@@ -320,7 +320,7 @@ def test_out_of_core_passes_show_bars_on_a_terminal_but_not_under_json(sources, 
 
 
 def test_tasks_help_speaks_of_input_ranges():
-    r = CliRunner().invoke(__import__("packer.cli", fromlist=["main"]).main, ["shuffle", "--help"],
+    r = CliRunner().invoke(__import__("tokpack.packer.cli", fromlist=["main"]).main, ["shuffle", "--help"],
                            terminal_width=200)
     text = " ".join(r.output.split())
     tasks = text[text.index("--tasks"):text.index("--logging-dir")]

@@ -17,12 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import random_docs, require, write_source
-from formats.errors import TokpackError
-from formats.manifest import MANIFEST, epoch_dir_name
-from formats.reader import SampleReader
-from formats.slices import RankRows, rank_file_name
-from packer.cli import main
-from packer.slicing import stage_slice
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.formats.reader import SampleReader
+from tokpack.formats.slices import RankRows, rank_file_name
+from tokpack.packer.cli import main
+from tokpack.packer.slicing import stage_slice
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 63
@@ -130,7 +130,7 @@ def test_torch_dataset_on_a_slice_equals_the_run(run, tmp_path, workers):
     require("torchdata", "pip install torchdata")
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from formats.torch_adapter import TokpackDataset
+    from tokpack.formats.torch_adapter import TokpackDataset
 
     stage_slice(str(run), tmp_path / "s", ranks="3", world_size=W, micro_batch=M)
 
@@ -160,7 +160,7 @@ def test_torch_dataset_on_a_slice_equals_the_run(run, tmp_path, workers):
 def test_a_scheduled_run_across_stages(tmp_path):
     """A run of two schedule stages of unequal epochs: the slice serves the global batch that
     spans the stage boundary as the run does."""
-    from packer.api import shuffle
+    from tokpack.packer.api import shuffle
 
     for k, (name, n) in enumerate([("web", 80), ("code", 40)]):
         write_source(tmp_path / name, random_docs(np.random.default_rng(k), n, 1000, 0), docs_per_shard=20)
@@ -189,7 +189,7 @@ def test_a_slice_refuses_what_it_does_not_hold(run, tmp_path):
         line = str(e.value)
         assert "\n" not in line and "ranks 1-2 of world size 4, micro-batch 3" in line
         assert f"tokpack stage {run} " in line and f"--world-size {w} --micro-batch {m}" in line
-    from formats.torch_adapter import TokpackDataset
+    from tokpack.formats.torch_adapter import TokpackDataset
 
     with pytest.raises(TokpackError, match="does not hold that rank"):
         TokpackDataset(tmp_path / "s", rank=0, world_size=W, micro_batch=M)
@@ -238,7 +238,7 @@ def test_kill_9_during_stage_then_rerun_gives_identical_bytes(run, tmp_path):
     clean = tmp_path / "clean"
     stage_slice(str(run), clean, ranks="1-2", world_size=W, micro_batch=M)
     script = ("import os, signal, sys\nsys.path.insert(0, 'tests')\n"
-              "from formats.shards import EpochShardWriter\nfrom packer.slicing import stage_slice\n"
+              "from tokpack.formats.shards import EpochShardWriter\nfrom tokpack.packer.slicing import stage_slice\n"
               "close, calls = EpochShardWriter.close, []\n"
               "def dying(self):\n    out = close(self)\n    calls.append(1)\n"
               "    if len(calls) == 3:\n        os.kill(os.getpid(), signal.SIGKILL)\n    return out\n"
@@ -352,7 +352,7 @@ def test_validate_a_slice_alone_and_against_its_run(run, tmp_path):
     """`validate SLICE` checks the rank files against the slice's manifests; `--against RUN`
     proves each holds the run's samples of its rank, in order: a swapped pair of rows, with
     every checksum of the slice rewritten to agree, passes the first and fails the second."""
-    from formats.shards import EpochShardWriter
+    from tokpack.formats.shards import EpochShardWriter
 
     s = tmp_path / "s"
     stage_slice(str(run), s, ranks="1-2", world_size=W, micro_batch=M)
@@ -421,7 +421,7 @@ def packed_run(tmp_path_factory) -> Path:
 
 
 def packed_batches(path, rank: int, start: int = 0) -> list:
-    from formats.torch_adapter import TokpackDataset
+    from tokpack.formats.torch_adapter import TokpackDataset
 
     ds = TokpackDataset(path, rank=rank, world_size=BW, micro_batch=BM, start_sample=start)
     return [{k: v.tolist() for k, v in b.items()} for b in ds]
@@ -457,8 +457,8 @@ def test_a_best_fit_slice_validates_and_a_flipped_pad_byte_is_caught(packed_run,
     """`validate SLICE` and `--against RUN` pass; a flipped byte in a rank's `.ds.pad` fails
     the first (its checksum), and with the checksum resealed, the second (the run's padding);
     a flipped byte in the run's `.ds.pad` stops the stage with one line, nothing kept."""
-    from packer.slicing import plan_slice
-    from packer.staging import Source
+    from tokpack.packer.slicing import plan_slice
+    from tokpack.packer.staging import Source
 
     s = tmp_path / "s"
     res = stage_slice(str(packed_run), s, ranks="1-2", world_size=BW, micro_batch=BM)
@@ -504,9 +504,9 @@ def test_validate_against_reads_rank_files_in_bounded_memory(tmp_path):
     the streamed comparison still finds a flipped byte and a swapped pair of rows."""
     import tracemalloc
 
-    from formats.dir_checks import DirReport
-    from formats.manifest import read_manifest
-    from formats.slices import slice_against_run
+    from tokpack.formats.dir_checks import DirReport
+    from tokpack.formats.manifest import read_manifest
+    from tokpack.formats.slices import slice_against_run
 
     big = write_source(tmp_path / "src", random_docs(np.random.default_rng(4), 600, 1000, 0, 4000, 6000))
     run = make_run(tmp_path / "run", big, [0], seq_len=1023, shard_samples=64)
@@ -582,7 +582,7 @@ def test_a_fifo_in_a_slice_is_refused_promptly(packed_run, tmp_path, victim):
         return
     assert r.returncode == 0, r.stderr  # `read` prints tokens: it opens neither sidecar
     require("torch", "pip install torch")
-    from formats.torch_adapter import TokpackDataset
+    from tokpack.formats.torch_adapter import TokpackDataset
 
     ds = TokpackDataset(s, rank=1, world_size=BW, micro_batch=BM, start_sample=248, positions="index")
     with pytest.raises(TokpackError, match=f"{victim}.*a FIFO"):

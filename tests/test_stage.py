@@ -14,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from click.testing import CliRunner
 
-from formats.errors import TokpackError
-from formats.io import TMP_MARK
-from formats.manifest import MANIFEST, STAGE_SIDECAR, epoch_dir_name
-from formats.shards import shard_suffixes
-from packer.cli import main
-from packer.staging import (
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import TMP_MARK
+from tokpack.formats.manifest import MANIFEST, STAGE_SIDECAR, epoch_dir_name
+from tokpack.formats.shards import shard_suffixes
+from tokpack.packer.cli import main
+from tokpack.packer.staging import (
     parse_epochs,
     parse_ranks,
     shards_for_ranks,
@@ -81,7 +81,7 @@ def test_stage_run_copies_listed_files_only_and_manifests(run_dir, tmp_path):
     got = tree(tmp_path / "dst")
     assert set(got) == listed_files(run)
     assert all(got[k] == (run / k).read_bytes() for k in got)
-    from packer import validate
+    from tokpack.packer import validate
 
     assert validate(tmp_path / "dst").ok
 
@@ -121,7 +121,7 @@ def test_corrupt_source_fails_and_leaves_no_manifest(small_source, tmp_path):
 
 def test_interrupted_copy_leaves_incomplete_dest(small_source, tmp_path, monkeypatch):
     """A crash mid-stage: no manifest at DEST, so nothing can take the copy for complete."""
-    from packer.staging import _Stager
+    from tokpack.packer.staging import _Stager
 
     src, _ = small_source
     dst = tmp_path / "dst"
@@ -256,7 +256,7 @@ def test_stage_ranks_copies_only_their_shards(run_dir, tmp_path):
             needed = any((p % period) // micro in ranks for p in positions if p < total // period * period)
             assert (dst / epoch_dir_name(e) / s["path"]).exists() == needed
             chained += s["samples"]
-    from packer import validate
+    from tokpack.packer import validate
 
     report = validate(dst).to_json()
     assert not report["ok"]  # a partial copy never passes for the whole run...
@@ -275,7 +275,7 @@ def test_stage_ranks_copies_only_their_shards(run_dir, tmp_path):
 def test_ranks_select_what_the_real_reader_feeds_them(run_dir, tmp_path):
     """The shards a --ranks stage copies are exactly those the project's reader reads for
     those ranks from the whole run (same Megatron convention, epochs chained)."""
-    from formats.reader import SampleReader
+    from tokpack.formats.reader import SampleReader
 
     run, _ = run_dir
     world, micro, ranks = 4, 5, [1]
@@ -320,8 +320,8 @@ def test_stage_epoch_dir_and_loss_files(run_dir, tmp_path):
     stage(run / epoch_dir_name(1), tmp_path / "e1")
     assert tree(tmp_path / "e1") == tree(run / epoch_dir_name(1))
     # A packed source with a loss mask: the .ds.loss files travel and are verified too.
-    from formats import SourceShardWriter, source_manifest, write_manifest
-    from formats.manifest import shard_name
+    from tokpack.formats import SourceShardWriter, source_manifest, write_manifest
+    from tokpack.formats.manifest import shard_name
 
     src = tmp_path / "lsrc"
     src.mkdir()

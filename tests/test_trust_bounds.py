@@ -30,7 +30,7 @@ def _limit_memory():
 
 
 def tokpack(*args, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "packer.cli", *map(str, args)], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tokpack.packer.cli", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=TIMEOUT, preexec_fn=_limit_memory, env={**os.environ, **(env or {})})
 
 
@@ -329,7 +329,7 @@ def test_a_node_slice_of_too_many_ranks_is_refused_before_writing(tmp_path, args
     import sys
 
     dest = tmp_path / "slice"
-    r = subprocess.run([sys.executable, "-m", "packer.cli", "stage", str(tmp_path / "no-run"), str(dest), *args,
+    r = subprocess.run([sys.executable, "-m", "tokpack.packer.cli", "stage", str(tmp_path / "no-run"), str(dest), *args,
                         "--micro-batch", "2"], capture_output=True, text=True, cwd=Path(__file__).parent.parent,
                        timeout=120)
     lines = [x for x in r.stderr.splitlines() if x.startswith("tokpack")]
@@ -349,7 +349,7 @@ def test_a_node_slice_of_an_impossible_global_batch_is_refused_before_writing(tm
     import sys
 
     dest = tmp_path / "slice"
-    r = subprocess.run([sys.executable, "-m", "packer.cli", "stage", str(tmp_path / "no-run"), str(dest), *args],
+    r = subprocess.run([sys.executable, "-m", "tokpack.packer.cli", "stage", str(tmp_path / "no-run"), str(dest), *args],
                        capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=120)
     lines = [x for x in r.stderr.splitlines() if x.startswith("tokpack")]
     assert r.returncode == 1 and len(lines) == 1, r.stderr

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from conftest import random_docs, write_source
-from formats.errors import TokpackError
-from formats.units import byte_size, token_count
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.units import byte_size, token_count
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def tokpack(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "packer.cli", *args], cwd=REPO, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "tokpack.packer.cli", *args], cwd=REPO, capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("text, count", [

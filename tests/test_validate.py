@@ -17,11 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from formats.io import TMP_MARK
-from formats.manifest import MANIFEST, hash_hex64, xxh3_128_file
-from formats.shards import EpochShardWriter
-from formats.dir_checks import report_lines, validate_dirs
-from packer.api import validate as validate_result
+from tokpack.formats.io import TMP_MARK
+from tokpack.formats.manifest import MANIFEST, hash_hex64, xxh3_128_file
+from tokpack.formats.shards import EpochShardWriter
+from tokpack.formats.dir_checks import report_lines, validate_dirs
+from tokpack.packer.api import validate as validate_result
 from tests.conftest import random_docs, write_source
 
 VOCAB, EOS, SEQ_LEN, SHARD_SAMPLES = 1000, 0, 15, 8
@@ -35,7 +35,7 @@ def validate_all(*args, **kw) -> dict:
 
 
 def make_run(src: Path, out: Path, seed: int, epochs: list[int]) -> Path:
-    """A real shuffled run (shuffle.run), small shards so epochs have several."""
+    """A real shuffled run (tokpack.shuffle.run), small shards so epochs have several."""
     from tests.conftest import shuffle_run
 
     shuffle_run([str(src)], str(out), seq_len=SEQ_LEN, seed=seed, epochs=epochs, samples=None, tokens=None,
@@ -82,7 +82,7 @@ def save(path: Path, manifest: dict) -> None:
 
 def reseal_source(src: Path) -> None:
     """Recomputes every checksum and the fingerprint after an edit, so only content checks remain."""
-    from formats.manifest import fingerprint
+    from tokpack.formats.manifest import fingerprint
 
     m = load(src)
     for s in m["shards"]:
@@ -349,7 +349,7 @@ def test_problem_lines_name_file_where_expected_found(env):
 
 
 def test_cli_exit_codes_and_json(env):
-    cmd = [sys.executable, "-m", "packer.cli", "validate"]
+    cmd = [sys.executable, "-m", "tokpack.packer.cli", "validate"]
     ok = subprocess.run(cmd + [str(env / "src"), "--json"], capture_output=True, text=True, cwd=Path(__file__).parents[1])
     assert ok.returncode == 0, ok.stderr
     rep = json.loads(ok.stdout)
@@ -371,7 +371,7 @@ def test_workers_give_the_same_report(env):
 
 def test_blocks_smaller_than_a_shard(env, monkeypatch):
     """The streaming path (several blocks per file, index consumed across blocks) on real data."""
-    import formats.shard_scan as v
+    import tokpack.formats.shard_scan as v
 
     monkeypatch.setattr(v, "BLOCK", 64)
     assert validate_dirs([env / "src", env / "run"], quick=False, workers=1).ok
@@ -411,7 +411,7 @@ def test_any_single_byte_corruption_is_detected(corruptible, data):
 def test_real_pack_and_weighted_jittered_shuffle_validate(tmp_path):
     """No false alarms on the other writers' real outputs: `pack` from JSONL token lists, and a
     two-source weighted, jittered, upsampling shuffle over three epochs."""
-    from packer.packing import pack
+    from tokpack.packer.packing import pack
     from tests.conftest import shuffle_run
 
     rng = np.random.default_rng(5)
@@ -445,7 +445,7 @@ def test_against_one_source_of_a_mixed_run_is_unverified_not_corrupt(tmp_path):
     shuffle_run([str(web), str(code)], str(tmp_path / "run"), weights=["0.7", "0.3"], seq_len=SEQ_LEN, seed=1, epochs=[0, 1],
                 samples=200, tokens=None, shard_samples=50, memory=1 << 20, jitter=False, log=None)
     code_fp = load(code)["fingerprint"]
-    cmd = [sys.executable, "-m", "packer.cli", "validate", str(tmp_path / "run"), "--against", str(web)]
+    cmd = [sys.executable, "-m", "tokpack.packer.cli", "validate", str(tmp_path / "run"), "--against", str(web)]
     human = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
     as_json = subprocess.run(cmd + ["--json"], capture_output=True, text=True, cwd=Path(__file__).parents[1])
     assert human.returncode == 1 and as_json.returncode == 1
@@ -473,7 +473,7 @@ def test_against_one_source_of_a_mixed_run_is_unverified_not_corrupt(tmp_path):
 def test_epoch_multiset_line_expects_the_recorded_hash(env):
     """An altered sample whose shard checksums were rewritten: the epoch's multiset line
     expects what its manifest records and found what its samples hash to."""
-    from formats.manifest import multiset_hash_rows
+    from tokpack.formats.manifest import multiset_hash_rows
 
     m = load(env / E0)
     recorded = m["sample_multiset_hash"]
@@ -496,7 +496,7 @@ def test_epoch_multiset_line_expects_the_recorded_hash(env):
 def test_a_bug_in_validate_is_not_reported_as_corrupt_data(base, monkeypatch):
     """An exception that is not about the data (here a KeyError standing for a bug in a shard
     check) propagates: the report must not blame the data for it."""
-    import formats.dir_checks as fv
+    import tokpack.formats.dir_checks as fv
 
     def buggy_check(job):
         raise KeyError("a field tokpack forgot")
@@ -678,8 +678,8 @@ def test_manifest_field_checks(env, target, field, value, problem):
 def lossy(tmp_path) -> Path:
     """A source whose shards carry a .loss mask (datatrove's save_loss_metadata), written with
     the project's shard writer."""
-    from formats import SourceShardWriter, source_manifest, write_manifest
-    from formats.manifest import shard_name
+    from tokpack.formats import SourceShardWriter, source_manifest, write_manifest
+    from tokpack.formats.manifest import shard_name
 
     docs = random_docs(np.random.default_rng(11), 40, VOCAB, EOS, max_len=50)
     src = tmp_path / "lossy"
@@ -737,7 +737,7 @@ def test_loss_mask_checks(lossy, fault):
 def test_quick_mode_streams_the_index_in_small_chunks(env, monkeypatch):
     """Quick mode reads each index in chunks of BLOCK/32 entries: with chunks of 2 entries every
     sample boundary and every order check crosses chunk seams."""
-    import formats.shard_scan as v
+    import tokpack.formats.shard_scan as v
 
     monkeypatch.setattr(v, "BLOCK", 64)
     assert validate_dirs([env / "src", env / "run"], quick=True, workers=1).ok
@@ -872,7 +872,7 @@ def test_manifest_byte_count_line(env):
 def test_metadata_field_lines(env):
     """Metadata naming another tokenizer, token size and token count: one line each, and its
     checksum in full mode."""
-    from formats.manifest import metadata_text
+    from tokpack.formats.manifest import metadata_text
 
     meta = env / "src/00000.ds.metadata"
     meta.write_text(metadata_text("other-tokenizer", 4, 999))
@@ -929,7 +929,7 @@ def test_epoch_index_entry_lines(env, monkeypatch, edit, block):
     it with the EOS positions and sample ends, quick mode with the sample ends alone, and each
     names the first wrong entry, what it expected and what it found. Also in blocks of a few
     rows, where the index is handed out block by block (and in quick mode, 2 entries a chunk)."""
-    import formats.shard_scan as v
+    import tokpack.formats.shard_scan as v
 
     if block:
         monkeypatch.setattr(v, "BLOCK", block)
@@ -1086,7 +1086,7 @@ def test_run_directory_lines(env):
 
 
 def test_partial_stage_line(env, tmp_path):
-    from packer.api import stage
+    from tokpack.packer.api import stage
 
     summary = stage(env / "run", tmp_path / "dst", ranks="0/4", micro_batch=8)
     assert summary.partial and summary.shards_skipped > 0
@@ -1178,7 +1178,7 @@ def test_against_a_source_that_cannot_be_replayed(env):
 def test_report_text(env):
     """The summary line: sizes in B, kB, MB and GB switching at exactly 1000, the time taken, and
     what quick mode leaves out."""
-    from formats.dir_checks import ValidateResult
+    from tokpack.formats.dir_checks import ValidateResult
 
     def summary(nbytes: int) -> str:
         r = ValidateResult(ok=True, status="ok", quick=False, problems=[], dirs=[], files=1, bytes=nbytes, seconds=2.0,
@@ -1232,7 +1232,7 @@ def test_epoch_index_size_against_fragments_line(env):
 def test_source_index_ending_before_the_tokens(env, monkeypatch, block):
     """A source whose last document was dropped from the index (counts and checksums rewritten to
     agree): its tokens run on past the last entry, through blocks the index has nothing for."""
-    import formats.shard_scan as v
+    import tokpack.formats.shard_scan as v
 
     if block:
         monkeypatch.setattr(v, "BLOCK", block)
@@ -1255,7 +1255,7 @@ def test_source_index_ending_before_the_tokens(env, monkeypatch, block):
 def test_missing_eos_line_once_per_shard(env, monkeypatch, block):
     """Two documents of one shard without their EOS, far apart (in different blocks when blocks
     are small): the first is named, token, document and the id found; the shard gets one line."""
-    import formats.shard_scan as v
+    import tokpack.formats.shard_scan as v
 
     if block:
         monkeypatch.setattr(v, "BLOCK", block)
@@ -1275,7 +1275,7 @@ def test_quick_index_past_the_end_across_chunks(env, monkeypatch):
     """Quick mode, an epoch index running two entries past the token count, read 2 entries a
     chunk so that the chunk after them starts beyond the last sample: the line says the index
     does not end at the token count (it said "sample end -1" once)."""
-    import formats.shard_scan as v
+    import tokpack.formats.shard_scan as v
 
     monkeypatch.setattr(v, "BLOCK", 64)
     a = np.fromfile(env / E0 / "00000.ds.index", dtype="<u8")
@@ -1330,8 +1330,8 @@ def test_run_epoch_list_of_booleans(env):
 def test_empty_shard_with_a_loss_mask_validates(lossy):
     """A shard of no tokens, written by the shard writer with its (empty) .loss: valid, and its
     empty loss mask is scanned without error."""
-    from formats import SourceShardWriter, source_manifest, write_manifest
-    from formats.manifest import shard_name
+    from tokpack.formats import SourceShardWriter, source_manifest, write_manifest
+    from tokpack.formats.manifest import shard_name
 
     m = load(lossy)
     w = SourceShardWriter(lossy, shard_name(2), np.dtype("<u2"), "test-tokenizer", with_loss=True)

@@ -1,0 +1,5 @@
+"""`python -m tokpack ARGS`: the `tokpack` command."""
+
+from tokpack.packer.cli import main
+
+main()
