@@ -193,6 +193,6 @@ def test_api_names_survive_importing_the_modules():
     modules = [m.name for m in pkgutil.iter_modules(tokpack.packer.__path__)]
     assert {"packing", "staging", "inspection"} <= set(modules) and not set(modules) & set(tokpack.packer.__all__)
     for name in modules:
-        importlib.import_module(f"packer.{name}")
+        importlib.import_module(f"tokpack.packer.{name}")
     assert (tokpack.packer.pack, tokpack.packer.shuffle, tokpack.packer.validate, tokpack.packer.stage, tokpack.packer.inspect) == (
         pack, shuffle, validate, stage, inspect)
