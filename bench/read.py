@@ -92,7 +92,7 @@ def make_virtual_shard(epoch: Path, out: Path) -> int:
 HWM = "int([x.split()[1] for x in open('/proc/self/status') if x.startswith('VmHWM')][0]) / 1024"
 READ_CHILD = """
 import json, time
-from tokpack.formats.reader import SampleReader
+from tokpack.loader.reader import SampleReader
 t0 = time.perf_counter()
 r = SampleReader.open({path!r})
 t1 = time.perf_counter()
@@ -105,7 +105,7 @@ json.dump({{"open_s": t1 - t0, "read_s": t2 - t1, "bytes": n, "rss_mb": {hwm}}},
 
 VIRTUAL_CHILD = """
 import json, time
-from tokpack.formats.reader import SampleReader
+from tokpack.loader.reader import SampleReader
 rows, shard = {rows}, {shard}
 m = {{"format": "tokpack", "version": 1, "kind": "epoch", "seq_len": {seq}, "dtype": "uint16", "token_size": 2,
      "eos_id": 0, "samples": {n_shards} * shard, "shard_samples": shard,
@@ -135,7 +135,7 @@ json.dump({{"open_s": 0.0, "read_s": time.perf_counter() - t0, "bytes": n, "rss_
 ALLOC_CHILD = """
 import json
 import numpy as np
-import tokpack.formats.reader
+import tokpack.loader.reader
 n = {n}
 # Allocated and filled the way the loader's index builder does (every entry is written).
 a = np.empty(n, dtype={first!r}); a[:] = 1

@@ -325,7 +325,7 @@ def reader_cmd(epoch: Path, virtual_dir: Path, start: int, samples: int, result:
         "import json, time\n"
         "from pathlib import Path\n"
         "from tokpack.formats.manifest import read_manifest\n"
-        "from tokpack.formats.reader import SampleReader\n"
+        "from tokpack.loader.reader import SampleReader\n"
         f"e, start = Path({str(epoch)!r}), {start}\n"
         "m = read_manifest(e, kind='epoch')\n"
         "rb = (int(m['seq_len']) + 1) * int(m['token_size'])\n"

@@ -128,7 +128,7 @@ def against_cmd(epoch: Path, src: Path, order: bool, scan: bool = True, workers:
         return python_cmd(f"from tokpack.formats.manifest import read_manifest; from tokpack.formats.shards import PackedSource\n"
                           f"from tokpack.shuffle.plan import replay_hashes\n"
                           f"replay_hashes(read_manifest({str(epoch)!r}), [PackedSource.open({str(src)!r})], {order})")
-    return python_cmd(f"from functools import partial\nfrom tokpack.formats.dir_checks import _against, validate_dirs\n"
+    return python_cmd(f"from functools import partial\nfrom tokpack.packer.validation import _against, validate_dirs\n"
                       f"from tokpack.shuffle.plan import replay_hashes\n"
                       f"report = validate_dirs([{str(epoch)!r}, {str(src)!r}], workers={workers}, order={order})\n"
                       f"assert report.ok and not _against(report, [{str(src)!r}], partial(replay_hashes, order={order}))\n"

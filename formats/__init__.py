@@ -3,7 +3,6 @@
 from .errors import IncompleteError, TokpackError
 from .manifest import MANIFEST, read_manifest, source_manifest, write_manifest
 from .shards import EpochShardWriter, PackedSource, SourceShardWriter
-from . import slices  # noqa: F401 (registers the node slice's reader with SampleReader.open)
 
 __all__ = [
     "IncompleteError",

@@ -339,7 +339,7 @@ def upgrade(manifest: dict) -> dict:
 # What every command checks of a manifest before it uses it, and `tokpack validate` reports:
 # fields, the dtype rule, sums and the windowing arithmetic. `add(file, where, expected, found,
 # message)` receives each problem; read_manifest's raises at the first (one line), validate's
-# collects them all. The files on disk are the checks' of tokpack.formats.dir_checks and shard_scan.
+# collects them all. The files on disk are the checks' of tokpack.packer.validation and shard_scan.
 
 EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
 MASK64 = 0xFFFFFFFFFFFFFFFF

@@ -100,8 +100,8 @@ def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
              against: PathLike | Sequence[PathLike] = (), workers: int = 1, show_progress: bool | None = None):
     """Checks tokpack directories (sources, runs, epochs); `against`: the packed sources an
     epoch was shuffled from, to recompute its content and prove its order. Returns a
-    tokpack.formats.dir_checks.ValidateResult."""
-    from tokpack.formats.dir_checks import validate_all
+    tokpack.packer.validation.ValidateResult."""
+    from tokpack.packer.validation import validate_all
     from tokpack.shuffle.packed import replay_hashes_any as replay_hashes
 
     return validate_all(as_paths(dirs), quick=quick, against=as_paths(against), workers=workers,

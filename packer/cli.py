@@ -497,7 +497,7 @@ def validate(dirs, quick, against, workers, as_json):
       tokpack validate /data/runs/r1/epoch-00000 --against /data/packed/web --json
     """
     from tokpack.packer.api import validate as validate_api
-    from tokpack.formats.dir_checks import report_lines
+    from tokpack.packer.validation import report_lines
 
     result = validate_api(list(dirs), quick=quick, against=list(against), workers=workers)
     emit(result, as_json, report_lines, err=not result.ok)
@@ -526,7 +526,7 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
     Example:
       tokpack read /data/runs/r1 --rank 3 --world-size 8 --micro-batch 4 --start-sample 1024 --count 4
     """
-    from tokpack.formats.reader import SampleReader
+    from tokpack.loader.reader import SampleReader
 
     if start_sample is not None and consumed_tokens is not None:
         raise click.UsageError("give at most one of --start-sample and --consumed-tokens")

@@ -27,8 +27,8 @@ import numpy as np
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import as_path, open_read, progress, read_array, regular_size
 from tokpack.formats.manifest import epoch_dir_name, read_manifest
-from tokpack.formats.reader import SampleReader
 from tokpack.formats.shards import U64, PackedSource
+from tokpack.loader.reader import SampleReader
 from tokpack.packer.shared import Result, optional_field
 
 DEFAULT_BATCH_SIZE = 64

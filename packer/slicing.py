@@ -48,7 +48,7 @@ from tokpack.formats.manifest import (
     require_valid,
     row_hashes,
 )
-from tokpack.formats.reader import EpochNumbering, shuffle_command
+from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.outputs import LocalOutput
 from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, EpochShardWriter, shard_suffixes
 from tokpack.formats.slices import (SLICE, SLICE_EPOCH, RankRows, missing_padding, rank_file_name, run_identity,

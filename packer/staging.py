@@ -37,7 +37,7 @@ import xxhash
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, locked_output
 from tokpack.formats.units import at_most
-from tokpack.formats.reader import EpochNumbering, shuffle_command
+from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import ROWS_SUFFIX, contained_shard
 from tokpack.formats.io import ThreadPool, as_path, commit_file, contained, lent, open_read, progress, regular_fd, remove_tmp_files, tmp_path
 from tokpack.formats.manifest import (

@@ -22,10 +22,11 @@
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 EQUIVALENT="$REPO/scripts/mutation-equivalent.txt"
-MODULES=(shuffle/plan.py shuffle/permutation.py shuffle/steps.py formats/reader.py formats/shard_scan.py formats/dir_checks.py
+MODULES=(shuffle/plan.py shuffle/permutation.py shuffle/steps.py loader/reader.py formats/numbering.py formats/shard_scan.py
+         packer/validation.py
          formats/inputs/discover.py formats/inputs/datatrove_ds.py formats/inputs/megatron_bin.py
          formats/inputs/tables.py formats/inputs/npy_raw.py formats/inputs/jsonl.py
-         formats/units.py formats/guard.py formats/torch_adapter.py shuffle/schedule.py formats/io.py
+         formats/units.py formats/guard.py loader/torch_adapter.py shuffle/schedule.py formats/io.py
          packer/planning.py)
 CI_TESTS='["tests/test_permutation_golden.py"]'
 # The --ci subset: the mutants of key derivation, the mixer and the Feistel set-up. Pinned
@@ -61,13 +62,14 @@ declare -A TESTS=(
   [shuffle/permutation.py]='["tests/test_permutation_golden.py", "tests/test_plan_golden.py"]'
   [shuffle/plan.py]='["tests/test_plan_golden.py", "tests/test_permutation_golden.py"]'
   [shuffle/steps.py]='["tests/test_engine_placement.py", "tests/test_shuffle.py", "tests/test_shuffle_integrity.py", "--deselect", "tests/test_shuffle.py::test_peak_memory_stays_within_budget_for_10x_data"]'
-  [formats/reader.py]='["tests/test_reader.py", "tests/test_resume.py"]'
+  [loader/reader.py]='["tests/test_reader.py", "tests/test_resume.py"]'
+  [formats/numbering.py]='["tests/test_reader.py", "tests/test_resume.py"]'
   [formats/shard_scan.py]='["tests/test_validate.py"]'
-  [formats/dir_checks.py]='["tests/test_validate.py"]'
+  [packer/validation.py]='["tests/test_validate.py"]'
   [formats/inputs/]='["tests/test_pack.py"]'  # every module of the package
   [formats/units.py]='["tests/test_units.py"]'
   [formats/guard.py]='["tests/test_guard.py"]'  # mutmut picks a mutant's tests by the calls they make in-process; the CLI lock tests make theirs in subprocesses
-  [formats/torch_adapter.py]='["tests/test_reader.py", "tests/test_resume.py", "-k", "torch or stateful or consumed or state_dict"]'
+  [loader/torch_adapter.py]='["tests/test_reader.py", "tests/test_resume.py", "-k", "torch or stateful or consumed or state_dict"]'
   [shuffle/schedule.py]='["tests/test_schedule.py"]'
   [formats/io.py]='["tests/test_io.py", "tests/test_api.py", "-k", "send or urls"]'  # memory:// stores: no moto
   [packer/planning.py]='["tests/test_plan_command.py", "-k", "not writes_nothing and not virtual"]'  # (those run the CLI in another folder: mutmut's trampoline finds no config there)

@@ -18,10 +18,10 @@ from conftest import random_docs, write_source
 from tokpack.packer import ExecutorConfig, inspect, pack, shuffle, stage, validate
 from tokpack.packer.api import ShuffleResult
 from tokpack.packer.cli import main
-from tokpack.formats.dir_checks import ValidateResult
 from tokpack.packer.inspection import InspectResult
 from tokpack.packer.packing import PackResult
 from tokpack.packer.staging import StageResult
+from tokpack.packer.validation import ValidateResult
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB, EOS = 1000, 0

@@ -23,7 +23,7 @@ from conftest import random_docs, require, shuffle_run, write_source
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import LOCK_NAME
 from tokpack.formats.manifest import MANIFEST, epoch_dir_name
-from tokpack.formats.reader import SampleReader
+from tokpack.loader.reader import SampleReader
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 60  # a refusal takes a second; a command blocked on a FIFO would take forever
@@ -153,7 +153,7 @@ def test_epoch_shard_path_absolute_is_refused_by_read_and_the_reader(data, tmp_p
         with pytest.raises(TokpackError, match=r"\[shards\[0\]\.path\]"):
             SampleReader.open(path, verify=True)
     require("torch", "pip install torch")
-    from tokpack.formats.torch_adapter import TokpackDataset
+    from tokpack.loader.torch_adapter import TokpackDataset
 
     with pytest.raises(TokpackError, match=r"\[shards\[0\]\.path\]"):
         TokpackDataset(run)
@@ -353,7 +353,7 @@ main()
 
 
 @pytest.mark.parametrize("command, module, name", [
-    ("validate", "tokpack.formats.dir_checks", "check_shard"),
+    ("validate", "tokpack.packer.validation", "check_shard"),
     ("stage", "tokpack.packer.staging", "_Stager.run_job"),
 ])
 @pytest.mark.parametrize("sig, status, said", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupt")])

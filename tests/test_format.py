@@ -23,8 +23,8 @@ from tokpack.formats.manifest import (
     epoch_dir_name,
     read_manifest,
 )
-from tokpack.formats.reader import SampleReader
-from tokpack.formats.dir_checks import validate_dirs
+from tokpack.loader.reader import SampleReader
+from tokpack.packer.validation import validate_dirs
 from tests.conftest import random_docs, write_source
 from tests.test_validate import EOS, VOCAB, make_run
 

@@ -27,8 +27,8 @@ Covered classes of damaged input:
 
 Commands driven: pack, shuffle (flags and --schedule, in memory and out of core), validate
 (full, --quick, --against), read (with and without --verify), inspect, stage (whole, --epochs,
---ranks), plan shuffle/pack/stage; and `tokpack.formats.reader.SampleReader`,
-`tokpack.formats.torch_adapter.TokpackDataset` and `tokpack.packer.validate` in a Python process of their own.
+--ranks), plan shuffle/pack/stage; and `tokpack.loader.reader.SampleReader`,
+`tokpack.loader.torch_adapter.TokpackDataset` and `tokpack.packer.validate` in a Python process of their own.
 
 Every case must: end within the timeout (no hang); exit 0, or 1 with exactly one
 `tokpack: error:` line (a click usage error is accepted for an argument click itself refuses);
@@ -280,12 +280,12 @@ for call, path, verify in json.loads(sys.argv[1]):
     ok = True
     try:
         if call == "reader":
-            from tokpack.formats.reader import SampleReader
+            from tokpack.loader.reader import SampleReader
             r = SampleReader.open(path, verify=verify)
             for _ in r.rank_samples(0, 1, 1, count=400):
                 pass
         elif call == "dataset":
-            from tokpack.formats.torch_adapter import TokpackDataset
+            from tokpack.loader.torch_adapter import TokpackDataset
             for _ in zip(range(400), TokpackDataset(path, verify=verify, positions="index")):
                 pass
         else:

@@ -374,7 +374,7 @@ def test_a_bug_in_tokpack_exits_70_with_its_traceback_in_a_log(sources, tmp_path
 
 def test_validate_never_reports_its_own_bug_as_corrupt(sources, tmp_path):
     small, _ = sources
-    code = BUGGY.format(module="tokpack.formats.dir_checks", name="validate_all", exc="TypeError")
+    code = BUGGY.format(module="tokpack.packer.validation", name="validate_all", exc="TypeError")
     r = tokpack(tmp_path, "validate", small, "--json", code=code)
     assert r.returncode == 70
     line = one_line(r.stderr)

@@ -1,5 +1,5 @@
-"""The project's layout rules: data flows packer -> shuffle -> formats, and the bench scripts
-import the project's packages, not their namesakes in bench/."""
+"""The project's layout rules: data flows packer -> shuffle -> formats and packer -> loader ->
+formats, and the bench scripts import the project's packages, not their namesakes in bench/."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ PACKAGES = SETUPTOOLS["packages"]
 FOLDERS = SETUPTOOLS["package-dir"]  # installed name -> folder in the repository
 # The subpackages under the one `tokpack.` namespace, by their short name (formats, shuffle, ...)
 TOP_PACKAGES = {name.split(".")[1] for name in PACKAGES if name.count(".") == 1}
-ALLOWED = {"formats": set(), "shuffle": {"formats"}, "packer": {"formats", "shuffle"}}
+# loader/ is what a trainer imports (the reader, the slice reader, the torch adapter): the format
+# only. packer's commands use it (`read`, `inspect`); shuffle does not.
+ALLOWED = {"formats": set(), "loader": {"formats"}, "shuffle": {"formats"}, "packer": {"formats", "shuffle", "loader"}}
 
 
 def subpackage(name: str) -> str | None:
@@ -83,15 +85,42 @@ def test_imports_flow_one_way():
 
 def test_format_layer_has_no_logging_or_executor_dependency():
     """formats/ is the file format: reading and writing it needs neither datatrove nor loguru
-    (their logging set-up lives with the steps that import datatrove, shuffle/sinks.py)."""
+    (their logging set-up lives with the steps that import datatrove, shuffle/sinks.py); nor does
+    loader/, which a trainer imports."""
     wrong = []
-    for module in sorted((REPO / "formats").rglob("*.py")):
+    for module in sorted(p for folder in ("formats", "loader") for p in (REPO / folder).rglob("*.py")):
         for node in ast.walk(ast.parse(module.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
             wrong += [f"{module.relative_to(REPO)} imports {n}" for n in names
                       if n.split(".")[0] in ("datatrove", "loguru")]
     assert not wrong, wrong
+
+
+def test_packages_register_nothing_on_import():
+    """A package's __init__ imports only what it exports: no module is imported for a side effect
+    (formats/__init__.py once imported slices so that the slice reader registered itself), and
+    importing the format imports no slice code and no loader. Readers are found through
+    tokpack.loader.reader's READERS, each a SampleReader of the loader package."""
+    for folder in sorted(TOP_PACKAGES):
+        init = REPO / folder / "__init__.py"
+        tree = ast.parse(init.read_text())
+        exported = next((ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                         and any(getattr(t, "id", None) == "__all__" for t in n.targets)), [])
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("tokpack")):
+                unused = [a.asname or a.name for a in node.names if (a.asname or a.name) not in exported]
+                assert not unused, f"{folder}/__init__.py imports {unused} without exporting them"
+            assert not (isinstance(node, ast.Import) and any(a.name.startswith("tokpack") for a in node.names)), \
+                f"{folder}/__init__.py:{node.lineno} imports a module for its side effect"
+    code = ("import sys, tokpack.formats\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('tokpack.loader', 'tokpack.formats.slices'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0 and done.stdout.split() == ["[]"], done.stderr[-2000:] or done.stdout
+    from tokpack.loader.reader import READERS, SampleReader, reader_class
+
+    for kind, (module, _) in READERS.items():
+        assert module.startswith("tokpack.loader.") and issubclass(reader_class(kind), SampleReader), kind
 
 
 def project_modules() -> dict[str, Path]:
@@ -146,6 +175,7 @@ def test_import_graph_sees_lazy_and_relative_imports():
     assert {"tokpack.formats.errors", "tokpack.formats.manifest"} <= graph["tokpack.formats"]  # relative, in a package's __init__
     assert "tokpack.formats.errors" in graph["tokpack.formats.units"]  # relative, in a module
     assert graph["tokpack.packer.shared"] == set()
+    assert "tokpack.loader.reader" in graph["tokpack.loader.slice_reader"]  # relative, in the loader
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "bench").glob("*.py")))
@@ -154,7 +184,7 @@ def test_bench_scripts_see_the_project_packages(script):
     would hide the shuffle package; each script must take bench/ off the path itself."""
     code = (f"import runpy, sys; sys.path[0] = {str(REPO / 'bench')!r}\n"
             f"runpy.run_path({str(REPO / 'bench' / script)!r}, run_name='bench_script')\n"
-            "import tokpack.packer.cli, tokpack.packer.executors, tokpack.shuffle.run, tokpack.formats.dir_checks")
+            "import tokpack.packer.cli, tokpack.packer.executors, tokpack.shuffle.run, tokpack.packer.validation")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO / "bench")
     assert done.returncode == 0, done.stderr[-2000:]
 

@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import random_docs, shuffle_run, write_source
-from tokpack.formats.dir_checks import validate_dirs
 from tokpack.formats.manifest import MANIFEST, epoch_dir_name, hash_hex64, order_hash_terms, read_manifest
 from tokpack.formats.shards import PackedSource, shard_suffixes
 from tokpack.packer.api import shuffle, validate
+from tokpack.packer.validation import validate_dirs
 from tokpack.shuffle import steps
 from tokpack.shuffle.plan import expected_multiset_hash, replay_hashes
 from test_shuffle_integrity import cli

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from conftest import random_docs, require, shuffle_run, write_source
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.manifest import canonical_bytes, read_manifest
-from tokpack.formats.reader import SampleReader, cu_seqlens, document_masks, positions_from_eos
 from tokpack.formats.shards import PAD_DTYPE, PackedSource
+from tokpack.loader.reader import SampleReader, cu_seqlens, document_masks, positions_from_eos
 from tokpack.packer.api import validate
 from tokpack.packer.cli import main
 from tokpack.shuffle.packed import (PACKED_ALGORITHM, PIECE, TokenPool, best_fit_decreasing, cut_problems, documents_of,
@@ -328,7 +328,7 @@ def test_document_masks_by_hand():
 
 def test_tokpack_dataset_masks(run, sources):
     torch = require("torch", "pip install torch")
-    from tokpack.formats.torch_adapter import TokpackDataset
+    from tokpack.loader.torch_adapter import TokpackDataset
 
     reader = SampleReader.open(run)
     m = read_manifest(run / "epoch-00000", kind="epoch")

@@ -1,4 +1,4 @@
-"""The training-side reader (formats/reader.py), its torch adapter and `tokpack read`.
+"""The training-side reader (loader/reader.py), its torch adapter and `tokpack read`.
 
 Epoch directories are written here with the real shard writer; every row is
 `expected_row(epoch, g)`, so each assertion can tell WHICH sample came back.
@@ -21,8 +21,8 @@ from hypothesis import given, settings, strategies as st
 
 from tokpack.formats.errors import IncompleteError, TokpackError
 from tokpack.formats.manifest import epoch_dir_name, epoch_manifest, run_manifest, shard_name, write_manifest
-from tokpack.formats.reader import SampleReader, positions_from_eos
 from tokpack.formats.shards import EpochShardWriter
+from tokpack.loader.reader import SampleReader, positions_from_eos
 
 SEQ = 15  # a row is 16 tokens
 EOS = 0
@@ -263,7 +263,7 @@ def test_matches_datatrove_folder_dataset(run_dir, shuffled_run):
 
 
 def test_reader_does_not_import_torch(run_dir):
-    code = ("import sys\nfrom tokpack.formats.reader import SampleReader\n"
+    code = ("import sys\nfrom tokpack.loader.reader import SampleReader\n"
             f"r = SampleReader.open({str(run_dir)!r}); list(r.batches(0, 2, 2, 5, positions='index'))\n"
             "bad = [m for m in ('torch', 'datatrove.utils.dataset') if m in sys.modules]\n"
             "assert not bad, bad\n")
@@ -388,7 +388,7 @@ def test_a_stateful_dataloader_over_the_dataset_warns_nothing(run_dir):
 
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from tokpack.formats.torch_adapter import TokpackDataset
+    from tokpack.loader.torch_adapter import TokpackDataset
 
     ds = TokpackDataset(run_dir, micro_batch=2)
     with warnings.catch_warnings(record=True) as caught:  # entering resets the once-per-place registries
@@ -403,7 +403,7 @@ def test_torch_adapter_workers_cover_each_sample_once_and_resume(run_dir):
     import torch
     from torch.utils.data import DataLoader
 
-    from tokpack.formats.torch_adapter import TokpackDataset
+    from tokpack.loader.torch_adapter import TokpackDataset
 
     world, micro = 2, 3
     order = chained(SIZES)
@@ -468,7 +468,7 @@ def test_cli_read_errors_are_one_line(tmp_path):
 def test_shuffle_command_repeats_the_run_options():
     """The command a missing-epoch message names: every option the run recorded, and none it
     did not record (a `--shard-samples None` would be refused by the CLI)."""
-    from tokpack.formats.reader import shuffle_command
+    from tokpack.formats.numbering import shuffle_command
 
     run = {"sources": [{"path": "/d/web"}, {"path": "/d/my code"}], "weights": ["0.7", None], "seq_len": 15,
            "seed": 3, "samples": 100, "shard_samples": 7, "jitter": True}
@@ -535,7 +535,7 @@ def test_rank_samples_default_to_the_whole_stream_from_sample_0(run_dir):
 def test_reader_keeps_at_most_max_open_files(tmp_path):
     """Reading across 12 shards one sample at a time: never more than MAX_OPEN_FILES shard
     files are open at once (a rank reading a long chain must not run out of descriptors)."""
-    from tokpack.formats.reader import MAX_OPEN_FILES
+    from tokpack.loader.reader import MAX_OPEN_FILES
 
     run = make_run(tmp_path / "run", {0: 40}, shard_samples=4)
     reader = SampleReader.open(run)
@@ -602,7 +602,7 @@ def test_open_refusal_lines(tmp_path, target, fields, line):
 
 
 def test_epoch_numbering_refuses_an_epoch_past_its_plan():
-    from tokpack.formats.reader import EpochNumbering
+    from tokpack.formats.numbering import EpochNumbering
 
     planned = EpochNumbering(None, [10, 12])
     assert (planned.size(1), planned.first(1), planned.first(2)) == (12, 10, 22)
@@ -647,7 +647,7 @@ def test_chain_refusal_lines(tmp_path, edit, line):
 def test_run_epochs_out_of_order_are_refused(tmp_path):
     """from_manifests with a run's numbering takes epochs in increasing order; the check must
     compare each epoch with the one before it, not only with the first."""
-    from tokpack.formats.reader import EpochNumbering
+    from tokpack.formats.numbering import EpochNumbering
 
     run = make_run(tmp_path / "run", {0: 10, 1: 10, 2: 10})
     pairs = [(run / epoch_dir_name(e), json.loads((run / epoch_dir_name(e) / "tokpack.json").read_text()))
@@ -675,7 +675,7 @@ def test_torch_adapter_state_forms_resume_in_process(run_dir):
     (epoch, sample), a consumed_samples count alone, and a worker's share (start, next step);
     a share saved with other workers or another global batch is refused."""
     from tokpack.formats.errors import TokpackError
-    from tokpack.formats.torch_adapter import TokpackDataset
+    from tokpack.loader.torch_adapter import TokpackDataset
 
     def first(ds) -> list:
         return next(iter(ds))["input_ids"].tolist()

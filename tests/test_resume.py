@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader
 from conftest import random_docs, shuffle_run, write_source
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.manifest import epoch_dir_name, read_manifest
-from tokpack.formats.reader import SampleReader
-from tokpack.formats.torch_adapter import TokpackDataset
+from tokpack.loader.reader import SampleReader
+from tokpack.loader.torch_adapter import TokpackDataset
 from tokpack.packer.cli import main
 
 SEQ = 15
@@ -146,7 +146,7 @@ def test_read_with_less_than_one_global_batch_left_is_one_line(tmp_path):
 SCRIPT = r"""
 import json, sys, torch
 from torchdata.stateful_dataloader import StatefulDataLoader
-from tokpack.formats.torch_adapter import TokpackDataset
+from tokpack.loader.torch_adapter import TokpackDataset
 
 job = json.loads(sys.argv[1])
 out = {}

@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from conftest import random_docs, write_source
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, read_manifest
-from tokpack.formats.reader import SampleReader
 from tokpack.formats.shards import PackedSource
+from tokpack.loader.reader import SampleReader
 from tokpack.packer.api import ExecutorConfig, inspect, shuffle, stage, validate
 from tokpack.packer.cli import main
 from tokpack.shuffle.plan import EpochPlan, jitter_offset
@@ -184,7 +184,7 @@ def test_global_batch_across_a_stage_boundary_sample_reader(run):
 def test_tokpack_dataset_workers_cross_a_stage_boundary_and_resume_inside_it(run):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from tokpack.formats.torch_adapter import TokpackDataset
+    from tokpack.loader.torch_adapter import TokpackDataset
 
     world, micro = 2, 3
     start = BOUNDARY - 9  # step 0 ends in "stable", step 1 spans the boundary, step 2 is in "mid"

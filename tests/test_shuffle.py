@@ -17,11 +17,11 @@ from click.testing import CliRunner
 from hypothesis import given, settings, strategies as st
 
 from conftest import random_docs, shuffle_run, write_source
+from tokpack.formats import outputs
 from tokpack.formats.errors import IncompleteError, TokpackError
 from tokpack.formats.manifest import multiset_hash_rows, read_manifest
 from tokpack.formats.shards import PackedSource
-from tokpack.formats.dir_checks import validate_dirs
-from tokpack.formats import outputs
+from tokpack.packer.validation import validate_dirs
 from tokpack.shuffle import run, steps
 from tokpack.shuffle.permutation import Bijection, derive_key
 from tokpack.shuffle.plan import EpochPlan, SourcePlan, epoch_plan, expected_multiset_hash, largest_remainder

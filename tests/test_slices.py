@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from conftest import random_docs, require, write_source
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.manifest import MANIFEST, epoch_dir_name
-from tokpack.formats.reader import SampleReader
 from tokpack.formats.slices import RankRows, rank_file_name
+from tokpack.loader.reader import SampleReader
 from tokpack.packer.cli import main
 from tokpack.packer.slicing import stage_slice
 
@@ -108,6 +108,20 @@ def test_slice_serves_the_same_batches_as_the_run(run, tmp_path, first, last):
     assert abs(res.rows_kept - 2 * n * (last - first + 1) / W) <= M * (last - first + 1) * 2
 
 
+def test_sample_reader_opens_a_slice_through_its_table_of_readers(run, tmp_path):
+    """SampleReader.open finds the slice reader through tokpack.loader.reader's READERS, in a
+    process that imported nothing else of tokpack: no module has to be imported first for its
+    reader to register itself (formats/__init__.py imported slices for that, once)."""
+    stage_slice(str(run), tmp_path / "s", ranks="1-2", world_size=W, micro_batch=M)
+    code = ("import sys\nfrom tokpack.loader.reader import READERS, SampleReader\n"
+            "assert 'tokpack.loader.slice_reader' not in sys.modules\n"
+            f"reader = SampleReader.open({str(tmp_path / 's')!r})\n"
+            "print(type(reader).__module__, type(reader).__name__, sorted(READERS))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["tokpack.loader.slice_reader", "SliceReader", "['slice']"]
+
+
 def test_rank_files_are_the_ranks_rows_in_order_for_datatrove(run, tmp_path):
     """datatrove's own DatatroveFolderDataset on one rank's files (all epochs, shuffle off)
     yields exactly the samples that rank reads, in training order."""
@@ -130,7 +144,7 @@ def test_torch_dataset_on_a_slice_equals_the_run(run, tmp_path, workers):
     require("torchdata", "pip install torchdata")
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from tokpack.formats.torch_adapter import TokpackDataset
+    from tokpack.loader.torch_adapter import TokpackDataset
 
     stage_slice(str(run), tmp_path / "s", ranks="3", world_size=W, micro_batch=M)
 
@@ -189,7 +203,7 @@ def test_a_slice_refuses_what_it_does_not_hold(run, tmp_path):
         line = str(e.value)
         assert "\n" not in line and "ranks 1-2 of world size 4, micro-batch 3" in line
         assert f"tokpack stage {run} " in line and f"--world-size {w} --micro-batch {m}" in line
-    from tokpack.formats.torch_adapter import TokpackDataset
+    from tokpack.loader.torch_adapter import TokpackDataset
 
     with pytest.raises(TokpackError, match="does not hold that rank"):
         TokpackDataset(tmp_path / "s", rank=0, world_size=W, micro_batch=M)
@@ -421,7 +435,7 @@ def packed_run(tmp_path_factory) -> Path:
 
 
 def packed_batches(path, rank: int, start: int = 0) -> list:
-    from tokpack.formats.torch_adapter import TokpackDataset
+    from tokpack.loader.torch_adapter import TokpackDataset
 
     ds = TokpackDataset(path, rank=rank, world_size=BW, micro_batch=BM, start_sample=start)
     return [{k: v.tolist() for k, v in b.items()} for b in ds]
@@ -504,9 +518,9 @@ def test_validate_against_reads_rank_files_in_bounded_memory(tmp_path):
     the streamed comparison still finds a flipped byte and a swapped pair of rows."""
     import tracemalloc
 
-    from tokpack.formats.dir_checks import DirReport
+    from tokpack.packer.validation import DirReport
     from tokpack.formats.manifest import read_manifest
-    from tokpack.formats.slices import slice_against_run
+    from tokpack.packer.slice_validation import slice_against_run
 
     big = write_source(tmp_path / "src", random_docs(np.random.default_rng(4), 600, 1000, 0, 4000, 6000))
     run = make_run(tmp_path / "run", big, [0], seq_len=1023, shard_samples=64)
@@ -582,7 +596,7 @@ def test_a_fifo_in_a_slice_is_refused_promptly(packed_run, tmp_path, victim):
         return
     assert r.returncode == 0, r.stderr  # `read` prints tokens: it opens neither sidecar
     require("torch", "pip install torch")
-    from tokpack.formats.torch_adapter import TokpackDataset
+    from tokpack.loader.torch_adapter import TokpackDataset
 
     ds = TokpackDataset(s, rank=1, world_size=BW, micro_batch=BM, start_sample=248, positions="index")
     with pytest.raises(TokpackError, match=f"{victim}.*a FIFO"):

@@ -275,7 +275,7 @@ def test_stage_ranks_copies_only_their_shards(run_dir, tmp_path):
 def test_ranks_select_what_the_real_reader_feeds_them(run_dir, tmp_path):
     """The shards a --ranks stage copies are exactly those the project's reader reads for
     those ranks from the whole run (same Megatron convention, epochs chained)."""
-    from tokpack.formats.reader import SampleReader
+    from tokpack.loader.reader import SampleReader
 
     run, _ = run_dir
     world, micro, ranks = 4, 5, [1]

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from tokpack.formats.io import TMP_MARK
 from tokpack.formats.manifest import MANIFEST, hash_hex64, xxh3_128_file
 from tokpack.formats.shards import EpochShardWriter
-from tokpack.formats.dir_checks import report_lines, validate_dirs
 from tokpack.packer.api import validate as validate_result
+from tokpack.packer.validation import report_lines, validate_dirs
 from tests.conftest import random_docs, write_source
 
 VOCAB, EOS, SEQ_LEN, SHARD_SAMPLES = 1000, 0, 15, 8
@@ -496,7 +496,7 @@ def test_epoch_multiset_line_expects_the_recorded_hash(env):
 def test_a_bug_in_validate_is_not_reported_as_corrupt_data(base, monkeypatch):
     """An exception that is not about the data (here a KeyError standing for a bug in a shard
     check) propagates: the report must not blame the data for it."""
-    import tokpack.formats.dir_checks as fv
+    import tokpack.packer.validation as fv
 
     def buggy_check(job):
         raise KeyError("a field tokpack forgot")
@@ -1178,7 +1178,7 @@ def test_against_a_source_that_cannot_be_replayed(env):
 def test_report_text(env):
     """The summary line: sizes in B, kB, MB and GB switching at exactly 1000, the time taken, and
     what quick mode leaves out."""
-    from tokpack.formats.dir_checks import ValidateResult
+    from tokpack.packer.validation import ValidateResult
 
     def summary(nbytes: int) -> str:
         r = ValidateResult(ok=True, status="ok", quick=False, problems=[], dirs=[], files=1, bytes=nbytes, seconds=2.0,

@@ -14,8 +14,8 @@ import types
 from importlib import metadata
 from pathlib import Path
 
-# The repository keeps the layout's top-level folders (packer/, shuffle/, formats/) beside this
-# one; an installed wheel has them inside it. In the source tree (tests run from a checkout,
+# The repository keeps the layout's top-level folders (packer/, shuffle/, formats/, loader/)
+# beside this one; an installed wheel has them inside it. In the source tree (tests run from a checkout,
 # mutation testing's copy of it) the subpackages are found beside this folder.
 if not (Path(__file__).parent / "formats").is_dir():
     __path__.append(str(Path(__file__).resolve().parent.parent))  # noqa: F821 (a package's own __path__)
@@ -33,8 +33,8 @@ _PUBLIC = {
     "plan": "tokpack.packer.api",
     "ExecutorConfig": "tokpack.packer.api",
     "TokpackError": "tokpack.formats.errors",
-    "SampleReader": "tokpack.formats.reader",
-    "TokpackDataset": "tokpack.formats.torch_adapter",
+    "SampleReader": "tokpack.loader.reader",
+    "TokpackDataset": "tokpack.loader.torch_adapter",
 }
 
 __all__ = sorted(_PUBLIC) + ["__version__"]

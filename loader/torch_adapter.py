@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .errors import TokpackError
+from tokpack.formats.errors import TokpackError
 from .reader import SampleReader, cu_seqlens, document_masks
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import xxhash
 
-from .errors import TokpackError
-from .io import TMP_MARK, ThreadPool, as_path, contained, name_problem, progress, read_limited
-from .manifest import (
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import TMP_MARK, ThreadPool, as_path, contained, name_problem, progress, read_limited
+from tokpack.formats.manifest import (
     EPOCH_DIR,
     KINDS,
     MANIFEST,
@@ -40,10 +40,12 @@ from .manifest import (
     xxh3_128_file,
     strict_json,
 )
-from .reader import EpochNumbering
-from .shard_scan import Findings, Problem, ShardJob, check_shard, problem_line, worst_status
-from .shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, SHARD_SUFFIXES, PackedSource, contained_shard
-from .slices import SLICE, slice_against_run, slice_shard_jobs
+from tokpack.formats.numbering import EpochNumbering
+from tokpack.formats.shard_scan import Findings, Problem, ShardJob, check_shard, problem_line, worst_status
+from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, SHARD_SUFFIXES, PackedSource, contained_shard
+from tokpack.formats.slices import SLICE
+
+from .slice_validation import slice_against_run, slice_shard_jobs
 
 # One shard file rarely has more than a few independent faults worth reading about;
 # past this many lines the rest are counted, not listed.

@@ -21,18 +21,20 @@ This module must not import torch (nor datatrove.utils.dataset, which imports it
 
 from __future__ import annotations
 
+import importlib
 import os
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from .errors import TokpackError
-from .io import as_path, contained, is_url, open_read, read_full, regular_fd, regular_size
-from .manifest import dtype_from_name, epoch_dir_name, epoch_sizes_problem, partial_stage_absent, read_manifest, xxh3_128_file
-from .shards import PAD_DTYPE, PAD_SUFFIX, U64, contained_shard
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import as_path, contained, is_url, open_read, read_full, regular_fd, regular_size
+from tokpack.formats.manifest import dtype_from_name, epoch_dir_name, partial_stage_absent, read_manifest, xxh3_128_file
+from tokpack.formats.numbering import EpochNumbering, shuffle_command
+from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, U64, contained_shard
+from tokpack.formats.slices import SLICE
 
 # One contiguous read when the rank's rows are contiguous (W == 1): large enough to keep a
 # disk or NFS busy, small enough not to matter next to a training process.
@@ -43,77 +45,6 @@ READAHEAD_BYTES = 8 << 20
 INDEX_CHUNK = 8192
 # Open shard files kept at once: the current one and the next, plus slack for index files.
 MAX_OPEN_FILES = 4
-
-
-class EpochNumbering:
-    """Consumed-sample number G -> (epoch, sample), from the run's parameters only: epoch e
-    holds G in [first(e), first(e) + size(e)). Every epoch has the run's `samples` N, so G is
-    sample G mod N of epoch G div N; a run that lists `epoch_samples` (sizes planned when it
-    was created) numbers its first epochs by those sizes instead; a scheduled run lists every
-    epoch there and has `samples` 0: no epoch past them."""
-
-    def __init__(self, samples: int | None, planned: Sequence[int] = ()):
-        self.samples = samples  # N for every epoch past `planned` (None: no epochs past it)
-        self.planned = tuple(int(n) for n in planned)  # sizes of epochs 0..len-1
-        self._firsts = np.concatenate([[0], np.cumsum(self.planned, dtype=np.int64)]).astype(np.int64)
-
-    @classmethod
-    def of_run(cls, manifest: dict, run_dir: str | Path) -> "EpochNumbering":
-        samples, planned = manifest.get("samples"), manifest.get("epoch_samples")
-        if epoch_sizes_problem(samples, planned) is not None:
-            raise TokpackError("run manifest does not say how many samples an epoch holds",
-                               file=Path(run_dir) / "tokpack.json", where="samples",
-                               expected="a positive integer (or an epoch_samples list)",
-                               found=samples if samples is not None else planned or None,
-                               hint="rerun the run's `tokpack shuffle` command to rewrite its manifest")
-        return cls(None if samples == 0 else samples, planned or ())
-
-    def has(self, epoch: int) -> bool:
-        return 0 <= epoch and (epoch < len(self.planned) or self.samples is not None)
-
-    def size(self, epoch: int) -> int:
-        self._check(epoch)
-        return self.planned[epoch] if epoch < len(self.planned) else int(self.samples)
-
-    def first(self, epoch: int) -> int:
-        k = len(self.planned)
-        if epoch != k:  # the end of the planned epochs is a position too
-            self._check(epoch)
-        return int(self._firsts[epoch]) if epoch <= k else int(self._firsts[-1]) + (epoch - k) * int(self.samples)
-
-    def _check(self, epoch: int) -> None:
-        if not self.has(epoch):
-            raise TokpackError("epoch is not in the run's plan", where="epoch",
-                               expected=f"0..{len(self.planned) - 1} (epoch_samples)", found=epoch)
-
-    def locate(self, g: int) -> tuple[int, int] | None:
-        """(epoch, sample) of G, or None when G lies past every epoch the run can hold."""
-        if g < self._firsts[-1]:
-            e = int(np.searchsorted(self._firsts, g, side="right")) - 1
-            return e, int(g - self._firsts[e])
-        if self.samples is None:
-            return None
-        k = g - int(self._firsts[-1])
-        return len(self.planned) + k // self.samples, k % self.samples
-
-
-def shuffle_command(run: dict, run_dir: str | Path, epoch: int) -> str:
-    """The `tokpack shuffle` command that writes epoch `epoch` of this run, from its manifest."""
-    if run.get("schedule_file"):
-        return (f"tokpack shuffle --schedule {shlex.quote(run['schedule_file'])} -o {shlex.quote(str(run_dir))} "
-                f"--epoch {epoch}")
-    sources = run.get("sources") or []
-    weights = run.get("weights") or [None] * len(sources)
-    args = [shlex.quote(str(s.get("path")) + ("" if w is None else f"={w}")) for s, w in zip(sources, weights)]
-    args = args or ["SOURCE..."]
-    opts = [f"--seq-len {run.get('seq_len')}", f"--seed {run.get('seed')}"]
-    if run.get("samples") is not None:
-        opts.append(f"--samples {run['samples']}")
-    if run.get("shard_samples") is not None:
-        opts.append(f"--shard-samples {run['shard_samples']}")
-    if run.get("jitter"):
-        opts.append("--jitter")
-    return " ".join(["tokpack shuffle", *args, "-o", shlex.quote(str(run_dir)), *opts, f"--epoch {epoch}"])
 
 
 @dataclass
@@ -247,9 +178,18 @@ def cu_seqlens(positions: np.ndarray) -> np.ndarray:
     return np.append(np.flatnonzero(flat == 0), flat.size).astype(np.int32)
 
 
-# Readers of directory kinds built on this one, by manifest kind; formats/slices.py registers the
-# node slice's (formats/__init__.py imports it), so that it may import this module and not the reverse.
-OPENERS: dict = {}
+# The readers of the directory kinds that are neither a run nor an epoch, by manifest kind: the
+# one table SampleReader.open dispatches through (module, class; the class's `open_dir` builds
+# it). Each subclasses SampleReader, so this module names it and imports it only when a directory
+# of its kind is opened (an import of it here would be a cycle), as tokpack/__init__.py's _PUBLIC
+# names the public API: nothing registers itself by being imported.
+READERS: dict[str, tuple[str, str]] = {SLICE: ("tokpack.loader.slice_reader", "SliceReader")}
+
+
+def reader_class(kind: str) -> type:
+    """The SampleReader subclass that reads a directory of manifest kind `kind` (a key of READERS)."""
+    module, name = READERS[kind]
+    return getattr(importlib.import_module(module), name)
 
 
 class SampleReader:
@@ -291,12 +231,12 @@ class SampleReader:
         numbering = run = None
         for p in paths:
             p = as_path(p)
-            manifest = read_manifest(p, kind=("run", "epoch", "slice"))
-            if manifest["kind"] == "slice":  # a node slice (formats/slices.py): its ranks' rows, the run's numbers
+            manifest = read_manifest(p, kind=("run", "epoch", *READERS))
+            if manifest["kind"] in READERS:  # a node slice (loader/slice_reader.py): its ranks' rows, the run's numbers
                 if len(paths) != 1:
                     raise TokpackError("a node slice is read on its own, not chained", file=p, where="paths",
                                        expected="one slice directory", found=len(paths))
-                return OPENERS["slice"](p, manifest, verify=verify)
+                return reader_class(manifest["kind"]).open_dir(p, manifest, verify=verify)
             absent.update(partial_stage_absent(p))
             if manifest["kind"] == "epoch":
                 epochs.append((p, manifest))

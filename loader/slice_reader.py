@@ -1,0 +1,129 @@
+"""The reader of a node slice (docs/FORMAT.md, "Node slices"): a SampleReader over the rank
+files of ranks A..B that serves the run's consumed-sample numbers, the rows of its ranks only.
+Which rows a rank reads is tokpack.formats.slices' arithmetic (`RankRows`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import as_path, regular_size
+from tokpack.formats.manifest import MANIFEST, dtype_from_name, epoch_dir_name, read_manifest
+from tokpack.formats.numbering import EpochNumbering
+from tokpack.formats.shards import PAD_SUFFIX
+from tokpack.formats.slices import (SLICE_EPOCH, RankRows, check_slice_epoch, missing_padding, rank_file_name,
+                                    stage_command)
+
+from .reader import SampleReader, ShardTable, _shard_error
+
+
+def slice_error(message: str, path, manifest: dict, rank: int, world_size: int, micro_batch: int,
+                phase: int) -> TokpackError:
+    """One line: what the slice holds, and the `tokpack stage` command for the slice asked for."""
+    ranks = manifest["ranks"]
+    source = manifest.get("source") or "RUN"
+    return TokpackError(message, file=path, where="rank/world_size/micro_batch",
+                        expected=f"ranks {ranks[0]}-{ranks[-1]} of world size {manifest['world_size']}, "
+                                 f"micro-batch {manifest['micro_batch']}"
+                                 + (f", global batches from sample {manifest['batch_phase']} mod W*m"
+                                    if manifest["batch_phase"] else ""),
+                        found=f"rank {rank} of world size {world_size}, micro-batch {micro_batch}",
+                        hint="stage that rank's slice: `"
+                             + stage_command(source, f"{str(path).rstrip('/')}-rank-{rank}", rank, rank, world_size,
+                                             micro_batch, phase) + "`")
+
+
+class SliceReader(SampleReader):
+    """A SampleReader over a node slice: the run's consumed-sample numbers, the rows of its ranks only."""
+
+    @classmethod
+    def open_dir(cls, path: str | Path, root: dict, verify: bool = False) -> "SliceReader":
+        path = as_path(path)
+        ranks = [int(r) for r in root["ranks"]]
+        numbering = EpochNumbering.of_run(root["run"], path)
+        rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
+        row_bytes = (int(root["seq_len"]) + 1) * int(root["token_size"])
+        paths, checksums, index_checksums, starts, ends, epochs, dirs = [], [], [], [], [], [], []
+        pads: list[tuple[str, str] | None] = []  # per rank file: a best-fit epoch's (.pad file, its xxh3_128)
+        for e in sorted(int(e) for e in root.get("epochs") or []):
+            d = path / epoch_dir_name(e)
+            m = read_manifest(d, kind=SLICE_EPOCH)
+            check_slice_epoch(d, root, m)
+            first, n = numbering.first(e), numbering.size(e)
+            if (int(m["epoch"]), int(m["first_sample"]), int(m["samples"])) != (e, first, n):
+                raise TokpackError("slice epoch disagrees with its run's numbering", file=d / MANIFEST,
+                                   where="epoch/first_sample/samples", expected=(e, first, n),
+                                   found=(m.get("epoch"), m.get("first_sample"), m.get("samples")))
+            by_rank = {int(s["rank"]): s for s in m["shards"]}
+            for r in ranks:
+                s = by_rank.get(r)
+                f = d / rank_file_name(r)
+                want = rows.rows(r, first, first + n) * row_bytes
+                if s is None or s.get("path") != f.name or int(s.get("bytes", -1)) != want:
+                    raise TokpackError("slice epoch lacks a rank's file", file=d / MANIFEST, where=f"rank {r}",
+                                       expected=f"{f.name}, {want} bytes", found=s, hint="stage the slice again")
+                try:
+                    size = regular_size(f)  # a FIFO or device in its place: refused here, in one line
+                except FileNotFoundError:
+                    raise _shard_error("rank file listed in the slice manifest is missing", f,
+                                       hint="stage the slice again: the same command resumes") from None
+                if size != want:
+                    raise _shard_error("rank file size does not match the slice manifest", f, where="size",
+                                       expected=f"{want} bytes", found=f"{size} bytes",
+                                       hint="stage the slice again: the same command resumes")
+                err = missing_padding(d, root, s)
+                if err is not None:
+                    raise err
+                paths.append(str(f))
+                checksums.append(s.get("xxh3_128"))
+                index_checksums.append(s.get("index_xxh3_128"))
+                pads.append((str(f) + PAD_SUFFIX, s["pad_xxh3_128"]) if "pad_xxh3_128" in s else None)
+            starts.append(first)
+            ends.append(first + n)
+            epochs.append(e)
+            dirs.append(str(d))
+        if not epochs:
+            raise TokpackError("node slice holds no epoch", file=path / MANIFEST, where="epochs",
+                               expected="a non-empty list", found=root.get("epochs"), hint="stage the slice again")
+        starts_a, ends_a = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+        table = ShardTable(paths, np.repeat(starts_a, len(ranks)), np.repeat(ends_a, len(ranks)), starts_a, ends_a,
+                           epochs, dirs, checksums, index_checksums)
+        reader = cls(table, int(root["seq_len"]), dtype_from_name(root["dtype"]), int(root["eos_id"]), verify=verify)
+        reader.numbering = numbering
+        reader.pads = pads if any(pads) else None
+        reader.run = (root.get("source") or str(path), root["run"])
+        reader.slice_path, reader.slice = str(path), root
+        reader.rank_rows, reader.slice_ranks = rows, ranks
+        return reader
+
+    def serves(self, rank: int, world_size: int, micro_batch: int, start: int) -> None:
+        """Refuses, in one line, a stream this slice does not hold."""
+        rr = self.rank_rows
+        if (world_size, micro_batch) != (rr.world_size, rr.micro_batch) or rank not in self.slice_ranks:
+            raise slice_error("this node slice does not hold that rank's rows", self.slice_path, self.slice, rank,
+                              world_size, micro_batch, start % (world_size * micro_batch))
+        if start % rr.global_batch != rr.phase:
+            raise slice_error(f"this node slice serves global batches starting at samples = {rr.phase} mod "
+                              f"{rr.global_batch}, not at {start}", self.slice_path, self.slice, rank, world_size,
+                              micro_batch, start % rr.global_batch)
+
+    def _segments(self, g: int, n: int) -> Iterator[tuple[int, int, int]]:
+        """Chained rows [g, g+n) -> (rank file, row in it, rows): split at epoch ends and where
+        the rank changes; a row of a rank outside the slice is an error."""
+        rr, table, k_ranks = self.rank_rows, self.table, len(self.slice_ranks)
+        while n > 0:
+            pos = table.epoch_pos_of(g)
+            if pos < 0:
+                raise IndexError(f"sample {g} is in no epoch of this slice")
+            r = rr.rank_of(g)
+            if r not in self.slice_ranks:
+                raise slice_error(f"sample {g} is read by rank {r}, which this node slice does not hold",
+                                  self.slice_path, self.slice, r, rr.world_size, rr.micro_batch, rr.phase)
+            k = min(n, int(table.epoch_ends[pos]) - g, rr.micro_batch - (g - rr.phase) % rr.micro_batch)
+            yield pos * k_ranks + (r - self.slice_ranks[0]), rr.rows(r, int(table.epoch_starts[pos]), g), k
+            g += k
+            n -= k

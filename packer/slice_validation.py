@@ -1,0 +1,247 @@
+"""`tokpack validate` of a node slice: its manifests agree with each other and with the rank
+arithmetic (tokpack.formats.slices), and `--against RUN` compares each rank file with the run's
+samples that rank reads. tokpack.packer.validation runs these checks and reports them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import IO_BLOCK, as_path, open_read, read_full, read_limited, regular_size
+from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, check_manifest, dtype_from_name, epoch_dir_name,
+                                      read_manifest, row_hashes)
+from tokpack.formats.numbering import EpochNumbering
+from tokpack.formats.shards import PAD_SUFFIX
+from tokpack.formats.slices import (SLICE_EPOCH, RankRows, check_slice_epoch, missing_padding, rank_file_name,
+                                    run_identity)
+
+
+def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
+    """`tokpack validate SLICE`: the slice's manifests agree with each other and with the rank
+    arithmetic; returns the rank files' checks (every file an epoch-shard check: sizes, index,
+    metadata, row hashes, checksums) for tokpack.packer.validation to run. Problems go into `rep`."""
+    from tokpack.formats.shard_scan import ShardJob
+
+    jobs = []
+    try:
+        numbering = EpochNumbering.of_run(root["run"], path)
+        rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
+        dtype, row = dtype_from_name(root["dtype"]), int(root["seq_len"]) + 1
+        ranks = [int(r) for r in root["ranks"]]
+        epochs = [int(e) for e in root["epochs"]]
+    except (KeyError, TypeError, ValueError, TokpackError) as e:
+        rep.add(path / MANIFEST, getattr(e, "where", None) or str(e), "a slice manifest's fields", "missing or malformed",
+                "slice manifest unusable")
+        return []
+    if not ranks or ranks != list(range(ranks[0], ranks[0] + len(ranks))):
+        rep.add(path / MANIFEST, "ranks", "consecutive ranks A..B", ranks, "slice ranks not consecutive")
+        return []
+    for e in epochs:
+        d = path / epoch_dir_name(e)
+        try:
+            m = read_manifest(d, kind=SLICE_EPOCH, checked=False)  # every problem reported, not the first
+        except TokpackError as err:
+            rep.add(err.file or d / MANIFEST, err.where, err.expected, err.found, err.message)
+            continue
+        if not check_manifest(m, d, rep.add):
+            continue
+        try:
+            check_slice_epoch(d, root, m)
+        except TokpackError as err:
+            rep.add(err.file or d / MANIFEST, err.where, err.expected, err.found, err.message)
+            continue
+        first, n = numbering.first(e), numbering.size(e)
+        if (m.get("epoch"), m.get("first_sample"), m.get("samples")) != (e, first, n):
+            rep.add(d / MANIFEST, "epoch/first_sample/samples", (e, first, n),
+                    (m.get("epoch"), m.get("first_sample"), m.get("samples")), "slice epoch disagrees with its run's numbering")
+            continue
+        entries = m.get("shards") if isinstance(m.get("shards"), list) else []
+        if [s.get("rank") for s in entries] != ranks or [s.get("path") for s in entries] != [rank_file_name(r) for r in ranks]:
+            rep.add(d / MANIFEST, "shards", [rank_file_name(r) for r in ranks], [s.get("path") for s in entries],
+                    "slice epoch does not list one file per rank, in rank order")
+            continue
+        for r, s in zip(ranks, entries):
+            want = rows.rows(r, first, first + n)
+            if s.get("samples") != want:
+                rep.add(d / MANIFEST, f"shards[rank {r}].samples", f"{want} (the samples rank {r} reads in epoch {e})",
+                        s.get("samples"), "rank file holds the wrong number of samples")
+                continue
+            err = missing_padding(d, root, s)
+            if err is not None:
+                rep.add(err.file, err.where, err.expected, err.found, err.message, hint=err.hint)
+            jobs.append(ShardJob(d, s, "epoch", dtype, int(root["vocab_size"]), int(root["eos_id"]), root["tokenizer"],
+                                 row, quick))
+    return jobs
+
+
+class _RunShards:
+    """The run epoch's per-row facts, one shard at a time (each checked against the epoch's
+    manifest; the last two kept): row hashes from `.ds.rows`, or for an epoch written before
+    them from its shard read in blocks; padding from `.ds.pad`. Memory: 12 bytes a row of two shards."""
+
+    def __init__(self, directory: Path, manifest: dict, row_bytes: int):
+        self.dir, self.shards, self.row_bytes = directory, manifest["shards"], row_bytes
+        self.per = int(manifest["shard_samples"])
+        self._hashes: dict[int, np.ndarray] = {}
+        self._pads: dict[int, np.ndarray] = {}
+
+    def _sidecar(self, i: int, suffix: str, key: str, dtype) -> np.ndarray:
+        import xxhash
+
+        s = self.shards[i]
+        f = self.dir / (s["path"] + suffix)
+        data = read_limited(f, int(s["samples"]) * np.dtype(dtype).itemsize, "sidecar")
+        if xxhash.xxh3_128_hexdigest(data) != s[key]:
+            raise TokpackError("checksum mismatch in the run", file=f, where="xxh3_128", expected=s[key],
+                               found=xxhash.xxh3_128_hexdigest(data), hint="run `tokpack validate` on the run")
+        return np.frombuffer(data, dtype=dtype)
+
+    def hashes(self, i: int) -> np.ndarray:
+        if i not in self._hashes:
+            import xxhash
+
+            from tokpack.formats.shards import ROWS_SUFFIX, U64
+
+            s = self.shards[i]
+            if "rows_xxh3_128" in s:
+                got = self._sidecar(i, ROWS_SUFFIX, "rows_xxh3_128", U64)
+            else:  # an epoch written before row hashes: the shard in blocks of whole rows
+                f, n = self.dir / s["path"], int(s["samples"])
+                got, whole = np.empty(n, dtype=U64), xxhash.xxh3_128()
+                k = max(1, IO_BLOCK // self.row_bytes)
+                buf = np.empty((k, self.row_bytes), dtype=np.uint8)
+                with open_read(f) as fh:
+                    for a in range(0, n, k):
+                        b = min(n, a + k)
+                        view = memoryview(buf[: b - a].reshape(-1))
+                        if read_full(fh, view) != view.nbytes:
+                            raise TokpackError("shard is shorter than its manifest says", file=f,
+                                               where=f"sample {a}", hint="run `tokpack validate` on the run")
+                        whole.update(view)
+                        got[a:b] = row_hashes(buf[: b - a])
+                if whole.hexdigest() != s["xxh3_128"]:
+                    raise TokpackError("checksum mismatch in the run", file=f, where="xxh3_128", expected=s["xxh3_128"],
+                                       found=whole.hexdigest(), hint="run `tokpack validate` on the run")
+            self._hashes = {k: v for k, v in self._hashes.items() if k > i - 2}  # positions only increase
+            self._hashes[i] = got
+        return self._hashes[i]
+
+    def pads(self, i: int) -> np.ndarray:
+        if i not in self._pads:
+            from tokpack.formats.shards import PAD_DTYPE
+
+            s = self.shards[i]
+            self._pads = {k: v for k, v in self._pads.items() if k > i - 2}
+            self._pads[i] = (self._sidecar(i, PAD_SUFFIX, "pad_xxh3_128", PAD_DTYPE) if "pad_xxh3_128" in s
+                             else np.zeros(int(s["samples"]), dtype=PAD_DTYPE))
+        return self._pads[i]
+
+    def gather(self, pos: np.ndarray, of) -> np.ndarray:
+        """`of(shard)[row]` of epoch positions `pos` (increasing)."""
+        shard = pos // self.per
+        return np.concatenate([of(int(i))[pos[shard == i] - i * self.per] for i in np.unique(shard)]
+                              or [of(0)[:0]])
+
+
+def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLOCK) -> None:
+    """`tokpack validate SLICE --against RUN`: each rank file holds exactly the run's samples
+    that rank reads, in order: its rows' xxh3-64, position by position, against the run's
+    row hashes (`.ds.rows`, or the run's shards for an epoch written before them), and a
+    best-fit slice's `.ds.pad` against the run's. Rank files are read in blocks of about
+    `block` bytes: memory does not grow with the slice."""
+    import xxhash
+
+    run_path = as_path(run_path)
+    try:
+        run = read_manifest(run_path, kind="run")
+    except TokpackError as e:
+        rep.add(e.file or run_path, e.where, e.expected, e.found, e.message)
+        return
+    if run_identity(run) != root.get("run"):
+        rep.add(path / MANIFEST, "run", f"the run at {run_path}", "another run (seed, sources or plan differ)",
+                "slice was not staged from this run")
+        return
+    rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
+    numbering = EpochNumbering.of_run(run, run_path)
+    row_bytes = (int(root["seq_len"]) + 1) * int(root["token_size"])
+    buf = np.empty((max(1, block // row_bytes, rows.micro_batch), row_bytes), dtype=np.uint8)  # a chunk: whole micro-batches
+    for e in root["epochs"]:
+        d, rd = path / epoch_dir_name(e), run_path / epoch_dir_name(e)
+        try:
+            m = read_manifest(d, kind=SLICE_EPOCH)
+            raw = read_limited(rd / MANIFEST, MAX_MANIFEST_BYTES, "manifest")
+        except (TokpackError, OSError) as err:
+            rep.add(getattr(err, "file", None) or rd, None, "a readable manifest", str(err), "cannot compare epoch")
+            continue
+        if xxhash.xxh3_128_hexdigest(raw) != m.get("epoch_xxh3_128"):
+            rep.add(d / MANIFEST, "epoch_xxh3_128", m.get("epoch_xxh3_128"), xxhash.xxh3_128_hexdigest(raw),
+                    f"slice epoch {e} was staged from another version of the run's epoch")
+            continue
+        shards = _RunShards(rd, read_manifest(rd, kind="epoch"), row_bytes)
+        first, n = numbering.first(e), numbering.size(e)
+        for s in m["shards"]:
+            r = int(s["rank"])
+            f = d / s["path"]
+            try:
+                _against_rank_file(f, s, r, e, rows, first, n, shards, buf, row_bytes, rep)
+            except TokpackError as err:
+                rep.add(err.file or f, err.where, err.expected, err.found, err.message, hint=err.hint)
+            except OSError as err:
+                rep.add(err.filename or f, None, "a readable rank file and run", err.strerror, "cannot compare rank file")
+
+
+def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: int, n: int, shards: _RunShards,
+                       buf: np.ndarray, row_bytes: int, rep) -> None:
+    """One rank file (and its `.ds.pad`) against the run's rows rank r reads in epoch e, block by block."""
+    from tokpack.formats.shards import PAD_DTYPE
+
+    want_rows = rows.rows(r, first, first + n)
+    size = regular_size(f)
+    if size != want_rows * row_bytes:
+        rep.add(f, "size", f"{want_rows * row_bytes} bytes ({want_rows} samples of rank {r})", f"{size} bytes",
+                "rank file does not hold that rank's samples")
+        return
+    # a rank file of a best-fit run without one is reported by the slice's own checks (missing_padding)
+    pad_file = open_read(f.with_name(f.name + PAD_SUFFIX)) if "pad_xxh3_128" in s else None
+    pad_buf = np.empty(len(buf), dtype=PAD_DTYPE)
+    done, bad_rows, bad_pads, first_bad, first_pad = 0, 0, 0, None, None
+    try:
+        with open_read(f) as fh:
+            for pos in rows.node_positions(first, n, (r, r), len(buf)):
+                k = len(pos)
+                if not k:
+                    continue
+                view = memoryview(buf[:k].reshape(-1))
+                if read_full(fh, view) != view.nbytes:
+                    raise TokpackError("rank file ended early", file=f, where=f"row {done}")
+                found, want = row_hashes(buf[:k]), shards.gather(pos, shards.hashes)
+                bad = np.flatnonzero(found != want)
+                if len(bad) and first_bad is None:
+                    j = int(bad[0])
+                    first_bad = (done + j, int(want[j]), int(pos[j]), int(found[j]))
+                bad_rows += len(bad)
+                if pad_file is not None:
+                    pv = memoryview(pad_buf[:k].view(np.uint8))
+                    got = read_full(pad_file, pv)
+                    wp = shards.gather(pos, shards.pads)
+                    bad = np.flatnonzero(pad_buf[:k] != wp) if got == pv.nbytes else np.arange(k)
+                    if len(bad) and first_pad is None:
+                        j = int(bad[0])
+                        first_pad = (done + j, int(wp[j]), int(pos[j]), int(pad_buf[j]) if got == pv.nbytes else "end of file")
+                    bad_pads += len(bad)
+                done += k
+    finally:
+        if pad_file is not None:
+            pad_file.close()
+    if first_bad is not None:
+        k, want, p, found = first_bad
+        rep.add(f, f"row {k}", f"{want:016x} (run epoch {e}, sample {p})", f"{found:016x}",
+                f"rank file row differs from the run's sample rank {r} reads there"
+                + (f" ({bad_rows} rows differ)" if bad_rows > 1 else ""))
+    if first_pad is not None:
+        k, want, p, found = first_pad
+        rep.add(f.with_name(f.name + PAD_SUFFIX), f"row {k}", f"{want} padding tokens (run epoch {e}, sample {p})",
+                found, "rank file padding differs from the run's" + (f" ({bad_pads} rows differ)" if bad_pads > 1 else ""))
