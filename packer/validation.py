@@ -1,13 +1,14 @@
-"""`tokpack validate`: the manifest and directory checks of packed sources, runs and epochs,
-the entry point that runs them with tokpack.formats.shard_scan over every shard, `--against`, and the
-report (its text and exit codes: docs/COMMANDS.md, "Validating").
+"""`tokpack validate`: the manifest and directory checks of packed sources, runs and epochs
+(node slices: tokpack.packer.slice_validation), the entry point that runs them with
+tokpack.formats.shard_scan over every shard, `--against`, and the report (its text and exit
+codes: docs/COMMANDS.md, "Validating").
 
 A manifest is checked for schema, version, byte-exact form, sums and cross-field rules, and
 its directory for holding the listed files and only those; a run's epochs must agree with the
 run. `--against` replays each epoch's plan over the given sources and compares the sample
 multiset hash and each shard's order hash (which sample sits at which position); that replay is
-shuffle's (tokpack.shuffle.plan.replay_hashes), so the caller passes it in and this module imports
-nothing from shuffle/ or packer/.
+shuffle's (tokpack.shuffle.plan.replay_hashes), which the caller (tokpack.packer.api.validate)
+passes in: this module imports nothing from shuffle/.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds tokpack's wheel, installs it (not editable) into a fresh venv, and runs it from a folder
-# outside the checkout: nothing may land in site-packages as a top-level formats, shuffle or
-# packer; the console script, `python -m tokpack`, the quickstart and the installed package's
+# outside the checkout: nothing may land in site-packages as a top-level formats, loader, shuffle
+# or packer; the console script, `python -m tokpack`, the quickstart and the installed package's
 # tests must work with no source tree on the path. .ci/run calls it, so a file left out of the
 # wheel fails CI.
 set -euo pipefail
@@ -15,7 +15,7 @@ python -m venv "$WORK/venv"
 "$WORK/venv/bin/python" -m pip install -q "$wheel" pytest hypothesis 2>&1 | grep -v "^WARNING: Location" || true
 
 site=$("$WORK/venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-for name in formats shuffle packer; do
+for name in formats loader shuffle packer; do
   if [ -e "$site/$name" ]; then echo "wheel-check: the wheel installed a top-level '$name' into site-packages" >&2; exit 1; fi
 done
 top=$(unzip -Z1 "$wheel" | grep -v '\.dist-info/' | cut -d/ -f1 | sort -u | tr '\n' ' ')

@@ -62,14 +62,14 @@ def test_version_is_the_distributions():
 
 def test_no_top_level_formats_shuffle_or_packer_comes_from_tokpack():
     """Outside the checkout (whose folders are importable from its own root) tokpack's install
-    adds no top-level formats, shuffle or packer for a user's module of that name to collide with."""
+    adds no top-level formats, loader, shuffle or packer for a user's module of that name to collide with."""
     code = ("import importlib.util, json; print(json.dumps({n: getattr(importlib.util.find_spec(n), 'origin', None) "
-            "for n in ('formats', 'shuffle', 'packer', 'tokpack.formats')}))")
+            "for n in ('formats', 'loader', 'shuffle', 'packer', 'tokpack.formats')}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path.home())
     found = json.loads(done.stdout)
     here = str(Path(tokpack.__file__).resolve().parents[1])
     assert found["tokpack.formats"] is not None
-    for name in ("formats", "shuffle", "packer"):
+    for name in ("formats", "loader", "shuffle", "packer"):
         assert found[name] is None or not found[name].startswith((str(REPO), here)), (name, found[name])
 
 
@@ -78,7 +78,7 @@ def test_the_wheel_is_what_runs():
     """Under wheel-check the package comes from the venv's site-packages, subpackages inside it."""
     here = Path(tokpack.__file__).parent
     assert "site-packages" in here.parts and not str(here).startswith(str(REPO))
-    assert all((here / p / "__init__.py").is_file() for p in ("formats", "shuffle", "packer", "formats/inputs"))
+    assert all((here / p / "__init__.py").is_file() for p in ("formats", "loader", "shuffle", "packer", "formats/inputs"))
 
 
 def test_a_job_end_to_end_through_the_public_api(tmp_path):
