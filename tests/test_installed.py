@@ -65,7 +65,8 @@ def test_no_top_level_formats_shuffle_or_packer_comes_from_tokpack():
     adds no top-level formats, loader, shuffle or packer for a user's module of that name to collide with."""
     code = ("import importlib.util, json; print(json.dumps({n: getattr(importlib.util.find_spec(n), 'origin', None) "
             "for n in ('formats', 'loader', 'shuffle', 'packer', 'tokpack.formats')}))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path.home())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a checkout on the path is not an install
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path.home(), env=env)
     found = json.loads(done.stdout)
     here = str(Path(tokpack.__file__).resolve().parents[1])
     assert found["tokpack.formats"] is not None
