@@ -43,6 +43,7 @@ from .manifest import (
 from .reader import EpochNumbering
 from .shard_scan import Findings, Problem, ShardJob, check_shard, problem_line, worst_status
 from .shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, SHARD_SUFFIXES, PackedSource, contained_shard
+from tokpack.formats.manifest import has_pad
 from .slices import SLICE, slice_against_run, slice_shard_jobs
 
 # One shard file rarely has more than a few independent faults worth reading about;
@@ -117,7 +118,7 @@ def _check_pads(path: Path, shards: list[dict], rep: DirReport) -> None:
     """A best-fit epoch shard's `.ds.pad`: one uint32 per sample, each <= the sample's tokens,
     matching its recorded checksum."""
     for i, s in enumerate(shards):
-        if not isinstance(s, dict) or "pad_xxh3_128" not in s or not isinstance(s.get("path"), str):
+        if not isinstance(s, dict) or not has_pad(s) or not isinstance(s.get("path"), str):
             continue
         f = path / f"{s['path']}{PAD_SUFFIX}"
         want = int(s.get("samples", -1)) * PAD_DTYPE.itemsize

@@ -33,6 +33,7 @@ from .errors import TokpackError
 from .io import as_path, contained, is_url, open_read, read_full, regular_fd, regular_size
 from .manifest import dtype_from_name, epoch_dir_name, epoch_sizes_problem, partial_stage_absent, read_manifest, xxh3_128_file
 from .shards import PAD_DTYPE, PAD_SUFFIX, U64, contained_shard
+from tokpack.formats.manifest import has_pad
 
 # One contiguous read when the rank's rows are contiguous (W == 1): large enough to keep a
 # disk or NFS busy, small enough not to matter next to a training process.
@@ -393,7 +394,7 @@ class SampleReader:
                 epoch_of.append(pos)
                 checksums.append(s.get("xxh3_128"))
                 index_checksums.append(s.get("index_xxh3_128"))
-                pads.append((f + PAD_SUFFIX, s["pad_xxh3_128"]) if "pad_xxh3_128" in s else None)
+                pads.append((f + PAD_SUFFIX, s["pad_xxh3_128"]) if has_pad(s) else None)
                 total += n
             if total != e_samples:
                 raise TokpackError("shards do not add up to the epoch's samples", file=where, where="samples",

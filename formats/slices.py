@@ -22,6 +22,7 @@ from .io import IO_BLOCK, as_path, open_read, read_full, read_limited, regular_s
 from .manifest import (MANIFEST, MAX_MANIFEST_BYTES, check_manifest, dtype_from_name, epoch_dir_name, read_manifest,
                        row_hashes)
 from .reader import OPENERS, EpochNumbering, SampleReader, ShardTable, _shard_error
+from tokpack.formats.manifest import has_pad, rows_padded
 from .shards import PAD_SUFFIX
 
 SLICE = "slice"  # kind of a slice's root manifest
@@ -113,8 +114,8 @@ def slice_error(message: str, path, manifest: dict, rank: int, world_size: int, 
 def missing_padding(path: Path, root: dict, entry: dict) -> TokpackError | None:
     """The error for a rank file of a best-fit run's slice without its `.ds.pad` (staged before
     slices carried it): read anyway, its padding would be trained on as tokens."""
-    packing = root.get("run", {}).get("packing") if isinstance(root.get("run"), dict) else None
-    if not isinstance(packing, dict) or packing.get("method") != "best-fit" or "pad_xxh3_128" in entry:
+    run = root.get("run") if isinstance(root.get("run"), dict) else {}
+    if not rows_padded(run) or has_pad(entry):
         return None
     ranks = root.get("ranks") or [0]
     return TokpackError("node slice of a best-fit run lacks the padding of its rows (.ds.pad)", file=path / MANIFEST,
@@ -179,7 +180,7 @@ class SliceReader(SampleReader):
                 paths.append(str(f))
                 checksums.append(s.get("xxh3_128"))
                 index_checksums.append(s.get("index_xxh3_128"))
-                pads.append((str(f) + PAD_SUFFIX, s["pad_xxh3_128"]) if "pad_xxh3_128" in s else None)
+                pads.append((str(f) + PAD_SUFFIX, s["pad_xxh3_128"]) if has_pad(s) else None)
             starts.append(first)
             ends.append(first + n)
             epochs.append(e)
@@ -346,7 +347,7 @@ class _RunShards:
 
             s = self.shards[i]
             self._pads = {k: v for k, v in self._pads.items() if k > i - 2}
-            self._pads[i] = (self._sidecar(i, PAD_SUFFIX, "pad_xxh3_128", PAD_DTYPE) if "pad_xxh3_128" in s
+            self._pads[i] = (self._sidecar(i, PAD_SUFFIX, "pad_xxh3_128", PAD_DTYPE) if has_pad(s)
                              else np.zeros(int(s["samples"]), dtype=PAD_DTYPE))
         return self._pads[i]
 
@@ -416,7 +417,7 @@ def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: 
                 "rank file does not hold that rank's samples")
         return
     # a rank file of a best-fit run without one is reported by the slice's own checks (missing_padding)
-    pad_file = open_read(f.with_name(f.name + PAD_SUFFIX)) if "pad_xxh3_128" in s else None
+    pad_file = open_read(f.with_name(f.name + PAD_SUFFIX)) if has_pad(s) else None
     pad_buf = np.empty(len(buf), dtype=PAD_DTYPE)
     done, bad_rows, bad_pads, first_bad, first_pad = 0, 0, 0, None, None
     try:
