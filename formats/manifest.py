@@ -448,6 +448,19 @@ def _check_shard_names(shards: list[dict], mfile: str, add) -> None:
         add(mfile, "shards", "names of one width, in sorted order", names[:5], "shard names out of order")
 
 
+def rows_padded(manifest: dict) -> bool:
+    """Whether an epoch's (or a run's) samples are packed documents that may end in padding:
+    it has a `packing` object (FORMAT.md, "Best-fit epochs"), so its samples are no windows and
+    every epoch shard carries a `.ds.pad`. The packing that writes the object decides
+    (tokpack.shuffle.packings); the format layer asks this, never a packing's name."""
+    return isinstance(manifest.get("packing"), dict)
+
+
+def has_pad(entry: dict) -> bool:
+    """Whether a shard (or rank file) entry lists a `.ds.pad`, by its `pad_xxh3_128`."""
+    return "pad_xxh3_128" in entry
+
+
 def _check_epoch_manifest(path, m: dict, mfile: str, add, row: int) -> None:
     shards = m["shards"]
     per = m["shard_samples"]
@@ -478,7 +491,7 @@ def _check_epoch_manifest(path, m: dict, mfile: str, add, row: int) -> None:
     frags = [s.get("fragments") for s in shards]
     if "fragments" in m and all(type_ok(f, int) for f in frags) and sum(frags) != m["fragments"]:
         add(mfile, "fragments", f"{sum(frags)} (sum of the shards' fragments)", m["fragments"], "fragment count wrong")
-    if "packing" not in m:  # a best-fit epoch has no windows: its plan is proven by --against's replay
+    if not rows_padded(m):  # a padded epoch has no windows: its plan is proven by --against's replay
         _check_epoch_sources(m, srcs, row, lambda *a: add(mfile, *a))
     dir_epoch = EPOCH_DIR.match(path.name)
     if dir_epoch and int(dir_epoch.group(1)) != m["epoch"]:

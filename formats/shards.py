@@ -19,7 +19,7 @@ from .errors import TokpackError
 from .io import as_path, contained, open_read, read_array, read_full, regular_size
 from .io import DurableFile, is_tmp_name, write_bytes_atomic
 from .manifest import EPOCH_SHARD_SUFFIXES, SHARD_SUFFIXES  # noqa: F401 (importable from here too)
-from .manifest import MANIFEST, dtype_from_name, metadata_text, read_manifest, row_hashes
+from .manifest import MANIFEST, dtype_from_name, has_pad, metadata_text, read_manifest, row_hashes
 
 U64 = np.dtype("<u8")  # .ds.index entries
 ROWS_SUFFIX = ".rows"  # an epoch shard's row hashes (docs/FORMAT.md): present when its entry has rows_xxh3_128
@@ -45,7 +45,7 @@ def shard_suffixes(entry: dict) -> tuple[str, ...]:
     sidecar only where it has one."""
     base = SHARD_SUFFIXES if "loss_xxh3_128" in entry else EPOCH_SHARD_SUFFIXES
     return (base + ((ROWS_SUFFIX,) if "rows_xxh3_128" in entry else ())
-            + ((PAD_SUFFIX,) if "pad_xxh3_128" in entry else ()))
+            + ((PAD_SUFFIX,) if has_pad(entry) else ()))
 
 
 def write_pad_sidecar(directory: str | Path, name: str, pad: np.ndarray) -> str:

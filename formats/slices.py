@@ -21,7 +21,7 @@ from typing import Iterator
 import numpy as np
 
 from .errors import TokpackError
-from .manifest import MANIFEST
+from .manifest import MANIFEST, has_pad, rows_padded
 
 SLICE = "slice"  # kind of a slice's root manifest
 SLICE_EPOCH = "slice-epoch"  # kind of a slice epoch's manifest
@@ -96,8 +96,8 @@ class RankRows:
 def missing_padding(path: Path, root: dict, entry: dict) -> TokpackError | None:
     """The error for a rank file of a best-fit run's slice without its `.ds.pad` (staged before
     slices carried it): read anyway, its padding would be trained on as tokens."""
-    packing = root.get("run", {}).get("packing") if isinstance(root.get("run"), dict) else None
-    if not isinstance(packing, dict) or packing.get("method") != "best-fit" or "pad_xxh3_128" in entry:
+    run = root.get("run") if isinstance(root.get("run"), dict) else {}
+    if not rows_padded(run) or has_pad(entry):
         return None
     ranks = root.get("ranks") or [0]
     return TokpackError("node slice of a best-fit run lacks the padding of its rows (.ds.pad)", file=path / MANIFEST,

@@ -31,7 +31,8 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import as_path, contained, is_url, open_read, read_full, regular_fd, regular_size
-from tokpack.formats.manifest import dtype_from_name, epoch_dir_name, partial_stage_absent, read_manifest, xxh3_128_file
+from tokpack.formats.manifest import (dtype_from_name, epoch_dir_name, has_pad, partial_stage_absent, read_manifest,
+                                      xxh3_128_file)
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, U64, contained_shard
 from tokpack.formats.slices import SLICE
@@ -333,7 +334,7 @@ class SampleReader:
                 epoch_of.append(pos)
                 checksums.append(s.get("xxh3_128"))
                 index_checksums.append(s.get("index_xxh3_128"))
-                pads.append((f + PAD_SUFFIX, s["pad_xxh3_128"]) if "pad_xxh3_128" in s else None)
+                pads.append((f + PAD_SUFFIX, s["pad_xxh3_128"]) if has_pad(s) else None)
                 total += n
             if total != e_samples:
                 raise TokpackError("shards do not add up to the epoch's samples", file=where, where="samples",

@@ -12,7 +12,7 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import as_path, regular_size
-from tokpack.formats.manifest import MANIFEST, dtype_from_name, epoch_dir_name, read_manifest
+from tokpack.formats.manifest import MANIFEST, dtype_from_name, epoch_dir_name, has_pad, read_manifest
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.shards import PAD_SUFFIX
 from tokpack.formats.slices import (SLICE_EPOCH, RankRows, check_slice_epoch, missing_padding, rank_file_name,
@@ -81,7 +81,7 @@ class SliceReader(SampleReader):
                 paths.append(str(f))
                 checksums.append(s.get("xxh3_128"))
                 index_checksums.append(s.get("index_xxh3_128"))
-                pads.append((str(f) + PAD_SUFFIX, s["pad_xxh3_128"]) if "pad_xxh3_128" in s else None)
+                pads.append((str(f) + PAD_SUFFIX, s["pad_xxh3_128"]) if has_pad(s) else None)
             starts.append(first)
             ends.append(first + n)
             epochs.append(e)

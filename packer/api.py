@@ -102,7 +102,7 @@ def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
     epoch was shuffled from, to recompute its content and prove its order. Returns a
     tokpack.packer.validation.ValidateResult."""
     from tokpack.packer.validation import validate_all
-    from tokpack.shuffle.packed import replay_hashes_any as replay_hashes
+    from tokpack.shuffle.packings import replay as replay_hashes
 
     return validate_all(as_paths(dirs), quick=quick, against=as_paths(against), workers=workers,
                         show_progress=show_progress, replay=replay_hashes)

@@ -45,6 +45,24 @@ class Quantity(click.ParamType):
 TOKENS, BYTES = Quantity("TOKENS", token_count), Quantity("BYTES", byte_size)
 
 
+class PackingChoice(click.Choice):
+    """`--packing`: the names tokpack.shuffle.packings holds when the command line is parsed
+    (or its help shown), so a packing registered after this module was imported is a choice."""
+
+    def __init__(self):
+        super().__init__((), case_sensitive=True)
+
+    @property
+    def choices(self):
+        from tokpack.shuffle.packings import names
+
+        return names()
+
+    @choices.setter
+    def choices(self, value):  # click.Choice.__init__ sets it; the registry is the one list
+        pass
+
+
 def emit(result, as_json: bool, report_lines=None, err: bool = False) -> None:
     """One machine-readable object on stdout with --json; otherwise the `report_lines(result)`
     of a command that has them (on stderr if `err`), or a short human summary."""
@@ -438,7 +456,7 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
               help="Total memory budget in bytes (KB/MB/GB are 10^n; KiB/MiB/GiB and a bare K/M/G are 2^n). An epoch whose windows fit runs in memory (one read, one write); "
                    "otherwise out of core, each of --workers tasks using memory/workers.")
 @click.option("--jitter", is_flag=True, help="Shift window starts by a seeded per-epoch offset.")
-@click.option("--packing", type=click.Choice(["concat", "best-fit"]), default="concat", show_default=True,
+@click.option("--packing", type=PackingChoice(), default="concat", show_default=True,
               help="concat: windows of the concatenated documents; best-fit: whole documents packed into samples "
                    "by best-fit decreasing, per epoch (only documents longer than a sample are cut).")
 @click.option("--pad-id", type=click.IntRange(min=0), default=None,
@@ -551,6 +569,9 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write the figures to FILE.png (needs matplotlib).")
 @click.option("--epoch", type=click.IntRange(min=0), default=None, help="Run: the epoch whose batches to analyse [default: first].")
 @click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Packed source: window length for the batch analysis.")
+@click.option("--memory", type=BYTES, default=None,
+              help="Memory budget in bytes of a best-fit epoch's plan and row table, built on disk and read "
+                   "in parts [default: 256MiB].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @user_errors
 def inspect(directory, as_json, **kw):

@@ -248,25 +248,25 @@ def diversity_after_plan(plan, maps: list[DocumentMap], epoch_dir: Path, manifes
     return _series(stats), mismatches
 
 
-def diversity_after_packed(plan, maps: list[DocumentMap], epoch_dir: Path, manifest: dict, batch: int,
-                           batches: int) -> tuple[dict | None, int]:
-    """A best-fit epoch in order: each sample's documents from the plan's row table. Returns
-    (series, samples whose bytes differ from the rows the table builds)."""
+def diversity_after_table(plan, maps: list[DocumentMap], epoch_dir: Path, manifest: dict, batch: int,
+                          batches: int) -> tuple[dict | None, int]:
+    """An epoch whose plan has a row table (best-fit), in order: each sample's documents from
+    the table, built within the plan's memory and read a batch's rows at a time (never whole).
+    Returns (series, samples whose bytes differ from the rows the table builds)."""
     from tokpack.shuffle.packed import TokenPool
 
     opened = [m.src for m in maps]
-    table = plan.table(opened)
     pool = TokenPool(plan, opened)
     reader = SampleReader.from_manifests([(epoch_dir, manifest)])
     stats, mismatches = [], 0
-    for b in range(min(batches, plan.samples // batch)):
-        g0, g1 = b * batch, (b + 1) * batch
-        rows = reader.read(g0, batch)
-        mismatches += int((rows != pool.rows(table, g0, g1, plan.row_tokens, plan.pad_id)).any(axis=1).sum())
-        lo, hi = np.searchsorted(table["g"], [g0, g1])
-        t = table[lo:hi]
-        ids = (t["source"].astype(np.int64) << DOC_ID_SHIFT) + t["doc"].astype(np.int64)
-        stats.append(batch_stats([(ids, t["length"].astype(np.int64))]))
+    with plan.table_rows(opened) as built:
+        for b in range(min(batches, plan.samples // batch)):
+            g0, g1 = b * batch, (b + 1) * batch
+            rows = reader.read(g0, batch)
+            t, starts = built.rows(g0, g1)
+            mismatches += int((rows != pool.rows(t, g0, g1, plan.row_tokens, plan.pad_id, starts)).any(axis=1).sum())
+            ids = (t["source"].astype(np.int64) << DOC_ID_SHIFT) + t["doc"].astype(np.int64)
+            stats.append(batch_stats([(ids, t["length"].astype(np.int64))]))
     return _series(stats), mismatches
 
 
@@ -345,10 +345,11 @@ class InspectResult(Result):
 
 
 def inspect(directory, *, batch_size: int | None = None, batches: int = 64, plot: str | None = None,
-            seq_len: int | None = None, epoch: int | None = None) -> InspectResult:
+            seq_len: int | None = None, epoch: int | None = None, memory: int | None = None) -> InspectResult:
     """Report on a source, a run or an epoch. For a run, the
     batch analysis uses `epoch` (default: the first listed); a packed source alone needs
-    `seq_len` for it."""
+    `seq_len` for it. `memory`: the budget (bytes) of the epoch's plan and of a best-fit row
+    table [default: tokpack.shuffle.packed.DEFAULT_PLAN_MEMORY]."""
     directory = as_path(directory)
     if plot is not None:
         _require_matplotlib()
@@ -375,7 +376,7 @@ def inspect(directory, *, batch_size: int | None = None, batches: int = 64, plot
 
     L = report["totals"]["seq_len"] if kind != "source" else seq_len
     if L is not None:
-        diversity = _batch_diversity(sources, chosen, int(L), batch, batches)
+        diversity = _batch_diversity(sources, chosen, int(L), batch, batches, memory)
         if diversity:
             report["batch_diversity"] = diversity
     if plot is not None:
@@ -490,7 +491,8 @@ def _stages(run: dict) -> list[dict]:
     return [{**st, "sources": list(st["sources"].values())} for st in stages.values()]
 
 
-def _batch_diversity(sources: list[PackedSource], chosen, L: int, batch: int, batches: int) -> dict:
+def _batch_diversity(sources: list[PackedSource], chosen, L: int, batch: int, batches: int,
+                     memory: int | None = None) -> dict:
     """Before (sequential source windows) and after (the chosen epoch's order, documents
     identified through the shuffle plan, else EOS fragments)."""
     diversity: dict = {}
@@ -503,15 +505,16 @@ def _batch_diversity(sources: list[PackedSource], chosen, L: int, batch: int, ba
     after, method, note = None, "eos", "sources not reachable"
     if maps:
         try:
-            from tokpack.shuffle.packed import PACKED_ALGORITHM, packed_plan_from_manifest
-            from tokpack.shuffle.plan import EpochPlan
+            from tokpack.shuffle.packed import DEFAULT_PLAN_MEMORY
+            from tokpack.shuffle.packings import of_manifest
 
-            packed = em.get("shuffle") == PACKED_ALGORITHM
-            plan = (packed_plan_from_manifest if packed else EpochPlan.from_manifest)(em, sources)
+            plan = of_manifest(em).from_manifest(em, sources, memory or DEFAULT_PLAN_MEMORY)
         except (ImportError, TokpackError, KeyError, ValueError) as err:
             note = f"shuffle plan unavailable ({type(err).__name__}: {err})"
         else:
-            after, mismatches = (diversity_after_packed if packed else diversity_after_plan)(
+            # A plan with a row table (best-fit) names each sample's documents; a window plan
+            # locates each sample's window in its source.
+            after, mismatches = (diversity_after_table if hasattr(plan, "table_rows") else diversity_after_plan)(
                 plan, maps, edir, em, batch, batches)
             note = None
             if mismatches:

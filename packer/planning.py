@@ -143,15 +143,14 @@ def _local(paths: list[str]) -> list[str]:
 def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | None = None, epochs=None,
                  samples: int | None = None, tokens: int | None = None, shard_samples: int | None = None,
                  memory: int = 4 << 30, jitter: bool = False, executor: ExecutorConfig | None = None,
-                 disk_mbps: float | None = None, schedule=None, scratch=None, packing: str = "concat",
+                 disk_mbps: float | None = None, schedule=None, scratch=None, packing: str | None = None,
                  pad_id: int | None = None) -> PlanResult:
     """What `shuffle` with these arguments would do. A source may be virtual:
     `virtual:tokens=11T,documents=5.5B,dtype=uint16` (shuffle/plan.py, virtual_source). `schedule`:
     a schedule file instead of sources and their settings (every epoch unless `epochs` says).
     `scratch` is taken as shuffle takes it, and is unused: only a URL output writes there, and
     a plan's output is local."""
-    from tokpack.shuffle.packed import PACKED_ALGORITHM
-    from tokpack.shuffle.packed_step import table_estimate
+    from tokpack.shuffle.packings import of_plan
     from tokpack.shuffle.steps import BUCKETS_PER_FOLDER
     from tokpack.shuffle.run import (bytes_to_write, epoch_bytes, epoch_layout, memory_path, planned_epoch_manifest,
                              repeat_warnings, run_manifest_of, scratch_bytes, setup_run, task_budget)
@@ -189,8 +188,8 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
         layout = epoch_layout(job, memory=memory, workers=config.workers, tasks=config.tasks)
         detail = {"epoch": epoch, "stage": stage, "path": "in-memory" if layout is None else "out-of-core",
                   "samples": plan.samples, "shards": job.n_shards, "output_bytes": size, "sources": report}
-        table = 0
-        if plan.algorithm == PACKED_ALGORITHM:  # first the row table, built in the work folder within --memory
+        table, table_estimate = 0, of_plan(plan).table_estimate
+        if table_estimate is not None:  # first the row table, built in the work folder within --memory
             est = table_estimate(job, opened)
             table = est["table_bytes"]
             detail.update(table_pieces=est["pieces"], table_bytes=table)

@@ -12,7 +12,7 @@ import numpy as np
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import IO_BLOCK, as_path, open_read, read_full, read_limited, regular_size
 from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, check_manifest, dtype_from_name, epoch_dir_name,
-                                      read_manifest, row_hashes)
+                                      has_pad, read_manifest, row_hashes)
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.shards import PAD_SUFFIX
 from tokpack.formats.slices import (SLICE_EPOCH, RankRows, check_slice_epoch, missing_padding, rank_file_name,
@@ -135,7 +135,7 @@ class _RunShards:
 
             s = self.shards[i]
             self._pads = {k: v for k, v in self._pads.items() if k > i - 2}
-            self._pads[i] = (self._sidecar(i, PAD_SUFFIX, "pad_xxh3_128", PAD_DTYPE) if "pad_xxh3_128" in s
+            self._pads[i] = (self._sidecar(i, PAD_SUFFIX, "pad_xxh3_128", PAD_DTYPE) if has_pad(s)
                              else np.zeros(int(s["samples"]), dtype=PAD_DTYPE))
         return self._pads[i]
 
@@ -205,7 +205,7 @@ def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: 
                 "rank file does not hold that rank's samples")
         return
     # a rank file of a best-fit run without one is reported by the slice's own checks (missing_padding)
-    pad_file = open_read(f.with_name(f.name + PAD_SUFFIX)) if "pad_xxh3_128" in s else None
+    pad_file = open_read(f.with_name(f.name + PAD_SUFFIX)) if has_pad(s) else None
     pad_buf = np.empty(len(buf), dtype=PAD_DTYPE)
     done, bad_rows, bad_pads, first_bad, first_pad = 0, 0, 0, None, None
     try:

@@ -37,6 +37,7 @@ from tokpack.formats.io import IO_BLOCK, DurableFile, Worker, read_limited, regu
 from tokpack.formats.units import at_most
 from tokpack.formats.manifest import (
     MAX_MANIFEST_BYTES,
+    has_pad,
     strict_json,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -233,7 +234,7 @@ class _EpochStager:
         self.hashes: dict[int, np.ndarray] = {}  # shard -> recorded (or verified-recomputed) row hashes
         self.pads: dict[int, np.ndarray] = {}  # shard -> its verified `.ds.pad` (best-fit)
         self.by_rows = all("rows_xxh3_128" in s for s in self.shards)
-        self.packed = any("pad_xxh3_128" in s for s in self.shards)  # best-fit: rank files get a `.ds.pad`
+        self.packed = any(has_pad(s) for s in self.shards)  # best-fit: rank files get a `.ds.pad`
 
     def shard_path(self, i: int) -> str:
         return f"{self.rel}/{self.shards[i]['path']}"
@@ -266,7 +267,7 @@ class _EpochStager:
         if got is None:
             s = self.shards[i]
             n = int(s["samples"])
-            if "pad_xxh3_128" not in s:
+            if not has_pad(s):
                 got = np.zeros(n, dtype=PAD_DTYPE)
             else:
                 raw = self.reads.whole(self.shard_path(i) + PAD_SUFFIX, PAD_DTYPE.itemsize * n)
@@ -419,7 +420,7 @@ def plan_slice(src: Source, ranks=None, world_size: int | None = None, micro_bat
         first, n = numbering.first(e), numbering.size(e)
         kept[e] = sum(rows.rows(r, first, first + n) for r in range(a, b + 1)) * row_bytes
         by_rows[e] = all("rows_xxh3_128" in s for s in m.get("shards") or [])
-        pad = sum(PAD_DTYPE.itemsize * int(s["samples"]) for s in m.get("shards") or [] if "pad_xxh3_128" in s)
+        pad = sum(PAD_DTYPE.itemsize * int(s["samples"]) for s in m.get("shards") or [] if has_pad(s))
         read[e] = kept[e] + (8 * n if by_rows[e] else n * row_bytes) + pad
     return SlicePlan((a, b), w, rows, run, chosen, kept, read, by_rows)
 

@@ -42,6 +42,7 @@ from tokpack.formats.shards import ROWS_SUFFIX, contained_shard
 from tokpack.formats.io import ThreadPool, as_path, commit_file, contained, lent, open_read, progress, regular_fd, remove_tmp_files, tmp_path
 from tokpack.formats.manifest import (
     MANIFEST,
+    has_pad,
     MAX_MANIFEST_BYTES,
     MAX_EPOCHS,
     STAGE_SIDECAR,
@@ -232,7 +233,7 @@ def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None, roo
             tokens = s.get("tokens")
             jobs.append(CopyJob(_join(dir_rel, f"{name}.loss"), None if tokens is None else int(tokens),
                                 s["loss_xxh3_128"], dir_rel))
-        if s.get("pad_xxh3_128"):  # a best-fit epoch's padding per sample, 4 bytes each
+        if has_pad(s):  # a padded (best-fit) epoch's padding per sample, 4 bytes each
             samples = s.get("samples")
             jobs.append(CopyJob(_join(dir_rel, f"{name}.pad"), None if samples is None else 4 * int(samples),
                                 s["pad_xxh3_128"], dir_rel))

@@ -34,6 +34,7 @@ from tokpack.formats.manifest import (
     check_manifest,
     dtype_from_name,
     epoch_dir_name,
+    has_pad,
     hash_hex64,
     partial_stage_absent,
     read_manifest,
@@ -120,7 +121,7 @@ def _check_pads(path: Path, shards: list[dict], rep: DirReport) -> None:
     """A best-fit epoch shard's `.ds.pad`: one uint32 per sample, each <= the sample's tokens,
     matching its recorded checksum."""
     for i, s in enumerate(shards):
-        if not isinstance(s, dict) or "pad_xxh3_128" not in s or not isinstance(s.get("path"), str):
+        if not isinstance(s, dict) or not has_pad(s) or not isinstance(s.get("path"), str):
             continue
         f = path / f"{s['path']}{PAD_SUFFIX}"
         want = int(s.get("samples", -1)) * PAD_DTYPE.itemsize

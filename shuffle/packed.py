@@ -16,10 +16,11 @@ itself holds row counts per source and pass, O(#sources x passes).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import xxhash
@@ -32,8 +33,8 @@ from tokpack.formats.shards import PackedSource
 from .permutation import Bijection
 from .plan import EpochPlan, check_passes, mixture, replay_hashes, shard_count_checked
 
+BEST_FIT = "best-fit"  # its `--packing` name (tokpack.shuffle.packings), and a run's `packing.method`
 PACKED_ALGORITHM = "tokpack-bfd-feistel6-splitmix-xxh3-v1"  # the `shuffle` name of a packed epoch
-PACKINGS = ("concat", "best-fit")
 # A group's documents and rows are held while it is packed (about 60 bytes a document); at 2^22
 # tokens the padding of web-like lengths is under 0.5% at seq_len 4096 (BENCHMARKS.md, "Best-fit
 # packing"), and a group is a few MB of plan state, far inside any --memory.
@@ -53,14 +54,7 @@ PIECE = np.dtype([("g", "<u8"), ("row_offset", "<u4"), ("source", "<u4"), ("doc"
 DOC = np.dtype([("k", "<u8"), ("doc", "<u8"), ("start", "<u8"), ("length", "<u8")])
 DOC_STATE_BYTES = 4 * DOC.itemsize
 MIN_CHUNK = 1 << 12  # documents (or pieces) per chunk at the least, whatever the budget
-DEFAULT_PLAN_MEMORY = 256 << 20  # a plan's budget when no --memory bounds it (plan, validate, inspect)
-_PLANNING = {"memory": DEFAULT_PLAN_MEMORY}  # set_plan_memory
-
-
-def set_plan_memory(memory: int) -> None:
-    """The budget (bytes) of every packed plan made from now on in this process (shuffle sets
-    it from --memory): counting a pass's rows permutes its documents within it."""
-    _PLANNING["memory"] = max(1, int(memory))
+DEFAULT_PLAN_MEMORY = 256 << 20  # a plan's budget when no --memory bounds it (validate --against, inspect)
 
 
 def _scratch(folder=None):
@@ -327,6 +321,9 @@ class PackedPlan:
     group_tokens: int
     pad_id: int
     jitter: bool = False
+    # The budget (bytes) its own work keeps within: counting a pass's rows permutes the pass's
+    # documents within it, and so do the row table and the repeat count.
+    memory: int = field(default=DEFAULT_PLAN_MEMORY, compare=False, repr=False)
 
     # The same chains and the same epoch order as the window plan.
     row_tokens = EpochPlan.row_tokens
@@ -355,7 +352,7 @@ class PackedPlan:
         if sp.passes < 2:
             return 0
         src = PackedSource.open(sp.path, check_sizes=False)
-        memory = _PLANNING["memory"]
+        memory = self.memory
         per = max(MIN_CHUNK, memory // (KEY.itemsize * 4 * sp.passes * (1 + src.tokens // max(
             1, sp.documents * self.row_tokens))))
         with _scratch() as d:
@@ -385,17 +382,24 @@ class PackedPlan:
 
     def packing_entry(self, table_hash: str, padding: int) -> dict:
         """The epoch manifest's `packing` object."""
-        return {"method": "best-fit", "group_tokens": self.group_tokens, "pad_id": self.pad_id,
+        return {"method": BEST_FIT, "group_tokens": self.group_tokens, "pad_id": self.pad_id,
                 "padding_tokens": padding, "table_xxh3_128": table_hash}
 
     def table(self, sources: list[PackedSource]) -> np.ndarray:
-        """The row table (PIECE records in output order), built by build_table in a temporary
-        folder and read whole: O(pieces) memory, for tests and small tools."""
+        """The row table (PIECE records in output order), read whole: O(pieces) memory, for
+        tests and small tools."""
+        with self.table_rows(sources) as built:
+            return np.fromfile(built.folder / TABLE_FILE, dtype=PIECE)
+
+    @contextlib.contextmanager
+    def table_rows(self, sources: list[PackedSource]):
+        """The row table, built by build_table within the plan's memory in a temporary folder
+        (removed after use) and read back by ranges of rows (PackedTable.rows, a bucket of rows
+        at a time): `inspect` reads the rows of its batches so."""
         with _scratch() as d:
             from pathlib import Path
 
-            built = build_table(self, sources, Path(d) / "packing", _PLANNING["memory"])
-            return np.fromfile(built.folder / TABLE_FILE, dtype=PIECE)
+            yield build_table(self, sources, Path(d) / "packing", self.memory)
 
 
 def table_hash(table: np.ndarray) -> str:
@@ -432,12 +436,12 @@ _ROWS: dict[tuple, int] = {}  # (fingerprint, seed, s, p, row_tokens, group_toke
 
 def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
     """R_{s,p}, the rows of pass p over source s: the pass is packed group by group (iter_pass,
-    bounded by the plan memory) and counted; the count is kept."""
+    bounded by the plan's memory) and counted; the count is kept."""
     key = (src.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens)
     if key not in _ROWS:
         with _scratch() as d:
             _ROWS[key] = sum(n for _, n, _ in iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens,
-                                                        _PLANNING["memory"], d))
+                                                        plan.memory, d))
     return _ROWS[key]
 
 
@@ -466,9 +470,11 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
                       weights: list[str | None] | None = None, samples: int | None = None,
                       tokens: int | None = None, names: list[str] | None = None,
                       group_tokens: int | None = None, pad_id: int | None = None,
-                      cursors: list[int | None] | None = None, counts: list[int] | None = None) -> PackedPlan:
+                      cursors: list[int | None] | None = None, counts: list[int] | None = None,
+                      memory: int = DEFAULT_PLAN_MEMORY) -> PackedPlan:
     """The packed plan of one epoch. c_s: as the window plan apportions samples, with R_{s,0}
-    (the rows of pass 0) in place of W_s. `counts` (a schedule's per-source samples) overrides it."""
+    (the rows of pass 0) in place of W_s. `counts` (a schedule's per-source samples) overrides it.
+    `memory`: the plan's budget (bytes; shuffle's --memory), within which it counts its passes."""
     if not sources:
         raise TokpackError("no sources given", hint="tokpack shuffle SOURCE[=WEIGHT]... -o OUT --packing best-fit")
     pad = sources[0].eos_id if pad_id is None else int(pad_id)
@@ -477,7 +483,7 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
                            found=pad, hint="leave --pad-id out to pad with the EOS id")
     stub = PackedPlan(int(seed), int(epoch), int(seq_len), 0, tuple(
         PackedSourcePlan(s, "", str(src.path), src.fingerprint, None, src.tokens, 0, 0, 0, 0)
-        for s, src in enumerate(sources)), int(group_tokens or DEFAULT_GROUP_TOKENS), pad)
+        for s, src in enumerate(sources)), int(group_tokens or DEFAULT_GROUP_TOKENS), pad, memory=max(1, int(memory)))
     for src in sources:
         _check_real(src)
     documents = [document_count(src) for src in sources]
@@ -509,12 +515,13 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
     return plan
 
 
-def packed_plan_from_manifest(manifest: dict, sources: list[PackedSource]) -> PackedPlan:
+def packed_plan_from_manifest(manifest: dict, sources: list[PackedSource],
+                              memory: int = DEFAULT_PLAN_MEMORY) -> PackedPlan:
     """The packed plan an epoch manifest was written from, against the opened sources (matched
-    by fingerprint, in any order)."""
+    by fingerprint, in any order); `memory`: its budget, as in packed_epoch_plan."""
     pk = manifest.get("packing")
-    if not isinstance(pk, dict) or pk.get("method") != "best-fit":
-        raise TokpackError("packed epoch without its packing", where="packing", expected="{method: best-fit, ...}",
+    if not isinstance(pk, dict) or pk.get("method") != BEST_FIT:
+        raise TokpackError("packed epoch without its packing", where="packing", expected=f"{{method: {BEST_FIT}, ...}}",
                            found=pk)
     entries = manifest.get("sources") or []
     pool = {s.fingerprint: s for s in sources}
@@ -534,7 +541,8 @@ def packed_plan_from_manifest(manifest: dict, sources: list[PackedSource]) -> Pa
     plan = packed_epoch_plan(ordered, seq_len=int(manifest["seq_len"]), seed=int(manifest["seed"]),
                              epoch=int(manifest["epoch"]), weights=weights, names=names,
                              group_tokens=int(pk["group_tokens"]), pad_id=int(pk["pad_id"]),
-                             cursors=None if all(c is None for c in cursors) else cursors, counts=counts)
+                             cursors=None if all(c is None for c in cursors) else cursors, counts=counts,
+                             memory=memory)
     if plan.samples != int(manifest["samples"]):
         raise TokpackError("epoch manifest source samples do not add up", where="sources[].samples",
                            expected=manifest["samples"], found=plan.samples)
@@ -868,12 +876,12 @@ def _cut_problems(length: np.ndarray, off: np.ndarray, row_offset: np.ndarray, f
     return problems
 
 
-def packed_replay(manifest: dict, sources: list[PackedSource], order: bool = True
-                  ) -> tuple[str, list[int], str, list[str]]:
+def packed_replay(manifest: dict, sources: list[PackedSource], order: bool = True,
+                  memory: int = DEFAULT_PLAN_MEMORY) -> tuple[str, list[int], str, list[str]]:
     """(sample multiset hash, each output shard's order hash (with `order`), row table checksum,
     packing rule problems) of a packed epoch, recomputed from its manifest's parameters and its
-    sources alone. Rows are rebuilt in output order, so the order terms need no inverse."""
-    plan = packed_plan_from_manifest(manifest, sources)
+    sources alone, within `memory`. Rows are rebuilt in output order, so the order terms need no inverse."""
+    plan = packed_plan_from_manifest(manifest, sources, memory)
     per, listed = shard_count_checked(manifest, plan.samples) if order else (1, 0)
     by_fp = {s.fingerprint: s for s in sources}
     opened = [by_fp[sp.fingerprint] for sp in plan.sources]
@@ -883,7 +891,7 @@ def packed_replay(manifest: dict, sources: list[PackedSource], order: bool = Tru
     with _scratch() as d:
         from pathlib import Path
 
-        built = build_table(plan, opened, Path(d) / "packing", _PLANNING["memory"])
+        built = build_table(plan, opened, Path(d) / "packing", plan.memory)
         for g0 in range(0, plan.samples, step):
             g1 = min(plan.samples, g0 + step)
             table, starts = built.rows(g0, g1)
@@ -895,14 +903,13 @@ def packed_replay(manifest: dict, sources: list[PackedSource], order: bool = Tru
     return hash_hex64(total), shard_orders.tolist(), built.table_xxh3_128, list(built.problems)
 
 
-def replay_hashes_any(manifest: dict, sources: list[PackedSource], order: bool = True) -> tuple[str, list[int]]:
-    """`validate --against`'s replay for an epoch of either shuffle algorithm: (multiset hash,
-    per-shard order hashes), as `plan.replay_hashes`. A packed epoch's row table must also hash
-    to the recorded `packing.table_xxh3_128` and keep the packing rules; either failure is one
+def replay_packed(manifest: dict, sources: list[PackedSource], order: bool = True,
+                  memory: int = DEFAULT_PLAN_MEMORY) -> tuple[str, list[int]]:
+    """`validate --against`'s replay of a packed epoch (tokpack.shuffle.packings): (multiset
+    hash, per-shard order hashes), as `plan.replay_hashes`. Its row table must also hash to the
+    recorded `packing.table_xxh3_128` and keep the packing rules; either failure is one
     TokpackError."""
-    if manifest.get("shuffle") != PACKED_ALGORITHM:
-        return replay_hashes(manifest, sources, order)
-    multiset, orders, table_sum, problems = packed_replay(manifest, sources, order)
+    multiset, orders, table_sum, problems = packed_replay(manifest, sources, order, memory)
     recorded = (manifest.get("packing") or {}).get("table_xxh3_128")
     if problems:
         raise TokpackError(problems[0], where="packing", expected="the best-fit packing rules",
@@ -913,12 +920,25 @@ def replay_hashes_any(manifest: dict, sources: list[PackedSource], order: bool =
     return multiset, orders
 
 
-def packing_settings(packing: str, sources: list[PackedSource], pad_id: int | None = None,
-                     group_tokens: int | None = None) -> dict | None:
-    """What a run records (and a rerun must repeat) of its packing; None for concat."""
-    if packing == "concat":
-        return None
-    if packing not in PACKINGS:
-        raise TokpackError("unknown packing", where="--packing", expected=" or ".join(PACKINGS), found=packing)
-    return {"method": packing, "group_tokens": int(group_tokens or DEFAULT_GROUP_TOKENS),
+def plan_options(pad_id: int | None = None, group_tokens: int | None = None) -> dict:
+    """The options of a packed plan a run gives (None: the default)."""
+    return {k: v for k, v in (("pad_id", pad_id), ("group_tokens", group_tokens)) if v is not None}
+
+
+def packing_settings(sources: list[PackedSource], pad_id: int | None = None, group_tokens: int | None = None) -> dict:
+    """What a packed run records (and a rerun must repeat) of its packing, from its options."""
+    return {"method": BEST_FIT, "group_tokens": int(group_tokens or DEFAULT_GROUP_TOKENS),
             "pad_id": sources[0].eos_id if pad_id is None else int(pad_id)}
+
+
+def run_packing(plan: PackedPlan) -> dict:
+    """The same, of a planned epoch (the run manifest's `packing`)."""
+    return {"method": BEST_FIT, "group_tokens": plan.group_tokens, "pad_id": plan.pad_id}
+
+
+def chained_packed_plan(plan: PackedPlan, *, members, sources, names, cursors, weights, counts, memory,
+                        **options) -> PackedPlan:
+    """An epoch of a schedule of several stages: every source of the schedule, each chain from
+    its cursor over packed rows, the stage's samples from each (`counts`)."""
+    return packed_epoch_plan(sources, seq_len=plan.seq_len, seed=plan.seed, epoch=plan.epoch, weights=weights,
+                             names=names, cursors=cursors, counts=counts, memory=memory, **options)

@@ -24,10 +24,21 @@ import xxhash
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import map_file, progress, write_bytes_atomic
 
-from .packed import DOC, PIECE_STATE_BYTES, TABLE_PIECE_BYTES, PackedTable, TokenPool, document_count, row_padding
+from .packed import (DOC, PIECE_STATE_BYTES, TABLE_PIECE_BYTES, PackedTable, TokenPool, build_table, document_count,
+                     row_padding)
 from .steps import RING, EpochJob, OrderStep, _Step
 
 GATHER_TOKENS = 1 << 20  # tokens of rows assembled per call
+
+
+def prepare_table(job: EpochJob, memory: int) -> dict:
+    """The epoch's row table, materialised in its work folder (`packing/`) by build_table
+    within `memory`: its folder, xxh3_128 and padding tokens, for the steps and the manifest."""
+    from pathlib import Path
+
+    path = Path(job.work_dir) / "packing"
+    built = build_table(job.plan, job.open_sources(), path, memory)
+    return {"table": str(path), "table_xxh3_128": built.table_xxh3_128, "padding": built.padding}
 
 
 def packed_memory(job, sources) -> int:

@@ -12,7 +12,7 @@ below follow it (L, W_s, o_s, c_s, N, pi_{s,p}, sigma_e).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Iterator, Protocol
@@ -445,6 +445,24 @@ def epoch_plan(
     return EpochPlan(int(seed), int(epoch), int(seq_len), bool(jitter), n, tuple(plans))
 
 
+def chained_plan(plan: EpochPlan, members: list[int], sources: list[PackedSource], names: list[str],
+                 cursors: list[int]) -> EpochPlan:
+    """An epoch of a schedule of several stages, from its stage's plan (over the stage's
+    sources, `members` of the schedule's): the epoch lists every source of the schedule (its
+    position is its key), and each source's chain starts at its cursor, where the epochs before
+    this one left it."""
+    stage_of = dict(zip(members, plan.sources))
+    seq_len, seed, epoch = plan.seq_len, plan.seed, plan.epoch
+    entries, base = [], 0
+    for u, src in enumerate(sources):
+        offset = jitter_offset(seed, epoch, u, seq_len) if plan.jitter else 0
+        sp = stage_of.get(u) or SourcePlan(u, names[u], str(src.path), src.fingerprint, None, src.tokens,
+                                           offset, windows_of(src.tokens, seq_len, plan.jitter), 0, base)
+        entries.append(replace(sp, index=u, offset=offset, base=base, cursor=cursors[u]))
+        base += sp.samples
+    return replace(plan, sources=tuple(entries))
+
+
 # -------------------------------------------------------------------- verification
 
 
@@ -495,15 +513,17 @@ def shard_count_checked(epoch_manifest: dict, samples: int) -> tuple[int, int]:
     return per, listed
 
 
-def replay_hashes(epoch_manifest: dict, sources: list[PackedSource], order: bool = True) -> tuple[str, list[int]]:
+def replay_hashes(epoch_manifest: dict, sources: list[PackedSource], order: bool = True,
+                  plan: EpochPlan | None = None) -> tuple[str, list[int]]:
     """What the epoch must hold, recomputed from its sources through the plan: its
     `sample_multiset_hash` (each window's row_hash times the number of times the epoch uses it)
     and, with `order`, each output shard's order hash (docs/FORMAT.md, "Checksums": the sum of
     the order terms of the samples the plan puts at the shard's positions). Each source is read
     once, sequentially in its own order, and each window's terms are added at every position the
     plan sends it to (`outputs_of`), so the epoch's order needs no table. Memory: one IO block,
-    O(block rows) index arrays and 8 bytes per output shard."""
-    plan = EpochPlan.from_manifest(epoch_manifest, sources)
+    O(block rows) index arrays and 8 bytes per output shard. `plan`: the epoch's plan, when the
+    caller made it (a packing of windows in another order, tokpack.shuffle.packings)."""
+    plan = EpochPlan.from_manifest(epoch_manifest, sources) if plan is None else plan
     per, listed = shard_count_checked(epoch_manifest, plan.samples) if order else (1, 0)
     by_fp = {}
     for src in sources:

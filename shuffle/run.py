@@ -31,16 +31,12 @@ from tokpack.formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epo
 from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
 from tokpack.formats.units import at_most
 
-from .packed import PACKED_ALGORITHM, PACKINGS, build_table, packing_settings, set_plan_memory
-from .packed_step import (PackedInMemoryStep, PackedOrderStep, PackedScatterStep, holds_pieces_of, packed_memory,
-                          packed_scratch_bytes)
-from .plan import PLAN_ALGORITHM, EpochPlan, SamplePlan, is_virtual, open_source, parse_weight, source_location
+from . import packings
+from .plan import EpochPlan, SamplePlan, is_virtual, open_source, parse_weight, source_location
 from .schedule import RunPlan, Schedule
-from .steps import (CHUNKS_IN_BUDGET, ORDER_ROW_OVERHEAD, EpochJob, InMemoryStep, Layout, OrderStep, ScatterStep,
-                    make_layout, source_changed_error)
+from .steps import ORDER_ROW_OVERHEAD, EpochJob, Layout, make_layout, source_changed_error
 
 DEFAULT_SHARD_BYTES = 1 << 30  # default --shard-samples: about 1 GiB of samples per shard
-ROW_FACTS_BYTES = 32  # RowFragments per row in memory: first-EOS index, hash, and about one EOS column
 # Output shards one command plans and writes (each three files and a manifest entry): past this, the
 # numbers asked for (--samples, --tokens, --epochs, --shard-samples) are a typo, not a run.
 MAX_SHARDS = 10**6
@@ -85,8 +81,7 @@ def _weights_key(weights: list[str | None]) -> list[str] | None:
 
 
 def _packing_of(plan: SamplePlan) -> dict | None:
-    return {"method": "best-fit", "group_tokens": plan.group_tokens, "pad_id": plan.pad_id} \
-        if plan.algorithm == PACKED_ALGORITHM else None
+    return packings.of_plan(plan).run_fields(plan)
 
 
 def _run_params(plan: SamplePlan, weights, shard_samples: int) -> dict:
@@ -108,8 +103,8 @@ def _schedule_params(runplan: RunPlan, sources: list[PackedSource], shard_sample
     """What must match for two invocations to belong to the same run made from a schedule file."""
     fields = runplan.manifest_fields()
     sc = runplan.schedule
-    packing = packing_settings(sc.packing, sources, **runplan.packed)
-    return {"shuffle": PLAN_ALGORITHM if packing is None else PACKED_ALGORITHM, "packing": packing,
+    packing = runplan.packing
+    return {"shuffle": packing.shuffle, "packing": packing.settings(sources, **runplan.options),
             "fingerprints": [src.fingerprint for src in sources], "weights": None, "seq_len": sc.seq_len,
             "seed": sc.seed, "jitter": sc.jitter, "samples": 0, "shard_samples": shard_samples,
             "epoch_samples": fields["epoch_samples"], "schedule": _schedule_key(fields["schedule"])}
@@ -208,13 +203,9 @@ def run_manifest_of(written: dict, plan: EpochPlan, weights, sources: list[Packe
 
 def memory_path(job: EpochJob, memory: int) -> tuple[int, int]:
     """(bytes of the windows to hold, bytes the in-memory path holds with its chunk buffers): the
-    epoch runs in memory when the latter fits `memory`. A best-fit epoch: what its in-memory
-    path holds, twice (it has no other path)."""
-    if job.plan.algorithm == PACKED_ALGORITHM:
-        held = packed_memory(job, job.open_sources())
-        return held, held
-    needed = sum(sp.windows for sp in job.plan.sources if sp.samples) * (job.row_bytes + ROW_FACTS_BYTES)
-    return needed, needed + CHUNKS_IN_BUDGET * job.chunk_rows(memory) * job.row_bytes
+    epoch runs in memory when the latter fits `memory`. Each packing says (a best-fit epoch: what
+    its in-memory path holds, twice)."""
+    return packings.of_plan(job.plan).memory_path(job, memory)
 
 
 def task_budget(memory: int, workers: int) -> int:
@@ -249,7 +240,10 @@ def planned_epoch_manifest(job: EpochJob, sources: list[PackedSource]) -> dict:
     return epoch_manifest(entries, job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer,
                           tokens=plan.samples * plan.row_tokens, epoch=plan.epoch, seed=plan.seed, seq_len=plan.seq_len,
                           samples=plan.samples, shard_samples=job.shard_samples, dropped_tokens=plan.dropped_tokens(),
-                          jitter=plan.jitter, sources=plan.source_entries(), shuffle=PLAN_ALGORITHM)
+                          jitter=plan.jitter, sources=plan.source_entries(),
+                          # the default packing's name whatever the packing: `plan` has always
+                          # counted a planned epoch manifest's bytes so
+                          shuffle=packings.named(packings.DEFAULT).shuffle)
 
 
 def epoch_bytes(job: EpochJob, manifest: dict) -> int:
@@ -262,11 +256,10 @@ def epoch_bytes(job: EpochJob, manifest: dict) -> int:
 
 
 def scratch_bytes(job: EpochJob, out_of_core: bool = True) -> int:
-    """Out of core, the bucket scratch: every output row and its 8-byte position. A best-fit
-    epoch's: its row table too, in memory or not (tokpack.shuffle.packed_step.packed_scratch_bytes)."""
-    if job.plan.algorithm == PACKED_ALGORITHM:
-        return packed_scratch_bytes(job, job.open_sources(), out_of_core)
-    return job.plan.samples * (job.row_bytes + 8) if out_of_core else 0
+    """The epoch's scratch, as its packing counts it: out of core, the window shuffle's buckets
+    hold every output row and its 8-byte position; a best-fit epoch's also its row table, in
+    memory or not (tokpack.shuffle.packed_step.packed_scratch_bytes)."""
+    return packings.of_plan(job.plan).scratch_bytes(job, out_of_core)
 
 
 def bytes_to_write(jobs: list[EpochJob], sources: list[PackedSource], memory: int, workers: int = 1) -> int:
@@ -317,7 +310,7 @@ def _source_check(job: EpochJob, layout: Layout | None):
 def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, run_passes, log) -> dict:
     """Writes one epoch directory (all shards, then its manifest). Returns a summary."""
     plan = job.plan
-    packed = plan.algorithm == PACKED_ALGORITHM
+    packing = packings.of_plan(plan)
     work = Path(job.work_dir)
     Path(job.epoch_dir).mkdir(parents=True, exist_ok=True)
     remove_tmp_files(job.epoch_dir)
@@ -327,8 +320,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     logs = work / "logs" / attempt
     needed, held = memory_path(job, memory)
     in_memory = held <= memory
-    if packed:
-        table_file, table_sum, padding = _packed_table(job, memory)
+    prepared = packing.prepare(job, memory)  # what its steps need built first (best-fit: the row table)
     name = f"{epoch_dir_name(plan.epoch)}-{attempt}"
     job.source_changed_path.unlink(missing_ok=True)  # an earlier attempt's: this one reads the sources again
     shards_left = [i for i in range(job.n_shards) if job.shard_done(i) is None]
@@ -340,29 +332,21 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
         layout = None
         if not shards_left:  # a rerun after every shard finished: only the manifest is missing
             log(f"epoch {plan.epoch}: all {job.n_shards} shards already written; writing the manifest")
-        elif packed and in_memory:
-            log(f"epoch {plan.epoch}: {plan.samples} samples, best-fit in memory ({held / 2**20:.1f} MiB)")
-            with _source_check(job, None):
-                run_passes([(PackedInMemoryStep(job, table_file, table_sum, budget=memory), 1, f"{name}-bestfit",
-                             str(logs / "bestfit"))])
         elif in_memory:
-            log(f"epoch {plan.epoch}: {plan.samples} samples, in memory ({needed / 2**20:.1f} MiB of windows)")
+            step, label, words = packing.in_memory(job, prepared, memory, needed, held)
+            log(f"epoch {plan.epoch}: {plan.samples} samples, {words}")
             with _source_check(job, None):
-                run_passes([(InMemoryStep(job, budget=memory), 1, f"{name}-inmemory", str(logs / "inmemory"))])
+                run_passes([(step, 1, f"{name}-{label}", str(logs / label))])
         else:
             budget = task_budget(memory, workers)
             layout = epoch_layout(job, memory=memory, workers=workers, tasks=tasks)
             log(f"epoch {plan.epoch}: {plan.samples} samples, out of core ({needed / 2**20:.1f} MiB of windows, "
                 f"{layout.tasks} scatter tasks, {len(layout.bucket_starts) - 1} buckets, {job.n_shards} shards)")
-            passes = [(ScatterStep(job, layout), layout.tasks, f"{name}-scatter", str(logs / "scatter")),
-                      (OrderStep(job, layout, budget), job.n_shards, f"{name}-order", str(logs / "order"))]
-            if packed:  # the same two passes over document pieces
-                passes = [(PackedScatterStep(job, layout, table_file, table_sum, budget), layout.tasks, f"{name}-scatter",
-                           str(logs / "scatter")),
-                          (PackedOrderStep(job, layout, budget), job.n_shards, f"{name}-order", str(logs / "order"))]
+            scatter, order = packing.out_of_core(job, layout, prepared, budget)
+            passes = [(scatter, layout.tasks, f"{name}-scatter", str(logs / "scatter")),
+                      (order, job.n_shards, f"{name}-order", str(logs / "order"))]
             if all(layout.scatter_done(t) for t in range(layout.tasks)):
-                if all(holds_pieces_of(layout, i) if packed else layout.holds_rows_of(i, job.row_bytes)
-                       for i in shards_left):
+                if all(packing.scattered(job, layout, i) for i in shards_left):
                     passes = passes[1:]  # a rerun after the scatter pass finished: no array of no-op tasks
                     log(f"epoch {plan.epoch}: scatter pass already done; {len(shards_left)} shards left to order")
                 else:  # a written shard was lost after its bucket files went: scatter again
@@ -402,22 +386,13 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
         entries, job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer, tokens=plan.samples * plan.row_tokens,
         epoch=plan.epoch, seed=plan.seed, seq_len=plan.seq_len, samples=plan.samples, shard_samples=job.shard_samples,
         dropped_tokens=plan.dropped_tokens(), jitter=plan.jitter, sources=plan.source_entries(), shuffle=plan.algorithm)
-    if packed:
-        manifest["packing"] = plan.packing_entry(table_sum, padding)
+    manifest.update(packing.epoch_fields(plan, prepared))
     job.output.finish(job.epoch_dir, manifest)
     job.output.remove_tree(work)
     return {"epoch": plan.epoch, "path": "in-memory" if in_memory else "out-of-core", "samples": plan.samples,
             "shards": job.n_shards, "shards_reused": reused,
             "bytes_written": sum(entries[i]["bytes"] for i in shards_left),
             "sample_multiset_hash": manifest["sample_multiset_hash"]}
-
-
-def _packed_table(job: EpochJob, memory: int) -> tuple[str, str, int]:
-    """The epoch's row table, materialised in its work folder by build_table within `memory`:
-    (folder, xxh3_128, padding tokens)."""
-    path = Path(job.work_dir) / "packing"
-    built = build_table(job.plan, job.open_sources(), path, memory)
-    return str(path), built.table_xxh3_128, built.padding
 
 
 @dataclass
@@ -442,16 +417,17 @@ class RunSetup:
 def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, seed: int | None,
               epochs: list[int] | None, samples, tokens, shard_samples, memory: int, jitter: bool, workers: int,
               progress: bool = False, given: list[str] | None = None, schedule: Schedule | None = None,
-              to: LocalOutput = LocalOutput(), packing: str = "concat", pad_id: int | None = None) -> RunSetup:
-    """Opens the sources and OUT's run (if any), checks they agree, and plans every epoch. Reads only.
-    `given`, `schedule`, `to`, `packing`, `pad_id`: as in shuffle_run."""
-    if packing not in PACKINGS:
-        raise TokpackError("unknown packing", where="--packing", expected=" or ".join(PACKINGS), found=packing)
-    if packing != "concat" and jitter:
-        raise TokpackError("--jitter shifts windows; best-fit packing has none", where="--jitter",
-                           hint="drop --jitter, or use --packing concat")
-    if schedule is not None and packing != "concat":
-        if schedule.packing not in ("concat", packing):
+              to: LocalOutput = LocalOutput(), packing: str | None = None, pad_id: int | None = None) -> RunSetup:
+    """Opens the sources and OUT's run (if any), checks they agree, and plans every epoch, each
+    plan within `memory`. Writes nothing in OUT (a best-fit plan counts its rows in a temporary
+    folder). `given`, `schedule`, `to`, `packing`, `pad_id`: as in
+    shuffle_run."""
+    packing = packings.named(packing).name
+    if jitter and not packings.named(packing).jitter:
+        raise TokpackError(f"--jitter shifts windows; {packing} packing has none", where="--jitter",
+                           hint=f"drop --jitter, or use --packing {packings.DEFAULT}")
+    if schedule is not None and packing != packings.DEFAULT:
+        if schedule.packing not in (packings.DEFAULT, packing):
             raise TokpackError("--packing differs from the schedule's packing", where="--packing",
                                expected=schedule.packing, found=packing, hint="drop --packing")
         schedule = replace(schedule, packing=packing)
@@ -459,7 +435,6 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
         seq_len, seed, jitter, paths = schedule.seq_len, schedule.seed, schedule.jitter, schedule.paths
         shard_samples = shard_samples or schedule.shard_samples
     paths, weights = list(paths), list(weights or [None] * len(paths))
-    set_plan_memory(memory)  # a best-fit plan's passes are counted within it
     opened = open_sources(paths)
     out = Path(output)
     first = opened[0].manifest
@@ -481,12 +456,13 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
     names = [p.rstrip("/").rsplit("/", 1)[-1] for p in recorded]
     runplan = RunPlan(schedule or Schedule.of_flags(paths, weights, seq_len=seq_len, seed=seed, samples=samples,
                                                     tokens=tokens, jitter=jitter, packing=packing), opened, names,
-                      pad_id=pad_id)
+                      pad_id=pad_id, memory=memory)
     run_params = None if schedule is None or schedule.file is None else _schedule_params(runplan, opened, shard_samples)
     if run_params is not None and existing is not None and existing["schedule"] == run_params["schedule"]:
         spelled = {e["stage"]: e["weights"] for e in existing["given_schedule"]}  # equal as ratios: keep the run's
         runplan = RunPlan(replace(schedule, stages=tuple(replace(st, weights=tuple(spelled[st.name]))
-                                                         for st in schedule.stages)), opened, names, pad_id=pad_id)
+                                                         for st in schedule.stages)), opened, names, pad_id=pad_id,
+                          memory=memory)
     if epochs is None:
         epochs = list(range(runplan.schedule.epochs or 1))
     done_epochs = []
@@ -557,7 +533,7 @@ def shuffle_run(
     given: list[str] | None = None,
     schedule: Schedule | None = None,
     to: LocalOutput = LocalOutput(),
-    packing: str = "concat",
+    packing: str | None = None,
     pad_id: int | None = None,
 ) -> dict:
     """Writes OUT/epoch-NNNNN/ for each epoch (skipping complete identical ones) and the run
@@ -573,8 +549,9 @@ def shuffle_run(
     instead of `sources`, `weights`, `seq_len`, `seed`, `samples`, `tokens` and `jitter`; `epochs`
     None: every epoch of the schedule. `to`: where the run goes (tokpack.formats.outputs; to a bucket,
     `output` is its local folder and holds the state fetched from the store).
-    `packing`: "concat" (windows) or "best-fit" (whole documents, tokpack.shuffle.packed; with a schedule,
-    its `packing:` key); `pad_id`: best-fit's padding token [default: the EOS id]."""
+    `packing`: a name in tokpack.shuffle.packings (None: its default, windows; "best-fit": whole
+    documents, tokpack.shuffle.packed); with a schedule, its `packing:` key; `pad_id`: best-fit's
+    padding token [default: the EOS id]."""
     t0 = time.perf_counter()
     log = log or (lambda line: None)
     if progress is None:

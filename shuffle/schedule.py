@@ -10,7 +10,7 @@ taken from it so far), so no window repeats before its source is exhausted.
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
@@ -20,8 +20,9 @@ from tokpack.formats.manifest import MAX_EPOCHS
 from tokpack.formats.shards import PackedSource
 from tokpack.formats.units import at_most, token_count
 
-from .packed import PACKINGS, packed_epoch_plan
-from .plan import SamplePlan, SourcePlan, epoch_plan, jitter_offset, parse_weight, windows_of
+from . import packings
+from .packed import DEFAULT_PLAN_MEMORY
+from .plan import SamplePlan, parse_weight
 
 SCHEDULE_KEYS = ("seq_len", "seed", "jitter", "shard_samples", "stages", "packing")
 MAX_SCHEDULE_BYTES = 1 << 20  # a schedule is a few dozen lines; a larger file is not one
@@ -47,11 +48,11 @@ class Schedule:
     shard_samples: int | None = None
     file: str | None = None  # the YAML file it was read from; None for a run made with flags
     file_hash: str | None = None  # xxh3_128 of that file's bytes
-    packing: str = "concat"  # "concat" (windows) or "best-fit" (tokpack.shuffle.packed), for the whole run
+    packing: str = packings.DEFAULT  # a registered packing's name (tokpack.shuffle.packings), for the whole run
 
     @classmethod
     def of_flags(cls, paths, weights, *, seq_len: int, seed: int, samples=None, tokens=None,
-                 jitter=False, packing: str = "concat") -> "Schedule":
+                 jitter=False, packing: str = packings.DEFAULT) -> "Schedule":
         stage = Stage("", tuple(paths), tuple(weights), None, samples, tokens)
         return cls(int(seq_len), int(seed), (stage,), bool(jitter), packing=packing)
 
@@ -170,11 +171,11 @@ def read_schedule(path: str | Path) -> Schedule:
     jitter = doc.get("jitter", False)
     if not isinstance(jitter, bool):
         _fail("schedule value is not true or false", path, "jitter", "true or false", repr(jitter))
-    packing = doc.get("packing", "concat")
-    if packing not in PACKINGS:
-        _fail("unknown packing in the schedule", path, "packing", " or ".join(PACKINGS), repr(packing))
-    if packing != "concat" and jitter:
-        _fail("jitter applies to windows only", path, "jitter", "no jitter with packing: best-fit", repr(jitter))
+    packing = doc.get("packing", packings.DEFAULT)
+    if packing not in packings.names():
+        _fail("unknown packing in the schedule", path, "packing", " or ".join(packings.names()), repr(packing))
+    if jitter and not packings.named(packing).jitter:
+        _fail("jitter applies to windows only", path, "jitter", f"no jitter with packing: {packing}", repr(jitter))
     if not isinstance(doc.get("stages"), list) or not doc["stages"]:
         _fail("schedule has no stages", path, "stages", "a list of stages", repr(doc.get("stages")))
     stages, names = [], {}
@@ -221,11 +222,11 @@ class RunPlan:
     epoch takes from each source, and where in the source's chain."""
 
     def __init__(self, schedule: Schedule, sources: list[PackedSource], names: list[str],
-                 pad_id: int | None = None, group_tokens: int | None = None):
+                 pad_id: int | None = None, group_tokens: int | None = None, memory: int = DEFAULT_PLAN_MEMORY):
         self.schedule, self.sources, self.names = schedule, sources, names
-        # best-fit packing only: its pad id and group size (None: the defaults)
-        self.packed = {} if schedule.packing == "concat" else {
-            k: v for k, v in (("pad_id", pad_id), ("group_tokens", group_tokens)) if v is not None}
+        self.packing = packings.named(schedule.packing)
+        self.options = self.packing.options(pad_id, group_tokens)  # the plans' options (best-fit: its pad id)
+        self.memory = memory  # each plan's budget (shuffle's --memory)
         key = {Path(p).resolve(): u for u, p in enumerate(schedule.paths)}
         self.members = [[key[Path(p).resolve()] for p in st.paths] for st in schedule.stages]
         self.counts = []  # per stage: samples per epoch of each source (0: not in the stage)
@@ -237,13 +238,9 @@ class RunPlan:
 
     def _stage_plan(self, k: int, epoch: int) -> SamplePlan:
         st, sc, members = self.schedule.stages[k], self.schedule, self.members[k]
-        if sc.packing != "concat":
-            return packed_epoch_plan([self.sources[u] for u in members], seq_len=sc.seq_len, seed=sc.seed, epoch=epoch,
-                                     weights=list(st.weights), samples=st.samples, tokens=st.tokens,
-                                     names=[self.names[u] for u in members], **self.packed)
-        return epoch_plan([self.sources[u] for u in members], seq_len=sc.seq_len, seed=sc.seed, epoch=epoch,
-                          weights=list(st.weights), samples=st.samples, tokens=st.tokens, jitter=sc.jitter,
-                          names=[self.names[u] for u in members])
+        return self.packing.plan([self.sources[u] for u in members], seq_len=sc.seq_len, seed=sc.seed, epoch=epoch,
+                                 weights=list(st.weights), samples=st.samples, tokens=st.tokens, jitter=sc.jitter,
+                                 names=[self.names[u] for u in members], memory=self.memory, **self.options)
 
     def stage_of(self, epoch: int) -> tuple[int, int]:
         """(stage, the stage's first epoch) of an epoch of the schedule."""
@@ -265,28 +262,16 @@ class RunPlan:
         plan = self._stage_plan(k, epoch)
         if len(self.schedule.stages) == 1:
             return plan  # one mixture for the run: every chain is at epoch * c_s
-        if self.schedule.packing != "concat":  # the same chains and cursors, over packed rows
-            cursors = [sum(self.counts[j][u] * self.schedule.stages[j].epochs for j in range(k))
-                       + (epoch - first) * self.counts[k][u] for u in range(len(self.sources))]
-            weights = [None] * len(self.sources)
-            for u, w in zip(self.members[k], self.schedule.stages[k].weights):
-                weights[u] = w
-            return packed_epoch_plan(self.sources, seq_len=plan.seq_len, seed=plan.seed, epoch=epoch, weights=weights,
-                                     names=self.names, cursors=cursors, counts=self.counts[k], **self.packed)
         # Several stages: the epoch lists every source of the schedule (its position is its key),
         # and each source's chain starts where the epochs before this one left it.
-        stage_of = dict(zip(self.members[k], plan.sources))
-        seq_len, seed = plan.seq_len, plan.seed
-        entries, base = [], 0
-        for u, src in enumerate(self.sources):
-            cursor = sum(self.counts[j][u] * self.schedule.stages[j].epochs for j in range(k)) \
-                + (epoch - first) * self.counts[k][u]
-            offset = jitter_offset(seed, epoch, u, seq_len) if plan.jitter else 0
-            sp = stage_of.get(u) or SourcePlan(u, self.names[u], str(src.path), src.fingerprint, None, src.tokens,
-                                               offset, windows_of(src.tokens, seq_len, plan.jitter), 0, base)
-            entries.append(replace(sp, index=u, offset=offset, base=base, cursor=cursor))
-            base += sp.samples
-        return replace(plan, sources=tuple(entries))
+        cursors = [sum(self.counts[j][u] * self.schedule.stages[j].epochs for j in range(k))
+                   + (epoch - first) * self.counts[k][u] for u in range(len(self.sources))]
+        weights = [None] * len(self.sources)
+        for u, w in zip(self.members[k], self.schedule.stages[k].weights):
+            weights[u] = w
+        return self.packing.chained(plan, members=self.members[k], sources=self.sources, names=self.names,
+                                    cursors=cursors, weights=weights, counts=self.counts[k], memory=self.memory,
+                                    **self.options)
 
     def manifest_fields(self) -> dict:
         """What a run made from a schedule file records: per epoch its stage, sources (indices

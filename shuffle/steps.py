@@ -72,6 +72,7 @@ MAX_OPEN_BUCKET_FILES = 128
 BUCKETS_PER_FOLDER = 1024
 SOURCE_CHANGED = "source-changed.json"  # in the epoch's work folder: a task found a source shard edited since pack
 LOCATE_BATCH = 1 << 18  # output positions located per call (8 bytes each, a few arrays)
+ROW_FACTS_BYTES = 32  # RowFragments per row in memory: first-EOS index, hash, and about one EOS column
 
 
 class RowStore:
@@ -454,6 +455,12 @@ class Layout:
             if held != int(self.bucket_starts[b + 1] - self.bucket_starts[b]) * row_bytes:
                 return False
         return True
+
+
+def window_memory(job: EpochJob, memory: int) -> tuple[int, int]:
+    """(bytes of the windows to hold, bytes InMemoryStep holds with its chunk buffers)."""
+    needed = sum(sp.windows for sp in job.plan.sources if sp.samples) * (job.row_bytes + ROW_FACTS_BYTES)
+    return needed, needed + CHUNKS_IN_BUDGET * job.chunk_rows(memory) * job.row_bytes
 
 
 def make_layout(job: EpochJob, budget: int, tasks: int) -> Layout:

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from conftest import random_docs, shuffle_run, write_source
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.formats.reader import SampleReader
 from tokpack.packer.cli import main
 from tokpack.packer.inspection import LengthHistogram, report_lines
 from tokpack.packer.inspection import inspect as inspect_dir
@@ -231,3 +232,63 @@ def test_document_lengths_sample_large_corpora(tmp_path, monkeypatch):
     sampled = inspection.document_lengths([src], max_documents=1000).report()
     assert sampled["documents"] == 1000 and sampled["sampled_from_documents"] == 4000
     assert abs(sampled["mean"] - full["mean"]) < 0.1 * full["mean"]
+
+
+def test_inspect_of_a_best_fit_epoch_stays_within_its_memory(tmp_path, monkeypatch):
+    """`inspect --memory M` on a best-fit epoch whose row table is several times M: its Python
+    heap (tracemalloc, which counts numpy's buffers) peaks below the table, since the table is
+    built on disk within M and only the batches' rows are read back; reading the table whole,
+    as inspect once did, peaks above it. The report is the one that whole table gives."""
+    import tracemalloc
+
+    import tokpack.shuffle.packed as packed
+    from tokpack.formats.manifest import read_manifest
+    from tokpack.formats.shards import PackedSource
+    from tokpack.packer.inspection import DOC_ID_SHIFT, _series, batch_stats
+    from tokpack.shuffle.packed import PIECE, TokenPool, packed_plan_from_manifest
+
+    monkeypatch.setattr(packed, "DEFAULT_GROUP_TOKENS", 1 << 14)  # a group's plan state: small beside the table
+    rng = np.random.default_rng(3)
+    lens = rng.integers(2, 40, size=160_000)
+    tokens = rng.integers(1, 999, size=int(lens.sum())).astype(np.uint16)
+    tokens[np.cumsum(lens) - 1] = 0
+    src = write_source(tmp_path / "src", np.split(tokens, np.cumsum(lens)[:-1]), docs_per_shard=20_000)
+    out = tmp_path / "run"
+    shuffle_run([str(src)], str(out), seq_len=63, seed=3, epochs=[0], shard_samples=8192, memory=256 << 20,
+                packing="best-fit")
+    table_bytes = PIECE.itemsize * len(lens)  # at least a piece a document
+    budget = 1 << 20
+    assert table_bytes > 5 * budget
+
+    tracemalloc.start()
+    try:
+        report = inspect_dir(out, memory=budget).to_json()
+        bounded = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    after = report["batch_diversity"]["after"]
+    assert report["batch_diversity"]["document_identity"] == "plan" and after["batches"] == 64
+    assert bounded < table_bytes, (bounded, table_bytes)
+
+    # The table read whole (as inspect read it before): the same series, and a peak above the table.
+    edir = out / "epoch-00000"
+    m = read_manifest(edir, kind="epoch")
+    opened = [PackedSource.open(src)]
+    tracemalloc.start()
+    try:
+        plan = packed_plan_from_manifest(m, opened, budget)
+        table = plan.table(opened)
+        pool = TokenPool(plan, opened)
+        reader = SampleReader.from_manifests([(edir, m)])
+        stats = []
+        for b in range(64):
+            g0, g1 = b * 64, (b + 1) * 64
+            assert np.array_equal(reader.read(g0, 64), pool.rows(table, g0, g1, plan.row_tokens, plan.pad_id))
+            t = table[slice(*np.searchsorted(table["g"], [g0, g1]))]
+            ids = (t["source"].astype(np.int64) << DOC_ID_SHIFT) + t["doc"].astype(np.int64)
+            stats.append(batch_stats([(ids, t["length"].astype(np.int64))]))
+        whole = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert _series(stats) == after
+    assert whole > table_bytes > bounded, (whole, table_bytes, bounded)

@@ -296,7 +296,7 @@ def test_in_memory_choice_counts_every_window_the_path_holds(sources, tmp_path):
     out of core, and with room for the windows it stays in memory."""
     big, small = sources
     windows = sum(PackedSource.open(s).tokens // (L + 1) for s in (big, small))
-    holds = windows * ((L + 1) * 2 + run.ROW_FACTS_BYTES)  # rows and their facts, before chunk buffers
+    holds = windows * ((L + 1) * 2 + steps.ROW_FACTS_BYTES)  # rows and their facts, before chunk buffers
     kw = dict(seq_len=L, seed=1, epochs=[0], samples=windows // 5)
     assert shuffle_run([str(big), str(small)], str(tmp_path / "tight"), memory=holds * 9 // 10, **kw)["path"] \
         == "out-of-core"

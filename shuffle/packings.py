@@ -1,0 +1,192 @@
+"""The packing registry: each way an epoch's samples are cut from its sources is one Packing
+entry, and every other module reaches an algorithm through it, never by testing its name.
+
+An entry gives everything that differs between algorithms: how an epoch is planned (one stage's
+epoch, and an epoch of a schedule of several stages), how its plan is rebuilt from a manifest
+and replayed for `validate --against`, what it records in the run's and the epoch's manifests,
+the engine's passes that write it (in memory, or a scatter pass then an order pass), and what
+`tokpack plan` reports of the work it does first. Two are built in: windows of the
+concatenated documents ("concat", tokpack.shuffle.plan and tokpack.shuffle.steps, the default)
+and best-fit packing of whole documents ("best-fit", tokpack.shuffle.packed and
+tokpack.shuffle.packed_step). Another is added with `register(Packing(...))`, from its own
+module: `--packing`, a schedule's `packing:` and the API take its name from then on.
+
+An entry is found by its `--packing` name (`named`), by the `shuffle` a manifest records
+(`of_manifest`) or by a plan's `algorithm` (`of_plan`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from tokpack.formats.errors import TokpackError
+
+from . import packed, packed_step, plan, steps
+
+
+@dataclass(frozen=True)
+class Packing:
+    name: str  # `--packing`, a schedule's `packing:`, a padded run's `packing.method`
+    shuffle: str  # the manifests' `shuffle`, and the `algorithm` of the plans it makes
+    jitter: bool  # whether `--jitter` (window starts shifted per epoch) applies to it
+    # The plan options the run's settings give it, from --pad-id (and a group size): {} when none apply.
+    options: Callable[[int | None, int | None], dict]
+    # One stage's epoch: (sources, *, seq_len, seed, epoch, weights, samples, tokens, jitter, names,
+    # memory, **options) -> a tokpack.shuffle.plan.SamplePlan.
+    plan: Callable
+    # An epoch of a schedule of several stages, every source of the schedule listed, each chain
+    # starting at its cursor: (the stage's plan of the epoch, *, members, sources, names, cursors,
+    # weights, counts, memory, **options) -> SamplePlan.
+    chained: Callable
+    # The plan an epoch manifest was written from: (manifest, sources, memory) -> SamplePlan.
+    from_manifest: Callable
+    # `validate --against`: (manifest, sources, order, memory) -> (sample multiset hash, each
+    # shard's order hash); a TokpackError when the epoch is not its plan's.
+    replay: Callable
+    # What a run made from a schedule records (and a rerun must repeat) of it, before any
+    # epoch is planned: (sources, **options) -> the run's `packing` object, or None.
+    settings: Callable
+    # The same of a planned epoch: (plan) -> the run's `packing` object, or None.
+    run_fields: Callable
+    # The epoch manifest's own fields: (plan, prepared) -> dict added to the manifest.
+    epoch_fields: Callable
+    # The engine. (job, memory) -> (bytes of what it reads to hold, bytes the in-memory path
+    # holds): the epoch runs in memory when the latter fits --memory.
+    memory_path: Callable
+    # (job, out_of_core) -> bytes of scratch in OUT's work folder at the epoch's peak.
+    scratch_bytes: Callable
+    # (job, memory) -> what its steps need built first in the epoch's work folder (a dict).
+    prepare: Callable
+    # (job, prepared, memory, needed, held) -> (step, its pass's name, the log's words for it).
+    in_memory: Callable
+    # (job, layout, prepared, budget) -> (scatter step, order step).
+    out_of_core: Callable
+    # (job, layout, shard) -> whether the bucket files still hold that output shard's part.
+    scattered: Callable
+    # `tokpack plan`: (job, sources) -> {"pieces", "table_bytes", "pack_seconds"} of a row table
+    # built before the epoch's passes (its `table` pass); None: nothing is built first.
+    table_estimate: Callable | None = None
+
+
+_REGISTRY: dict[str, Packing] = {}
+DEFAULT = "concat"  # --packing without a value, a schedule without `packing:`
+
+
+def register(entry: Packing) -> Packing:
+    """Adds `entry`; its name and its `shuffle` must be new."""
+    if entry.name in _REGISTRY or any(e.shuffle == entry.shuffle for e in _REGISTRY.values()):
+        raise TokpackError("packing registered twice", where="packing", expected="a new name and shuffle name",
+                           found=f"{entry.name} ({entry.shuffle})")
+    _REGISTRY[entry.name] = entry
+    return entry
+
+
+def unregister(name: str) -> None:
+    """Removes a registered packing (a test's, or a plug-in's); the built-in ones stay."""
+    if name in (WINDOWS.name, BEST_FIT.name):
+        raise TokpackError("a built-in packing cannot be removed", where="packing", found=name)
+    _REGISTRY.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    """The packings `--packing` and a schedule's `packing:` take, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def named(name: str | None, where: str = "--packing") -> Packing:
+    """The entry of a `--packing` name (None: the default); an unknown name is one TokpackError."""
+    entry = _REGISTRY.get(DEFAULT if name is None else name)
+    if entry is None:
+        raise TokpackError("unknown packing", where=where, expected=" or ".join(names()), found=name)
+    return entry
+
+
+def of_plan(p) -> Packing:
+    """The entry whose plans `p` is one of (by its `algorithm`)."""
+    for entry in _REGISTRY.values():
+        if entry.shuffle == p.algorithm:
+            return entry
+    raise TokpackError("internal error: a plan of no registered packing", where="algorithm", found=p.algorithm)
+
+
+def of_manifest(manifest: dict) -> Packing:
+    """The entry of the `shuffle` an epoch manifest records. A name no entry has goes to the
+    default one, whose plan refuses it in one line naming what it expected (as before packings
+    were registered)."""
+    for entry in _REGISTRY.values():
+        if entry.shuffle == manifest.get("shuffle"):
+            return entry
+    return _REGISTRY[DEFAULT]
+
+
+def replay(manifest: dict, sources, order: bool = True, memory: int = packed.DEFAULT_PLAN_MEMORY):
+    """`validate --against`'s replay of an epoch of any registered packing: (sample multiset
+    hash, per-shard order hashes), by its entry's replay."""
+    return of_manifest(manifest).replay(manifest, sources, order, memory)
+
+
+# -------------------------------------------------------------------- windows ("concat")
+
+
+def _windows_plan(sources, *, memory, **kw):
+    return plan.epoch_plan(sources, **kw)
+
+
+def _windows_in_memory(job, prepared, memory, needed, held):
+    return steps.InMemoryStep(job, budget=memory), "inmemory", f"in memory ({needed / 2**20:.1f} MiB of windows)"
+
+
+WINDOWS = register(Packing(
+    name="concat", shuffle=plan.PLAN_ALGORITHM, jitter=True,
+    options=lambda pad_id, group_tokens: {},
+    plan=_windows_plan,
+    chained=lambda p, *, members, sources, names, cursors, weights, counts, memory: plan.chained_plan(
+        p, members, sources, names, cursors),
+    from_manifest=lambda m, sources, memory: plan.EpochPlan.from_manifest(m, sources),
+    replay=lambda m, sources, order, memory: plan.replay_hashes(m, sources, order),
+    settings=lambda sources: None,
+    run_fields=lambda p: None,
+    epoch_fields=lambda p, prepared: {},
+    memory_path=steps.window_memory,
+    scratch_bytes=lambda job, out_of_core: job.plan.samples * (job.row_bytes + 8) if out_of_core else 0,
+    prepare=lambda job, memory: {},
+    in_memory=_windows_in_memory,
+    out_of_core=lambda job, layout, prepared, budget: (steps.ScatterStep(job, layout),
+                                                       steps.OrderStep(job, layout, budget)),
+    scattered=lambda job, layout, i: layout.holds_rows_of(i, job.row_bytes),
+))
+
+
+# -------------------------------------------------------------------- best-fit
+
+
+def _best_fit_plan(sources, *, jitter, memory, **kw):
+    return packed.packed_epoch_plan(sources, memory=memory, **kw)
+
+
+def _best_fit_in_memory(job, prepared, memory, needed, held):
+    return (packed_step.PackedInMemoryStep(job, prepared["table"], prepared["table_xxh3_128"], budget=memory),
+            "bestfit", f"best-fit in memory ({held / 2**20:.1f} MiB)")
+
+
+BEST_FIT = register(Packing(
+    name=packed.BEST_FIT, shuffle=packed.PACKED_ALGORITHM, jitter=False,
+    options=packed.plan_options,
+    plan=_best_fit_plan,
+    chained=packed.chained_packed_plan,
+    from_manifest=lambda m, sources, memory: packed.packed_plan_from_manifest(m, sources, memory),
+    replay=packed.replay_packed,
+    settings=packed.packing_settings,
+    run_fields=packed.run_packing,
+    epoch_fields=lambda p, prepared: {"packing": p.packing_entry(prepared["table_xxh3_128"], prepared["padding"])},
+    memory_path=lambda job, memory: (packed_step.packed_memory(job, job.open_sources()),) * 2,
+    scratch_bytes=lambda job, out_of_core: packed_step.packed_scratch_bytes(job, job.open_sources(), out_of_core),
+    prepare=packed_step.prepare_table,
+    in_memory=_best_fit_in_memory,
+    out_of_core=lambda job, layout, prepared, budget: (
+        packed_step.PackedScatterStep(job, layout, prepared["table"], prepared["table_xxh3_128"], budget),
+        packed_step.PackedOrderStep(job, layout, budget)),
+    scattered=lambda job, layout, i: packed_step.holds_pieces_of(layout, i),
+    table_estimate=packed_step.table_estimate,
+))
