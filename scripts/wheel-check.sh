@@ -9,7 +9,11 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK=$(mktemp -d -t tokpack-wheel.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 
-python -m pip wheel -q --no-deps -w "$WORK/dist" "$REPO" 2>&1 | grep -v "^WARNING: Location" || true
+# Built from a copy of the files git knows: setuptools' build/ in the checkout can hold modules
+# that were moved or deleted since, and they would ship in the wheel.
+mkdir "$WORK/src"
+(cd "$REPO" && git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$WORK/src")
+python -m pip wheel -q --no-deps -w "$WORK/dist" "$WORK/src" 2>&1 | grep -v "^WARNING: Location" || true
 wheel=$(ls "$WORK"/dist/tokpack-*.whl)
 python -m venv "$WORK/venv"
 "$WORK/venv/bin/python" -m pip install -q "$wheel" pytest hypothesis 2>&1 | grep -v "^WARNING: Location" || true

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from conftest import random_docs, shuffle_run, write_source
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.manifest import MANIFEST, epoch_dir_name
-from tokpack.formats.reader import SampleReader
+from tokpack.loader.reader import SampleReader
 from tokpack.packer.cli import main
 from tokpack.packer.inspection import LengthHistogram, report_lines
 from tokpack.packer.inspection import inspect as inspect_dir

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 
 from conftest import random_docs, write_source
 from tokpack.formats.manifest import read_manifest, write_manifest
-from tokpack.formats.reader import SampleReader
+from tokpack.loader.reader import SampleReader
 from tokpack.packer.cli import main  # imported before the packing is registered: its choices are read at parse time
 from tokpack.shuffle import packings
 from tokpack.shuffle.plan import PLAN_ALGORITHM, EpochPlan, replay_hashes
