@@ -63,7 +63,7 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
             epochs: int | Sequence[int] | None = None, samples: int | None = None, tokens: int | None = None,
             shard_samples: int | None = None, memory: int = 4 << 30, jitter: bool = False,
             executor: ExecutorConfig | None = None, log=None, progress: bool | None = None,
-            schedule: PathLike | None = None, scratch: PathLike | None = None, packing: str = "concat",
+            schedule: PathLike | None = None, scratch: PathLike | None = None, packing: str | None = None,
             pad_id: int | None = None) -> ShuffleResult:
     """Writes globally shuffled epochs of `seq_len + 1` tokens from packed sources into the run
     directory `output`. `sources`: a path or URL, a list of them, or a mapping path -> weight
@@ -71,11 +71,13 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
     [default: epoch 0; with a schedule, all its epochs]. `schedule`: a schedule YAML file
     (docs/COMMANDS.md, "Schedules") that declares the sources, seq_len, seed and stages instead
     (pass sources=None). A URL `output` is written under `scratch` (as for `pack`), out-of-core
-    buckets included, and each shard is sent to the store once written. `packing`: "concat" or
-    "best-fit" (docs/COMMANDS.md, "Best-fit packing"), `pad_id` its padding token [default: EOS]."""
+    buckets included, and each shard is sent to the store once written. `packing`: a name
+    tokpack.shuffle.packings holds (None: its default, windows of the concatenated documents;
+    docs/COMMANDS.md, "Best-fit packing"), `pad_id` best-fit's padding token [default: EOS]."""
     from tokpack.packer.executors import local_paths, pass_runner, runs_in_process
     from tokpack.shuffle.run import shuffle_run
     from tokpack.formats.errors import TokpackError
+    from tokpack.shuffle.packings import named
     from tokpack.shuffle.schedule import epoch_numbers, read_schedule
 
     config = executor or ExecutorConfig()
@@ -85,6 +87,7 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
     paths, weights = weighted_sources(sources) if scheduled is None else ([], None)
     if epochs is None and scheduled is None:
         epochs = 1
+    named(packing)  # an unknown packing is refused before any source is fetched
     with local_paths(paths, str(output), scratch and str(scratch), runs_in_process(config)) as (
             local_sources, local_output, to):
         summary = shuffle_run(local_sources, local_output, weights=weights, seq_len=seq_len, seed=seed,
@@ -126,11 +129,13 @@ def stage(directory: PathLike, dest: PathLike, *, workers: int = 4, epochs: str 
 
 
 def inspect(directory: PathLike, *, batch_size: int | None = None, batches: int = 64, plot: PathLike | None = None,
-            seq_len: int | None = None, epoch: int | None = None) -> InspectResult:
-    """What a source, run or epoch holds and the batch diversity before and after the shuffle."""
+            seq_len: int | None = None, epoch: int | None = None, memory: int | None = None) -> InspectResult:
+    """What a source, run or epoch holds and the batch diversity before and after the shuffle.
+    `memory`: the budget (bytes) of a best-fit epoch's plan and row table [default: 256 MiB]."""
     from tokpack.packer.inspection import inspect as inspect_dir
 
-    return inspect_dir(directory, batch_size=batch_size, batches=batches, plot=plot, seq_len=seq_len, epoch=epoch)
+    return inspect_dir(directory, batch_size=batch_size, batches=batches, plot=plot, seq_len=seq_len, epoch=epoch,
+                       memory=memory)
 
 
 def plan(command: str, *args, **kwargs) -> PlanResult:
