@@ -1,99 +1,234 @@
-"""Where a command's output goes: the one seam between the commands that write shards and the
-place their files end up.
+"""Where a command's output goes: the one sink between the commands that write files and the
+place those files end up.
 
-Every writer works in a local folder exactly as for a local output: it writes a file under a
-temporary name, renames it, and then tells its Output. The Output decides what else happens:
+`Output` is the interface every command is given and annotates. It is a sink: a command opens
+each shard at its place in the plan (`open_shard(ShardPlace, format)`) and gets the writer of
+every file of that shard: `.ds`, `.ds.index`, `.ds.metadata`, `.ds.loss` or `.ds.rows`,
+`.ds.pad`, the fragment count in its entry and its done record. The writer's `close()`
+commits them all and hands them to the Output (`commit`); no caller writes a shard's file
+beside it. A directory ends with its manifest (`finish`), written and sent last. Around those,
+an Output keeps a command's state files (`send_record`), commits a verified copy
+(`commit_file`, `stage`), withdraws a manifest before its directory changes (`unfinish`),
+starts a directory afresh (`start`), says whether a recorded shard is still there (`has`),
+removes a folder in both places (`remove_tree`, `remove_sent`), says where a committed file is
+kept (`where`), what the user calls it (`shown`), and how many bytes the local folder needs
+while files are written (`local_need`).
 
-- `LocalOutput`: the local folder is the output. Nothing else happens.
+The implementations differ only in `where`, `shown`, `send`, `remove_sent` and `local_need`:
+
+- `LocalOutput`: the local folder is the output. Nothing is sent.
 - `BucketOutput`: the local folder is a working copy of an object-store prefix, driven through
-  a `tokpack.formats.io.Outbox`. Each committed shard is sent and then removed here, so the local disk
-  holds only a few shards at a time. Records of finished work are sent and kept here. The
-  manifest is sent last, so a partial upload never looks complete.
+  a `tokpack.formats.io.Outbox`. Each committed shard file is sent and then removed here, so
+  the local disk holds only a few shards at a time. Records of finished work are sent and kept
+  here. The manifest is sent last, so a partial upload never looks complete.
 
-An Output opens a shard (`open_shard`) and commits it (`commit`: the shard's files, then the
-record that it is done). It says whether a shard recorded earlier is still there (`has`), and
-finishes a directory with its manifest, written and sent last (`finish`). Around those it keeps
-a command's state files (`send_record`), removes a folder in both places (`remove_tree`,
-`remove_sent`), says where a committed file is kept (`where`) and what the user calls it
-(`shown`), and says how many bytes the local folder needs while files are written
-(`local_need`). `pack` (packer/packing.py), `shuffle` (shuffle/run.py, shuffle/steps.py) and
-stage's node slices (packer/slicing.py) write through it. packer/executors.py `local_paths`
-picks the Output from the user's -o.
+`pack` (packer/packing.py), `shuffle` (shuffle/run.py, shuffle/steps.py), the whole-run
+`stage` (packer/staging.py) and stage's node slices (packer/slicing.py) write through it.
+packer/executors.py `local_paths` picks the Output from the user's -o.
 
-A one-pass "shuffle straight into node slices" is one more Output, not another copy path. Its
-`open_shard` and `commit` would route each committed shard's rows to the rank files of the
-nodes that read them. Its `finish` would write each slice's manifests. Shuffle's writers would
-not change.
+An Output that writes node slices straight from the shuffle (docs/ARCHITECTURE.md, "Writing
+through an Output") overrides `open_shard`: the place gives the epoch and the samples
+[g0, g1) the shard holds, in order, which is all the slice arithmetic needs to route each row
+to its rank's file. tests/test_outputs.py runs such a sketch.
 
 Outputs are small and picklable: shuffle's EpochJob carries one to the executor's tasks.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, ClassVar
 
 import numpy as np
 
-from .io import Outbox, RemotePath
+from .io import Outbox, RemotePath, commit_file, write_bytes_atomic
 from .manifest import MANIFEST, write_manifest
-from .shards import EpochShardWriter, shard_on_disk, shard_suffixes
+from .shards import EpochShardWriter, SourceShardWriter, shard_on_disk, shard_suffixes
 
 
 @dataclass(frozen=True)
-class LocalOutput:
-    """The local folder is the output: a committed file is where it belongs."""
+class ShardPlace:
+    """Where a shard sits in its command's plan: what an Output may route it by."""
+
+    directory: str  # the local folder its files are written in
+    name: str  # its token file: NNNNN.ds (an epoch's or a pack part's shard), rank-RRRRR.ds (a node slice's)
+    shard: int  # its number: shard i of the epoch, the k-th shard of a pack part, a node slice's rank
+    epoch: int | None = None  # the epoch it belongs to; None for a packed source's shard
+    samples: tuple[int, int] | None = None  # an epoch shard: the epoch's samples [g0, g1) it holds, in order
+    part: int | None = None  # a pack part's shard: the input file it comes from
+    rank: int | None = None  # a node slice's rank file: that rank
+    record: str | None = None  # its done record (its entry as JSON), written after its files; None: none
+
+    def files(self, entry: dict) -> list[Path]:
+        """The shard's files under `directory`, in the order they are sent."""
+        return [Path(self.directory) / f"{entry['path']}{s}" for s in shard_suffixes(entry)]
+
+
+@dataclass(frozen=True)
+class EpochShardFormat:
+    """An epoch shard's (or a node slice's rank file's) rows: what its writer needs."""
+
+    dtype: np.dtype
+    seq_len: int
+    eos_id: int
+    tokenizer: str
+    padded: bool = False  # best-fit: a `.ds.pad` beside the rows
+
+    def open(self, place: ShardPlace) -> EpochShardWriter:
+        return EpochShardWriter(place.directory, place.name, self.dtype, self.seq_len, self.eos_id, self.tokenizer,
+                                padded=self.padded)
+
+
+@dataclass(frozen=True)
+class SourceShardFormat:
+    """A packed source's shard: whole documents."""
+
+    dtype: np.dtype
+    tokenizer: str
+    with_loss: bool = False
+
+    def open(self, place: ShardPlace) -> SourceShardWriter:
+        return SourceShardWriter(place.directory, place.name, self.dtype, self.tokenizer, self.with_loss)
+
+
+class ShardWriter:
+    """The writer an Output gives for one shard: the format's writer of its files (its write
+    methods are that writer's), whose close() commits every file, writes the done record and
+    hands the shard to the Output. abort() leaves no temporary file, also after a close."""
+
+    def __init__(self, output: "Output", place: ShardPlace, files: EpochShardWriter | SourceShardWriter):
+        self.output, self.place, self.files = output, place, files
+
+    def __getattr__(self, name: str):  # write_rows, write_tokens, write_index, write_pad, write, samples, dtype...
+        if name == "files":  # not set yet: no recursion
+            raise AttributeError(name)
+        return getattr(self.files, name)
+
+    def close(self) -> dict:
+        entry = self.files.close()
+        if self.place.record is not None:
+            record = Path(self.place.record)
+            record.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes_atomic(record, json.dumps(entry).encode(), fsync=True)
+        self.output.commit(self.place, entry)
+        return entry
+
+    def abort(self) -> None:
+        self.files.abort()
+
+
+class Output(ABC):
+    """Where a command's files go (module docstring). Callers see only this interface."""
 
     # The local folder is only a working copy: a store decides what exists, and committed files leave it.
-    staged = False
+    staged: ClassVar[bool] = False
 
+    # ------------------------------------------------ what differs between outputs
+
+    @abstractmethod
     def where(self, directory: str | Path) -> Path | RemotePath:
         """Where a committed file or folder under `directory` is kept."""
-        return Path(directory)
 
+    @abstractmethod
     def shown(self, directory: str | Path) -> str:
         """The user's name for `directory` (the -o they gave, or what is under it)."""
-        return str(directory)
 
-    def open_shard(self, directory: str | Path, name: str, dtype: np.dtype, seq_len: int, eos_id: int,
-                   tokenizer: str) -> EpochShardWriter:
-        return EpochShardWriter(directory, name, dtype, seq_len, eos_id, tokenizer)
+    @abstractmethod
+    def send(self, *files: str | Path, keep: bool = False) -> None:
+        """`files`, just committed under the local folder, go where the output is kept, in order;
+        `keep`: they stay here too (state a rerun reads: records, manifests)."""
 
-    def commit(self, directory: str | Path, entry: dict, record: str | Path | None = None) -> None:
-        """The shard `entry` names is committed under `directory` (and `record`, the note that it is)."""
+    @abstractmethod
+    def remove_sent(self, directory: str | Path) -> None:
+        """What was sent from `directory` is removed from where it went."""
+
+    @abstractmethod
+    def local_need(self, written: int, in_flight: int, here: int = 0) -> int:
+        """Bytes the local folder needs while `written` bytes are committed there, at most
+        `in_flight` of them written and not yet committed at once, `here` of them already there."""
+
+    # ------------------------------------------------ the sink, the same for every output
+
+    def open_shard(self, place: ShardPlace, fmt: EpochShardFormat | SourceShardFormat) -> ShardWriter:
+        """The writer of every file of the shard at `place`."""
+        return ShardWriter(self, place, fmt.open(place))
+
+    def commit(self, place: ShardPlace, entry: dict) -> None:
+        """The shard at `place` (its manifest entry `entry`) is committed: its files, then its record."""
+        self.send(*place.files(entry))
+        if place.record is not None:
+            self.send_record(place.record)
+
+    def commit_file(self, tmp: str | Path, final: str | Path) -> None:
+        """A verified file written as `tmp` takes its name `final` (fsync'd first) and is sent."""
+        commit_file(tmp, final, fsync=True)
+        self.send(final)
 
     def send_record(self, path: str | Path) -> None:
         """`path`, a state file just written (a record of finished work, a plan), is kept with the output."""
-
-    def has(self, directory: str | Path, entry: dict, itemsize: int) -> bool:
-        return shard_on_disk(self.where(directory), entry, itemsize)
+        self.send(path, keep=True)
 
     def finish(self, directory: str | Path, manifest: dict, name: str = MANIFEST) -> None:
-        """`directory` is complete: its manifest is written last."""
+        """`directory` is complete: its manifest (or the record `name`) is written and sent last."""
         write_manifest(directory, manifest, name=name)
+        self.send_record(Path(directory) / name)
 
-    def remove_sent(self, directory: str | Path) -> None:
-        """What was sent from `directory` is removed from where it went."""
+    def unfinish(self, directory: str | Path, name: str = MANIFEST) -> None:
+        """`directory` is about to change: the manifest (or record `name`) that called it complete
+        goes, here and where it was sent."""
+        path = Path(directory) / name
+        path.unlink(missing_ok=True)
+        self.remove_sent(path)
+
+    def start(self, directory: str | Path, clear: Callable[[Path], None], replace: bool) -> None:
+        """`directory` is written from scratch. With `replace`, the output there is removed:
+        `clear` deletes the command's own files here, and what was sent goes too. A working copy
+        (`staged`) left here while the store holds nothing is stale, and goes the same way."""
+        if replace or (self.staged and Path(directory).exists()):
+            clear(Path(directory))
+            self.remove_sent(directory)
+
+    def has(self, directory: str | Path, entry: dict, itemsize: int) -> bool:
+        """Whether the shard a record names (`entry`) is still where it was committed."""
+        return shard_on_disk(self.where(directory), entry, itemsize)
 
     def remove_tree(self, directory: str | Path) -> None:
         """`directory` is removed wherever it is kept."""
         self.remove_sent(directory)
         shutil.rmtree(directory, ignore_errors=True)
 
+
+@dataclass(frozen=True)
+class LocalOutput(Output):
+    """The local folder is the output: a committed file is where it belongs."""
+
+    def where(self, directory: str | Path) -> Path:
+        return Path(directory)
+
+    def shown(self, directory: str | Path) -> str:
+        return str(directory)
+
+    def send(self, *files: str | Path, keep: bool = False) -> None:
+        pass  # already where it belongs
+
+    def remove_sent(self, directory: str | Path) -> None:
+        pass  # nothing was sent
+
     def local_need(self, written: int, in_flight: int, here: int = 0) -> int:
-        """Bytes the local folder needs while `written` bytes are committed there, at most
-        `in_flight` of them written and not yet committed at once, `here` of them already there."""
         return written - here
 
 
 @dataclass(frozen=True)
-class BucketOutput(LocalOutput):
+class BucketOutput(Output):
     """The output is an object-store prefix: each file is sent there through the Outbox when it
     is committed, then the record that it is done. The manifest is sent last."""
 
     outbox: Outbox
-    staged = True
+    staged: ClassVar[bool] = True
 
     def where(self, directory: str | Path) -> RemotePath:
         return self.outbox.remote_of(directory)
@@ -101,17 +236,8 @@ class BucketOutput(LocalOutput):
     def shown(self, directory: str | Path) -> str:
         return str(self.where(directory))
 
-    def commit(self, directory: str | Path, entry: dict, record: str | Path | None = None) -> None:
-        self.outbox.send(*(Path(directory) / f"{entry['path']}{s}" for s in shard_suffixes(entry)))
-        if record is not None:
-            self.send_record(record)
-
-    def send_record(self, path: str | Path) -> None:
-        self.outbox.send(path, keep=True)
-
-    def finish(self, directory: str | Path, manifest: dict, name: str = MANIFEST) -> None:
-        super().finish(directory, manifest, name)
-        self.send_record(Path(directory) / name)
+    def send(self, *files: str | Path, keep: bool = False) -> None:
+        self.outbox.send(*files, keep=keep)
 
     def remove_sent(self, directory: str | Path) -> None:
         self.where(directory).remove_tree()

@@ -48,13 +48,6 @@ def shard_suffixes(entry: dict) -> tuple[str, ...]:
             + ((PAD_SUFFIX,) if has_pad(entry) else ()))
 
 
-def write_pad_sidecar(directory: str | Path, name: str, pad: np.ndarray) -> str:
-    """`NAME.pad` of an epoch shard (atomically, fsync'd); returns its xxh3_128."""
-    data = np.ascontiguousarray(pad, dtype=PAD_DTYPE).tobytes()
-    write_bytes_atomic(Path(directory) / f"{name}{PAD_SUFFIX}", data, fsync=True)
-    return xxhash.xxh3_128_hexdigest(data)
-
-
 def contained_shard(directory, entry: dict, i: int) -> "Path":
     """The token file of shard `i` (its manifest entry), once it and every file of the shard are
     known to stay inside `directory` (tokpack.formats.io.contained; a TokpackError otherwise)."""
@@ -116,13 +109,16 @@ class SourceShardWriter:
 
 
 class EpochShardWriter:
-    """One shard of an epoch: whole samples of `seq_len + 1` tokens, back to back.
+    """One shard of an epoch: whole samples of `seq_len + 1` tokens, back to back, and every
+    file beside them: `.ds.index`, `.ds.metadata`, `.ds.rows` and, `padded` (best-fit),
+    `.ds.pad`. close() returns the shard's whole manifest entry, its fragment count included.
 
     The index lists every fragment end: the position after each EOS token and every
     sample end, strictly increasing.
     """
 
-    def __init__(self, directory: str | Path, name: str, dtype: np.dtype, seq_len: int, eos_id: int, tokenizer: str):
+    def __init__(self, directory: str | Path, name: str, dtype: np.dtype, seq_len: int, eos_id: int, tokenizer: str,
+                 padded: bool = False):
         self.directory = Path(directory)
         self.name = name  # final file name
         self.dtype = np.dtype(dtype).newbyteorder("<")
@@ -131,12 +127,15 @@ class EpochShardWriter:
         self.tokenizer = tokenizer
         self.samples = 0  # samples written so far
         self.multiset = 0  # running sum of xxh3_64 over samples, mod 2^64
-        self._ds = self._index = self._rows = None
+        self._ds = self._index = self._rows = self._pad = None
         try:
             self._ds = DurableFile(self.directory / name, direct=True)
             self._index = DurableFile(self.directory / f"{name}.index")
             # Each sample's xxh3_64: what lets a node copy and verify some rows without the others.
             self._rows = DurableFile(self.directory / f"{name}{ROWS_SUFFIX}")
+            # A best-fit shard's padding per sample: the row hashes do not cover it, and a reader
+            # must not train on it.
+            self._pad = DurableFile(self.directory / f"{name}{PAD_SUFFIX}") if padded else None
         except BaseException:
             self.abort()  # the file already open: no descriptor or temporary file left behind
             raise
@@ -178,6 +177,11 @@ class EpochShardWriter:
         self._add_hashes(hashes)
         self.samples += n
 
+    def write_pad(self, pad: np.ndarray) -> None:
+        """The padding tokens (at the sample's end) of the next samples, in order, into `.pad`
+        (a shard opened `padded`)."""
+        self._pad.write(np.ascontiguousarray(pad, dtype=PAD_DTYPE))
+
     def _add_hashes(self, hashes: np.ndarray) -> None:
         self._rows.write(np.ascontiguousarray(hashes, dtype=U64))
         self.multiset = (self.multiset + int(hashes.sum(dtype=np.uint64))) & 0xFFFFFFFFFFFFFFFF
@@ -197,10 +201,13 @@ class EpochShardWriter:
         write_bytes_atomic(self.directory / f"{self.name}.metadata", meta, fsync=True)
         entry["metadata_xxh3_128"] = xxhash.xxh3_128_hexdigest(meta)
         entry["multiset_hash"] = f"{self.multiset:016x}"
+        if self._pad is not None:
+            entry["pad_xxh3_128"] = self._pad.commit()
+        entry["fragments"] = self._index.bytes // U64.itemsize
         return entry
 
     def abort(self) -> None:
-        for f in (self._ds, self._index, self._rows):
+        for f in (self._ds, self._index, self._rows, self._pad):
             if f is not None:
                 f.abort()
 

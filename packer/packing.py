@@ -42,8 +42,8 @@ from tokpack.formats.manifest import (
     shard_name,
     source_manifest,
 )
-from tokpack.formats.outputs import LocalOutput
-from tokpack.formats.shards import PackedSource, SourceShardWriter, is_own_file, shard_suffixes
+from tokpack.formats.outputs import LocalOutput, Output, ShardPlace, SourceShardFormat
+from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
 from tokpack.shuffle.sinks import app_sinks_kept
 from tokpack.packer.shared import Result
 from tokpack.packer.executors import ExecutorConfig, run_steps, runs_in_process
@@ -75,7 +75,7 @@ class PackStep(PipelineStep):
 
     def __init__(self, files: list[InputFile], work: str, vocab_size: int, eos_id: int, dtype: str,
                  tokenizer: str, shard_tokens: int, block_bytes: int = BLOCK_BYTES,
-                 output: LocalOutput = LocalOutput()):
+                 output: Output = LocalOutput()):
         super().__init__()
         self.files = files  # every input file, in input order
         self.work = work  # OUT/.tokpack-work
@@ -123,10 +123,10 @@ class PackStep(PipelineStep):
 
         def close_shard() -> None:
             nonlocal writer
-            entry, writer = writer.close(), None
+            entry, writer = writer.close(), None  # committed through the Output: to a bucket, sent
             entries.append(entry)
-            self.output.commit(part_dir, entry)
 
+        fmt = SourceShardFormat(out_dtype, self.tokenizer, with_loss)
         in_itemsize = np.dtype(f.dtype).itemsize if f.dtype else 0
         bar = progress(f.size, f"pack {Path(f.path).name}")
         blocks = None  # the reader's generator, closed explicitly on failure
@@ -138,7 +138,8 @@ class PackStep(PipelineStep):
                 done = 0  # documents of this block already written
                 while done < len(ends):
                     if writer is None:
-                        writer = SourceShardWriter(part_dir, shard_name(len(entries)), out_dtype, self.tokenizer, with_loss)
+                        k = len(entries)
+                        writer = self.output.open_shard(ShardPlace(str(part_dir), shard_name(k), k, part=i), fmt)
                     base = int(ends[done - 1]) if done else 0
                     stop = int(np.searchsorted(ends, base + self.shard_tokens - writer.tokens, side="right"))
                     if stop == done:
@@ -313,7 +314,7 @@ def _result(manifest: dict, out: Path, fmt: str, seconds: float, input_bytes: in
         fingerprint=manifest["fingerprint"], warnings=list(warnings))
 
 
-def _raise_task_error(work: Path, out: Path, created: bool, cause: BaseException | None, to: LocalOutput) -> None:
+def _raise_task_error(work: Path, out: Path, created: bool, cause: BaseException | None, to: Output) -> None:
     """A task's data error: remove the partial output and raise the task's own message."""
     errors = sorted(work.glob("part-*.error.json")) if work.exists() else []
     if not errors:
@@ -328,7 +329,7 @@ def _raise_task_error(work: Path, out: Path, created: bool, cause: BaseException
                        found=err.get("found"), hint=err.get("hint")) from None
 
 
-def _finalize(out: Path, work: Path, plan: dict, to: LocalOutput) -> dict:
+def _finalize(out: Path, work: Path, plan: dict, to: Output) -> dict:
     """Moves the parts' shards to their global names (inside the store, to a bucket), then
     writes tokpack.json last."""
     manifest = plan["manifest"]
@@ -386,7 +387,7 @@ class PackSetup:
     warnings: list[str] = field(default_factory=list)
     out_dtype: np.dtype | None = None
 
-    def bytes_to_write(self, out: Path, to: LocalOutput = LocalOutput(), tasks: int = 1) -> int:
+    def bytes_to_write(self, out: Path, to: Output = LocalOutput(), tasks: int = 1) -> int:
         """Shards are renamed out of the work folder, never copied: one copy of the output at
         most. What OUT holds already (a resumed or a replaced pack) is not needed again. To a
         bucket, OUT holds a shard per task at most, each sent once written."""
@@ -402,7 +403,7 @@ def pack_tasks(files: int, config: ExecutorConfig) -> int:
 def setup_pack(inputs: list[str], out: Path, *, input_format: str = "auto", column: str | None = None,
                dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
                vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30,
-               say=lambda msg: None, to: LocalOutput = LocalOutput()) -> PackSetup:
+               say=lambda msg: None, to: Output = LocalOutput()) -> PackSetup:
     """Finds the inputs, checks them (every check that needs no token scan) and OUT (to a
     bucket: what the store holds). Reads only."""
     if shard_tokens < 1:
@@ -446,7 +447,7 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
          dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
          vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30, log=None,
          config: ExecutorConfig | None = None, block_bytes: int = BLOCK_BYTES,
-         to: LocalOutput = LocalOutput()) -> PackResult:
+         to: Output = LocalOutput()) -> PackResult:
     """Packs INPUTs (local paths or fsspec URLs, read where they are) into one packed source at
     the local `output`, or, `to` another Output (tokpack.formats.outputs), where it sends them from
     there (tokpack.packer.api.pack picks the Output)."""
@@ -476,9 +477,8 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
 
     # Nothing has been written so far; from here on, OUT/.tokpack-work holds the run.
     created = not out.exists()
-    if state == "replace" or (to.staged and state == "fresh" and out.exists()):  # a stale local copy: the store decides
-        _clear(out)
-        to.remove_sent(out)
+    if state in ("fresh", "replace"):  # an old pack goes (to a bucket, a stale local copy too: the store decides)
+        to.start(out, _clear, replace=state == "replace")
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(exist_ok=True)
     if not (work / "request.json").exists():

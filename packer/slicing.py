@@ -33,7 +33,7 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, is_no_space, locked_output
-from tokpack.formats.io import IO_BLOCK, DurableFile, Worker, read_limited, regular_fd, remove_tmp_files
+from tokpack.formats.io import IO_BLOCK, Worker, read_limited, regular_fd, remove_tmp_files
 from tokpack.formats.units import at_most
 from tokpack.formats.manifest import (
     MAX_MANIFEST_BYTES,
@@ -50,8 +50,8 @@ from tokpack.formats.manifest import (
     row_hashes,
 )
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
-from tokpack.formats.outputs import LocalOutput
-from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, EpochShardWriter, shard_suffixes
+from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace, ShardWriter
+from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, shard_suffixes
 from tokpack.formats.slices import (SLICE, SLICE_EPOCH, RankRows, missing_padding, rank_file_name, run_identity,
                             stage_command)
 from tokpack.packer.shared import Result
@@ -316,8 +316,8 @@ class _EpochStager:
                 pad[sel] = self.padding(int(i))[at]
         return buf, shard, want, pad
 
-    def run(self, writers: dict[int, EpochShardWriter], pads: dict[int, DurableFile] | None = None) -> int:
-        """Writes the rows (and, best-fit, their padding into `pads`); returns the rows kept.
+    def run(self, writers: dict[int, ShardWriter]) -> int:
+        """Writes the rows (and, best-fit, their padding) into the rank files; returns the rows kept.
 
         Three stages overlap, each in order: a reader thread reads chunks c+1 and c+2 (their
         ranges announced to the kernel as soon as they are planned), this thread verifies and
@@ -372,7 +372,7 @@ class _EpochStager:
                     last = disk.submit(writers[r].write_tokens, t)
                     writers[r].write_index(t, h)
                     if p is not None:
-                        pads[r].write(p)
+                        writers[r].write_pad(p)
                 written[c % 3] = last
                 read_next((c + 2) % 3)
                 kept += len(pos)
@@ -469,7 +469,7 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
     check_space([(dest, sum(plan.kept[e] for e in chosen if e not in previous))], "stage",
                 hint="free some space there, choose another DEST, or stage fewer epochs (--epochs)")
 
-    output = LocalOutput()  # a node slice is written on the node (tokpack.formats.outputs: the shared shard interface)
+    output: Output = LocalOutput()  # a node slice is written on the node (tokpack.formats.outputs: the shared sink)
     staged, in_place, verified_by, kept_rows = [], [], set(), 0
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         reads = _Reads(src, pool)
@@ -492,7 +492,7 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
                     in_place.append(e)
                     continue
                 d.mkdir(parents=True, exist_ok=True)
-                (d / MANIFEST).unlink(missing_ok=True)
+                output.unfinish(d)
                 remove_tmp_files(d)
                 stager = _EpochStager(src, reads, rel, m, rows, (a, b), first, log)
                 verified_by.add("row hashes" if stager.by_rows else "whole shards")
@@ -500,23 +500,16 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
                     log(f"stage: epoch {e} was written without row hashes (.ds.rows): verifying it by reading its "
                         f"shards whole, about {w / (b - a + 1):.0f}x the slice's bytes; rewrite the epoch with this "
                         "tokpack to stage only the slice")
-                writers = {r: output.open_shard(d, rank_file_name(r), dtype_from_name(m["dtype"]), int(m["seq_len"]),
-                                                int(m["eos_id"]), m["tokenizer"]) for r in range(a, b + 1)}
-                pads = {}
+                fmt = EpochShardFormat(dtype_from_name(m["dtype"]), int(m["seq_len"]), int(m["eos_id"]), m["tokenizer"],
+                                       padded=stager.packed)
+                writers = {}
                 try:
-                    if stager.packed:
-                        pads = {r: DurableFile(d / f"{rank_file_name(r)}{PAD_SUFFIX}") for r in writers}
-                    kept_rows += stager.run(writers, pads)
-                    entries = []
-                    for r, wr in writers.items():
-                        entry = wr.close()
-                        if r in pads:
-                            entry["pad_xxh3_128"] = pads[r].commit()
-                        entry["fragments"] = os.path.getsize(d / f"{entry['path']}.index") // 8
-                        output.commit(d, entry)
-                        entries.append({**entry, "rank": r})
+                    for r in range(a, b + 1):
+                        writers[r] = output.open_shard(ShardPlace(str(d), rank_file_name(r), r, epoch=e, rank=r), fmt)
+                    kept_rows += stager.run(writers)
+                    entries = [{**wr.close(), "rank": r} for r, wr in writers.items()]
                 except BaseException as err:
-                    for wr in (*writers.values(), *pads.values()):
+                    for wr in writers.values():
                         wr.abort()
                     if is_no_space(err):  # the rank files' temporaries are gone: the disk is not left full
                         raise TokpackError(f"disk full while staging epoch {e}; its partial rank files were removed",

@@ -5,7 +5,8 @@ thread, hashed (xxh3_128) as it streams, and written under a temporary name; it 
 into place only when its checksum equals the manifest's. Manifests are written last: each
 epoch's after its shards, the run's after everything. So DEST never holds a manifest
 vouching for a file that was not verified, and a rerun resumes by re-verifying the files
-already in place (one read each) and copying the rest.
+already in place (one read each) and copying the rest. Each verified file and each manifest is
+committed through a tokpack.formats.outputs Output (a LocalOutput: DEST is local).
 
 The source goes through datatrove's `DataFolder` (fsspec): any fsspec URL works. DEST is
 a local path.
@@ -39,7 +40,7 @@ from tokpack.formats.guard import check_space, locked_output
 from tokpack.formats.units import at_most
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import ROWS_SUFFIX, contained_shard
-from tokpack.formats.io import ThreadPool, as_path, commit_file, contained, lent, open_read, progress, regular_fd, remove_tmp_files, tmp_path
+from tokpack.formats.io import ThreadPool, as_path, contained, lent, open_read, progress, regular_fd, remove_tmp_files, tmp_path
 from tokpack.formats.manifest import (
     MANIFEST,
     has_pad,
@@ -51,8 +52,8 @@ from tokpack.formats.manifest import (
     require_valid,
     stage_sidecar,
     upgrade,
-    write_manifest,
 )
+from tokpack.formats.outputs import LocalOutput, Output
 from tokpack.packer.shared import Result, optional_field
 
 # Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
@@ -364,9 +365,11 @@ def _rank_keep(manifest: dict, offset: int, end: int, ranks, micro_batch: int) -
 class _Stager:
     """Runs the copy jobs on a thread pool; reads and writes release the GIL."""
 
-    def __init__(self, src: Source, dest: Path, block: int, fetchers: ThreadPoolExecutor | None = None):
+    def __init__(self, src: Source, dest: Path, block: int, fetchers: ThreadPoolExecutor | None = None,
+                 output: Output = LocalOutput()):
         self.src = src  # where files come from
         self.dest = dest  # local root they go to
+        self.output = output  # what each verified file is committed through
         self.block = block  # bytes per read
         self.fetchers = fetchers  # remote sources: the pool that runs every file's ranged reads
         self.lock = threading.Lock()  # guards the counters and `invalidated`
@@ -409,7 +412,7 @@ class _Stager:
                                    expected=f"{job.size} bytes", found=f"{n} bytes",
                                    hint="the source file is truncated or replaced; run `tokpack validate` on it")
             self._invalidate(job.dir_rel)
-            commit_file(tmp, final, fsync=True)
+            self.output.commit_file(tmp, final)
         except OSError as e:  # disk full, permissions, I/O error: one line, not a traceback
             tmp.unlink(missing_ok=True)
             raise TokpackError("copy failed", file=final, expected=f"a copy of {self.src.path.rstrip('/')}/{job.rel}",
@@ -427,7 +430,7 @@ class _Stager:
             if dir_rel in self.invalidated:
                 return
             for d in {dir_rel, ""}:
-                (self.dest / d / MANIFEST).unlink(missing_ok=True)
+                self.output.unfinish(self.dest / d)
                 self.invalidated.add(d)
 
     def _copy(self, rel: str, tmp: Path, size: int | None) -> tuple[int, str]:
@@ -593,6 +596,7 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
     if dest.exists() and not dest.is_dir():
         raise TokpackError("DEST exists and is not a directory", file=dest, hint="choose a directory path")
     _check_dest(dest, kind, plans)
+    output: Output = LocalOutput()  # DEST is a local path (checked above): what is copied there is the copy
     check_space([(dest, bytes_to_copy(dest, plans))], "stage",
                 hint="free some space there, choose another DEST, or stage fewer epochs (--epochs, --ranks)")
     try:
@@ -615,7 +619,7 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
     # A remote source's ranged reads share one pool; it closes after the copies that use it.
     fetch_pool = ThreadPool(max_workers=max(1, workers)) if src.local_root is None else nullcontext()
     with progress(total, "stage") as bar, fetch_pool as fetchers, ThreadPool(max_workers=max(1, workers)) as pool:
-        stager = _Stager(src, dest, block, fetchers)
+        stager = _Stager(src, dest, block, fetchers, output)
         stager.bar = bar
         futures = {pool.submit(stager.run_job, j): j for j in jobs}
         remaining = set(futures)
@@ -630,7 +634,7 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
                     pending[rel] -= 1
                     # An epoch's manifest follows its own shards, so a long stage completes epoch by epoch.
                     if pending[rel] == 0 and rel != "":
-                        write_manifest(dest / rel, by_dir[rel].manifest)
+                        output.finish(dest / rel, by_dir[rel].manifest)
         except BaseException:
             # A failure or Ctrl-C: drop the queued copies; the pool's exit waits (at most
             # tokpack.formats.io.STOP_GRACE) for the few in flight, each of which commits a verified file
@@ -642,10 +646,10 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
     # Directories without jobs (e.g. every shard filtered out) and the root come last.
     for p in plans:
         if p.rel != "" and not p.jobs:
-            write_manifest(dest / p.rel, p.manifest)
-    missing = _partial_sidecar(dest, plans, ranks, micro_batch)
+            output.finish(dest / p.rel, p.manifest)
+    missing = _partial_sidecar(dest, plans, ranks, micro_batch, output)
     root = next(p for p in plans if p.rel == "")
-    write_manifest(dest, root.manifest)  # like every manifest: the directory is fsync'd before and after
+    output.finish(dest, root.manifest)  # like every manifest: the directory is fsync'd before and after
 
     seconds = time.perf_counter() - t0
     moved = stager.bytes_copied + stager.bytes_verified
@@ -683,7 +687,7 @@ def whole_copy_note(plans: list[DirPlan], ranks, micro_batch: int, source: str, 
             f"`{stage_command(source, dest, rs[0], rs[-1], world, micro_batch)}` copies only their rows")
 
 
-def _partial_sidecar(dest: Path, plans: list[DirPlan], ranks, micro_batch: int) -> dict:
+def _partial_sidecar(dest: Path, plans: list[DirPlan], ranks, micro_batch: int, output: Output) -> dict:
     """Records at DEST's root which shards a --ranks stage left out (those not present at
     DEST, counting earlier stages), or removes the record once nothing is missing."""
     path = dest / STAGE_SIDECAR
@@ -697,10 +701,10 @@ def _partial_sidecar(dest: Path, plans: list[DirPlan], ranks, micro_batch: int) 
         if absent:
             missing[p.rel or "."] = absent
     if not missing:
-        path.unlink(missing_ok=True)
+        output.unfinish(dest, STAGE_SIDECAR)
         return {}
     stages = list(previous.get("stages", []))
     if ranks is not None:
         stages.append({"ranks": ranks[0], "world_size": ranks[1], "micro_batch": micro_batch})
-    write_manifest(path.parent, stage_sidecar(stages, missing), STAGE_SIDECAR)
+    output.finish(dest, stage_sidecar(stages, missing), STAGE_SIDECAR)
     return missing

@@ -25,7 +25,7 @@ import xxhash
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
 from tokpack.formats.io import TMP_MARK, remove_tmp_files
-from tokpack.formats.outputs import LocalOutput
+from tokpack.formats.outputs import LocalOutput, Output
 from tokpack.formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
                               read_manifest, run_manifest)
 from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
@@ -151,7 +151,7 @@ def _check_same_run(found: dict, wanted: dict, where: Path) -> None:
                 "--seq-len, --seed, --jitter, --samples/--tokens and --shard-samples")
 
 
-def _existing_run(out: Path, to: LocalOutput = LocalOutput()) -> dict | None:
+def _existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
     """Parameters of the run already in OUT (run manifest, else any complete epoch), or None.
     To a bucket, OUT holds the state fetched from the store, and the store what else is there."""
     if not out.exists():
@@ -417,7 +417,7 @@ class RunSetup:
 def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, seed: int | None,
               epochs: list[int] | None, samples, tokens, shard_samples, memory: int, jitter: bool, workers: int,
               progress: bool = False, given: list[str] | None = None, schedule: Schedule | None = None,
-              to: LocalOutput = LocalOutput(), packing: str | None = None, pad_id: int | None = None) -> RunSetup:
+              to: Output = LocalOutput(), packing: str | None = None, pad_id: int | None = None) -> RunSetup:
     """Opens the sources and OUT's run (if any), checks they agree, and plans every epoch, each
     plan within `memory`. Writes nothing in OUT (a best-fit plan counts its rows in a temporary
     folder). `given`, `schedule`, `to`, `packing`, `pad_id`: as in
@@ -499,7 +499,7 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
     return RunSetup(opened, weights, shard_samples, done_epochs, todo, existing, runplan, run_params)
 
 
-def _refuse_foreign_files(edir: Path, to: LocalOutput) -> None:
+def _refuse_foreign_files(edir: Path, to: Output) -> None:
     """An epoch folder about to be written may hold what an earlier attempt left (replaced or
     removed as it finishes), and nothing else: anything else is refused before a byte is written."""
     for where in {edir, to.where(edir)}:
@@ -532,7 +532,7 @@ def shuffle_run(
     progress: bool | None = None,
     given: list[str] | None = None,
     schedule: Schedule | None = None,
-    to: LocalOutput = LocalOutput(),
+    to: Output = LocalOutput(),
     packing: str | None = None,
     pad_id: int | None = None,
 ) -> dict:

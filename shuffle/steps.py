@@ -46,8 +46,8 @@ import xxhash
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import IO_BLOCK, Worker, drop_buffers, lent, map_file, progress, read_record, write_bytes_atomic
 from tokpack.formats.manifest import dtype_from_name, shard_digits, shard_name
-from tokpack.formats.outputs import LocalOutput
-from tokpack.formats.shards import PackedSource, RowFragments, write_pad_sidecar
+from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace
+from tokpack.formats.shards import PackedSource, RowFragments
 
 from .plan import EpochPlan, iter_source_windows, open_source
 from .sinks import app_sinks_kept
@@ -166,7 +166,7 @@ class EpochJob:
     shard_samples: int  # samples per output shard (the last may be short)
     progress: bool = False  # tqdm bars, shown only by tasks running in the process that asked for them
     main_pid: int = 0  # that process
-    output: LocalOutput = LocalOutput()  # where the shards go (tokpack.formats.outputs): a folder, a bucket
+    output: Output = LocalOutput()  # where the shards go (tokpack.formats.outputs): a folder, a bucket
 
     @property
     def show_progress(self) -> bool:
@@ -221,13 +221,19 @@ class EpochJob:
         entry = self.done_entry(i)
         return entry if entry is not None and self.output.has(self.epoch_dir, entry, self.token_dtype.itemsize) else None
 
+    def shard_place(self, i: int) -> ShardPlace:
+        """Shard i's place in the epoch, as its Output is given it."""
+        return ShardPlace(self.epoch_dir, self.shard_file(i), i, epoch=self.plan.epoch, samples=self.shard_range(i),
+                          record=str(self.done_path(i)))
+
     def write_shard(self, i: int, blocks, pad: np.ndarray | None = None) -> dict:
         """Writes shard i from `blocks` (an iterator, in output order, of np.void row arrays, or
-        of (rows, RowFragments, their store rows) when the rows' index is known already), then
-        records it as done. `pad`: a best-fit epoch's padding per row, for the `.pad` sidecar."""
+        of (rows, RowFragments, their store rows) when the rows' index is known already) through
+        the Output's writer, which commits every file and records it as done. `pad`: a best-fit
+        epoch's padding per row (read only after the last block), for the `.pad` sidecar."""
         g0, g1 = self.shard_range(i)
-        writer = self.output.open_shard(self.epoch_dir, self.shard_file(i), self.token_dtype, self.plan.seq_len,
-                                        self.eos_id, self.tokenizer)
+        fmt = EpochShardFormat(self.token_dtype, self.plan.seq_len, self.eos_id, self.tokenizer, padded=pad is not None)
+        writer = self.output.open_shard(self.shard_place(i), fmt)
         try:
             # Three stages overlap: gathering chunk c (here), indexing and hashing an earlier
             # chunk (CPU) and writing one to disk (I/O), each stage in order. `blocks` fills RING
@@ -244,17 +250,12 @@ class EpochJob:
             if writer.samples != g1 - g0:
                 raise TokpackError("internal error: shard row count", where=f"shard {i}",
                                    expected=g1 - g0, found=writer.samples)
-            entry = writer.close()
             if pad is not None:
-                entry["pad_xxh3_128"] = write_pad_sidecar(self.epoch_dir, entry["path"], pad)
+                writer.write_pad(pad)
+            return writer.close()  # its files, then the record (to a bucket: sent in that order)
         except BaseException:
             writer.abort()
             raise
-        entry["fragments"] = os.path.getsize(Path(self.epoch_dir) / f"{entry['path']}.index") // 8
-        self.done_path(i).parent.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(self.done_path(i), json.dumps(entry).encode(), fsync=True)
-        self.output.commit(self.epoch_dir, entry, self.done_path(i))  # to a bucket: its files, then the record
-        return entry
 
     def chunk_rows(self, budget: int) -> int:
         return max(1, min(MAX_CHUNK_BYTES, budget // (2 * CHUNKS_IN_BUDGET)) // self.row_bytes)

@@ -559,7 +559,7 @@ def test_order_proof_catches_two_rows_swapped_in_a_best_fit_epoch(fault_base, tm
     rewritten to agree: every checksum, the multiset and the row table still hold; only the
     order proof of `validate --against` sees that the rows are not where the plan put them."""
     import tests.test_validate as tv
-    from tokpack.formats.shards import EpochShardWriter, write_pad_sidecar
+    from tokpack.formats.shards import EpochShardWriter
 
     for name in ("src", "run"):
         shutil.copytree(fault_base / name, tmp_path / name)
@@ -572,11 +572,10 @@ def test_order_proof_catches_two_rows_swapped_in_a_best_fit_epoch(fault_base, tm
     rows[[a, b]], pad[[a, b]] = rows[[b, a]], pad[[b, a]]
     for suffix in ("", ".index", ".metadata"):
         (epoch / (entry["path"] + suffix)).unlink()
-    w = EpochShardWriter(epoch, entry["path"], np.dtype("<u2"), tv.SEQ_LEN, tv.EOS, m["tokenizer"])
+    w = EpochShardWriter(epoch, entry["path"], np.dtype("<u2"), tv.SEQ_LEN, tv.EOS, m["tokenizer"], padded=True)
     w.write_rows(rows)
-    new = w.close()
-    new["fragments"] = (epoch / (entry["path"] + ".index")).stat().st_size // 8
-    new["pad_xxh3_128"] = write_pad_sidecar(epoch, entry["path"], pad)
+    w.write_pad(pad)
+    new = w.close()  # its fragments and pad_xxh3_128 too
     m["shards"][0] = {k: new.get(k, v) for k, v in entry.items()}
     m["fragments"] = sum(s["fragments"] for s in m["shards"])
     tv.save(epoch, m)
