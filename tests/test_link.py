@@ -291,3 +291,17 @@ def test_plan_pack_reports_the_bytes_it_links_and_copies(dt, tmp_path):
               "--disk-mbps", 500)
     assert res.exit_code == 0 and "shard files: copies 0.0 KiB, links" in res.stdout
     assert not (tmp_path / "out").exists()
+
+
+def test_an_in_place_edit_of_the_input_later_is_what_validate_reports(dt, tmp_path):
+    """Why --link is not the default (docs/COMMANDS.md): a hard link shares the inode, so a later
+    in-place write to the input (a datatrove rerun into the same folder opens it with "wb")
+    changes the packed source; validate's checksums are what catch it."""
+    out = tmp_path / "out"
+    pack([str(dt)], str(out), link=True, **OPTS)
+    copy = pack_dir(dt, tmp_path / "copy")
+    data = (dt / "00001_unshuffled.ds").read_bytes()
+    with open(dt / "00001_unshuffled.ds", "wb") as f:  # same size, one token changed, in place
+        f.write(data[:10] + bytes([data[10] ^ 1]) + data[11:])
+    assert not validate([out]).ok
+    assert validate([copy]).ok  # a copy is not changed through its input
