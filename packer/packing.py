@@ -290,6 +290,9 @@ def _clear(out: Path) -> None:
             p.unlink()
 
 
+NOTES_SHOWN = 10  # pack --link: the inputs copied that the summary names one by one
+
+
 @dataclass
 class PackResult(Result):
     """What `pack --json` prints."""
@@ -592,8 +595,11 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
                      links=plan.get("links", link_summary([])) if link else None)
     for line in warnings:  # after the work: a pack that fails prints its one error line only
         say(line)
-    for note in result.link_notes or []:
+    notes = result.link_notes or []
+    for note in notes[:NOTES_SHOWN]:  # all of them are in --json's link_notes
         say(f"tokpack pack: {note}")
+    if len(notes) > NOTES_SHOWN:
+        say(f"tokpack pack: {len(notes) - NOTES_SHOWN} more input(s) copied (--json lists them under link_notes)")
     say(f"tokpack pack: {result.tokens:,} tokens, {result.documents:,} documents, {result.shards} shard(s) "
         f"-> {shown} ({result.mb_per_s} MB/s)"
         + ("" if not link else f"; linked {result.linked_files} file(s), {result.linked_bytes:,} bytes"
