@@ -9,6 +9,13 @@ corpus also as Megatron .bin/.idx (the .bin hard-links the .ds: same bytes) and 
 list<uint16> (uncompressed, written once, untimed).
 
     python bench/pack.py [--size 2GiB] [--runs 5] [--workers 1] [--quick]
+
+`--link` runs the other section instead (issue 35): on one datatrove uint16 corpus, `tokpack
+pack` (a copy), `tokpack pack --link` (hard links, once the scan verifies them), `cp -r` and
+`cp -rl`, each followed by a `sync`, alternating for --runs rounds (default 3); it shows the
+median time and the bytes each leaves new on the disk (files with one link only).
+
+    python bench/pack.py --link [--size 1.5GiB] [--runs 3]
 """
 
 from __future__ import annotations
@@ -127,6 +134,53 @@ def main(size: str | int = SIZE, quick: bool = False, runs: int = 5, workers: in
     return rows
 
 
+LINK_COLUMNS = ["case", "GB", "seconds", "MB/s", "peak RSS MB", "ratio to cp -r", "ratio range", "new bytes on disk GB"]
+LINK_SIZE = "1.5GiB"
+
+
+def new_bytes(folder: Path) -> int:
+    """Bytes of the files under `folder` that share their inode with no other name: what it
+    added to the disk (a hard link adds nothing)."""
+    return sum(p.stat().st_blocks * 512 for p in Path(folder).rglob("*") if p.is_file() and p.stat().st_nlink == 1)
+
+
+def link_main(size: str | int = LINK_SIZE, quick: bool = False, runs: int = 3, workers: int = 1,
+              workdir: str | None = None) -> list[dict]:
+    total = parse_size(QUICK_SIZE if quick else size) if isinstance(size, str) or quick else size
+    runs = 1 if quick else runs
+    root = Path(tempfile.mkdtemp(prefix="tokpack-bench-link-", dir=workdir))
+    try:
+        src = make_datatrove_corpus(root / "dt16", total, token_size=2, files=4)
+        nbytes, dst = dir_bytes(src), root / "out"
+        added: dict[str, int] = {}
+
+        def case(name: str, cmd: str):
+            def one():
+                shutil.rmtree(dst, ignore_errors=True)
+                m = run_measured(cmd)
+                added[name] = new_bytes(dst)
+                return m
+            return name, one
+
+        q = shlex.quote
+        res = alternate([case("cp -r", f"cp -r {q(str(src))} {q(str(dst))} && sync"),
+                         case("cp -rl", f"cp -rl {q(str(src))} {q(str(dst))} && sync"),
+                         case("tokpack pack", pack_cmd(src, dst, workers, ["--eos-id", "0"])),
+                         case("tokpack pack --link", pack_cmd(src, dst, workers, ["--eos-id", "0", "--link"]))], runs)
+        shutil.rmtree(dst, ignore_errors=True)
+        rows = []
+        for name, measures in res.items():
+            secs = statistics.median(m.seconds for m in measures)
+            ratio, lo, hi = paired_ratio(measures, res["cp -r"])
+            rows.append({"case": name + (" + sync" if name.startswith("cp") else ""), "GB": nbytes / 1e9,
+                         "seconds": secs, "MB/s": nbytes / 1e6 / secs,
+                         "peak RSS MB": max(m.peak_rss_mb for m in measures), "ratio to cp -r": ratio,
+                         "ratio range": ratio_range(lo, hi), "new bytes on disk GB": added[name] / 1e9})
+        return rows
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default=SIZE, help="corpus size per case, e.g. 2GiB (default)")
@@ -134,7 +188,17 @@ if __name__ == "__main__":
     ap.add_argument("--workers", type=int, default=1, help="tokpack pack --workers")
     ap.add_argument("--workdir", default=None, help="where to generate the corpora (default: the temp dir)")
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_SIZE}, one run")
+    ap.add_argument("--link", action="store_true", help="pack, pack --link, cp -r and cp -rl instead (see above)")
     a = ap.parse_args()
+    if a.link:
+        size = a.size if a.size != SIZE else LINK_SIZE
+        runs = a.runs if a.runs != 5 else 3
+        rows = link_main(size, quick=a.quick, runs=runs, workers=a.workers, workdir=a.workdir)
+        cache = "cold (page cache dropped before each run)" if can_drop_caches() else "warm (not root: cannot drop caches)"
+        print(f"{machine_line()}; {cache}; {1 if a.quick else runs} alternating rounds")
+        print_table(f"tokpack pack --link vs cp ({size if not a.quick else QUICK_SIZE} of datatrove uint16)", rows,
+                    LINK_COLUMNS)
+        sys.exit(0)
     rows = main(a.size, quick=a.quick, runs=a.runs, workers=a.workers, workdir=a.workdir)
     cache = "cold (page cache dropped before each run)" if can_drop_caches() else "warm (not root: cannot drop caches)"
     print(f"{machine_line()}; {cache}; {1 if a.quick else a.runs} alternating rounds")

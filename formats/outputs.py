@@ -127,6 +127,12 @@ class Output(ABC):
     # The local folder is only a working copy: a store decides what exists, and committed files leave it.
     staged: ClassVar[bool] = False
 
+    @property
+    def links_files(self) -> bool:
+        """Whether a file hard-linked into the local folder is the output's file (pack --link): only
+        where the local folder is the output, not a working copy whose files leave it."""
+        return not self.staged
+
     # ------------------------------------------------ what differs between outputs
 
     @abstractmethod

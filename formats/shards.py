@@ -58,7 +58,8 @@ def contained_shard(directory, entry: dict, i: int) -> "Path":
 class SourceShardWriter:
     """One shard of a packed source. Documents are appended whole; every one must end with EOS."""
 
-    def __init__(self, directory: str | Path, name: str, dtype: np.dtype, tokenizer: str, with_loss: bool = False):
+    def __init__(self, directory: str | Path, name: str, dtype: np.dtype, tokenizer: str, with_loss: bool = False,
+                 sink=DurableFile):
         self.directory = Path(directory)
         self.name = name  # final file name, e.g. "00000.ds"
         self.dtype = np.dtype(dtype).newbyteorder("<")
@@ -67,9 +68,11 @@ class SourceShardWriter:
         self.documents = 0  # documents written so far
         self._ds = self._index = self._loss = None
         try:
-            self._ds = DurableFile(self.directory / name, direct=True)
-            self._index = DurableFile(self.directory / f"{name}.index")
-            self._loss = DurableFile(self.directory / f"{name}.loss") if with_loss else None
+            # `sink`: DurableFile, or what pack --link uses to record the same entry without
+            # writing the token files (tokpack.packer.linking.Digest)
+            self._ds = sink(self.directory / name, direct=True)
+            self._index = sink(self.directory / f"{name}.index")
+            self._loss = sink(self.directory / f"{name}.loss") if with_loss else None
         except BaseException:
             self.abort()  # the files already open: no descriptor or temporary file left behind
             raise

@@ -44,11 +44,14 @@ class ShuffleResult(Result):
 def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_format: str = "auto",
          column: str | None = None, dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
          vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30,
-         executor: ExecutorConfig | None = None, log=None, scratch: PathLike | None = None) -> PackResult:
+         executor: ExecutorConfig | None = None, log=None, scratch: PathLike | None = None,
+         link: bool = False) -> PackResult:
     """Packs tokenized inputs (files, folders or URLs) into one packed source at `output`.
     URL inputs are read where they are (streamed). A URL output is written under `scratch` (a
     local or shared folder; default $TOKPACK_STAGE_DIR, else the system temp dir) and each shard
-    is sent to the store once written (tokpack.packer.executors.local_paths)."""
+    is sent to the store once written (tokpack.packer.executors.local_paths). `link`: an input
+    that already is its shard's bytes (datatrove) is hard-linked or reflinked once verified,
+    not copied (docs/COMMANDS.md, "Linking instead of copying")."""
     from tokpack.packer.executors import local_paths, runs_in_process
     from tokpack.packer.packing import pack as pack_source
 
@@ -56,7 +59,7 @@ def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_forma
     with local_paths([], str(output), scratch and str(scratch), in_process, "pack") as (_, local_output, to):
         return pack_source(as_paths(inputs), local_output, input_format=input_format, column=column, dtype=dtype,
                            tokenizer=tokenizer, eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite,
-                           shard_tokens=shard_tokens, config=executor, log=log, to=to)
+                           shard_tokens=shard_tokens, config=executor, log=log, to=to, link=link)
 
 
 def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int | None = None,

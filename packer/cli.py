@@ -400,6 +400,9 @@ SCRATCH = click.option(
 @click.option("--overwrite", is_flag=True, help="Replace an output directory that holds a different packed source.")
 @click.option("--shard-tokens", type=TOKENS, default=1 << 30,
               help="Target tokens per output shard (documents never span shards) [default: 2^30 = 1Gi tokens].")
+@click.option("--link", is_flag=True,
+              help="Hard-link (else reflink) a datatrove input that already is its shard's bytes, once verified, "
+                   "instead of copying it; the input must then not be edited in place (docs/COMMANDS.md).")
 @executor_options
 @SCRATCH
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")

@@ -45,8 +45,9 @@ from tokpack.formats.manifest import (
 from tokpack.formats.outputs import LocalOutput, Output, ShardPlace, SourceShardFormat
 from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
 from tokpack.shuffle.sinks import app_sinks_kept
-from tokpack.packer.shared import Result
+from tokpack.packer.shared import Result, optional_field
 from tokpack.packer.executors import ExecutorConfig, run_steps, runs_in_process
+from tokpack.packer.linking import Linked, LinkPlan, link_part, plan_links, summary as link_summary
 from tokpack.packer.vocab import Normalizer, load_tokenizer, resolve_vocab_eos
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
@@ -75,7 +76,7 @@ class PackStep(PipelineStep):
 
     def __init__(self, files: list[InputFile], work: str, vocab_size: int, eos_id: int, dtype: str,
                  tokenizer: str, shard_tokens: int, block_bytes: int = BLOCK_BYTES,
-                 output: Output = LocalOutput()):
+                 output: Output = LocalOutput(), link: bool = False):
         super().__init__()
         self.files = files  # every input file, in input order
         self.work = work  # OUT/.tokpack-work
@@ -86,6 +87,7 @@ class PackStep(PipelineStep):
         self.shard_tokens = shard_tokens  # max tokens per shard (but one oversized document)
         self.block_bytes = block_bytes  # input bytes per read block
         self.output = output  # where the shards go (tokpack.formats.outputs): to a bucket, each is sent once written
+        self.link = link  # pack --link: an input that is its shard's bytes is linked (tokpack.packer.linking)
         # The bar over every file, next to each file's own, when the ranks run in the command's
         # process (never pickled to a worker); moved by whole files: a JSONL block's bytes are not known.
         self.overall = None
@@ -116,6 +118,13 @@ class PackStep(PipelineStep):
         self.output.remove_sent(part_dir)
         part_dir.mkdir(parents=True)
         out_dtype = np.dtype(self.dtype)
+        linked = None
+        if self.link:
+            linked = Linked(note="the output is an object store") if not self.output.links_files else link_part(
+                f, part_dir, self.vocab_size, self.eos_id, out_dtype, self.tokenizer, self.shard_tokens, self.block_bytes)
+            if linked.part is not None:
+                return self._record(part_json, linked.part)
+            check_space([(part_dir, f.size)], "pack", hint=f"{f.path} is copied: {linked.note}")
         norm = Normalizer(f, self.vocab_size, self.eos_id, out_dtype)
         with_loss = bool(f.extra.get("loss"))
         entries: list[dict] = []
@@ -175,6 +184,11 @@ class PackStep(PipelineStep):
             "eos_appended": norm.eos_appended,
             "empty_documents_dropped": norm.empty_dropped,
         }
+        if linked is not None:
+            part["link"] = {"how": "copy", "why": linked.note}
+        return self._record(part_json, part)
+
+    def _record(self, part_json: Path, part: dict) -> dict:
         write_bytes_atomic(part_json, json.dumps(part).encode(), fsync=True)
         self.output.send_record(part_json)
         return part
@@ -277,6 +291,9 @@ def _clear(out: Path) -> None:
             p.unlink()
 
 
+NOTES_SHOWN = 10  # pack --link: the inputs copied that the summary names one by one
+
+
 @dataclass
 class PackResult(Result):
     """What `pack --json` prints."""
@@ -299,10 +316,17 @@ class PackResult(Result):
     empty_documents_dropped: int
     fingerprint: str
     warnings: list[str]
+    # --link only (tokpack.packer.linking.summary): shard files linked (hard links and reflinks),
+    # their bytes, the reflinks' bytes among them, the bytes written, and per input copied: why
+    linked_files: int | None = optional_field()
+    linked_bytes: int | None = optional_field()
+    reflinked_bytes: int | None = optional_field()
+    copied_bytes: int | None = optional_field()
+    link_notes: list[str] | None = optional_field()
 
 
 def _result(manifest: dict, out: Path, fmt: str, seconds: float, input_bytes: int, status: str,
-            warnings: list[str] = ()) -> PackResult:
+            warnings: list[str] = (), links: dict | None = None) -> PackResult:
     return PackResult(
         output=str(out), status=status, format=fmt, inputs=len(manifest.get("inputs", [])),
         tokens=manifest["tokens"], documents=manifest["documents"], shards=len(manifest["shards"]),
@@ -311,7 +335,7 @@ def _result(manifest: dict, out: Path, fmt: str, seconds: float, input_bytes: in
         dtype=manifest["dtype"], vocab_size=manifest["vocab_size"], eos_id=manifest["eos_id"],
         eos_appended=manifest.get("eos_appended", 0),
         empty_documents_dropped=manifest.get("empty_documents_dropped", 0),
-        fingerprint=manifest["fingerprint"], warnings=list(warnings))
+        fingerprint=manifest["fingerprint"], warnings=list(warnings), **(links or {}))
 
 
 def _raise_task_error(work: Path, out: Path, created: bool, cause: BaseException | None, to: Output) -> None:
@@ -355,18 +379,16 @@ def known_tokens(f: InputFile) -> int | None:
     return int(f.extra["count"]) if f.format in ("numpy", "raw") else None
 
 
-def _bytes_to_write(files: list[InputFile], out_dtype: np.dtype) -> int:
-    """Bytes the packed source will take, from the inputs whose token count their size or
-    footer tells; Arrow, JSONL and text inputs count 0 here."""
-    total = 0
-    for f in files:
-        tokens = known_tokens(f) or 0
-        total += tokens * out_dtype.itemsize
-        if f.format == "datatrove":
-            index = as_path(f.extra["index"]).stat().st_size if as_path(f.extra["index"]).exists() else 0
-            total += index + (tokens if f.extra.get("loss") else 0)
-        elif f.format == "megatron":
-            total += 8 * int(f.extra.get("documents") or 0)
+def _shard_bytes(f: InputFile, out_dtype: np.dtype) -> int:
+    """Bytes of the shard files input `f` becomes, when its token count is told by its size or
+    footer; Arrow, JSONL and text inputs count 0 here."""
+    tokens = known_tokens(f) or 0
+    total = tokens * out_dtype.itemsize
+    if f.format == "datatrove":
+        index = as_path(f.extra["index"]).stat().st_size if as_path(f.extra["index"]).exists() else 0
+        total += index + (tokens if f.extra.get("loss") else 0)
+    elif f.format == "megatron":
+        total += 8 * int(f.extra.get("documents") or 0)
     return total
 
 
@@ -386,12 +408,22 @@ class PackSetup:
     eos_token: str | None = None
     warnings: list[str] = field(default_factory=list)
     out_dtype: np.dtype | None = None
+    link: bool = False  # pack --link
+
+    def links(self, out: Path, to: Output = LocalOutput()) -> LinkPlan:
+        """The shard files' bytes by how they will get there: all copied, but with --link."""
+        if not self.link or not to.links_files:
+            return LinkPlan(copy=sum(_shard_bytes(f, self.out_dtype) for f in self.files))
+        return plan_links(self.files, out, self.out_dtype, int(self.request["shard_tokens"]),
+                          lambda f: _shard_bytes(f, self.out_dtype))
 
     def bytes_to_write(self, out: Path, to: Output = LocalOutput(), tasks: int = 1) -> int:
         """Shards are renamed out of the work folder, never copied: one copy of the output at
         most. What OUT holds already (a resumed or a replaced pack) is not needed again. To a
-        bucket, OUT holds a shard per task at most, each sent once written."""
-        total = _bytes_to_write(self.files, self.out_dtype)
+        bucket, OUT holds a shard per task at most, each sent once written. A hard link takes
+        no space (a file whose scan finds it cannot be linked checks for its own before it is copied)."""
+        plan = self.links(out, to)
+        total = plan.copy + plan.reflink
         shard = int(self.request["shard_tokens"]) * self.out_dtype.itemsize
         return to.local_need(total, tasks * shard, here=bytes_under(out))
 
@@ -403,7 +435,7 @@ def pack_tasks(files: int, config: ExecutorConfig) -> int:
 def setup_pack(inputs: list[str], out: Path, *, input_format: str = "auto", column: str | None = None,
                dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
                vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30,
-               say=lambda msg: None, to: Output = LocalOutput()) -> PackSetup:
+               say=lambda msg: None, to: Output = LocalOutput(), link: bool = False) -> PackSetup:
     """Finds the inputs, checks them (every check that needs no token scan) and OUT (to a
     bucket: what the store holds). Reads only."""
     if shard_tokens < 1:
@@ -420,8 +452,9 @@ def setup_pack(inputs: list[str], out: Path, *, input_format: str = "auto", colu
         "format": fmt, "column": column, "dtype": dtype, "tokenizer": tokenizer, "eos_id": eos_id,
         "vocab_size": vocab_size, "shard_tokens": int(shard_tokens),
     }
+    # `link` is not in the request: a linked pack's manifest and bytes are a copying pack's
     setup = PackSetup(fmt, files, tokenizer, request,
-                      _output_state(to.where(out), request, overwrite))
+                      _output_state(to.where(out), request, overwrite), link=link)
     if setup.state == "complete":
         return setup
     if fmt == "text":
@@ -447,7 +480,7 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
          dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
          vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30, log=None,
          config: ExecutorConfig | None = None, block_bytes: int = BLOCK_BYTES,
-         to: Output = LocalOutput()) -> PackResult:
+         to: Output = LocalOutput(), link: bool = False) -> PackResult:
     """Packs INPUTs (local paths or fsspec URLs, read where they are) into one packed source at
     the local `output`, or, `to` another Output (tokpack.formats.outputs), where it sends them from
     there (tokpack.packer.api.pack picks the Output)."""
@@ -457,7 +490,7 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
     config = config or ExecutorConfig()
     setup = setup_pack(inputs, out, input_format=input_format, column=column, dtype=dtype, tokenizer=tokenizer,
                        eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite, shard_tokens=shard_tokens, say=say,
-                       to=to)
+                       to=to, link=link)
     fmt, files, tokenizer, request, state = setup.fmt, setup.files, setup.tokenizer, setup.request, setup.state
     input_bytes = sum(f.size for f in files)
     shown = to.shown(out)  # where the packed source is
@@ -466,7 +499,8 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
         # A pack killed between writing its manifest and removing its scratch left the scratch.
         to.remove_tree(out / WORK_DIR)
         say(f"tokpack pack: {shown} already holds this pack; nothing to do")
-        return _result(manifest, shown, fmt, time.perf_counter() - t0, 0, "already complete")
+        return _result(manifest, shown, fmt, time.perf_counter() - t0, 0, "already complete",
+                       links=link_summary([]) if link else None)
 
     work = out / WORK_DIR
     vocab, eos, tok_name, eos_token, warnings = setup.vocab, setup.eos, setup.tok_name, setup.eos_token, setup.warnings
@@ -500,7 +534,7 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
         else:
             packed_files = files
         step = PackStep(packed_files, str(work), vocab, eos, out_dtype.name, tok_name, int(shard_tokens), block_bytes,
-                        to)
+                        to, link=link)
         ntasks = pack_tasks(len(packed_files), config)
         if runs_in_process(config):
             step.overall = progress(sum(f.size for f in packed_files), f"pack: {len(packed_files)} file(s)")
@@ -548,7 +582,8 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
             created_by=_version(),
             request=request,
         )
-        write_bytes_atomic(plan_path, json.dumps({"manifest": manifest, "moves": moves}).encode())
+        write_bytes_atomic(plan_path, json.dumps({"manifest": manifest, "moves": moves,
+                                                  "links": link_summary(parts)}).encode())
         to.send_record(plan_path)  # from here a rerun only finishes the moves
     plan = read_record(plan_path)
     if plan is None:
@@ -556,9 +591,17 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
                            file=plan_path, hint="rerun with --overwrite to pack again from scratch")
     manifest = _finalize(out, work, plan, to)
     seconds = time.perf_counter() - t0
-    result = _result(manifest, shown, fmt, seconds, input_bytes, "packed", warnings)
+    result = _result(manifest, shown, fmt, seconds, input_bytes, "packed", warnings,
+                     links=plan.get("links", link_summary([])) if link else None)
     for line in warnings:  # after the work: a pack that fails prints its one error line only
         say(line)
+    notes = result.link_notes or []
+    for note in notes[:NOTES_SHOWN]:  # all of them are in --json's link_notes
+        say(f"tokpack pack: {note}")
+    if len(notes) > NOTES_SHOWN:
+        say(f"tokpack pack: {len(notes) - NOTES_SHOWN} more input(s) copied (--json lists them under link_notes)")
     say(f"tokpack pack: {result.tokens:,} tokens, {result.documents:,} documents, {result.shards} shard(s) "
-        f"-> {shown} ({result.mb_per_s} MB/s)")
+        f"-> {shown} ({result.mb_per_s} MB/s)"
+        + ("" if not link else f"; linked {result.linked_files} file(s), {result.linked_bytes:,} bytes"
+           f", copied {result.copied_bytes:,} bytes"))
     return result

@@ -67,6 +67,13 @@ class PlanResult(Result):
     bytes_per_node: int | None = optional_field()  # stage, node slice: bytes its rank files hold
     read_amplification: float | None = optional_field()  # stage, node slice: bytes read / bytes kept
     note: str | None = optional_field()  # stage: one line worth knowing before it runs (e.g. a whole-run copy)
+    # pack: the shard files' bytes (.ds, .ds.index, .ds.loss) it copies; with --link, those it
+    # hard-links (on the output's filesystem), those it reflinks where their filesystem allows
+    # (else copies), each once its scan verifies it, and per input it copies, why
+    copy_bytes: int | None = optional_field()
+    link_bytes: int | None = optional_field()
+    reflink_bytes: int | None = optional_field()
+    link_notes: list[str] | None = optional_field()
 
 
 # ------------------------------------------------------------------------ the disk
@@ -231,10 +238,11 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
 def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None = None, dtype: str | None = None,
               tokenizer: str | None = None, eos_id: int | None = None, vocab_size: int | None = None,
               overwrite: bool = False, shard_tokens: int = 1 << 30, executor: ExecutorConfig | None = None,
-              disk_mbps: float | None = None, scratch=None) -> PlanResult:
+              disk_mbps: float | None = None, scratch=None, link: bool = False) -> PlanResult:
     """What `pack` with these arguments would do: one task per input file, its shards of at most
     `shard_tokens` tokens cut at document ends (so at least tokens / shard_tokens of them).
-    `scratch`: as in plan_shuffle, unused."""
+    `scratch`: as in plan_shuffle, unused. `link`: which bytes pack --link would link, not copy
+    (a datatrove input whose documents do not all end with EOS is found only by the scan, and copied)."""
     from tokpack.formats.inputs.tables import PARQUET_DECODE_THREADS
     from tokpack.packer.packing import known_tokens, pack_tasks, setup_pack
 
@@ -242,7 +250,8 @@ def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None 
     *paths, output = _local(as_paths(inputs) + [str(output)])
     out = Path(output).absolute()
     setup = setup_pack(paths, out, input_format=input_format, column=column, dtype=dtype, tokenizer=tokenizer,
-                       eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite, shard_tokens=shard_tokens)
+                       eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite, shard_tokens=shard_tokens,
+                       link=link)
     done = setup.state == "complete"
     counts = [known_tokens(f) for f in setup.files]
     shards = [] if done or None in counts else [-(-n // shard_tokens) for n in counts]
@@ -271,8 +280,11 @@ def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None 
         if config.executor == "local":
             cores = min(cores, os.cpu_count() or 1)
         passes[0]["decode_seconds"] = round(decoded / (PARQUET_VALUES_PER_CORE_S * cores), 3)
+    links = None if done else setup.links(out)
     return _result("pack", str(output), passes, [(out, written)], config, disk_mbps, config.executor != "local",
-                   path=setup.fmt, shards=sum(shards), manifests=manifests)
+                   path=setup.fmt, shards=sum(shards), manifests=manifests, copy_bytes=links and links.copy,
+                   link_bytes=links and links.hardlink, reflink_bytes=links and links.reflink,
+                   link_notes=links.notes if links and link else None)
 
 
 def plan_stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_batch: int = 1,
@@ -365,6 +377,11 @@ def report_lines(r: PlanResult) -> list[str]:
                      f"{_size(r.passes[0]['read_bytes'])} (read amplification {r.read_amplification}x)")
     if r.note:
         lines.append(f"  note: {r.note}")
+    if r.copy_bytes is not None:
+        lines.append(f"  shard files: copies {_size(r.copy_bytes)}, links {_size(r.link_bytes)} (hard links)"
+                     + (f", reflinks {_size(r.reflink_bytes)} where its filesystem allows, else copies it"
+                        if r.reflink_bytes else ""))
+        lines += [f"    {note}" for note in r.link_notes or []]
     lines += [f"  manifest {name}: {n:,} bytes" for name, n in r.manifests.items() if n]
     lines.append(f"  predicted wall time: {_duration(r.predicted_seconds)} ({r.executor}, {r.workers} worker(s), disk "
                  f"{r.disk_mbps if r.disk_mbps is not None else '?'} MB/s {r.disk}; {r.startup_seconds:.1f} s of it "

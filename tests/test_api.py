@@ -125,6 +125,7 @@ def test_results_are_dataclasses_with_the_cli_json(sources, tmp_path):
 PACK_KEYS = ["ok", "output", "status", "format", "inputs", "tokens", "documents", "shards", "bytes", "input_bytes", "seconds",
              "mb_per_s", "dtype", "vocab_size", "eos_id", "eos_appended", "empty_documents_dropped", "fingerprint",
              "warnings"]
+LINK_KEYS = ["linked_files", "linked_bytes", "reflinked_bytes", "copied_bytes", "link_notes"]  # with --link only
 STAGE_KEYS = ["ok", "kind", "source", "dest", "epochs", "files", "copied_files", "skipped_files", "bytes_copied",
               "bytes_verified_in_place", "seconds", "mib_per_s", "partial"]
 RANKS_KEYS = ["ranks", "world_size", "micro_batch", "shards_skipped", "shards_total"]
@@ -138,7 +139,10 @@ def test_cli_json_keys_are_the_result_fields_in_order(sources, tmp_path):
     packed = pack(corpus, tmp_path / "src", eos_id=EOS, vocab_size=VOCAB)
     cli_pack = cli_json("pack", corpus, "-o", tmp_path / "src", "--eos-id", EOS, "--vocab-size", VOCAB)
     assert list(cli_pack) == list(packed.to_json()) == PACK_KEYS
-    assert ["ok"] + [f.name for f in dataclasses.fields(PackResult)] == PACK_KEYS
+    assert ["ok"] + [f.name for f in dataclasses.fields(PackResult)] == PACK_KEYS + LINK_KEYS
+    linked = pack(corpus, tmp_path / "src2", eos_id=EOS, vocab_size=VOCAB, link=True)
+    cli_linked = cli_json("pack", corpus, "-o", tmp_path / "src3", "--eos-id", EOS, "--vocab-size", VOCAB, "--link")
+    assert list(cli_linked) == list(linked.to_json()) == PACK_KEYS + LINK_KEYS
 
     shuffle(a, tmp_path / "run", seq_len=31, seed=3, epochs=2)
     for extra, keys in (((), STAGE_KEYS), (("--epochs", "1", "--ranks", "0/2"), STAGE_KEYS + RANKS_KEYS)):

@@ -197,6 +197,19 @@ def test_packed_source_read_by_datatrove_folder_dataset(corpus, tmp_path):
     assert len(ds) > 10 and np.array_equal(got, np.concatenate(expected))
 
 
+def test_link_of_datatrove_tokenizer_output(corpus, tmp_path):
+    """What datatrove's DocumentTokenizer writes (EOS on every document, a loss mask beside it)
+    is linked whole by pack --link, and the result is a copying pack's, byte for byte."""
+    for name in ("dt", "dt_plain"):
+        assert cli(corpus[name], "-o", tmp_path / f"{name}-copy").exit_code == 0
+        res = cli(corpus[name], "-o", tmp_path / f"{name}-link", "--link", "--json")
+        assert res.exit_code == 0, res.output
+        summary = json.loads(res.stdout)
+        assert tree_bytes(tmp_path / f"{name}-copy") == tree_bytes(tmp_path / f"{name}-link")
+        assert summary["link_notes"] == [] and summary["copied_bytes"] == 0
+        assert summary["linked_files"] == (3 if name == "dt_plain" else 2) * len(list(corpus[name].glob("*.ds")))
+
+
 def test_workers_give_identical_bytes(corpus, tmp_path):
     assert len(list(corpus["dt"].glob("*.ds"))) >= 4
     for w in (1, 4):
