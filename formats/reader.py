@@ -195,6 +195,9 @@ def _close(fd) -> None:
         fd.close()
 
 
+GATE_HINT = "the file was changed since the reader was opened, or does not match its manifest; run `tokpack validate` on it"
+
+
 def _shard_error(message: str, path, **kw) -> TokpackError:
     return TokpackError(message, file=path, hint=kw.pop("hint", "restore the file, or run `tokpack validate` on the directory"), **kw)
 
@@ -271,6 +274,7 @@ class SampleReader:
         self._verified: set[str] = set()  # files already checksummed by this reader
         self.absent: dict[str, str] = {}  # shards a partial `tokpack stage --ranks` left out -> why
         self.pads: list[tuple[str, str] | None] | None = None  # best-fit epochs: per shard its .pad (file, xxh3_128)
+        self.sizes: dict[str, int] = {}  # shard and .pad files -> their recorded bytes, checked by the gate at each open
         self.numbering: EpochNumbering | None = None  # a run's numbering; None: chain order from 0
         self.run: tuple[str, dict] | None = None  # (run directory, run manifest), for the command hints
         self._fds: dict[str, tuple[int, int]] = {}  # open files: path -> (fd, size), at most MAX_OPEN_FILES
@@ -388,6 +392,8 @@ class SampleReader:
                     raise _shard_error("shard size does not match the manifest", f, where="size",
                                        expected=f"{expected} bytes", found=f"{sizes[f]} bytes",
                                        hint="the shard was truncated or replaced; run `tokpack validate` on the epoch")
+                if "pad_xxh3_128" in s:
+                    sizes[f + PAD_SUFFIX] = n * PAD_DTYPE.itemsize
                 paths.append(f)
                 shard_samples.append(n)
                 epoch_of.append(pos)
@@ -423,6 +429,7 @@ class SampleReader:
         reader.absent = dict(absent or {})
         reader.numbering, reader.run = numbering, run
         reader.pads = pads if any(pads) else None
+        reader.sizes = sizes
         return reader
 
     # -------------------------------------------------------------- positions
@@ -544,7 +551,8 @@ class SampleReader:
                 oldest = next(iter(self._fds))
                 _close(self._fds.pop(oldest)[0])
             try:  # a URL: a file read at each place asked (pread needs a descriptor)
-                fd = open_read(path, ahead=False) if is_url(path) else regular_fd(path)
+                fd = open_read(path, ahead=False, size=self.sizes.get(path), hint=GATE_HINT) if is_url(path) else \
+                    regular_fd(path, size=self.sizes.get(path), hint=GATE_HINT)
             except FileNotFoundError:
                 raise _shard_error("file disappeared after the reader was opened", path) from None
             got = self._fds[path] = (fd, os.fstat(fd).st_size if isinstance(fd, int) else fd.size)

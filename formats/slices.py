@@ -18,11 +18,11 @@ from typing import Iterator
 import numpy as np
 
 from .errors import TokpackError
-from .io import IO_BLOCK, as_path, open_read, read_full, read_limited, regular_size
+from .io import IO_BLOCK, as_path, contained, open_read, read_full, read_limited, regular_size
 from .manifest import (MANIFEST, MAX_MANIFEST_BYTES, check_manifest, dtype_from_name, epoch_dir_name, read_manifest,
                        row_hashes)
 from .reader import OPENERS, EpochNumbering, SampleReader, ShardTable, _shard_error
-from .shards import PAD_SUFFIX
+from .shards import PAD_DTYPE, PAD_SUFFIX, contained_shard
 
 SLICE = "slice"  # kind of a slice's root manifest
 SLICE_EPOCH = "slice-epoch"  # kind of a slice epoch's manifest
@@ -125,6 +125,11 @@ def missing_padding(path: Path, root: dict, entry: dict) -> TokpackError | None:
                             root.get("micro_batch"), root.get("batch_phase") or 0) + "`")
 
 
+def _epoch_dir(path, e: int):
+    """Epoch e's folder of a slice or run, once known to stay inside it (not a symlink out)."""
+    return contained(path, epoch_dir_name(e), manifest=path / MANIFEST, where=f"epochs ({e})", regular=False)
+
+
 def check_slice_epoch(path: Path, root: dict, m: dict) -> None:
     """An epoch manifest of a slice must describe the slice its root describes."""
     for key in ("world_size", "micro_batch", "ranks", "batch_phase", "run", "seq_len", "dtype"):
@@ -147,8 +152,9 @@ class SliceReader(SampleReader):
         row_bytes = (int(root["seq_len"]) + 1) * int(root["token_size"])
         paths, checksums, index_checksums, starts, ends, epochs, dirs = [], [], [], [], [], [], []
         pads: list[tuple[str, str] | None] = []  # per rank file: a best-fit epoch's (.pad file, its xxh3_128)
+        sizes: dict[str, int] = {}  # what the gate checks each rank file and .ds.pad against when it opens them
         for e in sorted(int(e) for e in root.get("epochs") or []):
-            d = path / epoch_dir_name(e)
+            d = _epoch_dir(path, e)
             m = read_manifest(d, kind=SLICE_EPOCH)
             check_slice_epoch(d, root, m)
             first, n = numbering.first(e), numbering.size(e)
@@ -164,6 +170,7 @@ class SliceReader(SampleReader):
                 if s is None or s.get("path") != f.name or int(s.get("bytes", -1)) != want:
                     raise TokpackError("slice epoch lacks a rank's file", file=d / MANIFEST, where=f"rank {r}",
                                        expected=f"{f.name}, {want} bytes", found=s, hint="stage the slice again")
+                contained_shard(d, s, ranks.index(r), regular=False)
                 try:
                     size = regular_size(f)  # a FIFO or device in its place: refused here, in one line
                 except FileNotFoundError:
@@ -180,6 +187,8 @@ class SliceReader(SampleReader):
                 checksums.append(s.get("xxh3_128"))
                 index_checksums.append(s.get("index_xxh3_128"))
                 pads.append((str(f) + PAD_SUFFIX, s["pad_xxh3_128"]) if "pad_xxh3_128" in s else None)
+                sizes[str(f)] = want
+                sizes[str(f) + PAD_SUFFIX] = want // row_bytes * PAD_DTYPE.itemsize
             starts.append(first)
             ends.append(first + n)
             epochs.append(e)
@@ -193,6 +202,7 @@ class SliceReader(SampleReader):
         reader = cls(table, int(root["seq_len"]), dtype_from_name(root["dtype"]), int(root["eos_id"]), verify=verify)
         reader.numbering = numbering
         reader.pads = pads if any(pads) else None
+        reader.sizes = sizes
         reader.run = (root.get("source") or str(path), root["run"])
         reader.slice_path, reader.slice = str(path), root
         reader.rank_rows, reader.slice_ranks = rows, ranks
@@ -253,6 +263,7 @@ def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
     for e in epochs:
         d = path / epoch_dir_name(e)
         try:
+            d = _epoch_dir(path, e)
             m = read_manifest(d, kind=SLICE_EPOCH, checked=False)  # every problem reported, not the first
         except TokpackError as err:
             rep.add(err.file or d / MANIFEST, err.where, err.expected, err.found, err.message)
@@ -283,6 +294,11 @@ def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
             err = missing_padding(d, root, s)
             if err is not None:
                 rep.add(err.file, err.where, err.expected, err.found, err.message, hint=err.hint)
+            try:
+                contained_shard(d, s, ranks.index(r))
+            except TokpackError as err:  # a rank file or sidecar linked out of the slice: reported, never opened
+                rep.add(err.file, err.where, err.expected, err.found, err.message, hint=err.hint)
+                continue
             jobs.append(ShardJob(d, s, "epoch", dtype, int(root["vocab_size"]), int(root["eos_id"]), root["tokenizer"],
                                  row, quick))
     return jobs
@@ -303,8 +319,9 @@ class _RunShards:
         import xxhash
 
         s = self.shards[i]
-        f = self.dir / (s["path"] + suffix)
-        data = read_limited(f, int(s["samples"]) * np.dtype(dtype).itemsize, "sidecar")
+        f = contained_shard(self.dir, s, i).with_name(s["path"] + suffix)
+        want = int(s["samples"]) * np.dtype(dtype).itemsize
+        data = read_limited(f, want, "sidecar", size=want)
         if xxhash.xxh3_128_hexdigest(data) != s[key]:
             raise TokpackError("checksum mismatch in the run", file=f, where="xxh3_128", expected=s[key],
                                found=xxhash.xxh3_128_hexdigest(data), hint="run `tokpack validate` on the run")
@@ -320,11 +337,11 @@ class _RunShards:
             if "rows_xxh3_128" in s:
                 got = self._sidecar(i, ROWS_SUFFIX, "rows_xxh3_128", U64)
             else:  # an epoch written before row hashes: the shard in blocks of whole rows
-                f, n = self.dir / s["path"], int(s["samples"])
+                f, n = contained_shard(self.dir, s, i), int(s["samples"])
                 got, whole = np.empty(n, dtype=U64), xxhash.xxh3_128()
                 k = max(1, IO_BLOCK // self.row_bytes)
                 buf = np.empty((k, self.row_bytes), dtype=np.uint8)
-                with open_read(f) as fh:
+                with open_read(f, size=n * self.row_bytes, what="shard") as fh:
                     for a in range(0, n, k):
                         b = min(n, a + k)
                         view = memoryview(buf[: b - a].reshape(-1))
@@ -382,6 +399,7 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
     for e in root["epochs"]:
         d, rd = path / epoch_dir_name(e), run_path / epoch_dir_name(e)
         try:
+            d, rd = _epoch_dir(path, e), _epoch_dir(run_path, e)
             m = read_manifest(d, kind=SLICE_EPOCH)
             raw = read_limited(rd / MANIFEST, MAX_MANIFEST_BYTES, "manifest")
         except (TokpackError, OSError) as err:
@@ -407,8 +425,6 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
 def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: int, n: int, shards: _RunShards,
                        buf: np.ndarray, row_bytes: int, rep) -> None:
     """One rank file (and its `.ds.pad`) against the run's rows rank r reads in epoch e, block by block."""
-    from .shards import PAD_DTYPE
-
     want_rows = rows.rows(r, first, first + n)
     size = regular_size(f)
     if size != want_rows * row_bytes:
@@ -416,7 +432,8 @@ def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: 
                 "rank file does not hold that rank's samples")
         return
     # a rank file of a best-fit run without one is reported by the slice's own checks (missing_padding)
-    pad_file = open_read(f.with_name(f.name + PAD_SUFFIX)) if "pad_xxh3_128" in s else None
+    pad_file = open_read(f.with_name(f.name + PAD_SUFFIX), size=want_rows * PAD_DTYPE.itemsize,
+                         what="padding sidecar") if "pad_xxh3_128" in s else None
     pad_buf = np.empty(len(buf), dtype=PAD_DTYPE)
     done, bad_rows, bad_pads, first_bad, first_pad = 0, 0, 0, None, None
     try:
