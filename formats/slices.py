@@ -152,7 +152,7 @@ class SliceReader(SampleReader):
         row_bytes = (int(root["seq_len"]) + 1) * int(root["token_size"])
         paths, checksums, index_checksums, starts, ends, epochs, dirs = [], [], [], [], [], [], []
         pads: list[tuple[str, str] | None] = []  # per rank file: a best-fit epoch's (.pad file, its xxh3_128)
-        sizes: dict[str, int] = {}  # what the gate checks each rank file and .ds.pad against when it opens them
+        sizes: dict[str, int] = {}  # each .ds.pad's recorded bytes, checked by the gate when the reader opens it
         for e in sorted(int(e) for e in root.get("epochs") or []):
             d = _epoch_dir(path, e)
             m = read_manifest(d, kind=SLICE_EPOCH)
@@ -187,7 +187,6 @@ class SliceReader(SampleReader):
                 checksums.append(s.get("xxh3_128"))
                 index_checksums.append(s.get("index_xxh3_128"))
                 pads.append((str(f) + PAD_SUFFIX, s["pad_xxh3_128"]) if "pad_xxh3_128" in s else None)
-                sizes[str(f)] = want
                 sizes[str(f) + PAD_SUFFIX] = want // row_bytes * PAD_DTYPE.itemsize
             starts.append(first)
             ends.append(first + n)
