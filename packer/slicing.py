@@ -203,7 +203,7 @@ class _Reads:
                 done += n
         else:
             if rel not in self._checked:
-                self.src.check(rel, self.sizes[rel], hint=RUN_HINT)
+                self.src.check(rel, self.sizes[rel], what="run file", hint=RUN_HINT)
                 self._checked.add(rel)
             data = self.src.read_range(rel, start, start + out.nbytes)
             done = len(data)
@@ -407,7 +407,7 @@ def check_run_files(src: Source, epochs: list[int], row_bytes: int) -> None:
         for i, s in enumerate(m["shards"]):
             contained_shard(src.root / rel, s, i)
             for name, size in run_files(s, row_bytes):
-                src.check(f"{rel}/{name}", size, hint=RUN_HINT)
+                src.check(f"{rel}/{name}", size, what="run file", hint=RUN_HINT)
 
 
 @dataclass

@@ -264,10 +264,10 @@ class Source:
             return open_read(os.path.join(self.local_root, rel), ahead=False, size=size, hint=SOURCE_HINT)
         return open_read(self.root / rel, block=STAGE_BLOCK, size=size, hint=SOURCE_HINT)
 
-    def check(self, rel: str, size: int, hint: str | None = None) -> None:
+    def check(self, rel: str, size: int, what: str = "file", hint: str | None = None) -> None:
         """The file `rel` passes the gate with the size its manifest records (nothing read)."""
         try:
-            regular_size(self.root / rel, size=size, hint=hint or SOURCE_HINT)
+            regular_size(self.root / rel, size=size, what=what, hint=hint or SOURCE_HINT)
         except OSError as e:
             raise self.read_error(rel, e) from None
 

@@ -19,6 +19,12 @@ Covered classes of damaged input:
 - lock files (`tokpack.lock`) holding garbage, wrong types, another host's or a live pid;
 - work records: a garbage `.tokpack-work/request.json` of pack, and every file of an
   out-of-core shuffle interrupted after its scatter pass (records and bucket files), damaged;
+- node slices and best-fit epochs (issue 32, the gate): a slice's rank file, its `.ds.index`,
+  `.ds.rows` or `.ds.pad`, a window run's and a best-fit run's shard, `.ds.rows` or `.ds.pad`,
+  each linked out of its dataset to a byte-identical copy, its epoch folder moved out and
+  linked in its place, extended (3 or 800 bytes) or truncated (to half, to nothing), for `read`,
+  `validate` and `validate --against RUN` of the slice, `TokpackDataset` on the slice, `stage
+  --ranks` and `stage --node` of the run, `validate` of the run and `SampleReader` with verify;
 - odd paths: every dataset lives under a folder whose name has spaces, unicode or quotes;
 - extreme arguments: 0, -1, 10^15, 10^23, `1000T`, `1B` of memory, `0-100000000000` epochs,
   `0-99999999/100000000` ranks, `100000` workers, malformed ranges;
@@ -26,8 +32,9 @@ Covered classes of damaged input:
   `--overwrite`.
 
 Commands driven: pack, shuffle (flags and --schedule, in memory and out of core), validate
-(full, --quick, --against), read (with and without --verify), inspect, stage (whole, --epochs,
---ranks), plan shuffle/pack/stage; and `tokpack.formats.reader.SampleReader`,
+(full, --quick, --against, a slice --against its run), read (with and without --verify, a
+slice), inspect, stage (whole, --epochs, --ranks r/W, node slices --ranks A-B and --node),
+plan shuffle/pack/stage; and `tokpack.formats.reader.SampleReader`,
 `tokpack.formats.torch_adapter.TokpackDataset` and `tokpack.packer.validate` in a Python process of their own.
 
 Every case must: end within the timeout (no hang); exit 0, or 1 with exactly one
@@ -44,7 +51,12 @@ Not covered: S3/fsspec URLs and Slurm/Ray executors (no server or cluster here);
 by C code without Python's `open` (the audit hook does not see them: pyarrow, tokenizers);
 `sources[].path` of run and epoch manifests (they name other datasets by design); reading a
 file changed while the command runs; signals sent during a case (tests/test_lifetime.py);
-pack's input formats other than NumPy; resource exhaustion of the disk (tests/test_hygiene.py).
+pack's input formats other than NumPy; resource exhaustion of the disk (tests/test_hygiene.py);
+for node slices and best-fit epochs, their manifests mutated at the JSON level (the padding
+checks of issue 32's item 2 belong there), padding values rewritten in place at the right size
+(`validate --against` proves them, tests/test_slices.py), the Python API's arguments and loader
+states (issue 32, item 5), and sizes of a slice's `.ds.index` and `.ds.rows`, which `read` and
+`TokpackDataset` do not open (only `validate` must refuse them).
 
 `TOKPACK_FUZZ_EXAMPLES=N` raises the examples per test (default 4); `TOKPACK_FUZZ_SHRINK=1`
 lets hypothesis shrink a failure (off by default: a hang would be rerun for every shrink step);
