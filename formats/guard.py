@@ -26,6 +26,7 @@ import uuid
 from pathlib import Path
 
 from .errors import TokpackError
+from .io import open_read, read_limited
 from .manifest import LOCK_NAME, WORK_DIR  # noqa: F401 (importable from here too)
 
 _LOCK_TEMPORARY = re.compile(re.escape(f".{LOCK_NAME}.tmp-") + r"([0-9]+)-[0-9a-f]{8}")
@@ -64,10 +65,12 @@ def _os_error(e: OSError) -> str:
 
 def _first_bytes(path: Path) -> str:
     try:
-        with open(path, "rb") as f:
+        with open_read(path, ahead=False) as f:  # a FIFO in its place never blocks the message
             head = f.read(60)
     except OSError as e:
         return _os_error(e)
+    except TokpackError as e:
+        return e.found or e.message
     return repr(head.decode(errors="replace")) + ("..." if len(head) == 60 else "")
 
 
@@ -100,12 +103,11 @@ class OutputLock:
     def _read(self, path: Path) -> dict | None:
         """The holder a lock file names; None if there is no such file; {} if it names none (not
         JSON, or not the fields tokpack writes: another program's file, or a damaged one)."""
-        try:
-            with open(path, "rb") as f:
-                holder = json.loads(f.read(MAX_LOCK_BYTES + 1))
+        try:  # through the gate: a FIFO, a link out of the folder or a huge file names no holder
+            holder = json.loads(read_limited(path, MAX_LOCK_BYTES, "lock file"))
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError, TokpackError):
             return {}
         valid = (isinstance(holder, dict) and isinstance(holder.get("host"), str)
                  and type(holder.get("pid")) is int and holder["pid"] > 0

@@ -48,11 +48,13 @@ def shard_suffixes(entry: dict) -> tuple[str, ...]:
             + ((PAD_SUFFIX,) if has_pad(entry) else ()))
 
 
-def contained_shard(directory, entry: dict, i: int) -> "Path":
+def contained_shard(directory, entry: dict, i: int, regular: bool = True) -> "Path":
     """The token file of shard `i` (its manifest entry), once it and every file of the shard are
-    known to stay inside `directory` (tokpack.formats.io.contained; a TokpackError otherwise)."""
+    known to stay inside `directory` (tokpack.formats.io.contained; a TokpackError otherwise).
+    `regular=False`: odd file types are left to the gate at each file's open (a reader that
+    never opens a sidecar does not refuse it)."""
     return contained(directory, entry.get("path"), manifest=f"{str(directory).rstrip('/')}/{MANIFEST}",
-                     where=f"shards[{i}].path", siblings=(*SHARD_SUFFIXES[1:], PAD_SUFFIX, ROWS_SUFFIX))
+                     where=f"shards[{i}].path", regular=regular, siblings=(*SHARD_SUFFIXES[1:], PAD_SUFFIX, ROWS_SUFFIX))
 
 
 class SourceShardWriter:

@@ -21,7 +21,8 @@ from typing import Iterator
 import numpy as np
 
 from .errors import TokpackError
-from .manifest import MANIFEST, has_pad, rows_padded
+from .io import contained
+from .manifest import MANIFEST, epoch_dir_name, has_pad, rows_padded
 
 SLICE = "slice"  # kind of a slice's root manifest
 SLICE_EPOCH = "slice-epoch"  # kind of a slice epoch's manifest
@@ -106,6 +107,11 @@ def missing_padding(path: Path, root: dict, entry: dict) -> TokpackError | None:
                         hint="stage it again, which rewrites the epochs lacking it: `" + stage_command(
                             root.get("source") or "RUN", str(path.parent), ranks[0], ranks[-1], root.get("world_size"),
                             root.get("micro_batch"), root.get("batch_phase") or 0) + "`")
+
+
+def contained_epoch_dir(path, e: int):
+    """Epoch e's folder of a slice or run, once known to stay inside it (not a symlink out)."""
+    return contained(path, epoch_dir_name(e), manifest=path / MANIFEST, where=f"epochs ({e})", regular=False)
 
 
 def check_slice_epoch(path: Path, root: dict, m: dict) -> None:

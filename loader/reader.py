@@ -127,6 +127,9 @@ def _close(fd) -> None:
         fd.close()
 
 
+PAD_HINT = "the padding sidecar does not match its manifest (4 bytes a sample); run `tokpack validate` on it"
+
+
 def _shard_error(message: str, path, **kw) -> TokpackError:
     return TokpackError(message, file=path, hint=kw.pop("hint", "restore the file, or run `tokpack validate` on the directory"), **kw)
 
@@ -212,6 +215,8 @@ class SampleReader:
         self._verified: set[str] = set()  # files already checksummed by this reader
         self.absent: dict[str, str] = {}  # shards a partial `tokpack stage --ranks` left out -> why
         self.pads: list[tuple[str, str] | None] | None = None  # best-fit epochs: per shard its .pad (file, xxh3_128)
+        self.sizes: dict[str, int] = {}  # .pad files -> their recorded bytes, checked by the gate at their open
+        # (a shard's size is checked when the reader opens: one cut short later still serves the rows it holds)
         self.numbering: EpochNumbering | None = None  # a run's numbering; None: chain order from 0
         self.run: tuple[str, dict] | None = None  # (run directory, run manifest), for the command hints
         self._fds: dict[str, tuple[int, int]] = {}  # open files: path -> (fd, size), at most MAX_OPEN_FILES
@@ -283,6 +288,7 @@ class SampleReader:
         pads: list[tuple[str, str] | None] = []  # per shard: a best-fit epoch's (.pad file, its xxh3_128)
         seq_len = dtype = eos_id = None
         sizes: dict[str, int] = {}  # stat once per distinct file
+        pad_sizes: dict[str, int] = {}
         for pos, (directory, m) in enumerate(epochs):
             directory = as_path(directory)
             where = directory / "tokpack.json"
@@ -322,13 +328,16 @@ class SampleReader:
                     sizes[f] = expected  # left out by a partial stage: an error only if a rank reads it
                 if f not in sizes:
                     try:
-                        sizes[f] = regular_size(f)
+                        sizes[f] = regular_size(f, size=expected, what="shard",
+                                                hint="the shard was truncated or replaced; run `tokpack validate` on the epoch")
                     except FileNotFoundError:
                         raise _shard_error("shard listed in the manifest is missing", f) from None
-                if sizes[f] != expected:
+                if sizes[f] != expected:  # a file named twice, with two sizes
                     raise _shard_error("shard size does not match the manifest", f, where="size",
                                        expected=f"{expected} bytes", found=f"{sizes[f]} bytes",
                                        hint="the shard was truncated or replaced; run `tokpack validate` on the epoch")
+                if "pad_xxh3_128" in s:
+                    pad_sizes[f + PAD_SUFFIX] = n * PAD_DTYPE.itemsize
                 paths.append(f)
                 shard_samples.append(n)
                 epoch_of.append(pos)
@@ -364,6 +373,7 @@ class SampleReader:
         reader.absent = dict(absent or {})
         reader.numbering, reader.run = numbering, run
         reader.pads = pads if any(pads) else None
+        reader.sizes = pad_sizes
         return reader
 
     # -------------------------------------------------------------- positions
@@ -485,7 +495,8 @@ class SampleReader:
                 oldest = next(iter(self._fds))
                 _close(self._fds.pop(oldest)[0])
             try:  # a URL: a file read at each place asked (pread needs a descriptor)
-                fd = open_read(path, ahead=False) if is_url(path) else regular_fd(path)
+                rules = dict(size=self.sizes[path], what="padding sidecar", hint=PAD_HINT) if path in self.sizes else {}
+                fd = open_read(path, ahead=False, **rules) if is_url(path) else regular_fd(path, **rules)
             except FileNotFoundError:
                 raise _shard_error("file disappeared after the reader was opened", path) from None
             got = self._fds[path] = (fd, os.fstat(fd).st_size if isinstance(fd, int) else fd.size)

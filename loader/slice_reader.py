@@ -12,10 +12,10 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import as_path, regular_size
-from tokpack.formats.manifest import MANIFEST, dtype_from_name, epoch_dir_name, has_pad, read_manifest
+from tokpack.formats.manifest import MANIFEST, dtype_from_name, has_pad, read_manifest
 from tokpack.formats.numbering import EpochNumbering
-from tokpack.formats.shards import PAD_SUFFIX
-from tokpack.formats.slices import (SLICE_EPOCH, RankRows, check_slice_epoch, missing_padding, rank_file_name,
+from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, contained_shard
+from tokpack.formats.slices import (SLICE_EPOCH, RankRows, check_slice_epoch, contained_epoch_dir, missing_padding, rank_file_name,
                                     stage_command)
 
 from .reader import SampleReader, ShardTable, _shard_error
@@ -49,8 +49,9 @@ class SliceReader(SampleReader):
         row_bytes = (int(root["seq_len"]) + 1) * int(root["token_size"])
         paths, checksums, index_checksums, starts, ends, epochs, dirs = [], [], [], [], [], [], []
         pads: list[tuple[str, str] | None] = []  # per rank file: a best-fit epoch's (.pad file, its xxh3_128)
+        sizes: dict[str, int] = {}  # each .ds.pad's recorded bytes, checked by the gate when the reader opens it
         for e in sorted(int(e) for e in root.get("epochs") or []):
-            d = path / epoch_dir_name(e)
+            d = contained_epoch_dir(path, e)
             m = read_manifest(d, kind=SLICE_EPOCH)
             check_slice_epoch(d, root, m)
             first, n = numbering.first(e), numbering.size(e)
@@ -66,6 +67,7 @@ class SliceReader(SampleReader):
                 if s is None or s.get("path") != f.name or int(s.get("bytes", -1)) != want:
                     raise TokpackError("slice epoch lacks a rank's file", file=d / MANIFEST, where=f"rank {r}",
                                        expected=f"{f.name}, {want} bytes", found=s, hint="stage the slice again")
+                contained_shard(d, s, ranks.index(r), regular=False)
                 try:
                     size = regular_size(f)  # a FIFO or device in its place: refused here, in one line
                 except FileNotFoundError:
@@ -82,6 +84,7 @@ class SliceReader(SampleReader):
                 checksums.append(s.get("xxh3_128"))
                 index_checksums.append(s.get("index_xxh3_128"))
                 pads.append((str(f) + PAD_SUFFIX, s["pad_xxh3_128"]) if has_pad(s) else None)
+                sizes[str(f) + PAD_SUFFIX] = want // row_bytes * PAD_DTYPE.itemsize
             starts.append(first)
             ends.append(first + n)
             epochs.append(e)
@@ -95,6 +98,7 @@ class SliceReader(SampleReader):
         reader = cls(table, int(root["seq_len"]), dtype_from_name(root["dtype"]), int(root["eos_id"]), verify=verify)
         reader.numbering = numbering
         reader.pads = pads if any(pads) else None
+        reader.sizes = sizes
         reader.run = (root.get("source") or str(path), root["run"])
         reader.slice_path, reader.slice = str(path), root
         reader.rank_rows, reader.slice_ranks = rows, ranks

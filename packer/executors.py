@@ -27,7 +27,7 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError, task_failed
 from tokpack.formats.guard import OutputLock, holder_name
-from tokpack.formats.io import Outbox, RemotePath, is_url, local_path
+from tokpack.formats.io import Outbox, RemotePath, is_url, local_path, open_new
 from tokpack.formats.outputs import BucketOutput, LocalOutput
 from tokpack.formats.manifest import MANIFEST
 from tokpack.shuffle.sinks import app_sinks_kept
@@ -536,7 +536,7 @@ def stage_in(url: str, workdir: str | Path) -> str:
     if where.call("isdir"):
         _download_folder(url, dest)
     else:
-        with fs.open(remote, "rb") as src, open(dest, "wb") as out:
+        with fs.open(remote, "rb") as src, open_new(dest) as out:
             shutil.copyfileobj(src, out, 1 << 22)
     return str(dest)
 
@@ -598,5 +598,5 @@ def _download_folder(url: str, dest: str | Path) -> None:
     for rel in folder.list_files(recursive=True):
         target = Path(dest) / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        with folder.open(rel, "rb") as src, open(target, "wb") as out:
+        with folder.open(rel, "rb") as src, open_new(target) as out:
             shutil.copyfileobj(src, out, 1 << 22)

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import as_path, open_read, progress, read_array, regular_size
+from tokpack.formats.io import as_path, map_array, progress, read_array, regular_size
 from tokpack.formats.manifest import epoch_dir_name, read_manifest
 from tokpack.formats.shards import U64, PackedSource
 from tokpack.loader.reader import SampleReader
@@ -179,8 +179,7 @@ class DocumentMap:
             if not isinstance(path, Path) or not regular_size(path):
                 self._ends[shard] = read_array(path, U64)
             else:
-                with open_read(path, ahead=False) as f:  # a regular file only: a FIFO must not block
-                    self._ends[shard] = np.memmap(f, dtype=U64, mode="r")
+                self._ends[shard] = map_array(path, U64)  # through the gate: a FIFO must not block
         return self._ends[shard]
 
     def documents(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:

@@ -33,7 +33,7 @@ from tokpack.formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space,
 from tokpack.formats.inputs import BLOCK_BYTES, InputFile
 from tokpack.formats.inputs.discover import check_input, discover, read_blocks
 from tokpack.formats.inputs.tables import parquet_values
-from tokpack.formats.io import as_path, is_tmp_name, is_url, progress, read_record, write_bytes_atomic
+from tokpack.formats.io import MAX_RECORD_BYTES, as_path, is_tmp_name, is_url, progress, read_limited, read_record, write_bytes_atomic
 from tokpack.formats.manifest import (
     MANIFEST,
     dtype_for_vocab,
@@ -345,7 +345,7 @@ def _raise_task_error(work: Path, out: Path, created: bool, cause: BaseException
         if cause is not None:
             raise cause
         return
-    err = json.loads(errors[0].read_text())
+    err = json.loads(read_limited(errors[0], MAX_RECORD_BYTES, "record"))
     to.remove_tree(work)
     if created and out.exists() and not any(out.iterdir()):
         out.rmdir()

@@ -14,8 +14,8 @@ from tokpack.formats.io import IO_BLOCK, as_path, open_read, read_full, read_lim
 from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, check_manifest, dtype_from_name, epoch_dir_name,
                                       has_pad, read_manifest, row_hashes)
 from tokpack.formats.numbering import EpochNumbering
-from tokpack.formats.shards import PAD_SUFFIX
-from tokpack.formats.slices import (SLICE_EPOCH, RankRows, check_slice_epoch, missing_padding, rank_file_name,
+from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, contained_shard
+from tokpack.formats.slices import (SLICE_EPOCH, RankRows, check_slice_epoch, contained_epoch_dir, missing_padding, rank_file_name,
                                     run_identity)
 
 
@@ -42,6 +42,7 @@ def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
     for e in epochs:
         d = path / epoch_dir_name(e)
         try:
+            d = contained_epoch_dir(path, e)
             m = read_manifest(d, kind=SLICE_EPOCH, checked=False)  # every problem reported, not the first
         except TokpackError as err:
             rep.add(err.file or d / MANIFEST, err.where, err.expected, err.found, err.message)
@@ -72,6 +73,11 @@ def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
             err = missing_padding(d, root, s)
             if err is not None:
                 rep.add(err.file, err.where, err.expected, err.found, err.message, hint=err.hint)
+            try:
+                contained_shard(d, s, ranks.index(r))
+            except TokpackError as err:  # a rank file or sidecar linked out of the slice: reported, never opened
+                rep.add(err.file, err.where, err.expected, err.found, err.message, hint=err.hint)
+                continue
             jobs.append(ShardJob(d, s, "epoch", dtype, int(root["vocab_size"]), int(root["eos_id"]), root["tokenizer"],
                                  row, quick))
     return jobs
@@ -92,8 +98,9 @@ class _RunShards:
         import xxhash
 
         s = self.shards[i]
-        f = self.dir / (s["path"] + suffix)
-        data = read_limited(f, int(s["samples"]) * np.dtype(dtype).itemsize, "sidecar")
+        f = contained_shard(self.dir, s, i).with_name(s["path"] + suffix)
+        want = int(s["samples"]) * np.dtype(dtype).itemsize
+        data = read_limited(f, want, "sidecar", size=want)
         if xxhash.xxh3_128_hexdigest(data) != s[key]:
             raise TokpackError("checksum mismatch in the run", file=f, where="xxh3_128", expected=s[key],
                                found=xxhash.xxh3_128_hexdigest(data), hint="run `tokpack validate` on the run")
@@ -109,11 +116,11 @@ class _RunShards:
             if "rows_xxh3_128" in s:
                 got = self._sidecar(i, ROWS_SUFFIX, "rows_xxh3_128", U64)
             else:  # an epoch written before row hashes: the shard in blocks of whole rows
-                f, n = self.dir / s["path"], int(s["samples"])
+                f, n = contained_shard(self.dir, s, i), int(s["samples"])
                 got, whole = np.empty(n, dtype=U64), xxhash.xxh3_128()
                 k = max(1, IO_BLOCK // self.row_bytes)
                 buf = np.empty((k, self.row_bytes), dtype=np.uint8)
-                with open_read(f) as fh:
+                with open_read(f, size=n * self.row_bytes, what="shard") as fh:
                     for a in range(0, n, k):
                         b = min(n, a + k)
                         view = memoryview(buf[: b - a].reshape(-1))
@@ -171,6 +178,7 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
     for e in root["epochs"]:
         d, rd = path / epoch_dir_name(e), run_path / epoch_dir_name(e)
         try:
+            d, rd = contained_epoch_dir(path, e), contained_epoch_dir(run_path, e)
             m = read_manifest(d, kind=SLICE_EPOCH)
             raw = read_limited(rd / MANIFEST, MAX_MANIFEST_BYTES, "manifest")
         except (TokpackError, OSError) as err:
@@ -196,8 +204,6 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
 def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: int, n: int, shards: _RunShards,
                        buf: np.ndarray, row_bytes: int, rep) -> None:
     """One rank file (and its `.ds.pad`) against the run's rows rank r reads in epoch e, block by block."""
-    from tokpack.formats.shards import PAD_DTYPE
-
     want_rows = rows.rows(r, first, first + n)
     size = regular_size(f)
     if size != want_rows * row_bytes:
@@ -205,7 +211,8 @@ def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: 
                 "rank file does not hold that rank's samples")
         return
     # a rank file of a best-fit run without one is reported by the slice's own checks (missing_padding)
-    pad_file = open_read(f.with_name(f.name + PAD_SUFFIX)) if has_pad(s) else None
+    pad_file = open_read(f.with_name(f.name + PAD_SUFFIX), size=want_rows * PAD_DTYPE.itemsize,
+                         what="padding sidecar") if has_pad(s) else None
     pad_buf = np.empty(len(buf), dtype=PAD_DTYPE)
     done, bad_rows, bad_pads, first_bad, first_pad = 0, 0, 0, None, None
     try:

@@ -51,7 +51,7 @@ from tokpack.formats.manifest import (
 )
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace, ShardWriter
-from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, shard_suffixes
+from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, contained_shard, shard_suffixes
 from tokpack.formats.slices import (SLICE, SLICE_EPOCH, RankRows, missing_padding, rank_file_name, run_identity,
                             stage_command)
 from tokpack.packer.shared import Result
@@ -156,7 +156,9 @@ class _Reads:
     def __init__(self, src: Source, pool: ThreadPoolExecutor):
         self.src, self.pool = src, pool
         self.bytes = 0
+        self.sizes: dict[str, int] = {}  # file -> the bytes its manifest records: what the gate checks at its open
         self._fds: dict[str, int] = {}
+        self._checked: set[str] = set()  # remote files already through the gate
         self._lock = threading.Lock()  # the read-ahead and the reader threads open files
 
     def _fd(self, rel: str) -> int:
@@ -165,8 +167,9 @@ class _Reads:
             with self._lock:  # once per file, whichever thread comes first
                 fd = self._fds.get(rel)
                 if fd is None:
-                    try:
-                        fd = self._fds[rel] = regular_fd(os.path.join(self.src.local_root, rel))  # a FIFO would block
+                    try:  # through the gate: inside its epoch folder, a regular file (a FIFO would block), its size
+                        fd = self._fds[rel] = regular_fd(os.path.join(self.src.local_root, rel), size=self.sizes[rel],
+                                                         what="run file", hint=RUN_HINT)
                     except OSError as e:
                         raise self.src.read_error(rel, e) from None
         return fd
@@ -200,6 +203,9 @@ class _Reads:
                     break
                 done += n
         else:
+            if rel not in self._checked:
+                self.src.check(rel, self.sizes[rel], what="run file", hint=RUN_HINT)
+                self._checked.add(rel)
             data = self.src.read_range(rel, start, start + out.nbytes)
             done = len(data)
             out[:done] = data
@@ -235,6 +241,8 @@ class _EpochStager:
         self.pads: dict[int, np.ndarray] = {}  # shard -> its verified `.ds.pad` (best-fit)
         self.by_rows = all("rows_xxh3_128" in s for s in self.shards)
         self.packed = any(has_pad(s) for s in self.shards)  # best-fit: rank files get a `.ds.pad`
+        for s in self.shards:
+            reads.sizes.update((f"{rel}/{name}", size) for name, size in run_files(s, self.row_bytes))
 
     def shard_path(self, i: int) -> str:
         return f"{self.rel}/{self.shards[i]['path']}"
@@ -379,6 +387,30 @@ class _EpochStager:
         return kept
 
 
+RUN_HINT = "the run's file does not match its manifest: run `tokpack validate` on the run; nothing was staged from it"
+
+
+def run_files(entry: dict, row_bytes: int) -> list[tuple[str, int]]:
+    """(name, recorded bytes) of the files a node slice reads of one run shard: its tokens, and
+    its row hashes and padding where it has them."""
+    n, name = int(entry["samples"]), entry["path"]
+    return ([(name, n * row_bytes)] + ([(name + ROWS_SUFFIX, U64.itemsize * n)] if "rows_xxh3_128" in entry else [])
+            + ([(name + PAD_SUFFIX, PAD_DTYPE.itemsize * n)] if "pad_xxh3_128" in entry else []))
+
+
+def check_run_files(src: Source, epochs: list[int], row_bytes: int) -> None:
+    """Every run file the stage reads, through the gate (inside its epoch folder, a regular file,
+    the size its manifest records), before anything is written: one linked out of the run, or
+    longer or shorter than recorded, is one line and DEST is left as it was."""
+    for e in epochs:
+        rel = epoch_dir_name(e)
+        m = src.manifest(rel, kind="epoch")
+        for i, s in enumerate(m["shards"]):
+            contained_shard(src.root / rel, s, i)
+            for name, size in run_files(s, row_bytes):
+                src.check(f"{rel}/{name}", size, what="run file", hint=RUN_HINT)
+
+
 @dataclass
 class SlicePlan:
     """What a node slice of a run costs, by arithmetic on its manifests (nothing read but them)."""
@@ -464,8 +496,9 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
             "source": src.local_root or src.path, "world_size": w, "micro_batch": micro_batch, "ranks": list(range(a, b + 1)),
             "batch_phase": rows.phase, "epochs": []}
     previous = _previous_slice(dest, root, src.path)
-    dest.mkdir(parents=True, exist_ok=True)
     row_bytes = (int(run["seq_len"]) + 1) * int(run["token_size"])
+    check_run_files(src, chosen, row_bytes)
+    dest.mkdir(parents=True, exist_ok=True)
     check_space([(dest, sum(plan.kept[e] for e in chosen if e not in previous))], "stage",
                 hint="free some space there, choose another DEST, or stage fewer epochs (--epochs)")
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import threading
 import time
@@ -40,7 +39,8 @@ from tokpack.formats.guard import check_space, locked_output
 from tokpack.formats.units import at_most
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import ROWS_SUFFIX, contained_shard
-from tokpack.formats.io import ThreadPool, as_path, contained, lent, open_read, progress, regular_fd, remove_tmp_files, tmp_path
+from tokpack.formats.io import (ThreadPool, as_path, contained, hash_mapped, lent, open_new, open_read, progress,
+                                read_limited, regular_size, remove_tmp_files, tmp_path)
 from tokpack.formats.manifest import (
     MANIFEST,
     has_pad,
@@ -241,6 +241,9 @@ def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None, roo
     return jobs, skipped
 
 
+SOURCE_HINT = "the source file is truncated or replaced; run `tokpack validate` on it"
+
+
 class Source:
     """The directory being staged: a local path, or any fsspec URL through tokpack.formats.io's one
     file-access layer."""
@@ -256,10 +259,19 @@ class Source:
                                else "check the path or URL, and the credentials of its filesystem") from None
         self.local_root = str(self.root.absolute()) if isinstance(self.root, Path) else None  # None: remote
 
-    def open(self, rel: str):
-        if self.local_root is not None:  # a regular file only: a FIFO must not block the copy
-            return open(regular_fd(os.path.join(self.local_root, rel)), "rb", buffering=0)
-        return open_read(self.root / rel, block=STAGE_BLOCK)
+    def open(self, rel: str, size: int | None = None):
+        """The file `rel` through the gate (inside its folder, a regular file: a FIFO must not
+        block the copy; `size`, when its manifest records one)."""
+        if self.local_root is not None:
+            return open_read(os.path.join(self.local_root, rel), ahead=False, size=size, hint=SOURCE_HINT)
+        return open_read(self.root / rel, block=STAGE_BLOCK, size=size, hint=SOURCE_HINT)
+
+    def check(self, rel: str, size: int, what: str = "file", hint: str | None = None) -> None:
+        """The file `rel` passes the gate with the size its manifest records (nothing read)."""
+        try:
+            regular_size(self.root / rel, size=size, what=what, hint=hint or SOURCE_HINT)
+        except OSError as e:
+            raise self.read_error(rel, e) from None
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of a remote file: one ranged GET on an object store."""
@@ -437,10 +449,10 @@ class _Stager:
         if self.fetchers is not None and size is not None and size > self.block // RANGES_IN_FLIGHT:
             return self._copy_ranges(rel, tmp, size)
         try:
-            fin = self.src.open(rel)
+            fin = self.src.open(rel, size)
         except Exception as e:  # noqa: BLE001 - any fsspec backend error
             raise self.src.read_error(rel, e) from None
-        with fin, open(tmp, "wb", buffering=0) as fout:
+        with fin, open_new(tmp, buffering=0) as fout:
             if self.kernel_copy and self.src.local_root is not None:
                 try:
                     return self._copy_in_kernel(fin, fout, rel)
@@ -475,7 +487,7 @@ class _Stager:
 
         queued = deque(self.fetchers.submit(fetch, off) for off in islice(offsets, RANGES_IN_FLIGHT))
         try:
-            with open(tmp, "wb", buffering=0) as fout:
+            with open_new(tmp, buffering=0) as fout:
                 done = 0
                 while queued:
                     data = queued.popleft().result()
@@ -514,7 +526,7 @@ class _Stager:
                 raise TokpackError("source file shrank while being copied",
                                    file=f"{self.src.path.rstrip('/')}/{rel}", where=f"byte {off}",
                                    expected=f"{size} bytes", found=f"{off} bytes")
-            _hash_mapped(h, fin.fileno(), off, n)
+            hash_mapped(h, fin.fileno(), off, n)
             off += n
             self._advance(n)
         return size, h.hexdigest()
@@ -522,26 +534,15 @@ class _Stager:
     def _hash_local(self, path: Path) -> str:
         """Through a memory map: no buffer to allocate (fresh pages cost more than the hash)."""
         h = xxhash.xxh3_128()
-        with open(path, "rb", buffering=0) as f:
+        with open_read(path, ahead=False) as f:  # DEST's own file, through the gate all the same
             size = os.fstat(f.fileno()).st_size
             if size == 0:
                 return h.hexdigest()
             for off in range(0, size, self.block):
                 n = min(self.block, size - off)
-                _hash_mapped(h, f.fileno(), off, n)
+                hash_mapped(h, f.fileno(), off, n)
                 self._advance(n)
         return h.hexdigest()
-
-
-def _hash_mapped(h, fd: int, offset: int, length: int) -> None:
-    """Feeds bytes [offset, offset+length) of a file to `h` through a memory map of just that
-    range (page-cache pages, no copy), so resident memory stays at one block per worker."""
-    skip = offset % mmap.ALLOCATIONGRANULARITY  # map offsets must be aligned
-    with mmap.mmap(fd, length + skip, offset=offset - skip, access=mmap.ACCESS_READ) as mm:
-        if hasattr(mm, "madvise"):
-            mm.madvise(mmap.MADV_SEQUENTIAL)
-        with memoryview(mm) as view, view[skip:] as chunk:
-            h.update(chunk)
 
 
 def in_place(path: Path, size: int | None) -> bool:
@@ -561,8 +562,8 @@ def _check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
         if not path.is_file():
             continue
         try:
-            have = json.loads(path.read_bytes())
-        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            have = json.loads(read_limited(path, MAX_MANIFEST_BYTES, "manifest"))
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError, TokpackError):
             path.unlink()  # an unreadable manifest at DEST vouches for nothing; rewritten at the end
             continue
         want = p.manifest
@@ -692,8 +693,8 @@ def _partial_sidecar(dest: Path, plans: list[DirPlan], ranks, micro_batch: int, 
     DEST, counting earlier stages), or removes the record once nothing is missing."""
     path = dest / STAGE_SIDECAR
     try:
-        previous = json.loads(path.read_bytes()) if path.is_file() else {}
-    except (json.JSONDecodeError, OSError):
+        previous = json.loads(read_limited(path, MAX_MANIFEST_BYTES, STAGE_SIDECAR)) if path.is_file() else {}
+    except (json.JSONDecodeError, OSError, TokpackError):
         previous = {}
     missing = {}
     for p in plans:

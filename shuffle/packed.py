@@ -19,14 +19,13 @@ import bisect
 import contextlib
 import functools
 import json
-import os
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import map_file, read_array, regular_size, write_bytes_atomic
+from tokpack.formats.io import map_file, open_append, open_new, read_array, read_record, regular_size, write_bytes_atomic
 from tokpack.formats.manifest import hash_hex64, order_hash_terms, row_hashes
 from tokpack.formats.shards import PackedSource
 
@@ -155,11 +154,11 @@ def permuted_documents(src: PackedSource, perm: Bijection | None, memory: int, s
         rec, b = rec[np.argsort(b, kind="stable")], np.sort(b)
         cuts = np.flatnonzero(np.diff(b)) + 1
         for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), len(b)]):
-            with open(folder / f"docs-{int(b[x]):07d}", "ab") as out:
+            with open_append(folder / f"docs-{int(b[x]):07d}", folder=folder) as out:
                 out.write(rec[x:y].tobytes())
     for b in range(nb):
         f = folder / f"docs-{b:07d}"
-        rec = np.fromfile(f, dtype=DOC)
+        rec = read_array(f, DOC, folder=folder)
         f.unlink()
         k0, n = b * chunk, min(chunk, d - b * chunk)
         local = rec["k"].astype(np.int64) - k0
@@ -389,7 +388,7 @@ class PackedPlan:
         """The row table (PIECE records in output order), read whole: O(pieces) memory, for
         tests and small tools."""
         with self.table_rows(sources) as built:
-            return np.fromfile(built.folder / TABLE_FILE, dtype=PIECE)
+            return read_array(built.folder / TABLE_FILE, PIECE, folder=built.folder)
 
     @contextlib.contextmanager
     def table_rows(self, sources: list[PackedSource]):
@@ -583,7 +582,7 @@ class Buckets:
         for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), len(bucket)]):
             b = int(bucket[x])
             self.seen.add(b)
-            with open(self.file(b), "ab") as out:
+            with open_append(self.file(b), folder=self.folder) as out:
                 out.write(records[x:y].tobytes())
 
     def names(self) -> list[int]:
@@ -593,7 +592,7 @@ class Buckets:
         f = self.file(b)
         if not f.exists():
             return np.zeros(0, dtype)
-        data = np.fromfile(f, dtype=dtype)
+        data = read_array(f, dtype, folder=self.folder)
         f.unlink()
         return data
 
@@ -634,11 +633,10 @@ class PackedTable:
         from pathlib import Path
 
         folder = Path(folder)
-        try:
-            built = json.loads((folder / BUILT_FILE).read_text())
-        except (OSError, ValueError):
+        built = read_record(folder / BUILT_FILE, folder=folder)
+        if built is None:
             raise TokpackError("packing table in the work folder is missing or damaged", file=folder / BUILT_FILE,
-                               hint="rerun the same command") from None
+                               hint="rerun the same command")
         if expected is not None and built["table_xxh3_128"] != expected:
             raise TokpackError("packing table in the work folder is not this epoch's", file=folder / BUILT_FILE,
                                where="table_xxh3_128", expected=expected, found=built["table_xxh3_128"],
@@ -652,14 +650,14 @@ class PackedTable:
         if g1 <= g0:
             return np.zeros(0, PIECE), np.zeros(0, np.int64)
         b0, b1 = g0 // self.bucket_rows, (g1 - 1) // self.bucket_rows + 1
-        index = np.fromfile(self.folder / INDEX_FILE, dtype="<u8", count=3 * (b1 - b0 + 1), offset=24 * b0)
+        index = read_array(self.folder / INDEX_FILE, "<u8", 3 * (b1 - b0 + 1), 24 * b0, folder=self.folder)
         if len(index) != 3 * (b1 - b0 + 1):
             raise TokpackError("packing table index is cut short", file=self.folder / INDEX_FILE,
                                hint="rerun the same command")
         index = index.reshape(-1, 3)
         a, n = int(index[0, 0]), int(index[-1, 0] - index[0, 0])
-        table = np.fromfile(self.folder / TABLE_FILE, dtype=PIECE, count=n, offset=PIECE.itemsize * a)
-        starts = np.fromfile(self.folder / STARTS_FILE, dtype="<u8", count=n, offset=8 * a)
+        table = read_array(self.folder / TABLE_FILE, PIECE, n, PIECE.itemsize * a, folder=self.folder)
+        starts = read_array(self.folder / STARTS_FILE, "<u8", n, 8 * a, folder=self.folder)
         for k in range(b1 - b0):
             x, y = int(index[k, 0]) - a, int(index[k + 1, 0]) - a
             for name, part, want in ((TABLE_FILE, table[x:y], index[k, 1]), (STARTS_FILE, starts[x:y], index[k, 2])):
@@ -677,12 +675,13 @@ class PackedTable:
         want = self.shard_files.get(f"{s}-{k}")
         if want is None:
             return
-        h, count = xxhash.xxh3_64(), os.path.getsize(f) // SHARD_PIECE.itemsize
+        size = regular_size(f, folder=self.folder)
+        h, count = xxhash.xxh3_64(), size // SHARD_PIECE.itemsize
         for a in range(0, count, chunk):
-            rec = np.fromfile(f, dtype=SHARD_PIECE, count=min(chunk, count - a), offset=SHARD_PIECE.itemsize * a)
+            rec = read_array(f, SHARD_PIECE, min(chunk, count - a), SHARD_PIECE.itemsize * a, folder=self.folder)
             h.update(rec.tobytes())
             yield rec
-        if h.intdigest() != int(want) or os.path.getsize(f) != count * SHARD_PIECE.itemsize:
+        if h.intdigest() != int(want) or regular_size(f, folder=self.folder) != count * SHARD_PIECE.itemsize:
             raise TokpackError("packing table in the work folder is damaged", file=f, where="xxh3_64",
                                expected=f"{int(want):016x}", found=f"{h.intdigest():016x}", hint="rerun the same command")
 
@@ -731,7 +730,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
         for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), len(key)]):
             raw = out[x:y].tobytes()
             b = int(key[x])
-            with open(shard_files.file(b), "ab") as f:
+            with open_append(shard_files.file(b), folder=shard_files.folder) as f:
                 f.write(raw)
             shard_hashes.setdefault(b, xxhash.xxh3_64()).update(raw)
 
@@ -752,7 +751,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
     nb = -(-plan.samples // bucket_rows)
     index = np.zeros((nb + 1, 3), "<u8")
     h, padding, pieces = xxhash.xxh3_128(), 0, 0
-    with open(tmp / TABLE_FILE, "wb") as tf, open(tmp / STARTS_FILE, "wb") as sf:
+    with open_new(tmp / TABLE_FILE) as tf, open_new(tmp / STARTS_FILE) as sf:
         for b in range(nb):
             rec = rows_files.read(b, _BUILD)
             rec = rec[np.lexsort((rec["row_offset"], rec["g"]))]
@@ -770,7 +769,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
             padding += (g1 - g0) * plan.row_tokens - int(rec["length"].astype(np.int64).sum())
             pieces += len(rec)
     index[nb, 0] = pieces
-    (tmp / INDEX_FILE).write_bytes(index.tobytes())
+    write_bytes_atomic(tmp / INDEX_FILE, index.tobytes())
     shutil.rmtree(tmp / "rows", ignore_errors=True)
     names = {}
     for b, hs in shard_hashes.items():

@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from io import BufferedReader
 
 import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import map_file, progress, write_bytes_atomic
+from tokpack.formats.io import map_file, open_append, open_read, progress, read_array, write_bytes_atomic
 
 from .packed import (DOC, PIECE_STATE_BYTES, TABLE_PIECE_BYTES, PackedTable, TokenPool, build_table, document_count,
                      row_padding)
@@ -189,7 +190,7 @@ class PackedScatterStep(_Step):
                     for ext, payload, h in zip(("rows", "pos"), (tokens, rec),
                                                hashes.setdefault(b, [xxhash.xxh3_64(), xxhash.xxh3_64()])):
                         raw = memoryview(payload).cast("B")
-                        with open(lay.bucket_file(t, b, ext), "ab") as out:
+                        with open_append(lay.bucket_file(t, b, ext), folder=lay.dir) as out:
                             out.write(raw)
                         h.update(raw)
                     counts[b] += len(run)
@@ -249,7 +250,7 @@ class PackedOrderStep(OrderStep):
                 if not f.exists():
                     continue
                 want = recorded[t][b - buckets.start, 1:]
-                raw = f.with_suffix(".pos").read_bytes()
+                raw = read_array(f.with_suffix(".pos"), np.uint8, folder=lay.dir)
                 self._check_file(t, f.with_suffix(".pos"), want[1], xxhash.xxh3_64_intdigest(raw))
                 rec = np.frombuffer(raw, dtype=RECORD)
                 local = rec["g"].astype(np.int64) - start
@@ -262,7 +263,7 @@ class PackedOrderStep(OrderStep):
                 # The tokens are read a chunk of whole pieces at a time (not the file at once: the
                 # bucket's rows take the budget already), hashed as they are read.
                 h, i = xxhash.xxh3_64(), 0
-                with open(f, "rb") as fh:
+                with BufferedReader(open_read(f, folder=lay.dir)) as fh:
                     while i < len(rec):
                         first = int(ends[i - 1]) if i else 0
                         j = max(i + 1, int(np.searchsorted(ends, first + GATHER_TOKENS, side="right")))

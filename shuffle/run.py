@@ -24,7 +24,7 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
-from tokpack.formats.io import TMP_MARK, remove_tmp_files
+from tokpack.formats.io import MAX_RECORD_BYTES, TMP_MARK, read_limited, remove_tmp_files
 from tokpack.formats.outputs import LocalOutput, Output
 from tokpack.formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
                               read_manifest, run_manifest)
@@ -294,7 +294,7 @@ def _source_check(job: EpochJob, layout: Layout | None):
         marker = job.source_changed_path
         if not marker.exists():
             raise
-        record = json.loads(marker.read_text())
+        record = json.loads(read_limited(marker, MAX_RECORD_BYTES, "record"))
         marker.unlink()
         if layout is not None:
             shutil.rmtree(layout.dir, ignore_errors=True)

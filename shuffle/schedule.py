@@ -16,6 +16,7 @@ from pathlib import Path
 import xxhash
 
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import open_read
 from tokpack.formats.manifest import MAX_EPOCHS
 from tokpack.formats.shards import PackedSource
 from tokpack.formats.units import at_most, token_count
@@ -152,7 +153,7 @@ def read_schedule(path: str | Path) -> Schedule:
             return super().compose_node(parent, index)
 
     path = Path(path)
-    with open(path, "rb") as f:
+    with open_read(path, ahead=False, user=True) as f:  # a user's file: the regular-file rule only (a FIFO never blocks)
         raw = f.read(MAX_SCHEDULE_BYTES + 1)
     at_most(len(raw), MAX_SCHEDULE_BYTES, "schedule file size in bytes", file=path,
             hint="a schedule is a short YAML file of stages; check that this is the right file")

@@ -44,7 +44,8 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import IO_BLOCK, Worker, drop_buffers, lent, map_file, progress, read_record, write_bytes_atomic
+from tokpack.formats.io import (IO_BLOCK, Worker, drop_buffers, lent, map_file, open_append, progress, read_array, read_record,
+                                regular_size, write_bytes_atomic)
 from tokpack.formats.manifest import dtype_from_name, shard_digits, shard_name
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace
 from tokpack.formats.shards import PackedSource, RowFragments
@@ -432,8 +433,8 @@ class Layout:
     def recorded(self, t: int, buckets: range) -> np.ndarray:
         """Task t's records of `buckets` only: an order task reads its own buckets' records, a
         few bytes each, not the whole table (which grows with the bucket count)."""
-        table = np.fromfile(self.task_records(t), dtype="<u8", count=3 * len(buckets),
-                            offset=RECORD_BYTES * buckets.start)
+        table = read_array(self.task_records(t), "<u8", 3 * len(buckets), RECORD_BYTES * buckets.start,
+                           folder=self.dir)
         if len(table) != 3 * len(buckets):  # written whole and atomically: only damage cuts it short
             self.task_done(t).unlink(missing_ok=True)
             raise TokpackError("scatter task's records are cut short", file=self.task_records(t),
@@ -558,7 +559,7 @@ class ScatterStep(_Step):
                                 fp.close()
                             files.clear()
                         lay.bucket_file(t, b, "rows").parent.mkdir(exist_ok=True)
-                        files[b] = tuple(open(lay.bucket_file(t, b, ext), "ab") for ext in ("rows", "pos"))
+                        files[b] = tuple(open_append(lay.bucket_file(t, b, ext), folder=lay.dir) for ext in ("rows", "pos"))
                         hashes.setdefault(b, (xxhash.xxh3_64(), xxhash.xxh3_64()))
                     rows_bytes, pos_bytes = memoryview(out[x:y]).cast("B"), g[x:y].astype("<i8").tobytes()
                     files[b][0].write(rows_bytes)
@@ -641,9 +642,10 @@ class OrderStep(_Step):
             for t in range(lay.tasks):
                 f = lay.bucket_file(t, b, "rows")
                 if f.exists():
-                    k = os.path.getsize(f) // job.row_bytes
-                    rows = map_file(f, 0, os.path.getsize(f))
-                    pos = map_file(f.with_suffix(".pos"), 0, os.path.getsize(f.with_suffix(".pos")))
+                    size, pos_size = (regular_size(x, folder=lay.dir) for x in (f, f.with_suffix(".pos")))
+                    k = size // job.row_bytes
+                    rows = map_file(f, 0, size, folder=lay.dir)
+                    pos = map_file(f.with_suffix(".pos"), 0, pos_size, folder=lay.dir)
                     self._check_bucket(t, f, [rows, pos], recorded[t][b - buckets.start, 1:].tolist())
                     parts.append(rows[: k * job.row_bytes].view(job.row_void))
                     positions.append(pos[: k * 8].view("<i8"))

@@ -19,6 +19,12 @@ Covered classes of damaged input:
 - lock files (`tokpack.lock`) holding garbage, wrong types, another host's or a live pid;
 - work records: a garbage `.tokpack-work/request.json` of pack, and every file of an
   out-of-core shuffle interrupted after its scatter pass (records and bucket files), damaged;
+- node slices and best-fit epochs (issue 32, the gate): a slice's rank file, its `.ds.index`,
+  `.ds.rows` or `.ds.pad`, a window run's and a best-fit run's shard, `.ds.rows` or `.ds.pad`,
+  each linked out of its dataset to a byte-identical copy, its epoch folder moved out and
+  linked in its place, extended (3 or 800 bytes) or truncated (to half, to nothing), for `read`,
+  `validate` and `validate --against RUN` of the slice, `TokpackDataset` on the slice, `stage
+  --ranks` and `stage --node` of the run, `validate` of the run and `SampleReader` with verify;
 - odd paths: every dataset lives under a folder whose name has spaces, unicode or quotes;
 - extreme arguments: 0, -1, 10^15, 10^23, `1000T`, `1B` of memory, `0-100000000000` epochs,
   `0-99999999/100000000` ranks, `100000` workers, malformed ranges;
@@ -26,8 +32,9 @@ Covered classes of damaged input:
   `--overwrite`.
 
 Commands driven: pack, shuffle (flags and --schedule, in memory and out of core), validate
-(full, --quick, --against), read (with and without --verify), inspect, stage (whole, --epochs,
---ranks), plan shuffle/pack/stage; and `tokpack.loader.reader.SampleReader`,
+(full, --quick, --against, a slice --against its run), read (with and without --verify, a
+slice), inspect, stage (whole, --epochs, --ranks r/W, node slices --ranks A-B and --node),
+plan shuffle/pack/stage; and `tokpack.loader.reader.SampleReader`,
 `tokpack.loader.torch_adapter.TokpackDataset` and `tokpack.packer.validate` in a Python process of their own.
 
 Every case must: end within the timeout (no hang); exit 0, or 1 with exactly one
@@ -44,7 +51,12 @@ Not covered: S3/fsspec URLs and Slurm/Ray executors (no server or cluster here);
 by C code without Python's `open` (the audit hook does not see them: pyarrow, tokenizers);
 `sources[].path` of run and epoch manifests (they name other datasets by design); reading a
 file changed while the command runs; signals sent during a case (tests/test_lifetime.py);
-pack's input formats other than NumPy; resource exhaustion of the disk (tests/test_hygiene.py).
+pack's input formats other than NumPy; resource exhaustion of the disk (tests/test_hygiene.py);
+for node slices and best-fit epochs, their manifests mutated at the JSON level (the padding
+checks of issue 32's item 2 belong there), padding values rewritten in place at the right size
+(`validate --against` proves them, tests/test_slices.py), the Python API's arguments and loader
+states (issue 32, item 5), and sizes of a slice's `.ds.index` and `.ds.rows`, which `read` and
+`TokpackDataset` do not open (only `validate` must refuse them).
 
 `TOKPACK_FUZZ_EXAMPLES=N` raises the examples per test (default 4); `TOKPACK_FUZZ_SHRINK=1`
 lets hypothesis shrink a failure (off by default: a hang would be rerun for every shrink step);
@@ -70,6 +82,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -87,6 +100,7 @@ REPORT = os.environ.get("TOKPACK_FUZZ_REPORT")  # a file: record every failing c
 MEMORY = 2 << 30  # RLIMIT_AS: a healthy case peaks near 0.65 GiB of address space (torch; stage 0.5 GiB)
 EXTRA_PROCESSES = 64  # RLIMIT_NPROC above what the user already runs: a worker count is not a fork bomb
 SEQ = ["--seq-len", "7", "--seed", "1"]
+SLICE_W, SLICE_M = 4, 2  # the node slices of the world: ranks 0-1 of 4, micro-batch 2
 OOC = ["--memory", "4KiB", "--shard-samples", "40"]  # out of core: the bucket path runs
 
 # ------------------------------------------------------------------------------------ worlds
@@ -131,6 +145,12 @@ def pristine(tmp_path_factory) -> Path:
         shuffle_run([str(data / "src")], str(data / "wrun"), seq_len=7, seed=1, epochs=[0], shard_samples=40,
                     memory=4 << 10, log=None, run_passes=scatter_then_stop)
     assert list((data / "wrun").rglob("*.json")), "the interrupted shuffle left no work records"
+    shuffle_run([str(data / "src")], str(data / "brun"), seq_len=7, seed=2, epochs=[0, 1], shard_samples=40,
+                memory=64 << 20, packing="best-fit", jitter=False, log=None)
+    from tokpack.packer.slicing import stage_slice
+
+    for run, slice_ in (("run", "slice"), ("brun", "bslice")):  # node slices of ranks 0-1 (W=4, m=2)
+        stage_slice(str(data / run), data / slice_, ranks="0-1", world_size=SLICE_W, micro_batch=SLICE_M)
     outside.mkdir()
     for f in (data / "src").iterdir():
         if f.name != "tokpack.json":
@@ -150,6 +170,7 @@ class World:
 
     # world.data, world.outside, and under data: world.src, world.run, world.epoch, world.sched ...
     PLACES = {"data": "data", "outside": "outside", "src": "data/src", "other": "data/other", "run": "data/run",
+              "brun": "data/brun", "slice": "data/slice", "bslice": "data/bslice",
               "epoch": "data/run/epoch-00000", "wrun": "data/wrun", "out": "data/out", "dest": "data/dest",
               "sched": "data/sched.yaml", "npy": "data/tokens.npy"}
 
@@ -173,6 +194,11 @@ def clone(pristine: Path, where: Path, name: str) -> World:
         text = f.read_text()
         if old in text:
             f.write_text(text.replace(old, new))
+    for m in (root / "data").glob("*slice/epoch-*/tokpack.json"):  # the run epoch manifests they record changed with them
+        doc = json.loads(m.read_text())
+        run = Path(json.loads((m.parent.parent / "tokpack.json").read_text())["source"])
+        doc["epoch_xxh3_128"] = xxhash.xxh3_128_hexdigest((run / m.parent.name / "tokpack.json").read_bytes())
+        m.write_text(json.dumps(doc))
     w = World(root)
     w.plant(w.data / "notes.txt")
     w.plant(w.data / "notes.ds" / "mine.txt", "my own folder\n")
@@ -287,6 +313,11 @@ for call, path, verify in json.loads(sys.argv[1]):
         elif call == "dataset":
             from tokpack.loader.torch_adapter import TokpackDataset
             for _ in zip(range(400), TokpackDataset(path, verify=verify, positions="index")):
+                pass
+        elif call == "slice-dataset":  # rank 1 of a node slice of ranks 0-1 (W=4, m=2)
+            from tokpack.formats.torch_adapter import TokpackDataset
+            for _ in zip(range(400), TokpackDataset(path, rank=1, world_size=4, micro_batch=2, verify=verify,
+                                                    positions="index")):
                 pass
         else:
             from tokpack.packer import validate
@@ -773,6 +804,116 @@ def test_a_fifo_in_every_place_blocks_no_command(worlds):
         cases += [guarded(cli(w, "stage", w.run, w.dest), True) for w in [make()]]
         cases += [guarded(cli(w, "read", w.run, "--verify"), True) for w in [make()]]
     check(*cases)
+
+
+# ---- node slices and best-fit sidecars (issue 32: the gate for the files written after issue 24)
+
+def _slice_cmds(w: World, s: Path, run: Path):
+    """What reads a node slice (`s`, staged from `run`)."""
+    return {
+        "read": lambda: cli(w, "read", s, "--rank", "1", "--world-size", SLICE_W, "--micro-batch", SLICE_M,
+                            "--count", "6"),
+        "validate": lambda: cli(w, "validate", s),
+        "validate-against": lambda: cli(w, "validate", s, "--against", run),
+        "api-slice-dataset": lambda: api(w, "slice-dataset", s),
+    }
+
+
+def _run_side_cmds(w: World, s: Path, run: Path):
+    """What reads a run's files for a node slice, and the run's own checks."""
+    return {
+        "stage-ranks": lambda: cli(w, "stage", run, w.dest, "--ranks", "0-1", "--world-size", SLICE_W,
+                                   "--micro-batch", SLICE_M),
+        "stage-node": lambda: cli(w, "stage", run, w.dest, "--node", "0/2", "--ranks-per-node", "2",
+                                  "--micro-batch", SLICE_M),
+        "validate-against": lambda: cli(w, "validate", s, "--against", run),
+        "validate-run": lambda: cli(w, "validate", run),
+        "api-reader-verify": lambda: api(w, "reader", run, verify=True),
+    }
+
+
+SLICE_SIDE = sorted(_slice_cmds(World(Path("/")), Path("/"), Path("/")))
+RUN_SIDE = sorted(_run_side_cmds(World(Path("/")), Path("/"), Path("/")))
+SLICE_OF = {"slice": "run", "bslice": "brun", "run": "slice", "brun": "bslice"}  # each dataset and its partner
+SIDECAR_TARGETS = ["slice/epoch-00000/rank-00001.ds", "slice/epoch-00001/rank-00000.ds.index",
+                   "slice/epoch-00001/rank-00001.ds.rows", "bslice/epoch-00000/rank-00001.ds.pad",
+                   "bslice/epoch-00001/rank-00000.ds", "run/epoch-00000/00001.ds.rows", "run/epoch-00001/00000.ds",
+                   "brun/epoch-00000/00000.ds.pad", "brun/epoch-00001/00001.ds.rows", "brun/epoch-00000/00002.ds"]
+SIDECAR_DAMAGE = ["outside", "epoch-link", ("extend", 800), ("extend", 3), ("truncate", 0.5), ("truncate", 0.0)]
+
+
+def _sidecar_must_fail(command: str, target: str, damage) -> bool:
+    """Whether the damage makes the data wrong for the command, so that exit 0 is a failure too:
+    a file or epoch folder linked out is refused by everything that reads its dataset; a file
+    of the wrong size by everything that reads it (the gate checks the recorded size)."""
+    dataset, name = target.split("/")[0], target.rsplit("/", 1)[1]
+    suffix = name[name.index(".ds") + 3:]
+    linked = damage in ("outside", "epoch-link")
+    if dataset.endswith("slice"):
+        if linked or suffix == "":
+            return True
+        return {".pad": {"validate", "validate-against", "api-slice-dataset"},
+                ".index": {"validate"}, ".rows": {"validate"}}[suffix].__contains__(command)
+    if linked:  # the run: its files, through the slice's stage and comparison, and its own checks
+        return True
+    sized = {"stage-ranks", "stage-node", "validate-run"} | ({"validate-against"} if suffix in (".rows", ".pad") else set())
+    return command in sized or (command == "api-reader-verify" and suffix == "")
+
+
+def _damage_sidecar(w: World, target: str, damage) -> None:
+    f = w.data / target
+    if damage == "outside":  # a byte-identical copy outside, linked in its place
+        copy = w.outside / f"{target.replace('/', '-')}"
+        shutil.copy(f, copy)
+        f.unlink()
+        f.symlink_to(copy)
+    elif damage == "epoch-link":  # the whole epoch folder moved outside, linked in its place
+        moved = w.outside / f"{target.split('/')[0]}-{f.parent.name}"
+        shutil.move(f.parent, moved)
+        f.parent.symlink_to(moved)
+    else:
+        damage_bytes(f, damage)
+
+
+@FUZZ
+@given(target=st.sampled_from(SIDECAR_TARGETS), damage=st.sampled_from(SIDECAR_DAMAGE),
+       picks=st.lists(st.integers(0, 100), min_size=1, max_size=3, unique=True))
+def test_damaged_slice_and_best_fit_files(worlds, target, damage, picks):
+    """A node slice's rank files (and their .ds.index, .ds.rows, .ds.pad), a slice epoch folder,
+    and a run's (window and best-fit) shards, row hashes and padding: linked out of the dataset
+    to a byte-identical copy, extended (800 bytes, 3 bytes) or truncated. Each command that
+    reads the damaged dataset ends as issue 24's cases must, and refuses what the damage makes
+    wrong for it (the gate: containment, and the size the manifest records)."""
+    dataset = target.split("/")[0]
+    slice_ = dataset if dataset.endswith("slice") else SLICE_OF[dataset]
+    table = _slice_cmds if dataset.endswith("slice") else _run_side_cmds
+    names = sorted(table(World(Path("/")), Path("/"), Path("/")))
+    cases = []
+    for command in sorted({names[p % len(names)] for p in picks}):
+        w = worlds()
+        s, run = getattr(w, slice_), getattr(w, SLICE_OF[slice_])
+        before = snapshot(s, run)
+        _damage_sidecar(w, target, damage)
+        case = guarded(table(w, s, run)[command](), _sidecar_must_fail(command, target, damage))
+        case.before = {p: b for p, b in {**case.before, **before}.items() if p.exists() and not p.is_symlink()
+                       and p != w.data / target and w.outside not in p.resolve().parents}
+        cases.append(case)
+    _explain(f"{damage} {target}")
+    check(*cases)
+
+
+def test_slice_commands_accept_the_undamaged_world(worlds):
+    """The baseline of the cases above: on undamaged slices and runs, every one exits 0."""
+    cases = []
+    for slice_ in ("slice", "bslice"):
+        for table in (_slice_cmds, _run_side_cmds):
+            for name in sorted(table(World(Path("/")), Path("/"), Path("/"))):
+                w = worlds()
+                s, run = getattr(w, slice_), getattr(w, SLICE_OF[slice_])
+                cases.append(guarded(table(w, s, run)[name]()))
+    for i in range(0, len(cases), 4):
+        for o in check(*cases[i:i + 4]):
+            assert o.status == 0, f"{o.what}: exit {o.status}\n{o.stderr[-1000:]}"
 
 
 # ---- schedules

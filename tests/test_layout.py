@@ -222,3 +222,88 @@ def test_tests_do_not_skip_on_import_errors():
                 if isinstance(node, ast.ExceptHandler) else False
             if broad and isinstance(node.body[0], (ast.Return, ast.Pass)):
                 assert False, f"{path.name}:{node.lineno}: an import or any error turned into a silent return"
+
+
+# ------------------------------------------------------------------ every open goes through the gate
+
+GATE_MODULE = "formats/io.py"  # tokpack.formats.io: the gate (docs/COMMANDS.md, "The gate") and the writers
+# Calls that open a file by name, whatever the receiver is called (`np` and `numpy` alike).
+OPENERS = {"open", "os.open", "os.fdopen", "io.open", "builtins.open", "np.fromfile", "numpy.fromfile", "np.memmap",
+           "numpy.memmap", "np.load", "numpy.load", "mmap.mmap", "gzip.open", "bz2.open", "lzma.open"}
+# Methods that read a file whatever object they are called on: pathlib's (a Path receiver cannot
+# be told from another statically, so any receiver counts), and `.open` on anything that is not
+# a class (SampleReader.open, PackedSource.open and PackedTable.open construct tokpack's readers).
+READING_METHODS = {"read_bytes", "read_text", "open"}
+# What may open a file outside the gate, each with why it is not a dataset file (or is gated already).
+GATE_ALLOWED = {
+    ("packer/cli.py", "open"): "the CLI's crash log in $TOKPACK_LOG_DIR, written by tokpack for the user",
+    ("packer/executors.py", "logging_dir.open"): "datatrove's folder of an executor's own task logs",
+    ("packer/executors.py", "folder.open"): "datatrove's folders: an executor's completion markers, and the remote "
+                                            "side of a download (the local copy is then read through the gate)",
+    ("packer/executors.py", "fs.open"): "the remote side of a download (an fsspec object, not a local file)",
+    ("packer/staging.py", "self.open"): "staging.Source.open, which opens through the gate",
+    ("packer/staging.py", "self.src.open"): "staging.Source.open, which opens through the gate",
+    ("packer/slicing.py", "src.open"): "staging.Source.open, which opens through the gate",
+    ("formats/inputs/jsonl.py", "gzip.open"): "decompresses a stream the gate opened (its argument is a file object)",
+}
+
+
+def ungated_opens(path: Path, source: str | None = None) -> list[str]:
+    """The calls in a product module that open a file outside the gate, as 'file:line call'.
+    Enforceable statically: calls of the names in OPENERS, and of READING_METHODS on any
+    receiver but a class; a call whose first argument is a literal /proc/ path (a process's
+    own status, not a dataset file) is fine. Not enforceable: opens done by C code given a
+    path (pyarrow; the inputs pass it a file the gate opened) or hidden behind a variable
+    bound to `open`."""
+    rel = path.relative_to(REPO).as_posix()
+    found = []
+    for node in ast.walk(ast.parse(source if source is not None else path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        name = ast.unparse(node.func)
+        method = node.func.attr if isinstance(node.func, ast.Attribute) else None
+        if name not in OPENERS and method not in READING_METHODS:
+            continue
+        if method == "open" and isinstance(node.func.value, ast.Name) and node.func.value.id[:1].isupper():
+            continue  # a class's constructor (SampleReader.open ...)
+        first = node.args[0] if node.args else None
+        literal = first.value if isinstance(first, ast.Constant) else \
+            first.values[0].value if isinstance(first, ast.JoinedStr) and first.values and \
+            isinstance(first.values[0], ast.Constant) else None
+        if isinstance(literal, str) and literal.startswith("/proc/"):
+            continue
+        if (rel, name) in GATE_ALLOWED:
+            continue
+        found.append(f"{rel}:{node.lineno} {name}(...)")
+    return found
+
+
+def product_modules() -> list[Path]:
+    """Every module of the installed subpackages (formats, shuffle, packer and any added later)
+    but the gate's own."""
+    return sorted(p for package in TOP_PACKAGES for p in (REPO / package).rglob("*.py")
+                  if p.relative_to(REPO).as_posix() != GATE_MODULE)
+
+
+def test_every_open_of_a_file_goes_through_the_gate():
+    """Product code opens files only through tokpack.formats.io (containment, regular files,
+    the recorded size: docs/COMMANDS.md, "The gate"); the allowed exceptions are not dataset
+    files, each with its reason in GATE_ALLOWED."""
+    wrong = [hit for module in product_modules() for hit in ungated_opens(module)]
+    assert not wrong, "open these through tokpack.formats.io (open_read, read_array, map_file, read_limited, " \
+                      f"regular_fd, open_append, open_new) or allow them in GATE_ALLOWED with a reason: {wrong}"
+    assert (REPO / GATE_MODULE).is_file()
+    used = {(m.relative_to(REPO).as_posix(), ast.unparse(n.func)) for m in product_modules()
+            for n in ast.walk(ast.parse(m.read_text())) if isinstance(n, ast.Call)}
+    assert set(GATE_ALLOWED) <= used, f"allowed but no longer there (remove them): {set(GATE_ALLOWED) - used}"
+
+
+@pytest.mark.parametrize("stray", ["open(path, 'rb')", "np.fromfile(f, dtype='<u8')", "os.open(p, os.O_RDONLY)",
+                                   "mmap.mmap(fd, 0)", "Path(p).read_bytes()", "p.read_text()", "p.open('rb')",
+                                   "numpy.memmap(f)", "open(f'/tmp/{x}')"])
+def test_the_gate_check_sees_a_stray_open(stray):
+    """The check catches each kind of open it claims to, in any product module."""
+    module = REPO / "shuffle" / "steps.py"
+    assert ungated_opens(module, module.read_text()) == []
+    hits = ungated_opens(module, module.read_text() + f"\n\ndef stray(p, f, fd, x):\n    return {stray}\n")
+    assert len(hits) == 1 and hits[0].startswith("shuffle/steps.py:"), hits

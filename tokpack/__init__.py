@@ -9,7 +9,6 @@ datatrove nor the executors, and only `TokpackDataset` imports torch (docs/API.m
 from __future__ import annotations
 
 import importlib
-import sys
 import types
 from importlib import metadata
 from pathlib import Path

@@ -8,8 +8,8 @@ from typing import Iterator
 
 import numpy as np
 
-from ..io import as_path, give_buffers, open_read, read_ahead, read_array, take_buffer
-from ..manifest import parse_metadata_text
+from ..io import as_path, give_buffers, open_read, read_ahead, read_array, read_limited, take_buffer
+from ..manifest import MAX_MANIFEST_BYTES, parse_metadata_text
 from . import INDEX_CHUNK, Block, InputFile, input_error as _err, read_exact
 
 
@@ -17,7 +17,7 @@ def datatrove_file(path, dtype: str | None) -> InputFile:
     meta = as_path(f"{path}.metadata")
     tokenizer = None
     if meta.exists():
-        tokenizer, token_size, _ = parse_metadata_text(meta.read_text(), meta)
+        tokenizer, token_size, _ = parse_metadata_text(read_limited(meta, MAX_MANIFEST_BYTES, "metadata file", user=True).decode(), meta)
         if token_size not in (2, 4):
             raise _err("unsupported token size in datatrove metadata", meta, where="token_size",
                        expected="2 or 4", found=token_size)
@@ -54,7 +54,7 @@ def check_datatrove(f: InputFile) -> None:
     count = isize // 8
     prev = 0
     for start in range(0, count, INDEX_CHUNK):
-        ends = read_array(index, "<u8", min(INDEX_CHUNK, count - start), start * 8)
+        ends = read_array(index, "<u8", min(INDEX_CHUNK, count - start), start * 8, user=True)
         _check_increasing(ends, prev, index, start)
         prev = int(ends[-1])
     if prev != tokens:
@@ -86,7 +86,7 @@ def datatrove_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
     def plan():  # (tokens, (ends, first document, token offset)) per block; runs in the read-ahead thread
         prev = 0  # token end of the previous document
         for start in range(0, count, INDEX_CHUNK):
-            ends = read_array(f.extra["index"], "<u8", min(INDEX_CHUNK, count - start), start * 8).astype(np.int64)
+            ends = read_array(f.extra["index"], "<u8", min(INDEX_CHUNK, count - start), start * 8, user=True).astype(np.int64)
             _check_increasing(ends, prev, f.extra["index"], start)
             i = 0
             while i < len(ends):
@@ -95,7 +95,7 @@ def datatrove_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
                 prev = int(ends[j - 1])
                 i = j
 
-    with open_read(f.path) as ds, (open_read(f.extra["loss"]) if has_loss else nullcontext()) as lf:
+    with open_read(f.path, user=True) as ds, (open_read(f.extra["loss"], user=True) if has_loss else nullcontext()) as lf:
         def fill(slot, n, meta):
             tokens = read_exact(ds, slot[0].ensure(n)[:n], f.path, meta[2])
             return tokens, read_exact(lf, slot[1].ensure(n)[:n], f.extra["loss"], meta[2]) if has_loss else None

@@ -10,8 +10,8 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import TokpackError
-from ..io import TMP_MARK, as_path
-from ..manifest import MANIFEST
+from ..io import TMP_MARK, as_path, read_limited
+from ..manifest import MANIFEST, MAX_MANIFEST_BYTES
 from . import BLOCK_BYTES, Block, InputFile, input_error as _err
 from .datatrove_ds import check_datatrove, datatrove_blocks, datatrove_file
 from .jsonl import JSONL_SUFFIXES, jsonl_blocks, jsonl_file
@@ -100,12 +100,12 @@ def _discover_dir(path: Path, want, column, dtype) -> tuple[str, list[InputFile]
     if want in ("auto", "megatron") and bins:
         return "megatron", [megatron_file(p) for p in bins]
     if (path / "dataset_dict.json").exists():
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits")
+        splits = json.loads(read_limited(path / "dataset_dict.json", MAX_MANIFEST_BYTES, "dataset_dict.json", user=True)).get("splits")
         raise _err("a DatasetDict holds several splits", path, expected="one split's directory", found=splits,
                    hint=f"pass one split, e.g. {path / (splits or ['train'])[0]}")
     arrows = [p for p in files if p.suffix in ARROW_SUFFIXES]
     if want in ("auto", "parquet", "text") and (path / "state.json").exists() and arrows:
-        state = json.loads((path / "state.json").read_text())
+        state = json.loads(read_limited(path / "state.json", MAX_MANIFEST_BYTES, "state.json", user=True))
         listed = [path / d["filename"] for d in state.get("_data_files", [])]
         arrows = [p for p in listed if p.exists()] if listed else arrows
         return _each(arrows, lambda p: table_file(p, "arrow", want, column))

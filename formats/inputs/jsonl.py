@@ -11,16 +11,16 @@ from typing import Iterator
 
 import numpy as np
 
-from ..io import is_url, open_read
+from ..io import open_read
 from . import Block, InputFile, input_error as _err
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson")
 
 
 def _open_text(path):
-    binary = io.BufferedReader(open_read(path)) if is_url(path) else path
+    binary = io.BufferedReader(open_read(path, user=True))  # a user's input: the regular-file rule only
     return gzip.open(binary, "rt", encoding="utf-8") if str(path).endswith(".gz") else \
-        io.TextIOWrapper(binary, encoding="utf-8") if is_url(path) else open(path, encoding="utf-8")
+        io.TextIOWrapper(binary, encoding="utf-8")
 
 
 def jsonl_file(path, want: str, column: str | None) -> tuple[str, list[InputFile]]:

@@ -28,7 +28,7 @@ MEGATRON_DTYPES = {
 
 def megatron_file(bin_path) -> InputFile:
     idx = bin_path.with_suffix(".idx")
-    head = read_array(idx, np.uint8, MEGATRON_HEADER).tobytes()
+    head = read_array(idx, np.uint8, MEGATRON_HEADER, user=True).tobytes()
     if head[:9] != MEGATRON_MAGIC:
         raise _err("not a Megatron index: wrong magic", idx, where="byte 0", expected=repr(MEGATRON_MAGIC),
                    found=repr(head[:9]), hint="pass the .idx written with the .bin (Megatron's MMIDIDX format)")
@@ -70,8 +70,8 @@ def check_megatron(f: InputFile) -> None:
     sizes_off, ptr_off, doc_off = _megatron_layout(f)
     for start in range(0, seqs, INDEX_CHUNK):
         n = min(INDEX_CHUNK, seqs - start)
-        sizes = read_array(idx, "<i4", n, sizes_off + 4 * start).astype(np.int64)
-        ptrs = read_array(idx, "<i8", n, ptr_off + 8 * start)
+        sizes = read_array(idx, "<i4", n, sizes_off + 4 * start, user=True).astype(np.int64)
+        ptrs = read_array(idx, "<i8", n, ptr_off + 8 * start, user=True)
         bad = np.flatnonzero((sizes < 0) | (ptrs < 0) | (ptrs + sizes * itemsize > bsize))
         if len(bad):
             i = int(bad[0])
@@ -81,7 +81,7 @@ def check_megatron(f: InputFile) -> None:
                        hint="the .bin is truncated or belongs to another .idx")
     prev = 0
     for start in range(0, docs, INDEX_CHUNK):
-        di = read_array(idx, "<i8", min(INDEX_CHUNK, docs - start), doc_off + 8 * start)
+        di = read_array(idx, "<i8", min(INDEX_CHUNK, docs - start), doc_off + 8 * start, user=True)
         if start == 0 and di[0] != 0:
             raise _err("Megatron document indices do not start at 0", idx, where="document index 0", expected=0,
                        found=int(di[0]))
@@ -105,10 +105,10 @@ def megatron_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
     def plan():  # (tokens, (first seq, last seq, sizes, pointers, ends, first document)); read-ahead thread
         for dstart in range(0, docs, INDEX_CHUNK):
             nd = min(INDEX_CHUNK, docs - dstart)
-            di = read_array(idx, "<i8", nd + 1, doc_off + 8 * dstart)
+            di = read_array(idx, "<i8", nd + 1, doc_off + 8 * dstart, user=True)
             s0, s1 = int(di[0]), int(di[-1])
-            sizes = read_array(idx, "<i4", s1 - s0, sizes_off + 4 * s0).astype(np.int64)
-            ptrs = read_array(idx, "<i8", s1 - s0, ptr_off + 8 * s0)
+            sizes = read_array(idx, "<i4", s1 - s0, sizes_off + 4 * s0, user=True).astype(np.int64)
+            ptrs = read_array(idx, "<i8", s1 - s0, ptr_off + 8 * s0, user=True)
             seq_cum = np.concatenate([[0], np.cumsum(sizes)])
             doc_ends = seq_cum[di[1:] - s0]  # token end of each document, relative to sequence s0
             i = 0
@@ -119,7 +119,7 @@ def megatron_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
                 yield int(doc_ends[j - 1]) - base, (sizes[a:b], ptrs[a:b], doc_ends[i:j] - base, dstart + i)
                 i = j
 
-    with open_read(f.path) as fh:
+    with open_read(f.path, user=True) as fh:
         def fill(slot, n, meta):
             sizes, ptrs = meta[0], meta[1]
             out = slot.ensure(n)[:n]

@@ -14,7 +14,7 @@ RAW_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "
 
 
 def npy_file(path) -> InputFile:
-    with open_read(path, 1 << 16) as fh:
+    with open_read(path, 1 << 16, user=True) as fh:
         try:
             version = np.lib.format.read_magic(fh)
             read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
@@ -60,7 +60,7 @@ def eos_split_blocks(f: InputFile, block_tokens: int, eos_id: int) -> Iterator[B
     carry = 0  # tokens at the front of the buffer: a document not yet ended
     pos = 0  # tokens read from the file
     doc = offset = 0
-    with open_read(f.path) as fh:
+    with open_read(f.path, user=True) as fh:
         fh.seek(f.extra["offset"])
         while pos < count or carry:
             if pos < count:

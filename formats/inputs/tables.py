@@ -24,7 +24,7 @@ ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
 
 
 def _arrow_kind(path) -> str:
-    with open_read(path, 1 << 16) as fh:
+    with open_read(path, 1 << 16, user=True) as fh:
         return "file" if fh.read(6) == b"ARROW1" else "stream"
 
 
@@ -34,7 +34,7 @@ def _open_table(path, kind: str):
     import pyarrow as pa
 
     if is_url(path):
-        return open_read(path, PARQUET_READ_BYTES)
+        return open_read(path, PARQUET_READ_BYTES, user=True)
     return str(path) if kind == "parquet" else pa.memory_map(str(path))
 
 
