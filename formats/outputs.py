@@ -78,7 +78,7 @@ class EpochShardFormat:
     tokenizer: str
     padded: bool = False  # best-fit: a `.ds.pad` beside the rows
 
-    def open(self, place: ShardPlace) -> EpochShardWriter:
+    def writer(self, place: ShardPlace) -> EpochShardWriter:
         return EpochShardWriter(place.directory, place.name, self.dtype, self.seq_len, self.eos_id, self.tokenizer,
                                 padded=self.padded)
 
@@ -91,7 +91,7 @@ class SourceShardFormat:
     tokenizer: str
     with_loss: bool = False
 
-    def open(self, place: ShardPlace) -> SourceShardWriter:
+    def writer(self, place: ShardPlace) -> SourceShardWriter:
         return SourceShardWriter(place.directory, place.name, self.dtype, self.tokenizer, self.with_loss)
 
 
@@ -161,7 +161,7 @@ class Output(ABC):
 
     def open_shard(self, place: ShardPlace, fmt: EpochShardFormat | SourceShardFormat) -> ShardWriter:
         """The writer of every file of the shard at `place`."""
-        return ShardWriter(self, place, fmt.open(place))
+        return ShardWriter(self, place, fmt.writer(place))
 
     def commit(self, place: ShardPlace, entry: dict) -> None:
         """The shard at `place` (its manifest entry `entry`) is committed: its files, then its record."""

@@ -36,7 +36,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import _existing_ancestor
 from tokpack.formats.inputs import InputFile
 from tokpack.formats.inputs.discover import read_blocks
-from tokpack.formats.io import as_path, is_url, progress, regular_fd, regular_size, tmp_path
+from tokpack.formats.io import as_path, is_url, open_new, progress, regular_fd, regular_size, tmp_path
 from tokpack.formats.manifest import shard_name, xxh3_128_file
 from tokpack.formats.shards import SourceShardWriter
 from tokpack.packer.vocab import Normalizer
@@ -115,17 +115,17 @@ def _reflink(src: str, tmp: Path) -> tuple[str | None, str | None]:
     """('reflink', None) once `tmp` is a new file sharing `src`'s extents (fsync'd); else (None, why)."""
     fd_in = regular_fd(src)
     try:
-        fd_out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        out = open_new(tmp, buffering=0)
         try:
-            fcntl.ioctl(fd_out, FICLONE, fd_in)
-            os.fsync(fd_out)
+            fcntl.ioctl(out.fileno(), FICLONE, fd_in)
+            os.fsync(out.fileno())
         except BaseException as e:
-            os.close(fd_out)
+            out.close()
             tmp.unlink(missing_ok=True)
             if isinstance(e, OSError) and e.errno in _CANNOT_CLONE:
                 return None, os.strerror(e.errno)
             raise
-        os.close(fd_out)
+        out.close()
         return "reflink", None
     finally:
         os.close(fd_in)

@@ -315,7 +315,7 @@ for call, path, verify in json.loads(sys.argv[1]):
             for _ in zip(range(400), TokpackDataset(path, verify=verify, positions="index")):
                 pass
         elif call == "slice-dataset":  # rank 1 of a node slice of ranks 0-1 (W=4, m=2)
-            from tokpack.formats.torch_adapter import TokpackDataset
+            from tokpack.loader.torch_adapter import TokpackDataset
             for _ in zip(range(400), TokpackDataset(path, rank=1, world_size=4, micro_batch=2, verify=verify,
                                                     positions="index")):
                 pass

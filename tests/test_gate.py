@@ -74,7 +74,7 @@ def refused_by_the_slice_readers(tmp_path: Path, run: Path, s: Path, watch: Path
         r, opened = tokpack(tmp_path, "validate", s, *args, watch=watch)
         assert "outside" in corrupt(r) and opened == [], (args, r.stderr, opened)
     require("torch", "pip install torch")
-    from tokpack.formats.torch_adapter import TokpackDataset
+    from tokpack.loader.torch_adapter import TokpackDataset
 
     with pytest.raises(TokpackError, match="outside"):
         next(iter(TokpackDataset(s, rank=1, world_size=W, micro_batch=M, positions="index")))
