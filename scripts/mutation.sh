@@ -53,6 +53,12 @@ mkdir -p "$WORK"
 echo "mutation.sh: working in $WORK"
 (cd "$REPO" && git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$WORK" 2>/dev/null || true)
 cd "$WORK"
+# The copy takes the installed layout (tokpack/formats, tokpack/shuffle, ...): mutmut names a
+# mutant and picks its tests by the file's path, and the tests import tokpack.shuffle.plan, so
+# the paths must read as the module names (in the checkout they are top-level folders).
+for folder in $(python -c "import tomllib; print(' '.join(v for k, v in tomllib.load(open('pyproject.toml', 'rb'))['tool']['setuptools']['package-dir'].items() if k != 'tokpack'))"); do
+  mv "$folder" "tokpack/$folder"
+done
 
 # Per module: the tests that run against its mutants (the fast golden files first), and for
 # the engine only its placement (which row goes where), not its I/O plumbing. The engine's
@@ -93,12 +99,13 @@ import json, sys, tomllib
 tests, target = sys.argv[1:]
 text = open("pyproject.toml").read()
 cfg = tomllib.loads(text)["tool"]["mutmut"]
-cfg["only_mutate"] = [target]
+cfg["source_paths"] = ["tokpack"]
+cfg["only_mutate"] = ["tokpack/" + target]
 cfg["pytest_add_cli_args_test_selection"] = json.loads(tests)
 head = text[: text.index("\n[tool.mutmut]")]
 open("pyproject.toml", "w").write(head + "\n[tool.mutmut]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in cfg.items()))
 PY
-  module=${target%.py}; module=${module//\//.}
+  module=${target%.py}; module=tokpack.${module//\//.}
   names=()
   if [ "$mode" = ci ]; then
     names=("${CI_MUTANTS[@]}")
@@ -164,5 +171,6 @@ for module, r in sorted(rows.items()):
     print(f"{module:<22} {r['mutants']:>7} {r['killed']:>6} {r['survived']:>8} {r['equivalent']:>6} {other:>5} {score:>6.1%}")
 for name in survivors:
     print(f"survived    {name}   (mutmut show '{name}' in the work dir)")
+bad |= not rows  # nothing was checked at all (a layout mutmut cannot map to the tests' imports)
 sys.exit(1 if bad and mode == "ci" else 0)  # the CI subset must stay fully killed
 PY
