@@ -308,7 +308,11 @@ class _Tokpack(click.Group):
         if previous is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _raise_terminated)
         interrupt = signal.getsignal(signal.SIGINT) if previous is not None else None
-        if interrupt is signal.default_int_handler:  # Ctrl-C as Python's, with the same grace
+        # A background job of a non-interactive shell (`cmd &` in a script, nohup) inherits SIGINT
+        # ignored, and Python then installs no handler: tokpack's own process takes Ctrl-C back,
+        # so that SIGINT stops it wherever it runs (and its worker processes, started after this).
+        catch_interrupt = interrupt is signal.default_int_handler or (interrupt is signal.SIG_IGN and _OWN_PROCESS)
+        if catch_interrupt:  # Ctrl-C as Python's, with the same grace
             signal.signal(signal.SIGINT, _raise_interrupt)
         try:
             result = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
@@ -330,8 +334,8 @@ class _Tokpack(click.Group):
         finally:
             if previous is signal.SIG_DFL:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            if interrupt is signal.default_int_handler:
-                signal.signal(signal.SIGINT, signal.default_int_handler)
+            if catch_interrupt:
+                signal.signal(signal.SIGINT, interrupt)
         if not standalone_mode:
             return result
         sys.exit(result if isinstance(result, int) else 0)
