@@ -24,6 +24,7 @@ import traceback
 import click
 
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import LOG_INTERVAL_ENV, logging_every
 from tokpack.formats.units import byte_size, token_count
 
 
@@ -180,7 +181,8 @@ def user_errors(fn):
         ctx = click.get_current_context(silent=True)
         command = ctx.info_name if ctx is not None else "command"
         try:
-            return fn(*args, **kwargs)
+            with logging_every(_log_interval(ctx, as_json)):
+                return fn(*args, **kwargs)
         except (SystemExit, click.exceptions.Exit, click.ClickException, click.Abort):
             raise  # a status chosen already, or a usage error: main reports those
         except TokpackError as e:
@@ -208,6 +210,25 @@ def user_errors(fn):
             _internal_error(command, e, as_json)
 
     return wrapper
+
+
+_LOG_INTERVAL = "tokpack.log_interval"  # ctx.meta key: --log-interval as given (None: not given)
+
+LOG_INTERVAL = click.option(
+    "--log-interval", type=click.FloatRange(min=0), default=None, metavar="SECONDS", expose_value=False,
+    callback=lambda ctx, param, value: ctx.meta.__setitem__(_LOG_INTERVAL, value),
+    help="When stderr is not a terminal (a Slurm log, nohup): one progress line every SECONDS, saying what it "
+         "does, done/total, MB/s and an ETA; 0: none [default: $TOKPACK_LOG_INTERVAL, else 30; under --json, 0].")
+
+
+def _log_interval(ctx, as_json: bool) -> float | None:
+    """The progress-line interval a command runs with (None: $TOKPACK_LOG_INTERVAL or 30 s, as
+    tokpack.formats.io.log_interval reads it): --log-interval, else none under --json (stderr
+    holds a failure only) unless $TOKPACK_LOG_INTERVAL asks for lines."""
+    given = ctx.meta.get(_LOG_INTERVAL) if ctx is not None else None
+    if given is None and as_json and LOG_INTERVAL_ENV not in os.environ:
+        return 0.0
+    return given
 
 
 SHUFFLE_TASKS_HELP = ("Out of core: scatter tasks, each reading one input range (a run of whole source shards, "
@@ -388,6 +409,7 @@ SCRATCH = click.option(
               help="Target tokens per output shard (documents never span shards) [default: 2^30 = 1Gi tokens].")
 @executor_options
 @SCRATCH
+@LOG_INTERVAL
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
 def pack(inputs, output, as_json, **kw):
@@ -449,6 +471,7 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
               help="best-fit: the token that fills a sample's tail [default: the EOS id].")
 @executor_options(tasks_help=SHUFFLE_TASKS_HELP)
 @SCRATCH
+@LOG_INTERVAL
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
 def shuffle(sources, output, epochs, epoch, as_json, **kw):
@@ -464,8 +487,9 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
 
     epochs = _epochs_asked(sources, epochs, epoch, kw)
     executor = _executor_config(kw)
+    quiet = _log_interval(click.get_current_context(), as_json) == 0 and as_json  # no bar either
     result = shuffle_api(_weighted_sources(sources), output, epochs=epochs, executor=executor, log=_log(as_json),
-                         progress=False if as_json else None, **kw)
+                         progress=False if quiet else None, **kw)
     emit(result, as_json)
     if not as_json:
         for detail in result.epochs_detail:
@@ -490,6 +514,7 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
 @click.option("--against", multiple=True, help="Packed SOURCE(s) the epoch was shuffled from: recompute its content.")
 @click.option("--workers", type=click.IntRange(min=1), default=min(4, os.cpu_count() or 1), show_default="min(4, cores)",
               help="Files checked in parallel (more reads in flight keep the disk busy).")
+@LOG_INTERVAL
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @user_errors
 def validate(dirs, quick, against, workers, as_json):
@@ -584,6 +609,7 @@ def inspect(directory, as_json, **kw):
 @click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True, help="With --ranks or --node.")
 @click.option("--start-sample", type=click.IntRange(min=0), default=0, show_default=True,
               help="Node slice: global batches start at this sample mod W*m (a run resumed off that grid).")
+@LOG_INTERVAL
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
 def stage(directory, dest, as_json, **kw):

@@ -562,8 +562,8 @@ def shuffle_run(
 ) -> dict:
     """Writes OUT/epoch-NNNNN/ for each epoch (skipping complete identical ones) and the run
     manifest. `memory` is the total budget: the out-of-core path gives each of `workers`
-    concurrent tasks memory // workers. `progress`: tqdm bars on stderr (default: when it is a
-    terminal and TOKPACK_PROGRESS is not 0). `weights`: one per source, as given ("0.25", "1/3"),
+    concurrent tasks memory // workers. `progress`: bars on stderr, lines in a log (tokpack.formats.io.progress;
+    default: unless TOKPACK_PROGRESS is 0). `weights`: one per source, as given ("0.25", "1/3"),
     or None. `run_passes([(step, tasks, job_name, logging_dir), ...])` runs dependent passes in
     order (tokpack.packer.executors.pass_runner makes one). `given`: the sources as the user named them,
     when `sources` are local copies of URLs; the manifests record those names (plan.source_location:
@@ -578,7 +578,7 @@ def shuffle_run(
     t0 = time.perf_counter()
     log = log or (lambda line: None)
     if progress is None:
-        progress = sys.stderr.isatty() and os.environ.get("TOKPACK_PROGRESS", "1") != "0"
+        progress = os.environ.get("TOKPACK_PROGRESS", "1") != "0"
     virtual = [p for p in sources if is_virtual(p)]
     if virtual:
         raise TokpackError("a virtual source has no data to shuffle", file=virtual[0], where="SOURCE",
