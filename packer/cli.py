@@ -604,9 +604,12 @@ def inspect(directory, as_json, **kw):
 @click.option("--ranks", default=None, help="With --world-size: the node slice of consecutive ranks 'A-B' (only "
               "their rows, one file per rank). Alone, 'r/W': the whole shards ranks r of W read.")
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="W: data-parallel ranks; makes a node slice.")
-@click.option("--node", default=None, help="'n/N': the node slice of node n of N (with --ranks-per-node K; W = N*K).")
+@click.option("--node", default=None, help="'n/N': the node slice of node n of N, 0-based: n is 0 to N-1, "
+              "as SLURM_NODEID (with --ranks-per-node K; W = N*K; its ranks are n*K to n*K+K-1).")
 @click.option("--ranks-per-node", type=click.IntRange(min=1), default=None, help="K: ranks on each node, with --node.")
-@click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True, help="With --ranks or --node.")
+@click.option("--micro-batch", type=click.IntRange(min=1), default=None,
+              help="m: samples each rank reads per step, as training reads them; required for a node slice "
+                   "(--node, or --ranks with --world-size), whose rows depend on it; with --ranks r/W [default: 1].")
 @click.option("--start-sample", type=click.IntRange(min=0), default=0, show_default=True,
               help="Node slice: global batches start at this sample mod W*m (a run resumed off that grid).")
 @LOG_INTERVAL
@@ -619,10 +622,22 @@ def stage(directory, dest, as_json, **kw):
     Example:
       tokpack stage s3://bucket/runs/r1 /local_nvme/r1 --epochs 0-1 --workers 8
       tokpack stage /shared/runs/r1 /local_nvme/slice --ranks 0-7 --world-size 64 --micro-batch 4
+      tokpack stage /shared/runs/r1 /local_nvme/slice --node "$SLURM_NODEID/8" --ranks-per-node 8 --micro-batch 4
     """
     from tokpack.packer.api import stage as stage_api
 
-    emit(stage_api(directory, dest, log=_log(as_json), **kw), as_json)
+    emit(stage_api(directory, dest, log=_log(as_json), **_micro_batch_of(kw)), as_json)
+
+
+def _micro_batch_of(kw: dict) -> dict:
+    """stage's options with --micro-batch checked: a node slice holds the rows of one micro-batch,
+    and one forgotten (it was 1 by default) showed only when training started, on another node."""
+    if kw["micro_batch"] is None:
+        if kw["node"] is not None or kw["world_size"] is not None:
+            raise click.UsageError("a node slice (--node, or --ranks with --world-size) needs --micro-batch M, the "
+                                   "samples each rank reads per step: its rows depend on it")
+        kw["micro_batch"] = 1
+    return kw
 
 
 @main.group()
@@ -693,7 +708,7 @@ def plan_pack(inputs, output, as_json, **kw):
 
 @_planned(stage)
 def plan_stage(directory, dest, as_json, **kw):
-    _emit_plan("stage", as_json, directory, dest, **kw)
+    _emit_plan("stage", as_json, directory, dest, **_micro_batch_of(kw))
 
 
 if __name__ == "__main__":
