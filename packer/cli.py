@@ -46,9 +46,10 @@ class Quantity(click.ParamType):
 TOKENS, BYTES = Quantity("TOKENS", token_count), Quantity("BYTES", byte_size)
 
 
-def emit(result, as_json: bool, report_lines=None, err: bool = False) -> None:
+def emit(result, as_json: bool, report_lines=None, err: bool = False, shown: dict | None = None) -> None:
     """One machine-readable object on stdout with --json; otherwise the `report_lines(result)`
-    of a command that has them (on stderr if `err`), or a short human summary."""
+    of a command that has them (on stderr if `err`), or a short human summary (with `shown`'s
+    values instead of the summary's, for humans)."""
     summary = result.to_json()
     if as_json:
         click.echo(json.dumps(summary, default=str))
@@ -59,7 +60,17 @@ def emit(result, as_json: bool, report_lines=None, err: bool = False) -> None:
         for key, value in summary.items():
             if value is None or isinstance(value, (list, dict)):
                 continue
-            click.echo(f"{key:>18}: {value}")
+            click.echo(f"{key:>18}: {(shown or {}).get(key, value)}")
+
+
+def _real_shard_size(result) -> dict:
+    """shuffle's shard_samples for humans: the run's setting (which --json keeps, and adding an
+    epoch must repeat) is larger than an epoch by default on a small corpus; say what a shard holds."""
+    largest = max(result.epoch_samples or [0])
+    if not 0 < largest < result.shard_samples:
+        return {}
+    return {"shard_samples": f"{largest} (one shard an epoch: the run's shard_samples, {result.shard_samples}, "
+                             "is larger than an epoch)"}
 
 
 class Terminated(BaseException):
@@ -490,7 +501,7 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
     quiet = _log_interval(click.get_current_context(), as_json) == 0 and as_json  # no bar either
     result = shuffle_api(_weighted_sources(sources), output, epochs=epochs, executor=executor, log=_log(as_json),
                          progress=False if quiet else None, **kw)
-    emit(result, as_json)
+    emit(result, as_json, shown=_real_shard_size(result))
     if not as_json:
         for detail in result.epochs_detail:
             stage = "" if detail["stage"] is None else f" (stage {detail['stage']})"
@@ -500,7 +511,7 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
             for r in detail["sources"]:
                 if not r["samples"] and r["weight"] is None:
                     continue  # a source of the schedule that this epoch's stage does not use
-                click.echo(f"epoch {detail['epoch']} source {r['name']}: {r['samples']} samples of {r['windows']} "
+                click.echo(f"epoch {detail['epoch']}, source \"{r['name']}\": {r['samples']} samples of {r['windows']} "
                            f"windows, {r['passes']} pass(es), {r['repeats']} repeated"
                            f"{'' if r['weight'] is None else ', weight ' + r['weight']} ({r['path']}, "
                            f"fingerprint {r['fingerprint'][:16]})")
@@ -642,8 +653,9 @@ def _micro_batch_of(kw: dict) -> dict:
 
 @main.group()
 def plan():
-    """Print what pack, shuffle or stage would do, writing nothing: tasks, files, bytes, free space,
-    manifest sizes and a predicted wall time.
+    """Print what pack, shuffle or stage would do, writing no output: tasks, files, bytes, free space,
+    manifest sizes and a predicted wall time (from a disk probe of up to 256 MiB, written and
+    removed, unless --disk-mbps gives the disk's speed).
 
     \b
     Example:
@@ -675,7 +687,8 @@ def _planned(command: click.Command):
     def register(fn):
         plan.add_command(click.Command(
             command.name, params=[*command.params, DISK_MBPS], callback=user_errors(fn),
-            help=f"Plan `tokpack {command.name}` with the same arguments (every one it takes); writes nothing. "
+            help=f"Plan `tokpack {command.name}` with the same arguments (every one it takes); writes no output "
+                 f"(only the disk probe's temporary file, without --disk-mbps). "
                  f"Paths are local: a URL -o is refused, so --scratch, used only for one, changes nothing. "
                  f"{PLAN_HELP[command.name]}"))
         return fn

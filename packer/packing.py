@@ -559,6 +559,7 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
     result = _result(manifest, shown, fmt, seconds, input_bytes, "packed", warnings)
     for line in warnings:  # after the work: a pack that fails prints its one error line only
         say(line)
-    say(f"tokpack pack: {result.tokens:,} tokens, {result.documents:,} documents, {result.shards} shard(s) "
+    say(f"tokpack pack: {result.tokens:,} token{'s' * (result.tokens != 1)}, {result.documents:,} "
+        f"document{'s' * (result.documents != 1)}, {result.shards} shard{'s' * (result.shards != 1)} "
         f"-> {shown} ({result.mb_per_s} MB/s)")
     return result

@@ -341,19 +341,19 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
         if not shards_left:  # a rerun after every shard finished: only the manifest is missing
             log(f"epoch {plan.epoch}: all {job.n_shards} shards already written; writing the manifest")
         elif packed and in_memory:
-            log(f"epoch {plan.epoch}: {plan.samples} samples, best-fit in memory ({held / 2**20:.1f} MiB)")
+            log(f"epoch {plan.epoch}: writing {plan.samples} samples, best-fit in memory ({held / 2**20:.1f} MiB)")
             with _source_check(job, None):
                 run_passes([(PackedInMemoryStep(job, table_file, table_sum, budget=memory), 1, f"{name}-bestfit",
                              str(logs / "bestfit"))])
         elif in_memory:
-            log(f"epoch {plan.epoch}: {plan.samples} samples, in memory ({needed / 2**20:.1f} MiB of windows)")
+            log(f"epoch {plan.epoch}: writing {plan.samples} samples, in memory ({needed / 2**20:.1f} MiB of windows)")
             with _source_check(job, None):
                 run_passes([(InMemoryStep(job, budget=memory), 1, f"{name}-inmemory", str(logs / "inmemory"))])
         else:
             budget = task_budget(memory, workers)
             layout = epoch_layout(job, memory=memory, workers=workers, tasks=tasks)
-            log(f"epoch {plan.epoch}: {plan.samples} samples, out of core ({needed / 2**20:.1f} MiB of windows, "
-                f"{layout.tasks} scatter tasks, {len(layout.bucket_starts) - 1} buckets, {job.n_shards} shards)")
+            log(f"epoch {plan.epoch}: writing {plan.samples} samples, out of core ({needed / 2**20:.1f} MiB of windows, "
+                f"{layout.tasks} scatter task{'s' * (layout.tasks != 1)}, {len(layout.bucket_starts) - 1} buckets, {job.n_shards} shards)")
             passes = [(ScatterStep(job, layout), layout.tasks, f"{name}-scatter", str(logs / "scatter")),
                       (OrderStep(job, layout, budget), job.n_shards, f"{name}-order", str(logs / "order"))]
             if packed:  # the same two passes over document pieces
@@ -619,7 +619,7 @@ def shuffle_run(
     written = sum(s["bytes_written"] for s in summaries)
     sizes = epoch_samples(runplan, done_epochs)
     return {
-        "output": to.shown(out),
+        "output": to.shown(out.absolute()),  # as pack's: the same folder whatever the job's cwd
         "epochs": done_epochs,
         "written": [s["epoch"] for s in summaries],
         "skipped": skipped,
