@@ -101,8 +101,10 @@ class Runner:
         log.parent.mkdir(exist_ok=True)
         args = [a.replace("{out}", str(out)) for a in argv]
         with open(log, "wb") as f:  # a file, not a pipe: a leftover process would hold a pipe open
+            # SIGINT back to default in the child: the soak run as a background job (nohup) inherits it
+            # ignored, and a SIGINT sent before tokpack takes it back would then be lost.
             proc = subprocess.Popen([sys.executable, "-m", "tokpack.packer.cli", *args], env=env, stdout=f, stderr=f,
-                                    cwd=self.work)
+                                    cwd=self.work, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.runs += 1
         return proc, token, log
 

@@ -2,9 +2,17 @@
 # A run in three stages declared in one file (examples/schedule.yaml): pack the sample
 # corpus's two files as two sources, write the schedule's epochs (one of them first, alone),
 # validate them against their stages' sources, and read a global batch across a stage boundary.
+# Usage: bash examples/schedule.sh [OUT]: OUT keeps what it writes; without it, a temporary
+# folder is used and removed at the end.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-out="${1:-$(mktemp -d)/tokpack-schedule}"
+if [ $# -ge 1 ]; then
+  out="$1"
+else
+  tmp="$(mktemp -d)"
+  trap 'rm -rf "$tmp"' EXIT
+  out="$tmp/tokpack-schedule"
+fi
 mkdir -p "$out"
 cp "$here/schedule.yaml" "$out/schedule.yaml"
 
@@ -27,4 +35,8 @@ echo "== read (a global batch of 2 x 2 across the warmup -> stable boundary at s
 tokpack read "$out/run" --rank 0 --world-size 2 --micro-batch 2 --start-sample 1816 --count 2
 tokpack read "$out/run" --rank 1 --world-size 2 --micro-batch 2 --start-sample 1816 --count 2
 
-echo "== done: $out"
+if [ $# -ge 1 ]; then
+  echo "== done: $out"
+else
+  echo "== done (the temporary $out is removed now; bash examples/schedule.sh OUT keeps it in OUT)"
+fi

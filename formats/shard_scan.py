@@ -42,10 +42,12 @@ class Problem:
     incomplete: bool = False  # unfinished output (rerun), rather than corrupt data
     hint: str | None = None  # what to do about it; a default by kind of problem when None
     unverified: bool = False  # a check that was asked for could not be made (nothing found wrong)
+    missing: bool = False  # a path given that does not exist (a typo): nothing there to be corrupt
 
     @property
     def severity(self) -> str:
-        return "incomplete" if self.incomplete else "unverified" if self.unverified else "corrupt"
+        return ("missing" if self.missing else "incomplete" if self.incomplete else "unverified" if self.unverified
+                else "corrupt")
 
     def line(self) -> str:
         return problem_line(self.to_json())
@@ -79,7 +81,7 @@ def problem_line(p: dict) -> str:
 def worst_status(problems: list[Problem]) -> str:
     """'ok' only without problems; otherwise the gravest severity among them."""
     severities = {p.severity for p in problems}
-    return next((s for s in ("corrupt", "incomplete", "unverified") if s in severities), "ok")
+    return next((s for s in ("corrupt", "missing", "incomplete", "unverified") if s in severities), "ok")
 
 
 @dataclass

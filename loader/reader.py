@@ -401,9 +401,14 @@ class SampleReader:
         missing = self.numbering.locate(g) if self.numbering is not None else None
         if missing is not None:
             raise self.missing_epoch_error(g, missing[0])
+        if self.run is not None:  # the run was passed, and its schedule's epochs all end before g
+            k = len(self.numbering.planned)
+            hint = (f"the run's schedule plans {k} epoch{'s' * (k != 1)}, ending at sample {self.numbering.first(k)}: "
+                    "to train longer, add a stage to the schedule")
+        else:
+            hint = "write more epochs (`tokpack shuffle --epoch E`) or pass the run directory"
         raise TokpackError("start is beyond the end of the chained epochs", file=self.table.epoch_dirs[-1],
-                           where="start sample", expected=f"0..{self.total_samples}", found=g,
-                           hint="write more epochs (`tokpack shuffle --epoch E`) or pass the run directory")
+                           where="start sample", expected=f"0..{self.total_samples}", found=g, hint=hint)
 
     def missing_epoch_error(self, g: int, epoch: int) -> TokpackError:
         """Sample g lies in `epoch`, which this run does not hold (yet): say which command writes it."""

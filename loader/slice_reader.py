@@ -5,6 +5,7 @@ Which rows a rank reads is tokpack.formats.slices' arithmetic (`RankRows`).
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Iterator
 
@@ -23,18 +24,22 @@ from .reader import SampleReader, ShardTable, _shard_error
 
 def slice_error(message: str, path, manifest: dict, rank: int, world_size: int, micro_batch: int,
                 phase: int) -> TokpackError:
-    """One line: what the slice holds, and the `tokpack stage` command for the slice asked for."""
+    """One line: what the slice holds, and the command that restages this node, in place of the
+    slice, for the stream asked for: the slice's count of ranks, the one holding `rank`."""
     ranks = manifest["ranks"]
     source = manifest.get("source") or "RUN"
+    k = len(ranks)
+    first = max(0, ranks[0] + (rank - ranks[0]) // k * k)
+    last = min(first + k, world_size) - 1
+    here = str(path).rstrip("/")
     return TokpackError(message, file=path, where="rank/world_size/micro_batch",
                         expected=f"ranks {ranks[0]}-{ranks[-1]} of world size {manifest['world_size']}, "
                                  f"micro-batch {manifest['micro_batch']}"
                                  + (f", global batches from sample {manifest['batch_phase']} mod W*m"
                                     if manifest["batch_phase"] else ""),
                         found=f"rank {rank} of world size {world_size}, micro-batch {micro_batch}",
-                        hint="stage that rank's slice: `"
-                             + stage_command(source, f"{str(path).rstrip('/')}-rank-{rank}", rank, rank, world_size,
-                                             micro_batch, phase) + "`")
+                        hint=f"restage this node's slice for that stream: `rm -r {shlex.quote(here)} && "
+                             + stage_command(source, here, first, last, world_size, micro_batch, phase) + "`")
 
 
 class SliceReader(SampleReader):

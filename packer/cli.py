@@ -24,6 +24,7 @@ import traceback
 import click
 
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import LOG_INTERVAL_ENV, logging_every
 from tokpack.formats.units import byte_size, token_count
 
 
@@ -63,9 +64,10 @@ class PackingChoice(click.Choice):
         pass
 
 
-def emit(result, as_json: bool, report_lines=None, err: bool = False) -> None:
+def emit(result, as_json: bool, report_lines=None, err: bool = False, shown: dict | None = None) -> None:
     """One machine-readable object on stdout with --json; otherwise the `report_lines(result)`
-    of a command that has them (on stderr if `err`), or a short human summary."""
+    of a command that has them (on stderr if `err`), or a short human summary (with `shown`'s
+    values instead of the summary's, for humans)."""
     summary = result.to_json()
     if as_json:
         click.echo(json.dumps(summary, default=str))
@@ -76,7 +78,17 @@ def emit(result, as_json: bool, report_lines=None, err: bool = False) -> None:
         for key, value in summary.items():
             if value is None or isinstance(value, (list, dict)):
                 continue
-            click.echo(f"{key:>18}: {value}")
+            click.echo(f"{key:>18}: {(shown or {}).get(key, value)}")
+
+
+def _real_shard_size(result) -> dict:
+    """shuffle's shard_samples for humans: the run's setting (which --json keeps, and adding an
+    epoch must repeat) is larger than an epoch by default on a small corpus; say what a shard holds."""
+    largest = max(result.epoch_samples or [0])
+    if not 0 < largest < result.shard_samples:
+        return {}
+    return {"shard_samples": f"{largest} (one shard an epoch: the run's shard_samples, {result.shard_samples}, "
+                             "is larger than an epoch)"}
 
 
 class Terminated(BaseException):
@@ -198,7 +210,8 @@ def user_errors(fn):
         ctx = click.get_current_context(silent=True)
         command = ctx.info_name if ctx is not None else "command"
         try:
-            return fn(*args, **kwargs)
+            with logging_every(_log_interval(ctx, as_json)):
+                return fn(*args, **kwargs)
         except (SystemExit, click.exceptions.Exit, click.ClickException, click.Abort):
             raise  # a status chosen already, or a usage error: main reports those
         except TokpackError as e:
@@ -226,6 +239,25 @@ def user_errors(fn):
             _internal_error(command, e, as_json)
 
     return wrapper
+
+
+_LOG_INTERVAL = "tokpack.log_interval"  # ctx.meta key: --log-interval as given (None: not given)
+
+LOG_INTERVAL = click.option(
+    "--log-interval", type=click.FloatRange(min=0), default=None, metavar="SECONDS", expose_value=False,
+    callback=lambda ctx, param, value: ctx.meta.__setitem__(_LOG_INTERVAL, value),
+    help="When stderr is not a terminal (a Slurm log, nohup): one progress line every SECONDS, saying what it "
+         "does, done/total, MB/s and an ETA; 0: none [default: $TOKPACK_LOG_INTERVAL, else 30; under --json, 0].")
+
+
+def _log_interval(ctx, as_json: bool) -> float | None:
+    """The progress-line interval a command runs with (None: $TOKPACK_LOG_INTERVAL or 30 s, as
+    tokpack.formats.io.log_interval reads it): --log-interval, else none under --json (stderr
+    holds a failure only) unless $TOKPACK_LOG_INTERVAL asks for lines."""
+    given = ctx.meta.get(_LOG_INTERVAL) if ctx is not None else None
+    if given is None and as_json and LOG_INTERVAL_ENV not in os.environ:
+        return 0.0
+    return given
 
 
 SHUFFLE_TASKS_HELP = ("Out of core: scatter tasks, each reading one input range (a run of whole source shards, "
@@ -326,7 +358,11 @@ class _Tokpack(click.Group):
         if previous is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _raise_terminated)
         interrupt = signal.getsignal(signal.SIGINT) if previous is not None else None
-        if interrupt is signal.default_int_handler:  # Ctrl-C as Python's, with the same grace
+        # A background job of a non-interactive shell (`cmd &` in a script, nohup) inherits SIGINT
+        # ignored, and Python then installs no handler: tokpack's own process takes Ctrl-C back,
+        # so that SIGINT stops it wherever it runs (and its worker processes, started after this).
+        catch_interrupt = interrupt is signal.default_int_handler or (interrupt is signal.SIG_IGN and _OWN_PROCESS)
+        if catch_interrupt:  # Ctrl-C as Python's, with the same grace
             signal.signal(signal.SIGINT, _raise_interrupt)
         try:
             result = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
@@ -348,8 +384,8 @@ class _Tokpack(click.Group):
         finally:
             if previous is signal.SIG_DFL:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            if interrupt is signal.default_int_handler:
-                signal.signal(signal.SIGINT, signal.default_int_handler)
+            if catch_interrupt:
+                signal.signal(signal.SIGINT, interrupt)
         if not standalone_mode:
             return result
         sys.exit(result if isinstance(result, int) else 0)
@@ -405,6 +441,7 @@ SCRATCH = click.option(
                    "instead of copying it; the input must then not be edited in place (docs/COMMANDS.md).")
 @executor_options
 @SCRATCH
+@LOG_INTERVAL
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
 def pack(inputs, output, as_json, **kw):
@@ -466,6 +503,7 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
               help="best-fit: the token that fills a sample's tail [default: the EOS id].")
 @executor_options(tasks_help=SHUFFLE_TASKS_HELP)
 @SCRATCH
+@LOG_INTERVAL
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
 def shuffle(sources, output, epochs, epoch, as_json, **kw):
@@ -481,9 +519,10 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
 
     epochs = _epochs_asked(sources, epochs, epoch, kw)
     executor = _executor_config(kw)
+    quiet = _log_interval(click.get_current_context(), as_json) == 0 and as_json  # no bar either
     result = shuffle_api(_weighted_sources(sources), output, epochs=epochs, executor=executor, log=_log(as_json),
-                         progress=False if as_json else None, **kw)
-    emit(result, as_json)
+                         progress=False if quiet else None, **kw)
+    emit(result, as_json, shown=_real_shard_size(result))
     if not as_json:
         for detail in result.epochs_detail:
             stage = "" if detail["stage"] is None else f" (stage {detail['stage']})"
@@ -493,7 +532,7 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
             for r in detail["sources"]:
                 if not r["samples"] and r["weight"] is None:
                     continue  # a source of the schedule that this epoch's stage does not use
-                click.echo(f"epoch {detail['epoch']} source {r['name']}: {r['samples']} samples of {r['windows']} "
+                click.echo(f"epoch {detail['epoch']}, source \"{r['name']}\": {r['samples']} samples of {r['windows']} "
                            f"windows, {r['passes']} pass(es), {r['repeats']} repeated"
                            f"{'' if r['weight'] is None else ', weight ' + r['weight']} ({r['path']}, "
                            f"fingerprint {r['fingerprint'][:16]})")
@@ -507,6 +546,7 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
 @click.option("--against", multiple=True, help="Packed SOURCE(s) the epoch was shuffled from: recompute its content.")
 @click.option("--workers", type=click.IntRange(min=1), default=min(4, os.cpu_count() or 1), show_default="min(4, cores)",
               help="Files checked in parallel (more reads in flight keep the disk busy).")
+@LOG_INTERVAL
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @user_errors
 def validate(dirs, quick, against, workers, as_json):
@@ -599,11 +639,15 @@ def inspect(directory, as_json, **kw):
 @click.option("--ranks", default=None, help="With --world-size: the node slice of consecutive ranks 'A-B' (only "
               "their rows, one file per rank). Alone, 'r/W': the whole shards ranks r of W read.")
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="W: data-parallel ranks; makes a node slice.")
-@click.option("--node", default=None, help="'n/N': the node slice of node n of N (with --ranks-per-node K; W = N*K).")
+@click.option("--node", default=None, help="'n/N': the node slice of node n of N, 0-based: n is 0 to N-1, "
+              "as SLURM_NODEID (with --ranks-per-node K; W = N*K; its ranks are n*K to n*K+K-1).")
 @click.option("--ranks-per-node", type=click.IntRange(min=1), default=None, help="K: ranks on each node, with --node.")
-@click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True, help="With --ranks or --node.")
+@click.option("--micro-batch", type=click.IntRange(min=1), default=None,
+              help="m: samples each rank reads per step, as training reads them; required for a node slice "
+                   "(--node, or --ranks with --world-size), whose rows depend on it; with --ranks r/W [default: 1].")
 @click.option("--start-sample", type=click.IntRange(min=0), default=0, show_default=True,
               help="Node slice: global batches start at this sample mod W*m (a run resumed off that grid).")
+@LOG_INTERVAL
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
 def stage(directory, dest, as_json, **kw):
@@ -613,16 +657,29 @@ def stage(directory, dest, as_json, **kw):
     Example:
       tokpack stage s3://bucket/runs/r1 /local_nvme/r1 --epochs 0-1 --workers 8
       tokpack stage /shared/runs/r1 /local_nvme/slice --ranks 0-7 --world-size 64 --micro-batch 4
+      tokpack stage /shared/runs/r1 /local_nvme/slice --node "$SLURM_NODEID/8" --ranks-per-node 8 --micro-batch 4
     """
     from tokpack.packer.api import stage as stage_api
 
-    emit(stage_api(directory, dest, log=_log(as_json), **kw), as_json)
+    emit(stage_api(directory, dest, log=_log(as_json), **_micro_batch_of(kw)), as_json)
+
+
+def _micro_batch_of(kw: dict) -> dict:
+    """stage's options with --micro-batch checked: a node slice holds the rows of one micro-batch,
+    and one forgotten (it was 1 by default) showed only when training started, on another node."""
+    if kw["micro_batch"] is None:
+        if kw["node"] is not None or kw["world_size"] is not None:
+            raise click.UsageError("a node slice (--node, or --ranks with --world-size) needs --micro-batch M, the "
+                                   "samples each rank reads per step: its rows depend on it")
+        kw["micro_batch"] = 1
+    return kw
 
 
 @main.group()
 def plan():
-    """Print what pack, shuffle or stage would do, writing nothing: tasks, files, bytes, free space,
-    manifest sizes and a predicted wall time.
+    """Print what pack, shuffle or stage would do, writing no output: tasks, files, bytes, free space,
+    manifest sizes and a predicted wall time (from a disk probe of up to 256 MiB, written and
+    removed, unless --disk-mbps gives the disk's speed).
 
     \b
     Example:
@@ -654,7 +711,8 @@ def _planned(command: click.Command):
     def register(fn):
         plan.add_command(click.Command(
             command.name, params=[*command.params, DISK_MBPS], callback=user_errors(fn),
-            help=f"Plan `tokpack {command.name}` with the same arguments (every one it takes); writes nothing. "
+            help=f"Plan `tokpack {command.name}` with the same arguments (every one it takes); writes no output "
+                 f"(only the disk probe's temporary file, without --disk-mbps). "
                  f"Paths are local: a URL -o is refused, so --scratch, used only for one, changes nothing. "
                  f"{PLAN_HELP[command.name]}"))
         return fn
@@ -687,7 +745,7 @@ def plan_pack(inputs, output, as_json, **kw):
 
 @_planned(stage)
 def plan_stage(directory, dest, as_json, **kw):
-    _emit_plan("stage", as_json, directory, dest, **kw)
+    _emit_plan("stage", as_json, directory, dest, **_micro_batch_of(kw))
 
 
 if __name__ == "__main__":

@@ -354,6 +354,10 @@ def inspect(directory, *, batch_size: int | None = None, batches: int = 64, plot
         _require_matplotlib()
     manifest = read_manifest(directory)
     kind = manifest["kind"]
+    if seq_len is not None and kind != "source" and seq_len != manifest.get("seq_len"):  # was silently ignored
+        raise TokpackError(f"--seq-len is for a packed source: a {kind}'s samples have its seq_len", file=directory,
+                           where="--seq-len", expected=f"none, or {manifest.get('seq_len')}", found=seq_len,
+                           hint=f"drop --seq-len: the batch analysis of a {kind} uses its own")
     batch = batch_size or DEFAULT_BATCH_SIZE
     report: dict = {"kind": kind, "path": str(directory), "batch_size": batch}
 
@@ -396,7 +400,8 @@ def report_lines(r: InspectResult) -> list[str]:
         lines.append(f"  epochs {t['epochs']}  samples {t['samples']:,}  tokens {t['tokens']:,}  "
                      f"shards {t['shards']}  seq_len {t['seq_len']}")
         if "source_tokens" in t:
-            lines.append(f"  sources: {t['sources']}, {t['source_tokens']:,} tokens, {t['source_documents']:,} documents")
+            lines.append(f"  sources: {t['sources']}, {t['source_tokens']:,} tokens, {t['source_documents']:,} "
+                         f"document{'s' * (t['source_documents'] != 1)}")
     for st in r.stages or []:
         mixture = ", ".join(f"{s['name']} weight {s['weight']} ({s['samples']:,} samples)" for s in st["sources"])
         lines.append(f"  stage {st['stage']}: epochs {st['epochs'][0]}-{st['epochs'][-1]} ({len(st['written'])} "

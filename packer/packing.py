@@ -600,7 +600,8 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
         say(f"tokpack pack: {note}")
     if len(notes) > NOTES_SHOWN:
         say(f"tokpack pack: {len(notes) - NOTES_SHOWN} more input(s) copied (--json lists them under link_notes)")
-    say(f"tokpack pack: {result.tokens:,} tokens, {result.documents:,} documents, {result.shards} shard(s) "
+    say(f"tokpack pack: {result.tokens:,} token{'s' * (result.tokens != 1)}, {result.documents:,} "
+        f"document{'s' * (result.documents != 1)}, {result.shards} shard{'s' * (result.shards != 1)} "
         f"-> {shown} ({result.mb_per_s} MB/s)"
         + ("" if not link else f"; linked {result.linked_files} file(s), {result.linked_bytes:,} bytes"
            f", copied {result.copied_bytes:,} bytes"))

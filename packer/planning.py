@@ -345,7 +345,9 @@ def report_lines(r: PlanResult) -> list[str]:
     shards = f"{r.shards:,} shard(s)"
     if r.command == "pack":
         shards = f"at least {shards}" if r.shards else "shards unknown (the inputs do not tell their token count)"
-    lines = [f"plan {r.command} -> {r.output}: {r.path}, {shards}; nothing written"]
+    written = ("nothing written" if not r.disk.startswith("measured") else  # the probe's file: gone, but written
+               "no output written (the disk probe wrote and read back a temporary file; --disk-mbps skips it)")
+    lines = [f"plan {r.command} -> {r.output}: {r.path}, {shards}; {written}"]
     if r.samples_per_epoch is not None:
         lines.append(f"  samples per epoch: {r.samples_per_epoch:,}")
     tokens = {s["name"]: s["tokens"] for s in r.sources or []}

@@ -591,6 +591,22 @@ def _small_json(path: Path):
     return strict_json(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path)
 
 
+# A run's settings, in the order a difference is named: what the user chose before what follows from it.
+_CHOSEN = ("packing", "seed", "sources", "weights", "seq_len", "jitter", "schedule", "shard_samples", "samples")
+
+
+def _first_difference(want, have, where: str) -> tuple[str, str, str]:
+    """The field where two run identities differ, as (where, expected, found): the field that
+    differs (a setting the user chose first), not the seed when both seeds are the same."""
+    if isinstance(want, dict) and isinstance(have, dict):
+        keys = sorted(set(want) | set(have), key=lambda k: (_CHOSEN.index(k) if k in _CHOSEN else len(_CHOSEN), k))
+        for key in keys:
+            if want.get(key) != have.get(key):
+                return _first_difference(want.get(key), have.get(key), f"{where}.{key}")
+    shown = ["none" if v is None else str(v) if isinstance(v, (str, int, float)) else repr(v) for v in (want, have)]
+    return where, *(t if len(t) <= 80 else t[:77] + "..." for t in shown)
+
+
 def _previous_slice(dest: Path, root: dict, source: str) -> list[int]:
     """The epochs a slice at DEST already holds; refuses a DEST holding anything else."""
     path = dest / MANIFEST
@@ -606,8 +622,9 @@ def _previous_slice(dest: Path, root: dict, source: str) -> list[int]:
                            expected=SLICE, found=have.get("kind"), hint="remove DEST or choose another destination")
     require_valid(have, dest)  # a damaged slice manifest is one line, as for every reader
     if have.get("run") != root["run"]:
-        raise TokpackError("DEST holds a slice of another run (its seed, sources or plan differ)", file=path,
-                           where="run", expected="the run being staged", found=f"seed {have.get('run', {}).get('seed')}",
+        where, want, found = _first_difference(root["run"], have.get("run"), "run")
+        raise TokpackError("DEST holds a slice of another run", file=path, where=where,
+                           expected=f"{want} (the run being staged)", found=found,
                            hint="remove DEST or choose another destination")
     for key in ("world_size", "micro_batch", "ranks", "batch_phase"):
         if have.get(key) != root[key]:

@@ -133,6 +133,7 @@ def _check_pads(path: Path, shards: list[dict], rep: DirReport) -> None:
         except FileNotFoundError:
             rep.add(f, None, "the padding sidecar the manifest lists", "no such file", "shard file missing")
             continue
+        rep.saw(len(data))  # counted with the shard's other files
         if len(data) != want:
             rep.add(f, "size", f"{want} bytes (4 per sample)", f"{len(data)} bytes", "padding sidecar has the wrong size")
         elif xxhash.xxh3_128_hexdigest(data) != s["pad_xxh3_128"]:
@@ -319,7 +320,10 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
 def _plan_dir(path: Path, quick: bool, kinds=None) -> _Dir:
     rep = DirReport(path=path)
     d = _Dir(rep, [])
-    if path.exists() and not path.is_dir():
+    if not path.exists():
+        rep.add(path, None, None, None, "no such directory", missing=True, hint="check the path or URL")
+        return d
+    if not path.is_dir():
         rep.add(path, None, "a tokpack directory", "a file", "not a directory",
                 hint="pass the directory that holds tokpack.json")
         return d
@@ -522,7 +526,7 @@ def _size(n: int) -> str:
 
 @dataclass
 class ValidateResult:
-    """What `validate --json` prints: `ok`, the gravest `status` ("ok", "corrupt", "incomplete",
+    """What `validate --json` prints: `ok`, the gravest `status` ("ok", "corrupt", "missing", "incomplete",
     "unverified"), each problem and each directory checked."""
 
     ok: bool
@@ -584,13 +588,20 @@ def report_lines(r: ValidateResult) -> list[str]:
     for d in r.dirs:
         what = d["kind"] or "directory"
         n = d["problems"]
-        lines.append(f"OK {what} {d['path']} ({d['files']} files, {_size(d['bytes'])}{', quick' if r.quick else ''})"
+        lines.append(f"OK {what} {d['path']} ({d['files']} file{'s' * (d['files'] != 1)}, {_size(d['bytes'])}"
+                     f"{', quick' if r.quick else ''})"
                      if d["status"] == "ok" else f"{d['status'].upper()} {what} {d['path']}: {n} problem{'s' * (n != 1)}")
     n = len(r.problems)
     lines.append(
         f"{r.status.upper()}: {len(r.dirs)} director{'ies' if len(r.dirs) != 1 else 'y'}, "
-        f"{r.files} files, {_size(r.bytes)} in {r.seconds:.2f} s ({r.mb_per_s:.0f} MB/s), {n} problem{'s' * (n != 1)}"
+        f"{r.files} file{'s' * (r.files != 1)}, {_size(r.bytes)} in {r.seconds:.2f} s ({r.mb_per_s:.0f} MB/s), {n} problem{'s' * (n != 1)}"
         + (", quick (no checksums, no token scan)" if r.quick else "")
-        + (f", against {len(r.against)} source(s)" if r.against else "")
+        + (f", against {_against_text(r.against)}" if r.against else "")
     )
     return lines
+
+
+def _against_text(paths: list[str]) -> str:
+    """What --against named: sources, and the runs slices were checked against ("1 run", not "1 source(s)")."""
+    runs = sum(_kind(a) == "run" for a in paths)
+    return " and ".join(f"{n} {name}{'s' * (n != 1)}" for n, name in ((len(paths) - runs, "source"), (runs, "run")) if n)

@@ -121,7 +121,8 @@ class PackedInMemoryStep(_Step):
                 chunk = pool.rows(table, a, min(g1, a + rows), plan.row_tokens, plan.pad_id, starts)
                 yield chunk.reshape(-1).view(job.row_void)
 
-        with progress(len(todo), f"epoch {plan.epoch}: write", unit="shard", enabled=job.show_progress) as bar:
+        with progress(len(todo), f"epoch {plan.epoch}: write", unit="shard", enabled=job.show_progress,
+                      unit_bytes=job.shard_samples * job.row_bytes) as bar:
             for i in todo:
                 g0, g1 = job.shard_range(i)
                 table, starts = built.rows(g0, g1)

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import shutil
-import sys
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -334,14 +333,15 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
             log(f"epoch {plan.epoch}: all {job.n_shards} shards already written; writing the manifest")
         elif in_memory:
             step, label, words = packing.in_memory(job, prepared, memory, needed, held)
-            log(f"epoch {plan.epoch}: {plan.samples} samples, {words}")
+            log(f"epoch {plan.epoch}: writing {plan.samples} samples, {words}")
             with _source_check(job, None):
                 run_passes([(step, 1, f"{name}-{label}", str(logs / label))])
         else:
             budget = task_budget(memory, workers)
             layout = epoch_layout(job, memory=memory, workers=workers, tasks=tasks)
-            log(f"epoch {plan.epoch}: {plan.samples} samples, out of core ({needed / 2**20:.1f} MiB of windows, "
-                f"{layout.tasks} scatter tasks, {len(layout.bucket_starts) - 1} buckets, {job.n_shards} shards)")
+            log(f"epoch {plan.epoch}: writing {plan.samples} samples, out of core ({needed / 2**20:.1f} MiB of windows, "
+                f"{layout.tasks} scatter task{'s' * (layout.tasks != 1)}, {len(layout.bucket_starts) - 1} buckets, "
+                f"{job.n_shards} shards)")
             scatter, order = packing.out_of_core(job, layout, prepared, budget)
             passes = [(scatter, layout.tasks, f"{name}-scatter", str(logs / "scatter")),
                       (order, job.n_shards, f"{name}-order", str(logs / "order"))]
@@ -538,8 +538,8 @@ def shuffle_run(
 ) -> dict:
     """Writes OUT/epoch-NNNNN/ for each epoch (skipping complete identical ones) and the run
     manifest. `memory` is the total budget: the out-of-core path gives each of `workers`
-    concurrent tasks memory // workers. `progress`: tqdm bars on stderr (default: when it is a
-    terminal and TOKPACK_PROGRESS is not 0). `weights`: one per source, as given ("0.25", "1/3"),
+    concurrent tasks memory // workers. `progress`: bars on stderr, lines in a log (tokpack.formats.io.progress;
+    default: unless TOKPACK_PROGRESS is 0). `weights`: one per source, as given ("0.25", "1/3"),
     or None. `run_passes([(step, tasks, job_name, logging_dir), ...])` runs dependent passes in
     order (tokpack.packer.executors.pass_runner makes one). `given`: the sources as the user named them,
     when `sources` are local copies of URLs; the manifests record those names (plan.source_location:
@@ -555,7 +555,7 @@ def shuffle_run(
     t0 = time.perf_counter()
     log = log or (lambda line: None)
     if progress is None:
-        progress = sys.stderr.isatty() and os.environ.get("TOKPACK_PROGRESS", "1") != "0"
+        progress = os.environ.get("TOKPACK_PROGRESS", "1") != "0"
     virtual = [p for p in sources if is_virtual(p)]
     if virtual:
         raise TokpackError("a virtual source has no data to shuffle", file=virtual[0], where="SOURCE",
@@ -596,7 +596,7 @@ def shuffle_run(
     written = sum(s["bytes_written"] for s in summaries)
     sizes = epoch_samples(runplan, done_epochs)
     return {
-        "output": to.shown(out),
+        "output": to.shown(out.absolute()),  # as pack's: the same folder whatever the job's cwd
         "epochs": done_epochs,
         "written": [s["epoch"] for s in summaries],
         "skipped": skipped,

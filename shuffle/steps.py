@@ -35,7 +35,6 @@ import contextlib
 import json
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -165,13 +164,14 @@ class EpochJob:
     epoch_dir: str  # OUT/epoch-NNNNN
     work_dir: str  # OUT/.tokpack-work/epoch-NNNNN-<key>
     shard_samples: int  # samples per output shard (the last may be short)
-    progress: bool = False  # tqdm bars, shown only by tasks running in the process that asked for them
+    progress: bool = False  # bars (lines in a log), shown only by tasks running in the process that asked for them
     main_pid: int = 0  # that process
     output: Output = LocalOutput()  # where the shards go (tokpack.formats.outputs): a folder, a bucket
 
     @property
-    def show_progress(self) -> bool:
-        return self.progress and os.getpid() == self.main_pid and sys.stderr.isatty()
+    def show_progress(self) -> bool | None:
+        """progress()'s `enabled`: None (a bar, or lines in a log) in the process that asked, else False."""
+        return None if self.progress and os.getpid() == self.main_pid else False
 
     @property
     def source_changed_path(self) -> Path:
@@ -355,7 +355,8 @@ class InMemoryStep(_Step):
                         yield store.gather(chunk, ring[c % len(ring)], tmp), facts, chunk
                         c += 1
 
-            with progress(len(todo), f"epoch {plan.epoch}: write", unit="shard", enabled=job.show_progress) as write_bar:
+            with progress(len(todo), f"epoch {plan.epoch}: write", unit="shard", enabled=job.show_progress,
+                          unit_bytes=job.shard_samples * job.row_bytes) as write_bar:
                 for i in todo:
                     job.write_shard(i, blocks(i))
                     write_bar.update(1)

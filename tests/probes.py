@@ -13,6 +13,18 @@ AUDIT_SITE = str(Path(__file__).resolve().parent / "audit_site")
 MARK = "TOKPACK_TEST_MARK"
 
 
+def default_sigint() -> None:
+    """preexec_fn of a child a test sends SIGINT: a test run as a background job of a
+    non-interactive shell (or under nohup) inherits SIGINT ignored, and so would the child, whose
+    Python would then not even see the signal the test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def ignore_sigint() -> None:
+    """preexec_fn of a child started as such a background job is: SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def marked(token: str) -> list[int]:
     """Pids of live processes whose environment carries TOKPACK_TEST_MARK=token."""
     needle = f"{MARK}={token}\0".encode()

@@ -127,14 +127,40 @@ def test_slurm_memory_option_is_unambiguous_and_mem_still_works():
     assert "--mem-per-cpu-gb" in shown and "--mem " not in shown and "--memory" in shown
 
 
+PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # as PyTorch's install page shows it for "CPU"
+
+
 def test_readme_installs_torch_without_the_cuda_wheel():
     """The [torch] extra takes any torch >= 2.1; the README installs the CPU build first, from
-    PyTorch's CPU index through pip's --index-url, then the extra (which keeps it)."""
+    PyTorch's CPU index (its literal URL: a variable defined nowhere made pip fall back to
+    PyPI's CUDA build) through pip's --index-url, then the extra (which keeps it)."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = readme.split("Installing torch", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     first, second = [line.split("#")[0].split() for line in block.strip().splitlines()]
-    assert first[:5] == ["python", "-m", "pip", "install", "torch"] and "--index-url" in first
+    assert first == ["python", "-m", "pip", "install", "torch", "--index-url", PYTORCH_CPU_INDEX]
     assert second == ["python", "-m", "pip", "install", "-e", "'.[torch]'"]
+    assert "$" not in block
+
+
+def test_readme_test_command_cannot_pull_the_cuda_build_and_ci_runs_it_verbatim():
+    """The test command takes torch alone (--no-deps: one lookup of an index that cannot be
+    reached, not one per dependency) from PyTorch's CPU index, then the [test] extra, whose
+    Linux pin is the +cpu build that no PyPI wheel is; .ci/run runs the same line."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    command = readme.split("Install what the tests need", 1)[1].split("```bash", 1)[1].split("```", 1)[0].strip()
+    assert "\n" not in command and command in (root / ".ci" / "run").read_text().splitlines()
+    torch_step, install, run_tests = [part.split() for part in command.split(" && ")]
+    assert torch_step[:4] == ["python", "-m", "pip", "install"] and "--no-deps" in torch_step
+    assert torch_step[torch_step.index("--index-url") + 1] == PYTORCH_CPU_INDEX
+    (pin,) = [a for a in torch_step if a.startswith("torch==")]
+    assert install == ["python", "-m", "pip", "install", "-q", "-e", "'.[test]'"] and run_tests == ["python", "-m", "pytest", "-q"]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra in ("test", "bench"):
+        torch_pins = sorted(r for r in extras[extra] if r.startswith("torch=="))
+        assert torch_pins == [f"{pin}+cpu; sys_platform == 'linux'", f"{pin}; sys_platform != 'linux'"], extra
 
 
 def test_pack_shows_an_overall_bar_over_its_files(corpus, tmp_path, monkeypatch):

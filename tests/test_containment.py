@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import random_docs, require, shuffle_run, write_source
+from probes import default_sigint
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import LOCK_NAME
 from tokpack.formats.manifest import MANIFEST, epoch_dir_name
@@ -363,7 +364,7 @@ def test_signal_stops_a_command_whose_workers_are_blocked(data, tmp_path, comman
     marker = tmp_path / "blocked"
     proc = subprocess.Popen([sys.executable, "-c", BLOCKED.format(module=module, name=name), *map(str, args)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT), BLOCKED=str(marker)))
+                            env=dict(os.environ, PYTHONPATH=str(ROOT), BLOCKED=str(marker)), preexec_fn=default_sigint)
     try:
         for _ in range(600):  # up to a minute for the first worker to block
             if marker.exists() or proc.poll() is not None:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import random_docs, write_source
+from probes import default_sigint, ignore_sigint
 from tokpack.formats.guard import LOCK_NAME, process_start
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,9 +60,10 @@ def tokpack(tmp_path: Path, *args, code: str | None = None) -> subprocess.Comple
                           env=child_env(tmp_path))
 
 
-def start_paused(tmp_path: Path, *args) -> subprocess.Popen:
+def start_paused(tmp_path: Path, *args, preexec_fn=default_sigint) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", PAUSED, *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env(tmp_path))
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env(tmp_path),
+                            preexec_fn=preexec_fn)
     _, status = os.waitpid(proc.pid, os.WUNTRACED)
     assert os.WIFSTOPPED(status), "the paused shuffle ended before its first epoch"
     return proc
@@ -213,6 +215,21 @@ def test_lock_released_on_ctrl_c_and_sigterm_and_the_rerun_completes(sources, tm
     again = tokpack(tmp_path, *args)
     assert again.returncode == 0, again.stderr
     assert tokpack(tmp_path, "validate", out).returncode == 0
+
+
+def test_ctrl_c_stops_a_command_started_with_sigint_ignored(sources, tmp_path):
+    """A background job of a non-interactive shell (nohup, `cmd &` in a script) inherits SIGINT
+    ignored; tokpack takes it back at start, so that SIGINT still stops it: 130, the usual line,
+    the lock released."""
+    _, big = sources
+    out = tmp_path / "run"
+    proc = start_paused(tmp_path, "shuffle", big, "-o", out, *SHUFFLE, "--memory", "1MiB", preexec_fn=ignore_sigint)
+    os.kill(proc.pid, signal.SIGINT)
+    os.kill(proc.pid, signal.SIGCONT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert one_line(err) == "tokpack: interrupted; rerun the same command to resume"
+    assert not (out / LOCK_NAME).exists()
 
 
 def test_lock_released_after_an_error_mid_run(sources, tmp_path):

@@ -181,6 +181,17 @@ def test_global_batch_across_a_stage_boundary_sample_reader(run):
     assert code == 0 and [(x["epoch"], x["sample"]) for x in map(json.loads, lines)] == [(2, 0), (2, 1), (2, 2)]
 
 
+def test_reading_past_the_schedules_end_says_where_it_ends(run):
+    """The run directory was passed: the hint says where the schedule's epochs end and how to
+    train longer, not "or pass the run directory"."""
+    with pytest.raises(TokpackError) as e:
+        SampleReader.open(run).start_from(start_sample=sum(SIZES) + 1)
+    assert str(e.value).endswith(f"HINT: the run's schedule plans {len(SIZES)} epochs, ending at sample {sum(SIZES)}: "
+                                 "to train longer, add a stage to the schedule")
+    code, lines = cli("read", run, "--start-sample", sum(SIZES) + 1)
+    assert code == 1 and "pass the run directory" not in lines[-1] and "add a stage" in lines[-1]
+
+
 def test_tokpack_dataset_workers_cross_a_stage_boundary_and_resume_inside_it(run):
     from torchdata.stateful_dataloader import StatefulDataLoader
 

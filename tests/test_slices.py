@@ -211,6 +211,49 @@ def test_a_slice_refuses_what_it_does_not_hold(run, tmp_path):
     assert code == 1 and "tokpack stage" in out and "Traceback" not in out
 
 
+def test_a_mismatch_found_at_read_time_hints_the_command_that_restages_this_node(run, tmp_path):
+    """A slice staged for micro-batch 3 read with micro-batch 2 (or another world size): the hint
+    restages this node, its ranks, in place of this slice (not one rank in a new folder), and
+    the command, run as printed, makes the slice that stream reads."""
+    dest = tmp_path / "node1"
+    code, out = cli("stage", run, dest, "--node", "1/2", "--ranks-per-node", 2, "--micro-batch", M)
+    assert code == 0, out
+    for rank, w, m, ranks in [(2, W, 2, "2-3"), (3, W, 2, "2-3"), (2, 8, M, "2-3"), (0, W, M, "0-1")]:
+        with pytest.raises(TokpackError) as e:
+            SampleReader.open(dest).batches(rank, w, m, 0)
+        hint = str(e.value).split("HINT: ", 1)[1]
+        assert hint == (f"restage this node's slice for that stream: `rm -r {dest} && tokpack stage {run} {dest} "
+                        f"--ranks {ranks} --world-size {w} --micro-batch {m}`")
+    code, out = cli("read", dest, "--rank", 3, "--world-size", W, "--micro-batch", 2, "--count", 1)
+    command = out.split("HINT: ", 1)[1].strip().split("`")[1]
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"))
+    assert done.returncode == 0, done.stderr
+    assert stream_of(SampleReader.open(dest), 3, W, 2) == stream_of(SampleReader.open(run), 3, W, 2)
+
+
+def stream_of(reader: SampleReader, rank: int, w: int, m: int) -> list:
+    return [batch.tolist() for batch in reader.batches(rank, w, m, 0)]
+
+
+@pytest.mark.parametrize("form", [["--node", "1/2", "--ranks-per-node", "2"], ["--ranks", "2-3", "--world-size", "4"]])
+def test_a_node_slice_needs_its_micro_batch(run, tmp_path, form):
+    """--micro-batch was 1 by default, and a forgotten one showed only when training started:
+    a node slice is refused without it (stage and plan stage), nothing written; the shard-level
+    --ranks r/W keeps its default."""
+    for head in (["stage"], ["plan", "stage"]):
+        r = CliRunner().invoke(main, [*head, str(run), str(tmp_path / "s"), *form])
+        assert r.exit_code == 2 and "needs --micro-batch M" in r.output and "Traceback" not in r.output, r.output
+        assert not (tmp_path / "s").exists()
+    assert cli("stage", run, tmp_path / "whole", "--ranks", "1/4")[0] == 0
+
+
+def test_stage_help_says_node_is_zero_based():
+    shown = " ".join(CliRunner().invoke(main, ["stage", "--help"]).output.split())
+    assert "node n of N, 0-based: n is 0 to N-1" in shown
+    assert "--micro-batch" in shown and "required for a node slice" in shown
+
+
 # ------------------------------------------------------------------ verified, resumable
 
 
@@ -355,7 +398,7 @@ def test_cli_node_form_and_rank_form_make_the_same_slice(run, tmp_path):
     code, out = cli("stage", run, tmp_path / "b", "--ranks", "2-3", "--world-size", W, "--micro-batch", M)
     assert code == 0, out
     assert tree(tmp_path / "a") == tree(tmp_path / "b")
-    code, out = cli("stage", run, tmp_path / "c", "--ranks", "3-5", "--world-size", W)
+    code, out = cli("stage", run, tmp_path / "c", "--ranks", "3-5", "--world-size", W, "--micro-batch", M)
     assert code == 1 and "bad --ranks" in out and "Traceback" not in out
 
 
