@@ -336,7 +336,7 @@ class SampleReader:
                     raise _shard_error("shard size does not match the manifest", f, where="size",
                                        expected=f"{expected} bytes", found=f"{sizes[f]} bytes",
                                        hint="the shard was truncated or replaced; run `tokpack validate` on the epoch")
-                if "pad_xxh3_128" in s:
+                if has_pad(s):
                     pad_sizes[f + PAD_SUFFIX] = n * PAD_DTYPE.itemsize
                 paths.append(f)
                 shard_samples.append(n)

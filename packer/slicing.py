@@ -395,7 +395,7 @@ def run_files(entry: dict, row_bytes: int) -> list[tuple[str, int]]:
     its row hashes and padding where it has them."""
     n, name = int(entry["samples"]), entry["path"]
     return ([(name, n * row_bytes)] + ([(name + ROWS_SUFFIX, U64.itemsize * n)] if "rows_xxh3_128" in entry else [])
-            + ([(name + PAD_SUFFIX, PAD_DTYPE.itemsize * n)] if "pad_xxh3_128" in entry else []))
+            + ([(name + PAD_SUFFIX, PAD_DTYPE.itemsize * n)] if has_pad(entry) else []))
 
 
 def check_run_files(src: Source, epochs: list[int], row_bytes: int) -> None:
