@@ -22,6 +22,7 @@ This module must not import torch (nor datatrove.utils.dataset, which imports it
 from __future__ import annotations
 
 import importlib
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from tokpack.formats.arguments import flag, text, tokens, whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import as_path, contained, is_url, open_read, read_full, regular_fd, regular_size
 from tokpack.formats.manifest import (dtype_from_name, epoch_dir_name, has_pad, partial_stage_absent, read_manifest,
@@ -231,6 +233,7 @@ class SampleReader:
     def open(cls, path: str | Path | Sequence[str | Path], verify: bool = False) -> "SampleReader":
         """A run directory (its epochs in the order of its manifest's `epochs`), one epoch
         directory, or a list of either, chained in the order given."""
+        flag(verify, "verify")
         paths = [path] if isinstance(path, (str, Path)) else list(path)
         epochs: list[tuple[Path, dict]] = []
         absent: dict[str, str] = {}
@@ -393,9 +396,11 @@ class SampleReader:
         the chain; a G in an epoch that is not written is an error naming the command."""
         if start_sample is not None and consumed_tokens is not None:
             raise TokpackError("give at most one of start_sample and consumed_tokens", where="start")
-        g = int(start_sample if start_sample is not None else (consumed_tokens or 0) // self.seq_len)
-        if g < 0:
-            raise TokpackError("start must not be negative", where="start sample", found=g)
+        if isinstance(start_sample, numbers.Integral) and not isinstance(start_sample, bool) and start_sample < 0:
+            raise TokpackError("start must not be negative", where="start sample", found=start_sample)
+        start_sample = whole(start_sample, "start_sample")
+        consumed_tokens = tokens(consumed_tokens, "consumed_tokens")
+        g = start_sample if start_sample is not None else (consumed_tokens or 0) // self.seq_len
         if g == self.total_samples or self.table.epoch_pos_of(g) >= 0:
             return g
         missing = self.numbering.locate(g) if self.numbering is not None else None
@@ -444,6 +449,7 @@ class SampleReader:
     def position(self, epoch: int, sample: int) -> int:
         """(epoch number, sample within it) -> chained index; sample may equal the epoch's size.
         In a run the epoch need not be written (the position is the run's; reading it is not)."""
+        epoch, sample = whole(epoch, "epoch", optional=False), whole(sample, "sample", least=None, optional=False)
         if self.numbering is not None and self.numbering.has(epoch):
             first, size = self.numbering.first(epoch), self.numbering.size(epoch)
         else:
@@ -562,6 +568,10 @@ class SampleReader:
 
     def read(self, g: int, n: int = 1) -> np.ndarray:
         """Chained rows [g, g+n) as a new [n, seq_len+1] array (random access, for tools and tests)."""
+        g, n = whole(g, "g", optional=False), whole(n, "n", optional=False)
+        if g + n > self.total_samples:
+            raise TokpackError("rows outside the chained stream", where="g, n", expected=f"g + n <= {self.total_samples}",
+                               found=f"g={g}, n={n}")
         return self.read_into(g, np.empty((n, self.row_tokens), dtype=self.dtype))
 
     def advise(self, g: int, n: int) -> None:
@@ -681,6 +691,7 @@ class SampleReader:
         worker's share. `copy=False` yields views of a reused buffer, valid until the next item.
         A stream that reaches an epoch that is not written raises `missing_epoch_error` there.
         """
+        rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
         self.serves(rank, world_size, micro_batch, self.start_from(start_sample=start))
         return RankStream(self, rank, world_size, micro_batch, start, positions=positions, steps=steps,
                           worker=worker, num_workers=num_workers, copy=copy, first_step=first_step)
@@ -691,6 +702,7 @@ class SampleReader:
     def rank_samples(self, rank: int, world_size: int, micro_batch: int, start: int = 0,
                      count: int | None = None) -> Iterator[Sample]:
         """The samples rank r is fed, one by one, from chained sample `start`; at most `count`."""
+        count = whole(count, "count")
         if count == 0:
             return
         steps = None if count is None else -(-count // micro_batch)
@@ -707,22 +719,34 @@ class SampleReader:
                         return
 
 
+def stream_shape(rank, world_size, micro_batch) -> tuple[int, int, int]:
+    """(r, W, m) checked as `read --rank/--world-size/--micro-batch` are: 0 <= r < W, m >= 1."""
+    world_size = whole(world_size, "world_size", least=1, optional=False)
+    micro_batch = whole(micro_batch, "micro_batch", least=1, optional=False)
+    rank = whole(rank, "rank", optional=False)
+    if rank >= world_size:
+        raise TokpackError("rank is out of range", where="rank", expected=f"0..{world_size - 1}", found=rank)
+    return rank, world_size, micro_batch
+
+
 class RankStream:
     """Iterator over one rank's micro-batches. Its position is `state`: a few integers."""
 
     def __init__(self, reader: SampleReader, rank: int, world_size: int, micro_batch: int, start: int, *,
                  positions: str | None, steps: int | None, worker: int, num_workers: int, copy: bool,
                  first_step: int | None = None):
-        if not (world_size >= 1 and micro_batch >= 1 and 0 <= rank < world_size):
-            raise ValueError(f"need 0 <= rank < world_size and micro_batch >= 1 (got {rank}, {world_size}, {micro_batch})")
-        if not 0 <= worker < num_workers:
-            raise ValueError(f"need 0 <= worker < num_workers (got {worker}, {num_workers})")
-        first_step = worker if first_step is None else first_step
-        if first_step < 0 or first_step % num_workers != worker:
-            raise ValueError(f"worker {worker} of {num_workers} serves steps b with b % {num_workers} == {worker}, "
-                             f"not {first_step}")
-        if positions not in (None, "eos", "index"):
-            raise ValueError(f"positions must be None, 'eos' or 'index', not {positions!r}")
+        rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
+        num_workers = whole(num_workers, "num_workers", least=1, optional=False)
+        worker = whole(worker, "worker", optional=False)
+        steps = whole(steps, "steps")
+        if worker >= num_workers:
+            raise TokpackError("worker is out of range", where="worker", expected=f"0..{num_workers - 1}", found=worker)
+        first_step = worker if first_step is None else whole(first_step, "first_step")
+        if first_step % num_workers != worker:
+            raise TokpackError("a worker's first step is not its own", where="first_step",
+                               expected=f"a step b with b % {num_workers} == {worker} (worker {worker} of "
+                                        f"{num_workers})", found=first_step)
+        text(positions, "positions", choices=(None, "eos", "index"))
         if positions == "eos" and reader.eos_id is None:
             raise TokpackError("positions from EOS need eos_id, and the epoch manifest has none", where="eos_id",
                                hint="use positions='index'")

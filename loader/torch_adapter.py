@@ -3,7 +3,7 @@
     from torchdata.stateful_dataloader import StatefulDataLoader
     ds = TokpackDataset(run_dir, rank=r, world_size=W, micro_batch=m, positions="eos")
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=2)
-    loader.load_state_dict(saved)                   # optional: resume, O(1)
+    ds.load_loader_state(loader, saved)             # optional: resume, O(1) (checks the worker count)
     for batch in loader:                            # one micro-batch per item
         batch["input_ids"], batch["labels"], batch["position_ids"]   # [m, seq_len] int64
         saved = loader.state_dict()                 # exact, with or without workers
@@ -35,8 +35,9 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from tokpack.formats.arguments import flag, text, whole
 from tokpack.formats.errors import TokpackError
-from .reader import SampleReader, cu_seqlens, document_masks
+from .reader import SampleReader, cu_seqlens, document_masks, stream_shape
 
 
 def _ignore_set_vital_warning() -> None:
@@ -53,6 +54,45 @@ def _ignore_set_vital_warning() -> None:
 _RESTART_HINT = ("restart from the consumed-sample count: "
                  "TokpackDataset(..., start_sample=TokpackDataset.consumed_samples(loader_state)) "
                  "with a fresh StatefulDataLoader")
+
+
+_SHARE_FIELDS = {"start": 0, "next_step": 0, "worker": 0, "num_workers": 1, "global_batch": 1}  # least values
+_STATE_FORMS = "{start, next_step, worker, num_workers, global_batch}, {epoch, sample} or {consumed_samples}"
+
+
+def _state_int(state: dict, key: str, least: int | None = 0) -> int:
+    """One integer field of a loader state, or one line naming it (a damaged or foreign state)."""
+    if key not in state:
+        raise TokpackError("loader state lacks a field", where=key, expected=_STATE_FORMS,
+                           found=sorted(map(str, state)), hint=_RESTART_HINT)
+    value = state[key]
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point():
+        value = value.item()
+    return whole(value, f"loader state {key}", least=least, optional=False)
+
+
+def _as_state(state) -> dict:
+    if not isinstance(state, dict):
+        raise TokpackError("not a TokpackDataset state", where="state", expected=_STATE_FORMS,
+                           found=type(state).__name__, hint=_RESTART_HINT)
+    return state
+
+
+def _other_workers(saved: int, found: int) -> TokpackError:
+    return TokpackError("loader state was saved with another number of DataLoader workers", where="num_workers",
+                        expected=saved, found=found, hint=f"use num_workers={saved}, or {_RESTART_HINT}")
+
+
+def saved_workers(loader_state) -> int:
+    """How many DataLoader workers a StatefulDataLoader state was saved with (0: none)."""
+    snapshot = _as_state(loader_state).get("_snapshot")
+    if snapshot is None:
+        return 0
+    shares = snapshot.get("_worker_snapshots") if isinstance(snapshot, dict) else None
+    if not isinstance(shares, dict) or not shares:
+        raise TokpackError("not a StatefulDataLoader state of a TokpackDataset", where="_worker_snapshots",
+                           expected="one TokpackDataset state per worker", found=shares, hint=_RESTART_HINT)
+    return len(shares)
 
 
 class TokpackDataset(IterableDataset):
@@ -76,6 +116,9 @@ class TokpackDataset(IterableDataset):
         default 0. `verify`: checksum each shard when it is first read. The shard table is
         opened here, so a missing or truncated shard fails before training starts."""
         _ignore_set_vital_warning()
+        rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
+        text(positions, "positions", choices=(None, "eos", "index"))
+        flag(verify, "verify")
         # Opened here, in the main process, so a missing or truncated shard fails before training starts.
         self.reader = SampleReader.open(path, verify=verify)  # shard table; fds reopen in each worker
         self.rank = rank  # r
@@ -134,9 +177,7 @@ class TokpackDataset(IterableDataset):
     def _resume_share(self, saved: dict, worker: int, workers: int) -> tuple[int, int]:
         """(start, first step) of this worker's share of the steps, from its saved state."""
         if int(saved["num_workers"]) != workers:
-            raise TokpackError("loader state was saved with another number of DataLoader workers",
-                               where="num_workers", expected=saved["num_workers"], found=workers,
-                               hint=f"use num_workers={saved['num_workers']}, or {_RESTART_HINT}")
+            raise _other_workers(int(saved["num_workers"]), workers)
         if int(saved["worker"]) != worker:
             raise TokpackError("loader state is the share of another DataLoader worker", where="worker",
                                expected=f"worker {saved['worker']} of {saved['num_workers']}",
@@ -180,33 +221,72 @@ class TokpackDataset(IterableDataset):
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()`: a worker's share (StatefulDataLoader, same workers, same
         W*m) or a position (epoch, sample) / consumed_samples (any world size). O(1)."""
+        state = _as_state(state)
         if "next_step" in state:
-            self._worker_resume = dict(state)
+            self._worker_resume = self._checked_share(state)
             return
-        self._worker_resume = None
         if "epoch" in state:
-            self.consumed = self.reader.start_from(
-                start_sample=self.reader.position(int(state["epoch"]), int(state["sample"])))
+            g = self.reader.position(_state_int(state, "epoch"), _state_int(state, "sample"))
         else:
-            self.consumed = self.reader.start_from(start_sample=int(state["consumed_samples"]))
+            g = _state_int(state, "consumed_samples")
+        self.consumed = self._within_run(g, "consumed_samples")
+        self._worker_resume = None
+
+    def _within_run(self, g: int, field: str) -> int:
+        """Chained sample g of a loaded state, refused past the end of the run (the state is of
+        another, longer run) or in an epoch that is not written (start_from's line)."""
+        numbering = self.reader.numbering
+        if g > self.reader.total_samples and (numbering is None or numbering.locate(g) is None):
+            raise TokpackError("loader state is past the end of the run", file=self.reader.table.epoch_dirs[-1],
+                               where=f"loader state {field}", expected=f"0..{self.reader.total_samples}", found=g,
+                               hint="load a state saved over this run, or " + _RESTART_HINT)
+        return self.reader.start_from(start_sample=g)
+
+    def _checked_share(self, state: dict) -> dict:
+        """A worker's saved share, its fields whole numbers that fit each other and this run."""
+        share = {key: _state_int(state, key, least) for key, least in _SHARE_FIELDS.items()}
+        workers, worker, step = share["num_workers"], share["worker"], share["next_step"]
+        if worker >= workers or step % workers != worker:
+            raise TokpackError("loader state is damaged: a worker's next step is not its own", where="next_step",
+                               expected=f"a step b with b % {workers} == {worker} (worker {worker} of {workers})",
+                               found=step, hint=_RESTART_HINT)
+        start = self._within_run(share["start"], "start")
+        # The last step served from `start` is at most steps - 1, so a worker's next is below steps + workers.
+        steps = (self.reader.total_samples - start) // share["global_batch"]
+        if step >= steps + workers:
+            self._within_run(start + step * share["global_batch"], "next_step")
+        return share
+
+    def load_loader_state(self, loader, loader_state: dict) -> None:
+        """`loader.load_state_dict(loader_state)` for a StatefulDataLoader over this dataset, after
+        checking that the state was saved with the loader's number of workers. torchdata itself
+        checks a change to or from 0 workers with a bare AssertionError when the loader is next
+        iterated, before this dataset sees the state; here every change is the same one line."""
+        saved = saved_workers(loader_state)
+        if saved != loader.num_workers:
+            raise _other_workers(saved, loader.num_workers)
+        loader.load_state_dict(loader_state)
 
     @staticmethod
     def consumed_samples(loader_state: dict) -> int:
         """The consumed-sample count G in a `StatefulDataLoader.state_dict()` of a TokpackDataset,
         with or without workers: start a fresh dataset there (`start_sample=G`) to resume with
         another world size, micro-batch or number of workers."""
-        snapshot = loader_state.get("_snapshot")
+        snapshot = _as_state(loader_state).get("_snapshot")
         if snapshot is None:  # no workers: the dataset's own position
             state = loader_state.get("dataset_state")
             if not isinstance(state, dict) or "consumed_samples" not in state:
                 raise TokpackError("not a StatefulDataLoader state of a TokpackDataset", where="dataset_state",
                                    expected="{epoch, sample, consumed_samples}", found=state)
-            return int(state["consumed_samples"])
-        shares = [w.get("dataset_state") for w in snapshot.get("_worker_snapshots", {}).values()]
-        if not shares or not all(isinstance(s, dict) and "next_step" in s for s in shares):
+            return _state_int(state, "consumed_samples")
+        saved_workers(loader_state)
+        shares = [w.get("dataset_state") if isinstance(w, dict) else None
+                  for w in snapshot["_worker_snapshots"].values()]
+        if not all(isinstance(s, dict) and "next_step" in s for s in shares):
             raise TokpackError("not a StatefulDataLoader state of a TokpackDataset", where="_worker_snapshots",
                                expected="one TokpackDataset state per worker", found=shares)
         # Steps below the smallest next step were all yielded (the loader yields in step order),
         # and so were the steps yielded since the snapshot.
-        step = min(int(s["next_step"]) for s in shares) + int(loader_state.get("_steps_since_snapshot", 0))
-        return int(shares[0]["start"]) + step * int(shares[0]["global_batch"])
+        since = _state_int(loader_state, "_steps_since_snapshot") if "_steps_since_snapshot" in loader_state else 0
+        step = min(_state_int(s, "next_step") for s in shares) + since
+        return _state_int(shares[0], "start") + step * _state_int(shares[0], "global_batch", 1)

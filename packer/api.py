@@ -8,8 +8,11 @@ the stages are imported when called.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect as _signature
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
 
 # Defined in the leaf tokpack.packer.shared (the stages import it, not this module); kept importable from here.
 from tokpack.packer.shared import ExecutorConfig, PathLike, Result, as_paths, optional_field, weighted_sources  # noqa: F401
@@ -19,6 +22,79 @@ if TYPE_CHECKING:  # the stages build their results; importing them here would i
     from tokpack.packer.packing import PackResult
     from tokpack.packer.planning import PlanResult
     from tokpack.packer.staging import StageResult
+
+
+def _epochs(value, name):
+    """shuffle's `epochs`: a count (>= 1) or a sequence of epoch numbers (>= 0)."""
+    from tokpack.formats import arguments
+
+    if value is None or isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        return arguments.whole(value, name, least=1)
+    return [arguments.whole(e, f"{name}[{i}]", optional=False) for i, e in enumerate(value)]
+
+
+def _executor(value, name):
+    from tokpack.formats import arguments
+    from tokpack.formats.errors import TokpackError
+
+    if value is None:
+        return None
+    if not isinstance(value, ExecutorConfig):
+        raise TokpackError(f"{name} must be an ExecutorConfig", where=name, found=repr(value))
+    arguments.whole(value.workers, f"{name}.workers", least=1, optional=False)
+    arguments.whole(value.tasks, f"{name}.tasks", least=1)
+    return value
+
+
+_REQUIRED = {"optional": False}
+_COUNT = {n: ("whole", {"least": n}) for n in (0, 1)}
+_TEXT, _FLAG, _MAYBE_FLAG = ("text", {}), ("flag", {}), ("flag", {"optional": True})
+
+# Each public function's arguments, checked as the CLI's option types check the same options
+# (packer/cli.py): the same ranges, unit strings through the same parsers (tokpack.formats.arguments:
+# a check's name there, and its keywords). An argument not named here (paths, sources, a log
+# callable) is checked by the stage that uses it.
+ARGUMENTS = {
+    "pack": {"input_format": ("text", _REQUIRED), "column": _TEXT, "dtype": _TEXT, "tokenizer": _TEXT,
+             "eos_id": _COUNT[0], "vocab_size": _COUNT[1], "overwrite": _FLAG,
+             "shard_tokens": ("tokens", {"least": 1, **_REQUIRED}), "executor": _executor, "link": _FLAG},
+    "shuffle": {"seq_len": _COUNT[1], "seed": ("whole", {"least": None}), "epochs": _epochs, "samples": _COUNT[1],
+                "tokens": ("tokens", {}), "shard_samples": _COUNT[1], "memory": ("size", _REQUIRED), "jitter": _FLAG,
+                "executor": _executor, "progress": _MAYBE_FLAG, "packing": _TEXT, "pad_id": _COUNT[0]},
+    "validate": {"quick": _FLAG, "workers": ("whole", {"least": 1, **_REQUIRED}), "show_progress": _MAYBE_FLAG},
+    "stage": {"workers": ("whole", {"least": 1, **_REQUIRED}), "epochs": _TEXT, "ranks": _TEXT,
+              "micro_batch": ("whole", {"least": 1, **_REQUIRED}), "world_size": _COUNT[1], "node": _TEXT,
+              "ranks_per_node": _COUNT[1], "start_sample": ("whole", _REQUIRED)},
+    "inspect": {"batch_size": _COUNT[1], "batches": ("whole", {"least": 1, **_REQUIRED}), "seq_len": _COUNT[1],
+                "epoch": _COUNT[0], "memory": ("size", {})},
+}
+
+
+def checked(command: str, given: dict) -> dict:
+    """`given` (keyword -> value) with each argument of `command` checked and parsed (an int
+    for "3M" or "64MiB"), or one TokpackError line naming the argument."""
+    from tokpack.formats import arguments
+
+    out = dict(given)
+    for name, check in ARGUMENTS[command].items():
+        if name in out:
+            out[name] = check(out[name], name) if callable(check) else getattr(arguments, check[0])(
+                out[name], name, **check[1])
+    return out
+
+
+def _checks(command: str):
+    """Checks the decorated function's arguments (ARGUMENTS[command]) before it runs."""
+    def wrap(fn):
+        sig = _signature.signature(fn)
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs)  # an unknown keyword stays Python's TypeError
+            bound.apply_defaults()
+            return fn(**checked(command, bound.arguments))
+        return run
+    return wrap
 
 
 @dataclasses.dataclass
@@ -41,6 +117,7 @@ class ShuffleResult(Result):
     warnings: list[str]  # one per source an epoch repeats windows of
 
 
+@_checks("pack")
 def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_format: str = "auto",
          column: str | None = None, dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
          vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30,
@@ -62,6 +139,7 @@ def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_forma
                            shard_tokens=shard_tokens, config=executor, log=log, to=to, link=link)
 
 
+@_checks("shuffle")
 def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int | None = None,
             epochs: int | Sequence[int] | None = None, samples: int | None = None, tokens: int | None = None,
             shard_samples: int | None = None, memory: int = 4 << 30, jitter: bool = False,
@@ -102,6 +180,7 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
     return ShuffleResult(**summary)
 
 
+@_checks("validate")
 def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
              against: PathLike | Sequence[PathLike] = (), workers: int = 1, show_progress: bool | None = None):
     """Checks tokpack directories (sources, runs, epochs); `against`: the packed sources an
@@ -114,6 +193,7 @@ def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
                         show_progress=show_progress, replay=replay_hashes)
 
 
+@_checks("stage")
 def stage(directory: PathLike, dest: PathLike, *, workers: int = 4, epochs: str | None = None,
           ranks: str | None = None, micro_batch: int = 1, world_size: int | None = None, node: str | None = None,
           ranks_per_node: int | None = None, start_sample: int = 0, log=None):
@@ -131,6 +211,7 @@ def stage(directory: PathLike, dest: PathLike, *, workers: int = 4, epochs: str 
                       log=log)
 
 
+@_checks("inspect")
 def inspect(directory: PathLike, *, batch_size: int | None = None, batches: int = 64, plot: PathLike | None = None,
             seq_len: int | None = None, epoch: int | None = None, memory: int | None = None) -> InspectResult:
     """What a source, run or epoch holds and the batch diversity before and after the shuffle.
@@ -145,10 +226,16 @@ def plan(command: str, *args, **kwargs) -> PlanResult:
     """What `pack`, `shuffle` or `stage` (`command`) would do with these arguments (that function's,
     plus `disk_mbps`), writing nothing: tasks, files, bytes per pass, space, manifest sizes and a
     predicted wall time (tokpack.packer.planning)."""
+    from tokpack.formats import arguments
     from tokpack.formats.errors import TokpackError
     from tokpack.packer import planning
 
-    planner = {"pack": planning.plan_pack, "shuffle": planning.plan_shuffle, "stage": planning.plan_stage}.get(command)
+    planner = {"pack": planning.plan_pack, "shuffle": planning.plan_shuffle, "stage": planning.plan_stage}.get(
+        command) if isinstance(command, str) else None
     if planner is None:
         raise TokpackError("no such command to plan", where="command", expected="pack, shuffle or stage", found=command)
-    return planner(*args, **kwargs)
+    bound = _signature.signature(planner).bind(*args, **kwargs)
+    given = checked(command, bound.arguments)
+    if "disk_mbps" in given:
+        given["disk_mbps"] = arguments.positive_number(given["disk_mbps"], "disk_mbps")
+    return planner(**given)

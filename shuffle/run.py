@@ -32,7 +32,7 @@ from tokpack.formats.units import at_most
 
 from . import packings
 from .plan import EpochPlan, SamplePlan, is_virtual, open_source, parse_weight, source_location
-from .schedule import RunPlan, Schedule
+from .schedule import RunPlan, Schedule, same_source_twice
 from .steps import ORDER_ROW_OVERHEAD, EpochJob, Layout, make_layout, source_changed_error
 
 DEFAULT_SHARD_BYTES = 1 << 30  # default --shard-samples: about 1 GiB of samples per shard
@@ -56,9 +56,7 @@ def open_sources(paths: list[str]) -> list[PackedSource]:
     for src in sources:  # every window would appear twice, and epochs could not tell the copies apart
         for key in (("path", src.path.resolve()), ("fingerprint", src.fingerprint)):
             if key in seen:
-                raise TokpackError("the same source is given twice", file=src.path, where="SOURCE",
-                                   expected="each source once", found=f"the same {key[0]} as {seen[key]}",
-                                   hint="give each source once; to draw more from it, raise its weight")
+                raise same_source_twice(src.path, key[0], seen[key])
             seen[key] = src.path
     return sources
 

@@ -85,6 +85,13 @@ def epoch_numbers(epochs) -> list[int] | None:
     return epochs
 
 
+def same_source_twice(path, key: str, first) -> TokpackError:
+    """The one line for a source given twice (`key`: what is the same, its path or its fingerprint)."""
+    return TokpackError("the same source is given twice", file=path, where="SOURCE", expected="each source once",
+                        found=f"the same {key} as {first}",
+                        hint="give each source once; to draw more from it, raise its weight")
+
+
 def _fail(message: str, file, where: str, expected=None, found=None, hint=None):
     raise TokpackError(message, file=file, where=where, expected=expected, found=found,
                        hint=hint or "see docs/COMMANDS.md, \"Schedules\", for the file's shape")
@@ -196,6 +203,11 @@ def read_schedule(path: str | Path) -> Schedule:
         if not isinstance(sources, dict):
             _fail("stage sources need weights", path, f"{where}.sources", "{SOURCE: WEIGHT, ...}", repr(sources)[:60])
         paths = [str(p if Path(str(p)).is_absolute() else path.parent / str(p)) for p in sources]
+        resolved: dict = {}
+        for k, p in enumerate(paths):  # `web` and `./web` (or a symlink to it) are one source, as for the CLI
+            first = resolved.setdefault(Path(p).resolve(), k)
+            if first != k:
+                raise same_source_twice(p, "path", paths[first])
         weights = [_weight(w, path, f"{where}.sources.{p}") for p, w in sources.items()]
         if ("tokens" in st) == ("epochs" in st):
             _fail("stage needs exactly one of tokens and epochs", path, where, "tokens: 8T or epochs: 3",

@@ -477,3 +477,21 @@ def test_schedule_errors_name_the_field_by_its_path(tmp_path, body):
     with pytest.raises(TokpackError) as err:
         read_schedule(bad)
     assert str(err.value) == f"{bad} {FIELD_PATHS[body]} {SHAPE_HINT}"
+
+
+@pytest.mark.parametrize("spelling", ["./web", "weblink"])
+def test_a_stage_naming_one_source_twice_is_the_clis_line(corpus, tmp_path, spelling):
+    """Issue 32: `web` and `./web` (or a symlink to web) in one stage is one source twice: the
+    CLI's duplicate-source line (exit 1), in shuffle and in plan, not an IndexError (exit 70)."""
+    link = corpus / "weblink"
+    if not link.exists():
+        link.symlink_to(corpus / "web")
+    yaml = tmp_path / "dup.yaml"
+    yaml.write_text(f"seq_len: 31\nseed: 7\nstages:\n  - name: s\n    epochs: 1\n"
+                    f"    sources: {{{corpus}/web: 0.5, {corpus}/{spelling}: 0.5}}\n")
+    for args in (["shuffle", "--schedule", yaml, "-o", tmp_path / "o"],
+                 ["plan", "shuffle", "--schedule", yaml, "-o", tmp_path / "p"]):
+        res = CliRunner().invoke(main, [str(a) for a in args])
+        assert res.exit_code == 1 and "Traceback" not in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1
+        assert "the same source is given twice" in res.stderr and "give each source once" in res.stderr

@@ -1,0 +1,79 @@
+"""Arguments given through the Python API, checked as the CLI's option types check them.
+
+click refuses `--world-size 0`, `--start-sample 3.5` or `--memory lots` before a command runs;
+a caller of tokpack.pack(...) or TokpackDataset(...) gets the same refusal here, as one
+TokpackError line naming the argument, instead of a ZeroDivisionError, a silent rounding
+(int('5'), int(3.5)) or a raw ValueError deep in a stage. Unit strings go through
+formats/units.py, the parser the CLI uses, so `tokens="3M"` means what `--tokens 3M` means.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+from .errors import TokpackError
+from .units import byte_size, token_count
+
+
+def whole(value, name: str, *, least: int | None = 0, optional: bool = True) -> int | None:
+    """`value` as an int: an integer (numpy's too), not a bool, a float or a digit string."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TokpackError(f"{name} must be an integer", where=name,
+                           expected="an int" + ("" if least is None else f" >= {least}"), found=repr(value))
+    if least is not None and value < least:
+        raise TokpackError(f"{name} is out of range", where=name, expected=f">= {least}", found=int(value))
+    return int(value)
+
+
+def flag(value, name: str, *, optional: bool = False) -> bool | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, bool):
+        raise TokpackError(f"{name} must be True or False", where=name, expected="a bool", found=repr(value))
+    return value
+
+
+def text(value, name: str, *, optional: bool = True, choices=None):
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or (choices is not None and value not in choices):
+        raise TokpackError(f"{name} is not one of its values" if choices else f"{name} must be a string",
+                           where=name, expected=" or ".join(map(repr, choices)) if choices else "a str",
+                           found=repr(value))
+    return value
+
+
+def _quantity(parse, value, name: str, least: int, optional: bool, what: str) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, numbers.Integral)):
+        raise TokpackError(f"{name} must be an integer or text such as the CLI takes", where=name,
+                           expected=f"an int or a {what} string", found=repr(value))
+    try:
+        n = parse(value if isinstance(value, str) else int(value), what=what)
+    except TokpackError as e:  # the parser's line, with the argument it was given for
+        raise TokpackError(e.message, where=name, expected=e.expected, found=e.found, hint=e.hint) from None
+    if n < least:
+        raise TokpackError(f"{name} is out of range", where=name, expected=f">= {least}", found=n)
+    return n
+
+
+def tokens(value, name: str, *, least: int = 0, optional: bool = True) -> int | None:
+    """A token count: an int, or text as `--tokens` takes it ("3M", "100B")."""
+    return _quantity(token_count, value, name, least, optional, "token count")
+
+
+def size(value, name: str, *, least: int = 0, optional: bool = True) -> int | None:
+    """A byte size: an int, or text as `--memory` takes it ("64MiB", "4G")."""
+    return _quantity(byte_size, value, name, least, optional, "byte size")
+
+
+def positive_number(value, name: str, *, optional: bool = True) -> float | None:
+    """A real number > 0 (a disk speed in MB/s)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise TokpackError(f"{name} must be a number > 0", where=name, expected="> 0", found=repr(value))
+    return float(value)

@@ -1,0 +1,242 @@
+"""Issue 32, item 5: the Python API is as strict as the CLI. Each public function of
+tokpack.packer.api, SampleReader and TokpackDataset check their arguments (types, ranges, unit
+strings parsed as the CLI parses them) and every loader state they load, with one TokpackError
+line naming the argument or the state's field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from conftest import random_docs, shuffle_run, write_source
+from tokpack.formats import arguments
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.manifest import epoch_dir_name
+from tokpack.loader.reader import SampleReader
+from tokpack.loader.torch_adapter import TokpackDataset
+from tokpack.packer import api
+
+SEQ, N = 15, 48
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("strict")
+    src = write_source(base / "src", random_docs(np.random.default_rng(3), 120, 1000, 0))
+    shuffle_run([str(src)], str(base / "run"), seq_len=SEQ, seed=1, epochs=[0, 1], samples=N, shard_samples=8,
+                memory=8 << 20)
+    return base / "run"
+
+
+def one_line(e: pytest.ExceptionInfo, *words: str) -> str:
+    line = str(e.value)
+    assert type(e.value) is TokpackError and "\n" not in line
+    for w in words:
+        assert w in line, line
+    return line
+
+
+# ------------------------------------------------------------------ the checks themselves
+
+
+@pytest.mark.parametrize("value", [3.5, "5", True, None, np.float64(2.0)])
+def test_whole_refuses_what_is_not_an_int(value):
+    with pytest.raises(TokpackError) as e:
+        arguments.whole(value, "start_sample", optional=False)
+    one_line(e, "[start_sample]", "must be an integer", repr(value))
+
+
+def test_whole_takes_numpy_ints_and_checks_the_range():
+    assert arguments.whole(np.int64(4), "n") == 4 and type(arguments.whole(np.int64(4), "n")) is int
+    with pytest.raises(TokpackError) as e:
+        arguments.whole(0, "micro_batch", least=1)
+    one_line(e, "[micro_batch]", "out of range", "expected >= 1, found 0")
+
+
+def test_units_as_the_cli_parses_them():
+    assert arguments.tokens("3M", "tokens") == 3_000_000 and arguments.size("64MiB", "memory") == 64 << 20
+    assert arguments.size("4G", "memory") == 4 << 30 and arguments.tokens(7, "tokens") == 7
+    for parse, value, words in [(arguments.tokens, "1GB", ("[tokens]", "byte size")),
+                                (arguments.size, "64Mi", ("[memory]", "not a byte size")),
+                                (arguments.tokens, 2.5, ("[tokens]", "must be an integer or text")),
+                                (arguments.size, True, ("[memory]", "must be an integer or text")),
+                                (arguments.tokens, "1.5", ("[tokens]", "whole number"))]:
+        with pytest.raises(TokpackError) as e:
+            parse(value, value and ("tokens" if parse is arguments.tokens else "memory"))
+        one_line(e, *words)
+
+
+# ------------------------------------------------------------------ packer/api.py
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: api.shuffle("s", "o", seq_len=0), ("[seq_len]", "out of range")),
+    (lambda: api.shuffle("s", "o", seq_len=3.5), ("[seq_len]", "must be an integer")),
+    (lambda: api.shuffle("s", "o", samples="5"), ("[samples]", "must be an integer", "'5'")),
+    (lambda: api.shuffle("s", "o", epochs=0), ("[epochs]", "out of range")),
+    (lambda: api.shuffle("s", "o", epochs=[0, 1.0]), ("[epochs[1]]", "must be an integer")),
+    (lambda: api.shuffle("s", "o", memory="lots"), ("[memory]", "not a byte size")),
+    (lambda: api.shuffle("s", "o", tokens="3MiB"), ("[tokens]", "byte size")),
+    (lambda: api.shuffle("s", "o", jitter=1), ("[jitter]", "True or False")),
+    (lambda: api.shuffle("s", "o", pad_id=-1), ("[pad_id]", "out of range")),
+    (lambda: api.pack("i", "o", shard_tokens="1GB"), ("[shard_tokens]", "byte size")),
+    (lambda: api.pack("i", "o", eos_id=2.0), ("[eos_id]", "must be an integer")),
+    (lambda: api.pack("i", "o", executor=api.ExecutorConfig(workers=0)), ("[executor.workers]", "out of range")),
+    (lambda: api.validate("d", workers=0), ("[workers]", "out of range")),
+    (lambda: api.validate("d", quick="yes"), ("[quick]", "True or False")),
+    (lambda: api.stage("d", "e", micro_batch=0), ("[micro_batch]", "out of range")),
+    (lambda: api.stage("d", "e", world_size=0), ("[world_size]", "out of range")),
+    (lambda: api.stage("d", "e", start_sample=3.5), ("[start_sample]", "must be an integer")),
+    (lambda: api.inspect("d", batches=True), ("[batches]", "must be an integer")),
+    (lambda: api.inspect("d", memory="1Q"), ("[memory]", "not a byte size")),
+    (lambda: api.plan("stage", "d", "e", world_size=0), ("[world_size]", "out of range")),
+    (lambda: api.plan("shuffle", "s", "o", memory="64Mi"), ("[memory]", "not a byte size")),
+    (lambda: api.plan("shuffle", "s", "o", disk_mbps=0), ("[disk_mbps]", "number > 0")),
+    (lambda: api.plan(3), ("[command]", "no such command")),
+])
+def test_api_refuses_bad_arguments_before_touching_a_path(call, words):
+    with pytest.raises(TokpackError) as e:
+        call()
+    one_line(e, *words)
+
+
+def test_api_takes_unit_strings_as_the_cli_does(run, tmp_path):
+    src = Path(run).parent / "src"
+    got = api.shuffle(src, tmp_path / "r", seq_len=SEQ, seed=1, tokens="1K", memory="64MiB", shard_samples=8)
+    assert got.epoch_samples == [1000 // SEQ]
+    plan = api.plan("shuffle", [str(src)], str(tmp_path / "p"), seq_len=SEQ, seed=1, tokens="1K", memory="64MiB")
+    assert plan.to_json()["ok"]
+
+
+# ------------------------------------------------------------------ SampleReader
+
+
+def test_reader_arguments(run):
+    r = SampleReader.open(run)
+    for call, words in [(lambda: r.start_from(start_sample=3.5), ("[start_sample]", "must be an integer")),
+                        (lambda: r.start_from(start_sample="5"), ("[start_sample]", "'5'")),
+                        (lambda: r.start_from(consumed_tokens="1GB"), ("[consumed_tokens]", "byte size")),
+                        (lambda: r.batches(0, 0, 1), ("[world_size]", "out of range")),
+                        (lambda: r.batches(0, 1, 0), ("[micro_batch]", "out of range")),
+                        (lambda: r.batches(2, 2, 1), ("[rank]", "expected 0..1")),
+                        (lambda: r.batches(0, 1, 1, positions="bos"), ("[positions]", "'bos'")),
+                        (lambda: r.batches(0, 1, 1, worker=1, num_workers=2, first_step=2), ("[first_step]",)),
+                        (lambda: r.position(0, 1.5), ("[sample]", "must be an integer")),
+                        (lambda: r.read(2 * N, 1), ("rows outside the chained stream",)),
+                        (lambda: SampleReader.open(run, verify="no"), ("[verify]",))]:
+        with pytest.raises(TokpackError) as e:
+            call()
+        one_line(e, *words)
+    assert r.start_from(consumed_tokens="150") == 150 // SEQ
+    with pytest.raises(TokpackError, match="start must not be negative"):
+        r.start_from(start_sample=-1)
+
+
+# ------------------------------------------------------------------ TokpackDataset
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"micro_batch": 0}, ("[micro_batch]", "out of range")),
+    ({"world_size": 0}, ("[world_size]", "out of range")),
+    ({"rank": 1, "world_size": 1}, ("[rank]", "expected 0..0")),
+    ({"start_sample": 3.5}, ("[start_sample]", "must be an integer")),
+    ({"start_sample": "5"}, ("[start_sample]", "'5'")),
+    ({"start_sample": True}, ("[start_sample]",)),
+    ({"consumed_tokens": 2.5}, ("[consumed_tokens]",)),
+    ({"positions": "bos"}, ("[positions]",)),
+    ({"verify": 1}, ("[verify]",)),
+])
+def test_dataset_arguments(run, kw, words):
+    with pytest.raises(TokpackError) as e:
+        TokpackDataset(run, **kw)
+    one_line(e, *words)
+
+
+@pytest.mark.parametrize("state, words", [
+    ([], ("not a TokpackDataset state",)),
+    ({}, ("lacks a field", "[consumed_samples]")),
+    ({"epoch": 0}, ("lacks a field", "[sample]")),
+    ({"consumed_samples": "7"}, ("[loader state consumed_samples]", "must be an integer")),
+    ({"consumed_samples": -1}, ("[loader state consumed_samples]", "out of range")),
+    ({"consumed_samples": 2 * N + 1}, ("in epoch 2, which is not written yet",)),
+    ({"epoch": 0, "sample": N + 1}, ("sample outside its epoch",)),
+    ({"epoch": 0.0, "sample": 1}, ("[loader state epoch]",)),
+    ({"next_step": 0}, ("lacks a field", "[start]")),
+    ({"start": 0, "next_step": 1, "worker": 0, "num_workers": 2, "global_batch": 1}, ("not its own",)),
+    ({"start": 0, "next_step": 0, "worker": 2, "num_workers": 2, "global_batch": 1}, ("not its own",)),
+    ({"start": 0, "next_step": 0, "worker": 0, "num_workers": 0, "global_batch": 1}, ("[loader state num_workers]",)),
+    ({"start": 0, "next_step": "0", "worker": 0, "num_workers": 1, "global_batch": 1}, ("[loader state next_step]",)),
+    ({"start": 0, "next_step": 2 * N + 2, "worker": 0, "num_workers": 2, "global_batch": 1}, ("not written yet",)),
+    ({"start": 2 * N + 4, "next_step": 0, "worker": 0, "num_workers": 1, "global_batch": 1}, ("not written yet",)),
+])
+def test_damaged_states_are_one_line(run, state, words):
+    ds = TokpackDataset(run, positions=None)
+    with pytest.raises(TokpackError) as e:
+        ds.load_state_dict(state)
+    one_line(e, *words)
+
+
+@pytest.mark.parametrize("state", [
+    {"consumed_samples": N + 1},
+    {"start": 0, "next_step": N + 2, "worker": 0, "num_workers": 2, "global_batch": 1},
+    {"start": 0, "next_step": N, "worker": 0, "num_workers": 1, "global_batch": 2},
+    {"start": N + 4, "next_step": 0, "worker": 0, "num_workers": 1, "global_batch": 1}])
+def test_a_state_past_the_end_is_refused(run, state):
+    """An epoch directory has an end (a run's numbering names the epoch to write instead): a
+    state past it, e.g. of another, longer run, is refused rather than yielding nothing."""
+    ds = TokpackDataset(Path(run) / epoch_dir_name(0), positions=None)
+    with pytest.raises(TokpackError) as e:
+        ds.load_state_dict(state)
+    one_line(e)
+    assert "past the end" in str(e.value) or "beyond the end" in str(e.value)
+
+
+def test_end_of_run_states_still_load(run):
+    """The position after the last batch (the end of the run) is a state, not past it."""
+    ds = TokpackDataset(run, positions=None)
+    ds.load_state_dict({"consumed_samples": 2 * N})
+    assert list(ds) == []
+    ds.load_state_dict({"start": 0, "next_step": 2 * N + 1, "worker": 1, "num_workers": 2, "global_batch": 1})
+    ds.load_state_dict({"consumed_samples": torch.tensor(5)})
+    assert ds.consumed == 5
+
+
+def _saved(run, workers: int) -> dict:
+    ds = TokpackDataset(run, positions=None, micro_batch=2)
+    loader = StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    return loader.state_dict()
+
+
+@pytest.mark.parametrize("saved_with, loaded_with", [(2, 0), (0, 2), (2, 1)])
+def test_worker_count_change_is_one_line_including_zero(run, saved_with, loaded_with):
+    state = _saved(run, saved_with)
+    ds = TokpackDataset(run, positions=None, micro_batch=2)
+    loader = StatefulDataLoader(ds, batch_size=None, num_workers=loaded_with)
+    with pytest.raises(TokpackError) as e:
+        ds.load_loader_state(loader, state)
+    one_line(e, "[num_workers]", "another number of DataLoader workers",
+             f"expected {saved_with}, found {loaded_with}", "consumed_samples(loader_state)")
+    assert TokpackDataset.consumed_samples(state) == 6  # the way out the hint names works
+
+
+def test_load_loader_state_resumes_as_load_state_dict(run):
+    state = _saved(run, 2)
+    ds = TokpackDataset(run, positions=None, micro_batch=2)
+    loader = StatefulDataLoader(ds, batch_size=None, num_workers=2)
+    ds.load_loader_state(loader, state)
+    assert int(next(iter(loader))["consumed_samples"]) == 8
+
+
+@pytest.mark.parametrize("state", [{"_snapshot": {}}, {"_snapshot": {"_worker_snapshots": {"w": 3}}},
+                                   {"dataset_state": {"consumed_samples": 1.5}}, "x"])
+def test_consumed_samples_of_a_damaged_loader_state(state):
+    with pytest.raises(TokpackError) as e:
+        TokpackDataset.consumed_samples(state)
+    one_line(e)
