@@ -1058,39 +1058,43 @@ class _LogLines:
     """The one writer of a process's progress lines: every interval, the line of the oldest open
     bar short of its total (a command's outermost step: pack's bar over all its files, not a
     file's; a finished pass's bar may stay open while the next pass runs), else of the newest, so
-    a log gets one line per interval however many bars are open."""
+    a log gets one line per interval however many bars are open. Bars are held weakly: one its
+    owner dropped without closing it (as a tqdm bar closes when collected) writes no more lines."""
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.bars: list[_LogBar] = []
+        self.bars: list[weakref.ref] = []
         self.stop: threading.Event | None = None
 
     def open(self, bar: _LogBar, interval: float) -> None:
         with self.lock:
-            self.bars.append(bar)
+            self.bars.append(weakref.ref(bar))
             if self.stop is None:
                 self.stop = threading.Event()
                 threading.Thread(target=self._write, args=(self.stop, interval), name="tokpack-progress-lines",
                                  daemon=True).start()
 
-    def close(self, bar: _LogBar) -> None:
+    def close(self, bar: _LogBar | None) -> None:
         with self.lock:
-            if bar in self.bars:
-                self.bars.remove(bar)
+            self.bars = [r for r in self.bars if r() is not None and r() is not bar]
             if not self.bars and self.stop is not None:
                 self.stop.set()
                 self.stop = None
 
     def _write(self, stop: threading.Event, interval: float) -> None:
         while not stop.wait(interval):
+            self.close(None)  # forget the bars collected unclosed; the last one gone stops this thread
             with self.lock:
-                bar = next((b for b in self.bars if not b.finished), self.bars[-1] if self.bars else None)
+                live = [b for b in (r() for r in self.bars) if b is not None]
+            bar = next((b for b in live if not b.finished), live[-1] if live else None)
+            del live
             if bar is not None:
                 try:
                     sys.stderr.write(bar.line() + "\n")
                     sys.stderr.flush()
                 except (OSError, ValueError):  # stderr closed (a pipe whose reader left): nothing to tell
                     return
+                del bar  # held no longer than its line: a bar dropped unclosed is collected
 
 
 _LOG_LINES = _LogLines()

@@ -24,7 +24,7 @@ import traceback
 import click
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import LOG_INTERVAL_ENV, logging_every
+from tokpack.formats.io import LOG_INTERVAL_ENV, log_interval, logging_every
 from tokpack.formats.units import byte_size, token_count
 
 
@@ -519,7 +519,7 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
 
     epochs = _epochs_asked(sources, epochs, epoch, kw)
     executor = _executor_config(kw)
-    quiet = _log_interval(click.get_current_context(), as_json) == 0 and as_json  # no bar either
+    quiet = as_json and log_interval() == 0  # --json asked for no lines: no bar on a terminal either
     result = shuffle_api(_weighted_sources(sources), output, epochs=epochs, executor=executor, log=_log(as_json),
                          progress=False if quiet else None, **kw)
     emit(result, as_json, shown=_real_shard_size(result))

@@ -179,6 +179,22 @@ def test_one_line_per_interval_for_the_outermost_step_still_running(capsys):
     assert capsys.readouterr().err == ""  # no line once every bar is closed
 
 
+def test_a_bar_dropped_without_closing_writes_no_more_lines(capsys):
+    """As a tqdm bar closes when collected: a step that opened a bar and was dropped (a test that
+    ran a step alone, a failed pass) leaves no writer printing its last state forever."""
+    import gc
+
+    bar = io._LogBar(100, "epoch 0: scatter", "B", 0.05)
+    time.sleep(0.2)
+    assert capsys.readouterr().err
+    del bar
+    gc.collect()
+    time.sleep(0.2)
+    capsys.readouterr()
+    time.sleep(0.3)
+    assert capsys.readouterr().err == "" and io._LOG_LINES.stop is None
+
+
 def test_log_interval_reads_the_environment(monkeypatch):
     monkeypatch.delenv(io.LOG_INTERVAL_ENV, raising=False)
     assert io.log_interval() == 30

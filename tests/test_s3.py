@@ -191,7 +191,7 @@ def test_reading_commands_give_one_line_for_missing_unreachable_and_denied(s3_en
                              "--epochs", "1", *scratch]):
                 result = cli(*command, env=env)
                 line = one_line_error(result) if "tokpack: error" in result.stderr else \
-                    next(x for x in result.stderr.splitlines() if x.startswith("CORRUPT s3://"))  # validate's report
+                    next(x for x in result.stderr.splitlines() if x.startswith("MISSING s3://"))  # validate's report
                 assert result.returncode == 1 and "s3://no-such-bucket-here/d" in line, (command, result.stderr)
                 assert any(f in line for f in found) and secret not in result.stdout + result.stderr, (command, line)
     finally:

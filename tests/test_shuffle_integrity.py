@@ -235,7 +235,7 @@ def test_summary_counts_every_source_and_warns_per_repeated_source(sources, tmp_
     r = cli("shuffle", f"{web}=0.7", f"{code}=0.3", "-o", tmp_path / "human", "--seq-len", L, "--seed", 3,
             "--epochs", 2, "--samples", 1000, "--memory", "8KiB")
     assert r.returncode == 0, r.stderr
-    assert sum(line.startswith("epoch 0 source code: 300 samples") for line in r.stdout.splitlines()) == 1, r.stdout
+    assert sum(line.startswith('epoch 0, source "code": 300 samples') for line in r.stdout.splitlines()) == 1, r.stdout
     warnings = [line for line in r.stderr.splitlines() if line.startswith("tokpack: warning:")]
     assert warnings == [f"tokpack: warning: {w}" for w in doc["warnings"]]
 
