@@ -196,9 +196,14 @@ def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
 @_checks("stage")
 def stage(directory: PathLike, dest: PathLike, *, workers: int = 4, epochs: str | None = None,
           ranks: str | None = None, micro_batch: int = 1, world_size: int | None = None, node: str | None = None,
-          ranks_per_node: int | None = None, start_sample: int = 0, log=None):
-    """Copies a tokpack directory (any fsspec URL) to the local `dest`, verifying every file. With
-    `world_size` or `node`: the node slice of ranks A..B of a run (tokpack.packer.slicing), a SliceResult."""
+          ranks_per_node: int | None = None, start_sample: int = 0, log=None, shards_of: str | None = None):
+    """Copies a tokpack directory (any fsspec URL) to the local `dest`, verifying every file, a
+    StageResult. `shards_of` ('r/W'): only the whole epoch shards ranks r of W read. With
+    `world_size` or `node`: the node slice of `ranks` A..B of a run (tokpack.packer.slicing), a
+    SliceResult. `ranks='r/W'` without them is the old spelling of `shards_of` (docs/COMMANDS.md, "Words")."""
+    from tokpack.packer.staging import whole_shard_ranks
+
+    ranks = whole_shard_ranks(shards_of, ranks, world_size, node)
     if world_size is not None or node is not None:
         from tokpack.packer.slicing import stage_slice
 

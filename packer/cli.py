@@ -636,15 +636,17 @@ def inspect(directory, as_json, **kw):
 @click.argument("dest")
 @click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="Files copied in parallel.")
 @click.option("--epochs", default=None, help="Only these epochs of a run, e.g. '0,1' or '0-3'.")
+@click.option("--shards-of", default=None, help="'r/W' (also 'r1,r2/W', 'a-b/W'): only the whole epoch shards ranks "
+              "r of W read, manifests unchanged.")
 @click.option("--ranks", default=None, help="With --world-size: the node slice of consecutive ranks 'A-B' (only "
-              "their rows, one file per rank). Alone, 'r/W': the whole shards ranks r of W read.")
+              "their rows, one file per rank).")
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="W: data-parallel ranks; makes a node slice.")
 @click.option("--node", default=None, help="'n/N': the node slice of node n of N, 0-based: n is 0 to N-1, "
               "as SLURM_NODEID (with --ranks-per-node K; W = N*K; its ranks are n*K to n*K+K-1).")
 @click.option("--ranks-per-node", type=click.IntRange(min=1), default=None, help="K: ranks on each node, with --node.")
 @click.option("--micro-batch", type=click.IntRange(min=1), default=None,
               help="m: samples each rank reads per step, as training reads them; required for a node slice "
-                   "(--node, or --ranks with --world-size), whose rows depend on it; with --ranks r/W [default: 1].")
+                   "(--node, or --ranks with --world-size), whose rows depend on it; with --shards-of r/W [default: 1].")
 @click.option("--start-sample", type=click.IntRange(min=0), default=0, show_default=True,
               help="Node slice: global batches start at this sample mod W*m (a run resumed off that grid).")
 @LOG_INTERVAL
@@ -656,11 +658,13 @@ def stage(directory, dest, as_json, **kw):
     \b
     Example:
       tokpack stage s3://bucket/runs/r1 /local_nvme/r1 --epochs 0-1 --workers 8
+      tokpack stage /shared/runs/r1 /local_nvme/r1 --shards-of 0-7/64 --micro-batch 4
       tokpack stage /shared/runs/r1 /local_nvme/slice --ranks 0-7 --world-size 64 --micro-batch 4
       tokpack stage /shared/runs/r1 /local_nvme/slice --node "$SLURM_NODEID/8" --ranks-per-node 8 --micro-batch 4
     """
     from tokpack.packer.api import stage as stage_api
 
+    _stage_selection(kw)
     emit(stage_api(directory, dest, log=_log(as_json), **_micro_batch_of(kw)), as_json)
 
 
@@ -673,6 +677,19 @@ def _micro_batch_of(kw: dict) -> dict:
                                    "samples each rank reads per step: its rows depend on it")
         kw["micro_batch"] = 1
     return kw
+
+
+def _stage_selection(kw: dict) -> None:
+    """stage's --ranks names a node slice's ranks A-B (with --world-size or --node); its older
+    shard-level form, `--ranks r/W` alone, still works with one warning and means --shards-of r/W
+    (docs/COMMANDS.md, "Words"). It reaches the stage as before, so it behaves as it did."""
+    sliced = kw["world_size"] is not None or kw["node"] is not None
+    if kw["shards_of"] is not None and (sliced or kw["ranks"] is not None):
+        raise click.UsageError("--shards-of copies whole shards; a node slice is --ranks A-B --world-size W "
+                               "(or --node): give one of the two")
+    if kw["ranks"] is not None and not sliced and "/" in str(kw["ranks"]):
+        click.echo("tokpack: warning: --ranks r/W without --world-size is deprecated (it reads like a node "
+                   "slice's --ranks A-B); use --shards-of r/W, the whole shards ranks r of W read", err=True)
 
 
 @main.group()
@@ -745,6 +762,7 @@ def plan_pack(inputs, output, as_json, **kw):
 
 @_planned(stage)
 def plan_stage(directory, dest, as_json, **kw):
+    _stage_selection(kw)
     _emit_plan("stage", as_json, directory, dest, **_micro_batch_of(kw))
 
 

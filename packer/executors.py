@@ -7,8 +7,9 @@ so the next pass (and the manifest) can rely on all outputs of this one. A rerun
 
 Paths: the stages write local files (O_DIRECT, os.replace). `file://` URLs are local paths under
 another name. An output at another fsspec URL (s3://, ...) is written to a local folder and sent
-to the store shard by shard as each is committed (tokpack.formats.io.Outbox); shuffle's URL sources are
-downloaded first (through datatrove's `DataFolder`), pack's inputs are read in place (tokpack.formats.io).
+to the store shard by shard as each is committed (a BucketOutput over a tokpack.formats.io.Outbox);
+shuffle's URL sources are downloaded first (`stage_in`, through fsspec's `url_to_fs`), pack's inputs
+are read in place (tokpack.formats.io).
 """
 
 from __future__ import annotations
@@ -518,7 +519,7 @@ class RayPass:
 
 
 # ----------------------------------------------------------------------------------------------
-# paths: local files, file:// URLs, other fsspec URLs staged through DataFolder
+# paths: local files, file:// URLs, other fsspec URLs downloaded through fsspec (stage_in)
 
 
 def join_path(base: str | Path, name: str) -> str:

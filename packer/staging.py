@@ -8,10 +8,11 @@ vouching for a file that was not verified, and a rerun resumes by re-verifying t
 already in place (one read each) and copying the rest. Each verified file and each manifest is
 committed through a tokpack.formats.outputs Output (a LocalOutput: DEST is local).
 
-The source goes through datatrove's `DataFolder` (fsspec): any fsspec URL works. DEST is
-a local path.
+The source is opened through tokpack.formats.io (`as_path`: a local Path, or fsspec's
+`url_to_fs` for a URL, so any fsspec URL works); datatrove is not used. DEST is a local path.
 
-`--ranks r/W --micro-batch m` copies only the epoch shards those ranks read under the
+`--shards-of r/W --micro-batch m` (formerly `--ranks r/W`, still accepted: docs/COMMANDS.md,
+"Words") copies only the epoch shards those ranks read under the
 Megatron convention (global batch b = samples [b*W*m, (b+1)*W*m) of the staged epochs
 chained in order, rank r takes [r*m, (r+1)*m) of it; complete global batches only). The manifests stay identical to the source's; a
 `tokpack-stage.json` sidecar at DEST's root lists the ranks and the shards left out, so
@@ -59,7 +60,7 @@ from tokpack.packer.shared import Result, optional_field
 # Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
 # handful of workers the memory stays at workers x STAGE_BLOCK.
 STAGE_BLOCK = 32 << 20
-# The largest W of --ranks r/W: bigger than any cluster, small enough that a list of ranks fits in memory.
+# The largest W of --shards-of r/W: bigger than any cluster, small enough that a list of ranks fits in memory.
 MAX_WORLD_SIZE = 1 << 20
 # A remote file is fetched in ranged reads of a quarter block, this many at a time per file (so
 # memory stays at one block per file in flight): an object store serves one connection far
@@ -89,7 +90,7 @@ class StageResult(Result):
     seconds: float
     mib_per_s: float | None
     partial: bool
-    ranks: list[int] | None = optional_field()  # with --ranks: the ranks and the shards left out
+    ranks: list[int] | None = optional_field()  # with --shards-of: the ranks and the shards left out
     world_size: int | None = optional_field()
     micro_batch: int | None = optional_field()
     shards_skipped: int | None = optional_field()
@@ -126,9 +127,10 @@ def parse_epochs(spec, *, limit: int = MAX_EPOCHS, option: str = "--epochs", wha
     return sorted(out)
 
 
-def parse_ranks(spec) -> tuple[list[int], int] | None:
+def parse_ranks(spec, option: str = "--ranks") -> tuple[list[int], int] | None:
     """'r/W', 'r1,r2/W' or 'a-b/W' -> (sorted ranks, W); None -> None (every rank). W is checked
-    against MAX_WORLD_SIZE and each rank against W before a range is expanded."""
+    against MAX_WORLD_SIZE and each rank against W before a range is expanded. `option`: the
+    flag the errors name (`--shards-of`, or its old spelling `--ranks`)."""
     if spec is None:
         return None
     if isinstance(spec, tuple):
@@ -137,20 +139,33 @@ def parse_ranks(spec) -> tuple[list[int], int] | None:
     else:
         head, sep, tail = str(spec).partition("/")
         world = int(tail) if sep and tail.strip().isdigit() else 0
-        at_most(world, MAX_WORLD_SIZE, "world size", where="--ranks", hint="W in r/W is the number of ranks that read the run")
+        at_most(world, MAX_WORLD_SIZE, "world size", where=option, hint="W in r/W is the number of ranks that read the run")
         try:
             if not sep:
                 raise ValueError
             world = int(tail)
-            ranks = parse_epochs(head, limit=max(world, 1), option="--ranks", what="rank") or []
+            ranks = parse_epochs(head, limit=max(world, 1), option=option, what="rank") or []
         except (ValueError, TokpackError):
-            raise TokpackError("bad --ranks", where="--ranks", expected=f"ranks in [0, {world})" if world > 0 else
+            raise TokpackError(f"bad {option}", where=option, expected=f"ranks in [0, {world})" if world > 0 else
                                "'r/W', 'r1,r2/W' or 'a-b/W'", found=spec, hint="each rank must be below the world size W"
                                if world > 0 else None) from None
     if world < 1 or not ranks or ranks[0] < 0 or ranks[-1] >= world:
-        raise TokpackError("bad --ranks", where="--ranks", expected=f"ranks in [0, {world})", found=spec,
+        raise TokpackError(f"bad {option}", where=option, expected=f"ranks in [0, {world})", found=spec,
                            hint="each rank must be below the world size W")
     return ranks, world
+
+
+def whole_shard_ranks(shards_of, ranks, world_size, node):
+    """The `ranks` a whole-shard stage (staging.stage) is given: `shards_of` ('r/W') parsed, its
+    errors naming --shards-of; else `ranks` as given (its old spelling, or a node slice's A-B).
+    `shards_of` with a node slice's options is refused: it copies whole shards, a slice rows."""
+    if shards_of is None:
+        return ranks
+    if ranks is not None or world_size is not None or node is not None:
+        raise TokpackError("give --shards-of alone, not with --ranks, --world-size or --node", where="--shards-of",
+                           hint="--shards-of r/W copies the whole shards ranks r of W read; "
+                                "--ranks A-B --world-size W makes a node slice of only their rows")
+    return parse_ranks(shards_of, option="--shards-of")
 
 
 def shards_for_ranks(shard_samples: list[int], offset: int, ranks: list[int], world: int, micro_batch: int,
@@ -670,7 +685,7 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
 
 
 def whole_copy_note(plans: list[DirPlan], ranks, micro_batch: int, source: str, dest: str) -> str | None:
-    """One line when a `--ranks r/W` stage copies (nearly) the whole run anyway: how much, why,
+    """One line when a `--shards-of r/W` stage copies (nearly) the whole run anyway: how much, why,
     and the node-slice command that copies only the ranks' rows."""
     if ranks is None:
         return None
@@ -682,7 +697,7 @@ def whole_copy_note(plans: list[DirPlan], ranks, micro_batch: int, source: str, 
     from tokpack.formats.slices import stage_command
 
     (rs, world), per = ranks, max([int(p.manifest.get("shard_samples") or 0) for p in plans] or [0])
-    return (f"stage: whole-run copy ({100 * (total - left) / total:.0f}% of the run's shard bytes): --ranks "
+    return (f"stage: whole-run copy ({100 * (total - left) / total:.0f}% of the run's shard bytes): --shards-of "
             f"{','.join(map(str, rs))}/{world} copies whole shards, and a shard ({per:,} samples) holds rows of these "
             f"ranks in any global batch it spans ({world * micro_batch:,} samples each); "
             f"`{stage_command(source, dest, rs[0], rs[-1], world, micro_batch)}` copies only their rows")

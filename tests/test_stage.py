@@ -353,7 +353,7 @@ def test_falls_back_to_user_space_copy(small_source, tmp_path, monkeypatch):
 
 def test_cli_stage_epochs_and_ranks(run_dir, tmp_path):
     run, _ = run_dir
-    r = CliRunner().invoke(main, ["stage", str(run), str(tmp_path / "d"), "--epochs", "1", "--ranks", "1/4",
+    r = CliRunner().invoke(main, ["stage", str(run), str(tmp_path / "d"), "--epochs", "1", "--shards-of", "1/4",
                                   "--micro-batch", "5", "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)

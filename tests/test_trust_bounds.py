@@ -64,8 +64,8 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.mark.parametrize("option, value, says", [
     ("--epochs", "0-100000000000", ["100,000,000,000", "99,999"]),  # a range is never expanded before its check
     ("--epochs", "3-5", ["epochs not in this run"]),
-    ("--ranks", "0-99999999/100000000", ["world size", "100,000,000", "1,048,576"]),
-    ("--ranks", "0-99999999/1000", ["bad --ranks", "[0, 1000)"]),
+    ("--shards-of", "0-99999999/100000000", ["world size", "100,000,000", "1,048,576"]),
+    ("--shards-of", "0-99999999/1000", ["bad --shards-of", "[0, 1000)"]),
 ])
 def test_stage_selection_is_bounded_before_it_is_expanded(data, tmp_path, option, value, says):
     _, run = data
