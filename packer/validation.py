@@ -544,6 +544,26 @@ def _order_problem(d: DirReport, planned: list[int]) -> None:
                "from a good copy, or shuffle it again from the same sources, seed and epoch")
 
 
+def _slice_without_run(d: DirReport, given) -> Problem:
+    """A slice is compared with its run only: `--against` anything else would compare nothing
+    and pass."""
+    kind = _kind(given)
+    return Problem(str(given), "--against", "the run the slice was staged from",
+                   f"a {kind}" if kind else "no tokpack directory",
+                   f"cannot compare node slice {d.path} with it: a slice is compared only with its run",
+                   hint=f"give --against the run directory it was staged from ({d.manifest.get('source') or 'RUN'})",
+                   unverified=True)
+
+
+def _not_a_source(given) -> Problem:
+    """A run, an epoch or a slice given to `--against` of a run or epoch: epochs are replayed
+    from packed sources only, so it is refused in one line rather than validated as a source."""
+    return Problem(str(given), "--against", "a packed source the epochs were shuffled from", f"a {_kind(given)}",
+                   "cannot replay epochs from it: --against takes the packed sources of a run",
+                   hint="give --against each packed source the run was shuffled from (its tokpack.json `sources`)",
+                   unverified=True)
+
+
 def _kind(path) -> str | None:
     try:
         manifest = as_path(path) / MANIFEST
@@ -590,6 +610,13 @@ def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None
     # A slice's --against is its run: compared by row hashes, not validated whole.
     slice_runs = [a for a in against if _kind(a) == "run"] if any(_kind(x) == SLICE for x in dirs) else []
     against = [a for a in against if a not in slice_runs]
+    not_sources: list[Problem] = []
+    if against and all(_kind(x) == SLICE for x in dirs):  # sources with nothing to check them against
+        unmatched, against = against, []
+    else:
+        unmatched = []
+        not_sources = [_not_a_source(a) for a in against if _kind(a) not in (None, "source")]
+        against = [a for a in against if _kind(a) in (None, "source")]
     extra = [a for a in against if as_path(a).resolve() not in known]
     report = validate_dirs(list(dirs) + extra, quick=quick, workers=workers, show_progress=show_progress,
                            order=bool(against))
@@ -598,9 +625,11 @@ def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None
         if d.kind == SLICE and d.manifest is not None:
             for run in slice_runs:
                 slice_against_run(d.path, d.manifest, run, d)
+            if not slice_runs and (against or unmatched):
+                d.problems.append(_slice_without_run(d, (against or unmatched)[0]))
     against += slice_runs
     seconds = time.perf_counter() - t0
-    problems = report.problems + extra_problems
+    problems = not_sources + report.problems + extra_problems
     nbytes = sum(d.bytes for d in report.dirs)
     return ValidateResult(
         ok=not problems,
