@@ -34,7 +34,7 @@ from tokpack.formats.arguments import flag, text, tokens, whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import as_path, contained, is_url, open_read, read_full, regular_fd, regular_size
 from tokpack.formats.manifest import (dtype_from_name, epoch_dir_name, has_pad, partial_stage_absent, read_manifest,
-                                      xxh3_128_file)
+                                      rows_padded, xxh3_128_file)
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, U64, contained_shard
 from tokpack.formats.slices import SLICE
@@ -192,6 +192,22 @@ def cu_seqlens(positions: np.ndarray) -> np.ndarray:
 READERS: dict[str, tuple[str, str]] = {SLICE: ("tokpack.loader.slice_reader", "SliceReader")}
 
 
+def _padding_present(where: Path, m: dict, s: dict, k: int, f: str, size: int | None) -> None:
+    """A best-fit epoch's shard without its `.ds.pad` (unlisted, or listed but gone) is refused at
+    open: read as a window epoch, its padding would be trained on as tokens. `size`: the
+    sidecar's recorded bytes, None for a shard a partial stage left out."""
+    if rows_padded(m) and not has_pad(s):
+        raise TokpackError("best-fit epoch shard lacks its padding sidecar: its padding would be trained on as tokens",
+                           file=where, where=f"shards[{k}].pad_xxh3_128", expected="the checksum of its .ds.pad",
+                           found="none", hint="run `tokpack validate` on the epoch; restore it or shuffle it again")
+    if has_pad(s) and size is not None:
+        try:
+            regular_size(f + PAD_SUFFIX, size=size, what="padding sidecar", hint=PAD_HINT)
+        except FileNotFoundError:
+            raise _shard_error("padding sidecar listed in the manifest is missing", f + PAD_SUFFIX,
+                               hint="run `tokpack validate` on the epoch; restore it or shuffle it again") from None
+
+
 def reader_class(kind: str) -> type:
     """The SampleReader subclass that reads a directory of manifest kind `kind` (a key of READERS)."""
     module, name = READERS[kind]
@@ -341,6 +357,7 @@ class SampleReader:
                                        hint="the shard was truncated or replaced; run `tokpack validate` on the epoch")
                 if has_pad(s):
                     pad_sizes[f + PAD_SUFFIX] = n * PAD_DTYPE.itemsize
+                _padding_present(where, m, s, k, f, None if absent and f in absent else n * PAD_DTYPE.itemsize)
                 paths.append(f)
                 shard_samples.append(n)
                 epoch_of.append(pos)

@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
@@ -38,6 +39,7 @@ from tokpack.formats.manifest import (
     hash_hex64,
     partial_stage_absent,
     read_manifest,
+    rows_padded,
     type_ok,
     xxh3_128_file,
     strict_json,
@@ -108,7 +110,6 @@ def _open_manifest(path: Path, rep: DirReport, kinds) -> dict | None:
 def _check_listing(path: Path, shards: list[dict], rep: DirReport) -> None:
     """The directory holds no shard file the manifest does not list (the names were checked)."""
     allowed = {s["path"] + suffix for s in shards for suffix in (*SHARD_SUFFIXES, PAD_SUFFIX, ROWS_SUFFIX)}
-    _check_pads(path, shards, rep)
     for p in sorted(path.iterdir()):
         if TMP_MARK in p.name:
             continue  # a killed writer's leftover: never data
@@ -117,9 +118,11 @@ def _check_listing(path: Path, shards: list[dict], rep: DirReport) -> None:
                     "file not listed in the manifest")
 
 
-def _check_pads(path: Path, shards: list[dict], rep: DirReport) -> None:
-    """A best-fit epoch shard's `.ds.pad`: one uint32 per sample, each <= the sample's tokens,
-    matching its recorded checksum."""
+def _check_pads(path: Path, shards: list[dict], rep: DirReport, row: int | None = None) -> int | None:
+    """A best-fit epoch shard's `.ds.pad`: one uint32 per sample, each <= the sample's `row`
+    tokens, matching its recorded checksum. Returns the padding summed over every shard, or None
+    when some `.ds.pad` could not be read whole."""
+    total = 0
     for i, s in enumerate(shards):
         if not isinstance(s, dict) or not has_pad(s) or not isinstance(s.get("path"), str):
             continue
@@ -129,15 +132,49 @@ def _check_pads(path: Path, shards: list[dict], rep: DirReport) -> None:
             data = read_limited(f, max(want, 0), "padding sidecar")
         except TokpackError as e:
             rep.problems.append(Problem.from_error(e))
+            total = None
             continue
         except FileNotFoundError:
             rep.add(f, None, "the padding sidecar the manifest lists", "no such file", "shard file missing")
+            total = None
             continue
         rep.saw(len(data))  # counted with the shard's other files
         if len(data) != want:
             rep.add(f, "size", f"{want} bytes (4 per sample)", f"{len(data)} bytes", "padding sidecar has the wrong size")
-        elif xxhash.xxh3_128_hexdigest(data) != s["pad_xxh3_128"]:
+            total = None
+            continue
+        if xxhash.xxh3_128_hexdigest(data) != s["pad_xxh3_128"]:
             rep.add(f, "xxh3_128", s["pad_xxh3_128"], xxhash.xxh3_128_hexdigest(data), "checksum mismatch")
+        pads = np.frombuffer(data, PAD_DTYPE)
+        over = np.flatnonzero(pads > row) if row is not None else []
+        if len(over):  # the loader would mask more than the row: its padding cannot be the row's
+            rep.add(f, f"row {int(over[0])}", f"at most {row} padding tokens (seq_len + 1)", int(pads[over[0]]),
+                    f"padding longer than its row ({len(over)} row{'s' * (len(over) != 1)})",
+                    hint="restore the .ds.pad from a good copy, or shuffle the epoch again")
+            total = None  # no total to compare: the row is already wrong
+        if total is not None:
+            total += int(pads.sum(dtype=np.int64))
+    return total
+
+
+def _check_padding(path: Path, m: dict, rep: DirReport) -> None:
+    """A best-fit epoch (rows_padded): every shard entry lists its `.ds.pad` (without one the
+    loader would serve padding as tokens), each fits its row, and together they sum to the
+    recorded `packing.padding_tokens`."""
+    shards = [s for s in m.get("shards") or [] if isinstance(s, dict)]
+    row = m["seq_len"] + 1 if type_ok(m.get("seq_len"), int) else None
+    mfile = path / MANIFEST
+    if rows_padded(m):
+        for i, s in enumerate(shards):
+            if not has_pad(s):
+                rep.add(mfile, f"shards[{i}].pad_xxh3_128", "the checksum of the shard's .ds.pad (a best-fit epoch)",
+                        "none", "best-fit epoch shard lacks its padding sidecar: the loader would train on padding",
+                        hint="restore the epoch from a good copy, or shuffle it again")
+    total = _check_pads(path, shards, rep, row)
+    recorded = m.get("packing", {}).get("padding_tokens") if rows_padded(m) else None
+    if total is not None and recorded is not None and all(has_pad(s) for s in shards) and total != recorded:
+        rep.add(mfile, "packing.padding_tokens", f"{total} (the sum of the shards' .ds.pad)", recorded,
+                "padding total disagrees with the padding sidecars")
 
 
 def _check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> list[ShardJob]:
@@ -147,6 +184,7 @@ def _check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> li
     shards = m.get("shards") if isinstance(m.get("shards"), list) else []
     if all(isinstance(s, dict) and name_problem(s.get("path")) is None for s in shards):
         _check_listing(path, shards, rep)
+        _check_padding(path, m, rep)
     if not usable:
         return []
     kind = m["kind"]
@@ -334,8 +372,9 @@ def _plan_dir(path: Path, quick: bool, kinds=None) -> _Dir:
         d.jobs = _check_data_manifest(path, m, rep, quick)
     elif m["kind"] == SLICE:  # a node slice: its rank files are checked as epoch shards
         d.jobs = slice_shard_jobs(path, m, rep, quick) if check_manifest(m, path, rep.add) else []
+        row = m["seq_len"] + 1 if type_ok(m.get("seq_len"), int) else None
         for job in d.jobs:  # a slice of a best-fit run: each rank file's padding sidecar
-            _check_pads(job.directory, [job.entry], rep)
+            _check_pads(job.directory, [job.entry], rep, row)
     return d
 
 
@@ -509,6 +548,26 @@ def _order_problem(d: DirReport, planned: list[int]) -> None:
                "from a good copy, or shuffle it again from the same sources, seed and epoch")
 
 
+def _slice_without_run(d: DirReport, given) -> Problem:
+    """A slice is compared with its run only: `--against` anything else would compare nothing
+    and pass."""
+    kind = _kind(given)
+    return Problem(str(given), "--against", "the run the slice was staged from",
+                   f"a {kind}" if kind else "no tokpack directory",
+                   f"cannot compare node slice {d.path} with it: a slice is compared only with its run",
+                   hint=f"give --against the run directory it was staged from ({d.manifest.get('source') or 'RUN'})",
+                   unverified=True)
+
+
+def _not_a_source(given) -> Problem:
+    """A run, an epoch or a slice given to `--against` of a run or epoch: epochs are replayed
+    from packed sources only, so it is refused in one line rather than validated as a source."""
+    return Problem(str(given), "--against", "a packed source the epochs were shuffled from", f"a {_kind(given)}",
+                   "cannot replay epochs from it: --against takes the packed sources of a run",
+                   hint="give --against each packed source the run was shuffled from (its tokpack.json `sources`)",
+                   unverified=True)
+
+
 def _kind(path) -> str | None:
     try:
         manifest = as_path(path) / MANIFEST
@@ -555,6 +614,13 @@ def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None
     # A slice's --against is its run: compared by row hashes, not validated whole.
     slice_runs = [a for a in against if _kind(a) == "run"] if any(_kind(x) == SLICE for x in dirs) else []
     against = [a for a in against if a not in slice_runs]
+    not_sources: list[Problem] = []
+    if against and all(_kind(x) == SLICE for x in dirs):  # sources with nothing to check them against
+        unmatched, against = against, []
+    else:
+        unmatched = []
+        not_sources = [_not_a_source(a) for a in against if _kind(a) not in (None, "source")]
+        against = [a for a in against if _kind(a) in (None, "source")]
     extra = [a for a in against if as_path(a).resolve() not in known]
     report = validate_dirs(list(dirs) + extra, quick=quick, workers=workers, show_progress=show_progress,
                            order=bool(against))
@@ -563,9 +629,11 @@ def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None
         if d.kind == SLICE and d.manifest is not None:
             for run in slice_runs:
                 slice_against_run(d.path, d.manifest, run, d)
+            if not slice_runs and (against or unmatched):
+                d.problems.append(_slice_without_run(d, (against or unmatched)[0]))
     against += slice_runs
     seconds = time.perf_counter() - t0
-    problems = report.problems + extra_problems
+    problems = not_sources + report.problems + extra_problems
     nbytes = sum(d.bytes for d in report.dirs)
     return ValidateResult(
         ok=not problems,

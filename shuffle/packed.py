@@ -876,9 +876,9 @@ def _cut_problems(length: np.ndarray, off: np.ndarray, row_offset: np.ndarray, f
 
 
 def packed_replay(manifest: dict, sources: list[PackedSource], order: bool = True,
-                  memory: int = DEFAULT_PLAN_MEMORY) -> tuple[str, list[int], str, list[str]]:
+                  memory: int = DEFAULT_PLAN_MEMORY) -> tuple[str, list[int], str, list[str], "PlannedPadding"]:
     """(sample multiset hash, each output shard's order hash (with `order`), row table checksum,
-    packing rule problems) of a packed epoch, recomputed from its manifest's parameters and its
+    packing rule problems, the planned padding) of a packed epoch, recomputed from its manifest's parameters and its
     sources alone, within `memory`. Rows are rebuilt in output order, so the order terms need no inverse."""
     plan = packed_plan_from_manifest(manifest, sources, memory)
     per, listed = shard_count_checked(manifest, plan.samples) if order else (1, 0)
@@ -887,6 +887,7 @@ def packed_replay(manifest: dict, sources: list[PackedSource], order: bool = Tru
     pool = TokenPool(plan, opened)
     total, step = 0, 1 << 14
     shard_orders = np.zeros(listed, dtype=np.uint64)
+    pads = PlannedPadding(per if order else max(plan.samples, 1))
     with _scratch() as d:
         from pathlib import Path
 
@@ -894,12 +895,49 @@ def packed_replay(manifest: dict, sources: list[PackedSource], order: bool = Tru
         for g0 in range(0, plan.samples, step):
             g1 = min(plan.samples, g0 + step)
             table, starts = built.rows(g0, g1)
+            pads.add(row_padding(table, g1 - g0, plan.row_tokens, g0))
             hashes = row_hashes(pool.rows(table, g0, g1, plan.row_tokens, plan.pad_id, starts))
             total += int(hashes.sum(dtype=np.uint64))
             if order:  # uint64 sums wrap: mod 2^64
                 g = np.arange(g0, g1, dtype=np.int64)
                 np.add.at(shard_orders, g // per, order_hash_terms(g, hashes))
-    return hash_hex64(total), shard_orders.tolist(), built.table_xxh3_128, list(built.problems)
+    return hash_hex64(total), shard_orders.tolist(), built.table_xxh3_128, list(built.problems), pads
+
+
+class PlannedPadding:
+    """The padding the plan gives each output row, as each shard's `.ds.pad` checksum and the
+    epoch's total: what proves, position by position, the padding the loader will mask (validate
+    checks each `.ds.pad` against its recorded checksum; this checks that checksum against the
+    plan). Rows arrive in output order; memory: one shard's hasher."""
+
+    def __init__(self, per: int):
+        self.per, self.rows, self.total = per, 0, 0
+        self.digests: list[str] = []
+        self._h = xxhash.xxh3_128()
+
+    def add(self, pad: np.ndarray) -> None:
+        self.total += int(pad.sum(dtype=np.int64))
+        while len(pad):
+            k = min(len(pad), self.per - self.rows % self.per)
+            self._h.update(pad[:k].tobytes())
+            self.rows, pad = self.rows + k, pad[k:]
+            if self.rows % self.per == 0:
+                self.digests.append(self._h.hexdigest())
+                self._h = xxhash.xxh3_128()
+
+    def problem(self, manifest: dict) -> tuple | None:
+        """(field, expected, found) of the first place the manifest's padding is not the plan's."""
+        if self.rows % self.per:
+            self.digests.append(self._h.hexdigest())
+            self._h = xxhash.xxh3_128()
+        recorded = (manifest.get("packing") or {}).get("padding_tokens")
+        if recorded != self.total:
+            return "packing.padding_tokens", f"{self.total} (replayed from the sources)", recorded
+        for i, (s, want) in enumerate(zip(manifest.get("shards") or [], self.digests)):
+            if not isinstance(s, dict) or s.get("pad_xxh3_128") != want:
+                found = s.get("pad_xxh3_128") if isinstance(s, dict) else s
+                return f"shards[{i}].pad_xxh3_128", f"{want} (the padding its plan gives the rows, replayed)", found
+        return None
 
 
 def replay_packed(manifest: dict, sources: list[PackedSource], order: bool = True,
@@ -907,8 +945,8 @@ def replay_packed(manifest: dict, sources: list[PackedSource], order: bool = Tru
     """`validate --against`'s replay of a packed epoch (tokpack.shuffle.packings): (multiset
     hash, per-shard order hashes), as `plan.replay_hashes`. Its row table must also hash to the
     recorded `packing.table_xxh3_128` and keep the packing rules; either failure is one
-    TokpackError."""
-    multiset, orders, table_sum, problems = packed_replay(manifest, sources, order, memory)
+    TokpackError, and so must each shard's recorded padding (PlannedPadding)."""
+    multiset, orders, table_sum, problems, pads = packed_replay(manifest, sources, order, memory)
     recorded = (manifest.get("packing") or {}).get("table_xxh3_128")
     if problems:
         raise TokpackError(problems[0], where="packing", expected="the best-fit packing rules",
@@ -916,6 +954,12 @@ def replay_packed(manifest: dict, sources: list[PackedSource], order: bool = Tru
     if table_sum != recorded:
         raise TokpackError("epoch's row table is not the one its plan packs", where="packing.table_xxh3_128",
                            expected=f"{table_sum} (replayed from the sources)", found=recorded)
+    padding = pads.problem(manifest) if order else None
+    if padding:
+        where, expected, found = padding
+        raise TokpackError("epoch's padding is not where its plan puts it: the loader would mask other tokens",
+                           where=where, expected=expected, found=found,
+                           hint="restore the epoch's .ds.pad files and manifest from a good copy, or shuffle it again")
     return multiset, orders
 
 
