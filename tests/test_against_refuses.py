@@ -54,7 +54,7 @@ def test_a_slice_against_what_is_not_a_run_is_one_line(world, given, kind):
     assert code == 1 and len(lines) == 1, out
     assert f"{world[given]} [--against]" in lines[0] and "a slice is compared only with its run" in lines[0], out
     assert f"found a {kind}" in lines[0] and str(world["run"]) in lines[0], out  # the hint names its run
-    assert "against 1 source(s)" not in out and out.splitlines()[-1].startswith("UNVERIFIED"), out
+    assert "against 1 source" not in out and out.splitlines()[-1].startswith("UNVERIFIED"), out
 
 
 def test_a_slice_against_another_run_is_one_line(world):
@@ -97,4 +97,4 @@ def test_a_run_against_its_source_and_a_run_compares_the_source(world):
     code, out = cli("validate", world["run"], "--against", world["src"], "--against", world["other_run"])
     lines = problem_lines(out)
     assert code == 1 and len(lines) == 1 and "found a run" in lines[0], out
-    assert "against 1 source(s)" in out.splitlines()[-1]
+    assert "against 1 source" in out.splitlines()[-1]

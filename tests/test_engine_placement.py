@@ -239,18 +239,19 @@ def test_no_scatter_buffer_outlives_its_pass(tmp_path, monkeypatch):
     assert "scatter" not in pooled_uses()
 
 
-def bucket_file_opens(monkeypatch) -> list[tuple[str, object]]:
-    """Records (thread name, file) for each bucket file the scatter pass opens (the real open)."""
+def bucket_file_opens(monkeypatch) -> list[tuple[str, object, Path]]:
+    """Records (thread name, file, path) for each bucket file the scatter pass opens to append
+    (through the gate's open_append, the real one)."""
     opened = []
-    real_open = open
+    real_open = steps.open_append
 
-    def spy(path, mode="r", *a, **k):
-        f = real_open(path, mode, *a, **k)
-        if str(path).endswith((".rows", ".pos")) and "a" in mode:
-            opened.append((threading.current_thread().name, f))
+    def spy(path, **k):
+        f = real_open(path, **k)
+        if str(path).endswith((".rows", ".pos")):
+            opened.append((threading.current_thread().name, f, Path(path)))
         return f
 
-    monkeypatch.setattr(steps, "open", spy, raising=False)
+    monkeypatch.setattr(steps, "open_append", spy)
     return opened
 
 
@@ -263,15 +264,15 @@ def test_scatter_keeps_at_most_the_limit_of_bucket_files_open(tmp_path, monkeypa
     monkeypatch.setattr(steps, "MAX_OPEN_BUCKET_FILES", 2)
     opened = bucket_file_opens(monkeypatch)
     most = 0
-    real_open = steps.open
+    spy = steps.open_append
 
-    def counting(path, mode="r", *a, **k):
+    def counting(path, **k):
         nonlocal most
-        f = real_open(path, mode, *a, **k)
-        most = max(most, sum(not g.closed for _, g in opened))
+        f = spy(path, **k)
+        most = max(most, sum(not g.closed for _, g, _ in opened))
         return f
 
-    monkeypatch.setattr(steps, "open", counting, raising=False)
+    monkeypatch.setattr(steps, "open_append", counting)
     out = tmp_path / "run"
     shuffle_run([str(web)], str(out), **KW)
     assert len(opened) > 8 and most == 4  # the limit is reached, never passed
@@ -285,8 +286,8 @@ def test_one_thread_appends_to_the_bucket_files(scattered, tmp_path, monkeypatch
     opened = bucket_file_opens(monkeypatch)
     shuffle_run(srcs, str(tmp_path / "again"), **KW)
     threads_by_task: dict[str, set] = {}
-    for name, f in opened:
-        threads_by_task.setdefault(scatter_folder(Path(f.name)).name, set()).add(name)
+    for name, _, path in opened:
+        threads_by_task.setdefault(scatter_folder(path).name, set()).add(name)
     assert len(opened) > 8 and len(threads_by_task) == 2
     assert all(len(threads) == 1 for threads in threads_by_task.values()), threads_by_task
     assert threading.main_thread().name not in set().union(*threads_by_task.values())
