@@ -696,9 +696,12 @@ def test_torch_adapter_state_forms_resume_in_process(run_dir):
                "consumed_samples(loader_state)) with a fresh StatefulDataLoader")
     workers = "[num_workers]: loader state was saved with another number of DataLoader workers; expected {}, found 1. " \
               "HINT: use num_workers={}, or " + restart
-    share = ("[worker]: loader state is the share of another DataLoader worker; expected worker 1 of 1, found worker 0 "
-             "of 1. HINT: load each worker's own state (a StatefulDataLoader does), or " + restart)
-    for wrong, line in (({"num_workers": 2}, workers.format(2, 2)), ({"worker": 1}, share),
+    # worker 1 of 1 worker cannot exist: refused as damaged when loaded, before any batch
+    with pytest.raises(TokpackError) as err:
+        fresh().load_state_dict({"start": 50, "next_step": 4, "worker": 1, "num_workers": 1, "global_batch": 2})
+    assert str(err.value) == ("[next_step]: loader state is damaged: a worker's next step is not its own; expected a "
+                              "step b with b % 1 == 1 (worker 1 of 1), found 4. HINT: " + restart)
+    for wrong, line in (({"num_workers": 2}, workers.format(2, 2)),
                         ({"global_batch": 4}, "[global_batch]: loader state was saved with DataLoader workers and "
                          "another global batch (W*m); expected 4, found 2. HINT: " + restart)):
         ds = fresh()
