@@ -75,6 +75,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -749,9 +750,14 @@ def _odd(path: Path, kind: str, w: World) -> None:
     if kind == "fifo":
         os.mkfifo(path)
     elif kind == "socket":
+        # bound at a short name in the temporary folder, then moved in: a socket's path is limited
+        # to about 100 bytes, and pytest-xdist's temporary folders can be longer
+        short = Path(tempfile.mkdtemp()) / "s"
         s = socket.socket(socket.AF_UNIX)
-        s.bind(str(path))
+        s.bind(str(short))
         s.close()
+        os.rename(short, path)
+        short.parent.rmdir()
     elif kind == "directory":
         path.mkdir()
         (path / "x").write_bytes(b"\0" * 64)
