@@ -145,7 +145,8 @@ def test_readme_installs_torch_without_the_cuda_wheel():
 def test_readme_test_command_cannot_pull_the_cuda_build_and_ci_runs_it_verbatim():
     """The test command takes torch alone (--no-deps: one lookup of an index that cannot be
     reached, not one per dependency) from PyTorch's CPU index, then the [test] extra, whose
-    Linux pin is the +cpu build that no PyPI wheel is; .ci/run runs the same line."""
+    Linux pin is the +cpu build that no PyPI wheel is; pytest runs a worker per core, so the
+    extra must carry pytest-xdist; .ci/run runs the same line."""
     import tomllib
 
     root = Path(__file__).resolve().parents[1]
@@ -156,8 +157,9 @@ def test_readme_test_command_cannot_pull_the_cuda_build_and_ci_runs_it_verbatim(
     assert torch_step[:4] == ["python", "-m", "pip", "install"] and "--no-deps" in torch_step
     assert torch_step[torch_step.index("--index-url") + 1] == PYTORCH_CPU_INDEX
     (pin,) = [a for a in torch_step if a.startswith("torch==")]
-    assert install == ["python", "-m", "pip", "install", "-q", "-e", "'.[test]'"] and run_tests == ["python", "-m", "pytest", "-q"]
+    assert install == ["python", "-m", "pip", "install", "-q", "-e", "'.[test]'"] and run_tests == ["python", "-m", "pytest", "-q", "-n", "auto"]
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(r.startswith("pytest-xdist==") for r in extras["test"])
     for extra in ("test", "bench"):
         torch_pins = sorted(r for r in extras[extra] if r.startswith("torch=="))
         assert torch_pins == [f"{pin}+cpu; sys_platform == 'linux'", f"{pin}; sys_platform != 'linux'"], extra
