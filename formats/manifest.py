@@ -561,6 +561,12 @@ def _header(kind: str, dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer:
             "tokenizer": tokenizer, "tokens": int(tokens)}
 
 
+def header_like(m: dict, kind: str) -> dict:
+    """A manifest header of `kind` for tokens described as `m` describes them (a run's, for its
+    slices): the same dtype, vocabulary, EOS id and tokenizer."""
+    return _header(kind, dtype_from_name(m["dtype"]), m["vocab_size"], m["eos_id"], m["tokenizer"], 0)
+
+
 def source_manifest(shards: list[dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str,
                     **extra) -> dict:
     return {**_header("source", dtype, vocab_size, eos_id, tokenizer, sum(s["tokens"] for s in shards)),

@@ -57,6 +57,66 @@ def contained_shard(directory, entry: dict, i: int, regular: bool = True) -> "Pa
                      where=f"shards[{i}].path", regular=regular, siblings=(*SHARD_SUFFIXES[1:], PAD_SUFFIX, ROWS_SUFFIX))
 
 
+class RowFacts:
+    """What a run epoch records of each of its rows, each file checked against the epoch
+    manifest before use, one shard at a time: the row's xxh3-64 from `.ds.rows` (for an epoch
+    written before row hashes, recomputed from the shard, whose checksum vouches for them) and
+    its padding from `.ds.pad` (zeros for a shard without one, as readers take it). Staging a
+    node slice and validating one against its run both ask this object. Positions asked for
+    only increase, so the last two shards are kept: 12 bytes a row of two shards."""
+
+    def __init__(self, manifest: dict, row_bytes: int, blocks, where: str, hint: str):
+        self.shards = manifest["shards"]  # the epoch manifest's entries, already checked
+        self.per = int(manifest["shard_samples"])  # rows of every shard but the last
+        self.row_bytes = row_bytes  # (seq_len + 1) * token_size
+        self.blocks = blocks  # (shard, suffix, size) -> the file's `size` bytes, in blocks of whole rows
+        self.where = where.rstrip("/")  # the epoch folder, as errors name it
+        self.hint = hint  # what to do when the run is damaged
+        self._hashes: dict[int, np.ndarray] = {}
+        self._pads: dict[int, np.ndarray] = {}
+
+    def _verified(self, i: int, suffix: str, key: str, size: int, each) -> np.ndarray:
+        s, digest, parts = self.shards[i], xxhash.xxh3_128(), []
+        for block in self.blocks(i, suffix, size):
+            digest.update(block)
+            parts.append(each(block))
+        if digest.hexdigest() != s[key]:
+            raise TokpackError("checksum mismatch in the run", file=f"{self.where}/{s['path']}{suffix}", where="xxh3_128",
+                               expected=s[key], found=digest.hexdigest(), hint=self.hint)
+        return np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else each(b"")
+
+    def hashes(self, i: int) -> np.ndarray:
+        """Shard i's row hashes."""
+        if i not in self._hashes:
+            s, n = self.shards[i], int(self.shards[i]["samples"])
+            if "rows_xxh3_128" in s:
+                got = self._verified(i, ROWS_SUFFIX, "rows_xxh3_128", n * U64.itemsize,
+                                     lambda b: np.frombuffer(bytes(b), dtype=U64))
+            else:
+                got = self._verified(i, "", "xxh3_128", n * self.row_bytes,
+                                     lambda b: row_hashes(np.frombuffer(b, dtype=np.uint8).reshape(-1, self.row_bytes)))
+            self._hashes = {k: v for k, v in self._hashes.items() if k > i - 2}
+            self._hashes[i] = got
+        return self._hashes[i]
+
+    def pads(self, i: int) -> np.ndarray:
+        """Shard i's padding tokens per row."""
+        if i not in self._pads:
+            s, n = self.shards[i], int(self.shards[i]["samples"])
+            got = (self._verified(i, PAD_SUFFIX, "pad_xxh3_128", n * PAD_DTYPE.itemsize,
+                                  lambda b: np.frombuffer(bytes(b), dtype=PAD_DTYPE))
+                   if has_pad(s) else np.zeros(n, dtype=PAD_DTYPE))
+            self._pads = {k: v for k, v in self._pads.items() if k > i - 2}
+            self._pads[i] = got
+        return self._pads[i]
+
+    def gather(self, pos: np.ndarray, of) -> np.ndarray:
+        """`of(shard)[row]` at epoch positions `pos` (increasing)."""
+        shard = pos // self.per
+        return np.concatenate([of(int(i))[pos[shard == i] - i * self.per] for i in np.unique(shard)]
+                              or [of(0)[:0]])
+
+
 class SourceShardWriter:
     """One shard of a packed source. Documents are appended whole; every one must end with EOS."""
 

@@ -22,12 +22,20 @@ import numpy as np
 
 from .errors import TokpackError
 from .io import contained
-from .manifest import MANIFEST, epoch_dir_name, has_pad, rows_padded
+import xxhash
+
+from .manifest import MANIFEST, epoch_dir_name, has_pad, header_like, rows_padded
 
 SLICE = "slice"  # kind of a slice's root manifest
 SLICE_EPOCH = "slice-epoch"  # kind of a slice epoch's manifest
 # Run-manifest fields that change as epochs are written: not part of the run's identity.
 RUN_SELECTION_KEYS = ("epochs", "tokens", "fragments", "documents")
+# What makes two slices the same slice: the ranks' shape, then the run (its identity). Every
+# manifest of a slice, root and epochs, carries them equal; a restage compares them.
+SLICE_SHAPE_KEYS = ("world_size", "micro_batch", "ranks", "batch_phase")
+SLICE_KEYS = (*SLICE_SHAPE_KEYS, "run")
+# What a slice epoch's manifest adds to name its rows: which epoch of the run, which version of it.
+SLICE_EPOCH_KEYS = ("kind", "epoch", "epoch_xxh3_128", *SLICE_KEYS)
 
 
 def rank_file_name(rank: int) -> str:
@@ -50,15 +58,31 @@ def stage_command(source: str, dest: str, first: int, last: int, world_size: int
 
 class RankRows:
     """Which consumed-sample numbers each rank reads: W ranks, micro-batch m, global batches
-    starting at G = phase (mod W*m). Pure arithmetic, a few integers."""
+    starting at G = start (mod W*m). Pure arithmetic, a few integers, and the only place it is
+    written: the whole-run reader's streams, the slice reader, `stage --ranks` (both forms) and
+    the node-slice writer all ask this class."""
 
     def __init__(self, world_size: int, micro_batch: int, phase: int = 0):
         self.world_size, self.micro_batch = int(world_size), int(micro_batch)
         self.global_batch = self.world_size * self.micro_batch
-        self.phase = int(phase) % self.global_batch
+        self.start = int(phase)  # G of global batch 0's first sample
+        self.phase = self.start % self.global_batch
 
-    def rank_of(self, g: int) -> int:
+    def first(self, rank: int, batch: int) -> int:
+        """G of rank `rank`'s first sample in global batch `batch` (counted from `start`)."""
+        return self.start + batch * self.global_batch + rank * self.micro_batch
+
+    def batches(self, end: int) -> int:
+        """Complete global batches from `start` below G = `end`: readers serve no partial one."""
+        return max(0, (end - self.start) // self.global_batch)
+
+    def rank_of(self, g):
+        """The rank that reads sample G (an int, or an array of them)."""
         return ((g - self.phase) % self.global_batch) // self.micro_batch
+
+    def run_left(self, g: int) -> int:
+        """Samples from G to the end of the micro-batch it is in: the rows its rank reads in one run."""
+        return self.micro_batch - (g - self.phase) % self.micro_batch
 
     def count(self, rank: int, g: int) -> int:
         """Samples rank `rank` reads below G (up to a constant: use differences)."""
@@ -69,6 +93,10 @@ class RankRows:
     def rows(self, rank: int, first: int, g: int) -> int:
         """Samples of rank `rank` in [first, g): the row of G in the file of an epoch starting at `first`."""
         return self.count(rank, g) - self.count(rank, first)
+
+    def reads_any(self, ranks, lo: int, hi: int) -> bool:
+        """Whether any of `ranks` reads a sample in [lo, hi)."""
+        return any(self.rows(r, lo, hi) for r in ranks)
 
     def node_positions(self, first: int, n: int, ranks: tuple[int, int], max_rows: int) -> Iterator[np.ndarray]:
         """Positions within an epoch of `n` samples starting at G = `first` that ranks
@@ -94,6 +122,22 @@ class RankRows:
             yield pos[(pos >= 0) & (pos < n)]
 
 
+def slice_manifest(run: dict, source: str, rows: RankRows, first: int, last: int) -> dict:
+    """The root manifest of the slice of ranks first..last of `run` (its manifest), staged from `source`."""
+    return {**header_like(run, SLICE), "seq_len": run["seq_len"], "run": run_identity(run), "source": source,
+            "world_size": rows.world_size, "micro_batch": rows.micro_batch, "ranks": list(range(first, last + 1)),
+            "batch_phase": rows.phase, "epochs": []}
+
+
+def slice_epoch_manifest(root: dict, epoch: int, samples: int, first_sample: int, run_epoch: bytes) -> dict:
+    """Epoch `epoch`'s manifest in the slice `root`, before its rank files are listed: the run's
+    epoch of `samples` samples from G = `first_sample`, whose manifest's bytes are `run_epoch`."""
+    return {**header_like(root, SLICE_EPOCH), "seq_len": root["seq_len"], "run": root["run"],
+            **{k: root[k] for k in SLICE_SHAPE_KEYS},
+            "epoch": epoch, "samples": samples, "first_sample": first_sample,
+            "epoch_xxh3_128": xxhash.xxh3_128_hexdigest(run_epoch), "shards": []}
+
+
 def missing_padding(path: Path, root: dict, entry: dict) -> TokpackError | None:
     """The error for a rank file of a best-fit run's slice without its `.ds.pad` (staged before
     slices carried it): read anyway, its padding would be trained on as tokens."""
@@ -116,7 +160,7 @@ def contained_epoch_dir(path, e: int):
 
 def check_slice_epoch(path: Path, root: dict, m: dict) -> None:
     """An epoch manifest of a slice must describe the slice its root describes."""
-    for key in ("world_size", "micro_batch", "ranks", "batch_phase", "run", "seq_len", "dtype"):
+    for key in (*SLICE_KEYS, "seq_len", "dtype"):
         if m.get(key) != root.get(key):
             raise TokpackError("slice epoch belongs to another slice", file=path / MANIFEST, where=key,
                                expected=root.get(key) if key != "run" else "the root's run",

@@ -37,7 +37,7 @@ from tokpack.formats.manifest import (dtype_from_name, epoch_dir_name, has_pad, 
                                       rows_padded, xxh3_128_file)
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, U64, contained_shard
-from tokpack.formats.slices import SLICE
+from tokpack.formats.slices import SLICE, RankRows
 
 # One contiguous read when the rank's rows are contiguous (W == 1): large enough to keep a
 # disk or NFS busy, small enough not to matter next to a training process.
@@ -99,17 +99,20 @@ class StreamState:
     stride: int  # steps advance by this (DataLoader workers split a rank's steps round-robin)
     end_step: int  # first step not served: the chained stream ends, or the caller's count
 
+    def __post_init__(self):
+        self.rows = RankRows(self.world_size, self.micro_batch, self.start)  # which samples rank r reads
+
     @property
     def global_batch(self) -> int:
-        return self.world_size * self.micro_batch
+        return self.rows.global_batch
 
     def first_sample(self, step: int) -> int:
         """Chained index of this rank's first row in global batch `step`."""
-        return self.start + step * self.global_batch + self.rank * self.micro_batch
+        return self.rows.first(self.rank, step)
 
     def consumed_after(self, step: int) -> int:
         """consumed_samples once every rank has trained on global batch `step`."""
-        return self.start + (step + 1) * self.global_batch
+        return self.rows.first(0, step + 1)
 
 
 @dataclass
@@ -484,7 +487,7 @@ class SampleReader:
     def steps(self, world_size: int, micro_batch: int, start: int = 0) -> int:
         """Complete global batches from chained sample `start` before the chain ends or an
         epoch is missing (the stream stops, or raises `missing_epoch_error`, there)."""
-        return max(0, (self.table.reachable_end(start) - start) // (world_size * micro_batch))
+        return RankRows(world_size, micro_batch, start).batches(self.table.reachable_end(start))
 
     def blocked_at(self, start: int) -> int | None:
         """Where the stream from `start` meets an epoch that is not written, or None when it

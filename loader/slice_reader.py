@@ -115,7 +115,7 @@ class SliceReader(SampleReader):
         if (world_size, micro_batch) != (rr.world_size, rr.micro_batch) or rank not in self.slice_ranks:
             raise slice_error("this node slice does not hold that rank's rows", self.slice_path, self.slice, rank,
                               world_size, micro_batch, start % (world_size * micro_batch))
-        if start % rr.global_batch != rr.phase:
+        if RankRows(world_size, micro_batch, start).phase != rr.phase:
             raise slice_error(f"this node slice serves global batches starting at samples = {rr.phase} mod "
                               f"{rr.global_batch}, not at {start}", self.slice_path, self.slice, rank, world_size,
                               micro_batch, start % rr.global_batch)
@@ -132,7 +132,7 @@ class SliceReader(SampleReader):
             if r not in self.slice_ranks:
                 raise slice_error(f"sample {g} is read by rank {r}, which this node slice does not hold",
                                   self.slice_path, self.slice, r, rr.world_size, rr.micro_batch, rr.phase)
-            k = min(n, int(table.epoch_ends[pos]) - g, rr.micro_batch - (g - rr.phase) % rr.micro_batch)
+            k = min(n, int(table.epoch_ends[pos]) - g, rr.run_left(g))
             yield pos * k_ranks + (r - self.slice_ranks[0]), rr.rows(r, int(table.epoch_starts[pos]), g), k
             g += k
             n -= k

@@ -14,7 +14,7 @@ from tokpack.formats.io import IO_BLOCK, as_path, open_read, read_full, read_lim
 from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, check_manifest, dtype_from_name, epoch_dir_name,
                                       has_pad, read_manifest, row_hashes)
 from tokpack.formats.numbering import EpochNumbering
-from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, contained_shard
+from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, RowFacts, contained_shard
 from tokpack.formats.slices import (SLICE_EPOCH, RankRows, check_slice_epoch, contained_epoch_dir, missing_padding, rank_file_name,
                                     run_identity)
 
@@ -83,74 +83,25 @@ def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
     return jobs
 
 
-class _RunShards:
-    """The run epoch's per-row facts, one shard at a time (each checked against the epoch's
-    manifest; the last two kept): row hashes from `.ds.rows`, or for an epoch written before
-    them from its shard read in blocks; padding from `.ds.pad`. Memory: 12 bytes a row of two shards."""
+def _local_blocks(directory: Path, manifest: dict, row_bytes: int):
+    """RowFacts' reads of a local run epoch: each file through the gate, at its recorded size; a
+    shard (an epoch written before row hashes) in blocks of whole rows, so memory stays bounded."""
+    def blocks(i: int, suffix: str, size: int):
+        s = manifest["shards"][i]
+        f = contained_shard(directory, s, i).with_name(s["path"] + suffix)
+        if suffix:
+            yield read_limited(f, size, "sidecar", size=size)
+            return
+        buf = np.empty(max(1, IO_BLOCK // row_bytes) * row_bytes, dtype=np.uint8)
+        with open_read(f, size=size, what="shard") as fh:
+            for a in range(0, size, len(buf)):
+                view = memoryview(buf[: min(len(buf), size - a)])
+                if read_full(fh, view) != view.nbytes:
+                    raise TokpackError("shard is shorter than its manifest says", file=f, where=f"byte {a}",
+                                       hint="run `tokpack validate` on the run")
+                yield view
 
-    def __init__(self, directory: Path, manifest: dict, row_bytes: int):
-        self.dir, self.shards, self.row_bytes = directory, manifest["shards"], row_bytes
-        self.per = int(manifest["shard_samples"])
-        self._hashes: dict[int, np.ndarray] = {}
-        self._pads: dict[int, np.ndarray] = {}
-
-    def _sidecar(self, i: int, suffix: str, key: str, dtype) -> np.ndarray:
-        import xxhash
-
-        s = self.shards[i]
-        f = contained_shard(self.dir, s, i).with_name(s["path"] + suffix)
-        want = int(s["samples"]) * np.dtype(dtype).itemsize
-        data = read_limited(f, want, "sidecar", size=want)
-        if xxhash.xxh3_128_hexdigest(data) != s[key]:
-            raise TokpackError("checksum mismatch in the run", file=f, where="xxh3_128", expected=s[key],
-                               found=xxhash.xxh3_128_hexdigest(data), hint="run `tokpack validate` on the run")
-        return np.frombuffer(data, dtype=dtype)
-
-    def hashes(self, i: int) -> np.ndarray:
-        if i not in self._hashes:
-            import xxhash
-
-            from tokpack.formats.shards import ROWS_SUFFIX, U64
-
-            s = self.shards[i]
-            if "rows_xxh3_128" in s:
-                got = self._sidecar(i, ROWS_SUFFIX, "rows_xxh3_128", U64)
-            else:  # an epoch written before row hashes: the shard in blocks of whole rows
-                f, n = contained_shard(self.dir, s, i), int(s["samples"])
-                got, whole = np.empty(n, dtype=U64), xxhash.xxh3_128()
-                k = max(1, IO_BLOCK // self.row_bytes)
-                buf = np.empty((k, self.row_bytes), dtype=np.uint8)
-                with open_read(f, size=n * self.row_bytes, what="shard") as fh:
-                    for a in range(0, n, k):
-                        b = min(n, a + k)
-                        view = memoryview(buf[: b - a].reshape(-1))
-                        if read_full(fh, view) != view.nbytes:
-                            raise TokpackError("shard is shorter than its manifest says", file=f,
-                                               where=f"sample {a}", hint="run `tokpack validate` on the run")
-                        whole.update(view)
-                        got[a:b] = row_hashes(buf[: b - a])
-                if whole.hexdigest() != s["xxh3_128"]:
-                    raise TokpackError("checksum mismatch in the run", file=f, where="xxh3_128", expected=s["xxh3_128"],
-                                       found=whole.hexdigest(), hint="run `tokpack validate` on the run")
-            self._hashes = {k: v for k, v in self._hashes.items() if k > i - 2}  # positions only increase
-            self._hashes[i] = got
-        return self._hashes[i]
-
-    def pads(self, i: int) -> np.ndarray:
-        if i not in self._pads:
-            from tokpack.formats.shards import PAD_DTYPE
-
-            s = self.shards[i]
-            self._pads = {k: v for k, v in self._pads.items() if k > i - 2}
-            self._pads[i] = (self._sidecar(i, PAD_SUFFIX, "pad_xxh3_128", PAD_DTYPE) if has_pad(s)
-                             else np.zeros(int(s["samples"]), dtype=PAD_DTYPE))
-        return self._pads[i]
-
-    def gather(self, pos: np.ndarray, of) -> np.ndarray:
-        """`of(shard)[row]` of epoch positions `pos` (increasing)."""
-        shard = pos // self.per
-        return np.concatenate([of(int(i))[pos[shard == i] - i * self.per] for i in np.unique(shard)]
-                              or [of(0)[:0]])
+    return blocks
 
 
 def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLOCK) -> None:
@@ -188,7 +139,8 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
             rep.add(d / MANIFEST, "epoch_xxh3_128", m.get("epoch_xxh3_128"), xxhash.xxh3_128_hexdigest(raw),
                     f"slice epoch {e} was staged from another version of the run's epoch")
             continue
-        shards = _RunShards(rd, read_manifest(rd, kind="epoch"), row_bytes)
+        em = read_manifest(rd, kind="epoch")
+        shards = RowFacts(em, row_bytes, _local_blocks(rd, em, row_bytes), str(rd), "run `tokpack validate` on the run")
         first, n = numbering.first(e), numbering.size(e)
         for s in m["shards"]:
             r = int(s["rank"])
@@ -201,7 +153,7 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
                 rep.add(err.filename or f, None, "a readable rank file and run", err.strerror, "cannot compare rank file")
 
 
-def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: int, n: int, shards: _RunShards,
+def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: int, n: int, shards: RowFacts,
                        buf: np.ndarray, row_bytes: int, rep) -> None:
     """One rank file (and its `.ds.pad`) against the run's rows rank r reads in epoch e, block by block."""
     want_rows = rows.rows(r, first, first + n)

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, is_no_space, locked_output
@@ -39,8 +38,6 @@ from tokpack.formats.manifest import (
     MAX_MANIFEST_BYTES,
     has_pad,
     strict_json,
-    FORMAT_NAME,
-    FORMAT_VERSION,
     MANIFEST,
     dtype_from_name,
     epoch_dir_name,
@@ -51,9 +48,10 @@ from tokpack.formats.manifest import (
 )
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace, ShardWriter
-from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, contained_shard, shard_suffixes
-from tokpack.formats.slices import (SLICE, SLICE_EPOCH, RankRows, missing_padding, rank_file_name, run_identity,
-                            stage_command)
+from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, RowFacts, contained_shard, shard_suffixes
+from tokpack.formats.slices import (SLICE, SLICE_EPOCH_KEYS, SLICE_SHAPE_KEYS, RankRows, missing_padding,
+                                    rank_file_name, slice_epoch_manifest, slice_manifest, stage_command)
+
 from tokpack.packer.shared import Result
 from tokpack.packer.staging import MAX_WORLD_SIZE, Source, parse_epochs
 
@@ -237,8 +235,10 @@ class _EpochStager:
         self.shards = manifest["shards"]
         self.per_shard = int(manifest["shard_samples"])
         self.row_bytes = (int(manifest["seq_len"]) + 1) * int(manifest["token_size"])
-        self.hashes: dict[int, np.ndarray] = {}  # shard -> recorded (or verified-recomputed) row hashes
-        self.pads: dict[int, np.ndarray] = {}  # shard -> its verified `.ds.pad` (best-fit)
+        # Row hashes and padding as the run records them, each sidecar checked before use.
+        self.facts = RowFacts(manifest, self.row_bytes, lambda i, suffix, size: [reads.whole(self.shard_path(i) + suffix, size)],
+                              f"{src.path.rstrip('/')}/{rel}", "the run's file is corrupt: run `tokpack validate` on the run; "
+                                                               "nothing was kept")
         self.by_rows = all("rows_xxh3_128" in s for s in self.shards)
         self.packed = any(has_pad(s) for s in self.shards)  # best-fit: rank files get a `.ds.pad`
         for s in self.shards:
@@ -246,50 +246,6 @@ class _EpochStager:
 
     def shard_path(self, i: int) -> str:
         return f"{self.rel}/{self.shards[i]['path']}"
-
-    def expected(self, i: int) -> np.ndarray:
-        """Shard i's row hashes: its `.ds.rows` checked against the manifest, or, for an epoch
-        written before them, recomputed from the whole shard checked against its checksum."""
-        got = self.hashes.get(i)
-        if got is not None:
-            return got
-        s = self.shards[i]
-        n = int(s["samples"])
-        if "rows_xxh3_128" in s:
-            raw = self.reads.whole(self.shard_path(i) + ROWS_SUFFIX, 8 * n)
-            digest, want, what = xxhash.xxh3_128_hexdigest(raw), s["rows_xxh3_128"], ROWS_SUFFIX
-            got = np.frombuffer(raw, dtype=U64)
-        else:
-            raw = self.reads.whole(self.shard_path(i), n * self.row_bytes)
-            digest, want, what = xxhash.xxh3_128_hexdigest(raw), s["xxh3_128"], ""
-            got = row_hashes(np.frombuffer(raw, dtype=np.uint8).reshape(n, self.row_bytes))
-        self._check(i, what, digest, want)
-        self.hashes = {k: v for k, v in self.hashes.items() if k > i - 2}  # positions only increase
-        self.hashes[i] = got
-        return got
-
-    def padding(self, i: int) -> np.ndarray:
-        """Shard i's padding per row: its `.ds.pad` read whole (4 bytes a row) and checked
-        against the manifest; zeros for a shard without one (as the reader takes it)."""
-        got = self.pads.get(i)
-        if got is None:
-            s = self.shards[i]
-            n = int(s["samples"])
-            if not has_pad(s):
-                got = np.zeros(n, dtype=PAD_DTYPE)
-            else:
-                raw = self.reads.whole(self.shard_path(i) + PAD_SUFFIX, PAD_DTYPE.itemsize * n)
-                self._check(i, PAD_SUFFIX, xxhash.xxh3_128_hexdigest(raw), s["pad_xxh3_128"])
-                got = np.frombuffer(raw, dtype=PAD_DTYPE)
-            self.pads = {k: v for k, v in self.pads.items() if k > i - 2}
-            self.pads[i] = got
-        return got
-
-    def _check(self, i: int, suffix: str, digest: str, want: str) -> None:
-        if digest != want:
-            raise TokpackError("checksum mismatch in the run", file=f"{self.src.path.rstrip('/')}/{self.shard_path(i)}{suffix}",
-                               where="xxh3_128", expected=want, found=digest,
-                               hint="the run's file is corrupt: run `tokpack validate` on the run; nothing was kept")
 
     def _ranges(self, pos: np.ndarray) -> tuple[np.ndarray, list[tuple[str, int, int, int]]]:
         """(shard of each position, [(shard file, byte offset, first, end)]): consecutive
@@ -314,14 +270,8 @@ class _EpochStager:
         flat = memoryview(buf.reshape(-1))
         rb = self.row_bytes
         self.reads.read_all([(rel, off, flat[a * rb: b * rb]) for rel, off, a, b in ranges], advised=True)
-        want = np.empty(k, dtype=U64)
-        pad = np.empty(k, dtype=PAD_DTYPE) if self.packed else None
-        for i in np.unique(shard):
-            sel = shard == i
-            at = pos[sel] - i * self.per_shard
-            want[sel] = self.expected(int(i))[at]
-            if pad is not None:
-                pad[sel] = self.padding(int(i))[at]
+        want = self.facts.gather(pos, self.facts.hashes)
+        pad = self.facts.gather(pos, self.facts.pads) if self.packed else None
         return buf, shard, want, pad
 
     def run(self, writers: dict[int, ShardWriter]) -> int:
@@ -373,7 +323,7 @@ class _EpochStager:
                 if len(writers) == 1:  # every row is this rank's: no gather
                     parts = [(r, tokens, found, pad) for r in writers]
                 else:
-                    rank = ((pos + self.first - self.rows.phase) % self.rows.global_batch) // self.rows.micro_batch
+                    rank = self.rows.rank_of(pos + self.first)
                     parts = [(r, tokens[sel], found[sel], None if pad is None else pad[sel])
                              for r, sel in ((r, rank == r) for r in writers) if sel.any()]
                 for r, t, h, p in parts:
@@ -463,19 +413,13 @@ def _epoch_in_place(d: Path, want: dict) -> bool:
         have = _small_json(d / MANIFEST)
     except (OSError, TokpackError):
         return False
-    keys = ("kind", "epoch", "epoch_xxh3_128", "world_size", "micro_batch", "ranks", "batch_phase", "run")
-    if not isinstance(have, dict) or any(have.get(k) != want[k] for k in keys):
+    if not isinstance(have, dict) or any(have.get(k) != want[k] for k in SLICE_EPOCH_KEYS):
         return False
     try:
         return all((d / s["path"]).stat().st_size == s["bytes"] and missing_padding(d, want, s) is None
                    and all((d / f"{s['path']}{x}").is_file() for x in shard_suffixes(s)[1:]) for s in have["shards"])
     except (OSError, KeyError, TypeError):
         return False
-
-
-def _header(m: dict, kind: str) -> dict:
-    return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "kind": kind,
-            **{k: m[k] for k in ("dtype", "token_size", "vocab_size", "eos_id", "tokenizer")}}
 
 
 @locked_output("stage", arg="dest")
@@ -492,9 +436,7 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
     (a, b), w, rows, run, chosen = plan.ranks, plan.world_size, plan.rows, plan.run, plan.epochs
     numbering = EpochNumbering.of_run(run, src.path)
     dest = Path(dest)
-    root = {**_header(run, SLICE), "tokens": 0, "seq_len": run["seq_len"], "run": run_identity(run),
-            "source": src.local_root or src.path, "world_size": w, "micro_batch": micro_batch, "ranks": list(range(a, b + 1)),
-            "batch_phase": rows.phase, "epochs": []}
+    root = slice_manifest(run, src.local_root or src.path, rows, a, b)
     previous = _previous_slice(dest, root, src.path)
     row_bytes = (int(run["seq_len"]) + 1) * int(run["token_size"])
     check_run_files(src, chosen, row_bytes)
@@ -516,10 +458,7 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
                     raise TokpackError("epoch does not belong to its run", file=f"{src.path.rstrip('/')}/{rel}",
                                        where="samples/seq_len", expected=(numbering.size(e), run["seq_len"]),
                                        found=(m.get("samples"), m.get("seq_len")), hint="run `tokpack validate` on the run")
-                want = {**_header(run, SLICE_EPOCH), "tokens": 0, "seq_len": run["seq_len"], "run": root["run"],
-                        "world_size": w, "micro_batch": micro_batch, "ranks": root["ranks"],
-                        "batch_phase": rows.phase, "epoch": e, "samples": int(m["samples"]), "first_sample": first,
-                        "epoch_xxh3_128": xxhash.xxh3_128_hexdigest(raw), "shards": []}
+                want = slice_epoch_manifest(root, e, int(m["samples"]), first, raw)
                 d = dest / rel
                 if _epoch_in_place(d, want):
                     in_place.append(e)
@@ -626,7 +565,7 @@ def _previous_slice(dest: Path, root: dict, source: str) -> list[int]:
         raise TokpackError("DEST holds a slice of another run", file=path, where=where,
                            expected=f"{want} (the run being staged)", found=found,
                            hint="remove DEST or choose another destination")
-    for key in ("world_size", "micro_batch", "ranks", "batch_phase"):
+    for key in SLICE_SHAPE_KEYS:
         if have.get(key) != root[key]:
             ranks = have.get("ranks") or [0]
             raise TokpackError("DEST holds a slice for other ranks", file=path, where=key, expected=root[key],

@@ -40,6 +40,7 @@ from tokpack.formats.guard import check_space, locked_output
 from tokpack.formats.units import at_most
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import ROWS_SUFFIX, contained_shard
+from tokpack.formats.slices import RankRows, stage_command
 from tokpack.formats.io import (ThreadPool, as_path, contained, hash_mapped, lent, open_new, open_read, progress,
                                 read_limited, regular_size, remove_tmp_files, tmp_path)
 from tokpack.formats.manifest import (
@@ -168,33 +169,18 @@ def whole_shard_ranks(shards_of, ranks, world_size, node):
     return parse_ranks(shards_of, option="--shards-of")
 
 
-def shards_for_ranks(shard_samples: list[int], offset: int, ranks: list[int], world: int, micro_batch: int,
+def shards_for_ranks(shard_samples: list[int], offset: int, ranks: list[int], rows: RankRows,
                      end: int | None = None) -> list[bool]:
     """Which shards the ranks read, for an epoch whose first sample is at `offset` in the
-    chained stream of `end` samples (None: unbounded). Rank r reads the positions p with
-    (p mod W*m) in [r*m, (r+1)*m), below the end of the last complete global batch (readers
-    serve complete global batches only). The set is periodic, so each shard is decided in
-    O(#ranks) from its sample range alone."""
-    period = world * micro_batch
-    limit = None if end is None else end // period * period  # end of the last complete global batch
+    chained stream of `end` samples (None: unbounded), readers serving complete global batches
+    only. Each shard is decided in O(#ranks) from its sample range alone."""
+    limit = None if end is None else rows.first(0, rows.batches(end))  # end of the last complete global batch
     out = []
     start = offset
     for n in shard_samples:
         stop = start + n if limit is None else min(start + n, limit)
-        if n <= 0:
-            out.append(True)  # an empty shard costs nothing; readers may expect it present
-        elif stop <= start:
-            out.append(False)  # only in the incomplete last global batch, which no rank reads
-        elif stop - start >= period:
-            out.append(True)  # a full period contains every rank's slice
-        else:
-            a = start % period
-            b = a + (stop - start)  # < 2 * period: the range wraps at most once
-            out.append(any(
-                lo < b and a < lo + micro_batch
-                for r in ranks
-                for lo in (r * micro_batch, r * micro_batch + period)
-            ))
+        # an empty shard costs nothing, and readers may expect it present
+        out.append(n <= 0 or (stop > start and rows.reads_any(ranks, start, stop)))
         start += n
     return out
 
@@ -383,7 +369,7 @@ def _rank_keep(manifest: dict, offset: int, end: int, ranks, micro_batch: int) -
     if ranks is None:
         return None
     return shards_for_ranks([int(s.get("samples", 0)) for s in manifest.get("shards") or []], offset,
-                            ranks[0], ranks[1], micro_batch, end)
+                            ranks[0], RankRows(ranks[1], micro_batch), end)
 
 
 # ----------------------------------------------------------------------------- copy
@@ -694,8 +680,6 @@ def whole_copy_note(plans: list[DirPlan], ranks, micro_batch: int, source: str, 
                if s.get("path") in p.skipped_shards)
     if not total or left > total / 2:
         return None
-    from tokpack.formats.slices import stage_command
-
     (rs, world), per = ranks, max([int(p.manifest.get("shard_samples") or 0) for p in plans] or [0])
     return (f"stage: whole-run copy ({100 * (total - left) / total:.0f}% of the run's shard bytes): --shards-of "
             f"{','.join(map(str, rs))}/{world} copies whole shards, and a shard ({per:,} samples) holds rows of these "

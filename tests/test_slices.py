@@ -86,6 +86,33 @@ def test_rank_arithmetic_equals_counting(w, m, phase, first, n, a, k, chunk):
         assert rows.rank_of(first + p) == r and rows.rows(r, first, first + p) == owner[:p].count(r)
 
 
+@settings(max_examples=200, deadline=None)
+@given(w=st.integers(1, 9), m=st.integers(1, 5), start=st.integers(0, 500), batches=st.integers(0, 6),
+       tail=st.integers(0, 60), ranks=st.sets(st.integers(0, 8), min_size=1))
+def test_one_rank_arithmetic_for_streams_slices_and_stage(w, m, start, batches, tail, ranks):
+    """The whole-run stream (StreamState), the number of complete batches a reader serves and
+    stage --ranks' shard choice ask RankRows, so they agree with a count of who reads what in
+    the global batches from `start`: rank r takes rows [r*m, (r+1)*m) of each."""
+    from tokpack.loader.reader import StreamState
+    from tokpack.packer.staging import shards_for_ranks
+
+    rows, gb = RankRows(w, m, start), w * m
+    end = start + batches * gb + tail % gb
+    assert rows.batches(end) == batches and rows.batches(start - 1) == 0
+    for r in range(w):
+        st_r = StreamState(start, 0, r, w, m, 1, batches)
+        for b in range(batches):
+            g = st_r.first_sample(b)
+            assert g == start + b * gb + r * m and rows.rank_of(g) == r and rows.run_left(g) == m
+            assert [rows.rank_of(g + i) for i in range(m)] == [r] * m
+            assert st_r.consumed_after(b) == start + (b + 1) * gb
+    ranks = sorted(x for x in ranks if x < w) or [0]
+    read = {start + b * gb + r * m + i for b in range(batches) for r in ranks for i in range(m)}
+    sizes = [7] * (-(-(end - start) // 7))  # shards of 7 samples from `start`
+    keep = shards_for_ranks(sizes, start, ranks, rows, end)
+    assert keep == [any(start + 7 * j + i in read for i in range(7)) for j in range(len(sizes))]
+
+
 # ------------------------------------------------------------------ the layout and the reader
 
 
@@ -385,6 +412,15 @@ def test_an_epoch_written_before_row_hashes_stages_from_whole_shards(run, tmp_pa
     stage_slice(str(run), tmp_path / "new", ranks="1-2", world_size=W, micro_batch=M)
     data = lambda root: {k: v for k, v in tree(root).items() if not k.endswith(MANIFEST)}  # noqa: E731
     assert data(tmp_path / "s") == data(tmp_path / "new")  # the manifests name their sources: those differ
+    # --against such a run rehashes its shards in blocks: it passes, and a flipped byte is the run's fault
+    code, out = cli("validate", tmp_path / "s", "--against", old)
+    assert code == 0, out
+    shard = old / epoch_dir_name(1) / json.loads((old / epoch_dir_name(1) / MANIFEST).read_text())["shards"][0]["path"]
+    raw = bytearray(shard.read_bytes())
+    raw[5] ^= 1
+    shard.write_bytes(bytes(raw))
+    code, out = cli("validate", tmp_path / "s", "--against", old)
+    assert code == 1 and "checksum mismatch in the run" in out and str(shard) in out, out
 
 
 # ------------------------------------------------------------------ the command

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import TMP_MARK
 from tokpack.formats.manifest import MANIFEST, STAGE_SIDECAR, epoch_dir_name
+from tokpack.formats.slices import RankRows
 from tokpack.formats.shards import shard_suffixes
 from tokpack.packer.cli import main
 from tokpack.packer.staging import (
@@ -228,7 +229,7 @@ def test_shards_for_ranks_matches_brute_force(world, micro, data, sizes, offset,
     ranks = sorted(data.draw(st.sets(st.integers(0, world - 1), min_size=1)))
     period = world * micro
     end = offset + sum(sizes) if bounded else None
-    got = shards_for_ranks(sizes, offset, ranks, world, micro, end)
+    got = shards_for_ranks(sizes, offset, ranks, RankRows(world, micro), end)
     limit = end // period * period if bounded else float("inf")  # complete global batches only
     start = offset
     for n, keep in zip(sizes, got):
