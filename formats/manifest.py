@@ -22,6 +22,9 @@ FORMAT_NAME = "tokpack"
 FORMAT_VERSION = 1
 MANIFEST = "tokpack.json"
 KINDS = ("source", "run", "epoch")
+SLICE = "slice"  # kind of a node slice's root manifest (docs/FORMAT.md, "Node slices")
+SLICE_EPOCH = "slice-epoch"  # kind of a node slice epoch's manifest
+SLICE_KINDS = (SLICE, SLICE_EPOCH)
 SHARD_NAME_DIGITS = 5
 # Written by `tokpack stage --ranks` at a run copy's root: which shards it left out.
 STAGE_SIDECAR = "tokpack-stage.json"
@@ -391,22 +394,12 @@ def check_manifest(m: dict, directory, add) -> bool:
     shards = m.get("shards") if isinstance(m.get("shards"), list) else []
     if _fields(m, MANIFEST_FIELDS, kind, mfile, add) + _entries(shards, SHARD_FIELDS, kind, mfile, "shards", add):
         return False  # a malformed manifest cannot drive the checks below
-    if kind not in ("source", "epoch"):  # a node slice's: its fields here, its arithmetic in formats/slices.py
-        _check_shard_names(shards, mfile, add)
-        return True
-    try:
-        dtype, rule = dtype_from_name(m["dtype"]), dtype_name(dtype_for_vocab(m["vocab_size"]))
-    except TokpackError as e:
-        add(mfile, e.where, e.expected, e.found, e.message)
+    if not _check_header(m, mfile, add):
         return False
-    if m["dtype"] != rule:
-        add(mfile, "dtype", f"{rule} (vocab_size {m['vocab_size']})", m["dtype"],
-            "dtype label disagrees with the vocabulary size")
-    if m["token_size"] != dtype.itemsize:
-        add(mfile, "token_size", f"{dtype.itemsize} ({m['dtype']})", m["token_size"],
-            "token size disagrees with the dtype label")
-    if m["eos_id"] >= m["vocab_size"]:
-        add(mfile, "eos_id", f"< {m['vocab_size']} (vocab_size)", m["eos_id"], "EOS id out of vocabulary")
+    if kind in SLICE_KINDS:  # a node slice's: its totals here, its rank arithmetic in formats/slices.py
+        _check_slice_manifest(m, shards, mfile, add)
+        _check_shard_names(shards, mfile, add)
+        return m["kind"] == SLICE or all(s["tokens"] == s["samples"] * (m["seq_len"] + 1) for s in shards)
     total = sum(s["tokens"] for s in shards)
     if total != m["tokens"]:
         add(mfile, "tokens", f"{total} (sum over shards)", m["tokens"], "token count wrong")
@@ -428,6 +421,55 @@ def check_manifest(m: dict, directory, add) -> bool:
     _check_epoch_manifest(as_path(directory), m, mfile, add, row)
     # seq_len or the counts are wrong: rows cannot be cut, the lines above say why
     return all(s["tokens"] == s["samples"] * row for s in shards)
+
+
+def _check_header(m: dict, mfile: str, add) -> bool:
+    """The invariants every kind's header keeps: the dtype the vocabulary needs, its token size,
+    an EOS id inside the vocabulary. False when the dtype cannot even be read."""
+    try:
+        dtype, rule = dtype_from_name(m["dtype"]), dtype_name(dtype_for_vocab(m["vocab_size"]))
+    except TokpackError as e:
+        add(mfile, e.where, e.expected, e.found, e.message)
+        return False
+    if m["dtype"] != rule:
+        add(mfile, "dtype", f"{rule} (vocab_size {m['vocab_size']})", m["dtype"],
+            "dtype label disagrees with the vocabulary size")
+    if m["token_size"] != dtype.itemsize:
+        add(mfile, "token_size", f"{dtype.itemsize} ({m['dtype']})", m["token_size"],
+            "token size disagrees with the dtype label")
+    if m["eos_id"] >= m["vocab_size"]:
+        add(mfile, "eos_id", f"< {m['vocab_size']} (vocab_size)", m["eos_id"], "EOS id out of vocabulary")
+    return True
+
+
+# What a slice's tokens are, as its run says them: a slice of a run holds the run's tokens.
+_SLICE_HEADER = ("dtype", "token_size", "vocab_size", "eos_id", "tokenizer", "seq_len")
+
+
+def _check_slice_manifest(m: dict, shards: list[dict], mfile: str, add) -> None:
+    """A slice's (or slice epoch's) header is its run's, and a slice epoch's totals add up: each
+    rank file holds whole rows, their tokens sum to the epoch's, and no more rows than the run's epoch."""
+    run = m["run"]
+    for key in _SLICE_HEADER:
+        if run.get(key) != m.get(key):
+            add(mfile, key, f"{run.get(key)!r} (the run's, in run.{key})", m.get(key), "slice disagrees with its run")
+    if m["kind"] != SLICE_EPOCH:
+        return
+    row = m["seq_len"] + 1
+    for i, s in enumerate(shards):
+        if s["tokens"] != s["samples"] * row:
+            add(mfile, f"shards[{i}].tokens", f"{s['samples'] * row} (samples x {row})", s["tokens"],
+                "rank file token count wrong")
+        if s["bytes"] != s["tokens"] * m["token_size"]:
+            add(mfile, f"shards[{i}].bytes", f"{s['tokens'] * m['token_size']} (tokens x token_size)", s["bytes"],
+                "rank file byte count wrong")
+    total = sum(s["tokens"] for s in shards)
+    if total != m["tokens"]:
+        add(mfile, "tokens", f"{total} (sum over rank files)", m["tokens"], "token count wrong")
+    rows = sum(s["samples"] for s in shards)
+    if rows > m["samples"]:
+        add(mfile, "shards[].samples", f"at most {m['samples']} (the run epoch's samples)", rows,
+            "rank files hold more samples than the epoch")
 
 
 def _check_shard_names(shards: list[dict], mfile: str, add) -> None:
@@ -531,6 +573,8 @@ def _check_epoch_sources(m: dict, srcs: list, row: int, add) -> None:
 def _check_run_manifest(m: dict, mfile: str, add) -> None:
     sources = m.get("sources") if isinstance(m.get("sources"), list) else []
     if _fields(m, MANIFEST_FIELDS, "run", mfile, add) + _entries(sources, SOURCE_FIELDS, "run", mfile, "sources", add):
+        return
+    if not _check_header(m, mfile, add):
         return
     epochs = m["epochs"]
     if not all(type_ok(e, int) and e >= 0 for e in epochs) or len(set(epochs)) != len(epochs):

@@ -24,10 +24,8 @@ from .errors import TokpackError
 from .io import contained
 import xxhash
 
-from .manifest import MANIFEST, epoch_dir_name, has_pad, header_like, rows_padded
+from .manifest import MANIFEST, SLICE, SLICE_EPOCH, epoch_dir_name, has_pad, header_like, rows_padded
 
-SLICE = "slice"  # kind of a slice's root manifest
-SLICE_EPOCH = "slice-epoch"  # kind of a slice epoch's manifest
 # Run-manifest fields that change as epochs are written: not part of the run's identity.
 RUN_SELECTION_KEYS = ("epochs", "tokens", "fragments", "documents")
 # What makes two slices the same slice: the ranks' shape, then the run (its identity). Every

@@ -441,6 +441,38 @@ def test_cli_node_form_and_rank_form_make_the_same_slice(run, tmp_path):
 # ------------------------------------------------------------------ validate
 
 
+def _bump_first_shard_tokens(m):
+    m["shards"][0]["tokens"] += 1
+
+
+@pytest.mark.parametrize("file,edit,wheres", [
+    ("epoch", {"eos_id": 5000}, {"eos_id"}),
+    ("epoch", lambda m: m.update(vocab_size=m["vocab_size"] + 1), {"vocab_size"}),  # the dtype still fits: the run's differs
+    ("epoch", {"dtype": "uint32"}, {"dtype", "token_size"}),
+    ("epoch", {"tokens": 7}, {"tokens"}),
+    ("epoch", _bump_first_shard_tokens, {"shards[0].tokens", "shards[0].bytes", "tokens"}),
+    ("root", {"eos_id": 5000}, {"eos_id"}),
+    ("root", {"seq_len": 64}, {"seq_len"}),
+    ("run", {"eos_id": 5000}, {"eos_id"}),
+], ids=["eos", "vocab", "dtype", "total", "rank-file", "root-eos", "root-seq-len", "run-eos"])
+def test_validate_applies_every_manifest_invariant_to_slices(run, tmp_path, file, edit, wheres):
+    """The dtype, EOS, vocabulary and totals invariants hold for slice manifests as for an
+    epoch's (and the run's): each broken one is named, where they once passed with 0 problems."""
+    s = tmp_path / "s"
+    stage_slice(str(run), s, ranks="1-2", world_size=W, micro_batch=M)
+    target = tmp_path / "run-copy" if file == "run" else s
+    if file == "run":
+        subprocess.run(["cp", "-r", str(run), str(target)], check=True)
+    path = (target / epoch_dir_name(0) if file == "epoch" else target) / MANIFEST
+    m = json.loads(path.read_text())
+    edit(m) if callable(edit) else m.update(edit)
+    path.write_text(json.dumps(m, indent=1) + "\n")
+    code, out = cli("validate", target, "--json")
+    report = json.loads(out)
+    assert code == 1 and not report["ok"], out
+    assert wheres <= {p["where"] for p in report["problems"] if p["file"] == str(path)}, report["problems"]
+
+
 def test_validate_a_slice_alone_and_against_its_run(run, tmp_path):
     """`validate SLICE` checks the rank files against the slice's manifests; `--against RUN`
     proves each holds the run's samples of its rank, in order: a swapped pair of rows, with
