@@ -102,6 +102,15 @@ def named(name: str | None, where: str = "--packing") -> Packing:
     return entry
 
 
+def check_jitter(name: str, jitter: bool, where: str = "--jitter", file=None) -> None:
+    """Refuses jitter with a packing that has no windows to shift, wherever the two were set
+    (flags, a schedule file, or one of each)."""
+    if jitter and not named(name).jitter:
+        raise TokpackError(f"jitter shifts windows; {name} packing has none", file=file, where=where,
+                           expected=f"no jitter with packing {name}", found="jitter",
+                           hint=f"drop --jitter (or the schedule's jitter: true), or use --packing {DEFAULT}")
+
+
 def of_plan(p) -> Packing:
     """The entry whose plans `p` is one of (by its `algorithm`)."""
     for entry in _REGISTRY.values():

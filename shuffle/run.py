@@ -421,9 +421,6 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
     folder). `given`, `schedule`, `to`, `packing`, `pad_id`: as in
     shuffle_run."""
     packing = packings.named(packing).name
-    if jitter and not packings.named(packing).jitter:
-        raise TokpackError(f"--jitter shifts windows; {packing} packing has none", where="--jitter",
-                           hint=f"drop --jitter, or use --packing {packings.DEFAULT}")
     if schedule is not None and packing != packings.DEFAULT:
         if schedule.packing not in (packings.DEFAULT, packing):
             raise TokpackError("--packing differs from the schedule's packing", where="--packing",
@@ -432,6 +429,9 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
     if schedule is not None:
         seq_len, seed, jitter, paths = schedule.seq_len, schedule.seed, schedule.jitter, schedule.paths
         shard_samples = shard_samples or schedule.shard_samples
+    # On the packing and jitter that will run: a schedule's jitter meets --packing only here.
+    packings.check_jitter(schedule.packing if schedule is not None else packing, jitter,
+                          "--jitter" if schedule is None or schedule.file is None else "jitter", getattr(schedule, "file", None))
     paths, weights = list(paths), list(weights or [None] * len(paths))
     opened = open_sources(paths)
     out = Path(output)

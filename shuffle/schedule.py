@@ -182,8 +182,7 @@ def read_schedule(path: str | Path) -> Schedule:
     packing = doc.get("packing", packings.DEFAULT)
     if packing not in packings.names():
         _fail("unknown packing in the schedule", path, "packing", " or ".join(packings.names()), repr(packing))
-    if jitter and not packings.named(packing).jitter:
-        _fail("jitter applies to windows only", path, "jitter", f"no jitter with packing: {packing}", repr(jitter))
+    packings.check_jitter(packing, jitter, "jitter", path)
     if not isinstance(doc.get("stages"), list) or not doc["stages"]:
         _fail("schedule has no stages", path, "stages", "a list of stages", repr(doc.get("stages")))
     stages, names = [], {}

@@ -554,6 +554,22 @@ def test_jitter_with_best_fit_is_refused(sources, tmp_path):
     assert not (tmp_path / "j").exists()
 
 
+@pytest.mark.parametrize("command", ["shuffle", "plan"])
+@pytest.mark.parametrize("packing_in", ["file", "flag"])
+def test_a_schedules_jitter_with_best_fit_is_refused(sources, tmp_path, command, packing_in):
+    """jitter: true in a schedule meets best-fit in the same file (refused where the file is
+    read) or from --packing (refused once the two are merged): one line, never a run whose
+    manifest records jitter its best-fit rows do not have."""
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("seq_len: 63\nseed: 4\njitter: true\n" + ("packing: best-fit\n" if packing_in == "file" else "")
+                         + f"stages:\n  - name: a\n    epochs: 1\n    sources: {{{sources[0]}: 1}}\n")
+    args = [command, *(["shuffle"] if command == "plan" else []), "--schedule", str(yaml_file), "-o", str(tmp_path / "run")]
+    res = CliRunner().invoke(main, args + (["--packing", "best-fit"] if packing_in == "flag" else []))
+    assert res.exit_code == 1 and "jitter shifts windows; best-fit packing has none" in res.output, res.output
+    assert str(yaml_file) in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "run").exists()
+
+
 def test_order_proof_catches_two_rows_swapped_in_a_best_fit_epoch(fault_base, tmp_path):
     """Two rows of a best-fit shard swapped, with its index, padding sidecar and manifest entry
     rewritten to agree: every checksum, the multiset and the row table still hold; only the
