@@ -28,8 +28,9 @@ SLICE_KINDS = (SLICE, SLICE_EPOCH)
 SHARD_NAME_DIGITS = 5
 # Written by `tokpack stage --ranks` at a run copy's root: which shards it left out.
 STAGE_SIDECAR = "tokpack-stage.json"
-SHARD_SUFFIXES = ("", ".index", ".metadata", ".loss")  # the files of one shard, after its name
-EPOCH_SHARD_SUFFIXES = tuple(s for s in SHARD_SUFFIXES if s != ".loss")  # an epoch's shards carry no loss mask
+LOSS_SUFFIX = ".loss"  # a source shard's loss mask, one byte a token, when its entry has loss_xxh3_128
+SHARD_SUFFIXES = ("", ".index", ".metadata", LOSS_SUFFIX)  # the files of one shard, after its name
+EPOCH_SHARD_SUFFIXES = tuple(s for s in SHARD_SUFFIXES if s != LOSS_SUFFIX)  # an epoch's shards carry no loss mask
 LOCK_NAME = "tokpack.lock"  # the lock of the command writing a directory (formats/guard.py)
 WORK_DIR = ".tokpack-work"  # a command's scratch inside OUT, removed when it finishes
 # The `shuffle` a run and its epochs record: names the plan (shuffle/plan.py, shuffle/permutation.py).
@@ -488,6 +489,11 @@ def _check_shard_names(shards: list[dict], mfile: str, add) -> None:
         listed.add(name)
     if names != sorted(names, key=str) or len({len(n) for n in names if isinstance(n, str)}) > 1:
         add(mfile, "shards", "names of one width, in sorted order", names[:5], "shard names out of order")
+
+
+def row_bytes_of(manifest: dict) -> int:
+    """Bytes of one sample of an epoch, run or slice: `seq_len + 1` tokens of `token_size` bytes."""
+    return (int(manifest["seq_len"]) + 1) * int(manifest["token_size"])
 
 
 def rows_padded(manifest: dict) -> bool:

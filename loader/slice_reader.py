@@ -13,7 +13,7 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import as_path, regular_size
-from tokpack.formats.manifest import MANIFEST, dtype_from_name, has_pad, read_manifest
+from tokpack.formats.manifest import MANIFEST, dtype_from_name, has_pad, read_manifest, row_bytes_of
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, contained_shard
 from tokpack.formats.slices import (SLICE_EPOCH, RankRows, check_slice_epoch, contained_epoch_dir, missing_padding, rank_file_name,
@@ -51,7 +51,7 @@ class SliceReader(SampleReader):
         ranks = [int(r) for r in root["ranks"]]
         numbering = EpochNumbering.of_run(root["run"], path)
         rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
-        row_bytes = (int(root["seq_len"]) + 1) * int(root["token_size"])
+        row_bytes = row_bytes_of(root)
         paths, checksums, index_checksums, starts, ends, epochs, dirs = [], [], [], [], [], [], []
         pads: list[tuple[str, str] | None] = []  # per rank file: a best-fit epoch's (.pad file, its xxh3_128)
         sizes: dict[str, int] = {}  # each .ds.pad's recorded bytes, checked by the gate when the reader opens it

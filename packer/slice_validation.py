@@ -11,7 +11,7 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import IO_BLOCK, as_path, open_read, read_full, read_limited, regular_size
-from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, check_manifest, dtype_from_name, epoch_dir_name,
+from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, check_manifest, row_bytes_of, dtype_from_name, epoch_dir_name,
                                       has_pad, read_manifest, row_hashes)
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, RowFacts, contained_shard
@@ -124,7 +124,7 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
         return
     rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
     numbering = EpochNumbering.of_run(run, run_path)
-    row_bytes = (int(root["seq_len"]) + 1) * int(root["token_size"])
+    row_bytes = row_bytes_of(root)
     buf = np.empty((max(1, block // row_bytes, rows.micro_batch), row_bytes), dtype=np.uint8)  # a chunk: whole micro-batches
     for e in root["epochs"]:
         d, rd = path / epoch_dir_name(e), run_path / epoch_dir_name(e)

@@ -37,6 +37,7 @@ from tokpack.formats.units import at_most
 from tokpack.formats.manifest import (
     MAX_MANIFEST_BYTES,
     has_pad,
+    row_bytes_of,
     strict_json,
     MANIFEST,
     dtype_from_name,
@@ -234,7 +235,7 @@ class _EpochStager:
         self.rows, self.ranks, self.first, self.log = rows, ranks, first, log
         self.shards = manifest["shards"]
         self.per_shard = int(manifest["shard_samples"])
-        self.row_bytes = (int(manifest["seq_len"]) + 1) * int(manifest["token_size"])
+        self.row_bytes = row_bytes_of(manifest)
         # Row hashes and padding as the run records them, each sidecar checked before use.
         self.facts = RowFacts(manifest, self.row_bytes, lambda i, suffix, size: [reads.whole(self.shard_path(i) + suffix, size)],
                               f"{src.path.rstrip('/')}/{rel}", "the run's file is corrupt: run `tokpack validate` on the run; "
@@ -395,7 +396,7 @@ def plan_slice(src: Source, ranks=None, world_size: int | None = None, micro_bat
         raise TokpackError("epochs not in this run (yet)", file=src.path, where="epochs", expected=f"some of {available}",
                            found=missing, hint=f"write epoch {missing[0]} with `{shuffle_command(run, src.path, missing[0])}`"
                            " or stage the written ones")
-    row_bytes = (int(run["seq_len"]) + 1) * int(run["token_size"])
+    row_bytes = row_bytes_of(run)
     kept, read, by_rows = {}, {}, {}
     for e in chosen:
         m = src.manifest(epoch_dir_name(e), kind="epoch")
@@ -438,7 +439,7 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
     dest = Path(dest)
     root = slice_manifest(run, src.local_root or src.path, rows, a, b)
     previous = _previous_slice(dest, root, src.path)
-    row_bytes = (int(run["seq_len"]) + 1) * int(run["token_size"])
+    row_bytes = row_bytes_of(run)
     check_run_files(src, chosen, row_bytes)
     dest.mkdir(parents=True, exist_ok=True)
     check_space([(dest, sum(plan.kept[e] for e in chosen if e not in previous))], "stage",

@@ -25,6 +25,7 @@ import xxhash
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import TMP_MARK, ThreadPool, as_path, contained, name_problem, progress, read_limited
 from tokpack.formats.manifest import (
+    LOSS_SUFFIX,
     EPOCH_DIR,
     KINDS,
     MANIFEST,
@@ -46,7 +47,7 @@ from tokpack.formats.manifest import (
 )
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.shard_scan import Findings, Problem, ShardJob, check_shard, problem_line, worst_status
-from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, SHARD_SUFFIXES, PackedSource, contained_shard
+from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, PackedSource, contained_shard, shard_suffixes
 from tokpack.formats.slices import SLICE
 
 from .slice_validation import slice_against_run, slice_shard_jobs
@@ -108,8 +109,10 @@ def _open_manifest(path: Path, rep: DirReport, kinds) -> dict | None:
 
 
 def _check_listing(path: Path, shards: list[dict], rep: DirReport) -> None:
-    """The directory holds no shard file the manifest does not list (the names were checked)."""
-    allowed = {s["path"] + suffix for s in shards for suffix in (*SHARD_SUFFIXES, PAD_SUFFIX, ROWS_SUFFIX)}
+    """The directory holds no shard file the manifest does not list (the names were checked): a
+    sidecar its entry does not record (a `.ds.pad` beside a window shard) is unlisted too."""
+    # an unlisted loss mask has the shard scan's own line (formats/shard_scan.py)
+    allowed = {s["path"] + suffix for s in shards for suffix in (*shard_suffixes(s), LOSS_SUFFIX)}
     for p in sorted(path.iterdir()):
         if TMP_MARK in p.name:
             continue  # a killed writer's leftover: never data

@@ -1024,6 +1024,17 @@ def test_unlisted_shard_file_line(env):
                                                 "an unlisted file", "file not listed in the manifest")]
 
 
+@pytest.mark.parametrize("sidecar", [".pad", ".rows"])
+def test_a_sidecar_its_entry_does_not_record_is_unlisted(env, sidecar):
+    """Padding or row hashes beside a source shard whose entry records none: a reader could
+    take it for the shard's, so it is named, as a stray shard is (a stray loss mask has its own
+    line: test_loss_mask_checks)."""
+    stray = env / "src" / f"00000.ds{sidecar}"
+    stray.write_bytes(b"\0" * 8)
+    assert _all_lines(_check(env / "src")) == [(str(stray), None, "only the files listed in the manifest",
+                                                "an unlisted file", "file not listed in the manifest")]
+
+
 def test_one_window_source_with_no_samples_validates(env, tmp_path):
     """A weighted run whose second source has a single window and, at its small weight, no sample
     in the epoch: a valid manifest (one window, no passes), not a window or pass problem."""
