@@ -156,11 +156,39 @@ def contained_epoch_dir(path, e: int):
     return contained(path, epoch_dir_name(e), manifest=path / MANIFEST, where=f"epochs ({e})", regular=False)
 
 
-def check_slice_epoch(path: Path, root: dict, m: dict) -> None:
-    """An epoch manifest of a slice must describe the slice its root describes."""
+def slice_epoch_problems(d: Path, root: dict, m: dict, e: int, first: int, n: int,
+                         rows: RankRows) -> Iterator[tuple[int | None, TokpackError]]:
+    """Each way the manifest `m` of epoch e (the run's samples [first, first + n)) in the slice
+    `root` at folder `d` disagrees with the slice and its rank arithmetic, as (the rank whose
+    file cannot be read, or None for the whole epoch, the error). The reader raises the first;
+    `validate` reports them all. A problem of the whole epoch is the last one given: what would
+    follow means nothing. (A rank file's missing padding is `missing_padding`'s.)"""
+    where = d / MANIFEST
     for key in (*SLICE_KEYS, "seq_len", "dtype"):
         if m.get(key) != root.get(key):
-            raise TokpackError("slice epoch belongs to another slice", file=path / MANIFEST, where=key,
-                               expected=root.get(key) if key != "run" else "the root's run",
-                               found=m.get(key) if key != "run" else "another run",
-                               hint="stage the slice again into an empty directory")
+            yield None, TokpackError("slice epoch belongs to another slice", file=where, where=key,
+                                     expected=root.get(key) if key != "run" else "the root's run",
+                                     found=m.get(key) if key != "run" else "another run",
+                                     hint="stage the slice again into an empty directory")
+            return
+    if (m.get("epoch"), m.get("first_sample"), m.get("samples")) != (e, first, n):
+        yield None, TokpackError("slice epoch disagrees with its run's numbering", file=where,
+                                 where="epoch/first_sample/samples", expected=(e, first, n),
+                                 found=(m.get("epoch"), m.get("first_sample"), m.get("samples")),
+                                 hint="stage the slice again")
+        return
+    ranks = [int(r) for r in root["ranks"]]
+    entries = m.get("shards") if isinstance(m.get("shards"), list) else []
+    names = [rank_file_name(r) for r in ranks]
+    if [s.get("rank") for s in entries] != ranks or [s.get("path") for s in entries] != names:
+        yield None, TokpackError("slice epoch does not list one file per rank, in rank order", file=where,
+                                 where="shards", expected=names, found=[s.get("path") for s in entries],
+                                 hint="stage the slice again")
+        return
+    for r, s in zip(ranks, entries):
+        want = rows.rows(r, first, first + n)
+        if s.get("samples") != want:
+            yield r, TokpackError("rank file holds the wrong number of samples", file=where,
+                                  where=f"shards[rank {r}].samples", expected=f"{want} (the samples rank {r} reads in epoch {e})",
+                                  found=s.get("samples"), hint="stage the slice again")
+            continue

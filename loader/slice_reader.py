@@ -16,7 +16,7 @@ from tokpack.formats.io import as_path, regular_size
 from tokpack.formats.manifest import MANIFEST, dtype_from_name, has_pad, read_manifest, row_bytes_of
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, contained_shard
-from tokpack.formats.slices import (SLICE_EPOCH, RankRows, check_slice_epoch, contained_epoch_dir, missing_padding, rank_file_name,
+from tokpack.formats.slices import (SLICE_EPOCH, RankRows, contained_epoch_dir, missing_padding, slice_epoch_problems, rank_file_name,
                                     stage_command)
 
 from .reader import SampleReader, ShardTable, _shard_error
@@ -58,20 +58,12 @@ class SliceReader(SampleReader):
         for e in sorted(int(e) for e in root.get("epochs") or []):
             d = contained_epoch_dir(path, e)
             m = read_manifest(d, kind=SLICE_EPOCH)
-            check_slice_epoch(d, root, m)
             first, n = numbering.first(e), numbering.size(e)
-            if (int(m["epoch"]), int(m["first_sample"]), int(m["samples"])) != (e, first, n):
-                raise TokpackError("slice epoch disagrees with its run's numbering", file=d / MANIFEST,
-                                   where="epoch/first_sample/samples", expected=(e, first, n),
-                                   found=(m.get("epoch"), m.get("first_sample"), m.get("samples")))
-            by_rank = {int(s["rank"]): s for s in m["shards"]}
-            for r in ranks:
-                s = by_rank.get(r)
+            for _, err in slice_epoch_problems(d, root, m, e, first, n, rows):
+                raise err
+            for r, s in zip(ranks, m["shards"]):
                 f = d / rank_file_name(r)
                 want = rows.rows(r, first, first + n) * row_bytes
-                if s is None or s.get("path") != f.name or int(s.get("bytes", -1)) != want:
-                    raise TokpackError("slice epoch lacks a rank's file", file=d / MANIFEST, where=f"rank {r}",
-                                       expected=f"{f.name}, {want} bytes", found=s, hint="stage the slice again")
                 contained_shard(d, s, ranks.index(r), regular=False)
                 try:
                     size = regular_size(f)  # a FIFO or device in its place: refused here, in one line

@@ -15,7 +15,7 @@ from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, check_manife
                                       has_pad, read_manifest, row_hashes)
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, RowFacts, contained_shard
-from tokpack.formats.slices import (SLICE_EPOCH, RankRows, check_slice_epoch, contained_epoch_dir, missing_padding, rank_file_name,
+from tokpack.formats.slices import (SLICE_EPOCH, RankRows, contained_epoch_dir, missing_padding, slice_epoch_problems,
                                     run_identity)
 
 
@@ -49,27 +49,16 @@ def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
             continue
         if not check_manifest(m, d, rep.add):
             continue
-        try:
-            check_slice_epoch(d, root, m)
-        except TokpackError as err:
-            rep.add(err.file or d / MANIFEST, err.where, err.expected, err.found, err.message)
-            continue
         first, n = numbering.first(e), numbering.size(e)
-        if (m.get("epoch"), m.get("first_sample"), m.get("samples")) != (e, first, n):
-            rep.add(d / MANIFEST, "epoch/first_sample/samples", (e, first, n),
-                    (m.get("epoch"), m.get("first_sample"), m.get("samples")), "slice epoch disagrees with its run's numbering")
+        bad = set()
+        for r, err in slice_epoch_problems(d, root, m, e, first, n, rows):
+            rep.add(err.file, err.where, err.expected, err.found, err.message, hint=err.hint)
+            bad.add(r)
+        if None in bad:
             continue
-        entries = m.get("shards") if isinstance(m.get("shards"), list) else []
-        if [s.get("rank") for s in entries] != ranks or [s.get("path") for s in entries] != [rank_file_name(r) for r in ranks]:
-            rep.add(d / MANIFEST, "shards", [rank_file_name(r) for r in ranks], [s.get("path") for s in entries],
-                    "slice epoch does not list one file per rank, in rank order")
-            continue
-        for r, s in zip(ranks, entries):
-            want = rows.rows(r, first, first + n)
-            if s.get("samples") != want:
-                rep.add(d / MANIFEST, f"shards[rank {r}].samples", f"{want} (the samples rank {r} reads in epoch {e})",
-                        s.get("samples"), "rank file holds the wrong number of samples")
-                continue
+        for r, s in zip(ranks, m["shards"]):
+            if r in bad:
+                continue  # its file cannot be cut into the rows it should hold
             err = missing_padding(d, root, s)
             if err is not None:
                 rep.add(err.file, err.where, err.expected, err.found, err.message, hint=err.hint)

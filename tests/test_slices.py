@@ -473,6 +473,35 @@ def test_validate_applies_every_manifest_invariant_to_slices(run, tmp_path, file
     assert wheres <= {p["where"] for p in report["problems"] if p["file"] == str(path)}, report["problems"]
 
 
+def _fewer_rows(m):
+    s = m["shards"][1]
+    s["samples"] -= 1
+    s["tokens"] -= SEQ + 1
+    s["bytes"] = s["tokens"] * m["token_size"]
+    m["tokens"] -= SEQ + 1
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda m: m.update(micro_batch=M + 1), "slice epoch belongs to another slice"),
+    (lambda m: m.update(first_sample=m["first_sample"] + 1), "slice epoch disagrees with its run's numbering"),
+    (lambda m: m["shards"][0].update(rank=0), "slice epoch does not list one file per rank, in rank order"),
+    (_fewer_rows, "rank file holds the wrong number of samples"),
+], ids=["shape", "numbering", "order", "rows"])
+def test_the_reader_and_validate_refuse_a_slice_epoch_alike(run, tmp_path, edit, message):
+    """The slice epoch's checks are one function: the reader raises its first problem, validate
+    reports it, in the same words."""
+    s = tmp_path / "s"
+    stage_slice(str(run), s, ranks="1-2", world_size=W, micro_batch=M)
+    path = s / epoch_dir_name(1) / MANIFEST
+    m = json.loads(path.read_text())
+    edit(m)
+    path.write_text(json.dumps(m, indent=1) + "\n")
+    with pytest.raises(TokpackError, match=message):
+        SampleReader.open(s)
+    code, out = cli("validate", s, "--json")
+    assert code == 1 and message in {p["message"] for p in json.loads(out)["problems"]}, out
+
+
 def test_validate_a_slice_alone_and_against_its_run(run, tmp_path):
     """`validate SLICE` checks the rank files against the slice's manifests; `--against RUN`
     proves each holds the run's samples of its rank, in order: a swapped pair of rows, with
