@@ -546,6 +546,21 @@ def _check_epoch_manifest(path, m: dict, mfile: str, add, row: int) -> None:
         add(mfile, "epoch", f"{int(dir_epoch.group(1))} (from the directory name)", m["epoch"], "epoch number wrong")
 
 
+def chain_start(epoch: int, samples: int, cursor: int | None = None) -> int:
+    """Position in a source's chain of windows of an epoch's first sample from it: where the
+    epochs before it left the chain (`cursor`, as a schedule records it), else `epoch * samples`."""
+    return epoch * samples if cursor is None else cursor
+
+
+def pass_span(start: int, samples: int, windows: int) -> tuple[int, int]:
+    """(first pass, passes touched) of `samples` windows of a chain from position `start`, with
+    `windows` windows a pass; (0, 0) when the source gives the epoch nothing."""
+    if not samples:
+        return 0, 0
+    first = start // windows
+    return first, (start + samples - 1) // windows - first + 1
+
+
 def _check_epoch_sources(m: dict, srcs: list, row: int, add) -> None:
     """The windowing arithmetic of docs/COMMANDS.md ("The shuffle algorithm") for each source entry that
     records it: a corrupted count cannot hide behind a field nobody reads."""
@@ -562,9 +577,7 @@ def _check_epoch_sources(m: dict, srcs: list, row: int, add) -> None:
             add(f"sources[{i}].windows", f"windows x {row} + dropped_tokens == tokens ({t})",
                 f"{w} x {row} + {s['dropped_tokens']}", "source window counts do not add up")
             return
-        start = s["cursor"] if type_ok(s.get("cursor"), int) else m["epoch"] * c  # where its chain starts
-        first = start // w if c else 0
-        passes = (start + c - 1) // w - first + 1 if c else 0
+        first, passes = pass_span(chain_start(m["epoch"], c, s["cursor"] if type_ok(s.get("cursor"), int) else None), c, w)
         if (s["first_pass"], s["passes"]) != (first, passes):
             add(f"sources[{i}].first_pass/passes", f"{first}/{passes} (epoch {m['epoch']}, {c} of {w} windows)",
                 f"{s['first_pass']}/{s['passes']}", "source pass bookkeeping wrong")

@@ -26,6 +26,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import TMP_MARK, ThreadPool, as_path, contained, name_problem, progress, read_limited
 from tokpack.formats.manifest import (
     LOSS_SUFFIX,
+    chain_start,
     EPOCH_DIR,
     KINDS,
     MANIFEST,
@@ -277,7 +278,7 @@ def _check_scheduled_epoch(efile: str, e: int, em: dict, sched: list[dict] | Non
             if src.get(key) != want:
                 add(efile, f"sources[{i}].{key}", f"{want!r} (schedule[{e}])", repr(src.get(key)),
                     "epoch source differs from the run's schedule")
-        start = src.get("cursor", e * c)
+        start = src.get("cursor", chain_start(e, c))
         if c and type_ok(start, int) and start != at:
             why = (f"windows at chain positions {start}..{min(at, start + c) - 1} were taken before; a window is "
                    f"taken twice before its source is exhausted") if start < at else "windows of its chain skipped"

@@ -22,7 +22,8 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import IO_BLOCK, local_path, read_ahead
-from tokpack.formats.manifest import PLAN_ALGORITHM, dtype_from_name, hash_hex64, order_hash_terms, row_hashes
+from tokpack.formats.manifest import (PLAN_ALGORITHM, chain_start, dtype_from_name, hash_hex64, order_hash_terms, pass_span,
+                                      row_hashes)
 from tokpack.formats.shards import PackedSource
 from tokpack.formats.units import at_most, token_count
 
@@ -108,19 +109,14 @@ class EpochPlan:
     def chain_start(self, s: int) -> int:
         """Position in source s's chain of this epoch's first sample from it: where the epochs
         before it left the chain."""
-        src = self.sources[s]
-        return self.epoch * src.samples if src.cursor is None else src.cursor
+        return chain_start(self.epoch, self.sources[s].samples, self.sources[s].cursor)
 
     def first_pass(self, s: int) -> int:
-        src = self.sources[s]
-        return self.chain_start(s) // src.windows if src.samples else 0
+        return pass_span(self.chain_start(s), self.sources[s].samples, self.sources[s].windows)[0]
 
     def passes(self, s: int) -> int:
         """Number of passes of the chain this epoch touches (0 when the source contributes nothing)."""
-        src = self.sources[s]
-        if not src.samples:
-            return 0
-        return (self.chain_start(s) + src.samples - 1) // src.windows - self.first_pass(s) + 1
+        return pass_span(self.chain_start(s), self.sources[s].samples, self.sources[s].windows)[1]
 
     def repeats(self, s: int) -> int:
         """Samples of source s in this epoch that repeat a window the epoch already holds:
