@@ -18,7 +18,7 @@ import xxhash
 from .errors import TokpackError
 from .io import as_path, contained, open_read, read_array, read_full, regular_size
 from .io import DurableFile, is_tmp_name, write_bytes_atomic
-from .manifest import EPOCH_SHARD_SUFFIXES, SHARD_SUFFIXES  # noqa: F401 (importable from here too)
+from .manifest import EPOCH_SHARD_SUFFIXES, LOSS_SUFFIX, SHARD_SUFFIXES  # noqa: F401 (importable from here too)
 from .manifest import MANIFEST, dtype_from_name, has_pad, metadata_text, read_manifest, row_hashes
 
 U64 = np.dtype("<u8")  # .ds.index entries
@@ -46,6 +46,22 @@ def shard_suffixes(entry: dict) -> tuple[str, ...]:
     base = SHARD_SUFFIXES if "loss_xxh3_128" in entry else EPOCH_SHARD_SUFFIXES
     return (base + ((ROWS_SUFFIX,) if "rows_xxh3_128" in entry else ())
             + ((PAD_SUFFIX,) if has_pad(entry) else ()))
+
+
+def shard_files(entry: dict, source: bool = False) -> list[tuple[str, int | None, str]]:
+    """(suffix, recorded bytes or None where the entry cannot say, checksum field) of each file
+    of the shard a manifest entry records; `source`: an entry of a packed source, whose index
+    has an entry per document, where an epoch's has one per fragment."""
+    def sized(key: str, per: int) -> int | None:
+        return None if entry.get(key) is None else per * int(entry[key])
+
+    files = {"": (sized("bytes", 1), "xxh3_128"),
+             ".index": (sized("documents" if source else "fragments", U64.itemsize), "index_xxh3_128"),
+             ".metadata": (None, "metadata_xxh3_128"),
+             LOSS_SUFFIX: (sized("tokens", 1), "loss_xxh3_128"),
+             ROWS_SUFFIX: (sized("samples", U64.itemsize), "rows_xxh3_128"),
+             PAD_SUFFIX: (sized("samples", PAD_DTYPE.itemsize), "pad_xxh3_128")}
+    return [(suffix, *files[suffix]) for suffix in shard_suffixes(entry)]
 
 
 def contained_shard(directory, entry: dict, i: int, regular: bool = True) -> "Path":

@@ -39,13 +39,12 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, locked_output
 from tokpack.formats.units import at_most
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
-from tokpack.formats.shards import ROWS_SUFFIX, contained_shard
+from tokpack.formats.shards import contained_shard, shard_files
 from tokpack.formats.slices import RankRows, stage_command
 from tokpack.formats.io import (ThreadPool, as_path, contained, hash_mapped, lent, open_new, open_read, progress,
                                 read_limited, regular_size, remove_tmp_files, tmp_path)
 from tokpack.formats.manifest import (
     MANIFEST,
-    has_pad,
     MAX_MANIFEST_BYTES,
     MAX_EPOCHS,
     STAGE_SIDECAR,
@@ -209,9 +208,8 @@ def _join(*parts: str) -> str:
 
 
 def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None, root=None) -> tuple[list[CopyJob], list[str]]:
-    """The files of a source or epoch manifest's shards: .ds, .ds.index, .ds.metadata, .ds.loss,
-    .ds.pad,
-    each known to stay inside its folder under `root` (tokpack.formats.io.contained)."""
+    """The files of a source or epoch manifest's shards (formats/shards.py shard_files), each
+    known to stay inside its folder under `root` (tokpack.formats.io.contained)."""
     jobs, skipped = [], []
     folder = None if root is None else root / dir_rel if dir_rel else root  # Source.manifest checked dir_rel
     for i, s in enumerate(manifest.get("shards") or []):
@@ -221,24 +219,8 @@ def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None, roo
         if keep is not None and not keep[i]:
             skipped.append(name)
             continue
-        size = s.get("bytes")
-        jobs.append(CopyJob(_join(dir_rel, name), None if size is None else int(size), s.get("xxh3_128"), dir_rel))
-        entries = s.get("documents") if manifest.get("kind") == "source" else s.get("fragments")  # 8 bytes each
-        jobs.append(CopyJob(_join(dir_rel, f"{name}.index"), None if entries is None else 8 * int(entries),
-                            s.get("index_xxh3_128"), dir_rel))
-        jobs.append(CopyJob(_join(dir_rel, f"{name}.metadata"), None, s.get("metadata_xxh3_128"), dir_rel))
-        if s.get("rows_xxh3_128"):  # an epoch shard's row hashes: 8 bytes a sample
-            samples = s.get("samples")
-            jobs.append(CopyJob(_join(dir_rel, f"{name}{ROWS_SUFFIX}"), None if samples is None else 8 * int(samples),
-                                s["rows_xxh3_128"], dir_rel))
-        if s.get("loss_xxh3_128"):
-            tokens = s.get("tokens")
-            jobs.append(CopyJob(_join(dir_rel, f"{name}.loss"), None if tokens is None else int(tokens),
-                                s["loss_xxh3_128"], dir_rel))
-        if has_pad(s):  # a padded (best-fit) epoch's padding per sample, 4 bytes each
-            samples = s.get("samples")
-            jobs.append(CopyJob(_join(dir_rel, f"{name}.pad"), None if samples is None else 4 * int(samples),
-                                s["pad_xxh3_128"], dir_rel))
+        jobs += [CopyJob(_join(dir_rel, name + suffix), size, s.get(key), dir_rel)
+                 for suffix, size, key in shard_files(s, source=manifest.get("kind") == "source")]
     return jobs, skipped
 
 
