@@ -8,12 +8,14 @@
         batch["input_ids"], batch["labels"], batch["position_ids"]   # [m, seq_len] int64
         saved = loader.state_dict()                 # exact, with or without workers
 
-A best-fit epoch (`tokpack shuffle --packing best-fit`) adds, per micro-batch: `loss_mask`
-[m, seq_len] (1 where the label is a real token, 0 where it is padding), `labels` -100 on
-padding (torch's cross-entropy ignore_index), `position_ids` restarting at each document (the
-padding is one segment of its own) and `cu_seqlens` [documents + 1] int32, the document
-boundaries over the flattened micro-batch, for flash-attn varlen or a FlexAttention document
-mask.
+Every epoch gives, per micro-batch, the same keys: `loss_mask` [m, seq_len] (1 where the
+label is a real token, 0 where it is padding) and, with positions, `cu_seqlens` [documents + 1]
+int32, the document boundaries over the flattened micro-batch (from the EOS tokens), for
+flash-attn varlen or a FlexAttention document mask. A best-fit epoch (`tokpack shuffle
+--packing best-fit`) has padding: `labels` -100 there (torch's cross-entropy ignore_index),
+and its `position_ids` make the padding one segment of its own; a window epoch has none
+(loss_mask all ones). `max_documents=K` makes the boundaries' shapes fixed (`cu_seqlens`
+[m*K+1], `max_seqlen`, `doc_lens` [m, K], `max_doc_lens`), for torch.compile.
 
 Each item is one micro-batch of rank r (global batch b, Megatron order). With DataLoader
 workers, worker w of K serves global batches b with b % K == w; DataLoader returns items
@@ -31,13 +33,12 @@ from __future__ import annotations
 
 import warnings
 
-import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from tokpack.formats.arguments import flag, text, whole
 from tokpack.formats.errors import TokpackError
-from .reader import SampleReader, cu_seqlens, document_masks, stream_shape
+from .reader import SampleReader, stream_shape
 
 
 def _ignore_set_vital_warning() -> None:
@@ -102,7 +103,8 @@ class TokpackDataset(IterableDataset):
 
     def __init__(self, path, *, rank: int = 0, world_size: int = 1, micro_batch: int = 1,
                  start_sample: int | None = None, consumed_tokens: int | None = None,
-                 positions: str | None = "eos", verify: bool = False):
+                 positions: str | None = "eos", verify: bool = False, max_documents: int | None = None,
+                 eod_mask_loss: bool = False):
         """Rank `rank` of `world_size` data-parallel ranks, `micro_batch` samples a step, over
         `path`: a run directory (its epochs chained, in order) or one epoch directory.
 
@@ -114,17 +116,31 @@ class TokpackDataset(IterableDataset):
         batch, i.e. Megatron's `consumed_samples` to checkpoint; `start_sample=` it to resume).
         `start_sample` (G) or `consumed_tokens` (T, G = T // seq_len): where to start, O(1),
         default 0. `verify`: checksum each shard when it is first read. The shard table is
-        opened here, so a missing or truncated shard fails before training starts."""
+        opened here, so a missing or truncated shard fails before training starts.
+
+        Every epoch, best-fit or window, also gives `loss_mask` and, with positions,
+        `cu_seqlens` (tokpack.loader.reader.micro_batch). `max_documents` (K): boundaries of
+        fixed shapes, so torch.compile does not recompile as the document count changes:
+        `cu_seqlens` [m*K+1], `max_seqlen`, `doc_lens` [m, K], `max_doc_lens` [m]; a row of more
+        than K documents is an error naming it (`tokpack inspect` gives the largest count).
+        `eod_mask_loss`: Megatron's option, no loss on the label after an EOS input."""
         _ignore_set_vital_warning()
         rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
         text(positions, "positions", choices=(None, "eos", "index"))
         flag(verify, "verify")
+        flag(eod_mask_loss, "eod_mask_loss")
+        max_documents = whole(max_documents, "max_documents", least=1)
+        if max_documents is not None and positions is None:
+            raise TokpackError("max_documents shapes the document boundaries, which need positions",
+                               where="max_documents", expected="positions='eos' or 'index'", found="positions=None")
         # Opened here, in the main process, so a missing or truncated shard fails before training starts.
         self.reader = SampleReader.open(path, verify=verify)  # shard table; fds reopen in each worker
         self.rank = rank  # r
         self.world_size = world_size  # W
         self.micro_batch = micro_batch  # m
         self.positions = positions  # None, "eos" or "index"
+        self.max_documents = max_documents  # K: fixed-shape boundaries; None: cu_seqlens of the documents there are
+        self.eod_mask_loss = eod_mask_loss  # no loss on the label of an EOS input (Megatron's eod_mask_loss)
         self.consumed = self.reader.start_from(start_sample=start_sample, consumed_tokens=consumed_tokens)  # G
         self.reader.serves(rank, world_size, micro_batch, self.consumed)  # a node slice of other ranks: refused now
         self._worker_resume: dict | None = None  # a worker's saved share of the steps, until __iter__ uses it
@@ -150,29 +166,14 @@ class TokpackDataset(IterableDataset):
                                                     first_step=first_step)
         for item in stream:
             rows, pos = item if self.positions else (item, None)
-            tokens = torch.from_numpy(rows.astype(np.int64))
-            batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
-            if pos is not None:
-                batch["position_ids"] = torch.from_numpy(pos[:, :-1].astype(np.int64))
-            if self.reader.packed:
-                batch.update(self._documents(rows, stream.state.first_sample(stream.last_step)))
+            arrays = self.reader.micro_batch(rows, pos, stream.state.first_sample(stream.last_step),
+                                             max_documents=self.max_documents, eod_mask_loss=self.eod_mask_loss)
+            batch = {key: torch.from_numpy(value) for key, value in arrays.items()}
             consumed = stream.state.consumed_after(stream.last_step)
             batch["consumed_samples"] = torch.tensor(consumed, dtype=torch.int64)
             if info is None:
                 self.consumed = consumed  # in-process iteration: state_dict() follows by itself
             yield batch
-
-    def _documents(self, rows: np.ndarray, g: int) -> dict:
-        """A best-fit micro-batch's masks: rows [g, g+m) with their padding from `.ds.pad`."""
-        pos, real = document_masks(rows, self.reader.padding(g, len(rows)), self.reader.eos_id)
-        labels = rows[:, 1:].astype(np.int64)
-        labels[~real[:, 1:]] = -100
-        out = {"labels": torch.from_numpy(labels), "loss_mask": torch.from_numpy(real[:, 1:].astype(np.int64))}
-        if self.positions:
-            pos = pos[:, :-1]
-            out["position_ids"] = torch.from_numpy(pos.astype(np.int64))
-            out["cu_seqlens"] = torch.from_numpy(cu_seqlens(pos))
-        return out
 
     def _resume_share(self, saved: dict, worker: int, workers: int) -> tuple[int, int]:
         """(start, first step) of this worker's share of the steps, from its saved state."""
