@@ -46,6 +46,9 @@ BLOCK_BYTES = 4 << 20
 READAHEAD_BYTES = 8 << 20
 # Entries of `.ds.index` read per pread when deriving positions from the index.
 INDEX_CHUNK = 8192
+# Tokens a block of `most_documents`'s scan: its position arrays (several bytes a token) stay
+# about a MB, within what `tokpack inspect --memory` allows beside its plan.
+SCAN_TOKENS = 1 << 16
 # Open shard files kept at once: the current one and the next, plus slack for index files.
 MAX_OPEN_FILES = 4
 
@@ -735,6 +738,30 @@ class SampleReader:
         pad = self.padding(g, len(rows)) if self.packed else None
         return micro_batch(rows, pad, positions, self.eos_id, max_documents=max_documents,
                            eod_mask_loss=eod_mask_loss, first_row=g, locate=self.locate)
+
+    def row_documents(self, g: int, n: int) -> np.ndarray:
+        """Each of chained rows [g, g+n)'s segment count, as `micro_batch` counts them against
+        `max_documents` (documents of its inputs, and its padding as one)."""
+        rows = self.read(g, n)
+        if self.packed:
+            pos = document_masks(rows, self.padding(g, n), self.eos_id)[0]
+        else:
+            pos = positions_from_eos(rows, self.eos_id)
+        return (pos[:, :-1] == 0).sum(axis=1)
+
+    def most_documents(self, start: int = 0, stop: int | None = None) -> tuple[int, int]:
+        """(largest segment count of a row, first chained row that has it) over rows [start,
+        stop) (default: the whole chain), read in blocks of SCAN_TOKENS: one pass, O(1) memory.
+        The smallest `max_documents` these rows take."""
+        stop = self.total_samples if stop is None else stop
+        best, where = 0, start
+        block = max(1, SCAN_TOKENS // self.row_tokens)
+        for g in range(start, stop, block):
+            counts = self.row_documents(g, min(block, stop - g))
+            i = int(counts.argmax())  # the first row of the block with its largest count
+            if counts[i] > best:
+                best, where = int(counts[i]), g + i
+        return best, where
 
     def index_positions(self, g: int, n: int) -> np.ndarray:
         """Positions of chained rows [g, g+n) derived from the shards' `.ds.index` (fragment ends),

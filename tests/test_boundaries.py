@@ -160,3 +160,25 @@ def test_fixed_boundaries_by_hand():
     assert free["cu_seqlens"].tolist() == cu_seqlens(free["position_ids"]).tolist() == [0, 3, 5, 6, 12]
     with pytest.raises(TokpackError, match=r"\[sample 7\]: .*at most 2 documents.*found 3 documents"):
         micro_batch(rows, np.array([2, 0], np.uint32), np.zeros_like(rows), EOS, max_documents=2, first_row=7)
+
+
+@pytest.mark.parametrize("kind", ["best_fit", "window"])
+def test_inspect_reports_the_k_a_run_takes(kind, request):
+    """`tokpack inspect` names the largest document count of a row of the epoch: exactly the
+    smallest max_documents that reads the whole epoch (one less is refused)."""
+    from tokpack.packer.inspection import inspect, report_lines
+
+    path = request.getfixturevalue(kind)
+    counts = segment_counts(path)
+    epoch0 = SampleReader.open(path / "epoch-00000").total_samples
+    want = max(counts[:epoch0])
+    result = inspect(path, epoch=0)
+    assert result.documents_per_row == {"epoch": 0, "max": want, "sample": counts.index(want)}
+    line = next(x for x in report_lines(result) if "documents per row" in x)
+    assert f"at most {want} " in line and f"max_documents={want}" in line
+    epoch = path / "epoch-00000"
+    for _ in dataset(epoch, max_documents=want):
+        pass
+    with pytest.raises(TokpackError, match="more documents than max_documents"):
+        for _ in dataset(epoch, max_documents=want - 1):
+            pass
