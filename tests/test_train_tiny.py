@@ -78,3 +78,50 @@ def test_resumed_losses_are_bitwise_the_uninterrupted_ones(run, tmp_path):
     assert after_11 == {s: whole[s] for s in range(12, STEPS + 1)}  # across the stage boundary
     after_6 = train(run, tmp_path, "--resume", tmp_path / "ckpt-6.pt")
     assert after_6 == {s: whole[s] for s in range(7, STEPS + 1)}  # across an epoch boundary, then the stage's
+
+
+def _example():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_tiny", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compiled_frames(run: Path, steps: int, **kw) -> list[tuple[int, int]]:
+    """(frames compiled, graphs) of dynamo's own counters after each of `steps` training steps
+    of the example's model under torch.compile, over TokpackDataset(run, **kw)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from tokpack import TokpackDataset
+
+    tiny = _example()
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    counters.clear()
+    ds = TokpackDataset(run, micro_batch=M, **kw)
+    model = tiny.TinyGPT(1000, ds.reader.seq_len, dim=32, layers=1, heads=2)
+    # The "eager" backend: dynamo traces and guards each frame (and so recompiles on a new
+    # shape) as with any backend, without generating C++ for each graph.
+    compiled = torch.compile(model, backend="eager")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    seen = []
+    for step, batch in zip(range(steps), ds):
+        tiny.train_step(compiled, optimizer, batch)
+        seen.append((counters["frames"]["ok"], counters["stats"]["unique_graphs"]))
+    return seen
+
+
+def test_compiled_with_max_documents_never_recompiles(run):
+    """torch.compile over fixed-shape boundaries: nothing is compiled after the first step, by
+    dynamo's counters; the variable-length boundaries, on the same rows, recompile."""
+    require("torch._dynamo", "pip install torch")
+    from tokpack.loader.reader import SampleReader
+
+    K = SampleReader.open(run).most_documents()[0]
+    fixed = _compiled_frames(run, 12, max_documents=K)
+    assert fixed[0][0] >= 1 and all(seen == fixed[0] for seen in fixed), fixed
+    free = _compiled_frames(run, 12)
+    assert free[-1][0] > free[0][0], free  # the document count changed, and dynamo compiled again
