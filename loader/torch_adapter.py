@@ -302,6 +302,20 @@ class TokpackDataset(IterableDataset):
 # StatefulDataLoader's state does not need it.
 
 
+_BATCH_KEYS = ("input_ids", "labels", "loss_mask", "position_ids", "cu_seqlens")
+
+
+def _boundaries(batch, form: str, keys: tuple[str, ...] = _BATCH_KEYS) -> dict:
+    """The batch, checked to be a TokpackDataset batch with its document boundaries."""
+    missing = [k for k in keys if not isinstance(batch, dict) or k not in batch]
+    if missing:
+        raise TokpackError(f"{form} takes a TokpackDataset batch with its document boundaries", where=form,
+                           expected=", ".join(keys),
+                           found=f"no {', '.join(missing)}" if isinstance(batch, dict) else type(batch).__name__,
+                           hint="build the dataset with positions='eos' (the default) or 'index'")
+    return batch
+
+
 def _segment_lengths(batch: dict) -> torch.Tensor:
     """The segment lengths of a batch's flattened micro-batch (no zero-length padding)."""
     cu = batch["cu_seqlens"].to(torch.int64)
@@ -330,6 +344,7 @@ def olmo_core_batch(batch: dict) -> dict:
     `doc_lens` [m, K] int32 zero-padded and `max_doc_lens` (a list of ints, one a row).
     `olmo_core.data.utils.get_cumulative_document_lengths(doc_lens)` is the batch's
     `cu_seqlens` without its repeated tail."""
+    batch = _boundaries(batch, "olmo_core_batch")
     doc_lens = _doc_lens(batch)
     return {"input_ids": batch["input_ids"], "labels": batch["labels"], "doc_lens": doc_lens,
             "max_doc_lens": [int(x) for x in doc_lens.max(dim=1).values]}
@@ -343,6 +358,7 @@ def megatron_batch(batch: dict) -> dict:
     (Megatron's cross-entropy takes no -100; the loss mask is 0 there). No dense attention
     mask: it is [L, L] a row, and Transformer Engine's attention ignores it (use the thd
     boundaries); `dense_document_mask(batch)` builds Megatron's when a backend wants it."""
+    batch = _boundaries(batch, "megatron_batch")
     cu = batch["cu_seqlens"]
     longest = int(batch["max_seqlen"]) if "max_seqlen" in batch else int(_segment_lengths(batch).max())
     return {"tokens": batch["input_ids"], "labels": batch["labels"].clamp(min=0),
@@ -354,6 +370,7 @@ def packed_seq_params(batch: dict):
     """megatron.core's `PackedSeqParams` (qkv_format "thd") of a tokpack or `megatron_batch`
     batch: cu_seqlens_q/kv the int32 boundaries over the flattened micro-batch, max_seqlen_q/kv
     the longest segment. With max_documents the boundaries end in zero-length segments."""
+    batch = _boundaries(batch, "packed_seq_params", ("cu_seqlens",))
     from megatron.core.packed_seq_params import PackedSeqParams
 
     longest = int(batch["max_seqlen"]) if "max_seqlen" in batch else int(_segment_lengths(batch).max())
@@ -365,6 +382,7 @@ def packed_seq_params(batch: dict):
 def dense_document_mask(batch: dict) -> torch.Tensor:
     """[m, 1, L, L] bool, True where attention is masked (Megatron's convention): a token sees
     the earlier tokens of its own segment only."""
+    batch = _boundaries(batch, "dense_document_mask", ("position_ids",))
     pos = batch["position_ids"]
     segment = torch.cumsum((pos == 0).to(torch.int64), dim=1)
     L = pos.shape[1]
@@ -383,6 +401,7 @@ def hf_flat_batch(batch: dict) -> dict:
     LM loss uses them as they are when given (`model(**hf_flat_batch(batch))`), so the loss
     is exactly tokpack's, the last label of each row included, which the unshifted `labels`
     cannot carry."""
+    batch = _boundaries(batch, "hf_flat_batch")
     ids, pos = batch["input_ids"].reshape(1, -1), batch["position_ids"].reshape(1, -1)
     shifted = batch["labels"].reshape(1, -1)
     labels = ids.clone()

@@ -167,3 +167,39 @@ def test_hf_causal_lm_loss_is_tokpacks(runs):
     want = torch.nn.functional.cross_entropy(out.logits.reshape(-1, 1000).float(), batch["labels"].reshape(-1),
                                              ignore_index=-100)
     assert torch.allclose(out.loss, want, rtol=0, atol=1e-6)
+
+
+def test_forms_convert_in_the_loader_workers_and_resume(runs):
+    """A form as the StatefulDataLoader's collate_fn (each item, in its worker): the items are
+    the form of the dataset's batches, and a saved loader state resumes to the same items."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    path = runs["best-fit"]
+    plain = [hf_flat_batch(b) for b in TokpackDataset(path, micro_batch=M, max_documents=12)]
+    ds = TokpackDataset(path, micro_batch=M, max_documents=12)
+    loader = StatefulDataLoader(ds, batch_size=None, num_workers=2, collate_fn=hf_flat_batch)
+    got, state = [], None
+    for i, item in enumerate(loader):
+        got.append(item)
+        if i == 4:
+            state = loader.state_dict()
+    resumed = StatefulDataLoader(TokpackDataset(path, micro_batch=M, max_documents=12), batch_size=None,
+                                 num_workers=2, collate_fn=hf_flat_batch)
+    resumed.load_state_dict(state)
+    for want, items in ((plain, got), (plain[5:], list(resumed))):
+        assert len(want) == len(items)
+        for a, b in zip(want, items):
+            assert a.keys() == b.keys() and all(
+                torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def test_forms_refuse_a_batch_without_boundaries(runs):
+    from tokpack.formats.errors import TokpackError
+
+    batch = next(iter(TokpackDataset(runs["window"], micro_batch=M, positions=None)))
+    for form in (olmo_core_batch, megatron_batch, hf_flat_batch, dense_document_mask, packed_seq_params):
+        with pytest.raises(TokpackError, match=f"{form.__name__} takes a TokpackDataset batch") as err:
+            form(batch)
+        assert "positions='eos'" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(TokpackError, match="found list"):
+        olmo_core_batch([1, 2])
