@@ -71,10 +71,13 @@ def last_steps(run: Path) -> list[int]:
 def test_resumed_losses_are_bitwise_the_uninterrupted_ones(run, tmp_path):
     epoch0, stable = last_steps(run)  # epoch 0 ends at step 12, stage "stable" (epoch 1) at 24
     assert 11 < epoch0 < stable < STEPS
-    whole = train(run, tmp_path, "--save-at", 11)
+    from tokpack.loader.reader import SampleReader
+
+    K = SampleReader.open(run).most_documents()[0]  # fixed-shape boundaries through the workers
+    whole = train(run, tmp_path, "--max-documents", K, "--save-at", 11)
     assert sorted(whole) == list(range(1, STEPS + 1))
     assert len(set(whole.values())) > 1  # it trains: the losses move
-    resumed = train(run, tmp_path, "--resume", tmp_path / "ckpt-11.pt")
+    resumed = train(run, tmp_path, "--max-documents", K, "--resume", tmp_path / "ckpt-11.pt")
     assert resumed == {s: whole[s] for s in range(12, STEPS + 1)}  # across an epoch and a stage boundary
 
 
