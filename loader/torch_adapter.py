@@ -97,9 +97,10 @@ def saved_workers(loader_state) -> int:
 
 
 class TokpackDataset(IterableDataset):
-    """Rank r's micro-batches as dicts of int64 tensors: input_ids, labels (shifted by one),
-    position_ids (restart after each EOS; with positions="eos" or "index") and
-    consumed_samples (Megatron's counter once every rank has trained on this micro-batch)."""
+    """Rank r's micro-batches as dicts of tensors: input_ids, labels (shifted by one),
+    loss_mask, position_ids and cu_seqlens (restart after each EOS; with positions="eos" or
+    "index") and consumed_samples (Megatron's counter once every rank has trained on this
+    micro-batch); docs/API.md, "Reading", lists every key."""
 
     def __init__(self, path, *, rank: int = 0, world_size: int = 1, micro_batch: int = 1,
                  start_sample: int | None = None, consumed_tokens: int | None = None,
@@ -135,6 +136,9 @@ class TokpackDataset(IterableDataset):
                                where="max_documents", expected="positions='eos' or 'index'", found="positions=None")
         # Opened here, in the main process, so a missing or truncated shard fails before training starts.
         self.reader = SampleReader.open(path, verify=verify)  # shard table; fds reopen in each worker
+        if eod_mask_loss and self.reader.eos_id is None:  # refused here, not at the first batch
+            raise TokpackError("eod_mask_loss needs eos_id, and the epoch manifest has none", where="eod_mask_loss",
+                               hint="leave eod_mask_loss off for this epoch")
         self.rank = rank  # r
         self.world_size = world_size  # W
         self.micro_batch = micro_batch  # m

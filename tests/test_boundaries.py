@@ -182,3 +182,9 @@ def test_inspect_reports_the_k_a_run_takes(kind, request):
     with pytest.raises(TokpackError, match="more documents than max_documents"):
         for _ in dataset(epoch, max_documents=want - 1):
             pass
+
+
+def test_eod_mask_loss_needs_an_eos_id():
+    rows = np.array([[5, 6, 0, 7, 0, 0, 0]])
+    with pytest.raises(TokpackError, match="eod_mask_loss needs eos_id"):
+        micro_batch(rows, None, None, None, eod_mask_loss=True)
