@@ -46,6 +46,9 @@ BLOCK_BYTES = 4 << 20
 READAHEAD_BYTES = 8 << 20
 # Entries of `.ds.index` read per pread when deriving positions from the index.
 INDEX_CHUNK = 8192
+# Tokens a block of `most_documents`'s scan: its position arrays (several bytes a token) stay
+# about a MB, within what `tokpack inspect --memory` allows beside its plan.
+SCAN_TOKENS = 1 << 16
 # Open shard files kept at once: the current one and the next, plus slack for index files.
 MAX_OPEN_FILES = 4
 
@@ -185,6 +188,106 @@ def cu_seqlens(positions: np.ndarray) -> np.ndarray:
     a document starts wherever its position is 0 (and at every row start)."""
     flat = positions.reshape(-1)
     return np.append(np.flatnonzero(flat == 0), flat.size).astype(np.int32)
+
+
+def _too_many_documents(first_row: int, row: int, count: int, max_documents: int, locate=None) -> TokpackError:
+    g = first_row + row
+    where = f"sample {g}"
+    if locate is not None:
+        try:
+            epoch, sample = locate(g)
+            where += f" (epoch {epoch}, sample {sample})"
+        except IndexError:
+            pass
+    return TokpackError("a row holds more documents than max_documents", where=where,
+                        expected=f"at most {max_documents} documents (a row's padding is one of them)",
+                        found=f"{count} documents",
+                        hint="raise max_documents to the largest count `tokpack inspect` reports "
+                             "(\"documents per row\") for the epoch")
+
+
+def fixed_boundaries(positions: np.ndarray, max_documents: int, first_row: int = 0, locate=None) -> dict:
+    """The document boundaries of a micro-batch in shapes that do not depend on its rows, so a
+    compiled model (torch.compile, CUDA graphs) sees the same shapes every step.
+
+    `positions` [m, L] restart at 0 at each segment (a document, or a row's padding, which is
+    one segment of its own). K = `max_documents` segments a row at most:
+    - `cu_seqlens` [m*K + 1] int32: the offsets of `cu_seqlens(positions)`, then the total
+      repeated (zero-length segments, which varlen attention kernels accept);
+    - `max_seqlen` (0-d int32): the longest segment;
+    - `doc_lens` [m, K] int32: each row's segment lengths, zero-padded (OLMo-core's form; its
+      `get_cumulative_document_lengths(doc_lens)` drops the zeros and gives `cu_seqlens`
+      without its repeated tail);
+    - `max_doc_lens` [m] int32: each row's longest segment.
+    A row of more than K segments is a TokpackError naming the row (chained sample
+    `first_row + i`, and its epoch and sample through `locate`), its count and K."""
+    m, L = positions.shape
+    starts = positions == 0
+    counts = starts.sum(axis=1)
+    over = np.flatnonzero(counts > max_documents)
+    if over.size:
+        row = int(over[0])
+        raise _too_many_documents(first_row, row, int(counts[row]), max_documents, locate)
+    first = np.flatnonzero(starts.reshape(-1))  # every row starts a segment: row i's first is at i*L
+    lengths = np.diff(np.append(first, m * L)).astype(np.int32)
+    row_of = first // L
+    slot = np.arange(first.size) - np.repeat(np.cumsum(counts) - counts, counts)  # segment's index in its row
+    doc_lens = np.zeros((m, max_documents), dtype=np.int32)
+    doc_lens[row_of, slot] = lengths
+    cu = np.full(m * max_documents + 1, m * L, dtype=np.int32)
+    cu[:first.size] = first
+    return {"cu_seqlens": cu, "max_seqlen": np.array(lengths.max(), dtype=np.int32),
+            "doc_lens": doc_lens, "max_doc_lens": doc_lens.max(axis=1)}
+
+
+def most_documents(positions: np.ndarray) -> int:
+    """The largest segment count of a row of [n, L] positions (what `max_documents` must cover)."""
+    return int((np.atleast_2d(positions) == 0).sum(axis=1).max(initial=0))
+
+
+def micro_batch(rows: np.ndarray, pad: np.ndarray | None, positions: np.ndarray | None, eos_id: int | None, *,
+                max_documents: int | None = None, eod_mask_loss: bool = False, first_row: int = 0,
+                locate=None) -> dict:
+    """One micro-batch's training arrays from its [m, L+1] rows (numpy; the torch adapter makes
+    each a tensor), the same keys on a best-fit and on a window epoch:
+
+    - `input_ids`, `labels` [m, L] int64: rows[:, :-1] and rows[:, 1:];
+    - `loss_mask` [m, L] int64: 1 where the label is a real token; with `pad` (a best-fit
+      epoch's padding per row) 0 on padding, whose labels are -100 (torch's ignore_index);
+      a window epoch (pad None) has no padding, so all ones;
+    - with `positions` ([m, L+1] from the stream, "eos" or "index"; None: none of these keys)
+      `position_ids` [m, L] int64, restarting after each EOS (and at a best-fit row's
+      padding, one segment of its own) and `cu_seqlens` int32 over the flattened
+      micro-batch: [segments + 1], or, with `max_documents`, the fixed shapes of
+      `fixed_boundaries` (plus `max_seqlen`, `doc_lens`, `max_doc_lens`).
+
+    What an in-row EOS predicts: the label at an EOS input is the next document's first token
+    (the rows are the tokens as they lie), and its loss counts. `eod_mask_loss=True` is
+    Megatron's option of that name: the loss at every EOS input is masked (loss_mask 0,
+    label -100), so no token is trained on predicting across a document boundary."""
+    rows = np.atleast_2d(rows)
+    if pad is not None:
+        found, real = document_masks(rows, pad, eos_id)
+        real = real[:, 1:]  # the label of input j is token j + 1
+        positions = None if positions is None else found  # the padding one segment, whatever the stream's
+    else:
+        real = np.ones((rows.shape[0], rows.shape[1] - 1), dtype=bool)
+    labels = rows[:, 1:].astype(np.int64)
+    if eod_mask_loss:
+        if eos_id is None:
+            raise TokpackError("eod_mask_loss needs eos_id, and the epoch manifest has none", where="eod_mask_loss",
+                               hint="leave eod_mask_loss off for this epoch")
+        real = real & (rows[:, :-1] != eos_id)
+    labels[~real] = -100
+    out = {"input_ids": rows[:, :-1].astype(np.int64), "labels": labels, "loss_mask": real.astype(np.int64)}
+    if positions is not None:
+        pos = positions[:, :-1]
+        out["position_ids"] = pos.astype(np.int64)
+        if max_documents is None:
+            out["cu_seqlens"] = cu_seqlens(pos)
+        else:
+            out.update(fixed_boundaries(pos, max_documents, first_row, locate))
+    return out
 
 
 # The readers of the directory kinds that are neither a run nor an epoch, by manifest kind: the
@@ -625,6 +728,43 @@ class SampleReader:
                 self._pread(fd, memoryview(out[done: done + k].view(np.uint8)), row * PAD_DTYPE.itemsize, pad[0])
             done += k
         return out
+
+    def micro_batch(self, rows: np.ndarray, positions: np.ndarray | None, g: int, *,
+                    max_documents: int | None = None, eod_mask_loss: bool = False) -> dict:
+        """The training arrays (`micro_batch`, same keys on every epoch) of chained rows
+        [g, g+m) as a stream yielded them: `rows`, and `positions` (None for a stream without).
+
+            stream = reader.batches(r, W, m, start, positions="eos")
+            for rows, pos in stream:
+                arrays = reader.micro_batch(rows, pos, stream.state.first_sample(stream.last_step), max_documents=K)
+        """
+        pad = self.padding(g, len(rows)) if self.packed else None
+        return micro_batch(rows, pad, positions, self.eos_id, max_documents=max_documents,
+                           eod_mask_loss=eod_mask_loss, first_row=g, locate=self.locate)
+
+    def row_documents(self, g: int, n: int) -> np.ndarray:
+        """Each of chained rows [g, g+n)'s segment count, as `micro_batch` counts them against
+        `max_documents` (documents of its inputs, and its padding as one)."""
+        rows = self.read(g, n)
+        if self.packed:
+            pos = document_masks(rows, self.padding(g, n), self.eos_id)[0]
+        else:
+            pos = positions_from_eos(rows, self.eos_id)
+        return (pos[:, :-1] == 0).sum(axis=1)
+
+    def most_documents(self, start: int = 0, stop: int | None = None) -> tuple[int, int]:
+        """(largest segment count of a row, first chained row that has it) over rows [start,
+        stop) (default: the whole chain), read in blocks of SCAN_TOKENS: one pass, O(1) memory.
+        The smallest `max_documents` these rows take."""
+        stop = self.total_samples if stop is None else stop
+        best, where = 0, start
+        block = max(1, SCAN_TOKENS // self.row_tokens)
+        for g in range(start, stop, block):
+            counts = self.row_documents(g, min(block, stop - g))
+            i = int(counts.argmax())  # the first row of the block with its largest count
+            if counts[i] > best:
+                best, where = int(counts[i]), g + i
+        return best, where
 
     def index_positions(self, g: int, n: int) -> np.ndarray:
         """Positions of chained rows [g, g+n) derived from the shards' `.ds.index` (fragment ends),

@@ -8,12 +8,14 @@
         batch["input_ids"], batch["labels"], batch["position_ids"]   # [m, seq_len] int64
         saved = loader.state_dict()                 # exact, with or without workers
 
-A best-fit epoch (`tokpack shuffle --packing best-fit`) adds, per micro-batch: `loss_mask`
-[m, seq_len] (1 where the label is a real token, 0 where it is padding), `labels` -100 on
-padding (torch's cross-entropy ignore_index), `position_ids` restarting at each document (the
-padding is one segment of its own) and `cu_seqlens` [documents + 1] int32, the document
-boundaries over the flattened micro-batch, for flash-attn varlen or a FlexAttention document
-mask.
+Every epoch gives, per micro-batch, the same keys: `loss_mask` [m, seq_len] (1 where the
+label is a real token, 0 where it is padding) and, with positions, `cu_seqlens` [documents + 1]
+int32, the document boundaries over the flattened micro-batch (from the EOS tokens), for
+flash-attn varlen or a FlexAttention document mask. A best-fit epoch (`tokpack shuffle
+--packing best-fit`) has padding: `labels` -100 there (torch's cross-entropy ignore_index),
+and its `position_ids` make the padding one segment of its own; a window epoch has none
+(loss_mask all ones). `max_documents=K` makes the boundaries' shapes fixed (`cu_seqlens`
+[m*K+1], `max_seqlen`, `doc_lens` [m, K], `max_doc_lens`), for torch.compile.
 
 Each item is one micro-batch of rank r (global batch b, Megatron order). With DataLoader
 workers, worker w of K serves global batches b with b % K == w; DataLoader returns items
@@ -31,13 +33,12 @@ from __future__ import annotations
 
 import warnings
 
-import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from tokpack.formats.arguments import flag, text, whole
 from tokpack.formats.errors import TokpackError
-from .reader import SampleReader, cu_seqlens, document_masks, stream_shape
+from .reader import SampleReader, stream_shape
 
 
 def _ignore_set_vital_warning() -> None:
@@ -96,13 +97,15 @@ def saved_workers(loader_state) -> int:
 
 
 class TokpackDataset(IterableDataset):
-    """Rank r's micro-batches as dicts of int64 tensors: input_ids, labels (shifted by one),
-    position_ids (restart after each EOS; with positions="eos" or "index") and
-    consumed_samples (Megatron's counter once every rank has trained on this micro-batch)."""
+    """Rank r's micro-batches as dicts of tensors: input_ids, labels (shifted by one),
+    loss_mask, position_ids and cu_seqlens (restart after each EOS; with positions="eos" or
+    "index") and consumed_samples (Megatron's counter once every rank has trained on this
+    micro-batch); docs/API.md, "Reading", lists every key."""
 
     def __init__(self, path, *, rank: int = 0, world_size: int = 1, micro_batch: int = 1,
                  start_sample: int | None = None, consumed_tokens: int | None = None,
-                 positions: str | None = "eos", verify: bool = False):
+                 positions: str | None = "eos", verify: bool = False, max_documents: int | None = None,
+                 eod_mask_loss: bool = False):
         """Rank `rank` of `world_size` data-parallel ranks, `micro_batch` samples a step, over
         `path`: a run directory (its epochs chained, in order) or one epoch directory.
 
@@ -114,17 +117,34 @@ class TokpackDataset(IterableDataset):
         batch, i.e. Megatron's `consumed_samples` to checkpoint; `start_sample=` it to resume).
         `start_sample` (G) or `consumed_tokens` (T, G = T // seq_len): where to start, O(1),
         default 0. `verify`: checksum each shard when it is first read. The shard table is
-        opened here, so a missing or truncated shard fails before training starts."""
+        opened here, so a missing or truncated shard fails before training starts.
+
+        Every epoch, best-fit or window, also gives `loss_mask` and, with positions,
+        `cu_seqlens` (tokpack.loader.reader.micro_batch). `max_documents` (K): boundaries of
+        fixed shapes, so torch.compile does not recompile as the document count changes:
+        `cu_seqlens` [m*K+1], `max_seqlen`, `doc_lens` [m, K], `max_doc_lens` [m]; a row of more
+        than K documents is an error naming it (`tokpack inspect` gives the largest count).
+        `eod_mask_loss`: Megatron's option, no loss on the label after an EOS input."""
         _ignore_set_vital_warning()
         rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
         text(positions, "positions", choices=(None, "eos", "index"))
         flag(verify, "verify")
+        flag(eod_mask_loss, "eod_mask_loss")
+        max_documents = whole(max_documents, "max_documents", least=1)
+        if max_documents is not None and positions is None:
+            raise TokpackError("max_documents shapes the document boundaries, which need positions",
+                               where="max_documents", expected="positions='eos' or 'index'", found="positions=None")
         # Opened here, in the main process, so a missing or truncated shard fails before training starts.
         self.reader = SampleReader.open(path, verify=verify)  # shard table; fds reopen in each worker
+        if eod_mask_loss and self.reader.eos_id is None:  # refused here, not at the first batch
+            raise TokpackError("eod_mask_loss needs eos_id, and the epoch manifest has none", where="eod_mask_loss",
+                               hint="leave eod_mask_loss off for this epoch")
         self.rank = rank  # r
         self.world_size = world_size  # W
         self.micro_batch = micro_batch  # m
         self.positions = positions  # None, "eos" or "index"
+        self.max_documents = max_documents  # K: fixed-shape boundaries; None: cu_seqlens of the documents there are
+        self.eod_mask_loss = eod_mask_loss  # no loss on the label of an EOS input (Megatron's eod_mask_loss)
         self.consumed = self.reader.start_from(start_sample=start_sample, consumed_tokens=consumed_tokens)  # G
         self.reader.serves(rank, world_size, micro_batch, self.consumed)  # a node slice of other ranks: refused now
         self._worker_resume: dict | None = None  # a worker's saved share of the steps, until __iter__ uses it
@@ -150,29 +170,14 @@ class TokpackDataset(IterableDataset):
                                                     first_step=first_step)
         for item in stream:
             rows, pos = item if self.positions else (item, None)
-            tokens = torch.from_numpy(rows.astype(np.int64))
-            batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
-            if pos is not None:
-                batch["position_ids"] = torch.from_numpy(pos[:, :-1].astype(np.int64))
-            if self.reader.packed:
-                batch.update(self._documents(rows, stream.state.first_sample(stream.last_step)))
+            arrays = self.reader.micro_batch(rows, pos, stream.state.first_sample(stream.last_step),
+                                             max_documents=self.max_documents, eod_mask_loss=self.eod_mask_loss)
+            batch = {key: torch.from_numpy(value) for key, value in arrays.items()}
             consumed = stream.state.consumed_after(stream.last_step)
             batch["consumed_samples"] = torch.tensor(consumed, dtype=torch.int64)
             if info is None:
                 self.consumed = consumed  # in-process iteration: state_dict() follows by itself
             yield batch
-
-    def _documents(self, rows: np.ndarray, g: int) -> dict:
-        """A best-fit micro-batch's masks: rows [g, g+m) with their padding from `.ds.pad`."""
-        pos, real = document_masks(rows, self.reader.padding(g, len(rows)), self.reader.eos_id)
-        labels = rows[:, 1:].astype(np.int64)
-        labels[~real[:, 1:]] = -100
-        out = {"labels": torch.from_numpy(labels), "loss_mask": torch.from_numpy(real[:, 1:].astype(np.int64))}
-        if self.positions:
-            pos = pos[:, :-1]
-            out["position_ids"] = torch.from_numpy(pos.astype(np.int64))
-            out["cu_seqlens"] = torch.from_numpy(cu_seqlens(pos))
-        return out
 
     def _resume_share(self, saved: dict, worker: int, workers: int) -> tuple[int, int]:
         """(start, first step) of this worker's share of the steps, from its saved state."""
@@ -290,3 +295,127 @@ class TokpackDataset(IterableDataset):
         since = _state_int(loader_state, "_steps_since_snapshot") if "_steps_since_snapshot" in loader_state else 0
         step = min(_state_int(s, "next_step") for s in shares) + since
         return _state_int(shares[0], "start") + step * _state_int(shares[0], "global_batch", 1)
+
+
+# ------------------------------------------------------------- each stack's form
+#
+# A TokpackDataset batch in the keys and dtypes each trainer takes, from the batch alone (no
+# rows are read again), so the conversion runs wherever the batch is: in the training loop, or
+# in a DataLoader worker through a `collate_fn`. Each is tested against the stack's own code
+# (tests/test_stacks.py). `consumed_samples` is left out: no stack takes it, and a
+# StatefulDataLoader's state does not need it.
+
+
+_BATCH_KEYS = ("input_ids", "labels", "loss_mask", "position_ids", "cu_seqlens")
+
+
+def _boundaries(batch, form: str, keys: tuple[str, ...] = _BATCH_KEYS) -> dict:
+    """The batch, checked to be a TokpackDataset batch with its document boundaries."""
+    missing = [k for k in keys if not isinstance(batch, dict) or k not in batch]
+    if missing:
+        raise TokpackError(f"{form} takes a TokpackDataset batch with its document boundaries", where=form,
+                           expected=", ".join(keys),
+                           found=f"no {', '.join(missing)}" if isinstance(batch, dict) else type(batch).__name__,
+                           hint="build the dataset with positions='eos' (the default) or 'index'")
+    return batch
+
+
+def _segment_lengths(batch: dict) -> torch.Tensor:
+    """The segment lengths of a batch's flattened micro-batch (no zero-length padding)."""
+    cu = batch["cu_seqlens"].to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    return lengths[lengths > 0]
+
+
+def _doc_lens(batch: dict) -> torch.Tensor:
+    """[m, K] int32, zero-padded: the batch's own (max_documents) or, without it, K = the most
+    segments a row of this batch has (OLMo-core's collator pads so)."""
+    if "doc_lens" in batch:
+        return batch["doc_lens"]
+    m, L = batch["input_ids"].shape
+    starts = batch["position_ids"] == 0
+    counts = starts.sum(dim=1)
+    lengths = _segment_lengths(batch).to(torch.int32)
+    out = torch.zeros((m, int(counts.max())), dtype=torch.int32)
+    slot = torch.arange(lengths.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    out[torch.repeat_interleave(torch.arange(m), counts), slot] = lengths
+    return out
+
+
+def olmo_core_batch(batch: dict) -> dict:
+    """OLMo-core's form: `input_ids` and `labels` [m, L] int64 (labels are tokpack's, shifted,
+    -100 where no loss; OLMo-core's train module uses a batch's `labels` as they are),
+    `doc_lens` [m, K] int32 zero-padded and `max_doc_lens` (a list of ints, one a row).
+    `olmo_core.data.utils.get_cumulative_document_lengths(doc_lens)` is the batch's
+    `cu_seqlens` without its repeated tail."""
+    batch = _boundaries(batch, "olmo_core_batch")
+    doc_lens = _doc_lens(batch)
+    return {"input_ids": batch["input_ids"], "labels": batch["labels"], "doc_lens": doc_lens,
+            "max_doc_lens": [int(x) for x in doc_lens.max(dim=1).values]}
+
+
+def megatron_batch(batch: dict) -> dict:
+    """Megatron-core's GPT batch: `tokens`, `labels` [m, L] int64, `loss_mask` [m, L] float32,
+    `position_ids` [m, L] int64 (restarting after each EOS, as `_get_ltor_masks_and_position_ids(
+    ..., reset_position_ids=True)` gives them), and the `thd` boundaries `cu_seqlens` int32 and
+    `max_seqlen` (an int) that `packed_seq_params` wraps. A label without loss is 0, a valid id
+    (Megatron's cross-entropy takes no -100; the loss mask is 0 there). No dense attention
+    mask: it is [L, L] a row, and Transformer Engine's attention ignores it (use the thd
+    boundaries); `dense_document_mask(batch)` builds Megatron's when a backend wants it."""
+    batch = _boundaries(batch, "megatron_batch")
+    cu = batch["cu_seqlens"]
+    longest = int(batch["max_seqlen"]) if "max_seqlen" in batch else int(_segment_lengths(batch).max())
+    return {"tokens": batch["input_ids"], "labels": batch["labels"].clamp(min=0),
+            "loss_mask": batch["loss_mask"].to(torch.float32), "position_ids": batch["position_ids"],
+            "cu_seqlens": cu, "max_seqlen": longest}
+
+
+def packed_seq_params(batch: dict):
+    """megatron.core's `PackedSeqParams` (qkv_format "thd") of a tokpack or `megatron_batch`
+    batch: cu_seqlens_q/kv the int32 boundaries over the flattened micro-batch, max_seqlen_q/kv
+    the longest segment. With max_documents the boundaries end in zero-length segments."""
+    batch = _boundaries(batch, "packed_seq_params", ("cu_seqlens",))
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    longest = int(batch["max_seqlen"]) if "max_seqlen" in batch else int(_segment_lengths(batch).max())
+    cu = batch["cu_seqlens"]
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
+
+
+def dense_document_mask(batch: dict) -> torch.Tensor:
+    """[m, 1, L, L] bool, True where attention is masked (Megatron's convention): a token sees
+    the earlier tokens of its own segment only."""
+    batch = _boundaries(batch, "dense_document_mask", ("position_ids",))
+    pos = batch["position_ids"]
+    segment = torch.cumsum((pos == 0).to(torch.int64), dim=1)
+    L = pos.shape[1]
+    causal = torch.ones((L, L), dtype=torch.bool).tril()
+    same = segment[:, :, None] == segment[:, None, :]
+    return ~(same & causal)[:, None]
+
+
+def hf_flat_batch(batch: dict) -> dict:
+    """Hugging Face's flattened form, as `DataCollatorWithFlattening(return_flash_attn_kwargs=
+    True)` gives it: the micro-batch as one [1, m*L] sequence, `input_ids`, `position_ids`
+    (int64, restarting at 0 at each segment), `labels` (int64, HF's unshifted convention: the
+    token itself, -100 at each segment's first token and where tokpack has no loss),
+    `cu_seq_lens_q/k` (int32, a leading 0; no zero-length segments) and `max_length_q/k`
+    (ints). Plus `shift_labels`, tokpack's own shifted labels flattened: transformers' causal
+    LM loss uses them as they are when given (`model(**hf_flat_batch(batch))`), so the loss
+    is exactly tokpack's, the last label of each row included, which the unshifted `labels`
+    cannot carry."""
+    batch = _boundaries(batch, "hf_flat_batch")
+    ids, pos = batch["input_ids"].reshape(1, -1), batch["position_ids"].reshape(1, -1)
+    shifted = batch["labels"].reshape(1, -1)
+    labels = ids.clone()
+    # Unshifted, a token's label is itself; it trains when the label before it did (tokpack's
+    # shifted label there is this token), and never at a segment start (HF's separator).
+    trained = torch.zeros_like(labels, dtype=torch.bool)
+    trained[:, 1:] = shifted[:, :-1] != -100
+    labels[~trained | (pos == 0)] = -100
+    lengths = _segment_lengths(batch)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(lengths, 0).to(torch.int32)])
+    longest = int(lengths.max())
+    return {"input_ids": ids, "labels": labels, "position_ids": pos, "shift_labels": shifted,
+            "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}

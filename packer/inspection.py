@@ -340,6 +340,7 @@ class InspectResult(Result):
     stages: list[dict] | None = optional_field()  # a scheduled run: each stage's epochs, samples and mixture
     document_lengths: dict | None = optional_field()
     batch_diversity: dict | None = optional_field()  # before and after the shuffle
+    documents_per_row: dict | None = optional_field()  # the chosen epoch's largest row: max_documents to pass
     plot: str | None = optional_field()
 
 
@@ -382,6 +383,10 @@ def inspect(directory, *, batch_size: int | None = None, batches: int = 64, plot
         diversity = _batch_diversity(sources, chosen, int(L), batch, batches, memory)
         if diversity:
             report["batch_diversity"] = diversity
+    if chosen is not None and chosen[2].get("eos_id") is not None:
+        # One pass over the epoch's rows: the smallest TokpackDataset(max_documents=K) it takes.
+        most, g = SampleReader.from_manifests([(chosen[1], chosen[2])]).most_documents()
+        report["documents_per_row"] = {"epoch": chosen[0], "max": most, "sample": g}
     if plot is not None:
         write_plot(plot, report, hist)
         report["plot"] = str(plot)
@@ -419,6 +424,10 @@ def report_lines(r: InspectResult) -> list[str]:
         lines.append("  batch diversity: pass --seq-len to see it for a packed source")
     elif r.batch_diversity:
         lines += _diversity_lines(r.batch_diversity, r.batch_size)
+    if r.documents_per_row is not None:
+        d = r.documents_per_row
+        lines.append(f"  documents per row (epoch {d['epoch']}): at most {d['max']} (first at sample {d['sample']}), "
+                     f"padding counted as one; fixed shapes: TokpackDataset(..., max_documents={d['max']})")
     if r.plot is not None:
         lines.append(f"  plot written to {r.plot}")
     return lines
