@@ -66,7 +66,7 @@ ARGUMENTS = {
               "micro_batch": ("whole", {"least": 1, **_REQUIRED}), "world_size": _COUNT[1], "node": _TEXT,
               "ranks_per_node": _COUNT[1], "start_sample": ("whole", _REQUIRED)},
     "inspect": {"batch_size": _COUNT[1], "batches": ("whole", {"least": 1, **_REQUIRED}), "seq_len": _COUNT[1],
-                "epoch": _COUNT[0], "memory": ("size", {})},
+                "epoch": _COUNT[0], "memory": ("size", {}), "documents_per_row": _FLAG},
 }
 
 
@@ -218,13 +218,16 @@ def stage(directory: PathLike, dest: PathLike, *, workers: int = 4, epochs: str 
 
 @_checks("inspect")
 def inspect(directory: PathLike, *, batch_size: int | None = None, batches: int = 64, plot: PathLike | None = None,
-            seq_len: int | None = None, epoch: int | None = None, memory: int | None = None) -> InspectResult:
+            seq_len: int | None = None, epoch: int | None = None, memory: int | None = None,
+            documents_per_row: bool = False) -> InspectResult:
     """What a source, run or epoch holds and the batch diversity before and after the shuffle.
-    `memory`: the budget (bytes) of a best-fit epoch's plan and row table [default: 256 MiB]."""
+    `memory`: the budget (bytes) of a best-fit epoch's plan and row table [default: 256 MiB].
+    `documents_per_row`: also the largest document count of a row of the epoch (the
+    `max_documents` it takes), from one pass over its tokens."""
     from tokpack.packer.inspection import inspect as inspect_dir
 
     return inspect_dir(directory, batch_size=batch_size, batches=batches, plot=plot, seq_len=seq_len, epoch=epoch,
-                       memory=memory)
+                       memory=memory, documents_per_row=documents_per_row)
 
 
 def plan(command: str, *args, **kwargs) -> PlanResult:

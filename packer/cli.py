@@ -615,6 +615,9 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
 @click.option("--memory", type=BYTES, default=None,
               help="Memory budget in bytes of a best-fit epoch's plan and row table, built on disk and read "
                    "in parts [default: 256MiB].")
+@click.option("--documents-per-row", is_flag=True,
+              help="Also find the largest document count of a row of the epoch: the max_documents to train "
+                   "with. Reads the epoch's tokens once.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @user_errors
 def inspect(directory, as_json, **kw):
@@ -623,6 +626,7 @@ def inspect(directory, as_json, **kw):
     \b
     Example:
       tokpack inspect /data/runs/r1 --epoch 0 --batch-size 512
+      tokpack inspect /data/runs/r1 --epoch 0 --documents-per-row
       tokpack inspect /data/packed/web --seq-len 4096 --plot web.png
     """
     from tokpack.packer.api import inspect as inspect_api

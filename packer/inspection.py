@@ -345,8 +345,10 @@ class InspectResult(Result):
 
 
 def inspect(directory, *, batch_size: int | None = None, batches: int = 64, plot: str | None = None,
-            seq_len: int | None = None, epoch: int | None = None, memory: int | None = None) -> InspectResult:
-    """Report on a source, a run or an epoch. For a run, the
+            seq_len: int | None = None, epoch: int | None = None, memory: int | None = None,
+            documents_per_row: bool = False) -> InspectResult:
+    """Report on a source, a run or an epoch (`documents_per_row`: also the largest document
+    count of a row of the chosen epoch, one pass over its tokens). For a run, the
     batch analysis uses `epoch` (default: the first listed); a packed source alone needs
     `seq_len` for it. `memory`: the budget (bytes) of the epoch's plan and of a best-fit row
     table [default: tokpack.shuffle.packed.DEFAULT_PLAN_MEMORY]."""
@@ -383,8 +385,9 @@ def inspect(directory, *, batch_size: int | None = None, batches: int = 64, plot
         diversity = _batch_diversity(sources, chosen, int(L), batch, batches, memory)
         if diversity:
             report["batch_diversity"] = diversity
-    if chosen is not None and chosen[2].get("eos_id") is not None:
-        # One pass over the epoch's rows: the smallest TokpackDataset(max_documents=K) it takes.
+    if documents_per_row and chosen is not None and chosen[2].get("eos_id") is not None:
+        # One pass over the epoch's rows (asked for: O(the epoch's bytes), where the rest of
+        # inspect reads manifests and a few batches): the smallest max_documents it takes.
         most, g = SampleReader.from_manifests([(chosen[1], chosen[2])]).most_documents()
         report["documents_per_row"] = {"epoch": chosen[0], "max": most, "sample": g}
     if plot is not None:
@@ -424,6 +427,9 @@ def report_lines(r: InspectResult) -> list[str]:
         lines.append("  batch diversity: pass --seq-len to see it for a packed source")
     elif r.batch_diversity:
         lines += _diversity_lines(r.batch_diversity, r.batch_size)
+    if r.documents_per_row is None and r.kind != "source":
+        lines.append("  documents per row: --documents-per-row finds the max_documents to train with "
+                     "(reads the epoch once)")
     if r.documents_per_row is not None:
         d = r.documents_per_row
         lines.append(f"  documents per row (epoch {d['epoch']}): at most {d['max']} (first at sample {d['sample']}), "
