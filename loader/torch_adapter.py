@@ -38,6 +38,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from tokpack.formats.arguments import flag, text, whole
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.slices import RankRows
 from .reader import SampleReader, stream_shape
 
 
@@ -155,7 +156,7 @@ class TokpackDataset(IterableDataset):
 
     @property
     def global_batch(self) -> int:
-        return self.world_size * self.micro_batch
+        return RankRows(self.world_size, self.micro_batch).global_batch
 
     def __iter__(self):
         info = get_worker_info()
@@ -256,10 +257,11 @@ class TokpackDataset(IterableDataset):
                                expected=f"a step b with b % {workers} == {worker} (worker {worker} of {workers})",
                                found=step, hint=_RESTART_HINT)
         start = self._within_run(share["start"], "start")
-        # The last step served from `start` is at most steps - 1, so a worker's next is below steps + workers.
-        steps = (self.reader.total_samples - start) // share["global_batch"]
-        if step >= steps + workers:
-            self._within_run(start + step * share["global_batch"], "next_step")
+        # A share records W*m only: its global batches read as one rank's. The last step served
+        # from `start` is at most steps - 1, so a worker's next is below steps + workers.
+        batches = RankRows(1, share["global_batch"], start)
+        if step >= batches.batches(self.reader.total_samples) + workers:
+            self._within_run(batches.first(0, step), "next_step")
         return share
 
     def load_loader_state(self, loader, loader_state: dict) -> None:
@@ -294,7 +296,7 @@ class TokpackDataset(IterableDataset):
         # and so were the steps yielded since the snapshot.
         since = _state_int(loader_state, "_steps_since_snapshot") if "_steps_since_snapshot" in loader_state else 0
         step = min(_state_int(s, "next_step") for s in shares) + since
-        return _state_int(shares[0], "start") + step * _state_int(shares[0], "global_batch", 1)
+        return RankRows(1, _state_int(shares[0], "global_batch", 1), _state_int(shares[0], "start")).first(0, step)
 
 
 # ------------------------------------------------------------- each stack's form
