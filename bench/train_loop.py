@@ -112,9 +112,10 @@ for _ in range(STEPS):
     _t.sleep(STEP_S)
 loop_s = _t.perf_counter() - t_loop
 workers = _children(os.getpid())
-rss = _hwm(os.getpid()) + sum(_hwm(c) for c in workers)
+rss_main = _hwm(os.getpid())
+rss = rss_main + sum(_hwm(c) for c in workers)
 json.dump({"head": [int(x) for x in first[TOKENS][0][:8]], "start_row": START_ROW, "first_s": t_first, "wait_s": sum(waits), "waits": waits, "loop_s": loop_s, "tokens": tokens,
-           "steps": len(waits), "rss_mb": rss, "processes": 1 + len(workers)}, open(RESULT, "w"))
+           "steps": len(waits), "rss_mb": rss, "rss_main_mb": rss_main, "processes": 1 + len(workers)}, open(RESULT, "w"))
 del it
 """
 
@@ -301,7 +302,9 @@ def _row(loader: str, step: int, workers: int, res: dict, step_s: float, note: s
             "wait ms": res["wait_s"] / res["steps"] * 1e3,
             "wait %": 100 * res["wait_s"] / (res["wait_s"] + res["steps"] * step_s),
             "tokens/s": res["tokens"] / res["loop_s"], "peak RSS MiB": res["rss_mb"],
-            "note": note + f"; {res['processes']} process(es), max wait {max(res['waits']) * 1e3:.1f} ms",
+            "note": note + f"; max wait {max(res['waits']) * 1e3:.1f} ms" + (
+                f"; RSS of {res['processes']} processes (main {res['rss_main_mb']:.0f} MiB; shared pages "
+                "counted in each)" if res["processes"] > 1 else ""),
             # run_all's scripts section: the case, the loop's wall time and the RSS in its columns
             "case": f"{loader}, {workers} workers, from step {step:,}", "seconds": res["loop_s"]}
 
@@ -393,9 +396,17 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true", help="a tiny epoch and a few steps: the test's smoke run")
     ap.add_argument("--loaders", default=",".join(LOADERS), help=f"a comma-separated subset of {','.join(LOADERS)}")
     ap.add_argument("--workdir", default=None, help="where to write the epoch (default: $TMPDIR)")
+    ap.add_argument("--json", default=None, help="also write the rows to this file (a JSON list)")
     args = ap.parse_args()
+    chosen = tuple(x.strip() for x in args.loaders.split(",") if x.strip())
+    if unknown := sorted(set(chosen) - set(LOADERS)):
+        ap.error(f"unknown loaders {unknown}; choose from {','.join(LOADERS)}")
     got = main(parse_size(args.size or ("40MiB" if args.quick else "1GiB")), quick=args.quick, workdir=args.workdir,
-               step_ms=args.step_ms, steps=args.steps, loaders=tuple(x for x in args.loaders.split(",") if x))
+               step_ms=args.step_ms, steps=args.steps, loaders=chosen)
+    if args.json:
+        tmp = Path(args.json + ".tmp")  # written whole, then renamed: a reader never sees half a file
+        tmp.write_text(json.dumps(got, indent=1))
+        os.replace(tmp, args.json)
     bad = [r["loader"] for r in got if not r.get("_absent") and not all(isinstance(r.get(c), (int, float)) for c in NUMBERS)]
     if bad:
         print(f"train_loop: {len(bad)} row(s) without a number: {bad}", file=sys.stderr)
