@@ -15,9 +15,11 @@ The loop (one child process per loader and start, so each one's peak RSS is its 
 The simulated step is a fixed `time.sleep(--step-ms)` (100 ms; 10 ms with --quick): a GPU step
 leaves the host CPU to the loader's workers, which a CPU-bound stand-in on this 2-core machine
 would not. 100 ms is short for 9 x 4096 tokens a rank (a 1B model on an H100 takes ~0.5 s), so
-the shares are an upper bound; `wait ms` is per step and does not depend on the step length for
-a loader that prefetches. wait share = total wait / (total wait + total step), over the steps
-after the first batch; tokens/s = input tokens served / that loop's wall time.
+the shares are an upper bound; `wait ms` (mean) and `median ms` are per step and do not depend
+on the step length for a loader that prefetches. `wait %` = total wait / (total wait + total
+step), over the steps after the first batch; tokens/s = input tokens served / that loop's wall
+time. On a shared machine one descheduled `next()` (see `max wait` in the note) moves the mean;
+the median is the steadier figure.
 
 Every loader is one data-parallel rank taking m = 9 rows of seq_len + 1 tokens a step (rank 0
 of W = 64 at GBS 576), yielding int64 tensors of token ids and position ids (from EOS):
@@ -37,9 +39,10 @@ of W = 64 at GBS 576), yielding int64 tensors of token ids and position ids (fro
 - MosaicML streaming `StreamingDataset(local=MDS copy, shuffle=False, batch_size=9)` through
   its `StreamingDataLoader` (2 workers), one rank. Its start at 3.2M is its resume API,
   `load_state_dict({"epoch", "sample_in_epoch", ...})`, in epoch step*576 // N of the N real
-  rows: it partitions an epoch into an int64 array over all of the epoch's samples (several
-  copies, streaming/base/partition), so an epoch holding sample 1.84e9 would take ~40 GB here.
-  Its start memory grows with the epoch's sample count (the run's length), not with the step.
+  rows: each resume partitions the whole epoch into an int64 array over all of its samples
+  (streaming/base/partition), which an epoch holding sample 1.84e9 cannot fit here. A second
+  table times that partition at 1e6-5e7 samples and extrapolates it to such an epoch: its start
+  cost and memory grow with the epoch's sample count (the run's length), not with the step.
 - litdata `StreamingDataset(optimize() output, TokensLoader(block_size=4097))` through its
   `StreamingDataLoader` (2 workers), one rank; the start at 3.2M is its `load_state_dict` with
   `current_epoch` / `num_samples_yielded` patched into a state the loader itself produced, in
@@ -73,9 +76,9 @@ WORLD = 64  # data-parallel ranks at the incident's global batch
 MICRO = GBS // WORLD  # 9 rows a step for rank 0
 STARTS = (0, 3_200_000)  # the steps each loader starts at
 N_SHARDS = STARTS[-1] * GBS // VIRTUAL_SHARD_SAMPLES + 2  # the virtual epoch: past the later start and its reads
-COLUMNS = ["loader", "start step", "workers", "first batch s", "wait ms", "wait %", "tokens/s",
+COLUMNS = ["loader", "start step", "workers", "first batch s", "wait ms", "median ms", "wait %", "tokens/s",
            "peak RSS MiB", "note"]
-NUMBERS = ["first batch s", "wait ms", "wait %", "tokens/s", "peak RSS MiB"]  # every row must have these
+NUMBERS = ["first batch s", "wait ms", "median ms", "wait %", "tokens/s", "peak RSS MiB"]  # every row must have these
 
 # The loop every child runs after building `loader` (set up by the child's own preamble, which
 # also sets `t_build`): the first batch, then `steps` timed waits each followed by the step.
@@ -272,6 +275,50 @@ if __name__ == "__main__":
 """
 
 
+# MosaicML's start cost as a function of the epoch's size: the partition every resume builds
+# (StreamingDataset._get_work -> generate_work -> get_partitions), for this bench's shape (one
+# rank, 2 workers, batch 9), resuming half-way through the epoch. Its workers then share it.
+PARTITION = """
+import json, time, importlib.machinery, sys, types
+def _stub(name):
+    m = types.ModuleType(name); m.__spec__ = importlib.machinery.ModuleSpec(name, None); sys.modules[name] = m; return m
+_tv, _ds, _tr, _trf = (_stub(n) for n in ("torchvision", "torchvision.datasets", "torchvision.transforms",
+                                          "torchvision.transforms.functional"))
+_ds.VisionDataset, _trf.to_tensor, _tv.datasets, _tv.transforms, _tr.functional = object, None, _ds, _tr, _trf
+from streaming.base.partition import get_partitions
+def hwm():
+    return int([x.split()[1] for x in open("/proc/self/status") if x.startswith("VmHWM")][0]) / 1024
+before = hwm()
+t = time.perf_counter()
+ids = get_partitions("orig", {n}, 1, 1, 1, 2, {micro}, drop_first={n} // 2)
+seconds = time.perf_counter() - t
+json.dump({{"seconds": seconds, "mb": hwm() - before, "entries": int(ids.size)}}, open({result!r}, "w"))
+"""
+
+
+def mosaic_partition_rows(work: Path, quick: bool) -> list[dict]:
+    """Time and memory of MosaicML's partition at growing epoch sizes, and the straight line from
+    the largest to an epoch that holds the step-3.2M start (its cost is linear in the samples)."""
+    target = STARTS[-1] * GBS + GBS
+    rows, last = [], None
+    for n in ((100_000, 1_000_000) if quick else (1_000_000, 10_000_000, 50_000_000)):
+        result = work / "partition.json"
+        result.unlink(missing_ok=True)
+        run_measured(python_cmd(PARTITION.format(n=n, micro=MICRO, result=str(result))), cwd=str(REPO), cold=False)
+        last = json.loads(result.read_text()) | {"n": n}
+        rows.append({"epoch samples": f"{n:,}", "partition s": last["seconds"], "partition MiB": last["mb"],
+                     "note": "measured"})
+    scale = target / last["n"]
+    rows.append({"epoch samples": f"{target:,}", "partition s": last["seconds"] * scale,
+                 "partition MiB": last["mb"] * scale,
+                 "note": f"extrapolated x{scale:,.0f} from {last['n']:,} (an epoch holding the step-3.2M start)"})
+    for r in rows:
+        r["_table"] = "partition"
+    print_table("MosaicML streaming: the partition a resume builds, by the epoch's sample count (one rank, "
+                f"2 workers, batch {MICRO}, resuming half-way)", rows, ["epoch samples", "partition s", "partition MiB", "note"])
+    return rows
+
+
 def _measure(work: Path, body: str, steps: int, step_s: float, start: int, **fields) -> dict:
     result = work / f"loop-{os.getpid()}.json"
     result.unlink(missing_ok=True)
@@ -299,7 +346,7 @@ def _started_right(res: dict, shard: Path, start: int) -> int:
 
 def _row(loader: str, step: int, workers: int, res: dict, step_s: float, note: str) -> dict:
     return {"loader": loader, "start step": f"{step:,}", "workers": workers, "first batch s": res["first_s"],
-            "wait ms": res["wait_s"] / res["steps"] * 1e3,
+            "wait ms": res["wait_s"] / res["steps"] * 1e3, "median ms": float(np.median(res["waits"])) * 1e3,
             "wait %": 100 * res["wait_s"] / (res["wait_s"] + res["steps"] * step_s),
             "tokens/s": res["tokens"] / res["loop_s"], "peak RSS MiB": res["rss_mb"],
             "note": note + f"; max wait {max(res['waits']) * 1e3:.1f} ms" + (
@@ -382,7 +429,12 @@ def main(size: int, quick: bool = False, workdir: str | None = None, step_ms: fl
                              "note": f"FAILED: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__}"})
             print(f"train_loop: {loader} from step {start:,}, {workers} workers: done", file=sys.stderr, flush=True)
         print_table(f"Loader wait in a training loop (rank 0 of {WORLD}, m={MICRO}, GBS {GBS}, seq_len {SEQ_LEN}; "
-                    f"{steps} timed steps, step = sleep({step_s * 1e3:g} ms))", rows, COLUMNS)
+                    f"{steps} timed steps, step = sleep({step_s * 1e3:g} ms))", [r for r in rows if "_table" not in r], COLUMNS)
+        if "streaming" in loaders and missing("streaming") is None:
+            try:
+                rows += mosaic_partition_rows(work, quick)
+            except Exception as e:
+                rows.append({"_table": "partition", "note": f"FAILED: {str(e).strip().splitlines()[-1][:300]}"})
         return rows
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -407,7 +459,8 @@ if __name__ == "__main__":
         tmp = Path(args.json + ".tmp")  # written whole, then renamed: a reader never sees half a file
         tmp.write_text(json.dumps(got, indent=1))
         os.replace(tmp, args.json)
-    bad = [r["loader"] for r in got if not r.get("_absent") and not all(isinstance(r.get(c), (int, float)) for c in NUMBERS)]
+    bad = [r.get("loader", "partition") for r in got if not r.get("_absent") and not all(
+        isinstance(r.get(c), (int, float)) for c in (("partition s", "partition MiB") if "_table" in r else NUMBERS))]
     if bad:
         print(f"train_loop: {len(bad)} row(s) without a number: {bad}", file=sys.stderr)
         sys.exit(1)
