@@ -47,6 +47,9 @@ of W = 64 at GBS 576), yielding int64 tensors of token ids and position ids (fro
   `StreamingDataLoader` (2 workers), one rank; the start at 3.2M is its `load_state_dict` with
   `current_epoch` / `num_samples_yielded` patched into a state the loader itself produced, in
   the same epoch-of-the-real-rows form as MosaicML's.
+Installing MosaicML streaming: its requirements pin numpy<2.2 and pull torchvision, azure, oci
+and transformers, so it is not in the bench extra; `pip install --no-deps mosaicml-streaming==0.13.0
+brotli python-snappy cramjam zstd catalogue` is what its StreamingDataset and MDSWriter import.
 torchvision: MosaicML streaming's package imports its vision datasets (torchvision) at import;
 the only torchvision wheels here are CUDA builds that do not load against the CPU torch, so its
 child stubs `torchvision.datasets.VisionDataset` before the import (only the text path is used).
@@ -406,6 +409,9 @@ def main(size: int, quick: bool = False, workdir: str | None = None, step_ms: fl
             if module not in loaders:
                 continue
             if (why := missing(module)) is not None:
+                if module == "streaming":  # not in the bench extra: its own requirements pin numpy<2.2 (docstring)
+                    why = ("not installed (pip install --no-deps mosaicml-streaming==0.13.0 brotli python-snappy "
+                           "cramjam zstd catalogue)")
                 rows.append({"loader": name, "note": why, "_absent": True})
                 continue
             out = work / key

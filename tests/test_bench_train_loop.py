@@ -39,7 +39,7 @@ def test_quick_run_gives_every_loader_and_start_its_numbers(tmp_path):
     tokpack = {(r["workers"], r["start step"]) for r in measured if r["loader"].startswith("tokpack")}
     assert tokpack == {(w, s) for w in (0, 2) for s in ("0", "3,200,000")}
     for module, name in PEERS.items():
-        mine = [r for r in rows if r["loader"].startswith(name)]
+        mine = [r for r in rows if r.get("loader", "").startswith(name)]
         if importlib.util.find_spec(module) is None:  # not installed: one row saying so, no figures
             assert [r.get("_absent") for r in mine] == [True] and "not installed" in mine[0]["note"], mine
         else:
