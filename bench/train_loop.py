@@ -315,8 +315,9 @@ def mosaic_partition_rows(work: Path, quick: bool) -> list[dict]:
     rows.append({"epoch samples": f"{target:,}", "partition s": last["seconds"] * scale,
                  "partition MiB": last["mb"] * scale,
                  "note": f"extrapolated x{scale:,.0f} from {last['n']:,} (an epoch holding the step-3.2M start)"})
-    for r in rows:
-        r["_table"] = "partition"
+    for r in rows:  # run_all's scripts section: the case and the seconds in its columns
+        r.update({"_table": "partition", "case": f"MosaicML resume partition, epoch of {r['epoch samples']} samples",
+                  "seconds": r["partition s"]})
     print_table("MosaicML streaming: the partition a resume builds, by the epoch's sample count (one rank, "
                 f"2 workers, batch {MICRO}, resuming half-way)", rows, ["epoch samples", "partition s", "partition MiB", "note"])
     return rows
@@ -376,7 +377,6 @@ def main(size: int, quick: bool = False, workdir: str | None = None, step_ms: fl
         steps = min(steps or (8 if quick else 200), real // GBS - 1)
         if steps < 1:
             raise SystemExit(f"train_loop: --size gives {real} rows, fewer than 2 global batches of {GBS}")
-        need = (steps + 1) * GBS
         print(f"# training-loop wait: {real:,} real rows ({real * ROW_BYTES / 2**20:,.0f} MiB), {steps} timed steps "
               f"after the first batch, step = sleep({step_s * 1e3:g} ms), rank 0 of {WORLD}, m={MICRO}; "
               f"{machine_line()}", flush=True)
