@@ -64,7 +64,7 @@ from bench.peers import summary_of, tokpack_cmd  # noqa: E402
 
 COLUMNS = ["section", "case", "wall s", "MB/s", "peak RSS MB", "ratio", "note"]
 SECTIONS = ["baseline", "pack", "shuffle", "read", "index", "validate", "scaling", "scripts"]
-SCRIPTS = ["pack", "shuffle", "read", "validate", "stage"]
+SCRIPTS = ["pack", "shuffle", "read", "validate", "stage", "train_loop"]
 SEQ_LEN = 4096  # the incident's sequence length
 GBS = 576  # the incident's global batch size
 STEPS = [32_000, 3_200_000]  # the incident's step counts
