@@ -46,22 +46,30 @@ class Quantity(click.ParamType):
 TOKENS, BYTES = Quantity("TOKENS", token_count), Quantity("BYTES", byte_size)
 
 
-class PackingChoice(click.Choice):
-    """`--packing`: the names tokpack.shuffle.packings holds when the command line is parsed
-    (or its help shown), so a packing registered after this module was imported is a choice."""
+class ListedChoice(click.Choice):
+    """A choice among the names a module lists, read when the command line is parsed (or its
+    help shown): the module's list is the one list, and a name registered after this module
+    was imported (a packing) is a choice. `extra`: choices the CLI adds before them."""
 
-    def __init__(self):
+    def __init__(self, module: str, name: str, extra: tuple[str, ...] = ()):
+        self._list, self._extra = (module, name), extra
         super().__init__((), case_sensitive=True)
 
     @property
     def choices(self):
-        from tokpack.shuffle.packings import names
+        import importlib
 
-        return names()
+        listed = getattr(importlib.import_module(self._list[0]), self._list[1])
+        return (*self._extra, *(listed() if callable(listed) else listed))
 
     @choices.setter
-    def choices(self, value):  # click.Choice.__init__ sets it; the registry is the one list
+    def choices(self, value):  # click.Choice.__init__ sets it
         pass
+
+
+def PackingChoice() -> ListedChoice:
+    """`--packing`: the names tokpack.shuffle.packings holds."""
+    return ListedChoice("tokpack.shuffle.packings", "names")
 
 
 def emit(result, as_json: bool, report_lines=None, err: bool = False, shown: dict | None = None) -> None:
@@ -274,7 +282,7 @@ def executor_options(fn=None, *, tasks_help: str = "Number of tasks to split the
     options = [
         click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Local worker processes; on slurm/ray a cap on concurrent tasks (1: no cap)."),
-        click.option("--executor", type=click.Choice(["local", "slurm", "ray"]), default="local", show_default=True,
+        click.option("--executor", type=ListedChoice("tokpack.packer.executors", "EXECUTORS"), default="local", show_default=True,
                      help="datatrove executor that runs the tasks."),
         click.option("--tasks", type=click.IntRange(min=1), default=None, help=tasks_help),
         click.option("--logging-dir", default=None, help="datatrove logging dir (default: inside OUT's work folder)."),
@@ -422,7 +430,7 @@ SCRATCH = click.option(
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("-o", "--output", required=True, help="Output directory for the packed source.")
 @click.option("--format", "input_format",
-              type=click.Choice(["auto", "datatrove", "megatron", "parquet", "numpy", "jsonl", "text"]),
+              type=ListedChoice("tokpack.formats.inputs.discover", "FORMATS", extra=("auto",)),
               default="auto", show_default=True, help="Input format; auto detects it and says what it found.")
 @click.option("--column", default=None,
               help="Parquet/Arrow column or JSONL key holding token lists [default: input_ids]; "

@@ -114,6 +114,9 @@ def _run_executors(stages: list[tuple], config: ExecutorConfig) -> None:
         _check_complete(executor, tasks, logging_dir, job_name, failure)
 
 
+EXECUTORS = ("local", "slurm", "ray")  # what --executor takes: _executor's cases
+
+
 def _executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, job_name: str, depends=None):
     if config.executor == "local":
         return _local_executor(step, tasks, config, logging_dir)
@@ -121,7 +124,7 @@ def _executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, job_na
         return _slurm_executor(step, tasks, config, logging_dir, job_name, depends=depends)
     if config.executor == "ray":
         return _ray_executor(step, tasks, config, logging_dir, job_name)
-    raise TokpackError(f"unknown executor {config.executor!r}", expected="local, slurm or ray")
+    raise TokpackError(f"unknown executor {config.executor!r}", expected=" or ".join(EXECUTORS))
 
 
 def pass_runner(config: ExecutorConfig):
