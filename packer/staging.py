@@ -619,6 +619,8 @@ def _check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
             # (an epoch of this run is written the same every time: one that differs is another run's)
             raise refuse_dest(held if held.path == dest / MANIFEST else dest_holds(dest, path, other_run=True),
                               f"a copy of this {kind}")
+    for p in plans:  # a folder no manifest vouches for yet: its shard files must be this copy's
+        _check_unvouched(dest, p)
     if kind == "run" and held.kind == UNFINISHED["run"]:
         # Epochs of an unfinished copy that this stage does not write: no run manifest vouches
         # for them yet, so each must come from this run (another --epochs selection of it).
@@ -626,6 +628,40 @@ def _check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
         for d in sorted(dest.glob("epoch-*/" + MANIFEST)):
             if d.parent.name not in planned and not _same_run(_small_manifest(d), run):
                 raise refuse_dest(dest_holds(dest, d, other_run=True), "a copy of this run")
+
+
+def _check_unvouched(dest: Path, p: DirPlan) -> None:
+    """Refuses the shard files of a DEST folder without a manifest (a killed stage's) that are
+    not this copy's: a name its manifest does not list (another source's or epoch's shards), or
+    sizes other than the recorded ones for more of its files than match. A killed stage of this
+    copy leaves the files it verified, at their sizes (and temporaries, removed), and at most a
+    few of the copy's own files damaged before a repair began: those a rerun replaces."""
+    from tokpack.formats.io import is_tmp_name
+    from tokpack.formats.shards import is_own_file
+
+    folder = dest / p.rel if p.rel else dest
+    if (folder / MANIFEST).is_file() or not folder.is_dir():
+        return
+    every, _ = shard_jobs(p.manifest, "")  # every shard's files, those --shards-of leaves out too
+    sizes = {j.rel: j.size for j in every}
+    matched, other = 0, []
+    for f in sorted(folder.iterdir()):
+        if f.name == MANIFEST or is_tmp_name(f.name) or not is_own_file(f):
+            continue
+        want = sizes.get(f.name, -1)
+        if want == -1:
+            other = [(f, "not a file of this copy")]
+            break
+        if want is not None:
+            if f.stat().st_size == want:
+                matched += 1
+            else:
+                other.append((f, f"{f.stat().st_size} bytes, this copy's is {want}"))
+    if other and (other[0][1] == "not a file of this copy" or len(other) > matched):
+        f, found = other[0]
+        raise refuse_dest(Held(UNFINISHED.get(p.manifest.get("kind"), "other"),
+                               f"an unfinished copy of another directory ({_join(p.rel, f.name)}: {found})", f),
+                          f"nothing, or a copy of this {p.manifest.get('kind')}")
 
 
 # ------------------------------------------------------------------------ what DEST holds

@@ -130,6 +130,24 @@ def test_an_epoch_or_a_source_into_a_run_copy_is_refused(runs, tmp_path):
     refused(["stage", runs["src"], runs["whole"]], runs["whole"], "a whole-run copy of the run with seed 0")
 
 
+def test_an_epoch_into_an_unfinished_source_copy_and_back_is_refused(runs, tmp_path):
+    """Found by tests/test_fuzz.py: without a root manifest, a source's and an epoch's shards
+    have the same names (00000.ds ...); an epoch staged over an unfinished source copy replaced
+    its files. Now a shard file whose size is not this copy's, or that this copy does not list,
+    is another directory's."""
+    src_copy = tmp_path / "src-copy"
+    stage(str(runs["src"]), src_copy)
+    dest = copy_of(src_copy, tmp_path / "d", (MANIFEST,))
+    refused(["stage", runs["run"] / epoch_dir_name(0), dest], dest, "an unfinished copy of another directory",
+            "00000.ds", "bytes, this copy's is")
+    epoch_copy = tmp_path / "epoch-copy"
+    stage(str(runs["run"] / epoch_dir_name(0)), epoch_copy)
+    dest = copy_of(epoch_copy, tmp_path / "e", (MANIFEST,))
+    refused(["stage", runs["src"], dest], dest, "an unfinished copy of another directory")
+    assert stage(str(runs["run"] / epoch_dir_name(0)), dest).copied_files == 0  # its own: resumed in place
+    assert tree(dest) == tree(epoch_copy)
+
+
 # ------------------------------------------------------------------ another run's copy
 
 
