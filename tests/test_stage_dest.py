@@ -255,3 +255,15 @@ def test_a_whole_run_stage_counts_its_sidecars_and_manifests(runs, tmp_path, mon
     assert disk_use(dest) <= need
     # a restage writes the manifests only (its files are in place): what they take is what it counts
     assert bytes_to_write(dest, plans) == sum(on_disk((dest / p.rel / MANIFEST).stat().st_size) for p in plans)
+
+
+def test_plan_stage_counts_what_the_space_check_counts(runs, tmp_path):
+    """`tokpack plan stage` reports the space stage's check asks for (one count, not two)."""
+    from tokpack.packer import api
+
+    sp = plan_slice(Source(str(runs["run"])), ranks="0-1", world_size=W, micro_batch=M)
+    got = api.plan("stage", runs["run"], tmp_path / "s", ranks="0-1", world_size=W, micro_batch=M, disk_mbps=100)
+    assert got.to_json()["space"][0]["needed_bytes"] == sum(sp.written.values()) + sp.root_bytes
+    _, plans = make_plan(Source(str(runs["run"])))
+    got = api.plan("stage", runs["run"], tmp_path / "w", disk_mbps=100)
+    assert got.to_json()["space"][0]["needed_bytes"] == bytes_to_write(tmp_path / "w", plans)
