@@ -50,6 +50,7 @@ from tokpack.formats.manifest import (
     parse_manifest,
     require_valid,
     row_hashes,
+    rows_padded,
 )
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace, ShardWriter
@@ -410,6 +411,11 @@ def check_run_files(src: Source, epochs: list[int], row_bytes: int) -> None:
         m = src.manifest(rel, kind="epoch")
         for i, s in enumerate(m["shards"]):
             contained_shard(src.root / rel, s, i)
+            if rows_padded(m) and not has_pad(s):  # found by tests/test_fuzz.py: staged as zero padding
+                raise TokpackError("best-fit epoch shard lacks its padding sidecar: the slice would train on its "
+                                   "padding as tokens", file=f"{src.path.rstrip('/')}/{rel}/{MANIFEST}",
+                                   where=f"shards[{i}].pad_xxh3_128", expected="the checksum of its .ds.pad",
+                                   found="none", hint=RUN_HINT)
             for name, size in run_files(s, row_bytes):
                 src.check(f"{rel}/{name}", size, what="run file", hint=RUN_HINT)
 

@@ -267,3 +267,23 @@ def test_plan_stage_counts_what_the_space_check_counts(runs, tmp_path):
     _, plans = make_plan(Source(str(runs["run"])))
     got = api.plan("stage", runs["run"], tmp_path / "w", disk_mbps=100)
     assert got.to_json()["space"][0]["needed_bytes"] == bytes_to_write(tmp_path / "w", plans)
+
+
+def test_a_best_fit_shard_without_its_pad_checksum_is_not_staged_as_unpadded(runs, tmp_path):
+    """Found by tests/test_fuzz.py: a best-fit run's shard entry without `pad_xxh3_128` was
+    staged into a node slice with zero padding, so the slice trained on the padding as tokens.
+    Now one line naming the entry, before anything is written."""
+    import json
+
+    from tokpack.formats.manifest import canonical_bytes
+
+    run = tmp_path / "packed"
+    shutil.copytree(runs["packed"], run)
+    m = json.loads((run / epoch_dir_name(1) / MANIFEST).read_text())
+    del m["shards"][1]["pad_xxh3_128"]
+    (run / epoch_dir_name(1) / MANIFEST).write_bytes(canonical_bytes(m))
+    dest = tmp_path / "s"
+    line = refused(["stage", run, dest, "--ranks", "0-1", "--world-size", W, "--micro-batch", M], tmp_path / "s",
+                   "lacks its padding sidecar", "shards[1].pad_xxh3_128", f"{epoch_dir_name(1)}/{MANIFEST}")
+    assert "HINT" in line
+    assert not dest.exists() or not [p for p in dest.rglob("*") if p.name != "tokpack.lock"]
