@@ -601,6 +601,7 @@ def _check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
     held = dest_holds(dest)
     if held.kind not in (None, "damaged", "other", kind, UNFINISHED[kind]):
         raise refuse_dest(held, f"nothing, or a copy of this {kind}")
+    damaged = []
     for p in plans:
         path = dest / p.rel / MANIFEST
         if not path.is_file():
@@ -608,7 +609,7 @@ def _check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
         try:
             have = json.loads(read_limited(path, MAX_MANIFEST_BYTES, "manifest"))
         except (json.JSONDecodeError, UnicodeDecodeError, OSError, TokpackError):
-            path.unlink()  # an unreadable manifest at DEST vouches for nothing; rewritten at the end
+            damaged.append(path)  # an unreadable manifest at DEST vouches for nothing; rewritten at the end
             continue
         want = p.manifest
         if kind == "run" and p.rel == "":  # the same run staged with another --epochs selection
@@ -628,6 +629,8 @@ def _check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
         for d in sorted(dest.glob("epoch-*/" + MANIFEST)):
             if d.parent.name not in planned and not _same_run(_small_manifest(d), run):
                 raise refuse_dest(dest_holds(dest, d, other_run=True), "a copy of this run")
+    for path in damaged:  # removed once DEST is known to be this copy: nothing is written before
+        path.unlink()
 
 
 def _check_unvouched(dest: Path, p: DirPlan) -> None:
