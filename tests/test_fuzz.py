@@ -1304,10 +1304,12 @@ def _padding_must_fail(command: str, target: str, damage: str, reseal: str, chan
     padding checksum or file is refused by every reader."""
     of_slice = target.startswith("bslice")
     readers = SLICE_PACKED if of_slice else RUN_PACKED
-    if command not in readers or command == "api-slice-dataset" and "rank-00001" not in target:
-        return False  # (the slice's TokpackDataset is rank 1's: it opens no other rank's files)
-    if damage in ("drop-checksum", "drop-file"):
+    if command not in readers:
+        return False
+    if damage in ("drop-checksum", "drop-file"):  # a slice's reader refuses it for every rank, at open
         return True
+    if command == "api-slice-dataset" and "rank-00001" not in target:
+        return False  # the slice's TokpackDataset is rank 1's: it reads no other rank's padding
     if damage == "total-off":
         return command.startswith("validate")
     if not changed:
@@ -1342,17 +1344,21 @@ def test_best_fit_padding_rewritten_or_unvouched(worlds, target, damage, reseal,
     check(*cases)
 
 
-def test_a_slice_padding_file_gone_under_verify_is_one_line(worlds):
+def test_a_slice_padding_file_gone_is_refused_at_open(worlds):
     """Found by the case above (drop-file of a slice rank file's `.ds.pad`): TokpackDataset with
-    verify=True hashed the missing file before opening it and raised a bare FileNotFoundError;
-    now the reader's one line, as without verify."""
+    verify=True hashed the missing file and raised a bare FileNotFoundError, and `read` served
+    the slice (it reads no padding). Now the slice reader refuses it at open, in one line, as
+    the run reader refuses a best-fit shard without its `.ds.pad`."""
     cases = []
-    for verify in (True, False):
+    for case in ("verify", "no-verify", "read", "read-other-rank"):
         w = worlds()
         (w.bslice / "epoch-00000" / "rank-00001.ds.pad").unlink()
-        cases.append(guarded(api(w, "slice-dataset", w.bslice, verify=verify), True))
+        rank = "0" if case == "read-other-rank" else "1"
+        cases.append(guarded(api(w, "slice-dataset", w.bslice, verify=case == "verify") if case.endswith("verify") else
+                             cli(w, "read", w.bslice, "--rank", rank, "--world-size", SLICE_W, "--micro-batch", SLICE_M,
+                                 "--count", "6"), True))
     for o in check(*cases):
-        assert "rank-00001.ds.pad" in o.stderr, o.stderr
+        assert "rank-00001.ds.pad" in o.stderr and "is missing" in o.stderr, o.stderr
 
 
 # Manifests of node slices and best-fit epochs, mutated as issue 24's are.
