@@ -645,7 +645,10 @@ class SampleReader:
                                hint="read without --verify, or rewrite the epoch with a current tokpack")
         if self._hash_buf is None:
             self._hash_buf = bytearray(4 << 20)
-        found = xxh3_128_file(path, self._hash_buf)
+        try:
+            found = xxh3_128_file(path, self._hash_buf)
+        except FileNotFoundError:  # as _file says it (a slice's .ds.pad gone was a raw FileNotFoundError here)
+            raise _shard_error("file disappeared after the reader was opened", path) from None
         if found != expected:
             raise _shard_error("checksum mismatch: the shard is corrupt", path, where="xxh3_128",
                                expected=expected, found=found,

@@ -5,6 +5,7 @@ Which rows a rank reads is tokpack.formats.slices' arithmetic (`RankRows`).
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 from typing import Iterator
@@ -77,6 +78,12 @@ class SliceReader(SampleReader):
                 err = missing_padding(d, root, s)
                 if err is not None:
                     raise err
+                pad = f.with_name(f.name + PAD_SUFFIX)
+                if has_pad(s) and not os.path.lexists(pad):  # found by tests/test_fuzz.py: `read` served a
+                    # slice whose padding file was gone. Present at open; its type and size are the gate's
+                    # at its first read (`read` opens no sidecar).
+                    raise _shard_error("padding sidecar listed in the slice manifest is missing", pad,
+                                       hint="stage the slice again: the same command resumes")
                 paths.append(str(f))
                 checksums.append(s.get("xxh3_128"))
                 index_checksums.append(s.get("index_xxh3_128"))

@@ -8,6 +8,7 @@ the stages are imported when called.
 from __future__ import annotations
 
 import dataclasses
+import os
 import functools
 import inspect as _signature
 from collections.abc import Sequence
@@ -31,6 +32,16 @@ def _epochs(value, name):
     if value is None or isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         return arguments.whole(value, name, least=1)
     return [arguments.whole(e, f"{name}[{i}]", optional=False) for i, e in enumerate(value)]
+
+
+def _paths(value, name):
+    """A path, or a sequence of paths (str or os.PathLike), as the functions taking them accept."""
+    from tokpack.formats.errors import TokpackError
+
+    items = [value] if isinstance(value, (str, os.PathLike)) else value if isinstance(value, Sequence) else None
+    if items is None or not all(isinstance(v, (str, os.PathLike)) for v in items):
+        raise TokpackError("must be a path or a sequence of paths", where=name, found=repr(value)[:80])
+    return value
 
 
 def _executor(value, name):
@@ -61,7 +72,7 @@ ARGUMENTS = {
     "shuffle": {"seq_len": _COUNT[1], "seed": ("whole", {"least": None}), "epochs": _epochs, "samples": _COUNT[1],
                 "tokens": ("tokens", {}), "shard_samples": _COUNT[1], "memory": ("size", _REQUIRED), "jitter": _FLAG,
                 "executor": _executor, "progress": _MAYBE_FLAG, "packing": _TEXT, "pad_id": _COUNT[0]},
-    "validate": {"quick": _FLAG, "workers": ("whole", {"least": 1, **_REQUIRED}), "show_progress": _MAYBE_FLAG},
+    "validate": {"dirs": _paths, "against": _paths, "quick": _FLAG, "workers": ("whole", {"least": 1, **_REQUIRED}), "show_progress": _MAYBE_FLAG},
     "stage": {"workers": ("whole", {"least": 1, **_REQUIRED}), "epochs": _TEXT, "ranks": _TEXT,
               "micro_batch": ("whole", {"least": 1, **_REQUIRED}), "world_size": _COUNT[1], "node": _TEXT,
               "ranks_per_node": _COUNT[1], "start_sample": ("whole", _REQUIRED)},

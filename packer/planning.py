@@ -293,8 +293,8 @@ def plan_stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, mi
     """What `stage` with these arguments would do: every file is read once (hashed), the ones not
     in place at DEST are written; the copy threads share DEST's disk. A node slice (world_size
     or node): the bytes its node keeps and reads, by arithmetic on the run's manifests."""
-    from tokpack.packer.staging import (STAGE_BLOCK, Source, in_place, bytes_to_copy, make_plan, parse_epochs, parse_ranks,
-                                whole_copy_note, whole_shard_ranks)
+    from tokpack.packer.staging import (STAGE_BLOCK, Source, in_place, bytes_to_copy, bytes_to_write, make_plan, parse_epochs,
+                                parse_ranks, whole_copy_note, whole_shard_ranks)
 
     ranks = whole_shard_ranks(shards_of, ranks, world_size, node)
     (dest,) = _local([str(dest)])
@@ -307,7 +307,8 @@ def plan_stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, mi
         passes = [_pass("slice", len(sp.epochs), CHUNK_BYTES, read, kept)]
         manifests = {MANIFEST: 0, **{f"{epoch_dir_name(e)}/{MANIFEST}": 0 for e in sp.epochs}}
         a, b = sp.ranks
-        return _result("stage", str(dest), passes, [(Path(dest), kept)], ExecutorConfig(workers=workers), disk_mbps,
+        need = sum(sp.written.values()) + sp.root_bytes  # stage's own space check: every file it writes
+        return _result("stage", str(dest), passes, [(Path(dest), need)], ExecutorConfig(workers=workers), disk_mbps,
                        False, path=f"node slice of ranks {a}-{b} of {sp.world_size}", shards=(b - a + 1) * len(sp.epochs),
                        manifests=manifests, bytes_per_node=kept,
                        read_amplification=round(read / kept, 4) if kept else None,
@@ -321,7 +322,8 @@ def plan_stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, mi
     passes = [_pass("copy", len(jobs), STAGE_BLOCK, sum(j.size or 0 for j in jobs), copy,
                     files_in_place=sum(in_place(dest / j.rel, j.size) for j in jobs))]
     manifests = {f"{p.rel}/{MANIFEST}".lstrip("/"): len(canonical_bytes(p.manifest)) for p in plans}
-    return _result("stage", str(dest), passes, [(dest, copy)], ExecutorConfig(workers=workers), disk_mbps, False,
+    return _result("stage", str(dest), passes, [(dest, bytes_to_write(dest, plans))], ExecutorConfig(workers=workers),
+                   disk_mbps, False,
                    path=kind, shards=sum(j.rel.endswith(".ds") for j in jobs), manifests=manifests,
                    note=whole_copy_note(plans, parse_ranks(ranks), micro_batch, src.path, str(dest)))
 

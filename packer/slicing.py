@@ -20,22 +20,24 @@ the same bytes. The root manifest is written last.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, is_no_space, locked_output
-from tokpack.formats.io import IO_BLOCK, Worker, read_limited, regular_fd, remove_tmp_files
+from tokpack.formats.io import IO_BLOCK, Worker, is_tmp_name, read_limited, regular_fd, remove_tmp_files
 from tokpack.formats.units import at_most
 from tokpack.formats.manifest import (
     MAX_MANIFEST_BYTES,
+    canonical_bytes,
     has_pad,
     row_bytes_of,
     strict_json,
@@ -46,15 +48,18 @@ from tokpack.formats.manifest import (
     parse_manifest,
     require_valid,
     row_hashes,
+    rows_padded,
 )
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace, ShardWriter
 from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, RowFacts, contained_shard, shard_suffixes
-from tokpack.formats.slices import (SLICE, SLICE_EPOCH_KEYS, SLICE_SHAPE_KEYS, RankRows, missing_padding,
-                                    rank_file_name, slice_epoch_manifest, slice_manifest, stage_command)
+from tokpack.formats.slices import (SLICE, SLICE_EPOCH, SLICE_EPOCH_KEYS, SLICE_SHAPE_KEYS, RankRows, missing_padding,
+                                    rank_file_name, run_identity, slice_epoch_manifest, slice_manifest,
+                                    stage_command)
 
 from tokpack.packer.shared import Result
-from tokpack.packer.staging import MAX_WORLD_SIZE, Source, parse_epochs
+from tokpack.packer.staging import (MAX_WORLD_SIZE, UNFINISHED, Held, Source, dest_holds, on_disk, parse_epochs,
+                                    refuse_dest)
 
 # Rows gathered per step: three chunks in flight (read, verified, written), so memory stays near
 # 3x this whatever the epoch's size.
@@ -358,6 +363,11 @@ def check_run_files(src: Source, epochs: list[int], row_bytes: int) -> None:
         m = src.manifest(rel, kind="epoch")
         for i, s in enumerate(m["shards"]):
             contained_shard(src.root / rel, s, i)
+            if rows_padded(m) and not has_pad(s):  # found by tests/test_fuzz.py: staged as zero padding
+                raise TokpackError("best-fit epoch shard lacks its padding sidecar: the slice would train on its "
+                                   "padding as tokens", file=f"{src.path.rstrip('/')}/{rel}/{MANIFEST}",
+                                   where=f"shards[{i}].pad_xxh3_128", expected="the checksum of its .ds.pad",
+                                   found="none", hint=RUN_HINT)
             for name, size in run_files(s, row_bytes):
                 src.check(f"{rel}/{name}", size, what="run file", hint=RUN_HINT)
 
@@ -374,6 +384,24 @@ class SlicePlan:
     kept: dict[int, int]  # epoch -> bytes of its rank files
     read: dict[int, int]  # epoch -> bytes the stage reads: the kept rows, plus row hashes or whole shards
     by_rows: dict[int, bool]  # epoch -> verified by row hashes (else by whole shards)
+    written: dict[int, int] = field(default_factory=dict)  # epoch -> bytes on disk of all it writes (SLICE_FILES)
+    root_bytes: int = 0  # bytes on disk of the slice's root manifest
+
+
+# A slice epoch's manifest: a header with the run's identity, then one entry a rank (path, sizes,
+# five checksums: about 450 bytes); counted at these generous sizes, before the entries exist.
+SLICE_HEADER_BYTES = 1024
+SLICE_ENTRY_BYTES = 1024
+
+
+def slice_files(rows: int, row_bytes: int, fragments_per_row: float, padded: bool) -> int:
+    """Bytes on disk of one rank file of `rows` rows and its sidecars: .ds, .ds.rows (8 B a row),
+    .ds.pad (4 B a row, best-fit), .ds.metadata (a block) and .ds.index (8 B a fragment). The
+    fragments are known only once the rows are read: counted at the epoch's mean per row, and
+    at least one a row (each row ends one)."""
+    index = U64.itemsize * max(rows, math.ceil(rows * fragments_per_row))
+    return (on_disk(rows * row_bytes) + on_disk(U64.itemsize * rows) + on_disk(index) + on_disk(None)
+            + (on_disk(PAD_DTYPE.itemsize * rows) if padded else 0))
 
 
 def plan_slice(src: Source, ranks=None, world_size: int | None = None, micro_batch: int = 1, node=None,
@@ -397,15 +425,21 @@ def plan_slice(src: Source, ranks=None, world_size: int | None = None, micro_bat
                            found=missing, hint=f"write epoch {missing[0]} with `{shuffle_command(run, src.path, missing[0])}`"
                            " or stage the written ones")
     row_bytes = row_bytes_of(run)
-    kept, read, by_rows = {}, {}, {}
+    kept, read, by_rows, written = {}, {}, {}, {}
+    header = SLICE_HEADER_BYTES + len(canonical_bytes(run_identity(run)))
     for e in chosen:
         m = src.manifest(epoch_dir_name(e), kind="epoch")
         first, n = numbering.first(e), numbering.size(e)
-        kept[e] = sum(rows.rows(r, first, first + n) for r in range(a, b + 1)) * row_bytes
+        per_rank = [rows.rows(r, first, first + n) for r in range(a, b + 1)]
+        kept[e] = sum(per_rank) * row_bytes
+        padded = any(has_pad(s) for s in m.get("shards") or [])
+        per_row = int(m.get("fragments") or 0) / max(1, int(m.get("samples") or 0))
+        written[e] = (sum(slice_files(k, row_bytes, per_row, padded) for k in per_rank)
+                      + on_disk(header + SLICE_ENTRY_BYTES * len(per_rank)))
         by_rows[e] = all("rows_xxh3_128" in s for s in m.get("shards") or [])
         pad = sum(PAD_DTYPE.itemsize * int(s["samples"]) for s in m.get("shards") or [] if has_pad(s))
         read[e] = kept[e] + (8 * n if by_rows[e] else n * row_bytes) + pad
-    return SlicePlan((a, b), w, rows, run, chosen, kept, read, by_rows)
+    return SlicePlan((a, b), w, rows, run, chosen, kept, read, by_rows, written, on_disk(header))
 
 
 def _epoch_in_place(d: Path, want: dict) -> bool:
@@ -442,7 +476,8 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
     row_bytes = row_bytes_of(run)
     check_run_files(src, chosen, row_bytes)
     dest.mkdir(parents=True, exist_ok=True)
-    check_space([(dest, sum(plan.kept[e] for e in chosen if e not in previous))], "stage",
+    # Every file it writes: rank files with their sidecars, epoch manifests, the root manifest.
+    check_space([(dest, sum(plan.written[e] for e in chosen if e not in previous) + plan.root_bytes)], "stage",
                 hint="free some space there, choose another DEST, or stage fewer epochs (--epochs)")
 
     output: Output = LocalOutput()  # a node slice is written on the node (tokpack.formats.outputs: the shared sink)
@@ -548,19 +583,41 @@ def _first_difference(want, have, where: str) -> tuple[str, str, str]:
 
 
 def _previous_slice(dest: Path, root: dict, source: str) -> list[int]:
-    """The epochs a slice at DEST already holds; refuses a DEST holding anything else."""
+    """The epochs a slice at DEST already holds; refuses a DEST holding anything else, before
+    anything is written (tokpack.packer.staging.dest_holds names what it holds): another kind
+    of copy, or a slice (finished or not) of another run or other ranks."""
     path = dest / MANIFEST
     if not path.is_file():
-        if dest.is_dir() and any(p.name != "tokpack.lock" for p in dest.iterdir()) and not any(
-                p.name.startswith("epoch-") for p in dest.iterdir()):
-            raise TokpackError("DEST is not empty and holds no node slice", file=dest,
-                               hint="choose an empty directory or an existing slice of this run")
+        held = dest_holds(dest)
+        if held.kind is None:
+            return []
+        if held.kind != UNFINISHED[SLICE]:
+            raise refuse_dest(held, "nothing, or a node slice of these ranks of this run")
+        # A killed stage of a slice: every epoch folder it left is this slice's (its manifest, or its rank files).
+        ours = {rank_file_name(r) for r in root["ranks"]}
+        for d in sorted(q for q in dest.iterdir() if q.is_dir() and q.name.startswith("epoch-")):
+            if (d / MANIFEST).is_file():
+                have = parse_manifest(read_limited(d / MANIFEST, MAX_MANIFEST_BYTES, "manifest"), d / MANIFEST,
+                                      kind=(SLICE_EPOCH, "source", "run", "epoch"))
+                if have.get("kind") != SLICE_EPOCH:
+                    raise refuse_dest(dest_holds(dest, d / MANIFEST), "a node slice of these ranks of this run")
+                _same_slice(have, root, source, dest, d / MANIFEST)
+            stray = sorted(q.name for q in d.iterdir() if q.name != MANIFEST and not is_tmp_name(q.name)
+                           and q.name.partition(".ds")[0] + ".ds" not in ours)
+            if stray:
+                raise refuse_dest(Held(UNFINISHED[SLICE], f"files of another copy or of other ranks ({d.name}/{stray[0]})",
+                                       d / stray[0]), f"the rank files of ranks {root['ranks'][0]}-{root['ranks'][-1]}")
         return []
     have = parse_manifest(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path, kind=(SLICE, "source", "run", "epoch"))
     if have.get("kind") != SLICE:
-        raise TokpackError("DEST already holds a different tokpack directory", file=path, where="kind",
-                           expected=SLICE, found=have.get("kind"), hint="remove DEST or choose another destination")
+        raise refuse_dest(dest_holds(dest), "nothing, or a node slice of these ranks of this run")
     require_valid(have, dest)  # a damaged slice manifest is one line, as for every reader
+    _same_slice(have, root, source, dest, path)
+    return [int(e) for e in have.get("epochs") or []]
+
+
+def _same_slice(have: dict, root: dict, source: str, dest: Path, path: Path) -> None:
+    """Refuses a slice manifest at DEST (its root's or an epoch's) of another run or other ranks."""
     if have.get("run") != root["run"]:
         where, want, found = _first_difference(root["run"], have.get("run"), "run")
         raise TokpackError("DEST holds a slice of another run", file=path, where=where,
@@ -574,5 +631,3 @@ def _previous_slice(dest: Path, root: dict, source: str) -> list[int]:
                                hint="remove DEST or choose another destination; it was made by `"
                                     + stage_command(source, str(dest), ranks[0], ranks[-1], have.get("world_size"),
                                                     have.get("micro_batch"), have.get("batch_phase") or 0) + "`")
-    return [int(e) for e in have.get("epochs") or []]
-

@@ -88,6 +88,10 @@ def test_units_as_the_cli_parses_them():
     (lambda: api.pack("i", "o", executor=api.ExecutorConfig(workers=0)), ("[executor.workers]", "out of range")),
     (lambda: api.validate("d", workers=0), ("[workers]", "out of range")),
     (lambda: api.validate("d", quick="yes"), ("[quick]", "True or False")),
+    # found by tests/test_fuzz.py (test_api_arguments_and_loader_states): a TypeError from deep inside
+    (lambda: api.validate("d", against=0), ("[against]", "a path or a sequence of paths", "found 0")),
+    (lambda: api.validate(3), ("[dirs]", "a path or a sequence of paths")),
+    (lambda: api.validate("d", against=["e", 1]), ("[against]", "['e', 1]")),
     (lambda: api.stage("d", "e", micro_batch=0), ("[micro_batch]", "out of range")),
     (lambda: api.stage("d", "e", world_size=0), ("[world_size]", "out of range")),
     (lambda: api.stage("d", "e", start_sample=3.5), ("[start_sample]", "must be an integer")),

@@ -25,6 +25,31 @@ Covered classes of damaged input:
   linked in its place, extended (3 or 800 bytes) or truncated (to half, to nothing), for `read`,
   `validate` and `validate --against RUN` of the slice, `TokpackDataset` on the slice, `stage
   --ranks` and `stage --node` of the run, `validate` of the run and `SampleReader` with verify;
+- node slices' and best-fit epochs' manifests mutated at the JSON level as above (a slice's
+  root and epoch manifests, a best-fit run's and epoch's, whose fields include `packing`,
+  `padding_tokens` and `pad_xxh3_128`), for the slice's readers and validate, and for the
+  best-fit run's validate (alone and --against its source), stage --ranks and TokpackDataset;
+- best-fit padding (issue 32, item 2): a run shard's or a slice rank file's `.ds.pad` rewritten
+  in place at its size (moved between rows, zeroed, one row's longer than the row or 2^30, one
+  bumped by one), left with a stale checksum, resealed (`pad_xxh3_128`), or resealed with the
+  epoch's `padding_tokens`; a shard's `pad_xxh3_128` deleted, its `.ds.pad` deleted, a padding
+  total off by one. Whatever reads a stale checksum refuses it, `validate --against` (run
+  against its source, slice against its run) refuses every change, `validate` alone a row's
+  padding longer than the row and a total that is not the sum, every reader a best-fit epoch
+  without its padding checksum or file;
+- a DEST holding another copy (issue 32, item 4): a whole-run copy, another (best-fit) run,
+  a node slice, another run's slice or a packed source, finished or left unfinished by a killed
+  stage (its root manifest gone, or that and an epoch's), for stage, stage --epochs,
+  --shards-of, an epoch, --ranks and --node: a stage of another kind or run is refused and
+  DEST keeps every byte; its own stage completes it;
+- the Python API (issue 32, item 5): TokpackDataset's and SampleReader's arguments
+  (`batches`, `start_from`, `position`, `read`) and the keywords of tokpack.packer.api's
+  shuffle, stage, validate, inspect and pack, each given a value of another type, a unit
+  string, a huge, negative or zero count; TokpackDataset states and torchdata
+  StatefulDataLoader states saved with 0 or 2 workers, a field (torchdata's own included)
+  deleted, replaced, wrapped or added, or the whole state replaced, loaded with 0 or 2
+  workers, and `consumed_samples` of them. Each call returns or raises one TokpackError; a
+  value no argument takes, and a worker-count change, are refused;
 - odd paths: every dataset lives under a folder whose name has spaces, unicode or quotes;
 - extreme arguments: 0, -1, 10^15, 10^23, `1000T`, `1B` of memory, `0-100000000000` epochs,
   `0-99999999/100000000` ranks, `100000` workers, malformed ranges;
@@ -33,9 +58,11 @@ Covered classes of damaged input:
 
 Commands driven: pack, shuffle (flags and --schedule, in memory and out of core), validate
 (full, --quick, --against, a slice --against its run), read (with and without --verify, a
-slice), inspect, stage (whole, --epochs, --ranks r/W, node slices --ranks A-B and --node),
-plan shuffle/pack/stage; and `tokpack.loader.reader.SampleReader`,
-`tokpack.loader.torch_adapter.TokpackDataset` and `tokpack.packer.validate` in a Python process of their own.
+slice), inspect, stage (whole, --epochs, --ranks r/W, --shards-of, an epoch, node slices --ranks
+A-B and --node; into an empty DEST and into one holding another copy), plan
+shuffle/pack/stage; and `tokpack.loader.reader.SampleReader`,
+`tokpack.loader.torch_adapter.TokpackDataset` (alone and under a torchdata StatefulDataLoader),
+`tokpack.packer.validate` and tokpack.packer.api's functions, in a Python process of their own.
 
 Every case must: end within the timeout (no hang); exit 0, or 1 with exactly one
 `tokpack: error:` line (a click usage error is accepted for an argument click itself refuses);
@@ -51,12 +78,15 @@ Not covered: S3/fsspec URLs and Slurm/Ray executors (no server or cluster here);
 by C code without Python's `open` (the audit hook does not see them: pyarrow, tokenizers);
 `sources[].path` of run and epoch manifests (they name other datasets by design); reading a
 file changed while the command runs; signals sent during a case (tests/test_lifetime.py);
-pack's input formats other than NumPy; resource exhaustion of the disk (tests/test_hygiene.py);
-for node slices and best-fit epochs, their manifests mutated at the JSON level (the padding
-checks of issue 32's item 2 belong there), padding values rewritten in place at the right size
-(`validate --against` proves them, tests/test_slices.py), the Python API's arguments and loader
-states (issue 32, item 5), and sizes of a slice's `.ds.index` and `.ds.rows`, which `read` and
-`TokpackDataset` do not open (only `validate` must refuse them).
+pack's input formats other than NumPy; resource exhaustion of the disk (tests/test_hygiene.py;
+the space check's count, tests/test_stage_dest.py); sizes of a slice's `.ds.index` and
+`.ds.rows`, which `read` and `TokpackDataset` do not open (only `validate` must refuse them); a
+DEST whose unfinished files have this copy's names and sizes but another's bytes (told apart
+only by hashing: the rerun verifies each and replaces a mismatch, as it repairs its own copy);
+loader states under DataLoader worker counts other than 0 and 2, and states hand-built rather
+than mutated from a saved one (tests/test_api_strict.py lists those); the api module's plan
+and read-side helpers; padding rewritten in a best-fit run and its slice together, consistently
+(`validate SLICE --against RUN` compares them; only the run's own --against proves them).
 
 `TOKPACK_FUZZ_EXAMPLES=N` raises the examples per test (default 4); `TOKPACK_FUZZ_SHRINK=1`
 lets hypothesis shrink a failure (off by default: a hang would be rerun for every shrink step);
@@ -1178,4 +1208,408 @@ def test_pack_refuses_the_same_input_twice(worlds):
         os.link(w.npy, w.data / "hard.npy")
         cases.append(guarded(cli(w, "pack", w.npy, w.data / second, "-o", w.out, "--eos-id", "0",
                                  "--vocab-size", "1000"), True))
+    check(*cases)
+
+
+# ---- best-fit padding, slice and best-fit manifests, a DEST of another copy (issue 32, item 8)
+
+def _packed_cmds(w: World, s: Path, run: Path):
+    """What reads a best-fit run's padding (`run`) or its node slice's (`s`)."""
+    return {
+        "validate-run": lambda: cli(w, "validate", run, "--workers", "1"),
+        "validate-run-against": lambda: cli(w, "validate", run, "--against", w.src, "--workers", "1"),
+        "stage-ranks": lambda: cli(w, "stage", run, w.dest, "--ranks", "0-1", "--world-size", SLICE_W,
+                                   "--micro-batch", SLICE_M),
+        "api-dataset-verify": lambda: api(w, "dataset", run, verify=True),
+        "validate-slice": lambda: cli(w, "validate", s),
+        "validate-slice-against": lambda: cli(w, "validate", s, "--against", run),
+        "read-slice": lambda: cli(w, "read", s, "--rank", "0", "--world-size", SLICE_W, "--micro-batch", SLICE_M,
+                                  "--count", "6"),
+        "api-slice-dataset": lambda: api(w, "slice-dataset", s, verify=True),
+    }
+
+
+PACKED_CMDS = sorted(_packed_cmds(World(Path("/")), Path("/"), Path("/")))
+RUN_PACKED = [c for c in PACKED_CMDS if "slice" not in c]
+SLICE_PACKED = [c for c in PACKED_CMDS if "slice" in c]
+PAD_FILES = ["brun/epoch-00000/00000.ds.pad", "brun/epoch-00001/00002.ds.pad",
+             "bslice/epoch-00000/rank-00001.ds.pad", "bslice/epoch-00001/rank-00000.ds.pad"]
+# Padding rewritten in place at the right size: moved between rows (the sum kept), zeroed, one
+# row's padding longer than the row (seq_len 7: 8 tokens a row) or 2^30, one row's bumped by one.
+PAD_VALUES = ["shift", "zero", "past-row", "huge", "bump"]
+# ... then left as is (its checksum no longer matches), resealed (the entry's pad_xxh3_128 set to
+# the new bytes'), or resealed with the epoch's padding total too (a run epoch's packing.padding_tokens).
+RESEAL = ["none", "checksum", "totals"]
+# Damage to what vouches for the padding: a shard's pad_xxh3_128 deleted, its .ds.pad deleted,
+# an epoch's padding total off by one.
+PAD_CLAIMS = ["drop-checksum", "drop-file", "total-off"]
+
+
+def _entry_of(pad: Path) -> tuple[Path, dict, dict]:
+    """(the manifest, its document, the shard entry) that lists `pad`."""
+    manifest = pad.parent / "tokpack.json"
+    doc = json.loads(manifest.read_text())
+    name = pad.name[: -len(".pad")]
+    return manifest, doc, next(s for s in doc["shards"] if s["path"] == name)
+
+
+def _write_canonical(manifest: Path, doc: dict) -> None:
+    from tokpack.formats.manifest import canonical_bytes  # a resealed manifest is tokpack's own bytes
+
+    manifest.write_bytes(canonical_bytes(doc))
+
+
+def _damage_padding(w: World, target: str, damage: str, reseal: str) -> bool:
+    """Applies one padding damage; returns whether the file's padding values changed."""
+    pad = w.data / target
+    manifest, doc, entry = _entry_of(pad)
+    if damage in PAD_CLAIMS:
+        if damage == "drop-checksum":
+            del entry["pad_xxh3_128"]
+        elif damage == "drop-file":
+            pad.unlink()
+        elif doc.get("packing", {}).get("padding_tokens") is not None:
+            doc["packing"]["padding_tokens"] += 1
+        else:  # a slice epoch records no padding total: its rank's checksum, one hex digit off
+            entry["pad_xxh3_128"] = ("0" if entry["pad_xxh3_128"][0] != "0" else "1") + entry["pad_xxh3_128"][1:]
+        _write_canonical(manifest, doc)
+        return damage != "total-off"
+    old = np.fromfile(pad, dtype="<u4")
+    new = old.copy()
+    k = len(new) // 2
+    if damage == "shift":
+        new = np.roll(new, 1)
+    elif damage == "zero":
+        new[:] = 0
+    elif damage == "past-row":
+        new[k] = 9
+    elif damage == "huge":
+        new[k] = 1 << 30
+    else:
+        new[k] = min(int(new[k]) + 1, 7)
+    pad.write_bytes(new.astype("<u4").tobytes())
+    if reseal != "none":
+        entry["pad_xxh3_128"] = xxhash.xxh3_128_hexdigest(pad.read_bytes())
+        if reseal == "totals" and doc.get("packing", {}).get("padding_tokens") is not None:
+            doc["packing"]["padding_tokens"] += int(new.sum(dtype=np.int64)) - int(old.sum(dtype=np.int64))
+        _write_canonical(manifest, doc)
+    return bool((new != old).any())
+
+
+def _padding_must_fail(command: str, target: str, damage: str, reseal: str, changed: bool) -> bool:
+    """Whether the padding damage makes the data wrong for the command (exit 0 is a failure):
+    whatever reads a padding file whose checksum no longer matches refuses it; `validate
+    --against` proves the padding as the plan places it; `validate` alone refuses a row's
+    padding longer than the row and a total that is not the sum; a best-fit epoch without its
+    padding checksum or file is refused by every reader."""
+    of_slice = target.startswith("bslice")
+    readers = SLICE_PACKED if of_slice else RUN_PACKED
+    if command not in readers:
+        return False
+    if damage in ("drop-checksum", "drop-file"):  # a slice's reader refuses it for every rank, at open
+        return True
+    if command == "api-slice-dataset" and "rank-00001" not in target:
+        return False  # the slice's TokpackDataset is rank 1's: it reads no other rank's padding
+    if damage == "total-off":
+        return command.startswith("validate")
+    if not changed:
+        return False
+    if reseal == "none":  # the checksum catches it wherever the file is read
+        return command != ("read-slice" if of_slice else "")
+    against = "validate-slice-against" if of_slice else "validate-run-against"
+    alone = "validate-slice" if of_slice else "validate-run"
+    too_long = damage in ("past-row", "huge")
+    total_wrong = not of_slice and reseal == "checksum" and damage in ("zero", "bump", "past-row", "huge")
+    return command == against or (command == alone and (too_long or total_wrong))
+
+
+@FUZZ
+@given(target=st.sampled_from(PAD_FILES), damage=st.sampled_from(PAD_VALUES + PAD_CLAIMS),
+       reseal=st.sampled_from(RESEAL), picks=st.lists(st.integers(0, 100), min_size=1, max_size=3, unique=True))
+def test_best_fit_padding_rewritten_or_unvouched(worlds, target, damage, reseal, picks):
+    """A best-fit run's or its slice's `.ds.pad` rewritten in place at the right size (moved,
+    zeroed, longer than its row, bumped), left unsealed or resealed with its checksum (and the
+    padding total), or its checksum, file or total damaged: each command ends as issue 24's
+    cases must, and refuses what the damage makes wrong for it (padding proven, issue 32 item 2)."""
+    names = SLICE_PACKED if target.startswith("bslice") else RUN_PACKED
+    cases = []
+    for command in sorted({names[p % len(names)] for p in picks}):
+        w = worlds()
+        changed = _damage_padding(w, target, damage, reseal)
+        case = guarded(_packed_cmds(w, w.bslice, w.brun)[command](),
+                       _padding_must_fail(command, target, damage, reseal, changed))
+        case.before |= snapshot(w.brun, w.bslice)  # read only, the damaged files as damaged
+        cases.append(case)
+    _explain(f"{damage} {target} (reseal: {reseal})")
+    check(*cases)
+
+
+def test_a_slice_padding_file_gone_is_refused_at_open(worlds):
+    """Found by the case above (drop-file of a slice rank file's `.ds.pad`): TokpackDataset with
+    verify=True hashed the missing file and raised a bare FileNotFoundError, and `read` served
+    the slice (it reads no padding). Now the slice reader refuses it at open, in one line, as
+    the run reader refuses a best-fit shard without its `.ds.pad`."""
+    cases = []
+    for case in ("verify", "no-verify", "read", "read-other-rank"):
+        w = worlds()
+        (w.bslice / "epoch-00000" / "rank-00001.ds.pad").unlink()
+        rank = "0" if case == "read-other-rank" else "1"
+        cases.append(guarded(api(w, "slice-dataset", w.bslice, verify=case == "verify") if case.endswith("verify") else
+                             cli(w, "read", w.bslice, "--rank", rank, "--world-size", SLICE_W, "--micro-batch", SLICE_M,
+                                 "--count", "6"), True))
+    for o in check(*cases):
+        assert "rank-00001.ds.pad" in o.stderr and "is missing" in o.stderr, o.stderr
+
+
+# Manifests of node slices and best-fit epochs, mutated as issue 24's are.
+SLICE_MANIFESTS = {"slice": "slice", "slice-epoch": "slice/epoch-00000", "bslice-epoch": "bslice/epoch-00001",
+                   "brun-epoch": "brun/epoch-00000", "brun": "brun"}
+
+
+@FUZZ
+@given(mutation=mutations, place=st.sampled_from(sorted(SLICE_MANIFESTS)),
+       picks=st.lists(st.integers(0, 100), min_size=1, max_size=3, unique=True), name=st.sampled_from(ODD_NAMES))
+def test_damaged_slice_and_best_fit_manifest(worlds, mutation, place, picks, name):
+    """A node slice's root or epoch manifest, a best-fit run's or epoch's (its packing,
+    padding_tokens, pad_xxh3_128 among the fields), mutated at the JSON level: the commands
+    that read it end as issue 24's cases must; a shard path out of the dataset is refused."""
+    slice_ = "bslice" if place.startswith("b") else "slice"
+    names = SLICE_SIDE if place.startswith(("slice", "bslice")) else RUN_PACKED
+    cases = []
+    for command in sorted({names[p % len(names)] for p in picks}):
+        w = worlds(name)
+        s, run = getattr(w, slice_), getattr(w, SLICE_OF[slice_])
+        what, must = mutate_manifest(w, w.data / SLICE_MANIFESTS[place], mutation)
+        table = _slice_cmds(w, s, run) if names is SLICE_SIDE else _packed_cmds(w, w.bslice, w.brun)
+        case = guarded(table[command](), must)
+        case.before |= snapshot(w.brun, w.slice, w.bslice)  # read only, the mutated manifest as mutated
+        cases.append(case)
+    _explain(f"{place}: {what}")
+    check(*cases)
+
+
+# DEST holding another copy: what it holds, whether a killed stage left it unfinished.
+DEST_HOLDS = {"run-copy": "run", "best-fit-run": "brun", "slice": "slice", "best-fit-slice": "bslice", "source": "src"}
+DEST_STAGES = {
+    "stage": lambda w: ["stage", w.run, w.dest],
+    "stage-epochs": lambda w: ["stage", w.run, w.dest, "--epochs", "1"],
+    "stage-shards-of": lambda w: ["stage", w.run, w.dest, "--shards-of", "1/2", "--micro-batch", "2"],
+    "stage-epoch": lambda w: ["stage", w.epoch, w.dest],
+    "stage-ranks": lambda w: ["stage", w.run, w.dest, "--ranks", "0-1", "--world-size", SLICE_W,
+                              "--micro-batch", SLICE_M],
+    "stage-node": lambda w: ["stage", w.run, w.dest, "--node", "0/2", "--ranks-per-node", "2", "--micro-batch", SLICE_M],
+}
+# The stages whose own copy each DEST is: only those may write there.
+OWN_COPY = {"run-copy": {"stage", "stage-epochs", "stage-shards-of"}, "slice": {"stage-ranks", "stage-node"}}
+
+
+@FUZZ
+@given(holds=st.sampled_from(sorted(DEST_HOLDS)), unfinished=st.sampled_from(["no", "root", "root+epoch"]),
+       commands=st.lists(st.sampled_from(sorted(DEST_STAGES)), min_size=1, max_size=3, unique=True))
+def test_stage_into_a_dest_holding_another_copy(worlds, holds, unfinished, commands):
+    """DEST holds a copy, finished or left unfinished by a killed stage (its root manifest, or
+    that and an epoch's, gone): a stage of another kind, or of another run, is refused with one
+    line and leaves DEST byte for byte as it was (issue 32 item 4); its own stage completes it."""
+    cases, own = [], []
+    for command in commands:
+        w = worlds()
+        shutil.copytree(getattr(w, DEST_HOLDS[holds]), w.dest, symlinks=True)
+        if unfinished != "no":
+            (w.dest / "tokpack.json").unlink()
+            if unfinished == "root+epoch" and (w.dest / "epoch-00001" / "tokpack.json").exists():
+                (w.dest / "epoch-00001" / "tokpack.json").unlink()
+        mine = command in OWN_COPY.get(holds, set())
+        case = guarded(cli(w, *DEST_STAGES[command](w)), not mine)
+        if not mine:
+            case.before = {**case.before, **snapshot(w.dest)}
+        cases.append(case)
+        own.append(mine)
+    _explain(f"DEST holds a {holds} (unfinished: {unfinished})")
+    for o, mine in zip(check(*cases), own):
+        if mine:
+            assert o.status == 0, f"{o.what}: its own copy was refused: {o.stderr[-500:]}"
+        else:
+            assert "DEST" in o.stderr, f"{o.what}: the line does not say what DEST holds: {o.stderr[-500:]}"
+
+
+# ---- the Python API's arguments and loader states (issue 32, items 5 and 8)
+
+API_ARGS_CASE = """
+import json, sys, traceback
+
+def mutate(doc, op, pick, value):
+    # the JSON mutations of the manifests above, on a live state: (op, which node, value)
+    if op == "whole":
+        return value
+    spots = []
+    def walk(o, at):
+        items = o.items() if isinstance(o, dict) else enumerate(o) if isinstance(o, list) else ()
+        for k, v in items:
+            spots.append(at + (k,))
+            walk(v, at + (k,))
+    walk(doc, ())
+    if not spots:
+        return value
+    where = spots[pick % len(spots)]
+    parent = doc
+    for k in where[:-1]:
+        parent = parent[k]
+    key = where[-1]
+    if op == "delete":
+        del parent[key]
+    elif op == "wrap":
+        parent[key] = [parent[key]]
+    elif op == "extra" and isinstance(parent, dict):
+        parent["bogus"] = value
+    else:
+        parent[key] = value
+    return doc
+
+def loader_over(path, workers, **kw):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from tokpack.loader.torch_adapter import TokpackDataset
+    ds = TokpackDataset(path, micro_batch=2, positions=None, **kw)
+    return ds, StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+
+for call, path, arg in json.loads(sys.argv[1]):
+    try:
+        if call == "dataset-args":
+            from tokpack.loader.torch_adapter import TokpackDataset
+            for _ in zip(range(50), TokpackDataset(path, **arg)):
+                pass
+        elif call == "reader-args":
+            from tokpack.loader.reader import SampleReader
+            method, kw = arg
+            r = SampleReader.open(path)
+            out = getattr(r, method)(**kw)
+            if method == "batches":
+                for _ in zip(range(50), out):
+                    pass
+        elif call == "api-args":
+            from tokpack.packer import api
+            fn, args, kw = arg
+            getattr(api, fn)(*args, **kw)
+        else:  # a loader state saved after two steps, mutated, then loaded and iterated
+            saved_with, loaded_with, mutation = arg
+            ds, loader = loader_over(path, saved_with)
+            it = iter(loader)
+            next(it), next(it)
+            state = loader.state_dict() if call != "dataset-state" else ds.state_dict()
+            del it, loader
+            state = mutate(state, *mutation)
+            ds2, loader2 = loader_over(path, loaded_with)
+            if call == "dataset-state":
+                ds2.load_state_dict(state)
+                for _ in zip(range(20), ds2):
+                    pass
+            elif call == "consumed":
+                ds2.consumed_samples(state)
+            else:
+                ds2.load_loader_state(loader2, state)
+                for _ in zip(range(3), loader2):
+                    pass
+        print(json.dumps({"call": call, "path": path, "raised": None, "ok": True}), flush=True)
+    except BaseException as e:
+        from tokpack.formats.errors import TokpackError
+        print(json.dumps({"call": call, "path": path, "raised": type(e).__name__, "tokpack": isinstance(e, TokpackError),
+                          "message": str(e)[:500], "traceback": "" if isinstance(e, TokpackError) else traceback.format_exc()}),
+              flush=True)
+"""
+
+HOSTILE_VALUES = [None, True, False, -1, 0, 1, 3, 2**63, 2**64, -2**63 - 1, 10**30, 3.5, float("nan"), float("inf"),
+                  "", "x", "5", "3M", "64MiB", "1GB", [], {}, [1, 2], {"a": 1}]
+DATASET_KEYS = ["rank", "world_size", "micro_batch", "start_sample", "consumed_tokens", "positions", "verify"]
+READER_CALLS = {"batches": ["rank", "world_size", "micro_batch", "start", "positions", "steps", "worker",
+                            "num_workers", "first_step"],
+                "start_from": ["start_sample", "consumed_tokens"], "position": ["epoch", "sample"],
+                "read": ["g", "n"]}
+READER_BASE = {"batches": {"rank": 0, "world_size": 1, "micro_batch": 1}, "start_from": {},
+               "position": {"epoch": 0, "sample": 0}, "read": {"g": 0, "n": 1}}
+API_FUNCTIONS = {  # (function, its positional arguments in a world, the keywords fuzzed)
+    "shuffle": (lambda w: [str(w.src), str(w.out)],
+                ["seq_len", "seed", "epochs", "samples", "tokens", "shard_samples", "memory", "jitter", "pad_id",
+                 "packing"]),
+    "stage": (lambda w: [str(w.run), str(w.dest)],
+              ["workers", "epochs", "micro_batch", "world_size", "ranks", "start_sample", "node", "ranks_per_node",
+               "shards_of"]),
+    "validate": (lambda w: [str(w.run)], ["workers", "quick", "against"]),
+    "inspect": (lambda w: [str(w.run)], ["batch_size", "batches", "seq_len", "epoch", "memory"]),
+    "pack": (lambda w: [str(w.npy), str(w.out)], ["eos_id", "vocab_size", "shard_tokens", "dtype", "overwrite"]),
+}
+API_BASE = {"shuffle": {"seq_len": 7, "seed": 1, "epochs": 1}, "pack": {"eos_id": 0, "vocab_size": 1000}}
+STATE_MUTATIONS = st.tuples(st.sampled_from(["delete", "replace", "wrap", "extra", "whole"]), st.integers(0, 10**6),
+                            st.sampled_from(HOSTILE_VALUES))
+INT_KEYS = {"rank", "world_size", "micro_batch", "start_sample", "start", "steps", "worker", "num_workers",
+            "first_step", "epoch", "sample", "g", "n"}
+
+
+def _plainly_wrong(key: str, value) -> bool:
+    """A value no integer argument takes (a float, bool, text or container for an int; a
+    negative count; an unknown `positions`; a non-bool `verify`): refused, not rounded."""
+    if key == "positions":
+        return value not in (None, "eos", "index")
+    if key == "verify":
+        return not isinstance(value, bool)
+    if key in INT_KEYS:
+        if value is None:
+            return key not in ("start_sample", "steps", "first_step")
+        return not isinstance(value, int) or isinstance(value, bool) or value < 0 or (
+            key in ("world_size", "micro_batch", "num_workers") and value == 0)
+    return False
+
+
+api_calls_strategy = st.one_of(
+    st.tuples(st.just("dataset-args"), st.sampled_from(["run", "brun", "slice"]),
+              st.dictionaries(st.sampled_from(DATASET_KEYS), st.sampled_from(HOSTILE_VALUES), min_size=1, max_size=2)),
+    st.tuples(st.just("reader-args"), st.sampled_from(["run", "brun", "slice"]),
+              st.sampled_from(sorted(READER_CALLS)).flatmap(lambda m: st.tuples(st.just(m), st.dictionaries(
+                  st.sampled_from(READER_CALLS[m]), st.sampled_from(HOSTILE_VALUES), min_size=1, max_size=2)))),
+    st.tuples(st.just("api-args"), st.just("-"),
+              st.sampled_from(sorted(API_FUNCTIONS)).flatmap(lambda f: st.tuples(st.just(f), st.dictionaries(
+                  st.sampled_from(API_FUNCTIONS[f][1]), st.sampled_from(HOSTILE_VALUES), min_size=1, max_size=2)))),
+    st.tuples(st.sampled_from(["dataset-state", "loader-state", "consumed"]), st.sampled_from(["run", "brun"]),
+              st.tuples(st.sampled_from([0, 2]), st.sampled_from([0, 2]), STATE_MUTATIONS)),
+)
+
+
+def _api_arg_case(w: World, call: str, place: str, arg) -> Case:
+    must = False
+    if call == "dataset-args":
+        must = any(_plainly_wrong(k, v) for k, v in arg.items())
+        if place == "slice":  # the slice's own ranks (0-1 of 4, micro-batch 2) unless the fuzz changes them
+            arg = {"rank": 1, "world_size": SLICE_W, "micro_batch": SLICE_M, **arg}
+    elif call == "reader-args":
+        method, kw = arg
+        must = any(_plainly_wrong(k, v) for k, v in kw.items())
+        base = {**READER_BASE[method], **({"world_size": SLICE_W, "micro_batch": SLICE_M, "rank": 1}
+                                         if place == "slice" and method == "batches" else {})}
+        arg = [method, {**base, **kw}]
+    elif call == "api-args":
+        fn, kw = arg
+        args, _ = API_FUNCTIONS[fn]
+        arg = [fn, args(w), {**API_BASE.get(fn, {}), **kw}]
+    elif call == "loader-state":
+        saved_with, loaded_with, _ = arg
+        must = saved_with != loaded_with  # the same line for every worker-count change, 0 included
+    spec = json.dumps([(call, str(getattr(w, place)) if place != "-" else "-", arg)])
+    return Case(w, ["-c", API_ARGS_CASE, spec], f"{call}({place}, {json.dumps(arg)[:300]})", api=True, must_fail=must)
+
+
+@FUZZ
+@given(calls=st.lists(api_calls_strategy, min_size=1, max_size=3))
+def test_api_arguments_and_loader_states(worlds, calls):
+    """The Python API as a careless or hostile caller uses it: TokpackDataset's and
+    SampleReader's arguments, the api module's functions' (each a value of another type, a
+    unit string, a huge, negative or zero count), and TokpackDataset / StatefulDataLoader
+    states (saved after two steps with 0 or 2 workers, one field deleted, replaced, wrapped or
+    added, or the whole state replaced; loaded with 0 or 2 workers). Each call returns or
+    raises one TokpackError (never another exception), opens nothing outside the dataset and
+    leaves no worker behind; a value no argument takes, and a worker-count change, are refused."""
+    cases = []
+    for call, place, arg in calls:
+        w = worlds()
+        case = _api_arg_case(w, call, place, arg)
+        case.before = snapshot(w.src, w.other, w.run, w.brun, w.slice)
+        cases.append(case)
+    _explain("; ".join(c.what for c in cases))
     check(*cases)

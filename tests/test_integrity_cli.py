@@ -413,9 +413,10 @@ def test_usage_errors_still_print_one_json_object(sources, tmp_path, args):
 
 
 def test_disk_filled_while_staging_a_node_slice_is_one_line_and_leaves_no_partial_rank_file(sources, tmp_path):
-    """The space check counts the slice's token bytes; its row hashes and index need more. With
-    just the token bytes free, the write runs out of space: one line naming the epoch folder,
-    no temporary left to fill the disk, and the rerun with space completes and validates."""
+    """The space check counts every file of the slice (it passes here); another process then
+    fills the disk, leaving just the slice's token bytes free, before epoch 0's rows are
+    written. The write runs out of space: one line naming the epoch folder, no temporary left
+    to fill the disk, and the rerun with space completes and validates."""
     from tokpack.packer.slicing import plan_slice
     from tokpack.packer.staging import Source
 
@@ -423,15 +424,29 @@ def test_disk_filled_while_staging_a_node_slice_is_one_line_and_leaves_no_partia
     run = tmp_path / "run"
     assert tokpack(tmp_path, "shuffle", big, "-o", run, *SHUFFLE).returncode == 0
     stage = ["stage", run, None, "--ranks", "0", "--world-size", "2", "--micro-batch", "4"]
-    kept = sum(plan_slice(Source(str(run)), ranks="0", world_size=2, micro_batch=4).kept.values())
-    with mounted(tmp_path / "fs", f"size={kept // 2**20 + 2}m") as fs:
-        free = shutil.disk_usage(fs).free
-        subprocess.run(["dd", "if=/dev/zero", f"of={fs / 'filler'}", "bs=4096", f"count={(free - kept - 16384) // 4096}"],
-                       capture_output=True, check=True)
+    sp = plan_slice(Source(str(run)), ranks="0", world_size=2, micro_batch=4)
+    kept, need = sum(sp.kept.values()), sum(sp.written.values()) + sp.root_bytes
+    # the stage stops itself once the space check has passed, as each epoch's rows start
+    paused = PAUSED.replace("import tokpack.shuffle.run\nrun_epoch = tokpack.shuffle.run.run_epoch",
+                            "import tokpack.packer.slicing as mod\nrun_epoch = mod._EpochStager.run").replace(
+        "tokpack.shuffle.run.run_epoch = paused", "mod._EpochStager.run = paused")
+    assert paused.count("mod.") == 2
+    with mounted(tmp_path / "fs", f"size={need // 2**20 + 2}m") as fs:
         stage[2] = fs / "slice"
-        r = tokpack(tmp_path, *stage)
-        assert r.returncode == 1, r.stderr
-        line = one_line(r.stderr)
+        proc = subprocess.Popen([sys.executable, "-c", paused, *map(str, stage)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env(tmp_path),
+                                preexec_fn=default_sigint)
+        try:
+            _, status = os.waitpid(proc.pid, os.WUNTRACED)
+            assert os.WIFSTOPPED(status), "the stage ended before its first epoch"
+            free = shutil.disk_usage(fs).free
+            subprocess.run(["dd", "if=/dev/zero", f"of={fs / 'filler'}", "bs=4096",
+                            f"count={(free - kept - 16384) // 4096}"], capture_output=True, check=True)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        _, err = proc.communicate()
+        assert proc.returncode == 1, err
+        line = one_line(err)
         assert "disk full while staging epoch 0" in line and str(fs / "slice" / "epoch-00000") in line, line
         assert not [p for p in (fs / "slice").rglob("*") if p.is_file()]  # no partial rank file, no manifest
         (fs / "filler").unlink()
