@@ -478,6 +478,22 @@ def _header(m: dict, kind: str) -> dict:
             **{k: m[k] for k in ("dtype", "token_size", "vocab_size", "eos_id", "tokenizer")}}
 
 
+def slice_root(run: dict, source: str, ranks: tuple[int, int], world_size: int, micro_batch: int, phase: int) -> dict:
+    """A node slice's root manifest before its epochs are listed (also what shuffle --to-nodes,
+    tokpack.packer.exchange, writes: the same slice, built another way)."""
+    return {**_header(run, SLICE), "tokens": 0, "seq_len": run["seq_len"], "run": run_identity(run), "source": source,
+            "world_size": world_size, "micro_batch": micro_batch, "ranks": list(range(ranks[0], ranks[1] + 1)),
+            "batch_phase": phase, "epochs": []}
+
+
+def slice_epoch(run: dict, root: dict, epoch: int, samples: int, first: int, raw: bytes) -> dict:
+    """A slice epoch's manifest before its rank files are listed; `raw`: the run's epoch manifest bytes."""
+    return {**_header(run, SLICE_EPOCH), "tokens": 0, "seq_len": run["seq_len"], "run": root["run"],
+            "world_size": root["world_size"], "micro_batch": root["micro_batch"], "ranks": root["ranks"],
+            "batch_phase": root["batch_phase"], "epoch": epoch, "samples": samples, "first_sample": first,
+            "epoch_xxh3_128": xxhash.xxh3_128_hexdigest(raw), "shards": []}
+
+
 @locked_output("stage", arg="dest")
 def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, micro_batch: int = 1,
                 node=None, ranks_per_node: int | None = None, start_sample: int = 0, epochs=None, workers: int = 4,
@@ -492,9 +508,7 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
     (a, b), w, rows, run, chosen = plan.ranks, plan.world_size, plan.rows, plan.run, plan.epochs
     numbering = EpochNumbering.of_run(run, src.path)
     dest = Path(dest)
-    root = {**_header(run, SLICE), "tokens": 0, "seq_len": run["seq_len"], "run": run_identity(run),
-            "source": src.local_root or src.path, "world_size": w, "micro_batch": micro_batch, "ranks": list(range(a, b + 1)),
-            "batch_phase": rows.phase, "epochs": []}
+    root = slice_root(run, src.local_root or src.path, (a, b), w, micro_batch, rows.phase)
     previous = _previous_slice(dest, root, src.path)
     row_bytes = (int(run["seq_len"]) + 1) * int(run["token_size"])
     check_run_files(src, chosen, row_bytes)
@@ -516,10 +530,7 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
                     raise TokpackError("epoch does not belong to its run", file=f"{src.path.rstrip('/')}/{rel}",
                                        where="samples/seq_len", expected=(numbering.size(e), run["seq_len"]),
                                        found=(m.get("samples"), m.get("seq_len")), hint="run `tokpack validate` on the run")
-                want = {**_header(run, SLICE_EPOCH), "tokens": 0, "seq_len": run["seq_len"], "run": root["run"],
-                        "world_size": w, "micro_batch": micro_batch, "ranks": root["ranks"],
-                        "batch_phase": rows.phase, "epoch": e, "samples": int(m["samples"]), "first_sample": first,
-                        "epoch_xxh3_128": xxhash.xxh3_128_hexdigest(raw), "shards": []}
+                want = slice_epoch(run, root, e, int(m["samples"]), first, raw)
                 d = dest / rel
                 if _epoch_in_place(d, want):
                     in_place.append(e)

