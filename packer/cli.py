@@ -787,6 +787,9 @@ def _emit_plan(command: str, as_json: bool, *args, **kw) -> None:
 @_planned(shuffle)
 def plan_shuffle(sources, output, epochs, epoch, as_json, **kw):
     epochs = _epochs_asked(sources, epochs, epoch, kw)
+    if kw.pop("to_nodes") is not None:  # issue 33, item 7
+        raise click.UsageError("plan shuffle --to-nodes is not implemented yet; plan the shuffle without it")
+    kw.pop("ranks_per_node"), kw.pop("micro_batch")
     _emit_plan("shuffle", as_json, _weighted_sources(sources), output, epochs=epochs, executor=_executor_config(kw),
                **kw)
 
