@@ -34,16 +34,17 @@ from such a RUN, `validate RUN` of one, --keep-sources, fault handling beyond MP
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import LOCK_NAME, WORK_DIR, OutputLock, check_space, holder_name
-from tokpack.formats.io import commit_file, open_read, read_limited, remove_tmp_files, tmp_path
+from tokpack.formats.io import commit_file, map_file, open_read, read_limited, remove_tmp_files, tmp_path
 from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES, epoch_dir_name, parse_manifest, read_manifest
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace
@@ -51,13 +52,14 @@ from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX
 from tokpack.formats.slices import RankRows, rank_file_name
 from tokpack.packer.slicing import slice_epoch, slice_ranks, slice_root
 from tokpack.shuffle import packings
+from tokpack.shuffle.packed import PackedTable
 from tokpack.shuffle.plan import iter_source_windows
 from tokpack.shuffle.run import epoch_manifest_of, run_manifest_of, setup_run
 from tokpack.shuffle.steps import ShardHashes, shard_segments, source_changed_error, split_shards
 
 NODE = "{node}"  # in DEST: replaced by the process's node number
 # Rows a round's buffers hold at least: fewer, and the exchange spends its time per round.
-MIN_ROUND_ROWS = 16
+MIN_ROUND_ROWS = 4
 # Bytes of one Alltoallv's buffer: MPI's counts and displacements are C ints.
 MAX_MESSAGE_BYTES = (1 << 31) - 1
 # Rows handed to a writer at once: bounded temporaries whatever the slice's size.
@@ -99,10 +101,12 @@ def together(comm, fn):
 class _NodeEpoch:
     """One epoch on one process: what it reads, what it keeps, what it owns."""
 
-    def __init__(self, job, sources, rows: RankRows, first: int, node: int, nodes: int, ranks: tuple[int, int]):
-        self.job, self.plan, self.sources = job, job.plan, sources
+    def __init__(self, job, sources, rows: RankRows, first: int, node: int, nodes: int, ranks: tuple[int, int],
+                 prepared: dict):
+        self.job, self.plan, self.sources, self.prepared = job, job.plan, sources, prepared
         self.rows, self.first, self.node, self.nodes, self.ranks = rows, first, node, nodes, ranks
         self.per_node = ranks[1] - ranks[0] + 1
+        self.padded = "table" in prepared  # best-fit: document pieces, and padding
         n = self.plan.samples
         rb = job.row_bytes
         # The slice: its epoch positions in increasing order (every rank's, mixed), as stage --node plans them.
@@ -117,7 +121,8 @@ class _NodeEpoch:
             g0, g1 = job.shard_range(i)
             base += g1 - g0
         self.owned_rows = base
-        self.keep_bytes = (len(self.positions) + self.owned_rows) * rb
+        # Both stores, and each row's tokens still unfilled (its padding, once every piece is in).
+        self.keep_bytes = (len(self.positions) + self.owned_rows) * (rb + 8)
 
     def node_of(self, g: np.ndarray) -> np.ndarray:
         return self.rows.rank_of(g + self.first) // self.per_node
@@ -125,57 +130,109 @@ class _NodeEpoch:
     def owner_of(self, g: np.ndarray) -> np.ndarray:
         return (g // self.job.shard_samples) % self.nodes
 
-    def reads(self, block_bytes: int):
-        """(rows, g): every row this process reads, in read order, with its output positions (a
-        window the epoch uses twice comes twice)."""
+    def reads(self, tokens: int):
+        """(pieces, their tokens back to back): every piece this process reads, about `tokens`
+        tokens at a time, in read order, each with its output row g, offset in the row and
+        length (PIECE). A window is a piece of a whole row; one the epoch uses twice comes twice."""
         plan, job = self.plan, self.job
         runs = split_shards(plan, self.sources, self.nodes)
         if self.node >= len(runs):  # fewer source shards than nodes: this one reads none
             return
+        if self.padded:
+            yield from self._piece_reads(runs[self.node], tokens)
+            return
+        row = plan.row_tokens
         for s, w0, w1, k0, k1 in shard_segments(plan, self.sources, runs[self.node]):
             shards = ShardHashes(self.sources[s], k0, k1, _changed)
-            for a, block in iter_source_windows(plan, s, self.sources[s], block_bytes, w0=w0, w1=w1,
-                                                on_read=shards.feed):
-                rows = block.reshape(-1).view(job.row_void)
-                for _, sel, g in plan.outputs_of(s, np.arange(a, a + len(rows), dtype=np.int64)):
-                    yield np.take(rows, sel), g  # a copy: the block's buffer is reused
+            for a, block in iter_source_windows(plan, s, self.sources[s], max(1, tokens // row) * job.row_bytes,
+                                                w0=w0, w1=w1, on_read=shards.feed):
+                for _, sel, g in plan.outputs_of(s, np.arange(a, a + len(block), dtype=np.int64)):
+                    pieces = np.zeros(len(sel), PIECE)
+                    pieces["g"], pieces["length"] = g, row
+                    yield pieces, np.take(block, sel, axis=0).reshape(-1)  # a copy: the block's buffer is reused
             shards.finish()
+
+    def _piece_reads(self, runs, tokens: int):
+        """A best-fit epoch's pieces, by the row table's files of each source shard (as the
+        best-fit scatter pass reads them), each shard mapped and verified whole first."""
+        job = self.job
+        built = PackedTable.open(self.prepared["table"], self.prepared["table_xxh3_128"])
+        for s, k0, k1 in runs:
+            src = self.sources[s]
+            for k in range(k0, k1):
+                n = int(src.shards[k]["tokens"])
+                data = map_file(src.path / src.shards[k]["path"], 0, n * src.dtype.itemsize).view(src.dtype)
+                found = xxhash.xxh3_128_hexdigest(data)
+                if found != src.shards[k]["xxh3_128"]:
+                    _changed(src.path / src.shards[k]["path"], src.shards[k]["xxh3_128"], found)
+                chunk = max(1, tokens // max(1, job.plan.row_tokens // 4))
+                for found_pieces in built.shard_pieces(s, k, chunk):
+                    pieces = np.zeros(len(found_pieces), PIECE)
+                    for f in ("g", "row_offset", "length"):
+                        pieces[f] = found_pieces[f]
+                    yield pieces, data[_ranges(found_pieces["local"].astype(np.int64),
+                                               found_pieces["length"].astype(np.int64))]
+                del data
+
+
+# A piece on the wire: its output row, where in the row it goes, its tokens.
+PIECE = np.dtype([("g", "<i8"), ("row_offset", "<u4"), ("length", "<u4")])
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The indices start..start+length-1 of every (start, length), back to back."""
+    total = int(lengths.sum())
+    if not total:
+        return np.zeros(0, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    return np.arange(total, dtype=np.int64) - np.repeat(ends - lengths - starts, lengths)
 
 
 def _changed(shard, expected: str, found: str):
     raise source_changed_error({"shard": str(shard), "expected": expected, "found": found})
 
 
-def round_rows(ne: _NodeEpoch, memory: int) -> int:
-    """Rows a process sends per round: a round sends at most 2R rows (each to its node and to its
-    shard's owner) and receives about as many, so 4R rows of buffers beside what the node keeps."""
-    rb, job = ne.job.row_bytes, ne.job
-    r = min((memory - ne.keep_bytes) // (4 * rb), MAX_MESSAGE_BYTES // (2 * rb))
-    if r < MIN_ROUND_ROWS:
+# Bytes of index arithmetic per token a round moves (_ranges' temporaries, one call at a time).
+TOKEN_OVERHEAD = 24
+
+
+def round_tokens(ne: _NodeEpoch, memory: int) -> int:
+    """Tokens a process sends per round: a round sends at most twice what it reads (each piece to
+    its node and to its shard's owner) and receives about as much, each token with its index
+    arithmetic, beside what the node keeps."""
+    job = ne.job
+    per_token = 4 * job.token_dtype.itemsize + TOKEN_OVERHEAD
+    limit = MAX_MESSAGE_BYTES // (2 * job.token_dtype.itemsize)
+    t = min((memory - ne.keep_bytes) // per_token, limit)
+    if t < MIN_ROUND_ROWS * job.plan.row_tokens:
         raise TokpackError(f"node {ne.node}'s rows of epoch {job.plan.epoch} do not fit --memory", where="--memory",
-                           expected=f">= {ne.keep_bytes + 4 * MIN_ROUND_ROWS * rb} bytes "
+                           expected=f">= {ne.keep_bytes + per_token * MIN_ROUND_ROWS * job.plan.row_tokens} bytes "
                                     f"({ne.keep_bytes} kept, the rest for the exchange's rounds)",
                            found=f"{memory} bytes",
                            hint="give more --memory, or more nodes; ordering a node's rows out of core is not "
                                 "implemented yet for --to-nodes")
-    return int(r)
+    return int(t)
 
 
-def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """The rounds: returns (the slice's rows in epoch order, the owned shards' rows, rounds).
-    Every round every process takes part (sending nothing once it has read all), and a failure
-    on one (a source shard changed since pack) stops them all at the same round."""
-    job, rb, N, n = ne.job, ne.job.row_bytes, ne.nodes, ne.node
-    keep = np.empty((len(ne.positions), rb), dtype=np.uint8)
-    owned = np.empty((ne.owned_rows, rb), dtype=np.uint8)
-    seen = np.zeros(len(ne.positions) + ne.owned_rows, dtype=bool)  # each slot filled once: proof of the routing
-    reads = ne.reads(block_bytes=max(rb, per_round * rb // 2))
-    pending: list = []  # (rows, g) read but not sent yet
+def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int):
+    """The rounds. Returns (the slice's rows in epoch order, their padding, the owned shards' rows,
+    their padding, rounds). Every round every process takes part (sending nothing once it has
+    read all), and a failure on one (a source shard changed since pack) stops them all at the
+    same round."""
+    job, N, n, row = ne.job, ne.nodes, ne.node, ne.plan.row_tokens
+    dtype, pad_id = job.token_dtype, (ne.plan.pad_id if ne.padded else 0)
+    keep = np.full((len(ne.positions), row), pad_id, dtype=dtype)
+    owned = np.full((ne.owned_rows, row), pad_id, dtype=dtype)
+    # Tokens of each row still unfilled: 0 for every window at the end, a best-fit row's padding.
+    keep_pad = np.full(len(ne.positions), row, dtype=np.int64)
+    owned_pad = np.full(ne.owned_rows, row, dtype=np.int64)
+    reads = ne.reads(per_round)
+    pending: list = []  # (pieces, tokens) read but not sent yet
     rounds, exhausted = 0, False
     while True:
         failure = None
         try:
-            while not exhausted and sum(len(g) for _, g in pending) < per_round:
+            while not exhausted and sum(len(t) for _, t in pending) < per_round:
                 item = next(reads, None)
                 exhausted = item is None
                 if item is not None:
@@ -183,14 +240,15 @@ def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int) -> tuple[np.ndarra
         except TokpackError as e:
             failure = e
         take, count = [], 0
-        while pending and count < per_round:  # at most per_round rows this round
-            rows, g = pending.pop(0)
-            room = per_round - count
-            if len(g) > room:
-                pending.insert(0, (rows[room:], g[room:]))
-                rows, g = rows[:room], g[:room]
-            take.append((rows, g))
-            count += len(g)
+        while pending and count < per_round:  # about per_round tokens this round, whole pieces
+            pieces, tokens = pending.pop(0)
+            ends = np.cumsum(pieces["length"].astype(np.int64))
+            cut = max(1, int(np.searchsorted(ends, per_round - count, side="right")))
+            if cut < len(pieces):
+                pending.insert(0, (pieces[cut:], tokens[int(ends[cut - 1]):]))
+                pieces, tokens = pieces[:cut], tokens[:int(ends[cut - 1])]
+            take.append((pieces, tokens))
+            count += len(tokens)
         status = comm.allgather((count, None if failure is None else str(failure)))
         if failure is not None:
             raise failure
@@ -200,57 +258,67 @@ def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int) -> tuple[np.ndarra
         if not any(c for c, _ in status):
             break
         rounds += 1
-        if take:
-            rows = np.concatenate([r for r, _ in take]).view(np.uint8).reshape(-1, rb)
-            g = np.concatenate([x for _, x in take]).astype(np.int64)
-        else:
-            rows, g = np.zeros((0, rb), dtype=np.uint8), np.zeros(0, dtype=np.int64)
-        to_node, to_owner = ne.node_of(g), ne.owner_of(g)
+        pieces = np.concatenate([p for p, _ in take]) if take else np.zeros(0, PIECE)
+        tokens = np.concatenate([t for _, t in take]) if take else np.zeros(0, dtype)
+        to_node, to_owner = ne.node_of(pieces["g"]), ne.owner_of(pieces["g"])
         twice = to_owner != to_node  # a node that both keeps a row and owns its shard gets it once
         dst = np.concatenate([to_node, to_owner[twice]])
-        which = np.concatenate([np.arange(len(g)), np.flatnonzero(twice)])
-        order = np.argsort(dst, kind="stable")
-        send_rows = np.ascontiguousarray(rows[which[order]])
-        send_g = np.ascontiguousarray(g[which[order]])
+        which = np.concatenate([np.arange(len(pieces)), np.flatnonzero(twice)])[np.argsort(
+            np.concatenate([to_node, to_owner[twice]]), kind="stable")]
+        lengths = pieces["length"].astype(np.int64)
+        starts = np.cumsum(lengths) - lengths
+        send_pieces = pieces[which]
+        send_tokens = tokens[_ranges(starts[which], lengths[which])]
         counts = np.bincount(dst, minlength=N).astype(np.int64)
-        recv = np.array(comm.alltoall(counts.tolist()), dtype=np.int64)
-        total = int(recv.sum())
-        got_rows = np.empty((total, rb), dtype=np.uint8)
-        got_g = np.empty(total, dtype=np.int64)
-        sdisp, rdisp = np.concatenate([[0], np.cumsum(counts)[:-1]]), np.concatenate([[0], np.cumsum(recv)[:-1]])
-        comm.Alltoallv([send_rows, (counts * rb).tolist(), (sdisp * rb).tolist(), MPI.BYTE],
-                       [got_rows, (recv * rb).tolist(), (rdisp * rb).tolist(), MPI.BYTE])
-        comm.Alltoallv([send_g, counts.tolist(), sdisp.tolist(), MPI.INT64_T],
-                       [got_g, recv.tolist(), rdisp.tolist(), MPI.INT64_T])
-        mine = ne.node_of(got_g) == n
-        if mine.any():
-            at = np.searchsorted(ne.positions, got_g[mine])
-            _fill(keep, seen, at, got_rows[mine], ne.positions, got_g[mine], 0)
-        ours = ne.owner_of(got_g) == n
-        if ours.any():
-            gs = got_g[ours]
-            shard = gs // job.shard_samples
-            at = ne.owned_base[shard] + gs - shard * job.shard_samples
-            _fill(owned, seen, at, got_rows[ours], None, gs, len(ne.positions))
-    if not seen.all():
-        missing = int(np.flatnonzero(~seen)[0])
-        raise TokpackError("internal error: the exchange left a row of this node unfilled",
-                           where=f"epoch {job.plan.epoch}, slot {missing}", hint="report this with the command line")
-    return keep, owned, rounds
+        token_counts = np.bincount(dst, weights=np.concatenate([lengths, lengths[twice]]), minlength=N).astype(np.int64)
+        recv = np.array(comm.alltoall(list(zip(counts.tolist(), token_counts.tolist()))), dtype=np.int64)
+        got_pieces = np.empty(int(recv[:, 0].sum()), PIECE)
+        got_tokens = np.empty(int(recv[:, 1].sum()), dtype)
+        _alltoallv(comm, MPI, send_pieces, counts * PIECE.itemsize, got_pieces, recv[:, 0] * PIECE.itemsize)
+        _alltoallv(comm, MPI, send_tokens, token_counts * dtype.itemsize, got_tokens, recv[:, 1] * dtype.itemsize)
+        glen = got_pieces["length"].astype(np.int64)
+        gstart = np.cumsum(glen) - glen
+        g = got_pieces["g"]
+        mine = np.flatnonzero(ne.node_of(g) == n)
+        if len(mine):
+            at = np.searchsorted(ne.positions, g[mine])
+            if at.max() >= len(ne.positions) or (ne.positions[at] != g[mine]).any():
+                raise TokpackError("internal error: a row was sent to a node whose ranks do not read it",
+                                   where=f"epoch {job.plan.epoch}")
+            _place(keep, keep_pad, at, got_pieces[mine], got_tokens, gstart[mine])
+        ours = np.flatnonzero(ne.owner_of(g) == n)
+        if len(ours):
+            shard = g[ours] // job.shard_samples
+            _place(owned, owned_pad, ne.owned_base[shard] + g[ours] - shard * job.shard_samples, got_pieces[ours],
+                   got_tokens, gstart[ours])
+    for pad in (keep_pad, owned_pad):
+        if len(pad) and (pad.min() < 0 or (not ne.padded and pad.max() > 0)):
+            raise TokpackError("internal error: the exchange filled a row of this node wrongly",
+                               where=f"epoch {job.plan.epoch}", hint="report this with the command line")
+    return keep, keep_pad, owned, owned_pad, rounds
 
 
-def _fill(store, seen, at, rows, positions, g, offset):
-    if positions is not None and (at.max() >= len(positions) or (positions[np.minimum(at, len(positions) - 1)] != g).any()):
-        raise TokpackError("internal error: a row was sent to a node whose ranks do not read it", where=f"g {int(g[0])}")
-    if seen[at + offset].any():
-        raise TokpackError("internal error: a row arrived twice", where=f"g {int(g[seen[at + offset]][0])}")
-    seen[at + offset] = True
-    store[at] = rows
+def _alltoallv(comm, MPI, send, send_bytes, recv, recv_bytes) -> None:
+    sdisp = np.cumsum(send_bytes) - send_bytes
+    rdisp = np.cumsum(recv_bytes) - recv_bytes
+    comm.Alltoallv([np.ascontiguousarray(send).view(np.uint8), send_bytes.tolist(), sdisp.tolist(), MPI.BYTE],
+                   [recv.view(np.uint8), recv_bytes.tolist(), rdisp.tolist(), MPI.BYTE])
 
 
-def write_slice_epoch(output: Output, d: Path, ne: _NodeEpoch, keep: np.ndarray, fmt: EpochShardFormat) -> list[dict]:
+def _place(store: np.ndarray, pad: np.ndarray, at: np.ndarray, pieces: np.ndarray, tokens: np.ndarray,
+           starts: np.ndarray) -> None:
+    """Each piece's tokens into its row `at` of `store`, at its offset; the row's unfilled count goes down."""
+    lengths = pieces["length"].astype(np.int64)
+    offsets = at * store.shape[1] + pieces["row_offset"].astype(np.int64)
+    store.reshape(-1)[_ranges(offsets, lengths)] = tokens[_ranges(starts, lengths)]
+    np.subtract.at(pad, at, lengths)
+
+
+def write_slice_epoch(output: Output, d: Path, ne: _NodeEpoch, keep: np.ndarray, pad: np.ndarray,
+                      fmt: EpochShardFormat) -> list[dict]:
     """Node n's rank files of the epoch, from its rows in epoch order: rank r's are those of its
-    positions rank r reads, in increasing order (what stage --node writes)."""
+    positions rank r reads, in increasing order (what stage --node writes), with their padding
+    (best-fit: the `.ds.pad` beside them)."""
     d.mkdir(parents=True, exist_ok=True)
     output.unfinish(d)
     remove_tmp_files(d)
@@ -259,11 +327,7 @@ def write_slice_epoch(output: Output, d: Path, ne: _NodeEpoch, keep: np.ndarray,
     try:
         for r in range(ne.ranks[0], ne.ranks[1] + 1):
             writers[r] = output.open_shard(ShardPlace(str(d), rank_file_name(r), r, epoch=ne.plan.epoch, rank=r), fmt)
-            sel = np.flatnonzero(rank == r)
-            for c in range(0, len(sel), WRITE_ROWS):
-                t = keep[sel[c:c + WRITE_ROWS]].view(writers[r].dtype)
-                writers[r].write_tokens(t)
-                writers[r].write_index(t)
+            _write_rows(writers[r], keep, pad if fmt.padded else None, np.flatnonzero(rank == r))
         return [{**wr.close(), "rank": r} for r, wr in writers.items()]
     except BaseException:
         for wr in writers.values():
@@ -271,7 +335,16 @@ def write_slice_epoch(output: Output, d: Path, ne: _NodeEpoch, keep: np.ndarray,
         raise
 
 
-def hash_owned_shards(ne: _NodeEpoch, owned: np.ndarray, scratch: Path, run_epoch: Path,
+def _write_rows(writer, rows: np.ndarray, pad: np.ndarray | None, sel) -> None:
+    for c in range(0, len(sel), WRITE_ROWS):
+        t = rows[sel[c:c + WRITE_ROWS]]
+        writer.write_tokens(t)
+        writer.write_index(t)
+    if pad is not None:
+        writer.write_pad(pad[sel])
+
+
+def hash_owned_shards(ne: _NodeEpoch, owned: np.ndarray, pad: np.ndarray, scratch: Path, run_epoch: Path,
                       fmt: EpochShardFormat) -> list[tuple[int, dict]]:
     """Each owned epoch shard through the epoch shard writer (in `scratch`, local): its manifest
     entry as `tokpack shuffle` records it; its row hashes (and padding) go to RUN, the rest is removed."""
@@ -285,10 +358,7 @@ def hash_owned_shards(ne: _NodeEpoch, owned: np.ndarray, scratch: Path, run_epoc
         writer = LocalOutput().open_shard(place, fmt)
         try:
             base = int(ne.owned_base[i])
-            for c in range(0, g1 - g0, WRITE_ROWS):
-                t = owned[base + c: base + min(c + WRITE_ROWS, g1 - g0)].view(writer.dtype)
-                writer.write_tokens(t)
-                writer.write_index(t)
+            _write_rows(writer, owned, pad if fmt.padded else None, np.arange(base, base + g1 - g0))
             entry = writer.close()
         except BaseException:
             writer.abort()
@@ -303,6 +373,12 @@ def hash_owned_shards(ne: _NodeEpoch, owned: np.ndarray, scratch: Path, run_epoc
             f.unlink(missing_ok=True)
         out.append((i, entry))
     return out
+
+
+def _same_padding(sums, padding: int, epoch: int) -> None:
+    if sums[0] != padding or sums[1] != padding:
+        raise TokpackError("internal error: the exchange's rows do not hold the row table's padding",
+                           where=f"epoch {epoch}", expected=padding, found=sums, hint="report this with the command line")
 
 
 def _empty_dest(dest: Path) -> None:
@@ -357,10 +433,6 @@ def shuffle_to_nodes(sources: list[str], output: str, dest: str, *, ranks_per_no
 def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_batch, memory, log, t0, options) -> dict:
     setup = together(comm, lambda: setup_run(sources, str(out), to=LocalOutput(), **options))
     runplan, opened, weights, shard_samples = setup.runplan, setup.sources, setup.weights, setup.shard_samples
-    for _, plan, _ in setup.todo:
-        if packings.of_plan(plan).name != packings.DEFAULT:
-            raise TokpackError(f"--to-nodes does not write {packings.of_plan(plan).name} epochs yet", where="--packing",
-                               hint="shuffle to RUN, then `tokpack stage RUN DEST --node n/N` on each node")
     rows = RankRows(w, micro_batch, 0)
     output: Output = LocalOutput()  # DEST is on the node
     created = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
@@ -378,28 +450,36 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_bat
                                hint="a rerun of --to-nodes over a written epoch is not implemented yet; stage it "
                                     "with `tokpack stage RUN DEST --node n/N` or write another -o")
         first = numbering.first(epoch)
-        fmt = EpochShardFormat(job.token_dtype, plan.seq_len, job.eos_id, job.tokenizer)
-        ne = _NodeEpoch(job, job.open_sources(), rows, first, n, N, ranks)
         e0 = time.perf_counter()
+        # Scratch (a best-fit epoch's row table, the owned shards on their way to their checksums)
+        # goes to the node's DEST, never to RUN.
+        job = replace(job, work_dir=str(dest / WORK_DIR / Path(job.work_dir).name))
+        packing = packings.of_plan(plan)
+        prepared = together(comm, lambda: packing.prepare(job, memory))  # every node builds the same table
+        fmt = EpochShardFormat(job.token_dtype, plan.seq_len, job.eos_id, job.tokenizer, padded="table" in prepared)
+        ne = _NodeEpoch(job, job.open_sources(), rows, first, n, N, ranks, prepared)
         per_round = together(comm, lambda: (check_space([(dest, ne.keep_bytes)], "shuffle",
                                                         hint="free some space on this node's DEST"),
-                                            round_rows(ne, memory))[1])
-        keep, owned, rounds = together(comm, lambda: exchange_epoch(comm, MPI, ne, per_round))
+                                            round_tokens(ne, memory))[1])
+        keep, keep_pad, owned, owned_pad, rounds = together(comm, lambda: exchange_epoch(comm, MPI, ne, per_round))
+        if fmt.padded:  # every row is some node's and some owner's: both sums are the table's padding
+            sums = comm.allreduce((int(keep_pad.sum()), int(owned_pad.sum())))
+            together(comm, lambda: _same_padding(sums, prepared["padding"], epoch))
         log(f"shuffle --to-nodes: epoch {epoch}: {plan.samples} samples exchanged among {N} nodes in {rounds} rounds")
         d = dest / epoch_dir_name(epoch)
-        entries = together(comm, lambda: write_slice_epoch(output, d, ne, keep, fmt))
-        scratch = dest / WORK_DIR / f"{epoch_dir_name(epoch)}-owned"
-        owned_entries = together(comm, lambda: hash_owned_shards(ne, owned, scratch, Path(job.epoch_dir), fmt))
+        entries = together(comm, lambda: write_slice_epoch(output, d, ne, keep, keep_pad, fmt))
+        scratch = Path(job.work_dir) / "owned"
+        owned_entries = together(comm, lambda: hash_owned_shards(ne, owned, owned_pad, scratch, Path(job.epoch_dir),
+                                                                 fmt))
         shutil.rmtree(dest / WORK_DIR, ignore_errors=True)
-        del keep, owned
+        keep = owned = None  # freed before the next epoch's stores
         gathered = comm.gather(owned_entries, root=0)
 
         def run_manifests():
             if n != 0:
                 return
             by_shard = dict(entry for part in gathered for entry in part)
-            manifest = epoch_manifest_of(job, [by_shard[i] for i in range(job.n_shards)],
-                                         packings.of_plan(plan).prepare(job, memory))
+            manifest = epoch_manifest_of(job, [by_shard[i] for i in range(job.n_shards)], prepared)
             output.finish(job.epoch_dir, manifest)
             written = {e: read_manifest(out / epoch_dir_name(e), kind="epoch")
                        for e in sorted(set(done_epochs) | {epoch}) if (out / epoch_dir_name(e) / MANIFEST).exists()}
