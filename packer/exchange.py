@@ -463,7 +463,7 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_bat
                                             round_tokens(ne, memory))[1])
         keep, keep_pad, owned, owned_pad, rounds = together(comm, lambda: exchange_epoch(comm, MPI, ne, per_round))
         if fmt.padded:  # every row is some node's and some owner's: both sums are the table's padding
-            sums = comm.allreduce((int(keep_pad.sum()), int(owned_pad.sum())))
+            sums = comm.allreduce(np.array([keep_pad.sum(), owned_pad.sum()], dtype=np.int64)).tolist()
             together(comm, lambda: _same_padding(sums, prepared["padding"], epoch))
         log(f"shuffle --to-nodes: epoch {epoch}: {plan.samples} samples exchanged among {N} nodes in {rounds} rounds")
         d = dest / epoch_dir_name(epoch)

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from conftest import random_docs, require, write_source
 from tokpack.formats.manifest import MANIFEST, epoch_dir_name
-from tokpack.formats.shards import ROWS_SUFFIX
+from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.cli import main
 
@@ -96,31 +96,74 @@ def assert_same_slices(run: Path, dests: list[Path], exchanged_run: Path, prefix
 def assert_no_token_bytes(exchanged_run: Path, run: Path) -> None:
     """RUN holds the manifests, byte for byte shuffle's, and the row hashes: no token file."""
     files = {str(p.relative_to(exchanged_run)) for p in exchanged_run.rglob("*") if p.is_file()}
-    assert files and all(f.endswith((MANIFEST, ROWS_SUFFIX)) for f in files), sorted(files)[:8]
+    small = (MANIFEST, ROWS_SUFFIX, PAD_SUFFIX)  # a best-fit epoch's padding per row, 4 bytes each
+    assert files and all(f.endswith(small) for f in files), sorted(files)[:8]
     for f in files:
         assert (exchanged_run / f).read_bytes() == (run / f).read_bytes(), f
     materialised = {str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and p.name != "tokpack.lock"}
-    assert files == {f for f in materialised if f.endswith((MANIFEST, ROWS_SUFFIX))}
+    assert files == {f for f in materialised if f.endswith(small)}
 
 
-def test_windows_two_epochs_equal_shuffle_then_stage_node(source, tmp_path):
-    args = [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 2, "--shard-samples", 12]
+def exchange_equals_stage(tmp_path: Path, args: list) -> dict[int, dict]:
+    """--to-nodes on 4 processes against shuffle + stage --node of each node: every slice file
+    byte for byte, RUN's files shuffle's (manifests, row hashes) and no token file, several
+    exchange rounds an epoch; returns each process's summary."""
     run, dests = staged(tmp_path, args)
     exchanged = tmp_path / "exchanged"
     done = to_nodes(exchanged, str(tmp_path / "node{node}"), *args, "--memory", MEMORY)
     assert done.returncode == 0, done.stderr[-3000:]
     info = summaries(done)
     assert sorted(info) == list(range(NODES))
-    # several rounds of Alltoallv an epoch, bounded by --memory
-    assert all(d["rounds"] > 1 for s in info.values() for d in s["epochs_detail"]), info
+    assert all(d["rounds"] > 1 for s in info.values() for d in s["epochs_detail"]), info  # bounded by --memory
     assert_same_slices(run, dests, exchanged, tmp_path / "node")
     assert_no_token_bytes(exchanged, run)
-    # the slice reads as any node slice does: node 1's ranks 2 and 3 see what the full run serves them
+    # the slice reads as any node slice does: node 1's ranks see what the full run serves them
     full, part = SampleReader.open(run), SampleReader.open(tmp_path / "node1")
-    for rank in (2, 3):
+    for rank in (K, K + 1):
         a = [x.tolist() for x in full.batches(rank, NODES * K, M, 0)]
         b = [x.tolist() for x in part.batches(rank, NODES * K, M, 0)]
         assert a == b and a
+    return info
+
+
+def test_windows_two_epochs_equal_shuffle_then_stage_node(source, tmp_path):
+    info = exchange_equals_stage(tmp_path, [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 2, "--shard-samples", 12])
+    assert [d["epoch"] for d in info[0]["epochs_detail"]] == [0, 1]
+
+
+def test_best_fit_equals_shuffle_then_stage_node(source, tmp_path):
+    """Document pieces, not windows, cross the network; the rank files' `.ds.pad` and RUN's equal stage's and shuffle's."""
+    exchange_equals_stage(tmp_path, [source, "--seq-len", SEQ, "--seed", 2, "--epochs", 1, "--shard-samples", 12,
+                                     "--packing", "best-fit"])
+    assert any(p.name.endswith(PAD_SUFFIX) for p in (tmp_path / "node0").rglob("*"))
+
+
+def test_two_stage_schedule_equals_shuffle_then_stage_node(source, tmp_path):
+    """A schedule's epochs differ in size and mixture; their first samples G follow the run's numbering."""
+    other = write_source(tmp_path / "other", random_docs(np.random.default_rng(9), 80, 1000, 0), docs_per_shard=20)
+    (tmp_path / "run.yaml").write_text(f"""\
+seq_len: {SEQ}
+seed: 3
+shard_samples: 12
+stages:
+  - name: first
+    epochs: 1
+    sources: {{{source}: 1}}
+  - name: second
+    tokens: 6K
+    sources: {{{source}: 0.5, {other}: 0.5}}
+""")
+    info = exchange_equals_stage(tmp_path, ["--schedule", tmp_path / "run.yaml"])
+    assert [d["epoch"] for d in info[0]["epochs_detail"]] == [0, 1]
+
+
+def test_too_little_memory_is_one_line_per_node_and_writes_no_slice(source, tmp_path):
+    done = to_nodes(tmp_path / "run", str(tmp_path / "node{node}"), source, "--seq-len", SEQ, "--seed", 5,
+                    "--epochs", 1, "--shard-samples", 12, "--memory", "8KiB")
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith("tokpack: error:")]
+    assert lines and all("do not fit --memory" in line for line in lines) and "Traceback" not in done.stderr
+    assert not any(p.name.endswith(".ds") for p in tmp_path.rglob("*"))
 
 
 def test_mpi_extra_is_pinned_and_in_the_test_extra():
