@@ -119,9 +119,11 @@ def exchange_equals_stage(tmp_path: Path, args: list) -> dict[int, dict]:
     assert_no_token_bytes(exchanged, run)
     # the slice reads as any node slice does: node 1's ranks see what the full run serves them
     full, part = SampleReader.open(run), SampleReader.open(tmp_path / "node1")
+    first = min(json.loads(p.read_text())["first_sample"] for p in (tmp_path / "node1").glob(f"epoch-*/{MANIFEST}"))
+    start = -(-first // (NODES * K * M)) * NODES * K * M  # the first global batch the slice holds whole
     for rank in (K, K + 1):
-        a = [x.tolist() for x in full.batches(rank, NODES * K, M, 0)]
-        b = [x.tolist() for x in part.batches(rank, NODES * K, M, 0)]
+        a = [x.tolist() for x in full.batches(rank, NODES * K, M, start)]
+        b = [x.tolist() for x in part.batches(rank, NODES * K, M, start)]
         assert a == b and a
     return info
 
@@ -129,6 +131,14 @@ def exchange_equals_stage(tmp_path: Path, args: list) -> dict[int, dict]:
 def test_windows_two_epochs_equal_shuffle_then_stage_node(source, tmp_path):
     info = exchange_equals_stage(tmp_path, [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 2, "--shard-samples", 12])
     assert [d["epoch"] for d in info[0]["epochs_detail"]] == [0, 1]
+
+
+def test_weights_and_jitter_equal_shuffle_then_stage_node(source, tmp_path):
+    """Two weighted sources (one upsampled: a window read once is sent once per use) and jittered windows."""
+    other = write_source(tmp_path / "other", random_docs(np.random.default_rng(9), 40, 1000, 0), docs_per_shard=10)
+    info = exchange_equals_stage(tmp_path, [f"{source}=0.6", f"{other}=0.4", "--seq-len", SEQ, "--seed", 8,
+                                            "--samples", 400, "--epoch", 1, "--shard-samples", 12, "--jitter"])
+    assert [d["epoch"] for d in info[0]["epochs_detail"]] == [1]  # --epoch E alone: its G starts at 400
 
 
 def test_best_fit_equals_shuffle_then_stage_node(source, tmp_path):
