@@ -68,10 +68,10 @@ def source(tmp_path_factory) -> Path:
     return write_source(root / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
 
 
-def staged(tmp: Path, shuffle_args: list, run_name: str = "materialised") -> tuple[Path, list[Path]]:
+def staged(tmp: Path, shuffle_args: list, run_name: str = "materialised", memory: str = MEMORY) -> tuple[Path, list[Path]]:
     """`tokpack shuffle` then `tokpack stage --node n/N` for every node: what --to-nodes must equal."""
     run = tmp / run_name
-    cli("shuffle", *shuffle_args, "-o", run, "--memory", MEMORY)
+    cli("shuffle", *shuffle_args, "-o", run, "--memory", memory)
     dests = []
     for n in range(NODES):
         dests.append(tmp / f"staged{n}")
@@ -214,3 +214,42 @@ def test_dest_of_another_slice_or_foreign_files_is_refused(source, tmp_path):
     assert done.returncode == 1 and "DEST holds files that are not a node slice's" in done.stderr, done.stderr
     assert "node 3" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "run" / MANIFEST).exists()
+
+
+def test_a_killed_process_stops_the_job_naming_its_node_and_a_rerun_gives_the_same_bytes(tmp_path):
+    """SIGKILL of node 2's process once it writes its slice: the launcher stops the others at
+    once and names rank 2 (= node 2) in its message; the same command then finishes the job, with
+    the bytes shuffle + stage --node write (stale locks are taken over)."""
+    import signal
+    import time
+
+    source = write_source(tmp_path / "src", random_docs(np.random.default_rng(4), 1500, 1000, 0), docs_per_shard=150)
+    args = [source, "--seq-len", SEQ, "--seed", 6, "--epochs", 2, "--shard-samples", 100]
+    run, dests = staged(tmp_path, args)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               TOKPACK_PROGRESS="0")
+    exchanged, dest = tmp_path / "exchanged", str(tmp_path / "node{node}")
+    cmd = [mpirun(), "--oversubscribe", "-n", str(NODES), sys.executable, "-m", "tokpack", "shuffle", *map(str, args),
+           "-o", str(exchanged), "--to-nodes", dest, "--ranks-per-node", str(K), "--micro-batch", str(M),
+           "--memory", "1MiB", "--json"]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "node2" / epoch_dir_name(0)).exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        kids = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
+        victim = [int(k) for k in kids if b"OMPI_COMM_WORLD_RANK=2\0" in Path(f"/proc/{k}/environ").read_bytes()]
+        assert victim and job.poll() is None, "node 2 finished before it could be killed"
+        os.kill(victim[0], signal.SIGKILL)
+        _, err = job.communicate(timeout=30)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode != 0
+    assert "process rank 2" in " ".join(err.split()) and "signal 9" in err, err[-2000:]
+    assert not (tmp_path / "node2" / MANIFEST).exists()  # no slice vouched for while unfinished
+    done = to_nodes(exchanged, dest, *args, "--memory", "1MiB")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_slices(run, dests, exchanged, tmp_path / "node")
+    assert_no_token_bytes(exchanged, run)
