@@ -507,6 +507,9 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
                    "-o RUN gets only the manifests and row hashes.")
 @click.option("--ranks-per-node", type=click.IntRange(min=1), default=None, help="With --to-nodes: K ranks a node.")
 @click.option("--micro-batch", type=click.IntRange(min=1), default=None, help="With --to-nodes: m samples a rank a step.")
+@click.option("--keep-sources", "keep_sources", default=None, metavar="DIR",
+              help="With --to-nodes: each process keeps the source shards it reads, verified, in its local DIR "
+                   "({node} is replaced by n) and reads them there in later epochs, not on the shared filesystem.")
 @executor_options(tasks_help=SHUFFLE_TASKS_HELP)
 @SCRATCH
 @LOG_INTERVAL
@@ -527,8 +530,8 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
     to_nodes, ranks_per_node, micro_batch = kw.pop("to_nodes"), kw.pop("ranks_per_node"), kw.pop("micro_batch")
     if to_nodes is not None:
         return _shuffle_to_nodes(sources, output, epochs, as_json, to_nodes, ranks_per_node, micro_batch, kw)
-    if ranks_per_node is not None or micro_batch is not None:
-        raise click.UsageError("--ranks-per-node and --micro-batch go with --to-nodes DEST")
+    if ranks_per_node is not None or micro_batch is not None or kw.pop("keep_sources") is not None:
+        raise click.UsageError("--ranks-per-node, --micro-batch and --keep-sources go with --to-nodes DEST")
     executor = _executor_config(kw)
     quiet = as_json and log_interval() == 0  # --json asked for no lines: no bar on a terminal either
     result = shuffle_api(_weighted_sources(sources), output, epochs=epochs, executor=executor, log=_log(as_json),
@@ -568,7 +571,7 @@ def _shuffle_to_nodes(sources, output, epochs, as_json, dest, ranks_per_node, mi
                               epochs=epoch_numbers(1 if epochs is None and scheduled is None else epochs),
                               samples=kw["samples"], tokens=kw["tokens"], shard_samples=kw["shard_samples"],
                               memory=kw["memory"], jitter=kw["jitter"], schedule=scheduled, packing=kw["packing"],
-                              pad_id=kw["pad_id"], given=paths, log=_log(as_json))
+                              pad_id=kw["pad_id"], given=paths, keep_sources=kw["keep_sources"], log=_log(as_json))
     if as_json:
         click.echo(json.dumps(result))
     else:
@@ -789,7 +792,7 @@ def plan_shuffle(sources, output, epochs, epoch, as_json, **kw):
     epochs = _epochs_asked(sources, epochs, epoch, kw)
     if kw.pop("to_nodes") is not None:  # issue 33, item 7
         raise click.UsageError("plan shuffle --to-nodes is not implemented yet; plan the shuffle without it")
-    kw.pop("ranks_per_node"), kw.pop("micro_batch")
+    kw.pop("ranks_per_node"), kw.pop("micro_batch"), kw.pop("keep_sources")
     _emit_plan("shuffle", as_json, _weighted_sources(sources), output, epochs=epochs, executor=_executor_config(kw),
                **kw)
 

@@ -44,7 +44,8 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import LOCK_NAME, WORK_DIR, OutputLock, check_space, holder_name
-from tokpack.formats.io import commit_file, map_file, open_read, read_limited, remove_tmp_files, tmp_path
+from tokpack.formats.io import (commit_file, map_file, open_new, open_read, read_limited, remove_tmp_files, tmp_path,
+                                write_bytes_atomic)
 from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES, epoch_dir_name, parse_manifest, read_manifest
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace
@@ -53,7 +54,7 @@ from tokpack.formats.slices import RankRows, rank_file_name
 from tokpack.packer.slicing import _epoch_in_place, _previous_slice, slice_epoch, slice_ranks, slice_root
 from tokpack.shuffle import packings
 from tokpack.shuffle.packed import PackedTable
-from tokpack.shuffle.plan import iter_source_windows
+from tokpack.shuffle.plan import iter_source_windows, open_source
 from tokpack.shuffle.run import epoch_manifest_of, run_manifest_of, setup_run
 from tokpack.shuffle.steps import ShardHashes, shard_segments, source_changed_error, split_shards
 
@@ -130,19 +131,43 @@ class _NodeEpoch:
     def owner_of(self, g: np.ndarray) -> np.ndarray:
         return (g // self.job.shard_samples) % self.nodes
 
+    def runs(self) -> list[tuple[int, int, int]]:
+        """This process's part of the sources: runs (source, first shard, end shard) of whole shards."""
+        runs = split_shards(self.plan, self.sources, self.nodes)
+        return runs[self.node] if self.node < len(runs) else []  # fewer source shards than nodes: none
+
+    def keep_sources(self, folder: Path) -> int:
+        """--keep-sources: the source shards this process reads (and the next one, which its last
+        windows may run into) copied, verified, into `folder` once; from then on they are read
+        there, not on the shared filesystem. Returns the bytes copied now."""
+        copied, need = 0, {}
+        for s, k0, k1 in self.runs():
+            need.setdefault(s, set()).update(range(k0, min(k1 + 1, len(self.sources[s].shards))))
+        kept = list(self.sources)
+        for s, shards in sorted(need.items()):
+            src = self.sources[s]
+            d = folder / src.fingerprint
+            d.mkdir(parents=True, exist_ok=True)
+            if not (d / MANIFEST).exists():
+                write_bytes_atomic(d / MANIFEST, read_limited(src.path / MANIFEST, MAX_MANIFEST_BYTES, "manifest"),
+                                   fsync=True)
+            for k in sorted(shards):
+                copied += _keep_shard(src, k, d)
+            kept[s] = open_source(d, check_sizes=False)  # its other shards are never read here
+        self.sources = kept
+        return copied
+
     def reads(self, tokens: int):
         """(pieces, their tokens back to back): every piece this process reads, about `tokens`
         tokens at a time, in read order, each with its output row g, offset in the row and
         length (PIECE). A window is a piece of a whole row; one the epoch uses twice comes twice."""
         plan, job = self.plan, self.job
-        runs = split_shards(plan, self.sources, self.nodes)
-        if self.node >= len(runs):  # fewer source shards than nodes: this one reads none
-            return
+        runs = self.runs()
         if self.padded:
-            yield from self._piece_reads(runs[self.node], tokens)
+            yield from self._piece_reads(runs, tokens)
             return
         row = plan.row_tokens
-        for s, w0, w1, k0, k1 in shard_segments(plan, self.sources, runs[self.node]):
+        for s, w0, w1, k0, k1 in shard_segments(plan, self.sources, runs):
             shards = ShardHashes(self.sources[s], k0, k1, _changed)
             for a, block in iter_source_windows(plan, s, self.sources[s], max(1, tokens // row) * job.row_bytes,
                                                 w0=w0, w1=w1, on_read=shards.feed):
@@ -173,6 +198,35 @@ class _NodeEpoch:
                     yield pieces, data[_ranges(found_pieces["local"].astype(np.int64),
                                                found_pieces["length"].astype(np.int64))]
                 del data
+
+
+def _keep_shard(src, k: int, folder: Path) -> int:
+    """Source shard k copied into `folder` (its xxh3_128 checked as it streams, renamed into place
+    once whole); a copy already there at its size is kept (the epoch's reads verify it). Returns
+    the bytes copied."""
+    shard = src.shards[k]
+    size = int(shard["tokens"]) * src.dtype.itemsize
+    target = folder / shard["path"]
+    if target.is_file() and target.stat().st_size == size:
+        return 0
+    tmp = tmp_path(target)
+    h = xxhash.xxh3_128()
+    try:
+        with open_read(src.path / shard["path"], size=size) as fin, open_new(tmp) as fout:
+            buf = memoryview(bytearray(min(max(size, 1), KEEP_BLOCK)))
+            while n := fin.readinto(buf):
+                h.update(buf[:n])
+                fout.write(buf[:n])
+        if h.hexdigest() != shard["xxh3_128"]:
+            _changed(src.path / shard["path"], shard["xxh3_128"], h.hexdigest())
+        commit_file(tmp, target, fsync=True)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size
+
+
+KEEP_BLOCK = 8 << 20  # --keep-sources copy buffer
 
 
 # A piece on the wire: its output row, where in the row it goes, its tokens.
@@ -391,9 +445,11 @@ def _read_raw(path: Path) -> bytes:
 def shuffle_to_nodes(sources: list[str], output: str, dest: str, *, ranks_per_node: int, micro_batch: int,
                      weights=None, seq_len=None, seed=None, epochs=None, samples=None, tokens=None,
                      shard_samples=None, memory: int = 4 << 30, jitter: bool = False, schedule=None,
-                     packing=None, pad_id=None, given=None, log=None) -> dict:
+                     packing=None, pad_id=None, given=None, keep_sources=None, log=None) -> dict:
     """Process n of MPI's N writes node n's slice of each epoch asked for into DEST (`{node}` -> n);
-    RUN gets the run's manifests and row hashes. Returns this process's summary."""
+    RUN gets the run's manifests and row hashes. `keep_sources`: a local folder (`{node}` -> n)
+    where the process keeps the source shards it reads, and reads them from in later epochs.
+    Returns this process's summary."""
     MPI, comm = world()
     n, N = comm.Get_rank(), comm.Get_size()
     log = log if n == 0 and log is not None else (lambda line: None)
@@ -413,7 +469,8 @@ def shuffle_to_nodes(sources: list[str], output: str, dest: str, *, ranks_per_no
                 locks.append(OutputLock(str(out), holder_name("shuffle")).acquire())
             locks.append(OutputLock(str(dest), holder_name("shuffle")).acquire())
         together(comm, lock)
-        return _run(comm, MPI, n, N, (a, b), w, sources, out, dest, ranks_per_node, micro_batch, memory, log, t0,
+        keep = None if keep_sources is None else node_dest(keep_sources, n)
+        return _run(comm, MPI, n, N, (a, b), w, sources, out, dest, ranks_per_node, micro_batch, memory, log, t0, keep,
                     dict(weights=weights, seq_len=seq_len, seed=seed, epochs=epochs, samples=samples, tokens=tokens,
                          shard_samples=shard_samples, memory=memory, jitter=jitter, workers=1, progress=False,
                          given=given, schedule=schedule, packing=packing, pad_id=pad_id))
@@ -489,7 +546,7 @@ def _numbering(setup, out: Path) -> EpochNumbering:
                                                  setup.shard_samples, setup.runplan, created), out)
 
 
-def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_batch, memory, log, t0, options) -> dict:
+def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_batch, memory, log, t0, keep, options) -> dict:
     setup, previous = _resumed_setup(comm, n, out, dest, ranks, w, micro_batch, {**options, "sources": sources})
     runplan, opened, weights, shard_samples = setup.runplan, setup.sources, setup.weights, setup.shard_samples
     rows = RankRows(w, micro_batch, 0)
@@ -517,6 +574,7 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_bat
         prepared = together(comm, lambda: packing.prepare(job, memory))  # every node builds the same table
         fmt = EpochShardFormat(job.token_dtype, plan.seq_len, job.eos_id, job.tokenizer, padded="table" in prepared)
         ne = _NodeEpoch(job, job.open_sources(), rows, first, n, N, ranks, prepared)
+        kept = 0 if keep is None else together(comm, lambda: ne.keep_sources(keep))
         per_round = together(comm, lambda: (check_space([(dest, ne.keep_bytes)], "shuffle",
                                                         hint="free some space on this node's DEST"),
                                             round_tokens(ne, memory))[1])
@@ -560,6 +618,7 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_bat
 
         tokens = together(comm, commit_slice_epoch)
         summaries.append({"epoch": epoch, "rounds": rounds, "rows_kept": sum(s["samples"] for s in entries),
+                          "source_bytes_kept_now": kept,
                           "tokens_kept": tokens, "seconds": round(time.perf_counter() - e0, 3)})
 
     def commit_root():

@@ -253,3 +253,26 @@ def test_a_killed_process_stops_the_job_naming_its_node_and_a_rerun_gives_the_sa
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_slices(run, dests, exchanged, tmp_path / "node")
     assert_no_token_bytes(exchanged, run)
+
+
+def test_a_later_epoch_reads_the_kept_sources_and_no_source_shard_on_the_shared_folder(tmp_path):
+    """--keep-sources: epoch 0 copies each process's source shards to its local DIR; then the
+    shared shards are overwritten (same size, other bytes: any read of them fails its checksum),
+    and epoch 1, from the kept copies alone, still equals shuffle + stage --node."""
+    source = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
+    args = [source, "--seq-len", SEQ, "--seed", 5, "--shard-samples", 12, "--memory", MEMORY]
+    run, dests = staged(tmp_path, [*args[:-2], "--epochs", 2])
+    exchanged, dest, keep = tmp_path / "exchanged", str(tmp_path / "node{node}"), str(tmp_path / "kept{node}")
+    done = to_nodes(exchanged, dest, *args, "--epoch", 0, "--keep-sources", keep)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = summaries(done)
+    shard_bytes = sum(p.stat().st_size for p in source.glob("*.ds"))
+    kept = sum(s["epochs_detail"][0]["source_bytes_kept_now"] for s in first.values())
+    assert shard_bytes <= kept < 2 * shard_bytes  # each process its part and the shard after it
+    for p in source.glob("*.ds"):
+        p.write_bytes(bytes(p.stat().st_size))
+    done = to_nodes(exchanged, dest, *args, "--epoch", 1, "--keep-sources", keep)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert all(s["epochs_detail"][0]["source_bytes_kept_now"] == 0 for s in summaries(done).values())
+    assert_same_slices(run, dests, exchanged, tmp_path / "node")
+    assert_no_token_bytes(exchanged, run)
