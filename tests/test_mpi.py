@@ -217,9 +217,11 @@ def test_dest_of_another_slice_or_foreign_files_is_refused(source, tmp_path):
 
 
 def test_a_killed_process_stops_the_job_naming_its_node_and_a_rerun_gives_the_same_bytes(tmp_path):
-    """SIGKILL of node 2's process once it writes its slice: the launcher stops the others at
+    """SIGKILL of node 2's process once it holds its DEST's lock: the launcher stops the others at
     once and names rank 2 (= node 2) in its message; the same command then finishes the job, with
-    the bytes shuffle + stage --node write (stale locks are taken over)."""
+    the bytes shuffle + stage --node write (stale locks are taken over). A kill between an epoch's
+    parts is test_rerun_redoes_an_epoch_a_node_lacks_and_skips_the_complete_ones's state, made there
+    by hand: a kill's timing here depends on the machine's load."""
     import signal
     import time
 
@@ -235,7 +237,7 @@ def test_a_killed_process_stops_the_job_naming_its_node_and_a_rerun_gives_the_sa
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 60
-        while not (tmp_path / "node2" / epoch_dir_name(0)).exists() and job.poll() is None and time.monotonic() < deadline:
+        while not (tmp_path / "node2" / "tokpack.lock").exists() and job.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         kids = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
         victim = [int(k) for k in kids if b"OMPI_COMM_WORLD_RANK=2\0" in Path(f"/proc/{k}/environ").read_bytes()]
@@ -248,7 +250,6 @@ def test_a_killed_process_stops_the_job_naming_its_node_and_a_rerun_gives_the_sa
             job.communicate()
     assert job.returncode != 0
     assert "process rank 2" in " ".join(err.split()) and "signal 9" in err, err[-2000:]
-    assert not (tmp_path / "node2" / MANIFEST).exists()  # no slice vouched for while unfinished
     done = to_nodes(exchanged, dest, *args, "--memory", "1MiB")
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_slices(run, dests, exchanged, tmp_path / "node")
