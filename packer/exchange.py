@@ -122,8 +122,8 @@ class _NodeEpoch:
             g0, g1 = job.shard_range(i)
             base += g1 - g0
         self.owned_rows = base
-        # Both stores, and each row's tokens still unfilled (its padding, once every piece is in).
-        self.keep_bytes = (len(self.positions) + self.owned_rows) * (rb + 8)
+        # Both stores, each row's tokens still unfilled (its padding, once every piece is in), the positions.
+        self.keep_bytes = (len(self.positions) + self.owned_rows) * (rb + 8) + 8 * len(self.positions)
 
     def node_of(self, g: np.ndarray) -> np.ndarray:
         return self.rows.rank_of(g + self.first) // self.per_node
