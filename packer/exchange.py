@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -44,13 +44,16 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import LOCK_NAME, WORK_DIR, OutputLock, check_space, holder_name
-from tokpack.formats.io import (commit_file, map_file, open_new, open_read, read_limited, remove_tmp_files, tmp_path,
+from tokpack.formats.io import (commit_file, map_file, open_new, open_read, read_array, read_limited, remove_tmp_files,
+                                tmp_path,
                                 write_bytes_atomic)
-from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES, epoch_dir_name, parse_manifest, read_manifest
+from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, epoch_dir_name, parse_manifest, read_manifest,
+                                      row_hashes)
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace
-from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX
+from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, U64
 from tokpack.formats.slices import RankRows, rank_file_name
+from tokpack.packer.shared import Result
 from tokpack.packer.slicing import _epoch_in_place, _previous_slice, slice_epoch, slice_ranks, slice_root
 from tokpack.shuffle import packings
 from tokpack.shuffle.packed import PackedTable
@@ -373,14 +376,19 @@ def write_slice_epoch(output: Output, d: Path, ne: _NodeEpoch, keep: np.ndarray,
     """Node n's rank files of the epoch, from its rows in epoch order: rank r's are those of its
     positions rank r reads, in increasing order (what stage --node writes), with their padding
     (best-fit: the `.ds.pad` beside them)."""
+    return write_rank_files(output, d, ne.rows, ne.positions, ne.first, ne.ranks, ne.plan.epoch, keep, pad, fmt)
+
+
+def write_rank_files(output: Output, d: Path, rows: RankRows, positions: np.ndarray, first: int, ranks, epoch: int,
+                     keep: np.ndarray, pad: np.ndarray, fmt: EpochShardFormat) -> list[dict]:
     d.mkdir(parents=True, exist_ok=True)
     output.unfinish(d)
     remove_tmp_files(d)
-    rank = ne.rows.rank_of(ne.positions + ne.first)
+    rank = rows.rank_of(positions + first)
     writers = {}
     try:
-        for r in range(ne.ranks[0], ne.ranks[1] + 1):
-            writers[r] = output.open_shard(ShardPlace(str(d), rank_file_name(r), r, epoch=ne.plan.epoch, rank=r), fmt)
+        for r in range(ranks[0], ranks[1] + 1):
+            writers[r] = output.open_shard(ShardPlace(str(d), rank_file_name(r), r, epoch=epoch, rank=r), fmt)
             _write_rows(writers[r], keep, pad if fmt.padded else None, np.flatnonzero(rank == r))
         return [{**wr.close(), "rank": r} for r, wr in writers.items()]
     except BaseException:
@@ -637,3 +645,137 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_bat
     return {"node": n, "nodes": N, "dest": str(dest), "run": str(out), "ranks": final["ranks"], "world_size": w,
             "micro_batch": micro_batch, "epochs": final["epochs"], "epochs_detail": summaries, "skipped": skipped,
             "seconds": round(time.perf_counter() - t0, 3)}
+
+
+# ------------------------------------------------------------------ a replacement node, alone
+
+
+@dataclass
+class ReplacementResult(Result):
+    """What `stage RUN DEST --node n/N` on a --to-nodes RUN prints with --json."""
+
+    kind: str
+    source: str
+    dest: str
+    ranks: list[int]
+    world_size: int
+    micro_batch: int
+    epochs: list[int]
+    built_from: str  # "sources": no token file in RUN
+    bytes_read: int  # the rows' source tokens and RUN's row hashes
+    bytes_kept: int
+    read_amplification: float | None
+    seconds: float
+
+
+def exchanged_run(run_dir) -> bool:
+    """Whether RUN was written by --to-nodes: its epochs hold row hashes and no token file."""
+    run_dir = Path(run_dir)
+    for m in sorted(run_dir.glob(f"epoch-*/{MANIFEST}")):
+        shards = parse_manifest(_read_raw(m), m, "epoch").get("shards") or []
+        if shards:
+            first = m.parent / shards[0]["path"]
+            return not first.exists() and Path(f"{first}{ROWS_SUFFIX}").exists()
+    return False
+
+
+def stage_replacement(run_dir, dest, *, node, ranks_per_node: int, micro_batch: int, epochs=None, log=None) -> dict:
+    """`tokpack stage RUN DEST --node n/N --ranks-per-node K --micro-batch m` on a RUN --to-nodes
+    wrote: node n's slice built from the sources alone, each of its rows read by a ranged read
+    (windows: its source tokens) and verified against RUN's row hashes; the exchange's bytes.
+    Best-fit epochs are not rebuilt this way yet (one line)."""
+    from tokpack.packer.staging import parse_epochs
+
+    t0 = time.perf_counter()
+    out, dest = Path(run_dir), Path(dest)
+    a, b, w = slice_ranks(node=node, ranks_per_node=ranks_per_node)
+    rows = RankRows(w, micro_batch, 0)
+    with OutputLock(str(dest), holder_name("stage")):
+        previous = _own_dest(dest, out, (a, b), w, micro_batch)
+        run, root = _slice_root_of_run(out, (a, b), w, micro_batch, 0)
+        numbering = EpochNumbering.of_run(run, out)
+        chosen = sorted(int(e) for e in run.get("epochs") or []) if epochs is None else parse_epochs(epochs)
+        output: Output = LocalOutput()
+        output.unfinish(dest)
+        read = kept = 0
+        for e in chosen:
+            d = dest / epoch_dir_name(e)
+            first = numbering.first(e)
+            raw = _read_raw(out / epoch_dir_name(e) / MANIFEST)
+            m = parse_manifest(raw, out / epoch_dir_name(e) / MANIFEST, "epoch")
+            want = slice_epoch(run, root, e, int(m["samples"]), first, raw)
+            if e in previous and _epoch_in_place(d, want):
+                continue
+            packing = packings.of_manifest(m)
+            if packing.name != packings.DEFAULT:
+                raise TokpackError(f"a replacement node of a --to-nodes run's {packing.name} epoch is not "
+                                   "implemented yet", file=out / epoch_dir_name(e), where="packing",
+                                   hint="rerun the --to-nodes command on every node: complete epochs are skipped")
+            sources = [open_source(src["path"]) for src in m["sources"] if int(src["samples"])]
+            plan = packing.from_manifest(m, sources, 256 << 20)
+            parts = list(rows.node_positions(first, plan.samples, (a, b), 1 << 20))
+            positions = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+            tokens, got = _rows_from_sources(plan, sources, positions)
+            expected, hashes_read = _run_row_hashes(out / epoch_dir_name(e), m, positions)
+            bad = np.flatnonzero(got != expected)
+            if len(bad):
+                g = int(positions[bad[0]])
+                raise TokpackError("a source row differs from the run's row hash", file=out / epoch_dir_name(e),
+                                   where=f"sample {g}", hint="the sources changed since the run was shuffled: "
+                                                             "run `tokpack validate` on them")
+            fmt = EpochShardFormat(tokens.dtype, int(m["seq_len"]), int(m["eos_id"]), m["tokenizer"])
+            entries = write_rank_files(output, d, rows, positions, first, (a, b), e, tokens, None, fmt)
+            want["shards"], want["tokens"] = entries, sum(x["tokens"] for x in entries)
+            output.finish(d, want)
+            read += tokens.nbytes + hashes_read
+            kept += tokens.nbytes
+            if log:
+                log(f"stage: epoch {e}: {len(positions):,} rows of ranks {a}-{b} rebuilt from the sources")
+        root["epochs"] = sorted(set(previous) | set(chosen))
+        root["tokens"] = sum(int(parse_manifest(read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES,
+                                                             "manifest"), dest, "slice-epoch")["tokens"])
+                             for e in root["epochs"])
+        output.finish(dest, root)
+    return ReplacementResult(kind="slice", source=str(out), dest=str(dest), ranks=root["ranks"], world_size=w,
+                             micro_batch=micro_batch, epochs=root["epochs"], built_from="sources", bytes_read=read,
+                             bytes_kept=kept, read_amplification=round(read / kept, 4) if kept else None,
+                             seconds=round(time.perf_counter() - t0, 3))
+
+
+def _rows_from_sources(plan, sources, positions: np.ndarray):
+    """The rows at epoch `positions`: each window's tokens read from its source (in source order,
+    so the reads go front to back), and their row hashes."""
+    row = plan.row_tokens
+    s, window, _ = plan.locate(positions)
+    dtype = sources[0].dtype
+    out = np.empty((len(positions), row), dtype=dtype)
+    order = np.lexsort((window, s))
+    handles: dict = {}
+    for i in order.tolist():
+        src = next(p for p in sources if p.fingerprint == plan.sources[int(s[i])].fingerprint)
+        start, _ = plan.token_range(int(s[i]), int(window[i]))
+        src.read_into(start, out[i], handles.setdefault(src.fingerprint, {}))
+    for files in handles.values():
+        for f in files.values():
+            f.close()
+    return out, row_hashes(out)
+
+
+def _run_row_hashes(epoch_dir: Path, m: dict, positions: np.ndarray) -> tuple[np.ndarray, int]:
+    """RUN's row hash of each position, from the shards' `.ds.rows` (each checked against its
+    manifest's rows_xxh3_128 first); returns them and the bytes read."""
+    per = int(m["shard_samples"])
+    expected = np.empty(len(positions), dtype=U64)
+    shard = positions // per
+    read = 0
+    for i in np.unique(shard).tolist():
+        entry = m["shards"][i]
+        path = epoch_dir / f"{entry['path']}{ROWS_SUFFIX}"
+        table = read_array(path, U64, int(entry["samples"]), folder=epoch_dir)
+        if xxhash.xxh3_128_hexdigest(table.tobytes()) != entry["rows_xxh3_128"]:
+            raise TokpackError("the run's row hashes do not match their manifest", file=path,
+                               where="rows_xxh3_128", hint="rerun the --to-nodes command that wrote the run")
+        sel = shard == i
+        expected[sel] = table[positions[sel] - i * per]
+        read += table.nbytes
+    return expected, read

@@ -277,3 +277,26 @@ def test_a_later_epoch_reads_the_kept_sources_and_no_source_shard_on_the_shared_
     assert all(s["epochs_detail"][0]["source_bytes_kept_now"] == 0 for s in summaries(done).values())
     assert_same_slices(run, dests, exchanged, tmp_path / "node")
     assert_no_token_bytes(exchanged, run)
+
+
+def test_a_replacement_node_alone_rebuilds_its_slice_from_the_sources(tmp_path):
+    """`stage RUN DEST --node n/N` on a --to-nodes RUN (no token file): node 2's slice from the
+    sources, each row verified against RUN's row hashes, byte for byte the exchange's; a source
+    changed since is one line, and nothing is committed."""
+    source = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
+    args = [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 2, "--shard-samples", 12, "--memory", MEMORY]
+    exchanged = tmp_path / "exchanged"
+    assert to_nodes(exchanged, str(tmp_path / "node{node}"), *args).returncode == 0
+    out = cli("stage", exchanged, tmp_path / "again", "--node", f"2/{NODES}", "--ranks-per-node", K, "--micro-batch", M,
+              "--json")
+    summary = json.loads(out)
+    assert summary["built_from"] == "sources" and summary["epochs"] == [0, 1]
+    assert 1 < summary["read_amplification"] < 1.3
+    assert tree(tmp_path / "again") == tree(tmp_path / "node2")
+    for shard in source.glob("*.ds"):  # same sizes, other tokens
+        shard.write_bytes(np.full(shard.stat().st_size // 2, 5, dtype="<u2").tobytes())
+    res = CliRunner().invoke(main, ["stage", str(exchanged), str(tmp_path / "other"), "--node", f"2/{NODES}",
+                                    "--ranks-per-node", str(K), "--micro-batch", str(M)])
+    assert res.exit_code == 1 and "differs from the run's row hash" in res.output, res.output
+    assert not (tmp_path / "other" / MANIFEST).exists()
+    assert not list((tmp_path / "other").glob(f"epoch-*/{MANIFEST}"))
