@@ -566,8 +566,8 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_bat
         out.mkdir(parents=True, exist_ok=True)
         output.finish(out, run_manifest_of({}, setup.todo[0][1], weights, opened, shard_samples, runplan))
     summaries, skipped = [], []
-    if any(job is not None for _, _, job in setup.todo):
-        output.unfinish(dest)  # the slice changes: its root manifest returns at the end
+    # As stage --node: the root manifest stays, listing the complete epochs, and is replaced at the
+    # end; a loader opening the slice meanwhile (training on epoch 0 while epoch 1 is built) sees those.
     for epoch, plan, job in setup.todo:
         if job is None:  # RUN and every node hold it complete (_resumed_setup): nothing to do
             skipped.append(epoch)
@@ -696,7 +696,6 @@ def stage_replacement(run_dir, dest, *, node, ranks_per_node: int, micro_batch: 
         numbering = EpochNumbering.of_run(run, out)
         chosen = sorted(int(e) for e in run.get("epochs") or []) if epochs is None else parse_epochs(epochs)
         output: Output = LocalOutput()
-        output.unfinish(dest)
         read = kept = 0
         for e in chosen:
             d = dest / epoch_dir_name(e)
