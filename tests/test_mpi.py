@@ -117,6 +117,8 @@ def exchange_equals_stage(tmp_path: Path, args: list) -> dict[int, dict]:
     assert all(d["rounds"] > 1 for s in info.values() for d in s["epochs_detail"]), info  # bounded by --memory
     assert_same_slices(run, dests, exchanged, tmp_path / "node")
     assert_no_token_bytes(exchanged, run)
+    # `validate SLICE --against RUN` proves a slice's rows and order from RUN's row hashes alone
+    assert "0 problems" in cli("validate", tmp_path / "node1", "--against", exchanged)
     # the slice reads as any node slice does: node 1's ranks see what the full run serves them
     full, part = SampleReader.open(run), SampleReader.open(tmp_path / "node1")
     first = min(json.loads(p.read_text())["first_sample"] for p in (tmp_path / "node1").glob(f"epoch-*/{MANIFEST}"))
