@@ -679,11 +679,13 @@ def exchanged_run(run_dir) -> bool:
     return False
 
 
-def stage_replacement(run_dir, dest, *, node, ranks_per_node: int, micro_batch: int, epochs=None, log=None) -> dict:
+def stage_replacement(run_dir, dest, *, node, ranks_per_node: int, micro_batch: int, epochs=None, log=None,
+                      memory: int = 256 << 20) -> "ReplacementResult":
     """`tokpack stage RUN DEST --node n/N --ranks-per-node K --micro-batch m` on a RUN --to-nodes
     wrote: node n's slice built from the sources alone, each of its rows read by a ranged read
     (windows: its source tokens) and verified against RUN's row hashes; the exchange's bytes.
-    Best-fit epochs are not rebuilt this way yet (one line)."""
+    A best-fit epoch's rows are assembled from the row table (rebuilt in DEST's scratch, within
+    `memory`, and checked against the manifest's table_xxh3_128), their padding checked against RUN's `.ds.pad`."""
     from tokpack.packer.staging import parse_epochs
 
     t0 = time.perf_counter()
@@ -706,24 +708,27 @@ def stage_replacement(run_dir, dest, *, node, ranks_per_node: int, micro_batch: 
             if e in previous and _epoch_in_place(d, want):
                 continue
             packing = packings.of_manifest(m)
-            if packing.name != packings.DEFAULT:
-                raise TokpackError(f"a replacement node of a --to-nodes run's {packing.name} epoch is not "
-                                   "implemented yet", file=out / epoch_dir_name(e), where="packing",
-                                   hint="rerun the --to-nodes command on every node: complete epochs are skipped")
-            sources = [open_source(src["path"]) for src in m["sources"] if int(src["samples"])]
-            plan = packing.from_manifest(m, sources, 256 << 20)
+            padded = packing.name != packings.DEFAULT  # best-fit: rows from the row table's pieces
+            sources = [open_source(src["path"]) if int(src["samples"]) or padded else None for src in m["sources"]]
+            plan = packing.from_manifest(m, [src for src in sources if src is not None], memory)
             parts = list(rows.node_positions(first, plan.samples, (a, b), 1 << 20))
             positions = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-            tokens, got = _rows_from_sources(plan, sources, positions)
-            expected, hashes_read = _run_row_hashes(out / epoch_dir_name(e), m, positions)
+            epoch_dir = out / epoch_dir_name(e)
+            if padded:
+                tokens, got, pad, pads_read = _packed_rows(plan, sources, m, positions, epoch_dir,
+                                                           dest / WORK_DIR / f"replace-{epoch_dir_name(e)}", memory)
+            else:
+                (tokens, got), pad, pads_read = _rows_from_sources(plan, sources, positions), None, 0
+            expected, hashes_read = _run_row_hashes(epoch_dir, m, positions)
             bad = np.flatnonzero(got != expected)
             if len(bad):
                 g = int(positions[bad[0]])
-                raise TokpackError("a source row differs from the run's row hash", file=out / epoch_dir_name(e),
+                raise TokpackError("a source row differs from the run's row hash", file=epoch_dir,
                                    where=f"sample {g}", hint="the sources changed since the run was shuffled: "
                                                              "run `tokpack validate` on them")
-            fmt = EpochShardFormat(tokens.dtype, int(m["seq_len"]), int(m["eos_id"]), m["tokenizer"])
-            entries = write_rank_files(output, d, rows, positions, first, (a, b), e, tokens, None, fmt)
+            fmt = EpochShardFormat(tokens.dtype, int(m["seq_len"]), int(m["eos_id"]), m["tokenizer"], padded=padded)
+            entries = write_rank_files(output, d, rows, positions, first, (a, b), e, tokens, pad, fmt)
+            hashes_read += pads_read
             want["shards"], want["tokens"] = entries, sum(x["tokens"] for x in entries)
             output.finish(d, want)
             read += tokens.nbytes + hashes_read
@@ -741,11 +746,59 @@ def stage_replacement(run_dir, dest, *, node, ranks_per_node: int, micro_batch: 
                              seconds=round(time.perf_counter() - t0, 3))
 
 
+def _packed_rows(plan, sources, m: dict, positions: np.ndarray, epoch_dir: Path, work: Path, memory: int):
+    """A best-fit epoch's rows at `positions`, from the row table and the sources' documents, with
+    their row hashes and padding (checked against RUN's `.ds.pad`); and the padding bytes read."""
+    from tokpack.shuffle.packed import TokenPool, row_padding
+    from tokpack.shuffle.steps import EpochJob
+
+    first = next(src for src in sources if src is not None)
+    job = EpochJob(plan, tuple(str(src.path) for src in sources), m["dtype"], int(m["eos_id"]), m["tokenizer"],
+                   str(epoch_dir), str(work), int(m["shard_samples"]))
+    prepared = packings.of_manifest(m).prepare(job, memory)
+    if prepared["table_xxh3_128"] != m["packing"]["table_xxh3_128"]:
+        raise TokpackError("the row table rebuilt from the sources is not the run's", file=epoch_dir / MANIFEST,
+                           where="packing.table_xxh3_128", expected=m["packing"]["table_xxh3_128"],
+                           found=prepared["table_xxh3_128"], hint="the sources changed since the run was shuffled")
+    built = PackedTable.open(prepared["table"], prepared["table_xxh3_128"])
+
+    def changed(src, k, tokens):
+        pass  # each row is checked against RUN's row hash instead: the node reads only its rows' documents
+
+    pool = TokenPool(plan, sources, changed)
+    row = plan.row_tokens
+    out = np.empty((len(positions), row), dtype=first.dtype)
+    pad = np.empty(len(positions), dtype="<u4")
+    cuts = np.flatnonzero(np.diff(positions) != 1) + 1  # runs of consecutive positions: a global batch's
+    for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(positions)]):
+        g0, g1 = int(positions[lo]), int(positions[hi - 1]) + 1
+        table, starts = built.rows(g0, g1)
+        out[lo:hi] = pool.rows(table, g0, g1, row, plan.pad_id, starts)
+        pad[lo:hi] = row_padding(table, g1 - g0, row, g0)
+    per, read = int(m["shard_samples"]), 0
+    shard = positions // per
+    for i in np.unique(shard).tolist():
+        entry = m["shards"][i]
+        path = epoch_dir / f"{entry['path']}{PAD_SUFFIX}"
+        recorded = read_array(path, "<u4", int(entry["samples"]), folder=epoch_dir)
+        read += recorded.nbytes
+        if xxhash.xxh3_128_hexdigest(recorded.tobytes()) != entry["pad_xxh3_128"]:
+            raise TokpackError("the run's padding does not match its manifest", file=path, where="pad_xxh3_128",
+                               hint="rerun the --to-nodes command that wrote the run")
+        sel = shard == i
+        if (recorded[positions[sel] - i * per] != pad[sel]).any():
+            raise TokpackError("a rebuilt row's padding differs from the run's", file=path,
+                               hint="the sources changed since the run was shuffled")
+    shutil.rmtree(work.parent, ignore_errors=True)
+    return out, row_hashes(out), pad, read
+
+
 def _rows_from_sources(plan, sources, positions: np.ndarray):
     """The rows at epoch `positions`: each window's tokens read from its source (in source order,
     so the reads go front to back), and their row hashes."""
     row = plan.row_tokens
     s, window, _ = plan.locate(positions)
+    sources = [src for src in sources if src is not None]
     dtype = sources[0].dtype
     out = np.empty((len(positions), row), dtype=dtype)
     order = np.lexsort((window, s))

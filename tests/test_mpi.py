@@ -302,3 +302,18 @@ def test_a_replacement_node_alone_rebuilds_its_slice_from_the_sources(tmp_path):
     assert res.exit_code == 1 and "differs from the run's row hash" in res.output, res.output
     assert not (tmp_path / "other" / MANIFEST).exists()
     assert not list((tmp_path / "other").glob(f"epoch-*/{MANIFEST}"))
+
+
+def test_a_replacement_node_of_a_best_fit_run_rebuilds_its_rows_and_padding(tmp_path):
+    """Best-fit: the row table rebuilt in DEST's scratch (its checksum the manifest's), the node's
+    rows assembled from their documents, checked against RUN's row hashes and `.ds.pad`."""
+    source = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
+    args = [source, "--seq-len", SEQ, "--seed", 2, "--epochs", 1, "--shard-samples", 12, "--memory", MEMORY,
+            "--packing", "best-fit"]
+    exchanged = tmp_path / "exchanged"
+    assert to_nodes(exchanged, str(tmp_path / "node{node}"), *args).returncode == 0
+    summary = json.loads(cli("stage", exchanged, tmp_path / "again", "--node", f"1/{NODES}", "--ranks-per-node", K,
+                             "--micro-batch", M, "--json"))
+    assert summary["built_from"] == "sources" and summary["epochs"] == [0]
+    assert tree(tmp_path / "again") == tree(tmp_path / "node1")
+    assert not (tmp_path / "again" / ".tokpack-work").exists()
