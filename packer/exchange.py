@@ -51,7 +51,7 @@ from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, epoch_dir_na
                                       row_hashes)
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace
-from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, U64
+from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, U64, tokens_on_nodes
 from tokpack.formats.slices import RankRows, rank_file_name
 from tokpack.packer.shared import Result
 from tokpack.packer.slicing import _epoch_in_place, _previous_slice, slice_epoch, slice_ranks, slice_root
@@ -670,12 +670,10 @@ class ReplacementResult(Result):
 
 def exchanged_run(run_dir) -> bool:
     """Whether RUN was written by --to-nodes: its epochs hold row hashes and no token file."""
-    run_dir = Path(run_dir)
-    for m in sorted(run_dir.glob(f"epoch-*/{MANIFEST}")):
+    for m in sorted(Path(run_dir).glob(f"epoch-*/{MANIFEST}")):
         shards = parse_manifest(_read_raw(m), m, "epoch").get("shards") or []
         if shards:
-            first = m.parent / shards[0]["path"]
-            return not first.exists() and Path(f"{first}{ROWS_SUFFIX}").exists()
+            return tokens_on_nodes(m.parent, shards)
     return False
 
 

@@ -117,8 +117,10 @@ def exchange_equals_stage(tmp_path: Path, args: list) -> dict[int, dict]:
     assert all(d["rounds"] > 1 for s in info.values() for d in s["epochs_detail"]), info  # bounded by --memory
     assert_same_slices(run, dests, exchanged, tmp_path / "node")
     assert_no_token_bytes(exchanged, run)
-    # `validate SLICE --against RUN` proves a slice's rows and order from RUN's row hashes alone
+    # `validate SLICE --against RUN` proves a slice's rows and order from RUN's row hashes alone;
+    # `validate RUN` checks the manifests and the row hashes the run holds
     assert "0 problems" in cli("validate", tmp_path / "node1", "--against", exchanged)
+    assert "0 problems" in cli("validate", exchanged)
     # the slice reads as any node slice does: node 1's ranks see what the full run serves them
     full, part = SampleReader.open(run), SampleReader.open(tmp_path / "node1")
     first = min(json.loads(p.read_text())["first_sample"] for p in (tmp_path / "node1").glob(f"epoch-*/{MANIFEST}"))
@@ -133,6 +135,12 @@ def exchange_equals_stage(tmp_path: Path, args: list) -> dict[int, dict]:
 def test_windows_two_epochs_equal_shuffle_then_stage_node(source, tmp_path):
     info = exchange_equals_stage(tmp_path, [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 2, "--shard-samples", 12])
     assert [d["epoch"] for d in info[0]["epochs_detail"]] == [0, 1]
+    rows = sorted((tmp_path / "exchanged" / epoch_dir_name(1)).glob(f"*{ROWS_SUFFIX}"))[3]
+    damaged = bytearray(rows.read_bytes())
+    damaged[9] ^= 1
+    rows.write_bytes(bytes(damaged))
+    res = CliRunner().invoke(main, ["validate", str(tmp_path / "exchanged")])
+    assert res.exit_code != 0 and "row hashes damaged" in res.output and rows.name in res.output, res.output
 
 
 def test_weights_and_jitter_equal_shuffle_then_stage_node(source, tmp_path):
