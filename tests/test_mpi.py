@@ -325,3 +325,17 @@ def test_a_replacement_node_of_a_best_fit_run_rebuilds_its_rows_and_padding(tmp_
     assert summary["built_from"] == "sources" and summary["epochs"] == [0]
     assert tree(tmp_path / "again") == tree(tmp_path / "node1")
     assert not (tmp_path / "again" / ".tokpack-work").exists()
+
+
+def test_a_dest_or_run_in_use_by_another_command_is_refused(source, tmp_path):
+    """Another command holding node 1's DEST (or RUN) lock: every process exits 1, the others
+    naming node 1 (or 0, which takes RUN's lock), and nothing is written."""
+    from tokpack.formats.guard import OutputLock
+
+    args = [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 1, "--shard-samples", 12, "--memory", MEMORY]
+    for held, node in ((tmp_path / "node1", 1), (tmp_path / "run", 0)):
+        with OutputLock(str(held), "tokpack stage (a test)"):
+            done = to_nodes(tmp_path / "run", str(tmp_path / "node{node}"), *args)
+        assert done.returncode == 1 and "in use by another tokpack command" in done.stderr, done.stderr
+        assert f"node {node} failed" in done.stderr and "Traceback" not in done.stderr
+        assert not list(tmp_path.rglob(MANIFEST)) and not list(tmp_path.rglob("*.ds"))
