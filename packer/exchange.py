@@ -34,6 +34,7 @@ from such a RUN, `validate RUN` of one, --keep-sources, fault handling beyond MP
 
 from __future__ import annotations
 
+import resource
 import shutil
 import time
 from dataclasses import dataclass, replace
@@ -644,6 +645,7 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_bat
         f"the manifests and row hashes")
     return {"node": n, "nodes": N, "dest": str(dest), "run": str(out), "ranks": final["ranks"], "world_size": w,
             "micro_batch": micro_batch, "epochs": final["epochs"], "epochs_detail": summaries, "skipped": skipped,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
             "seconds": round(time.perf_counter() - t0, 3)}
 
 
