@@ -25,11 +25,18 @@ Process n of N:
 
 Process 0 writes RUN's manifests (the epoch's after every owner's entries, then the run's);
 then every process reads them back (a few KiB from the shared filesystem) and commits its
-slice epoch's manifest, then its slice's.
+slice epoch's manifest, then its slice's root. A best-fit epoch moves document pieces instead of
+rows (a window is a piece of a whole row): every process builds the row table in its DEST's
+scratch, and the rows are assembled, with their padding, where they arrive.
 
-Not yet (docs in /work/notes/mpi.md): best-fit (refused with one line), out-of-core ordering (a
-node whose rows do not fit --memory is refused with one line), `stage` of a replacement node
-from such a RUN, `validate RUN` of one, --keep-sources, fault handling beyond MPI's own abort.
+A rerun resumes (`_resumed_setup`): the epochs complete on every node are skipped, the others
+written again on every node. `--keep-sources DIR` keeps each process's source shards on its
+disk for the later epochs. `stage RUN DEST --node n/N` on such a RUN (a replacement node) is
+`stage_replacement`: the node's rows rebuilt from the sources, checked against RUN's row hashes.
+
+Not yet (docs/COMMANDS.md, "Straight to the nodes"): ordering a node's rows out of core (a node
+whose rows do not fit --memory is refused with one line), `plan shuffle --to-nodes`, a batch
+phase (`--start-sample`), a tokpack line of its own when a peer is killed (the launcher's names it).
 """
 
 from __future__ import annotations
@@ -520,12 +527,12 @@ def _in_place(out: Path, dest: Path, epoch: int, first: int, samples: int, ranks
     return _epoch_in_place(dest / epoch_dir_name(epoch), slice_epoch(run, root, epoch, samples, first, raw))
 
 
-def _resumed_setup(comm, n, out: Path, dest: Path, ranks, w, micro_batch, options):
+def _resumed_setup(comm, n, out: Path, dest: Path, ranks, w, micro_batch, sources, options):
     """setup_run on every process, after a rerun's bookkeeping: an epoch RUN lists but some node
     lacks (killed before its slice was committed) is written again, whole, on every node, with
     the same bytes: process 0 withdraws its RUN epoch manifest first (rewritten identically)."""
     previous = together(comm, lambda: _own_dest(dest, out, ranks, w, micro_batch))
-    setup = together(comm, lambda: setup_run(sources_of(options), str(out), to=LocalOutput(), **rest_of(options)))
+    setup = together(comm, lambda: setup_run(sources, str(out), to=LocalOutput(), **options))
     numbering = _numbering(setup, out)
     written = [(e, plan) for e, plan, job in setup.todo if job is None]
     here = together(comm, lambda: [_in_place(out, dest, e, numbering.first(e), plan.samples, ranks, w, micro_batch)
@@ -537,16 +544,8 @@ def _resumed_setup(comm, n, out: Path, dest: Path, ranks, w, micro_batch, option
             for e in again:
                 LocalOutput().unfinish(out / epoch_dir_name(e))
         comm.Barrier()
-        setup = together(comm, lambda: setup_run(sources_of(options), str(out), to=LocalOutput(), **rest_of(options)))
+        setup = together(comm, lambda: setup_run(sources, str(out), to=LocalOutput(), **options))
     return setup, previous
-
-
-def sources_of(options: dict):
-    return options["sources"]
-
-
-def rest_of(options: dict) -> dict:
-    return {k: v for k, v in options.items() if k != "sources"}
 
 
 def _numbering(setup, out: Path) -> EpochNumbering:
@@ -556,7 +555,7 @@ def _numbering(setup, out: Path) -> EpochNumbering:
 
 
 def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_batch, memory, log, t0, keep, options) -> dict:
-    setup, previous = _resumed_setup(comm, n, out, dest, ranks, w, micro_batch, {**options, "sources": sources})
+    setup, previous = _resumed_setup(comm, n, out, dest, ranks, w, micro_batch, sources, options)
     runplan, opened, weights, shard_samples = setup.runplan, setup.sources, setup.weights, setup.shard_samples
     rows = RankRows(w, micro_batch, 0)
     output: Output = LocalOutput()  # DEST is on the node
