@@ -51,7 +51,7 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.guard import LOCK_NAME, WORK_DIR, OutputLock, check_space, holder_name
+from tokpack.formats.guard import LOCK_NAME, WORK_DIR, OutputLock, check_space, holder_name, is_no_space
 from tokpack.formats.io import (commit_file, map_file, open_new, open_read, read_array, read_limited, remove_tmp_files,
                                 tmp_path,
                                 write_bytes_atomic)
@@ -92,21 +92,35 @@ def node_dest(dest, node: int) -> Path:
     return Path(str(dest).replace(NODE, str(node)))
 
 
+class PeerFailed(TokpackError):
+    """Another node failed: this one stops too, naming it."""
+
+
 def together(comm, fn):
-    """Runs `fn` on every process; if any failed, every process raises: its own error, or one line
-    naming the first node that failed (no process is left waiting in a collective)."""
+    """Runs `fn` on every process; if any failed, every process raises: its own error, its line
+    naming its node, or one line naming the first node that failed (no process is left waiting
+    in a collective)."""
+    node = comm.Get_rank()
     try:
         result, mine = fn(), None
     except TokpackError as e:
         result, mine = None, e
     except OSError as e:
-        result, mine = None, TokpackError(f"{type(e).__name__}: {e.strerror or e}", file=e.filename)
-    failed = comm.allgather(None if mine is None else str(mine))
+        result = None
+        if is_no_space(e):  # a node's DEST (or kept sources) filled up
+            mine = TokpackError("disk full", file=e.filename, found="No space left on device",
+                                hint="free some space on that node (or give it another DEST), then rerun the same "
+                                     "command: the epochs complete on every node are kept")
+        else:
+            mine = TokpackError(f"{type(e).__name__}: {e.strerror or e}", file=e.filename)
+    failed = comm.allgather(None if mine is None or isinstance(mine, PeerFailed) else str(mine))
     if mine is not None:
+        if comm.Get_size() > 1 and not isinstance(mine, PeerFailed) and not mine.message.startswith(f"node {node}: "):
+            mine.message = f"node {node}: {mine.message}"
         raise mine
-    for node, line in enumerate(failed):
+    for other, line in enumerate(failed):
         if line is not None:
-            raise TokpackError(f"node {node} failed: {line}", hint="fix what node names, then rerun the same command")
+            raise PeerFailed(f"node {other} failed: {line}")
     return result
 
 
@@ -270,7 +284,7 @@ def round_tokens(ne: _NodeEpoch, memory: int) -> int:
     limit = MAX_MESSAGE_BYTES // (2 * job.token_dtype.itemsize)
     t = min((memory - ne.keep_bytes) // per_token, limit)
     if t < MIN_ROUND_ROWS * job.plan.row_tokens:
-        raise TokpackError(f"node {ne.node}'s rows of epoch {job.plan.epoch} do not fit --memory", where="--memory",
+        raise TokpackError(f"this node's rows of epoch {job.plan.epoch} do not fit --memory", where="--memory",
                            expected=f">= {ne.keep_bytes + per_token * MIN_ROUND_ROWS * job.plan.row_tokens} bytes "
                                     f"({ne.keep_bytes} kept, the rest for the exchange's rounds)",
                            found=f"{memory} bytes",
@@ -319,7 +333,7 @@ def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int):
             raise failure
         for node, (_, line) in enumerate(status):
             if line is not None:
-                raise TokpackError(f"node {node} failed: {line}", hint="fix what node names, then rerun the same command")
+                raise PeerFailed(f"node {node} failed: {line}")
         if not any(c for c, _ in status):
             break
         rounds += 1
