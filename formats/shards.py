@@ -64,6 +64,15 @@ def shard_files(entry: dict, source: bool = False) -> list[tuple[str, int | None
     return [(suffix, *files[suffix]) for suffix in shard_suffixes(entry)]
 
 
+def tokens_on_nodes(directory, shards: list[dict]) -> bool:
+    """Whether an epoch folder was written by `shuffle --to-nodes` (tokpack.packer.exchange): its
+    shards' row hashes are here and their token files are on the nodes' disks, in node slices."""
+    directory = Path(directory)
+    return bool(shards) and all(isinstance(s, dict) and isinstance(s.get("path"), str) and "rows_xxh3_128" in s
+                                and not (directory / s["path"]).exists()
+                                and (directory / f"{s['path']}{ROWS_SUFFIX}").exists() for s in shards)
+
+
 def contained_shard(directory, entry: dict, i: int, regular: bool = True) -> "Path":
     """The token file of shard `i` (its manifest entry), once it and every file of the shard are
     known to stay inside `directory` (tokpack.formats.io.contained; a TokpackError otherwise).

@@ -509,6 +509,15 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
                    "by best-fit decreasing, per epoch (only documents longer than a sample are cut).")
 @click.option("--pad-id", type=click.IntRange(min=0), default=None,
               help="best-fit: the token that fills a sample's tail [default: the EOS id].")
+@click.option("--to-nodes", "to_nodes", default=None, metavar="DEST",
+              help="Under MPI (mpirun/srun, one process per node; pip install 'tokpack[mpi]'): process n writes "
+                   "node n's slice (as `stage RUN DEST --node n/N`) into its local DEST ({node} is replaced by n); "
+                   "-o RUN gets only the manifests and row hashes.")
+@click.option("--ranks-per-node", type=click.IntRange(min=1), default=None, help="With --to-nodes: K ranks a node.")
+@click.option("--micro-batch", type=click.IntRange(min=1), default=None, help="With --to-nodes: m samples a rank a step.")
+@click.option("--keep-sources", "keep_sources", default=None, metavar="DIR",
+              help="With --to-nodes: each process keeps the source shards it reads, verified, in its local DIR "
+                   "({node} is replaced by n) and reads them there in later epochs, not on the shared filesystem.")
 @executor_options(tasks_help=SHUFFLE_TASKS_HELP)
 @SCRATCH
 @LOG_INTERVAL
@@ -526,6 +535,11 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
     from tokpack.packer.api import shuffle as shuffle_api
 
     epochs = _epochs_asked(sources, epochs, epoch, kw)
+    to_nodes, ranks_per_node, micro_batch = kw.pop("to_nodes"), kw.pop("ranks_per_node"), kw.pop("micro_batch")
+    if to_nodes is not None:
+        return _shuffle_to_nodes(sources, output, epochs, as_json, to_nodes, ranks_per_node, micro_batch, kw)
+    if ranks_per_node is not None or micro_batch is not None or kw.pop("keep_sources") is not None:
+        raise click.UsageError("--ranks-per-node, --micro-batch and --keep-sources go with --to-nodes DEST")
     executor = _executor_config(kw)
     quiet = as_json and log_interval() == 0  # --json asked for no lines: no bar on a terminal either
     result = shuffle_api(_weighted_sources(sources), output, epochs=epochs, executor=executor, log=_log(as_json),
@@ -546,6 +560,31 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
                            f"fingerprint {r['fingerprint'][:16]})")
         for line in result.warnings:
             click.echo(f"tokpack: warning: {line}", err=True)
+
+
+def _shuffle_to_nodes(sources, output, epochs, as_json, dest, ranks_per_node, micro_batch, kw):
+    """shuffle --to-nodes (tokpack.packer.exchange): this process's node slice; one JSON line per process."""
+    from tokpack.packer.exchange import shuffle_to_nodes
+    from tokpack.packer.shared import weighted_sources
+    from tokpack.shuffle.schedule import epoch_numbers, read_schedule
+
+    if ranks_per_node is None or micro_batch is None:
+        raise click.UsageError("--to-nodes needs --ranks-per-node K and --micro-batch M")
+    if kw.get("scratch") is not None:
+        raise click.UsageError("--to-nodes writes no scratch to the shared filesystem; drop --scratch")
+    scheduled = read_schedule(kw["schedule"]) if kw["schedule"] is not None else None
+    paths, weights = weighted_sources(_weighted_sources(sources)) if scheduled is None else ([], None)
+    result = shuffle_to_nodes(paths, output, dest, ranks_per_node=ranks_per_node, micro_batch=micro_batch,
+                              weights=weights, seq_len=kw["seq_len"], seed=kw["seed"],
+                              epochs=epoch_numbers(1 if epochs is None and scheduled is None else epochs),
+                              samples=kw["samples"], tokens=kw["tokens"], shard_samples=kw["shard_samples"],
+                              memory=kw["memory"], jitter=kw["jitter"], schedule=scheduled, packing=kw["packing"],
+                              pad_id=kw["pad_id"], given=paths, keep_sources=kw["keep_sources"], log=_log(as_json))
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        click.echo(f"node {result['node']} of {result['nodes']}: slice of ranks {result['ranks'][0]}-"
+                   f"{result['ranks'][-1]} at {result['dest']}: epochs {result['epochs']}")
 
 
 @main.command()
@@ -763,6 +802,9 @@ def _emit_plan(command: str, as_json: bool, *args, **kw) -> None:
 @_planned(shuffle)
 def plan_shuffle(sources, output, epochs, epoch, as_json, **kw):
     epochs = _epochs_asked(sources, epochs, epoch, kw)
+    if kw.pop("to_nodes") is not None:  # issue 33, item 7
+        raise click.UsageError("plan shuffle --to-nodes is not implemented yet; plan the shuffle without it")
+    kw.pop("ranks_per_node"), kw.pop("micro_batch"), kw.pop("keep_sources")
     _emit_plan("shuffle", as_json, _weighted_sources(sources), output, epochs=epochs, executor=_executor_config(kw),
                **kw)
 

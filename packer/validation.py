@@ -48,7 +48,8 @@ from tokpack.formats.manifest import (
 )
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.shard_scan import Findings, Problem, ShardJob, check_shard, problem_line, worst_status
-from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, PackedSource, contained_shard, shard_suffixes
+from tokpack.formats.shards import (PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, PackedSource, contained_shard, shard_suffixes,
+                                    tokens_on_nodes)
 from tokpack.formats.slices import SLICE
 
 from .slice_validation import slice_against_run, slice_shard_jobs
@@ -120,6 +121,28 @@ def _check_listing(path: Path, shards: list[dict], rep: DirReport) -> None:
         if SHARD_FILE.match(p.name) and p.name not in allowed:
             rep.add(p, None, "only the files listed in the manifest", "an unlisted file",
                     "file not listed in the manifest")
+
+
+def _check_row_hashes(path: Path, shards: list[dict], rep: DirReport, quick: bool) -> None:
+    """An epoch of `shuffle --to-nodes` holds its shards' row hashes only: each `.ds.rows` has
+    one xxh3-64 per sample, its recorded checksum, and sums to the shard's multiset_hash (its
+    rows are proven in each node slice, by `validate SLICE --against RUN`)."""
+    for s in shards:
+        f = path / f"{s['path']}{ROWS_SUFFIX}"
+        want = 8 * int(s["samples"])
+        try:
+            data = read_limited(f, want, "row hashes")
+        except TokpackError as e:
+            rep.problems.append(Problem.from_error(e))
+            continue
+        rep.saw(len(data))
+        if len(data) != want:
+            rep.add(f, "size", f"{want} bytes (8 a sample)", f"{len(data)} bytes", "row hashes cut short")
+        elif not quick and xxhash.xxh3_128_hexdigest(data) != s["rows_xxh3_128"]:
+            rep.add(f, "rows_xxh3_128", s["rows_xxh3_128"], xxhash.xxh3_128_hexdigest(data), "row hashes damaged")
+        elif not quick and hash_hex64(int(np.frombuffer(data, "<u8").sum(dtype=np.uint64))) != s["multiset_hash"]:
+            rep.add(f, "multiset_hash", s["multiset_hash"], "another sum of the row hashes",
+                    "row hashes disagree with the shard's multiset hash")
 
 
 def _check_pads(path: Path, shards: list[dict], rep: DirReport, row: int | None = None) -> int | None:
@@ -320,6 +343,9 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
         d = _plan_dir(sub, quick, kinds="epoch")
         present = [j for j in d.jobs if str(j.directory / j.entry["path"]) not in absent]
         d.jobs, d.partial = present, len(present) < len(d.jobs)
+        if d.jobs and tokens_on_nodes(sub, [j.entry for j in d.jobs]):  # shuffle --to-nodes: the tokens are in node slices
+            _check_row_hashes(sub, [j.entry for j in d.jobs], d.report, quick)
+            d.jobs, d.partial = [], True
         plan.append(d)
         em = d.report.manifest
         if em is None or em.get("kind") != "epoch":

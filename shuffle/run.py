@@ -379,18 +379,26 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
         for p in list(edir.iterdir()) if edir.is_dir() else []:  # leftovers of an earlier, different attempt
             if p.name not in keep and is_own_file(p):
                 p.unlink()
-    sources = job.open_sources()
-    manifest = epoch_manifest(
-        entries, job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer, tokens=plan.samples * plan.row_tokens,
-        epoch=plan.epoch, seed=plan.seed, seq_len=plan.seq_len, samples=plan.samples, shard_samples=job.shard_samples,
-        dropped_tokens=plan.dropped_tokens(), jitter=plan.jitter, sources=plan.source_entries(), shuffle=plan.algorithm)
-    manifest.update(packing.epoch_fields(plan, prepared))
+    manifest = epoch_manifest_of(job, entries, prepared)
     job.output.finish(job.epoch_dir, manifest)
     job.output.remove_tree(work)
     return {"epoch": plan.epoch, "path": "in-memory" if in_memory else "out-of-core", "samples": plan.samples,
             "shards": job.n_shards, "shards_reused": reused,
             "bytes_written": sum(entries[i]["bytes"] for i in shards_left),
             "sample_multiset_hash": manifest["sample_multiset_hash"]}
+
+
+def epoch_manifest_of(job: EpochJob, entries: list[dict], prepared) -> dict:
+    """The epoch's manifest over its shards' entries (in order); `prepared`: what its packing
+    built first (packings.Packing.prepare). shuffle --to-nodes (tokpack.packer.exchange) writes the same."""
+    plan = job.plan
+    sources = job.open_sources()
+    manifest = epoch_manifest(
+        entries, job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer, tokens=plan.samples * plan.row_tokens,
+        epoch=plan.epoch, seed=plan.seed, seq_len=plan.seq_len, samples=plan.samples, shard_samples=job.shard_samples,
+        dropped_tokens=plan.dropped_tokens(), jitter=plan.jitter, sources=plan.source_entries(), shuffle=plan.algorithm)
+    manifest.update(packings.of_plan(plan).epoch_fields(plan, prepared))
+    return manifest
 
 
 @dataclass

@@ -409,12 +409,7 @@ class Layout:
         """Task t's input: (source, first window, end window, first shard, end shard) per run of
         whole shards. A task takes the windows that start in its shards, so each shard is read
         in full, and verified, by exactly one task."""
-        out = []
-        for s, k0, k1 in self.task_shards[t]:
-            sp, starts = plan.sources[s], sources[s].shard_starts
-            first, end = (max(0, min(sp.windows, -(-(int(starts[k]) - sp.offset) // plan.row_tokens))) for k in (k0, k1))
-            out.append((s, first, end, k0, k1))
-        return out
+        return shard_segments(plan, sources, self.task_shards[t])
 
     def task_dir(self, t: int) -> Path:
         return Path(self.dir) / f"scatter-{t:05d}"
@@ -458,6 +453,18 @@ class Layout:
             if held != int(self.bucket_starts[b + 1] - self.bucket_starts[b]) * row_bytes:
                 return False
         return True
+
+
+def shard_segments(plan: EpochPlan, sources: list[PackedSource], runs) -> list[tuple[int, int, int, int, int]]:
+    """(source, first window, end window, first shard, end shard) per run (source, first shard,
+    end shard) of whole shards: the windows that start in those shards (split_shards' runs; a
+    scatter task's, or a process's of shuffle --to-nodes)."""
+    out = []
+    for s, k0, k1 in runs:
+        sp, starts = plan.sources[s], sources[s].shard_starts
+        first, end = (max(0, min(sp.windows, -(-(int(starts[k]) - sp.offset) // plan.row_tokens))) for k in (k0, k1))
+        out.append((s, first, end, k0, k1))
+    return out
 
 
 def window_memory(job: EpochJob, memory: int) -> tuple[int, int]:

