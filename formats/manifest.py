@@ -28,6 +28,9 @@ SLICE_KINDS = (SLICE, SLICE_EPOCH)
 SHARD_NAME_DIGITS = 5
 # Written by `tokpack stage --ranks` at a run copy's root: which shards it left out.
 STAGE_SIDECAR = "tokpack-stage.json"
+# A run whose epochs' tokens are in node slices (shuffle --to-nodes): written in RUN before its
+# first epoch, it is what lets an epoch folder lack its token files; without it they are missing.
+NODES_SIDECAR = "tokpack-nodes.json"
 LOSS_SUFFIX = ".loss"  # a source shard's loss mask, one byte a token, when its entry has loss_xxh3_128
 SHARD_SUFFIXES = ("", ".index", ".metadata", LOSS_SUFFIX)  # the files of one shard, after its name
 EPOCH_SHARD_SUFFIXES = tuple(s for s in SHARD_SUFFIXES if s != LOSS_SUFFIX)  # an epoch's shards carry no loss mask
@@ -660,6 +663,11 @@ def run_manifest(epochs: dict[int, dict], dtype: np.dtype, vocab_size: int, eos_
             "fragments": sum(int(m["fragments"]) for m in written), "sources": sources, "weights": weights,
             "seq_len": seq_len, "seed": seed, "jitter": jitter, "samples": samples, "shard_samples": shard_samples,
             "epochs": sorted(epochs), "shuffle": shuffle, **(extra or {})}
+
+
+def nodes_sidecar(nodes: int, ranks_per_node: int, micro_batch: int, dest: str) -> dict:
+    return {"format": "tokpack-nodes", "note": "shuffle --to-nodes: the epochs' tokens are in node slices, on the nodes",
+            "nodes": nodes, "ranks_per_node": ranks_per_node, "micro_batch": micro_batch, "dest": dest}
 
 
 def stage_sidecar(stages: list[dict], missing_shards: dict[str, list[str]]) -> dict:

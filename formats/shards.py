@@ -19,7 +19,7 @@ from .errors import TokpackError
 from .io import as_path, contained, open_read, read_array, read_full, regular_size
 from .io import DurableFile, is_tmp_name, write_bytes_atomic
 from .manifest import EPOCH_SHARD_SUFFIXES, LOSS_SUFFIX, SHARD_SUFFIXES  # noqa: F401 (importable from here too)
-from .manifest import MANIFEST, dtype_from_name, has_pad, metadata_text, read_manifest, row_hashes
+from .manifest import MANIFEST, NODES_SIDECAR, dtype_from_name, has_pad, metadata_text, read_manifest, row_hashes
 
 U64 = np.dtype("<u8")  # .ds.index entries
 ROWS_SUFFIX = ".rows"  # an epoch shard's row hashes (docs/FORMAT.md): present when its entry has rows_xxh3_128
@@ -66,8 +66,11 @@ def shard_files(entry: dict, source: bool = False) -> list[tuple[str, int | None
 
 def tokens_on_nodes(directory, shards: list[dict]) -> bool:
     """Whether an epoch folder was written by `shuffle --to-nodes` (tokpack.packer.exchange): its
-    shards' row hashes are here and their token files are on the nodes' disks, in node slices."""
+    run holds NODES_SIDECAR, its shards' row hashes are here and their token files are on the
+    nodes' disks, in node slices."""
     directory = Path(directory)
+    if not (directory.parent / NODES_SIDECAR).is_file():  # a run that says so, not token files gone missing
+        return False
     return bool(shards) and all(isinstance(s, dict) and isinstance(s.get("path"), str) and "rows_xxh3_128" in s
                                 and not (directory / s["path"]).exists()
                                 and (directory / f"{s['path']}{ROWS_SUFFIX}").exists() for s in shards)

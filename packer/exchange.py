@@ -55,7 +55,7 @@ from tokpack.formats.guard import LOCK_NAME, WORK_DIR, OutputLock, check_space, 
 from tokpack.formats.io import (commit_file, map_file, open_new, open_read, read_array, read_limited, remove_tmp_files,
                                 tmp_path,
                                 write_bytes_atomic)
-from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, epoch_dir_name, parse_manifest, read_manifest,
+from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, NODES_SIDECAR, canonical_bytes, nodes_sidecar, epoch_dir_name, parse_manifest, read_manifest,
                                       row_hashes)
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace
@@ -568,6 +568,16 @@ def _numbering(setup, out: Path) -> EpochNumbering:
                                                  setup.shard_samples, setup.runplan, created), out)
 
 
+def _declare_nodes(out: Path, nodes: int, k: int, micro_batch: int, dest: Path) -> None:
+    """Before any epoch: RUN says its tokens are on the nodes (validate then expects no token
+    file in its epochs; without this sidecar, token files that are not there are missing)."""
+    out.mkdir(parents=True, exist_ok=True)
+    sidecar = canonical_bytes(nodes_sidecar(nodes, k, micro_batch, str(dest)))
+    path = out / NODES_SIDECAR
+    if not path.is_file() or read_limited(path, 1 << 16, "sidecar") != sidecar:
+        write_bytes_atomic(path, sidecar)
+
+
 def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_batch, memory, log, t0, keep, options) -> dict:
     setup, previous = _resumed_setup(comm, n, out, dest, ranks, w, micro_batch, sources, options)
     runplan, opened, weights, shard_samples = setup.runplan, setup.sources, setup.weights, setup.shard_samples
@@ -576,6 +586,7 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_bat
     created = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
     numbering = _numbering(setup, out)
     done_epochs = list(setup.done_epochs)
+    together(comm, lambda: _declare_nodes(out, N, k, micro_batch, dest) if n == 0 else None)
     if n == 0 and setup.run_params is not None and setup.todo and created is None:  # a schedule's numbering, fixed at creation
         out.mkdir(parents=True, exist_ok=True)
         output.finish(out, run_manifest_of({}, setup.todo[0][1], weights, opened, shard_samples, runplan))

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokpack.formats.io import TMP_MARK
-from tokpack.formats.manifest import MANIFEST, hash_hex64, xxh3_128_file
+from tokpack.formats.manifest import MANIFEST, epoch_dir_name, hash_hex64, xxh3_128_file
 from tokpack.formats.shards import EpochShardWriter
 from tokpack.packer.api import validate as validate_result
 from tokpack.packer.validation import report_lines, validate_dirs
@@ -1105,6 +1105,24 @@ def test_partial_stage_line(env, tmp_path):
     assert _all_lines(r) == [(str(tmp_path / "dst/tokpack-stage.json"), "missing_shards", "every shard of the run",
                               r["problems"][0]["found"], "partial stage: serves only the ranks it was staged for")]
     assert r["problems"][0]["found"].startswith(f"{summary.shards_skipped} shards absent, staged only for ranks [0] of 4")
+
+
+def test_token_files_gone_from_a_run_are_missing_unless_it_says_its_tokens_are_on_the_nodes(env, tmp_path):
+    """An epoch folder whose token files are gone but whose row hashes are there is a damaged
+    run, reported as such; only a run that declares itself written by shuffle --to-nodes
+    (its tokpack-nodes.json) may lack them."""
+    from tokpack.formats.manifest import NODES_SIDECAR, canonical_bytes, nodes_sidecar
+
+    run = tmp_path / "copy"
+    shutil.copytree(env / "run", run)
+    epoch = run / epoch_dir_name(0)
+    for f in epoch.glob("*.ds"):
+        f.unlink()
+    r = _check(run)
+    assert not r["ok"] and any(p["file"].endswith(".ds") and p["file"].startswith(str(epoch)) for p in r["problems"]), r
+    (run / NODES_SIDECAR).write_bytes(canonical_bytes(nodes_sidecar(4, 1, 1, str(tmp_path / "n{node}"))))
+    r = _check(run)
+    assert r["ok"], r["lines"]
 
 
 def test_epoch_against_its_run_lines(env):
