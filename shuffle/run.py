@@ -429,6 +429,16 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
             raise TokpackError("--packing differs from the schedule's packing", where="--packing",
                                expected=schedule.packing, found=packing, hint="drop --packing")
         schedule = replace(schedule, packing=packing)
+    used = packings.named(schedule.packing if schedule is not None else packing)
+    if pad_id is not None and "pad_id" not in used.options(pad_id, None):
+        # a window epoch has no padding: a --pad-id it ignored would look like a setting the run keeps
+        padded = [n for n in packings.names() if "pad_id" in packings.named(n).options(pad_id, None)]
+        asked = "the schedule's packing" if schedule is not None else "--packing"
+        raise TokpackError(f"--pad-id applies to {' or '.join(padded)} packing; {used.name} packing has no padding",
+                           where="--pad-id", expected=f"no --pad-id with {asked} {used.name}", found=pad_id,
+                           hint="drop --pad-id, or pack with " + " or ".join(
+                               (f"packing: {n} in the schedule" if schedule is not None else f"--packing {n}")
+                               for n in padded))
     if schedule is not None:
         seq_len, seed, jitter, paths = schedule.seq_len, schedule.seed, schedule.jitter, schedule.paths
         shard_samples = shard_samples or schedule.shard_samples

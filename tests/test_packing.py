@@ -554,6 +554,35 @@ def test_jitter_with_best_fit_is_refused(sources, tmp_path):
     assert not (tmp_path / "j").exists()
 
 
+@pytest.mark.parametrize("command", [["shuffle"], ["plan", "shuffle"]])
+@pytest.mark.parametrize("packing", [[], ["--packing", "concat"]])
+def test_pad_id_without_best_fit_is_refused(sources, tmp_path, command, packing):
+    """Issue 32: a window epoch has no padding, so a --pad-id it silently ignored looked like a
+    setting the run keeps. Refused in one line before anything is written, CLI and API alike."""
+    res = CliRunner().invoke(main, [*command, *map(str, sources), "-o", str(tmp_path / "w"), "--seq-len", "63",
+                                    "--seed", "3", "--epochs", "1", "--pad-id", "5", *packing])
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 1 and len(lines) == 1 and "Traceback" not in res.output, res.output
+    assert "[--pad-id]" in lines[0] and "found 5" in lines[0] and "--packing best-fit" in lines[0]
+    assert not (tmp_path / "w").exists()
+
+
+def test_pad_id_without_best_fit_is_refused_by_the_api_and_a_schedule(sources, tmp_path):
+    import tokpack
+
+    with pytest.raises(TokpackError, match=r"\[--pad-id\].*concat packing has no padding"):
+        tokpack.shuffle([str(s) for s in sources], str(tmp_path / "a"), seq_len=63, seed=3, epochs=1, pad_id=5)
+    yaml_file = tmp_path / "s.yaml"
+    yaml_file.write_text(f"seq_len: 63\nseed: 3\nstages:\n  - name: s\n    epochs: 1\n"
+                         f"    sources: {{{sources[0]}: 1}}\n")
+    res = CliRunner().invoke(main, ["shuffle", "--schedule", str(yaml_file), "-o", str(tmp_path / "s"), "--pad-id", "5"])
+    assert res.exit_code == 1 and "packing: best-fit in the schedule" in res.stderr, res.output
+    assert not (tmp_path / "a").exists() and not (tmp_path / "s").exists()
+    # with best-fit it applies, and the run records it
+    shuffle_packed(sources, tmp_path / "b", epochs=[0], pad_id=5)
+    assert read_manifest(tmp_path / "b", kind="run")["packing"]["pad_id"] == 5
+
+
 def test_order_proof_catches_two_rows_swapped_in_a_best_fit_epoch(fault_base, tmp_path):
     """Two rows of a best-fit shard swapped, with its index, padding sidecar and manifest entry
     rewritten to agree: every checksum, the multiset and the row table still hold; only the
