@@ -533,11 +533,17 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
                 if not r["samples"] and r["weight"] is None:
                     continue  # a source of the schedule that this epoch's stage does not use
                 click.echo(f"epoch {detail['epoch']}, source \"{r['name']}\": {r['samples']} samples of {r['windows']} "
-                           f"windows, {r['passes']} pass(es), {r['repeats']} repeated"
+                           f"windows, {r['passes']} pass(es), {r['repeats']} {_repeated(r)}"
                            f"{'' if r['weight'] is None else ', weight ' + r['weight']} ({r['path']}, "
                            f"fingerprint {r['fingerprint'][:16]})")
         for line in result.warnings:
             click.echo(f"tokpack: warning: {line}", err=True)
+
+
+def _repeated(r: dict) -> str:
+    """'repeated' for a count of samples; a count in another unit names it (best-fit: pieces)."""
+    unit = r.get("repeat_unit", "samples")
+    return "repeated" if unit == "samples" else f"{unit} repeated"
 
 
 @main.command()

@@ -363,7 +363,8 @@ def report_lines(r: PlanResult) -> list[str]:
                      "shards" + extra)
         lines += [f"    source {s['name']}: {s['samples']:,} samples of {s['windows']:,} windows"
                   + (f" ({tokens[s['name']]:,} tokens)" if s["name"] in tokens else "")
-                  + f", {s['passes']} pass(es) from pass {s['first_pass']}, {s['repeats']:,} repeated"
+                  + f", {s['passes']} pass(es) from pass {s['first_pass']}, {s['repeats']:,} " + ("repeated" if s.get("repeat_unit", "samples") == "samples"
+                                                                    else f"{s['repeat_unit']} repeated")
                   for s in e["sources"]]
     for p in r.passes:
         memory = "no set memory bound" if p["memory_per_task"] is None else f"{_size(p['memory_per_task'])} memory"

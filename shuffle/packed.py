@@ -344,12 +344,18 @@ class PackedPlan:
 
     def repeats(self, s: int) -> int:
         """Pieces (documents or fragments) of source s this epoch holds more than once: nonzero
-        when its chain range spans more than one pass (upsampled, or straddling two). Out of
-        core: the epoch's pieces of s go to bucket files by document range, and each bucket
-        counts its duplicates."""
+        when its chain range spans more than one pass (upsampled, or straddling two)."""
+        return self.repeat_counts(s)[0]
+
+    def repeat_counts(self, s: int) -> tuple[int, int | None]:
+        """(the pieces of source s that repeat a piece the epoch holds already, the epoch's
+        pieces of s): one unit, pieces, for both (a pass's rows are packed afresh, so a
+        row never repeats a row; its pieces do). The total is None when no pass repeats (not
+        counted). Out of core: the epoch's pieces of s go to bucket files by document range,
+        and each bucket counts its duplicates."""
         sp = self.sources[s]
         if sp.passes < 2:
-            return 0
+            return 0, None
         src = PackedSource.open(sp.path, check_sizes=False)
         memory = self.memory
         per = max(MIN_CHUNK, memory // (KEY.itemsize * 4 * sp.passes * (1 + src.tokens // max(
@@ -358,20 +364,28 @@ class PackedPlan:
             from pathlib import Path
 
             files = Buckets(Path(d), "keys")
+            pieces = 0
             for _, ro, doc, do, *_ in chain_pieces(self, s, src, memory, d):
                 keys = np.empty(len(doc), KEY)
                 keys["doc"], keys["doc_offset"] = doc, do
                 files.append(doc // per, keys)
+                pieces += len(doc)
             repeats = 0
             for b in files.names():
                 keys = files.read(b, KEY)
                 repeats += len(keys) - len(np.unique(keys))
-            return int(repeats)
+            return int(repeats), int(pieces)
 
     def source_report(self) -> list[dict]:
-        return [{"name": s.name, "path": s.path, "fingerprint": s.fingerprint, "weight": s.weight,
-                 "samples": s.samples, "windows": s.windows, "passes": s.passes, "first_pass": s.first_pass,
-                 "repeats": self.repeats(i)} for i, s in enumerate(self.sources)]
+        """As the window plan's, but `repeats` counts document pieces, out of `repeat_total`
+        pieces (`repeat_unit` names the unit for the summary and the warnings)."""
+        report = []
+        for i, s in enumerate(self.sources):
+            repeats, pieces = self.repeat_counts(i)
+            report.append({"name": s.name, "path": s.path, "fingerprint": s.fingerprint, "weight": s.weight,
+                           "samples": s.samples, "windows": s.windows, "passes": s.passes, "first_pass": s.first_pass,
+                           "repeats": repeats, "repeat_total": pieces, "repeat_unit": "document pieces"})
+        return report
 
     def source_entries(self) -> list[dict]:
         return [{"name": s.name, "path": s.path, "fingerprint": s.fingerprint, "weight": s.weight,

@@ -645,8 +645,13 @@ def repeat_warnings(epoch: int, report: list[dict], stage: str | None = None) ->
             why = (f"the schedule's stages take more than its windows; in the schedule file lower its weight or "
                    f"the size of stage {stage!r} (or of the stages before it), or add data")
         where = f"epoch {epoch}" if stage is None else f"epoch {epoch} (stage {stage})"
+        # the count and its total in one unit: samples (a window plan's), or document pieces (best-fit's,
+        # whose passes are packed afresh, so only pieces repeat)
+        unit, total = r.get("repeat_unit", "samples"), r.get("repeat_total", r["samples"])
+        what = (f"repeat a window ({r['windows']} windows, {span})" if unit == "samples" else
+                f"repeat a piece the epoch holds already ({r['samples']} samples, {span})")
         lines.append(f"{where}: source {r['name']} ({r['path']}) is used more than once: {r['repeats']} of its "
-                     f"{r['samples']} samples repeat a window ({r['windows']} windows, {span}). HINT: {why}")
+                     f"{total} {unit} {what}. HINT: {why}")
     return lines
 
 

@@ -436,7 +436,32 @@ def test_repeats_count_the_pieces_an_upsampled_epoch_holds_twice(corpus3):
         sel = table[table["source"] == s]
         distinct = len(np.unique(np.stack([sel["doc"], sel["doc_offset"]], axis=1), axis=0))
         assert r["repeats"] == len(sel) - distinct
+        assert r["repeat_unit"] == "document pieces" and r["repeat_total"] in (None, len(sel))
     assert plan.source_report()[2]["repeats"] > 0  # math is upsampled
+
+
+def test_a_best_fit_repeat_warning_counts_one_unit(corpus3, tmp_path):
+    """Issue 32: the line said '198 of its 100 samples repeat': a count of pieces over a total
+    of samples. Now both are pieces, in shuffle's summary, its warning and plan's."""
+    from tokpack.shuffle.run import repeat_warnings
+
+    plan = packed_epoch_plan(corpus3, seq_len=63, seed=2, epoch=0, weights=["1", "1", "4"], samples=300)
+    table = plan.table(corpus3)
+    report = plan.source_report()
+    math = report[2]
+    pieces = int((table["source"] == 2).sum())
+    assert math["repeat_total"] == pieces and 0 < math["repeats"] < pieces
+    [line] = repeat_warnings(0, report)
+    assert f"{math['repeats']} of its {pieces} document pieces repeat" in line and "samples repeat" not in line
+    args = ["--seq-len", "63", "--seed", "2", "--epochs", "1", "--samples", "300", "--packing", "best-fit"]
+    srcs = [f"{p.path}={w}" for p, w in zip(corpus3, ["1", "1", "4"])]
+    for command in (["shuffle"], ["plan", "shuffle"]):
+        res = CliRunner().invoke(main, [*command, *srcs, "-o", str(tmp_path / "o"), *args])
+        assert res.exit_code == 0, res.output
+        warned = [x for x in res.stderr.splitlines() if "more than once" in x]
+        assert len(warned) == 1 and f"{math['repeats']} of its {pieces} document pieces" in warned[0], res.stderr
+        assert f"{math['repeats']:,} document pieces repeated" in res.stdout or \
+            f"{math['repeats']} document pieces repeated" in res.stdout, res.stdout
 
 
 @pytest.mark.parametrize("memory", [64 << 20, 1 << 20])
