@@ -16,9 +16,11 @@ itself holds row counts per source and pass, O(#sources x passes).
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import functools
 import json
+import os
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -270,11 +272,60 @@ def pack_pass(lengths: np.ndarray, perm: Bijection, row_tokens: int, group_token
     return PassRows(rows, *cols)
 
 
+# Passes packed already, kept whole while they fit a quarter of the caller's budget (least
+# recently used first out). An epoch that draws a source n times needs its n passes three
+# times (plan: their rows; the repeat count; the row table), and packing them is the epoch's
+# cost (a Python best-fit loop per piece): without it an upsampled best-fit epoch packed every
+# pass three times (BENCHMARKS.md, "Best-fit packing"). A pass's pieces are a function of the
+# key alone; the key holds the index files' sizes and times, so an edited source is packed anew.
+_PASSES: "collections.OrderedDict[tuple, list]" = collections.OrderedDict()
+_PASSES_BYTES = [0]
+
+
+def _pass_key(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, group_tokens: int) -> tuple:
+    stamp = []
+    for sh in src.shards:
+        try:
+            st = os.stat(src.path / f"{sh['path']}.index")
+            stamp.append((st.st_size, st.st_mtime_ns, st.st_ino))
+        except OSError:
+            stamp.append(None)
+    return (src.fingerprint, str(src.path), s, p, seed, row_tokens, group_tokens, tuple(stamp))
+
+
 def iter_pass(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, group_tokens: int, memory: int,
               scratch: str | None):
     """Pass p over source s, group by group, bounded by `memory` (permuted_documents) and a
     group: (first row of the group in the pass, row count, and per piece: row in the pass,
-    row_offset, doc, doc_offset, length, first token in the stream, the document's length)."""
+    row_offset, doc, doc_offset, length, first token in the stream, the document's length).
+    A pass read to its end is kept (_PASSES) when it fits a quarter of `memory`."""
+    key = _pass_key(src, s, p, seed, row_tokens, group_tokens)
+    kept = _PASSES.get(key)
+    if kept is not None:
+        _PASSES.move_to_end(key)
+        yield from kept
+        return
+    cap, size, kept = max(0, memory) // 4, 0, []
+    for group in _pack_pass(src, s, p, seed, row_tokens, group_tokens, memory, scratch):
+        if kept is not None:
+            size += sum(c.nbytes for c in group[2])
+            if size <= cap:
+                for c in group[2]:
+                    c.flags.writeable = False  # shared by every later reader of the pass
+                kept.append(group)
+            else:
+                kept = None
+        yield group
+    if kept is not None:  # read to its end
+        _PASSES[key] = kept
+        _PASSES_BYTES[0] += size
+        while _PASSES_BYTES[0] > cap and _PASSES:
+            _, old = _PASSES.popitem(last=False)
+            _PASSES_BYTES[0] -= sum(c.nbytes for g in old for c in g[2])
+
+
+def _pack_pass(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, group_tokens: int, memory: int,
+               scratch: str | None):
     perm = Bijection(max(document_count(src), 1), "docs", seed, s, p)
     rows = 0
     for a, gd, gs, gl in pass_groups(permuted_documents(src, perm, memory, scratch), group_tokens):
@@ -452,7 +503,10 @@ def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
     bounded by the plan's memory) and counted; the count is kept."""
     key = (src.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens)
     if key not in _ROWS:
-        with _scratch() as d:
+        # a scratch folder only when the documents do not fit (permuted_documents): making and
+        # removing one per pass cost more than packing a small pass
+        spills = document_count(src) > max(MIN_CHUNK, plan.memory // DOC_STATE_BYTES)
+        with _scratch() if spills else contextlib.nullcontext(None) as d:
             _ROWS[key] = sum(n for _, n, _ in iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens,
                                                         plan.memory, d))
     return _ROWS[key]

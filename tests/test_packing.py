@@ -464,6 +464,45 @@ def test_a_best_fit_repeat_warning_counts_one_unit(corpus3, tmp_path):
             f"{math['repeats']} document pieces repeated" in res.stdout, res.stdout
 
 
+def test_an_upsampled_best_fit_epoch_packs_each_pass_once(tmp_path, monkeypatch):
+    """Issue 32's cliff: an epoch drawing a source n times packed its n passes three times (the
+    plan's row counts, the repeat count, the row table) and made a scratch folder per pass.
+    Each pass is now packed once, with no folder when its documents fit; the bytes are the same."""
+    import collections
+
+    import tokpack.shuffle.packed as packed_mod
+
+    rng = np.random.default_rng(11)
+    srcs = [write_source(tmp_path / "big", random_docs(rng, 300, 1000, 0, 1, 200)),
+            write_source(tmp_path / "tiny", random_docs(rng, 20, 1000, 0, 1, 200))]
+    packed_mod._PASSES.clear()
+    packed_mod._PASSES_BYTES[0] = 0
+    packed_mod._ROWS.clear()
+    calls, folders = collections.Counter(), []
+    real_pack, real_scratch = packed_mod._pack_pass, packed_mod._scratch
+    monkeypatch.setattr(packed_mod, "_pack_pass", lambda src, s, p, *a: calls.update([(s, p)]) or real_pack(src, s, p, *a))
+    monkeypatch.setattr(packed_mod, "_scratch", lambda folder=None: folders.append(folder) or real_scratch(folder))
+    out = tmp_path / "run"
+    shuffle_run([str(p) for p in srcs], str(out), weights=["1", "1"], seq_len=63, seed=4, epochs=[0],
+                samples=1200, memory=64 << 20, packing="best-fit")
+    m = read_manifest(out / "epoch-00000", kind="epoch")
+    assert m["sources"][1]["passes"] >= 10  # tiny is drawn many times
+    assert calls and max(calls.values()) == 1, calls.most_common(3)
+    assert len(calls) == sum(e["passes"] for e in m["sources"])
+    assert len([f for f in folders if f is None]) <= 2  # the repeat count's folders, one a source at most
+    # the same bytes as packed without the kept passes
+    packed_mod._PASSES.clear()
+    packed_mod._PASSES_BYTES[0] = 0
+    monkeypatch.setattr(packed_mod, "_PASSES", type("Never", (dict,), {"__setitem__": lambda *a: None,
+                                                                        "move_to_end": lambda *a: None})())
+    other = tmp_path / "again"
+    shuffle_run([str(p) for p in srcs], str(other), weights=["1", "1"], seq_len=63, seed=4, epochs=[0],
+                samples=1200, memory=64 << 20, packing="best-fit")
+    for f in sorted((out / "epoch-00000").iterdir()):
+        assert f.read_bytes() == (other / "epoch-00000" / f.name).read_bytes(), f.name
+    assert max(calls.values()) > 1  # without them, passes are packed again
+
+
 @pytest.mark.parametrize("memory", [64 << 20, 1 << 20])
 def test_a_source_edited_since_pack_fails_a_best_fit_epoch(sources, tmp_path, memory):
     copies = [tmp_path / p.name for p in sources]
