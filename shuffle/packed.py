@@ -409,6 +409,24 @@ class PackedPlan:
             return 0, None
         src = PackedSource.open(sp.path, check_sizes=False)
         memory = self.memory
+        # A document is cut the same way in every pass (full rows, then its tail), so every pass
+        # holds the same pieces, once each: when the epoch takes one pass whole, the distinct
+        # pieces are that pass's, and only the pieces counted per pass are needed (no keys).
+        lo, hi = self.chain_start(s), self.chain_start(s) + sp.samples
+        starts = [pass_start(self, s, sp.first_pass, src)]
+        for p in range(sp.first_pass, sp.first_pass + sp.passes):
+            starts.append(starts[-1] + pass_rows(self, s, p, src))
+        if any(lo <= x and y <= hi for x, y in zip(starts, starts[1:])):
+            taken = whole = 0
+            for p, at, end in zip(range(sp.first_pass, sp.first_pass + sp.passes), starts, starts[1:]):
+                a, b = lo - at, hi - at
+                with _pass_scratch(src, memory) as d:
+                    n = sum(int(((row >= a) & (row < b)).sum()) for _, _, (row, *_) in
+                            iter_pass(src, s, p, self.seed, self.row_tokens, self.group_tokens, memory, d))
+                if lo <= at and end <= hi:
+                    whole = n
+                taken += n
+            return taken - whole, taken
         per = max(MIN_CHUNK, memory // (KEY.itemsize * 4 * sp.passes * (1 + src.tokens // max(
             1, sp.documents * self.row_tokens))))
         with _scratch() as d:
@@ -498,15 +516,20 @@ def source_pass(plan, s: int, p: int) -> PassRows:
 _ROWS: dict[tuple, int] = {}  # (fingerprint, seed, s, p, row_tokens, group_tokens) -> R_{s,p}
 
 
+def _pass_scratch(src: PackedSource, memory: int):
+    """A scratch folder for a pass only when its documents do not fit `memory`
+    (permuted_documents), else None: making and removing a folder per pass cost more than
+    packing a small pass."""
+    spills = document_count(src) > max(MIN_CHUNK, memory // DOC_STATE_BYTES)
+    return _scratch() if spills else contextlib.nullcontext(None)
+
+
 def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
     """R_{s,p}, the rows of pass p over source s: the pass is packed group by group (iter_pass,
     bounded by the plan's memory) and counted; the count is kept."""
     key = (src.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens)
     if key not in _ROWS:
-        # a scratch folder only when the documents do not fit (permuted_documents): making and
-        # removing one per pass cost more than packing a small pass
-        spills = document_count(src) > max(MIN_CHUNK, plan.memory // DOC_STATE_BYTES)
-        with _scratch() if spills else contextlib.nullcontext(None) as d:
+        with _pass_scratch(src, plan.memory) as d:
             _ROWS[key] = sum(n for _, n, _ in iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens,
                                                         plan.memory, d))
     return _ROWS[key]

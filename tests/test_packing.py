@@ -440,6 +440,22 @@ def test_repeats_count_the_pieces_an_upsampled_epoch_holds_twice(corpus3):
     assert plan.source_report()[2]["repeats"] > 0  # math is upsampled
 
 
+@pytest.mark.parametrize("epoch", [0, 1, 3])
+@pytest.mark.parametrize("samples,weights", [(300, ["1", "1", "4"]), (120, ["1", "1", "1"]), (900, ["1", "2", "9"])])
+def test_repeats_by_whole_passes_are_the_brute_count(corpus3, epoch, samples, weights):
+    """The repeat count takes a shortcut when the epoch holds one pass of a source whole
+    (every pass holds the same pieces); straddling two partial passes it compares keys. Both
+    are the count of the table's pieces held twice."""
+    plan = packed_epoch_plan(corpus3, seq_len=63, seed=2, epoch=epoch, weights=weights, samples=samples)
+    table = plan.table(corpus3)
+    for s in range(3):
+        sel = table[table["source"] == s]
+        distinct = len(np.unique(np.stack([sel["doc"], sel["doc_offset"]], axis=1), axis=0))
+        repeats, total = plan.repeat_counts(s)
+        assert repeats == len(sel) - distinct and total in (None, len(sel)), (s, plan.sources[s])
+        assert (total is None) == (plan.sources[s].passes < 2)
+
+
 def test_a_best_fit_repeat_warning_counts_one_unit(corpus3, tmp_path):
     """Issue 32: the line said '198 of its 100 samples repeat': a count of pieces over a total
     of samples. Now both are pieces, in shuffle's summary, its warning and plan's."""
