@@ -241,20 +241,34 @@ def best_fit_decreasing(tails: np.ndarray, positions: np.ndarray, row_tokens: in
     still holds it (ties: the lowest row), else into a new row. Returns (row, offset) per
     piece and the row count."""
     order = np.lexsort((positions, -tails))
-    row = np.empty(len(tails), np.int64)
-    offset = np.empty(len(tails), np.int64)
-    keys: list[int] = []  # rows with room left, as remaining * _BIG + row, sorted
-    rows = 0
-    for i, t in zip(order.tolist(), tails[order].tolist()):
-        j = bisect.bisect_left(keys, t * _BIG)
+    sorted_t = tails[order]
+    n = len(tails)
+    row = np.empty(n, np.int64)
+    offset = np.empty(n, np.int64)
+    # Pieces longer than half a row come first in this order and each opens a row (every row
+    # opened before holds a piece at least as long, so has less room than the piece): placed at
+    # once. Only the rest take the loop, the best-fit epoch's cost (issue 32's cliff).
+    big = int(np.count_nonzero(2 * sorted_t > row_tokens))
+    row[order[:big]] = np.arange(big)
+    offset[order[:big]] = 0
+    room = (row_tokens - sorted_t[:big]).astype(np.int64)
+    has = np.flatnonzero(room > 0)
+    keys: list[int] = np.sort(room[has] * _BIG + has).tolist()  # rows with room left, as remaining * _BIG + row
+    rows = big
+    rest_row, rest_offset = [0] * (n - big), [0] * (n - big)
+    find, insort = bisect.bisect_left, bisect.insort
+    for k, t in enumerate(sorted_t[big:].tolist()):
+        j = find(keys, t * _BIG)
         if j < len(keys):
             rem, r = divmod(keys.pop(j), _BIG)
         else:
             rem, r = row_tokens, rows
             rows += 1
-        row[i], offset[i] = r, row_tokens - rem
+        rest_row[k], rest_offset[k] = r, row_tokens - rem
         if rem > t:
-            bisect.insort(keys, (rem - t) * _BIG + r)
+            insort(keys, (rem - t) * _BIG + r)
+    row[order[big:]] = rest_row
+    offset[order[big:]] = rest_offset
     return row, offset, rows
 
 

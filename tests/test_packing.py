@@ -39,6 +39,30 @@ def test_best_fit_decreasing_by_hand():
     assert row.tolist() == [1, 1, 2, 0, 0] and offset.tolist() == [0, 5, 0, 6, 0]
 
 
+def _best_fit_by_the_rule(tails, positions, row_tokens):
+    """BFD as docs/COMMANDS.md states it, one piece at a time over a plain list of rooms."""
+    room, row, offset = [], [0] * len(tails), [0] * len(tails)
+    for i in sorted(range(len(tails)), key=lambda i: (-int(tails[i]), int(positions[i]))):
+        fits = [r for r, left in enumerate(room) if left >= tails[i]]
+        r = min(fits, key=lambda r: (room[r], r)) if fits else len(room)
+        if not fits:
+            room.append(row_tokens)
+        row[i], offset[i] = r, row_tokens - room[r]
+        room[r] -= int(tails[i])
+    return row, offset, len(room)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), row_tokens=st.integers(1, 40))
+def test_best_fit_decreasing_is_the_rule(data, row_tokens):
+    """The pieces longer than half a row are placed without the loop (each opens a row); the
+    result is the rule's, piece by piece, ties included."""
+    tails = np.array(data.draw(st.lists(st.integers(1, row_tokens), max_size=60)), np.int64)
+    positions = np.array(data.draw(st.permutations(range(len(tails)))), np.int64)
+    row, offset, rows = best_fit_decreasing(tails, positions, row_tokens)
+    assert (row.tolist(), offset.tolist(), rows) == _best_fit_by_the_rule(tails, positions, row_tokens)
+
+
 def test_best_fit_ties_go_to_the_lowest_row_and_the_earliest_document():
     # The 5s in position order open rows 0 and 1 (room 3 each); the first 2 by position goes to
     # the lower of the two equally full rows, the second to the row with the least room left.
