@@ -127,6 +127,9 @@ def _check_real(src: PackedSource) -> None:
                            hint="plan a best-fit run on packed sources, not virtual ones")
 
 
+_DOCS: dict = {}  # the last source's (start, length) per document that fit in memory, and its _pass_key
+
+
 def permuted_documents(src: PackedSource, perm: Bijection | None, memory: int, scratch: str | None):
     """The source's documents in the order of `perm` (position k holds document perm(k)), as
     chunks (doc, start, length) in position order. Bounded by `memory`: when the documents do
@@ -139,8 +142,11 @@ def permuted_documents(src: PackedSource, perm: Bijection | None, memory: int, s
         return
     chunk = max(MIN_CHUNK, memory // DOC_STATE_BYTES)
     if d <= chunk:
-        parts = list(source_documents(src, d))
-        start, length = (np.concatenate([q[i] for q in parts]) for i in (1, 2))
+        key = _pass_key(src, 0, 0, 0, 0, 0)
+        if _DOCS.get("key") != key:  # each pass of a source drawn many times reads the same index
+            parts = list(source_documents(src, d))
+            _DOCS.update(key=key, docs=tuple(np.concatenate([q[i] for q in parts]) for i in (1, 2)))
+        start, length = _DOCS["docs"]
         doc = perm.forward(np.arange(d, dtype=np.int64))
         yield doc, start[doc], length[doc]
         return
