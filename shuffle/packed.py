@@ -534,6 +534,7 @@ def source_pass(plan, s: int, p: int) -> PassRows:
 
 
 _ROWS: dict[tuple, int] = {}  # (fingerprint, seed, s, p, row_tokens, group_tokens) -> R_{s,p}
+_PIECES: dict[tuple, int] = {}  # the same key -> the pass's pieces
 
 
 def _pass_scratch(src: PackedSource, memory: int):
@@ -549,10 +550,33 @@ def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
     bounded by the plan's memory) and counted; the count is kept."""
     key = (src.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens)
     if key not in _ROWS:
+        rows = pieces = 0
         with _pass_scratch(src, plan.memory) as d:
-            _ROWS[key] = sum(n for _, n, _ in iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens,
-                                                        plan.memory, d))
+            for _, n, (row, *_) in iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, plan.memory, d):
+                rows, pieces = rows + n, pieces + len(row)
+        _ROWS[key], _PIECES[key] = rows, pieces
     return _ROWS[key]
+
+
+def epoch_pieces(plan, s: int) -> tuple[int, int] | None:
+    """(pieces packed in the passes of source s this epoch touches, pieces of s the epoch
+    takes, each partial pass counted by its share of rows): known once the plan has counted
+    those passes' rows in this process (pass_rows), else None. For `tokpack plan`'s time."""
+    sp = plan.sources[s]
+    lo, hi = plan.chain_start(s), plan.chain_start(s) + sp.samples
+    packed = taken = 0.0
+    at = None
+    for p in range(sp.first_pass, sp.first_pass + sp.passes):
+        key = (sp.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens)
+        if key not in _PIECES:
+            return None
+        if at is None:
+            at = sum(_ROWS.get((sp.fingerprint, plan.seed, s, k, plan.row_tokens, plan.group_tokens), 0)
+                     for k in range(p))
+        rows, pieces = _ROWS[key], _PIECES[key]
+        share = max(0, min(hi, at + rows) - max(lo, at)) / max(1, rows)
+        packed, taken, at = packed + pieces, taken + pieces * share, at + rows
+    return int(packed), int(taken)
 
 
 def pass_start(plan, s: int, p: int, src: PackedSource) -> int:

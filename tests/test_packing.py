@@ -543,6 +543,41 @@ def test_an_upsampled_best_fit_epoch_packs_each_pass_once(tmp_path, monkeypatch)
     assert max(calls.values()) > 1  # without them, passes are packed again
 
 
+def test_plan_counts_the_pieces_an_upsampled_epoch_packs(tmp_path, monkeypatch):
+    """Issue 32: plan predicted 0.9 s for a best-fit epoch drawing a source many times that took
+    27 s. Its time is pieces over measured rates (BENCHMARKS.md, "Best-fit packing: an upsampled
+    epoch"); the pieces are now the passes' own counts: each pass the epoch touches packed once
+    (as the engine does: test_an_upsampled_best_fit_epoch_packs_each_pass_once) and the
+    table's pieces, both equal to what the engine packs and writes."""
+    import tokpack.shuffle.packed as packed_mod
+    from tokpack.packer.planning import plan_shuffle
+    from tokpack.shuffle.packed_step import PACK_PIECES_PER_S, TABLE_PIECES_PER_S
+
+    rng = np.random.default_rng(12)
+    srcs = [write_source(tmp_path / "big", random_docs(rng, 300, 1000, 0, 1, 200)),
+            write_source(tmp_path / "tiny", random_docs(rng, 20, 1000, 0, 1, 200))]
+    packed_mod._ROWS.clear()
+    packed_mod._PIECES.clear()
+    packed_mod._PASSES.clear()
+    packed_mod._PASSES_BYTES[0] = 0
+    packed, real_pack = [], packed_mod._pack_pass
+
+    def counting(*a):
+        for group in real_pack(*a):
+            packed.append(len(group[2][0]))
+            yield group
+
+    monkeypatch.setattr(packed_mod, "_pack_pass", counting)
+    got = plan_shuffle({str(srcs[0]): "1", str(srcs[1]): "1"}, tmp_path / "p", seq_len=63, seed=4, samples=1200,
+                       memory=64 << 20, packing="best-fit", disk_mbps=100)
+    table = next(p for p in got.passes if p["name"] == "table")
+    opened = [PackedSource.open(p) for p in srcs]
+    plan = packed_epoch_plan(opened, seq_len=63, seed=4, epoch=0, weights=["1", "1"], samples=1200)
+    assert plan.sources[1].passes >= 10
+    pieces = len(plan.table(opened))
+    assert table["pack_seconds"] == round(sum(packed) / PACK_PIECES_PER_S + pieces / TABLE_PIECES_PER_S, 3)
+
+
 @pytest.mark.parametrize("memory", [64 << 20, 1 << 20])
 def test_a_source_edited_since_pack_fails_a_best_fit_epoch(sources, tmp_path, memory):
     copies = [tmp_path / p.name for p in sources]
