@@ -703,7 +703,9 @@ def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None
         problems=[p.to_json() for p in problems],
         problems_total=len(not_sources) + sum(d.problems.total for d in report.dirs) + len(extra_problems),
         dirs=[{"path": str(d.path), "kind": d.kind, "status": d.status, "problems": d.problems.total,
-               "files": d.files, "bytes": d.bytes} for d in report.dirs],
+               "files": d.files, "bytes": d.bytes,
+               **({"vocab_known": False, "vocab_size": d.manifest.get("vocab_size")} if _vocab_unknown(d) else {})}
+              for d in report.dirs],
         files=sum(d.files for d in report.dirs),
         bytes=nbytes,
         seconds=round(seconds, 4),
@@ -712,14 +714,22 @@ def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None
     )
 
 
+def _vocab_unknown(d: DirReport) -> bool:
+    """A source packed without a vocabulary (its manifest's `vocab_known: false`): its ids were
+    checked only against the input dtype's width, which the report says."""
+    return isinstance(d.manifest, dict) and d.manifest.get("vocab_known") is False
+
+
 def report_lines(r: ValidateResult) -> list[str]:
     """The report for humans: each problem, each directory's status, then the verdict."""
     lines = [problem_line(p) for p in r.problems]
     for d in r.dirs:
         what = d["kind"] or "directory"
         n = d["problems"]
+        vocab = "" if d.get("vocab_known", True) else (
+            f"; vocabulary unknown: ids checked only against the token width, {d['vocab_size']}")
         lines.append(f"OK {what} {d['path']} ({d['files']} file{'s' * (d['files'] != 1)}, {_size(d['bytes'])}"
-                     f"{', quick' if r.quick else ''})"
+                     f"{', quick' if r.quick else ''}{vocab})"
                      if d["status"] == "ok" else f"{d['status'].upper()} {what} {d['path']}: {n} problem{'s' * (n != 1)}")
     n = len(r.problems) if r.problems_total is None else r.problems_total
     lines.append(
