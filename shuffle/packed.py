@@ -302,6 +302,18 @@ _PASSES: "collections.OrderedDict[tuple, list]" = collections.OrderedDict()
 _PASSES_BYTES = [0]
 
 
+def kept_pass_bytes() -> int:
+    """Bytes the kept passes hold now."""
+    return _PASSES_BYTES[0]
+
+
+def release_passes() -> None:
+    """Drops the kept passes: once an epoch's table is built its steps need none, and --memory
+    is theirs (the row counts stay: a few bytes a pass)."""
+    _PASSES.clear()
+    _PASSES_BYTES[0] = 0
+
+
 def _pass_key(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, group_tokens: int) -> tuple:
     stamp = []
     for sh in src.shards:

@@ -591,9 +591,10 @@ def shuffle_run(
                 to.remove_tree(stale)
             log(f"epoch {epoch}: already complete, skipped")
         else:
+            report = plan.source_report()  # before the epoch's table: it counts repeats from the passes kept
             summary = run_epoch(job, memory=memory, workers=workers, tasks=tasks, run_passes=run_passes, log=log)
             summary["stage"] = runplan.stage_name(epoch)
-            summary["sources"] = plan.source_report()
+            summary["sources"] = report
             summaries.append(summary)
         done_epochs = sorted(set(done_epochs) | {epoch})
         to.finish(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan))
