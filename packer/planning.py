@@ -221,6 +221,9 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
     if written:
         run = run_manifest_of(written, setup.todo[-1][1], setup.weights, opened, setup.shard_samples, setup.runplan)
         manifests[MANIFEST] = len(canonical_bytes(run))
+    from tokpack.shuffle.packed import release_passes
+
+    release_passes()  # the best-fit passes the plan packed and kept: a caller's process does not keep them
     plan = setup.todo[0][1]
     sizes = {d["samples"] for d in details}
     paths_taken = sorted({d["path"] for d in details if "shards" in d})

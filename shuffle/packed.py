@@ -312,6 +312,7 @@ def release_passes() -> None:
     is theirs (the row counts stay: a few bytes a pass)."""
     _PASSES.clear()
     _PASSES_BYTES[0] = 0
+    _DOCS.clear()
 
 
 def _pass_key(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, group_tokens: int) -> tuple:
@@ -928,6 +929,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
              "problems": sorted(problems), "shard_files": names}
     write_bytes_atomic(tmp / BUILT_FILE, json.dumps(built).encode(), fsync=False)
     tmp.rename(folder)
+    release_passes()  # what reads the table (the engine's steps, a replay, inspect) needs no pass
     return PackedTable.open(folder)
 
 

@@ -26,7 +26,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import map_file, open_append, open_read, progress, read_array, write_bytes_atomic
 
 from .packed import (DOC, PIECE_STATE_BYTES, TABLE_PIECE_BYTES, PackedTable, TokenPool, build_table, document_count,
-                     epoch_pieces, kept_pass_bytes, release_passes, row_padding)
+                     epoch_pieces, kept_pass_bytes, row_padding)
 from .steps import RING, EpochJob, OrderStep, _Step
 
 GATHER_TOKENS = 1 << 20  # tokens of rows assembled per call
@@ -38,9 +38,8 @@ def prepare_table(job: EpochJob, memory: int) -> dict:
     from pathlib import Path
 
     path = Path(job.work_dir) / "packing"
-    # the kept passes (packed.iter_pass) count against the budget while the table is built, then go
+    # the kept passes (packed.iter_pass) count against the budget while the table is built (which drops them)
     built = build_table(job.plan, job.open_sources(), path, max(1, memory - kept_pass_bytes()))
-    release_passes()
     return {"table": str(path), "table_xxh3_128": built.table_xxh3_128, "padding": built.padding}
 
 
