@@ -212,6 +212,7 @@ _FIELD_TABLES = """
 | `shard_tokens` | int >= 1 | no | source | pack's shard size limit |
 | `eos_appended` | int >= 0 | no | source | EOS tokens pack appended |
 | `empty_documents_dropped` | int >= 0 | no | source | empty input documents pack dropped |
+| `vocab_known` | bool | no | source | `false` when pack knew no vocabulary (no `--vocab-size`, no tokenizer): `vocab_size` is then the input dtype's width, the bound ids were checked against, not the tokenizer's vocabulary; absent: known (as in every manifest before it) |
 | `created_by` | string | no | source | the writing tokpack's version |
 | `request` | object | no | source | pack's normalised options, which tell a rerun from another pack |
 | `epoch` | int >= 0 | yes | epoch, slice-epoch | the epoch number, as in the directory name |

@@ -555,7 +555,7 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
                 if not r["samples"] and r["weight"] is None:
                     continue  # a source of the schedule that this epoch's stage does not use
                 click.echo(f"epoch {detail['epoch']}, source \"{r['name']}\": {r['samples']} samples of {r['windows']} "
-                           f"windows, {r['passes']} pass(es), {r['repeats']} repeated"
+                           f"windows, {r['passes']} pass(es), {r['repeats']} {_repeated(r)}"
                            f"{'' if r['weight'] is None else ', weight ' + r['weight']} ({r['path']}, "
                            f"fingerprint {r['fingerprint'][:16]})")
         for line in result.warnings:
@@ -585,6 +585,12 @@ def _shuffle_to_nodes(sources, output, epochs, as_json, dest, ranks_per_node, mi
     else:
         click.echo(f"node {result['node']} of {result['nodes']}: slice of ranks {result['ranks'][0]}-"
                    f"{result['ranks'][-1]} at {result['dest']}: epochs {result['epochs']}")
+
+
+def _repeated(r: dict) -> str:
+    """'repeated' for a count of samples; a count in another unit names it (best-fit: pieces)."""
+    unit = r.get("repeat_unit", "samples")
+    return "repeated" if unit == "samples" else f"{unit} repeated"
 
 
 @main.command()

@@ -183,6 +183,7 @@ class PackStep(PipelineStep):
             "documents": sum(e["documents"] for e in entries),
             "eos_appended": norm.eos_appended,
             "empty_documents_dropped": norm.empty_dropped,
+            "end_id": norm.end_id,  # the one id every document lacking EOS ended with, else None
         }
         if linked is not None:
             part["link"] = {"how": "copy", "why": linked.note}
@@ -338,6 +339,29 @@ def _result(manifest: dict, out: Path, fmt: str, seconds: float, input_bytes: in
         fingerprint=manifest["fingerprint"], warnings=list(warnings), **(links or {}))
 
 
+# An input this large packed as one document is a wrong --eos-id, not a book (issue 32: a raw
+# file of 3.4M tokens packed as "1 document").
+ONE_DOCUMENT_TOKENS = 1 << 20
+
+
+def eos_warnings(parts: list[dict], eos_id: int) -> list[str]:
+    """The `tokpack pack:` lines for an EOS id that looks wrong, per input: no EOS in a large
+    input (it became one document), or EOS appended to every document of an input whose
+    documents all end with one other id (that id is likely its EOS)."""
+    lines = []
+    for part in parts:
+        name, docs, appended = part.get("input"), part.get("documents", 0), part.get("eos_appended", 0)
+        if docs == 1 and appended == 1 and part.get("tokens", 0) >= ONE_DOCUMENT_TOKENS:
+            lines.append(f"tokpack pack: {name}: no EOS id {eos_id} in its {part['tokens'] - 1:,} tokens, so it is "
+                         f"packed as one document. HINT: pass the id its documents end with as --eos-id (or "
+                         f"--tokenizer tokenizer.json), then pack again with --overwrite")
+        elif docs >= 2 and appended == docs and isinstance(part.get("end_id"), int):
+            lines.append(f"tokpack pack: {name}: all {docs:,} of its documents end with id {part['end_id']}, not "
+                         f"the EOS id {eos_id}, and got an EOS appended each. HINT: if {part['end_id']} is its "
+                         f"end-of-document id, pack again with --eos-id {part['end_id']} --overwrite")
+    return lines
+
+
 def _raise_task_error(work: Path, out: Path, created: bool, cause: BaseException | None, to: Output) -> None:
     """A task's data error: remove the partial output and raise the task's own message."""
     errors = sorted(work.glob("part-*.error.json")) if work.exists() else []
@@ -409,6 +433,7 @@ class PackSetup:
     warnings: list[str] = field(default_factory=list)
     out_dtype: np.dtype | None = None
     link: bool = False  # pack --link
+    vocab_known: bool = True  # False: vocab is only the input dtype's width (the manifest's vocab_known)
 
     def links(self, out: Path, to: Output = LocalOutput()) -> LinkPlan:
         """The shard files' bytes by how they will get there: all copied, but with --link."""
@@ -467,8 +492,10 @@ def setup_pack(inputs: list[str], out: Path, *, input_format: str = "auto", colu
             raise TokpackError("EOS id is not a token of the tokenizer", file=tokenizer, where="--eos-id",
                                expected="an id the tokenizer knows", found=eos_id)
     else:
+        known: list = []
         setup.vocab, setup.eos, setup.tok_name, _ = resolve_vocab_eos(files, tokenizer, eos_id, vocab_size, say,
-                                                                      setup.warnings)
+                                                                      setup.warnings, known)
+        setup.vocab_known = bool(known and known[0])
         for f in files:
             check_input(f)
     setup.out_dtype = dtype_for_vocab(setup.vocab)
@@ -581,15 +608,18 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
             empty_documents_dropped=sum(p["empty_documents_dropped"] for p in parts),
             created_by=_version(),
             request=request,
+            **({} if setup.vocab_known else {"vocab_known": False}),  # absent when known, as in older manifests
         )
         write_bytes_atomic(plan_path, json.dumps({"manifest": manifest, "moves": moves,
-                                                  "links": link_summary(parts)}).encode())
+                                                  "links": link_summary(parts),
+                                                  "warnings": eos_warnings(parts, eos)}).encode())
         to.send_record(plan_path)  # from here a rerun only finishes the moves
     plan = read_record(plan_path)
     if plan is None:
         raise TokpackError("pack's finishing record is damaged: the shards it moved cannot be found again",
                            file=plan_path, hint="rerun with --overwrite to pack again from scratch")
     manifest = _finalize(out, work, plan, to)
+    warnings = [*warnings, *plan.get("warnings", [])]
     seconds = time.perf_counter() - t0
     result = _result(manifest, shown, fmt, seconds, input_bytes, "packed", warnings,
                      links=plan.get("links", link_summary([])) if link else None)

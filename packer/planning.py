@@ -221,6 +221,9 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
     if written:
         run = run_manifest_of(written, setup.todo[-1][1], setup.weights, opened, setup.shard_samples, setup.runplan)
         manifests[MANIFEST] = len(canonical_bytes(run))
+    from tokpack.shuffle.packed import release_passes
+
+    release_passes()  # the best-fit passes the plan packed and kept: a caller's process does not keep them
     plan = setup.todo[0][1]
     sizes = {d["samples"] for d in details}
     paths_taken = sorted({d["path"] for d in details if "shards" in d})
@@ -365,7 +368,8 @@ def report_lines(r: PlanResult) -> list[str]:
                      "shards" + extra)
         lines += [f"    source {s['name']}: {s['samples']:,} samples of {s['windows']:,} windows"
                   + (f" ({tokens[s['name']]:,} tokens)" if s["name"] in tokens else "")
-                  + f", {s['passes']} pass(es) from pass {s['first_pass']}, {s['repeats']:,} repeated"
+                  + f", {s['passes']} pass(es) from pass {s['first_pass']}, {s['repeats']:,} " + ("repeated" if s.get("repeat_unit", "samples") == "samples"
+                                                                    else f"{s['repeat_unit']} repeated")
                   for s in e["sources"]]
     for p in r.passes:
         memory = "no set memory bound" if p["memory_per_task"] is None else f"{_size(p['memory_per_task'])} memory"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -57,12 +58,74 @@ from .slice_validation import slice_against_run, slice_shard_jobs
 # One shard file rarely has more than a few independent faults worth reading about;
 # past this many lines the rest are counted, not listed.
 MAX_PROBLEMS_PER_FILE = 5
+# A directory lists its first problems and counts the rest: a manifest of 1.5M broken shard
+# entries had 9M problems, and validate grew to 3.3 GB holding them (issue 32).
+MAX_PROBLEMS_LISTED = 100
 SHARD_FILE = re.compile(r".*\.ds(\.index|\.metadata|\.loss|\.pad|\.rows)?$")
+
+
+class ProblemList(list):
+    """A directory's problems, bounded: the first MAX_PROBLEMS_LISTED are kept (at most
+    MAX_PROBLEMS_PER_FILE of one file), the rest only counted (`total` counts all); the first
+    unlisted problem of each severity is kept too, so the status is the gravest of all."""
+
+    def __init__(self, problems=()):
+        super().__init__()
+        self.total = 0  # every problem added, listed or not
+        self.per_file: dict[str, int] = {}  # problems added per file that has a listed one (bounded with the list)
+        self.unlisted_first: dict[str, Problem] = {}  # severity -> its first unlisted problem
+        self.extend(problems)
+
+    def append(self, p: Problem) -> None:
+        self.total += 1
+        n = self.per_file.get(p.file)
+        if n is None and len(self) < MAX_PROBLEMS_LISTED:
+            n = self.per_file[p.file] = 0
+        if n is not None:
+            self.per_file[p.file] = n + 1
+            if n < MAX_PROBLEMS_PER_FILE and len(self) < MAX_PROBLEMS_LISTED:
+                super().append(p)
+                return
+        self.unlisted_first.setdefault(p.severity, p)
+
+    def extend(self, problems) -> None:
+        for p in problems:
+            self.append(p)
+
+    def __iadd__(self, problems):
+        self.extend(problems)
+        return self
+
+    @property
+    def status(self) -> str:
+        return worst_status([*self, *self.unlisted_first.values()])
+
+    def summarised(self, where) -> "ProblemList":
+        """The listed problems, then one line per file with more than it lists and one for the
+        rest of directory `where`; `total` and the status stay those of every problem."""
+        out = ProblemList()
+        listed: dict[str, int] = {}
+        for p in self:
+            list.append(out, p)
+            listed[p.file] = listed.get(p.file, 0) + 1
+        counted = sum(listed.values())
+        for f, n in self.per_file.items():
+            if n > listed.get(f, 0):
+                list.append(out, Problem(f, None, None, None, f"{n - listed.get(f, 0)} more problems in this file"))
+                counted += n - listed.get(f, 0)
+        if self.total > counted:
+            list.append(out, Problem(str(where), None, None, None,
+                                     f"{self.total - counted:,} more problems in other files of this directory, "
+                                     f"not listed (the report lists the first {MAX_PROBLEMS_LISTED})"))
+        out.total, out.per_file, out.unlisted_first = self.total, dict(self.per_file), dict(self.unlisted_first)
+        return out
 
 
 @dataclass(kw_only=True)
 class DirReport(Findings):
     """What validation found in one directory (a run's epochs get their own)."""
+
+    problems: ProblemList = field(default_factory=ProblemList)  # bounded: the first problems, and a count
 
     path: Path  # the directory
     kind: str | None = None  # "source", "run", "epoch", or None when the manifest is unreadable
@@ -71,7 +134,7 @@ class DirReport(Findings):
 
     @property
     def status(self) -> str:
-        return worst_status(self.problems)
+        return self.problems.status
 
 
 @dataclass
@@ -311,9 +374,9 @@ def _check_scheduled_epoch(efile: str, e: int, em: dict, sched: list[dict] | Non
 
 def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Dir"]) -> None:
     mfile = str(path / MANIFEST)
-    before = len(rep.problems)
+    before = rep.problems.total
     check_manifest(m, path, rep.add)
-    if len(rep.problems) > before:
+    if rep.problems.total > before:
         return
     sched = _scheduled_epochs(path, m, rep)
     epochs = m["epochs"]
@@ -434,6 +497,16 @@ def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1
                     job.first_sample = first[job.entry["path"]]
     jobs = [(d, j) for d in plan for j in d.jobs]
     total = sum(j.size() for _, j in jobs) if not quick else len(jobs)
+    recomputed: dict[int, list] = {}
+
+    def merge(d, job, res) -> None:  # each shard's findings as it ends, in job order: the report is deterministic
+        d.report.problems += res.problems
+        d.report.files += res.files
+        d.report.bytes += res.bytes
+        recomputed.setdefault(id(d), []).append(res.multiset)
+        if res.order is not None:
+            d.report.shard_orders[job.entry["path"]] = res.order
+
     with progress(total, "validate" + (" --quick" if quick else ""), unit="B" if not quick else "shard",
                   enabled=show_progress) as bar:
         def run(item):
@@ -450,21 +523,21 @@ def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1
                 res.add(job.directory / job.entry["path"], None, "a checkable shard", f"{type(e).__name__}: {e}",
                         "cannot check shard")
             bar.update(job.size() if not quick else 1)
-            return d, res
+            return d, job, res
 
+        # merged as they end, never all held: a shard's findings are dropped once counted
         if workers > 1 and len(jobs) > 1:
             with ThreadPool(workers) as pool:  # Ctrl-C, SIGTERM: the shards not started are dropped
-                results = list(pool.map(run, jobs))
+                pending: deque = deque()  # a few calls ahead of the merge, not one future per shard
+                for item in jobs:
+                    pending.append(pool.submit(run, item))
+                    if len(pending) >= 4 * workers:
+                        merge(*pending.popleft().result())
+                while pending:
+                    merge(*pending.popleft().result())
         else:
-            results = [run(j) for j in jobs]
-    recomputed: dict[int, list] = {}
-    for (d, res), (_, job) in zip(results, jobs):  # in job order, so the report is deterministic
-        d.report.problems += res.problems
-        d.report.files += res.files
-        d.report.bytes += res.bytes
-        recomputed.setdefault(id(d), []).append(res.multiset)
-        if res.order is not None:
-            d.report.shard_orders[job.entry["path"]] = res.order
+            for item in jobs:
+                merge(*run(item))
     for d in plan:
         rep, m = d.report, d.report.manifest
         if rep.kind == "epoch" and d.jobs and not quick and not d.partial:
@@ -476,23 +549,9 @@ def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1
                             f"{m['sample_multiset_hash']} (recorded in {MANIFEST})",
                             hash_hex64(rep.multiset) + " (recomputed from the samples)",
                             "the epoch's samples are not the ones recorded")
-    for d in plan:
-        d.report.problems = _cap_per_file(d.report.problems)
+    for d in plan:  # one broken field can break every shard entry: a few lines per file, the rest counted
+        d.report.problems = d.report.problems.summarised(d.report.path)
     return ValidationReport([d.report for d in plan])
-
-
-def _cap_per_file(problems: list[Problem]) -> list[Problem]:
-    """One broken field can break every shard entry; list a few lines per file, count the rest."""
-    seen: dict[str, int] = {}
-    out = []
-    for p in problems:
-        seen[p.file] = seen.get(p.file, 0) + 1
-        if seen[p.file] <= MAX_PROBLEMS_PER_FILE:
-            out.append(p)
-    for f, n in seen.items():
-        if n > MAX_PROBLEMS_PER_FILE:
-            out.append(Problem(f, None, None, None, f"{n - MAX_PROBLEMS_PER_FILE} more problems in this file"))
-    return out
 
 
 def _missing_sources(m: dict, given: dict[str, PackedSource], mfile: str) -> Problem | None:
@@ -621,13 +680,14 @@ class ValidateResult:
     ok: bool
     status: str
     quick: bool
-    problems: list[dict]  # Problem.to_json()
-    dirs: list[dict]  # path, kind, status, problems (a count), files, bytes
+    problems: list[dict]  # Problem.to_json(): each directory's first MAX_PROBLEMS_LISTED, then count lines
+    dirs: list[dict]  # path, kind, status, problems (a count of all), files, bytes
     files: int
     bytes: int
     seconds: float
     mb_per_s: float
     against: list[str]
+    problems_total: int | None = None  # every problem found, listed or counted (None: len(problems))
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -665,13 +725,17 @@ def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None
     seconds = time.perf_counter() - t0
     problems = not_sources + report.problems + extra_problems
     nbytes = sum(d.bytes for d in report.dirs)
+    unlisted = [p for d in report.dirs for p in d.problems.unlisted_first.values()]
     return ValidateResult(
         ok=not problems,
-        status=worst_status(problems),
+        status=worst_status(problems + unlisted),
         quick=quick,
         problems=[p.to_json() for p in problems],
-        dirs=[{"path": str(d.path), "kind": d.kind, "status": d.status, "problems": len(d.problems),
-               "files": d.files, "bytes": d.bytes} for d in report.dirs],
+        problems_total=len(not_sources) + sum(d.problems.total for d in report.dirs) + len(extra_problems),
+        dirs=[{"path": str(d.path), "kind": d.kind, "status": d.status, "problems": d.problems.total,
+               "files": d.files, "bytes": d.bytes,
+               **({"vocab_known": False, "vocab_size": d.manifest.get("vocab_size")} if _vocab_unknown(d) else {})}
+              for d in report.dirs],
         files=sum(d.files for d in report.dirs),
         bytes=nbytes,
         seconds=round(seconds, 4),
@@ -680,16 +744,24 @@ def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None
     )
 
 
+def _vocab_unknown(d: DirReport) -> bool:
+    """A source packed without a vocabulary (its manifest's `vocab_known: false`): its ids were
+    checked only against the input dtype's width, which the report says."""
+    return isinstance(d.manifest, dict) and d.manifest.get("vocab_known") is False
+
+
 def report_lines(r: ValidateResult) -> list[str]:
     """The report for humans: each problem, each directory's status, then the verdict."""
     lines = [problem_line(p) for p in r.problems]
     for d in r.dirs:
         what = d["kind"] or "directory"
         n = d["problems"]
+        vocab = "" if d.get("vocab_known", True) else (
+            f"; vocabulary unknown: ids checked only against the token width, {d['vocab_size']}")
         lines.append(f"OK {what} {d['path']} ({d['files']} file{'s' * (d['files'] != 1)}, {_size(d['bytes'])}"
-                     f"{', quick' if r.quick else ''})"
+                     f"{', quick' if r.quick else ''}{vocab})"
                      if d["status"] == "ok" else f"{d['status'].upper()} {what} {d['path']}: {n} problem{'s' * (n != 1)}")
-    n = len(r.problems)
+    n = len(r.problems) if r.problems_total is None else r.problems_total
     lines.append(
         f"{r.status.upper()}: {len(r.dirs)} director{'ies' if len(r.dirs) != 1 else 'y'}, "
         f"{r.files} file{'s' * (r.files != 1)}, {_size(r.bytes)} in {r.seconds:.2f} s ({r.mb_per_s:.0f} MB/s), {n} problem{'s' * (n != 1)}"

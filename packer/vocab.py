@@ -25,11 +25,13 @@ KNOWN_TOKENIZERS = {
 
 
 def resolve_vocab_eos(files: list[InputFile], tokenizer: str | None, eos_id: int | None,
-                      vocab_size: int | None, say=None, warnings: list | None = None) -> tuple[int, int, str, str | None]:
+                      vocab_size: int | None, say=None, warnings: list | None = None,
+                      known_vocab: list | None = None) -> tuple[int, int, str, str | None]:
     """(vocab_size, eos_id, tokenizer name, eos token text) from the options, the tokenizer,
     the inputs' datatrove metadata (a local tokenizer file, else a KNOWN_TOKENIZERS name) or,
     for the vocabulary, the input dtype. Lines the user should read once the pack is done are
-    appended to `warnings`."""
+    appended to `warnings`; `known_vocab` gets False when the vocabulary is only the input
+    dtype's width (an upper bound the ids are checked against, not the tokenizer's), else True."""
     tok_path = tokenizer
     named = files[0].tokenizer
     if tok_path is None and named:
@@ -45,19 +47,33 @@ def resolve_vocab_eos(files: list[InputFile], tokenizer: str | None, eos_id: int
         vocab_size = tok.get_vocab_size(with_added_tokens=True)
     if vocab_size is None and known:
         vocab_size = known["vocab_size"]
+    # a name in datatrove's metadata that is neither a local file nor a known tokenizer: a hub
+    # name (tokpack never downloads), which the user can look up
+    hub = named if named and tok is None and not known else None
+    seen = f"; datatrove's metadata names the tokenizer {hub!r}, a hub name tokpack does not download" if hub else ""
+    if known_vocab is not None:
+        known_vocab[:] = [vocab_size is not None]
     if vocab_size is None:
         vocab_size = native_vocab(files[0].dtype)
         if vocab_size is not None and dtype_for_vocab(vocab_size).itemsize > 2:
             # every id the input dtype can hold must fit, so a 16-bit vocabulary costs twice the disk
             if warnings is not None:
                 warnings.append(f"tokpack pack: vocabulary size unknown, so tokens are stored as uint32, the width "
-                                f"of the {files[0].dtype} input. HINT: pass --vocab-size N (or --tokenizer) to store "
+                                f"of the {files[0].dtype} input, and the manifest records the vocabulary as unknown "
+                                f"(vocab_known: false){seen}. HINT: pass --vocab-size N (or --tokenizer) to store "
                                 f"uint16 when the ids fit below 65536")
+        elif vocab_size is not None and warnings is not None:
+            # the id check then means nothing: every id the dtype holds passes it
+            warnings.append(f"tokpack pack: vocabulary size unknown, so ids are checked only against the width of "
+                            f"the {files[0].dtype} input ({vocab_size}), and the manifest records the vocabulary as "
+                            f"unknown (vocab_known: false){seen}. HINT: pass --vocab-size N (or --tokenizer "
+                            f"tokenizer.json) to check every id against the vocabulary")
     if vocab_size is None:
         raise TokpackError("vocabulary size unknown", file=files[0].path, where="vocab_size",
                            expected="--vocab-size, --tokenizer, or an input dtype narrower than 64 bits",
-                           found=f"{files[0].dtype or 'JSON integers'} token ids",
-                           hint="pass --vocab-size N or --tokenizer tokenizer.json")
+                           found=f"{files[0].dtype or 'JSON integers'} token ids{seen}",
+                           hint="pass --vocab-size N or --tokenizer tokenizer.json"
+                           + (f" (saved locally from {hub})" if hub else ""))
     if vocab_size < 1:
         raise TokpackError("vocabulary size must be positive", where="--vocab-size", expected=">= 1", found=vocab_size)
     if eos_id is None and tok is not None:
@@ -73,8 +89,10 @@ def resolve_vocab_eos(files: list[InputFile], tokenizer: str | None, eos_id: int
     if eos_id is None:
         raise TokpackError("EOS id unknown", file=tok_path or files[0].path, where="eos_id",
                            expected="--eos-id, or a tokenizer with an end-of-text token",
-                           found="none" if tok is None else "no <|endoftext|>, </s>, <|end_of_text|> or <eos> token",
-                           hint="pass --eos-id N (or --tokenizer with a local tokenizer.json)")
+                           found=("none" + seen) if tok is None else "no <|endoftext|>, </s>, <|end_of_text|> or <eos> token",
+                           hint=(f"pass --eos-id N, the end-of-document id of {hub} (and --vocab-size N), or "
+                                 f"--tokenizer with a tokenizer.json saved locally from {hub}") if hub else
+                           "pass --eos-id N (or --tokenizer with a local tokenizer.json)")
     if not 0 <= eos_id < vocab_size:
         raise TokpackError("EOS id outside the vocabulary", where="eos_id", expected=f"0 <= eos_id < {vocab_size}",
                            found=eos_id, hint="check --eos-id and --vocab-size")
@@ -130,6 +148,10 @@ class Normalizer:
         weakref.finalize(self, give_buffers, [self.out])
         self.eos_appended = 0  # documents that lacked EOS
         self.empty_dropped = 0  # documents with no tokens
+        # The one id every document that lacked EOS ended with (None: none lacked it, or they
+        # ended with several): when all documents lack EOS, that id is likely the input's EOS.
+        self.end_id: int | None = None
+        self._ends_mixed = False
 
     def __call__(self, b: Block) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         tokens, ends, loss = b.tokens, b.ends, b.loss
@@ -144,10 +166,18 @@ class Normalizer:
             ends = ends[keep]
         if len(ends) == 0:
             return tokens[:0].astype(self.out_dtype), ends, None if loss is None else loss[:0]
-        missing = tokens[ends - 1] != self.eos_id
+        last = tokens[ends - 1]
+        missing = last != self.eos_id
         if missing.any():
             at = ends[missing]
             self.eos_appended += len(at)
+            if not self._ends_mixed:
+                lacking = last[missing]
+                lo, hi = int(lacking.min()), int(lacking.max())
+                if lo != hi or self.end_id not in (None, lo):
+                    self._ends_mixed, self.end_id = True, None
+                else:
+                    self.end_id = lo
             tokens = np.insert(tokens.astype(self.out_dtype, copy=False), at, self.eos_id)
             if loss is not None:
                 loss = np.insert(loss, at, 1)

@@ -16,9 +16,11 @@ itself holds row counts per source and pass, O(#sources x passes).
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import functools
 import json
+import os
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -125,6 +127,9 @@ def _check_real(src: PackedSource) -> None:
                            hint="plan a best-fit run on packed sources, not virtual ones")
 
 
+_DOCS: dict = {}  # the last source's (start, length) per document that fit in memory, and its _pass_key
+
+
 def permuted_documents(src: PackedSource, perm: Bijection | None, memory: int, scratch: str | None):
     """The source's documents in the order of `perm` (position k holds document perm(k)), as
     chunks (doc, start, length) in position order. Bounded by `memory`: when the documents do
@@ -137,8 +142,11 @@ def permuted_documents(src: PackedSource, perm: Bijection | None, memory: int, s
         return
     chunk = max(MIN_CHUNK, memory // DOC_STATE_BYTES)
     if d <= chunk:
-        parts = list(source_documents(src, d))
-        start, length = (np.concatenate([q[i] for q in parts]) for i in (1, 2))
+        key = _pass_key(src, 0, 0, 0, 0, 0)
+        if _DOCS.get("key") != key:  # each pass of a source drawn many times reads the same index
+            parts = list(source_documents(src, d))
+            _DOCS.update(key=key, docs=tuple(np.concatenate([q[i] for q in parts]) for i in (1, 2)))
+        start, length = _DOCS["docs"]
         doc = perm.forward(np.arange(d, dtype=np.int64))
         yield doc, start[doc], length[doc]
         return
@@ -239,20 +247,34 @@ def best_fit_decreasing(tails: np.ndarray, positions: np.ndarray, row_tokens: in
     still holds it (ties: the lowest row), else into a new row. Returns (row, offset) per
     piece and the row count."""
     order = np.lexsort((positions, -tails))
-    row = np.empty(len(tails), np.int64)
-    offset = np.empty(len(tails), np.int64)
-    keys: list[int] = []  # rows with room left, as remaining * _BIG + row, sorted
-    rows = 0
-    for i, t in zip(order.tolist(), tails[order].tolist()):
-        j = bisect.bisect_left(keys, t * _BIG)
+    sorted_t = tails[order]
+    n = len(tails)
+    row = np.empty(n, np.int64)
+    offset = np.empty(n, np.int64)
+    # Pieces longer than half a row come first in this order and each opens a row (every row
+    # opened before holds a piece at least as long, so has less room than the piece): placed at
+    # once. Only the rest take the loop, the best-fit epoch's cost (issue 32's cliff).
+    big = int(np.count_nonzero(2 * sorted_t > row_tokens))
+    row[order[:big]] = np.arange(big)
+    offset[order[:big]] = 0
+    room = (row_tokens - sorted_t[:big]).astype(np.int64)
+    has = np.flatnonzero(room > 0)
+    keys: list[int] = np.sort(room[has] * _BIG + has).tolist()  # rows with room left, as remaining * _BIG + row
+    rows = big
+    rest_row, rest_offset = [0] * (n - big), [0] * (n - big)
+    find, insort = bisect.bisect_left, bisect.insort
+    for k, t in enumerate(sorted_t[big:].tolist()):
+        j = find(keys, t * _BIG)
         if j < len(keys):
             rem, r = divmod(keys.pop(j), _BIG)
         else:
             rem, r = row_tokens, rows
             rows += 1
-        row[i], offset[i] = r, row_tokens - rem
+        rest_row[k], rest_offset[k] = r, row_tokens - rem
         if rem > t:
-            bisect.insort(keys, (rem - t) * _BIG + r)
+            insort(keys, (rem - t) * _BIG + r)
+    row[order[big:]] = rest_row
+    offset[order[big:]] = rest_offset
     return row, offset, rows
 
 
@@ -270,11 +292,73 @@ def pack_pass(lengths: np.ndarray, perm: Bijection, row_tokens: int, group_token
     return PassRows(rows, *cols)
 
 
+# Passes packed already, kept whole while they fit a quarter of the caller's budget (least
+# recently used first out). An epoch that draws a source n times needs its n passes three
+# times (plan: their rows; the repeat count; the row table), and packing them is the epoch's
+# cost (a Python best-fit loop per piece): without it an upsampled best-fit epoch packed every
+# pass three times (BENCHMARKS.md, "Best-fit packing"). A pass's pieces are a function of the
+# key alone; the key holds the index files' sizes and times, so an edited source is packed anew.
+_PASSES: "collections.OrderedDict[tuple, list]" = collections.OrderedDict()
+_PASSES_BYTES = [0]
+
+
+def kept_pass_bytes() -> int:
+    """Bytes the kept passes hold now."""
+    return _PASSES_BYTES[0]
+
+
+def release_passes() -> None:
+    """Drops the kept passes: once an epoch's table is built its steps need none, and --memory
+    is theirs (the row counts stay: a few bytes a pass)."""
+    _PASSES.clear()
+    _PASSES_BYTES[0] = 0
+    _DOCS.clear()
+
+
+def _pass_key(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, group_tokens: int) -> tuple:
+    stamp = []
+    for sh in src.shards:
+        try:
+            st = os.stat(src.path / f"{sh['path']}.index")
+            stamp.append((st.st_size, st.st_mtime_ns, st.st_ino))
+        except OSError:
+            stamp.append(None)
+    return (src.fingerprint, str(src.path), s, p, seed, row_tokens, group_tokens, tuple(stamp))
+
+
 def iter_pass(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, group_tokens: int, memory: int,
               scratch: str | None):
     """Pass p over source s, group by group, bounded by `memory` (permuted_documents) and a
     group: (first row of the group in the pass, row count, and per piece: row in the pass,
-    row_offset, doc, doc_offset, length, first token in the stream, the document's length)."""
+    row_offset, doc, doc_offset, length, first token in the stream, the document's length).
+    A pass read to its end is kept (_PASSES) when it fits a quarter of `memory`."""
+    key = _pass_key(src, s, p, seed, row_tokens, group_tokens)
+    kept = _PASSES.get(key)
+    if kept is not None:
+        _PASSES.move_to_end(key)
+        yield from kept
+        return
+    cap, size, kept = max(0, memory) // 4, 0, []
+    for group in _pack_pass(src, s, p, seed, row_tokens, group_tokens, memory, scratch):
+        if kept is not None:
+            size += sum(c.nbytes for c in group[2])
+            if size <= cap:
+                for c in group[2]:
+                    c.flags.writeable = False  # shared by every later reader of the pass
+                kept.append(group)
+            else:
+                kept = None
+        yield group
+    if kept is not None:  # read to its end
+        _PASSES[key] = kept
+        _PASSES_BYTES[0] += size
+        while _PASSES_BYTES[0] > cap and _PASSES:
+            _, old = _PASSES.popitem(last=False)
+            _PASSES_BYTES[0] -= sum(c.nbytes for g in old for c in g[2])
+
+
+def _pack_pass(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, group_tokens: int, memory: int,
+               scratch: str | None):
     perm = Bijection(max(document_count(src), 1), "docs", seed, s, p)
     rows = 0
     for a, gd, gs, gl in pass_groups(permuted_documents(src, perm, memory, scratch), group_tokens):
@@ -344,34 +428,66 @@ class PackedPlan:
 
     def repeats(self, s: int) -> int:
         """Pieces (documents or fragments) of source s this epoch holds more than once: nonzero
-        when its chain range spans more than one pass (upsampled, or straddling two). Out of
-        core: the epoch's pieces of s go to bucket files by document range, and each bucket
-        counts its duplicates."""
+        when its chain range spans more than one pass (upsampled, or straddling two)."""
+        return self.repeat_counts(s)[0]
+
+    def repeat_counts(self, s: int) -> tuple[int, int | None]:
+        """(the pieces of source s that repeat a piece the epoch holds already, the epoch's
+        pieces of s): one unit, pieces, for both (a pass's rows are packed afresh, so a
+        row never repeats a row; its pieces do). The total is None when no pass repeats (not
+        counted). Out of core: the epoch's pieces of s go to bucket files by document range,
+        and each bucket counts its duplicates."""
         sp = self.sources[s]
         if sp.passes < 2:
-            return 0
+            return 0, None
         src = PackedSource.open(sp.path, check_sizes=False)
         memory = self.memory
+        # A document is cut the same way in every pass (full rows, then its tail), so every pass
+        # holds the same pieces, once each: when the epoch takes one pass whole, the distinct
+        # pieces are that pass's, and only the pieces counted per pass are needed (no keys).
+        lo, hi = self.chain_start(s), self.chain_start(s) + sp.samples
+        starts = [pass_start(self, s, sp.first_pass, src)]
+        for p in range(sp.first_pass, sp.first_pass + sp.passes):
+            starts.append(starts[-1] + pass_rows(self, s, p, src))
+        if any(lo <= x and y <= hi for x, y in zip(starts, starts[1:])):
+            taken = whole = 0
+            for p, at, end in zip(range(sp.first_pass, sp.first_pass + sp.passes), starts, starts[1:]):
+                a, b = lo - at, hi - at
+                with _pass_scratch(src, memory) as d:
+                    n = sum(int(((row >= a) & (row < b)).sum()) for _, _, (row, *_) in
+                            iter_pass(src, s, p, self.seed, self.row_tokens, self.group_tokens, memory, d))
+                if lo <= at and end <= hi:
+                    whole = n
+                taken += n
+            return taken - whole, taken
         per = max(MIN_CHUNK, memory // (KEY.itemsize * 4 * sp.passes * (1 + src.tokens // max(
             1, sp.documents * self.row_tokens))))
         with _scratch() as d:
             from pathlib import Path
 
             files = Buckets(Path(d), "keys")
+            pieces = 0
             for _, ro, doc, do, *_ in chain_pieces(self, s, src, memory, d):
                 keys = np.empty(len(doc), KEY)
                 keys["doc"], keys["doc_offset"] = doc, do
                 files.append(doc // per, keys)
+                pieces += len(doc)
             repeats = 0
             for b in files.names():
                 keys = files.read(b, KEY)
                 repeats += len(keys) - len(np.unique(keys))
-            return int(repeats)
+            return int(repeats), int(pieces)
 
     def source_report(self) -> list[dict]:
-        return [{"name": s.name, "path": s.path, "fingerprint": s.fingerprint, "weight": s.weight,
-                 "samples": s.samples, "windows": s.windows, "passes": s.passes, "first_pass": s.first_pass,
-                 "repeats": self.repeats(i)} for i, s in enumerate(self.sources)]
+        """As the window plan's, but `repeats` counts document pieces, out of `repeat_total`
+        pieces (`repeat_unit` names the unit for the summary and the warnings)."""
+        report = []
+        for i, s in enumerate(self.sources):
+            repeats, pieces = self.repeat_counts(i)
+            report.append({"name": s.name, "path": s.path, "fingerprint": s.fingerprint, "weight": s.weight,
+                           "samples": s.samples, "windows": s.windows, "passes": s.passes, "first_pass": s.first_pass,
+                           "repeats": repeats, "repeat_total": pieces, "repeat_unit": "document pieces"})
+        return report
 
     def source_entries(self) -> list[dict]:
         return [{"name": s.name, "path": s.path, "fingerprint": s.fingerprint, "weight": s.weight,
@@ -431,6 +547,15 @@ def source_pass(plan, s: int, p: int) -> PassRows:
 
 
 _ROWS: dict[tuple, int] = {}  # (fingerprint, seed, s, p, row_tokens, group_tokens) -> R_{s,p}
+_PIECES: dict[tuple, int] = {}  # the same key -> the pass's pieces
+
+
+def _pass_scratch(src: PackedSource, memory: int):
+    """A scratch folder for a pass only when its documents do not fit `memory`
+    (permuted_documents), else None: making and removing a folder per pass cost more than
+    packing a small pass."""
+    spills = document_count(src) > max(MIN_CHUNK, memory // DOC_STATE_BYTES)
+    return _scratch() if spills else contextlib.nullcontext(None)
 
 
 def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
@@ -438,10 +563,33 @@ def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
     bounded by the plan's memory) and counted; the count is kept."""
     key = (src.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens)
     if key not in _ROWS:
-        with _scratch() as d:
-            _ROWS[key] = sum(n for _, n, _ in iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens,
-                                                        plan.memory, d))
+        rows = pieces = 0
+        with _pass_scratch(src, plan.memory) as d:
+            for _, n, (row, *_) in iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, plan.memory, d):
+                rows, pieces = rows + n, pieces + len(row)
+        _ROWS[key], _PIECES[key] = rows, pieces
     return _ROWS[key]
+
+
+def epoch_pieces(plan, s: int) -> tuple[int, int] | None:
+    """(pieces packed in the passes of source s this epoch touches, pieces of s the epoch
+    takes, each partial pass counted by its share of rows): known once the plan has counted
+    those passes' rows in this process (pass_rows), else None. For `tokpack plan`'s time."""
+    sp = plan.sources[s]
+    lo, hi = plan.chain_start(s), plan.chain_start(s) + sp.samples
+    packed = taken = 0.0
+    at = None
+    for p in range(sp.first_pass, sp.first_pass + sp.passes):
+        key = (sp.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens)
+        if key not in _PIECES:
+            return None
+        if at is None:
+            at = sum(_ROWS.get((sp.fingerprint, plan.seed, s, k, plan.row_tokens, plan.group_tokens), 0)
+                     for k in range(p))
+        rows, pieces = _ROWS[key], _PIECES[key]
+        share = max(0, min(hi, at + rows) - max(lo, at)) / max(1, rows)
+        packed, taken, at = packed + pieces, taken + pieces * share, at + rows
+    return int(packed), int(taken)
 
 
 def pass_start(plan, s: int, p: int, src: PackedSource) -> int:
@@ -781,6 +929,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
              "problems": sorted(problems), "shard_files": names}
     write_bytes_atomic(tmp / BUILT_FILE, json.dumps(built).encode(), fsync=False)
     tmp.rename(folder)
+    release_passes()  # what reads the table (the engine's steps, a replay, inspect) needs no pass
     return PackedTable.open(folder)
 
 

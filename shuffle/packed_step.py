@@ -26,7 +26,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import map_file, open_append, open_read, progress, read_array, write_bytes_atomic
 
 from .packed import (DOC, PIECE_STATE_BYTES, TABLE_PIECE_BYTES, PackedTable, TokenPool, build_table, document_count,
-                     row_padding)
+                     epoch_pieces, kept_pass_bytes, row_padding)
 from .steps import RING, EpochJob, OrderStep, _Step
 
 GATHER_TOKENS = 1 << 20  # tokens of rows assembled per call
@@ -38,7 +38,8 @@ def prepare_table(job: EpochJob, memory: int) -> dict:
     from pathlib import Path
 
     path = Path(job.work_dir) / "packing"
-    built = build_table(job.plan, job.open_sources(), path, memory)
+    # the kept passes (packed.iter_pass) count against the budget while the table is built (which drops them)
+    built = build_table(job.plan, job.open_sources(), path, max(1, memory - kept_pass_bytes()))
     return {"table": str(path), "table_xxh3_128": built.table_xxh3_128, "padding": built.padding}
 
 
@@ -56,8 +57,15 @@ def packed_memory(job, sources) -> int:
 
 
 # Pieces (documents or fragments) best_fit_decreasing and its group work place a second, on one
-# core: 500,000-600,000 measured on 20-token documents (BENCHMARKS.md, "Best-fit packing: out of core").
-PACK_PIECES_PER_S = 4e5
+# core: 500,000-600,000 measured on 20-token documents (BENCHMARKS.md, "Best-fit packing: out of
+# core"), 1.6M on web-like lengths since the pieces longer than half a row skip the loop
+# (BENCHMARKS.md, "Best-fit packing: an upsampled epoch"): plan takes a rate between.
+PACK_PIECES_PER_S = 8e5
+# Pieces of the epoch's table a second, built (build_table) and copied into rows (TokenPool.rows):
+# per piece work in the interpreter that a window epoch does not have (BENCHMARKS.md, "Best-fit
+# packing: an upsampled epoch").
+TABLE_PIECES_PER_S = 5e5
+PASS_PIECE_BYTES = 56  # a kept pass, per piece: seven int64 columns (tokpack.shuffle.packed.iter_pass)
 
 
 def table_estimate(job, sources) -> dict:
@@ -67,9 +75,11 @@ def table_estimate(job, sources) -> dict:
     the fragment or tail cut at a row's end); `table_bytes` its peak in the work folder (the
     build's buckets of rows and by-shard files, then the table, its starts and the by-shard
     files, plus the bucket files of the largest pass's documents); `packed_pieces` the pieces
-    packed, twice each pass the epoch touches (its rows counted by the plan, then built); the
-    `pack_seconds` that takes."""
-    plan, pieces, packed, largest = job.plan, 0, 0, 0
+    packed: once each pass the epoch touches when the passes fit a quarter of the plan's budget
+    (the plan packs a pass to count its rows and keeps it for the table: tokpack.shuffle.packed.
+    iter_pass; a source drawn several times is such), else twice; the `pack_seconds` that takes,
+    with the table's build and the rows' assembly (per piece of the table)."""
+    plan, pieces, packed, taken, largest = job.plan, 0, 0, 0, 0
     for s, sp in enumerate(plan.sources):
         if not sp.samples:
             continue
@@ -77,10 +87,17 @@ def table_estimate(job, sources) -> dict:
         docs = int(src.manifest.get("documents") or document_count(src))
         per_token = docs / max(1, src.tokens)
         pieces += int(sp.samples * (plan.row_tokens * per_token + 1))
-        packed += 2 * sp.passes * (docs + src.tokens // plan.row_tokens)
+        # the passes' own counts when the plan packed them here (it has, to count their rows)
+        counted = epoch_pieces(plan, s)
+        packed_s, taken_s = counted or (sp.passes * (docs + src.tokens // plan.row_tokens),
+                                        int(sp.samples * (plan.row_tokens * per_token + 1)))
+        kept = packed_s * PASS_PIECE_BYTES <= plan.memory // 4
+        packed += (1 if kept else 2) * packed_s
+        taken += taken_s
         largest = max(largest, docs)
     return {"pieces": pieces, "table_bytes": pieces * TABLE_PIECE_BYTES + largest * DOC.itemsize,
-            "packed_pieces": packed, "pack_seconds": round(packed / PACK_PIECES_PER_S, 3)}
+            "packed_pieces": packed,
+            "pack_seconds": round(packed / PACK_PIECES_PER_S + taken / TABLE_PIECES_PER_S, 3)}
 
 
 def packed_scratch_bytes(job, sources, out_of_core: bool) -> int:

@@ -154,7 +154,8 @@ class EpochPlan:
         return [
             {"name": src.name, "path": src.path, "fingerprint": src.fingerprint, "weight": src.weight,
              "samples": src.samples, "windows": src.windows, "passes": self.passes(i),
-             "first_pass": self.first_pass(i), "repeats": self.repeats(i)}
+             "first_pass": self.first_pass(i), "repeats": self.repeats(i), "repeat_total": src.samples,
+             "repeat_unit": "samples"}
             for i, src in enumerate(self.sources)
         ]
 

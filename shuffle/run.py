@@ -434,6 +434,16 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
             raise TokpackError("--packing differs from the schedule's packing", where="--packing",
                                expected=schedule.packing, found=packing, hint="drop --packing")
         schedule = replace(schedule, packing=packing)
+    used = packings.named(schedule.packing if schedule is not None else packing)
+    if pad_id is not None and "pad_id" not in used.options(pad_id, None):
+        # a window epoch has no padding: a --pad-id it ignored would look like a setting the run keeps
+        padded = [n for n in packings.names() if "pad_id" in packings.named(n).options(pad_id, None)]
+        asked = "the schedule's packing" if schedule is not None else "--packing"
+        raise TokpackError(f"--pad-id applies to {' or '.join(padded)} packing; {used.name} packing has no padding",
+                           where="--pad-id", expected=f"no --pad-id with {asked} {used.name}", found=pad_id,
+                           hint="drop --pad-id, or pack with " + " or ".join(
+                               (f"packing: {n} in the schedule" if schedule is not None else f"--packing {n}")
+                               for n in padded))
     if schedule is not None:
         seq_len, seed, jitter, paths = schedule.seq_len, schedule.seed, schedule.jitter, schedule.paths
         shard_samples = shard_samples or schedule.shard_samples
@@ -589,9 +599,10 @@ def shuffle_run(
                 to.remove_tree(stale)
             log(f"epoch {epoch}: already complete, skipped")
         else:
+            report = plan.source_report()  # before the epoch's table: it counts repeats from the passes kept
             summary = run_epoch(job, memory=memory, workers=workers, tasks=tasks, run_passes=run_passes, log=log)
             summary["stage"] = runplan.stage_name(epoch)
-            summary["sources"] = plan.source_report()
+            summary["sources"] = report
             summaries.append(summary)
         done_epochs = sorted(set(done_epochs) | {epoch})
         to.finish(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan))
@@ -643,8 +654,13 @@ def repeat_warnings(epoch: int, report: list[dict], stage: str | None = None) ->
             why = (f"the schedule's stages take more than its windows; in the schedule file lower its weight or "
                    f"the size of stage {stage!r} (or of the stages before it), or add data")
         where = f"epoch {epoch}" if stage is None else f"epoch {epoch} (stage {stage})"
+        # the count and its total in one unit: samples (a window plan's), or document pieces (best-fit's,
+        # whose passes are packed afresh, so only pieces repeat)
+        unit, total = r.get("repeat_unit", "samples"), r.get("repeat_total", r["samples"])
+        what = (f"repeat a window ({r['windows']} windows, {span})" if unit == "samples" else
+                f"repeat a piece the epoch holds already ({r['samples']} samples, {span})")
         lines.append(f"{where}: source {r['name']} ({r['path']}) is used more than once: {r['repeats']} of its "
-                     f"{r['samples']} samples repeat a window ({r['windows']} windows, {span}). HINT: {why}")
+                     f"{total} {unit} {what}. HINT: {why}")
     return lines
 
 

@@ -1289,3 +1289,86 @@ def test_durable_file_abort_leaves_nothing(tmp_path):
     f.write(b"\1" * 10000)
     f.abort()
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------ issue 32 item 7: bad data says so
+
+
+def _warned(res) -> list[str]:
+    return [x for x in res.stderr.splitlines() if "HINT" in x and not x.startswith("tokpack: error")]
+
+
+def test_a_large_raw_input_without_eos_warns(tmp_path):
+    """A raw file packed with the wrong --eos-id became '1 document' of 3.4M tokens with no word:
+    it warns on stderr and in --json; the same file with EOS in it, or a small one, does not."""
+    rng = np.random.default_rng(3)
+    n = packing.ONE_DOCUMENT_TOKENS + 10
+    raw = rng.integers(1, 1000, n).astype("<u2")
+    raw.tofile(tmp_path / "train.bin")
+    res = cli(tmp_path / "train.bin", "-o", tmp_path / "a", "--dtype", "uint16", "--eos-id", "0", "--vocab-size", "1000")
+    assert res.exit_code == 0, res.stderr
+    [line] = _warned(res)
+    assert "train.bin: no EOS id 0 in its" in line and f"{n:,} tokens" in line and "--eos-id" in line
+    res = CliRunner().invoke(main, ["pack", str(tmp_path / "train.bin"), "-o", str(tmp_path / "j"), "--dtype",
+                                    "uint16", "--eos-id", "0", "--vocab-size", "1000", "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["warnings"] == [line], res.stdout
+    with_eos = raw.copy()
+    with_eos[::5000] = 0
+    with_eos.tofile(tmp_path / "ok.bin")
+    raw[: packing.ONE_DOCUMENT_TOKENS // 2].tofile(tmp_path / "small.bin")
+    for name in ("ok.bin", "small.bin"):
+        res = cli(tmp_path / name, "-o", tmp_path / name.replace(".", "-"), "--dtype", "uint16", "--eos-id", "0",
+                  "--vocab-size", "1000")
+        assert res.exit_code == 0 and not _warned(res), res.stderr
+
+
+def test_eos_appended_to_every_document_that_ends_with_another_id_warns(tmp_path):
+    """A gpt2 datatrove input (EOS 50256) packed with --eos-id 0 got an EOS appended to each of
+    its documents silently. The line names the id they end with; the right id warns nothing,
+    and an input whose documents end with many ids (no EOS of its own) warns nothing either."""
+    write_named_datatrove(tmp_path / "dt", "gpt2", 40)
+    res = cli(tmp_path / "dt", "-o", tmp_path / "a", "--eos-id", "0")
+    assert res.exit_code == 0, res.stderr
+    [line] = _warned(res)
+    assert "all 40 of its documents end with id 50256, not the EOS id 0" in line and "--eos-id 50256" in line
+    res = cli(tmp_path / "dt", "-o", tmp_path / "b")
+    assert res.exit_code == 0 and not _warned(res), res.stderr
+    docs = [d[:-1] for d in random_docs(np.random.default_rng(1), 40, 1000, 0)]  # no EOS, assorted last ids
+    (tmp_path / "x.jsonl").write_text("".join(json.dumps({"input_ids": d.tolist()}) + "\n" for d in docs))
+    res = cli(tmp_path / "x.jsonl", "-o", tmp_path / "c", "--eos-id", "0", "--vocab-size", "1000")
+    assert res.exit_code == 0 and not _warned(res), res.stderr
+    assert json.loads((tmp_path / "c" / MANIFEST).read_text())["eos_appended"] == 40
+
+
+def test_an_unknown_vocabulary_is_recorded_as_unknown_and_named_by_validate(tmp_path):
+    """Without --vocab-size or a tokenizer the id check is only the dtype's width: the manifest
+    says `vocab_known: false` (a known vocabulary writes no such field, so manifests are as
+    before), pack says so naming the hub tokenizer its metadata names, and validate names it."""
+    import tokpack
+
+    write_named_datatrove(tmp_path / "dt", "meta-llama/Meta-Llama-3-8B", 20)
+    res = cli(tmp_path / "dt", "-o", tmp_path / "a", "--eos-id", "50256")
+    assert res.exit_code == 0, res.stderr
+    [line] = _warned(res)
+    assert "vocabulary size unknown" in line and "'meta-llama/Meta-Llama-3-8B'" in line and "--vocab-size" in line
+    m = json.loads((tmp_path / "a" / MANIFEST).read_text())
+    assert m["vocab_known"] is False and m["vocab_size"] == 65536
+    r = tokpack.pack([str(tmp_path / "dt")], str(tmp_path / "api"), eos_id=50256)
+    assert r.warnings == [line] and json.loads((tmp_path / "api" / MANIFEST).read_text())["vocab_known"] is False
+    res = CliRunner().invoke(main, ["validate", str(tmp_path / "a")])
+    assert res.exit_code == 0 and "vocabulary unknown: ids checked only against the token width, 65536" in res.output
+    v = tokpack.validate([str(tmp_path / "a")])
+    assert v.ok and v.dirs[0]["vocab_known"] is False
+    res = cli(tmp_path / "dt", "-o", tmp_path / "k", "--eos-id", "50256", "--vocab-size", "128256")
+    assert res.exit_code == 0 and not _warned(res), res.stderr
+    assert "vocab_known" not in json.loads((tmp_path / "k" / MANIFEST).read_text())
+    res = CliRunner().invoke(main, ["validate", str(tmp_path / "k")])
+    assert res.exit_code == 0 and "vocabulary unknown" not in res.output
+
+
+def test_a_hub_tokenizer_in_datatrove_metadata_is_named_in_the_eos_error(tmp_path):
+    write_named_datatrove(tmp_path / "dt", "meta-llama/Meta-Llama-3-8B", 5)
+    line = one_error_line(cli(tmp_path / "dt", "-o", tmp_path / "a"))
+    assert "EOS id unknown" in line and "names the tokenizer 'meta-llama/Meta-Llama-3-8B'" in line
+    assert "HINT: pass --eos-id N, the end-of-document id of meta-llama/Meta-Llama-3-8B" in line and "--tokenizer" in line
+    assert not (tmp_path / "a").exists()

@@ -39,6 +39,30 @@ def test_best_fit_decreasing_by_hand():
     assert row.tolist() == [1, 1, 2, 0, 0] and offset.tolist() == [0, 5, 0, 6, 0]
 
 
+def _best_fit_by_the_rule(tails, positions, row_tokens):
+    """BFD as docs/COMMANDS.md states it, one piece at a time over a plain list of rooms."""
+    room, row, offset = [], [0] * len(tails), [0] * len(tails)
+    for i in sorted(range(len(tails)), key=lambda i: (-int(tails[i]), int(positions[i]))):
+        fits = [r for r, left in enumerate(room) if left >= tails[i]]
+        r = min(fits, key=lambda r: (room[r], r)) if fits else len(room)
+        if not fits:
+            room.append(row_tokens)
+        row[i], offset[i] = r, row_tokens - room[r]
+        room[r] -= int(tails[i])
+    return row, offset, len(room)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), row_tokens=st.integers(1, 40))
+def test_best_fit_decreasing_is_the_rule(data, row_tokens):
+    """The pieces longer than half a row are placed without the loop (each opens a row); the
+    result is the rule's, piece by piece, ties included."""
+    tails = np.array(data.draw(st.lists(st.integers(1, row_tokens), max_size=60)), np.int64)
+    positions = np.array(data.draw(st.permutations(range(len(tails)))), np.int64)
+    row, offset, rows = best_fit_decreasing(tails, positions, row_tokens)
+    assert (row.tolist(), offset.tolist(), rows) == _best_fit_by_the_rule(tails, positions, row_tokens)
+
+
 def test_best_fit_ties_go_to_the_lowest_row_and_the_earliest_document():
     # The 5s in position order open rows 0 and 1 (room 3 each); the first 2 by position goes to
     # the lower of the two equally full rows, the second to the row with the least room left.
@@ -436,7 +460,125 @@ def test_repeats_count_the_pieces_an_upsampled_epoch_holds_twice(corpus3):
         sel = table[table["source"] == s]
         distinct = len(np.unique(np.stack([sel["doc"], sel["doc_offset"]], axis=1), axis=0))
         assert r["repeats"] == len(sel) - distinct
+        assert r["repeat_unit"] == "document pieces" and r["repeat_total"] in (None, len(sel))
     assert plan.source_report()[2]["repeats"] > 0  # math is upsampled
+
+
+@pytest.mark.parametrize("epoch", [0, 1, 3])
+@pytest.mark.parametrize("samples,weights", [(300, ["1", "1", "4"]), (120, ["1", "1", "1"]), (900, ["1", "2", "9"])])
+def test_repeats_by_whole_passes_are_the_brute_count(corpus3, epoch, samples, weights):
+    """The repeat count takes a shortcut when the epoch holds one pass of a source whole
+    (every pass holds the same pieces); straddling two partial passes it compares keys. Both
+    are the count of the table's pieces held twice."""
+    plan = packed_epoch_plan(corpus3, seq_len=63, seed=2, epoch=epoch, weights=weights, samples=samples)
+    table = plan.table(corpus3)
+    for s in range(3):
+        sel = table[table["source"] == s]
+        distinct = len(np.unique(np.stack([sel["doc"], sel["doc_offset"]], axis=1), axis=0))
+        repeats, total = plan.repeat_counts(s)
+        assert repeats == len(sel) - distinct and total in (None, len(sel)), (s, plan.sources[s])
+        assert (total is None) == (plan.sources[s].passes < 2)
+
+
+def test_a_best_fit_repeat_warning_counts_one_unit(corpus3, tmp_path):
+    """Issue 32: the line said '198 of its 100 samples repeat': a count of pieces over a total
+    of samples. Now both are pieces, in shuffle's summary, its warning and plan's."""
+    from tokpack.shuffle.run import repeat_warnings
+
+    plan = packed_epoch_plan(corpus3, seq_len=63, seed=2, epoch=0, weights=["1", "1", "4"], samples=300)
+    table = plan.table(corpus3)
+    report = plan.source_report()
+    math = report[2]
+    pieces = int((table["source"] == 2).sum())
+    assert math["repeat_total"] == pieces and 0 < math["repeats"] < pieces
+    [line] = repeat_warnings(0, report)
+    assert f"{math['repeats']} of its {pieces} document pieces repeat" in line and "samples repeat" not in line
+    args = ["--seq-len", "63", "--seed", "2", "--epochs", "1", "--samples", "300", "--packing", "best-fit"]
+    srcs = [f"{p.path}={w}" for p, w in zip(corpus3, ["1", "1", "4"])]
+    for command in (["shuffle"], ["plan", "shuffle"]):
+        res = CliRunner().invoke(main, [*command, *srcs, "-o", str(tmp_path / "o"), *args])
+        assert res.exit_code == 0, res.output
+        warned = [x for x in res.stderr.splitlines() if "more than once" in x]
+        assert len(warned) == 1 and f"{math['repeats']} of its {pieces} document pieces" in warned[0], res.stderr
+        assert f"{math['repeats']:,} document pieces repeated" in res.stdout or \
+            f"{math['repeats']} document pieces repeated" in res.stdout, res.stdout
+
+
+def test_an_upsampled_best_fit_epoch_packs_each_pass_once(tmp_path, monkeypatch):
+    """Issue 32's cliff: an epoch drawing a source n times packed its n passes three times (the
+    plan's row counts, the repeat count, the row table) and made a scratch folder per pass.
+    Each pass is now packed once, with no folder when its documents fit; the bytes are the same."""
+    import collections
+
+    import tokpack.shuffle.packed as packed_mod
+
+    rng = np.random.default_rng(11)
+    srcs = [write_source(tmp_path / "big", random_docs(rng, 300, 1000, 0, 1, 200)),
+            write_source(tmp_path / "tiny", random_docs(rng, 20, 1000, 0, 1, 200))]
+    packed_mod._PASSES.clear()
+    packed_mod._PASSES_BYTES[0] = 0
+    packed_mod._ROWS.clear()
+    calls, folders = collections.Counter(), []
+    real_pack, real_scratch = packed_mod._pack_pass, packed_mod._scratch
+    monkeypatch.setattr(packed_mod, "_pack_pass", lambda src, s, p, *a: calls.update([(s, p)]) or real_pack(src, s, p, *a))
+    monkeypatch.setattr(packed_mod, "_scratch", lambda folder=None: folders.append(folder) or real_scratch(folder))
+    out = tmp_path / "run"
+    shuffle_run([str(p) for p in srcs], str(out), weights=["1", "1"], seq_len=63, seed=4, epochs=[0],
+                samples=1200, memory=64 << 20, packing="best-fit")
+    m = read_manifest(out / "epoch-00000", kind="epoch")
+    assert m["sources"][1]["passes"] >= 10  # tiny is drawn many times
+    assert calls and max(calls.values()) == 1, calls.most_common(3)
+    assert len(calls) == sum(e["passes"] for e in m["sources"])
+    assert len([f for f in folders if f is None]) <= 2  # the repeat count's folders, one a source at most
+    # the same bytes as packed without the kept passes
+    packed_mod._PASSES.clear()
+    packed_mod._PASSES_BYTES[0] = 0
+    monkeypatch.setattr(packed_mod, "_PASSES", type("Never", (dict,), {"__setitem__": lambda *a: None,
+                                                                        "move_to_end": lambda *a: None})())
+    other = tmp_path / "again"
+    shuffle_run([str(p) for p in srcs], str(other), weights=["1", "1"], seq_len=63, seed=4, epochs=[0],
+                samples=1200, memory=64 << 20, packing="best-fit")
+    for f in sorted((out / "epoch-00000").iterdir()):
+        assert f.read_bytes() == (other / "epoch-00000" / f.name).read_bytes(), f.name
+    assert max(calls.values()) > 1  # without them, passes are packed again
+
+
+def test_plan_counts_the_pieces_an_upsampled_epoch_packs(tmp_path, monkeypatch):
+    """Issue 32: plan predicted 0.9 s for a best-fit epoch drawing a source many times that took
+    27 s. Its time is pieces over measured rates (BENCHMARKS.md, "Best-fit packing: an upsampled
+    epoch"); the pieces are now the passes' own counts: each pass the epoch touches packed once
+    (as the engine does: test_an_upsampled_best_fit_epoch_packs_each_pass_once) and the
+    table's pieces, both equal to what the engine packs and writes."""
+    import tokpack.shuffle.packed as packed_mod
+    from tokpack.packer.planning import plan_shuffle
+    from tokpack.shuffle.packed_step import PACK_PIECES_PER_S, TABLE_PIECES_PER_S
+
+    rng = np.random.default_rng(12)
+    srcs = [write_source(tmp_path / "big", random_docs(rng, 300, 1000, 0, 1, 200)),
+            write_source(tmp_path / "tiny", random_docs(rng, 20, 1000, 0, 1, 200))]
+    packed_mod._ROWS.clear()
+    packed_mod._PIECES.clear()
+    packed_mod._PASSES.clear()
+    packed_mod._PASSES_BYTES[0] = 0
+    packed, real_pack = [], packed_mod._pack_pass
+
+    def counting(*a):
+        for group in real_pack(*a):
+            packed.append(len(group[2][0]))
+            yield group
+
+    monkeypatch.setattr(packed_mod, "_pack_pass", counting)
+    got = plan_shuffle({str(srcs[0]): "1", str(srcs[1]): "1"}, tmp_path / "p", seq_len=63, seed=4, samples=1200,
+                       memory=64 << 20, packing="best-fit", disk_mbps=100)
+    table = next(p for p in got.passes if p["name"] == "table")
+    packed_by_plan = sum(packed)
+    assert not packed_mod._PASSES  # plan keeps no pass once it has reported
+    opened = [PackedSource.open(p) for p in srcs]
+    plan = packed_epoch_plan(opened, seq_len=63, seed=4, epoch=0, weights=["1", "1"], samples=1200)
+    assert plan.sources[1].passes >= 10
+    pieces = len(plan.table(opened))
+    assert sum(packed) > packed_by_plan  # the table packed its passes again: none was kept
+    assert table["pack_seconds"] == round(packed_by_plan / PACK_PIECES_PER_S + pieces / TABLE_PIECES_PER_S, 3)
 
 
 @pytest.mark.parametrize("memory", [64 << 20, 1 << 20])
@@ -568,6 +710,35 @@ def test_a_schedules_jitter_with_best_fit_is_refused(sources, tmp_path, command,
     assert res.exit_code == 1 and "jitter shifts windows; best-fit packing has none" in res.output, res.output
     assert str(yaml_file) in res.output and "Traceback" not in res.output
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", [["shuffle"], ["plan", "shuffle"]])
+@pytest.mark.parametrize("packing", [[], ["--packing", "concat"]])
+def test_pad_id_without_best_fit_is_refused(sources, tmp_path, command, packing):
+    """Issue 32: a window epoch has no padding, so a --pad-id it silently ignored looked like a
+    setting the run keeps. Refused in one line before anything is written, CLI and API alike."""
+    res = CliRunner().invoke(main, [*command, *map(str, sources), "-o", str(tmp_path / "w"), "--seq-len", "63",
+                                    "--seed", "3", "--epochs", "1", "--pad-id", "5", *packing])
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 1 and len(lines) == 1 and "Traceback" not in res.output, res.output
+    assert "[--pad-id]" in lines[0] and "found 5" in lines[0] and "--packing best-fit" in lines[0]
+    assert not (tmp_path / "w").exists()
+
+
+def test_pad_id_without_best_fit_is_refused_by_the_api_and_a_schedule(sources, tmp_path):
+    import tokpack
+
+    with pytest.raises(TokpackError, match=r"\[--pad-id\].*concat packing has no padding"):
+        tokpack.shuffle([str(s) for s in sources], str(tmp_path / "a"), seq_len=63, seed=3, epochs=1, pad_id=5)
+    yaml_file = tmp_path / "s.yaml"
+    yaml_file.write_text(f"seq_len: 63\nseed: 3\nstages:\n  - name: s\n    epochs: 1\n"
+                         f"    sources: {{{sources[0]}: 1}}\n")
+    res = CliRunner().invoke(main, ["shuffle", "--schedule", str(yaml_file), "-o", str(tmp_path / "s"), "--pad-id", "5"])
+    assert res.exit_code == 1 and "packing: best-fit in the schedule" in res.stderr, res.output
+    assert not (tmp_path / "a").exists() and not (tmp_path / "s").exists()
+    # with best-fit it applies, and the run records it
+    shuffle_packed(sources, tmp_path / "b", epochs=[0], pad_id=5)
+    assert read_manifest(tmp_path / "b", kind="run")["packing"]["pad_id"] == 5
 
 
 def test_order_proof_catches_two_rows_swapped_in_a_best_fit_epoch(fault_base, tmp_path):

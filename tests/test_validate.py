@@ -1369,3 +1369,57 @@ def test_empty_shard_with_a_loss_mask_validates(lossy):
     assert (lossy / "00002.ds.loss").stat().st_size == 0
     r = validate_all([str(lossy)], quick=False, against=[], workers=1, show_progress=False)
     assert r["ok"], r["lines"]
+
+
+def test_a_manifest_of_many_broken_shard_entries_lists_a_bounded_report(tmp_path):
+    """Issue 32: validate of a manifest with 1.5M shard entries grew to 3.3 GB collecting its 9M
+    problems. Each directory lists its first MAX_PROBLEMS_LISTED problems (a few per file), then
+    counts the rest in one line; the total and the status are those of every problem, and the
+    directory's list never holds more than the cap while it is collected."""
+    from tokpack.formats.manifest import canonical_bytes, shard_digits, shard_name
+    from tokpack.packer import validation
+
+    src = write_source(tmp_path / "many", random_docs(np.random.default_rng(1), 20, VOCAB, 0), vocab_size=VOCAB)
+    m = json.loads((src / MANIFEST).read_text())
+    n = 4000  # each entry's three files are missing: 3 problems an entry, and 3 for the manifest's sums
+    m["shards"] = [{**m["shards"][0], "path": shard_name(i, shard_digits(n))} for i in range(n)]
+    (src / MANIFEST).write_bytes(canonical_bytes(m))
+    for f in src.glob("*.ds*"):
+        f.unlink()
+    held = []
+    real_append = validation.ProblemList.append
+
+    def watching(self, p):
+        real_append(self, p)
+        held.append(list.__len__(self))
+
+    validation.ProblemList.append = watching
+    try:
+        r = validate_result([str(src)])
+    finally:
+        validation.ProblemList.append = real_append
+    assert max(held) <= validation.MAX_PROBLEMS_LISTED
+    total = 3 * n + 3  # tokens, documents, fingerprint of the manifest, and .ds, .ds.index, .ds.metadata per entry
+    assert r.problems_total == total and r.dirs[0]["problems"] == total and r.status == "corrupt" and not r.ok
+    assert len(r.problems) == validation.MAX_PROBLEMS_LISTED + 1
+    last = r.problems[-1]
+    listed = validation.MAX_PROBLEMS_LISTED
+    assert last["file"] == str(src) and last["message"].startswith(f"{total - listed:,} more problems"), last
+    lines = report_lines(r)
+    assert lines[-1].endswith(f"{total} problems") and len(lines) == listed + 3
+    res = subprocess.run([sys.executable, "-m", "tokpack", "validate", str(src), "--json"], capture_output=True,
+                         text=True)
+    doc = json.loads(res.stdout)
+    assert res.returncode == 1 and len(doc["problems"]) == listed + 1 and doc["problems_total"] == total
+
+
+def test_an_unlisted_problem_still_sets_the_status():
+    """The first unlisted problem of each severity is kept: a MISSING past the cap still counts."""
+    from tokpack.formats.shard_scan import Problem
+    from tokpack.packer.validation import MAX_PROBLEMS_LISTED, ProblemList
+
+    ps = ProblemList(Problem(f"f{i}", None, None, None, "x", incomplete=True) for i in range(MAX_PROBLEMS_LISTED))
+    ps.append(Problem("late", None, None, None, "corrupt one"))
+    assert list.__len__(ps) == MAX_PROBLEMS_LISTED and ps.total == MAX_PROBLEMS_LISTED + 1
+    assert ps.status == "corrupt" and ps.summarised("d").status == "corrupt"
+    assert ps.summarised("d")[-1].message.startswith("1 more problems in other files")
