@@ -140,12 +140,12 @@ def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_forma
 
 
 @_checks("shuffle")
-def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int | None = None,
+def shuffle(sources=None, output: PathLike | None = None, *, seq_len: int | None = None, seed: int | None = None,
             epochs: int | Sequence[int] | None = None, samples: int | None = None, tokens: int | None = None,
             shard_samples: int | None = None, memory: int = 4 << 30, jitter: bool = False,
             executor: ExecutorConfig | None = None, log=None, progress: bool | None = None,
             schedule: PathLike | None = None, scratch: PathLike | None = None, packing: str | None = None,
-            pad_id: int | None = None) -> ShuffleResult:
+            pad_id: int | None = None, like: PathLike | None = None) -> ShuffleResult:
     """Writes globally shuffled epochs of `seq_len + 1` tokens from packed sources into the run
     directory `output`. `sources`: a path or URL, a list of them, or a mapping path -> weight
     (a number, or text such as "1/3"). `epochs`: a count (epochs 0..N-1) or the epoch numbers
@@ -154,13 +154,28 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
     (pass sources=None). A URL `output` is written under `scratch` (as for `pack`), out-of-core
     buckets included, and each shard is sent to the store once written. `packing`: a name
     tokpack.shuffle.packings holds (None: its default, windows of the concatenated documents;
-    docs/COMMANDS.md, "Best-fit packing"), `pad_id` best-fit's padding token [default: EOS]."""
+    docs/COMMANDS.md, "Best-fit packing"), `pad_id` best-fit's padding token [default: EOS].
+    `like`: a run directory whose own settings (sources, weights, seq_len, seed, samples,
+    jitter, shard_samples, packing, pad_id, or its schedule file) write the epochs asked for,
+    into `output` [default: that run]; none of those may be given too, and `epochs` must be
+    (but for a scheduled run: every epoch of its schedule) (tokpack.shuffle.like)."""
     from tokpack.packer.executors import local_paths, pass_runner, runs_in_process
     from tokpack.shuffle.run import shuffle_run
     from tokpack.formats.errors import TokpackError
     from tokpack.shuffle.packings import named
     from tokpack.shuffle.schedule import epoch_numbers, read_schedule
 
+    if like is not None:
+        from tokpack.shuffle.like import apply_like
+
+        settings = apply_like({"like": like, "output": output, "epochs": epochs, "sources": sources, "seq_len": seq_len,
+                               "seed": seed, "samples": samples, "tokens": tokens, "shard_samples": shard_samples,
+                               "jitter": jitter, "schedule": schedule, "packing": packing, "pad_id": pad_id})
+        sources, output, seq_len, seed = settings["sources"], settings["output"], settings["seq_len"], settings["seed"]
+        samples, tokens, shard_samples, jitter = (settings[k] for k in ("samples", "tokens", "shard_samples", "jitter"))
+        schedule, packing, pad_id = settings["schedule"], settings["packing"], settings["pad_id"]
+    if output is None:
+        raise TokpackError("no output given", where="output", hint="give the run directory to write (or like=RUN)")
     config = executor or ExecutorConfig()
     scheduled = read_schedule(schedule) if schedule is not None else None
     if scheduled is None and not sources:

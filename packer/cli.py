@@ -458,9 +458,26 @@ def pack(inputs, output, as_json, **kw):
     emit(pack_api(list(inputs), output, executor=executor, log=_log(as_json), **kw), as_json)
 
 
+# What --like reads from the run, as its usage line names it (the sources aside).
+TAKEN_BY_LIKE = ("--seq-len", "--seed", "--samples/--tokens", "--shard-samples", "--jitter", "--schedule",
+                 "--packing", "--pad-id")
+
+
 def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
     """shuffle's --epochs N / --epoch E (None: every epoch of --schedule), with the usage checks
     of its arguments."""
+    if kw.get("like") is not None:
+        from tokpack.shuffle.like import given_with_like
+
+        twice = given_with_like({**kw, "sources": sources}, cli=True)
+        if twice:
+            raise click.UsageError(f"--like takes the sources and {', '.join(TAKEN_BY_LIKE)} from the run; "
+                                   f"drop {' '.join(twice)}")
+        if epochs is not None and epoch is not None:
+            raise click.UsageError("give at most one of --epochs N and --epoch E")
+        return [epoch] if epoch is not None else epochs
+    if kw["output"] is None:
+        raise click.UsageError("give -o OUT (or --like RUN to add epochs to RUN with its own settings)")
     if kw["schedule"] is not None:
         given = [f"--{k.replace('_', '-')}" for k in ("seq_len", "seed", "samples", "tokens") if kw[k] is not None]
         if sources or given or kw["jitter"]:
@@ -479,7 +496,12 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
 
 @main.command()
 @click.argument("sources", nargs=-1, metavar="SOURCE[=WEIGHT]...")
-@click.option("-o", "--output", required=True, help="Run directory; one epoch-NNNNN/ per epoch inside.")
+@click.option("-o", "--output", default=None, help="Run directory; one epoch-NNNNN/ per epoch inside "
+              "[with --like: RUN].")
+@click.option("--like", default=None, metavar="RUN",
+              help="Add epochs to the run RUN with its own settings, read from its manifests (sources, weights, "
+                   "--seq-len, --seed, --samples, --shard-samples, --jitter, --packing, --pad-id or its "
+                   "--schedule); give only --epoch E or --epochs N, and how to run (--memory, --workers...).")
 @click.option("--schedule", type=click.Path(dir_okay=False), default=None,
               help="A schedule YAML (seq_len, seed, stages of sources and weights) instead of SOURCEs, "
                    "--seq-len, --seed, --samples/--tokens and --jitter; without --epoch(s), every epoch.")
@@ -496,7 +518,7 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
               help="Total memory budget in bytes (KB/MB/GB are 10^n; KiB/MiB/GiB and a bare K/M/G are 2^n). An epoch whose windows fit runs in memory (one read, one write); "
                    "otherwise out of core, each of --workers tasks using memory/workers.")
 @click.option("--jitter", is_flag=True, help="Shift window starts by a seeded per-epoch offset.")
-@click.option("--packing", type=PackingChoice(), default="concat", show_default=True,
+@click.option("--packing", type=PackingChoice(), default=None, show_default="concat",
               help="concat: windows of the concatenated documents; best-fit: whole documents packed into samples "
                    "by best-fit decreasing, per epoch (only documents longer than a sample are cut).")
 @click.option("--pad-id", type=click.IntRange(min=0), default=None,
@@ -514,14 +536,15 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
       tokpack shuffle /data/packed/web=0.7 /data/packed/code=0.3 -o /data/runs/r1 \\
           --seq-len 4096 --seed 1234 --epochs 3 --tokens 100B --memory 16GiB --workers 4
       tokpack shuffle --schedule run.yaml -o /data/runs/r2
+      tokpack shuffle --like /data/runs/r1 --epoch 3
     """
     from tokpack.packer.api import shuffle as shuffle_api
 
-    epochs = _epochs_asked(sources, epochs, epoch, kw)
+    epochs = _epochs_asked(sources, epochs, epoch, {**kw, "output": output})
     executor = _executor_config(kw)
     quiet = as_json and log_interval() == 0  # --json asked for no lines: no bar on a terminal either
-    result = shuffle_api(_weighted_sources(sources), output, epochs=epochs, executor=executor, log=_log(as_json),
-                         progress=False if quiet else None, **kw)
+    result = shuffle_api(_weighted_sources(sources) if sources else None, output, epochs=epochs, executor=executor,
+                         log=_log(as_json), progress=False if quiet else None, **kw)
     emit(result, as_json, shown=_real_shard_size(result))
     if not as_json:
         for detail in result.epochs_detail:
@@ -750,8 +773,8 @@ def _emit_plan(command: str, as_json: bool, *args, **kw) -> None:
 
 @_planned(shuffle)
 def plan_shuffle(sources, output, epochs, epoch, as_json, **kw):
-    epochs = _epochs_asked(sources, epochs, epoch, kw)
-    _emit_plan("shuffle", as_json, _weighted_sources(sources), output, epochs=epochs, executor=_executor_config(kw),
+    epochs = _epochs_asked(sources, epochs, epoch, {**kw, "output": output})
+    _emit_plan("shuffle", as_json, _weighted_sources(sources) if sources else None, output, epochs=epochs, executor=_executor_config(kw),
                **kw)
 
 

@@ -151,8 +151,8 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
                  samples: int | None = None, tokens: int | None = None, shard_samples: int | None = None,
                  memory: int = 4 << 30, jitter: bool = False, executor: ExecutorConfig | None = None,
                  disk_mbps: float | None = None, schedule=None, scratch=None, packing: str | None = None,
-                 pad_id: int | None = None) -> PlanResult:
-    """What `shuffle` with these arguments would do. A source may be virtual:
+                 pad_id: int | None = None, like=None) -> PlanResult:
+    """What `shuffle` with these arguments would do (`like`: as shuffle's, tokpack.shuffle.like). A source may be virtual:
     `virtual:tokens=11T,documents=5.5B,dtype=uint16` (shuffle/plan.py, virtual_source). `schedule`:
     a schedule file instead of sources and their settings (every epoch unless `epochs` says).
     `scratch` is taken as shuffle takes it, and is unused: only a URL output writes there, and
@@ -164,6 +164,16 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
 
     from tokpack.shuffle.schedule import epoch_numbers, read_schedule
 
+    if like is not None:
+        from tokpack.shuffle.like import apply_like
+
+        s = apply_like({"like": like, "output": output, "epochs": epochs, "sources": sources, "seq_len": seq_len,
+                        "seed": seed, "samples": samples, "tokens": tokens, "shard_samples": shard_samples,
+                        "jitter": jitter, "schedule": schedule, "packing": packing, "pad_id": pad_id})
+        sources, output, seq_len, seed, samples, tokens = (s[k] for k in ("sources", "output", "seq_len", "seed",
+                                                                          "samples", "tokens"))
+        shard_samples, jitter, schedule, packing, pad_id = (s[k] for k in ("shard_samples", "jitter", "schedule",
+                                                                           "packing", "pad_id"))
     config = executor or ExecutorConfig()
     scheduled = read_schedule(schedule) if schedule is not None else None
     paths, weights = weighted_sources(sources) if scheduled is None else ([], None)

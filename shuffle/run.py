@@ -27,6 +27,7 @@ from tokpack.formats.io import MAX_RECORD_BYTES, TMP_MARK, read_limited, remove_
 from tokpack.formats.outputs import LocalOutput, Output
 from tokpack.formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
                               read_manifest, run_manifest)
+from tokpack.formats.numbering import shuffle_command
 from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
 from tokpack.formats.units import at_most
 
@@ -129,8 +130,9 @@ def _params_of_manifest(m: dict) -> dict:
     }
 
 
-def _check_same_run(found: dict, wanted: dict, where: Path) -> None:
-    """`wanted`: the _run_params (or _schedule_params) of this invocation."""
+def _check_same_run(found: dict, wanted: dict, where: Path, like: str | None = None) -> None:
+    """`wanted`: the _run_params (or _schedule_params) of this invocation; `like`: the command
+    that writes the epoch asked for with the run's own settings, when `where` is a run."""
     if found.get("schedule") is not None and wanted.get("schedule") is not None:
         old, new = found["schedule"], wanted["schedule"]
         for e in range(max(len(old), len(new))):
@@ -145,7 +147,8 @@ def _check_same_run(found: dict, wanted: dict, where: Path) -> None:
             raise TokpackError(
                 "output directory holds a different run", file=where, where=key, expected=wanted[key],
                 found=found[key], hint="use another -o, delete it, or repeat the run's exact sources, weights, "
-                "--seq-len, --seed, --jitter, --samples/--tokens and --shard-samples")
+                "--seq-len, --seed, --jitter, --packing, --samples/--tokens and --shard-samples"
+                + (f"; to add the epoch with the run's own settings: `{like}`" if like else ""))
 
 
 def _existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
@@ -477,7 +480,8 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
         plan = replace(plan, sources=tuple(replace(sp, path=recorded[sp.index]) for sp in plan.sources))
         params = _run_params(plan, [sp.weight for sp in plan.sources], shard_samples)
         if existing is not None:
-            _check_same_run(existing, run_params or params, out)
+            like = shuffle_command({"kind": "run"}, out, epoch) if (out / MANIFEST).exists() else None
+            _check_same_run(existing, run_params or params, out, like)
         existing = run_params or params
         edir = out / epoch_dir_name(epoch)
         job = None
