@@ -224,7 +224,7 @@ _FIELD_TABLES = """
 | `schedule` | list | no | run | a scheduled run: per epoch, `{stage, sources, weights, samples}` (see Schedules) |
 | `schedule_file` | string | no | run | a scheduled run: the schedule file it was made from |
 | `schedule_xxh3_128` | hex32 | no | run | a scheduled run: checksum of that file |
-| `packing` | object | no | epoch, run | a best-fit epoch or run: `{method, group_tokens, pad_id}`, an epoch also `padding_tokens` and `table_xxh3_128` (see Packing) |
+| `packing` | object | no | epoch, run | a best-fit epoch or run: `{method, group_tokens, pad_id}`, an epoch also `padding_tokens`, `table_xxh3_128`, `documents_cut` and `max_documents_per_row` (see Packing) |
 | `run` | object | yes | slice, slice-epoch | the run's manifest without `epochs`, `tokens`, `fragments`: its identity and sample numbering |
 | `source` | string | no | slice | the run directory or URL it was staged from, informative |
 | `world_size` | int >= 1 | yes | slice, slice-epoch | `W`: data-parallel ranks of the training it serves |

@@ -115,6 +115,7 @@ class ShuffleResult(Result):
     epochs_detail: list[dict]  # per epoch written: path, stage, samples, shards, shards_reused, bytes_written,
     # hash, per-source counts
     warnings: list[str]  # one per source an epoch repeats windows of
+    packing: str  # the run's packing (tokpack.shuffle.packings); each epochs_detail has its figures ("packing")
 
 
 @_checks("pack")

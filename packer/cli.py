@@ -547,16 +547,19 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
                          log=_log(as_json), progress=False if quiet else None, **kw)
     emit(result, as_json, shown=_real_shard_size(result))
     if not as_json:
+        from tokpack.shuffle.packings import shown_line
+
         for detail in result.epochs_detail:
             stage = "" if detail["stage"] is None else f" (stage {detail['stage']})"
             reused = f" ({detail['shards_reused']} reused from an earlier attempt)" if detail["shards_reused"] else ""
             click.echo(f"epoch {detail['epoch']}{stage}: {detail['samples']} samples, {detail['shards']} "
-                       f"shards{reused}, {detail['path']}")
+                       f"shards{reused}, {detail['path']}; {shown_line(detail['packing'])}")
+            unit = detail["packing"]["unit"]  # a source's "windows" are a best-fit pass's rows
             for r in detail["sources"]:
                 if not r["samples"] and r["weight"] is None:
                     continue  # a source of the schedule that this epoch's stage does not use
                 click.echo(f"epoch {detail['epoch']}, source \"{r['name']}\": {r['samples']} samples of {r['windows']} "
-                           f"windows, {r['passes']} pass(es), {r['repeats']} repeated"
+                           f"{unit}{' a pass' * (unit != 'windows')}, {r['passes']} pass(es), {r['repeats']} repeated"
                            f"{'' if r['weight'] is None else ', weight ' + r['weight']} ({r['path']}, "
                            f"fingerprint {r['fingerprint'][:16]})")
         for line in result.warnings:

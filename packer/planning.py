@@ -157,7 +157,7 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
     a schedule file instead of sources and their settings (every epoch unless `epochs` says).
     `scratch` is taken as shuffle takes it, and is unused: only a URL output writes there, and
     a plan's output is local."""
-    from tokpack.shuffle.packings import of_plan
+    from tokpack.shuffle.packings import figures_shown, of_plan
     from tokpack.shuffle.steps import BUCKETS_PER_FOLDER
     from tokpack.shuffle.run import (bytes_to_write, epoch_bytes, epoch_layout, memory_path, planned_epoch_manifest,
                              repeat_warnings, run_manifest_of, scratch_bytes, setup_run, task_budget)
@@ -205,7 +205,12 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
         layout = epoch_layout(job, memory=memory, workers=config.workers, tasks=config.tasks)
         detail = {"epoch": epoch, "stage": stage, "path": "in-memory" if layout is None else "out-of-core",
                   "samples": plan.samples, "shards": job.n_shards, "output_bytes": size, "sources": report}
-        table, table_estimate = 0, of_plan(plan).table_estimate
+        entry, tokens = of_plan(plan), plan.samples * plan.row_tokens
+        # What the summary will show of its rows: a padded packing's counted now (its passes packed once more).
+        fig = None if entry.figures is None else entry.figures(plan, opened, memory)
+        detail["packing"] = figures_shown(entry, tokens, 0 if fig is None else fig.padding_tokens,
+                                          {} if fig is None else fig.fields())
+        table, table_estimate = 0, entry.table_estimate
         if table_estimate is not None:  # first the row table, built in the work folder within --memory
             est = table_estimate(job, opened)
             table = est["table_bytes"]
@@ -353,6 +358,8 @@ def _duration(seconds: float | None) -> str:
 
 def report_lines(r: PlanResult) -> list[str]:
     """The human summary of a plan; nothing has been written."""
+    from tokpack.shuffle.packings import shown_line
+
     shards = f"{r.shards:,} shard(s)"
     if r.command == "pack":
         shards = f"at least {shards}" if r.shards else "shards unknown (the inputs do not tell their token count)"
@@ -371,7 +378,11 @@ def report_lines(r: PlanResult) -> list[str]:
         stage = "" if e["stage"] is None else f" (stage {e['stage']})"
         lines.append(f"  epoch {e['epoch']}{stage}: {e['path']}, {e['samples']:,} samples, {e.get('shards', 0):,} "
                      "shards" + extra)
-        lines += [f"    source {s['name']}: {s['samples']:,} samples of {s['windows']:,} windows"
+        unit = e["packing"]["unit"] if "packing" in e else "windows"  # a best-fit pass's rows, or windows
+        if "packing" in e:
+            lines.append(f"    packing: {shown_line(e['packing'])}")
+        lines += [f"    source {s['name']}: {s['samples']:,} samples of {s['windows']:,} {unit}"
+                  + " a pass" * (unit != "windows")
                   + (f" ({tokens[s['name']]:,} tokens)" if s["name"] in tokens else "")
                   + f", {s['passes']} pass(es) from pass {s['first_pass']}, {s['repeats']:,} repeated"
                   for s in e["sources"]]

@@ -379,10 +379,10 @@ class PackedPlan:
                  "tokens": s.tokens, "offset": 0, "dropped_tokens": 0, "documents": s.documents,
                  **({} if s.cursor is None else {"cursor": s.cursor})} for s in self.sources]
 
-    def packing_entry(self, table_hash: str, padding: int) -> dict:
-        """The epoch manifest's `packing` object."""
+    def packing_entry(self, table_hash: str, padding: int, figures: dict | None = None) -> dict:
+        """The epoch manifest's `packing` object; `figures`: RowFigures.fields() of its rows."""
         return {"method": BEST_FIT, "group_tokens": self.group_tokens, "pad_id": self.pad_id,
-                "padding_tokens": padding, "table_xxh3_128": table_hash}
+                "padding_tokens": padding, "table_xxh3_128": table_hash, **(figures or {})}
 
     def table(self, sources: list[PackedSource]) -> np.ndarray:
         """The row table (PIECE records in output order), read whole: O(pieces) memory, for
@@ -597,6 +597,46 @@ class Buckets:
         return data
 
 
+@dataclass
+class RowFigures:
+    """What the summaries show of a best-fit epoch's rows (shuffle's summary and manifest,
+    `inspect`, `plan`), counted over the pieces chain_pieces yields: one call per group of
+    one pass, which holds every piece of its rows and of its documents, so each count is exact
+    without holding the table."""
+
+    row_tokens: int
+    padding_tokens: int = 0
+    documents_cut: int = 0  # documents longer than a row, cut into pieces, that the epoch holds a piece of
+    max_documents_per_row: int = 0  # the most pieces one row holds, its padding counted as one more
+    # (the segments TokpackDataset makes of it: the smallest max_documents that reads the epoch)
+
+    def add(self, q: np.ndarray, doc: np.ndarray, length: np.ndarray, full: np.ndarray) -> None:
+        """One group's pieces: output position, document, length, the document's length."""
+        if not len(q):
+            return
+        _, row, pieces = np.unique(q, return_inverse=True, return_counts=True)
+        pad = self.row_tokens - np.bincount(row, weights=length.astype(np.float64)).astype(np.int64)
+        self.padding_tokens += int(pad.sum())
+        self.max_documents_per_row = max(self.max_documents_per_row, int((pieces + (pad > 0)).max()))
+        self.documents_cut += int(np.unique(doc[length < full]).size)
+
+    def fields(self) -> dict:
+        """The epoch manifest's `packing` fields of these figures (padding_tokens is recorded apart)."""
+        return {"documents_cut": self.documents_cut, "max_documents_per_row": self.max_documents_per_row}
+
+
+def row_figures(plan, sources: list[PackedSource], memory: int) -> RowFigures:
+    """The epoch's RowFigures without building its table (`plan shuffle`): its passes packed
+    once more, group by group, within `memory`."""
+    figures = RowFigures(plan.row_tokens)
+    with _scratch() as d:
+        for s, sp in enumerate(plan.sources):
+            if sp.samples:
+                for q, _, doc, _, ln, _, full in chain_pieces(plan, s, sources[s], memory, d):
+                    figures.add(q, doc, ln, full)
+    return figures
+
+
 def chain_pieces(plan, s: int, src: PackedSource, memory: int, scratch: str | None):
     """The pieces of source s this epoch takes, group by group: (chain-derived output position
     q = base + chain position - cursor, row_offset, doc, doc_offset, length, first token in
@@ -627,6 +667,7 @@ class PackedTable:
     bucket_rows: int
     problems: tuple[str, ...]
     shard_files: dict  # "S-K" -> xxh3_64 of source shard (S, K)'s pieces file
+    figures: dict = field(default_factory=dict)  # RowFigures.fields() of the table's rows
 
     @classmethod
     def open(cls, folder, expected: str | None = None) -> "PackedTable":
@@ -642,7 +683,7 @@ class PackedTable:
                                where="table_xxh3_128", expected=expected, found=built["table_xxh3_128"],
                                hint="rerun the same command")
         return cls(folder, built["table_xxh3_128"], int(built["padding"]), int(built["bucket_rows"]),
-                   tuple(built["problems"]), built["shard_files"])
+                   tuple(built["problems"]), built["shard_files"], built.get("figures") or {})
 
     def rows(self, g0: int, g1: int) -> tuple[np.ndarray, np.ndarray]:
         """(PIECE records, their first tokens in the stream) of output rows [g0, g1), sorted by
@@ -711,6 +752,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
     shard_hashes: dict[int, xxhash.xxh3_64] = {}
     first_shard = np.cumsum([0] + [len(src.shards) for src in sources])
     buffered, held, problems = [], 0, set()
+    figures = RowFigures(plan.row_tokens)
 
     def flush():
         rec = np.concatenate(buffered)
@@ -738,6 +780,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
         for s in used:
             for q, ro, doc, do, ln, start, full in chain_pieces(plan, s, sources[s], memory, perm_scratch):
                 problems.update(_cut_problems(ln, do, ro, full, plan.row_tokens))
+                figures.add(q, doc, ln, full)
                 rec = np.empty(len(q), _BUILD)
                 rec["g"], rec["row_offset"], rec["source"] = order.forward(q), ro, s
                 rec["doc"], rec["doc_offset"], rec["length"], rec["start"] = doc, do, ln, start
@@ -778,7 +821,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
         names[f"{s}-{b - int(first_shard[s])}"] = hs.intdigest()
     shutil.rmtree(tmp / "shards", ignore_errors=True)
     built = {"table_xxh3_128": h.hexdigest(), "padding": padding, "bucket_rows": bucket_rows,
-             "problems": sorted(problems), "shard_files": names}
+             "problems": sorted(problems), "shard_files": names, "figures": figures.fields()}
     write_bytes_atomic(tmp / BUILT_FILE, json.dumps(built).encode(), fsync=False)
     tmp.rename(folder)
     return PackedTable.open(folder)
@@ -876,9 +919,9 @@ def _cut_problems(length: np.ndarray, off: np.ndarray, row_offset: np.ndarray, f
 
 
 def packed_replay(manifest: dict, sources: list[PackedSource], order: bool = True,
-                  memory: int = DEFAULT_PLAN_MEMORY) -> tuple[str, list[int], str, list[str], "PlannedPadding"]:
+                  memory: int = DEFAULT_PLAN_MEMORY) -> tuple[str, list[int], str, list[str], "PlannedPadding", dict]:
     """(sample multiset hash, each output shard's order hash (with `order`), row table checksum,
-    packing rule problems, the planned padding) of a packed epoch, recomputed from its manifest's parameters and its
+    packing rule problems, the planned padding, the RowFigures fields of its rows) of a packed epoch, recomputed from its manifest's parameters and its
     sources alone, within `memory`. Rows are rebuilt in output order, so the order terms need no inverse."""
     plan = packed_plan_from_manifest(manifest, sources, memory)
     per, listed = shard_count_checked(manifest, plan.samples) if order else (1, 0)
@@ -901,7 +944,7 @@ def packed_replay(manifest: dict, sources: list[PackedSource], order: bool = Tru
             if order:  # uint64 sums wrap: mod 2^64
                 g = np.arange(g0, g1, dtype=np.int64)
                 np.add.at(shard_orders, g // per, order_hash_terms(g, hashes))
-    return hash_hex64(total), shard_orders.tolist(), built.table_xxh3_128, list(built.problems), pads
+    return hash_hex64(total), shard_orders.tolist(), built.table_xxh3_128, list(built.problems), pads, built.figures
 
 
 class PlannedPadding:
@@ -946,7 +989,7 @@ def replay_packed(manifest: dict, sources: list[PackedSource], order: bool = Tru
     hash, per-shard order hashes), as `plan.replay_hashes`. Its row table must also hash to the
     recorded `packing.table_xxh3_128` and keep the packing rules; either failure is one
     TokpackError, and so must each shard's recorded padding (PlannedPadding)."""
-    multiset, orders, table_sum, problems, pads = packed_replay(manifest, sources, order, memory)
+    multiset, orders, table_sum, problems, pads, figures = packed_replay(manifest, sources, order, memory)
     recorded = (manifest.get("packing") or {}).get("table_xxh3_128")
     if problems:
         raise TokpackError(problems[0], where="packing", expected="the best-fit packing rules",
@@ -954,6 +997,12 @@ def replay_packed(manifest: dict, sources: list[PackedSource], order: bool = Tru
     if table_sum != recorded:
         raise TokpackError("epoch's row table is not the one its plan packs", where="packing.table_xxh3_128",
                            expected=f"{table_sum} (replayed from the sources)", found=recorded)
+    for key, want in figures.items():  # what the summaries show of the rows: recorded by older epochs or not
+        found = (manifest.get("packing") or {}).get(key, want)
+        if found != want:
+            raise TokpackError("epoch's recorded row figures are not its rows'", where=f"packing.{key}",
+                               expected=f"{want} (replayed from the sources)", found=found,
+                               hint="restore the epoch's manifest from a good copy, or shuffle it again")
     padding = pads.problem(manifest) if order else None
     if padding:
         where, expected, found = padding

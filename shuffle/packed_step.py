@@ -39,7 +39,8 @@ def prepare_table(job: EpochJob, memory: int) -> dict:
 
     path = Path(job.work_dir) / "packing"
     built = build_table(job.plan, job.open_sources(), path, memory)
-    return {"table": str(path), "table_xxh3_128": built.table_xxh3_128, "padding": built.padding}
+    return {"table": str(path), "table_xxh3_128": built.table_xxh3_128, "padding": built.padding,
+            "figures": built.figures}
 
 
 def packed_memory(job, sources) -> int:

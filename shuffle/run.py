@@ -393,7 +393,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     return {"epoch": plan.epoch, "path": "in-memory" if in_memory else "out-of-core", "samples": plan.samples,
             "shards": job.n_shards, "shards_reused": reused,
             "bytes_written": sum(entries[i]["bytes"] for i in shards_left),
-            "sample_multiset_hash": manifest["sample_multiset_hash"]}
+            "sample_multiset_hash": manifest["sample_multiset_hash"], "packing": packings.shown(manifest)}
 
 
 @dataclass
@@ -607,6 +607,7 @@ def shuffle_run(
         "epoch_samples": sizes,
         "seq_len": runplan.schedule.seq_len,
         "shard_samples": shard_samples,
+        "packing": runplan.packing.name,
         "path": ",".join(sorted({s["path"] for s in summaries})) or "none",
         "bytes_written": written,
         "seconds": round(seconds, 3),
