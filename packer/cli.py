@@ -460,7 +460,7 @@ def pack(inputs, output, as_json, **kw):
 
 # What --like reads from the run, as its usage line names it (the sources aside).
 TAKEN_BY_LIKE = ("--seq-len", "--seed", "--samples/--tokens", "--shard-samples", "--jitter", "--schedule",
-                 "--packing", "--pad-id")
+                 "--packing", "--pad-id", "--holdout")
 
 
 def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
@@ -523,6 +523,9 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
                    "by best-fit decreasing, per epoch (only documents longer than a sample are cut).")
 @click.option("--pad-id", type=click.IntRange(min=0), default=None,
               help="best-fit: the token that fills a sample's tail [default: the EOS id].")
+@click.option("--holdout", default=None, metavar="F",
+              help="best-fit: set whole documents of each source aside from every epoch, chosen from --seed: "
+                   "a fraction of its documents (0.01, 1%) or a token count (5M).")
 @executor_options(tasks_help=SHUFFLE_TASKS_HELP)
 @SCRATCH
 @LOG_INTERVAL

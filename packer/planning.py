@@ -151,7 +151,7 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
                  samples: int | None = None, tokens: int | None = None, shard_samples: int | None = None,
                  memory: int = 4 << 30, jitter: bool = False, executor: ExecutorConfig | None = None,
                  disk_mbps: float | None = None, schedule=None, scratch=None, packing: str | None = None,
-                 pad_id: int | None = None, like=None) -> PlanResult:
+                 pad_id: int | None = None, like=None, holdout=None) -> PlanResult:
     """What `shuffle` with these arguments would do (`like`: as shuffle's, tokpack.shuffle.like). A source may be virtual:
     `virtual:tokens=11T,documents=5.5B,dtype=uint16` (shuffle/plan.py, virtual_source). `schedule`:
     a schedule file instead of sources and their settings (every epoch unless `epochs` says).
@@ -169,11 +169,12 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
 
         s = apply_like({"like": like, "output": output, "epochs": epochs, "sources": sources, "seq_len": seq_len,
                         "seed": seed, "samples": samples, "tokens": tokens, "shard_samples": shard_samples,
-                        "jitter": jitter, "schedule": schedule, "packing": packing, "pad_id": pad_id})
+                        "jitter": jitter, "schedule": schedule, "packing": packing, "pad_id": pad_id,
+                        "holdout": holdout})
         sources, output, seq_len, seed, samples, tokens = (s[k] for k in ("sources", "output", "seq_len", "seed",
                                                                           "samples", "tokens"))
-        shard_samples, jitter, schedule, packing, pad_id = (s[k] for k in ("shard_samples", "jitter", "schedule",
-                                                                           "packing", "pad_id"))
+        shard_samples, jitter, schedule, packing, pad_id, holdout = (
+            s[k] for k in ("shard_samples", "jitter", "schedule", "packing", "pad_id", "holdout"))
     config = executor or ExecutorConfig()
     scheduled = read_schedule(schedule) if schedule is not None else None
     paths, weights = weighted_sources(sources) if scheduled is None else ([], None)
@@ -183,7 +184,8 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
     setup = setup_run(paths, str(output), weights=weights, seq_len=seq_len, seed=seed,
                       epochs=epoch_numbers(epochs),
                       samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter,
-                      workers=config.workers, schedule=scheduled, packing=packing, pad_id=pad_id)
+                      workers=config.workers, schedule=scheduled, packing=packing, pad_id=pad_id,
+                      holdout=holdout)
     opened = setup.sources
     passes, details, manifests, written, warnings = [], [], {}, {}, []
     ram = physical_memory()

@@ -22,7 +22,7 @@ from . import packings
 # since two answers to one question would leave the user unsure which the epoch was written with.
 TAKEN = {"sources": "SOURCE", "seq_len": "--seq-len", "seed": "--seed", "samples": "--samples",
          "tokens": "--tokens", "shard_samples": "--shard-samples", "jitter": "--jitter",
-         "schedule": "--schedule", "packing": "--packing", "pad_id": "--pad-id"}
+         "schedule": "--schedule", "packing": "--packing", "pad_id": "--pad-id", "holdout": "--holdout"}
 
 
 def given_with_like(values: dict, cli: bool = False) -> list[str]:
@@ -44,7 +44,9 @@ def run_settings(run_dir) -> dict:
         raise TokpackError("--like takes a run directory", file=run_dir, where="kind", expected="run", found=e.found,
                            hint="give the run directory (the one holding tokpack.json and epoch-NNNNN/)") from None
     pk = m.get("packing") if isinstance(m.get("packing"), dict) else {}
-    settings = {"packing": packings.of_manifest(m).name, "pad_id": pk.get("pad_id"),
+    holdout = pk.get("holdout")  # as parse_holdout recorded it: given back as its text
+    holdout = None if holdout is None else holdout.get("fraction") or str(holdout.get("tokens"))
+    settings = {"packing": packings.of_manifest(m).name, "pad_id": pk.get("pad_id"), "holdout": holdout,
                 "shard_samples": int(m["shard_samples"])}
     if m.get("schedule_file"):
         return {**settings, "sources": None, "schedule": m["schedule_file"]}

@@ -29,6 +29,7 @@ from tokpack.formats.io import map_file, open_append, open_new, read_array, read
 from tokpack.formats.manifest import hash_hex64, order_hash_terms, row_hashes
 from tokpack.formats.shards import PackedSource
 
+from .holdout import Holdout, holdout_of
 from .permutation import Bijection
 from .plan import EpochPlan, check_passes, mixture, replay_hashes, shard_count_checked
 
@@ -271,13 +272,17 @@ def pack_pass(lengths: np.ndarray, perm: Bijection, row_tokens: int, group_token
 
 
 def iter_pass(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, group_tokens: int, memory: int,
-              scratch: str | None):
+              scratch: str | None, holdout: "Holdout | None" = None):
     """Pass p over source s, group by group, bounded by `memory` (permuted_documents) and a
     group: (first row of the group in the pass, row count, and per piece: row in the pass,
-    row_offset, doc, doc_offset, length, first token in the stream, the document's length)."""
+    row_offset, doc, doc_offset, length, first token in the stream, the document's length).
+    `holdout`: documents left out of the pass before it is packed (never in any row)."""
     perm = Bijection(max(document_count(src), 1), "docs", seed, s, p)
+    docs = permuted_documents(src, perm, memory, scratch)
+    if holdout is not None:
+        docs = ([c[~held] for c in chunk] for chunk in docs for held in [holdout.is_held(chunk[0])])
     rows = 0
-    for a, gd, gs, gl in pass_groups(permuted_documents(src, perm, memory, scratch), group_tokens):
+    for a, gd, gs, gl in pass_groups(docs, group_tokens):
         r, ro, which, do, ln, n = pack_group(gl, np.arange(a, a + len(gl), dtype=np.int64), row_tokens)
         yield rows, n, (rows + r, ro, gd[which], do, ln, gs[which] + do, gl[which])
         rows += n
@@ -306,6 +311,7 @@ class PackedSourcePlan:
     first_pass: int = 0
     passes: int = 0
     pass_rows: tuple[int, ...] = ()  # R_{s,p} for the passes this epoch touches
+    held: int = 0  # k_s: its documents held out of every epoch (tokpack.shuffle.holdout)
 
 
 @dataclass(frozen=True)
@@ -320,6 +326,7 @@ class PackedPlan:
     group_tokens: int
     pad_id: int
     jitter: bool = False
+    holdout: dict | None = None  # `--holdout` as recorded (tokpack.shuffle.holdout.parse_holdout), or None
     # The budget (bytes) its own work keeps within: counting a pass's rows permutes the pass's
     # documents within it, and so do the row table and the repeat count.
     memory: int = field(default=DEFAULT_PLAN_MEMORY, compare=False, repr=False)
@@ -377,12 +384,19 @@ class PackedPlan:
         return [{"name": s.name, "path": s.path, "fingerprint": s.fingerprint, "weight": s.weight,
                  "samples": s.samples, "first_pass": s.first_pass, "passes": s.passes, "windows": s.windows,
                  "tokens": s.tokens, "offset": 0, "dropped_tokens": 0, "documents": s.documents,
-                 **({} if s.cursor is None else {"cursor": s.cursor})} for s in self.sources]
+                 **({} if s.cursor is None else {"cursor": s.cursor}),
+                 **({} if self.holdout is None else {"held_documents": s.held})} for s in self.sources]
 
     def packing_entry(self, table_hash: str, padding: int, figures: dict | None = None) -> dict:
         """The epoch manifest's `packing` object; `figures`: RowFigures.fields() of its rows."""
         return {"method": BEST_FIT, "group_tokens": self.group_tokens, "pad_id": self.pad_id,
-                "padding_tokens": padding, "table_xxh3_128": table_hash, **(figures or {})}
+                "padding_tokens": padding, "table_xxh3_128": table_hash, **(figures or {}),
+                **({} if self.holdout is None else {"holdout": self.holdout})}
+
+    def holdout_of(self, s: int) -> "Holdout | None":
+        """Source s's held-out documents (None: it holds none out)."""
+        sp = self.sources[s]
+        return Holdout(sp.documents, sp.held, self.seed, sp.fingerprint) if sp.held else None
 
     def table(self, sources: list[PackedSource]) -> np.ndarray:
         """The row table (PIECE records in output order), read whole: O(pieces) memory, for
@@ -430,17 +444,17 @@ def source_pass(plan, s: int, p: int) -> PassRows:
     return _pass_cached(sp.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens)
 
 
-_ROWS: dict[tuple, int] = {}  # (fingerprint, seed, s, p, row_tokens, group_tokens) -> R_{s,p}
+_ROWS: dict[tuple, int] = {}  # (fingerprint, seed, s, p, row_tokens, group_tokens, held) -> R_{s,p}
 
 
 def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
     """R_{s,p}, the rows of pass p over source s: the pass is packed group by group (iter_pass,
     bounded by the plan's memory) and counted; the count is kept."""
-    key = (src.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens)
+    key = (src.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens, plan.sources[s].held)
     if key not in _ROWS:
         with _scratch() as d:
             _ROWS[key] = sum(n for _, n, _ in iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens,
-                                                        plan.memory, d))
+                                                        plan.memory, d, plan.holdout_of(s)))
     return _ROWS[key]
 
 
@@ -470,7 +484,7 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
                       tokens: int | None = None, names: list[str] | None = None,
                       group_tokens: int | None = None, pad_id: int | None = None,
                       cursors: list[int | None] | None = None, counts: list[int] | None = None,
-                      memory: int = DEFAULT_PLAN_MEMORY) -> PackedPlan:
+                      memory: int = DEFAULT_PLAN_MEMORY, holdout: dict | None = None) -> PackedPlan:
     """The packed plan of one epoch. c_s: as the window plan apportions samples, with R_{s,0}
     (the rows of pass 0) in place of W_s. `counts` (a schedule's per-source samples) overrides it.
     `memory`: the plan's budget (bytes; shuffle's --memory), within which it counts its passes."""
@@ -480,12 +494,14 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
     if not 0 <= pad < sources[0].vocab_size:
         raise TokpackError("pad id outside the vocabulary", where="--pad-id", expected=f"0..{sources[0].vocab_size - 1}",
                            found=pad, hint="leave --pad-id out to pad with the EOS id")
-    stub = PackedPlan(int(seed), int(epoch), int(seq_len), 0, tuple(
-        PackedSourcePlan(s, "", str(src.path), src.fingerprint, None, src.tokens, 0, 0, 0, 0)
-        for s, src in enumerate(sources)), int(group_tokens or DEFAULT_GROUP_TOKENS), pad, memory=max(1, int(memory)))
     for src in sources:
         _check_real(src)
     documents = [document_count(src) for src in sources]
+    held = [held_out(src, holdout, seed, memory).held for src in sources]
+    stub = PackedPlan(int(seed), int(epoch), int(seq_len), 0, tuple(
+        PackedSourcePlan(s, "", str(src.path), src.fingerprint, None, src.tokens, documents[s], 0, 0, 0, held=held[s])
+        for s, src in enumerate(sources)), int(group_tokens or DEFAULT_GROUP_TOKENS), pad, holdout=holdout,
+        memory=max(1, int(memory)))
     rows0 = [pass_rows(stub, s, 0, src) for s, src in enumerate(sources)]
     for src, rows in zip(sources, rows0):
         if rows == 0:  # its chain would hold nothing to take
@@ -500,7 +516,7 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
         cursor = None if cursors is None else cursors[s]
         sp = PackedSourcePlan(s, names[s] if names else src.path.name, str(src.path), src.fingerprint,
                               None if weights[s] is None else str(weights[s]), src.tokens, documents[s], rows0[s],
-                              counts[s], base, cursor)
+                              counts[s], base, cursor, held=held[s])
         plans.append(sp)
         base += counts[s]
     plan = replace(stub, samples=base, sources=tuple(plans))
@@ -541,7 +557,7 @@ def packed_plan_from_manifest(manifest: dict, sources: list[PackedSource],
                              epoch=int(manifest["epoch"]), weights=weights, names=names,
                              group_tokens=int(pk["group_tokens"]), pad_id=int(pk["pad_id"]),
                              cursors=None if all(c is None for c in cursors) else cursors, counts=counts,
-                             memory=memory)
+                             memory=memory, holdout=pk.get("holdout"))
     if plan.samples != int(manifest["samples"]):
         raise TokpackError("epoch manifest source samples do not add up", where="sources[].samples",
                            expected=manifest["samples"], found=plan.samples)
@@ -647,7 +663,7 @@ def chain_pieces(plan, s: int, src: PackedSource, memory: int, scratch: str | No
     for p in range(sp.first_pass, sp.first_pass + sp.passes):
         a, b = lo - at, hi - at  # the pass's rows this epoch takes
         for first, n, (row, *rest) in iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, memory,
-                                                scratch):
+                                                scratch, plan.holdout_of(s)):
             if first + n <= a:
                 continue
             if first >= b:
@@ -938,6 +954,12 @@ def packed_replay(manifest: dict, sources: list[PackedSource], order: bool = Tru
         for g0 in range(0, plan.samples, step):
             g1 = min(plan.samples, g0 + step)
             table, starts = built.rows(g0, g1)
+            for s, sp in enumerate(plan.sources):  # the proof that no held-out document is in a row
+                held = plan.holdout_of(s)
+                if held is not None and held.is_held(table["doc"][table["source"] == s].astype(np.int64)).any():
+                    raise TokpackError("a held-out document is in the epoch", where=f"sources[{s}] ({sp.name})",
+                                       expected="none of its documents held out by --holdout",
+                                       hint="the epoch is not its plan's: shuffle it again")
             pads.add(row_padding(table, g1 - g0, plan.row_tokens, g0))
             hashes = row_hashes(pool.rows(table, g0, g1, plan.row_tokens, plan.pad_id, starts))
             total += int(hashes.sum(dtype=np.uint64))
@@ -1017,19 +1039,41 @@ def plan_options(pad_id: int | None = None, group_tokens: int | None = None) -> 
     return {k: v for k, v in (("pad_id", pad_id), ("group_tokens", group_tokens)) if v is not None}
 
 
-def packing_settings(sources: list[PackedSource], pad_id: int | None = None, group_tokens: int | None = None) -> dict:
+def packing_settings(sources: list[PackedSource], pad_id: int | None = None, group_tokens: int | None = None,
+                     holdout: dict | None = None) -> dict:
     """What a packed run records (and a rerun must repeat) of its packing, from its options."""
     return {"method": BEST_FIT, "group_tokens": int(group_tokens or DEFAULT_GROUP_TOKENS),
-            "pad_id": sources[0].eos_id if pad_id is None else int(pad_id)}
+            "pad_id": sources[0].eos_id if pad_id is None else int(pad_id),
+            **({} if holdout is None else {"holdout": holdout})}
 
 
 def run_packing(plan: PackedPlan) -> dict:
     """The same, of a planned epoch (the run manifest's `packing`)."""
-    return {"method": BEST_FIT, "group_tokens": plan.group_tokens, "pad_id": plan.pad_id}
+    return {"method": BEST_FIT, "group_tokens": plan.group_tokens, "pad_id": plan.pad_id,
+            **({} if plan.holdout is None else {"holdout": plan.holdout})}
+
+
+def held_out(src: PackedSource, spec: dict | None, seed: int, memory: int = DEFAULT_PLAN_MEMORY) -> "Holdout":
+    """Source `src`'s held-out documents for `--holdout` `spec` (a token count reads the
+    documents' lengths in the holdout's order, within `memory`)."""
+    key = (src.fingerprint, int(seed), repr(spec))
+    if key in _HELD:
+        return _HELD[key]
+
+    def lengths_in_order(order):
+        with _scratch() as d:
+            for _, _, lengths in permuted_documents(src, order, memory, d):
+                yield lengths
+
+    _HELD[key] = holdout_of(src, spec, seed, lengths_in_order)
+    return _HELD[key]
+
+
+_HELD: dict[tuple, "Holdout"] = {}  # (fingerprint, seed, spec) -> its Holdout: planned once per process
 
 
 def chained_packed_plan(plan: PackedPlan, *, members, sources, names, cursors, weights, counts, memory,
-                        **options) -> PackedPlan:
+                        **options) -> PackedPlan:  # options: pad_id, group_tokens, holdout
     """An epoch of a schedule of several stages: every source of the schedule, each chain from
     its cursor over packed rows, the stage's samples from each (`counts`)."""
     return packed_epoch_plan(sources, seq_len=plan.seq_len, seed=plan.seed, epoch=plan.epoch, weights=weights,

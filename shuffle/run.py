@@ -32,6 +32,7 @@ from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
 from tokpack.formats.units import at_most
 
 from . import packings
+from .holdout import parse_holdout
 from .plan import EpochPlan, SamplePlan, is_virtual, open_source, parse_weight, source_location
 from .schedule import RunPlan, Schedule, same_source_twice
 from .steps import ORDER_ROW_OVERHEAD, EpochJob, Layout, make_layout, source_changed_error
@@ -125,7 +126,7 @@ def _params_of_manifest(m: dict) -> dict:
         "given_schedule": m.get("schedule"),  # as the run wrote it
         "shuffle": m.get("shuffle"),
         "packing": None if not isinstance(m.get("packing"), dict) else {
-            k: m["packing"].get(k) for k in ("method", "group_tokens", "pad_id")},
+            k: m["packing"][k] for k in ("method", "group_tokens", "pad_id", "holdout") if k in m["packing"]},
         **{key: m.get(key) for key in ("seq_len", "seed", "samples", "shard_samples", "epoch_samples")},
     }
 
@@ -418,7 +419,8 @@ class RunSetup:
 def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, seed: int | None,
               epochs: list[int] | None, samples, tokens, shard_samples, memory: int, jitter: bool, workers: int,
               progress: bool = False, given: list[str] | None = None, schedule: Schedule | None = None,
-              to: Output = LocalOutput(), packing: str | None = None, pad_id: int | None = None) -> RunSetup:
+              to: Output = LocalOutput(), packing: str | None = None, pad_id: int | None = None,
+              holdout: str | None = None) -> RunSetup:
     """Opens the sources and OUT's run (if any), checks they agree, and plans every epoch, each
     plan within `memory`. Writes nothing in OUT (a best-fit plan counts its rows in a temporary
     folder). `given`, `schedule`, `to`, `packing`, `pad_id`: as in
@@ -435,6 +437,11 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
     if schedule is not None:
         seq_len, seed, jitter, paths = schedule.seq_len, schedule.seed, schedule.jitter, schedule.paths
         shard_samples = shard_samples or schedule.shard_samples
+    holdout = parse_holdout(holdout)
+    used = packings.named(schedule.packing if schedule is not None else packing)
+    if holdout is not None and not used.holdout:  # windows cut across documents: none can be left out yet
+        raise TokpackError(f"--holdout sets whole documents aside before they are packed; {used.name} packing "
+                           "cannot yet", where="--holdout", hint="use --packing best-fit with --holdout")
     paths, weights = list(paths), list(weights or [None] * len(paths))
     opened = open_sources(paths)
     out = Path(output)
@@ -457,13 +464,13 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
     names = [p.rstrip("/").rsplit("/", 1)[-1] for p in recorded]
     runplan = RunPlan(schedule or Schedule.of_flags(paths, weights, seq_len=seq_len, seed=seed, samples=samples,
                                                     tokens=tokens, jitter=jitter, packing=packing), opened, names,
-                      pad_id=pad_id, memory=memory)
+                      pad_id=pad_id, memory=memory, holdout=holdout)
     run_params = None if schedule is None or schedule.file is None else _schedule_params(runplan, opened, shard_samples)
     if run_params is not None and existing is not None and existing["schedule"] == run_params["schedule"]:
         spelled = {e["stage"]: e["weights"] for e in existing["given_schedule"]}  # equal as ratios: keep the run's
         runplan = RunPlan(replace(schedule, stages=tuple(replace(st, weights=tuple(spelled[st.name]))
                                                          for st in schedule.stages)), opened, names, pad_id=pad_id,
-                          memory=memory)
+                          memory=memory, holdout=holdout)
     if epochs is None:
         epochs = list(range(runplan.schedule.epochs or 1))
     done_epochs = []
@@ -537,6 +544,7 @@ def shuffle_run(
     to: Output = LocalOutput(),
     packing: str | None = None,
     pad_id: int | None = None,
+    holdout: str | None = None,
 ) -> dict:
     """Writes OUT/epoch-NNNNN/ for each epoch (skipping complete identical ones) and the run
     manifest. `memory` is the total budget: the out-of-core path gives each of `workers`
@@ -565,7 +573,7 @@ def shuffle_run(
     setup = setup_run(sources, output, weights=weights, seq_len=seq_len, seed=seed, epochs=epochs, samples=samples,
                       tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter, workers=workers,
                       progress=bool(progress), given=given, schedule=schedule, to=to, packing=packing,
-                      pad_id=pad_id)
+                      pad_id=pad_id, holdout=holdout)
     out, opened, weights, shard_samples = Path(output), setup.sources, setup.weights, setup.shard_samples
     done_epochs, runplan, skipped, summaries = setup.done_epochs, setup.runplan, [], []
     # The samples alone, by arithmetic, before the exact count below spends time per shard.
