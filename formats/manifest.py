@@ -29,6 +29,7 @@ SHARD_SUFFIXES = ("", ".index", ".metadata", ".loss")  # the files of one shard,
 EPOCH_SHARD_SUFFIXES = tuple(s for s in SHARD_SUFFIXES if s != ".loss")  # an epoch's shards carry no loss mask
 LOCK_NAME = "tokpack.lock"  # the lock of the command writing a directory (formats/guard.py)
 WORK_DIR = ".tokpack-work"  # a command's scratch inside OUT, removed when it finishes
+HOLDOUT_DIR = "holdout"  # RUN/holdout/: the held-out documents of `shuffle --holdout`, an epoch directory
 # The `shuffle` a run and its epochs record: names the plan (shuffle/plan.py, shuffle/permutation.py).
 # A change to which window lands where is a new name, not a new format version.
 PLAN_ALGORITHM = "tokpack-feistel6-splitmix-xxh3-v1"

@@ -116,6 +116,7 @@ class ShuffleResult(Result):
     # hash, per-source counts
     warnings: list[str]  # one per source an epoch repeats windows of
     packing: str  # the run's packing (tokpack.shuffle.packings); each epochs_detail has its figures ("packing")
+    holdout: dict | None = optional_field()  # RUN/holdout/ when this command wrote it: as an epochs_detail entry
 
 
 @_checks("pack")

@@ -61,6 +61,13 @@ class Holdout:
     held: int  # k_s
     seed: int
     fingerprint: str
+    split: bool = False  # the plan of RUN/holdout/: it keeps the held-out documents and leaves out the others
+
+    def left_out(self, docs: np.ndarray) -> np.ndarray:
+        """Whether a plan of this split leaves each of `docs` out: a training epoch the held-out
+        ones, RUN/holdout/ every other."""
+        held = self.is_held(docs)
+        return ~held if self.split else held
 
     def order(self) -> Bijection:
         return Bijection(max(self.documents, 1), "holdout", self.seed, self.fingerprint)

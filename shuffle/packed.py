@@ -280,7 +280,7 @@ def iter_pass(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, gro
     perm = Bijection(max(document_count(src), 1), "docs", seed, s, p)
     docs = permuted_documents(src, perm, memory, scratch)
     if holdout is not None:
-        docs = ([c[~held] for c in chunk] for chunk in docs for held in [holdout.is_held(chunk[0])])
+        docs = ([c[~out] for c in chunk] for chunk in docs for out in [holdout.left_out(chunk[0])])
     rows = 0
     for a, gd, gs, gl in pass_groups(docs, group_tokens):
         r, ro, which, do, ln, n = pack_group(gl, np.arange(a, a + len(gl), dtype=np.int64), row_tokens)
@@ -327,6 +327,7 @@ class PackedPlan:
     pad_id: int
     jitter: bool = False
     holdout: dict | None = None  # `--holdout` as recorded (tokpack.shuffle.holdout.parse_holdout), or None
+    split: bool = False  # the plan of RUN/holdout/: the held-out documents only (one pass over them)
     # The budget (bytes) its own work keeps within: counting a pass's rows permutes the pass's
     # documents within it, and so do the row table and the repeat count.
     memory: int = field(default=DEFAULT_PLAN_MEMORY, compare=False, repr=False)
@@ -391,12 +392,12 @@ class PackedPlan:
         """The epoch manifest's `packing` object; `figures`: RowFigures.fields() of its rows."""
         return {"method": BEST_FIT, "group_tokens": self.group_tokens, "pad_id": self.pad_id,
                 "padding_tokens": padding, "table_xxh3_128": table_hash, **(figures or {}),
-                **({} if self.holdout is None else {"holdout": self.holdout})}
+                **({} if self.holdout is None else {"holdout": self.holdout}), **({"split": "holdout"} if self.split else {})}
 
     def holdout_of(self, s: int) -> "Holdout | None":
         """Source s's held-out documents (None: it holds none out)."""
         sp = self.sources[s]
-        return Holdout(sp.documents, sp.held, self.seed, sp.fingerprint) if sp.held else None
+        return Holdout(sp.documents, sp.held, self.seed, sp.fingerprint, self.split) if sp.held else None
 
     def table(self, sources: list[PackedSource]) -> np.ndarray:
         """The row table (PIECE records in output order), read whole: O(pieces) memory, for
@@ -450,7 +451,7 @@ _ROWS: dict[tuple, int] = {}  # (fingerprint, seed, s, p, row_tokens, group_toke
 def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
     """R_{s,p}, the rows of pass p over source s: the pass is packed group by group (iter_pass,
     bounded by the plan's memory) and counted; the count is kept."""
-    key = (src.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens, plan.sources[s].held)
+    key = (src.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens, plan.sources[s].held, plan.split)
     if key not in _ROWS:
         with _scratch() as d:
             _ROWS[key] = sum(n for _, n, _ in iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens,
@@ -484,7 +485,7 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
                       tokens: int | None = None, names: list[str] | None = None,
                       group_tokens: int | None = None, pad_id: int | None = None,
                       cursors: list[int | None] | None = None, counts: list[int] | None = None,
-                      memory: int = DEFAULT_PLAN_MEMORY, holdout: dict | None = None) -> PackedPlan:
+                      memory: int = DEFAULT_PLAN_MEMORY, holdout: dict | None = None, split: bool = False) -> PackedPlan:
     """The packed plan of one epoch. c_s: as the window plan apportions samples, with R_{s,0}
     (the rows of pass 0) in place of W_s. `counts` (a schedule's per-source samples) overrides it.
     `memory`: the plan's budget (bytes; shuffle's --memory), within which it counts its passes."""
@@ -501,7 +502,7 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
     stub = PackedPlan(int(seed), int(epoch), int(seq_len), 0, tuple(
         PackedSourcePlan(s, "", str(src.path), src.fingerprint, None, src.tokens, documents[s], 0, 0, 0, held=held[s])
         for s, src in enumerate(sources)), int(group_tokens or DEFAULT_GROUP_TOKENS), pad, holdout=holdout,
-        memory=max(1, int(memory)))
+        split=bool(split), memory=max(1, int(memory)))
     rows0 = [pass_rows(stub, s, 0, src) for s, src in enumerate(sources)]
     for src, rows in zip(sources, rows0):
         if rows == 0:  # its chain would hold nothing to take
@@ -557,7 +558,7 @@ def packed_plan_from_manifest(manifest: dict, sources: list[PackedSource],
                              epoch=int(manifest["epoch"]), weights=weights, names=names,
                              group_tokens=int(pk["group_tokens"]), pad_id=int(pk["pad_id"]),
                              cursors=None if all(c is None for c in cursors) else cursors, counts=counts,
-                             memory=memory, holdout=pk.get("holdout"))
+                             memory=memory, holdout=pk.get("holdout"), split=pk.get("split") == "holdout")
     if plan.samples != int(manifest["samples"]):
         raise TokpackError("epoch manifest source samples do not add up", where="sources[].samples",
                            expected=manifest["samples"], found=plan.samples)
@@ -956,9 +957,9 @@ def packed_replay(manifest: dict, sources: list[PackedSource], order: bool = Tru
             table, starts = built.rows(g0, g1)
             for s, sp in enumerate(plan.sources):  # the proof that no held-out document is in a row
                 held = plan.holdout_of(s)
-                if held is not None and held.is_held(table["doc"][table["source"] == s].astype(np.int64)).any():
-                    raise TokpackError("a held-out document is in the epoch", where=f"sources[{s}] ({sp.name})",
-                                       expected="none of its documents held out by --holdout",
+                if held is not None and held.left_out(table["doc"][table["source"] == s].astype(np.int64)).any():
+                    raise TokpackError("a document of the other split is in the epoch", where=f"sources[{s}] ({sp.name})",
+                                       expected="a training epoch: no held-out document; RUN/holdout/: only those",
                                        hint="the epoch is not its plan's: shuffle it again")
             pads.add(row_padding(table, g1 - g0, plan.row_tokens, g0))
             hashes = row_hashes(pool.rows(table, g0, g1, plan.row_tokens, plan.pad_id, starts))
@@ -1051,6 +1052,14 @@ def run_packing(plan: PackedPlan) -> dict:
     """The same, of a planned epoch (the run manifest's `packing`)."""
     return {"method": BEST_FIT, "group_tokens": plan.group_tokens, "pad_id": plan.pad_id,
             **({} if plan.holdout is None else {"holdout": plan.holdout})}
+
+
+def holdout_plan(sources: list[PackedSource], *, seq_len: int, seed: int, holdout: dict, names: list[str],
+                 memory: int, **options) -> PackedPlan:
+    """The plan of RUN/holdout/: one pass over each source's held-out documents, best-fit packed
+    and ordered as an epoch is (epoch 0's keys), all of them (no weights, no --samples)."""
+    return packed_epoch_plan(sources, seq_len=seq_len, seed=seed, epoch=0, names=names, memory=memory,
+                             holdout=holdout, split=True, **options)
 
 
 def held_out(src: PackedSource, spec: dict | None, seed: int, memory: int = DEFAULT_PLAN_MEMORY) -> "Holdout":

@@ -72,9 +72,10 @@ class Packing:
     # `tokpack plan`: (plan, sources, memory) -> the figures the summaries show of an epoch's rows
     # (`shown`'s, less the method), counted without writing; None: a packing without padding.
     figures: Callable | None = None
-    # Whether its plans take `holdout` (shuffle --holdout, tokpack.shuffle.holdout): whole documents
-    # left out of every epoch before they are packed.
-    holdout: bool = False
+    # When its plans take `holdout` (shuffle --holdout, tokpack.shuffle.holdout: whole documents left
+    # out of every epoch before they are packed), the plan of RUN/holdout/: (sources, *, seq_len, seed,
+    # holdout, names, memory, pad_id, group_tokens) -> a plan of the held-out documents. None: no holdout.
+    holdout: Callable | None = None
 
 
 _REGISTRY: dict[str, Packing] = {}
@@ -247,5 +248,5 @@ BEST_FIT = register(Packing(
     scattered=lambda job, layout, i: packed_step.holds_pieces_of(layout, i),
     table_estimate=packed_step.table_estimate,
     figures=lambda p, sources, memory: packed.row_figures(p, sources, memory),
-    holdout=True,
+    holdout=packed.holdout_plan,
 ))

@@ -25,7 +25,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
 from tokpack.formats.io import MAX_RECORD_BYTES, TMP_MARK, read_limited, remove_tmp_files
 from tokpack.formats.outputs import LocalOutput, Output
-from tokpack.formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
+from tokpack.formats.manifest import (HOLDOUT_DIR, MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
                               read_manifest, run_manifest)
 from tokpack.formats.numbering import shuffle_command
 from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
@@ -164,7 +164,7 @@ def _existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
     kept = to.where(out)
     listed = kept if kept.exists() else out
     foreign = [p.name for p in listed.iterdir()
-               if not (p.name.startswith("epoch-") or p.name in (WORK_DIR, LOCK_NAME) or TMP_MARK in p.name)]
+               if not (p.name.startswith("epoch-") or p.name in (WORK_DIR, LOCK_NAME, HOLDOUT_DIR) or TMP_MARK in p.name)]
     if foreign:
         raise TokpackError("output directory is not a tokpack run", file=out, where="contents",
                            expected="no files, or a run's tokpack.json and epoch-NNNNN/", found=", ".join(sorted(foreign)[:5]),
@@ -410,10 +410,11 @@ class RunSetup:
     params: dict | None  # what makes two invocations the same run
     runplan: RunPlan  # the run's stages (one, for a run made with flags), planning any epoch
     run_params: dict | None  # a run made from a schedule file: its schedule, fixed when the run is created
+    holdout: EpochJob | None = None  # RUN/holdout/ to write (shuffle --holdout), once: None when written or none
 
     @property
     def jobs(self) -> list[EpochJob]:
-        return [job for _, _, job in self.todo if job is not None]
+        return [job for _, _, job in self.todo if job is not None] + ([self.holdout] if self.holdout else [])
 
 
 def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, seed: int | None,
@@ -505,7 +506,18 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
                            first.get("tokenizer", ""), str(edir), str(out / WORK_DIR / f"{edir.name}-{key}"),
                            shard_samples, progress=bool(progress), main_pid=os.getpid(), output=to)
         todo.append((epoch, plan, job))
-    return RunSetup(opened, weights, shard_samples, done_epochs, todo, existing, runplan, run_params)
+    held = None
+    if holdout is not None and not (out / HOLDOUT_DIR / MANIFEST).exists():  # written once, with the first epochs
+        hp = used.holdout(opened, seq_len=seq_len, seed=seed, holdout=holdout, names=names, memory=memory,
+                          pad_id=pad_id)
+        hp = replace(hp, sources=tuple(replace(sp, path=recorded[sp.index]) for sp in hp.sources))
+        hdir = out / HOLDOUT_DIR
+        _refuse_foreign_files(hdir, to)
+        key = xxhash.xxh3_64_hexdigest(json.dumps([hp.source_entries(), hp.algorithm, dtype, seq_len]).encode())
+        held = EpochJob(hp, tuple(source_location(p) for p in paths), dtype, int(first["eos_id"]),
+                        first.get("tokenizer", ""), str(hdir), str(out / WORK_DIR / f"{HOLDOUT_DIR}-{key}"),
+                        shard_samples, progress=bool(progress), main_pid=os.getpid(), output=to)
+    return RunSetup(opened, weights, shard_samples, done_epochs, todo, existing, runplan, run_params, held)
 
 
 def _refuse_foreign_files(edir: Path, to: Output) -> None:
@@ -599,6 +611,11 @@ def shuffle_run(
             summaries.append(summary)
         done_epochs = sorted(set(done_epochs) | {epoch})
         to.finish(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan))
+    if setup.holdout is not None:  # the held-out documents, an epoch directory of their own (never listed)
+        log(f"holdout: writing {setup.holdout.plan.samples} samples of held-out documents to {setup.holdout.epoch_dir}")
+        held = run_epoch(setup.holdout, memory=memory, workers=workers, tasks=tasks, run_passes=run_passes, log=log)
+        held.update(path=str(to.shown(Path(setup.holdout.epoch_dir).absolute())), stage=None,
+                    sources=setup.holdout.plan.source_report())
     work = out / WORK_DIR
     if work.exists() and not any(work.iterdir()):
         work.rmdir()
@@ -616,6 +633,7 @@ def shuffle_run(
         "seq_len": runplan.schedule.seq_len,
         "shard_samples": shard_samples,
         "packing": runplan.packing.name,
+        "holdout": None if setup.holdout is None else held,
         "path": ",".join(sorted({s["path"] for s in summaries})) or "none",
         "bytes_written": written,
         "seconds": round(seconds, 3),

@@ -1,13 +1,16 @@
 """A held-out split (issue 35, item 7, its first part): `shuffle --packing best-fit --holdout F`
 sets whole documents of each source aside from every epoch, chosen from the seed alone
 (tokpack.shuffle.holdout); `validate --against` replays the epoch without them; weights,
-schedules and `--like` keep working. Not yet: the RUN/holdout/ folder, and window (concat) runs."""
+schedules and `--like` keep working; the held-out documents are written once as RUN/holdout/, an
+epoch directory that tokpack's reader, TokpackDataset and datatrove read. Not yet: window
+(concat) runs, which refuse --holdout in one line."""
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -159,3 +162,54 @@ def test_holdout_is_refused_where_it_cannot_hold(corpus, tmp_path):
                        "--packing", "best-fit", "--holdout", "1T")
     assert code == 1 and "would hold out every document" in err
     assert not (tmp_path / "x").exists()
+
+
+def test_the_held_out_documents_are_written_once_as_an_epoch_directory(corpus, tmp_path):
+    root, docs = corpus
+    run = tmp_path / "run"
+    args = [f"{root / 'web'}=0.7", f"{root / 'code'}=0.3", "-o", run, "--seq-len", SEQ, "--seed", 4,
+            "--packing", "best-fit", "--holdout", "10%", "--samples", 300]
+    code, out, err = cli("shuffle", *args, "--epochs", 1, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    held_dir = run / "holdout"
+    assert result["holdout"]["path"] == str(held_dir) and result["holdout"]["samples"] > 0
+    m = read_manifest(held_dir)
+    assert m["kind"] == "epoch" and m["packing"]["split"] == "holdout"
+    sources = [PackedSource.open(root / n) for n in ("web", "code")]
+    table = packed_plan_from_manifest(m, sources).table(sources)
+    data = b"".join(rows_of(held_dir))
+    for s, name in enumerate(("web", "code")):
+        h = held_out(sources[s], {"fraction": "1/10"}, 4)
+        ids = table["doc"][table["source"] == s].astype(np.int64)
+        assert h.is_held(ids).all() and set(ids.tolist()) == set(h.held_documents().tolist())  # all, and only
+        short = [d for i, d in enumerate(docs[name]) if i in set(h.held_documents().tolist()) and len(d) <= SEQ]
+        assert all(d.astype("<u2").tobytes() in data for d in short)
+    # read like an epoch: tokpack's reader and TokpackDataset, and datatrove's folder dataset
+    from tokpack.loader.reader import SampleReader
+    from tokpack.loader.torch_adapter import TokpackDataset
+
+    reader = SampleReader.open(held_dir)
+    assert reader.total_samples == m["samples"]
+    assert SampleReader.open(run).total_samples == 300  # the run's stream holds no held-out row
+    batch = next(iter(TokpackDataset(held_dir, micro_batch=2)))
+    assert batch["input_ids"].shape == (2, SEQ) and "loss_mask" in batch
+    code = ("import json\nfrom datatrove.utils.dataset import DatatroveFolderDataset\n"
+            f"ds = DatatroveFolderDataset({str(held_dir)!r}, {SEQ}, filename_pattern='*.ds', token_size=2)\n"
+            "print(len(ds), json.dumps(ds[0]['input_ids'].tolist()))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    n, first = r.stdout.split(" ", 1)
+    assert int(n) == m["samples"] and json.loads(first) == reader.read(0)[0].tolist()
+    # written once: a later command adds epochs and leaves it as it is
+    before = {p.name: p.read_bytes() for p in held_dir.iterdir()}
+    code, out, err = cli("shuffle", "--like", run, "--epoch", 1, "--json")
+    assert code == 0, err
+    assert "holdout" not in json.loads(out) and {p.name: p.read_bytes() for p in held_dir.iterdir()} == before
+    # validate RUN --against checks it with the epochs; a held-out folder that claims to be training is refused
+    code, out, err = cli("validate", run, "--against", root / "web", "--against", root / "code")
+    assert code == 0 and f"OK epoch {held_dir}" in out, out + err
+    packing = {k: v for k, v in m["packing"].items() if k != "split"}
+    write_manifest(held_dir, {**m, "packing": packing})
+    code, out, err = cli("validate", held_dir, "--against", root / "web", "--against", root / "code")
+    assert code == 1 and "CORRUPT" in out + err
