@@ -225,7 +225,7 @@ _FIELD_TABLES = """
 | `schedule` | list | no | run | a scheduled run: per epoch, `{stage, sources, weights, samples}` (see Schedules) |
 | `schedule_file` | string | no | run | a scheduled run: the schedule file it was made from |
 | `schedule_xxh3_128` | hex32 | no | run | a scheduled run: checksum of that file |
-| `packing` | object | no | epoch, run | a best-fit epoch or run: `{method, group_tokens, pad_id}`, an epoch also `padding_tokens`, `table_xxh3_128`, `documents_cut` and `max_documents_per_row` (see Packing) |
+| `packing` | object | no | epoch, run | a best-fit epoch or run: `{method, group_tokens, pad_id}`, an epoch also `padding_tokens`, `table_xxh3_128`, `documents_cut` and `max_documents_per_row`; with `--holdout` `holdout`, and RUN/holdout/'s `split` (see Packing) |
 | `run` | object | yes | slice, slice-epoch | the run's manifest without `epochs`, `tokens`, `fragments`: its identity and sample numbering |
 | `source` | string | no | slice | the run directory or URL it was staged from, informative |
 | `world_size` | int >= 1 | yes | slice, slice-epoch | `W`: data-parallel ranks of the training it serves |
@@ -265,6 +265,7 @@ _FIELD_TABLES = """
 | `dropped_tokens` | int >= 0 | yes | epoch | its tokens outside every window |
 | `cursor` | int >= 0 | no | epoch | a run of several stages: where in its chain the epoch starts |
 | `documents` | int >= 0 | no | epoch | a best-fit epoch: `D_s`, the source's documents |
+| `held_documents` | int >= 0 | no | epoch | a run made with `--holdout`: `k_s`, the source's documents held out |
 
 `tokpack-stage.json`
 | `format` | string | yes | sidecar | `"tokpack-stage"` |

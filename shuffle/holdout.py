@@ -84,12 +84,11 @@ class Holdout:
         return np.sort(self.order().forward(np.arange(self.held, dtype=np.int64)))
 
 
-def holdout_of(src, spec: dict | None, seed: int, lengths_in_order=None) -> Holdout:
-    """Source `src`'s Holdout for `spec` (parse_holdout's). A token count reads the documents'
-    lengths in rho_h's order (`lengths_in_order(order)`: chunks of lengths), until they reach it."""
-    from .packed import document_count
-
-    d = document_count(src)
+def holdout_of(src, spec: dict | None, seed: int, documents: int, lengths_in_order=None) -> Holdout:
+    """Source `src`'s Holdout for `spec` (parse_holdout's), of its `documents` D_s. A token count
+    reads the documents' lengths in rho_h's order (`lengths_in_order(order)`: chunks of
+    lengths), until they reach it."""
+    d = int(documents)
     h = Holdout(d, 0, int(seed), src.fingerprint)
     if spec is None:
         return h

@@ -1074,7 +1074,7 @@ def held_out(src: PackedSource, spec: dict | None, seed: int, memory: int = DEFA
             for _, _, lengths in permuted_documents(src, order, memory, d):
                 yield lengths
 
-    _HELD[key] = holdout_of(src, spec, seed, lengths_in_order)
+    _HELD[key] = holdout_of(src, spec, seed, document_count(src), lengths_in_order)
     return _HELD[key]
 
 
