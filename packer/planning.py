@@ -64,6 +64,7 @@ class PlanResult(Result):
     # an in-memory epoch larger than this machine's RAM
     buckets: int | None = optional_field()  # shuffle, out of core: over every epoch
     bucket_files: int | None = optional_field()  # at most: each scatter task writes 2 files per bucket its rows reach
+    holdout: dict | None = optional_field()  # shuffle --holdout: RUN/holdout/ when this command would write it
     bytes_per_node: int | None = optional_field()  # stage, node slice: bytes its rank files hold
     read_amplification: float | None = optional_field()  # stage, node slice: bytes read / bytes kept
     note: str | None = optional_field()  # stage: one line worth knowing before it runs (e.g. a whole-run copy)
@@ -249,6 +250,9 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
         sources=[{"name": sp.name, "path": sp.path, "tokens": sp.tokens, "windows": sp.windows, "samples": sp.samples,
                   "passes": plan.passes(i), "first_pass": plan.first_pass(i)} for i, sp in enumerate(plan.sources)],
         epochs=details, buckets=buckets if bucket_files else None, bucket_files=bucket_files or None,
+        holdout=None if setup.holdout is None else {  # its bytes are in `space`, with the epochs'
+            "path": setup.holdout.epoch_dir, "samples": setup.holdout.plan.samples, "shards": setup.holdout.n_shards,
+            "sources": setup.holdout.plan.source_report()},
         warnings=warnings or None)
 
 
@@ -388,6 +392,10 @@ def report_lines(r: PlanResult) -> list[str]:
                   + (f" ({tokens[s['name']]:,} tokens)" if s["name"] in tokens else "")
                   + f", {s['passes']} pass(es) from pass {s['first_pass']}, {s['repeats']:,} repeated"
                   for s in e["sources"]]
+    if r.holdout is not None:
+        h = r.holdout
+        lines.append(f"  holdout: {h['samples']:,} samples of held-out documents, {h['shards']:,} shard(s), written "
+                     f"once to {h['path']} (" + ", ".join(f"{s['name']} {s['samples']:,}" for s in h["sources"]) + ")")
     for p in r.passes:
         memory = "no set memory bound" if p["memory_per_task"] is None else f"{_size(p['memory_per_task'])} memory"
         lines.append(f"  pass {p['name']}{'' if 'epoch' not in p else ' (epoch %d)' % p['epoch']}: {p['tasks']:,} "

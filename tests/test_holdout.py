@@ -213,3 +213,19 @@ def test_the_held_out_documents_are_written_once_as_an_epoch_directory(corpus, t
     write_manifest(held_dir, {**m, "packing": packing})
     code, out, err = cli("validate", held_dir, "--against", root / "web", "--against", root / "code")
     assert code == 1 and "CORRUPT" in out + err
+
+
+def test_plan_shuffle_names_the_holdout_folder_it_would_write(corpus, tmp_path):
+    root, _ = corpus
+    args = [root / "web", "-o", tmp_path / "run", "--seq-len", SEQ, "--seed", 4, "--epochs", 1, "--packing",
+            "best-fit", "--holdout", "3K"]
+    code, out, err = cli("plan", "shuffle", *args, "--disk-mbps", 100, "--json")
+    assert code == 0, err
+    planned = json.loads(out)["holdout"]
+    code, out, err = cli("shuffle", *args, "--json")
+    assert code == 0, err
+    written = json.loads(out)["holdout"]
+    assert (planned["samples"], planned["shards"]) == (written["samples"], written["shards"]) and planned["samples"] > 0
+    again = [a if a != "--epochs" else "--epoch" for a in args]  # epoch 1, into the run
+    code, out, _ = cli("plan", "shuffle", *again, "--disk-mbps", 100, "--json")
+    assert code == 0 and "holdout" not in json.loads(out)  # written already: not again
