@@ -26,7 +26,7 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import as_path, map_array, progress, read_array, regular_size
-from tokpack.formats.manifest import epoch_dir_name, read_manifest
+from tokpack.formats.manifest import HOLDOUT_DIR, epoch_dir_name, read_manifest
 from tokpack.formats.shards import U64, PackedSource
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.shared import Result, optional_field
@@ -338,6 +338,7 @@ class InspectResult(Result):
     totals: dict = field(default_factory=dict)
     epochs: list[dict] | None = optional_field()  # each epoch's samples, sources' shares and packing figures
     packing: dict | None = optional_field()  # a run's or epoch's: method, padding, documents cut (over its epochs)
+    holdout: dict | None = optional_field()  # a run made with --holdout: RUN/holdout/'s path, samples, packing
     stages: list[dict] | None = optional_field()  # a scheduled run: each stage's epochs, samples and mixture
     document_lengths: dict | None = optional_field()
     batch_diversity: dict | None = optional_field()  # before and after the shuffle
@@ -374,6 +375,13 @@ def inspect(directory, *, batch_size: int | None = None, batches: int = 64, plot
 
         report["epochs"] = _epoch_shares(epochs)
         report["packing"] = shown_of_epochs([m for _, _, m in epochs])
+    if kind == "run" and (directory / HOLDOUT_DIR / "tokpack.json").is_file():
+        from tokpack.shuffle.packings import shown
+
+        held = read_manifest(directory / HOLDOUT_DIR, "epoch")
+        report["holdout"] = {"path": str(directory / HOLDOUT_DIR), "samples": int(held["samples"]),
+                             "sources": [{"name": e.get("name"), "held_documents": e.get("held_documents")}
+                                         for e in held.get("sources") or []], "packing": shown(held)}
     if kind == "run" and manifest.get("schedule"):
         report["stages"] = _stages(manifest)
 
@@ -411,6 +419,10 @@ def report_lines(r: InspectResult) -> list[str]:
 
         over = f" (over {len(r.epochs)} epochs)" if len(r.epochs or []) > 1 else ""
         lines.append(f"  packing: {shown_line(r.packing)}{over}")
+    if r.holdout is not None:
+        h = r.holdout
+        lines.append(f"  holdout: {h['samples']:,} samples in {h['path']} (read it as an epoch), held out: "
+                     + ", ".join(f"{s['name']} {s['held_documents']:,} documents" for s in h["sources"]))
     for st in r.stages or []:
         mixture = ", ".join(f"{s['name']} weight {s['weight']} ({s['samples']:,} samples)" for s in st["sources"])
         lines.append(f"  stage {st['stage']}: epochs {st['epochs'][0]}-{st['epochs'][-1]} ({len(st['written'])} "

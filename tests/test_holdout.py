@@ -201,6 +201,11 @@ def test_the_held_out_documents_are_written_once_as_an_epoch_directory(corpus, t
     assert r.returncode == 0, r.stderr
     n, first = r.stdout.split(" ", 1)
     assert int(n) == m["samples"] and json.loads(first) == reader.read(0)[0].tolist()
+    code, out, err = cli("inspect", run, "--json")
+    assert code == 0, err
+    assert json.loads(out)["holdout"]["samples"] == m["samples"]
+    assert [s["held_documents"] for s in json.loads(out)["holdout"]["sources"]] == [
+        held_out(src, {"fraction": "1/10"}, 4).held for src in sources]
     # written once: a later command adds epochs and leaves it as it is
     before = {p.name: p.read_bytes() for p in held_dir.iterdir()}
     code, out, err = cli("shuffle", "--like", run, "--epoch", 1, "--json")
