@@ -556,7 +556,7 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
             stage = "" if detail["stage"] is None else f" (stage {detail['stage']})"
             reused = f" ({detail['shards_reused']} reused from an earlier attempt)" if detail["shards_reused"] else ""
             click.echo(f"epoch {detail['epoch']}{stage}: {detail['samples']} samples, {detail['shards']} "
-                       f"shards{reused}, {detail['path']}; {shown_line(detail['packing'])}")
+                       f"shard{'s' * (detail['shards'] != 1)}{reused}, {detail['path']}; {shown_line(detail['packing'])}")
             unit = detail["packing"]["unit"]  # a source's "windows" are a best-fit pass's rows
             for r in detail["sources"]:
                 if not r["samples"] and r["weight"] is None:
