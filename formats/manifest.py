@@ -36,6 +36,7 @@ SHARD_SUFFIXES = ("", ".index", ".metadata", LOSS_SUFFIX)  # the files of one sh
 EPOCH_SHARD_SUFFIXES = tuple(s for s in SHARD_SUFFIXES if s != LOSS_SUFFIX)  # an epoch's shards carry no loss mask
 LOCK_NAME = "tokpack.lock"  # the lock of the command writing a directory (formats/guard.py)
 WORK_DIR = ".tokpack-work"  # a command's scratch inside OUT, removed when it finishes
+HOLDOUT_DIR = "holdout"  # RUN/holdout/: the held-out documents of `shuffle --holdout`, an epoch directory
 # The `shuffle` a run and its epochs record: names the plan (shuffle/plan.py, shuffle/permutation.py).
 # A change to which window lands where is a new name, not a new format version.
 PLAN_ALGORITHM = "tokpack-feistel6-splitmix-xxh3-v1"
@@ -232,7 +233,7 @@ _FIELD_TABLES = """
 | `schedule` | list | no | run | a scheduled run: per epoch, `{stage, sources, weights, samples}` (see Schedules) |
 | `schedule_file` | string | no | run | a scheduled run: the schedule file it was made from |
 | `schedule_xxh3_128` | hex32 | no | run | a scheduled run: checksum of that file |
-| `packing` | object | no | epoch, run | a best-fit epoch or run: `{method, group_tokens, pad_id}`, an epoch also `padding_tokens` and `table_xxh3_128` (see Packing) |
+| `packing` | object | no | epoch, run | a best-fit epoch or run: `{method, group_tokens, pad_id}`, an epoch also `padding_tokens`, `table_xxh3_128`, `documents_cut` and `max_documents_per_row`; with `--holdout` `holdout`, and RUN/holdout/'s `split` (see Packing) |
 | `run` | object | yes | slice, slice-epoch | the run's manifest without `epochs`, `tokens`, `fragments`: its identity and sample numbering |
 | `source` | string | no | slice | the run directory or URL it was staged from, informative |
 | `world_size` | int >= 1 | yes | slice, slice-epoch | `W`: data-parallel ranks of the training it serves |
@@ -272,6 +273,7 @@ _FIELD_TABLES = """
 | `dropped_tokens` | int >= 0 | yes | epoch | its tokens outside every window |
 | `cursor` | int >= 0 | no | epoch | a run of several stages: where in its chain the epoch starts |
 | `documents` | int >= 0 | no | epoch | a best-fit epoch: `D_s`, the source's documents |
+| `held_documents` | int >= 0 | no | epoch | a run made with `--holdout`: `k_s`, the source's documents held out |
 
 `tokpack-stage.json`
 | `format` | string | yes | sidecar | `"tokpack-stage"` |

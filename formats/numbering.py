@@ -69,19 +69,9 @@ class EpochNumbering:
 
 
 def shuffle_command(run: dict, run_dir: str | Path, epoch: int) -> str:
-    """The `tokpack shuffle` command that writes epoch `epoch` of this run, from its manifest."""
-    if run.get("schedule_file"):
-        return (f"tokpack shuffle --schedule {shlex.quote(run['schedule_file'])} -o {shlex.quote(str(run_dir))} "
-                f"--epoch {epoch}")
-    sources = run.get("sources") or []
-    weights = run.get("weights") or [None] * len(sources)
-    args = [shlex.quote(str(s.get("path")) + ("" if w is None else f"={w}")) for s, w in zip(sources, weights)]
-    args = args or ["SOURCE..."]
-    opts = [f"--seq-len {run.get('seq_len')}", f"--seed {run.get('seed')}"]
-    if run.get("samples") is not None:
-        opts.append(f"--samples {run['samples']}")
-    if run.get("shard_samples") is not None:
-        opts.append(f"--shard-samples {run['shard_samples']}")
-    if run.get("jitter"):
-        opts.append("--jitter")
-    return " ".join(["tokpack shuffle", *args, "-o", shlex.quote(str(run_dir)), *opts, f"--epoch {epoch}"])
+    """The `tokpack shuffle` command that writes epoch `epoch` of the run at `run_dir` (whose
+    manifest is `run`): `--like`, which reads every setting from the run's own manifests
+    (tokpack.shuffle.like), so that the command cannot leave out one the run was made with (its
+    packing, its schedule...). Without a run manifest (`run` empty), RUN stands for the run."""
+    where = shlex.quote(str(run_dir)) if run.get("kind") == "run" else "RUN"
+    return f"tokpack shuffle --like {where} --epoch {epoch}"

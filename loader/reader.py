@@ -376,7 +376,7 @@ class SampleReader:
             if not isinstance(listed, list) or not listed:
                 raise TokpackError("run manifest lists no epochs", file=p / "tokpack.json", where="epochs",
                                    expected="a non-empty list", found=listed,
-                                   hint="write an epoch with `tokpack shuffle ... --epoch E`")
+                                   hint=f"write one with `{shuffle_command(manifest, p, 0)}`")
             if len(paths) == 1:  # a run on its own: its consumed-sample numbers (a chain of several counts from 0)
                 numbering, run = EpochNumbering.of_run(manifest, p), (str(p), manifest)
             for e in sorted(int(e) for e in listed):
@@ -534,7 +534,10 @@ class SampleReader:
             hint = (f"the run's schedule plans {k} epoch{'s' * (k != 1)}, ending at sample {self.numbering.first(k)}: "
                     "to train longer, add a stage to the schedule")
         else:
-            hint = "write more epochs (`tokpack shuffle --epoch E`) or pass the run directory"
+            parent = as_path(self.table.epoch_dirs[-1]).parent  # the run, when the epochs are still in it
+            run = {"kind": "run"} if (parent / "tokpack.json").is_file() else {}
+            hint = (f"write more epochs (`{shuffle_command(run, parent, max(self.table.epochs) + 1)}`) "
+                    "or pass the run directory")
         raise TokpackError("start is beyond the end of the chained epochs", file=self.table.epoch_dirs[-1],
                            where="start sample", expected=f"0..{self.total_samples}", found=g, hint=hint)
 

@@ -71,7 +71,7 @@ ARGUMENTS = {
              "shard_tokens": ("tokens", {"least": 1, **_REQUIRED}), "executor": _executor, "link": _FLAG},
     "shuffle": {"seq_len": _COUNT[1], "seed": ("whole", {"least": None}), "epochs": _epochs, "samples": _COUNT[1],
                 "tokens": ("tokens", {}), "shard_samples": _COUNT[1], "memory": ("size", _REQUIRED), "jitter": _FLAG,
-                "executor": _executor, "progress": _MAYBE_FLAG, "packing": _TEXT, "pad_id": _COUNT[0]},
+                "executor": _executor, "progress": _MAYBE_FLAG, "packing": _TEXT, "pad_id": _COUNT[0], "holdout": _TEXT},
     "validate": {"dirs": _paths, "against": _paths, "quick": _FLAG, "workers": ("whole", {"least": 1, **_REQUIRED}), "show_progress": _MAYBE_FLAG},
     "stage": {"workers": ("whole", {"least": 1, **_REQUIRED}), "epochs": _TEXT, "ranks": _TEXT,
               "micro_batch": ("whole", {"least": 1, **_REQUIRED}), "world_size": _COUNT[1], "node": _TEXT,
@@ -126,6 +126,8 @@ class ShuffleResult(Result):
     epochs_detail: list[dict]  # per epoch written: path, stage, samples, shards, shards_reused, bytes_written,
     # hash, per-source counts
     warnings: list[str]  # one per source an epoch repeats windows of
+    packing: str  # the run's packing (tokpack.shuffle.packings); each epochs_detail has its figures ("packing")
+    holdout: dict | None = optional_field()  # RUN/holdout/ when this command wrote it: as an epochs_detail entry
 
 
 @_checks("pack")
@@ -151,12 +153,12 @@ def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_forma
 
 
 @_checks("shuffle")
-def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int | None = None,
+def shuffle(sources=None, output: PathLike | None = None, *, seq_len: int | None = None, seed: int | None = None,
             epochs: int | Sequence[int] | None = None, samples: int | None = None, tokens: int | None = None,
             shard_samples: int | None = None, memory: int = 4 << 30, jitter: bool = False,
             executor: ExecutorConfig | None = None, log=None, progress: bool | None = None,
             schedule: PathLike | None = None, scratch: PathLike | None = None, packing: str | None = None,
-            pad_id: int | None = None) -> ShuffleResult:
+            pad_id: int | None = None, like: PathLike | None = None, holdout: str | None = None) -> ShuffleResult:
     """Writes globally shuffled epochs of `seq_len + 1` tokens from packed sources into the run
     directory `output`. `sources`: a path or URL, a list of them, or a mapping path -> weight
     (a number, or text such as "1/3"). `epochs`: a count (epochs 0..N-1) or the epoch numbers
@@ -165,13 +167,32 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
     (pass sources=None). A URL `output` is written under `scratch` (as for `pack`), out-of-core
     buckets included, and each shard is sent to the store once written. `packing`: a name
     tokpack.shuffle.packings holds (None: its default, windows of the concatenated documents;
-    docs/COMMANDS.md, "Best-fit packing"), `pad_id` best-fit's padding token [default: EOS]."""
+    docs/COMMANDS.md, "Best-fit packing"), `pad_id` best-fit's padding token [default: EOS].
+    `like`: a run directory whose own settings (sources, weights, seq_len, seed, samples,
+    jitter, shard_samples, packing, pad_id, or its schedule file) write the epochs asked for,
+    into `output` [default: that run]; none of those may be given too, and `epochs` must be
+    (but for a scheduled run: every epoch of its schedule) (tokpack.shuffle.like). `holdout`:
+    whole documents of each source set aside from every epoch, a fraction of its documents
+    ("0.01", "1%") or a token count ("5M"), chosen from the seed (tokpack.shuffle.holdout;
+    best-fit packing)."""
     from tokpack.packer.executors import local_paths, pass_runner, runs_in_process
     from tokpack.shuffle.run import shuffle_run
     from tokpack.formats.errors import TokpackError
     from tokpack.shuffle.packings import named
     from tokpack.shuffle.schedule import epoch_numbers, read_schedule
 
+    if like is not None:
+        from tokpack.shuffle.like import apply_like
+
+        settings = apply_like({"like": like, "output": output, "epochs": epochs, "sources": sources, "seq_len": seq_len,
+                               "seed": seed, "samples": samples, "tokens": tokens, "shard_samples": shard_samples,
+                               "jitter": jitter, "schedule": schedule, "packing": packing, "pad_id": pad_id,
+                               "holdout": holdout})
+        sources, output, seq_len, seed = settings["sources"], settings["output"], settings["seq_len"], settings["seed"]
+        samples, tokens, shard_samples, jitter = (settings[k] for k in ("samples", "tokens", "shard_samples", "jitter"))
+        schedule, packing, pad_id, holdout = (settings[k] for k in ("schedule", "packing", "pad_id", "holdout"))
+    if output is None:
+        raise TokpackError("no output given", where="output", hint="give the run directory to write (or like=RUN)")
     config = executor or ExecutorConfig()
     scheduled = read_schedule(schedule) if schedule is not None else None
     if scheduled is None and not sources:
@@ -187,7 +208,7 @@ def shuffle(sources, output: PathLike, *, seq_len: int | None = None, seed: int 
                               samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory,
                               jitter=jitter, log=log, workers=config.workers, tasks=config.tasks,
                               run_passes=pass_runner(config), progress=progress, schedule=scheduled,
-                              given=paths, to=to, packing=packing, pad_id=pad_id)
+                              given=paths, to=to, packing=packing, pad_id=pad_id, holdout=holdout)
     return ShuffleResult(**summary)
 
 

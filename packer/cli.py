@@ -466,9 +466,26 @@ def pack(inputs, output, as_json, **kw):
     emit(pack_api(list(inputs), output, executor=executor, log=_log(as_json), **kw), as_json)
 
 
+# What --like reads from the run, as its usage line names it (the sources aside).
+TAKEN_BY_LIKE = ("--seq-len", "--seed", "--samples/--tokens", "--shard-samples", "--jitter", "--schedule",
+                 "--packing", "--pad-id", "--holdout")
+
+
 def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
     """shuffle's --epochs N / --epoch E (None: every epoch of --schedule), with the usage checks
     of its arguments."""
+    if kw.get("like") is not None:
+        from tokpack.shuffle.like import given_with_like
+
+        twice = given_with_like({**kw, "sources": sources}, cli=True)
+        if twice:
+            raise click.UsageError(f"--like takes the sources and {', '.join(TAKEN_BY_LIKE)} from the run; "
+                                   f"drop {' '.join(twice)}")
+        if epochs is not None and epoch is not None:
+            raise click.UsageError("give at most one of --epochs N and --epoch E")
+        return [epoch] if epoch is not None else epochs
+    if kw["output"] is None:
+        raise click.UsageError("give -o OUT (or --like RUN to add epochs to RUN with its own settings)")
     if kw["schedule"] is not None:
         given = [f"--{k.replace('_', '-')}" for k in ("seq_len", "seed", "samples", "tokens") if kw[k] is not None]
         if sources or given or kw["jitter"]:
@@ -487,7 +504,12 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
 
 @main.command()
 @click.argument("sources", nargs=-1, metavar="SOURCE[=WEIGHT]...")
-@click.option("-o", "--output", required=True, help="Run directory; one epoch-NNNNN/ per epoch inside.")
+@click.option("-o", "--output", default=None, help="Run directory; one epoch-NNNNN/ per epoch inside "
+              "[with --like: RUN].")
+@click.option("--like", default=None, metavar="RUN",
+              help="Add epochs to the run RUN with its own settings, read from its manifests (sources, weights, "
+                   "--seq-len, --seed, --samples, --shard-samples, --jitter, --packing, --pad-id or its "
+                   "--schedule); give only --epoch E or --epochs N, and how to run (--memory, --workers...).")
 @click.option("--schedule", type=click.Path(dir_okay=False), default=None,
               help="A schedule YAML (seq_len, seed, stages of sources and weights) instead of SOURCEs, "
                    "--seq-len, --seed, --samples/--tokens and --jitter; without --epoch(s), every epoch.")
@@ -504,7 +526,7 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
               help="Total memory budget in bytes (KB/MB/GB are 10^n; KiB/MiB/GiB and a bare K/M/G are 2^n). An epoch whose windows fit runs in memory (one read, one write); "
                    "otherwise out of core, each of --workers tasks using memory/workers.")
 @click.option("--jitter", is_flag=True, help="Shift window starts by a seeded per-epoch offset.")
-@click.option("--packing", type=PackingChoice(), default="concat", show_default=True,
+@click.option("--packing", type=PackingChoice(), default=None, show_default="concat",
               help="concat: windows of the concatenated documents; best-fit: whole documents packed into samples "
                    "by best-fit decreasing, per epoch (only documents longer than a sample are cut).")
 @click.option("--pad-id", type=click.IntRange(min=0), default=None,
@@ -518,6 +540,9 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
 @click.option("--keep-sources", "keep_sources", default=None, metavar="DIR",
               help="With --to-nodes: each process keeps the source shards it reads, verified, in its local DIR "
                    "({node} is replaced by n) and reads them there in later epochs, not on the shared filesystem.")
+@click.option("--holdout", default=None, metavar="F",
+              help="best-fit: set whole documents of each source aside from every epoch, chosen from --seed: "
+                   "a fraction of its documents (0.01, 1%) or a token count (5M).")
 @executor_options(tasks_help=SHUFFLE_TASKS_HELP)
 @SCRATCH
 @LOG_INTERVAL
@@ -531,31 +556,37 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
       tokpack shuffle /data/packed/web=0.7 /data/packed/code=0.3 -o /data/runs/r1 \\
           --seq-len 4096 --seed 1234 --epochs 3 --tokens 100B --memory 16GiB --workers 4
       tokpack shuffle --schedule run.yaml -o /data/runs/r2
+      tokpack shuffle --like /data/runs/r1 --epoch 3
     """
     from tokpack.packer.api import shuffle as shuffle_api
 
-    epochs = _epochs_asked(sources, epochs, epoch, kw)
     to_nodes, ranks_per_node, micro_batch = kw.pop("to_nodes"), kw.pop("ranks_per_node"), kw.pop("micro_batch")
+    keep_sources = kw.pop("keep_sources")
+    epochs = _epochs_asked(sources, epochs, epoch, {**kw, "output": output})
     if to_nodes is not None:
-        return _shuffle_to_nodes(sources, output, epochs, as_json, to_nodes, ranks_per_node, micro_batch, kw)
-    if ranks_per_node is not None or micro_batch is not None or kw.pop("keep_sources") is not None:
+        return _shuffle_to_nodes(sources, output, epochs, as_json, to_nodes, ranks_per_node, micro_batch,
+                                 {**kw, "keep_sources": keep_sources})
+    if ranks_per_node is not None or micro_batch is not None or keep_sources is not None:
         raise click.UsageError("--ranks-per-node, --micro-batch and --keep-sources go with --to-nodes DEST")
     executor = _executor_config(kw)
     quiet = as_json and log_interval() == 0  # --json asked for no lines: no bar on a terminal either
-    result = shuffle_api(_weighted_sources(sources), output, epochs=epochs, executor=executor, log=_log(as_json),
-                         progress=False if quiet else None, **kw)
+    result = shuffle_api(_weighted_sources(sources) if sources else None, output, epochs=epochs, executor=executor,
+                         log=_log(as_json), progress=False if quiet else None, **kw)
     emit(result, as_json, shown=_real_shard_size(result))
     if not as_json:
+        from tokpack.shuffle.packings import shown_line
+
         for detail in result.epochs_detail:
             stage = "" if detail["stage"] is None else f" (stage {detail['stage']})"
             reused = f" ({detail['shards_reused']} reused from an earlier attempt)" if detail["shards_reused"] else ""
             click.echo(f"epoch {detail['epoch']}{stage}: {detail['samples']} samples, {detail['shards']} "
-                       f"shards{reused}, {detail['path']}")
+                       f"shard{'s' * (detail['shards'] != 1)}{reused}, {detail['path']}; {shown_line(detail['packing'])}")
+            unit = detail["packing"]["unit"]  # a source's "windows" are a best-fit pass's rows
             for r in detail["sources"]:
                 if not r["samples"] and r["weight"] is None:
                     continue  # a source of the schedule that this epoch's stage does not use
                 click.echo(f"epoch {detail['epoch']}, source \"{r['name']}\": {r['samples']} samples of {r['windows']} "
-                           f"windows, {r['passes']} pass(es), {r['repeats']} {_repeated(r)}"
+                           f"{unit}{' a pass' * (unit != 'windows')}, {r['passes']} pass(es), {r['repeats']} {_repeated(r)}"
                            f"{'' if r['weight'] is None else ', weight ' + r['weight']} ({r['path']}, "
                            f"fingerprint {r['fingerprint'][:16]})")
         for line in result.warnings:
@@ -807,11 +838,11 @@ def _emit_plan(command: str, as_json: bool, *args, **kw) -> None:
 
 @_planned(shuffle)
 def plan_shuffle(sources, output, epochs, epoch, as_json, **kw):
-    epochs = _epochs_asked(sources, epochs, epoch, kw)
     if kw.pop("to_nodes") is not None:  # issue 33, item 7
         raise click.UsageError("plan shuffle --to-nodes is not implemented yet; plan the shuffle without it")
     kw.pop("ranks_per_node"), kw.pop("micro_batch"), kw.pop("keep_sources")
-    _emit_plan("shuffle", as_json, _weighted_sources(sources), output, epochs=epochs, executor=_executor_config(kw),
+    epochs = _epochs_asked(sources, epochs, epoch, {**kw, "output": output})
+    _emit_plan("shuffle", as_json, _weighted_sources(sources) if sources else None, output, epochs=epochs, executor=_executor_config(kw),
                **kw)
 
 

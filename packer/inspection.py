@@ -26,7 +26,7 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import as_path, map_array, progress, read_array, regular_size
-from tokpack.formats.manifest import epoch_dir_name, read_manifest
+from tokpack.formats.manifest import HOLDOUT_DIR, epoch_dir_name, read_manifest
 from tokpack.formats.shards import U64, PackedSource
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.shared import Result, optional_field
@@ -336,7 +336,9 @@ class InspectResult(Result):
     batch_size: int
     unreachable_sources: list[str] | None = optional_field()  # named by the epochs, not found: no document statistics
     totals: dict = field(default_factory=dict)
-    epochs: list[dict] | None = optional_field()  # each epoch's samples and sources' shares
+    epochs: list[dict] | None = optional_field()  # each epoch's samples, sources' shares and packing figures
+    packing: dict | None = optional_field()  # a run's or epoch's: method, padding, documents cut (over its epochs)
+    holdout: dict | None = optional_field()  # a run made with --holdout: RUN/holdout/'s path, samples, packing
     stages: list[dict] | None = optional_field()  # a scheduled run: each stage's epochs, samples and mixture
     document_lengths: dict | None = optional_field()
     batch_diversity: dict | None = optional_field()  # before and after the shuffle
@@ -372,7 +374,17 @@ def inspect(directory, *, batch_size: int | None = None, batches: int = 64, plot
     sources = _sources_of(directory, manifest, epochs, report)
     report["totals"] = _totals(manifest, epochs, sources)
     if epochs:
+        from tokpack.shuffle.packings import shown_of_epochs
+
         report["epochs"] = _epoch_shares(epochs)
+        report["packing"] = shown_of_epochs([m for _, _, m in epochs])
+    if kind == "run" and (directory / HOLDOUT_DIR / "tokpack.json").is_file():
+        from tokpack.shuffle.packings import shown
+
+        held = read_manifest(directory / HOLDOUT_DIR, "epoch")
+        report["holdout"] = {"path": str(directory / HOLDOUT_DIR), "samples": int(held["samples"]),
+                             "sources": [{"name": e.get("name"), "held_documents": e.get("held_documents")}
+                                         for e in held.get("sources") or []], "packing": shown(held)}
     if kind == "run" and manifest.get("schedule"):
         report["stages"] = _stages(manifest)
 
@@ -410,13 +422,30 @@ def report_lines(r: InspectResult) -> list[str]:
         if "source_tokens" in t:
             lines.append(f"  sources: {t['sources']}, {t['source_tokens']:,} tokens, {t['source_documents']:,} "
                          f"document{'s' * (t['source_documents'] != 1)}")
+    if r.packing is not None:
+        from tokpack.shuffle.packings import shown_line
+
+        over = f" (over {len(r.epochs)} epochs)" if len(r.epochs or []) > 1 else ""
+        lines.append(f"  packing: {shown_line(r.packing)}{over}")
+    if r.holdout is not None:
+        h = r.holdout
+        lines.append(f"  holdout: {h['samples']:,} samples in {h['path']} (read it as an epoch), held out: "
+                     + ", ".join(f"{s['name']} {s['held_documents']:,} documents" for s in h["sources"]))
     for st in r.stages or []:
         mixture = ", ".join(f"{s['name']} weight {s['weight']} ({s['samples']:,} samples)" for s in st["sources"])
         lines.append(f"  stage {st['stage']}: epochs {st['epochs'][0]}-{st['epochs'][-1]} ({len(st['written'])} "
                      f"written), {st['samples']:,} samples; {mixture}")
     for e in r.epochs or []:
         used = [s for s in e["sources"] if s["samples"] or s["weight"] is not None]  # a scheduled run lists all
-        lines.append(f"  epoch {e['epoch']}: {e['samples']:,} samples; " + ", ".join(_share_text(s) for s in used))
+        pk, padded = e["packing"], ""
+        if pk["padding_tokens"] or "max_documents_per_row" in pk:  # a padded epoch's own figures
+            padded = f"; padding {pk['padding_tokens']:,} tokens ({pk['padding_percent']:g}%)"
+            if "documents_cut" in pk:
+                padded += f", {pk['documents_cut']:,} documents cut"
+            if "max_documents_per_row" in pk:
+                padded += f", at most {pk['max_documents_per_row']:,} documents per row"
+        lines.append(f"  epoch {e['epoch']}: {e['samples']:,} samples; " + ", ".join(_share_text(s) for s in used)
+                     + padded)
     dl = r.document_lengths
     if dl is not None:
         lines.append(f"  document length: mean {dl.get('mean')}  "
@@ -483,14 +512,18 @@ def _totals(manifest: dict, epochs, sources: list[PackedSource]) -> dict:
 
 
 def _epoch_shares(epochs) -> list[dict]:
-    """Each epoch's sources and their share of its samples, from the epoch manifests."""
+    """Each epoch's sources and their share of its samples, and what its packing shows
+    (tokpack.shuffle.packings.shown), from the epoch manifests."""
+    from tokpack.shuffle.packings import shown
+
     shares = []
     for e, _, m in epochs:
         n = int(m["samples"])
         row = [{"name": str(s.get("name")), "samples": int(s.get("samples", 0)),
                 "share": round(int(s.get("samples", 0)) / n, 6) if n else 0.0, "weight": s.get("weight"),
                 "first_pass": s.get("first_pass"), "passes": s.get("passes")} for s in m.get("sources") or []]
-        shares.append({"epoch": e, "samples": n, "dropped_tokens": m.get("dropped_tokens"), "sources": row})
+        shares.append({"epoch": e, "samples": n, "dropped_tokens": m.get("dropped_tokens"), "sources": row,
+                       "packing": shown(m)})
     return shares
 
 

@@ -64,6 +64,7 @@ class PlanResult(Result):
     # an in-memory epoch larger than this machine's RAM
     buckets: int | None = optional_field()  # shuffle, out of core: over every epoch
     bucket_files: int | None = optional_field()  # at most: each scatter task writes 2 files per bucket its rows reach
+    holdout: dict | None = optional_field()  # shuffle --holdout: RUN/holdout/ when this command would write it
     bytes_per_node: int | None = optional_field()  # stage, node slice: bytes its rank files hold
     read_amplification: float | None = optional_field()  # stage, node slice: bytes read / bytes kept
     note: str | None = optional_field()  # stage: one line worth knowing before it runs (e.g. a whole-run copy)
@@ -151,19 +152,30 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
                  samples: int | None = None, tokens: int | None = None, shard_samples: int | None = None,
                  memory: int = 4 << 30, jitter: bool = False, executor: ExecutorConfig | None = None,
                  disk_mbps: float | None = None, schedule=None, scratch=None, packing: str | None = None,
-                 pad_id: int | None = None) -> PlanResult:
-    """What `shuffle` with these arguments would do. A source may be virtual:
+                 pad_id: int | None = None, like=None, holdout=None) -> PlanResult:
+    """What `shuffle` with these arguments would do (`like`: as shuffle's, tokpack.shuffle.like). A source may be virtual:
     `virtual:tokens=11T,documents=5.5B,dtype=uint16` (shuffle/plan.py, virtual_source). `schedule`:
     a schedule file instead of sources and their settings (every epoch unless `epochs` says).
     `scratch` is taken as shuffle takes it, and is unused: only a URL output writes there, and
     a plan's output is local."""
-    from tokpack.shuffle.packings import of_plan
+    from tokpack.shuffle.packings import figures_shown, of_plan
     from tokpack.shuffle.steps import BUCKETS_PER_FOLDER
     from tokpack.shuffle.run import (bytes_to_write, epoch_bytes, epoch_layout, memory_path, planned_epoch_manifest,
                              repeat_warnings, run_manifest_of, scratch_bytes, setup_run, task_budget)
 
     from tokpack.shuffle.schedule import epoch_numbers, read_schedule
 
+    if like is not None:
+        from tokpack.shuffle.like import apply_like
+
+        s = apply_like({"like": like, "output": output, "epochs": epochs, "sources": sources, "seq_len": seq_len,
+                        "seed": seed, "samples": samples, "tokens": tokens, "shard_samples": shard_samples,
+                        "jitter": jitter, "schedule": schedule, "packing": packing, "pad_id": pad_id,
+                        "holdout": holdout})
+        sources, output, seq_len, seed, samples, tokens = (s[k] for k in ("sources", "output", "seq_len", "seed",
+                                                                          "samples", "tokens"))
+        shard_samples, jitter, schedule, packing, pad_id, holdout = (
+            s[k] for k in ("shard_samples", "jitter", "schedule", "packing", "pad_id", "holdout"))
     config = executor or ExecutorConfig()
     scheduled = read_schedule(schedule) if schedule is not None else None
     paths, weights = weighted_sources(sources) if scheduled is None else ([], None)
@@ -173,7 +185,8 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
     setup = setup_run(paths, str(output), weights=weights, seq_len=seq_len, seed=seed,
                       epochs=epoch_numbers(epochs),
                       samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter,
-                      workers=config.workers, schedule=scheduled, packing=packing, pad_id=pad_id)
+                      workers=config.workers, schedule=scheduled, packing=packing, pad_id=pad_id,
+                      holdout=holdout)
     opened = setup.sources
     passes, details, manifests, written, warnings = [], [], {}, {}, []
     ram = physical_memory()
@@ -195,7 +208,12 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
         layout = epoch_layout(job, memory=memory, workers=config.workers, tasks=config.tasks)
         detail = {"epoch": epoch, "stage": stage, "path": "in-memory" if layout is None else "out-of-core",
                   "samples": plan.samples, "shards": job.n_shards, "output_bytes": size, "sources": report}
-        table, table_estimate = 0, of_plan(plan).table_estimate
+        entry, tokens = of_plan(plan), plan.samples * plan.row_tokens
+        # What the summary will show of its rows: a padded packing's counted now (its passes packed once more).
+        fig = None if entry.figures is None else entry.figures(plan, opened, memory)
+        detail["packing"] = figures_shown(entry, tokens, 0 if fig is None else fig.padding_tokens,
+                                          {} if fig is None else fig.fields())
+        table, table_estimate = 0, entry.table_estimate
         if table_estimate is not None:  # first the row table, built in the work folder within --memory
             est = table_estimate(job, opened)
             table = est["table_bytes"]
@@ -235,6 +253,9 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
         sources=[{"name": sp.name, "path": sp.path, "tokens": sp.tokens, "windows": sp.windows, "samples": sp.samples,
                   "passes": plan.passes(i), "first_pass": plan.first_pass(i)} for i, sp in enumerate(plan.sources)],
         epochs=details, buckets=buckets if bucket_files else None, bucket_files=bucket_files or None,
+        holdout=None if setup.holdout is None else {  # its bytes are in `space`, with the epochs'
+            "path": setup.holdout.epoch_dir, "samples": setup.holdout.plan.samples, "shards": setup.holdout.n_shards,
+            "sources": setup.holdout.plan.source_report()},
         warnings=warnings or None)
 
 
@@ -348,6 +369,8 @@ def _duration(seconds: float | None) -> str:
 
 def report_lines(r: PlanResult) -> list[str]:
     """The human summary of a plan; nothing has been written."""
+    from tokpack.shuffle.packings import shown_line
+
     shards = f"{r.shards:,} shard(s)"
     if r.command == "pack":
         shards = f"at least {shards}" if r.shards else "shards unknown (the inputs do not tell their token count)"
@@ -366,11 +389,19 @@ def report_lines(r: PlanResult) -> list[str]:
         stage = "" if e["stage"] is None else f" (stage {e['stage']})"
         lines.append(f"  epoch {e['epoch']}{stage}: {e['path']}, {e['samples']:,} samples, {e.get('shards', 0):,} "
                      "shards" + extra)
-        lines += [f"    source {s['name']}: {s['samples']:,} samples of {s['windows']:,} windows"
+        unit = e["packing"]["unit"] if "packing" in e else "windows"  # a best-fit pass's rows, or windows
+        if "packing" in e:
+            lines.append(f"    packing: {shown_line(e['packing'])}")
+        lines += [f"    source {s['name']}: {s['samples']:,} samples of {s['windows']:,} {unit}"
+                  + " a pass" * (unit != "windows")
                   + (f" ({tokens[s['name']]:,} tokens)" if s["name"] in tokens else "")
                   + f", {s['passes']} pass(es) from pass {s['first_pass']}, {s['repeats']:,} " + ("repeated" if s.get("repeat_unit", "samples") == "samples"
                                                                     else f"{s['repeat_unit']} repeated")
                   for s in e["sources"]]
+    if r.holdout is not None:
+        h = r.holdout
+        lines.append(f"  holdout: {h['samples']:,} samples of held-out documents, {h['shards']:,} shard(s), written "
+                     f"once to {h['path']} (" + ", ".join(f"{s['name']} {s['samples']:,}" for s in h["sources"]) + ")")
     for p in r.passes:
         memory = "no set memory bound" if p["memory_per_task"] is None else f"{_size(p['memory_per_task'])} memory"
         lines.append(f"  pass {p['name']}{'' if 'epoch' not in p else ' (epoch %d)' % p['epoch']}: {p['tasks']:,} "

@@ -29,6 +29,7 @@ from tokpack.formats.manifest import (
     LOSS_SUFFIX,
     chain_start,
     EPOCH_DIR,
+    HOLDOUT_DIR,
     KINDS,
     MANIFEST,
     MASK64,
@@ -386,6 +387,9 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
         if p.is_dir() and EPOCH_DIR.match(p.name) and p.name not in listed:
             rep.add(p, None, "an epoch listed in the run's `epochs`", "an unlisted epoch directory",
                     "epoch not yet recorded in the run manifest (interrupted shuffle?); rerun it", incomplete=True)
+    held = path / HOLDOUT_DIR
+    if (held / MANIFEST).is_file():  # shuffle --holdout's held-out documents: an epoch directory, never listed
+        plan.append(_plan_dir(held, quick, kinds="epoch"))
     # A `stage --ranks` copy: its absent shards are one problem, not one line per file.
     absent = partial_stage_absent(path)
     if absent:

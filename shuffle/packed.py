@@ -31,6 +31,7 @@ from tokpack.formats.io import map_file, open_append, open_new, read_array, read
 from tokpack.formats.manifest import hash_hex64, order_hash_terms, row_hashes
 from tokpack.formats.shards import PackedSource
 
+from .holdout import Holdout, holdout_of
 from .permutation import Bijection
 from .plan import EpochPlan, check_passes, mixture, replay_hashes, shard_count_checked
 
@@ -327,19 +328,21 @@ def _pass_key(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, gro
 
 
 def iter_pass(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, group_tokens: int, memory: int,
-              scratch: str | None):
+              scratch: str | None, holdout: "Holdout | None" = None):
     """Pass p over source s, group by group, bounded by `memory` (permuted_documents) and a
     group: (first row of the group in the pass, row count, and per piece: row in the pass,
     row_offset, doc, doc_offset, length, first token in the stream, the document's length).
-    A pass read to its end is kept (_PASSES) when it fits a quarter of `memory`."""
-    key = _pass_key(src, s, p, seed, row_tokens, group_tokens)
-    kept = _PASSES.get(key)
+    `holdout`: documents left out of the pass before it is packed (never in any row). A pass
+    read to its end is kept (_PASSES) when it fits a quarter of `memory` (without a holdout:
+    the cache's key does not name one)."""
+    key = _pass_key(src, s, p, seed, row_tokens, group_tokens) if holdout is None else None
+    kept = _PASSES.get(key) if key is not None else None
     if kept is not None:
         _PASSES.move_to_end(key)
         yield from kept
         return
-    cap, size, kept = max(0, memory) // 4, 0, []
-    for group in _pack_pass(src, s, p, seed, row_tokens, group_tokens, memory, scratch):
+    cap, size, kept = max(0, memory) // 4, 0, ([] if key is not None else None)
+    for group in _pack_pass(src, s, p, seed, row_tokens, group_tokens, memory, scratch, holdout):
         if kept is not None:
             size += sum(c.nbytes for c in group[2])
             if size <= cap:
@@ -358,10 +361,13 @@ def iter_pass(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, gro
 
 
 def _pack_pass(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, group_tokens: int, memory: int,
-               scratch: str | None):
+               scratch: str | None, holdout: "Holdout | None" = None):
     perm = Bijection(max(document_count(src), 1), "docs", seed, s, p)
+    docs = permuted_documents(src, perm, memory, scratch)
+    if holdout is not None:
+        docs = ([c[~out] for c in chunk] for chunk in docs for out in [holdout.left_out(chunk[0])])
     rows = 0
-    for a, gd, gs, gl in pass_groups(permuted_documents(src, perm, memory, scratch), group_tokens):
+    for a, gd, gs, gl in pass_groups(docs, group_tokens):
         r, ro, which, do, ln, n = pack_group(gl, np.arange(a, a + len(gl), dtype=np.int64), row_tokens)
         yield rows, n, (rows + r, ro, gd[which], do, ln, gs[which] + do, gl[which])
         rows += n
@@ -390,6 +396,7 @@ class PackedSourcePlan:
     first_pass: int = 0
     passes: int = 0
     pass_rows: tuple[int, ...] = ()  # R_{s,p} for the passes this epoch touches
+    held: int = 0  # k_s: its documents held out of every epoch (tokpack.shuffle.holdout)
 
 
 @dataclass(frozen=True)
@@ -404,6 +411,8 @@ class PackedPlan:
     group_tokens: int
     pad_id: int
     jitter: bool = False
+    holdout: dict | None = None  # `--holdout` as recorded (tokpack.shuffle.holdout.parse_holdout), or None
+    split: bool = False  # the plan of RUN/holdout/: the held-out documents only (one pass over them)
     # The budget (bytes) its own work keeps within: counting a pass's rows permutes the pass's
     # documents within it, and so do the row table and the repeat count.
     memory: int = field(default=DEFAULT_PLAN_MEMORY, compare=False, repr=False)
@@ -455,7 +464,8 @@ class PackedPlan:
                 a, b = lo - at, hi - at
                 with _pass_scratch(src, memory) as d:
                     n = sum(int(((row >= a) & (row < b)).sum()) for _, _, (row, *_) in
-                            iter_pass(src, s, p, self.seed, self.row_tokens, self.group_tokens, memory, d))
+                            iter_pass(src, s, p, self.seed, self.row_tokens, self.group_tokens, memory, d,
+                                      self.holdout_of(s)))
                 if lo <= at and end <= hi:
                     whole = n
                 taken += n
@@ -493,12 +503,19 @@ class PackedPlan:
         return [{"name": s.name, "path": s.path, "fingerprint": s.fingerprint, "weight": s.weight,
                  "samples": s.samples, "first_pass": s.first_pass, "passes": s.passes, "windows": s.windows,
                  "tokens": s.tokens, "offset": 0, "dropped_tokens": 0, "documents": s.documents,
-                 **({} if s.cursor is None else {"cursor": s.cursor})} for s in self.sources]
+                 **({} if s.cursor is None else {"cursor": s.cursor}),
+                 **({} if self.holdout is None else {"held_documents": s.held})} for s in self.sources]
 
-    def packing_entry(self, table_hash: str, padding: int) -> dict:
-        """The epoch manifest's `packing` object."""
+    def packing_entry(self, table_hash: str, padding: int, figures: dict | None = None) -> dict:
+        """The epoch manifest's `packing` object; `figures`: RowFigures.fields() of its rows."""
         return {"method": BEST_FIT, "group_tokens": self.group_tokens, "pad_id": self.pad_id,
-                "padding_tokens": padding, "table_xxh3_128": table_hash}
+                "padding_tokens": padding, "table_xxh3_128": table_hash, **(figures or {}),
+                **({} if self.holdout is None else {"holdout": self.holdout}), **({"split": "holdout"} if self.split else {})}
+
+    def holdout_of(self, s: int) -> "Holdout | None":
+        """Source s's held-out documents (None: it holds none out)."""
+        sp = self.sources[s]
+        return Holdout(sp.documents, sp.held, self.seed, sp.fingerprint, self.split) if sp.held else None
 
     def table(self, sources: list[PackedSource]) -> np.ndarray:
         """The row table (PIECE records in output order), read whole: O(pieces) memory, for
@@ -546,8 +563,15 @@ def source_pass(plan, s: int, p: int) -> PassRows:
     return _pass_cached(sp.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens)
 
 
-_ROWS: dict[tuple, int] = {}  # (fingerprint, seed, s, p, row_tokens, group_tokens) -> R_{s,p}
+_ROWS: dict[tuple, int] = {}  # _rows_key -> R_{s,p}
 _PIECES: dict[tuple, int] = {}  # the same key -> the pass's pieces
+
+
+def _rows_key(plan, s: int, p: int) -> tuple:
+    """What pass p over source s's rows depend on: the source, the seed, the row and group sizes, and
+    the documents held out of it."""
+    sp = plan.sources[s]
+    return (sp.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens, sp.held, plan.split)
 
 
 def _pass_scratch(src: PackedSource, memory: int):
@@ -561,11 +585,12 @@ def _pass_scratch(src: PackedSource, memory: int):
 def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
     """R_{s,p}, the rows of pass p over source s: the pass is packed group by group (iter_pass,
     bounded by the plan's memory) and counted; the count is kept."""
-    key = (src.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens)
+    key = _rows_key(plan, s, p)
     if key not in _ROWS:
         rows = pieces = 0
         with _pass_scratch(src, plan.memory) as d:
-            for _, n, (row, *_) in iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, plan.memory, d):
+            for _, n, (row, *_) in iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, plan.memory, d,
+                                             plan.holdout_of(s)):
                 rows, pieces = rows + n, pieces + len(row)
         _ROWS[key], _PIECES[key] = rows, pieces
     return _ROWS[key]
@@ -580,12 +605,11 @@ def epoch_pieces(plan, s: int) -> tuple[int, int] | None:
     packed = taken = 0.0
     at = None
     for p in range(sp.first_pass, sp.first_pass + sp.passes):
-        key = (sp.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens)
+        key = _rows_key(plan, s, p)
         if key not in _PIECES:
             return None
         if at is None:
-            at = sum(_ROWS.get((sp.fingerprint, plan.seed, s, k, plan.row_tokens, plan.group_tokens), 0)
-                     for k in range(p))
+            at = sum(_ROWS.get(_rows_key(plan, s, k), 0) for k in range(p))
         rows, pieces = _ROWS[key], _PIECES[key]
         share = max(0, min(hi, at + rows) - max(lo, at)) / max(1, rows)
         packed, taken, at = packed + pieces, taken + pieces * share, at + rows
@@ -618,7 +642,7 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
                       tokens: int | None = None, names: list[str] | None = None,
                       group_tokens: int | None = None, pad_id: int | None = None,
                       cursors: list[int | None] | None = None, counts: list[int] | None = None,
-                      memory: int = DEFAULT_PLAN_MEMORY) -> PackedPlan:
+                      memory: int = DEFAULT_PLAN_MEMORY, holdout: dict | None = None, split: bool = False) -> PackedPlan:
     """The packed plan of one epoch. c_s: as the window plan apportions samples, with R_{s,0}
     (the rows of pass 0) in place of W_s. `counts` (a schedule's per-source samples) overrides it.
     `memory`: the plan's budget (bytes; shuffle's --memory), within which it counts its passes."""
@@ -628,12 +652,14 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
     if not 0 <= pad < sources[0].vocab_size:
         raise TokpackError("pad id outside the vocabulary", where="--pad-id", expected=f"0..{sources[0].vocab_size - 1}",
                            found=pad, hint="leave --pad-id out to pad with the EOS id")
-    stub = PackedPlan(int(seed), int(epoch), int(seq_len), 0, tuple(
-        PackedSourcePlan(s, "", str(src.path), src.fingerprint, None, src.tokens, 0, 0, 0, 0)
-        for s, src in enumerate(sources)), int(group_tokens or DEFAULT_GROUP_TOKENS), pad, memory=max(1, int(memory)))
     for src in sources:
         _check_real(src)
     documents = [document_count(src) for src in sources]
+    held = [held_out(src, holdout, seed, memory).held for src in sources]
+    stub = PackedPlan(int(seed), int(epoch), int(seq_len), 0, tuple(
+        PackedSourcePlan(s, "", str(src.path), src.fingerprint, None, src.tokens, documents[s], 0, 0, 0, held=held[s])
+        for s, src in enumerate(sources)), int(group_tokens or DEFAULT_GROUP_TOKENS), pad, holdout=holdout,
+        split=bool(split), memory=max(1, int(memory)))
     rows0 = [pass_rows(stub, s, 0, src) for s, src in enumerate(sources)]
     for src, rows in zip(sources, rows0):
         if rows == 0:  # its chain would hold nothing to take
@@ -648,7 +674,7 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
         cursor = None if cursors is None else cursors[s]
         sp = PackedSourcePlan(s, names[s] if names else src.path.name, str(src.path), src.fingerprint,
                               None if weights[s] is None else str(weights[s]), src.tokens, documents[s], rows0[s],
-                              counts[s], base, cursor)
+                              counts[s], base, cursor, held=held[s])
         plans.append(sp)
         base += counts[s]
     plan = replace(stub, samples=base, sources=tuple(plans))
@@ -689,7 +715,7 @@ def packed_plan_from_manifest(manifest: dict, sources: list[PackedSource],
                              epoch=int(manifest["epoch"]), weights=weights, names=names,
                              group_tokens=int(pk["group_tokens"]), pad_id=int(pk["pad_id"]),
                              cursors=None if all(c is None for c in cursors) else cursors, counts=counts,
-                             memory=memory)
+                             memory=memory, holdout=pk.get("holdout"), split=pk.get("split") == "holdout")
     if plan.samples != int(manifest["samples"]):
         raise TokpackError("epoch manifest source samples do not add up", where="sources[].samples",
                            expected=manifest["samples"], found=plan.samples)
@@ -745,6 +771,46 @@ class Buckets:
         return data
 
 
+@dataclass
+class RowFigures:
+    """What the summaries show of a best-fit epoch's rows (shuffle's summary and manifest,
+    `inspect`, `plan`), counted over the pieces chain_pieces yields: one call per group of
+    one pass, which holds every piece of its rows and of its documents, so each count is exact
+    without holding the table."""
+
+    row_tokens: int
+    padding_tokens: int = 0
+    documents_cut: int = 0  # documents longer than a row, cut into pieces, that the epoch holds a piece of
+    max_documents_per_row: int = 0  # the most pieces one row holds, its padding counted as one more
+    # (the segments TokpackDataset makes of it: the smallest max_documents that reads the epoch)
+
+    def add(self, q: np.ndarray, doc: np.ndarray, length: np.ndarray, full: np.ndarray) -> None:
+        """One group's pieces: output position, document, length, the document's length."""
+        if not len(q):
+            return
+        _, row, pieces = np.unique(q, return_inverse=True, return_counts=True)
+        pad = self.row_tokens - np.bincount(row, weights=length.astype(np.float64)).astype(np.int64)
+        self.padding_tokens += int(pad.sum())
+        self.max_documents_per_row = max(self.max_documents_per_row, int((pieces + (pad > 0)).max()))
+        self.documents_cut += int(np.unique(doc[length < full]).size)
+
+    def fields(self) -> dict:
+        """The epoch manifest's `packing` fields of these figures (padding_tokens is recorded apart)."""
+        return {"documents_cut": self.documents_cut, "max_documents_per_row": self.max_documents_per_row}
+
+
+def row_figures(plan, sources: list[PackedSource], memory: int) -> RowFigures:
+    """The epoch's RowFigures without building its table (`plan shuffle`): its passes packed
+    once more, group by group, within `memory`."""
+    figures = RowFigures(plan.row_tokens)
+    with _scratch() as d:
+        for s, sp in enumerate(plan.sources):
+            if sp.samples:
+                for q, _, doc, _, ln, _, full in chain_pieces(plan, s, sources[s], memory, d):
+                    figures.add(q, doc, ln, full)
+    return figures
+
+
 def chain_pieces(plan, s: int, src: PackedSource, memory: int, scratch: str | None):
     """The pieces of source s this epoch takes, group by group: (chain-derived output position
     q = base + chain position - cursor, row_offset, doc, doc_offset, length, first token in
@@ -755,7 +821,7 @@ def chain_pieces(plan, s: int, src: PackedSource, memory: int, scratch: str | No
     for p in range(sp.first_pass, sp.first_pass + sp.passes):
         a, b = lo - at, hi - at  # the pass's rows this epoch takes
         for first, n, (row, *rest) in iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, memory,
-                                                scratch):
+                                                scratch, plan.holdout_of(s)):
             if first + n <= a:
                 continue
             if first >= b:
@@ -775,6 +841,7 @@ class PackedTable:
     bucket_rows: int
     problems: tuple[str, ...]
     shard_files: dict  # "S-K" -> xxh3_64 of source shard (S, K)'s pieces file
+    figures: dict = field(default_factory=dict)  # RowFigures.fields() of the table's rows
 
     @classmethod
     def open(cls, folder, expected: str | None = None) -> "PackedTable":
@@ -790,7 +857,7 @@ class PackedTable:
                                where="table_xxh3_128", expected=expected, found=built["table_xxh3_128"],
                                hint="rerun the same command")
         return cls(folder, built["table_xxh3_128"], int(built["padding"]), int(built["bucket_rows"]),
-                   tuple(built["problems"]), built["shard_files"])
+                   tuple(built["problems"]), built["shard_files"], built.get("figures") or {})
 
     def rows(self, g0: int, g1: int) -> tuple[np.ndarray, np.ndarray]:
         """(PIECE records, their first tokens in the stream) of output rows [g0, g1), sorted by
@@ -859,6 +926,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
     shard_hashes: dict[int, xxhash.xxh3_64] = {}
     first_shard = np.cumsum([0] + [len(src.shards) for src in sources])
     buffered, held, problems = [], 0, set()
+    figures = RowFigures(plan.row_tokens)
 
     def flush():
         rec = np.concatenate(buffered)
@@ -886,6 +954,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
         for s in used:
             for q, ro, doc, do, ln, start, full in chain_pieces(plan, s, sources[s], memory, perm_scratch):
                 problems.update(_cut_problems(ln, do, ro, full, plan.row_tokens))
+                figures.add(q, doc, ln, full)
                 rec = np.empty(len(q), _BUILD)
                 rec["g"], rec["row_offset"], rec["source"] = order.forward(q), ro, s
                 rec["doc"], rec["doc_offset"], rec["length"], rec["start"] = doc, do, ln, start
@@ -926,7 +995,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
         names[f"{s}-{b - int(first_shard[s])}"] = hs.intdigest()
     shutil.rmtree(tmp / "shards", ignore_errors=True)
     built = {"table_xxh3_128": h.hexdigest(), "padding": padding, "bucket_rows": bucket_rows,
-             "problems": sorted(problems), "shard_files": names}
+             "problems": sorted(problems), "shard_files": names, "figures": figures.fields()}
     write_bytes_atomic(tmp / BUILT_FILE, json.dumps(built).encode(), fsync=False)
     tmp.rename(folder)
     release_passes()  # what reads the table (the engine's steps, a replay, inspect) needs no pass
@@ -1025,9 +1094,9 @@ def _cut_problems(length: np.ndarray, off: np.ndarray, row_offset: np.ndarray, f
 
 
 def packed_replay(manifest: dict, sources: list[PackedSource], order: bool = True,
-                  memory: int = DEFAULT_PLAN_MEMORY) -> tuple[str, list[int], str, list[str], "PlannedPadding"]:
+                  memory: int = DEFAULT_PLAN_MEMORY) -> tuple[str, list[int], str, list[str], "PlannedPadding", dict]:
     """(sample multiset hash, each output shard's order hash (with `order`), row table checksum,
-    packing rule problems, the planned padding) of a packed epoch, recomputed from its manifest's parameters and its
+    packing rule problems, the planned padding, the RowFigures fields of its rows) of a packed epoch, recomputed from its manifest's parameters and its
     sources alone, within `memory`. Rows are rebuilt in output order, so the order terms need no inverse."""
     plan = packed_plan_from_manifest(manifest, sources, memory)
     per, listed = shard_count_checked(manifest, plan.samples) if order else (1, 0)
@@ -1044,13 +1113,19 @@ def packed_replay(manifest: dict, sources: list[PackedSource], order: bool = Tru
         for g0 in range(0, plan.samples, step):
             g1 = min(plan.samples, g0 + step)
             table, starts = built.rows(g0, g1)
+            for s, sp in enumerate(plan.sources):  # the proof that no held-out document is in a row
+                held = plan.holdout_of(s)
+                if held is not None and held.left_out(table["doc"][table["source"] == s].astype(np.int64)).any():
+                    raise TokpackError("a document of the other split is in the epoch", where=f"sources[{s}] ({sp.name})",
+                                       expected="a training epoch: no held-out document; RUN/holdout/: only those",
+                                       hint="the epoch is not its plan's: shuffle it again")
             pads.add(row_padding(table, g1 - g0, plan.row_tokens, g0))
             hashes = row_hashes(pool.rows(table, g0, g1, plan.row_tokens, plan.pad_id, starts))
             total += int(hashes.sum(dtype=np.uint64))
             if order:  # uint64 sums wrap: mod 2^64
                 g = np.arange(g0, g1, dtype=np.int64)
                 np.add.at(shard_orders, g // per, order_hash_terms(g, hashes))
-    return hash_hex64(total), shard_orders.tolist(), built.table_xxh3_128, list(built.problems), pads
+    return hash_hex64(total), shard_orders.tolist(), built.table_xxh3_128, list(built.problems), pads, built.figures
 
 
 class PlannedPadding:
@@ -1095,7 +1170,7 @@ def replay_packed(manifest: dict, sources: list[PackedSource], order: bool = Tru
     hash, per-shard order hashes), as `plan.replay_hashes`. Its row table must also hash to the
     recorded `packing.table_xxh3_128` and keep the packing rules; either failure is one
     TokpackError, and so must each shard's recorded padding (PlannedPadding)."""
-    multiset, orders, table_sum, problems, pads = packed_replay(manifest, sources, order, memory)
+    multiset, orders, table_sum, problems, pads, figures = packed_replay(manifest, sources, order, memory)
     recorded = (manifest.get("packing") or {}).get("table_xxh3_128")
     if problems:
         raise TokpackError(problems[0], where="packing", expected="the best-fit packing rules",
@@ -1103,6 +1178,12 @@ def replay_packed(manifest: dict, sources: list[PackedSource], order: bool = Tru
     if table_sum != recorded:
         raise TokpackError("epoch's row table is not the one its plan packs", where="packing.table_xxh3_128",
                            expected=f"{table_sum} (replayed from the sources)", found=recorded)
+    for key, want in figures.items():  # what the summaries show of the rows: recorded by older epochs or not
+        found = (manifest.get("packing") or {}).get(key, want)
+        if found != want:
+            raise TokpackError("epoch's recorded row figures are not its rows'", where=f"packing.{key}",
+                               expected=f"{want} (replayed from the sources)", found=found,
+                               hint="restore the epoch's manifest from a good copy, or shuffle it again")
     padding = pads.problem(manifest) if order else None
     if padding:
         where, expected, found = padding
@@ -1117,19 +1198,49 @@ def plan_options(pad_id: int | None = None, group_tokens: int | None = None) -> 
     return {k: v for k, v in (("pad_id", pad_id), ("group_tokens", group_tokens)) if v is not None}
 
 
-def packing_settings(sources: list[PackedSource], pad_id: int | None = None, group_tokens: int | None = None) -> dict:
+def packing_settings(sources: list[PackedSource], pad_id: int | None = None, group_tokens: int | None = None,
+                     holdout: dict | None = None) -> dict:
     """What a packed run records (and a rerun must repeat) of its packing, from its options."""
     return {"method": BEST_FIT, "group_tokens": int(group_tokens or DEFAULT_GROUP_TOKENS),
-            "pad_id": sources[0].eos_id if pad_id is None else int(pad_id)}
+            "pad_id": sources[0].eos_id if pad_id is None else int(pad_id),
+            **({} if holdout is None else {"holdout": holdout})}
 
 
 def run_packing(plan: PackedPlan) -> dict:
     """The same, of a planned epoch (the run manifest's `packing`)."""
-    return {"method": BEST_FIT, "group_tokens": plan.group_tokens, "pad_id": plan.pad_id}
+    return {"method": BEST_FIT, "group_tokens": plan.group_tokens, "pad_id": plan.pad_id,
+            **({} if plan.holdout is None else {"holdout": plan.holdout})}
+
+
+def holdout_plan(sources: list[PackedSource], *, seq_len: int, seed: int, holdout: dict, names: list[str],
+                 memory: int, **options) -> PackedPlan:
+    """The plan of RUN/holdout/: one pass over each source's held-out documents, best-fit packed
+    and ordered as an epoch is (epoch 0's keys), all of them (no weights, no --samples)."""
+    return packed_epoch_plan(sources, seq_len=seq_len, seed=seed, epoch=0, names=names, memory=memory,
+                             holdout=holdout, split=True, **options)
+
+
+def held_out(src: PackedSource, spec: dict | None, seed: int, memory: int = DEFAULT_PLAN_MEMORY) -> "Holdout":
+    """Source `src`'s held-out documents for `--holdout` `spec` (a token count reads the
+    documents' lengths in the holdout's order, within `memory`)."""
+    key = (src.fingerprint, int(seed), repr(spec))
+    if key in _HELD:
+        return _HELD[key]
+
+    def lengths_in_order(order):
+        with _scratch() as d:
+            for _, _, lengths in permuted_documents(src, order, memory, d):
+                yield lengths
+
+    _HELD[key] = holdout_of(src, spec, seed, document_count(src), lengths_in_order)
+    return _HELD[key]
+
+
+_HELD: dict[tuple, "Holdout"] = {}  # (fingerprint, seed, spec) -> its Holdout: planned once per process
 
 
 def chained_packed_plan(plan: PackedPlan, *, members, sources, names, cursors, weights, counts, memory,
-                        **options) -> PackedPlan:
+                        **options) -> PackedPlan:  # options: pad_id, group_tokens, holdout
     """An epoch of a schedule of several stages: every source of the schedule, each chain from
     its cursor over packed rows, the stage's samples from each (`counts`)."""
     return packed_epoch_plan(sources, seq_len=plan.seq_len, seed=plan.seed, epoch=plan.epoch, weights=weights,

@@ -40,7 +40,8 @@ def prepare_table(job: EpochJob, memory: int) -> dict:
     path = Path(job.work_dir) / "packing"
     # the kept passes (packed.iter_pass) count against the budget while the table is built (which drops them)
     built = build_table(job.plan, job.open_sources(), path, max(1, memory - kept_pass_bytes()))
-    return {"table": str(path), "table_xxh3_128": built.table_xxh3_128, "padding": built.padding}
+    return {"table": str(path), "table_xxh3_128": built.table_xxh3_128, "padding": built.padding,
+            "figures": built.figures}
 
 
 def packed_memory(job, sources) -> int:

@@ -67,6 +67,15 @@ class Packing:
     # `tokpack plan`: (job, sources) -> {"pieces", "table_bytes", "pack_seconds"} of a row table
     # built before the epoch's passes (its `table` pass); None: nothing is built first.
     table_estimate: Callable | None = None
+    # What the summaries call its samples ("windows" of the concatenated documents, best-fit's "rows").
+    unit: str = "rows"
+    # `tokpack plan`: (plan, sources, memory) -> the figures the summaries show of an epoch's rows
+    # (`shown`'s, less the method), counted without writing; None: a packing without padding.
+    figures: Callable | None = None
+    # When its plans take `holdout` (shuffle --holdout, tokpack.shuffle.holdout: whole documents left
+    # out of every epoch before they are packed), the plan of RUN/holdout/: (sources, *, seq_len, seed,
+    # holdout, names, memory, pad_id, group_tokens) -> a plan of the held-out documents. None: no holdout.
+    holdout: Callable | None = None
 
 
 _REGISTRY: dict[str, Packing] = {}
@@ -129,6 +138,53 @@ def of_manifest(manifest: dict) -> Packing:
     return _REGISTRY[DEFAULT]
 
 
+# The figures an epoch's packing object may record besides its padding, as `shown` gives them.
+ROW_FIGURES = ("documents_cut", "max_documents_per_row")
+
+
+def shown(manifest: dict) -> dict:
+    """What shuffle's summary and `inspect` show of an epoch's packing, from its manifest: the
+    method, what its samples are called (`unit`), the padding (tokens and % of the epoch's
+    tokens), and what the packing recorded of its rows (best-fit: documents cut, the most
+    documents a row holds, its padding counted as one)."""
+    entry = of_manifest(manifest)
+    pk = manifest.get("packing") if isinstance(manifest.get("packing"), dict) else {}
+    return figures_shown(entry, int(manifest.get("tokens") or 0), int(pk.get("padding_tokens") or 0),
+                         {k: pk[k] for k in ROW_FIGURES if k in pk})
+
+
+def figures_shown(entry: Packing, tokens: int, padding: int, recorded: dict) -> dict:
+    """`shown` of an epoch of `tokens` tokens (padding included) of which `padding` pad."""
+    return {"method": entry.name, "unit": entry.unit, "padding_tokens": padding,
+            "padding_percent": round(100 * padding / tokens, 3) if tokens else 0.0, **recorded}
+
+
+def shown_of_epochs(manifests: list[dict]) -> dict:
+    """`shown` over several epochs of one run (`inspect RUN`): their padding summed, documents
+    cut summed and the most documents of a row over all, when every epoch records them."""
+    figs = [shown(m) for m in manifests]
+    recorded = {}
+    if figs and all("documents_cut" in f for f in figs):
+        recorded["documents_cut"] = sum(f["documents_cut"] for f in figs)
+    if figs and all("max_documents_per_row" in f for f in figs):
+        recorded["max_documents_per_row"] = max(f["max_documents_per_row"] for f in figs)
+    return figures_shown(of_manifest(manifests[0]), sum(int(m.get("tokens") or 0) for m in manifests),
+                         sum(f["padding_tokens"] for f in figs), recorded)
+
+
+def shown_line(fig: dict) -> str:
+    """`shown`'s figures in words, for the summaries' human lines."""
+    words = f"{fig['method']} {fig['unit']}"
+    if not fig["padding_tokens"] and not any(k in fig for k in ROW_FIGURES):
+        return words  # windows: nothing padded, nothing recorded of the rows
+    words += f", padding {fig['padding_tokens']:,} tokens ({fig['padding_percent']:g}%)"
+    if "documents_cut" in fig:
+        words += f", {fig['documents_cut']:,} document{'s' * (fig['documents_cut'] != 1)} cut"
+    if "max_documents_per_row" in fig:
+        words += f", at most {fig['max_documents_per_row']:,} documents per row (padding counted as one)"
+    return words
+
+
 def replay(manifest: dict, sources, order: bool = True, memory: int = packed.DEFAULT_PLAN_MEMORY):
     """`validate --against`'s replay of an epoch of any registered packing: (sample multiset
     hash, per-shard order hashes), by its entry's replay."""
@@ -164,6 +220,7 @@ WINDOWS = register(Packing(
     out_of_core=lambda job, layout, prepared, budget: (steps.ScatterStep(job, layout),
                                                        steps.OrderStep(job, layout, budget)),
     scattered=lambda job, layout, i: layout.holds_rows_of(i, job.row_bytes),
+    unit="windows",
 ))
 
 
@@ -188,7 +245,8 @@ BEST_FIT = register(Packing(
     replay=packed.replay_packed,
     settings=packed.packing_settings,
     run_fields=packed.run_packing,
-    epoch_fields=lambda p, prepared: {"packing": p.packing_entry(prepared["table_xxh3_128"], prepared["padding"])},
+    epoch_fields=lambda p, prepared: {"packing": p.packing_entry(prepared["table_xxh3_128"], prepared["padding"],
+                                                                 prepared.get("figures"))},
     memory_path=lambda job, memory: (packed_step.packed_memory(job, job.open_sources()),) * 2,
     scratch_bytes=lambda job, out_of_core: packed_step.packed_scratch_bytes(job, job.open_sources(), out_of_core),
     prepare=packed_step.prepare_table,
@@ -198,4 +256,6 @@ BEST_FIT = register(Packing(
         packed_step.PackedOrderStep(job, layout, budget)),
     scattered=lambda job, layout, i: packed_step.holds_pieces_of(layout, i),
     table_estimate=packed_step.table_estimate,
+    figures=lambda p, sources, memory: packed.row_figures(p, sources, memory),
+    holdout=packed.holdout_plan,
 ))

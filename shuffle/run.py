@@ -25,12 +25,14 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
 from tokpack.formats.io import MAX_RECORD_BYTES, TMP_MARK, read_limited, remove_tmp_files
 from tokpack.formats.outputs import LocalOutput, Output
-from tokpack.formats.manifest import (MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
+from tokpack.formats.manifest import (HOLDOUT_DIR, MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
                               read_manifest, run_manifest)
+from tokpack.formats.numbering import shuffle_command
 from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
 from tokpack.formats.units import at_most
 
 from . import packings
+from .holdout import parse_holdout
 from .plan import EpochPlan, SamplePlan, is_virtual, open_source, parse_weight, source_location
 from .schedule import RunPlan, Schedule, same_source_twice
 from .steps import ORDER_ROW_OVERHEAD, EpochJob, Layout, make_layout, source_changed_error
@@ -124,13 +126,14 @@ def _params_of_manifest(m: dict) -> dict:
         "given_schedule": m.get("schedule"),  # as the run wrote it
         "shuffle": m.get("shuffle"),
         "packing": None if not isinstance(m.get("packing"), dict) else {
-            k: m["packing"].get(k) for k in ("method", "group_tokens", "pad_id")},
+            k: m["packing"][k] for k in ("method", "group_tokens", "pad_id", "holdout") if k in m["packing"]},
         **{key: m.get(key) for key in ("seq_len", "seed", "samples", "shard_samples", "epoch_samples")},
     }
 
 
-def _check_same_run(found: dict, wanted: dict, where: Path) -> None:
-    """`wanted`: the _run_params (or _schedule_params) of this invocation."""
+def _check_same_run(found: dict, wanted: dict, where: Path, like: str | None = None) -> None:
+    """`wanted`: the _run_params (or _schedule_params) of this invocation; `like`: the command
+    that writes the epoch asked for with the run's own settings, when `where` is a run."""
     if found.get("schedule") is not None and wanted.get("schedule") is not None:
         old, new = found["schedule"], wanted["schedule"]
         for e in range(max(len(old), len(new))):
@@ -145,7 +148,8 @@ def _check_same_run(found: dict, wanted: dict, where: Path) -> None:
             raise TokpackError(
                 "output directory holds a different run", file=where, where=key, expected=wanted[key],
                 found=found[key], hint="use another -o, delete it, or repeat the run's exact sources, weights, "
-                "--seq-len, --seed, --jitter, --samples/--tokens and --shard-samples")
+                "--seq-len, --seed, --jitter, --packing, --samples/--tokens and --shard-samples"
+                + (f"; to add the epoch with the run's own settings: `{like}`" if like else ""))
 
 
 def _existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
@@ -160,7 +164,7 @@ def _existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
     kept = to.where(out)
     listed = kept if kept.exists() else out
     foreign = [p.name for p in listed.iterdir()
-               if not (p.name.startswith("epoch-") or p.name in (WORK_DIR, LOCK_NAME) or TMP_MARK in p.name)]
+               if not (p.name.startswith("epoch-") or p.name in (WORK_DIR, LOCK_NAME, HOLDOUT_DIR) or TMP_MARK in p.name)]
     if foreign:
         raise TokpackError("output directory is not a tokpack run", file=out, where="contents",
                            expected="no files, or a run's tokpack.json and epoch-NNNNN/", found=", ".join(sorted(foreign)[:5]),
@@ -385,7 +389,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     return {"epoch": plan.epoch, "path": "in-memory" if in_memory else "out-of-core", "samples": plan.samples,
             "shards": job.n_shards, "shards_reused": reused,
             "bytes_written": sum(entries[i]["bytes"] for i in shards_left),
-            "sample_multiset_hash": manifest["sample_multiset_hash"]}
+            "sample_multiset_hash": manifest["sample_multiset_hash"], "packing": packings.shown(manifest)}
 
 
 def epoch_manifest_of(job: EpochJob, entries: list[dict], prepared) -> dict:
@@ -414,16 +418,18 @@ class RunSetup:
     params: dict | None  # what makes two invocations the same run
     runplan: RunPlan  # the run's stages (one, for a run made with flags), planning any epoch
     run_params: dict | None  # a run made from a schedule file: its schedule, fixed when the run is created
+    holdout: EpochJob | None = None  # RUN/holdout/ to write (shuffle --holdout), once: None when written or none
 
     @property
     def jobs(self) -> list[EpochJob]:
-        return [job for _, _, job in self.todo if job is not None]
+        return [job for _, _, job in self.todo if job is not None] + ([self.holdout] if self.holdout else [])
 
 
 def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, seed: int | None,
               epochs: list[int] | None, samples, tokens, shard_samples, memory: int, jitter: bool, workers: int,
               progress: bool = False, given: list[str] | None = None, schedule: Schedule | None = None,
-              to: Output = LocalOutput(), packing: str | None = None, pad_id: int | None = None) -> RunSetup:
+              to: Output = LocalOutput(), packing: str | None = None, pad_id: int | None = None,
+              holdout: str | None = None) -> RunSetup:
     """Opens the sources and OUT's run (if any), checks they agree, and plans every epoch, each
     plan within `memory`. Writes nothing in OUT (a best-fit plan counts its rows in a temporary
     folder). `given`, `schedule`, `to`, `packing`, `pad_id`: as in
@@ -448,8 +454,12 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
         seq_len, seed, jitter, paths = schedule.seq_len, schedule.seed, schedule.jitter, schedule.paths
         shard_samples = shard_samples or schedule.shard_samples
     # On the packing and jitter that will run: a schedule's jitter meets --packing only here.
-    packings.check_jitter(schedule.packing if schedule is not None else packing, jitter,
-                          "--jitter" if schedule is None or schedule.file is None else "jitter", getattr(schedule, "file", None))
+    packings.check_jitter(used.name, jitter, "--jitter" if schedule is None or schedule.file is None else "jitter",
+                          getattr(schedule, "file", None))
+    holdout = parse_holdout(holdout)
+    if holdout is not None and not used.holdout:  # windows cut across documents: none can be left out yet
+        raise TokpackError(f"--holdout sets whole documents aside before they are packed; {used.name} packing "
+                           "cannot yet", where="--holdout", hint="use --packing best-fit with --holdout")
     paths, weights = list(paths), list(weights or [None] * len(paths))
     opened = open_sources(paths)
     out = Path(output)
@@ -472,13 +482,13 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
     names = [p.rstrip("/").rsplit("/", 1)[-1] for p in recorded]
     runplan = RunPlan(schedule or Schedule.of_flags(paths, weights, seq_len=seq_len, seed=seed, samples=samples,
                                                     tokens=tokens, jitter=jitter, packing=packing), opened, names,
-                      pad_id=pad_id, memory=memory)
+                      pad_id=pad_id, memory=memory, holdout=holdout)
     run_params = None if schedule is None or schedule.file is None else _schedule_params(runplan, opened, shard_samples)
     if run_params is not None and existing is not None and existing["schedule"] == run_params["schedule"]:
         spelled = {e["stage"]: e["weights"] for e in existing["given_schedule"]}  # equal as ratios: keep the run's
         runplan = RunPlan(replace(schedule, stages=tuple(replace(st, weights=tuple(spelled[st.name]))
                                                          for st in schedule.stages)), opened, names, pad_id=pad_id,
-                          memory=memory)
+                          memory=memory, holdout=holdout)
     if epochs is None:
         epochs = list(range(runplan.schedule.epochs or 1))
     done_epochs = []
@@ -495,7 +505,8 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
         plan = replace(plan, sources=tuple(replace(sp, path=recorded[sp.index]) for sp in plan.sources))
         params = _run_params(plan, [sp.weight for sp in plan.sources], shard_samples)
         if existing is not None:
-            _check_same_run(existing, run_params or params, out)
+            like = shuffle_command({"kind": "run"}, out, epoch) if (out / MANIFEST).exists() else None
+            _check_same_run(existing, run_params or params, out, like)
         existing = run_params or params
         edir = out / epoch_dir_name(epoch)
         job = None
@@ -512,7 +523,18 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
                            first.get("tokenizer", ""), str(edir), str(out / WORK_DIR / f"{edir.name}-{key}"),
                            shard_samples, progress=bool(progress), main_pid=os.getpid(), output=to)
         todo.append((epoch, plan, job))
-    return RunSetup(opened, weights, shard_samples, done_epochs, todo, existing, runplan, run_params)
+    held = None
+    if holdout is not None and not (out / HOLDOUT_DIR / MANIFEST).exists():  # written once, with the first epochs
+        hp = used.holdout(opened, seq_len=seq_len, seed=seed, holdout=holdout, names=names, memory=memory,
+                          pad_id=pad_id)
+        hp = replace(hp, sources=tuple(replace(sp, path=recorded[sp.index]) for sp in hp.sources))
+        hdir = out / HOLDOUT_DIR
+        _refuse_foreign_files(hdir, to)
+        key = xxhash.xxh3_64_hexdigest(json.dumps([hp.source_entries(), hp.algorithm, dtype, seq_len]).encode())
+        held = EpochJob(hp, tuple(source_location(p) for p in paths), dtype, int(first["eos_id"]),
+                        first.get("tokenizer", ""), str(hdir), str(out / WORK_DIR / f"{HOLDOUT_DIR}-{key}"),
+                        shard_samples, progress=bool(progress), main_pid=os.getpid(), output=to)
+    return RunSetup(opened, weights, shard_samples, done_epochs, todo, existing, runplan, run_params, held)
 
 
 def _refuse_foreign_files(edir: Path, to: Output) -> None:
@@ -551,6 +573,7 @@ def shuffle_run(
     to: Output = LocalOutput(),
     packing: str | None = None,
     pad_id: int | None = None,
+    holdout: str | None = None,
 ) -> dict:
     """Writes OUT/epoch-NNNNN/ for each epoch (skipping complete identical ones) and the run
     manifest. `memory` is the total budget: the out-of-core path gives each of `workers`
@@ -579,7 +602,7 @@ def shuffle_run(
     setup = setup_run(sources, output, weights=weights, seq_len=seq_len, seed=seed, epochs=epochs, samples=samples,
                       tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter, workers=workers,
                       progress=bool(progress), given=given, schedule=schedule, to=to, packing=packing,
-                      pad_id=pad_id)
+                      pad_id=pad_id, holdout=holdout)
     out, opened, weights, shard_samples = Path(output), setup.sources, setup.weights, setup.shard_samples
     done_epochs, runplan, skipped, summaries = setup.done_epochs, setup.runplan, [], []
     # The samples alone, by arithmetic, before the exact count below spends time per shard.
@@ -606,6 +629,11 @@ def shuffle_run(
             summaries.append(summary)
         done_epochs = sorted(set(done_epochs) | {epoch})
         to.finish(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan))
+    if setup.holdout is not None:  # the held-out documents, an epoch directory of their own (never listed)
+        log(f"holdout: writing {setup.holdout.plan.samples} samples of held-out documents to {setup.holdout.epoch_dir}")
+        held = run_epoch(setup.holdout, memory=memory, workers=workers, tasks=tasks, run_passes=run_passes, log=log)
+        held.update(path=str(to.shown(Path(setup.holdout.epoch_dir).absolute())), stage=None,
+                    sources=setup.holdout.plan.source_report())
     work = out / WORK_DIR
     if work.exists() and not any(work.iterdir()):
         work.rmdir()
@@ -622,6 +650,8 @@ def shuffle_run(
         "epoch_samples": sizes,
         "seq_len": runplan.schedule.seq_len,
         "shard_samples": shard_samples,
+        "packing": runplan.packing.name,
+        "holdout": None if setup.holdout is None else held,
         "path": ",".join(sorted({s["path"] for s in summaries})) or "none",
         "bytes_written": written,
         "seconds": round(seconds, 3),

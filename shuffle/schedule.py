@@ -234,10 +234,12 @@ class RunPlan:
     epoch takes from each source, and where in the source's chain."""
 
     def __init__(self, schedule: Schedule, sources: list[PackedSource], names: list[str],
-                 pad_id: int | None = None, group_tokens: int | None = None, memory: int = DEFAULT_PLAN_MEMORY):
+                 pad_id: int | None = None, group_tokens: int | None = None, memory: int = DEFAULT_PLAN_MEMORY,
+                 holdout: dict | None = None):
         self.schedule, self.sources, self.names = schedule, sources, names
         self.packing = packings.named(schedule.packing)
-        self.options = self.packing.options(pad_id, group_tokens)  # the plans' options (best-fit: its pad id)
+        # the plans' options (best-fit: its pad id; its held-out documents, tokpack.shuffle.holdout)
+        self.options = {**self.packing.options(pad_id, group_tokens), **({} if holdout is None else {"holdout": holdout})}
         self.memory = memory  # each plan's budget (shuffle's --memory)
         key = {Path(p).resolve(): u for u, p in enumerate(schedule.paths)}
         self.members = [[key[Path(p).resolve()] for p in st.paths] for st in schedule.stages]

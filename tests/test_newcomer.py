@@ -43,7 +43,7 @@ def test_epoch_lines_say_what_starts_on_stderr_and_what_was_written_on_stdout(sr
     for e in (0, 1):
         assert [x for x in err if x.startswith(f"epoch {e}:")][0].startswith(f"epoch {e}: writing ")
         written = [x for x in out if x.startswith(f"epoch {e}")]
-        assert len(written) == 2 and " shards, " in written[0]
+        assert len(written) == 2 and " 1 shard, " in written[0]  # one shard an epoch: not "1 shards"
         assert written[1].startswith(f'epoch {e}, source "source": ')  # was "epoch 0 source source:"
 
 

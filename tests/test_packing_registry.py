@@ -168,6 +168,8 @@ def test_a_third_packing_runs_through_shuffle_validate_and_plan(registered, sour
     want = _cli("plan", "shuffle", source, "-o", tmp_path / "planned", *SHUFFLE_ARGS, "--json")
     assert res.exit_code == 0 and want.exit_code == 0, res.output + want.output
     got, want = json.loads(res.output), json.loads(want.output)
+    assert [e.pop("packing")["method"] for e in got["epochs"]] == [NAME] * len(got["epochs"])  # its own name
+    assert [e.pop("packing")["method"] for e in want["epochs"]] == ["concat"] * len(want["epochs"])
     assert got["passes"] == want["passes"] and got["epochs"] == want["epochs"] and got["shards"] == want["shards"]
 
 

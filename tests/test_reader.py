@@ -465,20 +465,15 @@ def test_cli_read_errors_are_one_line(tmp_path):
 # ------------------------------------------------------------- whole lines and edges
 
 
-def test_shuffle_command_repeats_the_run_options():
-    """The command a missing-epoch message names: every option the run recorded, and none it
-    did not record (a `--shard-samples None` would be refused by the CLI)."""
+def test_shuffle_command_reads_the_run_settings_from_the_run():
+    """The command a missing-epoch message names: --like, whatever options the run was made
+    with (tests/test_like.py runs it); RUN when there is no run manifest to read them from."""
     from tokpack.formats.numbering import shuffle_command
 
-    run = {"sources": [{"path": "/d/web"}, {"path": "/d/my code"}], "weights": ["0.7", None], "seq_len": 15,
-           "seed": 3, "samples": 100, "shard_samples": 7, "jitter": True}
-    assert shuffle_command(run, "/r/run 1", 4) == (
-        "tokpack shuffle /d/web=0.7 '/d/my code' -o '/r/run 1' --seq-len 15 --seed 3 --samples 100 "
-        "--shard-samples 7 --jitter --epoch 4")
-    bare = {"sources": [{"path": "/d/web"}], "seq_len": 15, "seed": 3}
-    assert shuffle_command(bare, "/r", 0) == "tokpack shuffle /d/web -o /r --seq-len 15 --seed 3 --epoch 0"
-    assert shuffle_command({"seq_len": 15, "seed": 3}, "/r", 1) == (
-        "tokpack shuffle SOURCE... -o /r --seq-len 15 --seed 3 --epoch 1")
+    run = {"kind": "run", "sources": [{"path": "/d/web"}], "weights": ["0.7"], "seq_len": 15, "seed": 3,
+           "samples": 100, "shard_samples": 7, "jitter": True, "packing": {"method": "best-fit"}}
+    assert shuffle_command(run, "/r/run 1", 4) == "tokpack shuffle --like '/r/run 1' --epoch 4"
+    assert shuffle_command({}, "/r/epoch-00001", 2) == "tokpack shuffle --like RUN --epoch 2"
 
 
 def test_locate_refuses_the_end_of_the_chain_and_a_gap(tmp_path):
@@ -505,7 +500,7 @@ def test_reader_error_lines(tmp_path):
     with pytest.raises(TokpackError) as err:
         chain.start_from(start_sample=11)
     assert str(err.value) == (f"{d0} [start sample]: start is beyond the end of the chained epochs; "
-                              "expected 0..10, found 11. HINT: write more epochs (`tokpack shuffle --epoch E`) "
+                              f"expected 0..10, found 11. HINT: write more epochs (`tokpack shuffle --like {run} --epoch 1`) "
                               "or pass the run directory")
     with pytest.raises(TokpackError) as err:
         chain.position(1, 0)
@@ -518,8 +513,7 @@ def test_reader_error_lines(tmp_path):
         reader.start_from(start_sample=25)
     assert str(err.value) == (
         f"{run} [epoch 2]: sample 25 is in epoch 2, which is not written yet; expected epoch 2 among the "
-        f"run's epochs, found [0, 1]. HINT: write it with `tokpack shuffle src -o {run} --seq-len {SEQ} --seed 1 "
-        "--samples 10 --shard-samples 7 --epoch 2`")
+        f"run's epochs, found [0, 1]. HINT: write it with `tokpack shuffle --like {run} --epoch 2`")
 
 
 def test_rank_samples_default_to_the_whole_stream_from_sample_0(run_dir):
@@ -578,7 +572,7 @@ CHECKED = (". HINT: the manifest was edited or damaged; restore it (or rerun the
            "`tokpack validate` on the directory")
 OPEN_REFUSALS = [  # (directory edited, fields, the line after "<that directory>/tokpack.json ")
     ("run", {"epochs": []}, "[epochs]: run manifest lists no epochs; expected a non-empty list, found []. "
-                            "HINT: write an epoch with `tokpack shuffle ... --epoch E`"),
+                            "HINT: write one with `tokpack shuffle --like {run} --epoch 0`"),
     ("run", {"samples": None}, "[samples]: manifest field missing; expected field 'samples', found no such field" + CHECKED),
     ("run", {"samples": 0}, "[samples/epoch_samples]: run manifest does not say how many samples its epochs hold: "
                             "samples is neither a positive count nor 0 with an epoch_samples list; expected a size "
@@ -598,7 +592,7 @@ def test_open_refusal_lines(tmp_path, target, fields, line):
     _edit_manifest(directory, **fields)
     with pytest.raises(TokpackError) as err:
         SampleReader.open(run)
-    assert str(err.value) == f"{directory / 'tokpack.json'} {line}"
+    assert str(err.value) == f"{directory / 'tokpack.json'} {line.format(run=run)}"
 
 
 def test_epoch_numbering_refuses_an_epoch_past_its_plan():

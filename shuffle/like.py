@@ -1,0 +1,78 @@
+"""`tokpack shuffle --like RUN` (API: `shuffle(like=RUN)`): the settings a run was made with,
+read from its own run manifest, so that an epoch added later is byte for byte the epoch the
+run's first command would have written, without the user repeating (or misremembering) that
+command. Every hint that proposes writing an epoch proposes this command
+(tokpack.formats.numbering.shuffle_command).
+
+What is read: the sources (as the run recorded them) and their weights, seq_len, seed,
+samples per epoch, jitter, shard_samples, the packing and its pad id; a run made from a
+schedule file is its file again (read as when the run was made; the run's check that the same
+schedule is given refuses a file edited since). What the user still chooses is how the work
+runs: --memory, --workers, the executor, --scratch, and -o (default: RUN itself).
+"""
+
+from __future__ import annotations
+
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.manifest import read_manifest
+
+from . import packings
+
+# shuffle's settings that --like reads from the run (API keyword -> CLI flag): giving one as well is refused,
+# since two answers to one question would leave the user unsure which the epoch was written with.
+TAKEN = {"sources": "SOURCE", "seq_len": "--seq-len", "seed": "--seed", "samples": "--samples",
+         "tokens": "--tokens", "shard_samples": "--shard-samples", "jitter": "--jitter",
+         "schedule": "--schedule", "packing": "--packing", "pad_id": "--pad-id", "holdout": "--holdout"}
+
+
+def given_with_like(values: dict, cli: bool = False) -> list[str]:
+    """The settings among `values` (keyword -> value as passed) that were given, though --like
+    takes them from the run: their flags (`cli`) or keywords."""
+    given = [k for k in TAKEN if values.get(k) not in (None, False, (), [])]
+    return [TAKEN[k] if cli else k for k in given]
+
+
+def run_settings(run_dir) -> dict:
+    """The keywords of tokpack.packer.api.shuffle that write epochs of the run at `run_dir`
+    with its own settings: sources, seq_len, seed, samples, jitter, shard_samples, packing,
+    pad_id (or schedule, for a run made from a schedule file)."""
+    try:
+        m = read_manifest(run_dir, kind="run")
+    except TokpackError as e:
+        if e.where != "kind":
+            raise
+        raise TokpackError("--like takes a run directory", file=run_dir, where="kind", expected="run", found=e.found,
+                           hint="give the run directory (the one holding tokpack.json and epoch-NNNNN/)") from None
+    pk = m.get("packing") if isinstance(m.get("packing"), dict) else {}
+    holdout = pk.get("holdout")  # as parse_holdout recorded it: given back as its text
+    holdout = None if holdout is None else holdout.get("fraction") or str(holdout.get("tokens"))
+    settings = {"packing": packings.of_manifest(m).name, "pad_id": pk.get("pad_id"), "holdout": holdout,
+                "shard_samples": int(m["shard_samples"])}
+    if m.get("schedule_file"):
+        return {**settings, "sources": None, "schedule": m["schedule_file"]}
+    weights = m.get("weights") or [None] * len(m["sources"])
+    return {**settings, "sources": [(s["path"], w) for s, w in zip(m["sources"], weights)],
+            "seq_len": int(m["seq_len"]), "seed": int(m["seed"]), "samples": int(m["samples"]),
+            "jitter": bool(m.get("jitter"))}
+
+
+def apply_like(given: dict) -> dict:
+    """shuffle's (or plan shuffle's) keywords `given`, with `like` replaced by the run's own
+    settings and `output` defaulting to the run; unchanged without `like`."""
+    like = given.get("like")
+    out = {k: v for k, v in given.items() if k != "like"}
+    if like is None:
+        return out
+    twice = given_with_like(given)
+    if twice:
+        raise TokpackError("like= takes these settings from the run", where=", ".join(twice), file=like,
+                           hint="drop them; the run's own settings write its epochs")
+    taken = run_settings(like)
+    if taken.get("schedule") is None and given.get("epochs") is None:
+        raise TokpackError("no epochs named to add to the run", where="--epoch/--epochs", file=like,
+                           expected="the epochs to write", hint="a run made with flags has no last epoch: name the "
+                           "ones to add (--epoch E, --epochs N; the API's epochs=)")
+    out.update({k: taken.get(k, False if k == "jitter" else None) for k in TAKEN})
+    if out.get("output") is None:
+        out["output"] = like
+    return out
