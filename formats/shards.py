@@ -68,7 +68,9 @@ def tokens_on_nodes(directory, shards: list[dict]) -> bool:
     """Whether an epoch folder was written by `shuffle --to-nodes` (tokpack.packer.exchange): its
     run holds NODES_SIDECAR, its shards' row hashes are here and their token files are on the
     nodes' disks, in node slices."""
-    directory = Path(directory)
+    directory = as_path(directory)
+    if not isinstance(directory, Path):  # a bucket: --to-nodes writes RUN on a shared filesystem
+        return False
     if not (directory.parent / NODES_SIDECAR).is_file():  # a run that says so, not token files gone missing
         return False
     return bool(shards) and all(isinstance(s, dict) and isinstance(s.get("path"), str) and "rows_xxh3_128" in s

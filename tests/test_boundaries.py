@@ -175,7 +175,7 @@ def test_inspect_reports_the_k_a_run_takes(kind, request):
     assert inspect(path, epoch=0).documents_per_row is None  # a pass over the epoch only when asked
     result = inspect(path, epoch=0, documents_per_row=True)
     assert result.documents_per_row == {"epoch": 0, "max": want, "sample": counts.index(want)}
-    line = next(x for x in report_lines(result) if "documents per row" in x)
+    line = next(x for x in report_lines(result) if "documents per row (epoch" in x)
     assert f"at most {want} " in line and f"max_documents={want}" in line
     epoch = path / "epoch-00000"
     for _ in dataset(epoch, max_documents=want):

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import random_docs, require, write_source
-from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.formats.manifest import MANIFEST, NODES_SIDECAR, epoch_dir_name
 from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.cli import main
@@ -94,8 +94,11 @@ def assert_same_slices(run: Path, dests: list[Path], exchanged_run: Path, prefix
 
 
 def assert_no_token_bytes(exchanged_run: Path, run: Path) -> None:
-    """RUN holds the manifests, byte for byte shuffle's, and the row hashes: no token file."""
+    """RUN holds the manifests, byte for byte shuffle's, and the row hashes: no token file; and
+    the sidecar that says its tokens are on the nodes (without it, validate reports them missing)."""
     files = {str(p.relative_to(exchanged_run)) for p in exchanged_run.rglob("*") if p.is_file()}
+    assert NODES_SIDECAR in files and json.loads((exchanged_run / NODES_SIDECAR).read_text())["nodes"] == 4
+    files.discard(NODES_SIDECAR)
     small = (MANIFEST, ROWS_SUFFIX, PAD_SUFFIX)  # a best-fit epoch's padding per row, 4 bytes each
     assert files and all(f.endswith(small) for f in files), sorted(files)[:8]
     for f in files:
