@@ -25,7 +25,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
 from tokpack.formats.io import MAX_RECORD_BYTES, TMP_MARK, read_limited, remove_tmp_files
 from tokpack.formats.outputs import LocalOutput, Output
-from tokpack.formats.manifest import (HOLDOUT_DIR, MANIFEST, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
+from tokpack.formats.manifest import (HOLDOUT_DIR, MANIFEST, NODES_SIDECAR, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
                               read_manifest, run_manifest)
 from tokpack.formats.numbering import shuffle_command
 from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
@@ -164,7 +164,8 @@ def _existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
     kept = to.where(out)
     listed = kept if kept.exists() else out
     foreign = [p.name for p in listed.iterdir()
-               if not (p.name.startswith("epoch-") or p.name in (WORK_DIR, LOCK_NAME, HOLDOUT_DIR) or TMP_MARK in p.name)]
+               if not (p.name.startswith("epoch-") or p.name in (WORK_DIR, LOCK_NAME, HOLDOUT_DIR, NODES_SIDECAR)
+                       or TMP_MARK in p.name)]
     if foreign:
         raise TokpackError("output directory is not a tokpack run", file=out, where="contents",
                            expected="no files, or a run's tokpack.json and epoch-NNNNN/", found=", ".join(sorted(foreign)[:5]),

@@ -342,3 +342,20 @@ def test_a_dest_or_run_in_use_by_another_command_is_refused(source, tmp_path):
         assert done.returncode == 1 and "in use by another tokpack command" in done.stderr, done.stderr
         assert f"node {node} failed" in done.stderr and "Traceback" not in done.stderr
         assert not list(tmp_path.rglob(MANIFEST)) and not list(tmp_path.rglob("*.ds"))
+
+
+def test_a_run_killed_before_its_manifest_holds_only_its_sidecar_and_is_still_its_own(tmp_path):
+    """A --to-nodes job killed after it declared RUN's tokens on the nodes and before RUN's
+    first manifest leaves tokpack-nodes.json alone in RUN: the rerun takes RUN as its own (an
+    empty run), where a foreign file is refused."""
+    from tokpack.formats.errors import TokpackError
+    from tokpack.formats.manifest import canonical_bytes, nodes_sidecar
+    from tokpack.shuffle.run import _existing_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / NODES_SIDECAR).write_bytes(canonical_bytes(nodes_sidecar(4, 2, 3, str(tmp_path / "node{node}"))))
+    assert _existing_run(run) is None
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(TokpackError, match="not a tokpack run"):
+        _existing_run(run)
