@@ -41,7 +41,7 @@ from tokpack.formats.guard import check_space, locked_output
 from tokpack.formats.units import at_most
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import contained_shard, shard_files
-from tokpack.formats.slices import RankRows, stage_command
+from tokpack.formats.slices import RUN_SELECTION_KEYS, RankRows, stage_command
 from tokpack.formats.io import (ThreadPool, as_path, contained, hash_mapped, lent, open_new, open_read, progress,
                                 read_limited, regular_size, remove_tmp_files, tmp_path)
 from tokpack.formats.manifest import (
@@ -68,8 +68,6 @@ MAX_WORLD_SIZE = 1 << 20
 # memory stays at one block per file in flight): an object store serves one connection far
 # slower than several, and a run may be a few large shards.
 RANGES_IN_FLIGHT = 4
-# Run-manifest fields that depend on which epochs were staged.
-_RUN_SELECTION_KEYS = ("epochs", "tokens", "fragments", "documents")
 # copy_file_range errors that mean "not here" (old kernel, cross-filesystem, unsupported fs),
 # not a bad file: stage falls back to read + write through its buffer.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
@@ -581,8 +579,8 @@ def _check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
             continue
         want = p.manifest
         if kind == "run" and p.rel == "":  # the same run staged with another --epochs selection
-            have = {k: v for k, v in have.items() if k not in _RUN_SELECTION_KEYS}
-            want = {k: v for k, v in want.items() if k not in _RUN_SELECTION_KEYS}
+            have = {k: v for k, v in have.items() if k not in RUN_SELECTION_KEYS}
+            want = {k: v for k, v in want.items() if k not in RUN_SELECTION_KEYS}
         if have != want:
             # DEST's root manifest says what it holds; without one, the epoch's says what was left there
             # (an epoch of this run is written the same every time: one that differs is another run's)

@@ -25,7 +25,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
 from tokpack.formats.io import MAX_RECORD_BYTES, TMP_MARK, read_limited, remove_tmp_files
 from tokpack.formats.outputs import LocalOutput, Output
-from tokpack.formats.manifest import (HOLDOUT_DIR, MANIFEST, NODES_SIDECAR, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
+from tokpack.formats.manifest import (HOLDOUT_DIR, MANIFEST, NODES_SIDECAR, rows_padded, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
                               read_manifest, run_manifest)
 from tokpack.formats.numbering import shuffle_command
 from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
@@ -125,7 +125,7 @@ def _params_of_manifest(m: dict) -> dict:
         "schedule": _schedule_key(m.get("schedule")),
         "given_schedule": m.get("schedule"),  # as the run wrote it
         "shuffle": m.get("shuffle"),
-        "packing": None if not isinstance(m.get("packing"), dict) else {
+        "packing": None if not rows_padded(m) else {
             k: m["packing"][k] for k in ("method", "group_tokens", "pad_id", "holdout") if k in m["packing"]},
         **{key: m.get(key) for key in ("seq_len", "seed", "samples", "shard_samples", "epoch_samples")},
     }
