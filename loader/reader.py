@@ -33,7 +33,7 @@ import numpy as np
 from tokpack.formats.arguments import flag, text, tokens, whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import as_path, contained, is_url, open_read, read_full, regular_fd, regular_size
-from tokpack.formats.manifest import (dtype_from_name, epoch_dir_name, has_pad, partial_stage_absent, read_manifest,
+from tokpack.formats.manifest import (NODES_SIDECAR, dtype_from_name, epoch_dir_name, has_pad, partial_stage_absent, read_manifest,
                                       rows_padded, xxh3_128_file)
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, U64, contained_shard
@@ -372,6 +372,11 @@ class SampleReader:
             if manifest["kind"] == "epoch":
                 epochs.append((p, manifest))
                 continue
+            if not is_url(str(p)) and (p / NODES_SIDECAR).is_file():  # its tokens are on the nodes, not here
+                raise TokpackError("this run's tokens are in node slices (shuffle --to-nodes), not in the run",
+                                   file=p / NODES_SIDECAR, where="dest", expected="a node slice",
+                                   found="a run that holds manifests and row hashes only",
+                                   hint="open the node's slice (the --to-nodes DEST), e.g. `tokpack read DEST ...`")
             listed = manifest.get("epochs")
             if not isinstance(listed, list) or not listed:
                 raise TokpackError("run manifest lists no epochs", file=p / "tokpack.json", where="epochs",

@@ -26,7 +26,7 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import as_path, map_array, progress, read_array, regular_size
-from tokpack.formats.manifest import HOLDOUT_DIR, epoch_dir_name, read_manifest
+from tokpack.formats.manifest import HOLDOUT_DIR, MANIFEST, epoch_dir_name, read_manifest
 from tokpack.formats.shards import U64, PackedSource
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.shared import Result, optional_field
@@ -378,7 +378,7 @@ def inspect(directory, *, batch_size: int | None = None, batches: int = 64, plot
 
         report["epochs"] = _epoch_shares(epochs)
         report["packing"] = shown_of_epochs([m for _, _, m in epochs])
-    if kind == "run" and (directory / HOLDOUT_DIR / "tokpack.json").is_file():
+    if kind == "run" and (directory / HOLDOUT_DIR / MANIFEST).is_file():
         from tokpack.shuffle.packings import shown
 
         held = read_manifest(directory / HOLDOUT_DIR, "epoch")

@@ -359,3 +359,19 @@ def test_a_run_killed_before_its_manifest_holds_only_its_sidecar_and_is_still_it
     (run / "notes.txt").write_text("mine")
     with pytest.raises(TokpackError, match="not a tokpack run"):
         _existing_run(run)
+
+
+def test_a_reader_on_a_run_whose_tokens_are_on_the_nodes_names_the_slices(tmp_path):
+    """Opening RUN of --to-nodes (manifests and row hashes) for training is one line pointing to
+    the node slices, not "shard missing, restore the file"."""
+    from tokpack.formats.errors import TokpackError
+    from tokpack.formats.manifest import canonical_bytes, nodes_sidecar
+
+    run = tmp_path / "run"
+    src = write_source(tmp_path / "src", random_docs(np.random.default_rng(1), 200, 500, 0, 1, 60))
+    assert CliRunner().invoke(main, ["shuffle", str(src), "-o", str(run), "--seq-len", "31", "--seed", "1",
+                                     "--epochs", "1"]).exit_code == 0
+    SampleReader.open(run)  # a materialised run reads
+    (run / NODES_SIDECAR).write_bytes(canonical_bytes(nodes_sidecar(4, 2, 3, str(tmp_path / "node{node}"))))
+    with pytest.raises(TokpackError, match=r"tokpack-nodes.json \[dest\]: this run's tokens are in node slices"):
+        SampleReader.open(run)
