@@ -403,20 +403,54 @@ def write_slice_epoch(output: Output, d: Path, ne: _NodeEpoch, keep: np.ndarray,
 
 def write_rank_files(output: Output, d: Path, rows: RankRows, positions: np.ndarray, first: int, ranks, epoch: int,
                      keep: np.ndarray, pad: np.ndarray, fmt: EpochShardFormat) -> list[dict]:
-    d.mkdir(parents=True, exist_ok=True)
-    output.unfinish(d)
-    remove_tmp_files(d)
-    rank = rows.rank_of(positions + first)
-    writers = {}
+    files = RankFiles(output, d, rows, first, ranks, epoch, fmt)
     try:
-        for r in range(ranks[0], ranks[1] + 1):
-            writers[r] = output.open_shard(ShardPlace(str(d), rank_file_name(r), r, epoch=epoch, rank=r), fmt)
-            _write_rows(writers[r], keep, pad if fmt.padded else None, np.flatnonzero(rank == r))
-        return [{**wr.close(), "rank": r} for r, wr in writers.items()]
+        files.add(positions, keep, pad)
+        return files.close()
     except BaseException:
-        for wr in writers.values():
-            wr.abort()
+        files.abort()
         raise
+
+
+class RankFiles:
+    """A node slice's rank files of one epoch, open together and fed its rows in increasing epoch
+    position, in as many calls as suit the caller (all at once from memory, or part by part from
+    an out-of-core order or a replacement node's reads): each rank file gets its rows in the
+    order stage --node writes them, so the bytes do not depend on how the rows were cut."""
+
+    def __init__(self, output: Output, d: Path, rows: RankRows, first: int, ranks, epoch: int,
+                 fmt: EpochShardFormat):
+        self.rows, self.first, self.fmt, self.last = rows, first, fmt, -1
+        d.mkdir(parents=True, exist_ok=True)
+        output.unfinish(d)
+        remove_tmp_files(d)
+        self.writers = {}
+        try:
+            for r in range(ranks[0], ranks[1] + 1):
+                self.writers[r] = output.open_shard(ShardPlace(str(d), rank_file_name(r), r, epoch=epoch, rank=r), fmt)
+        except BaseException:
+            self.abort()
+            raise
+
+    def add(self, positions: np.ndarray, keep: np.ndarray, pad: np.ndarray | None) -> None:
+        """The rows `keep` (with their padding `pad`, best-fit) at epoch `positions`, increasing
+        and after every position added before."""
+        if not len(positions):
+            return
+        if int(positions[0]) <= self.last or (len(positions) > 1 and (np.diff(positions) <= 0).any()):
+            raise TokpackError("internal error: a node's rows reached its rank files out of order",
+                               where=f"sample {int(positions[0])}", hint="report this with the command line")
+        self.last = int(positions[-1])
+        rank = self.rows.rank_of(positions + self.first)
+        for r, writer in self.writers.items():
+            _write_rows(writer, keep, pad if self.fmt.padded else None, np.flatnonzero(rank == r))
+
+    def close(self) -> list[dict]:
+        return [{**wr.close(), "rank": r} for r, wr in self.writers.items()]
+
+    def abort(self) -> None:
+        for wr in self.writers.values():
+            wr.abort()
 
 
 def _write_rows(writer, rows: np.ndarray, pad: np.ndarray | None, sel) -> None:
