@@ -36,7 +36,7 @@ from tokpack.formats.io import as_path, contained, is_url, open_read, read_full,
 from tokpack.formats.manifest import (NODES_SIDECAR, dtype_from_name, epoch_dir_name, has_pad, partial_stage_absent, read_manifest,
                                       rows_padded, xxh3_128_file)
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
-from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, U64, contained_shard
+from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, U64, contained_shard, row_segments
 from tokpack.formats.slices import SLICE, RankRows
 
 # One contiguous read when the rank's rows are contiguous (W == 1): large enough to keep a
@@ -761,7 +761,8 @@ class SampleReader:
             pos = document_masks(rows, self.padding(g, n), self.eos_id)[0]
         else:
             pos = positions_from_eos(rows, self.eos_id)
-        return (pos[:, :-1] == 0).sum(axis=1)
+        row, offset = np.nonzero(pos == 0)
+        return row_segments(row, offset, len(rows), self.row_tokens)
 
     def most_documents(self, start: int = 0, stop: int | None = None) -> tuple[int, int]:
         """(largest segment count of a row, first chained row that has it) over rows [start,
