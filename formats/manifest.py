@@ -704,6 +704,10 @@ def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = No
     if not directory.exists():
         raise TokpackError("no such directory", file=directory, hint="check the path or URL")
     if not path.exists():
+        if isinstance(directory, Path) and not directory.is_dir():  # a file given for a directory: nothing unfinished
+            raise TokpackError("not a directory", file=directory, expected="a tokpack directory",  # validate's words
+                               found="a file" if directory.is_file() else "neither a file nor a directory",
+                               hint="pass the directory that holds tokpack.json")
         raise IncompleteError("incomplete: no tokpack.json", file=directory, hint="the run that writes it was "
                               "interrupted or is still running; rerun the same command to finish it")
     manifest = upgrade(parse_manifest(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path, kind))

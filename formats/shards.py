@@ -32,6 +32,17 @@ PAD_DTYPE = np.dtype("<u4")
 _SHARD_FILE = re.compile("[0-9]+[.]ds(" + "|".join(re.escape(s) for s in (*SHARD_SUFFIXES, PAD_SUFFIX, ROWS_SUFFIX) if s) + ")?")
 
 
+def row_segments(row: np.ndarray, offset: np.ndarray, rows: int, row_tokens: int) -> np.ndarray:
+    """Each of `rows` rows' segment count, given where its segments start (`row`, `offset`
+    within the row): the one definition of the count that `max_documents` must cover, used by
+    the loader (from a row's positions) and by best-fit's figures (`max_documents_per_row`, from
+    its pieces and padding). A segment is a document, a piece of one, or a best-fit row's
+    padding; it counts when it starts at one of the row's row_tokens - 1 inputs. One that starts
+    at the row's last token is there only as a label: no input position restarts for it."""
+    keep = np.asarray(offset) < row_tokens - 1
+    return np.bincount(np.asarray(row, dtype=np.int64)[keep], minlength=rows)
+
+
 def is_own_file(path: Path) -> bool:
     """A file named as tokpack names what it writes in a packed directory: tokpack.json, a
     shard's files (manifest.shard_name: digits, .ds) or a temporary. A command deletes or

@@ -84,3 +84,9 @@ def at_most(value: int, limit: int, what: str, *, hint: str, where: str | None =
         raise TokpackError(f"{what} is too large", file=file, where=where, expected=f"at most {limit:,}",
                            found=f"{value:,}", hint=hint)
     return value
+
+
+def counted(n: int, noun: str, fmt: str = ",") -> str:
+    """`n noun` with the noun's plural when n is not 1 ("1 shard", "2 shards"): a command's
+    lines say so, never "shard(s)". `noun` is the singular; its plural adds "s"."""
+    return f"{n:{fmt}} {noun}{'s' * (n != 1)}"

@@ -36,8 +36,9 @@ from tokpack.formats.io import as_path, contained, is_url, open_read, read_full,
 from tokpack.formats.manifest import (NODES_SIDECAR, dtype_from_name, epoch_dir_name, has_pad, partial_stage_absent, read_manifest,
                                       rows_padded, xxh3_128_file)
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
-from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, U64, contained_shard
+from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, U64, contained_shard, row_segments
 from tokpack.formats.slices import SLICE, RankRows
+from tokpack.formats.units import counted
 
 # One contiguous read when the rank's rows are contiguous (W == 1): large enough to keep a
 # disk or NFS busy, small enough not to matter next to a training process.
@@ -188,6 +189,15 @@ def cu_seqlens(positions: np.ndarray) -> np.ndarray:
     a document starts wherever its position is 0 (and at every row start)."""
     flat = positions.reshape(-1)
     return np.append(np.flatnonzero(flat == 0), flat.size).astype(np.int32)
+
+
+def _schedule_end_hint(numbering: EpochNumbering, run_dir=None) -> str:
+    """Where a scheduled run's chain ends, and how to train longer (no `shuffle --epoch` can
+    write an epoch past its schedule)."""
+    k = len(numbering.planned)
+    run = "the run's schedule" if run_dir is None else f"the schedule of run {run_dir}"
+    return (f"{run} plans {k} epoch{'s' * (k != 1)}, ending at sample {numbering.first(k)}: "
+            "to train longer, add a stage to the schedule")
 
 
 def _too_many_documents(first_row: int, row: int, count: int, max_documents: int, locate=None) -> TokpackError:
@@ -535,14 +545,20 @@ class SampleReader:
         if missing is not None:
             raise self.missing_epoch_error(g, missing[0])
         if self.run is not None:  # the run was passed, and its schedule's epochs all end before g
-            k = len(self.numbering.planned)
-            hint = (f"the run's schedule plans {k} epoch{'s' * (k != 1)}, ending at sample {self.numbering.first(k)}: "
-                    "to train longer, add a stage to the schedule")
+            hint = _schedule_end_hint(self.numbering)
         else:
             parent = as_path(self.table.epoch_dirs[-1]).parent  # the run, when the epochs are still in it
             run = {"kind": "run"} if (parent / "tokpack.json").is_file() else {}
-            hint = (f"write more epochs (`{shuffle_command(run, parent, max(self.table.epochs) + 1)}`) "
-                    "or pass the run directory")
+            nxt, numbering = max(self.table.epochs) + 1, None
+            if run:
+                try:
+                    numbering = EpochNumbering.of_run(read_manifest(parent), parent)
+                except (TokpackError, OSError):
+                    pass  # a run manifest this reader cannot read: the generic hint
+            if numbering is not None and not numbering.has(nxt):  # a schedule that ends with these epochs
+                hint = _schedule_end_hint(numbering, parent)
+            else:
+                hint = f"write more epochs (`{shuffle_command(run, parent, nxt)}`) or pass the run directory"
         raise TokpackError("start is beyond the end of the chained epochs", file=self.table.epoch_dirs[-1],
                            where="start sample", expected=f"0..{self.total_samples}", found=g, hint=hint)
 
@@ -620,7 +636,7 @@ class SampleReader:
             hint += f", or write the next epoch: `{shuffle_command(self.run[1], self.run[0], nxt)}`"
         where = self.run[0] if self.run is not None else self.table.epoch_dirs[-1]
         raise TokpackError("less than one global batch left to read", file=where,
-                           where=f"sample {start}", expected=f"{world_size * micro_batch} samples (W*m)",
+                           where=f"sample {start}", expected=f"{counted(world_size * micro_batch, 'sample')} (W*m)",
                            found=f"{left} left", hint=hint)
 
     # ------------------------------------------------------------------ files
@@ -761,7 +777,8 @@ class SampleReader:
             pos = document_masks(rows, self.padding(g, n), self.eos_id)[0]
         else:
             pos = positions_from_eos(rows, self.eos_id)
-        return (pos[:, :-1] == 0).sum(axis=1)
+        row, offset = np.nonzero(pos == 0)
+        return row_segments(row, offset, len(rows), self.row_tokens)
 
     def most_documents(self, start: int = 0, stop: int | None = None) -> tuple[int, int]:
         """(largest segment count of a row, first chained row that has it) over rows [start,

@@ -44,6 +44,7 @@ from tokpack.formats.manifest import (
 )
 from tokpack.formats.outputs import LocalOutput, Output, ShardPlace, SourceShardFormat
 from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
+from tokpack.formats.units import counted
 from tokpack.shuffle.sinks import app_sinks_kept
 from tokpack.packer.shared import Result, optional_field
 from tokpack.packer.executors import ExecutorConfig, run_steps, runs_in_process
@@ -469,7 +470,7 @@ def setup_pack(inputs: list[str], out: Path, *, input_format: str = "auto", colu
         tokenizer = str(Path(tokenizer).absolute()) if os.path.isfile(tokenizer) else tokenizer
         load_tokenizer(tokenizer)
     fmt, files = discover(list(inputs), input_format, column, dtype)
-    say(f"tokpack pack: detected format {fmt}: {len(files)} file(s), "
+    say(f"tokpack pack: detected format {fmt}: {counted(len(files), 'file')}, "
         f"{', '.join(sorted({f.format + (' ' + f.dtype if f.dtype else '') for f in files}))}")
     request = {
         "inputs": [{"path": f.path if is_url(f.path) else str(Path(f.path).absolute()), "size": f.size,
@@ -564,7 +565,7 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
                         to, link=link)
         ntasks = pack_tasks(len(packed_files), config)
         if runs_in_process(config):
-            step.overall = progress(sum(f.size for f in packed_files), f"pack: {len(packed_files)} file(s)")
+            step.overall = progress(sum(f.size for f in packed_files), f"pack: {counted(len(packed_files), 'file')}")
         try:
             run_steps([(step, ntasks, "pack", base_logs / "pack")], config)
         except Exception as e:
@@ -629,10 +630,10 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
     for note in notes[:NOTES_SHOWN]:  # all of them are in --json's link_notes
         say(f"tokpack pack: {note}")
     if len(notes) > NOTES_SHOWN:
-        say(f"tokpack pack: {len(notes) - NOTES_SHOWN} more input(s) copied (--json lists them under link_notes)")
+        say(f"tokpack pack: {counted(len(notes) - NOTES_SHOWN, 'more input')} copied (--json lists them under link_notes)")
     say(f"tokpack pack: {result.tokens:,} token{'s' * (result.tokens != 1)}, {result.documents:,} "
         f"document{'s' * (result.documents != 1)}, {result.shards} shard{'s' * (result.shards != 1)} "
         f"-> {shown} ({result.mb_per_s} MB/s)"
-        + ("" if not link else f"; linked {result.linked_files} file(s), {result.linked_bytes:,} bytes"
+        + ("" if not link else f"; linked {counted(result.linked_files, 'file')}, {result.linked_bytes:,} bytes"
            f", copied {result.copied_bytes:,} bytes"))
     return result

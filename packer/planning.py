@@ -21,6 +21,7 @@ from pathlib import Path
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import physical_memory, space_needs
 from tokpack.formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, source_manifest
+from tokpack.formats.units import counted
 from tokpack.packer.shared import ExecutorConfig, Result, as_paths, optional_field, weighted_sources
 
 MEASURE_BYTES = 256 << 20  # at most this much is written, then read back, to measure the disk
@@ -371,7 +372,7 @@ def report_lines(r: PlanResult) -> list[str]:
     """The human summary of a plan; nothing has been written."""
     from tokpack.shuffle.packings import shown_line
 
-    shards = f"{r.shards:,} shard(s)"
+    shards = counted(r.shards, 'shard')
     if r.command == "pack":
         shards = f"at least {shards}" if r.shards else "shards unknown (the inputs do not tell their token count)"
     written = ("nothing written" if not r.disk.startswith("measured") else  # the probe's file: gone, but written
@@ -400,12 +401,12 @@ def report_lines(r: PlanResult) -> list[str]:
                   for s in e["sources"]]
     if r.holdout is not None:
         h = r.holdout
-        lines.append(f"  holdout: {h['samples']:,} samples of held-out documents, {h['shards']:,} shard(s), written "
+        lines.append(f"  holdout: {h['samples']:,} samples of held-out documents, {counted(h['shards'], 'shard')}, written "
                      f"once to {h['path']} (" + ", ".join(f"{s['name']} {s['samples']:,}" for s in h["sources"]) + ")")
     for p in r.passes:
         memory = "no set memory bound" if p["memory_per_task"] is None else f"{_size(p['memory_per_task'])} memory"
-        lines.append(f"  pass {p['name']}{'' if 'epoch' not in p else ' (epoch %d)' % p['epoch']}: {p['tasks']:,} "
-                     f"task(s), {memory} per task, reads {_size(p['read_bytes'])}, writes "
+        lines.append(f"  pass {p['name']}{'' if 'epoch' not in p else ' (epoch %d)' % p['epoch']}: "
+                     f"{counted(p['tasks'], 'task')}, {memory} per task, reads {_size(p['read_bytes'])}, writes "
                      f"{_size(p['written_bytes'])}, {_duration(p['seconds'])}"
                      + (f" (decoding Parquet: {_duration(p['decode_seconds'])})" if p.get("decode_seconds") else "")
                      + (f" (packing: {_duration(p['pack_seconds'])})" if p.get("pack_seconds") else ""))
@@ -423,7 +424,7 @@ def report_lines(r: PlanResult) -> list[str]:
                         if r.reflink_bytes else ""))
         lines += [f"    {note}" for note in r.link_notes or []]
     lines += [f"  manifest {name}: {n:,} bytes" for name, n in r.manifests.items() if n]
-    lines.append(f"  predicted wall time: {_duration(r.predicted_seconds)} ({r.executor}, {r.workers} worker(s), disk "
+    lines.append(f"  predicted wall time: {_duration(r.predicted_seconds)} ({r.executor}, {counted(r.workers, 'worker')}, disk "
                  f"{r.disk_mbps if r.disk_mbps is not None else '?'} MB/s {r.disk}; {r.startup_seconds:.1f} s of it "
                  "start-up)")
     return lines

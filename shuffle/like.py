@@ -13,7 +13,9 @@ runs: --memory, --workers, the executor, --scratch, and -o (default: RUN itself)
 
 from __future__ import annotations
 
-from tokpack.formats.errors import TokpackError
+from tokpack.formats.errors import IncompleteError, TokpackError
+from tokpack.formats.guard import LOCK_NAME, WORK_DIR
+from tokpack.formats.io import as_path
 from tokpack.formats.manifest import read_manifest
 
 from . import packings
@@ -32,6 +34,16 @@ def given_with_like(values: dict, cli: bool = False) -> list[str]:
     return [TAKEN[k] if cli else k for k in given]
 
 
+def _started_run(run_dir) -> bool:
+    """Whether a folder without tokpack.json holds what a shuffle writes before it (an epoch
+    folder, its work folder or lock): a run that was interrupted, which its rerun finishes."""
+    d = as_path(run_dir)
+    try:
+        return any(p.name.startswith("epoch-") or p.name in (WORK_DIR, LOCK_NAME) for p in d.iterdir())
+    except (OSError, AttributeError):  # unreadable, or a bucket's prefix (no listing here): assume it may be
+        return True
+
+
 def run_settings(run_dir) -> dict:
     """The keywords of tokpack.packer.api.shuffle that write epochs of the run at `run_dir`
     with its own settings: sources, seq_len, seed, samples, jitter, shard_samples, packing,
@@ -39,9 +51,16 @@ def run_settings(run_dir) -> dict:
     try:
         m = read_manifest(run_dir, kind="run")
     except TokpackError as e:
-        if e.where != "kind":
+        if e.where == "kind":
+            found = e.found
+        elif e.message == "not a directory":
+            found = e.found
+        elif isinstance(e, IncompleteError) and not _started_run(run_dir):
+            found = "a folder without tokpack.json or epoch folders"  # no run ever wrote there: not an unfinished one
+        else:
             raise
-        raise TokpackError("--like takes a run directory", file=run_dir, where="kind", expected="run", found=e.found,
+        raise TokpackError("--like takes a run directory", file=run_dir, where="kind",
+                           expected="run (a directory holding tokpack.json and epoch-NNNNN/)", found=found,
                            hint="give the run directory (the one holding tokpack.json and epoch-NNNNN/)") from None
     pk = m.get("packing") if isinstance(m.get("packing"), dict) else {}
     holdout = pk.get("holdout")  # as parse_holdout recorded it: given back as its text

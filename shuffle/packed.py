@@ -29,7 +29,7 @@ import xxhash
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import map_file, open_append, open_new, read_array, read_record, regular_size, write_bytes_atomic
 from tokpack.formats.manifest import hash_hex64, order_hash_terms, row_hashes
-from tokpack.formats.shards import PackedSource
+from tokpack.formats.shards import PackedSource, row_segments
 
 from .holdout import Holdout, holdout_of
 from .permutation import Bijection
@@ -781,17 +781,21 @@ class RowFigures:
     row_tokens: int
     padding_tokens: int = 0
     documents_cut: int = 0  # documents longer than a row, cut into pieces, that the epoch holds a piece of
-    max_documents_per_row: int = 0  # the most pieces one row holds, its padding counted as one more
-    # (the segments TokpackDataset makes of it: the smallest max_documents that reads the epoch)
+    max_documents_per_row: int = 0  # the most segments of one row (its pieces, its padding one more),
+    # counted as the loader counts them (formats/shards.py row_segments: a segment starting at the
+    # row's last token, a label only, is not one): the smallest max_documents that reads the epoch
 
-    def add(self, q: np.ndarray, doc: np.ndarray, length: np.ndarray, full: np.ndarray) -> None:
-        """One group's pieces: output position, document, length, the document's length."""
+    def add(self, q: np.ndarray, offset: np.ndarray, doc: np.ndarray, length: np.ndarray, full: np.ndarray) -> None:
+        """One group's pieces: output position, offset in its row, document, length, the document's length."""
         if not len(q):
             return
-        _, row, pieces = np.unique(q, return_inverse=True, return_counts=True)
+        _, row = np.unique(q, return_inverse=True)
         pad = self.row_tokens - np.bincount(row, weights=length.astype(np.float64)).astype(np.int64)
         self.padding_tokens += int(pad.sum())
-        self.max_documents_per_row = max(self.max_documents_per_row, int((pieces + (pad > 0)).max()))
+        padded = np.flatnonzero(pad > 0)  # a row's padding is one segment, after its pieces
+        segments = row_segments(np.concatenate([row, padded]), np.concatenate([offset, self.row_tokens - pad[padded]]),
+                                len(pad), self.row_tokens)
+        self.max_documents_per_row = max(self.max_documents_per_row, int(segments.max()))
         self.documents_cut += int(np.unique(doc[length < full]).size)
 
     def fields(self) -> dict:
@@ -806,8 +810,8 @@ def row_figures(plan, sources: list[PackedSource], memory: int) -> RowFigures:
     with _scratch() as d:
         for s, sp in enumerate(plan.sources):
             if sp.samples:
-                for q, _, doc, _, ln, _, full in chain_pieces(plan, s, sources[s], memory, d):
-                    figures.add(q, doc, ln, full)
+                for q, ro, doc, _, ln, _, full in chain_pieces(plan, s, sources[s], memory, d):
+                    figures.add(q, ro, doc, ln, full)
     return figures
 
 
@@ -954,7 +958,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
         for s in used:
             for q, ro, doc, do, ln, start, full in chain_pieces(plan, s, sources[s], memory, perm_scratch):
                 problems.update(_cut_problems(ln, do, ro, full, plan.row_tokens))
-                figures.add(q, doc, ln, full)
+                figures.add(q, ro, doc, ln, full)
                 rec = np.empty(len(q), _BUILD)
                 rec["g"], rec["row_offset"], rec["source"] = order.forward(q), ro, s
                 rec["doc"], rec["doc_offset"], rec["length"], rec["start"] = doc, do, ln, start

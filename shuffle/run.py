@@ -29,7 +29,7 @@ from tokpack.formats.manifest import (HOLDOUT_DIR, MANIFEST, NODES_SIDECAR, rows
                               read_manifest, run_manifest)
 from tokpack.formats.numbering import shuffle_command
 from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
-from tokpack.formats.units import at_most
+from tokpack.formats.units import at_most, counted
 
 from . import packings
 from .holdout import parse_holdout
@@ -333,7 +333,8 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     try:
         layout = None
         if not shards_left:  # a rerun after every shard finished: only the manifest is missing
-            log(f"epoch {plan.epoch}: all {job.n_shards} shards already written; writing the manifest")
+            log(f"epoch {plan.epoch}: {'all ' * (job.n_shards != 1)}{counted(job.n_shards, 'shard')} already written; "
+                "writing the manifest")
         elif in_memory:
             step, label, words = packing.in_memory(job, prepared, memory, needed, held)
             log(f"epoch {plan.epoch}: writing {plan.samples} samples, {words}")
@@ -343,15 +344,15 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
             budget = task_budget(memory, workers)
             layout = epoch_layout(job, memory=memory, workers=workers, tasks=tasks)
             log(f"epoch {plan.epoch}: writing {plan.samples} samples, out of core ({needed / 2**20:.1f} MiB of windows, "
-                f"{layout.tasks} scatter task{'s' * (layout.tasks != 1)}, {len(layout.bucket_starts) - 1} buckets, "
-                f"{job.n_shards} shards)")
+                f"{counted(layout.tasks, 'scatter task')}, {counted(len(layout.bucket_starts) - 1, 'bucket')}, "
+                f"{counted(job.n_shards, 'shard')})")
             scatter, order = packing.out_of_core(job, layout, prepared, budget)
             passes = [(scatter, layout.tasks, f"{name}-scatter", str(logs / "scatter")),
                       (order, job.n_shards, f"{name}-order", str(logs / "order"))]
             if all(layout.scatter_done(t) for t in range(layout.tasks)):
                 if all(packing.scattered(job, layout, i) for i in shards_left):
                     passes = passes[1:]  # a rerun after the scatter pass finished: no array of no-op tasks
-                    log(f"epoch {plan.epoch}: scatter pass already done; {len(shards_left)} shards left to order")
+                    log(f"epoch {plan.epoch}: scatter pass already done; {counted(len(shards_left), 'shard')} left to order")
                 else:  # a written shard was lost after its bucket files went: scatter again
                     shutil.rmtree(layout.dir)
             try:

@@ -63,7 +63,9 @@ def figures_of_the_bytes(epoch: Path, docs: dict) -> dict:
         if not ends or ends[-1] != len(real):
             ends.append(len(real))  # a cut document's piece that fills the row to its end
         pieces = [real[a:b] for a, b in zip([0, *ends[:-1]], ends)]
-        most = max(most, len(pieces) + (pad > 0))
+        # a row's segments as a trainer sees them: the pieces and the padding that start at an
+        # input (a piece or padding that starts at the row's last token is a label only)
+        most = max(most, sum(a < SEQ for a in [0, *ends[:-1]]) + (len(real) < SEQ))
         for piece in pieces:
             raw = piece.tobytes()
             if raw not in whole:
@@ -74,7 +76,7 @@ def figures_of_the_bytes(epoch: Path, docs: dict) -> dict:
                 assert len(holders) == 1
                 cut.add(holders[0])
     positions, _ = document_masks(rows, pads, EOS)  # the loader's segments agree
-    assert int((positions == 0).sum(axis=1).max()) == most
+    assert int((positions[:, :-1] == 0).sum(axis=1).max()) == most
     padding = int(pads.sum())
     return {"method": "best-fit", "unit": "rows", "padding_tokens": padding,
             "padding_percent": round(100 * padding / rows.size, 3), "documents_cut": len(cut),

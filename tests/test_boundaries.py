@@ -189,3 +189,43 @@ def test_eod_mask_loss_needs_an_eos_id():
     rows = np.array([[5, 6, 0, 7, 0, 0, 0]])
     with pytest.raises(TokpackError, match="eod_mask_loss needs eos_id"):
         micro_batch(rows, None, None, None, eod_mask_loss=True)
+
+
+def _rows_of(lengths: list[int], n: int) -> list[np.ndarray]:
+    """n documents of each length (EOS last, no other EOS), interleaved."""
+    rng = np.random.default_rng(35)
+    return [np.append(rng.integers(1, 1000, size=k - 1), EOS) for _ in range(n) for k in lengths]
+
+
+@pytest.mark.parametrize("case", ["fixture", "padded", "unpadded"])
+def test_the_manifests_documents_per_row_is_the_count_the_loader_makes(case, best_fit, tmp_path):
+    """One count of a row's documents (formats/shards.py row_segments): the epoch manifest's
+    max_documents_per_row (counted from the pieces at shuffle time) equals what `tokpack inspect
+    --documents-per-row` finds in the epoch's bytes through the loader, the smallest
+    max_documents that reads it. A segment that starts at a row's last token is a label only and
+    no segment of its inputs: the manifest counted it (18 against the loader's 17 on the
+    fixture's epoch 1; 2 against 1 on rows of 63 + 1 tokens, and on rows of 63 tokens and one of
+    padding)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from tokpack.formats.manifest import epoch_dir_name, read_manifest
+    from tokpack.packer.cli import main
+
+    if case == "fixture":
+        run, epochs = best_fit, (0, 1)
+    else:  # a row of SEQ + 1 = 64 tokens: a 63-token document, then a 1-token one (an EOS alone) or padding
+        src = write_source(tmp_path / "src", _rows_of([SEQ, 1] if case == "unpadded" else [SEQ], 40))
+        run, epochs = tmp_path / "run", (0,)
+        shuffle_run([str(src)], str(run), seq_len=SEQ, seed=3, epochs=[0], shard_samples=16, memory=64 << 20,
+                    packing="best-fit")
+    for e in epochs:
+        packing = read_manifest(run / epoch_dir_name(e))["packing"]
+        r = CliRunner().invoke(main, ["inspect", str(run), "--epoch", str(e), "--documents-per-row", "--json"])
+        assert r.exit_code == 0, r.output
+        scanned = json.loads(r.stdout)["documents_per_row"]
+        assert packing["max_documents_per_row"] == scanned["max"], (case, e)
+        assert (packing["padding_tokens"] > 0) == (case != "unpadded")
+    if case != "fixture":
+        assert packing["max_documents_per_row"] == 1  # the 1-token segment starts at the label-only token

@@ -188,6 +188,6 @@ def test_pack_shows_an_overall_bar_over_its_files(corpus, tmp_path, monkeypatch)
     other = tmp_path / "more.jsonl"
     other.write_text(corpus.read_text())
     pack([corpus, other], tmp_path / "src", eos_id=EOS, vocab_size=VOCAB)
-    (overall,) = [b for b in bars if b.desc == "pack: 2 file(s)"]
+    (overall,) = [b for b in bars if b.desc == "pack: 2 files"]
     assert overall.total == overall.done == corpus.stat().st_size + other.stat().st_size
     assert sorted(b.desc for b in bars if b is not overall) == ["pack corpus.jsonl", "pack more.jsonl"]

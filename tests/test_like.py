@@ -199,7 +199,7 @@ def test_like_misuse_is_one_line(corpus, tmp_path):
     assert code == 1 and "no epochs named to add to the run" in err and "--epoch E" in err
     for other, kind in ((f"run/{epoch_dir_name(0)}", "epoch"), (corpus / "web", "source")):
         code, _, err = cli("shuffle", "--like", other, "--epoch", 5, cwd=base)
-        assert code == 1 and f"--like takes a run directory; expected run, found {kind}" in err
+        assert code == 1 and f"--like takes a run directory; expected {RUN_DIR}, found {kind}" in err
     code, _, err = cli("shuffle", corpus / "web", "--seq-len", 31, "--seed", 1, "--epochs", 1, cwd=base)
     assert code == 2 and "give -o OUT (or --like RUN" in err
     with pytest.raises(TokpackError, match=r"\[seed\]: like= takes these settings from the run"):
@@ -207,6 +207,34 @@ def test_like_misuse_is_one_line(corpus, tmp_path):
     with pytest.raises(TokpackError, match=r"\[output\]: no output given"):
         api.shuffle(corpus / "web", seq_len=31, seed=1)
     assert not (base / "run" / epoch_dir_name(5)).exists()
+
+
+RUN_DIR = "run (a directory holding tokpack.json and epoch-NNNNN/)"
+
+
+def test_like_given_what_is_no_run_says_so(tmp_path):
+    """`--like /etc/passwd` said "incomplete: no tokpack.json" and to rerun the command that
+    writes it: a file, or a folder no shuffle ever wrote into, is no run at all. One line: the
+    path, what --like takes, what was found, the hint. A folder a shuffle was interrupted in
+    (an epoch folder, no tokpack.json yet) is still an unfinished run."""
+    text = tmp_path / "passwd"
+    text.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("x")
+    hint = "HINT: give the run directory (the one holding tokpack.json and epoch-NNNNN/)"
+    for path, found in ((text, "a file"), (tmp_path / "empty", "a folder without tokpack.json or epoch folders"),
+                        (tmp_path / "notes", "a folder without tokpack.json or epoch folders")):
+        code, out, err = cli("shuffle", "--like", path, "--epoch", 1)
+        assert (code, out) == (1, "") and err.strip().splitlines() == [
+            f"tokpack: error: {path} [kind]: --like takes a run directory; expected {RUN_DIR}, found {found}. {hint}"]
+    (tmp_path / "interrupted" / epoch_dir_name(0)).mkdir(parents=True)
+    code, _, err = cli("shuffle", "--like", tmp_path / "interrupted", "--epoch", 1)
+    assert code == 1 and "incomplete: no tokpack.json" in err and "rerun the same command" in err
+    code, _, err = cli("read", text)  # every command: a file is not a directory, nothing is unfinished
+    assert code == 1 and err.strip() == (f"tokpack: error: {text}: not a directory; expected a tokpack directory, "
+                                         "found a file. HINT: pass the directory that holds tokpack.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "interrupted", "notes", "passwd"]
 
 
 def test_a_run_that_lists_no_epochs_hints_the_command_that_writes_epoch_0(corpus, tmp_path):

@@ -161,3 +161,33 @@ def test_plan_says_when_its_disk_probe_wrote(src, tmp_path):
     assert measured.endswith("; no output written (the disk probe wrote and read back a temporary file; "
                              "--disk-mbps skips it)")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_count_in_a_line_takes_its_plural_never_s_in_parentheses(src, tmp_path):
+    """"1 shards" and "1 source(s)" were on the issue's list; the out-of-core epoch line still
+    said "1 shards", plan "1 shard(s)", pack "2 file(s)", read "expected 1 samples": each now
+    says the count with its plural (formats/units.py counted), and no f-string of tokpack's
+    modules puts "(s)" after a number."""
+    import ast
+
+    bad = []
+    for path in sorted(REPO.glob("*/**/*.py")):
+        if path.parts[len(REPO.parts)] in {"tests", "bench", "scripts", "examples"}:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.JoinedStr):
+                parts = node.values
+                for a, b in zip(parts, parts[1:]):
+                    if (isinstance(a, ast.FormattedValue) and isinstance(b, ast.Constant)
+                            and isinstance(b.value, str) and b.value.split(",")[0].split(")")[0].endswith("(s")):
+                        bad.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert bad == []
+    r = tokpack("shuffle", src, "-o", tmp_path / "run", *SHUFFLE, "--memory", "64KiB")
+    assert r.returncode == 0, r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("epoch 0: writing ")]
+    assert "out of core" in line and line.endswith(" 1 shard)"), line
+    plan = tokpack("plan", "shuffle", src, "-o", tmp_path / "p", *SHUFFLE[:-1], 1, "--disk-mbps", "100")
+    assert ", 1 shard; " in plan.stdout.splitlines()[0] and "(s)" not in plan.stdout, plan.stdout
+    r = tokpack("read", tmp_path / "run", "--micro-batch", 1,
+                "--start-sample", json.loads((tmp_path / "run" / "tokpack.json").read_text())["samples"] * 2)
+    assert r.returncode == 1 and "expected 1 sample (W*m), found 0 left" in r.stderr, r.stderr

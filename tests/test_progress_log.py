@@ -93,7 +93,7 @@ def test_every_long_command_writes_a_progress_line_at_the_interval(data, tmp_pat
     took = time.monotonic() - started
     assert r.returncode == 0, r.stderr
     lines = progress_lines(r.stderr)
-    what = {"pack": "pack: 2 file(s)", "shuffle": "epoch 0: write", "validate": "validate", "stage": "stage"}[command]
+    what = {"pack": "pack: 2 files", "shuffle": "epoch 0: write", "validate": "validate", "stage": "stage"}[command]
     assert what in {m["what"] for m in lines}, r.stderr
     # about one line per interval: at least two while it ran, never more than its time allows
     assert 2 <= len(lines) <= took / 0.2 + 1, (len(lines), took)

@@ -192,6 +192,19 @@ def test_reading_past_the_schedules_end_says_where_it_ends(run):
     assert code == 1 and "pass the run directory" not in lines[-1] and "add a stage" in lines[-1]
 
 
+def test_reading_an_epoch_folder_past_the_schedules_end_says_where_the_schedule_ends(run):
+    """The last epoch's folder passed alone: `shuffle --like RUN --epoch E` past the schedule is
+    refused, so the hint is not that command but where the schedule ends (it proposed it, and
+    "or pass the run directory", which leads to the same end)."""
+    last = run / "epoch-00003"
+    code, lines = cli("read", last, "--start-sample", SIZES[3] + 1)
+    assert code == 1 and lines[-1].endswith(
+        f"HINT: the schedule of run {run} plans {len(SIZES)} epochs, ending at sample {sum(SIZES)}: "
+        "to train longer, add a stage to the schedule"), lines
+    code, lines = cli("shuffle", "--like", run, "--epoch", len(SIZES))  # what it proposed: refused
+    assert code == 1 and "epoch is not in the schedule" in lines[-1]
+
+
 def test_tokpack_dataset_workers_cross_a_stage_boundary_and_resume_inside_it(run):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
