@@ -408,6 +408,9 @@ def report_lines(r: PlanResult) -> list[str]:
     """The human summary of a plan; nothing has been written."""
     from tokpack.shuffle.packings import shown_line
 
+    if r.per_node is not None:
+        return _nodes_lines(r)
+
     shards = f"{r.shards:,} shard(s)"
     if r.command == "pack":
         shards = f"at least {shards}" if r.shards else "shards unknown (the inputs do not tell their token count)"
@@ -466,6 +469,51 @@ def report_lines(r: PlanResult) -> list[str]:
     return lines
 
 
+def _nodes_lines(r: PlanResult) -> list[str]:
+    """plan shuffle --to-nodes: a line per epoch, a table of the nodes, RUN's files, the time."""
+    t = r.to_nodes
+    written = ("nothing written" if not (r.disk.startswith("measured") or (r.shared or "").startswith("measured"))
+               else "no output written (the disk probe wrote and read back a temporary file; --disk-mbps and "
+                    "--shared-mbps skip it)")
+    lines = [f"plan shuffle -> {r.output} --to-nodes {t['dest']}: {r.nodes} node(s) of {t['ranks_per_node']} ranks "
+             f"(W = {t['world_size']}), micro-batch {t['micro_batch']}; {written}"]
+    for e in r.epochs:
+        if e["path"] != "to-nodes":
+            lines.append(f"  epoch {e['epoch']}: {e['path']}, {e['samples']:,} samples")
+            continue
+        rounds = "rounds unknown (a node's rows do not fit --memory)" if e["rounds"] is None else (
+            f"{e['rounds']:,} exchange round(s)" + ("" if e["rounds_exact"] else " at least"))
+        lines.append(f"  epoch {e['epoch']}: {e['packing']}, {e['samples']:,} samples, {e['shards']:,} epoch shards, "
+                     f"{rounds}")
+    head = ("node", "shared read", "local read", "sent", "received", "slice", "kept sources", "scratch", "needs",
+            "free", "time")
+    table = [head]
+    for p in r.per_node:
+        space = p["space"]
+        free = "not visible" if space == "not visible" else ", ".join(
+            f"{_size(s['free_bytes'])}{'' if s['enough'] else ' NOT ENOUGH'}" for s in space)
+        table.append((str(p["node"]), *(_size(p[k]) for k in (
+            "shared_source_bytes", "local_source_bytes", "sent_bytes", "received_bytes", "slice_bytes",
+            "kept_source_bytes", "scratch_bytes", "local_needed_bytes")), free, _duration(p["predicted_seconds"])))
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+    if any(not d["exchanged_exact"] for p in r.per_node for d in p["epochs"]):
+        lines.append("  (best-fit: sent and received are estimates, the row table that places each piece is "
+                     "built by the command)")
+    if any(p["out_of_core_bytes"] for p in r.per_node):
+        lines.append("  (scratch includes an out-of-core order of about the slice's bytes, an estimate)")
+    f = r.run_files
+    lines.append(f"  RUN (shared filesystem) gets {_size(f['bytes'])}: manifests {f['manifests_bytes']:,} bytes, "
+                 f"row hashes {_size(f['rows_bytes'])}" + (f", padding {_size(f['pad_bytes'])}" if f["pad_bytes"] else "")
+                 + f", {f['nodes_sidecar_bytes']:,} bytes of sidecar; no token file")
+    slow = "unknown" if r.slowest_node is None else f"node {r.slowest_node}'s"
+    lines.append(f"  predicted wall time: {_duration(r.predicted_seconds)} ({slow}; shared filesystem "
+                 f"{r.shared_mbps if r.shared_mbps is not None else '?'} MB/s {r.shared}, for all nodes; "
+                 f"network {r.nic_mbps:g} MB/s a node; disk {r.disk_mbps if r.disk_mbps is not None else '?'} MB/s "
+                 f"{r.disk}; {r.startup_seconds:.1f} s of it start-up)")
+    return lines
+
+
 # ------------------------------------------------------------------------ straight to the nodes
 
 
@@ -503,8 +551,8 @@ def _rate(given: float | None, option: str, where: Path | None, measured: dict) 
     return mbps, how if mbps is not None else how.replace("--disk-mbps", option)
 
 
-def _node_epoch_figures(setup, job, epoch: int, first: int, nodes: int, ranks_per_node: int, micro_batch: int,
-                        memory: int) -> list[dict]:
+def _node_epoch_figures(job, manifest: dict, figures, first: int, nodes: int, ranks_per_node: int,
+                        micro_batch: int, memory: int) -> list[dict]:
     """Each node's part of one epoch, from the exchange's own arithmetic (tokpack.packer.exchange):
     its _NodeEpoch (the slice's positions, the owned shards, keep_bytes), its runs of source
     shards (split_shards), round_tokens, and the destinations exchange_epoch sends each piece to
@@ -515,7 +563,6 @@ def _node_epoch_figures(setup, job, epoch: int, first: int, nodes: int, ranks_pe
     from tokpack.packer.slicing import slice_ranks
     from tokpack.packer.staging import on_disk
     from tokpack.shuffle import packings
-    from tokpack.shuffle.run import planned_epoch_manifest
     from tokpack.shuffle.steps import shard_segments
 
     plan, entry = job.plan, packings.of_plan(job.plan)
@@ -524,9 +571,7 @@ def _node_epoch_figures(setup, job, epoch: int, first: int, nodes: int, ranks_pe
     rows = RankRows(nodes * ranks_per_node, micro_batch, 0)
     item, row = job.token_dtype.itemsize, plan.row_tokens
     table = entry.table_estimate(job, sources) if padded else None
-    figures = entry.figures(plan, sources, memory) if padded and entry.figures else None
     data_tokens = plan.samples * row - (figures.padding_tokens if figures is not None else 0)
-    manifest = planned_epoch_manifest(job, sources)
     per_row = int(manifest["fragments"]) / max(1, plan.samples)  # the index's fragments, at the epoch's mean
     out, nes = [], []
     for n in range(nodes):
@@ -607,6 +652,23 @@ def _node_epoch_figures(setup, job, epoch: int, first: int, nodes: int, ranks_pe
     return out
 
 
+def _planned_manifest(job, sources, memory: int):
+    """(the epoch manifest as RUN will get it but for its checksums and fragment counts, the
+    epoch's row figures or None): a best-fit epoch's with its packing's fields (its padding
+    counted by packing its passes once more, as plan shuffle shows it) and each shard's
+    pad_xxh3_128, which --to-nodes RUNs hold (tokpack.shuffle.run.epoch_manifest_of)."""
+    from tokpack.shuffle import packings
+    from tokpack.shuffle.run import epoch_manifest_of, planned_epoch_manifest
+
+    manifest, entry = planned_epoch_manifest(job, sources), packings.of_plan(job.plan)
+    if entry.figures is None:
+        return manifest, None
+    fig = entry.figures(job.plan, sources, memory)
+    shards = [{**s, "pad_xxh3_128": "0" * 32} for s in manifest["shards"]]
+    return epoch_manifest_of(job, shards, {"table_xxh3_128": "0" * 32, "padding": fig.padding_tokens,
+                                           "figures": fig.fields()}), fig
+
+
 def _count_sends(counts: np.ndarray, ne, g: np.ndarray) -> None:
     """Adds to counts[d] the pieces of rows `g` sent to node d: to the node that reads the row,
     and to its shard's owner when that is another node (exchange_epoch's destinations)."""
@@ -628,7 +690,7 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
     from tokpack.packer.slicing import SLICE_ENTRY_BYTES, SLICE_HEADER_BYTES
     from tokpack.packer.staging import on_disk
     from tokpack.shuffle.packed import release_passes
-    from tokpack.shuffle.run import planned_epoch_manifest, run_manifest_of, setup_run
+    from tokpack.shuffle.run import run_manifest_of, setup_run
     from tokpack.shuffle.schedule import epoch_numbers
 
     if nodes < 1:
@@ -664,11 +726,11 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
         if job is None:
             details.append({"epoch": epoch, "path": "complete already", "samples": plan.samples})
             continue
-        manifest = planned_epoch_manifest(job, opened)
+        manifest, padding = _planned_manifest(job, opened, memory)
         written_manifests[epoch] = manifest
         manifests[f"{epoch_dir_name(epoch)}/{MANIFEST}"] = len(canonical_bytes(manifest))
-        figures = _node_epoch_figures(setup, job, epoch, numbering.first(epoch), nodes, ranks_per_node, micro_batch,
-                                      memory)
+        figures = _node_epoch_figures(job, manifest, padding, numbering.first(epoch), nodes, ranks_per_node,
+                                      micro_batch, memory)
         rounds = [f["rounds"] for f in figures]
         padded = any(f["slice_pad_bytes"] for f in figures)
         details.append({"epoch": epoch, "path": "to-nodes", "samples": plan.samples, "shards": job.n_shards,
@@ -735,7 +797,8 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
     for t in totals:  # each process reads RUN's manifests back, the run's once an epoch (exchange.commit_slice_epoch)
         t["shared_manifest_bytes"] = sum(manifests.values()) + manifests.get(MANIFEST, 0) * max(
             0, len(written_manifests) - 1)
-    sidecar = len(canonical_bytes(nodes_sidecar(nodes, ranks_per_node, micro_batch, str(dest))))
+    # the sidecar names node 0's DEST, as process 0 writes it (exchange._declare_nodes)
+    sidecar = len(canonical_bytes(nodes_sidecar(nodes, ranks_per_node, micro_batch, str(dests[0]))))
     run_files = {"manifests_bytes": sum(manifests.values()), "nodes_sidecar_bytes": sidecar, **run_rows}
     run_files["bytes"] = sum(run_files.values())
     if assumed:
