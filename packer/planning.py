@@ -506,8 +506,8 @@ def _nodes_lines(r: PlanResult) -> list[str]:
     lines.append(f"  RUN (shared filesystem) gets {_size(f['bytes'])}: manifests {f['manifests_bytes']:,} bytes, "
                  f"row hashes {_size(f['rows_bytes'])}" + (f", padding {_size(f['pad_bytes'])}" if f["pad_bytes"] else "")
                  + f", {f['nodes_sidecar_bytes']:,} bytes of sidecar; no token file")
-    slow = "unknown" if r.slowest_node is None else f"node {r.slowest_node}'s"
-    lines.append(f"  predicted wall time: {_duration(r.predicted_seconds)} ({slow}; shared filesystem "
+    slow = "" if r.slowest_node is None else f"the slowest node's, node {r.slowest_node}; "
+    lines.append(f"  predicted wall time: {_duration(r.predicted_seconds)} ({slow}shared filesystem "
                  f"{r.shared_mbps if r.shared_mbps is not None else '?'} MB/s {r.shared}, for all nodes; "
                  f"network {r.nic_mbps:g} MB/s a node; disk {r.disk_mbps if r.disk_mbps is not None else '?'} MB/s "
                  f"{r.disk}; {r.startup_seconds:.1f} s of it start-up)")
@@ -736,6 +736,11 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
         details.append({"epoch": epoch, "path": "to-nodes", "samples": plan.samples, "shards": job.n_shards,
                         "rounds": None if None in rounds else max(rounds), "rounds_exact": not padded,
                         "packing": "best-fit" if padded else "windows"})
+        idle = [f["node"] for f in figures if not f["source_shards"]]
+        if idle:  # split_shards gives at most one process a shard
+            notes.append(f"epoch {epoch}: node(s) {', '.join(map(str, idle))} read no source shard (the epoch uses "
+                         f"{sum(len(opened[s].shards) for s, sp in enumerate(plan.sources) if sp.samples)} source "
+                         f"shards, fewer than {nodes} nodes); they still receive their rows")
         run_rows["rows_bytes"] += sum(f["run_rows_bytes"] for f in figures)
         run_rows["pad_bytes"] += sum(f["run_pad_bytes"] for f in figures)
         for n, f in enumerate(figures):
@@ -781,10 +786,6 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
                                 "to_itself_bytes": f["to_itself_bytes"], "exchanged_exact": f["exchanged_exact"],
                                 "keep_bytes": f["keep_bytes"], "fits_memory": f["per_round_tokens"] is not None,
                                 "out_of_core_bytes": ooc, "rounds": f["rounds"]})
-            if not f["source_shards"]:
-                notes.append(f"epoch {epoch}: node {n} reads no source shard (the epoch uses "
-                             f"{sum(len(opened[s].shards) for s, sp in enumerate(plan.sources) if sp.samples)} "
-                             f"shards, fewer than {nodes} nodes); it still receives its rows")
             if f["per_round_tokens"] is None:
                 notes.append(f"epoch {epoch}: node {n}'s rows ({_size(f['keep_bytes'])}) do not fit --memory "
                              f"{_size(memory)}: they would be ordered out of core on its disk (about the slice's "
