@@ -35,7 +35,7 @@ disk for the later epochs. `stage RUN DEST --node n/N` on such a RUN (a replacem
 `stage_replacement`: the node's rows rebuilt from the sources, checked against RUN's row hashes.
 
 Not yet (docs/COMMANDS.md, "Straight to the nodes"): ordering a node's rows out of core (a node
-whose rows do not fit --memory is refused with one line), `plan shuffle --to-nodes`, a batch
+whose rows do not fit --memory is refused with one line), a batch
 phase (`--start-sample`), a tokpack line of its own when a peer is killed (the launcher's names it).
 """
 
