@@ -178,6 +178,13 @@ def plan_shuffle(sources, output, *, seq_len: int | None = None, seed: int | Non
     and optionally `keep_sources`, `shared_mbps`, `nic_mbps`: `shuffle --to-nodes` on that
     many nodes, per node (plan_to_nodes)."""
     if to_nodes is not None:
+        from tokpack.formats import arguments
+
+        # the API's arguments checked as the CLI's option types check them (tokpack.packer.api.ARGUMENTS)
+        nodes, ranks_per_node, micro_batch = (arguments.whole(v, name, least=1) for v, name in (
+            (nodes, "nodes"), (ranks_per_node, "ranks_per_node"), (micro_batch, "micro_batch")))
+        shared_mbps, nic_mbps = (arguments.positive_number(v, name) for v, name in (
+            (shared_mbps, "shared_mbps"), (nic_mbps, "nic_mbps")))
         if None in (nodes, ranks_per_node, micro_batch):
             raise TokpackError("plan shuffle --to-nodes needs the nodes, ranks a node and micro-batch",
                                where="--nodes/--ranks-per-node/--micro-batch", expected="all three",
@@ -482,7 +489,8 @@ def _nodes_lines(r: PlanResult) -> list[str]:
             lines.append(f"  epoch {e['epoch']}: {e['path']}, {e['samples']:,} samples")
             continue
         rounds = "rounds unknown (a node's rows do not fit --memory)" if e["rounds"] is None else (
-            f"{e['rounds']:,} exchange round(s)" + ("" if e["rounds_exact"] else " at least"))
+            f"{e['rounds']:,} exchange round(s)" + ("" if e["rounds_exact"] else " at least" if
+                                                     e["packing"] == "best-fit" else " (estimated)"))
         lines.append(f"  epoch {e['epoch']}: {e['packing']}, {e['samples']:,} samples, {e['shards']:,} epoch shards, "
                      f"{rounds}")
     head = ("node", "shared read", "local read", "sent", "received", "slice", "kept sources", "scratch", "needs",
@@ -498,8 +506,8 @@ def _nodes_lines(r: PlanResult) -> list[str]:
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)).rstrip() for row in table]
     if any(not d["exchanged_exact"] for p in r.per_node for d in p["epochs"]):
-        lines.append("  (best-fit: sent and received are estimates, the row table that places each piece is "
-                     "built by the command)")
+        lines.append("  (sent and received are estimates: of a best-fit epoch, whose row table that places each "
+                     "piece only the command builds; of a large epoch, from a sample of its windows)")
     if any(p["out_of_core_bytes"] for p in r.per_node):
         lines.append("  (scratch includes an out-of-core order of about the slice's bytes, an estimate)")
     f = r.run_files
@@ -523,6 +531,10 @@ def read_schedule_of(schedule):
     return None if schedule is None else read_schedule(schedule)
 
 NIC_MBPS = 25_000.0  # --nic-mbps default: a node's InfiniBand/RoCE link (issue 33, "25-50 GB/s a node")
+# Windows taken through the epoch's permutation to count each node's sends exactly (about 4 s
+# on one core); beyond, every k-th block of SAMPLE_BLOCK windows, and the counts scaled.
+EXACT_WINDOWS = 1 << 25
+SAMPLE_BLOCK = 1 << 18
 
 
 def _visible(path: Path) -> Path | None:
@@ -576,6 +588,8 @@ def _node_epoch_figures(job, manifest: dict, figures, first: int, nodes: int, ra
     out, nes = [], []
     for n in range(nodes):
         a, b, _ = slice_ranks(node=f"{n}/{nodes}", ranks_per_node=ranks_per_node)
+        # `prepared` says only whether the epoch moves document pieces: the row table itself is
+        # the command's to build (plan_shuffle counts it by table_estimate)
         ne = _NodeEpoch(job, sources, rows, first, n, nodes, (a, b), {"table": None} if padded else {})
         nes.append(ne)
         shards = [(s, k) for s, k0, k1 in ne.runs() for k in range(k0, k1)]
@@ -612,18 +626,36 @@ def _node_epoch_figures(job, manifest: dict, figures, first: int, nodes: int, ra
             + [f"{job.shard_file(i)}{PAD_SUFFIX}" for i in ne.owned if padded],
             "keep_bytes": ne.keep_bytes, "per_round_tokens": per_round,
             "table_bytes": table["table_bytes"] if table else 0})
+        # What follows needs each node's destinations, not its positions (8 bytes a row of the
+        # epoch over all nodes: 21 GB for 11T tokens of 4096-token rows)
+        ne.positions = ne.positions[:0]
     # What each node m reads (pieces, tokens: a row of an upsampled source once per use) and
     # sends to each node d (pieces[m, d], tokens[m, d]).
     pieces = np.zeros((nodes, nodes), dtype=np.int64)
     moved = np.zeros((nodes, nodes), dtype=np.int64)
     reads = np.zeros((nodes, 2), dtype=np.int64)
+    exact = not padded
     if not padded:
+        segments = [shard_segments(plan, sources, ne.runs()) for ne in nes]
+        windows = sum(w1 - w0 for segs in segments for _, w0, w1, _, _ in segs)
+        # Every window through the epoch's permutation, up to EXACT_WINDOWS of them (a few
+        # seconds); a larger epoch's through every k-th block of them, scaled: an estimate
+        every = max(1, -(-windows // EXACT_WINDOWS))
+        exact = every == 1
         for m, ne in enumerate(nes):
-            for s, w0, w1, _, _ in shard_segments(plan, sources, ne.runs()):
-                for c in range(w0, w1, 1 << 20):
-                    for _, _, g in plan.outputs_of(s, np.arange(c, min(w1, c + (1 << 20)), dtype=np.int64)):
+            seen = taken = 0
+            for s, w0, w1, _, _ in segments[m]:
+                for c in range(w0, w1, SAMPLE_BLOCK):
+                    seen += min(w1, c + SAMPLE_BLOCK) - c
+                    if (c - w0) // SAMPLE_BLOCK % every:
+                        continue
+                    taken += min(w1, c + SAMPLE_BLOCK) - c
+                    for _, _, g in plan.outputs_of(s, np.arange(c, min(w1, c + SAMPLE_BLOCK), dtype=np.int64)):
                         _count_sends(pieces[m], ne, g)
                         reads[m] += (len(g), len(g) * row)
+            if taken and taken < seen:
+                pieces[m] = np.round(pieces[m] * (seen / taken)).astype(np.int64)
+                reads[m] = np.round(reads[m] * (seen / taken)).astype(np.int64)
         moved = pieces * row
     else:  # which node reads which piece is in the row table, which only the command builds: the
         # table's pieces and data tokens spread over the nodes by their source bytes, and over
@@ -644,11 +676,12 @@ def _node_epoch_figures(job, manifest: dict, figures, first: int, nodes: int, ra
         f["sent_bytes"] = int(wire[n, others].sum())
         f["received_bytes"] = int(wire[others, n].sum())
         f["to_itself_bytes"] = int(wire[n, n])  # Alltoallv's part to itself: no network
-        f["exchanged_exact"] = not padded
+        f["exchanged_exact"] = exact
         # Rounds: every process takes part until the last has sent all; a round takes whole pieces
         # up to its per_round tokens, and one piece more while under it (exchange_epoch's cut).
         p, (k, t) = f["per_round_tokens"], reads[n].tolist()
         f["rounds"] = None if p is None else 0 if not t else -(-k // -(-p // row)) if not padded else -(-t // p)
+        f["rounds_exact"] = exact
     return out
 
 
@@ -693,11 +726,6 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
     from tokpack.shuffle.run import run_manifest_of, setup_run
     from tokpack.shuffle.schedule import epoch_numbers
 
-    if nodes < 1:
-        raise TokpackError("bad --nodes", where="--nodes", expected=">= 1", found=nodes)
-    for name, v in (("--shared-mbps", shared_mbps), ("--nic-mbps", nic_mbps), ("--disk-mbps", disk_mbps)):
-        if v is not None and v <= 0:
-            raise TokpackError("throughput must be positive", where=name, expected="> 0", found=v)
     nic = float(nic_mbps or NIC_MBPS)
     *paths, output = _local(list(paths) + [str(output)])
     if "://" in str(dest) or (keep_sources is not None and "://" in str(keep_sources)):
@@ -734,7 +762,8 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
         rounds = [f["rounds"] for f in figures]
         padded = any(f["slice_pad_bytes"] for f in figures)
         details.append({"epoch": epoch, "path": "to-nodes", "samples": plan.samples, "shards": job.n_shards,
-                        "rounds": None if None in rounds else max(rounds), "rounds_exact": not padded,
+                        "rounds": None if None in rounds else max(rounds),
+                        "rounds_exact": all(f["rounds_exact"] for f in figures),
                         "packing": "best-fit" if padded else "windows"})
         idle = [f["node"] for f in figures if not f["source_shards"]]
         if idle:  # split_shards gives at most one process a shard
