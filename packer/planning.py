@@ -595,9 +595,10 @@ def _node_epoch_figures(job, manifest: dict, figures, first: int, nodes: int, ra
         shards = [(s, k) for s, k0, k1 in ne.runs() for k in range(k0, k1)]
         read = sum(int(sources[s].shards[k]["tokens"]) * sources[s].dtype.itemsize for s, k in shards)
         kept_shards = [(s, k) for s, ks in ne.kept_shards().items() for k in ks]
-        per_rank = np.bincount(rows.rank_of(ne.positions + first) - a, minlength=b - a + 1) if len(ne.positions) \
-            else np.zeros(b - a + 1, dtype=np.int64)
-        rank_rows = [int(k) for k in per_rank]
+        rank_rows = [rows.rows(r, first, first + plan.samples) for r in range(a, b + 1)]  # as plan_slice counts
+        if sum(rank_rows) != len(ne.positions):  # what the exchange keeps is what stage --node would
+            raise TokpackError("internal error: a node's rows differ from its ranks' counts", where=f"node {n}",
+                               hint="report this with the command line")
         tokens = len(ne.positions) * job.row_bytes
         index = sum(U64.itemsize * max(k, int(np.ceil(k * per_row))) for k in rank_rows)
         owned_sizes = [job.shard_range(i)[1] - job.shard_range(i)[0] for i in ne.owned]
@@ -628,7 +629,7 @@ def _node_epoch_figures(job, manifest: dict, figures, first: int, nodes: int, ra
             "table_bytes": table["table_bytes"] if table else 0})
         # What follows needs each node's destinations, not its positions (8 bytes a row of the
         # epoch over all nodes: 21 GB for 11T tokens of 4096-token rows)
-        ne.positions = ne.positions[:0]
+        ne.positions = np.zeros(0, dtype=np.int64)  # not a view: that would keep the whole array
     # What each node m reads (pieces, tokens: a row of an upsampled source once per use) and
     # sends to each node d (pieces[m, d], tokens[m, d]).
     pieces = np.zeros((nodes, nodes), dtype=np.int64)

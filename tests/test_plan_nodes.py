@@ -213,3 +213,25 @@ def test_misuse_is_one_usage_line(source, tmp_path, drop, add, line):
     errors = [x for x in res.output.splitlines() if x.startswith("Error:")]
     assert len(errors) == 1 and line in errors[0], res.output
     assert not (tmp_path / "run").exists()
+
+
+def test_a_large_epoch_counts_a_sample_of_its_windows_close_to_all(monkeypatch, tmp_path):
+    """Beyond EXACT_WINDOWS windows the sends are counted on every k-th block and scaled: within
+    1% of the exact count here, and said to be estimates; the kept rows stay exact."""
+    from tokpack.packer import planning
+    from tokpack.packer.api import plan
+
+    kw = dict(seq_len=63, seed=1, epochs=1, to_nodes=str(tmp_path / "n{node}"), ranks_per_node=K, micro_batch=M,
+              nodes=NODES, memory=1 << 30, shared_mbps=4000, disk_mbps=1000)
+    spec = "virtual:tokens=50M,documents=100K,dtype=uint16,shard_tokens=5M"
+    exact = plan("shuffle", spec, str(tmp_path / "run"), **kw)
+    monkeypatch.setattr(planning, "EXACT_WINDOWS", 1 << 16)
+    monkeypatch.setattr(planning, "SAMPLE_BLOCK", 1 << 10)
+    sampled = plan("shuffle", spec, str(tmp_path / "run"), **kw)
+    assert exact.epochs[0]["rounds_exact"] and not sampled.epochs[0]["rounds_exact"]
+    for a, b in zip(exact.per_node, sampled.per_node):
+        assert a["epochs"][0]["exchanged_exact"] and not b["epochs"][0]["exchanged_exact"]
+        for key in ("sent_bytes", "received_bytes"):
+            assert abs(b[key] - a[key]) <= 0.01 * a[key], (key, a[key], b[key])
+        assert a["slice_bytes"] == b["slice_bytes"] and a["shared_source_bytes"] == b["shared_source_bytes"]
+    assert abs(sampled.epochs[0]["rounds"] - exact.epochs[0]["rounds"]) <= 1
