@@ -12,6 +12,7 @@ only file a plan touches.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
@@ -572,8 +573,7 @@ def _node_epoch_figures(job, manifest: dict, figures, first: int, nodes: int, ra
     from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, U64
     from tokpack.formats.slices import RankRows
     from tokpack.packer.exchange import PIECE, _NodeEpoch, round_tokens
-    from tokpack.packer.slicing import slice_ranks
-    from tokpack.packer.staging import on_disk
+    from tokpack.packer.slicing import slice_files, slice_ranks
     from tokpack.shuffle import packings
     from tokpack.shuffle.steps import shard_segments
 
@@ -600,7 +600,7 @@ def _node_epoch_figures(job, manifest: dict, figures, first: int, nodes: int, ra
             raise TokpackError("internal error: a node's rows differ from its ranks' counts", where=f"node {n}",
                                hint="report this with the command line")
         tokens = len(ne.positions) * job.row_bytes
-        index = sum(U64.itemsize * max(k, int(np.ceil(k * per_row))) for k in rank_rows)
+        index = sum(U64.itemsize * max(k, math.ceil(k * per_row)) for k in rank_rows)  # as slice_files counts it
         owned_sizes = [job.shard_range(i)[1] - job.shard_range(i)[0] for i in ne.owned]
         try:
             per_round = round_tokens(ne, memory)
@@ -608,16 +608,16 @@ def _node_epoch_figures(job, manifest: dict, figures, first: int, nodes: int, ra
             per_round = None  # its rows do not fit --memory: out of core (being built)
         out.append({
             "node": n, "ranks": [a, b], "source_shards": len(shards), "source_bytes": read,
-            "kept_shards": sorted(kept_shards),
-            "kept_source_bytes": sum(int(sources[s].shards[k]["tokens"]) * sources[s].dtype.itemsize
-                                     for s, k in kept_shards),
+            # (fingerprint, shard file, bytes): where exchange.keep_sources keeps it, under DIR
+            "kept_shards": sorted((sources[s].fingerprint, sources[s].shards[k].get("path", str(k)),  # virtual: none
+                                   int(sources[s].shards[k]["tokens"]) * sources[s].dtype.itemsize)
+                                  for s, k in kept_shards),
+            "epoch_source_shards": sum(len(sources[s].shards) for s, sp in enumerate(plan.sources) if sp.samples),
             "rows": len(ne.positions), "rank_rows": rank_rows, "slice_token_bytes": tokens,
             "slice_rows_bytes": U64.itemsize * len(ne.positions),
             "slice_pad_bytes": 4 * len(ne.positions) if padded else 0, "slice_index_bytes": index,
-            # what stage --node's space check counts for these rank files (packer/slicing.py)
-            "slice_on_disk": sum(on_disk(k * job.row_bytes) + on_disk(U64.itemsize * k) + on_disk(
-                U64.itemsize * max(k, int(np.ceil(k * per_row)))) + on_disk(None) + (on_disk(4 * k) if padded else 0)
-                for k in rank_rows),
+            # what stage --node's space check counts for these rank files
+            "slice_on_disk": sum(slice_files(k, job.row_bytes, per_row, padded) for k in rank_rows),
             "owned_shards": len(ne.owned), "owned_rows": ne.owned_rows,
             # each owned shard is written whole in scratch (tokens, index, row hashes), then removed
             "owned_bytes": ne.owned_rows * (job.row_bytes + U64.itemsize * (1 + per_row)),
@@ -744,7 +744,7 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
     notes: list[str] = []
     # The kept sources already there: seen, or, where DIR is not visible, assumed for a later
     # epoch (RUN lists one already: the command that wrote it kept them).
-    have: list[set] = [set() for _ in range(nodes)]
+    have: list[dict] = [{} for _ in range(nodes)]
     assumed = keep_sources is not None and any(_visible(k) is None for k in keeps) and bool(setup.done_epochs)
     zero = ("shared_source_bytes", "shared_manifest_bytes", "shared_written_bytes", "local_source_bytes",
             "kept_copied_bytes", "sent_bytes", "received_bytes", "slice_bytes", "slice_on_disk", "kept_source_bytes",
@@ -769,22 +769,28 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
         idle = [f["node"] for f in figures if not f["source_shards"]]
         if idle:  # split_shards gives at most one process a shard
             notes.append(f"epoch {epoch}: node(s) {', '.join(map(str, idle))} read no source shard (the epoch uses "
-                         f"{sum(len(opened[s].shards) for s, sp in enumerate(plan.sources) if sp.samples)} source "
+                         f"{figures[0]['epoch_source_shards']} source "
                          f"shards, fewer than {nodes} nodes); they still receive their rows")
+        big = [f for f in figures if f["per_round_tokens"] is None]
+        if big:
+            names = "every node" if len(big) == nodes else "node(s) " + ", ".join(str(f["node"]) for f in big)
+            notes.append(f"epoch {epoch}: the rows of {names} (up to {_size(max(f['keep_bytes'] for f in big))} "
+                         f"with the owned shards) do not fit --memory {_size(memory)}: they would be ordered out of "
+                         "core on the node's disk (scratch of about its slice's bytes, an estimate); shuffle "
+                         "--to-nodes refuses such a node until that is built")
         run_rows["rows_bytes"] += sum(f["run_rows_bytes"] for f in figures)
         run_rows["pad_bytes"] += sum(f["run_pad_bytes"] for f in figures)
         for n, f in enumerate(figures):
             t = totals[n]
             kept_now = 0
             if keeps[n] is not None:
-                for s, k in f["kept_shards"]:
-                    src = opened[s]
-                    there = keeps[n] / src.fingerprint / src.shards[k]["path"]
-                    size = int(src.shards[k]["tokens"]) * src.dtype.itemsize
-                    if (s, k) not in have[n] and not assumed and not (there.is_file() and there.stat().st_size == size):
+                for fingerprint, name, size in f["kept_shards"]:
+                    there = keeps[n] / fingerprint / name
+                    if (fingerprint, name) not in have[n] and not assumed and not (
+                            there.is_file() and there.stat().st_size == size):
                         kept_now += size  # exchange._keep_shard copies it: read from shared, written here
-                    have[n].add((s, k))
-                t["kept_source_bytes"] = max(t["kept_source_bytes"], f["kept_source_bytes"])
+                    have[n][fingerprint, name] = size
+                t["kept_source_bytes"] = sum(have[n].values())
             from_shared = 0 if keeps[n] is not None else f["source_bytes"]
             local = f["source_bytes"] if keeps[n] is not None else 0
             ooc = f["slice_token_bytes"] if f["keep_bytes"] > memory else 0  # an estimate: being built
@@ -816,10 +822,6 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
                                 "to_itself_bytes": f["to_itself_bytes"], "exchanged_exact": f["exchanged_exact"],
                                 "keep_bytes": f["keep_bytes"], "fits_memory": f["per_round_tokens"] is not None,
                                 "out_of_core_bytes": ooc, "rounds": f["rounds"]})
-            if f["per_round_tokens"] is None:
-                notes.append(f"epoch {epoch}: node {n}'s rows ({_size(f['keep_bytes'])}) do not fit --memory "
-                             f"{_size(memory)}: they would be ordered out of core on its disk (about the slice's "
-                             f"{_size(ooc)}, an estimate); shuffle --to-nodes refuses such a node until that is built")
     if written_manifests:
         run = run_manifest_of(written_manifests, setup.todo[-1][1], setup.weights, opened, setup.shard_samples,
                               setup.runplan)

@@ -235,3 +235,20 @@ def test_a_large_epoch_counts_a_sample_of_its_windows_close_to_all(monkeypatch, 
             assert abs(b[key] - a[key]) <= 0.01 * a[key], (key, a[key], b[key])
         assert a["slice_bytes"] == b["slice_bytes"] and a["shared_source_bytes"] == b["shared_source_bytes"]
     assert abs(sampled.epochs[0]["rounds"] - exact.epochs[0]["rounds"]) <= 1
+
+
+def test_rows_that_do_not_fit_memory_are_planned_out_of_core(source, tmp_path):
+    """--memory 8KiB: the exchange's round_tokens refuses every node (tests/test_mpi.py,
+    test_too_little_memory_is_one_line_per_node_and_writes_no_slice); the plan counts an out-of-core
+    order on each node's disk of about its slice's bytes, and no rounds."""
+    plan = plan_json(tmp_path / "run", str(tmp_path / "node{node}"), source, "--seq-len", SEQ, "--seed", 5,
+                     "--epochs", 1, "--shard-samples", 12, "--memory", "8KiB")
+    assert plan["epochs"][0]["rounds"] is None
+    for p in plan["per_node"]:
+        e = p["epochs"][0]
+        assert not e["fits_memory"] and e["keep_bytes"] > 8 << 10 and e["rounds"] is None
+        assert p["out_of_core_bytes"] == e["slice_token_bytes"] > 0 and p["scratch_bytes"] >= p["out_of_core_bytes"]
+    assert any("the rows of every node" in w and "do not fit --memory" in w for w in plan["warnings"])
+    roomy = plan_json(tmp_path / "run", str(tmp_path / "node{node}"), source, "--seq-len", SEQ, "--seed", 5,
+                      "--epochs", 1, "--shard-samples", 12, "--memory", MEMORY)
+    assert all(p["out_of_core_bytes"] == 0 and p["epochs"][0]["fits_memory"] for p in roomy["per_node"])
