@@ -252,3 +252,36 @@ def test_rows_that_do_not_fit_memory_are_planned_out_of_core(source, tmp_path):
     roomy = plan_json(tmp_path / "run", str(tmp_path / "node{node}"), source, "--seq-len", SEQ, "--seed", 5,
                       "--epochs", 1, "--shard-samples", 12, "--memory", MEMORY)
     assert all(p["out_of_core_bytes"] == 0 and p["epochs"][0]["fits_memory"] for p in roomy["per_node"])
+
+
+def test_a_two_stage_schedule_plan_agrees_with_the_exchange(source, tmp_path):
+    """Epochs of different sizes and sources: each epoch's rows and rounds, each node's rank files,
+    RUN's files; each epoch's source bytes over the nodes are its stage's shards."""
+    other = write_source(tmp_path / "other", random_docs(np.random.default_rng(9), 80, 1000, 0), docs_per_shard=20)
+    (tmp_path / "run.yaml").write_text(f"""\
+seq_len: {SEQ}
+seed: 3
+shard_samples: 12
+stages:
+  - name: first
+    epochs: 1
+    sources: {{{source}: 1}}
+  - name: second
+    tokens: 6K
+    sources: {{{source}: 0.5, {other}: 0.5}}
+""")
+    run, dest, args = tmp_path / "run", str(tmp_path / "node{node}"), ["--schedule", tmp_path / "run.yaml",
+                                                                      "--memory", MEMORY]
+    plan = plan_json(run, dest, *args)
+    real, _ = audited(tmp_path, run, dest, *args)
+    assert [e["samples"] for e in plan["epochs"]] == [496, 95]
+    for i, e in enumerate(plan["epochs"]):
+        assert {s["epochs_detail"][i]["rounds"] for s in real.values()} == {e["rounds"]}
+    for n, p in enumerate(plan["per_node"]):
+        assert [(e["rows"], e["slice_token_bytes"]) for e in p["epochs"]] == \
+            [(d["rows_kept"], 2 * d["tokens_kept"]) for d in real[n]["epochs_detail"]]
+        assert sizes(tmp_path / f"node{n}", ".ds") == sum(e["slice_token_bytes"] for e in p["epochs"])
+    assert [sum(p["epochs"][i]["source_bytes"] for p in plan["per_node"]) for i in range(2)] == \
+        [shard_bytes(source), shard_bytes(source) + shard_bytes(other)]
+    assert plan["run_files"]["bytes"] == sum(p.stat().st_size for p in run.rglob("*")
+                                             if p.is_file() and p.name != "tokpack.lock")
