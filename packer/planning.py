@@ -570,7 +570,7 @@ def _node_epoch_figures(job, manifest: dict, figures, first: int, nodes: int, ra
     its _NodeEpoch (the slice's positions, the owned shards, keep_bytes), its runs of source
     shards (split_shards), round_tokens, and the destinations exchange_epoch sends each piece to
     (the node that reads its row, and its shard's owner when that is another node)."""
-    from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, U64
+    from tokpack.formats.shards import U64
     from tokpack.formats.slices import RankRows
     from tokpack.packer.exchange import PIECE, _NodeEpoch, round_tokens
     from tokpack.packer.slicing import slice_files, slice_ranks
@@ -623,8 +623,6 @@ def _node_epoch_figures(job, manifest: dict, figures, first: int, nodes: int, ra
             "owned_bytes": ne.owned_rows * (job.row_bytes + U64.itemsize * (1 + per_row)),
             "owned_peak": max([k * (job.row_bytes + U64.itemsize * (1 + per_row)) for k in owned_sizes], default=0),
             "run_rows_bytes": U64.itemsize * ne.owned_rows, "run_pad_bytes": 4 * ne.owned_rows if padded else 0,
-            "run_files": [f"{job.shard_file(i)}{ROWS_SUFFIX}" for i in ne.owned]
-            + [f"{job.shard_file(i)}{PAD_SUFFIX}" for i in ne.owned if padded],
             "keep_bytes": ne.keep_bytes, "per_round_tokens": per_round,
             "table_bytes": table["table_bytes"] if table else 0})
         # What follows needs each node's destinations, not its positions (8 bytes a row of the
@@ -662,10 +660,12 @@ def _node_epoch_figures(job, manifest: dict, figures, first: int, nodes: int, ra
         # table's pieces and data tokens spread over the nodes by their source bytes, and over
         # the destinations as exchange_epoch sends the epoch's rows
         total = sum(f["source_bytes"] for f in out) or 1
-        dests = np.zeros(nodes, dtype=np.int64)
-        for c in range(0, plan.samples, 1 << 20):
-            _count_sends(dests, nes[0], np.arange(c, min(plan.samples, c + (1 << 20)), dtype=np.int64))
-        share = dests / max(1, plan.samples)  # per destination: copies it gets of a piece sent
+        dests, every, taken = np.zeros(nodes, dtype=np.int64), max(1, -(-plan.samples // EXACT_WINDOWS)), 0
+        for c in range(0, plan.samples, SAMPLE_BLOCK * every):  # a large epoch's: every k-th block
+            g = np.arange(c, min(plan.samples, c + SAMPLE_BLOCK), dtype=np.int64)
+            _count_sends(dests, nes[0], g)  # a row's destinations do not depend on who sends it
+            taken += len(g)
+        share = dests / max(1, taken)  # per destination: copies it gets of a piece sent
         for m, f in enumerate(out):
             part = f["source_bytes"] / total
             reads[m] = (round(table["pieces"] * part), round(data_tokens * part))
