@@ -808,14 +808,25 @@ PLAN_HELP = {
 }
 
 
-def _planned(command: click.Command):
+NODES_OPTIONS = [  # plan shuffle --to-nodes: what the command learns from MPI, and the machines' speeds
+    click.Option(["--nodes"], type=click.IntRange(min=1), default=None,
+                 help="With --to-nodes: N, the processes (nodes) mpirun would start; plan runs without MPI."),
+    click.Option(["--shared-mbps"], type=click.FloatRange(min=0, min_open=True), default=None,
+                 help="With --to-nodes: the shared filesystem's throughput in MB/s, all nodes together [default: "
+                      "measured like --disk-mbps, next to RUN, from this machine]."),
+    click.Option(["--nic-mbps"], type=click.FloatRange(min=0, min_open=True), default=None,
+                 help="With --to-nodes: a node's network throughput in MB/s, each way [default: 25000]."),
+]
+
+
+def _planned(command: click.Command, extra=()):
     """Registers `tokpack plan COMMAND`: every argument and option of COMMAND, plus --disk-mbps.
     Plans are of local paths (tokpack.packer.planning), so --scratch, which only a URL -o uses, changes
     nothing in a plan, as it changes nothing in the command with a local -o."""
 
     def register(fn):
         plan.add_command(click.Command(
-            command.name, params=[*command.params, DISK_MBPS], callback=user_errors(fn),
+            command.name, params=[*command.params, DISK_MBPS, *extra], callback=user_errors(fn),
             help=f"Plan `tokpack {command.name}` with the same arguments (every one it takes); writes no output "
                  f"(only the disk probe's temporary file, without --disk-mbps). "
                  f"Paths are local: a URL -o is refused, so --scratch, used only for one, changes nothing. "
@@ -836,14 +847,25 @@ def _emit_plan(command: str, as_json: bool, *args, **kw) -> None:
             click.echo(f"tokpack: warning: {line}", err=True)
 
 
-@_planned(shuffle)
+@_planned(shuffle, NODES_OPTIONS)
 def plan_shuffle(sources, output, epochs, epoch, as_json, **kw):
-    if kw.pop("to_nodes") is not None:  # issue 33, item 7
-        raise click.UsageError("plan shuffle --to-nodes is not implemented yet; plan the shuffle without it")
-    kw.pop("ranks_per_node"), kw.pop("micro_batch"), kw.pop("keep_sources")
+    to_nodes = {k: kw.pop(k) for k in ("to_nodes", "ranks_per_node", "micro_batch", "keep_sources", "nodes",
+                                      "shared_mbps", "nic_mbps")}
     epochs = _epochs_asked(sources, epochs, epoch, {**kw, "output": output})
-    _emit_plan("shuffle", as_json, _weighted_sources(sources) if sources else None, output, epochs=epochs, executor=_executor_config(kw),
-               **kw)
+    if to_nodes["to_nodes"] is not None:  # issue 33, item 7: as shuffle --to-nodes, on --nodes N
+        if None in (to_nodes["ranks_per_node"], to_nodes["micro_batch"], to_nodes["nodes"]):
+            raise click.UsageError("plan shuffle --to-nodes needs --nodes N, --ranks-per-node K and --micro-batch M")
+        if kw.get("scratch") is not None:
+            raise click.UsageError("--to-nodes writes no scratch to the shared filesystem; drop --scratch")
+        if kw.get("like") is not None or kw.get("holdout") is not None:
+            raise click.UsageError("--to-nodes takes its SOURCEs (or --schedule) and settings; drop --like/--holdout")
+    elif any(v is not None for v in to_nodes.values()):
+        raise click.UsageError("--ranks-per-node, --micro-batch, --keep-sources, --nodes, --shared-mbps and "
+                               "--nic-mbps go with --to-nodes DEST")
+    else:
+        to_nodes = {}
+    _emit_plan("shuffle", as_json, _weighted_sources(sources) if sources else None, output, epochs=epochs,
+               executor=_executor_config(kw), **kw, **to_nodes)
 
 
 @_planned(pack)

@@ -35,7 +35,7 @@ disk for the later epochs. `stage RUN DEST --node n/N` on such a RUN (a replacem
 `stage_replacement`: the node's rows rebuilt from the sources, checked against RUN's row hashes.
 
 Not yet (docs/COMMANDS.md, "Straight to the nodes"): ordering a node's rows out of core (a node
-whose rows do not fit --memory is refused with one line), `plan shuffle --to-nodes`, a batch
+whose rows do not fit --memory is refused with one line), a batch
 phase (`--start-sample`), a tokpack line of its own when a peer is killed (the launcher's names it).
 """
 
@@ -183,15 +183,20 @@ class _NodeEpoch:
         runs = split_shards(self.plan, self.sources, self.nodes)
         return runs[self.node] if self.node < len(runs) else []  # fewer source shards than nodes: none
 
+    def kept_shards(self) -> dict[int, set[int]]:
+        """source -> the shards --keep-sources keeps of it: those this process reads, and the next
+        one, which its last windows may run into (also what `plan shuffle --to-nodes` counts)."""
+        need: dict[int, set[int]] = {}
+        for s, k0, k1 in self.runs():
+            need.setdefault(s, set()).update(range(k0, min(k1 + 1, len(self.sources[s].shards))))
+        return need
+
     def keep_sources(self, folder: Path) -> int:
         """--keep-sources: the source shards this process reads (and the next one, which its last
         windows may run into) copied, verified, into `folder` once; from then on they are read
         there, not on the shared filesystem. Returns the bytes copied now."""
-        copied, need = 0, {}
-        for s, k0, k1 in self.runs():
-            need.setdefault(s, set()).update(range(k0, min(k1 + 1, len(self.sources[s].shards))))
-        kept = list(self.sources)
-        for s, shards in sorted(need.items()):
+        copied, kept = 0, list(self.sources)
+        for s, shards in sorted(self.kept_shards().items()):
             src = self.sources[s]
             d = folder / src.fingerprint
             d.mkdir(parents=True, exist_ok=True)
