@@ -484,14 +484,14 @@ def _nodes_lines(r: PlanResult) -> list[str]:
     written = ("nothing written" if not (r.disk.startswith("measured") or (r.shared or "").startswith("measured"))
                else "no output written (the disk probe wrote and read back a temporary file; --disk-mbps and "
                     "--shared-mbps skip it)")
-    lines = [f"plan shuffle -> {r.output} --to-nodes {t['dest']}: {r.nodes} node(s) of {t['ranks_per_node']} ranks "
+    lines = [f"plan shuffle -> {r.output} --to-nodes {t['dest']}: {counted(r.nodes, 'node')} of {t['ranks_per_node']} ranks "
              f"(W = {t['world_size']}), micro-batch {t['micro_batch']}; {written}"]
     for e in r.epochs:
         if e["path"] != "to-nodes":
             lines.append(f"  epoch {e['epoch']}: {e['path']}, {e['samples']:,} samples")
             continue
         rounds = "rounds unknown (a node's rows do not fit --memory)" if e["rounds"] is None else (
-            f"{e['rounds']:,} exchange round(s)" + ("" if e["rounds_exact"] else " at least" if
+            counted(e['rounds'], 'exchange round') + ("" if e["rounds_exact"] else " at least" if
                                                      e["packing"] == "best-fit" else " (estimated)"))
         lines.append(f"  epoch {e['epoch']}: {e['packing']}, {e['samples']:,} samples, {e['shards']:,} epoch shards, "
                      f"{rounds}")
@@ -769,12 +769,12 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
                         "packing": "best-fit" if padded else "windows"})
         idle = [f["node"] for f in figures if not f["source_shards"]]
         if idle:  # split_shards gives at most one process a shard
-            notes.append(f"epoch {epoch}: node(s) {', '.join(map(str, idle))} read no source shard (the epoch uses "
+            notes.append(f"epoch {epoch}: {'node' if len(idle) == 1 else 'nodes'} {', '.join(map(str, idle))} read no source shard (the epoch uses "
                          f"{figures[0]['epoch_source_shards']} source "
                          f"shards, fewer than {nodes} nodes); they still receive their rows")
         big = [f for f in figures if f["per_round_tokens"] is None]
         if big:
-            names = "every node" if len(big) == nodes else "node(s) " + ", ".join(str(f["node"]) for f in big)
+            names = "every node" if len(big) == nodes else ("node " if len(big) == 1 else "nodes ") + ", ".join(str(f["node"]) for f in big)
             notes.append(f"epoch {epoch}: the rows of {names} (up to {_size(max(f['keep_bytes'] for f in big))} "
                          f"with the owned shards) do not fit --memory {_size(memory)}: they would be ordered out of "
                          "core on the node's disk (scratch of about its slice's bytes, an estimate); shuffle "

@@ -170,7 +170,7 @@ def test_more_nodes_than_source_shards_gives_nodes_that_read_nothing(source, tmp
     idle = [p["node"] for p in plan["per_node"] if p["shared_source_bytes"] == 0]
     assert len(idle) == 3 and all(p["received_bytes"] > 0 and p["slice_bytes"] > 0 for p in plan["per_node"])
     assert sum(p["shared_source_bytes"] for p in plan["per_node"]) == shard_bytes(source)
-    assert any(f"node(s) {', '.join(map(str, idle))} read no source shard" in w for w in plan["warnings"])
+    assert any(f"{'node' if len(idle) == 1 else 'nodes'} {', '.join(map(str, idle))} read no source shard" in w for w in plan["warnings"])
     assert all(p["space"] == "not visible" for p in plan["per_node"]) and plan["space"] == []
     assert plan["disk_mbps"] is None and "give --disk-mbps" in plan["disk"] and plan["predicted_seconds"] is None
     assert not (tmp_path / "run").exists()
