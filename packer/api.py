@@ -237,7 +237,7 @@ def stage(directory: PathLike, dest: PathLike, *, workers: int = 4, epochs: str 
 
     ranks = whole_shard_ranks(shards_of, ranks, world_size, node)
     if node is not None and world_size is None and ranks is None and not start_sample:
-        from tokpack.packer.exchange import exchanged_run, stage_replacement
+        from tokpack.packer.replacement import exchanged_run, stage_replacement
 
         if exchanged_run(directory):  # a RUN of shuffle --to-nodes: no token file, rows rebuilt from the sources
             return stage_replacement(directory, dest, node=node, ranks_per_node=ranks_per_node,
