@@ -7,6 +7,7 @@ from kept sources opening nothing in the shared source folder."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -102,3 +103,141 @@ def test_a_replacement_node_with_too_little_memory_is_one_line(windows, tmp_path
     assert res.exit_code == 1 and "--memory is too small" in res.output, res.output
     res = CliRunner().invoke(main, ["stage", str(run), str(tmp_path / "y"), "--memory", "1MiB"])
     assert res.exit_code == 1 and "--memory applies only to a replacement node" in res.output, res.output
+
+
+# ------------------------------------------------------------------ validate SLICE --against RUN, from the sources
+
+
+def rank_rows(dest, e: int, r: int):
+    """Rank r's rows of epoch e in the slice at `dest`, their padding (best-fit) and epoch positions."""
+    from tokpack.formats.slices import RankRows
+
+    root = json.loads((dest / MANIFEST).read_text())
+    m = json.loads((dest / epoch_dir_name(e) / MANIFEST).read_text())
+    f = dest / epoch_dir_name(e) / f"rank-{r:05d}.ds"
+    tokens = np.fromfile(f, dtype="<u2").reshape(-1, SEQ + 1)
+    pad_file = f.with_name(f.name + ".pad")
+    pad = np.fromfile(pad_file, dtype="<u4") if pad_file.exists() else None
+    rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
+    positions = np.concatenate(list(rows.node_positions(m["first_sample"], m["samples"], (r, r), 1 << 20)))
+    assert len(positions) == len(tokens)
+    return tokens, pad, positions
+
+
+def rewrite_rank_file(dest, e: int, r: int, tokens, pad, run=None) -> None:
+    """Rank r's file of epoch e rewritten with `tokens` (and `pad`) by the epoch shard writer, and
+    the slice epoch's manifest entry with it: every checksum of the slice consistent again. With
+    `run`: the slice epoch records RUN's epoch manifest as it is now (after a forged RUN)."""
+    import xxhash
+
+    from tokpack.formats.outputs import EpochShardFormat, LocalOutput
+    from tokpack.formats.slices import RankRows
+    from tokpack.packer.exchange import RankFiles
+
+    root = json.loads((dest / MANIFEST).read_text())
+    d = dest / epoch_dir_name(e)
+    m = json.loads((d / MANIFEST).read_text())
+    _, _, positions = rank_rows(dest, e, r)
+    fmt = EpochShardFormat(np.dtype("<u2"), SEQ, root["eos_id"], root["tokenizer"], padded=pad is not None)
+    files = RankFiles(LocalOutput(), d, RankRows(root["world_size"], root["micro_batch"], root["batch_phase"]),
+                      m["first_sample"], (r, r), e, fmt)
+    files.add(positions, tokens, pad)
+    (entry,) = files.close()
+    m["shards"] = [entry if s["rank"] == r else s for s in m["shards"]]
+    if run is not None:
+        m["epoch_xxh3_128"] = xxhash.xxh3_128_hexdigest((run / epoch_dir_name(e) / MANIFEST).read_bytes())
+    LocalOutput().finish(d, m)
+
+
+def forge_run_swap(run, e: int, p: int, q: int) -> None:
+    """RUN's row hashes (and padding) of epoch positions p and q, one epoch shard's, swapped and
+    their checksums rewritten: RUN as consistent as if the exchange had written it so."""
+    import xxhash
+
+    from tokpack.formats.outputs import LocalOutput
+
+    d = run / epoch_dir_name(e)
+    em = json.loads((d / MANIFEST).read_text())
+    per = em["shard_samples"]
+    assert p // per == q // per
+    entry = em["shards"][p // per]
+    for suffix, dtype, key in ((".rows", "<u8", "rows_xxh3_128"), (".pad", "<u4", "pad_xxh3_128")):
+        f = d / f"{entry['path']}{suffix}"
+        if f.exists():
+            values = np.fromfile(f, dtype=dtype)
+            values[[p % per, q % per]] = values[[q % per, p % per]]
+            f.write_bytes(values.tobytes())
+            entry[key] = xxhash.xxh3_128_hexdigest(values.tobytes())
+    LocalOutput().finish(d, em)
+
+
+def validate_against(dest, run) -> tuple[int, str]:
+    res = CliRunner().invoke(main, ["validate", str(dest), "--against", str(run)])
+    return res.exit_code, res.output
+
+
+@pytest.mark.parametrize("kind", ["windows", "best_fit"])
+def test_validate_against_run_proves_an_untouched_slice_from_the_sources(kind, request, monkeypatch):
+    """The untouched slice passes; and it is the sources that were read: every row of every rank
+    file rebuilt from them (SourceRows.rows asked for each row once)."""
+    from tokpack.packer.replacement import SourceRows
+
+    root, _, run = request.getfixturevalue(kind)
+    asked = []
+    real = SourceRows.rows
+    monkeypatch.setattr(SourceRows, "rows", lambda self, positions: (asked.append(len(positions)),
+                                                                      real(self, positions))[1])
+    code, out = validate_against(root / "node1", run)
+    assert code == 0 and "0 problems" in out, out
+    assert sum(asked) == sum(node_rows(root / "node1"))
+
+
+@pytest.mark.parametrize("kind", ["windows", "best_fit"])
+def test_validate_against_run_fails_two_rows_swapped_with_every_checksum_consistent(kind, request, tmp_path):
+    """Two rows of one rank file swapped; the rank file, its .index/.rows/.pad and the slice
+    manifest rewritten, and RUN's row hashes (and padding) swapped too, with their checksums:
+    `validate SLICE` and `validate RUN` pass, and only the replay from the sources can tell.
+    validate --against RUN fails, naming the rank file, the row and its epoch position."""
+    root, _, run = request.getfixturevalue(kind)
+    dest, forged = tmp_path / "node1", tmp_path / "run"
+    shutil.copytree(root / "node1", dest)
+    shutil.copytree(run, forged)
+    tokens, pad, positions = rank_rows(dest, 0, 3)
+    i, j = 1, 2  # one micro-batch: positions p, p+1 in one epoch shard
+    assert (tokens[i] != tokens[j]).any()
+    forge_run_swap(forged, 0, int(positions[i]), int(positions[j]))
+    tokens[[i, j]] = tokens[[j, i]]
+    if pad is not None:
+        pad[[i, j]] = pad[[j, i]]
+    rewrite_rank_file(dest, 0, 3, tokens, pad, run=forged)
+    assert "0 problems" in cli("validate", dest)
+    assert "0 problems" in cli("validate", forged)
+    code, out = validate_against(dest, forged)
+    assert code == 1, out
+    line = " ".join(out.split())
+    assert "rank-00003.ds" in line and f"row {i}" in line and f"sample {int(positions[i])}" in line, out
+    assert "replayed from the sources" in line and "(2 rows differ)" in line, out
+    assert "differs from the run's sample" not in line, out  # RUN's row hashes were forged: they cannot tell
+
+
+@pytest.mark.parametrize("kind", ["windows", "best_fit"])
+def test_validate_against_run_fails_a_row_replaced_by_another_source_window(kind, request, tmp_path):
+    """A row of rank 2's file replaced by another window of the source (a row of rank 3's, with
+    its padding), the slice's checksums consistent: validate --against RUN names row and position."""
+    root, _, run = request.getfixturevalue(kind)
+    e = 1 if kind == "windows" else 0
+    dest = tmp_path / "node1"
+    shutil.copytree(root / "node1", dest)
+    tokens, pad, positions = rank_rows(dest, e, 2)
+    other, other_pad, _ = rank_rows(dest, e, 3)
+    i = len(tokens) // 2
+    tokens[i] = other[5]
+    if pad is not None:
+        pad[i] = other_pad[5]
+    rewrite_rank_file(dest, e, 2, tokens, pad)
+    assert "0 problems" in cli("validate", dest)
+    code, out = validate_against(dest, run)
+    assert code == 1, out
+    line = " ".join(out.split())
+    assert "rank-00002.ds" in line and f"row {i}" in line and f"sample {int(positions[i])}" in line, out
+    assert "replayed from the sources" in line, out
