@@ -41,6 +41,7 @@ phase (`--start-sample`), a tokpack line of its own when a peer is killed (the l
 
 from __future__ import annotations
 
+import json
 import resource
 import shutil
 import time
@@ -63,7 +64,7 @@ from tokpack.formats.slices import RankRows, rank_file_name, slice_epoch_manifes
 from tokpack.packer.slicing import _epoch_in_place, _previous_slice, slice_ranks
 from tokpack.shuffle import packings
 from tokpack.shuffle.packed import PackedTable
-from tokpack.shuffle.plan import iter_source_windows, open_source
+from tokpack.shuffle.plan import iter_source_windows, open_source, source_location, use_kept_sources
 from tokpack.shuffle.run import epoch_manifest_of, run_manifest_of, setup_run
 from tokpack.shuffle.steps import ShardHashes, shard_segments, source_changed_error, split_shards
 
@@ -162,21 +163,32 @@ class _NodeEpoch:
     def keep_sources(self, folder: Path) -> int:
         """--keep-sources: the source shards this process reads (and the next one, which its last
         windows may run into) copied, verified, into `folder` once; from then on they are read
-        there, not on the shared filesystem. Returns the bytes copied now."""
+        there, not on the shared filesystem. Also every source's manifest (each process plans
+        every source) and, for a best-fit epoch, every source shard's `.ds.index` (the row table
+        is built from all of them, small), and `folder`'s record of them (KEPT_RECORD), so that a
+        later command plans from the copies and opens nothing in the shared source folders
+        (kept_copies). Returns the bytes copied now."""
         copied, need = 0, {}
         for s, k0, k1 in self.runs():
             need.setdefault(s, set()).update(range(k0, min(k1 + 1, len(self.sources[s].shards))))
         kept = list(self.sources)
-        for s, shards in sorted(need.items()):
-            src = self.sources[s]
+        record = _kept_record(folder)
+        for s, src in enumerate(self.sources):
+            home = src.home  # the shared folder, also when `src` is already a kept copy
             d = folder / src.fingerprint
             d.mkdir(parents=True, exist_ok=True)
             if not (d / MANIFEST).exists():
-                write_bytes_atomic(d / MANIFEST, read_limited(src.path / MANIFEST, MAX_MANIFEST_BYTES, "manifest"),
+                write_bytes_atomic(d / MANIFEST, read_limited(home / MANIFEST, MAX_MANIFEST_BYTES, "manifest"),
                                    fsync=True)
-            for k in sorted(shards):
+            for k in sorted(need.get(s, ())):
                 copied += _keep_shard(src, k, d)
-            kept[s] = open_source(d, check_sizes=False)  # its other shards are never read here
+            if self.padded:
+                for k in range(len(src.shards)):
+                    copied += _keep_shard(src, k, d, INDEX_SUFFIX)
+            kept[s] = replace(open_source(d, check_sizes=False), kept_from=home)  # its other shards are never read here
+            record[source_location(home)] = src.fingerprint
+        if record != _kept_record(folder):
+            write_bytes_atomic(folder / KEPT_RECORD, canonical_bytes(record), fsync=True)
         self.sources = kept
         return copied
 
@@ -223,30 +235,61 @@ class _NodeEpoch:
                 del data
 
 
-def _keep_shard(src, k: int, folder: Path) -> int:
-    """Source shard k copied into `folder` (its xxh3_128 checked as it streams, renamed into place
-    once whole); a copy already there at its size is kept (the epoch's reads verify it). Returns
-    the bytes copied."""
+def _keep_shard(src, k: int, folder: Path, suffix: str = "") -> int:
+    """Source shard k (with `suffix` ".index": its document index) copied from the source's own
+    folder into `folder` (its xxh3_128 checked as it streams, renamed into place once whole); a
+    copy already there at its size is kept (the epoch's reads verify it). Returns the bytes copied."""
     shard = src.shards[k]
-    size = int(shard["tokens"]) * src.dtype.itemsize
-    target = folder / shard["path"]
+    if suffix:
+        size, want = int(shard["documents"]) * 8, shard["index_xxh3_128"]  # one uint64 end a document
+    else:
+        size, want = int(shard["tokens"]) * src.dtype.itemsize, shard["xxh3_128"]
+    name = f"{shard['path']}{suffix}"
+    target = folder / name
     if target.is_file() and target.stat().st_size == size:
         return 0
     tmp = tmp_path(target)
     h = xxhash.xxh3_128()
     try:
-        with open_read(src.path / shard["path"], size=size) as fin, open_new(tmp) as fout:
+        with open_read(src.home / name, size=size) as fin, open_new(tmp) as fout:
             buf = memoryview(bytearray(min(max(size, 1), KEEP_BLOCK)))
             while n := fin.readinto(buf):
                 h.update(buf[:n])
                 fout.write(buf[:n])
-        if h.hexdigest() != shard["xxh3_128"]:
-            _changed(src.path / shard["path"], shard["xxh3_128"], h.hexdigest())
+        if h.hexdigest() != want:
+            _changed(src.home / name, want, h.hexdigest())
         commit_file(tmp, target, fsync=True)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return size
+
+
+# In a --keep-sources folder: each kept source's location (as manifests name it) -> its fingerprint,
+# the subfolder holding its copy.
+KEPT_RECORD = "kept-sources.json"
+INDEX_SUFFIX = ".index"
+
+
+def _kept_record(folder: Path) -> dict:
+    path = folder / KEPT_RECORD
+    if not path.is_file():
+        return {}
+    try:
+        record = json.loads(read_limited(path, MAX_MANIFEST_BYTES, "kept sources record"))
+    except ValueError:
+        raise TokpackError("the kept sources' record is not JSON", file=path,
+                           hint="remove the --keep-sources folder: the next epoch keeps the sources again") from None
+    if not isinstance(record, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in record.items()):
+        raise TokpackError("the kept sources' record is malformed", file=path, expected="{location: fingerprint}",
+                           hint="remove the --keep-sources folder: the next epoch keeps the sources again")
+    return record
+
+
+def kept_copies(folder: Path) -> dict[str, Path]:
+    """The sources a --keep-sources folder holds copies of (their location -> the copy), for
+    tokpack.shuffle.plan.use_kept_sources before the run is planned."""
+    return {loc: folder / fp for loc, fp in _kept_record(folder).items() if (folder / fp / MANIFEST).is_file()}
 
 
 KEEP_BLOCK = 8 << 20  # --keep-sources copy buffer
@@ -532,6 +575,8 @@ def shuffle_to_nodes(sources: list[str], output: str, dest: str, *, ranks_per_no
             locks.append(OutputLock(str(dest), holder_name("shuffle")).acquire())
         together(comm, lock)
         keep = None if keep_sources is None else node_dest(keep_sources, n)
+        if keep is not None:  # kept copies from an earlier epoch: planned from them, the shared source folders unread
+            together(comm, lambda: use_kept_sources(kept_copies(keep)))
         return _run(comm, MPI, n, N, (a, b), w, sources, out, dest, ranks_per_node, micro_batch, memory, log, t0, keep,
                     dict(weights=weights, seq_len=seq_len, seed=seed, epochs=epochs, samples=samples, tokens=tokens,
                          shard_samples=shard_samples, memory=memory, jitter=jitter, workers=1, progress=False,

@@ -241,3 +241,44 @@ def test_validate_against_run_fails_a_row_replaced_by_another_source_window(kind
     line = " ".join(out.split())
     assert "rank-00002.ds" in line and f"row {i}" in line and f"sample {int(positions[i])}" in line, out
     assert "replayed from the sources" in line, out
+
+
+# ------------------------------------------------------------------ later epochs from kept sources
+
+
+@pytest.mark.parametrize("packing", ["windows", "best-fit"])
+def test_a_later_epoch_from_kept_sources_opens_no_file_in_the_shared_source_folder(packing, tmp_path):
+    """--keep-sources DIR{node}: epoch 0 keeps each process's part of the sources; epoch 1, every
+    MPI process under an audit hook (tests/audit_site) recording each file it opens, opens none
+    in the shared source folder (best-fit: the row table is rebuilt from the kept manifests and
+    `.ds.index` files), and its slices are still the exchange's (a replacement node's bytes)."""
+    from probes import AUDIT_SITE, audit_env, audited
+
+    from test_mpi import REPO
+
+    source = write_source(tmp_path / "shared" / "src", random_docs(np.random.default_rng(3), 200, 1000, 0),
+                          docs_per_shard=40)
+    args = [source, "--seq-len", SEQ, "--seed", 5, "--shard-samples", 12, "--memory", MEMORY]
+    if packing == "best-fit":
+        args += ["--packing", "best-fit"]
+    run, dest, keep = tmp_path / "exchanged", str(tmp_path / "node{node}"), str(tmp_path / "kept{node}")
+    done = to_nodes(run, dest, *args, "--epoch", 0, "--keep-sources", keep)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = tmp_path / "audit.log"
+    hook = {"PYTHONPATH": f"{AUDIT_SITE}:{REPO}", **audit_env(log, tmp_path)}
+    done = to_nodes(run, dest, *args, "--epoch", 1, "--keep-sources", keep, env=hook)
+    assert done.returncode == 0, done.stderr[-3000:]
+    opened = [a for a in audited(log) if a.event == "open"]
+    pids = {a.pid for a in opened if a.path.startswith(str(tmp_path / "kept"))}
+    assert len(pids) >= 4, opened[:5]  # the hook ran in every MPI process: each read its kept copies
+    shared = sorted({a.path for a in opened if a.path.startswith(f"{source}/") or a.path == str(source)})
+    assert shared == [], shared[:10]
+    # RUN's manifests name the shared source folder, byte for byte `tokpack shuffle`'s
+    ref = tmp_path / "shuffled"
+    cli("shuffle", *args, "--epoch", 1, "-o", ref)
+    e1 = f"{epoch_dir_name(1)}/{MANIFEST}"
+    assert (run / e1).read_bytes() == (ref / e1).read_bytes()
+    assert json.loads((run / MANIFEST).read_text())["sources"] == json.loads((ref / MANIFEST).read_text())["sources"]
+    again = tmp_path / "again"
+    cli("stage", run, again, "--node", f"3/{NODES}", "--ranks-per-node", K, "--micro-batch", M, "--epochs", "1")
+    assert tree(again / epoch_dir_name(1)) == tree(tmp_path / "node3" / epoch_dir_name(1))
