@@ -282,3 +282,20 @@ def test_a_later_epoch_from_kept_sources_opens_no_file_in_the_shared_source_fold
     again = tmp_path / "again"
     cli("stage", run, again, "--node", f"3/{NODES}", "--ranks-per-node", K, "--micro-batch", M, "--epochs", "1")
     assert tree(again / epoch_dir_name(1)) == tree(tmp_path / "node3" / epoch_dir_name(1))
+
+
+def test_validate_against_run_without_its_sources_cannot_prove_the_slice(windows, monkeypatch):
+    """The sources gone (or unreadable): nothing can replay the plan, and validate says so in one
+    problem naming the epoch, rather than passing on RUN's row hashes alone."""
+    from tokpack.formats.errors import TokpackError
+    from tokpack.packer import replacement
+
+    root, source, run = windows
+
+    def gone(path, check_sizes=True):
+        raise TokpackError("source directory not found", file=path)
+
+    monkeypatch.setattr(replacement, "open_source", gone)
+    code, out = validate_against(root / "node1", run)
+    line = " ".join(out.split())
+    assert code == 1 and "cannot replay epoch 0 from the sources" in line and str(source) in line, out
