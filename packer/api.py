@@ -218,11 +218,12 @@ def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
     """Checks tokpack directories (sources, runs, epochs); `against`: the packed sources an
     epoch was shuffled from, to recompute its content and prove its order. Returns a
     tokpack.packer.validation.ValidateResult."""
-    from tokpack.packer.replacement import DEFAULT_MEMORY, SourceRows
     from tokpack.packer.validation import validate_all
     from tokpack.shuffle.packings import replay as replay_hashes
 
     def source_rows(epoch_dir, manifest, work):  # a slice of a --to-nodes RUN, proven from the sources
+        from tokpack.packer.replacement import DEFAULT_MEMORY, SourceRows
+
         return SourceRows(epoch_dir, manifest, DEFAULT_MEMORY, work)
 
     return validate_all(as_paths(dirs), quick=quick, against=as_paths(against), workers=workers,

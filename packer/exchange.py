@@ -280,7 +280,8 @@ def _kept_record(folder: Path) -> dict:
     except ValueError:
         raise TokpackError("the kept sources' record is not JSON", file=path,
                            hint="remove the --keep-sources folder: the next epoch keeps the sources again") from None
-    if not isinstance(record, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in record.items()):
+    if not isinstance(record, dict) or not all(isinstance(k, str) and isinstance(v, str) and v and "/" not in v
+                                               and v not in (".", "..") for k, v in record.items()):
         raise TokpackError("the kept sources' record is malformed", file=path, expected="{location: fingerprint}",
                            hint="remove the --keep-sources folder: the next epoch keeps the sources again")
     return record

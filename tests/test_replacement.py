@@ -299,3 +299,14 @@ def test_validate_against_run_without_its_sources_cannot_prove_the_slice(windows
     code, out = validate_against(root / "node1", run)
     line = " ".join(out.split())
     assert code == 1 and "cannot replay epoch 0 from the sources" in line and str(source) in line, out
+
+
+@pytest.mark.parametrize("text", ["not json", '{"/data/src": "../elsewhere"}', '["a"]'])
+def test_a_damaged_kept_sources_record_is_one_line_naming_it(text, tmp_path):
+    from tokpack.formats.errors import TokpackError
+    from tokpack.packer.exchange import KEPT_RECORD, kept_copies
+
+    (tmp_path / KEPT_RECORD).write_text(text)
+    with pytest.raises(TokpackError, match="kept sources' record") as e:
+        kept_copies(tmp_path)
+    assert str(tmp_path / KEPT_RECORD) in str(e.value) and "\n" not in str(e.value)
