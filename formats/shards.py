@@ -393,6 +393,14 @@ class PackedSource:
     dtype: np.dtype  # little-endian uint16 or uint32
     shards: list[dict]  # manifest entries, in stream order
     shard_starts: np.ndarray = field(repr=False)  # token offset of each shard in the stream, plus the total
+    # A verified local copy (`shuffle --to-nodes --keep-sources`): the source's own folder, which
+    # plans and manifests name; its files are read at `path`, the copy.
+    kept_from: Path | None = None
+
+    @property
+    def home(self) -> Path:
+        """The source's folder as plans and manifests name it (for a kept copy: not where it is read)."""
+        return self.path if self.kept_from is None else self.kept_from
 
     @classmethod
     def open(cls, path: str | Path, check_sizes: bool = True) -> "PackedSource":

@@ -75,7 +75,7 @@ ARGUMENTS = {
     "validate": {"dirs": _paths, "against": _paths, "quick": _FLAG, "workers": ("whole", {"least": 1, **_REQUIRED}), "show_progress": _MAYBE_FLAG},
     "stage": {"workers": ("whole", {"least": 1, **_REQUIRED}), "epochs": _TEXT, "ranks": _TEXT,
               "micro_batch": ("whole", {"least": 1, **_REQUIRED}), "world_size": _COUNT[1], "node": _TEXT,
-              "ranks_per_node": _COUNT[1], "start_sample": ("whole", _REQUIRED)},
+              "ranks_per_node": _COUNT[1], "start_sample": ("whole", _REQUIRED), "memory": ("size", {})},
     "inspect": {"batch_size": _COUNT[1], "batches": ("whole", {"least": 1, **_REQUIRED}), "seq_len": _COUNT[1],
                 "epoch": _COUNT[0], "memory": ("size", {}), "documents_per_row": _FLAG},
 }
@@ -221,27 +221,39 @@ def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
     from tokpack.packer.validation import validate_all
     from tokpack.shuffle.packings import replay as replay_hashes
 
+    def source_rows(epoch_dir, manifest, work):  # a slice of a --to-nodes RUN, proven from the sources
+        from tokpack.packer.replacement import DEFAULT_MEMORY, SourceRows
+
+        return SourceRows(epoch_dir, manifest, DEFAULT_MEMORY, work)
+
     return validate_all(as_paths(dirs), quick=quick, against=as_paths(against), workers=workers,
-                        show_progress=show_progress, replay=replay_hashes)
+                        show_progress=show_progress, replay=replay_hashes, source_rows=source_rows)
 
 
 @_checks("stage")
 def stage(directory: PathLike, dest: PathLike, *, workers: int = 4, epochs: str | None = None,
           ranks: str | None = None, micro_batch: int = 1, world_size: int | None = None, node: str | None = None,
-          ranks_per_node: int | None = None, start_sample: int = 0, log=None, shards_of: str | None = None):
+          ranks_per_node: int | None = None, start_sample: int = 0, log=None, shards_of: str | None = None,
+          memory: int | None = None):
     """Copies a tokpack directory (any fsspec URL) to the local `dest`, verifying every file, a
     StageResult. `shards_of` ('r/W'): only the whole epoch shards ranks r of W read. With
     `world_size` or `node`: the node slice of `ranks` A..B of a run (tokpack.packer.slicing), a
-    SliceResult. `ranks='r/W'` without them is the old spelling of `shards_of` (docs/COMMANDS.md, "Words")."""
+    SliceResult. `ranks='r/W'` without them is the old spelling of `shards_of` (docs/COMMANDS.md, "Words").
+    `memory`: a replacement node's budget (`node` on a RUN of shuffle --to-nodes), refused elsewhere."""
     from tokpack.packer.staging import whole_shard_ranks
 
     ranks = whole_shard_ranks(shards_of, ranks, world_size, node)
     if node is not None and world_size is None and ranks is None and not start_sample:
-        from tokpack.packer.exchange import exchanged_run, stage_replacement
+        from tokpack.packer.replacement import exchanged_run, stage_replacement
 
         if exchanged_run(directory):  # a RUN of shuffle --to-nodes: no token file, rows rebuilt from the sources
             return stage_replacement(directory, dest, node=node, ranks_per_node=ranks_per_node,
-                                     micro_batch=micro_batch, epochs=epochs, log=log)
+                                     micro_batch=micro_batch, epochs=epochs, log=log, memory=memory)
+    if memory is not None:  # a copy or a slice of a materialised run streams its files: no budget to keep
+        from tokpack.formats.errors import TokpackError
+
+        raise TokpackError("--memory applies only to a replacement node", where="--memory",
+                           hint="give it with --node on a RUN of `tokpack shuffle --to-nodes`, or leave it out")
     if world_size is not None or node is not None:
         from tokpack.packer.slicing import stage_slice
 

@@ -737,6 +737,9 @@ def inspect(directory, as_json, **kw):
                    "(--node, or --ranks with --world-size), whose rows depend on it; with --shards-of r/W [default: 1].")
 @click.option("--start-sample", type=click.IntRange(min=0), default=0, show_default=True,
               help="Node slice: global batches start at this sample mod W*m (a run resumed off that grid).")
+@click.option("--memory", type=BYTES, default=None,
+              help="A replacement node (--node on a RUN of shuffle --to-nodes): memory budget in bytes of the "
+                   "rows it rebuilds at a time, and of a best-fit epoch's row table [default: 256MiB].")
 @LOG_INTERVAL
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors

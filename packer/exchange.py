@@ -32,7 +32,7 @@ scratch, and the rows are assembled, with their padding, where they arrive.
 A rerun resumes (`_resumed_setup`): the epochs complete on every node are skipped, the others
 written again on every node. `--keep-sources DIR` keeps each process's source shards on its
 disk for the later epochs. `stage RUN DEST --node n/N` on such a RUN (a replacement node) is
-`stage_replacement`: the node's rows rebuilt from the sources, checked against RUN's row hashes.
+tokpack.packer.replacement: the node's rows rebuilt from the sources, checked against RUN's row hashes.
 
 Not yet (docs/COMMANDS.md, "Straight to the nodes"): ordering a node's rows out of core (a node
 whose rows do not fit --memory is refused with one line), a batch
@@ -41,11 +41,12 @@ phase (`--start-sample`), a tokpack line of its own when a peer is killed (the l
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -53,20 +54,18 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import LOCK_NAME, WORK_DIR, OutputLock, check_space, holder_name, is_no_space
-from tokpack.formats.io import (commit_file, map_file, open_new, open_read, read_array, read_limited, remove_tmp_files,
+from tokpack.formats.io import (commit_file, map_file, open_new, open_read, read_limited, remove_tmp_files,
                                 tmp_path,
                                 write_bytes_atomic)
-from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, NODES_SIDECAR, canonical_bytes, nodes_sidecar, epoch_dir_name, parse_manifest, read_manifest,
-                                      row_hashes)
+from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, NODES_SIDECAR, canonical_bytes, nodes_sidecar, epoch_dir_name, parse_manifest, read_manifest)
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace
-from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, U64, tokens_on_nodes
+from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX
 from tokpack.formats.slices import RankRows, rank_file_name, slice_epoch_manifest, slice_manifest
-from tokpack.packer.shared import Result
 from tokpack.packer.slicing import _epoch_in_place, _previous_slice, slice_ranks
 from tokpack.shuffle import packings
 from tokpack.shuffle.packed import PackedTable
-from tokpack.shuffle.plan import iter_source_windows, open_source
+from tokpack.shuffle.plan import iter_source_windows, open_source, source_location, use_kept_sources
 from tokpack.shuffle.run import epoch_manifest_of, run_manifest_of, setup_run
 from tokpack.shuffle.steps import ShardHashes, shard_segments, source_changed_error, split_shards
 
@@ -194,18 +193,30 @@ class _NodeEpoch:
     def keep_sources(self, folder: Path) -> int:
         """--keep-sources: the source shards this process reads (and the next one, which its last
         windows may run into) copied, verified, into `folder` once; from then on they are read
-        there, not on the shared filesystem. Returns the bytes copied now."""
-        copied, kept = 0, list(self.sources)
-        for s, shards in sorted(self.kept_shards().items()):
-            src = self.sources[s]
+        there, not on the shared filesystem. Also every source's manifest (each process plans
+        every source) and, for a best-fit epoch, every source shard's `.ds.index` (the row table
+        is built from all of them, small), and `folder`'s record of them (KEPT_RECORD), so that a
+        later command plans from the copies and opens nothing in the shared source folders
+        (kept_copies). Returns the bytes copied now."""
+        copied, need = 0, self.kept_shards()
+        kept = list(self.sources)
+        record = _kept_record(folder)
+        for s, src in enumerate(self.sources):
+            home = src.home  # the shared folder, also when `src` is already a kept copy
             d = folder / src.fingerprint
             d.mkdir(parents=True, exist_ok=True)
             if not (d / MANIFEST).exists():
-                write_bytes_atomic(d / MANIFEST, read_limited(src.path / MANIFEST, MAX_MANIFEST_BYTES, "manifest"),
+                write_bytes_atomic(d / MANIFEST, read_limited(home / MANIFEST, MAX_MANIFEST_BYTES, "manifest"),
                                    fsync=True)
-            for k in sorted(shards):
+            for k in sorted(need.get(s, ())):
                 copied += _keep_shard(src, k, d)
-            kept[s] = open_source(d, check_sizes=False)  # its other shards are never read here
+            if self.padded:
+                for k in range(len(src.shards)):
+                    copied += _keep_shard(src, k, d, INDEX_SUFFIX)
+            kept[s] = replace(open_source(d, check_sizes=False), kept_from=home)  # its other shards are never read here
+            record[source_location(home)] = src.fingerprint
+        if record != _kept_record(folder):
+            write_bytes_atomic(folder / KEPT_RECORD, canonical_bytes(record), fsync=True)
         self.sources = kept
         return copied
 
@@ -252,30 +263,62 @@ class _NodeEpoch:
                 del data
 
 
-def _keep_shard(src, k: int, folder: Path) -> int:
-    """Source shard k copied into `folder` (its xxh3_128 checked as it streams, renamed into place
-    once whole); a copy already there at its size is kept (the epoch's reads verify it). Returns
-    the bytes copied."""
+def _keep_shard(src, k: int, folder: Path, suffix: str = "") -> int:
+    """Source shard k (with `suffix` ".index": its document index) copied from the source's own
+    folder into `folder` (its xxh3_128 checked as it streams, renamed into place once whole); a
+    copy already there at its size is kept (the epoch's reads verify it). Returns the bytes copied."""
     shard = src.shards[k]
-    size = int(shard["tokens"]) * src.dtype.itemsize
-    target = folder / shard["path"]
+    if suffix:
+        size, want = int(shard["documents"]) * 8, shard["index_xxh3_128"]  # one uint64 end a document
+    else:
+        size, want = int(shard["tokens"]) * src.dtype.itemsize, shard["xxh3_128"]
+    name = f"{shard['path']}{suffix}"
+    target = folder / name
     if target.is_file() and target.stat().st_size == size:
         return 0
     tmp = tmp_path(target)
     h = xxhash.xxh3_128()
     try:
-        with open_read(src.path / shard["path"], size=size) as fin, open_new(tmp) as fout:
+        with open_read(src.home / name, size=size) as fin, open_new(tmp) as fout:
             buf = memoryview(bytearray(min(max(size, 1), KEEP_BLOCK)))
             while n := fin.readinto(buf):
                 h.update(buf[:n])
                 fout.write(buf[:n])
-        if h.hexdigest() != shard["xxh3_128"]:
-            _changed(src.path / shard["path"], shard["xxh3_128"], h.hexdigest())
+        if h.hexdigest() != want:
+            _changed(src.home / name, want, h.hexdigest())
         commit_file(tmp, target, fsync=True)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return size
+
+
+# In a --keep-sources folder: each kept source's location (as manifests name it) -> its fingerprint,
+# the subfolder holding its copy.
+KEPT_RECORD = "kept-sources.json"
+INDEX_SUFFIX = ".index"
+
+
+def _kept_record(folder: Path) -> dict:
+    path = folder / KEPT_RECORD
+    if not path.is_file():
+        return {}
+    try:
+        record = json.loads(read_limited(path, MAX_MANIFEST_BYTES, "kept sources record"))
+    except ValueError:
+        raise TokpackError("the kept sources' record is not JSON", file=path,
+                           hint="remove the --keep-sources folder: the next epoch keeps the sources again") from None
+    if not isinstance(record, dict) or not all(isinstance(k, str) and isinstance(v, str) and v and "/" not in v
+                                               and v not in (".", "..") for k, v in record.items()):
+        raise TokpackError("the kept sources' record is malformed", file=path, expected="{location: fingerprint}",
+                           hint="remove the --keep-sources folder: the next epoch keeps the sources again")
+    return record
+
+
+def kept_copies(folder: Path) -> dict[str, Path]:
+    """The sources a --keep-sources folder holds copies of (their location -> the copy), for
+    tokpack.shuffle.plan.use_kept_sources before the run is planned."""
+    return {loc: folder / fp for loc, fp in _kept_record(folder).items() if (folder / fp / MANIFEST).is_file()}
 
 
 KEEP_BLOCK = 8 << 20  # --keep-sources copy buffer
@@ -561,6 +604,8 @@ def shuffle_to_nodes(sources: list[str], output: str, dest: str, *, ranks_per_no
             locks.append(OutputLock(str(dest), holder_name("shuffle")).acquire())
         together(comm, lock)
         keep = None if keep_sources is None else node_dest(keep_sources, n)
+        if keep is not None:  # kept copies from an earlier epoch: planned from them, the shared source folders unread
+            together(comm, lambda: use_kept_sources(kept_copies(keep)))
         return _run(comm, MPI, n, N, (a, b), w, sources, out, dest, ranks_per_node, micro_batch, memory, log, t0, keep,
                     dict(weights=weights, seq_len=seq_len, seed=seed, epochs=epochs, samples=samples, tokens=tokens,
                          shard_samples=shard_samples, memory=memory, jitter=jitter, workers=1, progress=False,
@@ -732,187 +777,3 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_bat
             "micro_batch": micro_batch, "epochs": final["epochs"], "epochs_detail": summaries, "skipped": skipped,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
             "seconds": round(time.perf_counter() - t0, 3)}
-
-
-# ------------------------------------------------------------------ a replacement node, alone
-
-
-@dataclass
-class ReplacementResult(Result):
-    """What `stage RUN DEST --node n/N` on a --to-nodes RUN prints with --json."""
-
-    kind: str
-    source: str
-    dest: str
-    ranks: list[int]
-    world_size: int
-    micro_batch: int
-    epochs: list[int]
-    built_from: str  # "sources": no token file in RUN
-    bytes_read: int  # the rows' source tokens and RUN's row hashes
-    bytes_kept: int
-    read_amplification: float | None
-    seconds: float
-
-
-def exchanged_run(run_dir) -> bool:
-    """Whether RUN was written by --to-nodes: its epochs hold row hashes and no token file."""
-    for m in sorted(Path(run_dir).glob(f"epoch-*/{MANIFEST}")):
-        shards = parse_manifest(_read_raw(m), m, "epoch").get("shards") or []
-        if shards:
-            return tokens_on_nodes(m.parent, shards)
-    return False
-
-
-def stage_replacement(run_dir, dest, *, node, ranks_per_node: int, micro_batch: int, epochs=None, log=None,
-                      memory: int = 256 << 20) -> "ReplacementResult":
-    """`tokpack stage RUN DEST --node n/N --ranks-per-node K --micro-batch m` on a RUN --to-nodes
-    wrote: node n's slice built from the sources alone, each of its rows read by a ranged read
-    (windows: its source tokens) and verified against RUN's row hashes; the exchange's bytes.
-    A best-fit epoch's rows are assembled from the row table (rebuilt in DEST's scratch, within
-    `memory`, and checked against the manifest's table_xxh3_128), their padding checked against RUN's `.ds.pad`."""
-    from tokpack.packer.staging import parse_epochs
-
-    t0 = time.perf_counter()
-    out, dest = Path(run_dir), Path(dest)
-    a, b, w = slice_ranks(node=node, ranks_per_node=ranks_per_node)
-    rows = RankRows(w, micro_batch, 0)
-    with OutputLock(str(dest), holder_name("stage")):
-        previous = _own_dest(dest, out, (a, b), w, micro_batch)
-        run, root = _slice_root_of_run(out, (a, b), w, micro_batch, 0)
-        numbering = EpochNumbering.of_run(run, out)
-        chosen = sorted(int(e) for e in run.get("epochs") or []) if epochs is None else parse_epochs(epochs)
-        output: Output = LocalOutput()
-        read = kept = 0
-        for e in chosen:
-            d = dest / epoch_dir_name(e)
-            first = numbering.first(e)
-            raw = _read_raw(out / epoch_dir_name(e) / MANIFEST)
-            m = parse_manifest(raw, out / epoch_dir_name(e) / MANIFEST, "epoch")
-            want = slice_epoch_manifest(root, e, int(m["samples"]), first, raw)
-            if e in previous and _epoch_in_place(d, want):
-                continue
-            packing = packings.of_manifest(m)
-            padded = packing.name != packings.DEFAULT  # best-fit: rows from the row table's pieces
-            sources = [open_source(src["path"]) if int(src["samples"]) or padded else None for src in m["sources"]]
-            plan = packing.from_manifest(m, [src for src in sources if src is not None], memory)
-            parts = list(rows.node_positions(first, plan.samples, (a, b), 1 << 20))
-            positions = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-            epoch_dir = out / epoch_dir_name(e)
-            if padded:
-                tokens, got, pad, pads_read = _packed_rows(plan, sources, m, positions, epoch_dir,
-                                                           dest / WORK_DIR / f"replace-{epoch_dir_name(e)}", memory)
-            else:
-                (tokens, got), pad, pads_read = _rows_from_sources(plan, sources, positions), None, 0
-            expected, hashes_read = _run_row_hashes(epoch_dir, m, positions)
-            bad = np.flatnonzero(got != expected)
-            if len(bad):
-                g = int(positions[bad[0]])
-                raise TokpackError("a source row differs from the run's row hash", file=epoch_dir,
-                                   where=f"sample {g}", hint="the sources changed since the run was shuffled: "
-                                                             "run `tokpack validate` on them")
-            fmt = EpochShardFormat(tokens.dtype, int(m["seq_len"]), int(m["eos_id"]), m["tokenizer"], padded=padded)
-            entries = write_rank_files(output, d, rows, positions, first, (a, b), e, tokens, pad, fmt)
-            hashes_read += pads_read
-            want["shards"], want["tokens"] = entries, sum(x["tokens"] for x in entries)
-            output.finish(d, want)
-            read += tokens.nbytes + hashes_read
-            kept += tokens.nbytes
-            if log:
-                log(f"stage: epoch {e}: {len(positions):,} rows of ranks {a}-{b} rebuilt from the sources")
-        root["epochs"] = sorted(set(previous) | set(chosen))
-        root["tokens"] = sum(int(parse_manifest(read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES,
-                                                             "manifest"), dest, "slice-epoch")["tokens"])
-                             for e in root["epochs"])
-        output.finish(dest, root)
-    return ReplacementResult(kind="slice", source=str(out), dest=str(dest), ranks=root["ranks"], world_size=w,
-                             micro_batch=micro_batch, epochs=root["epochs"], built_from="sources", bytes_read=read,
-                             bytes_kept=kept, read_amplification=round(read / kept, 4) if kept else None,
-                             seconds=round(time.perf_counter() - t0, 3))
-
-
-def _packed_rows(plan, sources, m: dict, positions: np.ndarray, epoch_dir: Path, work: Path, memory: int):
-    """A best-fit epoch's rows at `positions`, from the row table and the sources' documents, with
-    their row hashes and padding (checked against RUN's `.ds.pad`); and the padding bytes read."""
-    from tokpack.shuffle.packed import TokenPool, row_padding
-    from tokpack.shuffle.steps import EpochJob
-
-    first = next(src for src in sources if src is not None)
-    job = EpochJob(plan, tuple(str(src.path) for src in sources), m["dtype"], int(m["eos_id"]), m["tokenizer"],
-                   str(epoch_dir), str(work), int(m["shard_samples"]))
-    prepared = packings.of_manifest(m).prepare(job, memory)
-    if prepared["table_xxh3_128"] != m["packing"]["table_xxh3_128"]:
-        raise TokpackError("the row table rebuilt from the sources is not the run's", file=epoch_dir / MANIFEST,
-                           where="packing.table_xxh3_128", expected=m["packing"]["table_xxh3_128"],
-                           found=prepared["table_xxh3_128"], hint="the sources changed since the run was shuffled")
-    built = PackedTable.open(prepared["table"], prepared["table_xxh3_128"])
-
-    def changed(src, k, tokens):
-        pass  # each row is checked against RUN's row hash instead: the node reads only its rows' documents
-
-    pool = TokenPool(plan, sources, changed)
-    row = plan.row_tokens
-    out = np.empty((len(positions), row), dtype=first.dtype)
-    pad = np.empty(len(positions), dtype="<u4")
-    cuts = np.flatnonzero(np.diff(positions) != 1) + 1  # runs of consecutive positions: a global batch's
-    for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(positions)]):
-        g0, g1 = int(positions[lo]), int(positions[hi - 1]) + 1
-        table, starts = built.rows(g0, g1)
-        out[lo:hi] = pool.rows(table, g0, g1, row, plan.pad_id, starts)
-        pad[lo:hi] = row_padding(table, g1 - g0, row, g0)
-    per, read = int(m["shard_samples"]), 0
-    shard = positions // per
-    for i in np.unique(shard).tolist():
-        entry = m["shards"][i]
-        path = epoch_dir / f"{entry['path']}{PAD_SUFFIX}"
-        recorded = read_array(path, "<u4", int(entry["samples"]), folder=epoch_dir)
-        read += recorded.nbytes
-        if xxhash.xxh3_128_hexdigest(recorded.tobytes()) != entry["pad_xxh3_128"]:
-            raise TokpackError("the run's padding does not match its manifest", file=path, where="pad_xxh3_128",
-                               hint="rerun the --to-nodes command that wrote the run")
-        sel = shard == i
-        if (recorded[positions[sel] - i * per] != pad[sel]).any():
-            raise TokpackError("a rebuilt row's padding differs from the run's", file=path,
-                               hint="the sources changed since the run was shuffled")
-    shutil.rmtree(work.parent, ignore_errors=True)
-    return out, row_hashes(out), pad, read
-
-
-def _rows_from_sources(plan, sources, positions: np.ndarray):
-    """The rows at epoch `positions`: each window's tokens read from its source (in source order,
-    so the reads go front to back), and their row hashes."""
-    row = plan.row_tokens
-    s, window, _ = plan.locate(positions)
-    sources = [src for src in sources if src is not None]
-    dtype = sources[0].dtype
-    out = np.empty((len(positions), row), dtype=dtype)
-    order = np.lexsort((window, s))
-    handles: dict = {}
-    for i in order.tolist():
-        src = next(p for p in sources if p.fingerprint == plan.sources[int(s[i])].fingerprint)
-        start, _ = plan.token_range(int(s[i]), int(window[i]))
-        src.read_into(start, out[i], handles.setdefault(src.fingerprint, {}))
-    for files in handles.values():
-        for f in files.values():
-            f.close()
-    return out, row_hashes(out)
-
-
-def _run_row_hashes(epoch_dir: Path, m: dict, positions: np.ndarray) -> tuple[np.ndarray, int]:
-    """RUN's row hash of each position, from the shards' `.ds.rows` (each checked against its
-    manifest's rows_xxh3_128 first); returns them and the bytes read."""
-    per = int(m["shard_samples"])
-    expected = np.empty(len(positions), dtype=U64)
-    shard = positions // per
-    read = 0
-    for i in np.unique(shard).tolist():
-        entry = m["shards"][i]
-        path = epoch_dir / f"{entry['path']}{ROWS_SUFFIX}"
-        table = read_array(path, U64, int(entry["samples"]), folder=epoch_dir)
-        if xxhash.xxh3_128_hexdigest(table.tobytes()) != entry["rows_xxh3_128"]:
-            raise TokpackError("the run's row hashes do not match their manifest", file=path,
-                               where="rows_xxh3_128", hint="rerun the --to-nodes command that wrote the run")
-        sel = shard == i
-        expected[sel] = table[positions[sel] - i * per]
-        read += table.nbytes
-    return expected, read

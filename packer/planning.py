@@ -359,10 +359,11 @@ def plan_pack(inputs, output, *, input_format: str = "auto", column: str | None 
 
 def plan_stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_batch: int = 1,
                world_size: int | None = None, node=None, ranks_per_node: int | None = None, start_sample: int = 0,
-               disk_mbps: float | None = None, shards_of=None) -> PlanResult:
+               disk_mbps: float | None = None, shards_of=None, memory: int | None = None) -> PlanResult:
     """What `stage` with these arguments would do: every file is read once (hashed), the ones not
     in place at DEST are written; the copy threads share DEST's disk. A node slice (world_size
-    or node): the bytes its node keeps and reads, by arithmetic on the run's manifests."""
+    or node): the bytes its node keeps and reads, by arithmetic on the run's manifests.
+    `memory` (stage's, a replacement node's budget) changes none of these bytes."""
     from tokpack.packer.staging import (STAGE_BLOCK, Source, in_place, bytes_to_copy, bytes_to_write, make_plan, parse_epochs,
                                 parse_ranks, whole_copy_note, whole_shard_ranks)
 

@@ -14,7 +14,7 @@ from tokpack.formats.io import IO_BLOCK, as_path, open_read, read_full, read_lim
 from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, check_manifest, row_bytes_of, dtype_from_name, epoch_dir_name,
                                       has_pad, read_manifest, row_hashes)
 from tokpack.formats.numbering import EpochNumbering
-from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, RowFacts, contained_shard
+from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, RowFacts, contained_shard, tokens_on_nodes
 from tokpack.formats.slices import (SLICE_EPOCH, RankRows, contained_epoch_dir, missing_padding, slice_epoch_problems,
                                     run_identity)
 
@@ -93,12 +93,20 @@ def _local_blocks(directory: Path, manifest: dict, row_bytes: int):
     return blocks
 
 
-def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLOCK) -> None:
+def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLOCK, source_rows=None) -> None:
     """`tokpack validate SLICE --against RUN`: each rank file holds exactly the run's samples
     that rank reads, in order: its rows' xxh3-64, position by position, against the run's
     row hashes (`.ds.rows`, or the run's shards for an epoch written before them), and a
     best-fit slice's `.ds.pad` against the run's. Rank files are read in blocks of about
-    `block` bytes: memory does not grow with the slice."""
+    `block` bytes: memory does not grow with the slice.
+
+    An epoch of a --to-nodes RUN (its tokens only on the nodes, and its row hashes written by
+    the exchange itself) is also proven from the sources: `source_rows(epoch_dir, manifest,
+    work)` (tokpack.packer.replacement.SourceRows, given by the caller) rebuilds the rows the
+    plan puts at each position the rank file holds, a block at a time, and each is compared
+    with the rank file's bytes (and padding)."""
+    import tempfile
+
     import xxhash
 
     run_path = as_path(run_path)
@@ -131,20 +139,36 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
         em = read_manifest(rd, kind="epoch")
         shards = RowFacts(em, row_bytes, _local_blocks(rd, em, row_bytes), str(rd), "run `tokpack validate` on the run")
         first, n = numbering.first(e), numbering.size(e)
-        for s in m["shards"]:
-            r = int(s["rank"])
-            f = d / s["path"]
+        with tempfile.TemporaryDirectory(prefix="tokpack-validate-") as work:  # a best-fit row table, rebuilt
+            replay = None
+            if source_rows is not None and tokens_on_nodes(rd, em.get("shards") or []):
+                try:
+                    replay = source_rows(rd, em, Path(work) / "table")
+                except (TokpackError, OSError) as err:
+                    rep.add(getattr(err, "file", None) or getattr(err, "filename", None) or rd, getattr(err, "where", None),
+                            "the run's sources, readable as its epoch manifest names them", str(err),
+                            f"cannot replay epoch {e} from the sources",
+                            hint="give the sources back at the paths the run's manifest names, then validate again")
             try:
-                _against_rank_file(f, s, r, e, rows, first, n, shards, buf, row_bytes, rep)
-            except TokpackError as err:
-                rep.add(err.file or f, err.where, err.expected, err.found, err.message, hint=err.hint)
-            except OSError as err:
-                rep.add(err.filename or f, None, "a readable rank file and run", err.strerror, "cannot compare rank file")
+                for s in m["shards"]:
+                    r = int(s["rank"])
+                    f = d / s["path"]
+                    try:
+                        _against_rank_file(f, s, r, e, rows, first, n, shards, buf, row_bytes, rep, replay)
+                    except TokpackError as err:
+                        rep.add(err.file or f, err.where, err.expected, err.found, err.message, hint=err.hint)
+                    except OSError as err:
+                        rep.add(err.filename or f, None, "a readable rank file and run", err.strerror,
+                                "cannot compare rank file")
+            finally:
+                if replay is not None:
+                    replay.close()
 
 
 def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: int, n: int, shards: RowFacts,
-                       buf: np.ndarray, row_bytes: int, rep) -> None:
-    """One rank file (and its `.ds.pad`) against the run's rows rank r reads in epoch e, block by block."""
+                       buf: np.ndarray, row_bytes: int, rep, replay=None) -> None:
+    """One rank file (and its `.ds.pad`) against the run's rows rank r reads in epoch e, block by
+    block; with `replay` (a SourceRows), also against the rows the sources give at those positions."""
     want_rows = rows.rows(r, first, first + n)
     size = regular_size(f)
     if size != want_rows * row_bytes:
@@ -156,6 +180,7 @@ def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: 
                          what="padding sidecar") if has_pad(s) else None
     pad_buf = np.empty(len(buf), dtype=PAD_DTYPE)
     done, bad_rows, bad_pads, first_bad, first_pad = 0, 0, 0, None, None
+    proof = _Replayed(replay) if replay is not None else None
     try:
         with open_read(f) as fh:
             for pos in rows.node_positions(first, n, (r, r), len(buf)):
@@ -171,6 +196,8 @@ def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: 
                     j = int(bad[0])
                     first_bad = (done + j, int(want[j]), int(pos[j]), int(found[j]))
                 bad_rows += len(bad)
+                if proof is not None:
+                    proof.compare(done, pos, buf[:k])
                 if pad_file is not None:
                     pv = memoryview(pad_buf[:k].view(np.uint8))
                     got = read_full(pad_file, pv)
@@ -180,6 +207,8 @@ def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: 
                         j = int(bad[0])
                         first_pad = (done + j, int(wp[j]), int(pos[j]), int(pad_buf[j]) if got == pv.nbytes else "end of file")
                     bad_pads += len(bad)
+                    if proof is not None:
+                        proof.compare_padding(done, pos, pad_buf[:k] if got == pv.nbytes else None)
                 done += k
     finally:
         if pad_file is not None:
@@ -193,3 +222,54 @@ def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: 
         k, want, p, found = first_pad
         rep.add(f.with_name(f.name + PAD_SUFFIX), f"row {k}", f"{want} padding tokens (run epoch {e}, sample {p})",
                 found, "rank file padding differs from the run's" + (f" ({bad_pads} rows differ)" if bad_pads > 1 else ""))
+    if proof is not None:
+        proof.report(f, r, e, rep)
+
+
+class _Replayed:
+    """A rank file's rows against those the sources give at the same epoch positions (the plan
+    replayed by a SourceRows, within its part size): the first row and padding that differ."""
+
+    def __init__(self, replay):
+        self.replay, self.pad = replay, None
+        self.bad_rows = self.bad_pads = 0
+        self.first_row = self.first_pad = None  # (row in the rank file, epoch position, found padding)
+
+    def compare(self, done: int, pos: np.ndarray, have: np.ndarray) -> None:
+        parts = []
+        for c in range(0, len(pos), self.replay.part_rows):
+            part = pos[c:c + self.replay.part_rows]
+            tokens, pad = self.replay.rows(part)
+            bad = np.flatnonzero((tokens.reshape(len(part), -1).view(np.uint8) != have[c:c + len(part)]).any(axis=1))
+            if len(bad) and self.first_row is None:
+                self.first_row = (done + c + int(bad[0]), int(part[bad[0]]))
+            self.bad_rows += len(bad)
+            parts.append(pad)
+        self.pad = np.concatenate(parts) if parts and parts[0] is not None else None  # for compare_padding
+
+    def compare_padding(self, done: int, pos: np.ndarray, have: np.ndarray | None) -> None:
+        if self.pad is None:
+            return
+        bad = np.flatnonzero(self.pad != have) if have is not None else np.arange(len(pos))
+        if len(bad) and self.first_pad is None:
+            j = int(bad[0])
+            self.first_pad = (done + j, int(pos[j]), int(self.pad[j]), int(have[j]) if have is not None else "end of file")
+        self.bad_pads += len(bad)
+
+    def report(self, f: Path, r: int, e: int, rep) -> None:
+        if self.first_row is not None:
+            k, p = self.first_row
+            rep.add(f, f"row {k}", f"the sources' row at run epoch {e}, sample {p}, as the run's plan places it",
+                    "other tokens", f"rank file row is not the one the plan puts at that position for rank {r}, "
+                    "replayed from the sources" + (f" ({self.bad_rows} rows differ)" if self.bad_rows > 1 else ""),
+                    hint=REBUILD_HINT)
+        if self.first_pad is not None:
+            k, p, want, found = self.first_pad
+            rep.add(f.with_name(f.name + PAD_SUFFIX), f"row {k}",
+                    f"{want} padding tokens (the sources' row at run epoch {e}, sample {p})", found,
+                    "rank file padding is not the plan's, replayed from the sources"
+                    + (f" ({self.bad_pads} rows differ)" if self.bad_pads > 1 else ""), hint=REBUILD_HINT)
+
+
+REBUILD_HINT = ("rebuild this node's slice from the sources (`tokpack stage RUN DEST --node n/N --ranks-per-node K "
+                "--micro-batch M`), or rerun the --to-nodes command")

@@ -698,10 +698,12 @@ class ValidateResult:
 
 
 def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None = None, workers: int = 1,
-                 show_progress: bool | None = None, replay=None) -> ValidateResult:
+                 show_progress: bool | None = None, replay=None, source_rows=None) -> ValidateResult:
     """Validates each directory (source, run or epoch); with `against`, also those sources and
     every epoch's content and order through its plan, replayed by `replay` (tokpack.shuffle.plan's
-    replay_hashes, given by the caller: this layer does not import shuffle)."""
+    replay_hashes, given by the caller: this layer does not import shuffle). A slice against a
+    --to-nodes RUN is proven from the sources by `source_rows` (tokpack.packer.replacement's
+    SourceRows, given by the caller too; see slice_against_run)."""
     t0 = time.perf_counter()
     against = list(against or [])
     known = {as_path(x).resolve() for x in dirs}
@@ -722,7 +724,7 @@ def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None
     for d in report.dirs:
         if d.kind == SLICE and d.manifest is not None:
             for run in slice_runs:
-                slice_against_run(d.path, d.manifest, run, d)
+                slice_against_run(d.path, d.manifest, run, d, source_rows=source_rows)
             if not slice_runs and (against or unmatched):
                 d.problems.append(_slice_without_run(d, (against or unmatched)[0]))
     against += slice_runs

@@ -657,7 +657,7 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
     documents = [document_count(src) for src in sources]
     held = [held_out(src, holdout, seed, memory).held for src in sources]
     stub = PackedPlan(int(seed), int(epoch), int(seq_len), 0, tuple(
-        PackedSourcePlan(s, "", str(src.path), src.fingerprint, None, src.tokens, documents[s], 0, 0, 0, held=held[s])
+        PackedSourcePlan(s, "", str(src.home), src.fingerprint, None, src.tokens, documents[s], 0, 0, 0, held=held[s])
         for s, src in enumerate(sources)), int(group_tokens or DEFAULT_GROUP_TOKENS), pad, holdout=holdout,
         split=bool(split), memory=max(1, int(memory)))
     rows0 = [pass_rows(stub, s, 0, src) for s, src in enumerate(sources)]
@@ -672,7 +672,7 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
     plans, base = [], 0
     for s, src in enumerate(sources):
         cursor = None if cursors is None else cursors[s]
-        sp = PackedSourcePlan(s, names[s] if names else src.path.name, str(src.path), src.fingerprint,
+        sp = PackedSourcePlan(s, names[s] if names else src.home.name, str(src.home), src.fingerprint,
                               None if weights[s] is None else str(weights[s]), src.tokens, documents[s], rows0[s],
                               counts[s], base, cursor, held=held[s])
         plans.append(sp)

@@ -290,8 +290,26 @@ def is_virtual(path) -> bool:
 
 
 def open_source(path, check_sizes: bool = True) -> PackedSource:
-    """A packed source directory, or a virtual one: `virtual:tokens=11T,documents=5.5B,dtype=uint16`."""
-    return virtual_source(str(path)) if is_virtual(path) else PackedSource.open(path, check_sizes=check_sizes)
+    """A packed source directory, or a virtual one: `virtual:tokens=11T,documents=5.5B,dtype=uint16`.
+    A source this process keeps a verified local copy of (use_kept_sources) is opened there: its
+    manifest and files are read from the copy, and plans still name the source's own folder."""
+    if is_virtual(path):
+        return virtual_source(str(path))
+    kept = _KEPT.get(source_location(path)) if _KEPT else None
+    if kept is not None:
+        return replace(PackedSource.open(kept, check_sizes=False), kept_from=Path(source_location(path)))
+    return PackedSource.open(path, check_sizes=check_sizes)
+
+
+# `shuffle --to-nodes --keep-sources DIR` (tokpack.packer.exchange): each source's location (as
+# source_location gives it) -> this process's verified local copy, read in its place. One process
+# is one command: filled once, before the run is planned.
+_KEPT: dict[str, Path] = {}
+
+
+def use_kept_sources(copies: dict[str, Path]) -> None:
+    """From now on, this process opens each source of `copies` at its local copy (open_source)."""
+    _KEPT.update({str(k): Path(v) for k, v in copies.items()})
 
 
 def source_location(path) -> str:
@@ -434,8 +452,8 @@ def epoch_plan(
     plans, base = [], 0
     for s, src in enumerate(sources):
         offset = jitter_offset(seed, epoch, s, seq_len) if jitter else 0
-        name = names[s] if names else src.path.name
-        plans.append(SourcePlan(s, name, str(src.path), src.fingerprint,
+        name = names[s] if names else src.home.name
+        plans.append(SourcePlan(s, name, str(src.home), src.fingerprint,
                                 None if weights[s] is None else str(weights[s]), src.tokens, offset, wins[s],
                                 counts[s], base))
         base += counts[s]
@@ -453,7 +471,7 @@ def chained_plan(plan: EpochPlan, members: list[int], sources: list[PackedSource
     entries, base = [], 0
     for u, src in enumerate(sources):
         offset = jitter_offset(seed, epoch, u, seq_len) if plan.jitter else 0
-        sp = stage_of.get(u) or SourcePlan(u, names[u], str(src.path), src.fingerprint, None, src.tokens,
+        sp = stage_of.get(u) or SourcePlan(u, names[u], str(src.home), src.fingerprint, None, src.tokens,
                                            offset, windows_of(src.tokens, seq_len, plan.jitter), 0, base)
         entries.append(replace(sp, index=u, offset=offset, base=base, cursor=cursors[u]))
         base += sp.samples

@@ -38,9 +38,11 @@ def mpirun() -> str:
     return found
 
 
-def to_nodes(run: Path, dest: str, *args, n: int = NODES, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", TOKPACK_PROGRESS="0")
+def to_nodes(run: Path, dest: str, *args, n: int = NODES, timeout: int = 120,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    """`env`: more variables for every process (an audit hook's, with its PYTHONPATH)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1", "TOKPACK_PROGRESS": "0", **(env or {})}
     cmd = [mpirun(), "--oversubscribe", "-n", str(n), sys.executable, "-m", "tokpack", "shuffle", *map(str, args),
            "-o", str(run), "--to-nodes", dest, "--ranks-per-node", str(K), "--micro-batch", str(M), "--json"]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)

@@ -1,0 +1,290 @@
+"""A node's rows rebuilt from the sources alone, for a RUN `shuffle --to-nodes` wrote (issue 33,
+items 3 and 6): the positions a node's ranks read (tokpack.formats.slices.RankRows), the source
+tokens the plan puts there (windows: ranged reads of the sources; best-fit: rows assembled from
+the row table), each row checked against RUN's row hashes (`.ds.rows`, and best-fit `.ds.pad`).
+
+`stage RUN DEST --node n/N` on such a RUN (a replacement node) is `stage_replacement`: the rows
+fed, in increasing position, to the rank files of tokpack.packer.exchange.RankFiles, so its
+bytes are the exchange's.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.guard import WORK_DIR, OutputLock, holder_name
+from tokpack.formats.io import read_array, read_limited
+from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES, epoch_dir_name, parse_manifest, row_hashes
+from tokpack.formats.numbering import EpochNumbering
+from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
+from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, U64, tokens_on_nodes
+from tokpack.formats.slices import RankRows, slice_epoch_manifest
+from tokpack.packer.exchange import RankFiles, _own_dest, _read_raw, _slice_root_of_run
+from tokpack.packer.shared import Result
+from tokpack.packer.slicing import _epoch_in_place, slice_ranks
+from tokpack.shuffle import packings
+from tokpack.shuffle.packed import PackedTable
+from tokpack.shuffle.plan import open_source
+
+
+@dataclass
+class ReplacementResult(Result):
+    """What `stage RUN DEST --node n/N` on a --to-nodes RUN prints with --json."""
+
+    kind: str
+    source: str
+    dest: str
+    ranks: list[int]
+    world_size: int
+    micro_batch: int
+    epochs: list[int]
+    built_from: str  # "sources": no token file in RUN
+    bytes_read: int  # the rows' source tokens and RUN's row hashes (and best-fit padding)
+    bytes_kept: int
+    read_amplification: float | None
+    parts: int  # the node's rows are read and written a part at a time, each of at most part_rows rows
+    part_rows: int  # what --memory allows (part_rows_of)
+    seconds: float
+
+
+def exchanged_run(run_dir) -> bool:
+    """Whether RUN was written by --to-nodes: its epochs hold row hashes and no token file."""
+    for m in sorted(Path(run_dir).glob(f"epoch-*/{MANIFEST}")):
+        shards = parse_manifest(_read_raw(m), m, "epoch").get("shards") or []
+        if shards:
+            return tokens_on_nodes(m.parent, shards)
+    return False
+
+
+def stage_replacement(run_dir, dest, *, node, ranks_per_node: int, micro_batch: int, epochs=None, log=None,
+                      memory: int | None = None) -> "ReplacementResult":
+    """`tokpack stage RUN DEST --node n/N --ranks-per-node K --micro-batch m` on a RUN --to-nodes
+    wrote: node n's slice built from the sources alone (SourceRows), a part of at most
+    `part_rows_of(memory)` rows at a time, each part's rows verified against RUN's row hashes
+    (and best-fit padding) and fed to the rank files in increasing position; the exchange's bytes."""
+    from tokpack.packer.staging import parse_epochs
+
+    t0 = time.perf_counter()
+    memory = DEFAULT_MEMORY if memory is None else int(memory)
+    out, dest = Path(run_dir), Path(dest)
+    a, b, w = slice_ranks(node=node, ranks_per_node=ranks_per_node)
+    rows = RankRows(w, micro_batch, 0)
+    with OutputLock(str(dest), holder_name("stage")):
+        previous = _own_dest(dest, out, (a, b), w, micro_batch)
+        run, root = _slice_root_of_run(out, (a, b), w, micro_batch, 0)
+        numbering = EpochNumbering.of_run(run, out)
+        chosen = sorted(int(e) for e in run.get("epochs") or []) if epochs is None else parse_epochs(epochs)
+        output: Output = LocalOutput()
+        read = kept = parts = per_part = 0
+        for e in chosen:
+            d = dest / epoch_dir_name(e)
+            first = numbering.first(e)
+            epoch_dir = out / epoch_dir_name(e)
+            raw = _read_raw(epoch_dir / MANIFEST)
+            m = parse_manifest(raw, epoch_dir / MANIFEST, "epoch")
+            want = slice_epoch_manifest(root, e, int(m["samples"]), first, raw)
+            if e in previous and _epoch_in_place(d, want):
+                continue
+            source = SourceRows(epoch_dir, m, memory, dest / WORK_DIR / f"replace-{epoch_dir_name(e)}")
+            try:
+                per_part = source.part_rows
+                files = RankFiles(output, d, rows, first, (a, b), e, source.format)
+                try:
+                    done = 0
+                    for positions in rows.node_positions(first, source.plan.samples, (a, b), per_part):
+                        if not len(positions):
+                            continue
+                        tokens, pad = source.rows(positions)
+                        source.check(positions, tokens, pad)
+                        files.add(positions, tokens, pad)
+                        parts, done, kept = parts + 1, done + len(positions), kept + tokens.nbytes
+                    entries = files.close()
+                except BaseException:
+                    files.abort()
+                    raise
+            finally:
+                source.close()
+            read += source.bytes_read
+            want["shards"], want["tokens"] = entries, sum(x["tokens"] for x in entries)
+            output.finish(d, want)
+            if log:
+                log(f"stage: epoch {e}: {done:,} rows of ranks {a}-{b} rebuilt from the sources, "
+                    f"in parts of at most {per_part:,} rows (--memory)")
+        root["epochs"] = sorted(set(previous) | set(chosen))
+        root["tokens"] = sum(int(parse_manifest(read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES,
+                                                             "manifest"), dest, "slice-epoch")["tokens"])
+                             for e in root["epochs"])
+        output.finish(dest, root)
+    return ReplacementResult(kind="slice", source=str(out), dest=str(dest), ranks=root["ranks"], world_size=w,
+                             micro_batch=micro_batch, epochs=root["epochs"], built_from="sources", bytes_read=read,
+                             bytes_kept=kept, read_amplification=round(read / kept, 4) if kept else None,
+                             parts=parts, part_rows=per_part, seconds=round(time.perf_counter() - t0, 3))
+
+
+DEFAULT_MEMORY = 256 << 20  # a replacement node's (and validate --against RUN's) budget without --memory
+# Bytes a part holds per row beside its tokens twice (read order, then position order): its
+# position, source, window and start (int64 each), the row hash, the sort's and gather's indices.
+PART_ROW_OVERHEAD = 96
+# Bytes kept aside from --memory for what does not grow with a part: RUN's row hashes and padding
+# of one epoch shard at a time, the open files, the interpreter's temporaries.
+PART_FIXED = 1 << 16
+
+
+def part_rows_of(row_bytes: int, memory: int) -> int:
+    """Rows of one part: its rows twice (as read, in source order, and in position order) and
+    their arithmetic within `memory`; fewer than one row is refused with one line."""
+    n = (memory - PART_FIXED) // (2 * row_bytes + PART_ROW_OVERHEAD)
+    if n < 1:
+        raise TokpackError("--memory is too small to rebuild a row from the sources", where="--memory",
+                           expected=f">= {PART_FIXED + 2 * row_bytes + PART_ROW_OVERHEAD} bytes", found=f"{memory} bytes",
+                           hint="give more --memory (256MiB by default)")
+    return int(n)
+
+
+class SourceRows:
+    """An epoch of a --to-nodes RUN, its rows at given positions rebuilt from the sources alone
+    (RUN's plan: its epoch manifest): a replacement node's reads, and `validate SLICE --against
+    RUN`'s proof. Windows: each part's windows read in source order, a window the part uses
+    twice once, adjacent windows merged into one ranged read (`read_into`, files kept open from
+    part to part). Best-fit: the row table rebuilt in `work` (checked against the manifest's
+    table_xxh3_128), rows assembled per run of consecutive positions from their documents.
+    `bytes_read` counts the source tokens read and RUN's row hashes and padding."""
+
+    def __init__(self, epoch_dir: Path, m: dict, memory: int, work: Path):
+        packing = packings.of_manifest(m)
+        self.epoch_dir, self.m, self.work = Path(epoch_dir), m, Path(work)
+        self.padded = packing.name != packings.DEFAULT  # best-fit: rows from the row table's pieces
+        opened = [open_source(src["path"]) if int(src["samples"]) or self.padded else None for src in m["sources"]]
+        self.sources = [src for src in opened if src is not None]
+        self.dtype = self.sources[0].dtype
+        self.plan = packing.from_manifest(m, self.sources, memory)
+        self.row = self.plan.row_tokens
+        self.part_rows = part_rows_of(self.row * self.dtype.itemsize, memory)
+        self.format = EpochShardFormat(self.dtype, int(m["seq_len"]), int(m["eos_id"]), m["tokenizer"],
+                                       padded=self.padded)
+        by_fingerprint = {src.fingerprint: src for src in self.sources}
+        self.of_plan = [by_fingerprint.get(sp.fingerprint) for sp in self.plan.sources]
+        self.handles: dict = {}  # fingerprint -> its open shard files, kept from part to part
+        self.bytes_read = 0
+        self._run_shard: tuple = (None, None, None)  # the last epoch shard's (index, row hashes, padding)
+        self.built = self.pool = None
+        if self.padded:
+            self._rebuild_table(packing, memory)
+
+    def _rebuild_table(self, packing, memory: int) -> None:
+        from tokpack.shuffle.packed import TokenPool
+        from tokpack.shuffle.steps import EpochJob
+
+        m = self.m
+        job = EpochJob(self.plan, tuple(str(src.path) for src in self.sources), m["dtype"], int(m["eos_id"]),
+                       m["tokenizer"], str(self.epoch_dir), str(self.work), int(m["shard_samples"]))
+        prepared = packing.prepare(job, memory)
+        if prepared["table_xxh3_128"] != m["packing"]["table_xxh3_128"]:
+            raise TokpackError("the row table rebuilt from the sources is not the run's", file=self.epoch_dir / MANIFEST,
+                               where="packing.table_xxh3_128", expected=m["packing"]["table_xxh3_128"],
+                               found=prepared["table_xxh3_128"], hint="the sources changed since the run was shuffled")
+        self.built = PackedTable.open(prepared["table"], prepared["table_xxh3_128"])
+
+        def changed(src, k, tokens):
+            pass  # each row is checked against RUN's row hash (or the slice) instead: only its documents are read
+
+        self.pool = TokenPool(self.plan, self.sources, changed)
+
+    def rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """(the rows at epoch `positions`, increasing, as an [n, row] array; best-fit: their padding)."""
+        if self.padded:
+            return self._packed_rows(positions)
+        return self._window_rows(positions), None
+
+    def _window_rows(self, positions: np.ndarray) -> np.ndarray:
+        s, window, _ = self.plan.locate(positions)
+        offsets = np.array([sp.offset for sp in self.plan.sources], dtype=np.int64)
+        start = offsets[s] + window * self.row
+        order = np.lexsort((start, s))  # source order, front to back
+        ss, st = s[order], start[order]
+        new = np.ones(len(order), dtype=bool)
+        new[1:] = (ss[1:] != ss[:-1]) | (st[1:] != st[:-1])  # a window used twice (upsampled) is read once
+        unique_of = np.cumsum(new) - 1
+        us, ust = ss[new], st[new]
+        buf = np.empty((len(us), self.row), dtype=self.dtype)
+        # a ranged read per run of adjacent windows of one source
+        cuts = np.flatnonzero((us[1:] != us[:-1]) | (ust[1:] != ust[:-1] + self.row)) + 1
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(us)]):
+            src = self.of_plan[int(us[lo])]
+            src.read_into(int(ust[lo]), buf[lo:hi].reshape(-1), self.handles.setdefault(src.fingerprint, {}))
+        self.bytes_read += buf.nbytes
+        where = np.empty(len(order), dtype=np.int64)
+        where[order] = unique_of
+        return buf[where]
+
+    def _packed_rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        from tokpack.shuffle.packed import row_padding
+
+        out = np.empty((len(positions), self.row), dtype=self.dtype)
+        pad = np.empty(len(positions), dtype="<u4")
+        cuts = np.flatnonzero(np.diff(positions) != 1) + 1  # runs of consecutive positions: a global batch's
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(positions)]):
+            g0, g1 = int(positions[lo]), int(positions[hi - 1]) + 1
+            table, starts = self.built.rows(g0, g1)
+            out[lo:hi] = self.pool.rows(table, g0, g1, self.row, self.plan.pad_id, starts)
+            pad[lo:hi] = row_padding(table, g1 - g0, self.row, g0)
+        self.bytes_read += int(self.row * len(positions) - pad.astype(np.int64).sum()) * self.dtype.itemsize
+        return out, pad
+
+    def check(self, positions: np.ndarray, tokens: np.ndarray, pad: np.ndarray | None) -> None:
+        """The rebuilt rows (and padding) against RUN's row hashes (and `.ds.pad`): one line naming
+        the first position that differs (the sources changed since the run was shuffled)."""
+        got = row_hashes(tokens)
+        per = int(self.m["shard_samples"])
+        shard = positions // per
+        for i in np.unique(shard).tolist():
+            hashes, pads = self._run_rows(i)
+            sel = np.flatnonzero(shard == i)
+            local = positions[sel] - i * per
+            bad = np.flatnonzero(hashes[local] != got[sel])
+            if len(bad):
+                raise TokpackError("a source row differs from the run's row hash", file=self.epoch_dir,
+                                   where=f"sample {int(positions[sel[bad[0]]])}",
+                                   hint="the sources changed since the run was shuffled: run `tokpack validate` on them")
+            if pad is not None and (pads[local] != pad[sel]).any():
+                raise TokpackError("a rebuilt row's padding differs from the run's",
+                                   file=self.epoch_dir / f"{self.m['shards'][i]['path']}{PAD_SUFFIX}",
+                                   hint="the sources changed since the run was shuffled")
+
+    def _run_rows(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Epoch shard i's row hashes (and best-fit padding) from RUN, each file checked against its
+        manifest entry; the last shard's are kept, since a node's positions come in increasing order."""
+        if self._run_shard[0] == i:
+            return self._run_shard[1], self._run_shard[2]
+        entry, d = self.m["shards"][i], self.epoch_dir
+        path = d / f"{entry['path']}{ROWS_SUFFIX}"
+        hashes = read_array(path, U64, int(entry["samples"]), folder=d)
+        if xxhash.xxh3_128_hexdigest(hashes.tobytes()) != entry["rows_xxh3_128"]:
+            raise TokpackError("the run's row hashes do not match their manifest", file=path,
+                               where="rows_xxh3_128", hint="rerun the --to-nodes command that wrote the run")
+        self.bytes_read += hashes.nbytes
+        pads = None
+        if self.padded:
+            path = d / f"{entry['path']}{PAD_SUFFIX}"
+            pads = read_array(path, "<u4", int(entry["samples"]), folder=d)
+            if xxhash.xxh3_128_hexdigest(pads.tobytes()) != entry["pad_xxh3_128"]:
+                raise TokpackError("the run's padding does not match its manifest", file=path, where="pad_xxh3_128",
+                                   hint="rerun the --to-nodes command that wrote the run")
+            self.bytes_read += pads.nbytes
+        self._run_shard = (i, hashes, pads)
+        return hashes, pads
+
+    def close(self) -> None:
+        for files in self.handles.values():
+            for f in files.values():
+                f.close()
+        self.handles = {}
+        self.pool = self.built = None
+        shutil.rmtree(self.work.parent if self.work.parent.name == WORK_DIR else self.work, ignore_errors=True)

@@ -1,0 +1,312 @@
+"""A node's rows rebuilt from the sources alone (tokpack.packer.replacement), on RUNs of
+`shuffle --to-nodes` under `mpirun --oversubscribe -n 4` (issue 33, items 3, 4 and 6): a
+replacement node within --memory, part by part, byte for byte the exchange's slice;
+`validate SLICE --against RUN` proving the slice's rows and order from the sources; later epochs
+from kept sources opening nothing in the shared source folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from conftest import random_docs, write_source
+from test_mpi import K, M, MEMORY, NODES, SEQ, cli, to_nodes, tree
+from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.packer.cli import main
+
+ROW_BYTES = (SEQ + 1) * 2  # uint16 tokens
+# A replacement node's budget: about 46 rows a part (replacement.part_rows_of), a few hundred a node and epoch.
+SMALL = 80 << 10
+
+
+def exchanged(root, *args, epochs: int = 2):
+    """A source and the RUN --to-nodes wrote from it (node slices at root/node{n})."""
+    source = write_source(root / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
+    run = root / "exchanged"
+    done = to_nodes(run, str(root / "node{node}"), source, "--seq-len", SEQ, "--seed", 5, "--epochs", epochs,
+                    "--shard-samples", 12, "--memory", MEMORY, *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return source, run
+
+
+@pytest.fixture(scope="module")
+def windows(tmp_path_factory):
+    root = tmp_path_factory.mktemp("windows")
+    return (root, *exchanged(root))
+
+
+@pytest.fixture(scope="module")
+def best_fit(tmp_path_factory):
+    root = tmp_path_factory.mktemp("best_fit")
+    return (root, *exchanged(root, "--packing", "best-fit", epochs=1))
+
+
+def node_rows(dest) -> list[int]:
+    return [sum(s["samples"] for s in json.loads(p.read_text())["shards"])
+            for p in sorted(dest.glob(f"epoch-*/{MANIFEST}"))]
+
+
+def replace_node(run, dest, node: int, memory: int = SMALL) -> dict:
+    return json.loads(cli("stage", run, dest, "--node", f"{node}/{NODES}", "--ranks-per-node", K,
+                          "--micro-batch", M, "--memory", memory, "--json"))
+
+
+@pytest.mark.parametrize("kind", ["windows", "best_fit"])
+def test_a_replacement_node_within_memory_rebuilds_the_exchanges_slice_part_by_part(kind, request, tmp_path):
+    """stage --node on a --to-nodes RUN with a --memory far below the node's rows: several parts
+    an epoch, none larger than --memory allows, the exchange's bytes, read amplification <= 1.3."""
+    root, _, run = request.getfixturevalue(kind)
+    summary = replace_node(run, tmp_path / "again", 2)
+    assert tree(tmp_path / "again") == tree(root / "node2")
+    rows = node_rows(root / "node2")
+    assert summary["part_rows"] * 2 * ROW_BYTES <= SMALL  # a part's rows, twice (read order, position order)
+    assert all(summary["part_rows"] < n for n in rows), (summary, rows)  # the node's rows are never held at once
+    assert summary["parts"] >= sum(-(-n // summary["part_rows"]) for n in rows)
+    assert summary["read_amplification"] <= 1.3, summary
+    if kind == "windows":
+        assert summary["read_amplification"] > 1  # every row read once, and RUN's row hashes
+    assert not (tmp_path / "again" / ".tokpack-work").exists()
+
+
+def test_a_replacement_node_merges_adjacent_windows_into_one_ranged_read(windows, tmp_path, monkeypatch):
+    """Every position of an epoch in one part (a node holding them all, one source read once): the
+    part's windows are adjacent in source order, so they are one ranged read, not one per window."""
+    from tokpack.formats.manifest import read_manifest
+    from tokpack.formats.shards import PackedSource
+    from tokpack.packer.replacement import SourceRows
+
+    _, _, run = windows
+    calls = []
+    real = PackedSource.read_into
+    monkeypatch.setattr(PackedSource, "read_into", lambda self, start, out, handles=None: (
+        calls.append(len(out)), real(self, start, out, handles))[1])
+    d = run / epoch_dir_name(0)
+    m = read_manifest(d, kind="epoch")
+    source = SourceRows(d, m, 16 << 20, tmp_path / "work")
+    try:
+        positions = np.arange(int(m["samples"]), dtype=np.int64)
+        assert source.part_rows >= len(positions)
+        source.check(positions, *source.rows(positions))  # each row's hash is RUN's
+    finally:
+        source.close()
+    assert calls == [len(positions) * (SEQ + 1)], calls[:5]
+
+
+def test_a_replacement_node_with_too_little_memory_is_one_line(windows, tmp_path):
+    _, _, run = windows
+    res = CliRunner().invoke(main, ["stage", str(run), str(tmp_path / "x"), "--node", f"1/{NODES}",
+                                    "--ranks-per-node", str(K), "--micro-batch", str(M), "--memory", "1KiB"])
+    assert res.exit_code == 1 and "--memory is too small" in res.output, res.output
+    res = CliRunner().invoke(main, ["stage", str(run), str(tmp_path / "y"), "--memory", "1MiB"])
+    assert res.exit_code == 1 and "--memory applies only to a replacement node" in res.output, res.output
+
+
+# ------------------------------------------------------------------ validate SLICE --against RUN, from the sources
+
+
+def rank_rows(dest, e: int, r: int):
+    """Rank r's rows of epoch e in the slice at `dest`, their padding (best-fit) and epoch positions."""
+    from tokpack.formats.slices import RankRows
+
+    root = json.loads((dest / MANIFEST).read_text())
+    m = json.loads((dest / epoch_dir_name(e) / MANIFEST).read_text())
+    f = dest / epoch_dir_name(e) / f"rank-{r:05d}.ds"
+    tokens = np.fromfile(f, dtype="<u2").reshape(-1, SEQ + 1)
+    pad_file = f.with_name(f.name + ".pad")
+    pad = np.fromfile(pad_file, dtype="<u4") if pad_file.exists() else None
+    rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
+    positions = np.concatenate(list(rows.node_positions(m["first_sample"], m["samples"], (r, r), 1 << 20)))
+    assert len(positions) == len(tokens)
+    return tokens, pad, positions
+
+
+def rewrite_rank_file(dest, e: int, r: int, tokens, pad, run=None) -> None:
+    """Rank r's file of epoch e rewritten with `tokens` (and `pad`) by the epoch shard writer, and
+    the slice epoch's manifest entry with it: every checksum of the slice consistent again. With
+    `run`: the slice epoch records RUN's epoch manifest as it is now (after a forged RUN)."""
+    import xxhash
+
+    from tokpack.formats.outputs import EpochShardFormat, LocalOutput
+    from tokpack.formats.slices import RankRows
+    from tokpack.packer.exchange import RankFiles
+
+    root = json.loads((dest / MANIFEST).read_text())
+    d = dest / epoch_dir_name(e)
+    m = json.loads((d / MANIFEST).read_text())
+    _, _, positions = rank_rows(dest, e, r)
+    fmt = EpochShardFormat(np.dtype("<u2"), SEQ, root["eos_id"], root["tokenizer"], padded=pad is not None)
+    files = RankFiles(LocalOutput(), d, RankRows(root["world_size"], root["micro_batch"], root["batch_phase"]),
+                      m["first_sample"], (r, r), e, fmt)
+    files.add(positions, tokens, pad)
+    (entry,) = files.close()
+    m["shards"] = [entry if s["rank"] == r else s for s in m["shards"]]
+    if run is not None:
+        m["epoch_xxh3_128"] = xxhash.xxh3_128_hexdigest((run / epoch_dir_name(e) / MANIFEST).read_bytes())
+    LocalOutput().finish(d, m)
+
+
+def forge_run_swap(run, e: int, p: int, q: int) -> None:
+    """RUN's row hashes (and padding) of epoch positions p and q, one epoch shard's, swapped and
+    their checksums rewritten: RUN as consistent as if the exchange had written it so."""
+    import xxhash
+
+    from tokpack.formats.outputs import LocalOutput
+
+    d = run / epoch_dir_name(e)
+    em = json.loads((d / MANIFEST).read_text())
+    per = em["shard_samples"]
+    assert p // per == q // per
+    entry = em["shards"][p // per]
+    for suffix, dtype, key in ((".rows", "<u8", "rows_xxh3_128"), (".pad", "<u4", "pad_xxh3_128")):
+        f = d / f"{entry['path']}{suffix}"
+        if f.exists():
+            values = np.fromfile(f, dtype=dtype)
+            values[[p % per, q % per]] = values[[q % per, p % per]]
+            f.write_bytes(values.tobytes())
+            entry[key] = xxhash.xxh3_128_hexdigest(values.tobytes())
+    LocalOutput().finish(d, em)
+
+
+def validate_against(dest, run) -> tuple[int, str]:
+    res = CliRunner().invoke(main, ["validate", str(dest), "--against", str(run)])
+    return res.exit_code, res.output
+
+
+@pytest.mark.parametrize("kind", ["windows", "best_fit"])
+def test_validate_against_run_proves_an_untouched_slice_from_the_sources(kind, request, monkeypatch):
+    """The untouched slice passes; and it is the sources that were read: every row of every rank
+    file rebuilt from them (SourceRows.rows asked for each row once)."""
+    from tokpack.packer.replacement import SourceRows
+
+    root, _, run = request.getfixturevalue(kind)
+    asked = []
+    real = SourceRows.rows
+    monkeypatch.setattr(SourceRows, "rows", lambda self, positions: (asked.append(len(positions)),
+                                                                      real(self, positions))[1])
+    code, out = validate_against(root / "node1", run)
+    assert code == 0 and "0 problems" in out, out
+    assert sum(asked) == sum(node_rows(root / "node1"))
+
+
+@pytest.mark.parametrize("kind", ["windows", "best_fit"])
+def test_validate_against_run_fails_two_rows_swapped_with_every_checksum_consistent(kind, request, tmp_path):
+    """Two rows of one rank file swapped; the rank file, its .index/.rows/.pad and the slice
+    manifest rewritten, and RUN's row hashes (and padding) swapped too, with their checksums:
+    `validate SLICE` and `validate RUN` pass, and only the replay from the sources can tell.
+    validate --against RUN fails, naming the rank file, the row and its epoch position."""
+    root, _, run = request.getfixturevalue(kind)
+    dest, forged = tmp_path / "node1", tmp_path / "run"
+    shutil.copytree(root / "node1", dest)
+    shutil.copytree(run, forged)
+    tokens, pad, positions = rank_rows(dest, 0, 3)
+    i, j = 1, 2  # one micro-batch: positions p, p+1 in one epoch shard
+    assert (tokens[i] != tokens[j]).any()
+    forge_run_swap(forged, 0, int(positions[i]), int(positions[j]))
+    tokens[[i, j]] = tokens[[j, i]]
+    if pad is not None:
+        pad[[i, j]] = pad[[j, i]]
+    rewrite_rank_file(dest, 0, 3, tokens, pad, run=forged)
+    assert "0 problems" in cli("validate", dest)
+    assert "0 problems" in cli("validate", forged)
+    code, out = validate_against(dest, forged)
+    assert code == 1, out
+    line = " ".join(out.split())
+    assert "rank-00003.ds" in line and f"row {i}" in line and f"sample {int(positions[i])}" in line, out
+    assert "replayed from the sources" in line and "(2 rows differ)" in line, out
+    assert "differs from the run's sample" not in line, out  # RUN's row hashes were forged: they cannot tell
+
+
+@pytest.mark.parametrize("kind", ["windows", "best_fit"])
+def test_validate_against_run_fails_a_row_replaced_by_another_source_window(kind, request, tmp_path):
+    """A row of rank 2's file replaced by another window of the source (a row of rank 3's, with
+    its padding), the slice's checksums consistent: validate --against RUN names row and position."""
+    root, _, run = request.getfixturevalue(kind)
+    e = 1 if kind == "windows" else 0
+    dest = tmp_path / "node1"
+    shutil.copytree(root / "node1", dest)
+    tokens, pad, positions = rank_rows(dest, e, 2)
+    other, other_pad, _ = rank_rows(dest, e, 3)
+    i = len(tokens) // 2
+    tokens[i] = other[5]
+    if pad is not None:
+        pad[i] = other_pad[5]
+    rewrite_rank_file(dest, e, 2, tokens, pad)
+    assert "0 problems" in cli("validate", dest)
+    code, out = validate_against(dest, run)
+    assert code == 1, out
+    line = " ".join(out.split())
+    assert "rank-00002.ds" in line and f"row {i}" in line and f"sample {int(positions[i])}" in line, out
+    assert "replayed from the sources" in line, out
+
+
+# ------------------------------------------------------------------ later epochs from kept sources
+
+
+@pytest.mark.parametrize("packing", ["windows", "best-fit"])
+def test_a_later_epoch_from_kept_sources_opens_no_file_in_the_shared_source_folder(packing, tmp_path):
+    """--keep-sources DIR{node}: epoch 0 keeps each process's part of the sources; epoch 1, every
+    MPI process under an audit hook (tests/audit_site) recording each file it opens, opens none
+    in the shared source folder (best-fit: the row table is rebuilt from the kept manifests and
+    `.ds.index` files), and its slices are still the exchange's (a replacement node's bytes)."""
+    from probes import AUDIT_SITE, audit_env, audited
+
+    from test_mpi import REPO
+
+    source = write_source(tmp_path / "shared" / "src", random_docs(np.random.default_rng(3), 200, 1000, 0),
+                          docs_per_shard=40)
+    args = [source, "--seq-len", SEQ, "--seed", 5, "--shard-samples", 12, "--memory", MEMORY]
+    if packing == "best-fit":
+        args += ["--packing", "best-fit"]
+    run, dest, keep = tmp_path / "exchanged", str(tmp_path / "node{node}"), str(tmp_path / "kept{node}")
+    done = to_nodes(run, dest, *args, "--epoch", 0, "--keep-sources", keep)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = tmp_path / "audit.log"
+    hook = {"PYTHONPATH": f"{AUDIT_SITE}:{REPO}", **audit_env(log, tmp_path)}
+    done = to_nodes(run, dest, *args, "--epoch", 1, "--keep-sources", keep, env=hook)
+    assert done.returncode == 0, done.stderr[-3000:]
+    opened = [a for a in audited(log) if a.event == "open"]
+    pids = {a.pid for a in opened if a.path.startswith(str(tmp_path / "kept"))}
+    assert len(pids) >= 4, opened[:5]  # the hook ran in every MPI process: each read its kept copies
+    shared = sorted({a.path for a in opened if a.path.startswith(f"{source}/") or a.path == str(source)})
+    assert shared == [], shared[:10]
+    # RUN's manifests name the shared source folder, byte for byte `tokpack shuffle`'s
+    ref = tmp_path / "shuffled"
+    cli("shuffle", *args, "--epoch", 1, "-o", ref)
+    e1 = f"{epoch_dir_name(1)}/{MANIFEST}"
+    assert (run / e1).read_bytes() == (ref / e1).read_bytes()
+    assert json.loads((run / MANIFEST).read_text())["sources"] == json.loads((ref / MANIFEST).read_text())["sources"]
+    again = tmp_path / "again"
+    cli("stage", run, again, "--node", f"3/{NODES}", "--ranks-per-node", K, "--micro-batch", M, "--epochs", "1")
+    assert tree(again / epoch_dir_name(1)) == tree(tmp_path / "node3" / epoch_dir_name(1))
+
+
+def test_validate_against_run_without_its_sources_cannot_prove_the_slice(windows, monkeypatch):
+    """The sources gone (or unreadable): nothing can replay the plan, and validate says so in one
+    problem naming the epoch, rather than passing on RUN's row hashes alone."""
+    from tokpack.formats.errors import TokpackError
+    from tokpack.packer import replacement
+
+    root, source, run = windows
+
+    def gone(path, check_sizes=True):
+        raise TokpackError("source directory not found", file=path)
+
+    monkeypatch.setattr(replacement, "open_source", gone)
+    code, out = validate_against(root / "node1", run)
+    line = " ".join(out.split())
+    assert code == 1 and "cannot replay epoch 0 from the sources" in line and str(source) in line, out
+
+
+@pytest.mark.parametrize("text", ["not json", '{"/data/src": "../elsewhere"}', '["a"]'])
+def test_a_damaged_kept_sources_record_is_one_line_naming_it(text, tmp_path):
+    from tokpack.formats.errors import TokpackError
+    from tokpack.packer.exchange import KEPT_RECORD, kept_copies
+
+    (tmp_path / KEPT_RECORD).write_text(text)
+    with pytest.raises(TokpackError, match="kept sources' record") as e:
+        kept_copies(tmp_path)
+    assert str(tmp_path / KEPT_RECORD) in str(e.value) and "\n" not in str(e.value)
