@@ -9,9 +9,25 @@ documents (`0.01`, `1%`: k_s = ceil(F * D_s)) or a token count (`5M`, `20000`: t
 positions whose documents hold at least that many tokens). Document d is held out exactly
 when rho_h^-1(d) < k_s: one evaluation of the bijection, no list of documents.
 
-The plan seam: a packed plan (shuffle/packed.py) drops held-out documents from each pass before
-it packs it, so no row of any epoch holds a piece of one, and `validate --against`, which
-replays the plan from the manifest, rebuilds the rows without them (and checks every piece).
+Both packings hold out the same documents (`Holdout.is_held`, the one home of the choice):
+
+- best-fit (shuffle/packed.py) drops held-out documents from each pass before it packs it, so
+  no row of any epoch holds a piece of one, and `validate --against`, which replays the plan
+  from the manifest, rebuilds the rows without them (and checks every piece).
+- concat (the default, shuffle/plan.py) cuts its windows from a stream, as Megatron's --split
+  does: a training epoch's stream of source s is s's documents that are not held out,
+  concatenated in source order (`KeptStream`), and RUN/holdout/'s is the held-out documents
+  alone (`split`). Every window (jitter offset, W_s, the permutations, the mixture, the manifest's
+  `tokens`, `offset`, `dropped_tokens`) is that of the stream, exactly as of a source that
+  held those tokens: no kept token is lost beyond the usual tail, no window spans a gap. The
+  engines, `validate --against`'s replay and `stage` read a stream through the same
+  `read_into` as a source (EpochPlan.stream): a read is a gather of the runs of consecutive
+  kept documents it covers, each read from the raw shard. Memory at scale (10^10 documents):
+  one count per raw shard (`shard_starts` in stream tokens, from one streamed scan of each
+  shard's `.ds.index`, cached per process), and the runs of the one shard being read (its
+  index, read when first touched: 8 bytes a document of that shard); never a per-document
+  array of the source. A stream keeps the raw shards' numbering, so the engines split and
+  verify the raw shards as before (`raw_pieces` hands the sweep's checksum the raw bytes).
 """
 
 from __future__ import annotations
@@ -19,6 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 
@@ -111,3 +128,95 @@ def holdout_of(src, spec: dict | None, seed: int, documents: int, lengths_in_ord
                            expected=f"fewer than its {d} documents", found=spec,
                            hint="hold out a smaller fraction or fewer tokens")
     return Holdout(d, int(k), int(seed), src.fingerprint)
+
+
+# ---------------------------------------------------------------------- the concat stream
+
+
+class KeptStream:
+    """Source `raw`'s documents that `holdout` does not leave out (Holdout.left_out: a training
+    epoch's the kept ones, RUN/holdout/'s the held-out ones), concatenated in source order: read
+    as a PackedSource is (`tokens`, `shard_starts`, `read_into`), in stream offsets. Its shards
+    are the raw shards, each holding its kept documents' tokens."""
+
+    def __init__(self, raw, holdout: Holdout):
+        self.raw, self.holdout = raw, holdout
+        self.path, self.manifest, self.dtype, self.shards = raw.path, raw.manifest, raw.dtype, raw.shards
+        self.doc_starts, kept = _stream_table(raw, holdout)  # first document of each raw shard; kept tokens of each
+        if holdout.split:  # the held-out documents' stream: the rest of each shard
+            kept = np.diff(np.asarray(raw.shard_starts, dtype=np.int64)) - kept
+        self.shard_starts = np.zeros(len(kept) + 1, dtype=np.int64)
+        self.shard_starts[1:] = np.cumsum(kept, dtype=np.int64)
+        self._runs: tuple[int, tuple] | None = None  # (shard, its runs): the shard read last
+
+    tokens = property(lambda self: int(self.shard_starts[-1]))
+    eos_id = property(lambda self: self.raw.eos_id)
+    vocab_size = property(lambda self: self.raw.vocab_size)
+    fingerprint = property(lambda self: self.raw.fingerprint)
+
+    def runs(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Raw shard k's runs of consecutive documents the stream keeps: (stream offset of each
+        run in the shard, its raw offset in the shard, its length), plus the shard's kept total
+        at the end of the first array."""
+        if self._runs is None or self._runs[0] != k:
+            ends = self.raw.doc_ends(k).astype(np.int64)
+            starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+            keep = ~self.holdout.left_out(np.arange(len(ends), dtype=np.int64) + int(self.doc_starts[k]))
+            # a run begins at a kept document whose predecessor is not kept
+            first = np.flatnonzero(keep & ~np.concatenate([[False], keep[:-1]]))
+            last = np.flatnonzero(keep & ~np.concatenate([keep[1:], [False]]))
+            raw0, lens = starts[first], ends[last] - starts[first]
+            self._runs = (k, (np.concatenate([[0], np.cumsum(lens)]).astype(np.int64), raw0, lens))
+        return self._runs[1]
+
+    def raw_pieces(self, start: int, count: int):
+        """The raw ranges stream tokens [start, start+count) lie in, in order: (raw first token,
+        first and end position in the range)."""
+        if start < 0 or start + count > self.tokens:
+            raise IndexError(f"token range [{start}, {start + count}) outside the stream's {self.tokens} tokens")
+        done = 0
+        k = int(np.searchsorted(self.shard_starts, start, side="right")) - 1
+        while done < count:
+            base = int(self.shard_starts[k])
+            lo, hi = start + done - base, min(start + count, int(self.shard_starts[k + 1])) - base
+            if hi > lo:
+                offs, raw0, lens = self.runs(k)
+                i = int(np.searchsorted(offs, lo, side="right")) - 1
+                raw_base = int(self.raw.shard_starts[k])
+                while lo < hi:
+                    n = min(hi, int(offs[i + 1])) - lo
+                    yield raw_base + int(raw0[i]) + lo - int(offs[i]), done, done + n
+                    done, lo, i = done + n, lo + n, i + 1
+            k += 1
+
+    def read_into(self, start: int, out: np.ndarray, handles: dict | None = None) -> np.ndarray:
+        """Fills `out` with stream tokens [start, start+len(out)): one raw read per run it covers."""
+        for raw, a, b in list(self.raw_pieces(start, len(out))):
+            self.raw.read_into(raw, out[a:b], handles)
+        return out
+
+
+_STREAMS: dict[tuple, tuple] = {}  # (fingerprint, seed, documents, held) -> _stream_table's: once per process
+
+
+def _stream_table(raw, holdout: Holdout) -> tuple[np.ndarray, np.ndarray]:
+    """(first document of each raw shard, the tokens of its documents not held out): one scan
+    of each shard's `.ds.index`, in pieces (O(shards) kept)."""
+    from .packed import document_count_of  # packed imports this module
+
+    key = (raw.fingerprint, holdout.seed, holdout.documents, holdout.held)
+    holdout = Holdout(holdout.documents, holdout.held, holdout.seed, holdout.fingerprint)  # the kept documents
+    if key not in _STREAMS:
+        counts = [document_count_of(Path(raw.path) / f"{sh['path']}.index") for sh in raw.shards]
+        doc_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        kept = np.zeros(len(raw.shards), dtype=np.int64)
+        chunk = 1 << 20
+        for k, shard in enumerate(raw.shards):
+            ends = raw.doc_ends(k).astype(np.int64)  # one shard's index (8 bytes a document of it)
+            for a in range(0, len(ends), chunk):
+                e = ends[a: a + chunk]
+                lens = e - np.concatenate([[ends[a - 1] if a else 0], e[:-1]])
+                out = holdout.left_out(np.arange(a, a + len(e), dtype=np.int64) + int(doc_starts[k]))
+                kept[k] += int(lens[~out].sum())
+        _STREAMS[key] = (doc_starts, kept)
+    return _STREAMS[key]

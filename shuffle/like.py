@@ -17,6 +17,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.manifest import read_manifest
 
 from . import packings
+from .plan import holdout_recorded
 
 # shuffle's settings that --like reads from the run (API keyword -> CLI flag): giving one as well is refused,
 # since two answers to one question would leave the user unsure which the epoch was written with.
@@ -44,7 +45,8 @@ def run_settings(run_dir) -> dict:
         raise TokpackError("--like takes a run directory", file=run_dir, where="kind", expected="run", found=e.found,
                            hint="give the run directory (the one holding tokpack.json and epoch-NNNNN/)") from None
     pk = m.get("packing") if isinstance(m.get("packing"), dict) else {}
-    holdout = pk.get("holdout")  # as parse_holdout recorded it: given back as its text
+    # as parse_holdout recorded it (best-fit: in `packing`; concat: `holdout`), given back as its text
+    holdout = pk.get("holdout") or holdout_recorded(m)[0]
     holdout = None if holdout is None else holdout.get("fraction") or str(holdout.get("tokens"))
     settings = {"packing": packings.of_manifest(m).name, "pad_id": pk.get("pad_id"), "holdout": holdout,
                 "shard_samples": int(m["shard_samples"])}
