@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 
@@ -202,21 +201,15 @@ _STREAMS: dict[tuple, tuple] = {}  # (fingerprint, seed, documents, held) -> _st
 def _stream_table(raw, holdout: Holdout) -> tuple[np.ndarray, np.ndarray]:
     """(first document of each raw shard, the tokens of its documents not held out): one scan
     of each shard's `.ds.index`, in pieces (O(shards) kept)."""
-    from .packed import document_count_of  # packed imports this module
-
     key = (raw.fingerprint, holdout.seed, holdout.documents, holdout.held)
     holdout = Holdout(holdout.documents, holdout.held, holdout.seed, holdout.fingerprint)  # the kept documents
     if key not in _STREAMS:
-        counts = [document_count_of(Path(raw.path) / f"{sh['path']}.index") for sh in raw.shards]
-        doc_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        doc_starts = np.zeros(len(raw.shards) + 1, dtype=np.int64)
         kept = np.zeros(len(raw.shards), dtype=np.int64)
-        chunk = 1 << 20
-        for k, shard in enumerate(raw.shards):
+        for k in range(len(raw.shards)):
             ends = raw.doc_ends(k).astype(np.int64)  # one shard's index (8 bytes a document of it)
-            for a in range(0, len(ends), chunk):
-                e = ends[a: a + chunk]
-                lens = e - np.concatenate([[ends[a - 1] if a else 0], e[:-1]])
-                out = holdout.left_out(np.arange(a, a + len(e), dtype=np.int64) + int(doc_starts[k]))
-                kept[k] += int(lens[~out].sum())
+            doc_starts[k + 1] = doc_starts[k] + len(ends)
+            lens = np.diff(ends, prepend=0)
+            kept[k] = int(lens[~holdout.left_out(np.arange(len(ends), dtype=np.int64) + int(doc_starts[k]))].sum())
         _STREAMS[key] = (doc_starts, kept)
     return _STREAMS[key]

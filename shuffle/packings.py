@@ -198,7 +198,7 @@ def replay(manifest: dict, sources, order: bool = True, memory: int = packed.DEF
 
 
 def _windows_plan(sources, *, memory, **kw):
-    return plan.epoch_plan(sources, **kw)
+    return plan.epoch_plan(sources, held_out=packed.held_out, **kw)
 
 
 def _windows_in_memory(job, prepared, memory, needed, held):
@@ -210,9 +210,9 @@ WINDOWS = register(Packing(
     options=lambda pad_id, group_tokens: {},
     plan=_windows_plan,
     chained=lambda p, *, members, sources, names, cursors, weights, counts, memory, **options: plan.chained_plan(
-        p, members, sources, names, cursors),
-    from_manifest=lambda m, sources, memory: plan.EpochPlan.from_manifest(m, sources),
-    replay=lambda m, sources, order, memory: plan.replay_hashes(m, sources, order),
+        p, members, sources, names, cursors, packed.held_out),
+    from_manifest=lambda m, sources, memory: plan.EpochPlan.from_manifest(m, sources, packed.held_out),
+    replay=lambda m, sources, order, memory: plan.replay_hashes(m, sources, order, held_out=packed.held_out),
     settings=lambda sources, **options: None,
     run_fields=lambda p: None,
     epoch_fields=lambda p, prepared: plan.holdout_fields(p),
@@ -224,7 +224,7 @@ WINDOWS = register(Packing(
                                                        steps.OrderStep(job, layout, budget)),
     scattered=lambda job, layout, i: layout.holds_rows_of(i, job.row_bytes),
     unit="windows",
-    holdout=plan.windows_holdout_plan,
+    holdout=lambda sources, **kw: plan.windows_holdout_plan(sources, held_out=packed.held_out, **kw),
     run_holdout=lambda p: {} if p.holdout is None else {"holdout": p.holdout},
 ))
 

@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 import xxhash
@@ -255,9 +255,12 @@ class EpochPlan:
         ]
 
     @classmethod
-    def from_manifest(cls, manifest: dict, sources: list[PackedSource]) -> "EpochPlan":
+    def from_manifest(cls, manifest: dict, sources: list[PackedSource], held_out: "HeldOut | None" = None
+                      ) -> "EpochPlan":
         """The plan an epoch manifest was written from, against the opened sources (matched by
-        fingerprint, in any order)."""
+        fingerprint, in any order). `held_out`: a manifest with --holdout (holdout_recorded)
+        recomputes each source's held-out documents by it (the registry gives
+        tokpack.shuffle.packed.held_out)."""
         if manifest.get("shuffle") != PLAN_ALGORITHM:
             raise TokpackError("epoch shuffled by another shuffle algorithm", where="shuffle",
                                expected=PLAN_ALGORITHM, found=manifest.get("shuffle"),
@@ -289,7 +292,7 @@ class EpochPlan:
             offset = int(e["offset"])
             tokens = match.tokens
             if spec is not None:  # the run's rule, applied again: the held-out documents are not the manifest's word
-                h = source_holdout(match, spec, int(manifest["seed"]), split)
+                h = source_holdout(match, spec, int(manifest["seed"]), split, held_out)
                 stream = KeptStream(match, h)
                 want = {"documents": h.documents, "held": h.held, "held_tokens": match.tokens - KeptStream(
                     match, replace(h, split=False)).tokens}
@@ -452,6 +455,7 @@ def epoch_plan(
     names: list[str] | None = None,
     holdout: dict | None = None,
     split: bool = False,
+    held_out: "HeldOut | None" = None,
 ) -> EpochPlan:
     """The plan of one epoch. Cheap: O(#sources) plus a few hashes (with `holdout`, parse_holdout's:
     the windows of each source's stream of the documents not held out, or with `split` of the
@@ -459,7 +463,7 @@ def epoch_plan(
     if not sources:
         raise TokpackError("no sources given", hint="tokpack shuffle SOURCE[=WEIGHT]... -o OUT")
     weights = list(weights) if weights is not None else [None] * len(sources)
-    held = [stream_counts(src, holdout, seed, split) for src in sources]
+    held = [stream_counts(src, holdout, seed, split, held_out) for src in sources]
     wins = []
     for s, src in enumerate(sources):
         w = windows_of(held[s].get("tokens", src.tokens), seq_len, jitter)
@@ -483,23 +487,28 @@ def epoch_plan(
     return EpochPlan(int(seed), int(epoch), int(seq_len), bool(jitter), n, tuple(plans), holdout, bool(split))
 
 
-def source_holdout(src: PackedSource, spec: dict, seed: int, split: bool = False) -> Holdout:
-    """Source `src`'s held-out documents for `--holdout` `spec` (the same as best-fit's:
-    tokpack.shuffle.packed.held_out); `split`: RUN/holdout/'s view of them."""
-    from .packed import held_out  # packed imports this module
+# (source, --holdout as recorded, seed) -> its Holdout: the one rule both packings share,
+# tokpack.shuffle.packed.held_out, which the registry (tokpack.shuffle.packings) passes in.
+HeldOut = Callable[[PackedSource, dict, int], Holdout]
 
+
+def source_holdout(src: PackedSource, spec: dict, seed: int, split: bool, held_out: HeldOut | None) -> Holdout:
+    """Source `src`'s held-out documents for `--holdout` `spec`; `split`: RUN/holdout/'s view of them."""
+    if held_out is None:
+        raise TokpackError("internal error: a plan with --holdout needs the rule that holds documents out",
+                           where="held_out", hint="plan it through tokpack.shuffle.packings")
     if is_virtual(src.path):
         raise TokpackError("--holdout needs the documents of the source", file=src.path, where="--holdout",
                            hint="plan a run with --holdout on packed sources, not virtual ones")
     return replace(held_out(src, spec, seed), split=bool(split))
 
 
-def stream_counts(src: PackedSource, spec: dict | None, seed: int, split: bool = False) -> dict:
+def stream_counts(src: PackedSource, spec: dict | None, seed: int, split: bool, held_out: HeldOut | None) -> dict:
     """A SourcePlan's holdout fields for source `src` ({} without a holdout), its stream's
     `tokens` among them."""
     if spec is None:
         return {}
-    h = source_holdout(src, spec, seed, split)
+    h = source_holdout(src, spec, seed, split, held_out)
     kept = KeptStream(src, replace(h, split=False)).tokens
     return {"tokens": kept if not split else src.tokens - kept, "documents": h.documents, "held": h.held,
             "held_tokens": src.tokens - kept}
@@ -522,15 +531,16 @@ def holdout_fields(plan: EpochPlan) -> dict:
 
 
 def windows_holdout_plan(sources: list[PackedSource], *, seq_len: int, seed: int, holdout: dict, names: list[str],
-                         memory: int, **options) -> EpochPlan:
+                         held_out: HeldOut, **options) -> EpochPlan:
     """The plan of RUN/holdout/: one pass over the windows of each source's held-out documents'
     stream, ordered as an epoch is (epoch 0's keys), all of them (no weights, no --samples, no
     jitter)."""
-    return epoch_plan(sources, seq_len=seq_len, seed=seed, epoch=0, names=names, holdout=holdout, split=True)
+    return epoch_plan(sources, seq_len=seq_len, seed=seed, epoch=0, names=names, holdout=holdout, split=True,
+                      held_out=held_out)
 
 
 def chained_plan(plan: EpochPlan, members: list[int], sources: list[PackedSource], names: list[str],
-                 cursors: list[int]) -> EpochPlan:
+                 cursors: list[int], held_out: HeldOut | None = None) -> EpochPlan:
     """An epoch of a schedule of several stages, from its stage's plan (over the stage's
     sources, `members` of the schedule's): the epoch lists every source of the schedule (its
     position is its key), and each source's chain starts at its cursor, where the epochs before
@@ -540,7 +550,7 @@ def chained_plan(plan: EpochPlan, members: list[int], sources: list[PackedSource
     entries, base = [], 0
     for u, src in enumerate(sources):
         offset = jitter_offset(seed, epoch, u, seq_len) if plan.jitter else 0
-        held = {} if u in stage_of else stream_counts(src, plan.holdout, seed, plan.split)
+        held = {} if u in stage_of else stream_counts(src, plan.holdout, seed, plan.split, held_out)
         tokens = held.pop("tokens", src.tokens)
         sp = stage_of.get(u) or SourcePlan(u, names[u], str(src.path), src.fingerprint, None, tokens,
                                            offset, windows_of(tokens, seq_len, plan.jitter), 0, base, **held)
@@ -605,7 +615,7 @@ def shard_count_checked(epoch_manifest: dict, samples: int) -> tuple[int, int]:
 
 
 def replay_hashes(epoch_manifest: dict, sources: list[PackedSource], order: bool = True,
-                  plan: EpochPlan | None = None) -> tuple[str, list[int]]:
+                  plan: EpochPlan | None = None, held_out: HeldOut | None = None) -> tuple[str, list[int]]:
     """What the epoch must hold, recomputed from its sources through the plan: its
     `sample_multiset_hash` (each window's row_hash times the number of times the epoch uses it)
     and, with `order`, each output shard's order hash (docs/FORMAT.md, "Checksums": the sum of
@@ -614,7 +624,7 @@ def replay_hashes(epoch_manifest: dict, sources: list[PackedSource], order: bool
     plan sends it to (`outputs_of`), so the epoch's order needs no table. Memory: one IO block,
     O(block rows) index arrays and 8 bytes per output shard. `plan`: the epoch's plan, when the
     caller made it (a packing of windows in another order, tokpack.shuffle.packings)."""
-    plan = EpochPlan.from_manifest(epoch_manifest, sources) if plan is None else plan
+    plan = EpochPlan.from_manifest(epoch_manifest, sources, held_out) if plan is None else plan
     per, listed = shard_count_checked(epoch_manifest, plan.samples) if order else (1, 0)
     by_fp = {}
     for src in sources:
