@@ -827,9 +827,13 @@ def _rows_from_sources(plan, sources, positions: np.ndarray):
     out = np.empty((len(positions), row), dtype=dtype)
     order = np.lexsort((window, s))
     handles: dict = {}
+    streams: dict = {}  # per source index: what its windows are cut from (EpochPlan.stream: --holdout's stream)
     for i in order.tolist():
-        src = next(p for p in sources if p.fingerprint == plan.sources[int(s[i])].fingerprint)
-        start, _ = plan.token_range(int(s[i]), int(window[i]))
+        si = int(s[i])
+        if si not in streams:
+            streams[si] = plan.stream(si, next(p for p in sources if p.fingerprint == plan.sources[si].fingerprint))
+        src = streams[si]
+        start, _ = plan.token_range(si, int(window[i]))
         src.read_into(start, out[i], handles.setdefault(src.fingerprint, {}))
     for files in handles.values():
         for f in files.values():

@@ -445,6 +445,9 @@ def test_concat_holdout_misuse_is_one_line(named, tmp_path):
     code, _, err = cli("shuffle", "--like", tmp_path / "r", "--epoch", 1, "--to-nodes", tmp_path / "dest",
                        "--ranks-per-node", 1, "--micro-batch", 1)
     assert code == 2 and "--to-nodes does not write a held-out split" in err
+    code, _, err = cli("shuffle", *base[:-2], "--epoch", 1, "--to-nodes", tmp_path / "dest", "--ranks-per-node", 1,
+                       "--micro-batch", 1)  # into the run, without its holdout: another run
+    assert code == 1 and "different run" in err and "[holdout]" in err and not (tmp_path / "dest").exists()
     code, out, err = cli("plan", "shuffle", *base, "--holdout", "2%", "--disk-mbps", 100, "--json")
     assert code == 0, err
     code, _, err = cli("plan", "shuffle", "virtual:tokens=1M,documents=1K,dtype=uint16", "-o", tmp_path / "v",
