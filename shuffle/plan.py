@@ -467,6 +467,12 @@ def epoch_plan(
     wins = []
     for s, src in enumerate(sources):
         w = windows_of(held[s].get("tokens", src.tokens), seq_len, jitter)
+        if w <= 0 and split:
+            raise TokpackError(
+                "--holdout holds out fewer tokens of a source than one window", file=src.path, where="--holdout",
+                expected=f"at least {seq_len + 1} held-out tokens (RUN/holdout/ is windows of them)",
+                found=f"{held[s]['tokens']} tokens in {held[s]['held']} documents",
+                hint=f"hold out more: a larger fraction, or a token count of at least {seq_len + 1}")
         if w <= 0:
             raise TokpackError(
                 "seq_len is larger than the source", file=src.path, where="--seq-len",

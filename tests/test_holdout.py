@@ -340,6 +340,7 @@ def test_concat_holdout_reads_like_an_epoch(named, tmp_path):
     assert int(n) == m["samples"] and json.loads(first) == reader.read(0)[0].tolist()
     code, out, err = cli("inspect", run, "--json")
     assert code == 0 and json.loads(out)["holdout"]["samples"] == m["samples"], err
+    assert json.loads(out)["batch_diversity"]["document_identity"] == "plan"  # each sample found in its stream
 
 
 @pytest.mark.parametrize("memory", ["64MiB", "1MiB"])  # in memory, and out of core (several buckets)
@@ -448,8 +449,16 @@ def test_concat_holdout_misuse_is_one_line(named, tmp_path):
     code, _, err = cli("shuffle", *base[:-2], "--epoch", 1, "--to-nodes", tmp_path / "dest", "--ranks-per-node", 1,
                        "--micro-batch", 1)  # into the run, without its holdout: another run
     assert code == 1 and "different run" in err and "[holdout]" in err and not (tmp_path / "dest").exists()
-    code, out, err = cli("plan", "shuffle", *base, "--holdout", "2%", "--disk-mbps", 100, "--json")
+    code, _, err = cli("shuffle", root / "a", "-o", tmp_path / "few", "--seq-len", 1000, "--seed", 1, "--epochs", 1,
+                       "--holdout", "2")  # one document, of at most 140 tokens
+    assert code == 1 and "fewer tokens of a source than one window" in err and "\n" not in err.strip()
+    assert not (tmp_path / "few").exists()
+    planned = [*base[:2], tmp_path / "p", *base[3:], "--holdout", "2%"]
+    code, out, err = cli("plan", "shuffle", *planned, "--disk-mbps", 100, "--json")
     assert code == 0, err
+    code, written, err = cli("shuffle", *planned, "--json")
+    assert code == 0, err
+    assert json.loads(out)["holdout"]["samples"] == json.loads(written)["holdout"]["samples"] > 0
     code, _, err = cli("plan", "shuffle", "virtual:tokens=1M,documents=1K,dtype=uint16", "-o", tmp_path / "v",
                        "--seq-len", SEQ, "--seed", 1, "--epochs", 1, "--holdout", "2%", "--disk-mbps", 100)
     assert code == 1 and "--holdout needs the documents of the source" in err
