@@ -35,10 +35,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import regular_size
 from tokpack.formats.units import token_count
 
 from .permutation import Bijection
@@ -138,10 +140,13 @@ class KeptStream:
     as a PackedSource is (`tokens`, `shard_starts`, `read_into`), in stream offsets. Its shards
     are the raw shards, each holding its kept documents' tokens."""
 
-    def __init__(self, raw, holdout: Holdout):
+    def __init__(self, raw, holdout: Holdout, kept: tuple | None = None):
+        """`kept`: the tokens of each raw shard's documents not held out, as `stream_table` gives
+        them (a plan carries them to its tasks, which then scan no index); None: computed here."""
         self.raw, self.holdout = raw, holdout
         self.path, self.manifest, self.dtype, self.shards = raw.path, raw.manifest, raw.dtype, raw.shards
-        self.doc_starts, kept = _stream_table(raw, holdout)  # first document of each raw shard; kept tokens of each
+        self.doc_starts = doc_starts(raw)  # first document of each raw shard
+        kept = stream_table(raw, holdout) if kept is None else np.asarray(kept, dtype=np.int64)
         if holdout.split:  # the held-out documents' stream: the rest of each shard
             kept = np.diff(np.asarray(raw.shard_starts, dtype=np.int64)) - kept
         self.shard_starts = np.zeros(len(kept) + 1, dtype=np.int64)
@@ -195,21 +200,27 @@ class KeptStream:
         return out
 
 
-_STREAMS: dict[tuple, tuple] = {}  # (fingerprint, seed, documents, held) -> _stream_table's: once per process
+_STREAMS: dict[tuple, np.ndarray] = {}  # (fingerprint, seed, documents, held) -> stream_table's: once per process
 
 
-def _stream_table(raw, holdout: Holdout) -> tuple[np.ndarray, np.ndarray]:
-    """(first document of each raw shard, the tokens of its documents not held out): one scan
-    of each shard's `.ds.index`, in pieces (O(shards) kept)."""
+def doc_starts(raw) -> np.ndarray:
+    """The first document of each raw shard, and D_s at the end: from the sizes of the shards'
+    `.ds.index` files (8 bytes a document end)."""
+    counts = [regular_size(Path(raw.path) / f"{sh['path']}.index") // 8 for sh in raw.shards]
+    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+
+
+def stream_table(raw, holdout: Holdout) -> np.ndarray:
+    """The tokens of each raw shard's documents not held out: one scan of each shard's
+    `.ds.index` (8 bytes a document of one shard held at a time; O(shards) kept), and one
+    evaluation of rho_h^-1 per document. Cached per process; a plan carries it to its tasks."""
     key = (raw.fingerprint, holdout.seed, holdout.documents, holdout.held)
     holdout = Holdout(holdout.documents, holdout.held, holdout.seed, holdout.fingerprint)  # the kept documents
     if key not in _STREAMS:
-        doc_starts = np.zeros(len(raw.shards) + 1, dtype=np.int64)
-        kept = np.zeros(len(raw.shards), dtype=np.int64)
+        first, kept = doc_starts(raw), np.zeros(len(raw.shards), dtype=np.int64)
         for k in range(len(raw.shards)):
-            ends = raw.doc_ends(k).astype(np.int64)  # one shard's index (8 bytes a document of it)
-            doc_starts[k + 1] = doc_starts[k] + len(ends)
+            ends = raw.doc_ends(k).astype(np.int64)
             lens = np.diff(ends, prepend=0)
-            kept[k] = int(lens[~holdout.left_out(np.arange(len(ends), dtype=np.int64) + int(doc_starts[k]))].sum())
-        _STREAMS[key] = (doc_starts, kept)
+            kept[k] = int(lens[~holdout.left_out(np.arange(len(ends), dtype=np.int64) + int(first[k]))].sum())
+        _STREAMS[key] = kept
     return _STREAMS[key]

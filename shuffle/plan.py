@@ -12,7 +12,7 @@ below follow it (L, W_s, o_s, c_s, N, pi_{s,p}, sigma_e).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
@@ -27,7 +27,7 @@ from tokpack.formats.manifest import (PLAN_ALGORITHM, chain_start, dtype_from_na
 from tokpack.formats.shards import PackedSource
 from tokpack.formats.units import at_most, token_count
 
-from .holdout import Holdout, KeptStream
+from .holdout import Holdout, KeptStream, stream_table
 from .permutation import Bijection, derive_key
 
 
@@ -86,10 +86,12 @@ class SourcePlan:
     cursor: int | None = None  # chain position of its first sample; None: epoch * c_s (one mixture for the run)
     # A run made with --holdout (tokpack.shuffle.holdout): `tokens` are its stream's (the documents
     # not held out, or RUN/holdout/'s held-out ones), of its `documents` D_s, `held` k_s held out,
-    # holding `held_tokens`.
+    # holding `held_tokens`; `kept_shards`: the tokens not held out of each raw shard (KeptStream's
+    # table, carried to the tasks so that none scans the index again; not in any manifest).
     documents: int = 0
     held: int = 0
     held_tokens: int = 0
+    kept_shards: tuple = field(default=(), repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,8 @@ class EpochPlan:
         if self.holdout is None:
             return src
         sp = self.sources[s]
-        return KeptStream(src, Holdout(sp.documents, sp.held, self.seed, sp.fingerprint, self.split))
+        return KeptStream(src, Holdout(sp.documents, sp.held, self.seed, sp.fingerprint, self.split),
+                          sp.kept_shards or None)
 
     @property
     def row_tokens(self) -> int:
@@ -293,15 +296,16 @@ class EpochPlan:
             tokens = match.tokens
             if spec is not None:  # the run's rule, applied again: the held-out documents are not the manifest's word
                 h = source_holdout(match, spec, int(manifest["seed"]), split, held_out)
-                stream = KeptStream(match, h)
-                want = {"documents": h.documents, "held": h.held, "held_tokens": match.tokens - KeptStream(
-                    match, replace(h, split=False)).tokens}
+                table = stream_table(match, h)
+                stream = KeptStream(match, h, table)
+                want = {"documents": h.documents, "held": h.held, "held_tokens": match.tokens - int(table.sum())}
                 for k, n in (("documents", "documents"), ("held", "held_documents"), ("held_tokens", "held_tokens")):
                     if held[k] != want[k]:
                         raise TokpackError("epoch manifest's held-out documents are not its --holdout's",
                                            file=match.path, where=f"sources[{i}].{n}", expected=want[k], found=e.get(n),
                                            hint="the epoch was not shuffled with the run's --holdout; shuffle it again")
                 tokens = stream.tokens
+                held["kept_shards"] = tuple(table.tolist())
             if offset + windows * row > tokens:
                 raise TokpackError("epoch manifest windows exceed the source", file=match.path, where=f"sources[{i}]",
                                    expected=f"<= {tokens} tokens", found=offset + windows * row)
@@ -515,9 +519,10 @@ def stream_counts(src: PackedSource, spec: dict | None, seed: int, split: bool, 
     if spec is None:
         return {}
     h = source_holdout(src, spec, seed, split, held_out)
-    kept = KeptStream(src, replace(h, split=False)).tokens
+    table = stream_table(src, h)
+    kept = int(table.sum())
     return {"tokens": kept if not split else src.tokens - kept, "documents": h.documents, "held": h.held,
-            "held_tokens": src.tokens - kept}
+            "held_tokens": src.tokens - kept, "kept_shards": tuple(table.tolist())}
 
 
 def holdout_recorded(manifest: dict) -> tuple[dict | None, bool]:
