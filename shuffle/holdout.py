@@ -20,14 +20,21 @@ Both packings hold out the same documents (`Holdout.is_held`, the one home of th
   alone (`split`). Every window (jitter offset, W_s, the permutations, the mixture, the manifest's
   `tokens`, `offset`, `dropped_tokens`) is that of the stream, exactly as of a source that
   held those tokens: no kept token is lost beyond the usual tail, no window spans a gap. The
-  engines, `validate --against`'s replay and `stage` read a stream through the same
-  `read_into` as a source (EpochPlan.stream): a read is a gather of the runs of consecutive
-  kept documents it covers, each read from the raw shard. Memory at scale (10^10 documents):
-  one count per raw shard (`shard_starts` in stream tokens, from one streamed scan of each
-  shard's `.ds.index`, cached per process), and the runs of the one shard being read (its
-  index, read when first touched: 8 bytes a document of that shard); never a per-document
-  array of the source. A stream keeps the raw shards' numbering, so the engines split and
-  verify the raw shards as before (`raw_pieces` hands the sweep's checksum the raw bytes).
+  engines, `validate --against`'s replay, `inspect` and a replacement node read a stream through
+  the same `read_into` as a source (EpochPlan.stream): a read is a gather of the runs of
+  consecutive kept documents it covers, each read from the raw shard. Memory at scale (10^10
+  documents): one count per raw shard (`stream_table`: one scan of each shard's `.ds.index` by
+  the process that plans, which the plan carries to its tasks in SourcePlan.kept_shards), and
+  the runs of the one shard being read (its index, read when first touched: 8 bytes a document
+  of that shard); never a per-document array of the source. A stream keeps the raw shards'
+  numbering, so the engines split and verify the raw shards as before (`raw_pieces` hands the
+  sweep's checksum the raw bytes). RUN/holdout/ is every whole window of the held-out stream,
+  no jitter (its tail of < L+1 tokens dropped, as a source's); --to-nodes refuses --holdout.
+
+Why this and not "drop every window that overlaps a held-out document": that keeps the reads
+contiguous, but loses kept tokens around every held-out document (about one window's worth
+each) and makes W_s depend on where the documents fall; the stream loses none and leaves the
+window algorithm as it is, at the price of gathered reads.
 """
 
 from __future__ import annotations
