@@ -462,3 +462,20 @@ def test_concat_holdout_misuse_is_one_line(named, tmp_path):
     code, _, err = cli("plan", "shuffle", "virtual:tokens=1M,documents=1K,dtype=uint16", "-o", tmp_path / "v",
                        "--seq-len", SEQ, "--seed", 1, "--epochs", 1, "--holdout", "2%", "--disk-mbps", 100)
     assert code == 1 and "--holdout needs the documents of the source" in err
+
+
+def test_a_packing_without_a_holdout_plan_refuses_holdout_in_one_line(named, tmp_path):
+    """A registered packing whose entry has no `holdout` plan cannot leave documents out."""
+    from dataclasses import replace
+
+    from tokpack.shuffle import packings
+
+    root, _ = named
+    packings.register(replace(packings.WINDOWS, name="no-holdout", shuffle="test-no-holdout-v1", holdout=None))
+    try:
+        code, _, err = cli("shuffle", root / "a", "-o", tmp_path / "r", "--seq-len", SEQ, "--seed", 1, "--epochs", 1,
+                           "--packing", "no-holdout", "--holdout", "1%")
+    finally:
+        packings.unregister("no-holdout")
+    assert code == 1 and "no-holdout packing cannot" in err and "--packing concat or best-fit" in err, err
+    assert "\n" not in err.strip() and not (tmp_path / "r").exists()
