@@ -23,7 +23,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.manifest import epoch_dir_name, read_manifest, write_manifest
 from tokpack.formats.shards import PackedSource
 from tokpack.packer.cli import main
-from tokpack.shuffle.holdout import parse_holdout
+from tokpack.shuffle.holdout import Holdout, parse_holdout
 from tokpack.shuffle.packed import doc_table, held_out, packed_plan_from_manifest
 
 SEQ = 63
@@ -479,3 +479,32 @@ def test_a_packing_without_a_holdout_plan_refuses_holdout_in_one_line(named, tmp
         packings.unregister("no-holdout")
     assert code == 1 and "no-holdout packing cannot" in err and "--packing concat or best-fit" in err, err
     assert "\n" not in err.strip() and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_kept_stream_reads_as_the_concatenation_of_its_documents(tmp_path, split):
+    """KeptStream against the plain concatenation, at random ranges, over shards of 3 documents
+    with half of them held out (some shards keep none, or only held-out ones)."""
+    from tokpack.shuffle.holdout import KeptStream
+
+    docs = _named_docs(1, 40, 21)
+    write_source(tmp_path / "s", docs, vocab_size=2000, docs_per_shard=3)
+    src = PackedSource.open(tmp_path / "s")
+    h = held_out(src, {"fraction": "1/2"}, 8)
+    h = Holdout(h.documents, h.held, h.seed, h.fingerprint, split)
+    held = set(h.held_documents().tolist())
+    want = np.concatenate([d for i, d in enumerate(docs) if (i in held) == split])
+    stream = KeptStream(src, h)
+    assert stream.tokens == len(want) and 0 in np.diff(stream.shard_starts)  # a shard with nothing in the stream
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        a = int(rng.integers(0, len(want)))
+        n = int(rng.integers(0, len(want) - a + 1))
+        out = np.empty(n, dtype=src.dtype)
+        assert np.array_equal(stream.read_into(a, out), want[a: a + n])
+        pieces = list(stream.raw_pieces(a, n))  # increasing raw ranges that tile the request
+        assert [x for _, x, _ in pieces] == [0, *[y for _, _, y in pieces[:-1]]][:len(pieces)]
+        assert (pieces[-1][2] if pieces else 0) == n
+        assert all(r1 >= r0 + (y0 - x0) for (r0, x0, y0), (r1, _, _) in zip(pieces, pieces[1:]))
+    with pytest.raises(IndexError):
+        stream.read_into(len(want) - 1, np.empty(2, dtype=src.dtype))
