@@ -589,6 +589,9 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
                            f"{unit}{' a pass' * (unit != 'windows')}, {r['passes']} pass(es), {r['repeats']} {_repeated(r)}"
                            f"{'' if r['weight'] is None else ', weight ' + r['weight']} ({r['path']}, "
                            f"fingerprint {r['fingerprint'][:16]})")
+        if result.holdout is not None:  # written by this command (once a run)
+            click.echo(f"holdout: {result.holdout['samples']} samples of held-out documents in "
+                       f"{result.holdout['path']} (read it as an epoch; no training epoch holds them)")
         for line in result.warnings:
             click.echo(f"tokpack: warning: {line}", err=True)
 

@@ -320,9 +320,11 @@ def test_concat_windows_are_cut_from_the_stream_of_the_kept_documents(named, tmp
 def test_concat_holdout_reads_like_an_epoch(named, tmp_path):
     root, docs = named
     run = tmp_path / "run"
-    code, _, err = cli("shuffle", root / "a", root / "b", "-o", run, "--seq-len", SEQ, "--seed", 2, "--epochs", 1,
-                       "--holdout", "10%")
+    code, out, err = cli("shuffle", root / "a", root / "b", "-o", run, "--seq-len", SEQ, "--seed", 2, "--epochs", 1,
+                         "--holdout", "10%")
     assert code == 0, err
+    n = read_manifest(run / "holdout")["samples"]
+    assert f"holdout: {n} samples of held-out documents in {run / 'holdout'} (read it as an epoch" in out
     from tokpack.loader.reader import SampleReader
 
     held_dir = run / "holdout"
