@@ -234,6 +234,7 @@ _FIELD_TABLES = """
 | `schedule_file` | string | no | run | a scheduled run: the schedule file it was made from |
 | `schedule_xxh3_128` | hex32 | no | run | a scheduled run: checksum of that file |
 | `packing` | object | no | epoch, run | a best-fit epoch or run: `{method, group_tokens, pad_id}`, an epoch also `padding_tokens`, `table_xxh3_128`, `documents_cut` and `max_documents_per_row`; with `--holdout` `holdout`, and RUN/holdout/'s `split` (see Packing) |
+| `holdout` | object | no | epoch, run | a window (concat) run made with `--holdout`: it as recorded, `{"fraction": "1/100"}` or `{"tokens": N}`; RUN/holdout/'s also `"split": "holdout"` (see Held-out windows) |
 | `run` | object | yes | slice, slice-epoch | the run's manifest without `epochs`, `tokens`, `fragments`: its identity and sample numbering |
 | `source` | string | no | slice | the run directory or URL it was staged from, informative |
 | `world_size` | int >= 1 | yes | slice, slice-epoch | `W`: data-parallel ranks of the training it serves |
@@ -272,8 +273,9 @@ _FIELD_TABLES = """
 | `offset` | int >= 0 | yes | epoch | `o_s`: its window offset |
 | `dropped_tokens` | int >= 0 | yes | epoch | its tokens outside every window |
 | `cursor` | int >= 0 | no | epoch | a run of several stages: where in its chain the epoch starts |
-| `documents` | int >= 0 | no | epoch | a best-fit epoch: `D_s`, the source's documents |
+| `documents` | int >= 0 | no | epoch | a best-fit epoch, or a window epoch with `--holdout`: `D_s`, the source's documents |
 | `held_documents` | int >= 0 | no | epoch | a run made with `--holdout`: `k_s`, the source's documents held out |
+| `held_tokens` | int >= 0 | no | epoch | a window epoch with `--holdout`: the tokens of its held-out documents (`tokens` is then its stream's) |
 
 `tokpack-stage.json`
 | `format` | string | yes | sidecar | `"tokpack-stage"` |

@@ -173,8 +173,8 @@ def shuffle(sources=None, output: PathLike | None = None, *, seq_len: int | None
     into `output` [default: that run]; none of those may be given too, and `epochs` must be
     (but for a scheduled run: every epoch of its schedule) (tokpack.shuffle.like). `holdout`:
     whole documents of each source set aside from every epoch, a fraction of its documents
-    ("0.01", "1%") or a token count ("5M"), chosen from the seed (tokpack.shuffle.holdout;
-    best-fit packing)."""
+    ("0.01", "1%") or a token count ("5M"), chosen from the seed, and written once to
+    `output`/holdout/ (tokpack.shuffle.holdout; either packing)."""
     from tokpack.packer.executors import local_paths, pass_runner, runs_in_process
     from tokpack.shuffle.run import shuffle_run
     from tokpack.formats.errors import TokpackError

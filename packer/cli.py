@@ -541,8 +541,8 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
               help="With --to-nodes: each process keeps the source shards it reads, verified, in its local DIR "
                    "({node} is replaced by n) and reads them there in later epochs, not on the shared filesystem.")
 @click.option("--holdout", default=None, metavar="F",
-              help="best-fit: set whole documents of each source aside from every epoch, chosen from --seed: "
-                   "a fraction of its documents (0.01, 1%) or a token count (5M).")
+              help="Set whole documents of each source aside from every epoch, chosen from --seed, and write "
+                   "them once to RUN/holdout/: a fraction of its documents (0.01, 1%) or a token count (5M).")
 @executor_options(tasks_help=SHUFFLE_TASKS_HELP)
 @SCRATCH
 @LOG_INTERVAL
@@ -589,6 +589,9 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
                            f"{unit}{' a pass' * (unit != 'windows')}, {r['passes']} pass(es), {r['repeats']} {_repeated(r)}"
                            f"{'' if r['weight'] is None else ', weight ' + r['weight']} ({r['path']}, "
                            f"fingerprint {r['fingerprint'][:16]})")
+        if result.holdout is not None:  # written by this command (once a run)
+            click.echo(f"holdout: {result.holdout['samples']} samples of held-out documents in "
+                       f"{result.holdout['path']} (read it as an epoch; no training epoch holds them)")
         for line in result.warnings:
             click.echo(f"tokpack: warning: {line}", err=True)
 
@@ -597,12 +600,16 @@ def _shuffle_to_nodes(sources, output, epochs, as_json, dest, ranks_per_node, mi
     """shuffle --to-nodes (tokpack.packer.exchange): this process's node slice; one JSON line per process."""
     from tokpack.packer.exchange import shuffle_to_nodes
     from tokpack.packer.shared import weighted_sources
+    from tokpack.shuffle.like import run_settings
     from tokpack.shuffle.schedule import epoch_numbers, read_schedule
 
     if ranks_per_node is None or micro_batch is None:
         raise click.UsageError("--to-nodes needs --ranks-per-node K and --micro-batch M")
     if kw.get("scratch") is not None:
         raise click.UsageError("--to-nodes writes no scratch to the shared filesystem; drop --scratch")
+    if kw.get("holdout") is not None or (kw.get("like") is not None and run_settings(kw["like"]).get("holdout")):
+        raise click.UsageError("--to-nodes does not write a held-out split (--holdout) yet; shuffle the run without "
+                               "--to-nodes, then `tokpack stage` it to the nodes")
     scheduled = read_schedule(kw["schedule"]) if kw["schedule"] is not None else None
     paths, weights = weighted_sources(_weighted_sources(sources)) if scheduled is None else ([], None)
     result = shuffle_to_nodes(paths, output, dest, ranks_per_node=ranks_per_node, micro_batch=micro_batch,

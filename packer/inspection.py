@@ -240,9 +240,14 @@ def diversity_after_plan(plan, maps: list[DocumentMap], epoch_dir: Path, manifes
         docs = []
         for k, (s, w) in enumerate(zip(s_idx.tolist(), w_idx.tolist())):
             start, stop = plan.token_range(s, w)
-            maps[s].src.read_into(start, window)
+            stream = plan.stream(s, maps[s].src)  # with --holdout: the kept documents' stream
+            stream.read_into(start, window)
             mismatches += not np.array_equal(window, rows[k])
-            docs.append(maps[s].documents(start, stop))
+            if stream is maps[s].src:
+                docs.append(maps[s].documents(start, stop))
+            else:  # the window's documents: those of each raw range it is gathered from
+                parts = [maps[s].documents(raw, raw + y - x) for raw, x, y in stream.raw_pieces(start, stop - start)]
+                docs.append(tuple(np.concatenate([p[i] for p in parts]) for i in (0, 1)))
         stats.append(batch_stats(docs))
     return _series(stats), mismatches
 

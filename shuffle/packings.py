@@ -76,6 +76,9 @@ class Packing:
     # out of every epoch before they are packed), the plan of RUN/holdout/: (sources, *, seq_len, seed,
     # holdout, names, memory, pad_id, group_tokens) -> a plan of the held-out documents. None: no holdout.
     holdout: Callable | None = None
+    # What the run manifest records of the holdout outside `packing` (a window run's: `holdout`,
+    # tokpack.shuffle.plan.holdout_recorded reads it): (plan) -> dict.
+    run_holdout: Callable = lambda p: {}
 
 
 _REGISTRY: dict[str, Packing] = {}
@@ -195,7 +198,7 @@ def replay(manifest: dict, sources, order: bool = True, memory: int = packed.DEF
 
 
 def _windows_plan(sources, *, memory, **kw):
-    return plan.epoch_plan(sources, **kw)
+    return plan.epoch_plan(sources, held_out=packed.held_out, **kw)
 
 
 def _windows_in_memory(job, prepared, memory, needed, held):
@@ -206,13 +209,13 @@ WINDOWS = register(Packing(
     name="concat", shuffle=plan.PLAN_ALGORITHM, jitter=True,
     options=lambda pad_id, group_tokens: {},
     plan=_windows_plan,
-    chained=lambda p, *, members, sources, names, cursors, weights, counts, memory: plan.chained_plan(
-        p, members, sources, names, cursors),
-    from_manifest=lambda m, sources, memory: plan.EpochPlan.from_manifest(m, sources),
-    replay=lambda m, sources, order, memory: plan.replay_hashes(m, sources, order),
-    settings=lambda sources: None,
+    chained=lambda p, *, members, sources, names, cursors, weights, counts, memory, **options: plan.chained_plan(
+        p, members, sources, names, cursors, packed.held_out),
+    from_manifest=lambda m, sources, memory: plan.EpochPlan.from_manifest(m, sources, packed.held_out),
+    replay=lambda m, sources, order, memory: plan.replay_hashes(m, sources, order, held_out=packed.held_out),
+    settings=lambda sources, **options: None,
     run_fields=lambda p: None,
-    epoch_fields=lambda p, prepared: {},
+    epoch_fields=lambda p, prepared: plan.holdout_fields(p),
     memory_path=steps.window_memory,
     scratch_bytes=lambda job, out_of_core: job.plan.samples * (job.row_bytes + 8) if out_of_core else 0,
     prepare=lambda job, memory: {},
@@ -221,6 +224,8 @@ WINDOWS = register(Packing(
                                                        steps.OrderStep(job, layout, budget)),
     scattered=lambda job, layout, i: layout.holds_rows_of(i, job.row_bytes),
     unit="windows",
+    holdout=lambda sources, **kw: plan.windows_holdout_plan(sources, held_out=packed.held_out, **kw),
+    run_holdout=lambda p: {} if p.holdout is None else {"holdout": p.holdout},
 ))
 
 

@@ -12,10 +12,10 @@ below follow it (L, W_s, o_s, c_s, N, pi_{s,p}, sigma_e).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 import xxhash
@@ -27,6 +27,7 @@ from tokpack.formats.manifest import (PLAN_ALGORITHM, chain_start, dtype_from_na
 from tokpack.formats.shards import PackedSource
 from tokpack.formats.units import at_most, token_count
 
+from .holdout import Holdout, KeptStream, stream_table
 from .permutation import Bijection, derive_key
 
 
@@ -83,6 +84,14 @@ class SourcePlan:
     samples: int  # c_s: windows this epoch takes
     base: int  # first epoch-list position q of this source
     cursor: int | None = None  # chain position of its first sample; None: epoch * c_s (one mixture for the run)
+    # A run made with --holdout (tokpack.shuffle.holdout): `tokens` are its stream's (the documents
+    # not held out, or RUN/holdout/'s held-out ones), of its `documents` D_s, `held` k_s held out,
+    # holding `held_tokens`; `kept_shards`: the tokens not held out of each raw shard (KeptStream's
+    # table, carried to the tasks so that none scans the index again; not in any manifest).
+    documents: int = 0
+    held: int = 0
+    held_tokens: int = 0
+    kept_shards: tuple = field(default=(), repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -95,8 +104,20 @@ class EpochPlan:
     jitter: bool  # window starts shifted per epoch
     samples: int  # N
     sources: tuple[SourcePlan, ...]  # in command-line order
+    holdout: dict | None = None  # `--holdout` as recorded (tokpack.shuffle.holdout.parse_holdout), or None
+    split: bool = False  # the plan of RUN/holdout/: windows of the held-out documents' stream
 
     # ---------------------------------------------------------------- per source
+
+    def stream(self, s: int, src: PackedSource):
+        """What source s's windows are cut from: the source itself, or with --holdout its
+        stream of the documents this plan keeps (tokpack.shuffle.holdout.KeptStream), which
+        reads as a source does in the stream's offsets."""
+        if self.holdout is None:
+            return src
+        sp = self.sources[s]
+        return KeptStream(src, Holdout(sp.documents, sp.held, self.seed, sp.fingerprint, self.split),
+                          sp.kept_shards or None)
 
     @property
     def row_tokens(self) -> int:
@@ -230,14 +251,19 @@ class EpochPlan:
                 "offset": src.offset,
                 "dropped_tokens": src.tokens - src.windows * self.row_tokens,
                 **({} if src.cursor is None else {"cursor": src.cursor}),
+                **({} if self.holdout is None else {"documents": src.documents, "held_documents": src.held,
+                                                    "held_tokens": src.held_tokens}),
             }
             for i, src in enumerate(self.sources)
         ]
 
     @classmethod
-    def from_manifest(cls, manifest: dict, sources: list[PackedSource]) -> "EpochPlan":
+    def from_manifest(cls, manifest: dict, sources: list[PackedSource], held_out: "HeldOut | None" = None
+                      ) -> "EpochPlan":
         """The plan an epoch manifest was written from, against the opened sources (matched by
-        fingerprint, in any order)."""
+        fingerprint, in any order). `held_out`: a manifest with --holdout (holdout_recorded)
+        recomputes each source's held-out documents by it (the registry gives
+        tokpack.shuffle.packed.held_out)."""
         if manifest.get("shuffle") != PLAN_ALGORITHM:
             raise TokpackError("epoch shuffled by another shuffle algorithm", where="shuffle",
                                expected=PLAN_ALGORITHM, found=manifest.get("shuffle"),
@@ -246,12 +272,15 @@ class EpochPlan:
         pool = list(sources)
         plans, base = [], 0
         row = int(manifest["seq_len"]) + 1
+        spec, split = holdout_recorded(manifest)
         for i, e in enumerate(entries):
             match = next((p for p in pool if p.fingerprint == e.get("fingerprint")), None)
+            held = {} if spec is None else {k: int(e.get(n, -1)) for k, n in (
+                ("documents", "documents"), ("held", "held_documents"), ("held_tokens", "held_tokens"))}
             if match is None and int(e["samples"]) == 0:  # a scheduled run lists every source; this epoch uses none
                 plans.append(SourcePlan(i, e.get("name", ""), e.get("path", ""), e.get("fingerprint"), e.get("weight"),
                                         int(e["tokens"]), int(e["offset"]), int(e["windows"]), 0, base,
-                                        e.get("cursor")))
+                                        e.get("cursor"), **held))
                 continue
             if match is None:
                 raise TokpackError(
@@ -264,17 +293,30 @@ class EpochPlan:
             pool.remove(match)
             windows = int(e["windows"])
             offset = int(e["offset"])
-            if offset + windows * row > match.tokens:
+            tokens = match.tokens
+            if spec is not None:  # the run's rule, applied again: the held-out documents are not the manifest's word
+                h = source_holdout(match, spec, int(manifest["seed"]), split, held_out)
+                table = stream_table(match, h)
+                stream = KeptStream(match, h, table)
+                want = {"documents": h.documents, "held": h.held, "held_tokens": match.tokens - int(table.sum())}
+                for k, n in (("documents", "documents"), ("held", "held_documents"), ("held_tokens", "held_tokens")):
+                    if held[k] != want[k]:
+                        raise TokpackError("epoch manifest's held-out documents are not its --holdout's",
+                                           file=match.path, where=f"sources[{i}].{n}", expected=want[k], found=e.get(n),
+                                           hint="the epoch was not shuffled with the run's --holdout; shuffle it again")
+                tokens = stream.tokens
+                held["kept_shards"] = tuple(table.tolist())
+            if offset + windows * row > tokens:
                 raise TokpackError("epoch manifest windows exceed the source", file=match.path, where=f"sources[{i}]",
-                                   expected=f"<= {match.tokens} tokens", found=offset + windows * row)
+                                   expected=f"<= {tokens} tokens", found=offset + windows * row)
             plans.append(SourcePlan(i, e.get("name", ""), e.get("path", ""), match.fingerprint, e.get("weight"),
-                                    match.tokens, offset, windows, int(e["samples"]), base, e.get("cursor")))
+                                    tokens, offset, windows, int(e["samples"]), base, e.get("cursor"), **held))
             base += int(e["samples"])
         if base != int(manifest["samples"]):
             raise TokpackError("epoch manifest source samples do not add up", where="sources[].samples",
                                expected=manifest["samples"], found=base)
         return cls(int(manifest["seed"]), int(manifest["epoch"]), int(manifest["seq_len"]),
-                   bool(manifest.get("jitter", False)), base, tuple(plans))
+                   bool(manifest.get("jitter", False)), base, tuple(plans), spec, split)
 
 
 # -------------------------------------------------------------------- sources
@@ -433,14 +475,26 @@ def epoch_plan(
     tokens: int | None = None,
     jitter: bool = False,
     names: list[str] | None = None,
+    holdout: dict | None = None,
+    split: bool = False,
+    held_out: "HeldOut | None" = None,
 ) -> EpochPlan:
-    """The plan of one epoch. Cheap: O(#sources) plus a few hashes."""
+    """The plan of one epoch. Cheap: O(#sources) plus a few hashes (with `holdout`, parse_holdout's:
+    the windows of each source's stream of the documents not held out, or with `split` of the
+    held-out ones; its table is one scan of the source's document index, once per process)."""
     if not sources:
         raise TokpackError("no sources given", hint="tokpack shuffle SOURCE[=WEIGHT]... -o OUT")
     weights = list(weights) if weights is not None else [None] * len(sources)
+    held = [stream_counts(src, holdout, seed, split, held_out) for src in sources]
     wins = []
     for s, src in enumerate(sources):
-        w = windows_of(src.tokens, seq_len, jitter)
+        w = windows_of(held[s].get("tokens", src.tokens), seq_len, jitter)
+        if w <= 0 and split:
+            raise TokpackError(
+                "--holdout holds out fewer tokens of a source than one window", file=src.path, where="--holdout",
+                expected=f"at least {seq_len + 1} held-out tokens (RUN/holdout/ is windows of them)",
+                found=f"{held[s]['tokens']} tokens in {held[s]['held']} documents",
+                hint=f"hold out more: a larger fraction, or a token count of at least {seq_len + 1}")
         if w <= 0:
             raise TokpackError(
                 "seq_len is larger than the source", file=src.path, where="--seq-len",
@@ -453,15 +507,69 @@ def epoch_plan(
     for s, src in enumerate(sources):
         offset = jitter_offset(seed, epoch, s, seq_len) if jitter else 0
         name = names[s] if names else src.home.name
+        extra = {k: v for k, v in held[s].items() if k != "tokens"}
         plans.append(SourcePlan(s, name, str(src.home), src.fingerprint,
-                                None if weights[s] is None else str(weights[s]), src.tokens, offset, wins[s],
-                                counts[s], base))
+                                None if weights[s] is None else str(weights[s]), held[s].get("tokens", src.tokens),
+                                offset, wins[s], counts[s], base, **extra))
         base += counts[s]
-    return EpochPlan(int(seed), int(epoch), int(seq_len), bool(jitter), n, tuple(plans))
+    return EpochPlan(int(seed), int(epoch), int(seq_len), bool(jitter), n, tuple(plans), holdout, bool(split))
+
+
+# (source, --holdout as recorded, seed) -> its Holdout: the one rule both packings share,
+# tokpack.shuffle.packed.held_out, which the registry (tokpack.shuffle.packings) passes in.
+HeldOut = Callable[[PackedSource, dict, int], Holdout]
+
+
+def source_holdout(src: PackedSource, spec: dict, seed: int, split: bool, held_out: HeldOut | None) -> Holdout:
+    """Source `src`'s held-out documents for `--holdout` `spec`; `split`: RUN/holdout/'s view of them."""
+    if held_out is None:
+        raise TokpackError("internal error: a plan with --holdout needs the rule that holds documents out",
+                           where="held_out", hint="plan it through tokpack.shuffle.packings")
+    if is_virtual(src.path):
+        raise TokpackError("--holdout needs the documents of the source", file=src.path, where="--holdout",
+                           hint="plan a run with --holdout on packed sources, not virtual ones")
+    return replace(held_out(src, spec, seed), split=bool(split))
+
+
+def stream_counts(src: PackedSource, spec: dict | None, seed: int, split: bool, held_out: HeldOut | None) -> dict:
+    """A SourcePlan's holdout fields for source `src` ({} without a holdout), its stream's
+    `tokens` among them."""
+    if spec is None:
+        return {}
+    h = source_holdout(src, spec, seed, split, held_out)
+    table = stream_table(src, h)
+    kept = int(table.sum())
+    return {"tokens": kept if not split else src.tokens - kept, "documents": h.documents, "held": h.held,
+            "held_tokens": src.tokens - kept, "kept_shards": tuple(table.tolist())}
+
+
+def holdout_recorded(manifest: dict) -> tuple[dict | None, bool]:
+    """(the `--holdout` a window epoch or run records, whether it is RUN/holdout/'s): its
+    top-level `holdout` object (a best-fit one records it in `packing`)."""
+    h = manifest.get("holdout")
+    if not isinstance(h, dict):
+        return None, False
+    return {k: v for k, v in h.items() if k != "split"}, h.get("split") == "holdout"
+
+
+def holdout_fields(plan: EpochPlan) -> dict:
+    """What a window plan with --holdout adds to its epoch manifest (holdout_recorded reads it)."""
+    if plan.holdout is None:
+        return {}
+    return {"holdout": {**plan.holdout, **({"split": "holdout"} if plan.split else {})}}
+
+
+def windows_holdout_plan(sources: list[PackedSource], *, seq_len: int, seed: int, holdout: dict, names: list[str],
+                         held_out: HeldOut, **options) -> EpochPlan:
+    """The plan of RUN/holdout/: one pass over the windows of each source's held-out documents'
+    stream, ordered as an epoch is (epoch 0's keys), all of them (no weights, no --samples, no
+    jitter)."""
+    return epoch_plan(sources, seq_len=seq_len, seed=seed, epoch=0, names=names, holdout=holdout, split=True,
+                      held_out=held_out)
 
 
 def chained_plan(plan: EpochPlan, members: list[int], sources: list[PackedSource], names: list[str],
-                 cursors: list[int]) -> EpochPlan:
+                 cursors: list[int], held_out: HeldOut | None = None) -> EpochPlan:
     """An epoch of a schedule of several stages, from its stage's plan (over the stage's
     sources, `members` of the schedule's): the epoch lists every source of the schedule (its
     position is its key), and each source's chain starts at its cursor, where the epochs before
@@ -471,8 +579,10 @@ def chained_plan(plan: EpochPlan, members: list[int], sources: list[PackedSource
     entries, base = [], 0
     for u, src in enumerate(sources):
         offset = jitter_offset(seed, epoch, u, seq_len) if plan.jitter else 0
-        sp = stage_of.get(u) or SourcePlan(u, names[u], str(src.home), src.fingerprint, None, src.tokens,
-                                           offset, windows_of(src.tokens, seq_len, plan.jitter), 0, base)
+        held = {} if u in stage_of else stream_counts(src, plan.holdout, seed, plan.split, held_out)
+        tokens = held.pop("tokens", src.tokens)
+        sp = stage_of.get(u) or SourcePlan(u, names[u], str(src.home), src.fingerprint, None, tokens,
+                                           offset, windows_of(tokens, seq_len, plan.jitter), 0, base, **held)
         entries.append(replace(sp, index=u, offset=offset, base=base, cursor=cursors[u]))
         base += sp.samples
     return replace(plan, sources=tuple(entries))
@@ -486,7 +596,9 @@ def iter_source_windows(plan: EpochPlan, s: int, src: PackedSource, block_bytes:
     """Sequential reads of windows [w0, w1) of source s, `block_bytes` at a time, alternating
     between two reused buffers: a thread reads the next block while the caller works on this
     one. Yields (first window, [rows, L+1] token view); a view is valid until the next item.
-    `on_read(first token, tokens)` is called in the reading thread on each block read."""
+    `on_read(first token, tokens)` is called in the reading thread on each block read; `src` a
+    held-out split's stream (EpochPlan.stream), on each raw range of it, in raw offsets (the
+    sweep's checksums are of the raw shards)."""
     sp = plan.sources[s]
     w1 = sp.windows if w1 is None else w1
     row = plan.row_tokens
@@ -503,7 +615,10 @@ def iter_source_windows(plan: EpochPlan, s: int, src: PackedSource, block_bytes:
     def fill(buf, n, a):
         view = buf[: n * row]
         src.read_into(sp.offset + a * row, view, handles)
-        if on_read is not None:
+        if on_read is not None and hasattr(src, "raw_pieces"):
+            for raw, x, y in src.raw_pieces(sp.offset + a * row, len(view)):
+                on_read(raw, view[x:y])
+        elif on_read is not None:
             on_read(sp.offset + a * row, view)
         return view.reshape(n, row)
 
@@ -529,7 +644,7 @@ def shard_count_checked(epoch_manifest: dict, samples: int) -> tuple[int, int]:
 
 
 def replay_hashes(epoch_manifest: dict, sources: list[PackedSource], order: bool = True,
-                  plan: EpochPlan | None = None) -> tuple[str, list[int]]:
+                  plan: EpochPlan | None = None, held_out: HeldOut | None = None) -> tuple[str, list[int]]:
     """What the epoch must hold, recomputed from its sources through the plan: its
     `sample_multiset_hash` (each window's row_hash times the number of times the epoch uses it)
     and, with `order`, each output shard's order hash (docs/FORMAT.md, "Checksums": the sum of
@@ -538,7 +653,7 @@ def replay_hashes(epoch_manifest: dict, sources: list[PackedSource], order: bool
     plan sends it to (`outputs_of`), so the epoch's order needs no table. Memory: one IO block,
     O(block rows) index arrays and 8 bytes per output shard. `plan`: the epoch's plan, when the
     caller made it (a packing of windows in another order, tokpack.shuffle.packings)."""
-    plan = EpochPlan.from_manifest(epoch_manifest, sources) if plan is None else plan
+    plan = EpochPlan.from_manifest(epoch_manifest, sources, held_out) if plan is None else plan
     per, listed = shard_count_checked(epoch_manifest, plan.samples) if order else (1, 0)
     by_fp = {}
     for src in sources:
@@ -547,7 +662,7 @@ def replay_hashes(epoch_manifest: dict, sources: list[PackedSource], order: bool
     for s, sp in enumerate(plan.sources):
         if not sp.samples:
             continue
-        for a, rows in iter_source_windows(plan, s, by_fp[sp.fingerprint][0]):
+        for a, rows in iter_source_windows(plan, s, plan.stream(s, by_fp[sp.fingerprint][0])):
             uses = list(plan.outputs_of(s, np.arange(a, a + len(rows), dtype=np.int64)))
             if not uses:
                 continue

@@ -33,7 +33,7 @@ from tokpack.formats.units import at_most, counted
 
 from . import packings
 from .holdout import parse_holdout
-from .plan import EpochPlan, SamplePlan, is_virtual, open_source, parse_weight, source_location
+from .plan import EpochPlan, SamplePlan, holdout_recorded, is_virtual, open_source, parse_weight, source_location
 from .schedule import RunPlan, Schedule, same_source_twice
 from .steps import ORDER_ROW_OVERHEAD, EpochJob, Layout, make_layout, source_changed_error
 
@@ -95,6 +95,7 @@ def _run_params(plan: SamplePlan, weights, shard_samples: int) -> dict:
         "jitter": plan.jitter,
         "samples": plan.samples,
         "shard_samples": shard_samples,
+        **({} if getattr(plan, "holdout", None) is None else {"holdout": plan.holdout}),
     }
 
 
@@ -106,7 +107,8 @@ def _schedule_params(runplan: RunPlan, sources: list[PackedSource], shard_sample
     return {"shuffle": packing.shuffle, "packing": packing.settings(sources, **runplan.options),
             "fingerprints": [src.fingerprint for src in sources], "weights": None, "seq_len": sc.seq_len,
             "seed": sc.seed, "jitter": sc.jitter, "samples": 0, "shard_samples": shard_samples,
-            "epoch_samples": fields["epoch_samples"], "schedule": _schedule_key(fields["schedule"])}
+            "epoch_samples": fields["epoch_samples"], "schedule": _schedule_key(fields["schedule"]),
+            **({} if runplan.options.get("holdout") is None else {"holdout": runplan.options["holdout"]})}
 
 
 def _schedule_key(entries) -> list | None:
@@ -128,13 +130,18 @@ def _params_of_manifest(m: dict) -> dict:
         "packing": None if not rows_padded(m) else {
             k: m["packing"][k] for k in ("method", "group_tokens", "pad_id", "holdout") if k in m["packing"]},
         **{key: m.get(key) for key in ("seq_len", "seed", "samples", "shard_samples", "epoch_samples")},
+        # --holdout, wherever the packing records it (a window run: `holdout`; best-fit: in `packing`)
+        "holdout": holdout_recorded(m)[0] or (m["packing"].get("holdout") if rows_padded(m) else None),
     }
 
 
 def _check_same_run(found: dict, wanted: dict, where: Path, like: str | None = None) -> None:
     """`wanted`: the _run_params (or _schedule_params) of this invocation; `like`: the command
     that writes the epoch asked for with the run's own settings, when `where` is a run."""
-    if found.get("schedule") is not None and wanted.get("schedule") is not None:
+    # --holdout first (absent: none): it changes a schedule's sizes too, and is then the cause to name
+    keys = ["holdout", *(k for k in wanted if k != "holdout")]
+    if (found.get("holdout") == wanted.get("holdout") and found.get("schedule") is not None
+            and wanted.get("schedule") is not None):
         old, new = found["schedule"], wanted["schedule"]
         for e in range(max(len(old), len(new))):
             a, b = (old[e] if e < len(old) else None), (new[e] if e < len(new) else None)
@@ -143,12 +150,12 @@ def _check_same_run(found: dict, wanted: dict, where: Path, like: str | None = N
                                    where=f"epoch {e}", expected=a or "no such epoch", found=b or "no such epoch",
                                    hint="restore the run's schedule file (its xxh3_128 is in the run manifest), "
                                    "or write the new schedule to another -o")
-    for key in wanted:
-        if found[key] != wanted[key]:
+    for key in keys:
+        if found.get(key) != wanted.get(key):
             raise TokpackError(
-                "output directory holds a different run", file=where, where=key, expected=wanted[key],
-                found=found[key], hint="use another -o, delete it, or repeat the run's exact sources, weights, "
-                "--seq-len, --seed, --jitter, --packing, --samples/--tokens and --shard-samples"
+                "output directory holds a different run", file=where, where=key, expected=wanted.get(key),
+                found=found.get(key), hint="use another -o, delete it, or repeat the run's exact sources, weights, "
+                "--seq-len, --seed, --jitter, --packing, --holdout, --samples/--tokens and --shard-samples"
                 + (f"; to add the epoch with the run's own settings: `{like}`" if like else ""))
 
 
@@ -195,6 +202,8 @@ def run_manifest_of(written: dict, plan: EpochPlan, weights, sources: list[Packe
         extra = {key: created.get(key) for key in extra}
     if _packing_of(plan) is not None:
         extra = {**(extra or {}), "packing": _packing_of(plan)}
+    if packings.of_plan(plan).run_holdout(plan):
+        extra = {**(extra or {}), **packings.of_plan(plan).run_holdout(plan)}
     return run_manifest(
         written, sources[0].dtype, first["vocab_size"], first["eos_id"], first.get("tokenizer", ""),
         sources=[{**e, "weight": None} for e in entries] if scheduled else entries,
@@ -459,9 +468,9 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
     packings.check_jitter(used.name, jitter, "--jitter" if schedule is None or schedule.file is None else "jitter",
                           getattr(schedule, "file", None))
     holdout = parse_holdout(holdout)
-    if holdout is not None and not used.holdout:  # windows cut across documents: none can be left out yet
-        raise TokpackError(f"--holdout sets whole documents aside before they are packed; {used.name} packing "
-                           "cannot yet", where="--holdout", hint="use --packing best-fit with --holdout")
+    if holdout is not None and not used.holdout:  # a registered packing that cannot leave documents out
+        raise TokpackError(f"--holdout sets whole documents aside; {used.name} packing cannot", where="--holdout",
+                           hint=f"use --packing {packings.DEFAULT} or best-fit with --holdout")
     paths, weights = list(paths), list(weights or [None] * len(paths))
     opened = open_sources(paths)
     out = Path(output)

@@ -211,7 +211,11 @@ class EpochJob:
         return Path(self.work_dir) / "done" / f"{self.shard_file(i)}.json"
 
     def open_sources(self) -> list[PackedSource]:
-        return [open_source(p, check_sizes=False) for p in self.source_paths]
+        """The sources, as the plan's windows are cut from them: a window plan with --holdout
+        reads each source's stream of the documents it keeps (EpochPlan.stream)."""
+        opened = [open_source(p, check_sizes=False) for p in self.source_paths]
+        stream = getattr(self.plan, "stream", None)
+        return opened if stream is None else [stream(s, src) for s, src in enumerate(opened)]
 
     def done_entry(self, i: int) -> dict | None:
         """The manifest entry recorded when shard i was committed (and sent, to a bucket)."""
@@ -366,7 +370,12 @@ def source_rows(src: PackedSource, offset: int, windows: int, row_tokens: int, o
     """Windows [0, windows) of a source starting at token `offset`, as np.void row arrays in
     window order, each yielded once read: a mapped view per shard for the windows inside it,
     and a small copy for each window that crosses a shard boundary. Every shard is mapped
-    whole and handed to `on_shard(k, bytes)` once read (to verify it)."""
+    whole and handed to `on_shard(k, bytes)` once read (to verify it). A held-out split's stream
+    (EpochPlan.stream): each raw shard is mapped and handed over as well, and the windows that end
+    in it are gathered from its runs into a buffer of their own."""
+    if hasattr(src, "raw"):
+        yield from _stream_rows(src, offset, windows, row_tokens, on_shard)
+        return
     ts = src.dtype.itemsize
     void = np.dtype((np.void, row_tokens * ts))
     w = 0
@@ -388,6 +397,24 @@ def source_rows(src: PackedSource, offset: int, windows: int, row_tokens: int, o
             w = last
     if w != windows:
         raise TokpackError("internal error: source windows", file=src.path, expected=windows, found=w)
+
+
+def _stream_rows(stream, offset: int, windows: int, row_tokens: int, on_shard=None) -> Iterator[np.ndarray]:
+    """source_rows of a tokpack.shuffle.holdout.KeptStream."""
+    raw, void, w = stream.raw, np.dtype((np.void, row_tokens * stream.dtype.itemsize)), 0
+    for k, shard in enumerate(raw.shards):
+        whole = map_file(raw.path / shard["path"], 0, int(shard["tokens"]) * raw.dtype.itemsize)
+        if on_shard is not None:
+            on_shard(k, whole)
+        del whole
+        last = min(windows, max(w, (int(stream.shard_starts[k + 1]) - offset) // row_tokens))
+        if last > w:
+            rows = np.empty((last - w) * row_tokens, dtype=stream.dtype)
+            stream.read_into(offset + w * row_tokens, rows)
+            yield rows.view(void)
+            w = last
+    if w != windows:
+        raise TokpackError("internal error: stream windows", file=raw.path, expected=windows, found=w)
 
 
 @dataclass
@@ -579,7 +606,7 @@ class ScatterStep(_Step):
             try:
                 with Worker(len(outbufs) - 1) as disk:  # the append of one buffer overlaps the fill of the other
                     for s, w0, w1, k0, k1 in segments:
-                        shards = ShardHashes(sources[s], k0, k1, job.source_changed)
+                        shards = ShardHashes(getattr(sources[s], "raw", sources[s]), k0, k1, job.source_changed)
                         for a, block in iter_source_windows(plan, s, sources[s], w0=w0, w1=w1, bufs=inbufs,
                                                             on_read=shards.feed):
                             scatter_bar.update(block.nbytes)

@@ -1,9 +1,10 @@
-"""A held-out split (issue 35, item 7, its first part): `shuffle --packing best-fit --holdout F`
-sets whole documents of each source aside from every epoch, chosen from the seed alone
-(tokpack.shuffle.holdout); `validate --against` replays the epoch without them; weights,
-schedules and `--like` keep working; the held-out documents are written once as RUN/holdout/, an
-epoch directory that tokpack's reader, TokpackDataset and datatrove read. Not yet: window
-(concat) runs, which refuse --holdout in one line."""
+"""A held-out split (issue 35, item 7): `shuffle --holdout F` sets whole documents of each source
+aside from every epoch, chosen from the seed alone (tokpack.shuffle.holdout); `validate --against`
+replays the epoch without them; weights, schedules and `--like` keep working; the held-out
+documents are written once as RUN/holdout/, an epoch directory that tokpack's reader,
+TokpackDataset and datatrove read. Both packings: best-fit rows of the kept documents, and the
+default concat windows cut from each source's stream of its kept documents (the second half
+of this file, over documents whose tokens name them)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.manifest import epoch_dir_name, read_manifest, write_manifest
 from tokpack.formats.shards import PackedSource
 from tokpack.packer.cli import main
-from tokpack.shuffle.holdout import parse_holdout
+from tokpack.shuffle.holdout import Holdout, parse_holdout
 from tokpack.shuffle.packed import doc_table, held_out, packed_plan_from_manifest
 
 SEQ = 63
@@ -153,9 +154,6 @@ def test_a_schedule_keeps_its_holdout_across_stages(corpus, tmp_path):
 def test_holdout_is_refused_where_it_cannot_hold(corpus, tmp_path):
     root, _ = corpus
     code, _, err = cli("shuffle", root / "web", "-o", tmp_path / "w", "--seq-len", SEQ, "--seed", 1, "--epochs", 1,
-                       "--holdout", "0.1")
-    assert code == 1 and "concat packing cannot yet" in err and "--packing best-fit" in err
-    code, _, err = cli("shuffle", root / "web", "-o", tmp_path / "w", "--seq-len", SEQ, "--seed", 1, "--epochs", 1,
                        "--packing", "best-fit", "--holdout", "2")
     assert code == 0, err  # 2 tokens: the first document in the holdout's order
     code, _, err = cli("shuffle", root / "web", "-o", tmp_path / "x", "--seq-len", SEQ, "--seed", 1, "--epochs", 1,
@@ -234,3 +232,281 @@ def test_plan_shuffle_names_the_holdout_folder_it_would_write(corpus, tmp_path):
     again = [a if a != "--epochs" else "--epoch" for a in args]  # epoch 1, into the run
     code, out, _ = cli("plan", "shuffle", *again, "--disk-mbps", 100, "--json")
     assert code == 0 and "holdout" not in json.loads(out)  # written already: not again
+
+
+# ---------------------------------------------------------------------- concat (the default packing)
+#
+# Document i of source "a" is tokens 1 + i (its length varies) then EOS; source "b"'s are
+# 1001 + i: every token but EOS names its document, so an epoch's content is checked by value.
+
+def _named_docs(first: int, n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [np.append(np.full(int(rng.integers(5, 140)), first + i, dtype=np.int64), EOS) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def named(tmp_path_factory):
+    root = tmp_path_factory.mktemp("holdout_concat")
+    docs = {"a": _named_docs(1, 300, 11), "b": _named_docs(1001, 120, 12)}
+    for name, d in docs.items():
+        write_source(root / name, d, vocab_size=2000, docs_per_shard=70)
+    return root, docs
+
+
+def _held_values(root, docs, spec, seed) -> dict[str, set]:
+    """Per source, the token values of its held-out documents (the one rule, Holdout.is_held)."""
+    out = {}
+    for name, first in (("a", 1), ("b", 1001)):
+        h = held_out(PackedSource.open(root / name), spec, seed)
+        assert h.held > 0
+        out[name] = {first + int(i) for i in h.held_documents()}
+    return out
+
+
+def _values(folder: Path) -> set:
+    return set(np.concatenate([np.fromfile(folder / s["path"], "<u2") for s in read_manifest(folder)["shards"]]
+                              ).tolist()) - {EOS}
+
+
+def _windows(stream: np.ndarray, offset: int, row: int, w: int) -> list[bytes]:
+    return sorted(stream[offset + k * row: offset + (k + 1) * row].astype("<u2").tobytes() for k in range(w))
+
+
+def _rows(folder: Path) -> list[bytes]:
+    row = (SEQ + 1) * 2
+    data = b"".join(rows_of(folder))
+    return sorted(data[i: i + row] for i in range(0, len(data), row))
+
+
+def _tree(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and ".tokpack-work" not in p.parts}
+
+
+def test_concat_windows_are_cut_from_the_stream_of_the_kept_documents(named, tmp_path):
+    """A whole-pass epoch holds exactly the windows of each source's kept documents, concatenated
+    (Megatron's --split), with jitter; RUN/holdout/ exactly those of the held-out documents; no
+    token of a held-out document is in any training epoch; validate --against proves both."""
+    root, docs = named
+    run = tmp_path / "run"
+    code, out, err = cli("shuffle", root / "a", "-o", run, "--seq-len", SEQ, "--seed", 5, "--epochs", 2, "--jitter",
+                         "--holdout", "5%", "--json")
+    assert code == 0, err
+    held = _held_values(root, docs, {"fraction": "1/20"}, 5)["a"]
+    a = PackedSource.open(root / "a")
+    h = held_out(a, {"fraction": "1/20"}, 5)
+    kept_stream = np.concatenate([d for i, d in enumerate(docs["a"]) if i + 1 not in held])
+    held_stream = np.concatenate([d for i, d in enumerate(docs["a"]) if i + 1 in held])
+    for e in (0, 1):
+        epoch = run / epoch_dir_name(e)
+        m = read_manifest(epoch)
+        src = m["sources"][0]
+        assert m["holdout"] == {"fraction": "1/20"} and "packing" not in m  # windows: no padding, no .ds.pad
+        assert (src["documents"], src["held_documents"], src["tokens"], src["held_tokens"]) == (
+            len(docs["a"]), h.held, len(kept_stream), len(held_stream))
+        assert _values(epoch).isdisjoint(held) and _values(epoch)  # by content: no held-out token
+        assert src["windows"] == (len(kept_stream) - SEQ) // (SEQ + 1)  # jitter: W_s of the stream's tokens
+        assert _rows(epoch) == _windows(kept_stream, src["offset"], SEQ + 1, src["windows"])  # all of the kept stream's
+    assert read_manifest(run / epoch_dir_name(0))["sources"][0]["offset"] != read_manifest(
+        run / epoch_dir_name(1))["sources"][0]["offset"]  # jitter moved the windows
+    hm = read_manifest(run / "holdout")
+    assert hm["holdout"] == {"fraction": "1/20", "split": "holdout"} and hm["sources"][0]["offset"] == 0
+    assert _values(run / "holdout") <= held and _rows(run / "holdout") == _windows(held_stream, 0, SEQ + 1, len(held_stream) // (SEQ + 1))
+    assert read_manifest(run)["holdout"] == {"fraction": "1/20"}
+    code, out, err = cli("validate", run, "--against", root / "a")
+    assert code == 0 and f"OK epoch {run / 'holdout'}" in out, out + err
+
+
+def test_concat_holdout_reads_like_an_epoch(named, tmp_path):
+    root, docs = named
+    run = tmp_path / "run"
+    code, out, err = cli("shuffle", root / "a", root / "b", "-o", run, "--seq-len", SEQ, "--seed", 2, "--epochs", 1,
+                         "--holdout", "10%")
+    assert code == 0, err
+    n = read_manifest(run / "holdout")["samples"]
+    assert f"holdout: {n} samples of held-out documents in {run / 'holdout'} (read it as an epoch" in out
+    from tokpack.loader.reader import SampleReader
+
+    held_dir = run / "holdout"
+    m = read_manifest(held_dir)
+    reader = SampleReader.open(held_dir)
+    assert reader.total_samples == m["samples"] == sum(s["samples"] for s in m["sources"]) > 0
+    values = _held_values(root, docs, {"fraction": "1/10"}, 2)
+    assert set(reader.read(0, m["samples"]).reshape(-1).tolist()) - {EOS} <= values["a"] | values["b"]
+    code = ("import json\nfrom datatrove.utils.dataset import DatatroveFolderDataset\n"
+            f"ds = DatatroveFolderDataset({str(held_dir)!r}, {SEQ}, filename_pattern='*.ds', token_size=2)\n"
+            "print(len(ds), json.dumps(ds[0]['input_ids'].tolist()))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    n, first = r.stdout.split(" ", 1)
+    assert int(n) == m["samples"] and json.loads(first) == reader.read(0)[0].tolist()
+    code, out, err = cli("inspect", run, "--json")
+    assert code == 0 and json.loads(out)["holdout"]["samples"] == m["samples"], err
+    assert json.loads(out)["batch_diversity"]["document_identity"] == "plan"  # each sample found in its stream
+
+
+@pytest.mark.parametrize("memory", ["64MiB", "1MiB"])  # in memory, and out of core (several buckets)
+def test_concat_holdout_is_deterministic_on_one_and_two_workers(named, tmp_path, memory):
+    root, _ = named
+    trees = []
+    for workers in (1, 2):
+        run = tmp_path / f"run{workers}"
+        code, out, err = cli("shuffle", f"{root / 'a'}=0.6", f"{root / 'b'}=0.4", "-o", run, "--seq-len", SEQ,
+                             "--seed", 9, "--epochs", 2, "--holdout", "3K", "--samples", 400, "--memory", memory,
+                             "--shard-samples", 150, "--workers", workers, "--json")
+        assert code == 0, err
+        trees.append(_tree(run))
+    assert trees[0] == trees[1] and any(k.startswith("holdout/") for k in trees[0])
+
+
+def test_concat_holdout_with_weights_and_a_rerun_and_like(named, tmp_path):
+    """Weights over the kept windows; a rerun with another holdout, or none, is another run;
+    --like adds an epoch byte for byte as the full command writes it."""
+    root, docs = named
+    run = tmp_path / "run"
+    args = [f"{root / 'a'}=0.7", f"{root / 'b'}=0.3", "-o", run, "--seq-len", SEQ, "--seed", 4, "--samples", 500,
+            "--holdout", "4%"]
+    code, out, err = cli("shuffle", *args, "--epochs", 2, "--json")
+    assert code == 0, err
+    values = _held_values(root, docs, {"fraction": "1/25"}, 4)
+    for e in (0, 1):
+        m = read_manifest(run / epoch_dir_name(e))
+        assert [s["samples"] for s in m["sources"]] == [350, 150]  # the weights' shares
+        assert _values(run / epoch_dir_name(e)).isdisjoint(values["a"] | values["b"])
+    code, out, err = cli("validate", run, "--against", root / "a", "--against", root / "b")
+    assert code == 0, out + err
+    for other in (["--holdout", "5%"], []):
+        code, _, err = cli("shuffle", *args[:-2], *other, "--epoch", 2)
+        assert code == 1 and "different run" in err and "holdout" in err and "\n" not in err.strip(), err
+    code, _, err = cli("shuffle", "--like", run, "--epoch", 2)
+    assert code == 0, err
+    ref = tmp_path / "ref"
+    code, _, err = cli("shuffle", *args[:2], "-o", ref, *args[4:], "--epoch", 2)
+    assert code == 0, err
+    assert _tree(run / epoch_dir_name(2)) == _tree(ref / epoch_dir_name(2))
+    assert read_manifest(run / epoch_dir_name(2))["holdout"] == {"fraction": "1/25"}
+
+
+def test_concat_holdout_keeps_across_a_two_stage_schedule(named, tmp_path):
+    root, docs = named
+    (tmp_path / "run.yaml").write_text(
+        f"seq_len: {SEQ}\nseed: 3\nstages:\n"
+        f"  - {{name: a, epochs: 1, sources: {{{root / 'a'}: 1}}}}\n"
+        f"  - {{name: b, tokens: 20K, sources: {{{root / 'a'}: 0.5, {root / 'b'}: 0.5}}}}\n")
+    run = tmp_path / "run"
+    code, out, err = cli("shuffle", "--schedule", tmp_path / "run.yaml", "-o", run, "--holdout", "5%", "--json")
+    assert code == 0, err
+    values = _held_values(root, docs, {"fraction": "1/20"}, 3)
+    for e in (0, 1):
+        m = read_manifest(run / epoch_dir_name(e))
+        assert m["holdout"] == {"fraction": "1/20"} and [s["held_documents"] for s in m["sources"]] == [
+            held_out(PackedSource.open(root / n), {"fraction": "1/20"}, 3).held for n in ("a", "b")]
+        assert _values(run / epoch_dir_name(e)).isdisjoint(values["a"] | values["b"])
+    assert read_manifest(run / epoch_dir_name(1))["sources"][1]["samples"] > 0
+    code, out, err = cli("validate", run, "--against", root / "a", "--against", root / "b")
+    assert code == 0, out + err
+    code, _, err = cli("shuffle", "--schedule", tmp_path / "run.yaml", "-o", run)  # without its holdout
+    assert code == 1 and "different run" in err and "holdout" in err
+
+
+def test_validate_against_catches_a_concat_epoch_that_holds_a_held_out_document(named, tmp_path, monkeypatch):
+    """A mutant stream that reads the source's raw tokens at the stream's offsets (the gaps not
+    skipped): its epochs' manifests are exactly the right ones, its bytes hold held-out
+    documents, and the replay says so."""
+    from tokpack.shuffle import holdout as holdout_mod
+
+    root, docs = named
+    run = tmp_path / "run"
+    with monkeypatch.context() as mp:
+        mp.setattr(holdout_mod.KeptStream, "raw_pieces", lambda self, start, count: iter([(start, 0, count)]))
+        code, _, err = cli("shuffle", root / "a", "-o", run, "--seq-len", SEQ, "--seed", 5, "--epochs", 1,
+                           "--holdout", "5%")
+    assert code == 0, err
+    held = _held_values(root, docs, {"fraction": "1/20"}, 5)["a"]
+    assert not _values(run / epoch_dir_name(0)).isdisjoint(held)  # the mutant did put one in
+    code, out, err = cli("validate", run / epoch_dir_name(0))
+    assert code == 0, out + err  # its own checksums agree: only the replay can tell
+    code, out, err = cli("validate", run / epoch_dir_name(0), "--against", root / "a")
+    assert code == 1 and "CORRUPT" in out + err and "multiset" in out + err, out + err
+    # and a manifest that claims fewer held-out documents than the run's --holdout is refused by name
+    m = read_manifest(run / epoch_dir_name(0))
+    write_manifest(run / epoch_dir_name(0), {**m, "sources": [{**m["sources"][0], "held_documents": 1}]})
+    code, out, err = cli("validate", run / epoch_dir_name(0), "--against", root / "a")
+    assert code == 1 and "held_documents" in out + err, out + err
+
+
+def test_concat_holdout_misuse_is_one_line(named, tmp_path):
+    root, _ = named
+    base = [root / "a", "-o", tmp_path / "r", "--seq-len", SEQ, "--seed", 1, "--epochs", 1]
+    code, _, err = cli("shuffle", *base, "--holdout", "1T")
+    assert code == 1 and "would hold out every document" in err and not (tmp_path / "r").exists()
+    code, _, err = cli("shuffle", *base, "--holdout", "2%", "--to-nodes", tmp_path / "dest", "--ranks-per-node", 1,
+                       "--micro-batch", 1)
+    assert code == 2 and "--to-nodes does not write a held-out split" in err and not (tmp_path / "r").exists()
+    code, _, err = cli("shuffle", *base, "--holdout", "2%")
+    assert code == 0, err
+    code, _, err = cli("shuffle", "--like", tmp_path / "r", "--epoch", 1, "--to-nodes", tmp_path / "dest",
+                       "--ranks-per-node", 1, "--micro-batch", 1)
+    assert code == 2 and "--to-nodes does not write a held-out split" in err
+    code, _, err = cli("shuffle", *base[:-2], "--epoch", 1, "--to-nodes", tmp_path / "dest", "--ranks-per-node", 1,
+                       "--micro-batch", 1)  # into the run, without its holdout: another run
+    assert code == 1 and "different run" in err and "[holdout]" in err and not (tmp_path / "dest").exists()
+    code, _, err = cli("shuffle", root / "a", "-o", tmp_path / "few", "--seq-len", 1000, "--seed", 1, "--epochs", 1,
+                       "--holdout", "2")  # one document, of at most 140 tokens
+    assert code == 1 and "fewer tokens of a source than one window" in err and "\n" not in err.strip()
+    assert not (tmp_path / "few").exists()
+    planned = [*base[:2], tmp_path / "p", *base[3:], "--holdout", "2%"]
+    code, out, err = cli("plan", "shuffle", *planned, "--disk-mbps", 100, "--json")
+    assert code == 0, err
+    code, written, err = cli("shuffle", *planned, "--json")
+    assert code == 0, err
+    assert json.loads(out)["holdout"]["samples"] == json.loads(written)["holdout"]["samples"] > 0
+    code, _, err = cli("plan", "shuffle", "virtual:tokens=1M,documents=1K,dtype=uint16", "-o", tmp_path / "v",
+                       "--seq-len", SEQ, "--seed", 1, "--epochs", 1, "--holdout", "2%", "--disk-mbps", 100)
+    assert code == 1 and "--holdout needs the documents of the source" in err
+
+
+def test_a_packing_without_a_holdout_plan_refuses_holdout_in_one_line(named, tmp_path):
+    """A registered packing whose entry has no `holdout` plan cannot leave documents out."""
+    from dataclasses import replace
+
+    from tokpack.shuffle import packings
+
+    root, _ = named
+    packings.register(replace(packings.WINDOWS, name="no-holdout", shuffle="test-no-holdout-v1", holdout=None))
+    try:
+        code, _, err = cli("shuffle", root / "a", "-o", tmp_path / "r", "--seq-len", SEQ, "--seed", 1, "--epochs", 1,
+                           "--packing", "no-holdout", "--holdout", "1%")
+    finally:
+        packings.unregister("no-holdout")
+    assert code == 1 and "no-holdout packing cannot" in err and "--packing concat or best-fit" in err, err
+    assert "\n" not in err.strip() and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_kept_stream_reads_as_the_concatenation_of_its_documents(tmp_path, split):
+    """KeptStream against the plain concatenation, at random ranges, over shards of 3 documents
+    with half of them held out (some shards keep none, or only held-out ones)."""
+    from tokpack.shuffle.holdout import KeptStream
+
+    docs = _named_docs(1, 40, 21)
+    write_source(tmp_path / "s", docs, vocab_size=2000, docs_per_shard=3)
+    src = PackedSource.open(tmp_path / "s")
+    h = held_out(src, {"fraction": "1/2"}, 8)
+    h = Holdout(h.documents, h.held, h.seed, h.fingerprint, split)
+    held = set(h.held_documents().tolist())
+    want = np.concatenate([d for i, d in enumerate(docs) if (i in held) == split])
+    stream = KeptStream(src, h)
+    assert stream.tokens == len(want) and 0 in np.diff(stream.shard_starts)  # a shard with nothing in the stream
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        a = int(rng.integers(0, len(want)))
+        n = int(rng.integers(0, len(want) - a + 1))
+        out = np.empty(n, dtype=src.dtype)
+        assert np.array_equal(stream.read_into(a, out), want[a: a + n])
+        pieces = list(stream.raw_pieces(a, n))  # increasing raw ranges that tile the request
+        assert [x for _, x, _ in pieces] == [0, *[y for _, _, y in pieces[:-1]]][:len(pieces)]
+        assert (pieces[-1][2] if pieces else 0) == n
+        assert all(r1 >= r0 + (y0 - x0) for (r0, x0, y0), (r1, _, _) in zip(pieces, pieces[1:]))
+    with pytest.raises(IndexError):
+        stream.read_into(len(want) - 1, np.empty(2, dtype=src.dtype))
