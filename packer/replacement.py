@@ -170,9 +170,10 @@ class SourceRows:
         self.format = EpochShardFormat(self.dtype, int(m["seq_len"]), int(m["eos_id"]), m["tokenizer"],
                                        padded=self.padded)
         by_fingerprint = {src.fingerprint: src for src in self.sources}
-        # what each plan source's windows are read from (EpochPlan.stream: --holdout's kept stream)
-        self.of_plan = [None if by_fingerprint.get(sp.fingerprint) is None else
-                        self.plan.stream(i, by_fingerprint[sp.fingerprint]) for i, sp in enumerate(self.plan.sources)]
+        # windows: what each plan source's windows are read from (EpochPlan.stream: --holdout's kept stream)
+        self.of_plan = [] if self.padded else [
+            None if by_fingerprint.get(sp.fingerprint) is None else self.plan.stream(i, by_fingerprint[sp.fingerprint])
+            for i, sp in enumerate(self.plan.sources)]
         self.handles: dict = {}  # fingerprint -> its open shard files, kept from part to part
         self.bytes_read = 0
         self._run_shard: tuple = (None, None, None)  # the last epoch shard's (index, row hashes, padding)
