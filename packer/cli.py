@@ -600,7 +600,7 @@ def _shuffle_to_nodes(sources, output, epochs, as_json, dest, ranks_per_node, mi
     """shuffle --to-nodes (tokpack.packer.exchange): this process's node slice; one JSON line per process."""
     from tokpack.packer.exchange import shuffle_to_nodes
     from tokpack.packer.shared import weighted_sources
-    from tokpack.shuffle.like import run_settings
+    from tokpack.shuffle.like import apply_like, run_settings
     from tokpack.shuffle.schedule import epoch_numbers, read_schedule
 
     if ranks_per_node is None or micro_batch is None:
@@ -610,9 +610,13 @@ def _shuffle_to_nodes(sources, output, epochs, as_json, dest, ranks_per_node, mi
     if kw.get("holdout") is not None or (kw.get("like") is not None and run_settings(kw["like"]).get("holdout")):
         raise click.UsageError("--to-nodes does not write a held-out split (--holdout) yet; shuffle the run without "
                                "--to-nodes, then `tokpack stage` it to the nodes")
+    # --like RUN: the run's own settings, as for a shuffle without --to-nodes (tokpack.shuffle.like)
+    kw = apply_like({**kw, "output": output, "epochs": epochs, "sources": _weighted_sources(sources) if sources else None})
+    if kw["output"] is None:
+        raise click.UsageError("give -o RUN (or --like RUN)")
     scheduled = read_schedule(kw["schedule"]) if kw["schedule"] is not None else None
-    paths, weights = weighted_sources(_weighted_sources(sources)) if scheduled is None else ([], None)
-    result = shuffle_to_nodes(paths, output, dest, ranks_per_node=ranks_per_node, micro_batch=micro_batch,
+    paths, weights = weighted_sources(kw["sources"] or []) if scheduled is None else ([], None)
+    result = shuffle_to_nodes(paths, kw["output"], dest, ranks_per_node=ranks_per_node, micro_batch=micro_batch,
                               weights=weights, seq_len=kw["seq_len"], seed=kw["seed"],
                               epochs=epoch_numbers(1 if epochs is None and scheduled is None else epochs),
                               samples=kw["samples"], tokens=kw["tokens"], shard_samples=kw["shard_samples"],

@@ -82,3 +82,26 @@ def test_the_cluster_batch_script_runs_mpirun_in_the_allocation_and_equals_stage
                           capture_output=True, text=True, timeout=600, env=ENV)
     assert done.returncode == 0, (done.stderr, log.read_text() if log.exists() else "")
     assert_same_slices(ref, dests, run, tmp_path / "node")
+
+
+def test_a_later_epoch_by_like_equals_the_run_written_whole(source, tmp_path):
+    """`shuffle --like RUN --epoch 1 --to-nodes ...`: the next epoch from RUN's own settings (the
+    command every hint proposes), byte for byte what shuffle + stage --node give for both epochs."""
+    exe = mpirun()
+    args = [str(source), "--seq-len", "63", "--seed", "5", "--shard-samples", "12"]
+    ref, dests = staged(tmp_path, [*args, "--epochs", "2"])
+    run, dest = tmp_path / "exchanged", str(tmp_path / "node{node}")
+    nodes = [exe, "--oversubscribe", "-n", str(NODES), sys.executable, "-m", "tokpack", "shuffle"]
+    slices = ["--to-nodes", dest, "--ranks-per-node", str(K), "--micro-batch", str(M), "--memory", MEMORY]
+    first = subprocess.run([*nodes, *args, "--epoch", "0", "-o", str(run), *slices], capture_output=True, text=True,
+                           timeout=300, env=ENV)
+    assert first.returncode == 0, first.stderr[-2000:]
+    later = subprocess.run([*nodes, "--like", str(run), "--epoch", "1", *slices], capture_output=True, text=True,
+                           timeout=300, env=ENV)
+    assert later.returncode == 0, later.stderr[-2000:]
+    assert_same_slices(ref, dests, run, tmp_path / "node")
+    # a setting --like takes from the run, given as well, is refused on every process
+    twice = subprocess.run([*nodes, "--like", str(run), "--epoch", "2", "--seed", "6", *slices], capture_output=True,
+                           text=True, timeout=300, env=ENV)
+    assert twice.returncode != 0 and twice.stderr.count("--seed") >= NODES, twice.stderr[-2000:]
+    assert not (tmp_path / "node0" / "epoch-00002").exists()
