@@ -52,7 +52,8 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import LOCK_NAME, WORK_DIR, OutputLock, check_space, holder_name, is_no_space
-from tokpack.formats.io import (commit_file, map_file, open_new, open_read, read_array, read_limited, remove_tmp_files,
+from tokpack.formats.io import (commit_file, map_file, open_append, open_new, open_read, read_array, read_limited,
+                                remove_tmp_files,
                                 tmp_path,
                                 write_bytes_atomic)
 from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, NODES_SIDECAR, canonical_bytes, nodes_sidecar, epoch_dir_name, parse_manifest, read_manifest,
@@ -67,7 +68,8 @@ from tokpack.shuffle import packings
 from tokpack.shuffle.packed import PackedTable
 from tokpack.shuffle.plan import iter_source_windows, open_source
 from tokpack.shuffle.run import epoch_manifest_of, run_manifest_of, setup_run
-from tokpack.shuffle.steps import ShardHashes, shard_segments, source_changed_error, split_shards
+from tokpack.shuffle.packed_step import RECORD, read_bucket
+from tokpack.shuffle.steps import Layout, ShardHashes, shard_segments, source_changed_error, split_shards
 
 NODE = "{node}"  # in DEST: replaced by the process's node number
 # Rows a round's buffers hold at least: fewer, and the exchange spends its time per round.
@@ -149,6 +151,40 @@ class _NodeEpoch:
         self.owned_rows = base
         # Both stores, each row's tokens still unfilled (its padding, once every piece is in), the positions.
         self.keep_bytes = (len(self.positions) + self.owned_rows) * (rb + 8) + 8 * len(self.positions)
+        # Out of core the stores are bucket files: what stays in memory is the positions and the unfilled counts.
+        self.index_bytes = 8 * len(self.positions) + 8 * (len(self.positions) + self.owned_rows)
+
+    @property
+    def store_rows(self) -> int:
+        """Rows of the node's two stores, one numbering: its slice's (0..P-1, in position order),
+        then its owned shards' (P + the row's place in owned_base's order)."""
+        return len(self.positions) + self.owned_rows
+
+    def layout(self, bucket_rows: int, work: Path) -> Layout:
+        """The out-of-core stores as the scatter/order engine's Layout (one scatter task: this
+        process): buckets of at most `bucket_rows` store rows, each a contiguous range of the
+        slice's positions or of one owned shard's rows (shard_buckets: each owned shard's first
+        bucket), so each is read back, whole, in the order its writer takes it."""
+        starts, firsts = [], []
+
+        def cut(a: int, n: int) -> None:
+            nb = -(-n // bucket_rows)
+            starts.extend(a + (j * n) // nb for j in range(nb))
+
+        cut(0, len(self.positions))
+        for i in self.owned:
+            firsts.append(len(starts))
+            g0, g1 = self.job.shard_range(i)
+            cut(len(self.positions) + int(self.owned_base[i]), g1 - g0)
+        firsts.append(len(starts))
+        starts.append(self.store_rows)
+        return Layout(1, np.array(starts, dtype=np.int64), np.array(firsts, dtype=np.int64), 0,
+                      str(work / "ooc-node"), [])
+
+    def disk_bytes(self, out_of_core: bool) -> int:
+        """DEST's bytes at the peak: the stores' rows (the rank files, an owned shard in scratch),
+        and out of core the bucket files' records, a RECORD a piece (about one a row)."""
+        return self.keep_bytes + (2 * RECORD.itemsize * self.store_rows if out_of_core else 0)
 
     def node_of(self, g: np.ndarray) -> np.ndarray:
         return self.rows.rank_of(g + self.first) // self.per_node
@@ -273,38 +309,136 @@ def _changed(shard, expected: str, found: str):
 
 # Bytes of index arithmetic per token a round moves (_ranges' temporaries, one call at a time).
 TOKEN_OVERHEAD = 24
+# Bytes per row of a bucket read back, beyond 4 copies of its tokens (the bucket's rows, the
+# tokens read from its file, RankFiles' copy of one rank's rows, the index's EOS mask and more):
+# its records and the rank and index arithmetic.
+BUCKET_ROW_OVERHEAD = 128
 
 
-def round_tokens(ne: _NodeEpoch, memory: int) -> int:
-    """Tokens a process sends per round: a round sends at most twice what it reads (each piece to
-    its node and to its shard's owner) and receives about as much, each token with its index
-    arithmetic, beside what the node keeps."""
+def bucket_row_bytes(row_bytes: int) -> int:
+    return 4 * row_bytes + BUCKET_ROW_OVERHEAD
+
+
+def round_tokens(ne: _NodeEpoch, memory: int, work: Path) -> tuple[int, Layout | None]:
+    """(tokens a process sends per round, the out-of-core Layout or None). A round sends at most
+    twice what it reads (each piece to its node and to its shard's owner) and receives about as
+    much, each token with its index arithmetic. In memory when the node's stores fit beside a
+    round's buffers; else out of core: the rounds append what they receive to bucket files in
+    DEST's scratch (one more copy a token), and the buckets, read back one at a time once the
+    rounds are done, take what the positions and unfilled counts leave of --memory."""
     job = ne.job
     per_token = 4 * job.token_dtype.itemsize + TOKEN_OVERHEAD
     limit = MAX_MESSAGE_BYTES // (2 * job.token_dtype.itemsize)
+    least = MIN_ROUND_ROWS * job.plan.row_tokens
     t = min((memory - ne.keep_bytes) // per_token, limit)
-    if t < MIN_ROUND_ROWS * job.plan.row_tokens:
-        raise TokpackError(f"this node's rows of epoch {job.plan.epoch} do not fit --memory", where="--memory",
-                           expected=f">= {ne.keep_bytes + per_token * MIN_ROUND_ROWS * job.plan.row_tokens} bytes "
-                                    f"({ne.keep_bytes} kept, the rest for the exchange's rounds)",
-                           found=f"{memory} bytes",
-                           hint="give more --memory, or more nodes; ordering a node's rows out of core is not "
-                                "implemented yet for --to-nodes")
-    return int(t)
+    if t >= least:
+        return int(t), None
+    budget = memory - ne.index_bytes
+    per_token += job.token_dtype.itemsize + 8  # the copy appended to a bucket file, its index
+    t = min(budget // per_token, limit)
+    bucket_rows = budget // bucket_row_bytes(job.row_bytes)
+    if t < least or bucket_rows < MIN_ROUND_ROWS:
+        need = ne.index_bytes + max(per_token * least, MIN_ROUND_ROWS * bucket_row_bytes(job.row_bytes))
+        raise TokpackError(f"this node's rows of epoch {job.plan.epoch} do not fit --memory, even out of core",
+                           where="--memory",
+                           expected=f">= {need} bytes ({ne.index_bytes} for the positions and unfilled counts of "
+                                    f"the node's {ne.store_rows} rows, the rest for a round's buffers or a bucket "
+                                    f"of {MIN_ROUND_ROWS} rows)",
+                           found=f"{memory} bytes", hint="give more --memory, or more nodes")
+    return int(t), ne.layout(int(bucket_rows), work)
 
 
-def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int):
-    """The rounds. Returns (the slice's rows in epoch order, their padding, the owned shards' rows,
-    their padding, rounds). Every round every process takes part (sending nothing once it has
-    read all), and a failure on one (a source shard changed since pack) stops them all at the
-    same round."""
+class _InMemory:
+    """The node's two stores in memory (store_rows numbering)."""
+
+    def __init__(self, ne: _NodeEpoch, pad_id: int):
+        self.rows_of = np.full((ne.store_rows, ne.plan.row_tokens), pad_id, dtype=ne.job.token_dtype)
+
+    def put(self, pad, at, pieces, tokens, starts) -> None:
+        _place(self.rows_of, pad, at, pieces, tokens, starts)
+
+    def finish(self) -> None:
+        pass
+
+    def rows(self, lo: int, hi: int):
+        yield lo, self.rows_of[lo:hi]
+
+
+class _Buckets:
+    """The node's two stores out of core: each received piece appended to its bucket's files
+    (Layout.bucket_file of task 0: the tokens in `.rows`, a RECORD in `.pos`, their store row in
+    the record's g), as the best-fit scatter pass writes them, with each file's xxh3_64 in the
+    task's records; read back a bucket at a time by the best-fit order pass's read_bucket
+    (checked against those records) and removed once read."""
+
+    def __init__(self, ne: _NodeEpoch, layout: Layout, pad_id: int):
+        self.lay, self.row_tokens, self.pad_id, self.dtype = layout, ne.plan.row_tokens, pad_id, ne.job.token_dtype
+        self.counts = np.zeros(len(layout.bucket_starts) - 1, np.int64)
+        self.hashes: dict[int, list] = {}
+        shutil.rmtree(layout.dir, ignore_errors=True)  # a killed run's: the epoch is redone whole
+        layout.task_dir(0).mkdir(parents=True)
+
+    def put(self, pad, at, pieces, tokens, starts) -> None:
+        lengths = pieces["length"].astype(np.int64)
+        np.subtract.at(pad, at, lengths)
+        bucket = np.searchsorted(self.lay.bucket_starts, at, side="right") - 1
+        order = np.argsort(bucket, kind="stable")
+        cuts = np.flatnonzero(np.diff(bucket[order])) + 1
+        for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), len(order)]):
+            sel = order[x:y]
+            b = int(bucket[sel[0]])
+            rec = np.empty(len(sel), RECORD)
+            rec["g"], rec["row_offset"], rec["length"] = at[sel], pieces["row_offset"][sel], lengths[sel]
+            payloads = (tokens[_ranges(starts[sel], lengths[sel])], rec)
+            self.lay.bucket_file(0, b, "rows").parent.mkdir(exist_ok=True)
+            for ext, payload, h in zip(("rows", "pos"), payloads,
+                                       self.hashes.setdefault(b, [xxhash.xxh3_64(), xxhash.xxh3_64()])):
+                raw = memoryview(payload).cast("B")
+                with open_append(self.lay.bucket_file(0, b, ext), folder=self.lay.dir) as f:
+                    f.write(raw)
+                h.update(raw)
+            self.counts[b] += len(sel)
+
+    def finish(self) -> None:
+        records = np.zeros((len(self.counts), 3), dtype="<u8")
+        for b, (hr, hp) in self.hashes.items():
+            records[b] = self.counts[b], hr.intdigest(), hp.intdigest()
+        write_bytes_atomic(self.lay.task_records(0), records.tobytes())
+
+    def rows(self, lo: int, hi: int):
+        """(first store row, rows) of each bucket in [lo, hi) (bucket boundaries), in order."""
+        starts = self.lay.bucket_starts
+        b = int(np.searchsorted(starts, lo))
+        if lo < hi and (b >= len(starts) - 1 or int(starts[b]) != lo):
+            raise TokpackError("internal error: a node's rows were asked across its buckets", where=f"row {lo}",
+                               hint="report this with the command line")
+        while b < len(starts) - 1 and int(starts[b]) < hi:
+            want = self.lay.recorded(0, range(b, b + 1))[0, 1:]
+            yield int(starts[b]), read_bucket(self.lay, b, [want], self.row_tokens, self.pad_id, self.dtype,
+                                              self._check)
+            for ext in ("rows", "pos"):
+                self.lay.bucket_file(0, b, ext).unlink(missing_ok=True)
+            b += 1
+
+    def _check(self, t: int, path, want, found: int) -> None:
+        if found != int(want):
+            raise TokpackError("a bucket file in this node's scratch does not match the checksum written with it",
+                               file=path, where="xxh3_64", expected=f"{int(want):016x}", found=f"{found:016x}",
+                               hint="check this node's local disk, then rerun the same command (the epoch is "
+                                    "written again)")
+
+
+def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int, layout: Layout | None = None):
+    """The rounds. Returns (the stores: in memory, or bucket files by `layout`, both read by
+    `rows(lo, hi)` in store_rows numbering; the slice's padding, the owned shards' padding,
+    rounds). Every round every process takes part (sending nothing once it has read all), and a
+    failure on one (a source shard changed since pack) stops them all at the same round."""
     job, N, n, row = ne.job, ne.nodes, ne.node, ne.plan.row_tokens
     dtype, pad_id = job.token_dtype, (ne.plan.pad_id if ne.padded else 0)
-    keep = np.full((len(ne.positions), row), pad_id, dtype=dtype)
-    owned = np.full((ne.owned_rows, row), pad_id, dtype=dtype)
+    stores = _InMemory(ne, pad_id) if layout is None else _Buckets(ne, layout, pad_id)
     # Tokens of each row still unfilled: 0 for every window at the end, a best-fit row's padding.
-    keep_pad = np.full(len(ne.positions), row, dtype=np.int64)
-    owned_pad = np.full(ne.owned_rows, row, dtype=np.int64)
+    pad = np.full(ne.store_rows, row, dtype=np.int64)
+    P = len(ne.positions)
     reads = ne.reads(per_round)
     pending: list = []  # (pieces, tokens) read but not sent yet
     rounds, exhausted = 0, False
@@ -359,22 +493,23 @@ def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int):
         gstart = np.cumsum(glen) - glen
         g = got_pieces["g"]
         mine = np.flatnonzero(ne.node_of(g) == n)
-        if len(mine):
-            at = np.searchsorted(ne.positions, g[mine])
-            if at.max() >= len(ne.positions) or (ne.positions[at] != g[mine]).any():
-                raise TokpackError("internal error: a row was sent to a node whose ranks do not read it",
-                                   where=f"epoch {job.plan.epoch}")
-            _place(keep, keep_pad, at, got_pieces[mine], got_tokens, gstart[mine])
+        at = np.searchsorted(ne.positions, g[mine])
+        if len(mine) and (at.max() >= P or (ne.positions[at] != g[mine]).any()):
+            raise TokpackError("internal error: a row was sent to a node whose ranks do not read it",
+                               where=f"epoch {job.plan.epoch}")
         ours = np.flatnonzero(ne.owner_of(g) == n)
-        if len(ours):
-            shard = g[ours] // job.shard_samples
-            _place(owned, owned_pad, ne.owned_base[shard] + g[ours] - shard * job.shard_samples, got_pieces[ours],
-                   got_tokens, gstart[ours])
-    for pad in (keep_pad, owned_pad):
-        if len(pad) and (pad.min() < 0 or (not ne.padded and pad.max() > 0)):
-            raise TokpackError("internal error: the exchange filled a row of this node wrongly",
-                               where=f"epoch {job.plan.epoch}", hint="report this with the command line")
-    return keep, keep_pad, owned, owned_pad, rounds
+        shard = g[ours] // job.shard_samples
+        # Each piece for this node at its store row: its slice row, and (as well, when it both
+        # keeps the row and owns its shard) its owned shard's row.
+        sel = np.concatenate([mine, ours])
+        if len(sel):
+            at = np.concatenate([at, P + ne.owned_base[shard] + g[ours] - shard * job.shard_samples])
+            stores.put(pad, at, got_pieces[sel], got_tokens, gstart[sel])
+    stores.finish()
+    if len(pad) and (pad.min() < 0 or (not ne.padded and pad.max() > 0)):
+        raise TokpackError("internal error: the exchange filled a row of this node wrongly",
+                           where=f"epoch {job.plan.epoch}", hint="report this with the command line")
+    return stores, pad[:P], pad[P:], rounds
 
 
 def _alltoallv(comm, MPI, send, send_bytes, recv, recv_bytes) -> None:
@@ -393,12 +528,20 @@ def _place(store: np.ndarray, pad: np.ndarray, at: np.ndarray, pieces: np.ndarra
     np.subtract.at(pad, at, lengths)
 
 
-def write_slice_epoch(output: Output, d: Path, ne: _NodeEpoch, keep: np.ndarray, pad: np.ndarray,
+def write_slice_epoch(output: Output, d: Path, ne: _NodeEpoch, stores, pad: np.ndarray,
                       fmt: EpochShardFormat) -> list[dict]:
-    """Node n's rank files of the epoch, from its rows in epoch order: rank r's are those of its
-    positions rank r reads, in increasing order (what stage --node writes), with their padding
-    (best-fit: the `.ds.pad` beside them)."""
-    return write_rank_files(output, d, ne.rows, ne.positions, ne.first, ne.ranks, ne.plan.epoch, keep, pad, fmt)
+    """Node n's rank files of the epoch, from its rows in epoch order (the stores' slice rows, all
+    at once in memory, a bucket at a time out of core): rank r's are those of its positions rank
+    r reads, in increasing order (what stage --node writes), with their padding (best-fit: the
+    `.ds.pad` beside them)."""
+    files = RankFiles(output, d, ne.rows, ne.first, ne.ranks, ne.plan.epoch, fmt)
+    try:
+        for a, rows in stores.rows(0, len(ne.positions)):
+            files.add(ne.positions[a:a + len(rows)], rows, pad[a:a + len(rows)])
+        return files.close()
+    except BaseException:
+        files.abort()
+        raise
 
 
 def write_rank_files(output: Output, d: Path, rows: RankRows, positions: np.ndarray, first: int, ranks, epoch: int,
@@ -462,10 +605,11 @@ def _write_rows(writer, rows: np.ndarray, pad: np.ndarray | None, sel) -> None:
         writer.write_pad(pad[sel])
 
 
-def hash_owned_shards(ne: _NodeEpoch, owned: np.ndarray, pad: np.ndarray, scratch: Path, run_epoch: Path,
+def hash_owned_shards(ne: _NodeEpoch, stores, pad: np.ndarray, scratch: Path, run_epoch: Path,
                       fmt: EpochShardFormat) -> list[tuple[int, dict]]:
-    """Each owned epoch shard through the epoch shard writer (in `scratch`, local): its manifest
-    entry as `tokpack shuffle` records it; its row hashes (and padding) go to RUN, the rest is removed."""
+    """Each owned epoch shard through the epoch shard writer (in `scratch`, local), its rows taken
+    from the stores (at once in memory, bucket by bucket out of core): its manifest entry as
+    `tokpack shuffle` records it; its row hashes (and padding) go to RUN, the rest is removed."""
     job = ne.job
     scratch.mkdir(parents=True, exist_ok=True)
     run_epoch.mkdir(parents=True, exist_ok=True)
@@ -475,8 +619,10 @@ def hash_owned_shards(ne: _NodeEpoch, owned: np.ndarray, pad: np.ndarray, scratc
         place = ShardPlace(str(scratch), job.shard_file(i), i, epoch=job.plan.epoch, samples=(g0, g1))
         writer = LocalOutput().open_shard(place, fmt)
         try:
-            base = int(ne.owned_base[i])
-            _write_rows(writer, owned, pad if fmt.padded else None, np.arange(base, base + g1 - g0))
+            lo = int(ne.owned_base[i])  # the shard's rows: store rows P + lo ..
+            for a, rows in stores.rows(len(ne.positions) + lo, len(ne.positions) + lo + g1 - g0):
+                a -= len(ne.positions)
+                _write_rows(writer, rows, pad[a:a + len(rows)] if fmt.padded else None, np.arange(len(rows)))
             entry = writer.close()
         except BaseException:
             writer.abort()
@@ -526,12 +672,13 @@ def shuffle_to_nodes(sources: list[str], output: str, dest: str, *, ranks_per_no
         raise TokpackError("--to-nodes writes local directories", where="--to-nodes/-o",
                            hint="RUN is a shared-filesystem path, DEST a node-local one")
     out = Path(output)
-    locks = []
+    locks, mine = [], []
     try:
         def lock():
             if n == 0:
                 locks.append(OutputLock(str(out), holder_name("shuffle")).acquire())
             locks.append(OutputLock(str(dest), holder_name("shuffle")).acquire())
+            mine.append(dest)
         together(comm, lock)
         keep = None if keep_sources is None else node_dest(keep_sources, n)
         return _run(comm, MPI, n, N, (a, b), w, sources, out, dest, ranks_per_node, micro_batch, memory, log, t0, keep,
@@ -539,6 +686,8 @@ def shuffle_to_nodes(sources: list[str], output: str, dest: str, *, ranks_per_no
                          shard_samples=shard_samples, memory=memory, jitter=jitter, workers=1, progress=False,
                          given=given, schedule=schedule, packing=packing, pad_id=pad_id))
     finally:
+        for d in mine:  # DEST is this command's: its scratch (buckets, row table) goes, whatever happened
+            shutil.rmtree(d / WORK_DIR, ignore_errors=True)
         for held in reversed(locks):
             held.release()
 
@@ -642,21 +791,25 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_bat
         fmt = EpochShardFormat(job.token_dtype, plan.seq_len, job.eos_id, job.tokenizer, padded="table" in prepared)
         ne = _NodeEpoch(job, job.open_sources(), rows, first, n, N, ranks, prepared)
         kept = 0 if keep is None else together(comm, lambda: ne.keep_sources(keep))
-        per_round = together(comm, lambda: (check_space([(dest, ne.keep_bytes)], "shuffle",
-                                                        hint="free some space on this node's DEST"),
-                                            round_tokens(ne, memory))[1])
-        keep, keep_pad, owned, owned_pad, rounds = together(comm, lambda: exchange_epoch(comm, MPI, ne, per_round))
+        def sized():
+            per_round, layout = round_tokens(ne, memory, Path(job.work_dir))
+            check_space([(dest, ne.disk_bytes(layout is not None))], "shuffle",
+                        hint="free some space on this node's DEST")
+            return per_round, layout
+
+        per_round, layout = together(comm, sized)
+        stores, keep_pad, owned_pad, rounds = together(comm, lambda: exchange_epoch(comm, MPI, ne, per_round, layout))
         if fmt.padded:  # every row is some node's and some owner's: both sums are the table's padding
             sums = comm.allreduce(np.array([keep_pad.sum(), owned_pad.sum()], dtype=np.int64)).tolist()
             together(comm, lambda: _same_padding(sums, prepared["padding"], epoch))
         log(f"shuffle --to-nodes: epoch {epoch}: {plan.samples} samples exchanged among {N} nodes in {rounds} rounds")
         d = dest / epoch_dir_name(epoch)
-        entries = together(comm, lambda: write_slice_epoch(output, d, ne, keep, keep_pad, fmt))
+        entries = together(comm, lambda: write_slice_epoch(output, d, ne, stores, keep_pad, fmt))
         scratch = Path(job.work_dir) / "owned"
-        owned_entries = together(comm, lambda: hash_owned_shards(ne, owned, owned_pad, scratch, Path(job.epoch_dir),
+        owned_entries = together(comm, lambda: hash_owned_shards(ne, stores, owned_pad, scratch, Path(job.epoch_dir),
                                                                  fmt))
         shutil.rmtree(dest / WORK_DIR, ignore_errors=True)
-        keep = owned = None  # freed before the next epoch's stores
+        stores = None  # freed before the next epoch's stores
         gathered = comm.gather(owned_entries, root=0)
 
         def run_manifests():
@@ -684,7 +837,9 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_bat
             return want["tokens"]
 
         tokens = together(comm, commit_slice_epoch)
-        summaries.append({"epoch": epoch, "rounds": rounds, "rows_kept": sum(s["samples"] for s in entries),
+        summaries.append({"epoch": epoch, "rounds": rounds,
+                          "buckets": 0 if layout is None else len(layout.bucket_starts) - 1,  # 0: in memory
+                          "rows_kept": sum(s["samples"] for s in entries),
                           "source_bytes_kept_now": kept,
                           "tokens_kept": tokens, "seconds": round(time.perf_counter() - e0, 3)})
 
