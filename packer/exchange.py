@@ -13,8 +13,10 @@ Process n of N:
    fit what --memory leaves beside the rows it keeps: to the node whose ranks read g
    (tokpack.formats.slices.RankRows: the arithmetic `stage --node` uses), and to the node that
    owns g's epoch shard (shard i: node i mod N);
-4. puts the rows it receives in training order in memory and writes node n's slice into DEST
-   through the Output's rank-file writers, the bytes `stage RUN DEST --node n/N` writes;
+4. puts the rows it receives in training order, in memory when they fit --memory, else out of
+   core through bucket files in DEST's scratch (_Buckets: the scatter/order engine's Layout and
+   best-fit bucket files, read back a bucket at a time), and writes node n's slice into DEST
+   through RankFiles, the bytes `stage RUN DEST --node n/N` writes;
 5. as the owner of some epoch shards, passes each one through the epoch shard writer in a local
    scratch folder, which gives the shard's manifest entry (its checksums) exactly as `tokpack
    shuffle` records it, and keeps of it only the row hashes (`.ds.rows`, 8 bytes a sample, and a
@@ -34,8 +36,7 @@ written again on every node. `--keep-sources DIR` keeps each process's source sh
 disk for the later epochs. `stage RUN DEST --node n/N` on such a RUN (a replacement node) is
 `stage_replacement`: the node's rows rebuilt from the sources, checked against RUN's row hashes.
 
-Not yet (docs/COMMANDS.md, "Straight to the nodes"): ordering a node's rows out of core (a node
-whose rows do not fit --memory is refused with one line), `plan shuffle --to-nodes`, a batch
+Not yet (docs/COMMANDS.md, "Straight to the nodes"): `plan shuffle --to-nodes`, a batch
 phase (`--start-sample`), a tokpack line of its own when a peer is killed (the launcher's names it).
 """
 
