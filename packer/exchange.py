@@ -106,16 +106,8 @@ def together(comm, fn):
     node = comm.Get_rank()
     try:
         result, mine = fn(), None
-    except TokpackError as e:
-        result, mine = None, e
-    except OSError as e:
-        result = None
-        if is_no_space(e):  # a node's DEST (or kept sources) filled up
-            mine = TokpackError("disk full", file=e.filename, found="No space left on device",
-                                hint="free some space on that node (or give it another DEST), then rerun the same "
-                                     "command: the epochs complete on every node are kept")
-        else:
-            mine = TokpackError(f"{type(e).__name__}: {e.strerror or e}", file=e.filename)
+    except (TokpackError, OSError) as e:
+        result, mine = None, _as_error(e)
     failed = comm.allgather(None if mine is None or isinstance(mine, PeerFailed) else str(mine))
     if mine is not None:
         if comm.Get_size() > 1 and not isinstance(mine, PeerFailed) and not mine.message.startswith(f"node {node}: "):
@@ -125,6 +117,17 @@ def together(comm, fn):
         if line is not None:
             raise PeerFailed(f"node {other} failed: {line}")
     return result
+
+
+def _as_error(e: TokpackError | OSError) -> TokpackError:
+    """A local failure as the line its node reports (a full disk says so)."""
+    if isinstance(e, TokpackError):
+        return e
+    if is_no_space(e):  # a node's DEST (or kept sources) filled up
+        return TokpackError("disk full", file=e.filename, found="No space left on device",
+                            hint="free some space on that node (or give it another DEST), then rerun the same "
+                                 "command: the epochs complete on every node are kept")
+    return TokpackError(f"{type(e).__name__}: {e.strerror or e}", file=e.filename)
 
 
 class _NodeEpoch:
@@ -434,7 +437,7 @@ def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int, layout: Layout | N
     `rows(lo, hi)` in store_rows numbering; the slice's padding, the owned shards' padding,
     rounds). Every round every process takes part (sending nothing once it has read all), and a
     failure on one (a source shard changed since pack) stops them all at the same round."""
-    job, N, n, row = ne.job, ne.nodes, ne.node, ne.plan.row_tokens
+    job, N, row = ne.job, ne.nodes, ne.plan.row_tokens
     dtype, pad_id = job.token_dtype, (ne.plan.pad_id if ne.padded else 0)
     stores = _InMemory(ne, pad_id) if layout is None else _Buckets(ne, layout, pad_id)
     # Tokens of each row still unfilled: 0 for every window at the end, a best-fit row's padding.
@@ -443,16 +446,19 @@ def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int, layout: Layout | N
     reads = ne.reads(per_round)
     pending: list = []  # (pieces, tokens) read but not sent yet
     rounds, exhausted = 0, False
+    # A failure while a round's pieces are stored (a full disk out of core) is reported at the
+    # next round's allgather, where every process is: raising at once would leave the others
+    # waiting in that allgather while this one is in together()'s.
+    failure = None
     while True:
-        failure = None
         try:
-            while not exhausted and sum(len(t) for _, t in pending) < per_round:
+            while failure is None and not exhausted and sum(len(t) for _, t in pending) < per_round:
                 item = next(reads, None)
                 exhausted = item is None
                 if item is not None:
                     pending.append(item)
-        except TokpackError as e:
-            failure = e
+        except (TokpackError, OSError) as e:
+            failure = _as_error(e)
         take, count = [], 0
         while pending and count < per_round:  # about per_round tokens this round, whole pieces
             pieces, tokens = pending.pop(0)
@@ -490,27 +496,35 @@ def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int, layout: Layout | N
         got_tokens = np.empty(int(recv[:, 1].sum()), dtype)
         _alltoallv(comm, MPI, send_pieces, counts * PIECE.itemsize, got_pieces, recv[:, 0] * PIECE.itemsize)
         _alltoallv(comm, MPI, send_tokens, token_counts * dtype.itemsize, got_tokens, recv[:, 1] * dtype.itemsize)
-        glen = got_pieces["length"].astype(np.int64)
-        gstart = np.cumsum(glen) - glen
-        g = got_pieces["g"]
-        mine = np.flatnonzero(ne.node_of(g) == n)
-        at = np.searchsorted(ne.positions, g[mine])
-        if len(mine) and (at.max() >= P or (ne.positions[at] != g[mine]).any()):
-            raise TokpackError("internal error: a row was sent to a node whose ranks do not read it",
-                               where=f"epoch {job.plan.epoch}")
-        ours = np.flatnonzero(ne.owner_of(g) == n)
-        shard = g[ours] // job.shard_samples
-        # Each piece for this node at its store row: its slice row, and (as well, when it both
-        # keeps the row and owns its shard) its owned shard's row.
-        sel = np.concatenate([mine, ours])
-        if len(sel):
-            at = np.concatenate([at, P + ne.owned_base[shard] + g[ours] - shard * job.shard_samples])
-            stores.put(pad, at, got_pieces[sel], got_tokens, gstart[sel])
+        try:
+            _receive(ne, stores, pad, got_pieces, got_tokens)
+        except (TokpackError, OSError) as e:
+            failure = _as_error(e)
     stores.finish()
     if len(pad) and (pad.min() < 0 or (not ne.padded and pad.max() > 0)):
         raise TokpackError("internal error: the exchange filled a row of this node wrongly",
                            where=f"epoch {job.plan.epoch}", hint="report this with the command line")
     return stores, pad[:P], pad[P:], rounds
+
+
+def _receive(ne: _NodeEpoch, stores, pad: np.ndarray, got_pieces: np.ndarray, got_tokens: np.ndarray) -> None:
+    """A round's pieces for this node into its stores: each at its store row, its slice row
+    and (as well, when it both keeps the row and owns its shard) its owned shard's row."""
+    job, P = ne.job, len(ne.positions)
+    glen = got_pieces["length"].astype(np.int64)
+    gstart = np.cumsum(glen) - glen
+    g = got_pieces["g"]
+    mine = np.flatnonzero(ne.node_of(g) == ne.node)
+    at = np.searchsorted(ne.positions, g[mine])
+    if len(mine) and (at.max() >= P or (ne.positions[at] != g[mine]).any()):
+        raise TokpackError("internal error: a row was sent to a node whose ranks do not read it",
+                           where=f"epoch {job.plan.epoch}")
+    ours = np.flatnonzero(ne.owner_of(g) == ne.node)
+    shard = g[ours] // job.shard_samples
+    sel = np.concatenate([mine, ours])
+    if len(sel):
+        at = np.concatenate([at, P + ne.owned_base[shard] + g[ours] - shard * job.shard_samples])
+        stores.put(pad, at, got_pieces[sel], got_tokens, gstart[sel])
 
 
 def _alltoallv(comm, MPI, send, send_bytes, recv, recv_bytes) -> None:

@@ -394,6 +394,40 @@ def test_a_dest_or_run_in_use_by_another_command_is_refused(source, tmp_path):
         assert not list(tmp_path.rglob(MANIFEST)) and not list(tmp_path.rglob("*.ds"))
 
 
+@pytest.mark.parametrize("memory", [MEMORY, OUT_OF_CORE])  # the rank files fill it; or the buckets
+def test_a_full_dest_is_one_line_naming_its_node_and_a_rerun_with_space_gives_the_same_bytes(source, tmp_path,
+                                                                                          memory):
+    """Node 1's DEST is a 48 KiB tmpfs: enough for the check before the epoch (free space >= the
+    rows' bytes), not for its files (tmpfs counts each file's pages). Node 1 says "disk full", the
+    others "node 1 failed", nothing half-written passes validate, no lock or scratch is left; the
+    same command, once that filesystem is larger, gives shuffle + stage --node's bytes."""
+    args = [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 2, "--shard-samples", 12, "--memory", memory]
+    run, dests = staged(tmp_path, args[:-2])
+    small, exchanged, dest = tmp_path / "node1", tmp_path / "exchanged", str(tmp_path / "node{node}")
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48k", "tokpack-test", str(small)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a small filesystem for node 1's DEST needs mount (root): {mounted.stderr.strip()}")
+    try:
+        done = to_nodes(exchanged, dest, *args)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        lines = [line for line in done.stderr.splitlines() if line.startswith("tokpack: error:")]
+        assert len(lines) == NODES, done.stderr
+        assert sum(line.startswith("tokpack: error: node 1: disk full") for line in lines) == 1, lines
+        assert sum(line.startswith("tokpack: error: node 1 failed: disk full") for line in lines) == NODES - 1, lines
+        for d in [exchanged, *(tmp_path / f"node{n}" for n in range(NODES))]:
+            assert CliRunner().invoke(main, ["validate", str(d)]).exit_code != 0, d
+            assert not (d / "tokpack.lock").exists() and not (d / ".tokpack-work").exists(), d
+        subprocess.run(["mount", "-o", "remount,size=4m", str(small)], check=True)
+        done = to_nodes(exchanged, dest, *args)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert_same_slices(run, dests, exchanged, tmp_path / "node")
+        assert_no_token_bytes(exchanged, run)
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
+
+
 def test_a_run_killed_before_its_manifest_holds_only_its_sidecar_and_is_still_its_own(tmp_path):
     """A --to-nodes job killed after it declared RUN's tokens on the nodes and before RUN's
     first manifest leaves tokpack-nodes.json alone in RUN: the rerun takes RUN as its own (an
