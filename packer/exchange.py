@@ -42,8 +42,12 @@ phase (`--start-sample`), a tokpack line of its own when a peer is killed (the l
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -79,6 +83,79 @@ MIN_ROUND_ROWS = 4
 MAX_MESSAGE_BYTES = (1 << 31) - 1
 # Rows handed to a writer at once: bounded temporaries whatever the slice's size.
 WRITE_ROWS = 1 << 14
+
+
+class _OnSigterm:
+    """SIGTERM to one process (a `kill`, a node's shutdown): a thread of its own takes it,
+    releases the process's locks, prints one line naming the node, and exits at once, without
+    MPI's finalize; the launcher then stops the other processes (prterun names the rank too).
+    Python's own handler (the CLI's, which unwinds the command) could not do this: it runs
+    only between bytecodes in the main thread, and a process waits inside an MPI collective
+    for its peers; and an exit through MPI's finalize would wait for them too. The signal
+    reaches the thread through Python's wakeup fd (the C handler writes to it from whichever
+    thread the kernel picked). The first process stopped tells the others (a message on a
+    communicator of its own, MPI_THREAD_MULTIPLE permitting) before it exits: when the launcher
+    then sends them SIGTERM in turn, they exit without a line, so the one line names the node
+    that was stopped."""
+
+    TAG = 33
+
+    def __init__(self):
+        self.node: int | None = None
+        self.locks: list = []
+        self.previous = None
+        self.comm = self.notice = None
+        if threading.current_thread() is not threading.main_thread():
+            return  # an embedding's thread: signals are the application's
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        self.previous = (signal.signal(signal.SIGTERM, lambda signum, frame: None), signal.set_wakeup_fd(w))
+        threading.Thread(target=self._wait, args=(r,), name="tokpack-sigterm", daemon=True).start()
+
+    def attach(self, MPI, comm) -> None:
+        """Listens for another process's notice that it was stopped (only where MPI lets a
+        second thread call it while the main thread waits in a collective)."""
+        self.node = comm.Get_rank()
+        if self.previous is not None and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+            self.comm = comm.Dup()
+            self.notice = self.comm.irecv(source=MPI.ANY_SOURCE, tag=self.TAG)
+
+    def _wait(self, r: int) -> None:
+        while signal.SIGTERM not in os.read(r, 64):
+            pass
+        for held in reversed(self.locks):
+            try:
+                held.release()
+            except Exception:  # noqa: BLE001 - exiting anyway: the next lock, then the exit
+                pass
+        told = False
+        try:
+            if self.notice is not None:
+                told, _ = self.notice.test()
+                if not told:
+                    sent = [self.comm.isend(self.node, dest=k, tag=self.TAG)
+                            for k in range(self.comm.Get_size()) if k != self.node]
+                    deadline = time.monotonic() + 1.0  # a peer already gone never takes it
+                    while sent and time.monotonic() < deadline:
+                        sent = [req for req in sent if not req.test()[0]]
+                        time.sleep(0.01)
+        except Exception:  # noqa: BLE001 - the line below is what matters
+            pass
+        if not told:  # the first stopped (the launcher stops the others next)
+            node = "" if self.node is None else f"node {self.node}: "
+            sys.stderr.write(f"tokpack: error: {node}stopped by SIGTERM; every node stops. HINT: rerun the same "
+                             f"command: the epochs complete on every node are kept\n")
+            sys.stderr.flush()
+        os._exit(128 + signal.SIGTERM)
+
+    def restore(self) -> None:
+        if self.notice is not None:  # no process was stopped: the listening receive goes before MPI's finalize
+            self.notice.Cancel()
+            self.notice.Wait()
+            self.notice = None
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous[0])
+            signal.set_wakeup_fd(self.previous[1])
 
 
 def world():
@@ -675,8 +752,23 @@ def shuffle_to_nodes(sources: list[str], output: str, dest: str, *, ranks_per_no
     RUN gets the run's manifests and row hashes. `keep_sources`: a local folder (`{node}` -> n)
     where the process keeps the source shards it reads, and reads them from in later epochs.
     Returns this process's summary."""
+    stop = _OnSigterm()
+    try:
+        return _shuffle_to_nodes(stop, sources, output, dest, ranks_per_node=ranks_per_node, micro_batch=micro_batch,
+                                 weights=weights, seq_len=seq_len, seed=seed, epochs=epochs, samples=samples,
+                                 tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter,
+                                 schedule=schedule, packing=packing, pad_id=pad_id, given=given,
+                                 keep_sources=keep_sources, log=log)
+    finally:
+        stop.restore()
+
+
+def _shuffle_to_nodes(stop: _OnSigterm, sources, output, dest, *, ranks_per_node, micro_batch, weights, seq_len, seed,
+                      epochs, samples, tokens, shard_samples, memory, jitter, schedule, packing, pad_id, given,
+                      keep_sources, log) -> dict:
     MPI, comm = world()
     n, N = comm.Get_rank(), comm.Get_size()
+    stop.attach(MPI, comm)
     log = log if n == 0 and log is not None else (lambda line: None)
     t0 = time.perf_counter()
     if micro_batch < 1:
@@ -687,7 +779,7 @@ def shuffle_to_nodes(sources: list[str], output: str, dest: str, *, ranks_per_no
         raise TokpackError("--to-nodes writes local directories", where="--to-nodes/-o",
                            hint="RUN is a shared-filesystem path, DEST a node-local one")
     out = Path(output)
-    locks, mine = [], []
+    locks, mine = stop.locks, []
     try:
         def lock():
             if n == 0:

@@ -319,6 +319,48 @@ def test_a_killed_process_stops_the_job_naming_its_node_and_a_rerun_gives_the_sa
     assert_no_token_bytes(exchanged, run)
 
 
+def test_a_sigterm_to_one_process_stops_every_node_with_one_line_naming_it_and_a_rerun_gives_the_same_bytes(tmp_path):
+    """SIGTERM (not SIGKILL) to node 2's process while the exchange runs (out of core): every
+    process exits within seconds (the timeout below, not a threshold), one tokpack line names
+    node 2, and no node releases a line of its own; the rerun gives shuffle + stage's bytes."""
+    import signal
+    import time
+
+    source = write_source(tmp_path / "src", random_docs(np.random.default_rng(4), 1500, 1000, 0), docs_per_shard=150)
+    args = [source, "--seq-len", SEQ, "--seed", 6, "--epochs", 2, "--shard-samples", 100]
+    run, dests = staged(tmp_path, args)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               TOKPACK_PROGRESS="0")
+    exchanged, dest = tmp_path / "exchanged", str(tmp_path / "node{node}")
+    cmd = [mpirun(), "--oversubscribe", "-n", str(NODES), sys.executable, "-m", "tokpack", "shuffle", *map(str, args),
+           "-o", str(exchanged), "--to-nodes", dest, "--ranks-per-node", str(K), "--micro-batch", str(M),
+           "--memory", "64KiB", "--json"]  # out of core: its slice and owned shards are about 230 KiB
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "node2" / "tokpack.lock").exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        kids = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
+        victim = [int(k) for k in kids if b"OMPI_COMM_WORLD_RANK=2\0" in Path(f"/proc/{k}/environ").read_bytes()]
+        assert victim and job.poll() is None, "node 2 finished before it could be stopped"
+        os.kill(victim[0], signal.SIGTERM)
+        _, err = job.communicate(timeout=30)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode != 0
+    lines = [line for line in err.splitlines() if line.startswith("tokpack")]
+    assert lines == [lines[0]] and lines[0].startswith("tokpack: error: node 2: stopped by SIGTERM"), err[-3000:]
+    assert "Traceback" not in err
+    assert not (tmp_path / "node2" / "tokpack.lock").exists()  # released by the stopped process itself
+    done = to_nodes(exchanged, dest, *args, "--memory", "64KiB")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert all(d["buckets"] > 1 for s in summaries(done).values() for d in s["epochs_detail"])
+    assert_same_slices(run, dests, exchanged, tmp_path / "node")
+    assert_no_token_bytes(exchanged, run)
+
+
 def test_a_later_epoch_reads_the_kept_sources_and_no_source_shard_on_the_shared_folder(tmp_path):
     """--keep-sources: epoch 0 copies each process's source shards to its local DIR; then the
     shared shards are overwritten (same size, other bytes: any read of them fails its checksum),
