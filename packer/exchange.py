@@ -36,8 +36,10 @@ written again on every node. `--keep-sources DIR` keeps each process's source sh
 disk for the later epochs. `stage RUN DEST --node n/N` on such a RUN (a replacement node) is
 `stage_replacement`: the node's rows rebuilt from the sources, checked against RUN's row hashes.
 
+SIGTERM to one process is one line naming its node (_OnSigterm); a SIGKILL is named by the launcher.
+
 Not yet (docs/COMMANDS.md, "Straight to the nodes"): `plan shuffle --to-nodes`, a batch
-phase (`--start-sample`), a tokpack line of its own when a peer is killed (the launcher's names it).
+phase (`--start-sample`).
 """
 
 from __future__ import annotations
