@@ -436,10 +436,13 @@ def test_a_dest_or_run_in_use_by_another_command_is_refused(source, tmp_path):
         assert not list(tmp_path.rglob(MANIFEST)) and not list(tmp_path.rglob("*.ds"))
 
 
-@pytest.mark.parametrize("memory", [MEMORY, OUT_OF_CORE])  # the rank files fill it; or the buckets
+# In memory, node 1's rank files and an owned shard's scratch fill it; out of core, its buckets
+# (two files each). Either size passes the check before the epoch (free space >= about 35 KiB
+# of rows, out of core 43 KiB with the records) by 10 KiB, and not the files' pages.
+@pytest.mark.parametrize("memory,size", [(MEMORY, "48k"), (OUT_OF_CORE, "56k")])
 def test_a_full_dest_is_one_line_naming_its_node_and_a_rerun_with_space_gives_the_same_bytes(source, tmp_path,
-                                                                                          memory):
-    """Node 1's DEST is a 48 KiB tmpfs: enough for the check before the epoch (free space >= the
+                                                                                          memory, size):
+    """Node 1's DEST is a small tmpfs: enough for the check before the epoch (free space >= the
     rows' bytes), not for its files (tmpfs counts each file's pages). Node 1 says "disk full", the
     others "node 1 failed", nothing half-written passes validate, no lock or scratch is left; the
     same command, once that filesystem is larger, gives shuffle + stage --node's bytes."""
@@ -447,7 +450,7 @@ def test_a_full_dest_is_one_line_naming_its_node_and_a_rerun_with_space_gives_th
     run, dests = staged(tmp_path, args[:-2])
     small, exchanged, dest = tmp_path / "node1", tmp_path / "exchanged", str(tmp_path / "node{node}")
     small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48k", "tokpack-test", str(small)],
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tokpack-test", str(small)],
                              capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"a small filesystem for node 1's DEST needs mount (root): {mounted.stderr.strip()}")
