@@ -299,6 +299,7 @@ def read_bucket(lay, b: int, wants: list, row_tokens: int, pad_id: int, dtype: n
                                hint="delete OUT/.tokpack-work and rerun")
         dest = local * row_tokens + rec["row_offset"].astype(np.int64)
         length = rec["length"].astype(np.int64)
+        whole = (length == row_tokens) & (rec["row_offset"] == 0)
         ends = np.cumsum(length)
         # The tokens are read a chunk of whole pieces at a time (not the file at once: the
         # bucket's rows take the budget already), hashed as they are read.
@@ -313,9 +314,12 @@ def read_bucket(lay, b: int, wants: list, row_tokens: int, pad_id: int, dtype: n
                 if len(data) != need:  # cut short: its checksum below says so
                     break
                 tokens = np.frombuffer(data, dtype=dtype)
-                for d, a, m in zip(dest[i:j].tolist(), (ends[i:j] - length[i:j] - first).tolist(),
-                                   length[i:j].tolist()):
-                    flat[d: d + m] = tokens[a: a + m]
+                if whole[i:j].all():  # whole rows (a window epoch's, out of core on a node): placed at once
+                    rows[local[i:j]] = tokens.reshape(j - i, row_tokens)
+                else:
+                    for d, a, m in zip(dest[i:j].tolist(), (ends[i:j] - length[i:j] - first).tolist(),
+                                       length[i:j].tolist()):
+                        flat[d: d + m] = tokens[a: a + m]
                 i = j
             h.update(fh.read())
         check_file(t, f, want[0], h.intdigest())
