@@ -402,13 +402,26 @@ def bucket_row_bytes(row_bytes: int) -> int:
     return 4 * row_bytes + BUCKET_ROW_OVERHEAD
 
 
-def round_tokens(ne: _NodeEpoch, memory: int, work: Path) -> tuple[int, Layout | None]:
-    """(tokens a process sends per round, the out-of-core Layout or None). A round sends at most
-    twice what it reads (each piece to its node and to its shard's owner) and receives about as
-    much, each token with its index arithmetic. In memory when the node's stores fit beside a
-    round's buffers; else out of core: the rounds append what they receive to bucket files in
-    DEST's scratch (one more copy a token), and the buckets, read back one at a time once the
-    rounds are done, take what the positions and unfilled counts leave of --memory."""
+def round_tokens(ne: _NodeEpoch, memory: int) -> int:
+    """Tokens a process sends per round (tokpack plan --to-nodes calls this too). A round sends
+    at most twice what it reads (each piece to its node and to its shard's owner) and receives
+    about as much, each token with its index arithmetic. In memory when the node's stores fit
+    beside a round's buffers; else out of core (bucket_layout): the rounds append what they
+    receive to bucket files in DEST's scratch (one more copy a token), and the buckets, read
+    back one at a time once the rounds are done, take what the positions and unfilled counts
+    leave of --memory. Raises when even that does not fit."""
+    return _sizes(ne, memory)[0]
+
+
+def bucket_layout(ne: _NodeEpoch, memory: int, work: Path) -> Layout | None:
+    """The out-of-core Layout in `work` (DEST's scratch) of a node whose stores do not fit
+    --memory, else None (in memory)."""
+    bucket_rows = _sizes(ne, memory)[1]
+    return None if bucket_rows is None else ne.layout(bucket_rows, work)
+
+
+def _sizes(ne: _NodeEpoch, memory: int) -> tuple[int, int | None]:
+    """(tokens a round, rows a bucket out of core or None in memory)."""
     job = ne.job
     per_token = 4 * job.token_dtype.itemsize + TOKEN_OVERHEAD
     limit = MAX_MESSAGE_BYTES // (2 * job.token_dtype.itemsize)
@@ -428,7 +441,7 @@ def round_tokens(ne: _NodeEpoch, memory: int, work: Path) -> tuple[int, Layout |
                                     f"the node's {ne.store_rows} rows, the rest for a round's buffers or a bucket "
                                     f"of {MIN_ROUND_ROWS} rows)",
                            found=f"{memory} bytes", hint="give more --memory, or more nodes")
-    return int(t), ne.layout(int(bucket_rows), work)
+    return int(t), int(bucket_rows)
 
 
 class _InMemory:
@@ -901,7 +914,7 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_bat
         ne = _NodeEpoch(job, job.open_sources(), rows, first, n, N, ranks, prepared)
         kept = 0 if keep is None else together(comm, lambda: ne.keep_sources(keep))
         def sized():
-            per_round, layout = round_tokens(ne, memory, Path(job.work_dir))
+            per_round, layout = round_tokens(ne, memory), bucket_layout(ne, memory, Path(job.work_dir))
             check_space([(dest, ne.disk_bytes(layout is not None))], "shuffle",
                         hint="free some space on this node's DEST")
             return per_round, layout
