@@ -13,8 +13,10 @@ Process n of N:
    fit what --memory leaves beside the rows it keeps: to the node whose ranks read g
    (tokpack.formats.slices.RankRows: the arithmetic `stage --node` uses), and to the node that
    owns g's epoch shard (shard i: node i mod N);
-4. puts the rows it receives in training order in memory and writes node n's slice into DEST
-   through the Output's rank-file writers, the bytes `stage RUN DEST --node n/N` writes;
+4. puts the rows it receives in training order, in memory when they fit --memory, else out of
+   core through bucket files in DEST's scratch (_Buckets: the scatter/order engine's Layout and
+   best-fit bucket files, read back a bucket at a time), and writes node n's slice into DEST
+   through RankFiles, the bytes `stage RUN DEST --node n/N` writes;
 5. as the owner of some epoch shards, passes each one through the epoch shard writer in a local
    scratch folder, which gives the shard's manifest entry (its checksums) exactly as `tokpack
    shuffle` records it, and keeps of it only the row hashes (`.ds.rows`, 8 bytes a sample, and a
@@ -34,9 +36,9 @@ written again on every node. `--keep-sources DIR` keeps each process's source sh
 disk for the later epochs. `stage RUN DEST --node n/N` on such a RUN (a replacement node) is
 tokpack.packer.replacement: the node's rows rebuilt from the sources, checked against RUN's row hashes.
 
-Not yet (docs/COMMANDS.md, "Straight to the nodes"): ordering a node's rows out of core (a node
-whose rows do not fit --memory is refused with one line), a batch
-phase (`--start-sample`), a tokpack line of its own when a peer is killed (the launcher's names it).
+SIGTERM to one process is one line naming its node (_OnSigterm); a SIGKILL is named by the launcher.
+
+Not yet (docs/COMMANDS.md, "Straight to the nodes"): a batch phase (`--start-sample`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ import json
 import os
 import resource
 import shutil
+import signal
+import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -54,7 +59,8 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import LOCK_NAME, WORK_DIR, OutputLock, check_space, holder_name, is_no_space
-from tokpack.formats.io import (commit_file, map_file, open_new, open_read, read_limited, remove_tmp_files,
+from tokpack.formats.io import (commit_file, map_file, open_append, open_new, open_read, read_limited,
+                                remove_tmp_files,
                                 tmp_path,
                                 write_bytes_atomic)
 from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, NODES_SIDECAR, canonical_bytes, nodes_sidecar, epoch_dir_name, parse_manifest, read_manifest)
@@ -67,7 +73,8 @@ from tokpack.shuffle import packings
 from tokpack.shuffle.packed import PackedTable
 from tokpack.shuffle.plan import iter_source_windows, open_source, source_location, use_kept_sources
 from tokpack.shuffle.run import epoch_manifest_of, run_manifest_of, setup_run
-from tokpack.shuffle.steps import ShardHashes, shard_segments, source_changed_error, split_shards
+from tokpack.shuffle.packed_step import RECORD, read_bucket
+from tokpack.shuffle.steps import Layout, ShardHashes, shard_segments, source_changed_error, split_shards
 
 NODE = "{node}"  # in DEST: replaced by the process's node number
 # Rows a round's buffers hold at least: fewer, and the exchange spends its time per round.
@@ -76,6 +83,79 @@ MIN_ROUND_ROWS = 4
 MAX_MESSAGE_BYTES = (1 << 31) - 1
 # Rows handed to a writer at once: bounded temporaries whatever the slice's size.
 WRITE_ROWS = 1 << 14
+
+
+class _OnSigterm:
+    """SIGTERM to one process (a `kill`, a node's shutdown): a thread of its own takes it,
+    releases the process's locks, prints one line naming the node, and exits at once, without
+    MPI's finalize; the launcher then stops the other processes (prterun names the rank too).
+    Python's own handler (the CLI's, which unwinds the command) could not do this: it runs
+    only between bytecodes in the main thread, and a process waits inside an MPI collective
+    for its peers; and an exit through MPI's finalize would wait for them too. The signal
+    reaches the thread through Python's wakeup fd (the C handler writes to it from whichever
+    thread the kernel picked). The first process stopped tells the others (a message on a
+    communicator of its own, MPI_THREAD_MULTIPLE permitting) before it exits: when the launcher
+    then sends them SIGTERM in turn, they exit without a line, so the one line names the node
+    that was stopped."""
+
+    TAG = 33
+
+    def __init__(self):
+        self.node: int | None = None
+        self.locks: list = []
+        self.previous = None
+        self.comm = self.notice = None
+        if threading.current_thread() is not threading.main_thread():
+            return  # an embedding's thread: signals are the application's
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        self.previous = (signal.signal(signal.SIGTERM, lambda signum, frame: None), signal.set_wakeup_fd(w))
+        threading.Thread(target=self._wait, args=(r,), name="tokpack-sigterm", daemon=True).start()
+
+    def attach(self, MPI, comm) -> None:
+        """Listens for another process's notice that it was stopped (only where MPI lets a
+        second thread call it while the main thread waits in a collective)."""
+        self.node = comm.Get_rank()
+        if self.previous is not None and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+            self.comm = comm.Dup()
+            self.notice = self.comm.irecv(source=MPI.ANY_SOURCE, tag=self.TAG)
+
+    def _wait(self, r: int) -> None:
+        while signal.SIGTERM not in os.read(r, 64):
+            pass
+        for held in reversed(self.locks):
+            try:
+                held.release()
+            except Exception:  # noqa: BLE001 - exiting anyway: the next lock, then the exit
+                pass
+        told = False
+        try:
+            if self.notice is not None:
+                told, _ = self.notice.test()
+                if not told:
+                    sent = [self.comm.isend(self.node, dest=k, tag=self.TAG)
+                            for k in range(self.comm.Get_size()) if k != self.node]
+                    deadline = time.monotonic() + 1.0  # a peer already gone never takes it
+                    while sent and time.monotonic() < deadline:
+                        sent = [req for req in sent if not req.test()[0]]
+                        time.sleep(0.01)
+        except Exception:  # noqa: BLE001 - the line below is what matters
+            pass
+        if not told:  # the first stopped (the launcher stops the others next)
+            node = "" if self.node is None else f"node {self.node}: "
+            sys.stderr.write(f"tokpack: error: {node}stopped by SIGTERM; every node stops. HINT: rerun the same "
+                             f"command: the epochs complete on every node are kept\n")
+            sys.stderr.flush()
+        os._exit(128 + signal.SIGTERM)
+
+    def restore(self) -> None:
+        if self.notice is not None:  # no process was stopped: the listening receive goes before MPI's finalize
+            self.notice.Cancel()
+            self.notice.Wait()
+            self.notice = None
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous[0])
+            signal.set_wakeup_fd(self.previous[1])
 
 
 def world():
@@ -124,16 +204,8 @@ def together(comm, fn):
     node = comm.Get_rank()
     try:
         result, mine = fn(), None
-    except TokpackError as e:
-        result, mine = None, e
-    except OSError as e:
-        result = None
-        if is_no_space(e):  # a node's DEST (or kept sources) filled up
-            mine = TokpackError("disk full", file=e.filename, found="No space left on device",
-                                hint="free some space on that node (or give it another DEST), then rerun the same "
-                                     "command: the epochs complete on every node are kept")
-        else:
-            mine = TokpackError(f"{type(e).__name__}: {e.strerror or e}", file=e.filename)
+    except (TokpackError, OSError) as e:
+        result, mine = None, _as_error(e)
     failed = comm.allgather(None if mine is None or isinstance(mine, PeerFailed) else str(mine))
     if mine is not None:
         if comm.Get_size() > 1 and not isinstance(mine, PeerFailed) and not mine.message.startswith(f"node {node}: "):
@@ -143,6 +215,17 @@ def together(comm, fn):
         if line is not None:
             raise PeerFailed(f"node {other} failed: {line}")
     return result
+
+
+def _as_error(e: TokpackError | OSError) -> TokpackError:
+    """A local failure as the line its node reports (a full disk says so)."""
+    if isinstance(e, TokpackError):
+        return e
+    if is_no_space(e):  # a node's DEST (or kept sources) filled up
+        return TokpackError("disk full", file=e.filename, found="No space left on device",
+                            hint="free some space on that node (or give it another DEST), then rerun the same "
+                                 "command: the epochs complete on every node are kept")
+    return TokpackError(f"{type(e).__name__}: {e.strerror or e}", file=e.filename)
 
 
 class _NodeEpoch:
@@ -170,6 +253,40 @@ class _NodeEpoch:
         self.owned_rows = base
         # Both stores, each row's tokens still unfilled (its padding, once every piece is in), the positions.
         self.keep_bytes = (len(self.positions) + self.owned_rows) * (rb + 8) + 8 * len(self.positions)
+        # Out of core the stores are bucket files: what stays in memory is the positions and the unfilled counts.
+        self.index_bytes = 8 * len(self.positions) + 8 * (len(self.positions) + self.owned_rows)
+
+    @property
+    def store_rows(self) -> int:
+        """Rows of the node's two stores, one numbering: its slice's (0..P-1, in position order),
+        then its owned shards' (P + the row's place in owned_base's order)."""
+        return len(self.positions) + self.owned_rows
+
+    def layout(self, bucket_rows: int, work: Path) -> Layout:
+        """The out-of-core stores as the scatter/order engine's Layout (one scatter task: this
+        process): buckets of at most `bucket_rows` store rows, each a contiguous range of the
+        slice's positions or of one owned shard's rows (shard_buckets: each owned shard's first
+        bucket), so each is read back, whole, in the order its writer takes it."""
+        starts, firsts = [], []
+
+        def cut(a: int, n: int) -> None:
+            nb = -(-n // bucket_rows)
+            starts.extend(a + (j * n) // nb for j in range(nb))
+
+        cut(0, len(self.positions))
+        for i in self.owned:
+            firsts.append(len(starts))
+            g0, g1 = self.job.shard_range(i)
+            cut(len(self.positions) + int(self.owned_base[i]), g1 - g0)
+        firsts.append(len(starts))
+        starts.append(self.store_rows)
+        return Layout(1, np.array(starts, dtype=np.int64), np.array(firsts, dtype=np.int64), 0,
+                      str(work / "ooc-node"), [])
+
+    def disk_bytes(self, out_of_core: bool) -> int:
+        """DEST's bytes at the peak: the stores' rows (the rank files, an owned shard in scratch),
+        and out of core the bucket files' records, a RECORD a piece (about one a row)."""
+        return self.keep_bytes + (2 * RECORD.itemsize * self.store_rows if out_of_core else 0)
 
     def node_of(self, g: np.ndarray) -> np.ndarray:
         return self.rows.rank_of(g + self.first) // self.per_node
@@ -343,51 +460,166 @@ def _changed(shard, expected: str, found: str):
 
 # Bytes of index arithmetic per token a round moves (_ranges' temporaries, one call at a time).
 TOKEN_OVERHEAD = 24
+# Bytes per row of a bucket read back, beyond 4 copies of its tokens (the bucket's rows, the
+# tokens read from its file, RankFiles' copy of one rank's rows, the index's EOS mask and more):
+# its records and the rank and index arithmetic.
+BUCKET_ROW_OVERHEAD = 128
+
+
+def bucket_row_bytes(row_bytes: int) -> int:
+    return 4 * row_bytes + BUCKET_ROW_OVERHEAD
 
 
 def round_tokens(ne: _NodeEpoch, memory: int) -> int:
-    """Tokens a process sends per round: a round sends at most twice what it reads (each piece to
-    its node and to its shard's owner) and receives about as much, each token with its index
-    arithmetic, beside what the node keeps."""
+    """Tokens a process sends per round (tokpack plan --to-nodes calls this too). A round sends
+    at most twice what it reads (each piece to its node and to its shard's owner) and receives
+    about as much, each token with its index arithmetic. In memory when the node's stores fit
+    beside a round's buffers; else out of core (bucket_layout): the rounds append what they
+    receive to bucket files in DEST's scratch (one more copy a token), and the buckets, read
+    back one at a time once the rounds are done, take what the positions and unfilled counts
+    leave of --memory. Raises when even that does not fit."""
+    return memory_plan(ne, memory)[0]
+
+
+def bucket_layout(ne: _NodeEpoch, memory: int, work: Path) -> Layout | None:
+    """The out-of-core Layout in `work` (DEST's scratch) of a node whose stores do not fit
+    --memory, else None (in memory)."""
+    bucket_rows = memory_plan(ne, memory)[1]
+    return None if bucket_rows is None else ne.layout(bucket_rows, work)
+
+
+def memory_plan(ne: _NodeEpoch, memory: int) -> tuple[int, int | None]:
+    """(tokens a round, rows a bucket out of core or None in memory); what `plan shuffle
+    --to-nodes` reports too."""
     job = ne.job
     per_token = 4 * job.token_dtype.itemsize + TOKEN_OVERHEAD
     limit = MAX_MESSAGE_BYTES // (2 * job.token_dtype.itemsize)
+    least = MIN_ROUND_ROWS * job.plan.row_tokens
     t = min((memory - ne.keep_bytes) // per_token, limit)
-    if t < MIN_ROUND_ROWS * job.plan.row_tokens:
-        raise TokpackError(f"this node's rows of epoch {job.plan.epoch} do not fit --memory", where="--memory",
-                           expected=f">= {ne.keep_bytes + per_token * MIN_ROUND_ROWS * job.plan.row_tokens} bytes "
-                                    f"({ne.keep_bytes} kept, the rest for the exchange's rounds)",
-                           found=f"{memory} bytes",
-                           hint="give more --memory, or more nodes; ordering a node's rows out of core is not "
-                                "implemented yet for --to-nodes")
-    return int(t)
+    if t >= least:
+        return int(t), None
+    budget = memory - ne.index_bytes
+    per_token += job.token_dtype.itemsize + 8  # the copy appended to a bucket file, its index
+    t = min(budget // per_token, limit)
+    bucket_rows = budget // bucket_row_bytes(job.row_bytes)
+    if t < least or bucket_rows < MIN_ROUND_ROWS:
+        need = ne.index_bytes + max(per_token * least, MIN_ROUND_ROWS * bucket_row_bytes(job.row_bytes))
+        raise TokpackError(f"this node's rows of epoch {job.plan.epoch} do not fit --memory, even out of core",
+                           where="--memory",
+                           expected=f">= {need} bytes ({ne.index_bytes} for the positions and unfilled counts of "
+                                    f"the node's {ne.store_rows} rows, the rest for a round's buffers or a bucket "
+                                    f"of {MIN_ROUND_ROWS} rows)",
+                           found=f"{memory} bytes", hint="give more --memory, or more nodes")
+    return int(t), int(bucket_rows)
 
 
-def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int):
-    """The rounds. Returns (the slice's rows in epoch order, their padding, the owned shards' rows,
-    their padding, rounds). Every round every process takes part (sending nothing once it has
-    read all), and a failure on one (a source shard changed since pack) stops them all at the
-    same round."""
-    job, N, n, row = ne.job, ne.nodes, ne.node, ne.plan.row_tokens
+class _InMemory:
+    """The node's two stores in memory (store_rows numbering)."""
+
+    def __init__(self, ne: _NodeEpoch, pad_id: int):
+        self.rows_of = np.full((ne.store_rows, ne.plan.row_tokens), pad_id, dtype=ne.job.token_dtype)
+
+    def put(self, pad, at, pieces, tokens, starts) -> None:
+        _place(self.rows_of, pad, at, pieces, tokens, starts)
+
+    def finish(self) -> None:
+        pass
+
+    def rows(self, lo: int, hi: int):
+        yield lo, self.rows_of[lo:hi]
+
+
+class _Buckets:
+    """The node's two stores out of core: each received piece appended to its bucket's files
+    (Layout.bucket_file of task 0: the tokens in `.rows`, a RECORD in `.pos`, their store row in
+    the record's g), as the best-fit scatter pass writes them, with each file's xxh3_64 in the
+    task's records; read back a bucket at a time by the best-fit order pass's read_bucket
+    (checked against those records) and removed once read."""
+
+    def __init__(self, ne: _NodeEpoch, layout: Layout, pad_id: int):
+        self.lay, self.row_tokens, self.pad_id, self.dtype = layout, ne.plan.row_tokens, pad_id, ne.job.token_dtype
+        self.counts = np.zeros(len(layout.bucket_starts) - 1, np.int64)
+        self.hashes: dict[int, list] = {}
+        shutil.rmtree(layout.dir, ignore_errors=True)  # a killed run's: the epoch is redone whole
+        layout.task_dir(0).mkdir(parents=True)
+
+    def put(self, pad, at, pieces, tokens, starts) -> None:
+        lengths = pieces["length"].astype(np.int64)
+        np.subtract.at(pad, at, lengths)
+        bucket = np.searchsorted(self.lay.bucket_starts, at, side="right") - 1
+        order = np.argsort(bucket, kind="stable")
+        cuts = np.flatnonzero(np.diff(bucket[order])) + 1
+        for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), len(order)]):
+            sel = order[x:y]
+            b = int(bucket[sel[0]])
+            rec = np.empty(len(sel), RECORD)
+            rec["g"], rec["row_offset"], rec["length"] = at[sel], pieces["row_offset"][sel], lengths[sel]
+            payloads = (tokens[_ranges(starts[sel], lengths[sel])], rec)
+            self.lay.bucket_file(0, b, "rows").parent.mkdir(exist_ok=True)
+            for ext, payload, h in zip(("rows", "pos"), payloads,
+                                       self.hashes.setdefault(b, [xxhash.xxh3_64(), xxhash.xxh3_64()])):
+                raw = memoryview(payload).cast("B")
+                with open_append(self.lay.bucket_file(0, b, ext), folder=self.lay.dir) as f:
+                    f.write(raw)
+                h.update(raw)
+            self.counts[b] += len(sel)
+
+    def finish(self) -> None:
+        records = np.zeros((len(self.counts), 3), dtype="<u8")
+        for b, (hr, hp) in self.hashes.items():
+            records[b] = self.counts[b], hr.intdigest(), hp.intdigest()
+        write_bytes_atomic(self.lay.task_records(0), records.tobytes())
+
+    def rows(self, lo: int, hi: int):
+        """(first store row, rows) of each bucket in [lo, hi) (bucket boundaries), in order."""
+        starts = self.lay.bucket_starts
+        b = int(np.searchsorted(starts, lo))
+        if lo < hi and (b >= len(starts) - 1 or int(starts[b]) != lo):
+            raise TokpackError("internal error: a node's rows were asked across its buckets", where=f"row {lo}",
+                               hint="report this with the command line")
+        while b < len(starts) - 1 and int(starts[b]) < hi:
+            want = self.lay.recorded(0, range(b, b + 1))[0, 1:]
+            yield int(starts[b]), read_bucket(self.lay, b, [want], self.row_tokens, self.pad_id, self.dtype,
+                                              self._check)
+            for ext in ("rows", "pos"):
+                self.lay.bucket_file(0, b, ext).unlink(missing_ok=True)
+            b += 1
+
+    def _check(self, t: int, path, want, found: int) -> None:
+        if found != int(want):
+            raise TokpackError("a bucket file in this node's scratch does not match the checksum written with it",
+                               file=path, where="xxh3_64", expected=f"{int(want):016x}", found=f"{found:016x}",
+                               hint="check this node's local disk, then rerun the same command (the epoch is "
+                                    "written again)")
+
+
+def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int, layout: Layout | None = None):
+    """The rounds. Returns (the stores: in memory, or bucket files by `layout`, both read by
+    `rows(lo, hi)` in store_rows numbering; the slice's padding, the owned shards' padding,
+    rounds). Every round every process takes part (sending nothing once it has read all), and a
+    failure on one (a source shard changed since pack) stops them all at the same round."""
+    job, N, row = ne.job, ne.nodes, ne.plan.row_tokens
     dtype, pad_id = job.token_dtype, (ne.plan.pad_id if ne.padded else 0)
-    keep = np.full((len(ne.positions), row), pad_id, dtype=dtype)
-    owned = np.full((ne.owned_rows, row), pad_id, dtype=dtype)
+    stores = _InMemory(ne, pad_id) if layout is None else _Buckets(ne, layout, pad_id)
     # Tokens of each row still unfilled: 0 for every window at the end, a best-fit row's padding.
-    keep_pad = np.full(len(ne.positions), row, dtype=np.int64)
-    owned_pad = np.full(ne.owned_rows, row, dtype=np.int64)
+    pad = np.full(ne.store_rows, row, dtype=np.int64)
+    P = len(ne.positions)
     reads = ne.reads(per_round)
     pending: list = []  # (pieces, tokens) read but not sent yet
     rounds, exhausted = 0, False
+    # A failure while a round's pieces are stored (a full disk out of core) is reported at the
+    # next round's allgather, where every process is: raising at once would leave the others
+    # waiting in that allgather while this one is in together()'s.
+    failure = None
     while True:
-        failure = None
         try:
-            while not exhausted and sum(len(t) for _, t in pending) < per_round:
+            while failure is None and not exhausted and sum(len(t) for _, t in pending) < per_round:
                 item = next(reads, None)
                 exhausted = item is None
                 if item is not None:
                     pending.append(item)
-        except TokpackError as e:
-            failure = e
+        except (TokpackError, OSError) as e:
+            failure = _as_error(e)
         take, count = [], 0
         while pending and count < per_round:  # about per_round tokens this round, whole pieces
             pieces, tokens = pending.pop(0)
@@ -425,26 +657,35 @@ def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int):
         got_tokens = np.empty(int(recv[:, 1].sum()), dtype)
         _alltoallv(comm, MPI, send_pieces, counts * PIECE.itemsize, got_pieces, recv[:, 0] * PIECE.itemsize)
         _alltoallv(comm, MPI, send_tokens, token_counts * dtype.itemsize, got_tokens, recv[:, 1] * dtype.itemsize)
-        glen = got_pieces["length"].astype(np.int64)
-        gstart = np.cumsum(glen) - glen
-        g = got_pieces["g"]
-        mine = np.flatnonzero(ne.node_of(g) == n)
-        if len(mine):
-            at = np.searchsorted(ne.positions, g[mine])
-            if at.max() >= len(ne.positions) or (ne.positions[at] != g[mine]).any():
-                raise TokpackError("internal error: a row was sent to a node whose ranks do not read it",
-                                   where=f"epoch {job.plan.epoch}")
-            _place(keep, keep_pad, at, got_pieces[mine], got_tokens, gstart[mine])
-        ours = np.flatnonzero(ne.owner_of(g) == n)
-        if len(ours):
-            shard = g[ours] // job.shard_samples
-            _place(owned, owned_pad, ne.owned_base[shard] + g[ours] - shard * job.shard_samples, got_pieces[ours],
-                   got_tokens, gstart[ours])
-    for pad in (keep_pad, owned_pad):
-        if len(pad) and (pad.min() < 0 or (not ne.padded and pad.max() > 0)):
-            raise TokpackError("internal error: the exchange filled a row of this node wrongly",
-                               where=f"epoch {job.plan.epoch}", hint="report this with the command line")
-    return keep, keep_pad, owned, owned_pad, rounds
+        try:
+            _receive(ne, stores, pad, got_pieces, got_tokens)
+        except (TokpackError, OSError) as e:
+            failure = _as_error(e)
+    stores.finish()
+    if len(pad) and (pad.min() < 0 or (not ne.padded and pad.max() > 0)):
+        raise TokpackError("internal error: the exchange filled a row of this node wrongly",
+                           where=f"epoch {job.plan.epoch}", hint="report this with the command line")
+    return stores, pad[:P], pad[P:], rounds
+
+
+def _receive(ne: _NodeEpoch, stores, pad: np.ndarray, got_pieces: np.ndarray, got_tokens: np.ndarray) -> None:
+    """A round's pieces for this node into its stores: each at its store row, its slice row
+    and (as well, when it both keeps the row and owns its shard) its owned shard's row."""
+    job, P = ne.job, len(ne.positions)
+    glen = got_pieces["length"].astype(np.int64)
+    gstart = np.cumsum(glen) - glen
+    g = got_pieces["g"]
+    mine = np.flatnonzero(ne.node_of(g) == ne.node)
+    at = np.searchsorted(ne.positions, g[mine])
+    if len(mine) and (at.max() >= P or (ne.positions[at] != g[mine]).any()):
+        raise TokpackError("internal error: a row was sent to a node whose ranks do not read it",
+                           where=f"epoch {job.plan.epoch}")
+    ours = np.flatnonzero(ne.owner_of(g) == ne.node)
+    shard = g[ours] // job.shard_samples
+    sel = np.concatenate([mine, ours])
+    if len(sel):
+        at = np.concatenate([at, P + ne.owned_base[shard] + g[ours] - shard * job.shard_samples])
+        stores.put(pad, at, got_pieces[sel], got_tokens, gstart[sel])
 
 
 def _alltoallv(comm, MPI, send, send_bytes, recv, recv_bytes) -> None:
@@ -463,12 +704,20 @@ def _place(store: np.ndarray, pad: np.ndarray, at: np.ndarray, pieces: np.ndarra
     np.subtract.at(pad, at, lengths)
 
 
-def write_slice_epoch(output: Output, d: Path, ne: _NodeEpoch, keep: np.ndarray, pad: np.ndarray,
+def write_slice_epoch(output: Output, d: Path, ne: _NodeEpoch, stores, pad: np.ndarray,
                       fmt: EpochShardFormat) -> list[dict]:
-    """Node n's rank files of the epoch, from its rows in epoch order: rank r's are those of its
-    positions rank r reads, in increasing order (what stage --node writes), with their padding
-    (best-fit: the `.ds.pad` beside them)."""
-    return write_rank_files(output, d, ne.rows, ne.positions, ne.first, ne.ranks, ne.plan.epoch, keep, pad, fmt)
+    """Node n's rank files of the epoch, from its rows in epoch order (the stores' slice rows, all
+    at once in memory, a bucket at a time out of core): rank r's are those of its positions rank
+    r reads, in increasing order (what stage --node writes), with their padding (best-fit: the
+    `.ds.pad` beside them)."""
+    files = RankFiles(output, d, ne.rows, ne.first, ne.ranks, ne.plan.epoch, fmt)
+    try:
+        for a, rows in stores.rows(0, len(ne.positions)):
+            files.add(ne.positions[a:a + len(rows)], rows, pad[a:a + len(rows)])
+        return files.close()
+    except BaseException:
+        files.abort()
+        raise
 
 
 def write_rank_files(output: Output, d: Path, rows: RankRows, positions: np.ndarray, first: int, ranks, epoch: int,
@@ -532,10 +781,11 @@ def _write_rows(writer, rows: np.ndarray, pad: np.ndarray | None, sel) -> None:
         writer.write_pad(pad[sel])
 
 
-def hash_owned_shards(ne: _NodeEpoch, owned: np.ndarray, pad: np.ndarray, scratch: Path, run_epoch: Path,
+def hash_owned_shards(ne: _NodeEpoch, stores, pad: np.ndarray, scratch: Path, run_epoch: Path,
                       fmt: EpochShardFormat) -> list[tuple[int, dict]]:
-    """Each owned epoch shard through the epoch shard writer (in `scratch`, local): its manifest
-    entry as `tokpack shuffle` records it; its row hashes (and padding) go to RUN, the rest is removed."""
+    """Each owned epoch shard through the epoch shard writer (in `scratch`, local), its rows taken
+    from the stores (at once in memory, bucket by bucket out of core): its manifest entry as
+    `tokpack shuffle` records it; its row hashes (and padding) go to RUN, the rest is removed."""
     job = ne.job
     scratch.mkdir(parents=True, exist_ok=True)
     run_epoch.mkdir(parents=True, exist_ok=True)
@@ -545,8 +795,10 @@ def hash_owned_shards(ne: _NodeEpoch, owned: np.ndarray, pad: np.ndarray, scratc
         place = ShardPlace(str(scratch), job.shard_file(i), i, epoch=job.plan.epoch, samples=(g0, g1))
         writer = LocalOutput().open_shard(place, fmt)
         try:
-            base = int(ne.owned_base[i])
-            _write_rows(writer, owned, pad if fmt.padded else None, np.arange(base, base + g1 - g0))
+            lo = int(ne.owned_base[i])  # the shard's rows: store rows P + lo ..
+            for a, rows in stores.rows(len(ne.positions) + lo, len(ne.positions) + lo + g1 - g0):
+                a -= len(ne.positions)
+                _write_rows(writer, rows, pad[a:a + len(rows)] if fmt.padded else None, np.arange(len(rows)))
             entry = writer.close()
         except BaseException:
             writer.abort()
@@ -584,8 +836,23 @@ def shuffle_to_nodes(sources: list[str], output: str, dest: str, *, ranks_per_no
     RUN gets the run's manifests and row hashes. `keep_sources`: a local folder (`{node}` -> n)
     where the process keeps the source shards it reads, and reads them from in later epochs.
     Returns this process's summary."""
+    stop = _OnSigterm()
+    try:
+        return _shuffle_to_nodes(stop, sources, output, dest, ranks_per_node=ranks_per_node, micro_batch=micro_batch,
+                                 weights=weights, seq_len=seq_len, seed=seed, epochs=epochs, samples=samples,
+                                 tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter,
+                                 schedule=schedule, packing=packing, pad_id=pad_id, given=given,
+                                 keep_sources=keep_sources, log=log)
+    finally:
+        stop.restore()
+
+
+def _shuffle_to_nodes(stop: _OnSigterm, sources, output, dest, *, ranks_per_node, micro_batch, weights, seq_len, seed,
+                      epochs, samples, tokens, shard_samples, memory, jitter, schedule, packing, pad_id, given,
+                      keep_sources, log) -> dict:
     MPI, comm = world()
     n, N = comm.Get_rank(), comm.Get_size()
+    stop.attach(MPI, comm)
     log = log if n == 0 and log is not None else (lambda line: None)
     t0 = time.perf_counter()
     if micro_batch < 1:
@@ -596,12 +863,13 @@ def shuffle_to_nodes(sources: list[str], output: str, dest: str, *, ranks_per_no
         raise TokpackError("--to-nodes writes local directories", where="--to-nodes/-o",
                            hint="RUN is a shared-filesystem path, DEST a node-local one")
     out = Path(output)
-    locks = []
+    locks, mine = stop.locks, []
     try:
         def lock():
             if n == 0:
                 locks.append(OutputLock(str(out), holder_name("shuffle")).acquire())
             locks.append(OutputLock(str(dest), holder_name("shuffle")).acquire())
+            mine.append(dest)
         together(comm, lock)
         keep = None if keep_sources is None else node_dest(keep_sources, n)
         if keep is not None:  # kept copies from an earlier epoch: planned from them, the shared source folders unread
@@ -611,6 +879,8 @@ def shuffle_to_nodes(sources: list[str], output: str, dest: str, *, ranks_per_no
                          shard_samples=shard_samples, memory=memory, jitter=jitter, workers=1, progress=False,
                          given=given, schedule=schedule, packing=packing, pad_id=pad_id))
     finally:
+        for d in mine:  # DEST is this command's: its scratch (buckets, row table) goes, whatever happened
+            shutil.rmtree(d / WORK_DIR, ignore_errors=True)
         for held in reversed(locks):
             held.release()
 
@@ -714,21 +984,25 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_bat
         fmt = EpochShardFormat(job.token_dtype, plan.seq_len, job.eos_id, job.tokenizer, padded="table" in prepared)
         ne = _NodeEpoch(job, job.open_sources(), rows, first, n, N, ranks, prepared)
         kept = 0 if keep is None else together(comm, lambda: ne.keep_sources(keep))
-        per_round = together(comm, lambda: (check_space([(dest, ne.keep_bytes)], "shuffle",
-                                                        hint="free some space on this node's DEST"),
-                                            round_tokens(ne, memory))[1])
-        keep, keep_pad, owned, owned_pad, rounds = together(comm, lambda: exchange_epoch(comm, MPI, ne, per_round))
+        def sized():
+            per_round, layout = round_tokens(ne, memory), bucket_layout(ne, memory, Path(job.work_dir))
+            check_space([(dest, ne.disk_bytes(layout is not None))], "shuffle",
+                        hint="free some space on this node's DEST")
+            return per_round, layout
+
+        per_round, layout = together(comm, sized)
+        stores, keep_pad, owned_pad, rounds = together(comm, lambda: exchange_epoch(comm, MPI, ne, per_round, layout))
         if fmt.padded:  # every row is some node's and some owner's: both sums are the table's padding
             sums = comm.allreduce(np.array([keep_pad.sum(), owned_pad.sum()], dtype=np.int64)).tolist()
             together(comm, lambda: _same_padding(sums, prepared["padding"], epoch))
         log(f"shuffle --to-nodes: epoch {epoch}: {plan.samples} samples exchanged among {N} nodes in {rounds} rounds")
         d = dest / epoch_dir_name(epoch)
-        entries = together(comm, lambda: write_slice_epoch(output, d, ne, keep, keep_pad, fmt))
+        entries = together(comm, lambda: write_slice_epoch(output, d, ne, stores, keep_pad, fmt))
         scratch = Path(job.work_dir) / "owned"
-        owned_entries = together(comm, lambda: hash_owned_shards(ne, owned, owned_pad, scratch, Path(job.epoch_dir),
+        owned_entries = together(comm, lambda: hash_owned_shards(ne, stores, owned_pad, scratch, Path(job.epoch_dir),
                                                                  fmt))
         shutil.rmtree(dest / WORK_DIR, ignore_errors=True)
-        keep = owned = None  # freed before the next epoch's stores
+        stores = None  # freed before the next epoch's stores
         gathered = comm.gather(owned_entries, root=0)
 
         def run_manifests():
@@ -756,7 +1030,9 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_bat
             return want["tokens"]
 
         tokens = together(comm, commit_slice_epoch)
-        summaries.append({"epoch": epoch, "rounds": rounds, "rows_kept": sum(s["samples"] for s in entries),
+        summaries.append({"epoch": epoch, "rounds": rounds,
+                          "buckets": 0 if layout is None else len(layout.bucket_starts) - 1,  # 0: in memory
+                          "rows_kept": sum(s["samples"] for s in entries),
                           "source_bytes_kept_now": kept,
                           "tokens_kept": tokens, "seconds": round(time.perf_counter() - e0, 3)})
 

@@ -512,7 +512,8 @@ def _nodes_lines(r: PlanResult) -> list[str]:
         lines.append("  (sent and received are estimates: of a best-fit epoch, whose row table that places each "
                      "piece only the command builds; of a large epoch, from a sample of its windows)")
     if any(p["out_of_core_bytes"] for p in r.per_node):
-        lines.append("  (scratch includes an out-of-core order of about the slice's bytes, an estimate)")
+        lines.append("  (scratch includes the bucket files of an out-of-core order: every row of the node's slice and "
+                     "owned shards, with its record)")
     f = r.run_files
     lines.append(f"  RUN (shared filesystem) gets {_size(f['bytes'])}: manifests {f['manifests_bytes']:,} bytes, "
                  f"row hashes {_size(f['rows_bytes'])}" + (f", padding {_size(f['pad_bytes'])}" if f["pad_bytes"] else "")
@@ -574,7 +575,7 @@ def _node_epoch_figures(job, manifest: dict, figures, first: int, nodes: int, ra
     (the node that reads its row, and its shard's owner when that is another node)."""
     from tokpack.formats.shards import U64
     from tokpack.formats.slices import RankRows
-    from tokpack.packer.exchange import PIECE, _NodeEpoch, round_tokens
+    from tokpack.packer.exchange import PIECE, _NodeEpoch, memory_plan
     from tokpack.packer.slicing import slice_files, slice_ranks
     from tokpack.shuffle import packings
     from tokpack.shuffle.steps import shard_segments
@@ -605,9 +606,9 @@ def _node_epoch_figures(job, manifest: dict, figures, first: int, nodes: int, ra
         index = sum(U64.itemsize * max(k, math.ceil(k * per_row)) for k in rank_rows)  # as slice_files counts it
         owned_sizes = [job.shard_range(i)[1] - job.shard_range(i)[0] for i in ne.owned]
         try:
-            per_round = round_tokens(ne, memory)
+            per_round, bucket_rows = memory_plan(ne, memory)
         except TokpackError:
-            per_round = None  # its rows do not fit --memory: out of core (being built)
+            per_round = bucket_rows = None  # not even out of core: the command refuses it
         out.append({
             "node": n, "ranks": [a, b], "source_shards": len(shards), "source_bytes": read,
             # (fingerprint, shard file, bytes): where exchange.keep_sources keeps it, under DIR
@@ -626,6 +627,9 @@ def _node_epoch_figures(job, manifest: dict, figures, first: int, nodes: int, ra
             "owned_peak": max([k * (job.row_bytes + U64.itemsize * (1 + per_row)) for k in owned_sizes], default=0),
             "run_rows_bytes": U64.itemsize * ne.owned_rows, "run_pad_bytes": 4 * ne.owned_rows if padded else 0,
             "keep_bytes": ne.keep_bytes, "per_round_tokens": per_round,
+            # out of core: every store row (slice, then owned shards) goes through DEST's bucket
+            # files once, its tokens and a piece record (a window: one; best-fit: about one a document piece)
+            "bucket_bytes": 0 if bucket_rows is None else ne.store_rows * (job.row_bytes + PIECE.itemsize),
             "table_bytes": table["table_bytes"] if table else 0})
         # What follows needs each node's destinations, not its positions (8 bytes a row of the
         # epoch over all nodes: 21 GB for 11T tokens of 4096-token rows)
@@ -777,9 +781,8 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
         if big:
             names = "every node" if len(big) == nodes else ("node " if len(big) == 1 else "nodes ") + ", ".join(str(f["node"]) for f in big)
             notes.append(f"epoch {epoch}: the rows of {names} (up to {_size(max(f['keep_bytes'] for f in big))} "
-                         f"with the owned shards) do not fit --memory {_size(memory)}: they would be ordered out of "
-                         "core on the node's disk (scratch of about its slice's bytes, an estimate); shuffle "
-                         "--to-nodes refuses such a node until that is built")
+                         f"with the owned shards) do not fit --memory {_size(memory)}, even out of core: shuffle "
+                         "--to-nodes refuses such a node; give more --memory or more nodes")
         run_rows["rows_bytes"] += sum(f["run_rows_bytes"] for f in figures)
         run_rows["pad_bytes"] += sum(f["run_pad_bytes"] for f in figures)
         for n, f in enumerate(figures):
@@ -795,7 +798,7 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
                 t["kept_source_bytes"] = sum(have[n].values())
             from_shared = 0 if keeps[n] is not None else f["source_bytes"]
             local = f["source_bytes"] if keeps[n] is not None else 0
-            ooc = f["slice_token_bytes"] if f["keep_bytes"] > memory else 0  # an estimate: being built
+            ooc = f["bucket_bytes"]
             slice_bytes = f["slice_token_bytes"] + f["slice_rows_bytes"] + f["slice_pad_bytes"] + f["slice_index_bytes"]
             scratch = f["owned_peak"] + f["table_bytes"] + ooc
             scratch_written = f["owned_bytes"] + f["table_bytes"] + ooc
@@ -822,7 +825,7 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
                                 "run_rows_bytes": f["run_rows_bytes"], "run_pad_bytes": f["run_pad_bytes"],
                                 "sent_bytes": f["sent_bytes"], "received_bytes": f["received_bytes"],
                                 "to_itself_bytes": f["to_itself_bytes"], "exchanged_exact": f["exchanged_exact"],
-                                "keep_bytes": f["keep_bytes"], "fits_memory": f["per_round_tokens"] is not None,
+                                "keep_bytes": f["keep_bytes"], "fits_memory": f["per_round_tokens"] is not None and not f["bucket_bytes"],
                                 "out_of_core_bytes": ooc, "rounds": f["rounds"]})
     if written_manifests:
         run = run_manifest_of(written_manifests, setup.todo[-1][1], setup.weights, opened, setup.shard_samples,

@@ -261,48 +261,68 @@ class PackedOrderStep(OrderStep):
         count = 0  # chunks yielded: picks the ring buffer
         recorded = [lay.recorded(t, buckets) for t in range(lay.tasks)]
         for b in buckets:
-            start, n = int(lay.bucket_starts[b]), int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
-            rows = np.full((n, job.plan.row_tokens), job.plan.pad_id, dtype=job.token_dtype)
-            flat = rows.reshape(-1)
-            for t in range(lay.tasks):
-                f = lay.bucket_file(t, b, "rows")
-                if not f.exists():
-                    continue
-                want = recorded[t][b - buckets.start, 1:]
-                raw = read_array(f.with_suffix(".pos"), np.uint8, folder=lay.dir)
-                self._check_file(t, f.with_suffix(".pos"), want[1], xxhash.xxh3_64_intdigest(raw))
-                rec = np.frombuffer(raw, dtype=RECORD)
-                local = rec["g"].astype(np.int64) - start
-                if len(local) and (local.min() < 0 or local.max() >= n):
-                    raise TokpackError("scatter file holds a piece of another bucket", file=f, where=f"bucket {b}",
-                                       hint="delete OUT/.tokpack-work and rerun")
-                dest = local * job.plan.row_tokens + rec["row_offset"].astype(np.int64)
-                length = rec["length"].astype(np.int64)
-                ends = np.cumsum(length)
-                # The tokens are read a chunk of whole pieces at a time (not the file at once: the
-                # bucket's rows take the budget already), hashed as they are read.
-                h, i = xxhash.xxh3_64(), 0
-                with BufferedReader(open_read(f, folder=lay.dir)) as fh:
-                    while i < len(rec):
-                        first = int(ends[i - 1]) if i else 0
-                        j = max(i + 1, int(np.searchsorted(ends, first + GATHER_TOKENS, side="right")))
-                        need = (int(ends[j - 1]) - first) * job.token_dtype.itemsize
-                        data = fh.read(need)
-                        h.update(data)
-                        if len(data) != need:  # cut short: its checksum below says so
-                            break
-                        tokens = np.frombuffer(data, dtype=job.token_dtype)
-                        for d, a, m in zip(dest[i:j].tolist(), (ends[i:j] - length[i:j] - first).tolist(),
-                                           length[i:j].tolist()):
-                            flat[d: d + m] = tokens[a: a + m]
-                        i = j
-                    h.update(fh.read())
-                self._check_file(t, f, want[0], h.intdigest())
-                np.subtract.at(pad, local + start - g0, length)
+            n = int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
+            rows = read_bucket(lay, b, [r[b - buckets.start, 1:] for r in recorded], job.plan.row_tokens,
+                               job.plan.pad_id, job.token_dtype, self._check_file, pad, g0)
             rows = rows.reshape(-1).view(job.row_void)
             for a in range(0, n, len(ring[0])):
                 out = ring[count % len(ring)][: min(n - a, len(ring[0]))]
                 out[:] = rows[a: a + len(out)]
                 count += 1
                 yield out
-            del rows, flat
+            del rows
+
+
+def read_bucket(lay, b: int, wants: list, row_tokens: int, pad_id: int, dtype: np.dtype, check_file,
+                pad: np.ndarray | None = None, g0: int = 0) -> np.ndarray:
+    """Bucket b's rows (row_tokens a row, pad_id where no piece lands), placed from the pieces
+    every task appended to its files (the tokens in `.rows`, a RECORD each in `.pos`), each file
+    checked against the xxh3_64 its task recorded (`wants[t]`: rows file's, pos file's; `check_file(t, path,
+    want, found)` raises on a mismatch); `pad[g - g0]`, if given, goes down by each piece's length.
+    PackedOrderStep reads its buckets with it, and shuffle --to-nodes (tokpack.packer.exchange) a
+    node's out-of-core buckets."""
+    start, n = int(lay.bucket_starts[b]), int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
+    rows = np.full((n, row_tokens), pad_id, dtype=dtype)
+    flat = rows.reshape(-1)
+    flat = rows.reshape(-1)
+    for t in range(lay.tasks):
+        f = lay.bucket_file(t, b, "rows")
+        if not f.exists():
+            continue
+        want = wants[t]
+        raw = read_array(f.with_suffix(".pos"), np.uint8, folder=lay.dir)
+        check_file(t, f.with_suffix(".pos"), want[1], xxhash.xxh3_64_intdigest(raw))
+        rec = np.frombuffer(raw, dtype=RECORD)
+        local = rec["g"].astype(np.int64) - start
+        if len(local) and (local.min() < 0 or local.max() >= n):
+            raise TokpackError("scatter file holds a piece of another bucket", file=f, where=f"bucket {b}",
+                               hint="delete OUT/.tokpack-work and rerun")
+        dest = local * row_tokens + rec["row_offset"].astype(np.int64)
+        length = rec["length"].astype(np.int64)
+        whole = (length == row_tokens) & (rec["row_offset"] == 0)
+        ends = np.cumsum(length)
+        # The tokens are read a chunk of whole pieces at a time (not the file at once: the
+        # bucket's rows take the budget already), hashed as they are read.
+        h, i = xxhash.xxh3_64(), 0
+        with BufferedReader(open_read(f, folder=lay.dir)) as fh:
+            while i < len(rec):
+                first = int(ends[i - 1]) if i else 0
+                j = max(i + 1, int(np.searchsorted(ends, first + GATHER_TOKENS, side="right")))
+                need = (int(ends[j - 1]) - first) * dtype.itemsize
+                data = fh.read(need)
+                h.update(data)
+                if len(data) != need:  # cut short: its checksum below says so
+                    break
+                tokens = np.frombuffer(data, dtype=dtype)
+                if whole[i:j].all():  # whole rows (a window epoch's, out of core on a node): placed at once
+                    rows[local[i:j]] = tokens.reshape(j - i, row_tokens)
+                else:
+                    for d, a, m in zip(dest[i:j].tolist(), (ends[i:j] - length[i:j] - first).tolist(),
+                                       length[i:j].tolist()):
+                        flat[d: d + m] = tokens[a: a + m]
+                i = j
+            h.update(fh.read())
+        check_file(t, f, want[0], h.intdigest())
+        if pad is not None:
+            np.subtract.at(pad, local + start - g0, length)
+    return rows

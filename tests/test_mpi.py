@@ -109,17 +109,18 @@ def assert_no_token_bytes(exchanged_run: Path, run: Path) -> None:
     assert files == {f for f in materialised if f.endswith(small)}
 
 
-def exchange_equals_stage(tmp_path: Path, args: list) -> dict[int, dict]:
+def exchange_equals_stage(tmp_path: Path, args: list, memory: str = MEMORY) -> dict[int, dict]:
     """--to-nodes on 4 processes against shuffle + stage --node of each node: every slice file
     byte for byte, RUN's files shuffle's (manifests, row hashes) and no token file, several
     exchange rounds an epoch; returns each process's summary."""
     run, dests = staged(tmp_path, args)
     exchanged = tmp_path / "exchanged"
-    done = to_nodes(exchanged, str(tmp_path / "node{node}"), *args, "--memory", MEMORY)
+    done = to_nodes(exchanged, str(tmp_path / "node{node}"), *args, "--memory", memory)
     assert done.returncode == 0, done.stderr[-3000:]
     info = summaries(done)
     assert sorted(info) == list(range(NODES))
     assert all(d["rounds"] > 1 for s in info.values() for d in s["epochs_detail"]), info  # bounded by --memory
+    assert not any((tmp_path / f"node{n}" / ".tokpack-work").exists() for n in range(NODES))  # scratch removed
     assert_same_slices(run, dests, exchanged, tmp_path / "node")
     assert_no_token_bytes(exchanged, run)
     # `validate SLICE --against RUN` proves a slice's rows and order from RUN's row hashes alone;
@@ -182,12 +183,61 @@ stages:
     assert [d["epoch"] for d in info[0]["epochs_detail"]] == [0, 1]
 
 
+# The node's stores (about 260 rows) do not fit beside a round's buffers: it orders its rows out
+# of core, in buckets of a few dozen rows.
+OUT_OF_CORE = "20KiB"
+
+
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])  # windows, document pieces
+def test_out_of_core_equals_in_memory_and_shuffle_then_stage_node(source, tmp_path, packing):
+    """A node whose rows do not fit --memory puts them in order through bucket files in its
+    DEST's scratch, several an epoch: the same bytes as in memory, and as shuffle + stage --node."""
+    args = [source, "--seq-len", SEQ, "--seed", 2, "--epochs", 2, "--shard-samples", 12, "--packing", packing]
+    info = exchange_equals_stage(tmp_path, args, OUT_OF_CORE)
+    assert all(d["buckets"] > 4 for s in info.values() for d in s["epochs_detail"]), info
+    done = to_nodes(tmp_path / "in-memory", str(tmp_path / "mem{node}"), *args, "--memory", "4MiB")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert all(d["buckets"] == 0 for s in summaries(done).values() for d in s["epochs_detail"])
+    for n in range(NODES):
+        a, b = tree(tmp_path / f"node{n}"), tree(tmp_path / f"mem{n}")
+        a.pop(MANIFEST), b.pop(MANIFEST)  # the root names its RUN; compared with stage's above
+        assert a == b
+    assert tree(tmp_path / "in-memory") == {**tree(tmp_path / "exchanged"),
+                                            NODES_SIDECAR: (tmp_path / "in-memory" / NODES_SIDECAR).read_bytes()}
+
+
+def test_out_of_core_holds_a_bucket_not_the_slice(tmp_path):
+    """Each node's slice and owned shards are about 10 MiB, 20x --memory: out of core, each
+    process's peak RSS stays below the in-memory run's by most of those 10 MiB (which the
+    in-memory path holds), and the bytes are the same."""
+    source = write_source(tmp_path / "src", random_docs(np.random.default_rng(5), 2500, 1000, 0, 2000, 6000),
+                          docs_per_shard=250)
+    args = [source, "--seq-len", 1023, "--seed", 4, "--epochs", 1, "--shard-samples", 256]
+    runs = {}
+    for name, memory in (("ooc", "512KiB"), ("mem", "32MiB")):
+        done = to_nodes(tmp_path / f"run-{name}", str(tmp_path / f"{name}{{node}}"), *args, "--memory", memory,
+                        timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = summaries(done)
+    for n in range(NODES):
+        ooc, mem = runs["ooc"][n], runs["mem"][n]
+        detail = ooc["epochs_detail"][0]
+        held = 2 * detail["rows_kept"] * 1024 * 2  # its slice and about as many owned rows, 2 bytes a token
+        assert held > 8 << 20 and detail["buckets"] > 20 and mem["epochs_detail"][0]["buckets"] == 0
+        assert ooc["peak_rss_bytes"] < mem["peak_rss_bytes"] - held // 2, (n, ooc["peak_rss_bytes"],
+                                                                          mem["peak_rss_bytes"], held)
+        a, b = tree(tmp_path / f"ooc{n}"), tree(tmp_path / f"mem{n}")
+        a.pop(MANIFEST), b.pop(MANIFEST)
+        assert a == b
+
+
 def test_too_little_memory_is_one_line_per_node_and_writes_no_slice(source, tmp_path):
     done = to_nodes(tmp_path / "run", str(tmp_path / "node{node}"), source, "--seq-len", SEQ, "--seed", 5,
                     "--epochs", 1, "--shard-samples", 12, "--memory", "8KiB")
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.startswith("tokpack: error:")]
-    assert lines and all("do not fit --memory" in line for line in lines) and "Traceback" not in done.stderr
+    assert lines and all("do not fit --memory, even out of core" in line for line in lines), done.stderr
+    assert "Traceback" not in done.stderr
     assert not any(p.name.endswith(".ds") for p in tmp_path.rglob("*"))
 
 
@@ -271,6 +321,48 @@ def test_a_killed_process_stops_the_job_naming_its_node_and_a_rerun_gives_the_sa
     assert_no_token_bytes(exchanged, run)
 
 
+def test_a_sigterm_to_one_process_stops_every_node_with_one_line_naming_it_and_a_rerun_gives_the_same_bytes(tmp_path):
+    """SIGTERM (not SIGKILL) to node 2's process while the exchange runs (out of core): every
+    process exits within seconds (the timeout below, not a threshold), one tokpack line names
+    node 2, and no node releases a line of its own; the rerun gives shuffle + stage's bytes."""
+    import signal
+    import time
+
+    source = write_source(tmp_path / "src", random_docs(np.random.default_rng(4), 1500, 1000, 0), docs_per_shard=150)
+    args = [source, "--seq-len", SEQ, "--seed", 6, "--epochs", 2, "--shard-samples", 100]
+    run, dests = staged(tmp_path, args)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               TOKPACK_PROGRESS="0")
+    exchanged, dest = tmp_path / "exchanged", str(tmp_path / "node{node}")
+    cmd = [mpirun(), "--oversubscribe", "-n", str(NODES), sys.executable, "-m", "tokpack", "shuffle", *map(str, args),
+           "-o", str(exchanged), "--to-nodes", dest, "--ranks-per-node", str(K), "--micro-batch", str(M),
+           "--memory", "64KiB", "--json"]  # out of core: its slice and owned shards are about 230 KiB
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "node2" / "tokpack.lock").exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        kids = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
+        victim = [int(k) for k in kids if b"OMPI_COMM_WORLD_RANK=2\0" in Path(f"/proc/{k}/environ").read_bytes()]
+        assert victim and job.poll() is None, "node 2 finished before it could be stopped"
+        os.kill(victim[0], signal.SIGTERM)
+        _, err = job.communicate(timeout=30)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode != 0
+    lines = [line for line in err.splitlines() if line.startswith("tokpack")]
+    assert lines == [lines[0]] and lines[0].startswith("tokpack: error: node 2: stopped by SIGTERM"), err[-3000:]
+    assert "Traceback" not in err
+    assert not (tmp_path / "node2" / "tokpack.lock").exists()  # released by the stopped process itself
+    done = to_nodes(exchanged, dest, *args, "--memory", "64KiB")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert all(d["buckets"] > 1 for s in summaries(done).values() for d in s["epochs_detail"])
+    assert_same_slices(run, dests, exchanged, tmp_path / "node")
+    assert_no_token_bytes(exchanged, run)
+
+
 def test_a_later_epoch_reads_the_kept_sources_and_no_source_shard_on_the_shared_folder(tmp_path):
     """--keep-sources: epoch 0 copies each process's source shards to its local DIR; then the
     shared shards are overwritten (same size, other bytes: any read of them fails its checksum),
@@ -344,6 +436,43 @@ def test_a_dest_or_run_in_use_by_another_command_is_refused(source, tmp_path):
         assert done.returncode == 1 and "in use by another tokpack command" in done.stderr, done.stderr
         assert f"node {node} failed" in done.stderr and "Traceback" not in done.stderr
         assert not list(tmp_path.rglob(MANIFEST)) and not list(tmp_path.rglob("*.ds"))
+
+
+# In memory, node 1's rank files and an owned shard's scratch fill it; out of core, its buckets
+# (two files each). Either size passes the check before the epoch (free space >= about 35 KiB
+# of rows, out of core 43 KiB with the records) by 10 KiB, and not the files' pages.
+@pytest.mark.parametrize("memory,size", [(MEMORY, "48k"), (OUT_OF_CORE, "56k")])
+def test_a_full_dest_is_one_line_naming_its_node_and_a_rerun_with_space_gives_the_same_bytes(source, tmp_path,
+                                                                                          memory, size):
+    """Node 1's DEST is a small tmpfs: enough for the check before the epoch (free space >= the
+    rows' bytes), not for its files (tmpfs counts each file's pages). Node 1 says "disk full", the
+    others "node 1 failed", nothing half-written passes validate, no lock or scratch is left; the
+    same command, once that filesystem is larger, gives shuffle + stage --node's bytes."""
+    args = [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 2, "--shard-samples", 12, "--memory", memory]
+    run, dests = staged(tmp_path, args[:-2])
+    small, exchanged, dest = tmp_path / "node1", tmp_path / "exchanged", str(tmp_path / "node{node}")
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tokpack-test", str(small)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a small filesystem for node 1's DEST needs mount (root): {mounted.stderr.strip()}")
+    try:
+        done = to_nodes(exchanged, dest, *args)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        lines = [line for line in done.stderr.splitlines() if line.startswith("tokpack: error:")]
+        assert len(lines) == NODES, done.stderr
+        assert sum(line.startswith("tokpack: error: node 1: disk full") for line in lines) == 1, lines
+        assert sum(line.startswith("tokpack: error: node 1 failed: disk full") for line in lines) == NODES - 1, lines
+        for d in [exchanged, *(tmp_path / f"node{n}" for n in range(NODES))]:
+            assert CliRunner().invoke(main, ["validate", str(d)]).exit_code != 0, d
+            assert not (d / "tokpack.lock").exists() and not (d / ".tokpack-work").exists(), d
+        subprocess.run(["mount", "-o", "remount,size=4m", str(small)], check=True)
+        done = to_nodes(exchanged, dest, *args)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert_same_slices(run, dests, exchanged, tmp_path / "node")
+        assert_no_token_bytes(exchanged, run)
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
 
 
 def test_a_run_killed_before_its_manifest_holds_only_its_sidecar_and_is_still_its_own(tmp_path):

@@ -238,17 +238,21 @@ def test_a_large_epoch_counts_a_sample_of_its_windows_close_to_all(monkeypatch, 
 
 
 def test_rows_that_do_not_fit_memory_are_planned_out_of_core(source, tmp_path):
-    """--memory 8KiB: the exchange's round_tokens refuses every node (tests/test_mpi.py,
-    test_too_little_memory_is_one_line_per_node_and_writes_no_slice); the plan counts an out-of-core
-    order on each node's disk of about its slice's bytes, and no rounds."""
-    plan = plan_json(tmp_path / "run", str(tmp_path / "node{node}"), source, "--seq-len", SEQ, "--seed", 5,
-                     "--epochs", 1, "--shard-samples", 12, "--memory", "8KiB")
-    assert plan["epochs"][0]["rounds"] is None
+    """--memory 20KiB: every node orders its rows out of core (tests/test_mpi.py OUT_OF_CORE);
+    the plan's rounds are the real run's and its scratch counts the bucket files, every row of
+    the slice and of the owned shards with its record. --memory 8KiB: not even out of core, which
+    the exchange refuses (test_too_little_memory_is_one_line_per_node_and_writes_no_slice): no rounds."""
+    plan = check_against_the_run(tmp_path / "ooc", source, [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 1,
+                                                            "--shard-samples", 12, "--memory", "20KiB"], padded=False)
     for p in plan["per_node"]:
         e = p["epochs"][0]
-        assert not e["fits_memory"] and e["keep_bytes"] > 8 << 10 and e["rounds"] is None
-        assert p["out_of_core_bytes"] == e["slice_token_bytes"] > 0 and p["scratch_bytes"] >= p["out_of_core_bytes"]
-    assert any("the rows of every node" in w and "do not fit --memory" in w for w in plan["warnings"])
+        assert not e["fits_memory"] and e["rounds"] is not None
+        stored = (e["rows"] + e["owned_rows"]) * (SEQ + 1) * 2  # uint16 rows
+        assert p["out_of_core_bytes"] > stored > e["slice_token_bytes"] and p["scratch_bytes"] >= p["out_of_core_bytes"]
+    tiny = plan_json(tmp_path / "run", str(tmp_path / "node{node}"), source, "--seq-len", SEQ, "--seed", 5,
+                     "--epochs", 1, "--shard-samples", 12, "--memory", "8KiB")
+    assert tiny["epochs"][0]["rounds"] is None
+    assert any("the rows of every node" in w and "even out of core" in w for w in tiny["warnings"])
     roomy = plan_json(tmp_path / "run", str(tmp_path / "node{node}"), source, "--seq-len", SEQ, "--seed", 5,
                       "--epochs", 1, "--shard-samples", 12, "--memory", MEMORY)
     assert all(p["out_of_core_bytes"] == 0 and p["epochs"][0]["fits_memory"] for p in roomy["per_node"])
