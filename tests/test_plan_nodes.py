@@ -242,18 +242,18 @@ def test_rows_that_do_not_fit_memory_are_planned_out_of_core(source, tmp_path):
     the plan's rounds are the real run's and its scratch counts the bucket files, every row of
     the slice and of the owned shards with its record. --memory 8KiB: not even out of core, which
     the exchange refuses (test_too_little_memory_is_one_line_per_node_and_writes_no_slice): no rounds."""
-    plan = check_against_the_run(tmp_path / "ooc", source, [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 1,
+    plan = check_against_the_run(tmp_path, source, [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 1,
                                                             "--shard-samples", 12, "--memory", "20KiB"], padded=False)
     for p in plan["per_node"]:
         e = p["epochs"][0]
         assert not e["fits_memory"] and e["rounds"] is not None
         stored = (e["rows"] + e["owned_rows"]) * (SEQ + 1) * 2  # uint16 rows
         assert p["out_of_core_bytes"] > stored > e["slice_token_bytes"] and p["scratch_bytes"] >= p["out_of_core_bytes"]
-    tiny = plan_json(tmp_path / "run", str(tmp_path / "node{node}"), source, "--seq-len", SEQ, "--seed", 5,
+    tiny = plan_json(tmp_path / "other", str(tmp_path / "other{node}"), source, "--seq-len", SEQ, "--seed", 5,
                      "--epochs", 1, "--shard-samples", 12, "--memory", "8KiB")
     assert tiny["epochs"][0]["rounds"] is None
     assert any("the rows of every node" in w and "even out of core" in w for w in tiny["warnings"])
-    roomy = plan_json(tmp_path / "run", str(tmp_path / "node{node}"), source, "--seq-len", SEQ, "--seed", 5,
+    roomy = plan_json(tmp_path / "other", str(tmp_path / "other{node}"), source, "--seq-len", SEQ, "--seed", 5,
                       "--epochs", 1, "--shard-samples", 12, "--memory", MEMORY)
     assert all(p["out_of_core_bytes"] == 0 and p["epochs"][0]["fits_memory"] for p in roomy["per_node"])
 
