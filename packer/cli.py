@@ -25,7 +25,7 @@ import click
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import LOG_INTERVAL_ENV, log_interval, logging_every
-from tokpack.formats.units import byte_size, token_count
+from tokpack.formats.units import byte_size, counted, token_count
 
 
 class Quantity(click.ParamType):
@@ -586,7 +586,7 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
                 if not r["samples"] and r["weight"] is None:
                     continue  # a source of the schedule that this epoch's stage does not use
                 click.echo(f"epoch {detail['epoch']}, source \"{r['name']}\": {r['samples']} samples of {r['windows']} "
-                           f"{unit}{' a pass' * (unit != 'windows')}, {r['passes']} pass(es), {r['repeats']} {_repeated(r)}"
+                           f"{unit}{' a pass' * (unit != 'windows')}, {counted(r['passes'], 'pass', plural='passes')}, {r['repeats']} {_repeated(r)}"
                            f"{'' if r['weight'] is None else ', weight ' + r['weight']} ({r['path']}, "
                            f"fingerprint {r['fingerprint'][:16]})")
         if result.holdout is not None:  # written by this command (once a run)

@@ -445,7 +445,7 @@ def report_lines(r: PlanResult) -> list[str]:
         lines += [f"    source {s['name']}: {s['samples']:,} samples of {s['windows']:,} {unit}"
                   + " a pass" * (unit != "windows")
                   + (f" ({tokens[s['name']]:,} tokens)" if s["name"] in tokens else "")
-                  + f", {s['passes']} pass(es) from pass {s['first_pass']}, {s['repeats']:,} " + ("repeated" if s.get("repeat_unit", "samples") == "samples"
+                  + f", {counted(s['passes'], 'pass', plural='passes')} from pass {s['first_pass']}, {s['repeats']:,} " + ("repeated" if s.get("repeat_unit", "samples") == "samples"
                                                                     else f"{s['repeat_unit']} repeated")
                   for s in e["sources"]]
     if r.holdout is not None:

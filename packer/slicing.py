@@ -60,6 +60,7 @@ from tokpack.formats.slices import (SLICE, SLICE_EPOCH, SLICE_EPOCH_KEYS, SLICE_
 from tokpack.packer.shared import Result
 from tokpack.packer.staging import (MAX_WORLD_SIZE, UNFINISHED, Held, Source, dest_holds, on_disk, parse_epochs,
                                     refuse_dest)
+from tokpack.shuffle.packings import DEFAULT as DEFAULT_PACKING
 
 # Rows gathered per step: three chunks in flight (read, verified, written), so memory stays near
 # 3x this whatever the epoch's size.
@@ -578,8 +579,20 @@ def _first_difference(want, have, where: str) -> tuple[str, str, str]:
         for key in keys:
             if want.get(key) != have.get(key):
                 return _first_difference(want.get(key), have.get(key), f"{where}.{key}")
-    shown = ["none" if v is None else str(v) if isinstance(v, (str, int, float)) else repr(v) for v in (want, have)]
+    shown = [_shown(v, where) for v in (want, have)]
     return where, *(t if len(t) <= 80 else t[:77] + "..." for t in shown)
+
+
+def _shown(value, where: str) -> str:
+    """A run identity's field in a refusal's words: a packing by its method and settings, the
+    default packing (a run that records no packing object) by its name."""
+    if value is None:
+        return f"{DEFAULT_PACKING} (no packing recorded)" if where.endswith(".packing") else "none"
+    if isinstance(value, dict):
+        method = value.get("method")
+        rest = ", ".join(f"{k} {v}" for k, v in sorted(value.items()) if k != "method")
+        return f"{method} ({rest})" if method and rest else str(method) if method else rest or "{}"
+    return str(value) if isinstance(value, (str, int, float)) else repr(value)
 
 
 def _previous_slice(dest: Path, root: dict, source: str) -> list[int]:

@@ -150,7 +150,9 @@ def test_restaging_a_slice_of_another_run_names_the_field_that_differs(src, tmp_
     with pytest.raises(TokpackError) as e:
         stage_slice(str(best_fit), tmp_path / "slice", ranks="0", world_size=2, micro_batch=2)
     assert e.value.message == "DEST holds a slice of another run" and e.value.where == "run.packing"
-    assert e.value.found == "none" and "best-fit" in e.value.expected and "seed" not in str(e.value)
+    assert e.value.found == "concat (no packing recorded)" and "seed" not in str(e.value)
+    # the packing in words (its method, then its settings), not a Python dict
+    assert e.value.expected.startswith("best-fit (") and "{" not in e.value.expected and "'" not in e.value.expected
 
 
 def test_plan_says_when_its_disk_probe_wrote(src, tmp_path):
@@ -164,7 +166,7 @@ def test_plan_says_when_its_disk_probe_wrote(src, tmp_path):
 
 
 def test_a_count_in_a_line_takes_its_plural_never_s_in_parentheses(src, tmp_path):
-    """"1 shards" and "1 source(s)" were on the issue's list; the out-of-core epoch line still
+    """"1 shards" and "1 source(s)" were on the issue's list (and "1 pass(es)" after it); the out-of-core epoch line still
     said "1 shards", plan "1 shard(s)", pack "2 file(s)", read "expected 1 samples": each now
     says the count with its plural (formats/units.py counted), and no f-string of tokpack's
     modules puts "(s)" after a number."""
@@ -179,7 +181,7 @@ def test_a_count_in_a_line_takes_its_plural_never_s_in_parentheses(src, tmp_path
                 parts = node.values
                 for a, b in zip(parts, parts[1:]):
                     if (isinstance(a, ast.FormattedValue) and isinstance(b, ast.Constant)
-                            and isinstance(b.value, str) and b.value.split(",")[0].split(")")[0].endswith("(s")):
+                            and isinstance(b.value, str) and b.value.split(",")[0].split(")")[0].endswith(("(s", "(es"))):
                         bad.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert bad == []
     r = tokpack("shuffle", src, "-o", tmp_path / "run", *SHUFFLE, "--memory", "64KiB")
