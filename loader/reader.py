@@ -32,7 +32,7 @@ import numpy as np
 
 from tokpack.formats.arguments import flag, text, tokens, whole
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import as_path, contained, is_url, open_read, read_full, regular_fd, regular_size
+from tokpack.formats.io import as_path, contained, is_url, open_read, read_full, read_limited, regular_fd, regular_size
 from tokpack.formats.manifest import (NODES_SIDECAR, dtype_from_name, epoch_dir_name, has_pad, partial_stage_absent, read_manifest,
                                       rows_padded, xxh3_128_file)
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
@@ -386,7 +386,8 @@ class SampleReader:
                 raise TokpackError("this run's tokens are in node slices (shuffle --to-nodes), not in the run",
                                    file=p / NODES_SIDECAR, where="dest", expected="a node slice",
                                    found="a run that holds manifests and row hashes only",
-                                   hint="open the node's slice (the --to-nodes DEST), e.g. `tokpack read DEST ...`")
+                                   hint=f"open this node's slice, written to {_nodes_dest(p / NODES_SIDECAR)} "
+                                        "({node}: the node's number), e.g. `tokpack read DEST ...`")
             listed = manifest.get("epochs")
             if not isinstance(listed, list) or not listed:
                 raise TokpackError("run manifest lists no epochs", file=p / "tokpack.json", where="epochs",
@@ -1002,3 +1003,14 @@ class RankStream:
         if self.positions == "eos":
             return rows, positions_from_eos(rows, r.eos_id)
         return rows, r.index_positions(g, m)
+
+
+def _nodes_dest(sidecar: Path) -> str:
+    """The --to-nodes DEST a run's sidecar names (with {node}), or "the --to-nodes DEST"."""
+    import json
+
+    try:
+        dest = json.loads(read_limited(sidecar, 1 << 16, "sidecar")).get("dest")
+    except (TokpackError, ValueError, AttributeError):
+        dest = None
+    return dest if isinstance(dest, str) and len(dest) < 4096 else "the --to-nodes DEST"

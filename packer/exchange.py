@@ -858,6 +858,7 @@ def _shuffle_to_nodes(stop: _OnSigterm, sources, output, dest, *, ranks_per_node
     if micro_batch < 1:
         raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
     a, b, w = slice_ranks(node=f"{n}/{N}", ranks_per_node=ranks_per_node)
+    template = str(Path(str(dest)).absolute())  # RUN's sidecar names every node's DEST: {node} kept
     dest = node_dest(dest, n)
     if "://" in str(dest) or "://" in str(output):
         raise TokpackError("--to-nodes writes local directories", where="--to-nodes/-o",
@@ -874,7 +875,8 @@ def _shuffle_to_nodes(stop: _OnSigterm, sources, output, dest, *, ranks_per_node
         keep = None if keep_sources is None else node_dest(keep_sources, n)
         if keep is not None:  # kept copies from an earlier epoch: planned from them, the shared source folders unread
             together(comm, lambda: use_kept_sources(kept_copies(keep)))
-        return _run(comm, MPI, n, N, (a, b), w, sources, out, dest, ranks_per_node, micro_batch, memory, log, t0, keep,
+        return _run(comm, MPI, n, N, (a, b), w, sources, out, dest, template, ranks_per_node, micro_batch, memory, log, t0,
+                    keep,
                     dict(weights=weights, seq_len=seq_len, seed=seed, epochs=epochs, samples=samples, tokens=tokens,
                          shard_samples=shard_samples, memory=memory, jitter=jitter, workers=1, progress=False,
                          given=given, schedule=schedule, packing=packing, pad_id=pad_id))
@@ -944,17 +946,18 @@ def _numbering(setup, out: Path) -> EpochNumbering:
                                                  setup.shard_samples, setup.runplan, created), out)
 
 
-def _declare_nodes(out: Path, nodes: int, k: int, micro_batch: int, dest: Path) -> None:
+def _declare_nodes(out: Path, nodes: int, k: int, micro_batch: int, dest: str) -> None:
     """Before any epoch: RUN says its tokens are on the nodes (validate then expects no token
     file in its epochs; without this sidecar, token files that are not there are missing)."""
     out.mkdir(parents=True, exist_ok=True)
-    sidecar = canonical_bytes(nodes_sidecar(nodes, k, micro_batch, str(dest)))
+    sidecar = canonical_bytes(nodes_sidecar(nodes, k, micro_batch, dest))
     path = out / NODES_SIDECAR
     if not path.is_file() or read_limited(path, 1 << 16, "sidecar") != sidecar:
         write_bytes_atomic(path, sidecar)
 
 
-def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_batch, memory, log, t0, keep, options) -> dict:
+def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, template: str, k, micro_batch, memory, log, t0,
+         keep, options) -> dict:
     setup, previous = _resumed_setup(comm, n, out, dest, ranks, w, micro_batch, sources, options)
     runplan, opened, weights, shard_samples = setup.runplan, setup.sources, setup.weights, setup.shard_samples
     rows = RankRows(w, micro_batch, 0)
@@ -962,7 +965,7 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, k, micro_bat
     created = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
     numbering = _numbering(setup, out)
     done_epochs = list(setup.done_epochs)
-    together(comm, lambda: _declare_nodes(out, N, k, micro_batch, dest) if n == 0 else None)
+    together(comm, lambda: _declare_nodes(out, N, k, micro_batch, template) if n == 0 else None)
     if n == 0 and setup.run_params is not None and setup.todo and created is None:  # a schedule's numbering, fixed at creation
         out.mkdir(parents=True, exist_ok=True)
         output.finish(out, run_manifest_of({}, setup.todo[0][1], weights, opened, shard_samples, runplan))

@@ -100,6 +100,9 @@ def assert_no_token_bytes(exchanged_run: Path, run: Path) -> None:
     the sidecar that says its tokens are on the nodes (without it, validate reports them missing)."""
     files = {str(p.relative_to(exchanged_run)) for p in exchanged_run.rglob("*") if p.is_file()}
     assert NODES_SIDECAR in files and json.loads((exchanged_run / NODES_SIDECAR).read_text())["nodes"] == 4
+    # every node's DEST, as given: the {node} template (absolute), not node 0's folder
+    assert json.loads((exchanged_run / NODES_SIDECAR).read_text())["dest"] == str(exchanged_run.parent.absolute()
+                                                                                     / "node{node}")
     files.discard(NODES_SIDECAR)
     small = (MANIFEST, ROWS_SUFFIX, PAD_SUFFIX)  # a best-fit epoch's padding per row, 4 bytes each
     assert files and all(f.endswith(small) for f in files), sorted(files)[:8]
@@ -506,3 +509,6 @@ def test_a_reader_on_a_run_whose_tokens_are_on_the_nodes_names_the_slices(tmp_pa
     (run / NODES_SIDECAR).write_bytes(canonical_bytes(nodes_sidecar(4, 2, 3, str(tmp_path / "node{node}"))))
     with pytest.raises(TokpackError, match=r"tokpack-nodes.json \[dest\]: this run's tokens are in node slices"):
         SampleReader.open(run)
+    with pytest.raises(TokpackError) as e:
+        SampleReader.open(run)
+    assert f"written to {tmp_path / 'node{node}'} ({{node}}: the node's number)" in e.value.hint
