@@ -193,6 +193,11 @@ def node_dest(dest, node: int) -> Path:
     return Path(str(dest).replace(NODE, str(node)))
 
 
+def dest_template(dest) -> str:
+    """Every node's DEST as RUN's sidecar names it: absolute, {node} kept."""
+    return str(Path(str(dest)).absolute())
+
+
 class PeerFailed(TokpackError):
     """Another node failed: this one stops too, naming it."""
 
@@ -858,7 +863,7 @@ def _shuffle_to_nodes(stop: _OnSigterm, sources, output, dest, *, ranks_per_node
     if micro_batch < 1:
         raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
     a, b, w = slice_ranks(node=f"{n}/{N}", ranks_per_node=ranks_per_node)
-    template = str(Path(str(dest)).absolute())  # RUN's sidecar names every node's DEST: {node} kept
+    template = dest_template(dest)
     dest = node_dest(dest, n)
     if "://" in str(dest) or "://" in str(output):
         raise TokpackError("--to-nodes writes local directories", where="--to-nodes/-o",

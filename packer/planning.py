@@ -726,7 +726,7 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
     time of each node's shared-filesystem, network and local-disk bytes; the slowest node's is the run's."""
     from tokpack.formats.manifest import nodes_sidecar
     from tokpack.formats.slices import RankRows
-    from tokpack.packer.exchange import _numbering, node_dest
+    from tokpack.packer.exchange import _numbering, dest_template, node_dest
     from tokpack.packer.slicing import SLICE_ENTRY_BYTES, SLICE_HEADER_BYTES
     from tokpack.packer.staging import on_disk
     from tokpack.shuffle.packed import release_passes
@@ -836,7 +836,7 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
         t["shared_manifest_bytes"] = sum(manifests.values()) + manifests.get(MANIFEST, 0) * max(
             0, len(written_manifests) - 1)
     # the sidecar names node 0's DEST, as process 0 writes it (exchange._declare_nodes)
-    sidecar = len(canonical_bytes(nodes_sidecar(nodes, ranks_per_node, micro_batch, str(dests[0]))))
+    sidecar = len(canonical_bytes(nodes_sidecar(nodes, ranks_per_node, micro_batch, dest_template(dest))))
     run_files = {"manifests_bytes": sum(manifests.values()), "nodes_sidecar_bytes": sidecar, **run_rows}
     run_files["bytes"] = sum(run_files.values())
     if assumed:
