@@ -45,6 +45,7 @@ from tokpack.formats.slices import RUN_SELECTION_KEYS, RankRows, stage_command
 from tokpack.formats.io import (ThreadPool, as_path, contained, hash_mapped, lent, open_new, open_read, progress,
                                 read_limited, regular_size, remove_tmp_files, tmp_path)
 from tokpack.formats.manifest import (
+    HOLDOUT_DIR,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     MAX_EPOCHS,
@@ -58,6 +59,7 @@ from tokpack.formats.manifest import (
 )
 from tokpack.formats.outputs import LocalOutput, Output
 from tokpack.packer.shared import Result, optional_field
+from tokpack.shuffle.plan import run_holdout
 
 # Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
 # handful of workers the memory stays at workers x STAGE_BLOCK.
@@ -339,6 +341,12 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
         for key in ("tokens", "fragments", "documents"):  # `documents`: earlier writers' name for fragments
             if key in root:
                 run[key] = sum(int(m.get("fragments" if key == "documents" else key, 0)) for m in staged)
+    if ranks is None and run_holdout(root) is not None:
+        # shuffle --holdout's held-out documents (an epoch directory the run never lists) come
+        # with a copy of the run's epochs: eval reads them beside the training epochs
+        held = src.manifest(HOLDOUT_DIR, kind="epoch")
+        jobs, skipped = shard_jobs(held, HOLDOUT_DIR, root=src.root)
+        plans.append(DirPlan(HOLDOUT_DIR, held, jobs, skipped))
     plans.append(DirPlan("", run))
     return kind, plans
 
@@ -838,7 +846,8 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
             + (f"; partial copy for ranks {ranks[0]}/{ranks[1]} (see {STAGE_SIDECAR})" if missing else ""))
     return StageResult(
         ok=True, kind=kind, source=src.path, dest=str(dest),
-        epochs=[p.manifest.get("epoch") for p in plans if p.manifest.get("kind") == "epoch"] if kind != "source" else None,
+        epochs=[p.manifest.get("epoch") for p in plans if p.manifest.get("kind") == "epoch" and p.rel != HOLDOUT_DIR]
+        if kind != "source" else None,
         files=len(jobs) + len(plans), copied_files=stager.copied, skipped_files=stager.skipped,
         bytes_copied=stager.bytes_copied, bytes_verified_in_place=stager.bytes_verified, seconds=round(seconds, 3),
         mib_per_s=round(moved / 2**20 / seconds, 1) if seconds > 0 else None, partial=bool(missing), **selection)

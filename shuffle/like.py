@@ -19,7 +19,7 @@ from tokpack.formats.io import as_path
 from tokpack.formats.manifest import read_manifest
 
 from . import packings
-from .plan import holdout_recorded
+from .plan import run_holdout
 
 # shuffle's settings that --like reads from the run (API keyword -> CLI flag): giving one as well is refused,
 # since two answers to one question would leave the user unsure which the epoch was written with.
@@ -64,8 +64,7 @@ def run_settings(run_dir) -> dict:
                            expected="run (a directory holding tokpack.json and epoch-NNNNN/)", found=found,
                            hint="give the run directory (the one holding tokpack.json and epoch-NNNNN/)") from None
     pk = m.get("packing") if isinstance(m.get("packing"), dict) else {}
-    # as parse_holdout recorded it (best-fit: in `packing`; concat: `holdout`), given back as its text
-    holdout = pk.get("holdout") or holdout_recorded(m)[0]
+    holdout = run_holdout(m)  # as parse_holdout recorded it, given back as its text
     holdout = None if holdout is None else holdout.get("fraction") or str(holdout.get("tokens"))
     settings = {"packing": packings.of_manifest(m).name, "pad_id": pk.get("pad_id"), "holdout": holdout,
                 "shard_samples": int(m["shard_samples"])}

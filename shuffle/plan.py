@@ -552,6 +552,13 @@ def holdout_recorded(manifest: dict) -> tuple[dict | None, bool]:
     return {k: v for k, v in h.items() if k != "split"}, h.get("split") == "holdout"
 
 
+def run_holdout(manifest: dict) -> dict | None:
+    """The `--holdout` a run (or epoch) manifest records, of either packing (a best-fit one's is
+    in its `packing`, a window one's at the top): a run that records one has RUN/holdout/."""
+    pk = manifest.get("packing") if isinstance(manifest.get("packing"), dict) else {}
+    return pk.get("holdout") or holdout_recorded(manifest)[0]
+
+
 def holdout_fields(plan: EpochPlan) -> dict:
     """What a window plan with --holdout adds to its epoch manifest (holdout_recorded reads it)."""
     if plan.holdout is None:

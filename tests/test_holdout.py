@@ -510,3 +510,32 @@ def test_a_kept_stream_reads_as_the_concatenation_of_its_documents(tmp_path, spl
         assert all(r1 >= r0 + (y0 - x0) for (r0, x0, y0), (r1, _, _) in zip(pieces, pieces[1:]))
     with pytest.raises(IndexError):
         stream.read_into(len(want) - 1, np.empty(2, dtype=src.dtype))
+
+
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])
+def test_a_copy_of_the_run_brings_its_holdout_and_a_rank_copy_does_not(corpus, tmp_path, packing):
+    """`stage RUN DEST` (a copy of the run, or of some of its epochs) copies RUN/holdout/ too,
+    verified, so eval reads it beside the training epochs; `--shards-of` (a training rank's
+    shards) leaves it. A rerun finds it in place."""
+    root, _ = corpus
+    run, dest = tmp_path / "run", tmp_path / "dest"
+    code, _, err = cli("shuffle", root / "web", root / "code", "-o", run, "--seq-len", SEQ, "--seed", 3, "--epochs", 2,
+                       "--holdout", "10%", "--packing", packing)
+    assert code == 0, err
+    code, out, err = cli("stage", run, dest, "--epochs", "1", "--json")
+    assert code == 0, err
+    assert json.loads(out)["epochs"] == [1]  # the held-out folder is not a training epoch
+    held = sorted(p.name for p in (run / "holdout").iterdir())
+    assert sorted(p.name for p in (dest / "holdout").iterdir()) == held and "tokpack.json" in held
+    for name in held:
+        assert (dest / "holdout" / name).read_bytes() == (run / "holdout" / name).read_bytes(), name
+    code, out, err = cli("validate", dest)
+    assert code == 0 and "0 problems" in out, out + err
+    damaged = next(p for p in (dest / "holdout").glob("*.ds"))
+    damaged.write_bytes(bytes([damaged.read_bytes()[0] ^ 1]) + damaged.read_bytes()[1:])
+    code, out, err = cli("stage", run, dest, "--epochs", "1", "--json")  # a rerun: verified, the damaged file recopied
+    assert code == 0 and json.loads(out)["copied_files"] == 1, out + err
+    assert damaged.read_bytes() == (run / "holdout" / damaged.name).read_bytes()
+    code, _, err = cli("stage", run, tmp_path / "ranks", "--shards-of", "0/2", "--micro-batch", 2)
+    assert code == 0, err
+    assert not (tmp_path / "ranks" / "holdout").exists()
