@@ -522,7 +522,9 @@ class _InMemory:
     """The node's two stores in memory (store_rows numbering)."""
 
     def __init__(self, ne: _NodeEpoch, pad_id: int):
-        self.rows_of = np.full((ne.store_rows, ne.plan.row_tokens), pad_id, dtype=ne.job.token_dtype)
+        shape = (ne.store_rows, ne.plan.row_tokens)
+        # windows fill every row (exchange_epoch checks each row's unfilled count): no fill first
+        self.rows_of = np.full(shape, pad_id, dtype=ne.job.token_dtype) if ne.padded else np.empty(shape, ne.job.token_dtype)
 
     def put(self, pad, at, pieces, tokens, starts) -> None:
         _place(self.rows_of, pad, at, pieces, tokens, starts)
@@ -559,7 +561,7 @@ class _Buckets:
             b = int(bucket[sel[0]])
             rec = np.empty(len(sel), RECORD)
             rec["g"], rec["row_offset"], rec["length"] = at[sel], pieces["row_offset"][sel], lengths[sel]
-            payloads = (tokens[_ranges(starts[sel], lengths[sel])], rec)
+            payloads = (_gather(tokens, starts[sel], lengths[sel], self.row_tokens), rec)
             self.lay.bucket_file(0, b, "rows").parent.mkdir(exist_ok=True)
             for ext, payload, h in zip(("rows", "pos"), payloads,
                                        self.hashes.setdefault(b, [xxhash.xxh3_64(), xxhash.xxh3_64()])):
@@ -654,7 +656,7 @@ def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int, layout: Layout | N
         lengths = pieces["length"].astype(np.int64)
         starts = np.cumsum(lengths) - lengths
         send_pieces = pieces[which]
-        send_tokens = tokens[_ranges(starts[which], lengths[which])]
+        send_tokens = _gather(tokens, starts[which], lengths[which], row)
         counts = np.bincount(dst, minlength=N).astype(np.int64)
         token_counts = np.bincount(dst, weights=np.concatenate([lengths, lengths[twice]]), minlength=N).astype(np.int64)
         recv = np.array(comm.alltoall(list(zip(counts.tolist(), token_counts.tolist()))), dtype=np.int64)
@@ -700,13 +702,30 @@ def _alltoallv(comm, MPI, send, send_bytes, recv, recv_bytes) -> None:
                    [recv.view(np.uint8), recv_bytes.tolist(), rdisp.tolist(), MPI.BYTE])
 
 
+def _whole_rows(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, row: int) -> bool:
+    """Whether every piece is a whole row at a row boundary of `tokens` (every window is): then
+    pieces move as rows, one copy a row, not by an index of every token."""
+    return len(tokens) % row == 0 and bool((lengths == row).all()) and not (starts % row).any()
+
+
+def _gather(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, row: int) -> np.ndarray:
+    """The pieces' tokens (start, length in `tokens`), back to back."""
+    if _whole_rows(tokens, starts, lengths, row):
+        return tokens.reshape(-1, row)[starts // row].reshape(-1)
+    return tokens[_ranges(starts, lengths)]
+
+
 def _place(store: np.ndarray, pad: np.ndarray, at: np.ndarray, pieces: np.ndarray, tokens: np.ndarray,
            starts: np.ndarray) -> None:
     """Each piece's tokens into its row `at` of `store`, at its offset; the row's unfilled count goes down."""
     lengths = pieces["length"].astype(np.int64)
-    offsets = at * store.shape[1] + pieces["row_offset"].astype(np.int64)
-    store.reshape(-1)[_ranges(offsets, lengths)] = tokens[_ranges(starts, lengths)]
-    np.subtract.at(pad, at, lengths)
+    row = store.shape[1]
+    if not pieces["row_offset"].any() and _whole_rows(tokens, starts, lengths, row):
+        store[at] = tokens.reshape(-1, row)[starts // row]
+    else:
+        offsets = at * row + pieces["row_offset"].astype(np.int64)
+        store.reshape(-1)[_ranges(offsets, lengths)] = tokens[_ranges(starts, lengths)]
+    np.subtract.at(pad, at, lengths)  # a row filled twice goes below 0: exchange_epoch's check
 
 
 def write_slice_epoch(output: Output, d: Path, ne: _NodeEpoch, stores, pad: np.ndarray,
