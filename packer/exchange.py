@@ -380,8 +380,8 @@ class _NodeEpoch:
                     pieces = np.zeros(len(found_pieces), PIECE)
                     for f in ("g", "row_offset", "length"):
                         pieces[f] = found_pieces[f]
-                    yield pieces, data[_ranges(found_pieces["local"].astype(np.int64),
-                                               found_pieces["length"].astype(np.int64))]
+                    yield pieces, _gather(data, found_pieces["local"].astype(np.int64),
+                                          found_pieces["length"].astype(np.int64), job.plan.row_tokens)
                 del data
 
 
@@ -712,7 +712,33 @@ def _gather(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, row: in
     """The pieces' tokens (start, length in `tokens`), back to back."""
     if _whole_rows(tokens, starts, lengths, row):
         return tokens.reshape(-1, row)[starts // row].reshape(-1)
-    return tokens[_ranges(starts, lengths)]
+    out = np.empty(int(lengths.sum()), tokens.dtype)
+    _copy_pieces(out, np.cumsum(lengths) - lengths, tokens, starts, lengths)
+    return out
+
+
+# Pieces at least this long on average are copied one slice each (a best-fit epoch's documents:
+# hundreds of tokens); shorter ones by an index of their tokens, RANGE_CHUNK tokens at a time.
+LONG_PIECE = 128
+RANGE_CHUNK = 1 << 20
+
+
+def _copy_pieces(dst: np.ndarray, dst_starts: np.ndarray, src: np.ndarray, src_starts: np.ndarray,
+                 lengths: np.ndarray) -> None:
+    """dst[dst_starts[i]:][:lengths[i]] = src[src_starts[i]:][:lengths[i]] for every piece i, with
+    no index array larger than RANGE_CHUNK tokens (a fixed allowance, whatever the round)."""
+    if not len(lengths):
+        return
+    if lengths.mean() >= LONG_PIECE:
+        for d, a, n in zip(dst_starts.tolist(), src_starts.tolist(), lengths.tolist()):
+            dst[d:d + n] = src[a:a + n]
+        return
+    ends = np.cumsum(lengths)
+    cuts = [0, *np.searchsorted(ends, np.arange(RANGE_CHUNK, int(ends[-1]), RANGE_CHUNK), side="right").tolist(),
+            len(lengths)]
+    for lo, hi in zip(cuts, cuts[1:]):
+        if hi > lo:
+            dst[_ranges(dst_starts[lo:hi], lengths[lo:hi])] = src[_ranges(src_starts[lo:hi], lengths[lo:hi])]
 
 
 def _place(store: np.ndarray, pad: np.ndarray, at: np.ndarray, pieces: np.ndarray, tokens: np.ndarray,
@@ -723,8 +749,7 @@ def _place(store: np.ndarray, pad: np.ndarray, at: np.ndarray, pieces: np.ndarra
     if not pieces["row_offset"].any() and _whole_rows(tokens, starts, lengths, row):
         store[at] = tokens.reshape(-1, row)[starts // row]
     else:
-        offsets = at * row + pieces["row_offset"].astype(np.int64)
-        store.reshape(-1)[_ranges(offsets, lengths)] = tokens[_ranges(starts, lengths)]
+        _copy_pieces(store.reshape(-1), at * row + pieces["row_offset"].astype(np.int64), tokens, starts, lengths)
     np.subtract.at(pad, at, lengths)  # a row filled twice goes below 0: exchange_epoch's check
 
 

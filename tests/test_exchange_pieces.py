@@ -1,0 +1,60 @@
+"""The exchange's copies of pieces (packer/exchange.py `_gather`, `_place`, `_copy_pieces`):
+whole rows as rows, long pieces a slice each, short ones by a bounded index of their tokens;
+every path against a brute copy, and the rows' unfilled counts."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokpack.packer import exchange
+from tokpack.packer.exchange import PIECE, _gather, _place
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=60), st.integers(0, 2 ** 32 - 1),
+       st.sampled_from([1, 7, 1 << 20]), st.sampled_from([1, 1 << 40]))
+def test_pieces_are_gathered_and_placed_as_a_brute_copy(lengths, seed, chunk, long_piece):
+    rng = np.random.default_rng(seed)
+    lengths = np.array(lengths, dtype=np.int64)
+    src = rng.integers(0, 60000, int(lengths.sum()) + 50).astype(np.uint16)
+    starts = np.sort(rng.integers(0, 50, len(lengths))) + np.cumsum(lengths) - lengths  # in order, gaps between
+    saved = exchange.RANGE_CHUNK, exchange.LONG_PIECE
+    # a slice a piece (LONG_PIECE 1), or by index (LONG_PIECE 2^40) cut every 1 or 7 tokens or not
+    exchange.RANGE_CHUNK, exchange.LONG_PIECE = chunk, long_piece
+    try:
+        got = _gather(src, starts, lengths, 301)
+        want = np.concatenate([src[a:a + n] for a, n in zip(starts, lengths)])
+        assert got.tolist() == want.tolist()
+        # placed into rows of 320 tokens, each piece at its own row and offset
+        row = 320
+        store = np.full((len(lengths), row), 9, dtype=np.uint16)
+        pad = np.full(len(lengths), row, dtype=np.int64)
+        pieces = np.zeros(len(lengths), PIECE)
+        pieces["length"] = lengths
+        pieces["row_offset"] = rng.integers(0, row - lengths + 1)
+        at = rng.permutation(len(lengths))
+        _place(store, pad, at, pieces, src, starts)
+        brute = np.full((len(lengths), row), 9, dtype=np.uint16)
+        for i, (a, n) in enumerate(zip(starts, lengths)):
+            brute[at[i], pieces["row_offset"][i]:pieces["row_offset"][i] + n] = src[a:a + n]
+        assert (store == brute).all() and (pad[at] == row - lengths).all()
+    finally:
+        exchange.RANGE_CHUNK, exchange.LONG_PIECE = saved
+
+
+def test_whole_rows_move_as_rows_and_a_row_filled_twice_shows_in_its_count():
+    row = 5
+    tokens = np.arange(4 * row, dtype=np.uint16)
+    starts = np.array([3, 0, 2]) * row
+    lengths = np.full(3, row, dtype=np.int64)
+    assert _gather(tokens, starts, lengths, row).reshape(-1, row).tolist() == [
+        list(range(15, 20)), list(range(0, 5)), list(range(10, 15))]
+    store = np.zeros((3, row), dtype=np.uint16)
+    pad = np.full(3, row, dtype=np.int64)
+    pieces = np.zeros(3, PIECE)
+    pieces["length"] = row
+    _place(store, pad, np.array([2, 0, 2]), pieces, tokens, starts)  # row 2 twice, row 1 never
+    assert pad.tolist() == [0, row, -row]  # exchange_epoch refuses both (min < 0, max > 0)
+    assert store[0].tolist() == list(range(0, 5)) and store[2].tolist() == list(range(10, 15))
