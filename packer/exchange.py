@@ -465,6 +465,10 @@ def _changed(shard, expected: str, found: str):
 
 # Bytes of index arithmetic per token a round moves (_ranges' temporaries, one call at a time).
 TOKEN_OVERHEAD = 24
+# What a process holds beside --memory, whatever the epoch's size: the interpreter, numpy,
+# mpi4py and MPI's own buffers, RANGE_CHUNK tokens of index arithmetic (bench/nodes.py measures
+# 165-175 MB; tests/test_mpi.py holds every process to it).
+MEMORY_ALLOWANCE = 256 << 20
 # Bytes per row of a bucket read back, beyond 4 copies of its tokens (the bucket's rows, the
 # tokens read from its file, RankFiles' copy of one rank's rows, the index's EOS mask and more):
 # its records and the rank and index arithmetic.

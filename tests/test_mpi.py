@@ -234,6 +234,28 @@ def test_out_of_core_holds_a_bucket_not_the_slice(tmp_path):
         assert a == b
 
 
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])
+def test_a_process_stays_within_memory_and_its_fixed_allowance(tmp_path, packing):
+    """128 MiB of tokens on 2 processes with --memory 1GiB: one round holds the whole epoch, so
+    what a round's copies cost per token shows (an int64 index of every token moved took 2.1 GB
+    a process here); each stays within --memory plus exchange.MEMORY_ALLOWANCE."""
+    from tokpack.packer.exchange import MEMORY_ALLOWANCE
+
+    rng = np.random.default_rng(8)
+    lengths = rng.integers(200, 4000, 34000)
+    docs = np.split(rng.integers(1, 50000, int(lengths.sum())).astype(np.uint16), np.cumsum(lengths)[:-1])
+    for d in docs:
+        d[-1] = 0
+    source = write_source(tmp_path / "src", docs, vocab_size=50000, docs_per_shard=2000)
+    done = to_nodes(tmp_path / "run", str(tmp_path / "node{node}"), source, "--seq-len", 4095, "--seed", 1,
+                    "--epochs", 1, "--packing", packing, "--memory", "1GiB", n=2, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for n, s in summaries(done).items():
+        d = s["epochs_detail"][0]
+        assert d["buckets"] == 0 and d["rows_kept"] * 4096 * 2 > 60 << 20  # in memory: its slice, 60+ MiB
+        assert s["peak_rss_bytes"] <= (1 << 30) + MEMORY_ALLOWANCE, (n, s["peak_rss_bytes"] >> 20)
+
+
 def test_too_little_memory_is_one_line_per_node_and_writes_no_slice(source, tmp_path):
     done = to_nodes(tmp_path / "run", str(tmp_path / "node{node}"), source, "--seq-len", SEQ, "--seed", 5,
                     "--epochs", 1, "--shard-samples", 12, "--memory", "8KiB")
