@@ -894,6 +894,26 @@ class DurableFile:
         Path(self.tmp).unlink(missing_ok=True)
 
 
+class HashedFile:
+    """A DurableFile whose bytes are hashed and counted, never written: a file whose checksum a
+    manifest needs where the file itself lives elsewhere (a --to-nodes owned epoch shard's
+    tokens and index, whose bytes are the nodes' slices)."""
+
+    def __init__(self, final: str | Path):
+        self.final, self.hash, self.bytes = Path(final), xxhash.xxh3_128(), 0
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        self.hash.update(mv)
+        self.bytes += mv.nbytes
+
+    def commit(self) -> str:
+        return self.hash.hexdigest()
+
+    def abort(self) -> None:
+        pass
+
+
 def _set_direct(fd: int, on: bool) -> bool:
     """Turns O_DIRECT on or off for an open file; False where the OS or filesystem refuses."""
     if not hasattr(os, "O_DIRECT"):

@@ -77,10 +77,11 @@ class EpochShardFormat:
     eos_id: int
     tokenizer: str
     padded: bool = False  # best-fit: a `.ds.pad` beside the rows
+    hashed_only: bool = False  # tokens and index hashed for the manifest, not written (EpochShardWriter)
 
     def writer(self, place: ShardPlace) -> EpochShardWriter:
         return EpochShardWriter(place.directory, place.name, self.dtype, self.seq_len, self.eos_id, self.tokenizer,
-                                padded=self.padded)
+                                padded=self.padded, hashed_only=self.hashed_only)
 
 
 @dataclass(frozen=True)

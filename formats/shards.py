@@ -17,7 +17,7 @@ import xxhash
 
 from .errors import TokpackError
 from .io import as_path, contained, open_read, read_array, read_full, regular_size
-from .io import DurableFile, is_tmp_name, write_bytes_atomic
+from .io import DurableFile, HashedFile, is_tmp_name, write_bytes_atomic
 from .manifest import EPOCH_SHARD_SUFFIXES, LOSS_SUFFIX, SHARD_SUFFIXES  # noqa: F401 (importable from here too)
 from .manifest import MANIFEST, NODES_SIDECAR, dtype_from_name, has_pad, metadata_text, read_manifest, row_hashes
 
@@ -224,7 +224,9 @@ class EpochShardWriter:
     """
 
     def __init__(self, directory: str | Path, name: str, dtype: np.dtype, seq_len: int, eos_id: int, tokenizer: str,
-                 padded: bool = False):
+                 padded: bool = False, hashed_only: bool = False):
+        """`hashed_only`: the `.ds` and `.ds.index` are hashed and counted, not written (their
+        entry is the same); the row hashes, padding and metadata are written."""
         self.directory = Path(directory)
         self.name = name  # final file name
         self.dtype = np.dtype(dtype).newbyteorder("<")
@@ -235,8 +237,9 @@ class EpochShardWriter:
         self.multiset = 0  # running sum of xxh3_64 over samples, mod 2^64
         self._ds = self._index = self._rows = self._pad = None
         try:
-            self._ds = DurableFile(self.directory / name, direct=True)
-            self._index = DurableFile(self.directory / f"{name}.index")
+            self._ds = HashedFile(self.directory / name) if hashed_only else DurableFile(self.directory / name,
+                                                                                          direct=True)
+            self._index = (HashedFile if hashed_only else DurableFile)(self.directory / f"{name}.index")
             # Each sample's xxh3_64: what lets a node copy and verify some rows without the others.
             self._rows = DurableFile(self.directory / f"{name}{ROWS_SUFFIX}")
             # A best-fit shard's padding per sample: the row hashes do not cover it, and a reader

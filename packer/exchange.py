@@ -17,13 +17,14 @@ Process n of N:
    core through bucket files in DEST's scratch (_Buckets: the scatter/order engine's Layout and
    best-fit bucket files, read back a bucket at a time), and writes node n's slice into DEST
    through RankFiles, the bytes `stage RUN DEST --node n/N` writes;
-5. as the owner of some epoch shards, passes each one through the epoch shard writer in a local
-   scratch folder, which gives the shard's manifest entry (its checksums) exactly as `tokpack
-   shuffle` records it, and keeps of it only the row hashes (`.ds.rows`, 8 bytes a sample, and a
+5. as the owner of some epoch shards, passes each one through the epoch shard writer
+   (`hashed_only`: its tokens and index are hashed, not written), which gives the shard's
+   manifest entry (its checksums) exactly as `tokpack shuffle` records it, and writes of it only
+   the row hashes (`.ds.rows`, 8 bytes a sample, and a
    best-fit shard's `.ds.pad`), which go to RUN. So RUN's epoch manifest is byte for byte the one
    `tokpack shuffle` writes, the slice's manifests are those `stage --node` writes, and RUN holds
    no token bytes. The price is one more copy of every row on the network (cheap: the issue's
-   25 GB/s a node) and of the owned shards on the local disk, written and removed.
+   25 GB/s a node), and the owned shards' rows in the node's memory (or buckets).
 
 Process 0 writes RUN's manifests (the epoch's after every owner's entries, then the run's);
 then every process reads them back (a few KiB from the shared filesystem) and commits its
@@ -289,9 +290,15 @@ class _NodeEpoch:
                       str(work / "ooc-node"), [])
 
     def disk_bytes(self, out_of_core: bool) -> int:
-        """DEST's bytes at the peak: the stores' rows (the rank files, an owned shard in scratch),
-        and out of core the bucket files' records, a RECORD a piece (about one a row)."""
-        return self.keep_bytes + (2 * RECORD.itemsize * self.store_rows if out_of_core else 0)
+        """DEST's bytes at the peak: the rank files (rows, row hashes, index about a fragment a
+        row) and the owned shards' row hashes and padding (their tokens are only hashed,
+        hash_owned_shards); out of core, the bucket files too: every store row with two RECORDs
+        (about one piece a row)."""
+        P, rb = len(self.positions), self.job.row_bytes
+        small = P * (16 + 4 * self.padded) + self.owned_rows * (8 + 4 * self.padded)
+        # out of core a bucket is removed once read, as the rank files grow: the buckets' bytes
+        # are the peak, the slice's rows among them
+        return small + (self.store_rows * (rb + 2 * RECORD.itemsize) if out_of_core else P * rb)
 
     def node_of(self, g: np.ndarray) -> np.ndarray:
         return self.rows.rank_of(g + self.first) // self.per_node
@@ -838,8 +845,10 @@ def hash_owned_shards(ne: _NodeEpoch, stores, pad: np.ndarray, scratch: Path, ru
                       fmt: EpochShardFormat) -> list[tuple[int, dict]]:
     """Each owned epoch shard through the epoch shard writer (in `scratch`, local), its rows taken
     from the stores (at once in memory, bucket by bucket out of core): its manifest entry as
-    `tokpack shuffle` records it; its row hashes (and padding) go to RUN, the rest is removed."""
+    `tokpack shuffle` records it; its row hashes (and padding) go to RUN. Its tokens and index are
+    hashed, not written (the nodes' slices hold those bytes): a node's disk gets its slice once."""
     job = ne.job
+    fmt = replace(fmt, hashed_only=True)
     scratch.mkdir(parents=True, exist_ok=True)
     run_epoch.mkdir(parents=True, exist_ok=True)
     out = []

@@ -622,9 +622,10 @@ def _node_epoch_figures(job, manifest: dict, figures, first: int, nodes: int, ra
             # what stage --node's space check counts for these rank files
             "slice_on_disk": sum(slice_files(k, job.row_bytes, per_row, padded) for k in rank_rows),
             "owned_shards": len(ne.owned), "owned_rows": ne.owned_rows,
-            # each owned shard is written whole in scratch (tokens, index, row hashes), then removed
-            "owned_bytes": ne.owned_rows * (job.row_bytes + U64.itemsize * (1 + per_row)),
-            "owned_peak": max([k * (job.row_bytes + U64.itemsize * (1 + per_row)) for k in owned_sizes], default=0),
+            # each owned shard's row hashes (and padding) in scratch, copied to RUN; its tokens and
+            # index are only hashed (exchange.hash_owned_shards)
+            "owned_bytes": ne.owned_rows * (U64.itemsize + 4 * padded),
+            "owned_peak": max([k * (U64.itemsize + 4 * padded) for k in owned_sizes], default=0),
             "run_rows_bytes": U64.itemsize * ne.owned_rows, "run_pad_bytes": 4 * ne.owned_rows if padded else 0,
             "keep_bytes": ne.keep_bytes, "per_round_tokens": per_round,
             # out of core: every store row (slice, then owned shards) goes through DEST's bucket

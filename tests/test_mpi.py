@@ -463,9 +463,8 @@ def test_a_dest_or_run_in_use_by_another_command_is_refused(source, tmp_path):
         assert not list(tmp_path.rglob(MANIFEST)) and not list(tmp_path.rglob("*.ds"))
 
 
-# In memory, node 1's rank files and an owned shard's scratch fill it; out of core, its buckets
-# (two files each). Either size passes the check before the epoch (free space >= about 35 KiB
-# of rows, out of core 43 KiB with the records) by 10 KiB, and not the files' pages.
+# In memory, node 1's rank files fill it; out of core, its buckets (two files each). Either size
+# passes the check before the epoch (exchange's disk_bytes) and not the files' pages.
 @pytest.mark.parametrize("memory,size", [(MEMORY, "48k"), (OUT_OF_CORE, "56k")])
 def test_a_full_dest_is_one_line_naming_its_node_and_a_rerun_with_space_gives_the_same_bytes(source, tmp_path,
                                                                                           memory, size):
