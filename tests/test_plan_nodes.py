@@ -56,6 +56,10 @@ def audited(tmp: Path, run: Path, dest: str, *args) -> tuple[dict[int, dict], di
                 node_of[pid] = n
         if event == "open" and path.endswith(".ds") and "/src" in path:
             opened[pid].add(path)
+        # an owned epoch shard's tokens and index are hashed for RUN's manifest, never written
+        name = path.rsplit("/", 1)[-1]
+        assert not (event == "open" and "/.tokpack-work/" in path and (".ds.tmp-" in name or ".ds.index.tmp-" in name)
+                    ), path
     by_node = defaultdict(set)
     for pid, paths in opened.items():
         by_node[node_of[pid]] |= paths
