@@ -896,10 +896,10 @@ class DurableFile:
 
 class HashedFile:
     """A DurableFile whose bytes are hashed and counted, never written: a file whose checksum a
-    manifest needs where the file itself lives elsewhere (a --to-nodes owned epoch shard's
-    tokens and index, whose bytes are the nodes' slices)."""
+    manifest needs where the file itself lives elsewhere (a linking pack's shard files, which
+    are the input's; a --to-nodes owned epoch shard's tokens and index, the nodes' slices')."""
 
-    def __init__(self, final: str | Path):
+    def __init__(self, final: str | Path, direct: bool = False):
         self.final, self.hash, self.bytes = Path(final), xxhash.xxh3_128(), 0
 
     def write(self, data) -> None:

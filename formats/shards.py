@@ -172,7 +172,7 @@ class SourceShardWriter:
         self._ds = self._index = self._loss = None
         try:
             # `sink`: DurableFile, or what pack --link uses to record the same entry without
-            # writing the token files (tokpack.packer.linking.Digest)
+            # writing the token files (formats/io.py HashedFile)
             self._ds = sink(self.directory / name, direct=True)
             self._index = sink(self.directory / f"{name}.index")
             self._loss = sink(self.directory / f"{name}.loss") if with_loss else None

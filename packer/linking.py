@@ -9,7 +9,7 @@ id below the vocabulary. Pack then
    reflink (`ioctl FICLONE`: a new inode sharing the extents, e.g. across btrfs subvolumes),
    else nothing, and the file is copied as today with a note saying why;
 2. scans the placed files exactly as a copying pack scans the input (the Normalizer's id and
-   EOS checks), through the same SourceShardWriter with `Digest` sinks, so the entry it records
+   EOS checks), through the same SourceShardWriter with `HashedFile` sinks, so the entry it records
    is the one a copy would record; it also hashes the bytes it read, and keeps the link only
    when they equal what a copy would have written (else the file is copied, with a note);
 3. writes the shard's `.ds.metadata` as a copying pack does: it is pack's own text, and a link
@@ -36,7 +36,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import _existing_ancestor
 from tokpack.formats.inputs import InputFile
 from tokpack.formats.inputs.discover import read_blocks
-from tokpack.formats.io import as_path, is_url, open_new, progress, regular_fd, regular_size, tmp_path
+from tokpack.formats.io import HashedFile, as_path, is_url, open_new, progress, regular_fd, regular_size, tmp_path
 from tokpack.formats.manifest import shard_name, xxh3_128_file
 from tokpack.formats.shards import SourceShardWriter
 from tokpack.packer.vocab import Normalizer
@@ -46,26 +46,6 @@ FICLONE = 0x40049409  # linux/fs.h _IOW(0x94, 9, int): the destination shares th
 _CANNOT_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EACCES}
 _CANNOT_CLONE = _CANNOT_LINK | {errno.ENOTTY, errno.EINVAL, errno.EBADF}
 SIDECARS = (".index", ".loss")  # placed beside the .ds; .metadata is written (see above)
-
-
-class Digest:
-    """A DurableFile that keeps only what it records of its bytes (their count and xxh3_128):
-    what lets SourceShardWriter make a copying pack's entry for files that are linked."""
-
-    def __init__(self, final, direct: bool = False):
-        self.hash = xxhash.xxh3_128()
-        self.bytes = 0
-
-    def write(self, data) -> None:
-        mv = memoryview(data).cast("B")
-        self.hash.update(mv)
-        self.bytes += mv.nbytes
-
-    def commit(self) -> str:
-        return self.hash.hexdigest()
-
-    def abort(self) -> None:
-        pass
 
 
 def why_not(f: InputFile, out_dtype: np.dtype, shard_tokens: int) -> str | None:
@@ -199,7 +179,7 @@ def _scan(f: InputFile, placed: dict, part_dir: Path, name: str, vocab_size: int
     linked = InputFile(str(placed[""]), f.format, f.dtype, f.size, tokenizer=f.tokenizer,
                        extra={"index": str(placed[".index"]), "loss": str(placed[".loss"]) if ".loss" in placed else None})
     norm = Normalizer(f, vocab_size, eos_id, out_dtype)  # its messages name the input
-    writer = SourceShardWriter(part_dir, name, out_dtype, tokenizer, ".loss" in placed, sink=Digest)
+    writer = SourceShardWriter(part_dir, name, out_dtype, tokenizer, ".loss" in placed, sink=HashedFile)
     read = {s: xxhash.xxh3_128() for s in ("", ".loss")}  # the bytes as they are
     itemsize = np.dtype(f.dtype).itemsize
     bar = progress(f.size, f"pack --link {Path(f.path).name}")
