@@ -60,7 +60,7 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import LOCK_NAME, WORK_DIR, OutputLock, check_space, holder_name, is_no_space
-from tokpack.formats.io import (commit_file, map_file, open_append, open_new, open_read, read_limited,
+from tokpack.formats.io import (anonymous, commit_file, map_file, open_append, open_new, open_read, read_limited,
                                 remove_tmp_files,
                                 tmp_path,
                                 write_bytes_atomic)
@@ -533,9 +533,11 @@ class _InMemory:
     """The node's two stores in memory (store_rows numbering)."""
 
     def __init__(self, ne: _NodeEpoch, pad_id: int):
-        shape = (ne.store_rows, ne.plan.row_tokens)
-        # windows fill every row (exchange_epoch checks each row's unfilled count): no fill first
-        self.rows_of = np.full(shape, pad_id, dtype=ne.job.token_dtype) if ne.padded else np.empty(shape, ne.job.token_dtype)
+        shape, dtype = (ne.store_rows, ne.plan.row_tokens), ne.job.token_dtype
+        # every row is written: its pages faulted in at once, not one by one as the rounds land
+        self.rows_of = anonymous(shape[0] * shape[1] * dtype.itemsize, populate=True).view(dtype).reshape(shape)
+        if ne.padded and pad_id:  # best-fit rows end in padding (windows fill every row; zero: as mapped)
+            self.rows_of[:] = pad_id
 
     def put(self, pad, at, pieces, tokens, starts) -> None:
         _place(self.rows_of, pad, at, pieces, tokens, starts)

@@ -160,10 +160,12 @@ def test_weights_and_jitter_equal_shuffle_then_stage_node(source, tmp_path):
     assert [d["epoch"] for d in info[0]["epochs_detail"]] == [1]  # --epoch E alone: its G starts at 400
 
 
-def test_best_fit_equals_shuffle_then_stage_node(source, tmp_path):
-    """Document pieces, not windows, cross the network; the rank files' `.ds.pad` and RUN's equal stage's and shuffle's."""
+@pytest.mark.parametrize("pad_id", [None, 7])
+def test_best_fit_equals_shuffle_then_stage_node(source, tmp_path, pad_id):
+    """Document pieces, not windows, cross the network; the rank files' `.ds.pad` and RUN's equal
+    stage's and shuffle's; with --pad-id 7 every padded row ends in 7s, not the zeros of fresh memory."""
     exchange_equals_stage(tmp_path, [source, "--seq-len", SEQ, "--seed", 2, "--epochs", 1, "--shard-samples", 12,
-                                     "--packing", "best-fit"])
+                                     "--packing", "best-fit", *(() if pad_id is None else ("--pad-id", pad_id))])
     assert any(p.name.endswith(PAD_SUFFIX) for p in (tmp_path / "node0").rglob("*"))
 
 
