@@ -194,6 +194,7 @@ class Step:
     bytes: dict
     json: list  # the --json lines the command printed
     memory: int = 0  # the --memory each process was given (exchange rows)
+    run_bytes: int | None = None  # the size of RUN's files after the step (exchange rows)
 
 
 def mpi_env() -> dict:
@@ -272,6 +273,8 @@ def one_round(devs: Devices, src: Path, work: Path, token_bytes: int, shard_samp
                                          *slice_args, *common, "--epoch", 1, "--memory", mem,
                                          "--keep-sources", nd / "k" / "keep{node}"), res)
         shutil.rmtree(nd / "k")
+        got["exchange"].run_bytes = dir_bytes(sh / "run-x")  # RUN's own files: what the shared fs should be written
+        got["later"].run_bytes = dir_bytes(sh / "run-k")  # two epochs' manifests and row hashes
         got["replacement"] = step(devs, tokpack("stage", sh / "run-x", nd / "repl", "--node", f"{REPLACED}/{NODES}",
                                                 *slice_args), res)
         # The same at the projection's density: a node's rows are 1/48 of the epoch, far apart in the
@@ -318,7 +321,7 @@ def check_exchange(name: str, s: Step, nodes: int) -> None:
 def median_step(steps: list[Step]) -> Step:
     """The run of median wall time (its bytes and --json lines with it); peak RSS the highest."""
     s = sorted(steps, key=lambda x: x.seconds)[len(steps) // 2]
-    return Step(s.seconds, max(x.peak_rss_mb for x in steps), s.bytes, s.json)
+    return Step(s.seconds, max(x.peak_rss_mb for x in steps), s.bytes, s.json, run_bytes=s.run_bytes)
 
 
 def table_rows(got: dict, token_bytes: int, node_tokens: int, devs: Devices, runs: int, no_mpi: str | None) -> list[dict]:
@@ -352,6 +355,8 @@ def table_rows(got: dict, token_bytes: int, node_tokens: int, devs: Devices, run
                 ("keep", "exchange + --keep-sources, first epoch", "each process also copies its part (and the "
                                                                     "shard after it) to its node disk"),
                 ("later", "exchange, later epoch from kept sources", "--epoch 1; reads the node disk, not the sources")):
+            if got[name].run_bytes is not None:
+                note += f"; RUN's files now {got[name].run_bytes / 1e6:,.2f} MB"
             rows.append(row(case, got[name], token_bytes, note, per_process_rss(got[name])))
         rep = got["replacement"]
         amp = rep.json[0]["read_amplification"] if rep.json else None
