@@ -573,6 +573,8 @@ def main(size=None, quick: bool = False, *, runs: int = 1, work: Path | None = N
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         command = "python bench/nodes.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        out.with_suffix(".json").write_text(json.dumps({"rows": rows, "processes": procs, "model": model,
+                                                        "factors": factors, "notes": notes}, indent=1))
         out.write_text("\n\n".join(parts) + "\n\n" + "\n".join(f"- {x}" for x in [*notes, f"Command: `{command.strip()}`"])
                        + "\n")
     return rows
