@@ -355,6 +355,9 @@ def table_rows(got: dict, token_bytes: int, node_tokens: int, devs: Devices, run
                 ("keep", "exchange + --keep-sources, first epoch", "each process also copies its part (and the "
                                                                     "shard after it) to its node disk"),
                 ("later", "exchange, later epoch from kept sources", "--epoch 1; reads the node disk, not the sources")):
+            if name == "keep":
+                kept = sum(j["epochs_detail"][0]["source_bytes_kept_now"] for j in got[name].json)
+                note += f"; {kept / token_bytes:.3f}x the sources kept (--json): a shard two processes copy is read from the device once, on one machine"
             if got[name].run_bytes is not None:
                 note += f"; RUN's files now {got[name].run_bytes / 1e6:,.2f} MB"
             rows.append(row(case, got[name], token_bytes, note, per_process_rss(got[name])))
