@@ -357,7 +357,8 @@ def table_rows(got: dict, token_bytes: int, node_tokens: int, devs: Devices, run
                 ("later", "exchange, later epoch from kept sources", "--epoch 1; reads the node disk, not the sources")):
             if name == "keep":
                 kept = sum(j["epochs_detail"][0]["source_bytes_kept_now"] for j in got[name].json)
-                note += f"; {kept / token_bytes:.3f}x the sources kept (--json): a shard two processes copy is read from the device once, on one machine"
+                note += (f"; {kept / token_bytes:.3f}x the sources kept (--json): a shard two processes copy is "
+                         "read from the device once, on one machine")
             if got[name].run_bytes is not None:
                 note += f"; RUN's files now {got[name].run_bytes / 1e6:,.2f} MB"
             rows.append(row(case, got[name], token_bytes, note, per_process_rss(got[name])))
@@ -435,7 +436,8 @@ def projection(got: dict, token_bytes: int, node_tokens: int, nic_mbps: float, s
 
     f = {"first_read": factor("exchange", "shared_read"), "first_write": factor("exchange", "node_written"),
          "later_shared": factor("later", "shared_read"), "later_read": factor("later", "node_read"),
-         "later_write": factor("later", "node_written"), "repl_read": factor("replacement 48", "shared_read", got["replacement 48"].json[0]["bytes_kept"]),
+         "later_write": factor("later", "node_written"),
+         "repl_read": factor("replacement 48", "shared_read", got["replacement 48"].json[0]["bytes_kept"]),
          "repl_write": factor("replacement", "node_written", node_tokens), "cpu": cpu, "cpu_stage": cpu_stage}
     if f["first_write"] is None:  # /proc/io: neither the disks apart nor the interpreter's reads: the format's factors
         f.update(first_read=1.0, first_write=2.0, later_shared=0.0, later_read=1.0, later_write=2.0,
@@ -447,7 +449,8 @@ def projection(got: dict, token_bytes: int, node_tokens: int, nic_mbps: float, s
 
     first = {"shared read": B * f["first_read"] / (share * 1e6), "code": B / (cpu * 1e6),
              "network": B * net / (nic_mbps * 1e6), "node disk writes": B * f["first_write"] / (disk_mbps * 1e6)}
-    later = {"shared read": B * (f["later_shared"] or 0) / (share * 1e6), "node disk reads": B * f["later_read"] / (disk_mbps * 1e6),
+    later = {"shared read": B * (f["later_shared"] or 0) / (share * 1e6),
+             "node disk reads": B * f["later_read"] / (disk_mbps * 1e6),
              "code": B / (cpu * 1e6), "network": B * net / (nic_mbps * 1e6),
              "node disk writes": B * f["later_write"] / (disk_mbps * 1e6)}
     alone = min(nic_mbps, shared_mbps)
@@ -469,7 +472,8 @@ def projection(got: dict, token_bytes: int, node_tokens: int, nic_mbps: float, s
         worst = max(others, key=others.get)
         if others[worst] >= goal * 60:
             return f"none: {worst} alone {others[worst] / 60:,.1f} min"
-        added = f"{B / rest / 1e6:,.0f} (terms add)" if rest > 0 else f"none with terms adding ({sum(others.values()) / 60:,.1f} min)"
+        added = (f"{B / rest / 1e6:,.0f} (terms add)" if rest > 0
+                 else f"none with terms adding ({sum(others.values()) / 60:,.1f} min)")
         return f"{added}; {B / (goal * 60) / 1e6:,.0f} overlapped"
 
     from bench.scale_model import ready_rows
@@ -565,7 +569,8 @@ def main(size=None, quick: bool = False, *, runs: int = 1, work: Path | None = N
         parts.append(print_table(
             f"ready on {MODEL_NODES} nodes, {MODEL_TOKENS / 1e12:g}T tokens ({MODEL_TOKENS * MODEL_TOKEN_BYTES / 1e12:g} "
             f"TB): --nic-mbps {nic_mbps:g}, --shared-mbps {shared_mbps:g} ({shared_mbps / MODEL_NODES:,.0f} a node), "
-            f"--disk-mbps {disk_mbps:g}", model, ["case", "today min", "projected min", "goal min", "met", "code MB/s a process for the goal", "terms (min)"]))
+            f"--disk-mbps {disk_mbps:g}", model,
+            ["case", "today min", "projected min", "goal min", "met", "code MB/s a process for the goal", "terms (min)"]))
         notes.append(("factors measured here: " if devs.loop else "factors: bytes the format's (no device counters "
                       "here), cpu measured: ") + ", ".join(
             f"{k} {v:.4g}" for k, v in factors.items() if v is not None) + " (read/write: bytes per token byte; "
