@@ -3,7 +3,7 @@ through the shared filesystem and its time, side by side in one run, against `to
 `tokpack stage --node n/4` for every node and against `cp` of the same bytes; then the
 11T-token run projected on 48 nodes from the per-byte costs measured here.
 
-    python bench/nodes.py [--size 512MiB] [--runs 1] [--quick] [--out FILE]
+    python bench/nodes.py [--size 512MiB] [--runs 1] [--quick] [--out FILE] [--no-loop]
                           [--nic-mbps 25000] [--shared-mbps 40000] [--disk-mbps 2000]
 
 Where the bytes are counted. As root the sources sit on a block device of their own: an ext4
@@ -12,15 +12,16 @@ is RUN's files. DESTs (`{node}`) and kept sources go to a second loop-mounted im
 disks"; one device for the 4 nodes of this machine). Before each measured step the page cache is
 dropped; /sys/block/loopN/stat (sectors read and written, fields 3 and 7, x 512) is read before
 and after it, its command ending in `sync`. Without root, or where a loop device cannot be
-mounted, one line says so and the bytes are the processes' /proc/<pid>/io read_bytes and
-write_bytes (of both disks together, and with a warm cache, labelled so).
+mounted (or with --no-loop), one line says so and the bytes are the processes' /proc/<pid>/io
+read_bytes and write_bytes (both disks and the interpreter's own files together, labelled so).
 
 Rows (4 processes, N = 4 nodes, K = 2 ranks a node, micro-batch 4, seq_len 4096):
   cp -r + sync                 the sources copied to the node disk: the floor of "one read"
   exchange, first epoch        mpirun -n 4 tokpack shuffle SRC -o RUN --to-nodes DEST{node} ...
   exchange + --keep-sources    the same, each process keeping its part of the sources
   exchange, later epoch        --epoch 1 from the kept sources
-  replacement node alone       tokpack stage RUN DEST --node 2/4 ... on the --to-nodes RUN
+  replacement node alone       tokpack stage RUN DEST --node 2/4 ... on the --to-nodes RUN; and
+                               --node 2/48 on the same RUN: a node's rows at the projection's density
   shuffle (in memory)          tokpack shuffle SRC -o RUN (the materialised run, on the shared fs)
   stage --node n/4, 4 nodes    the four stages of that run at once
   shuffle + stage              the two rows above, added
