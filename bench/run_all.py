@@ -13,7 +13,8 @@ Sections (each row: wall s, MB/s of token bytes, peak RSS MB, ratio to the secti
   validate  tokpack validate, full and --quick, against a cold read
   scaling   bench/scaling.py: shuffle time and RSS at 0.5..8 GiB, fixed --memory, fitted slope
   scripts   the rows of bench/{pack,shuffle,read,validate,stage}.py main(), when they exist, and
-            with --quick bench/soak.py --quick (a few random kills; every failure count must be 0)
+            with --quick bench/soak.py --quick (a few random kills; every failure count must be 0),
+            bench/scale_model.py --quick and bench/nodes.py --quick (shuffle --to-nodes, 4 MPI processes)
 
 Cases of a section run round-robin (A, B, C, A, B, C, ...) in child processes, and the table
 quotes the median of --runs (3; 1 with --quick). The page cache is dropped before every timed
@@ -42,7 +43,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 
 BENCH = Path(__file__).resolve().parent
 sys.path[0] = str(BENCH.parent)  # the repo, not bench/, where shuffle.py would hide the shuffle package
@@ -500,8 +500,9 @@ def section_scripts(ctx: Ctx, size: str) -> list[dict]:
     accepts `corpus=`). A missing script is shown; one that raises fails the run."""
     rows = []
     # The fault soak's --quick (a few kills) is a smoke run; a full soak (bench/soak.py --kills 500)
-    # takes over an hour and is run on its own. Likewise the scale model's tiny model and its full one.
-    for name in SCRIPTS + (["soak", "scale_model"] if ctx.quick else []):
+    # takes over an hour and is run on its own. Likewise the scale model's tiny model and its full one, and
+    # bench/nodes.py (its full size holds a node's rows in memory, 4 processes at once: run on its own).
+    for name in SCRIPTS + (["soak", "scale_model", "nodes"] if ctx.quick else []):
         section = f"{name}.py"
         if not (BENCH / f"{name}.py").exists():
             rows.append({"section": section, "case": "-", "_required": False, "note": f"bench/{name}.py does not exist"})

