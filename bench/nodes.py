@@ -559,7 +559,7 @@ def main(size=None, quick: bool = False, *, runs: int = 1, work: Path | None = N
              f"{runs} round(s), the median's row. MB/s and read / tokens count the sources' token bytes "
              f"({token_bytes / 1e6:,.1f} MB); the replacement row its slice's ({node_tokens / 1e6:,.1f} MB).",
              "shared written: RUN's files (manifests, 8-byte row hashes) and ext4's journal; node disk written: "
-             "slices, kept sources, and the owned epoch shards written once for their checksums then removed."]
+             "slices and kept sources (an owned epoch shard's tokens are hashed, not written)."]
     columns = COLUMNS if devs.loop else [PROC_IO.get(c, c) for c in COLUMNS if c != "node disk written MB"]
     t1 = print_table(f"straight to the nodes (issue 33): {NODES} nodes on one machine", rows, columns)
     parts = [t1]
