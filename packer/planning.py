@@ -493,7 +493,7 @@ def _nodes_lines(r: PlanResult) -> list[str]:
             continue
         rounds = "rounds unknown (a node's rows do not fit --memory)" if e["rounds"] is None else (
             counted(e['rounds'], 'exchange round') + ("" if e["rounds_exact"] else " at least" if
-                                                     e["packing"] == "best-fit" else " (estimated)"))
+                                                     e["rounds_bound"] == "at least" else " (estimated)"))
         lines.append(f"  epoch {e['epoch']}: {e['packing']}, {e['samples']:,} samples, {e['shards']:,} epoch shards, "
                      f"{rounds}")
     head = ("node", "shared read", "local read", "sent", "received", "slice", "kept sources", "scratch", "needs",
@@ -728,6 +728,7 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
     from tokpack.formats.manifest import nodes_sidecar
     from tokpack.formats.slices import RankRows
     from tokpack.packer.exchange import _numbering, dest_template, node_dest
+    from tokpack.shuffle import packings
     from tokpack.packer.slicing import SLICE_ENTRY_BYTES, SLICE_HEADER_BYTES
     from tokpack.packer.staging import on_disk
     from tokpack.shuffle.packed import release_passes
@@ -772,7 +773,9 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
         details.append({"epoch": epoch, "path": "to-nodes", "samples": plan.samples, "shards": job.n_shards,
                         "rounds": None if None in rounds else max(rounds),
                         "rounds_exact": all(f["rounds_exact"] for f in figures),
-                        "packing": "best-fit" if padded else "windows"})
+                        "packing": packings.of_plan(plan).name,
+                        # best-fit: which node reads a piece is in the row table only the command builds
+                        "rounds_bound": "at least" if padded else "estimated"})
         idle = [f["node"] for f in figures if not f["source_shards"]]
         if idle:  # split_shards gives at most one process a shard
             notes.append(f"epoch {epoch}: {'node' if len(idle) == 1 else 'nodes'} {', '.join(map(str, idle))} read no source shard (the epoch uses "
