@@ -212,6 +212,9 @@ def together(comm, fn):
         result, mine = fn(), None
     except (TokpackError, OSError) as e:
         result, mine = None, _as_error(e)
+    except Exception as e:  # noqa: BLE001 - a bug here: the others hear of it, this process reports it as one
+        comm.allgather(_peer_line(e))
+        raise
     failed = comm.allgather(None if mine is None or isinstance(mine, PeerFailed) else str(mine))
     if mine is not None:
         if comm.Get_size() > 1 and not isinstance(mine, PeerFailed) and not mine.message.startswith(f"node {node}: "):
@@ -221,6 +224,13 @@ def together(comm, fn):
         if line is not None:
             raise PeerFailed(f"node {other} failed: {line}")
     return result
+
+
+def _peer_line(e: BaseException) -> str:
+    """What the other nodes say of this one's failure."""
+    if isinstance(e, (TokpackError, OSError)):
+        return str(_as_error(e))
+    return f"internal error (a bug in tokpack): {type(e).__name__}: {e}"
 
 
 def _as_error(e: TokpackError | OSError) -> TokpackError:
@@ -535,7 +545,9 @@ class _InMemory:
     def __init__(self, ne: _NodeEpoch, pad_id: int):
         shape, dtype = (ne.store_rows, ne.plan.row_tokens), ne.job.token_dtype
         # every row is written: its pages faulted in at once, not one by one as the rounds land
-        self.rows_of = anonymous(shape[0] * shape[1] * dtype.itemsize, populate=True).view(dtype).reshape(shape)
+        nbytes = shape[0] * shape[1] * dtype.itemsize
+        self.rows_of = (anonymous(nbytes, populate=True).view(dtype).reshape(shape) if nbytes
+                        else np.empty(shape, dtype))  # a node without rows this epoch
         if ne.padded and pad_id:  # best-fit rows end in padding (windows fill every row; zero: as mapped)
             self.rows_of[:] = pad_id
 
@@ -638,8 +650,8 @@ def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int, layout: Layout | N
                 exhausted = item is None
                 if item is not None:
                     pending.append(item)
-        except (TokpackError, OSError) as e:
-            failure = _as_error(e)
+        except Exception as e:  # noqa: BLE001 - reported at the next round's allgather, where every process is
+            failure = _as_error(e) if isinstance(e, (TokpackError, OSError)) else e
         take, count = [], 0
         while pending and count < per_round:  # about per_round tokens this round, whole pieces
             pieces, tokens = pending.pop(0)
@@ -650,7 +662,7 @@ def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int, layout: Layout | N
                 pieces, tokens = pieces[:cut], tokens[:int(ends[cut - 1])]
             take.append((pieces, tokens))
             count += len(tokens)
-        status = comm.allgather((count, None if failure is None else str(failure)))
+        status = comm.allgather((count, None if failure is None else _peer_line(failure)))
         if failure is not None:
             raise failure
         for node, (_, line) in enumerate(status):
@@ -679,8 +691,8 @@ def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int, layout: Layout | N
         _alltoallv(comm, MPI, send_tokens, token_counts * dtype.itemsize, got_tokens, recv[:, 1] * dtype.itemsize)
         try:
             _receive(ne, stores, pad, got_pieces, got_tokens)
-        except (TokpackError, OSError) as e:
-            failure = _as_error(e)
+        except Exception as e:  # noqa: BLE001 - reported at the next round's allgather, where every process is
+            failure = _as_error(e) if isinstance(e, (TokpackError, OSError)) else e
     stores.finish()
     if len(pad) and (pad.min() < 0 or (not ne.padded and pad.max() > 0)):
         raise TokpackError("internal error: the exchange filled a row of this node wrongly",
@@ -919,9 +931,7 @@ def _shuffle_to_nodes(stop: _OnSigterm, sources, output, dest, *, ranks_per_node
     stop.attach(MPI, comm)
     log = log if n == 0 and log is not None else (lambda line: None)
     t0 = time.perf_counter()
-    if micro_batch < 1:
-        raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
-    a, b, w = slice_ranks(node=f"{n}/{N}", ranks_per_node=ranks_per_node)
+    a, b, w = slice_ranks(node=f"{n}/{N}", ranks_per_node=ranks_per_node, micro_batch=micro_batch)
     template = dest_template(dest)
     dest = node_dest(dest, n)
     if "://" in str(dest) or "://" in str(output):

@@ -590,7 +590,7 @@ def _node_epoch_figures(job, manifest: dict, figures, first: int, nodes: int, ra
     per_row = int(manifest["fragments"]) / max(1, plan.samples)  # the index's fragments, at the epoch's mean
     out, nes = [], []
     for n in range(nodes):
-        a, b, _ = slice_ranks(node=f"{n}/{nodes}", ranks_per_node=ranks_per_node)
+        a, b, _ = slice_ranks(node=f"{n}/{nodes}", ranks_per_node=ranks_per_node, micro_batch=micro_batch)
         # `prepared` says only whether the epoch moves document pieces: the row table itself is
         # the command's to build (plan_shuffle counts it by table_estimate)
         ne = _NodeEpoch(job, sources, rows, first, n, nodes, (a, b), {"table": None} if padded else {})
@@ -735,6 +735,9 @@ def plan_to_nodes(paths: list[str], weights, output: str, dest: str, *, nodes: i
     from tokpack.shuffle.run import run_manifest_of, setup_run
     from tokpack.shuffle.schedule import epoch_numbers
 
+    from tokpack.packer.slicing import slice_ranks
+
+    slice_ranks(node=f"0/{nodes}", ranks_per_node=ranks_per_node, micro_batch=micro_batch)  # before a list a node
     nic = float(nic_mbps or NIC_MBPS)
     *paths, output = _local(list(paths) + [str(output)])
     if "://" in str(dest) or (keep_sources is not None and "://" in str(keep_sources)):

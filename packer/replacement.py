@@ -74,7 +74,7 @@ def stage_replacement(run_dir, dest, *, node, ranks_per_node: int, micro_batch: 
     t0 = time.perf_counter()
     memory = DEFAULT_MEMORY if memory is None else int(memory)
     out, dest = Path(run_dir), Path(dest)
-    a, b, w = slice_ranks(node=node, ranks_per_node=ranks_per_node)
+    a, b, w = slice_ranks(node=node, ranks_per_node=ranks_per_node, micro_batch=micro_batch)
     rows = RankRows(w, micro_batch, 0)
     with OutputLock(str(dest), holder_name("stage")):
         previous = _own_dest(dest, out, (a, b), w, micro_batch)

@@ -114,14 +114,20 @@ MAX_SLICE_RANKS = 256
 MAX_GLOBAL_BATCH = 1 << 48
 
 
-def slice_ranks(ranks=None, world_size: int | None = None, node=None, ranks_per_node: int | None = None
-                ) -> tuple[int, int, int]:
+def slice_ranks(ranks=None, world_size: int | None = None, node=None, ranks_per_node: int | None = None,
+                micro_batch: int | None = None) -> tuple[int, int, int]:
     """(A, B, W) from `--ranks A-B --world-size W` or `--node n/N --ranks-per-node K` (W = N*K),
-    with at most MAX_SLICE_RANKS ranks, checked before anything is written."""
+    with at most MAX_SLICE_RANKS ranks and, given `micro_batch` m, W*m at most MAX_GLOBAL_BATCH:
+    checked before anything is written, for every command that makes a node slice."""
     a, b, w = _slice_ranks(ranks, world_size, node, ranks_per_node)
     at_most(b - a + 1, MAX_SLICE_RANKS, "ranks in one node slice", where="--ranks/--ranks-per-node",
             hint="a node slice holds the ranks of one node: stage each node's ranks (--node n/N) on that node")
     at_most(w, MAX_WORLD_SIZE, "world size", where="--world-size", hint="W is the number of data-parallel ranks that read the run")
+    if micro_batch is not None:
+        if micro_batch < 1:
+            raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
+        at_most(w * micro_batch, MAX_GLOBAL_BATCH, "samples in a global batch (W*m)", where="--world-size/--micro-batch",
+                hint="W is the data-parallel ranks and m the samples each reads per step; a run holds far fewer samples")
     return a, b, w
 
 
@@ -407,11 +413,7 @@ def slice_files(rows: int, row_bytes: int, fragments_per_row: float, padded: boo
 
 def plan_slice(src: Source, ranks=None, world_size: int | None = None, micro_batch: int = 1, node=None,
                ranks_per_node: int | None = None, start_sample: int = 0, epochs=None) -> SlicePlan:
-    a, b, w = slice_ranks(ranks, world_size, node, ranks_per_node)
-    if micro_batch < 1:
-        raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
-    at_most(w * micro_batch, MAX_GLOBAL_BATCH, "samples in a global batch (W*m)", where="--world-size/--micro-batch",
-            hint="W is the data-parallel ranks and m the samples each reads per step; a run holds far fewer samples")
+    a, b, w = slice_ranks(ranks, world_size, node, ranks_per_node, micro_batch)
     rows = RankRows(w, micro_batch, start_sample)
     run = src.manifest("")
     if run["kind"] != "run":

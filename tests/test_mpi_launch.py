@@ -5,6 +5,7 @@ for the only node and write a whole epoch."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -105,3 +106,33 @@ def test_a_later_epoch_by_like_equals_the_run_written_whole(source, tmp_path):
                            text=True, timeout=300, env=ENV)
     assert twice.returncode != 0 and twice.stderr.count("--seed") >= NODES, twice.stderr[-2000:]
     assert not (tmp_path / "node0" / "epoch-00002").exists()
+
+
+def test_a_node_without_rows_and_a_micro_batch_past_its_bound(source, tmp_path):
+    """A global batch larger than the epoch leaves node 1 no rows (it crashed allocating an empty
+    store, and node 0 waited in a collective until killed): both slices equal stage --node's.
+    W*m past MAX_GLOBAL_BATCH is one line on every process before anything is written."""
+    from test_mpi import cli, tree
+
+    exe = mpirun()
+    args = [str(source), "--seq-len", "63", "--seed", "5", "--epochs", "1"]
+    nodes = [exe, "--oversubscribe", "-n", "2", sys.executable, "-m", "tokpack", "shuffle", *args]
+    run = tmp_path / "run"
+    cli("shuffle", *args, "-o", run)
+    m = 10 ** 6
+    done = subprocess.run([*nodes, "-o", str(tmp_path / "exchanged"), "--to-nodes", str(tmp_path / "node{node}"),
+                           "--ranks-per-node", "1", "--micro-batch", str(m)], capture_output=True, text=True,
+                          timeout=120, env=ENV)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for n in range(2):
+        cli("stage", run, tmp_path / f"staged{n}", "--node", f"{n}/2", "--ranks-per-node", 1, "--micro-batch", m)
+        have, want = tree(tmp_path / f"node{n}"), tree(tmp_path / f"staged{n}")
+        have.pop("tokpack.json"), want.pop("tokpack.json")  # the root names its RUN
+        assert have == want, n
+    assert json.loads((tmp_path / "node1" / "epoch-00000" / "tokpack.json").read_text())["tokens"] == 0  # no rows
+    big = subprocess.run([*nodes, "-o", str(tmp_path / "big"), "--to-nodes", str(tmp_path / "big{node}"),
+                          "--ranks-per-node", "1", "--micro-batch", str(10 ** 15)], capture_output=True, text=True,
+                         timeout=120, env=ENV)
+    lines = [x for x in big.stderr.splitlines() if x.startswith("tokpack: error:")]
+    assert big.returncode != 0 and len(lines) == 2 and all("global batch (W*m) is too large" in x for x in lines)
+    assert not (tmp_path / "big").exists() and not (tmp_path / "big0").exists()
