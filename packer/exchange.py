@@ -338,6 +338,10 @@ class _NodeEpoch:
         later command plans from the copies and opens nothing in the shared source folders
         (kept_copies). Returns the bytes copied now."""
         copied, need = 0, self.kept_shards()
+        # the shards this epoch reads whole (checked by ShardHashes as they are read); the next
+        # one, which its last windows run into, and best-fit's indexes are read in part or
+        # elsewhere: their copies are checked here, each epoch
+        whole = {(s, k) for s, k0, k1 in self.runs() for k in range(k0, k1)}
         kept = list(self.sources)
         record = _kept_record(folder)
         for s, src in enumerate(self.sources):
@@ -347,11 +351,11 @@ class _NodeEpoch:
             if not (d / MANIFEST).exists():
                 write_bytes_atomic(d / MANIFEST, read_limited(home / MANIFEST, MAX_MANIFEST_BYTES, "manifest"),
                                    fsync=True)
-            for k in sorted(need.get(s, ())):
-                copied += _keep_shard(src, k, d)
+            for k in sorted(need.get(s, ())):  # one read whole by this epoch is verified as it is read
+                copied += _keep_shard(src, k, d, verify=(s, k) not in whole)
             if self.padded:
                 for k in range(len(src.shards)):
-                    copied += _keep_shard(src, k, d, INDEX_SUFFIX)
+                    copied += _keep_shard(src, k, d, INDEX_SUFFIX, verify=True)
             kept[s] = replace(open_source(d, check_sizes=False), kept_from=home)  # its other shards are never read here
             record[source_location(home)] = src.fingerprint
         if record != _kept_record(folder):
@@ -402,10 +406,11 @@ class _NodeEpoch:
                 del data
 
 
-def _keep_shard(src, k: int, folder: Path, suffix: str = "") -> int:
+def _keep_shard(src, k: int, folder: Path, suffix: str = "", verify: bool = False) -> int:
     """Source shard k (with `suffix` ".index": its document index) copied from the source's own
     folder into `folder` (its xxh3_128 checked as it streams, renamed into place once whole); a
-    copy already there at its size is kept (the epoch's reads verify it). Returns the bytes copied."""
+    copy already there at its size is kept: as it is (the epoch's reads verify it), or, `verify`,
+    once its xxh3_128 is the manifest's (a copy that differs is copied again). Returns the bytes copied."""
     shard = src.shards[k]
     if suffix:
         size, want = int(shard["documents"]) * 8, shard["index_xxh3_128"]  # one uint64 end a document
@@ -413,7 +418,7 @@ def _keep_shard(src, k: int, folder: Path, suffix: str = "") -> int:
         size, want = int(shard["tokens"]) * src.dtype.itemsize, shard["xxh3_128"]
     name = f"{shard['path']}{suffix}"
     target = folder / name
-    if target.is_file() and target.stat().st_size == size:
+    if target.is_file() and target.stat().st_size == size and (not verify or _hash_of(target, size) == want):
         return 0
     tmp = tmp_path(target)
     h = xxhash.xxh3_128()
@@ -430,6 +435,15 @@ def _keep_shard(src, k: int, folder: Path, suffix: str = "") -> int:
         tmp.unlink(missing_ok=True)
         raise
     return size
+
+
+def _hash_of(path: Path, size: int) -> str:
+    h = xxhash.xxh3_128()
+    with open_read(path, size=size) as f:  # through the gate: a regular file of its recorded size
+        buf = memoryview(bytearray(min(max(size, 1), KEEP_BLOCK)))
+        while n := f.readinto(buf):
+            h.update(buf[:n])
+    return h.hexdigest()
 
 
 # In a --keep-sources folder: each kept source's location (as manifests name it) -> its fingerprint,

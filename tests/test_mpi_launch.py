@@ -136,3 +136,34 @@ def test_a_node_without_rows_and_a_micro_batch_past_its_bound(source, tmp_path):
     lines = [x for x in big.stderr.splitlines() if x.startswith("tokpack: error:")]
     assert big.returncode != 0 and len(lines) == 2 and all("global batch (W*m) is too large" in x for x in lines)
     assert not (tmp_path / "big").exists() and not (tmp_path / "big0").exists()
+
+
+def test_a_kept_copy_edited_after_it_was_kept_is_copied_again_not_trained_on(source, tmp_path):
+    """Node 0 keeps its source shards and the next one, whose first rows its last windows read
+    and no other check of this node covers. That copy edited (same size) before epoch 1: epoch 1
+    copies it again from the source and its bytes are shuffle + stage's (it trained on the
+    edited byte before: node 1's slice held a row that no source holds)."""
+    from test_mpi import cli, tree
+
+    exe = mpirun()
+    args = [str(source), "--seq-len", "63", "--seed", "5", "--shard-samples", "12"]
+    run = tmp_path / "run"
+    cli("shuffle", *args, "--epochs", 2, "-o", run)
+    nodes = [exe, "--oversubscribe", "-n", "2", sys.executable, "-m", "tokpack", "shuffle", *args,
+             "-o", str(tmp_path / "exchanged"), "--to-nodes", str(tmp_path / "node{node}"), "--ranks-per-node", "1",
+             "--micro-batch", "2", "--keep-sources", str(tmp_path / "kept{node}")]
+    first = subprocess.run([*nodes, "--epoch", "0"], capture_output=True, text=True, timeout=120, env=ENV)
+    assert first.returncode == 0, first.stderr[-2000:]
+    copy = max((tmp_path / "kept0").glob("*/*.ds"))  # node 0's last kept shard: the one after its part
+    original = copy.read_bytes()
+    edited = bytearray(original)
+    edited[2] ^= 1  # its first row: the one node 0's last window runs into
+    copy.write_bytes(bytes(edited))
+    later = subprocess.run([*nodes, "--epoch", "1"], capture_output=True, text=True, timeout=120, env=ENV)
+    assert later.returncode == 0, later.stderr[-2000:]
+    assert copy.read_bytes() == original
+    for n in range(2):
+        cli("stage", run, tmp_path / f"staged{n}", "--node", f"{n}/2", "--ranks-per-node", 1, "--micro-batch", 2)
+        have, want = tree(tmp_path / f"node{n}"), tree(tmp_path / f"staged{n}")
+        have.pop("tokpack.json"), want.pop("tokpack.json")
+        assert have == want, n
