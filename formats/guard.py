@@ -36,17 +36,22 @@ _held: dict[str, int] = {}  # lock path -> nesting depth, for this process
 _held_guard = threading.Lock()
 
 
-def process_start(pid: int) -> str | None:
-    """The start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22), or None
-    where /proc is absent. Together with the pid it names one process, even after pid reuse."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat from field 3 (the state) on, or None where /proc is absent."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read().decode(errors="replace")
     except OSError:
         return None
     # the command name (field 2) may hold spaces and parentheses: count from the last ')'
-    fields = stat[stat.rfind(")") + 2:].split()
-    return fields[19] if len(fields) > 19 else None
+    return stat[stat.rfind(")") + 2:].split()
+
+
+def process_start(pid: int) -> str | None:
+    """The start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22), or None
+    where /proc is absent. Together with the pid it names one process, even after pid reuse."""
+    fields = _stat_fields(pid)
+    return fields[19] if fields is not None and len(fields) > 19 else None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -56,7 +61,11 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # someone else's process: alive
         return True
-    return True
+    # A zombie answers kill(0) until its parent reaps it, yet it holds no file and writes nothing
+    # more: mpirun SIGKILLs the other ranks of a failed job and exits without reaping them, so a
+    # rerun started at once met its own dead processes as live holders.
+    fields = _stat_fields(pid)
+    return not (fields and fields[0] in ("Z", "X"))
 
 
 def _os_error(e: OSError) -> str:

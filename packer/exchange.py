@@ -97,7 +97,9 @@ class _OnSigterm:
     thread the kernel picked). The first process stopped tells the others (a message on a
     communicator of its own, MPI_THREAD_MULTIPLE permitting) before it exits: when the launcher
     then sends them SIGTERM in turn, they exit without a line, so the one line names the node
-    that was stopped."""
+    that was stopped. Open MPI's launcher follows its SIGTERM with a SIGKILL at once and exits
+    without reaping: the others' locks may stay behind, held by zombies, which the output lock
+    counts as gone (formats/guard.py), so the rerun takes them over."""
 
     TAG = 33
 

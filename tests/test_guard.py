@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -140,3 +141,25 @@ def test_temporaries_of_dead_commands_are_removed_and_a_live_ones_kept(tmp_path,
     live.write_text("")
     OutputLock(tmp_path, "tokpack pack").acquire().release()
     assert not gone.exists() and live.exists()
+
+
+def test_a_holder_that_is_a_zombie_is_gone(tmp_path):
+    """A holder killed but not yet reaped (a zombie: mpirun SIGKILLs a failed job's other ranks and
+    exits without reaping them, so a rerun started at once meets them) holds nothing: the lock is
+    taken over, not refused as in use."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        path = tmp_path / LOCK_NAME
+        path.write_text(json.dumps(holder(proc.pid)))
+        proc.kill()
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":  # not reaped: a zombie
+            assert time.monotonic() < deadline, "the killed process never became a zombie"
+        said = []
+        lock = OutputLock(tmp_path, "tokpack shuffle", log=said.append).acquire()
+        assert json.loads(path.read_text())["token"] == lock.token
+        assert len(said) == 1 and "taking over the stale lock" in said[0] and str(proc.pid) in said[0]
+        lock.release()
+    finally:
+        proc.kill()
+        proc.wait()
