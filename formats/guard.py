@@ -65,7 +65,12 @@ def _pid_alive(pid: int) -> bool:
     # more: mpirun SIGKILLs the other ranks of a failed job and exits without reaping them, so a
     # rerun started at once met its own dead processes as live holders.
     fields = _stat_fields(pid)
-    return not (fields and fields[0] in ("Z", "X"))
+    if not (fields and fields[0] in ("Z", "X")):
+        return True
+    try:  # a leader thread that exited alone is a zombie too, while the process's other threads run
+        return len(os.listdir(f"/proc/{pid}/task")) > 1
+    except OSError:
+        return False
 
 
 def _os_error(e: OSError) -> str:

@@ -163,3 +163,22 @@ def test_a_holder_that_is_a_zombie_is_gone(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_holder_whose_main_thread_exited_alone_is_still_live(tmp_path):
+    """A process whose leader thread exited by itself shows as a zombie while its other threads
+    still run (and may write): the lock stays refused."""
+    code = ("import ctypes, threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()\n"
+            "print('ready', flush=True)\nctypes.CDLL(None).pthread_exit(None)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the leader thread never exited"
+        (tmp_path / LOCK_NAME).write_text(json.dumps(holder(proc.pid)))
+        with pytest.raises(TokpackError, match=f"in use by another tokpack command .*pid {proc.pid}"):
+            OutputLock(tmp_path, "tokpack shuffle").acquire()
+    finally:
+        proc.kill()
+        proc.wait()
