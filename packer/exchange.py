@@ -82,8 +82,9 @@ NODE = "{node}"  # in DEST: replaced by the process's node number
 MIN_ROUND_ROWS = 4
 # Bytes of one Alltoallv's buffer: MPI's counts and displacements are C ints.
 MAX_MESSAGE_BYTES = (1 << 31) - 1
-# Rows handed to a writer at once: bounded temporaries whatever the slice's size.
-WRITE_ROWS = 1 << 14
+# Bytes of rows handed to a writer at once: bounded temporaries (the gathered rows, their EOS
+# mask and index) whatever the slice's size or its rows' length; at least one row.
+WRITE_BYTES = 32 << 20
 
 
 class _OnSigterm:
@@ -499,8 +500,9 @@ def _changed(shard, expected: str, found: str):
 # Bytes of index arithmetic per token a round moves (_ranges' temporaries, one call at a time).
 TOKEN_OVERHEAD = 24
 # What a process holds beside --memory, whatever the epoch's size: the interpreter, numpy,
-# mpi4py and MPI's own buffers, RANGE_CHUNK tokens of index arithmetic (bench/nodes.py measures
-# 165-175 MB; tests/test_mpi.py holds every process to it).
+# mpi4py and MPI's own buffers, RANGE_CHUNK tokens of index arithmetic, WRITE_BYTES of rows on
+# their way to a writer with their EOS mask and index (bench/nodes.py and bench/rounds.py
+# measure it, BENCHMARKS.md "Straight to the nodes"; tests/test_mpi.py holds every process to it).
 MEMORY_ALLOWANCE = 256 << 20
 # Bytes per row of a bucket read back, beyond 4 copies of its tokens (the bucket's rows, the
 # tokens read from its file, RankFiles' copy of one rank's rows, the index's EOS mask and more):
@@ -863,8 +865,9 @@ class RankFiles:
 
 
 def _write_rows(writer, rows: np.ndarray, pad: np.ndarray | None, sel) -> None:
-    for c in range(0, len(sel), WRITE_ROWS):
-        t = rows[sel[c:c + WRITE_ROWS]]
+    step = max(1, WRITE_BYTES // max(1, rows[:1].nbytes))
+    for c in range(0, len(sel), step):
+        t = rows[sel[c:c + step]]
         writer.write_tokens(t)
         writer.write_index(t)
     if pad is not None:

@@ -58,3 +58,34 @@ def test_whole_rows_move_as_rows_and_a_row_filled_twice_shows_in_its_count():
     _place(store, pad, np.array([2, 0, 2]), pieces, tokens, starts)  # row 2 twice, row 1 never
     assert pad.tolist() == [0, row, -row]  # exchange_epoch refuses both (min < 0, max > 0)
     assert store[0].tolist() == list(range(0, 5)) and store[2].tolist() == list(range(10, 15))
+
+
+def test_a_writer_is_handed_bounded_bytes_of_rows_whatever_their_length(monkeypatch):
+    """The rows a rank file's writer gets at once, gathered in a temporary with their EOS mask and
+    index, are at most WRITE_BYTES (at least one row), not a fixed count of rows: 16,384 rows of
+    seq_len 4096 were 134 MB at once, past the fixed allowance beside --memory
+    (bench/rounds.py at 1 GiB: peak RSS 273 MB over --memory)."""
+    monkeypatch.setattr(exchange, "WRITE_BYTES", 5 * 8194)
+
+    class Writer:
+        def __init__(self):
+            self.tokens, self.index, self.pad = [], [], None
+
+        def write_tokens(self, t):
+            self.tokens.append(np.array(t))
+
+        def write_index(self, t):
+            self.index.append(len(t))
+
+        def write_pad(self, p):
+            self.pad = np.array(p)
+
+    for row, want in ((4097, 5), (40000, 1)):  # 5 rows of 8,194 bytes a time; a row longer than the bound alone
+        rows = np.random.default_rng(row).integers(0, 60000, (23, row)).astype(np.uint16)
+        sel = np.array([3, 0, 22, 5, 5, 9, 1, 17, 2, 11, 4, 8], dtype=np.int64)
+        pad = np.arange(23, dtype=np.int64)
+        w = Writer()
+        exchange._write_rows(w, rows, pad, sel)
+        assert [len(t) for t in w.tokens] == [want] * (len(sel) // want) + ([len(sel) % want] if len(sel) % want else [])
+        assert w.index == [len(t) for t in w.tokens]
+        assert np.concatenate(w.tokens).tolist() == rows[sel].tolist() and w.pad.tolist() == pad[sel].tolist()
