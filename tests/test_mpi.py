@@ -38,12 +38,19 @@ def mpirun() -> str:
     return found
 
 
+# Open MPI's launcher stops every other process (SIGTERM, then SIGKILL at once) when one exits
+# non-zero: a process about to print its own line may be killed first (seen: 2 runs in 15 under
+# load). A test that counts every process's line, where each process exits by itself, keeps them all.
+EVERY_LINE = ["--enable-recovery"]
+
+
 def to_nodes(run: Path, dest: str, *args, n: int = NODES, timeout: int = 120,
-             env: dict | None = None) -> subprocess.CompletedProcess:
-    """`env`: more variables for every process (an audit hook's, with its PYTHONPATH)."""
+             env: dict | None = None, every_line: bool = False) -> subprocess.CompletedProcess:
+    """`env`: more variables for every process (an audit hook's, with its PYTHONPATH);
+    `every_line`: EVERY_LINE, for a failure every process reports by itself."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "OMPI_MCA_rmaps_base_oversubscribe": "1", "TOKPACK_PROGRESS": "0", **(env or {})}
-    cmd = [mpirun(), "--oversubscribe", "-n", str(n), sys.executable, "-m", "tokpack", "shuffle", *map(str, args),
+    cmd = [mpirun(), "--oversubscribe", *(EVERY_LINE if every_line else []), "-n", str(n), sys.executable, "-m", "tokpack", "shuffle", *map(str, args),
            "-o", str(run), "--to-nodes", dest, "--ranks-per-node", str(K), "--micro-batch", str(M), "--json"]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
@@ -479,7 +486,7 @@ def test_a_dest_or_run_in_use_by_another_command_is_refused(source, tmp_path):
     args = [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 1, "--shard-samples", 12, "--memory", MEMORY]
     for held, node in ((tmp_path / "node1", 1), (tmp_path / "run", 0)):
         with OutputLock(str(held), "tokpack stage (a test)"):
-            done = to_nodes(tmp_path / "run", str(tmp_path / "node{node}"), *args)
+            done = to_nodes(tmp_path / "run", str(tmp_path / "node{node}"), *args, every_line=True)
         assert done.returncode == 1 and "in use by another tokpack command" in done.stderr, done.stderr
         assert f"node {node} failed" in done.stderr and "Traceback" not in done.stderr
         assert not list(tmp_path.rglob(MANIFEST)) and not list(tmp_path.rglob("*.ds"))
@@ -503,7 +510,7 @@ def test_a_full_dest_is_one_line_naming_its_node_and_a_rerun_with_space_gives_th
     if mounted.returncode != 0:
         pytest.skip(f"a small filesystem for node 1's DEST needs mount (root): {mounted.stderr.strip()}")
     try:
-        done = to_nodes(exchanged, dest, *args)
+        done = to_nodes(exchanged, dest, *args, every_line=True)
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
         lines = [line for line in done.stderr.splitlines() if line.startswith("tokpack: error:")]
         assert len(lines) == NODES, done.stderr
