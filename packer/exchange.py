@@ -82,6 +82,10 @@ NODE = "{node}"  # in DEST: replaced by the process's node number
 MIN_ROUND_ROWS = 4
 # Bytes of one Alltoallv's buffer: MPI's counts and displacements are C ints.
 MAX_MESSAGE_BYTES = (1 << 31) - 1
+# Token bytes a process reads a round, at most, whatever --memory allows: a round's buffers are
+# fresh memory, and larger ones cost more per byte to fault in than they save in rounds (bench/
+# rounds.py, BENCHMARKS.md "Straight to the nodes"); at 48 nodes a round still sends megabytes a peer.
+MAX_ROUND_BYTES = 64 << 20
 # Bytes of rows handed to a writer at once: bounded temporaries (the gathered rows, their EOS
 # mask and index) whatever the slice's size or its rows' length; at least one row.
 WRITE_BYTES = 32 << 20
@@ -537,8 +541,9 @@ def memory_plan(ne: _NodeEpoch, memory: int) -> tuple[int, int | None]:
     --to-nodes` reports too."""
     job = ne.job
     per_token = 4 * job.token_dtype.itemsize + TOKEN_OVERHEAD
-    limit = MAX_MESSAGE_BYTES // (2 * job.token_dtype.itemsize)
     least = MIN_ROUND_ROWS * job.plan.row_tokens
+    limit = min(MAX_MESSAGE_BYTES // (2 * job.token_dtype.itemsize),
+                max(MAX_ROUND_BYTES // job.token_dtype.itemsize, least))
     t = min((memory - ne.keep_bytes) // per_token, limit)
     if t >= least:
         return int(t), None

@@ -89,3 +89,22 @@ def test_a_writer_is_handed_bounded_bytes_of_rows_whatever_their_length(monkeypa
         assert [len(t) for t in w.tokens] == [want] * (len(sel) // want) + ([len(sel) % want] if len(sel) % want else [])
         assert w.index == [len(t) for t in w.tokens]
         assert np.concatenate(w.tokens).tolist() == rows[sel].tolist() and w.pad.tolist() == pad[sel].tolist()
+
+
+def test_a_round_reads_at_most_max_round_bytes_whatever_memory_allows():
+    """--memory sets the rounds only up to MAX_ROUND_BYTES of tokens a process reads (2 rounds of
+    256 MiB moved 91-101 MB/s a process, 8 of 64 MiB 198-232: bench/rounds.py), and never below
+    MIN_ROUND_ROWS rows, however long a row."""
+    from types import SimpleNamespace
+
+    from tokpack.packer.exchange import MAX_ROUND_BYTES, MIN_ROUND_ROWS, memory_plan
+
+    def node(row_tokens):
+        job = SimpleNamespace(token_dtype=np.dtype(np.uint16), plan=SimpleNamespace(row_tokens=row_tokens, epoch=0),
+                              row_bytes=2 * row_tokens)
+        return SimpleNamespace(job=job, keep_bytes=1 << 20, index_bytes=1 << 10, store_rows=100)
+
+    assert memory_plan(node(4097), 1 << 40) == (MAX_ROUND_BYTES // 2, None)
+    assert memory_plan(node(4097), (1 << 20) + 32 * 50_000) == (50_000, None)  # below the cap: --memory's
+    long_row = MAX_ROUND_BYTES  # tokens: 4 rows are 8x the cap
+    assert memory_plan(node(long_row), 1 << 40) == (MIN_ROUND_ROWS * long_row, None)
