@@ -97,7 +97,8 @@ def main(size="512MiB", runs: int = 5, rounds_mib=(8, 64, 256), out: Path | None
     print("\n".join(f"- {n}" for n in notes))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(f"Command: `python bench/rounds.py --size {size} --runs {runs}`\n\n{text}")
+        mib = ",".join(map(str, rounds_mib))
+        out.write_text(f"Command: `python bench/rounds.py --size {size} --runs {runs} --rounds-mib {mib}`\n\n{text}")
     return rows
 
 
