@@ -50,10 +50,10 @@ def to_nodes(run: Path, dest: str, *args, n: int = NODES, timeout: int = 120,
     `every_line`: EVERY_LINE, for a failure every process reports by itself."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "OMPI_MCA_rmaps_base_oversubscribe": "1", "TOKPACK_PROGRESS": "0", **(env or {})}
-    cmd = [mpirun(), "--oversubscribe", *(EVERY_LINE if every_line else []), "-n", str(n), sys.executable, "-m", "tokpack", "shuffle", *map(str, args),
-           "-o", str(run), "--to-nodes", dest, "--ranks-per-node", str(K), "--micro-batch", str(M), "--json"]
+    cmd = [mpirun(), "--oversubscribe", *(EVERY_LINE if every_line else []), "-n", str(n), sys.executable, "-m",
+           "tokpack", "shuffle", *map(str, args), "-o", str(run), "--to-nodes", dest, "--ranks-per-node", str(K),
+           "--micro-batch", str(M), "--json"]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-
 
 
 def assert_every_rank_exits(pids, seconds: float = 10) -> None:
@@ -72,6 +72,7 @@ def assert_every_rank_exits(pids, seconds: float = 10) -> None:
                 break
             assert time.monotonic() < deadline, f"process {pid} of the stopped job still runs ({state})"
             time.sleep(0.05)
+
 
 def summaries(done: subprocess.CompletedProcess) -> dict[int, dict]:
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from test_executors import slurm_unavailable
-from test_mpi import EVERY_LINE, K, M, MEMORY, NODES, REPO, assert_same_slices, mpirun, source, staged  # noqa: F401 (fixture)
+from test_mpi import (EVERY_LINE, K, M, MEMORY, NODES, REPO, assert_same_slices, mpirun, source,  # noqa: F401 (fixture)
+                      staged)
 from tokpack.packer.exchange import LAUNCHER_SIZES
 
 ENV = dict(os.environ, PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
@@ -130,9 +131,9 @@ def test_a_node_without_rows_and_a_micro_batch_past_its_bound(source, tmp_path):
         have.pop("tokpack.json"), want.pop("tokpack.json")  # the root names its RUN
         assert have == want, n
     assert json.loads((tmp_path / "node1" / "epoch-00000" / "tokpack.json").read_text())["tokens"] == 0  # no rows
-    big = subprocess.run([*nodes[:2], *EVERY_LINE, *nodes[2:], "-o", str(tmp_path / "big"), "--to-nodes", str(tmp_path / "big{node}"),
-                          "--ranks-per-node", "1", "--micro-batch", str(10 ** 15)], capture_output=True, text=True,
-                         timeout=120, env=ENV)
+    big = subprocess.run([*nodes[:2], *EVERY_LINE, *nodes[2:], "-o", str(tmp_path / "big"), "--to-nodes",
+                          str(tmp_path / "big{node}"), "--ranks-per-node", "1", "--micro-batch", str(10 ** 15)],
+                         capture_output=True, text=True, timeout=120, env=ENV)
     lines = [x for x in big.stderr.splitlines() if x.startswith("tokpack: error:")]
     assert big.returncode != 0 and len(lines) == 2 and all("global batch (W*m) is too large" in x for x in lines)
     assert not (tmp_path / "big").exists() and not (tmp_path / "big0").exists()
