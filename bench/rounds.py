@@ -2,13 +2,15 @@
 --to-nodes` on 2 processes (a core each), sources in the page cache, DEST in RAM (tmpfs), with
 --memory set so that a round moves about 8, 64 or 256 MiB of the tokens a process reads.
 
-    python bench/rounds.py [--size 512MiB] [--runs 5] [--rounds-mib 8,64,256] [--out FILE]
+    python bench/rounds.py [--size 512MiB] [--runs 5] [--rounds-mib 8,64,256] [--out FILE] [--quick]
 
 Why: bench/nodes.py's per-byte row (the scale model's code rate) runs rounds of about 27 MiB; at
 the 11T-token scale a round is gigabytes. This shows whether the rate holds as rounds grow, and
 what each process holds beyond --memory (peak RSS minus --memory; exchange.MEMORY_ALLOWANCE is
 the bound). Baseline row: `cp` of the same sources into RAM, warm (the copy floor of one pass).
 Cases run round-robin; medians quoted, the range beside them; the RSS column is the largest.
+--quick (16 MiB, rounds of 1 and 4 MiB, one run) checks that every row runs: bench/run_all.py
+--quick runs it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from bench.shuffle import pack_corpus  # noqa: E402
 # --memory a round's token byte needs beside the rows kept (exchange.memory_plan: 4 copies of a
 # 2-byte token and 24 bytes of index arithmetic, per token)
 ROUND_MEMORY_PER_BYTE = 16
+SIZE, QUICK_SIZE = "512MiB", "16MiB"
 COLUMNS = ["case", "round MiB", "rounds", "MB/s a process", "range", "peak RSS - --memory MB", "note"]
 
 
@@ -49,15 +52,19 @@ def one(src: Path, ram: Path, memory: int, res: Path) -> list[dict]:
     return lines
 
 
-def main(size="512MiB", runs: int = 5, rounds_mib=(8, 64, 256), out: Path | None = None) -> list[dict]:
+def main(size=None, quick: bool = False, *, runs: int | None = None, rounds_mib=None, out: Path | None = None,
+         work: Path | None = None) -> list[dict]:
     why = mpi_missing()
     if why:
         raise SystemExit(f"rounds: {why}")
+    size = size or (QUICK_SIZE if quick else SIZE)
+    runs = runs or (1 if quick else 5)
+    rounds_mib = rounds_mib or ((1, 4) if quick else (8, 64, 256))
     t0 = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix="tokpack-rounds-"))
+    work = Path(tempfile.mkdtemp(prefix="tokpack-rounds-", dir=work))
     ram = Path(tempfile.mkdtemp(prefix="tokpack-rounds-", dir="/dev/shm" if Path("/dev/shm").is_dir() else work))
     try:
-        corpus = make_datatrove_corpus(work / "corpus", parse_size(size), files=32)
+        corpus = make_datatrove_corpus(work / "corpus", size if isinstance(size, int) else parse_size(size), files=32)
         src = pack_corpus(corpus, work / "src")
         shutil.rmtree(corpus)
         token_bytes = dir_bytes(src, ".ds")
@@ -66,13 +73,16 @@ def main(size="512MiB", runs: int = 5, rounds_mib=(8, 64, 256), out: Path | None
         memory = {r: base + ROUND_MEMORY_PER_BYTE * (r << 20) for r in rounds_mib}
         got: dict = {r: [] for r in rounds_mib}
         cp: list[float] = []
+        cp_seconds: list[float] = []
         for _ in range(runs):
             m = run_measured(f"cp -r {shlex.quote(str(src))} {shlex.quote(str(ram / 'cp'))}", cold=False)
             cp.append(token_bytes / m.seconds / 1e6)
+            cp_seconds.append(m.seconds)
             shutil.rmtree(ram / "cp")
             for r in rounds_mib:
                 got[r].append(one(src, ram, memory[r], work / "out.json"))
-        rows = [{"case": "cp -r of the sources into RAM, warm", "round MiB": "", "rounds": "",
+        rows = [{"case": "cp -r of the sources into RAM, warm", "wall s": statistics.median(cp_seconds),
+                 "round MiB": "", "rounds": "",
                  "MB/s a process": f"{statistics.median(cp):,.0f}", "range": f"{min(cp):,.0f}-{max(cp):,.0f}",
                  "peak RSS - --memory MB": "", "note": "one process; the copy floor"}]
         for r in rounds_mib:
@@ -81,7 +91,8 @@ def main(size="512MiB", runs: int = 5, rounds_mib=(8, 64, 256), out: Path | None
             over = max((j["peak_rss_bytes"] - memory[r]) / 1e6 for lines in got[r] for j in lines)
             rounds = got[r][0][0]["epochs_detail"][0]["rounds"]
             moved = token_bytes / 2 / rounds / 2**20  # a process reads half the sources
-            rows.append({"case": "exchange, 2 processes", "round MiB": f"{moved:,.0f}", "rounds": rounds,
+            seconds = statistics.median(j["epochs_detail"][0]["seconds"] for lines in got[r] for j in lines)
+            rows.append({"case": "exchange, 2 processes", "wall s": seconds, "round MiB": f"{moved:,.0f}", "rounds": rounds,
                          "MB/s a process": f"{statistics.median(rates):,.0f}",
                          "range": f"{min(rates):,.0f}-{max(rates):,.0f}", "peak RSS - --memory MB": f"{over:,.0f}",
                          "note": f"--memory {memory[r] / 2**20:,.0f} MiB; MB/s: its slice's token bytes over its "
@@ -89,11 +100,12 @@ def main(size="512MiB", runs: int = 5, rounds_mib=(8, 64, 256), out: Path | None
     finally:
         shutil.rmtree(ram, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
+    rows_shown = [{k: v for k, v in r.items() if k != "wall s"} for r in rows]
     title = f"the exchange's per-byte cost by round size ({token_bytes / 2**20:,.0f} MiB, seq_len {SEQ_LEN})"
     notes = [f"Machine: {machine_line()}, {time.strftime('%H:%M UTC', time.gmtime())}; {runs} runs, "
              f"cases round-robin, medians; sources cached, DEST in RAM",
              f"Total wall time: {time.perf_counter() - t0:,.0f} s"]
-    text = print_table(title, rows, COLUMNS) + "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    text = print_table(title, rows_shown, COLUMNS) + "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     print("\n".join(f"- {n}" for n in notes))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -104,9 +116,11 @@ def main(size="512MiB", runs: int = 5, rounds_mib=(8, 64, 256), out: Path | None
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="512MiB")
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--rounds-mib", default="8,64,256", help="round sizes, MiB of tokens a process reads")
+    ap.add_argument("--size", default=None, help=f"tokens to generate [default: {SIZE}; --quick: {QUICK_SIZE}]")
+    ap.add_argument("--runs", type=int, default=None, help="runs of every case [default: 5; --quick: 1]")
+    ap.add_argument("--rounds-mib", default=None, help="round sizes, MiB of tokens a process reads [default: 8,64,256]")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--quick", action="store_true", help="a tiny corpus: checks that every row runs")
     a = ap.parse_args()
-    main(a.size, a.runs, tuple(int(x) for x in a.rounds_mib.split(",")), a.out)
+    main(a.size, a.quick, runs=a.runs, rounds_mib=a.rounds_mib and tuple(int(x) for x in a.rounds_mib.split(",")),
+         out=a.out)

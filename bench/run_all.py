@@ -14,7 +14,8 @@ Sections (each row: wall s, MB/s of token bytes, peak RSS MB, ratio to the secti
   scaling   bench/scaling.py: shuffle time and RSS at 0.5..8 GiB, fixed --memory, fitted slope
   scripts   the rows of bench/{pack,shuffle,read,validate,stage}.py main(), when they exist, and
             with --quick bench/soak.py --quick (a few random kills; every failure count must be 0),
-            bench/scale_model.py --quick and bench/nodes.py --quick (shuffle --to-nodes, 4 MPI processes)
+            bench/scale_model.py --quick, bench/nodes.py --quick (shuffle --to-nodes, 4 MPI processes) and
+            bench/rounds.py --quick (the exchange by round size, 2 MPI processes)
 
 Cases of a section run round-robin (A, B, C, A, B, C, ...) in child processes, and the table
 quotes the median of --runs (3; 1 with --quick). The page cache is dropped before every timed
@@ -501,8 +502,8 @@ def section_scripts(ctx: Ctx, size: str) -> list[dict]:
     rows = []
     # The fault soak's --quick (a few kills) is a smoke run; a full soak (bench/soak.py --kills 500)
     # takes over an hour and is run on its own. Likewise the scale model's tiny model and its full one, and
-    # bench/nodes.py (its full size holds a node's rows in memory, 4 processes at once: run on its own).
-    for name in SCRIPTS + (["soak", "scale_model", "nodes"] if ctx.quick else []):
+    # bench/nodes.py and bench/rounds.py (their full sizes hold a node's rows in memory: run on their own).
+    for name in SCRIPTS + (["soak", "scale_model", "nodes", "rounds"] if ctx.quick else []):
         section = f"{name}.py"
         if not (BENCH / f"{name}.py").exists():
             rows.append({"section": section, "case": "-", "_required": False, "note": f"bench/{name}.py does not exist"})
