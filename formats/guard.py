@@ -54,18 +54,26 @@ def process_start(pid: int) -> str | None:
     return fields[19] if fields is not None and len(fields) > 19 else None
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of `pid` (/proc/<pid>/stat field 3: R, S, D, Z for a zombie...), or None
+    where there is no such process or no /proc."""
+    fields = _stat_fields(pid)
+    return fields[0] if fields else None
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
+        return False
+    except OverflowError:  # past any pid the kernel gives (a lock file's number, never checked there)
         return False
     except PermissionError:  # someone else's process: alive
         return True
     # A zombie answers kill(0) until its parent reaps it, yet it holds no file and writes nothing
     # more: mpirun SIGKILLs the other ranks of a failed job and exits without reaping them, so a
     # rerun started at once met its own dead processes as live holders.
-    fields = _stat_fields(pid)
-    if not (fields and fields[0] in ("Z", "X")):
+    if process_state(pid) not in ("Z", "X"):
         return True
     try:  # a leader thread that exited alone is a zombie too, while the process's other threads run
         return len(os.listdir(f"/proc/{pid}/task")) > 1

@@ -9,6 +9,8 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokpack.formats.guard import process_state
+
 AUDIT_SITE = str(Path(__file__).resolve().parent / "audit_site")
 MARK = "TOKPACK_TEST_MARK"
 
@@ -34,11 +36,9 @@ def marked(token: str) -> list[int]:
             try:
                 with open(f"/proc/{name}/environ", "rb") as f:
                     env = f.read()
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
             except OSError:
                 continue
-            if needle in env + b"\0" and not zombie:
+            if needle in env + b"\0" and process_state(int(name)) not in (None, "Z"):
                 found.append(int(name))
     return found
 

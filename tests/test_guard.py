@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.guard import LOCK_NAME, OutputLock, process_start
+from tokpack.formats.guard import LOCK_NAME, OutputLock, process_start, process_state
 
 
 def holder(pid: int, token: str = "f" * 32, host: str | None = None) -> dict:
@@ -153,7 +153,7 @@ def test_a_holder_that_is_a_zombie_is_gone(tmp_path):
         path.write_text(json.dumps(holder(proc.pid)))
         proc.kill()
         deadline = time.monotonic() + 10
-        while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":  # not reaped: a zombie
+        while process_state(proc.pid) != "Z":  # not reaped: a zombie
             assert time.monotonic() < deadline, "the killed process never became a zombie"
         said = []
         lock = OutputLock(tmp_path, "tokpack shuffle", log=said.append).acquire()
@@ -174,7 +174,7 @@ def test_a_holder_whose_main_thread_exited_alone_is_still_live(tmp_path):
     try:
         assert proc.stdout.readline() == "ready\n"
         deadline = time.monotonic() + 10
-        while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        while process_state(proc.pid) != "Z":
             assert time.monotonic() < deadline, "the leader thread never exited"
         (tmp_path / LOCK_NAME).write_text(json.dumps(holder(proc.pid)))
         with pytest.raises(TokpackError, match=f"in use by another tokpack command .*pid {proc.pid}"):
@@ -182,3 +182,16 @@ def test_a_holder_whose_main_thread_exited_alone_is_still_live(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("pid", [2 ** 31, 10 ** 15, 2 ** 63 + 5])
+def test_a_holder_pid_past_any_the_kernel_gives_is_gone_not_a_traceback(tmp_path, pid):
+    """A lock file (damaged, or hostile) naming a pid no process can have on this host: kill(0)
+    overflowed (OverflowError, a traceback); no process holds it, so it is taken over in one line."""
+    path = tmp_path / LOCK_NAME
+    path.write_text(json.dumps(holder(pid)))
+    said = []
+    lock = OutputLock(tmp_path, "tokpack pack", log=said.append).acquire()
+    assert json.loads(path.read_text())["token"] == lock.token
+    assert len(said) == 1 and "taking over the stale lock" in said[0] and f"pid {pid}" in said[0]
+    lock.release()

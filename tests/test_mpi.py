@@ -61,15 +61,11 @@ def assert_every_rank_exits(pids, seconds: float = 10) -> None:
     `seconds`: the issue's "within seconds", a bound on a hang, not a timing."""
     import time
 
+    from tokpack.formats.guard import process_state
+
     deadline = time.monotonic() + seconds
     for pid in map(int, pids):
-        while True:
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                break
-            if state in ("Z", "X"):
-                break
+        while (state := process_state(pid)) not in (None, "Z", "X"):
             assert time.monotonic() < deadline, f"process {pid} of the stopped job still runs ({state})"
             time.sleep(0.05)
 
