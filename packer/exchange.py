@@ -75,7 +75,7 @@ from tokpack.shuffle.packed import PackedTable
 from tokpack.shuffle.plan import iter_source_windows, open_source, source_location, use_kept_sources
 from tokpack.shuffle.run import epoch_manifest_of, run_manifest_of, setup_run
 from tokpack.shuffle.packed_step import RECORD, read_bucket
-from tokpack.shuffle.steps import Layout, ShardHashes, shard_segments, source_changed_error, split_shards
+from tokpack.shuffle.steps import MAX_CHUNK_BYTES, Layout, ShardHashes, shard_segments, source_changed_error, split_shards
 
 NODE = "{node}"  # in DEST: replaced by the process's node number
 # Rows a round's buffers hold at least: fewer, and the exchange spends its time per round.
@@ -86,9 +86,6 @@ MAX_MESSAGE_BYTES = (1 << 31) - 1
 # fresh memory, and larger ones cost more per byte to fault in than they save in rounds (bench/
 # rounds.py, BENCHMARKS.md "Straight to the nodes"); at 48 nodes a round still sends megabytes a peer.
 MAX_ROUND_BYTES = 64 << 20
-# Bytes of rows handed to a writer at once: bounded temporaries (the gathered rows, their EOS
-# mask and index) whatever the slice's size or its rows' length; at least one row.
-WRITE_BYTES = 32 << 20
 
 
 class _OnSigterm:
@@ -504,8 +501,8 @@ def _changed(shard, expected: str, found: str):
 # Bytes of index arithmetic per token a round moves (_ranges' temporaries, one call at a time).
 TOKEN_OVERHEAD = 24
 # What a process holds beside --memory, whatever the epoch's size: the interpreter, numpy,
-# mpi4py and MPI's own buffers, RANGE_CHUNK tokens of index arithmetic, WRITE_BYTES of rows on
-# their way to a writer with their EOS mask and index (bench/nodes.py and bench/rounds.py
+# mpi4py and MPI's own buffers, RANGE_CHUNK tokens of index arithmetic, MAX_CHUNK_BYTES of rows
+# on their way to a writer with their EOS mask and index (bench/nodes.py and bench/rounds.py
 # measure it, BENCHMARKS.md "Straight to the nodes"; tests/test_mpi.py holds every process to it).
 MEMORY_ALLOWANCE = 256 << 20
 # Bytes per row of a bucket read back, beyond 4 copies of its tokens (the bucket's rows, the
@@ -870,7 +867,9 @@ class RankFiles:
 
 
 def _write_rows(writer, rows: np.ndarray, pad: np.ndarray | None, sel) -> None:
-    step = max(1, WRITE_BYTES // max(1, rows[:1].nbytes))
+    """Rows `sel` of `rows` to `writer`, MAX_CHUNK_BYTES at a time (at least a row), as the
+    scatter/order engine hands its writers rows: bounded temporaries whatever the rows' length."""
+    step = max(1, MAX_CHUNK_BYTES // max(1, rows[:1].nbytes))
     for c in range(0, len(sel), step):
         t = rows[sel[c:c + step]]
         writer.write_tokens(t)

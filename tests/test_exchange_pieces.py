@@ -62,10 +62,10 @@ def test_whole_rows_move_as_rows_and_a_row_filled_twice_shows_in_its_count():
 
 def test_a_writer_is_handed_bounded_bytes_of_rows_whatever_their_length(monkeypatch):
     """The rows a rank file's writer gets at once, gathered in a temporary with their EOS mask and
-    index, are at most WRITE_BYTES (at least one row), not a fixed count of rows: 16,384 rows of
-    seq_len 4096 were 134 MB at once, past the fixed allowance beside --memory
-    (bench/rounds.py at 1 GiB: peak RSS 273 MB over --memory)."""
-    monkeypatch.setattr(exchange, "WRITE_BYTES", 5 * 8194)
+    index, are at most MAX_CHUNK_BYTES (at least one row), as the scatter/order engine's writers,
+    not a fixed count of rows: 16,384 rows of seq_len 4096 were 134 MB at once, past the fixed
+    allowance beside --memory (bench/rounds.py at 1 GiB: peak RSS 273 MB over --memory)."""
+    monkeypatch.setattr(exchange, "MAX_CHUNK_BYTES", 5 * 8194)
 
     class Writer:
         def __init__(self):
