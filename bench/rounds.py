@@ -27,13 +27,16 @@ import time
 from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/
-from bench.common import dir_bytes, machine_line, make_datatrove_corpus, parse_size, print_table, run_measured  # noqa: E402
-from bench.nodes import K, M, SEQ_LEN, mpi_env, mpi_missing, mpirun, rows_memory  # noqa: E402
+from bench.common import (dir_bytes, machine_line, make_datatrove_corpus, parse_size, print_table,  # noqa: E402
+                          run_measured)
+from bench.nodes import (K, M, MODEL_TOKEN_BYTES, ROUND_ROOM, SEQ_LEN, mpi_env, mpi_missing, mpirun,  # noqa: E402
+                         rows_memory)
 from bench.shuffle import pack_corpus  # noqa: E402
 
-# --memory a round's token byte needs beside the rows kept (exchange.memory_plan: 4 copies of a
-# 2-byte token and 24 bytes of index arithmetic, per token)
-ROUND_MEMORY_PER_BYTE = 16
+from tokpack.packer.exchange import TOKEN_OVERHEAD  # noqa: E402
+
+# --memory a round's token byte needs beside the rows kept, as exchange.memory_plan counts it
+ROUND_MEMORY_PER_BYTE = (4 * MODEL_TOKEN_BYTES + TOKEN_OVERHEAD) // MODEL_TOKEN_BYTES
 SIZE, QUICK_SIZE = "512MiB", "16MiB"
 COLUMNS = ["case", "round MiB", "rounds", "MB/s a process", "range", "peak RSS - --memory MB", "note"]
 
@@ -69,7 +72,7 @@ def main(size=None, quick: bool = False, *, runs: int | None = None, rounds_mib=
         shutil.rmtree(corpus)
         token_bytes = dir_bytes(src, ".ds")
         subprocess.run(f"cat {shlex.quote(str(src))}/* > /dev/null", shell=True, check=True)
-        base = rows_memory(token_bytes, 2) - (128 << 20)  # the rows a process keeps and owns
+        base = rows_memory(token_bytes, 2) - ROUND_ROOM  # the rows a process keeps and owns
         memory = {r: base + ROUND_MEMORY_PER_BYTE * (r << 20) for r in rounds_mib}
         got: dict = {r: [] for r in rounds_mib}
         cp: list[float] = []
@@ -92,7 +95,8 @@ def main(size=None, quick: bool = False, *, runs: int | None = None, rounds_mib=
             rounds = got[r][0][0]["epochs_detail"][0]["rounds"]
             moved = token_bytes / 2 / rounds / 2**20  # a process reads half the sources
             seconds = statistics.median(j["epochs_detail"][0]["seconds"] for lines in got[r] for j in lines)
-            rows.append({"case": "exchange, 2 processes", "wall s": seconds, "round MiB": f"{moved:,.0f}", "rounds": rounds,
+            rows.append({"case": "exchange, 2 processes", "wall s": seconds, "round MiB": f"{moved:,.0f}",
+                         "rounds": rounds,
                          "MB/s a process": f"{statistics.median(rates):,.0f}",
                          "range": f"{min(rates):,.0f}-{max(rates):,.0f}", "peak RSS - --memory MB": f"{over:,.0f}",
                          "note": f"--memory {memory[r] / 2**20:,.0f} MiB; MB/s: its slice's token bytes over its "
