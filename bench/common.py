@@ -69,7 +69,9 @@ def cap_page_cache(limit: int) -> str:
     elif Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists():
         folder, knob = Path(f"/sys/fs/cgroup/memory/tokpack-bench-{os.getpid()}"), "memory.limit_in_bytes"
     else:
-        raise RuntimeError("no memory cgroup controller here (neither cgroup v2 memory.max nor v1 memory.limit_in_bytes)")
+        raise RuntimeError(
+            "no memory cgroup controller here (neither cgroup v2 memory.max nor v1 memory.limit_in_bytes)"
+        )
     try:
         folder.mkdir(exist_ok=True)
         (folder / knob).write_text(str(int(limit)))
@@ -80,8 +82,9 @@ def cap_page_cache(limit: int) -> str:
     return f"page cache and memory of each timed command capped at {limit / 2**20:,.0f} MiB ({folder}/{knob})"
 
 
-def run_measured(cmd: list[str] | str, env: dict | None = None, cwd: str | None = None, cold: bool = True,
-                 check: bool = True) -> Measure:
+def run_measured(
+    cmd: list[str] | str, env: dict | None = None, cwd: str | None = None, cold: bool = True, check: bool = True
+) -> Measure:
     """Runs a command in a child process, after dropping caches (in the capped cgroup once
     cap_page_cache has run); wall time and peak RSS."""
     if cold:
@@ -92,9 +95,14 @@ def run_measured(cmd: list[str] | str, env: dict | None = None, cwd: str | None 
     # straight from this (large) interpreter would report at least our RSS. A tiny launcher
     # forks the command instead and reports the grandchild's own peak on fd 3.
     rfd, wfd = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-S", "-c", _LAUNCHER, str(wfd), _CACHE_CGROUP or "-", *argv],
-                            env={**os.environ, **(env or {})}, cwd=cwd, pass_fds=(wfd,),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-S", "-c", _LAUNCHER, str(wfd), _CACHE_CGROUP or "-", *argv],
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+        pass_fds=(wfd,),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     os.close(wfd)
     err = proc.stderr.read().decode(errors="replace")
     proc.wait()
@@ -183,9 +191,16 @@ def dir_bytes(path: Path, suffix: str = "") -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file() and p.name.endswith(suffix))
 
 
-def make_datatrove_corpus(out: Path, total_bytes: int, token_size: int = 2, files: int = 4,
-                          mean_doc: int = 1200, seed: int = 0, vocab_size: int | None = None,
-                          eos_id: int = 0) -> Path:
+def make_datatrove_corpus(
+    out: Path,
+    total_bytes: int,
+    token_size: int = 2,
+    files: int = 4,
+    mean_doc: int = 1200,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    eos_id: int = 0,
+) -> Path:
     """A datatrove-layout tokenized folder (.ds/.ds.index/.ds.metadata) of random documents,
     written in blocks so generation needs little memory."""
     out.mkdir(parents=True, exist_ok=True)
@@ -232,14 +247,19 @@ def machine_line() -> str:
 
 def print_table(title: str, rows: list[dict], columns: list[str]) -> str:
     """A Markdown table, printed and returned (so callers can paste it into BENCHMARKS.md)."""
+
     def fmt(v):
         if isinstance(v, float):
             return f"{v:,.2f}"
         return "" if v is None else str(v)
 
     widths = [max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns]
-    lines = [f"### {title}", "", "| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |",
-             "| " + " | ".join("-" * w for w in widths) + " |"]
+    lines = [
+        f"### {title}",
+        "",
+        "| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |",
+        "| " + " | ".join("-" * w for w in widths) + " |",
+    ]
     for r in rows:
         lines.append("| " + " | ".join(fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)) + " |")
     text = "\n".join(lines)

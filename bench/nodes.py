@@ -49,9 +49,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
-from bench.common import (REPO, can_drop_caches, dir_bytes, drop_caches, machine_line, make_datatrove_corpus,  # noqa: E402
-                          parse_size, print_table, run_measured)
+sys.path[0] = str(
+    Path(__file__).resolve().parents[1]
+)  # the repo, not bench/, where shuffle.py would hide the shuffle package
+from bench.common import (
+    REPO,
+    can_drop_caches,
+    dir_bytes,
+    drop_caches,
+    machine_line,
+    make_datatrove_corpus,  # noqa: E402
+    parse_size,
+    print_table,
+    run_measured,
+)
 from bench.shuffle import pack_corpus  # noqa: E402
 
 SIZE, QUICK_SIZE = "512MiB", "16MiB"
@@ -67,8 +78,18 @@ MODEL_NODES, MODEL_TOKENS, MODEL_TOKEN_BYTES = 48, 11 * 10**12, 2
 # 65.1-minute shuffle, then node slices at 2,000 MB/s a node and 1.6x cp (bench/stage.py --slices): 80.5 minutes.
 TODAY_SHUFFLE_MIN, TODAY_NODE_MBPS, TODAY_SLICE_VS_CP = 65.1, 2000, 1.6
 FIRST_GOAL_MIN, LATER_GOAL_MIN = 15.0, 5.0
-COLUMNS = ["case", "wall s", "MB/s", "vs cp", "shared read MB", "read / tokens", "shared written MB",
-           "node disk written MB", "peak RSS MB", "note"]
+COLUMNS = [
+    "case",
+    "wall s",
+    "MB/s",
+    "vs cp",
+    "shared read MB",
+    "read / tokens",
+    "shared written MB",
+    "node disk written MB",
+    "peak RSS MB",
+    "note",
+]
 # Without loop devices (not root): the processes' own counters, both disks and the interpreter's files together.
 PROC_IO = {"shared read MB": "read MB (/proc io)", "shared written MB": "written MB (/proc io)"}
 PROCESS_COLUMNS = ["case", "node", "rounds", "epoch s", "MB/s", "peak RSS MB", "--memory MB", "RSS - memory MB"]
@@ -80,7 +101,9 @@ PROCESS_COLUMNS = ["case", "node", "rounds", "epoch s", "MB/s", "peak RSS MB", "
 def _run(*argv: str) -> str:
     done = subprocess.run(list(argv), capture_output=True, text=True)
     if done.returncode != 0:
-        raise OSError(f"{shlex.join(argv)}: {(done.stderr or done.stdout).strip().splitlines()[-1:] or done.returncode}")
+        raise OSError(
+            f"{shlex.join(argv)}: {(done.stderr or done.stdout).strip().splitlines()[-1:] or done.returncode}"
+        )
     return done.stdout.strip()
 
 
@@ -153,7 +176,12 @@ class Devices:
             return {"shared_read": r1 - r0, "shared_written": w1 - w0, "node_read": None, "node_written": None}
         (sr0, sw0), (nr0, nw0) = before
         (sr1, sw1), (nr1, nw1) = after
-        return {"shared_read": sr1 - sr0, "shared_written": sw1 - sw0, "node_read": nr1 - nr0, "node_written": nw1 - nw0}
+        return {
+            "shared_read": sr1 - sr0,
+            "shared_written": sw1 - sw0,
+            "node_read": nr1 - nr0,
+            "node_written": nw1 - nw0,
+        }
 
     def close(self) -> None:
         for d in reversed(self.disks):
@@ -171,14 +199,20 @@ def open_devices(work: Path, shared_size: int, nodes_size: int, loop: bool = Tru
         for name, size in (("shared", shared_size), ("nodes", nodes_size)):
             disks.append(LoopDisk(work / f"{name}.img", work / name, size))
             disks[-1].open()
-        return Devices(work / "shared", work / "nodes", disks,
-                       f"bytes: /sys/block/{{{','.join(Path(d.device).name for d in disks)}}}/stat of two loop-mounted "
-                       f"ext4 images (shared filesystem, node disks)")
+        return Devices(
+            work / "shared",
+            work / "nodes",
+            disks,
+            f"bytes: /sys/block/{{{','.join(Path(d.device).name for d in disks)}}}/stat of two loop-mounted "
+            f"ext4 images (shared filesystem, node disks)",
+        )
     except OSError as e:
         for d in reversed(disks):
             d.close()
-        line = (f"nodes: cannot mount a loop device ({e}); bytes are /proc/<pid>/io read_bytes/write_bytes of the "
-                f"processes instead, both disks together" + ("" if can_drop_caches() else ", warm cache"))
+        line = (
+            f"nodes: cannot mount a loop device ({e}); bytes are /proc/<pid>/io read_bytes/write_bytes of the "
+            f"processes instead, both disks together" + ("" if can_drop_caches() else ", warm cache")
+        )
         print(line, file=sys.stderr, flush=True)
         for d in ("shared", "nodes"):
             (work / d).mkdir(parents=True, exist_ok=True)
@@ -199,8 +233,13 @@ class Step:
 
 
 def mpi_env() -> dict:
-    return {"PYTHONPATH": str(REPO), "TOKPACK_PROGRESS": "0", "OMPI_ALLOW_RUN_AS_ROOT": "1",
-            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+    return {
+        "PYTHONPATH": str(REPO),
+        "TOKPACK_PROGRESS": "0",
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMPI_MCA_rmaps_base_oversubscribe": "1",
+    }
 
 
 def step(devs: Devices, cmd: str, out: Path, cold: bool = True) -> Step:
@@ -265,27 +304,89 @@ def one_round(devs: Devices, src: Path, work: Path, token_bytes: int, shard_samp
     got["cp"] = step(devs, f"cp -r {shlex.quote(str(src))} {shlex.quote(str(nd / 'cp'))}", res)
     shutil.rmtree(nd / "cp")
     if no_mpi is None:
-        got["exchange"] = step(devs, mpirun(NODES, "shuffle", src, "-o", sh / "run-x", "--to-nodes", nd / "x" / "node{node}",
-                                            *slice_args, *common, "--epoch", 0, "--memory", mem), res)
-        got["keep"] = step(devs, mpirun(NODES, "shuffle", src, "-o", sh / "run-k", "--to-nodes", nd / "k" / "node{node}",
-                                        *slice_args, *common, "--epoch", 0, "--memory", mem,
-                                        "--keep-sources", nd / "k" / "keep{node}"), res)
-        got["later"] = step(devs, mpirun(NODES, "shuffle", src, "-o", sh / "run-k", "--to-nodes", nd / "k" / "node{node}",
-                                         *slice_args, *common, "--epoch", 1, "--memory", mem,
-                                         "--keep-sources", nd / "k" / "keep{node}"), res)
+        got["exchange"] = step(
+            devs,
+            mpirun(
+                NODES,
+                "shuffle",
+                src,
+                "-o",
+                sh / "run-x",
+                "--to-nodes",
+                nd / "x" / "node{node}",
+                *slice_args,
+                *common,
+                "--epoch",
+                0,
+                "--memory",
+                mem,
+            ),
+            res,
+        )
+        got["keep"] = step(
+            devs,
+            mpirun(
+                NODES,
+                "shuffle",
+                src,
+                "-o",
+                sh / "run-k",
+                "--to-nodes",
+                nd / "k" / "node{node}",
+                *slice_args,
+                *common,
+                "--epoch",
+                0,
+                "--memory",
+                mem,
+                "--keep-sources",
+                nd / "k" / "keep{node}",
+            ),
+            res,
+        )
+        got["later"] = step(
+            devs,
+            mpirun(
+                NODES,
+                "shuffle",
+                src,
+                "-o",
+                sh / "run-k",
+                "--to-nodes",
+                nd / "k" / "node{node}",
+                *slice_args,
+                *common,
+                "--epoch",
+                1,
+                "--memory",
+                mem,
+                "--keep-sources",
+                nd / "k" / "keep{node}",
+            ),
+            res,
+        )
         shutil.rmtree(nd / "k")
         got["exchange"].run_bytes = dir_bytes(sh / "run-x")  # RUN's own files: what the shared fs should be written
         got["later"].run_bytes = dir_bytes(sh / "run-k")  # two epochs' manifests and row hashes
-        got["replacement"] = step(devs, tokpack("stage", sh / "run-x", nd / "repl", "--node", f"{REPLACED}/{NODES}",
-                                                *slice_args), res)
+        got["replacement"] = step(
+            devs, tokpack("stage", sh / "run-x", nd / "repl", "--node", f"{REPLACED}/{NODES}", *slice_args), res
+        )
         # The same at the projection's density: a node's rows are 1/48 of the epoch, far apart in the
         # sources (a RUN's row hashes are the epoch's, so any N slices it).
-        got["replacement 48"] = step(devs, tokpack("stage", sh / "run-x", nd / "repl48", "--node",
-                                                   f"{REPLACED}/{MODEL_NODES}", *slice_args), res)
-    got["shuffle"] = step(devs, tokpack("shuffle", src, "-o", sh / "run-m", *common, "--epoch", 0,
-                                        "--memory", int(1.1 * token_bytes) + (96 << 20)), res)
-    stages = " & ".join(tokpack("stage", sh / "run-m", nd / "staged" / f"node{n}", "--node", f"{n}/{NODES}", *slice_args)
-                        for n in range(NODES))
+        got["replacement 48"] = step(
+            devs, tokpack("stage", sh / "run-x", nd / "repl48", "--node", f"{REPLACED}/{MODEL_NODES}", *slice_args), res
+        )
+    got["shuffle"] = step(
+        devs,
+        tokpack(
+            "shuffle", src, "-o", sh / "run-m", *common, "--epoch", 0, "--memory", int(1.1 * token_bytes) + (96 << 20)
+        ),
+        res,
+    )
+    stages = " & ".join(
+        tokpack("stage", sh / "run-m", nd / "staged" / f"node{n}", "--node", f"{n}/{NODES}", *slice_args)
+        for n in range(NODES)
+    )
     got["stage"] = step(devs, f"{{ {stages} & wait; }}", res)  # the four at once, as on four nodes
     if len(got["stage"].json) != NODES:
         raise RuntimeError(f"stage --node printed {len(got['stage'].json)} results of {NODES}: one failed")
@@ -299,13 +400,34 @@ def one_round(devs: Devices, src: Path, work: Path, token_bytes: int, shard_samp
         ram = Path(tempfile.mkdtemp(prefix="tokpack-nodes-", dir="/dev/shm" if Path("/dev/shm").is_dir() else work))
         try:
             subprocess.run(f"cat {shlex.quote(str(src))}/* > /dev/null", shell=True, check=True)
-            got["warm exchange"] = step(devs, mpirun(2, "shuffle", src, "-o", sh / "run-w", "--to-nodes",
-                                                     ram / "node{node}", *slice_args, *common, "--epoch", 0,
-                                                     "--memory", rows_memory(token_bytes, 2)), res, cold=False)
+            got["warm exchange"] = step(
+                devs,
+                mpirun(
+                    2,
+                    "shuffle",
+                    src,
+                    "-o",
+                    sh / "run-w",
+                    "--to-nodes",
+                    ram / "node{node}",
+                    *slice_args,
+                    *common,
+                    "--epoch",
+                    0,
+                    "--memory",
+                    rows_memory(token_bytes, 2),
+                ),
+                res,
+                cold=False,
+            )
             shutil.rmtree(ram / "node0")
             shutil.rmtree(ram / "node1")
-            got["warm replacement"] = step(devs, tokpack("stage", sh / "run-x", ram / "repl", "--node",
-                                                         f"{REPLACED}/{NODES}", *slice_args), res, cold=False)
+            got["warm replacement"] = step(
+                devs,
+                tokpack("stage", sh / "run-x", ram / "repl", "--node", f"{REPLACED}/{NODES}", *slice_args),
+                res,
+                cold=False,
+            )
         finally:
             shutil.rmtree(ram, ignore_errors=True)
     return got
@@ -325,7 +447,9 @@ def median_step(steps: list[Step]) -> Step:
     return Step(s.seconds, max(x.peak_rss_mb for x in steps), s.bytes, s.json, run_bytes=s.run_bytes)
 
 
-def table_rows(got: dict, token_bytes: int, node_tokens: int, devs: Devices, runs: int, no_mpi: str | None) -> list[dict]:
+def table_rows(
+    got: dict, token_bytes: int, node_tokens: int, devs: Devices, runs: int, no_mpi: str | None
+) -> list[dict]:
     cp = got["cp"]
     cores = os.cpu_count() or 1
     over = f"{NODES} processes on {cores} cores" + (" (oversubscribed)" if NODES > cores else "")
@@ -334,12 +458,18 @@ def table_rows(got: dict, token_bytes: int, node_tokens: int, devs: Devices, run
 
     def row(case, s: Step, nbytes, note, rss=None):
         b = s.bytes
-        r = {"case": case, "wall s": s.seconds, "MB/s": nbytes / 1e6 / s.seconds,
-             "vs cp": s.seconds / cp.seconds if nbytes == token_bytes else None,  # cp copied the whole sources
-             "shared read MB": b["shared_read"] / 1e6, "read / tokens": b["shared_read"] / nbytes,
-             "shared written MB": b["shared_written"] / 1e6,
-             "node disk written MB": None if b["node_written"] is None else b["node_written"] / 1e6,
-             "peak RSS MB": s.peak_rss_mb if rss is None else rss, "note": note + where}
+        r = {
+            "case": case,
+            "wall s": s.seconds,
+            "MB/s": nbytes / 1e6 / s.seconds,
+            "vs cp": s.seconds / cp.seconds if nbytes == token_bytes else None,  # cp copied the whole sources
+            "shared read MB": b["shared_read"] / 1e6,
+            "read / tokens": b["shared_read"] / nbytes,
+            "shared written MB": b["shared_written"] / 1e6,
+            "node disk written MB": None if b["node_written"] is None else b["node_written"] / 1e6,
+            "peak RSS MB": s.peak_rss_mb if rss is None else rss,
+            "note": note + where,
+        }
         if not devs.loop:
             r = {PROC_IO.get(k, k): v for k, v in r.items() if k != "node disk written MB"}
         return {k: v for k, v in r.items() if v is not None}
@@ -352,44 +482,82 @@ def table_rows(got: dict, token_bytes: int, node_tokens: int, devs: Devices, run
         rows.append({"case": "exchange (shuffle --to-nodes)", "note": f"not run: {no_mpi}"})
     else:
         for name, case, note in (
-                ("exchange", f"exchange, first epoch ({NODES} processes)", f"{over}; RSS: largest process's --json"),
-                ("keep", "exchange + --keep-sources, first epoch", "each process also copies its part (and the "
-                                                                    "shard after it) to its node disk"),
-                ("later", "exchange, later epoch from kept sources", "--epoch 1; reads the node disk, not the sources")):
+            ("exchange", f"exchange, first epoch ({NODES} processes)", f"{over}; RSS: largest process's --json"),
+            (
+                "keep",
+                "exchange + --keep-sources, first epoch",
+                "each process also copies its part (and the shard after it) to its node disk",
+            ),
+            ("later", "exchange, later epoch from kept sources", "--epoch 1; reads the node disk, not the sources"),
+        ):
             if name == "keep":
                 kept = sum(j["epochs_detail"][0]["source_bytes_kept_now"] for j in got[name].json)
-                note += (f"; {kept / token_bytes:.3f}x the sources kept (--json): a shard two processes copy is "
-                         "read from the device once, on one machine")
+                note += (
+                    f"; {kept / token_bytes:.3f}x the sources kept (--json): a shard two processes copy is "
+                    "read from the device once, on one machine"
+                )
             if got[name].run_bytes is not None:
                 note += f"; RUN's files now {got[name].run_bytes / 1e6:,.2f} MB"
             rows.append(row(case, got[name], token_bytes, note, per_process_rss(got[name])))
         rep = got["replacement"]
         amp = rep.json[0]["read_amplification"] if rep.json else None
-        rows.append(row(f"replacement node {REPLACED}/{NODES} alone (stage --node)", rep, node_tokens,
-                        f"MB/s and read / tokens over its slice's {node_tokens / 1e6:,.0f} MB of tokens; its --json "
-                        f"read_amplification {amp}"))
+        rows.append(
+            row(
+                f"replacement node {REPLACED}/{NODES} alone (stage --node)",
+                rep,
+                node_tokens,
+                f"MB/s and read / tokens over its slice's {node_tokens / 1e6:,.0f} MB of tokens; its --json "
+                f"read_amplification {amp}",
+            )
+        )
         r48 = got["replacement 48"]
         kept48 = r48.json[0]["bytes_kept"]
-        rows.append(row(f"replacement node {REPLACED}/{MODEL_NODES} alone (the model's density)", r48, kept48,
-                        f"over its slice's {kept48 / 1e6:,.1f} MB; its --json read_amplification "
-                        f"{r48.json[0]['read_amplification']}"))
+        rows.append(
+            row(
+                f"replacement node {REPLACED}/{MODEL_NODES} alone (the model's density)",
+                r48,
+                kept48,
+                f"over its slice's {kept48 / 1e6:,.1f} MB; its --json read_amplification "
+                f"{r48.json[0]['read_amplification']}",
+            )
+        )
     sh, st = got["shuffle"], got["stage"]
     rows.append(row("shuffle, in memory (materialised run)", sh, token_bytes, "RUN on the shared filesystem"))
     rows.append(row(f"stage --node n/{NODES}, all {NODES} nodes at once", st, token_bytes, f"{NODES} processes"))
-    both = Step(sh.seconds + st.seconds, max(sh.peak_rss_mb, st.peak_rss_mb),
-                {k: (None if sh.bytes[k] is None else sh.bytes[k] + st.bytes[k]) for k in sh.bytes}, [])
+    both = Step(
+        sh.seconds + st.seconds,
+        max(sh.peak_rss_mb, st.peak_rss_mb),
+        {k: (None if sh.bytes[k] is None else sh.bytes[k] + st.bytes[k]) for k in sh.bytes},
+        [],
+    )
     rows.append(row("shuffle + stage (today's route)", both, token_bytes, "the two rows above, added"))
     if no_mpi is None:
         w = got["warm exchange"]
-        rate = sum(j["epochs_detail"][0]["tokens_kept"] for j in w.json) * MODEL_TOKEN_BYTES / 1e6 / max(
-            j["epochs_detail"][0]["seconds"] for j in w.json)
-        rows.append({"case": "per byte: exchange, 2 processes, warm, DEST in RAM", "wall s": w.seconds,
-                     "MB/s": token_bytes / 1e6 / w.seconds, "peak RSS MB": per_process_rss(w),
-                     "note": f"a core a process; {rate / 2:,.1f} MB/s a process over its epoch seconds (--json)"})
+        rate = (
+            sum(j["epochs_detail"][0]["tokens_kept"] for j in w.json)
+            * MODEL_TOKEN_BYTES
+            / 1e6
+            / max(j["epochs_detail"][0]["seconds"] for j in w.json)
+        )
+        rows.append(
+            {
+                "case": "per byte: exchange, 2 processes, warm, DEST in RAM",
+                "wall s": w.seconds,
+                "MB/s": token_bytes / 1e6 / w.seconds,
+                "peak RSS MB": per_process_rss(w),
+                "note": f"a core a process; {rate / 2:,.1f} MB/s a process over its epoch seconds (--json)",
+            }
+        )
         wr = got["warm replacement"]
-        rows.append({"case": "per byte: replacement node, warm, DEST in RAM", "wall s": wr.seconds,
-                     "MB/s": node_tokens / 1e6 / wr.seconds, "peak RSS MB": wr.peak_rss_mb,
-                     "note": f"{node_tokens / 1e6 / wr.json[0]['seconds']:,.1f} MB/s over its own seconds (--json)"})
+        rows.append(
+            {
+                "case": "per byte: replacement node, warm, DEST in RAM",
+                "wall s": wr.seconds,
+                "MB/s": node_tokens / 1e6 / wr.seconds,
+                "peak RSS MB": wr.peak_rss_mb,
+                "note": f"{node_tokens / 1e6 / wr.json[0]['seconds']:,.1f} MB/s over its own seconds (--json)",
+            }
+        )
     return rows
 
 
@@ -397,21 +565,41 @@ def process_rows(got: dict, no_mpi: str | None) -> list[dict]:
     if no_mpi is not None:
         return []
     rows = []
-    for name, case in (("exchange", "first epoch"), ("later", "later epoch"), ("warm exchange", "per byte, 2 processes")):
+    for name, case in (
+        ("exchange", "first epoch"),
+        ("later", "later epoch"),
+        ("warm exchange", "per byte, 2 processes"),
+    ):
         for j in sorted(got[name].json, key=lambda j: j["node"]):
             e = j["epochs_detail"][0]
             rss, mem = j["peak_rss_bytes"] / 1e6, got[name].memory / 1e6
-            rows.append({"case": case, "node": j["node"], "rounds": e["rounds"], "epoch s": e["seconds"],
-                         "MB/s": e["tokens_kept"] * MODEL_TOKEN_BYTES / 1e6 / e["seconds"], "peak RSS MB": rss,
-                         "--memory MB": mem, "RSS - memory MB": rss - mem})
+            rows.append(
+                {
+                    "case": case,
+                    "node": j["node"],
+                    "rounds": e["rounds"],
+                    "epoch s": e["seconds"],
+                    "MB/s": e["tokens_kept"] * MODEL_TOKEN_BYTES / 1e6 / e["seconds"],
+                    "peak RSS MB": rss,
+                    "--memory MB": mem,
+                    "RSS - memory MB": rss - mem,
+                }
+            )
     return rows
 
 
 # ------------------------------------------------------------------------------- projection
 
 
-def projection(got: dict, token_bytes: int, node_tokens: int, nic_mbps: float, shared_mbps: float,
-               disk_mbps: float, no_mpi: str | None) -> tuple[list[dict], dict]:
+def projection(
+    got: dict,
+    token_bytes: int,
+    node_tokens: int,
+    nic_mbps: float,
+    shared_mbps: float,
+    disk_mbps: float,
+    no_mpi: str | None,
+) -> tuple[list[dict], dict]:
     """Ready on MODEL_NODES nodes for MODEL_TOKENS tokens. Each node's bytes B = D / nodes move
     through each resource at its rate; the terms add, as the exchange runs them one after the
     other (read a round, send it, place it; write the slice at the end). Rates: the shared
@@ -426,8 +614,13 @@ def projection(got: dict, token_bytes: int, node_tokens: int, nic_mbps: float, s
     B = D / nodes
     share = shared_mbps / nodes
     w = got["warm exchange"]
-    cpu = sum(j["epochs_detail"][0]["tokens_kept"] for j in w.json) * MODEL_TOKEN_BYTES / len(w.json) / 1e6 / max(
-        j["epochs_detail"][0]["seconds"] for j in w.json)  # MB/s a process, a core each
+    cpu = (
+        sum(j["epochs_detail"][0]["tokens_kept"] for j in w.json)
+        * MODEL_TOKEN_BYTES
+        / len(w.json)
+        / 1e6
+        / max(j["epochs_detail"][0]["seconds"] for j in w.json)
+    )  # MB/s a process, a core each
     wr = got["warm replacement"]
     cpu_stage = node_tokens / 1e6 / wr.json[0]["seconds"]
 
@@ -435,28 +628,51 @@ def projection(got: dict, token_bytes: int, node_tokens: int, nic_mbps: float, s
         v = got[name].bytes[key]
         return None if v is None else v / over
 
-    f = {"first_read": factor("exchange", "shared_read"), "first_write": factor("exchange", "node_written"),
-         "later_shared": factor("later", "shared_read"), "later_read": factor("later", "node_read"),
-         "later_write": factor("later", "node_written"),
-         "repl_read": factor("replacement 48", "shared_read", got["replacement 48"].json[0]["bytes_kept"]),
-         "repl_write": factor("replacement", "node_written", node_tokens), "cpu": cpu, "cpu_stage": cpu_stage}
+    f = {
+        "first_read": factor("exchange", "shared_read"),
+        "first_write": factor("exchange", "node_written"),
+        "later_shared": factor("later", "shared_read"),
+        "later_read": factor("later", "node_read"),
+        "later_write": factor("later", "node_written"),
+        "repl_read": factor("replacement 48", "shared_read", got["replacement 48"].json[0]["bytes_kept"]),
+        "repl_write": factor("replacement", "node_written", node_tokens),
+        "cpu": cpu,
+        "cpu_stage": cpu_stage,
+    }
     if f["first_write"] is None:  # /proc/io: neither the disks apart nor the interpreter's reads: the format's factors
-        f.update(first_read=1.0, first_write=2.0, later_shared=0.0, later_read=1.0, later_write=2.0,
-                 repl_read=got["replacement 48"].json[0]["read_amplification"], repl_write=1.0)
+        f.update(
+            first_read=1.0,
+            first_write=2.0,
+            later_shared=0.0,
+            later_read=1.0,
+            later_write=2.0,
+            repl_read=got["replacement 48"].json[0]["read_amplification"],
+            repl_write=1.0,
+        )
     net = 2 * (nodes - 1) / nodes  # a row to its node and to its shard's owner; 1/N of each stays on the node
 
     def minutes(terms):
         return sum(terms.values()) / 60
 
-    first = {"shared read": B * f["first_read"] / (share * 1e6), "code": B / (cpu * 1e6),
-             "network": B * net / (nic_mbps * 1e6), "node disk writes": B * f["first_write"] / (disk_mbps * 1e6)}
-    later = {"shared read": B * (f["later_shared"] or 0) / (share * 1e6),
-             "node disk reads": B * f["later_read"] / (disk_mbps * 1e6),
-             "code": B / (cpu * 1e6), "network": B * net / (nic_mbps * 1e6),
-             "node disk writes": B * f["later_write"] / (disk_mbps * 1e6)}
+    first = {
+        "shared read": B * f["first_read"] / (share * 1e6),
+        "code": B / (cpu * 1e6),
+        "network": B * net / (nic_mbps * 1e6),
+        "node disk writes": B * f["first_write"] / (disk_mbps * 1e6),
+    }
+    later = {
+        "shared read": B * (f["later_shared"] or 0) / (share * 1e6),
+        "node disk reads": B * f["later_read"] / (disk_mbps * 1e6),
+        "code": B / (cpu * 1e6),
+        "network": B * net / (nic_mbps * 1e6),
+        "node disk writes": B * f["later_write"] / (disk_mbps * 1e6),
+    }
     alone = min(nic_mbps, shared_mbps)
-    repl = {"shared read": B * f["repl_read"] / (alone * 1e6), "code": B / (cpu_stage * 1e6),
-            "node disk writes": B * f["repl_write"] / (disk_mbps * 1e6)}
+    repl = {
+        "shared read": B * f["repl_read"] / (alone * 1e6),
+        "code": B / (cpu_stage * 1e6),
+        "node disk writes": B * f["repl_write"] / (disk_mbps * 1e6),
+    }
     floor = D / (shared_mbps * 1e6) / 60
 
     def fmt(terms):
@@ -473,24 +689,41 @@ def projection(got: dict, token_bytes: int, node_tokens: int, nic_mbps: float, s
         worst = max(others, key=others.get)
         if others[worst] >= goal * 60:
             return f"none: {worst} alone {others[worst] / 60:,.1f} min"
-        added = (f"{B / rest / 1e6:,.0f} (terms add)" if rest > 0
-                 else f"none with terms adding ({sum(others.values()) / 60:,.1f} min)")
+        added = (
+            f"{B / rest / 1e6:,.0f} (terms add)"
+            if rest > 0
+            else f"none with terms adding ({sum(others.values()) / 60:,.1f} min)"
+        )
         return f"{added}; {B / (goal * 60) / 1e6:,.0f} overlapped"
 
     from bench.scale_model import ready_rows
 
     _, today, today_alone = ready_rows(TODAY_SHUFFLE_MIN * 60, TODAY_NODE_MBPS, shared_mbps, TODAY_SLICE_VS_CP)
     rows = [
-        {"case": "first epoch", "today min": today["ready min"], "projected min": minutes(first),
-         "goal min": FIRST_GOAL_MIN, "met": met(minutes(first), FIRST_GOAL_MIN),
-         "code MB/s a process for the goal": needed(first, FIRST_GOAL_MIN),
-         "terms (min)": f"{fmt(first)}; floor {floor:.1f}; overlapped {max(first.values()) / 60:,.1f}"},
-        {"case": "later epoch from kept sources", "today min": today["ready min"], "projected min": minutes(later),
-         "goal min": LATER_GOAL_MIN, "met": met(minutes(later), LATER_GOAL_MIN),
-         "code MB/s a process for the goal": needed(later, LATER_GOAL_MIN),
-         "terms (min)": f"{fmt(later)}; overlapped {max(later.values()) / 60:,.1f}"},
-        {"case": "replacement node alone", "today min": today_alone["ready min"], "projected min": minutes(repl),
-         "terms (min)": f"{fmt(repl)}; alone: min(nic, shared) = {alone:,.0f} MB/s"},
+        {
+            "case": "first epoch",
+            "today min": today["ready min"],
+            "projected min": minutes(first),
+            "goal min": FIRST_GOAL_MIN,
+            "met": met(minutes(first), FIRST_GOAL_MIN),
+            "code MB/s a process for the goal": needed(first, FIRST_GOAL_MIN),
+            "terms (min)": f"{fmt(first)}; floor {floor:.1f}; overlapped {max(first.values()) / 60:,.1f}",
+        },
+        {
+            "case": "later epoch from kept sources",
+            "today min": today["ready min"],
+            "projected min": minutes(later),
+            "goal min": LATER_GOAL_MIN,
+            "met": met(minutes(later), LATER_GOAL_MIN),
+            "code MB/s a process for the goal": needed(later, LATER_GOAL_MIN),
+            "terms (min)": f"{fmt(later)}; overlapped {max(later.values()) / 60:,.1f}",
+        },
+        {
+            "case": "replacement node alone",
+            "today min": today_alone["ready min"],
+            "projected min": minutes(repl),
+            "terms (min)": f"{fmt(repl)}; alone: min(nic, shared) = {alone:,.0f} MB/s",
+        },
     ]
     return rows, f
 
@@ -498,8 +731,18 @@ def projection(got: dict, token_bytes: int, node_tokens: int, nic_mbps: float, s
 # ------------------------------------------------------------------------------------- main
 
 
-def main(size=None, quick: bool = False, *, runs: int = 1, work: Path | None = None, out: Path | None = None,
-         nic_mbps: float = 25_000, shared_mbps: float = 40_000, disk_mbps: float = 2_000, loop: bool = True) -> list[dict]:
+def main(
+    size=None,
+    quick: bool = False,
+    *,
+    runs: int = 1,
+    work: Path | None = None,
+    out: Path | None = None,
+    nic_mbps: float = 25_000,
+    shared_mbps: float = 40_000,
+    disk_mbps: float = 2_000,
+    loop: bool = True,
+) -> list[dict]:
     """Prints the three tables (and writes them to `out`); returns the first table's rows."""
     t_start = time.perf_counter()
     size = size or (QUICK_SIZE if quick else SIZE)
@@ -522,9 +765,12 @@ def main(size=None, quick: bool = False, *, runs: int = 1, work: Path | None = N
         samples = token_bytes // MODEL_TOKEN_BYTES // (SEQ_LEN + 1)
         shard_samples = max(1, -(-samples // EPOCH_SHARDS))
         node_tokens = samples // NODES * (SEQ_LEN + 1) * MODEL_TOKEN_BYTES
-        print(f"nodes: {token_bytes / 2**20:,.0f} MiB of uint16 tokens in {len(list(src.glob('*.ds')))} source shards, "
-              f"{samples:,} samples of seq_len {SEQ_LEN}, {runs} round(s); {devs.note or 'bytes: loop devices'}",
-              file=sys.stderr, flush=True)
+        print(
+            f"nodes: {token_bytes / 2**20:,.0f} MiB of uint16 tokens in {len(list(src.glob('*.ds')))} source shards, "
+            f"{samples:,} samples of seq_len {SEQ_LEN}, {runs} round(s); {devs.note or 'bytes: loop devices'}",
+            file=sys.stderr,
+            flush=True,
+        )
         rounds = []
         for _ in range(runs):
             got = one_round(devs, src, work, token_bytes, shard_samples, no_mpi)
@@ -550,42 +796,72 @@ def main(size=None, quick: bool = False, *, runs: int = 1, work: Path | None = N
         if own:
             shutil.rmtree(work, ignore_errors=True)
     cores = os.cpu_count() or 1
-    head = (f"Machine: {machine_line()}, {time.strftime('%H:%M UTC', time.gmtime())}; {token_bytes / 2**20:,.0f} MiB "
-            f"of tokens ({samples:,} samples, seq_len {SEQ_LEN}) in {QUICK_SOURCE_SHARDS if quick else SOURCE_SHARDS} "
-            f"source shards, {EPOCH_SHARDS} epoch shards; N = {NODES} nodes, K = {K} ranks a node, micro-batch {M}; "
-            f"{NODES} processes on {cores} cores" + (" (oversubscribed)" if NODES > cores else ""))
-    notes = [head, devs.note,
-             "Page cache dropped before every measured step (as root); every command ends in `sync`, timed. "
-             f"{runs} round(s), the median's row. MB/s and read / tokens count the sources' token bytes "
-             f"({token_bytes / 1e6:,.1f} MB); the replacement row its slice's ({node_tokens / 1e6:,.1f} MB).",
-             "shared written: RUN's files (manifests, 8-byte row hashes) and ext4's journal; node disk written: "
-             "slices and kept sources (an owned epoch shard's tokens are hashed, not written)."]
+    head = (
+        f"Machine: {machine_line()}, {time.strftime('%H:%M UTC', time.gmtime())}; {token_bytes / 2**20:,.0f} MiB "
+        f"of tokens ({samples:,} samples, seq_len {SEQ_LEN}) in {QUICK_SOURCE_SHARDS if quick else SOURCE_SHARDS} "
+        f"source shards, {EPOCH_SHARDS} epoch shards; N = {NODES} nodes, K = {K} ranks a node, micro-batch {M}; "
+        f"{NODES} processes on {cores} cores" + (" (oversubscribed)" if NODES > cores else "")
+    )
+    notes = [
+        head,
+        devs.note,
+        "Page cache dropped before every measured step (as root); every command ends in `sync`, timed. "
+        f"{runs} round(s), the median's row. MB/s and read / tokens count the sources' token bytes "
+        f"({token_bytes / 1e6:,.1f} MB); the replacement row its slice's ({node_tokens / 1e6:,.1f} MB).",
+        "shared written: RUN's files (manifests, 8-byte row hashes) and ext4's journal; node disk written: "
+        "slices and kept sources (an owned epoch shard's tokens are hashed, not written).",
+    ]
     columns = COLUMNS if devs.loop else [PROC_IO.get(c, c) for c in COLUMNS if c != "node disk written MB"]
     t1 = print_table(f"straight to the nodes (issue 33): {NODES} nodes on one machine", rows, columns)
     parts = [t1]
     if procs:
-        parts.append(print_table("each exchange process's --json line (MB/s: its slice's token bytes over its epoch "
-                                 "seconds)", procs, PROCESS_COLUMNS))
+        parts.append(
+            print_table(
+                "each exchange process's --json line (MB/s: its slice's token bytes over its epoch seconds)",
+                procs,
+                PROCESS_COLUMNS,
+            )
+        )
     if model:
-        parts.append(print_table(
-            f"ready on {MODEL_NODES} nodes, {MODEL_TOKENS / 1e12:g}T tokens ({MODEL_TOKENS * MODEL_TOKEN_BYTES / 1e12:g} "
-            f"TB): --nic-mbps {nic_mbps:g}, --shared-mbps {shared_mbps:g} ({shared_mbps / MODEL_NODES:,.0f} a node), "
-            f"--disk-mbps {disk_mbps:g}", model,
-            ["case", "today min", "projected min", "goal min", "met", "code MB/s a process for the goal", "terms (min)"]))
-        notes.append(("factors measured here: " if devs.loop else "factors: bytes the format's (no device counters "
-                      "here), cpu measured: ") + ", ".join(
-            f"{k} {v:.4g}" for k, v in factors.items() if v is not None) + " (read/write: bytes per token byte; "
-            "cpu, cpu_stage: MB/s a process on one core)")
+        parts.append(
+            print_table(
+                f"ready on {MODEL_NODES} nodes, {MODEL_TOKENS / 1e12:g}T tokens ({MODEL_TOKENS * MODEL_TOKEN_BYTES / 1e12:g} "
+                f"TB): --nic-mbps {nic_mbps:g}, --shared-mbps {shared_mbps:g} ({shared_mbps / MODEL_NODES:,.0f} a node), "
+                f"--disk-mbps {disk_mbps:g}",
+                model,
+                [
+                    "case",
+                    "today min",
+                    "projected min",
+                    "goal min",
+                    "met",
+                    "code MB/s a process for the goal",
+                    "terms (min)",
+                ],
+            )
+        )
+        notes.append(
+            (
+                "factors measured here: "
+                if devs.loop
+                else "factors: bytes the format's (no device counters here), cpu measured: "
+            )
+            + ", ".join(f"{k} {v:.4g}" for k, v in factors.items() if v is not None)
+            + " (read/write: bytes per token byte; "
+            "cpu, cpu_stage: MB/s a process on one core)"
+        )
     notes.append(f"Total wall time: {time.perf_counter() - t_start:.0f} s")
     print("\n".join(f"- {x}" for x in notes))
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         command = "python bench/nodes.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        out.with_suffix(".json").write_text(json.dumps({"rows": rows, "processes": procs, "model": model,
-                                                        "factors": factors, "notes": notes}, indent=1))
-        out.write_text("\n\n".join(parts) + "\n\n" + "\n".join(f"- {x}" for x in [*notes, f"Command: `{command.strip()}`"])
-                       + "\n")
+        out.with_suffix(".json").write_text(
+            json.dumps({"rows": rows, "processes": procs, "model": model, "factors": factors, "notes": notes}, indent=1)
+        )
+        out.write_text(
+            "\n\n".join(parts) + "\n\n" + "\n".join(f"- {x}" for x in [*notes, f"Command: `{command.strip()}`"]) + "\n"
+        )
     return rows
 
 
@@ -623,14 +899,30 @@ if __name__ == "__main__":
     ap.add_argument("--runs", type=int, default=1, help="rounds of every case; the median's row is shown")
     ap.add_argument("--quick", action="store_true", help="a tiny corpus: checks that every row runs")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder [default: a new temp dir, removed]")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="write the tables here too [default: bench/results/nodes.md, none with --quick]")
-    ap.add_argument("--no-loop", action="store_true",
-                    help="no loop devices: count bytes with the processes' /proc/<pid>/io (what a non-root run does)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write the tables here too [default: bench/results/nodes.md, none with --quick]",
+    )
+    ap.add_argument(
+        "--no-loop",
+        action="store_true",
+        help="no loop devices: count bytes with the processes' /proc/<pid>/io (what a non-root run does)",
+    )
     ap.add_argument("--nic-mbps", type=float, default=25_000, help="each node's network, MB/s [default: 25000]")
     ap.add_argument("--shared-mbps", type=float, default=40_000, help="the shared filesystem's aggregate, MB/s")
     ap.add_argument("--disk-mbps", type=float, default=2_000, help="each node's local disk, MB/s [default: 2000]")
     a = ap.parse_args()
     out = a.out or (None if a.quick else REPO / "bench" / "results" / "nodes.md")
-    main(a.size, a.quick, runs=a.runs, work=a.work, out=out, nic_mbps=a.nic_mbps, shared_mbps=a.shared_mbps,
-         disk_mbps=a.disk_mbps, loop=not a.no_loop)
+    main(
+        a.size,
+        a.quick,
+        runs=a.runs,
+        work=a.work,
+        out=out,
+        nic_mbps=a.nic_mbps,
+        shared_mbps=a.shared_mbps,
+        disk_mbps=a.disk_mbps,
+        loop=not a.no_loop,
+    )

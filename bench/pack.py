@@ -32,9 +32,23 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
-from bench.common import (REPO, alternate, can_drop_caches, cp_sync, dir_bytes, machine_line, make_datatrove_corpus,  # noqa: E402
-                    paired_ratio, parse_size, print_table, ratio_range, run_measured)
+sys.path[0] = str(
+    Path(__file__).resolve().parents[1]
+)  # the repo, not bench/, where shuffle.py would hide the shuffle package
+from bench.common import (
+    REPO,
+    alternate,
+    can_drop_caches,
+    cp_sync,
+    dir_bytes,
+    machine_line,
+    make_datatrove_corpus,  # noqa: E402
+    paired_ratio,
+    parse_size,
+    print_table,
+    ratio_range,
+    run_measured,
+)
 
 COLUMNS = ["case", "GB", "seconds", "MB/s", "peak RSS MB", "ratio to cp", "ratio range", "ratio excl. start-up"]
 SIZE = "2GiB"
@@ -78,8 +92,19 @@ def make_parquet(dt: Path, out: Path, rows_per_group: int = 16384) -> Path:
 
 
 def pack_cmd(src: Path, dst: Path, workers: int, extra: list[str]) -> str:
-    args = [sys.executable, "-m", "tokpack.packer.cli", "pack", str(src), "-o", str(dst), "--workers", str(workers), "--json",
-            *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "tokpack.packer.cli",
+        "pack",
+        str(src),
+        "-o",
+        str(dst),
+        "--workers",
+        str(workers),
+        "--json",
+        *extra,
+    ]
     return f"cd {shlex.quote(str(REPO))} && {' '.join(shlex.quote(a) for a in args)} > /dev/null && sync"
 
 
@@ -88,7 +113,9 @@ def timed(fn, runs: int):
     return statistics.median(r.seconds for r in results), max(r.peak_rss_mb for r in results)
 
 
-def main(size: str | int = SIZE, quick: bool = False, runs: int = 5, workers: int = 1, workdir: str | None = None) -> list[dict]:
+def main(
+    size: str | int = SIZE, quick: bool = False, runs: int = 5, workers: int = 1, workdir: str | None = None
+) -> list[dict]:
     total = parse_size(QUICK_SIZE if quick else size) if isinstance(size, str) or quick else size
     runs = 1 if quick else runs
     root = Path(tempfile.mkdtemp(prefix="tokpack-bench-pack-", dir=workdir))
@@ -105,8 +132,13 @@ def main(size: str | int = SIZE, quick: bool = False, runs: int = 5, workers: in
         # Fixed cost of any `tokpack pack`: interpreter, datatrove's executor imports, its worker
         # manager. Measured on a 1 MiB input and shown so the per-byte cost can be read apart.
         tiny = make_datatrove_corpus(root / "tiny", 1 << 20, token_size=2, files=1)
-        startup, _ = timed(lambda: (shutil.rmtree(root / "tiny-out", ignore_errors=True),
-                                    run_measured(pack_cmd(tiny, root / "tiny-out", workers, ["--eos-id", "0"])))[1], runs)
+        startup, _ = timed(
+            lambda: (
+                shutil.rmtree(root / "tiny-out", ignore_errors=True),
+                run_measured(pack_cmd(tiny, root / "tiny-out", workers, ["--eos-id", "0"])),
+            )[1],
+            runs,
+        )
         rows.append({"case": "tokpack pack start-up (1 MiB input)", "GB": 0.001, "seconds": startup})
         for name, src, extra in cases:
             nbytes = dir_bytes(src)
@@ -122,13 +154,32 @@ def main(size: str | int = SIZE, quick: bool = False, runs: int = 5, workers: in
             cp_s = statistics.median(m.seconds for m in res["cp"])
             pk_s = statistics.median(m.seconds for m in res["pack"])
             ratio, lo, hi = paired_ratio(res["pack"], res["cp"])
-            no_start = statistics.median(max(p.seconds - startup, 0) / c.seconds for p, c in zip(res["pack"], res["cp"]))
+            no_start = statistics.median(
+                max(p.seconds - startup, 0) / c.seconds for p, c in zip(res["pack"], res["cp"])
+            )
             gb = nbytes / 1e9
-            rows.append({"case": f"cp -r + sync ({name})", "GB": gb, "seconds": cp_s, "MB/s": nbytes / 1e6 / cp_s,
-                         "peak RSS MB": max(m.peak_rss_mb for m in res["cp"]), "ratio to cp": 1.0})
-            rows.append({"case": f"tokpack pack {name}" + (f" --workers {workers}" if workers > 1 else ""), "GB": gb,
-                         "seconds": pk_s, "MB/s": nbytes / 1e6 / pk_s, "peak RSS MB": max(m.peak_rss_mb for m in res["pack"]),
-                         "ratio to cp": ratio, "ratio range": ratio_range(lo, hi), "ratio excl. start-up": no_start})
+            rows.append(
+                {
+                    "case": f"cp -r + sync ({name})",
+                    "GB": gb,
+                    "seconds": cp_s,
+                    "MB/s": nbytes / 1e6 / cp_s,
+                    "peak RSS MB": max(m.peak_rss_mb for m in res["cp"]),
+                    "ratio to cp": 1.0,
+                }
+            )
+            rows.append(
+                {
+                    "case": f"tokpack pack {name}" + (f" --workers {workers}" if workers > 1 else ""),
+                    "GB": gb,
+                    "seconds": pk_s,
+                    "MB/s": nbytes / 1e6 / pk_s,
+                    "peak RSS MB": max(m.peak_rss_mb for m in res["pack"]),
+                    "ratio to cp": ratio,
+                    "ratio range": ratio_range(lo, hi),
+                    "ratio excl. start-up": no_start,
+                }
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return rows
@@ -144,8 +195,9 @@ def new_bytes(folder: Path) -> int:
     return sum(p.stat().st_blocks * 512 for p in Path(folder).rglob("*") if p.is_file() and p.stat().st_nlink == 1)
 
 
-def link_main(size: str | int = LINK_SIZE, quick: bool = False, runs: int = 3, workers: int = 1,
-              workdir: str | None = None) -> list[dict]:
+def link_main(
+    size: str | int = LINK_SIZE, quick: bool = False, runs: int = 3, workers: int = 1, workdir: str | None = None
+) -> list[dict]:
     total = parse_size(QUICK_SIZE if quick else size) if isinstance(size, str) or quick else size
     runs = 1 if quick else runs
     root = Path(tempfile.mkdtemp(prefix="tokpack-bench-link-", dir=workdir))
@@ -160,22 +212,36 @@ def link_main(size: str | int = LINK_SIZE, quick: bool = False, runs: int = 3, w
                 m = run_measured(cmd)
                 added[name] = new_bytes(dst)
                 return m
+
             return name, one
 
         q = shlex.quote
-        res = alternate([case("cp -r", f"cp -r {q(str(src))} {q(str(dst))} && sync"),
-                         case("cp -rl", f"cp -rl {q(str(src))} {q(str(dst))} && sync"),
-                         case("tokpack pack", pack_cmd(src, dst, workers, ["--eos-id", "0"])),
-                         case("tokpack pack --link", pack_cmd(src, dst, workers, ["--eos-id", "0", "--link"]))], runs)
+        res = alternate(
+            [
+                case("cp -r", f"cp -r {q(str(src))} {q(str(dst))} && sync"),
+                case("cp -rl", f"cp -rl {q(str(src))} {q(str(dst))} && sync"),
+                case("tokpack pack", pack_cmd(src, dst, workers, ["--eos-id", "0"])),
+                case("tokpack pack --link", pack_cmd(src, dst, workers, ["--eos-id", "0", "--link"])),
+            ],
+            runs,
+        )
         shutil.rmtree(dst, ignore_errors=True)
         rows = []
         for name, measures in res.items():
             secs = statistics.median(m.seconds for m in measures)
             ratio, lo, hi = paired_ratio(measures, res["cp -r"])
-            rows.append({"case": name + (" + sync" if name.startswith("cp") else ""), "GB": nbytes / 1e9,
-                         "seconds": secs, "MB/s": nbytes / 1e6 / secs,
-                         "peak RSS MB": max(m.peak_rss_mb for m in measures), "ratio to cp -r": ratio,
-                         "ratio range": ratio_range(lo, hi), "new bytes on disk GB": added[name] / 1e9})
+            rows.append(
+                {
+                    "case": name + (" + sync" if name.startswith("cp") else ""),
+                    "GB": nbytes / 1e9,
+                    "seconds": secs,
+                    "MB/s": nbytes / 1e6 / secs,
+                    "peak RSS MB": max(m.peak_rss_mb for m in measures),
+                    "ratio to cp -r": ratio,
+                    "ratio range": ratio_range(lo, hi),
+                    "new bytes on disk GB": added[name] / 1e9,
+                }
+            )
         return rows
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -194,10 +260,13 @@ if __name__ == "__main__":
         size = a.size if a.size != SIZE else LINK_SIZE
         runs = a.runs if a.runs != 5 else 3
         rows = link_main(size, quick=a.quick, runs=runs, workers=a.workers, workdir=a.workdir)
-        cache = "cold (page cache dropped before each run)" if can_drop_caches() else "warm (not root: cannot drop caches)"
+        cache = (
+            "cold (page cache dropped before each run)" if can_drop_caches() else "warm (not root: cannot drop caches)"
+        )
         print(f"{machine_line()}; {cache}; {1 if a.quick else runs} alternating rounds")
-        print_table(f"tokpack pack --link vs cp ({size if not a.quick else QUICK_SIZE} of datatrove uint16)", rows,
-                    LINK_COLUMNS)
+        print_table(
+            f"tokpack pack --link vs cp ({size if not a.quick else QUICK_SIZE} of datatrove uint16)", rows, LINK_COLUMNS
+        )
         sys.exit(0)
     rows = main(a.size, quick=a.quick, runs=a.runs, workers=a.workers, workdir=a.workdir)
     cache = "cold (page cache dropped before each run)" if can_drop_caches() else "warm (not root: cannot drop caches)"

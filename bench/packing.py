@@ -69,6 +69,7 @@ def prose_documents() -> list[str]:
             docs.append(body)
     try:
         from pydoc_data.topics import topics
+
         docs.extend(v for v in topics.values() if len(v) > 40)
     except ImportError:
         pass
@@ -125,8 +126,11 @@ def olmo_instance_packer():
     if not path.exists():
         return None
     tree = ast.parse(path.read_text())
-    keep = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in ("SegmentTreeNode", "SegmentTree",
-                                                                                 "InstancePacker")]
+    keep = [
+        n
+        for n in tree.body
+        if isinstance(n, ast.ClassDef) and n.name in ("SegmentTreeNode", "SegmentTree", "InstancePacker")
+    ]
     from typing import Dict, List, Optional, Tuple
 
     from dataclasses import dataclass
@@ -135,8 +139,17 @@ def olmo_instance_packer():
 
     module = types.ModuleType("olmo_core_data_utils_bench")  # dataclass needs its class's module
     sys.modules[module.__name__] = module
-    module.__dict__.update(np=np, deque=deque, defaultdict=defaultdict, dataclass=dataclass, Dict=Dict, List=List,
-                           Optional=Optional, Tuple=Tuple, math=__import__("math"))
+    module.__dict__.update(
+        np=np,
+        deque=deque,
+        defaultdict=defaultdict,
+        dataclass=dataclass,
+        Dict=Dict,
+        List=List,
+        Optional=Optional,
+        Tuple=Tuple,
+        math=__import__("math"),
+    )
     exec(compile(ast.Module(body=keep, type_ignores=[]), str(path), "exec"), module.__dict__)
     return module.InstancePacker
 
@@ -166,33 +179,57 @@ def cut_rows(lengths_by_source: dict[str, np.ndarray], row: int, groups: list[in
         concat_cut = starts // row != (ends - 1) // row
         long = lengths > row
         total = int(lengths.sum())
-        cuts.append({"seq_len": row - 1, "source": name, "documents": len(lengths), "tokens": total,
-                     "concat: cut docs": f"{int(concat_cut.sum()):,} ({concat_cut.mean():.1%})",
-                     "concat: tokens in cut docs": f"{lengths[concat_cut].sum() / total:.1%}",
-                     "best-fit: cut docs": f"{int(long.sum()):,} ({long.mean():.1%})",
-                     "best-fit: tokens in cut docs": f"{lengths[long].sum() / total:.1%}"})
+        cuts.append(
+            {
+                "seq_len": row - 1,
+                "source": name,
+                "documents": len(lengths),
+                "tokens": total,
+                "concat: cut docs": f"{int(concat_cut.sum()):,} ({concat_cut.mean():.1%})",
+                "concat: tokens in cut docs": f"{lengths[concat_cut].sum() / total:.1%}",
+                "best-fit: cut docs": f"{int(long.sum()):,} ({long.mean():.1%})",
+                "best-fit: tokens in cut docs": f"{lengths[long].sum() / total:.1%}",
+            }
+        )
         for g in groups:
             import time
+
             t0 = time.perf_counter()
             pr = pack_pass(lengths, Bijection(len(lengths), "docs", 1, 0, 0), row, g)
-            pads.append({"seq_len": row - 1, "source": name, "packer": f"tokpack, group 2^{g.bit_length() - 1}"
-                         + (" (default)" if g == DEFAULT_GROUP else ""), "rows": pr.rows,
-                         "padding": f"{1 - total / (pr.rows * row):.3%}", "seconds": round(time.perf_counter() - t0, 2)})
+            pads.append(
+                {
+                    "seq_len": row - 1,
+                    "source": name,
+                    "packer": f"tokpack, group 2^{g.bit_length() - 1}" + (" (default)" if g == DEFAULT_GROUP else ""),
+                    "rows": pr.rows,
+                    "padding": f"{1 - total / (pr.rows * row):.3%}",
+                    "seconds": round(time.perf_counter() - t0, 2),
+                }
+            )
         if packer_cls is not None:
             import time
+
             t0 = time.perf_counter()
             n, pad = olmo_padding(packer_cls, lengths, row - 1)  # its instances: a power of 2 tokens
-            pads.append({"seq_len": row - 1, "source": name, "packer": f"OLMo-core OBFD, all documents, rows of {row - 1}",
-                         "rows": n, "padding": f"{pad / (n * (row - 1)):.3%}",
-                         "seconds": round(time.perf_counter() - t0, 2)})
+            pads.append(
+                {
+                    "seq_len": row - 1,
+                    "source": name,
+                    "packer": f"OLMo-core OBFD, all documents, rows of {row - 1}",
+                    "rows": n,
+                    "padding": f"{pad / (n * (row - 1)):.3%}",
+                    "seconds": round(time.perf_counter() - t0, 2),
+                }
+            )
     return cuts, pads
 
 
 def shuffle_cmd(sources: dict[str, Path], out: Path, seq_len: int, packing: str, memory: str) -> list[str]:
-    args = dict(seq_len=seq_len, seed=1, epochs=1, memory=common.parse_size(memory), packing=packing,
-                progress=False)
-    return common.python_cmd(f"from tokpack.packer.api import shuffle\nshuffle({[str(p) for p in sources.values()]!r}, "
-                             f"{str(out)!r}, **{args!r})")
+    args = dict(seq_len=seq_len, seed=1, epochs=1, memory=common.parse_size(memory), packing=packing, progress=False)
+    return common.python_cmd(
+        f"from tokpack.packer.api import shuffle\nshuffle({[str(p) for p in sources.values()]!r}, "
+        f"{str(out)!r}, **{args!r})"
+    )
 
 
 DEFAULT_GROUP = 1 << 22
@@ -216,8 +253,10 @@ def main() -> None:
         lengths = {name: documents_of(PackedSource.open(p))[1] for name, p in sources.items()}
         print(f"machine: {common.machine_line()}")
         for name, ls in lengths.items():
-            print(f"{name}: {len(ls):,} documents, {int(ls.sum()):,} tokens, median {int(np.median(ls))}, "
-                  f"mean {ls.mean():.0f}, p90 {int(np.percentile(ls, 90))}, max {int(ls.max())}")
+            print(
+                f"{name}: {len(ls):,} documents, {int(ls.sum()):,} tokens, median {int(np.median(ls))}, "
+                f"mean {ls.mean():.0f}, p90 {int(np.percentile(ls, 90))}, max {int(ls.max())}"
+            )
         packer_cls = olmo_instance_packer()
         if packer_cls is None:
             print("OLMo-core not found: pip install --no-deps ai2-olmo-core==3.0.0, or set OLMO_CORE_PATH")
@@ -235,8 +274,11 @@ def main() -> None:
             capped = common.cap_page_cache(max(data // 3, common.parse_size(small) + common.PROCESS_ALLOWANCE))
             print(capped)
         for seq_len in (2048, 4096):
-            cases = [(base_case, lambda: common.cp_sync(work / "src", work / "copy")) if not capped else
-                     (base_case, lambda: common.cp_twice_sync(work / "src", work / "copy", work / "copy2"))]
+            cases = [
+                (base_case, lambda: common.cp_sync(work / "src", work / "copy"))
+                if not capped
+                else (base_case, lambda: common.cp_twice_sync(work / "src", work / "copy", work / "copy2"))
+            ]
             for packing in ("concat", "best-fit"):
                 for where, memory in (("", args.memory), (" (out of core)", small)):
                     if capped and not where:  # the in-memory path holds more than the cap
@@ -246,6 +288,7 @@ def main() -> None:
                     def run(out=out, packing=packing, memory=memory):
                         shutil.rmtree(out, ignore_errors=True)
                         return common.run_measured(shuffle_cmd(sources, out, seq_len, packing, memory))
+
                     cases.append((f"tokpack {packing}{where}", (run, memory)))
             memories = {name: fn[1] for name, fn in cases[1:]}
             cases = [(name, fn if callable(fn) else fn[0]) for name, fn in cases]
@@ -256,13 +299,24 @@ def main() -> None:
             rows = []
             for name, ms in results.items():
                 med, lo, hi = common.paired_ratio(ms, base)
-                rows.append({"case": name, "median s": sorted(m.seconds for m in ms)[len(ms) // 2],
-                             "x cp" if not capped else "x floor": f"{med:.2f} ({common.ratio_range(lo, hi)})",
-                             "x concat": "" if name == base_case else
-                             f"{common.paired_ratio(ms, results[name.replace('best-fit', 'concat')])[0]:.2f}",
-                             "peak RSS MB": round(max(m.peak_rss_mb for m in ms)), "--memory": memories.get(name, "")})
-            common.print_table(f"One epoch at seq_len {seq_len} ({sum(int(x.sum()) for x in lengths.values()):,} "
-                               f"tokens, {args.runs} rounds{'; ' + capped if capped else ''})", rows, list(rows[0]))
+                rows.append(
+                    {
+                        "case": name,
+                        "median s": sorted(m.seconds for m in ms)[len(ms) // 2],
+                        "x cp" if not capped else "x floor": f"{med:.2f} ({common.ratio_range(lo, hi)})",
+                        "x concat": ""
+                        if name == base_case
+                        else f"{common.paired_ratio(ms, results[name.replace('best-fit', 'concat')])[0]:.2f}",
+                        "peak RSS MB": round(max(m.peak_rss_mb for m in ms)),
+                        "--memory": memories.get(name, ""),
+                    }
+                )
+            common.print_table(
+                f"One epoch at seq_len {seq_len} ({sum(int(x.sum()) for x in lengths.values()):,} "
+                f"tokens, {args.runs} rounds{'; ' + capped if capped else ''})",
+                rows,
+                list(rows[0]),
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
+sys.path[0] = str(
+    Path(__file__).resolve().parents[1]
+)  # the repo, not bench/, where shuffle.py would hide the shuffle package
 from bench.common import REPO, python_cmd  # noqa: E402
 
 
@@ -52,9 +54,11 @@ def index_arrays(style: str, samples: int, seq_len: int, mean_doc: int) -> list[
     if style == "nanoset":
         return [(samples, "int64"), (samples, "int64")]
     documents = -(-samples * seq_len // mean_doc)
-    arrays = [(documents, "int32"),
-              (2 * (samples + 1), "int64" if documents > 2**31 - 1 else "int32"),
-              (samples, "int64" if samples >= 2**32 - 1 else "uint32")]
+    arrays = [
+        (documents, "int32"),
+        (2 * (samples + 1), "int64" if documents > 2**31 - 1 else "int32"),
+        (samples, "int64" if samples >= 2**32 - 1 else "uint32"),
+    ]
     if style == "megatron-blended":
         arrays += [(samples, "int16"), (samples, "int64")]
     elif style != "megatron-gpt":
@@ -126,7 +130,7 @@ def prepare_parquet(corpus: Path, out: Path, dtype=np.uint16, rows_per_group: in
         with pq.ParquetWriter(out / f"part-{i:05d}.parquet", pa.schema([("input_ids", pa.list_(pa.int32()))])) as w:
             for g in range(0, len(ends), rows_per_group):
                 lo, hi = starts[g], ends[min(g + rows_per_group, len(ends)) - 1]
-                offsets = np.concatenate([[0], ends[g:g + rows_per_group] - lo]).astype(np.int32)
+                offsets = np.concatenate([[0], ends[g : g + rows_per_group] - lo]).astype(np.int32)
                 values = pa.array(tokens[lo:hi].astype(np.int32))
                 w.write_table(pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), values)}))
     return out
@@ -162,9 +166,9 @@ def prepare_hf_windows(corpus: Path, arrow_path: Path, seq_len: int, dtype=np.ui
             for b in range(0, n, rows_per_batch):
                 k = min(rows_per_batch, n - b)
                 offsets = pa.array(np.arange(0, (k + 1) * row, row, dtype=np.int32))
-                values = pa.array(stream[b * row:(b + k) * row])
+                values = pa.array(stream[b * row : (b + k) * row])
                 w.write_batch(pa.record_batch([pa.ListArray.from_arrays(offsets, values)], schema=schema))
-            carry = stream[n * row:]
+            carry = stream[n * row :]
     return arrow_path
 
 
@@ -207,8 +211,9 @@ def litdata_optimize_cmd(corpus: Path, out: Path, seq_len: int, workers: int = 1
 # Step-indexed loaders: index memory (allocated in a child) and Megatron-style build time
 
 
-def allocate_index_cmd(style: str, samples: int, seq_len: int, mean_doc: int, cap_bytes: int,
-                       result: Path) -> list[str]:
+def allocate_index_cmd(
+    style: str, samples: int, seq_len: int, mean_doc: int, cap_bytes: int, result: Path
+) -> list[str]:
     """Allocates and touches (np.ones) the arrays `style` keeps per rank, capped at cap_bytes: above
     it every array shrinks by the same factor, and the result says which fraction was allocated."""
     need = index_bytes(style, samples, seq_len, mean_doc)
@@ -224,8 +229,9 @@ def allocate_index_cmd(style: str, samples: int, seq_len: int, mean_doc: int, ca
     )
 
 
-def megatron_index_build_cmd(samples: int, documents: int, mean_doc: int, seq_len: int, cap_bytes: int,
-                             result: Path) -> list[str]:
+def megatron_index_build_cmd(
+    samples: int, documents: int, mean_doc: int, seq_len: int, cap_bytes: int, result: Path
+) -> list[str]:
     """Builds a Megatron GPTDataset-style index with numpy, the way megatron-core does it:
     document_index (every document once per epoch, RandomState.shuffle), sample_index (document
     position and offset of every window start; megatron-core does this loop in C++, numpy does it
@@ -257,4 +263,3 @@ def megatron_index_build_cmd(samples: int, documents: int, mean_doc: int, seq_le
 
 def read_result(path: Path) -> dict:
     return json.loads(Path(path).read_text())
-

@@ -18,8 +18,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
-from bench.common import REPO, cp_sync, dir_bytes, machine_line, make_datatrove_corpus, parse_size, print_table, run_measured  # noqa: E402
+sys.path[0] = str(
+    Path(__file__).resolve().parents[1]
+)  # the repo, not bench/, where shuffle.py would hide the shuffle package
+from bench.common import (
+    REPO,
+    cp_sync,
+    dir_bytes,
+    machine_line,
+    make_datatrove_corpus,
+    parse_size,
+    print_table,
+    run_measured,
+)  # noqa: E402
 from bench.pack import make_parquet  # noqa: E402
 
 SIZE = "512MiB"
@@ -43,16 +54,36 @@ def manifest(path: Path) -> dict:
 def rows(case: str, planned: dict, tokens: int, shards: int, written: int, measure, baseline) -> list[dict]:
     predicted_tokens = planned["predicted_tokens"]
     return [
-        {"case": case, "quantity": "tokens", "predicted": f"{predicted_tokens:,}", "measured": f"{tokens:,}",
-         "ratio": round(predicted_tokens / tokens, 3)},
-        {"case": case, "quantity": "shards", "predicted": planned["shards"], "measured": shards,
-         "ratio": round(planned["shards"] / shards, 3)},
-        {"case": case, "quantity": "bytes written", "predicted": f"{planned['written']:,}", "measured": f"{written:,}",
-         "ratio": round(planned["written"] / written, 3)},
-        {"case": case, "quantity": "seconds", "predicted": planned["predicted_seconds"],
-         "measured": round(measure.seconds, 2), "ratio": round(planned["predicted_seconds"] / measure.seconds, 3),
-         "note": f"disk {planned['disk_mbps']} MB/s measured by plan; peak RSS {measure.peak_rss_mb:.0f} MB; "
-                 f"cp -r + sync of the input {baseline.seconds:.2f} s"},
+        {
+            "case": case,
+            "quantity": "tokens",
+            "predicted": f"{predicted_tokens:,}",
+            "measured": f"{tokens:,}",
+            "ratio": round(predicted_tokens / tokens, 3),
+        },
+        {
+            "case": case,
+            "quantity": "shards",
+            "predicted": planned["shards"],
+            "measured": shards,
+            "ratio": round(planned["shards"] / shards, 3),
+        },
+        {
+            "case": case,
+            "quantity": "bytes written",
+            "predicted": f"{planned['written']:,}",
+            "measured": f"{written:,}",
+            "ratio": round(planned["written"] / written, 3),
+        },
+        {
+            "case": case,
+            "quantity": "seconds",
+            "predicted": planned["predicted_seconds"],
+            "measured": round(measure.seconds, 2),
+            "ratio": round(planned["predicted_seconds"] / measure.seconds, 3),
+            "note": f"disk {planned['disk_mbps']} MB/s measured by plan; peak RSS {measure.peak_rss_mb:.0f} MB; "
+            f"cp -r + sync of the input {baseline.seconds:.2f} s",
+        },
     ]
 
 
@@ -63,40 +94,58 @@ def parquet_case(root: Path, size: int) -> list[dict]:
     args = [pq, "-o", root / "packed", "--eos-id", 0, "--vocab-size", 50257, "--workers", 2]
     planned = plan_json("pack", *args)
     (p,) = planned["passes"]
-    planned.update(written=p["written_bytes"],
-                   predicted_tokens=p["written_bytes"] // 2)  # uint16 output: the planned bytes are its tokens
+    planned.update(
+        written=p["written_bytes"], predicted_tokens=p["written_bytes"] // 2
+    )  # uint16 output: the planned bytes are its tokens
     baseline = cp_sync(pq, root / "pq-copy")
     shutil.rmtree(root / "pq-copy")
     measure = run_measured(" ".join(map(str, tokpack("pack", *args))) + " && sync", cwd=str(REPO))
     m = manifest(root / "packed")
-    return rows("pack Parquet list<uint16>", planned, m["tokens"], len(m["shards"]),
-                dir_bytes(root / "packed", ".ds"), measure, baseline)
+    return rows(
+        "pack Parquet list<uint16>",
+        planned,
+        m["tokens"],
+        len(m["shards"]),
+        dir_bytes(root / "packed", ".ds"),
+        measure,
+        baseline,
+    )
 
 
 def schedule_case(root: Path, size: int) -> list[dict]:
     names = {"web": 0.6, "code": 0.25, "math": 0.15}
     for k, (name, share) in enumerate(names.items()):
         dt = make_datatrove_corpus(root / f"dt-{name}", int(size * share), files=1, seed=k)
-        subprocess.run(tokpack("pack", dt, "-o", root / "src" / name, "--eos-id", 0, "--vocab-size", 50257), cwd=REPO,
-                       check=True, capture_output=True)
+        subprocess.run(
+            tokpack("pack", dt, "-o", root / "src" / name, "--eos-id", 0, "--vocab-size", 50257),
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
         shutil.rmtree(dt)
     tokens = size // 2
     (root / "run.yaml").write_text(
         f"seq_len: {SEQ_LEN}\nseed: 1\nstages:\n"
         f"  - name: stable\n    tokens: {int(tokens * 0.8)}\n    sources: {{src/web: 0.7, src/code: 0.25, src/math: 0.05}}\n"
-        f"  - name: decay\n    tokens: {int(tokens * 0.4)}\n    sources: {{src/web: 0.4, src/code: 0.3, src/math: 0.3}}\n")
+        f"  - name: decay\n    tokens: {int(tokens * 0.4)}\n    sources: {{src/web: 0.4, src/code: 0.3, src/math: 0.3}}\n"
+    )
     args = ["--schedule", root / "run.yaml", "-o", root / "run", "--memory", MEMORY, "--workers", 2]
     planned = plan_json("shuffle", *args)
     samples = sum(e["samples"] for e in planned["epochs"])
-    planned.update(written=sum(e["output_bytes"] for e in planned["epochs"]),
-                   predicted_tokens=samples * (SEQ_LEN + 1))
+    planned.update(written=sum(e["output_bytes"] for e in planned["epochs"]), predicted_tokens=samples * (SEQ_LEN + 1))
     baseline = cp_sync(root / "src", root / "src-copy")
     shutil.rmtree(root / "src-copy")
     measure = run_measured(" ".join(map(str, tokpack("shuffle", *args))) + " && sync", cwd=str(REPO))
     epochs = [manifest(p) for p in sorted((root / "run").glob("epoch-*"))]
-    return rows("shuffle 2-stage schedule", planned, sum(e["tokens"] for e in epochs),
-                sum(len(e["shards"]) for e in epochs),
-                sum(p.stat().st_size for p in (root / "run").rglob("*") if p.is_file()), measure, baseline)
+    return rows(
+        "shuffle 2-stage schedule",
+        planned,
+        sum(e["tokens"] for e in epochs),
+        sum(len(e["shards"]) for e in epochs),
+        sum(p.stat().st_size for p in (root / "run").rglob("*") if p.is_file()),
+        measure,
+        baseline,
+    )
 
 
 def main(size: int, workdir: str | None) -> list[dict]:
@@ -106,9 +155,11 @@ def main(size: int, workdir: str | None) -> list[dict]:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    print_table(f"plan vs actual ({size / 2**20:,.0f} MiB of input per case; {machine_line()}; load average "
-                f"{load} at the end)", results,
-                ["case", "quantity", "predicted", "measured", "ratio", "note"])
+    print_table(
+        f"plan vs actual ({size / 2**20:,.0f} MiB of input per case; {machine_line()}; load average {load} at the end)",
+        results,
+        ["case", "quantity", "predicted", "measured", "ratio", "note"],
+    )
     return results
 
 

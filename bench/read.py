@@ -28,8 +28,19 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
-from bench.common import REPO, can_drop_caches, machine_line, median_of, parse_size, print_table, python_cmd, run_measured  # noqa: E402
+sys.path[0] = str(
+    Path(__file__).resolve().parents[1]
+)  # the repo, not bench/, where shuffle.py would hide the shuffle package
+from bench.common import (
+    REPO,
+    can_drop_caches,
+    machine_line,
+    median_of,
+    parse_size,
+    print_table,
+    python_cmd,
+    run_measured,
+)  # noqa: E402
 
 SEQ_LEN = 4096
 GBS = 576
@@ -62,11 +73,39 @@ def make_epoch(out: Path, size: int, seed: int = 0) -> Path:
     row = SEQ_LEN + 1
     # One stand-in source whose windows are the epoch's samples: the manifest checks every reader
     # applies (tokpack.formats.manifest.check_manifest) hold, as for an epoch the shuffle wrote.
-    source = {"name": "bench", "path": "bench", "fingerprint": "0" * 32, "tokens": samples * row, "weight": None,
-              "samples": samples, "first_pass": 0, "passes": 1, "windows": samples, "offset": 0, "dropped_tokens": 0}
-    write_manifest(out, epoch_manifest(shards, np.dtype("<u2"), 50_257, 0, "bench", tokens=samples * row, epoch=0,
-                                       seed=seed, seq_len=SEQ_LEN, samples=samples, shard_samples=shard_samples,
-                                       dropped_tokens=0, jitter=False, sources=[source], shuffle=PLAN_ALGORITHM))
+    source = {
+        "name": "bench",
+        "path": "bench",
+        "fingerprint": "0" * 32,
+        "tokens": samples * row,
+        "weight": None,
+        "samples": samples,
+        "first_pass": 0,
+        "passes": 1,
+        "windows": samples,
+        "offset": 0,
+        "dropped_tokens": 0,
+    }
+    write_manifest(
+        out,
+        epoch_manifest(
+            shards,
+            np.dtype("<u2"),
+            50_257,
+            0,
+            "bench",
+            tokens=samples * row,
+            epoch=0,
+            seed=seed,
+            seq_len=SEQ_LEN,
+            samples=samples,
+            shard_samples=shard_samples,
+            dropped_tokens=0,
+            jitter=False,
+            sources=[source],
+            shuffle=PLAN_ALGORITHM,
+        ),
+    )
     return out
 
 
@@ -79,7 +118,9 @@ def make_virtual_shard(epoch: Path, out: Path) -> int:
         f.truncate(VIRTUAL_SHARD_SAMPLES * ROW_BYTES)
         for shard in sorted(epoch.glob("*.ds")):
             with open(shard, "rb") as src:
-                while real < VIRTUAL_SHARD_SAMPLES and (chunk := src.read(min(1024, VIRTUAL_SHARD_SAMPLES - real) * ROW_BYTES)):
+                while real < VIRTUAL_SHARD_SAMPLES and (
+                    chunk := src.read(min(1024, VIRTUAL_SHARD_SAMPLES - real) * ROW_BYTES)
+                ):
                     f.write(chunk)
                     real += len(chunk) // ROW_BYTES
     return real
@@ -173,14 +214,30 @@ def main(size: int, quick: bool = False, workdir: str | None = None) -> list[dic
         # 1. throughput
         cat = median_of(lambda: run_measured("cat " + " ".join(f"'{p}'" for p in shards) + " > /dev/null"), runs)
         rows.append({"case": "cat *.ds (physical baseline)", "MB/s": _mbps(nbytes, cat.seconds), "vs cat": 1.0})
-        for label, positions in (("tokpack SampleReader W=1 m=8", None), ("tokpack SampleReader + position ids", "eos")):
+        for label, positions in (
+            ("tokpack SampleReader W=1 m=8", None),
+            ("tokpack SampleReader + position ids", "eos"),
+        ):
             res, rss = _child(work, READ_CHILD, runs, path=str(epoch), positions=positions)
-            rows.append({"case": label, "MB/s": _mbps(res["bytes"], res["read_s"]),
-                         "vs cat": cat.seconds / res["read_s"], "peak RSS MiB": rss,
-                         "note": f"open {res['open_s'] * 1e3:.1f} ms"})
+            rows.append(
+                {
+                    "case": label,
+                    "MB/s": _mbps(res["bytes"], res["read_s"]),
+                    "vs cat": cat.seconds / res["read_s"],
+                    "peak RSS MiB": rss,
+                    "note": f"open {res['open_s'] * 1e3:.1f} ms",
+                }
+            )
         res, rss = _child(work, DATATROVE_CHILD, 1, path=str(epoch), seq=SEQ_LEN)
-        rows.append({"case": "datatrove DatatroveFolderDataset (peer)", "MB/s": _mbps(res["bytes"], res["read_s"]),
-                     "vs cat": cat.seconds / res["read_s"], "peak RSS MiB": rss, "note": "imports torch"})
+        rows.append(
+            {
+                "case": "datatrove DatatroveFolderDataset (peer)",
+                "MB/s": _mbps(res["bytes"], res["read_s"]),
+                "vs cat": cat.seconds / res["read_s"],
+                "peak RSS MiB": rss,
+                "note": "imports torch",
+            }
+        )
         print_table("Sequential read throughput", rows, ["case", "MB/s", "vs cat", "peak RSS MiB", "note"])
 
         # 2. incident steps, over a virtual epoch description
@@ -191,19 +248,40 @@ def main(size: int, quick: bool = False, workdir: str | None = None) -> list[dic
         incident = []
         for world, micro in ((1, 8), (64, GBS // 64)):  # one reader of everything; rank 0 of 64 (strided)
             for step in STEPS:
-                res, rss = _child(work, VIRTUAL_CHILD, runs, rows=read_rows, shard=VIRTUAL_SHARD_SAMPLES, seq=SEQ_LEN,
-                                  n_shards=n_shards, row_bytes=ROW_BYTES, dir=str(vdir), start=step * GBS,
-                                  world=world, micro=micro)
-                incident.append({"start step": f"{step:,}", "start sample": f"{step * GBS:,}",
-                                 "rank": f"0 of {world}, m={micro}", "MB read": res["bytes"] / 1e6,
-                                 "MB/s": _mbps(res["bytes"], res["read_s"]), "open ms": res["open_s"] * 1e3,
-                                 "peak RSS MiB": rss})
+                res, rss = _child(
+                    work,
+                    VIRTUAL_CHILD,
+                    runs,
+                    rows=read_rows,
+                    shard=VIRTUAL_SHARD_SAMPLES,
+                    seq=SEQ_LEN,
+                    n_shards=n_shards,
+                    row_bytes=ROW_BYTES,
+                    dir=str(vdir),
+                    start=step * GBS,
+                    world=world,
+                    micro=micro,
+                )
+                incident.append(
+                    {
+                        "start step": f"{step:,}",
+                        "start sample": f"{step * GBS:,}",
+                        "rank": f"0 of {world}, m={micro}",
+                        "MB read": res["bytes"] / 1e6,
+                        "MB/s": _mbps(res["bytes"], res["read_s"]),
+                        "open ms": res["open_s"] * 1e3,
+                        "peak RSS MiB": rss,
+                    }
+                )
         for r in incident:
             base = next(x for x in incident if x["rank"] == r["rank"])["MB/s"]  # the step-32,000 row
             r["throughput ratio"] = r["MB/s"] / base
-        print_table(f"Start at the incident's steps (GBS {GBS}, seq_len {SEQ_LEN}; the same {read_rows} global-stream rows "
-                    f"from each start, cold; a virtual description of {n_shards:,} shards)", incident,
-                    ["start step", "start sample", "rank", "MB read", "MB/s", "throughput ratio", "open ms", "peak RSS MiB"])
+        print_table(
+            f"Start at the incident's steps (GBS {GBS}, seq_len {SEQ_LEN}; the same {read_rows} global-stream rows "
+            f"from each start, cold; a virtual description of {n_shards:,} shards)",
+            incident,
+            ["start step", "start sample", "rank", "MB read", "MB/s", "throughput ratio", "open ms", "peak RSS MiB"],
+        )
 
         # 3. step-indexed contrast
         empty = _child(work, ALLOC_CHILD, 1, cold=False, n=0, first="uint64")[1]
@@ -214,16 +292,33 @@ def main(size: int, quick: bool = False, workdir: str | None = None) -> list[dic
             n = int(samples * fraction)
             for name, first, per in (("Nanoset", "uint64", NANOSET_B), ("TokenizedBytes blend", "int16", BLEND_B)):
                 rss = _child(work, ALLOC_CHILD, 1, cold=False, n=n, first=first)[1]
-                contrast.append({"loader": name, "step": f"{step:,}", "formula GB": samples * per / 1e9,
-                                 "measured fraction": fraction, "measured index MiB": rss - empty,
-                                 "implied GB": (rss - empty) / fraction * 2**20 / 1e9})
+                contrast.append(
+                    {
+                        "loader": name,
+                        "step": f"{step:,}",
+                        "formula GB": samples * per / 1e9,
+                        "measured fraction": fraction,
+                        "measured index MiB": rss - empty,
+                        "implied GB": (rss - empty) / fraction * 2**20 / 1e9,
+                    }
+                )
             tok = next(r for r in incident if r["start step"] == f"{step:,}")
-            contrast.append({"loader": "tokpack SampleReader", "step": f"{step:,}", "formula GB": 0.0,
-                             "measured fraction": 1.0, "measured index MiB": tok["peak RSS MiB"] - empty,
-                             "implied GB": (tok["peak RSS MiB"] - empty) * 2**20 / 1e9})
-        print_table("Per-rank memory of step-indexed loaders vs tokpack (index = peak RSS minus an idle numpy "
-                    f"interpreter, {empty:.0f} MiB)", contrast,
-                    ["loader", "step", "formula GB", "measured fraction", "measured index MiB", "implied GB"])
+            contrast.append(
+                {
+                    "loader": "tokpack SampleReader",
+                    "step": f"{step:,}",
+                    "formula GB": 0.0,
+                    "measured fraction": 1.0,
+                    "measured index MiB": tok["peak RSS MiB"] - empty,
+                    "implied GB": (tok["peak RSS MiB"] - empty) * 2**20 / 1e9,
+                }
+            )
+        print_table(
+            "Per-rank memory of step-indexed loaders vs tokpack (index = peak RSS minus an idle numpy "
+            f"interpreter, {empty:.0f} MiB)",
+            contrast,
+            ["loader", "step", "formula GB", "measured fraction", "measured index MiB", "implied GB"],
+        )
         return rows + incident + contrast
     finally:
         shutil.rmtree(work, ignore_errors=True)

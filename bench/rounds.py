@@ -27,10 +27,25 @@ import time
 from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/
-from bench.common import (dir_bytes, machine_line, make_datatrove_corpus, parse_size, print_table,  # noqa: E402
-                          run_measured)
-from bench.nodes import (K, M, MODEL_TOKEN_BYTES, ROUND_ROOM, SEQ_LEN, mpi_env, mpi_missing, mpirun,  # noqa: E402
-                         rows_memory)
+from bench.common import (
+    dir_bytes,
+    machine_line,
+    make_datatrove_corpus,
+    parse_size,
+    print_table,  # noqa: E402
+    run_measured,
+)
+from bench.nodes import (
+    K,
+    M,
+    MODEL_TOKEN_BYTES,
+    ROUND_ROOM,
+    SEQ_LEN,
+    mpi_env,
+    mpi_missing,
+    mpirun,  # noqa: E402
+    rows_memory,
+)
 from bench.shuffle import pack_corpus  # noqa: E402
 
 from tokpack.packer.exchange import TOKEN_OVERHEAD  # noqa: E402
@@ -43,9 +58,29 @@ COLUMNS = ["case", "round MiB", "rounds", "MB/s a process", "range", "peak RSS -
 
 def one(src: Path, ram: Path, memory: int, res: Path) -> list[dict]:
     run = ram / "run"
-    cmd = mpirun(2, "shuffle", src, "-o", run, "--to-nodes", ram / "node{node}", "--ranks-per-node", K,
-                 "--micro-batch", M, "--seq-len", SEQ_LEN, "--seed", 1, "--shard-samples", 2000, "--epoch", 0,
-                 "--memory", memory)
+    cmd = mpirun(
+        2,
+        "shuffle",
+        src,
+        "-o",
+        run,
+        "--to-nodes",
+        ram / "node{node}",
+        "--ranks-per-node",
+        K,
+        "--micro-batch",
+        M,
+        "--seq-len",
+        SEQ_LEN,
+        "--seed",
+        1,
+        "--shard-samples",
+        2000,
+        "--epoch",
+        0,
+        "--memory",
+        memory,
+    )
     run_measured(f"{cmd} > {shlex.quote(str(res))}", env=mpi_env(), cold=False)
     lines = [json.loads(x) for x in res.read_text().splitlines() if x.startswith("{")]
     for d in ram.iterdir():
@@ -55,8 +90,15 @@ def one(src: Path, ram: Path, memory: int, res: Path) -> list[dict]:
     return lines
 
 
-def main(size=None, quick: bool = False, *, runs: int | None = None, rounds_mib=None, out: Path | None = None,
-         work: Path | None = None) -> list[dict]:
+def main(
+    size=None,
+    quick: bool = False,
+    *,
+    runs: int | None = None,
+    rounds_mib=None,
+    out: Path | None = None,
+    work: Path | None = None,
+) -> list[dict]:
     why = mpi_missing()
     if why:
         raise SystemExit(f"rounds: {why}")
@@ -84,31 +126,51 @@ def main(size=None, quick: bool = False, *, runs: int | None = None, rounds_mib=
             shutil.rmtree(ram / "cp")
             for r in rounds_mib:
                 got[r].append(one(src, ram, memory[r], work / "out.json"))
-        rows = [{"case": "cp -r of the sources into RAM, warm", "wall s": statistics.median(cp_seconds),
-                 "round MiB": "", "rounds": "",
-                 "MB/s a process": f"{statistics.median(cp):,.0f}", "range": f"{min(cp):,.0f}-{max(cp):,.0f}",
-                 "peak RSS - --memory MB": "", "note": "one process; the copy floor"}]
+        rows = [
+            {
+                "case": "cp -r of the sources into RAM, warm",
+                "wall s": statistics.median(cp_seconds),
+                "round MiB": "",
+                "rounds": "",
+                "MB/s a process": f"{statistics.median(cp):,.0f}",
+                "range": f"{min(cp):,.0f}-{max(cp):,.0f}",
+                "peak RSS - --memory MB": "",
+                "note": "one process; the copy floor",
+            }
+        ]
         for r in rounds_mib:
-            rates = [j["epochs_detail"][0]["tokens_kept"] * 2 / j["epochs_detail"][0]["seconds"] / 1e6
-                     for lines in got[r] for j in lines]
+            rates = [
+                j["epochs_detail"][0]["tokens_kept"] * 2 / j["epochs_detail"][0]["seconds"] / 1e6
+                for lines in got[r]
+                for j in lines
+            ]
             over = max((j["peak_rss_bytes"] - memory[r]) / 1e6 for lines in got[r] for j in lines)
             rounds = got[r][0][0]["epochs_detail"][0]["rounds"]
             moved = token_bytes / 2 / rounds / 2**20  # a process reads half the sources
             seconds = statistics.median(j["epochs_detail"][0]["seconds"] for lines in got[r] for j in lines)
-            rows.append({"case": "exchange, 2 processes", "wall s": seconds, "round MiB": f"{moved:,.0f}",
-                         "rounds": rounds,
-                         "MB/s a process": f"{statistics.median(rates):,.0f}",
-                         "range": f"{min(rates):,.0f}-{max(rates):,.0f}", "peak RSS - --memory MB": f"{over:,.0f}",
-                         "note": f"--memory {memory[r] / 2**20:,.0f} MiB; MB/s: its slice's token bytes over its "
-                                 "epoch seconds (--json)"})
+            rows.append(
+                {
+                    "case": "exchange, 2 processes",
+                    "wall s": seconds,
+                    "round MiB": f"{moved:,.0f}",
+                    "rounds": rounds,
+                    "MB/s a process": f"{statistics.median(rates):,.0f}",
+                    "range": f"{min(rates):,.0f}-{max(rates):,.0f}",
+                    "peak RSS - --memory MB": f"{over:,.0f}",
+                    "note": f"--memory {memory[r] / 2**20:,.0f} MiB; MB/s: its slice's token bytes over its "
+                    "epoch seconds (--json)",
+                }
+            )
     finally:
         shutil.rmtree(ram, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     rows_shown = [{k: v for k, v in r.items() if k != "wall s"} for r in rows]
     title = f"the exchange's per-byte cost by round size ({token_bytes / 2**20:,.0f} MiB, seq_len {SEQ_LEN})"
-    notes = [f"Machine: {machine_line()}, {time.strftime('%H:%M UTC', time.gmtime())}; {runs} runs, "
-             f"cases round-robin, medians; sources cached, DEST in RAM",
-             f"Total wall time: {time.perf_counter() - t0:,.0f} s"]
+    notes = [
+        f"Machine: {machine_line()}, {time.strftime('%H:%M UTC', time.gmtime())}; {runs} runs, "
+        f"cases round-robin, medians; sources cached, DEST in RAM",
+        f"Total wall time: {time.perf_counter() - t0:,.0f} s",
+    ]
     text = print_table(title, rows_shown, COLUMNS) + "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     print("\n".join(f"- {n}" for n in notes))
     if out is not None:
@@ -126,5 +188,10 @@ if __name__ == "__main__":
     ap.add_argument("--out", type=Path)
     ap.add_argument("--quick", action="store_true", help="a tiny corpus: checks that every row runs")
     a = ap.parse_args()
-    main(a.size, a.quick, runs=a.runs, rounds_mib=a.rounds_mib and tuple(int(x) for x in a.rounds_mib.split(",")),
-         out=a.out)
+    main(
+        a.size,
+        a.quick,
+        runs=a.runs,
+        rounds_mib=a.rounds_mib and tuple(int(x) for x in a.rounds_mib.split(",")),
+        out=a.out,
+    )

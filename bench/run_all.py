@@ -137,10 +137,15 @@ def measure(section: str, cases: list[Case], ctx: Ctx, baseline: str | None) -> 
             sec = statistics.median(m.seconds for m in c.results)
             nbytes = ctx.token_bytes if c.nbytes is None else c.nbytes
             runs = f"median of {len(c.results)}" if len(c.results) > 1 else "1 run"
-            row.update({"wall s": sec, "MB/s": nbytes / 1e6 / sec if nbytes else None,
-                        "peak RSS MB": max(m.peak_rss_mb for m in c.results),
-                        "ratio": sec / base_s if base_s else None,
-                        "note": "; ".join(x for x in (c.note, runs) if x)})
+            row.update(
+                {
+                    "wall s": sec,
+                    "MB/s": nbytes / 1e6 / sec if nbytes else None,
+                    "peak RSS MB": max(m.peak_rss_mb for m in c.results),
+                    "ratio": sec / base_s if base_s else None,
+                    "note": "; ".join(x for x in (c.note, runs) if x),
+                }
+            )
         else:
             row["note"] = c.skip or f"FAILED (run {len(c.results) + 1}): {c.error}"
         rows.append(row)
@@ -204,9 +209,13 @@ def section_baseline(ctx: Ctx) -> list[dict]:
     cases = [
         Case("cold sequential read (cat)", lambda: cold_read(ctx.corpus), cache_note(ctx)),
         Case("cp -r + sync", lambda: cp_sync(ctx.corpus, ctx.work / "cp"), cache_note(ctx)),
-        Case("in-memory row permutation", lambda: from_child(permute_in_memory_cmd(
-            ctx.corpus, (SEQ_LEN + 1) * 2, result), result, ctx, cold=False)[0],
-            f"np.take(mode='clip') of {SEQ_LEN + 1}-token rows into a reused 8 MiB buffer; gather timed in-process"),
+        Case(
+            "in-memory row permutation",
+            lambda: from_child(permute_in_memory_cmd(ctx.corpus, (SEQ_LEN + 1) * 2, result), result, ctx, cold=False)[
+                0
+            ],
+            f"np.take(mode='clip') of {SEQ_LEN + 1}-token rows into a reused 8 MiB buffer; gather timed in-process",
+        ),
     ]
     rows = measure("baseline", cases, ctx, baseline="cold sequential read (cat)")
     shutil.rmtree(ctx.work / "cp", ignore_errors=True)
@@ -221,15 +230,17 @@ def section_pack(ctx: Ctx) -> list[dict]:
     common_args = ["--eos-id", str(EOS_ID), "--vocab-size", str(VOCAB), "--workers", str(ctx.workers)]
 
     def pack(src: str, fmt: str, *extra: str) -> Callable[[], Measure]:
-        return lambda: tokpack("pack", src, "-o", str(fresh(out)), "--format", fmt, *common_args, *extra,
-                               cold=ctx.cold)
+        return lambda: tokpack("pack", src, "-o", str(fresh(out)), "--format", fmt, *common_args, *extra, cold=ctx.cold)
 
     cases = [
         Case("cp -r + sync", lambda: cp_sync(ctx.corpus, ctx.work / "cp"), cache_note(ctx)),
         Case("tokpack pack datatrove .ds", pack(str(ctx.corpus), "datatrove"), f"--workers {ctx.workers}"),
         Case("tokpack pack Megatron .bin/.idx", pack(str(megatron), "megatron"), "one .bin/.idx pair"),
-        Case("tokpack pack Parquet", pack(str(parquet), "parquet", "--column", "input_ids"),
-             "list<int32> input_ids, one row per document"),
+        Case(
+            "tokpack pack Parquet",
+            pack(str(parquet), "parquet", "--column", "input_ids"),
+            "list<int32> input_ids, one row per document",
+        ),
     ]
     rows = measure("pack", cases, ctx, baseline="cp -r + sync")
     shutil.rmtree(ctx.work / "cp", ignore_errors=True)
@@ -254,8 +265,21 @@ def ensure_run(ctx: Ctx) -> Path | None:
     if ctx.run_dir is None:
         run_dir = fresh(ctx.work / "run")
         try:
-            tokpack("shuffle", str(ensure_source(ctx)), "-o", str(run_dir), "--seq-len", str(SEQ_LEN), "--seed", "0",
-                    "--epochs", "1", "--memory", str(in_memory_budget(ctx)), cold=False)
+            tokpack(
+                "shuffle",
+                str(ensure_source(ctx)),
+                "-o",
+                str(run_dir),
+                "--seq-len",
+                str(SEQ_LEN),
+                "--seed",
+                "0",
+                "--epochs",
+                "1",
+                "--memory",
+                str(in_memory_budget(ctx)),
+                cold=False,
+            )
             ctx.run_dir = run_dir
         except RuntimeError as e:
             ctx.run_error = first_line(e)
@@ -270,14 +294,30 @@ def section_shuffle(ctx: Ctx) -> list[dict]:
 
     def shuffle(memory: int) -> Callable[[], Measure]:
         def run() -> Measure:
-            m = tokpack("shuffle", str(ctx.source), "-o", str(fresh(out)), "--seq-len", str(SEQ_LEN), "--seed", "0",
-                        "--epochs", "1", "--memory", str(memory), "--workers", str(ctx.workers), result=result,
-                        cold=ctx.cold)
+            m = tokpack(
+                "shuffle",
+                str(ctx.source),
+                "-o",
+                str(fresh(out)),
+                "--seq-len",
+                str(SEQ_LEN),
+                "--seed",
+                "0",
+                "--epochs",
+                "1",
+                "--memory",
+                str(memory),
+                "--workers",
+                str(ctx.workers),
+                result=result,
+                cold=ctx.cold,
+            )
             path = summary_of(result).get("path")
             if path not in ("in-memory", "out-of-core"):
                 raise RuntimeError(f"tokpack shuffle --json reported path {path!r}")
             paths[memory] = path
             return m
+
         return run
 
     paths: dict[int, str] = {}
@@ -291,19 +331,25 @@ def section_shuffle(ctx: Ctx) -> list[dict]:
         Case("cp -r + sync", lambda: cp_sync(ctx.source, ctx.work / "cp"), cache_note(ctx)),
         Case("tokpack shuffle in memory", shuffle(in_memory), f"--memory {in_memory >> 20}MiB"),
         Case("tokpack shuffle out of core", shuffle(out_of_core), f"--memory {out_of_core >> 20}MiB = data/8"),
-        Case("datatrove DocumentTokenizerMerger(shuffle=True)",
-             lambda: run_measured(peers.datatrove_merger_cmd(ctx.corpus, fresh(peer_out)), cold=ctx.cold),
-             "interleaves whole documents; no window shuffle"),
-        Case("HF datasets shuffle().flatten_indices().save_to_disk()",
-             lambda: run_measured(peers.hf_shuffle_cmd(hf_arrow, fresh(peer_out), empty_dir(hf_scratch)),
-                                  cold=ctx.cold),
-             f"over {SEQ_LEN + 1}-token windows (Arrow, memory-mapped)",
-             skip=hf_missing and f"HF datasets {hf_missing}"),
-        Case("litdata optimize(TokensLoader)",
-             lambda: run_measured(peers.litdata_optimize_cmd(ctx.corpus, fresh(peer_out), SEQ_LEN, ctx.workers),
-                                  cold=ctx.cold),
-             "conversion only: litdata shuffles at load time (StreamingDataset(shuffle=True))",
-             skip=lit_missing and f"litdata {lit_missing}"),
+        Case(
+            "datatrove DocumentTokenizerMerger(shuffle=True)",
+            lambda: run_measured(peers.datatrove_merger_cmd(ctx.corpus, fresh(peer_out)), cold=ctx.cold),
+            "interleaves whole documents; no window shuffle",
+        ),
+        Case(
+            "HF datasets shuffle().flatten_indices().save_to_disk()",
+            lambda: run_measured(peers.hf_shuffle_cmd(hf_arrow, fresh(peer_out), empty_dir(hf_scratch)), cold=ctx.cold),
+            f"over {SEQ_LEN + 1}-token windows (Arrow, memory-mapped)",
+            skip=hf_missing and f"HF datasets {hf_missing}",
+        ),
+        Case(
+            "litdata optimize(TokensLoader)",
+            lambda: run_measured(
+                peers.litdata_optimize_cmd(ctx.corpus, fresh(peer_out), SEQ_LEN, ctx.workers), cold=ctx.cold
+            ),
+            "conversion only: litdata shuffles at load time (StreamingDataset(shuffle=True))",
+            skip=lit_missing and f"litdata {lit_missing}",
+        ),
     ]
     rows = measure("shuffle", cases, ctx, baseline="cp -r + sync")
     for r, memory in zip(rows[1:3], (in_memory, out_of_core)):
@@ -355,8 +401,14 @@ def epoch_info(run_dir: Path) -> tuple[Path, int, int]:
 
 def section_read(ctx: Ctx) -> list[dict]:
     if ensure_run(ctx) is None:
-        return [{"section": "read", "case": "tokpack reader", "_required": True,
-                 "note": f"FAILED: no shuffled run to read: {ctx.run_error}"}]
+        return [
+            {
+                "section": "read",
+                "case": "tokpack reader",
+                "_required": True,
+                "note": f"FAILED: no shuffled run to read: {ctx.run_error}",
+            }
+        ]
     epoch, samples, nbytes = epoch_info(ctx.run_dir)
     row_bytes = nbytes // samples
     result = ctx.work / "read.json"
@@ -378,13 +430,20 @@ def section_read(ctx: Ctx) -> list[dict]:
             if got != nbytes:
                 raise RuntimeError(f"reader returned {got} bytes, expected {nbytes}")
             return m
+
         return run
 
     cases = [Case("cold cat of the epoch shards", lambda: cold_read(epoch), cache_note(ctx), nbytes=nbytes)]
     for step in [0, *STEPS]:
-        cases.append(Case(f"tokpack reader from step {step:,}", read(step),
-                          f"rank 0 of W=1 from sample {step * GBS:,} (step x GBS {GBS}); reads the epoch's "
-                          f"{samples:,} samples, placed after a sparse shard of the skipped samples", nbytes=nbytes))
+        cases.append(
+            Case(
+                f"tokpack reader from step {step:,}",
+                read(step),
+                f"rank 0 of W=1 from sample {step * GBS:,} (step x GBS {GBS}); reads the epoch's "
+                f"{samples:,} samples, placed after a sparse shard of the skipped samples",
+                nbytes=nbytes,
+            )
+        )
     rows = measure("read", cases, ctx, baseline="cold cat of the epoch shards")
     for step, r in zip([0, *STEPS], rows[1:]):
         ctx.reader_rss[step] = r.get("peak RSS MB")
@@ -418,36 +477,60 @@ def section_index(ctx: Ctx) -> list[dict]:
     for step in STEPS:
         samples = step * GBS
         base_rss = ctx.reader_rss.get(step)
-        for style, label in (("nanoset", "Nanoset index (16 B/sample)"),
-                             ("megatron-gpt", "Megatron GPTDataset index"),
-                             ("megatron-blended", "Megatron BlendedDataset + GPTDataset index")):
+        for style, label in (
+            ("nanoset", "Nanoset index (16 B/sample)"),
+            ("megatron-gpt", "Megatron GPTDataset index"),
+            ("megatron-blended", "Megatron BlendedDataset + GPTDataset index"),
+        ):
             need = peers.index_bytes(style, samples, SEQ_LEN, mean_doc)
             result = ctx.work / "index.json"
             row = {"section": "index", "case": f"{label} @ step {step:,}", "_required": True}
             try:
-                m, data = from_child(peers.allocate_index_cmd(style, samples, SEQ_LEN, mean_doc, ctx.index_cap,
-                                                              result), result, ctx, cold=False)
+                m, data = from_child(
+                    peers.allocate_index_cmd(style, samples, SEQ_LEN, mean_doc, ctx.index_cap, result),
+                    result,
+                    ctx,
+                    cold=False,
+                )
                 alloc = f"allocated {data['bytes'] / 1e9:.2f} GB" + (
-                    f" ({data['scale']:.2%}; {cap_note})" if data["scale"] < 1 else "")
+                    f" ({data['scale']:.2%}; {cap_note})" if data["scale"] < 1 else ""
+                )
                 docs_note = "" if style == "nanoset" else f", document index at {mean_doc:,} tokens/document"
-                row.update({"wall s": m.seconds, "peak RSS MB": m.peak_rss_mb,
-                            "ratio": m.peak_rss_mb / base_rss if base_rss else None,
-                            "note": f"computed {need / 1e9:,.1f} GB per rank for {samples:,} samples{docs_note}; "
-                                    f"{alloc}; wall = allocate+touch; ratio = RSS / tokpack reader RSS at this step"})
+                row.update(
+                    {
+                        "wall s": m.seconds,
+                        "peak RSS MB": m.peak_rss_mb,
+                        "ratio": m.peak_rss_mb / base_rss if base_rss else None,
+                        "note": f"computed {need / 1e9:,.1f} GB per rank for {samples:,} samples{docs_note}; "
+                        f"{alloc}; wall = allocate+touch; ratio = RSS / tokpack reader RSS at this step",
+                    }
+                )
             except Exception as e:
                 row["note"] = f"FAILED: {first_line(e)}"
             rows.append(row)
         result = ctx.work / "build.json"
         row = {"section": "index", "case": f"Megatron-style index build (numpy) @ step {step:,}", "_required": True}
         try:
-            m, data = from_child(peers.megatron_index_build_cmd(samples, docs, mean_doc, SEQ_LEN, build_cap, result),
-                                 result, ctx, cold=False)
+            m, data = from_child(
+                peers.megatron_index_build_cmd(samples, docs, mean_doc, SEQ_LEN, build_cap, result),
+                result,
+                ctx,
+                cold=False,
+            )
             scaled = data["scale"] < 1
-            row.update({"wall s": m.seconds / data["scale"], "peak RSS MB": m.peak_rss_mb,
-                        "note": "document, sample and shuffle index, RandomState.shuffle; " + (
-                            f"built {data['scale']:.2%} of it ({build_note}), time scaled up linearly "
-                            "(a lower bound: bigger arrays shuffle slower per element)"
-                            if scaled else f"built whole ({samples:,} samples)")})
+            row.update(
+                {
+                    "wall s": m.seconds / data["scale"],
+                    "peak RSS MB": m.peak_rss_mb,
+                    "note": "document, sample and shuffle index, RandomState.shuffle; "
+                    + (
+                        f"built {data['scale']:.2%} of it ({build_note}), time scaled up linearly "
+                        "(a lower bound: bigger arrays shuffle slower per element)"
+                        if scaled
+                        else f"built whole ({samples:,} samples)"
+                    ),
+                }
+            )
         except Exception as e:
             row["note"] = f"FAILED: {first_line(e)}"
         rows.append(row)
@@ -456,15 +539,29 @@ def section_index(ctx: Ctx) -> list[dict]:
 
 def section_validate(ctx: Ctx) -> list[dict]:
     if ensure_run(ctx) is None:
-        return [{"section": "validate", "case": "tokpack validate", "_required": True,
-                 "note": f"FAILED: no shuffled run to validate: {ctx.run_error}"}]
+        return [
+            {
+                "section": "validate",
+                "case": "tokpack validate",
+                "_required": True,
+                "note": f"FAILED: no shuffled run to validate: {ctx.run_error}",
+            }
+        ]
     nbytes = dir_bytes(ctx.run_dir, ".ds")
     cases = [
         Case("cold read of the run", lambda: cold_read(ctx.run_dir), cache_note(ctx), nbytes=nbytes),
-        Case("tokpack validate", lambda: tokpack("validate", str(ctx.run_dir), cold=ctx.cold),
-             "checksums + token scan of every shard", nbytes=nbytes),
-        Case("tokpack validate --quick", lambda: tokpack("validate", "--quick", str(ctx.run_dir), cold=ctx.cold),
-             "structure and sizes only: reads no token bytes, so no MB/s", nbytes=0),
+        Case(
+            "tokpack validate",
+            lambda: tokpack("validate", str(ctx.run_dir), cold=ctx.cold),
+            "checksums + token scan of every shard",
+            nbytes=nbytes,
+        ),
+        Case(
+            "tokpack validate --quick",
+            lambda: tokpack("validate", "--quick", str(ctx.run_dir), cold=ctx.cold),
+            "structure and sizes only: reads no token bytes, so no MB/s",
+            nbytes=0,
+        ),
     ]
     return measure("validate", cases, ctx, baseline="cold read of the run")
 
@@ -480,20 +577,38 @@ def section_scaling(ctx: Ctx) -> list[dict]:
 def script_row(section: str, r: dict) -> dict:
     """A bench script's row in our columns. Scripts name things their own way: known keys map
     to columns, the rest goes to the note as key=value."""
+
     def first(*keys):
         return next((r[k] for k in keys if r.get(k) is not None), None)
 
-    known = {"case", "seconds", "wall s", "MB/s", "peak RSS MB", "peak RSS MiB", "peak_rss_mb", "ratio",
-             "ratio to baseline", "note", "section"}
+    known = {
+        "case",
+        "seconds",
+        "wall s",
+        "MB/s",
+        "peak RSS MB",
+        "peak RSS MiB",
+        "peak_rss_mb",
+        "ratio",
+        "ratio to baseline",
+        "note",
+        "section",
+    }
     rest = [(k, v) for k, v in r.items() if k not in known and not k.startswith("_")]
     case = first("case")
     if case is None and rest:  # e.g. {"loader": ..., "step": ...}: the first two fields name the row
         case, rest = " ".join(str(v) for _, v in rest[:2]), rest[2:]
     extra = ", ".join(f"{k}={v:,.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in rest)
-    return {"section": section, "case": case or "?", "wall s": first("wall s", "seconds"), "MB/s": first("MB/s"),
-            "peak RSS MB": first("peak RSS MB", "peak RSS MiB", "peak_rss_mb"),
-            "ratio": first("ratio", "ratio to baseline"),
-            "note": "; ".join(x for x in (first("note"), extra) if x), "_required": False}
+    return {
+        "section": section,
+        "case": case or "?",
+        "wall s": first("wall s", "seconds"),
+        "MB/s": first("MB/s"),
+        "peak RSS MB": first("peak RSS MB", "peak RSS MiB", "peak_rss_mb"),
+        "ratio": first("ratio", "ratio to baseline"),
+        "note": "; ".join(x for x in (first("note"), extra) if x),
+        "_required": False,
+    }
 
 
 def section_scripts(ctx: Ctx, size: str) -> list[dict]:
@@ -506,7 +621,9 @@ def section_scripts(ctx: Ctx, size: str) -> list[dict]:
     for name in SCRIPTS + (["soak", "scale_model", "nodes", "rounds"] if ctx.quick else []):
         section = f"{name}.py"
         if not (BENCH / f"{name}.py").exists():
-            rows.append({"section": section, "case": "-", "_required": False, "note": f"bench/{name}.py does not exist"})
+            rows.append(
+                {"section": section, "case": "-", "_required": False, "note": f"bench/{name}.py does not exist"}
+            )
             continue
         t = time.perf_counter()
         try:
@@ -523,14 +640,26 @@ def section_scripts(ctx: Ctx, size: str) -> list[dict]:
                         kwargs[key] = str(kwargs[key])
             got = main(parse_size(size), **kwargs)
         except BaseException as e:  # SystemExit from argparse-style mains too
-            rows.append({"section": section, "case": "main()", "_required": True,
-                         "note": f"FAILED: bench/{name}.py main() raised {type(e).__name__}: {first_line(e)}"})
+            rows.append(
+                {
+                    "section": section,
+                    "case": "main()",
+                    "_required": True,
+                    "note": f"FAILED: bench/{name}.py main() raised {type(e).__name__}: {first_line(e)}",
+                }
+            )
             continue
         for r in got or []:
             rows.append(script_row(section, r))
         if not got:
-            rows.append({"section": section, "case": "main()", "_required": True,
-                         "note": f"FAILED: bench/{name}.py main() returned no rows"})
+            rows.append(
+                {
+                    "section": section,
+                    "case": "main()",
+                    "_required": True,
+                    "note": f"FAILED: bench/{name}.py main() returned no rows",
+                }
+            )
         print(f"run_all: bench/{name}.py took {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     return rows
 
@@ -549,9 +678,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=None, help="timed runs per case [default: 3; 1 with --quick]")
     ap.add_argument("--workers", type=int, default=1, help="--workers for tokpack and litdata [default: 1]")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
-    ap.add_argument("--index-cap", default=None,
-                    help="most memory one index allocation may take [default: 16GiB or 60%% of MemAvailable, "
-                         "whichever is less; 16MiB with --quick]")
+    ap.add_argument(
+        "--index-cap",
+        default=None,
+        help="most memory one index allocation may take [default: 16GiB or 60%% of MemAvailable, "
+        "whichever is less; 16MiB with --quick]",
+    )
     ap.add_argument("--work", default=None, help="scratch folder [default: a new temp dir, removed at the end]")
     ap.add_argument("--out", default=str(BENCH / "results" / "run_all.md"), help="where the table is written too")
     ap.add_argument("--debug", action="store_true", help="print tracebacks of failing cases")
@@ -574,13 +706,23 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     try:
         corpus = make_datatrove_corpus(work / "corpus", parse_size(size))
-        ctx = Ctx(work, corpus, dir_bytes(corpus, ".ds"), runs, args.quick,
-                  can_drop_caches(), args.workers, cap)
-        print(f"run_all: corpus {ctx.token_bytes / 2**20:.1f} MiB of uint16 tokens in {work}, {runs} run(s) per "
-              f"case, {cache_note(ctx)}", file=sys.stderr, flush=True)
-        runners = {"baseline": section_baseline, "pack": section_pack, "shuffle": section_shuffle,
-                   "read": section_read, "index": section_index, "validate": section_validate,
-                   "scaling": section_scaling, "scripts": lambda c: section_scripts(c, size)}
+        ctx = Ctx(work, corpus, dir_bytes(corpus, ".ds"), runs, args.quick, can_drop_caches(), args.workers, cap)
+        print(
+            f"run_all: corpus {ctx.token_bytes / 2**20:.1f} MiB of uint16 tokens in {work}, {runs} run(s) per "
+            f"case, {cache_note(ctx)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        runners = {
+            "baseline": section_baseline,
+            "pack": section_pack,
+            "shuffle": section_shuffle,
+            "read": section_read,
+            "index": section_index,
+            "validate": section_validate,
+            "scaling": section_scaling,
+            "scripts": lambda c: section_scripts(c, size),
+        }
         for name in SECTIONS:
             if name not in sections:
                 continue
@@ -590,22 +732,33 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # a section's own setup failed: one row says so, the rest still run
                 if DEBUG:
                     traceback.print_exc()
-                rows.append({"section": name, "case": "(section)", "_required": True,
-                             "note": f"FAILED: {type(e).__name__}: {first_line(e)}"})
+                rows.append(
+                    {
+                        "section": name,
+                        "case": "(section)",
+                        "_required": True,
+                        "note": f"FAILED: {type(e).__name__}: {first_line(e)}",
+                    }
+                )
             print(f"run_all: {name} done in {time.perf_counter() - ts:.1f} s", file=sys.stderr, flush=True)
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    command = "python bench/run_all.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python bench/run_all.py " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+    )
     title = f"tokpack benchmarks, {size} corpus, seq_len {SEQ_LEN}"
     table = print_table(title, rows, COLUMNS)
     missing = [f"{r['section']}: {r['case']}" for r in rows if number_missing(r)]
-    footer = [f"Machine: {machine_line()}", f"Command: `{command.strip()}`",
-              f"Page cache: {'dropped before every timed run' if can_drop_caches() else 'warm (not root)'}; "
-              f"{runs} run(s) per case, cases alternated round-robin, medians quoted",
-              "MB/s counts token bytes. ratio = wall time / the section's first row (lower is faster); index "
-              "rows: peak RSS / the tokpack reader's at the same step; scaling rows: wall / the fitted line",
-              f"Total wall time: {time.perf_counter() - t0:.0f} s"]
+    footer = [
+        f"Machine: {machine_line()}",
+        f"Command: `{command.strip()}`",
+        f"Page cache: {'dropped before every timed run' if can_drop_caches() else 'warm (not root)'}; "
+        f"{runs} run(s) per case, cases alternated round-robin, medians quoted",
+        "MB/s counts token bytes. ratio = wall time / the section's first row (lower is faster); index "
+        "rows: peak RSS / the tokpack reader's at the same step; scaling rows: wall / the fitted line",
+        f"Total wall time: {time.perf_counter() - t0:.0f} s",
+    ]
     print("\n".join(footer))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

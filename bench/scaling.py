@@ -21,8 +21,18 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
-from bench.common import PROCESS_ALLOWANCE, Measure, dir_bytes, make_datatrove_corpus, parse_size, print_table, run_measured  # noqa: E402
+sys.path[0] = str(
+    Path(__file__).resolve().parents[1]
+)  # the repo, not bench/, where shuffle.py would hide the shuffle package
+from bench.common import (
+    PROCESS_ALLOWANCE,
+    Measure,
+    dir_bytes,
+    make_datatrove_corpus,
+    parse_size,
+    print_table,
+    run_measured,
+)  # noqa: E402
 from bench.peers import summary_of, tokpack_cmd  # noqa: E402
 
 SIZES = ["0.5GiB", "1GiB", "2GiB", "4GiB", "8GiB"]
@@ -33,8 +43,9 @@ SEQ_LEN = 4096
 COLUMNS = ["section", "case", "wall s", "MB/s", "peak RSS MB", "ratio", "x cp", "note"]
 
 
-def make_source(corpus: Path, out: Path, eos_id: int = 0, vocab_size: int = 50257,
-                use_pack: bool = True) -> tuple[Path, str]:
+def make_source(
+    corpus: Path, out: Path, eos_id: int = 0, vocab_size: int = 50257, use_pack: bool = True
+) -> tuple[Path, str]:
     """A packed source of the datatrove `corpus` (untimed preparation): with `tokpack pack`
     when asked and it works, otherwise written directly with the project's shard writer, one
     shard per .ds file, in blocks that end on document boundaries."""
@@ -42,8 +53,21 @@ def make_source(corpus: Path, out: Path, eos_id: int = 0, vocab_size: int = 5025
     if use_pack:
         shutil.rmtree(out, ignore_errors=True)
         try:
-            run_measured(tokpack_cmd("pack", str(corpus), "-o", str(out), "--format", "datatrove", "--eos-id",
-                                 str(eos_id), "--vocab-size", str(vocab_size)), cold=False)
+            run_measured(
+                tokpack_cmd(
+                    "pack",
+                    str(corpus),
+                    "-o",
+                    str(out),
+                    "--format",
+                    "datatrove",
+                    "--eos-id",
+                    str(eos_id),
+                    "--vocab-size",
+                    str(vocab_size),
+                ),
+                cold=False,
+            )
             return out, "source from tokpack pack"
         except RuntimeError as e:
             reason = "tokpack pack failed: " + str(e).strip().splitlines()[-1][:120]
@@ -62,7 +86,7 @@ def make_source(corpus: Path, out: Path, eos_id: int = 0, vocab_size: int = 5025
         while first < len(ends):  # ~32 Mi tokens per write, cut after a document
             last = int(np.searchsorted(ends, lo + (32 << 20), side="right"))
             last = max(last, first + 1)
-            w.write(np.asarray(tokens[lo:ends[last - 1]]), ends[first:last] - lo)
+            w.write(np.asarray(tokens[lo : ends[last - 1]]), ends[first:last] - lo)
             lo, first = int(ends[last - 1]), last
         entries.append(w.close())
         del tokens
@@ -72,8 +96,24 @@ def make_source(corpus: Path, out: Path, eos_id: int = 0, vocab_size: int = 5025
 
 def shuffle_once(source: Path, out: Path, memory: int, seq_len: int, result: Path, cold: bool) -> Measure:
     shutil.rmtree(out, ignore_errors=True)
-    m = run_measured(tokpack_cmd("shuffle", str(source), "-o", str(out), "--seq-len", str(seq_len), "--seed", "0",
-                                 "--epochs", "1", "--memory", str(memory), result=result), cold=cold)
+    m = run_measured(
+        tokpack_cmd(
+            "shuffle",
+            str(source),
+            "-o",
+            str(out),
+            "--seq-len",
+            str(seq_len),
+            "--seed",
+            "0",
+            "--epochs",
+            "1",
+            "--memory",
+            str(memory),
+            result=result,
+        ),
+        cold=cold,
+    )
     return m
 
 
@@ -87,9 +127,18 @@ def fit(sizes_gib: list[float], seconds: list[float]) -> tuple[float, float, flo
     return float(slope), float(intercept), r2
 
 
-def main(size=None, quick: bool = False, *, sizes: list[str] | None = None, memory: str | None = None,
-         runs: int | None = None, work: Path | None = None, cold: bool | None = None, seq_len: int = SEQ_LEN,
-         cap_cache: bool = False) -> list[dict]:
+def main(
+    size=None,
+    quick: bool = False,
+    *,
+    sizes: list[str] | None = None,
+    memory: str | None = None,
+    runs: int | None = None,
+    work: Path | None = None,
+    cold: bool | None = None,
+    seq_len: int = SEQ_LEN,
+    cap_cache: bool = False,
+) -> list[dict]:
     """Rows for each corpus size plus one fit row. `size` is ignored (the sizes are fixed by the
     issue); it is accepted so run_all can call every bench script the same way."""
     from bench.common import can_drop_caches, cap_page_cache
@@ -128,24 +177,49 @@ def main(size=None, quick: bool = False, *, sizes: list[str] | None = None, memo
                 xs.append(nbytes / 2**30)
                 ys.append(sec)
                 rss.append(peak)
-                rows.append({"section": "scaling", "case": f"shuffle {text}", "wall s": sec,
-                             "MB/s": token_bytes / 1e6 / sec, "peak RSS MB": peak, "ratio": None,
-                             "x cp": sec / copy if copy else None,
-                             "note": f"--memory {memory or (QUICK_MEMORY if quick else MEMORY)}, {path}, "
-                                     f"median of {runs}; {note}" + (f"; {capped}" if copy else ""), "_required": True})
+                rows.append(
+                    {
+                        "section": "scaling",
+                        "case": f"shuffle {text}",
+                        "wall s": sec,
+                        "MB/s": token_bytes / 1e6 / sec,
+                        "peak RSS MB": peak,
+                        "ratio": None,
+                        "x cp": sec / copy if copy else None,
+                        "note": f"--memory {memory or (QUICK_MEMORY if quick else MEMORY)}, {path}, "
+                        f"median of {runs}; {note}" + (f"; {capped}" if copy else ""),
+                        "_required": True,
+                    }
+                )
             except Exception as e:  # one size failing must not hide the others
-                rows.append({"section": "scaling", "case": f"shuffle {text}", "wall s": None,
-                             "note": f"FAILED: {str(e).strip().splitlines()[-1][:200]}", "_required": True})
+                rows.append(
+                    {
+                        "section": "scaling",
+                        "case": f"shuffle {text}",
+                        "wall s": None,
+                        "note": f"FAILED: {str(e).strip().splitlines()[-1][:200]}",
+                        "_required": True,
+                    }
+                )
             shutil.rmtree(source, ignore_errors=True)
         if len(xs) >= 2:
             slope, intercept, r2 = fit(xs, ys)
             for r, x, y in zip([r for r in rows if r.get("wall s") is not None], xs, ys):
                 r["ratio"] = y / (slope * x + intercept)  # measured / fitted line: 1.0 = on the line
-            rows.append({"section": "scaling", "case": "fit", "wall s": None, "MB/s": None,
-                         "peak RSS MB": max(rss), "ratio": None, "_required": False,
-                         "note": f"slope {slope:.2f} s/GiB, intercept {intercept:.2f} s, R^2 {r2:.3f}; "
-                                 f"RSS spread {max(rss) - min(rss):.1f} MB ({min(rss):.0f}-{max(rss):.0f}); "
-                                 f"ratio = wall / the fitted line"})
+            rows.append(
+                {
+                    "section": "scaling",
+                    "case": "fit",
+                    "wall s": None,
+                    "MB/s": None,
+                    "peak RSS MB": max(rss),
+                    "ratio": None,
+                    "_required": False,
+                    "note": f"slope {slope:.2f} s/GiB, intercept {intercept:.2f} s, R^2 {r2:.3f}; "
+                    f"RSS spread {max(rss) - min(rss):.1f} MB ({min(rss):.0f}-{max(rss):.0f}); "
+                    f"ratio = wall / the fitted line",
+                }
+            )
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)
@@ -158,10 +232,18 @@ if __name__ == "__main__":
     ap.add_argument("--memory", default=None, help=f"fixed --memory for every size [default: {MEMORY}]")
     ap.add_argument("--size", default=None, help="ignored; for a uniform interface with the other bench scripts")
     ap.add_argument("--quick", action="store_true", help=f"tiny sizes ({','.join(QUICK_SIZES)}), one run")
-    ap.add_argument("--cap-cache", action="store_true",
-                    help="cap each timed command's page cache and memory at a third of the size's data (memory cgroup)")
+    ap.add_argument(
+        "--cap-cache",
+        action="store_true",
+        help="cap each timed command's page cache and memory at a third of the size's data (memory cgroup)",
+    )
     args = ap.parse_args()
-    out = main(args.size, args.quick, sizes=args.sizes.split(",") if args.sizes else None, memory=args.memory,
-               cap_cache=args.cap_cache)
+    out = main(
+        args.size,
+        args.quick,
+        sizes=args.sizes.split(",") if args.sizes else None,
+        memory=args.memory,
+        cap_cache=args.cap_cache,
+    )
     print_table("shuffle scaling", out, COLUMNS)
     sys.exit(1 if any(r["_required"] and r.get("wall s") is None for r in out) else 0)

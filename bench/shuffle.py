@@ -36,13 +36,36 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
+sys.path[0] = str(
+    Path(__file__).resolve().parents[1]
+)  # the repo, not bench/, where shuffle.py would hide the shuffle package
 from bench import common  # noqa: E402
-from bench.common import REPO, cold_read, cp_sync, cp_twice_sync, make_datatrove_corpus, parse_size, print_table, run_measured  # noqa: E402
+from bench.common import (
+    REPO,
+    cold_read,
+    cp_sync,
+    cp_twice_sync,
+    make_datatrove_corpus,
+    parse_size,
+    print_table,
+    run_measured,
+)  # noqa: E402
 from bench.peers import datatrove_merger_cmd, hf_shuffle_cmd, missing, prepare_hf_windows  # noqa: E402
 
 FLOOR = "cp twice + sync"
-COLUMNS = ["case", "seconds", "x cp+sync", "range", "x floor", "MB/s", "peak RSS MB", "--memory MB", "RSS - memory MB", "goal", "note"]
+COLUMNS = [
+    "case",
+    "seconds",
+    "x cp+sync",
+    "range",
+    "x floor",
+    "MB/s",
+    "peak RSS MB",
+    "--memory MB",
+    "RSS - memory MB",
+    "goal",
+    "note",
+]
 
 
 def pack_corpus(corpus: Path, out: Path, vocab_size: int = 50257, eos_id: int = 0) -> Path:
@@ -63,8 +86,26 @@ def pack_corpus(corpus: Path, out: Path, vocab_size: int = 50257, eos_id: int = 
 
 
 def tokpack_cmd(source: Path, out: Path, seq_len: int, memory: int, workers: int = 1) -> list[str]:
-    return [sys.executable, "-m", "tokpack.packer.cli", "shuffle", str(source), "-o", str(out), "--seq-len", str(seq_len),
-            "--seed", "1", "--epochs", "1", "--memory", str(memory), "--workers", str(workers), "--json"]
+    return [
+        sys.executable,
+        "-m",
+        "tokpack.packer.cli",
+        "shuffle",
+        str(source),
+        "-o",
+        str(out),
+        "--seq-len",
+        str(seq_len),
+        "--seed",
+        "1",
+        "--epochs",
+        "1",
+        "--memory",
+        str(memory),
+        "--workers",
+        str(workers),
+        "--json",
+    ]
 
 
 def synced(cmd: list[str]) -> str:
@@ -72,8 +113,14 @@ def synced(cmd: list[str]) -> str:
     return f"{shlex.join(cmd)} && sync"
 
 
-def main(size: int | str = "2GiB", quick: bool = False, seq_len: int = 2047, workdir: str | None = None,
-         runs: int = 1, cap_cache: bool = False) -> list[dict]:
+def main(
+    size: int | str = "2GiB",
+    quick: bool = False,
+    seq_len: int = 2047,
+    workdir: str | None = None,
+    runs: int = 1,
+    cap_cache: bool = False,
+) -> list[dict]:
     """Builds the corpus, runs every case `runs` times round robin, prints and returns the rows
     (median seconds, largest peak RSS). --quick: a tiny corpus, to check that every row runs."""
     size = parse_size(size) if isinstance(size, str) else int(size)
@@ -92,14 +139,34 @@ def main(size: int | str = "2GiB", quick: bool = False, seq_len: int = 2047, wor
         cases = [  # (case, command or callable, --memory, note, output to remove after each run)
             ("cold read", lambda: cold_read(source), None, "", None),
             ("cp -r + sync", lambda: cp_sync(source, tmp / "copy"), None, "", tmp / "copy"),
-            (FLOOR, lambda: cp_twice_sync(source, tmp / "copy", tmp / "copy2"), None,
-             "two reads, two writes: the out-of-core floor", tmp / "copy2"),
-            ("tokpack shuffle (in memory)", synced(tokpack_cmd(source, tmp / "epochs", seq_len, in_mem)), in_mem,
-             "one read, one write", tmp / "epochs"),
-            ("tokpack shuffle (out of core, --memory = data/8)", synced(tokpack_cmd(source, tmp / "epochs", seq_len, ooc)),
-             ooc, "two reads, two writes", tmp / "epochs"),
-            ("datatrove DocumentTokenizerMerger(shuffle=True)", synced(datatrove_merger_cmd(corpus, tmp / "merged")),
-             None, "interleaves whole documents; no windows, no global shuffle", tmp / "merged"),
+            (
+                FLOOR,
+                lambda: cp_twice_sync(source, tmp / "copy", tmp / "copy2"),
+                None,
+                "two reads, two writes: the out-of-core floor",
+                tmp / "copy2",
+            ),
+            (
+                "tokpack shuffle (in memory)",
+                synced(tokpack_cmd(source, tmp / "epochs", seq_len, in_mem)),
+                in_mem,
+                "one read, one write",
+                tmp / "epochs",
+            ),
+            (
+                "tokpack shuffle (out of core, --memory = data/8)",
+                synced(tokpack_cmd(source, tmp / "epochs", seq_len, ooc)),
+                ooc,
+                "two reads, two writes",
+                tmp / "epochs",
+            ),
+            (
+                "datatrove DocumentTokenizerMerger(shuffle=True)",
+                synced(datatrove_merger_cmd(corpus, tmp / "merged")),
+                None,
+                "interleaves whole documents; no windows, no global shuffle",
+                tmp / "merged",
+            ),
         ]
         if capped:  # the in-memory path and the peers hold more than the cap
             cases = [c for c in cases if c[0] in ("cold read", "cp -r + sync", FLOOR) or "out of core" in c[0]]
@@ -108,9 +175,16 @@ def main(size: int | str = "2GiB", quick: bool = False, seq_len: int = 2047, wor
         why = "not run under the cache cap" if capped else missing("datasets")
         if why is None:
             arrow = prepare_hf_windows(corpus, tmp / "windows.arrow", seq_len)
-            cases.append(("HF datasets shuffle().flatten_indices().save_to_disk()",
-                          synced(hf_shuffle_cmd(arrow, tmp / "hf", tmp / "hf-cache.arrow")), None, "same windows",
-                          tmp / "hf"))
+            cases.append(
+                (
+                    "HF datasets shuffle().flatten_indices().save_to_disk()",
+                    synced(hf_shuffle_cmd(arrow, tmp / "hf", tmp / "hf-cache.arrow")),
+                    None,
+                    "same windows",
+                    tmp / "hf",
+                )
+            )
+
         def timed(cmd, out):
             def run():
                 m = cmd() if callable(cmd) else run_measured(cmd, cwd=str(REPO))
@@ -118,14 +192,19 @@ def main(size: int | str = "2GiB", quick: bool = False, seq_len: int = 2047, wor
                     if junk is not None and junk.exists():
                         shutil.rmtree(junk) if junk.is_dir() else junk.unlink()
                 return m
+
             return run
 
         measures = common.alternate([(case, timed(cmd, out)) for case, cmd, _mem, _note, out in cases], runs)
         rows = []
         for case, _cmd, memory, note, _out in cases:
             ms = measures[case]
-            r = {"case": case, "seconds": statistics.median(m.seconds for m in ms),
-                 "peak RSS MB": max(m.peak_rss_mb for m in ms), "note": note}
+            r = {
+                "case": case,
+                "seconds": statistics.median(m.seconds for m in ms),
+                "peak RSS MB": max(m.peak_rss_mb for m in ms),
+                "note": note,
+            }
             r["MB/s"] = data / 1e6 / r["seconds"]
             if memory:
                 r["--memory MB"] = memory / 2**20
@@ -147,10 +226,13 @@ def main(size: int | str = "2GiB", quick: bool = False, seq_len: int = 2047, wor
                 r["goal"] = f"<= {limit}x, RSS <= mem+{slack}MB: {'met' if ok else 'MISSED'}"
         cache = "page cache dropped before each run" if common.can_drop_caches() else "WARM page cache (not root)"
         cache += f"; {capped}" if capped else ""
-        print_table(f"shuffle, {data / 2**20:.0f} MiB of tokens, seq_len {seq_len}, {runs} rounds, medians and "
-                    f"median per-round ratio to cp; "
-                    f"{common.machine_line()}; {cache}", rows,
-                    COLUMNS if capped else [c for c in COLUMNS if c != "x floor"])
+        print_table(
+            f"shuffle, {data / 2**20:.0f} MiB of tokens, seq_len {seq_len}, {runs} rounds, medians and "
+            f"median per-round ratio to cp; "
+            f"{common.machine_line()}; {cache}",
+            rows,
+            COLUMNS if capped else [c for c in COLUMNS if c != "x floor"],
+        )
         return rows
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -163,7 +245,10 @@ if __name__ == "__main__":
     ap.add_argument("--workdir", default=None, help="where to put the temporary corpus (default: $TMPDIR)")
     ap.add_argument("--runs", type=int, default=5, help="rounds, every case once per round; the table quotes medians")
     ap.add_argument("--quick", action="store_true", help="16 MiB corpus, one run: checks that every row runs")
-    ap.add_argument("--cap-cache", action="store_true",
-                    help="cap each timed command's page cache and memory at a third of the data (memory cgroup)")
+    ap.add_argument(
+        "--cap-cache",
+        action="store_true",
+        help="cap each timed command's page cache and memory at a third of the data (memory cgroup)",
+    )
     a = ap.parse_args()
     main(a.size, quick=a.quick, seq_len=a.seq_len, workdir=a.workdir, runs=a.runs, cap_cache=a.cap_cache)

@@ -37,7 +37,9 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
+sys.path[0] = str(
+    Path(__file__).resolve().parents[1]
+)  # the repo, not bench/, where shuffle.py would hide the shuffle package
 from bench.common import REPO, machine_line, make_datatrove_corpus, print_table  # noqa: E402
 from tokpack.packer.lifetime import marked  # noqa: E402
 
@@ -56,8 +58,15 @@ REFUSAL_MUST_NAME: str | None = "lock"
 REFUSE_WHEN_OVERLAPPING = True
 
 # Tallies that must stay zero (the rest describe the soak).
-MUST_BE_ZERO = ["orphans", "false OKs", "reruns failed", "reruns different", "concurrent unsafe",
-                "reader false OKs", "reader crashes"]
+MUST_BE_ZERO = [
+    "orphans",
+    "false OKs",
+    "reruns failed",
+    "reruns different",
+    "concurrent unsafe",
+    "reader false OKs",
+    "reader crashes",
+]
 
 
 @dataclass
@@ -84,8 +93,11 @@ class Tally:
 
 
 def tree(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()} \
-        if root.exists() else {}
+    return (
+        {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+        if root.exists()
+        else {}
+    )
 
 
 class Runner:
@@ -103,8 +115,14 @@ class Runner:
         with open(log, "wb") as f:  # a file, not a pipe: a leftover process would hold a pipe open
             # SIGINT back to default in the child: the soak run as a background job (nohup) inherits it
             # ignored, and a SIGINT sent before tokpack takes it back would then be lost.
-            proc = subprocess.Popen([sys.executable, "-m", "tokpack.packer.cli", *args], env=env, stdout=f, stderr=f,
-                                    cwd=self.work, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tokpack.packer.cli", *args],
+                env=env,
+                stdout=f,
+                stderr=f,
+                cwd=self.work,
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            )
         self.runs += 1
         return proc, token, log
 
@@ -131,8 +149,20 @@ class Runner:
 
 
 def cases_for(packed: Path, corpus: Path, run: Path) -> list[Case]:
-    shuffle = ["shuffle", str(packed), "-o", "{out}", "--seq-len", "511", "--seed", "7", "--epochs", "2",
-               "--shard-samples", "250"]
+    shuffle = [
+        "shuffle",
+        str(packed),
+        "-o",
+        "{out}",
+        "--seq-len",
+        "511",
+        "--seed",
+        "7",
+        "--epochs",
+        "2",
+        "--shard-samples",
+        "250",
+    ]
     ooc = ["--memory", "384KiB"]  # under half the windows: the out-of-core path
     return [
         Case("pack", ["pack", str(corpus), "-o", "{out}", "--shard-tokens", "300000", "--json"]),
@@ -166,8 +196,11 @@ def wrote_nothing(text: str) -> bool:
         report = json.loads(text.strip().splitlines()[-1])
     except (ValueError, IndexError):
         return False
-    return (report.get("status") == "already complete" or report.get("written") == []
-            or (report.get("kind") is not None and report.get("copied_files") == 0))
+    return (
+        report.get("status") == "already complete"
+        or report.get("written") == []
+        or (report.get("kind") is not None and report.get("copied_files") == 0)
+    )
 
 
 def kill_once(r: Runner, t: Tally, case: Case, sig: int, at: float, out: Path) -> None:
@@ -191,23 +224,32 @@ def kill_once(r: Runner, t: Tally, case: Case, sig: int, at: float, out: Path) -
     proc.wait(timeout=900)
     left = r.reap(token)
     if left:
-        t.problem("orphans", f"{len(left)} process(es) of {case.name} left after {signal.Signals(sig).name} at {at:.2f} s")
+        t.problem(
+            "orphans", f"{len(left)} process(es) of {case.name} left after {signal.Signals(sig).name} at {at:.2f} s"
+        )
     if case.writes:
         rc, text = r.run(["validate", str(out), "--json"], out)
         complete = tree(out) == case.reference
         if rc == 0 and not complete:
-            t.problem("false OKs", f"validate accepted {case.name}'s output after {signal.Signals(sig).name} at {at:.2f} s")
+            t.problem(
+                "false OKs", f"validate accepted {case.name}'s output after {signal.Signals(sig).name} at {at:.2f} s"
+            )
     rc, text = r.run(case.argv, out)
     if rc != 0:
-        t.problem("reruns failed", f"{case.name} after {signal.Signals(sig).name} at {at:.2f} s: exit {rc}: "
-                                   f"{text.strip().splitlines()[-1:] }")
+        t.problem(
+            "reruns failed",
+            f"{case.name} after {signal.Signals(sig).name} at {at:.2f} s: exit {rc}: {text.strip().splitlines()[-1:]}",
+        )
         return
     after = tree(out) if case.writes else verdict(rc, text)
     if after == case.reference:
         t.add("reruns identical")
     else:
-        which = sorted(k for k in set(after) | set(case.reference) if after.get(k) != case.reference.get(k)) \
-            if case.writes else [after]
+        which = (
+            sorted(k for k in set(after) | set(case.reference) if after.get(k) != case.reference.get(k))
+            if case.writes
+            else [after]
+        )
         t.problem("reruns different", f"{case.name} after {signal.Signals(sig).name} at {at:.2f} s: {which[:5]}")
 
 
@@ -264,8 +306,9 @@ def readers_once(r: Runner, t: Tally, case: Case, reference_read: tuple, out: Pa
         t.problem("orphans", f"{case.name} (with readers) left processes")
 
 
-def main(_size=None, quick: bool = False, *, kills: int | None = None, seed: int = 0,
-         work: Path | None = None) -> list[dict]:
+def main(
+    _size=None, quick: bool = False, *, kills: int | None = None, seed: int = 0, work: Path | None = None
+) -> list[dict]:
     """`_size` is bench/run_all.py's corpus size, unused: the soak's corpus is small by design."""
     kills = kills if kills is not None else QUICK_KILLS if quick else 500
     rng = random.Random(seed)
@@ -295,7 +338,13 @@ def main(_size=None, quick: bool = False, *, kills: int | None = None, seed: int
         for case in by_name.values():
             if case.name not in drawn:
                 continue
-            out = packed if case.name == "pack" else run if case.name == "shuffle in memory w1" else work / "ref" / case.name
+            out = (
+                packed
+                if case.name == "pack"
+                else run
+                if case.name == "shuffle in memory w1"
+                else work / "ref" / case.name
+            )
             shutil.rmtree(out, ignore_errors=True)
             start = time.perf_counter()
             rc, text = r.run(case.argv, out)
@@ -316,8 +365,12 @@ def main(_size=None, quick: bool = False, *, kills: int | None = None, seed: int
             k0 = time.perf_counter()
             kill_once(r, t, case, sig, at, work / "kill")
             kill_seconds.append(time.perf_counter() - k0)
-            print(f"soak: draw {i + 1}, {t.counts.get('kills', 0)}/{kills} kills: {case.name}, {signal.Signals(sig).name} at {at:.2f} s "
-                  f"({kill_seconds[-1]:.1f} s)", file=sys.stderr, flush=True)
+            print(
+                f"soak: draw {i + 1}, {t.counts.get('kills', 0)}/{kills} kills: {case.name}, {signal.Signals(sig).name} at {at:.2f} s "
+                f"({kill_seconds[-1]:.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
         for case, u in pairs:
             concurrent_once(r, t, case, u * case.seconds, work / "pair")
         for case in reads:
@@ -331,25 +384,45 @@ def main(_size=None, quick: bool = False, *, kills: int | None = None, seed: int
     total = time.perf_counter() - t0
     per_kill = sum(kill_seconds) / len(kill_seconds) if kill_seconds else 0.0
     c = t.counts
-    rows = [{"case": "runs (tokpack commands)", "count": r.runs, "note": ""},
-            {"case": "kills", "count": c.get("kills", 0),
-             "note": f"{c.get('finished before the signal', 0)} more finished before their signal"}]
+    rows = [
+        {"case": "runs (tokpack commands)", "count": r.runs, "note": ""},
+        {
+            "case": "kills",
+            "count": c.get("kills", 0),
+            "note": f"{c.get('finished before the signal', 0)} more finished before their signal",
+        },
+    ]
     rows += [{"case": f"kills {s.name}", "count": c.get(f"kills {s.name}", 0), "note": ""} for s in SIGNALS]
-    rows += [{"case": f"kills: {case.name}", "count": c.get(f"kills: {case.name}", 0),
-              "note": f"uninterrupted {case.seconds:.1f} s" if case.seconds else "not drawn"}
-             for case in by_name.values()]
-    rows.append({"case": "reruns identical", "count": c.get("reruns identical", 0), "note": f"of {len(kill_seconds)} reruns"})
-    rows.append({"case": "concurrent pairs", "count": c.get("concurrent pairs", 0),
-                 "note": f"{c.get('concurrent pairs overlapping', 0)} overlapping, "
-                         f"{c.get('concurrent second refused', 0)} second refused"})
+    rows += [
+        {
+            "case": f"kills: {case.name}",
+            "count": c.get(f"kills: {case.name}", 0),
+            "note": f"uninterrupted {case.seconds:.1f} s" if case.seconds else "not drawn",
+        }
+        for case in by_name.values()
+    ]
+    rows.append(
+        {"case": "reruns identical", "count": c.get("reruns identical", 0), "note": f"of {len(kill_seconds)} reruns"}
+    )
+    rows.append(
+        {
+            "case": "concurrent pairs",
+            "count": c.get("concurrent pairs", 0),
+            "note": f"{c.get('concurrent pairs overlapping', 0)} overlapping, "
+            f"{c.get('concurrent second refused', 0)} second refused",
+        }
+    )
     rows.append({"case": "reads during writes", "count": c.get("reads during writes", 0), "note": ""})
     rows += [{"case": key, "count": c.get(key, 0), "note": "must be 0"} for key in MUST_BE_ZERO]
     for row in rows:
         row["wall s"] = None
-    print(f"{machine_line()}; seed {seed}; {kills} kills; {per_kill:.1f} s per kill; calibration "
-          f"{calibrated - t0:.0f} s; total {total:.0f} s")
-    print_table(f"tokpack fault soak (python bench/soak.py --kills {kills} --seed {seed})", rows,
-                ["case", "count", "note"])
+    print(
+        f"{machine_line()}; seed {seed}; {kills} kills; {per_kill:.1f} s per kill; calibration "
+        f"{calibrated - t0:.0f} s; total {total:.0f} s"
+    )
+    print_table(
+        f"tokpack fault soak (python bench/soak.py --kills {kills} --seed {seed})", rows, ["case", "count", "note"]
+    )
     bad = {key: c.get(key, 0) for key in MUST_BE_ZERO if c.get(key, 0)}
     if bad:
         raise RuntimeError(f"soak found {bad}: " + " | ".join(t.notes[:5]))

@@ -70,7 +70,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
+sys.path[0] = str(
+    Path(__file__).resolve().parents[1]
+)  # the repo, not bench/, where shuffle.py would hide the shuffle package
 from bench.common import REPO, machine_line, parse_size, print_table, python_cmd, run_measured  # noqa: E402
 from bench.peers import missing  # noqa: E402
 from bench.read import GBS, ROW_BYTES, SEQ_LEN, VIRTUAL_SHARD_SAMPLES, make_epoch, make_virtual_shard  # noqa: E402
@@ -79,8 +81,18 @@ WORLD = 64  # data-parallel ranks at the incident's global batch
 MICRO = GBS // WORLD  # 9 rows a step for rank 0
 STARTS = (0, 3_200_000)  # the steps each loader starts at
 N_SHARDS = STARTS[-1] * GBS // VIRTUAL_SHARD_SAMPLES + 2  # the virtual epoch: past the later start and its reads
-COLUMNS = ["loader", "start step", "workers", "first batch s", "wait ms", "median ms", "wait %", "tokens/s",
-           "peak RSS MiB", "note"]
+COLUMNS = [
+    "loader",
+    "start step",
+    "workers",
+    "first batch s",
+    "wait ms",
+    "median ms",
+    "wait %",
+    "tokens/s",
+    "peak RSS MiB",
+    "note",
+]
 NUMBERS = ["first batch s", "wait ms", "median ms", "wait %", "tokens/s", "peak RSS MiB"]  # every row must have these
 
 # The loop every child runs after building `loader` (set up by the child's own preamble, which
@@ -304,32 +316,56 @@ def mosaic_partition_rows(work: Path, quick: bool) -> list[dict]:
     the largest to an epoch that holds the step-3.2M start (its cost is linear in the samples)."""
     target = STARTS[-1] * GBS + GBS
     rows, last = [], None
-    for n in ((100_000, 1_000_000) if quick else (1_000_000, 10_000_000, 50_000_000)):
+    for n in (100_000, 1_000_000) if quick else (1_000_000, 10_000_000, 50_000_000):
         result = work / "partition.json"
         result.unlink(missing_ok=True)
         run_measured(python_cmd(PARTITION.format(n=n, micro=MICRO, result=str(result))), cwd=str(REPO), cold=False)
         last = json.loads(result.read_text()) | {"n": n}
-        rows.append({"epoch samples": f"{n:,}", "partition s": last["seconds"], "partition MiB": last["mb"],
-                     "note": "measured"})
+        rows.append(
+            {"epoch samples": f"{n:,}", "partition s": last["seconds"], "partition MiB": last["mb"], "note": "measured"}
+        )
     scale = target / last["n"]
-    rows.append({"epoch samples": f"{target:,}", "partition s": last["seconds"] * scale,
-                 "partition MiB": last["mb"] * scale,
-                 "note": f"extrapolated x{scale:,.0f} from {last['n']:,} (an epoch holding the step-3.2M start)"})
+    rows.append(
+        {
+            "epoch samples": f"{target:,}",
+            "partition s": last["seconds"] * scale,
+            "partition MiB": last["mb"] * scale,
+            "note": f"extrapolated x{scale:,.0f} from {last['n']:,} (an epoch holding the step-3.2M start)",
+        }
+    )
     for r in rows:  # run_all's scripts section: the case and the seconds in its columns
-        r.update({"_table": "partition", "case": f"MosaicML resume partition, epoch of {r['epoch samples']} samples",
-                  "seconds": r["partition s"]})
-    print_table("MosaicML streaming: the partition a resume builds, by the epoch's sample count (one rank, "
-                f"2 workers, batch {MICRO}, resuming half-way)", rows, ["epoch samples", "partition s", "partition MiB", "note"])
+        r.update(
+            {
+                "_table": "partition",
+                "case": f"MosaicML resume partition, epoch of {r['epoch samples']} samples",
+                "seconds": r["partition s"],
+            }
+        )
+    print_table(
+        "MosaicML streaming: the partition a resume builds, by the epoch's sample count (one rank, "
+        f"2 workers, batch {MICRO}, resuming half-way)",
+        rows,
+        ["epoch samples", "partition s", "partition MiB", "note"],
+    )
     return rows
 
 
 def _measure(work: Path, body: str, steps: int, step_s: float, start: int, **fields) -> dict:
     result = work / f"loop-{os.getpid()}.json"
     result.unlink(missing_ok=True)
-    code = (PREAMBLE.format(result=str(result), steps=steps, step_s=step_s, seq=SEQ_LEN, micro=MICRO, start=start,
-                            gbs=GBS, world=WORLD) + body.format(**fields) + LOOP)
-    run_measured(python_cmd(code), cwd=str(REPO), cold=False,
-                 env={"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"})
+    code = (
+        PREAMBLE.format(
+            result=str(result), steps=steps, step_s=step_s, seq=SEQ_LEN, micro=MICRO, start=start, gbs=GBS, world=WORLD
+        )
+        + body.format(**fields)
+        + LOOP
+    )
+    run_measured(
+        python_cmd(code),
+        cwd=str(REPO),
+        cold=False,
+        env={"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"},
+    )
     return json.loads(result.read_text())
 
 
@@ -343,28 +379,48 @@ def _started_right(res: dict, shard: Path, start: int) -> int:
     at = int(found[0]) if len(found) else -1
     want = res["start_row"]
     if (want is not None and at != want) or (want is None and start and at in (-1, 0)):
-        raise RuntimeError(f"the first batch begins with data row {at}, not the start's row "
-                           f"{'(any but row 0)' if want is None else want}")
+        raise RuntimeError(
+            f"the first batch begins with data row {at}, not the start's row "
+            f"{'(any but row 0)' if want is None else want}"
+        )
     return at
 
 
 def _row(loader: str, step: int, workers: int, res: dict, step_s: float, note: str) -> dict:
-    return {"loader": loader, "start step": f"{step:,}", "workers": workers, "first batch s": res["first_s"],
-            "wait ms": res["wait_s"] / res["steps"] * 1e3, "median ms": float(np.median(res["waits"])) * 1e3,
-            "wait %": 100 * res["wait_s"] / (res["wait_s"] + res["steps"] * step_s),
-            "tokens/s": res["tokens"] / res["loop_s"], "peak RSS MiB": res["rss_mb"],
-            "note": note + f"; max wait {max(res['waits']) * 1e3:.1f} ms" + (
-                f"; RSS of {res['processes']} processes (main {res['rss_main_mb']:.0f} MiB; shared pages "
-                "counted in each)" if res["processes"] > 1 else ""),
-            # run_all's scripts section: the case, the loop's wall time and the RSS in its columns
-            "case": f"{loader}, {workers} workers, from step {step:,}", "seconds": res["loop_s"]}
+    return {
+        "loader": loader,
+        "start step": f"{step:,}",
+        "workers": workers,
+        "first batch s": res["first_s"],
+        "wait ms": res["wait_s"] / res["steps"] * 1e3,
+        "median ms": float(np.median(res["waits"])) * 1e3,
+        "wait %": 100 * res["wait_s"] / (res["wait_s"] + res["steps"] * step_s),
+        "tokens/s": res["tokens"] / res["loop_s"],
+        "peak RSS MiB": res["rss_mb"],
+        "note": note
+        + f"; max wait {max(res['waits']) * 1e3:.1f} ms"
+        + (
+            f"; RSS of {res['processes']} processes (main {res['rss_main_mb']:.0f} MiB; shared pages counted in each)"
+            if res["processes"] > 1
+            else ""
+        ),
+        # run_all's scripts section: the case, the loop's wall time and the RSS in its columns
+        "case": f"{loader}, {workers} workers, from step {step:,}",
+        "seconds": res["loop_s"],
+    }
 
 
 LOADERS = ("tokpack", "datatrove", "streaming", "litdata")
 
 
-def main(size: int, quick: bool = False, workdir: str | None = None, step_ms: float | None = None,
-         steps: int | None = None, loaders: tuple[str, ...] = LOADERS) -> list[dict]:
+def main(
+    size: int,
+    quick: bool = False,
+    workdir: str | None = None,
+    step_ms: float | None = None,
+    steps: int | None = None,
+    loaders: tuple[str, ...] = LOADERS,
+) -> list[dict]:
     step_s = (step_ms if step_ms is not None else (10 if quick else 100)) / 1e3
     work = Path(tempfile.mkdtemp(prefix="tokpack-bench-loop-", dir=workdir))
     rows: list[dict] = []
@@ -377,15 +433,32 @@ def main(size: int, quick: bool = False, workdir: str | None = None, step_ms: fl
         steps = min(steps or (8 if quick else 200), real // GBS - 1)
         if steps < 1:
             raise SystemExit(f"train_loop: --size gives {real} rows, fewer than 2 global batches of {GBS}")
-        print(f"# training-loop wait: {real:,} real rows ({real * ROW_BYTES / 2**20:,.0f} MiB), {steps} timed steps "
-              f"after the first batch, step = sleep({step_s * 1e3:g} ms), rank 0 of {WORLD}, m={MICRO}; "
-              f"{machine_line()}", flush=True)
+        print(
+            f"# training-loop wait: {real:,} real rows ({real * ROW_BYTES / 2**20:,.0f} MiB), {steps} timed steps "
+            f"after the first batch, step = sleep({step_s * 1e3:g} ms), rank 0 of {WORLD}, m={MICRO}; "
+            f"{machine_line()}",
+            flush=True,
+        )
         cases = []
         for workers in (0, 2) if "tokpack" in loaders else ():
             for start in STARTS:
-                cases.append(("tokpack TokpackDataset + StatefulDataLoader", start, workers, TOKPACK, dict(
-                    shard=VIRTUAL_SHARD_SAMPLES, n_shards=N_SHARDS, row_bytes=ROW_BYTES, epoch=str(epoch),
-                    vdir=str(vdir), workers=workers), "virtual run; start_sample = step x 576, O(1)"))
+                cases.append(
+                    (
+                        "tokpack TokpackDataset + StatefulDataLoader",
+                        start,
+                        workers,
+                        TOKPACK,
+                        dict(
+                            shard=VIRTUAL_SHARD_SAMPLES,
+                            n_shards=N_SHARDS,
+                            row_bytes=ROW_BYTES,
+                            epoch=str(epoch),
+                            vdir=str(vdir),
+                            workers=workers,
+                        ),
+                        "virtual run; start_sample = step x 576, O(1)",
+                    )
+                )
         if "datatrove" not in loaders:
             pass
         elif (why := missing("datatrove")) is None:
@@ -396,46 +469,74 @@ def main(size: int, quick: bool = False, workdir: str | None = None, step_ms: fl
                 if start:  # sparse: the holes take no disk and are never read
                     with open(folder / "00000_filler.ds", "wb") as f:
                         f.truncate(start * GBS * ROW_BYTES)
-                cases.append(("datatrove DatatroveFolderDataset + DataLoader", start, 2, DATATROVE,
-                              dict(folder=str(folder), workers=2),
-                              "Megatron-order sampler from consumed_samples, O(1)" +
-                              ("; a sparse filler of the skipped rows" if start else "")))
+                cases.append(
+                    (
+                        "datatrove DatatroveFolderDataset + DataLoader",
+                        start,
+                        2,
+                        DATATROVE,
+                        dict(folder=str(folder), workers=2),
+                        "Megatron-order sampler from consumed_samples, O(1)"
+                        + ("; a sparse filler of the skipped rows" if start else ""),
+                    )
+                )
         else:
             rows.append({"loader": "datatrove DatatroveFolderDataset", "note": why, "_absent": True})
         shard = vdir / "00000.ds"
         for name, module, writer, body, key in (
-                ("MosaicML streaming StreamingDataset", "streaming", MDS_WRITE, MOSAIC, "mds"),
-                ("litdata StreamingDataset", "litdata", LIT_WRITE, LITDATA, "lit")):
+            ("MosaicML streaming StreamingDataset", "streaming", MDS_WRITE, MOSAIC, "mds"),
+            ("litdata StreamingDataset", "litdata", LIT_WRITE, LITDATA, "lit"),
+        ):
             if module not in loaders:
                 continue
             if (why := missing(module)) is not None:
                 if module == "streaming":  # not in the bench extra: its own requirements pin numpy<2.2 (docstring)
-                    why = ("not installed (pip install --no-deps mosaicml-streaming==0.13.0 brotli python-snappy "
-                           "cramjam zstd catalogue)")
+                    why = (
+                        "not installed (pip install --no-deps mosaicml-streaming==0.13.0 brotli python-snappy "
+                        "cramjam zstd catalogue)"
+                    )
                 rows.append({"loader": name, "note": why, "_absent": True})
                 continue
             out = work / key
             try:  # untimed: the peer's own copy of the rows the loop reads
-                _converter(writer, shard=str(shard), rows=real, row=SEQ_LEN + 1, out=str(out),
-                           block=max(1, real // 8))
+                _converter(writer, shard=str(shard), rows=real, row=SEQ_LEN + 1, out=str(out), block=max(1, real // 8))
             except RuntimeError as e:
                 rows.append({"loader": name, "note": f"FAILED: conversion: {str(e).splitlines()[0][:200]}"})
                 continue
             for start in STARTS:
-                cases.append((f"{name} + StreamingDataLoader", start, 2, body, {key: str(out), "workers": 2},
-                              "its resume API (load_state_dict), in epoch step*576 // N of the N rows"
-                              if start else "one rank, batch 9, shuffle off"))
+                cases.append(
+                    (
+                        f"{name} + StreamingDataLoader",
+                        start,
+                        2,
+                        body,
+                        {key: str(out), "workers": 2},
+                        "its resume API (load_state_dict), in epoch step*576 // N of the N rows"
+                        if start
+                        else "one rank, batch 9, shuffle off",
+                    )
+                )
         for loader, start, workers, body, fields, note in cases:
             try:
                 res = _measure(work, body, steps, step_s, start * GBS, **fields)
                 at = _started_right(res, shard, start)
                 rows.append(_row(loader, start, workers, res, step_s, f"{note}; first row = data row {at:,}"))
             except Exception as e:  # one loader failing leaves its row, saying why
-                rows.append({"loader": loader, "start step": f"{start:,}", "workers": workers,
-                             "note": f"FAILED: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__}"})
+                rows.append(
+                    {
+                        "loader": loader,
+                        "start step": f"{start:,}",
+                        "workers": workers,
+                        "note": f"FAILED: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__}",
+                    }
+                )
             print(f"train_loop: {loader} from step {start:,}, {workers} workers: done", file=sys.stderr, flush=True)
-        print_table(f"Loader wait in a training loop (rank 0 of {WORLD}, m={MICRO}, GBS {GBS}, seq_len {SEQ_LEN}; "
-                    f"{steps} timed steps, step = sleep({step_s * 1e3:g} ms))", [r for r in rows if "_table" not in r], COLUMNS)
+        print_table(
+            f"Loader wait in a training loop (rank 0 of {WORLD}, m={MICRO}, GBS {GBS}, seq_len {SEQ_LEN}; "
+            f"{steps} timed steps, step = sleep({step_s * 1e3:g} ms))",
+            [r for r in rows if "_table" not in r],
+            COLUMNS,
+        )
         if "streaming" in loaders and missing("streaming") is None:
             try:
                 rows += mosaic_partition_rows(work, quick)
@@ -459,14 +560,26 @@ if __name__ == "__main__":
     chosen = tuple(x.strip() for x in args.loaders.split(",") if x.strip())
     if unknown := sorted(set(chosen) - set(LOADERS)):
         ap.error(f"unknown loaders {unknown}; choose from {','.join(LOADERS)}")
-    got = main(parse_size(args.size or ("40MiB" if args.quick else "1GiB")), quick=args.quick, workdir=args.workdir,
-               step_ms=args.step_ms, steps=args.steps, loaders=chosen)
+    got = main(
+        parse_size(args.size or ("40MiB" if args.quick else "1GiB")),
+        quick=args.quick,
+        workdir=args.workdir,
+        step_ms=args.step_ms,
+        steps=args.steps,
+        loaders=chosen,
+    )
     if args.json:
         tmp = Path(args.json + ".tmp")  # written whole, then renamed: a reader never sees half a file
         tmp.write_text(json.dumps(got, indent=1))
         os.replace(tmp, args.json)
-    bad = [r.get("loader", "partition") for r in got if not r.get("_absent") and not all(
-        isinstance(r.get(c), (int, float)) for c in (("partition s", "partition MiB") if "_table" in r else NUMBERS))]
+    bad = [
+        r.get("loader", "partition")
+        for r in got
+        if not r.get("_absent")
+        and not all(
+            isinstance(r.get(c), (int, float)) for c in (("partition s", "partition MiB") if "_table" in r else NUMBERS)
+        )
+    ]
     if bad:
         print(f"train_loop: {len(bad)} row(s) without a number: {bad}", file=sys.stderr)
         sys.exit(1)

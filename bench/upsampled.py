@@ -29,8 +29,17 @@ def child(big: str, tiny: str, out: str, samples: str, packing: str) -> None:
     from conftest import shuffle_run
 
     c, w = time.process_time(), time.perf_counter()
-    shuffle_run([big, tiny], out, weights=["1", "1"], seq_len=512, seed=1, epochs=[0], samples=int(samples),
-                memory=4 << 30, packing=packing)
+    shuffle_run(
+        [big, tiny],
+        out,
+        weights=["1", "1"],
+        seq_len=512,
+        seed=1,
+        epochs=[0],
+        samples=int(samples),
+        memory=4 << 30,
+        packing=packing,
+    )
     print(time.process_time() - c, time.perf_counter() - w)
 
 
@@ -48,27 +57,42 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="tokpack-upsampled-"))
     try:
         rng = np.random.default_rng(4)
-        big = write_source(work / "big", random_docs(rng, 40_000, 50_000, 0, 1, 600), vocab_size=50_000,
-                           docs_per_shard=5_000)
-        tiny = write_source(work / "tiny", random_docs(rng, 500, 50_000, 0, 1, 600), vocab_size=50_000,
-                            docs_per_shard=2_000)
+        big = write_source(
+            work / "big", random_docs(rng, 40_000, 50_000, 0, 1, 600), vocab_size=50_000, docs_per_shard=5_000
+        )
+        tiny = write_source(
+            work / "tiny", random_docs(rng, 500, 50_000, 0, 1, 600), vocab_size=50_000, docs_per_shard=2_000
+        )
         times: dict[str, list[tuple[float, float]]] = {"concat": [], "best-fit": []}
         for _ in range(args.runs):
             for packing in times:
                 out = work / "run"
                 shutil.rmtree(out, ignore_errors=True)
                 # a fresh process a run: the packed passes a process keeps would serve the next run
-                done = subprocess.run([sys.executable, __file__, "--child", str(big), str(tiny), str(out),
-                                       str(args.samples), packing], check=True, capture_output=True, text=True)
+                done = subprocess.run(
+                    [sys.executable, __file__, "--child", str(big), str(tiny), str(out), str(args.samples), packing],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
                 cpu, wall = map(float, done.stdout.split())
                 times[packing].append((cpu, wall))
         for packing, t in times.items():
-            print(f"{packing}: median cpu {statistics.median(x for x, _ in t):.2f} s, "
-                  f"wall {statistics.median(y for _, y in t):.2f} s ({args.runs} runs)")
+            print(
+                f"{packing}: median cpu {statistics.median(x for x, _ in t):.2f} s, "
+                f"wall {statistics.median(y for _, y in t):.2f} s ({args.runs} runs)"
+            )
         ratio = statistics.median(x for x, _ in times["best-fit"]) / statistics.median(x for x, _ in times["concat"])
         print(f"best-fit / concat (cpu): {ratio:.2f}x")
-        got = plan_shuffle({str(big): "1", str(tiny): "1"}, work / "p", seq_len=512, seed=1, samples=args.samples,
-                           memory=4 << 30, packing="best-fit")
+        got = plan_shuffle(
+            {str(big): "1", str(tiny): "1"},
+            work / "p",
+            seq_len=512,
+            seed=1,
+            samples=args.samples,
+            memory=4 << 30,
+            packing="best-fit",
+        )
         print(f"plan predicts {got.predicted_seconds} s ({got.startup_seconds} s of it start-up)")
     finally:
         shutil.rmtree(work, ignore_errors=True)

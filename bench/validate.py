@@ -21,7 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/, where shuffle.py would hide the shuffle package
+sys.path[0] = str(
+    Path(__file__).resolve().parents[1]
+)  # the repo, not bench/, where shuffle.py would hide the shuffle package
 from bench.common import (  # noqa: E402
     alternate,
     cold_read,
@@ -80,12 +82,39 @@ def make_many_shards(out: Path, shards: int, samples_per_shard: int = 1, seq_len
         e["fragments"] = (out / f"{e['path']}.index").stat().st_size // 8
         entries.append(e)
     n = shards * samples_per_shard
-    source = {"name": "synthetic", "path": "synthetic", "fingerprint": "0" * 32, "weight": None, "samples": n,
-              "first_pass": 0, "passes": 1, "windows": n, "tokens": n * (seq_len + 1), "offset": 0, "dropped_tokens": 0}
-    write_manifest(out, epoch_manifest(
-        entries, np.dtype("<u2"), 1000, EOS, "gpt2", tokens=n * (seq_len + 1), epoch=0, seed=0, seq_len=seq_len,
-        samples=n, shard_samples=samples_per_shard, dropped_tokens=0, jitter=False, sources=[source],
-        shuffle="synthetic"))
+    source = {
+        "name": "synthetic",
+        "path": "synthetic",
+        "fingerprint": "0" * 32,
+        "weight": None,
+        "samples": n,
+        "first_pass": 0,
+        "passes": 1,
+        "windows": n,
+        "tokens": n * (seq_len + 1),
+        "offset": 0,
+        "dropped_tokens": 0,
+    }
+    write_manifest(
+        out,
+        epoch_manifest(
+            entries,
+            np.dtype("<u2"),
+            1000,
+            EOS,
+            "gpt2",
+            tokens=n * (seq_len + 1),
+            epoch=0,
+            seed=0,
+            seq_len=seq_len,
+            samples=n,
+            shard_samples=samples_per_shard,
+            dropped_tokens=0,
+            jitter=False,
+            sources=[source],
+            shuffle="synthetic",
+        ),
+    )
     return out
 
 
@@ -114,10 +143,18 @@ def _row(dirname: str, what: str, nbytes: int, ms: list, reads: list, inner: flo
     read = statistics.median(m.seconds for m in reads)
     # throughput ratio = read time / validate time; paired_ratio gives validate / read
     ratio, lo, hi = paired_ratio(ms, reads)
-    return {"dir": dirname, "what": what, "MB": nbytes / 1e6, "seconds": seconds,
-            "MB/s": nbytes / 1e6 / seconds, "vs read": 1 / ratio, "range": ratio_range(1 / hi, 1 / lo),
-            "in-process s": inner, "vs read (in-process)": read / inner if inner else None,
-            "peak RSS MB": max(m.peak_rss_mb for m in ms)}
+    return {
+        "dir": dirname,
+        "what": what,
+        "MB": nbytes / 1e6,
+        "seconds": seconds,
+        "MB/s": nbytes / 1e6 / seconds,
+        "vs read": 1 / ratio,
+        "range": ratio_range(1 / hi, 1 / lo),
+        "in-process s": inner,
+        "vs read (in-process)": read / inner if inner else None,
+        "peak RSS MB": max(m.peak_rss_mb for m in ms),
+    }
 
 
 def against_cmd(epoch: Path, src: Path, order: bool, scan: bool = True, workers: int = 2) -> list[str]:
@@ -125,14 +162,18 @@ def against_cmd(epoch: Path, src: Path, order: bool, scan: bool = True, workers:
     (without: the multiset-only comparison --against made before it); `scan=False`: the plan's
     replay over the source alone."""
     if not scan:
-        return python_cmd(f"from tokpack.formats.manifest import read_manifest; from tokpack.formats.shards import PackedSource\n"
-                          f"from tokpack.shuffle.plan import replay_hashes\n"
-                          f"replay_hashes(read_manifest({str(epoch)!r}), [PackedSource.open({str(src)!r})], {order})")
-    return python_cmd(f"from functools import partial\nfrom tokpack.packer.validation import _against, validate_dirs\n"
-                      f"from tokpack.shuffle.plan import replay_hashes\n"
-                      f"report = validate_dirs([{str(epoch)!r}, {str(src)!r}], workers={workers}, order={order})\n"
-                      f"assert report.ok and not _against(report, [{str(src)!r}], partial(replay_hashes, order={order}))\n"
-                      f"assert all(d.shard_orders for d in report.dirs if d.kind == 'epoch') == {order}")
+        return python_cmd(
+            f"from tokpack.formats.manifest import read_manifest; from tokpack.formats.shards import PackedSource\n"
+            f"from tokpack.shuffle.plan import replay_hashes\n"
+            f"replay_hashes(read_manifest({str(epoch)!r}), [PackedSource.open({str(src)!r})], {order})"
+        )
+    return python_cmd(
+        f"from functools import partial\nfrom tokpack.packer.validation import _against, validate_dirs\n"
+        f"from tokpack.shuffle.plan import replay_hashes\n"
+        f"report = validate_dirs([{str(epoch)!r}, {str(src)!r}], workers={workers}, order={order})\n"
+        f"assert report.ok and not _against(report, [{str(src)!r}], partial(replay_hashes, order={order}))\n"
+        f"assert all(d.shard_orders for d in report.dirs if d.kind == 'epoch') == {order}"
+    )
 
 
 def against_rows(src: Path, epoch: Path, runs: int, workers: int) -> list[dict]:
@@ -151,8 +192,17 @@ def against_rows(src: Path, epoch: Path, runs: int, workers: int) -> list[dict]:
     res = alternate([("read", lambda: run_measured(read))] + list(cases.items()), runs)
     rows = [_row("epoch + source", "cold read (cat)", nbytes, res["read"], res["read"], None)]
     # the replay alone reads the source only: its MB/s counts those bytes ('vs read' stays a ratio of times)
-    rows += [_row("epoch + source", name, dir_bytes(src) if name.startswith("replay") else nbytes, res[name],
-                  res["read"], None) for name in cases]
+    rows += [
+        _row(
+            "epoch + source",
+            name,
+            dir_bytes(src) if name.startswith("replay") else nbytes,
+            res[name],
+            res["read"],
+            None,
+        )
+        for name in cases
+    ]
     return rows
 
 
@@ -167,9 +217,11 @@ def order_terms_cpu(epoch: Path, rounds: int = 5) -> str:
     terms = min(_cpu(lambda: order_hash_terms(g, h)) for _ in range(rounds))
     rows = np.fromfile(epoch / m["shards"][0]["path"], dtype="<u2").reshape(-1, m["seq_len"] + 1)
     per_row = min(_cpu(lambda: row_hashes(rows)) for _ in range(rounds)) / len(rows)
-    return (f"order terms for the epoch's {n:,} samples: {terms:.3f} s of CPU per side (scan, replay), "
-            f"{terms / n * 1e9:.0f} ns a sample; the row hashes both sides compute already: "
-            f"{per_row * n:.3f} s ({per_row * 1e9:.0f} ns a sample)")
+    return (
+        f"order terms for the epoch's {n:,} samples: {terms:.3f} s of CPU per side (scan, replay), "
+        f"{terms / n * 1e9:.0f} ns a sample; the row hashes both sides compute already: "
+        f"{per_row * n:.3f} s ({per_row * 1e9:.0f} ns a sample)"
+    )
 
 
 def _cpu(fn) -> float:
@@ -178,8 +230,14 @@ def _cpu(fn) -> float:
     return time.process_time() - t0
 
 
-def main(size: int, quick: bool = False, workers: int = 2, work: Path | None = None, runs: int = 5,
-         against_only: bool = False) -> list[dict]:
+def main(
+    size: int,
+    quick: bool = False,
+    workers: int = 2,
+    work: Path | None = None,
+    runs: int = 5,
+    against_only: bool = False,
+) -> list[dict]:
     runs = 1 if quick else runs
     tmp = Path(tempfile.mkdtemp(prefix="tokpack-bench-validate-", dir=work))
     rows = []
@@ -188,26 +246,47 @@ def main(size: int, quick: bool = False, workers: int = 2, work: Path | None = N
         from tokpack.packer.executors import ExecutorConfig, pass_runner
         from tokpack.shuffle.run import shuffle_run
 
-        shuffle_run([str(src)], str(tmp / "run"), seq_len=SEQ_LEN, seed=0, epochs=[0], memory=max(size, 64 << 20),
-                    run_passes=pass_runner(ExecutorConfig()))
+        shuffle_run(
+            [str(src)],
+            str(tmp / "run"),
+            seq_len=SEQ_LEN,
+            seed=0,
+            epochs=[0],
+            memory=max(size, 64 << 20),
+            run_passes=pass_runner(ExecutorConfig()),
+        )
         rows += against_rows(src, tmp / "run" / "epoch-00000", runs, workers)
         cpu = order_terms_cpu(tmp / "run" / "epoch-00000")
         if against_only:
-            print_table(f"tokpack validate --against: the order proof's cost, {size / 2**20:,.0f} MiB packed "
-                        f"source + its epoch (seq_len {SEQ_LEN}); {machine_line()}", rows,
-                        ["dir", "what", "MB", "seconds", "MB/s", "vs read", "range", "peak RSS MB"])
+            print_table(
+                f"tokpack validate --against: the order proof's cost, {size / 2**20:,.0f} MiB packed "
+                f"source + its epoch (seq_len {SEQ_LEN}); {machine_line()}",
+                rows,
+                ["dir", "what", "MB", "seconds", "MB/s", "vs read", "range", "peak RSS MB"],
+            )
             print(cpu)
             return rows
         for label, path in (("packed source", src), ("epoch", tmp / "run")):
             nbytes = dir_bytes(path)
             variants = [["--workers", str(w)] for w in sorted({1, workers})] + [["--quick"]]
-            res = alternate([("read", lambda: cold_read(path))]
-                            + [(" ".join(f), lambda f=f: _measure_ok(validate_cmd(path, *f))) for f in variants], runs)
+            res = alternate(
+                [("read", lambda: cold_read(path))]
+                + [(" ".join(f), lambda f=f: _measure_ok(validate_cmd(path, *f))) for f in variants],
+                runs,
+            )
             read = res["read"]
             rows.append(_row(label, "cold read (cat)", nbytes, read, read, None))
             for flags in variants:
-                rows.append(_row(label, " ".join(["tokpack validate", *flags]), nbytes, res[" ".join(flags)], read,
-                                 _inner_seconds(path, *flags)))
+                rows.append(
+                    _row(
+                        label,
+                        " ".join(["tokpack validate", *flags]),
+                        nbytes,
+                        res[" ".join(flags)],
+                        read,
+                        _inner_seconds(path, *flags),
+                    )
+                )
         shutil.rmtree(tmp / "src")
         shutil.rmtree(tmp / "run")
         n = 1000 if quick else 10_000
@@ -219,17 +298,40 @@ def main(size: int, quick: bool = False, workers: int = 2, work: Path | None = N
         rows.append(_row(f"{n:,} shards", "cold read (cat)", nbytes, read, read, None))
         for flags in (["--quick"], ["--quick", "--workers", str(workers)], []):
             m = [_measure_ok(validate_cmd(many, *flags))]
-            rows.append(_row(f"{n:,} shards", " ".join(["tokpack validate", *flags]), nbytes, m, read,
-                             _inner_seconds(many, *flags)))
+            rows.append(
+                _row(
+                    f"{n:,} shards",
+                    " ".join(["tokpack validate", *flags]),
+                    nbytes,
+                    m,
+                    read,
+                    _inner_seconds(many, *flags),
+                )
+            )
         print(f"(generating {n:,} shards took {gen:.1f} s)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print_table(f"tokpack validate, {size / 2**20:,.0f} MiB packed source + its epoch (seq_len {SEQ_LEN}); "
-                f"{machine_line()}", rows, ["dir", "what", "MB", "seconds", "MB/s", "vs read", "range", "in-process s", "vs read (in-process)",
-                 "peak RSS MB"])
+    print_table(
+        f"tokpack validate, {size / 2**20:,.0f} MiB packed source + its epoch (seq_len {SEQ_LEN}); {machine_line()}",
+        rows,
+        [
+            "dir",
+            "what",
+            "MB",
+            "seconds",
+            "MB/s",
+            "vs read",
+            "range",
+            "in-process s",
+            "vs read (in-process)",
+            "peak RSS MB",
+        ],
+    )
     print(cpu)
-    print("goal: full validation >= 0.8x the cold read's throughput ('vs read' = read time / validate time; "
-          "'in-process' leaves out the interpreter start, ~0.3-0.5 s here, which dominates small sizes)")
+    print(
+        "goal: full validation >= 0.8x the cold read's throughput ('vs read' = read time / validate time; "
+        "'in-process' leaves out the interpreter start, ~0.3-0.5 s here, which dominates small sizes)"
+    )
     return rows
 
 
@@ -242,5 +344,11 @@ if __name__ == "__main__":
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: system temp)")
     ap.add_argument("--against-only", action="store_true", help="only the order proof's table (validate --against)")
     args = ap.parse_args()
-    main(parse_size(args.size), quick=args.quick, workers=args.workers, work=args.work, runs=args.runs,
-         against_only=args.against_only)
+    main(
+        parse_size(args.size),
+        quick=args.quick,
+        workers=args.workers,
+        work=args.work,
+        runs=args.runs,
+        against_only=args.against_only,
+    )

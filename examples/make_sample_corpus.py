@@ -19,10 +19,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 EOS = "<|endoftext|>"
-SUBJECTS = "the model|a tokenizer|the shuffle|each epoch|our loader|the cluster|a long document|the manifest|every shard|the team".split("|")
+SUBJECTS = "the model|a tokenizer|the shuffle|each epoch|our loader|the cluster|a long document|the manifest|every shard|the team".split(
+    "|"
+)
 VERBS = "reads|writes|packs|checks|streams|counts|splits|verifies|copies|mixes|repeats|skips".split("|")
-OBJECTS = ("tokens|samples|documents|windows|bytes|checksums|indexes|batches|files|epochs|sequences|"
-           "boundaries|weights|seeds").split("|")
+OBJECTS = (
+    "tokens|samples|documents|windows|bytes|checksums|indexes|batches|files|epochs|sequences|boundaries|weights|seeds"
+).split("|")
 ADVERBS = "quickly|twice|in order|at random|on local disk|without an index|per epoch|in blocks|once".split("|")
 TOPICS = ("Training notes|Data report|Incident summary|Design memo|Benchmark log|Release note").split("|")
 
@@ -52,7 +55,9 @@ def main(n_docs: int = 5000, seed: int = 0) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(docs, trainer=trainers.BpeTrainer(vocab_size=1024, special_tokens=[EOS], show_progress=False))
+    tok.train_from_iterator(
+        docs, trainer=trainers.BpeTrainer(vocab_size=1024, special_tokens=[EOS], show_progress=False)
+    )
     tok.save(str(HERE / "tokenizer.json"))
 
     out = HERE / "sample-corpus"
@@ -65,7 +70,8 @@ def main(n_docs: int = 5000, seed: int = 0) -> None:
         for rank, part in enumerate((docs[:half], docs[half:])):
             stream = (Document(text=t, id=f"{rank}-{i}") for i, t in enumerate(part))
             DocumentTokenizer(".", tokenizer_name_or_path="../tokenizer.json", eos_token=EOS, seed=seed).run(
-                stream, rank=rank, world_size=2)
+                stream, rank=rank, world_size=2
+            )
     finally:
         os.chdir(cwd)
     size = sum(p.stat().st_size for p in out.iterdir())

@@ -112,8 +112,15 @@ def main(argv=None) -> int:
             return 1
         losses[step] = loss.hex()
         if step in args.save_at:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "loader": loader.state_dict(), "step": step}, f"{args.checkpoint}-{step}.pt")
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "loader": loader.state_dict(),
+                    "step": step,
+                },
+                f"{args.checkpoint}-{step}.pt",
+            )
     print(json.dumps(losses))
     return 0
 

@@ -20,8 +20,12 @@ def whole(value, name: str, *, least: int | None = 0, optional: bool = True) -> 
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TokpackError(f"{name} must be an integer", where=name,
-                           expected="an int" + ("" if least is None else f" >= {least}"), found=repr(value))
+        raise TokpackError(
+            f"{name} must be an integer",
+            where=name,
+            expected="an int" + ("" if least is None else f" >= {least}"),
+            found=repr(value),
+        )
     if least is not None and value < least:
         raise TokpackError(f"{name} is out of range", where=name, expected=f">= {least}", found=int(value))
     return int(value)
@@ -39,9 +43,12 @@ def text(value, name: str, *, optional: bool = True, choices=None):
     if value is None and optional:
         return None
     if not isinstance(value, str) or (choices is not None and value not in choices):
-        raise TokpackError(f"{name} is not one of its values" if choices else f"{name} must be a string",
-                           where=name, expected=" or ".join(map(repr, choices)) if choices else "a str",
-                           found=repr(value))
+        raise TokpackError(
+            f"{name} is not one of its values" if choices else f"{name} must be a string",
+            where=name,
+            expected=" or ".join(map(repr, choices)) if choices else "a str",
+            found=repr(value),
+        )
     return value
 
 
@@ -49,8 +56,12 @@ def _quantity(parse, value, name: str, least: int, optional: bool, what: str) ->
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, (str, numbers.Integral)):
-        raise TokpackError(f"{name} must be an integer or text such as the CLI takes", where=name,
-                           expected=f"an int or a {what} string", found=repr(value))
+        raise TokpackError(
+            f"{name} must be an integer or text such as the CLI takes",
+            where=name,
+            expected=f"an int or a {what} string",
+            found=repr(value),
+        )
     try:
         n = parse(value if isinstance(value, str) else int(value), what=what)
     except TokpackError as e:  # the parser's line, with the argument it was given for

@@ -36,8 +36,11 @@ class TokpackError(Exception):
             parts.append(f"[{self.where}]")
         parts.append(self.message)
         # a field that is not known is left out: "expected None" would read as a requirement
-        seen = [f"{name} {value}" for name, value in (("expected", self.expected), ("found", self.found))
-                if value is not None]
+        seen = [
+            f"{name} {value}"
+            for name, value in (("expected", self.expected), ("found", self.found))
+            if value is not None
+        ]
         if seen:
             parts.append(", ".join(seen))
         line = ": ".join(parts[:2]) + ("; " + parts[2] if len(parts) > 2 else "")
@@ -63,5 +66,8 @@ class IncompleteError(TokpackError):
 
 def task_failed(job_name: str, rank: int, tasks: int, e: OSError) -> TokpackError:
     """An OSError in a task (disk full, permissions...) is the user's to fix, then rerun."""
-    return TokpackError(f"{job_name} task {rank} of {tasks} failed: {e}", file=getattr(e, "filename", None),
-                        hint="fix the cause and rerun the same command; finished outputs are kept")
+    return TokpackError(
+        f"{job_name} task {rank} of {tasks} failed: {e}",
+        file=getattr(e, "filename", None),
+        hint="fix the cause and rerun the same command; finished outputs are kept",
+    )

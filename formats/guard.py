@@ -44,7 +44,7 @@ def _stat_fields(pid: int) -> list[str] | None:
     except OSError:
         return None
     # the command name (field 2) may hold spaces and parentheses: count from the last ')'
-    return stat[stat.rfind(")") + 2:].split()
+    return stat[stat.rfind(")") + 2 :].split()
 
 
 def process_start(pid: int) -> str | None:
@@ -99,8 +99,10 @@ def _first_bytes(path: Path) -> str:
 def _describe(holder: dict) -> str:
     since = holder.get("since")
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(since)) if isinstance(since, (int, float)) else "?"
-    return (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {when}, "
-            f"command `{holder.get('command', '?')}`")
+    return (
+        f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {when}, "
+        f"command `{holder.get('command', '?')}`"
+    )
 
 
 class OutputLock:
@@ -119,8 +121,14 @@ class OutputLock:
         self.created_dir = False  # the directory did not exist: removed again if left empty
 
     def _mine(self) -> dict:
-        return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid()),
-                "since": time.time(), "command": self.command, "token": self.token}
+        return {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "start": process_start(os.getpid()),
+            "since": time.time(),
+            "command": self.command,
+            "token": self.token,
+        }
 
     def _read(self, path: Path) -> dict | None:
         """The holder a lock file names; None if there is no such file; {} if it names none (not
@@ -131,9 +139,13 @@ class OutputLock:
             return None
         except (OSError, ValueError, UnicodeDecodeError, RecursionError, TokpackError):
             return {}
-        valid = (isinstance(holder, dict) and isinstance(holder.get("host"), str)
-                 and type(holder.get("pid")) is int and holder["pid"] > 0
-                 and isinstance(holder.get("start"), (str, type(None))))
+        valid = (
+            isinstance(holder, dict)
+            and isinstance(holder.get("host"), str)
+            and type(holder.get("pid")) is int
+            and holder["pid"] > 0
+            and isinstance(holder.get("start"), (str, type(None)))
+        )
         return holder if valid else {}
 
     def _stale(self, holder: dict) -> bool:
@@ -158,9 +170,13 @@ class OutputLock:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 self.created_dir = True
         except OSError as e:
-            raise TokpackError("cannot create the output directory", file=self.directory,
-                               expected="a directory tokpack can create", found=_os_error(e),
-                               hint="check the path (symbolic links included) and that it is writable") from None
+            raise TokpackError(
+                "cannot create the output directory",
+                file=self.directory,
+                expected="a directory tokpack can create",
+                found=_os_error(e),
+                hint="check the path (symbolic links included) and that it is writable",
+            ) from None
         if not self.directory.is_dir():
             raise TokpackError("output exists and is not a directory", file=self.directory, hint="choose another path")
         tmp = self.directory / f".{LOCK_NAME}.tmp-{os.getpid()}-{self.token[:8]}"
@@ -169,10 +185,13 @@ class OutputLock:
         except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)  # a full disk may have let it be created
-            raise TokpackError("cannot write in the output directory", file=self.directory,
-                               expected="a writable directory", found=_os_error(e),
-                               hint="choose a writable directory (read-only filesystem, permissions, "
-                               "immutable attribute, full disk?)") from None
+            raise TokpackError(
+                "cannot write in the output directory",
+                file=self.directory,
+                expected="a writable directory",
+                found=_os_error(e),
+                hint="choose a writable directory (read-only filesystem, permissions, immutable attribute, full disk?)",
+            ) from None
         try:
             for _ in range(8):  # each turn either wins, fails, or removes one stale lock
                 try:
@@ -184,22 +203,33 @@ class OutputLock:
                 if holder is None:
                     continue  # released meanwhile
                 if not holder:  # written whole before it is linked (above): not a tokpack lock
-                    raise TokpackError("the output lock names no command that holds it", file=self.path,
-                                       expected='a tokpack lock: {"host": ..., "pid": ..., ...}',
-                                       found=_first_bytes(self.path), hint=f"if no tokpack command is writing "
-                                       f"{self.directory}, delete {self.path} and rerun")
+                    raise TokpackError(
+                        "the output lock names no command that holds it",
+                        file=self.path,
+                        expected='a tokpack lock: {"host": ..., "pid": ..., ...}',
+                        found=_first_bytes(self.path),
+                        hint=f"if no tokpack command is writing {self.directory}, delete {self.path} and rerun",
+                    )
                 if not self._stale(holder):
                     hint = "wait for it to finish, or write to another directory"
                     if holder.get("host") != socket.gethostname():
                         hint += f"; if no tokpack command runs on {holder.get('host')} any more, delete {self.path}"
-                    raise TokpackError(f"output directory is in use by another tokpack command ({_describe(holder)})",
-                                       file=self.path, hint=hint)
+                    raise TokpackError(
+                        f"output directory is in use by another tokpack command ({_describe(holder)})",
+                        file=self.path,
+                        hint=hint,
+                    )
                 if self._take_over(holder):
-                    self.log(f"tokpack: taking over the stale lock {self.path} of a command that is gone "
-                             f"({_describe(holder)})")
+                    self.log(
+                        f"tokpack: taking over the stale lock {self.path} of a command that is gone "
+                        f"({_describe(holder)})"
+                    )
             else:
-                raise TokpackError("could not take the output lock: other commands keep taking it", file=self.path,
-                                   hint="run one command at a time on this directory")
+                raise TokpackError(
+                    "could not take the output lock: other commands keep taking it",
+                    file=self.path,
+                    hint="run one command at a time on this directory",
+                )
         finally:
             tmp.unlink(missing_ok=True)
         with _held_guard:
@@ -326,10 +356,13 @@ def check_space(needs: list[tuple[str | Path, int]], command: str, hint: str | N
     (path, bytes to write there) has less free space than is to be written on it."""
     for path, where, needed, free in space_needs(needs):
         if needed > free:
-            raise TokpackError(f"not enough free space for tokpack {command}", file=path,
-                               expected=f"{_mib(needed)} free ({needed} bytes, scratch included)",
-                               found=f"{_mib(free)} free on the filesystem of {where}",
-                               hint=hint or "free some space there, or write somewhere else")
+            raise TokpackError(
+                f"not enough free space for tokpack {command}",
+                file=path,
+                expected=f"{_mib(needed)} free ({needed} bytes, scratch included)",
+                found=f"{_mib(free)} free on the filesystem of {where}",
+                hint=hint or "free some space there, or write somewhere else",
+            )
 
 
 def physical_memory() -> int | None:

@@ -56,7 +56,7 @@ def local_path(path) -> str | None:
     if text.startswith("file://"):
         from fsspec.implementations.local import make_path_posix
 
-        return make_path_posix(text[len("file://"):])
+        return make_path_posix(text[len("file://") :])
     return None
 
 
@@ -131,8 +131,12 @@ class RemotePath:
                 raise type(e)(e.errno, e.strerror or str(e), self.url) from None
             raise
         except Exception as e:  # noqa: BLE001 - whatever the fsspec backend raises
-            raise TokpackError(f"cannot {doing} the object store", file=self.url, found=f"{type(e).__name__}: {e}",
-                               hint="check the URL, the endpoint (AWS_ENDPOINT_URL) and the credentials") from None
+            raise TokpackError(
+                f"cannot {doing} the object store",
+                file=self.url,
+                found=f"{type(e).__name__}: {e}",
+                hint="check the URL, the endpoint (AWS_ENDPOINT_URL) and the credentials",
+            ) from None
 
     def upload_from(self, local: str | Path) -> None:
         """This object written whole from a local file. An object store has no rename, but an
@@ -223,8 +227,13 @@ class Outbox:
         try:  # not exists(): s3fs answers False for an endpoint that does not answer too
             root._guarded(root.fs.info, "read from", bucket)
         except FileNotFoundError:
-            raise TokpackError("no such bucket", file=self.remote, expected=f"an existing bucket {bucket!r}",
-                               found="none", hint="create it first (aws s3 mb), or check the URL and the endpoint") from None
+            raise TokpackError(
+                "no such bucket",
+                file=self.remote,
+                expected=f"an existing bucket {bucket!r}",
+                found="none",
+                hint="create it first (aws s3 mb), or check the URL and the endpoint",
+            ) from None
 
     def fetch_state(self, manifest: str) -> None:
         """Copies every JSON file under `remote` (the state an earlier run left) to `local`, after
@@ -277,8 +286,9 @@ def name_problem(name) -> str | None:
     return None
 
 
-def contained(directory, name, *, manifest=None, where: str | None = None, regular: bool = True,
-              siblings: tuple[str, ...] = ()) -> "Path | RemotePath":
+def contained(
+    directory, name, *, manifest=None, where: str | None = None, regular: bool = True, siblings: tuple[str, ...] = ()
+) -> "Path | RemotePath":
     """`directory / name`, for a `name` that a manifest (`manifest`, its field `where`) gives,
     once it is known to stay inside `directory` (and, with `regular`, to be a regular file if it
     exists); so are `name + s` for each suffix s in `siblings` (a shard's other files). A
@@ -293,11 +303,15 @@ def contained(directory, name, *, manifest=None, where: str | None = None, regul
             if why:
                 break
     if why:
-        raise TokpackError(f"manifest names a file outside its folder ({why})",
-                           file=manifest if manifest is not None else directory, where=where,
-                           expected=f"a file name inside {directory}", found=repr(found)[:120],
-                           hint="a manifest names only files in its own folder (docs/FORMAT.md); restore the "
-                                "manifest (and files) from the run that wrote them, or do not trust this copy")
+        raise TokpackError(
+            f"manifest names a file outside its folder ({why})",
+            file=manifest if manifest is not None else directory,
+            where=where,
+            expected=f"a file name inside {directory}",
+            found=repr(found)[:120],
+            hint="a manifest names only files in its own folder (docs/FORMAT.md); restore the "
+            "manifest (and files) from the run that wrote them, or do not trust this copy",
+        )
     return directory / name
 
 
@@ -333,18 +347,29 @@ def _outside(path: str, folder) -> str | None:
     return f"resolves to {target} through a symlinked folder, outside the folder"
 
 
-_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
-               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def _not_regular(path, mode: int) -> TokpackError:
     what = next((text for test, text in _FILE_KINDS if test(mode)), "not a regular file")
-    return TokpackError("not a regular file", file=path, expected="a regular file", found=what,
-                        hint="tokpack reads data only from regular files; remove or replace it")
+    return TokpackError(
+        "not a regular file",
+        file=path,
+        expected="a regular file",
+        found=what,
+        hint="tokpack reads data only from regular files; remove or replace it",
+    )
 
 
-def gate(path, *, folder=None, size: int | None = None, user: bool = False, what: str = "file",
-         hint: str | None = None) -> int:
+def gate(
+    path, *, folder=None, size: int | None = None, user: bool = False, what: str = "file", hint: str | None = None
+) -> int:
     """The one check before any file is read; returns its size. `path` must resolve inside
     `folder` (default: the folder it sits in; a folder named by a manifest is itself checked
     against its dataset with `contained` before its files are read), be a regular file, and,
@@ -359,11 +384,14 @@ def gate(path, *, folder=None, size: int | None = None, user: bool = False, what
         if not user:
             why = _outside(os.fspath(path), path.parent if folder is None else folder)
             if why:
-                raise TokpackError(f"{what} is outside its folder ({why})", file=path,
-                                   expected=f"a file inside {path.parent if folder is None else folder}",
-                                   found=os.path.realpath(path),
-                                   hint="a dataset's files stay in its folder (docs/COMMANDS.md, \"Containment\"): "
-                                        "replace the link by the file, or restore the dataset from the run that wrote it")
+                raise TokpackError(
+                    f"{what} is outside its folder ({why})",
+                    file=path,
+                    expected=f"a file inside {path.parent if folder is None else folder}",
+                    found=os.path.realpath(path),
+                    hint='a dataset\'s files stay in its folder (docs/COMMANDS.md, "Containment"): '
+                    "replace the link by the file, or restore the dataset from the run that wrote it",
+                )
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
             raise _not_regular(path, st.st_mode)
@@ -374,10 +402,16 @@ def gate(path, *, folder=None, size: int | None = None, user: bool = False, what
 
 
 def _wrong_size(path, what: str, size: int, found: int, hint: str | None) -> TokpackError:
-    return TokpackError(f"{what} size does not match the manifest", file=path, where="size",
-                        expected=f"{size} bytes", found=f"{found} bytes",
-                        hint=hint or "the file was truncated, extended or replaced since its manifest was written; "
-                                     "run `tokpack validate` on its dataset, or restore it from the original")
+    return TokpackError(
+        f"{what} size does not match the manifest",
+        file=path,
+        where="size",
+        expected=f"{size} bytes",
+        found=f"{found} bytes",
+        hint=hint
+        or "the file was truncated, extended or replaced since its manifest was written; "
+        "run `tokpack validate` on its dataset, or restore it from the original",
+    )
 
 
 def regular_fd(path, **rules) -> int:
@@ -411,8 +445,13 @@ def read_limited(path, limit: int, what: str, **rules) -> bytes:
     path = as_path(path)
     size = gate(path, what=what, **rules)
     if size > limit:
-        raise TokpackError(f"{what} is too large", file=path, expected=f"at most {limit:,} bytes",
-                           found=f"{size:,} bytes", hint=f"this is not a {what} tokpack wrote; restore it")
+        raise TokpackError(
+            f"{what} is too large",
+            file=path,
+            expected=f"at most {limit:,} bytes",
+            found=f"{size:,} bytes",
+            hint=f"this is not a {what} tokpack wrote; restore it",
+        )
     if isinstance(path, RemotePath):
         return path.read_bytes()
     with open_read(path, ahead=False, **rules) as f:
@@ -456,8 +495,12 @@ def open_append(path, *, folder):
     never a FIFO that would block the write)."""
     why = _outside(os.fspath(path), folder)
     if why:
-        raise TokpackError(f"work file is outside its work folder ({why})", file=path, expected=f"a file inside {folder}",
-                           hint="the work folder holds only tokpack's own files: delete it and rerun")
+        raise TokpackError(
+            f"work file is outside its work folder ({why})",
+            file=path,
+            expected=f"a file inside {folder}",
+            hint="the work folder holds only tokpack's own files: delete it and rerun",
+        )
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     try:
         mode = os.fstat(fd).st_mode
@@ -522,8 +565,9 @@ def sequential(f) -> None:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
 
-def iter_file_blocks(path: str | Path, buf: bytearray, offset: int = 0, length: int | None = None,
-                     **rules) -> Iterator[memoryview]:
+def iter_file_blocks(
+    path: str | Path, buf: bytearray, offset: int = 0, length: int | None = None, **rules
+) -> Iterator[memoryview]:
     """Sequential `readinto` over [offset, offset+length) of a file (through the gate: `rules`),
     reusing one buffer."""
     view = memoryview(buf)
@@ -534,7 +578,11 @@ def iter_file_blocks(path: str | Path, buf: bytearray, offset: int = 0, length: 
             n = f.readinto(view[: min(len(buf), remaining)])
             if not n:
                 raise TokpackError(
-                    "file shorter than expected", file=path, where=f"byte {offset}", expected="more data", found="end of file"
+                    "file shorter than expected",
+                    file=path,
+                    where=f"byte {offset}",
+                    expected="more data",
+                    found="end of file",
                 )
             remaining -= n
             offset += n
@@ -954,8 +1002,12 @@ def log_interval() -> float:
     except ValueError:
         seconds = -1.0
     if not seconds >= 0 or seconds == float("inf"):
-        raise TokpackError(f"${LOG_INTERVAL_ENV} is not a number of seconds", expected="a number >= 0 (0: no lines)",
-                           found=repr(text), hint=f"unset it for a line every {DEFAULT_LOG_INTERVAL:g} s")
+        raise TokpackError(
+            f"${LOG_INTERVAL_ENV} is not a number of seconds",
+            expected="a number >= 0 (0: no lines)",
+            found=repr(text),
+            hint=f"unset it for a line every {DEFAULT_LOG_INTERVAL:g} s",
+        )
     return seconds
 
 
@@ -977,8 +1029,7 @@ def logging_every(seconds: float | None):
             os.environ[LOG_INTERVAL_ENV] = before
 
 
-def progress(total: int | None, desc: str, unit: str = "B", enabled: bool | None = None,
-             unit_bytes: int | None = None):
+def progress(total: int | None, desc: str, unit: str = "B", enabled: bool | None = None, unit_bytes: int | None = None):
     """The progress of one long step, for whoever watches it: a tqdm bar on a terminal; in a log
     (stderr not a terminal) one line every log_interval() seconds (_LogBar); nothing when
     `enabled` is False (a worker process, --json); True: a bar wherever stderr goes.
@@ -1021,8 +1072,15 @@ class _LogBar(_NoBar):
     """A bar for a log: what it is doing, done/total, MB/s and an ETA, as one plain line (no
     carriage return: a Slurm log keeps every line), written by the process's _LogLines."""
 
-    def __init__(self, total: int | None, desc: str, unit: str, interval: float, unit_bytes: int | None = None,
-                 clock=time.monotonic):
+    def __init__(
+        self,
+        total: int | None,
+        desc: str,
+        unit: str,
+        interval: float,
+        unit_bytes: int | None = None,
+        clock=time.monotonic,
+    ):
         self.total, self.desc, self.unit, self.unit_bytes, self.clock = total, desc, unit, unit_bytes, clock
         self.done = 0
         self.started = clock()
@@ -1047,15 +1105,20 @@ class _LogBar(_NoBar):
         elapsed = max(now - self.started, 1e-9)
         if self.unit == "B":
             scale, name = _byte_scale(self.total or self.done)
-            count = f"{self.done / scale:,.1f}" + ("" if self.total is None else f"/{self.total / scale:,.1f}") + f" {name}"
+            count = (
+                f"{self.done / scale:,.1f}" + ("" if self.total is None else f"/{self.total / scale:,.1f}") + f" {name}"
+            )
         else:
             plural = self.unit if self.unit.endswith("s") else self.unit + "s"
             count = f"{self.done:,}" + ("" if self.total is None else f"/{self.total:,}") + f" {plural}"
         if self.total:
             count += f" ({100 * min(self.done, self.total) / self.total:.1f}%)"
         per_unit = 1 if self.unit == "B" else self.unit_bytes
-        rate = (f"{self.done * per_unit / elapsed / 1e6:,.1f} MB/s" if per_unit is not None
-                else f"{self.done / elapsed:,.2f} {plural}/s")
+        rate = (
+            f"{self.done * per_unit / elapsed / 1e6:,.1f} MB/s"
+            if per_unit is not None
+            else f"{self.done / elapsed:,.2f} {plural}/s"
+        )
         left = None if not self.total or not self.done else max(0.0, (self.total - self.done) * elapsed / self.done)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         return f"{stamp} tokpack: {self.desc}: {count}, {rate}, ETA {_duration(left)}"
@@ -1094,8 +1157,9 @@ class _LogLines:
             self.bars.append(weakref.ref(bar))
             if self.stop is None:
                 self.stop = threading.Event()
-                threading.Thread(target=self._write, args=(self.stop, interval), name="tokpack-progress-lines",
-                                 daemon=True).start()
+                threading.Thread(
+                    target=self._write, args=(self.stop, interval), name="tokpack-progress-lines", daemon=True
+                ).start()
 
     def close(self, bar: _LogBar | None) -> None:
         with self.lock:

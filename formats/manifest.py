@@ -74,9 +74,7 @@ def dtype_from_name(name: str) -> np.dtype:
     try:
         return {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}[name]
     except KeyError:
-        raise TokpackError(
-            "unknown token dtype", where="dtype", expected="uint16 or uint32", found=name
-        ) from None
+        raise TokpackError("unknown token dtype", where="dtype", expected="uint16 or uint32", found=name) from None
 
 
 # ----------------------------------------------------------------------------- names
@@ -288,16 +286,29 @@ _FIELD_TABLES = """
 | `micro_batch` | int >= 1 | yes | stages[] | `m` |
 """
 MANIFEST_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, STAGE_FIELDS = (  # name -> (type, required, kinds, meaning)
-    {name.strip("`"): (typ, required == "yes", kinds, meaning)
-     for name, typ, required, kinds, meaning in (row[2:-2].split(" | ") for row in table.splitlines()[1:])}
-    for table in _FIELD_TABLES.strip().split("\n\n"))
+    {
+        name.strip("`"): (typ, required == "yes", kinds, meaning)
+        for name, typ, required, kinds, meaning in (row[2:-2].split(" | ") for row in table.splitlines()[1:])
+    }
+    for table in _FIELD_TABLES.strip().split("\n\n")
+)
 
 # Keys earlier writers used, by kind: readers accept them under the current name.
 RENAMED = {"epoch": {"documents": "fragments"}, "run": {"documents": "fragments"}}
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 HEX16 = re.compile(r"^[0-9a-f]{16}$")
-_JSON = {"string": str, "int": int, "bool": bool, "list": list, "object": dict, "null": type(None),
-         "hex32": str, "hex16": str, "int >= 0": int, "int >= 1": int}
+_JSON = {
+    "string": str,
+    "int": int,
+    "bool": bool,
+    "list": list,
+    "object": dict,
+    "null": type(None),
+    "hex32": str,
+    "hex16": str,
+    "int >= 0": int,
+    "int >= 1": int,
+}
 
 
 _SPECS: dict = {}  # (id of a field table, kind) -> its fields of that kind, ready to check
@@ -313,9 +324,16 @@ def _spec(table: dict, kind: str) -> list[tuple]:
         for key, (type_name, required, kinds, _) in table.items():
             if kind in kinds.split(", "):
                 types = type_name.split(" or ")
-                spec.append((key, required, frozenset(_JSON[t] for t in types), types,
-                             int(type_name[-1]) if type_name.startswith("int >= ") else None,
-                             _HEX.get(type_name)))
+                spec.append(
+                    (
+                        key,
+                        required,
+                        frozenset(_JSON[t] for t in types),
+                        types,
+                        int(type_name[-1]) if type_name.startswith("int >= ") else None,
+                        _HEX.get(type_name),
+                    )
+                )
         _SPECS[(id(table), kind)] = spec
     return spec
 
@@ -330,9 +348,14 @@ def field_problems(obj: dict, table: dict, kind: str) -> Iterator[tuple[str, str
         value = obj[key]
         # parsed JSON has exactly these types (a bool is no int here); a subclass is checked the long way
         if type(value) not in exact and not any(
-                isinstance(value, _JSON[t]) and not (isinstance(value, bool) and t != "bool") for t in types):
-            yield key, f"a JSON {'/'.join(_JSON[t].__name__ for t in types)}", f"{value!r}"[:60], \
-                "manifest field has the wrong type"
+            isinstance(value, _JSON[t]) and not (isinstance(value, bool) and t != "bool") for t in types
+        ):
+            yield (
+                key,
+                f"a JSON {'/'.join(_JSON[t].__name__ for t in types)}",
+                f"{value!r}"[:60],
+                "manifest field has the wrong type",
+            )
         elif lower is not None and value < lower:
             yield key, f">= {lower}", value, "manifest field out of range"
         elif hexa is not None and not hexa[0].match(value):
@@ -341,8 +364,11 @@ def field_problems(obj: dict, table: dict, kind: str) -> Iterator[tuple[str, str
 
 def upgrade(manifest: dict) -> dict:
     """The manifest with the keys of earlier writers under their current names, in place."""
-    renamed = {old: new for old, new in RENAMED.get(manifest.get("kind"), {}).items()
-               if old in manifest and new not in manifest}
+    renamed = {
+        old: new
+        for old, new in RENAMED.get(manifest.get("kind"), {}).items()
+        if old in manifest and new not in manifest
+    }
     return {renamed.get(k, k): v for k, v in manifest.items()} if renamed else manifest
 
 
@@ -419,12 +445,22 @@ def check_manifest(m: dict, directory, add) -> bool:
             add(mfile, "documents", f"{docs} (sum over shards)", m["documents"], "document count wrong")
         fp = fingerprint([s["xxh3_128"] for s in shards], m["dtype"], m["vocab_size"], m["eos_id"])
         if fp != m["fingerprint"]:
-            add(mfile, "fingerprint", fp, m["fingerprint"],
-                "fingerprint disagrees with the shard checksums, dtype, vocab_size, eos_id")
+            add(
+                mfile,
+                "fingerprint",
+                fp,
+                m["fingerprint"],
+                "fingerprint disagrees with the shard checksums, dtype, vocab_size, eos_id",
+            )
         for i, s in enumerate(shards):
             if s["documents"] > s["tokens"] or (s["tokens"] > 0) != (s["documents"] > 0):
-                add(mfile, f"shards[{i}].documents", f"1..{s['tokens']}", s["documents"],
-                    "document count impossible for the token count")
+                add(
+                    mfile,
+                    f"shards[{i}].documents",
+                    f"1..{s['tokens']}",
+                    s["documents"],
+                    "document count impossible for the token count",
+                )
         return True
     row = m["seq_len"] + 1
     _check_epoch_manifest(as_path(directory), m, mfile, add, row)
@@ -441,11 +477,21 @@ def _check_header(m: dict, mfile: str, add) -> bool:
         add(mfile, e.where, e.expected, e.found, e.message)
         return False
     if m["dtype"] != rule:
-        add(mfile, "dtype", f"{rule} (vocab_size {m['vocab_size']})", m["dtype"],
-            "dtype label disagrees with the vocabulary size")
+        add(
+            mfile,
+            "dtype",
+            f"{rule} (vocab_size {m['vocab_size']})",
+            m["dtype"],
+            "dtype label disagrees with the vocabulary size",
+        )
     if m["token_size"] != dtype.itemsize:
-        add(mfile, "token_size", f"{dtype.itemsize} ({m['dtype']})", m["token_size"],
-            "token size disagrees with the dtype label")
+        add(
+            mfile,
+            "token_size",
+            f"{dtype.itemsize} ({m['dtype']})",
+            m["token_size"],
+            "token size disagrees with the dtype label",
+        )
     if m["eos_id"] >= m["vocab_size"]:
         add(mfile, "eos_id", f"< {m['vocab_size']} (vocab_size)", m["eos_id"], "EOS id out of vocabulary")
     return True
@@ -467,18 +513,33 @@ def _check_slice_manifest(m: dict, shards: list[dict], mfile: str, add) -> None:
     row = m["seq_len"] + 1
     for i, s in enumerate(shards):
         if s["tokens"] != s["samples"] * row:
-            add(mfile, f"shards[{i}].tokens", f"{s['samples'] * row} (samples x {row})", s["tokens"],
-                "rank file token count wrong")
+            add(
+                mfile,
+                f"shards[{i}].tokens",
+                f"{s['samples'] * row} (samples x {row})",
+                s["tokens"],
+                "rank file token count wrong",
+            )
         if s["bytes"] != s["tokens"] * m["token_size"]:
-            add(mfile, f"shards[{i}].bytes", f"{s['tokens'] * m['token_size']} (tokens x token_size)", s["bytes"],
-                "rank file byte count wrong")
+            add(
+                mfile,
+                f"shards[{i}].bytes",
+                f"{s['tokens'] * m['token_size']} (tokens x token_size)",
+                s["bytes"],
+                "rank file byte count wrong",
+            )
     total = sum(s["tokens"] for s in shards)
     if total != m["tokens"]:
         add(mfile, "tokens", f"{total} (sum over rank files)", m["tokens"], "token count wrong")
     rows = sum(s["samples"] for s in shards)
     if rows > m["samples"]:
-        add(mfile, "shards[].samples", f"at most {m['samples']} (the run epoch's samples)", rows,
-            "rank files hold more samples than the epoch")
+        add(
+            mfile,
+            "shards[].samples",
+            f"at most {m['samples']} (the run epoch's samples)",
+            rows,
+            "rank files hold more samples than the epoch",
+        )
 
 
 def _check_shard_names(shards: list[dict], mfile: str, add) -> None:
@@ -489,8 +550,13 @@ def _check_shard_names(shards: list[dict], mfile: str, add) -> None:
     for i, name in enumerate(names):
         why = name_problem(name)
         if why or name.startswith(".") or not name.endswith(".ds"):
-            add(mfile, f"shards[{i}].path", "a plain NNNNN.ds file name", repr(name)[:120],
-                f"bad shard path ({why})" if why else "bad shard path")
+            add(
+                mfile,
+                f"shards[{i}].path",
+                "a plain NNNNN.ds file name",
+                repr(name)[:120],
+                f"bad shard path ({why})" if why else "bad shard path",
+            )
             continue
         if name in listed:
             add(mfile, f"shards[{i}].path", "unique names", name, "shard listed twice")
@@ -522,19 +588,34 @@ def _check_epoch_manifest(path, m: dict, mfile: str, add, row: int) -> None:
     per = m["shard_samples"]
     for i, s in enumerate(shards):
         if s["tokens"] != s["samples"] * row:
-            add(mfile, f"shards[{i}].tokens", f"{s['samples'] * row} (samples x {row})", s["tokens"],
-                "shard token count wrong")
+            add(
+                mfile,
+                f"shards[{i}].tokens",
+                f"{s['samples'] * row} (samples x {row})",
+                s["tokens"],
+                "shard token count wrong",
+            )
         last = i == len(shards) - 1
         if (not last and s["samples"] != per) or (last and not 1 <= s["samples"] <= per):
-            add(mfile, f"shards[{i}].samples", per if not last else f"1..{per}", s["samples"],
-                "every shard but the last holds exactly shard_samples samples")
+            add(
+                mfile,
+                f"shards[{i}].samples",
+                per if not last else f"1..{per}",
+                s["samples"],
+                "every shard but the last holds exactly shard_samples samples",
+            )
     total = sum(s["samples"] for s in shards)
     if total != m["samples"]:
         add(mfile, "samples", f"{total} (sum over shards)", m["samples"], "sample count wrong")
     multiset = sum(int(s["multiset_hash"], 16) for s in shards) & MASK64
     if hash_hex64(multiset) != m["sample_multiset_hash"]:
-        add(mfile, "sample_multiset_hash", f"{hash_hex64(multiset)} (sum of the shards' multiset_hash)",
-            m["sample_multiset_hash"], "multiset hash disagrees with its shards")
+        add(
+            mfile,
+            "sample_multiset_hash",
+            f"{hash_hex64(multiset)} (sum of the shards' multiset_hash)",
+            m["sample_multiset_hash"],
+            "multiset hash disagrees with its shards",
+        )
     srcs = m["sources"]
     for i, s in enumerate(srcs):
         if not isinstance(s, dict):
@@ -542,8 +623,13 @@ def _check_epoch_manifest(path, m: dict, mfile: str, add, row: int) -> None:
             return
         _fields(s, SOURCE_FIELDS, "epoch", mfile, add, f"sources[{i}].")
     if all(type_ok(s.get("samples"), int) for s in srcs) and sum(s["samples"] for s in srcs) != m["samples"]:
-        add(mfile, "sources[].samples", f"{m['samples']} (the epoch's samples)", sum(s["samples"] for s in srcs),
-            "per-source sample counts do not add up")
+        add(
+            mfile,
+            "sources[].samples",
+            f"{m['samples']} (the epoch's samples)",
+            sum(s["samples"] for s in srcs),
+            "per-source sample counts do not add up",
+        )
     frags = [s.get("fragments") for s in shards]
     if "fragments" in m and all(type_ok(f, int) for f in frags) and sum(frags) != m["fragments"]:
         add(mfile, "fragments", f"{sum(frags)} (sum of the shards' fragments)", m["fragments"], "fragment count wrong")
@@ -579,19 +665,38 @@ def _check_epoch_sources(m: dict, srcs: list, row: int, add) -> None:
             return
         t, w, o, c = s["tokens"], s["windows"], s["offset"], s["samples"]
         if o >= row or (not m.get("jitter", False) and o):
-            add(f"sources[{i}].offset", f"< {row}" + (" and 0 without jitter" if not m.get("jitter") else ""), o,
-                "window offset impossible")
+            add(
+                f"sources[{i}].offset",
+                f"< {row}" + (" and 0 without jitter" if not m.get("jitter") else ""),
+                o,
+                "window offset impossible",
+            )
         if w < 1 or o + w * row > t or t - w * row != s["dropped_tokens"]:
-            add(f"sources[{i}].windows", f"windows x {row} + dropped_tokens == tokens ({t})",
-                f"{w} x {row} + {s['dropped_tokens']}", "source window counts do not add up")
+            add(
+                f"sources[{i}].windows",
+                f"windows x {row} + dropped_tokens == tokens ({t})",
+                f"{w} x {row} + {s['dropped_tokens']}",
+                "source window counts do not add up",
+            )
             return
-        first, passes = pass_span(chain_start(m["epoch"], c, s["cursor"] if type_ok(s.get("cursor"), int) else None), c, w)
+        first, passes = pass_span(
+            chain_start(m["epoch"], c, s["cursor"] if type_ok(s.get("cursor"), int) else None), c, w
+        )
         if (s["first_pass"], s["passes"]) != (first, passes):
-            add(f"sources[{i}].first_pass/passes", f"{first}/{passes} (epoch {m['epoch']}, {c} of {w} windows)",
-                f"{s['first_pass']}/{s['passes']}", "source pass bookkeeping wrong")
+            add(
+                f"sources[{i}].first_pass/passes",
+                f"{first}/{passes} (epoch {m['epoch']}, {c} of {w} windows)",
+                f"{s['first_pass']}/{s['passes']}",
+                "source pass bookkeeping wrong",
+            )
         offsets = m.get("jitter_offsets")
         if isinstance(offsets, list) and (i >= len(offsets) or offsets[i] != o):
-            add(f"jitter_offsets[{i}]", o, offsets[i] if i < len(offsets) else "no entry", "jitter offset disagrees with its source entry")
+            add(
+                f"jitter_offsets[{i}]",
+                o,
+                offsets[i] if i < len(offsets) else "no entry",
+                "jitter offset disagrees with its source entry",
+            )
         dropped += s["dropped_tokens"]
     if srcs and dropped != m["dropped_tokens"]:
         add("dropped_tokens", f"{dropped} (sum over sources)", m["dropped_tokens"], "dropped token count wrong")
@@ -612,24 +717,43 @@ def _check_run_manifest(m: dict, mfile: str, add) -> None:
     if why is None and m["samples"] == 0 and any(e >= len(planned) for e in epochs):
         why = f"epoch {max(epochs)} is written but epoch_samples sizes only epochs 0..{len(planned) - 1}"
     if why:
-        add(mfile, "samples/epoch_samples", "a size for every epoch the run lists",
+        add(
+            mfile,
+            "samples/epoch_samples",
+            "a size for every epoch the run lists",
             f"samples {m['samples']!r}, epoch_samples {repr(m.get('epoch_samples'))[:60]}",
-            f"run manifest does not say how many samples its epochs hold: {why}")
+            f"run manifest does not say how many samples its epochs hold: {why}",
+        )
 
 
 def _raise_first(file, where, expected, found, message, **kw):
-    raise TokpackError(message, file=file, where=where, expected=expected, found=found,
-                       hint=kw.get("hint") or "the manifest was edited or damaged; restore it (or rerun the "
-                                              "command that wrote it), and run `tokpack validate` on the directory")
+    raise TokpackError(
+        message,
+        file=file,
+        where=where,
+        expected=expected,
+        found=found,
+        hint=kw.get("hint")
+        or "the manifest was edited or damaged; restore it (or rerun the "
+        "command that wrote it), and run `tokpack validate` on the directory",
+    )
 
 
 # ------------------------------------------------------------------ manifest builders
 
 
 def _header(kind: str, dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, tokens: int) -> dict:
-    return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "kind": kind, "dtype": dtype_name(dtype),
-            "token_size": np.dtype(dtype).itemsize, "vocab_size": int(vocab_size), "eos_id": int(eos_id),
-            "tokenizer": tokenizer, "tokens": int(tokens)}
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "kind": kind,
+        "dtype": dtype_name(dtype),
+        "token_size": np.dtype(dtype).itemsize,
+        "vocab_size": int(vocab_size),
+        "eos_id": int(eos_id),
+        "tokenizer": tokenizer,
+        "tokens": int(tokens),
+    }
 
 
 def header_like(m: dict, kind: str) -> dict:
@@ -638,47 +762,108 @@ def header_like(m: dict, kind: str) -> dict:
     return _header(kind, dtype_from_name(m["dtype"]), m["vocab_size"], m["eos_id"], m["tokenizer"], 0)
 
 
-def source_manifest(shards: list[dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str,
-                    **extra) -> dict:
-    return {**_header("source", dtype, vocab_size, eos_id, tokenizer, sum(s["tokens"] for s in shards)),
-            "documents": sum(s["documents"] for s in shards),
-            "fingerprint": fingerprint([s["xxh3_128"] for s in shards], dtype_name(dtype), vocab_size, eos_id),
-            "shards": shards, **extra}
+def source_manifest(shards: list[dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, **extra) -> dict:
+    return {
+        **_header("source", dtype, vocab_size, eos_id, tokenizer, sum(s["tokens"] for s in shards)),
+        "documents": sum(s["documents"] for s in shards),
+        "fingerprint": fingerprint([s["xxh3_128"] for s in shards], dtype_name(dtype), vocab_size, eos_id),
+        "shards": shards,
+        **extra,
+    }
 
 
-def epoch_manifest(shards: list[dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, *,
-                   tokens: int, epoch: int, seed: int, seq_len: int, samples: int, shard_samples: int,
-                   dropped_tokens: int, jitter: bool, sources: list[dict], shuffle: str) -> dict:
-    return {**_header("epoch", dtype, vocab_size, eos_id, tokenizer, tokens),
-            "fragments": sum(s["fragments"] for s in shards), "shards": shards, "epoch": epoch, "seed": seed,
-            "seq_len": seq_len, "samples": samples, "shard_samples": shard_samples, "dropped_tokens": dropped_tokens,
-            "jitter": jitter, "jitter_offsets": [s["offset"] for s in sources], "sources": sources,
-            "sample_multiset_hash": hash_hex64(sum(int(s["multiset_hash"], 16) for s in shards)),
-            "shuffle": shuffle}
+def epoch_manifest(
+    shards: list[dict],
+    dtype: np.dtype,
+    vocab_size: int,
+    eos_id: int,
+    tokenizer: str,
+    *,
+    tokens: int,
+    epoch: int,
+    seed: int,
+    seq_len: int,
+    samples: int,
+    shard_samples: int,
+    dropped_tokens: int,
+    jitter: bool,
+    sources: list[dict],
+    shuffle: str,
+) -> dict:
+    return {
+        **_header("epoch", dtype, vocab_size, eos_id, tokenizer, tokens),
+        "fragments": sum(s["fragments"] for s in shards),
+        "shards": shards,
+        "epoch": epoch,
+        "seed": seed,
+        "seq_len": seq_len,
+        "samples": samples,
+        "shard_samples": shard_samples,
+        "dropped_tokens": dropped_tokens,
+        "jitter": jitter,
+        "jitter_offsets": [s["offset"] for s in sources],
+        "sources": sources,
+        "sample_multiset_hash": hash_hex64(sum(int(s["multiset_hash"], 16) for s in shards)),
+        "shuffle": shuffle,
+    }
 
 
-def run_manifest(epochs: dict[int, dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, *,
-                 sources: list[dict], weights: list | None, seq_len: int, seed: int, jitter: bool, samples: int,
-                 shard_samples: int, shuffle: str, extra: dict | None = None) -> dict:
+def run_manifest(
+    epochs: dict[int, dict],
+    dtype: np.dtype,
+    vocab_size: int,
+    eos_id: int,
+    tokenizer: str,
+    *,
+    sources: list[dict],
+    weights: list | None,
+    seq_len: int,
+    seed: int,
+    jitter: bool,
+    samples: int,
+    shard_samples: int,
+    shuffle: str,
+    extra: dict | None = None,
+) -> dict:
     """`epochs`: the manifests of the epochs written so far, by number; `sources`: an epoch's entries;
     `extra`: a scheduled run's fields (epoch_samples, schedule...)."""
     written = [upgrade(m) for m in epochs.values()]
     sources = [{k: s[k] for k, field in SOURCE_FIELDS.items() if "run" in field[2]} for s in sources]
-    return {**_header("run", dtype, vocab_size, eos_id, tokenizer, sum(int(m["tokens"]) for m in written)),
-            "fragments": sum(int(m["fragments"]) for m in written), "sources": sources, "weights": weights,
-            "seq_len": seq_len, "seed": seed, "jitter": jitter, "samples": samples, "shard_samples": shard_samples,
-            "epochs": sorted(epochs), "shuffle": shuffle, **(extra or {})}
+    return {
+        **_header("run", dtype, vocab_size, eos_id, tokenizer, sum(int(m["tokens"]) for m in written)),
+        "fragments": sum(int(m["fragments"]) for m in written),
+        "sources": sources,
+        "weights": weights,
+        "seq_len": seq_len,
+        "seed": seed,
+        "jitter": jitter,
+        "samples": samples,
+        "shard_samples": shard_samples,
+        "epochs": sorted(epochs),
+        "shuffle": shuffle,
+        **(extra or {}),
+    }
 
 
 def nodes_sidecar(nodes: int, ranks_per_node: int, micro_batch: int, dest: str) -> dict:
-    return {"format": "tokpack-nodes", "note": "shuffle --to-nodes: the epochs' tokens are in node slices, on the nodes",
-            "nodes": nodes, "ranks_per_node": ranks_per_node, "micro_batch": micro_batch, "dest": dest}
+    return {
+        "format": "tokpack-nodes",
+        "note": "shuffle --to-nodes: the epochs' tokens are in node slices, on the nodes",
+        "nodes": nodes,
+        "ranks_per_node": ranks_per_node,
+        "micro_batch": micro_batch,
+        "dest": dest,
+    }
 
 
 def stage_sidecar(stages: list[dict], missing_shards: dict[str, list[str]]) -> dict:
-    return {"format": "tokpack-stage", "partial": True,
-            "note": "a --ranks stage: only the listed ranks' shards were copied; the manifests are the source's",
-            "stages": stages, "missing_shards": missing_shards}
+    return {
+        "format": "tokpack-stage",
+        "partial": True,
+        "note": "a --ranks stage: only the listed ranks' shards were copied; the manifests are the source's",
+        "stages": stages,
+        "missing_shards": missing_shards,
+    }
 
 
 # ------------------------------------------------------------------------ manifests
@@ -707,11 +892,18 @@ def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = No
         raise TokpackError("no such directory", file=directory, hint="check the path or URL")
     if not path.exists():
         if isinstance(directory, Path) and not directory.is_dir():  # a file given for a directory: nothing unfinished
-            raise TokpackError("not a directory", file=directory, expected="a tokpack directory",  # validate's words
-                               found="a file" if directory.is_file() else "neither a file nor a directory",
-                               hint="pass the directory that holds tokpack.json")
-        raise IncompleteError("incomplete: no tokpack.json", file=directory, hint="the run that writes it was "
-                              "interrupted or is still running; rerun the same command to finish it")
+            raise TokpackError(
+                "not a directory",
+                file=directory,
+                expected="a tokpack directory",  # validate's words
+                found="a file" if directory.is_file() else "neither a file nor a directory",
+                hint="pass the directory that holds tokpack.json",
+            )
+        raise IncompleteError(
+            "incomplete: no tokpack.json",
+            file=directory,
+            hint="the run that writes it was interrupted or is still running; rerun the same command to finish it",
+        )
     manifest = upgrade(parse_manifest(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path, kind))
     if checked:
         require_valid(manifest, directory)
@@ -740,7 +932,7 @@ def _check_values(obj) -> None:
         o, depth = stack.pop()
         if depth > MAX_MANIFEST_DEPTH:
             raise _Refused("deeper", f"at most {MAX_MANIFEST_DEPTH} levels of lists and objects")
-        for c in (o.values() if type(o) is dict else o):
+        for c in o.values() if type(o) is dict else o:
             kind = type(c)
             if kind is dict or kind is list:
                 stack.append((c, depth + 1))
@@ -755,29 +947,45 @@ def strict_json(raw: bytes, path, what: str = "manifest"):
     """JSON a tokpack file holds, read strictly and bounded (docs/COMMANDS.md, "Containment"):
     at most MAX_MANIFEST_BYTES, integers in [-2**63, 2**64), finite numbers only, lists and
     objects nested at most MAX_MANIFEST_DEPTH deep. Anything else is one TokpackError."""
-    bad = dict(file=path, hint=f"this is not a {what} tokpack wrote; restore it from the run that wrote this "
-                               "directory, or rerun that run")
+    bad = dict(
+        file=path,
+        hint=f"this is not a {what} tokpack wrote; restore it from the run that wrote this "
+        "directory, or rerun that run",
+    )
     if len(raw) > MAX_MANIFEST_BYTES:
-        raise TokpackError(f"{what} is too large", expected=f"at most {MAX_MANIFEST_BYTES:,} bytes",
-                           found=f"{len(raw):,} bytes", **bad)
+        raise TokpackError(
+            f"{what} is too large", expected=f"at most {MAX_MANIFEST_BYTES:,} bytes", found=f"{len(raw):,} bytes", **bad
+        )
     try:
         value = json.loads(raw, parse_constant=_constant)
         if type(value) is dict or type(value) is list:
             _check_values(value)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokpackError(f"{what} is not valid JSON", where=f"byte {getattr(e, 'pos', getattr(e, 'start', 0))}",
-                           expected="a JSON object", found=f"{len(raw)} bytes" if raw else "an empty file",
-                           **bad) from None
+        raise TokpackError(
+            f"{what} is not valid JSON",
+            where=f"byte {getattr(e, 'pos', getattr(e, 'start', 0))}",
+            expected="a JSON object",
+            found=f"{len(raw)} bytes" if raw else "an empty file",
+            **bad,
+        ) from None
     except _Refused as e:
-        raise TokpackError(f"{what} holds a value outside the format", expected=e.args[1], found=e.args[0],
-                           **bad) from None
+        raise TokpackError(
+            f"{what} holds a value outside the format", expected=e.args[1], found=e.args[0], **bad
+        ) from None
     except ValueError:  # an integer of more than 4300 digits, which int() refuses to read
-        raise TokpackError(f"{what} holds a value outside the format", expected="an integer in [-2**63, 2**64)",
-                           found="an integer of thousands of digits", **bad) from None
+        raise TokpackError(
+            f"{what} holds a value outside the format",
+            expected="an integer in [-2**63, 2**64)",
+            found="an integer of thousands of digits",
+            **bad,
+        ) from None
     except RecursionError:
-        raise TokpackError(f"{what} holds a value outside the format",
-                           expected=f"at most {MAX_MANIFEST_DEPTH} levels of lists and objects", found="deeper",
-                           **bad) from None
+        raise TokpackError(
+            f"{what} holds a value outside the format",
+            expected=f"at most {MAX_MANIFEST_DEPTH} levels of lists and objects",
+            found="deeper",
+            **bad,
+        ) from None
     return value
 
 
@@ -786,18 +994,35 @@ def parse_manifest(raw: bytes, path: str | Path, kind: str | tuple[str, ...] | N
     header checked."""
     manifest = strict_json(raw, path)
     if not isinstance(manifest, dict):
-        raise TokpackError("manifest is not a JSON object", file=path, expected="object",
-                           found=type(manifest).__name__, hint="restore it from the run that wrote this directory")
+        raise TokpackError(
+            "manifest is not a JSON object",
+            file=path,
+            expected="object",
+            found=type(manifest).__name__,
+            hint="restore it from the run that wrote this directory",
+        )
     if manifest.get("format") != FORMAT_NAME:
-        raise TokpackError("not a tokpack manifest", file=path, where="format", expected=FORMAT_NAME,
-                           found=manifest.get("format"))
+        raise TokpackError(
+            "not a tokpack manifest", file=path, where="format", expected=FORMAT_NAME, found=manifest.get("format")
+        )
     if manifest.get("version") != FORMAT_VERSION:
-        raise TokpackError("unsupported format version", file=path, where="version", expected=FORMAT_VERSION,
-                           found=manifest.get("version"), hint="use the tokpack release that wrote this directory")
+        raise TokpackError(
+            "unsupported format version",
+            file=path,
+            where="version",
+            expected=FORMAT_VERSION,
+            found=manifest.get("version"),
+            hint="use the tokpack release that wrote this directory",
+        )
     kinds = ((kind,) if isinstance(kind, str) else kind) or KINDS
     if manifest.get("kind") not in kinds:
-        raise TokpackError("wrong kind of tokpack directory", file=path, where="kind", expected=" or ".join(kinds),
-                           found=manifest.get("kind"))
+        raise TokpackError(
+            "wrong kind of tokpack directory",
+            file=path,
+            where="kind",
+            expected=" or ".join(kinds),
+            found=manifest.get("kind"),
+        )
     return manifest
 
 
@@ -808,15 +1033,21 @@ def partial_stage_absent(run_dir: Path) -> dict[str, str]:
     if not sidecar.exists():
         return {}
     try:
-        info = strict_json(read_limited(sidecar, MAX_MANIFEST_BYTES, "partial-stage sidecar"), sidecar,
-                           "partial-stage sidecar")
+        info = strict_json(
+            read_limited(sidecar, MAX_MANIFEST_BYTES, "partial-stage sidecar"), sidecar, "partial-stage sidecar"
+        )
         if any(field_problems(info, STAGE_FIELDS, "sidecar")) or any(
-                any(field_problems(st, STAGE_FIELDS, "stages[]")) for st in info["stages"]):
+            any(field_problems(st, STAGE_FIELDS, "stages[]")) for st in info["stages"]
+        ):
             raise ValueError
-        stages = "; ".join(f"ranks {st['ranks']} of {st['world_size']}, micro-batch {st['micro_batch']}"
-                           for st in info.get("stages", []))
-        return {str(as_path(run_dir) / epoch / name): f"staged only for {stages}"
-                for epoch, names in info.get("missing_shards", {}).items() for name in names}
+        stages = "; ".join(
+            f"ranks {st['ranks']} of {st['world_size']}, micro-batch {st['micro_batch']}"
+            for st in info.get("stages", [])
+        )
+        return {
+            str(as_path(run_dir) / epoch / name): f"staged only for {stages}"
+            for epoch, names in info.get("missing_shards", {}).items()
+            for name in names
+        }
     except (ValueError, KeyError, TypeError, AttributeError, TokpackError):
-        raise TokpackError("unreadable partial-stage sidecar", file=sidecar,
-                           hint="stage the directory again") from None
+        raise TokpackError("unreadable partial-stage sidecar", file=sidecar, hint="stage the directory again") from None

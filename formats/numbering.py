@@ -32,11 +32,14 @@ class EpochNumbering:
     def of_run(cls, manifest: dict, run_dir: str | Path) -> "EpochNumbering":
         samples, planned = manifest.get("samples"), manifest.get("epoch_samples")
         if epoch_sizes_problem(samples, planned) is not None:
-            raise TokpackError("run manifest does not say how many samples an epoch holds",
-                               file=Path(run_dir) / "tokpack.json", where="samples",
-                               expected="a positive integer (or an epoch_samples list)",
-                               found=samples if samples is not None else planned or None,
-                               hint="rerun the run's `tokpack shuffle` command to rewrite its manifest")
+            raise TokpackError(
+                "run manifest does not say how many samples an epoch holds",
+                file=Path(run_dir) / "tokpack.json",
+                where="samples",
+                expected="a positive integer (or an epoch_samples list)",
+                found=samples if samples is not None else planned or None,
+                hint="rerun the run's `tokpack shuffle` command to rewrite its manifest",
+            )
         return cls(None if samples == 0 else samples, planned or ())
 
     def has(self, epoch: int) -> bool:
@@ -54,8 +57,12 @@ class EpochNumbering:
 
     def _check(self, epoch: int) -> None:
         if not self.has(epoch):
-            raise TokpackError("epoch is not in the run's plan", where="epoch",
-                               expected=f"0..{len(self.planned) - 1} (epoch_samples)", found=epoch)
+            raise TokpackError(
+                "epoch is not in the run's plan",
+                where="epoch",
+                expected=f"0..{len(self.planned) - 1} (epoch_samples)",
+                found=epoch,
+            )
 
     def locate(self, g: int) -> tuple[int, int] | None:
         """(epoch, sample) of G, or None when G lies past every epoch the run can hold."""

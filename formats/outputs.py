@@ -80,8 +80,16 @@ class EpochShardFormat:
     hashed_only: bool = False  # tokens and index hashed for the manifest, not written (EpochShardWriter)
 
     def writer(self, place: ShardPlace) -> EpochShardWriter:
-        return EpochShardWriter(place.directory, place.name, self.dtype, self.seq_len, self.eos_id, self.tokenizer,
-                                padded=self.padded, hashed_only=self.hashed_only)
+        return EpochShardWriter(
+            place.directory,
+            place.name,
+            self.dtype,
+            self.seq_len,
+            self.eos_id,
+            self.tokenizer,
+            padded=self.padded,
+            hashed_only=self.hashed_only,
+        )
 
 
 @dataclass(frozen=True)

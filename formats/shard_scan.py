@@ -46,8 +46,15 @@ class Problem:
 
     @property
     def severity(self) -> str:
-        return ("missing" if self.missing else "incomplete" if self.incomplete else "unverified" if self.unverified
-                else "corrupt")
+        return (
+            "missing"
+            if self.missing
+            else "incomplete"
+            if self.incomplete
+            else "unverified"
+            if self.unverified
+            else "corrupt"
+        )
 
     def line(self) -> str:
         return problem_line(self.to_json())
@@ -63,9 +70,15 @@ class Problem:
 
     def to_json(self) -> dict:
         s = lambda v: None if v is None else str(v)  # noqa: E731
-        return {"file": self.file, "where": self.where, "expected": s(self.expected), "found": s(self.found),
-                "message": self.message, "severity": self.severity,
-                "hint": self.hint_text()}
+        return {
+            "file": self.file,
+            "where": self.where,
+            "expected": s(self.expected),
+            "found": s(self.found),
+            "message": self.message,
+            "severity": self.severity,
+            "hint": self.hint_text(),
+        }
 
     @classmethod
     def from_error(cls, e: TokpackError) -> "Problem":
@@ -74,8 +87,11 @@ class Problem:
 
 def problem_line(p: dict) -> str:
     """A problem (`Problem.to_json()`) as one line of the report."""
-    return f"{p['severity'].upper()} " + str(TokpackError(p["message"], file=p["file"], where=p["where"],
-                                                        expected=p["expected"], found=p["found"], hint=p["hint"]))
+    return f"{p['severity'].upper()} " + str(
+        TokpackError(
+            p["message"], file=p["file"], where=p["where"], expected=p["expected"], found=p["found"], hint=p["hint"]
+        )
+    )
 
 
 def worst_status(problems: list[Problem]) -> str:
@@ -236,13 +252,23 @@ def check_shard(job: ShardJob) -> Findings:
     if ds_size is None:
         out.add(ds, None, "a file listed in the manifest", "no such file", "shard missing")
     elif not ds_ok:
-        out.add(ds, "size", f"{tokens * tsize} bytes ({tokens} tokens x {tsize})", f"{ds_size} bytes",
-                "shard size does not match the manifest" + (" (empty file)" if ds_size == 0 else ""))
+        out.add(
+            ds,
+            "size",
+            f"{tokens * tsize} bytes ({tokens} tokens x {tsize})",
+            f"{ds_size} bytes",
+            "shard size does not match the manifest" + (" (empty file)" if ds_size == 0 else ""),
+        )
     if ds_size is not None:
         out.saw(ds_size)
     if ds_ok and e["bytes"] != tokens * tsize:
-        out.add(job.directory / MANIFEST, f"shards[{e['path']}].bytes", tokens * tsize, e["bytes"],
-                "manifest byte count disagrees with its token count")
+        out.add(
+            job.directory / MANIFEST,
+            f"shards[{e['path']}].bytes",
+            tokens * tsize,
+            e["bytes"],
+            "manifest byte count disagrees with its token count",
+        )
 
     idx_size = _file_size(idx_path)
     idx_ok = idx_size is not None and idx_size % 8 == 0 and idx_size > 0 or (idx_size == 0 and tokens == 0)
@@ -251,16 +277,31 @@ def check_shard(job: ShardJob) -> Findings:
     else:
         out.saw(idx_size)
         if job.kind == "source" and idx_size != 8 * int(e["documents"]):
-            out.add(idx_path, "size", f"{8 * int(e['documents'])} bytes ({e['documents']} documents x 8)",
-                    f"{idx_size} bytes", "index size does not match the manifest's document count")
+            out.add(
+                idx_path,
+                "size",
+                f"{8 * int(e['documents'])} bytes ({e['documents']} documents x 8)",
+                f"{idx_size} bytes",
+                "index size does not match the manifest's document count",
+            )
             idx_ok = False
         elif job.kind == "epoch" and type_ok(e.get("fragments"), int) and idx_size != 8 * e["fragments"]:
-            out.add(idx_path, "size", f"{8 * e['fragments']} bytes ({e['fragments']} fragments x 8)",
-                    f"{idx_size} bytes", "index size does not match the manifest's fragment count")
+            out.add(
+                idx_path,
+                "size",
+                f"{8 * e['fragments']} bytes ({e['fragments']} fragments x 8)",
+                f"{idx_size} bytes",
+                "index size does not match the manifest's fragment count",
+            )
             idx_ok = False
         elif job.kind == "epoch" and not (8 * int(e["samples"]) <= idx_size <= 8 * tokens and idx_size % 8 == 0):
-            out.add(idx_path, "size", f"a multiple of 8 in [{8 * int(e['samples'])}, {8 * tokens}] bytes",
-                    f"{idx_size} bytes", "index size impossible for this shard")
+            out.add(
+                idx_path,
+                "size",
+                f"a multiple of 8 in [{8 * int(e['samples'])}, {8 * tokens}] bytes",
+                f"{idx_size} bytes",
+                "index size impossible for this shard",
+            )
             idx_ok = False
         elif not idx_ok:
             out.add(idx_path, "size", "a non-empty multiple of 8 bytes", f"{idx_size} bytes", "index size invalid")
@@ -287,8 +328,13 @@ def check_shard(job: ShardJob) -> Findings:
             if count != tokens:
                 out.add(meta_path, "tokens", tokens, count, "metadata token count differs from the manifest")
             if (tok, size, count) == (job.tokenizer, tsize, tokens) and raw != metadata_text(tok, size, count).encode():
-                out.add(meta_path, "line 3", repr(metadata_text(tok, size, count)), repr(raw.decode(errors="replace")),
-                        "metadata text differs from what tokpack writes")
+                out.add(
+                    meta_path,
+                    "line 3",
+                    repr(metadata_text(tok, size, count)),
+                    repr(raw.decode(errors="replace")),
+                    "metadata text differs from what tokpack writes",
+                )
 
     # ---- loss (optional, sources only)
     has_loss = "loss_xxh3_128" in e
@@ -298,7 +344,9 @@ def check_shard(job: ShardJob) -> Findings:
     elif loss_size is not None:
         out.saw(loss_size)
         if not has_loss:
-            out.add(loss_path, None, "no .loss file (none listed)", f"{loss_size} bytes", "file not listed in the manifest")
+            out.add(
+                loss_path, None, "no .loss file (none listed)", f"{loss_size} bytes", "file not listed in the manifest"
+            )
         elif loss_size != tokens:
             out.add(loss_path, "size", f"{tokens} bytes (one per token)", f"{loss_size} bytes", "loss mask size wrong")
         elif not job.quick:
@@ -307,8 +355,13 @@ def check_shard(job: ShardJob) -> Findings:
                 h.update(view)
                 block = np.frombuffer(view, dtype=np.uint8)
                 if block.max(initial=0) > 1:
-                    out.add(loss_path, f"byte {offset + int(np.argmax(block > 1))}", "0 or 1",
-                            int(block[np.argmax(block > 1)]), "loss mask value invalid")
+                    out.add(
+                        loss_path,
+                        f"byte {offset + int(np.argmax(block > 1))}",
+                        "0 or 1",
+                        int(block[np.argmax(block > 1)]),
+                        "loss mask value invalid",
+                    )
                 offset += len(view)
             if h.hexdigest() != e["loss_xxh3_128"]:
                 out.add(loss_path, "xxh3_128", e["loss_xxh3_128"], h.hexdigest(), "checksum mismatch")
@@ -364,8 +417,13 @@ class _RowHashes:
                 self.hash = xxhash.xxh3_128(f.read(self.size))
         elif self.bad is not None:
             row, have, calc = self.bad
-            out.add(self.path, f"entry {row}", f"{hash_hex64(calc)} (xxh3_64 of sample {row})", hash_hex64(have),
-                    "row hash disagrees with the sample")
+            out.add(
+                self.path,
+                f"entry {row}",
+                f"{hash_hex64(calc)} (xxh3_64 of sample {row})",
+                hash_hex64(have),
+                "row hash disagrees with the sample",
+            )
         if self.hash.hexdigest() != self.checksum:
             out.add(self.path, "xxh3_128", self.checksum, self.hash.hexdigest(), "checksum mismatch")
 
@@ -373,10 +431,17 @@ class _RowHashes:
 def _index_problems(stream: _IndexStream, job: ShardJob, idx_path: Path, tokens: int, out: Findings) -> None:
     if stream.broken is not None:
         k, prev, found = stream.broken
-        out.add(idx_path, f"entry {k}", f"> {prev} (strictly increasing, no leading 0)", found, "index does not increase")
+        out.add(
+            idx_path, f"entry {k}", f"> {prev} (strictly increasing, no leading 0)", found, "index does not increase"
+        )
     elif stream.last != tokens:
-        out.add(idx_path, f"entry {stream.count - 1} (last)", f"{tokens} (the token count)", stream.last,
-                "index does not end at the token count")
+        out.add(
+            idx_path,
+            f"entry {stream.count - 1} (last)",
+            f"{tokens} (the token count)",
+            stream.last,
+            "index does not end at the token count",
+        )
 
 
 def _index_only(job: ShardJob, idx_path: Path, tokens: int, out: Findings, idx_size: int) -> None:
@@ -397,8 +462,13 @@ def _index_only(job: ShardJob, idx_path: Path, tokens: int, out: Findings, idx_s
                 have = int(np.count_nonzero((ends % row == 0) & (ends <= tokens)))
                 if have != want:
                     missing = _first_missing_sample_end(ends, lo, hi, row)
-                    out.add(idx_path, f"sample end {missing}", "an index entry at every sample end",
-                            "no entry", "index misses a sample boundary")
+                    out.add(
+                        idx_path,
+                        f"sample end {missing}",
+                        "an index entry at every sample end",
+                        "no entry",
+                        "index misses a sample boundary",
+                    )
                     return
                 prev_last = stream.last
         _index_problems(stream, job, idx_path, tokens, out)
@@ -412,8 +482,15 @@ def _first_missing_sample_end(ends: np.ndarray, lo: int, hi: int, row: int) -> i
     return int(missing[0]) if len(missing) else -1
 
 
-def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: Findings, idx_size: int,
-               recorded: _RowHashes | None = None) -> int | None:
+def _full_pass(
+    job: ShardJob,
+    ds: Path,
+    idx_path: Path,
+    tokens: int,
+    out: Findings,
+    idx_size: int,
+    recorded: _RowHashes | None = None,
+) -> int | None:
     """Full mode: one read of the token file, with the index streamed alongside."""
     tsize = job.dtype.itemsize
     row = job.row_tokens
@@ -437,8 +514,13 @@ def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: Findin
             b = a + len(blk)
             if not vocab_bad and int(blk.max(initial=0)) >= job.vocab_size:
                 k = int(np.argmax(blk >= job.vocab_size))
-                out.add(ds, f"token {a + k} (byte {(a + k) * tsize})", f"< {job.vocab_size} (vocab_size)",
-                        int(blk[k]), "token id out of vocabulary")
+                out.add(
+                    ds,
+                    f"token {a + k} (byte {(a + k) * tsize})",
+                    f"< {job.vocab_size} (vocab_size)",
+                    int(blk[k]),
+                    "token id out of vocabulary",
+                )
                 vocab_bad = True
             ends = stream.upto(b)
             if stream.broken is None and not index_bad:
@@ -447,8 +529,13 @@ def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: Findin
                     bad = np.flatnonzero(blk[at] != job.eos_id) if len(at) else at
                     if len(bad) and not eos_bad:
                         k = int(bad[0])
-                        out.add(ds, f"token {int(ends[k]) - 1} (end of document {stream.count - len(stream.pending) - len(ends) + k})",
-                                f"EOS id {job.eos_id}", int(blk[at[k]]), "document does not end with EOS")
+                        out.add(
+                            ds,
+                            f"token {int(ends[k]) - 1} (end of document {stream.count - len(stream.pending) - len(ends) + k})",
+                            f"EOS id {job.eos_id}",
+                            int(blk[at[k]]),
+                            "document does not end with EOS",
+                        )
                         eos_bad = True
                 else:
                     rows = blk.reshape(-1, row)
@@ -461,8 +548,13 @@ def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: Findin
                         k = int(diff[0]) if len(diff) else n_both  # first disagreement
                         exp = int(calc[k]) if k < len(calc) else "no entry"
                         got_ = int(ends[k]) if k < len(ends) else "no entry"
-                        out.add(idx_path, f"entry {stream.count - len(stream.pending) - len(ends) + k}",
-                                f"{exp} (EOS positions + sample ends)", got_, "index disagrees with the tokens")
+                        out.add(
+                            idx_path,
+                            f"entry {stream.count - len(stream.pending) - len(ends) + k}",
+                            f"{exp} (EOS positions + sample ends)",
+                            got_,
+                            "index disagrees with the tokens",
+                        )
                         index_bad = True
             if row:
                 hashes = row_hashes(blk.reshape(-1, row))
@@ -477,8 +569,13 @@ def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: Findin
         if stream.broken is not None:
             _index_problems(stream, job, idx_path, tokens, out)
         elif extra and not index_bad:
-            out.add(idx_path, f"entry {stream.count - extra}", f"<= {tokens} (the token count)",
-                    f"{extra} more entries", "index runs past the end of the shard")
+            out.add(
+                idx_path,
+                f"entry {stream.count - extra}",
+                f"<= {tokens} (the token count)",
+                f"{extra} more entries",
+                "index runs past the end of the shard",
+            )
         elif not index_bad:
             _index_problems(stream, job, idx_path, tokens, out)
         if stream.hash.hexdigest() != job.entry["index_xxh3_128"]:
@@ -492,9 +589,13 @@ def _full_pass(job: ShardJob, ds: Path, idx_path: Path, tokens: int, out: Findin
         out.add(ds, "xxh3_128", job.entry["xxh3_128"], h.hexdigest(), "checksum mismatch")
     if row:
         if multiset != int(job.entry["multiset_hash"], 16):
-            out.add(ds, "multiset_hash", job.entry["multiset_hash"], hash_hex64(multiset),
-                    "sample multiset hash of the shard differs from the manifest")
+            out.add(
+                ds,
+                "multiset_hash",
+                job.entry["multiset_hash"],
+                hash_hex64(multiset),
+                "sample multiset hash of the shard differs from the manifest",
+            )
         out.order = order if job.first_sample is not None else None
         return multiset
     return None
-

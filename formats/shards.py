@@ -29,7 +29,9 @@ PAD_SUFFIX = ".pad"  # a best-fit epoch shard: uint32 LE per sample, its padding
 PAD_DTYPE = np.dtype("<u4")
 
 
-_SHARD_FILE = re.compile("[0-9]+[.]ds(" + "|".join(re.escape(s) for s in (*SHARD_SUFFIXES, PAD_SUFFIX, ROWS_SUFFIX) if s) + ")?")
+_SHARD_FILE = re.compile(
+    "[0-9]+[.]ds(" + "|".join(re.escape(s) for s in (*SHARD_SUFFIXES, PAD_SUFFIX, ROWS_SUFFIX) if s) + ")?"
+)
 
 
 def row_segments(row: np.ndarray, offset: np.ndarray, rows: int, row_tokens: int) -> np.ndarray:
@@ -47,31 +49,34 @@ def is_own_file(path: Path) -> bool:
     """A file named as tokpack names what it writes in a packed directory: tokpack.json, a
     shard's files (manifest.shard_name: digits, .ds) or a temporary. A command deletes or
     replaces nothing else."""
-    return path.is_file() and (path.name == MANIFEST or _SHARD_FILE.fullmatch(path.name) is not None
-                               or is_tmp_name(path.name))
+    return path.is_file() and (
+        path.name == MANIFEST or _SHARD_FILE.fullmatch(path.name) is not None or is_tmp_name(path.name)
+    )
 
 
 def shard_suffixes(entry: dict) -> tuple[str, ...]:
     """The files of the shard a manifest entry records: a loss mask, row hashes or a padding
     sidecar only where it has one."""
     base = SHARD_SUFFIXES if "loss_xxh3_128" in entry else EPOCH_SHARD_SUFFIXES
-    return (base + ((ROWS_SUFFIX,) if "rows_xxh3_128" in entry else ())
-            + ((PAD_SUFFIX,) if has_pad(entry) else ()))
+    return base + ((ROWS_SUFFIX,) if "rows_xxh3_128" in entry else ()) + ((PAD_SUFFIX,) if has_pad(entry) else ())
 
 
 def shard_files(entry: dict, source: bool = False) -> list[tuple[str, int | None, str]]:
     """(suffix, recorded bytes or None where the entry cannot say, checksum field) of each file
     of the shard a manifest entry records; `source`: an entry of a packed source, whose index
     has an entry per document, where an epoch's has one per fragment."""
+
     def sized(key: str, per: int) -> int | None:
         return None if entry.get(key) is None else per * int(entry[key])
 
-    files = {"": (sized("bytes", 1), "xxh3_128"),
-             ".index": (sized("documents" if source else "fragments", U64.itemsize), "index_xxh3_128"),
-             ".metadata": (None, "metadata_xxh3_128"),
-             LOSS_SUFFIX: (sized("tokens", 1), "loss_xxh3_128"),
-             ROWS_SUFFIX: (sized("samples", U64.itemsize), "rows_xxh3_128"),
-             PAD_SUFFIX: (sized("samples", PAD_DTYPE.itemsize), "pad_xxh3_128")}
+    files = {
+        "": (sized("bytes", 1), "xxh3_128"),
+        ".index": (sized("documents" if source else "fragments", U64.itemsize), "index_xxh3_128"),
+        ".metadata": (None, "metadata_xxh3_128"),
+        LOSS_SUFFIX: (sized("tokens", 1), "loss_xxh3_128"),
+        ROWS_SUFFIX: (sized("samples", U64.itemsize), "rows_xxh3_128"),
+        PAD_SUFFIX: (sized("samples", PAD_DTYPE.itemsize), "pad_xxh3_128"),
+    }
     return [(suffix, *files[suffix]) for suffix in shard_suffixes(entry)]
 
 
@@ -84,9 +89,14 @@ def tokens_on_nodes(directory, shards: list[dict]) -> bool:
         return False
     if not (directory.parent / NODES_SIDECAR).is_file():  # a run that says so, not token files gone missing
         return False
-    return bool(shards) and all(isinstance(s, dict) and isinstance(s.get("path"), str) and "rows_xxh3_128" in s
-                                and not (directory / s["path"]).exists()
-                                and (directory / f"{s['path']}{ROWS_SUFFIX}").exists() for s in shards)
+    return bool(shards) and all(
+        isinstance(s, dict)
+        and isinstance(s.get("path"), str)
+        and "rows_xxh3_128" in s
+        and not (directory / s["path"]).exists()
+        and (directory / f"{s['path']}{ROWS_SUFFIX}").exists()
+        for s in shards
+    )
 
 
 def contained_shard(directory, entry: dict, i: int, regular: bool = True) -> "Path":
@@ -94,8 +104,14 @@ def contained_shard(directory, entry: dict, i: int, regular: bool = True) -> "Pa
     known to stay inside `directory` (tokpack.formats.io.contained; a TokpackError otherwise).
     `regular=False`: odd file types are left to the gate at each file's open (a reader that
     never opens a sidecar does not refuse it)."""
-    return contained(directory, entry.get("path"), manifest=f"{str(directory).rstrip('/')}/{MANIFEST}",
-                     where=f"shards[{i}].path", regular=regular, siblings=(*SHARD_SUFFIXES[1:], PAD_SUFFIX, ROWS_SUFFIX))
+    return contained(
+        directory,
+        entry.get("path"),
+        manifest=f"{str(directory).rstrip('/')}/{MANIFEST}",
+        where=f"shards[{i}].path",
+        regular=regular,
+        siblings=(*SHARD_SUFFIXES[1:], PAD_SUFFIX, ROWS_SUFFIX),
+    )
 
 
 class RowFacts:
@@ -122,8 +138,14 @@ class RowFacts:
             digest.update(block)
             parts.append(each(block))
         if digest.hexdigest() != s[key]:
-            raise TokpackError("checksum mismatch in the run", file=f"{self.where}/{s['path']}{suffix}", where="xxh3_128",
-                               expected=s[key], found=digest.hexdigest(), hint=self.hint)
+            raise TokpackError(
+                "checksum mismatch in the run",
+                file=f"{self.where}/{s['path']}{suffix}",
+                where="xxh3_128",
+                expected=s[key],
+                found=digest.hexdigest(),
+                hint=self.hint,
+            )
         return np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else each(b"")
 
     def hashes(self, i: int) -> np.ndarray:
@@ -131,11 +153,17 @@ class RowFacts:
         if i not in self._hashes:
             s, n = self.shards[i], int(self.shards[i]["samples"])
             if "rows_xxh3_128" in s:
-                got = self._verified(i, ROWS_SUFFIX, "rows_xxh3_128", n * U64.itemsize,
-                                     lambda b: np.frombuffer(bytes(b), dtype=U64))
+                got = self._verified(
+                    i, ROWS_SUFFIX, "rows_xxh3_128", n * U64.itemsize, lambda b: np.frombuffer(bytes(b), dtype=U64)
+                )
             else:
-                got = self._verified(i, "", "xxh3_128", n * self.row_bytes,
-                                     lambda b: row_hashes(np.frombuffer(b, dtype=np.uint8).reshape(-1, self.row_bytes)))
+                got = self._verified(
+                    i,
+                    "",
+                    "xxh3_128",
+                    n * self.row_bytes,
+                    lambda b: row_hashes(np.frombuffer(b, dtype=np.uint8).reshape(-1, self.row_bytes)),
+                )
             self._hashes = {k: v for k, v in self._hashes.items() if k > i - 2}
             self._hashes[i] = got
         return self._hashes[i]
@@ -144,9 +172,17 @@ class RowFacts:
         """Shard i's padding tokens per row."""
         if i not in self._pads:
             s, n = self.shards[i], int(self.shards[i]["samples"])
-            got = (self._verified(i, PAD_SUFFIX, "pad_xxh3_128", n * PAD_DTYPE.itemsize,
-                                  lambda b: np.frombuffer(bytes(b), dtype=PAD_DTYPE))
-                   if has_pad(s) else np.zeros(n, dtype=PAD_DTYPE))
+            got = (
+                self._verified(
+                    i,
+                    PAD_SUFFIX,
+                    "pad_xxh3_128",
+                    n * PAD_DTYPE.itemsize,
+                    lambda b: np.frombuffer(bytes(b), dtype=PAD_DTYPE),
+                )
+                if has_pad(s)
+                else np.zeros(n, dtype=PAD_DTYPE)
+            )
             self._pads = {k: v for k, v in self._pads.items() if k > i - 2}
             self._pads[i] = got
         return self._pads[i]
@@ -154,15 +190,21 @@ class RowFacts:
     def gather(self, pos: np.ndarray, of) -> np.ndarray:
         """`of(shard)[row]` at epoch positions `pos` (increasing)."""
         shard = pos // self.per
-        return np.concatenate([of(int(i))[pos[shard == i] - i * self.per] for i in np.unique(shard)]
-                              or [of(0)[:0]])
+        return np.concatenate([of(int(i))[pos[shard == i] - i * self.per] for i in np.unique(shard)] or [of(0)[:0]])
 
 
 class SourceShardWriter:
     """One shard of a packed source. Documents are appended whole; every one must end with EOS."""
 
-    def __init__(self, directory: str | Path, name: str, dtype: np.dtype, tokenizer: str, with_loss: bool = False,
-                 sink=DurableFile):
+    def __init__(
+        self,
+        directory: str | Path,
+        name: str,
+        dtype: np.dtype,
+        tokenizer: str,
+        with_loss: bool = False,
+        sink=DurableFile,
+    ):
         self.directory = Path(directory)
         self.name = name  # final file name, e.g. "00000.ds"
         self.dtype = np.dtype(dtype).newbyteorder("<")
@@ -223,8 +265,17 @@ class EpochShardWriter:
     sample end, strictly increasing.
     """
 
-    def __init__(self, directory: str | Path, name: str, dtype: np.dtype, seq_len: int, eos_id: int, tokenizer: str,
-                 padded: bool = False, hashed_only: bool = False):
+    def __init__(
+        self,
+        directory: str | Path,
+        name: str,
+        dtype: np.dtype,
+        seq_len: int,
+        eos_id: int,
+        tokenizer: str,
+        padded: bool = False,
+        hashed_only: bool = False,
+    ):
         """`hashed_only`: the `.ds` and `.ds.index` are hashed and counted, not written (their
         entry is the same); the row hashes, padding and metadata are written."""
         self.directory = Path(directory)
@@ -237,8 +288,9 @@ class EpochShardWriter:
         self.multiset = 0  # running sum of xxh3_64 over samples, mod 2^64
         self._ds = self._index = self._rows = self._pad = None
         try:
-            self._ds = HashedFile(self.directory / name) if hashed_only else DurableFile(self.directory / name,
-                                                                                          direct=True)
+            self._ds = (
+                HashedFile(self.directory / name) if hashed_only else DurableFile(self.directory / name, direct=True)
+            )
             self._index = (HashedFile if hashed_only else DurableFile)(self.directory / f"{name}.index")
             # Each sample's xxh3_64: what lets a node copy and verify some rows without the others.
             self._rows = DurableFile(self.directory / f"{name}{ROWS_SUFFIX}")
@@ -380,8 +432,9 @@ def shard_on_disk(directory: str | Path, entry: dict, itemsize: int) -> bool:
     if not isinstance(name, str) or _SHARD_FILE.fullmatch(name) is None or type(tokens) is not int:
         return False  # a damaged record vouches for nothing: the shard is written again
     try:
-        return ((directory / name).stat().st_size == tokens * itemsize
-                and all((directory / f"{name}{suffix}").exists() for suffix in shard_suffixes(entry)[1:]))
+        return (directory / name).stat().st_size == tokens * itemsize and all(
+            (directory / f"{name}{suffix}").exists() for suffix in shard_suffixes(entry)[1:]
+        )
     except FileNotFoundError:
         return False
 
@@ -476,7 +529,9 @@ class PackedSource:
                     f.seek(in_shard * self.dtype.itemsize)
                     view = memoryview(raw[done * self.dtype.itemsize : (done + n) * self.dtype.itemsize])
                     if read_full(f, view) < view.nbytes:
-                        raise TokpackError("shard shorter than its manifest says", file=self.path / self.shards[i]["path"])
+                        raise TokpackError(
+                            "shard shorter than its manifest says", file=self.path / self.shards[i]["path"]
+                        )
                 finally:
                     if handles is None:
                         f.close()

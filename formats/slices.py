@@ -45,12 +45,15 @@ def run_identity(run: dict) -> dict:
     return {k: v for k, v in run.items() if k not in RUN_SELECTION_KEYS}
 
 
-def stage_command(source: str, dest: str, first: int, last: int, world_size: int, micro_batch: int,
-                  phase: int = 0) -> str:
+def stage_command(
+    source: str, dest: str, first: int, last: int, world_size: int, micro_batch: int, phase: int = 0
+) -> str:
     """The `tokpack stage` command that writes the slice of ranks first..last."""
     ranks = f"{first}" if first == last else f"{first}-{last}"
-    cmd = (f"tokpack stage {shlex.quote(str(source))} {shlex.quote(str(dest))} --ranks {ranks} "
-           f"--world-size {world_size} --micro-batch {micro_batch}")
+    cmd = (
+        f"tokpack stage {shlex.quote(str(source))} {shlex.quote(str(dest))} --ranks {ranks} "
+        f"--world-size {world_size} --micro-batch {micro_batch}"
+    )
     return cmd + (f" --start-sample {phase}" if phase else "")
 
 
@@ -85,8 +88,9 @@ class RankRows:
     def count(self, rank: int, g: int) -> int:
         """Samples rank `rank` reads below G (up to a constant: use differences)."""
         y = g - self.phase
-        return (y // self.global_batch) * self.micro_batch + min(max(y % self.global_batch - rank * self.micro_batch, 0),
-                                                                 self.micro_batch)
+        return (y // self.global_batch) * self.micro_batch + min(
+            max(y % self.global_batch - rank * self.micro_batch, 0), self.micro_batch
+        )
 
     def rows(self, rank: int, first: int, g: int) -> int:
         """Samples of rank `rank` in [first, g): the row of G in the file of an epoch starting at `first`."""
@@ -104,7 +108,9 @@ class RankRows:
         off = self.phase + ranks[0] * self.micro_batch  # G of a run's first row, mod W*m
         k_lo = -((off + k_rows - 1 - first) // gb)  # first run ending after `first`
         k_hi = (first + n - 1 - off) // gb  # last run starting before the epoch's end
-        if k_rows > max_rows:  # a run longer than a chunk (up to a global batch past the epoch): its rows in the epoch, a chunk at a time
+        if (
+            k_rows > max_rows
+        ):  # a run longer than a chunk (up to a global batch past the epoch): its rows in the epoch, a chunk at a time
             for k in range(k_lo, k_hi + 1):
                 start = off - first + k * gb
                 lo, hi = max(start, 0), min(start + k_rows, n)
@@ -122,18 +128,33 @@ class RankRows:
 
 def slice_manifest(run: dict, source: str, rows: RankRows, first: int, last: int) -> dict:
     """The root manifest of the slice of ranks first..last of `run` (its manifest), staged from `source`."""
-    return {**header_like(run, SLICE), "seq_len": run["seq_len"], "run": run_identity(run), "source": source,
-            "world_size": rows.world_size, "micro_batch": rows.micro_batch, "ranks": list(range(first, last + 1)),
-            "batch_phase": rows.phase, "epochs": []}
+    return {
+        **header_like(run, SLICE),
+        "seq_len": run["seq_len"],
+        "run": run_identity(run),
+        "source": source,
+        "world_size": rows.world_size,
+        "micro_batch": rows.micro_batch,
+        "ranks": list(range(first, last + 1)),
+        "batch_phase": rows.phase,
+        "epochs": [],
+    }
 
 
 def slice_epoch_manifest(root: dict, epoch: int, samples: int, first_sample: int, run_epoch: bytes) -> dict:
     """Epoch `epoch`'s manifest in the slice `root`, before its rank files are listed: the run's
     epoch of `samples` samples from G = `first_sample`, whose manifest's bytes are `run_epoch`."""
-    return {**header_like(root, SLICE_EPOCH), "seq_len": root["seq_len"], "run": root["run"],
-            **{k: root[k] for k in SLICE_SHAPE_KEYS},
-            "epoch": epoch, "samples": samples, "first_sample": first_sample,
-            "epoch_xxh3_128": xxhash.xxh3_128_hexdigest(run_epoch), "shards": []}
+    return {
+        **header_like(root, SLICE_EPOCH),
+        "seq_len": root["seq_len"],
+        "run": root["run"],
+        **{k: root[k] for k in SLICE_SHAPE_KEYS},
+        "epoch": epoch,
+        "samples": samples,
+        "first_sample": first_sample,
+        "epoch_xxh3_128": xxhash.xxh3_128_hexdigest(run_epoch),
+        "shards": [],
+    }
 
 
 def missing_padding(path: Path, root: dict, entry: dict) -> TokpackError | None:
@@ -143,12 +164,24 @@ def missing_padding(path: Path, root: dict, entry: dict) -> TokpackError | None:
     if not rows_padded(run) or has_pad(entry):
         return None
     ranks = root.get("ranks") or [0]
-    return TokpackError("node slice of a best-fit run lacks the padding of its rows (.ds.pad)", file=path / MANIFEST,
-                        where=f"shards[rank {entry.get('rank')}].pad_xxh3_128", expected="the rank file's padding sidecar",
-                        found="none (staged by a tokpack before slices carried it)",
-                        hint="stage it again, which rewrites the epochs lacking it: `" + stage_command(
-                            root.get("source") or "RUN", str(path.parent), ranks[0], ranks[-1], root.get("world_size"),
-                            root.get("micro_batch"), root.get("batch_phase") or 0) + "`")
+    return TokpackError(
+        "node slice of a best-fit run lacks the padding of its rows (.ds.pad)",
+        file=path / MANIFEST,
+        where=f"shards[rank {entry.get('rank')}].pad_xxh3_128",
+        expected="the rank file's padding sidecar",
+        found="none (staged by a tokpack before slices carried it)",
+        hint="stage it again, which rewrites the epochs lacking it: `"
+        + stage_command(
+            root.get("source") or "RUN",
+            str(path.parent),
+            ranks[0],
+            ranks[-1],
+            root.get("world_size"),
+            root.get("micro_batch"),
+            root.get("batch_phase") or 0,
+        )
+        + "`",
+    )
 
 
 def contained_epoch_dir(path, e: int):
@@ -156,8 +189,9 @@ def contained_epoch_dir(path, e: int):
     return contained(path, epoch_dir_name(e), manifest=path / MANIFEST, where=f"epochs ({e})", regular=False)
 
 
-def slice_epoch_problems(d: Path, root: dict, m: dict, e: int, first: int, n: int,
-                         rows: RankRows) -> Iterator[tuple[int | None, TokpackError]]:
+def slice_epoch_problems(
+    d: Path, root: dict, m: dict, e: int, first: int, n: int, rows: RankRows
+) -> Iterator[tuple[int | None, TokpackError]]:
     """Each way the manifest `m` of epoch e (the run's samples [first, first + n)) in the slice
     `root` at folder `d` disagrees with the slice and its rank arithmetic, as (the rank whose
     file cannot be read, or None for the whole epoch, the error). The reader raises the first;
@@ -166,29 +200,59 @@ def slice_epoch_problems(d: Path, root: dict, m: dict, e: int, first: int, n: in
     where = d / MANIFEST
     for key in (*SLICE_KEYS, "seq_len", "dtype"):
         if m.get(key) != root.get(key):
-            yield None, TokpackError("slice epoch belongs to another slice", file=where, where=key,
-                                     expected=root.get(key) if key != "run" else "the root's run",
-                                     found=m.get(key) if key != "run" else "another run",
-                                     hint="stage the slice again into an empty directory")
+            yield (
+                None,
+                TokpackError(
+                    "slice epoch belongs to another slice",
+                    file=where,
+                    where=key,
+                    expected=root.get(key) if key != "run" else "the root's run",
+                    found=m.get(key) if key != "run" else "another run",
+                    hint="stage the slice again into an empty directory",
+                ),
+            )
             return
     if (m.get("epoch"), m.get("first_sample"), m.get("samples")) != (e, first, n):
-        yield None, TokpackError("slice epoch disagrees with its run's numbering", file=where,
-                                 where="epoch/first_sample/samples", expected=(e, first, n),
-                                 found=(m.get("epoch"), m.get("first_sample"), m.get("samples")),
-                                 hint="stage the slice again")
+        yield (
+            None,
+            TokpackError(
+                "slice epoch disagrees with its run's numbering",
+                file=where,
+                where="epoch/first_sample/samples",
+                expected=(e, first, n),
+                found=(m.get("epoch"), m.get("first_sample"), m.get("samples")),
+                hint="stage the slice again",
+            ),
+        )
         return
     ranks = [int(r) for r in root["ranks"]]
     entries = m.get("shards") if isinstance(m.get("shards"), list) else []
     names = [rank_file_name(r) for r in ranks]
     if [s.get("rank") for s in entries] != ranks or [s.get("path") for s in entries] != names:
-        yield None, TokpackError("slice epoch does not list one file per rank, in rank order", file=where,
-                                 where="shards", expected=names, found=[s.get("path") for s in entries],
-                                 hint="stage the slice again")
+        yield (
+            None,
+            TokpackError(
+                "slice epoch does not list one file per rank, in rank order",
+                file=where,
+                where="shards",
+                expected=names,
+                found=[s.get("path") for s in entries],
+                hint="stage the slice again",
+            ),
+        )
         return
     for r, s in zip(ranks, entries):
         want = rows.rows(r, first, first + n)
         if s.get("samples") != want:
-            yield r, TokpackError("rank file holds the wrong number of samples", file=where,
-                                  where=f"shards[rank {r}].samples", expected=f"{want} (the samples rank {r} reads in epoch {e})",
-                                  found=s.get("samples"), hint="stage the slice again")
+            yield (
+                r,
+                TokpackError(
+                    "rank file holds the wrong number of samples",
+                    file=where,
+                    where=f"shards[rank {r}].samples",
+                    expected=f"{want} (the samples rank {r} reads in epoch {e})",
+                    found=s.get("samples"),
+                    hint="stage the slice again",
+                ),
+            )
             continue

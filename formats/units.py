@@ -20,10 +20,20 @@ from .errors import TokpackError
 TOKEN_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 
 BYTE_SUFFIXES = {
-    "": 1, "B": 1,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
-    "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+    "K": 1 << 10,
+    "M": 1 << 20,
+    "G": 1 << 30,
+    "T": 1 << 40,
 }
 
 _NUMBER = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
@@ -48,19 +58,24 @@ def token_count(value: str | int, *, what: str = "token count") -> int:
     if isinstance(parsed, int):
         return parsed
     if parsed is None:
-        raise TokpackError(f"{value!r} is not a {what}",
-                           hint="write an integer or use K, M, B, T (10^3..10^12), e.g. 100B")
+        raise TokpackError(
+            f"{value!r} is not a {what}", hint="write an integer or use K, M, B, T (10^3..10^12), e.g. 100B"
+        )
     number, suffix = parsed
     if suffix not in TOKEN_SUFFIXES:
         bytes_like = suffix in BYTE_SUFFIXES or suffix.endswith("B")  # KiB, MiB... end with B too
         raise TokpackError(
             f"{value!r} is not a {what}" + (": it is a byte size" if bytes_like else f": unknown suffix {suffix!r}"),
             hint="token counts take K/M/B/T (10^3, 10^6, 10^9, 10^12), e.g. 100B for 10^11 tokens; "
-                 "byte sizes are for --memory")
+            "byte sizes are for --memory",
+        )
     count = number * TOKEN_SUFFIXES[suffix]
     if count.denominator != 1:
-        raise TokpackError(f"{value!r} is not a whole number of tokens", found=f"{float(count):g}",
-                           hint="give more digits or a smaller suffix, e.g. 1500K")
+        raise TokpackError(
+            f"{value!r} is not a whole number of tokens",
+            found=f"{float(count):g}",
+            hint="give more digits or a smaller suffix, e.g. 1500K",
+        )
     return int(count)
 
 
@@ -70,9 +85,10 @@ def byte_size(value: str | int, *, what: str = "byte size") -> int:
     if isinstance(parsed, int):
         return parsed
     if parsed is None or parsed[1] not in BYTE_SUFFIXES:
-        raise TokpackError(f"{value!r} is not a {what}",
-                           hint="use e.g. 512MiB, 4GiB, 2GB or 1048576 (KB/MB/GB are 10^n, KiB/MiB/GiB and a "
-                                "bare K/M/G are 2^n)")
+        raise TokpackError(
+            f"{value!r} is not a {what}",
+            hint="use e.g. 512MiB, 4GiB, 2GB or 1048576 (KB/MB/GB are 10^n, KiB/MiB/GiB and a bare K/M/G are 2^n)",
+        )
     number, suffix = parsed
     return int(number * BYTE_SUFFIXES[suffix])  # int() of a Fraction rounds toward zero: down
 
@@ -81,8 +97,9 @@ def at_most(value: int, limit: int, what: str, *, hint: str, where: str | None =
     """`value`, or one line naming it, its limit and what to do: a count the user typed (or a
     file declares) is checked by arithmetic before anything of its size is allocated."""
     if value > limit:
-        raise TokpackError(f"{what} is too large", file=file, where=where, expected=f"at most {limit:,}",
-                           found=f"{value:,}", hint=hint)
+        raise TokpackError(
+            f"{what} is too large", file=file, where=where, expected=f"at most {limit:,}", found=f"{value:,}", hint=hint
+        )
     return value
 
 

@@ -33,8 +33,16 @@ import numpy as np
 from tokpack.formats.arguments import flag, text, tokens, whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import as_path, contained, is_url, open_read, read_full, read_limited, regular_fd, regular_size
-from tokpack.formats.manifest import (NODES_SIDECAR, dtype_from_name, epoch_dir_name, has_pad, partial_stage_absent, read_manifest,
-                                      rows_padded, xxh3_128_file)
+from tokpack.formats.manifest import (
+    NODES_SIDECAR,
+    dtype_from_name,
+    epoch_dir_name,
+    has_pad,
+    partial_stage_absent,
+    read_manifest,
+    rows_padded,
+    xxh3_128_file,
+)
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, U64, contained_shard, row_segments
 from tokpack.formats.slices import SLICE, RankRows
@@ -140,7 +148,9 @@ PAD_HINT = "the padding sidecar does not match its manifest (4 bytes a sample); 
 
 
 def _shard_error(message: str, path, **kw) -> TokpackError:
-    return TokpackError(message, file=path, hint=kw.pop("hint", "restore the file, or run `tokpack validate` on the directory"), **kw)
+    return TokpackError(
+        message, file=path, hint=kw.pop("hint", "restore the file, or run `tokpack validate` on the directory"), **kw
+    )
 
 
 def _positions_from_starts(starts: np.ndarray) -> np.ndarray:
@@ -196,8 +206,10 @@ def _schedule_end_hint(numbering: EpochNumbering, run_dir=None) -> str:
     write an epoch past its schedule)."""
     k = len(numbering.planned)
     run = "the run's schedule" if run_dir is None else f"the schedule of run {run_dir}"
-    return (f"{run} plans {k} epoch{'s' * (k != 1)}, ending at sample {numbering.first(k)}: "
-            "to train longer, add a stage to the schedule")
+    return (
+        f"{run} plans {k} epoch{'s' * (k != 1)}, ending at sample {numbering.first(k)}: "
+        "to train longer, add a stage to the schedule"
+    )
 
 
 def _too_many_documents(first_row: int, row: int, count: int, max_documents: int, locate=None) -> TokpackError:
@@ -209,11 +221,13 @@ def _too_many_documents(first_row: int, row: int, count: int, max_documents: int
             where += f" (epoch {epoch}, sample {sample})"
         except IndexError:
             pass
-    return TokpackError("a row holds more documents than max_documents", where=where,
-                        expected=f"at most {max_documents} documents (a row's padding is one of them)",
-                        found=f"{count} documents",
-                        hint="raise max_documents to the largest count `tokpack inspect` reports "
-                             "(\"documents per row\") for the epoch")
+    return TokpackError(
+        "a row holds more documents than max_documents",
+        where=where,
+        expected=f"at most {max_documents} documents (a row's padding is one of them)",
+        found=f"{count} documents",
+        hint='raise max_documents to the largest count `tokpack inspect` reports ("documents per row") for the epoch',
+    )
 
 
 def fixed_boundaries(positions: np.ndarray, max_documents: int, first_row: int = 0, locate=None) -> dict:
@@ -245,9 +259,13 @@ def fixed_boundaries(positions: np.ndarray, max_documents: int, first_row: int =
     doc_lens = np.zeros((m, max_documents), dtype=np.int32)
     doc_lens[row_of, slot] = lengths
     cu = np.full(m * max_documents + 1, m * L, dtype=np.int32)
-    cu[:first.size] = first
-    return {"cu_seqlens": cu, "max_seqlen": np.array(lengths.max(), dtype=np.int32),
-            "doc_lens": doc_lens, "max_doc_lens": doc_lens.max(axis=1)}
+    cu[: first.size] = first
+    return {
+        "cu_seqlens": cu,
+        "max_seqlen": np.array(lengths.max(), dtype=np.int32),
+        "doc_lens": doc_lens,
+        "max_doc_lens": doc_lens.max(axis=1),
+    }
 
 
 def most_documents(positions: np.ndarray) -> int:
@@ -255,9 +273,17 @@ def most_documents(positions: np.ndarray) -> int:
     return int((np.atleast_2d(positions) == 0).sum(axis=1).max(initial=0))
 
 
-def micro_batch(rows: np.ndarray, pad: np.ndarray | None, positions: np.ndarray | None, eos_id: int | None, *,
-                max_documents: int | None = None, eod_mask_loss: bool = False, first_row: int = 0,
-                locate=None) -> dict:
+def micro_batch(
+    rows: np.ndarray,
+    pad: np.ndarray | None,
+    positions: np.ndarray | None,
+    eos_id: int | None,
+    *,
+    max_documents: int | None = None,
+    eod_mask_loss: bool = False,
+    first_row: int = 0,
+    locate=None,
+) -> dict:
     """One micro-batch's training arrays from its [m, L+1] rows (numpy; the torch adapter makes
     each a tensor), the same keys on a best-fit and on a window epoch:
 
@@ -285,8 +311,11 @@ def micro_batch(rows: np.ndarray, pad: np.ndarray | None, positions: np.ndarray 
     labels = rows[:, 1:].astype(np.int64)
     if eod_mask_loss:
         if eos_id is None:
-            raise TokpackError("eod_mask_loss needs eos_id, and the epoch manifest has none", where="eod_mask_loss",
-                               hint="leave eod_mask_loss off for this epoch")
+            raise TokpackError(
+                "eod_mask_loss needs eos_id, and the epoch manifest has none",
+                where="eod_mask_loss",
+                hint="leave eod_mask_loss off for this epoch",
+            )
         real = real & (rows[:, :-1] != eos_id)
     labels[~real] = -100
     out = {"input_ids": rows[:, :-1].astype(np.int64), "labels": labels, "loss_mask": real.astype(np.int64)}
@@ -313,15 +342,23 @@ def _padding_present(where: Path, m: dict, s: dict, k: int, f: str, size: int | 
     open: read as a window epoch, its padding would be trained on as tokens. `size`: the
     sidecar's recorded bytes, None for a shard a partial stage left out."""
     if rows_padded(m) and not has_pad(s):
-        raise TokpackError("best-fit epoch shard lacks its padding sidecar: its padding would be trained on as tokens",
-                           file=where, where=f"shards[{k}].pad_xxh3_128", expected="the checksum of its .ds.pad",
-                           found="none", hint="run `tokpack validate` on the epoch; restore it or shuffle it again")
+        raise TokpackError(
+            "best-fit epoch shard lacks its padding sidecar: its padding would be trained on as tokens",
+            file=where,
+            where=f"shards[{k}].pad_xxh3_128",
+            expected="the checksum of its .ds.pad",
+            found="none",
+            hint="run `tokpack validate` on the epoch; restore it or shuffle it again",
+        )
     if has_pad(s) and size is not None:
         try:
             regular_size(f + PAD_SUFFIX, size=size, what="padding sidecar", hint=PAD_HINT)
         except FileNotFoundError:
-            raise _shard_error("padding sidecar listed in the manifest is missing", f + PAD_SUFFIX,
-                               hint="run `tokpack validate` on the epoch; restore it or shuffle it again") from None
+            raise _shard_error(
+                "padding sidecar listed in the manifest is missing",
+                f + PAD_SUFFIX,
+                hint="run `tokpack validate` on the epoch; restore it or shuffle it again",
+            ) from None
 
 
 def reader_class(kind: str) -> type:
@@ -375,43 +412,72 @@ class SampleReader:
             manifest = read_manifest(p, kind=("run", "epoch", *READERS))
             if manifest["kind"] in READERS:  # a node slice (loader/slice_reader.py): its ranks' rows, the run's numbers
                 if len(paths) != 1:
-                    raise TokpackError("a node slice is read on its own, not chained", file=p, where="paths",
-                                       expected="one slice directory", found=len(paths))
+                    raise TokpackError(
+                        "a node slice is read on its own, not chained",
+                        file=p,
+                        where="paths",
+                        expected="one slice directory",
+                        found=len(paths),
+                    )
                 return reader_class(manifest["kind"]).open_dir(p, manifest, verify=verify)
             absent.update(partial_stage_absent(p))
             if manifest["kind"] == "epoch":
                 epochs.append((p, manifest))
                 continue
             if not is_url(str(p)) and (p / NODES_SIDECAR).is_file():  # its tokens are on the nodes, not here
-                raise TokpackError("this run's tokens are in node slices (shuffle --to-nodes), not in the run",
-                                   file=p / NODES_SIDECAR, where="dest", expected="a node slice",
-                                   found="a run that holds manifests and row hashes only",
-                                   hint=f"open this node's slice, written to {_nodes_dest(p / NODES_SIDECAR)} "
-                                        "({node}: the node's number), e.g. `tokpack read DEST ...`")
+                raise TokpackError(
+                    "this run's tokens are in node slices (shuffle --to-nodes), not in the run",
+                    file=p / NODES_SIDECAR,
+                    where="dest",
+                    expected="a node slice",
+                    found="a run that holds manifests and row hashes only",
+                    hint=f"open this node's slice, written to {_nodes_dest(p / NODES_SIDECAR)} "
+                    "({node}: the node's number), e.g. `tokpack read DEST ...`",
+                )
             listed = manifest.get("epochs")
             if not isinstance(listed, list) or not listed:
-                raise TokpackError("run manifest lists no epochs", file=p / "tokpack.json", where="epochs",
-                                   expected="a non-empty list", found=listed,
-                                   hint=f"write one with `{shuffle_command(manifest, p, 0)}`")
+                raise TokpackError(
+                    "run manifest lists no epochs",
+                    file=p / "tokpack.json",
+                    where="epochs",
+                    expected="a non-empty list",
+                    found=listed,
+                    hint=f"write one with `{shuffle_command(manifest, p, 0)}`",
+                )
             if len(paths) == 1:  # a run on its own: its consumed-sample numbers (a chain of several counts from 0)
                 numbering, run = EpochNumbering.of_run(manifest, p), (str(p), manifest)
             for e in sorted(int(e) for e in listed):
                 d = contained(p, epoch_dir_name(e), manifest=p / "tokpack.json", where=f"epochs ({e})", regular=False)
                 m = read_manifest(d, kind="epoch")
                 if "seq_len" in manifest and int(m.get("seq_len", -1)) != int(manifest["seq_len"]):
-                    raise TokpackError("epoch seq_len differs from its run", file=d / "tokpack.json", where="seq_len",
-                                       expected=manifest["seq_len"], found=m.get("seq_len"))
+                    raise TokpackError(
+                        "epoch seq_len differs from its run",
+                        file=d / "tokpack.json",
+                        where="seq_len",
+                        expected=manifest["seq_len"],
+                        found=m.get("seq_len"),
+                    )
                 if numbering is not None and not (numbering.has(e) and int(m.get("samples", -1)) == numbering.size(e)):
-                    raise TokpackError("epoch size differs from its run's", file=d / "tokpack.json", where="samples",
-                                       expected=numbering.size(e) if numbering.has(e) else "no such epoch in the run's plan",
-                                       found=m.get("samples"), hint="the epoch belongs to another run; run `tokpack validate` on the run")
+                    raise TokpackError(
+                        "epoch size differs from its run's",
+                        file=d / "tokpack.json",
+                        where="samples",
+                        expected=numbering.size(e) if numbering.has(e) else "no such epoch in the run's plan",
+                        found=m.get("samples"),
+                        hint="the epoch belongs to another run; run `tokpack validate` on the run",
+                    )
                 epochs.append((d, m))
         return cls.from_manifests(epochs, verify=verify, absent=absent, numbering=numbering, run=run)
 
     @classmethod
-    def from_manifests(cls, epochs: Sequence[tuple[str | Path, dict]], verify: bool = False,
-                       absent: dict[str, str] | None = None, numbering: EpochNumbering | None = None,
-                       run: tuple[str, dict] | None = None) -> "SampleReader":
+    def from_manifests(
+        cls,
+        epochs: Sequence[tuple[str | Path, dict]],
+        verify: bool = False,
+        absent: dict[str, str] | None = None,
+        numbering: EpochNumbering | None = None,
+        run: tuple[str, dict] | None = None,
+    ) -> "SampleReader":
         """Builds the reader from (epoch directory, epoch manifest) pairs, chained in order.
         With a run's `numbering`, epoch e starts at sample numbering.first(e) (epochs in
         increasing order); without one, each epoch starts where the one before it ends.
@@ -437,21 +503,42 @@ class SampleReader:
                 e_seq, e_dtype = int(m["seq_len"]), dtype_from_name(m["dtype"])
                 e_samples, shards = int(m["samples"]), list(m["shards"])
             except (KeyError, TypeError, ValueError) as err:
-                raise TokpackError("epoch manifest lacks a field the reader needs", file=where,
-                                   where=str(err), expected="seq_len, dtype, samples, shards", found=sorted(m)) from None
+                raise TokpackError(
+                    "epoch manifest lacks a field the reader needs",
+                    file=where,
+                    where=str(err),
+                    expected="seq_len, dtype, samples, shards",
+                    found=sorted(m),
+                ) from None
             if int(m.get("token_size", e_dtype.itemsize)) != e_dtype.itemsize:
-                raise TokpackError("token_size disagrees with dtype", file=where, where="token_size",
-                                   expected=e_dtype.itemsize, found=m.get("token_size"))
+                raise TokpackError(
+                    "token_size disagrees with dtype",
+                    file=where,
+                    where="token_size",
+                    expected=e_dtype.itemsize,
+                    found=m.get("token_size"),
+                )
             e_eos = m.get("eos_id")
             if seq_len is None:
                 seq_len, dtype, eos_id = e_seq, e_dtype, e_eos
             elif (e_seq, e_dtype) != (seq_len, dtype):
-                raise TokpackError("epochs cannot be chained: sample shape differs", file=where,
-                                   where="seq_len/dtype", expected=f"{seq_len}/{dtype.name}",
-                                   found=f"{e_seq}/{e_dtype.name}", hint="read these epochs separately")
+                raise TokpackError(
+                    "epochs cannot be chained: sample shape differs",
+                    file=where,
+                    where="seq_len/dtype",
+                    expected=f"{seq_len}/{dtype.name}",
+                    found=f"{e_seq}/{e_dtype.name}",
+                    hint="read these epochs separately",
+                )
             elif e_eos != eos_id:  # position ids restart after EOS: one stream, one EOS
-                raise TokpackError("epochs cannot be chained: eos_id differs", file=where, where="eos_id",
-                                   expected=eos_id, found=e_eos, hint="read these epochs separately")
+                raise TokpackError(
+                    "epochs cannot be chained: eos_id differs",
+                    file=where,
+                    where="eos_id",
+                    expected=eos_id,
+                    found=e_eos,
+                    hint="read these epochs separately",
+                )
             row_bytes = (e_seq + 1) * e_dtype.itemsize
             per_shard = m.get("shard_samples")
             total = 0
@@ -460,23 +547,42 @@ class SampleReader:
                 n = int(s["samples"])
                 expected = n * row_bytes
                 if int(s.get("bytes", expected)) != expected:
-                    raise TokpackError("shard entry is inconsistent: bytes != samples * (seq_len+1) * token_size",
-                                       file=where, where=f"shards[{k}]", expected=expected, found=s.get("bytes"))
+                    raise TokpackError(
+                        "shard entry is inconsistent: bytes != samples * (seq_len+1) * token_size",
+                        file=where,
+                        where=f"shards[{k}]",
+                        expected=expected,
+                        found=s.get("bytes"),
+                    )
                 if per_shard is not None and k < len(shards) - 1 and n != int(per_shard):
-                    raise TokpackError("only the last shard may hold fewer than shard_samples samples",
-                                       file=where, where=f"shards[{k}].samples", expected=per_shard, found=n)
+                    raise TokpackError(
+                        "only the last shard may hold fewer than shard_samples samples",
+                        file=where,
+                        where=f"shards[{k}].samples",
+                        expected=per_shard,
+                        found=n,
+                    )
                 if absent and f in absent:
                     sizes[f] = expected  # left out by a partial stage: an error only if a rank reads it
                 if f not in sizes:
                     try:
-                        sizes[f] = regular_size(f, size=expected, what="shard",
-                                                hint="the shard was truncated or replaced; run `tokpack validate` on the epoch")
+                        sizes[f] = regular_size(
+                            f,
+                            size=expected,
+                            what="shard",
+                            hint="the shard was truncated or replaced; run `tokpack validate` on the epoch",
+                        )
                     except FileNotFoundError:
                         raise _shard_error("shard listed in the manifest is missing", f) from None
                 if sizes[f] != expected:  # a file named twice, with two sizes
-                    raise _shard_error("shard size does not match the manifest", f, where="size",
-                                       expected=f"{expected} bytes", found=f"{sizes[f]} bytes",
-                                       hint="the shard was truncated or replaced; run `tokpack validate` on the epoch")
+                    raise _shard_error(
+                        "shard size does not match the manifest",
+                        f,
+                        where="size",
+                        expected=f"{expected} bytes",
+                        found=f"{sizes[f]} bytes",
+                        hint="the shard was truncated or replaced; run `tokpack validate` on the epoch",
+                    )
                 if has_pad(s):
                     pad_sizes[f + PAD_SUFFIX] = n * PAD_DTYPE.itemsize
                 _padding_present(where, m, s, k, f, None if absent and f in absent else n * PAD_DTYPE.itemsize)
@@ -488,8 +594,13 @@ class SampleReader:
                 pads.append((f + PAD_SUFFIX, s["pad_xxh3_128"]) if has_pad(s) else None)
                 total += n
             if total != e_samples:
-                raise TokpackError("shards do not add up to the epoch's samples", file=where, where="samples",
-                                   expected=e_samples, found=total)
+                raise TokpackError(
+                    "shards do not add up to the epoch's samples",
+                    file=where,
+                    where="samples",
+                    expected=e_samples,
+                    found=total,
+                )
             epoch_sizes.append(total)
             epoch_numbers.append(int(m.get("epoch", pos)))
         if seq_len is None:
@@ -500,7 +611,9 @@ class SampleReader:
             epoch_starts = np.array([numbering.first(e) for e in epoch_numbers], dtype=np.int64)
         epoch_ends = epoch_starts + np.asarray(epoch_sizes, dtype=np.int64)
         if np.any(epoch_starts[1:] < epoch_ends[:-1]):
-            raise TokpackError("a run's epochs must be chained in increasing order", where="epochs", found=epoch_numbers)
+            raise TokpackError(
+                "a run's epochs must be chained in increasing order", where="epochs", found=epoch_numbers
+            )
         shard_starts, at, prev = [], 0, -1
         for pos, n in zip(epoch_of, shard_samples):
             if pos != prev:
@@ -508,9 +621,17 @@ class SampleReader:
             shard_starts.append(at)
             at += n
         shard_starts = np.asarray(shard_starts, dtype=np.int64)
-        table = ShardTable(paths, shard_starts, shard_starts + np.asarray(shard_samples, dtype=np.int64),
-                           epoch_starts, epoch_ends, epoch_numbers,
-                           [str(d) for d, _ in epochs], checksums, index_checksums)
+        table = ShardTable(
+            paths,
+            shard_starts,
+            shard_starts + np.asarray(shard_samples, dtype=np.int64),
+            epoch_starts,
+            epoch_ends,
+            epoch_numbers,
+            [str(d) for d, _ in epochs],
+            checksums,
+            index_checksums,
+        )
         reader = cls(table, seq_len, dtype, None if eos_id is None else int(eos_id), verify=verify)
         reader.absent = dict(absent or {})
         reader.numbering, reader.run = numbering, run
@@ -560,8 +681,14 @@ class SampleReader:
                 hint = _schedule_end_hint(numbering, parent)
             else:
                 hint = f"write more epochs (`{shuffle_command(run, parent, nxt)}`) or pass the run directory"
-        raise TokpackError("start is beyond the end of the chained epochs", file=self.table.epoch_dirs[-1],
-                           where="start sample", expected=f"0..{self.total_samples}", found=g, hint=hint)
+        raise TokpackError(
+            "start is beyond the end of the chained epochs",
+            file=self.table.epoch_dirs[-1],
+            where="start sample",
+            expected=f"0..{self.total_samples}",
+            found=g,
+            hint=hint,
+        )
 
     def missing_epoch_error(self, g: int, epoch: int) -> TokpackError:
         """Sample g lies in `epoch`, which this run does not hold (yet): say which command writes it."""
@@ -569,11 +696,18 @@ class SampleReader:
         hint = f"write it with `{shuffle_command(run, run_dir, epoch)}`"
         later = [pos for pos, first in enumerate(self.table.epoch_starts) if first > g]
         if later:  # e.g. a staged copy of some epochs: the user may mean a written one
-            hint += (f", or start at a written epoch (epoch {self.table.epochs[later[0]]} "
-                     f"starts at sample {int(self.table.epoch_starts[later[0]])})")
-        return TokpackError(f"sample {g} is in epoch {epoch}, which is not written yet", file=run_dir,
-                            where=f"epoch {epoch}", expected=f"epoch {epoch} among the run's epochs",
-                            found=self.epochs, hint=hint)
+            hint += (
+                f", or start at a written epoch (epoch {self.table.epochs[later[0]]} "
+                f"starts at sample {int(self.table.epoch_starts[later[0]])})"
+            )
+        return TokpackError(
+            f"sample {g} is in epoch {epoch}, which is not written yet",
+            file=run_dir,
+            where=f"epoch {epoch}",
+            expected=f"epoch {epoch} among the run's epochs",
+            found=self.epochs,
+            hint=hint,
+        )
 
     def locate(self, g: int) -> tuple[int, int]:
         """Chained sample g -> (epoch number, sample index within that epoch)."""
@@ -604,8 +738,9 @@ class SampleReader:
             try:
                 pos = self.table.epochs.index(epoch)
             except ValueError:
-                raise TokpackError("epoch not in this reader's chain", where="epoch", expected=self.table.epochs,
-                                   found=epoch) from None
+                raise TokpackError(
+                    "epoch not in this reader's chain", where="epoch", expected=self.table.epochs, found=epoch
+                ) from None
             first = int(self.table.epoch_starts[pos])
             size = int(self.table.epoch_ends[pos]) - first
         if not 0 <= sample <= size:
@@ -636,19 +771,28 @@ class SampleReader:
             nxt = self.epoch_sample(self.total_samples)[0]
             hint += f", or write the next epoch: `{shuffle_command(self.run[1], self.run[0], nxt)}`"
         where = self.run[0] if self.run is not None else self.table.epoch_dirs[-1]
-        raise TokpackError("less than one global batch left to read", file=where,
-                           where=f"sample {start}", expected=f"{counted(world_size * micro_batch, 'sample')} (W*m)",
-                           found=f"{left} left", hint=hint)
+        raise TokpackError(
+            "less than one global batch left to read",
+            file=where,
+            where=f"sample {start}",
+            expected=f"{counted(world_size * micro_batch, 'sample')} (W*m)",
+            found=f"{left} left",
+            hint=hint,
+        )
 
     # ------------------------------------------------------------------ files
 
     def _file(self, path: str) -> tuple[int, int]:
         got = self._fds.get(path)
         if got is None and path in self.absent:
-            raise _shard_error("shard was left out by a partial stage", path, where="tokpack-stage.json",
-                               expected="a shard this rank reads", found=self.absent[path],
-                               hint="stage again with --ranks including this rank (same --micro-batch), "
-                                    "or stage the whole run")
+            raise _shard_error(
+                "shard was left out by a partial stage",
+                path,
+                where="tokpack-stage.json",
+                expected="a shard this rank reads",
+                found=self.absent[path],
+                hint="stage again with --ranks including this rank (same --micro-batch), or stage the whole run",
+            )
         if got is None:
             if len(self._fds) >= MAX_OPEN_FILES:
                 oldest = next(iter(self._fds))
@@ -666,8 +810,12 @@ class SampleReader:
         if path in self._verified:
             return
         if not expected:
-            raise _shard_error("cannot verify: the manifest has no checksum for this file", path, where="xxh3_128",
-                               hint="read without --verify, or rewrite the epoch with a current tokpack")
+            raise _shard_error(
+                "cannot verify: the manifest has no checksum for this file",
+                path,
+                where="xxh3_128",
+                hint="read without --verify, or rewrite the epoch with a current tokpack",
+            )
         if self._hash_buf is None:
             self._hash_buf = bytearray(4 << 20)
         try:
@@ -675,9 +823,14 @@ class SampleReader:
         except FileNotFoundError:  # as _file says it (a slice's .ds.pad gone was a raw FileNotFoundError here)
             raise _shard_error("file disappeared after the reader was opened", path) from None
         if found != expected:
-            raise _shard_error("checksum mismatch: the shard is corrupt", path, where="xxh3_128",
-                               expected=expected, found=found,
-                               hint="restore the file (e.g. `tokpack stage` it again from the original)")
+            raise _shard_error(
+                "checksum mismatch: the shard is corrupt",
+                path,
+                where="xxh3_128",
+                expected=expected,
+                found=found,
+                hint="restore the file (e.g. `tokpack stage` it again from the original)",
+            )
         self._verified.add(path)
 
     def _pread(self, fd: int, view: memoryview, offset: int, path: str) -> None:
@@ -685,8 +838,13 @@ class SampleReader:
         self.reads += 1
         self.bytes_read += n
         if n < view.nbytes:
-            raise _shard_error("shard is shorter than its manifest says (changed while reading?)", path,
-                               where=f"byte {offset + n}", expected=f"{view.nbytes - n} more bytes", found="end of file")
+            raise _shard_error(
+                "shard is shorter than its manifest says (changed while reading?)",
+                path,
+                where=f"byte {offset + n}",
+                expected=f"{view.nbytes - n} more bytes",
+                found="end of file",
+            )
 
     def _segments(self, g: int, n: int) -> Iterator[tuple[int, int, int]]:
         """Splits chained rows [g, g+n) at shard boundaries: (shard, first row in shard, rows)."""
@@ -713,7 +871,7 @@ class SampleReader:
             if self.verify:
                 self._check(path, self.table.checksums[i])
             fd, _ = self._file(path)
-            self._pread(fd, raw[done: done + k * self.row_bytes], row * self.row_bytes, path)
+            self._pread(fd, raw[done : done + k * self.row_bytes], row * self.row_bytes, path)
             done += k * self.row_bytes
         return out
 
@@ -721,8 +879,12 @@ class SampleReader:
         """Chained rows [g, g+n) as a new [n, seq_len+1] array (random access, for tools and tests)."""
         g, n = whole(g, "g", optional=False), whole(n, "n", optional=False)
         if g + n > self.total_samples:
-            raise TokpackError("rows outside the chained stream", where="g, n", expected=f"g + n <= {self.total_samples}",
-                               found=f"g={g}, n={n}")
+            raise TokpackError(
+                "rows outside the chained stream",
+                where="g, n",
+                expected=f"g + n <= {self.total_samples}",
+                found=f"g={g}, n={n}",
+            )
         return self.read_into(g, np.empty((n, self.row_tokens), dtype=self.dtype))
 
     def advise(self, g: int, n: int) -> None:
@@ -753,12 +915,19 @@ class SampleReader:
                 if self.verify:
                     self._check(pad[0], pad[1])
                 fd, _ = self._file(pad[0])
-                self._pread(fd, memoryview(out[done: done + k].view(np.uint8)), row * PAD_DTYPE.itemsize, pad[0])
+                self._pread(fd, memoryview(out[done : done + k].view(np.uint8)), row * PAD_DTYPE.itemsize, pad[0])
             done += k
         return out
 
-    def micro_batch(self, rows: np.ndarray, positions: np.ndarray | None, g: int, *,
-                    max_documents: int | None = None, eod_mask_loss: bool = False) -> dict:
+    def micro_batch(
+        self,
+        rows: np.ndarray,
+        positions: np.ndarray | None,
+        g: int,
+        *,
+        max_documents: int | None = None,
+        eod_mask_loss: bool = False,
+    ) -> dict:
         """The training arrays (`micro_batch`, same keys on every epoch) of chained rows
         [g, g+m) as a stream yielded them: `rows`, and `positions` (None for a stream without).
 
@@ -767,8 +936,16 @@ class SampleReader:
                 arrays = reader.micro_batch(rows, pos, stream.state.first_sample(stream.last_step), max_documents=K)
         """
         pad = self.padding(g, len(rows)) if self.packed else None
-        return micro_batch(rows, pad, positions, self.eos_id, max_documents=max_documents,
-                           eod_mask_loss=eod_mask_loss, first_row=g, locate=self.locate)
+        return micro_batch(
+            rows,
+            pad,
+            positions,
+            self.eos_id,
+            max_documents=max_documents,
+            eod_mask_loss=eod_mask_loss,
+            first_row=g,
+            locate=self.locate,
+        )
 
     def row_documents(self, g: int, n: int) -> np.ndarray:
         """Each of chained rows [g, g+n)'s segment count, as `micro_batch` counts them against
@@ -812,8 +989,11 @@ class SampleReader:
             except TokpackError:
                 if not is_url(path) and os.path.lexists(path):
                     raise  # there, but not a file to read (a FIFO, a device): its own line
-                raise _shard_error("index file is missing (needed for positions from the index)", path,
-                                   hint="use positions from EOS instead, or restore the file") from None
+                raise _shard_error(
+                    "index file is missing (needed for positions from the index)",
+                    path,
+                    hint="use positions from EOS instead, or restore the file",
+                ) from None
             lo, hi = row * L, (row + k) * L
             j = self._index_search(fd, size // 8, lo, path)  # first entry > lo
             entries = size // 8
@@ -869,9 +1049,20 @@ class SampleReader:
 
     # ------------------------------------------------------------------ streams
 
-    def batches(self, rank: int, world_size: int, micro_batch: int, start: int = 0, *, positions: str | None = None,
-                steps: int | None = None, worker: int = 0, num_workers: int = 1, copy: bool = True,
-                first_step: int | None = None) -> "RankStream":
+    def batches(
+        self,
+        rank: int,
+        world_size: int,
+        micro_batch: int,
+        start: int = 0,
+        *,
+        positions: str | None = None,
+        steps: int | None = None,
+        worker: int = 0,
+        num_workers: int = 1,
+        copy: bool = True,
+        first_step: int | None = None,
+    ) -> "RankStream":
         """Rank r's micro-batches from chained sample `start`: arrays [m, seq_len+1] of the token
         dtype, or (tokens, positions) pairs with positions="eos" or "index".
 
@@ -882,14 +1073,26 @@ class SampleReader:
         """
         rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
         self.serves(rank, world_size, micro_batch, self.start_from(start_sample=start))
-        return RankStream(self, rank, world_size, micro_batch, start, positions=positions, steps=steps,
-                          worker=worker, num_workers=num_workers, copy=copy, first_step=first_step)
+        return RankStream(
+            self,
+            rank,
+            world_size,
+            micro_batch,
+            start,
+            positions=positions,
+            steps=steps,
+            worker=worker,
+            num_workers=num_workers,
+            copy=copy,
+            first_step=first_step,
+        )
 
     def serves(self, rank: int, world_size: int, micro_batch: int, start: int) -> None:
         """Raises when this reader cannot serve that rank's stream (a node slice of other ranks)."""
 
-    def rank_samples(self, rank: int, world_size: int, micro_batch: int, start: int = 0,
-                     count: int | None = None) -> Iterator[Sample]:
+    def rank_samples(
+        self, rank: int, world_size: int, micro_batch: int, start: int = 0, count: int | None = None
+    ) -> Iterator[Sample]:
         """The samples rank r is fed, one by one, from chained sample `start`; at most `count`."""
         count = whole(count, "count")
         if count == 0:
@@ -921,9 +1124,21 @@ def stream_shape(rank, world_size, micro_batch) -> tuple[int, int, int]:
 class RankStream:
     """Iterator over one rank's micro-batches. Its position is `state`: a few integers."""
 
-    def __init__(self, reader: SampleReader, rank: int, world_size: int, micro_batch: int, start: int, *,
-                 positions: str | None, steps: int | None, worker: int, num_workers: int, copy: bool,
-                 first_step: int | None = None):
+    def __init__(
+        self,
+        reader: SampleReader,
+        rank: int,
+        world_size: int,
+        micro_batch: int,
+        start: int,
+        *,
+        positions: str | None,
+        steps: int | None,
+        worker: int,
+        num_workers: int,
+        copy: bool,
+        first_step: int | None = None,
+    ):
         rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
         num_workers = whole(num_workers, "num_workers", least=1, optional=False)
         worker = whole(worker, "worker", optional=False)
@@ -932,13 +1147,19 @@ class RankStream:
             raise TokpackError("worker is out of range", where="worker", expected=f"0..{num_workers - 1}", found=worker)
         first_step = worker if first_step is None else whole(first_step, "first_step")
         if first_step % num_workers != worker:
-            raise TokpackError("a worker's first step is not its own", where="first_step",
-                               expected=f"a step b with b % {num_workers} == {worker} (worker {worker} of "
-                                        f"{num_workers})", found=first_step)
+            raise TokpackError(
+                "a worker's first step is not its own",
+                where="first_step",
+                expected=f"a step b with b % {num_workers} == {worker} (worker {worker} of {num_workers})",
+                found=first_step,
+            )
         text(positions, "positions", choices=(None, "eos", "index"))
         if positions == "eos" and reader.eos_id is None:
-            raise TokpackError("positions from EOS need eos_id, and the epoch manifest has none", where="eos_id",
-                               hint="use positions='index'")
+            raise TokpackError(
+                "positions from EOS need eos_id, and the epoch manifest has none",
+                where="eos_id",
+                hint="use positions='index'",
+            )
         start = reader.start_from(start_sample=start)
         end = reader.steps(world_size, micro_batch, start)
         # Where the stream runs into an epoch that is not written: an error there, not a silent end.
@@ -986,7 +1207,7 @@ class RankStream:
                     self._advised = ahead
                 r.read_into(g, self._buf[:n])
                 self._buf_start, self._buf_rows = g, n
-            rows = self._buf[g - self._buf_start: g - self._buf_start + m]
+            rows = self._buf[g - self._buf_start : g - self._buf_start + m]
             if self.copy:
                 rows = rows.copy()
         else:

@@ -17,14 +17,22 @@ from tokpack.formats.io import as_path, regular_size
 from tokpack.formats.manifest import MANIFEST, dtype_from_name, has_pad, read_manifest, row_bytes_of
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, contained_shard
-from tokpack.formats.slices import (SLICE_EPOCH, RankRows, contained_epoch_dir, missing_padding, slice_epoch_problems, rank_file_name,
-                                    stage_command)
+from tokpack.formats.slices import (
+    SLICE_EPOCH,
+    RankRows,
+    contained_epoch_dir,
+    missing_padding,
+    slice_epoch_problems,
+    rank_file_name,
+    stage_command,
+)
 
 from .reader import SampleReader, ShardTable, _shard_error
 
 
-def slice_error(message: str, path, manifest: dict, rank: int, world_size: int, micro_batch: int,
-                phase: int) -> TokpackError:
+def slice_error(
+    message: str, path, manifest: dict, rank: int, world_size: int, micro_batch: int, phase: int
+) -> TokpackError:
     """One line: what the slice holds, and the command that restages this node, in place of the
     slice, for the stream asked for: the slice's count of ranks, the one holding `rank`."""
     ranks = manifest["ranks"]
@@ -33,14 +41,18 @@ def slice_error(message: str, path, manifest: dict, rank: int, world_size: int, 
     first = max(0, ranks[0] + (rank - ranks[0]) // k * k)
     last = min(first + k, world_size) - 1
     here = str(path).rstrip("/")
-    return TokpackError(message, file=path, where="rank/world_size/micro_batch",
-                        expected=f"ranks {ranks[0]}-{ranks[-1]} of world size {manifest['world_size']}, "
-                                 f"micro-batch {manifest['micro_batch']}"
-                                 + (f", global batches from sample {manifest['batch_phase']} mod W*m"
-                                    if manifest["batch_phase"] else ""),
-                        found=f"rank {rank} of world size {world_size}, micro-batch {micro_batch}",
-                        hint=f"restage this node's slice for that stream: `rm -r {shlex.quote(here)} && "
-                             + stage_command(source, here, first, last, world_size, micro_batch, phase) + "`")
+    return TokpackError(
+        message,
+        file=path,
+        where="rank/world_size/micro_batch",
+        expected=f"ranks {ranks[0]}-{ranks[-1]} of world size {manifest['world_size']}, "
+        f"micro-batch {manifest['micro_batch']}"
+        + (f", global batches from sample {manifest['batch_phase']} mod W*m" if manifest["batch_phase"] else ""),
+        found=f"rank {rank} of world size {world_size}, micro-batch {micro_batch}",
+        hint=f"restage this node's slice for that stream: `rm -r {shlex.quote(here)} && "
+        + stage_command(source, here, first, last, world_size, micro_batch, phase)
+        + "`",
+    )
 
 
 class SliceReader(SampleReader):
@@ -69,12 +81,20 @@ class SliceReader(SampleReader):
                 try:
                     size = regular_size(f)  # a FIFO or device in its place: refused here, in one line
                 except FileNotFoundError:
-                    raise _shard_error("rank file listed in the slice manifest is missing", f,
-                                       hint="stage the slice again: the same command resumes") from None
+                    raise _shard_error(
+                        "rank file listed in the slice manifest is missing",
+                        f,
+                        hint="stage the slice again: the same command resumes",
+                    ) from None
                 if size != want:
-                    raise _shard_error("rank file size does not match the slice manifest", f, where="size",
-                                       expected=f"{want} bytes", found=f"{size} bytes",
-                                       hint="stage the slice again: the same command resumes")
+                    raise _shard_error(
+                        "rank file size does not match the slice manifest",
+                        f,
+                        where="size",
+                        expected=f"{want} bytes",
+                        found=f"{size} bytes",
+                        hint="stage the slice again: the same command resumes",
+                    )
                 err = missing_padding(d, root, s)
                 if err is not None:
                     raise err
@@ -82,8 +102,11 @@ class SliceReader(SampleReader):
                 if has_pad(s) and not os.path.lexists(pad):  # found by tests/test_fuzz.py: `read` served a
                     # slice whose padding file was gone. Present at open; its type and size are the gate's
                     # at its first read (`read` opens no sidecar).
-                    raise _shard_error("padding sidecar listed in the slice manifest is missing", pad,
-                                       hint="stage the slice again: the same command resumes")
+                    raise _shard_error(
+                        "padding sidecar listed in the slice manifest is missing",
+                        pad,
+                        hint="stage the slice again: the same command resumes",
+                    )
                 paths.append(str(f))
                 checksums.append(s.get("xxh3_128"))
                 index_checksums.append(s.get("index_xxh3_128"))
@@ -94,11 +117,26 @@ class SliceReader(SampleReader):
             epochs.append(e)
             dirs.append(str(d))
         if not epochs:
-            raise TokpackError("node slice holds no epoch", file=path / MANIFEST, where="epochs",
-                               expected="a non-empty list", found=root.get("epochs"), hint="stage the slice again")
+            raise TokpackError(
+                "node slice holds no epoch",
+                file=path / MANIFEST,
+                where="epochs",
+                expected="a non-empty list",
+                found=root.get("epochs"),
+                hint="stage the slice again",
+            )
         starts_a, ends_a = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
-        table = ShardTable(paths, np.repeat(starts_a, len(ranks)), np.repeat(ends_a, len(ranks)), starts_a, ends_a,
-                           epochs, dirs, checksums, index_checksums)
+        table = ShardTable(
+            paths,
+            np.repeat(starts_a, len(ranks)),
+            np.repeat(ends_a, len(ranks)),
+            starts_a,
+            ends_a,
+            epochs,
+            dirs,
+            checksums,
+            index_checksums,
+        )
         reader = cls(table, int(root["seq_len"]), dtype_from_name(root["dtype"]), int(root["eos_id"]), verify=verify)
         reader.numbering = numbering
         reader.pads = pads if any(pads) else None
@@ -112,12 +150,26 @@ class SliceReader(SampleReader):
         """Refuses, in one line, a stream this slice does not hold."""
         rr = self.rank_rows
         if (world_size, micro_batch) != (rr.world_size, rr.micro_batch) or rank not in self.slice_ranks:
-            raise slice_error("this node slice does not hold that rank's rows", self.slice_path, self.slice, rank,
-                              world_size, micro_batch, start % (world_size * micro_batch))
+            raise slice_error(
+                "this node slice does not hold that rank's rows",
+                self.slice_path,
+                self.slice,
+                rank,
+                world_size,
+                micro_batch,
+                start % (world_size * micro_batch),
+            )
         if RankRows(world_size, micro_batch, start).phase != rr.phase:
-            raise slice_error(f"this node slice serves global batches starting at samples = {rr.phase} mod "
-                              f"{rr.global_batch}, not at {start}", self.slice_path, self.slice, rank, world_size,
-                              micro_batch, start % rr.global_batch)
+            raise slice_error(
+                f"this node slice serves global batches starting at samples = {rr.phase} mod "
+                f"{rr.global_batch}, not at {start}",
+                self.slice_path,
+                self.slice,
+                rank,
+                world_size,
+                micro_batch,
+                start % rr.global_batch,
+            )
 
     def _segments(self, g: int, n: int) -> Iterator[tuple[int, int, int]]:
         """Chained rows [g, g+n) -> (rank file, row in it, rows): split at epoch ends and where
@@ -129,8 +181,15 @@ class SliceReader(SampleReader):
                 raise IndexError(f"sample {g} is in no epoch of this slice")
             r = rr.rank_of(g)
             if r not in self.slice_ranks:
-                raise slice_error(f"sample {g} is read by rank {r}, which this node slice does not hold",
-                                  self.slice_path, self.slice, r, rr.world_size, rr.micro_batch, rr.phase)
+                raise slice_error(
+                    f"sample {g} is read by rank {r}, which this node slice does not hold",
+                    self.slice_path,
+                    self.slice,
+                    r,
+                    rr.world_size,
+                    rr.micro_batch,
+                    rr.phase,
+                )
             k = min(n, int(table.epoch_ends[pos]) - g, rr.run_left(g))
             yield pos * k_ranks + (r - self.slice_ranks[0]), rr.rows(r, int(table.epoch_starts[pos]), g), k
             g += k

@@ -50,12 +50,19 @@ def _ignore_set_vital_warning() -> None:
     torchdata). Installed by each TokpackDataset, which comes before its loader: a filter added
     at import would be lost with a `warnings.catch_warnings()` block the import ran in.
     Adding the same filter again replaces it: the list does not grow."""
-    warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated", category=UserWarning,
-                            module=r"torchdata\.stateful_dataloader\.stateful_dataloader")
+    warnings.filterwarnings(
+        "ignore",
+        message=r"'set_vital' is deprecated",
+        category=UserWarning,
+        module=r"torchdata\.stateful_dataloader\.stateful_dataloader",
+    )
 
-_RESTART_HINT = ("restart from the consumed-sample count: "
-                 "TokpackDataset(..., start_sample=TokpackDataset.consumed_samples(loader_state)) "
-                 "with a fresh StatefulDataLoader")
+
+_RESTART_HINT = (
+    "restart from the consumed-sample count: "
+    "TokpackDataset(..., start_sample=TokpackDataset.consumed_samples(loader_state)) "
+    "with a fresh StatefulDataLoader"
+)
 
 
 _SHARE_FIELDS = {"start": 0, "next_step": 0, "worker": 0, "num_workers": 1, "global_batch": 1}  # least values
@@ -65,8 +72,13 @@ _STATE_FORMS = "{start, next_step, worker, num_workers, global_batch}, {epoch, s
 def _state_int(state: dict, key: str, least: int | None = 0) -> int:
     """One integer field of a loader state, or one line naming it (a damaged or foreign state)."""
     if key not in state:
-        raise TokpackError("loader state lacks a field", where=key, expected=_STATE_FORMS,
-                           found=sorted(map(str, state)), hint=_RESTART_HINT)
+        raise TokpackError(
+            "loader state lacks a field",
+            where=key,
+            expected=_STATE_FORMS,
+            found=sorted(map(str, state)),
+            hint=_RESTART_HINT,
+        )
     value = state[key]
     if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point():
         value = value.item()
@@ -75,14 +87,24 @@ def _state_int(state: dict, key: str, least: int | None = 0) -> int:
 
 def _as_state(state) -> dict:
     if not isinstance(state, dict):
-        raise TokpackError("not a TokpackDataset state", where="state", expected=_STATE_FORMS,
-                           found=type(state).__name__, hint=_RESTART_HINT)
+        raise TokpackError(
+            "not a TokpackDataset state",
+            where="state",
+            expected=_STATE_FORMS,
+            found=type(state).__name__,
+            hint=_RESTART_HINT,
+        )
     return state
 
 
 def _other_workers(saved: int, found: int) -> TokpackError:
-    return TokpackError("loader state was saved with another number of DataLoader workers", where="num_workers",
-                        expected=saved, found=found, hint=f"use num_workers={saved}, or {_RESTART_HINT}")
+    return TokpackError(
+        "loader state was saved with another number of DataLoader workers",
+        where="num_workers",
+        expected=saved,
+        found=found,
+        hint=f"use num_workers={saved}, or {_RESTART_HINT}",
+    )
 
 
 def saved_workers(loader_state) -> int:
@@ -92,8 +114,13 @@ def saved_workers(loader_state) -> int:
         return 0
     shares = snapshot.get("_worker_snapshots") if isinstance(snapshot, dict) else None
     if not isinstance(shares, dict) or not shares:
-        raise TokpackError("not a StatefulDataLoader state of a TokpackDataset", where="_worker_snapshots",
-                           expected="one TokpackDataset state per worker", found=shares, hint=_RESTART_HINT)
+        raise TokpackError(
+            "not a StatefulDataLoader state of a TokpackDataset",
+            where="_worker_snapshots",
+            expected="one TokpackDataset state per worker",
+            found=shares,
+            hint=_RESTART_HINT,
+        )
     return len(shares)
 
 
@@ -103,10 +130,20 @@ class TokpackDataset(IterableDataset):
     "index") and consumed_samples (Megatron's counter once every rank has trained on this
     micro-batch); docs/API.md, "Reading", lists every key."""
 
-    def __init__(self, path, *, rank: int = 0, world_size: int = 1, micro_batch: int = 1,
-                 start_sample: int | None = None, consumed_tokens: int | None = None,
-                 positions: str | None = "eos", verify: bool = False, max_documents: int | None = None,
-                 eod_mask_loss: bool = False):
+    def __init__(
+        self,
+        path,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        micro_batch: int = 1,
+        start_sample: int | None = None,
+        consumed_tokens: int | None = None,
+        positions: str | None = "eos",
+        verify: bool = False,
+        max_documents: int | None = None,
+        eod_mask_loss: bool = False,
+    ):
         """Rank `rank` of `world_size` data-parallel ranks, `micro_batch` samples a step, over
         `path`: a run directory (its epochs chained, in order) or one epoch directory.
 
@@ -133,13 +170,20 @@ class TokpackDataset(IterableDataset):
         flag(eod_mask_loss, "eod_mask_loss")
         max_documents = whole(max_documents, "max_documents", least=1)
         if max_documents is not None and positions is None:
-            raise TokpackError("max_documents shapes the document boundaries, which need positions",
-                               where="max_documents", expected="positions='eos' or 'index'", found="positions=None")
+            raise TokpackError(
+                "max_documents shapes the document boundaries, which need positions",
+                where="max_documents",
+                expected="positions='eos' or 'index'",
+                found="positions=None",
+            )
         # Opened here, in the main process, so a missing or truncated shard fails before training starts.
         self.reader = SampleReader.open(path, verify=verify)  # shard table; fds reopen in each worker
         if eod_mask_loss and self.reader.eos_id is None:  # refused here, not at the first batch
-            raise TokpackError("eod_mask_loss needs eos_id, and the epoch manifest has none", where="eod_mask_loss",
-                               hint="leave eod_mask_loss off for this epoch")
+            raise TokpackError(
+                "eod_mask_loss needs eos_id, and the epoch manifest has none",
+                where="eod_mask_loss",
+                hint="leave eod_mask_loss off for this epoch",
+            )
         self.rank = rank  # r
         self.world_size = world_size  # W
         self.micro_batch = micro_batch  # m
@@ -166,13 +210,25 @@ class TokpackDataset(IterableDataset):
         if self._worker_resume is not None:  # once: a later pass over the loader starts afresh
             start, first_step = self._resume_share(self._worker_resume, worker, workers)
             self._worker_resume = None
-        stream = self._stream = self.reader.batches(self.rank, self.world_size, self.micro_batch, start,
-                                                    positions=self.positions, worker=worker, num_workers=workers,
-                                                    first_step=first_step)
+        stream = self._stream = self.reader.batches(
+            self.rank,
+            self.world_size,
+            self.micro_batch,
+            start,
+            positions=self.positions,
+            worker=worker,
+            num_workers=workers,
+            first_step=first_step,
+        )
         for item in stream:
             rows, pos = item if self.positions else (item, None)
-            arrays = self.reader.micro_batch(rows, pos, stream.state.first_sample(stream.last_step),
-                                             max_documents=self.max_documents, eod_mask_loss=self.eod_mask_loss)
+            arrays = self.reader.micro_batch(
+                rows,
+                pos,
+                stream.state.first_sample(stream.last_step),
+                max_documents=self.max_documents,
+                eod_mask_loss=self.eod_mask_loss,
+            )
             batch = {key: torch.from_numpy(value) for key, value in arrays.items()}
             consumed = stream.state.consumed_after(stream.last_step)
             batch["consumed_samples"] = torch.tensor(consumed, dtype=torch.int64)
@@ -185,14 +241,21 @@ class TokpackDataset(IterableDataset):
         if int(saved["num_workers"]) != workers:
             raise _other_workers(int(saved["num_workers"]), workers)
         if int(saved["worker"]) != worker:
-            raise TokpackError("loader state is the share of another DataLoader worker", where="worker",
-                               expected=f"worker {saved['worker']} of {saved['num_workers']}",
-                               found=f"worker {worker} of {workers}",
-                               hint=f"load each worker's own state (a StatefulDataLoader does), or {_RESTART_HINT}")
+            raise TokpackError(
+                "loader state is the share of another DataLoader worker",
+                where="worker",
+                expected=f"worker {saved['worker']} of {saved['num_workers']}",
+                found=f"worker {worker} of {workers}",
+                hint=f"load each worker's own state (a StatefulDataLoader does), or {_RESTART_HINT}",
+            )
         if int(saved["global_batch"]) != self.global_batch:
-            raise TokpackError("loader state was saved with DataLoader workers and another global batch (W*m)",
-                               where="global_batch", expected=saved["global_batch"], found=self.global_batch,
-                               hint=_RESTART_HINT)
+            raise TokpackError(
+                "loader state was saved with DataLoader workers and another global batch (W*m)",
+                where="global_batch",
+                expected=saved["global_batch"],
+                found=self.global_batch,
+                hint=_RESTART_HINT,
+            )
         return int(saved["start"]), int(saved["next_step"])
 
     def state_dict(self, batch: dict | None = None) -> dict:
@@ -211,13 +274,20 @@ class TokpackDataset(IterableDataset):
                 start, step = self._resume_share(self._worker_resume, info.id, info.num_workers)
             else:
                 start, step = self.consumed, info.id
-            return {"start": int(start), "next_step": int(step), "worker": info.id,
-                    "num_workers": info.num_workers, "global_batch": self.global_batch}
+            return {
+                "start": int(start),
+                "next_step": int(step),
+                "worker": info.id,
+                "num_workers": info.num_workers,
+                "global_batch": self.global_batch,
+            }
         if int(self._workers_iterating[0]):
-            raise TokpackError("TokpackDataset.state_dict() in the main process cannot see what DataLoader "
-                               "workers have served", where="num_workers > 0",
-                               hint="save loader.state_dict() of a torchdata StatefulDataLoader, "
-                                    "or call ds.state_dict(batch) with the last batch the loader returned")
+            raise TokpackError(
+                "TokpackDataset.state_dict() in the main process cannot see what DataLoader workers have served",
+                where="num_workers > 0",
+                hint="save loader.state_dict() of a torchdata StatefulDataLoader, "
+                "or call ds.state_dict(batch) with the last batch the loader returned",
+            )
         return self._position(self.consumed)
 
     def _position(self, g: int) -> dict:
@@ -243,9 +313,14 @@ class TokpackDataset(IterableDataset):
         another, longer run) or in an epoch that is not written (start_from's line)."""
         numbering = self.reader.numbering
         if g > self.reader.total_samples and (numbering is None or numbering.locate(g) is None):
-            raise TokpackError("loader state is past the end of the run", file=self.reader.table.epoch_dirs[-1],
-                               where=f"loader state {field}", expected=f"0..{self.reader.total_samples}", found=g,
-                               hint="load a state saved over this run, or " + _RESTART_HINT)
+            raise TokpackError(
+                "loader state is past the end of the run",
+                file=self.reader.table.epoch_dirs[-1],
+                where=f"loader state {field}",
+                expected=f"0..{self.reader.total_samples}",
+                found=g,
+                hint="load a state saved over this run, or " + _RESTART_HINT,
+            )
         return self.reader.start_from(start_sample=g)
 
     def _checked_share(self, state: dict) -> dict:
@@ -253,9 +328,13 @@ class TokpackDataset(IterableDataset):
         share = {key: _state_int(state, key, least) for key, least in _SHARE_FIELDS.items()}
         workers, worker, step = share["num_workers"], share["worker"], share["next_step"]
         if worker >= workers or step % workers != worker:
-            raise TokpackError("loader state is damaged: a worker's next step is not its own", where="next_step",
-                               expected=f"a step b with b % {workers} == {worker} (worker {worker} of {workers})",
-                               found=step, hint=_RESTART_HINT)
+            raise TokpackError(
+                "loader state is damaged: a worker's next step is not its own",
+                where="next_step",
+                expected=f"a step b with b % {workers} == {worker} (worker {worker} of {workers})",
+                found=step,
+                hint=_RESTART_HINT,
+            )
         start = self._within_run(share["start"], "start")
         # A share records W*m only: its global batches read as one rank's. The last step served
         # from `start` is at most steps - 1, so a worker's next is below steps + workers.
@@ -283,15 +362,24 @@ class TokpackDataset(IterableDataset):
         if snapshot is None:  # no workers: the dataset's own position
             state = loader_state.get("dataset_state")
             if not isinstance(state, dict) or "consumed_samples" not in state:
-                raise TokpackError("not a StatefulDataLoader state of a TokpackDataset", where="dataset_state",
-                                   expected="{epoch, sample, consumed_samples}", found=state)
+                raise TokpackError(
+                    "not a StatefulDataLoader state of a TokpackDataset",
+                    where="dataset_state",
+                    expected="{epoch, sample, consumed_samples}",
+                    found=state,
+                )
             return _state_int(state, "consumed_samples")
         saved_workers(loader_state)
-        shares = [w.get("dataset_state") if isinstance(w, dict) else None
-                  for w in snapshot["_worker_snapshots"].values()]
+        shares = [
+            w.get("dataset_state") if isinstance(w, dict) else None for w in snapshot["_worker_snapshots"].values()
+        ]
         if not all(isinstance(s, dict) and "next_step" in s for s in shares):
-            raise TokpackError("not a StatefulDataLoader state of a TokpackDataset", where="_worker_snapshots",
-                               expected="one TokpackDataset state per worker", found=shares)
+            raise TokpackError(
+                "not a StatefulDataLoader state of a TokpackDataset",
+                where="_worker_snapshots",
+                expected="one TokpackDataset state per worker",
+                found=shares,
+            )
         # Steps below the smallest next step were all yielded (the loader yields in step order),
         # and so were the steps yielded since the snapshot.
         since = _state_int(loader_state, "_steps_since_snapshot") if "_steps_since_snapshot" in loader_state else 0
@@ -315,10 +403,13 @@ def _boundaries(batch, form: str, keys: tuple[str, ...] = _BATCH_KEYS) -> dict:
     """The batch, checked to be a TokpackDataset batch with its document boundaries."""
     missing = [k for k in keys if not isinstance(batch, dict) or k not in batch]
     if missing:
-        raise TokpackError(f"{form} takes a TokpackDataset batch with its document boundaries", where=form,
-                           expected=", ".join(keys),
-                           found=f"no {', '.join(missing)}" if isinstance(batch, dict) else type(batch).__name__,
-                           hint="build the dataset with positions='eos' (the default) or 'index'")
+        raise TokpackError(
+            f"{form} takes a TokpackDataset batch with its document boundaries",
+            where=form,
+            expected=", ".join(keys),
+            found=f"no {', '.join(missing)}" if isinstance(batch, dict) else type(batch).__name__,
+            hint="build the dataset with positions='eos' (the default) or 'index'",
+        )
     return batch
 
 
@@ -352,8 +443,12 @@ def olmo_core_batch(batch: dict) -> dict:
     `cu_seqlens` without its repeated tail."""
     batch = _boundaries(batch, "olmo_core_batch")
     doc_lens = _doc_lens(batch)
-    return {"input_ids": batch["input_ids"], "labels": batch["labels"], "doc_lens": doc_lens,
-            "max_doc_lens": [int(x) for x in doc_lens.max(dim=1).values]}
+    return {
+        "input_ids": batch["input_ids"],
+        "labels": batch["labels"],
+        "doc_lens": doc_lens,
+        "max_doc_lens": [int(x) for x in doc_lens.max(dim=1).values],
+    }
 
 
 def megatron_batch(batch: dict) -> dict:
@@ -367,9 +462,14 @@ def megatron_batch(batch: dict) -> dict:
     batch = _boundaries(batch, "megatron_batch")
     cu = batch["cu_seqlens"]
     longest = int(batch["max_seqlen"]) if "max_seqlen" in batch else int(_segment_lengths(batch).max())
-    return {"tokens": batch["input_ids"], "labels": batch["labels"].clamp(min=0),
-            "loss_mask": batch["loss_mask"].to(torch.float32), "position_ids": batch["position_ids"],
-            "cu_seqlens": cu, "max_seqlen": longest}
+    return {
+        "tokens": batch["input_ids"],
+        "labels": batch["labels"].clamp(min=0),
+        "loss_mask": batch["loss_mask"].to(torch.float32),
+        "position_ids": batch["position_ids"],
+        "cu_seqlens": cu,
+        "max_seqlen": longest,
+    }
 
 
 def packed_seq_params(batch: dict):
@@ -381,8 +481,9 @@ def packed_seq_params(batch: dict):
 
     longest = int(batch["max_seqlen"]) if "max_seqlen" in batch else int(_segment_lengths(batch).max())
     cu = batch["cu_seqlens"]
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                           max_seqlen_kv=longest)
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
 
 
 def dense_document_mask(batch: dict) -> torch.Tensor:
@@ -419,5 +520,13 @@ def hf_flat_batch(batch: dict) -> dict:
     lengths = _segment_lengths(batch)
     cu = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(lengths, 0).to(torch.int32)])
     longest = int(lengths.max())
-    return {"input_ids": ids, "labels": labels, "position_ids": pos, "shift_labels": shifted,
-            "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "position_ids": pos,
+        "shift_labels": shifted,
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }

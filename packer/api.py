@@ -22,7 +22,6 @@ if TYPE_CHECKING:  # the stages build their results; importing them here would i
     from tokpack.packer.inspection import InspectResult
     from tokpack.packer.packing import PackResult
     from tokpack.packer.planning import PlanResult
-    from tokpack.packer.staging import StageResult
 
 
 def _epochs(value, name):
@@ -66,18 +65,59 @@ _TEXT, _FLAG, _MAYBE_FLAG = ("text", {}), ("flag", {}), ("flag", {"optional": Tr
 # a check's name there, and its keywords). An argument not named here (paths, sources, a log
 # callable) is checked by the stage that uses it.
 ARGUMENTS = {
-    "pack": {"input_format": ("text", _REQUIRED), "column": _TEXT, "dtype": _TEXT, "tokenizer": _TEXT,
-             "eos_id": _COUNT[0], "vocab_size": _COUNT[1], "overwrite": _FLAG,
-             "shard_tokens": ("tokens", {"least": 1, **_REQUIRED}), "executor": _executor, "link": _FLAG},
-    "shuffle": {"seq_len": _COUNT[1], "seed": ("whole", {"least": None}), "epochs": _epochs, "samples": _COUNT[1],
-                "tokens": ("tokens", {}), "shard_samples": _COUNT[1], "memory": ("size", _REQUIRED), "jitter": _FLAG,
-                "executor": _executor, "progress": _MAYBE_FLAG, "packing": _TEXT, "pad_id": _COUNT[0], "holdout": _TEXT},
-    "validate": {"dirs": _paths, "against": _paths, "quick": _FLAG, "workers": ("whole", {"least": 1, **_REQUIRED}), "show_progress": _MAYBE_FLAG},
-    "stage": {"workers": ("whole", {"least": 1, **_REQUIRED}), "epochs": _TEXT, "ranks": _TEXT,
-              "micro_batch": ("whole", {"least": 1, **_REQUIRED}), "world_size": _COUNT[1], "node": _TEXT,
-              "ranks_per_node": _COUNT[1], "start_sample": ("whole", _REQUIRED), "memory": ("size", {})},
-    "inspect": {"batch_size": _COUNT[1], "batches": ("whole", {"least": 1, **_REQUIRED}), "seq_len": _COUNT[1],
-                "epoch": _COUNT[0], "memory": ("size", {}), "documents_per_row": _FLAG},
+    "pack": {
+        "input_format": ("text", _REQUIRED),
+        "column": _TEXT,
+        "dtype": _TEXT,
+        "tokenizer": _TEXT,
+        "eos_id": _COUNT[0],
+        "vocab_size": _COUNT[1],
+        "overwrite": _FLAG,
+        "shard_tokens": ("tokens", {"least": 1, **_REQUIRED}),
+        "executor": _executor,
+        "link": _FLAG,
+    },
+    "shuffle": {
+        "seq_len": _COUNT[1],
+        "seed": ("whole", {"least": None}),
+        "epochs": _epochs,
+        "samples": _COUNT[1],
+        "tokens": ("tokens", {}),
+        "shard_samples": _COUNT[1],
+        "memory": ("size", _REQUIRED),
+        "jitter": _FLAG,
+        "executor": _executor,
+        "progress": _MAYBE_FLAG,
+        "packing": _TEXT,
+        "pad_id": _COUNT[0],
+        "holdout": _TEXT,
+    },
+    "validate": {
+        "dirs": _paths,
+        "against": _paths,
+        "quick": _FLAG,
+        "workers": ("whole", {"least": 1, **_REQUIRED}),
+        "show_progress": _MAYBE_FLAG,
+    },
+    "stage": {
+        "workers": ("whole", {"least": 1, **_REQUIRED}),
+        "epochs": _TEXT,
+        "ranks": _TEXT,
+        "micro_batch": ("whole", {"least": 1, **_REQUIRED}),
+        "world_size": _COUNT[1],
+        "node": _TEXT,
+        "ranks_per_node": _COUNT[1],
+        "start_sample": ("whole", _REQUIRED),
+        "memory": ("size", {}),
+    },
+    "inspect": {
+        "batch_size": _COUNT[1],
+        "batches": ("whole", {"least": 1, **_REQUIRED}),
+        "seq_len": _COUNT[1],
+        "epoch": _COUNT[0],
+        "memory": ("size", {}),
+        "documents_per_row": _FLAG,
+    },
 }
 
 
@@ -89,13 +129,15 @@ def checked(command: str, given: dict) -> dict:
     out = dict(given)
     for name, check in ARGUMENTS[command].items():
         if name in out:
-            out[name] = check(out[name], name) if callable(check) else getattr(arguments, check[0])(
-                out[name], name, **check[1])
+            out[name] = (
+                check(out[name], name) if callable(check) else getattr(arguments, check[0])(out[name], name, **check[1])
+            )
     return out
 
 
 def _checks(command: str):
     """Checks the decorated function's arguments (ARGUMENTS[command]) before it runs."""
+
     def wrap(fn):
         sig = _signature.signature(fn)
 
@@ -104,7 +146,9 @@ def _checks(command: str):
             bound = sig.bind(*args, **kwargs)  # an unknown keyword stays Python's TypeError
             bound.apply_defaults()
             return fn(**checked(command, bound.arguments))
+
         return run
+
     return wrap
 
 
@@ -131,11 +175,23 @@ class ShuffleResult(Result):
 
 
 @_checks("pack")
-def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_format: str = "auto",
-         column: str | None = None, dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
-         vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30,
-         executor: ExecutorConfig | None = None, log=None, scratch: PathLike | None = None,
-         link: bool = False) -> PackResult:
+def pack(
+    inputs: PathLike | Sequence[PathLike],
+    output: PathLike,
+    *,
+    input_format: str = "auto",
+    column: str | None = None,
+    dtype: str | None = None,
+    tokenizer: str | None = None,
+    eos_id: int | None = None,
+    vocab_size: int | None = None,
+    overwrite: bool = False,
+    shard_tokens: int = 1 << 30,
+    executor: ExecutorConfig | None = None,
+    log=None,
+    scratch: PathLike | None = None,
+    link: bool = False,
+) -> PackResult:
     """Packs tokenized inputs (files, folders or URLs) into one packed source at `output`.
     URL inputs are read where they are (streamed). A URL output is written under `scratch` (a
     local or shared folder; default $TOKPACK_STAGE_DIR, else the system temp dir) and each shard
@@ -147,18 +203,47 @@ def pack(inputs: PathLike | Sequence[PathLike], output: PathLike, *, input_forma
 
     in_process = runs_in_process(executor or ExecutorConfig())
     with local_paths([], str(output), scratch and str(scratch), in_process, "pack") as (_, local_output, to):
-        return pack_source(as_paths(inputs), local_output, input_format=input_format, column=column, dtype=dtype,
-                           tokenizer=tokenizer, eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite,
-                           shard_tokens=shard_tokens, config=executor, log=log, to=to, link=link)
+        return pack_source(
+            as_paths(inputs),
+            local_output,
+            input_format=input_format,
+            column=column,
+            dtype=dtype,
+            tokenizer=tokenizer,
+            eos_id=eos_id,
+            vocab_size=vocab_size,
+            overwrite=overwrite,
+            shard_tokens=shard_tokens,
+            config=executor,
+            log=log,
+            to=to,
+            link=link,
+        )
 
 
 @_checks("shuffle")
-def shuffle(sources=None, output: PathLike | None = None, *, seq_len: int | None = None, seed: int | None = None,
-            epochs: int | Sequence[int] | None = None, samples: int | None = None, tokens: int | None = None,
-            shard_samples: int | None = None, memory: int = 4 << 30, jitter: bool = False,
-            executor: ExecutorConfig | None = None, log=None, progress: bool | None = None,
-            schedule: PathLike | None = None, scratch: PathLike | None = None, packing: str | None = None,
-            pad_id: int | None = None, like: PathLike | None = None, holdout: str | None = None) -> ShuffleResult:
+def shuffle(
+    sources=None,
+    output: PathLike | None = None,
+    *,
+    seq_len: int | None = None,
+    seed: int | None = None,
+    epochs: int | Sequence[int] | None = None,
+    samples: int | None = None,
+    tokens: int | None = None,
+    shard_samples: int | None = None,
+    memory: int = 4 << 30,
+    jitter: bool = False,
+    executor: ExecutorConfig | None = None,
+    log=None,
+    progress: bool | None = None,
+    schedule: PathLike | None = None,
+    scratch: PathLike | None = None,
+    packing: str | None = None,
+    pad_id: int | None = None,
+    like: PathLike | None = None,
+    holdout: str | None = None,
+) -> ShuffleResult:
     """Writes globally shuffled epochs of `seq_len + 1` tokens from packed sources into the run
     directory `output`. `sources`: a path or URL, a list of them, or a mapping path -> weight
     (a number, or text such as "1/3"). `epochs`: a count (epochs 0..N-1) or the epoch numbers
@@ -184,10 +269,24 @@ def shuffle(sources=None, output: PathLike | None = None, *, seq_len: int | None
     if like is not None:
         from tokpack.shuffle.like import apply_like
 
-        settings = apply_like({"like": like, "output": output, "epochs": epochs, "sources": sources, "seq_len": seq_len,
-                               "seed": seed, "samples": samples, "tokens": tokens, "shard_samples": shard_samples,
-                               "jitter": jitter, "schedule": schedule, "packing": packing, "pad_id": pad_id,
-                               "holdout": holdout})
+        settings = apply_like(
+            {
+                "like": like,
+                "output": output,
+                "epochs": epochs,
+                "sources": sources,
+                "seq_len": seq_len,
+                "seed": seed,
+                "samples": samples,
+                "tokens": tokens,
+                "shard_samples": shard_samples,
+                "jitter": jitter,
+                "schedule": schedule,
+                "packing": packing,
+                "pad_id": pad_id,
+                "holdout": holdout,
+            }
+        )
         sources, output, seq_len, seed = settings["sources"], settings["output"], settings["seq_len"], settings["seed"]
         samples, tokens, shard_samples, jitter = (settings[k] for k in ("samples", "tokens", "shard_samples", "jitter"))
         schedule, packing, pad_id, holdout = (settings[k] for k in ("schedule", "packing", "pad_id", "holdout"))
@@ -202,19 +301,46 @@ def shuffle(sources=None, output: PathLike | None = None, *, seq_len: int | None
         epochs = 1
     named(packing)  # an unknown packing is refused before any source is fetched
     with local_paths(paths, str(output), scratch and str(scratch), runs_in_process(config)) as (
-            local_sources, local_output, to):
-        summary = shuffle_run(local_sources, local_output, weights=weights, seq_len=seq_len, seed=seed,
-                              epochs=epoch_numbers(epochs),
-                              samples=samples, tokens=tokens, shard_samples=shard_samples, memory=memory,
-                              jitter=jitter, log=log, workers=config.workers, tasks=config.tasks,
-                              run_passes=pass_runner(config), progress=progress, schedule=scheduled,
-                              given=paths, to=to, packing=packing, pad_id=pad_id, holdout=holdout)
+        local_sources,
+        local_output,
+        to,
+    ):
+        summary = shuffle_run(
+            local_sources,
+            local_output,
+            weights=weights,
+            seq_len=seq_len,
+            seed=seed,
+            epochs=epoch_numbers(epochs),
+            samples=samples,
+            tokens=tokens,
+            shard_samples=shard_samples,
+            memory=memory,
+            jitter=jitter,
+            log=log,
+            workers=config.workers,
+            tasks=config.tasks,
+            run_passes=pass_runner(config),
+            progress=progress,
+            schedule=scheduled,
+            given=paths,
+            to=to,
+            packing=packing,
+            pad_id=pad_id,
+            holdout=holdout,
+        )
     return ShuffleResult(**summary)
 
 
 @_checks("validate")
-def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
-             against: PathLike | Sequence[PathLike] = (), workers: int = 1, show_progress: bool | None = None):
+def validate(
+    dirs: PathLike | Sequence[PathLike],
+    *,
+    quick: bool = False,
+    against: PathLike | Sequence[PathLike] = (),
+    workers: int = 1,
+    show_progress: bool | None = None,
+):
     """Checks tokpack directories (sources, runs, epochs); `against`: the packed sources an
     epoch was shuffled from, to recompute its content and prove its order. Returns a
     tokpack.packer.validation.ValidateResult."""
@@ -226,15 +352,34 @@ def validate(dirs: PathLike | Sequence[PathLike], *, quick: bool = False,
 
         return SourceRows(epoch_dir, manifest, DEFAULT_MEMORY, work)
 
-    return validate_all(as_paths(dirs), quick=quick, against=as_paths(against), workers=workers,
-                        show_progress=show_progress, replay=replay_hashes, source_rows=source_rows)
+    return validate_all(
+        as_paths(dirs),
+        quick=quick,
+        against=as_paths(against),
+        workers=workers,
+        show_progress=show_progress,
+        replay=replay_hashes,
+        source_rows=source_rows,
+    )
 
 
 @_checks("stage")
-def stage(directory: PathLike, dest: PathLike, *, workers: int = 4, epochs: str | None = None,
-          ranks: str | None = None, micro_batch: int = 1, world_size: int | None = None, node: str | None = None,
-          ranks_per_node: int | None = None, start_sample: int = 0, log=None, shards_of: str | None = None,
-          memory: int | None = None):
+def stage(
+    directory: PathLike,
+    dest: PathLike,
+    *,
+    workers: int = 4,
+    epochs: str | None = None,
+    ranks: str | None = None,
+    micro_batch: int = 1,
+    world_size: int | None = None,
+    node: str | None = None,
+    ranks_per_node: int | None = None,
+    start_sample: int = 0,
+    log=None,
+    shards_of: str | None = None,
+    memory: int | None = None,
+):
     """Copies a tokpack directory (any fsspec URL) to the local `dest`, verifying every file, a
     StageResult. `shards_of` ('r/W'): only the whole epoch shards ranks r of W read. With
     `world_size` or `node`: the node slice of `ranks` A..B of a run (tokpack.packer.slicing), a
@@ -247,37 +392,75 @@ def stage(directory: PathLike, dest: PathLike, *, workers: int = 4, epochs: str 
         from tokpack.packer.replacement import exchanged_run, stage_replacement
 
         if exchanged_run(directory):  # a RUN of shuffle --to-nodes: no token file, rows rebuilt from the sources
-            return stage_replacement(directory, dest, node=node, ranks_per_node=ranks_per_node,
-                                     micro_batch=micro_batch, epochs=epochs, log=log, memory=memory)
+            return stage_replacement(
+                directory,
+                dest,
+                node=node,
+                ranks_per_node=ranks_per_node,
+                micro_batch=micro_batch,
+                epochs=epochs,
+                log=log,
+                memory=memory,
+            )
     if memory is not None:  # a copy or a slice of a materialised run streams its files: no budget to keep
         from tokpack.formats.errors import TokpackError
 
-        raise TokpackError("--memory applies only to a replacement node", where="--memory",
-                           hint="give it with --node on a RUN of `tokpack shuffle --to-nodes`, or leave it out")
+        raise TokpackError(
+            "--memory applies only to a replacement node",
+            where="--memory",
+            hint="give it with --node on a RUN of `tokpack shuffle --to-nodes`, or leave it out",
+        )
     if world_size is not None or node is not None:
         from tokpack.packer.slicing import stage_slice
 
-        return stage_slice(str(directory), dest, ranks=ranks, world_size=world_size, micro_batch=micro_batch,
-                           node=node, ranks_per_node=ranks_per_node, start_sample=start_sample, epochs=epochs,
-                           workers=workers, log=log)
+        return stage_slice(
+            str(directory),
+            dest,
+            ranks=ranks,
+            world_size=world_size,
+            micro_batch=micro_batch,
+            node=node,
+            ranks_per_node=ranks_per_node,
+            start_sample=start_sample,
+            epochs=epochs,
+            workers=workers,
+            log=log,
+        )
     from tokpack.packer.staging import stage as stage_copy
 
-    return stage_copy(str(directory), dest, workers=workers, epochs=epochs, ranks=ranks, micro_batch=micro_batch,
-                      log=log)
+    return stage_copy(
+        str(directory), dest, workers=workers, epochs=epochs, ranks=ranks, micro_batch=micro_batch, log=log
+    )
 
 
 @_checks("inspect")
-def inspect(directory: PathLike, *, batch_size: int | None = None, batches: int = 64, plot: PathLike | None = None,
-            seq_len: int | None = None, epoch: int | None = None, memory: int | None = None,
-            documents_per_row: bool = False) -> InspectResult:
+def inspect(
+    directory: PathLike,
+    *,
+    batch_size: int | None = None,
+    batches: int = 64,
+    plot: PathLike | None = None,
+    seq_len: int | None = None,
+    epoch: int | None = None,
+    memory: int | None = None,
+    documents_per_row: bool = False,
+) -> InspectResult:
     """What a source, run or epoch holds and the batch diversity before and after the shuffle.
     `memory`: the budget (bytes) of a best-fit epoch's plan and row table [default: 256 MiB].
     `documents_per_row`: also the largest document count of a row of the epoch (the
     `max_documents` it takes), from one pass over its tokens."""
     from tokpack.packer.inspection import inspect as inspect_dir
 
-    return inspect_dir(directory, batch_size=batch_size, batches=batches, plot=plot, seq_len=seq_len, epoch=epoch,
-                       memory=memory, documents_per_row=documents_per_row)
+    return inspect_dir(
+        directory,
+        batch_size=batch_size,
+        batches=batches,
+        plot=plot,
+        seq_len=seq_len,
+        epoch=epoch,
+        memory=memory,
+        documents_per_row=documents_per_row,
+    )
 
 
 def plan(command: str, *args, **kwargs) -> PlanResult:
@@ -288,8 +471,11 @@ def plan(command: str, *args, **kwargs) -> PlanResult:
     from tokpack.formats.errors import TokpackError
     from tokpack.packer import planning
 
-    planner = {"pack": planning.plan_pack, "shuffle": planning.plan_shuffle, "stage": planning.plan_stage}.get(
-        command) if isinstance(command, str) else None
+    planner = (
+        {"pack": planning.plan_pack, "shuffle": planning.plan_shuffle, "stage": planning.plan_stage}.get(command)
+        if isinstance(command, str)
+        else None
+    )
     if planner is None:
         raise TokpackError("no such command to plan", where="command", expected="pack, shuffle or stage", found=command)
     bound = _signature.signature(planner).bind(*args, **kwargs)

@@ -95,8 +95,10 @@ def _real_shard_size(result) -> dict:
     largest = max(result.epoch_samples or [0])
     if not 0 < largest < result.shard_samples:
         return {}
-    return {"shard_samples": f"{largest} (one shard an epoch: the run's shard_samples, {result.shard_samples}, "
-                             "is larger than an epoch)"}
+    return {
+        "shard_samples": f"{largest} (one shard an epoch: the run's shard_samples, {result.shard_samples}, "
+        "is larger than an epoch)"
+    }
 
 
 class Terminated(BaseException):
@@ -166,8 +168,15 @@ def _report(line: str, error: dict, status: int, as_json: bool) -> None:
 
 
 def _error_json(kind: str, message: str, **fields) -> dict:
-    return {"error": kind, "message": message, "file": fields.get("file"), "where": None, "expected": None,
-            "found": None, "hint": fields.get("hint")}
+    return {
+        "error": kind,
+        "message": message,
+        "file": fields.get("file"),
+        "where": None,
+        "expected": None,
+        "found": None,
+        "hint": fields.get("hint"),
+    }
 
 
 def _os_error_line(e: OSError) -> tuple[str, dict]:
@@ -225,8 +234,10 @@ def user_errors(fn):
         except TokpackError as e:
             _report(f"tokpack: error: {e}", e.to_json(), EXIT_DATA, as_json)
         except ModuleNotFoundError as e:  # an optional dependency this command needs
-            line = (f"tokpack: error: this command needs the module {e.name!r}, which is not installed. "
-                    f"HINT: pip install {e.name}")
+            line = (
+                f"tokpack: error: this command needs the module {e.name!r}, which is not installed. "
+                f"HINT: pip install {e.name}"
+            )
             _report(line, _error_json("ModuleNotFoundError", line, hint=f"pip install {e.name}"), EXIT_DATA, as_json)
         except OSError as e:  # the environment: a full disk, a read-only output, a symlink loop...
             line, error = _os_error_line(e)
@@ -234,8 +245,9 @@ def user_errors(fn):
         except RuntimeError as e:
             if not str(e).startswith("Symlink loop"):  # pathlib's resolve() before Python 3.13
                 _internal_error(command, e, as_json)
-            line, error = _os_error_line(OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(e).split("'")[1]
-                                                 if "'" in str(e) else None))
+            line, error = _os_error_line(
+                OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(e).split("'")[1] if "'" in str(e) else None)
+            )
             _report(line, error, EXIT_DATA, as_json)
         except KeyboardInterrupt:
             line = "tokpack: interrupted; rerun the same command to resume"
@@ -252,10 +264,15 @@ def user_errors(fn):
 _LOG_INTERVAL = "tokpack.log_interval"  # ctx.meta key: --log-interval as given (None: not given)
 
 LOG_INTERVAL = click.option(
-    "--log-interval", type=click.FloatRange(min=0), default=None, metavar="SECONDS", expose_value=False,
+    "--log-interval",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="SECONDS",
+    expose_value=False,
     callback=lambda ctx, param, value: ctx.meta.__setitem__(_LOG_INTERVAL, value),
     help="When stderr is not a terminal (a Slurm log, nohup): one progress line every SECONDS, saying what it "
-         "does, done/total, MB/s and an ETA; 0: none [default: $TOKPACK_LOG_INTERVAL, else 30; under --json, 0].")
+    "does, done/total, MB/s and an ETA; 0: none [default: $TOKPACK_LOG_INTERVAL, else 30; under --json, 0].",
+)
 
 
 def _log_interval(ctx, as_json: bool) -> float | None:
@@ -268,32 +285,57 @@ def _log_interval(ctx, as_json: bool) -> float | None:
     return given
 
 
-SHUFFLE_TASKS_HELP = ("Out of core: scatter tasks, each reading one input range (a run of whole source shards, "
-                      "so at most one task per source shard) [default: --workers]; the order pass runs one task "
-                      "per output shard.")
+SHUFFLE_TASKS_HELP = (
+    "Out of core: scatter tasks, each reading one input range (a run of whole source shards, "
+    "so at most one task per source shard) [default: --workers]; the order pass runs one task "
+    "per output shard."
+)
 
 
-def executor_options(fn=None, *, tasks_help: str = "Number of tasks to split the work into "
-                     "(default: one per input file / output shard)."):
+def executor_options(
+    fn=None, *, tasks_help: str = "Number of tasks to split the work into (default: one per input file / output shard)."
+):
     """Where the tasks run (an ExecutorConfig). Local is the default; slurm and ray go through
     datatrove's executors."""
     if fn is None:
         return functools.partial(executor_options, tasks_help=tasks_help)
     options = [
-        click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Local worker processes; on slurm/ray a cap on concurrent tasks (1: no cap)."),
-        click.option("--executor", type=ListedChoice("tokpack.packer.executors", "EXECUTORS"), default="local", show_default=True,
-                     help="datatrove executor that runs the tasks."),
+        click.option(
+            "--workers",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Local worker processes; on slurm/ray a cap on concurrent tasks (1: no cap).",
+        ),
+        click.option(
+            "--executor",
+            type=ListedChoice("tokpack.packer.executors", "EXECUTORS"),
+            default="local",
+            show_default=True,
+            help="datatrove executor that runs the tasks.",
+        ),
         click.option("--tasks", type=click.IntRange(min=1), default=None, help=tasks_help),
         click.option("--logging-dir", default=None, help="datatrove logging dir (default: inside OUT's work folder)."),
         click.option("--partition", default=None, help="slurm: partition."),
         click.option("--time", "time_limit", default="24:00:00", show_default=True, help="slurm: time limit."),
         click.option("--cpus-per-task", type=int, default=1, show_default=True, help="slurm/ray: CPUs per task."),
-        click.option("--mem-per-cpu-gb", "mem_per_cpu_gb", type=float, default=2, show_default=True,
-                     help="slurm/ray: memory reserved per CPU of a task, in GB (sbatch --mem-per-cpu); "
-                          "not a budget tokpack keeps (that is shuffle's --memory)."),
-        click.option("--mem", "deprecated_mem", type=float, default=None, hidden=True,
-                     help="Deprecated spelling of --mem-per-cpu-gb."),
+        click.option(
+            "--mem-per-cpu-gb",
+            "mem_per_cpu_gb",
+            type=float,
+            default=2,
+            show_default=True,
+            help="slurm/ray: memory reserved per CPU of a task, in GB (sbatch --mem-per-cpu); "
+            "not a budget tokpack keeps (that is shuffle's --memory).",
+        ),
+        click.option(
+            "--mem",
+            "deprecated_mem",
+            type=float,
+            default=None,
+            hidden=True,
+            help="Deprecated spelling of --mem-per-cpu-gb.",
+        ),
         click.option("--sbatch-args", default=None, help="slurm: extra sbatch arguments as 'key=value,key=value'."),
         click.option("--ray-address", default=None, help="ray: cluster address (default: start a local cluster)."),
     ]
@@ -313,8 +355,11 @@ def _executor_config(kw: dict):
         ctx = click.get_current_context()
         if ctx.get_parameter_source("mem_per_cpu_gb") is click.core.ParameterSource.COMMANDLINE:
             raise click.UsageError("give --mem-per-cpu-gb only (--mem is its deprecated spelling)")
-        click.echo("tokpack: warning: --mem is deprecated (it is easily taken for --memory); "
-                   "use --mem-per-cpu-gb, GB of memory per CPU of a slurm/ray task", err=True)
+        click.echo(
+            "tokpack: warning: --mem is deprecated (it is easily taken for --memory); "
+            "use --mem-per-cpu-gb, GB of memory per CPU of a slurm/ray task",
+            err=True,
+        )
         kw["mem_per_cpu_gb"] = deprecated
     return ExecutorConfig(**{f.name: kw.pop(f.name) for f in fields(ExecutorConfig) if f.name in kw})
 
@@ -330,8 +375,13 @@ def _weighted_sources(args) -> list[tuple[str, str | None]]:
     pairs = []
     for arg in args:
         path, _, weight = arg.rpartition("=")
-        if not path or os.path.exists(arg) or "://" in arg and not _is_number(weight) or (
-                arg.startswith("virtual:") and arg.rsplit(",", 1)[-1].count("=") < 2):  # its last key=value, no weight
+        if (
+            not path
+            or os.path.exists(arg)
+            or "://" in arg
+            and not _is_number(weight)
+            or (arg.startswith("virtual:") and arg.rsplit(",", 1)[-1].count("=") < 2)
+        ):  # its last key=value, no weight
             path, weight = arg, None
         pairs.append((path, weight))
     return pairs
@@ -400,7 +450,9 @@ class _Tokpack(click.Group):
 
 
 @click.group(cls=_Tokpack, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--debug", is_flag=True, help="Print the traceback of an internal error instead of saving it to a log file.")
+@click.option(
+    "--debug", is_flag=True, help="Print the traceback of an internal error instead of saving it to a log file."
+)
 @click.version_option(package_name="tokpack", prog_name="tokpack")
 def main(debug):
     """Pack tokenized corpora, shuffle them offline per epoch, validate, stage and stream them.
@@ -421,32 +473,57 @@ def main(debug):
 
 
 SCRATCH = click.option(
-    "--scratch", type=click.Path(file_okay=False), default=None,
+    "--scratch",
+    type=click.Path(file_okay=False),
+    default=None,
     help="With an -o URL (s3://...): the local or shared folder where shards are written before each is sent, "
-         "and out-of-core buckets [default: $TOKPACK_STAGE_DIR, else the system temp dir].")
+    "and out-of-core buckets [default: $TOKPACK_STAGE_DIR, else the system temp dir].",
+)
 
 
 @main.command()
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("-o", "--output", required=True, help="Output directory for the packed source.")
-@click.option("--format", "input_format",
-              type=ListedChoice("tokpack.formats.inputs.discover", "FORMATS", extra=("auto",)),
-              default="auto", show_default=True, help="Input format; auto detects it and says what it found.")
-@click.option("--column", default=None,
-              help="Parquet/Arrow column or JSONL key holding token lists [default: input_ids]; "
-                   "for --format text, the text column/key [default: text].")
-@click.option("--dtype", default=None,
-              help="Token dtype of raw token files (uint16, uint32, int32, ...); "
-                   "inputs that record their own dtype must agree with it.")
+@click.option(
+    "--format",
+    "input_format",
+    type=ListedChoice("tokpack.formats.inputs.discover", "FORMATS", extra=("auto",)),
+    default="auto",
+    show_default=True,
+    help="Input format; auto detects it and says what it found.",
+)
+@click.option(
+    "--column",
+    default=None,
+    help="Parquet/Arrow column or JSONL key holding token lists [default: input_ids]; "
+    "for --format text, the text column/key [default: text].",
+)
+@click.option(
+    "--dtype",
+    default=None,
+    help="Token dtype of raw token files (uint16, uint32, int32, ...); "
+    "inputs that record their own dtype must agree with it.",
+)
 @click.option("--tokenizer", default=None, help="Local tokenizer.json: for raw text, and to learn EOS and vocab size.")
-@click.option("--eos-id", type=int, default=None, help="EOS token id (default: from the tokenizer or datatrove metadata).")
-@click.option("--vocab-size", type=int, default=None, help="Vocabulary size (default: from the tokenizer or the input dtype).")
+@click.option(
+    "--eos-id", type=int, default=None, help="EOS token id (default: from the tokenizer or datatrove metadata)."
+)
+@click.option(
+    "--vocab-size", type=int, default=None, help="Vocabulary size (default: from the tokenizer or the input dtype)."
+)
 @click.option("--overwrite", is_flag=True, help="Replace an output directory that holds a different packed source.")
-@click.option("--shard-tokens", type=TOKENS, default=1 << 30,
-              help="Target tokens per output shard (documents never span shards) [default: 2^30 = 1Gi tokens].")
-@click.option("--link", is_flag=True,
-              help="Hard-link (else reflink) a datatrove input that already is its shard's bytes, once verified, "
-                   "instead of copying it; the input must then not be edited in place (docs/COMMANDS.md).")
+@click.option(
+    "--shard-tokens",
+    type=TOKENS,
+    default=1 << 30,
+    help="Target tokens per output shard (documents never span shards) [default: 2^30 = 1Gi tokens].",
+)
+@click.option(
+    "--link",
+    is_flag=True,
+    help="Hard-link (else reflink) a datatrove input that already is its shard's bytes, once verified, "
+    "instead of copying it; the input must then not be edited in place (docs/COMMANDS.md).",
+)
 @executor_options
 @SCRATCH
 @LOG_INTERVAL
@@ -467,8 +544,17 @@ def pack(inputs, output, as_json, **kw):
 
 
 # What --like reads from the run, as its usage line names it (the sources aside).
-TAKEN_BY_LIKE = ("--seq-len", "--seed", "--samples/--tokens", "--shard-samples", "--jitter", "--schedule",
-                 "--packing", "--pad-id", "--holdout")
+TAKEN_BY_LIKE = (
+    "--seq-len",
+    "--seed",
+    "--samples/--tokens",
+    "--shard-samples",
+    "--jitter",
+    "--schedule",
+    "--packing",
+    "--pad-id",
+    "--holdout",
+)
 
 
 def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
@@ -479,8 +565,9 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
 
         twice = given_with_like({**kw, "sources": sources}, cli=True)
         if twice:
-            raise click.UsageError(f"--like takes the sources and {', '.join(TAKEN_BY_LIKE)} from the run; "
-                                   f"drop {' '.join(twice)}")
+            raise click.UsageError(
+                f"--like takes the sources and {', '.join(TAKEN_BY_LIKE)} from the run; drop {' '.join(twice)}"
+            )
         if epochs is not None and epoch is not None:
             raise click.UsageError("give at most one of --epochs N and --epoch E")
         return [epoch] if epoch is not None else epochs
@@ -489,8 +576,10 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
     if kw["schedule"] is not None:
         given = [f"--{k.replace('_', '-')}" for k in ("seq_len", "seed", "samples", "tokens") if kw[k] is not None]
         if sources or given or kw["jitter"]:
-            raise click.UsageError("--schedule declares the sources, --seq-len, --seed, --samples/--tokens and "
-                                   f"--jitter; drop {' '.join(given + ['--jitter'] * kw['jitter']) or 'the SOURCEs'}")
+            raise click.UsageError(
+                "--schedule declares the sources, --seq-len, --seed, --samples/--tokens and "
+                f"--jitter; drop {' '.join(given + ['--jitter'] * kw['jitter']) or 'the SOURCEs'}"
+            )
         if epochs is not None and epoch is not None:
             raise click.UsageError("give at most one of --epochs N and --epoch E")
     elif not sources or kw["seq_len"] is None or kw["seed"] is None:
@@ -504,45 +593,92 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
 
 @main.command()
 @click.argument("sources", nargs=-1, metavar="SOURCE[=WEIGHT]...")
-@click.option("-o", "--output", default=None, help="Run directory; one epoch-NNNNN/ per epoch inside "
-              "[with --like: RUN].")
-@click.option("--like", default=None, metavar="RUN",
-              help="Add epochs to the run RUN with its own settings, read from its manifests (sources, weights, "
-                   "--seq-len, --seed, --samples, --shard-samples, --jitter, --packing, --pad-id or its "
-                   "--schedule); give only --epoch E or --epochs N, and how to run (--memory, --workers...).")
-@click.option("--schedule", type=click.Path(dir_okay=False), default=None,
-              help="A schedule YAML (seq_len, seed, stages of sources and weights) instead of SOURCEs, "
-                   "--seq-len, --seed, --samples/--tokens and --jitter; without --epoch(s), every epoch.")
+@click.option(
+    "-o", "--output", default=None, help="Run directory; one epoch-NNNNN/ per epoch inside [with --like: RUN]."
+)
+@click.option(
+    "--like",
+    default=None,
+    metavar="RUN",
+    help="Add epochs to the run RUN with its own settings, read from its manifests (sources, weights, "
+    "--seq-len, --seed, --samples, --shard-samples, --jitter, --packing, --pad-id or its "
+    "--schedule); give only --epoch E or --epochs N, and how to run (--memory, --workers...).",
+)
+@click.option(
+    "--schedule",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A schedule YAML (seq_len, seed, stages of sources and weights) instead of SOURCEs, "
+    "--seq-len, --seed, --samples/--tokens and --jitter; without --epoch(s), every epoch.",
+)
 @click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per sample is seq_len + 1.")
 @click.option("--seed", type=int, default=None, help="Shuffle seed.")
 @click.option("--epochs", type=click.IntRange(min=1), default=None, help="Write epochs 0..N-1.")
 @click.option("--epoch", type=click.IntRange(min=0), default=None, help="Write only epoch E (adds to an existing run).")
 @click.option("--samples", type=click.IntRange(min=1), default=None, help="Samples per epoch (with weights).")
-@click.option("--tokens", type=TOKENS, default=None,
-              help="Trained tokens per epoch: samples = T // seq_len. K/M/B/T are 10^3..10^12 (100B).")
-@click.option("--shard-samples", type=click.IntRange(min=1), default=None,
-              help="Samples per output shard [default: 1 GiB // ((seq_len+1) * token_size), about 1 GiB].")
-@click.option("--memory", type=BYTES, default="4GiB", show_default=True,
-              help="Total memory budget in bytes (KB/MB/GB are 10^n; KiB/MiB/GiB and a bare K/M/G are 2^n). An epoch whose windows fit runs in memory (one read, one write); "
-                   "otherwise out of core, each of --workers tasks using memory/workers.")
+@click.option(
+    "--tokens",
+    type=TOKENS,
+    default=None,
+    help="Trained tokens per epoch: samples = T // seq_len. K/M/B/T are 10^3..10^12 (100B).",
+)
+@click.option(
+    "--shard-samples",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Samples per output shard [default: 1 GiB // ((seq_len+1) * token_size), about 1 GiB].",
+)
+@click.option(
+    "--memory",
+    type=BYTES,
+    default="4GiB",
+    show_default=True,
+    help="Total memory budget in bytes (KB/MB/GB are 10^n; KiB/MiB/GiB and a bare K/M/G are 2^n). An epoch whose windows fit runs in memory (one read, one write); "
+    "otherwise out of core, each of --workers tasks using memory/workers.",
+)
 @click.option("--jitter", is_flag=True, help="Shift window starts by a seeded per-epoch offset.")
-@click.option("--packing", type=PackingChoice(), default=None, show_default="concat",
-              help="concat: windows of the concatenated documents; best-fit: whole documents packed into samples "
-                   "by best-fit decreasing, per epoch (only documents longer than a sample are cut).")
-@click.option("--pad-id", type=click.IntRange(min=0), default=None,
-              help="best-fit: the token that fills a sample's tail [default: the EOS id].")
-@click.option("--to-nodes", "to_nodes", default=None, metavar="DEST",
-              help="Under MPI (mpirun/srun, one process per node; pip install 'tokpack[mpi]'): process n writes "
-                   "node n's slice (as `stage RUN DEST --node n/N`) into its local DEST ({node} is replaced by n); "
-                   "-o RUN gets only the manifests and row hashes.")
+@click.option(
+    "--packing",
+    type=PackingChoice(),
+    default=None,
+    show_default="concat",
+    help="concat: windows of the concatenated documents; best-fit: whole documents packed into samples "
+    "by best-fit decreasing, per epoch (only documents longer than a sample are cut).",
+)
+@click.option(
+    "--pad-id",
+    type=click.IntRange(min=0),
+    default=None,
+    help="best-fit: the token that fills a sample's tail [default: the EOS id].",
+)
+@click.option(
+    "--to-nodes",
+    "to_nodes",
+    default=None,
+    metavar="DEST",
+    help="Under MPI (mpirun/srun, one process per node; pip install 'tokpack[mpi]'): process n writes "
+    "node n's slice (as `stage RUN DEST --node n/N`) into its local DEST ({node} is replaced by n); "
+    "-o RUN gets only the manifests and row hashes.",
+)
 @click.option("--ranks-per-node", type=click.IntRange(min=1), default=None, help="With --to-nodes: K ranks a node.")
-@click.option("--micro-batch", type=click.IntRange(min=1), default=None, help="With --to-nodes: m samples a rank a step.")
-@click.option("--keep-sources", "keep_sources", default=None, metavar="DIR",
-              help="With --to-nodes: each process keeps the source shards it reads, verified, in its local DIR "
-                   "({node} is replaced by n) and reads them there in later epochs, not on the shared filesystem.")
-@click.option("--holdout", default=None, metavar="F",
-              help="Set whole documents of each source aside from every epoch, chosen from --seed, and write "
-                   "them once to RUN/holdout/: a fraction of its documents (0.01, 1%) or a token count (5M).")
+@click.option(
+    "--micro-batch", type=click.IntRange(min=1), default=None, help="With --to-nodes: m samples a rank a step."
+)
+@click.option(
+    "--keep-sources",
+    "keep_sources",
+    default=None,
+    metavar="DIR",
+    help="With --to-nodes: each process keeps the source shards it reads, verified, in its local DIR "
+    "({node} is replaced by n) and reads them there in later epochs, not on the shared filesystem.",
+)
+@click.option(
+    "--holdout",
+    default=None,
+    metavar="F",
+    help="Set whole documents of each source aside from every epoch, chosen from --seed, and write "
+    "them once to RUN/holdout/: a fraction of its documents (0.01, 1%) or a token count (5M).",
+)
 @executor_options(tasks_help=SHUFFLE_TASKS_HELP)
 @SCRATCH
 @LOG_INTERVAL
@@ -564,14 +700,29 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
     keep_sources = kw.pop("keep_sources")
     epochs = _epochs_asked(sources, epochs, epoch, {**kw, "output": output})
     if to_nodes is not None:
-        return _shuffle_to_nodes(sources, output, epochs, as_json, to_nodes, ranks_per_node, micro_batch,
-                                 {**kw, "keep_sources": keep_sources})
+        return _shuffle_to_nodes(
+            sources,
+            output,
+            epochs,
+            as_json,
+            to_nodes,
+            ranks_per_node,
+            micro_batch,
+            {**kw, "keep_sources": keep_sources},
+        )
     if ranks_per_node is not None or micro_batch is not None or keep_sources is not None:
         raise click.UsageError("--ranks-per-node, --micro-batch and --keep-sources go with --to-nodes DEST")
     executor = _executor_config(kw)
     quiet = as_json and log_interval() == 0  # --json asked for no lines: no bar on a terminal either
-    result = shuffle_api(_weighted_sources(sources) if sources else None, output, epochs=epochs, executor=executor,
-                         log=_log(as_json), progress=False if quiet else None, **kw)
+    result = shuffle_api(
+        _weighted_sources(sources) if sources else None,
+        output,
+        epochs=epochs,
+        executor=executor,
+        log=_log(as_json),
+        progress=False if quiet else None,
+        **kw,
+    )
     emit(result, as_json, shown=_real_shard_size(result))
     if not as_json:
         from tokpack.shuffle.packings import shown_line
@@ -579,19 +730,25 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
         for detail in result.epochs_detail:
             stage = "" if detail["stage"] is None else f" (stage {detail['stage']})"
             reused = f" ({detail['shards_reused']} reused from an earlier attempt)" if detail["shards_reused"] else ""
-            click.echo(f"epoch {detail['epoch']}{stage}: {detail['samples']} samples, {detail['shards']} "
-                       f"shard{'s' * (detail['shards'] != 1)}{reused}, {detail['path']}; {shown_line(detail['packing'])}")
+            click.echo(
+                f"epoch {detail['epoch']}{stage}: {detail['samples']} samples, {detail['shards']} "
+                f"shard{'s' * (detail['shards'] != 1)}{reused}, {detail['path']}; {shown_line(detail['packing'])}"
+            )
             unit = detail["packing"]["unit"]  # a source's "windows" are a best-fit pass's rows
             for r in detail["sources"]:
                 if not r["samples"] and r["weight"] is None:
                     continue  # a source of the schedule that this epoch's stage does not use
-                click.echo(f"epoch {detail['epoch']}, source \"{r['name']}\": {r['samples']} samples of {r['windows']} "
-                           f"{unit}{' a pass' * (unit != 'windows')}, {counted(r['passes'], 'pass', plural='passes')}, {r['repeats']} {_repeated(r)}"
-                           f"{'' if r['weight'] is None else ', weight ' + r['weight']} ({r['path']}, "
-                           f"fingerprint {r['fingerprint'][:16]})")
+                click.echo(
+                    f'epoch {detail["epoch"]}, source "{r["name"]}": {r["samples"]} samples of {r["windows"]} '
+                    f"{unit}{' a pass' * (unit != 'windows')}, {counted(r['passes'], 'pass', plural='passes')}, {r['repeats']} {_repeated(r)}"
+                    f"{'' if r['weight'] is None else ', weight ' + r['weight']} ({r['path']}, "
+                    f"fingerprint {r['fingerprint'][:16]})"
+                )
         if result.holdout is not None:  # written by this command (once a run)
-            click.echo(f"holdout: {result.holdout['samples']} samples of held-out documents in "
-                       f"{result.holdout['path']} (read it as an epoch; no training epoch holds them)")
+            click.echo(
+                f"holdout: {result.holdout['samples']} samples of held-out documents in "
+                f"{result.holdout['path']} (read it as an epoch; no training epoch holds them)"
+            )
         for line in result.warnings:
             click.echo(f"tokpack: warning: {line}", err=True)
 
@@ -608,25 +765,47 @@ def _shuffle_to_nodes(sources, output, epochs, as_json, dest, ranks_per_node, mi
     if kw.get("scratch") is not None:
         raise click.UsageError("--to-nodes writes no scratch to the shared filesystem; drop --scratch")
     if kw.get("holdout") is not None or (kw.get("like") is not None and run_settings(kw["like"]).get("holdout")):
-        raise click.UsageError("--to-nodes does not write a held-out split (--holdout) yet; shuffle the run without "
-                               "--to-nodes, then `tokpack stage` it to the nodes")
+        raise click.UsageError(
+            "--to-nodes does not write a held-out split (--holdout) yet; shuffle the run without "
+            "--to-nodes, then `tokpack stage` it to the nodes"
+        )
     # --like RUN: the run's own settings, as for a shuffle without --to-nodes (tokpack.shuffle.like)
-    kw = apply_like({**kw, "output": output, "epochs": epochs, "sources": _weighted_sources(sources) if sources else None})
+    kw = apply_like(
+        {**kw, "output": output, "epochs": epochs, "sources": _weighted_sources(sources) if sources else None}
+    )
     if kw["output"] is None:
         raise click.UsageError("give -o RUN (or --like RUN)")
     scheduled = read_schedule(kw["schedule"]) if kw["schedule"] is not None else None
     paths, weights = weighted_sources(kw["sources"] or []) if scheduled is None else ([], None)
-    result = shuffle_to_nodes(paths, kw["output"], dest, ranks_per_node=ranks_per_node, micro_batch=micro_batch,
-                              weights=weights, seq_len=kw["seq_len"], seed=kw["seed"],
-                              epochs=epoch_numbers(1 if epochs is None and scheduled is None else epochs),
-                              samples=kw["samples"], tokens=kw["tokens"], shard_samples=kw["shard_samples"],
-                              memory=kw["memory"], jitter=kw["jitter"], schedule=scheduled, packing=kw["packing"],
-                              pad_id=kw["pad_id"], given=paths, keep_sources=kw["keep_sources"], log=_log(as_json))
+    result = shuffle_to_nodes(
+        paths,
+        kw["output"],
+        dest,
+        ranks_per_node=ranks_per_node,
+        micro_batch=micro_batch,
+        weights=weights,
+        seq_len=kw["seq_len"],
+        seed=kw["seed"],
+        epochs=epoch_numbers(1 if epochs is None and scheduled is None else epochs),
+        samples=kw["samples"],
+        tokens=kw["tokens"],
+        shard_samples=kw["shard_samples"],
+        memory=kw["memory"],
+        jitter=kw["jitter"],
+        schedule=scheduled,
+        packing=kw["packing"],
+        pad_id=kw["pad_id"],
+        given=paths,
+        keep_sources=kw["keep_sources"],
+        log=_log(as_json),
+    )
     if as_json:
         click.echo(json.dumps(result))
     else:
-        click.echo(f"node {result['node']} of {result['nodes']}: slice of ranks {result['ranks'][0]}-"
-                   f"{result['ranks'][-1]} at {result['dest']}: epochs {result['epochs']}")
+        click.echo(
+            f"node {result['node']} of {result['nodes']}: slice of ranks {result['ranks'][0]}-"
+            f"{result['ranks'][-1]} at {result['dest']}: epochs {result['epochs']}"
+        )
 
 
 def _repeated(r: dict) -> str:
@@ -639,8 +818,13 @@ def _repeated(r: dict) -> str:
 @click.argument("dirs", nargs=-1, required=True)
 @click.option("--quick", is_flag=True, help="Structure and sizes only; skip checksums and token scans.")
 @click.option("--against", multiple=True, help="Packed SOURCE(s) the epoch was shuffled from: recompute its content.")
-@click.option("--workers", type=click.IntRange(min=1), default=min(4, os.cpu_count() or 1), show_default="min(4, cores)",
-              help="Files checked in parallel (more reads in flight keep the disk busy).")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=min(4, os.cpu_count() or 1),
+    show_default="min(4, cores)",
+    help="Files checked in parallel (more reads in flight keep the disk busy).",
+)
 @LOG_INTERVAL
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @user_errors
@@ -662,15 +846,35 @@ def validate(dirs, quick, against, workers, as_json):
 
 @main.command()
 @click.argument("directory")
-@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True,
-              help="The data-parallel rank whose samples to print (below --world-size).")
-@click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Data-parallel ranks sharing each global batch of world-size x micro-batch samples.")
-@click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Samples per rank per step.")
-@click.option("--start-sample", type=click.IntRange(min=0), default=None, help="Consumed samples so far (Megatron's consumed_samples).")
-@click.option("--consumed-tokens", type=TOKENS, default=None,
-              help="Consumed tokens: start = T // seq_len. K/M/B/T are 10^3..10^12.")
+@click.option(
+    "--rank",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="The data-parallel rank whose samples to print (below --world-size).",
+)
+@click.option(
+    "--world-size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Data-parallel ranks sharing each global batch of world-size x micro-batch samples.",
+)
+@click.option(
+    "--micro-batch", type=click.IntRange(min=1), default=1, show_default=True, help="Samples per rank per step."
+)
+@click.option(
+    "--start-sample",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Consumed samples so far (Megatron's consumed_samples).",
+)
+@click.option(
+    "--consumed-tokens",
+    type=TOKENS,
+    default=None,
+    help="Consumed tokens: start = T // seq_len. K/M/B/T are 10^3..10^12.",
+)
 @click.option("--count", type=click.IntRange(min=0), default=10, show_default=True, help="Samples this rank prints.")
 @click.option("--verify", is_flag=True, help="Checksum each shard when it is first read.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per sample.")
@@ -693,26 +897,47 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
     reader.require_batch(world_size, micro_batch, start)  # else the command would print nothing and exit 0
     for item in reader.rank_samples(rank, world_size, micro_batch, start=start, count=count):
         if as_json:
-            click.echo(json.dumps({"epoch": item.epoch, "sample": item.sample, "rank": rank,
-                                   "tokens": item.tokens.tolist()}))
+            click.echo(
+                json.dumps({"epoch": item.epoch, "sample": item.sample, "rank": rank, "tokens": item.tokens.tolist()})
+            )
         else:
             head = " ".join(map(str, item.tokens[:16].tolist()))
-            click.echo(f"epoch {item.epoch} sample {item.sample} rank {rank}: [{head}{' ...' if len(item.tokens) > 16 else ''}]")
+            click.echo(
+                f"epoch {item.epoch} sample {item.sample} rank {rank}: [{head}{' ...' if len(item.tokens) > 16 else ''}]"
+            )
 
 
 @main.command()
 @click.argument("directory")
-@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Global batch size in samples [default: 64].")
+@click.option(
+    "--batch-size", type=click.IntRange(min=1), default=None, help="Global batch size in samples [default: 64]."
+)
 @click.option("--batches", type=click.IntRange(min=1), default=64, show_default=True, help="Global batches to analyse.")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write the figures to FILE.png (needs matplotlib).")
-@click.option("--epoch", type=click.IntRange(min=0), default=None, help="Run: the epoch whose batches to analyse [default: first].")
-@click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Packed source: window length for the batch analysis.")
-@click.option("--memory", type=BYTES, default=None,
-              help="Memory budget in bytes of a best-fit epoch's plan and row table, built on disk and read "
-                   "in parts [default: 256MiB].")
-@click.option("--documents-per-row", is_flag=True,
-              help="Also find the largest document count of a row of the epoch: the max_documents to train "
-                   "with. Reads the epoch's tokens once.")
+@click.option(
+    "--plot", type=click.Path(dir_okay=False), default=None, help="Write the figures to FILE.png (needs matplotlib)."
+)
+@click.option(
+    "--epoch",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Run: the epoch whose batches to analyse [default: first].",
+)
+@click.option(
+    "--seq-len", type=click.IntRange(min=1), default=None, help="Packed source: window length for the batch analysis."
+)
+@click.option(
+    "--memory",
+    type=BYTES,
+    default=None,
+    help="Memory budget in bytes of a best-fit epoch's plan and row table, built on disk and read "
+    "in parts [default: 256MiB].",
+)
+@click.option(
+    "--documents-per-row",
+    is_flag=True,
+    help="Also find the largest document count of a row of the epoch: the max_documents to train "
+    "with. Reads the epoch's tokens once.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @user_errors
 def inspect(directory, as_json, **kw):
@@ -735,22 +960,47 @@ def inspect(directory, as_json, **kw):
 @click.argument("dest")
 @click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="Files copied in parallel.")
 @click.option("--epochs", default=None, help="Only these epochs of a run, e.g. '0,1' or '0-3'.")
-@click.option("--shards-of", default=None, help="'r/W' (also 'r1,r2/W', 'a-b/W'): only the whole epoch shards ranks "
-              "r of W read, manifests unchanged.")
-@click.option("--ranks", default=None, help="With --world-size: the node slice of consecutive ranks 'A-B' (only "
-              "their rows, one file per rank).")
-@click.option("--world-size", type=click.IntRange(min=1), default=None, help="W: data-parallel ranks; makes a node slice.")
-@click.option("--node", default=None, help="'n/N': the node slice of node n of N, 0-based: n is 0 to N-1, "
-              "as SLURM_NODEID (with --ranks-per-node K; W = N*K; its ranks are n*K to n*K+K-1).")
+@click.option(
+    "--shards-of",
+    default=None,
+    help="'r/W' (also 'r1,r2/W', 'a-b/W'): only the whole epoch shards ranks r of W read, manifests unchanged.",
+)
+@click.option(
+    "--ranks",
+    default=None,
+    help="With --world-size: the node slice of consecutive ranks 'A-B' (only their rows, one file per rank).",
+)
+@click.option(
+    "--world-size", type=click.IntRange(min=1), default=None, help="W: data-parallel ranks; makes a node slice."
+)
+@click.option(
+    "--node",
+    default=None,
+    help="'n/N': the node slice of node n of N, 0-based: n is 0 to N-1, "
+    "as SLURM_NODEID (with --ranks-per-node K; W = N*K; its ranks are n*K to n*K+K-1).",
+)
 @click.option("--ranks-per-node", type=click.IntRange(min=1), default=None, help="K: ranks on each node, with --node.")
-@click.option("--micro-batch", type=click.IntRange(min=1), default=None,
-              help="m: samples each rank reads per step, as training reads them; required for a node slice "
-                   "(--node, or --ranks with --world-size), whose rows depend on it; with --shards-of r/W [default: 1].")
-@click.option("--start-sample", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Node slice: global batches start at this sample mod W*m (a run resumed off that grid).")
-@click.option("--memory", type=BYTES, default=None,
-              help="A replacement node (--node on a RUN of shuffle --to-nodes): memory budget in bytes of the "
-                   "rows it rebuilds at a time, and of a best-fit epoch's row table [default: 256MiB].")
+@click.option(
+    "--micro-batch",
+    type=click.IntRange(min=1),
+    default=None,
+    help="m: samples each rank reads per step, as training reads them; required for a node slice "
+    "(--node, or --ranks with --world-size), whose rows depend on it; with --shards-of r/W [default: 1].",
+)
+@click.option(
+    "--start-sample",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Node slice: global batches start at this sample mod W*m (a run resumed off that grid).",
+)
+@click.option(
+    "--memory",
+    type=BYTES,
+    default=None,
+    help="A replacement node (--node on a RUN of shuffle --to-nodes): memory budget in bytes of the "
+    "rows it rebuilds at a time, and of a best-fit epoch's row table [default: 256MiB].",
+)
 @LOG_INTERVAL
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @user_errors
@@ -775,8 +1025,10 @@ def _micro_batch_of(kw: dict) -> dict:
     and one forgotten (it was 1 by default) showed only when training started, on another node."""
     if kw["micro_batch"] is None:
         if kw["node"] is not None or kw["world_size"] is not None:
-            raise click.UsageError("a node slice (--node, or --ranks with --world-size) needs --micro-batch M, the "
-                                   "samples each rank reads per step: its rows depend on it")
+            raise click.UsageError(
+                "a node slice (--node, or --ranks with --world-size) needs --micro-batch M, the "
+                "samples each rank reads per step: its rows depend on it"
+            )
         kw["micro_batch"] = 1
     return kw
 
@@ -787,11 +1039,16 @@ def _stage_selection(kw: dict) -> None:
     (docs/COMMANDS.md, "Words"). It reaches the stage as before, so it behaves as it did."""
     sliced = kw["world_size"] is not None or kw["node"] is not None
     if kw["shards_of"] is not None and (sliced or kw["ranks"] is not None):
-        raise click.UsageError("--shards-of copies whole shards; a node slice is --ranks A-B --world-size W "
-                               "(or --node): give one of the two")
+        raise click.UsageError(
+            "--shards-of copies whole shards; a node slice is --ranks A-B --world-size W "
+            "(or --node): give one of the two"
+        )
     if kw["ranks"] is not None and not sliced and "/" in str(kw["ranks"]):
-        click.echo("tokpack: warning: --ranks r/W without --world-size is deprecated (it reads like a node "
-                   "slice's --ranks A-B); use --shards-of r/W, the whole shards ranks r of W read", err=True)
+        click.echo(
+            "tokpack: warning: --ranks r/W without --world-size is deprecated (it reads like a node "
+            "slice's --ranks A-B); use --shards-of r/W, the whole shards ranks r of W read",
+            err=True,
+        )
 
 
 @main.group()
@@ -807,29 +1064,45 @@ def plan():
     """
 
 
-DISK_MBPS = click.Option(["--disk-mbps"], type=click.FloatRange(min=0, min_open=True), default=None,
-                         help="Disk throughput in MB/s for the predicted time [default: measured in about 2 s "
-                              "next to the output, with a temporary file removed at once].")
+DISK_MBPS = click.Option(
+    ["--disk-mbps"],
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Disk throughput in MB/s for the predicted time [default: measured in about 2 s "
+    "next to the output, with a temporary file removed at once].",
+)
 
 
 PLAN_HELP = {
     "shuffle": "A SOURCE may be virtual: virtual:tokens=11T,documents=5.5B,dtype=uint16 (a corpus not on this "
-               "machine).\n\n\b\nExample:\n  tokpack plan shuffle virtual:tokens=11T,documents=5.5B,dtype=uint16 "
-               "-o /data/runs/r1 \\\n      --seq-len 4096 --seed 1 --epochs 1 --memory 64GiB --executor slurm "
-               "--workers 48 --disk-mbps 2000",
+    "machine).\n\n\b\nExample:\n  tokpack plan shuffle virtual:tokens=11T,documents=5.5B,dtype=uint16 "
+    "-o /data/runs/r1 \\\n      --seq-len 4096 --seed 1 --epochs 1 --memory 64GiB --executor slurm "
+    "--workers 48 --disk-mbps 2000",
     "pack": "\b\nExample:\n  tokpack plan pack data.parquet -o packed --eos-id 0 --vocab-size 50304",
     "stage": "\b\nExample:\n  tokpack plan stage /shared/runs/r1 /local_nvme/r1 --epochs 0-1",
 }
 
 
 NODES_OPTIONS = [  # plan shuffle --to-nodes: what the command learns from MPI, and the machines' speeds
-    click.Option(["--nodes"], type=click.IntRange(min=1), default=None,
-                 help="With --to-nodes: N, the processes (nodes) mpirun would start; plan runs without MPI."),
-    click.Option(["--shared-mbps"], type=click.FloatRange(min=0, min_open=True), default=None,
-                 help="With --to-nodes: the shared filesystem's throughput in MB/s, all nodes together [default: "
-                      "measured like --disk-mbps, next to RUN, from this machine]."),
-    click.Option(["--nic-mbps"], type=click.FloatRange(min=0, min_open=True), default=None,
-                 help="With --to-nodes: a node's network throughput in MB/s, each way [default: 25000]."),
+    click.Option(
+        ["--nodes"],
+        type=click.IntRange(min=1),
+        default=None,
+        help="With --to-nodes: N, the processes (nodes) mpirun would start; plan runs without MPI.",
+    ),
+    click.Option(
+        ["--shared-mbps"],
+        type=click.FloatRange(min=0, min_open=True),
+        default=None,
+        help="With --to-nodes: the shared filesystem's throughput in MB/s, all nodes together [default: "
+        "measured like --disk-mbps, next to RUN, from this machine].",
+    ),
+    click.Option(
+        ["--nic-mbps"],
+        type=click.FloatRange(min=0, min_open=True),
+        default=None,
+        help="With --to-nodes: a node's network throughput in MB/s, each way [default: 25000].",
+    ),
 ]
 
 
@@ -839,12 +1112,17 @@ def _planned(command: click.Command, extra=()):
     nothing in a plan, as it changes nothing in the command with a local -o."""
 
     def register(fn):
-        plan.add_command(click.Command(
-            command.name, params=[*command.params, DISK_MBPS, *extra], callback=user_errors(fn),
-            help=f"Plan `tokpack {command.name}` with the same arguments (every one it takes); writes no output "
-                 f"(only the disk probe's temporary file, without --disk-mbps). "
-                 f"Paths are local: a URL -o is refused, so --scratch, used only for one, changes nothing. "
-                 f"{PLAN_HELP[command.name]}"))
+        plan.add_command(
+            click.Command(
+                command.name,
+                params=[*command.params, DISK_MBPS, *extra],
+                callback=user_errors(fn),
+                help=f"Plan `tokpack {command.name}` with the same arguments (every one it takes); writes no output "
+                f"(only the disk probe's temporary file, without --disk-mbps). "
+                f"Paths are local: a URL -o is refused, so --scratch, used only for one, changes nothing. "
+                f"{PLAN_HELP[command.name]}",
+            )
+        )
         return fn
 
     return register
@@ -863,8 +1141,10 @@ def _emit_plan(command: str, as_json: bool, *args, **kw) -> None:
 
 @_planned(shuffle, NODES_OPTIONS)
 def plan_shuffle(sources, output, epochs, epoch, as_json, **kw):
-    to_nodes = {k: kw.pop(k) for k in ("to_nodes", "ranks_per_node", "micro_batch", "keep_sources", "nodes",
-                                      "shared_mbps", "nic_mbps")}
+    to_nodes = {
+        k: kw.pop(k)
+        for k in ("to_nodes", "ranks_per_node", "micro_batch", "keep_sources", "nodes", "shared_mbps", "nic_mbps")
+    }
     epochs = _epochs_asked(sources, epochs, epoch, {**kw, "output": output})
     if to_nodes["to_nodes"] is not None:  # issue 33, item 7: as shuffle --to-nodes, on --nodes N
         if None in (to_nodes["ranks_per_node"], to_nodes["micro_batch"], to_nodes["nodes"]):
@@ -874,12 +1154,22 @@ def plan_shuffle(sources, output, epochs, epoch, as_json, **kw):
         if kw.get("like") is not None or kw.get("holdout") is not None:
             raise click.UsageError("--to-nodes takes its SOURCEs (or --schedule) and settings; drop --like/--holdout")
     elif any(v is not None for v in to_nodes.values()):
-        raise click.UsageError("--ranks-per-node, --micro-batch, --keep-sources, --nodes, --shared-mbps and "
-                               "--nic-mbps go with --to-nodes DEST")
+        raise click.UsageError(
+            "--ranks-per-node, --micro-batch, --keep-sources, --nodes, --shared-mbps and "
+            "--nic-mbps go with --to-nodes DEST"
+        )
     else:
         to_nodes = {}
-    _emit_plan("shuffle", as_json, _weighted_sources(sources) if sources else None, output, epochs=epochs,
-               executor=_executor_config(kw), **kw, **to_nodes)
+    _emit_plan(
+        "shuffle",
+        as_json,
+        _weighted_sources(sources) if sources else None,
+        output,
+        epochs=epochs,
+        executor=_executor_config(kw),
+        **kw,
+        **to_nodes,
+    )
 
 
 @_planned(pack)

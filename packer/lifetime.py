@@ -97,7 +97,13 @@ def install_fork_hook(always: bool = False) -> None:
         _hook_installed = True
 
 
-_WORKER_MODULES = ("tokpack.packer.executors", "tokpack.packer.packing", "tokpack.shuffle.steps", "tokpack.shuffle.packed_step", "datatrove.pipeline.base")
+_WORKER_MODULES = (
+    "tokpack.packer.executors",
+    "tokpack.packer.packing",
+    "tokpack.shuffle.steps",
+    "tokpack.shuffle.packed_step",
+    "datatrove.pipeline.base",
+)
 
 
 def _forkserver_preload() -> None:
@@ -157,8 +163,11 @@ def _start_watchdog() -> None:
     # A new session: a signal sent to tokpack's process group or terminal does not reach it.
     _watchdog = subprocess.Popen(
         [sys.executable, "-I", "-S", os.path.abspath(__file__), "--watch", str(os.getpid()), token],
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True, close_fds=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
     )
     _marker = token
 
@@ -190,8 +199,12 @@ def children_bound():
 
 
 # Imported in multiprocess's forkserver (see _forkserver_preload): its forks die with it.
-if (os.environ.get(MARKER_VAR) and __name__ != "__main__" and sys.argv[:1] == ["-c"]
-        and "multiprocess.forkserver" in sys.modules):
+if (
+    os.environ.get(MARKER_VAR)
+    and __name__ != "__main__"
+    and sys.argv[:1] == ["-c"]
+    and "multiprocess.forkserver" in sys.modules
+):
     install_fork_hook(always=True)
 
 
@@ -205,7 +218,7 @@ def _start_time(pid: int) -> str | None:
             stat = f.read()
     except OSError:
         return None
-    return stat[stat.rindex(b")") + 2:].split()[19].decode()
+    return stat[stat.rindex(b")") + 2 :].split()[19].decode()
 
 
 def _children(pid: int) -> list[int]:

@@ -128,8 +128,16 @@ class Linked:
     note: str | None = None
 
 
-def link_part(f: InputFile, part_dir: Path, vocab_size: int, eos_id: int, out_dtype: np.dtype, tokenizer: str,
-              shard_tokens: int, block_bytes: int) -> Linked:
+def link_part(
+    f: InputFile,
+    part_dir: Path,
+    vocab_size: int,
+    eos_id: int,
+    out_dtype: np.dtype,
+    tokenizer: str,
+    shard_tokens: int,
+    block_bytes: int,
+) -> Linked:
     """Links input `f` as shard 0 of `part_dir` (an empty folder) once the scan has verified it;
     otherwise leaves `part_dir` empty and says why."""
     why = why_not(f, out_dtype, shard_tokens)
@@ -146,13 +154,26 @@ def link_part(f: InputFile, part_dir: Path, vocab_size: int, eos_id: int, out_dt
                 return Linked(note=why)
             placed[suffix] = (dst, _state(dst))  # what the scan must still find after it
             methods.add(how)
-        entry, why = _scan(f, {s: p for s, (p, _) in placed.items()}, part_dir, name, vocab_size, eos_id, out_dtype,
-                           tokenizer, block_bytes)
+        entry, why = _scan(
+            f,
+            {s: p for s, (p, _) in placed.items()},
+            part_dir,
+            name,
+            vocab_size,
+            eos_id,
+            out_dtype,
+            tokenizer,
+            block_bytes,
+        )
         for suffix, (dst, before) in placed.items():
             if _state(dst) != before:
-                raise TokpackError("input changed while pack --link read it", file=sources(f)[suffix],
-                                   expected=f"{before[2]} bytes, unchanged", found=f"{_state(dst)[2]} bytes, modified",
-                                   hint="rerun once nothing writes to the input")
+                raise TokpackError(
+                    "input changed while pack --link read it",
+                    file=sources(f)[suffix],
+                    expected=f"{before[2]} bytes, unchanged",
+                    found=f"{_state(dst)[2]} bytes, modified",
+                    hint="rerun once nothing writes to the input",
+                )
     except BaseException:
         _empty(part_dir)
         raise
@@ -160,9 +181,15 @@ def link_part(f: InputFile, part_dir: Path, vocab_size: int, eos_id: int, out_dt
         _empty(part_dir)
         return Linked(note=why)
     how = "hardlink" if methods == {"hardlink"} else "reflink"
-    part = {"input": f.path, "shards": [entry], "tokens": entry["tokens"], "documents": entry["documents"],
-            "eos_appended": 0, "empty_documents_dropped": 0,
-            "link": {"how": how, "files": len(placed), "bytes": sum(p[1][2] for p in placed.values())}}
+    part = {
+        "input": f.path,
+        "shards": [entry],
+        "tokens": entry["tokens"],
+        "documents": entry["documents"],
+        "eos_appended": 0,
+        "empty_documents_dropped": 0,
+        "link": {"how": how, "files": len(placed), "bytes": sum(p[1][2] for p in placed.values())},
+    }
     return Linked(part=part)
 
 
@@ -172,12 +199,27 @@ def _empty(part_dir: Path) -> None:
     part_dir.mkdir(parents=True)
 
 
-def _scan(f: InputFile, placed: dict, part_dir: Path, name: str, vocab_size: int, eos_id: int, out_dtype: np.dtype,
-          tokenizer: str, block_bytes: int) -> tuple[dict | None, str | None]:
+def _scan(
+    f: InputFile,
+    placed: dict,
+    part_dir: Path,
+    name: str,
+    vocab_size: int,
+    eos_id: int,
+    out_dtype: np.dtype,
+    tokenizer: str,
+    block_bytes: int,
+) -> tuple[dict | None, str | None]:
     """(the entry a copying pack records, None) when the placed files hold exactly what it would
     write; else (None, why not)."""
-    linked = InputFile(str(placed[""]), f.format, f.dtype, f.size, tokenizer=f.tokenizer,
-                       extra={"index": str(placed[".index"]), "loss": str(placed[".loss"]) if ".loss" in placed else None})
+    linked = InputFile(
+        str(placed[""]),
+        f.format,
+        f.dtype,
+        f.size,
+        tokenizer=f.tokenizer,
+        extra={"index": str(placed[".index"]), "loss": str(placed[".loss"]) if ".loss" in placed else None},
+    )
     norm = Normalizer(f, vocab_size, eos_id, out_dtype)  # its messages name the input
     writer = SourceShardWriter(part_dir, name, out_dtype, tokenizer, ".loss" in placed, sink=HashedFile)
     read = {s: xxhash.xxh3_128() for s in ("", ".loss")}  # the bytes as they are
@@ -198,9 +240,12 @@ def _scan(f: InputFile, placed: dict, part_dir: Path, name: str, vocab_size: int
         blocks.close()
         bar.close()
     entry = writer.close()  # writes the shard's .ds.metadata, as a copying pack does
-    same = (entry["xxh3_128"] == read[""].hexdigest() and entry["tokens"] * itemsize == os.stat(placed[""]).st_size
-            and entry["index_xxh3_128"] == xxh3_128_file(placed[".index"])
-            and entry.get("loss_xxh3_128", read[".loss"].hexdigest()) == read[".loss"].hexdigest())
+    same = (
+        entry["xxh3_128"] == read[""].hexdigest()
+        and entry["tokens"] * itemsize == os.stat(placed[""]).st_size
+        and entry["index_xxh3_128"] == xxh3_128_file(placed[".index"])
+        and entry.get("loss_xxh3_128", read[".loss"].hexdigest()) == read[".loss"].hexdigest()
+    )
     return (entry, None) if same else (None, "its bytes differ from what pack writes")
 
 
@@ -235,11 +280,18 @@ def plan_links(files: list[InputFile], out: Path, out_dtype: np.dtype, shard_tok
 def summary(parts: list[dict]) -> dict:
     """The link figures of a pack's summary (PackResult), from its part records."""
     linked = [p["link"] for p in parts if p.get("link", {}).get("how") in ("hardlink", "reflink")]
-    shard_files = sum(e["bytes"] + 8 * e["documents"] + (e["tokens"] if "loss_xxh3_128" in e else 0)
-                      for p in parts for e in p["shards"])
+    shard_files = sum(
+        e["bytes"] + 8 * e["documents"] + (e["tokens"] if "loss_xxh3_128" in e else 0)
+        for p in parts
+        for e in p["shards"]
+    )
     linked_bytes = sum(k["bytes"] for k in linked)
-    return {"linked_files": sum(k["files"] for k in linked), "linked_bytes": linked_bytes,
-            "reflinked_bytes": sum(k["bytes"] for k in linked if k["how"] == "reflink"),
-            "copied_bytes": shard_files - linked_bytes,
-            "link_notes": [f"{p['input']}: copied: {p['link']['why']}" for p in parts
-                           if p.get("link", {}).get("how") == "copy"]}
+    return {
+        "linked_files": sum(k["files"] for k in linked),
+        "linked_bytes": linked_bytes,
+        "reflinked_bytes": sum(k["bytes"] for k in linked if k["how"] == "reflink"),
+        "copied_bytes": shard_files - linked_bytes,
+        "link_notes": [
+            f"{p['input']}: copied: {p['link']['why']}" for p in parts if p.get("link", {}).get("how") == "copy"
+        ],
+    }

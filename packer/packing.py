@@ -33,7 +33,16 @@ from tokpack.formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space,
 from tokpack.formats.inputs import BLOCK_BYTES, InputFile
 from tokpack.formats.inputs.discover import check_input, discover, read_blocks
 from tokpack.formats.inputs.tables import parquet_values
-from tokpack.formats.io import MAX_RECORD_BYTES, as_path, is_tmp_name, is_url, progress, read_limited, read_record, write_bytes_atomic
+from tokpack.formats.io import (
+    MAX_RECORD_BYTES,
+    as_path,
+    is_tmp_name,
+    is_url,
+    progress,
+    read_limited,
+    read_record,
+    write_bytes_atomic,
+)
 from tokpack.formats.manifest import (
     MANIFEST,
     dtype_for_vocab,
@@ -75,9 +84,19 @@ class PackStep(PipelineStep):
     name = "📦 tokpack pack"
     type = "🔢 - TOKENIZER"
 
-    def __init__(self, files: list[InputFile], work: str, vocab_size: int, eos_id: int, dtype: str,
-                 tokenizer: str, shard_tokens: int, block_bytes: int = BLOCK_BYTES,
-                 output: Output = LocalOutput(), link: bool = False):
+    def __init__(
+        self,
+        files: list[InputFile],
+        work: str,
+        vocab_size: int,
+        eos_id: int,
+        dtype: str,
+        tokenizer: str,
+        shard_tokens: int,
+        block_bytes: int = BLOCK_BYTES,
+        output: Output = LocalOutput(),
+        link: bool = False,
+    ):
         super().__init__()
         self.files = files  # every input file, in input order
         self.work = work  # OUT/.tokpack-work
@@ -110,8 +129,9 @@ class PackStep(PipelineStep):
         part = read_record(part_json)  # a damaged record: the file is packed again
         if part is not None:
             shards = part.get("shards")
-            if isinstance(shards, list) and all(self.output.has(part_dir, e, np.dtype(self.dtype).itemsize)
-                                                for e in shards):
+            if isinstance(shards, list) and all(
+                self.output.has(part_dir, e, np.dtype(self.dtype).itemsize) for e in shards
+            ):
                 return part  # done by an earlier run
         part_json.unlink(missing_ok=True)
         if part_dir.exists():
@@ -121,8 +141,20 @@ class PackStep(PipelineStep):
         out_dtype = np.dtype(self.dtype)
         linked = None
         if self.link:
-            linked = Linked(note="the output is an object store") if not self.output.links_files else link_part(
-                f, part_dir, self.vocab_size, self.eos_id, out_dtype, self.tokenizer, self.shard_tokens, self.block_bytes)
+            linked = (
+                Linked(note="the output is an object store")
+                if not self.output.links_files
+                else link_part(
+                    f,
+                    part_dir,
+                    self.vocab_size,
+                    self.eos_id,
+                    out_dtype,
+                    self.tokenizer,
+                    self.shard_tokens,
+                    self.block_bytes,
+                )
+            )
             if linked.part is not None:
                 return self._record(part_json, linked.part)
             check_space([(part_dir, f.size)], "pack", hint=f"{f.path} is copied: {linked.note}")
@@ -219,15 +251,16 @@ class TokenizeTextStep(PipelineStep):
             kind = f.extra.get("container")
             reader_cls = {"jsonl": JsonlReader, "parquet": ParquetReader, "arrow": IpcReader}[kind]
             kw = {"stream": True} if kind == "arrow" else {}
-            reader = reader_cls(str(as_path(f.path).parent), glob_pattern=as_path(f.path).name, text_key=f.column,
-                                recursive=False, **kw)
-            writer = DocumentTokenizer(self.folder, tokenizer_name_or_path=self.tokenizer, eos_token=self.eos_token,
-                                       shuffle_documents=False)
+            reader = reader_cls(
+                str(as_path(f.path).parent), glob_pattern=as_path(f.path).name, text_key=f.column, recursive=False, **kw
+            )
+            writer = DocumentTokenizer(
+                self.folder, tokenizer_name_or_path=self.tokenizer, eos_token=self.eos_token, shuffle_documents=False
+            )
             writer.run(reader.run(None, 0, 1), rank=i, world_size=len(self.files))
 
 
 # ----------------------------------------------------------------------- the driver
-
 
 
 def _is_ours(p: Path) -> bool:
@@ -252,9 +285,13 @@ def _output_state(out: Path, request: dict, overwrite: bool) -> str:
         return "replace"
     others = [p.name for p in entries if not _is_ours(p)]
     if others:
-        raise TokpackError("output directory holds other files", file=out, expected="an empty or tokpack directory",
-                           found=", ".join(sorted(others)[:5]),
-                           hint="choose another -o; --overwrite only replaces tokpack output, never other files")
+        raise TokpackError(
+            "output directory holds other files",
+            file=out,
+            expected="an empty or tokpack directory",
+            found=", ".join(sorted(others)[:5]),
+            hint="choose another -o; --overwrite only replaces tokpack output, never other files",
+        )
     if (out / MANIFEST).exists():
         try:
             manifest = read_manifest(out, kind="source")
@@ -266,9 +303,14 @@ def _output_state(out: Path, request: dict, overwrite: bool) -> str:
         if same:
             return "complete"
         if not overwrite:
-            raise TokpackError("output directory already holds a different packed source", file=out,
-                               where=MANIFEST, expected="the same inputs and options", found="another pack",
-                               hint="pass --overwrite to replace it, or choose another -o")
+            raise TokpackError(
+                "output directory already holds a different packed source",
+                file=out,
+                where=MANIFEST,
+                expected="the same inputs and options",
+                found="another pack",
+                hint="pass --overwrite to replace it, or choose another -o",
+            )
         return "replace"
     work = out / WORK_DIR
     req = work / "request.json"
@@ -276,10 +318,13 @@ def _output_state(out: Path, request: dict, overwrite: bool) -> str:
     if record == request:
         return "resume"
     if not overwrite:
-        raise TokpackError("output directory holds an unfinished pack of other inputs", file=out,
-                           expected="the same inputs and options",
-                           found=f"a damaged {WORK_DIR}/request.json" if req.exists() and record is None else "another request",
-                           hint="rerun that pack to finish it, or pass --overwrite to replace it")
+        raise TokpackError(
+            "output directory holds an unfinished pack of other inputs",
+            file=out,
+            expected="the same inputs and options",
+            found=f"a damaged {WORK_DIR}/request.json" if req.exists() and record is None else "another request",
+            hint="rerun that pack to finish it, or pass --overwrite to replace it",
+        )
     return "replace"
 
 
@@ -327,17 +372,37 @@ class PackResult(Result):
     link_notes: list[str] | None = optional_field()
 
 
-def _result(manifest: dict, out: Path, fmt: str, seconds: float, input_bytes: int, status: str,
-            warnings: list[str] = (), links: dict | None = None) -> PackResult:
+def _result(
+    manifest: dict,
+    out: Path,
+    fmt: str,
+    seconds: float,
+    input_bytes: int,
+    status: str,
+    warnings: list[str] = (),
+    links: dict | None = None,
+) -> PackResult:
     return PackResult(
-        output=str(out), status=status, format=fmt, inputs=len(manifest.get("inputs", [])),
-        tokens=manifest["tokens"], documents=manifest["documents"], shards=len(manifest["shards"]),
-        bytes=sum(s["bytes"] for s in manifest["shards"]), input_bytes=input_bytes, seconds=round(seconds, 3),
+        output=str(out),
+        status=status,
+        format=fmt,
+        inputs=len(manifest.get("inputs", [])),
+        tokens=manifest["tokens"],
+        documents=manifest["documents"],
+        shards=len(manifest["shards"]),
+        bytes=sum(s["bytes"] for s in manifest["shards"]),
+        input_bytes=input_bytes,
+        seconds=round(seconds, 3),
         mb_per_s=round(input_bytes / 1e6 / seconds, 1) if seconds > 0 and input_bytes else None,
-        dtype=manifest["dtype"], vocab_size=manifest["vocab_size"], eos_id=manifest["eos_id"],
+        dtype=manifest["dtype"],
+        vocab_size=manifest["vocab_size"],
+        eos_id=manifest["eos_id"],
         eos_appended=manifest.get("eos_appended", 0),
         empty_documents_dropped=manifest.get("empty_documents_dropped", 0),
-        fingerprint=manifest["fingerprint"], warnings=list(warnings), **(links or {}))
+        fingerprint=manifest["fingerprint"],
+        warnings=list(warnings),
+        **(links or {}),
+    )
 
 
 # An input this large packed as one document is a wrong --eos-id, not a book (issue 32: a raw
@@ -353,13 +418,17 @@ def eos_warnings(parts: list[dict], eos_id: int) -> list[str]:
     for part in parts:
         name, docs, appended = part.get("input"), part.get("documents", 0), part.get("eos_appended", 0)
         if docs == 1 and appended == 1 and part.get("tokens", 0) >= ONE_DOCUMENT_TOKENS:
-            lines.append(f"tokpack pack: {name}: no EOS id {eos_id} in its {part['tokens'] - 1:,} tokens, so it is "
-                         f"packed as one document. HINT: pass the id its documents end with as --eos-id (or "
-                         f"--tokenizer tokenizer.json), then pack again with --overwrite")
+            lines.append(
+                f"tokpack pack: {name}: no EOS id {eos_id} in its {part['tokens'] - 1:,} tokens, so it is "
+                f"packed as one document. HINT: pass the id its documents end with as --eos-id (or "
+                f"--tokenizer tokenizer.json), then pack again with --overwrite"
+            )
         elif docs >= 2 and appended == docs and isinstance(part.get("end_id"), int):
-            lines.append(f"tokpack pack: {name}: all {docs:,} of its documents end with id {part['end_id']}, not "
-                         f"the EOS id {eos_id}, and got an EOS appended each. HINT: if {part['end_id']} is its "
-                         f"end-of-document id, pack again with --eos-id {part['end_id']} --overwrite")
+            lines.append(
+                f"tokpack pack: {name}: all {docs:,} of its documents end with id {part['end_id']}, not "
+                f"the EOS id {eos_id}, and got an EOS appended each. HINT: if {part['end_id']} is its "
+                f"end-of-document id, pack again with --eos-id {part['end_id']} --overwrite"
+            )
     return lines
 
 
@@ -374,8 +443,14 @@ def _raise_task_error(work: Path, out: Path, created: bool, cause: BaseException
     to.remove_tree(work)
     if created and out.exists() and not any(out.iterdir()):
         out.rmdir()
-    raise TokpackError(err["message"], file=err.get("file"), where=err.get("where"), expected=err.get("expected"),
-                       found=err.get("found"), hint=err.get("hint")) from None
+    raise TokpackError(
+        err["message"],
+        file=err.get("file"),
+        where=err.get("where"),
+        expected=err.get("expected"),
+        found=err.get("found"),
+        hint=err.get("hint"),
+    ) from None
 
 
 def _finalize(out: Path, work: Path, plan: dict, to: Output) -> dict:
@@ -387,8 +462,13 @@ def _finalize(out: Path, work: Path, plan: dict, to: Output) -> dict:
         if src.exists():
             src.replace(dst)
         elif not dst.exists() or (size is not None and dst.stat().st_size != size):
-            raise TokpackError("a shard disappeared while finishing the pack", file=dst, expected="the moved shard",
-                               found="nothing", hint="rerun with --overwrite to pack again from scratch")
+            raise TokpackError(
+                "a shard disappeared while finishing the pack",
+                file=dst,
+                expected="the moved shard",
+                found="nothing",
+                hint="rerun with --overwrite to pack again from scratch",
+            )
     to.finish(out, manifest)
     to.remove_tree(work)
     return manifest
@@ -440,8 +520,13 @@ class PackSetup:
         """The shard files' bytes by how they will get there: all copied, but with --link."""
         if not self.link or not to.links_files:
             return LinkPlan(copy=sum(_shard_bytes(f, self.out_dtype) for f in self.files))
-        return plan_links(self.files, out, self.out_dtype, int(self.request["shard_tokens"]),
-                          lambda f: _shard_bytes(f, self.out_dtype))
+        return plan_links(
+            self.files,
+            out,
+            self.out_dtype,
+            int(self.request["shard_tokens"]),
+            lambda f: _shard_bytes(f, self.out_dtype),
+        )
 
     def bytes_to_write(self, out: Path, to: Output = LocalOutput(), tasks: int = 1) -> int:
         """Shards are renamed out of the work folder, never copied: one copy of the output at
@@ -458,10 +543,22 @@ def pack_tasks(files: int, config: ExecutorConfig) -> int:
     return min(config.tasks or files, files)
 
 
-def setup_pack(inputs: list[str], out: Path, *, input_format: str = "auto", column: str | None = None,
-               dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
-               vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30,
-               say=lambda msg: None, to: Output = LocalOutput(), link: bool = False) -> PackSetup:
+def setup_pack(
+    inputs: list[str],
+    out: Path,
+    *,
+    input_format: str = "auto",
+    column: str | None = None,
+    dtype: str | None = None,
+    tokenizer: str | None = None,
+    eos_id: int | None = None,
+    vocab_size: int | None = None,
+    overwrite: bool = False,
+    shard_tokens: int = 1 << 30,
+    say=lambda msg: None,
+    to: Output = LocalOutput(),
+    link: bool = False,
+) -> PackSetup:
     """Finds the inputs, checks them (every check that needs no token scan) and OUT (to a
     bucket: what the store holds). Reads only."""
     if shard_tokens < 1:
@@ -470,32 +567,52 @@ def setup_pack(inputs: list[str], out: Path, *, input_format: str = "auto", colu
         tokenizer = str(Path(tokenizer).absolute()) if os.path.isfile(tokenizer) else tokenizer
         load_tokenizer(tokenizer)
     fmt, files = discover(list(inputs), input_format, column, dtype)
-    say(f"tokpack pack: detected format {fmt}: {counted(len(files), 'file')}, "
-        f"{', '.join(sorted({f.format + (' ' + f.dtype if f.dtype else '') for f in files}))}")
+    say(
+        f"tokpack pack: detected format {fmt}: {counted(len(files), 'file')}, "
+        f"{', '.join(sorted({f.format + (' ' + f.dtype if f.dtype else '') for f in files}))}"
+    )
     request = {
-        "inputs": [{"path": f.path if is_url(f.path) else str(Path(f.path).absolute()), "size": f.size,
-                    "format": f.format} for f in files],
-        "format": fmt, "column": column, "dtype": dtype, "tokenizer": tokenizer, "eos_id": eos_id,
-        "vocab_size": vocab_size, "shard_tokens": int(shard_tokens),
+        "inputs": [
+            {"path": f.path if is_url(f.path) else str(Path(f.path).absolute()), "size": f.size, "format": f.format}
+            for f in files
+        ],
+        "format": fmt,
+        "column": column,
+        "dtype": dtype,
+        "tokenizer": tokenizer,
+        "eos_id": eos_id,
+        "vocab_size": vocab_size,
+        "shard_tokens": int(shard_tokens),
     }
     # `link` is not in the request: a linked pack's manifest and bytes are a copying pack's
-    setup = PackSetup(fmt, files, tokenizer, request,
-                      _output_state(to.where(out), request, overwrite), link=link)
+    setup = PackSetup(fmt, files, tokenizer, request, _output_state(to.where(out), request, overwrite), link=link)
     if setup.state == "complete":
         return setup
     if fmt == "text":
         if tokenizer is None:
-            raise TokpackError("raw text needs a tokenizer", file=files[0].path, where="--tokenizer",
-                               expected="a local tokenizer.json", found="none", hint="pass --tokenizer tokenizer.json")
+            raise TokpackError(
+                "raw text needs a tokenizer",
+                file=files[0].path,
+                where="--tokenizer",
+                expected="a local tokenizer.json",
+                found="none",
+                hint="pass --tokenizer tokenizer.json",
+            )
         resolved = resolve_vocab_eos(files, tokenizer, eos_id, vocab_size)
         setup.vocab, setup.eos, setup.tok_name, setup.eos_token = resolved
         if setup.eos_token is None:
-            raise TokpackError("EOS id is not a token of the tokenizer", file=tokenizer, where="--eos-id",
-                               expected="an id the tokenizer knows", found=eos_id)
+            raise TokpackError(
+                "EOS id is not a token of the tokenizer",
+                file=tokenizer,
+                where="--eos-id",
+                expected="an id the tokenizer knows",
+                found=eos_id,
+            )
     else:
         known: list = []
-        setup.vocab, setup.eos, setup.tok_name, _ = resolve_vocab_eos(files, tokenizer, eos_id, vocab_size, say,
-                                                                      setup.warnings, known)
+        setup.vocab, setup.eos, setup.tok_name, _ = resolve_vocab_eos(
+            files, tokenizer, eos_id, vocab_size, say, setup.warnings, known
+        )
         setup.vocab_known = bool(known and known[0])
         for f in files:
             check_input(f)
@@ -504,11 +621,24 @@ def setup_pack(inputs: list[str], out: Path, *, input_format: str = "auto", colu
 
 
 @locked_output("pack")
-def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: str | None = None,
-         dtype: str | None = None, tokenizer: str | None = None, eos_id: int | None = None,
-         vocab_size: int | None = None, overwrite: bool = False, shard_tokens: int = 1 << 30, log=None,
-         config: ExecutorConfig | None = None, block_bytes: int = BLOCK_BYTES,
-         to: Output = LocalOutput(), link: bool = False) -> PackResult:
+def pack(
+    inputs: list[str],
+    output: str,
+    *,
+    input_format: str = "auto",
+    column: str | None = None,
+    dtype: str | None = None,
+    tokenizer: str | None = None,
+    eos_id: int | None = None,
+    vocab_size: int | None = None,
+    overwrite: bool = False,
+    shard_tokens: int = 1 << 30,
+    log=None,
+    config: ExecutorConfig | None = None,
+    block_bytes: int = BLOCK_BYTES,
+    to: Output = LocalOutput(),
+    link: bool = False,
+) -> PackResult:
     """Packs INPUTs (local paths or fsspec URLs, read where they are) into one packed source at
     the local `output`, or, `to` another Output (tokpack.formats.outputs), where it sends them from
     there (tokpack.packer.api.pack picks the Output)."""
@@ -516,9 +646,21 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
     say = log or (lambda msg: None)
     out = Path(output).absolute()
     config = config or ExecutorConfig()
-    setup = setup_pack(inputs, out, input_format=input_format, column=column, dtype=dtype, tokenizer=tokenizer,
-                       eos_id=eos_id, vocab_size=vocab_size, overwrite=overwrite, shard_tokens=shard_tokens, say=say,
-                       to=to, link=link)
+    setup = setup_pack(
+        inputs,
+        out,
+        input_format=input_format,
+        column=column,
+        dtype=dtype,
+        tokenizer=tokenizer,
+        eos_id=eos_id,
+        vocab_size=vocab_size,
+        overwrite=overwrite,
+        shard_tokens=shard_tokens,
+        say=say,
+        to=to,
+        link=link,
+    )
     fmt, files, tokenizer, request, state = setup.fmt, setup.files, setup.tokenizer, setup.request, setup.state
     input_bytes = sum(f.size for f in files)
     shown = to.shown(out)  # where the packed source is
@@ -527,15 +669,23 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
         # A pack killed between writing its manifest and removing its scratch left the scratch.
         to.remove_tree(out / WORK_DIR)
         say(f"tokpack pack: {shown} already holds this pack; nothing to do")
-        return _result(manifest, shown, fmt, time.perf_counter() - t0, 0, "already complete",
-                       links=link_summary([]) if link else None)
+        return _result(
+            manifest,
+            shown,
+            fmt,
+            time.perf_counter() - t0,
+            0,
+            "already complete",
+            links=link_summary([]) if link else None,
+        )
 
     work = out / WORK_DIR
     vocab, eos, tok_name, eos_token, warnings = setup.vocab, setup.eos, setup.tok_name, setup.eos_token, setup.warnings
     out_dtype = setup.out_dtype
     ntasks = pack_tasks(len(files), config)
-    check_space([(out, setup.bytes_to_write(out, to, ntasks))], "pack",
-                hint="free some space there, or choose another -o")
+    check_space(
+        [(out, setup.bytes_to_write(out, to, ntasks))], "pack", hint="free some space there, or choose another -o"
+    )
 
     # Nothing has been written so far; from here on, OUT/.tokpack-work holds the run.
     created = not out.exists()
@@ -554,15 +704,25 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
     if not plan_path.exists():
         if fmt == "text":
             text_dir = work / "text"
-            run_steps([(TokenizeTextStep(files, str(text_dir), tokenizer, eos_token), len(files), "tokenize",
-                        base_logs / "tokenize")], config)
+            run_steps(
+                [
+                    (
+                        TokenizeTextStep(files, str(text_dir), tokenizer, eos_token),
+                        len(files),
+                        "tokenize",
+                        base_logs / "tokenize",
+                    )
+                ],
+                config,
+            )
             _, packed_files = discover([str(text_dir)], "datatrove", None, None)
             for f in packed_files:
                 check_input(f)
         else:
             packed_files = files
-        step = PackStep(packed_files, str(work), vocab, eos, out_dtype.name, tok_name, int(shard_tokens), block_bytes,
-                        to, link=link)
+        step = PackStep(
+            packed_files, str(work), vocab, eos, out_dtype.name, tok_name, int(shard_tokens), block_bytes, to, link=link
+        )
         ntasks = pack_tasks(len(packed_files), config)
         if runs_in_process(config):
             step.overall = progress(sum(f.size for f in packed_files), f"pack: {counted(len(packed_files), 'file')}")
@@ -580,16 +740,24 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
             part_json = work / f"part-{i:05d}.json"
             part = read_record(part_json)
             if part is None:
-                raise TokpackError("a pack task finished without its part record, or it is damaged", file=part_json,
-                                   hint="rerun the same command to redo it")
+                raise TokpackError(
+                    "a pack task finished without its part record, or it is damaged",
+                    file=part_json,
+                    hint="rerun the same command to redo it",
+                )
             parts.append(part)
         total = sum(len(p["shards"]) for p in parts)
         if total == 0:
             to.remove_tree(work)
             if created and out.exists() and not any(out.iterdir()):
                 out.rmdir()
-            raise TokpackError("empty input: no documents", file=", ".join(inputs), expected="at least one document",
-                               found="0 tokens", hint="check the inputs (and --column)")
+            raise TokpackError(
+                "empty input: no documents",
+                file=", ".join(inputs),
+                expected="at least one document",
+                found="0 tokens",
+                hint="check the inputs (and --column)",
+            )
         digits = shard_digits(total)
         entries, moves = [], []
         for i, part in enumerate(parts):
@@ -602,7 +770,11 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
                     moves.append((src.relative_to(out).as_posix(), f"{name}{suffix}", size))
                 entries.append({**e, "path": name})
         manifest = source_manifest(
-            entries, out_dtype, vocab, eos, tok_name,
+            entries,
+            out_dtype,
+            vocab,
+            eos,
+            tok_name,
             inputs=[{"path": r["path"], "size": r["size"], "format": r["format"]} for r in request["inputs"]],
             shard_tokens=int(shard_tokens),
             eos_appended=sum(p["eos_appended"] for p in parts),
@@ -611,29 +783,56 @@ def pack(inputs: list[str], output: str, *, input_format: str = "auto", column: 
             request=request,
             **({} if setup.vocab_known else {"vocab_known": False}),  # absent when known, as in older manifests
         )
-        write_bytes_atomic(plan_path, json.dumps({"manifest": manifest, "moves": moves,
-                                                  "links": link_summary(parts),
-                                                  "warnings": eos_warnings(parts, eos)}).encode())
+        write_bytes_atomic(
+            plan_path,
+            json.dumps(
+                {
+                    "manifest": manifest,
+                    "moves": moves,
+                    "links": link_summary(parts),
+                    "warnings": eos_warnings(parts, eos),
+                }
+            ).encode(),
+        )
         to.send_record(plan_path)  # from here a rerun only finishes the moves
     plan = read_record(plan_path)
     if plan is None:
-        raise TokpackError("pack's finishing record is damaged: the shards it moved cannot be found again",
-                           file=plan_path, hint="rerun with --overwrite to pack again from scratch")
+        raise TokpackError(
+            "pack's finishing record is damaged: the shards it moved cannot be found again",
+            file=plan_path,
+            hint="rerun with --overwrite to pack again from scratch",
+        )
     manifest = _finalize(out, work, plan, to)
     warnings = [*warnings, *plan.get("warnings", [])]
     seconds = time.perf_counter() - t0
-    result = _result(manifest, shown, fmt, seconds, input_bytes, "packed", warnings,
-                     links=plan.get("links", link_summary([])) if link else None)
+    result = _result(
+        manifest,
+        shown,
+        fmt,
+        seconds,
+        input_bytes,
+        "packed",
+        warnings,
+        links=plan.get("links", link_summary([])) if link else None,
+    )
     for line in warnings:  # after the work: a pack that fails prints its one error line only
         say(line)
     notes = result.link_notes or []
     for note in notes[:NOTES_SHOWN]:  # all of them are in --json's link_notes
         say(f"tokpack pack: {note}")
     if len(notes) > NOTES_SHOWN:
-        say(f"tokpack pack: {counted(len(notes) - NOTES_SHOWN, 'more input')} copied (--json lists them under link_notes)")
-    say(f"tokpack pack: {result.tokens:,} token{'s' * (result.tokens != 1)}, {result.documents:,} "
+        say(
+            f"tokpack pack: {counted(len(notes) - NOTES_SHOWN, 'more input')} copied (--json lists them under link_notes)"
+        )
+    say(
+        f"tokpack pack: {result.tokens:,} token{'s' * (result.tokens != 1)}, {result.documents:,} "
         f"document{'s' * (result.documents != 1)}, {result.shards} shard{'s' * (result.shards != 1)} "
         f"-> {shown} ({result.mb_per_s} MB/s)"
-        + ("" if not link else f"; linked {counted(result.linked_files, 'file')}, {result.linked_bytes:,} bytes"
-           f", copied {result.copied_bytes:,} bytes"))
+        + (
+            ""
+            if not link
+            else f"; linked {counted(result.linked_files, 'file')}, {result.linked_bytes:,} bytes"
+            f", copied {result.copied_bytes:,} bytes"
+        )
+    )
     return result

@@ -63,8 +63,9 @@ def exchanged_run(run_dir) -> bool:
     return False
 
 
-def stage_replacement(run_dir, dest, *, node, ranks_per_node: int, micro_batch: int, epochs=None, log=None,
-                      memory: int | None = None) -> "ReplacementResult":
+def stage_replacement(
+    run_dir, dest, *, node, ranks_per_node: int, micro_batch: int, epochs=None, log=None, memory: int | None = None
+) -> "ReplacementResult":
     """`tokpack stage RUN DEST --node n/N --ranks-per-node K --micro-batch m` on a RUN --to-nodes
     wrote: node n's slice built from the sources alone (SourceRows), a part of at most
     `part_rows_of(memory)` rows at a time, each part's rows verified against RUN's row hashes
@@ -115,17 +116,38 @@ def stage_replacement(run_dir, dest, *, node, ranks_per_node: int, micro_batch: 
             want["shards"], want["tokens"] = entries, sum(x["tokens"] for x in entries)
             output.finish(d, want)
             if log:
-                log(f"stage: epoch {e}: {done:,} rows of ranks {a}-{b} rebuilt from the sources, "
-                    f"in parts of at most {per_part:,} rows (--memory)")
+                log(
+                    f"stage: epoch {e}: {done:,} rows of ranks {a}-{b} rebuilt from the sources, "
+                    f"in parts of at most {per_part:,} rows (--memory)"
+                )
         root["epochs"] = sorted(set(previous) | set(chosen))
-        root["tokens"] = sum(int(parse_manifest(read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES,
-                                                             "manifest"), dest, "slice-epoch")["tokens"])
-                             for e in root["epochs"])
+        root["tokens"] = sum(
+            int(
+                parse_manifest(
+                    read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES, "manifest"),
+                    dest,
+                    "slice-epoch",
+                )["tokens"]
+            )
+            for e in root["epochs"]
+        )
         output.finish(dest, root)
-    return ReplacementResult(kind="slice", source=str(out), dest=str(dest), ranks=root["ranks"], world_size=w,
-                             micro_batch=micro_batch, epochs=root["epochs"], built_from="sources", bytes_read=read,
-                             bytes_kept=kept, read_amplification=round(read / kept, 4) if kept else None,
-                             parts=parts, part_rows=per_part, seconds=round(time.perf_counter() - t0, 3))
+    return ReplacementResult(
+        kind="slice",
+        source=str(out),
+        dest=str(dest),
+        ranks=root["ranks"],
+        world_size=w,
+        micro_batch=micro_batch,
+        epochs=root["epochs"],
+        built_from="sources",
+        bytes_read=read,
+        bytes_kept=kept,
+        read_amplification=round(read / kept, 4) if kept else None,
+        parts=parts,
+        part_rows=per_part,
+        seconds=round(time.perf_counter() - t0, 3),
+    )
 
 
 DEFAULT_MEMORY = 256 << 20  # a replacement node's (and validate --against RUN's) budget without --memory
@@ -142,9 +164,13 @@ def part_rows_of(row_bytes: int, memory: int) -> int:
     their arithmetic within `memory`; fewer than one row is refused with one line."""
     n = (memory - PART_FIXED) // (2 * row_bytes + PART_ROW_OVERHEAD)
     if n < 1:
-        raise TokpackError("--memory is too small to rebuild a row from the sources", where="--memory",
-                           expected=f">= {PART_FIXED + 2 * row_bytes + PART_ROW_OVERHEAD} bytes", found=f"{memory} bytes",
-                           hint="give more --memory (256MiB by default)")
+        raise TokpackError(
+            "--memory is too small to rebuild a row from the sources",
+            where="--memory",
+            expected=f">= {PART_FIXED + 2 * row_bytes + PART_ROW_OVERHEAD} bytes",
+            found=f"{memory} bytes",
+            hint="give more --memory (256MiB by default)",
+        )
     return int(n)
 
 
@@ -167,13 +193,21 @@ class SourceRows:
         self.plan = packing.from_manifest(m, self.sources, memory)
         self.row = self.plan.row_tokens
         self.part_rows = part_rows_of(self.row * self.dtype.itemsize, memory)
-        self.format = EpochShardFormat(self.dtype, int(m["seq_len"]), int(m["eos_id"]), m["tokenizer"],
-                                       padded=self.padded)
+        self.format = EpochShardFormat(
+            self.dtype, int(m["seq_len"]), int(m["eos_id"]), m["tokenizer"], padded=self.padded
+        )
         by_fingerprint = {src.fingerprint: src for src in self.sources}
         # windows: what each plan source's windows are read from (EpochPlan.stream: --holdout's kept stream)
-        self.of_plan = [] if self.padded else [
-            None if by_fingerprint.get(sp.fingerprint) is None else self.plan.stream(i, by_fingerprint[sp.fingerprint])
-            for i, sp in enumerate(self.plan.sources)]
+        self.of_plan = (
+            []
+            if self.padded
+            else [
+                None
+                if by_fingerprint.get(sp.fingerprint) is None
+                else self.plan.stream(i, by_fingerprint[sp.fingerprint])
+                for i, sp in enumerate(self.plan.sources)
+            ]
+        )
         self.handles: dict = {}  # fingerprint -> its open shard files, kept from part to part
         self.bytes_read = 0
         self._run_shard: tuple = (None, None, None)  # the last epoch shard's (index, row hashes, padding)
@@ -186,13 +220,26 @@ class SourceRows:
         from tokpack.shuffle.steps import EpochJob
 
         m = self.m
-        job = EpochJob(self.plan, tuple(str(src.path) for src in self.sources), m["dtype"], int(m["eos_id"]),
-                       m["tokenizer"], str(self.epoch_dir), str(self.work), int(m["shard_samples"]))
+        job = EpochJob(
+            self.plan,
+            tuple(str(src.path) for src in self.sources),
+            m["dtype"],
+            int(m["eos_id"]),
+            m["tokenizer"],
+            str(self.epoch_dir),
+            str(self.work),
+            int(m["shard_samples"]),
+        )
         prepared = packing.prepare(job, memory)
         if prepared["table_xxh3_128"] != m["packing"]["table_xxh3_128"]:
-            raise TokpackError("the row table rebuilt from the sources is not the run's", file=self.epoch_dir / MANIFEST,
-                               where="packing.table_xxh3_128", expected=m["packing"]["table_xxh3_128"],
-                               found=prepared["table_xxh3_128"], hint="the sources changed since the run was shuffled")
+            raise TokpackError(
+                "the row table rebuilt from the sources is not the run's",
+                file=self.epoch_dir / MANIFEST,
+                where="packing.table_xxh3_128",
+                expected=m["packing"]["table_xxh3_128"],
+                found=prepared["table_xxh3_128"],
+                hint="the sources changed since the run was shuffled",
+            )
         self.built = PackedTable.open(prepared["table"], prepared["table_xxh3_128"])
 
         def changed(src, k, tokens):
@@ -253,13 +300,18 @@ class SourceRows:
             local = positions[sel] - i * per
             bad = np.flatnonzero(hashes[local] != got[sel])
             if len(bad):
-                raise TokpackError("a source row differs from the run's row hash", file=self.epoch_dir,
-                                   where=f"sample {int(positions[sel[bad[0]]])}",
-                                   hint="the sources changed since the run was shuffled: run `tokpack validate` on them")
+                raise TokpackError(
+                    "a source row differs from the run's row hash",
+                    file=self.epoch_dir,
+                    where=f"sample {int(positions[sel[bad[0]]])}",
+                    hint="the sources changed since the run was shuffled: run `tokpack validate` on them",
+                )
             if pad is not None and (pads[local] != pad[sel]).any():
-                raise TokpackError("a rebuilt row's padding differs from the run's",
-                                   file=self.epoch_dir / f"{self.m['shards'][i]['path']}{PAD_SUFFIX}",
-                                   hint="the sources changed since the run was shuffled")
+                raise TokpackError(
+                    "a rebuilt row's padding differs from the run's",
+                    file=self.epoch_dir / f"{self.m['shards'][i]['path']}{PAD_SUFFIX}",
+                    hint="the sources changed since the run was shuffled",
+                )
 
     def _run_rows(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Epoch shard i's row hashes (and best-fit padding) from RUN, each file checked against its
@@ -270,16 +322,24 @@ class SourceRows:
         path = d / f"{entry['path']}{ROWS_SUFFIX}"
         hashes = read_array(path, U64, int(entry["samples"]), folder=d)
         if xxhash.xxh3_128_hexdigest(hashes.tobytes()) != entry["rows_xxh3_128"]:
-            raise TokpackError("the run's row hashes do not match their manifest", file=path,
-                               where="rows_xxh3_128", hint="rerun the --to-nodes command that wrote the run")
+            raise TokpackError(
+                "the run's row hashes do not match their manifest",
+                file=path,
+                where="rows_xxh3_128",
+                hint="rerun the --to-nodes command that wrote the run",
+            )
         self.bytes_read += hashes.nbytes
         pads = None
         if self.padded:
             path = d / f"{entry['path']}{PAD_SUFFIX}"
             pads = read_array(path, "<u4", int(entry["samples"]), folder=d)
             if xxhash.xxh3_128_hexdigest(pads.tobytes()) != entry["pad_xxh3_128"]:
-                raise TokpackError("the run's padding does not match its manifest", file=path, where="pad_xxh3_128",
-                                   hint="rerun the --to-nodes command that wrote the run")
+                raise TokpackError(
+                    "the run's padding does not match its manifest",
+                    file=path,
+                    where="pad_xxh3_128",
+                    hint="rerun the --to-nodes command that wrote the run",
+                )
             self.bytes_read += pads.nbytes
         self._run_shard = (i, hashes, pads)
         return hashes, pads

@@ -37,8 +37,14 @@ class Result:
     None. Every command's JSON has `ok`, so a script can test `.ok` whatever it ran."""
 
     def to_json(self) -> dict:
-        return {"ok": True, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                               if not (f.metadata.get("optional") and getattr(self, f.name) is None)}}
+        return {
+            "ok": True,
+            **{
+                f.name: getattr(self, f.name)
+                for f in dataclasses.fields(self)
+                if not (f.metadata.get("optional") and getattr(self, f.name) is None)
+            },
+        }
 
 
 def optional_field():
@@ -54,11 +60,17 @@ def weighted_sources(sources) -> tuple[list[str], list[str | None]]:
     sequence of paths or of (path, weight) pairs, or a mapping path -> weight."""
     if isinstance(sources, (str, Path)):
         sources = [sources]
-    items = sources.items() if isinstance(sources, Mapping) else [s if isinstance(s, tuple) else (s, None)
-                                                                  for s in sources]
+    items = (
+        sources.items() if isinstance(sources, Mapping) else [s if isinstance(s, tuple) else (s, None) for s in sources]
+    )
     paths, weights = [], []
     for path, weight in items:
         paths.append(str(path))
-        weights.append(None if weight is None else str(weight) if isinstance(weight, (str, numbers.Rational))
-                       else repr(float(weight)))
+        weights.append(
+            None
+            if weight is None
+            else str(weight)
+            if isinstance(weight, (str, numbers.Rational))
+            else repr(float(weight))
+        )
     return paths, weights

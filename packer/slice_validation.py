@@ -11,12 +11,27 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import IO_BLOCK, as_path, open_read, read_full, read_limited, regular_size
-from tokpack.formats.manifest import (MANIFEST, MAX_MANIFEST_BYTES, check_manifest, row_bytes_of, dtype_from_name, epoch_dir_name,
-                                      has_pad, read_manifest, row_hashes)
+from tokpack.formats.manifest import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    check_manifest,
+    row_bytes_of,
+    dtype_from_name,
+    epoch_dir_name,
+    has_pad,
+    read_manifest,
+    row_hashes,
+)
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, RowFacts, contained_shard, tokens_on_nodes
-from tokpack.formats.slices import (SLICE_EPOCH, RankRows, contained_epoch_dir, missing_padding, slice_epoch_problems,
-                                    run_identity)
+from tokpack.formats.slices import (
+    SLICE_EPOCH,
+    RankRows,
+    contained_epoch_dir,
+    missing_padding,
+    slice_epoch_problems,
+    run_identity,
+)
 
 
 def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
@@ -33,8 +48,13 @@ def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
         ranks = [int(r) for r in root["ranks"]]
         epochs = [int(e) for e in root["epochs"]]
     except (KeyError, TypeError, ValueError, TokpackError) as e:
-        rep.add(path / MANIFEST, getattr(e, "where", None) or str(e), "a slice manifest's fields", "missing or malformed",
-                "slice manifest unusable")
+        rep.add(
+            path / MANIFEST,
+            getattr(e, "where", None) or str(e),
+            "a slice manifest's fields",
+            "missing or malformed",
+            "slice manifest unusable",
+        )
         return []
     if not ranks or ranks != list(range(ranks[0], ranks[0] + len(ranks))):
         rep.add(path / MANIFEST, "ranks", "consecutive ranks A..B", ranks, "slice ranks not consecutive")
@@ -67,14 +87,18 @@ def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
             except TokpackError as err:  # a rank file or sidecar linked out of the slice: reported, never opened
                 rep.add(err.file, err.where, err.expected, err.found, err.message, hint=err.hint)
                 continue
-            jobs.append(ShardJob(d, s, "epoch", dtype, int(root["vocab_size"]), int(root["eos_id"]), root["tokenizer"],
-                                 row, quick))
+            jobs.append(
+                ShardJob(
+                    d, s, "epoch", dtype, int(root["vocab_size"]), int(root["eos_id"]), root["tokenizer"], row, quick
+                )
+            )
     return jobs
 
 
 def _local_blocks(directory: Path, manifest: dict, row_bytes: int):
     """RowFacts' reads of a local run epoch: each file through the gate, at its recorded size; a
     shard (an epoch written before row hashes) in blocks of whole rows, so memory stays bounded."""
+
     def blocks(i: int, suffix: str, size: int):
         s = manifest["shards"][i]
         f = contained_shard(directory, s, i).with_name(s["path"] + suffix)
@@ -86,8 +110,12 @@ def _local_blocks(directory: Path, manifest: dict, row_bytes: int):
             for a in range(0, size, len(buf)):
                 view = memoryview(buf[: min(len(buf), size - a)])
                 if read_full(fh, view) != view.nbytes:
-                    raise TokpackError("shard is shorter than its manifest says", file=f, where=f"byte {a}",
-                                       hint="run `tokpack validate` on the run")
+                    raise TokpackError(
+                        "shard is shorter than its manifest says",
+                        file=f,
+                        where=f"byte {a}",
+                        hint="run `tokpack validate` on the run",
+                    )
                 yield view
 
     return blocks
@@ -116,13 +144,20 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
         rep.add(e.file or run_path, e.where, e.expected, e.found, e.message)
         return
     if run_identity(run) != root.get("run"):
-        rep.add(path / MANIFEST, "run", f"the run at {run_path}", "another run (seed, sources or plan differ)",
-                "slice was not staged from this run")
+        rep.add(
+            path / MANIFEST,
+            "run",
+            f"the run at {run_path}",
+            "another run (seed, sources or plan differ)",
+            "slice was not staged from this run",
+        )
         return
     rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
     numbering = EpochNumbering.of_run(run, run_path)
     row_bytes = row_bytes_of(root)
-    buf = np.empty((max(1, block // row_bytes, rows.micro_batch), row_bytes), dtype=np.uint8)  # a chunk: whole micro-batches
+    buf = np.empty(
+        (max(1, block // row_bytes, rows.micro_batch), row_bytes), dtype=np.uint8
+    )  # a chunk: whole micro-batches
     for e in root["epochs"]:
         d, rd = path / epoch_dir_name(e), run_path / epoch_dir_name(e)
         try:
@@ -133,8 +168,13 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
             rep.add(getattr(err, "file", None) or rd, None, "a readable manifest", str(err), "cannot compare epoch")
             continue
         if xxhash.xxh3_128_hexdigest(raw) != m.get("epoch_xxh3_128"):
-            rep.add(d / MANIFEST, "epoch_xxh3_128", m.get("epoch_xxh3_128"), xxhash.xxh3_128_hexdigest(raw),
-                    f"slice epoch {e} was staged from another version of the run's epoch")
+            rep.add(
+                d / MANIFEST,
+                "epoch_xxh3_128",
+                m.get("epoch_xxh3_128"),
+                xxhash.xxh3_128_hexdigest(raw),
+                f"slice epoch {e} was staged from another version of the run's epoch",
+            )
             continue
         em = read_manifest(rd, kind="epoch")
         shards = RowFacts(em, row_bytes, _local_blocks(rd, em, row_bytes), str(rd), "run `tokpack validate` on the run")
@@ -145,10 +185,14 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
                 try:
                     replay = source_rows(rd, em, Path(work) / "table")
                 except (TokpackError, OSError) as err:
-                    rep.add(getattr(err, "file", None) or getattr(err, "filename", None) or rd, getattr(err, "where", None),
-                            "the run's sources, readable as its epoch manifest names them", str(err),
-                            f"cannot replay epoch {e} from the sources",
-                            hint="give the sources back at the paths the run's manifest names, then validate again")
+                    rep.add(
+                        getattr(err, "file", None) or getattr(err, "filename", None) or rd,
+                        getattr(err, "where", None),
+                        "the run's sources, readable as its epoch manifest names them",
+                        str(err),
+                        f"cannot replay epoch {e} from the sources",
+                        hint="give the sources back at the paths the run's manifest names, then validate again",
+                    )
             try:
                 for s in m["shards"]:
                     r = int(s["rank"])
@@ -158,26 +202,51 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
                     except TokpackError as err:
                         rep.add(err.file or f, err.where, err.expected, err.found, err.message, hint=err.hint)
                     except OSError as err:
-                        rep.add(err.filename or f, None, "a readable rank file and run", err.strerror,
-                                "cannot compare rank file")
+                        rep.add(
+                            err.filename or f,
+                            None,
+                            "a readable rank file and run",
+                            err.strerror,
+                            "cannot compare rank file",
+                        )
             finally:
                 if replay is not None:
                     replay.close()
 
 
-def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: int, n: int, shards: RowFacts,
-                       buf: np.ndarray, row_bytes: int, rep, replay=None) -> None:
+def _against_rank_file(
+    f: Path,
+    s: dict,
+    r: int,
+    e: int,
+    rows: RankRows,
+    first: int,
+    n: int,
+    shards: RowFacts,
+    buf: np.ndarray,
+    row_bytes: int,
+    rep,
+    replay=None,
+) -> None:
     """One rank file (and its `.ds.pad`) against the run's rows rank r reads in epoch e, block by
     block; with `replay` (a SourceRows), also against the rows the sources give at those positions."""
     want_rows = rows.rows(r, first, first + n)
     size = regular_size(f)
     if size != want_rows * row_bytes:
-        rep.add(f, "size", f"{want_rows * row_bytes} bytes ({want_rows} samples of rank {r})", f"{size} bytes",
-                "rank file does not hold that rank's samples")
+        rep.add(
+            f,
+            "size",
+            f"{want_rows * row_bytes} bytes ({want_rows} samples of rank {r})",
+            f"{size} bytes",
+            "rank file does not hold that rank's samples",
+        )
         return
     # a rank file of a best-fit run without one is reported by the slice's own checks (missing_padding)
-    pad_file = open_read(f.with_name(f.name + PAD_SUFFIX), size=want_rows * PAD_DTYPE.itemsize,
-                         what="padding sidecar") if has_pad(s) else None
+    pad_file = (
+        open_read(f.with_name(f.name + PAD_SUFFIX), size=want_rows * PAD_DTYPE.itemsize, what="padding sidecar")
+        if has_pad(s)
+        else None
+    )
     pad_buf = np.empty(len(buf), dtype=PAD_DTYPE)
     done, bad_rows, bad_pads, first_bad, first_pad = 0, 0, 0, None, None
     proof = _Replayed(replay) if replay is not None else None
@@ -205,7 +274,12 @@ def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: 
                     bad = np.flatnonzero(pad_buf[:k] != wp) if got == pv.nbytes else np.arange(k)
                     if len(bad) and first_pad is None:
                         j = int(bad[0])
-                        first_pad = (done + j, int(wp[j]), int(pos[j]), int(pad_buf[j]) if got == pv.nbytes else "end of file")
+                        first_pad = (
+                            done + j,
+                            int(wp[j]),
+                            int(pos[j]),
+                            int(pad_buf[j]) if got == pv.nbytes else "end of file",
+                        )
                     bad_pads += len(bad)
                     if proof is not None:
                         proof.compare_padding(done, pos, pad_buf[:k] if got == pv.nbytes else None)
@@ -215,13 +289,23 @@ def _against_rank_file(f: Path, s: dict, r: int, e: int, rows: RankRows, first: 
             pad_file.close()
     if first_bad is not None:
         k, want, p, found = first_bad
-        rep.add(f, f"row {k}", f"{want:016x} (run epoch {e}, sample {p})", f"{found:016x}",
-                f"rank file row differs from the run's sample rank {r} reads there"
-                + (f" ({bad_rows} rows differ)" if bad_rows > 1 else ""))
+        rep.add(
+            f,
+            f"row {k}",
+            f"{want:016x} (run epoch {e}, sample {p})",
+            f"{found:016x}",
+            f"rank file row differs from the run's sample rank {r} reads there"
+            + (f" ({bad_rows} rows differ)" if bad_rows > 1 else ""),
+        )
     if first_pad is not None:
         k, want, p, found = first_pad
-        rep.add(f.with_name(f.name + PAD_SUFFIX), f"row {k}", f"{want} padding tokens (run epoch {e}, sample {p})",
-                found, "rank file padding differs from the run's" + (f" ({bad_pads} rows differ)" if bad_pads > 1 else ""))
+        rep.add(
+            f.with_name(f.name + PAD_SUFFIX),
+            f"row {k}",
+            f"{want} padding tokens (run epoch {e}, sample {p})",
+            found,
+            "rank file padding differs from the run's" + (f" ({bad_pads} rows differ)" if bad_pads > 1 else ""),
+        )
     if proof is not None:
         proof.report(f, r, e, rep)
 
@@ -238,9 +322,9 @@ class _Replayed:
     def compare(self, done: int, pos: np.ndarray, have: np.ndarray) -> None:
         parts = []
         for c in range(0, len(pos), self.replay.part_rows):
-            part = pos[c:c + self.replay.part_rows]
+            part = pos[c : c + self.replay.part_rows]
             tokens, pad = self.replay.rows(part)
-            bad = np.flatnonzero((tokens.reshape(len(part), -1).view(np.uint8) != have[c:c + len(part)]).any(axis=1))
+            bad = np.flatnonzero((tokens.reshape(len(part), -1).view(np.uint8) != have[c : c + len(part)]).any(axis=1))
             if len(bad) and self.first_row is None:
                 self.first_row = (done + c + int(bad[0]), int(part[bad[0]]))
             self.bad_rows += len(bad)
@@ -253,23 +337,40 @@ class _Replayed:
         bad = np.flatnonzero(self.pad != have) if have is not None else np.arange(len(pos))
         if len(bad) and self.first_pad is None:
             j = int(bad[0])
-            self.first_pad = (done + j, int(pos[j]), int(self.pad[j]), int(have[j]) if have is not None else "end of file")
+            self.first_pad = (
+                done + j,
+                int(pos[j]),
+                int(self.pad[j]),
+                int(have[j]) if have is not None else "end of file",
+            )
         self.bad_pads += len(bad)
 
     def report(self, f: Path, r: int, e: int, rep) -> None:
         if self.first_row is not None:
             k, p = self.first_row
-            rep.add(f, f"row {k}", f"the sources' row at run epoch {e}, sample {p}, as the run's plan places it",
-                    "other tokens", f"rank file row is not the one the plan puts at that position for rank {r}, "
-                    "replayed from the sources" + (f" ({self.bad_rows} rows differ)" if self.bad_rows > 1 else ""),
-                    hint=REBUILD_HINT)
+            rep.add(
+                f,
+                f"row {k}",
+                f"the sources' row at run epoch {e}, sample {p}, as the run's plan places it",
+                "other tokens",
+                f"rank file row is not the one the plan puts at that position for rank {r}, "
+                "replayed from the sources" + (f" ({self.bad_rows} rows differ)" if self.bad_rows > 1 else ""),
+                hint=REBUILD_HINT,
+            )
         if self.first_pad is not None:
             k, p, want, found = self.first_pad
-            rep.add(f.with_name(f.name + PAD_SUFFIX), f"row {k}",
-                    f"{want} padding tokens (the sources' row at run epoch {e}, sample {p})", found,
-                    "rank file padding is not the plan's, replayed from the sources"
-                    + (f" ({self.bad_pads} rows differ)" if self.bad_pads > 1 else ""), hint=REBUILD_HINT)
+            rep.add(
+                f.with_name(f.name + PAD_SUFFIX),
+                f"row {k}",
+                f"{want} padding tokens (the sources' row at run epoch {e}, sample {p})",
+                found,
+                "rank file padding is not the plan's, replayed from the sources"
+                + (f" ({self.bad_pads} rows differ)" if self.bad_pads > 1 else ""),
+                hint=REBUILD_HINT,
+            )
 
 
-REBUILD_HINT = ("rebuild this node's slice from the sources (`tokpack stage RUN DEST --node n/N --ranks-per-node K "
-                "--micro-batch M`), or rerun the --to-nodes command")
+REBUILD_HINT = (
+    "rebuild this node's slice from the sources (`tokpack stage RUN DEST --node n/N --ranks-per-node K "
+    "--micro-batch M`), or rerun the --to-nodes command"
+)

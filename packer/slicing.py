@@ -53,13 +53,31 @@ from tokpack.formats.manifest import (
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace, ShardWriter
 from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, RowFacts, contained_shard, shard_suffixes
-from tokpack.formats.slices import (SLICE, SLICE_EPOCH, SLICE_EPOCH_KEYS, SLICE_SHAPE_KEYS, RankRows, missing_padding,
-                                    rank_file_name, run_identity, slice_epoch_manifest, slice_manifest,
-                                    stage_command)
+from tokpack.formats.slices import (
+    SLICE,
+    SLICE_EPOCH,
+    SLICE_EPOCH_KEYS,
+    SLICE_SHAPE_KEYS,
+    RankRows,
+    missing_padding,
+    rank_file_name,
+    run_identity,
+    slice_epoch_manifest,
+    slice_manifest,
+    stage_command,
+)
 
 from tokpack.packer.shared import Result
-from tokpack.packer.staging import (MAX_WORLD_SIZE, UNFINISHED, Held, Source, dest_holds, on_disk, parse_epochs,
-                                    refuse_dest)
+from tokpack.packer.staging import (
+    MAX_WORLD_SIZE,
+    UNFINISHED,
+    Held,
+    Source,
+    dest_holds,
+    on_disk,
+    parse_epochs,
+    refuse_dest,
+)
 from tokpack.shuffle.packings import DEFAULT as DEFAULT_PACKING
 
 # Rows gathered per step: three chunks in flight (read, verified, written), so memory stays near
@@ -99,8 +117,9 @@ def parse_rank_range(spec) -> tuple[int, int, int | None]:
         a, b = int(lo), int(hi) if dash else int(lo)
         w = int(tail) if sep else None
     except ValueError:
-        raise TokpackError("bad --ranks", where="--ranks", expected="'A-B' (consecutive ranks of one node) or 'A'",
-                           found=spec) from None
+        raise TokpackError(
+            "bad --ranks", where="--ranks", expected="'A-B' (consecutive ranks of one node) or 'A'", found=spec
+        ) from None
     if a < 0 or b < a:
         raise TokpackError("bad --ranks", where="--ranks", expected="0 <= A <= B", found=spec)
     return a, b, w
@@ -114,20 +133,41 @@ MAX_SLICE_RANKS = 256
 MAX_GLOBAL_BATCH = 1 << 48
 
 
-def slice_ranks(ranks=None, world_size: int | None = None, node=None, ranks_per_node: int | None = None,
-                micro_batch: int | None = None) -> tuple[int, int, int]:
+def slice_ranks(
+    ranks=None,
+    world_size: int | None = None,
+    node=None,
+    ranks_per_node: int | None = None,
+    micro_batch: int | None = None,
+) -> tuple[int, int, int]:
     """(A, B, W) from `--ranks A-B --world-size W` or `--node n/N --ranks-per-node K` (W = N*K),
     with at most MAX_SLICE_RANKS ranks and, given `micro_batch` m, W*m at most MAX_GLOBAL_BATCH:
     checked before anything is written, for every command that makes a node slice."""
     a, b, w = _slice_ranks(ranks, world_size, node, ranks_per_node)
-    at_most(b - a + 1, MAX_SLICE_RANKS, "ranks in one node slice", where="--ranks/--ranks-per-node",
-            hint="a node slice holds the ranks of one node: stage each node's ranks (--node n/N) on that node")
-    at_most(w, MAX_WORLD_SIZE, "world size", where="--world-size", hint="W is the number of data-parallel ranks that read the run")
+    at_most(
+        b - a + 1,
+        MAX_SLICE_RANKS,
+        "ranks in one node slice",
+        where="--ranks/--ranks-per-node",
+        hint="a node slice holds the ranks of one node: stage each node's ranks (--node n/N) on that node",
+    )
+    at_most(
+        w,
+        MAX_WORLD_SIZE,
+        "world size",
+        where="--world-size",
+        hint="W is the number of data-parallel ranks that read the run",
+    )
     if micro_batch is not None:
         if micro_batch < 1:
             raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
-        at_most(w * micro_batch, MAX_GLOBAL_BATCH, "samples in a global batch (W*m)", where="--world-size/--micro-batch",
-                hint="W is the data-parallel ranks and m the samples each reads per step; a run holds far fewer samples")
+        at_most(
+            w * micro_batch,
+            MAX_GLOBAL_BATCH,
+            "samples in a global batch (W*m)",
+            where="--world-size/--micro-batch",
+            hint="W is the data-parallel ranks and m the samples each reads per step; a run holds far fewer samples",
+        )
     return a, b, w
 
 
@@ -142,22 +182,36 @@ def _slice_ranks(ranks, world_size, node, ranks_per_node) -> tuple[int, int, int
             raise TokpackError("bad --node", where="--node", expected="'n/N': node n of N", found=node) from None
         k = ranks_per_node
         if k is None or k < 1 or count < 1 or not 0 <= n < count:
-            raise TokpackError("bad --node", where="--node/--ranks-per-node", expected="0 <= n < N and K >= 1",
-                               found=f"{node}, --ranks-per-node {k}")
+            raise TokpackError(
+                "bad --node",
+                where="--node/--ranks-per-node",
+                expected="0 <= n < N and K >= 1",
+                found=f"{node}, --ranks-per-node {k}",
+            )
         if world_size is not None and world_size != count * k:
-            raise TokpackError("--world-size disagrees with --node and --ranks-per-node", where="--world-size",
-                               expected=f"{count * k} (N*K)", found=world_size)
+            raise TokpackError(
+                "--world-size disagrees with --node and --ranks-per-node",
+                where="--world-size",
+                expected=f"{count * k} (N*K)",
+                found=world_size,
+            )
         return n * k, n * k + k - 1, count * k
     if ranks is None:
-        raise TokpackError("a node slice needs its ranks", where="--ranks",
-                           hint="add --ranks A-B, or --node n/N --ranks-per-node K")
+        raise TokpackError(
+            "a node slice needs its ranks", where="--ranks", hint="add --ranks A-B, or --node n/N --ranks-per-node K"
+        )
     a, b, w = parse_rank_range(ranks)
     if w is not None and world_size is not None and w != world_size:
         raise TokpackError("--ranks and --world-size disagree", where="--ranks", expected=f"/{world_size}", found=ranks)
     w = world_size if world_size is not None else w
     if w is None or w < 1 or b >= w:
-        raise TokpackError("bad --ranks", where="--ranks", expected=f"ranks in [0, {w})" if w else "a --world-size",
-                           found=ranks, hint="each rank must be below the world size W")
+        raise TokpackError(
+            "bad --ranks",
+            where="--ranks",
+            expected=f"ranks in [0, {w})" if w else "a --world-size",
+            found=ranks,
+            hint="each rank must be below the world size W",
+        )
     return a, b, w
 
 
@@ -179,8 +233,9 @@ class _Reads:
                 fd = self._fds.get(rel)
                 if fd is None:
                     try:  # through the gate: inside its epoch folder, a regular file (a FIFO would block), its size
-                        fd = self._fds[rel] = regular_fd(os.path.join(self.src.local_root, rel), size=self.sizes[rel],
-                                                         what="run file", hint=RUN_HINT)
+                        fd = self._fds[rel] = regular_fd(
+                            os.path.join(self.src.local_root, rel), size=self.sizes[rel], what="run file", hint=RUN_HINT
+                        )
                     except OSError as e:
                         raise self.src.read_error(rel, e) from None
         return fd
@@ -221,15 +276,20 @@ class _Reads:
             done = len(data)
             out[:done] = data
         if done != out.nbytes:
-            raise TokpackError("shard is shorter than its manifest says", file=f"{self.src.path.rstrip('/')}/{rel}",
-                               where=f"byte {start + done}", expected=f"{out.nbytes - done} more bytes",
-                               found="end of file", hint="run `tokpack validate` on the run")
+            raise TokpackError(
+                "shard is shorter than its manifest says",
+                file=f"{self.src.path.rstrip('/')}/{rel}",
+                where=f"byte {start + done}",
+                expected=f"{out.nbytes - done} more bytes",
+                found="end of file",
+                hint="run `tokpack validate` on the run",
+            )
         self.bytes += done
 
     def whole(self, rel: str, size: int) -> bytes:
         buf = bytearray(size)
         view = memoryview(buf)
-        self.read_all([(rel, off, view[off: off + CHUNK_BYTES]) for off in range(0, size, CHUNK_BYTES)])
+        self.read_all([(rel, off, view[off : off + CHUNK_BYTES]) for off in range(0, size, CHUNK_BYTES)])
         return bytes(buf)
 
     def close(self) -> None:
@@ -241,17 +301,30 @@ class _Reads:
 class _EpochStager:
     """Copies one epoch's rows of the node's ranks into their rank files, verified row by row."""
 
-    def __init__(self, src: Source, reads: _Reads, rel: str, manifest: dict, rows: RankRows, ranks: tuple[int, int],
-                 first: int, log):
+    def __init__(
+        self,
+        src: Source,
+        reads: _Reads,
+        rel: str,
+        manifest: dict,
+        rows: RankRows,
+        ranks: tuple[int, int],
+        first: int,
+        log,
+    ):
         self.src, self.reads, self.rel, self.m = src, reads, rel, manifest
         self.rows, self.ranks, self.first, self.log = rows, ranks, first, log
         self.shards = manifest["shards"]
         self.per_shard = int(manifest["shard_samples"])
         self.row_bytes = row_bytes_of(manifest)
         # Row hashes and padding as the run records them, each sidecar checked before use.
-        self.facts = RowFacts(manifest, self.row_bytes, lambda i, suffix, size: [reads.whole(self.shard_path(i) + suffix, size)],
-                              f"{src.path.rstrip('/')}/{rel}", "the run's file is corrupt: run `tokpack validate` on the run; "
-                                                               "nothing was kept")
+        self.facts = RowFacts(
+            manifest,
+            self.row_bytes,
+            lambda i, suffix, size: [reads.whole(self.shard_path(i) + suffix, size)],
+            f"{src.path.rstrip('/')}/{rel}",
+            "the run's file is corrupt: run `tokpack validate` on the run; nothing was kept",
+        )
         self.by_rows = all("rows_xxh3_128" in s for s in self.shards)
         self.packed = any(has_pad(s) for s in self.shards)  # best-fit: rank files get a `.ds.pad`
         for s in self.shards:
@@ -282,7 +355,7 @@ class _EpochStager:
         buf = slot[0][:k]
         flat = memoryview(buf.reshape(-1))
         rb = self.row_bytes
-        self.reads.read_all([(rel, off, flat[a * rb: b * rb]) for rel, off, a, b in ranges], advised=True)
+        self.reads.read_all([(rel, off, flat[a * rb : b * rb]) for rel, off, a, b in ranges], advised=True)
         want = self.facts.gather(pos, self.facts.hashes)
         pad = self.facts.gather(pos, self.facts.pads) if self.packed else None
         return buf, shard, want, pad
@@ -328,17 +401,24 @@ class _EpochStager:
                     b = int(bad[0])
                     i = int(shard[b])
                     k = int(pos[b] - i * self.per_shard)
-                    raise TokpackError("sample differs from the run's row hash", file=f"{self.src.path.rstrip('/')}/{self.shard_path(i)}",
-                                       where=f"sample {k} (byte {k * self.row_bytes})",
-                                       expected=hash_hex64(int(want[b])), found=hash_hex64(int(found[b])),
-                                       hint="the run's shard is corrupt: run `tokpack validate` on the run; nothing was kept")
+                    raise TokpackError(
+                        "sample differs from the run's row hash",
+                        file=f"{self.src.path.rstrip('/')}/{self.shard_path(i)}",
+                        where=f"sample {k} (byte {k * self.row_bytes})",
+                        expected=hash_hex64(int(want[b])),
+                        found=hash_hex64(int(found[b])),
+                        hint="the run's shard is corrupt: run `tokpack validate` on the run; nothing was kept",
+                    )
                 tokens = buf.view(dtype)
                 if len(writers) == 1:  # every row is this rank's: no gather
                     parts = [(r, tokens, found, pad) for r in writers]
                 else:
                     rank = self.rows.rank_of(pos + self.first)
-                    parts = [(r, tokens[sel], found[sel], None if pad is None else pad[sel])
-                             for r, sel in ((r, rank == r) for r in writers) if sel.any()]
+                    parts = [
+                        (r, tokens[sel], found[sel], None if pad is None else pad[sel])
+                        for r, sel in ((r, rank == r) for r in writers)
+                        if sel.any()
+                    ]
                 for r, t, h, p in parts:
                     last = disk.submit(writers[r].write_tokens, t)
                     writers[r].write_index(t, h)
@@ -357,8 +437,11 @@ def run_files(entry: dict, row_bytes: int) -> list[tuple[str, int]]:
     """(name, recorded bytes) of the files a node slice reads of one run shard: its tokens, and
     its row hashes and padding where it has them."""
     n, name = int(entry["samples"]), entry["path"]
-    return ([(name, n * row_bytes)] + ([(name + ROWS_SUFFIX, U64.itemsize * n)] if "rows_xxh3_128" in entry else [])
-            + ([(name + PAD_SUFFIX, PAD_DTYPE.itemsize * n)] if has_pad(entry) else []))
+    return (
+        [(name, n * row_bytes)]
+        + ([(name + ROWS_SUFFIX, U64.itemsize * n)] if "rows_xxh3_128" in entry else [])
+        + ([(name + PAD_SUFFIX, PAD_DTYPE.itemsize * n)] if has_pad(entry) else [])
+    )
 
 
 def check_run_files(src: Source, epochs: list[int], row_bytes: int) -> None:
@@ -371,10 +454,14 @@ def check_run_files(src: Source, epochs: list[int], row_bytes: int) -> None:
         for i, s in enumerate(m["shards"]):
             contained_shard(src.root / rel, s, i)
             if rows_padded(m) and not has_pad(s):  # found by tests/test_fuzz.py: staged as zero padding
-                raise TokpackError("best-fit epoch shard lacks its padding sidecar: the slice would train on its "
-                                   "padding as tokens", file=f"{src.path.rstrip('/')}/{rel}/{MANIFEST}",
-                                   where=f"shards[{i}].pad_xxh3_128", expected="the checksum of its .ds.pad",
-                                   found="none", hint=RUN_HINT)
+                raise TokpackError(
+                    "best-fit epoch shard lacks its padding sidecar: the slice would train on its padding as tokens",
+                    file=f"{src.path.rstrip('/')}/{rel}/{MANIFEST}",
+                    where=f"shards[{i}].pad_xxh3_128",
+                    expected="the checksum of its .ds.pad",
+                    found="none",
+                    hint=RUN_HINT,
+                )
             for name, size in run_files(s, row_bytes):
                 src.check(f"{rel}/{name}", size, what="run file", hint=RUN_HINT)
 
@@ -407,26 +494,53 @@ def slice_files(rows: int, row_bytes: int, fragments_per_row: float, padded: boo
     fragments are known only once the rows are read: counted at the epoch's mean per row, and
     at least one a row (each row ends one)."""
     index = U64.itemsize * max(rows, math.ceil(rows * fragments_per_row))
-    return (on_disk(rows * row_bytes) + on_disk(U64.itemsize * rows) + on_disk(index) + on_disk(None)
-            + (on_disk(PAD_DTYPE.itemsize * rows) if padded else 0))
+    return (
+        on_disk(rows * row_bytes)
+        + on_disk(U64.itemsize * rows)
+        + on_disk(index)
+        + on_disk(None)
+        + (on_disk(PAD_DTYPE.itemsize * rows) if padded else 0)
+    )
 
 
-def plan_slice(src: Source, ranks=None, world_size: int | None = None, micro_batch: int = 1, node=None,
-               ranks_per_node: int | None = None, start_sample: int = 0, epochs=None) -> SlicePlan:
+def plan_slice(
+    src: Source,
+    ranks=None,
+    world_size: int | None = None,
+    micro_batch: int = 1,
+    node=None,
+    ranks_per_node: int | None = None,
+    start_sample: int = 0,
+    epochs=None,
+) -> SlicePlan:
     a, b, w = slice_ranks(ranks, world_size, node, ranks_per_node, micro_batch)
     rows = RankRows(w, micro_batch, start_sample)
     run = src.manifest("")
     if run["kind"] != "run":
-        raise TokpackError("a node slice is staged from a run", file=src.path, where="kind", expected="run",
-                           found=run["kind"], hint="give the run directory (the one holding epoch-NNNNN/)")
+        raise TokpackError(
+            "a node slice is staged from a run",
+            file=src.path,
+            where="kind",
+            expected="run",
+            found=run["kind"],
+            hint="give the run directory (the one holding epoch-NNNNN/)",
+        )
     numbering = EpochNumbering.of_run(run, src.path)
-    available = sorted(int(e) for e in run.get("epochs") or [])  # complete epochs only: a run being shuffled lists those
+    available = sorted(
+        int(e) for e in run.get("epochs") or []
+    )  # complete epochs only: a run being shuffled lists those
     chosen = available if epochs is None else parse_epochs(epochs)
     missing = [e for e in chosen if e not in available]
     if missing:
-        raise TokpackError("epochs not in this run (yet)", file=src.path, where="epochs", expected=f"some of {available}",
-                           found=missing, hint=f"write epoch {missing[0]} with `{shuffle_command(run, src.path, missing[0])}`"
-                           " or stage the written ones")
+        raise TokpackError(
+            "epochs not in this run (yet)",
+            file=src.path,
+            where="epochs",
+            expected=f"some of {available}",
+            found=missing,
+            hint=f"write epoch {missing[0]} with `{shuffle_command(run, src.path, missing[0])}`"
+            " or stage the written ones",
+        )
     row_bytes = row_bytes_of(run)
     kept, read, by_rows, written = {}, {}, {}, {}
     header = SLICE_HEADER_BYTES + len(canonical_bytes(run_identity(run)))
@@ -437,8 +551,9 @@ def plan_slice(src: Source, ranks=None, world_size: int | None = None, micro_bat
         kept[e] = sum(per_rank) * row_bytes
         padded = any(has_pad(s) for s in m.get("shards") or [])
         per_row = int(m.get("fragments") or 0) / max(1, int(m.get("samples") or 0))
-        written[e] = (sum(slice_files(k, row_bytes, per_row, padded) for k in per_rank)
-                      + on_disk(header + SLICE_ENTRY_BYTES * len(per_rank)))
+        written[e] = sum(slice_files(k, row_bytes, per_row, padded) for k in per_rank) + on_disk(
+            header + SLICE_ENTRY_BYTES * len(per_rank)
+        )
         by_rows[e] = all("rows_xxh3_128" in s for s in m.get("shards") or [])
         pad = sum(PAD_DTYPE.itemsize * int(s["samples"]) for s in m.get("shards") or [] if has_pad(s))
         read[e] = kept[e] + (8 * n if by_rows[e] else n * row_bytes) + pad
@@ -454,21 +569,41 @@ def _epoch_in_place(d: Path, want: dict) -> bool:
     if not isinstance(have, dict) or any(have.get(k) != want[k] for k in SLICE_EPOCH_KEYS):
         return False
     try:
-        return all((d / s["path"]).stat().st_size == s["bytes"] and missing_padding(d, want, s) is None
-                   and all((d / f"{s['path']}{x}").is_file() for x in shard_suffixes(s)[1:]) for s in have["shards"])
+        return all(
+            (d / s["path"]).stat().st_size == s["bytes"]
+            and missing_padding(d, want, s) is None
+            and all((d / f"{s['path']}{x}").is_file() for x in shard_suffixes(s)[1:])
+            for s in have["shards"]
+        )
     except (OSError, KeyError, TypeError):
         return False
 
 
 @locked_output("stage", arg="dest")
-def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, micro_batch: int = 1,
-                node=None, ranks_per_node: int | None = None, start_sample: int = 0, epochs=None, workers: int = 4,
-                log=None) -> SliceResult:
+def stage_slice(
+    directory,
+    dest,
+    *,
+    ranks=None,
+    world_size: int | None = None,
+    micro_batch: int = 1,
+    node=None,
+    ranks_per_node: int | None = None,
+    start_sample: int = 0,
+    epochs=None,
+    workers: int = 4,
+    log=None,
+) -> SliceResult:
     """Writes the node slice of ranks A..B of a run (local or any fsspec URL) into the local DEST."""
     t0 = time.perf_counter()
     if "://" in str(dest):
-        raise TokpackError("DEST must be a local path", file=dest, expected="a local directory (e.g. on NVMe)",
-                           found="a URL", hint="stage reads from any fsspec URL but writes to local disk")
+        raise TokpackError(
+            "DEST must be a local path",
+            file=dest,
+            expected="a local directory (e.g. on NVMe)",
+            found="a URL",
+            hint="stage reads from any fsspec URL but writes to local disk",
+        )
     src = Source(str(directory))
     plan = plan_slice(src, ranks, world_size, micro_batch, node, ranks_per_node, start_sample, epochs)
     (a, b), w, rows, run, chosen = plan.ranks, plan.world_size, plan.rows, plan.run, plan.epochs
@@ -480,8 +615,11 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
     check_run_files(src, chosen, row_bytes)
     dest.mkdir(parents=True, exist_ok=True)
     # Every file it writes: rank files with their sidecars, epoch manifests, the root manifest.
-    check_space([(dest, sum(plan.written[e] for e in chosen if e not in previous) + plan.root_bytes)], "stage",
-                hint="free some space there, choose another DEST, or stage fewer epochs (--epochs)")
+    check_space(
+        [(dest, sum(plan.written[e] for e in chosen if e not in previous) + plan.root_bytes)],
+        "stage",
+        hint="free some space there, choose another DEST, or stage fewer epochs (--epochs)",
+    )
 
     output: Output = LocalOutput()  # a node slice is written on the node (tokpack.formats.outputs: the shared sink)
     staged, in_place, verified_by, kept_rows = [], [], set(), 0
@@ -494,9 +632,14 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
                 m = parse_manifest(raw, f"{src.path.rstrip('/')}/{rel}/{MANIFEST}", "epoch")
                 first = numbering.first(e)
                 if int(m["samples"]) != numbering.size(e) or int(m["seq_len"]) != int(run["seq_len"]):
-                    raise TokpackError("epoch does not belong to its run", file=f"{src.path.rstrip('/')}/{rel}",
-                                       where="samples/seq_len", expected=(numbering.size(e), run["seq_len"]),
-                                       found=(m.get("samples"), m.get("seq_len")), hint="run `tokpack validate` on the run")
+                    raise TokpackError(
+                        "epoch does not belong to its run",
+                        file=f"{src.path.rstrip('/')}/{rel}",
+                        where="samples/seq_len",
+                        expected=(numbering.size(e), run["seq_len"]),
+                        found=(m.get("samples"), m.get("seq_len")),
+                        hint="run `tokpack validate` on the run",
+                    )
                 want = slice_epoch_manifest(root, e, int(m["samples"]), first, raw)
                 d = dest / rel
                 if _epoch_in_place(d, want):
@@ -508,11 +651,18 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
                 stager = _EpochStager(src, reads, rel, m, rows, (a, b), first, log)
                 verified_by.add("row hashes" if stager.by_rows else "whole shards")
                 if log and not stager.by_rows:
-                    log(f"stage: epoch {e} was written without row hashes (.ds.rows): verifying it by reading its "
+                    log(
+                        f"stage: epoch {e} was written without row hashes (.ds.rows): verifying it by reading its "
                         f"shards whole, about {w / (b - a + 1):.0f}x the slice's bytes; rewrite the epoch with this "
-                        "tokpack to stage only the slice")
-                fmt = EpochShardFormat(dtype_from_name(m["dtype"]), int(m["seq_len"]), int(m["eos_id"]), m["tokenizer"],
-                                       padded=stager.packed)
+                        "tokpack to stage only the slice"
+                    )
+                fmt = EpochShardFormat(
+                    dtype_from_name(m["dtype"]),
+                    int(m["seq_len"]),
+                    int(m["eos_id"]),
+                    m["tokenizer"],
+                    padded=stager.packed,
+                )
                 writers = {}
                 try:
                     for r in range(a, b + 1):
@@ -523,18 +673,24 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
                     for wr in writers.values():
                         wr.abort()
                     if is_no_space(err):  # the rank files' temporaries are gone: the disk is not left full
-                        raise TokpackError(f"disk full while staging epoch {e}; its partial rank files were removed",
-                                           file=d, expected="free space", found="No space left on device",
-                                           hint="free some space there (or choose another DEST), then rerun the "
-                                                "same command: the epochs already staged are kept") from None
+                        raise TokpackError(
+                            f"disk full while staging epoch {e}; its partial rank files were removed",
+                            file=d,
+                            expected="free space",
+                            found="No space left on device",
+                            hint="free some space there (or choose another DEST), then rerun the "
+                            "same command: the epochs already staged are kept",
+                        ) from None
                     raise
                 want["shards"] = entries
                 want["tokens"] = sum(s["tokens"] for s in entries)
                 output.finish(d, want)
                 staged.append(e)
                 if log:
-                    log(f"stage: epoch {e}: {sum(s['samples'] for s in entries):,} rows of ranks {a}-{b} "
-                        f"({want['tokens'] * int(run['token_size']) / 2**20:,.1f} MiB)")
+                    log(
+                        f"stage: epoch {e}: {sum(s['samples'] for s in entries):,} rows of ranks {a}-{b} "
+                        f"({want['tokens'] * int(run['token_size']) / 2**20:,.1f} MiB)"
+                    )
         finally:
             reads.close()
     root["epochs"] = sorted(set(previous) | set(chosen))
@@ -543,15 +699,31 @@ def stage_slice(directory, dest, *, ranks=None, world_size: int | None = None, m
     seconds = time.perf_counter() - t0
     kept = kept_rows * row_bytes
     if log:
-        log(f"stage: slice of ranks {a}-{b} of {w} (micro-batch {micro_batch}) at {dest}: epochs {root['epochs']}, "
+        log(
+            f"stage: slice of ranks {a}-{b} of {w} (micro-batch {micro_batch}) at {dest}: epochs {root['epochs']}, "
             f"{len(staged)} staged, {len(in_place)} already in place; read {reads.bytes / 2**20:,.1f} MiB "
-            f"for {kept / 2**20:,.1f} MiB kept")
-    return SliceResult(ok=True, kind=SLICE, source=src.path, dest=str(dest), ranks=root["ranks"], world_size=w,
-                       micro_batch=micro_batch, batch_phase=rows.phase, epochs=root["epochs"], epochs_staged=staged,
-                       epochs_in_place=in_place, verified_by=", ".join(sorted(verified_by)), rows_kept=kept_rows,
-                       bytes_kept=kept, bytes_read=reads.bytes,
-                       read_amplification=round(reads.bytes / kept, 4) if kept else None,
-                       seconds=round(seconds, 3), mib_per_s=round(reads.bytes / 2**20 / seconds, 1) if seconds > 0 else None)
+            f"for {kept / 2**20:,.1f} MiB kept"
+        )
+    return SliceResult(
+        ok=True,
+        kind=SLICE,
+        source=src.path,
+        dest=str(dest),
+        ranks=root["ranks"],
+        world_size=w,
+        micro_batch=micro_batch,
+        batch_phase=rows.phase,
+        epochs=root["epochs"],
+        epochs_staged=staged,
+        epochs_in_place=in_place,
+        verified_by=", ".join(sorted(verified_by)),
+        rows_kept=kept_rows,
+        bytes_kept=kept,
+        bytes_read=reads.bytes,
+        read_amplification=round(reads.bytes / kept, 4) if kept else None,
+        seconds=round(seconds, 3),
+        mib_per_s=round(reads.bytes / 2**20 / seconds, 1) if seconds > 0 else None,
+    )
 
 
 def _raw_manifest(src: Source, rel: str) -> bytes:
@@ -612,18 +784,32 @@ def _previous_slice(dest: Path, root: dict, source: str) -> list[int]:
         ours = {rank_file_name(r) for r in root["ranks"]}
         for d in sorted(q for q in dest.iterdir() if q.is_dir() and q.name.startswith("epoch-")):
             if (d / MANIFEST).is_file():
-                have = parse_manifest(read_limited(d / MANIFEST, MAX_MANIFEST_BYTES, "manifest"), d / MANIFEST,
-                                      kind=(SLICE_EPOCH, "source", "run", "epoch"))
+                have = parse_manifest(
+                    read_limited(d / MANIFEST, MAX_MANIFEST_BYTES, "manifest"),
+                    d / MANIFEST,
+                    kind=(SLICE_EPOCH, "source", "run", "epoch"),
+                )
                 if have.get("kind") != SLICE_EPOCH:
                     raise refuse_dest(dest_holds(dest, d / MANIFEST), "a node slice of these ranks of this run")
                 _same_slice(have, root, source, dest, d / MANIFEST)
-            stray = sorted(q.name for q in d.iterdir() if q.name != MANIFEST and not is_tmp_name(q.name)
-                           and q.name.partition(".ds")[0] + ".ds" not in ours)
+            stray = sorted(
+                q.name
+                for q in d.iterdir()
+                if q.name != MANIFEST and not is_tmp_name(q.name) and q.name.partition(".ds")[0] + ".ds" not in ours
+            )
             if stray:
-                raise refuse_dest(Held(UNFINISHED[SLICE], f"files of another copy or of other ranks ({d.name}/{stray[0]})",
-                                       d / stray[0]), f"the rank files of ranks {root['ranks'][0]}-{root['ranks'][-1]}")
+                raise refuse_dest(
+                    Held(
+                        UNFINISHED[SLICE],
+                        f"files of another copy or of other ranks ({d.name}/{stray[0]})",
+                        d / stray[0],
+                    ),
+                    f"the rank files of ranks {root['ranks'][0]}-{root['ranks'][-1]}",
+                )
         return []
-    have = parse_manifest(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path, kind=(SLICE, "source", "run", "epoch"))
+    have = parse_manifest(
+        read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path, kind=(SLICE, "source", "run", "epoch")
+    )
     if have.get("kind") != SLICE:
         raise refuse_dest(dest_holds(dest), "nothing, or a node slice of these ranks of this run")
     require_valid(have, dest)  # a damaged slice manifest is one line, as for every reader
@@ -635,14 +821,32 @@ def _same_slice(have: dict, root: dict, source: str, dest: Path, path: Path) -> 
     """Refuses a slice manifest at DEST (its root's or an epoch's) of another run or other ranks."""
     if have.get("run") != root["run"]:
         where, want, found = _first_difference(root["run"], have.get("run"), "run")
-        raise TokpackError("DEST holds a slice of another run", file=path, where=where,
-                           expected=f"{want} (the run being staged)", found=found,
-                           hint="remove DEST or choose another destination")
+        raise TokpackError(
+            "DEST holds a slice of another run",
+            file=path,
+            where=where,
+            expected=f"{want} (the run being staged)",
+            found=found,
+            hint="remove DEST or choose another destination",
+        )
     for key in SLICE_SHAPE_KEYS:
         if have.get(key) != root[key]:
             ranks = have.get("ranks") or [0]
-            raise TokpackError("DEST holds a slice for other ranks", file=path, where=key, expected=root[key],
-                               found=have.get(key),
-                               hint="remove DEST or choose another destination; it was made by `"
-                                    + stage_command(source, str(dest), ranks[0], ranks[-1], have.get("world_size"),
-                                                    have.get("micro_batch"), have.get("batch_phase") or 0) + "`")
+            raise TokpackError(
+                "DEST holds a slice for other ranks",
+                file=path,
+                where=key,
+                expected=root[key],
+                found=have.get(key),
+                hint="remove DEST or choose another destination; it was made by `"
+                + stage_command(
+                    source,
+                    str(dest),
+                    ranks[0],
+                    ranks[-1],
+                    have.get("world_size"),
+                    have.get("micro_batch"),
+                    have.get("batch_phase") or 0,
+                )
+                + "`",
+            )

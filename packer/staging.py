@@ -42,8 +42,20 @@ from tokpack.formats.units import at_most
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import contained_shard, shard_files
 from tokpack.formats.slices import RUN_SELECTION_KEYS, RankRows, stage_command
-from tokpack.formats.io import (ThreadPool, as_path, contained, hash_mapped, lent, open_new, open_read, progress,
-                                read_limited, regular_size, remove_tmp_files, tmp_path)
+from tokpack.formats.io import (
+    ThreadPool,
+    as_path,
+    contained,
+    hash_mapped,
+    lent,
+    open_new,
+    open_read,
+    progress,
+    read_limited,
+    regular_size,
+    remove_tmp_files,
+    tmp_path,
+)
 from tokpack.formats.manifest import (
     HOLDOUT_DIR,
     MANIFEST,
@@ -102,8 +114,14 @@ class StageResult(Result):
 # ------------------------------------------------------------------------ arguments
 
 
-def parse_epochs(spec, *, limit: int = MAX_EPOCHS, option: str = "--epochs", what: str = "epoch number",
-                 hint: str = f"epochs are numbered 0 to {MAX_EPOCHS - 1}; give those of the run") -> list[int] | None:
+def parse_epochs(
+    spec,
+    *,
+    limit: int = MAX_EPOCHS,
+    option: str = "--epochs",
+    what: str = "epoch number",
+    hint: str = f"epochs are numbered 0 to {MAX_EPOCHS - 1}; give those of the run",
+) -> list[int] | None:
     """'0,1' / '0-3' / '0-2,5' / [0, 1] -> sorted epoch numbers; None -> None (all). Every
     number is checked against `limit` before a range is expanded."""
     if spec is None:
@@ -141,19 +159,30 @@ def parse_ranks(spec, option: str = "--ranks") -> tuple[list[int], int] | None:
     else:
         head, sep, tail = str(spec).partition("/")
         world = int(tail) if sep and tail.strip().isdigit() else 0
-        at_most(world, MAX_WORLD_SIZE, "world size", where=option, hint="W in r/W is the number of ranks that read the run")
+        at_most(
+            world, MAX_WORLD_SIZE, "world size", where=option, hint="W in r/W is the number of ranks that read the run"
+        )
         try:
             if not sep:
                 raise ValueError
             world = int(tail)
             ranks = parse_epochs(head, limit=max(world, 1), option=option, what="rank") or []
         except (ValueError, TokpackError):
-            raise TokpackError(f"bad {option}", where=option, expected=f"ranks in [0, {world})" if world > 0 else
-                               "'r/W', 'r1,r2/W' or 'a-b/W'", found=spec, hint="each rank must be below the world size W"
-                               if world > 0 else None) from None
+            raise TokpackError(
+                f"bad {option}",
+                where=option,
+                expected=f"ranks in [0, {world})" if world > 0 else "'r/W', 'r1,r2/W' or 'a-b/W'",
+                found=spec,
+                hint="each rank must be below the world size W" if world > 0 else None,
+            ) from None
     if world < 1 or not ranks or ranks[0] < 0 or ranks[-1] >= world:
-        raise TokpackError(f"bad {option}", where=option, expected=f"ranks in [0, {world})", found=spec,
-                           hint="each rank must be below the world size W")
+        raise TokpackError(
+            f"bad {option}",
+            where=option,
+            expected=f"ranks in [0, {world})",
+            found=spec,
+            hint="each rank must be below the world size W",
+        )
     return ranks, world
 
 
@@ -164,14 +193,18 @@ def whole_shard_ranks(shards_of, ranks, world_size, node):
     if shards_of is None:
         return ranks
     if ranks is not None or world_size is not None or node is not None:
-        raise TokpackError("give --shards-of alone, not with --ranks, --world-size or --node", where="--shards-of",
-                           hint="--shards-of r/W copies the whole shards ranks r of W read; "
-                                "--ranks A-B --world-size W makes a node slice of only their rows")
+        raise TokpackError(
+            "give --shards-of alone, not with --ranks, --world-size or --node",
+            where="--shards-of",
+            hint="--shards-of r/W copies the whole shards ranks r of W read; "
+            "--ranks A-B --world-size W makes a node slice of only their rows",
+        )
     return parse_ranks(shards_of, option="--shards-of")
 
 
-def shards_for_ranks(shard_samples: list[int], offset: int, ranks: list[int], rows: RankRows,
-                     end: int | None = None) -> list[bool]:
+def shards_for_ranks(
+    shard_samples: list[int], offset: int, ranks: list[int], rows: RankRows, end: int | None = None
+) -> list[bool]:
     """Which shards the ranks read, for an epoch whose first sample is at `offset` in the
     chained stream of `end` samples (None: unbounded), readers serving complete global batches
     only. Each shard is decided in O(#ranks) from its sample range alone."""
@@ -209,7 +242,9 @@ def _join(*parts: str) -> str:
     return "/".join(p for p in parts if p)
 
 
-def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None, root=None) -> tuple[list[CopyJob], list[str]]:
+def shard_jobs(
+    manifest: dict, dir_rel: str, keep: list[bool] | None = None, root=None
+) -> tuple[list[CopyJob], list[str]]:
     """The files of a source or epoch manifest's shards (formats/shards.py shard_files), each
     known to stay inside its folder under `root` (tokpack.formats.io.contained)."""
     jobs, skipped = [], []
@@ -221,8 +256,10 @@ def shard_jobs(manifest: dict, dir_rel: str, keep: list[bool] | None = None, roo
         if keep is not None and not keep[i]:
             skipped.append(name)
             continue
-        jobs += [CopyJob(_join(dir_rel, name + suffix), size, s.get(key), dir_rel)
-                 for suffix, size, key in shard_files(s, source=manifest.get("kind") == "source")]
+        jobs += [
+            CopyJob(_join(dir_rel, name + suffix), size, s.get(key), dir_rel)
+            for suffix, size, key in shard_files(s, source=manifest.get("kind") == "source")
+        ]
     return jobs, skipped
 
 
@@ -238,10 +275,15 @@ class Source:
         try:
             self.root = as_path(self.path)  # a Path (plain os calls, kernel copies) or a RemotePath
         except Exception as e:  # noqa: BLE001 - fsspec raises anything (ImportError, ValueError, auth...)
-            raise TokpackError("cannot open the source", file=self.path, expected="a readable local path or fsspec URL",
-                               found=f"{type(e).__name__}: {e}",
-                               hint="install the fsspec backend it names (e.g. pip install s3fs)" if isinstance(e, ImportError)
-                               else "check the path or URL, and the credentials of its filesystem") from None
+            raise TokpackError(
+                "cannot open the source",
+                file=self.path,
+                expected="a readable local path or fsspec URL",
+                found=f"{type(e).__name__}: {e}",
+                hint="install the fsspec backend it names (e.g. pip install s3fs)"
+                if isinstance(e, ImportError)
+                else "check the path or URL, and the credentials of its filesystem",
+            ) from None
         self.local_root = str(self.root.absolute()) if isinstance(self.root, Path) else None  # None: remote
 
     def open(self, rel: str, size: int | None = None):
@@ -270,10 +312,14 @@ class Source:
         if isinstance(e, TokpackError):
             return e
         if isinstance(e, FileNotFoundError):
-            return TokpackError("file listed in the manifest is missing", file=where,
-                                hint="restore it, or run `tokpack validate` on the source")
-        return TokpackError("cannot read the source", file=where, expected="a readable file",
-                            found=f"{type(e).__name__}: {e}")
+            return TokpackError(
+                "file listed in the manifest is missing",
+                file=where,
+                hint="restore it, or run `tokpack validate` on the source",
+            )
+        return TokpackError(
+            "cannot read the source", file=where, expected="a readable file", found=f"{type(e).__name__}: {e}"
+        )
 
     def manifest(self, rel_dir: str, kind=None) -> dict:
         rel = _join(rel_dir, MANIFEST)
@@ -285,14 +331,24 @@ class Source:
                 raw = f.read(MAX_MANIFEST_BYTES + 1)  # parse_manifest refuses more
         except FileNotFoundError:
             if rel_dir:
-                raise TokpackError("incomplete: no tokpack.json", file=where,
-                                   hint="the run that writes it was interrupted or is still running") from None
-            raise TokpackError("not a tokpack directory, or unreachable: no tokpack.json", file=where,
-                               hint="check the path; stage copies sources, runs and epochs") from None
+                raise TokpackError(
+                    "incomplete: no tokpack.json",
+                    file=where,
+                    hint="the run that writes it was interrupted or is still running",
+                ) from None
+            raise TokpackError(
+                "not a tokpack directory, or unreachable: no tokpack.json",
+                file=where,
+                hint="check the path; stage copies sources, runs and epochs",
+            ) from None
         except Exception as e:  # noqa: BLE001 - network/auth errors of any fsspec backend
-            raise TokpackError("cannot read the source", file=where, expected="a readable file",
-                               found=e.found if isinstance(e, TokpackError) else f"{type(e).__name__}: {e}",
-                               hint="check the path or URL, and the credentials of its filesystem") from None
+            raise TokpackError(
+                "cannot read the source",
+                file=where,
+                expected="a readable file",
+                found=e.found if isinstance(e, TokpackError) else f"{type(e).__name__}: {e}",
+                hint="check the path or URL, and the credentials of its filesystem",
+            ) from None
         manifest = parse_manifest(raw, where, kind)
         require_valid(manifest, self.root / rel_dir if rel_dir else self.root)
         return manifest
@@ -304,15 +360,25 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
     kind = root["kind"]
     if kind == "source":
         if epochs is not None or ranks is not None:
-            raise TokpackError("--epochs and --ranks apply to runs and epochs, not to a packed source",
-                               file=src.path, where="kind", expected="run or epoch", found="source",
-                               hint="stage the source without them, or stage the run shuffled from it")
+            raise TokpackError(
+                "--epochs and --ranks apply to runs and epochs, not to a packed source",
+                file=src.path,
+                where="kind",
+                expected="run or epoch",
+                found="source",
+                hint="stage the source without them, or stage the run shuffled from it",
+            )
         jobs, _ = shard_jobs(root, "", root=src.root)
         return kind, [DirPlan("", root, jobs)]
     if kind == "epoch":
         if epochs is not None and epochs != [root.get("epoch")]:
-            raise TokpackError("--epochs does not match this epoch directory", file=src.path, where="epoch",
-                               expected=epochs, found=root.get("epoch"))
+            raise TokpackError(
+                "--epochs does not match this epoch directory",
+                file=src.path,
+                where="epoch",
+                expected=epochs,
+                found=root.get("epoch"),
+            )
         keep = _rank_keep(root, 0, _samples(root), ranks, micro_batch)
         jobs, skipped = shard_jobs(root, "", keep, root=src.root)
         return kind, [DirPlan("", root, jobs, skipped)]
@@ -321,9 +387,16 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
     chosen = sorted(available) if epochs is None else epochs
     missing = sorted(set(chosen) - set(available))
     if missing:
-        raise TokpackError("epochs not in this run", file=src.path, where="epochs", expected=f"some of {available}",
-                           found=missing, hint=f"write epoch {missing[0]} with `{shuffle_command(root, src.path, missing[0])}`"
-                           + (", and likewise the others," if len(missing) > 1 else "") + " or pick others")
+        raise TokpackError(
+            "epochs not in this run",
+            file=src.path,
+            where="epochs",
+            expected=f"some of {available}",
+            found=missing,
+            hint=f"write epoch {missing[0]} with `{shuffle_command(root, src.path, missing[0])}`"
+            + (", and likewise the others," if len(missing) > 1 else "")
+            + " or pick others",
+        )
     manifests = [src.manifest(epoch_dir_name(e), kind="epoch") for e in chosen]
     # A reader of DEST numbers samples as the run does (epoch e starts at numbering.first(e)),
     # so the ranks' shards are chosen at those positions, not where the staged epochs chain.
@@ -358,8 +431,13 @@ def _samples(manifest: dict) -> int:
 def _rank_keep(manifest: dict, offset: int, end: int, ranks, micro_batch: int) -> list[bool] | None:
     if ranks is None:
         return None
-    return shards_for_ranks([int(s.get("samples", 0)) for s in manifest.get("shards") or []], offset,
-                            ranks[0], RankRows(ranks[1], micro_batch), end)
+    return shards_for_ranks(
+        [int(s.get("samples", 0)) for s in manifest.get("shards") or []],
+        offset,
+        ranks[0],
+        RankRows(ranks[1], micro_batch),
+        end,
+    )
 
 
 # ----------------------------------------------------------------------------- copy
@@ -368,8 +446,14 @@ def _rank_keep(manifest: dict, offset: int, end: int, ranks, micro_batch: int) -
 class _Stager:
     """Runs the copy jobs on a thread pool; reads and writes release the GIL."""
 
-    def __init__(self, src: Source, dest: Path, block: int, fetchers: ThreadPoolExecutor | None = None,
-                 output: Output = LocalOutput()):
+    def __init__(
+        self,
+        src: Source,
+        dest: Path,
+        block: int,
+        fetchers: ThreadPoolExecutor | None = None,
+        output: Output = LocalOutput(),
+    ):
         self.src = src  # where files come from
         self.dest = dest  # local root they go to
         self.output = output  # what each verified file is committed through
@@ -406,21 +490,34 @@ class _Stager:
         try:
             n, digest = self._copy(job.rel, tmp, job.size)
             if job.checksum and digest != job.checksum:
-                raise TokpackError("checksum mismatch while copying", file=f"{self.src.path.rstrip('/')}/{job.rel}",
-                                   where="xxh3_128", expected=job.checksum, found=digest,
-                                   hint="the source file is corrupt; run `tokpack validate` on the source")
+                raise TokpackError(
+                    "checksum mismatch while copying",
+                    file=f"{self.src.path.rstrip('/')}/{job.rel}",
+                    where="xxh3_128",
+                    expected=job.checksum,
+                    found=digest,
+                    hint="the source file is corrupt; run `tokpack validate` on the source",
+                )
             if job.size is not None and n != job.size:
-                raise TokpackError("file size does not match the manifest",
-                                   file=f"{self.src.path.rstrip('/')}/{job.rel}", where="size",
-                                   expected=f"{job.size} bytes", found=f"{n} bytes",
-                                   hint="the source file is truncated or replaced; run `tokpack validate` on it")
+                raise TokpackError(
+                    "file size does not match the manifest",
+                    file=f"{self.src.path.rstrip('/')}/{job.rel}",
+                    where="size",
+                    expected=f"{job.size} bytes",
+                    found=f"{n} bytes",
+                    hint="the source file is truncated or replaced; run `tokpack validate` on it",
+                )
             self._invalidate(job.dir_rel)
             self.output.commit_file(tmp, final)
         except OSError as e:  # disk full, permissions, I/O error: one line, not a traceback
             tmp.unlink(missing_ok=True)
-            raise TokpackError("copy failed", file=final, expected=f"a copy of {self.src.path.rstrip('/')}/{job.rel}",
-                               found=f"{type(e).__name__}: {e.strerror or e}",
-                               hint="check free space and permissions at DEST; rerun to resume") from None
+            raise TokpackError(
+                "copy failed",
+                file=final,
+                expected=f"a copy of {self.src.path.rstrip('/')}/{job.rel}",
+                found=f"{type(e).__name__}: {e.strerror or e}",
+                hint="check free space and permissions at DEST; rerun to resume",
+            ) from None
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -461,7 +558,7 @@ class _Stager:
                     chunk = buf[:n]
                     h.update(chunk)
                     while chunk.nbytes:
-                        chunk = chunk[fout.write(chunk):]
+                        chunk = chunk[fout.write(chunk) :]
                     total += n
                     self._advance(n)
         return total, h.hexdigest()
@@ -484,17 +581,21 @@ class _Stager:
                     data = queued.popleft().result()
                     want = min(span, size - done)
                     if len(data) != want:  # the object is shorter than its manifest says
-                        raise TokpackError("file size does not match the manifest",
-                                           file=f"{self.src.path.rstrip('/')}/{rel}", where="size",
-                                           expected=f"{size} bytes", found=f"{done + len(data)} bytes or fewer",
-                                           hint="the source file is truncated or replaced; run `tokpack validate` on it")
+                        raise TokpackError(
+                            "file size does not match the manifest",
+                            file=f"{self.src.path.rstrip('/')}/{rel}",
+                            where="size",
+                            expected=f"{size} bytes",
+                            found=f"{done + len(data)} bytes or fewer",
+                            hint="the source file is truncated or replaced; run `tokpack validate` on it",
+                        )
                     nxt = next(offsets, None)
                     if nxt is not None:
                         queued.append(self.fetchers.submit(fetch, nxt))
                     h.update(data)
                     view = memoryview(data)
                     while view.nbytes:
-                        view = view[fout.write(view):]
+                        view = view[fout.write(view) :]
                     done += len(data)
                     self._advance(len(data))
         finally:
@@ -514,9 +615,13 @@ class _Stager:
         while off < size:
             n = os.copy_file_range(fin.fileno(), fout.fileno(), min(self.block, size - off), off, off)
             if n == 0:
-                raise TokpackError("source file shrank while being copied",
-                                   file=f"{self.src.path.rstrip('/')}/{rel}", where=f"byte {off}",
-                                   expected=f"{size} bytes", found=f"{off} bytes")
+                raise TokpackError(
+                    "source file shrank while being copied",
+                    file=f"{self.src.path.rstrip('/')}/{rel}",
+                    where=f"byte {off}",
+                    expected=f"{size} bytes",
+                    found=f"{off} bytes",
+                )
             hash_mapped(h, fin.fileno(), off, n)
             off += n
             self._advance(n)
@@ -562,8 +667,12 @@ def bytes_to_write(dest: Path, plans: list[DirPlan]) -> int:
     already (shards and all their sidecars: .index, .metadata, .rows, .loss, .pad), every
     manifest and the partial-copy record, each rounded up to whole blocks. (bytes_to_copy is
     the bytes copied, which plan's timing uses.)"""
-    files = sum(on_disk(j.size) for p in plans for j in p.jobs  # a file of unrecorded size replaces itself
-                if not (in_place(dest / j.rel, j.size) or j.size is None and (dest / j.rel).is_file()))
+    files = sum(
+        on_disk(j.size)
+        for p in plans
+        for j in p.jobs  # a file of unrecorded size replaces itself
+        if not (in_place(dest / j.rel, j.size) or j.size is None and (dest / j.rel).is_file())
+    )
     manifests = sum(on_disk(len(canonical_bytes(p.manifest))) for p in plans)
     return files + manifests + (FS_BLOCK if any(p.skipped_shards for p in plans) else 0)
 
@@ -592,8 +701,10 @@ def _check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
         if have != want:
             # DEST's root manifest says what it holds; without one, the epoch's says what was left there
             # (an epoch of this run is written the same every time: one that differs is another run's)
-            raise refuse_dest(held if held.path == dest / MANIFEST else dest_holds(dest, path, other_run=True),
-                              f"a copy of this {kind}")
+            raise refuse_dest(
+                held if held.path == dest / MANIFEST else dest_holds(dest, path, other_run=True),
+                f"a copy of this {kind}",
+            )
     for p in plans:  # a folder no manifest vouches for yet: its shard files must be this copy's
         _check_unvouched(dest, p)
     if kind == "run" and held.kind == UNFINISHED["run"]:
@@ -636,16 +747,25 @@ def _check_unvouched(dest: Path, p: DirPlan) -> None:
                 other.append((f, f"{f.stat().st_size} bytes, this copy's is {want}"))
     if other and (other[0][1] == "not a file of this copy" or len(other) > matched):
         f, found = other[0]
-        raise refuse_dest(Held(UNFINISHED.get(p.manifest.get("kind"), "other"),
-                               f"an unfinished copy of another directory ({_join(p.rel, f.name)}: {found})", f),
-                          f"nothing, or a copy of this {p.manifest.get('kind')}")
+        raise refuse_dest(
+            Held(
+                UNFINISHED.get(p.manifest.get("kind"), "other"),
+                f"an unfinished copy of another directory ({_join(p.rel, f.name)}: {found})",
+                f,
+            ),
+            f"nothing, or a copy of this {p.manifest.get('kind')}",
+        )
 
 
 # ------------------------------------------------------------------------ what DEST holds
 
 # What a stage of each kind may resume: its own copy that a killed stage left without a root manifest.
-UNFINISHED = {"source": "unfinished copy", "epoch": "unfinished copy", "run": "unfinished run copy",
-              "slice": "unfinished slice"}
+UNFINISHED = {
+    "source": "unfinished copy",
+    "epoch": "unfinished copy",
+    "run": "unfinished run copy",
+    "slice": "unfinished slice",
+}
 # An epoch manifest's fields that say which run it belongs to (besides its sources' fingerprints).
 _EPOCH_RUN_KEYS = ("dtype", "seed", "seq_len", "shard_samples", "shuffle", "jitter", "packing", "tokenizer")
 _RANK_FILE = re.compile(r"rank-(\d+)[.]ds([.].*)?")
@@ -689,8 +809,10 @@ def _describe(m: dict) -> str:
         return f"a copy of epoch {m.get('epoch')} of {of_run}"
     if kind in ("slice", "slice-epoch"):
         ranks = m.get("ranks") if isinstance(m.get("ranks"), list) and m.get("ranks") else ["?"]
-        return (f"a node slice of ranks {ranks[0]}-{ranks[-1]} of {m.get('world_size')} "
-                f"(micro-batch {m.get('micro_batch')}) of {of_run}")
+        return (
+            f"a node slice of ranks {ranks[0]}-{ranks[-1]} of {m.get('world_size')} "
+            f"(micro-batch {m.get('micro_batch')}) of {of_run}"
+        )
     return f"a tokpack.json of kind {kind!r}"
 
 
@@ -729,23 +851,37 @@ def dest_holds(dest: Path, path: Path | None = None, other_run: bool = False) ->
         if p.is_dir() and p.name.startswith("epoch-"):
             m = _small_manifest(p / MANIFEST) if (p / MANIFEST).is_file() else None
             if m is not None and m.get("kind") == "slice-epoch":
-                return Held(UNFINISHED["slice"], f"an unfinished {_describe(m)[2:]} ({p.name} and no slice manifest yet)",
-                            p / MANIFEST, m)
+                return Held(
+                    UNFINISHED["slice"],
+                    f"an unfinished {_describe(m)[2:]} ({p.name} and no slice manifest yet)",
+                    p / MANIFEST,
+                    m,
+                )
             if m is not None and m.get("kind") == "epoch":
-                held = Held(UNFINISHED["run"], f"an unfinished whole-run copy ({p.name} and no run manifest yet)",
-                            p / MANIFEST, m)
+                held = Held(
+                    UNFINISHED["run"],
+                    f"an unfinished whole-run copy ({p.name} and no run manifest yet)",
+                    p / MANIFEST,
+                    m,
+                )
                 continue
             names = sorted(q.name for q in p.iterdir())
             rank = next((n for n in names if _RANK_FILE.fullmatch(n)), None)
             if rank is not None:
-                return Held(UNFINISHED["slice"], f"an unfinished node slice ({p.name}/{rank}, no manifest yet)", p / rank)
+                return Held(
+                    UNFINISHED["slice"], f"an unfinished node slice ({p.name}/{rank}, no manifest yet)", p / rank
+                )
             shard = next((n for n in names if is_own_file(p / n) and n != MANIFEST and not is_tmp_name(n)), None)
             if shard is not None and held.kind is None:
-                held = Held(UNFINISHED["run"], f"an unfinished whole-run copy ({p.name}/{shard}, no manifest yet)", p / shard)
+                held = Held(
+                    UNFINISHED["run"], f"an unfinished whole-run copy ({p.name}/{shard}, no manifest yet)", p / shard
+                )
             continue
         if is_own_file(p):
             if held.kind is None:
-                held = Held(UNFINISHED["source"], f"an unfinished copy of a source or epoch ({p.name}, no manifest yet)", p)
+                held = Held(
+                    UNFINISHED["source"], f"an unfinished copy of a source or epoch ({p.name}, no manifest yet)", p
+                )
             continue
         if held.kind is None:
             held = Held("other", f"files tokpack did not write ({p.name})", p)
@@ -754,14 +890,27 @@ def dest_holds(dest: Path, path: Path | None = None, other_run: bool = False) ->
 
 def refuse_dest(held: Held, expected: str) -> TokpackError:
     """The one line refusing a DEST: what it holds, and that a stage writes over its own copy only."""
-    return TokpackError("DEST already holds a different tokpack directory", file=held.path, expected=expected,
-                        found=held.words, hint="remove DEST or choose another destination: a stage replaces only "
-                                               "the files it wrote for this same copy")
+    return TokpackError(
+        "DEST already holds a different tokpack directory",
+        file=held.path,
+        expected=expected,
+        found=held.words,
+        hint="remove DEST or choose another destination: a stage replaces only the files it wrote for this same copy",
+    )
 
 
 @locked_output("stage", arg="dest")
-def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_batch: int = 1, log=None,
-          block: int = STAGE_BLOCK) -> StageResult:
+def stage(
+    directory,
+    dest,
+    *,
+    workers: int = 4,
+    epochs=None,
+    ranks=None,
+    micro_batch: int = 1,
+    log=None,
+    block: int = STAGE_BLOCK,
+) -> StageResult:
     """Copies DIRECTORY (source, run or epoch; any fsspec path) to the local DEST, verified.
 
     Raises TokpackError on a bad source, a checksum mismatch or a
@@ -772,8 +921,13 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
     if micro_batch < 1:
         raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
     if "://" in str(dest):
-        raise TokpackError("DEST must be a local path", file=dest, expected="a local directory (e.g. on NVMe)",
-                           found="a URL", hint="stage reads from any fsspec URL but writes to local disk")
+        raise TokpackError(
+            "DEST must be a local path",
+            file=dest,
+            expected="a local directory (e.g. on NVMe)",
+            found="a URL",
+            hint="stage reads from any fsspec URL but writes to local disk",
+        )
     src = Source(str(directory))
     kind, plans = make_plan(src, epochs, ranks, micro_batch)
     dest = Path(dest)
@@ -781,15 +935,22 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
         raise TokpackError("DEST exists and is not a directory", file=dest, hint="choose a directory path")
     _check_dest(dest, kind, plans)
     output: Output = LocalOutput()  # DEST is a local path (checked above): what is copied there is the copy
-    check_space([(dest, bytes_to_write(dest, plans))], "stage",
-                hint="free some space there, choose another DEST, or stage fewer epochs (--epochs, --ranks)")
+    check_space(
+        [(dest, bytes_to_write(dest, plans))],
+        "stage",
+        hint="free some space there, choose another DEST, or stage fewer epochs (--epochs, --ranks)",
+    )
     try:
         for p in plans:
             (dest / p.rel).mkdir(parents=True, exist_ok=True)
             remove_tmp_files(dest / p.rel)  # leftovers of an interrupted stage: never data
     except OSError as e:
-        raise TokpackError("cannot create DEST", file=dest, found=f"{type(e).__name__}: {e.strerror or e}",
-                           hint="check the path and its permissions") from None
+        raise TokpackError(
+            "cannot create DEST",
+            file=dest,
+            found=f"{type(e).__name__}: {e.strerror or e}",
+            hint="check the path and its permissions",
+        ) from None
 
     jobs = [j for p in plans for j in p.jobs]
     total = sum(j.size or 0 for j in jobs)
@@ -837,20 +998,40 @@ def stage(directory, dest, *, workers: int = 4, epochs=None, ranks=None, micro_b
 
     seconds = time.perf_counter() - t0
     moved = stager.bytes_copied + stager.bytes_verified
-    selection = {} if ranks is None else dict(
-        ranks=ranks[0], world_size=ranks[1], micro_batch=micro_batch,
-        shards_skipped=sum(len(p.skipped_shards) for p in plans),
-        shards_total=sum(len(p.manifest.get("shards") or []) for p in plans))
+    selection = (
+        {}
+        if ranks is None
+        else dict(
+            ranks=ranks[0],
+            world_size=ranks[1],
+            micro_batch=micro_batch,
+            shards_skipped=sum(len(p.skipped_shards) for p in plans),
+            shards_total=sum(len(p.manifest.get("shards") or []) for p in plans),
+        )
+    )
     if log:
-        log(f"stage: {stager.copied} files copied, {stager.skipped} already in place and verified"
-            + (f"; partial copy for ranks {ranks[0]}/{ranks[1]} (see {STAGE_SIDECAR})" if missing else ""))
+        log(
+            f"stage: {stager.copied} files copied, {stager.skipped} already in place and verified"
+            + (f"; partial copy for ranks {ranks[0]}/{ranks[1]} (see {STAGE_SIDECAR})" if missing else "")
+        )
     return StageResult(
-        ok=True, kind=kind, source=src.path, dest=str(dest),
+        ok=True,
+        kind=kind,
+        source=src.path,
+        dest=str(dest),
         epochs=[p.manifest.get("epoch") for p in plans if p.manifest.get("kind") == "epoch" and p.rel != HOLDOUT_DIR]
-        if kind != "source" else None,
-        files=len(jobs) + len(plans), copied_files=stager.copied, skipped_files=stager.skipped,
-        bytes_copied=stager.bytes_copied, bytes_verified_in_place=stager.bytes_verified, seconds=round(seconds, 3),
-        mib_per_s=round(moved / 2**20 / seconds, 1) if seconds > 0 else None, partial=bool(missing), **selection)
+        if kind != "source"
+        else None,
+        files=len(jobs) + len(plans),
+        copied_files=stager.copied,
+        skipped_files=stager.skipped,
+        bytes_copied=stager.bytes_copied,
+        bytes_verified_in_place=stager.bytes_verified,
+        seconds=round(seconds, 3),
+        mib_per_s=round(moved / 2**20 / seconds, 1) if seconds > 0 else None,
+        partial=bool(missing),
+        **selection,
+    )
 
 
 def whole_copy_note(plans: list[DirPlan], ranks, micro_batch: int, source: str, dest: str) -> str | None:
@@ -859,15 +1040,21 @@ def whole_copy_note(plans: list[DirPlan], ranks, micro_batch: int, source: str, 
     if ranks is None:
         return None
     total = sum(int(s.get("bytes") or 0) for p in plans for s in p.manifest.get("shards") or [])
-    left = sum(int(s.get("bytes") or 0) for p in plans for s in p.manifest.get("shards") or []
-               if s.get("path") in p.skipped_shards)
+    left = sum(
+        int(s.get("bytes") or 0)
+        for p in plans
+        for s in p.manifest.get("shards") or []
+        if s.get("path") in p.skipped_shards
+    )
     if not total or left > total / 2:
         return None
     (rs, world), per = ranks, max([int(p.manifest.get("shard_samples") or 0) for p in plans] or [0])
-    return (f"stage: whole-run copy ({100 * (total - left) / total:.0f}% of the run's shard bytes): --shards-of "
-            f"{','.join(map(str, rs))}/{world} copies whole shards, and a shard ({per:,} samples) holds rows of these "
-            f"ranks in any global batch it spans ({world * micro_batch:,} samples each); "
-            f"`{stage_command(source, dest, rs[0], rs[-1], world, micro_batch)}` copies only their rows")
+    return (
+        f"stage: whole-run copy ({100 * (total - left) / total:.0f}% of the run's shard bytes): --shards-of "
+        f"{','.join(map(str, rs))}/{world} copies whole shards, and a shard ({per:,} samples) holds rows of these "
+        f"ranks in any global batch it spans ({world * micro_batch:,} samples each); "
+        f"`{stage_command(source, dest, rs[0], rs[-1], world, micro_batch)}` copies only their rows"
+    )
 
 
 def _partial_sidecar(dest: Path, plans: list[DirPlan], ranks, micro_batch: int, output: Output) -> dict:

@@ -50,8 +50,15 @@ from tokpack.formats.manifest import (
 )
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.shard_scan import Findings, Problem, ShardJob, check_shard, problem_line, worst_status
-from tokpack.formats.shards import (PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, PackedSource, contained_shard, shard_suffixes,
-                                    tokens_on_nodes)
+from tokpack.formats.shards import (
+    PAD_DTYPE,
+    PAD_SUFFIX,
+    ROWS_SUFFIX,
+    PackedSource,
+    contained_shard,
+    shard_suffixes,
+    tokens_on_nodes,
+)
 from tokpack.formats.slices import SLICE
 
 from .slice_validation import slice_against_run, slice_shard_jobs
@@ -115,9 +122,17 @@ class ProblemList(list):
                 list.append(out, Problem(f, None, None, None, f"{n - listed.get(f, 0)} more problems in this file"))
                 counted += n - listed.get(f, 0)
         if self.total > counted:
-            list.append(out, Problem(str(where), None, None, None,
-                                     f"{self.total - counted:,} more problems in other files of this directory, "
-                                     f"not listed (the report lists the first {MAX_PROBLEMS_LISTED})"))
+            list.append(
+                out,
+                Problem(
+                    str(where),
+                    None,
+                    None,
+                    None,
+                    f"{self.total - counted:,} more problems in other files of this directory, "
+                    f"not listed (the report lists the first {MAX_PROBLEMS_LISTED})",
+                ),
+            )
         out.total, out.per_file, out.unlisted_first = self.total, dict(self.per_file), dict(self.unlisted_first)
         return out
 
@@ -166,8 +181,13 @@ def _open_manifest(path: Path, rep: DirReport, kinds) -> dict | None:
         return None
     raw = read_limited(path / MANIFEST, MAX_MANIFEST_BYTES, "manifest")
     if raw != canonical_bytes(json.loads(raw)):  # as written, before earlier keys are renamed
-        rep.add(path / MANIFEST, "bytes", "the JSON text tokpack writes",
-                "different bytes (edited after writing?)", "manifest text was altered")
+        rep.add(
+            path / MANIFEST,
+            "bytes",
+            "the JSON text tokpack writes",
+            "different bytes (edited after writing?)",
+            "manifest text was altered",
+        )
     rep.manifest = manifest
     rep.kind = manifest["kind"]
     rep.saw(len(raw))
@@ -183,8 +203,9 @@ def _check_listing(path: Path, shards: list[dict], rep: DirReport) -> None:
         if TMP_MARK in p.name:
             continue  # a killed writer's leftover: never data
         if SHARD_FILE.match(p.name) and p.name not in allowed:
-            rep.add(p, None, "only the files listed in the manifest", "an unlisted file",
-                    "file not listed in the manifest")
+            rep.add(
+                p, None, "only the files listed in the manifest", "an unlisted file", "file not listed in the manifest"
+            )
 
 
 def _check_row_hashes(path: Path, shards: list[dict], rep: DirReport, quick: bool) -> None:
@@ -205,8 +226,13 @@ def _check_row_hashes(path: Path, shards: list[dict], rep: DirReport, quick: boo
         elif not quick and xxhash.xxh3_128_hexdigest(data) != s["rows_xxh3_128"]:
             rep.add(f, "rows_xxh3_128", s["rows_xxh3_128"], xxhash.xxh3_128_hexdigest(data), "row hashes damaged")
         elif not quick and hash_hex64(int(np.frombuffer(data, "<u8").sum(dtype=np.uint64))) != s["multiset_hash"]:
-            rep.add(f, "multiset_hash", s["multiset_hash"], "another sum of the row hashes",
-                    "row hashes disagree with the shard's multiset hash")
+            rep.add(
+                f,
+                "multiset_hash",
+                s["multiset_hash"],
+                "another sum of the row hashes",
+                "row hashes disagree with the shard's multiset hash",
+            )
 
 
 def _check_pads(path: Path, shards: list[dict], rep: DirReport, row: int | None = None) -> int | None:
@@ -231,7 +257,9 @@ def _check_pads(path: Path, shards: list[dict], rep: DirReport, row: int | None 
             continue
         rep.saw(len(data))  # counted with the shard's other files
         if len(data) != want:
-            rep.add(f, "size", f"{want} bytes (4 per sample)", f"{len(data)} bytes", "padding sidecar has the wrong size")
+            rep.add(
+                f, "size", f"{want} bytes (4 per sample)", f"{len(data)} bytes", "padding sidecar has the wrong size"
+            )
             total = None
             continue
         if xxhash.xxh3_128_hexdigest(data) != s["pad_xxh3_128"]:
@@ -239,9 +267,14 @@ def _check_pads(path: Path, shards: list[dict], rep: DirReport, row: int | None 
         pads = np.frombuffer(data, PAD_DTYPE)
         over = np.flatnonzero(pads > row) if row is not None else []
         if len(over):  # the loader would mask more than the row: its padding cannot be the row's
-            rep.add(f, f"row {int(over[0])}", f"at most {row} padding tokens (seq_len + 1)", int(pads[over[0]]),
-                    f"padding longer than its row ({len(over)} row{'s' * (len(over) != 1)})",
-                    hint="restore the .ds.pad from a good copy, or shuffle the epoch again")
+            rep.add(
+                f,
+                f"row {int(over[0])}",
+                f"at most {row} padding tokens (seq_len + 1)",
+                int(pads[over[0]]),
+                f"padding longer than its row ({len(over)} row{'s' * (len(over) != 1)})",
+                hint="restore the .ds.pad from a good copy, or shuffle the epoch again",
+            )
             total = None  # no total to compare: the row is already wrong
         if total is not None:
             total += int(pads.sum(dtype=np.int64))
@@ -258,14 +291,24 @@ def _check_padding(path: Path, m: dict, rep: DirReport) -> None:
     if rows_padded(m):
         for i, s in enumerate(shards):
             if not has_pad(s):
-                rep.add(mfile, f"shards[{i}].pad_xxh3_128", "the checksum of the shard's .ds.pad (a best-fit epoch)",
-                        "none", "best-fit epoch shard lacks its padding sidecar: the loader would train on padding",
-                        hint="restore the epoch from a good copy, or shuffle it again")
+                rep.add(
+                    mfile,
+                    f"shards[{i}].pad_xxh3_128",
+                    "the checksum of the shard's .ds.pad (a best-fit epoch)",
+                    "none",
+                    "best-fit epoch shard lacks its padding sidecar: the loader would train on padding",
+                    hint="restore the epoch from a good copy, or shuffle it again",
+                )
     total = _check_pads(path, shards, rep, row)
     recorded = m.get("packing", {}).get("padding_tokens") if rows_padded(m) else None
     if total is not None and recorded is not None and all(has_pad(s) for s in shards) and total != recorded:
-        rep.add(mfile, "packing.padding_tokens", f"{total} (the sum of the shards' .ds.pad)", recorded,
-                "padding total disagrees with the padding sidecars")
+        rep.add(
+            mfile,
+            "packing.padding_tokens",
+            f"{total} (the sum of the shards' .ds.pad)",
+            recorded,
+            "padding total disagrees with the padding sidecars",
+        )
 
 
 def _check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> list[ShardJob]:
@@ -300,8 +343,19 @@ def _source_keys(sources: list) -> list:
 
 
 # Fields a run and each of its epochs must agree on (when both record them).
-RUN_KEYS = ("dtype", "token_size", "vocab_size", "eos_id", "tokenizer", "seq_len", "seed", "jitter", "samples",
-            "shard_samples", "shuffle")
+RUN_KEYS = (
+    "dtype",
+    "token_size",
+    "vocab_size",
+    "eos_id",
+    "tokenizer",
+    "seq_len",
+    "seed",
+    "jitter",
+    "samples",
+    "shard_samples",
+    "shuffle",
+)
 
 
 def _scheduled_epochs(path: Path, m: dict, rep: DirReport) -> list[dict] | None:
@@ -316,32 +370,56 @@ def _scheduled_epochs(path: Path, m: dict, rep: DirReport) -> list[dict] | None:
         per_epoch, taken = [], [0] * n
         for e, entry in enumerate(sched):
             idx, weights, counts = entry["sources"], entry["weights"], entry["samples"]
-            if not (len(idx) == len(weights) == len(counts) and all(0 <= i < n for i in idx)
-                    and all(type_ok(c, int) and c >= 0 for c in counts)):
+            if not (
+                len(idx) == len(weights) == len(counts)
+                and all(0 <= i < n for i in idx)
+                and all(type_ok(c, int) and c >= 0 for c in counts)
+            ):
                 raise ValueError(e)
             row = {"samples": [0] * n, "weight": [None] * n, "cursor": list(taken)}
             for i, w, c in zip(idx, weights, counts):
                 row["samples"][i], row["weight"][i] = c, w
             if sum(counts) != sizes[e]:
-                rep.add(mfile, f"epoch_samples[{e}]", f"{sum(counts)} (schedule[{e}].samples summed)", sizes[e],
-                        "scheduled epoch size wrong")
+                rep.add(
+                    mfile,
+                    f"epoch_samples[{e}]",
+                    f"{sum(counts)} (schedule[{e}].samples summed)",
+                    sizes[e],
+                    "scheduled epoch size wrong",
+                )
             taken = [t + c for t, c in zip(taken, row["samples"])]
             per_epoch.append(row)
         if len(sizes) != len(sched) or m.get("samples") != 0:
             raise ValueError(len(sched))
     except (KeyError, TypeError, ValueError, IndexError) as e:
-        rep.add(mfile, "schedule", "per epoch {stage, sources, weights, samples}, one per epoch_samples entry, "
-                "and samples 0", f"a malformed entry ({e})", "scheduled run manifest malformed")
+        rep.add(
+            mfile,
+            "schedule",
+            "per epoch {stage, sources, weights, samples}, one per epoch_samples entry, and samples 0",
+            f"a malformed entry ({e})",
+            "scheduled run manifest malformed",
+        )
         return None
     file = Path(str(m.get("schedule_file")))
     if not file.is_file():
-        rep.add(mfile, "schedule_file", "the schedule file the run was made from", f"no file {file}",
-                "schedule file not found: the run's schedule is not checked against it", unverified=True,
-                hint="give the run's schedule file back its path, or ignore this if it is gone for good")
+        rep.add(
+            mfile,
+            "schedule_file",
+            "the schedule file the run was made from",
+            f"no file {file}",
+            "schedule file not found: the run's schedule is not checked against it",
+            unverified=True,
+            hint="give the run's schedule file back its path, or ignore this if it is gone for good",
+        )
     elif xxh3_128_file(file) != m.get("schedule_xxh3_128"):
-        rep.add(file, "xxh3_128", f"{m.get('schedule_xxh3_128')} (recorded in {mfile})", xxh3_128_file(file),
-                "schedule file changed since the run was made; the run follows the schedule it recorded",
-                hint="restore the file the run was made from, or write the new schedule to another run directory")
+        rep.add(
+            file,
+            "xxh3_128",
+            f"{m.get('schedule_xxh3_128')} (recorded in {mfile})",
+            xxh3_128_file(file),
+            "schedule file changed since the run was made; the run follows the schedule it recorded",
+            hint="restore the file the run was made from, or write the new schedule to another run directory",
+        )
     return per_epoch
 
 
@@ -355,22 +433,43 @@ def _check_scheduled_epoch(efile: str, e: int, em: dict, sched: list[dict] | Non
         return
     row = sched[e]
     if em.get("samples") != sum(row["samples"]):
-        add(efile, "samples", f"{sum(row['samples'])} (epoch_samples[{e}])", em.get("samples"),
-            "epoch size differs from the run's schedule")
+        add(
+            efile,
+            "samples",
+            f"{sum(row['samples'])} (epoch_samples[{e}])",
+            em.get("samples"),
+            "epoch size differs from the run's schedule",
+        )
     for i, src in enumerate(em["sources"][: len(row["samples"])]):
         if not isinstance(src, dict):
             continue
         c, at = row["samples"][i], row["cursor"][i]
         for key, want in (("weight", row["weight"][i]), ("samples", c)):
             if src.get(key) != want:
-                add(efile, f"sources[{i}].{key}", f"{want!r} (schedule[{e}])", repr(src.get(key)),
-                    "epoch source differs from the run's schedule")
+                add(
+                    efile,
+                    f"sources[{i}].{key}",
+                    f"{want!r} (schedule[{e}])",
+                    repr(src.get(key)),
+                    "epoch source differs from the run's schedule",
+                )
         start = src.get("cursor", chain_start(e, c))
         if c and type_ok(start, int) and start != at:
-            why = (f"windows at chain positions {start}..{min(at, start + c) - 1} were taken before; a window is "
-                   f"taken twice before its source is exhausted") if start < at else "windows of its chain skipped"
-            add(efile, f"sources[{i}].cursor", f"{at} (what epochs 0..{e - 1} took from {src.get('name')})", start,
-                f"source chain not contiguous across the schedule: {why}")
+            why = (
+                (
+                    f"windows at chain positions {start}..{min(at, start + c) - 1} were taken before; a window is "
+                    f"taken twice before its source is exhausted"
+                )
+                if start < at
+                else "windows of its chain skipped"
+            )
+            add(
+                efile,
+                f"sources[{i}].cursor",
+                f"{at} (what epochs 0..{e - 1} took from {src.get('name')})",
+                start,
+                f"source chain not contiguous across the schedule: {why}",
+            )
 
 
 def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Dir"]) -> None:
@@ -385,17 +484,27 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
     listed = {epoch_dir_name(e) for e in epochs}
     for p in sorted(path.iterdir()):
         if p.is_dir() and EPOCH_DIR.match(p.name) and p.name not in listed:
-            rep.add(p, None, "an epoch listed in the run's `epochs`", "an unlisted epoch directory",
-                    "epoch not yet recorded in the run manifest (interrupted shuffle?); rerun it", incomplete=True)
+            rep.add(
+                p,
+                None,
+                "an epoch listed in the run's `epochs`",
+                "an unlisted epoch directory",
+                "epoch not yet recorded in the run manifest (interrupted shuffle?); rerun it",
+                incomplete=True,
+            )
     held = path / HOLDOUT_DIR
     if (held / MANIFEST).is_file():  # shuffle --holdout's held-out documents: an epoch directory, never listed
         plan.append(_plan_dir(held, quick, kinds="epoch"))
     # A `stage --ranks` copy: its absent shards are one problem, not one line per file.
     absent = partial_stage_absent(path)
     if absent:
-        rep.add(path / STAGE_SIDECAR, "missing_shards", "every shard of the run",
-                f"{len(absent)} shards absent, {next(iter(absent.values()))}",
-                "partial stage: serves only the ranks it was staged for")
+        rep.add(
+            path / STAGE_SIDECAR,
+            "missing_shards",
+            "every shard of the run",
+            f"{len(absent)} shards absent, {next(iter(absent.values()))}",
+            "partial stage: serves only the ranks it was staged for",
+        )
     totals = [0, 0, 0]  # tokens, documents, readable epochs
     for e in epochs:
         try:
@@ -404,13 +513,14 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
             rep.problems.append(Problem.from_error(err))
             continue
         if not sub.is_dir():
-            rep.add(sub, None, "the epoch directory listed in the run manifest", "no such directory",
-                    "epoch missing")
+            rep.add(sub, None, "the epoch directory listed in the run manifest", "no such directory", "epoch missing")
             continue
         d = _plan_dir(sub, quick, kinds="epoch")
         present = [j for j in d.jobs if str(j.directory / j.entry["path"]) not in absent]
         d.jobs, d.partial = present, len(present) < len(d.jobs)
-        if d.jobs and tokens_on_nodes(sub, [j.entry for j in d.jobs]):  # shuffle --to-nodes: the tokens are in node slices
+        if d.jobs and tokens_on_nodes(
+            sub, [j.entry for j in d.jobs]
+        ):  # shuffle --to-nodes: the tokens are in node slices
             _check_row_hashes(sub, [j.entry for j in d.jobs], d.report, quick)
             d.jobs, d.partial = [], True
         plan.append(d)
@@ -419,33 +529,64 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
             continue
         efile = str(sub / MANIFEST)
         _check_scheduled_epoch(efile, e, em, sched, d.report.add)
-        if "epoch_samples" in m and "schedule" not in m and not (numbering.has(e) and em.get("samples") == numbering.size(e)):
-            d.report.add(efile, "samples", f"{numbering.size(e)} (the run's epoch_samples)" if numbering.has(e)
-                         else "no such epoch in the run's plan", em.get("samples"), "epoch size differs from its run's")
+        if (
+            "epoch_samples" in m
+            and "schedule" not in m
+            and not (numbering.has(e) and em.get("samples") == numbering.size(e))
+        ):
+            d.report.add(
+                efile,
+                "samples",
+                f"{numbering.size(e)} (the run's epoch_samples)"
+                if numbering.has(e)
+                else "no such epoch in the run's plan",
+                em.get("samples"),
+                "epoch size differs from its run's",
+            )
         for key in RUN_KEYS:
             if key in m and key in em and em[key] != m[key] and not (key == "samples" and "schedule" in m):
-                d.report.add(efile, key, f"{m[key]!r} (the run's)", repr(em[key]),
-                             "epoch manifest belongs to another run")
+                d.report.add(
+                    efile, key, f"{m[key]!r} (the run's)", repr(em[key]), "epoch manifest belongs to another run"
+                )
         esrc = em.get("sources") if isinstance(em.get("sources"), list) else []
         if len(esrc) == len(m["sources"]):
             for i, (a, b) in enumerate(zip(m["sources"], esrc)):
                 if isinstance(a, dict) and isinstance(b, dict):
                     for key in sorted(a.keys() & b.keys() - ({"weight"} if "schedule" in m else set())):
                         if a[key] != b[key]:
-                            d.report.add(efile, f"sources[{i}].{key}", f"{a[key]!r} (the run's)", repr(b[key]),
-                                         "epoch source differs from the run's")
-                    if isinstance(m.get("weights"), list) and i < len(m["weights"]) and "weight" in b \
-                            and m["weights"][i] != b["weight"]:
-                        d.report.add(efile, f"sources[{i}].weight", repr(m["weights"][i]), repr(b["weight"]),
-                                     "epoch weight differs from the run's")
+                            d.report.add(
+                                efile,
+                                f"sources[{i}].{key}",
+                                f"{a[key]!r} (the run's)",
+                                repr(b[key]),
+                                "epoch source differs from the run's",
+                            )
+                    if (
+                        isinstance(m.get("weights"), list)
+                        and i < len(m["weights"])
+                        and "weight" in b
+                        and m["weights"][i] != b["weight"]
+                    ):
+                        d.report.add(
+                            efile,
+                            f"sources[{i}].weight",
+                            repr(m["weights"][i]),
+                            repr(b["weight"]),
+                            "epoch weight differs from the run's",
+                        )
         totals[0] += em.get("tokens", 0) if type_ok(em.get("tokens"), int) else 0
         totals[1] += em.get("fragments", 0) if type_ok(em.get("fragments"), int) else 0
         totals[2] += 1
         if em.get("epoch") != e:
             d.report.add(efile, "epoch", e, em.get("epoch"), "epoch manifest belongs to another epoch")
         if isinstance(em.get("sources"), list) and _source_keys(em["sources"]) != _source_keys(m["sources"]):
-            d.report.add(efile, "sources", _source_keys(m["sources"]), _source_keys(em["sources"]),
-                         "epoch was shuffled from other sources than its run")
+            d.report.add(
+                efile,
+                "sources",
+                _source_keys(m["sources"]),
+                _source_keys(em["sources"]),
+                "epoch was shuffled from other sources than its run",
+            )
     if totals[2] == len(epochs):
         for i, key in enumerate(("tokens", "fragments")):
             if type_ok(m.get(key), int) and m[key] != totals[i]:
@@ -459,8 +600,14 @@ def _plan_dir(path: Path, quick: bool, kinds=None) -> _Dir:
         rep.add(path, None, None, None, "no such directory", missing=True, hint="check the path or URL")
         return d
     if not path.is_dir():
-        rep.add(path, None, "a tokpack directory", "a file", "not a directory",
-                hint="pass the directory that holds tokpack.json")
+        rep.add(
+            path,
+            None,
+            "a tokpack directory",
+            "a file",
+            "not a directory",
+            hint="pass the directory that holds tokpack.json",
+        )
         return d
     m = _open_manifest(path, rep, kinds or (*KINDS, SLICE))
     if m is None:
@@ -487,8 +634,13 @@ def plan_validation(paths: list[str | Path], quick: bool) -> list[_Dir]:
     return plan
 
 
-def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1,
-                  show_progress: bool | None = None, order: bool = False) -> ValidationReport:
+def validate_dirs(
+    paths: list[str | Path],
+    quick: bool = False,
+    workers: int = 1,
+    show_progress: bool | None = None,
+    order: bool = False,
+) -> ValidationReport:
     """Validates sources, runs (with their epochs) and epoch directories. Never raises for bad data.
     `order` (full mode): also each epoch shard's order hash, for `--against` to compare."""
     plan = plan_validation(paths, quick)
@@ -511,8 +663,10 @@ def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1
         if res.order is not None:
             d.report.shard_orders[job.entry["path"]] = res.order
 
-    with progress(total, "validate" + (" --quick" if quick else ""), unit="B" if not quick else "shard",
-                  enabled=show_progress) as bar:
+    with progress(
+        total, "validate" + (" --quick" if quick else ""), unit="B" if not quick else "shard", enabled=show_progress
+    ) as bar:
+
         def run(item):
             d, job = item
             try:
@@ -524,8 +678,13 @@ def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1
                 res.problems.append(Problem.from_error(e))
             except OSError as e:
                 res = Findings()
-                res.add(job.directory / job.entry["path"], None, "a checkable shard", f"{type(e).__name__}: {e}",
-                        "cannot check shard")
+                res.add(
+                    job.directory / job.entry["path"],
+                    None,
+                    "a checkable shard",
+                    f"{type(e).__name__}: {e}",
+                    "cannot check shard",
+                )
             bar.update(job.size() if not quick else 1)
             return d, job, res
 
@@ -548,11 +707,17 @@ def validate_dirs(paths: list[str | Path], quick: bool = False, workers: int = 1
             parts = recomputed.get(id(d), [])
             if all(x is not None for x in parts):
                 rep.multiset = sum(parts) & MASK64
-                if isinstance(m.get("sample_multiset_hash"), str) and hash_hex64(rep.multiset) != m["sample_multiset_hash"]:
-                    rep.add(rep.path, "sample_multiset_hash",
-                            f"{m['sample_multiset_hash']} (recorded in {MANIFEST})",
-                            hash_hex64(rep.multiset) + " (recomputed from the samples)",
-                            "the epoch's samples are not the ones recorded")
+                if (
+                    isinstance(m.get("sample_multiset_hash"), str)
+                    and hash_hex64(rep.multiset) != m["sample_multiset_hash"]
+                ):
+                    rep.add(
+                        rep.path,
+                        "sample_multiset_hash",
+                        f"{m['sample_multiset_hash']} (recorded in {MANIFEST})",
+                        hash_hex64(rep.multiset) + " (recomputed from the samples)",
+                        "the epoch's samples are not the ones recorded",
+                    )
     for d in plan:  # one broken field can break every shard entry: a few lines per file, the rest counted
         d.report.problems = d.report.problems.summarised(d.report.path)
     return ValidationReport([d.report for d in plan])
@@ -577,11 +742,16 @@ def _missing_sources(m: dict, given: dict[str, PackedSource], mfile: str) -> Pro
     if not missing:
         return None
     n = len(m["sources"])
-    return Problem(mfile, "sources", f"--against for each of its {n} source{'s' * (n != 1)}",
-                   "none for " + "; ".join(missing),
-                   "epoch holds samples from a source not given to --against; its content is not verified",
-                   hint="give every source the epoch was shuffled from, as it was then: "
-                        + " ".join(f"--against {p}" for p in paths), unverified=True)
+    return Problem(
+        mfile,
+        "sources",
+        f"--against for each of its {n} source{'s' * (n != 1)}",
+        "none for " + "; ".join(missing),
+        "epoch holds samples from a source not given to --against; its content is not verified",
+        hint="give every source the epoch was shuffled from, as it was then: "
+        + " ".join(f"--against {p}" for p in paths),
+        unverified=True,
+    )
 
 
 def _against(report: ValidationReport, against: list[str], replay) -> list[Problem]:
@@ -618,9 +788,13 @@ def _against(report: ValidationReport, against: list[str], replay) -> list[Probl
                 continue  # a manifest already reported broken cannot drive the replay
             raise  # from a manifest that passed every check: a bug in tokpack, not in the data
         if expected != m.get("sample_multiset_hash"):
-            d.add(mfile, "sample_multiset_hash", f"{expected} (replayed from the sources)",
-                  f"{m.get('sample_multiset_hash')} (recorded in {MANIFEST})",
-                  "epoch does not hold the samples its plan assigns (dropped/duplicated/altered)")
+            d.add(
+                mfile,
+                "sample_multiset_hash",
+                f"{expected} (replayed from the sources)",
+                f"{m.get('sample_multiset_hash')} (recorded in {MANIFEST})",
+                "epoch does not hold the samples its plan assigns (dropped/duplicated/altered)",
+            )
         _order_problem(d, orders)
     return problems
 
@@ -634,31 +808,44 @@ def _order_problem(d: DirReport, planned: list[int]) -> None:
     if not wrong:
         return
     i = wrong[0]
-    d.add(d.path / shards[i]["path"], "order_hash", f"{hash_hex64(planned[i])} (replayed from the sources)",
-          f"{hash_hex64(found[shards[i]['path']])} (from its samples)",
-          f"sample order differs from the plan ({len(wrong)} of {len(found)} shards checked differ)",
-          hint="the epoch's samples are not at the positions its seed and epoch give them: restore the epoch "
-               "from a good copy, or shuffle it again from the same sources, seed and epoch")
+    d.add(
+        d.path / shards[i]["path"],
+        "order_hash",
+        f"{hash_hex64(planned[i])} (replayed from the sources)",
+        f"{hash_hex64(found[shards[i]['path']])} (from its samples)",
+        f"sample order differs from the plan ({len(wrong)} of {len(found)} shards checked differ)",
+        hint="the epoch's samples are not at the positions its seed and epoch give them: restore the epoch "
+        "from a good copy, or shuffle it again from the same sources, seed and epoch",
+    )
 
 
 def _slice_without_run(d: DirReport, given) -> Problem:
     """A slice is compared with its run only: `--against` anything else would compare nothing
     and pass."""
     kind = _kind(given)
-    return Problem(str(given), "--against", "the run the slice was staged from",
-                   f"a {kind}" if kind else "no tokpack directory",
-                   f"cannot compare node slice {d.path} with it: a slice is compared only with its run",
-                   hint=f"give --against the run directory it was staged from ({d.manifest.get('source') or 'RUN'})",
-                   unverified=True)
+    return Problem(
+        str(given),
+        "--against",
+        "the run the slice was staged from",
+        f"a {kind}" if kind else "no tokpack directory",
+        f"cannot compare node slice {d.path} with it: a slice is compared only with its run",
+        hint=f"give --against the run directory it was staged from ({d.manifest.get('source') or 'RUN'})",
+        unverified=True,
+    )
 
 
 def _not_a_source(given) -> Problem:
     """A run, an epoch or a slice given to `--against` of a run or epoch: epochs are replayed
     from packed sources only, so it is refused in one line rather than validated as a source."""
-    return Problem(str(given), "--against", "a packed source the epochs were shuffled from", f"a {_kind(given)}",
-                   "cannot replay epochs from it: --against takes the packed sources of a run",
-                   hint="give --against each packed source the run was shuffled from (its tokpack.json `sources`)",
-                   unverified=True)
+    return Problem(
+        str(given),
+        "--against",
+        "a packed source the epochs were shuffled from",
+        f"a {_kind(given)}",
+        "cannot replay epochs from it: --against takes the packed sources of a run",
+        hint="give --against each packed source the run was shuffled from (its tokpack.json `sources`)",
+        unverified=True,
+    )
 
 
 def _kind(path) -> str | None:
@@ -697,8 +884,15 @@ class ValidateResult:
         return asdict(self)
 
 
-def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None = None, workers: int = 1,
-                 show_progress: bool | None = None, replay=None, source_rows=None) -> ValidateResult:
+def validate_all(
+    dirs: list[str],
+    quick: bool = False,
+    against: list[str] | None = None,
+    workers: int = 1,
+    show_progress: bool | None = None,
+    replay=None,
+    source_rows=None,
+) -> ValidateResult:
     """Validates each directory (source, run or epoch); with `against`, also those sources and
     every epoch's content and order through its plan, replayed by `replay` (tokpack.shuffle.plan's
     replay_hashes, given by the caller: this layer does not import shuffle). A slice against a
@@ -718,8 +912,9 @@ def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None
         not_sources = [_not_a_source(a) for a in against if _kind(a) not in (None, "source")]
         against = [a for a in against if _kind(a) in (None, "source")]
     extra = [a for a in against if as_path(a).resolve() not in known]
-    report = validate_dirs(list(dirs) + extra, quick=quick, workers=workers, show_progress=show_progress,
-                           order=bool(against))
+    report = validate_dirs(
+        list(dirs) + extra, quick=quick, workers=workers, show_progress=show_progress, order=bool(against)
+    )
     extra_problems = _against(report, against, replay) if against else []
     for d in report.dirs:
         if d.kind == SLICE and d.manifest is not None:
@@ -738,10 +933,18 @@ def validate_all(dirs: list[str], quick: bool = False, against: list[str] | None
         quick=quick,
         problems=[p.to_json() for p in problems],
         problems_total=len(not_sources) + sum(d.problems.total for d in report.dirs) + len(extra_problems),
-        dirs=[{"path": str(d.path), "kind": d.kind, "status": d.status, "problems": d.problems.total,
-               "files": d.files, "bytes": d.bytes,
-               **({"vocab_known": False, "vocab_size": d.manifest.get("vocab_size")} if _vocab_unknown(d) else {})}
-              for d in report.dirs],
+        dirs=[
+            {
+                "path": str(d.path),
+                "kind": d.kind,
+                "status": d.status,
+                "problems": d.problems.total,
+                "files": d.files,
+                "bytes": d.bytes,
+                **({"vocab_known": False, "vocab_size": d.manifest.get("vocab_size")} if _vocab_unknown(d) else {}),
+            }
+            for d in report.dirs
+        ],
         files=sum(d.files for d in report.dirs),
         bytes=nbytes,
         seconds=round(seconds, 4),
@@ -762,11 +965,17 @@ def report_lines(r: ValidateResult) -> list[str]:
     for d in r.dirs:
         what = d["kind"] or "directory"
         n = d["problems"]
-        vocab = "" if d.get("vocab_known", True) else (
-            f"; vocabulary unknown: ids checked only against the token width, {d['vocab_size']}")
-        lines.append(f"OK {what} {d['path']} ({d['files']} file{'s' * (d['files'] != 1)}, {_size(d['bytes'])}"
-                     f"{', quick' if r.quick else ''}{vocab})"
-                     if d["status"] == "ok" else f"{d['status'].upper()} {what} {d['path']}: {n} problem{'s' * (n != 1)}")
+        vocab = (
+            ""
+            if d.get("vocab_known", True)
+            else (f"; vocabulary unknown: ids checked only against the token width, {d['vocab_size']}")
+        )
+        lines.append(
+            f"OK {what} {d['path']} ({d['files']} file{'s' * (d['files'] != 1)}, {_size(d['bytes'])}"
+            f"{', quick' if r.quick else ''}{vocab})"
+            if d["status"] == "ok"
+            else f"{d['status'].upper()} {what} {d['path']}: {n} problem{'s' * (n != 1)}"
+        )
     n = len(r.problems) if r.problems_total is None else r.problems_total
     lines.append(
         f"{r.status.upper()}: {len(r.dirs)} director{'ies' if len(r.dirs) != 1 else 'y'}, "
@@ -780,4 +989,6 @@ def report_lines(r: ValidateResult) -> list[str]:
 def _against_text(paths: list[str]) -> str:
     """What --against named: sources, and the runs slices were checked against ("1 run", not "1 source(s)")."""
     runs = sum(_kind(a) == "run" for a in paths)
-    return " and ".join(f"{n} {name}{'s' * (n != 1)}" for n, name in ((len(paths) - runs, "source"), (runs, "run")) if n)
+    return " and ".join(
+        f"{n} {name}{'s' * (n != 1)}" for n, name in ((len(paths) - runs, "source"), (runs, "run")) if n
+    )

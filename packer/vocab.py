@@ -24,9 +24,15 @@ KNOWN_TOKENIZERS = {
 }
 
 
-def resolve_vocab_eos(files: list[InputFile], tokenizer: str | None, eos_id: int | None,
-                      vocab_size: int | None, say=None, warnings: list | None = None,
-                      known_vocab: list | None = None) -> tuple[int, int, str, str | None]:
+def resolve_vocab_eos(
+    files: list[InputFile],
+    tokenizer: str | None,
+    eos_id: int | None,
+    vocab_size: int | None,
+    say=None,
+    warnings: list | None = None,
+    known_vocab: list | None = None,
+) -> tuple[int, int, str, str | None]:
     """(vocab_size, eos_id, tokenizer name, eos token text) from the options, the tokenizer,
     the inputs' datatrove metadata (a local tokenizer file, else a KNOWN_TOKENIZERS name) or,
     for the vocabulary, the input dtype. Lines the user should read once the pack is done are
@@ -58,22 +64,29 @@ def resolve_vocab_eos(files: list[InputFile], tokenizer: str | None, eos_id: int
         if vocab_size is not None and dtype_for_vocab(vocab_size).itemsize > 2:
             # every id the input dtype can hold must fit, so a 16-bit vocabulary costs twice the disk
             if warnings is not None:
-                warnings.append(f"tokpack pack: vocabulary size unknown, so tokens are stored as uint32, the width "
-                                f"of the {files[0].dtype} input, and the manifest records the vocabulary as unknown "
-                                f"(vocab_known: false){seen}. HINT: pass --vocab-size N (or --tokenizer) to store "
-                                f"uint16 when the ids fit below 65536")
+                warnings.append(
+                    f"tokpack pack: vocabulary size unknown, so tokens are stored as uint32, the width "
+                    f"of the {files[0].dtype} input, and the manifest records the vocabulary as unknown "
+                    f"(vocab_known: false){seen}. HINT: pass --vocab-size N (or --tokenizer) to store "
+                    f"uint16 when the ids fit below 65536"
+                )
         elif vocab_size is not None and warnings is not None:
             # the id check then means nothing: every id the dtype holds passes it
-            warnings.append(f"tokpack pack: vocabulary size unknown, so ids are checked only against the width of "
-                            f"the {files[0].dtype} input ({vocab_size}), and the manifest records the vocabulary as "
-                            f"unknown (vocab_known: false){seen}. HINT: pass --vocab-size N (or --tokenizer "
-                            f"tokenizer.json) to check every id against the vocabulary")
+            warnings.append(
+                f"tokpack pack: vocabulary size unknown, so ids are checked only against the width of "
+                f"the {files[0].dtype} input ({vocab_size}), and the manifest records the vocabulary as "
+                f"unknown (vocab_known: false){seen}. HINT: pass --vocab-size N (or --tokenizer "
+                f"tokenizer.json) to check every id against the vocabulary"
+            )
     if vocab_size is None:
-        raise TokpackError("vocabulary size unknown", file=files[0].path, where="vocab_size",
-                           expected="--vocab-size, --tokenizer, or an input dtype narrower than 64 bits",
-                           found=f"{files[0].dtype or 'JSON integers'} token ids{seen}",
-                           hint="pass --vocab-size N or --tokenizer tokenizer.json"
-                           + (f" (saved locally from {hub})" if hub else ""))
+        raise TokpackError(
+            "vocabulary size unknown",
+            file=files[0].path,
+            where="vocab_size",
+            expected="--vocab-size, --tokenizer, or an input dtype narrower than 64 bits",
+            found=f"{files[0].dtype or 'JSON integers'} token ids{seen}",
+            hint="pass --vocab-size N or --tokenizer tokenizer.json" + (f" (saved locally from {hub})" if hub else ""),
+        )
     if vocab_size < 1:
         raise TokpackError("vocabulary size must be positive", where="--vocab-size", expected=">= 1", found=vocab_size)
     if eos_id is None and tok is not None:
@@ -87,15 +100,27 @@ def resolve_vocab_eos(files: list[InputFile], tokenizer: str | None, eos_id: int
         if say:
             say(f"tokpack pack: EOS id {eos_id} from the known tokenizer {named!r}")
     if eos_id is None:
-        raise TokpackError("EOS id unknown", file=tok_path or files[0].path, where="eos_id",
-                           expected="--eos-id, or a tokenizer with an end-of-text token",
-                           found=("none" + seen) if tok is None else "no <|endoftext|>, </s>, <|end_of_text|> or <eos> token",
-                           hint=(f"pass --eos-id N, the end-of-document id of {hub} (and --vocab-size N), or "
-                                 f"--tokenizer with a tokenizer.json saved locally from {hub}") if hub else
-                           "pass --eos-id N (or --tokenizer with a local tokenizer.json)")
+        raise TokpackError(
+            "EOS id unknown",
+            file=tok_path or files[0].path,
+            where="eos_id",
+            expected="--eos-id, or a tokenizer with an end-of-text token",
+            found=("none" + seen) if tok is None else "no <|endoftext|>, </s>, <|end_of_text|> or <eos> token",
+            hint=(
+                f"pass --eos-id N, the end-of-document id of {hub} (and --vocab-size N), or "
+                f"--tokenizer with a tokenizer.json saved locally from {hub}"
+            )
+            if hub
+            else "pass --eos-id N (or --tokenizer with a local tokenizer.json)",
+        )
     if not 0 <= eos_id < vocab_size:
-        raise TokpackError("EOS id outside the vocabulary", where="eos_id", expected=f"0 <= eos_id < {vocab_size}",
-                           found=eos_id, hint="check --eos-id and --vocab-size")
+        raise TokpackError(
+            "EOS id outside the vocabulary",
+            where="eos_id",
+            expected=f"0 <= eos_id < {vocab_size}",
+            found=eos_id,
+            hint="check --eos-id and --vocab-size",
+        )
     name = tokenizer or named or "unknown"
     return int(vocab_size), int(eos_id), str(name), eos_token
 
@@ -113,16 +138,22 @@ def native_vocab(dtype: str | None) -> int | None:
 def load_tokenizer(path: str):
     """A local tokenizer.json; nothing is ever downloaded."""
     if not os.path.isfile(path):
-        raise TokpackError("tokenizer is not a local file", file=path, where="--tokenizer",
-                           expected="a path to a tokenizer.json", found="no such file",
-                           hint="tokpack never downloads; save the tokenizer with tokenizer.save('tokenizer.json')")
+        raise TokpackError(
+            "tokenizer is not a local file",
+            file=path,
+            where="--tokenizer",
+            expected="a path to a tokenizer.json",
+            found="no such file",
+            hint="tokpack never downloads; save the tokenizer with tokenizer.save('tokenizer.json')",
+        )
     from tokenizers import Tokenizer
 
     try:
         return Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises plain Exceptions for bad files
-        raise TokpackError("unreadable tokenizer", file=path, expected="a tokenizers JSON file",
-                           found=str(e).splitlines()[0][:120]) from None
+        raise TokpackError(
+            "unreadable tokenizer", file=path, expected="a tokenizers JSON file", found=str(e).splitlines()[0][:120]
+        ) from None
 
 
 def tokenizer_eos(tokenizer) -> tuple[int, str] | None:
@@ -196,14 +227,32 @@ class Normalizer:
                 self._fail("token id is not an integer", b, int(bad[0]), "integer values", t[bad[0]])
         if t.dtype.kind != "u" and t.min() < 0:
             i = int(np.argmax(t < 0))
-            self._fail("negative token id", b, i, f"ids in [0, {self.vocab_size})", int(t[i]),
-                       "the input holds negative ids; check --dtype or the input's dtype")
+            self._fail(
+                "negative token id",
+                b,
+                i,
+                f"ids in [0, {self.vocab_size})",
+                int(t[i]),
+                "the input holds negative ids; check --dtype or the input's dtype",
+            )
         if t.max() >= self.vocab_size:
             i = int(np.argmax(t >= self.vocab_size))
-            self._fail("token id at or above vocab_size", b, i, f"< {self.vocab_size}", int(t[i]),
-                       "pass the right --vocab-size or --tokenizer, or fix the input")
+            self._fail(
+                "token id at or above vocab_size",
+                b,
+                i,
+                f"< {self.vocab_size}",
+                int(t[i]),
+                "pass the right --vocab-size or --tokenizer, or fix the input",
+            )
 
     def _fail(self, message, b: Block, pos: int, expected, found, hint=None):
         doc = b.first_doc + int(np.searchsorted(b.ends, pos, side="right"))
-        raise _err(message, self.f.path, where=f"document {doc}, token offset {b.offset + pos}",
-                   expected=expected, found=found, hint=hint)
+        raise _err(
+            message,
+            self.f.path,
+            where=f"document {doc}, token offset {b.offset + pos}",
+            expected=expected,
+            found=found,
+            hint=hint,
+        )

@@ -21,9 +21,14 @@ FOLDERS = ("formats", "loader", "shuffle", "packer")
 
 
 def _docstrings(tree) -> set[int]:
-    return {id(n.body[0].value) for n in ast.walk(tree)
-            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
-            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+    }
 
 
 def _is_kind(node) -> bool:
@@ -41,20 +46,33 @@ def scan(source: str) -> tuple[set[str], int]:
     for n in ast.walk(tree):
         if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs and n.value in PACKING_NAMES:
             why.add(repr(n.value))
-        if isinstance(n, ast.Name) and n.id in PACKING_CONSTANTS or isinstance(n, ast.Attribute) and n.attr in PACKING_CONSTANTS:
+        if (
+            isinstance(n, ast.Name)
+            and n.id in PACKING_CONSTANTS
+            or isinstance(n, ast.Attribute)
+            and n.attr in PACKING_CONSTANTS
+        ):
             why.add(getattr(n, "id", None) or n.attr)
-        if isinstance(n, ast.Compare) and isinstance(n.left, ast.Constant) and n.left.value == "pad_xxh3_128" \
-                and any(isinstance(o, (ast.In, ast.NotIn)) for o in n.ops):
+        if (
+            isinstance(n, ast.Compare)
+            and isinstance(n.left, ast.Constant)
+            and n.left.value == "pad_xxh3_128"
+            and any(isinstance(o, (ast.In, ast.NotIn)) for o in n.ops)
+        ):
             why.add('"pad_xxh3_128" in')
-        if isinstance(n, ast.Compare) and any(isinstance(o, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for o in n.ops) \
-                and any(_is_kind(x) for x in [n.left, *n.comparators]):
+        if (
+            isinstance(n, ast.Compare)
+            and any(isinstance(o, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for o in n.ops)
+            and any(_is_kind(x) for x in [n.left, *n.comparators])
+        ):
             kind_tests += 1
     return why, kind_tests
 
 
 def main(rev: str = "HEAD") -> None:
-    files = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, *FOLDERS], capture_output=True, text=True,
-                           check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-tree", "-r", "--name-only", rev, *FOLDERS], capture_output=True, text=True, check=True
+    ).stdout.split()
     packing, kinds = {}, {}
     for f in (f for f in files if f.endswith(".py")):
         why, n = scan(subprocess.run(["git", "show", f"{rev}:{f}"], capture_output=True, text=True, check=True).stdout)
@@ -66,8 +84,10 @@ def main(rev: str = "HEAD") -> None:
         print(f"names a packing: {f}: {', '.join(w)}")
     for f, n in sorted(kinds.items()):
         print(f"tests a kind:    {f}: {n}")
-    print(f"{rev}: {len(packing)} modules name a packing algorithm; {len(kinds)} modules test a manifest's kind "
-          f"by its string ({sum(kinds.values())} tests)")
+    print(
+        f"{rev}: {len(packing)} modules name a packing algorithm; {len(kinds)} modules test a manifest's kind "
+        f"by its string ({sum(kinds.values())} tests)"
+    )
 
 
 if __name__ == "__main__":

@@ -70,11 +70,13 @@ def parse_holdout(text) -> dict | None:
                 raise ValueError
             return {"tokens": int(tokens)}
     except (ValueError, ZeroDivisionError, TokpackError):
-        raise TokpackError("bad --holdout", where="--holdout", expected="a fraction or a token count", found=raw,
-                           hint=hint) from None
+        raise TokpackError(
+            "bad --holdout", where="--holdout", expected="a fraction or a token count", found=raw, hint=hint
+        ) from None
     if not 0 < fraction < 1:
-        raise TokpackError("--holdout fraction out of range", where="--holdout", expected="0 < F < 1", found=raw,
-                           hint=hint)
+        raise TokpackError(
+            "--holdout fraction out of range", where="--holdout", expected="0 < F < 1", found=raw, hint=hint
+        )
     return {"fraction": str(fraction)}
 
 
@@ -132,9 +134,14 @@ def holdout_of(src, spec: dict | None, seed: int, documents: int, lengths_in_ord
         if total < want:
             k = d
     if k >= d:
-        raise TokpackError("--holdout would hold out every document of a source", file=src.path, where="--holdout",
-                           expected=f"fewer than its {d} documents", found=spec,
-                           hint="hold out a smaller fraction or fewer tokens")
+        raise TokpackError(
+            "--holdout would hold out every document of a source",
+            file=src.path,
+            where="--holdout",
+            expected=f"fewer than its {d} documents",
+            found=spec,
+            hint="hold out a smaller fraction or fewer tokens",
+        )
     return Holdout(d, int(k), int(seed), src.fingerprint)
 
 

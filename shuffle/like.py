@@ -23,9 +23,19 @@ from .plan import run_holdout
 
 # shuffle's settings that --like reads from the run (API keyword -> CLI flag): giving one as well is refused,
 # since two answers to one question would leave the user unsure which the epoch was written with.
-TAKEN = {"sources": "SOURCE", "seq_len": "--seq-len", "seed": "--seed", "samples": "--samples",
-         "tokens": "--tokens", "shard_samples": "--shard-samples", "jitter": "--jitter",
-         "schedule": "--schedule", "packing": "--packing", "pad_id": "--pad-id", "holdout": "--holdout"}
+TAKEN = {
+    "sources": "SOURCE",
+    "seq_len": "--seq-len",
+    "seed": "--seed",
+    "samples": "--samples",
+    "tokens": "--tokens",
+    "shard_samples": "--shard-samples",
+    "jitter": "--jitter",
+    "schedule": "--schedule",
+    "packing": "--packing",
+    "pad_id": "--pad-id",
+    "holdout": "--holdout",
+}
 
 
 def given_with_like(values: dict, cli: bool = False) -> list[str]:
@@ -60,20 +70,34 @@ def run_settings(run_dir) -> dict:
             found = "a folder without tokpack.json or epoch folders"  # no run ever wrote there: not an unfinished one
         else:
             raise
-        raise TokpackError("--like takes a run directory", file=run_dir, where="kind",
-                           expected="run (a directory holding tokpack.json and epoch-NNNNN/)", found=found,
-                           hint="give the run directory (the one holding tokpack.json and epoch-NNNNN/)") from None
+        raise TokpackError(
+            "--like takes a run directory",
+            file=run_dir,
+            where="kind",
+            expected="run (a directory holding tokpack.json and epoch-NNNNN/)",
+            found=found,
+            hint="give the run directory (the one holding tokpack.json and epoch-NNNNN/)",
+        ) from None
     pk = m.get("packing") if isinstance(m.get("packing"), dict) else {}
     holdout = run_holdout(m)  # as parse_holdout recorded it, given back as its text
     holdout = None if holdout is None else holdout.get("fraction") or str(holdout.get("tokens"))
-    settings = {"packing": packings.of_manifest(m).name, "pad_id": pk.get("pad_id"), "holdout": holdout,
-                "shard_samples": int(m["shard_samples"])}
+    settings = {
+        "packing": packings.of_manifest(m).name,
+        "pad_id": pk.get("pad_id"),
+        "holdout": holdout,
+        "shard_samples": int(m["shard_samples"]),
+    }
     if m.get("schedule_file"):
         return {**settings, "sources": None, "schedule": m["schedule_file"]}
     weights = m.get("weights") or [None] * len(m["sources"])
-    return {**settings, "sources": [(s["path"], w) for s, w in zip(m["sources"], weights)],
-            "seq_len": int(m["seq_len"]), "seed": int(m["seed"]), "samples": int(m["samples"]),
-            "jitter": bool(m.get("jitter"))}
+    return {
+        **settings,
+        "sources": [(s["path"], w) for s, w in zip(m["sources"], weights)],
+        "seq_len": int(m["seq_len"]),
+        "seed": int(m["seed"]),
+        "samples": int(m["samples"]),
+        "jitter": bool(m.get("jitter")),
+    }
 
 
 def apply_like(given: dict) -> dict:
@@ -85,13 +109,22 @@ def apply_like(given: dict) -> dict:
         return out
     twice = given_with_like(given)
     if twice:
-        raise TokpackError("like= takes these settings from the run", where=", ".join(twice), file=like,
-                           hint="drop them; the run's own settings write its epochs")
+        raise TokpackError(
+            "like= takes these settings from the run",
+            where=", ".join(twice),
+            file=like,
+            hint="drop them; the run's own settings write its epochs",
+        )
     taken = run_settings(like)
     if taken.get("schedule") is None and given.get("epochs") is None:
-        raise TokpackError("no epochs named to add to the run", where="--epoch/--epochs", file=like,
-                           expected="the epochs to write", hint="a run made with flags has no last epoch: name the "
-                           "ones to add (--epoch E, --epochs N; the API's epochs=)")
+        raise TokpackError(
+            "no epochs named to add to the run",
+            where="--epoch/--epochs",
+            file=like,
+            expected="the epochs to write",
+            hint="a run made with flags has no last epoch: name the "
+            "ones to add (--epoch E, --epochs N; the API's epochs=)",
+        )
     out.update({k: taken.get(k, False if k == "jitter" else None) for k in TAKEN})
     if out.get("output") is None:
         out["output"] = like

@@ -27,13 +27,21 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import map_file, open_append, open_new, read_array, read_record, regular_size, write_bytes_atomic
+from tokpack.formats.io import (
+    map_file,
+    open_append,
+    open_new,
+    read_array,
+    read_record,
+    regular_size,
+    write_bytes_atomic,
+)
 from tokpack.formats.manifest import hash_hex64, order_hash_terms, row_hashes
 from tokpack.formats.shards import PackedSource, row_segments
 
 from .holdout import Holdout, holdout_of
 from .permutation import Bijection
-from .plan import EpochPlan, check_passes, mixture, replay_hashes, shard_count_checked
+from .plan import EpochPlan, check_passes, mixture, shard_count_checked
 
 BEST_FIT = "best-fit"  # its `--packing` name (tokpack.shuffle.packings), and a run's `packing.method`
 PACKED_ALGORITHM = "tokpack-bfd-feistel6-splitmix-xxh3-v1"  # the `shuffle` name of a packed epoch
@@ -45,8 +53,9 @@ _BIG = 1 << 40  # BFD keys: remaining capacity * _BIG + row, so one sorted int l
 
 # The row table: one record per piece (a document, or a fragment of one, inside one row), in
 # output order: by output row g, then offset in the row. Its bytes are what `table_xxh3_128` hashes.
-PIECE = np.dtype([("g", "<u8"), ("row_offset", "<u4"), ("source", "<u4"), ("doc", "<u8"), ("doc_offset", "<u8"),
-                  ("length", "<u4")])
+PIECE = np.dtype(
+    [("g", "<u8"), ("row_offset", "<u4"), ("source", "<u4"), ("doc", "<u8"), ("doc_offset", "<u8"), ("length", "<u4")]
+)
 
 
 # -------------------------------------------------------------------- documents
@@ -98,9 +107,13 @@ def source_documents(src: PackedSource, chunk: int):
             first = np.concatenate([[prev], ends[:-1]])
             last = a + len(ends) == count
             if len(ends) != min(chunk, count - a) or np.any(ends <= first) or (last and ends[-1] != n) or ends[-1] > n:
-                raise TokpackError("source index does not describe its shard", file=f,
-                                   expected=f"strictly increasing ends up to {n}", found=f"{count} entries",
-                                   hint="run `tokpack validate` on the source")
+                raise TokpackError(
+                    "source index does not describe its shard",
+                    file=f,
+                    expected=f"strictly increasing ends up to {n}",
+                    found=f"{count} entries",
+                    hint="run `tokpack validate` on the source",
+                )
             yield np.arange(doc, doc + len(ends), dtype=np.int64), first + int(src.shard_starts[k]), ends - first
             doc, prev = doc + len(ends), int(ends[-1])
 
@@ -110,9 +123,12 @@ def document_count_of(index_file) -> int:
     try:
         return regular_size(index_file) // 8
     except FileNotFoundError:
-        raise TokpackError("source shard's document index is missing", file=index_file,
-                           expected="the shard's .ds.index (best-fit packing reads each document's end)",
-                           hint="restore the file, or re-pack the source; `tokpack validate` checks it") from None
+        raise TokpackError(
+            "source shard's document index is missing",
+            file=index_file,
+            expected="the shard's .ds.index (best-fit packing reads each document's end)",
+            hint="restore the file, or re-pack the source; `tokpack validate` checks it",
+        ) from None
 
 
 def documents_of(src: PackedSource) -> tuple[np.ndarray, np.ndarray]:
@@ -124,8 +140,11 @@ def documents_of(src: PackedSource) -> tuple[np.ndarray, np.ndarray]:
 
 def _check_real(src: PackedSource) -> None:
     if str(src.path).startswith("virtual:"):
-        raise TokpackError("best-fit packing needs the documents of the source", file=src.path,
-                           hint="plan a best-fit run on packed sources, not virtual ones")
+        raise TokpackError(
+            "best-fit packing needs the documents of the source",
+            file=src.path,
+            hint="plan a best-fit run on packed sources, not virtual ones",
+        )
 
 
 _DOCS: dict = {}  # the last source's (start, length) per document that fit in memory, and its _pass_key
@@ -172,8 +191,13 @@ def permuted_documents(src: PackedSource, perm: Bijection | None, memory: int, s
         k0, n = b * chunk, min(chunk, d - b * chunk)
         local = rec["k"].astype(np.int64) - k0
         if len(rec) != n or np.any(np.bincount(local, minlength=n) != 1):  # only damage to our own scratch
-            raise TokpackError("packing scratch file is damaged", file=f, expected=f"{n} documents",
-                               found=len(rec), hint="rerun the same command")
+            raise TokpackError(
+                "packing scratch file is damaged",
+                file=f,
+                expected=f"{n} documents",
+                found=len(rec),
+                hint="rerun the same command",
+            )
         out = np.empty(n, DOC)
         out[local] = rec
         del rec
@@ -220,9 +244,16 @@ def pack_group(gl: np.ndarray, positions: np.ndarray, row_tokens: int) -> tuple[
     f_k = np.arange(nf, dtype=np.int64) - np.repeat(np.cumsum(full) - full, full)
     has = np.flatnonzero(tail)
     r, off, nb = best_fit_decreasing(tail[has], positions[has], row_tokens)
-    cols = [np.concatenate(c) for c in ((np.arange(nf, dtype=np.int64), nf + r), (np.zeros(nf, np.int64), off),
-                                        (f_which, has), (f_k * row_tokens, full[has] * row_tokens),
-                                        (np.full(nf, row_tokens, np.int64), tail[has]))]
+    cols = [
+        np.concatenate(c)
+        for c in (
+            (np.arange(nf, dtype=np.int64), nf + r),
+            (np.zeros(nf, np.int64), off),
+            (f_which, has),
+            (f_k * row_tokens, full[has] * row_tokens),
+            (np.full(nf, row_tokens, np.int64), tail[has]),
+        )
+    ]
     srt = np.lexsort((cols[1], cols[0]))
     return (*(c[srt] for c in cols), nf + nb)
 
@@ -242,7 +273,9 @@ class PassRows:
     length: np.ndarray  # int64
 
 
-def best_fit_decreasing(tails: np.ndarray, positions: np.ndarray, row_tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
+def best_fit_decreasing(
+    tails: np.ndarray, positions: np.ndarray, row_tokens: int
+) -> tuple[np.ndarray, np.ndarray, int]:
     """Packs pieces of lengths `tails` (each <= row_tokens) into rows: in order of length
     descending, ties by `positions` ascending, each into the row with the least room that
     still holds it (ties: the lowest row), else into a new row. Returns (row, offset) per
@@ -327,8 +360,17 @@ def _pass_key(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, gro
     return (src.fingerprint, str(src.path), s, p, seed, row_tokens, group_tokens, tuple(stamp))
 
 
-def iter_pass(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, group_tokens: int, memory: int,
-              scratch: str | None, holdout: "Holdout | None" = None):
+def iter_pass(
+    src: PackedSource,
+    s: int,
+    p: int,
+    seed: int,
+    row_tokens: int,
+    group_tokens: int,
+    memory: int,
+    scratch: str | None,
+    holdout: "Holdout | None" = None,
+):
     """Pass p over source s, group by group, bounded by `memory` (permuted_documents) and a
     group: (first row of the group in the pass, row count, and per piece: row in the pass,
     row_offset, doc, doc_offset, length, first token in the stream, the document's length).
@@ -360,8 +402,17 @@ def iter_pass(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, gro
             _PASSES_BYTES[0] -= sum(c.nbytes for g in old for c in g[2])
 
 
-def _pack_pass(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, group_tokens: int, memory: int,
-               scratch: str | None, holdout: "Holdout | None" = None):
+def _pack_pass(
+    src: PackedSource,
+    s: int,
+    p: int,
+    seed: int,
+    row_tokens: int,
+    group_tokens: int,
+    memory: int,
+    scratch: str | None,
+    holdout: "Holdout | None" = None,
+):
     perm = Bijection(max(document_count(src), 1), "docs", seed, s, p)
     docs = permuted_documents(src, perm, memory, scratch)
     if holdout is not None:
@@ -463,15 +514,20 @@ class PackedPlan:
             for p, at, end in zip(range(sp.first_pass, sp.first_pass + sp.passes), starts, starts[1:]):
                 a, b = lo - at, hi - at
                 with _pass_scratch(src, memory) as d:
-                    n = sum(int(((row >= a) & (row < b)).sum()) for _, _, (row, *_) in
-                            iter_pass(src, s, p, self.seed, self.row_tokens, self.group_tokens, memory, d,
-                                      self.holdout_of(s)))
+                    n = sum(
+                        int(((row >= a) & (row < b)).sum())
+                        for _, _, (row, *_) in iter_pass(
+                            src, s, p, self.seed, self.row_tokens, self.group_tokens, memory, d, self.holdout_of(s)
+                        )
+                    )
                 if lo <= at and end <= hi:
                     whole = n
                 taken += n
             return taken - whole, taken
-        per = max(MIN_CHUNK, memory // (KEY.itemsize * 4 * sp.passes * (1 + src.tokens // max(
-            1, sp.documents * self.row_tokens))))
+        per = max(
+            MIN_CHUNK,
+            memory // (KEY.itemsize * 4 * sp.passes * (1 + src.tokens // max(1, sp.documents * self.row_tokens))),
+        )
         with _scratch() as d:
             from pathlib import Path
 
@@ -494,23 +550,56 @@ class PackedPlan:
         report = []
         for i, s in enumerate(self.sources):
             repeats, pieces = self.repeat_counts(i)
-            report.append({"name": s.name, "path": s.path, "fingerprint": s.fingerprint, "weight": s.weight,
-                           "samples": s.samples, "windows": s.windows, "passes": s.passes, "first_pass": s.first_pass,
-                           "repeats": repeats, "repeat_total": pieces, "repeat_unit": "document pieces"})
+            report.append(
+                {
+                    "name": s.name,
+                    "path": s.path,
+                    "fingerprint": s.fingerprint,
+                    "weight": s.weight,
+                    "samples": s.samples,
+                    "windows": s.windows,
+                    "passes": s.passes,
+                    "first_pass": s.first_pass,
+                    "repeats": repeats,
+                    "repeat_total": pieces,
+                    "repeat_unit": "document pieces",
+                }
+            )
         return report
 
     def source_entries(self) -> list[dict]:
-        return [{"name": s.name, "path": s.path, "fingerprint": s.fingerprint, "weight": s.weight,
-                 "samples": s.samples, "first_pass": s.first_pass, "passes": s.passes, "windows": s.windows,
-                 "tokens": s.tokens, "offset": 0, "dropped_tokens": 0, "documents": s.documents,
-                 **({} if s.cursor is None else {"cursor": s.cursor}),
-                 **({} if self.holdout is None else {"held_documents": s.held})} for s in self.sources]
+        return [
+            {
+                "name": s.name,
+                "path": s.path,
+                "fingerprint": s.fingerprint,
+                "weight": s.weight,
+                "samples": s.samples,
+                "first_pass": s.first_pass,
+                "passes": s.passes,
+                "windows": s.windows,
+                "tokens": s.tokens,
+                "offset": 0,
+                "dropped_tokens": 0,
+                "documents": s.documents,
+                **({} if s.cursor is None else {"cursor": s.cursor}),
+                **({} if self.holdout is None else {"held_documents": s.held}),
+            }
+            for s in self.sources
+        ]
 
     def packing_entry(self, table_hash: str, padding: int, figures: dict | None = None) -> dict:
         """The epoch manifest's `packing` object; `figures`: RowFigures.fields() of its rows."""
-        return {"method": BEST_FIT, "group_tokens": self.group_tokens, "pad_id": self.pad_id,
-                "padding_tokens": padding, "table_xxh3_128": table_hash, **(figures or {}),
-                **({} if self.holdout is None else {"holdout": self.holdout}), **({"split": "holdout"} if self.split else {})}
+        return {
+            "method": BEST_FIT,
+            "group_tokens": self.group_tokens,
+            "pad_id": self.pad_id,
+            "padding_tokens": padding,
+            "table_xxh3_128": table_hash,
+            **(figures or {}),
+            **({} if self.holdout is None else {"holdout": self.holdout}),
+            **({"split": "holdout"} if self.split else {}),
+        }
 
     def holdout_of(self, s: int) -> "Holdout | None":
         """Source s's held-out documents (None: it holds none out)."""
@@ -541,8 +630,7 @@ def table_hash(table: np.ndarray) -> str:
 def row_padding(table: np.ndarray, samples: int, row_tokens: int, g0: int = 0) -> np.ndarray:
     """Padding tokens at the end of each output row g0.. g0 + samples - 1 (uint32), from the
     pieces of those rows."""
-    used = np.bincount(table["g"].astype(np.int64) - g0, weights=table["length"].astype(np.float64),
-                       minlength=samples)
+    used = np.bincount(table["g"].astype(np.int64) - g0, weights=table["length"].astype(np.float64), minlength=samples)
     return (row_tokens - used.astype(np.int64)).astype("<u4")
 
 
@@ -589,8 +677,9 @@ def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
     if key not in _ROWS:
         rows = pieces = 0
         with _pass_scratch(src, plan.memory) as d:
-            for _, n, (row, *_) in iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, plan.memory, d,
-                                             plan.holdout_of(s)):
+            for _, n, (row, *_) in iter_pass(
+                src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, plan.memory, d, plan.holdout_of(s)
+            ):
                 rows, pieces = rows + n, pieces + len(row)
         _ROWS[key], _PIECES[key] = rows, pieces
     return _ROWS[key]
@@ -637,12 +726,24 @@ def _locate_chain(plan, s: int, lo: int, n: int, src: PackedSource) -> tuple[int
     return first, len(counts), tuple(counts)
 
 
-def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, epoch: int,
-                      weights: list[str | None] | None = None, samples: int | None = None,
-                      tokens: int | None = None, names: list[str] | None = None,
-                      group_tokens: int | None = None, pad_id: int | None = None,
-                      cursors: list[int | None] | None = None, counts: list[int] | None = None,
-                      memory: int = DEFAULT_PLAN_MEMORY, holdout: dict | None = None, split: bool = False) -> PackedPlan:
+def packed_epoch_plan(
+    sources: list[PackedSource],
+    *,
+    seq_len: int,
+    seed: int,
+    epoch: int,
+    weights: list[str | None] | None = None,
+    samples: int | None = None,
+    tokens: int | None = None,
+    names: list[str] | None = None,
+    group_tokens: int | None = None,
+    pad_id: int | None = None,
+    cursors: list[int | None] | None = None,
+    counts: list[int] | None = None,
+    memory: int = DEFAULT_PLAN_MEMORY,
+    holdout: dict | None = None,
+    split: bool = False,
+) -> PackedPlan:
     """The packed plan of one epoch. c_s: as the window plan apportions samples, with R_{s,0}
     (the rows of pass 0) in place of W_s. `counts` (a schedule's per-source samples) overrides it.
     `memory`: the plan's budget (bytes; shuffle's --memory), within which it counts its passes."""
@@ -650,21 +751,45 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
         raise TokpackError("no sources given", hint="tokpack shuffle SOURCE[=WEIGHT]... -o OUT --packing best-fit")
     pad = sources[0].eos_id if pad_id is None else int(pad_id)
     if not 0 <= pad < sources[0].vocab_size:
-        raise TokpackError("pad id outside the vocabulary", where="--pad-id", expected=f"0..{sources[0].vocab_size - 1}",
-                           found=pad, hint="leave --pad-id out to pad with the EOS id")
+        raise TokpackError(
+            "pad id outside the vocabulary",
+            where="--pad-id",
+            expected=f"0..{sources[0].vocab_size - 1}",
+            found=pad,
+            hint="leave --pad-id out to pad with the EOS id",
+        )
     for src in sources:
         _check_real(src)
     documents = [document_count(src) for src in sources]
     held = [held_out(src, holdout, seed, memory).held for src in sources]
-    stub = PackedPlan(int(seed), int(epoch), int(seq_len), 0, tuple(
-        PackedSourcePlan(s, "", str(src.home), src.fingerprint, None, src.tokens, documents[s], 0, 0, 0, held=held[s])
-        for s, src in enumerate(sources)), int(group_tokens or DEFAULT_GROUP_TOKENS), pad, holdout=holdout,
-        split=bool(split), memory=max(1, int(memory)))
+    stub = PackedPlan(
+        int(seed),
+        int(epoch),
+        int(seq_len),
+        0,
+        tuple(
+            PackedSourcePlan(
+                s, "", str(src.home), src.fingerprint, None, src.tokens, documents[s], 0, 0, 0, held=held[s]
+            )
+            for s, src in enumerate(sources)
+        ),
+        int(group_tokens or DEFAULT_GROUP_TOKENS),
+        pad,
+        holdout=holdout,
+        split=bool(split),
+        memory=max(1, int(memory)),
+    )
     rows0 = [pass_rows(stub, s, 0, src) for s, src in enumerate(sources)]
     for src, rows in zip(sources, rows0):
         if rows == 0:  # its chain would hold nothing to take
-            raise TokpackError("source holds no documents", file=src.path, where="documents",
-                               expected=">= 1 document", found=0, hint="drop this source")
+            raise TokpackError(
+                "source holds no documents",
+                file=src.path,
+                where="documents",
+                expected=">= 1 document",
+                found=0,
+                hint="drop this source",
+            )
     weights = list(weights) if weights is not None else [None] * len(sources)
     if counts is None:
         counts = mixture(sources, weights, rows0, samples=samples, tokens=tokens, seq_len=seq_len)[1]
@@ -672,9 +797,20 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
     plans, base = [], 0
     for s, src in enumerate(sources):
         cursor = None if cursors is None else cursors[s]
-        sp = PackedSourcePlan(s, names[s] if names else src.home.name, str(src.home), src.fingerprint,
-                              None if weights[s] is None else str(weights[s]), src.tokens, documents[s], rows0[s],
-                              counts[s], base, cursor, held=held[s])
+        sp = PackedSourcePlan(
+            s,
+            names[s] if names else src.home.name,
+            str(src.home),
+            src.fingerprint,
+            None if weights[s] is None else str(weights[s]),
+            src.tokens,
+            documents[s],
+            rows0[s],
+            counts[s],
+            base,
+            cursor,
+            held=held[s],
+        )
         plans.append(sp)
         base += counts[s]
     plan = replace(stub, samples=base, sources=tuple(plans))
@@ -688,37 +824,56 @@ def packed_epoch_plan(sources: list[PackedSource], *, seq_len: int, seed: int, e
     return plan
 
 
-def packed_plan_from_manifest(manifest: dict, sources: list[PackedSource],
-                              memory: int = DEFAULT_PLAN_MEMORY) -> PackedPlan:
+def packed_plan_from_manifest(
+    manifest: dict, sources: list[PackedSource], memory: int = DEFAULT_PLAN_MEMORY
+) -> PackedPlan:
     """The packed plan an epoch manifest was written from, against the opened sources (matched
     by fingerprint, in any order); `memory`: its budget, as in packed_epoch_plan."""
     pk = manifest.get("packing")
     if not isinstance(pk, dict) or pk.get("method") != BEST_FIT:
-        raise TokpackError("packed epoch without its packing", where="packing", expected=f"{{method: {BEST_FIT}, ...}}",
-                           found=pk)
+        raise TokpackError(
+            "packed epoch without its packing", where="packing", expected=f"{{method: {BEST_FIT}, ...}}", found=pk
+        )
     entries = manifest.get("sources") or []
     pool = {s.fingerprint: s for s in sources}
     ordered, counts, cursors, weights, names = [], [], [], [], []
     for i, e in enumerate(entries):
         src = pool.get(e.get("fingerprint"))
         if src is None:
-            raise TokpackError("source of the epoch not given", where=f"sources[{i}] ({e.get('name')})",
-                               expected=f"a source with fingerprint {e.get('fingerprint')}",
-                               found=", ".join(str(p.path) for p in sources) or "none",
-                               hint="pass every source the epoch was shuffled from, unchanged")
+            raise TokpackError(
+                "source of the epoch not given",
+                where=f"sources[{i}] ({e.get('name')})",
+                expected=f"a source with fingerprint {e.get('fingerprint')}",
+                found=", ".join(str(p.path) for p in sources) or "none",
+                hint="pass every source the epoch was shuffled from, unchanged",
+            )
         ordered.append(src)
         counts.append(int(e["samples"]))
         cursors.append(e.get("cursor"))
         weights.append(e.get("weight"))
         names.append(e.get("name", ""))
-    plan = packed_epoch_plan(ordered, seq_len=int(manifest["seq_len"]), seed=int(manifest["seed"]),
-                             epoch=int(manifest["epoch"]), weights=weights, names=names,
-                             group_tokens=int(pk["group_tokens"]), pad_id=int(pk["pad_id"]),
-                             cursors=None if all(c is None for c in cursors) else cursors, counts=counts,
-                             memory=memory, holdout=pk.get("holdout"), split=pk.get("split") == "holdout")
+    plan = packed_epoch_plan(
+        ordered,
+        seq_len=int(manifest["seq_len"]),
+        seed=int(manifest["seed"]),
+        epoch=int(manifest["epoch"]),
+        weights=weights,
+        names=names,
+        group_tokens=int(pk["group_tokens"]),
+        pad_id=int(pk["pad_id"]),
+        cursors=None if all(c is None for c in cursors) else cursors,
+        counts=counts,
+        memory=memory,
+        holdout=pk.get("holdout"),
+        split=pk.get("split") == "holdout",
+    )
     if plan.samples != int(manifest["samples"]):
-        raise TokpackError("epoch manifest source samples do not add up", where="sources[].samples",
-                           expected=manifest["samples"], found=plan.samples)
+        raise TokpackError(
+            "epoch manifest source samples do not add up",
+            where="sources[].samples",
+            expected=manifest["samples"],
+            found=plan.samples,
+        )
     return plan
 
 
@@ -793,8 +948,12 @@ class RowFigures:
         pad = self.row_tokens - np.bincount(row, weights=length.astype(np.float64)).astype(np.int64)
         self.padding_tokens += int(pad.sum())
         padded = np.flatnonzero(pad > 0)  # a row's padding is one segment, after its pieces
-        segments = row_segments(np.concatenate([row, padded]), np.concatenate([offset, self.row_tokens - pad[padded]]),
-                                len(pad), self.row_tokens)
+        segments = row_segments(
+            np.concatenate([row, padded]),
+            np.concatenate([offset, self.row_tokens - pad[padded]]),
+            len(pad),
+            self.row_tokens,
+        )
         self.max_documents_per_row = max(self.max_documents_per_row, int(segments.max()))
         self.documents_cut += int(np.unique(doc[length < full]).size)
 
@@ -824,8 +983,9 @@ def chain_pieces(plan, s: int, src: PackedSource, memory: int, scratch: str | No
     at = pass_start(plan, s, sp.first_pass, src)
     for p in range(sp.first_pass, sp.first_pass + sp.passes):
         a, b = lo - at, hi - at  # the pass's rows this epoch takes
-        for first, n, (row, *rest) in iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, memory,
-                                                scratch, plan.holdout_of(s)):
+        for first, n, (row, *rest) in iter_pass(
+            src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, memory, scratch, plan.holdout_of(s)
+        ):
             if first + n <= a:
                 continue
             if first >= b:
@@ -854,14 +1014,29 @@ class PackedTable:
         folder = Path(folder)
         built = read_record(folder / BUILT_FILE, folder=folder)
         if built is None:
-            raise TokpackError("packing table in the work folder is missing or damaged", file=folder / BUILT_FILE,
-                               hint="rerun the same command")
+            raise TokpackError(
+                "packing table in the work folder is missing or damaged",
+                file=folder / BUILT_FILE,
+                hint="rerun the same command",
+            )
         if expected is not None and built["table_xxh3_128"] != expected:
-            raise TokpackError("packing table in the work folder is not this epoch's", file=folder / BUILT_FILE,
-                               where="table_xxh3_128", expected=expected, found=built["table_xxh3_128"],
-                               hint="rerun the same command")
-        return cls(folder, built["table_xxh3_128"], int(built["padding"]), int(built["bucket_rows"]),
-                   tuple(built["problems"]), built["shard_files"], built.get("figures") or {})
+            raise TokpackError(
+                "packing table in the work folder is not this epoch's",
+                file=folder / BUILT_FILE,
+                where="table_xxh3_128",
+                expected=expected,
+                found=built["table_xxh3_128"],
+                hint="rerun the same command",
+            )
+        return cls(
+            folder,
+            built["table_xxh3_128"],
+            int(built["padding"]),
+            int(built["bucket_rows"]),
+            tuple(built["problems"]),
+            built["shard_files"],
+            built.get("figures") or {},
+        )
 
     def rows(self, g0: int, g1: int) -> tuple[np.ndarray, np.ndarray]:
         """(PIECE records, their first tokens in the stream) of output rows [g0, g1), sorted by
@@ -871,8 +1046,9 @@ class PackedTable:
         b0, b1 = g0 // self.bucket_rows, (g1 - 1) // self.bucket_rows + 1
         index = read_array(self.folder / INDEX_FILE, "<u8", 3 * (b1 - b0 + 1), 24 * b0, folder=self.folder)
         if len(index) != 3 * (b1 - b0 + 1):
-            raise TokpackError("packing table index is cut short", file=self.folder / INDEX_FILE,
-                               hint="rerun the same command")
+            raise TokpackError(
+                "packing table index is cut short", file=self.folder / INDEX_FILE, hint="rerun the same command"
+            )
         index = index.reshape(-1, 3)
         a, n = int(index[0, 0]), int(index[-1, 0] - index[0, 0])
         table = read_array(self.folder / TABLE_FILE, PIECE, n, PIECE.itemsize * a, folder=self.folder)
@@ -881,9 +1057,13 @@ class PackedTable:
             x, y = int(index[k, 0]) - a, int(index[k + 1, 0]) - a
             for name, part, want in ((TABLE_FILE, table[x:y], index[k, 1]), (STARTS_FILE, starts[x:y], index[k, 2])):
                 if len(table) != n or len(starts) != n or xxhash.xxh3_64_intdigest(part.tobytes()) != int(want):
-                    raise TokpackError("packing table in the work folder is damaged", file=self.folder / name,
-                                       where=f"rows {(b0 + k) * self.bucket_rows}..", expected=f"xxh3_64 {int(want):016x}",
-                                       hint="rerun the same command")
+                    raise TokpackError(
+                        "packing table in the work folder is damaged",
+                        file=self.folder / name,
+                        where=f"rows {(b0 + k) * self.bucket_rows}..",
+                        expected=f"xxh3_64 {int(want):016x}",
+                        hint="rerun the same command",
+                    )
         x, y = np.searchsorted(table["g"], [g0, g1])
         return table[x:y], starts[x:y].astype(np.int64)
 
@@ -901,8 +1081,14 @@ class PackedTable:
             h.update(rec.tobytes())
             yield rec
         if h.intdigest() != int(want) or regular_size(f, folder=self.folder) != count * SHARD_PIECE.itemsize:
-            raise TokpackError("packing table in the work folder is damaged", file=f, where="xxh3_64",
-                               expected=f"{int(want):016x}", found=f"{h.intdigest():016x}", hint="rerun the same command")
+            raise TokpackError(
+                "packing table in the work folder is damaged",
+                file=f,
+                where="xxh3_64",
+                expected=f"{int(want):016x}",
+                found=f"{h.intdigest():016x}",
+                hint="rerun the same command",
+            )
 
 
 def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: int) -> PackedTable:
@@ -998,8 +1184,14 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
         shard_files.file(b).rename(tmp / f"source-{s:04d}-{b - int(first_shard[s]):06d}")
         names[f"{s}-{b - int(first_shard[s])}"] = hs.intdigest()
     shutil.rmtree(tmp / "shards", ignore_errors=True)
-    built = {"table_xxh3_128": h.hexdigest(), "padding": padding, "bucket_rows": bucket_rows,
-             "problems": sorted(problems), "shard_files": names, "figures": figures.fields()}
+    built = {
+        "table_xxh3_128": h.hexdigest(),
+        "padding": padding,
+        "bucket_rows": bucket_rows,
+        "problems": sorted(problems),
+        "shard_files": names,
+        "figures": figures.fields(),
+    }
     write_bytes_atomic(tmp / BUILT_FILE, json.dumps(built).encode(), fsync=False)
     tmp.rename(folder)
     release_passes()  # what reads the table (the engine's steps, a replay, inspect) needs no pass
@@ -1031,8 +1223,9 @@ class TokenPool:
                 self.parts.append(part)
         self.sources = sources
 
-    def rows(self, table: np.ndarray, g0: int, g1: int, row_tokens: int, pad_id: int,
-             starts: np.ndarray | None = None) -> np.ndarray:
+    def rows(
+        self, table: np.ndarray, g0: int, g1: int, row_tokens: int, pad_id: int, starts: np.ndarray | None = None
+    ) -> np.ndarray:
         """Output rows [g0, g1) as an [n, row_tokens] token array. `starts`: each piece's first
         token in its source's stream (PackedTable.rows); None: from the sources' whole document
         tables (documents_of, O(documents): tests and small tools)."""
@@ -1047,7 +1240,9 @@ class TokenPool:
         for s in np.unique(src).tolist():
             sel = src == s
             if starts is None:
-                start = documents_of(self.sources[s])[0][t["doc"][sel].astype(np.int64)] + t["doc_offset"][sel].astype(np.int64)
+                start = documents_of(self.sources[s])[0][t["doc"][sel].astype(np.int64)] + t["doc_offset"][sel].astype(
+                    np.int64
+                )
             else:
                 start = starts[a:b][sel]
             k = np.searchsorted(self.part_starts[s], start, side="right") - 1
@@ -1057,7 +1252,7 @@ class TokenPool:
         # of memcpys measured 6x faster than gathering through per-token index arrays.
         flat, parts = out.reshape(-1), self.parts
         for d, p, s, n in zip(dest.tolist(), part.tolist(), local.tolist(), t["length"].tolist()):
-            flat[d: d + n] = parts[p][s: s + n]
+            flat[d : d + n] = parts[p][s : s + n]
         return out
 
 
@@ -1074,12 +1269,18 @@ def cut_problems(table: np.ndarray, lengths: dict[int, np.ndarray], row_tokens: 
     for s, ls in lengths.items():
         sel = src == s
         full[sel] = ls[doc[sel]]
-    return _cut_problems(table["length"].astype(np.int64), table["doc_offset"].astype(np.int64),
-                         table["row_offset"].astype(np.int64), full, row_tokens)
+    return _cut_problems(
+        table["length"].astype(np.int64),
+        table["doc_offset"].astype(np.int64),
+        table["row_offset"].astype(np.int64),
+        full,
+        row_tokens,
+    )
 
 
-def _cut_problems(length: np.ndarray, off: np.ndarray, row_offset: np.ndarray, full: np.ndarray,
-                  row_tokens: int) -> list[str]:
+def _cut_problems(
+    length: np.ndarray, off: np.ndarray, row_offset: np.ndarray, full: np.ndarray, row_tokens: int
+) -> list[str]:
     """Per piece (its length, offset in its document, offset in its row, its document's
     length): every piece of a document longer than a row but its tail is a full row at a
     multiple of row_tokens, and a document that fits a row is whole in one row."""
@@ -1097,8 +1298,9 @@ def _cut_problems(length: np.ndarray, off: np.ndarray, row_offset: np.ndarray, f
     return problems
 
 
-def packed_replay(manifest: dict, sources: list[PackedSource], order: bool = True,
-                  memory: int = DEFAULT_PLAN_MEMORY) -> tuple[str, list[int], str, list[str], "PlannedPadding", dict]:
+def packed_replay(
+    manifest: dict, sources: list[PackedSource], order: bool = True, memory: int = DEFAULT_PLAN_MEMORY
+) -> tuple[str, list[int], str, list[str], "PlannedPadding", dict]:
     """(sample multiset hash, each output shard's order hash (with `order`), row table checksum,
     packing rule problems, the planned padding, the RowFigures fields of its rows) of a packed epoch, recomputed from its manifest's parameters and its
     sources alone, within `memory`. Rows are rebuilt in output order, so the order terms need no inverse."""
@@ -1120,9 +1322,12 @@ def packed_replay(manifest: dict, sources: list[PackedSource], order: bool = Tru
             for s, sp in enumerate(plan.sources):  # the proof that no held-out document is in a row
                 held = plan.holdout_of(s)
                 if held is not None and held.left_out(table["doc"][table["source"] == s].astype(np.int64)).any():
-                    raise TokpackError("a document of the other split is in the epoch", where=f"sources[{s}] ({sp.name})",
-                                       expected="a training epoch: no held-out document; RUN/holdout/: only those",
-                                       hint="the epoch is not its plan's: shuffle it again")
+                    raise TokpackError(
+                        "a document of the other split is in the epoch",
+                        where=f"sources[{s}] ({sp.name})",
+                        expected="a training epoch: no held-out document; RUN/holdout/: only those",
+                        hint="the epoch is not its plan's: shuffle it again",
+                    )
             pads.add(row_padding(table, g1 - g0, plan.row_tokens, g0))
             hashes = row_hashes(pool.rows(table, g0, g1, plan.row_tokens, plan.pad_id, starts))
             total += int(hashes.sum(dtype=np.uint64))
@@ -1168,8 +1373,9 @@ class PlannedPadding:
         return None
 
 
-def replay_packed(manifest: dict, sources: list[PackedSource], order: bool = True,
-                  memory: int = DEFAULT_PLAN_MEMORY) -> tuple[str, list[int]]:
+def replay_packed(
+    manifest: dict, sources: list[PackedSource], order: bool = True, memory: int = DEFAULT_PLAN_MEMORY
+) -> tuple[str, list[int]]:
     """`validate --against`'s replay of a packed epoch (tokpack.shuffle.packings): (multiset
     hash, per-shard order hashes), as `plan.replay_hashes`. Its row table must also hash to the
     recorded `packing.table_xxh3_128` and keep the packing rules; either failure is one
@@ -1177,23 +1383,36 @@ def replay_packed(manifest: dict, sources: list[PackedSource], order: bool = Tru
     multiset, orders, table_sum, problems, pads, figures = packed_replay(manifest, sources, order, memory)
     recorded = (manifest.get("packing") or {}).get("table_xxh3_128")
     if problems:
-        raise TokpackError(problems[0], where="packing", expected="the best-fit packing rules",
-                           found="; ".join(problems))
+        raise TokpackError(
+            problems[0], where="packing", expected="the best-fit packing rules", found="; ".join(problems)
+        )
     if table_sum != recorded:
-        raise TokpackError("epoch's row table is not the one its plan packs", where="packing.table_xxh3_128",
-                           expected=f"{table_sum} (replayed from the sources)", found=recorded)
+        raise TokpackError(
+            "epoch's row table is not the one its plan packs",
+            where="packing.table_xxh3_128",
+            expected=f"{table_sum} (replayed from the sources)",
+            found=recorded,
+        )
     for key, want in figures.items():  # what the summaries show of the rows: recorded by older epochs or not
         found = (manifest.get("packing") or {}).get(key, want)
         if found != want:
-            raise TokpackError("epoch's recorded row figures are not its rows'", where=f"packing.{key}",
-                               expected=f"{want} (replayed from the sources)", found=found,
-                               hint="restore the epoch's manifest from a good copy, or shuffle it again")
+            raise TokpackError(
+                "epoch's recorded row figures are not its rows'",
+                where=f"packing.{key}",
+                expected=f"{want} (replayed from the sources)",
+                found=found,
+                hint="restore the epoch's manifest from a good copy, or shuffle it again",
+            )
     padding = pads.problem(manifest) if order else None
     if padding:
         where, expected, found = padding
-        raise TokpackError("epoch's padding is not where its plan puts it: the loader would mask other tokens",
-                           where=where, expected=expected, found=found,
-                           hint="restore the epoch's .ds.pad files and manifest from a good copy, or shuffle it again")
+        raise TokpackError(
+            "epoch's padding is not where its plan puts it: the loader would mask other tokens",
+            where=where,
+            expected=expected,
+            found=found,
+            hint="restore the epoch's .ds.pad files and manifest from a good copy, or shuffle it again",
+        )
     return multiset, orders
 
 
@@ -1202,26 +1421,36 @@ def plan_options(pad_id: int | None = None, group_tokens: int | None = None) -> 
     return {k: v for k, v in (("pad_id", pad_id), ("group_tokens", group_tokens)) if v is not None}
 
 
-def packing_settings(sources: list[PackedSource], pad_id: int | None = None, group_tokens: int | None = None,
-                     holdout: dict | None = None) -> dict:
+def packing_settings(
+    sources: list[PackedSource], pad_id: int | None = None, group_tokens: int | None = None, holdout: dict | None = None
+) -> dict:
     """What a packed run records (and a rerun must repeat) of its packing, from its options."""
-    return {"method": BEST_FIT, "group_tokens": int(group_tokens or DEFAULT_GROUP_TOKENS),
-            "pad_id": sources[0].eos_id if pad_id is None else int(pad_id),
-            **({} if holdout is None else {"holdout": holdout})}
+    return {
+        "method": BEST_FIT,
+        "group_tokens": int(group_tokens or DEFAULT_GROUP_TOKENS),
+        "pad_id": sources[0].eos_id if pad_id is None else int(pad_id),
+        **({} if holdout is None else {"holdout": holdout}),
+    }
 
 
 def run_packing(plan: PackedPlan) -> dict:
     """The same, of a planned epoch (the run manifest's `packing`)."""
-    return {"method": BEST_FIT, "group_tokens": plan.group_tokens, "pad_id": plan.pad_id,
-            **({} if plan.holdout is None else {"holdout": plan.holdout})}
+    return {
+        "method": BEST_FIT,
+        "group_tokens": plan.group_tokens,
+        "pad_id": plan.pad_id,
+        **({} if plan.holdout is None else {"holdout": plan.holdout}),
+    }
 
 
-def holdout_plan(sources: list[PackedSource], *, seq_len: int, seed: int, holdout: dict, names: list[str],
-                 memory: int, **options) -> PackedPlan:
+def holdout_plan(
+    sources: list[PackedSource], *, seq_len: int, seed: int, holdout: dict, names: list[str], memory: int, **options
+) -> PackedPlan:
     """The plan of RUN/holdout/: one pass over each source's held-out documents, best-fit packed
     and ordered as an epoch is (epoch 0's keys), all of them (no weights, no --samples)."""
-    return packed_epoch_plan(sources, seq_len=seq_len, seed=seed, epoch=0, names=names, memory=memory,
-                             holdout=holdout, split=True, **options)
+    return packed_epoch_plan(
+        sources, seq_len=seq_len, seed=seed, epoch=0, names=names, memory=memory, holdout=holdout, split=True, **options
+    )
 
 
 def held_out(src: PackedSource, spec: dict | None, seed: int, memory: int = DEFAULT_PLAN_MEMORY) -> "Holdout":
@@ -1243,9 +1472,20 @@ def held_out(src: PackedSource, spec: dict | None, seed: int, memory: int = DEFA
 _HELD: dict[tuple, "Holdout"] = {}  # (fingerprint, seed, spec) -> its Holdout: planned once per process
 
 
-def chained_packed_plan(plan: PackedPlan, *, members, sources, names, cursors, weights, counts, memory,
-                        **options) -> PackedPlan:  # options: pad_id, group_tokens, holdout
+def chained_packed_plan(
+    plan: PackedPlan, *, members, sources, names, cursors, weights, counts, memory, **options
+) -> PackedPlan:  # options: pad_id, group_tokens, holdout
     """An epoch of a schedule of several stages: every source of the schedule, each chain from
     its cursor over packed rows, the stage's samples from each (`counts`)."""
-    return packed_epoch_plan(sources, seq_len=plan.seq_len, seed=plan.seed, epoch=plan.epoch, weights=weights,
-                             names=names, cursors=cursors, counts=counts, memory=memory, **options)
+    return packed_epoch_plan(
+        sources,
+        seq_len=plan.seq_len,
+        seed=plan.seed,
+        epoch=plan.epoch,
+        weights=weights,
+        names=names,
+        cursors=cursors,
+        counts=counts,
+        memory=memory,
+        **options,
+    )

@@ -25,8 +25,18 @@ import xxhash
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import map_file, open_append, open_read, progress, read_array, write_bytes_atomic
 
-from .packed import (DOC, PIECE_STATE_BYTES, TABLE_PIECE_BYTES, PackedTable, TokenPool, build_table, document_count,
-                     epoch_pieces, kept_pass_bytes, row_padding)
+from .packed import (
+    DOC,
+    PIECE_STATE_BYTES,
+    TABLE_PIECE_BYTES,
+    PackedTable,
+    TokenPool,
+    build_table,
+    document_count,
+    epoch_pieces,
+    kept_pass_bytes,
+    row_padding,
+)
 from .steps import RING, EpochJob, OrderStep, _Step
 
 GATHER_TOKENS = 1 << 20  # tokens of rows assembled per call
@@ -40,8 +50,12 @@ def prepare_table(job: EpochJob, memory: int) -> dict:
     path = Path(job.work_dir) / "packing"
     # the kept passes (packed.iter_pass) count against the budget while the table is built (which drops them)
     built = build_table(job.plan, job.open_sources(), path, max(1, memory - kept_pass_bytes()))
-    return {"table": str(path), "table_xxh3_128": built.table_xxh3_128, "padding": built.padding,
-            "figures": built.figures}
+    return {
+        "table": str(path),
+        "table_xxh3_128": built.table_xxh3_128,
+        "padding": built.padding,
+        "figures": built.figures,
+    }
 
 
 def packed_memory(job, sources) -> int:
@@ -90,15 +104,20 @@ def table_estimate(job, sources) -> dict:
         pieces += int(sp.samples * (plan.row_tokens * per_token + 1))
         # the passes' own counts when the plan packed them here (it has, to count their rows)
         counted = epoch_pieces(plan, s)
-        packed_s, taken_s = counted or (sp.passes * (docs + src.tokens // plan.row_tokens),
-                                        int(sp.samples * (plan.row_tokens * per_token + 1)))
+        packed_s, taken_s = counted or (
+            sp.passes * (docs + src.tokens // plan.row_tokens),
+            int(sp.samples * (plan.row_tokens * per_token + 1)),
+        )
         kept = packed_s * PASS_PIECE_BYTES <= plan.memory // 4
         packed += (1 if kept else 2) * packed_s
         taken += taken_s
         largest = max(largest, docs)
-    return {"pieces": pieces, "table_bytes": pieces * TABLE_PIECE_BYTES + largest * DOC.itemsize,
-            "packed_pieces": packed,
-            "pack_seconds": round(packed / PACK_PIECES_PER_S + taken / TABLE_PIECES_PER_S, 3)}
+    return {
+        "pieces": pieces,
+        "table_bytes": pieces * TABLE_PIECE_BYTES + largest * DOC.itemsize,
+        "packed_pieces": packed,
+        "pack_seconds": round(packed / PACK_PIECES_PER_S + taken / TABLE_PIECES_PER_S, 3),
+    }
 
 
 def packed_scratch_bytes(job, sources, out_of_core: bool) -> int:
@@ -139,8 +158,13 @@ class PackedInMemoryStep(_Step):
                 chunk = pool.rows(table, a, min(g1, a + rows), plan.row_tokens, plan.pad_id, starts)
                 yield chunk.reshape(-1).view(job.row_void)
 
-        with progress(len(todo), f"epoch {plan.epoch}: write", unit="shard", enabled=job.show_progress,
-                      unit_bytes=job.shard_samples * job.row_bytes) as bar:
+        with progress(
+            len(todo),
+            f"epoch {plan.epoch}: write",
+            unit="shard",
+            enabled=job.show_progress,
+            unit_bytes=job.shard_samples * job.row_bytes,
+        ) as bar:
             for i in todo:
                 g0, g1 = job.shard_range(i)
                 table, starts = built.rows(g0, g1)
@@ -200,14 +224,19 @@ class PackedScatterStep(_Step):
                 for run in np.split(sel, cuts):
                     b = int(bucket[run[0]])
                     rec = np.empty(len(run), RECORD)
-                    rec["g"], rec["row_offset"], rec["length"] = pieces["g"][run], pieces["row_offset"][run], \
-                        pieces["length"][run]
-                    tokens = np.concatenate([data[a: a + m] for a, m in zip(pieces["local"][run].tolist(),
-                                                                            rec["length"].tolist())])
+                    rec["g"], rec["row_offset"], rec["length"] = (
+                        pieces["g"][run],
+                        pieces["row_offset"][run],
+                        pieces["length"][run],
+                    )
+                    tokens = np.concatenate(
+                        [data[a : a + m] for a, m in zip(pieces["local"][run].tolist(), rec["length"].tolist())]
+                    )
                     f = lay.bucket_file(t, b, "rows")
                     f.parent.mkdir(exist_ok=True)
-                    for ext, payload, h in zip(("rows", "pos"), (tokens, rec),
-                                               hashes.setdefault(b, [xxhash.xxh3_64(), xxhash.xxh3_64()])):
+                    for ext, payload, h in zip(
+                        ("rows", "pos"), (tokens, rec), hashes.setdefault(b, [xxhash.xxh3_64(), xxhash.xxh3_64()])
+                    ):
                         raw = memoryview(payload).cast("B")
                         with open_append(lay.bucket_file(t, b, ext), folder=lay.dir) as out:
                             out.write(raw)
@@ -262,19 +291,37 @@ class PackedOrderStep(OrderStep):
         recorded = [lay.recorded(t, buckets) for t in range(lay.tasks)]
         for b in buckets:
             n = int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
-            rows = read_bucket(lay, b, [r[b - buckets.start, 1:] for r in recorded], job.plan.row_tokens,
-                               job.plan.pad_id, job.token_dtype, self._check_file, pad, g0)
+            rows = read_bucket(
+                lay,
+                b,
+                [r[b - buckets.start, 1:] for r in recorded],
+                job.plan.row_tokens,
+                job.plan.pad_id,
+                job.token_dtype,
+                self._check_file,
+                pad,
+                g0,
+            )
             rows = rows.reshape(-1).view(job.row_void)
             for a in range(0, n, len(ring[0])):
                 out = ring[count % len(ring)][: min(n - a, len(ring[0]))]
-                out[:] = rows[a: a + len(out)]
+                out[:] = rows[a : a + len(out)]
                 count += 1
                 yield out
             del rows
 
 
-def read_bucket(lay, b: int, wants: list, row_tokens: int, pad_id: int, dtype: np.dtype, check_file,
-                pad: np.ndarray | None = None, g0: int = 0) -> np.ndarray:
+def read_bucket(
+    lay,
+    b: int,
+    wants: list,
+    row_tokens: int,
+    pad_id: int,
+    dtype: np.dtype,
+    check_file,
+    pad: np.ndarray | None = None,
+    g0: int = 0,
+) -> np.ndarray:
     """Bucket b's rows (row_tokens a row, pad_id where no piece lands), placed from the pieces
     every task appended to its files (the tokens in `.rows`, a RECORD each in `.pos`), each file
     checked against the xxh3_64 its task recorded (`wants[t]`: rows file's, pos file's; `check_file(t, path,
@@ -295,8 +342,12 @@ def read_bucket(lay, b: int, wants: list, row_tokens: int, pad_id: int, dtype: n
         rec = np.frombuffer(raw, dtype=RECORD)
         local = rec["g"].astype(np.int64) - start
         if len(local) and (local.min() < 0 or local.max() >= n):
-            raise TokpackError("scatter file holds a piece of another bucket", file=f, where=f"bucket {b}",
-                               hint="delete OUT/.tokpack-work and rerun")
+            raise TokpackError(
+                "scatter file holds a piece of another bucket",
+                file=f,
+                where=f"bucket {b}",
+                hint="delete OUT/.tokpack-work and rerun",
+            )
         dest = local * row_tokens + rec["row_offset"].astype(np.int64)
         length = rec["length"].astype(np.int64)
         whole = (length == row_tokens) & (rec["row_offset"] == 0)
@@ -317,9 +368,10 @@ def read_bucket(lay, b: int, wants: list, row_tokens: int, pad_id: int, dtype: n
                 if whole[i:j].all():  # whole rows (a window epoch's, out of core on a node): placed at once
                     rows[local[i:j]] = tokens.reshape(j - i, row_tokens)
                 else:
-                    for d, a, m in zip(dest[i:j].tolist(), (ends[i:j] - length[i:j] - first).tolist(),
-                                       length[i:j].tolist()):
-                        flat[d: d + m] = tokens[a: a + m]
+                    for d, a, m in zip(
+                        dest[i:j].tolist(), (ends[i:j] - length[i:j] - first).tolist(), length[i:j].tolist()
+                    ):
+                        flat[d : d + m] = tokens[a : a + m]
                 i = j
             h.update(fh.read())
         check_file(t, f, want[0], h.intdigest())

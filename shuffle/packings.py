@@ -88,8 +88,12 @@ DEFAULT = "concat"  # --packing without a value, a schedule without `packing:`
 def register(entry: Packing) -> Packing:
     """Adds `entry`; its name and its `shuffle` must be new."""
     if entry.name in _REGISTRY or any(e.shuffle == entry.shuffle for e in _REGISTRY.values()):
-        raise TokpackError("packing registered twice", where="packing", expected="a new name and shuffle name",
-                           found=f"{entry.name} ({entry.shuffle})")
+        raise TokpackError(
+            "packing registered twice",
+            where="packing",
+            expected="a new name and shuffle name",
+            found=f"{entry.name} ({entry.shuffle})",
+        )
     _REGISTRY[entry.name] = entry
     return entry
 
@@ -118,9 +122,14 @@ def check_jitter(name: str, jitter: bool, where: str = "--jitter", file=None) ->
     """Refuses jitter with a packing that has no windows to shift, wherever the two were set
     (flags, a schedule file, or one of each)."""
     if jitter and not named(name).jitter:
-        raise TokpackError(f"jitter shifts windows; {name} packing has none", file=file, where=where,
-                           expected=f"no jitter with packing {name}", found="jitter",
-                           hint=f"drop --jitter (or the schedule's jitter: true), or use --packing {DEFAULT}")
+        raise TokpackError(
+            f"jitter shifts windows; {name} packing has none",
+            file=file,
+            where=where,
+            expected=f"no jitter with packing {name}",
+            found="jitter",
+            hint=f"drop --jitter (or the schedule's jitter: true), or use --packing {DEFAULT}",
+        )
 
 
 def of_plan(p) -> Packing:
@@ -152,14 +161,23 @@ def shown(manifest: dict) -> dict:
     documents a row holds, its padding counted as one)."""
     entry = of_manifest(manifest)
     pk = manifest.get("packing") if isinstance(manifest.get("packing"), dict) else {}
-    return figures_shown(entry, int(manifest.get("tokens") or 0), int(pk.get("padding_tokens") or 0),
-                         {k: pk[k] for k in ROW_FIGURES if k in pk})
+    return figures_shown(
+        entry,
+        int(manifest.get("tokens") or 0),
+        int(pk.get("padding_tokens") or 0),
+        {k: pk[k] for k in ROW_FIGURES if k in pk},
+    )
 
 
 def figures_shown(entry: Packing, tokens: int, padding: int, recorded: dict) -> dict:
     """`shown` of an epoch of `tokens` tokens (padding included) of which `padding` pad."""
-    return {"method": entry.name, "unit": entry.unit, "padding_tokens": padding,
-            "padding_percent": round(100 * padding / tokens, 3) if tokens else 0.0, **recorded}
+    return {
+        "method": entry.name,
+        "unit": entry.unit,
+        "padding_tokens": padding,
+        "padding_percent": round(100 * padding / tokens, 3) if tokens else 0.0,
+        **recorded,
+    }
 
 
 def shown_of_epochs(manifests: list[dict]) -> dict:
@@ -171,8 +189,12 @@ def shown_of_epochs(manifests: list[dict]) -> dict:
         recorded["documents_cut"] = sum(f["documents_cut"] for f in figs)
     if figs and all("max_documents_per_row" in f for f in figs):
         recorded["max_documents_per_row"] = max(f["max_documents_per_row"] for f in figs)
-    return figures_shown(of_manifest(manifests[0]), sum(int(m.get("tokens") or 0) for m in manifests),
-                         sum(f["padding_tokens"] for f in figs), recorded)
+    return figures_shown(
+        of_manifest(manifests[0]),
+        sum(int(m.get("tokens") or 0) for m in manifests),
+        sum(f["padding_tokens"] for f in figs),
+        recorded,
+    )
 
 
 def shown_line(fig: dict) -> str:
@@ -205,28 +227,35 @@ def _windows_in_memory(job, prepared, memory, needed, held):
     return steps.InMemoryStep(job, budget=memory), "inmemory", f"in memory ({needed / 2**20:.1f} MiB of windows)"
 
 
-WINDOWS = register(Packing(
-    name="concat", shuffle=plan.PLAN_ALGORITHM, jitter=True,
-    options=lambda pad_id, group_tokens: {},
-    plan=_windows_plan,
-    chained=lambda p, *, members, sources, names, cursors, weights, counts, memory, **options: plan.chained_plan(
-        p, members, sources, names, cursors, packed.held_out),
-    from_manifest=lambda m, sources, memory: plan.EpochPlan.from_manifest(m, sources, packed.held_out),
-    replay=lambda m, sources, order, memory: plan.replay_hashes(m, sources, order, held_out=packed.held_out),
-    settings=lambda sources, **options: None,
-    run_fields=lambda p: None,
-    epoch_fields=lambda p, prepared: plan.holdout_fields(p),
-    memory_path=steps.window_memory,
-    scratch_bytes=lambda job, out_of_core: job.plan.samples * (job.row_bytes + 8) if out_of_core else 0,
-    prepare=lambda job, memory: {},
-    in_memory=_windows_in_memory,
-    out_of_core=lambda job, layout, prepared, budget: (steps.ScatterStep(job, layout),
-                                                       steps.OrderStep(job, layout, budget)),
-    scattered=lambda job, layout, i: layout.holds_rows_of(i, job.row_bytes),
-    unit="windows",
-    holdout=lambda sources, **kw: plan.windows_holdout_plan(sources, held_out=packed.held_out, **kw),
-    run_holdout=lambda p: {} if p.holdout is None else {"holdout": p.holdout},
-))
+WINDOWS = register(
+    Packing(
+        name="concat",
+        shuffle=plan.PLAN_ALGORITHM,
+        jitter=True,
+        options=lambda pad_id, group_tokens: {},
+        plan=_windows_plan,
+        chained=lambda p, *, members, sources, names, cursors, weights, counts, memory, **options: plan.chained_plan(
+            p, members, sources, names, cursors, packed.held_out
+        ),
+        from_manifest=lambda m, sources, memory: plan.EpochPlan.from_manifest(m, sources, packed.held_out),
+        replay=lambda m, sources, order, memory: plan.replay_hashes(m, sources, order, held_out=packed.held_out),
+        settings=lambda sources, **options: None,
+        run_fields=lambda p: None,
+        epoch_fields=lambda p, prepared: plan.holdout_fields(p),
+        memory_path=steps.window_memory,
+        scratch_bytes=lambda job, out_of_core: job.plan.samples * (job.row_bytes + 8) if out_of_core else 0,
+        prepare=lambda job, memory: {},
+        in_memory=_windows_in_memory,
+        out_of_core=lambda job, layout, prepared, budget: (
+            steps.ScatterStep(job, layout),
+            steps.OrderStep(job, layout, budget),
+        ),
+        scattered=lambda job, layout, i: layout.holds_rows_of(i, job.row_bytes),
+        unit="windows",
+        holdout=lambda sources, **kw: plan.windows_holdout_plan(sources, held_out=packed.held_out, **kw),
+        run_holdout=lambda p: {} if p.holdout is None else {"holdout": p.holdout},
+    )
+)
 
 
 # -------------------------------------------------------------------- best-fit
@@ -237,30 +266,39 @@ def _best_fit_plan(sources, *, jitter, memory, **kw):
 
 
 def _best_fit_in_memory(job, prepared, memory, needed, held):
-    return (packed_step.PackedInMemoryStep(job, prepared["table"], prepared["table_xxh3_128"], budget=memory),
-            "bestfit", f"best-fit in memory ({held / 2**20:.1f} MiB)")
+    return (
+        packed_step.PackedInMemoryStep(job, prepared["table"], prepared["table_xxh3_128"], budget=memory),
+        "bestfit",
+        f"best-fit in memory ({held / 2**20:.1f} MiB)",
+    )
 
 
-BEST_FIT = register(Packing(
-    name=packed.BEST_FIT, shuffle=packed.PACKED_ALGORITHM, jitter=False,
-    options=packed.plan_options,
-    plan=_best_fit_plan,
-    chained=packed.chained_packed_plan,
-    from_manifest=lambda m, sources, memory: packed.packed_plan_from_manifest(m, sources, memory),
-    replay=packed.replay_packed,
-    settings=packed.packing_settings,
-    run_fields=packed.run_packing,
-    epoch_fields=lambda p, prepared: {"packing": p.packing_entry(prepared["table_xxh3_128"], prepared["padding"],
-                                                                 prepared.get("figures"))},
-    memory_path=lambda job, memory: (packed_step.packed_memory(job, job.open_sources()),) * 2,
-    scratch_bytes=lambda job, out_of_core: packed_step.packed_scratch_bytes(job, job.open_sources(), out_of_core),
-    prepare=packed_step.prepare_table,
-    in_memory=_best_fit_in_memory,
-    out_of_core=lambda job, layout, prepared, budget: (
-        packed_step.PackedScatterStep(job, layout, prepared["table"], prepared["table_xxh3_128"], budget),
-        packed_step.PackedOrderStep(job, layout, budget)),
-    scattered=lambda job, layout, i: packed_step.holds_pieces_of(layout, i),
-    table_estimate=packed_step.table_estimate,
-    figures=lambda p, sources, memory: packed.row_figures(p, sources, memory),
-    holdout=packed.holdout_plan,
-))
+BEST_FIT = register(
+    Packing(
+        name=packed.BEST_FIT,
+        shuffle=packed.PACKED_ALGORITHM,
+        jitter=False,
+        options=packed.plan_options,
+        plan=_best_fit_plan,
+        chained=packed.chained_packed_plan,
+        from_manifest=lambda m, sources, memory: packed.packed_plan_from_manifest(m, sources, memory),
+        replay=packed.replay_packed,
+        settings=packed.packing_settings,
+        run_fields=packed.run_packing,
+        epoch_fields=lambda p, prepared: {
+            "packing": p.packing_entry(prepared["table_xxh3_128"], prepared["padding"], prepared.get("figures"))
+        },
+        memory_path=lambda job, memory: (packed_step.packed_memory(job, job.open_sources()),) * 2,
+        scratch_bytes=lambda job, out_of_core: packed_step.packed_scratch_bytes(job, job.open_sources(), out_of_core),
+        prepare=packed_step.prepare_table,
+        in_memory=_best_fit_in_memory,
+        out_of_core=lambda job, layout, prepared, budget: (
+            packed_step.PackedScatterStep(job, layout, prepared["table"], prepared["table_xxh3_128"], budget),
+            packed_step.PackedOrderStep(job, layout, budget),
+        ),
+        scattered=lambda job, layout, i: packed_step.holds_pieces_of(layout, i),
+        table_estimate=packed_step.table_estimate,
+        figures=lambda p, sources, memory: packed.row_figures(p, sources, memory),
+        holdout=packed.holdout_plan,
+    )
+)

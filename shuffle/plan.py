@@ -22,8 +22,15 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import IO_BLOCK, local_path, read_ahead
-from tokpack.formats.manifest import (PLAN_ALGORITHM, chain_start, dtype_from_name, hash_hex64, order_hash_terms, pass_span,
-                                      row_hashes)
+from tokpack.formats.manifest import (
+    PLAN_ALGORITHM,
+    chain_start,
+    dtype_from_name,
+    hash_hex64,
+    order_hash_terms,
+    pass_span,
+    row_hashes,
+)
 from tokpack.formats.shards import PackedSource
 from tokpack.formats.units import at_most, token_count
 
@@ -116,8 +123,9 @@ class EpochPlan:
         if self.holdout is None:
             return src
         sp = self.sources[s]
-        return KeptStream(src, Holdout(sp.documents, sp.held, self.seed, sp.fingerprint, self.split),
-                          sp.kept_shards or None)
+        return KeptStream(
+            src, Holdout(sp.documents, sp.held, self.seed, sp.fingerprint, self.split), sp.kept_shards or None
+        )
 
     @property
     def row_tokens(self) -> int:
@@ -173,10 +181,19 @@ class EpochPlan:
     def source_report(self) -> list[dict]:
         """Per source, what this epoch takes from it: for summaries and warnings."""
         return [
-            {"name": src.name, "path": src.path, "fingerprint": src.fingerprint, "weight": src.weight,
-             "samples": src.samples, "windows": src.windows, "passes": self.passes(i),
-             "first_pass": self.first_pass(i), "repeats": self.repeats(i), "repeat_total": src.samples,
-             "repeat_unit": "samples"}
+            {
+                "name": src.name,
+                "path": src.path,
+                "fingerprint": src.fingerprint,
+                "weight": src.weight,
+                "samples": src.samples,
+                "windows": src.windows,
+                "passes": self.passes(i),
+                "first_pass": self.first_pass(i),
+                "repeats": self.repeats(i),
+                "repeat_total": src.samples,
+                "repeat_unit": "samples",
+            }
             for i, src in enumerate(self.sources)
         ]
 
@@ -251,23 +268,31 @@ class EpochPlan:
                 "offset": src.offset,
                 "dropped_tokens": src.tokens - src.windows * self.row_tokens,
                 **({} if src.cursor is None else {"cursor": src.cursor}),
-                **({} if self.holdout is None else {"documents": src.documents, "held_documents": src.held,
-                                                    "held_tokens": src.held_tokens}),
+                **(
+                    {}
+                    if self.holdout is None
+                    else {"documents": src.documents, "held_documents": src.held, "held_tokens": src.held_tokens}
+                ),
             }
             for i, src in enumerate(self.sources)
         ]
 
     @classmethod
-    def from_manifest(cls, manifest: dict, sources: list[PackedSource], held_out: "HeldOut | None" = None
-                      ) -> "EpochPlan":
+    def from_manifest(
+        cls, manifest: dict, sources: list[PackedSource], held_out: "HeldOut | None" = None
+    ) -> "EpochPlan":
         """The plan an epoch manifest was written from, against the opened sources (matched by
         fingerprint, in any order). `held_out`: a manifest with --holdout (holdout_recorded)
         recomputes each source's held-out documents by it (the registry gives
         tokpack.shuffle.packed.held_out)."""
         if manifest.get("shuffle") != PLAN_ALGORITHM:
-            raise TokpackError("epoch shuffled by another shuffle algorithm", where="shuffle",
-                               expected=PLAN_ALGORITHM, found=manifest.get("shuffle"),
-                               hint="use the tokpack version that wrote the epoch to replay its plan")
+            raise TokpackError(
+                "epoch shuffled by another shuffle algorithm",
+                where="shuffle",
+                expected=PLAN_ALGORITHM,
+                found=manifest.get("shuffle"),
+                hint="use the tokpack version that wrote the epoch to replay its plan",
+            )
         entries = manifest.get("sources") or []
         pool = list(sources)
         plans, base = [], 0
@@ -275,12 +300,31 @@ class EpochPlan:
         spec, split = holdout_recorded(manifest)
         for i, e in enumerate(entries):
             match = next((p for p in pool if p.fingerprint == e.get("fingerprint")), None)
-            held = {} if spec is None else {k: int(e.get(n, -1)) for k, n in (
-                ("documents", "documents"), ("held", "held_documents"), ("held_tokens", "held_tokens"))}
+            held = (
+                {}
+                if spec is None
+                else {
+                    k: int(e.get(n, -1))
+                    for k, n in (("documents", "documents"), ("held", "held_documents"), ("held_tokens", "held_tokens"))
+                }
+            )
             if match is None and int(e["samples"]) == 0:  # a scheduled run lists every source; this epoch uses none
-                plans.append(SourcePlan(i, e.get("name", ""), e.get("path", ""), e.get("fingerprint"), e.get("weight"),
-                                        int(e["tokens"]), int(e["offset"]), int(e["windows"]), 0, base,
-                                        e.get("cursor"), **held))
+                plans.append(
+                    SourcePlan(
+                        i,
+                        e.get("name", ""),
+                        e.get("path", ""),
+                        e.get("fingerprint"),
+                        e.get("weight"),
+                        int(e["tokens"]),
+                        int(e["offset"]),
+                        int(e["windows"]),
+                        0,
+                        base,
+                        e.get("cursor"),
+                        **held,
+                    )
+                )
                 continue
             if match is None:
                 raise TokpackError(
@@ -301,30 +345,71 @@ class EpochPlan:
                 want = {"documents": h.documents, "held": h.held, "held_tokens": match.tokens - int(table.sum())}
                 for k, n in (("documents", "documents"), ("held", "held_documents"), ("held_tokens", "held_tokens")):
                     if held[k] != want[k]:
-                        raise TokpackError("epoch manifest's held-out documents are not its --holdout's",
-                                           file=match.path, where=f"sources[{i}].{n}", expected=want[k], found=e.get(n),
-                                           hint="the epoch was not shuffled with the run's --holdout; shuffle it again")
+                        raise TokpackError(
+                            "epoch manifest's held-out documents are not its --holdout's",
+                            file=match.path,
+                            where=f"sources[{i}].{n}",
+                            expected=want[k],
+                            found=e.get(n),
+                            hint="the epoch was not shuffled with the run's --holdout; shuffle it again",
+                        )
                 tokens = stream.tokens
                 held["kept_shards"] = tuple(table.tolist())
             if offset + windows * row > tokens:
-                raise TokpackError("epoch manifest windows exceed the source", file=match.path, where=f"sources[{i}]",
-                                   expected=f"<= {tokens} tokens", found=offset + windows * row)
-            plans.append(SourcePlan(i, e.get("name", ""), e.get("path", ""), match.fingerprint, e.get("weight"),
-                                    tokens, offset, windows, int(e["samples"]), base, e.get("cursor"), **held))
+                raise TokpackError(
+                    "epoch manifest windows exceed the source",
+                    file=match.path,
+                    where=f"sources[{i}]",
+                    expected=f"<= {tokens} tokens",
+                    found=offset + windows * row,
+                )
+            plans.append(
+                SourcePlan(
+                    i,
+                    e.get("name", ""),
+                    e.get("path", ""),
+                    match.fingerprint,
+                    e.get("weight"),
+                    tokens,
+                    offset,
+                    windows,
+                    int(e["samples"]),
+                    base,
+                    e.get("cursor"),
+                    **held,
+                )
+            )
             base += int(e["samples"])
         if base != int(manifest["samples"]):
-            raise TokpackError("epoch manifest source samples do not add up", where="sources[].samples",
-                               expected=manifest["samples"], found=base)
-        return cls(int(manifest["seed"]), int(manifest["epoch"]), int(manifest["seq_len"]),
-                   bool(manifest.get("jitter", False)), base, tuple(plans), spec, split)
+            raise TokpackError(
+                "epoch manifest source samples do not add up",
+                where="sources[].samples",
+                expected=manifest["samples"],
+                found=base,
+            )
+        return cls(
+            int(manifest["seed"]),
+            int(manifest["epoch"]),
+            int(manifest["seq_len"]),
+            bool(manifest.get("jitter", False)),
+            base,
+            tuple(plans),
+            spec,
+            split,
+        )
 
 
 # -------------------------------------------------------------------- sources
 
 VIRTUAL = "virtual:"  # a source described by its counts, for `tokpack plan`: nothing is read
-VIRTUAL_KEYS = {"tokens": "a token count (11T)", "documents": "a document count (5.5B)",
-                "dtype": "uint16 or uint32", "shard_tokens": "tokens per shard [default: 2^30, as pack]",
-                "vocab_size": "[default: the dtype's range]", "eos_id": "[default: 0]"}
+VIRTUAL_KEYS = {
+    "tokens": "a token count (11T)",
+    "documents": "a document count (5.5B)",
+    "dtype": "uint16 or uint32",
+    "shard_tokens": "tokens per shard [default: 2^30, as pack]",
+    "vocab_size": "[default: the dtype's range]",
+    "eos_id": "[default: 0]",
+}
 
 
 def is_virtual(path) -> bool:
@@ -366,29 +451,50 @@ def virtual_source(spec: str) -> PackedSource:
     """A source with the counts `spec` gives and no files: shards of `shard_tokens` tokens (the
     last one shorter), so the planning code sees what a packed source of that size would be."""
     fields: dict[str, str] = {}
-    for item in filter(None, spec[len(VIRTUAL):].split(",")):
+    for item in filter(None, spec[len(VIRTUAL) :].split(",")):
         key, sep, value = item.partition("=")
         if key.strip() not in VIRTUAL_KEYS or not sep:
-            raise TokpackError("bad virtual source", file=spec, where=key.strip() or "(empty)",
-                               expected="key=value with key one of " + ", ".join(VIRTUAL_KEYS), found=item,
-                               hint="e.g. virtual:tokens=11T,documents=5.5B,dtype=uint16")
+            raise TokpackError(
+                "bad virtual source",
+                file=spec,
+                where=key.strip() or "(empty)",
+                expected="key=value with key one of " + ", ".join(VIRTUAL_KEYS),
+                found=item,
+                hint="e.g. virtual:tokens=11T,documents=5.5B,dtype=uint16",
+            )
         fields[key.strip()] = value.strip()
     missing = [k for k in ("tokens", "documents", "dtype") if k not in fields]
     if missing:
-        raise TokpackError("bad virtual source", file=spec, where=missing[0], expected=VIRTUAL_KEYS[missing[0]],
-                           found="nothing", hint="e.g. virtual:tokens=11T,documents=5.5B,dtype=uint16")
-    counts = {k: token_count(fields.get(k, default), what=f"count ({k}= of the virtual source)")
-              for k, default in (("tokens", 0), ("documents", 0), ("shard_tokens", 1 << 30), ("eos_id", 0))}
+        raise TokpackError(
+            "bad virtual source",
+            file=spec,
+            where=missing[0],
+            expected=VIRTUAL_KEYS[missing[0]],
+            found="nothing",
+            hint="e.g. virtual:tokens=11T,documents=5.5B,dtype=uint16",
+        )
+    counts = {
+        k: token_count(fields.get(k, default), what=f"count ({k}= of the virtual source)")
+        for k, default in (("tokens", 0), ("documents", 0), ("shard_tokens", 1 << 30), ("eos_id", 0))
+    }
     dtype = dtype_from_name(fields["dtype"])
-    vocab = token_count(fields.get("vocab_size", 1 << (8 * dtype.itemsize)),
-                        what="count (vocab_size= of the virtual source)")
+    vocab = token_count(
+        fields.get("vocab_size", 1 << (8 * dtype.itemsize)), what="count (vocab_size= of the virtual source)"
+    )
     per = max(1, counts["shard_tokens"])
     sizes = [per] * (counts["tokens"] // per) + ([counts["tokens"] % per] if counts["tokens"] % per else [])
     starts = np.zeros(len(sizes) + 1, dtype=np.int64)
     starts[1:] = np.cumsum(sizes, dtype=np.int64)
-    manifest = {"kind": "source", "dtype": fields["dtype"], "vocab_size": vocab, "eos_id": counts["eos_id"],
-                "tokenizer": "virtual", "tokens": counts["tokens"], "documents": counts["documents"],
-                "fingerprint": xxhash.xxh3_128_hexdigest(spec.encode())}
+    manifest = {
+        "kind": "source",
+        "dtype": fields["dtype"],
+        "vocab_size": vocab,
+        "eos_id": counts["eos_id"],
+        "tokenizer": "virtual",
+        "tokens": counts["tokens"],
+        "documents": counts["documents"],
+        "fingerprint": xxhash.xxh3_128_hexdigest(spec.encode()),
+    }
     return PackedSource(Path(spec), manifest, dtype, [{"tokens": n} for n in sizes], starts)
 
 
@@ -399,8 +505,13 @@ def parse_weight(text: str, where: str) -> Fraction:
     try:
         w = Fraction(text.strip())
     except (ValueError, ZeroDivisionError):
-        raise TokpackError("weight is not a number", where=where, expected="a non-negative number like 0.3, 2 or 1/3",
-                           found=repr(text), hint="write SOURCE=WEIGHT") from None
+        raise TokpackError(
+            "weight is not a number",
+            where=where,
+            expected="a non-negative number like 0.3, 2 or 1/3",
+            found=repr(text),
+            hint="write SOURCE=WEIGHT",
+        ) from None
     if w < 0:
         raise TokpackError("weight is negative", where=where, expected=">= 0", found=text)
     return w
@@ -426,15 +537,25 @@ def jitter_offset(seed: int, epoch: int, s: int, seq_len: int) -> int:
     return derive_key("jitter", seed, epoch, s) % (seq_len + 1)
 
 
-def mixture(sources: list[PackedSource], weights: list[str | None], units: list[int], *, samples: int | None,
-            tokens: int | None, seq_len: int) -> tuple[int, list[int]]:
+def mixture(
+    sources: list[PackedSource],
+    weights: list[str | None],
+    units: list[int],
+    *,
+    samples: int | None,
+    tokens: int | None,
+    seq_len: int,
+) -> tuple[int, list[int]]:
     """(N, c_s): the epoch's size and each source's share, from the weights (all given or
     none) and each source's units per pass (W_s, or a packed pass's rows)."""
     given = [w is not None for w in weights]
     if any(given) and not all(given):
-        raise TokpackError("some sources have a weight and some do not", where="SOURCE=WEIGHT",
-                           expected="a weight on every source or on none",
-                           found=", ".join(f"{src.path}={w}" for src, w in zip(sources, weights)))
+        raise TokpackError(
+            "some sources have a weight and some do not",
+            where="SOURCE=WEIGHT",
+            expected="a weight on every source or on none",
+            found=", ".join(f"{src.path}={w}" for src, w in zip(sources, weights)),
+        )
     if samples is not None:
         n = int(samples)
     elif tokens is not None:
@@ -442,13 +563,21 @@ def mixture(sources: list[PackedSource], weights: list[str | None], units: list[
     else:
         n = sum(units)
     if n < 1:
-        raise TokpackError("the epoch would hold no samples", where="--samples/--tokens", expected=">= 1 sample", found=n)
+        raise TokpackError(
+            "the epoch would hold no samples", where="--samples/--tokens", expected=">= 1 sample", found=n
+        )
     if all(w is not None for w in weights):
         fr = [parse_weight(w, f"weight of {src.path}") for src, w in zip(sources, weights)]
         for src, w, f in zip(sources, weights, fr):
             if f == 0:  # the other sources would be stretched over its share: silent repeats
-                raise TokpackError("weight is 0", file=src.path, where="SOURCE=WEIGHT", expected="a weight > 0",
-                                   found=w, hint="leave the source out instead of giving it weight 0")
+                raise TokpackError(
+                    "weight is 0",
+                    file=src.path,
+                    where="SOURCE=WEIGHT",
+                    expected="a weight > 0",
+                    found=w,
+                    hint="leave the source out instead of giving it weight 0",
+                )
         return n, largest_remainder(fr, n)
     if samples is not None or tokens is not None:
         return n, largest_remainder([Fraction(w) for w in units], n)
@@ -459,9 +588,15 @@ def check_passes(sources, counts, rows_per_pass, what: str) -> None:
     """Each source's passes in one epoch (its samples over its rows per pass), bounded by
     arithmetic before any pass is planned, for either packing."""
     for src, count, w in zip(sources, counts, rows_per_pass):
-        at_most(-(-count // max(1, w)), MAX_PASSES, "passes over one source in one epoch", file=src.path,
-                where="--samples/--tokens/SOURCE=WEIGHT", hint=f"the epoch takes {count:,} samples from its "
-                f"{w:,} {what}: ask for fewer samples, lower its weight, or add data")
+        at_most(
+            -(-count // max(1, w)),
+            MAX_PASSES,
+            "passes over one source in one epoch",
+            file=src.path,
+            where="--samples/--tokens/SOURCE=WEIGHT",
+            hint=f"the epoch takes {count:,} samples from its "
+            f"{w:,} {what}: ask for fewer samples, lower its weight, or add data",
+        )
 
 
 def epoch_plan(
@@ -491,15 +626,22 @@ def epoch_plan(
         w = windows_of(held[s].get("tokens", src.tokens), seq_len, jitter)
         if w <= 0 and split:
             raise TokpackError(
-                "--holdout holds out fewer tokens of a source than one window", file=src.path, where="--holdout",
+                "--holdout holds out fewer tokens of a source than one window",
+                file=src.path,
+                where="--holdout",
                 expected=f"at least {seq_len + 1} held-out tokens (RUN/holdout/ is windows of them)",
                 found=f"{held[s]['tokens']} tokens in {held[s]['held']} documents",
-                hint=f"hold out more: a larger fraction, or a token count of at least {seq_len + 1}")
+                hint=f"hold out more: a larger fraction, or a token count of at least {seq_len + 1}",
+            )
         if w <= 0:
             raise TokpackError(
-                "seq_len is larger than the source", file=src.path, where="--seq-len",
+                "seq_len is larger than the source",
+                file=src.path,
+                where="--seq-len",
                 expected=f"a source of at least {seq_len + 1 + (seq_len if jitter else 0)} tokens",
-                found=f"{src.tokens} tokens", hint="lower --seq-len or drop this source")
+                found=f"{src.tokens} tokens",
+                hint="lower --seq-len or drop this source",
+            )
         wins.append(w)
     n, counts = mixture(sources, weights, wins, samples=samples, tokens=tokens, seq_len=seq_len)
     check_passes(sources, counts, wins, "windows")
@@ -508,9 +650,21 @@ def epoch_plan(
         offset = jitter_offset(seed, epoch, s, seq_len) if jitter else 0
         name = names[s] if names else src.home.name
         extra = {k: v for k, v in held[s].items() if k != "tokens"}
-        plans.append(SourcePlan(s, name, str(src.home), src.fingerprint,
-                                None if weights[s] is None else str(weights[s]), held[s].get("tokens", src.tokens),
-                                offset, wins[s], counts[s], base, **extra))
+        plans.append(
+            SourcePlan(
+                s,
+                name,
+                str(src.home),
+                src.fingerprint,
+                None if weights[s] is None else str(weights[s]),
+                held[s].get("tokens", src.tokens),
+                offset,
+                wins[s],
+                counts[s],
+                base,
+                **extra,
+            )
+        )
         base += counts[s]
     return EpochPlan(int(seed), int(epoch), int(seq_len), bool(jitter), n, tuple(plans), holdout, bool(split))
 
@@ -523,11 +677,18 @@ HeldOut = Callable[[PackedSource, dict, int], Holdout]
 def source_holdout(src: PackedSource, spec: dict, seed: int, split: bool, held_out: HeldOut | None) -> Holdout:
     """Source `src`'s held-out documents for `--holdout` `spec`; `split`: RUN/holdout/'s view of them."""
     if held_out is None:
-        raise TokpackError("internal error: a plan with --holdout needs the rule that holds documents out",
-                           where="held_out", hint="plan it through tokpack.shuffle.packings")
+        raise TokpackError(
+            "internal error: a plan with --holdout needs the rule that holds documents out",
+            where="held_out",
+            hint="plan it through tokpack.shuffle.packings",
+        )
     if is_virtual(src.path):
-        raise TokpackError("--holdout needs the documents of the source", file=src.path, where="--holdout",
-                           hint="plan a run with --holdout on packed sources, not virtual ones")
+        raise TokpackError(
+            "--holdout needs the documents of the source",
+            file=src.path,
+            where="--holdout",
+            hint="plan a run with --holdout on packed sources, not virtual ones",
+        )
     return replace(held_out(src, spec, seed), split=bool(split))
 
 
@@ -539,8 +700,13 @@ def stream_counts(src: PackedSource, spec: dict | None, seed: int, split: bool, 
     h = source_holdout(src, spec, seed, split, held_out)
     table = stream_table(src, h)
     kept = int(table.sum())
-    return {"tokens": kept if not split else src.tokens - kept, "documents": h.documents, "held": h.held,
-            "held_tokens": src.tokens - kept, "kept_shards": tuple(table.tolist())}
+    return {
+        "tokens": kept if not split else src.tokens - kept,
+        "documents": h.documents,
+        "held": h.held,
+        "held_tokens": src.tokens - kept,
+        "kept_shards": tuple(table.tolist()),
+    }
 
 
 def holdout_recorded(manifest: dict) -> tuple[dict | None, bool]:
@@ -566,17 +732,32 @@ def holdout_fields(plan: EpochPlan) -> dict:
     return {"holdout": {**plan.holdout, **({"split": "holdout"} if plan.split else {})}}
 
 
-def windows_holdout_plan(sources: list[PackedSource], *, seq_len: int, seed: int, holdout: dict, names: list[str],
-                         held_out: HeldOut, **options) -> EpochPlan:
+def windows_holdout_plan(
+    sources: list[PackedSource],
+    *,
+    seq_len: int,
+    seed: int,
+    holdout: dict,
+    names: list[str],
+    held_out: HeldOut,
+    **options,
+) -> EpochPlan:
     """The plan of RUN/holdout/: one pass over the windows of each source's held-out documents'
     stream, ordered as an epoch is (epoch 0's keys), all of them (no weights, no --samples, no
     jitter)."""
-    return epoch_plan(sources, seq_len=seq_len, seed=seed, epoch=0, names=names, holdout=holdout, split=True,
-                      held_out=held_out)
+    return epoch_plan(
+        sources, seq_len=seq_len, seed=seed, epoch=0, names=names, holdout=holdout, split=True, held_out=held_out
+    )
 
 
-def chained_plan(plan: EpochPlan, members: list[int], sources: list[PackedSource], names: list[str],
-                 cursors: list[int], held_out: HeldOut | None = None) -> EpochPlan:
+def chained_plan(
+    plan: EpochPlan,
+    members: list[int],
+    sources: list[PackedSource],
+    names: list[str],
+    cursors: list[int],
+    held_out: HeldOut | None = None,
+) -> EpochPlan:
     """An epoch of a schedule of several stages, from its stage's plan (over the stage's
     sources, `members` of the schedule's): the epoch lists every source of the schedule (its
     position is its key), and each source's chain starts at its cursor, where the epochs before
@@ -588,8 +769,19 @@ def chained_plan(plan: EpochPlan, members: list[int], sources: list[PackedSource
         offset = jitter_offset(seed, epoch, u, seq_len) if plan.jitter else 0
         held = {} if u in stage_of else stream_counts(src, plan.holdout, seed, plan.split, held_out)
         tokens = held.pop("tokens", src.tokens)
-        sp = stage_of.get(u) or SourcePlan(u, names[u], str(src.home), src.fingerprint, None, tokens,
-                                           offset, windows_of(tokens, seq_len, plan.jitter), 0, base, **held)
+        sp = stage_of.get(u) or SourcePlan(
+            u,
+            names[u],
+            str(src.home),
+            src.fingerprint,
+            None,
+            tokens,
+            offset,
+            windows_of(tokens, seq_len, plan.jitter),
+            0,
+            base,
+            **held,
+        )
         entries.append(replace(sp, index=u, offset=offset, base=base, cursor=cursors[u]))
         base += sp.samples
     return replace(plan, sources=tuple(entries))
@@ -598,8 +790,16 @@ def chained_plan(plan: EpochPlan, members: list[int], sources: list[PackedSource
 # -------------------------------------------------------------------- verification
 
 
-def iter_source_windows(plan: EpochPlan, s: int, src: PackedSource, block_bytes: int = IO_BLOCK,
-                        w0: int = 0, w1: int | None = None, bufs: list[np.ndarray] | None = None, on_read=None):
+def iter_source_windows(
+    plan: EpochPlan,
+    s: int,
+    src: PackedSource,
+    block_bytes: int = IO_BLOCK,
+    w0: int = 0,
+    w1: int | None = None,
+    bufs: list[np.ndarray] | None = None,
+    on_read=None,
+):
     """Sequential reads of windows [w0, w1) of source s, `block_bytes` at a time, alternating
     between two reused buffers: a thread reads the next block while the caller works on this
     one. Yields (first window, [rows, L+1] token view); a view is valid until the next item.
@@ -644,14 +844,22 @@ def shard_count_checked(epoch_manifest: dict, samples: int) -> tuple[int, int]:
     samples: checked by arithmetic before any per-shard sum is allocated."""
     per, listed = int(epoch_manifest["shard_samples"]), len(epoch_manifest["shards"])
     if per < 1 or -(-samples // per) != listed:
-        raise TokpackError("epoch manifest's shards do not hold its samples", where="shards",
-                           expected=f"{-(-samples // max(per, 1))} shards ({samples} samples, "
-                                    f"{per} a shard)", found=f"{listed} shards")
+        raise TokpackError(
+            "epoch manifest's shards do not hold its samples",
+            where="shards",
+            expected=f"{-(-samples // max(per, 1))} shards ({samples} samples, {per} a shard)",
+            found=f"{listed} shards",
+        )
     return per, listed
 
 
-def replay_hashes(epoch_manifest: dict, sources: list[PackedSource], order: bool = True,
-                  plan: EpochPlan | None = None, held_out: HeldOut | None = None) -> tuple[str, list[int]]:
+def replay_hashes(
+    epoch_manifest: dict,
+    sources: list[PackedSource],
+    order: bool = True,
+    plan: EpochPlan | None = None,
+    held_out: HeldOut | None = None,
+) -> tuple[str, list[int]]:
     """What the epoch must hold, recomputed from its sources through the plan: its
     `sample_multiset_hash` (each window's row_hash times the number of times the epoch uses it)
     and, with `order`, each output shard's order hash (docs/FORMAT.md, "Checksums": the sum of

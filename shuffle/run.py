@@ -25,8 +25,19 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
 from tokpack.formats.io import MAX_RECORD_BYTES, TMP_MARK, read_limited, remove_tmp_files
 from tokpack.formats.outputs import LocalOutput, Output
-from tokpack.formats.manifest import (HOLDOUT_DIR, MANIFEST, NODES_SIDECAR, rows_padded, canonical_bytes, dtype_name, epoch_dir_name, epoch_manifest, metadata_text,
-                              read_manifest, run_manifest)
+from tokpack.formats.manifest import (
+    HOLDOUT_DIR,
+    MANIFEST,
+    NODES_SIDECAR,
+    rows_padded,
+    canonical_bytes,
+    dtype_name,
+    epoch_dir_name,
+    epoch_manifest,
+    metadata_text,
+    read_manifest,
+    run_manifest,
+)
 from tokpack.formats.numbering import shuffle_command
 from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
 from tokpack.formats.units import at_most, counted
@@ -51,9 +62,13 @@ def open_sources(paths: list[str]) -> list[PackedSource]:
         for field in ("dtype", "vocab_size", "eos_id"):
             if src.manifest.get(field) != first.manifest.get(field):
                 raise TokpackError(
-                    "sources disagree", file=src.path, where=field,
-                    expected=f"{first.manifest.get(field)} (as in {first.path})", found=src.manifest.get(field),
-                    hint="mix only sources packed with the same tokenizer and dtype")
+                    "sources disagree",
+                    file=src.path,
+                    where=field,
+                    expected=f"{first.manifest.get(field)} (as in {first.path})",
+                    found=src.manifest.get(field),
+                    hint="mix only sources packed with the same tokenizer and dtype",
+                )
     seen: dict = {}
     for src in sources:  # every window would appear twice, and epochs could not tell the copies apart
         for key in (("path", src.path.resolve()), ("fingerprint", src.fingerprint)):
@@ -104,11 +119,20 @@ def _schedule_params(runplan: RunPlan, sources: list[PackedSource], shard_sample
     fields = runplan.manifest_fields()
     sc = runplan.schedule
     packing = runplan.packing
-    return {"shuffle": packing.shuffle, "packing": packing.settings(sources, **runplan.options),
-            "fingerprints": [src.fingerprint for src in sources], "weights": None, "seq_len": sc.seq_len,
-            "seed": sc.seed, "jitter": sc.jitter, "samples": 0, "shard_samples": shard_samples,
-            "epoch_samples": fields["epoch_samples"], "schedule": _schedule_key(fields["schedule"]),
-            **({} if runplan.options.get("holdout") is None else {"holdout": runplan.options["holdout"]})}
+    return {
+        "shuffle": packing.shuffle,
+        "packing": packing.settings(sources, **runplan.options),
+        "fingerprints": [src.fingerprint for src in sources],
+        "weights": None,
+        "seq_len": sc.seq_len,
+        "seed": sc.seed,
+        "jitter": sc.jitter,
+        "samples": 0,
+        "shard_samples": shard_samples,
+        "epoch_samples": fields["epoch_samples"],
+        "schedule": _schedule_key(fields["schedule"]),
+        **({} if runplan.options.get("holdout") is None else {"holdout": runplan.options["holdout"]}),
+    }
 
 
 def _schedule_key(entries) -> list | None:
@@ -127,8 +151,9 @@ def _params_of_manifest(m: dict) -> dict:
         "schedule": _schedule_key(m.get("schedule")),
         "given_schedule": m.get("schedule"),  # as the run wrote it
         "shuffle": m.get("shuffle"),
-        "packing": None if not rows_padded(m) else {
-            k: m["packing"][k] for k in ("method", "group_tokens", "pad_id", "holdout") if k in m["packing"]},
+        "packing": None
+        if not rows_padded(m)
+        else {k: m["packing"][k] for k in ("method", "group_tokens", "pad_id", "holdout") if k in m["packing"]},
         **{key: m.get(key) for key in ("seq_len", "seed", "samples", "shard_samples", "epoch_samples")},
         # --holdout, wherever the packing records it (a window run: `holdout`; best-fit: in `packing`)
         "holdout": holdout_recorded(m)[0] or (m["packing"].get("holdout") if rows_padded(m) else None),
@@ -140,23 +165,36 @@ def _check_same_run(found: dict, wanted: dict, where: Path, like: str | None = N
     that writes the epoch asked for with the run's own settings, when `where` is a run."""
     # --holdout first (absent: none): it changes a schedule's sizes too, and is then the cause to name
     keys = ["holdout", *(k for k in wanted if k != "holdout")]
-    if (found.get("holdout") == wanted.get("holdout") and found.get("schedule") is not None
-            and wanted.get("schedule") is not None):
+    if (
+        found.get("holdout") == wanted.get("holdout")
+        and found.get("schedule") is not None
+        and wanted.get("schedule") is not None
+    ):
         old, new = found["schedule"], wanted["schedule"]
         for e in range(max(len(old), len(new))):
             a, b = (old[e] if e < len(old) else None), (new[e] if e < len(new) else None)
             if a != b:
-                raise TokpackError("the schedule differs from the one the run was made with", file=where,
-                                   where=f"epoch {e}", expected=a or "no such epoch", found=b or "no such epoch",
-                                   hint="restore the run's schedule file (its xxh3_128 is in the run manifest), "
-                                   "or write the new schedule to another -o")
+                raise TokpackError(
+                    "the schedule differs from the one the run was made with",
+                    file=where,
+                    where=f"epoch {e}",
+                    expected=a or "no such epoch",
+                    found=b or "no such epoch",
+                    hint="restore the run's schedule file (its xxh3_128 is in the run manifest), "
+                    "or write the new schedule to another -o",
+                )
     for key in keys:
         if found.get(key) != wanted.get(key):
             raise TokpackError(
-                "output directory holds a different run", file=where, where=key, expected=wanted.get(key),
-                found=found.get(key), hint="use another -o, delete it, or repeat the run's exact sources, weights, "
+                "output directory holds a different run",
+                file=where,
+                where=key,
+                expected=wanted.get(key),
+                found=found.get(key),
+                hint="use another -o, delete it, or repeat the run's exact sources, weights, "
                 "--seq-len, --seed, --jitter, --packing, --holdout, --samples/--tokens and --shard-samples"
-                + (f"; to add the epoch with the run's own settings: `{like}`" if like else ""))
+                + (f"; to add the epoch with the run's own settings: `{like}`" if like else ""),
+            )
 
 
 def _existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
@@ -170,28 +208,56 @@ def _existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
         return _params_of_manifest(read_manifest(out, kind="run"))
     kept = to.where(out)
     listed = kept if kept.exists() else out
-    foreign = [p.name for p in listed.iterdir()
-               if not (p.name.startswith("epoch-") or p.name in (WORK_DIR, LOCK_NAME, HOLDOUT_DIR, NODES_SIDECAR)
-                       or TMP_MARK in p.name)]
+    foreign = [
+        p.name
+        for p in listed.iterdir()
+        if not (
+            p.name.startswith("epoch-")
+            or p.name in (WORK_DIR, LOCK_NAME, HOLDOUT_DIR, NODES_SIDECAR)
+            or TMP_MARK in p.name
+        )
+    ]
     if foreign:
-        raise TokpackError("output directory is not a tokpack run", file=out, where="contents",
-                           expected="no files, or a run's tokpack.json and epoch-NNNNN/", found=", ".join(sorted(foreign)[:5]),
-                           hint="choose an empty or new -o directory")
+        raise TokpackError(
+            "output directory is not a tokpack run",
+            file=out,
+            where="contents",
+            expected="no files, or a run's tokpack.json and epoch-NNNNN/",
+            found=", ".join(sorted(foreign)[:5]),
+            hint="choose an empty or new -o directory",
+        )
     for p in sorted(out.glob("epoch-*/" + MANIFEST)):
         return _params_of_manifest(read_manifest(p.parent, kind="epoch"))
     return None
 
 
-def _run_manifest(out: Path, plan: EpochPlan, weights, sources: list[PackedSource], shard_samples: int,
-                  epochs: list[int], runplan: RunPlan) -> dict:
-    written = {e: read_manifest(out / epoch_dir_name(e), kind="epoch") for e in epochs
-               if (out / epoch_dir_name(e) / MANIFEST).exists()}
+def _run_manifest(
+    out: Path,
+    plan: EpochPlan,
+    weights,
+    sources: list[PackedSource],
+    shard_samples: int,
+    epochs: list[int],
+    runplan: RunPlan,
+) -> dict:
+    written = {
+        e: read_manifest(out / epoch_dir_name(e), kind="epoch")
+        for e in epochs
+        if (out / epoch_dir_name(e) / MANIFEST).exists()
+    }
     created = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
     return run_manifest_of(written, plan, weights, sources, shard_samples, runplan, created)
 
 
-def run_manifest_of(written: dict, plan: EpochPlan, weights, sources: list[PackedSource], shard_samples: int,
-                    runplan: RunPlan, created: dict | None = None) -> dict:
+def run_manifest_of(
+    written: dict,
+    plan: EpochPlan,
+    weights,
+    sources: list[PackedSource],
+    shard_samples: int,
+    runplan: RunPlan,
+    created: dict | None = None,
+) -> dict:
     """The run manifest over the epoch manifests `written`; `created`: the run's manifest so far,
     whose schedule fields (fixed when the run was created, maybe spelled otherwise) it keeps."""
     first = sources[0].manifest
@@ -205,11 +271,21 @@ def run_manifest_of(written: dict, plan: EpochPlan, weights, sources: list[Packe
     if packings.of_plan(plan).run_holdout(plan):
         extra = {**(extra or {}), **packings.of_plan(plan).run_holdout(plan)}
     return run_manifest(
-        written, sources[0].dtype, first["vocab_size"], first["eos_id"], first.get("tokenizer", ""),
+        written,
+        sources[0].dtype,
+        first["vocab_size"],
+        first["eos_id"],
+        first.get("tokenizer", ""),
         sources=[{**e, "weight": None} for e in entries] if scheduled else entries,
         weights=None if scheduled or all(w is None for w in weights) else list(weights),
-        seq_len=plan.seq_len, seed=plan.seed, jitter=plan.jitter, samples=0 if scheduled else plan.samples,
-        shard_samples=shard_samples, shuffle=plan.algorithm, extra=extra)
+        seq_len=plan.seq_len,
+        seed=plan.seed,
+        jitter=plan.jitter,
+        samples=0 if scheduled else plan.samples,
+        shard_samples=shard_samples,
+        shuffle=plan.algorithm,
+        extra=extra,
+    )
 
 
 def memory_path(job: EpochJob, memory: int) -> tuple[int, int]:
@@ -233,7 +309,8 @@ def epoch_layout(job: EpochJob, *, memory: int, workers: int, tasks: int | None)
 
 def docs_per_token(sources: list[PackedSource]) -> float:
     return sum(int(s.manifest.get("documents", 0)) for s in sources) / max(
-        1, sum(int(s.manifest.get("tokens", 0)) for s in sources))
+        1, sum(int(s.manifest.get("tokens", 0)) for s in sources)
+    )
 
 
 def planned_epoch_manifest(job: EpochJob, sources: list[PackedSource]) -> dict:
@@ -244,26 +321,54 @@ def planned_epoch_manifest(job: EpochJob, sources: list[PackedSource]) -> dict:
     entries = []
     for i in range(job.n_shards):
         g0, g1 = job.shard_range(i)
-        entries.append({"path": job.shard_file(i), "tokens": (g1 - g0) * plan.row_tokens,
-                        "bytes": (g1 - g0) * job.row_bytes, "samples": g1 - g0, "xxh3_128": "0" * 32,
-                        "index_xxh3_128": "0" * 32, "rows_xxh3_128": "0" * 32, "metadata_xxh3_128": "0" * 32,
-                        "multiset_hash": "0" * 16, "fragments": int((g1 - g0) * per_row)})
-    return epoch_manifest(entries, job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer,
-                          tokens=plan.samples * plan.row_tokens, epoch=plan.epoch, seed=plan.seed, seq_len=plan.seq_len,
-                          samples=plan.samples, shard_samples=job.shard_samples, dropped_tokens=plan.dropped_tokens(),
-                          jitter=plan.jitter, sources=plan.source_entries(),
-                          # the default packing's name whatever the packing: `plan` has always
-                          # counted a planned epoch manifest's bytes so
-                          shuffle=packings.named(packings.DEFAULT).shuffle)
+        entries.append(
+            {
+                "path": job.shard_file(i),
+                "tokens": (g1 - g0) * plan.row_tokens,
+                "bytes": (g1 - g0) * job.row_bytes,
+                "samples": g1 - g0,
+                "xxh3_128": "0" * 32,
+                "index_xxh3_128": "0" * 32,
+                "rows_xxh3_128": "0" * 32,
+                "metadata_xxh3_128": "0" * 32,
+                "multiset_hash": "0" * 16,
+                "fragments": int((g1 - g0) * per_row),
+            }
+        )
+    return epoch_manifest(
+        entries,
+        job.token_dtype,
+        sources[0].vocab_size,
+        job.eos_id,
+        job.tokenizer,
+        tokens=plan.samples * plan.row_tokens,
+        epoch=plan.epoch,
+        seed=plan.seed,
+        seq_len=plan.seq_len,
+        samples=plan.samples,
+        shard_samples=job.shard_samples,
+        dropped_tokens=plan.dropped_tokens(),
+        jitter=plan.jitter,
+        sources=plan.source_entries(),
+        # the default packing's name whatever the packing: `plan` has always
+        # counted a planned epoch manifest's bytes so
+        shuffle=packings.named(packings.DEFAULT).shuffle,
+    )
 
 
 def epoch_bytes(job: EpochJob, manifest: dict) -> int:
     """Bytes of the epoch directory its planned manifest describes: each shard's rows, its
     index (8 bytes a fragment), its row hashes (8 bytes a sample), its .ds.metadata, and the manifest."""
-    meta = sum(len(metadata_text(job.tokenizer, job.token_dtype.itemsize, s["tokens"]).encode())
-               for s in manifest["shards"])
-    return manifest["tokens"] * job.token_dtype.itemsize + 8 * manifest["fragments"] + 8 * manifest["samples"] + meta + len(
-        canonical_bytes(manifest))
+    meta = sum(
+        len(metadata_text(job.tokenizer, job.token_dtype.itemsize, s["tokens"]).encode()) for s in manifest["shards"]
+    )
+    return (
+        manifest["tokens"] * job.token_dtype.itemsize
+        + 8 * manifest["fragments"]
+        + 8 * manifest["samples"]
+        + meta
+        + len(canonical_bytes(manifest))
+    )
 
 
 def scratch_bytes(job: EpochJob, out_of_core: bool = True) -> int:
@@ -337,13 +442,17 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     shards_left = [i for i in range(job.n_shards) if job.shard_done(i) is None]
     reused = job.n_shards - len(shards_left)
     if shards_left and reused:
-        log(f"epoch {plan.epoch}: resuming: {reused} of {job.n_shards} shards were written by an earlier "
-            f"attempt and are reused; {len(shards_left)} left to write")
+        log(
+            f"epoch {plan.epoch}: resuming: {reused} of {job.n_shards} shards were written by an earlier "
+            f"attempt and are reused; {len(shards_left)} left to write"
+        )
     try:
         layout = None
         if not shards_left:  # a rerun after every shard finished: only the manifest is missing
-            log(f"epoch {plan.epoch}: {'all ' * (job.n_shards != 1)}{counted(job.n_shards, 'shard')} already written; "
-                "writing the manifest")
+            log(
+                f"epoch {plan.epoch}: {'all ' * (job.n_shards != 1)}{counted(job.n_shards, 'shard')} already written; "
+                "writing the manifest"
+            )
         elif in_memory:
             step, label, words = packing.in_memory(job, prepared, memory, needed, held)
             log(f"epoch {plan.epoch}: writing {plan.samples} samples, {words}")
@@ -352,16 +461,22 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
         else:
             budget = task_budget(memory, workers)
             layout = epoch_layout(job, memory=memory, workers=workers, tasks=tasks)
-            log(f"epoch {plan.epoch}: writing {plan.samples} samples, out of core ({needed / 2**20:.1f} MiB of windows, "
+            log(
+                f"epoch {plan.epoch}: writing {plan.samples} samples, out of core ({needed / 2**20:.1f} MiB of windows, "
                 f"{counted(layout.tasks, 'scatter task')}, {counted(len(layout.bucket_starts) - 1, 'bucket')}, "
-                f"{counted(job.n_shards, 'shard')})")
+                f"{counted(job.n_shards, 'shard')})"
+            )
             scatter, order = packing.out_of_core(job, layout, prepared, budget)
-            passes = [(scatter, layout.tasks, f"{name}-scatter", str(logs / "scatter")),
-                      (order, job.n_shards, f"{name}-order", str(logs / "order"))]
+            passes = [
+                (scatter, layout.tasks, f"{name}-scatter", str(logs / "scatter")),
+                (order, job.n_shards, f"{name}-order", str(logs / "order")),
+            ]
             if all(layout.scatter_done(t) for t in range(layout.tasks)):
                 if all(packing.scattered(job, layout, i) for i in shards_left):
                     passes = passes[1:]  # a rerun after the scatter pass finished: no array of no-op tasks
-                    log(f"epoch {plan.epoch}: scatter pass already done; {counted(len(shards_left), 'shard')} left to order")
+                    log(
+                        f"epoch {plan.epoch}: scatter pass already done; {counted(len(shards_left), 'shard')} left to order"
+                    )
                 else:  # a written shard was lost after its bucket files went: scatter again
                     shutil.rmtree(layout.dir)
             try:
@@ -378,16 +493,22 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
         for d in [*work.glob("ooc-*"), work / "packing", work / "packing.tmp"]:
             shutil.rmtree(d, ignore_errors=True)
         remove_tmp_files(job.epoch_dir)
-        raise TokpackError(f"disk full while writing epoch {plan.epoch}; its scratch files were removed",
-                           file=job.epoch_dir, expected="free space", found="No space left on device",
-                           hint="free some space (or choose another -o), then rerun the same command; "
-                           "finished shards are kept") from e
+        raise TokpackError(
+            f"disk full while writing epoch {plan.epoch}; its scratch files were removed",
+            file=job.epoch_dir,
+            expected="free space",
+            found="No space left on device",
+            hint="free some space (or choose another -o), then rerun the same command; finished shards are kept",
+        ) from e
     entries = []
     for i in range(job.n_shards):
         entry = job.done_entry(i)
         if entry is None:
-            raise TokpackError("output shard did not complete", file=Path(job.epoch_dir) / job.shard_file(i),
-                               hint="rerun the same command; completed shards are kept")
+            raise TokpackError(
+                "output shard did not complete",
+                file=Path(job.epoch_dir) / job.shard_file(i),
+                hint="rerun the same command; completed shards are kept",
+            )
         entries.append(entry)
     keep = {e["path"] + ext for e in entries for ext in shard_suffixes(e)}
     for edir in {Path(job.epoch_dir), job.output.where(job.epoch_dir)}:  # here, and where its shards went
@@ -397,10 +518,16 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     manifest = epoch_manifest_of(job, entries, prepared)
     job.output.finish(job.epoch_dir, manifest)
     job.output.remove_tree(work)
-    return {"epoch": plan.epoch, "path": "in-memory" if in_memory else "out-of-core", "samples": plan.samples,
-            "shards": job.n_shards, "shards_reused": reused,
-            "bytes_written": sum(entries[i]["bytes"] for i in shards_left),
-            "sample_multiset_hash": manifest["sample_multiset_hash"], "packing": packings.shown(manifest)}
+    return {
+        "epoch": plan.epoch,
+        "path": "in-memory" if in_memory else "out-of-core",
+        "samples": plan.samples,
+        "shards": job.n_shards,
+        "shards_reused": reused,
+        "bytes_written": sum(entries[i]["bytes"] for i in shards_left),
+        "sample_multiset_hash": manifest["sample_multiset_hash"],
+        "packing": packings.shown(manifest),
+    }
 
 
 def epoch_manifest_of(job: EpochJob, entries: list[dict], prepared) -> dict:
@@ -409,9 +536,22 @@ def epoch_manifest_of(job: EpochJob, entries: list[dict], prepared) -> dict:
     plan = job.plan
     sources = job.open_sources()
     manifest = epoch_manifest(
-        entries, job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer, tokens=plan.samples * plan.row_tokens,
-        epoch=plan.epoch, seed=plan.seed, seq_len=plan.seq_len, samples=plan.samples, shard_samples=job.shard_samples,
-        dropped_tokens=plan.dropped_tokens(), jitter=plan.jitter, sources=plan.source_entries(), shuffle=plan.algorithm)
+        entries,
+        job.token_dtype,
+        sources[0].vocab_size,
+        job.eos_id,
+        job.tokenizer,
+        tokens=plan.samples * plan.row_tokens,
+        epoch=plan.epoch,
+        seed=plan.seed,
+        seq_len=plan.seq_len,
+        samples=plan.samples,
+        shard_samples=job.shard_samples,
+        dropped_tokens=plan.dropped_tokens(),
+        jitter=plan.jitter,
+        sources=plan.source_entries(),
+        shuffle=plan.algorithm,
+    )
     manifest.update(packings.of_plan(plan).epoch_fields(plan, prepared))
     return manifest
 
@@ -436,11 +576,28 @@ class RunSetup:
         return [job for _, _, job in self.todo if job is not None] + ([self.holdout] if self.holdout else [])
 
 
-def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, seed: int | None,
-              epochs: list[int] | None, samples, tokens, shard_samples, memory: int, jitter: bool, workers: int,
-              progress: bool = False, given: list[str] | None = None, schedule: Schedule | None = None,
-              to: Output = LocalOutput(), packing: str | None = None, pad_id: int | None = None,
-              holdout: str | None = None) -> RunSetup:
+def setup_run(
+    paths: list[str],
+    output: str,
+    *,
+    weights,
+    seq_len: int | None,
+    seed: int | None,
+    epochs: list[int] | None,
+    samples,
+    tokens,
+    shard_samples,
+    memory: int,
+    jitter: bool,
+    workers: int,
+    progress: bool = False,
+    given: list[str] | None = None,
+    schedule: Schedule | None = None,
+    to: Output = LocalOutput(),
+    packing: str | None = None,
+    pad_id: int | None = None,
+    holdout: str | None = None,
+) -> RunSetup:
     """Opens the sources and OUT's run (if any), checks they agree, and plans every epoch, each
     plan within `memory`. Writes nothing in OUT (a best-fit plan counts its rows in a temporary
     folder). `given`, `schedule`, `to`, `packing`, `pad_id`: as in
@@ -448,29 +605,46 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
     packing = packings.named(packing).name
     if schedule is not None and packing != packings.DEFAULT:
         if schedule.packing not in (packings.DEFAULT, packing):
-            raise TokpackError("--packing differs from the schedule's packing", where="--packing",
-                               expected=schedule.packing, found=packing, hint="drop --packing")
+            raise TokpackError(
+                "--packing differs from the schedule's packing",
+                where="--packing",
+                expected=schedule.packing,
+                found=packing,
+                hint="drop --packing",
+            )
         schedule = replace(schedule, packing=packing)
     used = packings.named(schedule.packing if schedule is not None else packing)
     if pad_id is not None and "pad_id" not in used.options(pad_id, None):
         # a window epoch has no padding: a --pad-id it ignored would look like a setting the run keeps
         padded = [n for n in packings.names() if "pad_id" in packings.named(n).options(pad_id, None)]
         asked = "the schedule's packing" if schedule is not None else "--packing"
-        raise TokpackError(f"--pad-id applies to {' or '.join(padded)} packing; {used.name} packing has no padding",
-                           where="--pad-id", expected=f"no --pad-id with {asked} {used.name}", found=pad_id,
-                           hint="drop --pad-id, or pack with " + " or ".join(
-                               (f"packing: {n} in the schedule" if schedule is not None else f"--packing {n}")
-                               for n in padded))
+        raise TokpackError(
+            f"--pad-id applies to {' or '.join(padded)} packing; {used.name} packing has no padding",
+            where="--pad-id",
+            expected=f"no --pad-id with {asked} {used.name}",
+            found=pad_id,
+            hint="drop --pad-id, or pack with "
+            + " or ".join(
+                (f"packing: {n} in the schedule" if schedule is not None else f"--packing {n}") for n in padded
+            ),
+        )
     if schedule is not None:
         seq_len, seed, jitter, paths = schedule.seq_len, schedule.seed, schedule.jitter, schedule.paths
         shard_samples = shard_samples or schedule.shard_samples
     # On the packing and jitter that will run: a schedule's jitter meets --packing only here.
-    packings.check_jitter(used.name, jitter, "--jitter" if schedule is None or schedule.file is None else "jitter",
-                          getattr(schedule, "file", None))
+    packings.check_jitter(
+        used.name,
+        jitter,
+        "--jitter" if schedule is None or schedule.file is None else "jitter",
+        getattr(schedule, "file", None),
+    )
     holdout = parse_holdout(holdout)
     if holdout is not None and not used.holdout:  # a registered packing that cannot leave documents out
-        raise TokpackError(f"--holdout sets whole documents aside; {used.name} packing cannot", where="--holdout",
-                           hint=f"use --packing {packings.DEFAULT} or best-fit with --holdout")
+        raise TokpackError(
+            f"--holdout sets whole documents aside; {used.name} packing cannot",
+            where="--holdout",
+            hint=f"use --packing {packings.DEFAULT} or best-fit with --holdout",
+        )
     paths, weights = list(paths), list(weights or [None] * len(paths))
     opened = open_sources(paths)
     out = Path(output)
@@ -479,27 +653,48 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
     row_bytes = (seq_len + 1) * opened[0].dtype.itemsize
     floor = min_memory(row_bytes, workers)
     if memory < floor:  # one bucket per handful of samples: hours of per-bucket overhead
-        raise TokpackError("--memory is too small to shuffle", where="--memory", expected=f">= {floor} bytes",
-                           found=f"{memory} bytes", hint=f"give --memory {floor} or more ({MIN_BUCKET_ROWS} samples "
-                           f"of {row_bytes} bytes per bucket, per worker); more memory is faster")
+        raise TokpackError(
+            "--memory is too small to shuffle",
+            where="--memory",
+            expected=f">= {floor} bytes",
+            found=f"{memory} bytes",
+            hint=f"give --memory {floor} or more ({MIN_BUCKET_ROWS} samples "
+            f"of {row_bytes} bytes per bucket, per worker); more memory is faster",
+        )
     existing = _existing_run(out, to)
-    if (existing is not None and existing.get("given_weights") is not None
-            and existing["fingerprints"] == [src.fingerprint for src in opened]
-            and existing["weights"] == _weights_key(weights)):
+    if (
+        existing is not None
+        and existing.get("given_weights") is not None
+        and existing["fingerprints"] == [src.fingerprint for src in opened]
+        and existing["weights"] == _weights_key(weights)
+    ):
         weights = list(existing["given_weights"])  # equal as ratios: the run's manifests keep one spelling
     if shard_samples is None:
         shard_samples = existing["shard_samples"] if existing else max(1, DEFAULT_SHARD_BYTES // row_bytes)
     recorded = [source_location(p) for p in (given or paths)]
     names = [p.rstrip("/").rsplit("/", 1)[-1] for p in recorded]
-    runplan = RunPlan(schedule or Schedule.of_flags(paths, weights, seq_len=seq_len, seed=seed, samples=samples,
-                                                    tokens=tokens, jitter=jitter, packing=packing), opened, names,
-                      pad_id=pad_id, memory=memory, holdout=holdout)
+    runplan = RunPlan(
+        schedule
+        or Schedule.of_flags(
+            paths, weights, seq_len=seq_len, seed=seed, samples=samples, tokens=tokens, jitter=jitter, packing=packing
+        ),
+        opened,
+        names,
+        pad_id=pad_id,
+        memory=memory,
+        holdout=holdout,
+    )
     run_params = None if schedule is None or schedule.file is None else _schedule_params(runplan, opened, shard_samples)
     if run_params is not None and existing is not None and existing["schedule"] == run_params["schedule"]:
         spelled = {e["stage"]: e["weights"] for e in existing["given_schedule"]}  # equal as ratios: keep the run's
-        runplan = RunPlan(replace(schedule, stages=tuple(replace(st, weights=tuple(spelled[st.name]))
-                                                         for st in schedule.stages)), opened, names, pad_id=pad_id,
-                          memory=memory, holdout=holdout)
+        runplan = RunPlan(
+            replace(schedule, stages=tuple(replace(st, weights=tuple(spelled[st.name])) for st in schedule.stages)),
+            opened,
+            names,
+            pad_id=pad_id,
+            memory=memory,
+            holdout=holdout,
+        )
     if epochs is None:
         epochs = list(range(runplan.schedule.epochs or 1))
     done_epochs = []
@@ -510,9 +705,13 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
     for epoch in epochs:
         plan = runplan.epoch_plan(epoch)
         shards += -(-plan.samples // shard_samples)
-        at_most(shards, MAX_SHARDS, f"number of output shards (through epoch {epoch}, {plan.samples:,} samples "
-                f"of {shard_samples:,} per shard)", where="--samples/--tokens/--shard-samples",
-                hint="ask for fewer samples or epochs per command (--epoch E), or raise --shard-samples")
+        at_most(
+            shards,
+            MAX_SHARDS,
+            f"number of output shards (through epoch {epoch}, {plan.samples:,} samples of {shard_samples:,} per shard)",
+            where="--samples/--tokens/--shard-samples",
+            hint="ask for fewer samples or epochs per command (--epoch E), or raise --shard-samples",
+        )
         plan = replace(plan, sources=tuple(replace(sp, path=recorded[sp.index]) for sp in plan.sources))
         params = _run_params(plan, [sp.weight for sp in plan.sources], shard_samples)
         if existing is not None:
@@ -525,26 +724,51 @@ def setup_run(paths: list[str], output: str, *, weights, seq_len: int | None, se
             m = read_manifest(edir, kind="epoch")
             _check_same_run(_params_of_manifest(m), params, edir)
             if _content(m.get("sources")) != _content(plan.source_entries()):
-                raise TokpackError("epoch directory holds a different epoch", file=edir, where="sources",
-                                   hint="delete that epoch directory or use another -o")
+                raise TokpackError(
+                    "epoch directory holds a different epoch",
+                    file=edir,
+                    where="sources",
+                    hint="delete that epoch directory or use another -o",
+                )
         else:
             _refuse_foreign_files(edir, to)
             key = xxhash.xxh3_64_hexdigest(json.dumps([params, plan.source_entries(), plan.algorithm, dtype]).encode())
-            job = EpochJob(plan, tuple(source_location(p) for p in paths), dtype, int(first["eos_id"]),
-                           first.get("tokenizer", ""), str(edir), str(out / WORK_DIR / f"{edir.name}-{key}"),
-                           shard_samples, progress=bool(progress), main_pid=os.getpid(), output=to)
+            job = EpochJob(
+                plan,
+                tuple(source_location(p) for p in paths),
+                dtype,
+                int(first["eos_id"]),
+                first.get("tokenizer", ""),
+                str(edir),
+                str(out / WORK_DIR / f"{edir.name}-{key}"),
+                shard_samples,
+                progress=bool(progress),
+                main_pid=os.getpid(),
+                output=to,
+            )
         todo.append((epoch, plan, job))
     held = None
     if holdout is not None and not (out / HOLDOUT_DIR / MANIFEST).exists():  # written once, with the first epochs
-        hp = used.holdout(opened, seq_len=seq_len, seed=seed, holdout=holdout, names=names, memory=memory,
-                          pad_id=pad_id)
+        hp = used.holdout(
+            opened, seq_len=seq_len, seed=seed, holdout=holdout, names=names, memory=memory, pad_id=pad_id
+        )
         hp = replace(hp, sources=tuple(replace(sp, path=recorded[sp.index]) for sp in hp.sources))
         hdir = out / HOLDOUT_DIR
         _refuse_foreign_files(hdir, to)
         key = xxhash.xxh3_64_hexdigest(json.dumps([hp.source_entries(), hp.algorithm, dtype, seq_len]).encode())
-        held = EpochJob(hp, tuple(source_location(p) for p in paths), dtype, int(first["eos_id"]),
-                        first.get("tokenizer", ""), str(hdir), str(out / WORK_DIR / f"{HOLDOUT_DIR}-{key}"),
-                        shard_samples, progress=bool(progress), main_pid=os.getpid(), output=to)
+        held = EpochJob(
+            hp,
+            tuple(source_location(p) for p in paths),
+            dtype,
+            int(first["eos_id"]),
+            first.get("tokenizer", ""),
+            str(hdir),
+            str(out / WORK_DIR / f"{HOLDOUT_DIR}-{key}"),
+            shard_samples,
+            progress=bool(progress),
+            main_pid=os.getpid(),
+            output=to,
+        )
     return RunSetup(opened, weights, shard_samples, done_epochs, todo, existing, runplan, run_params, held)
 
 
@@ -554,10 +778,13 @@ def _refuse_foreign_files(edir: Path, to: Output) -> None:
     for where in {edir, to.where(edir)}:
         foreign = sorted(p.name for p in where.iterdir() if not is_own_file(p)) if where.is_dir() else []
         if foreign:
-            raise TokpackError("epoch directory holds files tokpack did not write", file=where / foreign[0],
-                               expected="only the epoch's shards and tokpack.json", found=", ".join(foreign[:5]),
-                               hint="move them out of the run (shuffle replaces what is in epoch-NNNNN/), "
-                                    "or choose another -o")
+            raise TokpackError(
+                "epoch directory holds files tokpack did not write",
+                file=where / foreign[0],
+                expected="only the epoch's shards and tokpack.json",
+                found=", ".join(foreign[:5]),
+                hint="move them out of the run (shuffle replaces what is in epoch-NNNNN/), or choose another -o",
+            )
 
 
 @locked_output("shuffle")
@@ -608,20 +835,50 @@ def shuffle_run(
         progress = os.environ.get("TOKPACK_PROGRESS", "1") != "0"
     virtual = [p for p in sources if is_virtual(p)]
     if virtual:
-        raise TokpackError("a virtual source has no data to shuffle", file=virtual[0], where="SOURCE",
-                           expected="a packed source directory", hint="plan it instead: tokpack plan shuffle ...")
-    setup = setup_run(sources, output, weights=weights, seq_len=seq_len, seed=seed, epochs=epochs, samples=samples,
-                      tokens=tokens, shard_samples=shard_samples, memory=memory, jitter=jitter, workers=workers,
-                      progress=bool(progress), given=given, schedule=schedule, to=to, packing=packing,
-                      pad_id=pad_id, holdout=holdout)
+        raise TokpackError(
+            "a virtual source has no data to shuffle",
+            file=virtual[0],
+            where="SOURCE",
+            expected="a packed source directory",
+            hint="plan it instead: tokpack plan shuffle ...",
+        )
+    setup = setup_run(
+        sources,
+        output,
+        weights=weights,
+        seq_len=seq_len,
+        seed=seed,
+        epochs=epochs,
+        samples=samples,
+        tokens=tokens,
+        shard_samples=shard_samples,
+        memory=memory,
+        jitter=jitter,
+        workers=workers,
+        progress=bool(progress),
+        given=given,
+        schedule=schedule,
+        to=to,
+        packing=packing,
+        pad_id=pad_id,
+        holdout=holdout,
+    )
     out, opened, weights, shard_samples = Path(output), setup.sources, setup.weights, setup.shard_samples
     done_epochs, runplan, skipped, summaries = setup.done_epochs, setup.runplan, [], []
     # The samples alone, by arithmetic, before the exact count below spends time per shard.
-    check_space([(out, sum(job.plan.samples * job.row_bytes for job in setup.jobs) - bytes_under(out))], "shuffle",
-                hint="ask for fewer samples, free some space there, or choose another -o")
-    check_space([(out, bytes_to_write(setup.jobs, opened, memory, workers))], "shuffle",
-                hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)")
-    if setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():  # its numbering, fixed at creation
+    check_space(
+        [(out, sum(job.plan.samples * job.row_bytes for job in setup.jobs) - bytes_under(out))],
+        "shuffle",
+        hint="ask for fewer samples, free some space there, or choose another -o",
+    )
+    check_space(
+        [(out, bytes_to_write(setup.jobs, opened, memory, workers))],
+        "shuffle",
+        hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)",
+    )
+    if (
+        setup.run_params is not None and setup.todo and not (out / MANIFEST).exists()
+    ):  # its numbering, fixed at creation
         out.mkdir(parents=True, exist_ok=True)
         to.finish(out, _run_manifest(out, setup.todo[0][1], weights, opened, shard_samples, done_epochs, runplan))
     for epoch, plan, job in setup.todo:
@@ -643,8 +900,11 @@ def shuffle_run(
     if setup.holdout is not None:  # the held-out documents, an epoch directory of their own (never listed)
         log(f"holdout: writing {setup.holdout.plan.samples} samples of held-out documents to {setup.holdout.epoch_dir}")
         held = run_epoch(setup.holdout, memory=memory, workers=workers, tasks=tasks, run_passes=run_passes, log=log)
-        held.update(path=str(to.shown(Path(setup.holdout.epoch_dir).absolute())), stage=None,
-                    sources=setup.holdout.plan.source_report())
+        held.update(
+            path=str(to.shown(Path(setup.holdout.epoch_dir).absolute())),
+            stage=None,
+            sources=setup.holdout.plan.source_report(),
+        )
     work = out / WORK_DIR
     if work.exists() and not any(work.iterdir()):
         work.rmdir()
@@ -668,8 +928,9 @@ def shuffle_run(
         "seconds": round(seconds, 3),
         "mb_per_s": round(written / 1e6 / seconds, 1) if seconds > 0 and written else None,
         "epochs_detail": summaries,
-        "warnings": [w for summary in summaries for w in repeat_warnings(summary["epoch"], summary["sources"],
-                                                                         summary["stage"])],
+        "warnings": [
+            w for summary in summaries for w in repeat_warnings(summary["epoch"], summary["sources"], summary["stage"])
+        ],
     }
 
 
@@ -685,23 +946,37 @@ def repeat_warnings(epoch: int, report: list[dict], stage: str | None = None) ->
     for r in report:
         if not r["repeats"]:
             continue
-        span = f"pass {r['first_pass']}" if r["passes"] == 1 else f"passes {r['first_pass']}-{r['first_pass'] + r['passes'] - 1}"
+        span = (
+            f"pass {r['first_pass']}"
+            if r["passes"] == 1
+            else f"passes {r['first_pass']}-{r['first_pass'] + r['passes'] - 1}"
+        )
         if stage is None:
-            why = ("it has fewer windows than its share of the epoch; lower its weight or --samples/--tokens, or add "
-                   "data" if r["samples"] > r["windows"] else "the epoch ends one pass over it and starts the next, "
-                   "and the two passes' orders differ; epochs that are whole passes (no --samples/--tokens/weights) "
-                   "never repeat")
+            why = (
+                "it has fewer windows than its share of the epoch; lower its weight or --samples/--tokens, or add data"
+                if r["samples"] > r["windows"]
+                else "the epoch ends one pass over it and starts the next, "
+                "and the two passes' orders differ; epochs that are whole passes (no --samples/--tokens/weights) "
+                "never repeat"
+            )
         else:
-            why = (f"the schedule's stages take more than its windows; in the schedule file lower its weight or "
-                   f"the size of stage {stage!r} (or of the stages before it), or add data")
+            why = (
+                f"the schedule's stages take more than its windows; in the schedule file lower its weight or "
+                f"the size of stage {stage!r} (or of the stages before it), or add data"
+            )
         where = f"epoch {epoch}" if stage is None else f"epoch {epoch} (stage {stage})"
         # the count and its total in one unit: samples (a window plan's), or document pieces (best-fit's,
         # whose passes are packed afresh, so only pieces repeat)
         unit, total = r.get("repeat_unit", "samples"), r.get("repeat_total", r["samples"])
-        what = (f"repeat a window ({r['windows']} windows, {span})" if unit == "samples" else
-                f"repeat a piece the epoch holds already ({r['samples']} samples, {span})")
-        lines.append(f"{where}: source {r['name']} ({r['path']}) is used more than once: {r['repeats']} of its "
-                     f"{total} {unit} {what}. HINT: {why}")
+        what = (
+            f"repeat a window ({r['windows']} windows, {span})"
+            if unit == "samples"
+            else f"repeat a piece the epoch holds already ({r['samples']} samples, {span})"
+        )
+        lines.append(
+            f"{where}: source {r['name']} ({r['path']}) is used more than once: {r['repeats']} of its "
+            f"{total} {unit} {what}. HINT: {why}"
+        )
     return lines
 
 

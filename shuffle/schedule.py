@@ -52,8 +52,18 @@ class Schedule:
     packing: str = packings.DEFAULT  # a registered packing's name (tokpack.shuffle.packings), for the whole run
 
     @classmethod
-    def of_flags(cls, paths, weights, *, seq_len: int, seed: int, samples=None, tokens=None,
-                 jitter=False, packing: str = packings.DEFAULT) -> "Schedule":
+    def of_flags(
+        cls,
+        paths,
+        weights,
+        *,
+        seq_len: int,
+        seed: int,
+        samples=None,
+        tokens=None,
+        jitter=False,
+        packing: str = packings.DEFAULT,
+    ) -> "Schedule":
         stage = Stage("", tuple(paths), tuple(weights), None, samples, tokens)
         return cls(int(seq_len), int(seed), (stage,), bool(jitter), packing=packing)
 
@@ -87,14 +97,25 @@ def epoch_numbers(epochs) -> list[int] | None:
 
 def same_source_twice(path, key: str, first) -> TokpackError:
     """The one line for a source given twice (`key`: what is the same, its path or its fingerprint)."""
-    return TokpackError("the same source is given twice", file=path, where="SOURCE", expected="each source once",
-                        found=f"the same {key} as {first}",
-                        hint="give each source once; to draw more from it, raise its weight")
+    return TokpackError(
+        "the same source is given twice",
+        file=path,
+        where="SOURCE",
+        expected="each source once",
+        found=f"the same {key} as {first}",
+        hint="give each source once; to draw more from it, raise its weight",
+    )
 
 
 def _fail(message: str, file, where: str, expected=None, found=None, hint=None):
-    raise TokpackError(message, file=file, where=where, expected=expected, found=found,
-                       hint=hint or "see docs/COMMANDS.md, \"Schedules\", for the file's shape")
+    raise TokpackError(
+        message,
+        file=file,
+        where=where,
+        expected=expected,
+        found=found,
+        hint=hint or 'see docs/COMMANDS.md, "Schedules", for the file\'s shape',
+    )
 
 
 def _field(where: str, key: str) -> str:
@@ -107,8 +128,13 @@ def _check_keys(obj, allowed: tuple[str, ...], file, where: str) -> None:
         _fail("schedule entry is not a mapping", file, where, "key: value pairs", type(obj).__name__)
     unknown = [k for k in obj if k not in allowed]
     if unknown:
-        _fail("unknown key in the schedule", file, _field(where, unknown[0]), f"one of {', '.join(allowed)}",
-              repr(unknown[0]))
+        _fail(
+            "unknown key in the schedule",
+            file,
+            _field(where, unknown[0]),
+            f"one of {', '.join(allowed)}",
+            repr(unknown[0]),
+        )
 
 
 def _int(obj: dict, key: str, file, where: str, minimum: int | None = None, required: bool = True):
@@ -118,8 +144,13 @@ def _int(obj: dict, key: str, file, where: str, minimum: int | None = None, requ
         return None
     value = obj[key]
     if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
-        _fail("schedule value is not a valid integer", file, _field(where, key),
-              "an integer" + ("" if minimum is None else f" >= {minimum}"), repr(value))
+        _fail(
+            "schedule value is not a valid integer",
+            file,
+            _field(where, key),
+            "an integer" + ("" if minimum is None else f" >= {minimum}"),
+            repr(value),
+        )
     return value
 
 
@@ -147,29 +178,53 @@ def read_schedule(path: str | Path) -> Schedule:
             keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
             twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
             if twice is not None:
-                _fail("schedule key given twice", path, f"line {node.start_mark.line + 1}", "each key once",
-                      repr(twice), hint="merge the two entries into one")
+                _fail(
+                    "schedule key given twice",
+                    path,
+                    f"line {node.start_mark.line + 1}",
+                    "each key once",
+                    repr(twice),
+                    hint="merge the two entries into one",
+                )
             return super().construct_mapping(node, deep=deep)
 
         def compose_node(self, parent, index):
             # An alias repeats a node without its text: a few lines can stand for gigabytes.
             if self.check_event(yaml.AliasEvent):
                 mark = self.peek_event().start_mark
-                _fail("schedule uses a YAML alias (*name)", path, f"line {mark.line + 1}", "plain values",
-                      "an alias", hint="write the value out where it is used; schedules take no anchors or aliases")
+                _fail(
+                    "schedule uses a YAML alias (*name)",
+                    path,
+                    f"line {mark.line + 1}",
+                    "plain values",
+                    "an alias",
+                    hint="write the value out where it is used; schedules take no anchors or aliases",
+                )
             return super().compose_node(parent, index)
 
     path = Path(path)
-    with open_read(path, ahead=False, user=True) as f:  # a user's file: the regular-file rule only (a FIFO never blocks)
+    with open_read(
+        path, ahead=False, user=True
+    ) as f:  # a user's file: the regular-file rule only (a FIFO never blocks)
         raw = f.read(MAX_SCHEDULE_BYTES + 1)
-    at_most(len(raw), MAX_SCHEDULE_BYTES, "schedule file size in bytes", file=path,
-            hint="a schedule is a short YAML file of stages; check that this is the right file")
+    at_most(
+        len(raw),
+        MAX_SCHEDULE_BYTES,
+        "schedule file size in bytes",
+        file=path,
+        hint="a schedule is a short YAML file of stages; check that this is the right file",
+    )
     try:
         doc = yaml.load(raw, Loader=UniqueKeys)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        _fail("schedule is not valid YAML", path, f"line {mark.line + 1}" if mark else "", "YAML",
-              getattr(e, "problem", None) or type(e).__name__)
+        _fail(
+            "schedule is not valid YAML",
+            path,
+            f"line {mark.line + 1}" if mark else "",
+            "YAML",
+            getattr(e, "problem", None) or type(e).__name__,
+        )
     except RecursionError:
         _fail("schedule is nested too deeply", path, "", "a few levels of stages and sources", "thousands")
     _check_keys(doc, SCHEDULE_KEYS, path, "")
@@ -193,8 +248,13 @@ def read_schedule(path: str | Path) -> Schedule:
         if not isinstance(name, str) or not name:
             _fail("stage has no name", path, f"{where}.name", "a non-empty name", repr(name))
         if name in names:
-            _fail("two stages have the same name", path, f"{where}.name", "a name no other stage has",
-                  f"{name!r}, the name of stages[{names[name]}]")
+            _fail(
+                "two stages have the same name",
+                path,
+                f"{where}.name",
+                "a name no other stage has",
+                f"{name!r}, the name of stages[{names[name]}]",
+            )
         names[name] = i
         sources = st.get("sources")
         if not sources:
@@ -209,8 +269,13 @@ def read_schedule(path: str | Path) -> Schedule:
                 raise same_source_twice(p, "path", paths[first])
         weights = [_weight(w, path, f"{where}.sources.{p}") for p, w in sources.items()]
         if ("tokens" in st) == ("epochs" in st):
-            _fail("stage needs exactly one of tokens and epochs", path, where, "tokens: 8T or epochs: 3",
-                  "both" if "tokens" in st else "neither")
+            _fail(
+                "stage needs exactly one of tokens and epochs",
+                path,
+                where,
+                "tokens: 8T or epochs: 3",
+                "both" if "tokens" in st else "neither",
+            )
         tokens = epochs = None
         if "tokens" in st:
             try:
@@ -218,28 +283,58 @@ def read_schedule(path: str | Path) -> Schedule:
             except TokpackError as e:
                 _fail(e.message, path, f"{where}.tokens", "a token count like 8T or 1.5B", repr(st["tokens"]))
             if tokens < seq_len:
-                _fail("stage is smaller than one sample", path, f"{where}.tokens", f">= seq_len ({seq_len}) tokens",
-                      tokens, hint="raise the stage's tokens or lower seq_len")
+                _fail(
+                    "stage is smaller than one sample",
+                    path,
+                    f"{where}.tokens",
+                    f">= seq_len ({seq_len}) tokens",
+                    tokens,
+                    hint="raise the stage's tokens or lower seq_len",
+                )
         else:
             epochs = _int(st, "epochs", path, where, 1)
         stages.append(Stage(name, tuple(paths), tuple(weights), 1 if tokens is not None else epochs, tokens=tokens))
-        at_most(sum(st.epochs for st in stages), MAX_EPOCHS, "schedule's epoch count", file=path,
-                where=f"{where}.epochs", hint=f"epochs are numbered 0 to {MAX_EPOCHS - 1} through all stages")
-    return Schedule(seq_len, seed, tuple(stages), jitter, shard_samples, str(path.resolve()),
-                    xxhash.xxh3_128_hexdigest(raw), packing)
+        at_most(
+            sum(st.epochs for st in stages),
+            MAX_EPOCHS,
+            "schedule's epoch count",
+            file=path,
+            where=f"{where}.epochs",
+            hint=f"epochs are numbered 0 to {MAX_EPOCHS - 1} through all stages",
+        )
+    return Schedule(
+        seq_len,
+        seed,
+        tuple(stages),
+        jitter,
+        shard_samples,
+        str(path.resolve()),
+        xxhash.xxh3_128_hexdigest(raw),
+        packing,
+    )
 
 
 class RunPlan:
     """A schedule against its opened sources (`sources`, in `Schedule.paths` order): what each
     epoch takes from each source, and where in the source's chain."""
 
-    def __init__(self, schedule: Schedule, sources: list[PackedSource], names: list[str],
-                 pad_id: int | None = None, group_tokens: int | None = None, memory: int = DEFAULT_PLAN_MEMORY,
-                 holdout: dict | None = None):
+    def __init__(
+        self,
+        schedule: Schedule,
+        sources: list[PackedSource],
+        names: list[str],
+        pad_id: int | None = None,
+        group_tokens: int | None = None,
+        memory: int = DEFAULT_PLAN_MEMORY,
+        holdout: dict | None = None,
+    ):
         self.schedule, self.sources, self.names = schedule, sources, names
         self.packing = packings.named(schedule.packing)
         # the plans' options (best-fit: its pad id; its held-out documents, tokpack.shuffle.holdout)
-        self.options = {**self.packing.options(pad_id, group_tokens), **({} if holdout is None else {"holdout": holdout})}
+        self.options = {
+            **self.packing.options(pad_id, group_tokens),
+            **({} if holdout is None else {"holdout": holdout}),
+        }
         self.memory = memory  # each plan's budget (shuffle's --memory)
         key = {Path(p).resolve(): u for u, p in enumerate(schedule.paths)}
         self.members = [[key[Path(p).resolve()] for p in st.paths] for st in schedule.stages]
@@ -252,9 +347,19 @@ class RunPlan:
 
     def _stage_plan(self, k: int, epoch: int) -> SamplePlan:
         st, sc, members = self.schedule.stages[k], self.schedule, self.members[k]
-        return self.packing.plan([self.sources[u] for u in members], seq_len=sc.seq_len, seed=sc.seed, epoch=epoch,
-                                 weights=list(st.weights), samples=st.samples, tokens=st.tokens, jitter=sc.jitter,
-                                 names=[self.names[u] for u in members], memory=self.memory, **self.options)
+        return self.packing.plan(
+            [self.sources[u] for u in members],
+            seq_len=sc.seq_len,
+            seed=sc.seed,
+            epoch=epoch,
+            weights=list(st.weights),
+            samples=st.samples,
+            tokens=st.tokens,
+            jitter=sc.jitter,
+            names=[self.names[u] for u in members],
+            memory=self.memory,
+            **self.options,
+        )
 
     def stage_of(self, epoch: int) -> tuple[int, int]:
         """(stage, the stage's first epoch) of an epoch of the schedule."""
@@ -263,9 +368,14 @@ class RunPlan:
             if st.epochs is None or epoch < first + st.epochs:
                 return k, first
             first += st.epochs
-        raise TokpackError("epoch is not in the schedule", file=self.schedule.file, where="--epoch/--epochs",
-                           expected=f"0..{first - 1} ({len(self.schedule.stages)} stages)", found=epoch,
-                           hint="the schedule's epochs are numbered through all its stages")
+        raise TokpackError(
+            "epoch is not in the schedule",
+            file=self.schedule.file,
+            where="--epoch/--epochs",
+            expected=f"0..{first - 1} ({len(self.schedule.stages)} stages)",
+            found=epoch,
+            hint="the schedule's epochs are numbered through all its stages",
+        )
 
     def stage_name(self, epoch: int) -> str | None:
         """The name of the stage an epoch belongs to; None for a run made with flags (one unnamed stage)."""
@@ -278,14 +388,25 @@ class RunPlan:
             return plan  # one mixture for the run: every chain is at epoch * c_s
         # Several stages: the epoch lists every source of the schedule (its position is its key),
         # and each source's chain starts where the epochs before this one left it.
-        cursors = [sum(self.counts[j][u] * self.schedule.stages[j].epochs for j in range(k))
-                   + (epoch - first) * self.counts[k][u] for u in range(len(self.sources))]
+        cursors = [
+            sum(self.counts[j][u] * self.schedule.stages[j].epochs for j in range(k))
+            + (epoch - first) * self.counts[k][u]
+            for u in range(len(self.sources))
+        ]
         weights = [None] * len(self.sources)
         for u, w in zip(self.members[k], self.schedule.stages[k].weights):
             weights[u] = w
-        return self.packing.chained(plan, members=self.members[k], sources=self.sources, names=self.names,
-                                    cursors=cursors, weights=weights, counts=self.counts[k], memory=self.memory,
-                                    **self.options)
+        return self.packing.chained(
+            plan,
+            members=self.members[k],
+            sources=self.sources,
+            names=self.names,
+            cursors=cursors,
+            weights=weights,
+            counts=self.counts[k],
+            memory=self.memory,
+            **self.options,
+        )
 
     def manifest_fields(self) -> dict:
         """What a run made from a schedule file records: per epoch its stage, sources (indices
@@ -295,8 +416,13 @@ class RunPlan:
         for k, st in enumerate(self.schedule.stages):
             counts = [self.counts[k][u] for u in self.members[k]]
             for _ in range(st.epochs):
-                entries.append({"stage": st.name, "sources": self.members[k], "weights": list(st.weights),
-                                "samples": counts})
+                entries.append(
+                    {"stage": st.name, "sources": self.members[k], "weights": list(st.weights), "samples": counts}
+                )
                 sizes.append(sum(counts))
-        return {"epoch_samples": sizes, "schedule": entries, "schedule_file": self.schedule.file,
-                "schedule_xxh3_128": self.schedule.file_hash}
+        return {
+            "epoch_samples": sizes,
+            "schedule": entries,
+            "schedule_file": self.schedule.file,
+            "schedule_xxh3_128": self.schedule.file_hash,
+        }

@@ -15,7 +15,7 @@ import contextlib
 @contextlib.contextmanager
 def app_sinks_kept():
     from loguru import logger
-    from loguru._logger import Logger
+    from loguru._logger import Logger  # noqa: PLC2701 (loguru has no public hook to wrap remove)
 
     # loguru has no public list of sink ids; its core's dict is the one source of truth.
     kept = set(logger._core.handlers)

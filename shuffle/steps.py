@@ -43,8 +43,19 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import (IO_BLOCK, Worker, drop_buffers, lent, map_file, open_append, progress, read_array, read_record,
-                                regular_size, write_bytes_atomic)
+from tokpack.formats.io import (
+    IO_BLOCK,
+    Worker,
+    drop_buffers,
+    lent,
+    map_file,
+    open_append,
+    progress,
+    read_array,
+    read_record,
+    regular_size,
+    write_bytes_atomic,
+)
 from tokpack.formats.manifest import dtype_from_name, shard_digits, shard_name
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace
 from tokpack.formats.shards import PackedSource, RowFragments
@@ -123,7 +134,7 @@ class ShardHashes:
         """`tokens`: contiguous stream tokens from token `start` (>= the last fed end)."""
         if start > self.pos:
             self._read_up_to(min(start, self.end))
-        data = tokens.reshape(-1)[max(0, self.pos - start):]
+        data = tokens.reshape(-1)[max(0, self.pos - start) :]
         while len(data) and self.k < self.k1:
             take = min(len(data), int(self.src.shard_starts[self.k + 1]) - self.pos)
             self.hash.update(memoryview(np.ascontiguousarray(data[:take])).cast("B"))
@@ -224,12 +235,20 @@ class EpochJob:
     def shard_done(self, i: int) -> dict | None:
         """The shard's manifest entry if it was committed and recorded and is still there."""
         entry = self.done_entry(i)
-        return entry if entry is not None and self.output.has(self.epoch_dir, entry, self.token_dtype.itemsize) else None
+        return (
+            entry if entry is not None and self.output.has(self.epoch_dir, entry, self.token_dtype.itemsize) else None
+        )
 
     def shard_place(self, i: int) -> ShardPlace:
         """Shard i's place in the epoch, as its Output is given it."""
-        return ShardPlace(self.epoch_dir, self.shard_file(i), i, epoch=self.plan.epoch, samples=self.shard_range(i),
-                          record=str(self.done_path(i)))
+        return ShardPlace(
+            self.epoch_dir,
+            self.shard_file(i),
+            i,
+            epoch=self.plan.epoch,
+            samples=self.shard_range(i),
+            record=str(self.done_path(i)),
+        )
 
     def write_shard(self, i: int, blocks, pad: np.ndarray | None = None) -> dict:
         """Writes shard i from `blocks` (an iterator, in output order, of np.void row arrays, or
@@ -253,8 +272,9 @@ class EpochJob:
                         index.submit(writer.write_index, rows)
                     disk.submit(writer.write_tokens, rows)
             if writer.samples != g1 - g0:
-                raise TokpackError("internal error: shard row count", where=f"shard {i}",
-                                   expected=g1 - g0, found=writer.samples)
+                raise TokpackError(
+                    "internal error: shard row count", where=f"shard {i}", expected=g1 - g0, found=writer.samples
+                )
             if pad is not None:
                 writer.write_pad(pad)
             return writer.close()  # its files, then the record (to a bucket: sent in that order)
@@ -319,9 +339,15 @@ class InMemoryStep(_Step):
         # Each shard's checksum is computed over the mapped bytes in a thread of its own (xxh3
         # outruns the disk and releases the GIL: BENCHMARKS.md, "Figures cited by the code"), and
         # checked before anything is written.
-        with progress(sum(sp.windows for sp in plan.sources if sp.samples) * job.row_bytes,
-                      f"epoch {plan.epoch}: read", enabled=job.show_progress) as read_bar, Worker() as helper, \
-                Worker() as hasher:
+        with (
+            progress(
+                sum(sp.windows for sp in plan.sources if sp.samples) * job.row_bytes,
+                f"epoch {plan.epoch}: read",
+                enabled=job.show_progress,
+            ) as read_bar,
+            Worker() as helper,
+            Worker() as hasher,
+        ):
             hashed = []
             for s, sp in enumerate(plan.sources):
                 if sp.samples:
@@ -359,8 +385,13 @@ class InMemoryStep(_Step):
                         yield store.gather(chunk, ring[c % len(ring)], tmp), facts, chunk
                         c += 1
 
-            with progress(len(todo), f"epoch {plan.epoch}: write", unit="shard", enabled=job.show_progress,
-                          unit_bytes=job.shard_samples * job.row_bytes) as write_bar:
+            with progress(
+                len(todo),
+                f"epoch {plan.epoch}: write",
+                unit="shard",
+                enabled=job.show_progress,
+                unit_bytes=job.shard_samples * job.row_bytes,
+            ) as write_bar:
                 for i in todo:
                     job.write_shard(i, blocks(i))
                     write_bar.update(1)
@@ -432,7 +463,9 @@ class Layout:
     def max_bucket(self) -> int:
         return int(np.diff(self.bucket_starts).max())
 
-    def input_segments(self, plan: EpochPlan, sources: list[PackedSource], t: int) -> list[tuple[int, int, int, int, int]]:
+    def input_segments(
+        self, plan: EpochPlan, sources: list[PackedSource], t: int
+    ) -> list[tuple[int, int, int, int, int]]:
         """Task t's input: (source, first window, end window, first shard, end shard) per run of
         whole shards. A task takes the windows that start in its shards, so each shard is read
         in full, and verified, by exactly one task."""
@@ -456,15 +489,17 @@ class Layout:
     def recorded(self, t: int, buckets: range) -> np.ndarray:
         """Task t's records of `buckets` only: an order task reads its own buckets' records, a
         few bytes each, not the whole table (which grows with the bucket count)."""
-        table = read_array(self.task_records(t), "<u8", 3 * len(buckets), RECORD_BYTES * buckets.start,
-                           folder=self.dir)
+        table = read_array(self.task_records(t), "<u8", 3 * len(buckets), RECORD_BYTES * buckets.start, folder=self.dir)
         if len(table) != 3 * len(buckets):  # written whole and atomically: only damage cuts it short
             self.task_done(t).unlink(missing_ok=True)
-            raise TokpackError("scatter task's records are cut short", file=self.task_records(t),
-                               where=f"buckets {buckets.start}..{buckets.stop - 1}",
-                               expected=f"{RECORD_BYTES * buckets.stop} bytes at least",
-                               found=f"{os.path.getsize(self.task_records(t))} bytes",
-                               hint="rerun the same command: the scatter task that wrote it runs again")
+            raise TokpackError(
+                "scatter task's records are cut short",
+                file=self.task_records(t),
+                where=f"buckets {buckets.start}..{buckets.stop - 1}",
+                expected=f"{RECORD_BYTES * buckets.stop} bytes at least",
+                found=f"{os.path.getsize(self.task_records(t))} bytes",
+                hint="rerun the same command: the scatter task that wrote it runs again",
+            )
         return table.reshape(-1, 3)
 
     def bucket_file(self, t: int, b: int, ext: str) -> Path:
@@ -520,8 +555,14 @@ def make_layout(job: EpochJob, budget: int, tasks: int) -> Layout:
     block_rows = max(1, min(wanted, budget // (4 * rb + SCATTER_ROW_OVERHEAD)))
     task_shards = split_shards(job.plan, job.open_sources(), tasks)
     key = xxhash.xxh3_64_hexdigest(f"{len(task_shards)}|{block_rows}|{task_shards}|".encode() + bucket_starts.tobytes())
-    return Layout(len(task_shards), bucket_starts, np.array(firsts, dtype=np.int64), block_rows,
-                  str(Path(job.work_dir) / f"ooc-{key}"), task_shards)
+    return Layout(
+        len(task_shards),
+        bucket_starts,
+        np.array(firsts, dtype=np.int64),
+        block_rows,
+        str(Path(job.work_dir) / f"ooc-{key}"),
+        task_shards,
+    )
 
 
 def split_shards(plan: EpochPlan, sources: list[PackedSource], tasks: int) -> list[list[tuple[int, int, int]]]:
@@ -582,8 +623,10 @@ class ScatterStep(_Step):
             # checked by the order pass: a file a crash cut short or garbled is caught without an
             # fsync of every bucket file (which the done JSON, fsync'd, would otherwise have to wait for).
             hashes: dict[int, tuple] = {}
-            scatter_bar = self.bar(sum(int(src.tokens) * src.dtype.itemsize for s, src in enumerate(sources)
-                                       if plan.sources[s].samples), f"epoch {plan.epoch}: scatter")
+            scatter_bar = self.bar(
+                sum(int(src.tokens) * src.dtype.itemsize for s, src in enumerate(sources) if plan.sources[s].samples),
+                f"epoch {plan.epoch}: scatter",
+            )
 
             def append(out: np.ndarray, g: np.ndarray, runs: list[tuple[int, int, int]]) -> None:
                 for b, x, y in runs:
@@ -594,7 +637,9 @@ class ScatterStep(_Step):
                                 fp.close()
                             files.clear()
                         lay.bucket_file(t, b, "rows").parent.mkdir(exist_ok=True)
-                        files[b] = tuple(open_append(lay.bucket_file(t, b, ext), folder=lay.dir) for ext in ("rows", "pos"))
+                        files[b] = tuple(
+                            open_append(lay.bucket_file(t, b, ext), folder=lay.dir) for ext in ("rows", "pos")
+                        )
                         hashes.setdefault(b, (xxhash.xxh3_64(), xxhash.xxh3_64()))
                     rows_bytes, pos_bytes = memoryview(out[x:y]).cast("B"), g[x:y].astype("<i8").tobytes()
                     files[b][0].write(rows_bytes)
@@ -607,8 +652,9 @@ class ScatterStep(_Step):
                 with Worker(len(outbufs) - 1) as disk:  # the append of one buffer overlaps the fill of the other
                     for s, w0, w1, k0, k1 in segments:
                         shards = ShardHashes(getattr(sources[s], "raw", sources[s]), k0, k1, job.source_changed)
-                        for a, block in iter_source_windows(plan, s, sources[s], w0=w0, w1=w1, bufs=inbufs,
-                                                            on_read=shards.feed):
+                        for a, block in iter_source_windows(
+                            plan, s, sources[s], w0=w0, w1=w1, bufs=inbufs, on_read=shards.feed
+                        ):
                             scatter_bar.update(block.nbytes)
                             rows = block.reshape(-1).view(job.row_void)
                             windows = np.arange(a, a + len(rows), dtype=np.int64)
@@ -621,7 +667,9 @@ class ScatterStep(_Step):
                                 np.take(rows, sel[order], out=out[:m], mode="clip")
                                 g, bucket = g[order], bucket[order]
                                 cuts = np.flatnonzero(np.diff(bucket)) + 1
-                                runs = [(int(bucket[x]), x, y) for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), m])]
+                                runs = [
+                                    (int(bucket[x]), x, y) for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), m])
+                                ]
                                 for b, x, y in runs:
                                     counts[b] = counts.get(b, 0) + (y - x)
                                 disk.submit(append, out, g, runs)
@@ -654,7 +702,7 @@ class OrderStep(_Step):
         if job.shard_done(i) is None:
             drop_buffers("scatter")
             buckets = self._buckets(i)
-            cap = max(int(np.diff(lay.bucket_starts[buckets.start: buckets.stop + 1]).max()), 1)
+            cap = max(int(np.diff(lay.bucket_starts[buckets.start : buckets.stop + 1]).max()), 1)
             ramp = np.arange(cap, dtype=np.int64)
             with lent("inverse", cap * 8) as (inv,), job.chunk_ring(self.budget) as (ring, tmp):
                 job.write_shard(i, self._blocks(i, inv.view(np.int64), ramp, ring, tmp))
@@ -687,19 +735,32 @@ class OrderStep(_Step):
                     del rows, pos  # the maps must go with `parts` below, before the next bucket is mapped
             store = RowStore(parts)
             if len(store) != n:
-                raise TokpackError("scatter files do not cover their bucket", file=lay.dir, where=f"bucket {b}",
-                                   expected=f"{n} rows", found=f"{len(store)} rows",
-                                   hint="delete OUT/.tokpack-work and rerun")
+                raise TokpackError(
+                    "scatter files do not cover their bucket",
+                    file=lay.dir,
+                    where=f"bucket {b}",
+                    expected=f"{n} rows",
+                    found=f"{len(store)} rows",
+                    hint="delete OUT/.tokpack-work and rerun",
+                )
             inv[:n] = -1
             for pos, first in zip(positions, store.starts.tolist()):
                 local = pos - start
                 if len(local) and (local.min() < 0 or local.max() >= n):
-                    raise TokpackError("scatter file holds a row of another bucket", file=lay.dir, where=f"bucket {b}",
-                                       hint="delete OUT/.tokpack-work and rerun")
-                inv[local] = ramp[first: first + len(local)]
+                    raise TokpackError(
+                        "scatter file holds a row of another bucket",
+                        file=lay.dir,
+                        where=f"bucket {b}",
+                        hint="delete OUT/.tokpack-work and rerun",
+                    )
+                inv[local] = ramp[first : first + len(local)]
             if n and inv[:n].min() < 0:
-                raise TokpackError("scatter files hold a position twice", file=lay.dir, where=f"bucket {b}",
-                                   hint="delete OUT/.tokpack-work and rerun")
+                raise TokpackError(
+                    "scatter files hold a position twice",
+                    file=lay.dir,
+                    where=f"bucket {b}",
+                    hint="delete OUT/.tokpack-work and rerun",
+                )
             for a in range(0, n, len(tmp)):
                 c = min(n, a + len(tmp))
                 yield store.gather(inv[a:c], ring[count % len(ring)], tmp)
@@ -718,12 +779,22 @@ class OrderStep(_Step):
         """One bucket file of scatter task t hashed to `found`; its task recorded `want`."""
         if found != int(want):
             self.layout.task_done(t).unlink(missing_ok=True)
-            raise TokpackError("scatter bucket file does not match the checksum its task recorded", file=path,
-                               where="xxh3_64", expected=f"{int(want):016x}", found=f"{found:016x}",
-                               hint="rerun the same command: the scatter task that wrote it runs again")
+            raise TokpackError(
+                "scatter bucket file does not match the checksum its task recorded",
+                file=path,
+                where="xxh3_64",
+                expected=f"{int(want):016x}",
+                found=f"{found:016x}",
+                hint="rerun the same command: the scatter task that wrote it runs again",
+            )
 
 
 def source_changed_error(record: dict) -> TokpackError:
-    return TokpackError("source shard changed since it was packed; no epoch written", file=record["shard"],
-                        where="xxh3_128", expected=record["expected"], found=record["found"],
-                        hint="re-pack the source, or restore the file it was packed as")
+    return TokpackError(
+        "source shard changed since it was packed; no epoch written",
+        file=record["shard"],
+        where="xxh3_128",
+        expected=record["expected"],
+        found=record["found"],
+        hint="re-pack the source, or restore the file it was packed as",
+    )

@@ -51,10 +51,7 @@ WORDS = (
 def generate_texts(n: int, seed: int = 0, min_words: int = 5, max_words: int = 400) -> list[str]:
     """Deterministic English-like documents of varied length."""
     rng = random.Random(seed)
-    return [
-        " ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) + "."
-        for _ in range(n)
-    ]
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) + "." for _ in range(n)]
 
 
 @pytest.fixture(scope="session")
@@ -73,8 +70,9 @@ def tokenizer_path(tmp_path_factory) -> Path:
     return path
 
 
-def random_docs(rng: np.random.Generator, n: int, vocab_size: int, eos_id: int,
-                min_len: int = 1, max_len: int = 300) -> list[np.ndarray]:
+def random_docs(
+    rng: np.random.Generator, n: int, vocab_size: int, eos_id: int, min_len: int = 1, max_len: int = 300
+) -> list[np.ndarray]:
     """Documents of random ids, each ending with EOS and holding no other EOS."""
     docs = []
     for _ in range(n):
@@ -84,8 +82,14 @@ def random_docs(rng: np.random.Generator, n: int, vocab_size: int, eos_id: int,
     return docs
 
 
-def write_source(path: str | Path, docs: list[np.ndarray], vocab_size: int = 1000, eos_id: int = 0,
-                 docs_per_shard: int = 50, tokenizer: str = "test-tokenizer") -> Path:
+def write_source(
+    path: str | Path,
+    docs: list[np.ndarray],
+    vocab_size: int = 1000,
+    eos_id: int = 0,
+    docs_per_shard: int = 50,
+    tokenizer: str = "test-tokenizer",
+) -> Path:
     """A packed source written with the project's shard writer, bypassing `pack`."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -126,8 +130,12 @@ def start_s3_server(**env) -> tuple:
 
     require("moto.server", "pip install 'moto[server]'")
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **env},
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:

@@ -34,12 +34,20 @@ def world(tmp_path_factory) -> dict[str, Path]:
     rng = np.random.default_rng(8)
     src = write_source(root / "src", random_docs(rng, 120, 1000, 0), docs_per_shard=40)
     other_src = write_source(root / "other-src", random_docs(rng, 120, 1000, 0), docs_per_shard=40)
-    kw = dict(seq_len=63, epochs=[0], samples=None, tokens=None, shard_samples=12, memory=8 << 20, jitter=False, log=None)
+    kw = dict(
+        seq_len=63, epochs=[0], samples=None, tokens=None, shard_samples=12, memory=8 << 20, jitter=False, log=None
+    )
     shuffle_run([str(src)], str(root / "run"), seed=0, **kw)
     shuffle_run([str(src)], str(root / "other-run"), seed=1, **kw)
     stage_slice(str(root / "run"), root / "slice", ranks="1-2", world_size=4, micro_batch=3)
-    return {"src": src, "other_src": other_src, "run": root / "run", "other_run": root / "other-run",
-            "epoch": root / "run" / epoch_dir_name(0), "slice": root / "slice"}
+    return {
+        "src": src,
+        "other_src": other_src,
+        "run": root / "run",
+        "other_run": root / "other-run",
+        "epoch": root / "run" / epoch_dir_name(0),
+        "slice": root / "slice",
+    }
 
 
 def test_a_slice_against_its_run_passes(world):

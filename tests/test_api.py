@@ -74,8 +74,23 @@ def test_weights_as_numbers_mapping_and_cli_text_give_one_run(sources, tmp_path)
     kw = dict(seq_len=31, seed=4, epochs=2, samples=150, shard_samples=40)
     by_mapping = shuffle({a: 3, b: 1}, tmp_path / "mapping", **kw)
     by_pairs = shuffle([(str(a), "3"), (str(b), 1)], tmp_path / "pairs", **kw)
-    cli = cli_json("shuffle", f"{a}=3", f"{b}=1", "-o", tmp_path / "cli", "--seq-len", 31, "--seed", 4,
-                   "--epochs", 2, "--samples", 150, "--shard-samples", 40)
+    cli = cli_json(
+        "shuffle",
+        f"{a}=3",
+        f"{b}=1",
+        "-o",
+        tmp_path / "cli",
+        "--seq-len",
+        31,
+        "--seed",
+        4,
+        "--epochs",
+        2,
+        "--samples",
+        150,
+        "--shard-samples",
+        40,
+    )
     assert tree(tmp_path / "mapping") == tree(tmp_path / "pairs") == tree(tmp_path / "cli")
     assert [s["weight"] for s in by_mapping.epochs_detail[0]["sources"]] == ["3", "1"]
     for result, out in ((by_mapping, "mapping"), (by_pairs, "pairs")):
@@ -108,8 +123,13 @@ def test_results_are_dataclasses_with_the_cli_json(sources, tmp_path):
     checked = validate([tmp_path / "run"], against=[a, b])
     info = inspect(tmp_path / "run", batch_size=4, batches=3)
     staged = stage(tmp_path / "run", tmp_path / "copy", epochs="0", ranks="1/2")
-    for result, kind in ((packed, PackResult), (run, ShuffleResult), (checked, ValidateResult),
-                         (info, InspectResult), (staged, StageResult)):
+    for result, kind in (
+        (packed, PackResult),
+        (run, ShuffleResult),
+        (checked, ValidateResult),
+        (info, InspectResult),
+        (staged, StageResult),
+    ):
         assert isinstance(result, kind) and dataclasses.is_dataclass(result)
         assert "lines" not in result.to_json()
         json.dumps(result.to_json())  # plain data only
@@ -122,12 +142,43 @@ def test_results_are_dataclasses_with_the_cli_json(sources, tmp_path):
     assert set(restaged) == set(staged.to_json()) and restaged["files"] == staged.files
 
 
-PACK_KEYS = ["ok", "output", "status", "format", "inputs", "tokens", "documents", "shards", "bytes", "input_bytes", "seconds",
-             "mb_per_s", "dtype", "vocab_size", "eos_id", "eos_appended", "empty_documents_dropped", "fingerprint",
-             "warnings"]
+PACK_KEYS = [
+    "ok",
+    "output",
+    "status",
+    "format",
+    "inputs",
+    "tokens",
+    "documents",
+    "shards",
+    "bytes",
+    "input_bytes",
+    "seconds",
+    "mb_per_s",
+    "dtype",
+    "vocab_size",
+    "eos_id",
+    "eos_appended",
+    "empty_documents_dropped",
+    "fingerprint",
+    "warnings",
+]
 LINK_KEYS = ["linked_files", "linked_bytes", "reflinked_bytes", "copied_bytes", "link_notes"]  # with --link only
-STAGE_KEYS = ["ok", "kind", "source", "dest", "epochs", "files", "copied_files", "skipped_files", "bytes_copied",
-              "bytes_verified_in_place", "seconds", "mib_per_s", "partial"]
+STAGE_KEYS = [
+    "ok",
+    "kind",
+    "source",
+    "dest",
+    "epochs",
+    "files",
+    "copied_files",
+    "skipped_files",
+    "bytes_copied",
+    "bytes_verified_in_place",
+    "seconds",
+    "mib_per_s",
+    "partial",
+]
 RANKS_KEYS = ["ranks", "world_size", "micro_batch", "shards_skipped", "shards_total"]
 
 
@@ -151,7 +202,10 @@ def test_cli_json_keys_are_the_result_fields_in_order(sources, tmp_path):
         cli_stage = cli_json("stage", tmp_path / "run", tmp_path / f"cli{len(extra)}", *extra)
         assert list(cli_stage) == list(staged.to_json()) == keys
 
-    for args, kw in (((), {}), (("--epoch", 1, "--batch-size", 4, "--batches", 2), dict(epoch=1, batch_size=4, batches=2))):
+    for args, kw in (
+        ((), {}),
+        (("--epoch", 1, "--batch-size", 4, "--batches", 2), dict(epoch=1, batch_size=4, batches=2)),
+    ):
         info = inspect(tmp_path / "run", **kw)
         cli_inspect = cli_json("inspect", tmp_path / "run", *args)
         shown = ["ok"] + [f.name for f in dataclasses.fields(InspectResult) if getattr(info, f.name) is not None]
@@ -168,7 +222,7 @@ def test_urls_are_staged_from_python(tmp_path):
     try:
         packed = pack("memory://api-test/in", "memory://api-test/src", eos_id=EOS, vocab_size=VOCAB)
         run = shuffle("memory://api-test/src", "memory://api-test/run", seq_len=31, seed=1, epochs=1)
-        got = {f[len("/api-test/run/"):]: fs.cat(f) for f in fs.find("/api-test/run")}
+        got = {f[len("/api-test/run/") :]: fs.cat(f) for f in fs.find("/api-test/run")}
     finally:
         fs.rm("/api-test", recursive=True)
     pack([corpus], tmp_path / "src", eos_id=EOS, vocab_size=VOCAB)
@@ -180,8 +234,10 @@ def test_urls_are_staged_from_python(tmp_path):
 
 def test_import_packer_is_light():
     """`import packer` gives the API without importing datatrove, torch or ray."""
-    code = ("import sys, packer; from packer import pack, shuffle, validate, stage, inspect, ExecutorConfig; "
-            "print(sorted(m for m in ('datatrove', 'torch', 'ray', 'numpy') if m in sys.modules))")
+    code = (
+        "import sys, packer; from packer import pack, shuffle, validate, stage, inspect, ExecutorConfig; "
+        "print(sorted(m for m in ('datatrove', 'torch', 'ray', 'numpy') if m in sys.modules))"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]"
 
@@ -198,5 +254,10 @@ def test_api_names_survive_importing_the_modules():
     assert {"packing", "staging", "inspection"} <= set(modules) and not set(modules) & set(tokpack.packer.__all__)
     for name in modules:
         importlib.import_module(f"tokpack.packer.{name}")
-    assert (tokpack.packer.pack, tokpack.packer.shuffle, tokpack.packer.validate, tokpack.packer.stage, tokpack.packer.inspect) == (
-        pack, shuffle, validate, stage, inspect)
+    assert (
+        tokpack.packer.pack,
+        tokpack.packer.shuffle,
+        tokpack.packer.validate,
+        tokpack.packer.stage,
+        tokpack.packer.inspect,
+    ) == (pack, shuffle, validate, stage, inspect)

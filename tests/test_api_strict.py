@@ -27,8 +27,9 @@ SEQ, N = 15, 48
 def run(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("strict")
     src = write_source(base / "src", random_docs(np.random.default_rng(3), 120, 1000, 0))
-    shuffle_run([str(src)], str(base / "run"), seq_len=SEQ, seed=1, epochs=[0, 1], samples=N, shard_samples=8,
-                memory=8 << 20)
+    shuffle_run(
+        [str(src)], str(base / "run"), seq_len=SEQ, seed=1, epochs=[0, 1], samples=N, shard_samples=8, memory=8 << 20
+    )
     return base / "run"
 
 
@@ -60,11 +61,13 @@ def test_whole_takes_numpy_ints_and_checks_the_range():
 def test_units_as_the_cli_parses_them():
     assert arguments.tokens("3M", "tokens") == 3_000_000 and arguments.size("64MiB", "memory") == 64 << 20
     assert arguments.size("4G", "memory") == 4 << 30 and arguments.tokens(7, "tokens") == 7
-    for parse, value, words in [(arguments.tokens, "1GB", ("[tokens]", "byte size")),
-                                (arguments.size, "64Mi", ("[memory]", "not a byte size")),
-                                (arguments.tokens, 2.5, ("[tokens]", "must be an integer or text")),
-                                (arguments.size, True, ("[memory]", "must be an integer or text")),
-                                (arguments.tokens, "1.5", ("[tokens]", "whole number"))]:
+    for parse, value, words in [
+        (arguments.tokens, "1GB", ("[tokens]", "byte size")),
+        (arguments.size, "64Mi", ("[memory]", "not a byte size")),
+        (arguments.tokens, 2.5, ("[tokens]", "must be an integer or text")),
+        (arguments.size, True, ("[memory]", "must be an integer or text")),
+        (arguments.tokens, "1.5", ("[tokens]", "whole number")),
+    ]:
         with pytest.raises(TokpackError) as e:
             parse(value, value and ("tokens" if parse is arguments.tokens else "memory"))
         one_line(e, *words)
@@ -73,35 +76,38 @@ def test_units_as_the_cli_parses_them():
 # ------------------------------------------------------------------ packer/api.py
 
 
-@pytest.mark.parametrize("call, words", [
-    (lambda: api.shuffle("s", "o", seq_len=0), ("[seq_len]", "out of range")),
-    (lambda: api.shuffle("s", "o", seq_len=3.5), ("[seq_len]", "must be an integer")),
-    (lambda: api.shuffle("s", "o", samples="5"), ("[samples]", "must be an integer", "'5'")),
-    (lambda: api.shuffle("s", "o", epochs=0), ("[epochs]", "out of range")),
-    (lambda: api.shuffle("s", "o", epochs=[0, 1.0]), ("[epochs[1]]", "must be an integer")),
-    (lambda: api.shuffle("s", "o", memory="lots"), ("[memory]", "not a byte size")),
-    (lambda: api.shuffle("s", "o", tokens="3MiB"), ("[tokens]", "byte size")),
-    (lambda: api.shuffle("s", "o", jitter=1), ("[jitter]", "True or False")),
-    (lambda: api.shuffle("s", "o", pad_id=-1), ("[pad_id]", "out of range")),
-    (lambda: api.pack("i", "o", shard_tokens="1GB"), ("[shard_tokens]", "byte size")),
-    (lambda: api.pack("i", "o", eos_id=2.0), ("[eos_id]", "must be an integer")),
-    (lambda: api.pack("i", "o", executor=api.ExecutorConfig(workers=0)), ("[executor.workers]", "out of range")),
-    (lambda: api.validate("d", workers=0), ("[workers]", "out of range")),
-    (lambda: api.validate("d", quick="yes"), ("[quick]", "True or False")),
-    # found by tests/test_fuzz.py (test_api_arguments_and_loader_states): a TypeError from deep inside
-    (lambda: api.validate("d", against=0), ("[against]", "a path or a sequence of paths", "found 0")),
-    (lambda: api.validate(3), ("[dirs]", "a path or a sequence of paths")),
-    (lambda: api.validate("d", against=["e", 1]), ("[against]", "['e', 1]")),
-    (lambda: api.stage("d", "e", micro_batch=0), ("[micro_batch]", "out of range")),
-    (lambda: api.stage("d", "e", world_size=0), ("[world_size]", "out of range")),
-    (lambda: api.stage("d", "e", start_sample=3.5), ("[start_sample]", "must be an integer")),
-    (lambda: api.inspect("d", batches=True), ("[batches]", "must be an integer")),
-    (lambda: api.inspect("d", memory="1Q"), ("[memory]", "not a byte size")),
-    (lambda: api.plan("stage", "d", "e", world_size=0), ("[world_size]", "out of range")),
-    (lambda: api.plan("shuffle", "s", "o", memory="64Mi"), ("[memory]", "not a byte size")),
-    (lambda: api.plan("shuffle", "s", "o", disk_mbps=0), ("[disk_mbps]", "number > 0")),
-    (lambda: api.plan(3), ("[command]", "no such command")),
-])
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: api.shuffle("s", "o", seq_len=0), ("[seq_len]", "out of range")),
+        (lambda: api.shuffle("s", "o", seq_len=3.5), ("[seq_len]", "must be an integer")),
+        (lambda: api.shuffle("s", "o", samples="5"), ("[samples]", "must be an integer", "'5'")),
+        (lambda: api.shuffle("s", "o", epochs=0), ("[epochs]", "out of range")),
+        (lambda: api.shuffle("s", "o", epochs=[0, 1.0]), ("[epochs[1]]", "must be an integer")),
+        (lambda: api.shuffle("s", "o", memory="lots"), ("[memory]", "not a byte size")),
+        (lambda: api.shuffle("s", "o", tokens="3MiB"), ("[tokens]", "byte size")),
+        (lambda: api.shuffle("s", "o", jitter=1), ("[jitter]", "True or False")),
+        (lambda: api.shuffle("s", "o", pad_id=-1), ("[pad_id]", "out of range")),
+        (lambda: api.pack("i", "o", shard_tokens="1GB"), ("[shard_tokens]", "byte size")),
+        (lambda: api.pack("i", "o", eos_id=2.0), ("[eos_id]", "must be an integer")),
+        (lambda: api.pack("i", "o", executor=api.ExecutorConfig(workers=0)), ("[executor.workers]", "out of range")),
+        (lambda: api.validate("d", workers=0), ("[workers]", "out of range")),
+        (lambda: api.validate("d", quick="yes"), ("[quick]", "True or False")),
+        # found by tests/test_fuzz.py (test_api_arguments_and_loader_states): a TypeError from deep inside
+        (lambda: api.validate("d", against=0), ("[against]", "a path or a sequence of paths", "found 0")),
+        (lambda: api.validate(3), ("[dirs]", "a path or a sequence of paths")),
+        (lambda: api.validate("d", against=["e", 1]), ("[against]", "['e', 1]")),
+        (lambda: api.stage("d", "e", micro_batch=0), ("[micro_batch]", "out of range")),
+        (lambda: api.stage("d", "e", world_size=0), ("[world_size]", "out of range")),
+        (lambda: api.stage("d", "e", start_sample=3.5), ("[start_sample]", "must be an integer")),
+        (lambda: api.inspect("d", batches=True), ("[batches]", "must be an integer")),
+        (lambda: api.inspect("d", memory="1Q"), ("[memory]", "not a byte size")),
+        (lambda: api.plan("stage", "d", "e", world_size=0), ("[world_size]", "out of range")),
+        (lambda: api.plan("shuffle", "s", "o", memory="64Mi"), ("[memory]", "not a byte size")),
+        (lambda: api.plan("shuffle", "s", "o", disk_mbps=0), ("[disk_mbps]", "number > 0")),
+        (lambda: api.plan(3), ("[command]", "no such command")),
+    ],
+)
 def test_api_refuses_bad_arguments_before_touching_a_path(call, words):
     with pytest.raises(TokpackError) as e:
         call()
@@ -121,17 +127,19 @@ def test_api_takes_unit_strings_as_the_cli_does(run, tmp_path):
 
 def test_reader_arguments(run):
     r = SampleReader.open(run)
-    for call, words in [(lambda: r.start_from(start_sample=3.5), ("[start_sample]", "must be an integer")),
-                        (lambda: r.start_from(start_sample="5"), ("[start_sample]", "'5'")),
-                        (lambda: r.start_from(consumed_tokens="1GB"), ("[consumed_tokens]", "byte size")),
-                        (lambda: r.batches(0, 0, 1), ("[world_size]", "out of range")),
-                        (lambda: r.batches(0, 1, 0), ("[micro_batch]", "out of range")),
-                        (lambda: r.batches(2, 2, 1), ("[rank]", "expected 0..1")),
-                        (lambda: r.batches(0, 1, 1, positions="bos"), ("[positions]", "'bos'")),
-                        (lambda: r.batches(0, 1, 1, worker=1, num_workers=2, first_step=2), ("[first_step]",)),
-                        (lambda: r.position(0, 1.5), ("[sample]", "must be an integer")),
-                        (lambda: r.read(2 * N, 1), ("rows outside the chained stream",)),
-                        (lambda: SampleReader.open(run, verify="no"), ("[verify]",))]:
+    for call, words in [
+        (lambda: r.start_from(start_sample=3.5), ("[start_sample]", "must be an integer")),
+        (lambda: r.start_from(start_sample="5"), ("[start_sample]", "'5'")),
+        (lambda: r.start_from(consumed_tokens="1GB"), ("[consumed_tokens]", "byte size")),
+        (lambda: r.batches(0, 0, 1), ("[world_size]", "out of range")),
+        (lambda: r.batches(0, 1, 0), ("[micro_batch]", "out of range")),
+        (lambda: r.batches(2, 2, 1), ("[rank]", "expected 0..1")),
+        (lambda: r.batches(0, 1, 1, positions="bos"), ("[positions]", "'bos'")),
+        (lambda: r.batches(0, 1, 1, worker=1, num_workers=2, first_step=2), ("[first_step]",)),
+        (lambda: r.position(0, 1.5), ("[sample]", "must be an integer")),
+        (lambda: r.read(2 * N, 1), ("rows outside the chained stream",)),
+        (lambda: SampleReader.open(run, verify="no"), ("[verify]",)),
+    ]:
         with pytest.raises(TokpackError) as e:
             call()
         one_line(e, *words)
@@ -143,40 +151,52 @@ def test_reader_arguments(run):
 # ------------------------------------------------------------------ TokpackDataset
 
 
-@pytest.mark.parametrize("kw, words", [
-    ({"micro_batch": 0}, ("[micro_batch]", "out of range")),
-    ({"world_size": 0}, ("[world_size]", "out of range")),
-    ({"rank": 1, "world_size": 1}, ("[rank]", "expected 0..0")),
-    ({"start_sample": 3.5}, ("[start_sample]", "must be an integer")),
-    ({"start_sample": "5"}, ("[start_sample]", "'5'")),
-    ({"start_sample": True}, ("[start_sample]",)),
-    ({"consumed_tokens": 2.5}, ("[consumed_tokens]",)),
-    ({"positions": "bos"}, ("[positions]",)),
-    ({"verify": 1}, ("[verify]",)),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"micro_batch": 0}, ("[micro_batch]", "out of range")),
+        ({"world_size": 0}, ("[world_size]", "out of range")),
+        ({"rank": 1, "world_size": 1}, ("[rank]", "expected 0..0")),
+        ({"start_sample": 3.5}, ("[start_sample]", "must be an integer")),
+        ({"start_sample": "5"}, ("[start_sample]", "'5'")),
+        ({"start_sample": True}, ("[start_sample]",)),
+        ({"consumed_tokens": 2.5}, ("[consumed_tokens]",)),
+        ({"positions": "bos"}, ("[positions]",)),
+        ({"verify": 1}, ("[verify]",)),
+    ],
+)
 def test_dataset_arguments(run, kw, words):
     with pytest.raises(TokpackError) as e:
         TokpackDataset(run, **kw)
     one_line(e, *words)
 
 
-@pytest.mark.parametrize("state, words", [
-    ([], ("not a TokpackDataset state",)),
-    ({}, ("lacks a field", "[consumed_samples]")),
-    ({"epoch": 0}, ("lacks a field", "[sample]")),
-    ({"consumed_samples": "7"}, ("[loader state consumed_samples]", "must be an integer")),
-    ({"consumed_samples": -1}, ("[loader state consumed_samples]", "out of range")),
-    ({"consumed_samples": 2 * N + 1}, ("in epoch 2, which is not written yet",)),
-    ({"epoch": 0, "sample": N + 1}, ("sample outside its epoch",)),
-    ({"epoch": 0.0, "sample": 1}, ("[loader state epoch]",)),
-    ({"next_step": 0}, ("lacks a field", "[start]")),
-    ({"start": 0, "next_step": 1, "worker": 0, "num_workers": 2, "global_batch": 1}, ("not its own",)),
-    ({"start": 0, "next_step": 0, "worker": 2, "num_workers": 2, "global_batch": 1}, ("not its own",)),
-    ({"start": 0, "next_step": 0, "worker": 0, "num_workers": 0, "global_batch": 1}, ("[loader state num_workers]",)),
-    ({"start": 0, "next_step": "0", "worker": 0, "num_workers": 1, "global_batch": 1}, ("[loader state next_step]",)),
-    ({"start": 0, "next_step": 2 * N + 2, "worker": 0, "num_workers": 2, "global_batch": 1}, ("not written yet",)),
-    ({"start": 2 * N + 4, "next_step": 0, "worker": 0, "num_workers": 1, "global_batch": 1}, ("not written yet",)),
-])
+@pytest.mark.parametrize(
+    "state, words",
+    [
+        ([], ("not a TokpackDataset state",)),
+        ({}, ("lacks a field", "[consumed_samples]")),
+        ({"epoch": 0}, ("lacks a field", "[sample]")),
+        ({"consumed_samples": "7"}, ("[loader state consumed_samples]", "must be an integer")),
+        ({"consumed_samples": -1}, ("[loader state consumed_samples]", "out of range")),
+        ({"consumed_samples": 2 * N + 1}, ("in epoch 2, which is not written yet",)),
+        ({"epoch": 0, "sample": N + 1}, ("sample outside its epoch",)),
+        ({"epoch": 0.0, "sample": 1}, ("[loader state epoch]",)),
+        ({"next_step": 0}, ("lacks a field", "[start]")),
+        ({"start": 0, "next_step": 1, "worker": 0, "num_workers": 2, "global_batch": 1}, ("not its own",)),
+        ({"start": 0, "next_step": 0, "worker": 2, "num_workers": 2, "global_batch": 1}, ("not its own",)),
+        (
+            {"start": 0, "next_step": 0, "worker": 0, "num_workers": 0, "global_batch": 1},
+            ("[loader state num_workers]",),
+        ),
+        (
+            {"start": 0, "next_step": "0", "worker": 0, "num_workers": 1, "global_batch": 1},
+            ("[loader state next_step]",),
+        ),
+        ({"start": 0, "next_step": 2 * N + 2, "worker": 0, "num_workers": 2, "global_batch": 1}, ("not written yet",)),
+        ({"start": 2 * N + 4, "next_step": 0, "worker": 0, "num_workers": 1, "global_batch": 1}, ("not written yet",)),
+    ],
+)
 def test_damaged_states_are_one_line(run, state, words):
     ds = TokpackDataset(run, positions=None)
     with pytest.raises(TokpackError) as e:
@@ -184,11 +204,15 @@ def test_damaged_states_are_one_line(run, state, words):
     one_line(e, *words)
 
 
-@pytest.mark.parametrize("state", [
-    {"consumed_samples": N + 1},
-    {"start": 0, "next_step": N + 2, "worker": 0, "num_workers": 2, "global_batch": 1},
-    {"start": 0, "next_step": N, "worker": 0, "num_workers": 1, "global_batch": 2},
-    {"start": N + 4, "next_step": 0, "worker": 0, "num_workers": 1, "global_batch": 1}])
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"consumed_samples": N + 1},
+        {"start": 0, "next_step": N + 2, "worker": 0, "num_workers": 2, "global_batch": 1},
+        {"start": 0, "next_step": N, "worker": 0, "num_workers": 1, "global_batch": 2},
+        {"start": N + 4, "next_step": 0, "worker": 0, "num_workers": 1, "global_batch": 1},
+    ],
+)
 def test_a_state_past_the_end_is_refused(run, state):
     """An epoch directory has an end (a run's numbering names the epoch to write instead): a
     state past it, e.g. of another, longer run, is refused rather than yielding nothing."""
@@ -225,8 +249,13 @@ def test_worker_count_change_is_one_line_including_zero(run, saved_with, loaded_
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=loaded_with)
     with pytest.raises(TokpackError) as e:
         ds.load_loader_state(loader, state)
-    one_line(e, "[num_workers]", "another number of DataLoader workers",
-             f"expected {saved_with}, found {loaded_with}", "consumed_samples(loader_state)")
+    one_line(
+        e,
+        "[num_workers]",
+        "another number of DataLoader workers",
+        f"expected {saved_with}, found {loaded_with}",
+        "consumed_samples(loader_state)",
+    )
     assert TokpackDataset.consumed_samples(state) == 6  # the way out the hint names works
 
 
@@ -238,8 +267,15 @@ def test_load_loader_state_resumes_as_load_state_dict(run):
     assert int(next(iter(loader))["consumed_samples"]) == 8
 
 
-@pytest.mark.parametrize("state", [{"_snapshot": {}}, {"_snapshot": {"_worker_snapshots": {"w": 3}}},
-                                   {"dataset_state": {"consumed_samples": 1.5}}, "x"])
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"_snapshot": {}},
+        {"_snapshot": {"_worker_snapshots": {"w": 3}}},
+        {"dataset_state": {"consumed_samples": 1.5}},
+        "x",
+    ],
+)
 def test_consumed_samples_of_a_damaged_loader_state(state):
     with pytest.raises(TokpackError) as e:
         TokpackDataset.consumed_samples(state)

@@ -14,14 +14,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "train_loop.py"
 NUMBERS = ["first batch s", "wait ms", "median ms", "wait %", "tokens/s", "peak RSS MiB"]  # bench/train_loop.NUMBERS
-PEERS = {"datatrove": "datatrove DatatroveFolderDataset", "streaming": "MosaicML streaming StreamingDataset",
-         "litdata": "litdata StreamingDataset"}
+PEERS = {
+    "datatrove": "datatrove DatatroveFolderDataset",
+    "streaming": "MosaicML streaming StreamingDataset",
+    "litdata": "litdata StreamingDataset",
+}
 
 
 def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=tmp_path,
-                          env=env, timeout=900)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900
+    )
 
 
 def test_quick_run_gives_every_loader_and_start_its_numbers(tmp_path):
@@ -44,7 +48,8 @@ def test_quick_run_gives_every_loader_and_start_its_numbers(tmp_path):
             assert [r.get("_absent") for r in mine] == [True] and "not installed" in mine[0]["note"], mine
         else:
             assert sorted(r["start step"] for r in mine) == ["0", "3,200,000"] and not any(
-                r.get("_absent") for r in mine), mine
+                r.get("_absent") for r in mine
+            ), mine
     partition = [r for r in rows if r.get("_table") == "partition"]  # MosaicML's start cost by epoch size
     assert len(partition) == (3 if importlib.util.find_spec("streaming") else 0), partition
     for r in partition:

@@ -32,9 +32,14 @@ def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("visible")
     # No long document ends in a tail of under 4 tokens: so short a tail (say the EOS alone)
     # could be the tail of several documents, and the bytes would not say which was cut.
-    docs = {name: [d for d in random_docs(np.random.default_rng(seed), n, 1000, EOS, max_len=longest)
-                   if len(d) <= SEQ + 1 or len(d) % (SEQ + 1) not in (1, 2, 3)]
-            for name, seed, n, longest in (("web", 3, 150, 200), ("code", 4, 60, 120))}
+    docs = {
+        name: [
+            d
+            for d in random_docs(np.random.default_rng(seed), n, 1000, EOS, max_len=longest)
+            if len(d) <= SEQ + 1 or len(d) % (SEQ + 1) not in (1, 2, 3)
+        ]
+        for name, seed, n, longest in (("web", 3, 150, 200), ("code", 4, 60, 120))
+    }
     for name, d in docs.items():
         write_source(root / name, d, docs_per_shard=40)
     return root, docs
@@ -54,8 +59,9 @@ def figures_of_the_bytes(epoch: Path, docs: dict) -> dict:
     is a cut one, found inside the one long document that holds it."""
     rows, pads = epoch_rows(epoch)
     whole = {d.astype("<u2").tobytes() for ds in docs.values() for d in ds}
-    long = [(name, i, d.astype("<u2").tobytes()) for name, ds in docs.items() for i, d in enumerate(ds)
-            if len(d) > SEQ + 1]
+    long = [
+        (name, i, d.astype("<u2").tobytes()) for name, ds in docs.items() for i, d in enumerate(ds) if len(d) > SEQ + 1
+    ]
     cut, most = set(), 0
     for row, pad in zip(rows, pads):
         real = row[: len(row) - int(pad)]
@@ -70,17 +76,29 @@ def figures_of_the_bytes(epoch: Path, docs: dict) -> dict:
             raw = piece.tobytes()
             if raw not in whole:
                 row = 2 * (SEQ + 1)  # bytes: a cut document's pieces start at multiples of a row
-                holders = [(name, i) for name, i, d in long
-                           if (d.endswith(raw) if piece[-1] == EOS else  # its tail, else a full row of it
-                               any(d[k:k + len(raw)] == raw for k in range(0, len(d), row)))]
+                holders = [
+                    (name, i)
+                    for name, i, d in long
+                    if (
+                        d.endswith(raw)
+                        if piece[-1] == EOS
+                        # its tail, else a full row of it
+                        else any(d[k : k + len(raw)] == raw for k in range(0, len(d), row))
+                    )
+                ]
                 assert len(holders) == 1
                 cut.add(holders[0])
     positions, _ = document_masks(rows, pads, EOS)  # the loader's segments agree
     assert int((positions[:, :-1] == 0).sum(axis=1).max()) == most
     padding = int(pads.sum())
-    return {"method": "best-fit", "unit": "rows", "padding_tokens": padding,
-            "padding_percent": round(100 * padding / rows.size, 3), "documents_cut": len(cut),
-            "max_documents_per_row": most}
+    return {
+        "method": "best-fit",
+        "unit": "rows",
+        "padding_tokens": padding,
+        "padding_percent": round(100 * padding / rows.size, 3),
+        "documents_cut": len(cut),
+        "max_documents_per_row": most,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +109,29 @@ def run(corpus):
     each cut one (a document in two passes of one epoch is counted once per pass)."""
     root, _ = corpus
     out = {}
-    for name, args in (("whole", [root / "web", root / "code"]),
-                       ("weighted", [f"{root / 'web'}=0.6", f"{root / 'code'}=0.4", "--samples", 40])):
-        code, stdout, err = cli("shuffle", *args, "-o", root / name, "--seq-len", SEQ, "--seed", 9, "--epochs", 2,
-                                "--packing", "best-fit", "--pad-id", PAD, "--shard-samples", 64, "--json")
+    for name, args in (
+        ("whole", [root / "web", root / "code"]),
+        ("weighted", [f"{root / 'web'}=0.6", f"{root / 'code'}=0.4", "--samples", 40]),
+    ):
+        code, stdout, err = cli(
+            "shuffle",
+            *args,
+            "-o",
+            root / name,
+            "--seq-len",
+            SEQ,
+            "--seed",
+            9,
+            "--epochs",
+            2,
+            "--packing",
+            "best-fit",
+            "--pad-id",
+            PAD,
+            "--shard-samples",
+            64,
+            "--json",
+        )
         assert code == 0, err
         out[name] = json.loads(stdout)
     return root, out
@@ -116,23 +153,40 @@ def test_the_shuffle_summary_and_the_manifest_give_the_figures_of_the_epochs_byt
             assert want["padding_tokens"] > 0 and want["max_documents_per_row"] > 2
         recorded = read_manifest(epoch)["packing"]
         assert {k: recorded[k] for k in ("padding_tokens", "documents_cut", "max_documents_per_row")} == {
-            k: want[k] for k in ("padding_tokens", "documents_cut", "max_documents_per_row")}
+            k: want[k] for k in ("padding_tokens", "documents_cut", "max_documents_per_row")
+        }
     if name == "whole":  # every long document of both sources is cut in each epoch
-        assert all(d["packing"]["documents_cut"] == sum(len(x) > SEQ + 1 for ds in docs.values() for x in ds)
-                   for d in details)
+        assert all(
+            d["packing"]["documents_cut"] == sum(len(x) > SEQ + 1 for ds in docs.values() for x in ds) for d in details
+        )
 
 
 def test_the_human_summary_says_best_fit_rows_and_its_figures(corpus, tmp_path):
     root, docs = corpus
-    code, out, err = cli("shuffle", root / "web", "-o", tmp_path / "r", "--seq-len", SEQ, "--seed", 9, "--epochs", 1,
-                         "--packing", "best-fit", "--pad-id", PAD)
+    code, out, err = cli(
+        "shuffle",
+        root / "web",
+        "-o",
+        tmp_path / "r",
+        "--seq-len",
+        SEQ,
+        "--seed",
+        9,
+        "--epochs",
+        1,
+        "--packing",
+        "best-fit",
+        "--pad-id",
+        PAD,
+    )
     assert code == 0, err
     f = figures_of_the_bytes(tmp_path / "r" / epoch_dir_name(0), {"web": docs["web"]})
     epoch_line = next(x for x in out.splitlines() if x.startswith("epoch 0:"))
     assert epoch_line.endswith(
         f"; best-fit rows, padding {f['padding_tokens']:,} tokens ({f['padding_percent']:g}%), "
         f"{f['documents_cut']} documents cut, at most {f['max_documents_per_row']} documents per row "
-        "(padding counted as one)")
+        "(padding counted as one)"
+    )
     source_line = next(x for x in out.splitlines() if x.startswith('epoch 0, source "web"'))
     assert " rows a pass, " in source_line and "window" not in out
     assert "packing: best-fit" in out
@@ -146,22 +200,30 @@ def test_inspect_shows_each_epochs_figures_and_the_runs(corpus, run):
     per_epoch = [figures_of_the_bytes(root / "whole" / epoch_dir_name(e), docs) for e in (0, 1)]
     assert [e["packing"] for e in report["epochs"]] == per_epoch and per_epoch[0]["padding_tokens"] > 0
     padding = sum(f["padding_tokens"] for f in per_epoch)
-    assert report["packing"] == {"method": "best-fit", "unit": "rows", "padding_tokens": padding,
-                                 "padding_percent": round(100 * padding / report["totals"]["tokens"], 3),
-                                 "documents_cut": sum(f["documents_cut"] for f in per_epoch),
-                                 "max_documents_per_row": max(f["max_documents_per_row"] for f in per_epoch)}
+    assert report["packing"] == {
+        "method": "best-fit",
+        "unit": "rows",
+        "padding_tokens": padding,
+        "padding_percent": round(100 * padding / report["totals"]["tokens"], 3),
+        "documents_cut": sum(f["documents_cut"] for f in per_epoch),
+        "max_documents_per_row": max(f["max_documents_per_row"] for f in per_epoch),
+    }
     code, out, err = cli("inspect", root / "whole")
     assert code == 0, err
     lines = out.splitlines()
     p = report["packing"]
-    assert (f"  packing: best-fit rows, padding {p['padding_tokens']:,} tokens ({p['padding_percent']:g}%), "
-            f"{p['documents_cut']} documents cut, at most {p['max_documents_per_row']} documents per row "
-            "(padding counted as one) (over 2 epochs)") in lines
+    assert (
+        f"  packing: best-fit rows, padding {p['padding_tokens']:,} tokens ({p['padding_percent']:g}%), "
+        f"{p['documents_cut']} documents cut, at most {p['max_documents_per_row']} documents per row "
+        "(padding counted as one) (over 2 epochs)"
+    ) in lines
     for e, f in enumerate(per_epoch):
         line = next(x for x in lines if x.startswith(f"  epoch {e}:"))
-        assert line.endswith(f"; padding {f['padding_tokens']:,} tokens ({f['padding_percent']:g}%), "
-                             f"{f['documents_cut']} documents cut, at most {f['max_documents_per_row']} documents "
-                             "per row")
+        assert line.endswith(
+            f"; padding {f['padding_tokens']:,} tokens ({f['padding_percent']:g}%), "
+            f"{f['documents_cut']} documents cut, at most {f['max_documents_per_row']} documents "
+            "per row"
+        )
     assert "window" not in out.split("batches before")[0]
     code, out, _ = cli("inspect", root / "whole" / epoch_dir_name(1), "--json")
     assert json.loads(out)["packing"] == per_epoch[1]
@@ -170,35 +232,74 @@ def test_inspect_shows_each_epochs_figures_and_the_runs(corpus, run):
 def test_plan_shows_the_figures_the_shuffle_then_writes(corpus, run, tmp_path):
     root, _ = corpus
     _, results = run
-    args = [root / "web", root / "code", "-o",
-            tmp_path / "p", "--seq-len", SEQ, "--seed", 9, "--epochs", 2, "--packing", "best-fit", "--pad-id", PAD,
-            "--shard-samples", 64, "--disk-mbps", 100]
+    args = [
+        root / "web",
+        root / "code",
+        "-o",
+        tmp_path / "p",
+        "--seq-len",
+        SEQ,
+        "--seed",
+        9,
+        "--epochs",
+        2,
+        "--packing",
+        "best-fit",
+        "--pad-id",
+        PAD,
+        "--shard-samples",
+        64,
+        "--disk-mbps",
+        100,
+    ]
     code, out, err = cli("plan", "shuffle", *args, "--json")
     assert code == 0, err
-    assert [e["packing"] for e in json.loads(out)["epochs"]] == [d["packing"] for d in results["whole"]["epochs_detail"]]
+    assert [e["packing"] for e in json.loads(out)["epochs"]] == [
+        d["packing"] for d in results["whole"]["epochs_detail"]
+    ]
     code, out, err = cli("plan", "shuffle", *args)
     assert code == 0, err
     first = results["whole"]["epochs_detail"][0]["packing"]
-    assert (f"    packing: best-fit rows, padding {first['padding_tokens']:,} tokens ({first['padding_percent']:g}%), "
-            f"{first['documents_cut']} documents cut, at most {first['max_documents_per_row']} documents per row "
-            "(padding counted as one)") in out.splitlines()
+    assert (
+        f"    packing: best-fit rows, padding {first['padding_tokens']:,} tokens ({first['padding_percent']:g}%), "
+        f"{first['documents_cut']} documents cut, at most {first['max_documents_per_row']} documents per row "
+        "(padding counted as one)"
+    ) in out.splitlines()
     assert " rows a pass " in out and "window" not in out
     assert not (tmp_path / "p").exists()
 
 
 def test_a_window_run_says_concat_windows_and_no_padding(corpus, tmp_path):
     root, _ = corpus
-    code, out, err = cli("shuffle", root / "web", "-o", tmp_path / "w", "--seq-len", SEQ, "--seed", 1, "--epochs", 1,
-                         "--json")
+    code, out, err = cli(
+        "shuffle", root / "web", "-o", tmp_path / "w", "--seq-len", SEQ, "--seed", 1, "--epochs", 1, "--json"
+    )
     assert code == 0, err
     result = json.loads(out)
     assert result["packing"] == "concat"
-    assert result["epochs_detail"][0]["packing"] == {"method": "concat", "unit": "windows", "padding_tokens": 0,
-                                                     "padding_percent": 0.0}
+    assert result["epochs_detail"][0]["packing"] == {
+        "method": "concat",
+        "unit": "windows",
+        "padding_tokens": 0,
+        "padding_percent": 0.0,
+    }
     code, out, _ = cli("inspect", tmp_path / "w")
     assert "  packing: concat windows" in out.splitlines()
-    code, out, _ = cli("plan", "shuffle", root / "web", "-o", tmp_path / "w2", "--seq-len", SEQ, "--seed", 1,
-                       "--epochs", 1, "--disk-mbps", 100)
+    code, out, _ = cli(
+        "plan",
+        "shuffle",
+        root / "web",
+        "-o",
+        tmp_path / "w2",
+        "--seq-len",
+        SEQ,
+        "--seed",
+        1,
+        "--epochs",
+        1,
+        "--disk-mbps",
+        100,
+    )
     assert "    packing: concat windows" in out.splitlines()
 
 

@@ -23,13 +23,25 @@ FIXED_KEYS = BASE_KEYS | {"max_seqlen", "doc_lens", "max_doc_lens"}
 def sources(tmp_path_factory) -> list[Path]:
     root = tmp_path_factory.mktemp("boundary-src")
     rng = np.random.default_rng(34)
-    return [write_source(root / "a", random_docs(rng, 300, 1000, EOS, 1, 40)),
-            write_source(root / "b", random_docs(rng, 40, 1000, EOS, 1, 200))]
+    return [
+        write_source(root / "a", random_docs(rng, 300, 1000, EOS, 1, 40)),
+        write_source(root / "b", random_docs(rng, 40, 1000, EOS, 1, 200)),
+    ]
 
 
 def _run(sources, out: Path, packing: str) -> Path:
-    shuffle_run([str(s) for s in sources], str(out), weights=["2", "1"], seq_len=SEQ, seed=3, epochs=[0, 1],
-                samples=96, shard_samples=40, memory=64 << 20, packing=packing)
+    shuffle_run(
+        [str(s) for s in sources],
+        str(out),
+        weights=["2", "1"],
+        seq_len=SEQ,
+        seed=3,
+        epochs=[0, 1],
+        samples=96,
+        shard_samples=40,
+        memory=64 << 20,
+        packing=packing,
+    )
     return out
 
 
@@ -75,7 +87,7 @@ def test_every_epoch_kind_yields_the_same_keys(best_fit, window):
         rows = SampleReader.open(window).read(4 * b, 4).astype(np.int64)
         assert batch["loss_mask"].numpy().all() and np.array_equal(batch["labels"].numpy(), rows[:, 1:])
         starts = np.ones((4, SEQ), bool)
-        starts[:, 1:] = rows[:, :SEQ - 1] == EOS  # a document starts after each EOS input, and at a row start
+        starts[:, 1:] = rows[:, : SEQ - 1] == EOS  # a document starts after each EOS input, and at a row start
         assert np.array_equal(batch["cu_seqlens"].numpy(), np.append(np.flatnonzero(starts), 4 * SEQ))
 
 
@@ -94,7 +106,7 @@ def test_fixed_shapes_hold_the_same_boundaries(kind, request):
         cu, fcu = a["cu_seqlens"].numpy(), b["cu_seqlens"].numpy()
         n = len(cu) - 1  # segments in the micro-batch
         assert fcu.shape == (m * K + 1,) and fcu.dtype == np.int32
-        assert np.array_equal(fcu[:n + 1], cu) and (fcu[n:] == m * L).all()  # padded by repeating the total
+        assert np.array_equal(fcu[: n + 1], cu) and (fcu[n:] == m * L).all()  # padded by repeating the total
         lens = np.diff(cu)
         assert int(b["max_seqlen"]) == lens.max() and b["max_seqlen"].ndim == 0
         doc_lens = b["doc_lens"].numpy()
@@ -141,9 +153,12 @@ def test_eod_mask_loss_drops_the_label_after_each_eos(best_fit, window):
 
 
 def test_boundary_options_are_checked(best_fit):
-    for kw, line in [({"max_documents": 0}, "max_documents"), ({"max_documents": 2.5}, "max_documents"),
-                     ({"max_documents": 4, "positions": None}, "need positions"),
-                     ({"eod_mask_loss": "yes"}, "eod_mask_loss")]:
+    for kw, line in [
+        ({"max_documents": 0}, "max_documents"),
+        ({"max_documents": 2.5}, "max_documents"),
+        ({"max_documents": 4, "positions": None}, "need positions"),
+        ({"eod_mask_loss": "yes"}, "eod_mask_loss"),
+    ]:
         with pytest.raises(TokpackError, match=line):
             dataset(best_fit, **kw)
 
@@ -218,8 +233,9 @@ def test_the_manifests_documents_per_row_is_the_count_the_loader_makes(case, bes
     else:  # a row of SEQ + 1 = 64 tokens: a 63-token document, then a 1-token one (an EOS alone) or padding
         src = write_source(tmp_path / "src", _rows_of([SEQ, 1] if case == "unpadded" else [SEQ], 40))
         run, epochs = tmp_path / "run", (0,)
-        shuffle_run([str(src)], str(run), seq_len=SEQ, seed=3, epochs=[0], shard_samples=16, memory=64 << 20,
-                    packing="best-fit")
+        shuffle_run(
+            [str(src)], str(run), seq_len=SEQ, seed=3, epochs=[0], shard_samples=16, memory=64 << 20, packing="best-fit"
+        )
     for e in epochs:
         packing = read_manifest(run / epoch_dir_name(e))["packing"]
         r = CliRunner().invoke(main, ["inspect", str(run), "--epoch", str(e), "--documents-per-row", "--json"])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import random_docs, write_source
+from conftest import random_docs
 from tokpack.packer.cli import _executor_config, executor_options, main
 
 VOCAB, EOS = 1000, 0
@@ -43,8 +43,9 @@ def test_every_command_json_has_ok(corpus, tmp_path):
     src, out = tmp_path / "src", tmp_path / "run"
     shuffle_args = [src, "-o", out, "--seq-len", 31, "--seed", 1, "--epochs", 1, "--memory", "64KiB"]
     results = {
-        "plan pack": json_of("plan", "pack", corpus, "-o", src, "--eos-id", EOS, "--vocab-size", VOCAB,
-                             "--disk-mbps", 100),
+        "plan pack": json_of(
+            "plan", "pack", corpus, "-o", src, "--eos-id", EOS, "--vocab-size", VOCAB, "--disk-mbps", 100
+        ),
         "pack": json_of("pack", corpus, "-o", src, "--eos-id", EOS, "--vocab-size", VOCAB),
         "plan shuffle": json_of("plan", "shuffle", *shuffle_args, "--disk-mbps", 100),
         "shuffle": json_of("shuffle", *shuffle_args),
@@ -100,10 +101,24 @@ def test_plan_takes_every_argument_of_the_command_it_plans(corpus, tmp_path):
     for name in ("pack", "shuffle", "stage"):
         own = {p.name for p in main.commands[name].params}
         assert own <= {p.name for p in plan.commands[name].params}, name
-    with_scratch = json_of("plan", "pack", corpus, "-o", tmp_path / "src", "--eos-id", EOS, "--vocab-size", VOCAB,
-                           "--scratch", tmp_path / "scratch", "--disk-mbps", 100)
-    without = json_of("plan", "pack", corpus, "-o", tmp_path / "src", "--eos-id", EOS, "--vocab-size", VOCAB,
-                      "--disk-mbps", 100)
+    with_scratch = json_of(
+        "plan",
+        "pack",
+        corpus,
+        "-o",
+        tmp_path / "src",
+        "--eos-id",
+        EOS,
+        "--vocab-size",
+        VOCAB,
+        "--scratch",
+        tmp_path / "scratch",
+        "--disk-mbps",
+        100,
+    )
+    without = json_of(
+        "plan", "pack", corpus, "-o", tmp_path / "src", "--eos-id", EOS, "--vocab-size", VOCAB, "--disk-mbps", 100
+    )
     assert with_scratch["passes"] == without["passes"] and not (tmp_path / "scratch").exists()
 
 
@@ -157,7 +172,14 @@ def test_readme_test_command_cannot_pull_the_cuda_build_and_ci_runs_it_verbatim(
     assert torch_step[:4] == ["python", "-m", "pip", "install"] and "--no-deps" in torch_step
     assert torch_step[torch_step.index("--index-url") + 1] == PYTORCH_CPU_INDEX
     (pin,) = [a for a in torch_step if a.startswith("torch==")]
-    assert install == ["python", "-m", "pip", "install", "-q", "-e", "'.[test]'"] and run_tests == ["python", "-m", "pytest", "-q", "-n", "auto"]
+    assert install == ["python", "-m", "pip", "install", "-q", "-e", "'.[test]'"] and run_tests == [
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        "-n",
+        "auto",
+    ]
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(r.startswith("pytest-xdist==") for r in extras["test"])
     for extra in ("test", "bench"):

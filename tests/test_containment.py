@@ -48,10 +48,21 @@ main()
 def tokpack(tmp_path: Path, *args, watch: Path | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Runs `tokpack ARGS`; returns the process and the files under `watch` it opened."""
     seen = tmp_path / f"seen-{len(list(tmp_path.glob('seen-*')))}.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TOKPACK_LOG_DIR=str(tmp_path / "crash-logs"),
-               WATCH=str(watch or tmp_path / "nothing-watched"), SEEN=str(seen))
-    r = subprocess.run([sys.executable, "-c", PROBE, *map(str, args)], capture_output=True, text=True, cwd=ROOT,
-                       env=env, timeout=TIMEOUT)
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        TOKPACK_LOG_DIR=str(tmp_path / "crash-logs"),
+        WATCH=str(watch or tmp_path / "nothing-watched"),
+        SEEN=str(seen),
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE, *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=TIMEOUT,
+    )
     return r, json.loads(seen.read_text()) if seen.exists() else []
 
 
@@ -133,7 +144,10 @@ def _set_shard_path(directory: Path, path: str) -> None:
 def test_source_shard_path_climbing_out_is_refused_by_shuffle_and_inspect(data, tmp_path):
     src, _, outside = data
     _set_shard_path(src, "../outside/x.ds")
-    for args in (["shuffle", src, "-o", tmp_path / "out", "--seq-len", 31, "--seed", 1, "--epochs", 1], ["inspect", src]):
+    for args in (
+        ["shuffle", src, "-o", tmp_path / "out", "--seq-len", 31, "--seed", 1, "--epochs", 1],
+        ["inspect", src],
+    ):
         r, opened = tokpack(tmp_path, *args, watch=outside)
         line = one_line(r)
         assert "[shards[0].path]" in line and "'../outside/x.ds'" in line and "HINT" in line, line
@@ -178,8 +192,13 @@ def test_symlinked_shard_pointing_outside_is_refused(data, tmp_path):
     epoch = run / epoch_dir_name(0)
     (epoch / "00000.ds.index").unlink()
     (epoch / "00000.ds.index").symlink_to(outside / "e.ds.index")  # a sibling file counts too
-    for args in (["shuffle", src, "-o", tmp_path / "out", "--seq-len", 31, "--seed", 1, "--epochs", 1], ["inspect", src],
-                 ["stage", src, tmp_path / "dest"], ["read", run, "--verify"], ["stage", run, tmp_path / "dest2"]):
+    for args in (
+        ["shuffle", src, "-o", tmp_path / "out", "--seq-len", 31, "--seed", 1, "--epochs", 1],
+        ["inspect", src],
+        ["stage", src, tmp_path / "dest"],
+        ["read", run, "--verify"],
+        ["stage", run, tmp_path / "dest2"],
+    ):
         r, opened = tokpack(tmp_path, *args, watch=outside)
         line = one_line(r)
         assert "a symlink to" in line and "outside the folder" in line, line
@@ -208,7 +227,9 @@ def test_symlink_inside_the_dataset_is_fine(data, tmp_path):
     (src / "00001.ds").symlink_to("store/00001.ds")
     r, _ = tokpack(tmp_path, "validate", src)
     assert r.returncode == 0, r.stderr
-    r, _ = tokpack(tmp_path, "shuffle", src, "-o", tmp_path / "out", "--seq-len", 31, "--seed", 1, "--epochs", 1, "--memory", "8M")
+    r, _ = tokpack(
+        tmp_path, "shuffle", src, "-o", tmp_path / "out", "--seq-len", 31, "--seed", 1, "--epochs", 1, "--memory", "8M"
+    )
     assert r.returncode == 0, r.stderr
     r, _ = tokpack(tmp_path, "stage", src, tmp_path / "dest")
     assert r.returncode == 0, r.stderr
@@ -292,9 +313,16 @@ def test_damaged_manifest_is_one_line_for_every_command(data, tmp_path, kind):
     def command(i, *args):
         return tokpack(tmp_path, *args)[0] if i == own_process else in_process(tmp_path, *args)
 
-    for i, args in enumerate((["shuffle", src, "-o", tmp_path / "out", "--seq-len", 31, "--seed", 1, "--epochs", 1],
-                              ["inspect", src], ["stage", src, tmp_path / "dest"], ["read", run], ["inspect", run],
-                              ["stage", run, tmp_path / "d2"])):
+    for i, args in enumerate(
+        (
+            ["shuffle", src, "-o", tmp_path / "out", "--seq-len", 31, "--seed", 1, "--epochs", 1],
+            ["inspect", src],
+            ["stage", src, tmp_path / "dest"],
+            ["read", run],
+            ["inspect", run],
+            ["stage", run, tmp_path / "d2"],
+        )
+    ):
         line = one_line(command(i, *args))  # exit 1, not 2 ("a bug in tokpack")
         assert "tokpack.json" in line and "HINT" in line, line
     report = corrupt(command(6, "validate", src, run))
@@ -305,11 +333,13 @@ def test_damaged_manifest_is_one_line_for_every_command(data, tmp_path, kind):
 def test_shuffle_refuses_what_validate_calls_corrupt(data, tmp_path):
     """Each manifest-level problem validate reports stops shuffle too, with the same field."""
     src, _, _ = data
-    cases = {"eos_id": lambda m: m.__setitem__("eos_id", m["vocab_size"]),
-             "dtype": lambda m: m.__setitem__("dtype", "uint32"),
-             "token_size": lambda m: m.__setitem__("token_size", 4),
-             "tokens": lambda m: m.__setitem__("tokens", m["tokens"] + 1),
-             "shards[1].path": lambda m: m["shards"][1].__setitem__("path", m["shards"][0]["path"])}
+    cases = {
+        "eos_id": lambda m: m.__setitem__("eos_id", m["vocab_size"]),
+        "dtype": lambda m: m.__setitem__("dtype", "uint32"),
+        "token_size": lambda m: m.__setitem__("token_size", 4),
+        "tokens": lambda m: m.__setitem__("tokens", m["tokens"] + 1),
+        "shards[1].path": lambda m: m["shards"][1].__setitem__("path", m["shards"][0]["path"]),
+    }
     original = (src / MANIFEST).read_text()
     for field, damage in cases.items():
         edit(src, damage)
@@ -353,18 +383,27 @@ main()
 """
 
 
-@pytest.mark.parametrize("command, module, name", [
-    ("validate", "tokpack.packer.validation", "check_shard"),
-    ("stage", "tokpack.packer.staging", "_Stager.run_job"),
-])
+@pytest.mark.parametrize(
+    "command, module, name",
+    [
+        ("validate", "tokpack.packer.validation", "check_shard"),
+        ("stage", "tokpack.packer.staging", "_Stager.run_job"),
+    ],
+)
 @pytest.mark.parametrize("sig, status, said", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupt")])
 def test_signal_stops_a_command_whose_workers_are_blocked(data, tmp_path, command, module, name, sig, status, said):
     src, _, _ = data
     args = ["validate", src, "--workers", "2"] if command == "validate" else ["stage", src, tmp_path / "dest"]
     marker = tmp_path / "blocked"
-    proc = subprocess.Popen([sys.executable, "-c", BLOCKED.format(module=module, name=name), *map(str, args)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT), BLOCKED=str(marker)), preexec_fn=default_sigint)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BLOCKED.format(module=module, name=name), *map(str, args)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), BLOCKED=str(marker)),
+        preexec_fn=default_sigint,
+    )
     try:
         for _ in range(600):  # up to a minute for the first worker to block
             if marker.exists() or proc.poll() is not None:

@@ -46,21 +46,24 @@ def numbers(void_rows: np.ndarray) -> list[int]:
 STORE_PARTS = [[0, 1, 2], [], [3], [4, 5, 6, 7]]  # an empty part is dropped; starts 0, 3, 4, 8
 
 
-@pytest.mark.parametrize("idx", [
-    [5, 0, 7, 3, 1, 6, 2, 4],  # every part, interleaved
-    [4, 6, 5],  # one part, not the first
-    [1],  # one row
-    [3],  # a part of one row
-    [2, 2, 7, 0, 0],  # repeats, across parts
-    [7, 6, 5, 4, 3, 2, 1, 0],
-])
+@pytest.mark.parametrize(
+    "idx",
+    [
+        [5, 0, 7, 3, 1, 6, 2, 4],  # every part, interleaved
+        [4, 6, 5],  # one part, not the first
+        [1],  # one row
+        [3],  # a part of one row
+        [2, 2, 7, 0, 0],  # repeats, across parts
+        [7, 6, 5, 4, 3, 2, 1, 0],
+    ],
+)
 def test_gather_is_indexing_of_the_concatenated_rows(idx):
     store = RowStore([rows(p) for p in STORE_PARTS])
     assert len(store) == 8 and store.starts.tolist() == [0, 3, 4, 8]
     out, tmp = rows(np.full(10, 99)), rows(np.full(10, 98))
     got = store.gather(np.array(idx, dtype=np.int64), out, tmp)
     assert numbers(got) == idx
-    assert numbers(out[len(idx):]) == [99] * (10 - len(idx))  # nothing written past the chunk
+    assert numbers(out[len(idx) :]) == [99] * (10 - len(idx))  # nothing written past the chunk
 
 
 def test_gather_of_nothing_is_empty():
@@ -117,8 +120,10 @@ def reseal(rows_file: Path) -> None:
     records = scatter_folder(rows_file).with_suffix(".records")
     table = np.fromfile(records, dtype="<u8").reshape(-1, 3)
     b = int(rows_file.stem[1:])
-    table[b, 1:] = [xxhash.xxh3_64_intdigest(rows_file.read_bytes()),
-                    xxhash.xxh3_64_intdigest(rows_file.with_suffix(".pos").read_bytes())]
+    table[b, 1:] = [
+        xxhash.xxh3_64_intdigest(rows_file.read_bytes()),
+        xxhash.xxh3_64_intdigest(rows_file.with_suffix(".pos").read_bytes()),
+    ]
     table.tofile(records)
 
 
@@ -151,8 +156,9 @@ def test_scatter_files_short_of_a_row_are_refused(scattered):
     b.write_bytes(b.read_bytes() + data_a[-half:])
     reseal(a)
     reseal(b)
-    assert refusal(srcs, out) == (f"{lay} [bucket 0]: scatter files do not cover their bucket; "
-                                  f"expected {n} rows, found {n - 1} rows{HINT}")
+    assert refusal(srcs, out) == (
+        f"{lay} [bucket 0]: scatter files do not cover their bucket; expected {n} rows, found {n - 1} rows{HINT}"
+    )
 
 
 def test_scatter_file_holding_a_row_of_another_bucket_is_refused(scattered):
@@ -294,8 +300,11 @@ def test_one_thread_appends_to_the_bucket_files(scattered, tmp_path, monkeypatch
 
 
 def dir_bytes(path: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
-            if p.is_file() and WORK_DIR not in p.parts}
+    return {
+        str(p.relative_to(path)): p.read_bytes()
+        for p in sorted(path.rglob("*"))
+        if p.is_file() and WORK_DIR not in p.parts
+    }
 
 
 # ------------------------------------------------------------------ layout and source rows
@@ -377,7 +386,9 @@ def test_scatter_task_borrows_blocks_of_its_own_rows_at_most(scattered, tmp_path
         return real_lent(use, nbytes, count)
 
     monkeypatch.setattr(steps, "lent", lent)
-    runs = [max(b - a for _, a, b, _, _ in lay.input_segments(job.plan, job.open_sources(), t)) for t in range(lay.tasks)]
+    runs = [
+        max(b - a for _, a, b, _, _ in lay.input_segments(job.plan, job.open_sources(), t)) for t in range(lay.tasks)
+    ]
     assert len(set(runs)) > 1
     for block in (min(runs), max(runs) + 7):  # a block between the tasks' runs, and one above both
         again = dataclasses.replace(lay, block_rows=block, dir=str(tmp_path / f"block-{block}"))
@@ -430,11 +441,15 @@ def test_pass_bars_count_every_byte_once(scattered, tmp_path, monkeypatch):
 
     monkeypatch.setattr(steps, "progress", spy)
     shuffle_run(srcs, str(tmp_path / "again"), **KW)
-    source_bytes = sum((Path(s) / m["path"]).stat().st_size for s in srcs
-                       for m in json.loads((Path(s) / "tokpack.json").read_text())["shards"])
+    source_bytes = sum(
+        (Path(s) / m["path"]).stat().st_size
+        for s in srcs
+        for m in json.loads((Path(s) / "tokpack.json").read_text())["shards"]
+    )
     assert [(b.desc, b.total, b.done) for b in bars] == [
         ("epoch 0: scatter", source_bytes, 913 * ROW_BYTES),
-        ("epoch 0: order", 913 * ROW_BYTES, 913 * ROW_BYTES)]
+        ("epoch 0: order", 913 * ROW_BYTES, 913 * ROW_BYTES),
+    ]
 
 
 @pytest.mark.parametrize("damage", ["last rows file", "records entry", "records table cut short"])

@@ -13,8 +13,12 @@ from tokpack.packer.exchange import PIECE, _gather, _place
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.integers(1, 300), min_size=1, max_size=60), st.integers(0, 2 ** 32 - 1),
-       st.sampled_from([1, 7, 1 << 20]), st.sampled_from([1, 1 << 40]))
+@given(
+    st.lists(st.integers(1, 300), min_size=1, max_size=60),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([1, 7, 1 << 20]),
+    st.sampled_from([1, 1 << 40]),
+)
 def test_pieces_are_gathered_and_placed_as_a_brute_copy(lengths, seed, chunk, long_piece):
     rng = np.random.default_rng(seed)
     lengths = np.array(lengths, dtype=np.int64)
@@ -25,7 +29,7 @@ def test_pieces_are_gathered_and_placed_as_a_brute_copy(lengths, seed, chunk, lo
     exchange.RANGE_CHUNK, exchange.LONG_PIECE = chunk, long_piece
     try:
         got = _gather(src, starts, lengths, 301)
-        want = np.concatenate([src[a:a + n] for a, n in zip(starts, lengths)])
+        want = np.concatenate([src[a : a + n] for a, n in zip(starts, lengths)])
         assert got.tolist() == want.tolist()
         # placed into rows of 320 tokens, each piece at its own row and offset
         row = 320
@@ -38,7 +42,7 @@ def test_pieces_are_gathered_and_placed_as_a_brute_copy(lengths, seed, chunk, lo
         _place(store, pad, at, pieces, src, starts)
         brute = np.full((len(lengths), row), 9, dtype=np.uint16)
         for i, (a, n) in enumerate(zip(starts, lengths)):
-            brute[at[i], pieces["row_offset"][i]:pieces["row_offset"][i] + n] = src[a:a + n]
+            brute[at[i], pieces["row_offset"][i] : pieces["row_offset"][i] + n] = src[a : a + n]
         assert (store == brute).all() and (pad[at] == row - lengths).all()
     finally:
         exchange.RANGE_CHUNK, exchange.LONG_PIECE = saved
@@ -50,7 +54,10 @@ def test_whole_rows_move_as_rows_and_a_row_filled_twice_shows_in_its_count():
     starts = np.array([3, 0, 2]) * row
     lengths = np.full(3, row, dtype=np.int64)
     assert _gather(tokens, starts, lengths, row).reshape(-1, row).tolist() == [
-        list(range(15, 20)), list(range(0, 5)), list(range(10, 15))]
+        list(range(15, 20)),
+        list(range(0, 5)),
+        list(range(10, 15)),
+    ]
     store = np.zeros((3, row), dtype=np.uint16)
     pad = np.full(3, row, dtype=np.int64)
     pieces = np.zeros(3, PIECE)
@@ -86,7 +93,9 @@ def test_a_writer_is_handed_bounded_bytes_of_rows_whatever_their_length(monkeypa
         pad = np.arange(23, dtype=np.int64)
         w = Writer()
         exchange._write_rows(w, rows, pad, sel)
-        assert [len(t) for t in w.tokens] == [want] * (len(sel) // want) + ([len(sel) % want] if len(sel) % want else [])
+        assert [len(t) for t in w.tokens] == [want] * (len(sel) // want) + (
+            [len(sel) % want] if len(sel) % want else []
+        )
         assert w.index == [len(t) for t in w.tokens]
         assert np.concatenate(w.tokens).tolist() == rows[sel].tolist() and w.pad.tolist() == pad[sel].tolist()
 
@@ -100,8 +109,11 @@ def test_a_round_reads_at_most_max_round_bytes_whatever_memory_allows():
     from tokpack.packer.exchange import MAX_ROUND_BYTES, MIN_ROUND_ROWS, memory_plan
 
     def node(row_tokens):
-        job = SimpleNamespace(token_dtype=np.dtype(np.uint16), plan=SimpleNamespace(row_tokens=row_tokens, epoch=0),
-                              row_bytes=2 * row_tokens)
+        job = SimpleNamespace(
+            token_dtype=np.dtype(np.uint16),
+            plan=SimpleNamespace(row_tokens=row_tokens, epoch=0),
+            row_bytes=2 * row_tokens,
+        )
         return SimpleNamespace(job=job, keep_bytes=1 << 20, index_bytes=1 << 10, store_rows=100)
 
     assert memory_plan(node(4097), 1 << 40) == (MAX_ROUND_BYTES // 2, None)

@@ -95,8 +95,20 @@ def test_local_more_tasks_than_workers(source, reference, npy_inputs, pack_refer
     assert summary["path"] == "out-of-core"
     assert tree(out) == reference
     packed = tmp_path / "packed"
-    cli("pack", *npy_inputs, "-o", packed, "--eos-id", "0", "--vocab-size", "1000", "--shard-tokens", "3000",
-        "--workers", "2")
+    cli(
+        "pack",
+        *npy_inputs,
+        "-o",
+        packed,
+        "--eos-id",
+        "0",
+        "--vocab-size",
+        "1000",
+        "--shard-tokens",
+        "3000",
+        "--workers",
+        "2",
+    )
     assert tree(packed) == pack_reference
 
 
@@ -145,8 +157,9 @@ def test_local_task_killed_midway_then_rerun(source, reference, tmp_path):
     script.write_text(KILLER.format(root=PROJECT_ROOT, rank=KILL_RANK, src=str(source), out=str(out)))
     log = tmp_path / "kill.log"
     with open(log, "wb") as f:  # not a pipe: the killed driver's orphans (datatrove's Manager) would hold it open
-        proc = subprocess.Popen([sys.executable, str(script)], stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(script)], stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
         returncode = proc.wait()
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # those orphans: the session the test started, nothing else
@@ -183,12 +196,14 @@ def test_file_and_memory_urls(source, reference, tmp_path):
     try:
         # memory:// lives in one process: tasks in other processes would send their shards to
         # stores the command never sees, so that is refused before anything is written
-        r = CliRunner().invoke(main, ["shuffle", "memory://exec-test/src", "-o", "memory://exec-test/run",
-                                      *map(str, SHUFFLE), "--workers", "2"])
+        r = CliRunner().invoke(
+            main,
+            ["shuffle", "memory://exec-test/src", "-o", "memory://exec-test/run", *map(str, SHUFFLE), "--workers", "2"],
+        )
         assert r.exit_code == 1 and "this store keeps its objects inside one process" in r.output, r.output
         assert not fs.exists("/exec-test/run")
         cli("shuffle", "memory://exec-test/src", "-o", "memory://exec-test/run", *SHUFFLE, "--workers", "1")
-        got = {f[len("/exec-test/run/"):]: fs.cat(f) for f in fs.find("/exec-test/run")}
+        got = {f[len("/exec-test/run/") :]: fs.cat(f) for f in fs.find("/exec-test/run")}
     finally:
         fs.rm("/exec-test", recursive=True)
     assert without_paths(got) == without_paths(reference)
@@ -224,11 +239,26 @@ def test_ray_local_cluster(ray_cluster, source, reference, tmp_path):
     """The bytes of the local run; every rank of both passes marked complete once, each by one of
     the two rank runners, which serve both passes (not a new Ray worker per task: issue 27)."""
     out, logs = tmp_path / "run", tmp_path / "logs"
-    cli("shuffle", source, "-o", out, *SHUFFLE, "--executor", "ray", "--workers", "2", "--tasks", "3",
-        "--logging-dir", logs)
+    cli(
+        "shuffle",
+        source,
+        "-o",
+        out,
+        *SHUFFLE,
+        "--executor",
+        "ray",
+        "--workers",
+        "2",
+        "--tasks",
+        "3",
+        "--logging-dir",
+        logs,
+    )
     assert tree(out) == reference
-    markers = {p.parent.parent.name.rsplit("-", 1)[-1]: sorted(m.name for m in p.parent.glob("*"))
-               for p in logs.glob("*/completions/*")}
+    markers = {
+        p.parent.parent.name.rsplit("-", 1)[-1]: sorted(m.name for m in p.parent.glob("*"))
+        for p in logs.glob("*/completions/*")
+    }
     assert markers == {"scatter": [f"{r:05d}" for r in range(3)], "order": [f"{r:05d}" for r in range(8)]}
     runners = {m.read_text() for m in logs.glob("*/completions/*")}
     assert 1 <= len(runners) <= 2 and all(pid.isdigit() for pid in runners)
@@ -236,8 +266,22 @@ def test_ray_local_cluster(ray_cluster, source, reference, tmp_path):
 
 def test_ray_task_the_cluster_cannot_start_is_one_line(ray_cluster, source, tmp_path):
     """A runner asking for more than the cluster holds would wait forever: refused at once."""
-    r = CliRunner().invoke(main, ["shuffle", str(source), "-o", str(tmp_path / "run"), *SHUFFLE, "--executor", "ray",
-                                  "--workers", "2", "--mem", "100000"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "shuffle",
+            str(source),
+            "-o",
+            str(tmp_path / "run"),
+            *SHUFFLE,
+            "--executor",
+            "ray",
+            "--workers",
+            "2",
+            "--mem",
+            "100000",
+        ],
+    )
     assert r.exit_code == 1 and "Traceback" not in r.output
     assert "the Ray cluster cannot start one task" in r.output and "100000 GiB a task" in r.output, r.output
     assert not (tmp_path / "run" / "epoch-00000" / "tokpack.json").exists()
@@ -279,15 +323,46 @@ def test_slurm_array_jobs(source, reference, npy_inputs, pack_reference, tmp_pat
         pytest.skip(reason)
     out = tmp_path / "run"
     # 3 scatter tasks then 8 order tasks, each pass one array job; at most 2 tasks at a time.
-    cli("shuffle", source, "-o", out, *SHUFFLE, "--executor", "slurm", "--workers", "2", "--tasks", "3",
-        "--logging-dir", tmp_path / "logs", "--time", "00:10:00", "--mem", "0.5")
+    cli(
+        "shuffle",
+        source,
+        "-o",
+        out,
+        *SHUFFLE,
+        "--executor",
+        "slurm",
+        "--workers",
+        "2",
+        "--tasks",
+        "3",
+        "--logging-dir",
+        tmp_path / "logs",
+        "--time",
+        "00:10:00",
+        "--mem",
+        "0.5",
+    )
     assert tree(out) == reference
     scripts = sorted(tmp_path.glob("logs/*/launch_script.slurm"))
     assert len(scripts) == 2 and all("#SBATCH --array=0-" in s.read_text() for s in scripts)
     assert sum(1 for _ in tmp_path.glob("logs/*-order/completions/*")) == 8
     packed = tmp_path / "packed"
-    cli("pack", *npy_inputs, "-o", packed, "--eos-id", "0", "--vocab-size", "1000", "--shard-tokens", "3000",
-        "--executor", "slurm", "--time", "00:10:00")
+    cli(
+        "pack",
+        *npy_inputs,
+        "-o",
+        packed,
+        "--eos-id",
+        "0",
+        "--vocab-size",
+        "1000",
+        "--shard-tokens",
+        "3000",
+        "--executor",
+        "slurm",
+        "--time",
+        "00:10:00",
+    )
     assert tree(packed) == pack_reference
 
 
@@ -300,8 +375,25 @@ def test_slurm_array_element_runs_several_small_tasks(source, tmp_path):
     cli("shuffle", source, "-o", tmp_path / "ref", *args)
     expected = tree(tmp_path / "ref")
     out = tmp_path / "run"
-    cli("shuffle", source, "-o", out, *args, "--executor", "slurm", "--workers", "2", "--tasks", "3",
-        "--logging-dir", tmp_path / "logs", "--time", "00:10:00", "--mem", "0.5")
+    cli(
+        "shuffle",
+        source,
+        "-o",
+        out,
+        *args,
+        "--executor",
+        "slurm",
+        "--workers",
+        "2",
+        "--tasks",
+        "3",
+        "--logging-dir",
+        tmp_path / "logs",
+        "--time",
+        "00:10:00",
+        "--mem",
+        "0.5",
+    )
     assert tree(out) == expected and len([f for f in expected if f.endswith(".ds")]) == 18
     order_script = next(tmp_path.glob("logs/*-order/launch_script.slurm")).read_text()
     assert "#SBATCH --array=0-5%2" in order_script
@@ -310,8 +402,22 @@ def test_slurm_array_element_runs_several_small_tasks(source, tmp_path):
 
 @pytest.mark.skipif(shutil.which("sbatch") is None, reason="sbatch not found (apt-get install slurm-wlm)")
 def test_slurm_refused_job_is_one_line_error(source, tmp_path):
-    r = CliRunner().invoke(main, ["shuffle", str(source), "-o", str(tmp_path / "run"), *SHUFFLE,
-                                  "--executor", "slurm", "--partition", "any", "--sbatch-args", "no-such-option=1"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "shuffle",
+            str(source),
+            "-o",
+            str(tmp_path / "run"),
+            *SHUFFLE,
+            "--executor",
+            "slurm",
+            "--partition",
+            "any",
+            "--sbatch-args",
+            "no-such-option=1",
+        ],
+    )
     assert r.exit_code == 1
     assert "sbatch refused the epoch-00000-" in r.output and "Traceback" not in r.output
     assert not (tmp_path / "run" / "tokpack.json").exists()
@@ -326,10 +432,24 @@ def test_forked_workers_do_not_share_buffers(source, reference, tmp_path):
 
     def forked(passes):
         for step, tasks, job_name, logging_dir in passes:
-            LocalPipelineExecutor([step], tasks=tasks, workers=2, logging_dir=str(logging_dir),
-                                  start_method="fork").run()
+            LocalPipelineExecutor(
+                [step], tasks=tasks, workers=2, logging_dir=str(logging_dir), start_method="fork"
+            ).run()
 
     cli("shuffle", source, "-o", tmp_path / "warm", *SHUFFLE)  # fills this process's buffers
-    shuffle_run([str(source)], str(tmp_path / "run"), seq_len=63, seed=3, epochs=[0], samples=None, tokens=None,
-                shard_samples=100, memory=64 << 10, jitter=False, workers=2, tasks=5, run_passes=forked)
+    shuffle_run(
+        [str(source)],
+        str(tmp_path / "run"),
+        seq_len=63,
+        seed=3,
+        epochs=[0],
+        samples=None,
+        tokens=None,
+        shard_samples=100,
+        memory=64 << 10,
+        jitter=False,
+        workers=2,
+        tasks=5,
+        run_passes=forked,
+    )
     assert tree(tmp_path / "run") == reference

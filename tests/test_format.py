@@ -34,8 +34,10 @@ HEADER = "| field | type | required | in | meaning |"
 
 
 def markdown_rows(table: dict) -> list[str]:
-    return [f"| `{name}` | {typ} | {'yes' if required else 'no'} | {kinds} | {meaning} |"
-            for name, (typ, required, kinds, meaning) in table.items()]
+    return [
+        f"| `{name}` | {typ} | {'yes' if required else 'no'} | {kinds} | {meaning} |"
+        for name, (typ, required, kinds, meaning) in table.items()
+    ]
 
 
 def doc_tables() -> list[list[str]]:
@@ -59,8 +61,9 @@ def test_format_md_tables_are_the_module_tables():
     for rows, table in zip(found, TABLES):
         parsed = [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows]
         # names, types, required, kinds first: the facts a reader of either relies on
-        assert [(n.strip("`"), t, r == "yes", k) for n, t, r, k, _ in parsed] == \
-               [(n, t, r, k) for n, (t, r, k, _) in table.items()]
+        assert [(n.strip("`"), t, r == "yes", k) for n, t, r, k, _ in parsed] == [
+            (n, t, r, k) for n, (t, r, k, _) in table.items()
+        ]
         assert rows == markdown_rows(table)  # and the meanings, word for word
 
 
@@ -100,7 +103,8 @@ def test_old_key_manifests_read_and_validate(old_run):
     epoch = read_manifest(run / epoch_dir_name(0), kind="epoch")
     assert "documents" not in epoch and epoch["fragments"] == sum(s["fragments"] for s in epoch["shards"])
     assert read_manifest(run, kind="run")["fragments"] == sum(
-        read_manifest(run / epoch_dir_name(e))["fragments"] for e in (0, 1))
+        read_manifest(run / epoch_dir_name(e))["fragments"] for e in (0, 1)
+    )
     assert read_manifest(src, kind="source")["documents"] == 50  # a source's documents keep their name
     r = SampleReader.open(run)
     assert r.epochs == [0, 1] and r.total_samples > 0
@@ -127,8 +131,10 @@ def test_run_with_old_key_epochs_extends_and_stages(old_run, tmp_path):
     assert validate_dirs([run]).ok
     stage(str(run), tmp_path / "dest", epochs="0,2")
     staged = json.loads((tmp_path / "dest" / MANIFEST).read_bytes())
-    assert staged["epochs"] == [0, 2] and staged["fragments"] == m["fragments"] - read_manifest(
-        run / epoch_dir_name(1))["fragments"]
+    assert (
+        staged["epochs"] == [0, 2]
+        and staged["fragments"] == m["fragments"] - read_manifest(run / epoch_dir_name(1))["fragments"]
+    )
     assert validate_dirs([tmp_path / "dest"]).ok
 
 

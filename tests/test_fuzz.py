@@ -122,10 +122,14 @@ from probes import AUDIT_SITE, MARK, audit_env, audited, describe, kill_marked, 
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = int(os.environ.get("TOKPACK_FUZZ_EXAMPLES", "4"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                phases=[Phase.explicit, Phase.generate] + ([Phase.shrink] if os.environ.get("TOKPACK_FUZZ_SHRINK") else []),
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                       HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate] + ([Phase.shrink] if os.environ.get("TOKPACK_FUZZ_SHRINK") else []),
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 TIMEOUT = float(os.environ.get("TOKPACK_FUZZ_TIMEOUT", "60"))  # seconds; a healthy case takes about one
 REPORT = os.environ.get("TOKPACK_FUZZ_REPORT")  # a file: record every failing case there instead of failing
 MEMORY = 2 << 30  # RLIMIT_AS: a healthy case peaks near 0.65 GiB of address space (torch; stage 0.5 GiB)
@@ -159,8 +163,16 @@ def pristine(tmp_path_factory) -> Path:
     data, outside = base / "data", base / "outside"
     write_source(data / "src", random_docs(np.random.default_rng(11), 60, 1000, 0, max_len=40), docs_per_shard=20)
     write_source(data / "other", random_docs(np.random.default_rng(12), 30, 1000, 0, max_len=40), docs_per_shard=15)
-    shuffle_run([str(data / "src")], str(data / "run"), seq_len=7, seed=1, epochs=[0, 1], shard_samples=40,
-                memory=64 << 20, log=None)
+    shuffle_run(
+        [str(data / "src")],
+        str(data / "run"),
+        seq_len=7,
+        seed=1,
+        epochs=[0, 1],
+        shard_samples=40,
+        memory=64 << 20,
+        log=None,
+    )
     (data / "sched.yaml").write_text(SCHEDULE)
     np.save(data / "tokens.npy", np.array([5, 6, 0, 7, 8, 9, 0, 3, 0] * 40, dtype=np.uint16))
 
@@ -173,11 +185,30 @@ def pristine(tmp_path_factory) -> Path:
         raise KeyboardInterrupt  # as a Ctrl-C between the passes: the scatter files and records stay
 
     with pytest.raises(KeyboardInterrupt):
-        shuffle_run([str(data / "src")], str(data / "wrun"), seq_len=7, seed=1, epochs=[0], shard_samples=40,
-                    memory=4 << 10, log=None, run_passes=scatter_then_stop)
+        shuffle_run(
+            [str(data / "src")],
+            str(data / "wrun"),
+            seq_len=7,
+            seed=1,
+            epochs=[0],
+            shard_samples=40,
+            memory=4 << 10,
+            log=None,
+            run_passes=scatter_then_stop,
+        )
     assert list((data / "wrun").rglob("*.json")), "the interrupted shuffle left no work records"
-    shuffle_run([str(data / "src")], str(data / "brun"), seq_len=7, seed=2, epochs=[0, 1], shard_samples=40,
-                memory=64 << 20, packing="best-fit", jitter=False, log=None)
+    shuffle_run(
+        [str(data / "src")],
+        str(data / "brun"),
+        seq_len=7,
+        seed=2,
+        epochs=[0, 1],
+        shard_samples=40,
+        memory=64 << 20,
+        packing="best-fit",
+        jitter=False,
+        log=None,
+    )
     from tokpack.packer.slicing import stage_slice
 
     for run, slice_ in (("run", "slice"), ("brun", "bslice")):  # node slices of ranks 0-1 (W=4, m=2)
@@ -190,20 +221,33 @@ def pristine(tmp_path_factory) -> Path:
     return base
 
 
-ODD_NAMES = ["plain", "two words", "ünïcødé ✓", "quote'd \"name\"", "semi;colon $HOME"]
+ODD_NAMES = ["plain", "two words", "ünïcødé ✓", 'quote\'d "name"', "semi;colon $HOME"]
 
 
 @dataclass
 class World:
     """One example's copy of the pristine tree, under a folder with an odd name."""
+
     root: Path
     user_files: dict[Path, bytes] = field(default_factory=dict)
 
     # world.data, world.outside, and under data: world.src, world.run, world.epoch, world.sched ...
-    PLACES = {"data": "data", "outside": "outside", "src": "data/src", "other": "data/other", "run": "data/run",
-              "brun": "data/brun", "slice": "data/slice", "bslice": "data/bslice",
-              "epoch": "data/run/epoch-00000", "wrun": "data/wrun", "out": "data/out", "dest": "data/dest",
-              "sched": "data/sched.yaml", "npy": "data/tokens.npy"}
+    PLACES = {
+        "data": "data",
+        "outside": "outside",
+        "src": "data/src",
+        "other": "data/other",
+        "run": "data/run",
+        "brun": "data/brun",
+        "slice": "data/slice",
+        "bslice": "data/bslice",
+        "epoch": "data/run/epoch-00000",
+        "wrun": "data/wrun",
+        "out": "data/out",
+        "dest": "data/dest",
+        "sched": "data/sched.yaml",
+        "npy": "data/tokens.npy",
+    }
 
     def __getattr__(self, name) -> Path:
         if name in World.PLACES:
@@ -225,7 +269,9 @@ def clone(pristine: Path, where: Path, name: str) -> World:
         text = f.read_text()
         if old in text:
             f.write_text(text.replace(old, new))
-    for m in (root / "data").glob("*slice/epoch-*/tokpack.json"):  # the run epoch manifests they record changed with them
+    for m in (root / "data").glob(
+        "*slice/epoch-*/tokpack.json"
+    ):  # the run epoch manifests they record changed with them
         doc = json.loads(m.read_text())
         run = Path(json.loads((m.parent.parent / "tokpack.json").read_text())["source"])
         doc["epoch_xxh3_128"] = xxhash.xxh3_128_hexdigest((run / m.parent.name / "tokpack.json").read_bytes())
@@ -275,6 +321,7 @@ def _limits():
 @dataclass
 class Case:
     """One command (or Python API call) to run in a world of its own."""
+
     world: World
     argv: list[str]  # after `python`
     what: str
@@ -291,11 +338,24 @@ def run(*cases: Case) -> list[Outcome]:
         token = uuid.uuid4().hex
         logs = case.world.root / f".case-{token[:8]}"
         logs.mkdir()
-        env = {**os.environ, MARK: token, "PYTHONPATH": os.pathsep.join([AUDIT_SITE, str(REPO)]),
-               "TOKPACK_LOG_DIR": str(logs / "crash"), **audit_env(logs / "audit.log", case.world.root)}
+        env = {
+            **os.environ,
+            MARK: token,
+            "PYTHONPATH": os.pathsep.join([AUDIT_SITE, str(REPO)]),
+            "TOKPACK_LOG_DIR": str(logs / "crash"),
+            **audit_env(logs / "audit.log", case.world.root),
+        }
         with open(logs / "stdout", "wb") as out, open(logs / "stderr", "wb") as err:  # files: a leftover holds no pipe
-            proc = subprocess.Popen([sys.executable, *case.argv], cwd=case.world.data, env=env, stdout=out,
-                                    stderr=err, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_limits)
+            proc = subprocess.Popen(
+                [sys.executable, *case.argv],
+                cwd=case.world.data,
+                env=env,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_limits,
+            )
         started.append((case, proc, token, logs, time.monotonic()))
     outcomes = []
     for case, proc, token, logs, t0 in started:
@@ -320,8 +380,14 @@ def run(*cases: Case) -> list[Outcome]:
         kill_marked(token)
         if os.environ.get("TOKPACK_FUZZ_TIMES"):
             print(f"{time.monotonic() - t0:6.2f} s  {case.what[:150]}", file=sys.stderr)
-        o = Outcome(case.what, status, (logs / "stdout").read_bytes().decode(errors="replace"),
-                    (logs / "stderr").read_bytes().decode(errors="replace"), audited(logs / "audit.log"), left)
+        o = Outcome(
+            case.what,
+            status,
+            (logs / "stdout").read_bytes().decode(errors="replace"),
+            (logs / "stderr").read_bytes().decode(errors="replace"),
+            audited(logs / "audit.log"),
+            left,
+        )
         outcomes.append(_api_outcome(o) if case.api else o)
     return outcomes
 
@@ -399,8 +465,11 @@ def problems(world: World, o: Outcome, *, must_fail: bool = False, before: dict 
     found = []
     text = o.stdout + o.stderr
     # a usage error (click's "Error:" line, or tokpack's own wording of one), whichever of 1 and 2 it exits with
-    usage = o.status in (1, 2) and "internal error" not in text and (
-        "\nError: " in "\n" + o.stderr or "usage" in o.stderr.lower())
+    usage = (
+        o.status in (1, 2)
+        and "internal error" not in text
+        and ("\nError: " in "\n" + o.stderr or "usage" in o.stderr.lower())
+    )
     # validate's product is a report, one line per problem, its verdict last
     report = o.status == 1 and re.match(r"[A-Z]+: \d+ director", (o.stderr.strip().splitlines() or [""])[-1])
     if o.status is None:
@@ -413,7 +482,11 @@ def problems(world: World, o: Outcome, *, must_fail: bool = False, before: dict 
         found.append(f"exit {o.status}")
     if "Traceback" in text or "internal error" in text or "raised " in o.stderr:
         found.append("a traceback or an internal error")
-    if o.status == 1 and not (usage or report) and sum(line.startswith("tokpack: error:") for line in o.stderr.splitlines()) != 1:
+    if (
+        o.status == 1
+        and not (usage or report)
+        and sum(line.startswith("tokpack: error:") for line in o.stderr.splitlines()) != 1
+    ):
         found.append("not exactly one `tokpack: error:` line")
     if "on None" in o.stderr:
         found.append("a line naming None")
@@ -441,9 +514,11 @@ def check(*cases: Case) -> list[Outcome]:
     for case, o in zip(cases, outcomes):
         found = problems(case.world, o, must_fail=case.must_fail, before=case.before)
         if found:
-            report.append(f"{os.environ.get('PYTEST_CURRENT_TEST', '').split(' ')[0]}\n"
-                          f"damage: {''.join(_damage)[:300]}\n{o.what}\n  -> exit {o.status}: {'; '.join(found)}\n"
-                          f"stderr: {o.stderr[-1500:]}\nstdout: {o.stdout[-300:]}")
+            report.append(
+                f"{os.environ.get('PYTEST_CURRENT_TEST', '').split(' ')[0]}\n"
+                f"damage: {''.join(_damage)[:300]}\n{o.what}\n  -> exit {o.status}: {'; '.join(found)}\n"
+                f"stderr: {o.stderr[-1500:]}\nstdout: {o.stdout[-300:]}"
+            )
     if REPORT and report:  # exploring: every failure, not only each test's first
         with open(REPORT, "a") as f:
             f.write("\n\n".join(report) + "\n\n" + "=" * 100 + "\n")
@@ -460,12 +535,27 @@ def snapshot(*dirs: Path) -> dict[Path, bytes]:
 # ------------------------------------------------------------------------------------ commands
 # Each: (name, argv builder or api call, the dataset directories it only reads).
 
+
 def _src_cmds(w: World):
     return {
         "shuffle-ooc": lambda: cli(w, "shuffle", w.src, "-o", w.out, *SEQ, "--epochs", "1", *OOC),
         "shuffle-mem": lambda: cli(w, "shuffle", w.src, "-o", w.out, *SEQ, "--epochs", "2"),
-        "shuffle-2w": lambda: cli(w, "shuffle", f"{w.src}=3", f"{w.other}=1", "-o", w.out, *SEQ, "--epochs", "1",
-                                  "--samples", "100", *OOC, "--workers", "2"),
+        "shuffle-2w": lambda: cli(
+            w,
+            "shuffle",
+            f"{w.src}=3",
+            f"{w.other}=1",
+            "-o",
+            w.out,
+            *SEQ,
+            "--epochs",
+            "1",
+            "--samples",
+            "100",
+            *OOC,
+            "--workers",
+            "2",
+        ),
         "validate": lambda: cli(w, "validate", w.src, "--workers", "1"),
         "validate-quick": lambda: cli(w, "validate", "--quick", w.src),
         "validate-against": lambda: cli(w, "validate", w.epoch, "--against", w.src, "--workers", "1"),
@@ -493,14 +583,18 @@ def _epoch_cmds(w: World, d: Path):
 
 def _run_cmds(w: World):
     cmds = _epoch_cmds(w, w.run)
-    cmds.update({
-        "stage-epochs": lambda: cli(w, "stage", w.run, w.dest, "--epochs", "1"),
-        "stage-ranks": lambda: cli(w, "stage", w.run, w.dest, "--ranks", "1/2", "--micro-batch", "2"),
-        "shuffle-add-epoch": lambda: cli(w, "shuffle", w.src, "-o", w.run, *SEQ, "--epoch", "2", "--shard-samples",
-                                         "40", "--memory", "4KiB"),
-        "plan-shuffle-add": lambda: cli(w, "plan", "shuffle", w.src, "-o", w.run, *SEQ, "--epoch", "2",
-                                        "--shard-samples", "40"),
-    })
+    cmds.update(
+        {
+            "stage-epochs": lambda: cli(w, "stage", w.run, w.dest, "--epochs", "1"),
+            "stage-ranks": lambda: cli(w, "stage", w.run, w.dest, "--ranks", "1/2", "--micro-batch", "2"),
+            "shuffle-add-epoch": lambda: cli(
+                w, "shuffle", w.src, "-o", w.run, *SEQ, "--epoch", "2", "--shard-samples", "40", "--memory", "4KiB"
+            ),
+            "plan-shuffle-add": lambda: cli(
+                w, "plan", "shuffle", w.src, "-o", w.run, *SEQ, "--epoch", "2", "--shard-samples", "40"
+            ),
+        }
+    )
     return cmds
 
 
@@ -509,8 +603,18 @@ EPOCH_CMDS = sorted(_epoch_cmds(World(Path("/")), Path("/")))
 RUN_CMDS = sorted(_run_cmds(World(Path("/"))))
 # Commands that read every byte of the shard files they are given (a shard they cannot read is
 # an error for them, never exit 0).
-READS_SHARDS = {"validate", "validate-against", "read-verify", "stage", "stage-epochs", "api-reader-verify",
-                "api-validate", "shuffle-ooc", "shuffle-mem", "shuffle-2w"}
+READS_SHARDS = {
+    "validate",
+    "validate-against",
+    "read-verify",
+    "stage",
+    "stage-epochs",
+    "api-reader-verify",
+    "api-validate",
+    "shuffle-ooc",
+    "shuffle-mem",
+    "shuffle-2w",
+}
 
 # ------------------------------------------------------------------------------------ JSON damage
 
@@ -523,15 +627,48 @@ class Raw(str):
 
 
 HOSTILE_JSON = [
-    Raw("null"), Raw("true"), Raw("false"), Raw("-1"), Raw("0"), Raw("2147483648"), Raw("18446744073709551616"),
-    Raw("-9223372036854775809"), Raw("1" + "0" * 400), Raw("1e400"), Raw("-1e400"), Raw("NaN"), Raw("Infinity"),
-    Raw("-Infinity"), Raw("0.5"), Raw("1.0"), Raw('""'), Raw('"\\u00fc\\u2713 \\ud800"'), Raw('"x\\u0000y"'),
-    Raw("[]"), Raw("{}"), Raw("[1, 2]"), Raw('{"a": {"b": [1]}}'), Raw('"uint64"'), Raw('"<f8"'),
-    Raw("[" * 100_000 + "]" * 100_000), Raw('{"a":' * 50_000 + "1" + "}" * 50_000),
+    Raw("null"),
+    Raw("true"),
+    Raw("false"),
+    Raw("-1"),
+    Raw("0"),
+    Raw("2147483648"),
+    Raw("18446744073709551616"),
+    Raw("-9223372036854775809"),
+    Raw("1" + "0" * 400),
+    Raw("1e400"),
+    Raw("-1e400"),
+    Raw("NaN"),
+    Raw("Infinity"),
+    Raw("-Infinity"),
+    Raw("0.5"),
+    Raw("1.0"),
+    Raw('""'),
+    Raw('"\\u00fc\\u2713 \\ud800"'),
+    Raw('"x\\u0000y"'),
+    Raw("[]"),
+    Raw("{}"),
+    Raw("[1, 2]"),
+    Raw('{"a": {"b": [1]}}'),
+    Raw('"uint64"'),
+    Raw('"<f8"'),
+    Raw("[" * 100_000 + "]" * 100_000),
+    Raw('{"a":' * 50_000 + "1" + "}" * 50_000),
     Raw(json.dumps("A" * (3 << 20))),  # a 3 MiB string
 ]
-BAIT_PATHS = ["..", ".", "", "/", "../../outside/00000.ds", "{outside}/00000.ds", "/dev/zero", "escape.ds",
-              "00001.ds/../../../outside/00000.ds", "{outside}", "../src/../../outside/canary.txt"]
+BAIT_PATHS = [
+    "..",
+    ".",
+    "",
+    "/",
+    "../../outside/00000.ds",
+    "{outside}/00000.ds",
+    "/dev/zero",
+    "escape.ds",
+    "00001.ds/../../../outside/00000.ds",
+    "{outside}",
+    "../src/../../outside/canary.txt",
+]
 
 
 def dumps(obj) -> str:
@@ -652,9 +789,14 @@ def test_the_probes_see_what_they_must(worlds):
     w = worlds("two words")
     [o] = run(Case(w, ["-c", MISBEHAVING], "misbehaving"))
     found = problems(w, o)
-    assert found == sorted(["not exactly one `tokpack: error:` line", f"open of {w.outside / 'canary.txt'} "
-                            "(outside the dataset)", "user file data/notes.txt deleted or changed",
-                            f"processes left: {o.left}"]), found
+    assert found == sorted(
+        [
+            "not exactly one `tokpack: error:` line",
+            f"open of {w.outside / 'canary.txt'} (outside the dataset)",
+            "user file data/notes.txt deleted or changed",
+            f"processes left: {o.left}",
+        ]
+    ), found
     assert o.left and "time.sleep(60)" in o.left[0]
 
 
@@ -666,12 +808,14 @@ def test_every_command_accepts_the_undamaged_world(worlds):
     for table in (_src_cmds, _run_cmds, lambda w: _epoch_cmds(w, w.epoch)):
         cases += [guarded(table(w)[name]()) for name in sorted(table(World(Path("/")))) for w in [worlds()]]
     w = worlds("two words")
-    cases += [guarded(api_calls(w, [("dataset", w.run, True), ("dataset", w.epoch, False)])),
-              guarded(cli(w, "shuffle", "--schedule", w.sched, "-o", w.out, *OOC)),
-              guarded(cli(w, "pack", w.npy, "-o", w.data / "packed", "--eos-id", "0", "--vocab-size", "1000")),
-              guarded(cli(w, "shuffle", w.src, "-o", w.wrun, *SEQ, "--epochs", "1", *OOC))]
+    cases += [
+        guarded(api_calls(w, [("dataset", w.run, True), ("dataset", w.epoch, False)])),
+        guarded(cli(w, "shuffle", "--schedule", w.sched, "-o", w.out, *OOC)),
+        guarded(cli(w, "pack", w.npy, "-o", w.data / "packed", "--eos-id", "0", "--vocab-size", "1000")),
+        guarded(cli(w, "shuffle", w.src, "-o", w.wrun, *SEQ, "--epochs", "1", *OOC)),
+    ]
     for i in range(0, len(cases), 4):
-        for o in check(*cases[i:i + 4]):
+        for o in check(*cases[i : i + 4]):
             assert o.status == 0, f"{o.what}: exit {o.status}\n{o.stderr[-1000:]}"
     for shard in sorted((w.run / "epoch-00000").glob("*.ds*")):
         assert (w.wrun / "epoch-00000" / shard.name).read_bytes() == shard.read_bytes(), shard.name
@@ -701,8 +845,7 @@ def test_damaged_epoch_manifest(worlds, mutation, commands, name):
 
 
 @FUZZ
-@given(mutation=mutations, commands=commands_of(RUN_CMDS), epoch_too=st.booleans(),
-       name=st.sampled_from(ODD_NAMES))
+@given(mutation=mutations, commands=commands_of(RUN_CMDS), epoch_too=st.booleans(), name=st.sampled_from(ODD_NAMES))
 def test_damaged_run_manifest(worlds, mutation, commands, epoch_too, name):
     """The run's own manifest, or the manifest of an epoch inside a run."""
     damaged_manifest(worlds, name, "epoch" if epoch_too else "run", mutation, commands, _run_cmds)
@@ -714,32 +857,52 @@ def test_what_validate_rejects_no_command_uses(worlds, mutation, name):
     """A source or epoch manifest `validate --quick` calls CORRUPT is refused by the commands
     that use it: shuffle for a source, read --verify and stage for a run."""
     ws = [worlds(name) for _ in range(2)]
-    _explain(f"source: {mutate_manifest(ws[0], ws[0].src, mutation)[0]}; "
-             f"epoch-00000: {mutate_manifest(ws[1], ws[1].epoch, mutation)[0]}")
-    verdicts = check(guarded(cli(ws[0], "validate", "--quick", ws[0].src)),
-                     guarded(cli(ws[1], "validate", "--quick", ws[1].run)))
+    _explain(
+        f"source: {mutate_manifest(ws[0], ws[0].src, mutation)[0]}; "
+        f"epoch-00000: {mutate_manifest(ws[1], ws[1].epoch, mutation)[0]}"
+    )
+    verdicts = check(
+        guarded(cli(ws[0], "validate", "--quick", ws[0].src)), guarded(cli(ws[1], "validate", "--quick", ws[1].run))
+    )
     users = []
     if verdicts[0].status == 1:
         users.append(guarded(cli(ws[0], "shuffle", ws[0].src, "-o", ws[0].out, *SEQ, "--epochs", "1"), True))
     if verdicts[1].status == 1:
-        users += [guarded(cli(ws[1], "read", ws[1].run, "--verify", "--count", "1"), True),
-                  guarded(cli(ws[1], "stage", ws[1].run, ws[1].dest), True)]
+        users += [
+            guarded(cli(ws[1], "read", ws[1].run, "--verify", "--count", "1"), True),
+            guarded(cli(ws[1], "stage", ws[1].run, ws[1].dest), True),
+        ]
     check(*users)
 
 
-SHARD_FILES = st.sampled_from(["src/00000.ds", "src/00001.ds.index", "src/00002.ds.metadata", "src/tokpack.json",
-                               "run/epoch-00000/00000.ds", "run/epoch-00000/00003.ds.index",
-                               "run/epoch-00000/00001.ds.metadata", "run/epoch-00001/tokpack.json",
-                               "run/tokpack.json"])
-DAMAGE = st.one_of(st.tuples(st.just("truncate"), st.floats(0, 1)), st.tuples(st.just("flip"), st.floats(0, 1)),
-                   st.tuples(st.just("extend"), st.integers(1, 5000)))  # (what, how much)
-ALL_CMDS = sorted({*(f"src:{c}" for c in SRC_CMDS), *(f"run:{c}" for c in RUN_CMDS),
-                   *(f"epoch:{c}" for c in EPOCH_CMDS)})
+SHARD_FILES = st.sampled_from(
+    [
+        "src/00000.ds",
+        "src/00001.ds.index",
+        "src/00002.ds.metadata",
+        "src/tokpack.json",
+        "run/epoch-00000/00000.ds",
+        "run/epoch-00000/00003.ds.index",
+        "run/epoch-00000/00001.ds.metadata",
+        "run/epoch-00001/tokpack.json",
+        "run/tokpack.json",
+    ]
+)
+DAMAGE = st.one_of(
+    st.tuples(st.just("truncate"), st.floats(0, 1)),
+    st.tuples(st.just("flip"), st.floats(0, 1)),
+    st.tuples(st.just("extend"), st.integers(1, 5000)),
+)  # (what, how much)
+ALL_CMDS = sorted(
+    {*(f"src:{c}" for c in SRC_CMDS), *(f"run:{c}" for c in RUN_CMDS), *(f"epoch:{c}" for c in EPOCH_CMDS)}
+)
 
 
 def any_command(w: World, name: str):
     kind, cmd = name.split(":")
-    return {"src": lambda: _src_cmds(w), "run": lambda: _run_cmds(w), "epoch": lambda: _epoch_cmds(w, w.epoch)}[kind]()[cmd]
+    return {"src": lambda: _src_cmds(w), "run": lambda: _run_cmds(w), "epoch": lambda: _epoch_cmds(w, w.epoch)}[kind]()[
+        cmd
+    ]
 
 
 def damage_bytes(f: Path, damage) -> None:
@@ -799,14 +962,26 @@ def _odd(path: Path, kind: str, w: World) -> None:
         path.symlink_to("/dev/zero")
 
 
-ODD_TARGETS = st.sampled_from(["src/00000.ds", "src/00001.ds", "src/00002.ds.index", "src/00000.ds.metadata",
-                               "run/epoch-00000/00000.ds", "run/epoch-00000/00003.ds",
-                               "run/epoch-00000/00001.ds.index", "run/epoch-00000/00002.ds.metadata"])
+ODD_TARGETS = st.sampled_from(
+    [
+        "src/00000.ds",
+        "src/00001.ds",
+        "src/00002.ds.index",
+        "src/00000.ds.metadata",
+        "run/epoch-00000/00000.ds",
+        "run/epoch-00000/00003.ds",
+        "run/epoch-00000/00001.ds.index",
+        "run/epoch-00000/00002.ds.metadata",
+    ]
+)
 
 
 @FUZZ
-@given(target=ODD_TARGETS, kind=st.sampled_from(["fifo", "socket", "directory", "dangling", "outside", "zero"]),
-       commands=commands_of(ALL_CMDS))
+@given(
+    target=ODD_TARGETS,
+    kind=st.sampled_from(["fifo", "socket", "directory", "dangling", "outside", "zero"]),
+    commands=commands_of(ALL_CMDS),
+)
 def test_odd_file_types(worlds, target, kind, commands):
     cases = []
     for command in commands:
@@ -821,6 +996,7 @@ def test_odd_file_types(worlds, target, kind, commands):
 def test_a_fifo_in_every_place_blocks_no_command(worlds):
     """The cases the issue names: a FIFO named like a shard, in the folder and reached through
     `../`, for validate and stage (each must refuse it, at once or within the timeout)."""
+
     def in_folder():
         w = worlds()
         _odd(w.epoch / "00001.ds", "fifo", w)
@@ -844,11 +1020,13 @@ def test_a_fifo_in_every_place_blocks_no_command(worlds):
 
 # ---- node slices and best-fit sidecars (issue 32: the gate for the files written after issue 24)
 
+
 def _slice_cmds(w: World, s: Path, run: Path):
     """What reads a node slice (`s`, staged from `run`)."""
     return {
-        "read": lambda: cli(w, "read", s, "--rank", "1", "--world-size", SLICE_W, "--micro-batch", SLICE_M,
-                            "--count", "6"),
+        "read": lambda: cli(
+            w, "read", s, "--rank", "1", "--world-size", SLICE_W, "--micro-batch", SLICE_M, "--count", "6"
+        ),
         "validate": lambda: cli(w, "validate", s),
         "validate-against": lambda: cli(w, "validate", s, "--against", run),
         "api-slice-dataset": lambda: api(w, "slice-dataset", s),
@@ -858,10 +1036,12 @@ def _slice_cmds(w: World, s: Path, run: Path):
 def _run_side_cmds(w: World, s: Path, run: Path):
     """What reads a run's files for a node slice, and the run's own checks."""
     return {
-        "stage-ranks": lambda: cli(w, "stage", run, w.dest, "--ranks", "0-1", "--world-size", SLICE_W,
-                                   "--micro-batch", SLICE_M),
-        "stage-node": lambda: cli(w, "stage", run, w.dest, "--node", "0/2", "--ranks-per-node", "2",
-                                  "--micro-batch", SLICE_M),
+        "stage-ranks": lambda: cli(
+            w, "stage", run, w.dest, "--ranks", "0-1", "--world-size", SLICE_W, "--micro-batch", SLICE_M
+        ),
+        "stage-node": lambda: cli(
+            w, "stage", run, w.dest, "--node", "0/2", "--ranks-per-node", "2", "--micro-batch", SLICE_M
+        ),
         "validate-against": lambda: cli(w, "validate", s, "--against", run),
         "validate-run": lambda: cli(w, "validate", run),
         "api-reader-verify": lambda: api(w, "reader", run, verify=True),
@@ -871,10 +1051,18 @@ def _run_side_cmds(w: World, s: Path, run: Path):
 SLICE_SIDE = sorted(_slice_cmds(World(Path("/")), Path("/"), Path("/")))
 RUN_SIDE = sorted(_run_side_cmds(World(Path("/")), Path("/"), Path("/")))
 SLICE_OF = {"slice": "run", "bslice": "brun", "run": "slice", "brun": "bslice"}  # each dataset and its partner
-SIDECAR_TARGETS = ["slice/epoch-00000/rank-00001.ds", "slice/epoch-00001/rank-00000.ds.index",
-                   "slice/epoch-00001/rank-00001.ds.rows", "bslice/epoch-00000/rank-00001.ds.pad",
-                   "bslice/epoch-00001/rank-00000.ds", "run/epoch-00000/00001.ds.rows", "run/epoch-00001/00000.ds",
-                   "brun/epoch-00000/00000.ds.pad", "brun/epoch-00001/00001.ds.rows", "brun/epoch-00000/00002.ds"]
+SIDECAR_TARGETS = [
+    "slice/epoch-00000/rank-00001.ds",
+    "slice/epoch-00001/rank-00000.ds.index",
+    "slice/epoch-00001/rank-00001.ds.rows",
+    "bslice/epoch-00000/rank-00001.ds.pad",
+    "bslice/epoch-00001/rank-00000.ds",
+    "run/epoch-00000/00001.ds.rows",
+    "run/epoch-00001/00000.ds",
+    "brun/epoch-00000/00000.ds.pad",
+    "brun/epoch-00001/00001.ds.rows",
+    "brun/epoch-00000/00002.ds",
+]
 SIDECAR_DAMAGE = ["outside", "epoch-link", ("extend", 800), ("extend", 3), ("truncate", 0.5), ("truncate", 0.0)]
 
 
@@ -883,16 +1071,21 @@ def _sidecar_must_fail(command: str, target: str, damage) -> bool:
     a file or epoch folder linked out is refused by everything that reads its dataset; a file
     of the wrong size by everything that reads it (the gate checks the recorded size)."""
     dataset, name = target.split("/")[0], target.rsplit("/", 1)[1]
-    suffix = name[name.index(".ds") + 3:]
+    suffix = name[name.index(".ds") + 3 :]
     linked = damage in ("outside", "epoch-link")
     if dataset.endswith("slice"):
         if linked or suffix == "":
             return True
-        return {".pad": {"validate", "validate-against", "api-slice-dataset"},
-                ".index": {"validate"}, ".rows": {"validate"}}[suffix].__contains__(command)
+        return {
+            ".pad": {"validate", "validate-against", "api-slice-dataset"},
+            ".index": {"validate"},
+            ".rows": {"validate"},
+        }[suffix].__contains__(command)
     if linked:  # the run: its files, through the slice's stage and comparison, and its own checks
         return True
-    sized = {"stage-ranks", "stage-node", "validate-run"} | ({"validate-against"} if suffix in (".rows", ".pad") else set())
+    sized = {"stage-ranks", "stage-node", "validate-run"} | (
+        {"validate-against"} if suffix in (".rows", ".pad") else set()
+    )
     return command in sized or (command == "api-reader-verify" and suffix == "")
 
 
@@ -912,8 +1105,11 @@ def _damage_sidecar(w: World, target: str, damage) -> None:
 
 
 @FUZZ
-@given(target=st.sampled_from(SIDECAR_TARGETS), damage=st.sampled_from(SIDECAR_DAMAGE),
-       picks=st.lists(st.integers(0, 100), min_size=1, max_size=3, unique=True))
+@given(
+    target=st.sampled_from(SIDECAR_TARGETS),
+    damage=st.sampled_from(SIDECAR_DAMAGE),
+    picks=st.lists(st.integers(0, 100), min_size=1, max_size=3, unique=True),
+)
 def test_damaged_slice_and_best_fit_files(worlds, target, damage, picks):
     """A node slice's rank files (and their .ds.index, .ds.rows, .ds.pad), a slice epoch folder,
     and a run's (window and best-fit) shards, row hashes and padding: linked out of the dataset
@@ -931,8 +1127,11 @@ def test_damaged_slice_and_best_fit_files(worlds, target, damage, picks):
         before = snapshot(s, run)
         _damage_sidecar(w, target, damage)
         case = guarded(table(w, s, run)[command](), _sidecar_must_fail(command, target, damage))
-        case.before = {p: b for p, b in {**case.before, **before}.items() if p.exists() and not p.is_symlink()
-                       and p != w.data / target and w.outside not in p.resolve().parents}
+        case.before = {
+            p: b
+            for p, b in {**case.before, **before}.items()
+            if p.exists() and not p.is_symlink() and p != w.data / target and w.outside not in p.resolve().parents
+        }
         cases.append(case)
     _explain(f"{damage} {target}")
     check(*cases)
@@ -948,22 +1147,66 @@ def test_slice_commands_accept_the_undamaged_world(worlds):
                 s, run = getattr(w, slice_), getattr(w, SLICE_OF[slice_])
                 cases.append(guarded(table(w, s, run)[name]()))
     for i in range(0, len(cases), 4):
-        for o in check(*cases[i:i + 4]):
+        for o in check(*cases[i : i + 4]):
             assert o.status == 0, f"{o.what}: exit {o.status}\n{o.stderr[-1000:]}"
 
 
 # ---- schedules
 
-BOMB = "".join(f"{c}: &{c} [{', '.join([f'*{p}'] * 9) if p else ', '.join(['x'] * 9)}]\n"
-               for p, c in zip([None, *"abcdefgh"], "abcdefghi"))
+BOMB = "".join(
+    f"{c}: &{c} [{', '.join([f'*{p}'] * 9) if p else ', '.join(['x'] * 9)}]\n"
+    for p, c in zip([None, *"abcdefgh"], "abcdefghi")
+)
 SCHEDULE_DAMAGE = st.one_of(
-    st.tuples(st.just("top"), st.sampled_from(["seq_len", "seed", "shard_samples", "stages", "jitter", "bogus"]),
-              st.sampled_from(["-1", "0", "1000000000000000", "1.5", "x", ".nan", ".inf", "[]", "{}", "null",
-                               "*i", "1000T", "'7'", "[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]"])),
-    st.tuples(st.just("stage"), st.sampled_from(["epochs", "tokens", "name", "sources", "extra"]),
-              st.sampled_from(["1000000000000", "1000T", "100000000000000000000000T", "0", "-3", "1.5", ".nan",
-                               "x", "*i", "[src]", "{src: 0}", "{src: -1}", "{/dev/zero: 1}", "{src: .nan}",
-                               "{src: 1e308}", "{../outside: 1}", "{src: *i}", "{'': 1}", "null"])),
+    st.tuples(
+        st.just("top"),
+        st.sampled_from(["seq_len", "seed", "shard_samples", "stages", "jitter", "bogus"]),
+        st.sampled_from(
+            [
+                "-1",
+                "0",
+                "1000000000000000",
+                "1.5",
+                "x",
+                ".nan",
+                ".inf",
+                "[]",
+                "{}",
+                "null",
+                "*i",
+                "1000T",
+                "'7'",
+                "[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]",
+            ]
+        ),
+    ),
+    st.tuples(
+        st.just("stage"),
+        st.sampled_from(["epochs", "tokens", "name", "sources", "extra"]),
+        st.sampled_from(
+            [
+                "1000000000000",
+                "1000T",
+                "100000000000000000000000T",
+                "0",
+                "-3",
+                "1.5",
+                ".nan",
+                "x",
+                "*i",
+                "[src]",
+                "{src: 0}",
+                "{src: -1}",
+                "{/dev/zero: 1}",
+                "{src: .nan}",
+                "{src: 1e308}",
+                "{../outside: 1}",
+                "{src: *i}",
+                "{'': 1}",
+                "null",
+            ]
+        ),
+    ),
     st.tuples(st.just("dup"), st.sampled_from(["seq_len", "seed"]), st.just("9")),
 )
 
@@ -979,8 +1222,10 @@ def test_hostile_schedule(worlds, damage, plan, name):
         if f"{key}:" not in SCHEDULE:
             text += f"\n{key}: {value}"
     elif where == "stage":
-        text = text.replace("    epochs: 1\n", f"    epochs: 1\n    {key}: {value}\n" if key not in ("epochs",)
-                            else f"    epochs: {value}\n")
+        text = text.replace(
+            "    epochs: 1\n",
+            f"    epochs: 1\n    {key}: {value}\n" if key not in ("epochs",) else f"    epochs: {value}\n",
+        )
         if key in ("epochs", "tokens"):
             text = text.replace("    tokens: 700\n", f"    {key}: {value}\n") if key == "tokens" else text
     else:
@@ -995,8 +1240,11 @@ def test_hostile_schedule(worlds, damage, plan, name):
 def test_an_alias_bomb_is_refused(worlds):
     """A billion-laughs schedule: one line, exit 1, no memory taken (the limit would kill it)."""
     cases = []
-    for text in (SCHEDULE.replace("sources: {src: 1}", "sources: {src: 1}\n    extra: *i"),
-                 SCHEDULE.replace("seed: 1", "seed: *i"), SCHEDULE.replace("sources: {src: 1}", "sources: *i")):
+    for text in (
+        SCHEDULE.replace("sources: {src: 1}", "sources: {src: 1}\n    extra: *i"),
+        SCHEDULE.replace("seed: 1", "seed: *i"),
+        SCHEDULE.replace("sources: {src: 1}", "sources: *i"),
+    ):
         for plan in ([], ["plan"]):
             w = worlds()
             w.sched.write_text(BOMB + text)
@@ -1008,18 +1256,33 @@ def test_an_alias_bomb_is_refused(worlds):
 
 LOCKS = st.one_of(
     st.binary(max_size=64),
-    st.sampled_from([b"", b"{}", b"[]", b"null", b"NaN", b'{"pid": "x"}', b'{"pid": -1, "host": null}',
-                     b'{"pid": 1e400}', b'{"pid": 100000000000000000000, "host": "%s"}' % socket.gethostname().encode(),
-                     b'{"pid": 1, "host": "%s", "start": "x"}' % socket.gethostname().encode(),
-                     b'{"pid": 1, "host": "elsewhere", "command": "shuffle"}', b"[" * 100_000,
-                     b'{"host": {"a": 1}, "pid": [1]}', b"\xff\xfe\x00garbage"]),
+    st.sampled_from(
+        [
+            b"",
+            b"{}",
+            b"[]",
+            b"null",
+            b"NaN",
+            b'{"pid": "x"}',
+            b'{"pid": -1, "host": null}',
+            b'{"pid": 1e400}',
+            b'{"pid": 100000000000000000000, "host": "%s"}' % socket.gethostname().encode(),
+            b'{"pid": 1, "host": "%s", "start": "x"}' % socket.gethostname().encode(),
+            b'{"pid": 1, "host": "elsewhere", "command": "shuffle"}',
+            b"[" * 100_000,
+            b'{"host": {"a": 1}, "pid": [1]}',
+            b"\xff\xfe\x00garbage",
+        ]
+    ),
 )
 
 
-LOCKED = {"pack": lambda w: (w.out, ["pack", w.npy, "-o", w.out, "--eos-id", "0", "--vocab-size", "1000"]),
-          "shuffle": lambda w: (w.out, ["shuffle", w.src, "-o", w.out, *SEQ, "--epochs", "1", *OOC]),
-          "shuffle-add": lambda w: (w.run, ["shuffle", w.src, "-o", w.run, *SEQ, "--epoch", "2", *OOC]),
-          "stage": lambda w: (w.dest, ["stage", w.run, w.dest])}
+LOCKED = {
+    "pack": lambda w: (w.out, ["pack", w.npy, "-o", w.out, "--eos-id", "0", "--vocab-size", "1000"]),
+    "shuffle": lambda w: (w.out, ["shuffle", w.src, "-o", w.out, *SEQ, "--epochs", "1", *OOC]),
+    "shuffle-add": lambda w: (w.run, ["shuffle", w.src, "-o", w.run, *SEQ, "--epoch", "2", *OOC]),
+    "stage": lambda w: (w.dest, ["stage", w.run, w.dest]),
+}
 
 
 @FUZZ
@@ -1060,12 +1323,15 @@ def test_damaged_shuffle_work_files(worlds, pick, damage):
     f = files[pick % len(files)]
     damage_bytes(f, damage)
     _explain(f"{damage[0]} {f.relative_to(w.wrun)}")
-    resumed, clean = check(guarded(cli(w, "shuffle", w.src, "-o", w.wrun, *SEQ, "--epochs", "1", *OOC)),
-                           guarded(cli(w, "shuffle", w.src, "-o", w.out, *SEQ, "--epochs", "1", *OOC)))
+    resumed, clean = check(
+        guarded(cli(w, "shuffle", w.src, "-o", w.wrun, *SEQ, "--epochs", "1", *OOC)),
+        guarded(cli(w, "shuffle", w.src, "-o", w.out, *SEQ, "--epochs", "1", *OOC)),
+    )
     if resumed.status == 0:  # resumed: its bytes must be those of a clean run
         for shard in sorted((w.out / "epoch-00000").glob("*.ds")):
-            assert (w.wrun / "epoch-00000" / shard.name).read_bytes() == shard.read_bytes(), \
+            assert (w.wrun / "epoch-00000" / shard.name).read_bytes() == shard.read_bytes(), (
                 f"resumed epoch differs from a clean one in {shard.name} after {damage[0]} of {f.name}"
+            )
 
 
 # ---- extreme arguments
@@ -1077,13 +1343,32 @@ EXTREME = {
     "shuffle --samples": lambda w, v: ["shuffle", w.src, "-o", w.out, *SEQ, "--epochs", "1", "--samples", v, *OOC],
     "shuffle --tokens": lambda w, v: ["shuffle", w.src, "-o", w.out, *SEQ, "--epochs", "1", "--tokens", v, *OOC],
     "shuffle --seq-len": lambda w, v: ["shuffle", w.src, "-o", w.out, "--seed", "1", "--seq-len", v, "--epochs", "1"],
-    "shuffle --shard-samples": lambda w, v: ["shuffle", w.src, "-o", w.out, *SEQ, "--epochs", "1",
-                                             "--shard-samples", v],
+    "shuffle --shard-samples": lambda w, v: [
+        "shuffle",
+        w.src,
+        "-o",
+        w.out,
+        *SEQ,
+        "--epochs",
+        "1",
+        "--shard-samples",
+        v,
+    ],
     "shuffle --memory": lambda w, v: ["shuffle", w.src, "-o", w.out, *SEQ, "--epochs", "1", "--memory", v],
     "shuffle --workers": lambda w, v: ["shuffle", w.src, "-o", w.out, *SEQ, "--epochs", "1", *OOC, "--workers", v],
     "shuffle --seed": lambda w, v: ["shuffle", w.src, "-o", w.out, "--seq-len", "7", "--seed", v, "--epochs", "1"],
-    "shuffle weight": lambda w, v: ["shuffle", f"{w.src}={v}", f"{w.other}=1", "-o", w.out, *SEQ, "--epochs", "1",
-                                    "--samples", "50"],
+    "shuffle weight": lambda w, v: [
+        "shuffle",
+        f"{w.src}={v}",
+        f"{w.other}=1",
+        "-o",
+        w.out,
+        *SEQ,
+        "--epochs",
+        "1",
+        "--samples",
+        "50",
+    ],
     "plan shuffle --epochs": lambda w, v: ["plan", "shuffle", w.src, "-o", w.out, *SEQ, "--epochs", v],
     "plan shuffle --tokens": lambda w, v: ["plan", "shuffle", w.src, "-o", w.out, *SEQ, "--epochs", "1", "--tokens", v],
     "read --start-sample": lambda w, v: ["read", w.run, "--start-sample", v],
@@ -1103,17 +1388,64 @@ EXTREME = {
     "inspect --epoch": lambda w, v: ["inspect", w.run, "--epoch", v],
     "inspect --seq-len": lambda w, v: ["inspect", w.src, "--seq-len", v],
     "validate --workers": lambda w, v: ["validate", w.run, "--workers", v],
-    "pack --shard-tokens": lambda w, v: ["pack", w.npy, "-o", w.out, "--eos-id", "0", "--vocab-size", "1000",
-                                         "--shard-tokens", v],
+    "pack --shard-tokens": lambda w, v: [
+        "pack",
+        w.npy,
+        "-o",
+        w.out,
+        "--eos-id",
+        "0",
+        "--vocab-size",
+        "1000",
+        "--shard-tokens",
+        v,
+    ],
     "pack --vocab-size": lambda w, v: ["pack", w.npy, "-o", w.out, "--eos-id", "0", "--vocab-size", v],
     "pack --eos-id": lambda w, v: ["pack", w.npy, "-o", w.out, "--eos-id", v, "--vocab-size", "1000"],
-    "pack --workers": lambda w, v: ["pack", w.npy, "-o", w.out, "--eos-id", "0", "--vocab-size", "1000",
-                                    "--workers", v],
-    "plan pack --shard-tokens": lambda w, v: ["plan", "pack", w.npy, "-o", w.out, "--eos-id", "0",
-                                              "--vocab-size", "1000", "--shard-tokens", v],
+    "pack --workers": lambda w, v: [
+        "pack",
+        w.npy,
+        "-o",
+        w.out,
+        "--eos-id",
+        "0",
+        "--vocab-size",
+        "1000",
+        "--workers",
+        v,
+    ],
+    "plan pack --shard-tokens": lambda w, v: [
+        "plan",
+        "pack",
+        w.npy,
+        "-o",
+        w.out,
+        "--eos-id",
+        "0",
+        "--vocab-size",
+        "1000",
+        "--shard-tokens",
+        v,
+    ],
 }
-RANGES = ["0-100000000000", "0-99999999/100000000", "0/100000000", "5-3", "1,1,1", "-1", "0-", "-",
-          "1/0", "0,1/2", "99999999999/100000000000", "0-1" * 2000, "0" + ",0" * 20_000, "1B", "1KiB", "0B"]
+RANGES = [
+    "0-100000000000",
+    "0-99999999/100000000",
+    "0/100000000",
+    "5-3",
+    "1,1,1",
+    "-1",
+    "0-",
+    "-",
+    "1/0",
+    "0,1/2",
+    "99999999999/100000000000",
+    "0-1" * 2000,
+    "0" + ",0" * 20_000,
+    "1B",
+    "1KiB",
+    "0B",
+]
 
 
 @FUZZ
@@ -1123,11 +1455,19 @@ def test_extreme_arguments(worlds, options, value, name):
     check(*(guarded(cli(w, *EXTREME[option](w, value))) for option in options for w in [worlds(name)]))
 
 
-@pytest.mark.parametrize("option, value", [
-    ("stage --epochs", "0-100000000000"), ("stage --ranks", "0-99999999/100000000"),
-    ("shuffle --samples", "1000000000000000"), ("shuffle --tokens", "1000T"), ("shuffle --epochs", "1000000000000"),
-    ("shuffle --memory", "1B"), ("plan shuffle --epochs", "1000000000000000"), ("plan stage --epochs", "0-100000000000"),
-])
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("stage --epochs", "0-100000000000"),
+        ("stage --ranks", "0-99999999/100000000"),
+        ("shuffle --samples", "1000000000000000"),
+        ("shuffle --tokens", "1000T"),
+        ("shuffle --epochs", "1000000000000"),
+        ("shuffle --memory", "1B"),
+        ("plan shuffle --epochs", "1000000000000000"),
+        ("plan stage --epochs", "0-100000000000"),
+    ],
+)
 def test_the_counts_the_issue_names_are_refused(worlds, option, value):
     """Each must be refused in one line (the memory limit kills a command that tries to build it)."""
     w = worlds()
@@ -1145,18 +1485,30 @@ OUTPUT_CASES = {
     "stage": lambda w: ["stage", w.run, w.dest],
     "stage-ranks": lambda w: ["stage", w.run, w.dest, "--ranks", "0/2"],
 }
-PLANTS = ["{out}/notes.txt", "{out}/notes.ds/mine.txt", "{out}/epoch-00000/notes.txt", "{out}/epoch-00002/notes.txt",
-          "{out}/00000.ds.notes", "{out}/.tokpack-work/notes.txt", "{out}/epoch-00000/00099.ds",
-          "{out}/tokpack.json.notes", "{out}/notes.ds"]
+PLANTS = [
+    "{out}/notes.txt",
+    "{out}/notes.ds/mine.txt",
+    "{out}/epoch-00000/notes.txt",
+    "{out}/epoch-00002/notes.txt",
+    "{out}/00000.ds.notes",
+    "{out}/.tokpack-work/notes.txt",
+    "{out}/epoch-00000/00099.ds",
+    "{out}/tokpack.json.notes",
+    "{out}/notes.ds",
+]
 
 
 @FUZZ
-@given(command=st.sampled_from(sorted(OUTPUT_CASES)), plants=st.sets(st.sampled_from(PLANTS), min_size=1, max_size=3),
-       rerun=st.booleans())
+@given(
+    command=st.sampled_from(sorted(OUTPUT_CASES)),
+    plants=st.sets(st.sampled_from(PLANTS), min_size=1, max_size=3),
+    rerun=st.booleans(),
+)
 def test_user_files_in_an_output_survive(worlds, command, plants, rerun):
     w = worlds()
-    out = {"shuffle": w.out, "shuffle-add": w.run, "stage": w.dest, "stage-ranks": w.dest,
-           "pack-over-src": w.src}.get(command, w.out)
+    out = {"shuffle": w.out, "shuffle-add": w.run, "stage": w.dest, "stage-ranks": w.dest, "pack-over-src": w.src}.get(
+        command, w.out
+    )
     if rerun:  # the output exists already, as the command made it
         check(cli(w, *OUTPUT_CASES[command](w)))
     for p in sorted(plants):
@@ -1184,6 +1536,7 @@ def test_tokpack_dataset_refuses_what_the_reader_refuses(worlds):
             doc = json.loads((d / "epoch-00000" / "tokpack.json").read_text())
             (doc["shards"][index] if index is not None else doc)[key] = value
             (d / "epoch-00000" / "tokpack.json").write_text(dumps(doc))
+
         return damage
 
     variant("absolute", set_field("path", str(w.outside / "00000.ds"), 0))
@@ -1206,25 +1559,29 @@ def test_pack_refuses_the_same_input_twice(worlds):
         w = worlds()
         (w.data / "link.npy").symlink_to(w.npy)
         os.link(w.npy, w.data / "hard.npy")
-        cases.append(guarded(cli(w, "pack", w.npy, w.data / second, "-o", w.out, "--eos-id", "0",
-                                 "--vocab-size", "1000"), True))
+        cases.append(
+            guarded(cli(w, "pack", w.npy, w.data / second, "-o", w.out, "--eos-id", "0", "--vocab-size", "1000"), True)
+        )
     check(*cases)
 
 
 # ---- best-fit padding, slice and best-fit manifests, a DEST of another copy (issue 32, item 8)
+
 
 def _packed_cmds(w: World, s: Path, run: Path):
     """What reads a best-fit run's padding (`run`) or its node slice's (`s`)."""
     return {
         "validate-run": lambda: cli(w, "validate", run, "--workers", "1"),
         "validate-run-against": lambda: cli(w, "validate", run, "--against", w.src, "--workers", "1"),
-        "stage-ranks": lambda: cli(w, "stage", run, w.dest, "--ranks", "0-1", "--world-size", SLICE_W,
-                                   "--micro-batch", SLICE_M),
+        "stage-ranks": lambda: cli(
+            w, "stage", run, w.dest, "--ranks", "0-1", "--world-size", SLICE_W, "--micro-batch", SLICE_M
+        ),
         "api-dataset-verify": lambda: api(w, "dataset", run, verify=True),
         "validate-slice": lambda: cli(w, "validate", s),
         "validate-slice-against": lambda: cli(w, "validate", s, "--against", run),
-        "read-slice": lambda: cli(w, "read", s, "--rank", "0", "--world-size", SLICE_W, "--micro-batch", SLICE_M,
-                                  "--count", "6"),
+        "read-slice": lambda: cli(
+            w, "read", s, "--rank", "0", "--world-size", SLICE_W, "--micro-batch", SLICE_M, "--count", "6"
+        ),
         "api-slice-dataset": lambda: api(w, "slice-dataset", s, verify=True),
     }
 
@@ -1232,8 +1589,12 @@ def _packed_cmds(w: World, s: Path, run: Path):
 PACKED_CMDS = sorted(_packed_cmds(World(Path("/")), Path("/"), Path("/")))
 RUN_PACKED = [c for c in PACKED_CMDS if "slice" not in c]
 SLICE_PACKED = [c for c in PACKED_CMDS if "slice" in c]
-PAD_FILES = ["brun/epoch-00000/00000.ds.pad", "brun/epoch-00001/00002.ds.pad",
-             "bslice/epoch-00000/rank-00001.ds.pad", "bslice/epoch-00001/rank-00000.ds.pad"]
+PAD_FILES = [
+    "brun/epoch-00000/00000.ds.pad",
+    "brun/epoch-00001/00002.ds.pad",
+    "bslice/epoch-00000/rank-00001.ds.pad",
+    "bslice/epoch-00001/rank-00000.ds.pad",
+]
 # Padding rewritten in place at the right size: moved between rows (the sum kept), zeroed, one
 # row's padding longer than the row (seq_len 7: 8 tokens a row) or 2^30, one row's bumped by one.
 PAD_VALUES = ["shift", "zero", "past-row", "huge", "bump"]
@@ -1324,8 +1685,12 @@ def _padding_must_fail(command: str, target: str, damage: str, reseal: str, chan
 
 
 @FUZZ
-@given(target=st.sampled_from(PAD_FILES), damage=st.sampled_from(PAD_VALUES + PAD_CLAIMS),
-       reseal=st.sampled_from(RESEAL), picks=st.lists(st.integers(0, 100), min_size=1, max_size=3, unique=True))
+@given(
+    target=st.sampled_from(PAD_FILES),
+    damage=st.sampled_from(PAD_VALUES + PAD_CLAIMS),
+    reseal=st.sampled_from(RESEAL),
+    picks=st.lists(st.integers(0, 100), min_size=1, max_size=3, unique=True),
+)
 def test_best_fit_padding_rewritten_or_unvouched(worlds, target, damage, reseal, picks):
     """A best-fit run's or its slice's `.ds.pad` rewritten in place at the right size (moved,
     zeroed, longer than its row, bumped), left unsealed or resealed with its checksum (and the
@@ -1336,8 +1701,9 @@ def test_best_fit_padding_rewritten_or_unvouched(worlds, target, damage, reseal,
     for command in sorted({names[p % len(names)] for p in picks}):
         w = worlds()
         changed = _damage_padding(w, target, damage, reseal)
-        case = guarded(_packed_cmds(w, w.bslice, w.brun)[command](),
-                       _padding_must_fail(command, target, damage, reseal, changed))
+        case = guarded(
+            _packed_cmds(w, w.bslice, w.brun)[command](), _padding_must_fail(command, target, damage, reseal, changed)
+        )
         case.before |= snapshot(w.brun, w.bslice)  # read only, the damaged files as damaged
         cases.append(case)
     _explain(f"{damage} {target} (reseal: {reseal})")
@@ -1354,21 +1720,47 @@ def test_a_slice_padding_file_gone_is_refused_at_open(worlds):
         w = worlds()
         (w.bslice / "epoch-00000" / "rank-00001.ds.pad").unlink()
         rank = "0" if case == "read-other-rank" else "1"
-        cases.append(guarded(api(w, "slice-dataset", w.bslice, verify=case == "verify") if case.endswith("verify") else
-                             cli(w, "read", w.bslice, "--rank", rank, "--world-size", SLICE_W, "--micro-batch", SLICE_M,
-                                 "--count", "6"), True))
+        cases.append(
+            guarded(
+                api(w, "slice-dataset", w.bslice, verify=case == "verify")
+                if case.endswith("verify")
+                else cli(
+                    w,
+                    "read",
+                    w.bslice,
+                    "--rank",
+                    rank,
+                    "--world-size",
+                    SLICE_W,
+                    "--micro-batch",
+                    SLICE_M,
+                    "--count",
+                    "6",
+                ),
+                True,
+            )
+        )
     for o in check(*cases):
         assert "rank-00001.ds.pad" in o.stderr and "is missing" in o.stderr, o.stderr
 
 
 # Manifests of node slices and best-fit epochs, mutated as issue 24's are.
-SLICE_MANIFESTS = {"slice": "slice", "slice-epoch": "slice/epoch-00000", "bslice-epoch": "bslice/epoch-00001",
-                   "brun-epoch": "brun/epoch-00000", "brun": "brun"}
+SLICE_MANIFESTS = {
+    "slice": "slice",
+    "slice-epoch": "slice/epoch-00000",
+    "bslice-epoch": "bslice/epoch-00001",
+    "brun-epoch": "brun/epoch-00000",
+    "brun": "brun",
+}
 
 
 @FUZZ
-@given(mutation=mutations, place=st.sampled_from(sorted(SLICE_MANIFESTS)),
-       picks=st.lists(st.integers(0, 100), min_size=1, max_size=3, unique=True), name=st.sampled_from(ODD_NAMES))
+@given(
+    mutation=mutations,
+    place=st.sampled_from(sorted(SLICE_MANIFESTS)),
+    picks=st.lists(st.integers(0, 100), min_size=1, max_size=3, unique=True),
+    name=st.sampled_from(ODD_NAMES),
+)
 def test_damaged_slice_and_best_fit_manifest(worlds, mutation, place, picks, name):
     """A node slice's root or epoch manifest, a best-fit run's or epoch's (its packing,
     padding_tokens, pad_xxh3_128 among the fields), mutated at the JSON level: the commands
@@ -1395,17 +1787,39 @@ DEST_STAGES = {
     "stage-epochs": lambda w: ["stage", w.run, w.dest, "--epochs", "1"],
     "stage-shards-of": lambda w: ["stage", w.run, w.dest, "--shards-of", "1/2", "--micro-batch", "2"],
     "stage-epoch": lambda w: ["stage", w.epoch, w.dest],
-    "stage-ranks": lambda w: ["stage", w.run, w.dest, "--ranks", "0-1", "--world-size", SLICE_W,
-                              "--micro-batch", SLICE_M],
-    "stage-node": lambda w: ["stage", w.run, w.dest, "--node", "0/2", "--ranks-per-node", "2", "--micro-batch", SLICE_M],
+    "stage-ranks": lambda w: [
+        "stage",
+        w.run,
+        w.dest,
+        "--ranks",
+        "0-1",
+        "--world-size",
+        SLICE_W,
+        "--micro-batch",
+        SLICE_M,
+    ],
+    "stage-node": lambda w: [
+        "stage",
+        w.run,
+        w.dest,
+        "--node",
+        "0/2",
+        "--ranks-per-node",
+        "2",
+        "--micro-batch",
+        SLICE_M,
+    ],
 }
 # The stages whose own copy each DEST is: only those may write there.
 OWN_COPY = {"run-copy": {"stage", "stage-epochs", "stage-shards-of"}, "slice": {"stage-ranks", "stage-node"}}
 
 
 @FUZZ
-@given(holds=st.sampled_from(sorted(DEST_HOLDS)), unfinished=st.sampled_from(["no", "root", "root+epoch"]),
-       commands=st.lists(st.sampled_from(sorted(DEST_STAGES)), min_size=1, max_size=3, unique=True))
+@given(
+    holds=st.sampled_from(sorted(DEST_HOLDS)),
+    unfinished=st.sampled_from(["no", "root", "root+epoch"]),
+    commands=st.lists(st.sampled_from(sorted(DEST_STAGES)), min_size=1, max_size=3, unique=True),
+)
 def test_stage_into_a_dest_holding_another_copy(worlds, holds, unfinished, commands):
     """DEST holds a copy, finished or left unfinished by a killed stage (its root manifest, or
     that and an epoch's, gone): a stage of another kind, or of another run, is refused with one
@@ -1516,31 +1930,99 @@ for call, path, arg in json.loads(sys.argv[1]):
               flush=True)
 """
 
-HOSTILE_VALUES = [None, True, False, -1, 0, 1, 3, 2**63, 2**64, -2**63 - 1, 10**30, 3.5, float("nan"), float("inf"),
-                  "", "x", "5", "3M", "64MiB", "1GB", [], {}, [1, 2], {"a": 1}]
+HOSTILE_VALUES = [
+    None,
+    True,
+    False,
+    -1,
+    0,
+    1,
+    3,
+    2**63,
+    2**64,
+    -(2**63) - 1,
+    10**30,
+    3.5,
+    float("nan"),
+    float("inf"),
+    "",
+    "x",
+    "5",
+    "3M",
+    "64MiB",
+    "1GB",
+    [],
+    {},
+    [1, 2],
+    {"a": 1},
+]
 DATASET_KEYS = ["rank", "world_size", "micro_batch", "start_sample", "consumed_tokens", "positions", "verify"]
-READER_CALLS = {"batches": ["rank", "world_size", "micro_batch", "start", "positions", "steps", "worker",
-                            "num_workers", "first_step"],
-                "start_from": ["start_sample", "consumed_tokens"], "position": ["epoch", "sample"],
-                "read": ["g", "n"]}
-READER_BASE = {"batches": {"rank": 0, "world_size": 1, "micro_batch": 1}, "start_from": {},
-               "position": {"epoch": 0, "sample": 0}, "read": {"g": 0, "n": 1}}
+READER_CALLS = {
+    "batches": [
+        "rank",
+        "world_size",
+        "micro_batch",
+        "start",
+        "positions",
+        "steps",
+        "worker",
+        "num_workers",
+        "first_step",
+    ],
+    "start_from": ["start_sample", "consumed_tokens"],
+    "position": ["epoch", "sample"],
+    "read": ["g", "n"],
+}
+READER_BASE = {
+    "batches": {"rank": 0, "world_size": 1, "micro_batch": 1},
+    "start_from": {},
+    "position": {"epoch": 0, "sample": 0},
+    "read": {"g": 0, "n": 1},
+}
 API_FUNCTIONS = {  # (function, its positional arguments in a world, the keywords fuzzed)
-    "shuffle": (lambda w: [str(w.src), str(w.out)],
-                ["seq_len", "seed", "epochs", "samples", "tokens", "shard_samples", "memory", "jitter", "pad_id",
-                 "packing"]),
-    "stage": (lambda w: [str(w.run), str(w.dest)],
-              ["workers", "epochs", "micro_batch", "world_size", "ranks", "start_sample", "node", "ranks_per_node",
-               "shards_of"]),
+    "shuffle": (
+        lambda w: [str(w.src), str(w.out)],
+        ["seq_len", "seed", "epochs", "samples", "tokens", "shard_samples", "memory", "jitter", "pad_id", "packing"],
+    ),
+    "stage": (
+        lambda w: [str(w.run), str(w.dest)],
+        [
+            "workers",
+            "epochs",
+            "micro_batch",
+            "world_size",
+            "ranks",
+            "start_sample",
+            "node",
+            "ranks_per_node",
+            "shards_of",
+        ],
+    ),
     "validate": (lambda w: [str(w.run)], ["workers", "quick", "against"]),
     "inspect": (lambda w: [str(w.run)], ["batch_size", "batches", "seq_len", "epoch", "memory"]),
     "pack": (lambda w: [str(w.npy), str(w.out)], ["eos_id", "vocab_size", "shard_tokens", "dtype", "overwrite"]),
 }
 API_BASE = {"shuffle": {"seq_len": 7, "seed": 1, "epochs": 1}, "pack": {"eos_id": 0, "vocab_size": 1000}}
-STATE_MUTATIONS = st.tuples(st.sampled_from(["delete", "replace", "wrap", "extra", "whole"]), st.integers(0, 10**6),
-                            st.sampled_from(HOSTILE_VALUES))
-INT_KEYS = {"rank", "world_size", "micro_batch", "start_sample", "start", "steps", "worker", "num_workers",
-            "first_step", "epoch", "sample", "g", "n"}
+STATE_MUTATIONS = st.tuples(
+    st.sampled_from(["delete", "replace", "wrap", "extra", "whole"]),
+    st.integers(0, 10**6),
+    st.sampled_from(HOSTILE_VALUES),
+)
+INT_KEYS = {
+    "rank",
+    "world_size",
+    "micro_batch",
+    "start_sample",
+    "start",
+    "steps",
+    "worker",
+    "num_workers",
+    "first_step",
+    "epoch",
+    "sample",
+    "g",
+    "n",
+}
 
 
 def _plainly_wrong(key: str, value) -> bool:
@@ -1553,22 +2035,50 @@ def _plainly_wrong(key: str, value) -> bool:
     if key in INT_KEYS:
         if value is None:
             return key not in ("start_sample", "steps", "first_step")
-        return not isinstance(value, int) or isinstance(value, bool) or value < 0 or (
-            key in ("world_size", "micro_batch", "num_workers") and value == 0)
+        return (
+            not isinstance(value, int)
+            or isinstance(value, bool)
+            or value < 0
+            or (key in ("world_size", "micro_batch", "num_workers") and value == 0)
+        )
     return False
 
 
 api_calls_strategy = st.one_of(
-    st.tuples(st.just("dataset-args"), st.sampled_from(["run", "brun", "slice"]),
-              st.dictionaries(st.sampled_from(DATASET_KEYS), st.sampled_from(HOSTILE_VALUES), min_size=1, max_size=2)),
-    st.tuples(st.just("reader-args"), st.sampled_from(["run", "brun", "slice"]),
-              st.sampled_from(sorted(READER_CALLS)).flatmap(lambda m: st.tuples(st.just(m), st.dictionaries(
-                  st.sampled_from(READER_CALLS[m]), st.sampled_from(HOSTILE_VALUES), min_size=1, max_size=2)))),
-    st.tuples(st.just("api-args"), st.just("-"),
-              st.sampled_from(sorted(API_FUNCTIONS)).flatmap(lambda f: st.tuples(st.just(f), st.dictionaries(
-                  st.sampled_from(API_FUNCTIONS[f][1]), st.sampled_from(HOSTILE_VALUES), min_size=1, max_size=2)))),
-    st.tuples(st.sampled_from(["dataset-state", "loader-state", "consumed"]), st.sampled_from(["run", "brun"]),
-              st.tuples(st.sampled_from([0, 2]), st.sampled_from([0, 2]), STATE_MUTATIONS)),
+    st.tuples(
+        st.just("dataset-args"),
+        st.sampled_from(["run", "brun", "slice"]),
+        st.dictionaries(st.sampled_from(DATASET_KEYS), st.sampled_from(HOSTILE_VALUES), min_size=1, max_size=2),
+    ),
+    st.tuples(
+        st.just("reader-args"),
+        st.sampled_from(["run", "brun", "slice"]),
+        st.sampled_from(sorted(READER_CALLS)).flatmap(
+            lambda m: st.tuples(
+                st.just(m),
+                st.dictionaries(
+                    st.sampled_from(READER_CALLS[m]), st.sampled_from(HOSTILE_VALUES), min_size=1, max_size=2
+                ),
+            )
+        ),
+    ),
+    st.tuples(
+        st.just("api-args"),
+        st.just("-"),
+        st.sampled_from(sorted(API_FUNCTIONS)).flatmap(
+            lambda f: st.tuples(
+                st.just(f),
+                st.dictionaries(
+                    st.sampled_from(API_FUNCTIONS[f][1]), st.sampled_from(HOSTILE_VALUES), min_size=1, max_size=2
+                ),
+            )
+        ),
+    ),
+    st.tuples(
+        st.sampled_from(["dataset-state", "loader-state", "consumed"]),
+        st.sampled_from(["run", "brun"]),
+        st.tuples(st.sampled_from([0, 2]), st.sampled_from([0, 2]), STATE_MUTATIONS),
+    ),
 )
 
 
@@ -1581,8 +2091,14 @@ def _api_arg_case(w: World, call: str, place: str, arg) -> Case:
     elif call == "reader-args":
         method, kw = arg
         must = any(_plainly_wrong(k, v) for k, v in kw.items())
-        base = {**READER_BASE[method], **({"world_size": SLICE_W, "micro_batch": SLICE_M, "rank": 1}
-                                         if place == "slice" and method == "batches" else {})}
+        base = {
+            **READER_BASE[method],
+            **(
+                {"world_size": SLICE_W, "micro_batch": SLICE_M, "rank": 1}
+                if place == "slice" and method == "batches"
+                else {}
+            ),
+        }
         arg = [method, {**base, **kw}]
     elif call == "api-args":
         fn, kw = arg

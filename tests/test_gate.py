@@ -34,8 +34,19 @@ def pristine(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("gate")
     rng = np.random.default_rng(8)
     src = write_source(base / "src", random_docs(rng, 120, 1000, 0, 5, 50))
-    shuffle_run([str(src)], str(base / "run"), seq_len=SEQ, seed=3, epochs=[0, 1], samples=None, shard_samples=20,
-                memory=8 << 20, packing="best-fit", jitter=False, log=None)
+    shuffle_run(
+        [str(src)],
+        str(base / "run"),
+        seq_len=SEQ,
+        seed=3,
+        epochs=[0, 1],
+        samples=None,
+        shard_samples=20,
+        memory=8 << 20,
+        packing="best-fit",
+        jitter=False,
+        log=None,
+    )
     stage_slice(str(base / "run"), base / "slice", ranks="0-1", world_size=W, micro_batch=M)
     shard = json.loads((base / "run" / epoch_dir_name(1) / MANIFEST).read_text())["shards"][0]
     assert {"rows_xxh3_128", "pad_xxh3_128"} <= set(shard), shard
@@ -116,8 +127,9 @@ def test_a_run_file_linked_out_is_refused_by_stage_ranks_and_validate_against(da
 
 @pytest.mark.parametrize("suffix", ["", ".rows", ".pad"])
 @pytest.mark.parametrize("change", [800, -8])
-def test_a_run_file_longer_or_shorter_than_recorded_is_refused_before_anything_is_written(data, tmp_path, suffix,
-                                                                                          change):
+def test_a_run_file_longer_or_shorter_than_recorded_is_refused_before_anything_is_written(
+    data, tmp_path, suffix, change
+):
     """Before the gate, `stage --ranks` took a run file 800 bytes longer than its manifest
     records; one cut short was found only when read, after epoch 0 had been staged. The damaged
     file is in epoch 1: the refusal comes before epoch 0 is written."""

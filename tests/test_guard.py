@@ -17,8 +17,14 @@ from tokpack.formats.guard import LOCK_NAME, OutputLock, process_start, process_
 
 
 def holder(pid: int, token: str = "f" * 32, host: str | None = None) -> dict:
-    return {"host": host or socket.gethostname(), "pid": pid, "start": process_start(pid), "since": 0.0,
-            "command": "tokpack shuffle (another)", "token": token}
+    return {
+        "host": host or socket.gethostname(),
+        "pid": pid,
+        "start": process_start(pid),
+        "since": 0.0,
+        "command": "tokpack shuffle (another)",
+        "token": token,
+    }
 
 
 @pytest.fixture
@@ -93,22 +99,26 @@ def test_refusals_are_whole_lines(tmp_path, other_live_process):
     assert str(err.value) == (
         f"{path}: output directory is in use by another tokpack command (host {socket.gethostname()}, pid "
         f"{other_live_process}, started 1970-01-01 00:00:00 UTC, command `tokpack shuffle (another)`). "
-        "HINT: wait for it to finish, or write to another directory")
+        "HINT: wait for it to finish, or write to another directory"
+    )
     path.write_text(json.dumps({"host": "another-host.example", "pid": 5}))
     with pytest.raises(TokpackError) as err:
         OutputLock(tmp_path, "tokpack pack").acquire()
     assert str(err.value) == (
         f"{path}: output directory is in use by another tokpack command (host another-host.example, pid 5, "
         f"started ?, command `?`). HINT: wait for it to finish, or write to another directory; if no tokpack "
-        f"command runs on another-host.example any more, delete {path}")
+        f"command runs on another-host.example any more, delete {path}"
+    )
     (tmp_path / "file").write_text("x")
     with pytest.raises(TokpackError) as err:
         OutputLock(tmp_path / "file", "tokpack pack").acquire()
     assert str(err.value) == f"{tmp_path / 'file'}: output exists and is not a directory. HINT: choose another path"
     with pytest.raises(TokpackError) as err:
         OutputLock(tmp_path / "file" / "out", "tokpack pack").acquire()
-    assert str(err.value).startswith(f"{tmp_path / 'file' / 'out'}: cannot create the output directory; expected "
-                                     "a directory tokpack can create, found ")
+    assert str(err.value).startswith(
+        f"{tmp_path / 'file' / 'out'}: cannot create the output directory; expected "
+        "a directory tokpack can create, found "
+    )
     assert str(err.value).endswith(". HINT: check the path (symbolic links included) and that it is writable")
 
 
@@ -168,8 +178,10 @@ def test_a_holder_that_is_a_zombie_is_gone(tmp_path):
 def test_a_holder_whose_main_thread_exited_alone_is_still_live(tmp_path):
     """A process whose leader thread exited by itself shows as a zombie while its other threads
     still run (and may write): the lock stays refused."""
-    code = ("import ctypes, threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()\n"
-            "print('ready', flush=True)\nctypes.CDLL(None).pthread_exit(None)\n")
+    code = (
+        "import ctypes, threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()\n"
+        "print('ready', flush=True)\nctypes.CDLL(None).pthread_exit(None)\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "ready\n"
@@ -184,7 +196,7 @@ def test_a_holder_whose_main_thread_exited_alone_is_still_live(tmp_path):
         proc.wait()
 
 
-@pytest.mark.parametrize("pid", [2 ** 31, 10 ** 15, 2 ** 63 + 5])
+@pytest.mark.parametrize("pid", [2**31, 10**15, 2**63 + 5])
 def test_a_holder_pid_past_any_the_kernel_gives_is_gone_not_a_traceback(tmp_path, pid):
     """A lock file (damaged, or hostile) naming a pid no process can have on this host: kill(0)
     overflowed (OverflowError, a traceback); no process holds it, so it is taken over in one line."""

@@ -38,8 +38,10 @@ def cli(*args):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("holdout")
-    docs = {"web": random_docs(np.random.default_rng(5), 160, 1000, EOS, max_len=150),
-            "code": random_docs(np.random.default_rng(6), 80, 1000, EOS, max_len=90)}
+    docs = {
+        "web": random_docs(np.random.default_rng(5), 160, 1000, EOS, max_len=150),
+        "code": random_docs(np.random.default_rng(6), 80, 1000, EOS, max_len=90),
+    }
     for name, d in docs.items():
         write_source(root / name, d, docs_per_shard=40)
     return root, docs
@@ -81,9 +83,26 @@ def rows_of(epoch: Path) -> list[bytes]:
 def test_no_epoch_holds_a_held_out_document_and_validate_against_replays_it(corpus, tmp_path):
     root, docs = corpus
     run = tmp_path / "run"
-    code, out, err = cli("shuffle", f"{root / 'web'}=0.7", f"{root / 'code'}=0.3", "-o", run, "--seq-len", SEQ,
-                         "--seed", 4, "--epochs", 2, "--packing", "best-fit", "--holdout", "10%", "--samples", 300,
-                         "--json")
+    code, out, err = cli(
+        "shuffle",
+        f"{root / 'web'}=0.7",
+        f"{root / 'code'}=0.3",
+        "-o",
+        run,
+        "--seq-len",
+        SEQ,
+        "--seed",
+        4,
+        "--epochs",
+        2,
+        "--packing",
+        "best-fit",
+        "--holdout",
+        "10%",
+        "--samples",
+        300,
+        "--json",
+    )
     assert code == 0, err
     for e in (0, 1):
         epoch = run / epoch_dir_name(e)
@@ -103,15 +122,49 @@ def test_no_epoch_holds_a_held_out_document_and_validate_against_replays_it(corp
     code, out, err = cli("validate", run, "--against", root / "web", "--against", root / "code")
     assert code == 0, out + err
     # a rerun with another holdout is another run
-    code, _, err = cli("shuffle", f"{root / 'web'}=0.7", f"{root / 'code'}=0.3", "-o", run, "--seq-len", SEQ,
-                       "--seed", 4, "--epoch", 2, "--packing", "best-fit", "--holdout", "20%", "--samples", 300)
+    code, _, err = cli(
+        "shuffle",
+        f"{root / 'web'}=0.7",
+        f"{root / 'code'}=0.3",
+        "-o",
+        run,
+        "--seq-len",
+        SEQ,
+        "--seed",
+        4,
+        "--epoch",
+        2,
+        "--packing",
+        "best-fit",
+        "--holdout",
+        "20%",
+        "--samples",
+        300,
+    )
     assert code == 1 and "different run" in err and "holdout" in err
     # --like keeps the holdout: epoch 2 as the full command writes it
     code, _, err = cli("shuffle", "--like", run, "--epoch", 2)
     assert code == 0, err
     ref = tmp_path / "ref"
-    code, _, err = cli("shuffle", f"{root / 'web'}=0.7", f"{root / 'code'}=0.3", "-o", ref, "--seq-len", SEQ,
-                       "--seed", 4, "--epoch", 2, "--packing", "best-fit", "--holdout", "10%", "--samples", 300)
+    code, _, err = cli(
+        "shuffle",
+        f"{root / 'web'}=0.7",
+        f"{root / 'code'}=0.3",
+        "-o",
+        ref,
+        "--seq-len",
+        SEQ,
+        "--seed",
+        4,
+        "--epoch",
+        2,
+        "--packing",
+        "best-fit",
+        "--holdout",
+        "10%",
+        "--samples",
+        300,
+    )
     assert code == 0, err
     assert rows_of(run / epoch_dir_name(2)) == rows_of(ref / epoch_dir_name(2))
 
@@ -120,13 +173,31 @@ def test_an_epoch_that_holds_the_held_out_documents_fails_validate_against(corpu
     """An epoch shuffled without the holdout, its manifest edited to claim one: the replay
     builds the rows without the held-out documents, and the epoch's rows are not those."""
     root, _ = corpus
-    code, _, err = cli("shuffle", root / "web", "-o", tmp_path / "run", "--seq-len", SEQ, "--seed", 4, "--epochs", 1,
-                       "--packing", "best-fit")
+    code, _, err = cli(
+        "shuffle",
+        root / "web",
+        "-o",
+        tmp_path / "run",
+        "--seq-len",
+        SEQ,
+        "--seed",
+        4,
+        "--epochs",
+        1,
+        "--packing",
+        "best-fit",
+    )
     assert code == 0, err
     epoch = tmp_path / "run" / epoch_dir_name(0)
     m = read_manifest(epoch)
-    write_manifest(epoch, {**m, "packing": {**m["packing"], "holdout": {"fraction": "1/10"}},
-                           "sources": [{**m["sources"][0], "held_documents": 16}]})
+    write_manifest(
+        epoch,
+        {
+            **m,
+            "packing": {**m["packing"], "holdout": {"fraction": "1/10"}},
+            "sources": [{**m["sources"][0], "held_documents": 16}],
+        },
+    )
     code, out, err = cli("validate", epoch, "--against", root / "web")
     assert code == 1 and "CORRUPT" in out + err
 
@@ -136,9 +207,11 @@ def test_a_schedule_keeps_its_holdout_across_stages(corpus, tmp_path):
     (tmp_path / "run.yaml").write_text(
         f"seq_len: {SEQ}\nseed: 3\npacking: best-fit\nstages:\n"
         f"  - {{name: a, epochs: 1, sources: {{{root / 'web'}: 1}}}}\n"
-        f"  - {{name: b, tokens: 6K, sources: {{{root / 'web'}: 0.5, {root / 'code'}: 0.5}}}}\n")
-    code, out, err = cli("shuffle", "--schedule", tmp_path / "run.yaml", "-o", tmp_path / "run", "--holdout", "5%",
-                         "--json")
+        f"  - {{name: b, tokens: 6K, sources: {{{root / 'web'}: 0.5, {root / 'code'}: 0.5}}}}\n"
+    )
+    code, out, err = cli(
+        "shuffle", "--schedule", tmp_path / "run.yaml", "-o", tmp_path / "run", "--holdout", "5%", "--json"
+    )
     assert code == 0, err
     sources = [PackedSource.open(root / n) for n in ("web", "code")]
     for e in (0, 1):
@@ -153,11 +226,39 @@ def test_a_schedule_keeps_its_holdout_across_stages(corpus, tmp_path):
 
 def test_holdout_is_refused_where_it_cannot_hold(corpus, tmp_path):
     root, _ = corpus
-    code, _, err = cli("shuffle", root / "web", "-o", tmp_path / "w", "--seq-len", SEQ, "--seed", 1, "--epochs", 1,
-                       "--packing", "best-fit", "--holdout", "2")
+    code, _, err = cli(
+        "shuffle",
+        root / "web",
+        "-o",
+        tmp_path / "w",
+        "--seq-len",
+        SEQ,
+        "--seed",
+        1,
+        "--epochs",
+        1,
+        "--packing",
+        "best-fit",
+        "--holdout",
+        "2",
+    )
     assert code == 0, err  # 2 tokens: the first document in the holdout's order
-    code, _, err = cli("shuffle", root / "web", "-o", tmp_path / "x", "--seq-len", SEQ, "--seed", 1, "--epochs", 1,
-                       "--packing", "best-fit", "--holdout", "1T")
+    code, _, err = cli(
+        "shuffle",
+        root / "web",
+        "-o",
+        tmp_path / "x",
+        "--seq-len",
+        SEQ,
+        "--seed",
+        1,
+        "--epochs",
+        1,
+        "--packing",
+        "best-fit",
+        "--holdout",
+        "1T",
+    )
     assert code == 1 and "would hold out every document" in err
     assert not (tmp_path / "x").exists()
 
@@ -165,8 +266,22 @@ def test_holdout_is_refused_where_it_cannot_hold(corpus, tmp_path):
 def test_the_held_out_documents_are_written_once_as_an_epoch_directory(corpus, tmp_path):
     root, docs = corpus
     run = tmp_path / "run"
-    args = [f"{root / 'web'}=0.7", f"{root / 'code'}=0.3", "-o", run, "--seq-len", SEQ, "--seed", 4,
-            "--packing", "best-fit", "--holdout", "10%", "--samples", 300]
+    args = [
+        f"{root / 'web'}=0.7",
+        f"{root / 'code'}=0.3",
+        "-o",
+        run,
+        "--seq-len",
+        SEQ,
+        "--seed",
+        4,
+        "--packing",
+        "best-fit",
+        "--holdout",
+        "10%",
+        "--samples",
+        300,
+    ]
     code, out, err = cli("shuffle", *args, "--epochs", 1, "--json")
     assert code == 0, err
     result = json.loads(out)
@@ -192,9 +307,11 @@ def test_the_held_out_documents_are_written_once_as_an_epoch_directory(corpus, t
     assert SampleReader.open(run).total_samples == 300  # the run's stream holds no held-out row
     batch = next(iter(TokpackDataset(held_dir, micro_batch=2)))
     assert batch["input_ids"].shape == (2, SEQ) and "loss_mask" in batch
-    code = ("import json\nfrom datatrove.utils.dataset import DatatroveFolderDataset\n"
-            f"ds = DatatroveFolderDataset({str(held_dir)!r}, {SEQ}, filename_pattern='*.ds', token_size=2)\n"
-            "print(len(ds), json.dumps(ds[0]['input_ids'].tolist()))\n")
+    code = (
+        "import json\nfrom datatrove.utils.dataset import DatatroveFolderDataset\n"
+        f"ds = DatatroveFolderDataset({str(held_dir)!r}, {SEQ}, filename_pattern='*.ds', token_size=2)\n"
+        "print(len(ds), json.dumps(ds[0]['input_ids'].tolist()))\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     n, first = r.stdout.split(" ", 1)
@@ -203,7 +320,8 @@ def test_the_held_out_documents_are_written_once_as_an_epoch_directory(corpus, t
     assert code == 0, err
     assert json.loads(out)["holdout"]["samples"] == m["samples"]
     assert [s["held_documents"] for s in json.loads(out)["holdout"]["sources"]] == [
-        held_out(src, {"fraction": "1/10"}, 4).held for src in sources]
+        held_out(src, {"fraction": "1/10"}, 4).held for src in sources
+    ]
     # written once: a later command adds epochs and leaves it as it is
     before = {p.name: p.read_bytes() for p in held_dir.iterdir()}
     code, out, err = cli("shuffle", "--like", run, "--epoch", 1, "--json")
@@ -220,8 +338,21 @@ def test_the_held_out_documents_are_written_once_as_an_epoch_directory(corpus, t
 
 def test_plan_shuffle_names_the_holdout_folder_it_would_write(corpus, tmp_path):
     root, _ = corpus
-    args = [root / "web", "-o", tmp_path / "run", "--seq-len", SEQ, "--seed", 4, "--epochs", 1, "--packing",
-            "best-fit", "--holdout", "3K"]
+    args = [
+        root / "web",
+        "-o",
+        tmp_path / "run",
+        "--seq-len",
+        SEQ,
+        "--seed",
+        4,
+        "--epochs",
+        1,
+        "--packing",
+        "best-fit",
+        "--holdout",
+        "3K",
+    ]
     code, out, err = cli("plan", "shuffle", *args, "--disk-mbps", 100, "--json")
     assert code == 0, err
     planned = json.loads(out)["holdout"]
@@ -238,6 +369,7 @@ def test_plan_shuffle_names_the_holdout_folder_it_would_write(corpus, tmp_path):
 #
 # Document i of source "a" is tokens 1 + i (its length varies) then EOS; source "b"'s are
 # 1001 + i: every token but EOS names its document, so an epoch's content is checked by value.
+
 
 def _named_docs(first: int, n: int, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
@@ -264,23 +396,27 @@ def _held_values(root, docs, spec, seed) -> dict[str, set]:
 
 
 def _values(folder: Path) -> set:
-    return set(np.concatenate([np.fromfile(folder / s["path"], "<u2") for s in read_manifest(folder)["shards"]]
-                              ).tolist()) - {EOS}
+    return set(
+        np.concatenate([np.fromfile(folder / s["path"], "<u2") for s in read_manifest(folder)["shards"]]).tolist()
+    ) - {EOS}
 
 
 def _windows(stream: np.ndarray, offset: int, row: int, w: int) -> list[bytes]:
-    return sorted(stream[offset + k * row: offset + (k + 1) * row].astype("<u2").tobytes() for k in range(w))
+    return sorted(stream[offset + k * row : offset + (k + 1) * row].astype("<u2").tobytes() for k in range(w))
 
 
 def _rows(folder: Path) -> list[bytes]:
     row = (SEQ + 1) * 2
     data = b"".join(rows_of(folder))
-    return sorted(data[i: i + row] for i in range(0, len(data), row))
+    return sorted(data[i : i + row] for i in range(0, len(data), row))
 
 
 def _tree(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and ".tokpack-work" not in p.parts}
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and ".tokpack-work" not in p.parts
+    }
 
 
 def test_concat_windows_are_cut_from_the_stream_of_the_kept_documents(named, tmp_path):
@@ -289,8 +425,22 @@ def test_concat_windows_are_cut_from_the_stream_of_the_kept_documents(named, tmp
     token of a held-out document is in any training epoch; validate --against proves both."""
     root, docs = named
     run = tmp_path / "run"
-    code, out, err = cli("shuffle", root / "a", "-o", run, "--seq-len", SEQ, "--seed", 5, "--epochs", 2, "--jitter",
-                         "--holdout", "5%", "--json")
+    code, out, err = cli(
+        "shuffle",
+        root / "a",
+        "-o",
+        run,
+        "--seq-len",
+        SEQ,
+        "--seed",
+        5,
+        "--epochs",
+        2,
+        "--jitter",
+        "--holdout",
+        "5%",
+        "--json",
+    )
     assert code == 0, err
     held = _held_values(root, docs, {"fraction": "1/20"}, 5)["a"]
     a = PackedSource.open(root / "a")
@@ -303,15 +453,23 @@ def test_concat_windows_are_cut_from_the_stream_of_the_kept_documents(named, tmp
         src = m["sources"][0]
         assert m["holdout"] == {"fraction": "1/20"} and "packing" not in m  # windows: no padding, no .ds.pad
         assert (src["documents"], src["held_documents"], src["tokens"], src["held_tokens"]) == (
-            len(docs["a"]), h.held, len(kept_stream), len(held_stream))
+            len(docs["a"]),
+            h.held,
+            len(kept_stream),
+            len(held_stream),
+        )
         assert _values(epoch).isdisjoint(held) and _values(epoch)  # by content: no held-out token
         assert src["windows"] == (len(kept_stream) - SEQ) // (SEQ + 1)  # jitter: W_s of the stream's tokens
         assert _rows(epoch) == _windows(kept_stream, src["offset"], SEQ + 1, src["windows"])  # all of the kept stream's
-    assert read_manifest(run / epoch_dir_name(0))["sources"][0]["offset"] != read_manifest(
-        run / epoch_dir_name(1))["sources"][0]["offset"]  # jitter moved the windows
+    assert (
+        read_manifest(run / epoch_dir_name(0))["sources"][0]["offset"]
+        != read_manifest(run / epoch_dir_name(1))["sources"][0]["offset"]
+    )  # jitter moved the windows
     hm = read_manifest(run / "holdout")
     assert hm["holdout"] == {"fraction": "1/20", "split": "holdout"} and hm["sources"][0]["offset"] == 0
-    assert _values(run / "holdout") <= held and _rows(run / "holdout") == _windows(held_stream, 0, SEQ + 1, len(held_stream) // (SEQ + 1))
+    assert _values(run / "holdout") <= held and _rows(run / "holdout") == _windows(
+        held_stream, 0, SEQ + 1, len(held_stream) // (SEQ + 1)
+    )
     assert read_manifest(run)["holdout"] == {"fraction": "1/20"}
     code, out, err = cli("validate", run, "--against", root / "a")
     assert code == 0 and f"OK epoch {run / 'holdout'}" in out, out + err
@@ -320,8 +478,9 @@ def test_concat_windows_are_cut_from_the_stream_of_the_kept_documents(named, tmp
 def test_concat_holdout_reads_like_an_epoch(named, tmp_path):
     root, docs = named
     run = tmp_path / "run"
-    code, out, err = cli("shuffle", root / "a", root / "b", "-o", run, "--seq-len", SEQ, "--seed", 2, "--epochs", 1,
-                         "--holdout", "10%")
+    code, out, err = cli(
+        "shuffle", root / "a", root / "b", "-o", run, "--seq-len", SEQ, "--seed", 2, "--epochs", 1, "--holdout", "10%"
+    )
     assert code == 0, err
     n = read_manifest(run / "holdout")["samples"]
     assert f"holdout: {n} samples of held-out documents in {run / 'holdout'} (read it as an epoch" in out
@@ -333,9 +492,11 @@ def test_concat_holdout_reads_like_an_epoch(named, tmp_path):
     assert reader.total_samples == m["samples"] == sum(s["samples"] for s in m["sources"]) > 0
     values = _held_values(root, docs, {"fraction": "1/10"}, 2)
     assert set(reader.read(0, m["samples"]).reshape(-1).tolist()) - {EOS} <= values["a"] | values["b"]
-    code = ("import json\nfrom datatrove.utils.dataset import DatatroveFolderDataset\n"
-            f"ds = DatatroveFolderDataset({str(held_dir)!r}, {SEQ}, filename_pattern='*.ds', token_size=2)\n"
-            "print(len(ds), json.dumps(ds[0]['input_ids'].tolist()))\n")
+    code = (
+        "import json\nfrom datatrove.utils.dataset import DatatroveFolderDataset\n"
+        f"ds = DatatroveFolderDataset({str(held_dir)!r}, {SEQ}, filename_pattern='*.ds', token_size=2)\n"
+        "print(len(ds), json.dumps(ds[0]['input_ids'].tolist()))\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     n, first = r.stdout.split(" ", 1)
@@ -351,9 +512,30 @@ def test_concat_holdout_is_deterministic_on_one_and_two_workers(named, tmp_path,
     trees = []
     for workers in (1, 2):
         run = tmp_path / f"run{workers}"
-        code, out, err = cli("shuffle", f"{root / 'a'}=0.6", f"{root / 'b'}=0.4", "-o", run, "--seq-len", SEQ,
-                             "--seed", 9, "--epochs", 2, "--holdout", "3K", "--samples", 400, "--memory", memory,
-                             "--shard-samples", 150, "--workers", workers, "--json")
+        code, out, err = cli(
+            "shuffle",
+            f"{root / 'a'}=0.6",
+            f"{root / 'b'}=0.4",
+            "-o",
+            run,
+            "--seq-len",
+            SEQ,
+            "--seed",
+            9,
+            "--epochs",
+            2,
+            "--holdout",
+            "3K",
+            "--samples",
+            400,
+            "--memory",
+            memory,
+            "--shard-samples",
+            150,
+            "--workers",
+            workers,
+            "--json",
+        )
         assert code == 0, err
         trees.append(_tree(run))
     assert trees[0] == trees[1] and any(k.startswith("holdout/") for k in trees[0])
@@ -364,8 +546,20 @@ def test_concat_holdout_with_weights_and_a_rerun_and_like(named, tmp_path):
     --like adds an epoch byte for byte as the full command writes it."""
     root, docs = named
     run = tmp_path / "run"
-    args = [f"{root / 'a'}=0.7", f"{root / 'b'}=0.3", "-o", run, "--seq-len", SEQ, "--seed", 4, "--samples", 500,
-            "--holdout", "4%"]
+    args = [
+        f"{root / 'a'}=0.7",
+        f"{root / 'b'}=0.3",
+        "-o",
+        run,
+        "--seq-len",
+        SEQ,
+        "--seed",
+        4,
+        "--samples",
+        500,
+        "--holdout",
+        "4%",
+    ]
     code, out, err = cli("shuffle", *args, "--epochs", 2, "--json")
     assert code == 0, err
     values = _held_values(root, docs, {"fraction": "1/25"}, 4)
@@ -392,7 +586,8 @@ def test_concat_holdout_keeps_across_a_two_stage_schedule(named, tmp_path):
     (tmp_path / "run.yaml").write_text(
         f"seq_len: {SEQ}\nseed: 3\nstages:\n"
         f"  - {{name: a, epochs: 1, sources: {{{root / 'a'}: 1}}}}\n"
-        f"  - {{name: b, tokens: 20K, sources: {{{root / 'a'}: 0.5, {root / 'b'}: 0.5}}}}\n")
+        f"  - {{name: b, tokens: 20K, sources: {{{root / 'a'}: 0.5, {root / 'b'}: 0.5}}}}\n"
+    )
     run = tmp_path / "run"
     code, out, err = cli("shuffle", "--schedule", tmp_path / "run.yaml", "-o", run, "--holdout", "5%", "--json")
     assert code == 0, err
@@ -400,7 +595,8 @@ def test_concat_holdout_keeps_across_a_two_stage_schedule(named, tmp_path):
     for e in (0, 1):
         m = read_manifest(run / epoch_dir_name(e))
         assert m["holdout"] == {"fraction": "1/20"} and [s["held_documents"] for s in m["sources"]] == [
-            held_out(PackedSource.open(root / n), {"fraction": "1/20"}, 3).held for n in ("a", "b")]
+            held_out(PackedSource.open(root / n), {"fraction": "1/20"}, 3).held for n in ("a", "b")
+        ]
         assert _values(run / epoch_dir_name(e)).isdisjoint(values["a"] | values["b"])
     assert read_manifest(run / epoch_dir_name(1))["sources"][1]["samples"] > 0
     code, out, err = cli("validate", run, "--against", root / "a", "--against", root / "b")
@@ -419,8 +615,9 @@ def test_validate_against_catches_a_concat_epoch_that_holds_a_held_out_document(
     run = tmp_path / "run"
     with monkeypatch.context() as mp:
         mp.setattr(holdout_mod.KeptStream, "raw_pieces", lambda self, start, count: iter([(start, 0, count)]))
-        code, _, err = cli("shuffle", root / "a", "-o", run, "--seq-len", SEQ, "--seed", 5, "--epochs", 1,
-                           "--holdout", "5%")
+        code, _, err = cli(
+            "shuffle", root / "a", "-o", run, "--seq-len", SEQ, "--seed", 5, "--epochs", 1, "--holdout", "5%"
+        )
     assert code == 0, err
     held = _held_values(root, docs, {"fraction": "1/20"}, 5)["a"]
     assert not _values(run / epoch_dir_name(0)).isdisjoint(held)  # the mutant did put one in
@@ -440,19 +637,33 @@ def test_concat_holdout_misuse_is_one_line(named, tmp_path):
     base = [root / "a", "-o", tmp_path / "r", "--seq-len", SEQ, "--seed", 1, "--epochs", 1]
     code, _, err = cli("shuffle", *base, "--holdout", "1T")
     assert code == 1 and "would hold out every document" in err and not (tmp_path / "r").exists()
-    code, _, err = cli("shuffle", *base, "--holdout", "2%", "--to-nodes", tmp_path / "dest", "--ranks-per-node", 1,
-                       "--micro-batch", 1)
+    code, _, err = cli(
+        "shuffle", *base, "--holdout", "2%", "--to-nodes", tmp_path / "dest", "--ranks-per-node", 1, "--micro-batch", 1
+    )
     assert code == 2 and "--to-nodes does not write a held-out split" in err and not (tmp_path / "r").exists()
     code, _, err = cli("shuffle", *base, "--holdout", "2%")
     assert code == 0, err
-    code, _, err = cli("shuffle", "--like", tmp_path / "r", "--epoch", 1, "--to-nodes", tmp_path / "dest",
-                       "--ranks-per-node", 1, "--micro-batch", 1)
+    code, _, err = cli(
+        "shuffle",
+        "--like",
+        tmp_path / "r",
+        "--epoch",
+        1,
+        "--to-nodes",
+        tmp_path / "dest",
+        "--ranks-per-node",
+        1,
+        "--micro-batch",
+        1,
+    )
     assert code == 2 and "--to-nodes does not write a held-out split" in err
-    code, _, err = cli("shuffle", *base[:-2], "--epoch", 1, "--to-nodes", tmp_path / "dest", "--ranks-per-node", 1,
-                       "--micro-batch", 1)  # into the run, without its holdout: another run
+    code, _, err = cli(
+        "shuffle", *base[:-2], "--epoch", 1, "--to-nodes", tmp_path / "dest", "--ranks-per-node", 1, "--micro-batch", 1
+    )  # into the run, without its holdout: another run
     assert code == 1 and "different run" in err and "[holdout]" in err and not (tmp_path / "dest").exists()
-    code, _, err = cli("shuffle", root / "a", "-o", tmp_path / "few", "--seq-len", 1000, "--seed", 1, "--epochs", 1,
-                       "--holdout", "2")  # one document, of at most 140 tokens
+    code, _, err = cli(
+        "shuffle", root / "a", "-o", tmp_path / "few", "--seq-len", 1000, "--seed", 1, "--epochs", 1, "--holdout", "2"
+    )  # one document, of at most 140 tokens
     assert code == 1 and "fewer tokens of a source than one window" in err and "\n" not in err.strip()
     assert not (tmp_path / "few").exists()
     planned = [*base[:2], tmp_path / "p", *base[3:], "--holdout", "2%"]
@@ -461,8 +672,23 @@ def test_concat_holdout_misuse_is_one_line(named, tmp_path):
     code, written, err = cli("shuffle", *planned, "--json")
     assert code == 0, err
     assert json.loads(out)["holdout"]["samples"] == json.loads(written)["holdout"]["samples"] > 0
-    code, _, err = cli("plan", "shuffle", "virtual:tokens=1M,documents=1K,dtype=uint16", "-o", tmp_path / "v",
-                       "--seq-len", SEQ, "--seed", 1, "--epochs", 1, "--holdout", "2%", "--disk-mbps", 100)
+    code, _, err = cli(
+        "plan",
+        "shuffle",
+        "virtual:tokens=1M,documents=1K,dtype=uint16",
+        "-o",
+        tmp_path / "v",
+        "--seq-len",
+        SEQ,
+        "--seed",
+        1,
+        "--epochs",
+        1,
+        "--holdout",
+        "2%",
+        "--disk-mbps",
+        100,
+    )
     assert code == 1 and "--holdout needs the documents of the source" in err
 
 
@@ -475,8 +701,22 @@ def test_a_packing_without_a_holdout_plan_refuses_holdout_in_one_line(named, tmp
     root, _ = named
     packings.register(replace(packings.WINDOWS, name="no-holdout", shuffle="test-no-holdout-v1", holdout=None))
     try:
-        code, _, err = cli("shuffle", root / "a", "-o", tmp_path / "r", "--seq-len", SEQ, "--seed", 1, "--epochs", 1,
-                           "--packing", "no-holdout", "--holdout", "1%")
+        code, _, err = cli(
+            "shuffle",
+            root / "a",
+            "-o",
+            tmp_path / "r",
+            "--seq-len",
+            SEQ,
+            "--seed",
+            1,
+            "--epochs",
+            1,
+            "--packing",
+            "no-holdout",
+            "--holdout",
+            "1%",
+        )
     finally:
         packings.unregister("no-holdout")
     assert code == 1 and "no-holdout packing cannot" in err and "--packing concat or best-fit" in err, err
@@ -503,9 +743,9 @@ def test_a_kept_stream_reads_as_the_concatenation_of_its_documents(tmp_path, spl
         a = int(rng.integers(0, len(want)))
         n = int(rng.integers(0, len(want) - a + 1))
         out = np.empty(n, dtype=src.dtype)
-        assert np.array_equal(stream.read_into(a, out), want[a: a + n])
+        assert np.array_equal(stream.read_into(a, out), want[a : a + n])
         pieces = list(stream.raw_pieces(a, n))  # increasing raw ranges that tile the request
-        assert [x for _, x, _ in pieces] == [0, *[y for _, _, y in pieces[:-1]]][:len(pieces)]
+        assert [x for _, x, _ in pieces] == [0, *[y for _, _, y in pieces[:-1]]][: len(pieces)]
         assert (pieces[-1][2] if pieces else 0) == n
         assert all(r1 >= r0 + (y0 - x0) for (r0, x0, y0), (r1, _, _) in zip(pieces, pieces[1:]))
     with pytest.raises(IndexError):
@@ -519,8 +759,23 @@ def test_a_copy_of_the_run_brings_its_holdout_and_a_rank_copy_does_not(corpus, t
     shards) leaves it. A rerun finds it in place."""
     root, _ = corpus
     run, dest = tmp_path / "run", tmp_path / "dest"
-    code, _, err = cli("shuffle", root / "web", root / "code", "-o", run, "--seq-len", SEQ, "--seed", 3, "--epochs", 2,
-                       "--holdout", "10%", "--packing", packing)
+    code, _, err = cli(
+        "shuffle",
+        root / "web",
+        root / "code",
+        "-o",
+        run,
+        "--seq-len",
+        SEQ,
+        "--seed",
+        3,
+        "--epochs",
+        2,
+        "--holdout",
+        "10%",
+        "--packing",
+        packing,
+    )
     assert code == 0, err
     code, out, err = cli("stage", run, dest, "--epochs", "1", "--json")
     assert code == 0, err

@@ -26,8 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def tokpack(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tokpack.packer.cli", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "tokpack.packer.cli", *map(str, args)], cwd=REPO, capture_output=True, text=True
+    )
 
 
 # ------------------------------------------------------------------ read_blocks owns its buffers
@@ -97,8 +98,13 @@ LEAK_PROBE = textwrap.dedent("""
 def test_shard_writer_leaks_nothing_when_a_later_file_fails_to_open(tmp_path, kind, opened):
     """A real EMFILE on the writer's second or third file: the files it had opened are closed
     and their temporaries removed."""
-    r = subprocess.run([sys.executable, "-c", LEAK_PROBE, str(tmp_path), kind, str(opened)], cwd=REPO,
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    r = subprocess.run(
+        [sys.executable, "-c", LEAK_PROBE, str(tmp_path), kind, str(opened)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert r.returncode == 0, r.stderr
     assert "failed 24" in r.stdout, r.stdout  # EMFILE: the open after `opened` files failed
     assert "leaked 0" in r.stdout, r.stdout
@@ -116,13 +122,32 @@ def test_stage_fsyncs_each_directory_after_its_manifest(tmp_path):
     from conftest import shuffle_run
 
     src = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 60, 1000, 0), docs_per_shard=20)
-    shuffle_run([str(src)], str(tmp_path / "run"), seq_len=31, seed=1, epochs=[0, 1], shard_samples=50,
-                memory=8 << 20, log=None)
+    shuffle_run(
+        [str(src)], str(tmp_path / "run"), seq_len=31, seed=1, epochs=[0, 1], shard_samples=50, memory=8 << 20, log=None
+    )
     dest = tmp_path / "dest"
     trace = tmp_path / "trace.txt"
-    r = subprocess.run(["strace", "-f", "-qq", "-o", str(trace), "-e", "trace=openat,rename,renameat,renameat2,fsync,fdatasync,close",
-                        sys.executable, "-m", "tokpack.packer.cli", "stage", str(tmp_path / "run"), str(dest), "--json"],
-                       cwd=REPO, capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            "strace",
+            "-f",
+            "-qq",
+            "-o",
+            str(trace),
+            "-e",
+            "trace=openat,rename,renameat,renameat2,fsync,fdatasync,close",
+            sys.executable,
+            "-m",
+            "tokpack.packer.cli",
+            "stage",
+            str(tmp_path / "run"),
+            str(dest),
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0 and "ptrace" in r.stderr:
         pytest.skip(f"strace cannot trace here: {r.stderr.strip()[:200]}")
     assert r.returncode == 0, r.stderr
@@ -158,9 +183,25 @@ def test_url_source_with_a_fractional_weight(tmp_path):
     for p in web.iterdir():
         fs.pipe(f"/hygiene-weights/web/{p.name}", p.read_bytes())
     try:
-        r = CliRunner().invoke(main, ["shuffle", "memory://hygiene-weights/web=1/3", f"{code}=2/3", "-o",
-                                      str(tmp_path / "run"), "--seq-len", "15", "--seed", "1", "--epochs", "1",
-                                      "--samples", "300", "--json"])
+        r = CliRunner().invoke(
+            main,
+            [
+                "shuffle",
+                "memory://hygiene-weights/web=1/3",
+                f"{code}=2/3",
+                "-o",
+                str(tmp_path / "run"),
+                "--seq-len",
+                "15",
+                "--seed",
+                "1",
+                "--epochs",
+                "1",
+                "--samples",
+                "300",
+                "--json",
+            ],
+        )
     finally:
         fs.rm("/hygiene-weights", recursive=True)
     assert r.exit_code == 0, r.output
@@ -199,8 +240,9 @@ def test_readme_pack_example_runs_as_written(tmp_path):
     args = shlex.split(line)[2:]
     # a GPT-2-sized word-level tokenizer, so the README's ids are this corpus's ids
     words = [f"w{i}" for i in range(50255)]
-    tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}, EOS_TOKEN: 50256},
-                                     unk_token="[UNK]"))
+    tok = Tokenizer(
+        models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}, EOS_TOKEN: 50256}, unk_token="[UNK]")
+    )
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens([EOS_TOKEN])
     tok_path = tmp_path / "tokenizer.json"
@@ -212,7 +254,8 @@ def test_readme_pack_example_runs_as_written(tmp_path):
             f.write(json.dumps({"text": " ".join(rng.choice(words, int(rng.integers(1, 30)))), "id": str(i)}) + "\n")
     tokenized = tmp_path / "tokenized"
     DocumentTokenizer(str(tokenized), tokenizer_name_or_path=str(tok_path), eos_token=EOS_TOKEN).run(
-        JsonlReader(str(tmp_path / "text")).run(None, 0, 1), rank=0, world_size=1)
+        JsonlReader(str(tmp_path / "text")).run(None, 0, 1), rank=0, world_size=1
+    )
     tok_path.unlink()  # tokenized elsewhere: the metadata names a file this machine does not have
     paths = {"/data/tokenized/": str(tokenized), "/data/packed/web": str(tmp_path / "packed/web")}
     r = tokpack("pack", *[paths.get(a, a) for a in args], "--json")
@@ -239,15 +282,28 @@ def test_pack_says_when_it_widens_to_uint32(tmp_path):
     from tokpack.packer.cli import main
 
     # the --json summaries through click's runner in this process (the line above is the process's)
-    as_json = CliRunner().invoke(main, ["pack", str(tmp_path / "in.parquet"), "-o", str(tmp_path / "b"), "--eos-id",
-                                        "0", "--json"])
+    as_json = CliRunner().invoke(
+        main, ["pack", str(tmp_path / "in.parquet"), "-o", str(tmp_path / "b"), "--eos-id", "0", "--json"]
+    )
     assert as_json.exit_code == 0, as_json.output
     summary = json.loads(as_json.stdout)
     assert summary["dtype"] == "uint32"
     (warning,) = summary["warnings"]
     assert "uint32" in warning and "--vocab-size" in warning
-    narrow = CliRunner().invoke(main, ["pack", str(tmp_path / "in.parquet"), "-o", str(tmp_path / "c"), "--eos-id",
-                                       "0", "--vocab-size", "500", "--json"])
+    narrow = CliRunner().invoke(
+        main,
+        [
+            "pack",
+            str(tmp_path / "in.parquet"),
+            "-o",
+            str(tmp_path / "c"),
+            "--eos-id",
+            "0",
+            "--vocab-size",
+            "500",
+            "--json",
+        ],
+    )
     assert narrow.exit_code == 0, narrow.output
     summary = json.loads(narrow.stdout)
     assert summary["dtype"] == "uint16" and summary["warnings"] == []

@@ -28,8 +28,16 @@ def inspect(directory, **kw) -> dict:
 
 
 def shuffle(out, sources, epochs=1, **kw):
-    shuffle_run([str(s) for s in sources], str(out), seq_len=L, seed=5, epochs=list(range(epochs)),
-                shard_samples=kw.pop("shard_samples", 100), memory=8 << 20, **kw)
+    shuffle_run(
+        [str(s) for s in sources],
+        str(out),
+        seq_len=L,
+        seed=5,
+        epochs=list(range(epochs)),
+        shard_samples=kw.pop("shard_samples", 100),
+        memory=8 << 20,
+        **kw,
+    )
     return out
 
 
@@ -93,11 +101,11 @@ def test_diversity_matches_brute_force(huge_doc_run):
     epoch = epoch.reshape(-1, row)
     for b in range(30):
         w_before = range(b * BATCH, (b + 1) * BATCH)
-        d, s = brute_stats([ids[w * row:(w + 1) * row] for w in w_before])
+        d, s = brute_stats([ids[w * row : (w + 1) * row] for w in w_before])
         assert div["before"]["distinct_documents"][b] == d
         assert div["before"]["max_doc_share"][b] == pytest.approx(s, abs=1e-6)
         w_after = [by_bytes[epoch[g].tobytes()] for g in range(b * BATCH, (b + 1) * BATCH)]
-        d, s = brute_stats([ids[w * row:(w + 1) * row] for w in w_after])
+        d, s = brute_stats([ids[w * row : (w + 1) * row] for w in w_after])
         assert div["after"]["distinct_documents"][b] == d
         assert div["after"]["max_doc_share"][b] == pytest.approx(s, abs=1e-6)
 
@@ -170,7 +178,7 @@ def test_eos_fallback_when_sources_unreachable(tmp_path, huge_doc_run):
     rows = epoch.reshape(-1, L + 1)
     for b in range(5):
         frag = []
-        for r in rows[b * BATCH:(b + 1) * BATCH]:
+        for r in rows[b * BATCH : (b + 1) * BATCH]:
             cuts = np.flatnonzero(r == 0) + 1
             cuts = np.unique(np.append(cuts, L + 1))
             frag.extend(np.diff(np.concatenate([[0], cuts])).tolist())
@@ -254,8 +262,9 @@ def test_inspect_of_a_best_fit_epoch_stays_within_its_memory(tmp_path, monkeypat
     tokens[np.cumsum(lens) - 1] = 0
     src = write_source(tmp_path / "src", np.split(tokens, np.cumsum(lens)[:-1]), docs_per_shard=20_000)
     out = tmp_path / "run"
-    shuffle_run([str(src)], str(out), seq_len=63, seed=3, epochs=[0], shard_samples=8192, memory=256 << 20,
-                packing="best-fit")
+    shuffle_run(
+        [str(src)], str(out), seq_len=63, seed=3, epochs=[0], shard_samples=8192, memory=256 << 20, packing="best-fit"
+    )
     table_bytes = PIECE.itemsize * len(lens)  # at least a piece a document
     budget = 1 << 20
     assert table_bytes > 5 * budget

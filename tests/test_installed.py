@@ -4,7 +4,6 @@ outside the checkout (TOKPACK_WHEEL_CHECK=1 there); the suite runs it against th
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -25,8 +24,13 @@ def test_the_public_api_is_one_import():
     from tokpack import inspect, pack, plan, shuffle, stage, validate  # noqa: F401
     from tokpack.packer import api
 
-    assert (tokpack.pack, tokpack.validate, tokpack.stage, tokpack.inspect, tokpack.plan) == \
-        (api.pack, api.validate, api.stage, api.inspect, api.plan)
+    assert (tokpack.pack, tokpack.validate, tokpack.stage, tokpack.inspect, tokpack.plan) == (
+        api.pack,
+        api.validate,
+        api.stage,
+        api.inspect,
+        api.plan,
+    )
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         tokpack.nothing_here  # noqa: B018
 
@@ -45,8 +49,10 @@ def test_shuffle_is_the_function_and_the_subpackage():
 
 
 def test_importing_tokpack_or_its_reader_loads_neither_torch_nor_datatrove():
-    code = ("import sys, tokpack; from tokpack import SampleReader, pack, shuffle; "
-            "print(sorted(m for m in ('torch', 'datatrove') if m in sys.modules))")
+    code = (
+        "import sys, tokpack; from tokpack import SampleReader, pack, shuffle; "
+        "print(sorted(m for m in ('torch', 'datatrove') if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path.home())
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr[-2000:]
 
@@ -54,8 +60,9 @@ def test_importing_tokpack_or_its_reader_loads_neither_torch_nor_datatrove():
 def test_version_is_the_distributions():
     from importlib import metadata
 
-    done = subprocess.run([sys.executable, "-m", "tokpack", "--version"], capture_output=True, text=True,
-                          cwd=Path.home())
+    done = subprocess.run(
+        [sys.executable, "-m", "tokpack", "--version"], capture_output=True, text=True, cwd=Path.home()
+    )
     assert done.returncode == 0 and done.stdout.strip() == f"tokpack, version {metadata.version('tokpack')}"
     assert tokpack.__version__ == metadata.version("tokpack")
 
@@ -63,8 +70,10 @@ def test_version_is_the_distributions():
 def test_no_top_level_formats_shuffle_or_packer_comes_from_tokpack():
     """Outside the checkout (whose folders are importable from its own root) tokpack's install
     adds no top-level formats, loader, shuffle or packer for a user's module of that name to collide with."""
-    code = ("import importlib.util, json; print(json.dumps({n: getattr(importlib.util.find_spec(n), 'origin', None) "
-            "for n in ('formats', 'loader', 'shuffle', 'packer', 'tokpack.formats')}))")
+    code = (
+        "import importlib.util, json; print(json.dumps({n: getattr(importlib.util.find_spec(n), 'origin', None) "
+        "for n in ('formats', 'loader', 'shuffle', 'packer', 'tokpack.formats')}))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a checkout on the path is not an install
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path.home(), env=env)
     found = json.loads(done.stdout)
@@ -79,7 +88,9 @@ def test_the_wheel_is_what_runs():
     """Under wheel-check the package comes from the venv's site-packages, subpackages inside it."""
     here = Path(tokpack.__file__).parent
     assert "site-packages" in here.parts and not str(here).startswith(str(REPO))
-    assert all((here / p / "__init__.py").is_file() for p in ("formats", "loader", "shuffle", "packer", "formats/inputs"))
+    assert all(
+        (here / p / "__init__.py").is_file() for p in ("formats", "loader", "shuffle", "packer", "formats/inputs")
+    )
 
 
 def test_a_job_end_to_end_through_the_public_api(tmp_path):

@@ -56,14 +56,21 @@ def child_env(tmp_path: Path) -> dict:
 
 def tokpack(tmp_path: Path, *args, code: str | None = None) -> subprocess.CompletedProcess:
     head = [sys.executable, "-c", code] if code else [sys.executable, "-m", "tokpack.packer.cli"]
-    return subprocess.run(head + [str(a) for a in args], capture_output=True, text=True, cwd=ROOT,
-                          env=child_env(tmp_path))
+    return subprocess.run(
+        head + [str(a) for a in args], capture_output=True, text=True, cwd=ROOT, env=child_env(tmp_path)
+    )
 
 
 def start_paused(tmp_path: Path, *args, preexec_fn=default_sigint) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", PAUSED, *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env(tmp_path),
-                            preexec_fn=preexec_fn)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PAUSED, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=child_env(tmp_path),
+        preexec_fn=preexec_fn,
+    )
     _, status = os.waitpid(proc.pid, os.WUNTRACED)
     assert os.WIFSTOPPED(status), "the paused shuffle ended before its first epoch"
     return proc
@@ -86,8 +93,9 @@ def sources(tmp_path_factory):
     """A small source (80 KB) and a larger one (8 MB, 10 shards)."""
     base = tmp_path_factory.mktemp("sources")
     small = write_source(base / "small", random_docs(np.random.default_rng(7), 150, 1000, 0))
-    big = write_source(base / "big", random_docs(np.random.default_rng(8), 20000, 1000, 0, max_len=400),
-                       docs_per_shard=2000)
+    big = write_source(
+        base / "big", random_docs(np.random.default_rng(8), 20000, 1000, 0, max_len=400), docs_per_shard=2000
+    )
     return small, big
 
 
@@ -126,8 +134,9 @@ def test_second_shuffle_on_one_output_fails_at_once_and_the_first_is_undisturbed
     try:
         holder = json.loads((out / LOCK_NAME).read_text())
         assert holder["pid"] == first.pid and holder["start"] == process_start(first.pid)
-        second = tokpack(tmp_path, "shuffle", small, "-o", out, "--seq-len", "63", "--seed", "2", "--epochs", "1",
-                         "--json")
+        second = tokpack(
+            tmp_path, "shuffle", small, "-o", out, "--seq-len", "63", "--seed", "2", "--epochs", "1", "--json"
+        )
         assert second.returncode == 1
         line = one_line(second.stderr)
         assert f"pid {first.pid}" in line and "in use by another tokpack command" in line and LOCK_NAME in line
@@ -185,9 +194,11 @@ def test_held_lock_refuses_pack_shuffle_and_stage(sources, tmp_path, command, wh
         held = write_lock(out, pid=os.getpid(), start=process_start(os.getpid()))
     else:
         held = write_lock(out, host="node-elsewhere", pid=dead_pid(), start="1")
-    args = {"pack": ["pack", small / "00000.ds", "-o", out, "--eos-id", "0", "--vocab-size", "1000"],
-            "shuffle": ["shuffle", small, "-o", out, "--seq-len", "63", "--seed", "1", "--epochs", "1"],
-            "stage": ["stage", small, out]}[command]
+    args = {
+        "pack": ["pack", small / "00000.ds", "-o", out, "--eos-id", "0", "--vocab-size", "1000"],
+        "shuffle": ["shuffle", small, "-o", out, "--seq-len", "63", "--seed", "1", "--epochs", "1"],
+        "stage": ["stage", small, out],
+    }[command]
     r = tokpack(tmp_path, *args, "--json")
     assert r.returncode == 1
     line = one_line(r.stderr)
@@ -252,7 +263,10 @@ def test_readers_ignore_the_lock_file(sources, tmp_path):
     see no stray file."""
     small, _ = sources
     out = tmp_path / "run"
-    assert tokpack(tmp_path, "shuffle", small, "-o", out, "--seq-len", "63", "--seed", "1", "--epochs", "1").returncode == 0
+    assert (
+        tokpack(tmp_path, "shuffle", small, "-o", out, "--seq-len", "63", "--seed", "1", "--epochs", "1").returncode
+        == 0
+    )
     write_lock(out, pid=os.getpid(), start=process_start(os.getpid()))
     assert tokpack(tmp_path, "validate", out).returncode == 0
     assert tokpack(tmp_path, "read", out, "--count", "1").returncode == 0
@@ -266,9 +280,11 @@ def test_space_checked_before_the_first_byte(sources, tmp_path):
     run = tmp_path / "run"
     assert tokpack(tmp_path, "shuffle", big, "-o", run, *SHUFFLE).returncode == 0
     with mounted(tmp_path / "small-fs", "size=4m") as fs:
-        cases = [["shuffle", big, "-o", fs / "run", *SHUFFLE, "--memory", "1MiB"],
-                 ["stage", run, fs / "staged"],
-                 ["pack", big, "-o", fs / "packed", "--eos-id", "0", "--vocab-size", "1000"]]
+        cases = [
+            ["shuffle", big, "-o", fs / "run", *SHUFFLE, "--memory", "1MiB"],
+            ["stage", run, fs / "staged"],
+            ["pack", big, "-o", fs / "packed", "--eos-id", "0", "--vocab-size", "1000"],
+        ]
         for args in cases:
             r = tokpack(tmp_path, *args, "--json")
             assert r.returncode == 1, r.stderr
@@ -287,8 +303,11 @@ def test_disk_filled_mid_run_gives_one_line_and_removes_the_scratch(sources, tmp
         try:
             # another process fills the disk after the space check passed
             free_mib = shutil.disk_usage(fs).free // 2**20
-            subprocess.run(["dd", "if=/dev/zero", f"of={fs / 'filler'}", "bs=1M", f"count={free_mib - 1}"],
-                           capture_output=True, check=True)
+            subprocess.run(
+                ["dd", "if=/dev/zero", f"of={fs / 'filler'}", "bs=1M", f"count={free_mib - 1}"],
+                capture_output=True,
+                check=True,
+            )
         finally:
             os.kill(proc.pid, signal.SIGCONT)
         stdout, err = proc.communicate()
@@ -312,8 +331,10 @@ def test_disk_filled_mid_run_gives_one_line_and_removes_the_scratch(sources, tmp
 def test_read_only_output_is_one_line(sources, tmp_path, command):
     small, _ = sources
     with mounted(tmp_path / "ro", "ro,size=1m") as ro:
-        args = {"pack": ["pack", small, "-o", ro / "out"],
-                "shuffle": ["shuffle", small, "-o", ro / "out", "--seq-len", "63", "--seed", "1", "--epochs", "1"]}
+        args = {
+            "pack": ["pack", small, "-o", ro / "out"],
+            "shuffle": ["shuffle", small, "-o", ro / "out", "--seq-len", "63", "--seed", "1", "--epochs", "1"],
+        }
         r = tokpack(tmp_path, *args[command], "--json")
         assert r.returncode == 1
         line = one_line(r.stderr)
@@ -329,8 +350,10 @@ def test_immutable_output_directory_is_one_line(sources, tmp_path, command):
     if subprocess.run(["chattr", "+i", str(out)], capture_output=True).returncode != 0:
         pytest.skip("chattr +i is not available here (needs root and a filesystem supporting it)")
     try:
-        args = {"pack": ["pack", small, "-o", out],
-                "shuffle": ["shuffle", small, "-o", out, "--seq-len", "63", "--seed", "1", "--epochs", "1"]}
+        args = {
+            "pack": ["pack", small, "-o", out],
+            "shuffle": ["shuffle", small, "-o", out, "--seq-len", "63", "--seed", "1", "--epochs", "1"],
+        }
         r = tokpack(tmp_path, *args[command], "--json")
         assert r.returncode == 1
         line = [x for x in r.stderr.splitlines() if "detected format" not in x]
@@ -345,8 +368,11 @@ def test_symlink_loop_is_one_line(sources, tmp_path, command):
     small, _ = sources
     loop = tmp_path / "loop"
     loop.symlink_to(loop.name)
-    args = {"validate": ["validate", loop], "pack": ["pack", small, "-o", loop],
-            "shuffle": ["shuffle", small, "-o", loop, "--seq-len", "63", "--seed", "1", "--epochs", "1"]}[command]
+    args = {
+        "validate": ["validate", loop],
+        "pack": ["pack", small, "-o", loop],
+        "shuffle": ["shuffle", small, "-o", loop, "--seq-len", "63", "--seed", "1", "--epochs", "1"],
+    }[command]
     r = tokpack(tmp_path, *args, "--json")
     assert r.returncode == 1
     line = [x for x in r.stderr.splitlines() if "detected format" not in x]
@@ -373,8 +399,9 @@ def test_a_bug_in_tokpack_exits_70_with_its_traceback_in_a_log(sources, tmp_path
     small, _ = sources
     out = tmp_path / "run"
     code = BUGGY.format(module="tokpack.shuffle.run", name="open_sources", exc="KeyError")
-    r = tokpack(tmp_path, "shuffle", small, "-o", out, "--seq-len", "63", "--seed", "1", "--epochs", "1", "--json",
-                code=code)
+    r = tokpack(
+        tmp_path, "shuffle", small, "-o", out, "--seq-len", "63", "--seed", "1", "--epochs", "1", "--json", code=code
+    )
     assert r.returncode == 70  # EX_SOFTWARE: not 1 (bad data) nor 2 (usage)
     line = one_line(r.stderr)
     assert "internal error (a bug in tokpack): KeyError: 'injected bug'" in line
@@ -384,8 +411,9 @@ def test_a_bug_in_tokpack_exits_70_with_its_traceback_in_a_log(sources, tmp_path
     assert "Traceback" in text and "injected bug" in text and "open_sources" in text
     assert "bug in tokpack" in json_failure(r.stdout)["message"]
     assert not out.exists()  # the lock, and the directory it created, are gone
-    debug = tokpack(tmp_path, "--debug", "shuffle", small, "-o", out, "--seq-len", "63", "--seed", "1", "--epochs", "1",
-                    code=code)
+    debug = tokpack(
+        tmp_path, "--debug", "shuffle", small, "-o", out, "--seq-len", "63", "--seed", "1", "--epochs", "1", code=code
+    )
     assert debug.returncode == 70 and "Traceback" in debug.stderr and "KeyError: 'injected bug'" in debug.stderr
 
 
@@ -399,11 +427,14 @@ def test_validate_never_reports_its_own_bug_as_corrupt(sources, tmp_path):
     json_failure(r.stdout)
 
 
-@pytest.mark.parametrize("args", [
-    ["shuffle", "SRC", "-o", "OUT", "--seq-len", "63", "--seed", "1"],  # neither --epochs nor --epoch
-    ["shuffle", "SRC", "-o", "OUT", "--seed", "1", "--epochs", "1"],  # --seq-len missing
-    ["validate", "SRC", "--no-such-option"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["shuffle", "SRC", "-o", "OUT", "--seq-len", "63", "--seed", "1"],  # neither --epochs nor --epoch
+        ["shuffle", "SRC", "-o", "OUT", "--seed", "1", "--epochs", "1"],  # --seq-len missing
+        ["validate", "SRC", "--no-such-option"],
+    ],
+)
 def test_usage_errors_still_print_one_json_object(sources, tmp_path, args):
     small, _ = sources
     args = [str(small) if a == "SRC" else str(tmp_path / "out") if a == "OUT" else a for a in args]
@@ -427,21 +458,31 @@ def test_disk_filled_while_staging_a_node_slice_is_one_line_and_leaves_no_partia
     sp = plan_slice(Source(str(run)), ranks="0", world_size=2, micro_batch=4)
     kept, need = sum(sp.kept.values()), sum(sp.written.values()) + sp.root_bytes
     # the stage stops itself once the space check has passed, as each epoch's rows start
-    paused = PAUSED.replace("import tokpack.shuffle.run\nrun_epoch = tokpack.shuffle.run.run_epoch",
-                            "import tokpack.packer.slicing as mod\nrun_epoch = mod._EpochStager.run").replace(
-        "tokpack.shuffle.run.run_epoch = paused", "mod._EpochStager.run = paused")
+    paused = PAUSED.replace(
+        "import tokpack.shuffle.run\nrun_epoch = tokpack.shuffle.run.run_epoch",
+        "import tokpack.packer.slicing as mod\nrun_epoch = mod._EpochStager.run",
+    ).replace("tokpack.shuffle.run.run_epoch = paused", "mod._EpochStager.run = paused")
     assert paused.count("mod.") == 2
     with mounted(tmp_path / "fs", f"size={need // 2**20 + 2}m") as fs:
         stage[2] = fs / "slice"
-        proc = subprocess.Popen([sys.executable, "-c", paused, *map(str, stage)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env(tmp_path),
-                                preexec_fn=default_sigint)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", paused, *map(str, stage)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=child_env(tmp_path),
+            preexec_fn=default_sigint,
+        )
         try:
             _, status = os.waitpid(proc.pid, os.WUNTRACED)
             assert os.WIFSTOPPED(status), "the stage ended before its first epoch"
             free = shutil.disk_usage(fs).free
-            subprocess.run(["dd", "if=/dev/zero", f"of={fs / 'filler'}", "bs=4096",
-                            f"count={(free - kept - 16384) // 4096}"], capture_output=True, check=True)
+            subprocess.run(
+                ["dd", "if=/dev/zero", f"of={fs / 'filler'}", "bs=4096", f"count={(free - kept - 16384) // 4096}"],
+                capture_output=True,
+                check=True,
+            )
         finally:
             os.kill(proc.pid, signal.SIGCONT)
         _, err = proc.communicate()

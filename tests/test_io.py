@@ -86,8 +86,9 @@ def test_pooled_buffers_of_one_use_stay_apart_from_others_and_are_dropped_togeth
 
 
 @pytest.mark.parametrize("rerun_scratch", ["scratch", "fresh"])
-def test_rerun_from_the_same_scratch_after_an_interrupted_send_completes_the_store(tmp_path, monkeypatch,
-                                                                                   rerun_scratch):
+def test_rerun_from_the_same_scratch_after_an_interrupted_send_completes_the_store(
+    tmp_path, monkeypatch, rerun_scratch
+):
     """A shuffle to a store killed while sending its manifests leaves them committed in the
     scratch folder but not in the store. The rerun from the same scratch must not take those
     local manifests for finished work: it drops them (Outbox.fetch_state), writes again what
@@ -125,15 +126,19 @@ def test_rerun_from_the_same_scratch_after_an_interrupted_send_completes_the_sto
 
         monkeypatch.setattr(Outbox, "send", counting_send)
         again = shuffle(src, "memory://io-test/run", scratch=tmp_path / rerun_scratch, **kw)
-        got = {f[len("/io-test/run/"):]: fs.cat(f) for f in fs.find("/io-test/run")}
+        got = {f[len("/io-test/run/") :]: fs.cat(f) for f in fs.find("/io-test/run")}
     finally:
         if fs.exists("/io-test"):
             fs.rm("/io-test", recursive=True)
     shuffle(src, tmp_path / "ref", **kw)
-    ref = {p.relative_to(tmp_path / "ref").as_posix(): p.read_bytes()
-           for p in (tmp_path / "ref").rglob("*") if p.is_file()}
+    ref = {
+        p.relative_to(tmp_path / "ref").as_posix(): p.read_bytes() for p in (tmp_path / "ref").rglob("*") if p.is_file()
+    }
     assert again.written == [0, 1]
     assert not {r.split("://", 1)[1].lstrip("/") for r in resent} & {s.lstrip("/") for s in sent}, resent
-    assert {k for k in got if k.endswith("tokpack.json")} == {"tokpack.json", "epoch-00000/tokpack.json",
-                                                               "epoch-00001/tokpack.json"}
+    assert {k for k in got if k.endswith("tokpack.json")} == {
+        "tokpack.json",
+        "epoch-00000/tokpack.json",
+        "epoch-00001/tokpack.json",
+    }
     assert {k: v for k, v in got.items() if k.endswith(".ds")} == {k: v for k, v in ref.items() if k.endswith(".ds")}

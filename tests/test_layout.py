@@ -46,8 +46,7 @@ def test_everything_installs_under_one_namespace():
     """Nothing lands in site-packages as a top-level formats, shuffle or packer: every package is
     tokpack or under it, each mapped from the layout's folder of the same name."""
     assert all(name == "tokpack" or name.startswith("tokpack.") for name in PACKAGES), PACKAGES
-    assert {name: FOLDERS[name] for name in FOLDERS if name != "tokpack"} == \
-        {f"tokpack.{p}": p for p in TOP_PACKAGES}
+    assert {name: FOLDERS[name] for name in FOLDERS if name != "tokpack"} == {f"tokpack.{p}": p for p in TOP_PACKAGES}
     for name in PACKAGES:  # a subpackage of a mapped one (formats.inputs) is its folder's subfolder
         top = ".".join(name.split(".")[:2])
         folder = REPO / FOLDERS[top] / Path(*name.split(".")[2:])
@@ -65,10 +64,16 @@ def test_no_module_imports_the_old_top_level_names():
     trees = [REPO / p for p in (*TOP_PACKAGES, "tokpack", "tests", "bench", "examples", "scripts")]
     for path in sorted(p for tree in trees for p in tree.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
-            wrong += [f"{path.relative_to(REPO)}:{node.lineno} imports {n}" for n in names
-                      if n.split(".")[0] in TOP_PACKAGES]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                else []
+            )
+            wrong += [
+                f"{path.relative_to(REPO)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in TOP_PACKAGES
+            ]
     assert not wrong, wrong
 
 
@@ -90,10 +95,16 @@ def test_format_layer_has_no_logging_or_executor_dependency():
     wrong = []
     for module in sorted(p for folder in ("formats", "loader") for p in (REPO / folder).rglob("*.py")):
         for node in ast.walk(ast.parse(module.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
-            wrong += [f"{module.relative_to(REPO)} imports {n}" for n in names
-                      if n.split(".")[0] in ("datatrove", "loguru")]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module
+                else []
+            )
+            wrong += [
+                f"{module.relative_to(REPO)} imports {n}" for n in names if n.split(".")[0] in ("datatrove", "loguru")
+            ]
     assert not wrong, wrong
 
 
@@ -105,16 +116,25 @@ def test_packages_register_nothing_on_import():
     for folder in sorted(TOP_PACKAGES):
         init = REPO / folder / "__init__.py"
         tree = ast.parse(init.read_text())
-        exported = next((ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
-                         and any(getattr(t, "id", None) == "__all__" for t in n.targets)), [])
+        exported = next(
+            (
+                ast.literal_eval(n.value)
+                for n in tree.body
+                if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets)
+            ),
+            [],
+        )
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("tokpack")):
                 unused = [a.asname or a.name for a in node.names if (a.asname or a.name) not in exported]
                 assert not unused, f"{folder}/__init__.py imports {unused} without exporting them"
-            assert not (isinstance(node, ast.Import) and any(a.name.startswith("tokpack") for a in node.names)), \
+            assert not (isinstance(node, ast.Import) and any(a.name.startswith("tokpack") for a in node.names)), (
                 f"{folder}/__init__.py:{node.lineno} imports a module for its side effect"
-    code = ("import sys, tokpack.formats\n"
-            "print(sorted(m for m in sys.modules if m.startswith(('tokpack.loader', 'tokpack.formats.slices'))))")
+            )
+    code = (
+        "import sys, tokpack.formats\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('tokpack.loader', 'tokpack.formats.slices'))))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0 and done.stdout.split() == ["[]"], done.stderr[-2000:] or done.stdout
     from tokpack.loader.reader import READERS, SampleReader, reader_class
@@ -145,7 +165,7 @@ def module_imports(name: str, path: Path, modules) -> set[str]:
             base = node.module or ""
             if node.level:
                 package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
             for alias in node.names:
                 target = f"{base}.{alias.name}"
                 found |= {target} if target in modules else {base} & set(modules)
@@ -172,7 +192,9 @@ def test_import_graph_sees_lazy_and_relative_imports():
     assert "tokpack.packer.shared" in graph["tokpack.packer.api"]  # top-level `from X import Y`
     assert "tokpack.packer.executors" in graph["tokpack.packer.api"]  # an import inside a function
     assert "tokpack.packer.lifetime" in graph["tokpack.packer.executors"]  # `from packer import lifetime`: the module
-    assert {"tokpack.formats.errors", "tokpack.formats.manifest"} <= graph["tokpack.formats"]  # relative, in a package's __init__
+    assert {"tokpack.formats.errors", "tokpack.formats.manifest"} <= graph[
+        "tokpack.formats"
+    ]  # relative, in a package's __init__
     assert "tokpack.formats.errors" in graph["tokpack.formats.units"]  # relative, in a module
     assert graph["tokpack.packer.shared"] == set()
     assert "tokpack.loader.reader" in graph["tokpack.loader.slice_reader"]  # relative, in the loader
@@ -182,9 +204,11 @@ def test_import_graph_sees_lazy_and_relative_imports():
 def test_bench_scripts_see_the_project_packages(script):
     """Run as `python bench/X.py`, Python puts bench/ first on sys.path, where bench/shuffle.py
     would hide the shuffle package; each script must take bench/ off the path itself."""
-    code = (f"import runpy, sys; sys.path[0] = {str(REPO / 'bench')!r}\n"
-            f"runpy.run_path({str(REPO / 'bench' / script)!r}, run_name='bench_script')\n"
-            "import tokpack.packer.cli, tokpack.packer.executors, tokpack.shuffle.run, tokpack.packer.validation")
+    code = (
+        f"import runpy, sys; sys.path[0] = {str(REPO / 'bench')!r}\n"
+        f"runpy.run_path({str(REPO / 'bench' / script)!r}, run_name='bench_script')\n"
+        "import tokpack.packer.cli, tokpack.packer.executors, tokpack.shuffle.run, tokpack.packer.validation"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO / "bench")
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -218,8 +242,11 @@ def test_tests_do_not_skip_on_import_errors():
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip":
                 assert False, f"{path.name}:{node.lineno}: importorskip skips on any import error; use conftest.require"
-            broad = node.type is None or any(isinstance(t, ast.Name) and t.id in BROAD for t in ast.walk(node.type)) \
-                if isinstance(node, ast.ExceptHandler) else False
+            broad = (
+                node.type is None or any(isinstance(t, ast.Name) and t.id in BROAD for t in ast.walk(node.type))
+                if isinstance(node, ast.ExceptHandler)
+                else False
+            )
             if broad and isinstance(node.body[0], (ast.Return, ast.Pass)):
                 assert False, f"{path.name}:{node.lineno}: an import or any error turned into a silent return"
 
@@ -228,8 +255,23 @@ def test_tests_do_not_skip_on_import_errors():
 
 GATE_MODULE = "formats/io.py"  # tokpack.formats.io: the gate (docs/COMMANDS.md, "The gate") and the writers
 # Calls that open a file by name, whatever the receiver is called (`np` and `numpy` alike).
-OPENERS = {"open", "os.open", "os.fdopen", "io.open", "builtins.open", "np.fromfile", "numpy.fromfile", "np.memmap",
-           "numpy.memmap", "np.load", "numpy.load", "mmap.mmap", "gzip.open", "bz2.open", "lzma.open"}
+OPENERS = {
+    "open",
+    "os.open",
+    "os.fdopen",
+    "io.open",
+    "builtins.open",
+    "np.fromfile",
+    "numpy.fromfile",
+    "np.memmap",
+    "numpy.memmap",
+    "np.load",
+    "numpy.load",
+    "mmap.mmap",
+    "gzip.open",
+    "bz2.open",
+    "lzma.open",
+}
 # Methods that read a file whatever object they are called on: pathlib's (a Path receiver cannot
 # be told from another statically, so any receiver counts), and `.open` on anything that is not
 # a class (SampleReader.open, PackedSource.open and PackedTable.open construct tokpack's readers).
@@ -239,7 +281,7 @@ GATE_ALLOWED = {
     ("packer/cli.py", "open"): "the CLI's crash log in $TOKPACK_LOG_DIR, written by tokpack for the user",
     ("packer/executors.py", "logging_dir.open"): "datatrove's folder of an executor's own task logs",
     ("packer/executors.py", "folder.open"): "datatrove's folders: an executor's completion markers, and the remote "
-                                            "side of a download (the local copy is then read through the gate)",
+    "side of a download (the local copy is then read through the gate)",
     ("packer/executors.py", "fs.open"): "the remote side of a download (an fsspec object, not a local file)",
     ("packer/staging.py", "self.open"): "staging.Source.open, which opens through the gate",
     ("packer/staging.py", "self.src.open"): "staging.Source.open, which opens through the gate",
@@ -267,9 +309,13 @@ def ungated_opens(path: Path, source: str | None = None) -> list[str]:
         if method == "open" and isinstance(node.func.value, ast.Name) and node.func.value.id[:1].isupper():
             continue  # a class's constructor (SampleReader.open ...)
         first = node.args[0] if node.args else None
-        literal = first.value if isinstance(first, ast.Constant) else \
-            first.values[0].value if isinstance(first, ast.JoinedStr) and first.values and \
-            isinstance(first.values[0], ast.Constant) else None
+        literal = (
+            first.value
+            if isinstance(first, ast.Constant)
+            else first.values[0].value
+            if isinstance(first, ast.JoinedStr) and first.values and isinstance(first.values[0], ast.Constant)
+            else None
+        )
         if isinstance(literal, str) and literal.startswith("/proc/"):
             continue
         if (rel, name) in GATE_ALLOWED:
@@ -281,8 +327,12 @@ def ungated_opens(path: Path, source: str | None = None) -> list[str]:
 def product_modules() -> list[Path]:
     """Every module of the installed subpackages (formats, shuffle, packer and any added later)
     but the gate's own."""
-    return sorted(p for package in TOP_PACKAGES for p in (REPO / package).rglob("*.py")
-                  if p.relative_to(REPO).as_posix() != GATE_MODULE)
+    return sorted(
+        p
+        for package in TOP_PACKAGES
+        for p in (REPO / package).rglob("*.py")
+        if p.relative_to(REPO).as_posix() != GATE_MODULE
+    )
 
 
 def test_every_open_of_a_file_goes_through_the_gate():
@@ -290,17 +340,34 @@ def test_every_open_of_a_file_goes_through_the_gate():
     the recorded size: docs/COMMANDS.md, "The gate"); the allowed exceptions are not dataset
     files, each with its reason in GATE_ALLOWED."""
     wrong = [hit for module in product_modules() for hit in ungated_opens(module)]
-    assert not wrong, "open these through tokpack.formats.io (open_read, read_array, map_file, read_limited, " \
-                      f"regular_fd, open_append, open_new) or allow them in GATE_ALLOWED with a reason: {wrong}"
+    assert not wrong, (
+        "open these through tokpack.formats.io (open_read, read_array, map_file, read_limited, "
+        f"regular_fd, open_append, open_new) or allow them in GATE_ALLOWED with a reason: {wrong}"
+    )
     assert (REPO / GATE_MODULE).is_file()
-    used = {(m.relative_to(REPO).as_posix(), ast.unparse(n.func)) for m in product_modules()
-            for n in ast.walk(ast.parse(m.read_text())) if isinstance(n, ast.Call)}
+    used = {
+        (m.relative_to(REPO).as_posix(), ast.unparse(n.func))
+        for m in product_modules()
+        for n in ast.walk(ast.parse(m.read_text()))
+        if isinstance(n, ast.Call)
+    }
     assert set(GATE_ALLOWED) <= used, f"allowed but no longer there (remove them): {set(GATE_ALLOWED) - used}"
 
 
-@pytest.mark.parametrize("stray", ["open(path, 'rb')", "np.fromfile(f, dtype='<u8')", "os.open(p, os.O_RDONLY)",
-                                   "mmap.mmap(fd, 0)", "Path(p).read_bytes()", "p.read_text()", "p.open('rb')",
-                                   "numpy.memmap(f)", "open(f'/tmp/{x}')"])
+@pytest.mark.parametrize(
+    "stray",
+    [
+        "open(path, 'rb')",
+        "np.fromfile(f, dtype='<u8')",
+        "os.open(p, os.O_RDONLY)",
+        "mmap.mmap(fd, 0)",
+        "Path(p).read_bytes()",
+        "p.read_text()",
+        "p.open('rb')",
+        "numpy.memmap(f)",
+        "open(f'/tmp/{x}')",
+    ],
+)
 def test_the_gate_check_sees_a_stray_open(stray):
     """The check catches each kind of open it claims to, in any product module."""
     module = REPO / "shuffle" / "steps.py"

@@ -50,8 +50,13 @@ def start(tmp_path):
         token = uuid.uuid4().hex
         env = {**os.environ, MARK: token, "PYTHONPATH": PROJECT_ROOT}
         with open(tmp_path / f"cmd-{token[:8]}.log", "wb") as log:  # not a pipe: a leftover would hold it open
-            proc = subprocess.Popen([sys.executable, "-m", "tokpack.packer.cli", *args], env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, cwd=tmp_path)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tokpack.packer.cli", *args],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=tmp_path,
+            )
         started.append((proc, token))
         return proc, token
 
@@ -90,8 +95,10 @@ def source(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_killed_shuffle_with_two_workers_leaves_no_process(source, tmp_path, start, sig):
-    proc, token = start(["shuffle", str(source), "-o", str(tmp_path / "run"), *SHUFFLE,
-                         "--epochs", "4", "--workers", "2"])
+    proc, token = start(
+        ["shuffle", str(source), "-o", str(tmp_path / "run"), *SHUFFLE, "--epochs", "4", "--workers", "2"]
+    )
+
     # Pool workers are the forkserver's children: once one runs, every kind of process is there.
     def pool_running():
         pids = set(marked(token))
@@ -113,8 +120,21 @@ def _parent(pid: int) -> int:
 
 def test_killed_shuffle_on_a_local_ray_cluster_leaves_no_process(source, tmp_path, start):
     require("ray", "pip install -e '.[test]'")
-    proc, token = start(["shuffle", str(source), "-o", str(tmp_path / "run"), *SHUFFLE, "--epochs", "2",
-                         "--executor", "ray", "--workers", "2"])
+    proc, token = start(
+        [
+            "shuffle",
+            str(source),
+            "-o",
+            str(tmp_path / "run"),
+            *SHUFFLE,
+            "--epochs",
+            "2",
+            "--executor",
+            "ray",
+            "--workers",
+            "2",
+        ]
+    )
 
     def raylet_running():
         return any(b"raylet" in cmdline(p) for p in marked(token))
@@ -130,9 +150,27 @@ def test_killed_shuffle_on_slurm_leaves_no_job_and_no_process(source, tmp_path, 
 
     if (reason := slurm_unavailable()) is not None:
         pytest.skip(reason)
-    proc, token = start(["shuffle", str(source), "-o", str(tmp_path / "run"), *SHUFFLE, "--epochs", "4",
-                         "--executor", "slurm", "--workers", "2", "--time", "00:10:00", "--mem", "0.5",
-                         "--logging-dir", str(tmp_path / "logs")])
+    proc, token = start(
+        [
+            "shuffle",
+            str(source),
+            "-o",
+            str(tmp_path / "run"),
+            *SHUFFLE,
+            "--epochs",
+            "4",
+            "--executor",
+            "slurm",
+            "--workers",
+            "2",
+            "--time",
+            "00:10:00",
+            "--mem",
+            "0.5",
+            "--logging-dir",
+            str(tmp_path / "logs"),
+        ]
+    )
 
     def submitted():  # this test's jobs: the ones submitted from its folder
         out = subprocess.run(["squeue", "-h", "-o", "%A|%Z"], capture_output=True, text=True).stdout
@@ -146,8 +184,9 @@ def test_killed_shuffle_on_slurm_leaves_no_job_and_no_process(source, tmp_path, 
         return not submitted()
 
     wait_for(left_queue, "the jobs to leave squeue", timeout=60)
-    states = " ".join(subprocess.run(["scontrol", "show", "job", j], capture_output=True, text=True).stdout
-                      for j in jobs)
+    states = " ".join(
+        subprocess.run(["scontrol", "show", "job", j], capture_output=True, text=True).stdout for j in jobs
+    )
     assert "JobState=CANCELLED" in states, states  # cancelled, not left to finish on its own
     assert_nothing_left(token)
 
@@ -177,8 +216,14 @@ APP = textwrap.dedent(
 def test_application_loguru_sink_survives_import_and_executor_runs(source, tmp_path):
     script = tmp_path / "app.py"
     script.write_text(APP.format(src=str(source), out=str(tmp_path / "run")))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": PROJECT_ROOT}, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": PROJECT_ROOT},
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     received, same = done.stdout.splitlines()[-2:]
     assert "application message 0" in received and "application message 1" in received, done.stdout
@@ -217,7 +262,9 @@ def test_pack_killed_before_its_request_is_recorded_reruns(tmp_path):
     args = ["pack", *inputs, "-o", str(tmp_path / "packed"), "--eos-id", "0", "--vocab-size", "1000"]
     reference = CliRunner().invoke(main, args)
     assert reference.exit_code == 0, reference.output
-    expected = {p.relative_to(tmp_path / "packed"): p.read_bytes() for p in (tmp_path / "packed").rglob("*") if p.is_file()}
+    expected = {
+        p.relative_to(tmp_path / "packed"): p.read_bytes() for p in (tmp_path / "packed").rglob("*") if p.is_file()
+    }
     out = tmp_path / "killed"
     (out / ".tokpack-work").mkdir(parents=True)
     (out / ".tokpack-work" / "request.json.tmp-123").write_bytes(b'{"inp')

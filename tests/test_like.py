@@ -53,10 +53,43 @@ def corpus(tmp_path_factory) -> Path:
 
 # (name, the run's command less -o and the epochs, the epochs written first, the epoch the hints name)
 RUNS = {
-    "concat": (["{web}=0.7", "{code}=0.3", "--seq-len", "31", "--seed", "1", "--samples", "300",
-                "--shard-samples", "64", "--jitter"], 2, 2),
-    "best-fit": (["{web}=2", "{code}=1", "--seq-len", "31", "--seed", "3", "--samples", "250",
-                  "--shard-samples", "100", "--packing", "best-fit", "--pad-id", "7"], 2, 2),
+    "concat": (
+        [
+            "{web}=0.7",
+            "{code}=0.3",
+            "--seq-len",
+            "31",
+            "--seed",
+            "1",
+            "--samples",
+            "300",
+            "--shard-samples",
+            "64",
+            "--jitter",
+        ],
+        2,
+        2,
+    ),
+    "best-fit": (
+        [
+            "{web}=2",
+            "{code}=1",
+            "--seq-len",
+            "31",
+            "--seed",
+            "3",
+            "--samples",
+            "250",
+            "--shard-samples",
+            "100",
+            "--packing",
+            "best-fit",
+            "--pad-id",
+            "7",
+        ],
+        2,
+        2,
+    ),
     "schedule": (["--schedule", "{root}/run.yaml"], 1, 1),
 }
 
@@ -120,22 +153,50 @@ def hints(case: str, base: Path, corpus: Path) -> dict[str, str]:
     refused("read past the written epochs", "read", "run", "--start-sample", n_before + 3)
     refused("read: less than a global batch", "read", "run", "--start-sample", n_before - 1, "--world-size", 2)
     refused("stage --epochs", "stage", "run", "dest", "--epochs", nxt)
-    refused("stage a node slice --epochs", "stage", "run", "slice", "--node", "0/1", "--ranks-per-node", 1,
-            "--micro-batch", 1, "--epochs", nxt)
+    refused(
+        "stage a node slice --epochs",
+        "stage",
+        "run",
+        "slice",
+        "--node",
+        "0/1",
+        "--ranks-per-node",
+        1,
+        "--micro-batch",
+        1,
+        "--epochs",
+        nxt,
+    )
     epochs = [f"run/{epoch_dir_name(e)}" for e in range(first)]
     if case == "best-fit":  # another command into the run: the different-run hint
-        refused("shuffle into the run with other flags", "shuffle", corpus / "web", "-o", "run", "--seq-len", 31,
-                "--seed", 3, "--epoch", nxt)
+        refused(
+            "shuffle into the run with other flags",
+            "shuffle",
+            corpus / "web",
+            "-o",
+            "run",
+            "--seq-len",
+            31,
+            "--seed",
+            3,
+            "--epoch",
+            nxt,
+        )
     old = os.getcwd()
     os.chdir(base)
     try:
-        for name, ask in (("TokpackDataset(start_sample=)", lambda: TokpackDataset("run", start_sample=n_before + 3)),
-                          ("SampleReader.start_from", lambda: SampleReader.open("run").start_from(
-                              start_sample=n_before + 3)),
-                          ("the run's epochs read past their end", lambda: SampleReader.open(epochs).start_from(
-                              start_sample=n_before + 3)),
-                          ("TokpackDataset.load_state_dict", lambda: TokpackDataset("run").load_state_dict(
-                              {"epoch": nxt, "sample": 3}))):
+        for name, ask in (
+            ("TokpackDataset(start_sample=)", lambda: TokpackDataset("run", start_sample=n_before + 3)),
+            ("SampleReader.start_from", lambda: SampleReader.open("run").start_from(start_sample=n_before + 3)),
+            (
+                "the run's epochs read past their end",
+                lambda: SampleReader.open(epochs).start_from(start_sample=n_before + 3),
+            ),
+            (
+                "TokpackDataset.load_state_dict",
+                lambda: TokpackDataset("run").load_state_dict({"epoch": nxt, "sample": 3}),
+            ),
+        ):
             with pytest.raises(TokpackError) as e:
                 ask()
             out[name] = str(e.value)
@@ -156,8 +217,14 @@ def test_each_hinted_command_run_as_printed_writes_the_epoch_of_the_original_com
         copy = tmp_path / f"h{k}"
         shutil.copytree(base, copy)
         if k == 0:  # one as a real process, the way a user pastes it
-            r = subprocess.run([sys.executable, "-m", "tokpack", *words[1:]], cwd=copy, capture_output=True,
-                               text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+            r = subprocess.run(
+                [sys.executable, "-m", "tokpack", *words[1:]],
+                cwd=copy,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+            )
             code, err = r.returncode, r.stderr
         else:
             code, _, err = cli(*words[1:], cwd=copy)
@@ -182,8 +249,10 @@ def test_plan_shuffle_like_plans_the_epoch(made):
     assert code == 0, err
     planned = json.loads(out)
     assert planned["ok"]
-    assert read_manifest(ref / epoch_dir_name(nxt))["samples"] == [
-        d for d in planned["epochs"] if d["epoch"] == nxt][0]["samples"]
+    assert (
+        read_manifest(ref / epoch_dir_name(nxt))["samples"]
+        == [d for d in planned["epochs"] if d["epoch"] == nxt][0]["samples"]
+    )
     assert not (base / "run" / epoch_dir_name(nxt)).exists()
 
 
@@ -223,17 +292,23 @@ def test_like_given_what_is_no_run_says_so(tmp_path):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("x")
     hint = "HINT: give the run directory (the one holding tokpack.json and epoch-NNNNN/)"
-    for path, found in ((text, "a file"), (tmp_path / "empty", "a folder without tokpack.json or epoch folders"),
-                        (tmp_path / "notes", "a folder without tokpack.json or epoch folders")):
+    for path, found in (
+        (text, "a file"),
+        (tmp_path / "empty", "a folder without tokpack.json or epoch folders"),
+        (tmp_path / "notes", "a folder without tokpack.json or epoch folders"),
+    ):
         code, out, err = cli("shuffle", "--like", path, "--epoch", 1)
         assert (code, out) == (1, "") and err.strip().splitlines() == [
-            f"tokpack: error: {path} [kind]: --like takes a run directory; expected {RUN_DIR}, found {found}. {hint}"]
+            f"tokpack: error: {path} [kind]: --like takes a run directory; expected {RUN_DIR}, found {found}. {hint}"
+        ]
     (tmp_path / "interrupted" / epoch_dir_name(0)).mkdir(parents=True)
     code, _, err = cli("shuffle", "--like", tmp_path / "interrupted", "--epoch", 1)
     assert code == 1 and "incomplete: no tokpack.json" in err and "rerun the same command" in err
     code, _, err = cli("read", text)  # every command: a file is not a directory, nothing is unfinished
-    assert code == 1 and err.strip() == (f"tokpack: error: {text}: not a directory; expected a tokpack directory, "
-                                         "found a file. HINT: pass the directory that holds tokpack.json")
+    assert code == 1 and err.strip() == (
+        f"tokpack: error: {text}: not a directory; expected a tokpack directory, "
+        "found a file. HINT: pass the directory that holds tokpack.json"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "interrupted", "notes", "passwd"]
 
 

@@ -19,7 +19,6 @@ from click.testing import CliRunner
 from conftest import shuffle_run
 from tokpack.formats import outputs
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.manifest import MANIFEST
 from tokpack.formats.shards import PackedSource, contained_shard
 from tokpack.packer import linking, packing
 from tokpack.packer.api import plan, stage, validate
@@ -30,8 +29,9 @@ EOS, VOCAB = 0, 1000
 OPTS = dict(eos_id=EOS, vocab_size=VOCAB)
 
 
-def write_dt(folder: Path, files: int = 3, docs: int = 40, seed: int = 0, loss: bool = False,
-             eos_every_doc: bool = True) -> Path:
+def write_dt(
+    folder: Path, files: int = 3, docs: int = 40, seed: int = 0, loss: bool = False, eos_every_doc: bool = True
+) -> Path:
     """A datatrove folder written as datatrove lays it out: uint16 tokens, uint64 ends, metadata."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -57,8 +57,10 @@ def tree(folder: Path) -> dict[str, bytes]:
 
 def inputs_state(folder: Path) -> dict[str, tuple]:
     """Per input file: its bytes, inode, link count and mtime."""
-    return {p.name: (p.read_bytes(), p.stat().st_ino, p.stat().st_nlink, p.stat().st_mtime_ns)
-            for p in sorted(folder.iterdir())}
+    return {
+        p.name: (p.read_bytes(), p.stat().st_ino, p.stat().st_nlink, p.stat().st_mtime_ns)
+        for p in sorted(folder.iterdir())
+    }
 
 
 def links_of(folder: Path) -> dict[str, int]:
@@ -94,7 +96,11 @@ def test_link_gives_a_copying_packs_manifest_and_bytes(dt, tmp_path):
     assert not any(p.is_symlink() for p in (tmp_path / "link").iterdir())
     # the gate takes a hard link as the regular file it is, at its recorded size
     src = PackedSource.open(tmp_path / "link")
-    assert [contained_shard(src.path, s, i).name for i, s in enumerate(src.shards)] == ["00000.ds", "00001.ds", "00002.ds"]
+    assert [contained_shard(src.path, s, i).name for i, s in enumerate(src.shards)] == [
+        "00000.ds",
+        "00001.ds",
+        "00002.ds",
+    ]
     assert validate([tmp_path / "link"]).ok
     assert cli("validate", tmp_path / "link").exit_code == 0
     # the flag is not part of the request: a copy and a link are the same pack
@@ -113,13 +119,24 @@ def test_link_with_a_loss_mask(tmp_path):
 def test_same_file_reached_twice_is_still_refused(dt, tmp_path):
     for suffix in ("", ".index", ".metadata"):
         os.link(dt / f"00000_unshuffled.ds{suffix}", tmp_path / f"again.ds{suffix}")
-    res = cli("pack", dt, tmp_path / "again.ds", "-o", tmp_path / "out", "--link", "--eos-id", EOS,
-              "--vocab-size", VOCAB)
+    res = cli(
+        "pack", dt, tmp_path / "again.ds", "-o", tmp_path / "out", "--link", "--eos-id", EOS, "--vocab-size", VOCAB
+    )
     assert res.exit_code == 1 and "the same input file is given twice" in res.stderr
     # a shard of a linked pack is its input: packing both again is the same file twice
     pack([str(dt)], str(tmp_path / "link"), link=True, **OPTS)
-    res = cli("pack", dt / "00000_unshuffled.ds", tmp_path / "link" / "00000.ds", "-o", tmp_path / "out2",
-              "--link", "--eos-id", EOS, "--vocab-size", VOCAB)
+    res = cli(
+        "pack",
+        dt / "00000_unshuffled.ds",
+        tmp_path / "link" / "00000.ds",
+        "-o",
+        tmp_path / "out2",
+        "--link",
+        "--eos-id",
+        EOS,
+        "--vocab-size",
+        VOCAB,
+    )
     assert res.exit_code == 1 and "the same input file is given twice" in res.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
 
@@ -131,8 +148,7 @@ def test_nothing_a_link_shares_is_written_through(dt, tmp_path, monkeypatch):
     def same_bytes(nlink_ds: int):
         now = inputs_state(dt)
         assert {n: (b, i, m) for n, (b, i, _, m) in now.items()} == unchanged
-        assert {n: st[2] for n, st in now.items()} == {
-            n: 1 if n.endswith(".metadata") else nlink_ds for n in now}
+        assert {n: st[2] for n, st in now.items()} == {n: 1 if n.endswith(".metadata") else nlink_ds for n in now}
 
     out = tmp_path / "out"
     pack([str(dt)], str(out), link=True, **OPTS)
@@ -242,8 +258,9 @@ def test_across_filesystems_a_reflink_else_a_copy(dt, tmp_path, monkeypatch):
     monkeypatch.setattr(linking.fcntl, "ioctl", no_clone)
     res = pack([str(dt)], str(tmp_path / "copied"), link=True, **OPTS)
     assert tree(ref) == tree(tmp_path / "copied") and res.linked_files == 0 and res.copied_bytes > 0
-    assert len(res.link_notes) == 3 and all("no hard link (Invalid cross-device link) and no reflink" in n
-                                            for n in res.link_notes)
+    assert len(res.link_notes) == 3 and all(
+        "no hard link (Invalid cross-device link) and no reflink" in n for n in res.link_notes
+    )
     assert not [p for p in (tmp_path / "copied").iterdir() if ".tmp-" in p.name]
 
 
@@ -287,8 +304,9 @@ def test_plan_pack_reports_the_bytes_it_links_and_copies(dt, tmp_path):
     assert (copied.link_bytes, copied.copy_bytes) == (0, shard_files) and copied.link_notes is None
     cut = plan("pack", [str(dt)], str(tmp_path / "out"), link=True, shard_tokens=100, disk_mbps=500, **OPTS)
     assert cut.copy_bytes == shard_files and len(cut.link_notes) == 3
-    res = cli("plan", "pack", dt, "-o", tmp_path / "out", "--link", "--eos-id", EOS, "--vocab-size", VOCAB,
-              "--disk-mbps", 500)
+    res = cli(
+        "plan", "pack", dt, "-o", tmp_path / "out", "--link", "--eos-id", EOS, "--vocab-size", VOCAB, "--disk-mbps", 500
+    )
     assert res.exit_code == 0 and "shard files: copies 0.0 KiB, links" in res.stdout
     assert not (tmp_path / "out").exists()
 

@@ -44,15 +44,41 @@ def mpirun() -> str:
 EVERY_LINE = ["--enable-recovery"]
 
 
-def to_nodes(run: Path, dest: str, *args, n: int = NODES, timeout: int = 120,
-             env: dict | None = None, every_line: bool = False) -> subprocess.CompletedProcess:
+def to_nodes(
+    run: Path, dest: str, *args, n: int = NODES, timeout: int = 120, env: dict | None = None, every_line: bool = False
+) -> subprocess.CompletedProcess:
     """`env`: more variables for every process (an audit hook's, with its PYTHONPATH);
     `every_line`: EVERY_LINE, for a failure every process reports by itself."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_rmaps_base_oversubscribe": "1", "TOKPACK_PROGRESS": "0", **(env or {})}
-    cmd = [mpirun(), "--oversubscribe", *(EVERY_LINE if every_line else []), "-n", str(n), sys.executable, "-m",
-           "tokpack", "shuffle", *map(str, args), "-o", str(run), "--to-nodes", dest, "--ranks-per-node", str(K),
-           "--micro-batch", str(M), "--json"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMPI_MCA_rmaps_base_oversubscribe": "1",
+        "TOKPACK_PROGRESS": "0",
+        **(env or {}),
+    }
+    cmd = [
+        mpirun(),
+        "--oversubscribe",
+        *(EVERY_LINE if every_line else []),
+        "-n",
+        str(n),
+        sys.executable,
+        "-m",
+        "tokpack",
+        "shuffle",
+        *map(str, args),
+        "-o",
+        str(run),
+        "--to-nodes",
+        dest,
+        "--ranks-per-node",
+        str(K),
+        "--micro-batch",
+        str(M),
+        "--json",
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -82,8 +108,11 @@ def cli(*args) -> str:
 
 
 def tree(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != "tokpack.lock"}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != "tokpack.lock"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +121,9 @@ def source(tmp_path_factory) -> Path:
     return write_source(root / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
 
 
-def staged(tmp: Path, shuffle_args: list, run_name: str = "materialised", memory: str = MEMORY) -> tuple[Path, list[Path]]:
+def staged(
+    tmp: Path, shuffle_args: list, run_name: str = "materialised", memory: str = MEMORY
+) -> tuple[Path, list[Path]]:
     """`tokpack shuffle` then `tokpack stage --node n/N` for every node: what --to-nodes must equal."""
     run = tmp / run_name
     cli("shuffle", *shuffle_args, "-o", run, "--memory", memory)
@@ -123,8 +154,9 @@ def assert_no_token_bytes(exchanged_run: Path, run: Path) -> None:
     files = {str(p.relative_to(exchanged_run)) for p in exchanged_run.rglob("*") if p.is_file()}
     assert NODES_SIDECAR in files and json.loads((exchanged_run / NODES_SIDECAR).read_text())["nodes"] == 4
     # every node's DEST, as given: the {node} template (absolute), not node 0's folder
-    assert json.loads((exchanged_run / NODES_SIDECAR).read_text())["dest"] == str(exchanged_run.parent.absolute()
-                                                                                     / "node{node}")
+    assert json.loads((exchanged_run / NODES_SIDECAR).read_text())["dest"] == str(
+        exchanged_run.parent.absolute() / "node{node}"
+    )
     files.discard(NODES_SIDECAR)
     small = (MANIFEST, ROWS_SUFFIX, PAD_SUFFIX)  # a best-fit epoch's padding per row, 4 bytes each
     assert files and all(f.endswith(small) for f in files), sorted(files)[:8]
@@ -164,7 +196,9 @@ def exchange_equals_stage(tmp_path: Path, args: list, memory: str = MEMORY) -> d
 
 
 def test_windows_two_epochs_equal_shuffle_then_stage_node(source, tmp_path):
-    info = exchange_equals_stage(tmp_path, [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 2, "--shard-samples", 12])
+    info = exchange_equals_stage(
+        tmp_path, [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 2, "--shard-samples", 12]
+    )
     assert [d["epoch"] for d in info[0]["epochs_detail"]] == [0, 1]
     rows = sorted((tmp_path / "exchanged" / epoch_dir_name(1)).glob(f"*{ROWS_SUFFIX}"))[3]
     damaged = bytearray(rows.read_bytes())
@@ -177,8 +211,24 @@ def test_windows_two_epochs_equal_shuffle_then_stage_node(source, tmp_path):
 def test_weights_and_jitter_equal_shuffle_then_stage_node(source, tmp_path):
     """Two weighted sources (one upsampled: a window read once is sent once per use) and jittered windows."""
     other = write_source(tmp_path / "other", random_docs(np.random.default_rng(9), 40, 1000, 0), docs_per_shard=10)
-    info = exchange_equals_stage(tmp_path, [f"{source}=0.6", f"{other}=0.4", "--seq-len", SEQ, "--seed", 8,
-                                            "--samples", 400, "--epoch", 1, "--shard-samples", 12, "--jitter"])
+    info = exchange_equals_stage(
+        tmp_path,
+        [
+            f"{source}=0.6",
+            f"{other}=0.4",
+            "--seq-len",
+            SEQ,
+            "--seed",
+            8,
+            "--samples",
+            400,
+            "--epoch",
+            1,
+            "--shard-samples",
+            12,
+            "--jitter",
+        ],
+    )
     assert [d["epoch"] for d in info[0]["epochs_detail"]] == [1]  # --epoch E alone: its G starts at 400
 
 
@@ -186,8 +236,23 @@ def test_weights_and_jitter_equal_shuffle_then_stage_node(source, tmp_path):
 def test_best_fit_equals_shuffle_then_stage_node(source, tmp_path, pad_id):
     """Document pieces, not windows, cross the network; the rank files' `.ds.pad` and RUN's equal
     stage's and shuffle's; with --pad-id 7 every padded row ends in 7s, not the zeros of fresh memory."""
-    exchange_equals_stage(tmp_path, [source, "--seq-len", SEQ, "--seed", 2, "--epochs", 1, "--shard-samples", 12,
-                                     "--packing", "best-fit", *(() if pad_id is None else ("--pad-id", pad_id))])
+    exchange_equals_stage(
+        tmp_path,
+        [
+            source,
+            "--seq-len",
+            SEQ,
+            "--seed",
+            2,
+            "--epochs",
+            1,
+            "--shard-samples",
+            12,
+            "--packing",
+            "best-fit",
+            *(() if pad_id is None else ("--pad-id", pad_id)),
+        ],
+    )
     assert any(p.name.endswith(PAD_SUFFIX) for p in (tmp_path / "node0").rglob("*"))
 
 
@@ -229,21 +294,25 @@ def test_out_of_core_equals_in_memory_and_shuffle_then_stage_node(source, tmp_pa
         a, b = tree(tmp_path / f"node{n}"), tree(tmp_path / f"mem{n}")
         a.pop(MANIFEST), b.pop(MANIFEST)  # the root names its RUN; compared with stage's above
         assert a == b
-    assert tree(tmp_path / "in-memory") == {**tree(tmp_path / "exchanged"),
-                                            NODES_SIDECAR: (tmp_path / "in-memory" / NODES_SIDECAR).read_bytes()}
+    assert tree(tmp_path / "in-memory") == {
+        **tree(tmp_path / "exchanged"),
+        NODES_SIDECAR: (tmp_path / "in-memory" / NODES_SIDECAR).read_bytes(),
+    }
 
 
 def test_out_of_core_holds_a_bucket_not_the_slice(tmp_path):
     """Each node's slice and owned shards are about 10 MiB, 20x --memory: out of core, each
     process's peak RSS stays below the in-memory run's by most of those 10 MiB (which the
     in-memory path holds), and the bytes are the same."""
-    source = write_source(tmp_path / "src", random_docs(np.random.default_rng(5), 2500, 1000, 0, 2000, 6000),
-                          docs_per_shard=250)
+    source = write_source(
+        tmp_path / "src", random_docs(np.random.default_rng(5), 2500, 1000, 0, 2000, 6000), docs_per_shard=250
+    )
     args = [source, "--seq-len", 1023, "--seed", 4, "--epochs", 1, "--shard-samples", 256]
     runs = {}
     for name, memory in (("ooc", "512KiB"), ("mem", "32MiB")):
-        done = to_nodes(tmp_path / f"run-{name}", str(tmp_path / f"{name}{{node}}"), *args, "--memory", memory,
-                        timeout=300)
+        done = to_nodes(
+            tmp_path / f"run-{name}", str(tmp_path / f"{name}{{node}}"), *args, "--memory", memory, timeout=300
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         runs[name] = summaries(done)
     for n in range(NODES):
@@ -251,8 +320,12 @@ def test_out_of_core_holds_a_bucket_not_the_slice(tmp_path):
         detail = ooc["epochs_detail"][0]
         held = 2 * detail["rows_kept"] * 1024 * 2  # its slice and about as many owned rows, 2 bytes a token
         assert held > 8 << 20 and detail["buckets"] > 20 and mem["epochs_detail"][0]["buckets"] == 0
-        assert ooc["peak_rss_bytes"] < mem["peak_rss_bytes"] - held // 2, (n, ooc["peak_rss_bytes"],
-                                                                          mem["peak_rss_bytes"], held)
+        assert ooc["peak_rss_bytes"] < mem["peak_rss_bytes"] - held // 2, (
+            n,
+            ooc["peak_rss_bytes"],
+            mem["peak_rss_bytes"],
+            held,
+        )
         a, b = tree(tmp_path / f"ooc{n}"), tree(tmp_path / f"mem{n}")
         a.pop(MANIFEST), b.pop(MANIFEST)
         assert a == b
@@ -271,8 +344,23 @@ def test_a_process_stays_within_memory_and_its_fixed_allowance(tmp_path, packing
     for d in docs:
         d[-1] = 0
     source = write_source(tmp_path / "src", docs, vocab_size=50000, docs_per_shard=2000)
-    done = to_nodes(tmp_path / "run", str(tmp_path / "node{node}"), source, "--seq-len", 4095, "--seed", 1,
-                    "--epochs", 1, "--packing", packing, "--memory", "1GiB", n=2, timeout=300)
+    done = to_nodes(
+        tmp_path / "run",
+        str(tmp_path / "node{node}"),
+        source,
+        "--seq-len",
+        4095,
+        "--seed",
+        1,
+        "--epochs",
+        1,
+        "--packing",
+        packing,
+        "--memory",
+        "1GiB",
+        n=2,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     for n, s in summaries(done).items():
         d = s["epochs_detail"][0]
@@ -281,8 +369,21 @@ def test_a_process_stays_within_memory_and_its_fixed_allowance(tmp_path, packing
 
 
 def test_too_little_memory_is_one_line_per_node_and_writes_no_slice(source, tmp_path):
-    done = to_nodes(tmp_path / "run", str(tmp_path / "node{node}"), source, "--seq-len", SEQ, "--seed", 5,
-                    "--epochs", 1, "--shard-samples", 12, "--memory", "8KiB")
+    done = to_nodes(
+        tmp_path / "run",
+        str(tmp_path / "node{node}"),
+        source,
+        "--seq-len",
+        SEQ,
+        "--seed",
+        5,
+        "--epochs",
+        1,
+        "--shard-samples",
+        12,
+        "--memory",
+        "8KiB",
+    )
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.startswith("tokpack: error:")]
     assert lines and all("do not fit --memory, even out of core" in line for line in lines), done.stderr
@@ -342,12 +443,36 @@ def test_a_killed_process_stops_the_job_naming_its_node_and_a_rerun_gives_the_sa
     source = write_source(tmp_path / "src", random_docs(np.random.default_rng(4), 1500, 1000, 0), docs_per_shard=150)
     args = [source, "--seq-len", SEQ, "--seed", 6, "--epochs", 2, "--shard-samples", 100]
     run, dests = staged(tmp_path, args)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               TOKPACK_PROGRESS="0")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        TOKPACK_PROGRESS="0",
+    )
     exchanged, dest = tmp_path / "exchanged", str(tmp_path / "node{node}")
-    cmd = [mpirun(), "--oversubscribe", "-n", str(NODES), sys.executable, "-m", "tokpack", "shuffle", *map(str, args),
-           "-o", str(exchanged), "--to-nodes", dest, "--ranks-per-node", str(K), "--micro-batch", str(M),
-           "--memory", "1MiB", "--json"]
+    cmd = [
+        mpirun(),
+        "--oversubscribe",
+        "-n",
+        str(NODES),
+        sys.executable,
+        "-m",
+        "tokpack",
+        "shuffle",
+        *map(str, args),
+        "-o",
+        str(exchanged),
+        "--to-nodes",
+        dest,
+        "--ranks-per-node",
+        str(K),
+        "--micro-batch",
+        str(M),
+        "--memory",
+        "1MiB",
+        "--json",
+    ]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 60
@@ -381,12 +506,36 @@ def test_a_sigterm_to_one_process_stops_every_node_with_one_line_naming_it_and_a
     source = write_source(tmp_path / "src", random_docs(np.random.default_rng(4), 1500, 1000, 0), docs_per_shard=150)
     args = [source, "--seq-len", SEQ, "--seed", 6, "--epochs", 2, "--shard-samples", 100]
     run, dests = staged(tmp_path, args)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               TOKPACK_PROGRESS="0")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        TOKPACK_PROGRESS="0",
+    )
     exchanged, dest = tmp_path / "exchanged", str(tmp_path / "node{node}")
-    cmd = [mpirun(), "--oversubscribe", "-n", str(NODES), sys.executable, "-m", "tokpack", "shuffle", *map(str, args),
-           "-o", str(exchanged), "--to-nodes", dest, "--ranks-per-node", str(K), "--micro-batch", str(M),
-           "--memory", "64KiB", "--json"]  # out of core: its slice and owned shards are about 230 KiB
+    cmd = [
+        mpirun(),
+        "--oversubscribe",
+        "-n",
+        str(NODES),
+        sys.executable,
+        "-m",
+        "tokpack",
+        "shuffle",
+        *map(str, args),
+        "-o",
+        str(exchanged),
+        "--to-nodes",
+        dest,
+        "--ranks-per-node",
+        str(K),
+        "--micro-batch",
+        str(M),
+        "--memory",
+        "64KiB",
+        "--json",
+    ]  # out of core: its slice and owned shards are about 230 KiB
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 60
@@ -445,16 +594,38 @@ def test_a_replacement_node_alone_rebuilds_its_slice_from_the_sources(tmp_path):
     args = [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 2, "--shard-samples", 12, "--memory", MEMORY]
     exchanged = tmp_path / "exchanged"
     assert to_nodes(exchanged, str(tmp_path / "node{node}"), *args).returncode == 0
-    out = cli("stage", exchanged, tmp_path / "again", "--node", f"2/{NODES}", "--ranks-per-node", K, "--micro-batch", M,
-              "--json")
+    out = cli(
+        "stage",
+        exchanged,
+        tmp_path / "again",
+        "--node",
+        f"2/{NODES}",
+        "--ranks-per-node",
+        K,
+        "--micro-batch",
+        M,
+        "--json",
+    )
     summary = json.loads(out)
     assert summary["built_from"] == "sources" and summary["epochs"] == [0, 1]
     assert 1 < summary["read_amplification"] < 1.3
     assert tree(tmp_path / "again") == tree(tmp_path / "node2")
     for shard in source.glob("*.ds"):  # same sizes, other tokens
         shard.write_bytes(np.full(shard.stat().st_size // 2, 5, dtype="<u2").tobytes())
-    res = CliRunner().invoke(main, ["stage", str(exchanged), str(tmp_path / "other"), "--node", f"2/{NODES}",
-                                    "--ranks-per-node", str(K), "--micro-batch", str(M)])
+    res = CliRunner().invoke(
+        main,
+        [
+            "stage",
+            str(exchanged),
+            str(tmp_path / "other"),
+            "--node",
+            f"2/{NODES}",
+            "--ranks-per-node",
+            str(K),
+            "--micro-batch",
+            str(M),
+        ],
+    )
     assert res.exit_code == 1 and "differs from the run's row hash" in res.output, res.output
     assert not (tmp_path / "other" / MANIFEST).exists()
     assert not list((tmp_path / "other").glob(f"epoch-*/{MANIFEST}"))
@@ -464,12 +635,37 @@ def test_a_replacement_node_of_a_best_fit_run_rebuilds_its_rows_and_padding(tmp_
     """Best-fit: the row table rebuilt in DEST's scratch (its checksum the manifest's), the node's
     rows assembled from their documents, checked against RUN's row hashes and `.ds.pad`."""
     source = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
-    args = [source, "--seq-len", SEQ, "--seed", 2, "--epochs", 1, "--shard-samples", 12, "--memory", MEMORY,
-            "--packing", "best-fit"]
+    args = [
+        source,
+        "--seq-len",
+        SEQ,
+        "--seed",
+        2,
+        "--epochs",
+        1,
+        "--shard-samples",
+        12,
+        "--memory",
+        MEMORY,
+        "--packing",
+        "best-fit",
+    ]
     exchanged = tmp_path / "exchanged"
     assert to_nodes(exchanged, str(tmp_path / "node{node}"), *args).returncode == 0
-    summary = json.loads(cli("stage", exchanged, tmp_path / "again", "--node", f"1/{NODES}", "--ranks-per-node", K,
-                             "--micro-batch", M, "--json"))
+    summary = json.loads(
+        cli(
+            "stage",
+            exchanged,
+            tmp_path / "again",
+            "--node",
+            f"1/{NODES}",
+            "--ranks-per-node",
+            K,
+            "--micro-batch",
+            M,
+            "--json",
+        )
+    )
     assert summary["built_from"] == "sources" and summary["epochs"] == [0]
     assert tree(tmp_path / "again") == tree(tmp_path / "node1")
     assert not (tmp_path / "again" / ".tokpack-work").exists()
@@ -492,8 +688,9 @@ def test_a_dest_or_run_in_use_by_another_command_is_refused(source, tmp_path):
 # In memory, node 1's rank files fill it; out of core, its buckets (two files each). Either size
 # passes the check before the epoch (exchange's disk_bytes) and not the files' pages.
 @pytest.mark.parametrize("memory,size", [(MEMORY, "48k"), (OUT_OF_CORE, "56k")])
-def test_a_full_dest_is_one_line_naming_its_node_and_a_rerun_with_space_gives_the_same_bytes(source, tmp_path,
-                                                                                          memory, size):
+def test_a_full_dest_is_one_line_naming_its_node_and_a_rerun_with_space_gives_the_same_bytes(
+    source, tmp_path, memory, size
+):
     """Node 1's DEST is a small tmpfs: enough for the check before the epoch (free space >= the
     rows' bytes), not for its files (tmpfs counts each file's pages). Node 1 says "disk full", the
     others "node 1 failed", nothing half-written passes validate, no lock or scratch is left; the
@@ -502,8 +699,9 @@ def test_a_full_dest_is_one_line_naming_its_node_and_a_rerun_with_space_gives_th
     run, dests = staged(tmp_path, args[:-2])
     small, exchanged, dest = tmp_path / "node1", tmp_path / "exchanged", str(tmp_path / "node{node}")
     small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tokpack-test", str(small)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tokpack-test", str(small)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"a small filesystem for node 1's DEST needs mount (root): {mounted.stderr.strip()}")
     try:
@@ -550,8 +748,12 @@ def test_a_reader_on_a_run_whose_tokens_are_on_the_nodes_names_the_slices(tmp_pa
 
     run = tmp_path / "run"
     src = write_source(tmp_path / "src", random_docs(np.random.default_rng(1), 200, 500, 0, 1, 60))
-    assert CliRunner().invoke(main, ["shuffle", str(src), "-o", str(run), "--seq-len", "31", "--seed", "1",
-                                     "--epochs", "1"]).exit_code == 0
+    assert (
+        CliRunner()
+        .invoke(main, ["shuffle", str(src), "-o", str(run), "--seq-len", "31", "--seed", "1", "--epochs", "1"])
+        .exit_code
+        == 0
+    )
     SampleReader.open(run)  # a materialised run reads
     (run / NODES_SIDECAR).write_bytes(canonical_bytes(nodes_sidecar(4, 2, 3, str(tmp_path / "node{node}"))))
     with pytest.raises(TokpackError, match=r"tokpack-nodes.json \[dest\]: this run's tokens are in node slices"):

@@ -14,18 +14,55 @@ from pathlib import Path
 import pytest
 
 from test_executors import slurm_unavailable
-from test_mpi import (EVERY_LINE, K, M, MEMORY, NODES, REPO, assert_same_slices, mpirun, source,  # noqa: F401 (fixture)
-                      staged)
+from test_mpi import (
+    EVERY_LINE,
+    K,
+    M,
+    MEMORY,
+    NODES,
+    REPO,
+    assert_same_slices,
+    mpirun,
+    source,  # noqa: F401 (fixture)
+    staged,
+)
 from tokpack.packer.exchange import LAUNCHER_SIZES
 
-ENV = dict(os.environ, PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-           TOKPACK_PROGRESS="0")
+ENV = dict(
+    os.environ,
+    PYTHONPATH=str(REPO),
+    OMPI_ALLOW_RUN_AS_ROOT="1",
+    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+    TOKPACK_PROGRESS="0",
+)
 
 
 def shuffle_args(source: Path, run: Path, dest: str, memory: str = MEMORY) -> list[str]:
-    return [sys.executable, "-m", "tokpack", "shuffle", str(source), "--seq-len", "63", "--seed", "5",
-            "--epochs", "2", "--shard-samples", "12", "-o", str(run), "--to-nodes", dest, "--ranks-per-node", str(K),
-            "--micro-batch", str(M), "--memory", memory]
+    return [
+        sys.executable,
+        "-m",
+        "tokpack",
+        "shuffle",
+        str(source),
+        "--seq-len",
+        "63",
+        "--seed",
+        "5",
+        "--epochs",
+        "2",
+        "--shard-samples",
+        "12",
+        "-o",
+        str(run),
+        "--to-nodes",
+        dest,
+        "--ranks-per-node",
+        str(K),
+        "--micro-batch",
+        str(M),
+        "--memory",
+        memory,
+    ]
 
 
 @pytest.mark.parametrize("var", LAUNCHER_SIZES)
@@ -33,16 +70,18 @@ def test_a_process_alone_in_mpi_whose_launcher_started_several_is_refused(source
     mpirun()  # mpi4py and its MPI are here: the process starts as MPI's singleton
     run, dest = tmp_path / "run", tmp_path / "node{node}"
     env = {k: v for k, v in ENV.items() if k not in LAUNCHER_SIZES}
-    done = subprocess.run(shuffle_args(source, run, str(dest)), capture_output=True, text=True, timeout=120,
-                          env={**env, var: "4"})
+    done = subprocess.run(
+        shuffle_args(source, run, str(dest)), capture_output=True, text=True, timeout=120, env={**env, var: "4"}
+    )
     assert done.returncode == 1, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert var in lines[0] and "MPI sees this one alone" in lines[0] and "mpirun -n N" in lines[0]
     assert not run.exists() and not (tmp_path / "node0").exists()
     # launched as one process of one (the launcher says 1), the same command runs
-    ok = subprocess.run(shuffle_args(source, run, str(dest), "4MiB"), capture_output=True, text=True, timeout=120,
-                        env={**env, var: "1"})
+    ok = subprocess.run(
+        shuffle_args(source, run, str(dest), "4MiB"), capture_output=True, text=True, timeout=120, env={**env, var: "1"}
+    )
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert (tmp_path / "node0" / "tokpack.json").is_file()
 
@@ -58,9 +97,13 @@ def test_srun_that_starts_singletons_is_refused_on_every_task(source, tmp_path):
     _slurm()
     mpirun()
     run = tmp_path / "run"
-    done = subprocess.run(["srun", "--mpi=none", "-n", "2", "--time", "5", *shuffle_args(source, run,
-                                                                                      str(tmp_path / "node{node}"))],
-                          capture_output=True, text=True, timeout=300, env=ENV)
+    done = subprocess.run(
+        ["srun", "--mpi=none", "-n", "2", "--time", "5", *shuffle_args(source, run, str(tmp_path / "node{node}"))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
     assert done.returncode != 0
     refusals = [line for line in done.stderr.splitlines() if "SLURM_STEP_NUM_TASKS" in line]
     assert len(refusals) == 2 and all("MPI sees this one alone" in line for line in refusals), done.stderr
@@ -76,12 +119,20 @@ def test_the_cluster_batch_script_runs_mpirun_in_the_allocation_and_equals_stage
     ref, dests = staged(tmp_path, args)
     run = tmp_path / "exchanged"
     script = tmp_path / "job.sh"
-    script.write_text("#!/bin/bash\nset -euo pipefail\n"
-                      f"{exe} -n {NODES} --oversubscribe --map-by ppr:{NODES}:node "
-                      + " ".join(shuffle_args(source, run, str(tmp_path / "node{node}"))) + "\n")
+    script.write_text(
+        "#!/bin/bash\nset -euo pipefail\n"
+        f"{exe} -n {NODES} --oversubscribe --map-by ppr:{NODES}:node "
+        + " ".join(shuffle_args(source, run, str(tmp_path / "node{node}")))
+        + "\n"
+    )
     log = tmp_path / "job.log"
-    done = subprocess.run(["sbatch", "--wait", "-n", "1", "--time", "10", "-o", str(log), str(script)],
-                          capture_output=True, text=True, timeout=600, env=ENV)
+    done = subprocess.run(
+        ["sbatch", "--wait", "-n", "1", "--time", "10", "-o", str(log), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=ENV,
+    )
     assert done.returncode == 0, (done.stderr, log.read_text() if log.exists() else "")
     assert_same_slices(ref, dests, run, tmp_path / "node")
 
@@ -95,16 +146,23 @@ def test_a_later_epoch_by_like_equals_the_run_written_whole(source, tmp_path):
     run, dest = tmp_path / "exchanged", str(tmp_path / "node{node}")
     nodes = [exe, "--oversubscribe", "-n", str(NODES), sys.executable, "-m", "tokpack", "shuffle"]
     slices = ["--to-nodes", dest, "--ranks-per-node", str(K), "--micro-batch", str(M), "--memory", MEMORY]
-    first = subprocess.run([*nodes, *args, "--epoch", "0", "-o", str(run), *slices], capture_output=True, text=True,
-                           timeout=300, env=ENV)
+    first = subprocess.run(
+        [*nodes, *args, "--epoch", "0", "-o", str(run), *slices], capture_output=True, text=True, timeout=300, env=ENV
+    )
     assert first.returncode == 0, first.stderr[-2000:]
-    later = subprocess.run([*nodes, "--like", str(run), "--epoch", "1", *slices], capture_output=True, text=True,
-                           timeout=300, env=ENV)
+    later = subprocess.run(
+        [*nodes, "--like", str(run), "--epoch", "1", *slices], capture_output=True, text=True, timeout=300, env=ENV
+    )
     assert later.returncode == 0, later.stderr[-2000:]
     assert_same_slices(ref, dests, run, tmp_path / "node")
     # a setting --like takes from the run, given as well, is refused on every process
-    twice = subprocess.run([*nodes[:2], *EVERY_LINE, *nodes[2:], "--like", str(run), "--epoch", "2", "--seed", "6",
-                            *slices], capture_output=True, text=True, timeout=300, env=ENV)
+    twice = subprocess.run(
+        [*nodes[:2], *EVERY_LINE, *nodes[2:], "--like", str(run), "--epoch", "2", "--seed", "6", *slices],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
     assert twice.returncode != 0 and twice.stderr.count("--seed") >= NODES, twice.stderr[-2000:]
     assert not any((tmp_path / f"node{n}" / "epoch-00002").exists() for n in range(NODES))
 
@@ -120,10 +178,24 @@ def test_a_node_without_rows_and_a_micro_batch_past_its_bound(source, tmp_path):
     nodes = [exe, "--oversubscribe", "-n", "2", sys.executable, "-m", "tokpack", "shuffle", *args]
     run = tmp_path / "run"
     cli("shuffle", *args, "-o", run)
-    m = 10 ** 6
-    done = subprocess.run([*nodes, "-o", str(tmp_path / "exchanged"), "--to-nodes", str(tmp_path / "node{node}"),
-                           "--ranks-per-node", "1", "--micro-batch", str(m)], capture_output=True, text=True,
-                          timeout=120, env=ENV)
+    m = 10**6
+    done = subprocess.run(
+        [
+            *nodes,
+            "-o",
+            str(tmp_path / "exchanged"),
+            "--to-nodes",
+            str(tmp_path / "node{node}"),
+            "--ranks-per-node",
+            "1",
+            "--micro-batch",
+            str(m),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     for n in range(2):
         cli("stage", run, tmp_path / f"staged{n}", "--node", f"{n}/2", "--ranks-per-node", 1, "--micro-batch", m)
@@ -131,9 +203,25 @@ def test_a_node_without_rows_and_a_micro_batch_past_its_bound(source, tmp_path):
         have.pop("tokpack.json"), want.pop("tokpack.json")  # the root names its RUN
         assert have == want, n
     assert json.loads((tmp_path / "node1" / "epoch-00000" / "tokpack.json").read_text())["tokens"] == 0  # no rows
-    big = subprocess.run([*nodes[:2], *EVERY_LINE, *nodes[2:], "-o", str(tmp_path / "big"), "--to-nodes",
-                          str(tmp_path / "big{node}"), "--ranks-per-node", "1", "--micro-batch", str(10 ** 15)],
-                         capture_output=True, text=True, timeout=120, env=ENV)
+    big = subprocess.run(
+        [
+            *nodes[:2],
+            *EVERY_LINE,
+            *nodes[2:],
+            "-o",
+            str(tmp_path / "big"),
+            "--to-nodes",
+            str(tmp_path / "big{node}"),
+            "--ranks-per-node",
+            "1",
+            "--micro-batch",
+            str(10**15),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
     lines = [x for x in big.stderr.splitlines() if x.startswith("tokpack: error:")]
     assert big.returncode != 0 and len(lines) == 2 and all("global batch (W*m) is too large" in x for x in lines)
     assert not (tmp_path / "big").exists() and not (tmp_path / "big0").exists()
@@ -150,9 +238,27 @@ def test_a_kept_copy_edited_after_it_was_kept_is_copied_again_not_trained_on(sou
     args = [str(source), "--seq-len", "63", "--seed", "5", "--shard-samples", "12"]
     run = tmp_path / "run"
     cli("shuffle", *args, "--epochs", 2, "-o", run)
-    nodes = [exe, "--oversubscribe", "-n", "2", sys.executable, "-m", "tokpack", "shuffle", *args,
-             "-o", str(tmp_path / "exchanged"), "--to-nodes", str(tmp_path / "node{node}"), "--ranks-per-node", "1",
-             "--micro-batch", "2", "--keep-sources", str(tmp_path / "kept{node}")]
+    nodes = [
+        exe,
+        "--oversubscribe",
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "tokpack",
+        "shuffle",
+        *args,
+        "-o",
+        str(tmp_path / "exchanged"),
+        "--to-nodes",
+        str(tmp_path / "node{node}"),
+        "--ranks-per-node",
+        "1",
+        "--micro-batch",
+        "2",
+        "--keep-sources",
+        str(tmp_path / "kept{node}"),
+    ]
     first = subprocess.run([*nodes, "--epoch", "0"], capture_output=True, text=True, timeout=120, env=ENV)
     assert first.returncode == 0, first.stderr[-2000:]
     copy = max((tmp_path / "kept0").glob("*/*.ds"))  # node 0's last kept shard: the one after its part

@@ -25,8 +25,14 @@ SHUFFLE = ["--seq-len", "31", "--seed", "1", "--epochs", "2"]
 
 
 def tokpack(*args, cwd=None, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tokpack.packer.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd or REPO, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "tokpack.packer.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd or REPO,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +56,12 @@ def test_epoch_lines_say_what_starts_on_stderr_and_what_was_written_on_stdout(sr
 def test_output_is_absolute_for_pack_and_shuffle(src, tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n")
-    packed = tokpack("pack", "corpus.jsonl", "-o", "packed", "--eos-id", EOS, "--vocab-size", VOCAB, "--json",
-                     cwd=tmp_path)
-    shuffled = tokpack("shuffle", "packed", "-o", "run", "--seq-len", 1, "--seed", 1, "--epochs", 1, "--json",
-                       cwd=tmp_path)
+    packed = tokpack(
+        "pack", "corpus.jsonl", "-o", "packed", "--eos-id", EOS, "--vocab-size", VOCAB, "--json", cwd=tmp_path
+    )
+    shuffled = tokpack(
+        "shuffle", "packed", "-o", "run", "--seq-len", 1, "--seed", 1, "--epochs", 1, "--json", cwd=tmp_path
+    )
     assert json.loads(packed.stdout)["output"] == str(tmp_path / "packed")
     assert json.loads(shuffled.stdout)["output"] == str(tmp_path / "run")
     # one document: "1 document", not "1 documents"
@@ -70,8 +78,9 @@ def test_the_summary_shows_the_shard_size_an_epoch_really_has(src, tmp_path):
     setting = json.loads((tmp_path / "run" / "tokpack.json").read_text())["shard_samples"]
     assert setting > n
     (line,) = [x for x in r.stdout.splitlines() if x.strip().startswith("shard_samples:")]
-    assert line.split(":", 1)[1].strip() == (f"{n} (one shard an epoch: the run's shard_samples, {setting}, "
-                                             "is larger than an epoch)")
+    assert line.split(":", 1)[1].strip() == (
+        f"{n} (one shard an epoch: the run's shard_samples, {setting}, is larger than an epoch)"
+    )
     again = CliRunner().invoke(main, ["shuffle", str(src), "-o", str(tmp_path / "run"), *SHUFFLE, "--json"])
     assert json.loads(again.stdout)["shard_samples"] == setting
 
@@ -80,12 +89,16 @@ def test_the_summary_shows_the_shard_size_an_epoch_really_has(src, tmp_path):
 def test_the_examples_clean_up_their_temporary_folder_or_keep_the_one_given(tmp_path, script):
     temp, kept = tmp_path / "tmp", tmp_path / "kept"
     temp.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(temp),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "TMPDIR": str(temp),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
     if shutil.which("tokpack", path=env["PATH"]) is None:  # the README's first command installs it
         env["PATH"] = f"{tmp_path / 'bin'}{os.pathsep}{env['PATH']}"
         (tmp_path / "bin").mkdir()
-        (tmp_path / "bin" / "tokpack").write_text(f"#!/bin/sh\nexec {sys.executable} -m tokpack.packer.cli \"$@\"\n")
+        (tmp_path / "bin" / "tokpack").write_text(f'#!/bin/sh\nexec {sys.executable} -m tokpack.packer.cli "$@"\n')
         (tmp_path / "bin" / "tokpack").chmod(0o755)
     r = subprocess.run(["bash", str(REPO / "examples" / script)], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -94,9 +107,14 @@ def test_the_examples_clean_up_their_temporary_folder_or_keep_the_one_given(tmp_
         return  # OUT given: the same as quickstart.sh's
     (line,) = [x for x in r.stdout.splitlines() if x.strip().startswith("shard_samples:")]
     assert line.split(":", 1)[1].strip() == "1000"  # a shard smaller than the epoch (3795 samples)
-    r = subprocess.run(["bash", str(REPO / "examples" / script), str(kept)], capture_output=True, text=True, env=env,
-                       timeout=600)
-    assert r.returncode == 0 and (kept / "run" / "tokpack.json").is_file() and r.stdout.splitlines()[-1] == f"== done: {kept}"
+    r = subprocess.run(
+        ["bash", str(REPO / "examples" / script), str(kept)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert (
+        r.returncode == 0
+        and (kept / "run" / "tokpack.json").is_file()
+        and r.stdout.splitlines()[-1] == f"== done: {kept}"
+    )
 
 
 def test_validate_names_a_missing_path_missing_and_counts_the_padding_files(src, tmp_path):
@@ -105,14 +123,24 @@ def test_validate_names_a_missing_path_missing_and_counts_the_padding_files(src,
     assert r.stdout == "" and r.stderr.splitlines() == [
         "MISSING runs/mxi: no such directory. HINT: check the path or URL",
         "MISSING directory runs/mxi: 1 problem",
-        r.stderr.splitlines()[-1]]
+        r.stderr.splitlines()[-1],
+    ]
     assert r.stderr.splitlines()[-1].startswith("MISSING: 1 directory, 0 files, ")
     r = tokpack("validate", "runs/mxi", "--json", cwd=tmp_path)
     report = json.loads(r.stdout)
     assert r.returncode == 1 and report["status"] == "missing" and report["problems"][0]["severity"] == "missing"
     # a best-fit epoch's .ds.pad files are counted with the shard's others
-    shuffle_run([str(src)], str(tmp_path / "bf"), seq_len=31, seed=1, epochs=[0], shard_samples=60, memory=8 << 20,
-                packing="best-fit", log=None)
+    shuffle_run(
+        [str(src)],
+        str(tmp_path / "bf"),
+        seq_len=31,
+        seed=1,
+        epochs=[0],
+        shard_samples=60,
+        memory=8 << 20,
+        packing="best-fit",
+        log=None,
+    )
     epoch = tmp_path / "bf" / "epoch-00000"
     assert any(p.name.endswith(".ds.pad") for p in epoch.iterdir())
     report = json.loads(tokpack("validate", tmp_path / "bf", "--json").stdout)
@@ -135,7 +163,8 @@ def test_inspect_refuses_a_seq_len_a_run_does_not_have(src, tmp_path):
     r = CliRunner().invoke(main, ["inspect", str(run), "--seq-len", "2048"])
     assert r.exit_code == 1 and r.output.strip().splitlines() == [
         f"tokpack: error: {run} [--seq-len]: --seq-len is for a packed source: a run's samples have its seq_len; "
-        "expected none, or 31, found 2048. HINT: drop --seq-len: the batch analysis of a run uses its own"]
+        "expected none, or 31, found 2048. HINT: drop --seq-len: the batch analysis of a run uses its own"
+    ]
     assert CliRunner().invoke(main, ["inspect", str(run), "--seq-len", "31"]).exit_code == 0
     assert CliRunner().invoke(main, ["inspect", str(src), "--seq-len", "2048"]).exit_code == 0  # a source: its use
 
@@ -144,8 +173,17 @@ def test_restaging_a_slice_of_another_run_names_the_field_that_differs(src, tmp_
     """Both runs have seed 1: the packing is what differs, and the line says so."""
     concat, best_fit = tmp_path / "concat", tmp_path / "best-fit"
     for out, packing in ((concat, "concat"), (best_fit, "best-fit")):
-        shuffle_run([str(src)], str(out), seq_len=31, seed=1, epochs=[0], shard_samples=60, memory=8 << 20,
-                    packing=packing, log=None)
+        shuffle_run(
+            [str(src)],
+            str(out),
+            seq_len=31,
+            seed=1,
+            epochs=[0],
+            shard_samples=60,
+            memory=8 << 20,
+            packing=packing,
+            log=None,
+        )
     stage_slice(str(concat), tmp_path / "slice", ranks="0", world_size=2, micro_batch=2)
     with pytest.raises(TokpackError) as e:
         stage_slice(str(best_fit), tmp_path / "slice", ranks="0", world_size=2, micro_batch=2)
@@ -160,13 +198,14 @@ def test_plan_says_when_its_disk_probe_wrote(src, tmp_path):
     measured = CliRunner().invoke(main, args).stdout.splitlines()[0]
     given = CliRunner().invoke(main, [*args, "--disk-mbps", "100"]).stdout.splitlines()[0]
     assert given.endswith("; nothing written")
-    assert measured.endswith("; no output written (the disk probe wrote and read back a temporary file; "
-                             "--disk-mbps skips it)")
+    assert measured.endswith(
+        "; no output written (the disk probe wrote and read back a temporary file; --disk-mbps skips it)"
+    )
     assert not (tmp_path / "run").exists()
 
 
 def test_a_count_in_a_line_takes_its_plural_never_s_in_parentheses(src, tmp_path):
-    """"1 shards" and "1 source(s)" were on the issue's list (and "1 pass(es)" after it); the out-of-core epoch line still
+    """ "1 shards" and "1 source(s)" were on the issue's list (and "1 pass(es)" after it); the out-of-core epoch line still
     said "1 shards", plan "1 shard(s)", pack "2 file(s)", read "expected 1 samples": each now
     says the count with its plural (formats/units.py counted), and no f-string of tokpack's
     modules puts "(s)" after a number."""
@@ -180,8 +219,12 @@ def test_a_count_in_a_line_takes_its_plural_never_s_in_parentheses(src, tmp_path
             if isinstance(node, ast.JoinedStr):
                 parts = node.values
                 for a, b in zip(parts, parts[1:]):
-                    if (isinstance(a, ast.FormattedValue) and isinstance(b, ast.Constant)
-                            and isinstance(b.value, str) and b.value.split(",")[0].split(")")[0].endswith(("(s", "(es"))):
+                    if (
+                        isinstance(a, ast.FormattedValue)
+                        and isinstance(b, ast.Constant)
+                        and isinstance(b.value, str)
+                        and b.value.split(",")[0].split(")")[0].endswith(("(s", "(es"))
+                    ):
                         bad.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert bad == []
     r = tokpack("shuffle", src, "-o", tmp_path / "run", *SHUFFLE, "--memory", "64KiB")
@@ -190,6 +233,12 @@ def test_a_count_in_a_line_takes_its_plural_never_s_in_parentheses(src, tmp_path
     assert "out of core" in line and line.endswith(" 1 shard)"), line
     plan = tokpack("plan", "shuffle", src, "-o", tmp_path / "p", *SHUFFLE[:-1], 1, "--disk-mbps", "100")
     assert ", 1 shard; " in plan.stdout.splitlines()[0] and "(s)" not in plan.stdout, plan.stdout
-    r = tokpack("read", tmp_path / "run", "--micro-batch", 1,
-                "--start-sample", json.loads((tmp_path / "run" / "tokpack.json").read_text())["samples"] * 2)
+    r = tokpack(
+        "read",
+        tmp_path / "run",
+        "--micro-batch",
+        1,
+        "--start-sample",
+        json.loads((tmp_path / "run" / "tokpack.json").read_text())["samples"] * 2,
+    )
     assert r.returncode == 1 and "expected 1 sample (W*m), found 0 left" in r.stderr, r.stderr

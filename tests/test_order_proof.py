@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import random_docs, shuffle_run, write_source
-from tokpack.formats.manifest import MANIFEST, epoch_dir_name, hash_hex64, order_hash_terms, read_manifest
+from tokpack.formats.manifest import epoch_dir_name, hash_hex64, order_hash_terms, read_manifest
 from tokpack.formats.shards import PackedSource, shard_suffixes
 from tokpack.packer.api import shuffle, validate
 from tokpack.packer.validation import validate_dirs
@@ -42,14 +42,22 @@ def base(tmp_path_factory) -> Path:
     write_source(root / "code", random_docs(np.random.default_rng(4), 15, VOCAB, EOS, max_len=120), docs_per_shard=6)
     srcs = [str(root / "web"), str(root / "code")]
     kw = dict(seq_len=SEQ_LEN, epochs=[0], shard_samples=SHARD_SAMPLES)
-    paths = {"run": shuffle_run(srcs, str(root / "run"), seed=1, memory=IN_MEMORY, **kw)["path"],
-             "other": shuffle_run(srcs, str(root / "other"), seed=2, memory=IN_MEMORY, **kw)["path"],
-             "ooc": shuffle_run(srcs, str(root / "ooc"), seed=1, memory=OUT_OF_CORE, **kw)["path"]}
+    paths = {
+        "run": shuffle_run(srcs, str(root / "run"), seed=1, memory=IN_MEMORY, **kw)["path"],
+        "other": shuffle_run(srcs, str(root / "other"), seed=2, memory=IN_MEMORY, **kw)["path"],
+        "ooc": shuffle_run(srcs, str(root / "ooc"), seed=1, memory=OUT_OF_CORE, **kw)["path"],
+    }
     for name, memory in (("mix-in-memory", IN_MEMORY), ("mix-out-of-core", OUT_OF_CORE)):
-        paths[name] = shuffle_run(srcs, str(root / name), weights=["1", "3"], samples=400, seed=5, memory=memory,
-                                  **{**kw, "epochs": [0, 1]})["path"]
-    assert paths == {"run": "in-memory", "other": "in-memory", "ooc": "out-of-core",
-                     "mix-in-memory": "in-memory", "mix-out-of-core": "out-of-core"}
+        paths[name] = shuffle_run(
+            srcs, str(root / name), weights=["1", "3"], samples=400, seed=5, memory=memory, **{**kw, "epochs": [0, 1]}
+        )["path"]
+    assert paths == {
+        "run": "in-memory",
+        "other": "in-memory",
+        "ooc": "out-of-core",
+        "mix-in-memory": "in-memory",
+        "mix-out-of-core": "out-of-core",
+    }
     return root
 
 
@@ -98,9 +106,12 @@ def assert_only_order_wrong(epoch: Path, srcs: list[str], planned: list[int], fi
     (p,) = r.to_json()["problems"]
     found = validate_dirs([epoch], order=True).dirs[0].shard_orders[f"{first:05d}.ds"]
     assert (p["file"], p["where"], p["expected"], p["found"], p["message"]) == (
-        str(epoch / f"{first:05d}.ds"), "order_hash", f"{hash_hex64(planned[first])} (replayed from the sources)",
+        str(epoch / f"{first:05d}.ds"),
+        "order_hash",
+        f"{hash_hex64(planned[first])} (replayed from the sources)",
         f"{hash_hex64(found)} (from its samples)",
-        f"sample order differs from the plan ({wrong} of {len(planned)} shards checked differ)")
+        f"sample order differs from the plan ({wrong} of {len(planned)} shards checked differ)",
+    )
     assert "restore the epoch" in p["hint"]
 
 
@@ -219,12 +230,19 @@ def test_terms_are_xxh3_64_of_position_and_row_hash():
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**31), docs=st.integers(8, 60), seq_len=st.sampled_from([7, 15, 31]),
-       shard_samples=st.integers(3, 40), memory=st.sampled_from([OUT_OF_CORE, IN_MEMORY]),
-       epoch=st.integers(0, 2), mixture=st.none() | st.tuples(st.integers(1, 4), st.floats(0.3, 2.5)),
-       data=st.data())
-def test_any_engine_epoch_is_proved_and_any_swap_caught(tmp_path_factory, seed, docs, seq_len, shard_samples, memory,
-                                                        epoch, mixture, data):
+@given(
+    seed=st.integers(0, 2**31),
+    docs=st.integers(8, 60),
+    seq_len=st.sampled_from([7, 15, 31]),
+    shard_samples=st.integers(3, 40),
+    memory=st.sampled_from([OUT_OF_CORE, IN_MEMORY]),
+    epoch=st.integers(0, 2),
+    mixture=st.none() | st.tuples(st.integers(1, 4), st.floats(0.3, 2.5)),
+    data=st.data(),
+)
+def test_any_engine_epoch_is_proved_and_any_swap_caught(
+    tmp_path_factory, seed, docs, seq_len, shard_samples, memory, epoch, mixture, data
+):
     """Any corpus, seed, epoch and shard size, on either path, one source or a weighted pair whose
     epoch size is a random fraction of the windows (repeats and chains straddling passes): the
     engine's epoch is proved, and swapping any two distinct samples fails exactly their shards."""
@@ -236,8 +254,16 @@ def test_any_engine_epoch_is_proved_and_any_swap_caught(tmp_path_factory, seed, 
         srcs.append(str(write_source(root / "b", random_docs(rng, 6, VOCAB, EOS, max_len=90), docs_per_shard=4)))
         windows = sum(PackedSource.open(s).tokens // (seq_len + 1) for s in srcs)
         kw = dict(weights=[str(mixture[0]), "1"], samples=max(2, int(windows * mixture[1])))
-    shuffle_run(srcs, str(root / "run"), seq_len=seq_len, seed=seed, epochs=[epoch], shard_samples=shard_samples,
-                memory=memory, **kw)
+    shuffle_run(
+        srcs,
+        str(root / "run"),
+        seq_len=seq_len,
+        seed=seed,
+        epochs=[epoch],
+        shard_samples=shard_samples,
+        memory=memory,
+        **kw,
+    )
     path = root / "run" / epoch_dir_name(epoch)
     planned = proved(path, srcs)
     m = load(path)
@@ -247,10 +273,12 @@ def test_any_engine_epoch_is_proved_and_any_swap_caught(tmp_path_factory, seed, 
         return  # identical samples (a repeated window): the same epoch
     rows[[a, b]] = rows[[b, a]]
     for i, s in enumerate(m["shards"]):  # the checksums now fail too; the order hashes are what is looked at
-        rows[i * shard_samples: i * shard_samples + s["samples"]].tofile(path / s["path"])
+        rows[i * shard_samples : i * shard_samples + s["samples"]].tofile(path / s["path"])
     found = validate_dirs([path], order=True).dirs[0].shard_orders
-    assert {i for i, s in enumerate(m["shards"]) if found[s["path"]] != planned[i]} == {a // shard_samples,
-                                                                                         b // shard_samples}
+    assert {i for i, s in enumerate(m["shards"]) if found[s["path"]] != planned[i]} == {
+        a // shard_samples,
+        b // shard_samples,
+    }
 
 
 # ------------------------------------------------------------------ the out-of-core scratch checksums
@@ -264,9 +292,9 @@ def swap_in_bucket_file(out: Path, ext: str) -> Path:
     f = rows_file.with_suffix(f".{ext}")
     width = steps_row_bytes() if ext == "rows" else 8
     data = bytearray(f.read_bytes())
-    first, second = bytes(data[:width]), bytes(data[width: 2 * width])
+    first, second = bytes(data[:width]), bytes(data[width : 2 * width])
     assert first != second
-    data[:width], data[width: 2 * width] = second, first
+    data[:width], data[width : 2 * width] = second, first
     f.write_bytes(bytes(data))
     return f
 
@@ -284,7 +312,8 @@ def test_bucket_file_swap_is_refused_by_its_checksum(scattered, ext):
     found = xxhash.xxh3_64_intdigest(f.read_bytes())
     assert refusal(srcs, out) == (
         f"{f} [xxh3_64]: scatter bucket file does not match the checksum its task recorded; expected "
-        f"{recorded:016x}, found {found:016x}. HINT: rerun the same command: the scatter task that wrote it runs again")
+        f"{recorded:016x}, found {found:016x}. HINT: rerun the same command: the scatter task that wrote it runs again"
+    )
     shuffle_run(srcs, str(out), **OOC_KW)  # the rerun redoes the task that wrote the file
     assert validate(out, against=srcs).ok
 
@@ -303,9 +332,10 @@ def test_unchecked_bucket_swap_would_misplace_samples(scattered, monkeypatch, ex
     m = load(epoch)
     assert expected_multiset_hash(m, [PackedSource.open(s) for s in srcs]) == m["sample_multiset_hash"]
     lines = order_lines(validate(out, against=srcs))
-    assert len(lines) == 1 and lines[0][1:] == ("order_hash", f"sample order differs from the plan (1 of "
-                                                              f"{len(m['shards'])} shards checked differ)"), lines
-
+    assert len(lines) == 1 and lines[0][1:] == (
+        "order_hash",
+        f"sample order differs from the plan (1 of {len(m['shards'])} shards checked differ)",
+    ), lines
 
 
 def test_replay_refuses_a_sample_count_its_shards_cannot_hold(env):
@@ -318,8 +348,16 @@ def test_replay_refuses_a_sample_count_its_shards_cannot_hold(env):
     m["samples"] = 10**15
     save(epoch, m)
     problems = validate(epoch, against=srcs).to_json()["problems"]
-    lines = [(p["where"], p["message"], p["expected"], p["found"]) for p in problems
-             if p["where"] == "shards" and "do not hold" in p["message"]]
-    assert lines == [("shards", "epoch manifest's shards do not hold its samples",
-                      f"{-(-10**15 // SHARD_SAMPLES)} shards ({10**15} samples, {SHARD_SAMPLES} a shard)",
-                      f"{listed} shards")]
+    lines = [
+        (p["where"], p["message"], p["expected"], p["found"])
+        for p in problems
+        if p["where"] == "shards" and "do not hold" in p["message"]
+    ]
+    assert lines == [
+        (
+            "shards",
+            "epoch manifest's shards do not hold its samples",
+            f"{-(-(10**15) // SHARD_SAMPLES)} shards ({10**15} samples, {SHARD_SAMPLES} a shard)",
+            f"{listed} shards",
+        )
+    ]

@@ -42,7 +42,7 @@ def recorded_sends(monkeypatch) -> list[str]:
 def bucket_tree(fs, url: str) -> dict[str, bytes]:
     fs.invalidate_cache()
     root = url.removeprefix("s3://")
-    return {k[len(root) + 1:]: fs.cat(k) for k in sorted(fs.find(root))}
+    return {k[len(root) + 1 :]: fs.cat(k) for k in sorted(fs.find(root))}
 
 
 def local_tree(root: Path) -> dict[str, bytes]:
@@ -56,14 +56,13 @@ def assert_manifests_last(sent: list[str], url: str) -> None:
     for i, name in enumerate(sent):
         if name.endswith("/" + MANIFEST) and name != top:
             folder = name[: -len(MANIFEST)]
-            assert not [s for s in sent[i + 1:] if s.startswith(folder)], name
+            assert not [s for s in sent[i + 1 :] if s.startswith(folder)], name
         elif name == top and i < len(sent) - 1:
             assert sent[i - 1].endswith(f"/{MANIFEST}") and sent[i - 1] != top, sent[i - 1]
     assert sent[-1] == top, sent[-3:]
 
 
-def test_shuffle_through_a_bucket_output_writes_the_local_output_bytes_manifests_last(s3_bucket, tmp_path,
-                                                                                     monkeypatch):
+def test_shuffle_through_a_bucket_output_writes_the_local_output_bytes_manifests_last(s3_bucket, tmp_path, monkeypatch):
     """The same shuffle (out of core: a small memory) to a folder and to a bucket: the bucket
     holds exactly the folder's files, byte for byte, and nothing of the work folder; each shard's
     files are sent before the record that it is done, and each epoch's manifest after its shards."""
@@ -82,7 +81,7 @@ def test_shuffle_through_a_bucket_output_writes_the_local_output_bytes_manifests
     assert_manifests_last(sent, url)
     shards = [s for s in sent if s.endswith(".ds")]
     for shard in shards:  # its files, then its record
-        epoch, name = shard[len(url) + 1:].split("/")
+        epoch, name = shard[len(url) + 1 :].split("/")
         record = next(i for i, s in enumerate(sent) if re.search(rf"/{epoch}-[0-9a-f]+/done/{name}\.json$", s))
         assert max(i for i, s in enumerate(sent) if s.startswith(shard)) < record
     assert len(shards) == sum(n.endswith(".ds") for n in files)  # each shard sent once
@@ -109,8 +108,9 @@ def test_pack_through_a_bucket_output_writes_the_local_output_bytes_manifest_las
         record = sent.index(f"{part}.json")
         assert max(i for i, s in enumerate(sent) if s.startswith(part + "/")) < record
     plan = sent.index(f"{url}/{WORK_DIR}/finalize.json")
-    assert all(sent.index(f"{url}/{WORK_DIR}/{p.rsplit('/', 1)[-1]}") < plan
-               for p in sent if re.search(r"/part-\d+\.json$", p))
+    assert all(
+        sent.index(f"{url}/{WORK_DIR}/{p.rsplit('/', 1)[-1]}") < plan for p in sent if re.search(r"/part-\d+\.json$", p)
+    )
 
 
 def test_outputs_travel_to_tasks_and_answer_for_their_place(tmp_path):
@@ -137,8 +137,12 @@ def test_only_the_seam_knows_about_the_store_plumbing():
     carried out once (formats/outputs.py over formats/io.py's Outbox). No other module of
     formats/, loader/, shuffle/ or packer/ names an outbox, so it cannot be threaded through again."""
     allowed = {"formats/io.py", "formats/outputs.py", "packer/executors.py"}
-    naming = sorted(p.relative_to(ROOT).as_posix() for d in ("formats", "loader", "shuffle", "packer")
-                    for p in (ROOT / d).rglob("*.py") if re.search("outbox", p.read_text(), re.IGNORECASE))
+    naming = sorted(
+        p.relative_to(ROOT).as_posix()
+        for d in ("formats", "loader", "shuffle", "packer")
+        for p in (ROOT / d).rglob("*.py")
+        if re.search("outbox", p.read_text(), re.IGNORECASE)
+    )
     assert set(naming) <= allowed, sorted(set(naming) - allowed)
     assert "formats/outputs.py" in naming  # the check looks where the name is
 

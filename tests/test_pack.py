@@ -64,7 +64,8 @@ def dt_tokenize(text_dir: Path, out: Path, tokenizer, **kw) -> Path:
     for rank, name in enumerate(files):
         reader = JsonlReader(str(text_dir), glob_pattern=name)
         DocumentTokenizer(str(out), tokenizer_name_or_path=str(tokenizer), eos_token=EOS_TOKEN, **kw).run(
-            reader.run(None, 0, 1), rank=rank, world_size=len(files))
+            reader.run(None, 0, 1), rank=rank, world_size=len(files)
+        )
     return out
 
 
@@ -99,8 +100,9 @@ def corpus(tmp_path_factory, tokenizer_path):
     root = tmp_path_factory.mktemp("corpus")
     texts = write_text_jsonl(root / "text", files=4, docs=25)
     shuffled = dt_tokenize(root / "text", root / "dt", tokenizer_path, seed=3)
-    plain = dt_tokenize(root / "text", root / "dt_plain", tokenizer_path, shuffle_documents=False,
-                        save_loss_metadata=True)
+    plain = dt_tokenize(
+        root / "text", root / "dt_plain", tokenizer_path, shuffle_documents=False, save_loss_metadata=True
+    )
     return {"root": root, "texts": texts, "dt": shuffled, "dt_plain": plain}
 
 
@@ -142,8 +144,9 @@ def test_datatrove_unshuffled_and_merger_keep_order(corpus, tokenizer_path, tmp_
     loss = b"".join((tmp_path / "a" / f"{s['path']}.loss").read_bytes() for s in src.shards)
     assert loss == b"\x01" * src.tokens  # datatrove wrote ones; carried along per token
     merged = tmp_path / "merged"
-    DocumentTokenizerMerger(str(plain), str(merged), save_filename="name", shuffle=False, max_tokens_per_file=1500,
-                            progress=False).run()
+    DocumentTokenizerMerger(
+        str(plain), str(merged), save_filename="name", shuffle=False, max_tokens_per_file=1500, progress=False
+    ).run()
     assert sorted(p.name for p in merged.glob("*.ds"))[0] == "000_name.ds"
     pack([str(merged)], str(tmp_path / "b"))
     assert packed_docs(tmp_path / "b") == expected
@@ -154,8 +157,9 @@ def test_datatrove_uint32(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     words = [f"w{i}" for i in range(70000)]
-    tok = Tokenizer(models.WordLevel({EOS_TOKEN: 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}},
-                                     unk_token="[UNK]"))
+    tok = Tokenizer(
+        models.WordLevel({EOS_TOKEN: 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}}, unk_token="[UNK]")
+    )
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens([EOS_TOKEN])
     tok_path = tmp_path / "big.json"
@@ -278,9 +282,9 @@ def test_megatron_from_datatrove_writer(corpus, tokenizer_path, tmp_path):
 
     text = corpus["root"] / "text"
     for rank, name in enumerate(sorted(p.name for p in text.glob("*.jsonl"))[:2]):
-        MegatronDocumentTokenizer(str(tmp_path / "mg"), tokenizer_name_or_path=str(tokenizer_path),
-                                  eos_token=EOS_TOKEN).run(JsonlReader(str(text), glob_pattern=name).run(None, 0, 1),
-                                                           rank=rank, world_size=2)
+        MegatronDocumentTokenizer(
+            str(tmp_path / "mg"), tokenizer_name_or_path=str(tokenizer_path), eos_token=EOS_TOKEN
+        ).run(JsonlReader(str(text), glob_pattern=name).run(None, 0, 1), rank=rank, world_size=2)
     expected = encode_all(tokenizer_path, corpus["texts"][0] + corpus["texts"][1])
     summary = pack([str(tmp_path / "mg")], str(tmp_path / "a"), eos_id=0, vocab_size=600, block_bytes=SMALL_BLOCK)
     assert summary.format == "megatron" and packed_docs(tmp_path / "a") == expected
@@ -311,8 +315,9 @@ def test_megatron_every_dtype_code(dtype, tmp_path):
     builder.finalize(str(tmp_path / "d.idx"))
     mds = idx_mod.IndexedDataset(str(tmp_path / "d"))
     di = mds.document_indices
-    megatron_docs = [np.concatenate([mds[s] for s in range(di[d], di[d + 1])] or [np.zeros(0)]).tolist()
-                     for d in range(len(di) - 1)]
+    megatron_docs = [
+        np.concatenate([mds[s] for s in range(di[d], di[d + 1])] or [np.zeros(0)]).tolist() for d in range(len(di) - 1)
+    ]
     assert megatron_docs == docs
     summary = pack([str(tmp_path / "d")], str(tmp_path / "out"), eos_id=0, vocab_size=128, block_bytes=64)
     expected = [d if d[-1:] == [0] else d + [0] for d in docs if d]
@@ -342,17 +347,23 @@ def test_megatron_sequences_out_of_order(block, tmp_path):
     (tmp_path / "m.bin").write_bytes(blob)
     with open(tmp_path / "m.idx", "wb") as f:
         f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, len(seqs), len(doc_index)))
-        f.write(np.array([len(x) for x in seqs], dtype=np.int32).tobytes() + np.array(ptrs, dtype=np.int64).tobytes()
-                + np.array(doc_index, dtype=np.int64).tobytes())
+        f.write(
+            np.array([len(x) for x in seqs], dtype=np.int32).tobytes()
+            + np.array(ptrs, dtype=np.int64).tobytes()
+            + np.array(doc_index, dtype=np.int64).tobytes()
+        )
     expected = [np.concatenate(seqs[a:b]).tolist() for a, b in zip(doc_index, doc_index[1:])]
     mds = indexed.IndexedDataset(str(tmp_path / "m"))
-    assert [np.concatenate([mds[i] for i in range(a, b)]).tolist() for a, b in zip(doc_index, doc_index[1:])] == expected
+    assert [
+        np.concatenate([mds[i] for i in range(a, b)]).tolist() for a, b in zip(doc_index, doc_index[1:])
+    ] == expected
     pack([str(tmp_path / "m")], str(tmp_path / "out"), eos_id=0, vocab_size=500, block_bytes=block)
     assert packed_docs(tmp_path / "out") == expected
 
 
-def megatron_core_docs(path: Path, docs: list[list[int]], split=lambda k, doc: [len(doc)], dtype=np.uint16,
-                       multimodal: bool = False) -> Path:
+def megatron_core_docs(
+    path: Path, docs: list[list[int]], split=lambda k, doc: [len(doc)], dtype=np.uint16, multimodal: bool = False
+) -> Path:
     """`docs` written by megatron-core's own IndexedDatasetBuilder; `split(k, doc)` gives the
     sequence lengths of document k ([] = a document of no sequences)."""
     indexed = require("megatron.core.datasets.indexed_dataset", MEGATRON_CORE)
@@ -392,16 +403,20 @@ def test_megatron_index_read_in_chunks(monkeypatch, tmp_path):
     bad[at : at + 8] = np.int64(1 << 20).tobytes()
     m.with_suffix(".idx").write_bytes(bytes(bad))
     line = one_error_line(cli(m, "-o", tmp_path / "bad1", "--eos-id", 0, "--vocab-size", 128))
-    assert line.endswith(f"m.idx [sequence 7]: Megatron sequence lies outside the .bin; expected pointer >= 0, "
-                         f"size >= 0, pointer + size*2 <= {m.with_suffix('.bin').stat().st_size} (the .bin size), "
-                         f"found pointer {1 << 20}, size {size7}. HINT: the .bin is truncated or belongs to another .idx"), line
+    assert line.endswith(
+        f"m.idx [sequence 7]: Megatron sequence lies outside the .bin; expected pointer >= 0, "
+        f"size >= 0, pointer + size*2 <= {m.with_suffix('.bin').stat().st_size} (the .bin size), "
+        f"found pointer {1 << 20}, size {size7}. HINT: the .bin is truncated or belongs to another .idx"
+    ), line
     doc_off = 34 + 12 * sequences
     di = np.frombuffer(idx, "<i8", offset=doc_off).copy()
     di[2] = di[3] + 1  # entry 3 (second chunk) below entry 2 (end of the first)
     m.with_suffix(".idx").write_bytes(idx[:doc_off] + di.tobytes())
     line = one_error_line(cli(m, "-o", tmp_path / "bad2", "--eos-id", 0, "--vocab-size", 128))
-    assert line.endswith(f"m.idx [document index 3]: Megatron document indices decrease or exceed the sequence count; "
-                         f"expected non-decreasing, <= {sequences}, found {di[3]}"), line
+    assert line.endswith(
+        f"m.idx [document index 3]: Megatron document indices decrease or exceed the sequence count; "
+        f"expected non-decreasing, <= {sequences}, found {di[3]}"
+    ), line
 
 
 def test_megatron_gap_after_a_shorter_sequence(tmp_path):
@@ -413,7 +428,11 @@ def test_megatron_gap_after_a_shorter_sequence(tmp_path):
     (tmp_path / "m.bin").write_bytes(np.array([5, 6, 7, 999, 8, 0], dtype="<u2").tobytes())
     with open(tmp_path / "m.idx", "wb") as f:
         f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, 3, 2))
-        f.write(np.array([2, 1, 2], "<i4").tobytes() + np.array([0, 4, 8], "<i8").tobytes() + np.array([0, 3], "<i8").tobytes())
+        f.write(
+            np.array([2, 1, 2], "<i4").tobytes()
+            + np.array([0, 4, 8], "<i8").tobytes()
+            + np.array([0, 3], "<i8").tobytes()
+        )
     mds = indexed.IndexedDataset(str(tmp_path / "m"))
     assert np.concatenate([mds[i] for i in range(3)]).tolist() == [5, 6, 7, 8, 0]
     pack([str(tmp_path / "m")], str(tmp_path / "out"), eos_id=0, vocab_size=16)
@@ -447,8 +466,10 @@ def test_megatron_bad_id_names_document_and_token_offset(tmp_path):
     docs = [[], [], list(range(1, 21)), [5, 600, 0]]
     m = megatron_core_docs(tmp_path / "m", docs, lambda k, doc: [len(doc)] if doc else [])
     line = one_error_line(cli(m, "-o", tmp_path / "out", "--eos-id", 0, "--vocab-size", 500))
-    assert line.endswith("m.bin [document 3, token offset 21]: token id at or above vocab_size; expected < 500, "
-                         "found 600. HINT: pass the right --vocab-size or --tokenizer, or fix the input"), line
+    assert line.endswith(
+        "m.bin [document 3, token offset 21]: token id at or above vocab_size; expected < 500, "
+        "found 600. HINT: pass the right --vocab-size or --tokenizer, or fix the input"
+    ), line
     with pytest.raises(TokpackError) as e:  # blocks of 8 ids: the bad document is the fourth block's first
         pack([str(m)], str(tmp_path / "small"), eos_id=0, vocab_size=500, block_bytes=16)
     assert f"{m.with_suffix('.bin')} [document 3, token offset 21]: token id at or above" in str(e.value)
@@ -482,8 +503,9 @@ def normalised(docs):
     return [d if d[-1] == 0 else d + [0] for d in docs if d]
 
 
-@pytest.mark.parametrize("list_type", [pa.large_list(pa.int32()), pa.list_(pa.uint16(), 3)],
-                         ids=["large_list", "fixed_size_list"])
+@pytest.mark.parametrize(
+    "list_type", [pa.large_list(pa.int32()), pa.list_(pa.uint16(), 3)], ids=["large_list", "fixed_size_list"]
+)
 def test_parquet_large_and_fixed_size_lists(list_type, tmp_path):
     """Token columns written as large_list or fixed_size_list, as some writers do."""
     docs = [[5, 6, 0], [7, 8, 9], [1, 0, 2]]
@@ -515,12 +537,16 @@ def test_parquet_row_groups_decoded_in_parallel_pack_as_one_at_a_time(tmp_path, 
 
     docs = varied_docs(seed=4)
     (tmp_path / "pq").mkdir()
-    pq.write_table(pa.table({"input_ids": pa.array(docs, type=pa.list_(pa.int32()))}), tmp_path / "pq" / "a.parquet",
-                   row_group_size=3)
+    pq.write_table(
+        pa.table({"input_ids": pa.array(docs, type=pa.list_(pa.int32()))}),
+        tmp_path / "pq" / "a.parquet",
+        row_group_size=3,
+    )
     bad = [list(d) for d in docs]
     bad[-2] = [1, None, 0]
-    pq.write_table(pa.table({"input_ids": pa.array(bad, type=pa.list_(pa.int32()))}), tmp_path / "bad.parquet",
-                   row_group_size=3)
+    pq.write_table(
+        pa.table({"input_ids": pa.array(bad, type=pa.list_(pa.int32()))}), tmp_path / "bad.parquet", row_group_size=3
+    )
     assert pq.ParquetFile(tmp_path / "pq" / "a.parquet").num_row_groups > 8
     outs, errors = [], []
     for threads in (1, 3):
@@ -547,13 +573,17 @@ def test_parquet_null_rows_and_null_ids(tmp_path):
     rows[9000] = [7, 99, 0]  # in the second record batch, after two null rows
     pq.write_table(pa.table({"input_ids": pa.array(rows, type=pa.list_(pa.int32()))}), tmp_path / "v.parquet")
     line = one_error_line(cli(tmp_path / "v.parquet", "-o", tmp_path / "v", "--eos-id", 0, "--vocab-size", 64))
-    assert line.endswith("v.parquet [document 9000, token offset 17997]: token id at or above vocab_size; expected "
-                         "< 64, found 99. HINT: pass the right --vocab-size or --tokenizer, or fix the input"), line
+    assert line.endswith(
+        "v.parquet [document 9000, token offset 17997]: token id at or above vocab_size; expected "
+        "< 64, found 99. HINT: pass the right --vocab-size or --tokenizer, or fix the input"
+    ), line
     rows[9000] = [7, None, 0]
     pq.write_table(pa.table({"input_ids": pa.array(rows, type=pa.list_(pa.int32()))}), tmp_path / "x.parquet")
     line = one_error_line(cli(tmp_path / "x.parquet", "-o", tmp_path / "out", "--eos-id", 0, "--vocab-size", 64))
-    assert line.endswith("x.parquet [column 'input_ids', row 9000]: null token id in a list; expected "
-                         "integers, found null. HINT: drop or fill the nulls before packing"), line
+    assert line.endswith(
+        "x.parquet [column 'input_ids', row 9000]: null token id in a list; expected "
+        "integers, found null. HINT: drop or fill the nulls before packing"
+    ), line
 
 
 def test_hf_save_to_disk_and_arrow_file(tmp_path, tokenizer_path):
@@ -564,10 +594,13 @@ def test_hf_save_to_disk_and_arrow_file(tmp_path, tokenizer_path):
         datasets.Dataset.from_dict({"input_ids": docs}).save_to_disk(str(tmp_path / "hf"))
     except ImportError:  # the arrow stream layout save_to_disk writes
         (tmp_path / "hf").mkdir()
-        with pa.ipc.new_stream(str(tmp_path / "hf" / "data-00000-of-00001.arrow"),
-                               pa.schema({"input_ids": pa.list_(pa.int64())})) as w:
+        with pa.ipc.new_stream(
+            str(tmp_path / "hf" / "data-00000-of-00001.arrow"), pa.schema({"input_ids": pa.list_(pa.int64())})
+        ) as w:
             w.write_table(pa.table({"input_ids": docs}))
-        (tmp_path / "hf" / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+        (tmp_path / "hf" / "state.json").write_text(
+            json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]})
+        )
     s = pack([str(tmp_path / "hf")], str(tmp_path / "out"), tokenizer=str(tokenizer_path))
     assert packed_docs(tmp_path / "out") == normalised(docs) and s.format == "parquet"
     with pa.OSFile(str(tmp_path / "f.arrow"), "wb") as sink:
@@ -590,8 +623,19 @@ def test_npy_and_raw_split_at_eos(tmp_path):
     expected = normalised(expected)
     assert packed_docs(tmp_path / "a") == expected and s.vocab_size == 65536
     stream.astype(np.int32).tofile(tmp_path / "t.tok")
-    res = cli(tmp_path / "t.tok", "-o", tmp_path / "b", "--format", "numpy", "--dtype", "int32", "--eos-id", 0,
-              "--vocab-size", 1000)
+    res = cli(
+        tmp_path / "t.tok",
+        "-o",
+        tmp_path / "b",
+        "--format",
+        "numpy",
+        "--dtype",
+        "int32",
+        "--eos-id",
+        0,
+        "--vocab-size",
+        1000,
+    )
     assert res.exit_code == 0, res.stderr
     assert packed_docs(tmp_path / "b") == expected
 
@@ -600,6 +644,7 @@ def test_npy_and_raw_split_at_eos(tmp_path):
 def finishes_within(seconds: int, what: str):
     """Fails the test, instead of hanging it, when the block does not return in time (a reader
     that stops making progress loops forever)."""
+
     def hung(signum, frame):
         raise AssertionError(f"{what} did not finish within {seconds} s")
 
@@ -617,16 +662,34 @@ def test_npy_and_raw_last_document_without_eos(block, tmp_path):
     """The tokens after a file's last EOS are a document of their own, whole, with EOS appended;
     a file with no EOS at all is one document. Small blocks put the file's end inside a block
     holding earlier EOS and inside one holding none."""
-    for name, stream, expected in [("tail", [5, 6, 0, 7, 8, 9], [[5, 6, 0], [7, 8, 9, 0]]),
-                                   ("none", [7, 8, 9, 4, 3], [[7, 8, 9, 4, 3, 0]])]:
+    for name, stream, expected in [
+        ("tail", [5, 6, 0, 7, 8, 9], [[5, 6, 0], [7, 8, 9, 0]]),
+        ("none", [7, 8, 9, 4, 3], [[7, 8, 9, 4, 3, 0]]),
+    ]:
         np.save(tmp_path / f"{name}.npy", np.array(stream, dtype=np.uint16))
         with finishes_within(60, f"pack of {name}.npy"):
-            s = pack([str(tmp_path / f"{name}.npy")], str(tmp_path / f"{name}-npy"), eos_id=0, vocab_size=16,
-                     block_bytes=block)
+            s = pack(
+                [str(tmp_path / f"{name}.npy")],
+                str(tmp_path / f"{name}-npy"),
+                eos_id=0,
+                vocab_size=16,
+                block_bytes=block,
+            )
         assert packed_docs(tmp_path / f"{name}-npy") == expected and s.eos_appended == 1
         np.array(stream, dtype="<u4").tofile(tmp_path / f"{name}.tok")
-        res = cli(tmp_path / f"{name}.tok", "-o", tmp_path / f"{name}-raw", "--format", "numpy", "--dtype", "uint32",
-                  "--eos-id", 0, "--vocab-size", 16)
+        res = cli(
+            tmp_path / f"{name}.tok",
+            "-o",
+            tmp_path / f"{name}-raw",
+            "--format",
+            "numpy",
+            "--dtype",
+            "uint32",
+            "--eos-id",
+            0,
+            "--vocab-size",
+            16,
+        )
         assert res.exit_code == 0, res.stderr
         assert packed_docs(tmp_path / f"{name}-raw") == expected
 
@@ -680,40 +743,84 @@ def test_jsonl_blocks_blank_lines_and_empty_lists(tmp_path):
         for i, d in enumerate(docs):
             f.write(json.dumps(d) + ("\n\n" if i % 7 == 0 else "\n"))
     for block in (8, 64, 1 << 20):
-        s = pack([str(tmp_path / "t.jsonl")], str(tmp_path / f"out{block}"), eos_id=0, vocab_size=500, block_bytes=block)
+        s = pack(
+            [str(tmp_path / "t.jsonl")], str(tmp_path / f"out{block}"), eos_id=0, vocab_size=500, block_bytes=block
+        )
         assert packed_docs(tmp_path / f"out{block}") == normalised(docs)
         assert s.empty_documents_dropped == sum(1 for d in docs if not d)
     (tmp_path / "v.jsonl").write_text("[1, 2, 0]\n" * 5 + "[3, 700, 0]\n")
     for block in (16, 1 << 20):  # the bad id in a block of its own, or in the one last block
         with pytest.raises(TokpackError) as e:
             pack([str(tmp_path / "v.jsonl")], str(tmp_path / "v"), eos_id=0, vocab_size=500, block_bytes=block)
-        assert str(e.value).endswith("v.jsonl [document 5, token offset 16]: token id at or above vocab_size; "
-                                     "expected < 500, found 700. HINT: pass the right --vocab-size or --tokenizer, "
-                                     "or fix the input")
+        assert str(e.value).endswith(
+            "v.jsonl [document 5, token offset 16]: token id at or above vocab_size; "
+            "expected < 500, found 700. HINT: pass the right --vocab-size or --tokenizer, "
+            "or fix the input"
+        )
 
 
-@pytest.mark.parametrize("bad, expected", [
-    ("5", "[line 8, key 'input_ids']: JSONL line has no token list; expected a list of token ids, found int. "
-          "HINT: pass --column with the key holding the token ids"),
-    ('{"ids": [2, 0]}', "[line 8, key 'input_ids']: JSONL line has no token list; expected a list of token ids, "
-                        "found no such key. HINT: pass --column with the key holding the token ids"),
-    ('{"input_ids": [3, -2, "x"]}', "[line 8 (document 6), position 2]: token id is not a 64-bit integer; "
-                                    "expected an integer in [-2^63, 2^64), found 'x'"),
-    ('{"input_ids": [4, true, 0]}', "[line 8 (document 6), position 1]: token id is not a 64-bit integer; expected "
-                                    "an integer in [-2^63, 2^64), found True"),
-    ("[false, 0]", "[line 8 (document 6), position 0]: token id is not a 64-bit integer; expected an integer in "
-                   "[-2^63, 2^64), found False"),
-    ("[1, [2, 3], 0]", "[line 8 (document 6), position 1]: token id is not a 64-bit integer; expected an integer in "
-                       "[-2^63, 2^64), found [2, 3]"),
-    ("[1, 18446744073709551616]", "[line 8 (document 6), position 1]: token id is not a 64-bit integer; expected an "
-                                  "integer in [-2^63, 2^64), found 18446744073709551616"),
-    ('{"input_ids": 5}', "[line 8, key 'input_ids']: JSONL line has no token list; expected a list of token ids, "
-                         "found int. HINT: pass --column with the key holding the token ids"),
-    ("[-9223372036854775808, 18446744073709551615]", "[lines 6-8]: token ids do not fit one integer type; expected "
-                                                     "ids in [0, 2^64), found ids from -9223372036854775808 to "
-                                                     "18446744073709551615"),
-], ids=["not-a-list", "no-key", "string-id", "true", "false", "nested-list", "2^64", "int-under-key",
-                          "int64-and-uint64"])
+@pytest.mark.parametrize(
+    "bad, expected",
+    [
+        (
+            "5",
+            "[line 8, key 'input_ids']: JSONL line has no token list; expected a list of token ids, found int. "
+            "HINT: pass --column with the key holding the token ids",
+        ),
+        (
+            '{"ids": [2, 0]}',
+            "[line 8, key 'input_ids']: JSONL line has no token list; expected a list of token ids, "
+            "found no such key. HINT: pass --column with the key holding the token ids",
+        ),
+        (
+            '{"input_ids": [3, -2, "x"]}',
+            "[line 8 (document 6), position 2]: token id is not a 64-bit integer; "
+            "expected an integer in [-2^63, 2^64), found 'x'",
+        ),
+        (
+            '{"input_ids": [4, true, 0]}',
+            "[line 8 (document 6), position 1]: token id is not a 64-bit integer; expected "
+            "an integer in [-2^63, 2^64), found True",
+        ),
+        (
+            "[false, 0]",
+            "[line 8 (document 6), position 0]: token id is not a 64-bit integer; expected an integer in "
+            "[-2^63, 2^64), found False",
+        ),
+        (
+            "[1, [2, 3], 0]",
+            "[line 8 (document 6), position 1]: token id is not a 64-bit integer; expected an integer in "
+            "[-2^63, 2^64), found [2, 3]",
+        ),
+        (
+            "[1, 18446744073709551616]",
+            "[line 8 (document 6), position 1]: token id is not a 64-bit integer; expected an "
+            "integer in [-2^63, 2^64), found 18446744073709551616",
+        ),
+        (
+            '{"input_ids": 5}',
+            "[line 8, key 'input_ids']: JSONL line has no token list; expected a list of token ids, "
+            "found int. HINT: pass --column with the key holding the token ids",
+        ),
+        (
+            "[-9223372036854775808, 18446744073709551615]",
+            "[lines 6-8]: token ids do not fit one integer type; expected "
+            "ids in [0, 2^64), found ids from -9223372036854775808 to "
+            "18446744073709551615",
+        ),
+    ],
+    ids=[
+        "not-a-list",
+        "no-key",
+        "string-id",
+        "true",
+        "false",
+        "nested-list",
+        "2^64",
+        "int-under-key",
+        "int64-and-uint64",
+    ],
+)
 def test_jsonl_bad_ids_name_line_and_position(bad, expected, tmp_path):
     """Six good lines (one blank line among them, so line and document numbers differ) read in
     blocks of 3 ids (lines 1-2, 4-5 exactly 3, 6-8), then a bad one on line 8: the error names
@@ -730,8 +837,10 @@ def test_jsonl_bool_ids_refused_anywhere_in_a_block(tmp_path):
     (tmp_path / "x.jsonl").write_text("[3, 0]\n[true, 1]\n[2, 0]\n")
     with pytest.raises(TokpackError) as e:
         pack([str(tmp_path / "x.jsonl")], str(tmp_path / "out"), eos_id=0, vocab_size=500)
-    assert str(e.value).endswith("x.jsonl [line 2 (document 1), position 0]: token id is not a 64-bit integer; "
-                                 "expected an integer in [-2^63, 2^64), found True")
+    assert str(e.value).endswith(
+        "x.jsonl [line 2 (document 1), position 0]: token id is not a 64-bit integer; "
+        "expected an integer in [-2^63, 2^64), found True"
+    )
 
 
 def test_raw_text_jsonl_and_parquet(corpus, tokenizer_path, tmp_path):
@@ -741,8 +850,13 @@ def test_raw_text_jsonl_and_parquet(corpus, tokenizer_path, tmp_path):
     assert "detected format text" in res.stderr
     assert packed_docs(tmp_path / "a") == encode_all(tokenizer_path, sum(texts, []))
     pq.write_table(pa.table({"body": texts[0]}), tmp_path / "t.parquet")
-    pack([str(tmp_path / "t.parquet")], str(tmp_path / "b"), tokenizer=str(tokenizer_path), column="body",
-         input_format="text")
+    pack(
+        [str(tmp_path / "t.parquet")],
+        str(tmp_path / "b"),
+        tokenizer=str(tokenizer_path),
+        column="body",
+        input_format="text",
+    )
     assert packed_docs(tmp_path / "b") == encode_all(tokenizer_path, texts[0])
 
 
@@ -767,7 +881,9 @@ def megatron_pair(tmp_path, code=8, n=5) -> Path:
     (np.arange(n * 4, dtype=np.uint16) % 7).tofile(tmp_path / "m.bin")
     with open(tmp_path / "m.idx", "wb") as f:
         f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, code, n, n + 1))
-        f.write(sizes.tobytes() + (np.arange(n, dtype=np.int64) * 8).tobytes() + np.arange(n + 1, dtype=np.int64).tobytes())
+        f.write(
+            sizes.tobytes() + (np.arange(n, dtype=np.int64) * 8).tobytes() + np.arange(n + 1, dtype=np.int64).tobytes()
+        )
     return tmp_path / "m"
 
 
@@ -999,7 +1115,7 @@ def bad_mixed_dtypes(c, t):
 def bad_mixed_vocab(c, t):
     d = copy_dt(c, t)
     meta = Path(f"{first_ds(d)}.metadata")
-    meta.write_text("other-tokenizer" + meta.read_text()[meta.read_text().rindex("|"):])
+    meta.write_text("other-tokenizer" + meta.read_text()[meta.read_text().rindex("|") :])
     return [d]
 
 
@@ -1021,74 +1137,152 @@ def bad_vocab_unknown(c, t):
     return [t / "x.jsonl", "--eos-id", 0]
 
 
-BAD = [bad_vocab, bad_ds_size, bad_index_order, bad_index_repeated, bad_index_last, bad_megatron_magic, bad_megatron_version,
-       bad_megatron_dtype, bad_megatron_dtype_high, bad_megatron_pointers, bad_megatron_idx_size, bad_megatron_bin_size,
-       bad_megatron_doc_start, bad_megatron_doc_decrease, bad_megatron_doc_end, bad_megatron_short_header,
-       bad_megatron_no_documents, bad_megatron_negative_pointer, bad_megatron_negative_size,
-       bad_megatron_doc_exceeds, bad_npy_header, bad_raw_no_dtype,
-       bad_npy_float, bad_npy_fortran, bad_npy_truncated, bad_raw_dtype_not_integer, bad_raw_size,
-       bad_jsonl_line, bad_jsonl_nested, bad_jsonl_nested_equal, bad_parquet_missing, bad_parquet_type, bad_negative,
-       bad_empty_file, bad_empty_dir, bad_mixed_dtypes, bad_mixed_vocab, bad_mixed_megatron,
-       bad_tokenizer_not_local, bad_eos_unknown, bad_vocab_unknown]
+BAD = [
+    bad_vocab,
+    bad_ds_size,
+    bad_index_order,
+    bad_index_repeated,
+    bad_index_last,
+    bad_megatron_magic,
+    bad_megatron_version,
+    bad_megatron_dtype,
+    bad_megatron_dtype_high,
+    bad_megatron_pointers,
+    bad_megatron_idx_size,
+    bad_megatron_bin_size,
+    bad_megatron_doc_start,
+    bad_megatron_doc_decrease,
+    bad_megatron_doc_end,
+    bad_megatron_short_header,
+    bad_megatron_no_documents,
+    bad_megatron_negative_pointer,
+    bad_megatron_negative_size,
+    bad_megatron_doc_exceeds,
+    bad_npy_header,
+    bad_raw_no_dtype,
+    bad_npy_float,
+    bad_npy_fortran,
+    bad_npy_truncated,
+    bad_raw_dtype_not_integer,
+    bad_raw_size,
+    bad_jsonl_line,
+    bad_jsonl_nested,
+    bad_jsonl_nested_equal,
+    bad_parquet_missing,
+    bad_parquet_type,
+    bad_negative,
+    bad_empty_file,
+    bad_empty_dir,
+    bad_mixed_dtypes,
+    bad_mixed_vocab,
+    bad_mixed_megatron,
+    bad_tokenizer_not_local,
+    bad_eos_unknown,
+    bad_vocab_unknown,
+]
 WHAT = {
     "bad_vocab": ["at or above vocab_size", "document", "token offset"],
     "bad_ds_size": ["not a multiple of the token size"],
     "bad_index_order": ["does not increase", "entry 2"],
     "bad_index_repeated": ["does not increase", "entry 3"],
     "bad_index_last": ["last entry differs"],
-    "bad_megatron_magic": ["m.idx [byte 0]: not a Megatron index: wrong magic; expected b'MMIDIDX\\x00\\x00', found "
-                           "b'XXXDIDX\\x00\\x00'. HINT: pass the .idx written with the .bin (Megatron's MMIDIDX format)"],
+    "bad_megatron_magic": [
+        "m.idx [byte 0]: not a Megatron index: wrong magic; expected b'MMIDIDX\\x00\\x00', found "
+        "b'XXXDIDX\\x00\\x00'. HINT: pass the .idx written with the .bin (Megatron's MMIDIDX format)"
+    ],
     "bad_megatron_version": ["m.idx [byte 9 (version)]: unsupported Megatron index version; expected 1, found 2"],
-    "bad_megatron_dtype": ["m.idx [byte 17 (dtype code)]: unknown Megatron dtype code; expected 1-8 (uint8 int8 int16 "
-                           "int32 int64 float64 float32 uint16), found 9"],
-    "bad_megatron_dtype_high": ["m.idx [byte 17 (dtype code)]: unknown Megatron dtype code; expected 1-8 (uint8 "
-                                "int8 int16 int32 int64 float64 float32 uint16), found 200"],
-    "bad_megatron_pointers": ["m.idx [sequence 2]: Megatron sequence lies outside the .bin; expected pointer >= 0, "
-                              "size >= 0, pointer + size*2 <= 20 (the .bin size), found pointer 16, size 4. HINT: the "
-                              ".bin is truncated or belongs to another .idx"],
-    "bad_megatron_idx_size": ["m.idx [size]: Megatron .idx size does not match its counts; expected 142 bytes for 5 "
-                              "sequences and 6 document indices, found 145 bytes. HINT: the index is truncated or corrupt"],
-    "bad_megatron_bin_size": ["m.bin [size]: Megatron .bin size is not a multiple of the token size; expected a "
-                              "multiple of 2 (uint16), found 41 bytes"],
-    "bad_megatron_short_header": ["m.idx [header]: Megatron index header is truncated; expected 34 bytes, found 20 "
-                                  "bytes. HINT: the index is truncated or corrupt"],
-    "bad_megatron_no_documents": ["m.idx [document count]: Megatron .idx has no document indices; expected >= 1, "
-                                  "found 0"],
-    "bad_megatron_negative_pointer": ["m.idx [sequence 3]: Megatron sequence lies outside the .bin; expected "
-                                      "pointer >= 0, size >= 0, pointer + size*2 <= 40 (the .bin size), found "
-                                      "pointer -8, size 4."],
-    "bad_megatron_negative_size": ["m.idx [sequence 0]: Megatron sequence lies outside the .bin; expected "
-                                   "pointer >= 0, size >= 0, pointer + size*2 <= 40 (the .bin size), found "
-                                   "pointer 0, size -4."],
-    "bad_megatron_doc_exceeds": ["m.idx [document index 4]: Megatron document indices decrease or exceed the sequence "
-                                 "count; expected non-decreasing, <= 5, found 7"],
-    "bad_megatron_doc_start": ["m.idx [document index 0]: Megatron document indices do not start at 0; expected 0, found 1"],
-    "bad_megatron_doc_decrease": ["m.idx [document index 2]: Megatron document indices decrease or exceed the sequence count; "
-                                  "expected non-decreasing, <= 5, found 1"],
-    "bad_megatron_doc_end": ["m.idx [document index 5]: Megatron document indices do not end at the sequence count; "
-                             "expected 5, found 4"],
+    "bad_megatron_dtype": [
+        "m.idx [byte 17 (dtype code)]: unknown Megatron dtype code; expected 1-8 (uint8 int8 int16 "
+        "int32 int64 float64 float32 uint16), found 9"
+    ],
+    "bad_megatron_dtype_high": [
+        "m.idx [byte 17 (dtype code)]: unknown Megatron dtype code; expected 1-8 (uint8 "
+        "int8 int16 int32 int64 float64 float32 uint16), found 200"
+    ],
+    "bad_megatron_pointers": [
+        "m.idx [sequence 2]: Megatron sequence lies outside the .bin; expected pointer >= 0, "
+        "size >= 0, pointer + size*2 <= 20 (the .bin size), found pointer 16, size 4. HINT: the "
+        ".bin is truncated or belongs to another .idx"
+    ],
+    "bad_megatron_idx_size": [
+        "m.idx [size]: Megatron .idx size does not match its counts; expected 142 bytes for 5 "
+        "sequences and 6 document indices, found 145 bytes. HINT: the index is truncated or corrupt"
+    ],
+    "bad_megatron_bin_size": [
+        "m.bin [size]: Megatron .bin size is not a multiple of the token size; expected a "
+        "multiple of 2 (uint16), found 41 bytes"
+    ],
+    "bad_megatron_short_header": [
+        "m.idx [header]: Megatron index header is truncated; expected 34 bytes, found 20 "
+        "bytes. HINT: the index is truncated or corrupt"
+    ],
+    "bad_megatron_no_documents": [
+        "m.idx [document count]: Megatron .idx has no document indices; expected >= 1, found 0"
+    ],
+    "bad_megatron_negative_pointer": [
+        "m.idx [sequence 3]: Megatron sequence lies outside the .bin; expected "
+        "pointer >= 0, size >= 0, pointer + size*2 <= 40 (the .bin size), found "
+        "pointer -8, size 4."
+    ],
+    "bad_megatron_negative_size": [
+        "m.idx [sequence 0]: Megatron sequence lies outside the .bin; expected "
+        "pointer >= 0, size >= 0, pointer + size*2 <= 40 (the .bin size), found "
+        "pointer 0, size -4."
+    ],
+    "bad_megatron_doc_exceeds": [
+        "m.idx [document index 4]: Megatron document indices decrease or exceed the sequence "
+        "count; expected non-decreasing, <= 5, found 7"
+    ],
+    "bad_megatron_doc_start": [
+        "m.idx [document index 0]: Megatron document indices do not start at 0; expected 0, found 1"
+    ],
+    "bad_megatron_doc_decrease": [
+        "m.idx [document index 2]: Megatron document indices decrease or exceed the sequence count; "
+        "expected non-decreasing, <= 5, found 1"
+    ],
+    "bad_megatron_doc_end": [
+        "m.idx [document index 5]: Megatron document indices do not end at the sequence count; expected 5, found 4"
+    ],
     "bad_npy_header": ["x.npy [header]: unreadable .npy header; expected a numpy .npy file, found "],
-    "bad_raw_no_dtype": ["x.tok [--dtype]: raw token file needs --dtype; expected uint8 | int8 | uint16 | int16 | "
-                         "uint32 | int32 | uint64 | int64. HINT: pass --dtype"],
-    "bad_npy_float": ["x.npy [dtype]: .npy array is not of an integer type; expected an integer dtype, found float32. "
-                      "HINT: token ids must be integers"],
+    "bad_raw_no_dtype": [
+        "x.tok [--dtype]: raw token file needs --dtype; expected uint8 | int8 | uint16 | int16 | "
+        "uint32 | int32 | uint64 | int64. HINT: pass --dtype"
+    ],
+    "bad_npy_float": [
+        "x.npy [dtype]: .npy array is not of an integer type; expected an integer dtype, found float32. "
+        "HINT: token ids must be integers"
+    ],
     "bad_npy_fortran": ["x.npy [header]: .npy array is in Fortran order; expected C order, found Fortran order"],
-    "bad_npy_truncated": ["x.npy [size]: .npy size does not match its header; expected 152 bytes, found 150 bytes. "
-                          "HINT: the file is truncated"],
-    "bad_raw_dtype_not_integer": ["x.tok [--dtype]: raw token file needs an integer --dtype; expected uint8 | int8 | uint16 | "
-                                  "int16 | uint32 | int32 | uint64 | int64, found float32. HINT: pass --dtype with "
-                                  "the width"],
-    "bad_raw_size": ["x.tok [size]: raw token file size is not a multiple of the token size; expected a multiple of 2 "
-                     "bytes (uint16), found 5 bytes"],
+    "bad_npy_truncated": [
+        "x.npy [size]: .npy size does not match its header; expected 152 bytes, found 150 bytes. "
+        "HINT: the file is truncated"
+    ],
+    "bad_raw_dtype_not_integer": [
+        "x.tok [--dtype]: raw token file needs an integer --dtype; expected uint8 | int8 | uint16 | "
+        "int16 | uint32 | int32 | uint64 | int64, found float32. HINT: pass --dtype with "
+        "the width"
+    ],
+    "bad_raw_size": [
+        "x.tok [size]: raw token file size is not a multiple of the token size; expected a multiple of 2 "
+        "bytes (uint16), found 5 bytes"
+    ],
     "bad_jsonl_line": ["x.jsonl [line 2]: invalid JSON; expected a JSON object, found "],
-    "bad_jsonl_nested": ["x.jsonl [line 1 (document 0), position 1]: token id is not a 64-bit integer; expected an "
-                         "integer in [-2^63, 2^64), found [2, 3]"],
-    "bad_jsonl_nested_equal": ["x.jsonl [line 1 (document 0), position 0]: token id is not a 64-bit integer; "
-                               "expected an integer in [-2^63, 2^64), found [1, 2]"],
-    "bad_parquet_missing": ["x.parquet [column 'input_ids']: column not found; expected input_ids, found columns "
-                            "['tokens']. HINT: pass --column with the right column name"],
-    "bad_parquet_type": ["x.parquet [column 'input_ids']: column is not a list of integers; expected list<int>, found "
-                         "list<element: string>. HINT: pass --column with the token-id column"],
+    "bad_jsonl_nested": [
+        "x.jsonl [line 1 (document 0), position 1]: token id is not a 64-bit integer; expected an "
+        "integer in [-2^63, 2^64), found [2, 3]"
+    ],
+    "bad_jsonl_nested_equal": [
+        "x.jsonl [line 1 (document 0), position 0]: token id is not a 64-bit integer; "
+        "expected an integer in [-2^63, 2^64), found [1, 2]"
+    ],
+    "bad_parquet_missing": [
+        "x.parquet [column 'input_ids']: column not found; expected input_ids, found columns "
+        "['tokens']. HINT: pass --column with the right column name"
+    ],
+    "bad_parquet_type": [
+        "x.parquet [column 'input_ids']: column is not a list of integers; expected list<int>, found "
+        "list<element: string>. HINT: pass --column with the token-id column"
+    ],
     "bad_negative": ["negative token id", "document 1"],
     "bad_empty_file": ["empty input"],
     "bad_empty_dir": ["no input files"],
@@ -1118,6 +1312,7 @@ def test_bad_input_is_one_line_and_no_output(case, corpus, tmp_path):
 
 def test_missing_optional_module_is_one_line(monkeypatch, tmp_path):
     """A dependency missing at run time is named with the install hint, exit 1, no traceback."""
+
     def needs_tokenizers(*args, **kwargs):
         raise ModuleNotFoundError("No module named 'tokenizers'", name="tokenizers")
 
@@ -1125,7 +1320,8 @@ def test_missing_optional_module_is_one_line(monkeypatch, tmp_path):
     r = CliRunner().invoke(main, ["pack", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out")])
     assert r.exit_code == 1
     assert r.stderr.strip().splitlines() == [
-        "tokpack: error: this command needs the module 'tokenizers', which is not installed. HINT: pip install tokenizers"]
+        "tokpack: error: this command needs the module 'tokenizers', which is not installed. HINT: pip install tokenizers"
+    ]
     assert "Traceback" not in r.output
 
 
@@ -1198,8 +1394,9 @@ def dtype_arrow(t):
     return [t / "x.arrow", "--eos-id", 0], "uint16"
 
 
-@pytest.mark.parametrize("case", [dtype_datatrove, dtype_megatron, dtype_npy, dtype_parquet, dtype_arrow],
-                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "case", [dtype_datatrove, dtype_megatron, dtype_npy, dtype_parquet, dtype_arrow], ids=lambda f: f.__name__
+)
 def test_dtype_option_must_match_the_inputs_own_dtype(case, tmp_path):
     args, own = case(tmp_path)
     wrong = "uint32" if own != "uint32" else "uint16"
@@ -1213,12 +1410,14 @@ def test_dtype_option_must_match_the_inputs_own_dtype(case, tmp_path):
 
 def test_dtype_option_refused_for_jsonl_and_text(tmp_path, tokenizer_path):
     (tmp_path / "ids.jsonl").write_text('{"input_ids": [1, 2, 0]}\n')
-    line = one_error_line(cli(tmp_path / "ids.jsonl", "--eos-id", 0, "--vocab-size", 10, "--dtype", "uint16",
-                              "-o", tmp_path / "a"))
+    line = one_error_line(
+        cli(tmp_path / "ids.jsonl", "--eos-id", 0, "--vocab-size", 10, "--dtype", "uint16", "-o", tmp_path / "a")
+    )
     assert "[--dtype]" in line and "only to raw token files" in line and "jsonl" in line
     (tmp_path / "text.jsonl").write_text('{"text": "the corpus"}\n')
-    line = one_error_line(cli(tmp_path / "text.jsonl", "--tokenizer", tokenizer_path, "--dtype", "uint16",
-                              "-o", tmp_path / "b"))
+    line = one_error_line(
+        cli(tmp_path / "text.jsonl", "--tokenizer", tokenizer_path, "--dtype", "uint16", "-o", tmp_path / "b")
+    )
     assert "only to raw token files" in line and "text" in line
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
@@ -1237,8 +1436,10 @@ def test_dtype_option_still_reads_datatrove_without_metadata(tmp_path):
 
 @pytest.mark.parametrize("where", ["tmp", "shm"])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(pieces=st.lists(st.one_of(st.integers(0, 5000), st.integers(4090, 40000)), max_size=8),
-       skew=st.sampled_from([0, 1, 512, 4095]))
+@given(
+    pieces=st.lists(st.one_of(st.integers(0, 5000), st.integers(4090, 40000)), max_size=8),
+    skew=st.sampled_from([0, 1, 512, 4095]),
+)
 def test_durable_file_writes_exact_bytes(tmp_path, monkeypatch, where, pieces, skew):
     """O_DIRECT with staging of unaligned data, the padded last block and the truncate, or
     the buffered fallback (tmpfs may refuse O_DIRECT): the file and its hash are exactly the
@@ -1305,20 +1506,45 @@ def test_a_large_raw_input_without_eos_warns(tmp_path):
     n = packing.ONE_DOCUMENT_TOKENS + 10
     raw = rng.integers(1, 1000, n).astype("<u2")
     raw.tofile(tmp_path / "train.bin")
-    res = cli(tmp_path / "train.bin", "-o", tmp_path / "a", "--dtype", "uint16", "--eos-id", "0", "--vocab-size", "1000")
+    res = cli(
+        tmp_path / "train.bin", "-o", tmp_path / "a", "--dtype", "uint16", "--eos-id", "0", "--vocab-size", "1000"
+    )
     assert res.exit_code == 0, res.stderr
     [line] = _warned(res)
     assert "train.bin: no EOS id 0 in its" in line and f"{n:,} tokens" in line and "--eos-id" in line
-    res = CliRunner().invoke(main, ["pack", str(tmp_path / "train.bin"), "-o", str(tmp_path / "j"), "--dtype",
-                                    "uint16", "--eos-id", "0", "--vocab-size", "1000", "--json"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "pack",
+            str(tmp_path / "train.bin"),
+            "-o",
+            str(tmp_path / "j"),
+            "--dtype",
+            "uint16",
+            "--eos-id",
+            "0",
+            "--vocab-size",
+            "1000",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0 and json.loads(res.stdout)["warnings"] == [line], res.stdout
     with_eos = raw.copy()
     with_eos[::5000] = 0
     with_eos.tofile(tmp_path / "ok.bin")
     raw[: packing.ONE_DOCUMENT_TOKENS // 2].tofile(tmp_path / "small.bin")
     for name in ("ok.bin", "small.bin"):
-        res = cli(tmp_path / name, "-o", tmp_path / name.replace(".", "-"), "--dtype", "uint16", "--eos-id", "0",
-                  "--vocab-size", "1000")
+        res = cli(
+            tmp_path / name,
+            "-o",
+            tmp_path / name.replace(".", "-"),
+            "--dtype",
+            "uint16",
+            "--eos-id",
+            "0",
+            "--vocab-size",
+            "1000",
+        )
         assert res.exit_code == 0 and not _warned(res), res.stderr
 
 
@@ -1370,5 +1596,7 @@ def test_a_hub_tokenizer_in_datatrove_metadata_is_named_in_the_eos_error(tmp_pat
     write_named_datatrove(tmp_path / "dt", "meta-llama/Meta-Llama-3-8B", 5)
     line = one_error_line(cli(tmp_path / "dt", "-o", tmp_path / "a"))
     assert "EOS id unknown" in line and "names the tokenizer 'meta-llama/Meta-Llama-3-8B'" in line
-    assert "HINT: pass --eos-id N, the end-of-document id of meta-llama/Meta-Llama-3-8B" in line and "--tokenizer" in line
+    assert (
+        "HINT: pass --eos-id N, the end-of-document id of meta-llama/Meta-Llama-3-8B" in line and "--tokenizer" in line
+    )
     assert not (tmp_path / "a").exists()

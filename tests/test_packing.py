@@ -22,9 +22,20 @@ from tokpack.formats.shards import PAD_DTYPE, PackedSource
 from tokpack.loader.reader import SampleReader, cu_seqlens, document_masks, positions_from_eos
 from tokpack.packer.api import validate
 from tokpack.packer.cli import main
-from tokpack.shuffle.packed import (PACKED_ALGORITHM, PIECE, TokenPool, best_fit_decreasing, cut_problems, documents_of,
-                            pack_pass, packed_epoch_plan, packed_plan_from_manifest, row_padding, source_pass,
-                            table_hash)
+from tokpack.shuffle.packed import (
+    PACKED_ALGORITHM,
+    PIECE,
+    TokenPool,
+    best_fit_decreasing,
+    cut_problems,
+    documents_of,
+    pack_pass,
+    packed_epoch_plan,
+    packed_plan_from_manifest,
+    row_padding,
+    source_pass,
+    table_hash,
+)
 from tokpack.shuffle.permutation import Bijection
 from tokpack.shuffle.schedule import RunPlan, Schedule, Stage
 
@@ -94,8 +105,12 @@ def check_pass(lengths: np.ndarray, pr, row_tokens: int) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.one_of(st.integers(1, 40), st.integers(40, 200)), min_size=1, max_size=120),
-       row_tokens=st.integers(2, 64), group=st.integers(1, 600), seed=st.integers(0, 3))
+@given(
+    lengths=st.lists(st.one_of(st.integers(1, 40), st.integers(40, 200)), min_size=1, max_size=120),
+    row_tokens=st.integers(2, 64),
+    group=st.integers(1, 600),
+    seed=st.integers(0, 3),
+)
 def test_a_pass_holds_every_document_once_and_cuts_only_long_ones(lengths, row_tokens, group, seed):
     lengths = np.array(lengths, dtype=np.int64)
     pr = pack_pass(lengths, Bijection(len(lengths), "docs", seed, 0, 0), row_tokens, group)
@@ -108,8 +123,13 @@ def test_a_pass_holds_every_document_once_and_cuts_only_long_ones(lengths, row_t
 def test_a_cut_that_was_not_needed_is_named():
     lengths = np.array([10, 20], dtype=np.int64)
     t = np.zeros(3, PIECE)
-    t["g"], t["row_offset"], t["doc"], t["doc_offset"], t["length"] = [0, 0, 1], [0, 10, 0], [0, 1, 1], \
-        [0, 0, 8], [10, 8, 12]
+    t["g"], t["row_offset"], t["doc"], t["doc_offset"], t["length"] = (
+        [0, 0, 1],
+        [0, 10, 0],
+        [0, 1, 1],
+        [0, 0, 8],
+        [10, 8, 12],
+    )
     assert cut_problems(t, {0: lengths}, 32) == ["a document that fits a row is cut"]
 
 
@@ -131,8 +151,10 @@ def golden_docs(seed: int, n: int, longest: int) -> list[np.ndarray]:
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory) -> list[PackedSource]:
     root = tmp_path_factory.mktemp("packed-golden")
-    return [PackedSource.open(write_source(root / "a", golden_docs(11, 60, 50))),
-            PackedSource.open(write_source(root / "b", golden_docs(12, 20, 90)))]
+    return [
+        PackedSource.open(write_source(root / "a", golden_docs(11, 60, 50))),
+        PackedSource.open(write_source(root / "b", golden_docs(12, 20, 90))),
+    ]
 
 
 # epoch -> per source (c_s, R_{s,0}, first pass, passes, rows of those passes), table checksum, padding
@@ -141,14 +163,21 @@ GOLDEN = {
     1: ([(10, 46, 0, 1, (46,)), (30, 37, 0, 2, (37, 36))], "525cf51602bbad067283b0007d0bbbe5", 121),
 }
 # The first pieces of epoch 0: (g, row offset, source, document, offset in it, length).
-GOLDEN_PIECES = [(0, 0, 1, 18, 32, 17), (1, 0, 1, 9, 32, 32), (2, 0, 1, 16, 0, 32), (3, 0, 0, 11, 32, 10),
-                 (4, 0, 0, 1, 0, 24), (4, 24, 0, 20, 32, 5)]
+GOLDEN_PIECES = [
+    (0, 0, 1, 18, 32, 17),
+    (1, 0, 1, 9, 32, 32),
+    (2, 0, 1, 16, 0, 32),
+    (3, 0, 0, 11, 32, 10),
+    (4, 0, 0, 1, 0, 24),
+    (4, 24, 0, 20, 32, 5),
+]
 
 
 @pytest.mark.parametrize("epoch", [0, 1])
 def test_golden_packed_plan(golden, epoch):
-    plan = packed_epoch_plan(golden, seq_len=SEQ_LEN, seed=SEED, epoch=epoch, weights=["1", "3"], samples=40,
-                             group_tokens=256)
+    plan = packed_epoch_plan(
+        golden, seq_len=SEQ_LEN, seed=SEED, epoch=epoch, weights=["1", "3"], samples=40, group_tokens=256
+    )
     sources, checksum, padding = GOLDEN[epoch]
     assert [(s.samples, s.windows, s.first_pass, s.passes, s.pass_rows) for s in plan.sources] == sources
     table = plan.table(golden)
@@ -168,8 +197,9 @@ def chain_rows(plan, s: int) -> list[tuple]:
     out, at, p = [], 0, 0
     while at < lo + plan.sources[s].samples:
         pr = source_pass(plan, s, p)
-        for r, ro, d, do, n in zip(pr.row.tolist(), pr.row_offset.tolist(), pr.doc.tolist(),
-                                   pr.doc_offset.tolist(), pr.length.tolist()):
+        for r, ro, d, do, n in zip(
+            pr.row.tolist(), pr.row_offset.tolist(), pr.doc.tolist(), pr.doc_offset.tolist(), pr.length.tolist()
+        ):
             if lo <= at + r < lo + plan.sources[s].samples:
                 out.append((at + r, ro, d, do, n))
         at, p = at + pr.rows, p + 1
@@ -181,28 +211,48 @@ def table_rows(plan, table, s: int) -> list[tuple]:
     sel = table[table["source"] == s]
     q = plan.order().inverse(sel["g"].astype(np.int64))
     pos = q - plan.sources[s].base + plan.chain_start(s)
-    return sorted(zip(pos.tolist(), sel["row_offset"].tolist(), sel["doc"].tolist(), sel["doc_offset"].tolist(),
-                      sel["length"].tolist()))
+    return sorted(
+        zip(
+            pos.tolist(),
+            sel["row_offset"].tolist(),
+            sel["doc"].tolist(),
+            sel["doc_offset"].tolist(),
+            sel["length"].tolist(),
+        )
+    )
 
 
 @pytest.fixture(scope="module")
 def corpus3(tmp_path_factory) -> list[PackedSource]:
     root = tmp_path_factory.mktemp("packed-mix")
     rng = np.random.default_rng(3)
-    return [PackedSource.open(write_source(root / name, random_docs(rng, n, 1000, 0, 1, longest)))
-            for name, n, longest in (("web", 80, 120), ("code", 30, 300), ("math", 15, 40))]
+    return [
+        PackedSource.open(write_source(root / name, random_docs(rng, n, 1000, 0, 1, longest)))
+        for name, n, longest in (("web", 80, 120), ("code", 30, 300), ("math", 15, 40))
+    ]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(weights=st.lists(st.integers(1, 9), min_size=3, max_size=3), samples=st.integers(3, 200),
-       seq_len=st.sampled_from([15, 63, 127]), seed=st.integers(0, 1000))
+@given(
+    weights=st.lists(st.integers(1, 9), min_size=3, max_size=3),
+    samples=st.integers(3, 200),
+    seq_len=st.sampled_from([15, 63, 127]),
+    seed=st.integers(0, 1000),
+)
 def test_epochs_follow_each_chain_once_per_pass(corpus3, weights, samples, seq_len, seed):
     """Each epoch takes chain positions [cursor, cursor + c_s) of each source, and the chain is
     its passes back to back, each pass every document once (test above): so every document
     (or fragment) is used once per pass, with any weights."""
     for epoch in range(3):
-        plan = packed_epoch_plan(corpus3, seq_len=seq_len, seed=seed, epoch=epoch, weights=[str(w) for w in weights],
-                                 samples=samples, group_tokens=500)
+        plan = packed_epoch_plan(
+            corpus3,
+            seq_len=seq_len,
+            seed=seed,
+            epoch=epoch,
+            weights=[str(w) for w in weights],
+            samples=samples,
+            group_tokens=500,
+        )
         table = plan.table(corpus3)
         assert len(np.unique(table["g"])) == plan.samples == samples
         for s in range(3):
@@ -212,8 +262,15 @@ def test_epochs_follow_each_chain_once_per_pass(corpus3, weights, samples, seq_l
 
 def test_a_schedule_keeps_each_chain_across_stages(corpus3):
     paths = [str(s.path) for s in corpus3]
-    sched = Schedule(31, 7, (Stage("a", tuple(paths[:2]), ("1", "1"), 2, samples=50),
-                             Stage("b", tuple(paths), ("1", "2", "1"), 1, samples=70)), packing="best-fit")
+    sched = Schedule(
+        31,
+        7,
+        (
+            Stage("a", tuple(paths[:2]), ("1", "1"), 2, samples=50),
+            Stage("b", tuple(paths), ("1", "2", "1"), 1, samples=70),
+        ),
+        packing="best-fit",
+    )
     run = RunPlan(sched, corpus3, ["web", "code", "math"])
     taken = [0, 0, 0]
     for epoch in range(3):
@@ -234,13 +291,23 @@ def test_a_schedule_keeps_each_chain_across_stages(corpus3):
 def sources(tmp_path_factory) -> list[Path]:
     root = tmp_path_factory.mktemp("packed-src")
     rng = np.random.default_rng(5)
-    return [write_source(root / "big", random_docs(rng, 400, 1000, 0, 1, 150)),
-            write_source(root / "small", random_docs(rng, 60, 1000, 0, 1, 400))]
+    return [
+        write_source(root / "big", random_docs(rng, 400, 1000, 0, 1, 150)),
+        write_source(root / "small", random_docs(rng, 60, 1000, 0, 1, 400)),
+    ]
 
 
 def shuffle_packed(sources, out, **kw):
-    args = dict(weights=["2", "1"], seq_len=63, seed=9, epochs=[0, 1], samples=500, shard_samples=128,
-                memory=64 << 20, packing="best-fit")
+    args = dict(
+        weights=["2", "1"],
+        seq_len=63,
+        seed=9,
+        epochs=[0, 1],
+        samples=500,
+        shard_samples=128,
+        memory=64 << 20,
+        packing="best-fit",
+    )
     args.update(kw)
     return shuffle_run([str(s) for s in sources], str(out), **args)
 
@@ -266,7 +333,10 @@ def test_rows_are_the_planned_documents_with_padding(run, sources):
         assert got.size == plan.samples * 64  # every row exactly seq_len + 1 tokens
         assert np.array_equal(got.reshape(-1, 64), want)
         pad = np.concatenate([np.fromfile(edir / f"{s['path']}.pad", PAD_DTYPE) for s in m["shards"]])
-        assert np.array_equal(pad, row_padding(table, plan.samples, 64)) and int(pad.sum()) == m["packing"]["padding_tokens"]
+        assert (
+            np.array_equal(pad, row_padding(table, plan.samples, 64))
+            and int(pad.sum()) == m["packing"]["padding_tokens"]
+        )
         tails = got.reshape(-1, 64)[np.arange(64)[None, :] >= 64 - pad[:, None].astype(np.int64)]
         assert np.all(tails == 0)  # padded with the pad id (EOS by default)
         # No document that fits a row is cut: each such document is in one row, whole.
@@ -283,8 +353,15 @@ def test_index_boundaries_are_the_eos_positions(run):
         assert np.array_equal(idx, np.flatnonzero(ends.ravel()) + 1)
 
 
-@pytest.mark.parametrize("kw", [dict(workers=2), dict(memory=16 << 20, tasks=3),
-                                dict(memory=1 << 20, tasks=3), dict(memory=1 << 20, workers=2, shard_samples=50)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(workers=2),
+        dict(memory=16 << 20, tasks=3),
+        dict(memory=1 << 20, tasks=3),
+        dict(memory=1 << 20, workers=2, shard_samples=50),
+    ],
+)
 def test_bytes_do_not_depend_on_workers_or_memory(run, sources, tmp_path, kw):
     """In memory, and out of core (1 MiB: scatter the pieces to buckets, then order them) with
     several scatter tasks and workers: the same bytes."""
@@ -311,8 +388,26 @@ def test_a_rerun_with_another_packing_is_refused(run, sources):
 
 def test_the_cli_writes_a_best_fit_run_and_validate_replays_it(sources, tmp_path):
     out = tmp_path / "cli"
-    res = CliRunner().invoke(main, ["shuffle", *map(str, sources), "-o", str(out), "--seq-len", "63", "--seed", "3",
-                                    "--epochs", "1", "--packing", "best-fit", "--pad-id", "7", "--json"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "shuffle",
+            *map(str, sources),
+            "-o",
+            str(out),
+            "--seq-len",
+            "63",
+            "--seed",
+            "3",
+            "--epochs",
+            "1",
+            "--packing",
+            "best-fit",
+            "--pad-id",
+            "7",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert read_manifest(out, kind="run")["packing"] == {"method": "best-fit", "group_tokens": 1 << 22, "pad_id": 7}
     against = [a for s in sources for a in ("--against", str(s))]
@@ -362,7 +457,7 @@ def test_tokpack_dataset_masks(run, sources):
     for b, batch in zip(range(5), ds):
         rows = reader.read(4 * b, 4).astype(np.int64)
         pad = reader.padding(4 * b, 4).astype(np.int64)
-        assert np.array_equal(pad, row_padding(table, m["samples"], 64)[4 * b: 4 * b + 4])
+        assert np.array_equal(pad, row_padding(table, m["samples"], 64)[4 * b : 4 * b + 4])
         real = np.arange(1, 64)[None, :] < 64 - pad[:, None]  # the label of input j is token j + 1
         assert np.array_equal(batch["loss_mask"].numpy(), real.astype(np.int64))
         assert np.array_equal(batch["labels"].numpy(), np.where(real, rows[:, 1:], -100))
@@ -395,8 +490,25 @@ def test_datatrove_reads_a_best_fit_epoch_in_order(run):
 
 
 def test_plan_shuffle_reports_a_best_fit_epoch(sources, tmp_path):
-    res = CliRunner().invoke(main, ["plan", "shuffle", *map(str, sources), "-o", str(tmp_path / "p"), "--seq-len", "63",
-                                    "--seed", "3", "--epochs", "1", "--packing", "best-fit", "--json"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "shuffle",
+            *map(str, sources),
+            "-o",
+            str(tmp_path / "p"),
+            "--seq-len",
+            "63",
+            "--seed",
+            "3",
+            "--epochs",
+            "1",
+            "--packing",
+            "best-fit",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     got = json.loads(res.output)
     assert got["path"] == "in-memory" and not (tmp_path / "p").exists()
@@ -413,12 +525,25 @@ def test_plan_shuffle_predicts_the_row_tables_scratch(sources, tmp_path, memory)
     from tokpack.shuffle.packed import build_table
 
     weights = {str(sources[0]): "2", str(sources[1]): "1"}
-    got = plan_shuffle(weights, tmp_path / "p", seq_len=63, seed=9, samples=500, shard_samples=128, memory=memory,
-                       packing="best-fit", disk_mbps=100)
+    got = plan_shuffle(
+        weights,
+        tmp_path / "p",
+        seq_len=63,
+        seed=9,
+        samples=500,
+        shard_samples=128,
+        memory=memory,
+        packing="best-fit",
+        disk_mbps=100,
+    )
     (epoch,) = got.epochs
     assert epoch["path"] == ("in-memory" if memory == 64 << 20 else "out-of-core")
     table = next(p for p in got.passes if p["name"] == "table")
-    assert table["written_bytes"] == epoch["table_bytes"] and table["pack_seconds"] > 0 and table["memory_per_task"] == memory
+    assert (
+        table["written_bytes"] == epoch["table_bytes"]
+        and table["pack_seconds"] > 0
+        and table["memory_per_task"] == memory
+    )
     assert table["seconds"] == round(max(2 * table["written_bytes"] / 100e6, table["pack_seconds"]), 1)
     opened = [PackedSource.open(s) for s in sources]
     plan = packed_epoch_plan(opened, seq_len=63, seed=9, epoch=0, weights=["2", "1"], samples=500)
@@ -436,9 +561,11 @@ def test_plan_shuffle_predicts_the_row_tables_scratch(sources, tmp_path, memory)
 
 def test_a_schedule_declares_best_fit(sources, tmp_path):
     yaml_file = tmp_path / "run.yaml"
-    yaml_file.write_text(f"seq_len: 63\nseed: 4\npacking: best-fit\nstages:\n"
-                         f"  - name: a\n    epochs: 1\n    sources: {{{sources[0]}: 1}}\n"
-                         f"  - name: b\n    epochs: 1\n    sources: {{{sources[0]}: 1, {sources[1]}: 1}}\n")
+    yaml_file.write_text(
+        f"seq_len: 63\nseed: 4\npacking: best-fit\nstages:\n"
+        f"  - name: a\n    epochs: 1\n    sources: {{{sources[0]}: 1}}\n"
+        f"  - name: b\n    epochs: 1\n    sources: {{{sources[0]}: 1, {sources[1]}: 1}}\n"
+    )
     res = CliRunner().invoke(main, ["shuffle", "--schedule", str(yaml_file), "-o", str(tmp_path / "run")])
     assert res.exit_code == 0, res.output
     run = read_manifest(tmp_path / "run", kind="run")
@@ -500,8 +627,10 @@ def test_a_best_fit_repeat_warning_counts_one_unit(corpus3, tmp_path):
         assert res.exit_code == 0, res.output
         warned = [x for x in res.stderr.splitlines() if "more than once" in x]
         assert len(warned) == 1 and f"{math['repeats']} of its {pieces} document pieces" in warned[0], res.stderr
-        assert f"{math['repeats']:,} document pieces repeated" in res.stdout or \
-            f"{math['repeats']} document pieces repeated" in res.stdout, res.stdout
+        assert (
+            f"{math['repeats']:,} document pieces repeated" in res.stdout
+            or f"{math['repeats']} document pieces repeated" in res.stdout
+        ), res.stdout
 
 
 def test_an_upsampled_best_fit_epoch_packs_each_pass_once(tmp_path, monkeypatch):
@@ -513,18 +642,31 @@ def test_an_upsampled_best_fit_epoch_packs_each_pass_once(tmp_path, monkeypatch)
     import tokpack.shuffle.packed as packed_mod
 
     rng = np.random.default_rng(11)
-    srcs = [write_source(tmp_path / "big", random_docs(rng, 300, 1000, 0, 1, 200)),
-            write_source(tmp_path / "tiny", random_docs(rng, 20, 1000, 0, 1, 200))]
+    srcs = [
+        write_source(tmp_path / "big", random_docs(rng, 300, 1000, 0, 1, 200)),
+        write_source(tmp_path / "tiny", random_docs(rng, 20, 1000, 0, 1, 200)),
+    ]
     packed_mod._PASSES.clear()
     packed_mod._PASSES_BYTES[0] = 0
     packed_mod._ROWS.clear()
     calls, folders = collections.Counter(), []
     real_pack, real_scratch = packed_mod._pack_pass, packed_mod._scratch
-    monkeypatch.setattr(packed_mod, "_pack_pass", lambda src, s, p, *a: calls.update([(s, p)]) or real_pack(src, s, p, *a))
+    monkeypatch.setattr(
+        packed_mod, "_pack_pass", lambda src, s, p, *a: calls.update([(s, p)]) or real_pack(src, s, p, *a)
+    )
     monkeypatch.setattr(packed_mod, "_scratch", lambda folder=None: folders.append(folder) or real_scratch(folder))
     out = tmp_path / "run"
-    shuffle_run([str(p) for p in srcs], str(out), weights=["1", "1"], seq_len=63, seed=4, epochs=[0],
-                samples=1200, memory=64 << 20, packing="best-fit")
+    shuffle_run(
+        [str(p) for p in srcs],
+        str(out),
+        weights=["1", "1"],
+        seq_len=63,
+        seed=4,
+        epochs=[0],
+        samples=1200,
+        memory=64 << 20,
+        packing="best-fit",
+    )
     m = read_manifest(out / "epoch-00000", kind="epoch")
     assert m["sources"][1]["passes"] >= 10  # tiny is drawn many times
     assert calls and max(calls.values()) == 1, calls.most_common(3)
@@ -533,11 +675,23 @@ def test_an_upsampled_best_fit_epoch_packs_each_pass_once(tmp_path, monkeypatch)
     # the same bytes as packed without the kept passes
     packed_mod._PASSES.clear()
     packed_mod._PASSES_BYTES[0] = 0
-    monkeypatch.setattr(packed_mod, "_PASSES", type("Never", (dict,), {"__setitem__": lambda *a: None,
-                                                                        "move_to_end": lambda *a: None})())
+    monkeypatch.setattr(
+        packed_mod,
+        "_PASSES",
+        type("Never", (dict,), {"__setitem__": lambda *a: None, "move_to_end": lambda *a: None})(),
+    )
     other = tmp_path / "again"
-    shuffle_run([str(p) for p in srcs], str(other), weights=["1", "1"], seq_len=63, seed=4, epochs=[0],
-                samples=1200, memory=64 << 20, packing="best-fit")
+    shuffle_run(
+        [str(p) for p in srcs],
+        str(other),
+        weights=["1", "1"],
+        seq_len=63,
+        seed=4,
+        epochs=[0],
+        samples=1200,
+        memory=64 << 20,
+        packing="best-fit",
+    )
     for f in sorted((out / "epoch-00000").iterdir()):
         assert f.read_bytes() == (other / "epoch-00000" / f.name).read_bytes(), f.name
     assert max(calls.values()) > 1  # without them, passes are packed again
@@ -554,8 +708,10 @@ def test_plan_counts_the_pieces_an_upsampled_epoch_packs(tmp_path, monkeypatch):
     from tokpack.shuffle.packed_step import PACK_PIECES_PER_S, TABLE_PIECES_PER_S
 
     rng = np.random.default_rng(12)
-    srcs = [write_source(tmp_path / "big", random_docs(rng, 300, 1000, 0, 1, 200)),
-            write_source(tmp_path / "tiny", random_docs(rng, 20, 1000, 0, 1, 200))]
+    srcs = [
+        write_source(tmp_path / "big", random_docs(rng, 300, 1000, 0, 1, 200)),
+        write_source(tmp_path / "tiny", random_docs(rng, 20, 1000, 0, 1, 200)),
+    ]
     packed_mod._ROWS.clear()
     packed_mod._PIECES.clear()
     packed_mod._PASSES.clear()
@@ -568,8 +724,16 @@ def test_plan_counts_the_pieces_an_upsampled_epoch_packs(tmp_path, monkeypatch):
             yield group
 
     monkeypatch.setattr(packed_mod, "_pack_pass", counting)
-    got = plan_shuffle({str(srcs[0]): "1", str(srcs[1]): "1"}, tmp_path / "p", seq_len=63, seed=4, samples=1200,
-                       memory=64 << 20, packing="best-fit", disk_mbps=100)
+    got = plan_shuffle(
+        {str(srcs[0]): "1", str(srcs[1]): "1"},
+        tmp_path / "p",
+        seq_len=63,
+        seed=4,
+        samples=1200,
+        memory=64 << 20,
+        packing="best-fit",
+        disk_mbps=100,
+    )
     table = next(p for p in got.passes if p["name"] == "table")
     packed_by_plan = sum(packed)
     assert not packed_mod._PASSES  # plan keeps no pass once it has reported
@@ -614,8 +778,16 @@ def fault_base(tmp_path_factory) -> Path:
     docs = random_docs(np.random.default_rng(3), 60, tv.VOCAB, tv.EOS, max_len=120)
     write_source(root / "src", docs, vocab_size=tv.VOCAB, eos_id=tv.EOS, docs_per_shard=20)
     for name, seed, epochs in (("run", 1, [0, 1]), ("other", 2, [0])):
-        shuffle_run([str(root / "src")], str(root / name), seq_len=tv.SEQ_LEN, seed=seed, epochs=epochs,
-                    shard_samples=tv.SHARD_SAMPLES, memory=64 << 20, packing="best-fit")
+        shuffle_run(
+            [str(root / "src")],
+            str(root / name),
+            seq_len=tv.SEQ_LEN,
+            seed=seed,
+            epochs=epochs,
+            shard_samples=tv.SHARD_SAMPLES,
+            memory=64 << 20,
+            packing="best-fit",
+        )
     return root
 
 
@@ -624,8 +796,9 @@ def test_validate_catches_every_fault_of_its_table_on_a_best_fit_run(fault_base,
     validation, and with --against by the replay of the packed plan."""
     import tests.test_validate as tv
 
-    clean = tv.validate_all([str(fault_base / "run")], quick=False, against=[str(fault_base / "src")],
-                            show_progress=False)
+    clean = tv.validate_all(
+        [str(fault_base / "run")], quick=False, against=[str(fault_base / "src")], show_progress=False
+    )
     assert clean["ok"], clean["lines"]
     missed = []
     for i, (fault, (target, inject)) in enumerate(tv.FAULTS.items()):
@@ -659,8 +832,13 @@ def test_an_empty_source_is_refused_in_one_line(sources, tmp_path):
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(lengths=st.lists(st.integers(1, 90), min_size=3, max_size=60), per_shard=st.integers(1, 20),
-       seq_len=st.sampled_from([15, 31]), out_of_core=st.booleans(), seed=st.integers(0, 99))
+@given(
+    lengths=st.lists(st.integers(1, 90), min_size=3, max_size=60),
+    per_shard=st.integers(1, 20),
+    seq_len=st.sampled_from([15, 31]),
+    out_of_core=st.booleans(),
+    seed=st.integers(0, 99),
+)
 def test_a_written_epoch_holds_every_document_once(tmp_path_factory, lengths, per_shard, seq_len, out_of_core, seed):
     """End to end, in memory or out of core: epoch 0 without weights is pass 0, so its rows,
     read back and cut by the row table, give every document of the source exactly once, and
@@ -669,8 +847,16 @@ def test_a_written_epoch_holds_every_document_once(tmp_path_factory, lengths, pe
     rng = np.random.default_rng(seed)
     docs = [np.append(rng.integers(1, 1000, size=n - 1), 0) for n in lengths]
     src = write_source(root / "src", docs, docs_per_shard=per_shard)
-    shuffle_run([str(src)], str(root / "run"), seq_len=seq_len, seed=seed, epochs=[0], shard_samples=7,
-                memory=(1 << 20) if out_of_core else (64 << 20), packing="best-fit")
+    shuffle_run(
+        [str(src)],
+        str(root / "run"),
+        seq_len=seq_len,
+        seed=seed,
+        epochs=[0],
+        shard_samples=7,
+        memory=(1 << 20) if out_of_core else (64 << 20),
+        packing="best-fit",
+    )
     edir = root / "run" / "epoch-00000"
     m = read_manifest(edir, kind="epoch")
     opened = PackedSource.open(src)
@@ -678,20 +864,37 @@ def test_a_written_epoch_holds_every_document_once(tmp_path_factory, lengths, pe
     rows = SampleReader.open(edir).read(0, m["samples"])
     pad = SampleReader.open(edir).padding(0, m["samples"]).astype(np.int64)
     got: dict[int, list] = {}
-    for g, off, d, doff, n in zip(*(table[k].astype(np.int64).tolist() for k in
-                                    ("g", "row_offset", "doc", "doc_offset", "length"))):
-        got.setdefault(d, []).append((doff, rows[g, off: off + n]))
+    for g, off, d, doff, n in zip(
+        *(table[k].astype(np.int64).tolist() for k in ("g", "row_offset", "doc", "doc_offset", "length"))
+    ):
+        got.setdefault(d, []).append((doff, rows[g, off : off + n]))
     assert sorted(got) == list(range(len(docs)))
     for d, pieces in got.items():
         assert np.array_equal(np.concatenate([p for _, p in sorted(pieces, key=lambda x: x[0])]), docs[d])
     fill = np.bincount(table["g"].astype(np.int64), weights=table["length"], minlength=m["samples"])
     assert np.array_equal(fill.astype(np.int64), seq_len + 1 - pad)
-    assert all(np.all(rows[g, seq_len + 1 - p:] == 0) for g, p in enumerate(pad.tolist()))
+    assert all(np.all(rows[g, seq_len + 1 - p :] == 0) for g, p in enumerate(pad.tolist()))
 
 
 def test_jitter_with_best_fit_is_refused(sources, tmp_path):
-    res = CliRunner().invoke(main, ["shuffle", *map(str, sources), "-o", str(tmp_path / "j"), "--seq-len", "63",
-                                    "--seed", "3", "--epochs", "1", "--packing", "best-fit", "--jitter"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "shuffle",
+            *map(str, sources),
+            "-o",
+            str(tmp_path / "j"),
+            "--seq-len",
+            "63",
+            "--seed",
+            "3",
+            "--epochs",
+            "1",
+            "--packing",
+            "best-fit",
+            "--jitter",
+        ],
+    )
     assert res.exit_code == 1 and "--jitter" in res.output and "Traceback" not in res.output
     assert not (tmp_path / "j").exists()
 
@@ -703,9 +906,19 @@ def test_a_schedules_jitter_with_best_fit_is_refused(sources, tmp_path, command,
     read) or from --packing (refused once the two are merged): one line, never a run whose
     manifest records jitter its best-fit rows do not have."""
     yaml_file = tmp_path / "run.yaml"
-    yaml_file.write_text("seq_len: 63\nseed: 4\njitter: true\n" + ("packing: best-fit\n" if packing_in == "file" else "")
-                         + f"stages:\n  - name: a\n    epochs: 1\n    sources: {{{sources[0]}: 1}}\n")
-    args = [command, *(["shuffle"] if command == "plan" else []), "--schedule", str(yaml_file), "-o", str(tmp_path / "run")]
+    yaml_file.write_text(
+        "seq_len: 63\nseed: 4\njitter: true\n"
+        + ("packing: best-fit\n" if packing_in == "file" else "")
+        + f"stages:\n  - name: a\n    epochs: 1\n    sources: {{{sources[0]}: 1}}\n"
+    )
+    args = [
+        command,
+        *(["shuffle"] if command == "plan" else []),
+        "--schedule",
+        str(yaml_file),
+        "-o",
+        str(tmp_path / "run"),
+    ]
     res = CliRunner().invoke(main, args + (["--packing", "best-fit"] if packing_in == "flag" else []))
     assert res.exit_code == 1 and "jitter shifts windows; best-fit packing has none" in res.output, res.output
     assert str(yaml_file) in res.output and "Traceback" not in res.output
@@ -717,8 +930,24 @@ def test_a_schedules_jitter_with_best_fit_is_refused(sources, tmp_path, command,
 def test_pad_id_without_best_fit_is_refused(sources, tmp_path, command, packing):
     """Issue 32: a window epoch has no padding, so a --pad-id it silently ignored looked like a
     setting the run keeps. Refused in one line before anything is written, CLI and API alike."""
-    res = CliRunner().invoke(main, [*command, *map(str, sources), "-o", str(tmp_path / "w"), "--seq-len", "63",
-                                    "--seed", "3", "--epochs", "1", "--pad-id", "5", *packing])
+    res = CliRunner().invoke(
+        main,
+        [
+            *command,
+            *map(str, sources),
+            "-o",
+            str(tmp_path / "w"),
+            "--seq-len",
+            "63",
+            "--seed",
+            "3",
+            "--epochs",
+            "1",
+            "--pad-id",
+            "5",
+            *packing,
+        ],
+    )
     lines = res.stderr.strip().splitlines()
     assert res.exit_code == 1 and len(lines) == 1 and "Traceback" not in res.output, res.output
     assert "[--pad-id]" in lines[0] and "found 5" in lines[0] and "--packing best-fit" in lines[0]
@@ -731,9 +960,12 @@ def test_pad_id_without_best_fit_is_refused_by_the_api_and_a_schedule(sources, t
     with pytest.raises(TokpackError, match=r"\[--pad-id\].*concat packing has no padding"):
         tokpack.shuffle([str(s) for s in sources], str(tmp_path / "a"), seq_len=63, seed=3, epochs=1, pad_id=5)
     yaml_file = tmp_path / "s.yaml"
-    yaml_file.write_text(f"seq_len: 63\nseed: 3\nstages:\n  - name: s\n    epochs: 1\n"
-                         f"    sources: {{{sources[0]}: 1}}\n")
-    res = CliRunner().invoke(main, ["shuffle", "--schedule", str(yaml_file), "-o", str(tmp_path / "s"), "--pad-id", "5"])
+    yaml_file.write_text(
+        f"seq_len: 63\nseed: 3\nstages:\n  - name: s\n    epochs: 1\n    sources: {{{sources[0]}: 1}}\n"
+    )
+    res = CliRunner().invoke(
+        main, ["shuffle", "--schedule", str(yaml_file), "-o", str(tmp_path / "s"), "--pad-id", "5"]
+    )
     assert res.exit_code == 1 and "packing: best-fit in the schedule" in res.stderr, res.output
     assert not (tmp_path / "a").exists() and not (tmp_path / "s").exists()
     # with best-fit it applies, and the run records it
@@ -779,11 +1011,17 @@ def test_order_proof_catches_two_rows_swapped_in_a_best_fit_epoch(fault_base, tm
 
 
 @settings(max_examples=25, deadline=None)
-@given(lengths=st.lists(st.integers(1, 90), min_size=1, max_size=150), per_shard=st.integers(1, 40),
-       row_tokens=st.sampled_from([8, 32]), group=st.integers(1, 400), memory=st.integers(1, 3000),
-       seed=st.integers(0, 5))
-def test_a_pass_packed_out_of_core_is_the_pass_packed_in_memory(tmp_path_factory, lengths, per_shard, row_tokens,
-                                                                group, memory, seed):
+@given(
+    lengths=st.lists(st.integers(1, 90), min_size=1, max_size=150),
+    per_shard=st.integers(1, 40),
+    row_tokens=st.sampled_from([8, 32]),
+    group=st.integers(1, 400),
+    memory=st.integers(1, 3000),
+    seed=st.integers(0, 5),
+)
+def test_a_pass_packed_out_of_core_is_the_pass_packed_in_memory(
+    tmp_path_factory, lengths, per_shard, row_tokens, group, memory, seed
+):
     """Documents permuted through bucket files (a budget of a few documents) and packed group
     by group give the pieces pack_pass gives with every document in memory."""
     import tokpack.shuffle.packed as packed
@@ -840,8 +1078,13 @@ def test_the_memory_of_an_out_of_core_best_fit_epoch_does_not_grow_with_its_docu
     peaks, big = [], None
     for n in (20_000, 160_000):
         src = many_docs(tmp_path / f"src{n}", n)
-        res = subprocess.run([sys.executable, "-c", OOC_CHILD, str(src), str(tmp_path / f"ooc{n}")], cwd=Path.cwd(),
-                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+        res = subprocess.run(
+            [sys.executable, "-c", OOC_CHILD, str(src), str(tmp_path / f"ooc{n}")],
+            cwd=Path.cwd(),
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(Path.cwd())},
+        )
         assert res.returncode == 0, res.stderr
         peaks.append(int(res.stdout.split()[-1]))
         big = src
@@ -850,8 +1093,16 @@ def test_the_memory_of_an_out_of_core_best_fit_epoch_does_not_grow_with_its_docu
     assert table_bytes > 5 * (1 << 20)
     assert peaks[1] - peaks[0] < table_bytes, peaks
     monkeypatch.setattr(packed, "DEFAULT_GROUP_TOKENS", 1 << 14)
-    shuffle_run([str(big)], str(tmp_path / "inmem"), seq_len=63, seed=3, epochs=[0], shard_samples=4096,
-                memory=256 << 20, packing="best-fit")
+    shuffle_run(
+        [str(big)],
+        str(tmp_path / "inmem"),
+        seq_len=63,
+        seed=3,
+        epochs=[0],
+        shard_samples=4096,
+        memory=256 << 20,
+        packing="best-fit",
+    )
     assert read_manifest(tmp_path / "inmem" / "epoch-00000", kind="epoch")["packing"] == m["packing"]
     for f in sorted((tmp_path / "inmem" / "epoch-00000").iterdir()):
         assert (tmp_path / "ooc160000" / "epoch-00000" / f.name).read_bytes() == f.read_bytes(), f
@@ -860,8 +1111,9 @@ def test_the_memory_of_an_out_of_core_best_fit_epoch_does_not_grow_with_its_docu
 def test_a_damaged_row_table_in_the_work_folder_is_refused(golden, tmp_path):
     from tokpack.shuffle.packed import PackedTable, build_table
 
-    plan = packed_epoch_plan(golden, seq_len=SEQ_LEN, seed=SEED, epoch=0, weights=["1", "3"], samples=40,
-                             group_tokens=256)
+    plan = packed_epoch_plan(
+        golden, seq_len=SEQ_LEN, seed=SEED, epoch=0, weights=["1", "3"], samples=40, group_tokens=256
+    )
     built = build_table(plan, golden, tmp_path / "packing", 1 << 20)
     assert built.table_xxh3_128 == GOLDEN[0][1] and built.padding == GOLDEN[0][2]
     table, _ = built.rows(0, plan.samples)
@@ -911,7 +1163,22 @@ def test_a_missing_document_index_is_one_line(sources, tmp_path):
     copy = tmp_path / "small"
     shutil.copytree(sources[1], copy)
     (copy / "00000.ds.index").unlink()
-    res = CliRunner().invoke(main, ["shuffle", str(copy), "-o", str(tmp_path / "out"), "--seq-len", "63",
-                                    "--seed", "1", "--epochs", "1", "--packing", "best-fit"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "shuffle",
+            str(copy),
+            "-o",
+            str(tmp_path / "out"),
+            "--seq-len",
+            "63",
+            "--seed",
+            "1",
+            "--epochs",
+            "1",
+            "--packing",
+            "best-fit",
+        ],
+    )
     assert res.exit_code == 1 and "document index is missing" in res.output and "00000.ds.index" in res.output
     assert "Traceback" not in res.output and not (tmp_path / "out").exists()

@@ -70,11 +70,14 @@ def _from_manifest(manifest, sources, memory):
 
 WINDOWS = packings.named(packings.DEFAULT)
 REVERSED = replace(
-    WINDOWS, name=NAME, shuffle=SHUFFLE,
+    WINDOWS,
+    name=NAME,
+    shuffle=SHUFFLE,
     plan=lambda sources, **kw: ReversedPlan.of(WINDOWS.plan(sources, **kw)),
     chained=lambda plan, **kw: ReversedPlan.of(WINDOWS.chained(plan, **kw)),
     from_manifest=_from_manifest,
-    replay=lambda m, sources, order, memory: replay_hashes(m, sources, order, plan=_from_manifest(m, sources, memory)))
+    replay=lambda m, sources, order, memory: replay_hashes(m, sources, order, plan=_from_manifest(m, sources, memory)),
+)
 
 
 @pytest.fixture
@@ -111,8 +114,9 @@ def test_an_unregistered_packing_is_no_choice_and_a_registered_one_is(source, tm
     res = _cli("shuffle", source, "-o", tmp_path / "no", *SHUFFLE_ARGS, "--packing", NAME)
     assert res.exit_code == 2 and f"'{NAME}' is not one of" in res.output, res.output
     sched = tmp_path / "run.yaml"
-    sched.write_text(f"seq_len: 63\nseed: 5\npacking: {NAME}\nstages:\n  - name: a\n    sources: {{{source}: 1}}\n"
-                     "    epochs: 1\n")
+    sched.write_text(
+        f"seq_len: 63\nseed: 5\npacking: {NAME}\nstages:\n  - name: a\n    sources: {{{source}: 1}}\n    epochs: 1\n"
+    )
     with pytest.raises(Exception, match="unknown packing in the schedule"):
         read_schedule(sched)
     packings.register(REVERSED)
@@ -178,8 +182,18 @@ def test_the_registry_dispatches_by_name_only(registered, source):
     its --packing name; the built-in ones stay where they were."""
     from tokpack.formats.shards import PackedSource
 
-    plan = registered.plan([PackedSource.open(source)], seq_len=63, seed=5, epoch=0, weights=None, samples=None,
-                           tokens=None, jitter=False, names=None, memory=1 << 20)
+    plan = registered.plan(
+        [PackedSource.open(source)],
+        seq_len=63,
+        seed=5,
+        epoch=0,
+        weights=None,
+        samples=None,
+        tokens=None,
+        jitter=False,
+        names=None,
+        memory=1 << 20,
+    )
     assert packings.of_plan(plan) is registered and packings.named(NAME) is registered
     assert packings.of_manifest({"shuffle": SHUFFLE}) is registered
     assert packings.of_manifest({"shuffle": PLAN_ALGORITHM}) is WINDOWS

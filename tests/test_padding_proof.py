@@ -32,15 +32,27 @@ ROW = SEQ + 1
 def sources(tmp_path_factory) -> list[Path]:
     root = tmp_path_factory.mktemp("pad-src")
     rng = np.random.default_rng(11)
-    return [write_source(root / "a", random_docs(rng, 300, 1000, 0, 1, 120)),
-            write_source(root / "b", random_docs(rng, 80, 1000, 0, 1, 300))]
+    return [
+        write_source(root / "a", random_docs(rng, 300, 1000, 0, 1, 120)),
+        write_source(root / "b", random_docs(rng, 80, 1000, 0, 1, 300)),
+    ]
 
 
 @pytest.fixture(scope="module")
 def run(sources, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pad-run") / "run"
-    shuffle_run([str(s) for s in sources], str(out), weights=["2", "1"], seq_len=SEQ, seed=5, epochs=[0],
-                samples=300, shard_samples=128, memory=64 << 20, packing="best-fit")
+    shuffle_run(
+        [str(s) for s in sources],
+        str(out),
+        weights=["2", "1"],
+        seq_len=SEQ,
+        seed=5,
+        epochs=[0],
+        samples=300,
+        shard_samples=128,
+        memory=64 << 20,
+        packing="best-fit",
+    )
     return out
 
 
@@ -81,6 +93,7 @@ def write_pad(edir: Path, shard: int, pad: np.ndarray, total_too: bool = False) 
         m["shards"][shard]["pad_xxh3_128"] = xxhash.xxh3_128_hexdigest(f.read_bytes())
         if total_too:
             m["packing"]["padding_tokens"] += int(pad.sum(dtype=np.int64)) - before
+
     edit_manifest(edir, change)
 
 
@@ -158,8 +171,11 @@ def test_a_shard_entry_without_its_pad_checksum_is_corrupt_and_refused(copy):
     edit_manifest(edir, lambda m: m["shards"][2].pop("pad_xxh3_128"))
     code, out = validate(copy)
     assert code == 1 and "shards[2].pad_xxh3_128" in out and "lacks its padding sidecar" in out, out
-    for opener in (lambda: SampleReader.open(copy), lambda: SampleReader.open(edir),
-                   lambda: next(iter(TokpackDataset(copy, micro_batch=4)))):
+    for opener in (
+        lambda: SampleReader.open(copy),
+        lambda: SampleReader.open(edir),
+        lambda: next(iter(TokpackDataset(copy, micro_batch=4))),
+    ):
         with pytest.raises(TokpackError) as e:
             opener()
         assert "lacks its padding sidecar" in str(e.value) and "shards[2].pad_xxh3_128" in str(e.value)

@@ -29,8 +29,11 @@ INCIDENT = "virtual:tokens=11T,documents=5.5B,dtype=uint16"
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """2000 documents (about 300k tokens) in 10 source shards."""
-    return write_source(tmp_path_factory.mktemp("plan") / "src", random_docs(np.random.default_rng(3), 2000, 1000, 0),
-                        docs_per_shard=200)
+    return write_source(
+        tmp_path_factory.mktemp("plan") / "src",
+        random_docs(np.random.default_rng(3), 2000, 1000, 0),
+        docs_per_shard=200,
+    )
 
 
 def listing(path: Path) -> dict:
@@ -51,17 +54,26 @@ def recording_runner(out: Path, workers: int, seen: list[dict]):
             real([(step, tasks, name, logs)])
             work = out / WORK_DIR
             buckets = [p for p in work.glob("*/ooc-*/scatter-*/*/b*") if p.suffix in (".rows", ".pos")]
-            seen.append({"pass": name.rsplit("-", 1)[1], "tasks": tasks,
-                         "scatter_done": len(list(work.glob("*/ooc-*/scatter-*.json"))),
-                         "bucket_files": len(buckets), "bucket_ids": {p.stem for p in buckets},
-                         "bucket_bytes": sum(p.stat().st_size for p in buckets),
-                         "most_per_folder": max(Counter(p.parent for p in buckets).values(), default=0)})
+            seen.append(
+                {
+                    "pass": name.rsplit("-", 1)[1],
+                    "tasks": tasks,
+                    "scatter_done": len(list(work.glob("*/ooc-*/scatter-*.json"))),
+                    "bucket_files": len(buckets),
+                    "bucket_ids": {p.stem for p in buckets},
+                    "bucket_bytes": sum(p.stat().st_size for p in buckets),
+                    "most_per_folder": max(Counter(p.parent for p in buckets).values(), default=0),
+                }
+            )
 
     return run_passes
 
 
-@pytest.mark.parametrize("memory, workers, tasks", [(4 << 30, 1, None), (64 << 10, 1, 1), (64 << 10, 2, 2)],
-                         ids=["in-memory", "out-of-core-1-task", "out-of-core-2-workers"])
+@pytest.mark.parametrize(
+    "memory, workers, tasks",
+    [(4 << 30, 1, None), (64 << 10, 1, 1), (64 << 10, 2, 2)],
+    ids=["in-memory", "out-of-core-1-task", "out-of-core-2-workers"],
+)
 def test_plan_counts_and_bytes_equal_the_engine_run(corpus, tmp_path, memory, workers, tasks):
     out = tmp_path / "run"
     config = ExecutorConfig(workers=workers, tasks=tasks)
@@ -70,8 +82,15 @@ def test_plan_counts_and_bytes_equal_the_engine_run(corpus, tmp_path, memory, wo
     assert not out.exists()
 
     seen: list[dict] = []
-    result = shuffle_run([str(corpus)], str(out), epochs=[0, 1], workers=workers, tasks=tasks,
-                         run_passes=recording_runner(out, workers, seen), **kw)
+    result = shuffle_run(
+        [str(corpus)],
+        str(out),
+        epochs=[0, 1],
+        workers=workers,
+        tasks=tasks,
+        run_passes=recording_runner(out, workers, seen),
+        **kw,
+    )
 
     assert planned.samples_per_epoch == result["samples_per_epoch"]
     assert planned.path == result["path"]
@@ -97,14 +116,26 @@ def test_plan_counts_and_bytes_equal_the_engine_run(corpus, tmp_path, memory, wo
         assert abs(size - (out / name).stat().st_size) <= 0.01 * size, name
 
 
-@pytest.mark.parametrize("executor, workers, at_once", [("local", 2, lambda tasks: 1), ("slurm", 3, lambda tasks: min(3, tasks)),
-                                                     ("ray", 1, lambda tasks: tasks)])
+@pytest.mark.parametrize(
+    "executor, workers, at_once",
+    [("local", 2, lambda tasks: 1), ("slurm", 3, lambda tasks: min(3, tasks)), ("ray", 1, lambda tasks: tasks)],
+)
 def test_plan_seconds_are_bytes_over_the_disks_working_at_once(corpus, tmp_path, executor, workers, at_once):
     """A pass's predicted seconds: its bytes at --disk-mbps, shared by the tasks that run at once
     on separate disks (Slurm and Ray: up to --workers, or every task; local: one disk)."""
     config = ExecutorConfig(executor=executor, workers=workers)
-    planned = plan("shuffle", str(corpus), str(tmp_path / "run"), seq_len=SEQ_LEN, seed=5, epochs=2,
-                   shard_samples=SHARD_SAMPLES, memory=64 << 10, executor=config, disk_mbps=2.5)
+    planned = plan(
+        "shuffle",
+        str(corpus),
+        str(tmp_path / "run"),
+        seq_len=SEQ_LEN,
+        seed=5,
+        epochs=2,
+        shard_samples=SHARD_SAMPLES,
+        memory=64 << 10,
+        executor=config,
+        disk_mbps=2.5,
+    )
     assert len({p["tasks"] for p in planned.passes}) > 1 and planned.disk == "given" and planned.disk_mbps == 2.5
     for p in planned.passes:
         assert p["seconds"] == round((p["read_bytes"] + p["written_bytes"]) / 2.5e6 / at_once(p["tasks"]), 1), p
@@ -123,9 +154,29 @@ def test_plan_writes_nothing_and_measures_the_disk(corpus, tmp_path):
     listing is the same after, no OUT, no lock. A run's complete epoch is reported as such."""
     out = tmp_path / "run"
     before = listing(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "tokpack.packer.cli", "plan", "shuffle", str(corpus), "-o", str(out),
-                           "--seq-len", str(SEQ_LEN), "--seed", "5", "--epochs", "1", "--json"],
-                          capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokpack.packer.cli",
+            "plan",
+            "shuffle",
+            str(corpus),
+            "-o",
+            str(out),
+            "--seq-len",
+            str(SEQ_LEN),
+            "--seed",
+            "5",
+            "--epochs",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["disk"].startswith("measured") and report["disk_mbps"] > 0 and report["predicted_seconds"] >= 0
@@ -138,8 +189,22 @@ def test_plan_writes_nothing_and_measures_the_disk(corpus, tmp_path):
     assert [e["path"] for e in again.epochs] == ["complete already", "in-memory"]
     assert "epoch-00000/tokpack.json" not in again.manifests and "epoch-00001/tokpack.json" in again.manifests
     # What stops the shuffle stops its plan, with the same line: here, another seed for the same OUT.
-    proc = tokpack("plan", "shuffle", str(corpus), "-o", str(out), "--seq-len", str(SEQ_LEN), "--seed", "6",
-                   "--epoch", "1", "--disk-mbps", "100", cwd=tmp_path)
+    proc = tokpack(
+        "plan",
+        "shuffle",
+        str(corpus),
+        "-o",
+        str(out),
+        "--seq-len",
+        str(SEQ_LEN),
+        "--seed",
+        "6",
+        "--epoch",
+        "1",
+        "--disk-mbps",
+        "100",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1 and "output directory holds a different run" in proc.stderr, proc.stderr
     assert listing(tmp_path) == before
 
@@ -157,9 +222,12 @@ def test_the_incidents_11T_corpus_plans_without_touching_disk(tmp_path):
     """The 11T-token, 48-node run, planned from a virtual source: no file is opened for writing
     and no directory made (an audit hook watches the whole process)."""
     log = tmp_path / "audit.log"
-    proc = subprocess.run([sys.executable, "-c", PLAN_INCIDENT, INCIDENT, str(tmp_path / "nowhere" / "run")],
-                          capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([AUDIT_SITE, str(ROOT)]), **audit_env(log, "/")})
+    proc = subprocess.run(
+        [sys.executable, "-c", PLAN_INCIDENT, INCIDENT, str(tmp_path / "nowhere" / "run")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([AUDIT_SITE, str(ROOT)]), **audit_env(log, "/")},
+    )
     assert proc.returncode == 0, proc.stderr
     assert [a for a in audited(log) if a.writes] == []
     r = json.loads(proc.stdout)
@@ -177,43 +245,97 @@ def test_the_incidents_11T_corpus_plans_without_touching_disk(tmp_path):
 
 
 def tokpack(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tokpack.packer.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, "-m", "tokpack.packer.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
-@pytest.mark.parametrize("source, said", [
-    ("virtual:tokens=11T,docs=5B,dtype=uint16", "[docs]: bad virtual source"),
-    ("virtual:tokens=24TB,documents=5B,dtype=uint16", "'24TB' is not a count (tokens= of the virtual source): "
-                                                       "it is a byte size"),
-    ("virtual:tokens=11T,dtype=uint16", "[documents]: bad virtual source"),
-    ("virtual:tokens=11T,documents=5B,dtype=int8", "unknown token dtype"),
-])
+@pytest.mark.parametrize(
+    "source, said",
+    [
+        ("virtual:tokens=11T,docs=5B,dtype=uint16", "[docs]: bad virtual source"),
+        (
+            "virtual:tokens=24TB,documents=5B,dtype=uint16",
+            "'24TB' is not a count (tokens= of the virtual source): it is a byte size",
+        ),
+        ("virtual:tokens=11T,dtype=uint16", "[documents]: bad virtual source"),
+        ("virtual:tokens=11T,documents=5B,dtype=int8", "unknown token dtype"),
+    ],
+)
 def test_a_bad_virtual_source_is_one_line(tmp_path, source, said):
-    proc = tokpack("plan", "shuffle", source, "-o", str(tmp_path / "run"), "--seq-len", "4096", "--seed", "1",
-                   "--epochs", "1", "--disk-mbps", "100", cwd=tmp_path)
+    proc = tokpack(
+        "plan",
+        "shuffle",
+        source,
+        "-o",
+        str(tmp_path / "run"),
+        "--seq-len",
+        "4096",
+        "--seed",
+        "1",
+        "--epochs",
+        "1",
+        "--disk-mbps",
+        "100",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert list(tmp_path.iterdir()) == []
 
 
 def test_shuffle_refuses_a_virtual_source(tmp_path):
-    proc = tokpack("shuffle", INCIDENT, "-o", str(tmp_path / "run"), "--seq-len", "4096", "--seed", "1", "--epochs",
-                   "1", cwd=tmp_path)
+    proc = tokpack(
+        "shuffle",
+        INCIDENT,
+        "-o",
+        str(tmp_path / "run"),
+        "--seq-len",
+        "4096",
+        "--seed",
+        "1",
+        "--epochs",
+        "1",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1 and "a virtual source has no data to shuffle" in proc.stderr
     assert "tokpack plan shuffle" in proc.stderr and list(tmp_path.iterdir()) == []
 
 
 def test_a_weighted_virtual_source(tmp_path):
     """`SOURCE=WEIGHT` on a virtual source: the weight follows its last key=value."""
-    proc = tokpack("plan", "shuffle", "virtual:tokens=3B,documents=1M,dtype=uint16,eos_id=0=3",
-                   "virtual:tokens=1B,documents=1M,dtype=uint16=1", "-o", str(tmp_path / "run"), "--seq-len", "4096",
-                   "--seed", "1", "--epochs", "1", "--tokens", "4B", "--disk-mbps", "100", "--json", cwd=tmp_path)
+    proc = tokpack(
+        "plan",
+        "shuffle",
+        "virtual:tokens=3B,documents=1M,dtype=uint16,eos_id=0=3",
+        "virtual:tokens=1B,documents=1M,dtype=uint16=1",
+        "-o",
+        str(tmp_path / "run"),
+        "--seq-len",
+        "4096",
+        "--seed",
+        "1",
+        "--epochs",
+        "1",
+        "--tokens",
+        "4B",
+        "--disk-mbps",
+        "100",
+        "--json",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
     samples = [s["samples"] for s in r["sources"]]
     assert sum(samples) == 4 * 10**9 // 4096 and abs(samples[0] / samples[1] - 3) < 1e-3
-    assert [s["name"] for s in r["sources"]] == ["virtual:tokens=3B,documents=1M,dtype=uint16,eos_id=0",
-                                                 "virtual:tokens=1B,documents=1M,dtype=uint16"]
+    assert [s["name"] for s in r["sources"]] == [
+        "virtual:tokens=3B,documents=1M,dtype=uint16,eos_id=0",
+        "virtual:tokens=1B,documents=1M,dtype=uint16",
+    ]
 
 
 def test_plan_pack_and_stage_equal_the_runs(corpus, tmp_path):
@@ -223,8 +345,15 @@ def test_plan_pack_and_stage_equal_the_runs(corpus, tmp_path):
     inputs.mkdir()
     for p in corpus.glob("0000[0-3].ds*"):  # four datatrove files (.ds, .index, .metadata)
         (inputs / p.name).write_bytes(p.read_bytes())
-    planned = plan("pack", str(inputs), str(tmp_path / "packed"), eos_id=0, vocab_size=1000, disk_mbps=100,
-                   executor=ExecutorConfig(workers=2))
+    planned = plan(
+        "pack",
+        str(inputs),
+        str(tmp_path / "packed"),
+        eos_id=0,
+        vocab_size=1000,
+        disk_mbps=100,
+        executor=ExecutorConfig(workers=2),
+    )
     assert not (tmp_path / "packed").exists()
     packed = pack(str(inputs), tmp_path / "packed", eos_id=0, vocab_size=1000, executor=ExecutorConfig(workers=2))
     (p,) = planned.passes
@@ -242,8 +371,9 @@ def test_plan_pack_and_stage_equal_the_runs(corpus, tmp_path):
     assert abs(p["written_bytes"] - copied.bytes_copied) <= 0.01 * copied.bytes_copied  # all but .ds.metadata
     assert p["tasks"] + 2 == copied.files
     assert planned.shards == len(list((tmp_path / "copy").glob("epoch-*/*.ds")))
-    assert planned.manifests == {name: (tmp_path / "copy" / name).stat().st_size
-                                 for name in ("epoch-00001/tokpack.json", "tokpack.json")}
+    assert planned.manifests == {
+        name: (tmp_path / "copy" / name).stat().st_size for name in ("epoch-00001/tokpack.json", "tokpack.json")
+    }
 
 
 def test_bucket_files_fan_out_into_bounded_folders(corpus, tmp_path, monkeypatch):
@@ -257,12 +387,19 @@ def test_bucket_files_fan_out_into_bounded_folders(corpus, tmp_path, monkeypatch
     planned = plan("shuffle", str(corpus), str(tmp_path / "fanned"), epochs=1, disk_mbps=500, **kw)
     assert planned.epochs[0]["buckets"] > 2 and planned.epochs[0]["files_per_folder"] == 4
     seen: list[dict] = []
-    shuffle_run([str(corpus)], str(tmp_path / "fanned"), epochs=[0], run_passes=recording_runner(tmp_path / "fanned", 1, seen), **kw)
+    shuffle_run(
+        [str(corpus)],
+        str(tmp_path / "fanned"),
+        epochs=[0],
+        run_passes=recording_runner(tmp_path / "fanned", 1, seen),
+        **kw,
+    )
     assert seen[0]["pass"] == "scatter" and seen[0]["most_per_folder"] == 4
     assert len({p.parent for p in (tmp_path / "fanned").rglob("b*.rows")}) == 0  # scratch gone after the run
     epoch = "epoch-00000"
-    assert {p.name: p.read_bytes() for p in (tmp_path / "plain" / epoch).iterdir()} == \
-        {p.name: p.read_bytes() for p in (tmp_path / "fanned" / epoch).iterdir()}
+    assert {p.name: p.read_bytes() for p in (tmp_path / "plain" / epoch).iterdir()} == {
+        p.name: p.read_bytes() for p in (tmp_path / "fanned" / epoch).iterdir()
+    }
 
 
 def test_plan_pack_of_parquet_counts_tokens_from_the_footer(tmp_path):
@@ -275,8 +412,9 @@ def test_plan_pack_of_parquet_counts_tokens_from_the_footer(tmp_path):
     rng = np.random.default_rng(7)
     docs = [rng.integers(1, 1000, rng.integers(1, 400)).tolist() for _ in range(3000)]  # no EOS: one is appended each
     path = tmp_path / "docs.parquet"
-    pq.write_table(pa.table({"input_ids": pa.array(docs, pa.list_(pa.uint16())), "id": range(len(docs))}), path,
-                   row_group_size=700)
+    pq.write_table(
+        pa.table({"input_ids": pa.array(docs, pa.list_(pa.uint16())), "id": range(len(docs))}), path, row_group_size=700
+    )
     tokens = sum(map(len, docs))
     kw = dict(eos_id=0, vocab_size=1000, shard_tokens=100_000)
     planned = plan("pack", str(path), str(tmp_path / "packed"), disk_mbps=100, **kw)

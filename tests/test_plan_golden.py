@@ -43,13 +43,16 @@ def docs_of(total: int, seed: int) -> list[np.ndarray]:
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> list[PackedSource]:
     root = tmp_path_factory.mktemp("golden")
-    return [PackedSource.open(write_source(root / name, docs_of(t, k)))
-            for k, (name, t) in enumerate(zip("ab", TOKENS), start=1)]
+    return [
+        PackedSource.open(write_source(root / name, docs_of(t, k)))
+        for k, (name, t) in enumerate(zip("ab", TOKENS), start=1)
+    ]
 
 
 def plan_of(sources, epoch: int, jitter: bool) -> EpochPlan:
-    return epoch_plan(sources, seq_len=SEQ_LEN, seed=SEED, epoch=epoch, weights=["1", "3"], samples=SAMPLES,
-                      jitter=jitter)
+    return epoch_plan(
+        sources, seq_len=SEQ_LEN, seed=SEED, epoch=epoch, weights=["1", "3"], samples=SAMPLES, jitter=jitter
+    )
 
 
 # (jitter, epoch) -> per source (offset o_s, windows W_s, samples c_s, first pass, passes touched)
@@ -73,42 +76,535 @@ GOLDEN_SOURCE_OF = {
 # (jitter, epoch) -> (window, pass) of output positions 0..39
 GOLDEN_LOCATE = {
     (False, 0): (
-        [5, 6, 3, 9, 4, 3, 5, 6, 6, 17, 2, 2, 4, 15, 0, 4, 6, 0, 0, 4, 5, 7, 1, 5, 1, 1, 3, 2, 4, 1, 6, 10, 3, 4, 18,
-         8, 2, 2, 0, 3],
-        [2, 3, 1, 0, 0, 0, 0, 2, 1, 0, 1, 2, 4, 0, 2, 0, 0, 0, 1, 1, 3, 0, 0, 1, 2, 1, 3, 0, 2, 3, 0, 0, 0, 3, 0, 0, 4,
-         3, 3, 2]),
+        [
+            5,
+            6,
+            3,
+            9,
+            4,
+            3,
+            5,
+            6,
+            6,
+            17,
+            2,
+            2,
+            4,
+            15,
+            0,
+            4,
+            6,
+            0,
+            0,
+            4,
+            5,
+            7,
+            1,
+            5,
+            1,
+            1,
+            3,
+            2,
+            4,
+            1,
+            6,
+            10,
+            3,
+            4,
+            18,
+            8,
+            2,
+            2,
+            0,
+            3,
+        ],
+        [
+            2,
+            3,
+            1,
+            0,
+            0,
+            0,
+            0,
+            2,
+            1,
+            0,
+            1,
+            2,
+            4,
+            0,
+            2,
+            0,
+            0,
+            0,
+            1,
+            1,
+            3,
+            0,
+            0,
+            1,
+            2,
+            1,
+            3,
+            0,
+            2,
+            3,
+            0,
+            0,
+            0,
+            3,
+            0,
+            0,
+            4,
+            3,
+            3,
+            2,
+        ],
+    ),
     (False, 1): (
-        [2, 16, 2, 14, 0, 2, 0, 4, 6, 0, 0, 1, 1, 6, 5, 1, 6, 19, 1, 2, 3, 5, 5, 0, 4, 3, 3, 5, 5, 12, 3, 1, 6, 5, 4,
-         6, 13, 2, 11, 0],
-        [8, 0, 6, 0, 8, 0, 0, 5, 6, 7, 5, 0, 7, 4, 4, 4, 5, 0, 6, 5, 6, 6, 5, 6, 6, 7, 4, 0, 7, 0, 5, 5, 7, 8, 7, 8, 0,
-         7, 0, 4]),
+        [
+            2,
+            16,
+            2,
+            14,
+            0,
+            2,
+            0,
+            4,
+            6,
+            0,
+            0,
+            1,
+            1,
+            6,
+            5,
+            1,
+            6,
+            19,
+            1,
+            2,
+            3,
+            5,
+            5,
+            0,
+            4,
+            3,
+            3,
+            5,
+            5,
+            12,
+            3,
+            1,
+            6,
+            5,
+            4,
+            6,
+            13,
+            2,
+            11,
+            0,
+        ],
+        [
+            8,
+            0,
+            6,
+            0,
+            8,
+            0,
+            0,
+            5,
+            6,
+            7,
+            5,
+            0,
+            7,
+            4,
+            4,
+            4,
+            5,
+            0,
+            6,
+            5,
+            6,
+            6,
+            5,
+            6,
+            6,
+            7,
+            4,
+            0,
+            7,
+            0,
+            5,
+            5,
+            7,
+            8,
+            7,
+            8,
+            0,
+            7,
+            0,
+            4,
+        ],
+    ),
     (False, 2): (
-        [0, 3, 1, 4, 4, 2, 5, 6, 2, 5, 0, 10, 0, 1, 2, 6, 4, 4, 1, 19, 8, 3, 5, 4, 4, 11, 16, 18, 5, 3, 6, 0, 1, 0, 5,
-         3, 3, 6, 3, 1],
-        [12, 10, 11, 1, 8, 11, 9, 12, 9, 10, 11, 1, 1, 8, 10, 9, 10, 9, 9, 1, 1, 1, 12, 11, 12, 1, 1, 1, 1, 12, 11, 9,
-         12, 10, 11, 11, 9, 10, 8, 10]),
+        [
+            0,
+            3,
+            1,
+            4,
+            4,
+            2,
+            5,
+            6,
+            2,
+            5,
+            0,
+            10,
+            0,
+            1,
+            2,
+            6,
+            4,
+            4,
+            1,
+            19,
+            8,
+            3,
+            5,
+            4,
+            4,
+            11,
+            16,
+            18,
+            5,
+            3,
+            6,
+            0,
+            1,
+            0,
+            5,
+            3,
+            3,
+            6,
+            3,
+            1,
+        ],
+        [
+            12,
+            10,
+            11,
+            1,
+            8,
+            11,
+            9,
+            12,
+            9,
+            10,
+            11,
+            1,
+            1,
+            8,
+            10,
+            9,
+            10,
+            9,
+            9,
+            1,
+            1,
+            1,
+            12,
+            11,
+            12,
+            1,
+            1,
+            1,
+            1,
+            12,
+            11,
+            9,
+            12,
+            10,
+            11,
+            11,
+            9,
+            10,
+            8,
+            10,
+        ],
+    ),
     (True, 0): (
-        [4, 3, 4, 9, 4, 3, 5, 5, 5, 17, 0, 0, 5, 15, 0, 2, 4, 0, 1, 3, 1, 7, 1, 1, 2, 4, 2, 2, 3, 4, 6, 10, 3, 2, 18,
-         8, 3, 0, 1, 5],
-        [3, 3, 2, 0, 0, 0, 0, 3, 1, 0, 1, 2, 4, 0, 3, 1, 0, 0, 2, 1, 3, 0, 0, 1, 2, 1, 4, 0, 2, 4, 0, 0, 0, 3, 0, 0, 4,
-         4, 4, 2]),
+        [
+            4,
+            3,
+            4,
+            9,
+            4,
+            3,
+            5,
+            5,
+            5,
+            17,
+            0,
+            0,
+            5,
+            15,
+            0,
+            2,
+            4,
+            0,
+            1,
+            3,
+            1,
+            7,
+            1,
+            1,
+            2,
+            4,
+            2,
+            2,
+            3,
+            4,
+            6,
+            10,
+            3,
+            2,
+            18,
+            8,
+            3,
+            0,
+            1,
+            5,
+        ],
+        [
+            3,
+            3,
+            2,
+            0,
+            0,
+            0,
+            0,
+            3,
+            1,
+            0,
+            1,
+            2,
+            4,
+            0,
+            3,
+            1,
+            0,
+            0,
+            2,
+            1,
+            3,
+            0,
+            0,
+            1,
+            2,
+            1,
+            4,
+            0,
+            2,
+            4,
+            0,
+            0,
+            0,
+            3,
+            0,
+            0,
+            4,
+            4,
+            4,
+            2,
+        ],
+    ),
     (True, 1): (
-        [0, 11, 0, 14, 3, 2, 0, 1, 3, 1, 2, 1, 2, 3, 0, 5, 4, 16, 2, 3, 4, 1, 4, 5, 2, 4, 2, 5, 5, 12, 0, 5, 5, 4, 0,
-         1, 13, 3, 11, 1],
-        [9, 1, 7, 0, 9, 0, 0, 6, 7, 8, 6, 0, 9, 5, 5, 5, 5, 0, 7, 6, 7, 7, 6, 7, 8, 8, 5, 0, 8, 0, 6, 6, 9, 9, 8, 9, 0,
-         8, 0, 5]),
+        [
+            0,
+            11,
+            0,
+            14,
+            3,
+            2,
+            0,
+            1,
+            3,
+            1,
+            2,
+            1,
+            2,
+            3,
+            0,
+            5,
+            4,
+            16,
+            2,
+            3,
+            4,
+            1,
+            4,
+            5,
+            2,
+            4,
+            2,
+            5,
+            5,
+            12,
+            0,
+            5,
+            5,
+            4,
+            0,
+            1,
+            13,
+            3,
+            11,
+            1,
+        ],
+        [
+            9,
+            1,
+            7,
+            0,
+            9,
+            0,
+            0,
+            6,
+            7,
+            8,
+            6,
+            0,
+            9,
+            5,
+            5,
+            5,
+            5,
+            0,
+            7,
+            6,
+            7,
+            7,
+            6,
+            7,
+            8,
+            8,
+            5,
+            0,
+            8,
+            0,
+            6,
+            6,
+            9,
+            9,
+            8,
+            9,
+            0,
+            8,
+            0,
+            5,
+        ],
+    ),
     (True, 2): (
-        [5, 1, 0, 5, 1, 3, 2, 4, 4, 3, 3, 3, 4, 5, 1, 4, 5, 2, 0, 0, 16, 8, 2, 5, 0, 2, 9, 10, 18, 3, 4, 0, 1, 4, 1,
-         2, 5, 0, 3, 2],
-        [14, 11, 13, 1, 10, 13, 10, 14, 10, 11, 12, 1, 1, 10, 12, 11, 12, 11, 11, 1, 1, 1, 14, 13, 14, 1, 1, 1, 1, 14,
-         13, 10, 14, 12, 13, 13, 11, 12, 10, 12]),
+        [
+            5,
+            1,
+            0,
+            5,
+            1,
+            3,
+            2,
+            4,
+            4,
+            3,
+            3,
+            3,
+            4,
+            5,
+            1,
+            4,
+            5,
+            2,
+            0,
+            0,
+            16,
+            8,
+            2,
+            5,
+            0,
+            2,
+            9,
+            10,
+            18,
+            3,
+            4,
+            0,
+            1,
+            4,
+            1,
+            2,
+            5,
+            0,
+            3,
+            2,
+        ],
+        [
+            14,
+            11,
+            13,
+            1,
+            10,
+            13,
+            10,
+            14,
+            10,
+            11,
+            12,
+            1,
+            1,
+            10,
+            12,
+            11,
+            12,
+            11,
+            11,
+            1,
+            1,
+            1,
+            14,
+            13,
+            14,
+            1,
+            1,
+            1,
+            1,
+            14,
+            13,
+            10,
+            14,
+            12,
+            13,
+            13,
+            11,
+            12,
+            10,
+            12,
+        ],
+    ),
 }
 
 # (seed, epoch, source, seq_len) -> jitter offset, in [0, seq_len]
 GOLDEN_JITTER = {
-    (1234, 0, 0, 15): 2, (1234, 0, 1, 15): 9, (1234, 1, 0, 15): 14, (1234, 1, 1, 15): 1,
-    (1234, 2, 0, 15): 7, (1234, 2, 1, 15): 10, (0, 0, 0, 4095): 1631, (7, 3, 2, 2047): 2041,
-    (2**63, 5, 0, 1): 1, (0, 0, 0, 0): 0,
+    (1234, 0, 0, 15): 2,
+    (1234, 0, 1, 15): 9,
+    (1234, 1, 0, 15): 14,
+    (1234, 1, 1, 15): 1,
+    (1234, 2, 0, 15): 7,
+    (1234, 2, 1, 15): 10,
+    (0, 0, 0, 4095): 1631,
+    (7, 3, 2, 2047): 2041,
+    (2**63, 5, 0, 1): 1,
+    (0, 0, 0, 0): 0,
 }
 
 
@@ -116,7 +612,8 @@ def test_goldens_belong_to_the_recorded_algorithm():
     """The values in this file hold for one algorithm only; manifests name it, so an epoch
     shuffled by another order is never replayed with this one."""
     assert PLAN_ALGORITHM == GOLDEN_ALGORITHM, (
-        "PLAN_ALGORITHM changed: recompute the golden values of this file and update GOLDEN_ALGORITHM")
+        "PLAN_ALGORITHM changed: recompute the golden values of this file and update GOLDEN_ALGORITHM"
+    )
 
 
 @pytest.mark.parametrize("jitter", [False, True], ids=["plain", "jitter"])
@@ -212,8 +709,13 @@ def test_exact_fit_plan_drops_nothing(sources):
 
 
 @settings(max_examples=200, derandomize=True, deadline=None)
-@given(windows=st.integers(16, 3000), seed=st.integers(0, 2**64 - 1), s=st.integers(0, 7),
-       p1=st.integers(0, 1000), p2=st.integers(0, 1000))
+@given(
+    windows=st.integers(16, 3000),
+    seed=st.integers(0, 2**64 - 1),
+    s=st.integers(0, 7),
+    p1=st.integers(0, 1000),
+    p2=st.integers(0, 1000),
+)
 def test_no_two_passes_share_an_order(windows, seed, s, p1, p2):
     """Every pass over a source takes its windows in its own order (the flaw of repeating one
     order every pass is what this rules out). 16! orders: a chance collision is out of reach."""
@@ -231,10 +733,19 @@ def test_plan_refuses_an_epoch_of_another_algorithm(sources):
     """An epoch whose manifest names another order cannot be replayed (validate --against,
     inspect) with this one."""
     plan = plan_of(sources, 0, False)
-    manifest = {"seed": SEED, "epoch": 0, "seq_len": SEQ_LEN, "jitter": False, "samples": SAMPLES,
-                "sources": plan.source_entries(), "shuffle": PLAN_ALGORITHM}
-    assert EpochPlan.from_manifest(manifest, sources).locate(np.arange(5))[1].tolist() == \
-        plan.locate(np.arange(5))[1].tolist()
+    manifest = {
+        "seed": SEED,
+        "epoch": 0,
+        "seq_len": SEQ_LEN,
+        "jitter": False,
+        "samples": SAMPLES,
+        "sources": plan.source_entries(),
+        "shuffle": PLAN_ALGORITHM,
+    }
+    assert (
+        EpochPlan.from_manifest(manifest, sources).locate(np.arange(5))[1].tolist()
+        == plan.locate(np.arange(5))[1].tolist()
+    )
     manifest["shuffle"] = "tokpack-feistel6-splitmix-xxh3-v0"
     with pytest.raises(TokpackError, match="another shuffle algorithm"):
         EpochPlan.from_manifest(manifest, sources)
@@ -257,16 +768,29 @@ def test_epoch_size_golden(sources):
     """N and c_s from --tokens, from --samples without weights (shares by window count), and
     from nothing (every window once)."""
     plan = lambda **kw: epoch_plan(sources, seq_len=SEQ_LEN, seed=5, epoch=0, **kw)  # noqa: E731
-    assert [(p.samples, [sp.samples for sp in p.sources])
-            for p in (plan(tokens=400), plan(samples=10), plan())] == [(26, [19, 7]), (10, [7, 3]), (27, [20, 7])]
+    assert [(p.samples, [sp.samples for sp in p.sources]) for p in (plan(tokens=400), plan(samples=10), plan())] == [
+        (26, [19, 7]),
+        (10, [7, 3]),
+        (27, [20, 7]),
+    ]
 
 
 # weights -> (c_s, base_s, and locate of the 9 samples of epoch 1: sources, windows, passes)
 GOLDEN_WEIGHTED = {
-    ("1/3", "2/3"): ([3, 6], [0, 3], [1, 1, 0, 0, 1, 1, 1, 0, 1], [1, 3, 2, 4, 4, 6, 0, 10, 4],
-                     [1, 1, 0, 0, 1, 1, 1, 0, 0]),
-    ("0.5", "0.5"): ([5, 4], [0, 5], [1, 1, 0, 0, 0, 1, 1, 0, 0], [6, 4, 1, 2, 17, 0, 4, 8, 13],
-                     [0, 1, 0, 0, 0, 0, 0, 0, 0]),  # a tie: the lower source gets the extra sample
+    ("1/3", "2/3"): (
+        [3, 6],
+        [0, 3],
+        [1, 1, 0, 0, 1, 1, 1, 0, 1],
+        [1, 3, 2, 4, 4, 6, 0, 10, 4],
+        [1, 1, 0, 0, 1, 1, 1, 0, 0],
+    ),
+    ("0.5", "0.5"): (
+        [5, 4],
+        [0, 5],
+        [1, 1, 0, 0, 0, 1, 1, 0, 0],
+        [6, 4, 1, 2, 17, 0, 4, 8, 13],
+        [0, 1, 0, 0, 0, 0, 0, 0, 0],
+    ),  # a tie: the lower source gets the extra sample
 }
 
 
@@ -282,27 +806,46 @@ def test_weighted_shares_golden(sources, weights):
         assert sorted(placed) == sorted(np.flatnonzero(s == i).tolist())
 
 
-NEEDS_113 = ("<root>/b [--seq-len]: seq_len is larger than the source; expected a source of at least 113 tokens, "
-             "found 112 tokens. HINT: lower --seq-len or drop this source")
-NOT_A_NUMBER = ("[weight of <root>/b]: weight is not a number; expected a non-negative number like 0.3, 2 or 1/3, "
-                "found '{}'. HINT: write SOURCE=WEIGHT")
+NEEDS_113 = (
+    "<root>/b [--seq-len]: seq_len is larger than the source; expected a source of at least 113 tokens, "
+    "found 112 tokens. HINT: lower --seq-len or drop this source"
+)
+NOT_A_NUMBER = (
+    "[weight of <root>/b]: weight is not a number; expected a non-negative number like 0.3, 2 or 1/3, "
+    "found '{}'. HINT: write SOURCE=WEIGHT"
+)
 
 
-@pytest.mark.parametrize("kw,line", [
-    (dict(weights=["1", "-1"]), "[weight of <root>/b]: weight is negative; expected >= 0, found -1"),
-    (dict(weights=["1", "x"]), NOT_A_NUMBER.format("x")),
-    (dict(weights=["1", "1/0"]), NOT_A_NUMBER.format("1/0")),
-    (dict(weights=["0", "1"]), "<root>/a [SOURCE=WEIGHT]: weight is 0; expected a weight > 0, found 0. "
-                               "HINT: leave the source out instead of giving it weight 0"),
-    (dict(weights=["1", "0"]), "<root>/b [SOURCE=WEIGHT]: weight is 0; expected a weight > 0, found 0. "
-                               "HINT: leave the source out instead of giving it weight 0"),
-    (dict(weights=["1", None]), "[SOURCE=WEIGHT]: some sources have a weight and some do not; expected a weight on "
-                                "every source or on none, found <root>/a=1, <root>/b=None"),
-    (dict(samples=0), "[--samples/--tokens]: the epoch would hold no samples; expected >= 1 sample, found 0"),
-    (dict(tokens=SEQ_LEN - 1), "[--samples/--tokens]: the epoch would hold no samples; expected >= 1 sample, found 0"),
-    (dict(seq_len=TOKENS[1]), NEEDS_113),
-    (dict(seq_len=(TOKENS[1] - 1) // 2 + 1, jitter=True), NEEDS_113),  # 56 + 1 + 56 for a jittered window
-])
+@pytest.mark.parametrize(
+    "kw,line",
+    [
+        (dict(weights=["1", "-1"]), "[weight of <root>/b]: weight is negative; expected >= 0, found -1"),
+        (dict(weights=["1", "x"]), NOT_A_NUMBER.format("x")),
+        (dict(weights=["1", "1/0"]), NOT_A_NUMBER.format("1/0")),
+        (
+            dict(weights=["0", "1"]),
+            "<root>/a [SOURCE=WEIGHT]: weight is 0; expected a weight > 0, found 0. "
+            "HINT: leave the source out instead of giving it weight 0",
+        ),
+        (
+            dict(weights=["1", "0"]),
+            "<root>/b [SOURCE=WEIGHT]: weight is 0; expected a weight > 0, found 0. "
+            "HINT: leave the source out instead of giving it weight 0",
+        ),
+        (
+            dict(weights=["1", None]),
+            "[SOURCE=WEIGHT]: some sources have a weight and some do not; expected a weight on "
+            "every source or on none, found <root>/a=1, <root>/b=None",
+        ),
+        (dict(samples=0), "[--samples/--tokens]: the epoch would hold no samples; expected >= 1 sample, found 0"),
+        (
+            dict(tokens=SEQ_LEN - 1),
+            "[--samples/--tokens]: the epoch would hold no samples; expected >= 1 sample, found 0",
+        ),
+        (dict(seq_len=TOKENS[1]), NEEDS_113),
+        (dict(seq_len=(TOKENS[1] - 1) // 2 + 1, jitter=True), NEEDS_113),  # 56 + 1 + 56 for a jittered window
+    ],
+)
 def test_plan_refuses_bad_parameters(sources, kw, line):
     """The whole error line, as the CLI prints it (file, field, expected, found, hint)."""
     root = str(sources[0].path.parent)
@@ -321,13 +864,42 @@ def test_source_entries_golden(sources):
     root = str(sources[0].path.parent)
     entries = [{**e, "path": e["path"].replace(root, "<root>")} for e in plan.source_entries()]
     assert entries == [
-        {"name": "a", "path": "<root>/a", "fingerprint": sources[0].fingerprint, "weight": "1", "samples": 10,
-         "first_pass": 1, "passes": 1, "windows": 19, "tokens": 320, "offset": 7, "dropped_tokens": 16},
-        {"name": "b", "path": "<root>/b", "fingerprint": "9b727902748cf5240826f120f1f5e7ba", "weight": "3",
-         "samples": 30, "first_pass": 10, "passes": 5, "windows": 6, "tokens": 112, "offset": 10, "dropped_tokens": 16},
+        {
+            "name": "a",
+            "path": "<root>/a",
+            "fingerprint": sources[0].fingerprint,
+            "weight": "1",
+            "samples": 10,
+            "first_pass": 1,
+            "passes": 1,
+            "windows": 19,
+            "tokens": 320,
+            "offset": 7,
+            "dropped_tokens": 16,
+        },
+        {
+            "name": "b",
+            "path": "<root>/b",
+            "fingerprint": "9b727902748cf5240826f120f1f5e7ba",
+            "weight": "3",
+            "samples": 30,
+            "first_pass": 10,
+            "passes": 5,
+            "windows": 6,
+            "tokens": 112,
+            "offset": 10,
+            "dropped_tokens": 16,
+        },
     ]
-    manifest = {"seed": SEED, "epoch": 2, "seq_len": SEQ_LEN, "jitter": True, "samples": SAMPLES,
-                "sources": plan.source_entries(), "shuffle": PLAN_ALGORITHM}
+    manifest = {
+        "seed": SEED,
+        "epoch": 2,
+        "seq_len": SEQ_LEN,
+        "jitter": True,
+        "samples": SAMPLES,
+        "sources": plan.source_entries(),
+        "shuffle": PLAN_ALGORITHM,
+    }
     assert EpochPlan.from_manifest(manifest, sources) == plan
     assert EpochPlan.from_manifest(manifest, sources[::-1]) == plan  # sources matched by fingerprint
 
@@ -336,8 +908,15 @@ def test_plan_from_a_manifest_that_does_not_fit_its_sources(sources):
     """An epoch manifest replayed against the wrong or changed sources, or written by another
     order, is refused, naming the field, before any window is read."""
     root = str(sources[0].path.parent)
-    good = {"seed": SEED, "epoch": 0, "seq_len": SEQ_LEN, "jitter": True, "samples": SAMPLES,
-            "sources": plan_of(sources, 0, True).source_entries(), "shuffle": PLAN_ALGORITHM}
+    good = {
+        "seed": SEED,
+        "epoch": 0,
+        "seq_len": SEQ_LEN,
+        "jitter": True,
+        "samples": SAMPLES,
+        "sources": plan_of(sources, 0, True).source_entries(),
+        "shuffle": PLAN_ALGORITHM,
+    }
 
     def refused(manifest, srcs=sources) -> str:
         with pytest.raises(TokpackError) as e:
@@ -346,23 +925,33 @@ def test_plan_from_a_manifest_that_does_not_fit_its_sources(sources):
 
     assert refused({**good, "shuffle": "tokpack-feistel6-splitmix-xxh3-v0"}) == (
         "[shuffle]: epoch shuffled by another shuffle algorithm; expected tokpack-feistel6-splitmix-xxh3-v1, found "
-        "tokpack-feistel6-splitmix-xxh3-v0. HINT: use the tokpack version that wrote the epoch to replay its plan")
+        "tokpack-feistel6-splitmix-xxh3-v0. HINT: use the tokpack version that wrote the epoch to replay its plan"
+    )
     assert refused(good, sources[:1]) == (
         "[sources[1] (b)]: source of the epoch not given; expected a source with fingerprint "
-        "9b727902748cf5240826f120f1f5e7ba, found none left. HINT: pass every source the epoch was shuffled from, unchanged")
+        "9b727902748cf5240826f120f1f5e7ba, found none left. HINT: pass every source the epoch was shuffled from, unchanged"
+    )
     too_far = {**good, "sources": [dict(e) for e in good["sources"]]}
     too_far["sources"][1]["offset"] += ROW  # 6 windows from offset 9 + 16 end past 112 tokens
-    assert refused(too_far) == ("<root>/b [sources[1]]: epoch manifest windows exceed the source; "
-                                "expected <= 112 tokens, found 121")
+    assert refused(too_far) == (
+        "<root>/b [sources[1]]: epoch manifest windows exceed the source; expected <= 112 tokens, found 121"
+    )
     exact = {**good, "sources": [dict(e) for e in good["sources"]]}
     exact["sources"][1]["offset"] = TOKENS[1] - 6 * ROW  # the last window ends on the last token: fine
     assert EpochPlan.from_manifest(exact, sources).sources[1].offset == SEQ_LEN + 1
     assert refused({**good, "samples": SAMPLES + 1}) == (
-        "[sources[].samples]: epoch manifest source samples do not add up; expected 41, found 40")
+        "[sources[].samples]: epoch manifest source samples do not add up; expected 41, found 40"
+    )
 
 
-GOLDEN_MULTISET = {(False, 0): "18c1dfa62ca96791", (True, 0): "8a895b30b1a66dde", (False, 1): "3d66e3262320b813",
-                   (True, 1): "8598d2a9b0f73deb", (False, 2): "1d5ea5502317a37f", (True, 2): "2e2cc75ae87ad0e6"}
+GOLDEN_MULTISET = {
+    (False, 0): "18c1dfa62ca96791",
+    (True, 0): "8a895b30b1a66dde",
+    (False, 1): "3d66e3262320b813",
+    (True, 1): "8598d2a9b0f73deb",
+    (False, 2): "1d5ea5502317a37f",
+    (True, 2): "2e2cc75ae87ad0e6",
+}
 
 
 @pytest.mark.parametrize("jitter", [False, True], ids=["plain", "jitter"])
@@ -374,8 +963,15 @@ def test_expected_multiset_hash(sources, epoch, jitter):
     from tokpack.formats.manifest import hash_hex64, row_hash
 
     plan = plan_of(sources, epoch, jitter)
-    manifest = {"seed": SEED, "epoch": epoch, "seq_len": SEQ_LEN, "jitter": jitter, "samples": SAMPLES,
-                "sources": plan.source_entries(), "shuffle": PLAN_ALGORITHM}
+    manifest = {
+        "seed": SEED,
+        "epoch": epoch,
+        "seq_len": SEQ_LEN,
+        "jitter": jitter,
+        "samples": SAMPLES,
+        "sources": plan.source_entries(),
+        "shuffle": PLAN_ALGORITHM,
+    }
     assert plan_mod.expected_multiset_hash(manifest, sources) == GOLDEN_MULTISET[jitter, epoch]
     tokens = [np.concatenate([np.fromfile(src.path / s["path"], dtype="<u2") for s in src.shards]) for src in sources]
     s, w, _ = plan.locate(np.arange(SAMPLES))
@@ -408,8 +1004,9 @@ def test_iter_source_windows_reads_the_jittered_windows(sources, block, w0, w1):
 def test_three_sources_share_bases(sources):
     """Bases accumulate over every source before s (three sources, the same data twice; the
     engine refuses a repeated source, the plan itself does not care)."""
-    three = epoch_plan([sources[0], sources[1], sources[0]], seq_len=SEQ_LEN, seed=5, epoch=1,
-                       weights=["1", "1", "1"], samples=9)
+    three = epoch_plan(
+        [sources[0], sources[1], sources[0]], seq_len=SEQ_LEN, seed=5, epoch=1, weights=["1", "1", "1"], samples=9
+    )
     assert [(sp.samples, sp.base) for sp in three.sources] == [(3, 0), (3, 3), (3, 6)]
     s, _, _ = three.locate(np.arange(9))
     assert sorted(s.tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
@@ -419,8 +1016,15 @@ def test_manifest_entries_without_name_or_path(sources):
     """name and path are for humans: an entry without them still replays, with empty ones."""
     plan = plan_of(sources, 0, False)
     entries = [{k: v for k, v in e.items() if k not in ("name", "path")} for e in plan.source_entries()]
-    manifest = {"seed": SEED, "epoch": 0, "seq_len": SEQ_LEN, "jitter": False, "samples": SAMPLES,
-                "sources": entries, "shuffle": PLAN_ALGORITHM}
+    manifest = {
+        "seed": SEED,
+        "epoch": 0,
+        "seq_len": SEQ_LEN,
+        "jitter": False,
+        "samples": SAMPLES,
+        "sources": entries,
+        "shuffle": PLAN_ALGORITHM,
+    }
     back = EpochPlan.from_manifest(manifest, sources)
     assert [(sp.name, sp.path) for sp in back.sources] == [("", ""), ("", "")]
     assert back.locate(np.arange(SAMPLES))[1].tolist() == GOLDEN_LOCATE[False, 0][0]
@@ -430,8 +1034,9 @@ def test_edges_of_locate_and_outputs_of(sources, tmp_path):
     """A source of exactly one window (W = 1, upsampled: every pass is that window), an epoch of
     one sample, an empty query, single-window queries, and names given on the command line."""
     one = PackedSource.open(write_source(tmp_path / "one", docs_of(ROW, 9)))
-    plan = epoch_plan([one, sources[1]], seq_len=SEQ_LEN, seed=5, epoch=2, weights=["1", "1"], samples=6,
-                      names=["first", "second"])
+    plan = epoch_plan(
+        [one, sources[1]], seq_len=SEQ_LEN, seed=5, epoch=2, weights=["1", "1"], samples=6, names=["first", "second"]
+    )
     assert [(sp.name, sp.windows, sp.samples) for sp in plan.sources] == [("first", 1, 3), ("second", 7, 3)]
     s, w, p = plan.locate(np.arange(6))
     assert sorted(zip(s.tolist(), w.tolist(), p.tolist()))[:3] == [(0, 0, 6), (0, 0, 7), (0, 0, 8)]
@@ -455,24 +1060,55 @@ def test_replay_details(sources, monkeypatch):
     from tokpack.formats.manifest import hash_hex64, row_hash
 
     root = str(sources[0].path.parent)
-    good = {"seed": SEED, "epoch": 0, "seq_len": SEQ_LEN, "samples": SAMPLES,
-            "sources": plan_of(sources, 0, False).source_entries(), "shuffle": PLAN_ALGORITHM}
+    good = {
+        "seed": SEED,
+        "epoch": 0,
+        "seq_len": SEQ_LEN,
+        "samples": SAMPLES,
+        "sources": plan_of(sources, 0, False).source_entries(),
+        "shuffle": PLAN_ALGORITHM,
+    }
     assert EpochPlan.from_manifest(good, sources) == plan_of(sources, 0, False)  # no "jitter": False
     with pytest.raises(TokpackError) as e:
         EpochPlan.from_manifest(good, [sources[0]] * 3)
-    assert str(e.value).replace(root, "<root>").endswith("found <root>/a, <root>/a. HINT: pass every source the "
-                                                         "epoch was shuffled from, unchanged")
+    assert (
+        str(e.value)
+        .replace(root, "<root>")
+        .endswith("found <root>/a, <root>/a. HINT: pass every source the epoch was shuffled from, unchanged")
+    )
     plan = epoch_plan(sources, seq_len=SEQ_LEN, seed=5, epoch=1, weights=["1", "2"], samples=9)
-    manifest = {"seed": 5, "epoch": 1, "seq_len": SEQ_LEN, "jitter": False, "samples": 9,
-                "sources": plan.source_entries(), "shuffle": PLAN_ALGORITHM}
+    manifest = {
+        "seed": 5,
+        "epoch": 1,
+        "seq_len": SEQ_LEN,
+        "jitter": False,
+        "samples": 9,
+        "sources": plan.source_entries(),
+        "shuffle": PLAN_ALGORITHM,
+    }
     tokens = [np.concatenate([np.fromfile(src.path / sh["path"], dtype="<u2") for sh in src.shards]) for src in sources]
     s, w, _ = plan.locate(np.arange(9))
-    want = hash_hex64(sum(row_hash(tokens[a][slice(*plan.token_range(a, b))].tobytes())
-                          for a, b in zip(s.tolist(), w.tolist())))
+    want = hash_hex64(
+        sum(row_hash(tokens[a][slice(*plan.token_range(a, b))].tobytes()) for a, b in zip(s.tolist(), w.tolist()))
+    )
     assert plan_mod.expected_multiset_hash(manifest, sources) == want
-    monkeypatch.setattr(plan_mod, "iter_source_windows",
-                        functools.partial(plan_mod.iter_source_windows, block_bytes=3 * 2 * ROW))
+    monkeypatch.setattr(
+        plan_mod, "iter_source_windows", functools.partial(plan_mod.iter_source_windows, block_bytes=3 * 2 * ROW)
+    )
     assert plan_mod.expected_multiset_hash(manifest, sources) == want
-    assert plan_mod.expected_multiset_hash({**manifest, **{"sources": plan_of(sources, 2, True).source_entries(),
-                                            "seed": SEED, "epoch": 2, "jitter": True, "samples": SAMPLES}},
-                                           sources) == GOLDEN_MULTISET[True, 2]
+    assert (
+        plan_mod.expected_multiset_hash(
+            {
+                **manifest,
+                **{
+                    "sources": plan_of(sources, 2, True).source_entries(),
+                    "seed": SEED,
+                    "epoch": 2,
+                    "jitter": True,
+                    "samples": SAMPLES,
+                },
+            },
+            sources,
+        )
+        == GOLDEN_MULTISET[True, 2]
+    )

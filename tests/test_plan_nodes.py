@@ -27,9 +27,26 @@ SPEEDS = ["--disk-mbps", 1000, "--shared-mbps", 4000]  # given: no disk probe
 
 
 def plan_json(run: Path, dest: str, *args, nodes: int = NODES) -> dict:
-    res = CliRunner().invoke(main, ["plan", "shuffle", *map(str, args), "-o", str(run), "--to-nodes", dest,
-                                    "--ranks-per-node", str(K), "--micro-batch", str(M), "--nodes", str(nodes),
-                                    *map(str, SPEEDS), "--json"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "shuffle",
+            *map(str, args),
+            "-o",
+            str(run),
+            "--to-nodes",
+            dest,
+            "--ranks-per-node",
+            str(K),
+            "--micro-batch",
+            str(M),
+            "--nodes",
+            str(nodes),
+            *map(str, SPEEDS),
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert out["ok"] and out["nodes"] == nodes and len(out["per_node"]) == nodes
@@ -41,11 +58,36 @@ def audited(tmp: Path, run: Path, dest: str, *args) -> tuple[dict[int, dict], di
     summary, and per node the source shard files (.ds) it opened (a process is the node whose
     DEST it writes)."""
     log = tmp / f"audit-{len(list(tmp.glob('audit-*')))}.log"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), AUDIT_SITE]), OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1", TOKPACK_PROGRESS="0",
-               TOKPACK_AUDIT_LOG=str(log), TOKPACK_AUDIT_ROOT=str(tmp))
-    cmd = [mpirun(), "--oversubscribe", "-n", str(NODES), sys.executable, "-m", "tokpack", "shuffle", *map(str, args),
-           "-o", str(run), "--to-nodes", dest, "--ranks-per-node", str(K), "--micro-batch", str(M), "--json"]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(REPO), AUDIT_SITE]),
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        OMPI_MCA_rmaps_base_oversubscribe="1",
+        TOKPACK_PROGRESS="0",
+        TOKPACK_AUDIT_LOG=str(log),
+        TOKPACK_AUDIT_ROOT=str(tmp),
+    )
+    cmd = [
+        mpirun(),
+        "--oversubscribe",
+        "-n",
+        str(NODES),
+        sys.executable,
+        "-m",
+        "tokpack",
+        "shuffle",
+        *map(str, args),
+        "-o",
+        str(run),
+        "--to-nodes",
+        dest,
+        "--ranks-per-node",
+        str(K),
+        "--micro-batch",
+        str(M),
+        "--json",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     node_of, opened = {}, defaultdict(set)
@@ -58,8 +100,9 @@ def audited(tmp: Path, run: Path, dest: str, *args) -> tuple[dict[int, dict], di
             opened[pid].add(path)
         # an owned epoch shard's tokens and index are hashed for RUN's manifest, never written
         name = path.rsplit("/", 1)[-1]
-        assert not (event == "open" and "/.tokpack-work/" in path and (".ds.tmp-" in name or ".ds.index.tmp-" in name)
-                    ), path
+        assert not (
+            event == "open" and "/.tokpack-work/" in path and (".ds.tmp-" in name or ".ds.index.tmp-" in name)
+        ), path
     by_node = defaultdict(set)
     for pid, paths in opened.items():
         by_node[node_of[pid]] |= paths
@@ -92,8 +135,9 @@ def check_against_the_run(tmp: Path, source: Path, args: list, padded: bool) -> 
         assert sizes(slice_dir, PAD_SUFFIX) == sum(e["slice_pad_bytes"] for e in p["epochs"])
         assert (sizes(slice_dir, PAD_SUFFIX) > 0) == padded
         # the index is counted at the epoch's mean fragments a row: within 10% of the node's
-        assert abs(sizes(slice_dir, ".ds.index") - sum(e["slice_index_bytes"] for e in p["epochs"])) \
-            <= 0.1 * sizes(slice_dir, ".ds.index")
+        assert abs(sizes(slice_dir, ".ds.index") - sum(e["slice_index_bytes"] for e in p["epochs"])) <= 0.1 * sizes(
+            slice_dir, ".ds.index"
+        )
         # what it reads from the shared filesystem: whole source shards, which it opens (the
         # window after its last may start in the next one, of which it reads at most a row)
         planned = sum(e["source_bytes"] for e in p["epochs"])
@@ -125,16 +169,37 @@ def source(tmp_path) -> Path:
 
 
 def test_windows_plan_agrees_with_the_exchange(source, tmp_path):
-    plan = check_against_the_run(tmp_path, source, [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 2,
-                                                    "--shard-samples", 12, "--memory", MEMORY], padded=False)
+    plan = check_against_the_run(
+        tmp_path,
+        source,
+        [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 2, "--shard-samples", 12, "--memory", MEMORY],
+        padded=False,
+    )
     assert all(d["exchanged_exact"] for p in plan["per_node"] for d in p["epochs"])
     assert all(e["rounds_exact"] for e in plan["epochs"])
 
 
 def test_best_fit_plan_agrees_with_the_exchange(source, tmp_path):
-    plan = check_against_the_run(tmp_path, source, [source, "--seq-len", SEQ, "--seed", 2, "--epochs", 1,
-                                                    "--shard-samples", 12, "--memory", MEMORY, "--packing", "best-fit"],
-                                 padded=True)
+    plan = check_against_the_run(
+        tmp_path,
+        source,
+        [
+            source,
+            "--seq-len",
+            SEQ,
+            "--seed",
+            2,
+            "--epochs",
+            1,
+            "--shard-samples",
+            12,
+            "--memory",
+            MEMORY,
+            "--packing",
+            "best-fit",
+        ],
+        padded=True,
+    )
     assert not any(d["exchanged_exact"] for p in plan["per_node"] for d in p["epochs"])
 
 
@@ -149,8 +214,10 @@ def test_a_later_epoch_from_kept_sources_reads_no_source_byte_from_shared(source
     real, _ = audited(tmp_path, run, dest, *args, "--epoch", 0)
     for n, p in enumerate(first["per_node"]):
         assert p["kept_copied_bytes"] == real[n]["epochs_detail"][0]["source_bytes_kept_now"] == p["kept_source_bytes"]
-        assert p["shared_source_bytes"] == p["kept_copied_bytes"] and p["local_source_bytes"] == \
-            p["epochs"][0]["source_bytes"]
+        assert (
+            p["shared_source_bytes"] == p["kept_copied_bytes"]
+            and p["local_source_bytes"] == p["epochs"][0]["source_bytes"]
+        )
     later = plan_json(run, dest, *args, "--epoch", 1)
     real, opened = audited(tmp_path, run, dest, *args, "--epoch", 1)
     for n, p in enumerate(later["per_node"]):
@@ -165,16 +232,39 @@ def test_a_later_epoch_from_kept_sources_reads_no_source_byte_from_shared(source
 def test_more_nodes_than_source_shards_gives_nodes_that_read_nothing(source, tmp_path):
     """5 source shards, 8 nodes: 3 read nothing and still receive their rows; a DEST this machine
     does not see has no free space to show, and without --disk-mbps no disk time."""
-    args = ["plan", "shuffle", source, "--seq-len", SEQ, "--seed", 5, "--epochs", 1, "-o", tmp_path / "run",
-            "--to-nodes", "/nonexistent-tokpack-node{node}/slice", "--ranks-per-node", K, "--micro-batch", M,
-            "--nodes", 8, "--shared-mbps", 4000]
+    args = [
+        "plan",
+        "shuffle",
+        source,
+        "--seq-len",
+        SEQ,
+        "--seed",
+        5,
+        "--epochs",
+        1,
+        "-o",
+        tmp_path / "run",
+        "--to-nodes",
+        "/nonexistent-tokpack-node{node}/slice",
+        "--ranks-per-node",
+        K,
+        "--micro-batch",
+        M,
+        "--nodes",
+        8,
+        "--shared-mbps",
+        4000,
+    ]
     res = CliRunner().invoke(main, [*map(str, args), "--json"])
     assert res.exit_code == 0, res.output
     plan = json.loads(res.stdout)
     idle = [p["node"] for p in plan["per_node"] if p["shared_source_bytes"] == 0]
     assert len(idle) == 3 and all(p["received_bytes"] > 0 and p["slice_bytes"] > 0 for p in plan["per_node"])
     assert sum(p["shared_source_bytes"] for p in plan["per_node"]) == shard_bytes(source)
-    assert any(f"{'node' if len(idle) == 1 else 'nodes'} {', '.join(map(str, idle))} read no source shard" in w for w in plan["warnings"])
+    assert any(
+        f"{'node' if len(idle) == 1 else 'nodes'} {', '.join(map(str, idle))} read no source shard" in w
+        for w in plan["warnings"]
+    )
     assert all(p["space"] == "not visible" for p in plan["per_node"]) and plan["space"] == []
     assert plan["disk_mbps"] is None and "give --disk-mbps" in plan["disk"] and plan["predicted_seconds"] is None
     assert not (tmp_path / "run").exists()
@@ -185,34 +275,79 @@ def test_more_nodes_than_source_shards_gives_nodes_that_read_nothing(source, tmp
 def test_the_human_report_and_the_disk_probe(source, tmp_path):
     """Without --disk-mbps the disk is probed in DEST's filesystem, and the first line says so;
     one row a node, the slowest node's time the run's; nothing else written."""
-    res = CliRunner().invoke(main, [str(a) for a in (
-        "plan", "shuffle", source, "--seq-len", SEQ, "--seed", 5, "--epochs", 1, "-o", tmp_path / "run",
-        "--to-nodes", tmp_path / "node{node}", "--ranks-per-node", K, "--micro-batch", M, "--nodes", NODES,
-        "--shared-mbps", 4000, "--nic-mbps", 100)])
+    res = CliRunner().invoke(
+        main,
+        [
+            str(a)
+            for a in (
+                "plan",
+                "shuffle",
+                source,
+                "--seq-len",
+                SEQ,
+                "--seed",
+                5,
+                "--epochs",
+                1,
+                "-o",
+                tmp_path / "run",
+                "--to-nodes",
+                tmp_path / "node{node}",
+                "--ranks-per-node",
+                K,
+                "--micro-batch",
+                M,
+                "--nodes",
+                NODES,
+                "--shared-mbps",
+                4000,
+                "--nic-mbps",
+                100,
+            )
+        ],
+    )
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
     assert "--to-nodes" in lines[0] and "disk probe" in lines[0]
     head = next(i for i, line in enumerate(lines) if line.split()[:3] == ["node", "shared", "read"])
-    assert [line.split()[0] for line in lines[head + 1:head + 1 + NODES]] == [str(n) for n in range(NODES)]
+    assert [line.split()[0] for line in lines[head + 1 : head + 1 + NODES]] == [str(n) for n in range(NODES)]
     assert "RUN (shared filesystem) gets" in res.stdout and "no token file" in res.stdout
     assert "network 100 MB/s a node" in res.stdout and "measured" in res.stdout and "slowest node's" in res.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
-@pytest.mark.parametrize("drop, add, line", [
-    ("--nodes", [], "plan shuffle --to-nodes needs --nodes N, --ranks-per-node K and --micro-batch M"),
-    ("--micro-batch", [], "plan shuffle --to-nodes needs --nodes N, --ranks-per-node K and --micro-batch M"),
-    ("--ranks-per-node", [], "plan shuffle --to-nodes needs --nodes N, --ranks-per-node K and --micro-batch M"),
-    ("--to-nodes", [], "go with --to-nodes DEST"),
-    (None, ["--scratch", "/tmp/s"], "--to-nodes writes no scratch to the shared filesystem; drop --scratch"),
-    (None, ["--holdout", "0.1", "--packing", "best-fit"], "drop --like/--holdout"),
-])
+@pytest.mark.parametrize(
+    "drop, add, line",
+    [
+        ("--nodes", [], "plan shuffle --to-nodes needs --nodes N, --ranks-per-node K and --micro-batch M"),
+        ("--micro-batch", [], "plan shuffle --to-nodes needs --nodes N, --ranks-per-node K and --micro-batch M"),
+        ("--ranks-per-node", [], "plan shuffle --to-nodes needs --nodes N, --ranks-per-node K and --micro-batch M"),
+        ("--to-nodes", [], "go with --to-nodes DEST"),
+        (None, ["--scratch", "/tmp/s"], "--to-nodes writes no scratch to the shared filesystem; drop --scratch"),
+        (None, ["--holdout", "0.1", "--packing", "best-fit"], "drop --like/--holdout"),
+    ],
+)
 def test_misuse_is_one_usage_line(source, tmp_path, drop, add, line):
     opts = {"--to-nodes": str(tmp_path / "n{node}"), "--ranks-per-node": K, "--micro-batch": M, "--nodes": NODES}
     opts.pop(drop, None)
-    res = CliRunner().invoke(main, ["plan", "shuffle", str(source), "--seq-len", str(SEQ), "--seed", "5", "--epochs",
-                                    "1", "-o", str(tmp_path / "run"), *[str(x) for kv in opts.items() for x in kv],
-                                    *add])
+    res = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "shuffle",
+            str(source),
+            "--seq-len",
+            str(SEQ),
+            "--seed",
+            "5",
+            "--epochs",
+            "1",
+            "-o",
+            str(tmp_path / "run"),
+            *[str(x) for kv in opts.items() for x in kv],
+            *add,
+        ],
+    )
     assert res.exit_code == 2 and "Traceback" not in res.output
     errors = [x for x in res.output.splitlines() if x.startswith("Error:")]
     assert len(errors) == 1 and line in errors[0], res.output
@@ -225,8 +360,18 @@ def test_a_large_epoch_counts_a_sample_of_its_windows_close_to_all(monkeypatch, 
     from tokpack.packer import planning
     from tokpack.packer.api import plan
 
-    kw = dict(seq_len=63, seed=1, epochs=1, to_nodes=str(tmp_path / "n{node}"), ranks_per_node=K, micro_batch=M,
-              nodes=NODES, memory=1 << 30, shared_mbps=4000, disk_mbps=1000)
+    kw = dict(
+        seq_len=63,
+        seed=1,
+        epochs=1,
+        to_nodes=str(tmp_path / "n{node}"),
+        ranks_per_node=K,
+        micro_batch=M,
+        nodes=NODES,
+        memory=1 << 30,
+        shared_mbps=4000,
+        disk_mbps=1000,
+    )
     spec = "virtual:tokens=50M,documents=100K,dtype=uint16,shard_tokens=5M"
     exact = plan("shuffle", spec, str(tmp_path / "run"), **kw)
     monkeypatch.setattr(planning, "EXACT_WINDOWS", 1 << 16)
@@ -246,19 +391,49 @@ def test_rows_that_do_not_fit_memory_are_planned_out_of_core(source, tmp_path):
     the plan's rounds are the real run's and its scratch counts the bucket files, every row of
     the slice and of the owned shards with its record. --memory 8KiB: not even out of core, which
     the exchange refuses (test_too_little_memory_is_one_line_per_node_and_writes_no_slice): no rounds."""
-    plan = check_against_the_run(tmp_path, source, [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 1,
-                                                            "--shard-samples", 12, "--memory", "20KiB"], padded=False)
+    plan = check_against_the_run(
+        tmp_path,
+        source,
+        [source, "--seq-len", SEQ, "--seed", 5, "--epochs", 1, "--shard-samples", 12, "--memory", "20KiB"],
+        padded=False,
+    )
     for p in plan["per_node"]:
         e = p["epochs"][0]
         assert not e["fits_memory"] and e["rounds"] is not None
         stored = (e["rows"] + e["owned_rows"]) * (SEQ + 1) * 2  # uint16 rows
         assert p["out_of_core_bytes"] > stored > e["slice_token_bytes"] and p["scratch_bytes"] >= p["out_of_core_bytes"]
-    tiny = plan_json(tmp_path / "other", str(tmp_path / "other{node}"), source, "--seq-len", SEQ, "--seed", 5,
-                     "--epochs", 1, "--shard-samples", 12, "--memory", "8KiB")
+    tiny = plan_json(
+        tmp_path / "other",
+        str(tmp_path / "other{node}"),
+        source,
+        "--seq-len",
+        SEQ,
+        "--seed",
+        5,
+        "--epochs",
+        1,
+        "--shard-samples",
+        12,
+        "--memory",
+        "8KiB",
+    )
     assert tiny["epochs"][0]["rounds"] is None
     assert any("the rows of every node" in w and "even out of core" in w for w in tiny["warnings"])
-    roomy = plan_json(tmp_path / "other", str(tmp_path / "other{node}"), source, "--seq-len", SEQ, "--seed", 5,
-                      "--epochs", 1, "--shard-samples", 12, "--memory", MEMORY)
+    roomy = plan_json(
+        tmp_path / "other",
+        str(tmp_path / "other{node}"),
+        source,
+        "--seq-len",
+        SEQ,
+        "--seed",
+        5,
+        "--epochs",
+        1,
+        "--shard-samples",
+        12,
+        "--memory",
+        MEMORY,
+    )
     assert all(p["out_of_core_bytes"] == 0 and p["epochs"][0]["fits_memory"] for p in roomy["per_node"])
 
 
@@ -278,18 +453,25 @@ stages:
     tokens: 6K
     sources: {{{source}: 0.5, {other}: 0.5}}
 """)
-    run, dest, args = tmp_path / "run", str(tmp_path / "node{node}"), ["--schedule", tmp_path / "run.yaml",
-                                                                      "--memory", MEMORY]
+    run, dest, args = (
+        tmp_path / "run",
+        str(tmp_path / "node{node}"),
+        ["--schedule", tmp_path / "run.yaml", "--memory", MEMORY],
+    )
     plan = plan_json(run, dest, *args)
     real, _ = audited(tmp_path, run, dest, *args)
     assert [e["samples"] for e in plan["epochs"]] == [496, 95]
     for i, e in enumerate(plan["epochs"]):
         assert {s["epochs_detail"][i]["rounds"] for s in real.values()} == {e["rounds"]}
     for n, p in enumerate(plan["per_node"]):
-        assert [(e["rows"], e["slice_token_bytes"]) for e in p["epochs"]] == \
-            [(d["rows_kept"], 2 * d["tokens_kept"]) for d in real[n]["epochs_detail"]]
+        assert [(e["rows"], e["slice_token_bytes"]) for e in p["epochs"]] == [
+            (d["rows_kept"], 2 * d["tokens_kept"]) for d in real[n]["epochs_detail"]
+        ]
         assert sizes(tmp_path / f"node{n}", ".ds") == sum(e["slice_token_bytes"] for e in p["epochs"])
-    assert [sum(p["epochs"][i]["source_bytes"] for p in plan["per_node"]) for i in range(2)] == \
-        [shard_bytes(source), shard_bytes(source) + shard_bytes(other)]
-    assert plan["run_files"]["bytes"] == sum(p.stat().st_size for p in run.rglob("*")
-                                             if p.is_file() and p.name != "tokpack.lock")
+    assert [sum(p["epochs"][i]["source_bytes"] for p in plan["per_node"]) for i in range(2)] == [
+        shard_bytes(source),
+        shard_bytes(source) + shard_bytes(other),
+    ]
+    assert plan["run_files"]["bytes"] == sum(
+        p.stat().st_size for p in run.rglob("*") if p.is_file() and p.name != "tokpack.lock"
+    )

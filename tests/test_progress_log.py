@@ -49,13 +49,21 @@ main()
 STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"
 NUMBER = r"[\d,]+(?:\.\d+)?"
 ETA = r"ETA (?:\d+d )?\d+:\d\d:\d\d|ETA unknown"
-LINE = re.compile(rf"^(?P<stamp>{STAMP}) tokpack: (?P<what>.+?): (?P<done>{NUMBER})/(?P<total>{NUMBER}) "
-                  rf"(?P<unit>MB|GB|TB|shards) \((?P<pct>{NUMBER})%\), (?P<rate>{NUMBER}) MB/s, (?P<eta>{ETA})$")
+LINE = re.compile(
+    rf"^(?P<stamp>{STAMP}) tokpack: (?P<what>.+?): (?P<done>{NUMBER})/(?P<total>{NUMBER}) "
+    rf"(?P<unit>MB|GB|TB|shards) \((?P<pct>{NUMBER})%\), (?P<rate>{NUMBER}) MB/s, (?P<eta>{ETA})$"
+)
 
 
 def tokpack(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SLOWED, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-c", SLOWED, *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+    )
 
 
 def progress_lines(stderr: str) -> list[re.Match]:
@@ -74,8 +82,22 @@ def data(tmp_path_factory):
     corpus.write_text("".join(json.dumps({"input_ids": d[d != EOS].tolist()}) + "\n" for d in docs))
     (base / "more.jsonl").write_text(corpus.read_text())
     run = base / "run"
-    r = tokpack("shuffle", src, "-o", run, "--seq-len", 31, "--seed", 1, "--epochs", 1, "--shard-samples", 300,
-                "--log-interval", 0)
+    r = tokpack(
+        "shuffle",
+        src,
+        "-o",
+        run,
+        "--seq-len",
+        31,
+        "--seed",
+        1,
+        "--epochs",
+        1,
+        "--shard-samples",
+        300,
+        "--log-interval",
+        0,
+    )
     assert r.returncode == 0, r.stderr
     return base, src, corpus, run
 
@@ -83,11 +105,25 @@ def data(tmp_path_factory):
 @pytest.mark.parametrize("command", ["pack", "shuffle", "validate", "stage"])
 def test_every_long_command_writes_a_progress_line_at_the_interval(data, tmp_path, command):
     base, src, corpus, run = data
-    args = {"pack": ["pack", corpus, base / "more.jsonl", "-o", tmp_path / "out", "--eos-id", EOS, "--vocab-size", VOCAB],
-            "shuffle": ["shuffle", src, "-o", tmp_path / "out", "--seq-len", 31, "--seed", 2, "--epochs", 1,
-                        "--shard-samples", 300],
-            "validate": ["validate", run],
-            "stage": ["stage", run, tmp_path / "out", "--workers", 1]}[command]
+    args = {
+        "pack": ["pack", corpus, base / "more.jsonl", "-o", tmp_path / "out", "--eos-id", EOS, "--vocab-size", VOCAB],
+        "shuffle": [
+            "shuffle",
+            src,
+            "-o",
+            tmp_path / "out",
+            "--seq-len",
+            31,
+            "--seed",
+            2,
+            "--epochs",
+            1,
+            "--shard-samples",
+            300,
+        ],
+        "validate": ["validate", run],
+        "stage": ["stage", run, tmp_path / "out", "--workers", 1],
+    }[command]
     started = time.monotonic()
     r = tokpack(*args, "--log-interval", 0.2)
     took = time.monotonic() - started
@@ -128,7 +164,8 @@ def test_a_bad_interval_is_one_line(data, tmp_path):
     r = tokpack("validate", run, env={"TOKPACK_LOG_INTERVAL": "soon"})
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         "tokpack: error: $TOKPACK_LOG_INTERVAL is not a number of seconds: expected a number >= 0 (0: no lines), "
-        "found 'soon'. HINT: unset it for a line every 30 s"]
+        "found 'soon'. HINT: unset it for a line every 30 s"
+    ]
     assert tokpack("validate", run, "--log-interval", "-1").returncode == 2
 
 

@@ -49,18 +49,44 @@ def make_epoch(directory: Path, epoch: int, samples: int, shard_samples: int, se
         w.write_rows(np.stack([expected_row(epoch, g, seq_len) for g in range(lo, min(samples, lo + shard_samples))]))
         entry = w.close()
         shards.append({**entry, "fragments": (directory / f"{entry['path']}.index").stat().st_size // 8})
-    write_manifest(directory, epoch_manifest(
-        shards, np.dtype("<u2"), VOCAB, EOS, "test-tokenizer", tokens=samples * (seq_len + 1), epoch=epoch, seed=1,
-        seq_len=seq_len, samples=samples, shard_samples=shard_samples, dropped_tokens=0, jitter=False,
-        sources=[_source_entry(epoch, samples, seq_len)], shuffle="test"))
+    write_manifest(
+        directory,
+        epoch_manifest(
+            shards,
+            np.dtype("<u2"),
+            VOCAB,
+            EOS,
+            "test-tokenizer",
+            tokens=samples * (seq_len + 1),
+            epoch=epoch,
+            seed=1,
+            seq_len=seq_len,
+            samples=samples,
+            shard_samples=shard_samples,
+            dropped_tokens=0,
+            jitter=False,
+            sources=[_source_entry(epoch, samples, seq_len)],
+            shuffle="test",
+        ),
+    )
     return directory
 
 
 def _source_entry(epoch: int, samples: int, seq_len: int) -> dict:
     """One source that gives the epoch all its samples, one window each, in one pass."""
-    return {"name": "src", "path": "src", "fingerprint": "0" * 32, "tokens": samples * (seq_len + 1), "weight": None,
-            "samples": samples, "first_pass": epoch, "passes": 1, "windows": samples, "offset": 0,
-            "dropped_tokens": 0}
+    return {
+        "name": "src",
+        "path": "src",
+        "fingerprint": "0" * 32,
+        "tokens": samples * (seq_len + 1),
+        "weight": None,
+        "samples": samples,
+        "first_pass": epoch,
+        "passes": 1,
+        "windows": samples,
+        "offset": 0,
+        "dropped_tokens": 0,
+    }
 
 
 def make_run(out: Path, sizes: dict[int, int], shard_samples: int = 7) -> Path:
@@ -69,10 +95,25 @@ def make_run(out: Path, sizes: dict[int, int], shard_samples: int = 7) -> Path:
     equal = len(set(sizes.values())) == 1
     extra = {} if equal else {"epoch_samples": [sizes.get(e, 0) for e in range(max(sizes) + 1)]}
     manifests = {e: json.loads((d / "tokpack.json").read_text()) for e, d in epochs.items()}
-    write_manifest(out, run_manifest(
-        manifests, np.dtype("<u2"), VOCAB, EOS, "test-tokenizer", sources=[_source_entry(0, 1, SEQ)], weights=None,
-        seq_len=SEQ, seed=1, jitter=False, samples=next(iter(sizes.values())) if equal else 0,
-        shard_samples=shard_samples, shuffle="test", extra=extra))
+    write_manifest(
+        out,
+        run_manifest(
+            manifests,
+            np.dtype("<u2"),
+            VOCAB,
+            EOS,
+            "test-tokenizer",
+            sources=[_source_entry(0, 1, SEQ)],
+            weights=None,
+            seq_len=SEQ,
+            seed=1,
+            jitter=False,
+            samples=next(iter(sizes.values())) if equal else 0,
+            shard_samples=shard_samples,
+            shuffle="test",
+            extra=extra,
+        ),
+    )
     return out
 
 
@@ -127,10 +168,10 @@ def test_rank_slices_follow_megatron_formula(run_dir, world, micro, start):
         for rank in range(world):
             got = ids(per_rank[rank][b])
             lo = start + b * world * micro + rank * micro
-            assert got == order[lo: lo + micro]  # rank r takes [r*m, (r+1)*m) of global batch b
+            assert got == order[lo : lo + micro]  # rank r takes [r*m, (r+1)*m) of global batch b
             batch += got
         # together the ranks cover the global batch exactly once
-        assert sorted(batch) == order[start + b * world * micro: start + (b + 1) * world * micro]
+        assert sorted(batch) == order[start + b * world * micro : start + (b + 1) * world * micro]
 
 
 @settings(max_examples=25, deadline=None)
@@ -182,8 +223,9 @@ def test_positions_from_eos_and_index_agree_with_datatrove_convention(run_dir):
         assert len(pairs) == (r.total_samples - start) // (world * micro)
         for rows, pos in pairs:
             np.testing.assert_array_equal(pos, positions_from_eos(rows, EOS))
-    for (rows_e, pos_e), (rows_i, pos_i) in zip(r.batches(1, 3, 5, 3, positions="eos"),
-                                                r.batches(1, 3, 5, 3, positions="index")):
+    for (rows_e, pos_e), (rows_i, pos_i) in zip(
+        r.batches(1, 3, 5, 3, positions="eos"), r.batches(1, 3, 5, 3, positions="index")
+    ):
         np.testing.assert_array_equal(rows_e, rows_i)
         np.testing.assert_array_equal(pos_e, pos_i)
         for row, pos in zip(rows_e, pos_e):
@@ -201,7 +243,11 @@ def test_positions_from_eos_and_index_agree_with_datatrove_convention(run_dir):
 @pytest.fixture(scope="module")
 def shuffled_run(tmp_path_factory) -> tuple[Path, np.ndarray]:
     """A real run written by the shuffle engine: 2 epochs of a 3-shard packed source."""
-    from conftest import random_docs, shuffle_run, write_source  # the project's own engine: an import error must fail, not skip
+    from conftest import (
+        random_docs,
+        shuffle_run,
+        write_source,
+    )  # the project's own engine: an import error must fail, not skip
 
     base = tmp_path_factory.mktemp("shuffled")
     docs = random_docs(np.random.default_rng(11), 150, VOCAB, EOS)
@@ -253,8 +299,13 @@ def test_matches_datatrove_folder_dataset(run_dir, shuffled_run):
         "print(json.dumps(out))\n"
     )
     # a child process: datatrove.utils.dataset imports torch, which this reader must never need
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     for theirs, path in zip(json.loads(out.stdout), (run_dir / epoch_dir_name(1), real_run)):
         r = SampleReader.open(path)
         ours = [(rows[0].tolist(), pos[0].tolist()) for rows, pos in r.batches(0, 1, 1, positions="index")]
@@ -263,10 +314,12 @@ def test_matches_datatrove_folder_dataset(run_dir, shuffled_run):
 
 
 def test_reader_does_not_import_torch(run_dir):
-    code = ("import sys\nfrom tokpack.loader.reader import SampleReader\n"
-            f"r = SampleReader.open({str(run_dir)!r}); list(r.batches(0, 2, 2, 5, positions='index'))\n"
-            "bad = [m for m in ('torch', 'datatrove.utils.dataset') if m in sys.modules]\n"
-            "assert not bad, bad\n")
+    code = (
+        "import sys\nfrom tokpack.loader.reader import SampleReader\n"
+        f"r = SampleReader.open({str(run_dir)!r}); list(r.batches(0, 2, 2, 5, positions='index'))\n"
+        "bad = [m for m in ('torch', 'datatrove.utils.dataset') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
@@ -321,7 +374,7 @@ def test_verify_catches_flipped_byte_before_returning_its_data(tmp_path):
 
     res = CliRunner().invoke(main, ["read", str(run), "--verify", "--world-size", "2", "--count", "20", "--json"])
     assert res.exit_code == 1 and str(shard) in res.output and "checksum mismatch" in res.output
-    printed = [json.loads(x) for x in res.output.splitlines() if x.startswith("{\"epoch")]
+    printed = [json.loads(x) for x in res.output.splitlines() if x.startswith('{"epoch')]
     assert [(x["epoch"], x["sample"]) for x in printed] == [(0, s) for s in (0, 2, 4, 6)]
     assert all(x["tokens"] == expected_row(0, x["sample"]).tolist() for x in printed)
 
@@ -341,10 +394,19 @@ def virtual_reader(tmp_path: Path) -> SampleReader:
     with open(ds, "wb") as f:
         f.truncate(shard_samples * row_bytes)  # sparse: reads zeros, occupies no disk
     n_shards = FAR // shard_samples + 2
-    manifest = {"format": "tokpack", "version": 1, "kind": "epoch", "epoch": 0, "seq_len": SEQ_BIG,
-                "dtype": "uint16", "token_size": 2, "eos_id": 1, "samples": n_shards * shard_samples,
-                "shard_samples": shard_samples,
-                "shards": [{"path": "00000.ds", "samples": shard_samples, "bytes": shard_samples * row_bytes}] * n_shards}
+    manifest = {
+        "format": "tokpack",
+        "version": 1,
+        "kind": "epoch",
+        "epoch": 0,
+        "seq_len": SEQ_BIG,
+        "dtype": "uint16",
+        "token_size": 2,
+        "eos_id": 1,
+        "samples": n_shards * shard_samples,
+        "shard_samples": shard_samples,
+        "shards": [{"path": "00000.ds", "samples": shard_samples, "bytes": shard_samples * row_bytes}] * n_shards,
+    }
     return SampleReader.from_manifests([(tmp_path, manifest)])
 
 
@@ -413,7 +475,7 @@ def test_torch_adapter_workers_cover_each_sample_once_and_resume(run_dir):
     assert len(batches) == steps
     for b, batch in enumerate(batches):
         lo = b * world * micro + micro
-        expect = np.stack([expected_row(e, s) for e, s in order[lo: lo + micro]]).astype(np.int64)
+        expect = np.stack([expected_row(e, s) for e, s in order[lo : lo + micro]]).astype(np.int64)
         assert torch.equal(batch["input_ids"], torch.from_numpy(expect[:, :-1]))
         assert torch.equal(batch["labels"], torch.from_numpy(expect[:, 1:]))
         assert torch.equal(batch["position_ids"], torch.from_numpy(positions_from_eos(expect, EOS)[:, :-1]).long())
@@ -438,8 +500,24 @@ def test_torch_adapter_workers_cover_each_sample_once_and_resume(run_dir):
 def test_cli_read_json(run_dir):
     from tokpack.packer.cli import main
 
-    res = CliRunner().invoke(main, ["read", str(run_dir), "--rank", "1", "--world-size", "2", "--micro-batch", "3",
-                                    "--consumed-tokens", str(50 * SEQ + 3), "--count", "7", "--json"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "read",
+            str(run_dir),
+            "--rank",
+            "1",
+            "--world-size",
+            "2",
+            "--micro-batch",
+            "3",
+            "--consumed-tokens",
+            str(50 * SEQ + 3),
+            "--count",
+            "7",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     lines = [json.loads(x) for x in res.output.splitlines()]
     order = chained(SIZES)
@@ -470,8 +548,17 @@ def test_shuffle_command_reads_the_run_settings_from_the_run():
     with (tests/test_like.py runs it); RUN when there is no run manifest to read them from."""
     from tokpack.formats.numbering import shuffle_command
 
-    run = {"kind": "run", "sources": [{"path": "/d/web"}], "weights": ["0.7"], "seq_len": 15, "seed": 3,
-           "samples": 100, "shard_samples": 7, "jitter": True, "packing": {"method": "best-fit"}}
+    run = {
+        "kind": "run",
+        "sources": [{"path": "/d/web"}],
+        "weights": ["0.7"],
+        "seq_len": 15,
+        "seed": 3,
+        "samples": 100,
+        "shard_samples": 7,
+        "jitter": True,
+        "packing": {"method": "best-fit"},
+    }
     assert shuffle_command(run, "/r/run 1", 4) == "tokpack shuffle --like '/r/run 1' --epoch 4"
     assert shuffle_command({}, "/r/epoch-00001", 2) == "tokpack shuffle --like RUN --epoch 2"
 
@@ -499,9 +586,11 @@ def test_reader_error_lines(tmp_path):
     chain = SampleReader.open([d0])
     with pytest.raises(TokpackError) as err:
         chain.start_from(start_sample=11)
-    assert str(err.value) == (f"{d0} [start sample]: start is beyond the end of the chained epochs; "
-                              f"expected 0..10, found 11. HINT: write more epochs (`tokpack shuffle --like {run} --epoch 1`) "
-                              "or pass the run directory")
+    assert str(err.value) == (
+        f"{d0} [start sample]: start is beyond the end of the chained epochs; "
+        f"expected 0..10, found 11. HINT: write more epochs (`tokpack shuffle --like {run} --epoch 1`) "
+        "or pass the run directory"
+    )
     with pytest.raises(TokpackError) as err:
         chain.position(1, 0)
     assert str(err.value) == "[epoch]: epoch not in this reader's chain; expected [0], found 1"
@@ -513,7 +602,8 @@ def test_reader_error_lines(tmp_path):
         reader.start_from(start_sample=25)
     assert str(err.value) == (
         f"{run} [epoch 2]: sample 25 is in epoch 2, which is not written yet; expected epoch 2 among the "
-        f"run's epochs, found [0, 1]. HINT: write it with `tokpack shuffle --like {run} --epoch 2`")
+        f"run's epochs, found [0, 1]. HINT: write it with `tokpack shuffle --like {run} --epoch 2`"
+    )
 
 
 def test_rank_samples_default_to_the_whole_stream_from_sample_0(run_dir):
@@ -552,8 +642,10 @@ def test_shard_cut_short_after_open_is_one_line_not_other_bytes(tmp_path):
     assert ids(reader.read(12)) == [(0, 12)]
     with pytest.raises(TokpackError) as err:
         reader.read(13)
-    assert str(err.value).startswith(f"{shard} [byte {6 * 32 + 10}]: shard is shorter than its manifest says "
-                                     "(changed while reading?); expected 22 more bytes, found end of file")
+    assert str(err.value).startswith(
+        f"{shard} [byte {6 * 32 + 10}]: shard is shorter than its manifest says "
+        "(changed while reading?); expected 22 more bytes, found end of file"
+    )
 
 
 def _edit_manifest(directory: Path, **fields) -> None:
@@ -568,20 +660,40 @@ def _edit_manifest(directory: Path, **fields) -> None:
 
 
 # The hint of a manifest that tokpack.formats.manifest.check_manifest refuses (every command applies it).
-CHECKED = (". HINT: the manifest was edited or damaged; restore it (or rerun the command that wrote it), and run "
-           "`tokpack validate` on the directory")
+CHECKED = (
+    ". HINT: the manifest was edited or damaged; restore it (or rerun the command that wrote it), and run "
+    "`tokpack validate` on the directory"
+)
 OPEN_REFUSALS = [  # (directory edited, fields, the line after "<that directory>/tokpack.json ")
-    ("run", {"epochs": []}, "[epochs]: run manifest lists no epochs; expected a non-empty list, found []. "
-                            "HINT: write one with `tokpack shuffle --like {run} --epoch 0`"),
-    ("run", {"samples": None}, "[samples]: manifest field missing; expected field 'samples', found no such field" + CHECKED),
-    ("run", {"samples": 0}, "[samples/epoch_samples]: run manifest does not say how many samples its epochs hold: "
-                            "samples is neither a positive count nor 0 with an epoch_samples list; expected a size "
-                            "for every epoch the run lists, found samples 0, epoch_samples None" + CHECKED),
-    ("epoch-00001", {"seq_len": 14}, "[shards[0].tokens]: shard token count wrong; expected 105 (samples x 15), "
-                                     "found 112" + CHECKED),
+    (
+        "run",
+        {"epochs": []},
+        "[epochs]: run manifest lists no epochs; expected a non-empty list, found []. "
+        "HINT: write one with `tokpack shuffle --like {run} --epoch 0`",
+    ),
+    (
+        "run",
+        {"samples": None},
+        "[samples]: manifest field missing; expected field 'samples', found no such field" + CHECKED,
+    ),
+    (
+        "run",
+        {"samples": 0},
+        "[samples/epoch_samples]: run manifest does not say how many samples its epochs hold: "
+        "samples is neither a positive count nor 0 with an epoch_samples list; expected a size "
+        "for every epoch the run lists, found samples 0, epoch_samples None" + CHECKED,
+    ),
+    (
+        "epoch-00001",
+        {"seq_len": 14},
+        "[shards[0].tokens]: shard token count wrong; expected 105 (samples x 15), found 112" + CHECKED,
+    ),
     ("epoch-00001", {"samples": 9}, "[samples]: sample count wrong; expected 10 (sum over shards), found 9" + CHECKED),
-    ("epoch-00001", {"token_size": 4}, "[token_size]: token size disagrees with the dtype label; expected 2 (uint16), "
-                                       "found 4" + CHECKED),
+    (
+        "epoch-00001",
+        {"token_size": 4},
+        "[token_size]: token size disagrees with the dtype label; expected 2 (uint16), found 4" + CHECKED,
+    ),
 ]
 
 
@@ -615,16 +727,31 @@ def _edit_shard(directory: Path, k: int, **fields) -> None:
 # Epochs 0 and 1 of 10 samples (shards of 7 and 3, 32-byte rows) chained as directories; epoch 1's
 # manifest edited -> the line after "<epoch 1>/tokpack.json ".
 CHAIN_REFUSALS = [
-    ("eos_id", lambda d: _edit_manifest(d, eos_id=1),
-     "[eos_id]: epochs cannot be chained: eos_id differs; expected 0, found 1. HINT: read these epochs separately"),
-    ("seq_len", lambda d: _edit_manifest(d, seq_len=14),
-     "[shards[0].tokens]: shard token count wrong; expected 105 (samples x 15), found 112" + CHECKED),
-    ("bytes", lambda d: _edit_shard(d, 1, bytes=97),
-     "[shards[1]]: shard entry is inconsistent: bytes != samples * (seq_len+1) * token_size; expected 96, found 97"),
-    ("short shard", lambda d: _edit_shard(d, 0, samples=6, bytes=192),
-     "[shards[0].tokens]: shard token count wrong; expected 96 (samples x 16), found 112" + CHECKED),
-    ("samples", lambda d: _edit_manifest(d, samples=11),
-     "[samples]: sample count wrong; expected 10 (sum over shards), found 11" + CHECKED),
+    (
+        "eos_id",
+        lambda d: _edit_manifest(d, eos_id=1),
+        "[eos_id]: epochs cannot be chained: eos_id differs; expected 0, found 1. HINT: read these epochs separately",
+    ),
+    (
+        "seq_len",
+        lambda d: _edit_manifest(d, seq_len=14),
+        "[shards[0].tokens]: shard token count wrong; expected 105 (samples x 15), found 112" + CHECKED,
+    ),
+    (
+        "bytes",
+        lambda d: _edit_shard(d, 1, bytes=97),
+        "[shards[1]]: shard entry is inconsistent: bytes != samples * (seq_len+1) * token_size; expected 96, found 97",
+    ),
+    (
+        "short shard",
+        lambda d: _edit_shard(d, 0, samples=6, bytes=192),
+        "[shards[0].tokens]: shard token count wrong; expected 96 (samples x 16), found 112" + CHECKED,
+    ),
+    (
+        "samples",
+        lambda d: _edit_manifest(d, samples=11),
+        "[samples]: sample count wrong; expected 10 (sum over shards), found 11" + CHECKED,
+    ),
 ]
 
 
@@ -644,8 +771,9 @@ def test_run_epochs_out_of_order_are_refused(tmp_path):
     from tokpack.formats.numbering import EpochNumbering
 
     run = make_run(tmp_path / "run", {0: 10, 1: 10, 2: 10})
-    pairs = [(run / epoch_dir_name(e), json.loads((run / epoch_dir_name(e) / "tokpack.json").read_text()))
-             for e in (0, 2, 1)]
+    pairs = [
+        (run / epoch_dir_name(e), json.loads((run / epoch_dir_name(e) / "tokpack.json").read_text())) for e in (0, 2, 1)
+    ]
     with pytest.raises(TokpackError) as err:
         SampleReader.from_manifests(pairs, numbering=EpochNumbering(10))
     assert str(err.value) == "[epochs]: a run's epochs must be chained in increasing order; found [0, 2, 1]"
@@ -659,8 +787,10 @@ def test_shard_of_the_wrong_size_is_one_line(tmp_path):
     os.truncate(shard, 95)
     with pytest.raises(TokpackError) as err:
         SampleReader.open(run)
-    assert str(err.value) == (f"{shard} [size]: shard size does not match the manifest; expected 96 bytes, found "
-                              "95 bytes. HINT: the shard was truncated or replaced; run `tokpack validate` on the epoch")
+    assert str(err.value) == (
+        f"{shard} [size]: shard size does not match the manifest; expected 96 bytes, found "
+        "95 bytes. HINT: the shard was truncated or replaced; run `tokpack validate` on the epoch"
+    )
 
 
 def test_torch_adapter_state_forms_resume_in_process(run_dir):
@@ -680,24 +810,38 @@ def test_torch_adapter_state_forms_resume_in_process(run_dir):
     want = first(TokpackDataset(run_dir, world_size=1, micro_batch=2, positions=None, start_sample=58))
     position = fresh().state_dict({"consumed_samples": 58})
     assert position["consumed_samples"] == 58 and position["epoch"] == 1
-    for state in ({"epoch": position["epoch"], "sample": position["sample"]}, {"consumed_samples": 58},
-                  {"start": 50, "next_step": 4, "worker": 0, "num_workers": 1, "global_batch": 2}):
+    for state in (
+        {"epoch": position["epoch"], "sample": position["sample"]},
+        {"consumed_samples": 58},
+        {"start": 50, "next_step": 4, "worker": 0, "num_workers": 1, "global_batch": 2},
+    ):
         ds = fresh()
         ds.load_state_dict(state)
         assert first(ds) == want, state
         assert ds.state_dict() == fresh().state_dict({"consumed_samples": 60}), state  # follows its own batches
-    restart = ("restart from the consumed-sample count: TokpackDataset(..., start_sample=TokpackDataset."
-               "consumed_samples(loader_state)) with a fresh StatefulDataLoader")
-    workers = "[num_workers]: loader state was saved with another number of DataLoader workers; expected {}, found 1. " \
-              "HINT: use num_workers={}, or " + restart
+    restart = (
+        "restart from the consumed-sample count: TokpackDataset(..., start_sample=TokpackDataset."
+        "consumed_samples(loader_state)) with a fresh StatefulDataLoader"
+    )
+    workers = (
+        "[num_workers]: loader state was saved with another number of DataLoader workers; expected {}, found 1. "
+        "HINT: use num_workers={}, or " + restart
+    )
     # worker 1 of 1 worker cannot exist: refused as damaged when loaded, before any batch
     with pytest.raises(TokpackError) as err:
         fresh().load_state_dict({"start": 50, "next_step": 4, "worker": 1, "num_workers": 1, "global_batch": 2})
-    assert str(err.value) == ("[next_step]: loader state is damaged: a worker's next step is not its own; expected a "
-                              "step b with b % 1 == 1 (worker 1 of 1), found 4. HINT: " + restart)
-    for wrong, line in (({"num_workers": 2}, workers.format(2, 2)),
-                        ({"global_batch": 4}, "[global_batch]: loader state was saved with DataLoader workers and "
-                         "another global batch (W*m); expected 4, found 2. HINT: " + restart)):
+    assert str(err.value) == (
+        "[next_step]: loader state is damaged: a worker's next step is not its own; expected a "
+        "step b with b % 1 == 1 (worker 1 of 1), found 4. HINT: " + restart
+    )
+    for wrong, line in (
+        ({"num_workers": 2}, workers.format(2, 2)),
+        (
+            {"global_batch": 4},
+            "[global_batch]: loader state was saved with DataLoader workers and "
+            "another global batch (W*m); expected 4, found 2. HINT: " + restart,
+        ),
+    ):
         ds = fresh()
         ds.load_state_dict({"start": 50, "next_step": 4, "worker": 0, "num_workers": 1, "global_batch": 2, **wrong})
         with pytest.raises(TokpackError) as err:

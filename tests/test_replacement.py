@@ -27,8 +27,22 @@ def exchanged(root, *args, epochs: int = 2):
     """A source and the RUN --to-nodes wrote from it (node slices at root/node{n})."""
     source = write_source(root / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
     run = root / "exchanged"
-    done = to_nodes(run, str(root / "node{node}"), source, "--seq-len", SEQ, "--seed", 5, "--epochs", epochs,
-                    "--shard-samples", 12, "--memory", MEMORY, *args)
+    done = to_nodes(
+        run,
+        str(root / "node{node}"),
+        source,
+        "--seq-len",
+        SEQ,
+        "--seed",
+        5,
+        "--epochs",
+        epochs,
+        "--shard-samples",
+        12,
+        "--memory",
+        MEMORY,
+        *args,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return source, run
 
@@ -46,13 +60,28 @@ def best_fit(tmp_path_factory):
 
 
 def node_rows(dest) -> list[int]:
-    return [sum(s["samples"] for s in json.loads(p.read_text())["shards"])
-            for p in sorted(dest.glob(f"epoch-*/{MANIFEST}"))]
+    return [
+        sum(s["samples"] for s in json.loads(p.read_text())["shards"]) for p in sorted(dest.glob(f"epoch-*/{MANIFEST}"))
+    ]
 
 
 def replace_node(run, dest, node: int, memory: int = SMALL) -> dict:
-    return json.loads(cli("stage", run, dest, "--node", f"{node}/{NODES}", "--ranks-per-node", K,
-                          "--micro-batch", M, "--memory", memory, "--json"))
+    return json.loads(
+        cli(
+            "stage",
+            run,
+            dest,
+            "--node",
+            f"{node}/{NODES}",
+            "--ranks-per-node",
+            K,
+            "--micro-batch",
+            M,
+            "--memory",
+            memory,
+            "--json",
+        )
+    )
 
 
 @pytest.mark.parametrize("kind", ["windows", "best_fit"])
@@ -82,8 +111,11 @@ def test_a_replacement_node_merges_adjacent_windows_into_one_ranged_read(windows
     _, _, run = windows
     calls = []
     real = PackedSource.read_into
-    monkeypatch.setattr(PackedSource, "read_into", lambda self, start, out, handles=None: (
-        calls.append(len(out)), real(self, start, out, handles))[1])
+    monkeypatch.setattr(
+        PackedSource,
+        "read_into",
+        lambda self, start, out, handles=None: (calls.append(len(out)), real(self, start, out, handles))[1],
+    )
     d = run / epoch_dir_name(0)
     m = read_manifest(d, kind="epoch")
     source = SourceRows(d, m, 16 << 20, tmp_path / "work")
@@ -98,8 +130,22 @@ def test_a_replacement_node_merges_adjacent_windows_into_one_ranged_read(windows
 
 def test_a_replacement_node_with_too_little_memory_is_one_line(windows, tmp_path):
     _, _, run = windows
-    res = CliRunner().invoke(main, ["stage", str(run), str(tmp_path / "x"), "--node", f"1/{NODES}",
-                                    "--ranks-per-node", str(K), "--micro-batch", str(M), "--memory", "1KiB"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "stage",
+            str(run),
+            str(tmp_path / "x"),
+            "--node",
+            f"1/{NODES}",
+            "--ranks-per-node",
+            str(K),
+            "--micro-batch",
+            str(M),
+            "--memory",
+            "1KiB",
+        ],
+    )
     assert res.exit_code == 1 and "--memory is too small" in res.output, res.output
     res = CliRunner().invoke(main, ["stage", str(run), str(tmp_path / "y"), "--memory", "1MiB"])
     assert res.exit_code == 1 and "--memory applies only to a replacement node" in res.output, res.output
@@ -139,8 +185,15 @@ def rewrite_rank_file(dest, e: int, r: int, tokens, pad, run=None) -> None:
     m = json.loads((d / MANIFEST).read_text())
     _, _, positions = rank_rows(dest, e, r)
     fmt = EpochShardFormat(np.dtype("<u2"), SEQ, root["eos_id"], root["tokenizer"], padded=pad is not None)
-    files = RankFiles(LocalOutput(), d, RankRows(root["world_size"], root["micro_batch"], root["batch_phase"]),
-                      m["first_sample"], (r, r), e, fmt)
+    files = RankFiles(
+        LocalOutput(),
+        d,
+        RankRows(root["world_size"], root["micro_batch"], root["batch_phase"]),
+        m["first_sample"],
+        (r, r),
+        e,
+        fmt,
+    )
     files.add(positions, tokens, pad)
     (entry,) = files.close()
     m["shards"] = [entry if s["rank"] == r else s for s in m["shards"]]
@@ -185,8 +238,9 @@ def test_validate_against_run_proves_an_untouched_slice_from_the_sources(kind, r
     root, _, run = request.getfixturevalue(kind)
     asked = []
     real = SourceRows.rows
-    monkeypatch.setattr(SourceRows, "rows", lambda self, positions: (asked.append(len(positions)),
-                                                                      real(self, positions))[1])
+    monkeypatch.setattr(
+        SourceRows, "rows", lambda self, positions: (asked.append(len(positions)), real(self, positions))[1]
+    )
     code, out = validate_against(root / "node1", run)
     assert code == 0 and "0 problems" in out, out
     assert sum(asked) == sum(node_rows(root / "node1"))
@@ -256,8 +310,9 @@ def test_a_later_epoch_from_kept_sources_opens_no_file_in_the_shared_source_fold
 
     from test_mpi import REPO
 
-    source = write_source(tmp_path / "shared" / "src", random_docs(np.random.default_rng(3), 200, 1000, 0),
-                          docs_per_shard=40)
+    source = write_source(
+        tmp_path / "shared" / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40
+    )
     args = [source, "--seq-len", SEQ, "--seed", 5, "--shard-samples", 12, "--memory", MEMORY]
     if packing == "best-fit":
         args += ["--packing", "best-fit"]

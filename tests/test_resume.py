@@ -36,8 +36,16 @@ def make_source(base: Path) -> Path:
 
 
 def make_run(base: Path, epochs: list[int], shard_samples: int = 2) -> Path:
-    shuffle_run([str(make_source(base))], str(base / "run"), seq_len=SEQ, seed=4, epochs=epochs, samples=N,
-                shard_samples=shard_samples, memory=8 << 20)
+    shuffle_run(
+        [str(make_source(base))],
+        str(base / "run"),
+        seq_len=SEQ,
+        seed=4,
+        epochs=epochs,
+        samples=N,
+        shard_samples=shard_samples,
+        memory=8 << 20,
+    )
     return base / "run"
 
 
@@ -85,9 +93,11 @@ def test_sample_numbers_do_not_move_when_a_missing_epoch_is_written(tmp_path):
     err = one_line_error(*cli("read", run, "--start-sample", g4))
     command = shuffle_command_in(err)
     assert command[-2:] == ["--epoch", "4"] and "epoch 4" in err
-    for ask in (lambda: SampleReader.open(run).start_from(start_sample=g4),
-                lambda: TokpackDataset(run, start_sample=g4),
-                lambda: TokpackDataset(run).load_state_dict({"epoch": 4, "sample": 7})):
+    for ask in (
+        lambda: SampleReader.open(run).start_from(start_sample=g4),
+        lambda: TokpackDataset(run, start_sample=g4),
+        lambda: TokpackDataset(run).load_state_dict({"epoch": 4, "sample": 7}),
+    ):
         with pytest.raises(TokpackError) as e:
             ask()
         assert shuffle_command_in(str(e.value)) == command
@@ -173,8 +183,9 @@ print(json.dumps(out))
 
 def run_python(job: dict) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    res = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(job)], capture_output=True, text=True, env=env,
-                         cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(job)], capture_output=True, text=True, env=env, cwd=REPO
+    )
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout.splitlines()[-1])
 
@@ -184,20 +195,31 @@ def test_stateful_dataloader_resumes_exactly_in_a_new_process(tmp_path):
     rows = SampleReader.open(run).read(0, 2 * N)[:, :-1].tolist()
     k = 12  # the next global batch, samples [48, 52), straddles epochs 0 and 1
     st = {name: str(tmp_path / f"{name}.pt") for name in ("w0", "w2r0", "w2r1")}
-    saved = run_python({"run": str(run), "cases": [
-        {"name": "w0", "rank": 0, "world": 1, "micro": 4, "workers": 0, "k": k, "save": st["w0"]},
-        {"name": "w2r0", "rank": 0, "world": 2, "micro": 2, "workers": 2, "k": k, "save": st["w2r0"]},
-        {"name": "w2r1", "rank": 1, "world": 2, "micro": 2, "workers": 2, "k": k, "save": st["w2r1"]},
-    ]})
-    assert saved == {"w0": rows[48:52], "w2r0": rows[48:50], "w2r1": rows[50:52]}  # what an uninterrupted job trains next
+    saved = run_python(
+        {
+            "run": str(run),
+            "cases": [
+                {"name": "w0", "rank": 0, "world": 1, "micro": 4, "workers": 0, "k": k, "save": st["w0"]},
+                {"name": "w2r0", "rank": 0, "world": 2, "micro": 2, "workers": 2, "k": k, "save": st["w2r0"]},
+                {"name": "w2r1", "rank": 1, "world": 2, "micro": 2, "workers": 2, "k": k, "save": st["w2r1"]},
+            ],
+        }
+    )
+    assert saved == {
+        "w0": rows[48:52],
+        "w2r0": rows[48:50],
+        "w2r1": rows[50:52],
+    }  # what an uninterrupted job trains next
 
     cases = [
         {"name": "w0", "rank": 0, "world": 1, "micro": 4, "workers": 0, "load": st["w0"]},
         *({"name": f"w0-W2r{r}", "rank": r, "world": 2, "micro": 3, "workers": 0, "load": st["w0"]} for r in (0, 1)),
         *({"name": f"w2r{r}", "rank": r, "world": 2, "micro": 2, "workers": 2, "load": st[f"w2r{r}"]} for r in (0, 1)),
         # another world size with the same global batch: W=4, m=1 from the W=2, m=2 states
-        *({"name": f"w2-W4r{r}", "rank": r, "world": 4, "micro": 1, "workers": 2, "load": st[f"w2r{r % 2}"]}
-          for r in range(4)),
+        *(
+            {"name": f"w2-W4r{r}", "rank": r, "world": 4, "micro": 1, "workers": 2, "load": st[f"w2r{r % 2}"]}
+            for r in range(4)
+        ),
         # another global batch with workers: refused, pointing to consumed_samples
         {"name": "w2-B2", "rank": 0, "world": 1, "micro": 2, "workers": 2, "load": st["w2r0"]},
     ]
@@ -211,8 +233,13 @@ def test_stateful_dataloader_resumes_exactly_in_a_new_process(tmp_path):
     # the way to restart with another global batch: the loader state's consumed-sample count
     for name in st:
         assert TokpackDataset.consumed_samples(torch.load(st[name])) == 48
-    fresh = TokpackDataset(run, world_size=1, micro_batch=2, positions=None,
-                           start_sample=TokpackDataset.consumed_samples(torch.load(st["w2r0"])))
+    fresh = TokpackDataset(
+        run,
+        world_size=1,
+        micro_batch=2,
+        positions=None,
+        start_sample=TokpackDataset.consumed_samples(torch.load(st["w2r0"])),
+    )
     assert next(iter(fresh))["input_ids"].tolist() == rows[48:50]
 
 
@@ -223,9 +250,11 @@ def test_state_dict_in_main_process_while_workers_iterate_is_an_error(tmp_path):
     batches = [next(it) for _ in range(12)]  # 48 samples consumed
     with pytest.raises(TokpackError, match="loader.state_dict") as err:
         ds.state_dict()
-    assert str(err.value) == ("[num_workers > 0]: TokpackDataset.state_dict() in the main process cannot see what "
-                              "DataLoader workers have served. HINT: save loader.state_dict() of a torchdata "
-                              "StatefulDataLoader, or call ds.state_dict(batch) with the last batch the loader returned")
+    assert str(err.value) == (
+        "[num_workers > 0]: TokpackDataset.state_dict() in the main process cannot see what "
+        "DataLoader workers have served. HINT: save loader.state_dict() of a torchdata "
+        "StatefulDataLoader, or call ds.state_dict(batch) with the last batch the loader returned"
+    )
     assert ds.state_dict(batches[-1]) == {"epoch": 0, "sample": 48, "consumed_samples": 48}
     del it
 

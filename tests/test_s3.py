@@ -45,8 +45,13 @@ def upload(fs, local: Path, url: str) -> None:
 
 
 def cli(*args, env=None, check=False) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tokpack.packer.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, check=check)
+    return subprocess.run(
+        [sys.executable, "-m", "tokpack.packer.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        check=check,
+    )
 
 
 def one_line_error(proc: subprocess.CompletedProcess) -> str:
@@ -64,7 +69,9 @@ def test_pack_shuffle_stage_validate_through_a_bucket_equals_local(s3_bucket, to
     write_text_jsonl(tmp_path / "text", files=2, docs=80)
     dt_tokenize(tmp_path / "text", tmp_path / "tokenized", tokenizer_path, seed=3)
     dt_tokenize(tmp_path / "text", f"s3://{bucket}/tokenized", tokenizer_path, seed=3)
-    assert sorted(Path(p).name for p in fs.ls(f"{bucket}/tokenized")) == sorted(p.name for p in (tmp_path / "tokenized").iterdir())
+    assert sorted(Path(p).name for p in fs.ls(f"{bucket}/tokenized")) == sorted(
+        p.name for p in (tmp_path / "tokenized").iterdir()
+    )
 
     pack(tmp_path / "tokenized", tmp_path / "packed", tokenizer=str(tokenizer_path))
     pack(f"s3://{bucket}/tokenized", f"s3://{bucket}/packed", tokenizer=str(tokenizer_path))
@@ -99,13 +106,17 @@ def test_stage_reads_large_objects_in_parallel_ranges(bucket_run, tmp_path, monk
     block = 4096
     span = block // RANGES_IN_FLIGHT
     ranges, real = [], Source.read_range
-    monkeypatch.setattr(Source, "read_range", lambda self, rel, a, b: ranges.append((rel, a, b)) or real(self, rel, a, b))
+    monkeypatch.setattr(
+        Source, "read_range", lambda self, rel, a, b: ranges.append((rel, a, b)) or real(self, rel, a, b)
+    )
     result = stage_copy(f"s3://{bucket}/run", tmp_path / "staged", workers=3, block=block)
     assert tree(tmp_path / "staged") == tree(run)
     big = {str(p.relative_to(run)): p.stat().st_size for p in run.rglob("*.ds") if p.stat().st_size > span}
     assert big and {rel for rel, _, _ in ranges} >= set(big)
     for rel, size in big.items():  # every byte of each large shard, in span-sized ranges
-        assert sorted((a, b) for r, a, b in ranges if r == rel) == [(a, min(size, a + span)) for a in range(0, size, span)]
+        assert sorted((a, b) for r, a, b in ranges if r == rel) == [
+            (a, min(size, a + span)) for a in range(0, size, span)
+        ]
     assert result.copied_files == len(list(run.rglob("*.ds*"))) and result.bytes_copied > 0
     assert validate(tmp_path / "staged").ok
 
@@ -113,9 +124,12 @@ def test_stage_reads_large_objects_in_parallel_ranges(bucket_run, tmp_path, monk
 def test_stage_killed_midway_then_rerun_is_identical(bucket_run, tmp_path):
     fs, bucket, run = bucket_run
     dest = tmp_path / "staged"
-    proc = subprocess.Popen([sys.executable, "-m", "tokpack.packer.cli", "stage", f"s3://{bucket}/run", str(dest),
-                             "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokpack.packer.cli", "stage", f"s3://{bucket}/run", str(dest), "--workers", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
     while proc.poll() is None and not any(dest.rglob("*.ds")):  # the first verified shard is in place
         time.sleep(0.002)
     proc.send_signal(signal.SIGKILL)
@@ -146,8 +160,9 @@ def test_missing_bucket_and_wrong_endpoint_are_one_line(s3_endpoint, tmp_path):
     line = one_line_error(cli("stage", "s3://no-such-bucket-here/run", str(tmp_path / "a")))
     assert "s3://no-such-bucket-here/run" in line
     closed = f"http://127.0.0.1:{_closed_port()}"
-    line = one_line_error(cli("stage", "s3://any/run", str(tmp_path / "b"),
-                              env={"AWS_ENDPOINT_URL": closed, "AWS_MAX_ATTEMPTS": "1"}))
+    line = one_line_error(
+        cli("stage", "s3://any/run", str(tmp_path / "b"), env={"AWS_ENDPOINT_URL": closed, "AWS_MAX_ATTEMPTS": "1"})
+    )
     assert "s3://any/run" in line and "cannot read the source" in line
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
 
@@ -182,16 +197,36 @@ def test_reading_commands_give_one_line_for_missing_unreachable_and_denied(s3_en
     secret = "s3cr3t-never-printed"
     denied = {**S3_ENV, "AWS_ENDPOINT_URL": url, "AWS_SECRET_ACCESS_KEY": secret}
     try:
-        for env, found in ((None, ("no such",)), (closed, ("cannot read from the object store", "EndpointConnectionError")),
-                           (denied, ("Forbidden",))):
-            for command in (["pack", "s3://no-such-bucket-here/d", "-o", str(tmp_path / "out")],
-                            ["validate", "s3://no-such-bucket-here/d"], ["inspect", "s3://no-such-bucket-here/d"],
-                            ["pack", str(src), "-o", "s3://no-such-bucket-here/d", *scratch],
-                            ["shuffle", str(src), "-o", "s3://no-such-bucket-here/d", "--seq-len", "7", "--seed", "1",
-                             "--epochs", "1", *scratch]):
+        for env, found in (
+            (None, ("no such",)),
+            (closed, ("cannot read from the object store", "EndpointConnectionError")),
+            (denied, ("Forbidden",)),
+        ):
+            for command in (
+                ["pack", "s3://no-such-bucket-here/d", "-o", str(tmp_path / "out")],
+                ["validate", "s3://no-such-bucket-here/d"],
+                ["inspect", "s3://no-such-bucket-here/d"],
+                ["pack", str(src), "-o", "s3://no-such-bucket-here/d", *scratch],
+                [
+                    "shuffle",
+                    str(src),
+                    "-o",
+                    "s3://no-such-bucket-here/d",
+                    "--seq-len",
+                    "7",
+                    "--seed",
+                    "1",
+                    "--epochs",
+                    "1",
+                    *scratch,
+                ],
+            ):
                 result = cli(*command, env=env)
-                line = one_line_error(result) if "tokpack: error" in result.stderr else \
-                    next(x for x in result.stderr.splitlines() if x.startswith("MISSING s3://"))  # validate's report
+                line = (
+                    one_line_error(result)
+                    if "tokpack: error" in result.stderr
+                    else next(x for x in result.stderr.splitlines() if x.startswith("MISSING s3://"))
+                )  # validate's report
                 assert result.returncode == 1 and "s3://no-such-bucket-here/d" in line, (command, result.stderr)
                 assert any(f in line for f in found) and secret not in result.stdout + result.stderr, (command, line)
     finally:
@@ -215,8 +250,12 @@ def test_validate_reads_a_bucket(bucket_run, tmp_path):
         result = cli("validate", f"s3://{bucket}/{d}", "--json")
         assert result.returncode == 0, result.stdout + result.stderr
         report = json.loads(result.stdout)
-        assert report["ok"] and report["files"] == len(list((tmp_path / d).rglob("*.ds*"))) + len(list((tmp_path / d).rglob(MANIFEST)))
-        assert report["bytes"] == sum(p.stat().st_size for p in (tmp_path / d).rglob("*") if p.is_file() and p.name != "tokpack-stage.json")
+        assert report["ok"] and report["files"] == len(list((tmp_path / d).rglob("*.ds*"))) + len(
+            list((tmp_path / d).rglob(MANIFEST))
+        )
+        assert report["bytes"] == sum(
+            p.stat().st_size for p in (tmp_path / d).rglob("*") if p.is_file() and p.name != "tokpack-stage.json"
+        )
     key = f"{bucket}/run/epoch-00001/00001.ds"
     data = bytearray(fs.cat(key))
     data[len(data) // 3] ^= 0x01
@@ -227,7 +266,9 @@ def test_validate_reads_a_bucket(bucket_run, tmp_path):
     assert remote.returncode == 1 and local.returncode == 1
     problems = json.loads(remote.stdout)["problems"]
     assert problems[0]["file"] == f"s3://{key}" and problems[0]["message"] == "checksum mismatch"
-    assert json.dumps(problems) == json.dumps(json.loads(local.stdout)["problems"]).replace(str(tmp_path / "bad"), f"s3://{bucket}/run")
+    assert json.dumps(problems) == json.dumps(json.loads(local.stdout)["problems"]).replace(
+        str(tmp_path / "bad"), f"s3://{bucket}/run"
+    )
 
 
 def test_inspect_reads_a_bucket(bucket_run, tmp_path):
@@ -258,8 +299,9 @@ def megatron_input(root: Path, tokenizer_path) -> dict:
 
     write_text_jsonl(root / "text", files=2, docs=30, seed=9)
     for rank, name in enumerate(["part0.jsonl", "part1.jsonl"]):
-        MegatronDocumentTokenizer(str(root / "in"), tokenizer_name_or_path=str(tokenizer_path), eos_token=EOS_TOKEN).run(
-            JsonlReader(str(root / "text"), glob_pattern=name).run(None, 0, 1), rank=rank, world_size=2)
+        MegatronDocumentTokenizer(
+            str(root / "in"), tokenizer_name_or_path=str(tokenizer_path), eos_token=EOS_TOKEN
+        ).run(JsonlReader(str(root / "text"), glob_pattern=name).run(None, 0, 1), rank=rank, world_size=2)
     return dict(tokenizer=str(tokenizer_path))
 
 
@@ -282,9 +324,13 @@ def arrow_input(root: Path, tokenizer_path) -> dict:
     (root / "in").mkdir(parents=True)
     docs = varied_docs(seed=4, n=150)
     for k, part in enumerate((docs[:90], docs[90:])):
-        with pa.ipc.new_stream(str(root / "in" / f"data-{k:05d}-of-00002.arrow"), pa.schema({"input_ids": pa.list_(pa.int64())})) as w:
+        with pa.ipc.new_stream(
+            str(root / "in" / f"data-{k:05d}-of-00002.arrow"), pa.schema({"input_ids": pa.list_(pa.int64())})
+        ) as w:
             w.write_table(pa.table({"input_ids": part}), max_chunksize=16)
-    (root / "in" / "state.json").write_text(json.dumps({"_data_files": [{"filename": f"data-{k:05d}-of-00002.arrow"} for k in range(2)]}))
+    (root / "in" / "state.json").write_text(
+        json.dumps({"_data_files": [{"filename": f"data-{k:05d}-of-00002.arrow"} for k in range(2)]})
+    )
     return dict(eos_id=0, vocab_size=500)
 
 
@@ -320,16 +366,27 @@ def test_pack_streams_datatrove_output_written_to_the_bucket(s3_bucket, tokenize
     pack(tmp_path / "tokenized", tmp_path / "local", tokenizer=str(tokenizer_path))
     # a fresh process: datatrove's worker processes must see the endpoint this test set (a
     # forkserver started earlier in the session would not)
-    result = cli("pack", f"s3://{bucket}/tokenized", "-o", str(tmp_path / "remote"), "--tokenizer", str(tokenizer_path),
-                 "--workers", "2")
+    result = cli(
+        "pack",
+        f"s3://{bucket}/tokenized",
+        "-o",
+        str(tmp_path / "remote"),
+        "--tokenizer",
+        str(tokenizer_path),
+        "--workers",
+        "2",
+    )
     assert result.returncode == 0, result.stderr
     local, remote = source_files(tmp_path / "local"), source_files(tmp_path / "remote")
     assert remote[:2] == local[:2] and any(name.endswith(".loss") for name in remote[0])
     assert remote[2] == [f"s3://{bucket}/tokenized/{Path(p).name}" for p in local[2]]
 
 
-@pytest.mark.parametrize("make", [megatron_input, parquet_input, arrow_input, jsonl_input, npy_input],
-                         ids=["megatron", "parquet", "arrow", "jsonl", "npy"])
+@pytest.mark.parametrize(
+    "make",
+    [megatron_input, parquet_input, arrow_input, jsonl_input, npy_input],
+    ids=["megatron", "parquet", "arrow", "jsonl", "npy"],
+)
 def test_pack_streams_uploaded_inputs(make, s3_bucket, tokenizer_path, tmp_path):
     fs, bucket = s3_bucket
     kw = make(tmp_path, tokenizer_path)
@@ -354,14 +411,23 @@ def test_slurm_tasks_read_their_own_objects(s3_bucket, tmp_path):
     upload(fs, tmp_path / "in", f"s3://{bucket}/in")
     kw = dict(eos_id=0, vocab_size=500, shard_tokens=500)
     pack(tmp_path / "in", tmp_path / "local", **kw)
-    pack(f"s3://{bucket}/in", tmp_path / "remote", **kw,
-         executor=ExecutorConfig(executor="slurm", time_limit="00:10:00", logging_dir=str(tmp_path / "logs")))
+    pack(
+        f"s3://{bucket}/in",
+        tmp_path / "remote",
+        **kw,
+        executor=ExecutorConfig(executor="slurm", time_limit="00:10:00", logging_dir=str(tmp_path / "logs")),
+    )
     assert len(list((tmp_path / "logs").glob("*/completions/*"))) == 2  # one task per input object
     remote, local = source_files(tmp_path / "remote"), source_files(tmp_path / "local")
     assert remote[:2] == local[:2] and remote[2] == [f"s3://{bucket}/in/t.npy", f"s3://{bucket}/in/u.npy"]
     # and to the bucket: the tasks send their own shards from the (shared) scratch folder
-    result = pack(f"s3://{bucket}/in", f"s3://{bucket}/packed", **kw, scratch=tmp_path / "scratch",
-                  executor=ExecutorConfig(executor="slurm", time_limit="00:10:00", logging_dir=str(tmp_path / "logs2")))
+    result = pack(
+        f"s3://{bucket}/in",
+        f"s3://{bucket}/packed",
+        **kw,
+        scratch=tmp_path / "scratch",
+        executor=ExecutorConfig(executor="slurm", time_limit="00:10:00", logging_dir=str(tmp_path / "logs2")),
+    )
     assert len(list((tmp_path / "logs2").glob("*/completions/*"))) == 2 and result.output == f"s3://{bucket}/packed"
     stage(f"s3://{bucket}/packed", tmp_path / "staged")
     assert source_files(tmp_path / "staged")[:2] == local[:2]
@@ -388,11 +454,23 @@ def test_pack_from_a_bucket_keeps_no_local_copy(s3_bucket, tokenizer_path, tmp_p
     tmp = tmp_path / "tmpdir"
     tmp.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "TOKPACK_STAGE_DIR"}
-    proc = subprocess.Popen([sys.executable, "-m", "tokpack.packer.cli", "pack", f"s3://{bucket}/tokenized", "-o",
-                             str(tmp_path / "out"), "--tokenizer", str(tokenizer_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**env, "TMPDIR": str(tmp),
-                                 "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokpack.packer.cli",
+            "pack",
+            f"s3://{bucket}/tokenized",
+            "-o",
+            str(tmp_path / "out"),
+            "--tokenizer",
+            str(tokenizer_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "TMPDIR": str(tmp), "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
     peak = 0
     while proc.poll() is None:
         peak = max(peak, disk_use(tmp))
@@ -429,8 +507,11 @@ def versions(fs, bucket: str, prefix: str) -> dict[str, int]:
     counts: dict[str, int] = {}
     page = {"IsTruncated": True}
     while page.get("IsTruncated"):
-        more = {"KeyMarker": page["NextKeyMarker"], "VersionIdMarker": page["NextVersionIdMarker"]} \
-            if "NextKeyMarker" in page else {}
+        more = (
+            {"KeyMarker": page["NextKeyMarker"], "VersionIdMarker": page["NextVersionIdMarker"]}
+            if "NextKeyMarker" in page
+            else {}
+        )
         page = fs.call_s3("list_object_versions", Bucket=bucket, Prefix=prefix, **more)
         for v in page.get("Versions", []):
             counts[v["Key"]] = counts.get(v["Key"], 0) + 1
@@ -440,9 +521,14 @@ def versions(fs, bucket: str, prefix: str) -> dict[str, int]:
 def run_watched(args: list[str], scratch: Path, until=None, env=None) -> tuple[subprocess.Popen, int]:
     """The CLI in its own process group, the disk use under `scratch` sampled until it exits or
     `until()` holds (then the whole group is killed with SIGKILL); returns (process, peak bytes)."""
-    proc = subprocess.Popen([sys.executable, "-m", "tokpack.packer.cli", *args, "--scratch", str(scratch)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokpack.packer.cli", *args, "--scratch", str(scratch)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})},
+    )
     peak = 0
     while proc.poll() is None:
         peak = max(peak, disk_use(scratch))
@@ -496,8 +582,7 @@ def test_shuffle_to_a_bucket_keeps_a_few_shards_on_the_local_disk(s3_bucket, man
 
 
 @pytest.mark.parametrize("path", ["in-memory", "out-of-core"])
-def test_shuffle_to_a_bucket_killed_then_rerun_sends_only_what_is_missing(s3_bucket, many_shard_source, tmp_path,
-                                                                          path):
+def test_shuffle_to_a_bucket_killed_then_rerun_sends_only_what_is_missing(s3_bucket, many_shard_source, tmp_path, path):
     """SIGKILL while shards are being sent: the bucket holds no run manifest (a partial upload
     never looks complete); the rerun, from a fresh scratch folder as on another machine, sends
     only the missing shards (a versioned bucket counts every upload) and the run equals the
@@ -575,15 +660,18 @@ def test_pack_to_a_bucket_bounded_and_resumed(s3_bucket, tmp_path):
     assert again["status"] == "already complete" and again["output"] == url
 
 
-def test_pack_to_a_bucket_killed_while_naming_its_shards_finishes_from_another_machine(s3_bucket, tmp_path,
-                                                                                       monkeypatch):
+def test_pack_to_a_bucket_killed_while_naming_its_shards_finishes_from_another_machine(
+    s3_bucket, tmp_path, monkeypatch
+):
     """Killed between the copies that name the shards and the manifest: a rerun from another
     scratch folder finds the plan in the bucket, finishes the moves and sends the manifest."""
     from tokpack.formats import outputs
 
     fs, bucket = s3_bucket
     (tmp_path / "in").mkdir()
-    np.save(tmp_path / "in" / "a.npy", np.concatenate(random_docs(np.random.default_rng(3), 300, 1000, 0)).astype(np.uint16))
+    np.save(
+        tmp_path / "in" / "a.npy", np.concatenate(random_docs(np.random.default_rng(3), 300, 1000, 0)).astype(np.uint16)
+    )
     kw = dict(input_format="numpy", eos_id=0, vocab_size=1000, shard_tokens=4000)
     pack(tmp_path / "in", tmp_path / "local", **kw)
     real = outputs.write_manifest
@@ -609,8 +697,12 @@ def test_two_commands_on_one_bucket_output_meet_at_the_scratch_lock(s3_bucket, m
     url = f"s3://{bucket}/run"
     (tmp_path / "s").mkdir()
     args = ["shuffle", str(many_shard_source), "-o", url, *SHUFFLE_ARGS, "--scratch", str(tmp_path / "s")]
-    first = subprocess.Popen([sys.executable, "-m", "tokpack.packer.cli", *args], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "tokpack.packer.cli", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     while not objects(fs, url, ".ds") and first.poll() is None:
         time.sleep(0.05)
     second = cli(*args)
@@ -629,7 +721,10 @@ def test_node_slice_from_a_bucket_equals_the_local_slice(bucket_run, tmp_path):
     fs, bucket, run = bucket_run
     remote = stage_slice(f"s3://{bucket}/run", tmp_path / "remote", ranks="1-2", world_size=4, micro_batch=2, workers=4)
     local = stage_slice(str(run), tmp_path / "local", ranks="1-2", world_size=4, micro_batch=2)
-    files = lambda root: {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))  # noqa: E731
-                          if p.is_file() and p.name != "tokpack.lock" and p.name != MANIFEST}
+    files = lambda root: {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))  # noqa: E731
+        if p.is_file() and p.name != "tokpack.lock" and p.name != MANIFEST
+    }
     assert files(tmp_path / "remote") == files(tmp_path / "local") and remote.rows_kept == local.rows_kept
     assert remote.bytes_read == local.bytes_read < sum(p.stat().st_size for p in run.rglob("*.ds"))

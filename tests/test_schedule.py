@@ -26,7 +26,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, read_manifest
 from tokpack.formats.shards import PackedSource
 from tokpack.loader.reader import SampleReader
-from tokpack.packer.api import ExecutorConfig, inspect, shuffle, stage, validate
+from tokpack.packer.api import inspect, shuffle, stage, validate
 from tokpack.packer.cli import main
 from tokpack.shuffle.plan import EpochPlan, jitter_offset
 from tokpack.shuffle.schedule import RunPlan, Schedule, Stage
@@ -79,8 +79,11 @@ def run(corpus) -> Path:
 
 
 def tree(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def cli(*args) -> tuple[int, list[str]]:
@@ -109,8 +112,20 @@ def test_epochs_built_one_by_one_in_shuffled_order_are_byte_identical(run, corpu
     random.Random(workers).shuffle(order)
     order = order if order != [0, 1, 2, 3] else [3, 1, 0, 2]
     for e in order:
-        code, lines = cli("shuffle", "--schedule", corpus / "run.yaml", "-o", out, "--epoch", e,
-                          "--memory", MEMORY, "--workers", workers, "--json")
+        code, lines = cli(
+            "shuffle",
+            "--schedule",
+            corpus / "run.yaml",
+            "-o",
+            out,
+            "--epoch",
+            e,
+            "--memory",
+            MEMORY,
+            "--workers",
+            workers,
+            "--json",
+        )
         assert code == 0, lines
     assert tree(out) == tree(run)
 
@@ -120,8 +135,15 @@ def test_a_flags_run_is_a_schedule_of_one_stage(corpus, tmp_path):
     stage = f"  - {{name: only, epochs: 2, sources: {{{corpus}/web: 2, {corpus}/code: 1}}}}\n"
     (tmp_path / "one.yaml").write_text(f"seq_len: {SEQ}\nseed: 7\nshard_samples: 50\nstages:\n{stage}")
     shuffle(None, tmp_path / "a", schedule=tmp_path / "one.yaml", memory=MEMORY)
-    shuffle({str(corpus / "web"): "2", str(corpus / "code"): "1"}, tmp_path / "b", seq_len=SEQ, seed=7, epochs=2,
-            shard_samples=50, memory=MEMORY)
+    shuffle(
+        {str(corpus / "web"): "2", str(corpus / "code"): "1"},
+        tmp_path / "b",
+        seq_len=SEQ,
+        seed=7,
+        epochs=2,
+        shard_samples=50,
+        memory=MEMORY,
+    )
     for e in range(2):
         assert tree(tmp_path / "a" / epoch_dir_name(e)) == tree(tmp_path / "b" / epoch_dir_name(e))
     assert "cursor" not in json.dumps(read_manifest(tmp_path / "a" / epoch_dir_name(1)))
@@ -173,11 +195,18 @@ def test_global_batch_across_a_stage_boundary_sample_reader(run):
     want = np.concatenate([epoch1.read(SIZES[1] - 3, 3), epoch2.read(0, 3)])
     world, micro = 2, 3  # one global batch of 6: three samples of "stable", three of "mid"
     got = [s for r in range(world) for s in reader.rank_samples(r, world, micro, start=g0, count=micro)]
-    assert [(s.epoch, s.sample) for s in got] == [(1, SIZES[1] - 3), (1, SIZES[1] - 2), (1, SIZES[1] - 1),
-                                                   (2, 0), (2, 1), (2, 2)]
+    assert [(s.epoch, s.sample) for s in got] == [
+        (1, SIZES[1] - 3),
+        (1, SIZES[1] - 2),
+        (1, SIZES[1] - 1),
+        (2, 0),
+        (2, 1),
+        (2, 2),
+    ]
     assert np.array_equal(np.stack([s.tokens for s in got]), want)
-    code, lines = cli("read", run, "--rank", 1, "--world-size", 2, "--micro-batch", 3, "--start-sample", g0,
-                      "--count", 3, "--json")
+    code, lines = cli(
+        "read", run, "--rank", 1, "--world-size", 2, "--micro-batch", 3, "--start-sample", g0, "--count", 3, "--json"
+    )
     assert code == 0 and [(x["epoch"], x["sample"]) for x in map(json.loads, lines)] == [(2, 0), (2, 1), (2, 2)]
 
 
@@ -186,8 +215,10 @@ def test_reading_past_the_schedules_end_says_where_it_ends(run):
     train longer, not "or pass the run directory"."""
     with pytest.raises(TokpackError) as e:
         SampleReader.open(run).start_from(start_sample=sum(SIZES) + 1)
-    assert str(e.value).endswith(f"HINT: the run's schedule plans {len(SIZES)} epochs, ending at sample {sum(SIZES)}: "
-                                 "to train longer, add a stage to the schedule")
+    assert str(e.value).endswith(
+        f"HINT: the run's schedule plans {len(SIZES)} epochs, ending at sample {sum(SIZES)}: "
+        "to train longer, add a stage to the schedule"
+    )
     code, lines = cli("read", run, "--start-sample", sum(SIZES) + 1)
     assert code == 1 and "pass the run directory" not in lines[-1] and "add a stage" in lines[-1]
 
@@ -200,7 +231,8 @@ def test_reading_an_epoch_folder_past_the_schedules_end_says_where_the_schedule_
     code, lines = cli("read", last, "--start-sample", SIZES[3] + 1)
     assert code == 1 and lines[-1].endswith(
         f"HINT: the schedule of run {run} plans {len(SIZES)} epochs, ending at sample {sum(SIZES)}: "
-        "to train longer, add a stage to the schedule"), lines
+        "to train longer, add a stage to the schedule"
+    ), lines
     code, lines = cli("shuffle", "--like", run, "--epoch", len(SIZES))  # what it proposed: refused
     assert code == 1 and "epoch is not in the schedule" in lines[-1]
 
@@ -225,8 +257,11 @@ def test_tokpack_dataset_workers_cross_a_stage_boundary_and_resume_inside_it(run
         assert torch.equal(batch["input_ids"], torch.from_numpy(rows[:, :-1]))
     assert int(crossing["consumed_samples"]) == BOUNDARY + 3
     assert ds.state_dict(crossing) == {"epoch": 2, "sample": 3, "consumed_samples": BOUNDARY + 3}
-    resumed = StatefulDataLoader(TokpackDataset(run, rank=1, world_size=world, micro_batch=micro, start_sample=start,
-                                                positions="eos"), batch_size=None, num_workers=2)
+    resumed = StatefulDataLoader(
+        TokpackDataset(run, rank=1, world_size=world, micro_batch=micro, start_sample=start, positions="eos"),
+        batch_size=None,
+        num_workers=2,
+    )
     resumed.load_state_dict(saved)
     it = iter(resumed)
     again = next(it), next(it)
@@ -256,12 +291,16 @@ def test_stage_ranks_and_inspect_follow_the_stages(run, tmp_path):
     stage(run, tmp_path / "copy", ranks=f"1/{world}", micro_batch=micro)
     full, part = SampleReader.open(run), SampleReader.open(tmp_path / "copy")
     ours = [(s.epoch, s.sample, s.tokens.tolist()) for s in part.rank_samples(1, world, micro, start=start, count=9)]
-    assert ours == [(s.epoch, s.sample, s.tokens.tolist()) for s in full.rank_samples(1, world, micro, start=start,
-                                                                                      count=9)]
+    assert ours == [
+        (s.epoch, s.sample, s.tokens.tolist()) for s in full.rank_samples(1, world, micro, start=start, count=9)
+    ]
     assert ours[0][:2] == (2, 0)
     report = inspect(run, batches=2, batch_size=8)
     assert [(st["stage"], st["epochs"], st["samples"]) for st in report.stages] == [
-        ("stable", [0, 1], SIZES[0] + SIZES[1]), ("mid", [2], SIZES[2]), ("decay", [3], SIZES[3])]
+        ("stable", [0, 1], SIZES[0] + SIZES[1]),
+        ("mid", [2], SIZES[2]),
+        ("decay", [3], SIZES[3]),
+    ]
     assert [s["name"] for s in report.stages[2]["sources"]] == ["math", "code"]
 
 
@@ -275,9 +314,13 @@ def test_validate_checks_each_epoch_against_its_stage_sources(run, corpus):
     assert validate(run / epoch_dir_name(3), against=[corpus / "math", corpus / "code"]).ok
 
 
-@pytest.mark.parametrize("cursor, first_pass, message", [
-    (600, 1, "taken twice before its source is exhausted"),  # restarts web's chain inside pass 1, not at 1236
-    (1300, 2, "windows of its chain skipped")])
+@pytest.mark.parametrize(
+    "cursor, first_pass, message",
+    [
+        (600, 1, "taken twice before its source is exhausted"),  # restarts web's chain inside pass 1, not at 1236
+        (1300, 2, "windows of its chain skipped"),
+    ],
+)
 def test_validate_reports_a_chain_that_does_not_continue(run, tmp_path, cursor, first_pass, message):
     import shutil
 
@@ -337,8 +380,11 @@ def test_bad_schedule_is_one_line_and_writes_nothing(corpus, tmp_path, case):
     if not (corpus / "wide").exists():
         write_source(corpus / "wide", random_docs(np.random.default_rng(9), 10, 70000, 0), vocab_size=70000)
     stages, message = BAD[case]
-    (tmp_path / "bad.yaml").write_text(f"seq_len: {SEQ}\nseed: 1\nstages:\n{stages}".replace("{web", f"{{{corpus}/web")
-                                       .replace("code:", f"{corpus}/code:").replace("{wide", f"{{{corpus}/wide"))
+    (tmp_path / "bad.yaml").write_text(
+        f"seq_len: {SEQ}\nseed: 1\nstages:\n{stages}".replace("{web", f"{{{corpus}/web")
+        .replace("code:", f"{corpus}/code:")
+        .replace("{wide", f"{{{corpus}/wide")
+    )
     code, lines = cli("shuffle", "--schedule", tmp_path / "bad.yaml", "-o", tmp_path / "out", "--memory", MEMORY)
     assert code == 1 and len(lines) == 1 and message in lines[0], lines
     assert lines[0].startswith("tokpack: error: ")
@@ -347,9 +393,11 @@ def test_bad_schedule_is_one_line_and_writes_nothing(corpus, tmp_path, case):
 
 def test_changed_schedule_is_refused_against_the_existing_run(run, corpus, tmp_path):
     changed = corpus / "changed.yaml"
-    for text, where in ((SCHEDULE.replace("web: 0.5, code: 0.3", "web: 0.4, code: 0.4"), "epoch 2"),
-                        (SCHEDULE.replace("tokens: 3K", "tokens: 4K"), "epoch 3"),
-                        (SCHEDULE.replace("epochs: 2", "epochs: 3"), "epoch 2")):
+    for text, where in (
+        (SCHEDULE.replace("web: 0.5, code: 0.3", "web: 0.4, code: 0.4"), "epoch 2"),
+        (SCHEDULE.replace("tokens: 3K", "tokens: 4K"), "epoch 3"),
+        (SCHEDULE.replace("epochs: 2", "epochs: 3"), "epoch 2"),
+    ):
         changed.write_text(text)
         before = tree(run)
         code, lines = cli("shuffle", "--schedule", changed, "-o", run, "--epoch", 0, "--memory", MEMORY)
@@ -368,19 +416,38 @@ def test_changed_schedule_is_refused_against_the_existing_run(run, corpus, tmp_p
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.lists(st.integers(0, 4), min_size=3, max_size=3).filter(any),
-                          st.one_of(st.integers(1, 3).map(lambda k: ("epochs", k)),
-                                    st.integers(SEQ, 40 * SEQ).map(lambda t: ("tokens", t)))),
-                min_size=1, max_size=4),
-       st.booleans())
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 4), min_size=3, max_size=3).filter(any),
+            st.one_of(
+                st.integers(1, 3).map(lambda k: ("epochs", k)), st.integers(SEQ, 40 * SEQ).map(lambda t: ("tokens", t))
+            ),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    st.booleans(),
+)
 def test_any_schedule_continues_every_chain(corpus, stages, jitter):
     """For any schedule: each epoch starts each source's chain where the epochs before it left
     it, and no (pass, window) of a source is taken twice over the whole run."""
     paths = [str(corpus / name) for name in ("web", "code", "math")]
-    schedule = Schedule(SEQ, 3, tuple(
-        Stage(f"s{k}", tuple(p for p, w in zip(paths, ws) if w), tuple(str(w) for w in ws if w),
-              size if kind == "epochs" else 1, tokens=size if kind == "tokens" else None)
-        for k, (ws, (kind, size)) in enumerate(stages)), jitter)
+    schedule = Schedule(
+        SEQ,
+        3,
+        tuple(
+            Stage(
+                f"s{k}",
+                tuple(p for p, w in zip(paths, ws) if w),
+                tuple(str(w) for w in ws if w),
+                size if kind == "epochs" else 1,
+                tokens=size if kind == "tokens" else None,
+            )
+            for k, (ws, (kind, size)) in enumerate(stages)
+        ),
+        jitter,
+    )
     union = schedule.paths
     plan = RunPlan(schedule, [PackedSource.open(p) for p in union], [Path(p).name for p in union])
     taken = [0] * len(union)
@@ -391,8 +458,9 @@ def test_any_schedule_continues_every_chain(corpus, stages, jitter):
             assert (sp.index, ep.chain_start(u)) == (u, taken[u])
         # jitter offsets are keyed by the run's epoch and the source's key: a later stage never
         # repeats an earlier stage's offsets
-        assert [sp.offset for sp in ep.sources] == [jitter_offset(3, e, sp.index, SEQ) if jitter else 0
-                                                    for sp in ep.sources]
+        assert [sp.offset for sp in ep.sources] == [
+            jitter_offset(3, e, sp.index, SEQ) if jitter else 0 for sp in ep.sources
+        ]
         s, window, passes = ep.locate(np.arange(ep.samples))
         keys = {(ep.sources[i].index, p, w) for i, p, w in zip(s.tolist(), passes.tolist(), window.tolist())}
         counts = np.bincount(s, minlength=len(ep.sources)).tolist()
@@ -410,11 +478,29 @@ def test_plan_of_a_schedule_is_the_run(run, corpus, tmp_path):
 
     planned = plan("shuffle", None, tmp_path / "planned", schedule=corpus / "run.yaml", memory=MEMORY, disk_mbps=100)
     assert [e["samples"] for e in planned.epochs] == SIZES
-    assert [e["shards"] for e in planned.epochs] == [len(list((run / epoch_dir_name(e)).glob("*.ds"))) for e in range(4)]
-    assert abs(planned.manifests["tokpack.json"] - (run / "tokpack.json").stat().st_size) <= 0.01 * (run / "tokpack.json").stat().st_size
+    assert [e["shards"] for e in planned.epochs] == [
+        len(list((run / epoch_dir_name(e)).glob("*.ds"))) for e in range(4)
+    ]
+    assert (
+        abs(planned.manifests["tokpack.json"] - (run / "tokpack.json").stat().st_size)
+        <= 0.01 * (run / "tokpack.json").stat().st_size
+    )
     assert not (tmp_path / "planned").exists()
-    code, lines = cli("plan", "shuffle", "--schedule", corpus / "run.yaml", "-o", tmp_path / "p2", "--epoch", "2",
-                      "--memory", str(MEMORY), "--disk-mbps", "100", "--json")
+    code, lines = cli(
+        "plan",
+        "shuffle",
+        "--schedule",
+        corpus / "run.yaml",
+        "-o",
+        tmp_path / "p2",
+        "--epoch",
+        "2",
+        "--memory",
+        str(MEMORY),
+        "--disk-mbps",
+        "100",
+        "--json",
+    )
     assert code == 0 and [e["samples"] for e in json.loads("\n".join(lines))["epochs"]] == [SIZES[2]]
 
 
@@ -437,8 +523,18 @@ def test_summary_and_plan_of_a_schedule_report_every_epoch_and_stage(run, corpus
     assert planned.warnings == result.warnings and len(result.warnings) == 4
     assert "epoch 3 (stage decay): source code" in result.warnings[-1]
     assert all("schedule file" in w and "--samples" not in w for w in result.warnings)
-    code, lines = cli("plan", "shuffle", "--schedule", corpus / "run.yaml", "-o", tmp_path / "p", "--memory", str(MEMORY),
-                      "--disk-mbps", "100")
+    code, lines = cli(
+        "plan",
+        "shuffle",
+        "--schedule",
+        corpus / "run.yaml",
+        "-o",
+        tmp_path / "p",
+        "--memory",
+        str(MEMORY),
+        "--disk-mbps",
+        "100",
+    )
     text = "\n".join(lines)
     assert code == 0 and "epoch 2 (stage mid)" in text and "source math: 58 samples" in text
     assert text.count("tokpack: warning:") == 4
@@ -452,30 +548,33 @@ def test_a_run_made_with_flags_is_a_one_stage_schedule_of_those_flags(tmp_path):
     flags = Schedule.of_flags(["a", "b"], ["0.25", None], seq_len=31, seed=9, tokens=5000, jitter=True)
     assert (flags.seq_len, flags.seed, flags.jitter, flags.file) == (31, 9, True, None)
     (stage,) = flags.stages
-    assert (stage.paths, stage.weights, stage.epochs, stage.samples, stage.tokens) == (("a", "b"), ("0.25", None),
-                                                                                        None, None, 5000)
+    assert (stage.paths, stage.weights, stage.epochs, stage.samples, stage.tokens) == (
+        ("a", "b"),
+        ("0.25", None),
+        None,
+        None,
+        5000,
+    )
     assert Schedule.of_flags(["a"], [None], seq_len=31, seed=9, samples=12).stages[0].samples == 12
     bad = tmp_path / "bad.yaml"
     bad.write_text("seq_len: 31\nseed: 1\nstages: [3]\n")
     with pytest.raises(TokpackError) as err:
         read_schedule(bad)
-    assert str(err.value) == (f"{bad} [stages[0]]: schedule entry is not a mapping; expected key: value pairs, "
-                              'found int. HINT: see docs/COMMANDS.md, "Schedules", for the file\'s shape')
+    assert str(err.value) == (
+        f"{bad} [stages[0]]: schedule entry is not a mapping; expected key: value pairs, "
+        'found int. HINT: see docs/COMMANDS.md, "Schedules", for the file\'s shape'
+    )
 
 
 SHAPE_HINT = 'HINT: see docs/COMMANDS.md, "Schedules", for the file\'s shape'
 FIELD_PATHS = {
     "stages: [3]": "[stages[0]]: schedule entry is not a mapping; expected key: value pairs, found int.",
-    "stages: [{name: a, sources: {x: 1}, weights: 1, epochs: 1}]":
-        "[stages[0].weights]: unknown key in the schedule; expected one of name, sources, tokens, epochs, "
-        "found 'weights'.",
-    "stages: [{name: a, sources: {x: 1}}]":
-        "[stages[0]]: stage needs exactly one of tokens and epochs; expected tokens: 8T or epochs: 3, found neither.",
-    "stages: [{name: a, sources: {x: 1}, epochs: 1}, {name: b, sources: {x: 1}, epochs: 0}]":
-        "[stages[1].epochs]: schedule value is not a valid integer; expected an integer >= 1, found 0.",
-    "stages: [{name: a, sources: {x: 1}, epochs: 1}]\nweights: 1":
-        "[weights]: unknown key in the schedule; expected one of seq_len, seed, jitter, shard_samples, stages, "
-        "packing, found 'weights'.",
+    "stages: [{name: a, sources: {x: 1}, weights: 1, epochs: 1}]": "[stages[0].weights]: unknown key in the schedule; expected one of name, sources, tokens, epochs, "
+    "found 'weights'.",
+    "stages: [{name: a, sources: {x: 1}}]": "[stages[0]]: stage needs exactly one of tokens and epochs; expected tokens: 8T or epochs: 3, found neither.",
+    "stages: [{name: a, sources: {x: 1}, epochs: 1}, {name: b, sources: {x: 1}, epochs: 0}]": "[stages[1].epochs]: schedule value is not a valid integer; expected an integer >= 1, found 0.",
+    "stages: [{name: a, sources: {x: 1}, epochs: 1}]\nweights: 1": "[weights]: unknown key in the schedule; expected one of seq_len, seed, jitter, shard_samples, stages, "
+    "packing, found 'weights'.",
 }
 
 
@@ -500,10 +599,14 @@ def test_a_stage_naming_one_source_twice_is_the_clis_line(corpus, tmp_path, spel
     if not link.exists():
         link.symlink_to(corpus / "web")
     yaml = tmp_path / "dup.yaml"
-    yaml.write_text(f"seq_len: 31\nseed: 7\nstages:\n  - name: s\n    epochs: 1\n"
-                    f"    sources: {{{corpus}/web: 0.5, {corpus}/{spelling}: 0.5}}\n")
-    for args in (["shuffle", "--schedule", yaml, "-o", tmp_path / "o"],
-                 ["plan", "shuffle", "--schedule", yaml, "-o", tmp_path / "p"]):
+    yaml.write_text(
+        f"seq_len: 31\nseed: 7\nstages:\n  - name: s\n    epochs: 1\n"
+        f"    sources: {{{corpus}/web: 0.5, {corpus}/{spelling}: 0.5}}\n"
+    )
+    for args in (
+        ["shuffle", "--schedule", yaml, "-o", tmp_path / "o"],
+        ["plan", "shuffle", "--schedule", yaml, "-o", tmp_path / "p"],
+    ):
         res = CliRunner().invoke(main, [str(a) for a in args])
         assert res.exit_code == 1 and "Traceback" not in res.stderr, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1

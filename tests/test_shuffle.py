@@ -140,8 +140,9 @@ def test_locate_and_outputs_of_agree(sources):
 def test_unweighted_epoch_holds_every_window_once(sources, tmp_path, memory):
     big, small = sources
     out = tmp_path / "out"
-    summary = shuffle_run([str(big), str(small)], str(out), seq_len=L, seed=1, epochs=[0], memory=memory,
-                          shard_samples=90)
+    summary = shuffle_run(
+        [str(big), str(small)], str(out), seq_len=L, seed=1, epochs=[0], memory=memory, shard_samples=90
+    )
     assert summary["path"] == ("in-memory" if memory > 1e6 else "out-of-core")
     windows = np.concatenate([source_windows(big), source_windows(small)])
     rows = epoch_rows(out / "epoch-00000")
@@ -173,8 +174,17 @@ def test_windows_spanning_several_shards(tmp_path):
 def test_weighted_epoch_matches_plan_and_expected_hash(sources, tmp_path):
     big, small = sources
     out = tmp_path / "out"
-    shuffle_run([str(big), str(small)], str(out), weights=["0.25", "0.75"], seq_len=L, seed=9, epochs=[0, 1], samples=1000,
-                memory=8000, shard_samples=128)
+    shuffle_run(
+        [str(big), str(small)],
+        str(out),
+        weights=["0.25", "0.75"],
+        seq_len=L,
+        seed=9,
+        epochs=[0, 1],
+        samples=1000,
+        memory=8000,
+        shard_samples=128,
+    )
     srcs = [PackedSource.open(big), PackedSource.open(small)]
     wins = [source_windows(big), source_windows(small)]
     for e in (0, 1):
@@ -191,8 +201,7 @@ def test_weighted_epoch_matches_plan_and_expected_hash(sources, tmp_path):
 def test_jitter_shifts_windows_per_epoch(sources, tmp_path):
     big, _ = sources
     out = tmp_path / "out"
-    shuffle_run([str(big)], str(out), seq_len=L, seed=4, epochs=[0, 1, 2], jitter=True, memory=5000,
-                shard_samples=200)
+    shuffle_run([str(big)], str(out), seq_len=L, seed=4, epochs=[0, 1, 2], jitter=True, memory=5000, shard_samples=200)
     ms = [read_manifest(out / f"epoch-{e:05d}", kind="epoch") for e in range(3)]
     offsets = [m["jitter_offsets"][0] for m in ms]
     assert all(0 <= o <= L for o in offsets) and len(set(offsets)) > 1
@@ -235,10 +244,34 @@ def test_real_datatrove_executor_with_workers(sources, tmp_path):
     ref = tmp_path / "ref"
     shuffle_run([str(big), str(small)], str(ref), seq_len=L, seed=2, epochs=[0], memory=7000, shard_samples=150)
     out = tmp_path / "cli"
-    proc = subprocess.run([sys.executable, "-m", "tokpack.packer.cli", "shuffle", str(big), str(small), "-o", str(out),
-                           "--seq-len", str(L), "--seed", "2", "--epochs", "1", "--memory", "14000",
-                           "--shard-samples", "150", "--workers", "2", "--json"],
-                          cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokpack.packer.cli",
+            "shuffle",
+            str(big),
+            str(small),
+            "-o",
+            str(out),
+            "--seq-len",
+            str(L),
+            "--seed",
+            "2",
+            "--epochs",
+            "1",
+            "--memory",
+            "14000",
+            "--shard-samples",
+            "150",
+            "--workers",
+            "2",
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["path"] == "out-of-core"
     assert dir_files(out) == dir_files(ref)
@@ -281,8 +314,13 @@ def test_peak_memory_stays_within_budget_for_10x_data(tmp_path):
     src = write_source(tmp_path / "src", docs, vocab_size=50000, docs_per_shard=200)
     data = PackedSource.open(src).tokens * 2
     memory = data // 10
-    proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(src), str(tmp_path / "out"), str(memory)],
-                          cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT, str(src), str(tmp_path / "out"), str(memory)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["path"] == "out-of-core"
@@ -298,10 +336,14 @@ def test_in_memory_choice_counts_every_window_the_path_holds(sources, tmp_path):
     windows = sum(PackedSource.open(s).tokens // (L + 1) for s in (big, small))
     holds = windows * ((L + 1) * 2 + steps.ROW_FACTS_BYTES)  # rows and their facts, before chunk buffers
     kw = dict(seq_len=L, seed=1, epochs=[0], samples=windows // 5)
-    assert shuffle_run([str(big), str(small)], str(tmp_path / "tight"), memory=holds * 9 // 10, **kw)["path"] \
+    assert (
+        shuffle_run([str(big), str(small)], str(tmp_path / "tight"), memory=holds * 9 // 10, **kw)["path"]
         == "out-of-core"
-    assert shuffle_run([str(big), str(small)], str(tmp_path / "room"), memory=holds + (64 << 20), **kw)["path"] \
+    )
+    assert (
+        shuffle_run([str(big), str(small)], str(tmp_path / "room"), memory=holds + (64 << 20), **kw)["path"]
         == "in-memory"
+    )
 
 
 # ------------------------------------------------------------------ randomness
@@ -334,7 +376,10 @@ def test_order_passes_simple_statistics():
     # different epochs and seeds give different, uncorrelated orders
     s1, w1, _ = big_plan(epoch=1).locate(np.arange(n))
     s2, w2, _ = big_plan(seed=1).locate(np.arange(n))
-    for other in (np.array([sp.base for sp in plan.sources])[s1] + w1, np.array([sp.base for sp in plan.sources])[s2] + w2):
+    for other in (
+        np.array([sp.base for sp in plan.sources])[s1] + w1,
+        np.array([sp.base for sp in plan.sources])[s2] + w2,
+    ):
         assert (other == src_pos).mean() < 0.01
         assert abs(spearman(other, src_pos)) < 5 / np.sqrt(n)
 
@@ -392,7 +437,9 @@ def test_failure_midway_then_rerun_is_identical(sources, tmp_path, monkeypatch):
     monkeypatch.setattr(steps.EpochJob, "write_shard", real)
     calls.clear()
     written, scattered = [], []
-    monkeypatch.setattr(steps.EpochJob, "write_shard", lambda self, i, blocks: (written.append(i), real(self, i, blocks)))
+    monkeypatch.setattr(
+        steps.EpochJob, "write_shard", lambda self, i, blocks: (written.append(i), real(self, i, blocks))
+    )
     monkeypatch.setattr(steps.ScatterStep, "run", lambda self, *a, **k: scattered.append(a))
     shuffle_run([str(big), str(small)], str(out), **kw)
     assert dir_files(out) == dir_files(ref)
@@ -428,9 +475,12 @@ def test_rerun_after_every_shard_writes_only_what_is_missing(sources, tmp_path, 
     elif shard == "deleted":
         victim.unlink()
     ran = []
-    monkeypatch.setattr(steps.EpochJob, "write_shard", lambda self, i, blocks: (ran.append(i), real_write(self, i, blocks))[1])
-    monkeypatch.setattr(steps.ScatterStep, "run",
-                        lambda self, *a, **k: (ran.append("scatter"), real_scatter(self, *a, **k))[1])
+    monkeypatch.setattr(
+        steps.EpochJob, "write_shard", lambda self, i, blocks: (ran.append(i), real_write(self, i, blocks))[1]
+    )
+    monkeypatch.setattr(
+        steps.ScatterStep, "run", lambda self, *a, **k: (ran.append("scatter"), real_scatter(self, *a, **k))[1]
+    )
     logged = []
     summary = shuffle_run([str(big), str(small)], str(out), log=logged.append, **kw)
     assert ran == (["scatter", 1] if shard == "deleted" else [])
@@ -439,7 +489,9 @@ def test_rerun_after_every_shard_writes_only_what_is_missing(sources, tmp_path, 
     assert summary["reused_shards"] == summary["epochs_detail"][0]["shards_reused"] == n_shards - len(ran[1:])
     assert summary["bytes_written"] == sum(victim.stat().st_size for _ in ran[1:])
     if shard == "deleted":
-        assert f"epoch 0: resuming: {n_shards - 1} of {n_shards} shards were written by an earlier attempt" in "".join(logged)
+        assert f"epoch 0: resuming: {n_shards - 1} of {n_shards} shards were written by an earlier attempt" in "".join(
+            logged
+        )
     if shard == "edited":
         report = validate_dirs([out], workers=1, show_progress=False)
         assert not report.ok and str(victim) in {p.file for p in report.problems}, [p.line() for p in report.problems]
@@ -455,8 +507,26 @@ def test_sigkill_then_rerun_is_identical(tmp_path, kill_at):
     ref = tmp_path / "ref"
     shuffle_run([str(big)], str(ref), **kw)  # in process: the bytes do not depend on how it runs
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "tokpack.packer.cli", "shuffle", str(big), "-o", str(out), "--seq-len", "15", "--seed", "5",
-           "--epochs", "1", "--memory", "2KiB", "--shard-samples", "200", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokpack.packer.cli",
+        "shuffle",
+        str(big),
+        "-o",
+        str(out),
+        "--seq-len",
+        "15",
+        "--seed",
+        "5",
+        "--epochs",
+        "1",
+        "--memory",
+        "2KiB",
+        "--shard-samples",
+        "200",
+        "--json",
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pattern = "*/ooc-*/scatter-00000/*/*.pos" if kill_at == "scatter" else "*/done/*.json"
     deadline = time.monotonic() + 120
@@ -484,8 +554,10 @@ def run_cli(*args):
     return result
 
 
-@pytest.mark.parametrize("case", ["unknown", "dtype", "vocab", "seq_len", "weight_text", "weight_zero",
-                                  "weight_partial", "other_run", "not_a_run"])
+@pytest.mark.parametrize(
+    "case",
+    ["unknown", "dtype", "vocab", "seq_len", "weight_text", "weight_zero", "weight_partial", "other_run", "not_a_run"],
+)
 def test_bad_input_is_one_line_and_exit_1(sources, tmp_path, case):
     big, small = sources
     out = tmp_path / "out"

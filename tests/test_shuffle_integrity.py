@@ -34,8 +34,13 @@ ROW_BYTES = (L + 1) * 2
 
 def cli(*args, env=None) -> subprocess.CompletedProcess:
     """The real command in its own process."""
-    return subprocess.run([sys.executable, "-m", "tokpack.packer.cli", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "tokpack.packer.cli", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+    )
 
 
 def dir_files(path) -> dict[str, bytes]:
@@ -62,11 +67,14 @@ def edit_one_token(path: Path, where: str) -> None:
 # ------------------------------------------------------------------ item 2: sources are verified
 
 
-@pytest.mark.parametrize("path,memory,extra", [
-    ("in-memory", "1GiB", []),
-    ("out-of-core", "4KiB", []),
-    ("out-of-core", "8KiB", ["--workers", "2"]),  # tasks in datatrove's worker processes
-])
+@pytest.mark.parametrize(
+    "path,memory,extra",
+    [
+        ("in-memory", "1GiB", []),
+        ("out-of-core", "4KiB", []),
+        ("out-of-core", "8KiB", ["--workers", "2"]),  # tasks in datatrove's worker processes
+    ],
+)
 @pytest.mark.parametrize("where", ["middle", "last"])
 def test_same_size_edit_of_a_source_shard_fails_the_epoch(sources, tmp_path, path, memory, extra, where):
     web, code = sources
@@ -83,8 +91,23 @@ def test_same_size_edit_of_a_source_shard_fails_the_epoch(sources, tmp_path, pat
     assert not (out / "epoch-00000" / "tokpack.json").exists() and not (out / "tokpack.json").exists()
     assert not list(out.rglob("*.rows")) and not list(out.rglob("*.ds")), "scatter output or shards left behind"
     # --json: one object on stdout, the same error
-    r = cli("shuffle", web, code, "-o", out, "--seq-len", L, "--seed", 1, "--epochs", 1, "--memory", memory, *extra,
-            "--json")
+    r = cli(
+        "shuffle",
+        web,
+        code,
+        "-o",
+        out,
+        "--seq-len",
+        L,
+        "--seed",
+        1,
+        "--epochs",
+        1,
+        "--memory",
+        memory,
+        *extra,
+        "--json",
+    )
     assert r.returncode == 1
     doc = json.loads(r.stdout)
     assert doc["ok"] is False and doc["error"]["file"] == str(victim) and doc["error"]["expected"] == recorded
@@ -165,8 +188,21 @@ def run_json(*args) -> tuple[subprocess.CompletedProcess, dict | None]:
 
 def test_weight_zero_is_refused(sources, tmp_path):
     web, code = sources
-    r = cli("shuffle", f"{web}=0", f"{code}=1", "-o", tmp_path / "run", "--seq-len", L, "--seed", 1, "--epochs", 1,
-            "--samples", 500)
+    r = cli(
+        "shuffle",
+        f"{web}=0",
+        f"{code}=1",
+        "-o",
+        tmp_path / "run",
+        "--seq-len",
+        L,
+        "--seed",
+        1,
+        "--epochs",
+        1,
+        "--samples",
+        500,
+    )
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "weight is 0" in lines[0] and "leave the source out" in lines[0], r.stderr
@@ -177,7 +213,9 @@ def test_weight_zero_is_refused(sources, tmp_path):
 @pytest.mark.parametrize("how", ["same path", "another spelling", "a copy"])
 def test_same_source_twice_is_refused(sources, tmp_path, how):
     web, _ = sources
-    second = {"same path": web, "another spelling": Path(f"{web.parent}/./{web.name}/"), "a copy": tmp_path / "copy"}[how]
+    second = {"same path": web, "another spelling": Path(f"{web.parent}/./{web.name}/"), "a copy": tmp_path / "copy"}[
+        how
+    ]
     if how == "a copy":
         shutil.copytree(web, second)
     r = cli("shuffle", web, second, "-o", tmp_path / "run", "--seq-len", L, "--seed", 1, "--epochs", 1)
@@ -194,14 +232,44 @@ def test_weights_equal_as_ratios_add_an_epoch(sources, tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     shuffle_run([str(web), str(code)], str(full), weights=["7", "3"], epochs=[0, 1], **kw)
     shuffle_run([str(web), str(code)], str(part), weights=["7", "3"], epochs=[0], **kw)
-    r = cli("shuffle", f"{web}=0.7", f"{code}=0.3", "-o", part, "--seq-len", L, "--seed", 2, "--epoch", 1,
-            "--samples", 600, "--shard-samples", 200)
+    r = cli(
+        "shuffle",
+        f"{web}=0.7",
+        f"{code}=0.3",
+        "-o",
+        part,
+        "--seq-len",
+        L,
+        "--seed",
+        2,
+        "--epoch",
+        1,
+        "--samples",
+        600,
+        "--shard-samples",
+        200,
+    )
     assert r.returncode == 0, r.stderr
     assert read_manifest(part, kind="run")["weights"] == ["7", "3"]  # the run keeps one spelling
     assert dir_files(part) == dir_files(full)
     # a different ratio is still a different run
-    r = cli("shuffle", f"{web}=0.6", f"{code}=0.4", "-o", part, "--seq-len", L, "--seed", 2, "--epoch", 2,
-            "--samples", 600, "--shard-samples", 200)
+    r = cli(
+        "shuffle",
+        f"{web}=0.6",
+        f"{code}=0.4",
+        "-o",
+        part,
+        "--seq-len",
+        L,
+        "--seed",
+        2,
+        "--epoch",
+        2,
+        "--samples",
+        600,
+        "--shard-samples",
+        200,
+    )
     assert r.returncode == 1 and "different run" in r.stderr
 
 
@@ -213,8 +281,22 @@ def brute_repeats(plan: EpochPlan) -> list[int]:
 def test_summary_counts_every_source_and_warns_per_repeated_source(sources, tmp_path):
     web, code = sources
     out = tmp_path / "run"
-    r, doc = run_json(f"{web}=0.7", f"{code}=0.3", "-o", out, "--seq-len", L, "--seed", 3, "--epochs", 2,
-                      "--samples", 1000, "--memory", "8KiB")
+    r, doc = run_json(
+        f"{web}=0.7",
+        f"{code}=0.3",
+        "-o",
+        out,
+        "--seq-len",
+        L,
+        "--seed",
+        3,
+        "--epochs",
+        2,
+        "--samples",
+        1000,
+        "--memory",
+        "8KiB",
+    )
     assert r.returncode == 0, r.stderr
     srcs = [PackedSource.open(web), PackedSource.open(code)]
     assert len(doc["epochs_detail"]) == 2
@@ -232,8 +314,23 @@ def test_summary_counts_every_source_and_warns_per_repeated_source(sources, tmp_
     code_lines = [w for w in doc["warnings"] if "source code " in w]
     assert len(code_lines) == 2 and all("used more than once" in w for w in code_lines), doc["warnings"]
     # human summary: the per-source lines on stdout, one warning line per repeated source and epoch on stderr
-    r = cli("shuffle", f"{web}=0.7", f"{code}=0.3", "-o", tmp_path / "human", "--seq-len", L, "--seed", 3,
-            "--epochs", 2, "--samples", 1000, "--memory", "8KiB")
+    r = cli(
+        "shuffle",
+        f"{web}=0.7",
+        f"{code}=0.3",
+        "-o",
+        tmp_path / "human",
+        "--seq-len",
+        L,
+        "--seed",
+        3,
+        "--epochs",
+        2,
+        "--samples",
+        1000,
+        "--memory",
+        "8KiB",
+    )
     assert r.returncode == 0, r.stderr
     assert sum(line.startswith('epoch 0, source "code": 300 samples') for line in r.stdout.splitlines()) == 1, r.stdout
     warnings = [line for line in r.stderr.splitlines() if line.startswith("tokpack: warning:")]
@@ -243,8 +340,9 @@ def test_summary_counts_every_source_and_warns_per_repeated_source(sources, tmp_
 def test_tokens_above_the_corpus_warn(sources, tmp_path):
     web, _ = sources
     windows = PackedSource.open(web).tokens // (L + 1)
-    r, doc = run_json(web, "-o", tmp_path / "run", "--seq-len", L, "--seed", 1, "--epochs", 1,
-                      "--tokens", 3 * windows * L)
+    r, doc = run_json(
+        web, "-o", tmp_path / "run", "--seq-len", L, "--seed", 1, "--epochs", 1, "--tokens", 3 * windows * L
+    )
     assert r.returncode == 0, r.stderr
     (report,) = doc["epochs_detail"][0]["sources"]
     assert report["repeats"] == 2 * windows and report["passes"] == 3
@@ -282,8 +380,22 @@ def test_memory_below_one_useful_bucket_is_refused(sources, tmp_path):
     r = cli("shuffle", web, "-o", tmp_path / "run", "--seq-len", L, "--seed", 1, "--epochs", 1, "--memory", floor)
     assert r.returncode == 0, r.stderr
     # per worker: two workers need twice as much
-    r = cli("shuffle", web, "-o", tmp_path / "run2", "--seq-len", L, "--seed", 1, "--epochs", 1, "--memory", floor,
-            "--workers", 2)
+    r = cli(
+        "shuffle",
+        web,
+        "-o",
+        tmp_path / "run2",
+        "--seq-len",
+        L,
+        "--seed",
+        1,
+        "--epochs",
+        1,
+        "--memory",
+        floor,
+        "--workers",
+        2,
+    )
     assert r.returncode == 1 and f"--memory {2 * floor}" in r.stderr
 
 
@@ -292,8 +404,13 @@ def on_a_terminal(args) -> str:
     leader, follower = pty.openpty()
     # a real terminal has a size; tqdm draws nothing on a 0x0 one
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "tokpack.packer.cli", *map(str, args)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=follower, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokpack.packer.cli", *map(str, args)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=follower,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     os.close(follower)
     chunks = []
     while True:
@@ -320,8 +437,9 @@ def test_out_of_core_passes_show_bars_on_a_terminal_but_not_under_json(sources, 
 
 
 def test_tasks_help_speaks_of_input_ranges():
-    r = CliRunner().invoke(__import__("tokpack.packer.cli", fromlist=["main"]).main, ["shuffle", "--help"],
-                           terminal_width=200)
+    r = CliRunner().invoke(
+        __import__("tokpack.packer.cli", fromlist=["main"]).main, ["shuffle", "--help"], terminal_width=200
+    )
     text = " ".join(r.output.split())
-    tasks = text[text.index("--tasks"):text.index("--logging-dir")]
+    tasks = text[text.index("--tasks") : text.index("--logging-dir")]
     assert "input range" in tasks and "input file" not in tasks, tasks

@@ -32,8 +32,19 @@ W, M = 4, 3  # global batch 12; the run's epochs (496 samples) are not a multipl
 def make_run(out: Path, source: Path, epochs, seed: int = 0, seq_len: int = SEQ, shard_samples: int = 12) -> Path:
     from conftest import shuffle_run
 
-    shuffle_run([str(source)], str(out), seq_len=seq_len, seed=seed, epochs=list(epochs), samples=None, tokens=None,
-                shard_samples=shard_samples, memory=8 << 20, jitter=False, log=None)
+    shuffle_run(
+        [str(source)],
+        str(out),
+        seq_len=seq_len,
+        seed=seed,
+        epochs=list(epochs),
+        samples=None,
+        tokens=None,
+        shard_samples=shard_samples,
+        memory=8 << 20,
+        jitter=False,
+        log=None,
+    )
     return out
 
 
@@ -51,8 +62,11 @@ def run(source) -> Path:
 
 
 def tree(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != "tokpack.lock"}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != "tokpack.lock"
+    }
 
 
 def cli(*args) -> tuple[int, str]:
@@ -71,8 +85,16 @@ def stream(reader: SampleReader, rank: int, start: int, positions=None) -> list:
 
 
 @settings(max_examples=300, deadline=None)
-@given(w=st.integers(1, 9), m=st.integers(1, 5), phase=st.integers(0, 60), first=st.integers(0, 200),
-       n=st.integers(0, 120), a=st.integers(0, 8), k=st.integers(1, 4), chunk=st.integers(1, 40))
+@given(
+    w=st.integers(1, 9),
+    m=st.integers(1, 5),
+    phase=st.integers(0, 60),
+    first=st.integers(0, 200),
+    n=st.integers(0, 120),
+    a=st.integers(0, 8),
+    k=st.integers(1, 4),
+    chunk=st.integers(1, 40),
+)
 def test_rank_arithmetic_equals_counting(w, m, phase, first, n, a, k, chunk):
     """Which samples a node's ranks read, and a sample's row in its rank file, equal a brute
     count over the epoch, for any world size, micro-batch, batch grid, epoch start and size."""
@@ -87,8 +109,14 @@ def test_rank_arithmetic_equals_counting(w, m, phase, first, n, a, k, chunk):
 
 
 @settings(max_examples=200, deadline=None)
-@given(w=st.integers(1, 9), m=st.integers(1, 5), start=st.integers(0, 500), batches=st.integers(0, 6),
-       tail=st.integers(0, 60), ranks=st.sets(st.integers(0, 8), min_size=1))
+@given(
+    w=st.integers(1, 9),
+    m=st.integers(1, 5),
+    start=st.integers(0, 500),
+    batches=st.integers(0, 6),
+    tail=st.integers(0, 60),
+    ranks=st.sets(st.integers(0, 8), min_size=1),
+)
 def test_one_rank_arithmetic_for_streams_slices_and_stage(w, m, start, batches, tail, ranks):
     """The whole-run stream (StreamState), the number of complete batches a reader serves and
     stage --ranks' shard choice ask RankRows, so they agree with a count of who reads what in
@@ -129,8 +157,11 @@ def test_slice_serves_the_same_batches_as_the_run(run, tmp_path, first, last):
             want = stream(full, rank, start, positions="index")
             assert want and stream(part, rank, start, positions="index") == want
     # the slice holds only its ranks' rows: (B-A+1)/W of the samples, give or take a global batch
-    kept = sum((tmp_path / "s" / epoch_dir_name(e) / rank_file_name(r)).stat().st_size
-               for e in (0, 1) for r in range(first, last + 1))
+    kept = sum(
+        (tmp_path / "s" / epoch_dir_name(e) / rank_file_name(r)).stat().st_size
+        for e in (0, 1)
+        for r in range(first, last + 1)
+    )
     assert kept == res.bytes_kept == res.rows_kept * (SEQ + 1) * 2
     assert abs(res.rows_kept - 2 * n * (last - first + 1) / W) <= M * (last - first + 1) * 2
 
@@ -140,10 +171,12 @@ def test_sample_reader_opens_a_slice_through_its_table_of_readers(run, tmp_path)
     process that imported nothing else of tokpack: no module has to be imported first for its
     reader to register itself (formats/__init__.py imported slices for that, once)."""
     stage_slice(str(run), tmp_path / "s", ranks="1-2", world_size=W, micro_batch=M)
-    code = ("import sys\nfrom tokpack.loader.reader import READERS, SampleReader\n"
-            "assert 'tokpack.loader.slice_reader' not in sys.modules\n"
-            f"reader = SampleReader.open({str(tmp_path / 's')!r})\n"
-            "print(type(reader).__module__, type(reader).__name__, sorted(READERS))\n")
+    code = (
+        "import sys\nfrom tokpack.loader.reader import READERS, SampleReader\n"
+        "assert 'tokpack.loader.slice_reader' not in sys.modules\n"
+        f"reader = SampleReader.open({str(tmp_path / 's')!r})\n"
+        "print(type(reader).__module__, type(reader).__name__, sorted(READERS))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["tokpack.loader.slice_reader", "SliceReader", "['slice']"]
@@ -156,10 +189,12 @@ def test_rank_files_are_the_ranks_rows_in_order_for_datatrove(run, tmp_path):
     full = SampleReader.open(run)
     rows = RankRows(W, M)
     want = [full.read(g)[0].tolist() for g in range(full.total_samples) if rows.rank_of(g) == 2]
-    code = ("import json\nfrom datatrove.utils.dataset import DatatroveFolderDataset\n"
-            f"ds = DatatroveFolderDataset({str(tmp_path / 's')!r}, {SEQ}, filename_pattern='**/{rank_file_name(2)}', "
-            "token_size=2, shuffle=False)\n"
-            "print(json.dumps([ds[i]['input_ids'].tolist() for i in range(len(ds))]))\n")
+    code = (
+        "import json\nfrom datatrove.utils.dataset import DatatroveFolderDataset\n"
+        f"ds = DatatroveFolderDataset({str(tmp_path / 's')!r}, {SEQ}, filename_pattern='**/{rank_file_name(2)}', "
+        "token_size=2, shuffle=False)\n"
+        "print(json.dumps([ds[i]['input_ids'].tolist() for i in range(len(ds))]))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert json.loads(out.stdout) == want
 
@@ -205,9 +240,11 @@ def test_a_scheduled_run_across_stages(tmp_path):
 
     for k, (name, n) in enumerate([("web", 80), ("code", 40)]):
         write_source(tmp_path / name, random_docs(np.random.default_rng(k), n, 1000, 0), docs_per_shard=20)
-    (tmp_path / "run.yaml").write_text("seq_len: 31\nseed: 7\nshard_samples: 50\nstages:\n"
-                                       "  - name: a\n    epochs: 1\n    sources: {web: 0.7, code: 0.3}\n"
-                                       "  - name: b\n    tokens: 4K\n    sources: {web: 0.5, code: 0.5}\n")
+    (tmp_path / "run.yaml").write_text(
+        "seq_len: 31\nseed: 7\nshard_samples: 50\nstages:\n"
+        "  - name: a\n    epochs: 1\n    sources: {web: 0.7, code: 0.3}\n"
+        "  - name: b\n    tokens: 4K\n    sources: {web: 0.5, code: 0.5}\n"
+    )
     shuffle(None, tmp_path / "run", schedule=tmp_path / "run.yaml", memory=1 << 20)
     stage_slice(str(tmp_path / "run"), tmp_path / "s", ranks="2-3", world_size=W, micro_batch=M)
     full, part = SampleReader.open(tmp_path / "run"), SampleReader.open(tmp_path / "s")
@@ -249,12 +286,19 @@ def test_a_mismatch_found_at_read_time_hints_the_command_that_restages_this_node
         with pytest.raises(TokpackError) as e:
             SampleReader.open(dest).batches(rank, w, m, 0)
         hint = str(e.value).split("HINT: ", 1)[1]
-        assert hint == (f"restage this node's slice for that stream: `rm -r {dest} && tokpack stage {run} {dest} "
-                        f"--ranks {ranks} --world-size {w} --micro-batch {m}`")
+        assert hint == (
+            f"restage this node's slice for that stream: `rm -r {dest} && tokpack stage {run} {dest} "
+            f"--ranks {ranks} --world-size {w} --micro-batch {m}`"
+        )
     code, out = cli("read", dest, "--rank", 3, "--world-size", W, "--micro-batch", 2, "--count", 1)
     command = out.split("HINT: ", 1)[1].strip().split("`")[1]
-    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=REPO,
-                          env=dict(os.environ, PYTHONPATH=str(REPO), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"))
+    done = subprocess.run(
+        ["bash", "-c", command],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"),
+    )
     assert done.returncode == 0, done.stderr
     assert stream_of(SampleReader.open(dest), 3, W, 2) == stream_of(SampleReader.open(run), 3, W, 2)
 
@@ -291,7 +335,7 @@ def test_a_corrupt_byte_in_the_run_is_caught_and_nothing_kept(run, tmp_path):
     subprocess.run(["cp", "-r", str(run), str(bad)], check=True)
     shard = bad / epoch_dir_name(1) / "00003.ds"
     raw = bytearray(shard.read_bytes())
-    row = 12 * 3 + 0  # epoch 1 starts at G = 496 (= 4 mod 12): its sample 8 is rank 0's; 36 + 8 = 44
+    # epoch 1 starts at G = 496 (= 4 mod 12): its sample 8 is rank 0's; row 12 * 3 + 8 = 44
     g = 496 + 44
     assert RankRows(W, M).rank_of(g) == 0
     raw[(44 - 36) * (SEQ + 1) * 2 + 10] ^= 1
@@ -321,13 +365,15 @@ def test_kill_9_during_stage_then_rerun_gives_identical_bytes(run, tmp_path):
     with the bytes of an uninterrupted stage."""
     clean = tmp_path / "clean"
     stage_slice(str(run), clean, ranks="1-2", world_size=W, micro_batch=M)
-    script = ("import os, signal, sys\nsys.path.insert(0, 'tests')\n"
-              "from tokpack.formats.shards import EpochShardWriter\nfrom tokpack.packer.slicing import stage_slice\n"
-              "close, calls = EpochShardWriter.close, []\n"
-              "def dying(self):\n    out = close(self)\n    calls.append(1)\n"
-              "    if len(calls) == 3:\n        os.kill(os.getpid(), signal.SIGKILL)\n    return out\n"
-              "EpochShardWriter.close = dying\n"
-              f"stage_slice({str(run)!r}, {str(tmp_path / 'dest')!r}, ranks='1-2', world_size={W}, micro_batch={M})\n")
+    script = (
+        "import os, signal, sys\nsys.path.insert(0, 'tests')\n"
+        "from tokpack.formats.shards import EpochShardWriter\nfrom tokpack.packer.slicing import stage_slice\n"
+        "close, calls = EpochShardWriter.close, []\n"
+        "def dying(self):\n    out = close(self)\n    calls.append(1)\n"
+        "    if len(calls) == 3:\n        os.kill(os.getpid(), signal.SIGKILL)\n    return out\n"
+        "EpochShardWriter.close = dying\n"
+        f"stage_slice({str(run)!r}, {str(tmp_path / 'dest')!r}, ranks='1-2', world_size={W}, micro_batch={M})\n"
+    )
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == -signal.SIGKILL
     dest = tmp_path / "dest"
@@ -445,16 +491,24 @@ def _bump_first_shard_tokens(m):
     m["shards"][0]["tokens"] += 1
 
 
-@pytest.mark.parametrize("file,edit,wheres", [
-    ("epoch", {"eos_id": 5000}, {"eos_id"}),
-    ("epoch", lambda m: m.update(vocab_size=m["vocab_size"] + 1), {"vocab_size"}),  # the dtype still fits: the run's differs
-    ("epoch", {"dtype": "uint32"}, {"dtype", "token_size"}),
-    ("epoch", {"tokens": 7}, {"tokens"}),
-    ("epoch", _bump_first_shard_tokens, {"shards[0].tokens", "shards[0].bytes", "tokens"}),
-    ("root", {"eos_id": 5000}, {"eos_id"}),
-    ("root", {"seq_len": 64}, {"seq_len"}),
-    ("run", {"eos_id": 5000}, {"eos_id"}),
-], ids=["eos", "vocab", "dtype", "total", "rank-file", "root-eos", "root-seq-len", "run-eos"])
+@pytest.mark.parametrize(
+    "file,edit,wheres",
+    [
+        ("epoch", {"eos_id": 5000}, {"eos_id"}),
+        (
+            "epoch",
+            lambda m: m.update(vocab_size=m["vocab_size"] + 1),
+            {"vocab_size"},
+        ),  # the dtype still fits: the run's differs
+        ("epoch", {"dtype": "uint32"}, {"dtype", "token_size"}),
+        ("epoch", {"tokens": 7}, {"tokens"}),
+        ("epoch", _bump_first_shard_tokens, {"shards[0].tokens", "shards[0].bytes", "tokens"}),
+        ("root", {"eos_id": 5000}, {"eos_id"}),
+        ("root", {"seq_len": 64}, {"seq_len"}),
+        ("run", {"eos_id": 5000}, {"eos_id"}),
+    ],
+    ids=["eos", "vocab", "dtype", "total", "rank-file", "root-eos", "root-seq-len", "run-eos"],
+)
 def test_validate_applies_every_manifest_invariant_to_slices(run, tmp_path, file, edit, wheres):
     """The dtype, EOS, vocabulary and totals invariants hold for slice manifests as for an
     epoch's (and the run's): each broken one is named, where they once passed with 0 problems."""
@@ -481,12 +535,16 @@ def _fewer_rows(m):
     m["tokens"] -= SEQ + 1
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda m: m.update(micro_batch=M + 1), "slice epoch belongs to another slice"),
-    (lambda m: m.update(first_sample=m["first_sample"] + 1), "slice epoch disagrees with its run's numbering"),
-    (lambda m: m["shards"][0].update(rank=0), "slice epoch does not list one file per rank, in rank order"),
-    (_fewer_rows, "rank file holds the wrong number of samples"),
-], ids=["shape", "numbering", "order", "rows"])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda m: m.update(micro_batch=M + 1), "slice epoch belongs to another slice"),
+        (lambda m: m.update(first_sample=m["first_sample"] + 1), "slice epoch disagrees with its run's numbering"),
+        (lambda m: m["shards"][0].update(rank=0), "slice epoch does not list one file per rank, in rank order"),
+        (_fewer_rows, "rank file holds the wrong number of samples"),
+    ],
+    ids=["shape", "numbering", "order", "rows"],
+)
 def test_the_reader_and_validate_refuse_a_slice_epoch_alike(run, tmp_path, edit, message):
     """The slice epoch's checks are one function: the reader raises its first problem, validate
     reports it, in the same words."""
@@ -542,8 +600,21 @@ def test_plan_stage_predicts_the_slice_and_the_old_path_says_whole_run_copy(run,
     """`plan stage --ranks A-B --world-size W`: the bytes a node keeps and reads, as the stage
     then counts them; the shard-level `--ranks r/W` says on one line that it copies the whole
     run, and why, in plan and in stage."""
-    code, out = cli("plan", "stage", run, tmp_path / "s", "--ranks", "1-2", "--world-size", W, "--micro-batch", M,
-                    "--disk-mbps", 100, "--json")
+    code, out = cli(
+        "plan",
+        "stage",
+        run,
+        tmp_path / "s",
+        "--ranks",
+        "1-2",
+        "--world-size",
+        W,
+        "--micro-batch",
+        M,
+        "--disk-mbps",
+        100,
+        "--json",
+    )
     assert code == 0, out
     planned = json.loads(out)
     res = stage_slice(str(run), tmp_path / "s", ranks="1-2", world_size=W, micro_batch=M)
@@ -567,10 +638,24 @@ def packed_run(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("packed-slices")
     rng = np.random.default_rng(5)
-    sources = [write_source(root / "big", random_docs(rng, 300, 1000, 0, 30, 60)),
-               write_source(root / "small", random_docs(rng, 60, 1000, 0, 1, 400))]
-    shuffle_run([str(s) for s in sources], str(root / "run"), weights=["2", "1"], seq_len=SEQ, seed=9, epochs=[0, 1],
-                samples=250, shard_samples=40, memory=8 << 20, packing="best-fit", jitter=False, log=None)
+    sources = [
+        write_source(root / "big", random_docs(rng, 300, 1000, 0, 30, 60)),
+        write_source(root / "small", random_docs(rng, 60, 1000, 0, 1, 400)),
+    ]
+    shuffle_run(
+        [str(s) for s in sources],
+        str(root / "run"),
+        weights=["2", "1"],
+        seq_len=SEQ,
+        seed=9,
+        epochs=[0, 1],
+        samples=250,
+        shard_samples=40,
+        memory=8 << 20,
+        packing="best-fit",
+        jitter=False,
+        log=None,
+    )
     return root / "run"
 
 
@@ -595,7 +680,9 @@ def test_a_slice_of_a_best_fit_run_serves_its_masks(packed_run, tmp_path, first,
     assert n % (BW * BM)
     for e in (0, 1):
         m = json.loads((s / epoch_dir_name(e) / MANIFEST).read_text())
-        assert all("pad_xxh3_128" in x and (s / epoch_dir_name(e) / (x["path"] + ".pad")).is_file() for x in m["shards"])
+        assert all(
+            "pad_xxh3_128" in x and (s / epoch_dir_name(e) / (x["path"] + ".pad")).is_file() for x in m["shards"]
+        )
     for rank in range(first, last + 1):
         for start in ((n // 8) * 8, 0):
             want = packed_batches(packed_run, rank, start)
@@ -633,8 +720,9 @@ def test_a_best_fit_slice_validates_and_a_flipped_pad_byte_is_caught(packed_run,
     import xxhash
 
     m = json.loads((d / MANIFEST).read_text())
-    m["shards"] = [{**x, "pad_xxh3_128": xxhash.xxh3_128_hexdigest(bytes(raw))} if x["rank"] == 2 else x
-                   for x in m["shards"]]
+    m["shards"] = [
+        {**x, "pad_xxh3_128": xxhash.xxh3_128_hexdigest(bytes(raw))} if x["rank"] == 2 else x for x in m["shards"]
+    ]
     (d / MANIFEST).write_text(json.dumps(m, indent=1) + "\n")
     code, out = cli("validate", s)
     assert code == 0, out  # consistent with itself...
@@ -648,7 +736,9 @@ def test_a_best_fit_slice_validates_and_a_flipped_pad_byte_is_caught(packed_run,
     f.write_bytes(bytes(raw))
     with pytest.raises(TokpackError) as e:
         stage_slice(str(bad), tmp_path / "s2", ranks="0", world_size=BW, micro_batch=BM)
-    assert "00000.ds.pad" in str(e.value) and "checksum mismatch in the run" in str(e.value) and "\n" not in str(e.value)
+    assert (
+        "00000.ds.pad" in str(e.value) and "checksum mismatch in the run" in str(e.value) and "\n" not in str(e.value)
+    )
     assert not (tmp_path / "s2" / MANIFEST).exists() and not list((tmp_path / "s2").rglob("rank-*"))
 
 
@@ -690,7 +780,7 @@ def test_validate_against_reads_rank_files_in_bounded_memory(tmp_path):
     problems = against()
     assert len(problems) == 1 and problems[0].where == "row 100", problems
     raw[row * 100 + 7] ^= 1
-    raw[row * 300: row * 301], raw[row * 301: row * 302] = raw[row * 301: row * 302], raw[row * 300: row * 301]
+    raw[row * 300 : row * 301], raw[row * 301 : row * 302] = raw[row * 301 : row * 302], raw[row * 300 : row * 301]
     f.write_bytes(bytes(raw))
     problems = against()
     assert len(problems) == 1 and problems[0].where == "row 300" and "(2 rows differ)" in problems[0].message, problems
@@ -728,8 +818,9 @@ def test_a_fifo_in_a_slice_is_refused_promptly(packed_run, tmp_path, victim):
     for args in ((), ("--against", packed_run)):
         r, _ = tokpack(tmp_path, "validate", s, *args)
         assert "a FIFO" in corrupt(r) and victim in r.stderr, r.stderr
-    r, _ = tokpack(tmp_path, "read", s, "--rank", 1, "--world-size", BW, "--micro-batch", BM, "--start-sample", 248,
-                   "--count", 8)
+    r, _ = tokpack(
+        tmp_path, "read", s, "--rank", 1, "--world-size", BW, "--micro-batch", BM, "--start-sample", 248, "--count", 8
+    )
     if victim.endswith(".ds"):
         line = one_line(r)
         assert "a FIFO" in line and victim in line, line

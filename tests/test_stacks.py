@@ -15,8 +15,14 @@ from conftest import random_docs, require, shuffle_run, write_source
 from tokpack.loader.reader import SampleReader
 
 torch = require("torch", "pip install torch")
-from tokpack.loader.torch_adapter import (TokpackDataset, dense_document_mask, hf_flat_batch,  # noqa: E402
-                                          megatron_batch, olmo_core_batch, packed_seq_params)
+from tokpack.loader.torch_adapter import (  # noqa: E402 (after the torch check)
+    TokpackDataset,
+    dense_document_mask,
+    hf_flat_batch,  # noqa: E402
+    megatron_batch,
+    olmo_core_batch,
+    packed_seq_params,
+)
 
 SEQ = 63
 EOS = 0
@@ -28,22 +34,36 @@ PAD = 999  # a pad id that is not EOS: Megatron (EOS ends a document) then sees 
 def sources(tmp_path_factory) -> list[Path]:
     root = tmp_path_factory.mktemp("stack-src")
     rng = np.random.default_rng(8)
-    return [write_source(root / "a", random_docs(rng, 300, 1000, EOS, 1, 40)),
-            write_source(root / "b", random_docs(rng, 40, 1000, EOS, 1, 200))]
+    return [
+        write_source(root / "a", random_docs(rng, 300, 1000, EOS, 1, 40)),
+        write_source(root / "b", random_docs(rng, 40, 1000, EOS, 1, 200)),
+    ]
 
 
 def _run(sources, out: Path, **kw) -> Path:
-    shuffle_run([str(s) for s in sources], str(out), weights=["2", "1"], seq_len=SEQ, seed=5, epochs=[0],
-                samples=64, shard_samples=40, memory=64 << 20, **kw)
+    shuffle_run(
+        [str(s) for s in sources],
+        str(out),
+        weights=["2", "1"],
+        seq_len=SEQ,
+        seed=5,
+        epochs=[0],
+        samples=64,
+        shard_samples=40,
+        memory=64 << 20,
+        **kw,
+    )
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(sources, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("stack-runs")
-    return {"best-fit": _run(sources, root / "bf", packing="best-fit"),  # padding is EOS tokens
-            "best-fit-pad": _run(sources, root / "bfp", packing="best-fit", pad_id=PAD),
-            "window": _run(sources, root / "win", packing="concat")}
+    return {
+        "best-fit": _run(sources, root / "bf", packing="best-fit"),  # padding is EOS tokens
+        "best-fit-pad": _run(sources, root / "bfp", packing="best-fit", pad_id=PAD),
+        "window": _run(sources, root / "win", packing="concat"),
+    }
 
 
 KINDS = ["best-fit", "best-fit-pad", "window"]
@@ -74,10 +94,11 @@ def test_olmo_core_cumulative_document_lengths(runs, kind, K):
         assert doc_lens.dtype == torch.int32 and (K is None or doc_lens.shape == (M, K))
         cu = batch["cu_seqlens"]
         segments = int((batch["position_ids"] == 0).sum())
-        assert torch.equal(olmo.get_cumulative_document_lengths(doc_lens), cu[:segments + 1])
+        assert torch.equal(olmo.get_cumulative_document_lengths(doc_lens), cu[: segments + 1])
         for i in range(M):  # row by row
-            assert torch.equal(olmo.get_cumulative_document_lengths(doc_lens[i:i + 1]),
-                               row_cu(batch["position_ids"][i]))
+            assert torch.equal(
+                olmo.get_cumulative_document_lengths(doc_lens[i : i + 1]), row_cu(batch["position_ids"][i])
+            )
             assert form["max_doc_lens"][i] == int(doc_lens[i].max())
             # OLMo-core's own cut of the row at its EOS tokens: the documents; then tokpack's
             # padding segment (the inputs' padding, when the row has any).
@@ -99,8 +120,13 @@ def test_megatron_masks_and_position_ids(runs, kind, eod_mask_loss):
         assert mask.shape == (M, 1, SEQ, SEQ) and mask.dtype == torch.bool
         for i in range(M):
             theirs_mask, theirs_loss, theirs_pos = gpt._get_ltor_masks_and_position_ids(
-                batch["input_ids"][i], EOS, reset_position_ids=True, reset_attention_mask=True,
-                eod_mask_loss=eod_mask_loss, create_attention_mask=True)
+                batch["input_ids"][i],
+                EOS,
+                reset_position_ids=True,
+                reset_attention_mask=True,
+                eod_mask_loss=eod_mask_loss,
+                create_attention_mask=True,
+            )
             keep = torch.ones(SEQ, dtype=torch.bool) if whole_row else real[i]
             assert torch.equal(form["position_ids"][i][keep], theirs_pos[keep])
             assert torch.equal(mask[i, 0][keep][:, keep], theirs_mask[0][keep][:, keep])
@@ -157,15 +183,23 @@ def test_hf_causal_lm_loss_is_tokpacks(runs):
     of the same logits against tokpack's labels, padding and all."""
     transformers = require("transformers", "pip install transformers==5.23.0")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=1000,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = transformers.LlamaForCausalLM(config).eval()
     batch, _ = next(batches(runs["best-fit"]))
     form = hf_flat_batch(batch)
     with torch.no_grad():
         out = model(**form)
-    want = torch.nn.functional.cross_entropy(out.logits.reshape(-1, 1000).float(), batch["labels"].reshape(-1),
-                                             ignore_index=-100)
+    want = torch.nn.functional.cross_entropy(
+        out.logits.reshape(-1, 1000).float(), batch["labels"].reshape(-1), ignore_index=-100
+    )
     assert torch.allclose(out.loss, want, rtol=0, atol=1e-6)
 
 
@@ -183,14 +217,16 @@ def test_forms_convert_in_the_loader_workers_and_resume(runs):
         got.append(item)
         if i == 4:
             state = loader.state_dict()
-    resumed = StatefulDataLoader(TokpackDataset(path, micro_batch=M, max_documents=12), batch_size=None,
-                                 num_workers=2, collate_fn=hf_flat_batch)
+    resumed = StatefulDataLoader(
+        TokpackDataset(path, micro_batch=M, max_documents=12), batch_size=None, num_workers=2, collate_fn=hf_flat_batch
+    )
     resumed.load_state_dict(state)
     for want, items in ((plain, got), (plain[5:], list(resumed))):
         assert len(want) == len(items)
         for a, b in zip(want, items):
             assert a.keys() == b.keys() and all(
-                torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+                torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
+            )
 
 
 def test_forms_refuse_a_batch_without_boundaries(runs):

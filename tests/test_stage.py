@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -33,8 +32,19 @@ def make_run(out: Path, source: Path, seq_len: int, shard_samples: int, epochs: 
     """A real shuffled run of `source` (in-memory path, one local task)."""
     from conftest import shuffle_run
 
-    shuffle_run([str(source)], str(out), seq_len=seq_len, seed=seed, epochs=list(range(epochs)), samples=None,
-                tokens=None, shard_samples=shard_samples, memory=8 << 20, jitter=False, log=None)
+    shuffle_run(
+        [str(source)],
+        str(out),
+        seq_len=seq_len,
+        seed=seed,
+        epochs=list(range(epochs)),
+        samples=None,
+        tokens=None,
+        shard_samples=shard_samples,
+        memory=8 << 20,
+        jitter=False,
+        log=None,
+    )
     return out
 
 
@@ -222,9 +232,14 @@ def test_parsers():
 
 
 @settings(max_examples=300, deadline=None)
-@given(world=st.integers(1, 9), micro=st.integers(1, 7), data=st.data(),
-       sizes=st.lists(st.integers(0, 40), min_size=1, max_size=30), offset=st.integers(0, 10_000),
-       bounded=st.booleans())
+@given(
+    world=st.integers(1, 9),
+    micro=st.integers(1, 7),
+    data=st.data(),
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=30),
+    offset=st.integers(0, 10_000),
+    bounded=st.booleans(),
+)
 def test_shards_for_ranks_matches_brute_force(world, micro, data, sizes, offset, bounded):
     ranks = sorted(data.draw(st.sets(st.integers(0, world - 1), min_size=1)))
     period = world * micro
@@ -354,8 +369,10 @@ def test_falls_back_to_user_space_copy(small_source, tmp_path, monkeypatch):
 
 def test_cli_stage_epochs_and_ranks(run_dir, tmp_path):
     run, _ = run_dir
-    r = CliRunner().invoke(main, ["stage", str(run), str(tmp_path / "d"), "--epochs", "1", "--shards-of", "1/4",
-                                  "--micro-batch", "5", "--json"])
+    r = CliRunner().invoke(
+        main,
+        ["stage", str(run), str(tmp_path / "d"), "--epochs", "1", "--shards-of", "1/4", "--micro-batch", "5", "--json"],
+    )
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["epochs"] == [1] and out["partial"] and out["ranks"] == [1] and out["world_size"] == 4

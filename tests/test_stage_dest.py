@@ -29,8 +29,20 @@ SEQ, W, M = 63, 4, 3
 
 
 def make_run(out: Path, sources, seed: int = 0, packing: str | None = None, samples=None) -> Path:
-    shuffle_run([str(s) for s in sources], str(out), seq_len=SEQ, seed=seed, epochs=[0, 1], samples=samples,
-                tokens=None, shard_samples=12, memory=8 << 20, jitter=False, log=None, packing=packing)
+    shuffle_run(
+        [str(s) for s in sources],
+        str(out),
+        seq_len=SEQ,
+        seed=seed,
+        epochs=[0, 1],
+        samples=samples,
+        tokens=None,
+        shard_samples=12,
+        memory=8 << 20,
+        jitter=False,
+        log=None,
+        packing=packing,
+    )
     return out
 
 
@@ -41,22 +53,32 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dest")
     src = write_source(root / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
     rng = np.random.default_rng(5)
-    mixed = [write_source(root / "big", random_docs(rng, 120, 1000, 0, 30, 60)),
-             write_source(root / "small", random_docs(rng, 40, 1000, 0, 1, 300))]
-    out = dict(run=make_run(root / "run", [src]), other=make_run(root / "other", [src], seed=1),
-               packed=make_run(root / "packed", mixed, seed=9, packing="best-fit", samples=120), src=src)
+    mixed = [
+        write_source(root / "big", random_docs(rng, 120, 1000, 0, 30, 60)),
+        write_source(root / "small", random_docs(rng, 40, 1000, 0, 1, 300)),
+    ]
+    out = dict(
+        run=make_run(root / "run", [src]),
+        other=make_run(root / "other", [src], seed=1),
+        packed=make_run(root / "packed", mixed, seed=9, packing="best-fit", samples=120),
+        src=src,
+    )
     stage(str(out["run"]), root / "whole")
     stage_slice(str(out["run"]), root / "slice01", ranks="0-1", world_size=W, micro_batch=M)
     stage_slice(str(out["run"]), root / "slice23", ranks="2-3", world_size=W, micro_batch=M)
     stage(str(out["other"]), root / "other-whole")
-    out.update(whole=root / "whole", slice01=root / "slice01", slice23=root / "slice23",
-               other_whole=root / "other-whole")
+    out.update(
+        whole=root / "whole", slice01=root / "slice01", slice23=root / "slice23", other_whole=root / "other-whole"
+    )
     return out
 
 
 def tree(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != "tokpack.lock"}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != "tokpack.lock"
+    }
 
 
 def copy_of(path: Path, to: Path, unfinish=()) -> Path:
@@ -88,8 +110,11 @@ def slice_args(run, dest, form="ranks"):
 
 
 @pytest.mark.parametrize("form", ["ranks", "node"])
-@pytest.mark.parametrize("unfinish", [(), (MANIFEST,), (MANIFEST, f"{epoch_dir_name(1)}/{MANIFEST}")],
-                         ids=["finished", "no-run-manifest", "one-epoch-manifest"])
+@pytest.mark.parametrize(
+    "unfinish",
+    [(), (MANIFEST,), (MANIFEST, f"{epoch_dir_name(1)}/{MANIFEST}")],
+    ids=["finished", "no-run-manifest", "one-epoch-manifest"],
+)
 def test_a_node_slice_into_a_whole_run_copy_is_refused(runs, tmp_path, form, unfinish):
     """The issue's case: the slice replaced the copy's epoch manifests, and the copy could no
     longer resume. Now nothing is written and the line says what DEST holds."""
@@ -111,14 +136,21 @@ def test_a_node_slice_into_shard_files_without_a_manifest_is_refused(runs, tmp_p
     refused(slice_args(runs["run"], dest), dest, "an unfinished copy of a source or epoch")
 
 
-@pytest.mark.parametrize("unfinish", [(), (MANIFEST,), (MANIFEST, f"{epoch_dir_name(0)}/{MANIFEST}",
-                                                       f"{epoch_dir_name(1)}/{MANIFEST}")],
-                         ids=["finished", "no-slice-manifest", "rank-files-only"])
+@pytest.mark.parametrize(
+    "unfinish",
+    [(), (MANIFEST,), (MANIFEST, f"{epoch_dir_name(0)}/{MANIFEST}", f"{epoch_dir_name(1)}/{MANIFEST}")],
+    ids=["finished", "no-slice-manifest", "rank-files-only"],
+)
 @pytest.mark.parametrize("how", ["whole", "shards-of"])
 def test_a_whole_run_stage_into_a_node_slice_is_refused(runs, tmp_path, unfinish, how):
     dest = copy_of(runs["slice01"], tmp_path / "d", unfinish)
-    words = ("a node slice of ranks 0-1 of 4" if not unfinish else "an unfinished node slice of ranks 0-1 of 4"
-             if len(unfinish) == 1 else "an unfinished node slice (epoch-00000/rank-00000.ds")
+    words = (
+        "a node slice of ranks 0-1 of 4"
+        if not unfinish
+        else "an unfinished node slice of ranks 0-1 of 4"
+        if len(unfinish) == 1
+        else "an unfinished node slice (epoch-00000/rank-00000.ds"
+    )
     extra = ["--shards-of", "0/4", "--micro-batch", M] if how == "shards-of" else []
     refused(["stage", runs["run"], dest, *extra], dest, words)
 
@@ -138,8 +170,13 @@ def test_an_epoch_into_an_unfinished_source_copy_and_back_is_refused(runs, tmp_p
     src_copy = tmp_path / "src-copy"
     stage(str(runs["src"]), src_copy)
     dest = copy_of(src_copy, tmp_path / "d", (MANIFEST,))
-    refused(["stage", runs["run"] / epoch_dir_name(0), dest], dest, "an unfinished copy of another directory",
-            "00000.ds", "bytes, this copy's is")
+    refused(
+        ["stage", runs["run"] / epoch_dir_name(0), dest],
+        dest,
+        "an unfinished copy of another directory",
+        "00000.ds",
+        "bytes, this copy's is",
+    )
     epoch_copy = tmp_path / "epoch-copy"
     stage(str(runs["run"] / epoch_dir_name(0)), epoch_copy)
     dest = copy_of(epoch_copy, tmp_path / "e", (MANIFEST,))
@@ -224,8 +261,12 @@ def test_a_slice_whose_sidecars_do_not_fit_is_refused_before_its_first_epoch(run
     assert need > tokens + FS_BLOCK * 3 * 2 * len(sp.epochs)  # .index, .rows, .metadata: a block at least each
     dest = tmp_path / "s"
     fake_free(monkeypatch, tokens + FS_BLOCK)
-    refused(["stage", runs[run], dest, "--ranks", "0-1", "--world-size", W, "--micro-batch", M], dest,
-            "not enough free space", str(need))
+    refused(
+        ["stage", runs[run], dest, "--ranks", "0-1", "--world-size", W, "--micro-batch", M],
+        dest,
+        "not enough free space",
+        str(need),
+    )
     assert not dest.exists() or not [p for p in dest.rglob("*") if p.name != "tokpack.lock"]
     fake_free(monkeypatch, need - 1)
     with pytest.raises(TokpackError, match="not enough free space"):
@@ -283,7 +324,12 @@ def test_a_best_fit_shard_without_its_pad_checksum_is_not_staged_as_unpadded(run
     del m["shards"][1]["pad_xxh3_128"]
     (run / epoch_dir_name(1) / MANIFEST).write_bytes(canonical_bytes(m))
     dest = tmp_path / "s"
-    line = refused(["stage", run, dest, "--ranks", "0-1", "--world-size", W, "--micro-batch", M], tmp_path / "s",
-                   "lacks its padding sidecar", "shards[1].pad_xxh3_128", f"{epoch_dir_name(1)}/{MANIFEST}")
+    line = refused(
+        ["stage", run, dest, "--ranks", "0-1", "--world-size", W, "--micro-batch", M],
+        tmp_path / "s",
+        "lacks its padding sidecar",
+        "shards[1].pad_xxh3_128",
+        f"{epoch_dir_name(1)}/{MANIFEST}",
+    )
     assert "HINT" in line
     assert not dest.exists() or not [p for p in dest.rglob("*") if p.name != "tokpack.lock"]

@@ -25,8 +25,22 @@ STEPS = 30
 
 def train(run: Path, tmp: Path, *args) -> dict[int, str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, str(EXAMPLE), str(run), "--steps", str(STEPS), "--checkpoint",
-                        str(tmp / "ckpt"), *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLE),
+            str(run),
+            "--steps",
+            str(STEPS),
+            "--checkpoint",
+            str(tmp / "ckpt"),
+            *map(str, args),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
 

@@ -30,8 +30,15 @@ def _limit_memory():
 
 
 def tokpack(*args, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tokpack.packer.cli", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=TIMEOUT, preexec_fn=_limit_memory, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "tokpack.packer.cli", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        preexec_fn=_limit_memory,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def refused(r: subprocess.CompletedProcess, *says: str) -> str:
@@ -53,20 +60,34 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("bounds")
     docs = random_docs(np.random.default_rng(3), 200, 1000, 0)
     src = write_source(root / "src", docs, docs_per_shard=40)
-    shuffle_run([str(src)], str(root / "run"), seq_len=63, seed=0, epochs=[0, 1], samples=None, tokens=None,
-                shard_samples=12, memory=8 << 20, jitter=False, log=None)
+    shuffle_run(
+        [str(src)],
+        str(root / "run"),
+        seq_len=63,
+        seed=0,
+        epochs=[0, 1],
+        samples=None,
+        tokens=None,
+        shard_samples=12,
+        memory=8 << 20,
+        jitter=False,
+        log=None,
+    )
     return src, root / "run"
 
 
 # ------------------------------------------------------------------ item 3: bounded by arithmetic
 
 
-@pytest.mark.parametrize("option, value, says", [
-    ("--epochs", "0-100000000000", ["100,000,000,000", "99,999"]),  # a range is never expanded before its check
-    ("--epochs", "3-5", ["epochs not in this run"]),
-    ("--shards-of", "0-99999999/100000000", ["world size", "100,000,000", "1,048,576"]),
-    ("--shards-of", "0-99999999/1000", ["bad --shards-of", "[0, 1000)"]),
-])
+@pytest.mark.parametrize(
+    "option, value, says",
+    [
+        ("--epochs", "0-100000000000", ["100,000,000,000", "99,999"]),  # a range is never expanded before its check
+        ("--epochs", "3-5", ["epochs not in this run"]),
+        ("--shards-of", "0-99999999/100000000", ["world size", "100,000,000", "1,048,576"]),
+        ("--shards-of", "0-99999999/1000", ["bad --shards-of", "[0, 1000)"]),
+    ],
+)
 def test_stage_selection_is_bounded_before_it_is_expanded(data, tmp_path, option, value, says):
     _, run = data
     refused(tokpack("stage", run, tmp_path / "dest", option, value), *says)
@@ -76,32 +97,42 @@ def test_stage_selection_is_bounded_before_it_is_expanded(data, tmp_path, option
 SHUFFLE = ["--seq-len", "63", "--seed", "1", "--memory", "1MiB"]
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--epochs", "1", "--samples", str(10**15)], ["passes over one source", "100,000"]),
-    (["--epochs", "1", "--tokens", "1000T"], ["passes over one source", "15,873,015,873,015"]),
-    (["--epochs", "1", "--samples", str(10**7), "--shard-samples", "1"], ["number of output shards", "10,000,000",
-                                                                          "1,000,000"]),
-    (["--epochs", str(10**12)], ["epoch count", "1,000,000,000,000", "100,000"]),
-    (["--epoch", str(10**12)], ["epoch number", "99,999"]),
-    # 496 windows each used 100,000+ times: the out-of-core passes would loop per repeat
-    (["--epochs", "1", "--samples", str(496 * 100_001)], ["passes over one source", "100,000"]),
-    # best-fit packs each pass to count its rows: 10^10 samples once ran on past a minute
-    (["--epochs", "1", "--samples", str(10**10), "--packing", "best-fit"], ["passes over one source", "100,000",
-                                                                            "rows a pass"]),
-    (["--epochs", "1", "--tokens", "1000T", "--packing", "best-fit"], ["passes over one source", "100,000"]),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--epochs", "1", "--samples", str(10**15)], ["passes over one source", "100,000"]),
+        (["--epochs", "1", "--tokens", "1000T"], ["passes over one source", "15,873,015,873,015"]),
+        (
+            ["--epochs", "1", "--samples", str(10**7), "--shard-samples", "1"],
+            ["number of output shards", "10,000,000", "1,000,000"],
+        ),
+        (["--epochs", str(10**12)], ["epoch count", "1,000,000,000,000", "100,000"]),
+        (["--epoch", str(10**12)], ["epoch number", "99,999"]),
+        # 496 windows each used 100,000+ times: the out-of-core passes would loop per repeat
+        (["--epochs", "1", "--samples", str(496 * 100_001)], ["passes over one source", "100,000"]),
+        # best-fit packs each pass to count its rows: 10^10 samples once ran on past a minute
+        (
+            ["--epochs", "1", "--samples", str(10**10), "--packing", "best-fit"],
+            ["passes over one source", "100,000", "rows a pass"],
+        ),
+        (["--epochs", "1", "--tokens", "1000T", "--packing", "best-fit"], ["passes over one source", "100,000"]),
+    ],
+)
 def test_shuffle_counts_are_bounded_before_allocation(data, tmp_path, args, says):
     src, _ = data
     refused(tokpack("shuffle", src, "-o", tmp_path / "out", *SHUFFLE, *args), *says)
     assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--epochs", str(10**12)], ["epoch count"]),
-    (["--epochs", "1", "--samples", str(10**7), "--shard-samples", "1"], ["number of output shards"]),
-    (["--epochs", "1", "--samples", str(496 * 100_001)], ["passes over one source"]),
-    (["--epochs", "1", "--samples", str(10**10), "--packing", "best-fit"], ["passes over one source"]),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--epochs", str(10**12)], ["epoch count"]),
+        (["--epochs", "1", "--samples", str(10**7), "--shard-samples", "1"], ["number of output shards"]),
+        (["--epochs", "1", "--samples", str(496 * 100_001)], ["passes over one source"]),
+        (["--epochs", "1", "--samples", str(10**10), "--packing", "best-fit"], ["passes over one source"]),
+    ],
+)
 def test_plan_shuffle_is_bounded_too(data, tmp_path, args, says):
     src, _ = data
     refused(tokpack("plan", "shuffle", src, "-o", tmp_path / "out", *SHUFFLE, "--disk-mbps", "100", *args), *says)
@@ -116,22 +147,31 @@ def _schedule(tmp_path: Path, src: Path, body: str) -> Path:
 def test_schedule_alias_bomb_is_refused(data, tmp_path):
     src, _ = data
     lines = ['a: &a ["x","x","x","x","x","x","x","x","x","x"]']
-    lines += [f"{chr(ord('b') + i)}: &{chr(ord('b') + i)} [{','.join(['*' + chr(ord('a') + i)] * 10)}]"
-              for i in range(8)]  # 10^9 strings once expanded
+    lines += [
+        f"{chr(ord('b') + i)}: &{chr(ord('b') + i)} [{','.join(['*' + chr(ord('a') + i)] * 10)}]" for i in range(8)
+    ]  # 10^9 strings once expanded
     bomb = tmp_path / "bomb.yaml"
-    bomb.write_text("\n".join(lines) + f"\nseq_len: 63\nseed: 1\nstages: [{{name: a, sources: {{{src}: 1}}, epochs: 1}}]\n")
+    bomb.write_text(
+        "\n".join(lines) + f"\nseq_len: 63\nseed: 1\nstages: [{{name: a, sources: {{{src}: 1}}, epochs: 1}}]\n"
+    )
     refused(tokpack("shuffle", "--schedule", bomb, "-o", tmp_path / "out", "--memory", "1MiB"), "alias", "line 2")
 
 
-@pytest.mark.parametrize("body, says", [
-    ("  - {name: a, sources: {SRC: 1}, epochs: 1000000000000}\n", ["epoch count", "100,000"]),
-    ("".join(f"  - {{name: s{i}, sources: {{SRC: 1}}, epochs: 1000}}\n" for i in range(101)), ["epoch count"]),
-    ("  - {name: a, sources: {SRC: 1}, tokens: 1000T}\n", ["passes over one source"]),
-], ids=["epochs-10^12", "101-stages-of-1000-epochs", "tokens-1000T"])
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ("  - {name: a, sources: {SRC: 1}, epochs: 1000000000000}\n", ["epoch count", "100,000"]),
+        ("".join(f"  - {{name: s{i}, sources: {{SRC: 1}}, epochs: 1000}}\n" for i in range(101)), ["epoch count"]),
+        ("  - {name: a, sources: {SRC: 1}, tokens: 1000T}\n", ["passes over one source"]),
+    ],
+    ids=["epochs-10^12", "101-stages-of-1000-epochs", "tokens-1000T"],
+)
 def test_schedule_sizes_are_bounded(data, tmp_path, body, says):
     src, _ = data
-    refused(tokpack("shuffle", "--schedule", _schedule(tmp_path, src, body), "-o", tmp_path / "out",
-                    "--memory", "1MiB"), *says)
+    refused(
+        tokpack("shuffle", "--schedule", _schedule(tmp_path, src, body), "-o", tmp_path / "out", "--memory", "1MiB"),
+        *says,
+    )
 
 
 def test_huge_schedule_file_is_not_read_whole(data, tmp_path):
@@ -142,11 +182,14 @@ def test_huge_schedule_file_is_not_read_whole(data, tmp_path):
     refused(tokpack("shuffle", "--schedule", path, "-o", tmp_path / "out"), "schedule file size", "1,048,576")
 
 
-@pytest.mark.parametrize("args", [
-    ["--start-sample", str(10**18)],
-    ["--world-size", str(10**12), "--rank", "5"],
-    ["--micro-batch", str(10**12)],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--start-sample", str(10**18)],
+        ["--world-size", str(10**12), "--rank", "5"],
+        ["--micro-batch", str(10**12)],
+    ],
+)
 def test_read_positions_beyond_the_run_are_refused(data, args):
     _, run = data
     refused(tokpack("read", run, *args))
@@ -162,8 +205,22 @@ def test_read_count_is_a_limit_not_an_allocation(data):
 def test_plan_warns_when_an_in_memory_epoch_exceeds_this_machines_ram(tmp_path):
     """--memory above the RAM picks the in-memory path for an epoch no machine holds (22 TB)."""
     source = "virtual:tokens=11T,documents=5.5B,dtype=uint16"
-    args = ["plan", "shuffle", source, "-o", tmp_path / "out", "--seq-len", "2047", "--seed", "1", "--epochs", "1",
-            "--disk-mbps", "100", "--json"]
+    args = [
+        "plan",
+        "shuffle",
+        source,
+        "-o",
+        tmp_path / "out",
+        "--seq-len",
+        "2047",
+        "--seed",
+        "1",
+        "--epochs",
+        "1",
+        "--disk-mbps",
+        "100",
+        "--json",
+    ]
     big = tokpack(*args, "--memory", "1000T")
     assert big.returncode == 0, big.stderr
     plan = json.loads(big.stdout)
@@ -178,8 +235,19 @@ def test_plan_warns_when_an_in_memory_epoch_exceeds_this_machines_ram(tmp_path):
 def test_plan_pack_sizes_a_manifest_of_tiny_shards_without_listing_them(tmp_path):
     """--shard-tokens 1 over 10^7 tokens: the plan sized a manifest of 10^7 entries by building them."""
     np.save(tmp_path / "tokens.npy", np.ones(10**7, dtype=np.uint16))
-    r = tokpack("plan", "pack", tmp_path / "tokens.npy", "-o", tmp_path / "out", *PACK, "--shard-tokens", "1",
-                "--disk-mbps", "100", "--json")
+    r = tokpack(
+        "plan",
+        "pack",
+        tmp_path / "tokens.npy",
+        "-o",
+        tmp_path / "out",
+        *PACK,
+        "--shard-tokens",
+        "1",
+        "--disk-mbps",
+        "100",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     plan = json.loads(r.stdout)
     assert plan["shards"] == 10**7 and plan["manifests"]["tokpack.json"] > 10**7 * 200
@@ -193,8 +261,7 @@ def test_shuffle_refuses_a_user_file_in_an_epoch_folder_before_writing(data, tmp
     out = tmp_path / "run"
     (out / "epoch-00000").mkdir(parents=True)
     (out / "epoch-00000" / "notes.txt").write_text("mine")
-    line = refused(tokpack("shuffle", src, "-o", out, *SHUFFLE, "--epochs", "1"), "notes.txt",
-                   "tokpack did not write")
+    line = refused(tokpack("shuffle", src, "-o", out, *SHUFFLE, "--epochs", "1"), "notes.txt", "tokpack did not write")
     assert str(out / "epoch-00000" / "notes.txt") in line
     assert (out / "epoch-00000" / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in out.rglob("*")) == ["epoch-00000", "notes.txt"]  # nothing written
@@ -202,19 +269,23 @@ def test_shuffle_refuses_a_user_file_in_an_epoch_folder_before_writing(data, tmp
 
 def _jsonl(path: Path, rows: int, seed: int) -> Path:
     rng = np.random.default_rng(seed)
-    path.write_text("".join(json.dumps({"input_ids": rng.integers(1, 1000, 20).tolist() + [0]}) + "\n"
-                            for _ in range(rows)))
+    path.write_text(
+        "".join(json.dumps({"input_ids": rng.integers(1, 1000, 20).tolist() + [0]}) + "\n" for _ in range(rows))
+    )
     return path
 
 
 PACK = ["--eos-id", "0", "--vocab-size", "1000"]
 
 
-@pytest.mark.parametrize("name, folder", [
-    ("notes.ds", True),  # named like a shard, but a user's folder: main deleted it recursively
-    ("mine.ds.index", False),  # a shard suffix on a name tokpack never gives
-    ("draft.tmp-v2", False),  # the temporary mark, but not tokpack's FINAL.tmp-PID-HEX
-])
+@pytest.mark.parametrize(
+    "name, folder",
+    [
+        ("notes.ds", True),  # named like a shard, but a user's folder: main deleted it recursively
+        ("mine.ds.index", False),  # a shard suffix on a name tokpack never gives
+        ("draft.tmp-v2", False),  # the temporary mark, but not tokpack's FINAL.tmp-PID-HEX
+    ],
+)
 def test_pack_overwrite_replaces_only_its_own_files(tmp_path, name, folder):
     out = tmp_path / "out"
     assert tokpack("pack", _jsonl(tmp_path / "a.jsonl", 30, 1), "-o", out, *PACK).returncode == 0
@@ -265,8 +336,11 @@ def test_pack_refuses_the_same_input_twice(tmp_path, how):
 # ------------------------------------------------------------------ item 5: exit codes mean one thing
 
 
-@pytest.mark.parametrize("content", [b"garbage", b"[1, 2]", b'"text"', b'{"host": "HOST", "pid": [1]}', b""],
-                         ids=["not-json", "a-list", "a-string", "pid-of-wrong-type", "empty"])
+@pytest.mark.parametrize(
+    "content",
+    [b"garbage", b"[1, 2]", b'"text"', b'{"host": "HOST", "pid": [1]}', b""],
+    ids=["not-json", "a-list", "a-string", "pid-of-wrong-type", "empty"],
+)
 def test_a_lock_that_names_no_holder_is_one_line_with_how_to_clear_it(data, tmp_path, content):
     import socket
 
@@ -275,8 +349,7 @@ def test_a_lock_that_names_no_holder_is_one_line_with_how_to_clear_it(data, tmp_
     out.mkdir()
     lock = out / "tokpack.lock"
     lock.write_bytes(content.replace(b"HOST", socket.gethostname().encode()))
-    line = refused(tokpack("shuffle", src, "-o", out, *SHUFFLE, "--epochs", "1"), "names no command",
-                   f"delete {lock}")
+    line = refused(tokpack("shuffle", src, "-o", out, *SHUFFLE, "--epochs", "1"), "names no command", f"delete {lock}")
     assert "None" not in line
     assert lock.exists() and sorted(p.name for p in out.iterdir()) == ["tokpack.lock"]  # not taken, nothing written
 
@@ -292,17 +365,23 @@ def test_a_damaged_pack_work_record_is_one_line_and_overwrite_replaces_it(tmp_pa
     assert tokpack("validate", out).returncode == 0
 
 
-DEAD_STORE = {"AWS_ENDPOINT_URL": "http://127.0.0.1:1", "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-              "AWS_MAX_ATTEMPTS": "1"}  # nothing listens on port 1
+DEAD_STORE = {
+    "AWS_ENDPOINT_URL": "http://127.0.0.1:1",
+    "AWS_ACCESS_KEY_ID": "test",
+    "AWS_SECRET_ACCESS_KEY": "test",
+    "AWS_MAX_ATTEMPTS": "1",
+}  # nothing listens on port 1
 
 
 @pytest.mark.parametrize("command", ["shuffle", "pack", "validate --against"])
 def test_an_unreachable_store_is_exit_1_not_a_bug(data, tmp_path, command):
     require("s3fs", "pip install s3fs")
     src, run = data
-    args = {"shuffle": ["shuffle", "s3://nowhere/src", "-o", tmp_path / "out", *SHUFFLE, "--epochs", "1"],
-            "pack": ["pack", "s3://nowhere/a.jsonl", "-o", tmp_path / "out", *PACK],
-            "validate --against": ["validate", run / "epoch-00000", "--against", "s3://nowhere/src"]}[command]
+    args = {
+        "shuffle": ["shuffle", "s3://nowhere/src", "-o", tmp_path / "out", *SHUFFLE, "--epochs", "1"],
+        "pack": ["pack", "s3://nowhere/a.jsonl", "-o", tmp_path / "out", *PACK],
+        "validate --against": ["validate", run / "epoch-00000", "--against", "s3://nowhere/src"],
+    }[command]
     refused(tokpack(*args, env=DEAD_STORE), "s3://nowhere/", "AWS_ENDPOINT_URL")
 
 
@@ -320,8 +399,11 @@ def test_a_damaged_work_record_in_the_bucket_is_one_line(s3_bucket, tmp_path):
     assert json.loads(fs.cat(f"{bucket}/out/tokpack.json"))["kind"] == "source"
 
 
-@pytest.mark.parametrize("args", [["--ranks", "0-99999999", "--world-size", "100000000"],
-                                  ["--node", "0/2", "--ranks-per-node", "300"]], ids=["ranks", "node"])
+@pytest.mark.parametrize(
+    "args",
+    [["--ranks", "0-99999999", "--world-size", "100000000"], ["--node", "0/2", "--ranks-per-node", "300"]],
+    ids=["ranks", "node"],
+)
 def test_a_node_slice_of_too_many_ranks_is_refused_before_writing(tmp_path, args):
     """A slice writes one file per rank at once: 10^8 ranks ran out of open files after writing
     ~20,000 temporaries. The count is refused by arithmetic, and nothing is written."""
@@ -329,19 +411,40 @@ def test_a_node_slice_of_too_many_ranks_is_refused_before_writing(tmp_path, args
     import sys
 
     dest = tmp_path / "slice"
-    r = subprocess.run([sys.executable, "-m", "tokpack.packer.cli", "stage", str(tmp_path / "no-run"), str(dest), *args,
-                        "--micro-batch", "2"], capture_output=True, text=True, cwd=Path(__file__).parent.parent,
-                       timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokpack.packer.cli",
+            "stage",
+            str(tmp_path / "no-run"),
+            str(dest),
+            *args,
+            "--micro-batch",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+        timeout=120,
+    )
     lines = [x for x in r.stderr.splitlines() if x.startswith("tokpack")]
     assert r.returncode == 1 and len(lines) == 1, r.stderr
     assert "ranks in one node slice is too large" in lines[0] and "at most 256" in lines[0], lines[0]
     assert not dest.exists()
 
 
-@pytest.mark.parametrize("args,said", [
-    (["--ranks", "0", "--world-size", str(10**15), "--micro-batch", "1"], "world size is too large"),
-    (["--ranks", "0-1", "--world-size", "4", "--micro-batch", str(10**15)], "samples in a global batch (W*m) is too large"),
-], ids=["world-size", "micro-batch"])
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (["--ranks", "0", "--world-size", str(10**15), "--micro-batch", "1"], "world size is too large"),
+        (
+            ["--ranks", "0-1", "--world-size", "4", "--micro-batch", str(10**15)],
+            "samples in a global batch (W*m) is too large",
+        ),
+    ],
+    ids=["world-size", "micro-batch"],
+)
 def test_a_node_slice_of_an_impossible_global_batch_is_refused_before_writing(tmp_path, args, said):
     """--micro-batch 10^15 once asked numpy for 14 PiB (exit 70): W and W*m are refused by
     arithmetic before the run is opened, and nothing is written."""
@@ -349,8 +452,13 @@ def test_a_node_slice_of_an_impossible_global_batch_is_refused_before_writing(tm
     import sys
 
     dest = tmp_path / "slice"
-    r = subprocess.run([sys.executable, "-m", "tokpack.packer.cli", "stage", str(tmp_path / "no-run"), str(dest), *args],
-                       capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "tokpack.packer.cli", "stage", str(tmp_path / "no-run"), str(dest), *args],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+        timeout=120,
+    )
     lines = [x for x in r.stderr.splitlines() if x.startswith("tokpack")]
     assert r.returncode == 1 and len(lines) == 1, r.stderr
     assert said in lines[0] and "HINT" in lines[0], lines[0]

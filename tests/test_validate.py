@@ -38,8 +38,19 @@ def make_run(src: Path, out: Path, seed: int, epochs: list[int]) -> Path:
     """A real shuffled run (tokpack.shuffle.run), small shards so epochs have several."""
     from tests.conftest import shuffle_run
 
-    shuffle_run([str(src)], str(out), seq_len=SEQ_LEN, seed=seed, epochs=epochs, samples=None, tokens=None,
-                shard_samples=SHARD_SAMPLES, memory=1 << 20, jitter=False, log=None)
+    shuffle_run(
+        [str(src)],
+        str(out),
+        seq_len=SEQ_LEN,
+        seed=seed,
+        epochs=epochs,
+        samples=None,
+        tokens=None,
+        shard_samples=SHARD_SAMPLES,
+        memory=1 << 20,
+        jitter=False,
+        log=None,
+    )
     return out
 
 
@@ -208,8 +219,14 @@ FAULTS = {
     "bit flip in an epoch index": (E0, lambda env: flip_bit(env / E0 / "00000.ds.index", 8 * 2, 0)),
     "bit flip in a source manifest value": ("src", lambda env: _manifest_value(env / "src", "documents")),
     "bit flip in an epoch manifest value": (E0, lambda env: _manifest_value(env / E0, "seed")),
-    "truncated source shard": ("src", lambda env: (env / "src/00002.ds").write_bytes((env / "src/00002.ds").read_bytes()[:-2])),
-    "truncated epoch shard": (E0, lambda env: (env / E0 / "00000.ds").write_bytes((env / E0 / "00000.ds").read_bytes()[:-ROW * 2])),
+    "truncated source shard": (
+        "src",
+        lambda env: (env / "src/00002.ds").write_bytes((env / "src/00002.ds").read_bytes()[:-2]),
+    ),
+    "truncated epoch shard": (
+        E0,
+        lambda env: (env / E0 / "00000.ds").write_bytes((env / E0 / "00000.ds").read_bytes()[: -ROW * 2]),
+    ),
     "extended epoch shard": (E0, lambda env: (env / E0 / "00000.ds").open("ab").write(b"\x01\x00" * ROW)),
     "extended source shard": ("src", lambda env: (env / "src/00000.ds").open("ab").write(b"\x00\x00")),
     "deleted shard": (E0, _delete_shard),
@@ -224,7 +241,10 @@ FAULTS = {
     "token >= vocab_size, checksums rewritten": ("src", lambda env: _set_token(env, 10, VOCAB + 5, True)),
     "missing EOS": ("src", lambda env: _missing_eos(env, False)),
     "missing EOS, checksums rewritten": ("src", lambda env: _missing_eos(env, True)),
-    "epoch manifest from another run": (E0, lambda env: shutil.copy(env / "other/epoch-00000" / MANIFEST, env / E0 / MANIFEST)),
+    "epoch manifest from another run": (
+        E0,
+        lambda env: shutil.copy(env / "other/epoch-00000" / MANIFEST, env / E0 / MANIFEST),
+    ),
     "empty shard file": (E0, lambda env: (env / E0 / "00001.ds").write_bytes(b"")),
     "empty metadata file": ("src", lambda env: (env / "src/00000.ds.metadata").write_bytes(b"")),
     "wrong dtype label": ("src", _dtype_label),
@@ -241,8 +261,11 @@ def detect(env: Path, target: str) -> dict:
     path = env / ("run" if target.startswith("run") else target)
     full = validate_all([str(path)], quick=False, against=[], workers=2, show_progress=False)
     quick = validate_all([str(path)], quick=True, against=[], workers=1, show_progress=False)
-    against = validate_all([str(path)], quick=False, against=[str(env / "src")], show_progress=False) \
-        if target != "src" else full
+    against = (
+        validate_all([str(path)], quick=False, against=[str(env / "src")], show_progress=False)
+        if target != "src"
+        else full
+    )
     return {"full": full, "quick": quick, "against": against}
 
 
@@ -261,8 +284,13 @@ def detections(base, tmp_path_factory) -> dict:
 
 def test_clean_directories_validate(base):
     for quick in (False, True):
-        r = validate_all([str(base / "src"), str(base / "run"), str(base / "other")], quick=quick,
-                         against=[str(base / "src")], workers=2, show_progress=False)
+        r = validate_all(
+            [str(base / "src"), str(base / "run"), str(base / "other")],
+            quick=quick,
+            against=[str(base / "src")],
+            workers=2,
+            show_progress=False,
+        )
         assert r["ok"], r["lines"]
         assert r["status"] == "ok" and r["problems"] == []
         assert {d["kind"] for d in r["dirs"]} == {"source", "run", "epoch"}
@@ -288,14 +316,21 @@ def test_detection_table(detections, capsys):
     for fault, (target, _) in FAULTS.items():
         r = detections[fault]
         first = (r["against"] if fault in NEEDS_AGAINST else r["full"])["problems"][0]
-        rows.append((fault, target.split("/")[0], not r["quick"]["ok"], not r["full"]["ok"], not r["against"]["ok"],
-                     first["message"] + (f" [{first['where']}]" if first["where"] else "")))
+        rows.append(
+            (
+                fault,
+                target.split("/")[0],
+                not r["quick"]["ok"],
+                not r["full"]["ok"],
+                not r["against"]["ok"],
+                first["message"] + (f" [{first['where']}]" if first["where"] else ""),
+            )
+        )
     assert all(full or (fault in NEEDS_AGAINST and against) for fault, _, _, full, against, _ in rows)
     assert all(against for *_, against, _ in rows)
     width = max(len(r[0]) for r in rows)
     yes = lambda b: "yes" if b else "-"  # noqa: E731
-    lines = [f"{'fault':<{width}}  dir  quick  full  against  first problem reported",
-             "-" * (width + 70)]
+    lines = [f"{'fault':<{width}}  dir  quick  full  against  first problem reported", "-" * (width + 70)]
     lines += [f"{f:<{width}}  {t:<3}  {yes(q):<5}  {yes(fu):<4}  {yes(a):<7}  {m}" for f, t, q, fu, a, m in rows]
     with capsys.disabled():
         print("\n\nvalidate: fault detection (quick / full / full --against SOURCE)\n" + "\n".join(lines) + "\n")
@@ -316,7 +351,10 @@ def test_incomplete_is_not_corrupt(env):
 
 def test_wrong_paths_are_errors_not_incomplete(env):
     r = validate_all([str(env / "src/00000.ds"), str(env / "nope")], quick=True, against=[], workers=1)
-    assert r["status"] == "corrupt" and [p["message"] for p in r["problems"]] == ["not a directory", "no such directory"]
+    assert r["status"] == "corrupt" and [p["message"] for p in r["problems"]] == [
+        "not a directory",
+        "no such directory",
+    ]
     assert _all_lines(r)[0] == (str(env / "src/00000.ds"), None, "a tokpack directory", "a file", "not a directory")
 
 
@@ -350,7 +388,9 @@ def test_problem_lines_name_file_where_expected_found(env):
 
 def test_cli_exit_codes_and_json(env):
     cmd = [sys.executable, "-m", "tokpack.packer.cli", "validate"]
-    ok = subprocess.run(cmd + [str(env / "src"), "--json"], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    ok = subprocess.run(
+        cmd + [str(env / "src"), "--json"], capture_output=True, text=True, cwd=Path(__file__).parents[1]
+    )
     assert ok.returncode == 0, ok.stderr
     rep = json.loads(ok.stdout)
     assert rep["ok"] and rep["files"] > 0 and rep["mb_per_s"] >= 0 and {"bytes", "seconds"} <= rep.keys()
@@ -415,13 +455,29 @@ def test_real_pack_and_weighted_jittered_shuffle_validate(tmp_path):
     from tests.conftest import shuffle_run
 
     rng = np.random.default_rng(5)
-    (tmp_path / "in.jsonl").write_text("".join(
-        json.dumps({"input_ids": rng.integers(1, VOCAB, int(rng.integers(1, 90))).tolist()}) + "\n" for _ in range(150)))
+    (tmp_path / "in.jsonl").write_text(
+        "".join(
+            json.dumps({"input_ids": rng.integers(1, VOCAB, int(rng.integers(1, 90))).tolist()}) + "\n"
+            for _ in range(150)
+        )
+    )
     pack([str(tmp_path / "in.jsonl")], str(tmp_path / "a"), eos_id=EOS, vocab_size=VOCAB, shard_tokens=2500)
     write_source(tmp_path / "b", random_docs(np.random.default_rng(6), 20, VOCAB, EOS, max_len=60), vocab_size=VOCAB)
     sources = [str(tmp_path / "a"), str(tmp_path / "b")]
-    shuffle_run(sources, str(tmp_path / "run"), weights=["0.3", "0.7"], seq_len=SEQ_LEN, seed=4, epochs=[0, 1, 2], samples=300,
-                tokens=None, shard_samples=40, memory=1 << 20, jitter=True, log=None)
+    shuffle_run(
+        sources,
+        str(tmp_path / "run"),
+        weights=["0.3", "0.7"],
+        seq_len=SEQ_LEN,
+        seed=4,
+        epochs=[0, 1, 2],
+        samples=300,
+        tokens=None,
+        shard_samples=40,
+        memory=1 << 20,
+        jitter=True,
+        log=None,
+    )
     dirs = [str(tmp_path / x) for x in ("a", "b", "run")]
     r = validate_all(dirs, quick=False, against=dirs[:2], workers=2, show_progress=False)
     assert r["ok"], r["lines"]
@@ -442,8 +498,20 @@ def test_against_one_source_of_a_mixed_run_is_unverified_not_corrupt(tmp_path):
 
     web = write_source(tmp_path / "web", random_docs(np.random.default_rng(1), 60, VOCAB, EOS), vocab_size=VOCAB)
     code = write_source(tmp_path / "code", random_docs(np.random.default_rng(2), 40, VOCAB, EOS), vocab_size=VOCAB)
-    shuffle_run([str(web), str(code)], str(tmp_path / "run"), weights=["0.7", "0.3"], seq_len=SEQ_LEN, seed=1, epochs=[0, 1],
-                samples=200, tokens=None, shard_samples=50, memory=1 << 20, jitter=False, log=None)
+    shuffle_run(
+        [str(web), str(code)],
+        str(tmp_path / "run"),
+        weights=["0.7", "0.3"],
+        seq_len=SEQ_LEN,
+        seed=1,
+        epochs=[0, 1],
+        samples=200,
+        tokens=None,
+        shard_samples=50,
+        memory=1 << 20,
+        jitter=False,
+        log=None,
+    )
     code_fp = load(code)["fingerprint"]
     cmd = [sys.executable, "-m", "tokpack.packer.cli", "validate", str(tmp_path / "run"), "--against", str(web)]
     human = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
@@ -515,7 +583,12 @@ def test_an_unreadable_shard_file_is_still_a_data_problem(env):
     assert not r["ok"] and r["status"] == "corrupt"
     (p,) = r["problems"]
     assert (p["file"], p["where"], p["expected"], p["found"], p["message"]) == (
-        str(meta), None, "a regular file", "a directory", "not a regular file"), r["lines"]
+        str(meta),
+        None,
+        "a regular file",
+        "a directory",
+        "not a regular file",
+    ), r["lines"]
 
 
 # ------------------------------------------------------------------ checks no other check covers
@@ -548,10 +621,11 @@ def test_swapped_rows_fail_on_the_token_checksum(env, tmp_path):
     before = next(s for s in load(env / E0)["shards"] if s["path"] == "00000.ds")
     assert entry["multiset_hash"] == before["multiset_hash"] and entry["xxh3_128"] != before["xxh3_128"]
     r = validate_all([str(env / "run")], quick=False, against=[str(env / "src")], workers=1, show_progress=False)
-    assert [(Path(p["file"]).name, p["where"], p["message"]) for p in r["problems"]] == \
-        [("00000.ds", "xxh3_128", "checksum mismatch"),
-         ("00000.ds.rows", "entry 0", "row hash disagrees with the sample"),
-         ("00000.ds", "order_hash", "sample order differs from the plan (1 of 27 shards checked differ)")], r["lines"]
+    assert [(Path(p["file"]).name, p["where"], p["message"]) for p in r["problems"]] == [
+        ("00000.ds", "xxh3_128", "checksum mismatch"),
+        ("00000.ds.rows", "entry 0", "row hash disagrees with the sample"),
+        ("00000.ds", "order_hash", "sample order differs from the plan (1 of 27 shards checked differ)"),
+    ], r["lines"]
     assert r["status"] == "corrupt"
 
 
@@ -569,10 +643,18 @@ def test_epoch_index_with_fewer_entries_than_samples(env, quick):
     reseal_epoch_index(env / E0, "00001.ds")
     r = validate_all([str(env / "run")], quick=quick, against=[], workers=1, show_progress=False)
     assert not r["ok"] and r["status"] == "corrupt", r["lines"]
-    assert [(p["where"], p["expected"], p["found"], p["message"]) for p in r["problems"]
-            if p["file"].endswith("00001.ds.index")] == [
-        ("size", f"a multiple of 8 in [{8 * SHARD_SAMPLES}, {8 * SHARD_SAMPLES * ROW}] bytes", "56 bytes",
-         "index size impossible for this shard")], r["lines"]
+    assert [
+        (p["where"], p["expected"], p["found"], p["message"])
+        for p in r["problems"]
+        if p["file"].endswith("00001.ds.index")
+    ] == [
+        (
+            "size",
+            f"a multiple of 8 in [{8 * SHARD_SAMPLES}, {8 * SHARD_SAMPLES * ROW}] bytes",
+            "56 bytes",
+            "index size impossible for this shard",
+        )
+    ], r["lines"]
 
 
 def _index_fault(path: Path, how: str) -> int:
@@ -631,8 +713,12 @@ def _edit(m: dict, path: str, value) -> None:
 # (where, expected, found); the base run has 210 samples in 27 shards of 8, 15 dropped tokens.
 MANIFEST_EDITS = [
     (E0, "sources.0.offset", 3, ("sources[0].offset", "< 16 and 0 without jitter", "3")),
-    (E0, "sources.0.windows", lambda v: v + 1,
-     ("sources[0].windows", "windows x 16 + dropped_tokens == tokens (3375)", "211 x 16 + 15")),
+    (
+        E0,
+        "sources.0.windows",
+        lambda v: v + 1,
+        ("sources[0].windows", "windows x 16 + dropped_tokens == tokens (3375)", "211 x 16 + 15"),
+    ),
     (E0, "sources.0.first_pass", 1, ("sources[0].first_pass/passes", "0/1 (epoch 0, 210 of 210 windows)", "1/1")),
     (E0, "sources.0.passes", 2, ("sources[0].first_pass/passes", "0/1 (epoch 0, 210 of 210 windows)", "0/2")),
     (E0, "jitter_offsets", [5], ("jitter_offsets[0]", "0", "5")),
@@ -645,8 +731,12 @@ MANIFEST_EDITS = [
     (E0, "shards.0.samples", lambda v: v - 1, ("shards[0].samples", "8", "7")),
     (E0, "shards.26.samples", SHARD_SAMPLES + 1, ("shards[26].samples", "1..8", "9")),
     (E0, "sources.0", 5, ("sources[0]", "an object", "5")),
-    (E0, "sample_multiset_hash", "0" * 16,
-     ("sample_multiset_hash", "e73f96199c6c04f9 (sum of the shards' multiset_hash)", "0000000000000000")),
+    (
+        E0,
+        "sample_multiset_hash",
+        "0" * 16,
+        ("sample_multiset_hash", "e73f96199c6c04f9 (sum of the shards' multiset_hash)", "0000000000000000"),
+    ),
     (E0, "shards.0.xxh3_128", "XYZ", ("shards[0].xxh3_128", "32 lowercase hex digits", "'XYZ'")),
     (E0, "seed", None, ("seed", "field 'seed'", "no such field")),
     (E0, "seed", "1", ("seed", "a JSON int", "'1'")),
@@ -660,8 +750,11 @@ MANIFEST_EDITS = [
 ]
 
 
-@pytest.mark.parametrize("target,field,value,problem", MANIFEST_EDITS,
-                         ids=[f"{t}:{f}={v if not callable(v) else 'edit'}" for t, f, v, _ in MANIFEST_EDITS])
+@pytest.mark.parametrize(
+    "target,field,value,problem",
+    MANIFEST_EDITS,
+    ids=[f"{t}:{f}={v if not callable(v) else 'edit'}" for t, f, v, _ in MANIFEST_EDITS],
+)
 def test_manifest_field_checks(env, target, field, value, problem):
     """Each consistency rule of a manifest, broken alone: validation names that field, what it
     expected and what it found."""
@@ -709,11 +802,15 @@ def _loss_value(src: Path, value: int, reseal: bool) -> None:
 LOSS_FAULTS = {
     "clean": (lambda src: None, []),
     "value 2": (lambda src: _loss_value(src, 2, True), [("00001.ds.loss", "byte 7", "loss mask value invalid")]),
-    "flipped 0/1": (lambda src: _loss_value(src, 1 - int(np.fromfile(src / "00001.ds.loss", np.uint8)[7]), False),
-                    [("00001.ds.loss", "xxh3_128", "checksum mismatch")]),
+    "flipped 0/1": (
+        lambda src: _loss_value(src, 1 - int(np.fromfile(src / "00001.ds.loss", np.uint8)[7]), False),
+        [("00001.ds.loss", "xxh3_128", "checksum mismatch")],
+    ),
     "missing": (lambda src: (src / "00000.ds.loss").unlink(), [("00000.ds.loss", None, "loss mask missing")]),
-    "short": (lambda src: (src / "00000.ds.loss").write_bytes((src / "00000.ds.loss").read_bytes()[:-1]),
-              [("00000.ds.loss", "size", "loss mask size wrong")]),
+    "short": (
+        lambda src: (src / "00000.ds.loss").write_bytes((src / "00000.ds.loss").read_bytes()[:-1]),
+        [("00000.ds.loss", "size", "loss mask size wrong")],
+    ),
     "unlisted": (lambda src: _unlist_loss(src), [("00000.ds.loss", None, "file not listed in the manifest")]),
 }
 
@@ -745,8 +842,9 @@ def test_quick_mode_streams_the_index_in_small_chunks(env, monkeypatch):
     a[5] = a[4]
     a.tofile(env / E0 / "00002.ds.index")
     r = validate_dirs([env / "run"], quick=True, workers=1)
-    assert [(Path(p.file).name, p.where, p.message) for p in r.problems] == \
-        [("00002.ds.index", "entry 5", "index does not increase")]
+    assert [(Path(p.file).name, p.where, p.message) for p in r.problems] == [
+        ("00002.ds.index", "entry 5", "index does not increase")
+    ]
 
 
 def test_whole_problem_for_size_and_entry_faults(env):
@@ -759,25 +857,39 @@ def test_whole_problem_for_size_and_entry_faults(env):
         r = validate_all([str(env / "run")], quick=True, against=[], workers=1, show_progress=False)
         return {(Path(p["file"]).name, p["where"], p["expected"], p["found"], p["message"]) for p in r["problems"]}
 
-    assert ("00000.ds", "size", "256 bytes (128 tokens x 2)", "192 bytes",
-            "shard size does not match the manifest") in problems()
+    assert (
+        "00000.ds",
+        "size",
+        "256 bytes (128 tokens x 2)",
+        "192 bytes",
+        "shard size does not match the manifest",
+    ) in problems()
     m = load(env / "run")
     m["sources"][0] = 5
     save(env / "run", m)
     assert (MANIFEST, "sources[0]", "an object", "5", "bad source entry") in problems()
 
 
-@pytest.mark.parametrize("target,field,value,problem", [
-    (E0, "seq_len", -1, ("seq_len", ">= 1", "-1", "manifest field out of range")),
-    ("src", "eos_id", -1, ("eos_id", ">= 0", "-1", "manifest field out of range")),
-    ("src", "documents", lambda v: v + 1, ("documents", "60 (sum over shards)", "61", "document count wrong")),
-], ids=["seq_len", "eos_id", "documents"])
+@pytest.mark.parametrize(
+    "target,field,value,problem",
+    [
+        (E0, "seq_len", -1, ("seq_len", ">= 1", "-1", "manifest field out of range")),
+        ("src", "eos_id", -1, ("eos_id", ">= 0", "-1", "manifest field out of range")),
+        ("src", "documents", lambda v: v + 1, ("documents", "60 (sum over shards)", "61", "document count wrong")),
+    ],
+    ids=["seq_len", "eos_id", "documents"],
+)
 def test_manifest_rule_messages(env, target, field, value, problem):
     m = load(env / target)
     _edit(m, field, value)
     save(env / target, m)
-    r = validate_all([str(env / ("run" if target.startswith("run") else target))], quick=True, against=[], workers=1,
-                     show_progress=False)
+    r = validate_all(
+        [str(env / ("run" if target.startswith("run") else target))],
+        quick=True,
+        against=[],
+        workers=1,
+        show_progress=False,
+    )
     got = [(p["where"], p["expected"], p["found"], p["message"]) for p in r["problems"]]
     assert problem in got, got
 
@@ -798,14 +910,19 @@ def test_metadata_text_not_as_tokpack_writes_it(env):
 
 def _lines(r: dict, quick: bool) -> list[tuple]:
     """The shard files' problems of one mode (the manifest's own lines left out), whole."""
-    return [(Path(p["file"]).name, p["where"], p["expected"], p["found"], p["message"])
-            for p in r["quick" if quick else "full"]["problems"] if not p["file"].endswith(MANIFEST)]
+    return [
+        (Path(p["file"]).name, p["where"], p["expected"], p["found"], p["message"])
+        for p in r["quick" if quick else "full"]["problems"]
+        if not p["file"].endswith(MANIFEST)
+    ]
 
 
 def _scan(env: Path, target: str) -> dict:
     path = env / ("run" if target.startswith("run") else target)
-    return {mode: validate_all([str(path)], quick=mode == "quick", against=[], workers=1, show_progress=False)
-            for mode in ("full", "quick")}
+    return {
+        mode: validate_all([str(path)], quick=mode == "quick", against=[], workers=1, show_progress=False)
+        for mode in ("full", "quick")
+    }
 
 
 def _set_entry(directory: Path, shard: str, **fields) -> None:
@@ -830,8 +947,9 @@ def _write_index(epoch: Path, shard: str, entries: np.ndarray) -> None:
 MISSING = ("a file listed in the manifest", "no such file")
 
 
-@pytest.mark.parametrize("suffix,message", [("", "shard missing"), (".index", "index missing"),
-                                            (".metadata", "metadata missing")])
+@pytest.mark.parametrize(
+    "suffix,message", [("", "shard missing"), (".index", "index missing"), (".metadata", "metadata missing")]
+)
 def test_missing_shard_file_line(env, suffix, message):
     (env / "src" / ("00000.ds" + suffix)).unlink()
     r = _scan(env, "src")
@@ -846,8 +964,15 @@ def test_source_index_size_lines(env):
     idx = env / "src/00000.ds.index"
     idx.write_bytes(idx.read_bytes()[:-8])
     docs = load(env / "src")["shards"][0]["documents"]
-    want = [("00000.ds.index", "size", f"{8 * docs} bytes ({docs} documents x 8)", f"{8 * docs - 8} bytes",
-             "index size does not match the manifest's document count")]
+    want = [
+        (
+            "00000.ds.index",
+            "size",
+            f"{8 * docs} bytes ({docs} documents x 8)",
+            f"{8 * docs - 8} bytes",
+            "index size does not match the manifest's document count",
+        )
+    ]
     r = _scan(env, "src")
     assert _lines(r, False) == want and _lines(r, True) == want, r
     idx.write_bytes(b"")
@@ -865,8 +990,14 @@ def test_manifest_byte_count_line(env):
     r = validate_all([str(env / "src")], quick=False, against=[], workers=1, show_progress=False)
     tokens = load(env / "src")["shards"][0]["tokens"]
     assert [(p["file"], p["where"], p["expected"], p["found"], p["message"]) for p in r["problems"]] == [
-        (str(env / "src" / MANIFEST), "shards[00000.ds].bytes", str(2 * tokens), str(2 * tokens + 2),
-         "manifest byte count disagrees with its token count")], r["lines"]
+        (
+            str(env / "src" / MANIFEST),
+            "shards[00000.ds].bytes",
+            str(2 * tokens),
+            str(2 * tokens + 2),
+            "manifest byte count disagrees with its token count",
+        )
+    ], r["lines"]
 
 
 def test_metadata_field_lines(env):
@@ -877,15 +1008,24 @@ def test_metadata_field_lines(env):
     meta = env / "src/00000.ds.metadata"
     meta.write_text(metadata_text("other-tokenizer", 4, 999))
     tokens = load(env / "src")["shards"][0]["tokens"]
-    want = [("00000.ds.metadata", "tokenizer", "test-tokenizer", "other-tokenizer",
-             "metadata tokenizer differs from the manifest"),
-            ("00000.ds.metadata", "token_size", "2", "4", "metadata token size differs from the manifest dtype"),
-            ("00000.ds.metadata", "tokens", str(tokens), "999", "metadata token count differs from the manifest")]
+    want = [
+        (
+            "00000.ds.metadata",
+            "tokenizer",
+            "test-tokenizer",
+            "other-tokenizer",
+            "metadata tokenizer differs from the manifest",
+        ),
+        ("00000.ds.metadata", "token_size", "2", "4", "metadata token size differs from the manifest dtype"),
+        ("00000.ds.metadata", "tokens", str(tokens), "999", "metadata token count differs from the manifest"),
+    ]
     r = _scan(env, "src")
     assert _lines(r, True) == want, r
     recorded = load(env / "src")["shards"][0]["metadata_xxh3_128"]
-    assert _lines(r, False) == [("00000.ds.metadata", "xxh3_128", recorded, xxh3_128_file(meta),
-                                 "checksum mismatch")] + want, r
+    assert (
+        _lines(r, False)
+        == [("00000.ds.metadata", "xxh3_128", recorded, xxh3_128_file(meta), "checksum mismatch")] + want
+    ), r
 
 
 def test_recorded_index_and_multiset_hash_lines(env):
@@ -896,29 +1036,40 @@ def test_recorded_index_and_multiset_hash_lines(env):
     r = _scan(env, E0)
     assert _lines(r, False) == [
         ("00000.ds.index", "xxh3_128", "0" * 32, xxh3_128_file(env / E0 / "00000.ds.index"), "checksum mismatch"),
-        ("00000.ds", "multiset_hash", "0" * 16, shard["multiset_hash"],
-         "sample multiset hash of the shard differs from the manifest")], r
+        (
+            "00000.ds",
+            "multiset_hash",
+            "0" * 16,
+            shard["multiset_hash"],
+            "sample multiset hash of the shard differs from the manifest",
+        ),
+    ], r
     assert _lines(r, True) == []
 
 
 # Entries of the base run's epoch 0, shard 00000.ds: [16, 32, 48, 53, 64, 80, 96, 112, 128] (8
 # samples of 16 tokens; 53 is an EOS inside sample 3). Each edit keeps the entries increasing.
 EPOCH_INDEX_EDITS = {
-    "EOS entry moved": (lambda a: np.where(a == 53, 54, a),
-                        [("entry 3", "53 (EOS positions + sample ends)", "54", "index disagrees with the tokens")],
-                        []),
-    "sample end moved": (lambda a: np.where(a == 48, 49, a),
-                         [("entry 2", "48 (EOS positions + sample ends)", "49", "index disagrees with the tokens")],
-                         [("sample end 48", "an index entry at every sample end", "no entry",
-                           "index misses a sample boundary")]),
-    "last entry dropped": (lambda a: a[:-1],
-                           [("entry 8", "128 (EOS positions + sample ends)", "no entry",
-                             "index disagrees with the tokens")],
-                           [("entry 7 (last)", "128 (the token count)", "112", "index does not end at the token count")]),
-    "entry past the end": (lambda a: np.append(a, 133),
-                           [("entry 9", "<= 128 (the token count)", "1 more entries",
-                             "index runs past the end of the shard")],
-                           [("entry 9 (last)", "128 (the token count)", "133", "index does not end at the token count")]),
+    "EOS entry moved": (
+        lambda a: np.where(a == 53, 54, a),
+        [("entry 3", "53 (EOS positions + sample ends)", "54", "index disagrees with the tokens")],
+        [],
+    ),
+    "sample end moved": (
+        lambda a: np.where(a == 48, 49, a),
+        [("entry 2", "48 (EOS positions + sample ends)", "49", "index disagrees with the tokens")],
+        [("sample end 48", "an index entry at every sample end", "no entry", "index misses a sample boundary")],
+    ),
+    "last entry dropped": (
+        lambda a: a[:-1],
+        [("entry 8", "128 (EOS positions + sample ends)", "no entry", "index disagrees with the tokens")],
+        [("entry 7 (last)", "128 (the token count)", "112", "index does not end at the token count")],
+    ),
+    "entry past the end": (
+        lambda a: np.append(a, 133),
+        [("entry 9", "<= 128 (the token count)", "1 more entries", "index runs past the end of the shard")],
+        [("entry 9 (last)", "128 (the token count)", "133", "index does not end at the token count")],
+    ),
 }
 
 
@@ -966,7 +1117,8 @@ def test_shard_shorter_than_its_size(env):
     with _bound(short, env / "src/00000.ds"):
         r = validate_all([str(env / "src")], quick=False, against=[], workers=1, show_progress=False)
     assert [p[1:] for p in _lines({"full": r}, False) if p[0] == "00000.ds"] == [
-        (f"byte {len(content)}", "more data", "end of file", "shard shorter than expected")], r["lines"]
+        (f"byte {len(content)}", "more data", "end of file", "shard shorter than expected")
+    ], r["lines"]
     assert r["status"] == "corrupt"
 
 
@@ -987,8 +1139,15 @@ def test_manifest_text_altered_line(env):
     for d in ("src", "run"):
         (env / d / MANIFEST).write_text(json.dumps(load(env / d), indent=2))
         r = _check(env / d)
-        assert _all_lines(r) == [(str(env / d / MANIFEST), "bytes", "the JSON text tokpack writes",
-                                  "different bytes (edited after writing?)", "manifest text was altered")], r["lines"]
+        assert _all_lines(r) == [
+            (
+                str(env / d / MANIFEST),
+                "bytes",
+                "the JSON text tokpack writes",
+                "different bytes (edited after writing?)",
+                "manifest text was altered",
+            )
+        ], r["lines"]
         assert f"CORRUPT {load(env / d)['kind']} {env / d}: 1 problem" in r["lines"]
         assert r["lines"][-1].startswith("CORRUPT: ") and ", 1 problem, quick" in r["lines"][-1]
 
@@ -998,30 +1157,49 @@ def test_shard_path_lines(env):
     m["shards"][0]["path"] = ".00000.ds"
     save(env / "src", m)
     mfile = str(env / "src" / MANIFEST)
-    assert (mfile, "shards[0].path", "a plain NNNNN.ds file name", "'.00000.ds'", "bad shard path") in \
-        _all_lines(_check(env / "src"))
+    assert (mfile, "shards[0].path", "a plain NNNNN.ds file name", "'.00000.ds'", "bad shard path") in _all_lines(
+        _check(env / "src")
+    )
     m["shards"][0]["path"] = m["shards"][1]["path"]
     save(env / "src", m)
-    assert (mfile, "shards[1].path", "unique names", "00001.ds", "shard listed twice") in _all_lines(_check(env / "src"))
+    assert (mfile, "shards[1].path", "unique names", "00001.ds", "shard listed twice") in _all_lines(
+        _check(env / "src")
+    )
     m = load(env / "src")
     m["shards"][0]["path"] = "sub/00000.ds"
     save(env / "src", m)
-    assert (mfile, "shards[0].path", "a plain NNNNN.ds file name", "'sub/00000.ds'",
-            "bad shard path (holds a path separator)") in \
-        _all_lines(_check(env / "src"))
+    assert (
+        mfile,
+        "shards[0].path",
+        "a plain NNNNN.ds file name",
+        "'sub/00000.ds'",
+        "bad shard path (holds a path separator)",
+    ) in _all_lines(_check(env / "src"))
     m = load(env / "src")
     m["shards"][0]["path"], m["shards"][1]["path"] = "00001.ds", "00000.ds"
     save(env / "src", m)
-    assert (mfile, "shards", "names of one width, in sorted order", "['00001.ds', '00000.ds', '00002.ds']",
-            "shard names out of order") in _all_lines(_check(env / "src"))
+    assert (
+        mfile,
+        "shards",
+        "names of one width, in sorted order",
+        "['00001.ds', '00000.ds', '00002.ds']",
+        "shard names out of order",
+    ) in _all_lines(_check(env / "src"))
 
 
 def test_unlisted_shard_file_line(env):
     """A shard file the manifest does not list is named, next to a killed writer's leftover that is not."""
     shutil.copy(env / "src/00000.ds", env / "src/00003.ds")
     (env / "src" / f"00004.ds{TMP_MARK}1-x").write_bytes(b"junk")
-    assert _all_lines(_check(env / "src")) == [(str(env / "src/00003.ds"), None, "only the files listed in the manifest",
-                                                "an unlisted file", "file not listed in the manifest")]
+    assert _all_lines(_check(env / "src")) == [
+        (
+            str(env / "src/00003.ds"),
+            None,
+            "only the files listed in the manifest",
+            "an unlisted file",
+            "file not listed in the manifest",
+        )
+    ]
 
 
 @pytest.mark.parametrize("sidecar", [".pad", ".rows"])
@@ -1031,8 +1209,15 @@ def test_a_sidecar_its_entry_does_not_record_is_unlisted(env, sidecar):
     line: test_loss_mask_checks)."""
     stray = env / "src" / f"00000.ds{sidecar}"
     stray.write_bytes(b"\0" * 8)
-    assert _all_lines(_check(env / "src")) == [(str(stray), None, "only the files listed in the manifest",
-                                                "an unlisted file", "file not listed in the manifest")]
+    assert _all_lines(_check(env / "src")) == [
+        (
+            str(stray),
+            None,
+            "only the files listed in the manifest",
+            "an unlisted file",
+            "file not listed in the manifest",
+        )
+    ]
 
 
 def test_one_window_source_with_no_samples_validates(env, tmp_path):
@@ -1041,8 +1226,20 @@ def test_one_window_source_with_no_samples_validates(env, tmp_path):
     from tests.conftest import shuffle_run
 
     tiny = write_source(tmp_path / "tiny", [np.array([5] * 19 + [EOS])], vocab_size=VOCAB)
-    shuffle_run([str(env / "src"), str(tiny)], str(tmp_path / "mixed"), weights=["1", "0.001"], seq_len=SEQ_LEN, seed=3,
-                epochs=[0], samples=20, tokens=None, shard_samples=8, memory=1 << 20, jitter=False, log=None)
+    shuffle_run(
+        [str(env / "src"), str(tiny)],
+        str(tmp_path / "mixed"),
+        weights=["1", "0.001"],
+        seq_len=SEQ_LEN,
+        seed=3,
+        epochs=[0],
+        samples=20,
+        tokens=None,
+        shard_samples=8,
+        memory=1 << 20,
+        jitter=False,
+        log=None,
+    )
     s = load(tmp_path / "mixed/epoch-00000")["sources"][1]
     assert (s["windows"], s["samples"], s["first_pass"], s["passes"]) == (1, 0, 0, 0)
     r = validate_all([str(tmp_path / "mixed")], quick=False, against=[str(env / "src"), str(tiny)], workers=1)
@@ -1055,12 +1252,19 @@ def test_source_manifest_rule_lines(env):
     m["dtype"], m["token_size"] = "uint32", 4
     save(env / "src", m)
     mfile = str(env / "src" / MANIFEST)
-    assert (mfile, "dtype", "uint16 (vocab_size 1000)", "uint32", "dtype label disagrees with the vocabulary size") \
-        in _all_lines(_check(env / "src"))
+    assert (
+        mfile,
+        "dtype",
+        "uint16 (vocab_size 1000)",
+        "uint32",
+        "dtype label disagrees with the vocabulary size",
+    ) in _all_lines(_check(env / "src"))
     m = load(env / "src")
     m["dtype"], m["token_size"], m["eos_id"] = "uint16", 2, VOCAB
     save(env / "src", m)
-    assert (mfile, "eos_id", "< 1000 (vocab_size)", "1000", "EOS id out of vocabulary") in _all_lines(_check(env / "src"))
+    assert (mfile, "eos_id", "< 1000 (vocab_size)", "1000", "EOS id out of vocabulary") in _all_lines(
+        _check(env / "src")
+    )
 
 
 def test_epoch_source_entry_field_line(env):
@@ -1069,7 +1273,8 @@ def test_epoch_source_entry_field_line(env):
     del m["sources"][0]["first_pass"]
     save(env / E0, m)
     assert [(p[1], p[2], p[3]) for p in _all_lines(_check(env / E0))] == [
-        ("sources[0].first_pass", "field 'first_pass'", "no such field")]
+        ("sources[0].first_pass", "field 'first_pass'", "no such field")
+    ]
 
 
 def test_window_past_the_source_end_line(env):
@@ -1080,8 +1285,13 @@ def test_window_past_the_source_end_line(env):
     s["tokens"], s["dropped_tokens"], s["offset"] = s["windows"] * ROW + 1, 1, 3
     m["dropped_tokens"] = 1
     save(env / E0, m)
-    assert (str(env / E0 / MANIFEST), "sources[0].windows", f"windows x 16 + dropped_tokens == tokens ({s['tokens']})",
-            f"{s['windows']} x 16 + 1", "source window counts do not add up") in _all_lines(_check(env / E0))
+    assert (
+        str(env / E0 / MANIFEST),
+        "sources[0].windows",
+        f"windows x 16 + dropped_tokens == tokens ({s['tokens']})",
+        f"{s['windows']} x 16 + 1",
+        "source window counts do not add up",
+    ) in _all_lines(_check(env / E0))
 
 
 def test_run_directory_lines(env):
@@ -1090,10 +1300,23 @@ def test_run_directory_lines(env):
     shutil.rmtree(env / "run/epoch-00001")
     r = _check(env / "run")
     assert [(*p, q["severity"]) for p, q in zip(_all_lines(r), r["problems"])] == [
-        (str(env / "run/epoch-00002"), None, "an epoch listed in the run's `epochs`", "an unlisted epoch directory",
-         "epoch not yet recorded in the run manifest (interrupted shuffle?); rerun it", "incomplete"),
-        (str(env / "run/epoch-00001"), None, "the epoch directory listed in the run manifest", "no such directory",
-         "epoch missing", "corrupt")], r["lines"]
+        (
+            str(env / "run/epoch-00002"),
+            None,
+            "an epoch listed in the run's `epochs`",
+            "an unlisted epoch directory",
+            "epoch not yet recorded in the run manifest (interrupted shuffle?); rerun it",
+            "incomplete",
+        ),
+        (
+            str(env / "run/epoch-00001"),
+            None,
+            "the epoch directory listed in the run manifest",
+            "no such directory",
+            "epoch missing",
+            "corrupt",
+        ),
+    ], r["lines"]
 
 
 def test_partial_stage_line(env, tmp_path):
@@ -1102,9 +1325,18 @@ def test_partial_stage_line(env, tmp_path):
     summary = stage(env / "run", tmp_path / "dst", ranks="0/4", micro_batch=8)
     assert summary.partial and summary.shards_skipped > 0
     r = _check(tmp_path / "dst")
-    assert _all_lines(r) == [(str(tmp_path / "dst/tokpack-stage.json"), "missing_shards", "every shard of the run",
-                              r["problems"][0]["found"], "partial stage: serves only the ranks it was staged for")]
-    assert r["problems"][0]["found"].startswith(f"{summary.shards_skipped} shards absent, staged only for ranks [0] of 4")
+    assert _all_lines(r) == [
+        (
+            str(tmp_path / "dst/tokpack-stage.json"),
+            "missing_shards",
+            "every shard of the run",
+            r["problems"][0]["found"],
+            "partial stage: serves only the ranks it was staged for",
+        )
+    ]
+    assert r["problems"][0]["found"].startswith(
+        f"{summary.shards_skipped} shards absent, staged only for ranks [0] of 4"
+    )
 
 
 def test_token_files_gone_from_a_run_are_missing_unless_it_says_its_tokens_are_on_the_nodes(env, tmp_path):
@@ -1132,16 +1364,34 @@ def test_epoch_against_its_run_lines(env):
     run_m, epoch_m = load(env / "run"), load(env / E0)
     cases = [
         (lambda m, e: e.update(seed=2), (efile, "seed", "1 (the run's)", "2", "epoch manifest belongs to another run")),
-        (lambda m, e: e["sources"][0].update(name="other"),
-         (efile, "sources[0].name", "'src' (the run's)", "'other'", "epoch source differs from the run's")),
-        (lambda m, e: m.update(weights=[0.5]),
-         (efile, "sources[0].weight", "0.5", "None", "epoch weight differs from the run's")),
-        (lambda m, e: e["sources"][0].update(fingerprint="0" * 32),
-         (efile, "sources", str([run_m["sources"][0]["fingerprint"]]), str(["0" * 32]),
-          "epoch was shuffled from other sources than its run")),
-        (lambda m, e: m.update(tokens=m["tokens"] + 1),
-         (str(env / "run" / MANIFEST), "tokens", f"{run_m['tokens']} (sum over its epochs)", str(run_m["tokens"] + 1),
-          "run tokens count wrong")),
+        (
+            lambda m, e: e["sources"][0].update(name="other"),
+            (efile, "sources[0].name", "'src' (the run's)", "'other'", "epoch source differs from the run's"),
+        ),
+        (
+            lambda m, e: m.update(weights=[0.5]),
+            (efile, "sources[0].weight", "0.5", "None", "epoch weight differs from the run's"),
+        ),
+        (
+            lambda m, e: e["sources"][0].update(fingerprint="0" * 32),
+            (
+                efile,
+                "sources",
+                str([run_m["sources"][0]["fingerprint"]]),
+                str(["0" * 32]),
+                "epoch was shuffled from other sources than its run",
+            ),
+        ),
+        (
+            lambda m, e: m.update(tokens=m["tokens"] + 1),
+            (
+                str(env / "run" / MANIFEST),
+                "tokens",
+                f"{run_m['tokens']} (sum over its epochs)",
+                str(run_m["tokens"] + 1),
+                "run tokens count wrong",
+            ),
+        ),
     ]
     for edit, line in cases:
         m, e = json.loads(json.dumps(run_m)), json.loads(json.dumps(epoch_m))
@@ -1174,19 +1424,28 @@ def test_against_without_the_epochs_source_line(env, tmp_path, monkeypatch):
     and, in the hint, the --against to add; an entry without path or name is shown as "?"."""
     other = write_source(tmp_path / "src2", random_docs(np.random.default_rng(9), 30, VOCAB, EOS), vocab_size=VOCAB)
     fp, path = load(env / E0)["sources"][0]["fingerprint"], load(env / E0)["sources"][0]["path"]
-    want = {"file": str(env / E0 / MANIFEST), "where": "sources", "expected": "--against for each of its 1 source",
-            "found": f"none for src (fingerprint {fp})",
-            "message": "epoch holds samples from a source not given to --against; its content is not verified",
-            "severity": "unverified",
-            "hint": f"give every source the epoch was shuffled from, as it was then: --against {path}"}
+    want = {
+        "file": str(env / E0 / MANIFEST),
+        "where": "sources",
+        "expected": "--against for each of its 1 source",
+        "found": f"none for src (fingerprint {fp})",
+        "message": "epoch holds samples from a source not given to --against; its content is not verified",
+        "severity": "unverified",
+        "hint": f"give every source the epoch was shuffled from, as it was then: --against {path}",
+    }
     assert _check(env / E0, against=[str(other)])["problems"] == [want]
     m = load(env / E0)
     del m["sources"][0]["path"], m["sources"][0]["name"]
     save(env / E0, m)
     monkeypatch.chdir(other)  # an entry without a path is not taken for the source at "."
     got = [p for p in _check(env / E0, against=["."])["problems"] if p["where"] == "sources"]
-    assert got == [{**want, "found": f"none for ? (fingerprint {fp})",
-                    "hint": "give every source the epoch was shuffled from, as it was then: --against ?"}]
+    assert got == [
+        {
+            **want,
+            "found": f"none for ? (fingerprint {fp})",
+            "hint": "give every source the epoch was shuffled from, as it was then: --against ?",
+        }
+    ]
 
 
 def test_against_a_source_that_cannot_be_replayed(env):
@@ -1200,7 +1459,8 @@ def test_against_a_source_that_cannot_be_replayed(env):
         r = _check(env / E0, against=[str(env / "src")])
     epoch = [p for p in r["problems"] if p["file"] == str(env / "src/00000.ds")]
     assert [(p["where"], p["expected"], p["found"], p["message"]) for p in epoch] == [
-        (None, None, None, "shard shorter than its manifest says")], r["lines"]
+        (None, None, None, "shard shorter than its manifest says")
+    ], r["lines"]
     assert [d["status"] for d in r["dirs"] if d["kind"] == "epoch"] == ["corrupt"]
 
 
@@ -1210,19 +1470,37 @@ def test_report_text(env):
     from tokpack.packer.validation import ValidateResult
 
     def summary(nbytes: int) -> str:
-        r = ValidateResult(ok=True, status="ok", quick=False, problems=[], dirs=[], files=1, bytes=nbytes, seconds=2.0,
-                           mb_per_s=0.0, against=[])
+        r = ValidateResult(
+            ok=True,
+            status="ok",
+            quick=False,
+            problems=[],
+            dirs=[],
+            files=1,
+            bytes=nbytes,
+            seconds=2.0,
+            mb_per_s=0.0,
+            against=[],
+        )
         return report_lines(r)[-1]
 
     assert [summary(n).split(", ")[2].split(" in ")[0] for n in (999, 1000, 999_999, 10**6, 10**9 - 10**5, 10**9)] == [
-        "999 B", "1.0 kB", "1000.0 kB", "1.0 MB", "999.9 MB", "1.0 GB"]
+        "999 B",
+        "1.0 kB",
+        "1000.0 kB",
+        "1.0 MB",
+        "999.9 MB",
+        "1.0 GB",
+    ]
     t0 = time.perf_counter()
     r = _check(env / "src")
     took = time.perf_counter() - t0
     assert isinstance(r["seconds"], float) and 0 < r["seconds"] <= took
     assert _check(env / "src", quick=False)["lines"][-2] == f"OK source {env / 'src'} ({r['files']} files, 8.3 kB)"
-    assert r["lines"][-1] == (f"OK: 1 directory, {r['files']} files, 8.3 kB in {r['seconds']:.2f} s "
-                              f"({r['mb_per_s']:.0f} MB/s), 0 problems, quick (no checksums, no token scan)")
+    assert r["lines"][-1] == (
+        f"OK: 1 directory, {r['files']} files, 8.3 kB in {r['seconds']:.2f} s "
+        f"({r['mb_per_s']:.0f} MB/s), 0 problems, quick (no checksums, no token scan)"
+    )
 
 
 def test_progress_bar_counts_bytes_or_shards(env, capsys):
@@ -1230,8 +1508,10 @@ def test_progress_bar_counts_bytes_or_shards(env, capsys):
     from tqdm import tqdm
 
     total = sum(s["bytes"] for s in load(env / "src")["shards"])
-    for quick, head in ((False, f"validate:   0%|          | 0.00/{tqdm.format_sizeof(total, divisor=1024)} "),
-                        (True, "validate --quick:   0%|          | 0.00/3.00 ")):
+    for quick, head in (
+        (False, f"validate:   0%|          | 0.00/{tqdm.format_sizeof(total, divisor=1024)} "),
+        (True, "validate --quick:   0%|          | 0.00/3.00 "),
+    ):
         validate_all([str(env / "src")], quick=quick, against=[], workers=1, show_progress=True)
         err = capsys.readouterr().err
         assert head in err and ("?shard/s" if quick else "?B/s") in err, err
@@ -1242,17 +1522,31 @@ def test_unreadable_manifest_line(env):
     m = load(env / "src")
     m["version"] = 99
     save(env / "src", m)
-    assert _check(env / "src")["problems"] == [{
-        "file": str(env / "src" / MANIFEST), "where": "version", "expected": "1", "found": "99",
-        "message": "unsupported format version", "severity": "corrupt",
-        "hint": "use the tokpack release that wrote this directory"}]
+    assert _check(env / "src")["problems"] == [
+        {
+            "file": str(env / "src" / MANIFEST),
+            "where": "version",
+            "expected": "1",
+            "found": "99",
+            "message": "unsupported format version",
+            "severity": "corrupt",
+            "hint": "use the tokpack release that wrote this directory",
+        }
+    ]
 
 
 def test_epoch_index_size_against_fragments_line(env):
     idx = env / E0 / "00000.ds.index"
     idx.write_bytes(idx.read_bytes()[:-8])
-    want = [("00000.ds.index", "size", "72 bytes (9 fragments x 8)", "64 bytes",
-             "index size does not match the manifest's fragment count")]
+    want = [
+        (
+            "00000.ds.index",
+            "size",
+            "72 bytes (9 fragments x 8)",
+            "64 bytes",
+            "index size does not match the manifest's fragment count",
+        )
+    ]
     r = _scan(env, E0)
     assert _lines(r, False) == want and _lines(r, True) == want, r
 
@@ -1274,8 +1568,15 @@ def test_source_index_ending_before_the_tokens(env, monkeypatch, block):
     save(env / "src", m)
     reseal_source(env / "src")
     assert int(a[-1] - a[-2]) > 32  # the last document spans more than one 64-byte block
-    want = [("00001.ds.index", f"entry {len(a) - 2} (last)", f"{int(a[-1])} (the token count)", str(int(a[-2])),
-             "index does not end at the token count")]
+    want = [
+        (
+            "00001.ds.index",
+            f"entry {len(a) - 2} (last)",
+            f"{int(a[-1])} (the token count)",
+            str(int(a[-2])),
+            "index does not end at the token count",
+        )
+    ]
     r = _scan(env, "src")
     assert _lines(r, False) == want and _lines(r, True) == want, r
 
@@ -1296,8 +1597,15 @@ def test_missing_eos_line_once_per_shard(env, monkeypatch, block):
     t.tofile(p)
     reseal_source(env / "src")
     r = _scan(env, "src")
-    assert _lines(r, False) == [("00001.ds", f"token {int(ends[3]) - 1} (end of document 3)", f"EOS id {EOS}", "7",
-                                 "document does not end with EOS")], r["full"]["lines"]
+    assert _lines(r, False) == [
+        (
+            "00001.ds",
+            f"token {int(ends[3]) - 1} (end of document 3)",
+            f"EOS id {EOS}",
+            "7",
+            "document does not end with EOS",
+        )
+    ], r["full"]["lines"]
 
 
 def test_quick_index_past_the_end_across_chunks(env, monkeypatch):
@@ -1310,10 +1618,18 @@ def test_quick_index_past_the_end_across_chunks(env, monkeypatch):
     a = np.fromfile(env / E0 / "00000.ds.index", dtype="<u8")
     _write_index(env / E0, "00000.ds", np.append(a, [150, 160]))
     r = _scan(env, E0)
-    assert _lines(r, True) == [("00000.ds.index", "entry 10 (last)", "128 (the token count)", "160",
-                                "index does not end at the token count")], r["quick"]["lines"]
-    assert _lines(r, False) == [("00000.ds.index", "entry 9", "<= 128 (the token count)", "2 more entries",
-                                 "index runs past the end of the shard")], r["full"]["lines"]
+    assert _lines(r, True) == [
+        ("00000.ds.index", "entry 10 (last)", "128 (the token count)", "160", "index does not end at the token count")
+    ], r["quick"]["lines"]
+    assert _lines(r, False) == [
+        (
+            "00000.ds.index",
+            "entry 9",
+            "<= 128 (the token count)",
+            "2 more entries",
+            "index runs past the end of the shard",
+        )
+    ], r["full"]["lines"]
 
 
 def test_against_replay_lines(env):
@@ -1323,16 +1639,21 @@ def test_against_replay_lines(env):
     planned = load(env / E0)["sample_multiset_hash"]
     _duplicate_sample(env, True)
     r = _check(env / E0, against=[str(env / "src")])
-    assert (mfile, "sample_multiset_hash", f"{planned} (replayed from the sources)",
-            f"{load(env / E0)['sample_multiset_hash']} (recorded in {MANIFEST})",
-            "epoch does not hold the samples its plan assigns (dropped/duplicated/altered)") in _all_lines(r), r["lines"]
+    assert (
+        mfile,
+        "sample_multiset_hash",
+        f"{planned} (replayed from the sources)",
+        f"{load(env / E0)['sample_multiset_hash']} (recorded in {MANIFEST})",
+        "epoch does not hold the samples its plan assigns (dropped/duplicated/altered)",
+    ) in _all_lines(r), r["lines"]
     m = load(env / E0)
     shuffle = m["shuffle"]
     m["shuffle"] = "other-v0"
     save(env / E0, m)
     r = _check(env / E0, against=[str(env / "src")])
-    assert (mfile, "shuffle", shuffle, "other-v0", "epoch shuffled by another shuffle algorithm") in _all_lines(r), \
-        r["lines"]
+    assert (mfile, "shuffle", shuffle, "other-v0", "epoch shuffled by another shuffle algorithm") in _all_lines(r), r[
+        "lines"
+    ]
 
 
 def test_loss_mask_lines_whole(lossy):
@@ -1344,7 +1665,8 @@ def test_loss_mask_lines_whole(lossy):
     r = validate_all([str(lossy)], quick=False, against=[], workers=1, show_progress=False)
     assert [p for p in _lines({"full": r}, False) if p[0].endswith(".loss")] == [
         ("00000.ds.loss", None, "no .loss file (none listed)", f"{size} bytes", "file not listed in the manifest"),
-        ("00001.ds.loss", "xxh3_128", recorded, xxh3_128_file(lossy / "00001.ds.loss"), "checksum mismatch")], r["lines"]
+        ("00001.ds.loss", "xxh3_128", recorded, xxh3_128_file(lossy / "00001.ds.loss"), "checksum mismatch"),
+    ], r["lines"]
 
 
 def test_run_epoch_list_of_booleans(env):
@@ -1352,8 +1674,13 @@ def test_run_epoch_list_of_booleans(env):
     m = load(env / "run")
     m["epochs"] = [True]
     save(env / "run", m)
-    assert (str(env / "run" / MANIFEST), "epochs", "distinct epoch numbers >= 0", "[True]", "bad epoch list") in \
-        _all_lines(_check(env / "run"))
+    assert (
+        str(env / "run" / MANIFEST),
+        "epochs",
+        "distinct epoch numbers >= 0",
+        "[True]",
+        "bad epoch list",
+    ) in _all_lines(_check(env / "run"))
 
 
 def test_empty_shard_with_a_loss_mask_validates(lossy):
@@ -1407,8 +1734,9 @@ def test_a_manifest_of_many_broken_shard_entries_lists_a_bounded_report(tmp_path
     assert last["file"] == str(src) and last["message"].startswith(f"{total - listed:,} more problems"), last
     lines = report_lines(r)
     assert lines[-1].endswith(f"{total} problems") and len(lines) == listed + 3
-    res = subprocess.run([sys.executable, "-m", "tokpack", "validate", str(src), "--json"], capture_output=True,
-                         text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "tokpack", "validate", str(src), "--json"], capture_output=True, text=True
+    )
     doc = json.loads(res.stdout)
     assert res.returncode == 1 and len(doc["problems"]) == listed + 1 and doc["problems_total"] == total
 

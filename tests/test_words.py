@@ -25,8 +25,19 @@ WARNING = "tokpack: warning: --ranks r/W without --world-size is deprecated"
 def run(tmp_path) -> Path:
     docs = random_docs(np.random.default_rng(3), 200, 1000, 0)
     src = write_source(tmp_path / "src", docs, docs_per_shard=40)
-    shuffle_run([str(src)], str(tmp_path / "run"), seq_len=63, seed=0, epochs=[0, 1], samples=None, tokens=None,
-                shard_samples=12, memory=8 << 20, jitter=False, log=None)
+    shuffle_run(
+        [str(src)],
+        str(tmp_path / "run"),
+        seq_len=63,
+        seed=0,
+        epochs=[0, 1],
+        samples=None,
+        tokens=None,
+        shard_samples=12,
+        memory=8 << 20,
+        jitter=False,
+        log=None,
+    )
     return tmp_path / "run"
 
 
@@ -52,11 +63,13 @@ def test_shards_of_is_the_shard_level_stage_and_ranks_r_w_its_warned_alias(run, 
     assert got == untimed(old.stdout) and got["partial"] and got["ranks"] == [1] and got["world_size"] == 4
     assert tree(tmp_path / "new") == tree(tmp_path / "old")
     # the human summary too, but for its timings and DEST
-    lines = [invoke("stage", run, tmp_path / d, flag, "1/4", "--micro-batch", 5) for d, flag in
-             (("new-text", "--shards-of"), ("old-text", "--ranks"))]
-    assert [[line for line in r.stdout.splitlines() if not line.split(":")[0].strip() in TIMINGS]
-            for r in lines][0] == [[line for line in r.stdout.splitlines()
-                                   if not line.split(":")[0].strip() in TIMINGS] for r in lines][1]
+    lines = [
+        invoke("stage", run, tmp_path / d, flag, "1/4", "--micro-batch", 5)
+        for d, flag in (("new-text", "--shards-of"), ("old-text", "--ranks"))
+    ]
+    assert [[line for line in r.stdout.splitlines() if line.split(":")[0].strip() not in TIMINGS] for r in lines][
+        0
+    ] == [[line for line in r.stdout.splitlines() if line.split(":")[0].strip() not in TIMINGS] for r in lines][1]
 
 
 def test_plan_stage_takes_both_spellings_alike(run, tmp_path):
@@ -64,6 +77,7 @@ def test_plan_stage_takes_both_spellings_alike(run, tmp_path):
     new = invoke(*args, "--shards-of", "1/4")
     old = invoke(*args, "--ranks", "1/4")
     assert new.exit_code == 0 and old.exit_code == 0, (new.output, old.output)
+
     def steady(text):  # the target's free space moves with whatever else writes to that disk
         return [line for line in text.splitlines() if "free" not in line]
 
@@ -73,7 +87,10 @@ def test_plan_stage_takes_both_spellings_alike(run, tmp_path):
 
     def planned(flag):
         out = json.loads(invoke(*args, flag, "1/4", "--json").stdout)
-        return {**out, "space": [{k: v for k, v in s.items() if k not in ("free_bytes", "enough")} for s in out["space"]]}
+        return {
+            **out,
+            "space": [{k: v for k, v in s.items() if k not in ("free_bytes", "enough")} for s in out["space"]],
+        }
 
     assert planned("--shards-of") == planned("--ranks")
 
@@ -126,18 +143,33 @@ def _result_classes() -> dict[str, str]:
 
 def test_api_md_lists_every_result_class_with_its_module():
     classes = _result_classes()
-    assert {"PackResult", "ShuffleResult", "ValidateResult", "StageResult", "SliceResult", "InspectResult",
-            "PlanResult"} <= set(classes)
-    rows = {line.split("|")[2].strip(" `"): line.split("|")[3].strip(" `")
-            for line in (ROOT / "docs" / "API.md").read_text().splitlines()
-            if line.startswith("| `") and line.count("|") == 4 and "Result" in line}
+    assert {
+        "PackResult",
+        "ShuffleResult",
+        "ValidateResult",
+        "StageResult",
+        "SliceResult",
+        "InspectResult",
+        "PlanResult",
+    } <= set(classes)
+    rows = {
+        line.split("|")[2].strip(" `"): line.split("|")[3].strip(" `")
+        for line in (ROOT / "docs" / "API.md").read_text().splitlines()
+        if line.startswith("| `") and line.count("|") == 4 and "Result" in line
+    }
     assert rows == classes
 
 
 def test_commands_md_glossary_gives_each_colliding_word_one_meaning():
     text = (ROOT / "docs" / "COMMANDS.md").read_text()
     words = text.split("## Words", 1)[1].split("\n## ", 1)[0]
-    for word in ("pack, packed source", "packing (`--packing`)", "schedule stage", "stage, staging",
-                 "`--shards-of r/W`", "`--ranks A-B`"):
+    for word in (
+        "pack, packed source",
+        "packing (`--packing`)",
+        "schedule stage",
+        "stage, staging",
+        "`--shards-of r/W`",
+        "`--ranks A-B`",
+    ):
         assert f"| {word} |" in words, word
     assert "[--shards-of r/W|r1,r2/W|a-b/W --micro-batch m]" in text and "[--ranks r/W" not in text

@@ -57,6 +57,12 @@ def input_error(message, path, **kw) -> TokpackError:
 def read_exact(fh, out: np.ndarray, path, offset: int) -> np.ndarray:
     """Fills `out` from `fh`; `offset` (tokens) names the place in messages."""
     if read_full(fh, memoryview(out.view(np.uint8))) < out.nbytes:
-        raise input_error("file ended early", path, where=f"token {offset}", expected="more data", found="end of file",
-                          hint="the file is truncated or changed while packing")
+        raise input_error(
+            "file ended early",
+            path,
+            where=f"token {offset}",
+            expected="more data",
+            found="end of file",
+            hint="the file is truncated or changed while packing",
+        )
     return out

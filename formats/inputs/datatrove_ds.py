@@ -17,40 +17,76 @@ def datatrove_file(path, dtype: str | None) -> InputFile:
     meta = as_path(f"{path}.metadata")
     tokenizer = None
     if meta.exists():
-        tokenizer, token_size, _ = parse_metadata_text(read_limited(meta, MAX_MANIFEST_BYTES, "metadata file", user=True).decode(), meta)
+        tokenizer, token_size, _ = parse_metadata_text(
+            read_limited(meta, MAX_MANIFEST_BYTES, "metadata file", user=True).decode(), meta
+        )
         if token_size not in (2, 4):
-            raise _err("unsupported token size in datatrove metadata", meta, where="token_size",
-                       expected="2 or 4", found=token_size)
+            raise _err(
+                "unsupported token size in datatrove metadata",
+                meta,
+                where="token_size",
+                expected="2 or 4",
+                found=token_size,
+            )
         name = "uint16" if token_size == 2 else "uint32"
         if tokenizer.startswith("Unknown Tokenizer"):
             tokenizer = None
     elif dtype in ("uint16", "uint32"):
         name = dtype
     else:
-        raise _err("datatrove file without .ds.metadata: token size unknown", path, where=".ds.metadata",
-                   expected="a metadata file", found="none", hint="pass --dtype uint16 or --dtype uint32")
+        raise _err(
+            "datatrove file without .ds.metadata: token size unknown",
+            path,
+            where=".ds.metadata",
+            expected="a metadata file",
+            found="none",
+            hint="pass --dtype uint16 or --dtype uint32",
+        )
     loss = as_path(f"{path}.loss")
     size = sum(p.stat().st_size for p in (path, as_path(f"{path}.index"), loss) if p.exists())
-    return InputFile(str(path), "datatrove", name, size, tokenizer=tokenizer,
-                     extra={"index": f"{path}.index", "loss": str(loss) if loss.exists() else None})
+    return InputFile(
+        str(path),
+        "datatrove",
+        name,
+        size,
+        tokenizer=tokenizer,
+        extra={"index": f"{path}.index", "loss": str(loss) if loss.exists() else None},
+    )
 
 
 def check_datatrove(f: InputFile) -> None:
     itemsize = np.dtype(f.dtype).itemsize
     size = as_path(f.path).stat().st_size
     if size % itemsize:
-        raise _err(".ds size is not a multiple of the token size", f.path, where="size",
-                   expected=f"a multiple of {itemsize} bytes ({f.dtype})", found=f"{size} bytes",
-                   hint="the file is truncated or its .ds.metadata names the wrong token size")
+        raise _err(
+            ".ds size is not a multiple of the token size",
+            f.path,
+            where="size",
+            expected=f"a multiple of {itemsize} bytes ({f.dtype})",
+            found=f"{size} bytes",
+            hint="the file is truncated or its .ds.metadata names the wrong token size",
+        )
     tokens = size // itemsize
     index = f.extra["index"]
     if not as_path(index).exists():
-        raise _err("datatrove file without its .ds.index", f.path, where=".ds.index", expected="an index file",
-                   found="none", hint="document boundaries are needed; rerun the datatrove tokenizer with save_index=True")
+        raise _err(
+            "datatrove file without its .ds.index",
+            f.path,
+            where=".ds.index",
+            expected="an index file",
+            found="none",
+            hint="document boundaries are needed; rerun the datatrove tokenizer with save_index=True",
+        )
     isize = as_path(index).stat().st_size
     if isize % 8:
-        raise _err(".ds.index size is not a multiple of 8", index, where="size", expected="uint64 entries",
-                   found=f"{isize} bytes", hint="the index is truncated")
+        raise _err(
+            ".ds.index size is not a multiple of 8",
+            index,
+            where="size",
+            expected="uint64 entries",
+            found=f"{isize} bytes",
+            hint="the index is truncated",
+        )
     count = isize // 8
     prev = 0
     for start in range(0, count, INDEX_CHUNK):
@@ -58,12 +94,23 @@ def check_datatrove(f: InputFile) -> None:
         _check_increasing(ends, prev, index, start)
         prev = int(ends[-1])
     if prev != tokens:
-        raise _err(".ds.index last entry differs from the token count", index, where=f"entry {count - 1}" if count else "end",
-                   expected=tokens, found=prev, hint="the .ds or its index is truncated, or they come from different runs")
+        raise _err(
+            ".ds.index last entry differs from the token count",
+            index,
+            where=f"entry {count - 1}" if count else "end",
+            expected=tokens,
+            found=prev,
+            hint="the .ds or its index is truncated, or they come from different runs",
+        )
     loss_size = as_path(f.extra["loss"]).stat().st_size if f.extra.get("loss") else tokens
     if loss_size != tokens:
-        raise _err(".ds.loss size differs from the token count", f.extra["loss"], where="size",
-                   expected=f"{tokens} bytes", found=f"{loss_size} bytes")
+        raise _err(
+            ".ds.loss size differs from the token count",
+            f.extra["loss"],
+            where="size",
+            expected=f"{tokens} bytes",
+            found=f"{loss_size} bytes",
+        )
 
 
 def _check_increasing(ends: np.ndarray, prev: int, index, start: int) -> None:
@@ -73,9 +120,14 @@ def _check_increasing(ends: np.ndarray, prev: int, index, start: int) -> None:
     if len(bad):
         i = int(bad[0])
         before = prev if i == 0 else int(ends[i - 1])
-        raise _err(".ds.index does not increase", index, where=f"entry {start + i}",
-                   expected=f"> {before}", found=int(ends[i]),
-                   hint="document ends must be strictly increasing; the index is corrupt")
+        raise _err(
+            ".ds.index does not increase",
+            index,
+            where=f"entry {start + i}",
+            expected=f"> {before}",
+            found=int(ends[i]),
+            hint="document ends must be strictly increasing; the index is corrupt",
+        )
 
 
 def datatrove_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
@@ -86,7 +138,9 @@ def datatrove_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
     def plan():  # (tokens, (ends, first document, token offset)) per block; runs in the read-ahead thread
         prev = 0  # token end of the previous document
         for start in range(0, count, INDEX_CHUNK):
-            ends = read_array(f.extra["index"], "<u8", min(INDEX_CHUNK, count - start), start * 8, user=True).astype(np.int64)
+            ends = read_array(f.extra["index"], "<u8", min(INDEX_CHUNK, count - start), start * 8, user=True).astype(
+                np.int64
+            )
             _check_increasing(ends, prev, f.extra["index"], start)
             i = 0
             while i < len(ends):
@@ -95,7 +149,8 @@ def datatrove_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
                 prev = int(ends[j - 1])
                 i = j
 
-    with open_read(f.path, user=True) as ds, (open_read(f.extra["loss"], user=True) if has_loss else nullcontext()) as lf:
+    with open_read(f.path, user=True) as ds, open_read(f.extra["loss"], user=True) if has_loss else nullcontext() as lf:
+
         def fill(slot, n, meta):
             tokens = read_exact(ds, slot[0].ensure(n)[:n], f.path, meta[2])
             return tokens, read_exact(lf, slot[1].ensure(n)[:n], f.extra["loss"], meta[2]) if has_loss else None

@@ -22,8 +22,9 @@ from .tables import ARROW_SUFFIXES, table_blocks, table_file
 FORMATS = ("datatrove", "megatron", "parquet", "numpy", "jsonl", "text")
 
 
-def discover(inputs: list[str], input_format: str = "auto", column: str | None = None,
-             dtype: str | None = None) -> tuple[str, list[InputFile]]:
+def discover(
+    inputs: list[str], input_format: str = "auto", column: str | None = None, dtype: str | None = None
+) -> tuple[str, list[InputFile]]:
     """Expands INPUT paths into input files, in order, and tells their format.
     Returns (format, files); `format` is one of FORMATS."""
     if not inputs:
@@ -32,13 +33,23 @@ def discover(inputs: list[str], input_format: str = "auto", column: str | None =
     formats = {fmt for fmt, _ in found}
     if len(formats) > 1:
         kinds = ", ".join(f"{item} is {fmt}" for item, (fmt, _) in zip(inputs, found))
-        raise TokpackError("inputs of different formats in one pack", where="INPUT", expected="one format",
-                           found=kinds, hint="pack each format into its own source, then shuffle them together")
+        raise TokpackError(
+            "inputs of different formats in one pack",
+            where="INPUT",
+            expected="one format",
+            found=kinds,
+            hint="pack each format into its own source, then shuffle them together",
+        )
     _refuse_twice(inputs, found)
     files = [f for _, fs in found for f in fs]
     if not files:
-        raise TokpackError("no input files found", file=", ".join(inputs), expected="at least one file",
-                           found="nothing", hint="check the paths and --format")
+        raise TokpackError(
+            "no input files found",
+            file=", ".join(inputs),
+            expected="at least one file",
+            found="nothing",
+            hint="check the paths and --format",
+        )
     _check_dtype_option(files, dtype)
     _check_consistent(files)
     return formats.pop(), files
@@ -55,9 +66,14 @@ def _refuse_twice(inputs: list[str], found: list[tuple[str, list[InputFile]]]) -
             if key in seen:
                 other, other_path = seen[key]
                 same = f.path if other_path == f.path else f"{other_path} and {f.path}"
-                raise TokpackError("the same input file is given twice", file=f.path, where="INPUT",
-                                   expected="each input file once", found=f"{other!r} and {item!r} both reach {same}",
-                                   hint="give each input once; its tokens would be packed twice")
+                raise TokpackError(
+                    "the same input file is given twice",
+                    file=f.path,
+                    where="INPUT",
+                    expected="each input file once",
+                    found=f"{other!r} and {item!r} both reach {same}",
+                    hint="give each input once; its tokens would be packed twice",
+                )
             seen[key] = (item, f.path)
 
 
@@ -71,8 +87,12 @@ def _discover_one(path: Path, want: str, column, dtype) -> tuple[str, list[Input
     name = path.name
     if want in ("auto", "datatrove") and name.endswith(".ds"):
         return "datatrove", [datatrove_file(path, dtype)]
-    if want in ("auto", "megatron") and path.suffix in (".bin", ".idx") and path.with_suffix(".idx").exists() \
-            and path.with_suffix(".bin").exists():
+    if (
+        want in ("auto", "megatron")
+        and path.suffix in (".bin", ".idx")
+        and path.with_suffix(".idx").exists()
+        and path.with_suffix(".bin").exists()
+    ):
         return "megatron", [megatron_file(path.with_suffix(".bin"))]
     if want in ("auto", "parquet", "text") and path.suffix == ".parquet":
         return table_file(path, "parquet", want, column)
@@ -84,9 +104,13 @@ def _discover_one(path: Path, want: str, column, dtype) -> tuple[str, list[Input
         return jsonl_file(path, want, column)
     if want == "numpy" or (want == "auto" and dtype):
         return "numpy", [raw_file(path, dtype)]
-    raise _err("cannot tell the input format", path, expected="a known format for --format " + want,
-               found=f"a file named {name!r}",
-               hint="pass --format (and --dtype for raw token files), or rename the file with its usual extension")
+    raise _err(
+        "cannot tell the input format",
+        path,
+        expected="a known format for --format " + want,
+        found=f"a file named {name!r}",
+        hint="pass --format (and --dtype for raw token files), or rename the file with its usual extension",
+    )
 
 
 def _discover_dir(path: Path, want, column, dtype) -> tuple[str, list[InputFile]]:
@@ -100,9 +124,16 @@ def _discover_dir(path: Path, want, column, dtype) -> tuple[str, list[InputFile]
     if want in ("auto", "megatron") and bins:
         return "megatron", [megatron_file(p) for p in bins]
     if (path / "dataset_dict.json").exists():
-        splits = json.loads(read_limited(path / "dataset_dict.json", MAX_MANIFEST_BYTES, "dataset_dict.json", user=True)).get("splits")
-        raise _err("a DatasetDict holds several splits", path, expected="one split's directory", found=splits,
-                   hint=f"pass one split, e.g. {path / (splits or ['train'])[0]}")
+        splits = json.loads(
+            read_limited(path / "dataset_dict.json", MAX_MANIFEST_BYTES, "dataset_dict.json", user=True)
+        ).get("splits")
+        raise _err(
+            "a DatasetDict holds several splits",
+            path,
+            expected="one split's directory",
+            found=splits,
+            hint=f"pass one split, e.g. {path / (splits or ['train'])[0]}",
+        )
     arrows = [p for p in files if p.suffix in ARROW_SUFFIXES]
     if want in ("auto", "parquet", "text") and (path / "state.json").exists() and arrows:
         state = json.loads(read_limited(path / "state.json", MAX_MANIFEST_BYTES, "state.json", user=True))
@@ -120,10 +151,13 @@ def _discover_dir(path: Path, want, column, dtype) -> tuple[str, list[InputFile]
         return _each(jsonl, lambda p: jsonl_file(p, want, column))
     if want == "numpy" and dtype:
         return "numpy", [raw_file(p, dtype) for p in files]
-    raise _err("no input files of a known format in directory", path,
-               expected="*.ds, *.bin+*.idx, *.parquet, *.arrow, *.npy or *.jsonl" if want == "auto" else want,
-               found=f"{len(files)} files" + (f" ({', '.join(names[:4])}...)" if names else ""),
-               hint="check the path, or pass --format")
+    raise _err(
+        "no input files of a known format in directory",
+        path,
+        expected="*.ds, *.bin+*.idx, *.parquet, *.arrow, *.npy or *.jsonl" if want == "auto" else want,
+        found=f"{len(files)} files" + (f" ({', '.join(names[:4])}...)" if names else ""),
+        hint="check the path, or pass --format",
+    )
 
 
 def _each(paths: list[Path], tell) -> tuple[str, list[InputFile]]:
@@ -146,11 +180,23 @@ def _check_dtype_option(files: list[InputFile], dtype: str | None) -> None:
         given = dtype
     for f in files:
         if f.dtype is None:
-            raise _err(f"--dtype applies only to raw token files, not to {f.format} input", f.path, where="--dtype",
-                       expected="no --dtype", found=dtype, hint="drop --dtype")
+            raise _err(
+                f"--dtype applies only to raw token files, not to {f.format} input",
+                f.path,
+                where="--dtype",
+                expected="no --dtype",
+                found=dtype,
+                hint="drop --dtype",
+            )
         if np.dtype(f.dtype).name != given:
-            raise _err(f"--dtype differs from the dtype the {f.format} input records", f.path, where="--dtype",
-                       expected=f.dtype, found=dtype, hint="drop --dtype, it is only for raw token files")
+            raise _err(
+                f"--dtype differs from the dtype the {f.format} input records",
+                f.path,
+                where="--dtype",
+                expected=f.dtype,
+                found=dtype,
+                hint="drop --dtype, it is only for raw token files",
+            )
 
 
 def _check_consistent(files: list[InputFile]) -> None:
@@ -158,17 +204,34 @@ def _check_consistent(files: list[InputFile]) -> None:
     first = files[0]
     for f in files[1:]:
         if f.dtype != first.dtype:
-            raise _err("mixed token dtypes in one pack", f.path, where="dtype", expected=f"{first.dtype} (as in {first.path})",
-                       found=f.dtype, hint="pack inputs of one dtype together, or convert them first")
+            raise _err(
+                "mixed token dtypes in one pack",
+                f.path,
+                where="dtype",
+                expected=f"{first.dtype} (as in {first.path})",
+                found=f.dtype,
+                hint="pack inputs of one dtype together, or convert them first",
+            )
         if f.tokenizer != first.tokenizer:
-            raise _err("mixed vocabularies in one pack", f.path, where="tokenizer",
-                       expected=f"{first.tokenizer} (as in {first.path})", found=f.tokenizer,
-                       hint="inputs tokenized with different tokenizers cannot share one packed source")
+            raise _err(
+                "mixed vocabularies in one pack",
+                f.path,
+                where="tokenizer",
+                expected=f"{first.tokenizer} (as in {first.path})",
+                found=f.tokenizer,
+                hint="inputs tokenized with different tokenizers cannot share one packed source",
+            )
     with_loss = {bool(f.extra.get("loss")) for f in files}
     if len(with_loss) > 1:
         missing = next(f for f in files if not f.extra.get("loss"))
-        raise _err("some datatrove files have a .ds.loss and others do not", missing.path, where=".ds.loss",
-                   expected="all or none", found="missing here", hint="pack them separately")
+        raise _err(
+            "some datatrove files have a .ds.loss and others do not",
+            missing.path,
+            where=".ds.loss",
+            expected="all or none",
+            found="missing here",
+            hint="pack them separately",
+        )
 
 
 def check_input(f: InputFile) -> None:

@@ -19,8 +19,11 @@ JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson")
 
 def _open_text(path):
     binary = io.BufferedReader(open_read(path, user=True))  # a user's input: the regular-file rule only
-    return gzip.open(binary, "rt", encoding="utf-8") if str(path).endswith(".gz") else \
-        io.TextIOWrapper(binary, encoding="utf-8")
+    return (
+        gzip.open(binary, "rt", encoding="utf-8")
+        if str(path).endswith(".gz")
+        else io.TextIOWrapper(binary, encoding="utf-8")
+    )
 
 
 def jsonl_file(path, want: str, column: str | None) -> tuple[str, list[InputFile]]:
@@ -36,16 +39,26 @@ def jsonl_file(path, want: str, column: str | None) -> tuple[str, list[InputFile
         try:
             obj = json.loads(first)
         except json.JSONDecodeError as e:
-            raise _err("invalid JSON", path, where="first line", expected="one JSON object per line", found=str(e)) from None
-        is_text = isinstance(obj, dict) and isinstance(obj.get(text_key), str) and not isinstance(obj.get(token_key), list)
+            raise _err(
+                "invalid JSON", path, where="first line", expected="one JSON object per line", found=str(e)
+            ) from None
+        is_text = (
+            isinstance(obj, dict) and isinstance(obj.get(text_key), str) and not isinstance(obj.get(token_key), list)
+        )
         fmt = "text" if want == "text" or (want == "auto" and is_text) else "jsonl"
         if fmt == "jsonl" and not (isinstance(obj, list) or (isinstance(obj, dict) and token_key in obj)):
-            raise _err("JSONL key not found", path, where=f"line 1, key {token_key!r}", expected=f"a list under {token_key!r}",
-                       found=f"keys {list(obj)[:8]}" if isinstance(obj, dict) else type(obj).__name__,
-                       hint="pass --column with the key holding the token ids")
+            raise _err(
+                "JSONL key not found",
+                path,
+                where=f"line 1, key {token_key!r}",
+                expected=f"a list under {token_key!r}",
+                found=f"keys {list(obj)[:8]}" if isinstance(obj, dict) else type(obj).__name__,
+                hint="pass --column with the key holding the token ids",
+            )
     if fmt == "text":
-        return "text", [InputFile(str(path), "text", None, path.stat().st_size, column=text_key,
-                                  extra={"container": "jsonl"})]
+        return "text", [
+            InputFile(str(path), "text", None, path.stat().st_size, column=text_key, extra={"container": "jsonl"})
+        ]
     return "jsonl", [InputFile(str(path), "jsonl", None, path.stat().st_size, column=token_key)]
 
 
@@ -62,13 +75,21 @@ def jsonl_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise _err("invalid JSON", f.path, where=f"line {line_no}", expected="a JSON object", found=str(e)) from None
+                raise _err(
+                    "invalid JSON", f.path, where=f"line {line_no}", expected="a JSON object", found=str(e)
+                ) from None
             ids = obj if isinstance(obj, list) else obj.get(f.column) if isinstance(obj, dict) else None
             if not isinstance(ids, list):
-                raise _err("JSONL line has no token list", f.path, where=f"line {line_no}, key {f.column!r}",
-                           expected="a list of token ids", found="no such key" if isinstance(obj, dict) and f.column not in obj
-                           else type(ids if isinstance(obj, dict) else obj).__name__,
-                           hint="pass --column with the key holding the token ids")
+                raise _err(
+                    "JSONL line has no token list",
+                    f.path,
+                    where=f"line {line_no}, key {f.column!r}",
+                    expected="a list of token ids",
+                    found="no such key"
+                    if isinstance(obj, dict) and f.column not in obj
+                    else type(ids if isinstance(obj, dict) else obj).__name__,
+                    hint="pass --column with the key holding the token ids",
+                )
             lists.append(ids)
             lines.append(line_no)
             literals = literals or "true" in line or "false" in line
@@ -93,10 +114,19 @@ def _jsonl_block(f: InputFile, lists: list[list], lines: list[int], doc: int, of
         for k, ids in enumerate(lists):
             for pos, v in enumerate(ids):
                 if not isinstance(v, int) or isinstance(v, bool) or not -(1 << 63) <= v < (1 << 64):
-                    raise _err("token id is not a 64-bit integer", f.path,
-                               where=f"line {lines[k]} (document {doc + k}), position {pos}",
-                               expected="an integer in [-2^63, 2^64)", found=repr(v)[:40])
+                    raise _err(
+                        "token id is not a 64-bit integer",
+                        f.path,
+                        where=f"line {lines[k]} (document {doc + k}), position {pos}",
+                        expected="an integer in [-2^63, 2^64)",
+                        found=repr(v)[:40],
+                    )
     if tokens.dtype.kind not in "iu" or tokens.ndim != 1:  # ids each in range, but no one dtype holds them all
-        raise _err("token ids do not fit one integer type", f.path, where=f"lines {lines[0]}-{lines[-1]}",
-                   expected="ids in [0, 2^64)", found=f"ids from {min(flat)} to {max(flat)}")
+        raise _err(
+            "token ids do not fit one integer type",
+            f.path,
+            where=f"lines {lines[0]}-{lines[-1]}",
+            expected="ids in [0, 2^64)",
+            found=f"ids from {min(flat)} to {max(flat)}",
+        )
     return Block(tokens, np.cumsum(lengths), None, doc, offset)

@@ -30,20 +30,42 @@ def megatron_file(bin_path) -> InputFile:
     idx = bin_path.with_suffix(".idx")
     head = read_array(idx, np.uint8, MEGATRON_HEADER, user=True).tobytes()
     if head[:9] != MEGATRON_MAGIC:
-        raise _err("not a Megatron index: wrong magic", idx, where="byte 0", expected=repr(MEGATRON_MAGIC),
-                   found=repr(head[:9]), hint="pass the .idx written with the .bin (Megatron's MMIDIDX format)")
+        raise _err(
+            "not a Megatron index: wrong magic",
+            idx,
+            where="byte 0",
+            expected=repr(MEGATRON_MAGIC),
+            found=repr(head[:9]),
+            hint="pass the .idx written with the .bin (Megatron's MMIDIDX format)",
+        )
     if len(head) < MEGATRON_HEADER:
-        raise _err("Megatron index header is truncated", idx, where="header", expected=f"{MEGATRON_HEADER} bytes",
-                   found=f"{len(head)} bytes", hint="the index is truncated or corrupt")
+        raise _err(
+            "Megatron index header is truncated",
+            idx,
+            where="header",
+            expected=f"{MEGATRON_HEADER} bytes",
+            found=f"{len(head)} bytes",
+            hint="the index is truncated or corrupt",
+        )
     version, code, sequences, documents = struct.unpack("<QBQQ", head[9:])
     if version != 1:
         raise _err("unsupported Megatron index version", idx, where="byte 9 (version)", expected=1, found=version)
     if code not in MEGATRON_DTYPES:
-        raise _err("unknown Megatron dtype code", idx, where="byte 17 (dtype code)",
-                   expected="1-8 (uint8 int8 int16 int32 int64 float64 float32 uint16)", found=code)
+        raise _err(
+            "unknown Megatron dtype code",
+            idx,
+            where="byte 17 (dtype code)",
+            expected="1-8 (uint8 int8 int16 int32 int64 float64 float32 uint16)",
+            found=code,
+        )
     size = bin_path.stat().st_size + idx.stat().st_size
-    return InputFile(str(bin_path), "megatron", MEGATRON_DTYPES[code].name, size,
-                     extra={"idx": str(idx), "sequences": sequences, "documents": documents})
+    return InputFile(
+        str(bin_path),
+        "megatron",
+        MEGATRON_DTYPES[code].name,
+        size,
+        extra={"idx": str(idx), "sequences": sequences, "documents": documents},
+    )
 
 
 def _megatron_layout(f: InputFile) -> tuple[int, int, int]:
@@ -58,13 +80,23 @@ def check_megatron(f: InputFile) -> None:
     expected = MEGATRON_HEADER + 12 * seqs + 8 * docs
     isize = as_path(idx).stat().st_size
     if isize not in (expected, expected + seqs):  # + one int8 mode per sequence in multimodal indexes
-        raise _err("Megatron .idx size does not match its counts", idx, where="size",
-                   expected=f"{expected} bytes for {seqs} sequences and {docs} document indices",
-                   found=f"{isize} bytes", hint="the index is truncated or corrupt")
+        raise _err(
+            "Megatron .idx size does not match its counts",
+            idx,
+            where="size",
+            expected=f"{expected} bytes for {seqs} sequences and {docs} document indices",
+            found=f"{isize} bytes",
+            hint="the index is truncated or corrupt",
+        )
     bsize = as_path(f.path).stat().st_size
     if bsize % itemsize:
-        raise _err("Megatron .bin size is not a multiple of the token size", f.path, where="size",
-                   expected=f"a multiple of {itemsize} ({f.dtype})", found=f"{bsize} bytes")
+        raise _err(
+            "Megatron .bin size is not a multiple of the token size",
+            f.path,
+            where="size",
+            expected=f"a multiple of {itemsize} ({f.dtype})",
+            found=f"{bsize} bytes",
+        )
     if docs < 1:
         raise _err("Megatron .idx has no document indices", idx, where="document count", expected=">= 1", found=docs)
     sizes_off, ptr_off, doc_off = _megatron_layout(f)
@@ -75,25 +107,44 @@ def check_megatron(f: InputFile) -> None:
         bad = np.flatnonzero((sizes < 0) | (ptrs < 0) | (ptrs + sizes * itemsize > bsize))
         if len(bad):
             i = int(bad[0])
-            raise _err("Megatron sequence lies outside the .bin", idx, where=f"sequence {start + i}",
-                       expected=f"pointer >= 0, size >= 0, pointer + size*{itemsize} <= {bsize} (the .bin size)",
-                       found=f"pointer {int(ptrs[i])}, size {int(sizes[i])}",
-                       hint="the .bin is truncated or belongs to another .idx")
+            raise _err(
+                "Megatron sequence lies outside the .bin",
+                idx,
+                where=f"sequence {start + i}",
+                expected=f"pointer >= 0, size >= 0, pointer + size*{itemsize} <= {bsize} (the .bin size)",
+                found=f"pointer {int(ptrs[i])}, size {int(sizes[i])}",
+                hint="the .bin is truncated or belongs to another .idx",
+            )
     prev = 0
     for start in range(0, docs, INDEX_CHUNK):
         di = read_array(idx, "<i8", min(INDEX_CHUNK, docs - start), doc_off + 8 * start, user=True)
         if start == 0 and di[0] != 0:
-            raise _err("Megatron document indices do not start at 0", idx, where="document index 0", expected=0,
-                       found=int(di[0]))
+            raise _err(
+                "Megatron document indices do not start at 0",
+                idx,
+                where="document index 0",
+                expected=0,
+                found=int(di[0]),
+            )
         bad = np.flatnonzero((np.diff(di, prepend=np.int64(prev)) < 0) | (di > seqs))
         if len(bad):
             i = int(bad[0])
-            raise _err("Megatron document indices decrease or exceed the sequence count", idx,
-                       where=f"document index {start + i}", expected=f"non-decreasing, <= {seqs}", found=int(di[i]))
+            raise _err(
+                "Megatron document indices decrease or exceed the sequence count",
+                idx,
+                where=f"document index {start + i}",
+                expected=f"non-decreasing, <= {seqs}",
+                found=int(di[i]),
+            )
         prev = int(di[-1])
     if prev != seqs:
-        raise _err("Megatron document indices do not end at the sequence count", idx, where=f"document index {docs - 1}",
-                   expected=seqs, found=prev)
+        raise _err(
+            "Megatron document indices do not end at the sequence count",
+            idx,
+            where=f"document index {docs - 1}",
+            expected=seqs,
+            found=prev,
+        )
 
 
 def megatron_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
@@ -120,6 +171,7 @@ def megatron_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
                 i = j
 
     with open_read(f.path, user=True) as fh:
+
         def fill(slot, n, meta):
             sizes, ptrs = meta[0], meta[1]
             out = slot.ensure(n)[:n]

@@ -17,38 +17,74 @@ def npy_file(path) -> InputFile:
     with open_read(path, 1 << 16, user=True) as fh:
         try:
             version = np.lib.format.read_magic(fh)
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            read_header = (
+                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            )
             shape, fortran, dtype = read_header(fh)
         except ValueError as e:
-            raise _err("unreadable .npy header", path, where="header", expected="a numpy .npy file", found=str(e)) from None
+            raise _err(
+                "unreadable .npy header", path, where="header", expected="a numpy .npy file", found=str(e)
+            ) from None
         offset = fh.tell()
     if dtype.kind not in "iu":
-        raise _err(".npy array is not of an integer type", path, where="dtype", expected="an integer dtype",
-                   found=dtype.name, hint="token ids must be integers")
+        raise _err(
+            ".npy array is not of an integer type",
+            path,
+            where="dtype",
+            expected="an integer dtype",
+            found=dtype.name,
+            hint="token ids must be integers",
+        )
     if fortran and len(shape) > 1:
         raise _err(".npy array is in Fortran order", path, where="header", expected="C order", found="Fortran order")
     count = int(np.prod(shape, dtype=np.int64))
     expected = offset + count * dtype.itemsize
     size = path.stat().st_size
     if size != expected:
-        raise _err(".npy size does not match its header", path, where="size", expected=f"{expected} bytes",
-                   found=f"{size} bytes", hint="the file is truncated")
-    return InputFile(str(path), "numpy", dtype.newbyteorder("=").name, size,
-                     extra={"offset": offset, "count": count, "byteorder": dtype.str})
+        raise _err(
+            ".npy size does not match its header",
+            path,
+            where="size",
+            expected=f"{expected} bytes",
+            found=f"{size} bytes",
+            hint="the file is truncated",
+        )
+    return InputFile(
+        str(path),
+        "numpy",
+        dtype.newbyteorder("=").name,
+        size,
+        extra={"offset": offset, "count": count, "byteorder": dtype.str},
+    )
 
 
 def raw_file(path, dtype: str | None) -> InputFile:
     if dtype not in RAW_DTYPES:
-        raise _err("raw token file needs --dtype" if dtype is None else "raw token file needs an integer --dtype",
-                   path, where="--dtype", expected=" | ".join(RAW_DTYPES), found=dtype,
-                   hint="pass --dtype with the width the tokens were written in")
+        raise _err(
+            "raw token file needs --dtype" if dtype is None else "raw token file needs an integer --dtype",
+            path,
+            where="--dtype",
+            expected=" | ".join(RAW_DTYPES),
+            found=dtype,
+            hint="pass --dtype with the width the tokens were written in",
+        )
     itemsize = np.dtype(dtype).itemsize
     size = path.stat().st_size
     if size % itemsize:
-        raise _err("raw token file size is not a multiple of the token size", path, where="size",
-                   expected=f"a multiple of {itemsize} bytes ({dtype})", found=f"{size} bytes")
-    return InputFile(str(path), "raw", dtype, size, extra={"offset": 0, "count": size // itemsize,
-                                                           "byteorder": np.dtype(dtype).newbyteorder("<").str})
+        raise _err(
+            "raw token file size is not a multiple of the token size",
+            path,
+            where="size",
+            expected=f"a multiple of {itemsize} bytes ({dtype})",
+            found=f"{size} bytes",
+        )
+    return InputFile(
+        str(path),
+        "raw",
+        dtype,
+        size,
+        extra={"offset": 0, "count": size // itemsize, "byteorder": np.dtype(dtype).newbyteorder("<").str},
+    )
 
 
 def eos_split_blocks(f: InputFile, block_tokens: int, eos_id: int) -> Iterator[Block]:

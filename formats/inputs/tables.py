@@ -58,22 +58,39 @@ def table_file(path, kind: str, want: str, column: str | None) -> tuple[str, lis
         raise _err(f"unreadable {kind} file", path, expected=f"a {kind} file", found=str(e).splitlines()[0]) from None
     text_col = column or "text"
     token_col = column or "input_ids"
-    if want == "text" or (want == "auto" and token_col not in schema.names and text_col in schema.names
-                          and _is_string(schema.field(text_col).type)):
+    if want == "text" or (
+        want == "auto"
+        and token_col not in schema.names
+        and text_col in schema.names
+        and _is_string(schema.field(text_col).type)
+    ):
         if text_col not in schema.names:
             raise _missing_column(path, text_col, schema.names)
         if not _is_string(schema.field(text_col).type):
-            raise _err("text column is not a string column", path, where=f"column {text_col!r}",
-                       expected="string", found=str(schema.field(text_col).type), hint="pass --column with the text column")
-        return "text", [InputFile(str(path), "text", None, path.stat().st_size, column=text_col,
-                                  extra={"container": kind})]
+            raise _err(
+                "text column is not a string column",
+                path,
+                where=f"column {text_col!r}",
+                expected="string",
+                found=str(schema.field(text_col).type),
+                hint="pass --column with the text column",
+            )
+        return "text", [
+            InputFile(str(path), "text", None, path.stat().st_size, column=text_col, extra={"container": kind})
+        ]
     if token_col not in schema.names:
         raise _missing_column(path, token_col, schema.names)
     typ = schema.field(token_col).type
     value = _list_value_type(typ)
     if value is None or not pa.types.is_integer(value):
-        raise _err("column is not a list of integers", path, where=f"column {token_col!r}",
-                   expected="list<int>", found=str(typ), hint="pass --column with the token-id column")
+        raise _err(
+            "column is not a list of integers",
+            path,
+            where=f"column {token_col!r}",
+            expected="list<int>",
+            found=str(typ),
+            hint="pass --column with the token-id column",
+        )
     name = np.dtype(value.to_pandas_dtype()).name
     return "parquet", [InputFile(str(path), kind, name, path.stat().st_size, column=token_col)]
 
@@ -94,8 +111,14 @@ def parquet_values(f: InputFile) -> int | None:
 
 
 def _missing_column(path, col, names) -> TokpackError:
-    return _err("column not found", path, where=f"column {col!r}", expected=col, found=f"columns {list(names)}",
-                hint="pass --column with the right column name")
+    return _err(
+        "column not found",
+        path,
+        where=f"column {col!r}",
+        expected=col,
+        found=f"columns {list(names)}",
+        hint="pass --column with the right column name",
+    )
 
 
 def _is_string(typ) -> bool:
@@ -133,11 +156,13 @@ def iter_record_batches(f: InputFile, columns: list[str]):
             return
 
         def decode(_slot, _n, group: int) -> list:  # a reader per call: one ParquetFile is not shared by threads
-            return list(reader().iter_batches(batch_size=TABLE_ROWS, row_groups=[group], columns=columns,
-                                              use_threads=False))
+            return list(
+                reader().iter_batches(batch_size=TABLE_ROWS, row_groups=[group], columns=columns, use_threads=False)
+            )
 
-        ahead = read_ahead(((1, g) for g in range(groups)), decode, [None] * PARQUET_DECODE_THREADS,
-                           threads=PARQUET_DECODE_THREADS)
+        ahead = read_ahead(
+            ((1, g) for g in range(groups)), decode, [None] * PARQUET_DECODE_THREADS, threads=PARQUET_DECODE_THREADS
+        )
         try:
             for batches, _ in ahead:
                 yield from batches
@@ -165,8 +190,14 @@ def table_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
         values = pc.list_flatten(col)
         if values.null_count:  # named by its row, which does not depend on how the file is batched
             first = pc.list_parent_indices(col)[pc.index(values.is_null(), True).as_py()].as_py()
-            raise _err("null token id in a list", f.path, where=f"column {f.column!r}, row {row + first}",
-                       expected="integers", found="null", hint="drop or fill the nulls before packing")
+            raise _err(
+                "null token id in a list",
+                f.path,
+                where=f"column {f.column!r}, row {row + first}",
+                expected="integers",
+                found="null",
+                hint="drop or fill the nulls before packing",
+            )
         tokens = values.to_numpy(zero_copy_only=False)
         ends = np.cumsum(lengths)
         yield Block(tokens, ends, None, row, offset)
