@@ -9,9 +9,11 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 root="${1:?usage: byte-identity.sh ROOT}"
 rm -rf "$root" && mkdir -p "$root" && root="$(cd "$root" && pwd)"
-export TOKPACK_PROGRESS=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" TOKPACK_PROGRESS=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 corpus="$here/examples/sample-corpus"
 q() { "$@" >/dev/null; }
+# this checkout's code, not whichever tokpack is installed
+tokpack() { python -m tokpack "$@"; }
 
 q tokpack pack "$corpus" -o "$root/source"
 for i in 0 1; do q tokpack pack "$corpus/0000${i}_00000_doc_shuffled.ds" -o "$root/part-$i"; done
@@ -40,7 +42,7 @@ done
 # straight to the nodes: 4 MPI processes, windows and best-fit
 if command -v mpirun >/dev/null; then
   for packing in concat best-fit; do
-    q mpirun --oversubscribe -n 4 tokpack shuffle "$root/source" -o "$root/tn-$packing" --seq-len 128 --seed 1234 \
+    q mpirun --oversubscribe -n 4 -x PYTHONPATH python -m tokpack shuffle "$root/source" -o "$root/tn-$packing" --seq-len 128 --seed 1234 \
       --epochs 2 --packing "$packing" --to-nodes "$root/tn-$packing-node{node}" --ranks-per-node 2 --micro-batch 2 \
       --memory 64MiB
   done
