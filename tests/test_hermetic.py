@@ -39,6 +39,7 @@ SCANNING = [
     "tests/test_outputs.py::test_only_the_seam_knows_about_the_store_plumbing",
     "tests/test_words.py::test_api_md_lists_every_result_class_with_its_module",
     "tests/test_units.py::test_docs_use_token_units_for_token_counts",
+    "tests/test_commands_md.py::test_every_link_into_commands_md_lands_on_a_heading",
 ]
 SLOW = "not test_bench_scripts_see_the_project_packages"  # a subprocess per bench script; lists, never parses
 
