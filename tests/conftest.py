@@ -3,8 +3,11 @@ project's own shard writer (for stages that must not depend on `pack`)."""
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
+import os
 import random
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +17,86 @@ from tokpack.formats import SourceShardWriter, source_manifest, write_manifest
 from tokpack.formats.manifest import shard_name
 
 PROJECT_PACKAGES = ("tokpack",)
+REPO = Path(__file__).resolve().parents[1]
+# Folders a checkout may hold that are not the project's: a virtual environment made in the clone
+# (`python -m venv .venv`, the common habit, whose site-packages hold other projects' code in
+# syntax this Python may not parse), build output, installed packages and caches.
+NOT_PROJECT = {
+    ".git",
+    ".venv",
+    "venv",
+    ".tox",
+    ".nox",
+    ".eggs",
+    "build",
+    "dist",
+    "site-packages",
+    "dist-packages",
+    "node_modules",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".mypy_cache",
+    ".hypothesis",
+}
+
+
+def _not_project(folder: Path) -> bool:
+    """A folder whose files are never the project's: by its name, or a virtual environment of any
+    name (its pyvenv.cfg), or an egg-info."""
+    return folder.name in NOT_PROJECT or folder.name.endswith(".egg-info") or (folder / "pyvenv.cfg").is_file()
+
+
+def _listed_by_git(root: Path) -> list[str] | None:
+    """The files git knows in this checkout, tracked or new but not ignored (relative paths), or
+    None when root is not the top of a git checkout (an unpacked sdist) or git is absent."""
+    try:
+        top = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        if Path(top).resolve() != root.resolve():
+            return None
+        listed = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            capture_output=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return [name for name in listed.decode().split("\0") if name]
+
+
+def _walked(root: Path) -> list[str]:
+    found = []
+    for here, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not _not_project(Path(here) / d)]
+        found += [os.path.relpath(os.path.join(here, f), root) for f in files]
+    return found
+
+
+def project_files(*folders: str, pattern: str = "*", recursive: bool = True, root: Path = REPO) -> list[Path]:
+    """The project's own files whose name matches pattern, under the given folders of the checkout
+    (all of it when none is given; recursive=False: only the folders' own files), sorted. Every
+    test that reads the source tree lists it here: `git ls-files` in a git checkout, else a walk,
+    and never a file under a folder that is not the project's (NOT_PROJECT, a venv of any name),
+    so a venv or a build inside the clone cannot break the suite."""
+    root = Path(root)
+    names = _listed_by_git(root)
+    names = _walked(root) if names is None else names
+    found = []
+    for name in names:
+        path = root / name
+        rel = Path(name)
+        if not fnmatch.fnmatchcase(rel.name, pattern) or not path.is_file():  # a deleted tracked file is not there
+            continue
+        if folders and not any(
+            rel.parent == Path(f) if not recursive else Path(f) in (rel.parent, *rel.parent.parents) for f in folders
+        ):
+            continue
+        if any(_not_project(root.joinpath(*rel.parts[: i + 1])) for i in range(len(rel.parts) - 1)):
+            continue
+        found.append(path)
+    return sorted(found)
 
 
 def require(module: str, install_hint: str):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import project_files
+
 REPO = Path(__file__).resolve().parents[1]
 SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
 PACKAGES = SETUPTOOLS["packages"]
@@ -52,7 +54,7 @@ def test_everything_installs_under_one_namespace():
         folder = REPO / FOLDERS[top] / Path(*name.split(".")[2:])
         assert (folder / "__init__.py").is_file(), name
     for folder in sorted(TOP_PACKAGES):  # every package folder in the tree is listed
-        for init in (REPO / folder).rglob("__init__.py"):
+        for init in project_files(folder, pattern="__init__.py"):
             dotted = ".".join(("tokpack",) + init.parent.relative_to(REPO).parts)
             assert dotted in PACKAGES, f"{init.parent.relative_to(REPO)} is not in pyproject's packages"
 
@@ -61,8 +63,8 @@ def test_no_module_imports_the_old_top_level_names():
     """`from formats...` would find PyPI's `formats` (or nothing) once installed: every absolute
     import of the project's code goes through `tokpack.`."""
     wrong = []
-    trees = [REPO / p for p in (*TOP_PACKAGES, "tokpack", "tests", "bench", "examples", "scripts")]
-    for path in sorted(p for tree in trees for p in tree.rglob("*.py")):
+    trees = (*TOP_PACKAGES, "tokpack", "tests", "bench", "examples", "scripts")
+    for path in project_files(*trees, pattern="*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = (
                 [a.name for a in node.names]
@@ -81,7 +83,7 @@ def test_imports_flow_one_way():
     assert set(ALLOWED) == TOP_PACKAGES
     wrong = []
     for package, allowed in ALLOWED.items():
-        for module in sorted((REPO / package).rglob("*.py")):
+        for module in project_files(package, pattern="*.py"):
             extra = project_imports(module) - allowed - {package}
             if extra:
                 wrong.append(f"{module.relative_to(REPO)} imports {sorted(extra)}")
@@ -93,7 +95,7 @@ def test_format_layer_has_no_logging_or_executor_dependency():
     (their logging set-up lives with the steps that import datatrove, shuffle/sinks.py); nor does
     loader/, which a trainer imports."""
     wrong = []
-    for module in sorted(p for folder in ("formats", "loader") for p in (REPO / folder).rglob("*.py")):
+    for module in project_files("formats", "loader", pattern="*.py"):
         for node in ast.walk(ast.parse(module.read_text())):
             names = (
                 [a.name for a in node.names]
@@ -147,7 +149,7 @@ def project_modules() -> dict[str, Path]:
     """Every module of the project's packages by dotted name (a package by its own name)."""
     modules = {}
     for package in sorted(TOP_PACKAGES):
-        for path in sorted((REPO / package).rglob("*.py")):
+        for path in project_files(package, pattern="*.py"):
             parts = ("tokpack",) + path.relative_to(REPO).with_suffix("").parts
             modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return modules
@@ -200,7 +202,7 @@ def test_import_graph_sees_lazy_and_relative_imports():
     assert "tokpack.loader.reader" in graph["tokpack.loader.slice_reader"]  # relative, in the loader
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "bench").glob("*.py")))
+@pytest.mark.parametrize("script", [p.name for p in project_files("bench", pattern="*.py", recursive=False)])
 def test_bench_scripts_see_the_project_packages(script):
     """Run as `python bench/X.py`, Python puts bench/ first on sys.path, where bench/shuffle.py
     would hide the shuffle package; each script must take bench/ off the path itself."""
@@ -237,7 +239,7 @@ BROAD = {"Exception", "BaseException", "ImportError", "ModuleNotFoundError"}
 def test_tests_do_not_skip_on_import_errors():
     """No importorskip and no import guarded by `except Exception`/`except ImportError` that
     returns or skips: a skip must name a missing tool (conftest.require or an explicit reason)."""
-    for path in sorted((REPO / "tests").glob("test_*.py")):
+    for path in project_files("tests", pattern="test_*.py", recursive=False):
         text = path.read_text()
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip":
@@ -328,10 +330,7 @@ def product_modules() -> list[Path]:
     """Every module of the installed subpackages (formats, shuffle, packer and any added later)
     but the gate's own."""
     return sorted(
-        p
-        for package in TOP_PACKAGES
-        for p in (REPO / package).rglob("*.py")
-        if p.relative_to(REPO).as_posix() != GATE_MODULE
+        p for p in project_files(*TOP_PACKAGES, pattern="*.py") if p.relative_to(REPO).as_posix() != GATE_MODULE
     )
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import random_docs, shuffle_run, write_source
+from conftest import project_files, random_docs, shuffle_run, write_source
 from tokpack.formats.io import Outbox
 from tokpack.formats.manifest import MANIFEST, epoch_dir_name
 from tokpack.formats.outputs import BucketOutput, LocalOutput, ShardPlace
@@ -139,8 +139,7 @@ def test_only_the_seam_knows_about_the_store_plumbing():
     allowed = {"formats/io.py", "formats/outputs.py", "packer/executors.py"}
     naming = sorted(
         p.relative_to(ROOT).as_posix()
-        for d in ("formats", "loader", "shuffle", "packer")
-        for p in (ROOT / d).rglob("*.py")
+        for p in project_files("formats", "loader", "shuffle", "packer", pattern="*.py")
         if re.search("outbox", p.read_text(), re.IGNORECASE)
     )
     assert set(naming) <= allowed, sorted(set(naming) - allowed)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import random_docs, write_source
+from conftest import project_files, random_docs, write_source
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.units import byte_size, token_count
 
@@ -216,7 +216,7 @@ def test_pack_shard_tokens_take_suffixes(tmp_path):
 def test_docs_use_token_units_for_token_counts():
     """Every `--tokens X` / `--consumed-tokens X` the docs show parses as a token count."""
     shown = []
-    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+    for doc in [REPO / "README.md", *project_files("docs", pattern="*.md", recursive=False)]:
         shown += re.findall(r"--(?:consumed-)?tokens[ =]([0-9][^\s`]*)", doc.read_text())
     assert shown, "the README shows --tokens"
     for value in shown:

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from tokpack.packer.cli import main
 
-from conftest import random_docs, shuffle_run, write_source
+from conftest import project_files, random_docs, shuffle_run, write_source
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMINGS = {"seconds", "mib_per_s", "dest"}
@@ -134,7 +134,7 @@ def test_api_stage_shards_of_equals_its_old_spelling(run, tmp_path):
 def _result_classes() -> dict[str, str]:
     """Every command result class in packer/: its name -> its module (tokpack.packer.X)."""
     found = {}
-    for path in sorted((ROOT / "packer").glob("*.py")):
+    for path in project_files("packer", pattern="*.py", recursive=False):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.ClassDef) and node.name.endswith("Result") and node.name != "Result":
                 found[node.name] = f"tokpack.packer.{path.stem}"
