@@ -10,9 +10,7 @@ from hypothesis import strategies as st
 
 from tokpack.packer import pieces as pieces_module
 from tokpack.packer import rank_files
-from tokpack.packer.pieces import WIRE_PIECE as PIECE
-from tokpack.packer.pieces import gather as _gather
-from tokpack.packer.pieces import place as _place
+from tokpack.packer.pieces import WIRE_PIECE, gather, place
 
 
 @settings(max_examples=150, deadline=None)
@@ -31,18 +29,18 @@ def test_pieces_are_gathered_and_placed_as_a_brute_copy(lengths, seed, chunk, lo
     # a slice a piece (LONG_PIECE 1), or by index (LONG_PIECE 2^40) cut every 1 or 7 tokens or not
     pieces_module.RANGE_CHUNK, pieces_module.LONG_PIECE = chunk, long_piece
     try:
-        got = _gather(src, starts, lengths, 301)
+        got = gather(src, starts, lengths, 301)
         want = np.concatenate([src[a : a + n] for a, n in zip(starts, lengths)])
         assert got.tolist() == want.tolist()
         # placed into rows of 320 tokens, each piece at its own row and offset
         row = 320
         store = np.full((len(lengths), row), 9, dtype=np.uint16)
         pad = np.full(len(lengths), row, dtype=np.int64)
-        pieces = np.zeros(len(lengths), PIECE)
+        pieces = np.zeros(len(lengths), WIRE_PIECE)
         pieces["length"] = lengths
         pieces["row_offset"] = rng.integers(0, row - lengths + 1)
         at = rng.permutation(len(lengths))
-        _place(store, pad, at, pieces, src, starts)
+        place(store, pad, at, pieces, src, starts)
         brute = np.full((len(lengths), row), 9, dtype=np.uint16)
         for i, (a, n) in enumerate(zip(starts, lengths)):
             brute[at[i], pieces["row_offset"][i] : pieces["row_offset"][i] + n] = src[a : a + n]
@@ -56,16 +54,16 @@ def test_whole_rows_move_as_rows_and_a_row_filled_twice_shows_in_its_count():
     tokens = np.arange(4 * row, dtype=np.uint16)
     starts = np.array([3, 0, 2]) * row
     lengths = np.full(3, row, dtype=np.int64)
-    assert _gather(tokens, starts, lengths, row).reshape(-1, row).tolist() == [
+    assert gather(tokens, starts, lengths, row).reshape(-1, row).tolist() == [
         list(range(15, 20)),
         list(range(0, 5)),
         list(range(10, 15)),
     ]
     store = np.zeros((3, row), dtype=np.uint16)
     pad = np.full(3, row, dtype=np.int64)
-    pieces = np.zeros(3, PIECE)
+    pieces = np.zeros(3, WIRE_PIECE)
     pieces["length"] = row
-    _place(store, pad, np.array([2, 0, 2]), pieces, tokens, starts)  # row 2 twice, row 1 never
+    place(store, pad, np.array([2, 0, 2]), pieces, tokens, starts)  # row 2 twice, row 1 never
     assert pad.tolist() == [0, row, -row]  # exchange_epoch refuses both (min < 0, max > 0)
     assert store[0].tolist() == list(range(0, 5)) and store[2].tolist() == list(range(10, 15))
 
