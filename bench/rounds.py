@@ -48,7 +48,7 @@ from bench.nodes import (
 )
 from bench.shuffle import pack_corpus  # noqa: E402
 
-from tokpack.packer.exchange import TOKEN_OVERHEAD  # noqa: E402
+from tokpack.packer.node_epoch import TOKEN_OVERHEAD  # noqa: E402
 
 # --memory a round's token byte needs beside the rows kept, as exchange.memory_plan counts it
 ROUND_MEMORY_PER_BYTE = (4 * MODEL_TOKEN_BYTES + TOKEN_OVERHEAD) // MODEL_TOKEN_BYTES

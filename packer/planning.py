@@ -937,7 +937,9 @@ def _node_epoch_figures(
     (the node that reads its row, and its shard's owner when that is another node)."""
     from tokpack.formats.shards import U64
     from tokpack.formats.slices import RankRows
-    from tokpack.packer.exchange import PIECE, _NodeEpoch, memory_plan
+    from tokpack.packer.node_epoch import NodeEpoch as _NodeEpoch  # its uses keep the old name until renamed
+    from tokpack.packer.node_epoch import memory_plan
+    from tokpack.packer.pieces import WIRE_PIECE as PIECE
     from tokpack.packer.slicing import slice_files, slice_ranks
     from tokpack.shuffle import packings
     from tokpack.shuffle.steps import shard_segments
@@ -1125,7 +1127,8 @@ def plan_to_nodes(
     time of each node's shared-filesystem, network and local-disk bytes; the slowest node's is the run's."""
     from tokpack.formats.manifest import nodes_sidecar
     from tokpack.formats.slices import RankRows
-    from tokpack.packer.exchange import _numbering, dest_template, node_dest
+    from tokpack.packer.node_dest import dest_template, node_dest
+    from tokpack.packer.node_dest import run_numbering as _numbering
     from tokpack.shuffle import packings
     from tokpack.packer.slicing import SLICE_ENTRY_BYTES, SLICE_HEADER_BYTES
     from tokpack.packer.staging import on_disk

@@ -4,8 +4,8 @@ tokens the plan puts there (windows: ranged reads of the sources; best-fit: rows
 the row table), each row checked against RUN's row hashes (`.ds.rows`, and best-fit `.ds.pad`).
 
 `stage RUN DEST --node n/N` on such a RUN (a replacement node) is `stage_replacement`: the rows
-fed, in increasing position, to the rank files of tokpack.packer.exchange.RankFiles, so its
-bytes are the exchange's.
+fed, in increasing position, to the rank files of tokpack.packer.rank_files.RankFiles, so its
+bytes are the exchange's; DEST and RUN's manifests as tokpack.packer.node_dest reads them.
 """
 
 from __future__ import annotations
@@ -16,19 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import WORK_DIR, OutputLock, holder_name
-from tokpack.formats.io import read_array, read_limited
+from tokpack.formats.io import read_limited
 from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES, epoch_dir_name, parse_manifest, row_hashes
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
-from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, U64, tokens_on_nodes
+from tokpack.formats.shards import PAD_SUFFIX, RowFacts, tokens_on_nodes
 from tokpack.formats.slices import RankRows, slice_epoch_manifest
-from tokpack.packer.exchange import RankFiles, _own_dest, _read_raw, _slice_root_of_run
+from tokpack.packer.node_dest import own_dest, read_raw, slice_root_of_run
+from tokpack.packer.rank_files import RankFiles
 from tokpack.packer.shared import Result
-from tokpack.packer.slicing import _epoch_in_place, slice_ranks
+from tokpack.packer.slicing import epoch_in_place, slice_ranks
 from tokpack.shuffle import packings
 from tokpack.shuffle.packed import PackedTable
 from tokpack.shuffle.plan import open_source
@@ -57,7 +57,7 @@ class ReplacementResult(Result):
 def exchanged_run(run_dir) -> bool:
     """Whether RUN was written by --to-nodes: its epochs hold row hashes and no token file."""
     for m in sorted(Path(run_dir).glob(f"epoch-*/{MANIFEST}")):
-        shards = parse_manifest(_read_raw(m), m, "epoch").get("shards") or []
+        shards = parse_manifest(read_raw(m), m, "epoch").get("shards") or []
         if shards:
             return tokens_on_nodes(m.parent, shards)
     return False
@@ -78,8 +78,8 @@ def stage_replacement(
     a, b, w = slice_ranks(node=node, ranks_per_node=ranks_per_node, micro_batch=micro_batch)
     rows = RankRows(w, micro_batch, 0)
     with OutputLock(str(dest), holder_name("stage")):
-        previous = _own_dest(dest, out, (a, b), w, micro_batch)
-        run, root = _slice_root_of_run(out, (a, b), w, micro_batch, 0)
+        previous = own_dest(dest, out, (a, b), w, micro_batch)
+        run, root = slice_root_of_run(out, (a, b), w, micro_batch, 0)
         numbering = EpochNumbering.of_run(run, out)
         chosen = sorted(int(e) for e in run.get("epochs") or []) if epochs is None else parse_epochs(epochs)
         output: Output = LocalOutput()
@@ -88,10 +88,10 @@ def stage_replacement(
             d = dest / epoch_dir_name(e)
             first = numbering.first(e)
             epoch_dir = out / epoch_dir_name(e)
-            raw = _read_raw(epoch_dir / MANIFEST)
+            raw = read_raw(epoch_dir / MANIFEST)
             m = parse_manifest(raw, epoch_dir / MANIFEST, "epoch")
             want = slice_epoch_manifest(root, e, int(m["samples"]), first, raw)
-            if e in previous and _epoch_in_place(d, want):
+            if e in previous and epoch_in_place(d, want):
                 continue
             source = SourceRows(epoch_dir, m, memory, dest / WORK_DIR / f"replace-{epoch_dir_name(e)}")
             try:
@@ -210,7 +210,14 @@ class SourceRows:
         )
         self.handles: dict = {}  # fingerprint -> its open shard files, kept from part to part
         self.bytes_read = 0
-        self._run_shard: tuple = (None, None, None)  # the last epoch shard's (index, row hashes, padding)
+        # RUN's row hashes and padding, each file read through the gate and checked against the manifest
+        self.facts = RowFacts(
+            m,
+            self.row * self.dtype.itemsize,
+            self._run_file,
+            str(self.epoch_dir),
+            "rerun the --to-nodes command that wrote the run",
+        )
         self.built = self.pool = None
         if self.padded:
             self._rebuild_table(packing, memory)
@@ -295,7 +302,8 @@ class SourceRows:
         per = int(self.m["shard_samples"])
         shard = positions // per
         for i in np.unique(shard).tolist():
-            hashes, pads = self._run_rows(i)
+            hashes = self.facts.hashes(i)
+            pads = self.facts.pads(i) if self.padded else None
             sel = np.flatnonzero(shard == i)
             local = positions[sel] - i * per
             bad = np.flatnonzero(hashes[local] != got[sel])
@@ -313,41 +321,18 @@ class SourceRows:
                     hint="the sources changed since the run was shuffled",
                 )
 
-    def _run_rows(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Epoch shard i's row hashes (and best-fit padding) from RUN, each file checked against its
-        manifest entry; the last shard's are kept, since a node's positions come in increasing order."""
-        if self._run_shard[0] == i:
-            return self._run_shard[1], self._run_shard[2]
-        entry, d = self.m["shards"][i], self.epoch_dir
-        path = d / f"{entry['path']}{ROWS_SUFFIX}"
-        hashes = read_array(path, U64, int(entry["samples"]), folder=d)
-        if xxhash.xxh3_128_hexdigest(hashes.tobytes()) != entry["rows_xxh3_128"]:
-            raise TokpackError(
-                "the run's row hashes do not match their manifest",
-                file=path,
-                where="rows_xxh3_128",
-                hint="rerun the --to-nodes command that wrote the run",
-            )
-        self.bytes_read += hashes.nbytes
-        pads = None
-        if self.padded:
-            path = d / f"{entry['path']}{PAD_SUFFIX}"
-            pads = read_array(path, "<u4", int(entry["samples"]), folder=d)
-            if xxhash.xxh3_128_hexdigest(pads.tobytes()) != entry["pad_xxh3_128"]:
-                raise TokpackError(
-                    "the run's padding does not match its manifest",
-                    file=path,
-                    where="pad_xxh3_128",
-                    hint="rerun the --to-nodes command that wrote the run",
-                )
-            self.bytes_read += pads.nbytes
-        self._run_shard = (i, hashes, pads)
-        return hashes, pads
+    def _run_file(self, i: int, suffix: str, size: int):
+        """RowFacts' read of epoch shard i's `suffix` file in RUN (row hashes, padding): through the
+        gate, at its recorded size; counted in bytes_read."""
+        path = self.epoch_dir / f"{self.m['shards'][i]['path']}{suffix}"
+        data = read_limited(path, size, "sidecar", size=size, folder=self.epoch_dir)
+        self.bytes_read += len(data)
+        return [data]
 
     def close(self) -> None:
         for files in self.handles.values():
             for f in files.values():
                 f.close()
         self.handles = {}
-        self.pool = self.built = None
+        self.pool = self.built = self.facts = None
         shutil.rmtree(self.work.parent if self.work.parent.name == WORK_DIR else self.work, ignore_errors=True)

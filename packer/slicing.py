@@ -850,3 +850,7 @@ def _same_slice(have: dict, root: dict, source: str, dest: Path, path: Path) -> 
                 )
                 + "`",
             )
+
+
+epoch_in_place = _epoch_in_place
+previous_slice = _previous_slice

@@ -1,4 +1,4 @@
-"""The exchange's copies of pieces (packer/exchange.py `_gather`, `_place`, `_copy_pieces`):
+"""The exchange's copies of pieces (packer/pieces.py `gather`, `place`, `copy_pieces`):
 whole rows as rows, long pieces a slice each, short ones by a bounded index of their tokens;
 every path against a brute copy, and the rows' unfilled counts."""
 
@@ -8,8 +8,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokpack.packer import exchange
-from tokpack.packer.exchange import PIECE, _gather, _place
+from tokpack.packer import pieces as pieces_module
+from tokpack.packer import rank_files
+from tokpack.packer.pieces import WIRE_PIECE, gather, place
 
 
 @settings(max_examples=150, deadline=None)
@@ -24,28 +25,28 @@ def test_pieces_are_gathered_and_placed_as_a_brute_copy(lengths, seed, chunk, lo
     lengths = np.array(lengths, dtype=np.int64)
     src = rng.integers(0, 60000, int(lengths.sum()) + 50).astype(np.uint16)
     starts = np.sort(rng.integers(0, 50, len(lengths))) + np.cumsum(lengths) - lengths  # in order, gaps between
-    saved = exchange.RANGE_CHUNK, exchange.LONG_PIECE
+    saved = pieces_module.RANGE_CHUNK, pieces_module.LONG_PIECE
     # a slice a piece (LONG_PIECE 1), or by index (LONG_PIECE 2^40) cut every 1 or 7 tokens or not
-    exchange.RANGE_CHUNK, exchange.LONG_PIECE = chunk, long_piece
+    pieces_module.RANGE_CHUNK, pieces_module.LONG_PIECE = chunk, long_piece
     try:
-        got = _gather(src, starts, lengths, 301)
+        got = gather(src, starts, lengths, 301)
         want = np.concatenate([src[a : a + n] for a, n in zip(starts, lengths)])
         assert got.tolist() == want.tolist()
         # placed into rows of 320 tokens, each piece at its own row and offset
         row = 320
         store = np.full((len(lengths), row), 9, dtype=np.uint16)
         pad = np.full(len(lengths), row, dtype=np.int64)
-        pieces = np.zeros(len(lengths), PIECE)
+        pieces = np.zeros(len(lengths), WIRE_PIECE)
         pieces["length"] = lengths
         pieces["row_offset"] = rng.integers(0, row - lengths + 1)
         at = rng.permutation(len(lengths))
-        _place(store, pad, at, pieces, src, starts)
+        place(store, pad, at, pieces, src, starts)
         brute = np.full((len(lengths), row), 9, dtype=np.uint16)
         for i, (a, n) in enumerate(zip(starts, lengths)):
             brute[at[i], pieces["row_offset"][i] : pieces["row_offset"][i] + n] = src[a : a + n]
         assert (store == brute).all() and (pad[at] == row - lengths).all()
     finally:
-        exchange.RANGE_CHUNK, exchange.LONG_PIECE = saved
+        pieces_module.RANGE_CHUNK, pieces_module.LONG_PIECE = saved
 
 
 def test_whole_rows_move_as_rows_and_a_row_filled_twice_shows_in_its_count():
@@ -53,16 +54,16 @@ def test_whole_rows_move_as_rows_and_a_row_filled_twice_shows_in_its_count():
     tokens = np.arange(4 * row, dtype=np.uint16)
     starts = np.array([3, 0, 2]) * row
     lengths = np.full(3, row, dtype=np.int64)
-    assert _gather(tokens, starts, lengths, row).reshape(-1, row).tolist() == [
+    assert gather(tokens, starts, lengths, row).reshape(-1, row).tolist() == [
         list(range(15, 20)),
         list(range(0, 5)),
         list(range(10, 15)),
     ]
     store = np.zeros((3, row), dtype=np.uint16)
     pad = np.full(3, row, dtype=np.int64)
-    pieces = np.zeros(3, PIECE)
+    pieces = np.zeros(3, WIRE_PIECE)
     pieces["length"] = row
-    _place(store, pad, np.array([2, 0, 2]), pieces, tokens, starts)  # row 2 twice, row 1 never
+    place(store, pad, np.array([2, 0, 2]), pieces, tokens, starts)  # row 2 twice, row 1 never
     assert pad.tolist() == [0, row, -row]  # exchange_epoch refuses both (min < 0, max > 0)
     assert store[0].tolist() == list(range(0, 5)) and store[2].tolist() == list(range(10, 15))
 
@@ -72,7 +73,7 @@ def test_a_writer_is_handed_bounded_bytes_of_rows_whatever_their_length(monkeypa
     index, are at most MAX_CHUNK_BYTES (at least one row), as the scatter/order engine's writers,
     not a fixed count of rows: 16,384 rows of seq_len 4096 were 134 MB at once, past the fixed
     allowance beside --memory (bench/rounds.py at 1 GiB: peak RSS 273 MB over --memory)."""
-    monkeypatch.setattr(exchange, "MAX_CHUNK_BYTES", 5 * 8194)
+    monkeypatch.setattr(rank_files, "MAX_CHUNK_BYTES", 5 * 8194)
 
     class Writer:
         def __init__(self):
@@ -92,7 +93,7 @@ def test_a_writer_is_handed_bounded_bytes_of_rows_whatever_their_length(monkeypa
         sel = np.array([3, 0, 22, 5, 5, 9, 1, 17, 2, 11, 4, 8], dtype=np.int64)
         pad = np.arange(23, dtype=np.int64)
         w = Writer()
-        exchange._write_rows(w, rows, pad, sel)
+        rank_files.write_rows(w, rows, pad, sel)
         assert [len(t) for t in w.tokens] == [want] * (len(sel) // want) + (
             [len(sel) % want] if len(sel) % want else []
         )
@@ -106,7 +107,7 @@ def test_a_round_reads_at_most_max_round_bytes_whatever_memory_allows():
     MIN_ROUND_ROWS rows, however long a row."""
     from types import SimpleNamespace
 
-    from tokpack.packer.exchange import MAX_ROUND_BYTES, MIN_ROUND_ROWS, memory_plan
+    from tokpack.packer.node_epoch import MAX_ROUND_BYTES, MIN_ROUND_ROWS, memory_plan
 
     def node(row_tokens):
         job = SimpleNamespace(

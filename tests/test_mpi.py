@@ -335,8 +335,8 @@ def test_out_of_core_holds_a_bucket_not_the_slice(tmp_path):
 def test_a_process_stays_within_memory_and_its_fixed_allowance(tmp_path, packing):
     """128 MiB of tokens on 2 processes with --memory 1GiB: one round holds the whole epoch, so
     what a round's copies cost per token shows (an int64 index of every token moved took 2.1 GB
-    a process here); each stays within --memory plus exchange.MEMORY_ALLOWANCE."""
-    from tokpack.packer.exchange import MEMORY_ALLOWANCE
+    a process here); each stays within --memory plus node_epoch.MEMORY_ALLOWANCE."""
+    from tokpack.packer.node_epoch import MEMORY_ALLOWANCE
 
     rng = np.random.default_rng(8)
     lengths = rng.integers(200, 4000, 34000)

@@ -26,7 +26,7 @@ from test_mpi import (
     source,  # noqa: F401 (fixture)
     staged,
 )
-from tokpack.packer.exchange import LAUNCHER_SIZES
+from tokpack.packer.transport import LAUNCHER_SIZES
 
 ENV = dict(
     os.environ,

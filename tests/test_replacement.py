@@ -178,7 +178,7 @@ def rewrite_rank_file(dest, e: int, r: int, tokens, pad, run=None) -> None:
 
     from tokpack.formats.outputs import EpochShardFormat, LocalOutput
     from tokpack.formats.slices import RankRows
-    from tokpack.packer.exchange import RankFiles
+    from tokpack.packer.rank_files import RankFiles
 
     root = json.loads((dest / MANIFEST).read_text())
     d = dest / epoch_dir_name(e)
@@ -359,7 +359,7 @@ def test_validate_against_run_without_its_sources_cannot_prove_the_slice(windows
 @pytest.mark.parametrize("text", ["not json", '{"/data/src": "../elsewhere"}', '["a"]'])
 def test_a_damaged_kept_sources_record_is_one_line_naming_it(text, tmp_path):
     from tokpack.formats.errors import TokpackError
-    from tokpack.packer.exchange import KEPT_RECORD, kept_copies
+    from tokpack.packer.kept_sources import KEPT_RECORD, kept_copies
 
     (tmp_path / KEPT_RECORD).write_text(text)
     with pytest.raises(TokpackError, match="kept sources' record") as e:

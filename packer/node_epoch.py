@@ -1,0 +1,165 @@
+"""One epoch of `shuffle --to-nodes` on one process (tokpack.packer.exchange): what it reads
+(its runs of whole source shards), what its node keeps (the slice's positions, in increasing
+order) and owns (epoch shards i with i mod N its node), each piece's two destinations, and the
+memory plan (`memory_plan`: a round's tokens, and whether the node's rows fit in memory or go
+out of core to bucket files). `plan shuffle --to-nodes` asks the same object."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.slices import RankRows
+from tokpack.packer.kept_sources import keep_sources
+from tokpack.packer.transport import MAX_MESSAGE_BYTES
+from tokpack.shuffle.packed_step import RECORD
+from tokpack.shuffle.steps import split_shards
+
+# Rows a round's buffers hold at least: fewer, and the exchange spends its time per round.
+MIN_ROUND_ROWS = 4
+# Token bytes a process reads a round, at most, whatever --memory allows: a round's buffers are
+# fresh memory, and larger ones cost more per byte to fault in than they save in rounds (bench/
+# rounds.py, BENCHMARKS.md "Straight to the nodes"); at 48 nodes a round still sends megabytes a peer.
+MAX_ROUND_BYTES = 64 << 20
+
+
+class NodeEpoch:
+    """One epoch on one process: what it reads, what it keeps, what it owns."""
+
+    def __init__(
+        self, job, sources, rows: RankRows, first: int, node: int, nodes: int, ranks: tuple[int, int], prepared: dict
+    ):
+        self.job, self.plan, self.sources, self.prepared = job, job.plan, sources, prepared
+        self.rows, self.first, self.node, self.nodes, self.ranks = rows, first, node, nodes, ranks
+        self.per_node = ranks[1] - ranks[0] + 1
+        self.padded = "table" in prepared  # best-fit: document pieces, and padding
+        n = self.plan.samples
+        rb = job.row_bytes
+        # The slice: its epoch positions in increasing order (every rank's, mixed), as stage --node plans them.
+        parts = list(rows.node_positions(first, n, ranks, max(1, (8 << 20) // 8)))
+        self.positions = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        # The epoch shards this node owns (checksums and row hashes for RUN), and where each starts in its store.
+        self.owned = list(range(node, job.n_shards, nodes))
+        self.owned_base = np.full(job.n_shards, -1, dtype=np.int64)
+        base = 0
+        for i in self.owned:
+            self.owned_base[i] = base
+            g0, g1 = job.shard_range(i)
+            base += g1 - g0
+        self.owned_rows = base
+        # Both stores, each row's tokens still unfilled (its padding, once every piece is in), the positions.
+        self.keep_bytes = (len(self.positions) + self.owned_rows) * (rb + 8) + 8 * len(self.positions)
+        # Out of core the stores are bucket files: what stays in memory is the positions and the unfilled counts.
+        self.index_bytes = 8 * len(self.positions) + 8 * (len(self.positions) + self.owned_rows)
+
+    @property
+    def store_rows(self) -> int:
+        """Rows of the node's two stores, one numbering: its slice's (0..P-1, in position order),
+        then its owned shards' (P + the row's place in owned_base's order)."""
+        return len(self.positions) + self.owned_rows
+
+    def disk_bytes(self, out_of_core: bool) -> int:
+        """DEST's bytes at the peak: the rank files (rows, row hashes, index about a fragment a
+        row) and the owned shards' row hashes and padding (their tokens are only hashed,
+        hash_owned_shards); out of core, the bucket files too: every store row with two RECORDs
+        (about one piece a row)."""
+        P, rb = len(self.positions), self.job.row_bytes
+        small = P * (16 + 4 * self.padded) + self.owned_rows * (8 + 4 * self.padded)
+        # out of core a bucket is removed once read, as the rank files grow: the buckets' bytes
+        # are the peak, the slice's rows among them
+        return small + (self.store_rows * (rb + 2 * RECORD.itemsize) if out_of_core else P * rb)
+
+    def node_of(self, g: np.ndarray) -> np.ndarray:
+        return self.rows.rank_of(g + self.first) // self.per_node
+
+    def owner_of(self, g: np.ndarray) -> np.ndarray:
+        return (g // self.job.shard_samples) % self.nodes
+
+    def routes(self, pieces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(destination of each copy, the piece it is): each piece goes to the node whose ranks
+        read its row, and to its epoch shard's owner when that is another node (a node that both
+        keeps a row and owns its shard gets it once)."""
+        to_node, to_owner = self.node_of(pieces["g"]), self.owner_of(pieces["g"])
+        twice = to_owner != to_node
+        return np.concatenate([to_node, to_owner[twice]]), np.concatenate(
+            [np.arange(len(pieces)), np.flatnonzero(twice)]
+        )
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """This process's part of the sources: runs (source, first shard, end shard) of whole shards."""
+        runs = split_shards(self.plan, self.sources, self.nodes)
+        return runs[self.node] if self.node < len(runs) else []  # fewer source shards than nodes: none
+
+    def kept_shards(self) -> dict[int, set[int]]:
+        """source -> the shards --keep-sources keeps of it: those this process reads, and the next
+        one, which its last windows may run into (also what `plan shuffle --to-nodes` counts)."""
+        need: dict[int, set[int]] = {}
+        for s, k0, k1 in self.runs():
+            need.setdefault(s, set()).update(range(k0, min(k1 + 1, len(self.sources[s].shards))))
+        return need
+
+    def keep_sources(self, folder: Path) -> int:
+        """--keep-sources: this process's source shards kept in `folder` (tokpack.packer.kept_sources);
+        from then on they are read there, not on the shared filesystem. Returns the bytes copied now."""
+        self.sources, copied = keep_sources(self.sources, self.runs(), self.kept_shards(), self.padded, folder)
+        return copied
+
+
+# Bytes of index arithmetic per token a round moves (tokpack.packer.pieces.ranges' temporaries, one call at a time).
+TOKEN_OVERHEAD = 24
+# What a process holds beside --memory, whatever the epoch's size: the interpreter, numpy,
+# mpi4py and MPI's own buffers, RANGE_CHUNK tokens of index arithmetic, MAX_CHUNK_BYTES of rows
+# on their way to a writer with their EOS mask and index (bench/nodes.py and bench/rounds.py
+# measure it, BENCHMARKS.md "Straight to the nodes"; tests/test_mpi.py holds every process to it).
+MEMORY_ALLOWANCE = 256 << 20
+# Bytes per row of a bucket read back, beyond 4 copies of its tokens (the bucket's rows, the
+# tokens read from its file, RankFiles' copy of one rank's rows, the index's EOS mask and more):
+# its records and the rank and index arithmetic.
+BUCKET_ROW_OVERHEAD = 128
+
+
+def bucket_row_bytes(row_bytes: int) -> int:
+    return 4 * row_bytes + BUCKET_ROW_OVERHEAD
+
+
+def round_tokens(ne: NodeEpoch, memory: int) -> int:
+    """Tokens a process sends per round (tokpack plan --to-nodes calls this too). A round sends
+    at most twice what it reads (each piece to its node and to its shard's owner) and receives
+    about as much, each token with its index arithmetic. In memory when the node's stores fit
+    beside a round's buffers; else out of core (bucket_layout): the rounds append what they
+    receive to bucket files in DEST's scratch (one more copy a token), and the buckets, read
+    back one at a time once the rounds are done, take what the positions and unfilled counts
+    leave of --memory. Raises when even that does not fit."""
+    return memory_plan(ne, memory)[0]
+
+
+def memory_plan(ne: NodeEpoch, memory: int) -> tuple[int, int | None]:
+    """(tokens a round, rows a bucket out of core or None in memory); what `plan shuffle
+    --to-nodes` reports too."""
+    job = ne.job
+    per_token = 4 * job.token_dtype.itemsize + TOKEN_OVERHEAD
+    least = MIN_ROUND_ROWS * job.plan.row_tokens
+    limit = min(
+        MAX_MESSAGE_BYTES // (2 * job.token_dtype.itemsize), max(MAX_ROUND_BYTES // job.token_dtype.itemsize, least)
+    )
+    t = min((memory - ne.keep_bytes) // per_token, limit)
+    if t >= least:
+        return int(t), None
+    budget = memory - ne.index_bytes
+    per_token += job.token_dtype.itemsize + 8  # the copy appended to a bucket file, its index
+    t = min(budget // per_token, limit)
+    bucket_rows = budget // bucket_row_bytes(job.row_bytes)
+    if t < least or bucket_rows < MIN_ROUND_ROWS:
+        need = ne.index_bytes + max(per_token * least, MIN_ROUND_ROWS * bucket_row_bytes(job.row_bytes))
+        raise TokpackError(
+            f"this node's rows of epoch {job.plan.epoch} do not fit --memory, even out of core",
+            where="--memory",
+            expected=f">= {need} bytes ({ne.index_bytes} for the positions and unfilled counts of "
+            f"the node's {ne.store_rows} rows, the rest for a round's buffers or a bucket "
+            f"of {MIN_ROUND_ROWS} rows)",
+            found=f"{memory} bytes",
+            hint="give more --memory, or more nodes",
+        )
+    return int(t), int(bucket_rows)

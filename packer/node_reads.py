@@ -1,0 +1,71 @@
+"""What one process of `shuffle --to-nodes` reads (tokpack.packer.exchange): its runs of whole
+source shards (NodeEpoch.runs), in order, cut into pieces of output rows (WIRE_PIECE) with
+their tokens: a window is a piece of a whole row (the plan's windows, as the scatter pass reads
+them); a best-fit epoch's pieces are its documents' (the row table's files of each source shard,
+as the best-fit scatter pass reads them). Every source shard is verified as it is read."""
+
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+from tokpack.formats.io import map_file
+from tokpack.packer.pieces import WIRE_PIECE, gather
+from tokpack.shuffle.packed import PackedTable
+from tokpack.shuffle.plan import iter_source_windows
+from tokpack.shuffle.steps import ShardHashes, shard_segments, source_changed_error
+
+
+def source_pieces(ne, tokens: int):
+    """(pieces, their tokens back to back): every piece process `ne.node` reads, about `tokens`
+    tokens at a time, in read order, each with its output row g, offset in the row and length
+    (WIRE_PIECE). A window is a piece of a whole row; one the epoch uses twice comes twice."""
+    if ne.padded:
+        yield from _document_pieces(ne, ne.runs(), tokens)
+        return
+    plan, job = ne.plan, ne.job
+    row = plan.row_tokens
+    for s, w0, w1, k0, k1 in shard_segments(plan, ne.sources, ne.runs()):
+        shards = ShardHashes(ne.sources[s], k0, k1, _changed)
+        for a, block in iter_source_windows(
+            plan, s, ne.sources[s], max(1, tokens // row) * job.row_bytes, w0=w0, w1=w1, on_read=shards.feed
+        ):
+            for _, sel, g in plan.outputs_of(s, np.arange(a, a + len(block), dtype=np.int64)):
+                pieces = np.zeros(len(sel), WIRE_PIECE)
+                pieces["g"], pieces["length"] = g, row
+                yield pieces, np.take(block, sel, axis=0).reshape(-1)  # a copy: the block's buffer is reused
+        shards.finish()
+
+
+def _document_pieces(ne, runs, tokens: int):
+    """A best-fit epoch's pieces, by the row table's files of each source shard (as the
+    best-fit scatter pass reads them), each shard mapped and verified whole first."""
+    job = ne.job
+    built = PackedTable.open(ne.prepared["table"], ne.prepared["table_xxh3_128"])
+    for s, k0, k1 in runs:
+        src = ne.sources[s]
+        for k in range(k0, k1):
+            n = int(src.shards[k]["tokens"])
+            data = map_file(src.path / src.shards[k]["path"], 0, n * src.dtype.itemsize).view(src.dtype)
+            found = xxhash.xxh3_128_hexdigest(data)
+            if found != src.shards[k]["xxh3_128"]:
+                _changed(src.path / src.shards[k]["path"], src.shards[k]["xxh3_128"], found)
+            chunk = max(1, tokens // max(1, job.plan.row_tokens // 4))
+            for found_pieces in built.shard_pieces(s, k, chunk):
+                pieces = np.zeros(len(found_pieces), WIRE_PIECE)
+                for f in ("g", "row_offset", "length"):
+                    pieces[f] = found_pieces[f]
+                yield (
+                    pieces,
+                    gather(
+                        data,
+                        found_pieces["local"].astype(np.int64),
+                        found_pieces["length"].astype(np.int64),
+                        job.plan.row_tokens,
+                    ),
+                )
+            del data
+
+
+def _changed(shard, expected: str, found: str):
+    raise source_changed_error({"shard": str(shard), "expected": expected, "found": found})

