@@ -25,7 +25,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import physical_memory, space_needs
 from tokpack.formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, source_manifest
 from tokpack.formats.units import counted
-from tokpack.packer.shared import ExecutorConfig, Result, as_paths, optional_field, weighted_sources
+from tokpack.packer.shared import ExecutorConfig, Result, as_paths, optional_field
 
 MEASURE_BYTES = 256 << 20  # at most this much is written, then read back, to measure the disk
 MEASURE_SECONDS = 1.0  # per direction
@@ -205,96 +205,84 @@ def _local(paths: list[str]) -> list[str]:
 # ------------------------------------------------------------------------ the commands
 
 
+def _is_spec(value) -> bool:
+    from tokpack.shuffle.spec import ShuffleSpec
+
+    return isinstance(value, ShuffleSpec)
+
+
+def check_nodes(given: dict, nodes, shared_mbps, nic_mbps, executor) -> tuple:
+    """plan shuffle's --to-nodes arguments (shuffle's keywords `given`, and the machine's figures),
+    checked as the CLI's option types check them, before any file is read: (nodes, shared_mbps,
+    nic_mbps) parsed."""
+    from tokpack.formats import arguments
+
+    if given.get("to_nodes") is None:
+        if any(v is not None for v in (nodes, shared_mbps, nic_mbps)) or any(
+            given.get(k) is not None for k in ("ranks_per_node", "micro_batch", "keep_sources")
+        ):
+            raise TokpackError(
+                "--nodes, --ranks-per-node, --micro-batch, --keep-sources, --shared-mbps and --nic-mbps "
+                "go with --to-nodes DEST",
+                where="to_nodes",
+            )
+        return nodes, shared_mbps, nic_mbps
+    # the API's arguments checked as the CLI's option types check them (tokpack.packer.api.ARGUMENTS)
+    nodes, ranks_per_node, micro_batch = (
+        arguments.whole(v, name, least=1)
+        for v, name in (
+            (nodes, "nodes"),
+            (given.get("ranks_per_node"), "ranks_per_node"),
+            (given.get("micro_batch"), "micro_batch"),
+        )
+    )
+    shared_mbps, nic_mbps = (
+        arguments.positive_number(v, name) for v, name in ((shared_mbps, "shared_mbps"), (nic_mbps, "nic_mbps"))
+    )
+    if None in (nodes, ranks_per_node, micro_batch):
+        raise TokpackError(
+            "plan shuffle --to-nodes needs the nodes, ranks a node and micro-batch",
+            where="--nodes/--ranks-per-node/--micro-batch",
+            expected="all three",
+            found={"nodes": nodes, "ranks_per_node": ranks_per_node, "micro_batch": micro_batch},
+        )
+    if (
+        given.get("like") is not None
+        or given.get("holdout") is not None
+        or (executor is not None and executor.executor != "local")
+    ):
+        raise TokpackError(
+            "shuffle --to-nodes takes its sources and settings, not --like, --holdout or an --executor",
+            where="--like/--holdout/--executor",
+        )
+    return nodes, shared_mbps, nic_mbps
+
+
 def plan_shuffle(
-    sources,
-    output,
+    spec,
+    output=None,
     *,
-    seq_len: int | None = None,
-    seed: int | None = None,
-    epochs=None,
-    samples: int | None = None,
-    tokens: int | None = None,
-    shard_samples: int | None = None,
-    memory: int = 4 << 30,
-    jitter: bool = False,
     executor: ExecutorConfig | None = None,
     disk_mbps: float | None = None,
-    schedule=None,
-    scratch=None,
-    packing: str | None = None,
-    pad_id: int | None = None,
-    like=None,
-    holdout=None,
-    to_nodes=None,
     nodes: int | None = None,
-    ranks_per_node: int | None = None,
-    micro_batch: int | None = None,
-    keep_sources=None,
     shared_mbps: float | None = None,
     nic_mbps: float | None = None,
+    **settings,
 ) -> PlanResult:
-    """What `shuffle` with these arguments would do (`like`: as shuffle's, tokpack.shuffle.like). A source may be virtual:
-    `virtual:tokens=11T,documents=5.5B,dtype=uint16` (shuffle/plan.py, virtual_source). `schedule`:
-    a schedule file instead of sources and their settings (every epoch unless `epochs` says).
-    `scratch` is taken as shuffle takes it, and is unused: only a URL output writes there, and
-    a plan's output is local. `to_nodes` (DEST), with `nodes`, `ranks_per_node`, `micro_batch`
-    and optionally `keep_sources`, `shared_mbps`, `nic_mbps`: `shuffle --to-nodes` on that
-    many nodes, per node (plan_to_nodes)."""
-    if to_nodes is not None:
-        from tokpack.formats import arguments
+    """What `shuffle` of the ShuffleSpec `spec` (tokpack.shuffle.spec) would do. A source may be
+    virtual: `virtual:tokens=11T,documents=5.5B,dtype=uint16` (shuffle/plan.py, virtual_source).
+    With `spec.nodes` (shuffle --to-nodes DEST) and `nodes`, and optionally `shared_mbps`,
+    `nic_mbps`: `shuffle --to-nodes` on that many nodes, per node (plan_to_nodes). Tests and
+    benchmarks may give shuffle's keywords instead (`plan_shuffle(sources, output, seq_len=...)`),
+    made a spec as tokpack.plan("shuffle", ...) makes it (tokpack.packer.api.shuffle_spec)."""
+    if not _is_spec(spec):
+        from tokpack.packer.api import checked, shuffle_spec
 
-        # the API's arguments checked as the CLI's option types check them (tokpack.packer.api.ARGUMENTS)
-        nodes, ranks_per_node, micro_batch = (
-            arguments.whole(v, name, least=1)
-            for v, name in ((nodes, "nodes"), (ranks_per_node, "ranks_per_node"), (micro_batch, "micro_batch"))
-        )
-        shared_mbps, nic_mbps = (
-            arguments.positive_number(v, name) for v, name in ((shared_mbps, "shared_mbps"), (nic_mbps, "nic_mbps"))
-        )
-        if None in (nodes, ranks_per_node, micro_batch):
-            raise TokpackError(
-                "plan shuffle --to-nodes needs the nodes, ranks a node and micro-batch",
-                where="--nodes/--ranks-per-node/--micro-batch",
-                expected="all three",
-                found={"nodes": nodes, "ranks_per_node": ranks_per_node, "micro_batch": micro_batch},
-            )
-        if like is not None or holdout is not None or (executor is not None and executor.executor != "local"):
-            raise TokpackError(
-                "shuffle --to-nodes takes its sources and settings, not --like, --holdout or an --executor",
-                where="--like/--holdout/--executor",
-            )
-        scheduled = read_schedule_of(schedule)
-        paths, weights = weighted_sources(sources) if scheduled is None else ([], None)
-        return plan_to_nodes(
-            paths,
-            weights,
-            output,
-            to_nodes,
-            nodes=nodes,
-            ranks_per_node=ranks_per_node,
-            micro_batch=micro_batch,
-            keep_sources=keep_sources,
-            shared_mbps=shared_mbps,
-            nic_mbps=nic_mbps,
-            disk_mbps=disk_mbps,
-            memory=memory,
-            epochs=epochs,
-            schedule=scheduled,
-            seq_len=seq_len,
-            seed=seed,
-            samples=samples,
-            tokens=tokens,
-            shard_samples=shard_samples,
-            jitter=jitter,
-            packing=packing,
-            pad_id=pad_id,
-        )
-    if any(v is not None for v in (nodes, ranks_per_node, micro_batch, keep_sources, shared_mbps, nic_mbps)):
-        raise TokpackError(
-            "--nodes, --ranks-per-node, --micro-batch, --keep-sources, --shared-mbps and --nic-mbps "
-            "go with --to-nodes DEST",
-            where="to_nodes",
-        )
+        given = checked("shuffle", {"sources": spec, "output": output, **settings})
+        nodes, shared_mbps, nic_mbps = check_nodes(given, nodes, shared_mbps, nic_mbps, executor)
+        spec = shuffle_spec(given)
+    if spec.nodes is not None:
+        return plan_to_nodes(spec, nodes=nodes, shared_mbps=shared_mbps, nic_mbps=nic_mbps, disk_mbps=disk_mbps)
     from tokpack.shuffle.packings import figures_shown, of_plan
     from tokpack.shuffle.steps import BUCKETS_PER_FOLDER
     from tokpack.shuffle.run import (
@@ -310,59 +298,10 @@ def plan_shuffle(
         task_budget,
     )
 
-    from tokpack.shuffle.schedule import epoch_numbers, read_schedule
-
-    if like is not None:
-        from tokpack.shuffle.like import apply_like
-
-        s = apply_like(
-            {
-                "like": like,
-                "output": output,
-                "epochs": epochs,
-                "sources": sources,
-                "seq_len": seq_len,
-                "seed": seed,
-                "samples": samples,
-                "tokens": tokens,
-                "shard_samples": shard_samples,
-                "jitter": jitter,
-                "schedule": schedule,
-                "packing": packing,
-                "pad_id": pad_id,
-                "holdout": holdout,
-            }
-        )
-        sources, output, seq_len, seed, samples, tokens = (
-            s[k] for k in ("sources", "output", "seq_len", "seed", "samples", "tokens")
-        )
-        shard_samples, jitter, schedule, packing, pad_id, holdout = (
-            s[k] for k in ("shard_samples", "jitter", "schedule", "packing", "pad_id", "holdout")
-        )
+    memory = spec.memory
     config = executor or ExecutorConfig()
-    scheduled = read_schedule(schedule) if schedule is not None else None
-    paths, weights = weighted_sources(sources) if scheduled is None else ([], None)
-    *paths, output = _local(paths + [str(output)])
-    if epochs is None and scheduled is None:
-        epochs = 1
-    setup = setup_run(
-        paths,
-        str(output),
-        weights=weights,
-        seq_len=seq_len,
-        seed=seed,
-        epochs=epoch_numbers(epochs),
-        samples=samples,
-        tokens=tokens,
-        shard_samples=shard_samples,
-        memory=memory,
-        jitter=jitter,
-        workers=config.workers,
-        schedule=scheduled,
-        packing=packing,
-        pad_id=pad_id,
-        holdout=holdout,
-    )
+    *paths, output = _local(list(spec.sources) + [str(spec.output)])
+    setup = setup_run(spec.with_settings(sources=paths), str(output), workers=config.workers)
     opened = setup.sources
     passes, details, manifests, written, warnings = [], [], {}, {}, []
     ram = physical_memory()
@@ -889,12 +828,6 @@ def _nodes_lines(r: PlanResult) -> list[str]:
 # ------------------------------------------------------------------------ straight to the nodes
 
 
-def read_schedule_of(schedule):
-    from tokpack.shuffle.schedule import read_schedule
-
-    return None if schedule is None else read_schedule(schedule)
-
-
 NIC_MBPS = 25_000.0  # --nic-mbps default: a node's InfiniBand/RoCE link (issue 33, "25-50 GB/s a node")
 # Windows taken through the epoch's permutation to count each node's sends exactly (about 4 s
 # on one core); beyond, every k-th block of SAMPLE_BLOCK windows, and the counts scaled.
@@ -1103,22 +1036,12 @@ def _count_sends(counts: np.ndarray, ne, g: np.ndarray) -> None:
 
 
 def plan_to_nodes(
-    paths: list[str],
-    weights,
-    output: str,
-    dest: str,
+    spec,
     *,
     nodes: int,
-    ranks_per_node: int,
-    micro_batch: int,
-    keep_sources=None,
     shared_mbps: float | None = None,
     nic_mbps: float | None = None,
     disk_mbps: float | None = None,
-    memory: int = 4 << 30,
-    epochs=None,
-    schedule=None,
-    **options,
 ) -> PlanResult:
     """What `mpirun -n NODES tokpack shuffle ... --to-nodes DEST` would do, per node (docs/COMMANDS.md,
     "Straight to the nodes"): from the exchange's own arithmetic (_node_epoch_figures), then the
@@ -1131,13 +1054,13 @@ def plan_to_nodes(
     from tokpack.packer.staging import on_disk
     from tokpack.shuffle.packed import release_passes
     from tokpack.shuffle.run import run_manifest_of, setup_run
-    from tokpack.shuffle.schedule import epoch_numbers
-
     from tokpack.packer.slicing import slice_ranks
 
+    dest, keep_sources, memory = spec.nodes.dest, spec.nodes.keep_sources, spec.memory
+    ranks_per_node, micro_batch = spec.nodes.ranks_per_node, spec.nodes.micro_batch
     slice_ranks(node=f"0/{nodes}", ranks_per_node=ranks_per_node, micro_batch=micro_batch)  # before a list a node
     nic = float(nic_mbps or NIC_MBPS)
-    *paths, output = _local(list(paths) + [str(output)])
+    *paths, output = _local(list(spec.sources) + [str(spec.output)])
     if "://" in str(dest) or (keep_sources is not None and "://" in str(keep_sources)):
         raise TokpackError(
             "--to-nodes writes local directories",
@@ -1145,10 +1068,7 @@ def plan_to_nodes(
             hint="RUN is a shared-filesystem path, DEST a node-local one",
         )
     out = Path(output)
-    asked = epoch_numbers(1 if epochs is None and schedule is None else epochs)
-    setup = setup_run(
-        paths, str(output), weights=weights, epochs=asked, memory=memory, workers=1, schedule=schedule, **options
-    )
+    setup = setup_run(spec.with_settings(sources=paths), str(output), workers=1)
     numbering = _numbering(setup, out)
     opened = setup.sources
     RankRows(nodes * ranks_per_node, micro_batch, 0)  # its checks (tokpack.formats.slices) before any arithmetic
