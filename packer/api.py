@@ -202,13 +202,11 @@ def pack(
     that already is its shard's bytes (datatrove) is hard-linked or reflinked once verified,
     not copied (docs/COMMANDS.md, "Linking instead of copying")."""
     from tokpack.packer.executors import local_paths, runs_in_process
-    from tokpack.packer.packing import pack as pack_source
+    from tokpack.packer.packing import PackOptions, pack as pack_source
 
     in_process = runs_in_process(executor or ExecutorConfig())
     with local_paths([], str(output), scratch and str(scratch), in_process, "pack") as (_, local_output, to):
-        return pack_source(
-            as_paths(inputs),
-            local_output,
+        options = PackOptions(
             input_format=input_format,
             column=column,
             dtype=dtype,
@@ -217,11 +215,9 @@ def pack(
             vocab_size=vocab_size,
             overwrite=overwrite,
             shard_tokens=shard_tokens,
-            config=executor,
-            log=log,
-            to=to,
             link=link,
         )
+        return pack_source(as_paths(inputs), local_output, options, config=executor, log=log, to=to)
 
 
 @_checks("shuffle")
@@ -525,33 +521,41 @@ def plan(command: str, *args, **kwargs) -> PlanResult:
     from tokpack.formats.errors import TokpackError
     from tokpack.packer import planning
 
-    planner = (
-        {"pack": planning.plan_pack, "shuffle": planning.plan_shuffle, "stage": planning.plan_stage}.get(command)
-        if isinstance(command, str)
-        else None
-    )
-    if planner is None:
+    if not isinstance(command, str) or command not in _PLANNED:
         raise TokpackError("no such command to plan", where="command", expected="pack, shuffle or stage", found=command)
-    signature = _PLAN_SHUFFLE if command == "shuffle" else _signature.signature(planner)
-    bound = signature.bind(*args, **kwargs)
+    bound = _PLANNED[command].bind(*args, **kwargs)  # an unknown keyword stays Python's TypeError
+    bound.apply_defaults()
     given = checked(command, bound.arguments)
-    if "disk_mbps" in given:
-        given["disk_mbps"] = arguments.positive_number(given["disk_mbps"], "disk_mbps")
-    if command != "shuffle":
-        return planner(**given)
-    machine = {k: given.pop(k) for k in ("executor", "disk_mbps", "nodes", "shared_mbps", "nic_mbps") if k in given}
+    given["disk_mbps"] = arguments.positive_number(given["disk_mbps"], "disk_mbps")
+    if command == "pack":
+        from tokpack.packer.packing import PackOptions
+
+        paths, output, executor, disk_mbps = (given.pop(k) for k in ("inputs", "output", "executor", "disk_mbps"))
+        given.pop("scratch")  # a plan's output is local: the scratch a URL output writes to is unused
+        return planning.plan_pack(paths, output, PackOptions(**given), executor=executor, disk_mbps=disk_mbps)
+    if command == "stage":
+        directory, dest, disk_mbps = (given.pop(k) for k in ("directory", "dest", "disk_mbps"))
+        return planning.plan_stage(directory, dest, given, disk_mbps=disk_mbps)
+    machine = {k: given.pop(k) for k in ("executor", "disk_mbps", "nodes", "shared_mbps", "nic_mbps")}
     machine["nodes"], machine["shared_mbps"], machine["nic_mbps"] = planning.check_nodes(
         given, *(machine.get(k) for k in ("nodes", "shared_mbps", "nic_mbps", "executor"))
     )
     return planning.plan_shuffle(shuffle_spec(given), **machine)
 
 
-# plan("shuffle", ...): shuffle's arguments, less how it reports (log, progress), plus the
-# machine's figures a plan predicts from (disk_mbps; with to_nodes, the nodes and their links)
-_PLAN_SHUFFLE = _signature.signature(shuffle).replace(
-    parameters=[p for p in _signature.signature(shuffle).parameters.values() if p.name not in ("log", "progress")]
-    + [
-        _signature.Parameter(name, _signature.Parameter.KEYWORD_ONLY, default=None)
-        for name in ("disk_mbps", "nodes", "shared_mbps", "nic_mbps")
-    ]
-)
+def _planned(command, extra: tuple[str, ...]) -> _signature.Signature:
+    """plan(`command`, ...)'s arguments: the command's own, less how it reports (log, progress),
+    plus the machine's figures a plan predicts from (disk_mbps; shuffle's to_nodes: the nodes and
+    their links), each None unless given."""
+    sig = _signature.signature(command)
+    return sig.replace(
+        parameters=[p for p in sig.parameters.values() if p.name not in ("log", "progress")]
+        + [_signature.Parameter(name, _signature.Parameter.KEYWORD_ONLY, default=None) for name in extra]
+    )
+
+
+_PLANNED = {
+    "pack": _planned(pack, ("disk_mbps",)),
+    "shuffle": _planned(shuffle, ("disk_mbps", "nodes", "shared_mbps", "nic_mbps")),
+    "stage": _planned(stage, ("disk_mbps",)),
+}

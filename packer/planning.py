@@ -420,43 +420,25 @@ def plan_shuffle(
 def plan_pack(
     inputs,
     output,
+    options=None,
     *,
-    input_format: str = "auto",
-    column: str | None = None,
-    dtype: str | None = None,
-    tokenizer: str | None = None,
-    eos_id: int | None = None,
-    vocab_size: int | None = None,
-    overwrite: bool = False,
-    shard_tokens: int = 1 << 30,
     executor: ExecutorConfig | None = None,
     disk_mbps: float | None = None,
-    scratch=None,
-    link: bool = False,
 ) -> PlanResult:
     """What `pack` with these arguments would do: one task per input file, its shards of at most
     `shard_tokens` tokens cut at document ends (so at least tokens / shard_tokens of them).
     `scratch`: as in plan_shuffle, unused. `link`: which bytes pack --link would link, not copy
     (a datatrove input whose documents do not all end with EOS is found only by the scan, and copied)."""
     from tokpack.formats.inputs.tables import PARQUET_DECODE_THREADS
-    from tokpack.packer.packing import known_tokens, pack_tasks, setup_pack
+    from tokpack.packer.packing import PackOptions, known_tokens, pack_tasks, setup_pack
+
+    options = options or PackOptions()
+    shard_tokens, link = options.shard_tokens, options.link
 
     config = executor or ExecutorConfig()
     *paths, output = _local(as_paths(inputs) + [str(output)])
     out = Path(output).absolute()
-    setup = setup_pack(
-        paths,
-        out,
-        input_format=input_format,
-        column=column,
-        dtype=dtype,
-        tokenizer=tokenizer,
-        eos_id=eos_id,
-        vocab_size=vocab_size,
-        overwrite=overwrite,
-        shard_tokens=shard_tokens,
-        link=link,
-    )
+    setup = setup_pack(paths, out, options)
     done = setup.state == "complete"
     counts = [known_tokens(f) for f in setup.files]
     shards = [] if done or None in counts else [-(-n // shard_tokens) for n in counts]
@@ -526,26 +508,15 @@ def plan_pack(
     )
 
 
-def plan_stage(
-    directory,
-    dest,
-    *,
-    workers: int = 4,
-    epochs=None,
-    ranks=None,
-    micro_batch: int = 1,
-    world_size: int | None = None,
-    node=None,
-    ranks_per_node: int | None = None,
-    start_sample: int = 0,
-    disk_mbps: float | None = None,
-    shards_of=None,
-    memory: int | None = None,
-) -> PlanResult:
+def plan_stage(directory, dest, selection: dict, *, disk_mbps: float | None = None) -> PlanResult:
     """What `stage` with these arguments would do: every file is read once (hashed), the ones not
     in place at DEST are written; the copy threads share DEST's disk. A node slice (world_size
     or node): the bytes its node keeps and reads, by arithmetic on the run's manifests.
-    `memory` (stage's, a replacement node's budget) changes none of these bytes."""
+    `selection`: stage's other keywords, all of them (tokpack.packer.api.plan binds them to stage's
+    signature); its `memory` (a replacement node's budget) changes none of these bytes."""
+    workers, epochs, ranks, micro_batch = (selection[k] for k in ("workers", "epochs", "ranks", "micro_batch"))
+    world_size, node, ranks_per_node = selection["world_size"], selection["node"], selection["ranks_per_node"]
+    start_sample, shards_of = selection["start_sample"], selection["shards_of"]
     from tokpack.packer.staging import (
         STAGE_BLOCK,
         Source,
