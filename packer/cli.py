@@ -26,6 +26,7 @@ import click
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import LOG_INTERVAL_ENV, log_interval, logging_every
 from tokpack.formats.units import byte_size, counted, token_count
+from tokpack.shuffle.spec import DEFAULT_MEMORY
 
 
 class Quantity(click.ParamType):
@@ -631,7 +632,7 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
 @click.option(
     "--memory",
     type=BYTES,
-    default="4GiB",
+    default=f"{DEFAULT_MEMORY >> 30}GiB",  # tokpack.shuffle.spec's, as the help shows it
     show_default=True,
     help="Total memory budget in bytes (KB/MB/GB are 10^n; KiB/MiB/GiB and a bare K/M/G are 2^n). An epoch whose windows fit runs in memory (one read, one write); "
     "otherwise out of core, each of --workers tasks using memory/workers.",
