@@ -205,12 +205,6 @@ def _local(paths: list[str]) -> list[str]:
 # ------------------------------------------------------------------------ the commands
 
 
-def _is_spec(value) -> bool:
-    from tokpack.shuffle.spec import ShuffleSpec
-
-    return isinstance(value, ShuffleSpec)
-
-
 def check_nodes(given: dict, nodes, shared_mbps, nic_mbps, executor) -> tuple:
     """plan shuffle's --to-nodes arguments (shuffle's keywords `given`, and the machine's figures),
     checked as the CLI's option types check them, before any file is read: (nodes, shared_mbps,
@@ -260,27 +254,18 @@ def check_nodes(given: dict, nodes, shared_mbps, nic_mbps, executor) -> tuple:
 
 def plan_shuffle(
     spec,
-    output=None,
     *,
     executor: ExecutorConfig | None = None,
     disk_mbps: float | None = None,
     nodes: int | None = None,
     shared_mbps: float | None = None,
     nic_mbps: float | None = None,
-    **settings,
 ) -> PlanResult:
-    """What `shuffle` of the ShuffleSpec `spec` (tokpack.shuffle.spec) would do. A source may be
-    virtual: `virtual:tokens=11T,documents=5.5B,dtype=uint16` (shuffle/plan.py, virtual_source).
-    With `spec.nodes` (shuffle --to-nodes DEST) and `nodes`, and optionally `shared_mbps`,
-    `nic_mbps`: `shuffle --to-nodes` on that many nodes, per node (plan_to_nodes). Tests and
-    benchmarks may give shuffle's keywords instead (`plan_shuffle(sources, output, seq_len=...)`),
-    made a spec as tokpack.plan("shuffle", ...) makes it (tokpack.packer.api.shuffle_spec)."""
-    if not _is_spec(spec):
-        from tokpack.packer.api import checked, shuffle_spec
-
-        given = checked("shuffle", {"sources": spec, "output": output, **settings})
-        nodes, shared_mbps, nic_mbps = check_nodes(given, nodes, shared_mbps, nic_mbps, executor)
-        spec = shuffle_spec(given)
+    """What `shuffle` of the ShuffleSpec `spec` (tokpack.shuffle.spec; tokpack.plan("shuffle", ...)
+    builds it from shuffle's keywords) would do. A source may be virtual:
+    `virtual:tokens=11T,documents=5.5B,dtype=uint16` (shuffle/plan.py, virtual_source). With
+    `spec.nodes` (shuffle --to-nodes DEST) and `nodes`, and optionally `shared_mbps`, `nic_mbps`:
+    `shuffle --to-nodes` on that many nodes, per node (plan_to_nodes)."""
     if spec.nodes is not None:
         return plan_to_nodes(spec, nodes=nodes, shared_mbps=shared_mbps, nic_mbps=nic_mbps, disk_mbps=disk_mbps)
     from tokpack.shuffle.packings import figures_shown, of_plan
