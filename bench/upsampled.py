@@ -52,7 +52,7 @@ def main() -> None:
     args = ap.parse_args()
     import numpy as np
     from conftest import random_docs, write_source
-    from tokpack.packer.planning import plan_shuffle
+    from tokpack.packer.api import plan
 
     work = Path(tempfile.mkdtemp(prefix="tokpack-upsampled-"))
     try:
@@ -84,7 +84,8 @@ def main() -> None:
             )
         ratio = statistics.median(x for x, _ in times["best-fit"]) / statistics.median(x for x, _ in times["concat"])
         print(f"best-fit / concat (cpu): {ratio:.2f}x")
-        got = plan_shuffle(
+        got = plan(
+            "shuffle",
             {str(big): "1", str(tiny): "1"},
             work / "p",
             seq_len=512,

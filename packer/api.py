@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 # Defined in the leaf tokpack.packer.shared (the stages import it, not this module); kept importable from here.
 from tokpack.packer.shared import ExecutorConfig, PathLike, Result, as_paths, optional_field, weighted_sources  # noqa: F401
+from tokpack.shuffle.spec import DEFAULT_MEMORY
 
 if TYPE_CHECKING:  # the stages build their results; importing them here would import their dependencies
     from tokpack.packer.inspection import InspectResult
@@ -91,6 +92,8 @@ ARGUMENTS = {
         "packing": _TEXT,
         "pad_id": _COUNT[0],
         "holdout": _TEXT,
+        "ranks_per_node": _COUNT[1],
+        "micro_batch": _COUNT[1],
     },
     "validate": {
         "dirs": _paths,
@@ -199,13 +202,11 @@ def pack(
     that already is its shard's bytes (datatrove) is hard-linked or reflinked once verified,
     not copied (docs/COMMANDS.md, "Linking instead of copying")."""
     from tokpack.packer.executors import local_paths, runs_in_process
-    from tokpack.packer.packing import pack as pack_source
+    from tokpack.packer.packing import PackOptions, pack as pack_source
 
     in_process = runs_in_process(executor or ExecutorConfig())
     with local_paths([], str(output), scratch and str(scratch), in_process, "pack") as (_, local_output, to):
-        return pack_source(
-            as_paths(inputs),
-            local_output,
+        options = PackOptions(
             input_format=input_format,
             column=column,
             dtype=dtype,
@@ -214,11 +215,9 @@ def pack(
             vocab_size=vocab_size,
             overwrite=overwrite,
             shard_tokens=shard_tokens,
-            config=executor,
-            log=log,
-            to=to,
             link=link,
         )
+        return pack_source(as_paths(inputs), local_output, options, config=executor, log=log, to=to)
 
 
 @_checks("shuffle")
@@ -232,7 +231,7 @@ def shuffle(
     samples: int | None = None,
     tokens: int | None = None,
     shard_samples: int | None = None,
-    memory: int = 4 << 30,
+    memory: int = DEFAULT_MEMORY,
     jitter: bool = False,
     executor: ExecutorConfig | None = None,
     log=None,
@@ -243,93 +242,144 @@ def shuffle(
     pad_id: int | None = None,
     like: PathLike | None = None,
     holdout: str | None = None,
-) -> ShuffleResult:
+    to_nodes: PathLike | None = None,
+    ranks_per_node: int | None = None,
+    micro_batch: int | None = None,
+    keep_sources: PathLike | None = None,
+) -> ShuffleResult | dict:
     """Writes globally shuffled epochs of `seq_len + 1` tokens from packed sources into the run
     directory `output`. `sources`: a path or URL, a list of them, or a mapping path -> weight
     (a number, or text such as "1/3"). `epochs`: a count (epochs 0..N-1) or the epoch numbers
     [default: epoch 0; with a schedule, all its epochs]. `schedule`: a schedule YAML file
     (docs/COMMANDS.md, "Schedules") that declares the sources, seq_len, seed and stages instead
-    (pass sources=None). A URL `output` is written under `scratch` (as for `pack`), out-of-core
-    buckets included, and each shard is sent to the store once written. `packing`: a name
-    tokpack.shuffle.packings holds (None: its default, windows of the concatenated documents;
-    docs/COMMANDS.md, "Best-fit packing"), `pad_id` best-fit's padding token [default: EOS].
+    (pass sources=None; a setting it declares may not be given too). A URL `output` is written
+    under `scratch` (as for `pack`), out-of-core buckets included, and each shard is sent to the
+    store once written. `packing`: a name tokpack.shuffle.packings holds (None: its default,
+    windows of the concatenated documents; docs/COMMANDS.md, "Best-fit packing"), `pad_id`
+    best-fit's padding token [default: EOS].
     `like`: a run directory whose own settings (sources, weights, seq_len, seed, samples,
     jitter, shard_samples, packing, pad_id, or its schedule file) write the epochs asked for,
     into `output` [default: that run]; none of those may be given too, and `epochs` must be
     (but for a scheduled run: every epoch of its schedule) (tokpack.shuffle.like). `holdout`:
     whole documents of each source set aside from every epoch, a fraction of its documents
     ("0.01", "1%") or a token count ("5M"), chosen from the seed, and written once to
-    `output`/holdout/ (tokpack.shuffle.holdout; either packing)."""
+    `output`/holdout/ (tokpack.shuffle.holdout; either packing).
+    `to_nodes`: a node-local folder (`{node}` is replaced by n): run under MPI (one process per
+    node; docs/COMMANDS.md, "Straight to the nodes"), each process writes its node's slice of
+    each epoch there, as `stage(output, to_nodes, node="n/N")` would, and `output` gets only the
+    manifests and row hashes; needs `ranks_per_node` and `micro_batch`; `keep_sources`: a
+    node-local folder keeping the source shards the node reads, for later epochs. It returns this
+    process's summary (a dict: node, nodes, ranks, dest, epochs...), not a ShuffleResult."""
     from tokpack.packer.executors import local_paths, pass_runner, runs_in_process
     from tokpack.shuffle.run import shuffle_run
-    from tokpack.formats.errors import TokpackError
     from tokpack.shuffle.packings import named
-    from tokpack.shuffle.schedule import epoch_numbers, read_schedule
 
-    if like is not None:
-        from tokpack.shuffle.like import apply_like
+    spec = shuffle_spec(locals())
+    if spec.nodes is not None:
+        return _shuffle_to_nodes(spec, scratch, log)
+    if ranks_per_node is not None or micro_batch is not None or keep_sources is not None:
+        from tokpack.formats.errors import TokpackError
 
-        settings = apply_like(
-            {
-                "like": like,
-                "output": output,
-                "epochs": epochs,
-                "sources": sources,
-                "seq_len": seq_len,
-                "seed": seed,
-                "samples": samples,
-                "tokens": tokens,
-                "shard_samples": shard_samples,
-                "jitter": jitter,
-                "schedule": schedule,
-                "packing": packing,
-                "pad_id": pad_id,
-                "holdout": holdout,
-            }
+        raise TokpackError(
+            "ranks_per_node, micro_batch and keep_sources go with to_nodes", where="to_nodes", hint="give to_nodes=DEST"
         )
-        sources, output, seq_len, seed = settings["sources"], settings["output"], settings["seq_len"], settings["seed"]
-        samples, tokens, shard_samples, jitter = (settings[k] for k in ("samples", "tokens", "shard_samples", "jitter"))
-        schedule, packing, pad_id, holdout = (settings[k] for k in ("schedule", "packing", "pad_id", "holdout"))
-    if output is None:
-        raise TokpackError("no output given", where="output", hint="give the run directory to write (or like=RUN)")
     config = executor or ExecutorConfig()
-    scheduled = read_schedule(schedule) if schedule is not None else None
-    if scheduled is None and not sources:
-        raise TokpackError("no sources given", hint="give the packed sources, or schedule=FILE")
-    paths, weights = weighted_sources(sources) if scheduled is None else ([], None)
-    if epochs is None and scheduled is None:
-        epochs = 1
-    named(packing)  # an unknown packing is refused before any source is fetched
-    with local_paths(paths, str(output), scratch and str(scratch), runs_in_process(config)) as (
+    named(spec.packing)  # an unknown packing is refused before any source is fetched
+    with local_paths(list(spec.sources), spec.output, scratch and str(scratch), runs_in_process(config)) as (
         local_sources,
         local_output,
         to,
     ):
         summary = shuffle_run(
-            local_sources,
+            spec,
             local_output,
-            weights=weights,
-            seq_len=seq_len,
-            seed=seed,
-            epochs=epoch_numbers(epochs),
-            samples=samples,
-            tokens=tokens,
-            shard_samples=shard_samples,
-            memory=memory,
-            jitter=jitter,
+            local=local_sources,
             log=log,
             workers=config.workers,
             tasks=config.tasks,
             run_passes=pass_runner(config),
             progress=progress,
-            schedule=scheduled,
-            given=paths,
             to=to,
-            packing=packing,
-            pad_id=pad_id,
-            holdout=holdout,
         )
     return ShuffleResult(**summary)
+
+
+# shuffle's keywords that are the shuffle's settings (tokpack.shuffle.spec), as they are given
+_SETTINGS = (
+    "seq_len",
+    "seed",
+    "samples",
+    "tokens",
+    "shard_samples",
+    "memory",
+    "jitter",
+    "packing",
+    "pad_id",
+    "holdout",
+)
+
+
+def shuffle_spec(values: dict):
+    """The ShuffleSpec of `shuffle`'s (or `plan("shuffle")`'s) keywords `values`, checked already:
+    --like's run read (tokpack.shuffle.like), the schedule file read. The one place the API's and
+    the CLI's keywords become a spec."""
+    from tokpack.formats.errors import TokpackError
+    from tokpack.shuffle.like import like_spec
+    from tokpack.shuffle.schedule import epoch_numbers, read_schedule
+    from tokpack.shuffle.spec import NodesSpec, ShuffleSpec
+
+    def text(key):
+        return None if values.get(key) is None else str(values[key])
+
+    sources, schedule = values.get("sources"), values.get("schedule")
+    nodes = None
+    if values.get("to_nodes") is not None:
+        nodes = NodesSpec(
+            text("to_nodes"), values.get("ranks_per_node"), values.get("micro_batch"), text("keep_sources")
+        )
+    spec = ShuffleSpec.given_as(
+        **{k: values[k] for k in _SETTINGS if k in values},
+        output=text("output"),
+        like=text("like"),
+        epochs=epoch_numbers(values.get("epochs")),
+        nodes=nodes,
+    )
+    # the sources and the schedule file count as given before either is read (--like refuses both)
+    spec = dataclasses.replace(
+        spec, given=spec.given | {k for k, v in (("sources", sources), ("schedule", schedule)) if v}
+    )
+    spec = like_spec(spec)
+    if spec.like is not None:
+        return spec
+    if spec.output is None:
+        raise TokpackError("no output given", where="output", hint="give the run directory to write (or like=RUN)")
+    scheduled = read_schedule(schedule) if schedule is not None else None
+    if scheduled is None and not sources:
+        raise TokpackError("no sources given", hint="give the packed sources, or schedule=FILE")
+    paths, weights = weighted_sources(sources) if scheduled is None else ([], None)
+    return spec.with_settings(sources=paths, weights=weights, schedule=scheduled)
+
+
+def _shuffle_to_nodes(spec, scratch, log) -> dict:
+    """shuffle(to_nodes=DEST) (tokpack.packer.exchange): this process's node slice."""
+    from tokpack.formats.errors import TokpackError
+    from tokpack.packer.exchange import shuffle_to_nodes
+
+    if spec.nodes.ranks_per_node is None or spec.nodes.micro_batch is None:
+        raise TokpackError(
+            "to_nodes needs ranks_per_node and micro_batch",
+            where="--ranks-per-node/--micro-batch",
+            hint="give both: K ranks a node, m samples a rank a step",
+        )
+    if scratch is not None:
+        raise TokpackError("to_nodes writes no scratch to the shared filesystem", where="--scratch", hint="drop it")
+    if spec.holdout is not None:  # given, or the run's (like=RUN)
+        raise TokpackError(
+            "to_nodes does not write a held-out split (--holdout) yet",
+            where="--holdout",
+            hint="shuffle the run without to_nodes, then `tokpack stage` it to the nodes",
+        )
+    return shuffle_to_nodes(spec, log=log)
 
 
 @_checks("validate")
@@ -471,15 +521,41 @@ def plan(command: str, *args, **kwargs) -> PlanResult:
     from tokpack.formats.errors import TokpackError
     from tokpack.packer import planning
 
-    planner = (
-        {"pack": planning.plan_pack, "shuffle": planning.plan_shuffle, "stage": planning.plan_stage}.get(command)
-        if isinstance(command, str)
-        else None
-    )
-    if planner is None:
+    if not isinstance(command, str) or command not in _PLANNED:
         raise TokpackError("no such command to plan", where="command", expected="pack, shuffle or stage", found=command)
-    bound = _signature.signature(planner).bind(*args, **kwargs)
+    bound = _PLANNED[command].bind(*args, **kwargs)  # an unknown keyword stays Python's TypeError
+    bound.apply_defaults()
     given = checked(command, bound.arguments)
-    if "disk_mbps" in given:
-        given["disk_mbps"] = arguments.positive_number(given["disk_mbps"], "disk_mbps")
-    return planner(**given)
+    given["disk_mbps"] = arguments.positive_number(given["disk_mbps"], "disk_mbps")
+    if command == "pack":
+        from tokpack.packer.packing import PackOptions
+
+        paths, output, executor, disk_mbps = (given.pop(k) for k in ("inputs", "output", "executor", "disk_mbps"))
+        given.pop("scratch")  # a plan's output is local: the scratch a URL output writes to is unused
+        return planning.plan_pack(paths, output, PackOptions(**given), executor=executor, disk_mbps=disk_mbps)
+    if command == "stage":
+        directory, dest, disk_mbps = (given.pop(k) for k in ("directory", "dest", "disk_mbps"))
+        return planning.plan_stage(directory, dest, given, disk_mbps=disk_mbps)
+    machine = {k: given.pop(k) for k in ("executor", "disk_mbps", "nodes", "shared_mbps", "nic_mbps")}
+    machine["nodes"], machine["shared_mbps"], machine["nic_mbps"] = planning.check_nodes(
+        given, *(machine.get(k) for k in ("nodes", "shared_mbps", "nic_mbps", "executor"))
+    )
+    return planning.plan_shuffle(shuffle_spec(given), **machine)
+
+
+def _planned(command, extra: tuple[str, ...]) -> _signature.Signature:
+    """plan(`command`, ...)'s arguments: the command's own, less how it reports (log, progress),
+    plus the machine's figures a plan predicts from (disk_mbps; shuffle's to_nodes: the nodes and
+    their links), each None unless given."""
+    sig = _signature.signature(command)
+    return sig.replace(
+        parameters=[p for p in sig.parameters.values() if p.name not in ("log", "progress")]
+        + [_signature.Parameter(name, _signature.Parameter.KEYWORD_ONLY, default=None) for name in extra]
+    )
+
+
+_PLANNED = {
+    "pack": _planned(pack, ("disk_mbps",)),
+    "shuffle": _planned(shuffle, ("disk_mbps", "nodes", "shared_mbps", "nic_mbps")),
+    "stage": _planned(stage, ("disk_mbps",)),
+}

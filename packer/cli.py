@@ -26,6 +26,7 @@ import click
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import LOG_INTERVAL_ENV, log_interval, logging_every
 from tokpack.formats.units import byte_size, counted, token_count
+from tokpack.shuffle.spec import DEFAULT_MEMORY
 
 
 class Quantity(click.ParamType):
@@ -631,7 +632,7 @@ def _epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
 @click.option(
     "--memory",
     type=BYTES,
-    default="4GiB",
+    default=f"{DEFAULT_MEMORY >> 30}GiB",  # tokpack.shuffle.spec's, as the help shows it
     show_default=True,
     help="Total memory budget in bytes (KB/MB/GB are 10^n; KiB/MiB/GiB and a bare K/M/G are 2^n). An epoch whose windows fit runs in memory (one read, one write); "
     "otherwise out of core, each of --workers tasks using memory/workers.",
@@ -696,22 +697,12 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
     """
     from tokpack.packer.api import shuffle as shuffle_api
 
-    to_nodes, ranks_per_node, micro_batch = kw.pop("to_nodes"), kw.pop("ranks_per_node"), kw.pop("micro_batch")
-    keep_sources = kw.pop("keep_sources")
     epochs = _epochs_asked(sources, epochs, epoch, {**kw, "output": output})
-    if to_nodes is not None:
-        return _shuffle_to_nodes(
-            sources,
-            output,
-            epochs,
-            as_json,
-            to_nodes,
-            ranks_per_node,
-            micro_batch,
-            {**kw, "keep_sources": keep_sources},
-        )
-    if ranks_per_node is not None or micro_batch is not None or keep_sources is not None:
+    if kw["to_nodes"] is not None:
+        return _shuffle_to_nodes(sources, output, epochs, as_json, kw)
+    if kw.pop("ranks_per_node") is not None or kw.pop("micro_batch") is not None or kw.pop("keep_sources") is not None:
         raise click.UsageError("--ranks-per-node, --micro-batch and --keep-sources go with --to-nodes DEST")
+    kw.pop("to_nodes")
     executor = _executor_config(kw)
     quiet = as_json and log_interval() == 0  # --json asked for no lines: no bar on a terminal either
     result = shuffle_api(
@@ -753,14 +744,13 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
             click.echo(f"tokpack: warning: {line}", err=True)
 
 
-def _shuffle_to_nodes(sources, output, epochs, as_json, dest, ranks_per_node, micro_batch, kw):
-    """shuffle --to-nodes (tokpack.packer.exchange): this process's node slice; one JSON line per process."""
-    from tokpack.packer.exchange import shuffle_to_nodes
-    from tokpack.packer.shared import weighted_sources
-    from tokpack.shuffle.like import apply_like, run_settings
-    from tokpack.shuffle.schedule import epoch_numbers, read_schedule
+def _shuffle_to_nodes(sources, output, epochs, as_json, kw):
+    """shuffle --to-nodes (tokpack.packer.api.shuffle, to_nodes=): this process's node slice; one
+    JSON line per process. The usage checks are the command line's; the API runs it."""
+    from tokpack.packer.api import shuffle as shuffle_api
+    from tokpack.shuffle.like import run_settings
 
-    if ranks_per_node is None or micro_batch is None:
+    if kw["ranks_per_node"] is None or kw["micro_batch"] is None:
         raise click.UsageError("--to-nodes needs --ranks-per-node K and --micro-batch M")
     if kw.get("scratch") is not None:
         raise click.UsageError("--to-nodes writes no scratch to the shared filesystem; drop --scratch")
@@ -769,35 +759,10 @@ def _shuffle_to_nodes(sources, output, epochs, as_json, dest, ranks_per_node, mi
             "--to-nodes does not write a held-out split (--holdout) yet; shuffle the run without "
             "--to-nodes, then `tokpack stage` it to the nodes"
         )
-    # --like RUN: the run's own settings, as for a shuffle without --to-nodes (tokpack.shuffle.like)
-    kw = apply_like(
-        {**kw, "output": output, "epochs": epochs, "sources": _weighted_sources(sources) if sources else None}
-    )
-    if kw["output"] is None:
-        raise click.UsageError("give -o RUN (or --like RUN)")
-    scheduled = read_schedule(kw["schedule"]) if kw["schedule"] is not None else None
-    paths, weights = weighted_sources(kw["sources"] or []) if scheduled is None else ([], None)
-    result = shuffle_to_nodes(
-        paths,
-        kw["output"],
-        dest,
-        ranks_per_node=ranks_per_node,
-        micro_batch=micro_batch,
-        weights=weights,
-        seq_len=kw["seq_len"],
-        seed=kw["seed"],
-        epochs=epoch_numbers(1 if epochs is None and scheduled is None else epochs),
-        samples=kw["samples"],
-        tokens=kw["tokens"],
-        shard_samples=kw["shard_samples"],
-        memory=kw["memory"],
-        jitter=kw["jitter"],
-        schedule=scheduled,
-        packing=kw["packing"],
-        pad_id=kw["pad_id"],
-        given=paths,
-        keep_sources=kw["keep_sources"],
-        log=_log(as_json),
+    kw.pop("deprecated_mem", None)  # how tasks run is not --to-nodes' business: one process a node
+    _executor_config(kw)
+    result = shuffle_api(
+        _weighted_sources(sources) if sources else None, output, epochs=epochs, log=_log(as_json), **kw
     )
     if as_json:
         click.echo(json.dumps(result))

@@ -96,6 +96,7 @@ from tokpack.packer.transport import OnSigterm, exchange_rounds, together, world
 from tokpack.shuffle import packings
 from tokpack.shuffle.plan import use_kept_sources
 from tokpack.shuffle.run import epoch_manifest_of, run_manifest_of, setup_run
+from tokpack.shuffle.spec import ShuffleSpec
 from tokpack.shuffle.steps import Layout
 
 
@@ -139,86 +140,21 @@ def _same_padding(sums, padding: int, epoch: int) -> None:
         )
 
 
-def shuffle_to_nodes(
-    sources: list[str],
-    output: str,
-    dest: str,
-    *,
-    ranks_per_node: int,
-    micro_batch: int,
-    weights=None,
-    seq_len=None,
-    seed=None,
-    epochs=None,
-    samples=None,
-    tokens=None,
-    shard_samples=None,
-    memory: int = 4 << 30,
-    jitter: bool = False,
-    schedule=None,
-    packing=None,
-    pad_id=None,
-    given=None,
-    keep_sources=None,
-    log=None,
-) -> dict:
-    """Process n of MPI's N writes node n's slice of each epoch asked for into DEST (`{node}` -> n);
-    RUN gets the run's manifests and row hashes. `keep_sources`: a local folder (`{node}` -> n)
-    where the process keeps the source shards it reads, and reads them from in later epochs.
-    Returns this process's summary."""
+def shuffle_to_nodes(spec: ShuffleSpec, *, log=None) -> dict:
+    """Process n of MPI's N writes node n's slice of each epoch of `spec` into its
+    `spec.nodes.dest` (`{node}` -> n); RUN (`spec.output`) gets the run's manifests and row hashes.
+    `spec.nodes.keep_sources`: a local folder (`{node}` -> n) where the process keeps the source
+    shards it reads, and reads them from in later epochs. Returns this process's summary."""
     stop = OnSigterm()
     try:
-        return _shuffle_to_nodes(
-            stop,
-            sources,
-            output,
-            dest,
-            ranks_per_node=ranks_per_node,
-            micro_batch=micro_batch,
-            weights=weights,
-            seq_len=seq_len,
-            seed=seed,
-            epochs=epochs,
-            samples=samples,
-            tokens=tokens,
-            shard_samples=shard_samples,
-            memory=memory,
-            jitter=jitter,
-            schedule=schedule,
-            packing=packing,
-            pad_id=pad_id,
-            given=given,
-            keep_sources=keep_sources,
-            log=log,
-        )
+        return _shuffle_to_nodes(stop, spec, log)
     finally:
         stop.restore()
 
 
-def _shuffle_to_nodes(
-    stop: OnSigterm,
-    sources,
-    output,
-    dest,
-    *,
-    ranks_per_node,
-    micro_batch,
-    weights,
-    seq_len,
-    seed,
-    epochs,
-    samples,
-    tokens,
-    shard_samples,
-    memory,
-    jitter,
-    schedule,
-    packing,
-    pad_id,
-    given,
-    keep_sources,
-    log,
-) -> dict:
+def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
+    output, dest, keep_sources = spec.output, spec.nodes.dest, spec.nodes.keep_sources
+    ranks_per_node, micro_batch = spec.nodes.ranks_per_node, spec.nodes.micro_batch
     MPI, comm = world()
     n, N = comm.Get_rank(), comm.Get_size()
     stop.attach(MPI, comm)
@@ -247,41 +183,7 @@ def _shuffle_to_nodes(
         keep = None if keep_sources is None else node_dest(keep_sources, n)
         if keep is not None:  # kept copies from an earlier epoch: planned from them, the shared source folders unread
             together(comm, lambda: use_kept_sources(kept_copies(keep)))
-        return _run(
-            comm,
-            MPI,
-            n,
-            N,
-            (a, b),
-            w,
-            sources,
-            out,
-            dest,
-            template,
-            ranks_per_node,
-            micro_batch,
-            memory,
-            log,
-            t0,
-            keep,
-            dict(
-                weights=weights,
-                seq_len=seq_len,
-                seed=seed,
-                epochs=epochs,
-                samples=samples,
-                tokens=tokens,
-                shard_samples=shard_samples,
-                memory=memory,
-                jitter=jitter,
-                workers=1,
-                progress=False,
-                given=given,
-                schedule=schedule,
-                packing=packing,
-                pad_id=pad_id,
-            ),
-        )
+        return _run((comm, MPI, n, N), spec, out, dest, template, (a, b), w, keep, log, t0)
     finally:
         for d in mine:  # DEST is this command's: its scratch (buckets, row table) goes, whatever happened
             shutil.rmtree(d / WORK_DIR, ignore_errors=True)
@@ -325,25 +227,11 @@ def _declare_nodes(out: Path, nodes: int, k: int, micro_batch: int, dest: str) -
         write_bytes_atomic(path, sidecar)
 
 
-def _run(
-    comm,
-    MPI,
-    n,
-    N,
-    ranks,
-    w,
-    sources,
-    out: Path,
-    dest: Path,
-    template: str,
-    k,
-    micro_batch,
-    memory,
-    log,
-    t0,
-    keep,
-    options,
-) -> dict:
+def _run(mpi, spec: ShuffleSpec, out: Path, dest: Path, template: str, ranks, w, keep, log, t0) -> dict:
+    comm, MPI, n, N = mpi
+    k, micro_batch, memory = spec.nodes.ranks_per_node, spec.nodes.micro_batch, spec.memory
+    # one process a node plans alone (workers=1), and says nothing of its progress
+    sources, options = spec, {"workers": 1, "progress": False}
     setup, previous = _resumed_setup(comm, n, out, dest, ranks, w, micro_batch, sources, options)
     runplan, opened, weights, shard_samples = setup.runplan, setup.sources, setup.weights, setup.shard_samples
     rows = RankRows(w, micro_batch, 0)

@@ -497,6 +497,22 @@ def _shard_bytes(f: InputFile, out_dtype: np.dtype) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class PackOptions:
+    """What a pack makes of its inputs (pack's options less how the work runs); each default
+    declared here, once. Two packs of the same inputs with equal options write the same bytes."""
+
+    input_format: str = "auto"
+    column: str | None = None
+    dtype: str | None = None
+    tokenizer: str | None = None
+    eos_id: int | None = None
+    vocab_size: int | None = None
+    overwrite: bool = False
+    shard_tokens: int = 1 << 30
+    link: bool = False  # pack --link: an input that is its shard's bytes is linked, not copied
+
+
 @dataclass
 class PackSetup:
     """What a pack will read and write, decided before it writes a byte: `pack` runs it,
@@ -546,21 +562,20 @@ def pack_tasks(files: int, config: ExecutorConfig) -> int:
 def setup_pack(
     inputs: list[str],
     out: Path,
+    options: PackOptions = PackOptions(),
     *,
-    input_format: str = "auto",
-    column: str | None = None,
-    dtype: str | None = None,
-    tokenizer: str | None = None,
-    eos_id: int | None = None,
-    vocab_size: int | None = None,
-    overwrite: bool = False,
-    shard_tokens: int = 1 << 30,
     say=lambda msg: None,
     to: Output = LocalOutput(),
-    link: bool = False,
 ) -> PackSetup:
     """Finds the inputs, checks them (every check that needs no token scan) and OUT (to a
     bucket: what the store holds). Reads only."""
+    input_format, column, dtype, tokenizer = options.input_format, options.column, options.dtype, options.tokenizer
+    eos_id, vocab_size, overwrite, shard_tokens = (
+        options.eos_id,
+        options.vocab_size,
+        options.overwrite,
+        options.shard_tokens,
+    )
     if shard_tokens < 1:
         raise TokpackError("shard size must be positive", where="--shard-tokens", expected=">= 1", found=shard_tokens)
     if tokenizer is not None:
@@ -585,7 +600,9 @@ def setup_pack(
         "shard_tokens": int(shard_tokens),
     }
     # `link` is not in the request: a linked pack's manifest and bytes are a copying pack's
-    setup = PackSetup(fmt, files, tokenizer, request, _output_state(to.where(out), request, overwrite), link=link)
+    setup = PackSetup(
+        fmt, files, tokenizer, request, _output_state(to.where(out), request, overwrite), link=options.link
+    )
     if setup.state == "complete":
         return setup
     if fmt == "text":
@@ -620,47 +637,53 @@ def setup_pack(
     return setup
 
 
+def _say_result(result: PackResult, warnings: list[str], link: bool, shown, say) -> None:
+    """pack's lines for a person, after the work: a pack that fails prints its one error line only."""
+    for line in warnings:
+        say(line)
+    notes = result.link_notes or []
+    for note in notes[:NOTES_SHOWN]:  # all of them are in --json's link_notes
+        say(f"tokpack pack: {note}")
+    if len(notes) > NOTES_SHOWN:
+        say(
+            f"tokpack pack: {counted(len(notes) - NOTES_SHOWN, 'more input')} copied (--json lists them under link_notes)"
+        )
+    say(
+        f"tokpack pack: {result.tokens:,} token{'s' * (result.tokens != 1)}, {result.documents:,} "
+        f"document{'s' * (result.documents != 1)}, {result.shards} shard{'s' * (result.shards != 1)} "
+        f"-> {shown} ({result.mb_per_s} MB/s)"
+        + (
+            ""
+            if not link
+            else f"; linked {counted(result.linked_files, 'file')}, {result.linked_bytes:,} bytes"
+            f", copied {result.copied_bytes:,} bytes"
+        )
+    )
+
+
 @locked_output("pack")
 def pack(
     inputs: list[str],
     output: str,
+    options: PackOptions | None = None,
     *,
-    input_format: str = "auto",
-    column: str | None = None,
-    dtype: str | None = None,
-    tokenizer: str | None = None,
-    eos_id: int | None = None,
-    vocab_size: int | None = None,
-    overwrite: bool = False,
-    shard_tokens: int = 1 << 30,
     log=None,
     config: ExecutorConfig | None = None,
     block_bytes: int = BLOCK_BYTES,
     to: Output = LocalOutput(),
-    link: bool = False,
+    **settings,
 ) -> PackResult:
     """Packs INPUTs (local paths or fsspec URLs, read where they are) into one packed source at
     the local `output`, or, `to` another Output (tokpack.formats.outputs), where it sends them from
-    there (tokpack.packer.api.pack picks the Output)."""
+    there (tokpack.packer.api.pack picks the Output). `options`: what the pack makes (PackOptions;
+    tests may give its fields as keywords instead)."""
+    options = options or PackOptions(**settings)
+    link, shard_tokens = options.link, options.shard_tokens
     t0 = time.perf_counter()
     say = log or (lambda msg: None)
     out = Path(output).absolute()
     config = config or ExecutorConfig()
-    setup = setup_pack(
-        inputs,
-        out,
-        input_format=input_format,
-        column=column,
-        dtype=dtype,
-        tokenizer=tokenizer,
-        eos_id=eos_id,
-        vocab_size=vocab_size,
-        overwrite=overwrite,
-        shard_tokens=shard_tokens,
-        say=say,
-        to=to,
-        link=link,
-    )
+    setup = setup_pack(inputs, out, options, say=say, to=to)
     fmt, files, tokenizer, request, state = setup.fmt, setup.files, setup.tokenizer, setup.request, setup.state
     input_bytes = sum(f.size for f in files)
     shown = to.shown(out)  # where the packed source is
@@ -815,24 +838,5 @@ def pack(
         warnings,
         links=plan.get("links", link_summary([])) if link else None,
     )
-    for line in warnings:  # after the work: a pack that fails prints its one error line only
-        say(line)
-    notes = result.link_notes or []
-    for note in notes[:NOTES_SHOWN]:  # all of them are in --json's link_notes
-        say(f"tokpack pack: {note}")
-    if len(notes) > NOTES_SHOWN:
-        say(
-            f"tokpack pack: {counted(len(notes) - NOTES_SHOWN, 'more input')} copied (--json lists them under link_notes)"
-        )
-    say(
-        f"tokpack pack: {result.tokens:,} token{'s' * (result.tokens != 1)}, {result.documents:,} "
-        f"document{'s' * (result.documents != 1)}, {result.shards} shard{'s' * (result.shards != 1)} "
-        f"-> {shown} ({result.mb_per_s} MB/s)"
-        + (
-            ""
-            if not link
-            else f"; linked {counted(result.linked_files, 'file')}, {result.linked_bytes:,} bytes"
-            f", copied {result.copied_bytes:,} bytes"
-        )
-    )
+    _say_result(result, warnings, link, shown, say)
     return result

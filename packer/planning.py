@@ -25,7 +25,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import physical_memory, space_needs
 from tokpack.formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, source_manifest
 from tokpack.formats.units import counted
-from tokpack.packer.shared import ExecutorConfig, Result, as_paths, optional_field, weighted_sources
+from tokpack.packer.shared import ExecutorConfig, Result, as_paths, optional_field
 
 MEASURE_BYTES = 256 << 20  # at most this much is written, then read back, to measure the disk
 MEASURE_SECONDS = 1.0  # per direction
@@ -205,96 +205,69 @@ def _local(paths: list[str]) -> list[str]:
 # ------------------------------------------------------------------------ the commands
 
 
+def check_nodes(given: dict, nodes, shared_mbps, nic_mbps, executor) -> tuple:
+    """plan shuffle's --to-nodes arguments (shuffle's keywords `given`, and the machine's figures),
+    checked as the CLI's option types check them, before any file is read: (nodes, shared_mbps,
+    nic_mbps) parsed."""
+    from tokpack.formats import arguments
+
+    if given.get("to_nodes") is None:
+        if any(v is not None for v in (nodes, shared_mbps, nic_mbps)) or any(
+            given.get(k) is not None for k in ("ranks_per_node", "micro_batch", "keep_sources")
+        ):
+            raise TokpackError(
+                "--nodes, --ranks-per-node, --micro-batch, --keep-sources, --shared-mbps and --nic-mbps "
+                "go with --to-nodes DEST",
+                where="to_nodes",
+            )
+        return nodes, shared_mbps, nic_mbps
+    # the API's arguments checked as the CLI's option types check them (tokpack.packer.api.ARGUMENTS)
+    nodes, ranks_per_node, micro_batch = (
+        arguments.whole(v, name, least=1)
+        for v, name in (
+            (nodes, "nodes"),
+            (given.get("ranks_per_node"), "ranks_per_node"),
+            (given.get("micro_batch"), "micro_batch"),
+        )
+    )
+    shared_mbps, nic_mbps = (
+        arguments.positive_number(v, name) for v, name in ((shared_mbps, "shared_mbps"), (nic_mbps, "nic_mbps"))
+    )
+    if None in (nodes, ranks_per_node, micro_batch):
+        raise TokpackError(
+            "plan shuffle --to-nodes needs the nodes, ranks a node and micro-batch",
+            where="--nodes/--ranks-per-node/--micro-batch",
+            expected="all three",
+            found={"nodes": nodes, "ranks_per_node": ranks_per_node, "micro_batch": micro_batch},
+        )
+    if (
+        given.get("like") is not None
+        or given.get("holdout") is not None
+        or (executor is not None and executor.executor != "local")
+    ):
+        raise TokpackError(
+            "shuffle --to-nodes takes its sources and settings, not --like, --holdout or an --executor",
+            where="--like/--holdout/--executor",
+        )
+    return nodes, shared_mbps, nic_mbps
+
+
 def plan_shuffle(
-    sources,
-    output,
+    spec,
     *,
-    seq_len: int | None = None,
-    seed: int | None = None,
-    epochs=None,
-    samples: int | None = None,
-    tokens: int | None = None,
-    shard_samples: int | None = None,
-    memory: int = 4 << 30,
-    jitter: bool = False,
     executor: ExecutorConfig | None = None,
     disk_mbps: float | None = None,
-    schedule=None,
-    scratch=None,
-    packing: str | None = None,
-    pad_id: int | None = None,
-    like=None,
-    holdout=None,
-    to_nodes=None,
     nodes: int | None = None,
-    ranks_per_node: int | None = None,
-    micro_batch: int | None = None,
-    keep_sources=None,
     shared_mbps: float | None = None,
     nic_mbps: float | None = None,
 ) -> PlanResult:
-    """What `shuffle` with these arguments would do (`like`: as shuffle's, tokpack.shuffle.like). A source may be virtual:
-    `virtual:tokens=11T,documents=5.5B,dtype=uint16` (shuffle/plan.py, virtual_source). `schedule`:
-    a schedule file instead of sources and their settings (every epoch unless `epochs` says).
-    `scratch` is taken as shuffle takes it, and is unused: only a URL output writes there, and
-    a plan's output is local. `to_nodes` (DEST), with `nodes`, `ranks_per_node`, `micro_batch`
-    and optionally `keep_sources`, `shared_mbps`, `nic_mbps`: `shuffle --to-nodes` on that
-    many nodes, per node (plan_to_nodes)."""
-    if to_nodes is not None:
-        from tokpack.formats import arguments
-
-        # the API's arguments checked as the CLI's option types check them (tokpack.packer.api.ARGUMENTS)
-        nodes, ranks_per_node, micro_batch = (
-            arguments.whole(v, name, least=1)
-            for v, name in ((nodes, "nodes"), (ranks_per_node, "ranks_per_node"), (micro_batch, "micro_batch"))
-        )
-        shared_mbps, nic_mbps = (
-            arguments.positive_number(v, name) for v, name in ((shared_mbps, "shared_mbps"), (nic_mbps, "nic_mbps"))
-        )
-        if None in (nodes, ranks_per_node, micro_batch):
-            raise TokpackError(
-                "plan shuffle --to-nodes needs the nodes, ranks a node and micro-batch",
-                where="--nodes/--ranks-per-node/--micro-batch",
-                expected="all three",
-                found={"nodes": nodes, "ranks_per_node": ranks_per_node, "micro_batch": micro_batch},
-            )
-        if like is not None or holdout is not None or (executor is not None and executor.executor != "local"):
-            raise TokpackError(
-                "shuffle --to-nodes takes its sources and settings, not --like, --holdout or an --executor",
-                where="--like/--holdout/--executor",
-            )
-        scheduled = read_schedule_of(schedule)
-        paths, weights = weighted_sources(sources) if scheduled is None else ([], None)
-        return plan_to_nodes(
-            paths,
-            weights,
-            output,
-            to_nodes,
-            nodes=nodes,
-            ranks_per_node=ranks_per_node,
-            micro_batch=micro_batch,
-            keep_sources=keep_sources,
-            shared_mbps=shared_mbps,
-            nic_mbps=nic_mbps,
-            disk_mbps=disk_mbps,
-            memory=memory,
-            epochs=epochs,
-            schedule=scheduled,
-            seq_len=seq_len,
-            seed=seed,
-            samples=samples,
-            tokens=tokens,
-            shard_samples=shard_samples,
-            jitter=jitter,
-            packing=packing,
-            pad_id=pad_id,
-        )
-    if any(v is not None for v in (nodes, ranks_per_node, micro_batch, keep_sources, shared_mbps, nic_mbps)):
-        raise TokpackError(
-            "--nodes, --ranks-per-node, --micro-batch, --keep-sources, --shared-mbps and --nic-mbps "
-            "go with --to-nodes DEST",
-            where="to_nodes",
-        )
+    """What `shuffle` of the ShuffleSpec `spec` (tokpack.shuffle.spec; tokpack.plan("shuffle", ...)
+    builds it from shuffle's keywords) would do. A source may be virtual:
+    `virtual:tokens=11T,documents=5.5B,dtype=uint16` (shuffle/plan.py, virtual_source). With
+    `spec.nodes` (shuffle --to-nodes DEST) and `nodes`, and optionally `shared_mbps`, `nic_mbps`:
+    `shuffle --to-nodes` on that many nodes, per node (plan_to_nodes)."""
+    if spec.nodes is not None:
+        return plan_to_nodes(spec, nodes=nodes, shared_mbps=shared_mbps, nic_mbps=nic_mbps, disk_mbps=disk_mbps)
     from tokpack.shuffle.packings import figures_shown, of_plan
     from tokpack.shuffle.steps import BUCKETS_PER_FOLDER
     from tokpack.shuffle.run import (
@@ -310,59 +283,10 @@ def plan_shuffle(
         task_budget,
     )
 
-    from tokpack.shuffle.schedule import epoch_numbers, read_schedule
-
-    if like is not None:
-        from tokpack.shuffle.like import apply_like
-
-        s = apply_like(
-            {
-                "like": like,
-                "output": output,
-                "epochs": epochs,
-                "sources": sources,
-                "seq_len": seq_len,
-                "seed": seed,
-                "samples": samples,
-                "tokens": tokens,
-                "shard_samples": shard_samples,
-                "jitter": jitter,
-                "schedule": schedule,
-                "packing": packing,
-                "pad_id": pad_id,
-                "holdout": holdout,
-            }
-        )
-        sources, output, seq_len, seed, samples, tokens = (
-            s[k] for k in ("sources", "output", "seq_len", "seed", "samples", "tokens")
-        )
-        shard_samples, jitter, schedule, packing, pad_id, holdout = (
-            s[k] for k in ("shard_samples", "jitter", "schedule", "packing", "pad_id", "holdout")
-        )
+    memory = spec.memory
     config = executor or ExecutorConfig()
-    scheduled = read_schedule(schedule) if schedule is not None else None
-    paths, weights = weighted_sources(sources) if scheduled is None else ([], None)
-    *paths, output = _local(paths + [str(output)])
-    if epochs is None and scheduled is None:
-        epochs = 1
-    setup = setup_run(
-        paths,
-        str(output),
-        weights=weights,
-        seq_len=seq_len,
-        seed=seed,
-        epochs=epoch_numbers(epochs),
-        samples=samples,
-        tokens=tokens,
-        shard_samples=shard_samples,
-        memory=memory,
-        jitter=jitter,
-        workers=config.workers,
-        schedule=scheduled,
-        packing=packing,
-        pad_id=pad_id,
-        holdout=holdout,
-    )
+    *paths, output = _local(list(spec.sources) + [str(spec.output)])
+    setup = setup_run(spec.with_settings(sources=paths), str(output), workers=config.workers)
     opened = setup.sources
     passes, details, manifests, written, warnings = [], [], {}, {}, []
     ram = physical_memory()
@@ -481,43 +405,25 @@ def plan_shuffle(
 def plan_pack(
     inputs,
     output,
+    options=None,
     *,
-    input_format: str = "auto",
-    column: str | None = None,
-    dtype: str | None = None,
-    tokenizer: str | None = None,
-    eos_id: int | None = None,
-    vocab_size: int | None = None,
-    overwrite: bool = False,
-    shard_tokens: int = 1 << 30,
     executor: ExecutorConfig | None = None,
     disk_mbps: float | None = None,
-    scratch=None,
-    link: bool = False,
 ) -> PlanResult:
     """What `pack` with these arguments would do: one task per input file, its shards of at most
     `shard_tokens` tokens cut at document ends (so at least tokens / shard_tokens of them).
     `scratch`: as in plan_shuffle, unused. `link`: which bytes pack --link would link, not copy
     (a datatrove input whose documents do not all end with EOS is found only by the scan, and copied)."""
     from tokpack.formats.inputs.tables import PARQUET_DECODE_THREADS
-    from tokpack.packer.packing import known_tokens, pack_tasks, setup_pack
+    from tokpack.packer.packing import PackOptions, known_tokens, pack_tasks, setup_pack
+
+    options = options or PackOptions()
+    shard_tokens, link = options.shard_tokens, options.link
 
     config = executor or ExecutorConfig()
     *paths, output = _local(as_paths(inputs) + [str(output)])
     out = Path(output).absolute()
-    setup = setup_pack(
-        paths,
-        out,
-        input_format=input_format,
-        column=column,
-        dtype=dtype,
-        tokenizer=tokenizer,
-        eos_id=eos_id,
-        vocab_size=vocab_size,
-        overwrite=overwrite,
-        shard_tokens=shard_tokens,
-        link=link,
-    )
+    setup = setup_pack(paths, out, options)
     done = setup.state == "complete"
     counts = [known_tokens(f) for f in setup.files]
     shards = [] if done or None in counts else [-(-n // shard_tokens) for n in counts]
@@ -587,26 +493,15 @@ def plan_pack(
     )
 
 
-def plan_stage(
-    directory,
-    dest,
-    *,
-    workers: int = 4,
-    epochs=None,
-    ranks=None,
-    micro_batch: int = 1,
-    world_size: int | None = None,
-    node=None,
-    ranks_per_node: int | None = None,
-    start_sample: int = 0,
-    disk_mbps: float | None = None,
-    shards_of=None,
-    memory: int | None = None,
-) -> PlanResult:
+def plan_stage(directory, dest, selection: dict, *, disk_mbps: float | None = None) -> PlanResult:
     """What `stage` with these arguments would do: every file is read once (hashed), the ones not
     in place at DEST are written; the copy threads share DEST's disk. A node slice (world_size
     or node): the bytes its node keeps and reads, by arithmetic on the run's manifests.
-    `memory` (stage's, a replacement node's budget) changes none of these bytes."""
+    `selection`: stage's other keywords, all of them (tokpack.packer.api.plan binds them to stage's
+    signature); its `memory` (a replacement node's budget) changes none of these bytes."""
+    workers, epochs, ranks, micro_batch = (selection[k] for k in ("workers", "epochs", "ranks", "micro_batch"))
+    world_size, node, ranks_per_node = selection["world_size"], selection["node"], selection["ranks_per_node"]
+    start_sample, shards_of = selection["start_sample"], selection["shards_of"]
     from tokpack.packer.staging import (
         STAGE_BLOCK,
         Source,
@@ -889,12 +784,6 @@ def _nodes_lines(r: PlanResult) -> list[str]:
 # ------------------------------------------------------------------------ straight to the nodes
 
 
-def read_schedule_of(schedule):
-    from tokpack.shuffle.schedule import read_schedule
-
-    return None if schedule is None else read_schedule(schedule)
-
-
 NIC_MBPS = 25_000.0  # --nic-mbps default: a node's InfiniBand/RoCE link (issue 33, "25-50 GB/s a node")
 # Windows taken through the epoch's permutation to count each node's sends exactly (about 4 s
 # on one core); beyond, every k-th block of SAMPLE_BLOCK windows, and the counts scaled.
@@ -932,14 +821,14 @@ def _node_epoch_figures(
     job, manifest: dict, figures, first: int, nodes: int, ranks_per_node: int, micro_batch: int, memory: int
 ) -> list[dict]:
     """Each node's part of one epoch, from the exchange's own arithmetic (tokpack.packer.exchange):
-    its _NodeEpoch (the slice's positions, the owned shards, keep_bytes), its runs of source
+    its NodeEpoch (the slice's positions, the owned shards, keep_bytes), its runs of source
     shards (split_shards), round_tokens, and the destinations exchange_epoch sends each piece to
     (the node that reads its row, and its shard's owner when that is another node)."""
     from tokpack.formats.shards import U64
     from tokpack.formats.slices import RankRows
-    from tokpack.packer.node_epoch import NodeEpoch as _NodeEpoch  # its uses keep the old name until renamed
+    from tokpack.packer.node_epoch import NodeEpoch
     from tokpack.packer.node_epoch import memory_plan
-    from tokpack.packer.pieces import WIRE_PIECE as PIECE
+    from tokpack.packer.pieces import WIRE_PIECE
     from tokpack.packer.slicing import slice_files, slice_ranks
     from tokpack.shuffle import packings
     from tokpack.shuffle.steps import shard_segments
@@ -957,7 +846,7 @@ def _node_epoch_figures(
         a, b, _ = slice_ranks(node=f"{n}/{nodes}", ranks_per_node=ranks_per_node, micro_batch=micro_batch)
         # `prepared` says only whether the epoch moves document pieces: the row table itself is
         # the command's to build (plan_shuffle counts it by table_estimate)
-        ne = _NodeEpoch(job, sources, rows, first, n, nodes, (a, b), {"table": None} if padded else {})
+        ne = NodeEpoch(job, sources, rows, first, n, nodes, (a, b), {"table": None} if padded else {})
         nes.append(ne)
         shards = [(s, k) for s, k0, k1 in ne.runs() for k in range(k0, k1)]
         read = sum(int(sources[s].shards[k]["tokens"]) * sources[s].dtype.itemsize for s, k in shards)
@@ -1003,7 +892,7 @@ def _node_epoch_figures(
                 "owned_shards": len(ne.owned),
                 "owned_rows": ne.owned_rows,
                 # each owned shard's row hashes (and padding) in scratch, copied to RUN; its tokens and
-                # index are only hashed (exchange.hash_owned_shards)
+                # index are only hashed (owned_shards.hash_owned_shards)
                 "owned_bytes": ne.owned_rows * (U64.itemsize + 4 * padded),
                 "owned_peak": max([k * (U64.itemsize + 4 * padded) for k in owned_sizes], default=0),
                 "run_rows_bytes": U64.itemsize * ne.owned_rows,
@@ -1012,7 +901,7 @@ def _node_epoch_figures(
                 "per_round_tokens": per_round,
                 # out of core: every store row (slice, then owned shards) goes through DEST's bucket
                 # files once, its tokens and a piece record (a window: one; best-fit: about one a document piece)
-                "bucket_bytes": 0 if bucket_rows is None else ne.store_rows * (job.row_bytes + PIECE.itemsize),
+                "bucket_bytes": 0 if bucket_rows is None else ne.store_rows * (job.row_bytes + WIRE_PIECE.itemsize),
                 "table_bytes": table["table_bytes"] if table else 0,
             }
         )
@@ -1062,7 +951,7 @@ def _node_epoch_figures(
             reads[m] = (round(table["pieces"] * part), round(data_tokens * part))
             pieces[m] = np.round(share * reads[m, 0]).astype(np.int64)
             moved[m] = np.round(share * reads[m, 1]).astype(np.int64)
-    wire = pieces * PIECE.itemsize + moved * item
+    wire = pieces * WIRE_PIECE.itemsize + moved * item
     for n, f in enumerate(out):
         others = [d for d in range(nodes) if d != n]
         f["sent_bytes"] = int(wire[n, others].sum())
@@ -1105,22 +994,12 @@ def _count_sends(counts: np.ndarray, ne, g: np.ndarray) -> None:
 
 
 def plan_to_nodes(
-    paths: list[str],
-    weights,
-    output: str,
-    dest: str,
+    spec,
     *,
     nodes: int,
-    ranks_per_node: int,
-    micro_batch: int,
-    keep_sources=None,
     shared_mbps: float | None = None,
     nic_mbps: float | None = None,
     disk_mbps: float | None = None,
-    memory: int = 4 << 30,
-    epochs=None,
-    schedule=None,
-    **options,
 ) -> PlanResult:
     """What `mpirun -n NODES tokpack shuffle ... --to-nodes DEST` would do, per node (docs/COMMANDS.md,
     "Straight to the nodes"): from the exchange's own arithmetic (_node_epoch_figures), then the
@@ -1128,19 +1007,19 @@ def plan_to_nodes(
     from tokpack.formats.manifest import nodes_sidecar
     from tokpack.formats.slices import RankRows
     from tokpack.packer.node_dest import dest_template, node_dest
-    from tokpack.packer.node_dest import run_numbering as _numbering
+    from tokpack.packer.node_dest import run_numbering
     from tokpack.shuffle import packings
     from tokpack.packer.slicing import SLICE_ENTRY_BYTES, SLICE_HEADER_BYTES
     from tokpack.packer.staging import on_disk
     from tokpack.shuffle.packed import release_passes
     from tokpack.shuffle.run import run_manifest_of, setup_run
-    from tokpack.shuffle.schedule import epoch_numbers
-
     from tokpack.packer.slicing import slice_ranks
 
+    dest, keep_sources, memory = spec.nodes.dest, spec.nodes.keep_sources, spec.memory
+    ranks_per_node, micro_batch = spec.nodes.ranks_per_node, spec.nodes.micro_batch
     slice_ranks(node=f"0/{nodes}", ranks_per_node=ranks_per_node, micro_batch=micro_batch)  # before a list a node
     nic = float(nic_mbps or NIC_MBPS)
-    *paths, output = _local(list(paths) + [str(output)])
+    *paths, output = _local(list(spec.sources) + [str(spec.output)])
     if "://" in str(dest) or (keep_sources is not None and "://" in str(keep_sources)):
         raise TokpackError(
             "--to-nodes writes local directories",
@@ -1148,11 +1027,8 @@ def plan_to_nodes(
             hint="RUN is a shared-filesystem path, DEST a node-local one",
         )
     out = Path(output)
-    asked = epoch_numbers(1 if epochs is None and schedule is None else epochs)
-    setup = setup_run(
-        paths, str(output), weights=weights, epochs=asked, memory=memory, workers=1, schedule=schedule, **options
-    )
-    numbering = _numbering(setup, out)
+    setup = setup_run(spec.with_settings(sources=paths), str(output), workers=1)
+    numbering = run_numbering(setup, out)
     opened = setup.sources
     RankRows(nodes * ranks_per_node, micro_batch, 0)  # its checks (tokpack.formats.slices) before any arithmetic
     dests = [node_dest(dest, n) for n in range(nodes)]
@@ -1238,7 +1114,7 @@ def plan_to_nodes(
                         and not assumed
                         and not (there.is_file() and there.stat().st_size == size)
                     ):
-                        kept_now += size  # exchange._keep_shard copies it: read from shared, written here
+                        kept_now += size  # kept_sources._keep_shard copies it: read from shared, written here
                     have[n][fingerprint, name] = size
                 t["kept_source_bytes"] = sum(have[n].values())
             from_shared = 0 if keeps[n] is not None else f["source_bytes"]

@@ -20,6 +20,8 @@ from tokpack.formats.manifest import read_manifest
 
 from . import packings
 from .plan import run_holdout
+from .schedule import read_schedule
+from .spec import ShuffleSpec, given_names
 
 # shuffle's settings that --like reads from the run (API keyword -> CLI flag): giving one as well is refused,
 # since two answers to one question would leave the user unsure which the epoch was written with.
@@ -38,11 +40,12 @@ TAKEN = {
 }
 
 
-def given_with_like(values: dict, cli: bool = False) -> list[str]:
-    """The settings among `values` (keyword -> value as passed) that were given, though --like
-    takes them from the run: their flags (`cli`) or keywords."""
-    given = [k for k in TAKEN if values.get(k) not in (None, False, (), [])]
-    return [TAKEN[k] if cli else k for k in given]
+def given_with_like(spec: ShuffleSpec | dict, cli: bool = False) -> list[str]:
+    """The settings `spec`'s user gave (or those among the keywords `spec`: given_names), though
+    --like takes them from the run: their flags (`cli`) or keywords. Given is not truthy:
+    `--seed 0` and `--packing concat` are given."""
+    given = spec.given if isinstance(spec, ShuffleSpec) else given_names(spec)
+    return [TAKEN[k] if cli else k for k in TAKEN if k in given]
 
 
 def _started_run(run_dir) -> bool:
@@ -100,14 +103,13 @@ def run_settings(run_dir) -> dict:
     }
 
 
-def apply_like(given: dict) -> dict:
-    """shuffle's (or plan shuffle's) keywords `given`, with `like` replaced by the run's own
-    settings and `output` defaulting to the run; unchanged without `like`."""
-    like = given.get("like")
-    out = {k: v for k, v in given.items() if k != "like"}
+def like_spec(spec: ShuffleSpec) -> ShuffleSpec:
+    """`spec` with its `like` run's own settings, its output defaulting to the run; unchanged
+    without `like`. A setting the run declares that the user gave as well is refused."""
+    like = spec.like
     if like is None:
-        return out
-    twice = given_with_like(given)
+        return spec
+    twice = given_with_like(spec)
     if twice:
         raise TokpackError(
             "like= takes these settings from the run",
@@ -116,7 +118,7 @@ def apply_like(given: dict) -> dict:
             hint="drop them; the run's own settings write its epochs",
         )
     taken = run_settings(like)
-    if taken.get("schedule") is None and given.get("epochs") is None:
+    if taken.get("schedule") is None and spec.epochs is None:
         raise TokpackError(
             "no epochs named to add to the run",
             where="--epoch/--epochs",
@@ -125,7 +127,19 @@ def apply_like(given: dict) -> dict:
             hint="a run made with flags has no last epoch: name the "
             "ones to add (--epoch E, --epochs N; the API's epochs=)",
         )
-    out.update({k: taken.get(k, False if k == "jitter" else None) for k in TAKEN})
-    if out.get("output") is None:
-        out["output"] = like
-    return out
+    pairs = taken.get("sources") or []
+    return spec.with_settings(
+        sources=[p for p, _ in pairs],
+        weights=[w for _, w in pairs] if pairs else None,
+        output=like if spec.output is None else spec.output,
+        seq_len=taken.get("seq_len"),
+        seed=taken.get("seed"),
+        samples=taken.get("samples"),
+        tokens=None,
+        shard_samples=taken["shard_samples"],
+        jitter=taken.get("jitter", False),
+        schedule=None if taken.get("schedule") is None else read_schedule(taken["schedule"]),
+        packing=taken["packing"],
+        pad_id=taken["pad_id"],
+        holdout=taken["holdout"],
+    )

@@ -46,6 +46,7 @@ from . import packings
 from .holdout import parse_holdout
 from .plan import EpochPlan, SamplePlan, holdout_recorded, is_virtual, open_source, parse_weight, source_location
 from .schedule import RunPlan, Schedule, same_source_twice
+from .spec import ShuffleSpec
 from .steps import ORDER_ROW_OVERHEAD, EpochJob, Layout, make_layout, source_changed_error
 
 DEFAULT_SHARD_BYTES = 1 << 30  # default --shard-samples: about 1 GiB of samples per shard
@@ -577,42 +578,23 @@ class RunSetup:
 
 
 def setup_run(
-    paths: list[str],
+    spec: ShuffleSpec,
     output: str,
     *,
-    weights,
-    seq_len: int | None,
-    seed: int | None,
-    epochs: list[int] | None,
-    samples,
-    tokens,
-    shard_samples,
-    memory: int,
-    jitter: bool,
-    workers: int,
+    local: list[str] | None = None,
+    workers: int = 1,
     progress: bool = False,
-    given: list[str] | None = None,
-    schedule: Schedule | None = None,
     to: Output = LocalOutput(),
-    packing: str | None = None,
-    pad_id: int | None = None,
-    holdout: str | None = None,
 ) -> RunSetup:
-    """Opens the sources and OUT's run (if any), checks they agree, and plans every epoch, each
-    plan within `memory`. Writes nothing in OUT (a best-fit plan counts its rows in a temporary
-    folder). `given`, `schedule`, `to`, `packing`, `pad_id`: as in
-    shuffle_run."""
-    packing = packings.named(packing).name
-    if schedule is not None and packing != packings.DEFAULT:
-        if schedule.packing not in (packings.DEFAULT, packing):
-            raise TokpackError(
-                "--packing differs from the schedule's packing",
-                where="--packing",
-                expected=schedule.packing,
-                found=packing,
-                hint="drop --packing",
-            )
-        schedule = replace(schedule, packing=packing)
+    """Opens the sources and OUT's run (if any), checks they agree, and plans every epoch of
+    `spec`, each plan within its memory. Writes nothing in OUT (a best-fit plan counts its rows in
+    a temporary folder). `local`, `to`: as in shuffle_run; `workers`: the out-of-core tasks at
+    once (each gets memory // workers)."""
+    packing = packings.named(spec.packing).name
+    schedule = spec.checked_schedule()  # a setting the schedule file declares, given too: refused here
+    seq_len, seed, jitter, pad_id, memory = spec.seq_len, spec.seed, spec.jitter, spec.pad_id, spec.memory
+    shard_samples, samples, tokens, epochs = spec.shard_samples, spec.samples, spec.tokens, spec.asked_epochs()
+    paths, weights = list(spec.sources if local is None else local), spec.weights
     used = packings.named(schedule.packing if schedule is not None else packing)
     if pad_id is not None and "pad_id" not in used.options(pad_id, None):
         # a window epoch has no padding: a --pad-id it ignored would look like a setting the run keeps
@@ -638,7 +620,7 @@ def setup_run(
         "--jitter" if schedule is None or schedule.file is None else "jitter",
         getattr(schedule, "file", None),
     )
-    holdout = parse_holdout(holdout)
+    holdout = parse_holdout(spec.holdout)
     if holdout is not None and not used.holdout:  # a registered packing that cannot leave documents out
         raise TokpackError(
             f"--holdout sets whole documents aside; {used.name} packing cannot",
@@ -671,7 +653,7 @@ def setup_run(
         weights = list(existing["given_weights"])  # equal as ratios: the run's manifests keep one spelling
     if shard_samples is None:
         shard_samples = existing["shard_samples"] if existing else max(1, DEFAULT_SHARD_BYTES // row_bytes)
-    recorded = [source_location(p) for p in (given or paths)]
+    recorded = [source_location(p) for p in (spec.sources or paths)]
     names = [p.rstrip("/").rsplit("/", 1)[-1] for p in recorded]
     runplan = RunPlan(
         schedule
@@ -789,51 +771,39 @@ def _refuse_foreign_files(edir: Path, to: Output) -> None:
 
 @locked_output("shuffle")
 def shuffle_run(
-    sources: list[str],
+    spec: ShuffleSpec | list[str],
     output: str,
     *,
-    weights: list[str | None] | None = None,
-    seq_len: int | None = None,
-    seed: int | None = None,
-    epochs: list[int] | None,
-    samples: int | None = None,
-    tokens: int | None = None,
-    shard_samples: int | None = None,
-    memory: int = 4 << 30,
-    jitter: bool = False,
+    local: list[str] | None = None,
     log=None,
     workers: int = 1,
     tasks: int | None = None,
     run_passes,
     progress: bool | None = None,
-    given: list[str] | None = None,
-    schedule: Schedule | None = None,
     to: Output = LocalOutput(),
-    packing: str | None = None,
-    pad_id: int | None = None,
-    holdout: str | None = None,
+    **settings,
 ) -> dict:
-    """Writes OUT/epoch-NNNNN/ for each epoch (skipping complete identical ones) and the run
-    manifest. `memory` is the total budget: the out-of-core path gives each of `workers`
-    concurrent tasks memory // workers. `progress`: bars on stderr, lines in a log (tokpack.formats.io.progress;
-    default: unless TOKPACK_PROGRESS is 0). `weights`: one per source, as given ("0.25", "1/3"),
-    or None. `run_passes([(step, tasks, job_name, logging_dir), ...])` runs dependent passes in
-    order (tokpack.packer.executors.pass_runner makes one). `given`: the sources as the user named them,
-    when `sources` are local copies of URLs; the manifests record those names (plan.source_location:
-    a local path resolved, an object-store URL as given). Returns a summary dict, with per-source counts of
-    every epoch written and a warning per source an epoch repeats windows of (tokpack.packer.api.shuffle
-    takes URLs and returns it as a ShuffleResult). `schedule`: the run's stages (tokpack.shuffle.schedule),
-    instead of `sources`, `weights`, `seq_len`, `seed`, `samples`, `tokens` and `jitter`; `epochs`
-    None: every epoch of the schedule. `to`: where the run goes (tokpack.formats.outputs; to a bucket,
-    `output` is its local folder and holds the state fetched from the store).
-    `packing`: a name in tokpack.shuffle.packings (None: its default, windows; "best-fit": whole
-    documents, tokpack.shuffle.packed); with a schedule, its `packing:` key; `pad_id`: best-fit's
-    padding token [default: the EOS id]."""
+    """Writes OUT/epoch-NNNNN/ for each epoch of `spec` (tokpack.shuffle.spec; skipping complete
+    identical ones) and the run manifest. `spec.memory` is the total budget: the out-of-core path
+    gives each of `workers` concurrent tasks memory // workers. `local`: the local copies of
+    `spec.sources` when they are URLs (the manifests record the sources as the spec names them:
+    plan.source_location, a local path resolved, an object-store URL as given). `progress`: bars
+    on stderr, lines in a log (tokpack.formats.io.progress; default: unless TOKPACK_PROGRESS is 0).
+    `run_passes([(step, tasks, job_name, logging_dir), ...])` runs dependent passes in order
+    (tokpack.packer.executors.pass_runner makes one). `to`: where the run goes
+    (tokpack.formats.outputs; to a bucket, `output` is its local folder and holds the state fetched
+    from the store). Returns a summary dict, with per-source counts of every epoch written and a
+    warning per source an epoch repeats windows of (tokpack.packer.api.shuffle takes URLs and
+    returns it as a ShuffleResult). Tests and benchmarks may give the sources and the spec's
+    settings as keywords instead (`shuffle_run(paths, out, seq_len=..., seed=..., epochs=[0])`)."""
+    if not isinstance(spec, ShuffleSpec):
+        spec = ShuffleSpec.given_as(sources=spec, **settings)
     t0 = time.perf_counter()
     log = log or (lambda line: None)
+    memory = spec.memory
     if progress is None:
         progress = os.environ.get("TOKPACK_PROGRESS", "1") != "0"
-    virtual = [p for p in sources if is_virtual(p)]
+    virtual = [p for p in (spec.sources if local is None else local) if is_virtual(p)]
     if virtual:
         raise TokpackError(
             "a virtual source has no data to shuffle",
@@ -842,27 +812,7 @@ def shuffle_run(
             expected="a packed source directory",
             hint="plan it instead: tokpack plan shuffle ...",
         )
-    setup = setup_run(
-        sources,
-        output,
-        weights=weights,
-        seq_len=seq_len,
-        seed=seed,
-        epochs=epochs,
-        samples=samples,
-        tokens=tokens,
-        shard_samples=shard_samples,
-        memory=memory,
-        jitter=jitter,
-        workers=workers,
-        progress=bool(progress),
-        given=given,
-        schedule=schedule,
-        to=to,
-        packing=packing,
-        pad_id=pad_id,
-        holdout=holdout,
-    )
+    setup = setup_run(spec, output, local=local, workers=workers, progress=bool(progress), to=to)
     out, opened, weights, shard_samples = Path(output), setup.sources, setup.weights, setup.shard_samples
     done_epochs, runplan, skipped, summaries = setup.done_epochs, setup.runplan, [], []
     # The samples alone, by arithmetic, before the exact count below spends time per shard.

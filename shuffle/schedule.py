@@ -10,7 +10,7 @@ taken from it so far), so no window repeats before its source is exhausted.
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
@@ -50,6 +50,9 @@ class Schedule:
     file: str | None = None  # the YAML file it was read from; None for a run made with flags
     file_hash: str | None = None  # xxh3_128 of that file's bytes
     packing: str = packings.DEFAULT  # a registered packing's name (tokpack.shuffle.packings), for the whole run
+    # the optional keys the file sets (packing, shard_samples): a setting the user also gives is
+    # applied where the file is silent, refused where it speaks (tokpack.shuffle.spec)
+    declared: frozenset[str] = field(default=frozenset(), compare=False)
 
     @classmethod
     def of_flags(
@@ -167,6 +170,73 @@ def _weight(value, file, where: str) -> str:
     return text
 
 
+def _stages(entries: list, path: Path, seq_len: int) -> list[Stage]:
+    """A schedule file's `stages`, each checked (read_schedule)."""
+    stages, names = [], {}
+    for i, st in enumerate(entries):
+        where = f"stages[{i}]"
+        _check_keys(st, STAGE_KEYS, path, where)
+        name = st.get("name")
+        if not isinstance(name, str) or not name:
+            _fail("stage has no name", path, f"{where}.name", "a non-empty name", repr(name))
+        if name in names:
+            _fail(
+                "two stages have the same name",
+                path,
+                f"{where}.name",
+                "a name no other stage has",
+                f"{name!r}, the name of stages[{names[name]}]",
+            )
+        names[name] = i
+        sources = st.get("sources")
+        if not sources:
+            _fail("stage has no sources", path, f"{where}.sources", "{SOURCE: WEIGHT, ...}", repr(sources))
+        if not isinstance(sources, dict):
+            _fail("stage sources need weights", path, f"{where}.sources", "{SOURCE: WEIGHT, ...}", repr(sources)[:60])
+        paths = [str(p if Path(str(p)).is_absolute() else path.parent / str(p)) for p in sources]
+        resolved: dict = {}
+        for k, p in enumerate(paths):  # `web` and `./web` (or a symlink to it) are one source, as for the CLI
+            first = resolved.setdefault(Path(p).resolve(), k)
+            if first != k:
+                raise same_source_twice(p, "path", paths[first])
+        weights = [_weight(w, path, f"{where}.sources.{p}") for p, w in sources.items()]
+        if ("tokens" in st) == ("epochs" in st):
+            _fail(
+                "stage needs exactly one of tokens and epochs",
+                path,
+                where,
+                "tokens: 8T or epochs: 3",
+                "both" if "tokens" in st else "neither",
+            )
+        tokens = epochs = None
+        if "tokens" in st:
+            try:
+                tokens = token_count(st["tokens"] if isinstance(st["tokens"], (int, str)) else repr(st["tokens"]))
+            except TokpackError as e:
+                _fail(e.message, path, f"{where}.tokens", "a token count like 8T or 1.5B", repr(st["tokens"]))
+            if tokens < seq_len:
+                _fail(
+                    "stage is smaller than one sample",
+                    path,
+                    f"{where}.tokens",
+                    f">= seq_len ({seq_len}) tokens",
+                    tokens,
+                    hint="raise the stage's tokens or lower seq_len",
+                )
+        else:
+            epochs = _int(st, "epochs", path, where, 1)
+        stages.append(Stage(name, tuple(paths), tuple(weights), 1 if tokens is not None else epochs, tokens=tokens))
+        at_most(
+            sum(st.epochs for st in stages),
+            MAX_EPOCHS,
+            "schedule's epoch count",
+            file=path,
+            where=f"{where}.epochs",
+            hint=f"epochs are numbered 0 to {MAX_EPOCHS - 1} through all stages",
+        )
+    return stages
+
+
 def read_schedule(path: str | Path) -> Schedule:
     """The schedule in a YAML file; any shape the file may not have is one TokpackError."""
     import yaml
@@ -240,68 +310,7 @@ def read_schedule(path: str | Path) -> Schedule:
     packings.check_jitter(packing, jitter, "jitter", path)
     if not isinstance(doc.get("stages"), list) or not doc["stages"]:
         _fail("schedule has no stages", path, "stages", "a list of stages", repr(doc.get("stages")))
-    stages, names = [], {}
-    for i, st in enumerate(doc["stages"]):
-        where = f"stages[{i}]"
-        _check_keys(st, STAGE_KEYS, path, where)
-        name = st.get("name")
-        if not isinstance(name, str) or not name:
-            _fail("stage has no name", path, f"{where}.name", "a non-empty name", repr(name))
-        if name in names:
-            _fail(
-                "two stages have the same name",
-                path,
-                f"{where}.name",
-                "a name no other stage has",
-                f"{name!r}, the name of stages[{names[name]}]",
-            )
-        names[name] = i
-        sources = st.get("sources")
-        if not sources:
-            _fail("stage has no sources", path, f"{where}.sources", "{SOURCE: WEIGHT, ...}", repr(sources))
-        if not isinstance(sources, dict):
-            _fail("stage sources need weights", path, f"{where}.sources", "{SOURCE: WEIGHT, ...}", repr(sources)[:60])
-        paths = [str(p if Path(str(p)).is_absolute() else path.parent / str(p)) for p in sources]
-        resolved: dict = {}
-        for k, p in enumerate(paths):  # `web` and `./web` (or a symlink to it) are one source, as for the CLI
-            first = resolved.setdefault(Path(p).resolve(), k)
-            if first != k:
-                raise same_source_twice(p, "path", paths[first])
-        weights = [_weight(w, path, f"{where}.sources.{p}") for p, w in sources.items()]
-        if ("tokens" in st) == ("epochs" in st):
-            _fail(
-                "stage needs exactly one of tokens and epochs",
-                path,
-                where,
-                "tokens: 8T or epochs: 3",
-                "both" if "tokens" in st else "neither",
-            )
-        tokens = epochs = None
-        if "tokens" in st:
-            try:
-                tokens = token_count(st["tokens"] if isinstance(st["tokens"], (int, str)) else repr(st["tokens"]))
-            except TokpackError as e:
-                _fail(e.message, path, f"{where}.tokens", "a token count like 8T or 1.5B", repr(st["tokens"]))
-            if tokens < seq_len:
-                _fail(
-                    "stage is smaller than one sample",
-                    path,
-                    f"{where}.tokens",
-                    f">= seq_len ({seq_len}) tokens",
-                    tokens,
-                    hint="raise the stage's tokens or lower seq_len",
-                )
-        else:
-            epochs = _int(st, "epochs", path, where, 1)
-        stages.append(Stage(name, tuple(paths), tuple(weights), 1 if tokens is not None else epochs, tokens=tokens))
-        at_most(
-            sum(st.epochs for st in stages),
-            MAX_EPOCHS,
-            "schedule's epoch count",
-            file=path,
-            where=f"{where}.epochs",
-            hint=f"epochs are numbered 0 to {MAX_EPOCHS - 1} through all stages",
-        )
+    stages = _stages(doc["stages"], path, seq_len)
     return Schedule(
         seq_len,
         seed,
@@ -311,6 +320,7 @@ def read_schedule(path: str | Path) -> Schedule:
         str(path.resolve()),
         xxhash.xxh3_128_hexdigest(raw),
         packing,
+        frozenset(k for k in ("packing", "shard_samples") if k in doc),
     )
 
 

@@ -327,3 +327,17 @@ def test_a_run_that_lists_no_epochs_hints_the_command_that_writes_epoch_0(corpus
     code, _, err = cli(*words[1:], cwd=tmp_path)
     assert code == 0, err
     assert read_manifest(tmp_path / "run")["epochs"] == [0]
+
+
+def test_like_refuses_a_setting_given_as_zero(corpus, tmp_path):
+    """Given is not truthy (issue 40): `--seed 0` or `pad_id=0` beside --like was taken for "not
+    given" and silently dropped, the epoch written with the run's seed. Both are refused."""
+    code, _, err = cli("shuffle", *command("concat", corpus), "-o", "run", "--epochs", 1, cwd=tmp_path)
+    assert code == 0, err
+    code, _, err = cli("shuffle", "--like", "run", "--epoch", 1, "--seed", 0, cwd=tmp_path)
+    assert code == 2 and "drop --seed" in err
+    for given in ({"seed": 0}, {"pad_id": 0}, {"packing": "concat"}):
+        key = next(iter(given))
+        with pytest.raises(TokpackError, match=rf"\[{key}\]: like= takes these settings from the run"):
+            api.shuffle(like=tmp_path / "run", epochs=[1], **given)
+    assert not (tmp_path / "run" / epoch_dir_name(1)).exists()

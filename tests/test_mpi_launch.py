@@ -274,3 +274,54 @@ def test_a_kept_copy_edited_after_it_was_kept_is_copied_again_not_trained_on(sou
         have, want = tree(tmp_path / f"node{n}"), tree(tmp_path / f"staged{n}")
         have.pop("tokpack.json"), want.pop("tokpack.json")
         assert have == want, n
+
+
+API_TO_NODES = """
+import json, sys
+import tokpack
+source, run, dest, k, m, memory = sys.argv[1:]
+result = tokpack.shuffle(
+    source, run, seq_len=63, seed=5, epochs=2, shard_samples=12, memory=memory, packing="best-fit",
+    to_nodes=dest, ranks_per_node=int(k), micro_batch=int(m),
+)
+print(json.dumps(result))
+"""
+
+
+def test_the_python_api_runs_to_nodes_as_the_cli_does(source, tmp_path):
+    """`tokpack.shuffle(..., to_nodes=DEST, ranks_per_node=K, micro_batch=M)` under mpirun (issue 40):
+    every node's slice and every file of RUN byte for byte the CLI's `shuffle --to-nodes`, and one
+    summary a process."""
+    from test_mpi import tree
+
+    from tokpack.formats.manifest import NODES_SIDECAR
+
+    mpi = [mpirun(), "--oversubscribe", "-n", str(NODES)]
+    cli_run, api_run = tmp_path / "cli-run", tmp_path / "api-run"
+    args = shuffle_args(source, cli_run, str(tmp_path / "cli{node}"))
+    args[5:5] = ["--packing", "best-fit"]  # after the SOURCE: the slices' padding too
+    done = subprocess.run([*mpi, *args, "--json"], capture_output=True, text=True, timeout=180, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    script = [
+        sys.executable,
+        "-c",
+        API_TO_NODES,
+        str(source),
+        str(api_run),
+        str(tmp_path / "api{node}"),
+        str(K),
+        str(M),
+    ]
+    done = subprocess.run([*mpi, *script, MEMORY], capture_output=True, text=True, timeout=180, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summaries = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert sorted(s["node"] for s in summaries) == list(range(NODES)) and all(s["epochs"] == [0, 1] for s in summaries)
+    assert_same_slices(cli_run, [tmp_path / f"cli{n}" for n in range(NODES)], api_run, tmp_path / "api")
+    want, have = tree(cli_run), tree(api_run)
+    assert sorted(want) == sorted(have) and any(name.endswith(".ds.pad") for name in want)
+    for name in want:  # the sidecar names each run's own DEST
+        if name == NODES_SIDECAR:
+            assert json.loads(have[name])["dest"] == str(tmp_path / "api{node}")
+            assert {**json.loads(have[name]), "dest": None} == {**json.loads(want[name]), "dest": None}
+        else:
+            assert have[name] == want[name], name

@@ -521,11 +521,13 @@ def test_plan_shuffle_reports_a_best_fit_epoch(sources, tmp_path):
 def test_plan_shuffle_predicts_the_row_tables_scratch(sources, tmp_path, memory):
     """The plan's "table" pass and its scratch, estimated from the sources' counts, against the
     files build_table writes for the same epoch: at least them, within 3x."""
-    from tokpack.packer.planning import plan_shuffle, report_lines
+    from tokpack.packer.api import plan
+    from tokpack.packer.planning import report_lines
     from tokpack.shuffle.packed import build_table
 
     weights = {str(sources[0]): "2", str(sources[1]): "1"}
-    got = plan_shuffle(
+    got = plan(
+        "shuffle",
         weights,
         tmp_path / "p",
         seq_len=63,
@@ -704,7 +706,7 @@ def test_plan_counts_the_pieces_an_upsampled_epoch_packs(tmp_path, monkeypatch):
     (as the engine does: test_an_upsampled_best_fit_epoch_packs_each_pass_once) and the
     table's pieces, both equal to what the engine packs and writes."""
     import tokpack.shuffle.packed as packed_mod
-    from tokpack.packer.planning import plan_shuffle
+    from tokpack.packer.api import plan
     from tokpack.shuffle.packed_step import PACK_PIECES_PER_S, TABLE_PIECES_PER_S
 
     rng = np.random.default_rng(12)
@@ -724,7 +726,8 @@ def test_plan_counts_the_pieces_an_upsampled_epoch_packs(tmp_path, monkeypatch):
             yield group
 
     monkeypatch.setattr(packed_mod, "_pack_pass", counting)
-    got = plan_shuffle(
+    got = plan(
+        "shuffle",
         {str(srcs[0]): "1", str(srcs[1]): "1"},
         tmp_path / "p",
         seq_len=63,

@@ -611,3 +611,38 @@ def test_a_stage_naming_one_source_twice_is_the_clis_line(corpus, tmp_path, spel
         assert res.exit_code == 1 and "Traceback" not in res.stderr, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1
         assert "the same source is given twice" in res.stderr and "give each source once" in res.stderr
+
+
+def test_a_setting_the_schedule_declares_given_too_is_refused_not_ignored(corpus, tmp_path):
+    """`--packing concat` beside a schedule whose packing is best-fit was silently ignored (concat
+    could not be told from "not given"; issue 40), and the API dropped a `seq_len` given beside a
+    schedule. The spec knows what was given: each is one error line, and nothing is written."""
+    sched = corpus / "best-fit.yaml"  # beside the sources it names
+    sched.write_text(SCHEDULE.replace("shard_samples: 50\n", "shard_samples: 50\npacking: best-fit\n"))
+    code, lines = cli("shuffle", "--schedule", sched, "-o", tmp_path / "a", "--packing", "concat", "--epoch", 0)
+    assert code == 1 and lines == [
+        "tokpack: error: [--packing]: --packing differs from the schedule's packing; expected best-fit, "
+        "found concat. HINT: drop --packing"
+    ]
+    with pytest.raises(TokpackError, match=r"\[--packing\]: --packing differs from the schedule's packing"):
+        shuffle(None, tmp_path / "b", schedule=sched, packing="concat", epochs=[0], memory=MEMORY)
+    with pytest.raises(TokpackError, match=r"\[seq_len\]: the schedule declares these settings"):
+        shuffle(None, tmp_path / "c", schedule=corpus / "run.yaml", seq_len=63, epochs=[0], memory=MEMORY)
+    assert not any((tmp_path / d).exists() for d in "abc")
+    # a schedule without `packing:` takes --packing, as before
+    code, lines = cli(
+        "plan",
+        "shuffle",
+        "--schedule",
+        corpus / "run.yaml",
+        "-o",
+        tmp_path / "d",
+        "--packing",
+        "best-fit",
+        "--epoch",
+        0,
+        "--disk-mbps",
+        100,
+        "--json",
+    )
+    assert code == 0 and json.loads(lines[-1])["epochs"][0]["packing"]["method"] == "best-fit"
