@@ -100,9 +100,23 @@ MAX_EPOCHS = 10**5
 
 def metadata_text(tokenizer: str, token_size: int, tokens: int) -> str:
     """datatrove's `.ds.metadata` layout: "{tokenizer}|{token_size}\\n{tokens}\\n{humanized}"."""
-    import humanize  # a datatrove dependency; its metric() is what datatrove writes
+    return f"{tokenizer}|{token_size}\n{tokens}\n{metric_tokens(tokens)}"
 
-    return f"{tokenizer}|{token_size}\n{tokens}\n{humanize.metric(tokens, unit='T')}"
+
+def metric_tokens(tokens: int) -> str:
+    """A token count as datatrove's metadata line writes it, humanize's `metric(tokens, unit="T")`
+    ("1.50 kT", "489 kT", "0 T"), made here: humanize is datatrove's dependency, not tokpack's.
+    Three significant digits under an SI prefix; the same float steps, so the same digits."""
+    exponent = math.floor(math.log10(tokens)) if tokens != 0 else 0  # tokens < 2**64: at most 10**19, prefix E
+    old_bucket = exponent // 3 * 3
+    value = tokens / 10**old_bucket  # int / int: correctly rounded, as humanize divides
+    digits = max(0, 2 - exponent % 3)
+    if round(value, digits) >= 10 ** (exponent % 3 + 1):  # 999.6 k -> 1.00 M
+        exponent += 1
+        value /= 10 ** (exponent // 3 * 3 - old_bucket)
+        digits = max(0, 2 - exponent % 3)
+    prefix = "kMGTPEZYRQ"[exponent // 3 - 1] if exponent >= 3 else ""
+    return f"{value:.{digits}f} {prefix}T"
 
 
 def parse_metadata_text(text: str, path: str | Path) -> tuple[str, int, int]:

@@ -138,6 +138,34 @@ def test_run_with_old_key_epochs_extends_and_stages(old_run, tmp_path):
     assert validate_dirs([tmp_path / "dest"]).ok
 
 
+
+def test_metadata_count_as_datatrove_writes_it():
+    """`.ds.metadata`'s third line is humanize's metric(tokens, unit="T"), as datatrove writes it:
+    tokpack makes it itself (humanize is not its dependency) and must write the same text."""
+    import random
+
+    from tokpack.formats.manifest import metric_tokens
+
+    humanize = pytest.importorskip("humanize")
+    rng = random.Random(0)
+    counts = list(range(2000)) + [10**k + d for k in range(1, 20) for d in (-1, 0, 1)]
+    counts += [int(x * 10**k) for k in range(17) for x in (9.995, 9.9949, 99.95, 999.5, 999.49, 1.005)]
+    counts += [rng.randrange(1, 10 ** rng.randrange(1, 20)) for _ in range(20000)] + [2**64 - 1]
+    assert [metric_tokens(n) for n in counts] == [humanize.metric(n, unit="T") for n in counts]
+    assert metric_tokens(489_600) == "490 kT" and metric_tokens(999_600) == "1.00 MT"
+
+
+@pytest.mark.parametrize("body", [b'{"format": "tokpack", "version": 1, "kind": "run", "seed": NaN}', b"[1, 2"])
+def test_stage_reads_dest_manifests_strictly(tmp_path, body):
+    """stage reads what DEST holds through the format's strict parser: a manifest with a value
+    outside the format (NaN), or not JSON, vouches for nothing."""
+    from tokpack.packer.staging import dest_holds
+
+    (tmp_path / MANIFEST).write_bytes(body)
+    held = dest_holds(tmp_path)
+    assert (held.kind, held.words) == ("damaged", "an unreadable tokpack.json")
+
+
 if __name__ == "__main__":
     for table in TABLES:
         print(HEADER + "\n| --- | --- | --- | --- | --- |\n" + "\n".join(markdown_rows(table)) + "\n")
