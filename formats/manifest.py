@@ -18,34 +18,42 @@ import xxhash
 from .errors import IncompleteError, TokpackError
 from .io import IO_BLOCK, as_path, fsync_dir, iter_file_blocks, name_problem, read_limited, write_bytes_atomic
 
-FORMAT_NAME = "tokpack"
-FORMAT_VERSION = 1
-MANIFEST = "tokpack.json"
-KINDS = ("source", "run", "epoch")
-SLICE = "slice"  # kind of a node slice's root manifest (docs/FORMAT.md, "Node slices")
-SLICE_EPOCH = "slice-epoch"  # kind of a node slice epoch's manifest
-SLICE_KINDS = (SLICE, SLICE_EPOCH)
-SHARD_NAME_DIGITS = 5
-# Written by `tokpack stage --ranks` at a run copy's root: which shards it left out.
-STAGE_SIDECAR = "tokpack-stage.json"
-# A run whose epochs' tokens are in node slices (shuffle --to-nodes): written in RUN before its
-# first epoch, it is what lets an epoch folder lack its token files; without it they are missing.
-NODES_SIDECAR = "tokpack-nodes.json"
-LOSS_SUFFIX = ".loss"  # a source shard's loss mask, one byte a token, when its entry has loss_xxh3_128
-SHARD_SUFFIXES = ("", ".index", ".metadata", LOSS_SUFFIX)  # the files of one shard, after its name
-EPOCH_SHARD_SUFFIXES = tuple(s for s in SHARD_SUFFIXES if s != LOSS_SUFFIX)  # an epoch's shards carry no loss mask
-LOCK_NAME = "tokpack.lock"  # the lock of the command writing a directory (formats/guard.py)
-WORK_DIR = ".tokpack-work"  # a command's scratch inside OUT, removed when it finishes
-HOLDOUT_DIR = "holdout"  # RUN/holdout/: the held-out documents of `shuffle --holdout`, an epoch directory
-# The `shuffle` a run and its epochs record: names the plan (shuffle/plan.py, shuffle/permutation.py).
-# A change to which window lands where is a new name, not a new format version.
-PLAN_ALGORITHM = "tokpack-feistel6-splitmix-xxh3-v1"
-# A manifest larger than this is refused by its size, before it is read. An epoch manifest
-# takes about 330 bytes per shard: this allows some 800,000 shards in one directory (at the
-# default shard size, some 800 TB), far beyond a real run, while a hostile file costs no memory.
-MAX_MANIFEST_BYTES = 256 << 20
-MAX_MANIFEST_DEPTH = 32  # lists and objects in lists and objects; a manifest tokpack writes nests 4
-INT_RANGE = (-(1 << 63), 1 << 64)  # every integer in a manifest; a seed may use 64 unsigned bits
+from .constants import (  # noqa: F401 (the format's constants, importable from here as ever)
+    DEFAULT_PLAN_MEMORY,
+    DEFAULT_SHARD_TOKENS,
+    EPOCH_SHARD_SUFFIXES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    HOLDOUT_DIR,
+    INDEX_ENTRY_BYTES,
+    INDEX_SUFFIX,
+    INT_RANGE,
+    KINDS,
+    LOCK_NAME,
+    LOSS_SUFFIX,
+    MANIFEST,
+    MASK64,
+    MAX_EPOCHS,
+    MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_DEPTH,
+    METADATA_SUFFIX,
+    NODES_SIDECAR,
+    PAD_DTYPE,
+    PAD_SUFFIX,
+    PLAN_ALGORITHM,
+    ROW_HASH_BYTES,
+    ROW_HASH_DTYPE,
+    ROWS_SUFFIX,
+    SHARD_NAME_DIGITS,
+    SHARD_SUFFIXES,
+    SLICE,
+    SLICE_EPOCH,
+    SLICE_KINDS,
+    STAGE_SIDECAR,
+    TOKEN_DTYPES,
+    U64,
+    WORK_DIR,
+)
 
 
 # ---------------------------------------------------------------------------- dtypes
@@ -54,9 +62,9 @@ INT_RANGE = (-(1 << 63), 1 << 64)  # every integer in a manifest; a seed may use
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
     """datatrove's rule: uint16 while every id fits, else uint32."""
     if vocab_size <= 1 << 16:
-        return np.dtype("<u2")
+        return TOKEN_DTYPES["uint16"]
     if vocab_size <= 1 << 32:
-        return np.dtype("<u4")
+        return TOKEN_DTYPES["uint32"]
     raise TokpackError(
         "vocabulary too large for format v1",
         where="vocab_size",
@@ -72,7 +80,7 @@ def dtype_name(dtype: np.dtype) -> str:
 
 def dtype_from_name(name: str) -> np.dtype:
     try:
-        return {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}[name]
+        return TOKEN_DTYPES[name]
     except KeyError:
         raise TokpackError("unknown token dtype", where="dtype", expected="uint16 or uint32", found=name) from None
 
@@ -91,11 +99,6 @@ def shard_digits(count: int) -> int:
 
 def epoch_dir_name(epoch: int) -> str:
     return f"epoch-{epoch:05d}"
-
-
-# Epoch numbers run from 0 to MAX_EPOCHS - 1: their five digits keep a run's epoch-NNNNN folders
-# listed in order, and a run manifest lists each epoch written.
-MAX_EPOCHS = 10**5
 
 
 def metadata_text(tokenizer: str, token_size: int, tokens: int) -> str:
@@ -394,7 +397,6 @@ def upgrade(manifest: dict) -> dict:
 # collects them all. The files on disk are the checks' of tokpack.packer.validation and shard_scan.
 
 EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
-MASK64 = 0xFFFFFFFFFFFFFFFF
 
 
 def type_ok(value, typ) -> bool:

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.constants import DEFAULT_SHARD_TOKENS
 from tokpack.formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, locked_output
 from tokpack.formats.inputs import BLOCK_BYTES, InputFile
 from tokpack.formats.inputs.discover import check_input, discover, read_blocks
@@ -554,7 +555,7 @@ def setup_pack(
     eos_id: int | None = None,
     vocab_size: int | None = None,
     overwrite: bool = False,
-    shard_tokens: int = 1 << 30,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
     say=lambda msg: None,
     to: Output = LocalOutput(),
     link: bool = False,
@@ -632,7 +633,7 @@ def pack(
     eos_id: int | None = None,
     vocab_size: int | None = None,
     overwrite: bool = False,
-    shard_tokens: int = 1 << 30,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
     log=None,
     config: ExecutorConfig | None = None,
     block_bytes: int = BLOCK_BYTES,

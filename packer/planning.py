@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.constants import DEFAULT_SHARD_TOKENS
 from tokpack.formats.guard import physical_memory, space_needs
 from tokpack.formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, source_manifest
 from tokpack.formats.units import counted
@@ -489,7 +490,7 @@ def plan_pack(
     eos_id: int | None = None,
     vocab_size: int | None = None,
     overwrite: bool = False,
-    shard_tokens: int = 1 << 30,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
     executor: ExecutorConfig | None = None,
     disk_mbps: float | None = None,
     scratch=None,

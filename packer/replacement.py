@@ -19,6 +19,7 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.constants import PAD_DTYPE
 from tokpack.formats.guard import WORK_DIR, OutputLock, holder_name
 from tokpack.formats.io import read_array, read_limited
 from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES, epoch_dir_name, parse_manifest, row_hashes
@@ -278,7 +279,7 @@ class SourceRows:
         from tokpack.shuffle.packed import row_padding
 
         out = np.empty((len(positions), self.row), dtype=self.dtype)
-        pad = np.empty(len(positions), dtype="<u4")
+        pad = np.empty(len(positions), dtype=PAD_DTYPE)
         cuts = np.flatnonzero(np.diff(positions) != 1) + 1  # runs of consecutive positions: a global batch's
         for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(positions)]):
             g0, g1 = int(positions[lo]), int(positions[hi - 1]) + 1
@@ -332,7 +333,7 @@ class SourceRows:
         pads = None
         if self.padded:
             path = d / f"{entry['path']}{PAD_SUFFIX}"
-            pads = read_array(path, "<u4", int(entry["samples"]), folder=d)
+            pads = read_array(path, PAD_DTYPE, int(entry["samples"]), folder=d)
             if xxhash.xxh3_128_hexdigest(pads.tobytes()) != entry["pad_xxh3_128"]:
                 raise TokpackError(
                     "the run's padding does not match its manifest",

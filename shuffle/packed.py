@@ -27,6 +27,7 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.constants import DEFAULT_PLAN_MEMORY, PAD_DTYPE
 from tokpack.formats.io import (
     map_file,
     open_append,
@@ -65,7 +66,6 @@ PIECE = np.dtype(
 DOC = np.dtype([("k", "<u8"), ("doc", "<u8"), ("start", "<u8"), ("length", "<u8")])
 DOC_STATE_BYTES = 4 * DOC.itemsize
 MIN_CHUNK = 1 << 12  # documents (or pieces) per chunk at the least, whatever the budget
-DEFAULT_PLAN_MEMORY = 256 << 20  # a plan's budget when no --memory bounds it (validate --against, inspect)
 
 
 def _scratch(folder=None):
@@ -631,7 +631,7 @@ def row_padding(table: np.ndarray, samples: int, row_tokens: int, g0: int = 0) -
     """Padding tokens at the end of each output row g0.. g0 + samples - 1 (uint32), from the
     pieces of those rows."""
     used = np.bincount(table["g"].astype(np.int64) - g0, weights=table["length"].astype(np.float64), minlength=samples)
-    return (row_tokens - used.astype(np.int64)).astype("<u4")
+    return (row_tokens - used.astype(np.int64)).astype(PAD_DTYPE)
 
 
 _LENGTHS: dict[str, np.ndarray] = {}  # fingerprint -> document lengths, filled by documents_of

@@ -21,6 +21,7 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.constants import DEFAULT_SHARD_TOKENS
 from tokpack.formats.io import IO_BLOCK, local_path, read_ahead
 from tokpack.formats.manifest import (
     PLAN_ALGORITHM,
@@ -475,7 +476,7 @@ def virtual_source(spec: str) -> PackedSource:
         )
     counts = {
         k: token_count(fields.get(k, default), what=f"count ({k}= of the virtual source)")
-        for k, default in (("tokens", 0), ("documents", 0), ("shard_tokens", 1 << 30), ("eos_id", 0))
+        for k, default in (("tokens", 0), ("documents", 0), ("shard_tokens", DEFAULT_SHARD_TOKENS), ("eos_id", 0))
     }
     dtype = dtype_from_name(fields["dtype"])
     vocab = token_count(

@@ -25,7 +25,7 @@ from tokpack.formats.manifest import (
 )
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.validation import validate_dirs
-from tests.conftest import random_docs, write_source
+from tests.conftest import random_docs, require, write_source
 from tests.test_validate import EOS, VOCAB, make_run
 
 FORMAT_MD = Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md"
@@ -138,7 +138,6 @@ def test_run_with_old_key_epochs_extends_and_stages(old_run, tmp_path):
     assert validate_dirs([tmp_path / "dest"]).ok
 
 
-
 def test_metadata_count_as_datatrove_writes_it():
     """`.ds.metadata`'s third line is humanize's metric(tokens, unit="T"), as datatrove writes it:
     tokpack makes it itself (humanize is not its dependency) and must write the same text."""
@@ -146,7 +145,7 @@ def test_metadata_count_as_datatrove_writes_it():
 
     from tokpack.formats.manifest import metric_tokens
 
-    humanize = pytest.importorskip("humanize")
+    humanize = require("humanize", "a datatrove dependency: pip install datatrove")
     rng = random.Random(0)
     counts = list(range(2000)) + [10**k + d for k in range(1, 20) for d in (-1, 0, 1)]
     counts += [int(x * 10**k) for k in range(17) for x in (9.995, 9.9949, 99.95, 999.5, 999.49, 1.005)]
