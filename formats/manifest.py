@@ -18,6 +18,7 @@ import xxhash
 from .errors import IncompleteError, TokpackError
 from .io import IO_BLOCK, as_path, fsync_dir, iter_file_blocks, name_problem, read_limited, write_bytes_atomic
 
+from .packing import has_pad, rows_padded  # noqa: F401 (importable from here as ever)
 from .constants import (  # noqa: F401 (the format's constants, importable from here as ever)
     DEFAULT_PLAN_MEMORY,
     DEFAULT_SHARD_TOKENS,
@@ -584,19 +585,6 @@ def _check_shard_names(shards: list[dict], mfile: str, add) -> None:
 def row_bytes_of(manifest: dict) -> int:
     """Bytes of one sample of an epoch, run or slice: `seq_len + 1` tokens of `token_size` bytes."""
     return (int(manifest["seq_len"]) + 1) * int(manifest["token_size"])
-
-
-def rows_padded(manifest: dict) -> bool:
-    """Whether an epoch's (or a run's) samples are packed documents that may end in padding:
-    it has a `packing` object (FORMAT.md, "Best-fit epochs"), so its samples are no windows and
-    every epoch shard carries a `.ds.pad`. The packing that writes the object decides
-    (tokpack.shuffle.packings); the format layer asks this, never a packing's name."""
-    return isinstance(manifest.get("packing"), dict)
-
-
-def has_pad(entry: dict) -> bool:
-    """Whether a shard (or rank file) entry lists a `.ds.pad`, by its `pad_xxh3_128`."""
-    return "pad_xxh3_128" in entry
 
 
 def _check_epoch_manifest(path, m: dict, mfile: str, add, row: int) -> None:

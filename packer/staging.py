@@ -71,7 +71,7 @@ from tokpack.formats.manifest import (
 )
 from tokpack.formats.outputs import LocalOutput, Output
 from tokpack.packer.shared import Result, optional_field
-from tokpack.shuffle.plan import run_holdout
+from tokpack.formats.packing import run_holdout
 
 # Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
 # handful of workers the memory stays at workers x STAGE_BLOCK.

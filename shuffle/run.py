@@ -155,8 +155,7 @@ def _params_of_manifest(m: dict) -> dict:
         if not rows_padded(m)
         else {k: m["packing"][k] for k in ("method", "group_tokens", "pad_id", "holdout") if k in m["packing"]},
         **{key: m.get(key) for key in ("seq_len", "seed", "samples", "shard_samples", "epoch_samples")},
-        # --holdout, wherever the packing records it (a window run: `holdout`; best-fit: in `packing`)
-        "holdout": holdout_recorded(m)[0] or (m["packing"].get("holdout") if rows_padded(m) else None),
+        "holdout": holdout_recorded(m)[0],  # formats.packing knows where each packing records it
     }
 
 

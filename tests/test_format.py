@@ -165,6 +165,28 @@ def test_stage_reads_dest_manifests_strictly(tmp_path, body):
     assert (held.kind, held.words) == ("damaged", "an unreadable tokpack.json")
 
 
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("split", [False, True])
+def test_holdout_has_one_reader_and_one_writer(padded, split):
+    """formats.packing decides where --holdout is recorded: a window manifest at its top level
+    (RUN/holdout/'s `split` inside it), a packed one in its `packing` (`split` beside it), as
+    format 1 has always written them; the reader finds it in either."""
+    from tokpack.formats.packing import PackingRecord, holdout_recorded, record_holdout, run_holdout
+
+    spec = {"fraction": "1/100"}
+    fields = record_holdout(spec, split, padded=padded)
+    if padded:
+        m = {"packing": {"method": "best-fit", "group_tokens": 8, "pad_id": 0, **fields}}
+        assert list(fields) == ["holdout", *(["split"] if split else [])] and fields["holdout"] == spec
+        assert PackingRecord.of(m).settings() == {"method": "best-fit", "group_tokens": 8, "pad_id": 0, "holdout": spec}
+    else:
+        m = dict(fields)
+        assert fields == {"holdout": {**spec, **({"split": "holdout"} if split else {})}}
+        assert PackingRecord.of(m) is None
+    assert holdout_recorded(m) == (spec, split) and run_holdout(m) == spec
+    assert record_holdout(None, padded=padded) == {} and holdout_recorded({}) == (None, False)
+
+
 if __name__ == "__main__":
     for table in TABLES:
         print(HEADER + "\n| --- | --- | --- | --- | --- |\n" + "\n".join(markdown_rows(table)) + "\n")
