@@ -38,6 +38,7 @@ from tokpack.formats.manifest import (
     read_manifest,
     run_manifest,
 )
+from tokpack.formats.builders import ShuffleFields, TokenHeader
 from tokpack.formats.numbering import shuffle_command
 from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
 from tokpack.formats.units import at_most, counted
@@ -271,18 +272,17 @@ def run_manifest_of(
         extra = {**(extra or {}), **packings.of_plan(plan).run_holdout(plan)}
     return run_manifest(
         written,
-        sources[0].dtype,
-        first["vocab_size"],
-        first["eos_id"],
-        first.get("tokenizer", ""),
+        TokenHeader(sources[0].dtype, first["vocab_size"], first["eos_id"], first.get("tokenizer", "")),
+        ShuffleFields(
+            seed=plan.seed,
+            seq_len=plan.seq_len,
+            samples=0 if scheduled else plan.samples,
+            shard_samples=shard_samples,
+            jitter=plan.jitter,
+            shuffle=plan.algorithm,
+        ),
         sources=[{**e, "weight": None} for e in entries] if scheduled else entries,
         weights=None if scheduled or all(w is None for w in weights) else list(weights),
-        seq_len=plan.seq_len,
-        seed=plan.seed,
-        jitter=plan.jitter,
-        samples=0 if scheduled else plan.samples,
-        shard_samples=shard_samples,
-        shuffle=plan.algorithm,
         extra=extra,
     )
 
@@ -336,22 +336,21 @@ def planned_epoch_manifest(job: EpochJob, sources: list[PackedSource]) -> dict:
         )
     return epoch_manifest(
         entries,
-        job.token_dtype,
-        sources[0].vocab_size,
-        job.eos_id,
-        job.tokenizer,
-        tokens=plan.samples * plan.row_tokens,
-        epoch=plan.epoch,
-        seed=plan.seed,
-        seq_len=plan.seq_len,
-        samples=plan.samples,
-        shard_samples=job.shard_samples,
-        dropped_tokens=plan.dropped_tokens(),
-        jitter=plan.jitter,
-        sources=plan.source_entries(),
+        TokenHeader(job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer),
         # the default packing's name whatever the packing: `plan` has always
         # counted a planned epoch manifest's bytes so
-        shuffle=packings.named(packings.DEFAULT).shuffle,
+        ShuffleFields(
+            seed=plan.seed,
+            seq_len=plan.seq_len,
+            samples=plan.samples,
+            shard_samples=job.shard_samples,
+            jitter=plan.jitter,
+            shuffle=packings.named(packings.DEFAULT).shuffle,
+        ),
+        tokens=plan.samples * plan.row_tokens,
+        epoch=plan.epoch,
+        dropped_tokens=plan.dropped_tokens(),
+        sources=plan.source_entries(),
     )
 
 
@@ -536,20 +535,19 @@ def epoch_manifest_of(job: EpochJob, entries: list[dict], prepared) -> dict:
     sources = job.open_sources()
     manifest = epoch_manifest(
         entries,
-        job.token_dtype,
-        sources[0].vocab_size,
-        job.eos_id,
-        job.tokenizer,
+        TokenHeader(job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer),
+        ShuffleFields(
+            seed=plan.seed,
+            seq_len=plan.seq_len,
+            samples=plan.samples,
+            shard_samples=job.shard_samples,
+            jitter=plan.jitter,
+            shuffle=plan.algorithm,
+        ),
         tokens=plan.samples * plan.row_tokens,
         epoch=plan.epoch,
-        seed=plan.seed,
-        seq_len=plan.seq_len,
-        samples=plan.samples,
-        shard_samples=job.shard_samples,
         dropped_tokens=plan.dropped_tokens(),
-        jitter=plan.jitter,
         sources=plan.source_entries(),
-        shuffle=plan.algorithm,
     )
     manifest.update(packings.of_plan(plan).epoch_fields(plan, prepared))
     return manifest

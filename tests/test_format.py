@@ -69,7 +69,7 @@ def test_format_md_tables_are_the_module_tables():
 
 def test_every_table_type_is_checked():
     """A type the doc shows but the checker does not know would pass anything."""
-    from tokpack.formats.manifest import _JSON, field_problems
+    from tokpack.formats.fields import _JSON, field_problems
 
     for table in TABLES:
         for name, (typ, _, kinds, _) in table.items():
