@@ -1,4 +1,4 @@
-"""formats/manifest.py is the format: docs/FORMAT.md's field tables are its tables, and
+"""formats/ is the format: docs/FORMAT.md's field tables are formats/fields.py's tables, and
 manifests written before `documents` of epochs and runs was renamed `fragments` still read,
 validate, extend and stage.
 
