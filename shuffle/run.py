@@ -39,6 +39,7 @@ from tokpack.formats.manifest import (
     run_manifest,
 )
 from tokpack.formats.builders import ShuffleFields, TokenHeader
+from tokpack.formats.packing import PackingRecord
 from tokpack.formats.numbering import shuffle_command
 from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
 from tokpack.formats.units import at_most, counted
@@ -152,9 +153,7 @@ def _params_of_manifest(m: dict) -> dict:
         "schedule": _schedule_key(m.get("schedule")),
         "given_schedule": m.get("schedule"),  # as the run wrote it
         "shuffle": m.get("shuffle"),
-        "packing": None
-        if not rows_padded(m)
-        else {k: m["packing"][k] for k in ("method", "group_tokens", "pad_id", "holdout") if k in m["packing"]},
+        "packing": None if PackingRecord.of(m) is None else PackingRecord.of(m).settings(),
         **{key: m.get(key) for key in ("seq_len", "seed", "samples", "shard_samples", "epoch_samples")},
         "holdout": holdout_recorded(m)[0],  # formats.packing knows where each packing records it
     }
