@@ -116,14 +116,8 @@ MANIFEST_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, STAGE_FIELDS = (  # name -> (type,
 
 # Keys earlier writers used, by kind: readers accept them under the current name.
 RENAMED = {"epoch": {"documents": "fragments"}, "run": {"documents": "fragments"}}
-
-
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
-
-
 HEX16 = re.compile(r"^[0-9a-f]{16}$")
-
-
 _JSON = {
     "string": str,
     "int": int,
@@ -139,8 +133,6 @@ _JSON = {
 
 
 _SPECS: dict = {}  # (id of a field table, kind) -> its fields of that kind, ready to check
-
-
 _HEX = {"hex32": (HEX32, 32, "malformed checksum"), "hex16": (HEX16, 16, "malformed multiset hash")}
 
 

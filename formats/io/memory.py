@@ -12,11 +12,7 @@ import numpy as np
 
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
-
-
 _FREE_BUFFERS: dict = {}  # (use, dtype) -> [Buffer]: reusable buffers that no live reader holds
-
-
 _FREE_LOCK = threading.Lock()
 
 

@@ -17,8 +17,6 @@ from ..errors import TokpackError
 # seconds, while it runs; 0: none. `--log-interval` sets it for a command and the worker processes
 # it starts, through this variable (its one home).
 LOG_INTERVAL_ENV = "TOKPACK_LOG_INTERVAL"
-
-
 DEFAULT_LOG_INTERVAL = 30.0
 
 

@@ -21,11 +21,7 @@ from .paths import RemotePath
 
 
 TMP_MARK = ".tmp-"  # in the name of a file being written: never data, removed by the next run
-
-
 DIRECT_ALIGN = 4096  # O_DIRECT wants buffer address, length and file offset aligned to the block size
-
-
 DIRECT_STAGING = 4 << 20  # bytes staged for data that does not arrive aligned
 
 
