@@ -52,7 +52,14 @@ NANOSET_B, BLEND_B = 16, 10
 
 def make_epoch(out: Path, size: int, seed: int = 0) -> Path:
     """An epoch directory of random documents (EOS = 0) written with the real shard writer."""
-    from tokpack.formats.manifest import PLAN_ALGORITHM, epoch_manifest, shard_name, write_manifest
+    from tokpack.formats.manifest import (
+        PLAN_ALGORITHM,
+        ShuffleFields,
+        TokenHeader,
+        epoch_manifest,
+        shard_name,
+        write_manifest,
+    )
     from tokpack.formats.shards import EpochShardWriter
 
     out.mkdir(parents=True, exist_ok=True)
@@ -90,20 +97,19 @@ def make_epoch(out: Path, size: int, seed: int = 0) -> Path:
         out,
         epoch_manifest(
             shards,
-            np.dtype("<u2"),
-            50_257,
-            0,
-            "bench",
+            TokenHeader(np.dtype("<u2"), 50_257, 0, "bench"),
+            ShuffleFields(
+                seed=seed,
+                seq_len=SEQ_LEN,
+                samples=samples,
+                shard_samples=shard_samples,
+                jitter=False,
+                shuffle=PLAN_ALGORITHM,
+            ),
             tokens=samples * row,
             epoch=0,
-            seed=seed,
-            seq_len=SEQ_LEN,
-            samples=samples,
-            shard_samples=shard_samples,
             dropped_tokens=0,
-            jitter=False,
             sources=[source],
-            shuffle=PLAN_ALGORITHM,
         ),
     )
     return out

@@ -68,7 +68,14 @@ def make_source(out: Path, total_bytes: int, shards: int = 4, seed: int = 0) -> 
 
 def make_many_shards(out: Path, shards: int, samples_per_shard: int = 1, seq_len: int = 15) -> Path:
     """An epoch directory of `shards` tiny shards, written directly with the epoch shard writer."""
-    from tokpack.formats.manifest import epoch_manifest, shard_name, shard_digits, write_manifest
+    from tokpack.formats.manifest import (
+        ShuffleFields,
+        TokenHeader,
+        epoch_manifest,
+        shard_name,
+        shard_digits,
+        write_manifest,
+    )
     from tokpack.formats.shards import EpochShardWriter
 
     out.mkdir(parents=True, exist_ok=True)
@@ -99,20 +106,14 @@ def make_many_shards(out: Path, shards: int, samples_per_shard: int = 1, seq_len
         out,
         epoch_manifest(
             entries,
-            np.dtype("<u2"),
-            1000,
-            EOS,
-            "gpt2",
+            TokenHeader(np.dtype("<u2"), 1000, EOS, "gpt2"),
+            ShuffleFields(
+                seed=0, seq_len=seq_len, samples=n, shard_samples=samples_per_shard, jitter=False, shuffle="synthetic"
+            ),
             tokens=n * (seq_len + 1),
             epoch=0,
-            seed=0,
-            seq_len=seq_len,
-            samples=n,
-            shard_samples=samples_per_shard,
             dropped_tokens=0,
-            jitter=False,
             sources=[source],
-            shuffle="synthetic",
         ),
     )
     return out

@@ -333,7 +333,9 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def _existing_ancestor(path: Path) -> Path:
+def existing_ancestor(path: Path) -> Path:
+    """`path` itself if it exists, else its nearest existing parent: the filesystem a path not
+    yet made will be written on (free space, a hard link's device)."""
     path = Path(path).absolute()
     while not path.exists() and path.parent != path:
         path = path.parent
@@ -345,7 +347,7 @@ def space_needs(needs: list[tuple[str | Path, int]]) -> list[tuple[Path, Path, i
     among `needs` (path, bytes to write there)."""
     by_fs: dict[int, list] = {}
     for path, nbytes in needs:
-        where = _existing_ancestor(Path(path))
+        where = existing_ancestor(Path(path))
         entry = by_fs.setdefault(os.stat(where).st_dev, [Path(path), where, 0])
         entry[2] += max(0, int(nbytes))
     return [(path, where, needed, shutil.disk_usage(where).free) for path, where, needed in by_fs.values()]

@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import TokpackError
+from .constants import MANIFEST
 from .manifest import epoch_sizes_problem
 
 
@@ -34,7 +35,7 @@ class EpochNumbering:
         if epoch_sizes_problem(samples, planned) is not None:
             raise TokpackError(
                 "run manifest does not say how many samples an epoch holds",
-                file=Path(run_dir) / "tokpack.json",
+                file=Path(run_dir) / MANIFEST,
                 where="samples",
                 expected="a positive integer (or an epoch_samples list)",
                 found=samples if samples is not None else planned or None,

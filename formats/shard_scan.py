@@ -21,8 +21,9 @@ import xxhash
 
 from .errors import IncompleteError, TokpackError
 from .io import give_buffers, open_read, read_ahead, read_full, regular_size, take_buffer
+from .constants import INDEX_ENTRY_BYTES, INDEX_SUFFIX, LOSS_SUFFIX, METADATA_SUFFIX, ROW_HASH_BYTES, ROWS_SUFFIX, U64
+from .constants import ROW_HASH_DTYPE
 from .manifest import MANIFEST, MASK64, hash_hex64, metadata_text, order_hash, parse_metadata_text, row_hashes, type_ok
-from .shards import ROWS_SUFFIX, U64
 
 MAX_METADATA = 1 << 16
 # Read block: smaller than tokpack.formats.io.IO_BLOCK, and it keeps a cold read pipelined best
@@ -238,15 +239,32 @@ def check_shard(job: ShardJob) -> Findings:
     over the token file does the hash, the vocabulary scan, the EOS/fragment-end check
     and the multiset hash together."""
     out = Findings()
-    e = job.entry
-    ds = job.directory / e["path"]
-    idx_path = ds.with_name(ds.name + ".index")
-    meta_path = ds.with_name(ds.name + ".metadata")
-    loss_path = ds.with_name(ds.name + ".loss")
-    tokens = int(e["tokens"])
-    tsize = job.dtype.itemsize
+    ds = job.directory / job.entry["path"]
+    idx_path = ds.with_name(ds.name + INDEX_SUFFIX)
+    tokens = int(job.entry["tokens"])
+    ds_ok = _check_tokens_size(job, ds, tokens, out)
+    idx_size, idx_ok = _check_index_size(job, idx_path, tokens, out)
+    _check_metadata(job, ds.with_name(ds.name + METADATA_SUFFIX), tokens, out)
+    _check_loss(job, ds.with_name(ds.name + LOSS_SUFFIX), tokens, out)
+    rows = _row_hashes_file(job, ds.with_name(ds.name + ROWS_SUFFIX), out)
 
-    # ---- sizes (every mode)
+    # ---- index and tokens
+    if idx_size is not None and idx_ok:
+        # an epoch whose token count is not whole samples was reported from the manifest;
+        # its rows cannot be cut, so only its index is checked
+        whole_rows = not job.row_tokens or tokens % job.row_tokens == 0
+        if job.quick or not ds_ok or not whole_rows:
+            _index_only(job, idx_path, tokens, out, idx_size)
+        else:
+            out.multiset = _full_pass(job, ds, idx_path, tokens, out, idx_size, rows)
+    if rows is not None and not job.quick:
+        rows.finish(out)
+    return out
+
+
+def _check_tokens_size(job: ShardJob, ds: Path, tokens: int, out: Findings) -> bool:
+    """The token file's size against the manifest's token count (every mode); True if it holds."""
+    e, tsize = job.entry, job.dtype.itemsize
     ds_size = _file_size(ds)
     ds_ok = ds_size == tokens * tsize
     if ds_size is None:
@@ -269,128 +287,139 @@ def check_shard(job: ShardJob) -> Findings:
             e["bytes"],
             "manifest byte count disagrees with its token count",
         )
+    return ds_ok
 
+
+def _check_index_size(job: ShardJob, idx_path: Path, tokens: int, out: Findings) -> tuple[int | None, bool]:
+    """The index's size against the manifest's document (source) or fragment and sample
+    (epoch) counts (every mode): (its size or None if missing, whether it can be read)."""
+    e, w = job.entry, INDEX_ENTRY_BYTES
     idx_size = _file_size(idx_path)
-    idx_ok = idx_size is not None and idx_size % 8 == 0 and idx_size > 0 or (idx_size == 0 and tokens == 0)
     if idx_size is None:
         out.add(idx_path, None, "a file listed in the manifest", "no such file", "index missing")
-    else:
-        out.saw(idx_size)
-        if job.kind == "source" and idx_size != 8 * int(e["documents"]):
-            out.add(
-                idx_path,
-                "size",
-                f"{8 * int(e['documents'])} bytes ({e['documents']} documents x 8)",
-                f"{idx_size} bytes",
-                "index size does not match the manifest's document count",
-            )
-            idx_ok = False
-        elif job.kind == "epoch" and type_ok(e.get("fragments"), int) and idx_size != 8 * e["fragments"]:
-            out.add(
-                idx_path,
-                "size",
-                f"{8 * e['fragments']} bytes ({e['fragments']} fragments x 8)",
-                f"{idx_size} bytes",
-                "index size does not match the manifest's fragment count",
-            )
-            idx_ok = False
-        elif job.kind == "epoch" and not (8 * int(e["samples"]) <= idx_size <= 8 * tokens and idx_size % 8 == 0):
-            out.add(
-                idx_path,
-                "size",
-                f"a multiple of 8 in [{8 * int(e['samples'])}, {8 * tokens}] bytes",
-                f"{idx_size} bytes",
-                "index size impossible for this shard",
-            )
-            idx_ok = False
-        elif not idx_ok:
-            out.add(idx_path, "size", "a non-empty multiple of 8 bytes", f"{idx_size} bytes", "index size invalid")
+        return None, False
+    idx_ok = idx_size % w == 0 and idx_size > 0 or (idx_size == 0 and tokens == 0)
+    out.saw(idx_size)
+    if job.kind == "source" and idx_size != w * int(e["documents"]):
+        out.add(
+            idx_path,
+            "size",
+            f"{w * int(e['documents'])} bytes ({e['documents']} documents x {w})",
+            f"{idx_size} bytes",
+            "index size does not match the manifest's document count",
+        )
+        idx_ok = False
+    elif job.kind == "epoch" and type_ok(e.get("fragments"), int) and idx_size != w * e["fragments"]:
+        out.add(
+            idx_path,
+            "size",
+            f"{w * e['fragments']} bytes ({e['fragments']} fragments x {w})",
+            f"{idx_size} bytes",
+            "index size does not match the manifest's fragment count",
+        )
+        idx_ok = False
+    elif job.kind == "epoch" and not (w * int(e["samples"]) <= idx_size <= w * tokens and idx_size % w == 0):
+        out.add(
+            idx_path,
+            "size",
+            f"a multiple of {w} in [{w * int(e['samples'])}, {w * tokens}] bytes",
+            f"{idx_size} bytes",
+            "index size impossible for this shard",
+        )
+        idx_ok = False
+    elif not idx_ok:
+        out.add(idx_path, "size", f"a non-empty multiple of {w} bytes", f"{idx_size} bytes", "index size invalid")
+    return idx_size, idx_ok
 
-    # ---- metadata (every mode: small)
+
+def _check_metadata(job: ShardJob, meta_path: Path, tokens: int, out: Findings) -> None:
+    """`.ds.metadata` (every mode: small): its checksum (full mode), fields and exact text."""
+    e, tsize = job.entry, job.dtype.itemsize
     try:
         with open_read(meta_path, MAX_METADATA) as f:
             raw = f.read(MAX_METADATA)  # a few dozen bytes; a replaced file must not be read whole
     except FileNotFoundError:
         out.add(meta_path, None, "a file listed in the manifest", "no such file", "metadata missing")
-    else:
-        out.saw(len(raw))
-        if not job.quick and xxhash.xxh3_128_hexdigest(raw) != e["metadata_xxh3_128"]:
-            out.add(meta_path, "xxh3_128", e["metadata_xxh3_128"], xxhash.xxh3_128_hexdigest(raw), "checksum mismatch")
-        try:
-            tok, size, count = parse_metadata_text(raw.decode("utf-8", errors="replace"), meta_path)
-        except TokpackError as err:
-            out.add(meta_path, err.where, err.expected, err.found, err.message)
-        else:
-            if tok != job.tokenizer:
-                out.add(meta_path, "tokenizer", job.tokenizer, tok, "metadata tokenizer differs from the manifest")
-            if size != tsize:
-                out.add(meta_path, "token_size", tsize, size, "metadata token size differs from the manifest dtype")
-            if count != tokens:
-                out.add(meta_path, "tokens", tokens, count, "metadata token count differs from the manifest")
-            if (tok, size, count) == (job.tokenizer, tsize, tokens) and raw != metadata_text(tok, size, count).encode():
-                out.add(
-                    meta_path,
-                    "line 3",
-                    repr(metadata_text(tok, size, count)),
-                    repr(raw.decode(errors="replace")),
-                    "metadata text differs from what tokpack writes",
-                )
+        return
+    out.saw(len(raw))
+    if not job.quick and xxhash.xxh3_128_hexdigest(raw) != e["metadata_xxh3_128"]:
+        out.add(meta_path, "xxh3_128", e["metadata_xxh3_128"], xxhash.xxh3_128_hexdigest(raw), "checksum mismatch")
+    try:
+        tok, size, count = parse_metadata_text(raw.decode("utf-8", errors="replace"), meta_path)
+    except TokpackError as err:
+        out.add(meta_path, err.where, err.expected, err.found, err.message)
+        return
+    if tok != job.tokenizer:
+        out.add(meta_path, "tokenizer", job.tokenizer, tok, "metadata tokenizer differs from the manifest")
+    if size != tsize:
+        out.add(meta_path, "token_size", tsize, size, "metadata token size differs from the manifest dtype")
+    if count != tokens:
+        out.add(meta_path, "tokens", tokens, count, "metadata token count differs from the manifest")
+    if (tok, size, count) == (job.tokenizer, tsize, tokens) and raw != metadata_text(tok, size, count).encode():
+        out.add(
+            meta_path,
+            "line 3",
+            repr(metadata_text(tok, size, count)),
+            repr(raw.decode(errors="replace")),
+            "metadata text differs from what tokpack writes",
+        )
 
-    # ---- loss (optional, sources only)
+
+def _check_loss(job: ShardJob, loss_path: Path, tokens: int, out: Findings) -> None:
+    """The loss mask (optional, sources only): listed iff present, one byte a token, each 0 or
+    1, and its checksum (full mode)."""
+    e = job.entry
     has_loss = "loss_xxh3_128" in e
     loss_size = _file_size(loss_path)
     if has_loss and loss_size is None:
         out.add(loss_path, None, "a file listed in the manifest", "no such file", "loss mask missing")
-    elif loss_size is not None:
-        out.saw(loss_size)
-        if not has_loss:
-            out.add(
-                loss_path, None, "no .loss file (none listed)", f"{loss_size} bytes", "file not listed in the manifest"
-            )
-        elif loss_size != tokens:
-            out.add(loss_path, "size", f"{tokens} bytes (one per token)", f"{loss_size} bytes", "loss mask size wrong")
-        elif not job.quick:
-            h, offset = xxhash.xxh3_128(), 0
-            for view in _read_blocks(loss_path, tokens, BLOCK):
-                h.update(view)
-                block = np.frombuffer(view, dtype=np.uint8)
-                if block.max(initial=0) > 1:
-                    out.add(
-                        loss_path,
-                        f"byte {offset + int(np.argmax(block > 1))}",
-                        "0 or 1",
-                        int(block[np.argmax(block > 1)]),
-                        "loss mask value invalid",
-                    )
-                offset += len(view)
-            if h.hexdigest() != e["loss_xxh3_128"]:
-                out.add(loss_path, "xxh3_128", e["loss_xxh3_128"], h.hexdigest(), "checksum mismatch")
+        return
+    if loss_size is None:
+        return
+    out.saw(loss_size)
+    if not has_loss:
+        out.add(loss_path, None, "no .loss file (none listed)", f"{loss_size} bytes", "file not listed in the manifest")
+    elif loss_size != tokens:
+        out.add(loss_path, "size", f"{tokens} bytes (one per token)", f"{loss_size} bytes", "loss mask size wrong")
+    elif not job.quick:
+        h, offset = xxhash.xxh3_128(), 0
+        for view in _read_blocks(loss_path, tokens, BLOCK):
+            h.update(view)
+            block = np.frombuffer(view, dtype=np.uint8)
+            if block.max(initial=0) > 1:
+                out.add(
+                    loss_path,
+                    f"byte {offset + int(np.argmax(block > 1))}",
+                    "0 or 1",
+                    int(block[np.argmax(block > 1)]),
+                    "loss mask value invalid",
+                )
+            offset += len(view)
+        if h.hexdigest() != e["loss_xxh3_128"]:
+            out.add(loss_path, "xxh3_128", e["loss_xxh3_128"], h.hexdigest(), "checksum mismatch")
 
-    # ---- row hashes (optional, epochs): size here, checksum and content with the tokens
-    rows = None
-    if "rows_xxh3_128" in e:
-        rows_path = ds.with_name(ds.name + ROWS_SUFFIX)
-        rows_size, want = _file_size(rows_path), 8 * int(e.get("samples", 0))
-        if rows_size is None:
-            out.add(rows_path, None, "a file listed in the manifest", "no such file", "row hashes missing")
-        elif rows_size != want:
-            out.add(rows_path, "size", f"{want} bytes (8 per sample)", f"{rows_size} bytes", "row hashes size wrong")
-        else:
-            out.saw(rows_size)
-            rows = _RowHashes(rows_path, rows_size, e["rows_xxh3_128"])
 
-    # ---- index and tokens
-    if idx_size is not None and idx_ok:
-        # an epoch whose token count is not whole samples was reported from the manifest;
-        # its rows cannot be cut, so only its index is checked
-        whole_rows = not job.row_tokens or tokens % job.row_tokens == 0
-        if job.quick or not ds_ok or not whole_rows:
-            _index_only(job, idx_path, tokens, out, idx_size)
-        else:
-            out.multiset = _full_pass(job, ds, idx_path, tokens, out, idx_size, rows)
-    if rows is not None and not job.quick:
-        rows.finish(out)
-    return out
+def _row_hashes_file(job: ShardJob, rows_path: Path, out: Findings) -> _RowHashes | None:
+    """Row hashes (optional, epochs): their size here; their checksum and content are checked
+    with the tokens, by the reader returned (None: none listed, or unusable)."""
+    e = job.entry
+    if "rows_xxh3_128" not in e:
+        return None
+    rows_size, want = _file_size(rows_path), ROW_HASH_BYTES * int(e.get("samples", 0))
+    if rows_size is None:
+        out.add(rows_path, None, "a file listed in the manifest", "no such file", "row hashes missing")
+    elif rows_size != want:
+        out.add(
+            rows_path,
+            "size",
+            f"{want} bytes ({ROW_HASH_BYTES} per sample)",
+            f"{rows_size} bytes",
+            "row hashes size wrong",
+        )
+    else:
+        out.saw(rows_size)
+        return _RowHashes(rows_path, rows_size, e["rows_xxh3_128"])
+    return None
 
 
 class _RowHashes:
@@ -403,16 +432,16 @@ class _RowHashes:
         self.bad: tuple[int, int, int] | None = None  # first (row, recorded, recomputed) that differ
 
     def feed(self, f, hashes: np.ndarray) -> None:
-        raw = f.read(8 * len(hashes))
+        raw = f.read(ROW_HASH_BYTES * len(hashes))
         self.hash.update(raw)
-        have = np.frombuffer(raw, dtype=U64)
+        have = np.frombuffer(raw, dtype=ROW_HASH_DTYPE)
         if self.bad is None and len(have) == len(hashes) and not np.array_equal(have, hashes):
             k = int(np.flatnonzero(have != hashes)[0])
             self.bad = (self.done + k, int(have[k]), int(hashes[k]))
         self.done += len(hashes)
 
     def finish(self, out) -> None:
-        if self.done * 8 != self.size:  # not compared with the tokens (a bad .ds): the checksum alone
+        if self.done * ROW_HASH_BYTES != self.size:  # not compared with the tokens (a bad .ds): the checksum alone
             with open_read(self.path, BLOCK) as f:
                 self.hash = xxhash.xxh3_128(f.read(self.size))
         elif self.bad is not None:
@@ -447,7 +476,9 @@ def _index_problems(stream: _IndexStream, job: ShardJob, idx_path: Path, tokens:
 def _index_only(job: ShardJob, idx_path: Path, tokens: int, out: Findings, idx_size: int) -> None:
     """Quick mode: the index alone, streamed. For epochs, every sample end must be an entry:
     entries are distinct, so counting the multiples of seq_len+1 per chunk is enough."""
-    stream = _IndexStream(idx_path, min(BLOCK // 8 // 4, idx_size // 8), hashed=False, size=idx_size)
+    stream = _IndexStream(
+        idx_path, min(BLOCK // INDEX_ENTRY_BYTES // 4, idx_size // INDEX_ENTRY_BYTES), hashed=False, size=idx_size
+    )
     row = job.row_tokens
     try:
         prev_last = 0

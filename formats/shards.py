@@ -18,15 +18,10 @@ import xxhash
 from .errors import TokpackError
 from .io import as_path, contained, open_read, read_array, read_full, regular_size
 from .io import DurableFile, HashedFile, is_tmp_name, write_bytes_atomic
-from .manifest import EPOCH_SHARD_SUFFIXES, LOSS_SUFFIX, SHARD_SUFFIXES  # noqa: F401 (importable from here too)
+from .constants import EPOCH_SHARD_SUFFIXES, LOSS_SUFFIX, SHARD_SUFFIXES  # noqa: F401 (importable from here too)
+from .constants import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64  # noqa: F401 (importable from here too)
+from .constants import INDEX_ENTRY_BYTES, INDEX_SUFFIX, METADATA_SUFFIX, ROW_HASH_DTYPE
 from .manifest import MANIFEST, NODES_SIDECAR, dtype_from_name, has_pad, metadata_text, read_manifest, row_hashes
-
-U64 = np.dtype("<u8")  # .ds.index entries
-ROWS_SUFFIX = ".rows"  # an epoch shard's row hashes (docs/FORMAT.md): present when its entry has rows_xxh3_128
-
-
-PAD_SUFFIX = ".pad"  # a best-fit epoch shard: uint32 LE per sample, its padding tokens (at the sample's end)
-PAD_DTYPE = np.dtype("<u4")
 
 
 _SHARD_FILE = re.compile(
@@ -71,10 +66,10 @@ def shard_files(entry: dict, source: bool = False) -> list[tuple[str, int | None
 
     files = {
         "": (sized("bytes", 1), "xxh3_128"),
-        ".index": (sized("documents" if source else "fragments", U64.itemsize), "index_xxh3_128"),
-        ".metadata": (None, "metadata_xxh3_128"),
+        INDEX_SUFFIX: (sized("documents" if source else "fragments", INDEX_ENTRY_BYTES), "index_xxh3_128"),
+        METADATA_SUFFIX: (None, "metadata_xxh3_128"),
         LOSS_SUFFIX: (sized("tokens", 1), "loss_xxh3_128"),
-        ROWS_SUFFIX: (sized("samples", U64.itemsize), "rows_xxh3_128"),
+        ROWS_SUFFIX: (sized("samples", ROW_HASH_DTYPE.itemsize), "rows_xxh3_128"),
         PAD_SUFFIX: (sized("samples", PAD_DTYPE.itemsize), "pad_xxh3_128"),
     }
     return [(suffix, *files[suffix]) for suffix in shard_suffixes(entry)]
@@ -154,7 +149,11 @@ class RowFacts:
             s, n = self.shards[i], int(self.shards[i]["samples"])
             if "rows_xxh3_128" in s:
                 got = self._verified(
-                    i, ROWS_SUFFIX, "rows_xxh3_128", n * U64.itemsize, lambda b: np.frombuffer(bytes(b), dtype=U64)
+                    i,
+                    ROWS_SUFFIX,
+                    "rows_xxh3_128",
+                    n * ROW_HASH_DTYPE.itemsize,
+                    lambda b: np.frombuffer(bytes(b), dtype=ROW_HASH_DTYPE),
                 )
             else:
                 got = self._verified(
@@ -344,7 +343,7 @@ class EpochShardWriter:
         self._pad.write(np.ascontiguousarray(pad, dtype=PAD_DTYPE))
 
     def _add_hashes(self, hashes: np.ndarray) -> None:
-        self._rows.write(np.ascontiguousarray(hashes, dtype=U64))
+        self._rows.write(np.ascontiguousarray(hashes, dtype=ROW_HASH_DTYPE))
         self.multiset = (self.multiset + int(hashes.sum(dtype=np.uint64))) & 0xFFFFFFFFFFFFFFFF
 
     def close(self) -> dict:
@@ -364,7 +363,7 @@ class EpochShardWriter:
         entry["multiset_hash"] = f"{self.multiset:016x}"
         if self._pad is not None:
             entry["pad_xxh3_128"] = self._pad.commit()
-        entry["fragments"] = self._index.bytes // U64.itemsize
+        entry["fragments"] = self._index.bytes // INDEX_ENTRY_BYTES
         return entry
 
     def abort(self) -> None:
@@ -541,7 +540,7 @@ class PackedSource:
 
     def doc_ends(self, shard: int) -> np.ndarray:
         """The shard's `.ds.index`: cumulative document ends in tokens."""
-        return read_array(self.path / f"{self.shards[shard]['path']}.index", U64)
+        return read_array(self.path / f"{self.shards[shard]['path']}{INDEX_SUFFIX}", U64)
 
     def iter_documents(self):
         """Yields every document as a token array, in stream order. For tests and small tools:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 # Defined in the leaf tokpack.packer.shared (the stages import it, not this module); kept importable from here.
 from tokpack.packer.shared import ExecutorConfig, PathLike, Result, as_paths, optional_field, weighted_sources  # noqa: F401
 from tokpack.shuffle.spec import DEFAULT_MEMORY
+from tokpack.formats.constants import DEFAULT_SHARD_TOKENS
 
 if TYPE_CHECKING:  # the stages build their results; importing them here would import their dependencies
     from tokpack.packer.inspection import InspectResult
@@ -189,7 +190,7 @@ def pack(
     eos_id: int | None = None,
     vocab_size: int | None = None,
     overwrite: bool = False,
-    shard_tokens: int = 1 << 30,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
     executor: ExecutorConfig | None = None,
     log=None,
     scratch: PathLike | None = None,

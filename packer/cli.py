@@ -24,6 +24,7 @@ import traceback
 import click
 
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.constants import DEFAULT_SHARD_TOKENS
 from tokpack.formats.io import LOG_INTERVAL_ENV, log_interval, logging_every
 from tokpack.formats.units import byte_size, counted, token_count
 from tokpack.shuffle.spec import DEFAULT_MEMORY
@@ -516,7 +517,7 @@ SCRATCH = click.option(
 @click.option(
     "--shard-tokens",
     type=TOKENS,
-    default=1 << 30,
+    default=DEFAULT_SHARD_TOKENS,
     help="Target tokens per output shard (documents never span shards) [default: 2^30 = 1Gi tokens].",
 )
 @click.option(

@@ -33,7 +33,7 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.guard import _existing_ancestor
+from tokpack.formats.guard import existing_ancestor
 from tokpack.formats.inputs import InputFile
 from tokpack.formats.inputs.discover import read_blocks
 from tokpack.formats.io import HashedFile, as_path, is_url, open_new, progress, regular_fd, regular_size, tmp_path
@@ -264,7 +264,7 @@ class LinkPlan:
 
 def plan_links(files: list[InputFile], out: Path, out_dtype: np.dtype, shard_tokens: int, file_bytes) -> LinkPlan:
     """How `pack --link` will place each input's shard files; `file_bytes(f)` are their bytes."""
-    plan, dev = LinkPlan(), os.stat(_existing_ancestor(out)).st_dev
+    plan, dev = LinkPlan(), os.stat(existing_ancestor(out)).st_dev
     for f in files:
         why = why_not(f, out_dtype, shard_tokens)
         if why is not None:

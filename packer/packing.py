@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.constants import DEFAULT_SHARD_TOKENS
 from tokpack.formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, locked_output
 from tokpack.formats.inputs import BLOCK_BYTES, InputFile
 from tokpack.formats.inputs.discover import check_input, discover, read_blocks
@@ -509,7 +510,7 @@ class PackOptions:
     eos_id: int | None = None
     vocab_size: int | None = None
     overwrite: bool = False
-    shard_tokens: int = 1 << 30
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
     link: bool = False  # pack --link: an input that is its shard's bytes is linked, not copied
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.constants import PAD_DTYPE
 from tokpack.formats.guard import WORK_DIR, OutputLock, holder_name
 from tokpack.formats.io import read_limited
 from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES, epoch_dir_name, parse_manifest, row_hashes
@@ -285,7 +286,7 @@ class SourceRows:
         from tokpack.shuffle.packed import row_padding
 
         out = np.empty((len(positions), self.row), dtype=self.dtype)
-        pad = np.empty(len(positions), dtype="<u4")
+        pad = np.empty(len(positions), dtype=PAD_DTYPE)
         cuts = np.flatnonzero(np.diff(positions) != 1) + 1  # runs of consecutive positions: a global batch's
         for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(positions)]):
             g0, g1 = int(positions[lo]), int(positions[hi - 1]) + 1

@@ -22,7 +22,6 @@ such a copy serves only those ranks and `tokpack validate` reports the missing s
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import threading
@@ -67,11 +66,12 @@ from tokpack.formats.manifest import (
     parse_manifest,
     require_valid,
     stage_sidecar,
+    strict_json,
     upgrade,
 )
 from tokpack.formats.outputs import LocalOutput, Output
 from tokpack.packer.shared import Result, optional_field
-from tokpack.shuffle.plan import run_holdout
+from tokpack.formats.packing import run_holdout
 
 # Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
 # handful of workers the memory stays at workers x STAGE_BLOCK.
@@ -690,8 +690,8 @@ def _check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
         if not path.is_file():
             continue
         try:
-            have = json.loads(read_limited(path, MAX_MANIFEST_BYTES, "manifest"))
-        except (json.JSONDecodeError, UnicodeDecodeError, OSError, TokpackError):
+            have = strict_json(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path)
+        except (OSError, TokpackError):
             damaged.append(path)  # an unreadable manifest at DEST vouches for nothing; rewritten at the end
             continue
         want = p.manifest
@@ -783,8 +783,8 @@ class Held:
 
 def _small_manifest(path: Path) -> dict | None:
     try:
-        m = json.loads(read_limited(path, MAX_MANIFEST_BYTES, "manifest"))
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError, TokpackError):
+        m = strict_json(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path)
+    except (OSError, TokpackError):
         return None
     return m if isinstance(m, dict) else None
 
@@ -1062,8 +1062,12 @@ def _partial_sidecar(dest: Path, plans: list[DirPlan], ranks, micro_batch: int, 
     DEST, counting earlier stages), or removes the record once nothing is missing."""
     path = dest / STAGE_SIDECAR
     try:
-        previous = json.loads(read_limited(path, MAX_MANIFEST_BYTES, STAGE_SIDECAR)) if path.is_file() else {}
-    except (json.JSONDecodeError, OSError, TokpackError):
+        previous = (
+            strict_json(read_limited(path, MAX_MANIFEST_BYTES, STAGE_SIDECAR), path, STAGE_SIDECAR)
+            if path.is_file()
+            else {}
+        )
+    except (OSError, TokpackError):
         previous = {}
     missing = {}
     for p in plans:

@@ -26,7 +26,7 @@ MODULES=(shuffle/plan.py shuffle/permutation.py shuffle/steps.py loader/reader.p
          packer/validation.py
          formats/inputs/discover.py formats/inputs/datatrove_ds.py formats/inputs/megatron_bin.py
          formats/inputs/tables.py formats/inputs/npy_raw.py formats/inputs/jsonl.py
-         formats/units.py formats/guard.py loader/torch_adapter.py shuffle/schedule.py formats/io.py
+         formats/units.py formats/guard.py loader/torch_adapter.py shuffle/schedule.py formats/io/writes.py
          packer/planning.py)
 CI_TESTS='["tests/test_permutation_golden.py"]'
 # The --ci subset: the mutants of key derivation, the mixer and the Feistel set-up. Pinned
@@ -77,13 +77,13 @@ declare -A TESTS=(
   [formats/guard.py]='["tests/test_guard.py"]'  # mutmut picks a mutant's tests by the calls they make in-process; the CLI lock tests make theirs in subprocesses
   [loader/torch_adapter.py]='["tests/test_reader.py", "tests/test_resume.py", "-k", "torch or stateful or consumed or state_dict"]'
   [shuffle/schedule.py]='["tests/test_schedule.py"]'
-  [formats/io.py]='["tests/test_io.py", "tests/test_api.py", "-k", "send or urls"]'  # memory:// stores: no moto
+  [formats/io/writes.py]='["tests/test_io.py", "tests/test_api.py", "-k", "send or urls"]'  # memory:// stores: no moto
   [packer/planning.py]='["tests/test_plan_command.py", "-k", "not writes_nothing and not virtual"]'  # (those run the CLI in another folder: mutmut's trampoline finds no config there)
 )
 # Within a module, only these functions' mutants (the rest is plumbing other tests cover): the
-# engine's placement and its scatter records; formats/io.py's Outbox (sending outputs to a store).
+# engine's placement and its scatter records; formats/io/writes.py's Outbox (sending outputs to a store).
 declare -A FUNCTIONS=([shuffle/steps.py]="*ǁgather__* *ǁinput_segments__* *ǁholds_rows_of__* *x_make_layout__* *ǁscatter__* *ǁorder__* *ǁ_blocks__* *x_source_rows__* *ǁrecorded__* *ǁscatter_done__* *ǁ_check_bucket__*"
-                      [formats/io.py]="*ǁOutboxǁ*")
+                      [formats/io/writes.py]="*ǁOutboxǁ*")
 
 if [ "$mode" = ci ]; then targets=(shuffle/permutation.py); elif [ -n "$only" ]; then targets=("$only"); else targets=("${MODULES[@]}"); fi
 [ -z "$functions" ] || [ -n "$only" ] || { echo "mutation.sh: --functions needs --module" >&2; exit 2; }

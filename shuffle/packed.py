@@ -27,6 +27,8 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.constants import DEFAULT_PLAN_MEMORY, PAD_DTYPE
+from tokpack.formats.packing import holdout_recorded, record_holdout
 from tokpack.formats.io import (
     map_file,
     open_append,
@@ -65,7 +67,6 @@ PIECE = np.dtype(
 DOC = np.dtype([("k", "<u8"), ("doc", "<u8"), ("start", "<u8"), ("length", "<u8")])
 DOC_STATE_BYTES = 4 * DOC.itemsize
 MIN_CHUNK = 1 << 12  # documents (or pieces) per chunk at the least, whatever the budget
-DEFAULT_PLAN_MEMORY = 256 << 20  # a plan's budget when no --memory bounds it (validate --against, inspect)
 
 
 def _scratch(folder=None):
@@ -597,8 +598,7 @@ class PackedPlan:
             "padding_tokens": padding,
             "table_xxh3_128": table_hash,
             **(figures or {}),
-            **({} if self.holdout is None else {"holdout": self.holdout}),
-            **({"split": "holdout"} if self.split else {}),
+            **record_holdout(self.holdout, self.split, padded=True),
         }
 
     def holdout_of(self, s: int) -> "Holdout | None":
@@ -631,7 +631,7 @@ def row_padding(table: np.ndarray, samples: int, row_tokens: int, g0: int = 0) -
     """Padding tokens at the end of each output row g0.. g0 + samples - 1 (uint32), from the
     pieces of those rows."""
     used = np.bincount(table["g"].astype(np.int64) - g0, weights=table["length"].astype(np.float64), minlength=samples)
-    return (row_tokens - used.astype(np.int64)).astype("<u4")
+    return (row_tokens - used.astype(np.int64)).astype(PAD_DTYPE)
 
 
 _LENGTHS: dict[str, np.ndarray] = {}  # fingerprint -> document lengths, filled by documents_of
@@ -852,6 +852,7 @@ def packed_plan_from_manifest(
         cursors.append(e.get("cursor"))
         weights.append(e.get("weight"))
         names.append(e.get("name", ""))
+    holdout, split = holdout_recorded(manifest)
     plan = packed_epoch_plan(
         ordered,
         seq_len=int(manifest["seq_len"]),
@@ -864,8 +865,8 @@ def packed_plan_from_manifest(
         cursors=None if all(c is None for c in cursors) else cursors,
         counts=counts,
         memory=memory,
-        holdout=pk.get("holdout"),
-        split=pk.get("split") == "holdout",
+        holdout=holdout,
+        split=split,
     )
     if plan.samples != int(manifest["samples"]):
         raise TokpackError(
@@ -1429,7 +1430,7 @@ def packing_settings(
         "method": BEST_FIT,
         "group_tokens": int(group_tokens or DEFAULT_GROUP_TOKENS),
         "pad_id": sources[0].eos_id if pad_id is None else int(pad_id),
-        **({} if holdout is None else {"holdout": holdout}),
+        **record_holdout(holdout, padded=True),
     }
 
 
@@ -1439,7 +1440,7 @@ def run_packing(plan: PackedPlan) -> dict:
         "method": BEST_FIT,
         "group_tokens": plan.group_tokens,
         "pad_id": plan.pad_id,
-        **({} if plan.holdout is None else {"holdout": plan.holdout}),
+        **record_holdout(plan.holdout, padded=True),
     }
 
 

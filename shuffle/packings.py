@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.packing import record_holdout
 
 from . import packed, packed_step, plan, steps
 
@@ -253,7 +254,7 @@ WINDOWS = register(
         scattered=lambda job, layout, i: layout.holds_rows_of(i, job.row_bytes),
         unit="windows",
         holdout=lambda sources, **kw: plan.windows_holdout_plan(sources, held_out=packed.held_out, **kw),
-        run_holdout=lambda p: {} if p.holdout is None else {"holdout": p.holdout},
+        run_holdout=lambda p: record_holdout(p.holdout, padded=False),
     )
 )
 

@@ -21,6 +21,8 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.packing import holdout_recorded, record_holdout, run_holdout  # noqa: F401 (run_holdout: importable from here)
+from tokpack.formats.constants import DEFAULT_SHARD_TOKENS
 from tokpack.formats.io import IO_BLOCK, local_path, read_ahead
 from tokpack.formats.manifest import (
     PLAN_ALGORITHM,
@@ -475,7 +477,7 @@ def virtual_source(spec: str) -> PackedSource:
         )
     counts = {
         k: token_count(fields.get(k, default), what=f"count ({k}= of the virtual source)")
-        for k, default in (("tokens", 0), ("documents", 0), ("shard_tokens", 1 << 30), ("eos_id", 0))
+        for k, default in (("tokens", 0), ("documents", 0), ("shard_tokens", DEFAULT_SHARD_TOKENS), ("eos_id", 0))
     }
     dtype = dtype_from_name(fields["dtype"])
     vocab = token_count(
@@ -709,27 +711,9 @@ def stream_counts(src: PackedSource, spec: dict | None, seed: int, split: bool, 
     }
 
 
-def holdout_recorded(manifest: dict) -> tuple[dict | None, bool]:
-    """(the `--holdout` a window epoch or run records, whether it is RUN/holdout/'s): its
-    top-level `holdout` object (a best-fit one records it in `packing`)."""
-    h = manifest.get("holdout")
-    if not isinstance(h, dict):
-        return None, False
-    return {k: v for k, v in h.items() if k != "split"}, h.get("split") == "holdout"
-
-
-def run_holdout(manifest: dict) -> dict | None:
-    """The `--holdout` a run (or epoch) manifest records, of either packing (a best-fit one's is
-    in its `packing`, a window one's at the top): a run that records one has RUN/holdout/."""
-    pk = manifest.get("packing") if isinstance(manifest.get("packing"), dict) else {}
-    return pk.get("holdout") or holdout_recorded(manifest)[0]
-
-
 def holdout_fields(plan: EpochPlan) -> dict:
     """What a window plan with --holdout adds to its epoch manifest (holdout_recorded reads it)."""
-    if plan.holdout is None:
-        return {}
-    return {"holdout": {**plan.holdout, **({"split": "holdout"} if plan.split else {})}}
+    return record_holdout(plan.holdout, plan.split, padded=False)
 
 
 def windows_holdout_plan(

@@ -29,7 +29,6 @@ from tokpack.formats.manifest import (
     HOLDOUT_DIR,
     MANIFEST,
     NODES_SIDECAR,
-    rows_padded,
     canonical_bytes,
     dtype_name,
     epoch_dir_name,
@@ -38,6 +37,8 @@ from tokpack.formats.manifest import (
     read_manifest,
     run_manifest,
 )
+from tokpack.formats.builders import ShuffleFields, TokenHeader
+from tokpack.formats.packing import PackingRecord
 from tokpack.formats.numbering import shuffle_command
 from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
 from tokpack.formats.units import at_most, counted
@@ -152,12 +153,9 @@ def _params_of_manifest(m: dict) -> dict:
         "schedule": _schedule_key(m.get("schedule")),
         "given_schedule": m.get("schedule"),  # as the run wrote it
         "shuffle": m.get("shuffle"),
-        "packing": None
-        if not rows_padded(m)
-        else {k: m["packing"][k] for k in ("method", "group_tokens", "pad_id", "holdout") if k in m["packing"]},
+        "packing": None if PackingRecord.of(m) is None else PackingRecord.of(m).settings(),
         **{key: m.get(key) for key in ("seq_len", "seed", "samples", "shard_samples", "epoch_samples")},
-        # --holdout, wherever the packing records it (a window run: `holdout`; best-fit: in `packing`)
-        "holdout": holdout_recorded(m)[0] or (m["packing"].get("holdout") if rows_padded(m) else None),
+        "holdout": holdout_recorded(m)[0],  # formats.packing knows where each packing records it
     }
 
 
@@ -273,18 +271,17 @@ def run_manifest_of(
         extra = {**(extra or {}), **packings.of_plan(plan).run_holdout(plan)}
     return run_manifest(
         written,
-        sources[0].dtype,
-        first["vocab_size"],
-        first["eos_id"],
-        first.get("tokenizer", ""),
+        TokenHeader(sources[0].dtype, first["vocab_size"], first["eos_id"], first.get("tokenizer", "")),
+        ShuffleFields(
+            seed=plan.seed,
+            seq_len=plan.seq_len,
+            samples=0 if scheduled else plan.samples,
+            shard_samples=shard_samples,
+            jitter=plan.jitter,
+            shuffle=plan.algorithm,
+        ),
         sources=[{**e, "weight": None} for e in entries] if scheduled else entries,
         weights=None if scheduled or all(w is None for w in weights) else list(weights),
-        seq_len=plan.seq_len,
-        seed=plan.seed,
-        jitter=plan.jitter,
-        samples=0 if scheduled else plan.samples,
-        shard_samples=shard_samples,
-        shuffle=plan.algorithm,
         extra=extra,
     )
 
@@ -338,22 +335,21 @@ def planned_epoch_manifest(job: EpochJob, sources: list[PackedSource]) -> dict:
         )
     return epoch_manifest(
         entries,
-        job.token_dtype,
-        sources[0].vocab_size,
-        job.eos_id,
-        job.tokenizer,
-        tokens=plan.samples * plan.row_tokens,
-        epoch=plan.epoch,
-        seed=plan.seed,
-        seq_len=plan.seq_len,
-        samples=plan.samples,
-        shard_samples=job.shard_samples,
-        dropped_tokens=plan.dropped_tokens(),
-        jitter=plan.jitter,
-        sources=plan.source_entries(),
+        TokenHeader(job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer),
         # the default packing's name whatever the packing: `plan` has always
         # counted a planned epoch manifest's bytes so
-        shuffle=packings.named(packings.DEFAULT).shuffle,
+        ShuffleFields(
+            seed=plan.seed,
+            seq_len=plan.seq_len,
+            samples=plan.samples,
+            shard_samples=job.shard_samples,
+            jitter=plan.jitter,
+            shuffle=packings.named(packings.DEFAULT).shuffle,
+        ),
+        tokens=plan.samples * plan.row_tokens,
+        epoch=plan.epoch,
+        dropped_tokens=plan.dropped_tokens(),
+        sources=plan.source_entries(),
     )
 
 
@@ -538,20 +534,19 @@ def epoch_manifest_of(job: EpochJob, entries: list[dict], prepared) -> dict:
     sources = job.open_sources()
     manifest = epoch_manifest(
         entries,
-        job.token_dtype,
-        sources[0].vocab_size,
-        job.eos_id,
-        job.tokenizer,
+        TokenHeader(job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer),
+        ShuffleFields(
+            seed=plan.seed,
+            seq_len=plan.seq_len,
+            samples=plan.samples,
+            shard_samples=job.shard_samples,
+            jitter=plan.jitter,
+            shuffle=plan.algorithm,
+        ),
         tokens=plan.samples * plan.row_tokens,
         epoch=plan.epoch,
-        seed=plan.seed,
-        seq_len=plan.seq_len,
-        samples=plan.samples,
-        shard_samples=job.shard_samples,
         dropped_tokens=plan.dropped_tokens(),
-        jitter=plan.jitter,
         sources=plan.source_entries(),
-        shuffle=plan.algorithm,
     )
     manifest.update(packings.of_plan(plan).epoch_fields(plan, prepared))
     return manifest

@@ -189,13 +189,13 @@ def test_readme_test_command_cannot_pull_the_cuda_build_and_ci_runs_it_verbatim(
 
 def test_pack_shows_an_overall_bar_over_its_files(corpus, tmp_path, monkeypatch):
     """Besides a bar per input file, one bar over all of them, moved by each file's bytes."""
-    import tokpack.formats.io
+    import tokpack.formats.io.progress_log
     import tokpack.packer.packing
     from tokpack.packer import pack
 
     bars = []
 
-    class Recorder(tokpack.formats.io._NoBar):
+    class Recorder(tokpack.formats.io.progress_log._NoBar):
         def __init__(self, total, desc, **kw):
             self.total, self.desc, self.done = total, desc, 0
             bars.append(self)

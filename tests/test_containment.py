@@ -376,8 +376,8 @@ def blocked(*args, **kwargs):
     Path(os.environ["BLOCKED"]).touch()
     threading.Event().wait()
 target.{name} = blocked
-import tokpack.formats.io, tokpack.packer.cli
-tokpack.formats.io.STOP_GRACE, tokpack.packer.cli.EXIT_GRACE_SECONDS = 0.5, 2.0
+import tokpack.formats.io.reads, tokpack.packer.cli
+tokpack.formats.io.reads.STOP_GRACE, tokpack.packer.cli.EXIT_GRACE_SECONDS = 0.5, 2.0
 from tokpack.packer.cli import main
 main()
 """

@@ -15,7 +15,7 @@ import xxhash
 
 from conftest import random_docs, shuffle_run, write_source
 from tokpack.formats.errors import TokpackError
-from tokpack.formats import io
+from tokpack.formats.io import memory as io  # the reusable buffers
 from tokpack.formats.guard import WORK_DIR
 from tokpack.shuffle import run, steps
 from tokpack.shuffle.steps import RowStore

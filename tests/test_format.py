@@ -1,4 +1,4 @@
-"""formats/manifest.py is the format: docs/FORMAT.md's field tables are its tables, and
+"""formats/ is the format: docs/FORMAT.md's field tables are formats/fields.py's tables, and
 manifests written before `documents` of epochs and runs was renamed `fragments` still read,
 validate, extend and stage.
 
@@ -25,7 +25,7 @@ from tokpack.formats.manifest import (
 )
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.validation import validate_dirs
-from tests.conftest import random_docs, write_source
+from tests.conftest import random_docs, require, write_source
 from tests.test_validate import EOS, VOCAB, make_run
 
 FORMAT_MD = Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md"
@@ -69,7 +69,7 @@ def test_format_md_tables_are_the_module_tables():
 
 def test_every_table_type_is_checked():
     """A type the doc shows but the checker does not know would pass anything."""
-    from tokpack.formats.manifest import _JSON, field_problems
+    from tokpack.formats.fields import _JSON, field_problems
 
     for table in TABLES:
         for name, (typ, _, kinds, _) in table.items():
@@ -136,6 +136,55 @@ def test_run_with_old_key_epochs_extends_and_stages(old_run, tmp_path):
         and staged["fragments"] == m["fragments"] - read_manifest(run / epoch_dir_name(1))["fragments"]
     )
     assert validate_dirs([tmp_path / "dest"]).ok
+
+
+def test_metadata_count_as_datatrove_writes_it():
+    """`.ds.metadata`'s third line is humanize's metric(tokens, unit="T"), as datatrove writes it:
+    tokpack makes it itself (humanize is not its dependency) and must write the same text."""
+    import random
+
+    from tokpack.formats.manifest import metric_tokens
+
+    humanize = require("humanize", "a datatrove dependency: pip install datatrove")
+    rng = random.Random(0)
+    counts = list(range(2000)) + [10**k + d for k in range(1, 20) for d in (-1, 0, 1)]
+    counts += [int(x * 10**k) for k in range(17) for x in (9.995, 9.9949, 99.95, 999.5, 999.49, 1.005)]
+    counts += [rng.randrange(1, 10 ** rng.randrange(1, 20)) for _ in range(20000)] + [2**64 - 1]
+    assert [metric_tokens(n) for n in counts] == [humanize.metric(n, unit="T") for n in counts]
+    assert metric_tokens(489_600) == "490 kT" and metric_tokens(999_600) == "1.00 MT"
+
+
+@pytest.mark.parametrize("body", [b'{"format": "tokpack", "version": 1, "kind": "run", "seed": NaN}', b"[1, 2"])
+def test_stage_reads_dest_manifests_strictly(tmp_path, body):
+    """stage reads what DEST holds through the format's strict parser: a manifest with a value
+    outside the format (NaN), or not JSON, vouches for nothing."""
+    from tokpack.packer.staging import dest_holds
+
+    (tmp_path / MANIFEST).write_bytes(body)
+    held = dest_holds(tmp_path)
+    assert (held.kind, held.words) == ("damaged", "an unreadable tokpack.json")
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("split", [False, True])
+def test_holdout_has_one_reader_and_one_writer(padded, split):
+    """formats.packing decides where --holdout is recorded: a window manifest at its top level
+    (RUN/holdout/'s `split` inside it), a packed one in its `packing` (`split` beside it), as
+    format 1 has always written them; the reader finds it in either."""
+    from tokpack.formats.packing import PackingRecord, holdout_recorded, record_holdout, run_holdout
+
+    spec = {"fraction": "1/100"}
+    fields = record_holdout(spec, split, padded=padded)
+    if padded:
+        m = {"packing": {"method": "best-fit", "group_tokens": 8, "pad_id": 0, **fields}}
+        assert list(fields) == ["holdout", *(["split"] if split else [])] and fields["holdout"] == spec
+        assert PackingRecord.of(m).settings() == {"method": "best-fit", "group_tokens": 8, "pad_id": 0, "holdout": spec}
+    else:
+        m = dict(fields)
+        assert fields == {"holdout": {**spec, **({"split": "holdout"} if split else {})}}
+        assert PackingRecord.of(m) is None
+    assert holdout_recorded(m) == (spec, split) and run_holdout(m) == spec
+    assert record_holdout(None, padded=padded) == {} and holdout_recorded({}) == (None, False)
 
 
 if __name__ == "__main__":

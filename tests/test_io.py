@@ -1,4 +1,4 @@
-"""formats/io.py: the read-until-full and buffer-ownership rules every reader relies on."""
+"""formats/io/ (reads, memory): the read-until-full and buffer-ownership rules every reader relies on."""
 
 from __future__ import annotations
 

@@ -1447,10 +1447,9 @@ def test_durable_file_writes_exact_bytes(tmp_path, monkeypatch, where, pieces, s
     buffer is shrunk to 16 KiB so that small pieces cross it."""
     import xxhash
 
-    from tokpack.formats import io
-    from tokpack.formats.io import DurableFile
+    from tokpack.formats.io import DurableFile, writes
 
-    monkeypatch.setattr(io, "DIRECT_STAGING", 16 << 10)
+    monkeypatch.setattr(writes, "DIRECT_STAGING", 16 << 10)
 
     base = tmp_path if where == "tmp" or not Path("/dev/shm").is_dir() else Path("/dev/shm")
     final = base / f"durable-{where}-{skew}.ds"

@@ -16,7 +16,7 @@ from tokpack.formats.shards import PackedSource
 from tokpack.shuffle.plan import PLAN_ALGORITHM, EpochPlan, SourcePlan, epoch_plan, jitter_offset, windows_of
 
 # The algorithm the values below were computed with. Changing the order means bumping
-# PLAN_ALGORITHM in formats/manifest.py, recomputing every value here, and changing this line.
+# PLAN_ALGORITHM in formats/constants.py, recomputing every value here, and changing this line.
 GOLDEN_ALGORITHM = "tokpack-feistel6-splitmix-xxh3-v1"
 
 SEQ_LEN, SEED, SAMPLES = 15, 1234, 40

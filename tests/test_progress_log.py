@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import random_docs, write_source
-from tokpack.formats import io
+from tokpack.formats.io import progress_log as io  # the progress module: its bars and log lines
 from tokpack.formats.errors import TokpackError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,15 @@ from click.testing import CliRunner
 from hypothesis import given, settings, strategies as st
 
 from tokpack.formats.errors import IncompleteError, TokpackError
-from tokpack.formats.manifest import epoch_dir_name, epoch_manifest, run_manifest, shard_name, write_manifest
+from tokpack.formats.manifest import (
+    ShuffleFields,
+    TokenHeader,
+    epoch_dir_name,
+    epoch_manifest,
+    run_manifest,
+    shard_name,
+    write_manifest,
+)
 from tokpack.formats.shards import EpochShardWriter
 from tokpack.loader.reader import SampleReader, positions_from_eos
 
@@ -53,20 +61,14 @@ def make_epoch(directory: Path, epoch: int, samples: int, shard_samples: int, se
         directory,
         epoch_manifest(
             shards,
-            np.dtype("<u2"),
-            VOCAB,
-            EOS,
-            "test-tokenizer",
+            TokenHeader(np.dtype("<u2"), VOCAB, EOS, "test-tokenizer"),
+            ShuffleFields(
+                seed=1, seq_len=seq_len, samples=samples, shard_samples=shard_samples, jitter=False, shuffle="test"
+            ),
             tokens=samples * (seq_len + 1),
             epoch=epoch,
-            seed=1,
-            seq_len=seq_len,
-            samples=samples,
-            shard_samples=shard_samples,
             dropped_tokens=0,
-            jitter=False,
             sources=[_source_entry(epoch, samples, seq_len)],
-            shuffle="test",
         ),
     )
     return directory
@@ -99,18 +101,17 @@ def make_run(out: Path, sizes: dict[int, int], shard_samples: int = 7) -> Path:
         out,
         run_manifest(
             manifests,
-            np.dtype("<u2"),
-            VOCAB,
-            EOS,
-            "test-tokenizer",
+            TokenHeader(np.dtype("<u2"), VOCAB, EOS, "test-tokenizer"),
+            ShuffleFields(
+                seed=1,
+                seq_len=SEQ,
+                samples=next(iter(sizes.values())) if equal else 0,
+                shard_samples=shard_samples,
+                jitter=False,
+                shuffle="test",
+            ),
             sources=[_source_entry(0, 1, SEQ)],
             weights=None,
-            seq_len=SEQ,
-            seed=1,
-            jitter=False,
-            samples=next(iter(sizes.values())) if equal else 0,
-            shard_samples=shard_samples,
-            shuffle="test",
             extra=extra,
         ),
     )

@@ -8,6 +8,7 @@ from typing import Iterator
 
 import numpy as np
 
+from ..constants import INDEX_ENTRY_BYTES, U64  # datatrove's .ds.index is the shard index tokpack writes
 from ..io import as_path, give_buffers, open_read, read_ahead, read_array, read_limited, take_buffer
 from ..manifest import MAX_MANIFEST_BYTES, parse_metadata_text
 from . import INDEX_CHUNK, Block, InputFile, input_error as _err, read_exact
@@ -78,7 +79,7 @@ def check_datatrove(f: InputFile) -> None:
             hint="document boundaries are needed; rerun the datatrove tokenizer with save_index=True",
         )
     isize = as_path(index).stat().st_size
-    if isize % 8:
+    if isize % INDEX_ENTRY_BYTES:
         raise _err(
             ".ds.index size is not a multiple of 8",
             index,
@@ -87,10 +88,10 @@ def check_datatrove(f: InputFile) -> None:
             found=f"{isize} bytes",
             hint="the index is truncated",
         )
-    count = isize // 8
+    count = isize // INDEX_ENTRY_BYTES
     prev = 0
     for start in range(0, count, INDEX_CHUNK):
-        ends = read_array(index, "<u8", min(INDEX_CHUNK, count - start), start * 8, user=True)
+        ends = read_array(index, U64, min(INDEX_CHUNK, count - start), start * INDEX_ENTRY_BYTES, user=True)
         _check_increasing(ends, prev, index, start)
         prev = int(ends[-1])
     if prev != tokens:
@@ -132,15 +133,15 @@ def _check_increasing(ends: np.ndarray, prev: int, index, start: int) -> None:
 
 def datatrove_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
     dtype = np.dtype(f.dtype).newbyteorder("<")
-    count = as_path(f.extra["index"]).stat().st_size // 8
+    count = as_path(f.extra["index"]).stat().st_size // INDEX_ENTRY_BYTES
     has_loss = bool(f.extra.get("loss"))
 
     def plan():  # (tokens, (ends, first document, token offset)) per block; runs in the read-ahead thread
         prev = 0  # token end of the previous document
         for start in range(0, count, INDEX_CHUNK):
-            ends = read_array(f.extra["index"], "<u8", min(INDEX_CHUNK, count - start), start * 8, user=True).astype(
-                np.int64
-            )
+            ends = read_array(
+                f.extra["index"], U64, min(INDEX_CHUNK, count - start), start * INDEX_ENTRY_BYTES, user=True
+            ).astype(np.int64)
             _check_increasing(ends, prev, f.extra["index"], start)
             i = 0
             while i < len(ends):

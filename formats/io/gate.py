@@ -1,0 +1,353 @@
+"""The gate: every file tokpack reads that it did not just write is opened here (docs/COMMANDS.md,
+"The gate"), and tests/test_layout.py fails when product code opens a file anywhere else (but
+formats/io/writes.py, which opens only what it writes)."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import stat
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import TokpackError
+from .memory import populate
+from .paths import RemotePath, as_path, name_problem
+
+
+# Every read of a file tokpack did not just write goes through `gate` (docs/COMMANDS.md, "The
+# gate"): manifests, shards and their sidecars, rank files, the run a slice is checked against,
+# work records and scratch files, and (regular-file rule only) a user's input files. Three rules:
+# - containment (issue 24): the file resolves inside the folder whose manifest names it, or
+#   whose work it holds; no `..`, no absolute name, no symlink leaving it, also through a
+#   symlinked folder on the way. A name a manifest gives is checked first, as a string
+#   (`contained`), so validate can report it without touching the disk;
+# - regular files only: a FIFO, a socket, a device or a directory is refused before it can
+#   block a read or feed endless bytes;
+# - the recorded size, when the caller knows it: a longer or shorter file is refused before use.
+# A bucket has no symlinks and no odd file types: a URL is checked by its size only.
+# tests/test_layout.py fails when product code opens a file anywhere but in this module.
+
+
+# Reads and checksums stream through buffers of this size: large enough to keep the
+# disk busy, small enough that memory does not depend on file size.
+IO_BLOCK = 16 << 20
+
+
+def contained(
+    directory, name, *, manifest=None, where: str | None = None, regular: bool = True, siblings: tuple[str, ...] = ()
+) -> "Path | RemotePath":
+    """`directory / name`, for a `name` that a manifest (`manifest`, its field `where`) gives,
+    once it is known to stay inside `directory` (and, with `regular`, to be a regular file if it
+    exists); so are `name + s` for each suffix s in `siblings` (a shard's other files). A
+    TokpackError naming the field otherwise. Nothing is opened: validate reports such a name
+    as CORRUPT without reading what it points at."""
+    directory = as_path(directory)
+    why, found = name_problem(name), name
+    if not why and isinstance(directory, Path):
+        base = os.fspath(directory)
+        for found in (name, *(name + s for s in siblings)):
+            why = _leaves(base, found, regular)
+            if why:
+                break
+    if why:
+        raise TokpackError(
+            f"manifest names a file outside its folder ({why})",
+            file=manifest if manifest is not None else directory,
+            where=where,
+            expected=f"a file name inside {directory}",
+            found=repr(found)[:120],
+            hint="a manifest names only files in its own folder (docs/FORMAT.md); restore the "
+            "manifest (and files) from the run that wrote them, or do not trust this copy",
+        )
+    return directory / name
+
+
+def _leaves(base: str, name: str, regular: bool) -> str | None:
+    """How the file `name` of the local folder `base` leaves it (None: it does not, or is missing;
+    a missing file is its reader's to report)."""
+    path = os.path.join(base, name)
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISLNK(mode):
+        why = _outside(path, base)
+        if why:
+            return why
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            return None
+    if regular and not stat.S_ISREG(mode):
+        raise _not_regular(path, mode)
+    return None
+
+
+def _outside(path: str, folder) -> str | None:
+    """How the local `path` resolves outside `folder` (None: it stays inside): the symlink rule,
+    for the file itself and for every folder on the way."""
+    target, root = os.path.realpath(path), os.path.realpath(folder)
+    if os.path.commonpath([root, target]) == root:
+        return None
+    if os.path.islink(path):
+        return f"a symlink to {target}, outside the folder"
+    return f"resolves to {target} through a symlinked folder, outside the folder"
+
+
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _not_regular(path, mode: int) -> TokpackError:
+    what = next((text for test, text in _FILE_KINDS if test(mode)), "not a regular file")
+    return TokpackError(
+        "not a regular file",
+        file=path,
+        expected="a regular file",
+        found=what,
+        hint="tokpack reads data only from regular files; remove or replace it",
+    )
+
+
+def gate(
+    path, *, folder=None, size: int | None = None, user: bool = False, what: str = "file", hint: str | None = None
+) -> int:
+    """The one check before any file is read; returns its size. `path` must resolve inside
+    `folder` (default: the folder it sits in; a folder named by a manifest is itself checked
+    against its dataset with `contained` before its files are read), be a regular file, and,
+    given `size` (what its manifest or record says), hold exactly that many bytes. `user=True`:
+    a file the user named (a pack input, a schedule), which may live anywhere: only the
+    regular-file rule. A missing file raises FileNotFoundError (its caller names what is
+    missing); anything else refused is one TokpackError line naming the file."""
+    path = as_path(path)
+    if isinstance(path, RemotePath):
+        found = path.stat().st_size
+    else:
+        if not user:
+            why = _outside(os.fspath(path), path.parent if folder is None else folder)
+            if why:
+                raise TokpackError(
+                    f"{what} is outside its folder ({why})",
+                    file=path,
+                    expected=f"a file inside {path.parent if folder is None else folder}",
+                    found=os.path.realpath(path),
+                    hint='a dataset\'s files stay in its folder (docs/COMMANDS.md, "Containment"): '
+                    "replace the link by the file, or restore the dataset from the run that wrote it",
+                )
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, st.st_mode)
+        found = st.st_size
+    if size is not None and found != size:
+        raise _wrong_size(path, what, size, found, hint)
+    return found
+
+
+def _wrong_size(path, what: str, size: int, found: int, hint: str | None) -> TokpackError:
+    return TokpackError(
+        f"{what} size does not match the manifest",
+        file=path,
+        where="size",
+        expected=f"{size} bytes",
+        found=f"{found} bytes",
+        hint=hint
+        or "the file was truncated, extended or replaced since its manifest was written; "
+        "run `tokpack validate` on its dataset, or restore it from the original",
+    )
+
+
+def regular_fd(path, **rules) -> int:
+    """A read-only descriptor of the local file `path` once it passes the gate (`rules`: gate's
+    keywords). A FIFO, a socket or a device never blocks the open: the file is checked first,
+    then opened with O_NONBLOCK (in case it was swapped in between) and checked again on the
+    descriptor."""
+    gate(path, **rules)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, st.st_mode)
+        if rules.get("size") is not None and st.st_size != rules["size"]:
+            raise _wrong_size(path, rules.get("what", "file"), rules["size"], st.st_size, rules.get("hint"))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def regular_size(path, **rules) -> int:
+    """The size of `path` (local or URL) once it passes the gate."""
+    return gate(path, **rules)
+
+
+def read_limited(path, limit: int, what: str, **rules) -> bytes:
+    """The whole of a small file (a manifest, a record) of at most `limit` bytes, through the
+    gate: its size is checked before anything is read, so a huge file costs no memory."""
+    path = as_path(path)
+    size = gate(path, what=what, **rules)
+    if size > limit:
+        raise TokpackError(
+            f"{what} is too large",
+            file=path,
+            expected=f"at most {limit:,} bytes",
+            found=f"{size:,} bytes",
+            hint=f"this is not a {what} tokpack wrote; restore it",
+        )
+    if isinstance(path, RemotePath):
+        return path.read_bytes()
+    with open_read(path, ahead=False, **rules) as f:
+        return f.read(size + 1)  # an unbuffered read allocates what it is asked for: the size, not the limit
+
+
+def open_read(path, block: int = IO_BLOCK, ahead: bool = True, **rules):
+    """`path` (local path or URL), through the gate, opened for reads front to back (`readinto`,
+    `read`, `seek`): a local file unbuffered, with the kernel's read-ahead; a URL through
+    fsspec's read-ahead cache, one ranged GET per `block` bytes, so memory holds a block or two,
+    never the file. `ahead=False`, for reads at scattered places: no read-ahead, a URL fetches
+    what is asked."""
+    path = as_path(path)
+    if isinstance(path, RemotePath):
+        if rules.get("size") is not None:
+            gate(path, **rules)
+        return path.call("open", "rb", block_size=block, cache_type="readahead" if ahead else "none")
+    f = open(regular_fd(path, **rules), "rb", buffering=0)
+    if ahead:
+        sequential(f)
+    return f
+
+
+def read_array(path, dtype, count: int = -1, offset: int = 0, **rules) -> np.ndarray:
+    """Up to `count` items (-1: to the end) of `dtype` at byte `offset`, through the gate; fewer
+    where the file ends, as np.fromfile. A URL costs one ranged GET."""
+    path = as_path(path)
+    if isinstance(path, Path):
+        with open_read(path, ahead=False, **rules) as f:
+            return np.fromfile(f, dtype=dtype, count=count, offset=offset)
+    if rules.get("size") is not None:
+        gate(path, **rules)
+    dtype = np.dtype(dtype)
+    data = path.call("cat_file", start=offset, end=None if count < 0 else offset + count * dtype.itemsize)
+    return np.frombuffer(data, dtype=dtype, count=len(data) // dtype.itemsize)
+
+
+def open_append(path, *, folder):
+    """A file of tokpack's own work folder `folder` (a bucket or scratch file) opened to append
+    to: it must stay inside the folder and be a regular file if it exists (never a symlink out,
+    never a FIFO that would block the write)."""
+    why = _outside(os.fspath(path), folder)
+    if why:
+        raise TokpackError(
+            f"work file is outside its work folder ({why})",
+            file=path,
+            expected=f"a file inside {folder}",
+            hint="the work folder holds only tokpack's own files: delete it and rerun",
+        )
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, mode)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return open(fd, "ab")
+
+
+def open_new(path, buffering: int = -1):
+    """A file tokpack creates to write whole (a temporary of tmp_path, or a file of a folder it
+    is building under a temporary name, renamed once complete): created or truncated, never
+    written through a symlink."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    return open(fd, "wb", buffering=buffering)
+
+
+def hash_mapped(h, fd: int, offset: int, length: int) -> None:
+    """Feeds bytes [offset, offset+length) of a gated descriptor to `h` through a memory map of
+    just that range (page-cache pages, no copy), so resident memory stays at one block."""
+    skip = offset % mmap.ALLOCATIONGRANULARITY  # map offsets must be aligned
+    with mmap.mmap(fd, length + skip, offset=offset - skip, access=mmap.ACCESS_READ) as mm:
+        if hasattr(mm, "madvise"):
+            mm.madvise(mmap.MADV_SEQUENTIAL)
+        with memoryview(mm) as view, view[skip:] as chunk:
+            h.update(chunk)
+
+
+def map_array(path, dtype, **rules) -> np.ndarray:
+    """A whole local file, through the gate, as a read-only array (np.memmap: its pages are
+    read when used, none up front)."""
+    with open_read(path, ahead=False, **rules) as f:
+        return np.memmap(f, dtype=dtype, mode="r")
+
+
+def sequential(f) -> None:
+    """Tells the kernel to read ahead: the file is read once, front to back."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+
+def iter_file_blocks(
+    path: str | Path, buf: bytearray, offset: int = 0, length: int | None = None, **rules
+) -> Iterator[memoryview]:
+    """Sequential `readinto` over [offset, offset+length) of a file (through the gate: `rules`),
+    reusing one buffer."""
+    view = memoryview(buf)
+    with open_read(path, **rules) as f:
+        f.seek(offset)
+        remaining = length if length is not None else os.fstat(f.fileno()).st_size - offset
+        while remaining > 0:
+            n = f.readinto(view[: min(len(buf), remaining)])
+            if not n:
+                raise TokpackError(
+                    "file shorter than expected",
+                    file=path,
+                    where=f"byte {offset}",
+                    expected="more data",
+                    found="end of file",
+                )
+            remaining -= n
+            offset += n
+            yield view[:n]
+
+
+def map_file(path: Path, offset: int, length: int, **rules) -> np.ndarray:
+    """Bytes [offset, offset+length) of a file (through the gate: `rules`), memory-mapped
+    read-only and read ahead in one sequential sweep. Mapping the page cache costs no fresh
+    memory, unlike a read into a buffer."""
+    if length <= 0:
+        gate(path, **rules)
+        return np.empty(0, dtype=np.uint8)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with open_read(path, ahead=False, **rules) as f:
+        m = mmap.mmap(f.fileno(), offset + length - start, prot=mmap.PROT_READ, offset=start)
+    view = np.frombuffer(m, dtype=np.uint8)
+    if not populate(view.ctypes.data, len(m)):  # older kernels: a sequential read fills the page cache
+        for _ in iter_file_blocks(path, bytearray(IO_BLOCK), offset, length, **rules):
+            pass
+    return view[offset - start : offset - start + length]
+
+
+def read_record(path: str | Path, **rules) -> dict | None:
+    """A JSON object tokpack wrote to record its work (a request, a finished task), read
+    through the gate (`rules`: by default it stays in its folder); None when it is missing or
+    damaged (truncated, edited, not an object, not a regular file, a link out of its folder):
+    such a record vouches for nothing, and the work it names is done again or refused, never
+    a crash."""
+    try:
+        record = json.loads(read_limited(path, MAX_RECORD_BYTES, "record", **rules))
+    except (FileNotFoundError, ValueError, RecursionError, TokpackError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+MAX_RECORD_BYTES = 1 << 30  # a pack's finishing plan lists every shard; no record comes near this

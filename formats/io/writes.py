@@ -1,0 +1,277 @@
+"""Durable writes: a file is written under a temporary name (`tmp_path`) and renamed into
+place, so a reader never sees half of it; `DurableFile` writes with O_DIRECT where it can (no
+page cache for data read again only by another command), hashing as it writes; `Outbox` sends a
+command's committed files to an object store."""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+import re
+import uuid
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from ..errors import TokpackError
+from .memory import anonymous
+from .paths import RemotePath
+
+
+TMP_MARK = ".tmp-"  # in the name of a file being written: never data, removed by the next run
+DIRECT_ALIGN = 4096  # O_DIRECT wants buffer address, length and file offset aligned to the block size
+DIRECT_STAGING = 4 << 20  # bytes staged for data that does not arrive aligned
+
+
+class Outbox:
+    """A command's output that goes to an object store (`remote`, a URL): the command writes
+    and commits its files under the local folder `local` exactly as for a local output, then
+    sends each committed file to the same relative path under `remote`. A data file is removed
+    here once sent, so the local disk holds a few shards at a time, not the output; state files
+    (JSON: manifests, records of finished work) stay, and a rerun on a fresh machine fetches
+    them first. The manifest is sent last: a partial upload never looks complete."""
+
+    def __init__(self, local: str | Path, remote: str):
+        self.local = str(Path(local).absolute())
+        self.remote = remote.rstrip("/")
+
+    def __repr__(self) -> str:
+        return f"Outbox({self.local!r} -> {self.remote!r})"
+
+    def remote_of(self, local: str | Path) -> RemotePath:
+        """The object (or prefix) a local file (or folder) under `local` is sent to."""
+        rel = Path(local).absolute().relative_to(self.local).as_posix()
+        return RemotePath(self.remote if rel == "." else f"{self.remote}/{rel}")
+
+    def send(self, *files: str | Path, keep: bool = False) -> None:
+        """Uploads each file, in order, then removes it here unless `keep`."""
+        for f in files:
+            self.remote_of(f).upload_from(f)
+            if not keep:
+                os.unlink(f)
+
+    def in_one_process(self) -> bool:
+        """fsspec's memory:// lives in the process that writes it: a task elsewhere would send
+        its shards where the command never sees them."""
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        return isinstance(RemotePath(self.remote).fs, MemoryFileSystem)
+
+    def check_bucket(self) -> None:
+        """One line now, not a failed task later, when the bucket is not there."""
+        root = RemotePath(self.remote)
+        if self.in_one_process():
+            return  # no buckets
+        bucket = root.key.split("/", 1)[0]
+        try:  # not exists(): s3fs answers False for an endpoint that does not answer too
+            root._guarded(root.fs.info, "read from", bucket)
+        except FileNotFoundError:
+            raise TokpackError(
+                "no such bucket",
+                file=self.remote,
+                expected=f"an existing bucket {bucket!r}",
+                found="none",
+                hint="create it first (aws s3 mb), or check the URL and the endpoint",
+            ) from None
+
+    def fetch_state(self, manifest: str) -> None:
+        """Copies every JSON file under `remote` (the state an earlier run left) to `local`, after
+        dropping the local manifests (named `manifest`) the store lacks: only a sent manifest
+        makes something complete."""
+        root = RemotePath(self.remote)
+        found = set(root.call("find", detail=False)) if root.exists() else set()
+        for p in Path(self.local).rglob(manifest):
+            if posixpath.join(root.key, p.relative_to(self.local).as_posix()) not in found:
+                p.unlink()
+        keys = sorted(k for k in found if k.endswith(".json"))
+        # one batch: fsspec's async stores (s3fs) fetch the many small records concurrently
+        for key, data in (root._guarded(root.fs.cat, "read from", keys) if keys else {}).items():
+            target = Path(self.local) / posixpath.relpath(key, root.key)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes_atomic(target, data)
+
+
+def tmp_path(final: str | Path) -> Path:
+    """A sibling name no reader treats as data (it does not end in .ds or .json)."""
+    final = Path(final)
+    return final.with_name(f"{final.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def is_tmp_name(name: str) -> bool:
+    """Whether `name` is one tmp_path gives (FINAL.tmp-PID-RANDOM): nothing else is removed as
+    a leftover."""
+    return _TMP_NAME.fullmatch(name) is not None
+
+
+_TMP_NAME = re.compile(".+" + re.escape(TMP_MARK) + "[0-9]+-[0-9a-f]{8}")
+
+
+def commit_file(tmp: str | Path, final: str | Path, fsync: bool = False) -> None:
+    if fsync:
+        _fsync(tmp)
+    os.replace(tmp, final)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes, fsync: bool = False) -> None:
+    tmp = tmp_path(path)
+    with open(tmp, "wb") as f:
+        f.write(data)
+    commit_file(tmp, path, fsync=fsync)
+
+
+def fsync_dir(directory: str | Path) -> None:
+    """Makes the renames into `directory` durable."""
+    _fsync(directory, refusable=True)  # some filesystems refuse fsync on a directory; the renames are still atomic
+
+
+def _fsync(path: str | Path, refusable: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not refusable:
+            raise
+    finally:
+        os.close(fd)
+
+
+def remove_tmp_files(directory: str | Path) -> None:
+    """Leftovers of a killed run: never data, safe to delete."""
+    directory = Path(directory)
+    if directory.is_dir():
+        for p in directory.iterdir():
+            if is_tmp_name(p.name) and p.is_file():
+                p.unlink(missing_ok=True)
+
+
+class DurableFile:
+    """A file written under a temporary name, hashed as it goes, and fsync'd and renamed on
+    commit: once committed, it survives a crash.
+
+    `direct=True` (for shard data, written once in large pieces) writes with O_DIRECT: the
+    disk reads the bytes straight from our buffers. Buffered writes first copy every byte into
+    freshly allocated page-cache pages and only reach the disk at fsync, which takes about twice
+    as long, and starting writeback early with sync_file_range does not help (BENCHMARKS.md,
+    "Figures cited by the code": O_DIRECT shard writes). Data that arrives at an unaligned
+    address is copied through a small staging buffer; the last partial block is written padded
+    and the file truncated to its length. Filesystems without O_DIRECT (tmpfs) get buffered
+    writes."""
+
+    def __init__(self, final: str | Path, direct: bool = False):
+        self.final = Path(final)  # the name it gets on commit
+        self.tmp = tmp_path(final)  # the name it is written under
+        self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # None once closed
+        self.hash = xxhash.xxh3_128()  # of every byte written
+        self.bytes = 0  # written so far (the file may hold fewer until commit, see _staged)
+        self._staging: memoryview | None = None  # O_DIRECT only: the unaligned tail, not yet written
+        self._staged = 0  # bytes in _staging
+        try:
+            self.direct = bool(direct) and _set_direct(self.fd, True)  # O_DIRECT in effect
+            if self.direct:
+                self._staging = memoryview(anonymous(DIRECT_STAGING))
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        self.hash.update(mv)
+        self.bytes += mv.nbytes
+        if self._staging is None:
+            self._write_all(mv)
+            return
+        if self._staged:  # top the staging block up first: the file offset is unaligned until it is written
+            take = min(mv.nbytes, DIRECT_STAGING - self._staged)
+            self._staging[self._staged : self._staged + take] = mv[:take]
+            self._staged += take
+            mv = mv[take:]
+            if self._staged == DIRECT_STAGING:
+                self._write_all(self._staging)
+                self._staged = 0
+        if mv.nbytes >= DIRECT_ALIGN and _address(mv) % DIRECT_ALIGN == 0:
+            k = mv.nbytes - mv.nbytes % DIRECT_ALIGN
+            self._write_all(mv[:k])
+            mv = mv[k:]
+        while mv.nbytes:
+            take = min(mv.nbytes, DIRECT_STAGING)
+            self._staging[:take] = mv[:take]
+            self._staged = take
+            mv = mv[take:]
+            if take == DIRECT_STAGING:
+                self._write_all(self._staging)
+                self._staged = 0
+
+    def _write_all(self, mv: memoryview) -> None:
+        while mv.nbytes:
+            try:
+                n = os.write(self.fd, mv)
+            except OSError as e:
+                if e.errno != errno.EINVAL or self._staging is None:
+                    raise
+                _set_direct(self.fd, False)  # this filesystem takes O_DIRECT at open but not at write
+                self.direct = False
+                n = os.write(self.fd, mv)
+            mv = mv[n:]
+
+    def commit(self) -> str:
+        """Returns the xxh3_128 hex digest."""
+        if self._staged:
+            pad = -self._staged % DIRECT_ALIGN
+            self._staging[self._staged : self._staged + pad] = bytes(pad)
+            self._write_all(self._staging[: self._staged + pad])
+            os.ftruncate(self.fd, self.bytes)
+            self._staged = 0
+        os.fdatasync(self.fd)
+        self._close()
+        os.replace(self.tmp, self.final)
+        return self.hash.hexdigest()
+
+    def _close(self) -> None:
+        fd, self.fd, self._staging = self.fd, None, None
+        if fd is not None:
+            os.close(fd)
+
+    def abort(self) -> None:
+        """Closes and deletes the temporary file; safe after a failed write or commit."""
+        self._close()
+        Path(self.tmp).unlink(missing_ok=True)
+
+
+class HashedFile:
+    """A DurableFile whose bytes are hashed and counted, never written: a file whose checksum a
+    manifest needs where the file itself lives elsewhere (a linking pack's shard files, which
+    are the input's; a --to-nodes owned epoch shard's tokens and index, the nodes' slices')."""
+
+    def __init__(self, final: str | Path, direct: bool = False):
+        self.final, self.hash, self.bytes = Path(final), xxhash.xxh3_128(), 0
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        self.hash.update(mv)
+        self.bytes += mv.nbytes
+
+    def commit(self) -> str:
+        return self.hash.hexdigest()
+
+    def abort(self) -> None:
+        pass
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turns O_DIRECT on or off for an open file; False where the OS or filesystem refuses."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    import fcntl
+
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+    except OSError:
+        return False
+    return True
+
+
+def _address(mv: memoryview) -> int:
+    return np.frombuffer(mv, dtype=np.uint8).ctypes.data if mv.nbytes else 0
