@@ -877,14 +877,21 @@ def validate(dirs, quick, against, workers, as_json):
 )
 @click.option("--count", type=click.IntRange(min=0), default=10, show_default=True, help="Samples this rank prints.")
 @click.option("--verify", is_flag=True, help="Checksum each shard when it is first read.")
+@click.option(
+    "--tokenizer",
+    default=None,
+    help="Local tokenizer.json: print each sample as text (EOS as its token, a best-fit row's padding as "
+    '[padding: N tokens]); with --json, adds "text" and "padding".',
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per sample.")
 @user_errors
-def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens, count, verify, as_json):
+def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens, count, verify, tokenizer, as_json):
     """Print what rank R of W is fed from DIRECTORY (a run or an epoch), for debugging.
 
     \b
     Example:
       tokpack read /data/runs/r1 --rank 3 --world-size 8 --micro-batch 4 --start-sample 1024 --count 4
+      tokpack read /data/runs/r1 --count 2 --tokenizer tokenizer.json
     """
     from tokpack.loader.reader import SampleReader
 
@@ -895,7 +902,10 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
     reader = SampleReader.open(directory, verify=verify)
     start = reader.start_from(start_sample=start_sample, consumed_tokens=consumed_tokens)
     reader.require_batch(world_size, micro_batch, start)  # else the command would print nothing and exit 0
-    for item in reader.rank_samples(rank, world_size, micro_batch, start=start, count=count):
+    samples = reader.rank_samples(rank, world_size, micro_batch, start=start, count=count)
+    if tokenizer is not None:
+        return _read_text(reader, samples, rank, tokenizer, as_json)
+    for item in samples:
         if as_json:
             click.echo(
                 json.dumps({"epoch": item.epoch, "sample": item.sample, "rank": rank, "tokens": item.tokens.tolist()})
@@ -905,6 +915,25 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
             click.echo(
                 f"epoch {item.epoch} sample {item.sample} rank {rank}: [{head}{' ...' if len(item.tokens) > 16 else ''}]"
             )
+
+
+def _read_text(reader, samples, rank: int, tokenizer: str, as_json: bool) -> None:
+    """`read --tokenizer`: each sample decoded (packer.vocab.sample_text), under a header line
+    and indented, so a line that starts a sample is never one of the text's own lines."""
+    import textwrap
+
+    from tokpack.packer.vocab import load_tokenizer, sample_text
+
+    tok = load_tokenizer(tokenizer)
+    for item in samples:
+        pad = int(reader.padding(item.index, 1)[0]) if reader.packed else 0
+        text = sample_text(tok, item.tokens, reader.eos_id, pad)
+        if as_json:
+            fields = {"epoch": item.epoch, "sample": item.sample, "rank": rank, "tokens": item.tokens.tolist()}
+            click.echo(json.dumps({**fields, "text": text, "padding": pad}))
+        else:
+            click.echo(f"epoch {item.epoch} sample {item.sample} rank {rank}:")
+            click.echo(textwrap.indent(text, "    "))
 
 
 @main.command()
