@@ -388,11 +388,12 @@ def _weighted_sources(args) -> list[tuple[str, str | None]]:
 
 
 def _is_number(text: str) -> bool:
-    """A number as shuffle takes a weight: 0.3, 2, 1/3 (a Fraction; 1/0 is one, if not a valid one)."""
-    from fractions import Fraction
+    """A number as shuffle takes a weight: 0.3, 2, 1/3, 70% (tokpack.formats.units.weight_fraction;
+    1/0 is one, if not a valid one)."""
+    from tokpack.formats.units import weight_fraction
 
     try:
-        Fraction(text.strip())
+        weight_fraction(text)
     except ZeroDivisionError:
         return True
     except ValueError:
