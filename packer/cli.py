@@ -167,7 +167,16 @@ def _report(line: str, error: dict, status: int, as_json: bool) -> None:
     sys.exit(status)
 
 
+HINT_MARK = ". HINT: "  # how a line says what to do (TokpackError's str, click's message of a quantity)
+
+
 def _error_json(kind: str, message: str, **fields) -> dict:
+    """The --json error object of a failure that is no TokpackError. A message that says its
+    hint (click's line for a bad TOKENS or BYTES value holds the parser's TokpackError line)
+    gives it to `hint`, where a script finds every other failure's."""
+    hint = fields.get("hint")
+    if hint is None and HINT_MARK in message:
+        message, hint = message.split(HINT_MARK, 1)
     return {
         "error": kind,
         "message": message,
@@ -175,7 +184,7 @@ def _error_json(kind: str, message: str, **fields) -> dict:
         "where": None,
         "expected": None,
         "found": None,
-        "hint": fields.get("hint"),
+        "hint": hint,
     }
 
 
@@ -217,6 +226,9 @@ def _internal_error(command: str, exc: BaseException, as_json: bool) -> None:
     _report(line, _error_json("InternalError", line), EXIT_BUG, as_json)
 
 
+RESUME = "rerun the same command to resume"
+
+
 def user_errors(fn):
     """Turns every failure of a command into one line on stderr (and one JSON object under
     --json): TokpackError and OSError exit 1, Ctrl-C 130, SIGTERM 143, a bug in tokpack 70."""
@@ -234,11 +246,9 @@ def user_errors(fn):
         except TokpackError as e:
             _report(f"tokpack: error: {e}", e.to_json(), EXIT_DATA, as_json)
         except ModuleNotFoundError as e:  # an optional dependency this command needs
-            line = (
-                f"tokpack: error: this command needs the module {e.name!r}, which is not installed. "
-                f"HINT: pip install {e.name}"
-            )
-            _report(line, _error_json("ModuleNotFoundError", line, hint=f"pip install {e.name}"), EXIT_DATA, as_json)
+            message = f"this command needs the module {e.name!r}, which is not installed"
+            line = f"tokpack: error: {message}{HINT_MARK}pip install {e.name}"
+            _report(line, _error_json("ModuleNotFoundError", message, hint=f"pip install {e.name}"), EXIT_DATA, as_json)
         except OSError as e:  # the environment: a full disk, a read-only output, a symlink loop...
             line, error = _os_error_line(e)
             _report(line, error, EXIT_DATA, as_json)
@@ -250,11 +260,12 @@ def user_errors(fn):
             )
             _report(line, error, EXIT_DATA, as_json)
         except KeyboardInterrupt:
-            line = "tokpack: interrupted; rerun the same command to resume"
-            _report(line, _error_json("KeyboardInterrupt", line), EXIT_INTERRUPTED, as_json)
+            line = f"tokpack: interrupted; {RESUME}"
+            _report(line, _error_json("KeyboardInterrupt", "interrupted", hint=RESUME), EXIT_INTERRUPTED, as_json)
         except Terminated:
-            line = "tokpack: terminated (SIGTERM); rerun the same command to resume"
-            _report(line, _error_json("Terminated", line), EXIT_TERMINATED, as_json)
+            line = f"tokpack: terminated (SIGTERM); {RESUME}"
+            error = _error_json("Terminated", "terminated (SIGTERM)", hint=RESUME)
+            _report(line, error, EXIT_TERMINATED, as_json)
         except Exception as e:  # noqa: BLE001 - anything else is a bug in tokpack, not bad data
             _internal_error(command, e, as_json)
 
