@@ -14,7 +14,6 @@ from click.testing import CliRunner
 
 from conftest import random_docs, write_source
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.units import parse_weight, weight_text
 from tokpack.packer.api import shuffle
 from tokpack.packer.cli import main
 
@@ -52,12 +51,16 @@ def sources(tmp_path_factory) -> tuple[Path, Path]:
     ],
 )
 def test_a_percentage_is_its_number(text, fraction, recorded):
+    from tokpack.formats.units import parse_weight, weight_text
+
     assert parse_weight(text, "w") == fraction
     assert weight_text(text) == recorded
 
 
 @pytest.mark.parametrize("text", ["%", "abc%", "7O%", "nan%"])
 def test_a_percentage_that_is_no_number_is_refused(text):
+    from tokpack.formats.units import parse_weight, weight_text
+
     with pytest.raises(TokpackError, match="weight is not a number"):
         parse_weight(weight_text(text), "w")
 
@@ -91,3 +94,13 @@ def test_api_mapping_and_schedule_file_take_percentages(sources, tmp_path):
         k: v for k, v in decimal.items() if k != "tokpack.json"
     }  # the run manifest names its schedule file (and that file's hash), which differ
     assert '"0.7"' in (tmp_path / "sched-percent" / "tokpack.json").read_text()
+
+
+def test_a_url_source_takes_a_percentage():
+    """In a URL, `=` starts a weight only when a number follows: `70%` is one."""
+    from tokpack.packer.cli import _weighted_sources
+
+    assert _weighted_sources(["s3://bucket/web=70%", "s3://bucket/q?a=b"]) == [
+        ("s3://bucket/web", "70%"),
+        ("s3://bucket/q?a=b", None),
+    ]
