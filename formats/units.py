@@ -8,11 +8,14 @@ passes for a token count: `token_count("100GB")` is refused, not read as 10^11 t
 - Byte sizes take B, SI units KB, MB, GB, TB (10^3..10^12) and IEC units KiB, MiB, GiB, TiB
   (2^10..2^40). A bare K, M, G, T is binary (as in Slurm's --mem, `sort -S` or -Xmx): 4G is
   4 GiB. A fractional byte count is rounded down (it is a budget).
+- Mixture weights (`SOURCE=WEIGHT`, a schedule's `{SOURCE: WEIGHT}`, the API's mapping) are
+  exact numbers: 0.3, 2, 1/3, or a percentage, 70% = 0.7. Only their ratios matter.
 """
 
 from __future__ import annotations
 
 import re
+from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
 from .errors import TokpackError
@@ -91,6 +94,52 @@ def byte_size(value: str | int, *, what: str = "byte size") -> int:
         )
     number, suffix = parsed
     return int(number * BYTE_SUFFIXES[suffix])  # int() of a Fraction rounds toward zero: down
+
+
+def weight_fraction(text: str) -> Fraction:
+    """The number a weight's text spells, exactly: '0.3' -> 3/10, '1/3', '2', '70%' -> 7/10.
+    The one grammar of weights (the command line, a schedule file and the API's mapping all
+    come through it); ValueError if it is not a number, ZeroDivisionError for 1/0."""
+    raw = str(text).strip()
+    return Fraction(raw[:-1].strip()) / 100 if raw.endswith("%") else Fraction(raw)
+
+
+def parse_weight(text: str, where: str) -> Fraction:
+    """A mixture weight (weight_fraction), or one line saying why it is none."""
+    try:
+        w = weight_fraction(text)
+    except (ValueError, ZeroDivisionError):
+        raise TokpackError(
+            "weight is not a number",
+            where=where,
+            expected="a non-negative number like 0.3, 2 or 1/3",
+            found=repr(text),
+            hint="write SOURCE=WEIGHT",
+        ) from None
+    if w < 0:
+        raise TokpackError("weight is negative", where=where, expected=">= 0", found=text)
+    return w
+
+
+def weight_text(text: str) -> str:
+    """A weight spelled as the manifests record it: as given, except that a percentage is
+    written as the number it is ('70%' -> '0.7', '12.5%' -> '0.125', '1/3%' -> '1/300'), so
+    that `70%` and `0.7` make the same run, manifests included. Text that is not a weight is
+    returned as it is, for parse_weight to refuse where the weights are checked."""
+    raw = str(text).strip()
+    if not raw.endswith("%"):
+        return text
+    number = raw[:-1].strip()
+    try:
+        decimal = Decimal(number)
+        if decimal.is_finite():
+            return format(decimal.scaleb(-2).normalize(), "f")  # exact: only the point moves
+    except InvalidOperation:
+        pass
+    try:
+        return str(Fraction(number) / 100)
+    except (ValueError, ZeroDivisionError):
+        return text
 
 
 def at_most(value: int, limit: int, what: str, *, hint: str, where: str | None = None, file=None) -> int:

@@ -169,7 +169,16 @@ def _report(line: str, error: dict, status: int, as_json: bool) -> None:
     sys.exit(status)
 
 
+HINT_MARK = ". HINT: "  # how a line says what to do (TokpackError's str, click's message of a quantity)
+
+
 def _error_json(kind: str, message: str, **fields) -> dict:
+    """The --json error object of a failure that is no TokpackError. A message that says its
+    hint (click's line for a bad TOKENS or BYTES value holds the parser's TokpackError line)
+    gives it to `hint`, where a script finds every other failure's."""
+    hint = fields.get("hint")
+    if hint is None and HINT_MARK in message:
+        message, hint = message.split(HINT_MARK, 1)
     return {
         "error": kind,
         "message": message,
@@ -177,7 +186,7 @@ def _error_json(kind: str, message: str, **fields) -> dict:
         "where": None,
         "expected": None,
         "found": None,
-        "hint": fields.get("hint"),
+        "hint": hint,
     }
 
 
@@ -219,6 +228,9 @@ def _internal_error(command: str, exc: BaseException, as_json: bool) -> None:
     _report(line, _error_json("InternalError", line), EXIT_BUG, as_json)
 
 
+RESUME = "rerun the same command to resume"
+
+
 def user_errors(fn):
     """Turns every failure of a command into one line on stderr (and one JSON object under
     --json): TokpackError and OSError exit 1, Ctrl-C 130, SIGTERM 143, a bug in tokpack 70."""
@@ -236,11 +248,9 @@ def user_errors(fn):
         except TokpackError as e:
             _report(f"tokpack: error: {e}", e.to_json(), EXIT_DATA, as_json)
         except ModuleNotFoundError as e:  # an optional dependency this command needs
-            line = (
-                f"tokpack: error: this command needs the module {e.name!r}, which is not installed. "
-                f"HINT: pip install {e.name}"
-            )
-            _report(line, _error_json("ModuleNotFoundError", line, hint=f"pip install {e.name}"), EXIT_DATA, as_json)
+            message = f"this command needs the module {e.name!r}, which is not installed"
+            line = f"tokpack: error: {message}{HINT_MARK}pip install {e.name}"
+            _report(line, _error_json("ModuleNotFoundError", message, hint=f"pip install {e.name}"), EXIT_DATA, as_json)
         except OSError as e:  # the environment: a full disk, a read-only output, a symlink loop...
             line, error = _os_error_line(e)
             _report(line, error, EXIT_DATA, as_json)
@@ -252,11 +262,12 @@ def user_errors(fn):
             )
             _report(line, error, EXIT_DATA, as_json)
         except KeyboardInterrupt:
-            line = "tokpack: interrupted; rerun the same command to resume"
-            _report(line, _error_json("KeyboardInterrupt", line), EXIT_INTERRUPTED, as_json)
+            line = f"tokpack: interrupted; {RESUME}"
+            _report(line, _error_json("KeyboardInterrupt", "interrupted", hint=RESUME), EXIT_INTERRUPTED, as_json)
         except Terminated:
-            line = "tokpack: terminated (SIGTERM); rerun the same command to resume"
-            _report(line, _error_json("Terminated", line), EXIT_TERMINATED, as_json)
+            line = f"tokpack: terminated (SIGTERM); {RESUME}"
+            error = _error_json("Terminated", "terminated (SIGTERM)", hint=RESUME)
+            _report(line, error, EXIT_TERMINATED, as_json)
         except Exception as e:  # noqa: BLE001 - anything else is a bug in tokpack, not bad data
             _internal_error(command, e, as_json)
 
@@ -390,11 +401,12 @@ def _weighted_sources(args) -> list[tuple[str, str | None]]:
 
 
 def _is_number(text: str) -> bool:
-    """A number as shuffle takes a weight: 0.3, 2, 1/3 (a Fraction; 1/0 is one, if not a valid one)."""
-    from fractions import Fraction
+    """A number as shuffle takes a weight: 0.3, 2, 1/3, 70% (tokpack.formats.units.weight_fraction;
+    1/0 is one, if not a valid one)."""
+    from tokpack.formats.units import weight_fraction
 
     try:
-        Fraction(text.strip())
+        weight_fraction(text)
     except ZeroDivisionError:
         return True
     except ValueError:
@@ -843,14 +855,21 @@ def validate(dirs, quick, against, workers, as_json):
 )
 @click.option("--count", type=click.IntRange(min=0), default=10, show_default=True, help="Samples this rank prints.")
 @click.option("--verify", is_flag=True, help="Checksum each shard when it is first read.")
+@click.option(
+    "--tokenizer",
+    default=None,
+    help="Local tokenizer.json: print each sample as text (EOS as its token, a best-fit row's padding as "
+    '[padding: N tokens]); with --json, adds "text" and "padding".',
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per sample.")
 @user_errors
-def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens, count, verify, as_json):
+def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens, count, verify, tokenizer, as_json):
     """Print what rank R of W is fed from DIRECTORY (a run or an epoch), for debugging.
 
     \b
     Example:
       tokpack read /data/runs/r1 --rank 3 --world-size 8 --micro-batch 4 --start-sample 1024 --count 4
+      tokpack read /data/runs/r1 --count 2 --tokenizer tokenizer.json
     """
     from tokpack.loader.reader import SampleReader
 
@@ -861,7 +880,10 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
     reader = SampleReader.open(directory, verify=verify)
     start = reader.start_from(start_sample=start_sample, consumed_tokens=consumed_tokens)
     reader.require_batch(world_size, micro_batch, start)  # else the command would print nothing and exit 0
-    for item in reader.rank_samples(rank, world_size, micro_batch, start=start, count=count):
+    samples = reader.rank_samples(rank, world_size, micro_batch, start=start, count=count)
+    if tokenizer is not None:
+        return _read_text(reader, samples, rank, tokenizer, as_json)
+    for item in samples:
         if as_json:
             click.echo(
                 json.dumps({"epoch": item.epoch, "sample": item.sample, "rank": rank, "tokens": item.tokens.tolist()})
@@ -871,6 +893,25 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
             click.echo(
                 f"epoch {item.epoch} sample {item.sample} rank {rank}: [{head}{' ...' if len(item.tokens) > 16 else ''}]"
             )
+
+
+def _read_text(reader, samples, rank: int, tokenizer: str, as_json: bool) -> None:
+    """`read --tokenizer`: each sample decoded (packer.vocab.sample_text), under a header line
+    and indented, so a line that starts a sample is never one of the text's own lines."""
+    import textwrap
+
+    from tokpack.packer.vocab import load_tokenizer, sample_text
+
+    tok = load_tokenizer(tokenizer)
+    for item in samples:
+        pad = int(reader.padding(item.index, 1)[0]) if reader.packed else 0
+        text = sample_text(tok, item.tokens, reader.eos_id, pad)
+        if as_json:
+            fields = {"epoch": item.epoch, "sample": item.sample, "rank": rank, "tokens": item.tokens.tolist()}
+            click.echo(json.dumps({**fields, "text": text, "padding": pad}))
+        else:
+            click.echo(f"epoch {item.epoch} sample {item.sample} rank {rank}:")
+            click.echo(textwrap.indent(text, "    "))
 
 
 @main.command()

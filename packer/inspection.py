@@ -116,6 +116,10 @@ class LengthHistogram:
             counts[min(len(counts) - 1, max(0, np.searchsorted(edges, self._log_bin_value(b), side="right") - 1))] += c
         return edges, counts
 
+    def summary(self) -> dict:
+        """The report without its histogram: one source's line of `document_lengths.sources`."""
+        return {k: v for k, v in self.report().items() if k != "histogram"}
+
     def report(self) -> dict:
         if not self.count:
             return {"documents": 0}
@@ -131,37 +135,58 @@ class LengthHistogram:
         }
 
 
-def document_lengths(sources: list[PackedSource], max_documents: int = MAX_LENGTH_SAMPLE) -> LengthHistogram:
+def document_lengths(
+    sources: list[PackedSource], max_documents: int = MAX_LENGTH_SAMPLE, per_source: list | None = None
+) -> LengthHistogram:
     """The length distribution from the `.ds.index` files. Above `max_documents` documents (an
     index is 8 bytes per document: 88 GB for an 11T-token corpus) it reads evenly spaced blocks
-    of consecutive entries instead of everything, and says so in the report."""
+    of consecutive entries instead of everything, and says so in the report. `per_source`, if
+    given, gets each source's own distribution (source_lengths), from the same blocks: the
+    sources are read one after the other, so two histograms are held whatever their number."""
     hist = LengthHistogram()
-    paths = [src.path / f"{s['path']}.index" for src in sources for s in src.shards]
-    sizes = [regular_size(p) // U64.itemsize for p in paths]
-    blocks = [(path, a, min(INDEX_BLOCK, n - a)) for path, n in zip(paths, sizes) for a in range(0, n, INDEX_BLOCK)]
+    paths = [(k, src.path / f"{s['path']}.index") for k, src in enumerate(sources) for s in src.shards]
+    sizes = [regular_size(p) // U64.itemsize for _, p in paths]
+    blocks = [
+        (k, path, a, min(INDEX_BLOCK, n - a)) for (k, path), n in zip(paths, sizes) for a in range(0, n, INDEX_BLOCK)
+    ]
     hist.corpus_documents = sum(sizes)
     if hist.corpus_documents > max_documents:
         keep = max(1, max_documents // INDEX_BLOCK)
         blocks = [blocks[i * len(blocks) // keep] for i in range(keep)]
-    with progress(sum(b[2] for b in blocks) * U64.itemsize, "document lengths") as bar:
-        for path, a, count in blocks:
-            prev = 0 if a == 0 else int(read_array(path, U64, 1, (a - 1) * U64.itemsize)[0])
-            ends = read_array(path, U64, count, a * U64.itemsize)
-            lengths = np.diff(ends.astype(np.int64), prepend=prev)
-            bad = np.flatnonzero(lengths <= 0)
-            if len(bad):  # the histogram would count negative lengths: name the entry instead
-                k = a + int(bad[0])
-                raise TokpackError(
-                    "document index is not increasing",
-                    file=path,
-                    where=f"entry {k}",
-                    expected=f"an end above {prev if k == a else int(ends[bad[0] - 1])}",
-                    found=int(ends[bad[0]]),
-                    hint="the packed source is corrupt: run `tokpack validate` on it, then pack it again",
-                )
-            hist.add(lengths)
-            bar.update(ends.nbytes)
+    with progress(sum(b[3] for b in blocks) * U64.itemsize, "document lengths") as bar:
+        for k in range(len(sources)):
+            own = LengthHistogram()
+            own.corpus_documents = sum(n for (j, _), n in zip(paths, sizes) if j == k)
+            for _, path, a, count in (b for b in blocks if b[0] == k):
+                lengths = _index_lengths(path, a, count)
+                hist.add(lengths)
+                own.add(lengths)
+                bar.update(count * U64.itemsize)
+            if per_source is not None:
+                if not own.count and own.corpus_documents:  # sampled, and no block of it drawn: one of its own
+                    path, n = next((p, n) for (j, p), n in zip(paths, sizes) if j == k and n)
+                    own.add(_index_lengths(path, 0, min(INDEX_BLOCK, n)))
+                per_source.append(own.summary())
     return hist
+
+
+def _index_lengths(path, a: int, count: int) -> np.ndarray:
+    """The lengths of documents [a, a + count) of one shard, from its `.ds.index`."""
+    prev = 0 if a == 0 else int(read_array(path, U64, 1, (a - 1) * U64.itemsize)[0])
+    ends = read_array(path, U64, count, a * U64.itemsize)
+    lengths = np.diff(ends.astype(np.int64), prepend=prev)
+    bad = np.flatnonzero(lengths <= 0)
+    if len(bad):  # the histogram would count negative lengths: name the entry instead
+        k = a + int(bad[0])
+        raise TokpackError(
+            "document index is not increasing",
+            file=path,
+            where=f"entry {k}",
+            expected=f"an end above {prev if k == a else int(ends[bad[0] - 1])}",
+            found=int(ends[bad[0]]),
+            hint="the packed source is corrupt: run `tokpack validate` on it, then pack it again",
+        )
+    return lengths
 
 
 # -------------------------------------------------------------- documents in windows
@@ -363,6 +388,7 @@ class InspectResult(Result):
     batch_diversity: dict | None = optional_field()  # before and after the shuffle
     documents_per_row: dict | None = optional_field()  # the chosen epoch's largest row: max_documents to pass
     plot: str | None = optional_field()
+    split: str | None = optional_field()  # "holdout": RUN/holdout/, the held-out split (an epoch directory, no epoch)
 
 
 def inspect(
@@ -396,7 +422,7 @@ def inspect(
             hint=f"drop --seq-len: the batch analysis of a {kind} uses its own",
         )
     batch = batch_size or DEFAULT_BATCH_SIZE
-    report: dict = {"kind": kind, "path": str(directory), "batch_size": batch}
+    report: dict = {"kind": kind, "path": str(directory), "batch_size": batch, **_split_of(manifest)}
 
     epochs = _epochs_of(directory, manifest)
     chosen = next((x for x in epochs if epoch is None or x[0] == epoch), None)
@@ -426,9 +452,14 @@ def inspect(
     if kind == "run" and manifest.get("schedule"):
         report["stages"] = _stages(manifest)
 
-    hist = document_lengths(sources) if sources else None
+    per_source: list[dict] = []
+    hist = document_lengths(sources, per_source=per_source) if sources else None
     if hist is not None:
-        report["document_lengths"] = hist.report()
+        names = _source_names(directory, manifest, epochs)
+        report["document_lengths"] = {
+            **hist.report(),
+            "sources": [{"name": n, **d} for n, d in zip(names, per_source)],
+        }
 
     L = report["totals"]["seq_len"] if kind != "source" else seq_len
     if L is not None:
@@ -448,7 +479,7 @@ def inspect(
 
 def report_lines(r: InspectResult) -> list[str]:
     """The report for humans."""
-    lines = [f"{r.kind} {r.path}"]
+    lines = [f"{r.kind} {r.path}" if r.split is None else _split_header(r)]
     if r.unreachable_sources:
         lines.append(f"  sources not reachable (no document statistics): {', '.join(r.unreachable_sources)}")
     t = r.totals
@@ -456,8 +487,8 @@ def report_lines(r: InspectResult) -> list[str]:
         lines.append(f"  tokens {t['tokens']:,}  documents {t['documents']:,}  shards {t['shards']}")
     else:
         lines.append(
-            f"  epochs {t['epochs']}  samples {t['samples']:,}  tokens {t['tokens']:,}  "
-            f"shards {t['shards']}  seq_len {t['seq_len']}"
+            ("" if r.split else f"  epochs {t['epochs']}")
+            + f"  samples {t['samples']:,}  tokens {t['tokens']:,}  shards {t['shards']}  seq_len {t['seq_len']}"
         )
         if "source_tokens" in t:
             lines.append(
@@ -491,7 +522,9 @@ def report_lines(r: InspectResult) -> list[str]:
             if "max_documents_per_row" in pk:
                 padded += f", at most {pk['max_documents_per_row']:,} documents per row"
         lines.append(
-            f"  epoch {e['epoch']}: {e['samples']:,} samples; " + ", ".join(_share_text(s) for s in used) + padded
+            f"  {_epoch_name(r, e['epoch'])}: {e['samples']:,} samples; "
+            + ", ".join(_share_text(s) for s in used)
+            + padded
         )
     dl = r.document_lengths
     if dl is not None:
@@ -505,10 +538,11 @@ def report_lines(r: InspectResult) -> list[str]:
                 else ""
             )
         )
+        lines += _source_length_lines(dl.get("sources") or [])
     if r.batch_diversity is None and (r.kind == "source" or t.get("seq_len") is None):
         lines.append("  batch diversity: pass --seq-len to see it for a packed source")
     elif r.batch_diversity:
-        lines += _diversity_lines(r.batch_diversity, r.batch_size)
+        lines += _diversity_lines(r.batch_diversity, r.batch_size, r.split)
     if r.documents_per_row is None and r.kind != "source":
         lines.append(
             "  documents per row: --documents-per-row finds the max_documents to train with (reads the epoch once)"
@@ -516,11 +550,59 @@ def report_lines(r: InspectResult) -> list[str]:
     if r.documents_per_row is not None:
         d = r.documents_per_row
         lines.append(
-            f"  documents per row (epoch {d['epoch']}): at most {d['max']} (first at sample {d['sample']}), "
+            f"  documents per row ({_epoch_name(r, d['epoch'])}): at most {d['max']} (first at sample {d['sample']}), "
             f"padding counted as one; fixed shapes: TokpackDataset(..., max_documents={d['max']})"
         )
     if r.plot is not None:
         lines.append(f"  plot written to {r.plot}")
+    return lines
+
+
+def _split_of(manifest: dict) -> dict:
+    """{"split": "holdout"} for RUN/holdout/ (its manifest says so: a window epoch's `holdout`, a
+    best-fit one's `packing`), which is an epoch directory but no epoch of the run; else {}."""
+    for where in (manifest.get("holdout"), manifest.get("packing")):
+        if isinstance(where, dict) and where.get("split") == "holdout":
+            return {"split": "holdout"}
+    return {}
+
+
+def _epoch_name(r: InspectResult, epoch: int) -> str:
+    """How a line names an epoch of the report: RUN/holdout/ is the held-out split, not "epoch 0"."""
+    return "held-out split" if r.split == "holdout" else f"epoch {epoch}"
+
+
+def _split_header(r: InspectResult) -> str:
+    return (
+        f"held-out split {r.path} (RUN/holdout/: the documents `shuffle --holdout` sets aside from every "
+        "training epoch; read it as an epoch)"
+    )
+
+
+def _source_names(directory: Path, manifest: dict, epochs) -> list[str]:
+    """The names of the sources `_sources_of` opens, in its order: the epoch's (or run's) names
+    for them, or a packed source's folder name."""
+    if manifest["kind"] == "source":
+        return [directory.name]
+    entries = (epochs[0][2].get("sources") if epochs else manifest.get("sources")) or []
+    return [str(e.get("name") or e.get("path")) for e in entries]
+
+
+def _source_length_lines(per_source: list[dict]) -> list[str]:
+    """Each source's document lengths, when there are several (with one, the line above is its)."""
+    if len(per_source) < 2:
+        return []
+    lines = ["  document length by source (tokens a document):"]
+    for d in per_source:
+        if not d.get("documents"):
+            lines.append(f"    {d['name']}: no documents")
+            continue
+        q = d["quantiles"]
+        sampled = f", sampled from {d['sampled_from_documents']:,}" if "sampled_from_documents" in d else ""
+        lines.append(
+            f"    {d['name']}: mean {d['mean']}  min {d['min']}  p50 {q['p50']:g}  p99 {q['p99']:g}  "
+            f"max {d['max']}  ({d['documents']:,} documents{sampled})"
+        )
     return lines
 
 
@@ -652,13 +734,14 @@ def _batch_diversity(
     return diversity
 
 
-def _diversity_lines(diversity: dict, batch: int) -> list[str]:
+def _diversity_lines(diversity: dict, batch: int, split: str | None = None) -> list[str]:
     lines = []
     for when in ("before", "after"):
         if when not in diversity:
             continue
         s = diversity[when].get("summary")
-        label = when if when == "before" else f"after (epoch {diversity['epoch']}, {diversity['document_identity']})"
+        shuffled = "held-out split" if split == "holdout" else f"epoch {diversity['epoch']}"
+        label = when if when == "before" else f"after ({shuffled}, {diversity['document_identity']})"
         if not s:
             lines.append(f"  batches {label}: fewer samples than one batch of {batch}")
             continue
@@ -724,7 +807,12 @@ def write_plot(path, report: dict, hist: LengthHistogram | None) -> None:
 
     styles = {
         "before": dict(color="#c44e52", label="before shuffle (sequential)"),
-        "after": dict(color="#55a868", label=f"after shuffle (epoch {div.get('epoch')})"),
+        "after": dict(
+            color="#55a868",
+            label="after shuffle (held-out split)"
+            if report.get("split") == "holdout"
+            else f"after shuffle (epoch {div.get('epoch')})",
+        ),
     }
     for ax, key, title, ylabel in (
         (axes[1], "distinct_documents", "distinct documents per batch", "documents"),

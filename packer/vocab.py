@@ -256,3 +256,32 @@ class Normalizer:
             found=found,
             hint=hint,
         )
+
+
+def sample_text(tokenizer, tokens: np.ndarray, eos_id: int | None, padding: int = 0) -> str:
+    """A sample's tokens as text, for `tokpack read --tokenizer`: each document piece decoded on
+    its own (so an EOS shows whether or not the tokenizer marks it special), an EOS as the
+    tokenizer's own token for it (`<|endoftext|>`; `<eos>` if it has none), and a best-fit row's
+    trailing `padding` tokens as one `[padding: N tokens]`, never as text a model would learn."""
+    real = tokens[: len(tokens) - padding] if padding else tokens
+    ids = real.tolist()
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    beyond = next((t for t in ids if t >= size), None)
+    if beyond is not None:  # tokenizers would drop it silently: the text would lie
+        raise TokpackError(
+            "token id is beyond the tokenizer's vocabulary",
+            where="--tokenizer",
+            expected=f"ids below {size}",
+            found=beyond,
+            hint="pass the tokenizer the source was packed with (its manifest's `tokenizer`)",
+        )
+    marker = (tokenizer.id_to_token(eos_id) or "<eos>") if eos_id is not None else None
+    pieces, start = [], 0
+    ends = [i for i, t in enumerate(ids) if t == eos_id] if eos_id is not None else []
+    for end in ends:
+        pieces.append(tokenizer.decode(ids[start:end], skip_special_tokens=False) + marker)
+        start = end + 1
+    pieces.append(tokenizer.decode(ids[start:], skip_special_tokens=False))
+    if padding:
+        pieces.append(f"[padding: {padding} tokens]")
+    return "".join(pieces)

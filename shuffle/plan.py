@@ -34,7 +34,7 @@ from tokpack.formats.manifest import (
     row_hashes,
 )
 from tokpack.formats.shards import PackedSource
-from tokpack.formats.units import at_most, token_count
+from tokpack.formats.units import at_most, parse_weight, token_count
 
 from .holdout import Holdout, KeptStream, stream_table
 from .permutation import Bijection, derive_key
@@ -501,22 +501,6 @@ def virtual_source(spec: str) -> PackedSource:
 
 
 # -------------------------------------------------------------------- construction
-
-
-def parse_weight(text: str, where: str) -> Fraction:
-    try:
-        w = Fraction(text.strip())
-    except (ValueError, ZeroDivisionError):
-        raise TokpackError(
-            "weight is not a number",
-            where=where,
-            expected="a non-negative number like 0.3, 2 or 1/3",
-            found=repr(text),
-            hint="write SOURCE=WEIGHT",
-        ) from None
-    if w < 0:
-        raise TokpackError("weight is negative", where=where, expected=">= 0", found=text)
-    return w
 
 
 def largest_remainder(weights: list[Fraction], total: int) -> list[int]:

@@ -41,11 +41,11 @@ from tokpack.formats.builders import ShuffleFields, TokenHeader
 from tokpack.formats.packing import PackingRecord
 from tokpack.formats.numbering import shuffle_command
 from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
-from tokpack.formats.units import at_most, counted
+from tokpack.formats.units import at_most, counted, parse_weight, weight_text
 
 from . import packings
 from .holdout import parse_holdout
-from .plan import EpochPlan, SamplePlan, holdout_recorded, is_virtual, open_source, parse_weight, source_location
+from .plan import EpochPlan, SamplePlan, holdout_recorded, is_virtual, open_source, source_location
 from .schedule import RunPlan, Schedule, same_source_twice
 from .spec import ShuffleSpec
 from .steps import ORDER_ROW_OVERHEAD, EpochJob, Layout, make_layout, source_changed_error
@@ -622,7 +622,8 @@ def setup_run(
             where="--holdout",
             hint=f"use --packing {packings.DEFAULT} or best-fit with --holdout",
         )
-    paths, weights = list(paths), list(weights or [None] * len(paths))
+    # 70% is recorded as 0.7 is (formats.units.weight_text): the same weights, the same manifests
+    paths, weights = list(paths), [None if w is None else weight_text(w) for w in weights or [None] * len(paths)]
     opened = open_sources(paths)
     out = Path(output)
     first = opened[0].manifest

@@ -19,11 +19,11 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import open_read
 from tokpack.formats.manifest import MAX_EPOCHS
 from tokpack.formats.shards import PackedSource
-from tokpack.formats.units import at_most, token_count
+from tokpack.formats.units import at_most, parse_weight, token_count, weight_text
 
 from . import packings
 from .packed import DEFAULT_PLAN_MEMORY
-from .plan import SamplePlan, parse_weight
+from .plan import SamplePlan
 
 SCHEDULE_KEYS = ("seq_len", "seed", "jitter", "shard_samples", "stages", "packing")
 MAX_SCHEDULE_BYTES = 1 << 20  # a schedule is a few dozen lines; a larger file is not one
@@ -167,7 +167,7 @@ def _weight(value, file, where: str) -> str:
         _fail(e.message, file, where, e.expected, e.found)
     if weight == 0:
         _fail("weight is 0", file, where, "a weight > 0", text, hint="leave the source out of the stage instead")
-    return text
+    return weight_text(text)  # 70% recorded as 0.7 is: the same run
 
 
 def _stages(entries: list, path: Path, seq_len: int) -> list[Stage]:

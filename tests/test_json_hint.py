@@ -1,0 +1,86 @@
+"""Under --json a failure's hint is in `"hint"` (issue 43), whatever failed: a value click
+refused through tokpack's parser of quantities, a missing module, Ctrl-C. The one line on
+stderr stays the line a human reads: `message. HINT: hint`."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import tokpack.packer.api
+from conftest import random_docs, write_source
+from tokpack.packer.cli import main
+
+
+def failed(*args) -> tuple[int, dict | None, str]:
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    out = r.stdout.strip()
+    return r.exit_code, json.loads(out)["error"] if out else None, r.stderr.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return write_source(tmp_path_factory.mktemp("hint") / "src", random_docs(np.random.default_rng(1), 40, 1000, 0))
+
+
+CASES = {
+    "pack --shard-tokens 1GiB": lambda s, t: ["pack", s, "-o", t / "p", "--shard-tokens", "1GiB"],
+    "shuffle --memory lots": lambda s, t: [
+        "shuffle",
+        s,
+        "-o",
+        t / "r",
+        "--seq-len",
+        15,
+        "--seed",
+        1,
+        "--epochs",
+        1,
+        "--memory",
+        "lots",
+    ],
+    "read --consumed-tokens 1GiB": lambda s, t: ["read", s, "--consumed-tokens", "1GiB"],
+    "inspect --memory 5 apples": lambda s, t: ["inspect", s, "--memory", "5 apples"],
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_quantity_refused_by_click_has_its_hint_in_hint(case, source, tmp_path):
+    args = CASES[case](source, tmp_path)
+    code, error, _ = failed(*args, "--json")
+    code_human, none, line = failed(*args)
+    assert code == code_human == 2 and none is None
+    assert error["hint"] and "HINT" not in error["message"], error
+    assert line == f"Error: {error['message']}. HINT: {error['hint']}"  # the human line, as before
+
+
+@pytest.mark.parametrize(
+    "raised,message,hint,code",
+    [
+        (KeyboardInterrupt(), "interrupted", "rerun the same command to resume", 130),
+        (
+            ModuleNotFoundError("no s3fs", name="s3fs"),
+            "this command needs the module 's3fs', which is not installed",
+            "pip install s3fs",
+            1,
+        ),
+    ],
+)
+def test_validate_interrupted_or_missing_a_module_has_its_hint_in_hint(
+    raised, message, hint, code, source, monkeypatch
+):
+    def validate(*args, **kw):
+        raise raised
+
+    monkeypatch.setattr(tokpack.packer.api, "validate", validate)
+    got, error, line = failed("validate", source, "--json")
+    assert got == code
+    assert (error["message"], error["hint"]) == (message, hint)
+    expected = {
+        130: "tokpack: interrupted; rerun the same command to resume",
+        1: "tokpack: error: this command needs the module 's3fs', which is not installed. HINT: pip install s3fs",
+    }
+    assert line == expected[code]  # the human line is the one it always was
