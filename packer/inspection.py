@@ -262,16 +262,18 @@ def diversity_after_plan(
 def diversity_after_table(
     plan, maps: list[DocumentMap], epoch_dir: Path, manifest: dict, batch: int, batches: int
 ) -> tuple[dict | None, int]:
-    """An epoch whose plan has a row table (best-fit), in order: each sample's documents from
-    the table, built within the plan's memory and read a batch's rows at a time (never whole).
-    Returns (series, samples whose bytes differ from the rows the table builds)."""
-    from tokpack.shuffle.packed import TokenPool
+    """An epoch whose packing builds its rows from a row table (its registry entry's
+    `table_rows`: best-fit), in order: each sample's documents from the table, built within the
+    plan's memory and read a batch's rows at a time (never whole). Returns (series, samples whose
+    bytes differ from the rows the table builds)."""
+    from tokpack.shuffle.packings import of_plan
 
+    entry = of_plan(plan)
     opened = [m.src for m in maps]
-    pool = TokenPool(plan, opened)
+    pool = entry.token_pool(plan, opened)
     reader = SampleReader.from_manifests([(epoch_dir, manifest)])
     stats, mismatches = [], 0
-    with plan.table_rows(opened) as built:
+    with entry.table_rows(plan, opened) as built:
         for b in range(min(batches, plan.samples // batch)):
             g0, g1 = b * batch, (b + 1) * batch
             rows = reader.read(g0, batch)
@@ -632,13 +634,14 @@ def _batch_diversity(
             from tokpack.shuffle.packed import DEFAULT_PLAN_MEMORY
             from tokpack.shuffle.packings import of_manifest
 
-            plan = of_manifest(em).from_manifest(em, sources, memory or DEFAULT_PLAN_MEMORY)
+            entry = of_manifest(em)
+            plan = entry.from_manifest(em, sources, memory or DEFAULT_PLAN_MEMORY)
         except (ImportError, TokpackError, KeyError, ValueError) as err:
             note = f"shuffle plan unavailable ({type(err).__name__}: {err})"
         else:
-            # A plan with a row table (best-fit) names each sample's documents; a window plan
+            # A packing with a row table (best-fit) names each sample's documents; a window plan
             # locates each sample's window in its source.
-            after, mismatches = (diversity_after_table if hasattr(plan, "table_rows") else diversity_after_plan)(
+            after, mismatches = (diversity_after_plan if entry.table_rows is None else diversity_after_table)(
                 plan, maps, edir, em, batch, batches
             )
             note = None

@@ -48,7 +48,6 @@ from tokpack.formats.manifest import (
     parse_manifest,
     require_valid,
     row_hashes,
-    rows_padded,
 )
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace, ShardWriter
@@ -78,7 +77,7 @@ from tokpack.packer.staging import (
     parse_epochs,
     refuse_dest,
 )
-from tokpack.shuffle.packings import DEFAULT as DEFAULT_PACKING
+from tokpack.shuffle.packings import DEFAULT as DEFAULT_PACKING, of_manifest
 
 # Rows gathered per step: three chunks in flight (read, verified, written), so memory stays near
 # 3x this whatever the epoch's size.
@@ -326,7 +325,7 @@ class _EpochStager:
             "the run's file is corrupt: run `tokpack validate` on the run; nothing was kept",
         )
         self.by_rows = all("rows_xxh3_128" in s for s in self.shards)
-        self.packed = any(has_pad(s) for s in self.shards)  # best-fit: rank files get a `.ds.pad`
+        self.packed = of_manifest(manifest).padded  # its rank files get a `.ds.pad` (best-fit)
         for s in self.shards:
             reads.sizes.update((f"{rel}/{name}", size) for name, size in run_files(s, self.row_bytes))
 
@@ -453,7 +452,7 @@ def check_run_files(src: Source, epochs: list[int], row_bytes: int) -> None:
         m = src.manifest(rel, kind="epoch")
         for i, s in enumerate(m["shards"]):
             contained_shard(src.root / rel, s, i)
-            if rows_padded(m) and not has_pad(s):  # found by tests/test_fuzz.py: staged as zero padding
+            if of_manifest(m).padded and not has_pad(s):  # found by tests/test_fuzz.py: staged as zero padding
                 raise TokpackError(
                     "best-fit epoch shard lacks its padding sidecar: the slice would train on its padding as tokens",
                     file=f"{src.path.rstrip('/')}/{rel}/{MANIFEST}",
@@ -549,7 +548,7 @@ def plan_slice(
         first, n = numbering.first(e), numbering.size(e)
         per_rank = [rows.rows(r, first, first + n) for r in range(a, b + 1)]
         kept[e] = sum(per_rank) * row_bytes
-        padded = any(has_pad(s) for s in m.get("shards") or [])
+        padded = of_manifest(m).padded
         per_row = int(m.get("fragments") or 0) / max(1, int(m.get("samples") or 0))
         written[e] = sum(slice_files(k, row_bytes, per_row, padded) for k in per_rank) + on_disk(
             header + SLICE_ENTRY_BYTES * len(per_rank)

@@ -293,7 +293,7 @@ class EpochJob:
             yield ring, tmp
 
 
-class _Step(PipelineStep):
+class Step(PipelineStep):
     """A pass over one epoch: its tasks share the job, the out-of-core layout (if any) and the
     bytes each task may use beyond the interpreter."""
 
@@ -318,7 +318,7 @@ class _Step(PipelineStep):
             self._bar = None
 
 
-class InMemoryStep(_Step):
+class InMemoryStep(Step):
     """One task: read every needed window once, then gather each shard in output order."""
 
     name = "shuffle in memory"
@@ -590,7 +590,7 @@ def split_shards(plan: EpochPlan, sources: list[PackedSource], tasks: int) -> li
     return out
 
 
-class ScatterStep(_Step):
+class ScatterStep(Step):
     """Task t reads its input range sequentially and appends rows + output positions to the
     files of their buckets: scatter-TTTTT/bBBBBBB.rows and .pos (int64 g per row)."""
 
@@ -685,7 +685,7 @@ class ScatterStep(_Step):
             write_bytes_atomic(done, json.dumps({"task": t, "buckets": len(table)}).encode(), fsync=True)
 
 
-class OrderStep(_Step):
+class OrderStep(Step):
     """Task i writes output shard i: each of its buckets is loaded, placed by g, written."""
 
     name = "shuffle order"
