@@ -235,8 +235,8 @@ def replay(manifest: dict, sources, order: bool = True, memory: int = packed.DEF
 # -------------------------------------------------------------------- windows ("concat")
 
 
-def _windows_plan(sources, *, memory, **kw):
-    return plan.epoch_plan(sources, held_out=packed.held_out, **kw)
+def _windows_plan(sources, *, memory, holdout=None, **kw):
+    return plan.epoch_plan(sources, holdout=plan.HoldoutChoice(holdout, False, packed.held_out), **kw)
 
 
 def _windows_in_memory(job, prepared, memory, needed, held):
@@ -277,8 +277,9 @@ WINDOWS = register(
 # -------------------------------------------------------------------- best-fit
 
 
-def _best_fit_plan(sources, *, jitter, memory, **kw):
-    return packed.packed_epoch_plan(sources, memory=memory, **kw)
+def _best_fit_plan(sources, *, jitter, memory, pad_id=None, group_tokens=None, holdout=None, **kw):
+    options = packed.PackedOptions(group_tokens, pad_id, holdout=holdout)
+    return packed.packed_epoch_plan(sources, memory=memory, options=options, **kw)
 
 
 def _best_fit_in_memory(job, prepared, memory, needed, held):

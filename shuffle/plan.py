@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator, NamedTuple, Protocol
 
 import numpy as np
 import xxhash
@@ -610,17 +610,17 @@ def epoch_plan(
     tokens: int | None = None,
     jitter: bool = False,
     names: list[str] | None = None,
-    holdout: dict | None = None,
-    split: bool = False,
-    held_out: "HeldOut | None" = None,
+    holdout: "HoldoutChoice | None" = None,
 ) -> EpochPlan:
-    """The plan of one epoch. Cheap: O(#sources) plus a few hashes (with `holdout`, parse_holdout's:
-    the windows of each source's stream of the documents not held out, or with `split` of the
-    held-out ones; its table is one scan of the source's document index, once per process)."""
+    """The plan of one epoch. Cheap: O(#sources) plus a few hashes (with a `holdout` spec,
+    parse_holdout's: the windows of each source's stream of the documents not held out, or with
+    its `split` of the held-out ones; its table is one scan of the source's document index, once
+    per process)."""
     if not sources:
         raise TokpackError("no sources given", hint="tokpack shuffle SOURCE[=WEIGHT]... -o OUT")
     weights = list(weights) if weights is not None else [None] * len(sources)
-    held = [stream_counts(src, holdout, seed, split, held_out) for src in sources]
+    spec, split, held_out = holdout or HoldoutChoice()
+    held = [stream_counts(src, spec, seed, split, held_out) for src in sources]
     wins = []
     for s, src in enumerate(sources):
         w = windows_of(held[s].get("tokens", src.tokens), seq_len, jitter)
@@ -666,12 +666,21 @@ def epoch_plan(
             )
         )
         base += counts[s]
-    return EpochPlan(int(seed), int(epoch), int(seq_len), bool(jitter), n, tuple(plans), holdout, bool(split))
+    return EpochPlan(int(seed), int(epoch), int(seq_len), bool(jitter), n, tuple(plans), spec, bool(split))
 
 
 # (source, --holdout as recorded, seed) -> its Holdout: the one rule both packings share,
 # tokpack.shuffle.packed.held_out, which the registry (tokpack.shuffle.packings) passes in.
 HeldOut = Callable[[PackedSource, dict, int], Holdout]
+
+
+class HoldoutChoice(NamedTuple):
+    """`--holdout` as a plan takes it: the spec as recorded (None: nothing held out), whether the
+    plan is RUN/holdout/'s (`split`: the held-out documents only), and the rule that picks them."""
+
+    spec: dict | None = None
+    split: bool = False
+    held_out: HeldOut | None = None
 
 
 def source_holdout(src: PackedSource, spec: dict, seed: int, split: bool, held_out: HeldOut | None) -> Holdout:
@@ -746,7 +755,7 @@ def windows_holdout_plan(
     stream, ordered as an epoch is (epoch 0's keys), all of them (no weights, no --samples, no
     jitter)."""
     return epoch_plan(
-        sources, seq_len=seq_len, seed=seed, epoch=0, names=names, holdout=holdout, split=True, held_out=held_out
+        sources, seq_len=seq_len, seed=seed, epoch=0, names=names, holdout=HoldoutChoice(holdout, True, held_out)
     )
 
 

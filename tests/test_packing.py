@@ -25,6 +25,7 @@ from tokpack.packer.cli import main
 from tokpack.shuffle.packed import (
     PACKED_ALGORITHM,
     PIECE,
+    PackedOptions,
     TokenPool,
     best_fit_decreasing,
     cut_problems,
@@ -177,7 +178,13 @@ GOLDEN_PIECES = [
 @pytest.mark.parametrize("epoch", [0, 1])
 def test_golden_packed_plan(golden, epoch):
     plan = packed_epoch_plan(
-        golden, seq_len=SEQ_LEN, seed=SEED, epoch=epoch, weights=["1", "3"], samples=40, group_tokens=256
+        golden,
+        seq_len=SEQ_LEN,
+        seed=SEED,
+        epoch=epoch,
+        weights=["1", "3"],
+        samples=40,
+        options=PackedOptions(group_tokens=256),
     )
     sources, checksum, padding = GOLDEN[epoch]
     assert [(s.samples, s.windows, s.first_pass, s.passes, s.pass_rows) for s in plan.sources] == sources
@@ -252,7 +259,7 @@ def test_epochs_follow_each_chain_once_per_pass(corpus3, weights, samples, seq_l
             epoch=epoch,
             weights=[str(w) for w in weights],
             samples=samples,
-            group_tokens=500,
+            options=PackedOptions(group_tokens=500),
         )
         table = whole_table(plan, corpus3)
         assert len(np.unique(table["g"])) == plan.samples == samples
@@ -1113,7 +1120,13 @@ def test_a_damaged_row_table_in_the_work_folder_is_refused(golden, tmp_path):
     from tokpack.shuffle.packed import PackedTable, build_table
 
     plan = packed_epoch_plan(
-        golden, seq_len=SEQ_LEN, seed=SEED, epoch=0, weights=["1", "3"], samples=40, group_tokens=256
+        golden,
+        seq_len=SEQ_LEN,
+        seed=SEED,
+        epoch=0,
+        weights=["1", "3"],
+        samples=40,
+        options=PackedOptions(group_tokens=256),
     )
     built = build_table(plan, golden, tmp_path / "packing", 1 << 20)
     assert built.table_xxh3_128 == GOLDEN[0][1] and built.padding == GOLDEN[0][2]

@@ -8,6 +8,7 @@ tokpack.shuffle.packed.table's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -284,6 +285,19 @@ def _locate_chain(plan, s: int, lo: int, n: int, src: PackedSource) -> tuple[int
     return first, len(counts), tuple(counts)
 
 
+class PackedOptions(NamedTuple):
+    """A packed plan's settings past the epoch's own: its rows' group size and pad id (None: the
+    defaults), a schedule's chains (each source's cursor and samples), and `--holdout` (the
+    spec as recorded; `split`: the plan of RUN/holdout/, the held-out documents only)."""
+
+    group_tokens: int | None = None
+    pad_id: int | None = None
+    cursors: list[int | None] | None = None
+    counts: list[int] | None = None
+    holdout: dict | None = None
+    split: bool = False
+
+
 def packed_epoch_plan(
     sources: list[PackedSource],
     *,
@@ -294,17 +308,14 @@ def packed_epoch_plan(
     samples: int | None = None,
     tokens: int | None = None,
     names: list[str] | None = None,
-    group_tokens: int | None = None,
-    pad_id: int | None = None,
-    cursors: list[int | None] | None = None,
-    counts: list[int] | None = None,
     memory: int = DEFAULT_PLAN_MEMORY,
-    holdout: dict | None = None,
-    split: bool = False,
+    options: "PackedOptions | None" = None,
 ) -> PackedPlan:
     """The packed plan of one epoch. c_s: as the window plan apportions samples, with R_{s,0}
-    (the rows of pass 0) in place of W_s. `counts` (a schedule's per-source samples) overrides it.
-    `memory`: the plan's budget (bytes; shuffle's --memory), within which it counts its passes."""
+    (the rows of pass 0) in place of W_s. `options.counts` (a schedule's per-source samples)
+    overrides it. `memory`: the plan's budget (bytes; shuffle's --memory), within which it counts
+    its passes."""
+    group_tokens, pad_id, cursors, counts, holdout, split = options or PackedOptions()
     if not sources:
         raise TokpackError("no sources given", hint="tokpack shuffle SOURCE[=WEIGHT]... -o OUT --packing best-fit")
     pad = sources[0].eos_id if pad_id is None else int(pad_id)
@@ -417,13 +428,15 @@ def packed_plan_from_manifest(
         epoch=int(manifest["epoch"]),
         weights=weights,
         names=names,
-        group_tokens=int(pk["group_tokens"]),
-        pad_id=int(pk["pad_id"]),
-        cursors=None if all(c is None for c in cursors) else cursors,
-        counts=counts,
         memory=memory,
-        holdout=pk.get("holdout"),
-        split=pk.get("split") == "holdout",
+        options=PackedOptions(
+            int(pk["group_tokens"]),
+            int(pk["pad_id"]),
+            None if all(c is None for c in cursors) else cursors,
+            counts,
+            pk.get("holdout"),
+            pk.get("split") == "holdout",
+        ),
     )
     if plan.samples != int(manifest["samples"]):
         raise TokpackError(
@@ -489,7 +502,13 @@ def holdout_plan(
     """The plan of RUN/holdout/: one pass over each source's held-out documents, best-fit packed
     and ordered as an epoch is (epoch 0's keys), all of them (no weights, no --samples)."""
     return packed_epoch_plan(
-        sources, seq_len=seq_len, seed=seed, epoch=0, names=names, memory=memory, holdout=holdout, split=True, **options
+        sources,
+        seq_len=seq_len,
+        seed=seed,
+        epoch=0,
+        names=names,
+        memory=memory,
+        options=PackedOptions(**options, holdout=holdout, split=True),
     )
 
 
@@ -524,8 +543,6 @@ def chained_packed_plan(
         epoch=plan.epoch,
         weights=weights,
         names=names,
-        cursors=cursors,
-        counts=counts,
         memory=memory,
-        **options,
+        options=PackedOptions(**options, cursors=cursors, counts=counts),
     )
