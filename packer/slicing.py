@@ -28,6 +28,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -578,22 +579,22 @@ def _epoch_in_place(d: Path, want: dict) -> bool:
         return False
 
 
+class SliceRanks(NamedTuple):
+    """Which ranks a slice holds, as `stage` takes them: `ranks` A..B of `world_size`, or `node`
+    n/N of `ranks_per_node` each; `micro_batch` and `start_sample` number the rows (plan_slice)."""
+
+    ranks: object = None
+    world_size: int | None = None
+    micro_batch: int = 1
+    node: object = None
+    ranks_per_node: int | None = None
+    start_sample: int = 0
+
+
 @locked_output("stage", arg="dest")
-def stage_slice(
-    directory,
-    dest,
-    *,
-    ranks=None,
-    world_size: int | None = None,
-    micro_batch: int = 1,
-    node=None,
-    ranks_per_node: int | None = None,
-    start_sample: int = 0,
-    epochs=None,
-    workers: int = 4,
-    log=None,
-) -> SliceResult:
-    """Writes the node slice of ranks A..B of a run (local or any fsspec URL) into the local DEST."""
+def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **ranks) -> SliceResult:
+    """Writes the node slice of ranks A..B of a run (local or any fsspec URL) into the local DEST;
+    `ranks`: SliceRanks's fields, by keyword."""
     t0 = time.perf_counter()
     if "://" in str(dest):
         raise TokpackError(
@@ -604,7 +605,9 @@ def stage_slice(
             hint="stage reads from any fsspec URL but writes to local disk",
         )
     src = Source(str(directory))
-    plan = plan_slice(src, ranks, world_size, micro_batch, node, ranks_per_node, start_sample, epochs)
+    which = SliceRanks(**ranks)
+    micro_batch = which.micro_batch
+    plan = plan_slice(src, *which, epochs)
     (a, b), w, rows, run, chosen = plan.ranks, plan.world_size, plan.rows, plan.run, plan.epochs
     numbering = EpochNumbering.of_run(run, src.path)
     dest = Path(dest)

@@ -528,69 +528,71 @@ def _check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["_Di
         if em is None or em.get("kind") != "epoch":
             continue
         efile = str(sub / MANIFEST)
-        _check_scheduled_epoch(efile, e, em, sched, d.report.add)
-        if (
-            "epoch_samples" in m
-            and "schedule" not in m
-            and not (numbering.has(e) and em.get("samples") == numbering.size(e))
-        ):
-            d.report.add(
-                efile,
-                "samples",
-                f"{numbering.size(e)} (the run's epoch_samples)"
-                if numbering.has(e)
-                else "no such epoch in the run's plan",
-                em.get("samples"),
-                "epoch size differs from its run's",
-            )
-        for key in RUN_KEYS:
-            if key in m and key in em and em[key] != m[key] and not (key == "samples" and "schedule" in m):
-                d.report.add(
-                    efile, key, f"{m[key]!r} (the run's)", repr(em[key]), "epoch manifest belongs to another run"
-                )
-        esrc = em.get("sources") if isinstance(em.get("sources"), list) else []
-        if len(esrc) == len(m["sources"]):
-            for i, (a, b) in enumerate(zip(m["sources"], esrc)):
-                if isinstance(a, dict) and isinstance(b, dict):
-                    for key in sorted(a.keys() & b.keys() - ({"weight"} if "schedule" in m else set())):
-                        if a[key] != b[key]:
-                            d.report.add(
-                                efile,
-                                f"sources[{i}].{key}",
-                                f"{a[key]!r} (the run's)",
-                                repr(b[key]),
-                                "epoch source differs from the run's",
-                            )
-                    if (
-                        isinstance(m.get("weights"), list)
-                        and i < len(m["weights"])
-                        and "weight" in b
-                        and m["weights"][i] != b["weight"]
-                    ):
-                        d.report.add(
-                            efile,
-                            f"sources[{i}].weight",
-                            repr(m["weights"][i]),
-                            repr(b["weight"]),
-                            "epoch weight differs from the run's",
-                        )
+        _check_epoch_of_run(m, e, em, efile, sched, numbering, d.report.add)
         totals[0] += em.get("tokens", 0) if type_ok(em.get("tokens"), int) else 0
         totals[1] += em.get("fragments", 0) if type_ok(em.get("fragments"), int) else 0
         totals[2] += 1
-        if em.get("epoch") != e:
-            d.report.add(efile, "epoch", e, em.get("epoch"), "epoch manifest belongs to another epoch")
-        if isinstance(em.get("sources"), list) and _source_keys(em["sources"]) != _source_keys(m["sources"]):
-            d.report.add(
-                efile,
-                "sources",
-                _source_keys(m["sources"]),
-                _source_keys(em["sources"]),
-                "epoch was shuffled from other sources than its run",
-            )
     if totals[2] == len(epochs):
         for i, key in enumerate(("tokens", "fragments")):
             if type_ok(m.get(key), int) and m[key] != totals[i]:
                 rep.add(mfile, key, f"{totals[i]} (sum over its epochs)", m[key], f"run {key} count wrong")
+
+
+def _check_epoch_of_run(m: dict, e: int, em: dict, efile: str, sched, numbering: EpochNumbering, add) -> None:
+    """Epoch e's manifest `em` against its run's `m`: its schedule, its size, the settings and
+    sources they share, its number; each disagreement through `add`."""
+    _check_scheduled_epoch(efile, e, em, sched, add)
+    if (
+        "epoch_samples" in m
+        and "schedule" not in m
+        and not (numbering.has(e) and em.get("samples") == numbering.size(e))
+    ):
+        add(
+            efile,
+            "samples",
+            f"{numbering.size(e)} (the run's epoch_samples)" if numbering.has(e) else "no such epoch in the run's plan",
+            em.get("samples"),
+            "epoch size differs from its run's",
+        )
+    for key in RUN_KEYS:
+        if key in m and key in em and em[key] != m[key] and not (key == "samples" and "schedule" in m):
+            add(efile, key, f"{m[key]!r} (the run's)", repr(em[key]), "epoch manifest belongs to another run")
+    esrc = em.get("sources") if isinstance(em.get("sources"), list) else []
+    if len(esrc) == len(m["sources"]):
+        for i, (a, b) in enumerate(zip(m["sources"], esrc)):
+            if isinstance(a, dict) and isinstance(b, dict):
+                for key in sorted(a.keys() & b.keys() - ({"weight"} if "schedule" in m else set())):
+                    if a[key] != b[key]:
+                        add(
+                            efile,
+                            f"sources[{i}].{key}",
+                            f"{a[key]!r} (the run's)",
+                            repr(b[key]),
+                            "epoch source differs from the run's",
+                        )
+                if (
+                    isinstance(m.get("weights"), list)
+                    and i < len(m["weights"])
+                    and "weight" in b
+                    and m["weights"][i] != b["weight"]
+                ):
+                    add(
+                        efile,
+                        f"sources[{i}].weight",
+                        repr(m["weights"][i]),
+                        repr(b["weight"]),
+                        "epoch weight differs from the run's",
+                    )
+    if em.get("epoch") != e:
+        add(efile, "epoch", e, em.get("epoch"), "epoch manifest belongs to another epoch")
+    if isinstance(em.get("sources"), list) and _source_keys(em["sources"]) != _source_keys(m["sources"]):
+        add(
+            efile,
+            "sources",
+            _source_keys(m["sources"]),
+            _source_keys(em["sources"]),
+            "epoch was shuffled from other sources than its run",
+        )
 
 
 def _plan_dir(path: Path, quick: bool, kinds=None) -> _Dir:
