@@ -38,7 +38,8 @@ from .packed import (
     kept_pass_bytes,
     row_padding,
 )
-from .steps import RING, EpochJob, OrderStep, Step
+from .epoch_job import RING, EpochJob, Step
+from .steps import OrderStep
 
 GATHER_TOKENS = 1 << 20  # tokens of rows assembled per call
 
