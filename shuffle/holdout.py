@@ -238,3 +238,19 @@ def stream_table(raw, holdout: Holdout) -> np.ndarray:
             kept[k] = int(lens[~holdout.left_out(np.arange(len(ends), dtype=np.int64) + int(first[k]))].sum())
         _STREAMS[key] = kept
     return _STREAMS[key]
+
+
+def holdout_recorded(manifest: dict) -> tuple[dict | None, bool]:
+    """(the `--holdout` a window epoch or run records, whether it is RUN/holdout/'s): its
+    top-level `holdout` object (a best-fit one records it in `packing`)."""
+    h = manifest.get("holdout")
+    if not isinstance(h, dict):
+        return None, False
+    return {k: v for k, v in h.items() if k != "split"}, h.get("split") == "holdout"
+
+
+def run_holdout(manifest: dict) -> dict | None:
+    """The `--holdout` a run (or epoch) manifest records, of either packing (a best-fit one's is
+    in its `packing`, a window one's at the top): a run that records one has RUN/holdout/."""
+    pk = manifest.get("packing") if isinstance(manifest.get("packing"), dict) else {}
+    return pk.get("holdout") or holdout_recorded(manifest)[0]
