@@ -560,7 +560,7 @@ def plan_slice(
     return SlicePlan((a, b), w, rows, run, chosen, kept, read, by_rows, written, on_disk(header))
 
 
-def _epoch_in_place(d: Path, want: dict) -> bool:
+def epoch_in_place(d: Path, want: dict) -> bool:
     """The epoch's slice manifest is there, for this slice and this run epoch, with its files at their sizes."""
     try:
         have = _small_json(d / MANIFEST)
@@ -612,7 +612,7 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
     numbering = EpochNumbering.of_run(run, src.path)
     dest = Path(dest)
     root = slice_manifest(run, src.local_root or src.path, rows, a, b)
-    previous = _previous_slice(dest, root, src.path)
+    previous = previous_slice(dest, root, src.path)
     row_bytes = row_bytes_of(run)
     check_run_files(src, chosen, row_bytes)
     dest.mkdir(parents=True, exist_ok=True)
@@ -644,7 +644,7 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
                     )
                 want = slice_epoch_manifest(root, e, int(m["samples"]), first, raw)
                 d = dest / rel
-                if _epoch_in_place(d, want):
+                if epoch_in_place(d, want):
                     in_place.append(e)
                     continue
                 d.mkdir(parents=True, exist_ok=True)
@@ -771,7 +771,7 @@ def _shown(value, where: str) -> str:
     return str(value) if isinstance(value, (str, int, float)) else repr(value)
 
 
-def _previous_slice(dest: Path, root: dict, source: str) -> list[int]:
+def previous_slice(dest: Path, root: dict, source: str) -> list[int]:
     """The epochs a slice at DEST already holds; refuses a DEST holding anything else, before
     anything is written (tokpack.packer.staging.dest_holds names what it holds): another kind
     of copy, or a slice (finished or not) of another run or other ranks."""
