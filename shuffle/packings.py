@@ -95,6 +95,9 @@ class Packing:
     open_table: Callable | None = None
     # With padding: (table, rows, row_tokens, first row) -> each row's padding tokens (`.ds.pad`).
     row_padding: Callable | None = None
+    # With a table, out of core: (layout, bucket, ...) -> a bucket of pieces read back as rows
+    # (tokpack.shuffle.packed_step.read_bucket, the order pass's; the exchange reads its buckets so).
+    read_bucket: Callable | None = None
 
 
 _REGISTRY: dict[str, Packing] = {}
@@ -322,5 +325,6 @@ BEST_FIT = register(
         token_pool=packed.TokenPool,
         open_table=packed.PackedTable.open,
         row_padding=packed.row_padding,
+        read_bucket=packed_step.read_bucket,
     )
 )

@@ -260,3 +260,24 @@ def test_a_toy_ordered_packing_runs_through_shuffle_validate_and_stage(ordered, 
         for rank in (2 * n, 2 * n + 1):
             want = [b.tolist() for b in full.batches(rank, 4, 2, 0)]
             assert want and [b.tolist() for b in part.batches(rank, 4, 2, 0)] == want
+
+
+def test_each_entry_says_whether_its_rows_carry_padding_as_its_epochs_show(source, tmp_path):
+    """The registry's `padded` and `table_rows` are what an epoch of the packing is: padded rows
+    carry a `.ds.pad` per shard and a `packing` object (the format's rows_padded), and a packing
+    whose rows come from a row table has a pool to assemble them and the hooks to reopen it."""
+    from tokpack.formats.manifest import has_pad, rows_padded
+
+    for name in packings.names():
+        entry = packings.named(name)
+        out = tmp_path / name
+        res = _cli("shuffle", source, "-o", out, *SHUFFLE_ARGS, "--packing", name, "--json")
+        assert res.exit_code == 0, res.output
+        m = read_manifest(out / E0, kind="epoch")
+        assert packings.of_manifest(m) is entry
+        assert rows_padded(m) == entry.padded and all(has_pad(s) == entry.padded for s in m["shards"])
+        built = (entry.table_rows, entry.token_pool, entry.open_table, entry.read_bucket)
+        assert all(hook is None for hook in built) or all(hook is not None for hook in built)
+        assert (entry.row_padding is not None) == entry.padded
+    assert packings.BEST_FIT.padded and packings.BEST_FIT.table_rows is not None
+    assert not packings.WINDOWS.padded and packings.WINDOWS.table_rows is None
