@@ -13,7 +13,7 @@ from tokpack.formats.io import open_read
 from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES, epoch_dir_name, parse_manifest, read_manifest
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.slices import RankRows, slice_epoch_manifest, slice_manifest
-from tokpack.packer.slicing import epoch_in_place, previous_slice
+from tokpack.packer.slice_dest import epoch_in_place, previous_slice
 from tokpack.shuffle.run import run_manifest_of
 
 NODE = "{node}"  # in DEST: replaced by the process's node number

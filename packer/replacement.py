@@ -29,7 +29,8 @@ from tokpack.formats.slices import RankRows, slice_epoch_manifest
 from tokpack.packer.node_dest import own_dest, read_raw, slice_root_of_run
 from tokpack.packer.rank_files import RankFiles
 from tokpack.packer.shared import Result
-from tokpack.packer.slicing import epoch_in_place, slice_ranks
+from tokpack.packer.slice_dest import epoch_in_place
+from tokpack.packer.slicing import slice_ranks
 from tokpack.shuffle import packings
 from tokpack.shuffle.packed import PackedTable
 from tokpack.shuffle.plan import open_source

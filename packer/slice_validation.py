@@ -6,6 +6,7 @@ samples that rank reads. tokpack.packer.validation runs these checks and reports
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -193,12 +194,13 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
                         f"cannot replay epoch {e} from the sources",
                         hint="give the sources back at the paths the run's manifest names, then validate again",
                     )
+            against = _RunEpoch(e, rows, first, n, shards, buf, row_bytes, replay)
             try:
                 for s in m["shards"]:
                     r = int(s["rank"])
                     f = d / s["path"]
                     try:
-                        _against_rank_file(f, s, r, e, rows, first, n, shards, buf, row_bytes, rep, replay)
+                        _against_rank_file(f, s, r, against, rep)
                     except TokpackError as err:
                         rep.add(err.file or f, err.where, err.expected, err.found, err.message, hint=err.hint)
                     except OSError as err:
@@ -214,22 +216,25 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
                     replay.close()
 
 
-def _against_rank_file(
-    f: Path,
-    s: dict,
-    r: int,
-    e: int,
-    rows: RankRows,
-    first: int,
-    n: int,
-    shards: RowFacts,
-    buf: np.ndarray,
-    row_bytes: int,
-    rep,
-    replay=None,
-) -> None:
+class _RunEpoch(NamedTuple):
+    """What every rank file of a slice epoch is compared with: the run's epoch e (its rows
+    [first, first + n) as `rows` deals them, their recorded hashes and padding `shards`), a read
+    buffer of whole micro-batches and, with `replay` (a SourceRows), the rows the sources give."""
+
+    e: int
+    rows: RankRows
+    first: int
+    n: int
+    shards: RowFacts
+    buf: np.ndarray
+    row_bytes: int
+    replay: object = None
+
+
+def _against_rank_file(f: Path, s: dict, r: int, run: _RunEpoch, rep) -> None:
     """One rank file (and its `.ds.pad`) against the run's rows rank r reads in epoch e, block by
     block; with `replay` (a SourceRows), also against the rows the sources give at those positions."""
+    e, rows, first, n, shards, buf, row_bytes, replay = run
     want_rows = rows.rows(r, first, first + n)
     size = regular_size(f)
     if size != want_rows * row_bytes:

@@ -28,57 +28,51 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, is_no_space, locked_output
-from tokpack.formats.io import IO_BLOCK, Worker, is_tmp_name, read_limited, regular_fd, remove_tmp_files
-from tokpack.formats.units import at_most
+from tokpack.formats.io import IO_BLOCK, Worker, regular_fd, remove_tmp_files
 from tokpack.formats.manifest import (
-    MAX_MANIFEST_BYTES,
     canonical_bytes,
     has_pad,
     row_bytes_of,
-    strict_json,
     MANIFEST,
     dtype_from_name,
     epoch_dir_name,
     hash_hex64,
     parse_manifest,
-    require_valid,
     row_hashes,
-    rows_padded,
 )
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace, ShardWriter
-from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, RowFacts, contained_shard, shard_suffixes
+from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, RowFacts, contained_shard
 from tokpack.formats.slices import (
     SLICE,
-    SLICE_EPOCH,
-    SLICE_EPOCH_KEYS,
-    SLICE_SHAPE_KEYS,
     RankRows,
-    missing_padding,
     rank_file_name,
     run_identity,
     slice_epoch_manifest,
     slice_manifest,
-    stage_command,
 )
 
 from tokpack.packer.shared import Result
 from tokpack.packer.staging import (
-    MAX_WORLD_SIZE,
-    UNFINISHED,
-    Held,
     Source,
-    dest_holds,
     on_disk,
     parse_epochs,
-    refuse_dest,
 )
-from tokpack.shuffle.packings import DEFAULT as DEFAULT_PACKING
+from tokpack.shuffle.packings import of_manifest
+
+from .slice_dest import epoch_in_place as epoch_in_place, epoch_tokens, previous_slice
+from .slice_ranks import (
+    MAX_GLOBAL_BATCH as MAX_GLOBAL_BATCH,
+    MAX_SLICE_RANKS as MAX_SLICE_RANKS,
+    parse_rank_range as parse_rank_range,
+    slice_ranks as slice_ranks,
+)
 
 # Rows gathered per step: three chunks in flight (read, verified, written), so memory stays near
 # 3x this whatever the epoch's size.
@@ -107,112 +101,6 @@ class SliceResult(Result):
     read_amplification: float | None  # bytes read / bytes kept (rank-file token bytes)
     seconds: float
     mib_per_s: float | None
-
-
-def parse_rank_range(spec) -> tuple[int, int, int | None]:
-    """'A-B', 'A' or 'A-B/W' -> (A, B, W or None)."""
-    head, sep, tail = str(spec).partition("/")
-    lo, dash, hi = head.partition("-")
-    try:
-        a, b = int(lo), int(hi) if dash else int(lo)
-        w = int(tail) if sep else None
-    except ValueError:
-        raise TokpackError(
-            "bad --ranks", where="--ranks", expected="'A-B' (consecutive ranks of one node) or 'A'", found=spec
-        ) from None
-    if a < 0 or b < a:
-        raise TokpackError("bad --ranks", where="--ranks", expected="0 <= A <= B", found=spec)
-    return a, b, w
-
-
-# Ranks one node slice holds: each is a file written at once during a stage, so the bound is the
-# open files a process may hold, far above the GPUs a node has.
-MAX_SLICE_RANKS = 256
-# Samples in a global batch: far above any run's (2^48 rows is an exabyte at seq_len 4096), and
-# low enough that the row arithmetic of formats/slices.py stays inside int64.
-MAX_GLOBAL_BATCH = 1 << 48
-
-
-def slice_ranks(
-    ranks=None,
-    world_size: int | None = None,
-    node=None,
-    ranks_per_node: int | None = None,
-    micro_batch: int | None = None,
-) -> tuple[int, int, int]:
-    """(A, B, W) from `--ranks A-B --world-size W` or `--node n/N --ranks-per-node K` (W = N*K),
-    with at most MAX_SLICE_RANKS ranks and, given `micro_batch` m, W*m at most MAX_GLOBAL_BATCH:
-    checked before anything is written, for every command that makes a node slice."""
-    a, b, w = _slice_ranks(ranks, world_size, node, ranks_per_node)
-    at_most(
-        b - a + 1,
-        MAX_SLICE_RANKS,
-        "ranks in one node slice",
-        where="--ranks/--ranks-per-node",
-        hint="a node slice holds the ranks of one node: stage each node's ranks (--node n/N) on that node",
-    )
-    at_most(
-        w,
-        MAX_WORLD_SIZE,
-        "world size",
-        where="--world-size",
-        hint="W is the number of data-parallel ranks that read the run",
-    )
-    if micro_batch is not None:
-        if micro_batch < 1:
-            raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
-        at_most(
-            w * micro_batch,
-            MAX_GLOBAL_BATCH,
-            "samples in a global batch (W*m)",
-            where="--world-size/--micro-batch",
-            hint="W is the data-parallel ranks and m the samples each reads per step; a run holds far fewer samples",
-        )
-    return a, b, w
-
-
-def _slice_ranks(ranks, world_size, node, ranks_per_node) -> tuple[int, int, int]:
-    if node is not None:
-        if ranks is not None:
-            raise TokpackError("give --ranks or --node, not both", where="--node")
-        try:
-            n, _, count = str(node).partition("/")
-            n, count = int(n), int(count)
-        except ValueError:
-            raise TokpackError("bad --node", where="--node", expected="'n/N': node n of N", found=node) from None
-        k = ranks_per_node
-        if k is None or k < 1 or count < 1 or not 0 <= n < count:
-            raise TokpackError(
-                "bad --node",
-                where="--node/--ranks-per-node",
-                expected="0 <= n < N and K >= 1",
-                found=f"{node}, --ranks-per-node {k}",
-            )
-        if world_size is not None and world_size != count * k:
-            raise TokpackError(
-                "--world-size disagrees with --node and --ranks-per-node",
-                where="--world-size",
-                expected=f"{count * k} (N*K)",
-                found=world_size,
-            )
-        return n * k, n * k + k - 1, count * k
-    if ranks is None:
-        raise TokpackError(
-            "a node slice needs its ranks", where="--ranks", hint="add --ranks A-B, or --node n/N --ranks-per-node K"
-        )
-    a, b, w = parse_rank_range(ranks)
-    if w is not None and world_size is not None and w != world_size:
-        raise TokpackError("--ranks and --world-size disagree", where="--ranks", expected=f"/{world_size}", found=ranks)
-    w = world_size if world_size is not None else w
-    if w is None or w < 1 or b >= w:
-        raise TokpackError(
-            "bad --ranks",
-            where="--ranks",
-            expected=f"ranks in [0, {w})" if w else "a --world-size",
-            found=ranks,
-            hint="each rank must be below the world size W",
-        )
-    return a, b, w
 
 
 class _Reads:
@@ -326,7 +214,7 @@ class _EpochStager:
             "the run's file is corrupt: run `tokpack validate` on the run; nothing was kept",
         )
         self.by_rows = all("rows_xxh3_128" in s for s in self.shards)
-        self.packed = any(has_pad(s) for s in self.shards)  # best-fit: rank files get a `.ds.pad`
+        self.packed = of_manifest(manifest).padded  # its rank files get a `.ds.pad` (best-fit)
         for s in self.shards:
             reads.sizes.update((f"{rel}/{name}", size) for name, size in run_files(s, self.row_bytes))
 
@@ -453,7 +341,7 @@ def check_run_files(src: Source, epochs: list[int], row_bytes: int) -> None:
         m = src.manifest(rel, kind="epoch")
         for i, s in enumerate(m["shards"]):
             contained_shard(src.root / rel, s, i)
-            if rows_padded(m) and not has_pad(s):  # found by tests/test_fuzz.py: staged as zero padding
+            if of_manifest(m).padded and not has_pad(s):  # found by tests/test_fuzz.py: staged as zero padding
                 raise TokpackError(
                     "best-fit epoch shard lacks its padding sidecar: the slice would train on its padding as tokens",
                     file=f"{src.path.rstrip('/')}/{rel}/{MANIFEST}",
@@ -549,7 +437,7 @@ def plan_slice(
         first, n = numbering.first(e), numbering.size(e)
         per_rank = [rows.rows(r, first, first + n) for r in range(a, b + 1)]
         kept[e] = sum(per_rank) * row_bytes
-        padded = any(has_pad(s) for s in m.get("shards") or [])
+        padded = of_manifest(m).padded
         per_row = int(m.get("fragments") or 0) / max(1, int(m.get("samples") or 0))
         written[e] = sum(slice_files(k, row_bytes, per_row, padded) for k in per_rank) + on_disk(
             header + SLICE_ENTRY_BYTES * len(per_rank)
@@ -560,41 +448,22 @@ def plan_slice(
     return SlicePlan((a, b), w, rows, run, chosen, kept, read, by_rows, written, on_disk(header))
 
 
-def _epoch_in_place(d: Path, want: dict) -> bool:
-    """The epoch's slice manifest is there, for this slice and this run epoch, with its files at their sizes."""
-    try:
-        have = _small_json(d / MANIFEST)
-    except (OSError, TokpackError):
-        return False
-    if not isinstance(have, dict) or any(have.get(k) != want[k] for k in SLICE_EPOCH_KEYS):
-        return False
-    try:
-        return all(
-            (d / s["path"]).stat().st_size == s["bytes"]
-            and missing_padding(d, want, s) is None
-            and all((d / f"{s['path']}{x}").is_file() for x in shard_suffixes(s)[1:])
-            for s in have["shards"]
-        )
-    except (OSError, KeyError, TypeError):
-        return False
+class SliceRanks(NamedTuple):
+    """Which ranks a slice holds, as `stage` takes them: `ranks` A..B of `world_size`, or `node`
+    n/N of `ranks_per_node` each; `micro_batch` and `start_sample` number the rows (plan_slice)."""
+
+    ranks: object = None
+    world_size: int | None = None
+    micro_batch: int = 1
+    node: object = None
+    ranks_per_node: int | None = None
+    start_sample: int = 0
 
 
 @locked_output("stage", arg="dest")
-def stage_slice(
-    directory,
-    dest,
-    *,
-    ranks=None,
-    world_size: int | None = None,
-    micro_batch: int = 1,
-    node=None,
-    ranks_per_node: int | None = None,
-    start_sample: int = 0,
-    epochs=None,
-    workers: int = 4,
-    log=None,
-) -> SliceResult:
-    """Writes the node slice of ranks A..B of a run (local or any fsspec URL) into the local DEST."""
+def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **ranks) -> SliceResult:
+    """Writes the node slice of ranks A..B of a run (local or any fsspec URL) into the local DEST;
+    `ranks`: SliceRanks's fields, by keyword."""
     t0 = time.perf_counter()
     if "://" in str(dest):
         raise TokpackError(
@@ -605,12 +474,14 @@ def stage_slice(
             hint="stage reads from any fsspec URL but writes to local disk",
         )
     src = Source(str(directory))
-    plan = plan_slice(src, ranks, world_size, micro_batch, node, ranks_per_node, start_sample, epochs)
+    which = SliceRanks(**ranks)
+    micro_batch = which.micro_batch
+    plan = plan_slice(src, *which, epochs)
     (a, b), w, rows, run, chosen = plan.ranks, plan.world_size, plan.rows, plan.run, plan.epochs
     numbering = EpochNumbering.of_run(run, src.path)
     dest = Path(dest)
     root = slice_manifest(run, src.local_root or src.path, rows, a, b)
-    previous = _previous_slice(dest, root, src.path)
+    previous = previous_slice(dest, root, src.path)
     row_bytes = row_bytes_of(run)
     check_run_files(src, chosen, row_bytes)
     dest.mkdir(parents=True, exist_ok=True)
@@ -642,7 +513,7 @@ def stage_slice(
                     )
                 want = slice_epoch_manifest(root, e, int(m["samples"]), first, raw)
                 d = dest / rel
-                if _epoch_in_place(d, want):
+                if epoch_in_place(d, want):
                     in_place.append(e)
                     continue
                 d.mkdir(parents=True, exist_ok=True)
@@ -694,7 +565,7 @@ def stage_slice(
         finally:
             reads.close()
     root["epochs"] = sorted(set(previous) | set(chosen))
-    root["tokens"] = sum(_epoch_tokens(dest / epoch_dir_name(e)) for e in root["epochs"])
+    root["tokens"] = sum(epoch_tokens(dest / epoch_dir_name(e)) for e in root["epochs"])
     output.finish(dest, root)
     seconds = time.perf_counter() - t0
     kept = kept_rows * row_bytes
@@ -730,127 +601,3 @@ def _raw_manifest(src: Source, rel: str) -> bytes:
     src.manifest(rel, kind="epoch")  # one line for a missing or broken manifest
     with src.open(f"{rel}/{MANIFEST}") as f:
         return f.read()
-
-
-def _epoch_tokens(d: Path) -> int:
-    return int(_small_json(d / MANIFEST)["tokens"])
-
-
-def _small_json(path: Path):
-    """A manifest this command wrote, read bounded and strictly as every manifest is."""
-    return strict_json(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path)
-
-
-# A run's settings, in the order a difference is named: what the user chose before what follows from it.
-_CHOSEN = ("packing", "seed", "sources", "weights", "seq_len", "jitter", "schedule", "shard_samples", "samples")
-
-
-def _first_difference(want, have, where: str) -> tuple[str, str, str]:
-    """The field where two run identities differ, as (where, expected, found): the field that
-    differs (a setting the user chose first), not the seed when both seeds are the same."""
-    if isinstance(want, dict) and isinstance(have, dict):
-        keys = sorted(set(want) | set(have), key=lambda k: (_CHOSEN.index(k) if k in _CHOSEN else len(_CHOSEN), k))
-        for key in keys:
-            if want.get(key) != have.get(key):
-                return _first_difference(want.get(key), have.get(key), f"{where}.{key}")
-    shown = [_shown(v, where) for v in (want, have)]
-    return where, *(t if len(t) <= 80 else t[:77] + "..." for t in shown)
-
-
-def _shown(value, where: str) -> str:
-    """A run identity's field in a refusal's words: a packing by its method and settings, the
-    default packing (a run that records no packing object) by its name."""
-    if value is None:
-        return f"{DEFAULT_PACKING} (no packing recorded)" if where.endswith(".packing") else "none"
-    if isinstance(value, dict):
-        method = value.get("method")
-        rest = ", ".join(f"{k} {v}" for k, v in sorted(value.items()) if k != "method")
-        return f"{method} ({rest})" if method and rest else str(method) if method else rest or "{}"
-    return str(value) if isinstance(value, (str, int, float)) else repr(value)
-
-
-def _previous_slice(dest: Path, root: dict, source: str) -> list[int]:
-    """The epochs a slice at DEST already holds; refuses a DEST holding anything else, before
-    anything is written (tokpack.packer.staging.dest_holds names what it holds): another kind
-    of copy, or a slice (finished or not) of another run or other ranks."""
-    path = dest / MANIFEST
-    if not path.is_file():
-        held = dest_holds(dest)
-        if held.kind is None:
-            return []
-        if held.kind != UNFINISHED[SLICE]:
-            raise refuse_dest(held, "nothing, or a node slice of these ranks of this run")
-        # A killed stage of a slice: every epoch folder it left is this slice's (its manifest, or its rank files).
-        ours = {rank_file_name(r) for r in root["ranks"]}
-        for d in sorted(q for q in dest.iterdir() if q.is_dir() and q.name.startswith("epoch-")):
-            if (d / MANIFEST).is_file():
-                have = parse_manifest(
-                    read_limited(d / MANIFEST, MAX_MANIFEST_BYTES, "manifest"),
-                    d / MANIFEST,
-                    kind=(SLICE_EPOCH, "source", "run", "epoch"),
-                )
-                if have.get("kind") != SLICE_EPOCH:
-                    raise refuse_dest(dest_holds(dest, d / MANIFEST), "a node slice of these ranks of this run")
-                _same_slice(have, root, source, dest, d / MANIFEST)
-            stray = sorted(
-                q.name
-                for q in d.iterdir()
-                if q.name != MANIFEST and not is_tmp_name(q.name) and q.name.partition(".ds")[0] + ".ds" not in ours
-            )
-            if stray:
-                raise refuse_dest(
-                    Held(
-                        UNFINISHED[SLICE],
-                        f"files of another copy or of other ranks ({d.name}/{stray[0]})",
-                        d / stray[0],
-                    ),
-                    f"the rank files of ranks {root['ranks'][0]}-{root['ranks'][-1]}",
-                )
-        return []
-    have = parse_manifest(
-        read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path, kind=(SLICE, "source", "run", "epoch")
-    )
-    if have.get("kind") != SLICE:
-        raise refuse_dest(dest_holds(dest), "nothing, or a node slice of these ranks of this run")
-    require_valid(have, dest)  # a damaged slice manifest is one line, as for every reader
-    _same_slice(have, root, source, dest, path)
-    return [int(e) for e in have.get("epochs") or []]
-
-
-def _same_slice(have: dict, root: dict, source: str, dest: Path, path: Path) -> None:
-    """Refuses a slice manifest at DEST (its root's or an epoch's) of another run or other ranks."""
-    if have.get("run") != root["run"]:
-        where, want, found = _first_difference(root["run"], have.get("run"), "run")
-        raise TokpackError(
-            "DEST holds a slice of another run",
-            file=path,
-            where=where,
-            expected=f"{want} (the run being staged)",
-            found=found,
-            hint="remove DEST or choose another destination",
-        )
-    for key in SLICE_SHAPE_KEYS:
-        if have.get(key) != root[key]:
-            ranks = have.get("ranks") or [0]
-            raise TokpackError(
-                "DEST holds a slice for other ranks",
-                file=path,
-                where=key,
-                expected=root[key],
-                found=have.get(key),
-                hint="remove DEST or choose another destination; it was made by `"
-                + stage_command(
-                    source,
-                    str(dest),
-                    ranks[0],
-                    ranks[-1],
-                    have.get("world_size"),
-                    have.get("micro_batch"),
-                    have.get("batch_phase") or 0,
-                )
-                + "`",
-            )
-
-
-epoch_in_place = _epoch_in_place
-previous_slice = _previous_slice

@@ -16,10 +16,10 @@ from __future__ import annotations
 from tokpack.formats.errors import IncompleteError, TokpackError
 from tokpack.formats.guard import LOCK_NAME, WORK_DIR
 from tokpack.formats.io import as_path
+from tokpack.formats.packing import run_holdout
 from tokpack.formats.manifest import read_manifest
 
 from . import packings
-from .plan import run_holdout
 from .schedule import read_schedule
 from .spec import ShuffleSpec, given_names
 

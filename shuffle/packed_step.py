@@ -28,6 +28,7 @@ from tokpack.formats.io import map_file, open_append, open_read, progress, read_
 from .packed import (
     DOC,
     PIECE_STATE_BYTES,
+    RECORD,
     TABLE_PIECE_BYTES,
     PackedTable,
     TokenPool,
@@ -37,7 +38,8 @@ from .packed import (
     kept_pass_bytes,
     row_padding,
 )
-from .steps import RING, EpochJob, OrderStep, _Step
+from .epoch_job import RING, EpochJob, Step
+from .steps import OrderStep
 
 GATHER_TOKENS = 1 << 20  # tokens of rows assembled per call
 
@@ -128,7 +130,7 @@ def packed_scratch_bytes(job, sources, out_of_core: bool) -> int:
     return est["table_bytes"] + buckets
 
 
-class PackedInMemoryStep(_Step):
+class PackedInMemoryStep(Step):
     """One task: the row table, the sources read once, then every shard in output order."""
 
     name = "shuffle best-fit in memory"
@@ -175,12 +177,10 @@ class PackedInMemoryStep(_Step):
 
 # ---------------------------------------------------------------------- out of core
 
-# A scatter record: one piece as its bucket file holds it (the tokens are in the rows file, in
-# record order): output row, offset in the row, length.
-RECORD = np.dtype([("g", "<u8"), ("row_offset", "<u4"), ("length", "<u4")])
+# A scatter record (the tokens are in the rows file, in record order): tokpack.shuffle.packed's RECORD.
 
 
-class PackedScatterStep(_Step):
+class PackedScatterStep(Step):
     """Task t reads its source shards in order (each verified, once, by one task) and appends each
     piece they hold to the files of its output bucket: bBBBBBBB.rows (the tokens) and .pos (RECORD)."""
 

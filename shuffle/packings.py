@@ -80,6 +80,25 @@ class Packing:
     # What the run manifest records of the holdout outside `packing` (a window run's: `holdout`,
     # tokpack.shuffle.plan.holdout_recorded reads it): (plan) -> dict.
     run_holdout: Callable = lambda p: {}
+    # Whether its rows may end in padding: each epoch shard has a `.ds.pad` (the loader masks it),
+    # and its manifests record a `packing` object (formats/manifest.py rows_padded of what it wrote).
+    padded: bool = False
+    # How its rows are built when they are not windows located in the sources: (plan, sources) ->
+    # a context manager of its row table (tokpack.shuffle.packed.PackedTable: `rows(g0, g1)` gives
+    # the pieces of output rows [g0, g1) and their first tokens), built in a temporary folder.
+    # None: each row is a window the plan locates (plan.locate), no table.
+    table_rows: Callable | None = None
+    # With a table: (plan, sources) -> what assembles rows from its pieces (TokenPool: `rows(table,
+    # g0, g1, row_tokens, pad_id, starts)`), for `inspect`, the replay and a replacement node.
+    token_pool: Callable | None = None
+    # With a table: (folder, expected xxh3_128) -> the table `prepare` built in the epoch's work
+    # folder (its `table` entry), reopened by the exchange and the replacement node.
+    open_table: Callable | None = None
+    # With padding: (table, rows, row_tokens, first row) -> each row's padding tokens (`.ds.pad`).
+    row_padding: Callable | None = None
+    # With a table, out of core: (layout, bucket, ...) -> a bucket of pieces read back as rows
+    # (tokpack.shuffle.packed_step.read_bucket, the order pass's; the exchange reads its buckets so).
+    read_bucket: Callable | None = None
 
 
 _REGISTRY: dict[str, Packing] = {}
@@ -220,8 +239,8 @@ def replay(manifest: dict, sources, order: bool = True, memory: int = packed.DEF
 # -------------------------------------------------------------------- windows ("concat")
 
 
-def _windows_plan(sources, *, memory, **kw):
-    return plan.epoch_plan(sources, held_out=packed.held_out, **kw)
+def _windows_plan(sources, *, memory, holdout=None, **kw):
+    return plan.epoch_plan(sources, holdout=plan.HoldoutChoice(holdout, False, packed.held_out), **kw)
 
 
 def _windows_in_memory(job, prepared, memory, needed, held):
@@ -262,8 +281,9 @@ WINDOWS = register(
 # -------------------------------------------------------------------- best-fit
 
 
-def _best_fit_plan(sources, *, jitter, memory, **kw):
-    return packed.packed_epoch_plan(sources, memory=memory, **kw)
+def _best_fit_plan(sources, *, jitter, memory, pad_id=None, group_tokens=None, holdout=None, **kw):
+    options = packed.PackedOptions(group_tokens, pad_id, holdout=holdout)
+    return packed.packed_epoch_plan(sources, memory=memory, options=options, **kw)
 
 
 def _best_fit_in_memory(job, prepared, memory, needed, held):
@@ -301,5 +321,11 @@ BEST_FIT = register(
         table_estimate=packed_step.table_estimate,
         figures=lambda p, sources, memory: packed.row_figures(p, sources, memory),
         holdout=packed.holdout_plan,
+        padded=True,
+        table_rows=packed.table_rows,
+        token_pool=packed.TokenPool,
+        open_table=packed.PackedTable.open,
+        row_padding=packed.row_padding,
+        read_bucket=packed_step.read_bucket,
     )
 )

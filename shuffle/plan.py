@@ -6,38 +6,49 @@ A plan is stateless and O(#sources): every question ("what is at output position
 
 The algorithm (windows, jitter, mixture, chains, the epoch permutation) is specified in
 docs/COMMANDS.md, "The shuffle algorithm", and pinned by tests/test_plan_golden.py; the names
-below follow it (L, W_s, o_s, c_s, N, pi_{s,p}, sigma_e).
+below follow it (L, W_s, o_s, c_s, N, pi_{s,p}, sigma_e). Its sources (tokpack.shuffle.sources) and
+an epoch's mixture (tokpack.shuffle.mixture) have modules of their own, re-exported here.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, replace
-from fractions import Fraction
-from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator, NamedTuple, Protocol
 
 import numpy as np
-import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.packing import holdout_recorded, record_holdout, run_holdout  # noqa: F401 (run_holdout: importable from here)
-from tokpack.formats.constants import DEFAULT_SHARD_TOKENS
-from tokpack.formats.io import IO_BLOCK, local_path, read_ahead
+from tokpack.formats.packing import holdout_recorded, record_holdout
+from tokpack.formats.io import IO_BLOCK, read_ahead
 from tokpack.formats.manifest import (
     PLAN_ALGORITHM,
     chain_start,
-    dtype_from_name,
     hash_hex64,
     order_hash_terms,
     pass_span,
     row_hashes,
 )
 from tokpack.formats.shards import PackedSource
-from tokpack.formats.units import at_most, parse_weight, token_count
 
 from .holdout import Holdout, KeptStream, stream_table
-from .permutation import Bijection, derive_key
+from .mixture import (
+    MAX_PASSES as MAX_PASSES,
+    check_passes as check_passes,
+    jitter_offset as jitter_offset,
+    largest_remainder as largest_remainder,
+    mixture as mixture,
+    windows_of as windows_of,
+)
+from .permutation import Bijection
+from .sources import (
+    VIRTUAL as VIRTUAL,
+    VIRTUAL_KEYS as VIRTUAL_KEYS,
+    is_virtual as is_virtual,
+    open_source as open_source,
+    source_location as source_location,
+    use_kept_sources as use_kept_sources,
+    virtual_source as virtual_source,
+)
 
 
 class SamplePlan(Protocol):
@@ -71,11 +82,6 @@ class SamplePlan(Protocol):
     def source_report(self) -> list[dict]: ...  # per source: samples, windows, passes, repeats...
 
     def source_entries(self) -> list[dict]: ...  # the epoch manifest's `sources`
-
-
-# Passes over one source in one epoch: each costs a step per block of the source it reads, so an epoch
-# that repeats a source more often than this spends its time on repeats (and is surely a typo).
-MAX_PASSES = 10**5
 
 
 @dataclass(frozen=True)
@@ -401,190 +407,6 @@ class EpochPlan:
         )
 
 
-# -------------------------------------------------------------------- sources
-
-VIRTUAL = "virtual:"  # a source described by its counts, for `tokpack plan`: nothing is read
-VIRTUAL_KEYS = {
-    "tokens": "a token count (11T)",
-    "documents": "a document count (5.5B)",
-    "dtype": "uint16 or uint32",
-    "shard_tokens": "tokens per shard [default: 2^30, as pack]",
-    "vocab_size": "[default: the dtype's range]",
-    "eos_id": "[default: 0]",
-}
-
-
-def is_virtual(path) -> bool:
-    return str(path).startswith(VIRTUAL)
-
-
-def open_source(path, check_sizes: bool = True) -> PackedSource:
-    """A packed source directory, or a virtual one: `virtual:tokens=11T,documents=5.5B,dtype=uint16`.
-    A source this process keeps a verified local copy of (use_kept_sources) is opened there: its
-    manifest and files are read from the copy, and plans still name the source's own folder."""
-    if is_virtual(path):
-        return virtual_source(str(path))
-    kept = _KEPT.get(source_location(path)) if _KEPT else None
-    if kept is not None:
-        return replace(PackedSource.open(kept, check_sizes=False), kept_from=Path(source_location(path)))
-    return PackedSource.open(path, check_sizes=check_sizes)
-
-
-# `shuffle --to-nodes --keep-sources DIR` (tokpack.packer.exchange): each source's location (as
-# source_location gives it) -> this process's verified local copy, read in its place. One process
-# is one command: filled once, before the run is planned.
-_KEPT: dict[str, Path] = {}
-
-
-def use_kept_sources(copies: dict[str, Path]) -> None:
-    """From now on, this process opens each source of `copies` at its local copy (open_source)."""
-    _KEPT.update({str(k): Path(v) for k, v in copies.items()})
-
-
-def source_location(path) -> str:
-    """Where a source lies, as plans and manifests record it: a local path (or file:// URL)
-    resolved; an object-store URL or a virtual source's description as given."""
-    local = None if is_virtual(path) else local_path(path)
-    return str(path) if local is None else str(Path(local).resolve())
-
-
-@functools.lru_cache(maxsize=16)
-def virtual_source(spec: str) -> PackedSource:
-    """A source with the counts `spec` gives and no files: shards of `shard_tokens` tokens (the
-    last one shorter), so the planning code sees what a packed source of that size would be."""
-    fields: dict[str, str] = {}
-    for item in filter(None, spec[len(VIRTUAL) :].split(",")):
-        key, sep, value = item.partition("=")
-        if key.strip() not in VIRTUAL_KEYS or not sep:
-            raise TokpackError(
-                "bad virtual source",
-                file=spec,
-                where=key.strip() or "(empty)",
-                expected="key=value with key one of " + ", ".join(VIRTUAL_KEYS),
-                found=item,
-                hint="e.g. virtual:tokens=11T,documents=5.5B,dtype=uint16",
-            )
-        fields[key.strip()] = value.strip()
-    missing = [k for k in ("tokens", "documents", "dtype") if k not in fields]
-    if missing:
-        raise TokpackError(
-            "bad virtual source",
-            file=spec,
-            where=missing[0],
-            expected=VIRTUAL_KEYS[missing[0]],
-            found="nothing",
-            hint="e.g. virtual:tokens=11T,documents=5.5B,dtype=uint16",
-        )
-    counts = {
-        k: token_count(fields.get(k, default), what=f"count ({k}= of the virtual source)")
-        for k, default in (("tokens", 0), ("documents", 0), ("shard_tokens", DEFAULT_SHARD_TOKENS), ("eos_id", 0))
-    }
-    dtype = dtype_from_name(fields["dtype"])
-    vocab = token_count(
-        fields.get("vocab_size", 1 << (8 * dtype.itemsize)), what="count (vocab_size= of the virtual source)"
-    )
-    per = max(1, counts["shard_tokens"])
-    sizes = [per] * (counts["tokens"] // per) + ([counts["tokens"] % per] if counts["tokens"] % per else [])
-    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
-    starts[1:] = np.cumsum(sizes, dtype=np.int64)
-    manifest = {
-        "kind": "source",
-        "dtype": fields["dtype"],
-        "vocab_size": vocab,
-        "eos_id": counts["eos_id"],
-        "tokenizer": "virtual",
-        "tokens": counts["tokens"],
-        "documents": counts["documents"],
-        "fingerprint": xxhash.xxh3_128_hexdigest(spec.encode()),
-    }
-    return PackedSource(Path(spec), manifest, dtype, [{"tokens": n} for n in sizes], starts)
-
-
-# -------------------------------------------------------------------- construction
-
-
-def largest_remainder(weights: list[Fraction], total: int) -> list[int]:
-    """Integer shares of `total` proportional to `weights`, summing exactly to `total`."""
-    wsum = sum(weights)
-    exact = [w * total / wsum for w in weights]
-    counts = [int(x) for x in exact]  # floor, the values are >= 0
-    left = total - sum(counts)
-    by_remainder = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
-    for i in by_remainder[:left]:
-        counts[i] += 1
-    return counts
-
-
-def windows_of(tokens: int, seq_len: int, jitter: bool) -> int:
-    return (tokens - seq_len) // (seq_len + 1) if jitter else tokens // (seq_len + 1)
-
-
-def jitter_offset(seed: int, epoch: int, s: int, seq_len: int) -> int:
-    return derive_key("jitter", seed, epoch, s) % (seq_len + 1)
-
-
-def mixture(
-    sources: list[PackedSource],
-    weights: list[str | None],
-    units: list[int],
-    *,
-    samples: int | None,
-    tokens: int | None,
-    seq_len: int,
-) -> tuple[int, list[int]]:
-    """(N, c_s): the epoch's size and each source's share, from the weights (all given or
-    none) and each source's units per pass (W_s, or a packed pass's rows)."""
-    given = [w is not None for w in weights]
-    if any(given) and not all(given):
-        raise TokpackError(
-            "some sources have a weight and some do not",
-            where="SOURCE=WEIGHT",
-            expected="a weight on every source or on none",
-            found=", ".join(f"{src.path}={w}" for src, w in zip(sources, weights)),
-        )
-    if samples is not None:
-        n = int(samples)
-    elif tokens is not None:
-        n = int(tokens) // seq_len
-    else:
-        n = sum(units)
-    if n < 1:
-        raise TokpackError(
-            "the epoch would hold no samples", where="--samples/--tokens", expected=">= 1 sample", found=n
-        )
-    if all(w is not None for w in weights):
-        fr = [parse_weight(w, f"weight of {src.path}") for src, w in zip(sources, weights)]
-        for src, w, f in zip(sources, weights, fr):
-            if f == 0:  # the other sources would be stretched over its share: silent repeats
-                raise TokpackError(
-                    "weight is 0",
-                    file=src.path,
-                    where="SOURCE=WEIGHT",
-                    expected="a weight > 0",
-                    found=w,
-                    hint="leave the source out instead of giving it weight 0",
-                )
-        return n, largest_remainder(fr, n)
-    if samples is not None or tokens is not None:
-        return n, largest_remainder([Fraction(w) for w in units], n)
-    return n, list(units)
-
-
-def check_passes(sources, counts, rows_per_pass, what: str) -> None:
-    """Each source's passes in one epoch (its samples over its rows per pass), bounded by
-    arithmetic before any pass is planned, for either packing."""
-    for src, count, w in zip(sources, counts, rows_per_pass):
-        at_most(
-            -(-count // max(1, w)),
-            MAX_PASSES,
-            "passes over one source in one epoch",
-            file=src.path,
-            where="--samples/--tokens/SOURCE=WEIGHT",
-            hint=f"the epoch takes {count:,} samples from its "
-            f"{w:,} {what}: ask for fewer samples, lower its weight, or add data",
-        )
-
-
 def epoch_plan(
     sources: list[PackedSource],
     *,
@@ -596,17 +418,17 @@ def epoch_plan(
     tokens: int | None = None,
     jitter: bool = False,
     names: list[str] | None = None,
-    holdout: dict | None = None,
-    split: bool = False,
-    held_out: "HeldOut | None" = None,
+    holdout: "HoldoutChoice | None" = None,
 ) -> EpochPlan:
-    """The plan of one epoch. Cheap: O(#sources) plus a few hashes (with `holdout`, parse_holdout's:
-    the windows of each source's stream of the documents not held out, or with `split` of the
-    held-out ones; its table is one scan of the source's document index, once per process)."""
+    """The plan of one epoch. Cheap: O(#sources) plus a few hashes (with a `holdout` spec,
+    parse_holdout's: the windows of each source's stream of the documents not held out, or with
+    its `split` of the held-out ones; its table is one scan of the source's document index, once
+    per process)."""
     if not sources:
         raise TokpackError("no sources given", hint="tokpack shuffle SOURCE[=WEIGHT]... -o OUT")
     weights = list(weights) if weights is not None else [None] * len(sources)
-    held = [stream_counts(src, holdout, seed, split, held_out) for src in sources]
+    spec, split, held_out = holdout or HoldoutChoice()
+    held = [stream_counts(src, spec, seed, split, held_out) for src in sources]
     wins = []
     for s, src in enumerate(sources):
         w = windows_of(held[s].get("tokens", src.tokens), seq_len, jitter)
@@ -652,12 +474,21 @@ def epoch_plan(
             )
         )
         base += counts[s]
-    return EpochPlan(int(seed), int(epoch), int(seq_len), bool(jitter), n, tuple(plans), holdout, bool(split))
+    return EpochPlan(int(seed), int(epoch), int(seq_len), bool(jitter), n, tuple(plans), spec, bool(split))
 
 
 # (source, --holdout as recorded, seed) -> its Holdout: the one rule both packings share,
 # tokpack.shuffle.packed.held_out, which the registry (tokpack.shuffle.packings) passes in.
 HeldOut = Callable[[PackedSource, dict, int], Holdout]
+
+
+class HoldoutChoice(NamedTuple):
+    """`--holdout` as a plan takes it: the spec as recorded (None: nothing held out), whether the
+    plan is RUN/holdout/'s (`split`: the held-out documents only), and the rule that picks them."""
+
+    spec: dict | None = None
+    split: bool = False
+    held_out: HeldOut | None = None
 
 
 def source_holdout(src: PackedSource, spec: dict, seed: int, split: bool, held_out: HeldOut | None) -> Holdout:
@@ -714,7 +545,7 @@ def windows_holdout_plan(
     stream, ordered as an epoch is (epoch 0's keys), all of them (no weights, no --samples, no
     jitter)."""
     return epoch_plan(
-        sources, seq_len=seq_len, seed=seed, epoch=0, names=names, holdout=holdout, split=True, held_out=held_out
+        sources, seq_len=seq_len, seed=seed, epoch=0, names=names, holdout=HoldoutChoice(holdout, True, held_out)
     )
 
 

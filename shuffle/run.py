@@ -38,14 +38,14 @@ from tokpack.formats.manifest import (
     run_manifest,
 )
 from tokpack.formats.builders import ShuffleFields, TokenHeader
-from tokpack.formats.packing import PackingRecord
+from tokpack.formats.packing import PackingRecord, holdout_recorded
 from tokpack.formats.numbering import shuffle_command
 from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
 from tokpack.formats.units import at_most, counted, parse_weight, weight_text
 
 from . import packings
 from .holdout import parse_holdout
-from .plan import EpochPlan, SamplePlan, holdout_recorded, is_virtual, open_source, source_location
+from .plan import EpochPlan, SamplePlan, is_virtual, open_source, source_location
 from .schedule import RunPlan, Schedule, same_source_twice
 from .spec import ShuffleSpec
 from .steps import ORDER_ROW_OVERHEAD, EpochJob, Layout, make_layout, source_changed_error

@@ -22,7 +22,7 @@ from tokpack.formats.shards import PackedSource
 from tokpack.formats.units import at_most, parse_weight, token_count, weight_text
 
 from . import packings
-from .packed import DEFAULT_PLAN_MEMORY
+from tokpack.formats.constants import DEFAULT_PLAN_MEMORY
 from .plan import SamplePlan
 
 SCHEDULE_KEYS = ("seq_len", "seed", "jitter", "shard_samples", "stages", "packing")

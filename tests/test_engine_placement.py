@@ -17,7 +17,7 @@ from conftest import random_docs, shuffle_run, write_source
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import memory as io  # the reusable buffers
 from tokpack.formats.guard import WORK_DIR
-from tokpack.shuffle import run, steps
+from tokpack.shuffle import epoch_job, run, steps
 from tokpack.shuffle.steps import RowStore
 
 L = 31  # 32-token rows
@@ -439,7 +439,8 @@ def test_pass_bars_count_every_byte_once(scattered, tmp_path, monkeypatch):
         bars.append(Bar(total, desc))
         return bars[-1]
 
-    monkeypatch.setattr(steps, "progress", spy)
+    for mod in (steps, epoch_job):  # a pass's bar is its Step's (epoch_job), or the step's own
+        monkeypatch.setattr(mod, "progress", spy)
     shuffle_run(srcs, str(tmp_path / "again"), **KW)
     source_bytes = sum(
         (Path(s) / m["path"]).stat().st_size

@@ -24,7 +24,7 @@ from tokpack.formats.manifest import epoch_dir_name, read_manifest, write_manife
 from tokpack.formats.shards import PackedSource
 from tokpack.packer.cli import main
 from tokpack.shuffle.holdout import Holdout, parse_holdout
-from tokpack.shuffle.packed import doc_table, held_out, packed_plan_from_manifest
+from tokpack.shuffle.packed import doc_table, held_out, packed_plan_from_manifest, whole_table
 
 SEQ = 63
 EOS = 0
@@ -110,7 +110,7 @@ def test_no_epoch_holds_a_held_out_document_and_validate_against_replays_it(corp
         assert m["packing"]["holdout"] == {"fraction": "1/10"}
         sources = [PackedSource.open(root / n) for n in ("web", "code")]
         plan = packed_plan_from_manifest(m, sources)
-        table = plan.table(sources)
+        table = whole_table(plan, sources)
         for s, name in enumerate(("web", "code")):
             h = held_out(sources[s], {"fraction": "1/10"}, 4)
             assert m["sources"][s]["held_documents"] == h.held > 0
@@ -216,7 +216,7 @@ def test_a_schedule_keeps_its_holdout_across_stages(corpus, tmp_path):
     sources = [PackedSource.open(root / n) for n in ("web", "code")]
     for e in (0, 1):
         m = read_manifest(tmp_path / "run" / epoch_dir_name(e))
-        table = packed_plan_from_manifest(m, sources).table(sources)
+        table = whole_table(packed_plan_from_manifest(m, sources), sources)
         for s in (0, 1):
             h = held_out(sources[s], {"fraction": "1/20"}, 3)
             assert not h.is_held(table["doc"][table["source"] == s].astype(np.int64)).any()
@@ -290,7 +290,7 @@ def test_the_held_out_documents_are_written_once_as_an_epoch_directory(corpus, t
     m = read_manifest(held_dir)
     assert m["kind"] == "epoch" and m["packing"]["split"] == "holdout"
     sources = [PackedSource.open(root / n) for n in ("web", "code")]
-    table = packed_plan_from_manifest(m, sources).table(sources)
+    table = whole_table(packed_plan_from_manifest(m, sources), sources)
     data = b"".join(rows_of(held_dir))
     for s, name in enumerate(("web", "code")):
         h = held_out(sources[s], {"fraction": "1/10"}, 4)

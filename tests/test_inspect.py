@@ -249,11 +249,11 @@ def test_inspect_of_a_best_fit_epoch_stays_within_its_memory(tmp_path, monkeypat
     as inspect once did, peaks above it. The report is the one that whole table gives."""
     import tracemalloc
 
-    import tokpack.shuffle.packed as packed
+    import tokpack.shuffle.packed.packed_plan as packed
     from tokpack.formats.manifest import read_manifest
     from tokpack.formats.shards import PackedSource
-    from tokpack.packer.inspection import DOC_ID_SHIFT, _series, batch_stats
-    from tokpack.shuffle.packed import PIECE, TokenPool, packed_plan_from_manifest
+    from tokpack.packer.diversity import DOC_ID_SHIFT, _series, batch_stats
+    from tokpack.shuffle.packed import PIECE, TokenPool, packed_plan_from_manifest, whole_table
 
     monkeypatch.setattr(packed, "DEFAULT_GROUP_TOKENS", 1 << 14)  # a group's plan state: small beside the table
     rng = np.random.default_rng(3)
@@ -286,7 +286,7 @@ def test_inspect_of_a_best_fit_epoch_stays_within_its_memory(tmp_path, monkeypat
     tracemalloc.start()
     try:
         plan = packed_plan_from_manifest(m, opened, budget)
-        table = plan.table(opened)
+        table = whole_table(plan, opened)
         pool = TokenPool(plan, opened)
         reader = SampleReader.from_manifests([(edir, m)])
         stats = []

@@ -25,6 +25,7 @@ from tokpack.packer.cli import main
 from tokpack.shuffle.packed import (
     PACKED_ALGORITHM,
     PIECE,
+    PackedOptions,
     TokenPool,
     best_fit_decreasing,
     cut_problems,
@@ -35,6 +36,7 @@ from tokpack.shuffle.packed import (
     row_padding,
     source_pass,
     table_hash,
+    whole_table,
 )
 from tokpack.shuffle.permutation import Bijection
 from tokpack.shuffle.schedule import RunPlan, Schedule, Stage
@@ -176,11 +178,17 @@ GOLDEN_PIECES = [
 @pytest.mark.parametrize("epoch", [0, 1])
 def test_golden_packed_plan(golden, epoch):
     plan = packed_epoch_plan(
-        golden, seq_len=SEQ_LEN, seed=SEED, epoch=epoch, weights=["1", "3"], samples=40, group_tokens=256
+        golden,
+        seq_len=SEQ_LEN,
+        seed=SEED,
+        epoch=epoch,
+        weights=["1", "3"],
+        samples=40,
+        options=PackedOptions(group_tokens=256),
     )
     sources, checksum, padding = GOLDEN[epoch]
     assert [(s.samples, s.windows, s.first_pass, s.passes, s.pass_rows) for s in plan.sources] == sources
-    table = plan.table(golden)
+    table = whole_table(plan, golden)
     assert table_hash(table) == checksum
     assert int(row_padding(table, plan.samples, ROW).sum()) == padding
     if epoch == 0:
@@ -251,9 +259,9 @@ def test_epochs_follow_each_chain_once_per_pass(corpus3, weights, samples, seq_l
             epoch=epoch,
             weights=[str(w) for w in weights],
             samples=samples,
-            group_tokens=500,
+            options=PackedOptions(group_tokens=500),
         )
-        table = plan.table(corpus3)
+        table = whole_table(plan, corpus3)
         assert len(np.unique(table["g"])) == plan.samples == samples
         for s in range(3):
             assert table_rows(plan, table, s) == chain_rows(plan, s)
@@ -276,7 +284,7 @@ def test_a_schedule_keeps_each_chain_across_stages(corpus3):
     for epoch in range(3):
         plan = run.epoch_plan(epoch)
         assert plan.algorithm == PACKED_ALGORITHM and plan.samples == (50 if epoch < 2 else 70)
-        table = plan.table(corpus3)
+        table = whole_table(plan, corpus3)
         for s in range(3):
             assert plan.chain_start(s) == taken[s]  # the chain goes on where the last stage left it
             assert table_rows(plan, table, s) == chain_rows(plan, s)
@@ -326,7 +334,7 @@ def test_rows_are_the_planned_documents_with_padding(run, sources):
         m = read_manifest(edir, kind="epoch")
         assert m["shuffle"] == PACKED_ALGORITHM and m["packing"]["pad_id"] == 0
         plan = packed_plan_from_manifest(m, opened)
-        table = plan.table(opened)
+        table = whole_table(plan, opened)
         assert table_hash(table) == m["packing"]["table_xxh3_128"]
         want = TokenPool(plan, opened).rows(table, 0, plan.samples, 64, plan.pad_id)
         got = np.concatenate([np.fromfile(edir / s["path"], "<u2") for s in m["shards"]])
@@ -452,7 +460,7 @@ def test_tokpack_dataset_masks(run, sources):
     reader = SampleReader.open(run)
     m = read_manifest(run / "epoch-00000", kind="epoch")
     opened = [PackedSource.open(s) for s in sources]
-    table = packed_plan_from_manifest(m, opened).table(opened)
+    table = whole_table(packed_plan_from_manifest(m, opened), opened)
     ds = TokpackDataset(run, micro_batch=4)
     for b, batch in zip(range(5), ds):
         rows = reader.read(4 * b, 4).astype(np.int64)
@@ -584,7 +592,7 @@ def test_a_schedule_declares_best_fit(sources, tmp_path):
 
 def test_repeats_count_the_pieces_an_upsampled_epoch_holds_twice(corpus3):
     plan = packed_epoch_plan(corpus3, seq_len=63, seed=2, epoch=0, weights=["1", "1", "4"], samples=300)
-    table = plan.table(corpus3)
+    table = whole_table(plan, corpus3)
     for s, r in enumerate(plan.source_report()):
         sel = table[table["source"] == s]
         distinct = len(np.unique(np.stack([sel["doc"], sel["doc_offset"]], axis=1), axis=0))
@@ -600,7 +608,7 @@ def test_repeats_by_whole_passes_are_the_brute_count(corpus3, epoch, samples, we
     (every pass holds the same pieces); straddling two partial passes it compares keys. Both
     are the count of the table's pieces held twice."""
     plan = packed_epoch_plan(corpus3, seq_len=63, seed=2, epoch=epoch, weights=weights, samples=samples)
-    table = plan.table(corpus3)
+    table = whole_table(plan, corpus3)
     for s in range(3):
         sel = table[table["source"] == s]
         distinct = len(np.unique(np.stack([sel["doc"], sel["doc_offset"]], axis=1), axis=0))
@@ -615,7 +623,7 @@ def test_a_best_fit_repeat_warning_counts_one_unit(corpus3, tmp_path):
     from tokpack.shuffle.run import repeat_warnings
 
     plan = packed_epoch_plan(corpus3, seq_len=63, seed=2, epoch=0, weights=["1", "1", "4"], samples=300)
-    table = plan.table(corpus3)
+    table = whole_table(plan, corpus3)
     report = plan.source_report()
     math = report[2]
     pieces = int((table["source"] == 2).sum())
@@ -641,22 +649,22 @@ def test_an_upsampled_best_fit_epoch_packs_each_pass_once(tmp_path, monkeypatch)
     Each pass is now packed once, with no folder when its documents fit; the bytes are the same."""
     import collections
 
-    import tokpack.shuffle.packed as packed_mod
+    from tokpack.shuffle.packed import packed_plan, passes, replay
+    from tokpack.shuffle.packed import table as table_mod
 
     rng = np.random.default_rng(11)
     srcs = [
         write_source(tmp_path / "big", random_docs(rng, 300, 1000, 0, 1, 200)),
         write_source(tmp_path / "tiny", random_docs(rng, 20, 1000, 0, 1, 200)),
     ]
-    packed_mod._PASSES.clear()
-    packed_mod._PASSES_BYTES[0] = 0
-    packed_mod._ROWS.clear()
+    passes._PASSES.clear()
+    passes._PASSES_BYTES[0] = 0
+    packed_plan._ROWS.clear()
     calls, folders = collections.Counter(), []
-    real_pack, real_scratch = packed_mod._pack_pass, packed_mod._scratch
-    monkeypatch.setattr(
-        packed_mod, "_pack_pass", lambda src, s, p, *a: calls.update([(s, p)]) or real_pack(src, s, p, *a)
-    )
-    monkeypatch.setattr(packed_mod, "_scratch", lambda folder=None: folders.append(folder) or real_scratch(folder))
+    real_pack, real_scratch = passes._pack_pass, passes.scratch
+    monkeypatch.setattr(passes, "_pack_pass", lambda src, s, p, *a: calls.update([(s, p)]) or real_pack(src, s, p, *a))
+    for mod in (passes, packed_plan, table_mod, replay):  # each module that makes a scratch folder
+        monkeypatch.setattr(mod, "scratch", lambda folder=None: folders.append(folder) or real_scratch(folder))
     out = tmp_path / "run"
     shuffle_run(
         [str(p) for p in srcs],
@@ -675,10 +683,10 @@ def test_an_upsampled_best_fit_epoch_packs_each_pass_once(tmp_path, monkeypatch)
     assert len(calls) == sum(e["passes"] for e in m["sources"])
     assert len([f for f in folders if f is None]) <= 2  # the repeat count's folders, one a source at most
     # the same bytes as packed without the kept passes
-    packed_mod._PASSES.clear()
-    packed_mod._PASSES_BYTES[0] = 0
+    passes._PASSES.clear()
+    passes._PASSES_BYTES[0] = 0
     monkeypatch.setattr(
-        packed_mod,
+        passes,
         "_PASSES",
         type("Never", (dict,), {"__setitem__": lambda *a: None, "move_to_end": lambda *a: None})(),
     )
@@ -705,8 +713,8 @@ def test_plan_counts_the_pieces_an_upsampled_epoch_packs(tmp_path, monkeypatch):
     epoch"); the pieces are now the passes' own counts: each pass the epoch touches packed once
     (as the engine does: test_an_upsampled_best_fit_epoch_packs_each_pass_once) and the
     table's pieces, both equal to what the engine packs and writes."""
-    import tokpack.shuffle.packed as packed_mod
     from tokpack.packer.api import plan
+    from tokpack.shuffle.packed import packed_plan, passes
     from tokpack.shuffle.packed_step import PACK_PIECES_PER_S, TABLE_PIECES_PER_S
 
     rng = np.random.default_rng(12)
@@ -714,18 +722,18 @@ def test_plan_counts_the_pieces_an_upsampled_epoch_packs(tmp_path, monkeypatch):
         write_source(tmp_path / "big", random_docs(rng, 300, 1000, 0, 1, 200)),
         write_source(tmp_path / "tiny", random_docs(rng, 20, 1000, 0, 1, 200)),
     ]
-    packed_mod._ROWS.clear()
-    packed_mod._PIECES.clear()
-    packed_mod._PASSES.clear()
-    packed_mod._PASSES_BYTES[0] = 0
-    packed, real_pack = [], packed_mod._pack_pass
+    packed_plan._ROWS.clear()
+    packed_plan._PIECES.clear()
+    passes._PASSES.clear()
+    passes._PASSES_BYTES[0] = 0
+    packed, real_pack = [], passes._pack_pass
 
     def counting(*a):
         for group in real_pack(*a):
             packed.append(len(group[2][0]))
             yield group
 
-    monkeypatch.setattr(packed_mod, "_pack_pass", counting)
+    monkeypatch.setattr(passes, "_pack_pass", counting)
     got = plan(
         "shuffle",
         {str(srcs[0]): "1", str(srcs[1]): "1"},
@@ -739,11 +747,11 @@ def test_plan_counts_the_pieces_an_upsampled_epoch_packs(tmp_path, monkeypatch):
     )
     table = next(p for p in got.passes if p["name"] == "table")
     packed_by_plan = sum(packed)
-    assert not packed_mod._PASSES  # plan keeps no pass once it has reported
+    assert not passes._PASSES  # plan keeps no pass once it has reported
     opened = [PackedSource.open(p) for p in srcs]
     plan = packed_epoch_plan(opened, seq_len=63, seed=4, epoch=0, weights=["1", "1"], samples=1200)
     assert plan.sources[1].passes >= 10
-    pieces = len(plan.table(opened))
+    pieces = len(whole_table(plan, opened))
     assert sum(packed) > packed_by_plan  # the table packed its passes again: none was kept
     assert table["pack_seconds"] == round(packed_by_plan / PACK_PIECES_PER_S + pieces / TABLE_PIECES_PER_S, 3)
 
@@ -863,7 +871,7 @@ def test_a_written_epoch_holds_every_document_once(tmp_path_factory, lengths, pe
     edir = root / "run" / "epoch-00000"
     m = read_manifest(edir, kind="epoch")
     opened = PackedSource.open(src)
-    table = packed_plan_from_manifest(m, [opened]).table([opened])
+    table = whole_table(packed_plan_from_manifest(m, [opened]), [opened])
     rows = SampleReader.open(edir).read(0, m["samples"])
     pad = SampleReader.open(edir).padding(0, m["samples"]).astype(np.int64)
     got: dict[int, list] = {}
@@ -1027,7 +1035,7 @@ def test_a_pass_packed_out_of_core_is_the_pass_packed_in_memory(
 ):
     """Documents permuted through bucket files (a budget of a few documents) and packed group
     by group give the pieces pack_pass gives with every document in memory."""
-    import tokpack.shuffle.packed as packed
+    import tokpack.shuffle.packed.passes as packed
 
     root = tmp_path_factory.mktemp("ooc-pass")
     docs = [np.append(np.full(n - 1, 5), 0) for n in lengths]
@@ -1058,8 +1066,8 @@ def many_docs(path: Path, n: int) -> Path:
 
 OOC_CHILD = """
 import sys
-import tokpack.shuffle.packed
-tokpack.shuffle.packed.DEFAULT_GROUP_TOKENS = 1 << 14
+import tokpack.shuffle.packed.packed_plan
+tokpack.shuffle.packed.packed_plan.DEFAULT_GROUP_TOKENS = 1 << 14
 from tokpack.packer.api import shuffle
 shuffle([sys.argv[1]], sys.argv[2], seq_len=63, seed=3, epochs=1, shard_samples=4096, memory=1 << 20,
         packing="best-fit", progress=False)
@@ -1076,7 +1084,7 @@ def test_the_memory_of_an_out_of_core_best_fit_epoch_does_not_grow_with_its_docu
     import subprocess
     import sys
 
-    import tokpack.shuffle.packed as packed
+    import tokpack.shuffle.packed.packed_plan as packed
 
     peaks, big = [], None
     for n in (20_000, 160_000):
@@ -1115,7 +1123,13 @@ def test_a_damaged_row_table_in_the_work_folder_is_refused(golden, tmp_path):
     from tokpack.shuffle.packed import PackedTable, build_table
 
     plan = packed_epoch_plan(
-        golden, seq_len=SEQ_LEN, seed=SEED, epoch=0, weights=["1", "3"], samples=40, group_tokens=256
+        golden,
+        seq_len=SEQ_LEN,
+        seed=SEED,
+        epoch=0,
+        weights=["1", "3"],
+        samples=40,
+        options=PackedOptions(group_tokens=256),
     )
     built = build_table(plan, golden, tmp_path / "packing", 1 << 20)
     assert built.table_xxh3_128 == GOLDEN[0][1] and built.padding == GOLDEN[0][2]

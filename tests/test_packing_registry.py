@@ -200,3 +200,84 @@ def test_the_registry_dispatches_by_name_only(registered, source):
     assert packings.names()[:2] == (packings.DEFAULT, packings.BEST_FIT.name) and packings.names()[-1] == NAME
     with pytest.raises(Exception, match="registered twice"):
         packings.register(REVERSED)
+
+
+# ------------------------------------------------------------------ a toy third packing, "ordered"
+
+
+@pytest.fixture
+def ordered():
+    from ordered_packing import ORDERED
+
+    packings.register(ORDERED)  # its one registry line
+    try:
+        yield ORDERED
+    finally:
+        packings.unregister(ORDERED.name)
+
+
+def test_a_toy_ordered_packing_runs_through_shuffle_validate_and_stage(ordered, source, tmp_path):
+    """tests/ordered_packing.py (windows in source order, no permutation) plugs in by its module
+    and one registry line: `shuffle` writes its bytes, `validate --against` proves them by its
+    replay (and the default's replay of the same bytes refuses them), `stage --node` slices the
+    run and each slice validates against it and serves the run's batches."""
+    from ordered_packing import SHUFFLE
+
+    from tokpack.formats.shards import PackedSource
+
+    out = tmp_path / "ordered"
+    res = _cli("shuffle", source, "-o", out, *SHUFFLE_ARGS[2:], "--epochs", 2, "--packing", ordered.name, "--json")
+    assert res.exit_code == 0, res.output
+    m, run = read_manifest(out / E0, kind="epoch"), read_manifest(out, kind="run")
+    assert m["shuffle"] == run["shuffle"] == SHUFFLE and "packing" not in m and "packing" not in run
+
+    # Its bytes: the source's token stream cut into rows of seq_len + 1, in order, each epoch.
+    src = PackedSource.open(source)
+    tokens = np.concatenate([np.fromfile(source / sh["path"], dtype=src.dtype) for sh in src.shards])
+    rows = _rows(out / E0)
+    assert len(rows) == len(tokens) // 64 > 2
+    assert np.array_equal(rows, tokens[: len(rows) * 64].reshape(-1, 64))
+    assert np.array_equal(_rows(out / "epoch-00001"), rows)
+
+    # Its replay proves them; the default's replay of the same bytes finds them out of order.
+    res = _cli("validate", out, "--against", source, "--json")
+    assert res.exit_code == 0 and json.loads(res.output)["ok"], res.output
+    bypass = tmp_path / "bypass"
+    shutil.copytree(out / E0, bypass)
+    write_manifest(bypass, {**m, "shuffle": PLAN_ALGORITHM})
+    res = _cli("validate", bypass, "--against", source, "--json")
+    assert res.exit_code == 1 and "order_hash" in res.output, res.output
+
+    # stage --node: two nodes of two ranks; each slice is the run's, rank by rank.
+    full = SampleReader.open(out)
+    for n in (0, 1):
+        dest = tmp_path / f"node{n}"
+        res = _cli("stage", out, dest, "--node", f"{n}/2", "--ranks-per-node", 2, "--micro-batch", 2, "--json")
+        assert res.exit_code == 0, res.output
+        res = _cli("validate", dest, "--against", out, "--json")
+        assert res.exit_code == 0 and json.loads(res.output)["ok"], res.output
+        part = SampleReader.open(dest)
+        for rank in (2 * n, 2 * n + 1):
+            want = [b.tolist() for b in full.batches(rank, 4, 2, 0)]
+            assert want and [b.tolist() for b in part.batches(rank, 4, 2, 0)] == want
+
+
+def test_each_entry_says_whether_its_rows_carry_padding_as_its_epochs_show(source, tmp_path):
+    """The registry's `padded` and `table_rows` are what an epoch of the packing is: padded rows
+    carry a `.ds.pad` per shard and a `packing` object (the format's rows_padded), and a packing
+    whose rows come from a row table has a pool to assemble them and the hooks to reopen it."""
+    from tokpack.formats.manifest import has_pad, rows_padded
+
+    for name in packings.names():
+        entry = packings.named(name)
+        out = tmp_path / name
+        res = _cli("shuffle", source, "-o", out, *SHUFFLE_ARGS, "--packing", name, "--json")
+        assert res.exit_code == 0, res.output
+        m = read_manifest(out / E0, kind="epoch")
+        assert packings.of_manifest(m) is entry
+        assert rows_padded(m) == entry.padded and all(has_pad(s) == entry.padded for s in m["shards"])
+        built = (entry.table_rows, entry.token_pool, entry.open_table, entry.read_bucket)
+        assert all(hook is None for hook in built) or all(hook is not None for hook in built)
+        assert (entry.row_padding is not None) == entry.padded
+    assert packings.BEST_FIT.padded and packings.BEST_FIT.table_rows is not None
+    assert not packings.WINDOWS.padded and packings.WINDOWS.table_rows is None

@@ -22,7 +22,7 @@ from tokpack.formats.manifest import canonical_bytes, read_manifest
 from tokpack.formats.shards import PAD_DTYPE, PackedSource
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.cli import main
-from tokpack.shuffle.packed import TokenPool, packed_plan_from_manifest, row_padding
+from tokpack.shuffle.packed import TokenPool, packed_plan_from_manifest, row_padding, whole_table
 
 SEQ = 63
 ROW = SEQ + 1
@@ -206,7 +206,7 @@ def test_the_loaders_masks_are_the_plans(run, sources):
     m = read_manifest(run / "epoch-00000", kind="epoch")
     opened = [PackedSource.open(s) for s in sources]
     plan = packed_plan_from_manifest(m, opened)
-    table = plan.table(opened)
+    table = whole_table(plan, opened)
     planned_pad = row_padding(table, plan.samples, ROW).astype(np.int64)
     planned_rows = TokenPool(plan, opened).rows(table, 0, plan.samples, ROW, plan.pad_id).astype(np.int64)
     assert planned_pad.max() > 0 and planned_pad.min() < planned_pad.max()  # the test has padding to place

@@ -1,0 +1,290 @@
+"""`tokpack validate` of a run (tokpack.packer.validation runs it): every epoch it lists is there
+and agrees with the run (its schedule, size, settings and sources), unlisted epoch folders and a
+partial stage are named, and RUN/holdout/ is checked as an epoch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import contained
+from tokpack.formats.manifest import (
+    chain_start,
+    EPOCH_DIR,
+    HOLDOUT_DIR,
+    MANIFEST,
+    STAGE_SIDECAR,
+    check_manifest,
+    epoch_dir_name,
+    partial_stage_absent,
+    type_ok,
+    xxh3_128_file,
+)
+from tokpack.formats.numbering import EpochNumbering
+from tokpack.formats.shard_scan import Problem
+from tokpack.formats.shards import (
+    tokens_on_nodes,
+)
+
+
+from .dir_checks import Dir, DirReport, check_row_hashes, plan_dir
+
+
+def _source_keys(sources: list) -> list:
+    """What identifies a run's or epoch's sources: their fingerprints in order."""
+    return [s.get("fingerprint") if isinstance(s, dict) else s for s in sources]
+
+
+# Fields a run and each of its epochs must agree on (when both record them).
+RUN_KEYS = (
+    "dtype",
+    "token_size",
+    "vocab_size",
+    "eos_id",
+    "tokenizer",
+    "seq_len",
+    "seed",
+    "jitter",
+    "samples",
+    "shard_samples",
+    "shuffle",
+)
+
+
+def _scheduled_epochs(path: Path, m: dict, rep: DirReport) -> list[dict] | None:
+    """A scheduled run's recorded schedule (docs/FORMAT.md, "Schedules") as, per epoch, each run
+    source's `samples`, `weight` and `cursor` (the samples the epochs before took from it); None
+    for a run without one, or one too broken to follow (reported). Also checks the schedule file
+    against its recorded checksum."""
+    if m.get("schedule") is None:
+        return None
+    mfile, sched, sizes, n = str(path / MANIFEST), m["schedule"], m.get("epoch_samples"), len(m["sources"])
+    try:
+        per_epoch, taken = [], [0] * n
+        for e, entry in enumerate(sched):
+            idx, weights, counts = entry["sources"], entry["weights"], entry["samples"]
+            if not (
+                len(idx) == len(weights) == len(counts)
+                and all(0 <= i < n for i in idx)
+                and all(type_ok(c, int) and c >= 0 for c in counts)
+            ):
+                raise ValueError(e)
+            row = {"samples": [0] * n, "weight": [None] * n, "cursor": list(taken)}
+            for i, w, c in zip(idx, weights, counts):
+                row["samples"][i], row["weight"][i] = c, w
+            if sum(counts) != sizes[e]:
+                rep.add(
+                    mfile,
+                    f"epoch_samples[{e}]",
+                    f"{sum(counts)} (schedule[{e}].samples summed)",
+                    sizes[e],
+                    "scheduled epoch size wrong",
+                )
+            taken = [t + c for t, c in zip(taken, row["samples"])]
+            per_epoch.append(row)
+        if len(sizes) != len(sched) or m.get("samples") != 0:
+            raise ValueError(len(sched))
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        rep.add(
+            mfile,
+            "schedule",
+            "per epoch {stage, sources, weights, samples}, one per epoch_samples entry, and samples 0",
+            f"a malformed entry ({e})",
+            "scheduled run manifest malformed",
+        )
+        return None
+    file = Path(str(m.get("schedule_file")))
+    if not file.is_file():
+        rep.add(
+            mfile,
+            "schedule_file",
+            "the schedule file the run was made from",
+            f"no file {file}",
+            "schedule file not found: the run's schedule is not checked against it",
+            unverified=True,
+            hint="give the run's schedule file back its path, or ignore this if it is gone for good",
+        )
+    elif xxh3_128_file(file) != m.get("schedule_xxh3_128"):
+        rep.add(
+            file,
+            "xxh3_128",
+            f"{m.get('schedule_xxh3_128')} (recorded in {mfile})",
+            xxh3_128_file(file),
+            "schedule file changed since the run was made; the run follows the schedule it recorded",
+            hint="restore the file the run was made from, or write the new schedule to another run directory",
+        )
+    return per_epoch
+
+
+def _check_scheduled_epoch(efile: str, e: int, em: dict, sched: list[dict] | None, add) -> None:
+    """Epoch e of a scheduled run against the run's schedule: its size, weights and per-source
+    samples, and that each source's chain continues exactly where the epochs before left it."""
+    if sched is None or not isinstance(em.get("sources"), list):
+        return
+    if e >= len(sched):
+        add(efile, "epoch", f"< {len(sched)} (the schedule's epochs)", e, "epoch is not in the run's schedule")
+        return
+    row = sched[e]
+    if em.get("samples") != sum(row["samples"]):
+        add(
+            efile,
+            "samples",
+            f"{sum(row['samples'])} (epoch_samples[{e}])",
+            em.get("samples"),
+            "epoch size differs from the run's schedule",
+        )
+    for i, src in enumerate(em["sources"][: len(row["samples"])]):
+        if not isinstance(src, dict):
+            continue
+        c, at = row["samples"][i], row["cursor"][i]
+        for key, want in (("weight", row["weight"][i]), ("samples", c)):
+            if src.get(key) != want:
+                add(
+                    efile,
+                    f"sources[{i}].{key}",
+                    f"{want!r} (schedule[{e}])",
+                    repr(src.get(key)),
+                    "epoch source differs from the run's schedule",
+                )
+        start = src.get("cursor", chain_start(e, c))
+        if c and type_ok(start, int) and start != at:
+            why = (
+                (
+                    f"windows at chain positions {start}..{min(at, start + c) - 1} were taken before; a window is "
+                    f"taken twice before its source is exhausted"
+                )
+                if start < at
+                else "windows of its chain skipped"
+            )
+            add(
+                efile,
+                f"sources[{i}].cursor",
+                f"{at} (what epochs 0..{e - 1} took from {src.get('name')})",
+                start,
+                f"source chain not contiguous across the schedule: {why}",
+            )
+
+
+def check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["Dir"]) -> None:
+    mfile = str(path / MANIFEST)
+    before = rep.problems.total
+    check_manifest(m, path, rep.add)
+    if rep.problems.total > before:
+        return
+    sched = _scheduled_epochs(path, m, rep)
+    epochs = m["epochs"]
+    numbering = EpochNumbering.of_run(m, path)
+    listed = {epoch_dir_name(e) for e in epochs}
+    for p in sorted(path.iterdir()):
+        if p.is_dir() and EPOCH_DIR.match(p.name) and p.name not in listed:
+            rep.add(
+                p,
+                None,
+                "an epoch listed in the run's `epochs`",
+                "an unlisted epoch directory",
+                "epoch not yet recorded in the run manifest (interrupted shuffle?); rerun it",
+                incomplete=True,
+            )
+    held = path / HOLDOUT_DIR
+    if (held / MANIFEST).is_file():  # shuffle --holdout's held-out documents: an epoch directory, never listed
+        plan.append(plan_dir(held, quick, kinds="epoch"))
+    # A `stage --ranks` copy: its absent shards are one problem, not one line per file.
+    absent = partial_stage_absent(path)
+    if absent:
+        rep.add(
+            path / STAGE_SIDECAR,
+            "missing_shards",
+            "every shard of the run",
+            f"{len(absent)} shards absent, {next(iter(absent.values()))}",
+            "partial stage: serves only the ranks it was staged for",
+        )
+    totals = [0, 0, 0]  # tokens, documents, readable epochs
+    for e in epochs:
+        try:
+            sub = contained(path, epoch_dir_name(e), manifest=mfile, where=f"epochs ({e})", regular=False)
+        except TokpackError as err:  # a symlink out of the run: reported, never opened
+            rep.problems.append(Problem.from_error(err))
+            continue
+        if not sub.is_dir():
+            rep.add(sub, None, "the epoch directory listed in the run manifest", "no such directory", "epoch missing")
+            continue
+        d = plan_dir(sub, quick, kinds="epoch")
+        present = [j for j in d.jobs if str(j.directory / j.entry["path"]) not in absent]
+        d.jobs, d.partial = present, len(present) < len(d.jobs)
+        if d.jobs and tokens_on_nodes(
+            sub, [j.entry for j in d.jobs]
+        ):  # shuffle --to-nodes: the tokens are in node slices
+            check_row_hashes(sub, [j.entry for j in d.jobs], d.report, quick)
+            d.jobs, d.partial = [], True
+        plan.append(d)
+        em = d.report.manifest
+        if em is None or em.get("kind") != "epoch":
+            continue
+        efile = str(sub / MANIFEST)
+        _check_epoch_of_run(m, e, em, efile, sched, numbering, d.report.add)
+        totals[0] += em.get("tokens", 0) if type_ok(em.get("tokens"), int) else 0
+        totals[1] += em.get("fragments", 0) if type_ok(em.get("fragments"), int) else 0
+        totals[2] += 1
+    if totals[2] == len(epochs):
+        for i, key in enumerate(("tokens", "fragments")):
+            if type_ok(m.get(key), int) and m[key] != totals[i]:
+                rep.add(mfile, key, f"{totals[i]} (sum over its epochs)", m[key], f"run {key} count wrong")
+
+
+def _check_epoch_of_run(m: dict, e: int, em: dict, efile: str, sched, numbering: EpochNumbering, add) -> None:
+    """Epoch e's manifest `em` against its run's `m`: its schedule, its size, the settings and
+    sources they share, its number; each disagreement through `add`."""
+    _check_scheduled_epoch(efile, e, em, sched, add)
+    if (
+        "epoch_samples" in m
+        and "schedule" not in m
+        and not (numbering.has(e) and em.get("samples") == numbering.size(e))
+    ):
+        add(
+            efile,
+            "samples",
+            f"{numbering.size(e)} (the run's epoch_samples)" if numbering.has(e) else "no such epoch in the run's plan",
+            em.get("samples"),
+            "epoch size differs from its run's",
+        )
+    for key in RUN_KEYS:
+        if key in m and key in em and em[key] != m[key] and not (key == "samples" and "schedule" in m):
+            add(efile, key, f"{m[key]!r} (the run's)", repr(em[key]), "epoch manifest belongs to another run")
+    esrc = em.get("sources") if isinstance(em.get("sources"), list) else []
+    if len(esrc) == len(m["sources"]):
+        for i, (a, b) in enumerate(zip(m["sources"], esrc)):
+            if isinstance(a, dict) and isinstance(b, dict):
+                for key in sorted(a.keys() & b.keys() - ({"weight"} if "schedule" in m else set())):
+                    if a[key] != b[key]:
+                        add(
+                            efile,
+                            f"sources[{i}].{key}",
+                            f"{a[key]!r} (the run's)",
+                            repr(b[key]),
+                            "epoch source differs from the run's",
+                        )
+                if (
+                    isinstance(m.get("weights"), list)
+                    and i < len(m["weights"])
+                    and "weight" in b
+                    and m["weights"][i] != b["weight"]
+                ):
+                    add(
+                        efile,
+                        f"sources[{i}].weight",
+                        repr(m["weights"][i]),
+                        repr(b["weight"]),
+                        "epoch weight differs from the run's",
+                    )
+    if em.get("epoch") != e:
+        add(efile, "epoch", e, em.get("epoch"), "epoch manifest belongs to another epoch")
+    if isinstance(em.get("sources"), list) and _source_keys(em["sources"]) != _source_keys(m["sources"]):
+        add(
+            efile,
+            "sources",
+            _source_keys(m["sources"]),
+            _source_keys(em["sources"]),
+            "epoch was shuffled from other sources than its run",
+        )

@@ -1,0 +1,155 @@
+"""The packed plan (`--packing best-fit`): whole documents packed into rows by best-fit
+decreasing, per source and per pass, then the rows of all sources permuted globally.
+
+Specified in docs/COMMANDS.md, "Best-fit packing", and pinned by tests/test_packing.py; the
+names follow it (R = L + 1, D_s, rho_{s,p}, G, R_{s,p}, c_s, sigma_e).
+
+Unlike the window plan (O(#sources), tokpack.shuffle.plan.EpochPlan), a packed plan is materialised:
+its row table (per output row, the pieces of documents it holds) is computed from the sources'
+document lengths (their `.ds.index`) and checksummed; the checksum is recorded in the epoch
+manifest so `validate --against` proves the epoch is this table's. The table is O(documents),
+so a shuffle builds it on disk in the epoch's work folder within --memory (build_table) and
+each task reads only its rows' or its source shard's part (PackedTable); the plan object
+itself holds row counts per source and pass, O(#sources x passes).
+
+The package holds one idea a module: passes.py (a source's documents and one pass packed),
+packed_plan.py (the plan: row counts, mixture, chains, manifest fields), table.py (the row table
+on disk, its figures and rules) and replay.py (rows rebuilt from the table: the token pool and
+`validate --against`). Its public names are importable from here, as from the one module it was.
+"""
+
+from tokpack.formats.constants import DEFAULT_PLAN_MEMORY  # the plan's budget: a format constant
+
+from .passes import (
+    DOC,
+    DOC_STATE_BYTES,
+    MIN_CHUNK,
+    Buckets,
+    PassRows,
+    best_fit_decreasing,
+    check_real,
+    doc_table,
+    document_count,
+    document_count_of,
+    documents_of,
+    iter_pass,
+    kept_pass_bytes,
+    pack_group,
+    pack_pass,
+    pass_groups,
+    pass_scratch,
+    permuted_documents,
+    release_passes,
+    scratch,
+    source_documents,
+    source_pass,
+)
+from .packed_plan import (
+    BEST_FIT,
+    DEFAULT_GROUP_TOKENS,
+    KEY,
+    PACKED_ALGORITHM,
+    PackedOptions,
+    PackedPlan,
+    PackedSourcePlan,
+    chain_pieces,
+    chained_packed_plan,
+    epoch_pieces,
+    held_out,
+    holdout_plan,
+    packed_epoch_plan,
+    packed_plan_from_manifest,
+    packing_settings,
+    pass_rows,
+    pass_start,
+    plan_options,
+    run_packing,
+)
+from .table import (
+    BUILT_FILE,
+    INDEX_FILE,
+    PIECE,
+    PIECE_STATE_BYTES,
+    RECORD,
+    SHARD_PIECE,
+    STARTS_FILE,
+    TABLE_FILE,
+    TABLE_PIECE_BYTES,
+    PackedTable,
+    RowFigures,
+    build_table,
+    cut_problems,
+    row_figures,
+    row_padding,
+    table_hash,
+    table_rows,
+    whole_table,
+)
+from .replay import PlannedPadding, TokenPool, packed_replay, replay_packed
+
+__all__ = [
+    "DEFAULT_PLAN_MEMORY",
+    "DOC",
+    "DOC_STATE_BYTES",
+    "MIN_CHUNK",
+    "Buckets",
+    "PassRows",
+    "best_fit_decreasing",
+    "check_real",
+    "doc_table",
+    "document_count",
+    "document_count_of",
+    "documents_of",
+    "iter_pass",
+    "kept_pass_bytes",
+    "pack_group",
+    "pack_pass",
+    "pass_groups",
+    "pass_scratch",
+    "permuted_documents",
+    "release_passes",
+    "scratch",
+    "source_documents",
+    "source_pass",
+    "BEST_FIT",
+    "DEFAULT_GROUP_TOKENS",
+    "KEY",
+    "PACKED_ALGORITHM",
+    "PackedOptions",
+    "PackedPlan",
+    "PackedSourcePlan",
+    "chain_pieces",
+    "chained_packed_plan",
+    "epoch_pieces",
+    "held_out",
+    "holdout_plan",
+    "packed_epoch_plan",
+    "packed_plan_from_manifest",
+    "packing_settings",
+    "pass_rows",
+    "pass_start",
+    "plan_options",
+    "run_packing",
+    "BUILT_FILE",
+    "INDEX_FILE",
+    "PIECE",
+    "PIECE_STATE_BYTES",
+    "RECORD",
+    "SHARD_PIECE",
+    "STARTS_FILE",
+    "TABLE_FILE",
+    "TABLE_PIECE_BYTES",
+    "PackedTable",
+    "RowFigures",
+    "build_table",
+    "cut_problems",
+    "row_figures",
+    "row_padding",
+    "table_hash",
+    "table_rows",
+    "whole_table",
+    "PlannedPadding",
+    "TokenPool",
+    "packed_replay",
+    "replay_packed",
+]

@@ -1,0 +1,547 @@
+"""Best-fit's plan (tokpack.shuffle.packed): per source and pass the rows its documents pack
+into (R_{s,p}, counted by packing the pass, group by group, within the plan's budget), the
+mixture over rows, each source's chain from its cursor, the epoch order sigma_e; and what the
+manifests record of it. The plan holds row counts only, O(#sources x passes); its row table is
+tokpack.shuffle.packed.table's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+import numpy as np
+
+from tokpack.formats.constants import DEFAULT_PLAN_MEMORY
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.packing import holdout_recorded, record_holdout
+from tokpack.formats.shards import PackedSource
+
+from ..holdout import Holdout, holdout_of
+from ..plan import EpochPlan, check_passes, mixture
+from .passes import (
+    MIN_CHUNK,
+    Buckets,
+    check_real,
+    document_count,
+    iter_pass,
+    pass_scratch,
+    permuted_documents,
+    scratch,
+)
+
+BEST_FIT = "best-fit"  # its `--packing` name (tokpack.shuffle.packings), and a run's `packing.method`
+PACKED_ALGORITHM = "tokpack-bfd-feistel6-splitmix-xxh3-v1"  # the `shuffle` name of a packed epoch
+# A group's documents and rows are held while it is packed (about 60 bytes a document); at 2^22
+# tokens the padding of web-like lengths is under 0.5% at seq_len 4096 (BENCHMARKS.md, "Best-fit
+# packing"), and a group is a few MB of plan state, far inside any --memory.
+DEFAULT_GROUP_TOKENS = 1 << 22
+KEY = np.dtype([("doc", "<u8"), ("doc_offset", "<u8")])  # a piece's identity in its source
+
+
+@dataclass(frozen=True)
+class PackedSourcePlan:
+    """One source's share of a packed epoch; `windows` holds R_{s,0} (the rows of pass 0, the
+    basis of the mixture), so the manifest's source fields keep their meaning for the summary."""
+
+    index: int
+    name: str
+    path: str
+    fingerprint: str
+    weight: str | None
+    tokens: int
+    documents: int  # D_s
+    windows: int  # R_{s,0}
+    samples: int  # c_s
+    base: int
+    cursor: int | None = None
+    offset: int = 0  # no jitter: kept so the manifest fields of both plans agree
+    first_pass: int = 0
+    passes: int = 0
+    pass_rows: tuple[int, ...] = ()  # R_{s,p} for the passes this epoch touches
+    held: int = 0  # k_s: its documents held out of every epoch (tokpack.shuffle.holdout)
+
+
+@dataclass(frozen=True)
+class PackedPlan:
+    """A packed epoch (see the module docstring). Implements tokpack.shuffle.plan.SamplePlan."""
+
+    seed: int
+    epoch: int
+    seq_len: int
+    samples: int
+    sources: tuple[PackedSourcePlan, ...]
+    group_tokens: int
+    pad_id: int
+    jitter: bool = False
+    holdout: dict | None = None  # `--holdout` as recorded (tokpack.shuffle.holdout.parse_holdout), or None
+    split: bool = False  # the plan of RUN/holdout/: the held-out documents only (one pass over them)
+    # The budget (bytes) its own work keeps within: counting a pass's rows permutes the pass's
+    # documents within it, and so do the row table and the repeat count.
+    memory: int = field(default=DEFAULT_PLAN_MEMORY, compare=False, repr=False)
+
+    # The same chains and the same epoch order as the window plan.
+    row_tokens = EpochPlan.row_tokens
+    chain_start = EpochPlan.chain_start
+    order = EpochPlan.order
+
+    @property
+    def algorithm(self) -> str:
+        return PACKED_ALGORITHM
+
+    def dropped_tokens(self) -> int:
+        return 0
+
+    def first_pass(self, s: int) -> int:
+        return self.sources[s].first_pass
+
+    def passes(self, s: int) -> int:
+        return self.sources[s].passes
+
+    def repeats(self, s: int) -> int:
+        """Pieces (documents or fragments) of source s this epoch holds more than once: nonzero
+        when its chain range spans more than one pass (upsampled, or straddling two)."""
+        return self.repeat_counts(s)[0]
+
+    def repeat_counts(self, s: int) -> tuple[int, int | None]:
+        """(the pieces of source s that repeat a piece the epoch holds already, the epoch's
+        pieces of s): one unit, pieces, for both (a pass's rows are packed afresh, so a
+        row never repeats a row; its pieces do). The total is None when no pass repeats (not
+        counted). Out of core: the epoch's pieces of s go to bucket files by document range,
+        and each bucket counts its duplicates."""
+        sp = self.sources[s]
+        if sp.passes < 2:
+            return 0, None
+        src = PackedSource.open(sp.path, check_sizes=False)
+        memory = self.memory
+        # A document is cut the same way in every pass (full rows, then its tail), so every pass
+        # holds the same pieces, once each: when the epoch takes one pass whole, the distinct
+        # pieces are that pass's, and only the pieces counted per pass are needed (no keys).
+        lo, hi = self.chain_start(s), self.chain_start(s) + sp.samples
+        starts = [pass_start(self, s, sp.first_pass, src)]
+        for p in range(sp.first_pass, sp.first_pass + sp.passes):
+            starts.append(starts[-1] + pass_rows(self, s, p, src))
+        if any(lo <= x and y <= hi for x, y in zip(starts, starts[1:])):
+            taken = whole = 0
+            for p, at, end in zip(range(sp.first_pass, sp.first_pass + sp.passes), starts, starts[1:]):
+                a, b = lo - at, hi - at
+                with pass_scratch(src, memory) as d:
+                    n = sum(
+                        int(((row >= a) & (row < b)).sum())
+                        for _, _, (row, *_) in iter_pass(
+                            src, s, p, self.seed, self.row_tokens, self.group_tokens, memory, d, self.holdout_of(s)
+                        )
+                    )
+                if lo <= at and end <= hi:
+                    whole = n
+                taken += n
+            return taken - whole, taken
+        per = max(
+            MIN_CHUNK,
+            memory // (KEY.itemsize * 4 * sp.passes * (1 + src.tokens // max(1, sp.documents * self.row_tokens))),
+        )
+        with scratch() as d:
+            from pathlib import Path
+
+            files = Buckets(Path(d), "keys")
+            pieces = 0
+            for _, ro, doc, do, *_ in chain_pieces(self, s, src, memory, d):
+                keys = np.empty(len(doc), KEY)
+                keys["doc"], keys["doc_offset"] = doc, do
+                files.append(doc // per, keys)
+                pieces += len(doc)
+            repeats = 0
+            for b in files.names():
+                keys = files.read(b, KEY)
+                repeats += len(keys) - len(np.unique(keys))
+            return int(repeats), int(pieces)
+
+    def source_report(self) -> list[dict]:
+        """As the window plan's, but `repeats` counts document pieces, out of `repeat_total`
+        pieces (`repeat_unit` names the unit for the summary and the warnings)."""
+        report = []
+        for i, s in enumerate(self.sources):
+            repeats, pieces = self.repeat_counts(i)
+            report.append(
+                {
+                    "name": s.name,
+                    "path": s.path,
+                    "fingerprint": s.fingerprint,
+                    "weight": s.weight,
+                    "samples": s.samples,
+                    "windows": s.windows,
+                    "passes": s.passes,
+                    "first_pass": s.first_pass,
+                    "repeats": repeats,
+                    "repeat_total": pieces,
+                    "repeat_unit": "document pieces",
+                }
+            )
+        return report
+
+    def source_entries(self) -> list[dict]:
+        return [
+            {
+                "name": s.name,
+                "path": s.path,
+                "fingerprint": s.fingerprint,
+                "weight": s.weight,
+                "samples": s.samples,
+                "first_pass": s.first_pass,
+                "passes": s.passes,
+                "windows": s.windows,
+                "tokens": s.tokens,
+                "offset": 0,
+                "dropped_tokens": 0,
+                "documents": s.documents,
+                **({} if s.cursor is None else {"cursor": s.cursor}),
+                **({} if self.holdout is None else {"held_documents": s.held}),
+            }
+            for s in self.sources
+        ]
+
+    def packing_entry(self, table_hash: str, padding: int, figures: dict | None = None) -> dict:
+        """The epoch manifest's `packing` object; `figures`: RowFigures.fields() of its rows."""
+        return {
+            "method": BEST_FIT,
+            "group_tokens": self.group_tokens,
+            "pad_id": self.pad_id,
+            "padding_tokens": padding,
+            "table_xxh3_128": table_hash,
+            **(figures or {}),
+            **record_holdout(self.holdout, self.split, padded=True),
+        }
+
+    def holdout_of(self, s: int) -> "Holdout | None":
+        """Source s's held-out documents (None: it holds none out)."""
+        sp = self.sources[s]
+        return Holdout(sp.documents, sp.held, self.seed, sp.fingerprint, self.split) if sp.held else None
+
+
+_ROWS: dict[tuple, int] = {}  # _rows_key -> R_{s,p}
+_PIECES: dict[tuple, int] = {}  # the same key -> the pass's pieces
+
+
+def _rows_key(plan, s: int, p: int) -> tuple:
+    """What pass p over source s's rows depend on: the source, the seed, the row and group sizes, and
+    the documents held out of it."""
+    sp = plan.sources[s]
+    return (sp.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens, sp.held, plan.split)
+
+
+def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
+    """R_{s,p}, the rows of pass p over source s: the pass is packed group by group (iter_pass,
+    bounded by the plan's memory) and counted; the count is kept."""
+    key = _rows_key(plan, s, p)
+    if key not in _ROWS:
+        rows = pieces = 0
+        with pass_scratch(src, plan.memory) as d:
+            for _, n, (row, *_) in iter_pass(
+                src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, plan.memory, d, plan.holdout_of(s)
+            ):
+                rows, pieces = rows + n, pieces + len(row)
+        _ROWS[key], _PIECES[key] = rows, pieces
+    return _ROWS[key]
+
+
+def epoch_pieces(plan, s: int) -> tuple[int, int] | None:
+    """(pieces packed in the passes of source s this epoch touches, pieces of s the epoch
+    takes, each partial pass counted by its share of rows): known once the plan has counted
+    those passes' rows in this process (pass_rows), else None. For `tokpack plan`'s time."""
+    sp = plan.sources[s]
+    lo, hi = plan.chain_start(s), plan.chain_start(s) + sp.samples
+    packed = taken = 0.0
+    at = None
+    for p in range(sp.first_pass, sp.first_pass + sp.passes):
+        key = _rows_key(plan, s, p)
+        if key not in _PIECES:
+            return None
+        if at is None:
+            at = sum(_ROWS.get(_rows_key(plan, s, k), 0) for k in range(p))
+        rows, pieces = _ROWS[key], _PIECES[key]
+        share = max(0, min(hi, at + rows) - max(lo, at)) / max(1, rows)
+        packed, taken, at = packed + pieces, taken + pieces * share, at + rows
+    return int(packed), int(taken)
+
+
+def pass_start(plan, s: int, p: int, src: PackedSource) -> int:
+    """Chain position of the first row of pass p: the rows of passes 0..p-1."""
+    return sum(pass_rows(plan, s, k, src) for k in range(p))
+
+
+def _locate_chain(plan, s: int, lo: int, n: int, src: PackedSource) -> tuple[int, int, tuple[int, ...]]:
+    """(first pass, passes, their row counts) covering chain positions [lo, lo + n)."""
+    p, at = 0, 0
+    while True:
+        r = pass_rows(plan, s, p, src)
+        if at + r > lo:
+            break
+        at, p = at + r, p + 1
+    first, counts = p, []
+    while at < lo + n:
+        r = pass_rows(plan, s, p, src)
+        counts.append(r)
+        at, p = at + r, p + 1
+    return first, len(counts), tuple(counts)
+
+
+class PackedOptions(NamedTuple):
+    """A packed plan's settings past the epoch's own: its rows' group size and pad id (None: the
+    defaults), a schedule's chains (each source's cursor and samples), and `--holdout` (the
+    spec as recorded; `split`: the plan of RUN/holdout/, the held-out documents only)."""
+
+    group_tokens: int | None = None
+    pad_id: int | None = None
+    cursors: list[int | None] | None = None
+    counts: list[int] | None = None
+    holdout: dict | None = None
+    split: bool = False
+
+
+def packed_epoch_plan(
+    sources: list[PackedSource],
+    *,
+    seq_len: int,
+    seed: int,
+    epoch: int,
+    weights: list[str | None] | None = None,
+    samples: int | None = None,
+    tokens: int | None = None,
+    names: list[str] | None = None,
+    memory: int = DEFAULT_PLAN_MEMORY,
+    options: "PackedOptions | None" = None,
+) -> PackedPlan:
+    """The packed plan of one epoch. c_s: as the window plan apportions samples, with R_{s,0}
+    (the rows of pass 0) in place of W_s. `options.counts` (a schedule's per-source samples)
+    overrides it. `memory`: the plan's budget (bytes; shuffle's --memory), within which it counts
+    its passes."""
+    group_tokens, pad_id, cursors, counts, holdout, split = options or PackedOptions()
+    if not sources:
+        raise TokpackError("no sources given", hint="tokpack shuffle SOURCE[=WEIGHT]... -o OUT --packing best-fit")
+    pad = sources[0].eos_id if pad_id is None else int(pad_id)
+    if not 0 <= pad < sources[0].vocab_size:
+        raise TokpackError(
+            "pad id outside the vocabulary",
+            where="--pad-id",
+            expected=f"0..{sources[0].vocab_size - 1}",
+            found=pad,
+            hint="leave --pad-id out to pad with the EOS id",
+        )
+    for src in sources:
+        check_real(src)
+    documents = [document_count(src) for src in sources]
+    held = [held_out(src, holdout, seed, memory).held for src in sources]
+    stub = PackedPlan(
+        int(seed),
+        int(epoch),
+        int(seq_len),
+        0,
+        tuple(
+            PackedSourcePlan(
+                s, "", str(src.home), src.fingerprint, None, src.tokens, documents[s], 0, 0, 0, held=held[s]
+            )
+            for s, src in enumerate(sources)
+        ),
+        int(group_tokens or DEFAULT_GROUP_TOKENS),
+        pad,
+        holdout=holdout,
+        split=bool(split),
+        memory=max(1, int(memory)),
+    )
+    rows0 = [pass_rows(stub, s, 0, src) for s, src in enumerate(sources)]
+    for src, rows in zip(sources, rows0):
+        if rows == 0:  # its chain would hold nothing to take
+            raise TokpackError(
+                "source holds no documents",
+                file=src.path,
+                where="documents",
+                expected=">= 1 document",
+                found=0,
+                hint="drop this source",
+            )
+    weights = list(weights) if weights is not None else [None] * len(sources)
+    if counts is None:
+        counts = mixture(sources, weights, rows0, samples=samples, tokens=tokens, seq_len=seq_len)[1]
+    check_passes(sources, counts, rows0, "rows a pass")
+    plans, base = [], 0
+    for s, src in enumerate(sources):
+        cursor = None if cursors is None else cursors[s]
+        sp = PackedSourcePlan(
+            s,
+            names[s] if names else src.home.name,
+            str(src.home),
+            src.fingerprint,
+            None if weights[s] is None else str(weights[s]),
+            src.tokens,
+            documents[s],
+            rows0[s],
+            counts[s],
+            base,
+            cursor,
+            held=held[s],
+        )
+        plans.append(sp)
+        base += counts[s]
+    plan = replace(stub, samples=base, sources=tuple(plans))
+    located = []
+    for s, sp in enumerate(plan.sources):
+        if sp.samples:
+            first, k, rows = _locate_chain(plan, s, plan.chain_start(s), sp.samples, sources[s])
+            sp = replace(sp, first_pass=first, passes=k, pass_rows=rows)
+        located.append(sp)
+    plan = replace(plan, sources=tuple(located))
+    return plan
+
+
+def packed_plan_from_manifest(
+    manifest: dict, sources: list[PackedSource], memory: int = DEFAULT_PLAN_MEMORY
+) -> PackedPlan:
+    """The packed plan an epoch manifest was written from, against the opened sources (matched
+    by fingerprint, in any order); `memory`: its budget, as in packed_epoch_plan."""
+    pk = manifest.get("packing")
+    if not isinstance(pk, dict) or pk.get("method") != BEST_FIT:
+        raise TokpackError(
+            "packed epoch without its packing", where="packing", expected=f"{{method: {BEST_FIT}, ...}}", found=pk
+        )
+    entries = manifest.get("sources") or []
+    pool = {s.fingerprint: s for s in sources}
+    ordered, counts, cursors, weights, names = [], [], [], [], []
+    for i, e in enumerate(entries):
+        src = pool.get(e.get("fingerprint"))
+        if src is None:
+            raise TokpackError(
+                "source of the epoch not given",
+                where=f"sources[{i}] ({e.get('name')})",
+                expected=f"a source with fingerprint {e.get('fingerprint')}",
+                found=", ".join(str(p.path) for p in sources) or "none",
+                hint="pass every source the epoch was shuffled from, unchanged",
+            )
+        ordered.append(src)
+        counts.append(int(e["samples"]))
+        cursors.append(e.get("cursor"))
+        weights.append(e.get("weight"))
+        names.append(e.get("name", ""))
+    plan = packed_epoch_plan(
+        ordered,
+        seq_len=int(manifest["seq_len"]),
+        seed=int(manifest["seed"]),
+        epoch=int(manifest["epoch"]),
+        weights=weights,
+        names=names,
+        memory=memory,
+        options=PackedOptions(
+            int(pk["group_tokens"]),
+            int(pk["pad_id"]),
+            None if all(c is None for c in cursors) else cursors,
+            counts,
+            *holdout_recorded(manifest),  # formats.packing knows where each packing records it
+        ),
+    )
+    if plan.samples != int(manifest["samples"]):
+        raise TokpackError(
+            "epoch manifest source samples do not add up",
+            where="sources[].samples",
+            expected=manifest["samples"],
+            found=plan.samples,
+        )
+    return plan
+
+
+def chain_pieces(plan, s: int, src: PackedSource, memory: int, scratch: str | None):
+    """The pieces of source s this epoch takes, group by group: (chain-derived output position
+    q = base + chain position - cursor, row_offset, doc, doc_offset, length, first token in
+    the stream, the document's length), passes packed by iter_pass."""
+    sp = plan.sources[s]
+    lo, hi = plan.chain_start(s), plan.chain_start(s) + sp.samples
+    at = pass_start(plan, s, sp.first_pass, src)
+    for p in range(sp.first_pass, sp.first_pass + sp.passes):
+        a, b = lo - at, hi - at  # the pass's rows this epoch takes
+        for first, n, (row, *rest) in iter_pass(
+            src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, memory, scratch, plan.holdout_of(s)
+        ):
+            if first + n <= a:
+                continue
+            if first >= b:
+                break
+            sel = np.flatnonzero((row >= a) & (row < b))
+            yield (sp.base + at + row[sel] - lo, *(c[sel] for c in rest))
+        at += pass_rows(plan, s, p, src)
+
+
+def plan_options(pad_id: int | None = None, group_tokens: int | None = None) -> dict:
+    """The options of a packed plan a run gives (None: the default)."""
+    return {k: v for k, v in (("pad_id", pad_id), ("group_tokens", group_tokens)) if v is not None}
+
+
+def packing_settings(
+    sources: list[PackedSource], pad_id: int | None = None, group_tokens: int | None = None, holdout: dict | None = None
+) -> dict:
+    """What a packed run records (and a rerun must repeat) of its packing, from its options."""
+    return {
+        "method": BEST_FIT,
+        "group_tokens": int(group_tokens or DEFAULT_GROUP_TOKENS),
+        "pad_id": sources[0].eos_id if pad_id is None else int(pad_id),
+        **record_holdout(holdout, padded=True),
+    }
+
+
+def run_packing(plan: PackedPlan) -> dict:
+    """The same, of a planned epoch (the run manifest's `packing`)."""
+    return {
+        "method": BEST_FIT,
+        "group_tokens": plan.group_tokens,
+        "pad_id": plan.pad_id,
+        **record_holdout(plan.holdout, padded=True),
+    }
+
+
+def holdout_plan(
+    sources: list[PackedSource], *, seq_len: int, seed: int, holdout: dict, names: list[str], memory: int, **options
+) -> PackedPlan:
+    """The plan of RUN/holdout/: one pass over each source's held-out documents, best-fit packed
+    and ordered as an epoch is (epoch 0's keys), all of them (no weights, no --samples)."""
+    return packed_epoch_plan(
+        sources,
+        seq_len=seq_len,
+        seed=seed,
+        epoch=0,
+        names=names,
+        memory=memory,
+        options=PackedOptions(**options, holdout=holdout, split=True),
+    )
+
+
+def held_out(src: PackedSource, spec: dict | None, seed: int, memory: int = DEFAULT_PLAN_MEMORY) -> "Holdout":
+    """Source `src`'s held-out documents for `--holdout` `spec` (a token count reads the
+    documents' lengths in the holdout's order, within `memory`)."""
+    key = (src.fingerprint, int(seed), repr(spec))
+    if key in _HELD:
+        return _HELD[key]
+
+    def lengths_in_order(order):
+        with scratch() as d:
+            for _, _, lengths in permuted_documents(src, order, memory, d):
+                yield lengths
+
+    _HELD[key] = holdout_of(src, spec, seed, document_count(src), lengths_in_order)
+    return _HELD[key]
+
+
+_HELD: dict[tuple, "Holdout"] = {}  # (fingerprint, seed, spec) -> its Holdout: planned once per process
+
+
+def chained_packed_plan(
+    plan: PackedPlan, *, members, sources, names, cursors, weights, counts, memory, **options
+) -> PackedPlan:  # options: pad_id, group_tokens, holdout
+    """An epoch of a schedule of several stages: every source of the schedule, each chain from
+    its cursor over packed rows, the stage's samples from each (`counts`)."""
+    return packed_epoch_plan(
+        sources,
+        seq_len=plan.seq_len,
+        seed=plan.seed,
+        epoch=plan.epoch,
+        weights=weights,
+        names=names,
+        memory=memory,
+        options=PackedOptions(**options, cursors=cursors, counts=counts),
+    )
