@@ -260,7 +260,7 @@ def _run(mpi, spec: ShuffleSpec, out: Path, dest: Path, template: str, ranks, w,
         job = replace(job, work_dir=str(dest / WORK_DIR / Path(job.work_dir).name))
         packing = packings.of_plan(plan)
         prepared = together(comm, lambda: packing.prepare(job, memory))  # every node builds the same table
-        fmt = EpochShardFormat(job.token_dtype, plan.seq_len, job.eos_id, job.tokenizer, padded="table" in prepared)
+        fmt = EpochShardFormat(job.token_dtype, plan.seq_len, job.eos_id, job.tokenizer, padded=packing.padded)
         ne = NodeEpoch(job, job.open_sources(), rows, first, n, N, ranks, prepared)
         kept = 0 if keep is None else together(comm, lambda: ne.keep_sources(keep))
 

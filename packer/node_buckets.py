@@ -15,7 +15,8 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import open_append, write_bytes_atomic
 from tokpack.packer.node_epoch import NodeEpoch, memory_plan
 from tokpack.packer.pieces import gather
-from tokpack.shuffle.packed_step import RECORD, read_bucket
+from tokpack.shuffle.packed import RECORD
+from tokpack.shuffle.packed_step import read_bucket  # the order pass's reader, for windows and pieces alike
 from tokpack.shuffle.steps import Layout
 
 

@@ -14,7 +14,8 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.slices import RankRows
 from tokpack.packer.kept_sources import keep_sources
 from tokpack.packer.transport import MAX_MESSAGE_BYTES
-from tokpack.shuffle.packed_step import RECORD
+from tokpack.shuffle import packings
+from tokpack.shuffle.packed import RECORD
 from tokpack.shuffle.steps import split_shards
 
 # Rows a round's buffers hold at least: fewer, and the exchange spends its time per round.
@@ -34,7 +35,10 @@ class NodeEpoch:
         self.job, self.plan, self.sources, self.prepared = job, job.plan, sources, prepared
         self.rows, self.first, self.node, self.nodes, self.ranks = rows, first, node, nodes, ranks
         self.per_node = ranks[1] - ranks[0] + 1
-        self.padded = "table" in prepared  # best-fit: document pieces, and padding
+        # The packing answers how its rows are built: from a row table's document pieces (with
+        # padding), or windows the plan locates.
+        self.entry = packings.of_plan(job.plan)
+        self.padded = self.entry.padded
         n = self.plan.samples
         rb = job.row_bytes
         # The slice: its epoch positions in increasing order (every rank's, mixed), as stage --node plans them.

@@ -11,7 +11,6 @@ import xxhash
 
 from tokpack.formats.io import map_file
 from tokpack.packer.pieces import WIRE_PIECE, gather
-from tokpack.shuffle.packed import PackedTable
 from tokpack.shuffle.plan import iter_source_windows
 from tokpack.shuffle.steps import ShardHashes, shard_segments, source_changed_error
 
@@ -41,7 +40,7 @@ def _document_pieces(ne, runs, tokens: int):
     """A best-fit epoch's pieces, by the row table's files of each source shard (as the
     best-fit scatter pass reads them), each shard mapped and verified whole first."""
     job = ne.job
-    built = PackedTable.open(ne.prepared["table"], ne.prepared["table_xxh3_128"])
+    built = ne.entry.open_table(ne.prepared["table"], ne.prepared["table_xxh3_128"])
     for s, k0, k1 in runs:
         src = ne.sources[s]
         for k in range(k0, k1):

@@ -834,19 +834,18 @@ def _node_epoch_figures(
     from tokpack.shuffle.steps import shard_segments
 
     plan, entry = job.plan, packings.of_plan(job.plan)
-    padded = entry.table_estimate is not None  # best-fit: document pieces, and a row table
+    padded = entry.padded  # document pieces from a row table, and padding
     sources = job.open_sources()
     rows = RankRows(nodes * ranks_per_node, micro_batch, 0)
     item, row = job.token_dtype.itemsize, plan.row_tokens
-    table = entry.table_estimate(job, sources) if padded else None
+    table = entry.table_estimate(job, sources) if entry.table_estimate is not None else None
     data_tokens = plan.samples * row - (figures.padding_tokens if figures is not None else 0)
     per_row = int(manifest["fragments"]) / max(1, plan.samples)  # the index's fragments, at the epoch's mean
     out, nes = [], []
     for n in range(nodes):
         a, b, _ = slice_ranks(node=f"{n}/{nodes}", ranks_per_node=ranks_per_node, micro_batch=micro_batch)
-        # `prepared` says only whether the epoch moves document pieces: the row table itself is
-        # the command's to build (plan_shuffle counts it by table_estimate)
-        ne = NodeEpoch(job, sources, rows, first, n, nodes, (a, b), {"table": None} if padded else {})
+        # the row table itself is the command's to build (plan_shuffle counts it by table_estimate)
+        ne = NodeEpoch(job, sources, rows, first, n, nodes, (a, b), {})
         nes.append(ne)
         shards = [(s, k) for s, k0, k1 in ne.runs() for k in range(k0, k1)]
         read = sum(int(sources[s].shards[k]["tokens"]) * sources[s].dtype.itemsize for s, k in shards)

@@ -32,7 +32,6 @@ from tokpack.packer.shared import Result
 from tokpack.packer.slice_dest import epoch_in_place
 from tokpack.packer.slicing import slice_ranks
 from tokpack.shuffle import packings
-from tokpack.shuffle.packed import PackedTable
 from tokpack.shuffle.plan import open_source
 
 
@@ -187,8 +186,8 @@ class SourceRows:
 
     def __init__(self, epoch_dir: Path, m: dict, memory: int, work: Path):
         packing = packings.of_manifest(m)
-        self.epoch_dir, self.m, self.work = Path(epoch_dir), m, Path(work)
-        self.padded = packing.name != packings.DEFAULT  # best-fit: rows from the row table's pieces
+        self.epoch_dir, self.m, self.work, self.packing = Path(epoch_dir), m, Path(work), packing
+        self.padded = packing.padded  # rows from the row table's pieces, and their padding
         opened = [open_source(src["path"]) if int(src["samples"]) or self.padded else None for src in m["sources"]]
         self.sources = [src for src in opened if src is not None]
         self.dtype = self.sources[0].dtype
@@ -225,7 +224,6 @@ class SourceRows:
             self._rebuild_table(packing, memory)
 
     def _rebuild_table(self, packing, memory: int) -> None:
-        from tokpack.shuffle.packed import TokenPool
         from tokpack.shuffle.steps import EpochJob
 
         m = self.m
@@ -249,12 +247,12 @@ class SourceRows:
                 found=prepared["table_xxh3_128"],
                 hint="the sources changed since the run was shuffled",
             )
-        self.built = PackedTable.open(prepared["table"], prepared["table_xxh3_128"])
+        self.built = packing.open_table(prepared["table"], prepared["table_xxh3_128"])
 
         def changed(src, k, tokens):
             pass  # each row is checked against RUN's row hash (or the slice) instead: only its documents are read
 
-        self.pool = TokenPool(self.plan, self.sources, changed)
+        self.pool = packing.token_pool(self.plan, self.sources, changed)
 
     def rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """(the rows at epoch `positions`, increasing, as an [n, row] array; best-fit: their padding)."""
@@ -284,8 +282,6 @@ class SourceRows:
         return buf[where]
 
     def _packed_rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        from tokpack.shuffle.packed import row_padding
-
         out = np.empty((len(positions), self.row), dtype=self.dtype)
         pad = np.empty(len(positions), dtype=PAD_DTYPE)
         cuts = np.flatnonzero(np.diff(positions) != 1) + 1  # runs of consecutive positions: a global batch's
@@ -293,7 +289,7 @@ class SourceRows:
             g0, g1 = int(positions[lo]), int(positions[hi - 1]) + 1
             table, starts = self.built.rows(g0, g1)
             out[lo:hi] = self.pool.rows(table, g0, g1, self.row, self.plan.pad_id, starts)
-            pad[lo:hi] = row_padding(table, g1 - g0, self.row, g0)
+            pad[lo:hi] = self.packing.row_padding(table, g1 - g0, self.row, g0)
         self.bytes_read += int(self.row * len(positions) - pad.astype(np.int64).sum()) * self.dtype.itemsize
         return out, pad
 

@@ -591,9 +591,9 @@ def setup_run(
     shard_samples, samples, tokens, epochs = spec.shard_samples, spec.samples, spec.tokens, spec.asked_epochs()
     paths, weights = list(spec.sources if local is None else local), spec.weights
     used = packings.named(schedule.packing if schedule is not None else packing)
-    if pad_id is not None and "pad_id" not in used.options(pad_id, None):
+    if pad_id is not None and not used.padded:
         # a window epoch has no padding: a --pad-id it ignored would look like a setting the run keeps
-        padded = [n for n in packings.names() if "pad_id" in packings.named(n).options(pad_id, None)]
+        padded = [n for n in packings.names() if packings.named(n).padded]
         asked = "the schedule's packing" if schedule is not None else "--packing"
         raise TokpackError(
             f"--pad-id applies to {' or '.join(padded)} packing; {used.name} packing has no padding",
