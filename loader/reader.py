@@ -762,16 +762,22 @@ class SampleReader:
         """One global batch of W*m samples must be left from `start`, else one line why not."""
         if self.steps(world_size, micro_batch, start):
             return
+        raise self.end_error(world_size, micro_batch, start)
+
+    def end_error(self, world_size: int, micro_batch: int, start: int) -> TokpackError:
+        """Why no global batch of W*m samples is left from `start` (an epoch not written there,
+        or the end of the chain, with the command that writes the next epoch): the line `tokpack
+        read` prints at that sample, and what a stream that reaches it raises."""
         gap = self.blocked_at(start)
         if gap is not None:
-            raise self.missing_epoch_error(gap, self.epoch_sample(gap)[0])
+            return self.missing_epoch_error(gap, self.epoch_sample(gap)[0])
         left = self.total_samples - start
         hint = "start earlier, or use a smaller --world-size/--micro-batch"
         if self.numbering is not None and self.numbering.locate(self.total_samples) is not None:
             nxt = self.epoch_sample(self.total_samples)[0]
             hint += f", or write the next epoch: `{shuffle_command(self.run[1], self.run[0], nxt)}`"
         where = self.run[0] if self.run is not None else self.table.epoch_dirs[-1]
-        raise TokpackError(
+        return TokpackError(
             "less than one global batch left to read",
             file=where,
             where=f"sample {start}",
@@ -1049,7 +1055,7 @@ class SampleReader:
 
     # ------------------------------------------------------------------ streams
 
-    def batches(
+    def batches(  # noqa: PLR0913 -- the public stream's keywords, each one setting, as packer/api.py's
         self,
         rank: int,
         world_size: int,
@@ -1062,6 +1068,7 @@ class SampleReader:
         num_workers: int = 1,
         copy: bool = True,
         first_step: int | None = None,
+        at_end: str = "error",
     ) -> "RankStream":
         """Rank r's micro-batches from chained sample `start`: arrays [m, seq_len+1] of the token
         dtype, or (tokens, positions) pairs with positions="eos" or "index".
@@ -1070,75 +1077,10 @@ class SampleReader:
         b % num_workers), for DataLoader workers; `first_step` (default: `worker`) resumes a
         worker's share. `copy=False` yields views of a reused buffer, valid until the next item.
         A stream that reaches an epoch that is not written raises `missing_epoch_error` there.
+        One that runs out of written samples before `steps` (None: no count) raises `end_error`
+        there, the line `tokpack read` prints at that sample, so a job resumed past the written
+        epochs fails instead of training zero steps; `at_end="stop"` ends the stream there.
         """
-        rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
-        self.serves(rank, world_size, micro_batch, self.start_from(start_sample=start))
-        return RankStream(
-            self,
-            rank,
-            world_size,
-            micro_batch,
-            start,
-            positions=positions,
-            steps=steps,
-            worker=worker,
-            num_workers=num_workers,
-            copy=copy,
-            first_step=first_step,
-        )
-
-    def serves(self, rank: int, world_size: int, micro_batch: int, start: int) -> None:
-        """Raises when this reader cannot serve that rank's stream (a node slice of other ranks)."""
-
-    def rank_samples(
-        self, rank: int, world_size: int, micro_batch: int, start: int = 0, count: int | None = None
-    ) -> Iterator[Sample]:
-        """The samples rank r is fed, one by one, from chained sample `start`; at most `count`."""
-        count = whole(count, "count")
-        if count == 0:
-            return
-        steps = None if count is None else -(-count // micro_batch)
-        left = count
-        stream = self.batches(rank, world_size, micro_batch, start, steps=steps)
-        for rows in stream:
-            g = stream.state.first_sample(stream.last_step)
-            for j in range(len(rows)):
-                epoch, sample = self.locate(g + j)
-                yield Sample(epoch, sample, g + j, rows[j])
-                if left is not None:
-                    left -= 1
-                    if left == 0:
-                        return
-
-
-def stream_shape(rank, world_size, micro_batch) -> tuple[int, int, int]:
-    """(r, W, m) checked as `read --rank/--world-size/--micro-batch` are: 0 <= r < W, m >= 1."""
-    world_size = whole(world_size, "world_size", least=1, optional=False)
-    micro_batch = whole(micro_batch, "micro_batch", least=1, optional=False)
-    rank = whole(rank, "rank", optional=False)
-    if rank >= world_size:
-        raise TokpackError("rank is out of range", where="rank", expected=f"0..{world_size - 1}", found=rank)
-    return rank, world_size, micro_batch
-
-
-class RankStream:
-    """Iterator over one rank's micro-batches. Its position is `state`: a few integers."""
-
-    def __init__(
-        self,
-        reader: SampleReader,
-        rank: int,
-        world_size: int,
-        micro_batch: int,
-        start: int,
-        *,
-        positions: str | None,
-        steps: int | None,
-        worker: int,
-        num_workers: int,
-        copy: bool,
-        first_step: int | None = None,
-    ):
         rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
         num_workers = whole(num_workers, "num_workers", least=1, optional=False)
         worker = whole(worker, "worker", optional=False)
@@ -1154,26 +1096,82 @@ class RankStream:
                 found=first_step,
             )
         text(positions, "positions", choices=(None, "eos", "index"))
-        if positions == "eos" and reader.eos_id is None:
+        text(at_end, "at_end", optional=False, choices=AT_END)
+        if positions == "eos" and self.eos_id is None:
             raise TokpackError(
                 "positions from EOS need eos_id, and the epoch manifest has none",
                 where="eos_id",
                 hint="use positions='index'",
             )
-        start = reader.start_from(start_sample=start)
-        end = reader.steps(world_size, micro_batch, start)
-        # Where the stream runs into an epoch that is not written: an error there, not a silent end.
-        self.blocked_at = reader.blocked_at(start) if steps is None or steps > end else None
-        if steps is not None:
-            end = min(end, steps)
+        start = self.start_from(start_sample=start)
+        self.serves(rank, world_size, micro_batch, start)
+        end = self.steps(world_size, micro_batch, start)
+        # The written samples end before the caller's count: an error there (or a stop, when asked).
+        short = steps is None or steps > end
+        state = StreamState(start, first_step, rank, world_size, micro_batch, num_workers, end if short else steps)
+        return RankStream(self, state, positions=positions, copy=copy, at_end=at_end if short else None)
+
+    def serves(self, rank: int, world_size: int, micro_batch: int, start: int) -> None:
+        """Raises when this reader cannot serve that rank's stream (a node slice of other ranks)."""
+
+    def rank_samples(
+        self, rank: int, world_size: int, micro_batch: int, start: int = 0, count: int | None = None
+    ) -> Iterator[Sample]:
+        """The samples rank r is fed, one by one, from chained sample `start`; at most `count`,
+        as `tokpack read` prints them: no global batch left at `start` is `end_error`, and the
+        samples stop at the end of the written epochs (an epoch not written is an error)."""
+        count = whole(count, "count")
+        if count == 0:
+            return
+        rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
+        self.require_batch(world_size, micro_batch, self.start_from(start_sample=start))
+        steps = None if count is None else -(-count // micro_batch)
+        left = count
+        stream = self.batches(rank, world_size, micro_batch, start, steps=steps, at_end="stop")
+        for rows in stream:
+            g = stream.state.first_sample(stream.last_step)
+            for j in range(len(rows)):
+                epoch, sample = self.locate(g + j)
+                yield Sample(epoch, sample, g + j, rows[j])
+                if left is not None:
+                    left -= 1
+                    if left == 0:
+                        return
+
+
+# What a stream does where the written samples end: raise `end_error` (the default), or stop.
+AT_END = ("error", "stop")
+
+
+def stream_shape(rank, world_size, micro_batch) -> tuple[int, int, int]:
+    """(r, W, m) checked as `read --rank/--world-size/--micro-batch` are: 0 <= r < W, m >= 1."""
+    world_size = whole(world_size, "world_size", least=1, optional=False)
+    micro_batch = whole(micro_batch, "micro_batch", least=1, optional=False)
+    rank = whole(rank, "rank", optional=False)
+    if rank >= world_size:
+        raise TokpackError("rank is out of range", where="rank", expected=f"0..{world_size - 1}", found=rank)
+    return rank, world_size, micro_batch
+
+
+class RankStream:
+    """Iterator over one rank's micro-batches (`SampleReader.batches` builds it, checking its
+    arguments). Its position is `state`: a few integers."""
+
+    def __init__(
+        self, reader: SampleReader, state: StreamState, *, positions: str | None, copy: bool, at_end: str | None
+    ):
         self.reader = reader  # the shared reader (shard table, open files)
-        self.state = StreamState(start, first_step, rank, world_size, micro_batch, num_workers, end)
+        self.state = state
         self.positions = positions  # None, "eos" or "index"
         self.copy = copy  # False: yield views of a reused buffer
+        # Where the written samples end before the caller's count: "error" raises `end_error` there,
+        # "stop" stops (but an epoch not written, with written ones after it, is an error either
+        # way); None: the caller's count of steps ends the stream first.
+        self.at_end = at_end
         self.last_step = -1  # global batch of the last item yielded
-        m, L = micro_batch, reader.row_tokens
+        m, L = state.micro_batch, reader.row_tokens
         # W == 1 and one worker: the rank's rows are contiguous; read large blocks and slice them.
-        self._contiguous = world_size == 1 and num_workers == 1
+        self._contiguous = state.world_size == 1 and state.stride == 1
         rows = max(1, BLOCK_BYTES // (m * reader.row_bytes)) * m if self._contiguous else m
         self._buf = np.empty((rows, L), dtype=reader.dtype)  # reused read buffer
         self._buf_start = -1  # chained index of _buf's first row (contiguous mode), -1 when empty
@@ -1188,8 +1186,10 @@ class RankStream:
     def __next__(self):
         st = self.state
         if st.step >= st.end_step:
-            if self.blocked_at is not None:
-                raise self.reader.missing_epoch_error(self.blocked_at, self.reader.epoch_sample(self.blocked_at)[0])
+            if self.at_end is not None:
+                end = st.rows.first(0, st.end_step)  # the first global batch not served
+                if self.at_end == "error" or self.reader.blocked_at(end) is not None:
+                    raise self.reader.end_error(st.world_size, st.micro_batch, end)
             raise StopIteration
         step = st.step
         g = st.first_sample(step)
