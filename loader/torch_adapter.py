@@ -161,14 +161,29 @@ class Batch(dict):
         return batch
 
     def __reduce__(self):
-        packed = self._packed
-        if (
-            packed is not None
-            and len(self) == len(packed[2])
-            and all(self.get(key) is view for (key, *_), view in zip(packed[1], packed[2]))
-        ):
-            return _rebuild, (packed[0], packed[1])
+        if self._packed is not None and self._as_built():
+            return _rebuild, self._packed[:2]
         return Batch, (dict(self),)
+
+    def _as_built(self) -> bool:
+        """Whether every field is still its view of the buffer. Checked by place, not by object:
+        DataLoader's default_convert (batch_size=None) puts the same views in a copy."""
+        buffer, layout, _ = self._packed
+        base = buffer.data_ptr()
+        if len(self) != len(layout):
+            return False
+        for key, dtype, shape, offset in layout:
+            t = self.get(key)
+            if not (
+                isinstance(t, torch.Tensor)
+                and t.dtype == dtype
+                and tuple(t.shape) == shape
+                and t.data_ptr() == base + offset
+                and t.is_contiguous()
+                and t.untyped_storage().data_ptr() == base
+            ):
+                return False
+        return True
 
 
 class WorkerError(TokpackError):

@@ -12,6 +12,8 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from conftest import random_docs, shuffle_run, write_source
+from torch.utils.data import default_convert
+
 from tokpack.loader.torch_adapter import Batch, TokpackDataset
 
 SEQ, N, M = 15, 48, 2
@@ -50,6 +52,8 @@ def test_a_batch_pickles_as_one_tensor_until_a_field_changes():
     batch = Batch.packed(arrays)
     rebuild, (buffer, layout) = batch.__reduce__()
     assert isinstance(buffer, torch.Tensor) and buffer.untyped_storage().is_shared()
+    # what a DataLoader worker sends (batch_size=None: default_convert copies the dict, same views)
+    assert default_convert(batch).__reduce__()[0] is rebuild
     again = pickle.loads(pickle.dumps(batch))
     assert type(again) is Batch and list(again) == list(arrays)
     for key, value in arrays.items():
