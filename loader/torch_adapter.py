@@ -139,7 +139,8 @@ class Batch(dict):
     """A TokpackDataset batch: a dict of tensors (its keys: TokpackDataset). Built by
     `Batch.packed` (in a DataLoader worker), its tensors are views of one shared buffer, and
     pickling it (the worker's queue) sends that buffer once; the main process gets a Batch of the
-    same fields. Once a field is replaced or added, it pickles as a plain dict of its tensors."""
+    same fields (which keep the whole buffer alive while any of them lives). Once a field is
+    replaced or added (a collate_fn's change), it pickles as its tensors, one by one."""
 
     _packed: tuple | None = None  # (buffer, layout, the views as built)
 
