@@ -144,7 +144,7 @@ t0 = time.perf_counter()
 r = SampleReader.open({path!r})
 t1 = time.perf_counter()
 n = 0
-for item in r.batches(0, 1, 8, positions={positions!r}, copy=False):
+for item in r.batches(0, 1, 8, positions={positions!r}, copy=False, at_end="stop"):
     n += (item[0] if isinstance(item, tuple) else item).nbytes
 t2 = time.perf_counter()
 json.dump({{"open_s": t1 - t0, "read_s": t2 - t1, "bytes": n, "rss_mb": {hwm}}}, open({result!r}, "w"))

@@ -54,6 +54,12 @@ torchvision: MosaicML streaming's package imports its vision datasets (torchvisi
 the only torchvision wheels here are CUDA builds that do not load against the CPU torch, so its
 child stubs `torchvision.datasets.VisionDataset` before the import (only the text path is used).
 
+- the hand-off's floor: a dataset that yields, each step, one fresh tensor of the bytes of
+  tokpack's batch (its four [m, seq_len] int64 fields), never written, made in shared memory
+  with workers (where a tensor goes to cross from a worker), through the same StatefulDataLoader: nothing
+  read, computed or copied, so its wait is what any batch pays to cross from a worker (0 and 2
+  workers; it has no data, so no start step and no data row).
+
 Peers that are not installed get a row saying so. --quick (tiny epoch, a few steps) is what
 tests/test_bench_train_loop.py runs: it checks that every row has its numbers, never how fast.
 """
@@ -115,14 +121,14 @@ def _children(pid):
             pass
     return out + [g for c in out for g in _children(c)]
 it = iter(loader)
-first = next(it)
+first = AS_BATCH(next(it))
 t_first = _t.perf_counter() - t_build
 tokens_per_batch = int(first[TOKENS].shape[0]) * SEQ_LEN
 waits, tokens = [], 0
 t_loop = _t.perf_counter()
 for _ in range(STEPS):
     t = _t.perf_counter()
-    batch = next(it)
+    batch = AS_BATCH(next(it))
     waits.append(_t.perf_counter() - t)
     assert batch[TOKENS].shape[0] == MICRO and batch[TOKENS].shape[1] >= SEQ_LEN, batch[TOKENS].shape
     assert POSITIONS in batch, sorted(batch)
@@ -144,6 +150,7 @@ import torch
 torch.set_num_threads(1)
 RESULT, STEPS, STEP_S, SEQ_LEN, MICRO = {result!r}, {steps}, {step_s}, {seq}, {micro}
 START, GBS, WORLD = {start}, {gbs}, {world}
+AS_BATCH = lambda batch: batch  # the floor's one tensor viewed as the fields (FLOOR)
 """
 
 TOKPACK = """
@@ -162,6 +169,29 @@ ds.reader = SampleReader.from_manifests([({vdir!r}, manifest)])
 ds.consumed = ds.reader.start_from(start_sample=START)
 loader = StatefulDataLoader(ds, batch_size=None, num_workers={workers})
 START_ROW = 0  # both starts land at offset 0 of the virtual shard
+"""
+
+FLOOR = """
+from torch.utils.data import IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+TOKENS, POSITIONS = "input_ids", "position_ids"
+FIELD = MICRO * SEQ_LEN  # int64 values of one [m, seq_len] field
+class Floor(IterableDataset):
+    # One fresh tensor a step of tokpack's batch's bytes, never written: in a worker, made in
+    # shared memory (where it must go to cross); without workers, plain memory (nothing crosses).
+    def __iter__(self):
+        from torch.utils.data import get_worker_info
+        shared = get_worker_info() is not None
+        while True:
+            if shared:
+                yield torch.empty(0, dtype=torch.int64).set_(torch.UntypedStorage._new_shared(4 * FIELD * 8))
+            else:
+                yield torch.empty(4 * FIELD, dtype=torch.int64)
+def AS_BATCH(buffer):  # its fields, views of the one tensor, as a tokpack batch would be
+    return {{"input_ids": buffer[:FIELD].view(MICRO, SEQ_LEN), "position_ids": buffer[3 * FIELD:].view(MICRO, SEQ_LEN)}}
+t_build = time.perf_counter()
+loader = StatefulDataLoader(Floor(), batch_size=None, num_workers={workers})
+START_ROW = None  # no data: no row to check
 """
 
 DATATROVE = """
@@ -410,7 +440,7 @@ def _row(loader: str, step: int, workers: int, res: dict, step_s: float, note: s
     }
 
 
-LOADERS = ("tokpack", "datatrove", "streaming", "litdata")
+LOADERS = ("tokpack", "floor", "datatrove", "streaming", "litdata")
 
 
 def main(
@@ -459,6 +489,17 @@ def main(
                         "virtual run; start_sample = step x 576, O(1)",
                     )
                 )
+        for workers in (0, 2) if "floor" in loaders else ():
+            cases.append(
+                (
+                    "floor: one tensor of the batch's bytes + StatefulDataLoader",
+                    0,
+                    workers,
+                    FLOOR,
+                    dict(workers=workers),
+                    "the hand-off alone: nothing read, computed or copied",
+                )
+            )
         if "datatrove" not in loaders:
             pass
         elif (why := missing("datatrove")) is None:
@@ -519,8 +560,9 @@ def main(
         for loader, start, workers, body, fields, note in cases:
             try:
                 res = _measure(work, body, steps, step_s, start * GBS, **fields)
-                at = _started_right(res, shard, start)
-                rows.append(_row(loader, start, workers, res, step_s, f"{note}; first row = data row {at:,}"))
+                if body is not FLOOR:
+                    note += f"; first row = data row {_started_right(res, shard, start):,}"
+                rows.append(_row(loader, start, workers, res, step_s, note))
             except Exception as e:  # one loader failing leaves its row, saying why
                 rows.append(
                     {

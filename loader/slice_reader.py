@@ -27,7 +27,8 @@ from tokpack.formats.slices import (
     stage_command,
 )
 
-from .reader import SampleReader, ShardTable, _shard_error
+from .reader import SampleReader
+from .shard_files import ShardTable, shard_error
 
 
 def slice_error(
@@ -81,13 +82,13 @@ class SliceReader(SampleReader):
                 try:
                     size = regular_size(f)  # a FIFO or device in its place: refused here, in one line
                 except FileNotFoundError:
-                    raise _shard_error(
+                    raise shard_error(
                         "rank file listed in the slice manifest is missing",
                         f,
                         hint="stage the slice again: the same command resumes",
                     ) from None
                 if size != want:
-                    raise _shard_error(
+                    raise shard_error(
                         "rank file size does not match the slice manifest",
                         f,
                         where="size",
@@ -102,7 +103,7 @@ class SliceReader(SampleReader):
                 if has_pad(s) and not os.path.lexists(pad):  # found by tests/test_fuzz.py: `read` served a
                     # slice whose padding file was gone. Present at open; its type and size are the gate's
                     # at its first read (`read` opens no sidecar).
-                    raise _shard_error(
+                    raise shard_error(
                         "padding sidecar listed in the slice manifest is missing",
                         pad,
                         hint="stage the slice again: the same command resumes",

@@ -32,14 +32,16 @@ consumed-sample count to start a fresh dataset from. Without StatefulDataLoader,
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from tokpack.formats.arguments import flag, text, whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.slices import RankRows
-from .reader import SampleReader, stream_shape
+from .reader import AT_END, SampleReader, stream_shape
 
 
 def _ignore_set_vital_warning() -> None:
@@ -107,6 +109,116 @@ def _other_workers(saved: int, found: int) -> TokpackError:
     )
 
 
+# --------------------------------------------------------------- the hand-off
+#
+# A DataLoader worker hands each item to the main process through a queue: every tensor in it
+# crosses on its own (torch moves its storage to shared memory and sends a file descriptor, about
+# a millisecond a tensor here), and a batch is five to nine tensors. A worker's `Batch` holds its
+# fields as views of one shared buffer and pickles as that buffer and their layout, so a batch
+# crosses as one tensor; the main process unpickles it into the same fields, views of the buffer.
+
+_ALIGN = 8  # every field starts on a multiple of 8 bytes (the widest dtype, int64)
+
+
+def _views(buffer: torch.Tensor, layout: tuple) -> list[torch.Tensor]:
+    """The fields of `layout` ((key, dtype, shape, offset), ...) as views of the uint8 `buffer`."""
+    out = []
+    for _, dtype, shape, offset in layout:
+        n = torch.Size(shape).numel() * dtype.itemsize
+        out.append(buffer[offset : offset + n].view(dtype).view(shape))
+    return out
+
+
+def _rebuild(buffer: torch.Tensor, layout: tuple) -> "Batch":
+    batch = Batch(zip((key for key, *_ in layout), _views(buffer, layout)))
+    batch._packed = (buffer, layout, list(batch.values()))
+    return batch
+
+
+class Batch(dict):
+    """A TokpackDataset batch: a dict of tensors (its keys: TokpackDataset). Built by
+    `Batch.packed` (in a DataLoader worker), its tensors are views of one shared buffer, and
+    pickling it (the worker's queue) sends that buffer once; the main process gets a Batch of the
+    same fields (which keep the whole buffer alive while any of them lives). Once a field is
+    replaced or added (a collate_fn's change), it pickles as its tensors, one by one."""
+
+    _packed: tuple | None = None  # (buffer, layout, the views as built)
+
+    @classmethod
+    def packed(cls, arrays: dict) -> "Batch":
+        """The numpy `arrays` copied into one buffer in shared memory (torch would move each
+        tensor there to send it), each field a view of it."""
+        layout, offset = [], 0
+        for key, value in arrays.items():
+            dtype = torch.from_numpy(value[:0] if value.ndim else value.reshape(1)[:0]).dtype
+            layout.append((key, dtype, tuple(value.shape), offset))
+            offset += -(-value.nbytes // _ALIGN) * _ALIGN
+        storage = torch.UntypedStorage._new_shared(max(offset, 1))
+        buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
+        layout = tuple(layout)
+        batch = _rebuild(buffer, layout)
+        for view, value in zip(batch._packed[2], arrays.values()):
+            view.numpy()[...] = value
+        return batch
+
+    def __reduce__(self):
+        if self._packed is not None and self._as_built():
+            return _rebuild, self._packed[:2]
+        return Batch, (dict(self),)
+
+    def _as_built(self) -> bool:
+        """Whether every field is still its view of the buffer. Checked by place, not by object:
+        DataLoader's default_convert (batch_size=None) puts the same views in a copy."""
+        buffer, layout, _ = self._packed
+        base = buffer.data_ptr()
+        if len(self) != len(layout):
+            return False
+        for key, dtype, shape, offset in layout:
+            t = self.get(key)
+            if not (
+                isinstance(t, torch.Tensor)
+                and t.dtype == dtype
+                and tuple(t.shape) == shape
+                and t.data_ptr() == base + offset
+                and t.is_contiguous()
+                and t.untyped_storage().data_ptr() == base
+            ):
+                return False
+        return True
+
+
+class WorkerError(TokpackError):
+    """A TokpackError raised in a DataLoader worker, as the training loop sees it: one line.
+
+    torch re-raises a worker's exception in the main process as `type(err)(text)`, the text being
+    "Caught ... in DataLoader worker process k. Original Traceback ...", the whole traceback; a
+    TokpackError would carry it all. Built from that text, this class keeps the error's own line
+    (the traceback's last), so a worker's error reads as the same error without workers does."""
+
+    def __init__(self, message: str, **fields):
+        if not fields and message.startswith("Caught ") and "Original Traceback" in message:
+            last = message.rstrip().rsplit("\n", 1)[-1]
+            head = f"{type(self).__module__}.{type(self).__qualname__}: "
+            if last.startswith(head):
+                message = last[len(head) :]
+        super().__init__(message, **fields)
+
+    @classmethod
+    def of(cls, err: TokpackError) -> "WorkerError":
+        return cls(err.message, file=err.file, where=err.where, expected=err.expected, found=err.found, hint=err.hint)
+
+
+@contextmanager
+def _one_line_from_workers():
+    """In a DataLoader worker, a TokpackError leaves as a WorkerError (one line in the main process)."""
+    try:
+        yield
+    except TokpackError as err:
+        if get_worker_info() is None or isinstance(err, WorkerError):
+            raise
+        raise WorkerError.of(err) from None
+
+
 def saved_workers(loader_state) -> int:
     """How many DataLoader workers a StatefulDataLoader state was saved with (0: none)."""
     snapshot = _as_state(loader_state).get("_snapshot")
@@ -130,7 +242,7 @@ class TokpackDataset(IterableDataset):
     "index") and consumed_samples (Megatron's counter once every rank has trained on this
     micro-batch); docs/API.md, "Reading", lists every key."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 -- the public constructor's keywords, each one setting, as packer/api.py's
         self,
         path,
         *,
@@ -143,6 +255,7 @@ class TokpackDataset(IterableDataset):
         verify: bool = False,
         max_documents: int | None = None,
         eod_mask_loss: bool = False,
+        at_end: str = "error",
     ):
         """Rank `rank` of `world_size` data-parallel ranks, `micro_batch` samples a step, over
         `path`: a run directory (its epochs chained, in order) or one epoch directory.
@@ -162,12 +275,20 @@ class TokpackDataset(IterableDataset):
         fixed shapes, so torch.compile does not recompile as the document count changes:
         `cu_seqlens` [m*K+1], `max_seqlen`, `doc_lens` [m, K], `max_doc_lens` [m]; a row of more
         than K documents is an error naming it (`tokpack inspect` gives the largest count).
-        `eod_mask_loss`: Megatron's option, no loss on the label after an EOS input."""
+        `eod_mask_loss`: Megatron's option, no loss on the label after an EOS input.
+
+        `at_end`: where the written epochs end (a start there included), "error" (the default)
+        raises one TokpackError naming the epoch to write, the line `tokpack read` prints at that
+        sample, so a job resumed past the written epochs does not finish with zero steps; "stop"
+        ends the iteration there. An epoch that is not written, with written ones after it, is an
+        error either way. With DataLoader workers, the error reaches the loop as one line too
+        (`WorkerError`, a TokpackError)."""
         _ignore_set_vital_warning()
         rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
         text(positions, "positions", choices=(None, "eos", "index"))
         flag(verify, "verify")
         flag(eod_mask_loss, "eod_mask_loss")
+        text(at_end, "at_end", optional=False, choices=AT_END)
         max_documents = whole(max_documents, "max_documents", least=1)
         if max_documents is not None and positions is None:
             raise TokpackError(
@@ -190,6 +311,7 @@ class TokpackDataset(IterableDataset):
         self.positions = positions  # None, "eos" or "index"
         self.max_documents = max_documents  # K: fixed-shape boundaries; None: cu_seqlens of the documents there are
         self.eod_mask_loss = eod_mask_loss  # no loss on the label of an EOS input (Megatron's eod_mask_loss)
+        self.at_end = at_end  # where the written epochs end: "error" or "stop"
         self.consumed = self.reader.start_from(start_sample=start_sample, consumed_tokens=consumed_tokens)  # G
         self.reader.serves(rank, world_size, micro_batch, self.consumed)  # a node slice of other ranks: refused now
         self._worker_resume: dict | None = None  # a worker's saved share of the steps, until __iter__ uses it
@@ -203,6 +325,10 @@ class TokpackDataset(IterableDataset):
         return RankRows(self.world_size, self.micro_batch).global_batch
 
     def __iter__(self):
+        with _one_line_from_workers():
+            yield from self._batches()
+
+    def _batches(self):
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         self._workers_iterating[0] = 0 if info is None else 1
@@ -219,6 +345,7 @@ class TokpackDataset(IterableDataset):
             worker=worker,
             num_workers=workers,
             first_step=first_step,
+            at_end=self.at_end,
         )
         for item in stream:
             rows, pos = item if self.positions else (item, None)
@@ -229,12 +356,13 @@ class TokpackDataset(IterableDataset):
                 max_documents=self.max_documents,
                 eod_mask_loss=self.eod_mask_loss,
             )
-            batch = {key: torch.from_numpy(value) for key, value in arrays.items()}
             consumed = stream.state.consumed_after(stream.last_step)
-            batch["consumed_samples"] = torch.tensor(consumed, dtype=torch.int64)
+            arrays["consumed_samples"] = np.array(consumed, dtype=np.int64)
             if info is None:
                 self.consumed = consumed  # in-process iteration: state_dict() follows by itself
-            yield batch
+                yield Batch({key: torch.from_numpy(value) for key, value in arrays.items()})
+            else:  # crosses to the main process as one tensor (the hand-off, above)
+                yield Batch.packed(arrays)
 
     def _resume_share(self, saved: dict, worker: int, workers: int) -> tuple[int, int]:
         """(start, first step) of this worker's share of the steps, from its saved state."""
@@ -259,6 +387,11 @@ class TokpackDataset(IterableDataset):
         return int(saved["start"]), int(saved["next_step"])
 
     def state_dict(self, batch: dict | None = None) -> dict:
+        """Where to resume (`_state_dict`); in a worker, an error is one line in the main process."""
+        with _one_line_from_workers():
+            return self._state_dict(batch)
+
+    def _state_dict(self, batch: dict | None = None) -> dict:
         """Where to resume. torchdata's `StatefulDataLoader` calls it in each worker (that
         worker's share of the steps) or, without workers, in the main process. `batch`: the
         position after a batch the loader returned, {"epoch", "sample", "consumed_samples"}.
@@ -295,6 +428,11 @@ class TokpackDataset(IterableDataset):
         return {"epoch": int(epoch), "sample": int(sample), "consumed_samples": int(g)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from `state_dict()` (`_load_state_dict`); in a worker, an error is one line."""
+        with _one_line_from_workers():
+            self._load_state_dict(state)
+
+    def _load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()`: a worker's share (StatefulDataLoader, same workers, same
         W*m) or a position (epoch, sample) / consumed_samples (any world size). O(1)."""
         state = _as_state(state)

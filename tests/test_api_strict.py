@@ -225,7 +225,7 @@ def test_a_state_past_the_end_is_refused(run, state):
 
 def test_end_of_run_states_still_load(run):
     """The position after the last batch (the end of the run) is a state, not past it."""
-    ds = TokpackDataset(run, positions=None)
+    ds = TokpackDataset(run, positions=None, at_end="stop")
     ds.load_state_dict({"consumed_samples": 2 * N})
     assert list(ds) == []
     ds.load_state_dict({"start": 0, "next_step": 2 * N + 1, "worker": 1, "num_workers": 2, "global_batch": 1})

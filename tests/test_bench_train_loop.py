@@ -39,9 +39,12 @@ def test_quick_run_gives_every_loader_and_start_its_numbers(tmp_path):
             value = r.get(column)
             assert isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, (r["loader"], column, r)
         assert 0 <= r["wait %"] <= 100, r  # a share of the step, whatever the machine's speed
-        assert "first row = data row" in r["note"], r  # the start was checked against the data
+        # the start was checked against the data (the floor has none)
+        assert r["loader"].startswith("floor") or "first row = data row" in r["note"], r
     tokpack = {(r["workers"], r["start step"]) for r in measured if r["loader"].startswith("tokpack")}
     assert tokpack == {(w, s) for w in (0, 2) for s in ("0", "3,200,000")}
+    # the hand-off's floor, beside them in the same run: one tensor of the batch's bytes a step
+    assert sorted(r["workers"] for r in measured if r["loader"].startswith("floor")) == [0, 2]
     for module, name in PEERS.items():
         mine = [r for r in rows if r.get("loader", "").startswith(name)]
         if importlib.util.find_spec(module) is None:  # not installed: one row saying so, no figures

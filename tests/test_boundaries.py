@@ -59,7 +59,7 @@ def dataset(path, **kw):
     require("torch", "pip install torch")
     from tokpack.loader.torch_adapter import TokpackDataset
 
-    return TokpackDataset(path, **{"micro_batch": 4, **kw})
+    return TokpackDataset(path, **{"micro_batch": 4, "at_end": "stop", **kw})
 
 
 def segment_counts(path: Path) -> list[int]:

@@ -409,12 +409,12 @@ for call, path, verify in json.loads(sys.argv[1]):
                 pass
         elif call == "dataset":
             from tokpack.loader.torch_adapter import TokpackDataset
-            for _ in zip(range(400), TokpackDataset(path, verify=verify, positions="index")):
+            for _ in zip(range(400), TokpackDataset(path, verify=verify, positions="index", at_end="stop")):
                 pass
         elif call == "slice-dataset":  # rank 1 of a node slice of ranks 0-1 (W=4, m=2)
             from tokpack.loader.torch_adapter import TokpackDataset
             for _ in zip(range(400), TokpackDataset(path, rank=1, world_size=4, micro_batch=2, verify=verify,
-                                                    positions="index")):
+                                                    positions="index", at_end="stop")):
                 pass
         else:
             from tokpack.packer import validate
@@ -1882,14 +1882,14 @@ def mutate(doc, op, pick, value):
 def loader_over(path, workers, **kw):
     from torchdata.stateful_dataloader import StatefulDataLoader
     from tokpack.loader.torch_adapter import TokpackDataset
-    ds = TokpackDataset(path, micro_batch=2, positions=None, **kw)
+    ds = TokpackDataset(path, micro_batch=2, positions=None, **{"at_end": "stop", **kw})
     return ds, StatefulDataLoader(ds, batch_size=None, num_workers=workers)
 
 for call, path, arg in json.loads(sys.argv[1]):
     try:
         if call == "dataset-args":
             from tokpack.loader.torch_adapter import TokpackDataset
-            for _ in zip(range(50), TokpackDataset(path, **arg)):
+            for _ in zip(range(50), TokpackDataset(path, **{"at_end": "stop", **arg})):
                 pass
         elif call == "reader-args":
             from tokpack.loader.reader import SampleReader

@@ -189,8 +189,8 @@ def exchange_equals_stage(tmp_path: Path, args: list, memory: str = MEMORY) -> d
     first = min(json.loads(p.read_text())["first_sample"] for p in (tmp_path / "node1").glob(f"epoch-*/{MANIFEST}"))
     start = -(-first // (NODES * K * M)) * NODES * K * M  # the first global batch the slice holds whole
     for rank in (K, K + 1):
-        a = [x.tolist() for x in full.batches(rank, NODES * K, M, start)]
-        b = [x.tolist() for x in part.batches(rank, NODES * K, M, start)]
+        a = [x.tolist() for x in full.batches(rank, NODES * K, M, start, at_end="stop")]
+        b = [x.tolist() for x in part.batches(rank, NODES * K, M, start, at_end="stop")]
         assert a == b and a
     return info
 

@@ -213,7 +213,7 @@ def test_the_loaders_masks_are_the_plans(run, sources):
     reader = SampleReader.open(run)
     assert np.array_equal(reader.padding(0, plan.samples).astype(np.int64), planned_pad)
     mb, seen = 4, 0
-    for b, batch in enumerate(TokpackDataset(run, micro_batch=mb)):
+    for b, batch in enumerate(TokpackDataset(run, micro_batch=mb, at_end="stop")):
         g = slice(mb * b, mb * b + mb)
         real = np.arange(1, ROW)[None, :] < (ROW - planned_pad[g])[:, None]  # label j is token j + 1
         assert np.array_equal(batch["loss_mask"].numpy(), real.astype(np.int64))

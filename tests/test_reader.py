@@ -142,7 +142,7 @@ def run_dir(tmp_path_factory) -> Path:
 def test_reads_every_sample_in_chained_order(run_dir):
     r = SampleReader.open(run_dir)
     assert r.total_samples == sum(SIZES.values()) and r.epochs == [0, 1, 2] and r.seq_len == SEQ
-    rows = np.concatenate(list(r.batches(0, 1, 4)))
+    rows = np.concatenate(list(r.batches(0, 1, 4, at_end="stop")))
     order = chained(SIZES)
     usable = len(order) // 4 * 4  # only complete global batches are served
     assert ids(rows) == order[:usable]
@@ -161,7 +161,7 @@ def test_list_of_epoch_dirs_chains_in_given_order(run_dir):
 def test_rank_slices_follow_megatron_formula(run_dir, world, micro, start):
     r = SampleReader.open(run_dir)
     order = chained(SIZES)
-    per_rank = [list(r.batches(rank, world, micro, start)) for rank in range(world)]
+    per_rank = [list(r.batches(rank, world, micro, start, at_end="stop")) for rank in range(world)]
     steps = (len(order) - start) // (world * micro)
     assert all(len(p) == steps for p in per_rank)  # every rank stops at the same step
     for b in range(steps):
@@ -180,13 +180,16 @@ def test_rank_slices_follow_megatron_formula(run_dir, world, micro, start):
 def test_resume_equals_skip(run_dir, world, micro, skip, workers):
     """Resuming at consumed sample G == reading from 0 and dropping the first G / (W*m) steps."""
     r = SampleReader.open(run_dir)
-    full = list(r.batches(world - 1, world, micro, 0))
+    full = list(r.batches(world - 1, world, micro, 0, at_end="stop"))
     skip = min(skip, len(full))
     g = skip * world * micro
-    resumed = list(r.batches(world - 1, world, micro, g))
+    resumed = list(r.batches(world - 1, world, micro, g, at_end="stop"))
     assert [ids(x) for x in resumed] == [ids(x) for x in full[skip:]]
     # DataLoader-style worker split: interleaving the workers' items gives the same stream
-    parts = [list(r.batches(world - 1, world, micro, g, worker=w, num_workers=workers)) for w in range(workers)]
+    parts = [
+        list(r.batches(world - 1, world, micro, g, worker=w, num_workers=workers, at_end="stop"))
+        for w in range(workers)
+    ]
     merged = [parts[i % workers][i // workers] for i in range(sum(map(len, parts)))]
     assert [ids(x) for x in merged] == [ids(x) for x in resumed]
 
@@ -212,7 +215,7 @@ def test_start_from_tokens_and_bounds(run_dir):
     assert r.start_from(consumed_tokens=SEQ * 60 + SEQ - 1) == 60
     assert r.locate(60) == (1, 7) and r.position(1, 7) == 60
     assert r.start_from(start_sample=r.total_samples) == r.total_samples
-    assert list(r.batches(0, 1, 1, r.total_samples)) == []  # end of the chained epochs: stop
+    assert list(r.batches(0, 1, 1, r.total_samples, at_end="stop")) == []  # asked to stop there
     with pytest.raises(TokpackError, match="beyond the end"):
         r.start_from(start_sample=r.total_samples + 1)
 
@@ -220,12 +223,12 @@ def test_start_from_tokens_and_bounds(run_dir):
 def test_positions_from_eos_and_index_agree_with_datatrove_convention(run_dir):
     r = SampleReader.open(run_dir)
     for world, micro, start in ((1, 1, 0), (2, 4, 5), (1, 3, 40)):  # every row, across shard and epoch ends
-        pairs = list(r.batches(world - 1, world, micro, start, positions="index"))
+        pairs = list(r.batches(world - 1, world, micro, start, positions="index", at_end="stop"))
         assert len(pairs) == (r.total_samples - start) // (world * micro)
         for rows, pos in pairs:
             np.testing.assert_array_equal(pos, positions_from_eos(rows, EOS))
     for (rows_e, pos_e), (rows_i, pos_i) in zip(
-        r.batches(1, 3, 5, 3, positions="eos"), r.batches(1, 3, 5, 3, positions="index")
+        r.batches(1, 3, 5, 3, positions="eos", at_end="stop"), r.batches(1, 3, 5, 3, positions="index", at_end="stop")
     ):
         np.testing.assert_array_equal(rows_e, rows_i)
         np.testing.assert_array_equal(pos_e, pos_i)
@@ -271,7 +274,7 @@ def test_real_shuffled_run(shuffled_run):
     n = len(windows)
     assert r.epochs == [0, 1] and r.total_samples == 2 * n
     world, micro = 3, 2
-    parts = [list(r.batches(k, world, micro, 0, positions="index")) for k in range(world)]
+    parts = [list(r.batches(k, world, micro, 0, positions="index", at_end="stop")) for k in range(world)]
     rows = np.concatenate([parts[k][b][0] for b in range(len(parts[0])) for k in range(world)])
     np.testing.assert_array_equal(rows, r.read(0, len(rows)))  # ranks interleave into the chained stream
     epochs = [r.read(0, n), r.read(n, n)]
@@ -309,7 +312,9 @@ def test_matches_datatrove_folder_dataset(run_dir, shuffled_run):
     )
     for theirs, path in zip(json.loads(out.stdout), (run_dir / epoch_dir_name(1), real_run)):
         r = SampleReader.open(path)
-        ours = [(rows[0].tolist(), pos[0].tolist()) for rows, pos in r.batches(0, 1, 1, positions="index")]
+        ours = [
+            (rows[0].tolist(), pos[0].tolist()) for rows, pos in r.batches(0, 1, 1, positions="index", at_end="stop")
+        ]
         assert len(ours) == r.total_samples > 0
         assert [tuple(x) for x in theirs] == ours
 
@@ -317,7 +322,7 @@ def test_matches_datatrove_folder_dataset(run_dir, shuffled_run):
 def test_reader_does_not_import_torch(run_dir):
     code = (
         "import sys\nfrom tokpack.loader.reader import SampleReader\n"
-        f"r = SampleReader.open({str(run_dir)!r}); list(r.batches(0, 2, 2, 5, positions='index'))\n"
+        f"r = SampleReader.open({str(run_dir)!r}); list(r.batches(0, 2, 2, 5, positions='index', at_end='stop'))\n"
         "bad = [m for m in ('torch', 'datatrove.utils.dataset') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
@@ -470,7 +475,7 @@ def test_torch_adapter_workers_cover_each_sample_once_and_resume(run_dir):
 
     world, micro = 2, 3
     order = chained(SIZES)
-    ds = TokpackDataset(run_dir, rank=1, world_size=world, micro_batch=micro, positions="eos")
+    ds = TokpackDataset(run_dir, rank=1, world_size=world, micro_batch=micro, positions="eos", at_end="stop")
     batches = list(DataLoader(ds, batch_size=None, num_workers=2))
     steps = len(order) // (world * micro)
     assert len(batches) == steps
@@ -485,7 +490,7 @@ def test_torch_adapter_workers_cover_each_sample_once_and_resume(run_dir):
     state = ds.state_dict(batches[9])
     assert state == {"epoch": 1, "sample": 60 - 53, "consumed_samples": 60}
     assert all(isinstance(v, int) for v in state.values())
-    resumed = TokpackDataset(run_dir, rank=1, world_size=world, micro_batch=micro, positions="eos")
+    resumed = TokpackDataset(run_dir, rank=1, world_size=world, micro_batch=micro, positions="eos", at_end="stop")
     resumed.load_state_dict(json.loads(json.dumps(state)))
     rest = list(DataLoader(resumed, batch_size=None, num_workers=2))
     assert len(rest) == steps - 10

@@ -76,7 +76,7 @@ def cli(*args) -> tuple[int, str]:
 
 def stream(reader: SampleReader, rank: int, start: int, positions=None) -> list:
     out = []
-    for item in reader.batches(rank, W, M, start, positions=positions):
+    for item in reader.batches(rank, W, M, start, positions=positions, at_end="stop"):
         out.append([x.tolist() for x in item] if positions else item.tolist())
     return out
 
@@ -211,7 +211,7 @@ def test_torch_dataset_on_a_slice_equals_the_run(run, tmp_path, workers):
     stage_slice(str(run), tmp_path / "s", ranks="3", world_size=W, micro_batch=M)
 
     def batches(path, start=0, state=None, take=None):
-        ds = TokpackDataset(path, rank=3, world_size=W, micro_batch=M, start_sample=start)
+        ds = TokpackDataset(path, rank=3, world_size=W, micro_batch=M, start_sample=start, at_end="stop")
         loader = StatefulDataLoader(ds, batch_size=None, num_workers=workers)
         if state is not None:
             loader.load_state_dict(state)
@@ -304,7 +304,7 @@ def test_a_mismatch_found_at_read_time_hints_the_command_that_restages_this_node
 
 
 def stream_of(reader: SampleReader, rank: int, w: int, m: int) -> list:
-    return [batch.tolist() for batch in reader.batches(rank, w, m, 0)]
+    return [batch.tolist() for batch in reader.batches(rank, w, m, 0, at_end="stop")]
 
 
 @pytest.mark.parametrize("form", [["--node", "1/2", "--ranks-per-node", "2"], ["--ranks", "2-3", "--world-size", "4"]])
@@ -662,7 +662,7 @@ def packed_run(tmp_path_factory) -> Path:
 def packed_batches(path, rank: int, start: int = 0) -> list:
     from tokpack.loader.torch_adapter import TokpackDataset
 
-    ds = TokpackDataset(path, rank=rank, world_size=BW, micro_batch=BM, start_sample=start)
+    ds = TokpackDataset(path, rank=rank, world_size=BW, micro_batch=BM, start_sample=start, at_end="stop")
     return [{k: v.tolist() for k, v in b.items()} for b in ds]
 
 
@@ -690,8 +690,10 @@ def test_a_slice_of_a_best_fit_run_serves_its_masks(packed_run, tmp_path, first,
             assert {"loss_mask", "cu_seqlens"} <= set(want[0])
         assert any(0 in row for b in want for row in b["loss_mask"])  # padding is there, and masked alike
         full, part = SampleReader.open(packed_run), SampleReader.open(s)
-        got = [[x.tolist() for x in it] for it in part.batches(rank, BW, BM, 0, positions="index")]
-        assert got == [[x.tolist() for x in it] for it in full.batches(rank, BW, BM, 0, positions="index")]
+        got = [[x.tolist() for x in it] for it in part.batches(rank, BW, BM, 0, positions="index", at_end="stop")]
+        assert got == [
+            [x.tolist() for x in it] for it in full.batches(rank, BW, BM, 0, positions="index", at_end="stop")
+        ]
 
 
 def test_a_best_fit_slice_validates_and_a_flipped_pad_byte_is_caught(packed_run, tmp_path):

@@ -72,7 +72,7 @@ KINDS = ["best-fit", "best-fit-pad", "window"]
 def batches(path: Path, **kw):
     """(micro-batch, the inputs that are real tokens [m, L] bool) over the run."""
     reader = SampleReader.open(path)
-    for b, batch in enumerate(TokpackDataset(path, micro_batch=M, **kw)):
+    for b, batch in enumerate(TokpackDataset(path, micro_batch=M, at_end="stop", **kw)):
         pad = reader.padding(M * b, M).astype(np.int64)
         yield batch, torch.from_numpy(np.arange(SEQ)[None, :] < (SEQ + 1 - pad)[:, None])
 
@@ -209,8 +209,8 @@ def test_forms_convert_in_the_loader_workers_and_resume(runs):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     path = runs["best-fit"]
-    plain = [hf_flat_batch(b) for b in TokpackDataset(path, micro_batch=M, max_documents=12)]
-    ds = TokpackDataset(path, micro_batch=M, max_documents=12)
+    plain = [hf_flat_batch(b) for b in TokpackDataset(path, micro_batch=M, max_documents=12, at_end="stop")]
+    ds = TokpackDataset(path, micro_batch=M, max_documents=12, at_end="stop")
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=2, collate_fn=hf_flat_batch)
     got, state = [], None
     for i, item in enumerate(loader):
@@ -218,7 +218,10 @@ def test_forms_convert_in_the_loader_workers_and_resume(runs):
         if i == 4:
             state = loader.state_dict()
     resumed = StatefulDataLoader(
-        TokpackDataset(path, micro_batch=M, max_documents=12), batch_size=None, num_workers=2, collate_fn=hf_flat_batch
+        TokpackDataset(path, micro_batch=M, max_documents=12, at_end="stop"),
+        batch_size=None,
+        num_workers=2,
+        collate_fn=hf_flat_batch,
     )
     resumed.load_state_dict(state)
     for want, items in ((plain, got), (plain[5:], list(resumed))):

@@ -1,0 +1,181 @@
+"""The reader's batch assembly: from a micro-batch's rows (numpy arrays of token ids, and a
+best-fit epoch's padding per row), the arrays a trainer takes: shifted labels, the loss mask,
+position ids restarting after each EOS, and the document boundaries (`cu_seqlens`, or the fixed
+shapes of `fixed_boundaries`). Pure numpy: no file is read here (tokpack.loader.shard_files
+reads the rows), and nothing imports torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tokpack.formats.errors import TokpackError
+
+
+def positions_from_starts(starts: np.ndarray) -> np.ndarray:
+    """starts[i, j] is True where a document fragment begins (always at j == 0); returns each
+    token's offset in its fragment. Fragments are long, so repeating each start over its
+    fragment is several times faster than a running maximum."""
+    m, L = starts.shape
+    first = np.flatnonzero(starts.reshape(-1))
+    lengths = np.empty_like(first)
+    np.subtract(first[1:], first[:-1], out=lengths[:-1])
+    lengths[-1] = m * L - first[-1]
+    pos = np.arange(m * L, dtype=np.int32)
+    pos -= np.repeat(first.astype(np.int32), lengths)
+    return pos.reshape(m, L)
+
+
+def positions_from_eos(tokens: np.ndarray, eos_id: int) -> np.ndarray:
+    """datatrove's convention: positions restart at 0 on the token AFTER each EOS, and at every row start."""
+    tokens = np.atleast_2d(tokens)
+    starts = np.zeros(tokens.shape, dtype=bool)
+    starts[:, 0] = True
+    np.equal(tokens[:, :-1], eos_id, out=starts[:, 1:])
+    return positions_from_starts(starts)
+
+
+def document_masks(rows: np.ndarray, pad: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(position ids, real-token mask) of [m, L+1] rows whose last `pad[i]` tokens are padding:
+    positions restart after each EOS and at the padding, which is one segment of its own (so a
+    pad id equal to EOS does not make each pad token a document)."""
+    rows = np.atleast_2d(rows)
+    m, width = rows.shape
+    real = np.arange(width)[None, :] < (width - pad.astype(np.int64))[:, None]
+    starts = np.zeros(rows.shape, dtype=bool)
+    starts[:, 0] = True
+    np.equal(rows[:, :-1], eos_id, out=starts[:, 1:])
+    starts[:, 1:] &= real[:, 1:]
+    first_pad = np.clip(width - pad.astype(np.int64), 0, width - 1)
+    has = pad > 0
+    starts[np.flatnonzero(has), first_pad[has]] = True
+    return positions_from_starts(starts), real
+
+
+def cu_seqlens(positions: np.ndarray) -> np.ndarray:
+    """Cumulative document lengths (int32, from 0 to the token count) over a flattened batch of
+    position ids, as flash-attn's varlen kernels and FlexAttention document masks take them:
+    a document starts wherever its position is 0 (and at every row start)."""
+    flat = positions.reshape(-1)
+    return np.append(np.flatnonzero(flat == 0), flat.size).astype(np.int32)
+
+
+def _too_many_documents(first_row: int, row: int, count: int, max_documents: int, locate=None) -> TokpackError:
+    g = first_row + row
+    where = f"sample {g}"
+    if locate is not None:
+        try:
+            epoch, sample = locate(g)
+            where += f" (epoch {epoch}, sample {sample})"
+        except IndexError:
+            pass
+    return TokpackError(
+        "a row holds more documents than max_documents",
+        where=where,
+        expected=f"at most {max_documents} documents (a row's padding is one of them)",
+        found=f"{count} documents",
+        hint='raise max_documents to the largest count `tokpack inspect` reports ("documents per row") for the epoch',
+    )
+
+
+def fixed_boundaries(positions: np.ndarray, max_documents: int, first_row: int = 0, locate=None) -> dict:
+    """The document boundaries of a micro-batch in shapes that do not depend on its rows, so a
+    compiled model (torch.compile, CUDA graphs) sees the same shapes every step.
+
+    `positions` [m, L] restart at 0 at each segment (a document, or a row's padding, which is
+    one segment of its own). K = `max_documents` segments a row at most:
+    - `cu_seqlens` [m*K + 1] int32: the offsets of `cu_seqlens(positions)`, then the total
+      repeated (zero-length segments, which varlen attention kernels accept);
+    - `max_seqlen` (0-d int32): the longest segment;
+    - `doc_lens` [m, K] int32: each row's segment lengths, zero-padded (OLMo-core's form; its
+      `get_cumulative_document_lengths(doc_lens)` drops the zeros and gives `cu_seqlens`
+      without its repeated tail);
+    - `max_doc_lens` [m] int32: each row's longest segment.
+    A row of more than K segments is a TokpackError naming the row (chained sample
+    `first_row + i`, and its epoch and sample through `locate`), its count and K."""
+    m, L = positions.shape
+    starts = positions == 0
+    counts = starts.sum(axis=1)
+    over = np.flatnonzero(counts > max_documents)
+    if over.size:
+        row = int(over[0])
+        raise _too_many_documents(first_row, row, int(counts[row]), max_documents, locate)
+    first = np.flatnonzero(starts.reshape(-1))  # every row starts a segment: row i's first is at i*L
+    lengths = np.diff(np.append(first, m * L)).astype(np.int32)
+    row_of = first // L
+    slot = np.arange(first.size) - np.repeat(np.cumsum(counts) - counts, counts)  # segment's index in its row
+    doc_lens = np.zeros((m, max_documents), dtype=np.int32)
+    doc_lens[row_of, slot] = lengths
+    cu = np.full(m * max_documents + 1, m * L, dtype=np.int32)
+    cu[: first.size] = first
+    return {
+        "cu_seqlens": cu,
+        "max_seqlen": np.array(lengths.max(), dtype=np.int32),
+        "doc_lens": doc_lens,
+        "max_doc_lens": doc_lens.max(axis=1),
+    }
+
+
+def most_documents(positions: np.ndarray) -> int:
+    """The largest segment count of a row of [n, L] positions (what `max_documents` must cover)."""
+    return int((np.atleast_2d(positions) == 0).sum(axis=1).max(initial=0))
+
+
+def micro_batch(
+    rows: np.ndarray,
+    pad: np.ndarray | None,
+    positions: np.ndarray | None,
+    eos_id: int | None,
+    *,
+    max_documents: int | None = None,
+    eod_mask_loss: bool = False,
+    first_row: int = 0,
+    locate=None,
+) -> dict:
+    """One micro-batch's training arrays from its [m, L+1] rows (numpy; the torch adapter makes
+    each a tensor), the same keys on a best-fit and on a window epoch:
+
+    - `input_ids`, `labels` [m, L] int64: rows[:, :-1] and rows[:, 1:];
+    - `loss_mask` [m, L] int64: 1 where the label is a real token; with `pad` (a best-fit
+      epoch's padding per row) 0 on padding, whose labels are -100 (torch's ignore_index);
+      a window epoch (pad None) has no padding, so all ones;
+    - with `positions` ([m, L+1] from the stream, "eos" or "index"; None: none of these keys)
+      `position_ids` [m, L] int64, restarting after each EOS (and at a best-fit row's
+      padding, one segment of its own) and `cu_seqlens` int32 over the flattened
+      micro-batch: [segments + 1], or, with `max_documents`, the fixed shapes of
+      `fixed_boundaries` (plus `max_seqlen`, `doc_lens`, `max_doc_lens`).
+
+    What an in-row EOS predicts: the label at an EOS input is the next document's first token
+    (the rows are the tokens as they lie), and its loss counts. `eod_mask_loss=True` is
+    Megatron's option of that name: the loss at every EOS input is masked (loss_mask 0,
+    label -100), so no token is trained on predicting across a document boundary."""
+    rows = np.atleast_2d(rows)
+    if pad is not None:
+        found, real = document_masks(rows, pad, eos_id)
+        real = real[:, 1:]  # the label of input j is token j + 1
+        positions = None if positions is None else found  # the padding one segment, whatever the stream's
+    else:
+        real = None  # a window epoch: every label is a real token
+    labels = rows[:, 1:].astype(np.int64)
+    if eod_mask_loss:
+        if eos_id is None:
+            raise TokpackError(
+                "eod_mask_loss needs eos_id, and the epoch manifest has none",
+                where="eod_mask_loss",
+                hint="leave eod_mask_loss off for this epoch",
+            )
+        real = rows[:, :-1] != eos_id if real is None else real & (rows[:, :-1] != eos_id)
+    if real is None:  # nothing to mask: the ones are written, not masked out (no step waits on a mask of all True)
+        loss_mask = np.ones(labels.shape, dtype=np.int64)
+    else:
+        labels[~real] = -100
+        loss_mask = real.astype(np.int64)
+    out = {"input_ids": rows[:, :-1].astype(np.int64), "labels": labels, "loss_mask": loss_mask}
+    if positions is not None:
+        pos = positions[:, :-1]
+        out["position_ids"] = pos.astype(np.int64)
+        if max_documents is None:
+            out["cu_seqlens"] = cu_seqlens(pos)
+        else:
+            out.update(fixed_boundaries(pos, max_documents, first_row, locate))
+    return out

@@ -1,0 +1,543 @@
+"""The reader's I/O: where every sample of a chain of epochs lives (`ShardTable`, built from
+the epochs' manifests by `chain_table`, each shard's size checked at open), and `ShardFiles`,
+which reads chained rows with preads on at most MAX_OPEN_FILES open files, checksums a file
+the first time it is read (verify), and reads a best-fit epoch's padding and the shards'
+`.ds.index`. Every file is opened through tokpack.formats.io's gate.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from tokpack.formats.arguments import whole
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import as_path, is_url, open_read, read_full, regular_fd, regular_size
+from tokpack.formats.manifest import dtype_from_name, has_pad, rows_padded, xxh3_128_file
+from tokpack.formats.numbering import EpochNumbering
+from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, U64, contained_shard
+
+from .assembly import positions_from_starts
+
+# Entries of `.ds.index` read per pread when deriving positions from the index.
+INDEX_CHUNK = 8192
+# Open shard files kept at once: the current one and the next, plus slack for index files.
+MAX_OPEN_FILES = 4
+
+
+@dataclass
+class ShardTable:
+    """Where every sample of the chained stream lives. O(#shards); never grows with the step."""
+
+    paths: list[str]  # shard files, in chained-stream order
+    starts: np.ndarray  # int64 [n]: chained index of each shard's first sample
+    ends: np.ndarray  # int64 [n]: chained index after each shard's last sample
+    epoch_starts: np.ndarray  # int64 [E]: chained index of each epoch's first sample
+    epoch_ends: np.ndarray  # int64 [E]: chained index after each epoch's last sample
+    epochs: list[int]  # epoch numbers, in chain order
+    epoch_dirs: list[str]  # epoch directories, in chain order
+    checksums: list[str | None]  # manifest xxh3_128 of each shard (checked with verify=True)
+    index_checksums: list[str | None]  # manifest xxh3_128 of each shard's .ds.index
+
+    @property
+    def total(self) -> int:
+        """End of the chained stream: after the last sample of the last epoch."""
+        return int(self.epoch_ends[-1]) if len(self.epoch_ends) else 0
+
+    def shard_of(self, g: int) -> int:
+        return int(np.searchsorted(self.starts, g, side="right")) - 1
+
+    def epoch_pos_of(self, g: int) -> int:
+        """Position in `epochs` of the epoch holding g, or -1 when no chained epoch holds it."""
+        pos = int(np.searchsorted(self.epoch_starts, g, side="right")) - 1
+        return pos if pos >= 0 and g < self.epoch_ends[pos] else -1
+
+    def reachable_end(self, g: int) -> int:
+        """How far the stream runs from g before an epoch is missing (or the chain ends)."""
+        pos = self.epoch_pos_of(g)
+        if pos < 0:
+            return g
+        while pos + 1 < len(self.epochs) and self.epoch_starts[pos + 1] == self.epoch_ends[pos]:
+            pos += 1
+        return int(self.epoch_ends[pos])
+
+
+def _close(fd) -> None:
+    if isinstance(fd, int):
+        os.close(fd)
+    else:
+        fd.close()
+
+
+PAD_HINT = "the padding sidecar does not match its manifest (4 bytes a sample); run `tokpack validate` on it"
+
+
+def shard_error(message: str, path, **kw) -> TokpackError:
+    return TokpackError(
+        message, file=path, hint=kw.pop("hint", "restore the file, or run `tokpack validate` on the directory"), **kw
+    )
+
+
+def _padding_present(where: Path, m: dict, s: dict, k: int, f: str, size: int | None) -> None:
+    """A best-fit epoch's shard without its `.ds.pad` (unlisted, or listed but gone) is refused at
+    open: read as a window epoch, its padding would be trained on as tokens. `size`: the
+    sidecar's recorded bytes, None for a shard a partial stage left out."""
+    if rows_padded(m) and not has_pad(s):
+        raise TokpackError(
+            "best-fit epoch shard lacks its padding sidecar: its padding would be trained on as tokens",
+            file=where,
+            where=f"shards[{k}].pad_xxh3_128",
+            expected="the checksum of its .ds.pad",
+            found="none",
+            hint="run `tokpack validate` on the epoch; restore it or shuffle it again",
+        )
+    if has_pad(s) and size is not None:
+        try:
+            regular_size(f + PAD_SUFFIX, size=size, what="padding sidecar", hint=PAD_HINT)
+        except FileNotFoundError:
+            raise shard_error(
+                "padding sidecar listed in the manifest is missing",
+                f + PAD_SUFFIX,
+                hint="run `tokpack validate` on the epoch; restore it or shuffle it again",
+            ) from None
+
+
+@dataclass
+class Chain:
+    """What `chain_table` finds in a chain's manifests: its table, the sample shape, and a best-fit
+    epoch's padding sidecars (None when no chained epoch has any)."""
+
+    table: ShardTable
+    seq_len: int
+    dtype: np.dtype
+    eos_id: int | None
+    pads: list[tuple[str, str] | None] | None  # per shard: its .ds.pad (file, xxh3_128), or None
+    pad_sizes: dict[str, int]  # .ds.pad file -> its recorded bytes
+
+
+def _epoch_shape(where: Path, m: dict) -> tuple[int, np.dtype, int, list]:
+    """(seq_len, dtype, samples, shards) of an epoch manifest, or one line naming what it lacks."""
+    try:
+        e_seq, e_dtype = int(m["seq_len"]), dtype_from_name(m["dtype"])
+        e_samples, shards = int(m["samples"]), list(m["shards"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise TokpackError(
+            "epoch manifest lacks a field the reader needs",
+            file=where,
+            where=str(err),
+            expected="seq_len, dtype, samples, shards",
+            found=sorted(m),
+        ) from None
+    if int(m.get("token_size", e_dtype.itemsize)) != e_dtype.itemsize:
+        raise TokpackError(
+            "token_size disagrees with dtype",
+            file=where,
+            where="token_size",
+            expected=e_dtype.itemsize,
+            found=m.get("token_size"),
+        )
+    return e_seq, e_dtype, e_samples, shards
+
+
+def _chains_with(where: Path, first: tuple, this: tuple) -> None:
+    """An epoch chains after the first one only with its (seq_len, dtype, eos_id)."""
+    (seq_len, dtype, eos_id), (e_seq, e_dtype, e_eos) = first, this
+    if (e_seq, e_dtype) != (seq_len, dtype):
+        raise TokpackError(
+            "epochs cannot be chained: sample shape differs",
+            file=where,
+            where="seq_len/dtype",
+            expected=f"{seq_len}/{dtype.name}",
+            found=f"{e_seq}/{e_dtype.name}",
+            hint="read these epochs separately",
+        )
+    if e_eos != eos_id:  # position ids restart after EOS: one stream, one EOS
+        raise TokpackError(
+            "epochs cannot be chained: eos_id differs",
+            file=where,
+            where="eos_id",
+            expected=eos_id,
+            found=e_eos,
+            hint="read these epochs separately",
+        )
+
+
+class _Shards:
+    """The chain's shard entries as `chain_table` checks them, one epoch after another."""
+
+    def __init__(self, absent: dict[str, str] | None):
+        self.absent = absent or {}
+        self.paths: list[str] = []
+        self.samples: list[int] = []
+        self.epoch_of: list[int] = []
+        self.checksums: list[str | None] = []
+        self.index_checksums: list[str | None] = []
+        self.pads: list[tuple[str, str] | None] = []  # per shard: a best-fit epoch's (.pad file, its xxh3_128)
+        self.sizes: dict[str, int] = {}  # stat once per distinct file
+        self.pad_sizes: dict[str, int] = {}
+
+    def add_epoch(self, pos: int, directory: Path, m: dict, shards: list, row_bytes: int) -> int:
+        """Checks and adds an epoch's shards; returns their samples."""
+        where = directory / "tokpack.json"
+        per_shard = m.get("shard_samples")
+        total = 0
+        for k, s in enumerate(shards):
+            f = str(contained_shard(directory, s, k))
+            n = int(s["samples"])
+            expected = n * row_bytes
+            if int(s.get("bytes", expected)) != expected:
+                raise TokpackError(
+                    "shard entry is inconsistent: bytes != samples * (seq_len+1) * token_size",
+                    file=where,
+                    where=f"shards[{k}]",
+                    expected=expected,
+                    found=s.get("bytes"),
+                )
+            if per_shard is not None and k < len(shards) - 1 and n != int(per_shard):
+                raise TokpackError(
+                    "only the last shard may hold fewer than shard_samples samples",
+                    file=where,
+                    where=f"shards[{k}].samples",
+                    expected=per_shard,
+                    found=n,
+                )
+            self._sized(f, expected)
+            if has_pad(s):
+                self.pad_sizes[f + PAD_SUFFIX] = n * PAD_DTYPE.itemsize
+            _padding_present(where, m, s, k, f, None if f in self.absent else n * PAD_DTYPE.itemsize)
+            self.paths.append(f)
+            self.samples.append(n)
+            self.epoch_of.append(pos)
+            self.checksums.append(s.get("xxh3_128"))
+            self.index_checksums.append(s.get("index_xxh3_128"))
+            self.pads.append((f + PAD_SUFFIX, s["pad_xxh3_128"]) if has_pad(s) else None)
+            total += n
+        return total
+
+    def _sized(self, f: str, expected: int) -> None:
+        """The shard file holds its manifest's bytes (a file named twice, with one size)."""
+        if f in self.absent:
+            self.sizes[f] = expected  # left out by a partial stage: an error only if a rank reads it
+        if f not in self.sizes:
+            try:
+                self.sizes[f] = regular_size(
+                    f,
+                    size=expected,
+                    what="shard",
+                    hint="the shard was truncated or replaced; run `tokpack validate` on the epoch",
+                )
+            except FileNotFoundError:
+                raise shard_error("shard listed in the manifest is missing", f) from None
+        if self.sizes[f] != expected:
+            raise shard_error(
+                "shard size does not match the manifest",
+                f,
+                where="size",
+                expected=f"{expected} bytes",
+                found=f"{self.sizes[f]} bytes",
+                hint="the shard was truncated or replaced; run `tokpack validate` on the epoch",
+            )
+
+
+def chain_table(
+    epochs: Sequence[tuple[str | Path, dict]], absent: dict[str, str] | None, numbering: EpochNumbering | None
+) -> Chain:
+    """The table of (epoch directory, epoch manifest) pairs, chained in order, every shard's
+    size checked. With a run's `numbering`, epoch e starts at sample numbering.first(e) (epochs
+    in increasing order); without one, each epoch starts where the one before it ends."""
+    shards = _Shards(absent)
+    epoch_sizes: list[int] = []
+    epoch_numbers: list[int] = []
+    shape = None
+    for pos, (directory, m) in enumerate(epochs):
+        directory = as_path(directory)
+        where = directory / "tokpack.json"
+        e_seq, e_dtype, e_samples, entries = _epoch_shape(where, m)
+        this = (e_seq, e_dtype, m.get("eos_id"))
+        if shape is None:
+            shape = this
+        else:
+            _chains_with(where, shape, this)
+        total = shards.add_epoch(pos, directory, m, entries, (e_seq + 1) * e_dtype.itemsize)
+        if total != e_samples:
+            raise TokpackError(
+                "shards do not add up to the epoch's samples",
+                file=where,
+                where="samples",
+                expected=e_samples,
+                found=total,
+            )
+        epoch_sizes.append(total)
+        epoch_numbers.append(int(m.get("epoch", pos)))
+    if shape is None:
+        raise TokpackError("nothing to read", hint="give a run directory or epoch directories")
+    if numbering is None:
+        epoch_starts = np.concatenate([[0], np.cumsum(epoch_sizes[:-1], dtype=np.int64)]).astype(np.int64)
+    else:
+        epoch_starts = np.array([numbering.first(e) for e in epoch_numbers], dtype=np.int64)
+    epoch_ends = epoch_starts + np.asarray(epoch_sizes, dtype=np.int64)
+    if np.any(epoch_starts[1:] < epoch_ends[:-1]):
+        raise TokpackError("a run's epochs must be chained in increasing order", where="epochs", found=epoch_numbers)
+    shard_starts, at, prev = [], 0, -1
+    for pos, n in zip(shards.epoch_of, shards.samples):
+        if pos != prev:
+            at, prev = int(epoch_starts[pos]), pos
+        shard_starts.append(at)
+        at += n
+    shard_starts = np.asarray(shard_starts, dtype=np.int64)
+    table = ShardTable(
+        shards.paths,
+        shard_starts,
+        shard_starts + np.asarray(shards.samples, dtype=np.int64),
+        epoch_starts,
+        epoch_ends,
+        epoch_numbers,
+        [str(d) for d, _ in epochs],
+        shards.checksums,
+        shards.index_checksums,
+    )
+    seq_len, dtype, eos_id = shape
+    pads = shards.pads if any(shards.pads) else None
+    return Chain(table, seq_len, dtype, None if eos_id is None else int(eos_id), pads, shards.pad_sizes)
+
+
+class ShardFiles:
+    """Chained rows read from the shard files of a `ShardTable` (SampleReader's I/O). Every
+    shard's size was checked against its manifest when the table was built; with `verify=True`,
+    each file is checksummed (xxh3_128) the first time it is read, before any of its data is
+    returned."""
+
+    def __init__(self, table: ShardTable, seq_len: int, dtype: np.dtype, eos_id: int | None, verify: bool = False):
+        self.table = table  # the shard table (O(#shards))
+        self.seq_len = seq_len  # a sample is seq_len + 1 tokens
+        self.dtype = np.dtype(dtype).newbyteorder("<")  # token dtype on disk
+        self.eos_id = eos_id  # for positions derived from EOS tokens
+        self.verify = verify  # checksum each shard once, when first read
+        self.row_tokens = seq_len + 1  # tokens per sample
+        self.row_bytes = self.row_tokens * self.dtype.itemsize  # bytes per sample
+        self._verified: set[str] = set()  # files already checksummed by this reader
+        self.absent: dict[str, str] = {}  # shards a partial `tokpack stage --ranks` left out -> why
+        self.pads: list[tuple[str, str] | None] | None = None  # best-fit epochs: per shard its .pad (file, xxh3_128)
+        self.sizes: dict[str, int] = {}  # .pad files -> their recorded bytes, checked by the gate at their open
+        # (a shard's size is checked when the reader opens: one cut short later still serves the rows it holds)
+        self._fds: dict[str, tuple[int, int]] = {}  # open files: path -> (fd, size), at most MAX_OPEN_FILES
+        self._hash_buf: bytearray | None = None  # reused by verify
+        self._index_buf = np.empty(INDEX_CHUNK, dtype=U64)  # reused by index-derived positions
+        self.reads = 0  # pread calls issued (a cost counter: tests check it does not depend on the step)
+        self.bytes_read = 0  # bytes returned by those preads
+
+    def _file(self, path: str) -> tuple[int, int]:
+        got = self._fds.get(path)
+        if got is None and path in self.absent:
+            raise shard_error(
+                "shard was left out by a partial stage",
+                path,
+                where="tokpack-stage.json",
+                expected="a shard this rank reads",
+                found=self.absent[path],
+                hint="stage again with --ranks including this rank (same --micro-batch), or stage the whole run",
+            )
+        if got is None:
+            if len(self._fds) >= MAX_OPEN_FILES:
+                oldest = next(iter(self._fds))
+                _close(self._fds.pop(oldest)[0])
+            try:  # a URL: a file read at each place asked (pread needs a descriptor)
+                rules = dict(size=self.sizes[path], what="padding sidecar", hint=PAD_HINT) if path in self.sizes else {}
+                fd = open_read(path, ahead=False, **rules) if is_url(path) else regular_fd(path, **rules)
+            except FileNotFoundError:
+                raise shard_error("file disappeared after the reader was opened", path) from None
+            got = self._fds[path] = (fd, os.fstat(fd).st_size if isinstance(fd, int) else fd.size)
+        return got
+
+    def _check(self, path: str, expected: str | None) -> None:
+        """verify=True: the whole file's xxh3_128 against the manifest, once per file."""
+        if path in self._verified:
+            return
+        if not expected:
+            raise shard_error(
+                "cannot verify: the manifest has no checksum for this file",
+                path,
+                where="xxh3_128",
+                hint="read without --verify, or rewrite the epoch with a current tokpack",
+            )
+        if self._hash_buf is None:
+            self._hash_buf = bytearray(4 << 20)
+        try:
+            found = xxh3_128_file(path, self._hash_buf)
+        except FileNotFoundError:  # as _file says it (a slice's .ds.pad gone was a raw FileNotFoundError here)
+            raise shard_error("file disappeared after the reader was opened", path) from None
+        if found != expected:
+            raise shard_error(
+                "checksum mismatch: the shard is corrupt",
+                path,
+                where="xxh3_128",
+                expected=expected,
+                found=found,
+                hint="restore the file (e.g. `tokpack stage` it again from the original)",
+            )
+        self._verified.add(path)
+
+    def _pread(self, fd: int, view: memoryview, offset: int, path: str) -> None:
+        n = read_full(fd, view, offset)
+        self.reads += 1
+        self.bytes_read += n
+        if n < view.nbytes:
+            raise shard_error(
+                "shard is shorter than its manifest says (changed while reading?)",
+                path,
+                where=f"byte {offset + n}",
+                expected=f"{view.nbytes - n} more bytes",
+                found="end of file",
+            )
+
+    def _segments(self, g: int, n: int) -> Iterator[tuple[int, int, int]]:
+        """Splits chained rows [g, g+n) at shard boundaries: (shard, first row in shard, rows)."""
+        starts, ends = self.table.starts, self.table.ends
+        i = self.table.shard_of(g)
+        while n > 0:
+            if i < 0 or i >= len(starts) or not starts[i] <= g < ends[i]:
+                raise IndexError(f"sample {g} is in no epoch of this chain")
+            k = min(n, int(ends[i]) - g)
+            yield i, g - int(starts[i]), k
+            g += k
+            n -= k
+            i += 1
+
+    def read_into(self, g: int, out: np.ndarray) -> np.ndarray:
+        """Fills `out` ([n, seq_len+1] of the token dtype, C-contiguous) with chained rows [g, g+n)."""
+        n = out.shape[0]
+        if g < 0 or g + n > self.total_samples:
+            raise IndexError(f"rows [{g}, {g + n}) outside the chained stream of {self.total_samples}")
+        raw = memoryview(out.reshape(-1).view(np.uint8))
+        done = 0
+        for i, row, k in self._segments(g, n):
+            path = self.table.paths[i]
+            if self.verify:
+                self._check(path, self.table.checksums[i])
+            fd, _ = self._file(path)
+            self._pread(fd, raw[done : done + k * self.row_bytes], row * self.row_bytes, path)
+            done += k * self.row_bytes
+        return out
+
+    def read(self, g: int, n: int = 1) -> np.ndarray:
+        """Chained rows [g, g+n) as a new [n, seq_len+1] array (random access, for tools and tests)."""
+        g, n = whole(g, "g", optional=False), whole(n, "n", optional=False)
+        if g + n > self.total_samples:
+            raise TokpackError(
+                "rows outside the chained stream",
+                where="g, n",
+                expected=f"g + n <= {self.total_samples}",
+                found=f"g={g}, n={n}",
+            )
+        return self.read_into(g, np.empty((n, self.row_tokens), dtype=self.dtype))
+
+    def advise(self, g: int, n: int) -> None:
+        """Asks the kernel to start fetching chained rows [g, g+n) (read-ahead, non-blocking)."""
+        n = min(n, self.total_samples - g)
+        if n <= 0 or not hasattr(os, "posix_fadvise"):
+            return
+        for i, row, k in self._segments(g, n):
+            fd, _ = self._file(self.table.paths[i])
+            if isinstance(fd, int):
+                os.posix_fadvise(fd, row * self.row_bytes, k * self.row_bytes, os.POSIX_FADV_WILLNEED)
+
+    @property
+    def packed(self) -> bool:
+        """Whether any chained epoch is best-fit packed (its samples may end in padding)."""
+        return self.pads is not None
+
+    def padding(self, g: int, n: int) -> np.ndarray:
+        """Padding tokens at the end of each of chained rows [g, g+n) (uint32; 0 for rows of
+        an epoch without a `.ds.pad`). O(1) preads of 4 bytes a row."""
+        out = np.zeros(n, dtype=PAD_DTYPE)
+        if not self.packed:
+            return out
+        done = 0
+        for i, row, k in self._segments(g, n):
+            pad = self.pads[i]
+            if pad is not None:
+                if self.verify:
+                    self._check(pad[0], pad[1])
+                fd, _ = self._file(pad[0])
+                self._pread(fd, memoryview(out[done : done + k].view(np.uint8)), row * PAD_DTYPE.itemsize, pad[0])
+            done += k
+        return out
+
+    def index_positions(self, g: int, n: int) -> np.ndarray:
+        """Positions of chained rows [g, g+n) derived from the shards' `.ds.index` (fragment ends),
+        with datatrove's convention; equal to `positions_from_eos` on tokpack epochs."""
+        L = self.row_tokens
+        starts = np.zeros((n, L), dtype=bool)
+        starts[:, 0] = True
+        flat = starts.reshape(-1)
+        done = 0
+        for i, row, k in self._segments(g, n):
+            path = self.table.paths[i] + ".index"
+            if self.verify:
+                self._check(path, self.table.index_checksums[i])
+            try:
+                fd, size = self._file(path)
+            except TokpackError:
+                if not is_url(path) and os.path.lexists(path):
+                    raise  # there, but not a file to read (a FIFO, a device): its own line
+                raise shard_error(
+                    "index file is missing (needed for positions from the index)",
+                    path,
+                    hint="use positions from EOS instead, or restore the file",
+                ) from None
+            lo, hi = row * L, (row + k) * L
+            j = self._index_search(fd, size // 8, lo, path)  # first entry > lo
+            entries = size // 8
+            while j < entries:
+                c = min(INDEX_CHUNK, entries - j)
+                buf = self._index_buf[:c]
+                self._pread(fd, memoryview(buf.view(np.uint8)), j * 8, path)
+                ends = buf[buf < hi].astype(np.int64) - lo  # a fragment starts at each end < hi
+                flat[done * L + ends] = True
+                if c and buf[c - 1] >= hi:
+                    break
+                j += c
+            done += k
+        return positions_from_starts(starts)
+
+    def _index_search(self, fd: int, entries: int, value: int, path: str) -> int:
+        """First entry index whose value is > `value` (binary search with 8-byte preads: O(log n), O(1) memory)."""
+        lo, hi = 0, entries
+        one = self._index_buf[:1]
+        view = memoryview(one.view(np.uint8))
+        while lo < hi:
+            mid = (lo + hi) // 2
+            self._pread(fd, view, mid * 8, path)
+            if int(one[0]) > value:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def close(self) -> None:
+        for fd, _ in self._fds.values():
+            _close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> "ShardFiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __getstate__(self):
+        # File descriptors do not survive pickling (DataLoader workers): reopen lazily.
+        state = dict(self.__dict__)
+        state["_fds"] = {}
+        state["_hash_buf"] = None
+        return state
