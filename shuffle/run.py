@@ -6,6 +6,10 @@ the in-memory or out-of-core path (shuffle/steps.py) and runs its passes with th
 Every task is idempotent: a finished task leaves a done JSON (written last) in the work
 folder `OUT/.tokpack-work/`, and a rerun skips it. The epoch manifest is written after every
 shard is done, then the run manifest; the work folder is removed last.
+
+What a run decides before it writes is tokpack.shuffle.run_setup; its records, and whether OUT
+holds the same run, tokpack.shuffle.run_records; what an epoch holds in memory and on disk,
+tokpack.shuffle.run_space. Their public names stay importable from here.
 """
 
 from __future__ import annotations
@@ -16,286 +20,39 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import dataclass, replace
 from pathlib import Path
 
-import xxhash
-
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.guard import LOCK_NAME, WORK_DIR, bytes_under, check_space, is_no_space, locked_output
-from tokpack.formats.io import MAX_RECORD_BYTES, TMP_MARK, read_limited, remove_tmp_files
+from tokpack.formats.guard import WORK_DIR, bytes_under, check_space, is_no_space, locked_output
+from tokpack.formats.io import MAX_RECORD_BYTES, read_limited, remove_tmp_files
 from tokpack.formats.outputs import LocalOutput, Output
-from tokpack.formats.manifest import (
-    HOLDOUT_DIR,
-    MANIFEST,
-    NODES_SIDECAR,
-    canonical_bytes,
-    dtype_name,
-    epoch_dir_name,
-    epoch_manifest,
-    metadata_text,
-    read_manifest,
-    run_manifest,
-)
-from tokpack.formats.builders import ShuffleFields, TokenHeader
-from tokpack.formats.packing import PackingRecord, holdout_recorded
-from tokpack.formats.numbering import shuffle_command
-from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
-from tokpack.formats.units import at_most, counted, parse_weight, weight_text
+from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.formats.shards import is_own_file, shard_suffixes
+from tokpack.formats.units import counted
 
 from . import packings
-from .holdout import parse_holdout
-from .plan import EpochPlan, SamplePlan, is_virtual, open_source, source_location
-from .schedule import RunPlan, Schedule, same_source_twice
+from .plan import is_virtual
+from .schedule import RunPlan
 from .spec import ShuffleSpec
-from .steps import ORDER_ROW_OVERHEAD, EpochJob, Layout, make_layout, source_changed_error
-
-DEFAULT_SHARD_BYTES = 1 << 30  # default --shard-samples: about 1 GiB of samples per shard
-# Output shards one command plans and writes (each three files and a manifest entry): past this, the
-# numbers asked for (--samples, --tokens, --epochs, --shard-samples) are a typo, not a run.
-MAX_SHARDS = 10**6
-MIN_BUCKET_ROWS = 8  # below this many rows per bucket the out-of-core path spends its time per bucket, not per byte
-
-
-def open_sources(paths: list[str]) -> list[PackedSource]:
-    sources = [open_source(p) for p in paths]
-    first = sources[0]
-    for src in sources[1:]:
-        for field in ("dtype", "vocab_size", "eos_id"):
-            if src.manifest.get(field) != first.manifest.get(field):
-                raise TokpackError(
-                    "sources disagree",
-                    file=src.path,
-                    where=field,
-                    expected=f"{first.manifest.get(field)} (as in {first.path})",
-                    found=src.manifest.get(field),
-                    hint="mix only sources packed with the same tokenizer and dtype",
-                )
-    seen: dict = {}
-    for src in sources:  # every window would appear twice, and epochs could not tell the copies apart
-        for key in (("path", src.path.resolve()), ("fingerprint", src.fingerprint)):
-            if key in seen:
-                raise same_source_twice(src.path, key[0], seen[key])
-            seen[key] = src.path
-    return sources
-
-
-def min_memory(row_bytes: int, workers: int) -> int:
-    """The smallest --memory that gives each worker's buckets MIN_BUCKET_ROWS rows (the chunk
-    ring takes at most half of a task's budget, see make_layout)."""
-    return workers * 2 * MIN_BUCKET_ROWS * (row_bytes + ORDER_ROW_OVERHEAD)
-
-
-def _weights_key(weights: list[str | None]) -> list[str] | None:
-    """Weights as exact shares of their sum: only the ratios decide an epoch, so 7/3 and
-    0.7/0.3 are the same run."""
-    if all(w is None for w in weights):
-        return None
-    fr = [parse_weight(w, "weight") if w is not None else None for w in weights]
-    total = sum(f for f in fr if f is not None)
-    return [None if f is None else str(f / total if total else f) for f in fr]
-
-
-def _packing_of(plan: SamplePlan) -> dict | None:
-    return packings.of_plan(plan).run_fields(plan)
-
-
-def _run_params(plan: SamplePlan, weights, shard_samples: int) -> dict:
-    """What must match for two invocations to belong to the same run."""
-    return {
-        "shuffle": plan.algorithm,
-        "packing": _packing_of(plan),
-        "fingerprints": [sp.fingerprint for sp in plan.sources],
-        "weights": _weights_key(weights),
-        "seq_len": plan.seq_len,
-        "seed": plan.seed,
-        "jitter": plan.jitter,
-        "samples": plan.samples,
-        "shard_samples": shard_samples,
-        **({} if getattr(plan, "holdout", None) is None else {"holdout": plan.holdout}),
-    }
-
-
-def _schedule_params(runplan: RunPlan, sources: list[PackedSource], shard_samples: int) -> dict:
-    """What must match for two invocations to belong to the same run made from a schedule file."""
-    fields = runplan.manifest_fields()
-    sc = runplan.schedule
-    packing = runplan.packing
-    return {
-        "shuffle": packing.shuffle,
-        "packing": packing.settings(sources, **runplan.options),
-        "fingerprints": [src.fingerprint for src in sources],
-        "weights": None,
-        "seq_len": sc.seq_len,
-        "seed": sc.seed,
-        "jitter": sc.jitter,
-        "samples": 0,
-        "shard_samples": shard_samples,
-        "epoch_samples": fields["epoch_samples"],
-        "schedule": _schedule_key(fields["schedule"]),
-        **({} if runplan.options.get("holdout") is None else {"holdout": runplan.options["holdout"]}),
-    }
-
-
-def _schedule_key(entries) -> list | None:
-    """A run's schedule with its weights as exact shares, as `_weights_key` does for a run's."""
-    return None if entries is None else [{**e, "weights": _weights_key(e.get("weights") or [])} for e in entries]
-
-
-def _params_of_manifest(m: dict) -> dict:
-    ws = m.get("weights") if m.get("kind") == "run" else [s.get("weight") for s in m.get("sources", [])]
-    ws = ws if ws is not None else [None] * len(m.get("sources", []))
-    return {
-        "fingerprints": [s.get("fingerprint") for s in m.get("sources", [])],
-        "weights": _weights_key(ws),
-        "given_weights": ws,  # as the run wrote them
-        "jitter": bool(m.get("jitter")),
-        "schedule": _schedule_key(m.get("schedule")),
-        "given_schedule": m.get("schedule"),  # as the run wrote it
-        "shuffle": m.get("shuffle"),
-        "packing": None if PackingRecord.of(m) is None else PackingRecord.of(m).settings(),
-        **{key: m.get(key) for key in ("seq_len", "seed", "samples", "shard_samples", "epoch_samples")},
-        "holdout": holdout_recorded(m)[0],  # formats.packing knows where each packing records it
-    }
-
-
-def _check_same_run(found: dict, wanted: dict, where: Path, like: str | None = None) -> None:
-    """`wanted`: the _run_params (or _schedule_params) of this invocation; `like`: the command
-    that writes the epoch asked for with the run's own settings, when `where` is a run."""
-    # --holdout first (absent: none): it changes a schedule's sizes too, and is then the cause to name
-    keys = ["holdout", *(k for k in wanted if k != "holdout")]
-    if (
-        found.get("holdout") == wanted.get("holdout")
-        and found.get("schedule") is not None
-        and wanted.get("schedule") is not None
-    ):
-        old, new = found["schedule"], wanted["schedule"]
-        for e in range(max(len(old), len(new))):
-            a, b = (old[e] if e < len(old) else None), (new[e] if e < len(new) else None)
-            if a != b:
-                raise TokpackError(
-                    "the schedule differs from the one the run was made with",
-                    file=where,
-                    where=f"epoch {e}",
-                    expected=a or "no such epoch",
-                    found=b or "no such epoch",
-                    hint="restore the run's schedule file (its xxh3_128 is in the run manifest), "
-                    "or write the new schedule to another -o",
-                )
-    for key in keys:
-        if found.get(key) != wanted.get(key):
-            raise TokpackError(
-                "output directory holds a different run",
-                file=where,
-                where=key,
-                expected=wanted.get(key),
-                found=found.get(key),
-                hint="use another -o, delete it, or repeat the run's exact sources, weights, "
-                "--seq-len, --seed, --jitter, --packing, --holdout, --samples/--tokens and --shard-samples"
-                + (f"; to add the epoch with the run's own settings: `{like}`" if like else ""),
-            )
-
-
-def _existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
-    """Parameters of the run already in OUT (run manifest, else any complete epoch), or None.
-    To a bucket, OUT holds the state fetched from the store, and the store what else is there."""
-    if not out.exists():
-        return None
-    if not out.is_dir():
-        raise TokpackError("output is not a directory", file=out)
-    if (out / MANIFEST).exists():
-        return _params_of_manifest(read_manifest(out, kind="run"))
-    kept = to.where(out)
-    listed = kept if kept.exists() else out
-    foreign = [
-        p.name
-        for p in listed.iterdir()
-        if not (
-            p.name.startswith("epoch-")
-            or p.name in (WORK_DIR, LOCK_NAME, HOLDOUT_DIR, NODES_SIDECAR)
-            or TMP_MARK in p.name
-        )
-    ]
-    if foreign:
-        raise TokpackError(
-            "output directory is not a tokpack run",
-            file=out,
-            where="contents",
-            expected="no files, or a run's tokpack.json and epoch-NNNNN/",
-            found=", ".join(sorted(foreign)[:5]),
-            hint="choose an empty or new -o directory",
-        )
-    for p in sorted(out.glob("epoch-*/" + MANIFEST)):
-        return _params_of_manifest(read_manifest(p.parent, kind="epoch"))
-    return None
-
-
-def _run_manifest(
-    out: Path,
-    plan: EpochPlan,
-    weights,
-    sources: list[PackedSource],
-    shard_samples: int,
-    epochs: list[int],
-    runplan: RunPlan,
-) -> dict:
-    written = {
-        e: read_manifest(out / epoch_dir_name(e), kind="epoch")
-        for e in epochs
-        if (out / epoch_dir_name(e) / MANIFEST).exists()
-    }
-    created = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
-    return run_manifest_of(written, plan, weights, sources, shard_samples, runplan, created)
-
-
-def run_manifest_of(
-    written: dict,
-    plan: EpochPlan,
-    weights,
-    sources: list[PackedSource],
-    shard_samples: int,
-    runplan: RunPlan,
-    created: dict | None = None,
-) -> dict:
-    """The run manifest over the epoch manifests `written`; `created`: the run's manifest so far,
-    whose schedule fields (fixed when the run was created, maybe spelled otherwise) it keeps."""
-    first = sources[0].manifest
-    entries = plan.source_entries()
-    scheduled = runplan.schedule.file is not None  # the weights and sizes are per epoch, in `schedule`
-    extra = runplan.manifest_fields() if scheduled else None
-    if scheduled and created is not None:
-        extra = {key: created.get(key) for key in extra}
-    if _packing_of(plan) is not None:
-        extra = {**(extra or {}), "packing": _packing_of(plan)}
-    if packings.of_plan(plan).run_holdout(plan):
-        extra = {**(extra or {}), **packings.of_plan(plan).run_holdout(plan)}
-    return run_manifest(
-        written,
-        TokenHeader(sources[0].dtype, first["vocab_size"], first["eos_id"], first.get("tokenizer", "")),
-        ShuffleFields(
-            seed=plan.seed,
-            seq_len=plan.seq_len,
-            samples=0 if scheduled else plan.samples,
-            shard_samples=shard_samples,
-            jitter=plan.jitter,
-            shuffle=plan.algorithm,
-        ),
-        sources=[{**e, "weight": None} for e in entries] if scheduled else entries,
-        weights=None if scheduled or all(w is None for w in weights) else list(weights),
-        extra=extra,
-    )
-
-
-def memory_path(job: EpochJob, memory: int) -> tuple[int, int]:
-    """(bytes of the windows to hold, bytes the in-memory path holds with its chunk buffers): the
-    epoch runs in memory when the latter fits `memory`. Each packing says (a best-fit epoch: what
-    its in-memory path holds, twice)."""
-    return packings.of_plan(job.plan).memory_path(job, memory)
-
-
-def task_budget(memory: int, workers: int) -> int:
-    """Out of core, the bytes each of `workers` concurrent tasks may use."""
-    return max(1, memory // workers)
+from .steps import EpochJob, Layout, make_layout, source_changed_error
+from .run_records import epoch_manifest_of as epoch_manifest_of
+from .run_records import existing_run as existing_run
+from .run_records import run_manifest_of as run_manifest_of
+from .run_records import written_run_manifest
+from .run_setup import DEFAULT_SHARD_BYTES as DEFAULT_SHARD_BYTES
+from .run_setup import MAX_SHARDS as MAX_SHARDS
+from .run_setup import MIN_BUCKET_ROWS as MIN_BUCKET_ROWS
+from .run_setup import RunSetup as RunSetup
+from .run_setup import min_memory as min_memory
+from .run_setup import open_sources as open_sources
+from .run_setup import setup_run as setup_run
+from .run_space import bytes_to_write as bytes_to_write
+from .run_space import docs_per_token as docs_per_token
+from .run_space import epoch_bytes as epoch_bytes
+from .run_space import memory_path as memory_path
+from .run_space import planned_epoch_manifest as planned_epoch_manifest
+from .run_space import scratch_bytes as scratch_bytes
+from .run_space import task_budget as task_budget
 
 
 def epoch_layout(job: EpochJob, *, memory: int, workers: int, tasks: int | None) -> Layout | None:
@@ -303,97 +60,6 @@ def epoch_layout(job: EpochJob, *, memory: int, workers: int, tasks: int | None)
     if memory_path(job, memory)[1] <= memory:
         return None
     return make_layout(job, task_budget(memory, workers), tasks or workers)
-
-
-def docs_per_token(sources: list[PackedSource]) -> float:
-    return sum(int(s.manifest.get("documents", 0)) for s in sources) / max(
-        1, sum(int(s.manifest.get("tokens", 0)) for s in sources)
-    )
-
-
-def planned_epoch_manifest(job: EpochJob, sources: list[PackedSource]) -> dict:
-    """The epoch manifest as the run will write it, but for its checksums and its fragment
-    counts, which are estimates (a sample is cut at each document end: one fragment per sample
-    plus the sources' documents per token): its size is the written one's to a few bytes."""
-    plan, per_row = job.plan, 1 + docs_per_token(sources) * job.plan.row_tokens
-    entries = []
-    for i in range(job.n_shards):
-        g0, g1 = job.shard_range(i)
-        entries.append(
-            {
-                "path": job.shard_file(i),
-                "tokens": (g1 - g0) * plan.row_tokens,
-                "bytes": (g1 - g0) * job.row_bytes,
-                "samples": g1 - g0,
-                "xxh3_128": "0" * 32,
-                "index_xxh3_128": "0" * 32,
-                "rows_xxh3_128": "0" * 32,
-                "metadata_xxh3_128": "0" * 32,
-                "multiset_hash": "0" * 16,
-                "fragments": int((g1 - g0) * per_row),
-            }
-        )
-    return epoch_manifest(
-        entries,
-        TokenHeader(job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer),
-        # the default packing's name whatever the packing: `plan` has always
-        # counted a planned epoch manifest's bytes so
-        ShuffleFields(
-            seed=plan.seed,
-            seq_len=plan.seq_len,
-            samples=plan.samples,
-            shard_samples=job.shard_samples,
-            jitter=plan.jitter,
-            shuffle=packings.named(packings.DEFAULT).shuffle,
-        ),
-        tokens=plan.samples * plan.row_tokens,
-        epoch=plan.epoch,
-        dropped_tokens=plan.dropped_tokens(),
-        sources=plan.source_entries(),
-    )
-
-
-def epoch_bytes(job: EpochJob, manifest: dict) -> int:
-    """Bytes of the epoch directory its planned manifest describes: each shard's rows, its
-    index (8 bytes a fragment), its row hashes (8 bytes a sample), its .ds.metadata, and the manifest."""
-    meta = sum(
-        len(metadata_text(job.tokenizer, job.token_dtype.itemsize, s["tokens"]).encode()) for s in manifest["shards"]
-    )
-    return (
-        manifest["tokens"] * job.token_dtype.itemsize
-        + 8 * manifest["fragments"]
-        + 8 * manifest["samples"]
-        + meta
-        + len(canonical_bytes(manifest))
-    )
-
-
-def scratch_bytes(job: EpochJob, out_of_core: bool = True) -> int:
-    """The epoch's scratch, as its packing counts it: out of core, the window shuffle's buckets
-    hold every output row and its 8-byte position; a best-fit epoch's also its row table, in
-    memory or not (tokpack.shuffle.packed_step.packed_scratch_bytes)."""
-    return packings.of_plan(job.plan).scratch_bytes(job, out_of_core)
-
-
-def bytes_to_write(jobs: list[EpochJob], sources: list[PackedSource], memory: int, workers: int = 1) -> int:
-    """Peak bytes on OUT's filesystem while these epochs are written, less what a resumed run has
-    there already: the epochs written before, then this epoch's files with, out of core, its
-    bucket scratch, of which the order pass deletes each shard's part once the shard is
-    written: the peak is the scratch plus the first shard. To a bucket, the local folder holds
-    the scratch and a shard per worker at most, each sent and removed once committed."""
-    peak = written = 0
-    for job in jobs:
-        epoch = epoch_bytes(job, planned_epoch_manifest(job, sources))
-        shard = epoch * min(1, job.shard_samples / max(job.plan.samples, 1))
-        have = bytes_under(job.epoch_dir) + bytes_under(job.work_dir)
-        during = job.output.local_need(epoch, workers * shard)
-        if memory_path(job, memory)[1] > memory:
-            during = scratch_bytes(job) + shard
-        else:
-            during += scratch_bytes(job, out_of_core=False)
-        peak = max(peak, written + max(0, during - have))
-        written += job.output.local_need(max(0, epoch - have), 0)
-    return int(max(peak, written))
 
 
 @contextlib.contextmanager
@@ -527,244 +193,6 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     }
 
 
-def epoch_manifest_of(job: EpochJob, entries: list[dict], prepared) -> dict:
-    """The epoch's manifest over its shards' entries (in order); `prepared`: what its packing
-    built first (packings.Packing.prepare). shuffle --to-nodes (tokpack.packer.exchange) writes the same."""
-    plan = job.plan
-    sources = job.open_sources()
-    manifest = epoch_manifest(
-        entries,
-        TokenHeader(job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer),
-        ShuffleFields(
-            seed=plan.seed,
-            seq_len=plan.seq_len,
-            samples=plan.samples,
-            shard_samples=job.shard_samples,
-            jitter=plan.jitter,
-            shuffle=plan.algorithm,
-        ),
-        tokens=plan.samples * plan.row_tokens,
-        epoch=plan.epoch,
-        dropped_tokens=plan.dropped_tokens(),
-        sources=plan.source_entries(),
-    )
-    manifest.update(packings.of_plan(plan).epoch_fields(plan, prepared))
-    return manifest
-
-
-@dataclass
-class RunSetup:
-    """What a shuffle invocation will do, decided before it writes a byte: `shuffle_run` runs it,
-    `tokpack plan shuffle` (packer/planning.py) reports it."""
-
-    sources: list[PackedSource]  # opened, in command-line order
-    weights: list[str | None]  # as the run spells them
-    shard_samples: int
-    done_epochs: list[int]  # listed by OUT's run manifest already
-    todo: list[tuple[int, EpochPlan, EpochJob | None]]  # per epoch asked for; no job: complete already
-    params: dict | None  # what makes two invocations the same run
-    runplan: RunPlan  # the run's stages (one, for a run made with flags), planning any epoch
-    run_params: dict | None  # a run made from a schedule file: its schedule, fixed when the run is created
-    holdout: EpochJob | None = None  # RUN/holdout/ to write (shuffle --holdout), once: None when written or none
-
-    @property
-    def jobs(self) -> list[EpochJob]:
-        return [job for _, _, job in self.todo if job is not None] + ([self.holdout] if self.holdout else [])
-
-
-def setup_run(
-    spec: ShuffleSpec,
-    output: str,
-    *,
-    local: list[str] | None = None,
-    workers: int = 1,
-    progress: bool = False,
-    to: Output = LocalOutput(),
-) -> RunSetup:
-    """Opens the sources and OUT's run (if any), checks they agree, and plans every epoch of
-    `spec`, each plan within its memory. Writes nothing in OUT (a best-fit plan counts its rows in
-    a temporary folder). `local`, `to`: as in shuffle_run; `workers`: the out-of-core tasks at
-    once (each gets memory // workers)."""
-    packing = packings.named(spec.packing).name
-    schedule = spec.checked_schedule()  # a setting the schedule file declares, given too: refused here
-    seq_len, seed, jitter, pad_id, memory = spec.seq_len, spec.seed, spec.jitter, spec.pad_id, spec.memory
-    shard_samples, samples, tokens, epochs = spec.shard_samples, spec.samples, spec.tokens, spec.asked_epochs()
-    paths, weights = list(spec.sources if local is None else local), spec.weights
-    used = packings.named(schedule.packing if schedule is not None else packing)
-    if pad_id is not None and not used.padded:
-        # a window epoch has no padding: a --pad-id it ignored would look like a setting the run keeps
-        padded = [n for n in packings.names() if packings.named(n).padded]
-        asked = "the schedule's packing" if schedule is not None else "--packing"
-        raise TokpackError(
-            f"--pad-id applies to {' or '.join(padded)} packing; {used.name} packing has no padding",
-            where="--pad-id",
-            expected=f"no --pad-id with {asked} {used.name}",
-            found=pad_id,
-            hint="drop --pad-id, or pack with "
-            + " or ".join(
-                (f"packing: {n} in the schedule" if schedule is not None else f"--packing {n}") for n in padded
-            ),
-        )
-    if schedule is not None:
-        seq_len, seed, jitter, paths = schedule.seq_len, schedule.seed, schedule.jitter, schedule.paths
-        shard_samples = shard_samples or schedule.shard_samples
-    # On the packing and jitter that will run: a schedule's jitter meets --packing only here.
-    packings.check_jitter(
-        used.name,
-        jitter,
-        "--jitter" if schedule is None or schedule.file is None else "jitter",
-        getattr(schedule, "file", None),
-    )
-    holdout = parse_holdout(spec.holdout)
-    if holdout is not None and not used.holdout:  # a registered packing that cannot leave documents out
-        raise TokpackError(
-            f"--holdout sets whole documents aside; {used.name} packing cannot",
-            where="--holdout",
-            hint=f"use --packing {packings.DEFAULT} or best-fit with --holdout",
-        )
-    # 70% is recorded as 0.7 is (formats.units.weight_text): the same weights, the same manifests
-    paths, weights = list(paths), [None if w is None else weight_text(w) for w in weights or [None] * len(paths)]
-    opened = open_sources(paths)
-    out = Path(output)
-    first = opened[0].manifest
-    dtype = dtype_name(opened[0].dtype)
-    row_bytes = (seq_len + 1) * opened[0].dtype.itemsize
-    floor = min_memory(row_bytes, workers)
-    if memory < floor:  # one bucket per handful of samples: hours of per-bucket overhead
-        raise TokpackError(
-            "--memory is too small to shuffle",
-            where="--memory",
-            expected=f">= {floor} bytes",
-            found=f"{memory} bytes",
-            hint=f"give --memory {floor} or more ({MIN_BUCKET_ROWS} samples "
-            f"of {row_bytes} bytes per bucket, per worker); more memory is faster",
-        )
-    existing = _existing_run(out, to)
-    if (
-        existing is not None
-        and existing.get("given_weights") is not None
-        and existing["fingerprints"] == [src.fingerprint for src in opened]
-        and existing["weights"] == _weights_key(weights)
-    ):
-        weights = list(existing["given_weights"])  # equal as ratios: the run's manifests keep one spelling
-    if shard_samples is None:
-        shard_samples = existing["shard_samples"] if existing else max(1, DEFAULT_SHARD_BYTES // row_bytes)
-    recorded = [source_location(p) for p in (spec.sources or paths)]
-    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in recorded]
-    runplan = RunPlan(
-        schedule
-        or Schedule.of_flags(
-            paths, weights, seq_len=seq_len, seed=seed, samples=samples, tokens=tokens, jitter=jitter, packing=packing
-        ),
-        opened,
-        names,
-        pad_id=pad_id,
-        memory=memory,
-        holdout=holdout,
-    )
-    run_params = None if schedule is None or schedule.file is None else _schedule_params(runplan, opened, shard_samples)
-    if run_params is not None and existing is not None and existing["schedule"] == run_params["schedule"]:
-        spelled = {e["stage"]: e["weights"] for e in existing["given_schedule"]}  # equal as ratios: keep the run's
-        runplan = RunPlan(
-            replace(schedule, stages=tuple(replace(st, weights=tuple(spelled[st.name])) for st in schedule.stages)),
-            opened,
-            names,
-            pad_id=pad_id,
-            memory=memory,
-            holdout=holdout,
-        )
-    if epochs is None:
-        epochs = list(range(runplan.schedule.epochs or 1))
-    done_epochs = []
-    if (out / MANIFEST).exists():
-        done_epochs = list(read_manifest(out, kind="run")["epochs"])
-    todo = []  # (epoch, plan, job or None when the epoch is complete already): planned before any write
-    shards = 0
-    for epoch in epochs:
-        plan = runplan.epoch_plan(epoch)
-        shards += -(-plan.samples // shard_samples)
-        at_most(
-            shards,
-            MAX_SHARDS,
-            f"number of output shards (through epoch {epoch}, {plan.samples:,} samples of {shard_samples:,} per shard)",
-            where="--samples/--tokens/--shard-samples",
-            hint="ask for fewer samples or epochs per command (--epoch E), or raise --shard-samples",
-        )
-        plan = replace(plan, sources=tuple(replace(sp, path=recorded[sp.index]) for sp in plan.sources))
-        params = _run_params(plan, [sp.weight for sp in plan.sources], shard_samples)
-        if existing is not None:
-            like = shuffle_command({"kind": "run"}, out, epoch) if (out / MANIFEST).exists() else None
-            _check_same_run(existing, run_params or params, out, like)
-        existing = run_params or params
-        edir = out / epoch_dir_name(epoch)
-        job = None
-        if (edir / MANIFEST).exists():
-            m = read_manifest(edir, kind="epoch")
-            _check_same_run(_params_of_manifest(m), params, edir)
-            if _content(m.get("sources")) != _content(plan.source_entries()):
-                raise TokpackError(
-                    "epoch directory holds a different epoch",
-                    file=edir,
-                    where="sources",
-                    hint="delete that epoch directory or use another -o",
-                )
-        else:
-            _refuse_foreign_files(edir, to)
-            key = xxhash.xxh3_64_hexdigest(json.dumps([params, plan.source_entries(), plan.algorithm, dtype]).encode())
-            job = EpochJob(
-                plan,
-                tuple(source_location(p) for p in paths),
-                dtype,
-                int(first["eos_id"]),
-                first.get("tokenizer", ""),
-                str(edir),
-                str(out / WORK_DIR / f"{edir.name}-{key}"),
-                shard_samples,
-                progress=bool(progress),
-                main_pid=os.getpid(),
-                output=to,
-            )
-        todo.append((epoch, plan, job))
-    held = None
-    if holdout is not None and not (out / HOLDOUT_DIR / MANIFEST).exists():  # written once, with the first epochs
-        hp = used.holdout(
-            opened, seq_len=seq_len, seed=seed, holdout=holdout, names=names, memory=memory, pad_id=pad_id
-        )
-        hp = replace(hp, sources=tuple(replace(sp, path=recorded[sp.index]) for sp in hp.sources))
-        hdir = out / HOLDOUT_DIR
-        _refuse_foreign_files(hdir, to)
-        key = xxhash.xxh3_64_hexdigest(json.dumps([hp.source_entries(), hp.algorithm, dtype, seq_len]).encode())
-        held = EpochJob(
-            hp,
-            tuple(source_location(p) for p in paths),
-            dtype,
-            int(first["eos_id"]),
-            first.get("tokenizer", ""),
-            str(hdir),
-            str(out / WORK_DIR / f"{HOLDOUT_DIR}-{key}"),
-            shard_samples,
-            progress=bool(progress),
-            main_pid=os.getpid(),
-            output=to,
-        )
-    return RunSetup(opened, weights, shard_samples, done_epochs, todo, existing, runplan, run_params, held)
-
-
-def _refuse_foreign_files(edir: Path, to: Output) -> None:
-    """An epoch folder about to be written may hold what an earlier attempt left (replaced or
-    removed as it finishes), and nothing else: anything else is refused before a byte is written."""
-    for where in {edir, to.where(edir)}:
-        foreign = sorted(p.name for p in where.iterdir() if not is_own_file(p)) if where.is_dir() else []
-        if foreign:
-            raise TokpackError(
-                "epoch directory holds files tokpack did not write",
-                file=where / foreign[0],
-                expected="only the epoch's shards and tokpack.json",
-                found=", ".join(foreign[:5]),
-                hint="move them out of the run (shuffle replaces what is in epoch-NNNNN/), or choose another -o",
-            )
-
-
 @locked_output("shuffle")
 def shuffle_run(
     spec: ShuffleSpec | list[str],
@@ -826,7 +254,9 @@ def shuffle_run(
         setup.run_params is not None and setup.todo and not (out / MANIFEST).exists()
     ):  # its numbering, fixed at creation
         out.mkdir(parents=True, exist_ok=True)
-        to.finish(out, _run_manifest(out, setup.todo[0][1], weights, opened, shard_samples, done_epochs, runplan))
+        to.finish(
+            out, written_run_manifest(out, setup.todo[0][1], weights, opened, shard_samples, done_epochs, runplan)
+        )
     for epoch, plan, job in setup.todo:
         out.mkdir(parents=True, exist_ok=True)
         if job is None:
@@ -842,7 +272,7 @@ def shuffle_run(
             summary["sources"] = report
             summaries.append(summary)
         done_epochs = sorted(set(done_epochs) | {epoch})
-        to.finish(out, _run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan))
+        to.finish(out, written_run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan))
     if setup.holdout is not None:  # the held-out documents, an epoch directory of their own (never listed)
         log(f"holdout: writing {setup.holdout.plan.samples} samples of held-out documents to {setup.holdout.epoch_dir}")
         held = run_epoch(setup.holdout, memory=memory, workers=workers, tasks=tasks, run_passes=run_passes, log=log)
@@ -926,6 +356,6 @@ def repeat_warnings(epoch: int, report: list[dict], stage: str | None = None) ->
     return lines
 
 
-def _content(entries) -> list[dict]:
+def source_content(entries) -> list[dict]:
     """Source entries without where the sources lay: moving a source does not change an epoch."""
     return [{k: v for k, v in e.items() if k not in ("path", "name")} for e in entries or []]

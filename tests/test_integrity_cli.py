@@ -398,7 +398,7 @@ def test_inspect_of_a_non_increasing_index_is_one_line(sources, tmp_path):
 def test_a_bug_in_tokpack_exits_70_with_its_traceback_in_a_log(sources, tmp_path):
     small, _ = sources
     out = tmp_path / "run"
-    code = BUGGY.format(module="tokpack.shuffle.run", name="open_sources", exc="KeyError")
+    code = BUGGY.format(module="tokpack.shuffle.run_setup", name="open_sources", exc="KeyError")
     r = tokpack(
         tmp_path, "shuffle", small, "-o", out, "--seq-len", "63", "--seed", "1", "--epochs", "1", "--json", code=code
     )

@@ -729,15 +729,15 @@ def test_a_run_killed_before_its_manifest_holds_only_its_sidecar_and_is_still_it
     empty run), where a foreign file is refused."""
     from tokpack.formats.errors import TokpackError
     from tokpack.formats.manifest import canonical_bytes, nodes_sidecar
-    from tokpack.shuffle.run import _existing_run
+    from tokpack.shuffle.run import existing_run
 
     run = tmp_path / "run"
     run.mkdir()
     (run / NODES_SIDECAR).write_bytes(canonical_bytes(nodes_sidecar(4, 2, 3, str(tmp_path / "node{node}"))))
-    assert _existing_run(run) is None
+    assert existing_run(run) is None
     (run / "notes.txt").write_text("mine")
     with pytest.raises(TokpackError, match="not a tokpack run"):
-        _existing_run(run)
+        existing_run(run)
 
 
 def test_a_reader_on_a_run_whose_tokens_are_on_the_nodes_names_the_slices(tmp_path):

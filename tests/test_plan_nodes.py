@@ -357,7 +357,7 @@ def test_misuse_is_one_usage_line(source, tmp_path, drop, add, line):
 def test_a_large_epoch_counts_a_sample_of_its_windows_close_to_all(monkeypatch, tmp_path):
     """Beyond EXACT_WINDOWS windows the sends are counted on every k-th block and scaled: within
     1% of the exact count here, and said to be estimates; the kept rows stay exact."""
-    from tokpack.packer import planning
+    from tokpack.packer import plan_nodes
     from tokpack.packer.api import plan
 
     kw = dict(
@@ -374,8 +374,8 @@ def test_a_large_epoch_counts_a_sample_of_its_windows_close_to_all(monkeypatch, 
     )
     spec = "virtual:tokens=50M,documents=100K,dtype=uint16,shard_tokens=5M"
     exact = plan("shuffle", spec, str(tmp_path / "run"), **kw)
-    monkeypatch.setattr(planning, "EXACT_WINDOWS", 1 << 16)
-    monkeypatch.setattr(planning, "SAMPLE_BLOCK", 1 << 10)
+    monkeypatch.setattr(plan_nodes, "EXACT_WINDOWS", 1 << 16)
+    monkeypatch.setattr(plan_nodes, "SAMPLE_BLOCK", 1 << 10)
     sampled = plan("shuffle", spec, str(tmp_path / "run"), **kw)
     assert exact.epochs[0]["rounds_exact"] and not sampled.epochs[0]["rounds_exact"]
     for a, b in zip(exact.per_node, sampled.per_node):

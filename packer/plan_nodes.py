@@ -1,0 +1,502 @@
+"""`tokpack plan shuffle --to-nodes`: what `mpirun -n NODES tokpack shuffle ... --to-nodes DEST`
+would do, per node (`plan_to_nodes`), from the exchange's own arithmetic (tokpack.packer.exchange,
+node_epoch): each node's shared-filesystem, network and local-disk bytes, its space, and their time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.guard import space_needs
+from tokpack.formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name
+from tokpack.packer.plan_result import COMMAND_START_SECONDS, PlanResult, local_only, measure_disk, size_text
+
+
+NIC_MBPS = 25_000.0  # --nic-mbps default: a node's InfiniBand/RoCE link (issue 33, "25-50 GB/s a node")
+# Windows taken through the epoch's permutation to count each node's sends exactly (about 4 s
+# on one core); beyond, every k-th block of SAMPLE_BLOCK windows, and the counts scaled.
+EXACT_WINDOWS = 1 << 25
+SAMPLE_BLOCK = 1 << 18
+
+
+def _visible(path: Path) -> Path | None:
+    """`path`, or its nearest existing parent below the root, when this machine sees one: a
+    node-local DEST seen from a login node is usually not there (its root, "/", is this
+    machine's and says nothing of the node's disk)."""
+    p = Path(path).absolute()
+    for q in (p, *p.parents):
+        if q.exists():
+            return q if q != Path(q.anchor) else None
+    return None
+
+
+def _rate(given: float | None, option: str, where: Path | None, measured: dict) -> tuple[float | None, str]:
+    """(MB/s, how it was found): given, or measured in `where` (once a filesystem), or unknown."""
+    if given is not None:
+        if given <= 0:
+            raise TokpackError("throughput must be positive", where=option, expected="> 0", found=given)
+        return float(given), "given"
+    if where is None:
+        return None, f"not measured (not visible from here); give {option}"
+    dev = os.stat(where).st_dev
+    if dev not in measured:
+        measured[dev] = measure_disk(where)
+    mbps, how = measured[dev]
+    return mbps, how if mbps is not None else how.replace("--disk-mbps", option)
+
+
+def _node_epoch_figures(
+    job, manifest: dict, figures, first: int, nodes: int, ranks_per_node: int, micro_batch: int, memory: int
+) -> list[dict]:
+    """Each node's part of one epoch, from the exchange's own arithmetic (tokpack.packer.exchange):
+    its NodeEpoch (the slice's positions, the owned shards, keep_bytes), its runs of source
+    shards (split_shards), round_tokens, and the destinations exchange_epoch sends each piece to
+    (the node that reads its row, and its shard's owner when that is another node)."""
+    from tokpack.formats.shards import U64
+    from tokpack.formats.slices import RankRows
+    from tokpack.packer.node_epoch import NodeEpoch
+    from tokpack.packer.node_epoch import memory_plan
+    from tokpack.packer.pieces import WIRE_PIECE
+    from tokpack.packer.slicing import slice_files, slice_ranks
+    from tokpack.shuffle import packings
+    from tokpack.shuffle.steps import shard_segments
+
+    plan, entry = job.plan, packings.of_plan(job.plan)
+    padded = entry.padded  # document pieces from a row table, and padding
+    sources = job.open_sources()
+    rows = RankRows(nodes * ranks_per_node, micro_batch, 0)
+    item, row = job.token_dtype.itemsize, plan.row_tokens
+    table = entry.table_estimate(job, sources) if entry.table_estimate is not None else None
+    data_tokens = plan.samples * row - (figures.padding_tokens if figures is not None else 0)
+    per_row = int(manifest["fragments"]) / max(1, plan.samples)  # the index's fragments, at the epoch's mean
+    out, nes = [], []
+    for n in range(nodes):
+        a, b, _ = slice_ranks(node=f"{n}/{nodes}", ranks_per_node=ranks_per_node, micro_batch=micro_batch)
+        # the row table itself is the command's to build (plan_shuffle counts it by table_estimate)
+        ne = NodeEpoch(job, sources, rows, first, n, nodes, (a, b), {})
+        nes.append(ne)
+        shards = [(s, k) for s, k0, k1 in ne.runs() for k in range(k0, k1)]
+        read = sum(int(sources[s].shards[k]["tokens"]) * sources[s].dtype.itemsize for s, k in shards)
+        kept_shards = [(s, k) for s, ks in ne.kept_shards().items() for k in ks]
+        rank_rows = [rows.rows(r, first, first + plan.samples) for r in range(a, b + 1)]  # as plan_slice counts
+        if sum(rank_rows) != len(ne.positions):  # what the exchange keeps is what stage --node would
+            raise TokpackError(
+                "internal error: a node's rows differ from its ranks' counts",
+                where=f"node {n}",
+                hint="report this with the command line",
+            )
+        tokens = len(ne.positions) * job.row_bytes
+        index = sum(U64.itemsize * max(k, math.ceil(k * per_row)) for k in rank_rows)  # as slice_files counts it
+        owned_sizes = [job.shard_range(i)[1] - job.shard_range(i)[0] for i in ne.owned]
+        try:
+            per_round, bucket_rows = memory_plan(ne, memory)
+        except TokpackError:
+            per_round = bucket_rows = None  # not even out of core: the command refuses it
+        out.append(
+            {
+                "node": n,
+                "ranks": [a, b],
+                "source_shards": len(shards),
+                "source_bytes": read,
+                # (fingerprint, shard file, bytes): where exchange.keep_sources keeps it, under DIR
+                "kept_shards": sorted(
+                    (
+                        sources[s].fingerprint,
+                        sources[s].shards[k].get("path", str(k)),  # virtual: none
+                        int(sources[s].shards[k]["tokens"]) * sources[s].dtype.itemsize,
+                    )
+                    for s, k in kept_shards
+                ),
+                "epoch_source_shards": sum(len(sources[s].shards) for s, sp in enumerate(plan.sources) if sp.samples),
+                "rows": len(ne.positions),
+                "rank_rows": rank_rows,
+                "slice_token_bytes": tokens,
+                "slice_rows_bytes": U64.itemsize * len(ne.positions),
+                "slice_pad_bytes": 4 * len(ne.positions) if padded else 0,
+                "slice_index_bytes": index,
+                # what stage --node's space check counts for these rank files
+                "slice_on_disk": sum(slice_files(k, job.row_bytes, per_row, padded) for k in rank_rows),
+                "owned_shards": len(ne.owned),
+                "owned_rows": ne.owned_rows,
+                # each owned shard's row hashes (and padding) in scratch, copied to RUN; its tokens and
+                # index are only hashed (owned_shards.hash_owned_shards)
+                "owned_bytes": ne.owned_rows * (U64.itemsize + 4 * padded),
+                "owned_peak": max([k * (U64.itemsize + 4 * padded) for k in owned_sizes], default=0),
+                "run_rows_bytes": U64.itemsize * ne.owned_rows,
+                "run_pad_bytes": 4 * ne.owned_rows if padded else 0,
+                "keep_bytes": ne.keep_bytes,
+                "per_round_tokens": per_round,
+                # out of core: every store row (slice, then owned shards) goes through DEST's bucket
+                # files once, its tokens and a piece record (a window: one; best-fit: about one a document piece)
+                "bucket_bytes": 0 if bucket_rows is None else ne.store_rows * (job.row_bytes + WIRE_PIECE.itemsize),
+                "table_bytes": table["table_bytes"] if table else 0,
+            }
+        )
+        # What follows needs each node's destinations, not its positions (8 bytes a row of the
+        # epoch over all nodes: 21 GB for 11T tokens of 4096-token rows)
+        ne.positions = np.zeros(0, dtype=np.int64)  # not a view: that would keep the whole array
+    # What each node m reads (pieces, tokens: a row of an upsampled source once per use) and
+    # sends to each node d (pieces[m, d], tokens[m, d]).
+    pieces = np.zeros((nodes, nodes), dtype=np.int64)
+    moved = np.zeros((nodes, nodes), dtype=np.int64)
+    reads = np.zeros((nodes, 2), dtype=np.int64)
+    exact = not padded
+    if not padded:
+        segments = [shard_segments(plan, sources, ne.runs()) for ne in nes]
+        windows = sum(w1 - w0 for segs in segments for _, w0, w1, _, _ in segs)
+        # Every window through the epoch's permutation, up to EXACT_WINDOWS of them (a few
+        # seconds); a larger epoch's through every k-th block of them, scaled: an estimate
+        every = max(1, -(-windows // EXACT_WINDOWS))
+        exact = every == 1
+        for m, ne in enumerate(nes):
+            seen = taken = 0
+            for s, w0, w1, _, _ in segments[m]:
+                for c in range(w0, w1, SAMPLE_BLOCK):
+                    seen += min(w1, c + SAMPLE_BLOCK) - c
+                    if (c - w0) // SAMPLE_BLOCK % every:
+                        continue
+                    taken += min(w1, c + SAMPLE_BLOCK) - c
+                    for _, _, g in plan.outputs_of(s, np.arange(c, min(w1, c + SAMPLE_BLOCK), dtype=np.int64)):
+                        _count_sends(pieces[m], ne, g)
+                        reads[m] += (len(g), len(g) * row)
+            if taken and taken < seen:
+                pieces[m] = np.round(pieces[m] * (seen / taken)).astype(np.int64)
+                reads[m] = np.round(reads[m] * (seen / taken)).astype(np.int64)
+        moved = pieces * row
+    else:  # which node reads which piece is in the row table, which only the command builds: the
+        # table's pieces and data tokens spread over the nodes by their source bytes, and over
+        # the destinations as exchange_epoch sends the epoch's rows
+        total = sum(f["source_bytes"] for f in out) or 1
+        dests, every, taken = np.zeros(nodes, dtype=np.int64), max(1, -(-plan.samples // EXACT_WINDOWS)), 0
+        for c in range(0, plan.samples, SAMPLE_BLOCK * every):  # a large epoch's: every k-th block
+            g = np.arange(c, min(plan.samples, c + SAMPLE_BLOCK), dtype=np.int64)
+            _count_sends(dests, nes[0], g)  # a row's destinations do not depend on who sends it
+            taken += len(g)
+        share = dests / max(1, taken)  # per destination: copies it gets of a piece sent
+        for m, f in enumerate(out):
+            part = f["source_bytes"] / total
+            reads[m] = (round(table["pieces"] * part), round(data_tokens * part))
+            pieces[m] = np.round(share * reads[m, 0]).astype(np.int64)
+            moved[m] = np.round(share * reads[m, 1]).astype(np.int64)
+    wire = pieces * WIRE_PIECE.itemsize + moved * item
+    for n, f in enumerate(out):
+        others = [d for d in range(nodes) if d != n]
+        f["sent_bytes"] = int(wire[n, others].sum())
+        f["received_bytes"] = int(wire[others, n].sum())
+        f["to_itself_bytes"] = int(wire[n, n])  # Alltoallv's part to itself: no network
+        f["exchanged_exact"] = exact
+        # Rounds: every process takes part until the last has sent all; a round takes whole pieces
+        # up to its per_round tokens, and one piece more while under it (exchange_epoch's cut).
+        p, (k, t) = f["per_round_tokens"], reads[n].tolist()
+        f["rounds"] = None if p is None else 0 if not t else -(-k // -(-p // row)) if not padded else -(-t // p)
+        f["rounds_exact"] = exact
+    return out
+
+
+def _planned_manifest(job, sources, memory: int):
+    """(the epoch manifest as RUN will get it but for its checksums and fragment counts, the
+    epoch's row figures or None): a best-fit epoch's with its packing's fields (its padding
+    counted by packing its passes once more, as plan shuffle shows it) and each shard's
+    pad_xxh3_128, which --to-nodes RUNs hold (tokpack.shuffle.run.epoch_manifest_of)."""
+    from tokpack.shuffle import packings
+    from tokpack.shuffle.run import epoch_manifest_of, planned_epoch_manifest
+
+    manifest, entry = planned_epoch_manifest(job, sources), packings.of_plan(job.plan)
+    if entry.figures is None:
+        return manifest, None
+    fig = entry.figures(job.plan, sources, memory)
+    shards = [{**s, "pad_xxh3_128": "0" * 32} for s in manifest["shards"]]
+    return epoch_manifest_of(
+        job, shards, {"table_xxh3_128": "0" * 32, "padding": fig.padding_tokens, "figures": fig.fields()}
+    ), fig
+
+
+def _count_sends(counts: np.ndarray, ne, g: np.ndarray) -> None:
+    """Adds to counts[d] the pieces of rows `g` sent to node d: to the node that reads the row,
+    and to its shard's owner when that is another node (exchange_epoch's destinations)."""
+    to_node, to_owner = ne.node_of(g), ne.owner_of(g)
+    counts += np.bincount(to_node, minlength=len(counts)) + np.bincount(
+        to_owner[to_owner != to_node], minlength=len(counts)
+    )
+
+
+def plan_to_nodes(
+    spec,
+    *,
+    nodes: int,
+    shared_mbps: float | None = None,
+    nic_mbps: float | None = None,
+    disk_mbps: float | None = None,
+) -> PlanResult:
+    """What `mpirun -n NODES tokpack shuffle ... --to-nodes DEST` would do, per node (docs/COMMANDS.md,
+    "Straight to the nodes"): from the exchange's own arithmetic (_node_epoch_figures), then the
+    time of each node's shared-filesystem, network and local-disk bytes; the slowest node's is the run's."""
+    from tokpack.formats.manifest import nodes_sidecar
+    from tokpack.formats.slices import RankRows
+    from tokpack.packer.node_dest import dest_template, node_dest
+    from tokpack.packer.node_dest import run_numbering
+    from tokpack.shuffle import packings
+    from tokpack.packer.slicing import SLICE_ENTRY_BYTES, SLICE_HEADER_BYTES
+    from tokpack.packer.staging import on_disk
+    from tokpack.shuffle.packed import release_passes
+    from tokpack.shuffle.run import run_manifest_of, setup_run
+    from tokpack.packer.slicing import slice_ranks
+
+    dest, keep_sources, memory = spec.nodes.dest, spec.nodes.keep_sources, spec.memory
+    ranks_per_node, micro_batch = spec.nodes.ranks_per_node, spec.nodes.micro_batch
+    slice_ranks(node=f"0/{nodes}", ranks_per_node=ranks_per_node, micro_batch=micro_batch)  # before a list a node
+    nic = float(nic_mbps or NIC_MBPS)
+    *paths, output = local_only(list(spec.sources) + [str(spec.output)])
+    if "://" in str(dest) or (keep_sources is not None and "://" in str(keep_sources)):
+        raise TokpackError(
+            "--to-nodes writes local directories",
+            where="--to-nodes/--keep-sources",
+            hint="RUN is a shared-filesystem path, DEST a node-local one",
+        )
+    out = Path(output)
+    setup = setup_run(spec.with_settings(sources=paths), str(output), workers=1)
+    numbering = run_numbering(setup, out)
+    opened = setup.sources
+    RankRows(nodes * ranks_per_node, micro_batch, 0)  # its checks (tokpack.formats.slices) before any arithmetic
+    dests = [node_dest(dest, n) for n in range(nodes)]
+    keeps = [None if keep_sources is None else node_dest(keep_sources, n) for n in range(nodes)]
+    notes: list[str] = []
+    # The kept sources already there: seen, or, where DIR is not visible, assumed for a later
+    # epoch (RUN lists one already: the command that wrote it kept them).
+    have: list[dict] = [{} for _ in range(nodes)]
+    assumed = keep_sources is not None and any(_visible(k) is None for k in keeps) and bool(setup.done_epochs)
+    zero = (
+        "shared_source_bytes",
+        "shared_manifest_bytes",
+        "shared_written_bytes",
+        "local_source_bytes",
+        "kept_copied_bytes",
+        "sent_bytes",
+        "received_bytes",
+        "slice_bytes",
+        "slice_on_disk",
+        "kept_source_bytes",
+        "scratch_bytes",
+        "scratch_written_bytes",
+        "out_of_core_bytes",
+        "local_written_bytes",
+        "local_read_bytes",
+    )
+    totals = [{**dict.fromkeys(zero, 0), "epochs": []} for _ in range(nodes)]
+    details, manifests, written_manifests, run_rows = [], {}, {}, {"rows_bytes": 0, "pad_bytes": 0}
+    for epoch, plan, job in setup.todo:
+        if job is None:
+            details.append({"epoch": epoch, "path": "complete already", "samples": plan.samples})
+            continue
+        manifest, padding = _planned_manifest(job, opened, memory)
+        written_manifests[epoch] = manifest
+        manifests[f"{epoch_dir_name(epoch)}/{MANIFEST}"] = len(canonical_bytes(manifest))
+        figures = _node_epoch_figures(
+            job, manifest, padding, numbering.first(epoch), nodes, ranks_per_node, micro_batch, memory
+        )
+        rounds = [f["rounds"] for f in figures]
+        padded = any(f["slice_pad_bytes"] for f in figures)
+        details.append(
+            {
+                "epoch": epoch,
+                "path": "to-nodes",
+                "samples": plan.samples,
+                "shards": job.n_shards,
+                "rounds": None if None in rounds else max(rounds),
+                "rounds_exact": all(f["rounds_exact"] for f in figures),
+                "packing": packings.of_plan(plan).name,
+                # best-fit: which node reads a piece is in the row table only the command builds
+                "rounds_bound": "at least" if padded else "estimated",
+            }
+        )
+        idle = [f["node"] for f in figures if not f["source_shards"]]
+        if idle:  # split_shards gives at most one process a shard
+            notes.append(
+                f"epoch {epoch}: {'node' if len(idle) == 1 else 'nodes'} {', '.join(map(str, idle))} read no source shard (the epoch uses "
+                f"{figures[0]['epoch_source_shards']} source "
+                f"shards, fewer than {nodes} nodes); they still receive their rows"
+            )
+        big = [f for f in figures if f["per_round_tokens"] is None]
+        if big:
+            names = (
+                "every node"
+                if len(big) == nodes
+                else ("node " if len(big) == 1 else "nodes ") + ", ".join(str(f["node"]) for f in big)
+            )
+            notes.append(
+                f"epoch {epoch}: the rows of {names} (up to {size_text(max(f['keep_bytes'] for f in big))} "
+                f"with the owned shards) do not fit --memory {size_text(memory)}, even out of core: shuffle "
+                "--to-nodes refuses such a node; give more --memory or more nodes"
+            )
+        run_rows["rows_bytes"] += sum(f["run_rows_bytes"] for f in figures)
+        run_rows["pad_bytes"] += sum(f["run_pad_bytes"] for f in figures)
+        for n, f in enumerate(figures):
+            t = totals[n]
+            kept_now = 0
+            if keeps[n] is not None:
+                for fingerprint, name, size in f["kept_shards"]:
+                    there = keeps[n] / fingerprint / name
+                    if (
+                        (fingerprint, name) not in have[n]
+                        and not assumed
+                        and not (there.is_file() and there.stat().st_size == size)
+                    ):
+                        kept_now += size  # kept_sources._keep_shard copies it: read from shared, written here
+                    have[n][fingerprint, name] = size
+                t["kept_source_bytes"] = sum(have[n].values())
+            from_shared = 0 if keeps[n] is not None else f["source_bytes"]
+            local = f["source_bytes"] if keeps[n] is not None else 0
+            ooc = f["bucket_bytes"]
+            slice_bytes = f["slice_token_bytes"] + f["slice_rows_bytes"] + f["slice_pad_bytes"] + f["slice_index_bytes"]
+            scratch = f["owned_peak"] + f["table_bytes"] + ooc
+            scratch_written = f["owned_bytes"] + f["table_bytes"] + ooc
+            t["shared_source_bytes"] += from_shared + kept_now
+            t["shared_written_bytes"] += f["run_rows_bytes"] + f["run_pad_bytes"]
+            t["local_source_bytes"] += local
+            t["kept_copied_bytes"] += kept_now
+            t["sent_bytes"] += f["sent_bytes"]
+            t["received_bytes"] += f["received_bytes"]
+            t["slice_bytes"] += slice_bytes
+            t["slice_on_disk"] += f["slice_on_disk"] + on_disk(
+                SLICE_HEADER_BYTES + SLICE_ENTRY_BYTES * len(f["rank_rows"])
+            )
+            t["scratch_bytes"] = max(t["scratch_bytes"], scratch)
+            t["scratch_written_bytes"] += scratch_written
+            t["out_of_core_bytes"] = max(t["out_of_core_bytes"], ooc)
+            t["local_written_bytes"] += kept_now + slice_bytes + scratch_written
+            t["local_read_bytes"] += local + f["table_bytes"] + ooc
+            t["epochs"].append(
+                {
+                    "epoch": epoch,
+                    "source_shards": f["source_shards"],
+                    "source_bytes": f["source_bytes"],
+                    "from": "kept sources" if keeps[n] is not None else "shared filesystem",
+                    "kept_copied_bytes": kept_now,
+                    "rows": f["rows"],
+                    "rank_rows": f["rank_rows"],
+                    "slice_token_bytes": f["slice_token_bytes"],
+                    "slice_rows_bytes": f["slice_rows_bytes"],
+                    "slice_pad_bytes": f["slice_pad_bytes"],
+                    "slice_index_bytes": f["slice_index_bytes"],
+                    "owned_shards": f["owned_shards"],
+                    "owned_rows": f["owned_rows"],
+                    "run_rows_bytes": f["run_rows_bytes"],
+                    "run_pad_bytes": f["run_pad_bytes"],
+                    "sent_bytes": f["sent_bytes"],
+                    "received_bytes": f["received_bytes"],
+                    "to_itself_bytes": f["to_itself_bytes"],
+                    "exchanged_exact": f["exchanged_exact"],
+                    "keep_bytes": f["keep_bytes"],
+                    "fits_memory": f["per_round_tokens"] is not None and not f["bucket_bytes"],
+                    "out_of_core_bytes": ooc,
+                    "rounds": f["rounds"],
+                }
+            )
+    if written_manifests:
+        run = run_manifest_of(
+            written_manifests, setup.todo[-1][1], setup.weights, opened, setup.shard_samples, setup.runplan
+        )
+        manifests[MANIFEST] = len(canonical_bytes(run))
+    release_passes()  # the best-fit passes the plan packed: a caller's process does not keep them
+    for t in totals:  # each process reads RUN's manifests back, the run's once an epoch (exchange.commit_slice_epoch)
+        t["shared_manifest_bytes"] = sum(manifests.values()) + manifests.get(MANIFEST, 0) * max(
+            0, len(written_manifests) - 1
+        )
+    # the sidecar names node 0's DEST, as process 0 writes it (exchange._declare_nodes)
+    sidecar = len(canonical_bytes(nodes_sidecar(nodes, ranks_per_node, micro_batch, dest_template(dest))))
+    run_files = {"manifests_bytes": sum(manifests.values()), "nodes_sidecar_bytes": sidecar, **run_rows}
+    run_files["bytes"] = sum(run_files.values())
+    if assumed:
+        notes.append(
+            "--keep-sources DIR is not visible from here and RUN lists epochs already: the sources are "
+            "taken as kept by the command that wrote them"
+        )
+    # Throughputs: given, or measured where this machine sees the filesystem (one probe each).
+    measured: dict = {}
+    seen = [_visible(d) for d in dests]
+    disk, disk_how = _rate(disk_mbps, "--disk-mbps", next((p for p in seen if p is not None), None), measured)
+    shared, shared_how = _rate(shared_mbps, "--shared-mbps", _visible(out), measured)
+    readers = max(1, sum(1 for t in totals if t["shared_source_bytes"]))
+    per_node = []
+    for n, t in enumerate(totals):
+        need = t["slice_on_disk"] + t["scratch_bytes"]
+        space = "not visible"
+        if seen[n] is not None:
+            needs = [(dests[n], need)] + (
+                [(keeps[n], t["kept_source_bytes"])] if keeps[n] is not None and _visible(keeps[n]) is not None else []
+            )
+            space = [
+                {"path": str(p), "filesystem": str(w), "needed_bytes": nb, "free_bytes": free, "enough": nb <= free}
+                for p, w, nb, free in space_needs(needs)
+            ]
+        # The nodes read the shared filesystem at once: each gets its share of --shared-mbps.
+        shared_s = (
+            None
+            if shared is None
+            else (
+                t["shared_source_bytes"] / (shared * 1e6 / readers)
+                + (t["shared_manifest_bytes"] + t["shared_written_bytes"]) / (shared * 1e6 / nodes)
+            )
+        )
+        network_s = max(t["sent_bytes"], t["received_bytes"]) / (nic * 1e6)  # full duplex
+        disk_s = None if disk is None else (t["local_read_bytes"] + t["local_written_bytes"]) / (disk * 1e6)
+        seconds = (
+            None
+            if shared_s is None or disk_s is None
+            else round(shared_s + network_s + disk_s + COMMAND_START_SECONDS, 1)
+        )
+        per_node.append(
+            {
+                "node": n,
+                "dest": str(dests[n]),
+                "keep_sources": None if keeps[n] is None else str(keeps[n]),
+                **t,
+                "local_needed_bytes": need + t["kept_source_bytes"],
+                "space": space,
+                "shared_seconds": None if shared_s is None else round(shared_s, 1),
+                "network_seconds": round(network_s, 1),
+                "disk_seconds": None if disk_s is None else round(disk_s, 1),
+                "predicted_seconds": seconds,
+            }
+        )
+    times = [p["predicted_seconds"] for p in per_node]
+    slowest = None if None in times else max(range(nodes), key=lambda n: times[n])
+    sizes = {d["samples"] for d in details}
+    return PlanResult(
+        command="shuffle",
+        output=str(output),
+        path="to-nodes",
+        shards=sum(d.get("shards", 0) for d in details),
+        passes=[],
+        space=[dict(s, node=p["node"]) for p in per_node if isinstance(p["space"], list) for s in p["space"]],
+        manifests=manifests,
+        workers=nodes,
+        executor="mpi",
+        disk_mbps=disk,
+        disk=disk_how,
+        startup_seconds=COMMAND_START_SECONDS,
+        predicted_seconds=None if slowest is None else times[slowest],
+        samples_per_epoch=sizes.pop() if len(sizes) == 1 else None,
+        epochs=details,
+        nodes=nodes,
+        to_nodes={
+            "dest": str(dest),
+            "ranks_per_node": ranks_per_node,
+            "micro_batch": micro_batch,
+            "world_size": nodes * ranks_per_node,
+            "keep_sources": keep_sources,
+            "memory": memory,
+        },
+        per_node=per_node,
+        run_files=run_files,
+        slowest_node=slowest,
+        shared_mbps=shared,
+        shared=shared_how,
+        nic_mbps=nic,
+        warnings=notes or None,
+    )
