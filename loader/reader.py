@@ -37,7 +37,7 @@ import numpy as np
 from tokpack.formats.arguments import flag, text, tokens, whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import as_path, contained, is_url, read_limited
-from tokpack.formats.manifest import NODES_SIDECAR, epoch_dir_name, partial_stage_absent, read_manifest
+from tokpack.formats.manifest import NODES_SIDECAR, epoch_dir_name, partial_stage_absent, read_manifest, strict_json
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import row_segments
 from tokpack.formats.slices import SLICE, RankRows
@@ -622,10 +622,8 @@ class RankStream:
 
 def _nodes_dest(sidecar: Path) -> str:
     """The --to-nodes DEST a run's sidecar names (with {node}), or "the --to-nodes DEST"."""
-    import json
-
-    try:
-        dest = json.loads(read_limited(sidecar, 1 << 16, "sidecar")).get("dest")
+    try:  # the sidecar is a format file: read strictly, as every manifest is
+        dest = strict_json(read_limited(sidecar, 1 << 16, "sidecar"), sidecar, "sidecar").get("dest")
     except (TokpackError, ValueError, AttributeError):
         dest = None
     return dest if isinstance(dest, str) and len(dest) < 4096 else "the --to-nodes DEST"
