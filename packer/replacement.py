@@ -298,7 +298,8 @@ class SourceRows:
 
     def check(self, positions: np.ndarray, tokens: np.ndarray, pad: np.ndarray | None) -> None:
         """The rebuilt rows (and padding) against RUN's row hashes (and `.ds.pad`): one line naming
-        the first position that differs (the sources changed since the run was shuffled)."""
+        the first position that differs and the file at fault (`_blame`: a source shard that
+        changed since the run was shuffled, or RUN's file)."""
         got = row_hashes(tokens)
         per = int(self.m["shard_samples"])
         shard = positions // per
