@@ -48,7 +48,7 @@ class OnSigterm:
 
     TAG = 33
     POLL = 0.02  # seconds between the watcher's looks for a pending SIGTERM
-    NOTICE_DELAY = 0.05  # seconds
+    NOTICE_DELAY = 0.2  # seconds: within the launcher's 0.25 s between its SIGTERM and its SIGKILL
     failing = False  # set by `together` as a process raises its failure
     LAUNCHERS = ("prterun", "mpirun", "mpiexec", "orterun")  # Open MPI's launcher, whose stderr is the user's
 

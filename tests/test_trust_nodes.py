@@ -285,8 +285,9 @@ def test_a_sigterm_to_mpirun_is_one_line_on_every_node_and_a_rerun_resumes(tmp_p
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 60
-        while not (tmp_path / "node3" / "tokpack.lock").exists() and job.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        locks = [tmp_path / f"node{n}" / "tokpack.lock" for n in range(nodes)]
+        while not all(p.exists() for p in locks) and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # every process holds its lock: its SIGTERM watcher runs
         time.sleep(0.3)  # inside the exchange's rounds
         kids = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
         assert job.poll() is None, "the job finished before it could be stopped"
