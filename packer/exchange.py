@@ -77,7 +77,7 @@ from tokpack.formats.manifest import (
 )
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
 from tokpack.formats.slices import RankRows, slice_epoch_manifest, slice_manifest
-from tokpack.packer.kept_sources import kept_copies
+from tokpack.packer.kept_sources import kept_copies, kept_folder
 from tokpack.packer.node_buckets import bucket_layout
 from tokpack.packer.node_dest import (
     dest_template,
@@ -179,10 +179,12 @@ def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
             locks.append(OutputLock(str(dest), holder_name("shuffle")).acquire())
             mine.append(dest)
 
+        keep = together(
+            comm, lambda: kept_folder(keep_sources, n, dest, out, spec.sources, spec.schedule)
+        )  # before any write
         together(comm, lock)
-        keep = None if keep_sources is None else node_dest(keep_sources, n)
         if keep is not None:  # kept copies from an earlier epoch: planned from them, the shared source folders unread
-            together(comm, lambda: use_kept_sources(kept_copies(keep)))
+            together(comm, lambda: use_kept_sources(kept_copies(keep, out)))
         return _run((comm, MPI, n, N), spec, out, dest, template, (a, b), w, keep, log, t0)
     finally:
         for d in mine:  # DEST is this command's: its scratch (buckets, row table) goes, whatever happened

@@ -2,20 +2,38 @@
 to its node's disk once; later epochs read them there, not on the shared filesystem. DIR
 holds a folder per source (its fingerprint: manifest and kept shards) and KEPT_RECORD, which
 maps each source's location to it, so a later command plans from the copies (`kept_copies`,
-for tokpack.shuffle.plan.use_kept_sources) and opens nothing in the shared source folders."""
+for tokpack.shuffle.plan.use_kept_sources) and opens nothing in the shared source folders.
+
+Trust (issue 42): DIR is refused inside DEST, RUN or a source folder before anything is written
+(`kept_folder`); its disk's free space is checked before a copy, and a full one is named as
+--keep-sources' folder; every kept copy is verified against the source manifest's checksum
+before an epoch reads it, and a damaged one is copied again from the shared source (the source
+is blamed only when its own bytes fail); RUN's fingerprints, not the record alone, say which
+copy a source of RUN is read from, so a damaged record cannot swap sources."""
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import commit_file, open_new, open_read, read_limited, tmp_path, write_bytes_atomic
-from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES, canonical_bytes
-from tokpack.shuffle.plan import open_source, source_location
+from tokpack.formats.guard import check_space, is_no_space
+from tokpack.formats.io import (
+    commit_file,
+    local_path,
+    open_new,
+    open_read,
+    read_limited,
+    tmp_path,
+    write_bytes_atomic,
+)
+from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES, canonical_bytes, read_manifest
+from tokpack.packer.node_dest import node_dest
+from tokpack.shuffle.plan import is_virtual, open_source, source_location
 from tokpack.shuffle.steps import source_changed_error
 
 # In a --keep-sources folder: each kept source's location (as manifests name it) -> its fingerprint,
@@ -23,6 +41,50 @@ from tokpack.shuffle.steps import source_changed_error
 KEPT_RECORD = "kept-sources.json"
 INDEX_SUFFIX = ".index"
 KEEP_BLOCK = 8 << 20  # --keep-sources copy buffer
+OPTION = "--keep-sources"
+
+# What a process has itself copied or verified (path, device, inode, size, mtime): a later epoch
+# of the same command does not hash it again (its reads verify it too).
+_VERIFIED: set[tuple] = set()
+
+# Where DIR may not lie, and why each is refused (its hint).
+_PLACES = {
+    "DEST": "DEST holds only the node's slice, whose later epochs refuse other files: give a node-local folder beside it",
+    "RUN": "RUN holds only the run's manifests and row hashes: give a node-local folder outside it",
+    "a source folder": "a source folder is the command's input, which a later pack or shuffle refuses with copies "
+    "in it: give a node-local folder outside it",
+}
+
+
+def kept_folder(keep_sources, node: int, dest, out, sources, schedule=None) -> Path | None:
+    """This process's --keep-sources folder (`{node}` -> node), or None without the option;
+    refused (one line naming the folder and the option), before anything is written, when it
+    is a URL or lies in (or is) this node's DEST, RUN or a local source folder (those given, or
+    a schedule's)."""
+    if keep_sources is None:
+        return None
+    keep = node_dest(keep_sources, node)
+    if "://" in str(keep):
+        raise TokpackError(
+            f"{OPTION} writes a local directory", file=keep, where=OPTION, hint="give a folder on the node's own disk"
+        )
+    given = list(sources or [])
+    if schedule is not None:
+        given += [path for stage in schedule.stages for path in stage.paths]
+    places = [("DEST", dest), ("RUN", out)]
+    places += [("a source folder", p) for p in given if not is_virtual(p) and local_path(p) is not None]
+    inside = Path(keep).resolve()
+    for what, place in places:
+        folder = Path(local_path(place) or place).resolve()
+        if inside == folder or folder in inside.parents:
+            raise TokpackError(
+                f"{OPTION} DIR is inside {what}",
+                file=keep,
+                where=OPTION,
+                found=f"{what} {folder}",
+                hint=_PLACES[what],
+            )
+    return keep
 
 
 def keep_sources(sources: list, runs, need: dict[int, set[int]], padded: bool, folder: Path) -> tuple[list, int]:
@@ -30,26 +92,66 @@ def keep_sources(sources: list, runs, need: dict[int, set[int]], padded: bool, f
     the next one, which its last windows may run into) copied, verified, into `folder` once.
     Also every source's manifest (each process plans every source) and, `padded` (a best-fit
     epoch), every source shard's `.ds.index` (the row table is built from all of them, small),
-    and `folder`'s record of them (KEPT_RECORD). Returns (the sources, opened from their copies,
-    the bytes copied now)."""
+    and `folder`'s record of them (KEPT_RECORD). Every copy already there is verified before the
+    epoch reads it (once a command: _VERIFIED), a damaged one copied again from the source; the
+    free space for what is copied is checked first. Returns (the sources, opened from their
+    copies, the bytes copied now)."""
+    del runs  # every kept shard is verified here, those this epoch reads whole too
+    wanted = _wanted(sources, need, padded)
+    try:
+        missing = sum(
+            size for s, k, suffix, size in wanted if not _there(_kept_path(sources[s], k, suffix, folder), size)
+        )
+        check_space([(folder, missing)], f"shuffle {OPTION}", hint=_FULL_HINT)
+        return _keep(sources, wanted, folder)
+    except OSError as e:
+        if not is_no_space(e):
+            raise
+        raise TokpackError(
+            f"disk full in the {OPTION} folder",
+            file=folder,
+            where=OPTION,
+            found="No space left on device",
+            hint=_FULL_HINT,
+        ) from None
+
+
+_FULL_HINT = (
+    f"free some space on this node's {OPTION} folder, give {OPTION} a folder on a larger disk (or "
+    "drop it: the epoch reads the shared sources), then rerun the same command"
+)
+
+
+def _wanted(sources, need, padded: bool) -> list[tuple[int, int, str, int]]:
+    """(source, shard, suffix, size) of every file `keep_sources` keeps."""
+    wanted = []
+    for s, src in enumerate(sources):
+        wanted += [(s, k, "", int(src.shards[k]["tokens"]) * src.dtype.itemsize) for k in sorted(need.get(s, ()))]
+        if padded:  # one uint64 end a document
+            wanted += [(s, k, INDEX_SUFFIX, int(shard["documents"]) * 8) for k, shard in enumerate(src.shards)]
+    return wanted
+
+
+def _kept_path(src, k: int, suffix: str, folder: Path) -> Path:
+    return folder / src.fingerprint / f"{src.shards[k]['path']}{suffix}"
+
+
+def _there(path: Path, size: int) -> bool:
+    return path.is_file() and path.stat().st_size == size
+
+
+def _keep(sources: list, wanted: list[tuple], folder: Path) -> tuple[list, int]:
     copied = 0
-    # the shards this epoch reads whole (checked by ShardHashes as they are read); the next
-    # one, which its last windows run into, and best-fit's indexes are read in part or
-    # elsewhere: their copies are checked here, each epoch
-    whole = {(s, k) for s, k0, k1 in runs for k in range(k0, k1)}
     kept = list(sources)
     record = _kept_record(folder)
     for s, src in enumerate(sources):
         home = src.home  # the shared folder, also when `src` is already a kept copy
         d = folder / src.fingerprint
         d.mkdir(parents=True, exist_ok=True)
-        if not (d / MANIFEST).exists():
+        if not _manifest_is(d, src.fingerprint):  # new, or damaged: the source's own, again
             write_bytes_atomic(d / MANIFEST, read_limited(home / MANIFEST, MAX_MANIFEST_BYTES, "manifest"), fsync=True)
-        for k in sorted(need.get(s, ())):  # one read whole by this epoch is verified as it is read
-            copied += _keep_shard(src, k, d, verify=(s, k) not in whole)
-        if padded:
-            for k in range(len(src.shards)):
-                copied += _keep_shard(src, k, d, INDEX_SUFFIX, verify=True)
+        for _, k, suffix, _ in (item for item in wanted if item[0] == s):
+            copied += _keep_shard(src, k, d, suffix)
         kept[s] = replace(open_source(d, check_sizes=False), kept_from=home)  # its other shards are never read here
         record[source_location(home)] = src.fingerprint
     if record != _kept_record(folder):
@@ -57,11 +159,12 @@ def keep_sources(sources: list, runs, need: dict[int, set[int]], padded: bool, f
     return kept, copied
 
 
-def _keep_shard(src, k: int, folder: Path, suffix: str = "", verify: bool = False) -> int:
+def _keep_shard(src, k: int, folder: Path, suffix: str = "") -> int:
     """Source shard k (with `suffix` ".index": its document index) copied from the source's own
     folder into `folder` (its xxh3_128 checked as it streams, renamed into place once whole); a
-    copy already there at its size is kept: as it is (the epoch's reads verify it), or, `verify`,
-    once its xxh3_128 is the manifest's (a copy that differs is copied again). Returns the bytes copied."""
+    copy already there is kept once its size and xxh3_128 are the source manifest's (verified
+    once a command), else copied again. Only the source's own bytes failing the checksum blame
+    the source. Returns the bytes copied."""
     shard = src.shards[k]
     if suffix:
         size, want = int(shard["documents"]) * 8, shard["index_xxh3_128"]  # one uint64 end a document
@@ -69,7 +172,8 @@ def _keep_shard(src, k: int, folder: Path, suffix: str = "", verify: bool = Fals
         size, want = int(shard["tokens"]) * src.dtype.itemsize, shard["xxh3_128"]
     name = f"{shard['path']}{suffix}"
     target = folder / name
-    if target.is_file() and target.stat().st_size == size and (not verify or _hash_of(target, size) == want):
+    if _there(target, size) and (_stamp(target) in _VERIFIED or _hash_of(target, size) == want):
+        _VERIFIED.add(_stamp(target))
         return 0
     tmp = tmp_path(target)
     h = xxhash.xxh3_128()
@@ -85,7 +189,13 @@ def _keep_shard(src, k: int, folder: Path, suffix: str = "", verify: bool = Fals
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    _VERIFIED.add(_stamp(target))
     return size
+
+
+def _stamp(path: Path) -> tuple:
+    st = os.stat(path)
+    return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _hash_of(path: Path, size: int) -> str:
@@ -97,6 +207,19 @@ def _hash_of(path: Path, size: int) -> str:
     return h.hexdigest()
 
 
+def _manifest_is(folder: Path, fingerprint: str) -> bool:
+    """Whether `folder` holds a source manifest, valid, of this fingerprint (a kept copy's)."""
+    if not (folder / MANIFEST).is_file():
+        return False
+    try:
+        return read_manifest(folder, kind="source").get("fingerprint") == fingerprint
+    except TokpackError:
+        return False
+
+
+_RECORD_HINT = "delete this file (only it): the next run rebuilds it from the sources and keeps the copies, verified"
+
+
 def _kept_record(folder: Path) -> dict:
     path = folder / KEPT_RECORD
     if not path.is_file():
@@ -104,11 +227,7 @@ def _kept_record(folder: Path) -> dict:
     try:
         record = json.loads(read_limited(path, MAX_MANIFEST_BYTES, "kept sources record"))
     except ValueError:
-        raise TokpackError(
-            "the kept sources' record is not JSON",
-            file=path,
-            hint="remove the --keep-sources folder: the next epoch keeps the sources again",
-        ) from None
+        raise TokpackError("the kept sources' record is not JSON", file=path, where=OPTION, hint=_RECORD_HINT) from None
     if not isinstance(record, dict) or not all(
         isinstance(k, str) and isinstance(v, str) and v and "/" not in v and v not in (".", "..")
         for k, v in record.items()
@@ -116,13 +235,35 @@ def _kept_record(folder: Path) -> dict:
         raise TokpackError(
             "the kept sources' record is malformed",
             file=path,
+            where=OPTION,
             expected="{location: fingerprint}",
-            hint="remove the --keep-sources folder: the next epoch keeps the sources again",
+            hint=_RECORD_HINT,
         )
     return record
 
 
-def kept_copies(folder: Path) -> dict[str, Path]:
+def kept_copies(folder: Path, run=None) -> dict[str, Path]:
     """The sources a --keep-sources folder holds copies of (their location -> the copy), for
-    tokpack.shuffle.plan.use_kept_sources before the run is planned."""
-    return {loc: folder / fp for loc, fp in _kept_record(folder).items() if (folder / fp / MANIFEST).is_file()}
+    tokpack.shuffle.plan.use_kept_sources before the run is planned. A source RUN (`run`, when
+    it has a manifest) names is read from the copy of RUN's fingerprint, whatever the record
+    says (a damaged or stale record cannot put another source's copy in its place), or from
+    its own folder when no valid copy of it is kept; a copy whose manifest is damaged is not
+    used (keep_sources writes it again)."""
+    chosen = dict(_kept_record(folder))
+    chosen.update(_run_fingerprints(run))
+    return {loc: folder / fp for loc, fp in chosen.items() if _manifest_is(folder / fp, fp)}
+
+
+def _run_fingerprints(run) -> dict[str, str]:
+    """RUN's sources (location -> fingerprint), or none before its first manifest."""
+    if run is None or not (Path(run) / MANIFEST).is_file():
+        return {}
+    try:
+        sources = read_manifest(run, kind="run").get("sources") or []
+    except TokpackError:  # planning the run reports it, in its words
+        return {}
+    return {
+        source_location(e["path"]): e["fingerprint"]
+        for e in sources
+        if isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("fingerprint"), str)
+    }

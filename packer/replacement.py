@@ -16,15 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.constants import PAD_DTYPE
 from tokpack.formats.guard import WORK_DIR, OutputLock, holder_name
-from tokpack.formats.io import read_limited
+from tokpack.formats.io import open_read, read_limited
 from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES, epoch_dir_name, parse_manifest, row_hashes
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
-from tokpack.formats.shards import PAD_SUFFIX, RowFacts, tokens_on_nodes
+from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, RowFacts, tokens_on_nodes
 from tokpack.formats.slices import RankRows, slice_epoch_manifest
 from tokpack.packer.node_dest import own_dest, read_raw, slice_root_of_run
 from tokpack.packer.rank_files import RankFiles
@@ -295,7 +296,8 @@ class SourceRows:
 
     def check(self, positions: np.ndarray, tokens: np.ndarray, pad: np.ndarray | None) -> None:
         """The rebuilt rows (and padding) against RUN's row hashes (and `.ds.pad`): one line naming
-        the first position that differs (the sources changed since the run was shuffled)."""
+        the first position that differs and the file at fault (`_blame`: a source shard that
+        changed since the run was shuffled, or RUN's file)."""
         got = row_hashes(tokens)
         per = int(self.m["shard_samples"])
         shard = positions // per
@@ -306,18 +308,37 @@ class SourceRows:
             local = positions[sel] - i * per
             bad = np.flatnonzero(hashes[local] != got[sel])
             if len(bad):
-                raise TokpackError(
-                    "a source row differs from the run's row hash",
-                    file=self.epoch_dir,
-                    where=f"sample {int(positions[sel[bad[0]]])}",
-                    hint="the sources changed since the run was shuffled: run `tokpack validate` on them",
-                )
+                self._blame(i, ROWS_SUFFIX, f"sample {int(positions[sel[bad[0]]])}", "row hash")
             if pad is not None and (pads[local] != pad[sel]).any():
-                raise TokpackError(
-                    "a rebuilt row's padding differs from the run's",
-                    file=self.epoch_dir / f"{self.m['shards'][i]['path']}{PAD_SUFFIX}",
-                    hint="the sources changed since the run was shuffled",
-                )
+                self._blame(i, PAD_SUFFIX, f"shard {i}", "padding")
+
+    def _blame(self, i: int, suffix: str, where: str, what: str) -> None:
+        """A rebuilt row that differs from RUN's record of it (its `what`, in epoch shard i's
+        `suffix` file, whose checksum matched RUN's manifest): the sources are verified whole,
+        and the first source shard that fails its manifest's checksum is named; all intact, the
+        run's file is."""
+        for src in self.sources:
+            for shard in src.shards:
+                path = src.path / shard["path"]
+                found = _hash_of(path, int(shard["tokens"]) * src.dtype.itemsize)
+                if found != shard["xxh3_128"]:
+                    raise TokpackError(
+                        f"a source row differs from the run's {what}: its source shard changed since the run "
+                        "was shuffled",
+                        file=path,
+                        where="xxh3_128",
+                        expected=shard["xxh3_128"],
+                        found=found,
+                        hint="restore the source as it was packed (run `tokpack validate` on it), or shuffle "
+                        "the run again from the changed source",
+                    )
+        raise TokpackError(
+            f"the run's {what} differs from the row its intact sources give",
+            file=self.epoch_dir / f"{self.m['shards'][i]['path']}{suffix}",
+            where=where,
+            hint="the run's file was changed after it was written (its manifest's checksum with it): restore "
+            "the run, or write it again with the --to-nodes command that wrote it",
+        )
 
     def _run_file(self, i: int, suffix: str, size: int):
         """RowFacts' read of epoch shard i's `suffix` file in RUN (row hashes, padding): through the
@@ -334,3 +355,13 @@ class SourceRows:
         self.handles = {}
         self.pool = self.built = self.facts = None
         shutil.rmtree(self.work.parent if self.work.parent.name == WORK_DIR else self.work, ignore_errors=True)
+
+
+def _hash_of(path: Path, size: int) -> str:
+    """A source shard's xxh3_128, streamed through the gate at its recorded size."""
+    h = xxhash.xxh3_128()
+    with open_read(path, size=size) as f:
+        buf = memoryview(bytearray(min(max(size, 1), 8 << 20)))
+        while n := f.readinto(buf):
+            h.update(buf[:n])
+    return h.hexdigest()

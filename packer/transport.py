@@ -7,8 +7,8 @@ and where each goes (the caller's `route`), not what a node keeps of them (the c
 from __future__ import annotations
 
 import os
+import select
 import signal
-import sys
 import threading
 import time
 
@@ -28,27 +28,47 @@ class OnSigterm:
     MPI's finalize; the launcher then stops the other processes (prterun names the rank too).
     Python's own handler (the CLI's, which unwinds the command) could not do this: it runs
     only between bytecodes in the main thread, and a process waits inside an MPI collective
-    for its peers; and an exit through MPI's finalize would wait for them too. The signal
-    reaches the thread through Python's wakeup fd (the C handler writes to it from whichever
-    thread the kernel picked). The first process stopped tells the others (a message on a
-    communicator of its own, MPI_THREAD_MULTIPLE permitting) before it exits: when the launcher
-    then sends them SIGTERM in turn, they exit without a line, so the one line names the node
-    that was stopped. Open MPI's launcher follows its SIGTERM with a SIGKILL at once and exits
-    without reaping: the others' locks may stay behind, held by zombies, which the output lock
-    counts as gone (formats/guard.py), so the rerun takes them over."""
+    for its peers; and an exit through MPI's finalize would wait for them too. The signal is
+    blocked in the main thread (and so in MPI's threads, started later) and taken by that
+    thread with sigtimedwait, which names its sender; one delivered to a thread started before
+    reaches it through Python's wakeup fd (sender unknown). The first process stopped tells
+    the others (a message on a communicator of its own, MPI_THREAD_MULTIPLE permitting) before
+    it exits: when the launcher then sends them SIGTERM in turn, they exit without a line, so
+    the one line names the node that was stopped.
+
+    SIGTERM to the launcher itself (mpirun, or a scheduler stopping the job): Open MPI's
+    prterun forwards it to every process about 0.25 s later and SIGKILLs them about 0.25 s
+    after that, and by then no longer forwards their stderr (measured on Open MPI 5.0: a line
+    a process writes at once is lost). A SIGTERM whose sender is this process's parent (the
+    launcher) with no peer's notice is that case: each process writes its own line naming its
+    node, at once, to the launcher's own stderr where the launcher is Open MPI's (on its host;
+    elsewhere, and under srun, to its own), and exits; a process already failing on its own
+    (`failing`: its error line is the one) exits without one. SIGKILL leaves the locks to
+    zombies, which the output lock counts as gone (formats/guard.py): the rerun takes them over."""
 
     TAG = 33
+    POLL = 0.02  # seconds between the watcher's looks for a pending SIGTERM
+    NOTICE_DELAY = 0.2  # seconds: within the launcher's 0.25 s between its SIGTERM and its SIGKILL
+    failing = False  # set by `together` as a process raises its failure
+    LAUNCHERS = ("prterun", "mpirun", "mpiexec", "orterun")  # Open MPI's launcher, whose stderr is the user's
 
     def __init__(self):
         self.node: int | None = None
         self.locks: list = []
         self.previous = None
         self.comm = self.notice = None
+        self.done = threading.Event()
+        OnSigterm.failing = False
         if threading.current_thread() is not threading.main_thread():
             return  # an embedding's thread: signals are the application's
         r, w = os.pipe()
+        os.set_blocking(r, False)
         os.set_blocking(w, False)
-        self.previous = (signal.signal(signal.SIGTERM, lambda signum, frame: None), signal.set_wakeup_fd(w))
+        self.previous = (
+            signal.signal(signal.SIGTERM, lambda signum, frame: None),
+            signal.set_wakeup_fd(w),
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}),
+        )
         threading.Thread(target=self._wait, args=(r,), name="tokpack-sigterm", daemon=True).start()
 
     def attach(self, MPI, comm) -> None:
@@ -60,8 +80,9 @@ class OnSigterm:
             self.notice = self.comm.irecv(source=MPI.ANY_SOURCE, tag=self.TAG)
 
     def _wait(self, r: int) -> None:
-        while signal.SIGTERM not in os.read(r, 64):
-            pass
+        sender = self._taken(r)
+        if sender is False:
+            return  # restored: the command ended
         for held in reversed(self.locks):
             try:
                 held.release()
@@ -71,28 +92,58 @@ class OnSigterm:
         try:
             if self.notice is not None:
                 told, _ = self.notice.test()
-                if not told:
-                    sent = [
-                        self.comm.isend(self.node, dest=k, tag=self.TAG)
-                        for k in range(self.comm.Get_size())
-                        if k != self.node
-                    ]
-                    deadline = time.monotonic() + 1.0  # a peer already gone never takes it
-                    while sent and time.monotonic() < deadline:
-                        sent = [req for req in sent if not req.test()[0]]
-                        time.sleep(0.01)
         except Exception:  # noqa: BLE001 - the line below is what matters
             pass
-        if not told:  # the first stopped (the launcher stops the others next)
+        launcher = sender is not None and sender == os.getppid()
+        if not told and not OnSigterm.failing:  # at once: the launcher may SIGKILL within 0.25 s
             node = "" if self.node is None else f"node {self.node}: "
-            sys.stderr.write(
-                f"tokpack: error: {node}stopped by SIGTERM; every node stops. HINT: rerun the same "
-                f"command: the epochs complete on every node are kept\n"
+            by = f" from the launcher ({_name(sender)})" if launcher else ""
+            _to_launcher(
+                f"tokpack: error: {node}stopped by SIGTERM{by}; every node stops. HINT: rerun the same "
+                f"command: the epochs complete on every node are kept\n",
+                self.LAUNCHERS,
             )
-            sys.stderr.flush()
+        if not told and not launcher:
+            self._tell_peers()
         os._exit(128 + signal.SIGTERM)
 
+    def _tell_peers(self) -> None:
+        """This process was stopped first (or so it seems): the others hear of it, so that the
+        launcher's SIGTERM to them, once this one exits, is silent. Sent after NOTICE_DELAY: when
+        every process got the launcher's SIGTERM at once (its sender unknown), each writes its
+        own line before a peer's notice can silence it."""
+        try:
+            if self.notice is None:
+                return
+            time.sleep(self.NOTICE_DELAY)
+            sent = [
+                self.comm.isend(self.node, dest=k, tag=self.TAG) for k in range(self.comm.Get_size()) if k != self.node
+            ]
+            deadline = time.monotonic() + 1.0  # a peer already gone never takes it
+            while sent and time.monotonic() < deadline:
+                sent = [req for req in sent if not req.test()[0]]
+                time.sleep(0.01)
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+
+    def _taken(self, r: int):
+        """Waits for SIGTERM: its sender's pid (None: unknown), or False once restored. Taken
+        pending (every thread blocks it: sigtimedwait names the sender), or through the wakeup
+        fd when a thread started before (a BLAS pool's) took it."""
+        while not self.done.is_set():
+            info = signal.sigtimedwait({signal.SIGTERM}, 0)
+            if info is not None:
+                return info.si_pid
+            if select.select([r], [], [], self.POLL)[0]:
+                try:
+                    if signal.SIGTERM in os.read(r, 64):
+                        return None
+                except BlockingIOError:
+                    pass
+        return False
+
     def restore(self) -> None:
+        self.done.set()
         if self.notice is not None:  # no process was stopped: the listening receive goes before MPI's finalize
             self.notice.Cancel()
             self.notice.Wait()
@@ -100,6 +151,39 @@ class OnSigterm:
         if self.previous is not None:
             signal.signal(signal.SIGTERM, self.previous[0])
             signal.set_wakeup_fd(self.previous[1])
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.previous[2])
+
+
+def _name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return f.read().decode(errors="replace").strip() or f"pid {pid}"
+    except OSError:
+        return f"pid {pid}"
+
+
+def _to_launcher(line: str, launchers) -> None:
+    """`line` written at once, unbuffered: to Open MPI's launcher's own stderr when it is this
+    process's parent (it stops forwarding ours as it stops the job), else to ours."""
+    data = line.encode(errors="replace")
+    parent = os.getppid()
+    if _name(parent) in launchers:
+        try:
+            fd = os.open(f"/proc/{parent}/fd/2", os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            pass
+        else:
+            try:
+                os.write(fd, data)
+                return
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    try:
+        os.write(2, data)
+    except OSError:
+        pass
 
 
 def world():
@@ -154,9 +238,11 @@ def together(comm, fn):
     except (TokpackError, OSError) as e:
         result, mine = None, as_error(e)
     except Exception as e:  # noqa: BLE001 - a bug here: the others hear of it, this process reports it as one
+        OnSigterm.failing = True
         comm.allgather(peer_line(e))
         raise
     failed = comm.allgather(None if mine is None or isinstance(mine, PeerFailed) else str(mine))
+    OnSigterm.failing = OnSigterm.failing or mine is not None or any(line is not None for line in failed)
     if mine is not None:
         if comm.Get_size() > 1 and not isinstance(mine, PeerFailed) and not mine.message.startswith(f"node {node}: "):
             mine.message = f"node {node}: {mine.message}"
@@ -254,6 +340,7 @@ def _agree(comm, count: int, failure) -> bool:
     """Every process's status of this round: raises this one's failure, or names the first
     node that failed; whether any process has tokens to send."""
     status = comm.allgather((count, None if failure is None else peer_line(failure)))
+    OnSigterm.failing = OnSigterm.failing or any(line is not None for _, line in status)
     if failure is not None:
         raise failure
     for node, (_, line) in enumerate(status):
