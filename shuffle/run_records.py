@@ -232,12 +232,12 @@ def run_manifest_of(
     )
 
 
-def epoch_manifest_of(job: EpochJob, entries: list[dict], prepared) -> dict:
-    """The epoch's manifest over its shards' entries (in order); `prepared`: what its packing
-    built first (packings.Packing.prepare). shuffle --to-nodes (tokpack.packer.exchange) writes the same."""
+def job_epoch_manifest(job: EpochJob, entries: list[dict], shuffle: str) -> dict:
+    """An epoch manifest of `job`'s plan over its shards' entries, naming `shuffle` as its
+    algorithm: the written epoch's (epoch_manifest_of) and the one `plan` sizes (run_space)."""
     plan = job.plan
     sources = job.open_sources()
-    manifest = epoch_manifest(
+    return epoch_manifest(
         entries,
         TokenHeader(job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer),
         ShuffleFields(
@@ -246,14 +246,20 @@ def epoch_manifest_of(job: EpochJob, entries: list[dict], prepared) -> dict:
             samples=plan.samples,
             shard_samples=job.shard_samples,
             jitter=plan.jitter,
-            shuffle=plan.algorithm,
+            shuffle=shuffle,
         ),
         tokens=plan.samples * plan.row_tokens,
         epoch=plan.epoch,
         dropped_tokens=plan.dropped_tokens(),
         sources=plan.source_entries(),
     )
-    manifest.update(packings.of_plan(plan).epoch_fields(plan, prepared))
+
+
+def epoch_manifest_of(job: EpochJob, entries: list[dict], prepared) -> dict:
+    """The epoch's manifest over its shards' entries (in order); `prepared`: what its packing
+    built first (packings.Packing.prepare). shuffle --to-nodes (tokpack.packer.exchange) writes the same."""
+    manifest = job_epoch_manifest(job, entries, job.plan.algorithm)
+    manifest.update(packings.of_plan(job.plan).epoch_fields(job.plan, prepared))
     return manifest
 
 

@@ -6,11 +6,11 @@ filesystem (checked before a byte is written, and reported by `tokpack plan shuf
 from __future__ import annotations
 
 from tokpack.formats.guard import bytes_under
-from tokpack.formats.manifest import canonical_bytes, epoch_manifest, metadata_text
-from tokpack.formats.builders import ShuffleFields, TokenHeader
+from tokpack.formats.manifest import canonical_bytes, metadata_text
 from tokpack.formats.shards import PackedSource
 
 from . import packings
+from .run_records import job_epoch_manifest
 from .steps import EpochJob
 
 
@@ -54,24 +54,9 @@ def planned_epoch_manifest(job: EpochJob, sources: list[PackedSource]) -> dict:
                 "fragments": int((g1 - g0) * per_row),
             }
         )
-    return epoch_manifest(
-        entries,
-        TokenHeader(job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer),
-        # the default packing's name whatever the packing: `plan` has always
-        # counted a planned epoch manifest's bytes so
-        ShuffleFields(
-            seed=plan.seed,
-            seq_len=plan.seq_len,
-            samples=plan.samples,
-            shard_samples=job.shard_samples,
-            jitter=plan.jitter,
-            shuffle=packings.named(packings.DEFAULT).shuffle,
-        ),
-        tokens=plan.samples * plan.row_tokens,
-        epoch=plan.epoch,
-        dropped_tokens=plan.dropped_tokens(),
-        sources=plan.source_entries(),
-    )
+    # the default packing's name whatever the packing: `plan` has always counted a planned
+    # epoch manifest's bytes so
+    return job_epoch_manifest(job, entries, packings.named(packings.DEFAULT).shuffle)
 
 
 def epoch_bytes(job: EpochJob, manifest: dict) -> int:
