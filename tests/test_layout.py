@@ -282,12 +282,12 @@ OPENERS = {
 READING_METHODS = {"read_bytes", "read_text", "open"}
 # What may open a file outside the gate, each with why it is not a dataset file (or is gated already).
 GATE_ALLOWED = {
-    ("packer/cli.py", "open"): "the CLI's crash log in $TOKPACK_LOG_DIR, written by tokpack for the user",
+    ("packer/cli_report.py", "open"): "the CLI's crash log in $TOKPACK_LOG_DIR, written by tokpack for the user",
     ("packer/executors.py", "logging_dir.open"): "datatrove's folder of an executor's own task logs",
     ("packer/executors.py", "folder.open"): "datatrove's folders: an executor's completion markers, and the remote "
     "side of a download (the local copy is then read through the gate)",
     ("packer/executors.py", "fs.open"): "the remote side of a download (an fsspec object, not a local file)",
-    ("packer/staging.py", "self.open"): "staging.Source.open, which opens through the gate",
+    ("packer/stage_source.py", "self.open"): "stage_source.Source.open, which opens through the gate",
     ("packer/staging.py", "self.src.open"): "staging.Source.open, which opens through the gate",
     ("packer/slicing.py", "src.open"): "staging.Source.open, which opens through the gate",
     ("formats/inputs/jsonl.py", "gzip.open"): "decompresses a stream the gate opened (its argument is a file object)",

@@ -1,0 +1,207 @@
+"""The `tokpack` command line's option types and shared options: quantities in their units, choices
+read from the module that lists them, where a command's tasks run (executor_options), --log-interval,
+--scratch, and SOURCE[=WEIGHT] arguments."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import click
+
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import LOG_INTERVAL_ENV
+from tokpack.formats.units import byte_size, token_count
+
+
+class Quantity(click.ParamType):
+    """A command-line quantity parsed by one function of tokpack.formats.units, so each quantity has its
+    own type and its own units: TOKENS (1000000, 100B, 1.5M: K/M/B/T are 10^3..10^12) or BYTES
+    (16GiB, 2GB, 4G: a bare K/M/G/T is binary)."""
+
+    def __init__(self, name: str, parse):
+        self.name, self.parse = name, parse
+
+    def convert(self, value, param, ctx):
+        try:
+            return self.parse(value)
+        except TokpackError as e:
+            self.fail(str(e), param, ctx)
+
+
+TOKENS, BYTES = Quantity("TOKENS", token_count), Quantity("BYTES", byte_size)
+
+
+class ListedChoice(click.Choice):
+    """A choice among the names a module lists, read when the command line is parsed (or its
+    help shown): the module's list is the one list, and a name registered after this module
+    was imported (a packing) is a choice. `extra`: choices the CLI adds before them."""
+
+    def __init__(self, module: str, name: str, extra: tuple[str, ...] = ()):
+        self._list, self._extra = (module, name), extra
+        super().__init__((), case_sensitive=True)
+
+    @property
+    def choices(self):
+        import importlib
+
+        listed = getattr(importlib.import_module(self._list[0]), self._list[1])
+        return (*self._extra, *(listed() if callable(listed) else listed))
+
+    @choices.setter
+    def choices(self, value):  # click.Choice.__init__ sets it
+        pass
+
+
+def PackingChoice() -> ListedChoice:
+    """`--packing`: the names tokpack.shuffle.packings holds."""
+    return ListedChoice("tokpack.shuffle.packings", "names")
+
+
+_LOG_INTERVAL = "tokpack.log_interval"  # ctx.meta key: --log-interval as given (None: not given)
+
+LOG_INTERVAL = click.option(
+    "--log-interval",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="SECONDS",
+    expose_value=False,
+    callback=lambda ctx, param, value: ctx.meta.__setitem__(_LOG_INTERVAL, value),
+    help="When stderr is not a terminal (a Slurm log, nohup): one progress line every SECONDS, saying what it "
+    "does, done/total, MB/s and an ETA; 0: none [default: $TOKPACK_LOG_INTERVAL, else 30; under --json, 0].",
+)
+
+
+def given_log_interval(ctx, as_json: bool) -> float | None:
+    """The progress-line interval a command runs with (None: $TOKPACK_LOG_INTERVAL or 30 s, as
+    tokpack.formats.io.log_interval reads it): --log-interval, else none under --json (stderr
+    holds a failure only) unless $TOKPACK_LOG_INTERVAL asks for lines."""
+    given = ctx.meta.get(_LOG_INTERVAL) if ctx is not None else None
+    if given is None and as_json and LOG_INTERVAL_ENV not in os.environ:
+        return 0.0
+    return given
+
+
+SHUFFLE_TASKS_HELP = (
+    "Out of core: scatter tasks, each reading one input range (a run of whole source shards, "
+    "so at most one task per source shard) [default: --workers]; the order pass runs one task "
+    "per output shard."
+)
+
+
+def executor_options(
+    fn=None, *, tasks_help: str = "Number of tasks to split the work into (default: one per input file / output shard)."
+):
+    """Where the tasks run (an ExecutorConfig). Local is the default; slurm and ray go through
+    datatrove's executors."""
+    if fn is None:
+        return functools.partial(executor_options, tasks_help=tasks_help)
+    options = [
+        click.option(
+            "--workers",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Local worker processes; on slurm/ray a cap on concurrent tasks (1: no cap).",
+        ),
+        click.option(
+            "--executor",
+            type=ListedChoice("tokpack.packer.executors", "EXECUTORS"),
+            default="local",
+            show_default=True,
+            help="datatrove executor that runs the tasks.",
+        ),
+        click.option("--tasks", type=click.IntRange(min=1), default=None, help=tasks_help),
+        click.option("--logging-dir", default=None, help="datatrove logging dir (default: inside OUT's work folder)."),
+        click.option("--partition", default=None, help="slurm: partition."),
+        click.option("--time", "time_limit", default="24:00:00", show_default=True, help="slurm: time limit."),
+        click.option("--cpus-per-task", type=int, default=1, show_default=True, help="slurm/ray: CPUs per task."),
+        click.option(
+            "--mem-per-cpu-gb",
+            "mem_per_cpu_gb",
+            type=float,
+            default=2,
+            show_default=True,
+            help="slurm/ray: memory reserved per CPU of a task, in GB (sbatch --mem-per-cpu); "
+            "not a budget tokpack keeps (that is shuffle's --memory).",
+        ),
+        click.option(
+            "--mem",
+            "deprecated_mem",
+            type=float,
+            default=None,
+            hidden=True,
+            help="Deprecated spelling of --mem-per-cpu-gb.",
+        ),
+        click.option("--sbatch-args", default=None, help="slurm: extra sbatch arguments as 'key=value,key=value'."),
+        click.option("--ray-address", default=None, help="ray: cluster address (default: start a local cluster)."),
+    ]
+    for opt in reversed(options):
+        fn = opt(fn)
+    return fn
+
+
+def executor_config(kw: dict):
+    """The ExecutorConfig of the options `executor_options` added (each named as its field)."""
+    from dataclasses import fields
+
+    from tokpack.packer.api import ExecutorConfig
+
+    deprecated = kw.pop("deprecated_mem", None)
+    if deprecated is not None:  # --mem, GB per CPU, read next to --memory, bytes, as one option: renamed
+        ctx = click.get_current_context()
+        if ctx.get_parameter_source("mem_per_cpu_gb") is click.core.ParameterSource.COMMANDLINE:
+            raise click.UsageError("give --mem-per-cpu-gb only (--mem is its deprecated spelling)")
+        click.echo(
+            "tokpack: warning: --mem is deprecated (it is easily taken for --memory); "
+            "use --mem-per-cpu-gb, GB of memory per CPU of a slurm/ray task",
+            err=True,
+        )
+        kw["mem_per_cpu_gb"] = deprecated
+    return ExecutorConfig(**{f.name: kw.pop(f.name) for f in fields(ExecutorConfig) if f.name in kw})
+
+
+def command_log(as_json: bool):
+    """Where a command's progress lines go: stderr, and nowhere under --json."""
+    return None if as_json else lambda msg: click.echo(msg, err=True)
+
+
+def weighted_sources(args) -> list[tuple[str, str | None]]:
+    """SOURCE[=WEIGHT] -> (SOURCE, WEIGHT or None). An argument naming an existing path is a path
+    even if it holds '='; in a URL, a '=' is a weight's only when a number follows it."""
+    pairs = []
+    for arg in args:
+        path, _, weight = arg.rpartition("=")
+        if (
+            not path
+            or os.path.exists(arg)
+            or "://" in arg
+            and not _is_number(weight)
+            or (arg.startswith("virtual:") and arg.rsplit(",", 1)[-1].count("=") < 2)
+        ):  # its last key=value, no weight
+            path, weight = arg, None
+        pairs.append((path, weight))
+    return pairs
+
+
+def _is_number(text: str) -> bool:
+    """A number as shuffle takes a weight: 0.3, 2, 1/3, 70% (tokpack.formats.units.weight_fraction;
+    1/0 is one, if not a valid one)."""
+    from tokpack.formats.units import weight_fraction
+
+    try:
+        weight_fraction(text)
+    except ZeroDivisionError:
+        return True
+    except ValueError:
+        return False
+    return True
+
+
+SCRATCH = click.option(
+    "--scratch",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="With an -o URL (s3://...): the local or shared folder where shards are written before each is sent, "
+    "and out-of-core buckets [default: $TOKPACK_STAGE_DIR, else the system temp dir].",
+)

@@ -1,0 +1,193 @@
+"""What a `tokpack` command prints: its result (emit: one JSON object under --json, else lines),
+and its failures (user_errors: one line on stderr, one JSON object on stdout under --json, and
+the exit status tokpack.packer.cli documents)."""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import functools
+import json
+import os
+import sys
+import traceback
+
+import click
+
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import logging_every
+from tokpack.packer.cli_options import given_log_interval
+
+
+def emit(result, as_json: bool, report_lines=None, err: bool = False, shown: dict | None = None) -> None:
+    """One machine-readable object on stdout with --json; otherwise the `report_lines(result)`
+    of a command that has them (on stderr if `err`), or a short human summary (with `shown`'s
+    values instead of the summary's, for humans)."""
+    summary = result.to_json()
+    if as_json:
+        click.echo(json.dumps(summary, default=str))
+    elif report_lines is not None:
+        for line in report_lines(result):
+            click.echo(line, err=err)
+    else:
+        for key, value in summary.items():
+            if value is None or isinstance(value, (list, dict)):
+                continue
+            click.echo(f"{key:>18}: {(shown or {}).get(key, value)}")
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that `finally` blocks (the output lock, temporary
+    files) run as for Ctrl-C. A BaseException: no `except Exception` swallows it."""
+
+
+EXIT_DATA, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 70, 130, 143
+
+
+_DEBUG = False  # --debug: a bug's traceback goes to stderr instead of a log file
+_FAILED = False  # a failure was reported already (its JSON object printed): report nothing more
+
+
+def start(debug: bool) -> None:
+    """A command line starts (tokpack.packer.cli's group): nothing reported yet."""
+    global _DEBUG, _FAILED
+    _DEBUG, _FAILED = debug, False
+
+
+def debug_on(debug: bool) -> None:
+    """--debug, as the group's option parsed it."""
+    global _DEBUG
+    _DEBUG = _DEBUG or debug
+
+
+def failed() -> bool:
+    """Whether a failure was reported already (its JSON object printed)."""
+    return _FAILED
+
+
+# errno -> what the user can do about it
+_OS_HINTS = {
+    errno.ELOOP: "a symbolic link points (through others) back to itself: fix or remove the link",
+    errno.EROFS: "the filesystem is read-only: write to a writable directory",
+    errno.EACCES: "no permission to write there: choose a directory you may write, or fix its permissions",
+    errno.EPERM: "the operation is not permitted there (immutable file or directory?): choose another path",
+    errno.ENOSPC: "the disk is full: free some space, then rerun the same command to resume",
+    errno.EDQUOT: "the disk quota is exhausted: free some space, then rerun the same command to resume",
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: check the path",
+}
+
+
+def _report(line: str, error: dict, status: int, as_json: bool) -> None:
+    """The one line on stderr, the one JSON object on stdout under --json, then exit."""
+    global _FAILED
+    if as_json and not _FAILED:
+        click.echo(json.dumps({"ok": False, "error": error}))
+    _FAILED = True
+    click.echo(line, err=True)
+    sys.exit(status)
+
+
+HINT_MARK = ". HINT: "  # how a line says what to do (TokpackError's str, click's message of a quantity)
+
+
+def error_json(kind: str, message: str, **fields) -> dict:
+    """The --json error object of a failure that is no TokpackError. A message that says its
+    hint (click's line for a bad TOKENS or BYTES value holds the parser's TokpackError line)
+    gives it to `hint`, where a script finds every other failure's."""
+    hint = fields.get("hint")
+    if hint is None and HINT_MARK in message:
+        message, hint = message.split(HINT_MARK, 1)
+    return {
+        "error": kind,
+        "message": message,
+        "file": fields.get("file"),
+        "where": None,
+        "expected": None,
+        "found": None,
+        "hint": hint,
+    }
+
+
+def _os_error_line(e: OSError) -> tuple[str, dict]:
+    where = e.filename if e.filename is not None else None
+    if getattr(e, "filename2", None):
+        where = f"{where} -> {e.filename2}"
+    name = errno.errorcode.get(e.errno, "") if e.errno else ""
+    message = f"{e.strerror or e}" + (f" ({name})" if name else "")
+    hint = _OS_HINTS.get(e.errno)
+    line = "tokpack: error: " + (f"{where}: " if where else "") + message + (f". HINT: {hint}" if hint else "")
+    return line, error_json(type(e).__name__, message, file=None if where is None else str(where), hint=hint)
+
+
+def _crash_log(command: str, exc: BaseException) -> str:
+    """Writes the traceback of a bug to $TOKPACK_LOG_DIR (default ~/.cache/tokpack); returns
+    where, or why it could not."""
+    text = "".join(traceback.format_exception(exc))
+    folder = os.environ.get("TOKPACK_LOG_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokpack")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = os.path.join(folder, f"crash-{stamp}-{os.getpid()}.log")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(f"tokpack {command}\nargv: {sys.argv}\n\n{text}")
+    except OSError as e:
+        return f"not saved ({e.strerror or e}: {path}); rerun with --debug to see it"
+    return f"in {path}"
+
+
+def internal_error(command: str, exc: BaseException, as_json: bool) -> None:
+    summary = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    if _DEBUG:
+        traceback.print_exception(exc, file=sys.stderr)
+        where = "above"
+    else:
+        where = _crash_log(command, exc)
+    line = f"tokpack {command}: internal error (a bug in tokpack): {summary}; the traceback is {where}"
+    _report(line, error_json("InternalError", line), EXIT_BUG, as_json)
+
+
+RESUME = "rerun the same command to resume"
+
+
+def user_errors(fn):
+    """Turns every failure of a command into one line on stderr (and one JSON object under
+    --json): TokpackError and OSError exit 1, Ctrl-C 130, SIGTERM 143, a bug in tokpack 70."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        as_json = bool(kwargs.get("as_json"))
+        ctx = click.get_current_context(silent=True)
+        command = ctx.info_name if ctx is not None else "command"
+        try:
+            with logging_every(given_log_interval(ctx, as_json)):
+                return fn(*args, **kwargs)
+        except (SystemExit, click.exceptions.Exit, click.ClickException, click.Abort):
+            raise  # a status chosen already, or a usage error: main reports those
+        except TokpackError as e:
+            _report(f"tokpack: error: {e}", e.to_json(), EXIT_DATA, as_json)
+        except ModuleNotFoundError as e:  # an optional dependency this command needs
+            message = f"this command needs the module {e.name!r}, which is not installed"
+            line = f"tokpack: error: {message}{HINT_MARK}pip install {e.name}"
+            _report(line, error_json("ModuleNotFoundError", message, hint=f"pip install {e.name}"), EXIT_DATA, as_json)
+        except OSError as e:  # the environment: a full disk, a read-only output, a symlink loop...
+            line, error = _os_error_line(e)
+            _report(line, error, EXIT_DATA, as_json)
+        except RuntimeError as e:
+            if not str(e).startswith("Symlink loop"):  # pathlib's resolve() before Python 3.13
+                internal_error(command, e, as_json)
+            line, error = _os_error_line(
+                OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(e).split("'")[1] if "'" in str(e) else None)
+            )
+            _report(line, error, EXIT_DATA, as_json)
+        except KeyboardInterrupt:
+            line = f"tokpack: interrupted; {RESUME}"
+            _report(line, error_json("KeyboardInterrupt", "interrupted", hint=RESUME), EXIT_INTERRUPTED, as_json)
+        except Terminated:
+            line = f"tokpack: terminated (SIGTERM); {RESUME}"
+            error = error_json("Terminated", "terminated (SIGTERM)", hint=RESUME)
+            _report(line, error, EXIT_TERMINATED, as_json)
+        except Exception as e:  # noqa: BLE001 - anything else is a bug in tokpack, not bad data
+            internal_error(command, e, as_json)
+
+    return wrapper

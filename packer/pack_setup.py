@@ -1,0 +1,265 @@
+"""`tokpack pack`'s setup, decided before it writes a byte: what it makes (PackOptions), its inputs
+found and checked (every check that needs no token scan), what OUT holds (fresh, resume, complete or
+replace) and the bytes it will write (PackSetup). `pack` runs it; `tokpack plan pack` reports it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.constants import DEFAULT_SHARD_TOKENS
+from tokpack.formats.guard import LOCK_NAME, WORK_DIR, bytes_under
+from tokpack.formats.inputs import InputFile
+from tokpack.formats.inputs.discover import check_input, discover
+from tokpack.formats.inputs.tables import parquet_values
+from tokpack.formats.io import as_path, is_tmp_name, is_url, read_record
+from tokpack.formats.manifest import MANIFEST, dtype_for_vocab, read_manifest
+from tokpack.formats.outputs import LocalOutput, Output
+from tokpack.formats.shards import PackedSource, is_own_file
+from tokpack.formats.units import counted
+from tokpack.packer.executors import ExecutorConfig
+from tokpack.packer.linking import LinkPlan, plan_links
+from tokpack.packer.vocab import load_tokenizer, resolve_vocab_eos
+
+
+def _is_ours(p: Path) -> bool:
+    """What pack writes in OUT, by name and kind: the only entries --overwrite replaces."""
+    if p.name == WORK_DIR:
+        return p.is_dir() and not p.is_symlink()
+    return is_own_file(p) or p.name == LOCK_NAME and p.is_file()
+
+
+def _output_state(out: Path, request: dict, overwrite: bool) -> str:
+    """'fresh', 'resume', 'complete' or 'replace' (an old pack to delete once inputs check out)."""
+    if not out.exists():
+        return "fresh"
+    if not out.is_dir():
+        raise TokpackError("output exists and is not a directory", file=out, hint="choose another -o")
+    entries = [p for p in out.iterdir() if not (p.name == LOCK_NAME or is_tmp_name(p.name)) or not _is_ours(p)]
+    if not entries:
+        return "fresh"
+    # request.json is the first file a pack writes: a work folder without it (a command killed
+    # right after creating the folder) holds nothing to keep.
+    if [p.name for p in entries] == [WORK_DIR] and not (out / WORK_DIR / "request.json").exists():
+        return "replace"
+    others = [p.name for p in entries if not _is_ours(p)]
+    if others:
+        raise TokpackError(
+            "output directory holds other files",
+            file=out,
+            expected="an empty or tokpack directory",
+            found=", ".join(sorted(others)[:5]),
+            hint="choose another -o; --overwrite only replaces tokpack output, never other files",
+        )
+    if (out / MANIFEST).exists():
+        try:
+            manifest = read_manifest(out, kind="source")
+            same = manifest.get("request") == request
+            if same:
+                PackedSource.open(out)  # shard sizes match the manifest
+        except TokpackError:
+            same = False
+        if same:
+            return "complete"
+        if not overwrite:
+            raise TokpackError(
+                "output directory already holds a different packed source",
+                file=out,
+                where=MANIFEST,
+                expected="the same inputs and options",
+                found="another pack",
+                hint="pass --overwrite to replace it, or choose another -o",
+            )
+        return "replace"
+    work = out / WORK_DIR
+    req = work / "request.json"
+    record = read_record(req) if req.exists() else None  # None if damaged: it cannot be resumed, only replaced
+    if record == request:
+        return "resume"
+    if not overwrite:
+        raise TokpackError(
+            "output directory holds an unfinished pack of other inputs",
+            file=out,
+            expected="the same inputs and options",
+            found=f"a damaged {WORK_DIR}/request.json" if req.exists() and record is None else "another request",
+            hint="rerun that pack to finish it, or pass --overwrite to replace it",
+        )
+    return "replace"
+
+
+def clear_output(out: Path) -> None:
+    for p in out.iterdir():
+        if p.name == LOCK_NAME or not _is_ours(p):
+            continue  # this command's own lock; what pack did not write (_output_state refused it)
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
+def known_tokens(f: InputFile) -> int | None:
+    """The input's token count where its size tells it (datatrove, Megatron, NumPy, raw) or its
+    footer does (Parquet: tokpack.formats.inputs.tables.parquet_values, an estimate), else None."""
+    if f.format in ("datatrove", "megatron"):
+        return as_path(f.path).stat().st_size // np.dtype(f.dtype).itemsize
+    if f.format == "parquet":
+        return parquet_values(f)
+    return int(f.extra["count"]) if f.format in ("numpy", "raw") else None
+
+
+def _shard_bytes(f: InputFile, out_dtype: np.dtype) -> int:
+    """Bytes of the shard files input `f` becomes, when its token count is told by its size or
+    footer; Arrow, JSONL and text inputs count 0 here."""
+    tokens = known_tokens(f) or 0
+    total = tokens * out_dtype.itemsize
+    if f.format == "datatrove":
+        index = as_path(f.extra["index"]).stat().st_size if as_path(f.extra["index"]).exists() else 0
+        total += index + (tokens if f.extra.get("loss") else 0)
+    elif f.format == "megatron":
+        total += 8 * int(f.extra.get("documents") or 0)
+    return total
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    """What a pack makes of its inputs (pack's options less how the work runs); each default
+    declared here, once. Two packs of the same inputs with equal options write the same bytes."""
+
+    input_format: str = "auto"
+    column: str | None = None
+    dtype: str | None = None
+    tokenizer: str | None = None
+    eos_id: int | None = None
+    vocab_size: int | None = None
+    overwrite: bool = False
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    link: bool = False  # pack --link: an input that is its shard's bytes is linked, not copied
+
+
+@dataclass
+class PackSetup:
+    """What a pack will read and write, decided before it writes a byte: `pack` runs it,
+    `tokpack plan pack` (packer/planning.py) reports it."""
+
+    fmt: str
+    files: list[InputFile]
+    tokenizer: str | None  # absolute when a local file
+    request: dict  # pack's normalised options (see _output_state)
+    state: str  # 'fresh', 'resume', 'complete' or 'replace'
+    vocab: int = 0  # the rest is resolved unless the pack is complete already
+    eos: int = 0
+    tok_name: str = ""
+    eos_token: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    out_dtype: np.dtype | None = None
+    link: bool = False  # pack --link
+    vocab_known: bool = True  # False: vocab is only the input dtype's width (the manifest's vocab_known)
+
+    def links(self, out: Path, to: Output = LocalOutput()) -> LinkPlan:
+        """The shard files' bytes by how they will get there: all copied, but with --link."""
+        if not self.link or not to.links_files:
+            return LinkPlan(copy=sum(_shard_bytes(f, self.out_dtype) for f in self.files))
+        return plan_links(
+            self.files,
+            out,
+            self.out_dtype,
+            int(self.request["shard_tokens"]),
+            lambda f: _shard_bytes(f, self.out_dtype),
+        )
+
+    def bytes_to_write(self, out: Path, to: Output = LocalOutput(), tasks: int = 1) -> int:
+        """Shards are renamed out of the work folder, never copied: one copy of the output at
+        most. What OUT holds already (a resumed or a replaced pack) is not needed again. To a
+        bucket, OUT holds a shard per task at most, each sent once written. A hard link takes
+        no space (a file whose scan finds it cannot be linked checks for its own before it is copied)."""
+        plan = self.links(out, to)
+        total = plan.copy + plan.reflink
+        shard = int(self.request["shard_tokens"]) * self.out_dtype.itemsize
+        return to.local_need(total, tasks * shard, here=bytes_under(out))
+
+
+def pack_tasks(files: int, config: ExecutorConfig) -> int:
+    return min(config.tasks or files, files)
+
+
+def setup_pack(
+    inputs: list[str],
+    out: Path,
+    options: PackOptions = PackOptions(),
+    *,
+    say=lambda msg: None,
+    to: Output = LocalOutput(),
+) -> PackSetup:
+    """Finds the inputs, checks them (every check that needs no token scan) and OUT (to a
+    bucket: what the store holds). Reads only."""
+    input_format, column, dtype, tokenizer = options.input_format, options.column, options.dtype, options.tokenizer
+    eos_id, vocab_size, overwrite, shard_tokens = (
+        options.eos_id,
+        options.vocab_size,
+        options.overwrite,
+        options.shard_tokens,
+    )
+    if shard_tokens < 1:
+        raise TokpackError("shard size must be positive", where="--shard-tokens", expected=">= 1", found=shard_tokens)
+    if tokenizer is not None:
+        tokenizer = str(Path(tokenizer).absolute()) if os.path.isfile(tokenizer) else tokenizer
+        load_tokenizer(tokenizer)
+    fmt, files = discover(list(inputs), input_format, column, dtype)
+    say(
+        f"tokpack pack: detected format {fmt}: {counted(len(files), 'file')}, "
+        f"{', '.join(sorted({f.format + (' ' + f.dtype if f.dtype else '') for f in files}))}"
+    )
+    request = {
+        "inputs": [
+            {"path": f.path if is_url(f.path) else str(Path(f.path).absolute()), "size": f.size, "format": f.format}
+            for f in files
+        ],
+        "format": fmt,
+        "column": column,
+        "dtype": dtype,
+        "tokenizer": tokenizer,
+        "eos_id": eos_id,
+        "vocab_size": vocab_size,
+        "shard_tokens": int(shard_tokens),
+    }
+    # `link` is not in the request: a linked pack's manifest and bytes are a copying pack's
+    setup = PackSetup(
+        fmt, files, tokenizer, request, _output_state(to.where(out), request, overwrite), link=options.link
+    )
+    if setup.state == "complete":
+        return setup
+    if fmt == "text":
+        if tokenizer is None:
+            raise TokpackError(
+                "raw text needs a tokenizer",
+                file=files[0].path,
+                where="--tokenizer",
+                expected="a local tokenizer.json",
+                found="none",
+                hint="pass --tokenizer tokenizer.json",
+            )
+        resolved = resolve_vocab_eos(files, tokenizer, eos_id, vocab_size)
+        setup.vocab, setup.eos, setup.tok_name, setup.eos_token = resolved
+        if setup.eos_token is None:
+            raise TokpackError(
+                "EOS id is not a token of the tokenizer",
+                file=tokenizer,
+                where="--eos-id",
+                expected="an id the tokenizer knows",
+                found=eos_id,
+            )
+    else:
+        known: list = []
+        setup.vocab, setup.eos, setup.tok_name, _ = resolve_vocab_eos(
+            files, tokenizer, eos_id, vocab_size, say, setup.warnings, known
+        )
+        setup.vocab_known = bool(known and known[0])
+        for f in files:
+            check_input(f)
+    setup.out_dtype = dtype_for_vocab(setup.vocab)
+    return setup

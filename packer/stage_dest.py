@@ -1,0 +1,273 @@
+"""What DEST holds, before `tokpack stage` writes there: the bytes a stage copies and writes (its space
+check), the copy DEST holds (dest_holds) and the line refusing one that is not this copy's."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import read_limited
+from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES, STAGE_SIDECAR, canonical_bytes, strict_json
+from tokpack.formats.slices import RUN_SELECTION_KEYS
+from tokpack.packer.stage_plan import DirPlan, shard_jobs
+from tokpack.packer.stage_source import join_rel
+
+
+def in_place(path: Path, size: int | None) -> bool:
+    """A file a rerun will verify in place, not copy again (or so its size says)."""
+    return size is not None and path.is_file() and path.stat().st_size == size
+
+
+def bytes_to_copy(dest: Path, plans: list[DirPlan]) -> int:
+    """Bytes of the files a stage into `dest` copies: those not in place already."""
+    return sum(j.size or 0 for p in plans for j in p.jobs if not in_place(dest / j.rel, j.size))
+
+
+# A filesystem allocates whole blocks (4 KiB on ext4, xfs and tmpfs): a run's many small sidecars
+# and manifests each take one at least, which a sum of their bytes does not see.
+FS_BLOCK = 4096
+
+
+def on_disk(n: int | None) -> int:
+    """The bytes a file of `n` bytes takes on disk; a small file of unrecorded size (a shard's
+    .metadata) takes one block."""
+    return FS_BLOCK if n is None else -(-int(n) // FS_BLOCK) * FS_BLOCK
+
+
+def bytes_to_write(dest: Path, plans: list[DirPlan]) -> int:
+    """What a stage into `dest` writes, as the space check counts it: every file not in place
+    already (shards and all their sidecars: .index, .metadata, .rows, .loss, .pad), every
+    manifest and the partial-copy record, each rounded up to whole blocks. (bytes_to_copy is
+    the bytes copied, which plan's timing uses.)"""
+    files = sum(
+        on_disk(j.size)
+        for p in plans
+        for j in p.jobs  # a file of unrecorded size replaces itself
+        if not (in_place(dest / j.rel, j.size) or j.size is None and (dest / j.rel).is_file())
+    )
+    manifests = sum(on_disk(len(canonical_bytes(p.manifest))) for p in plans)
+    return files + manifests + (FS_BLOCK if any(p.skipped_shards for p in plans) else 0)
+
+
+def check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
+    """Refuse to mix two datasets in one DEST, before anything is written: DEST holds nothing
+    tokpack wrote, or a copy (finished or not) of this same directory, whose files alone a stage
+    replaces. An existing manifest must describe the same data."""
+    held = dest_holds(dest)
+    if held.kind not in (None, "damaged", "other", kind, UNFINISHED[kind]):
+        raise refuse_dest(held, f"nothing, or a copy of this {kind}")
+    damaged = []
+    for p in plans:
+        path = dest / p.rel / MANIFEST
+        if not path.is_file():
+            continue
+        try:
+            have = strict_json(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path)
+        except (OSError, TokpackError):
+            damaged.append(path)  # an unreadable manifest at DEST vouches for nothing; rewritten at the end
+            continue
+        want = p.manifest
+        if kind == "run" and p.rel == "":  # the same run staged with another --epochs selection
+            have = {k: v for k, v in have.items() if k not in RUN_SELECTION_KEYS}
+            want = {k: v for k, v in want.items() if k not in RUN_SELECTION_KEYS}
+        if have != want:
+            # DEST's root manifest says what it holds; without one, the epoch's says what was left there
+            # (an epoch of this run is written the same every time: one that differs is another run's)
+            raise refuse_dest(
+                held if held.path == dest / MANIFEST else dest_holds(dest, path, other_run=True),
+                f"a copy of this {kind}",
+            )
+    for p in plans:  # a folder no manifest vouches for yet: its shard files must be this copy's
+        _check_unvouched(dest, p)
+    if kind == "run" and held.kind == UNFINISHED["run"]:
+        # Epochs of an unfinished copy that this stage does not write: no run manifest vouches
+        # for them yet, so each must come from this run (another --epochs selection of it).
+        run, planned = plans[-1].manifest, {p.rel for p in plans}
+        for d in sorted(dest.glob("epoch-*/" + MANIFEST)):
+            if d.parent.name not in planned and not _same_run(_small_manifest(d), run):
+                raise refuse_dest(dest_holds(dest, d, other_run=True), "a copy of this run")
+    for path in damaged:  # removed once DEST is known to be this copy: nothing is written before
+        path.unlink()
+
+
+def _check_unvouched(dest: Path, p: DirPlan) -> None:
+    """Refuses the shard files of a DEST folder without a manifest (a killed stage's) that are
+    not this copy's: a name its manifest does not list (another source's or epoch's shards), or
+    sizes other than the recorded ones for more of its files than match. A killed stage of this
+    copy leaves the files it verified, at their sizes (and temporaries, removed), and at most a
+    few of the copy's own files damaged before a repair began: those a rerun replaces."""
+    from tokpack.formats.io import is_tmp_name
+    from tokpack.formats.shards import is_own_file
+
+    folder = dest / p.rel if p.rel else dest
+    if (folder / MANIFEST).is_file() or not folder.is_dir():
+        return
+    every, _ = shard_jobs(p.manifest, "")  # every shard's files, those --shards-of leaves out too
+    sizes = {j.rel: j.size for j in every}
+    matched, other = 0, []
+    for f in sorted(folder.iterdir()):
+        if f.name == MANIFEST or is_tmp_name(f.name) or not is_own_file(f):
+            continue
+        want = sizes.get(f.name, -1)
+        if want == -1:
+            other = [(f, "not a file of this copy")]
+            break
+        if want is not None:
+            if f.stat().st_size == want:
+                matched += 1
+            else:
+                other.append((f, f"{f.stat().st_size} bytes, this copy's is {want}"))
+    if other and (other[0][1] == "not a file of this copy" or len(other) > matched):
+        f, found = other[0]
+        raise refuse_dest(
+            Held(
+                UNFINISHED.get(p.manifest.get("kind"), "other"),
+                f"an unfinished copy of another directory ({join_rel(p.rel, f.name)}: {found})",
+                f,
+            ),
+            f"nothing, or a copy of this {p.manifest.get('kind')}",
+        )
+
+
+# ------------------------------------------------------------------------ what DEST holds
+
+# What a stage of each kind may resume: its own copy that a killed stage left without a root manifest.
+UNFINISHED = {
+    "source": "unfinished copy",
+    "epoch": "unfinished copy",
+    "run": "unfinished run copy",
+    "slice": "unfinished slice",
+}
+# An epoch manifest's fields that say which run it belongs to (besides its sources' fingerprints).
+_EPOCH_RUN_KEYS = ("dtype", "seed", "seq_len", "shard_samples", "shuffle", "jitter", "packing", "tokenizer")
+_RANK_FILE = re.compile(r"rank-(\d+)[.]ds([.].*)?")
+
+
+@dataclass
+class Held:
+    """What DEST holds, for the line that refuses it."""
+
+    kind: str | None  # a root manifest's kind, an UNFINISHED value, "damaged", "other" or None (nothing)
+    words: str  # e.g. "a node slice of ranks 0-1 of 4 (micro-batch 3) of the run with seed 0"
+    path: Path  # the file or folder that says so
+    manifest: dict | None = None  # DEST's root manifest, when it has one
+
+
+def _small_manifest(path: Path) -> dict | None:
+    try:
+        m = strict_json(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path)
+    except (OSError, TokpackError):
+        return None
+    return m if isinstance(m, dict) else None
+
+
+def _same_run(epoch: dict | None, run: dict) -> bool:
+    """Whether an epoch manifest comes from `run` (its settings and its sources' fingerprints)."""
+    if epoch is None or epoch.get("kind") != "epoch":
+        return False
+    prints = [[s.get("fingerprint") for s in m.get("sources") or [] if isinstance(s, dict)] for m in (epoch, run)]
+    return prints[0] == prints[1] and all(epoch.get(k) == run.get(k) for k in _EPOCH_RUN_KEYS if k in run)
+
+
+def _describe(m: dict) -> str:
+    """A manifest's copy in words: its kind and what tells it from another copy of that kind."""
+    kind, run = m.get("kind"), m.get("run") if isinstance(m.get("run"), dict) else m
+    of_run = f"the run with seed {run.get('seed')}, seq_len {run.get('seq_len')}"
+    if kind == "source":
+        return f"a copy of a packed source ({len(m.get('shards') or [])} shards, {m.get('tokens')} tokens)"
+    if kind == "run":
+        return f"a whole-run copy of {of_run} (epochs {m.get('epochs')})"
+    if kind == "epoch":
+        return f"a copy of epoch {m.get('epoch')} of {of_run}"
+    if kind in ("slice", "slice-epoch"):
+        ranks = m.get("ranks") if isinstance(m.get("ranks"), list) and m.get("ranks") else ["?"]
+        return (
+            f"a node slice of ranks {ranks[0]}-{ranks[-1]} of {m.get('world_size')} "
+            f"(micro-batch {m.get('micro_batch')}) of {of_run}"
+        )
+    return f"a tokpack.json of kind {kind!r}"
+
+
+def dest_holds(dest: Path, path: Path | None = None, other_run: bool = False) -> Held:
+    """What DEST holds: its root manifest's copy; without one (a stage killed before its end),
+    the unfinished copy its epoch folders and shard or rank files are; `path`: the manifest to
+    name (one that differs from the stage's)."""
+    dest = Path(dest)
+    root = dest / MANIFEST
+    if path is not None and path != root:
+        m = _small_manifest(path)
+        words = _describe(m) if m else "an unreadable tokpack.json"
+        if m and m.get("kind") == "epoch":  # no root manifest: a whole-run copy a stage left unfinished
+            words = f"an unfinished whole-run copy{' of another run' if other_run else ''} ({path.parent.name}: {words[2:]})"
+        return Held(m.get("kind") if m else "damaged", words, path, m)
+    if root.is_file():
+        m = _small_manifest(root)
+        if m is None:
+            return Held("damaged", "an unreadable tokpack.json", root)
+        kind = m.get("kind")
+        words = _describe(m)
+        if kind == "run" and (dest / STAGE_SIDECAR).is_file():
+            words += f", staged for some ranks only ({STAGE_SIDECAR})"
+        return Held(kind if kind in UNFINISHED else "other", words, root, m)
+    if not dest.is_dir():
+        return Held(None, "nothing", dest)
+    from tokpack.formats.io import is_tmp_name
+    from tokpack.formats.shards import is_own_file
+
+    held = Held(None, "nothing", dest)
+    for p in sorted(dest.iterdir()):
+        if p.name in ("tokpack.lock", STAGE_SIDECAR) or is_tmp_name(p.name):
+            if p.name == STAGE_SIDECAR:
+                held = Held(UNFINISHED["run"], f"an unfinished whole-run copy for some ranks ({p.name})", p)
+            continue
+        if p.is_dir() and p.name.startswith("epoch-"):
+            m = _small_manifest(p / MANIFEST) if (p / MANIFEST).is_file() else None
+            if m is not None and m.get("kind") == "slice-epoch":
+                return Held(
+                    UNFINISHED["slice"],
+                    f"an unfinished {_describe(m)[2:]} ({p.name} and no slice manifest yet)",
+                    p / MANIFEST,
+                    m,
+                )
+            if m is not None and m.get("kind") == "epoch":
+                held = Held(
+                    UNFINISHED["run"],
+                    f"an unfinished whole-run copy ({p.name} and no run manifest yet)",
+                    p / MANIFEST,
+                    m,
+                )
+                continue
+            names = sorted(q.name for q in p.iterdir())
+            rank = next((n for n in names if _RANK_FILE.fullmatch(n)), None)
+            if rank is not None:
+                return Held(
+                    UNFINISHED["slice"], f"an unfinished node slice ({p.name}/{rank}, no manifest yet)", p / rank
+                )
+            shard = next((n for n in names if is_own_file(p / n) and n != MANIFEST and not is_tmp_name(n)), None)
+            if shard is not None and held.kind is None:
+                held = Held(
+                    UNFINISHED["run"], f"an unfinished whole-run copy ({p.name}/{shard}, no manifest yet)", p / shard
+                )
+            continue
+        if is_own_file(p):
+            if held.kind is None:
+                held = Held(
+                    UNFINISHED["source"], f"an unfinished copy of a source or epoch ({p.name}, no manifest yet)", p
+                )
+            continue
+        if held.kind is None:
+            held = Held("other", f"files tokpack did not write ({p.name})", p)
+    return held
+
+
+def refuse_dest(held: Held, expected: str) -> TokpackError:
+    """The one line refusing a DEST: what it holds, and that a stage writes over its own copy only."""
+    return TokpackError(
+        "DEST already holds a different tokpack directory",
+        file=held.path,
+        expected=expected,
+        found=held.words,
+        hint="remove DEST or choose another destination: a stage replaces only the files it wrote for this same copy",
+    )

@@ -1,0 +1,253 @@
+"""What `tokpack stage` copies: its arguments (--epochs, --shards-of r/W) parsed, and the plan, the
+directories to copy (the root last, so its manifest is written after everything) with their files,
+the shards ranks r of W do not read left out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.manifest import HOLDOUT_DIR, MAX_EPOCHS, epoch_dir_name, upgrade
+from tokpack.formats.numbering import EpochNumbering, shuffle_command
+from tokpack.formats.packing import run_holdout
+from tokpack.formats.shards import contained_shard, shard_files
+from tokpack.formats.slices import RankRows
+from tokpack.formats.units import at_most
+from tokpack.packer.stage_source import Source, join_rel
+
+# The largest W of --shards-of r/W: bigger than any cluster, small enough that a list of ranks fits in memory.
+MAX_WORLD_SIZE = 1 << 20
+
+
+# ------------------------------------------------------------------------ arguments
+
+
+def parse_epochs(
+    spec,
+    *,
+    limit: int = MAX_EPOCHS,
+    option: str = "--epochs",
+    what: str = "epoch number",
+    hint: str = f"epochs are numbered 0 to {MAX_EPOCHS - 1}; give those of the run",
+) -> list[int] | None:
+    """'0,1' / '0-3' / '0-2,5' / [0, 1] -> sorted epoch numbers; None -> None (all). Every
+    number is checked against `limit` before a range is expanded."""
+    if spec is None:
+        return None
+    if isinstance(spec, int):
+        spec = [spec]
+    if not isinstance(spec, str):
+        numbers = {int(e) for e in spec}
+        at_most(max(numbers, default=0), limit - 1, what, where=option, hint=hint)
+        return sorted(numbers)
+    spans = []
+    try:
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            lo, sep, hi = part.partition("-")
+            spans.append((int(lo), int(hi) if sep else int(lo)))
+    except ValueError:
+        raise TokpackError(f"bad {option}", where=option, expected="e.g. '0,1' or '0-3'", found=spec) from None
+    for _, hi in spans:
+        at_most(hi, limit - 1, what, where=option, hint=hint)
+    out = {e for lo, hi in spans for e in range(lo, hi + 1)}
+    if not out:
+        raise TokpackError(f"bad {option}", where=option, expected="at least one epoch", found=spec)
+    return sorted(out)
+
+
+def parse_ranks(spec, option: str = "--ranks") -> tuple[list[int], int] | None:
+    """'r/W', 'r1,r2/W' or 'a-b/W' -> (sorted ranks, W); None -> None (every rank). W is checked
+    against MAX_WORLD_SIZE and each rank against W before a range is expanded. `option`: the
+    flag the errors name (`--shards-of`, or its old spelling `--ranks`)."""
+    if spec is None:
+        return None
+    if isinstance(spec, tuple):
+        ranks, world = spec
+        ranks = sorted(set(ranks))
+    else:
+        head, sep, tail = str(spec).partition("/")
+        world = int(tail) if sep and tail.strip().isdigit() else 0
+        at_most(
+            world, MAX_WORLD_SIZE, "world size", where=option, hint="W in r/W is the number of ranks that read the run"
+        )
+        try:
+            if not sep:
+                raise ValueError
+            world = int(tail)
+            ranks = parse_epochs(head, limit=max(world, 1), option=option, what="rank") or []
+        except (ValueError, TokpackError):
+            raise TokpackError(
+                f"bad {option}",
+                where=option,
+                expected=f"ranks in [0, {world})" if world > 0 else "'r/W', 'r1,r2/W' or 'a-b/W'",
+                found=spec,
+                hint="each rank must be below the world size W" if world > 0 else None,
+            ) from None
+    if world < 1 or not ranks or ranks[0] < 0 or ranks[-1] >= world:
+        raise TokpackError(
+            f"bad {option}",
+            where=option,
+            expected=f"ranks in [0, {world})",
+            found=spec,
+            hint="each rank must be below the world size W",
+        )
+    return ranks, world
+
+
+def whole_shard_ranks(shards_of, ranks, world_size, node):
+    """The `ranks` a whole-shard stage (staging.stage) is given: `shards_of` ('r/W') parsed, its
+    errors naming --shards-of; else `ranks` as given (its old spelling, or a node slice's A-B).
+    `shards_of` with a node slice's options is refused: it copies whole shards, a slice rows."""
+    if shards_of is None:
+        return ranks
+    if ranks is not None or world_size is not None or node is not None:
+        raise TokpackError(
+            "give --shards-of alone, not with --ranks, --world-size or --node",
+            where="--shards-of",
+            hint="--shards-of r/W copies the whole shards ranks r of W read; "
+            "--ranks A-B --world-size W makes a node slice of only their rows",
+        )
+    return parse_ranks(shards_of, option="--shards-of")
+
+
+def shards_for_ranks(
+    shard_samples: list[int], offset: int, ranks: list[int], rows: RankRows, end: int | None = None
+) -> list[bool]:
+    """Which shards the ranks read, for an epoch whose first sample is at `offset` in the
+    chained stream of `end` samples (None: unbounded), readers serving complete global batches
+    only. Each shard is decided in O(#ranks) from its sample range alone."""
+    limit = None if end is None else rows.first(0, rows.batches(end))  # end of the last complete global batch
+    out = []
+    start = offset
+    for n in shard_samples:
+        stop = start + n if limit is None else min(start + n, limit)
+        # an empty shard costs nothing, and readers may expect it present
+        out.append(n <= 0 or (stop > start and rows.reads_any(ranks, start, stop)))
+        start += n
+    return out
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@dataclass
+class CopyJob:
+    rel: str  # path relative to the staged root, "/"-separated
+    size: int | None  # expected bytes, when the manifest says
+    checksum: str | None  # expected xxh3_128, when the manifest says
+    dir_rel: str  # the directory whose manifest vouches for this file ("" = root)
+
+
+@dataclass
+class DirPlan:
+    rel: str  # directory relative to the staged root ("" = root)
+    manifest: dict  # what DEST's tokpack.json will hold
+    jobs: list[CopyJob] = field(default_factory=list)  # its files (shards only; not the manifest)
+    skipped_shards: list[str] = field(default_factory=list)  # shards left out by --ranks
+
+
+def shard_jobs(
+    manifest: dict, dir_rel: str, keep: list[bool] | None = None, root=None
+) -> tuple[list[CopyJob], list[str]]:
+    """The files of a source or epoch manifest's shards (formats/shards.py shard_files), each
+    known to stay inside its folder under `root` (tokpack.formats.io.contained)."""
+    jobs, skipped = [], []
+    folder = None if root is None else root / dir_rel if dir_rel else root  # Source.manifest checked dir_rel
+    for i, s in enumerate(manifest.get("shards") or []):
+        name = s.get("path")
+        if folder is not None:
+            contained_shard(folder, s, i)
+        if keep is not None and not keep[i]:
+            skipped.append(name)
+            continue
+        jobs += [
+            CopyJob(join_rel(dir_rel, name + suffix), size, s.get(key), dir_rel)
+            for suffix, size, key in shard_files(s, source=manifest.get("kind") == "source")
+        ]
+    return jobs, skipped
+
+
+def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tuple[str, list[DirPlan]]:
+    """(kind, [directories]): the root is last, so its manifest is written after everything."""
+    root = src.manifest("")
+    kind = root["kind"]
+    if kind == "source":
+        if epochs is not None or ranks is not None:
+            raise TokpackError(
+                "--epochs and --ranks apply to runs and epochs, not to a packed source",
+                file=src.path,
+                where="kind",
+                expected="run or epoch",
+                found="source",
+                hint="stage the source without them, or stage the run shuffled from it",
+            )
+        jobs, _ = shard_jobs(root, "", root=src.root)
+        return kind, [DirPlan("", root, jobs)]
+    if kind == "epoch":
+        if epochs is not None and epochs != [root.get("epoch")]:
+            raise TokpackError(
+                "--epochs does not match this epoch directory",
+                file=src.path,
+                where="epoch",
+                expected=epochs,
+                found=root.get("epoch"),
+            )
+        keep = _rank_keep(root, 0, _samples(root), ranks, micro_batch)
+        jobs, skipped = shard_jobs(root, "", keep, root=src.root)
+        return kind, [DirPlan("", root, jobs, skipped)]
+    # A run: its epochs in order, then the run manifest restricted to them.
+    available = [int(e) for e in root.get("epochs") or []]
+    chosen = sorted(available) if epochs is None else epochs
+    missing = sorted(set(chosen) - set(available))
+    if missing:
+        raise TokpackError(
+            "epochs not in this run",
+            file=src.path,
+            where="epochs",
+            expected=f"some of {available}",
+            found=missing,
+            hint=f"write epoch {missing[0]} with `{shuffle_command(root, src.path, missing[0])}`"
+            + (", and likewise the others," if len(missing) > 1 else "")
+            + " or pick others",
+        )
+    manifests = [src.manifest(epoch_dir_name(e), kind="epoch") for e in chosen]
+    # A reader of DEST numbers samples as the run does (epoch e starts at numbering.first(e)),
+    # so the ranks' shards are chosen at those positions, not where the staged epochs chain.
+    numbering = EpochNumbering.of_run(root, src.path) if ranks is not None else None
+    end = None if numbering is None else numbering.first(chosen[-1]) + _samples(manifests[-1])
+    plans = []
+    for e, m in zip(chosen, manifests):
+        rel = epoch_dir_name(e)
+        offset = None if numbering is None else numbering.first(e)
+        jobs, skipped = shard_jobs(m, rel, _rank_keep(m, offset, end, ranks, micro_batch), root=src.root)
+        plans.append(DirPlan(rel, m, jobs, skipped))
+    run = {**root, "epochs": list(chosen)}
+    if chosen != available:  # the run's totals cover the epochs it lists
+        staged = [upgrade(p.manifest) for p in plans]
+        for key in ("tokens", "fragments", "documents"):  # `documents`: earlier writers' name for fragments
+            if key in root:
+                run[key] = sum(int(m.get("fragments" if key == "documents" else key, 0)) for m in staged)
+    if ranks is None and run_holdout(root) is not None:
+        # shuffle --holdout's held-out documents (an epoch directory the run never lists) come
+        # with a copy of the run's epochs: eval reads them beside the training epochs
+        held = src.manifest(HOLDOUT_DIR, kind="epoch")
+        jobs, skipped = shard_jobs(held, HOLDOUT_DIR, root=src.root)
+        plans.append(DirPlan(HOLDOUT_DIR, held, jobs, skipped))
+    plans.append(DirPlan("", run))
+    return kind, plans
+
+
+def _samples(manifest: dict) -> int:
+    return int(manifest.get("samples") or sum(int(s.get("samples", 0)) for s in manifest.get("shards") or []))
+
+
+def _rank_keep(manifest: dict, offset: int, end: int, ranks, micro_batch: int) -> list[bool] | None:
+    if ranks is None:
+        return None
+    return shards_for_ranks(
+        [int(s.get("samples", 0)) for s in manifest.get("shards") or []],
+        offset,
+        ranks[0],
+        RankRows(ranks[1], micro_batch),
+        end,
+    )
