@@ -549,8 +549,11 @@ def _diversity_lines(diversity: dict, batch: int, split: str | None = None) -> l
         if when not in diversity:
             continue
         s = diversity[when].get("summary")
-        shuffled = "held-out split" if split == "holdout" else f"epoch {diversity['epoch']}"
-        label = when if when == "before" else f"after ({shuffled}, {diversity['document_identity']})"
+        if when == "before":  # a packed source's batches: no epoch to name
+            label = when
+        else:
+            shuffled = "held-out split" if split == "holdout" else f"epoch {diversity['epoch']}"
+            label = f"after ({shuffled}, {diversity['document_identity']})"
         if not s:
             lines.append(f"  batches {label}: fewer samples than one batch of {batch}")
             continue
