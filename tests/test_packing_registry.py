@@ -258,8 +258,8 @@ def test_a_toy_ordered_packing_runs_through_shuffle_validate_and_stage(ordered, 
         assert res.exit_code == 0 and json.loads(res.output)["ok"], res.output
         part = SampleReader.open(dest)
         for rank in (2 * n, 2 * n + 1):
-            want = [b.tolist() for b in full.batches(rank, 4, 2, 0)]
-            assert want and [b.tolist() for b in part.batches(rank, 4, 2, 0)] == want
+            want = [b.tolist() for b in full.batches(rank, 4, 2, 0, at_end="stop")]
+            assert want and [b.tolist() for b in part.batches(rank, 4, 2, 0, at_end="stop")] == want
 
 
 def test_each_entry_says_whether_its_rows_carry_padding_as_its_epochs_show(source, tmp_path):
