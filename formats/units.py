@@ -96,16 +96,38 @@ def byte_size(value: str | int, *, what: str = "byte size") -> int:
     return int(number * BYTE_SUFFIXES[suffix])  # int() of a Fraction rounds toward zero: down
 
 
+# A weight's power of ten, at most: Fraction('1e99999999') computes 10**99999999 (minutes, then
+# memory), and no mixture needs a weight past 10^30 times another.
+MAX_WEIGHT_EXPONENT = 30
+_EXPONENT = re.compile(r"[eE]\s*([+-]?\d+)")
+
+
+def weight_in_range(text: str) -> bool:
+    """Whether every power of ten a weight's text spells ('3e5', '1e-2%') is within
+    MAX_WEIGHT_EXPONENT: checked on the text, before any number is built from it."""
+    return all(len(e.lstrip("+-")) <= 4 and abs(int(e)) <= MAX_WEIGHT_EXPONENT for e in _EXPONENT.findall(str(text)))
+
+
 def weight_fraction(text: str) -> Fraction:
     """The number a weight's text spells, exactly: '0.3' -> 3/10, '1/3', '2', '70%' -> 7/10.
     The one grammar of weights (the command line, a schedule file and the API's mapping all
     come through it); ValueError if it is not a number, ZeroDivisionError for 1/0."""
     raw = str(text).strip()
+    if not weight_in_range(raw):
+        raise OverflowError(raw)
     return Fraction(raw[:-1].strip()) / 100 if raw.endswith("%") else Fraction(raw)
 
 
 def parse_weight(text: str, where: str) -> Fraction:
     """A mixture weight (weight_fraction), or one line saying why it is none."""
+    if not weight_in_range(text):
+        raise TokpackError(
+            "weight out of range",
+            where=where,
+            expected=f"a power of ten within 1e-{MAX_WEIGHT_EXPONENT}..1e{MAX_WEIGHT_EXPONENT}",
+            found=repr(str(text)[:40]),
+            hint="weights are relative: write them as shares such as 0.3, 2, 1/3 or 70%",
+        )
     try:
         w = weight_fraction(text)
     except (ValueError, ZeroDivisionError):
@@ -127,7 +149,7 @@ def weight_text(text: str) -> str:
     that `70%` and `0.7` make the same run, manifests included. Text that is not a weight is
     returned as it is, for parse_weight to refuse where the weights are checked."""
     raw = str(text).strip()
-    if not raw.endswith("%"):
+    if not raw.endswith("%") or not weight_in_range(raw):  # out of range: parse_weight refuses it
         return text
     number = raw[:-1].strip()
     try:

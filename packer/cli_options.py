@@ -191,7 +191,7 @@ def _is_number(text: str) -> bool:
 
     try:
         weight_fraction(text)
-    except ZeroDivisionError:
+    except (ZeroDivisionError, OverflowError):  # a number, if not a valid weight: parse_weight says why
         return True
     except ValueError:
         return False

@@ -104,3 +104,36 @@ def test_a_url_source_takes_a_percentage():
         ("s3://bucket/web", "70%"),
         ("s3://bucket/q?a=b", None),
     ]
+
+
+@pytest.mark.parametrize("text", ["1e99999999", "1e99999999%", "1e308%", "1e-31", "2E+31", "1/1e99999"])
+def test_a_weight_past_ten_to_the_thirty_is_one_line_at_once(text):
+    """Fraction('1e99999999') computes 10**99999999 (minutes, then memory): a weight's power of
+    ten is bounded on its text, before any number is built (a timeout here is the bug)."""
+    import time
+
+    from tokpack.formats.units import parse_weight, weight_text
+
+    t0 = time.monotonic()
+    with pytest.raises(TokpackError, match="weight out of range") as e:
+        parse_weight(weight_text(text), "w")
+    assert time.monotonic() - t0 < 5 and "1e-30..1e30" in str(e.value)
+
+
+@pytest.mark.parametrize("text,fraction", [("1e30", Fraction(10**30)), ("1e-30", Fraction(1, 10**30)), ("3E5%", 3000)])
+def test_a_weight_at_ten_to_the_thirty_is_taken(text, fraction):
+    from tokpack.formats.units import parse_weight, weight_text
+
+    assert parse_weight(weight_text(text), "w") == fraction
+
+
+def test_a_weight_out_of_range_is_one_line_from_the_command_line(sources, tmp_path):
+    """A URL's `=1e99999` is a weight (a number, if not a valid one), told apart without building
+    it; a local source's is refused in one line, before anything is written."""
+    from tokpack.packer.cli import _weighted_sources
+
+    assert _weighted_sources(["s3://bucket/web=1e99999"]) == [("s3://bucket/web", "1e99999")]
+    args = ["shuffle", f"{sources[0]}=1e99999", "-o", tmp_path / "r", "--seq-len", 8, "--seed", 1, "--epochs", 1]
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    assert res.exit_code == 1 and "weight out of range" in res.output and "Traceback" not in res.output, res.output
+    assert not (tmp_path / "r" / "tokpack.json").exists()
