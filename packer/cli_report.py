@@ -165,7 +165,7 @@ def user_errors(fn):
         except (SystemExit, click.exceptions.Exit, click.ClickException, click.Abort):
             raise  # a status chosen already, or a usage error: main reports those
         except TokpackError as e:
-            _report(f"tokpack: error: {e}", e.to_json(), EXIT_DATA, as_json)
+            _report(f"tokpack: error: {e}", e.to_json(), getattr(e, "exit_status", EXIT_DATA), as_json)
         except ModuleNotFoundError as e:  # an optional dependency this command needs
             message = f"this command needs the module {e.name!r}, which is not installed"
             line = f"tokpack: error: {message}{HINT_MARK}pip install {e.name}"

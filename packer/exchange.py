@@ -77,6 +77,7 @@ from tokpack.formats.manifest import (
 )
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
 from tokpack.formats.slices import RankRows, slice_epoch_manifest, slice_manifest
+from tokpack.packer.agreement import agree
 from tokpack.packer.kept_sources import kept_copies, kept_folder
 from tokpack.packer.node_buckets import bucket_layout
 from tokpack.packer.node_dest import (
@@ -158,6 +159,7 @@ def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
     MPI, comm = world()
     n, N = comm.Get_rank(), comm.Get_size()
     stop.attach(MPI, comm)
+    agree(comm, spec)  # before anything is written: every process runs this spec
     log = log if n == 0 and log is not None else (lambda line: None)
     t0 = time.perf_counter()
     a, b, w = slice_ranks(node=f"{n}/{N}", ranks_per_node=ranks_per_node, micro_batch=micro_batch)

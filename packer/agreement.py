@@ -1,0 +1,135 @@
+"""Every process of a `shuffle --to-nodes` job runs the same shuffle (issue 42, item 1): before
+anything is written, one collective comparison of what each process was started with (each
+setting of its ShuffleSpec, each source's manifest, tokpack's version). A launcher that gives one
+node another `--seed`, `--epochs` or `--pad-id` (a wrapper script, an environment that differs
+per node) would otherwise hang the job, or write that node's rows otherwise than RUN records.
+A mismatch is the same one line on every process, naming the node(s) and the setting: a usage
+error (exit 2), since no data is at fault. What a peer sends is checked before it is compared:
+it is input like any other."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+
+import xxhash
+
+from tokpack import __version__
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import read_limited
+from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES
+from tokpack.packer.transport import together
+from tokpack.shuffle.spec import ShuffleSpec
+
+# A setting as the user names it (the CLI's option; the Python API's keyword is the field's name).
+OPTION = {
+    "sources": "SOURCES",
+    "weights": "the sources' weights",
+    "output": "-o RUN",
+    "seq_len": "--seq-len",
+    "seed": "--seed",
+    "epochs": "--epochs",
+    "samples": "--samples",
+    "tokens": "--tokens",
+    "shard_samples": "--shard-samples",
+    "memory": "--memory",
+    "jitter": "--jitter",
+    "packing": "--packing",
+    "pad_id": "--pad-id",
+    "holdout": "--holdout",
+    "schedule": "--schedule",
+    "like": "--like",
+    "nodes.dest": "--to-nodes",
+    "nodes.ranks_per_node": "--ranks-per-node",
+    "nodes.micro_batch": "--micro-batch",
+    "nodes.keep_sources": "--keep-sources",
+    "nodes.procs_per_node": "--procs-per-node",
+    "nodes.stall_timeout": "--stall-timeout",
+    "version": "tokpack's version",
+}
+MAX_FACT_CHARS = 1 << 16  # a setting's text: a spec's longest is a list of source paths
+
+
+def spec_facts(spec: ShuffleSpec, version: str) -> dict[str, str]:
+    """What this process runs, as text a peer can compare: each setting, each source's manifest
+    (its xxh3_128: a source re-packed on one node's view of the filesystem differs) and the version."""
+    facts = {"version": version}
+    for f in dataclasses.fields(spec):
+        value = getattr(spec, f.name)
+        if f.name == "given":
+            continue
+        if f.name == "nodes" and value is not None:
+            facts.update({f"nodes.{g.name}": repr(getattr(value, g.name)) for g in dataclasses.fields(value)})
+        elif f.name == "schedule" and value is not None:
+            facts["schedule"] = f"{value.file} ({value.file_hash})"
+        else:
+            facts[f.name] = repr(value)
+    for i, source in enumerate(spec.sources):
+        path = Path(source) / MANIFEST
+        if path.is_file():  # a missing source is the run's own error, named where it is opened
+            raw = read_limited(path, MAX_MANIFEST_BYTES, "manifest")
+            facts[f"source {i} manifest"] = xxhash.xxh3_128_hexdigest(raw)
+    return facts
+
+
+def agree(comm, spec: ShuffleSpec, version: str = __version__) -> None:
+    """Raises on every process, with the same line, unless every process of `comm` runs the same
+    spec_facts. One allgather: a few KiB a process."""
+    mine = together(comm, lambda: spec_facts(spec, version))  # a source unreadable on one node: its line
+    gathered = comm.allgather(mine)
+    line = disagreement(gathered)
+    if line is not None:
+        raise line
+
+
+def disagreement(gathered: list) -> TokpackError | None:
+    """The error for the first fact the processes (node k's facts at index k) disagree on: the
+    nodes that differ from the most common value (node 0's on a tie) are named, with both values."""
+    for k, facts in enumerate(gathered):
+        if not _well_formed(facts):
+            return MismatchError(
+                f"node {k} sent a malformed description of its shuffle",
+                where="the job's processes",
+                expected="a dict of settings as text",
+                found=type(facts).__name__,
+                hint="start every process from the same tokpack installation",
+            )
+    for name in sorted(set().union(*(facts.keys() for facts in gathered)), key=_order):
+        values = [facts.get(name, "(none)") for facts in gathered]
+        if len(set(values)) == 1:
+            continue
+        counts = Counter(values)
+        top = max(counts.values())
+        usual = values[0] if counts[values[0]] == top else next(v for v in values if counts[v] == top)
+        odd = [k for k, v in enumerate(values) if v != usual]
+        what = OPTION.get(name, name)
+        return MismatchError(
+            f"the job's processes were started with different {what}",
+            where=what,
+            expected=f"{usual} (as on node {values.index(usual)})",
+            found="; ".join(f"{values[k]} on node {k}" for k in odd[:4]) + (" and more" if len(odd) > 4 else ""),
+            hint="start every process with the same command line and environment (a wrapper script or a "
+            "per-node variable differs), then rerun",
+        )
+    return None
+
+
+def _well_formed(facts) -> bool:
+    return (
+        isinstance(facts, dict)
+        and len(facts) <= 4 * len(OPTION) + 4096
+        and all(isinstance(k, str) and isinstance(v, str) and len(v) <= MAX_FACT_CHARS for k, v in facts.items())
+    )
+
+
+def _order(name: str) -> tuple[int, str]:
+    """The settings first, in OPTION's order, then the sources' manifests."""
+    keys = list(OPTION)
+    return (keys.index(name), "") if name in keys else (len(keys), name)
+
+
+class MismatchError(TokpackError):
+    """The processes of one job disagree: a usage error (exit 2), not bad data."""
+
+    exit_status = 2
