@@ -273,32 +273,42 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
     )
     emit(result, as_json, shown=_real_shard_size(result))
     if not as_json:
-        from tokpack.shuffle.packings import shown_line
-
-        for detail in result.epochs_detail:
-            stage = "" if detail["stage"] is None else f" (stage {detail['stage']})"
-            reused = f" ({detail['shards_reused']} reused from an earlier attempt)" if detail["shards_reused"] else ""
-            click.echo(
-                f"epoch {detail['epoch']}{stage}: {detail['samples']} samples, {detail['shards']} "
-                f"shard{'s' * (detail['shards'] != 1)}{reused}, {detail['path']}; {shown_line(detail['packing'])}"
-            )
-            unit = detail["packing"]["unit"]  # a source's "windows" are a best-fit pass's rows
-            for r in detail["sources"]:
-                if not r["samples"] and r["weight"] is None:
-                    continue  # a source of the schedule that this epoch's stage does not use
-                click.echo(
-                    f'epoch {detail["epoch"]}, source "{r["name"]}": {r["samples"]} samples of {r["windows"]} '
-                    f"{unit}{' a pass' * (unit != 'windows')}, {counted(r['passes'], 'pass', plural='passes')}, {r['repeats']} {_repeated(r)}"
-                    f"{'' if r['weight'] is None else ', weight ' + r['weight']} ({r['path']}, "
-                    f"fingerprint {r['fingerprint'][:16]})"
-                )
+        _epoch_lines(result.epochs_detail)
         if result.holdout is not None:  # written by this command (once a run)
             click.echo(
                 f"holdout: {result.holdout['samples']} samples of held-out documents in "
                 f"{result.holdout['path']} (read it as an epoch; no training epoch holds them)"
             )
-        for line in result.warnings:
-            click.echo(f"tokpack: warning: {line}", err=True)
+        _warnings(result.warnings)
+
+
+def _epoch_lines(details: list[dict]) -> None:
+    """A shuffle's epochs in words (a plain one's, and node 0's of --to-nodes): per epoch, its
+    shards and packing; per source, what the epoch takes of it."""
+    from tokpack.shuffle.packings import shown_line
+
+    for detail in details:
+        stage = "" if detail["stage"] is None else f" (stage {detail['stage']})"
+        reused = f" ({detail['shards_reused']} reused from an earlier attempt)" if detail["shards_reused"] else ""
+        click.echo(
+            f"epoch {detail['epoch']}{stage}: {detail['samples']} samples, {detail['shards']} "
+            f"shard{'s' * (detail['shards'] != 1)}{reused}, {detail['path']}; {shown_line(detail['packing'])}"
+        )
+        unit = detail["packing"]["unit"]  # a source's "windows" are a best-fit pass's rows
+        for r in detail["sources"]:
+            if not r["samples"] and r["weight"] is None:
+                continue  # a source of the schedule that this epoch's stage does not use
+            click.echo(
+                f'epoch {detail["epoch"]}, source "{r["name"]}": {r["samples"]} samples of {r["windows"]} '
+                f"{unit}{' a pass' * (unit != 'windows')}, {counted(r['passes'], 'pass', plural='passes')}, {r['repeats']} {_repeated(r)}"
+                f"{'' if r['weight'] is None else ', weight ' + r['weight']} ({r['path']}, "
+                f"fingerprint {r['fingerprint'][:16]})"
+            )
+
+
+def _warnings(lines: list[str]) -> None:
+    for line in lines:
+        click.echo(f"tokpack: warning: {line}", err=True)
 
 
 def _shuffle_to_nodes(sources, output, epochs, as_json, kw):
@@ -324,6 +334,9 @@ def _shuffle_to_nodes(sources, output, epochs, as_json, kw):
     if as_json:
         click.echo(json.dumps(result))
     else:
+        if result["node"] == 0:  # the epochs' figures are every node's: said once
+            _epoch_lines(result["epochs_detail"])
+            _warnings(result["warnings"])
         click.echo(
             f"node {result['node']} of {result['nodes']}: slice of ranks {result['ranks'][0]}-"
             f"{result['ranks'][-1]} at {result['dest']}: epochs {result['epochs']}"

@@ -90,6 +90,7 @@ from tokpack.packer.node_dest import (
 )
 from tokpack.packer.node_epoch import NodeEpoch, round_tokens
 from tokpack.packer.node_reads import source_pieces
+from tokpack.packer.node_report import counted, epoch_detail, reading_bar, run_summary
 from tokpack.packer.node_store import open_stores, receive, write_slice_epoch
 from tokpack.packer.owned_shards import hash_owned_shards
 from tokpack.packer.slicing import slice_ranks
@@ -101,7 +102,7 @@ from tokpack.shuffle.spec import ShuffleSpec
 from tokpack.shuffle.steps import Layout
 
 
-def exchange_epoch(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None = None):
+def exchange_epoch(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None = None, shown: bool = False):
     """The rounds (tokpack.packer.transport.exchange_rounds) of this process's pieces
     (node_reads.source_pieces), each to its node and its shard's owner (NodeEpoch.routes), what
     arrives put in the node's stores (node_store.receive). Returns (the stores: in memory, or
@@ -117,9 +118,9 @@ def exchange_epoch(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | No
     def deliver(got_pieces, got_tokens):
         receive(ne, stores, pad, got_pieces, got_tokens)
 
-    rounds = exchange_rounds(
-        comm, MPI, source_pieces(ne, per_round), per_round, row, job.token_dtype, ne.routes, deliver
-    )
+    with reading_bar(ne, shown) as bar:
+        reads = counted(source_pieces(ne, per_round), bar)
+        rounds = exchange_rounds(comm, MPI, reads, per_round, row, job.token_dtype, ne.routes, deliver)
     stores.finish()
     if len(pad) and (pad.min() < 0 or (not ne.padded and pad.max() > 0)):
         raise TokpackError(
@@ -160,7 +161,7 @@ def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
     n, N = comm.Get_rank(), comm.Get_size()
     stop.attach(MPI, comm)
     agree(comm, spec)  # before anything is written: every process runs this spec
-    log = log if n == 0 and log is not None else (lambda line: None)
+    log = log if n == 0 else None  # node 0's lines and bars stand for every node's
     t0 = time.perf_counter()
     a, b, w = slice_ranks(node=f"{n}/{N}", ranks_per_node=ranks_per_node, micro_batch=micro_batch)
     template = dest_template(dest)
@@ -233,6 +234,7 @@ def _declare_nodes(out: Path, nodes: int, k: int, micro_batch: int, dest: str) -
 
 def _run(mpi, spec: ShuffleSpec, out: Path, dest: Path, template: str, ranks, w, keep, log, t0) -> dict:
     comm, MPI, n, N = mpi
+    shown, log = log is not None, log or (lambda line: None)
     k, micro_batch, memory = spec.nodes.ranks_per_node, spec.nodes.micro_batch, spec.memory
     # one process a node plans alone (workers=1), and says nothing of its progress
     sources, options = spec, {"workers": 1, "progress": False}
@@ -262,6 +264,7 @@ def _run(mpi, spec: ShuffleSpec, out: Path, dest: Path, template: str, ranks, w,
         # Scratch (a best-fit epoch's row table, the owned shards on their way to their checksums)
         # goes to the node's DEST, never to RUN.
         job = replace(job, work_dir=str(dest / WORK_DIR / Path(job.work_dir).name))
+        report = plan.source_report()  # before the epoch's table, as a plain shuffle's summary counts it
         packing = packings.of_plan(plan)
         prepared = together(comm, lambda: packing.prepare(job, memory))  # every node builds the same table
         fmt = EpochShardFormat(job.token_dtype, plan.seq_len, job.eos_id, job.tokenizer, padded=packing.padded)
@@ -276,12 +279,15 @@ def _run(mpi, spec: ShuffleSpec, out: Path, dest: Path, template: str, ranks, w,
             return per_round, layout
 
         per_round, layout = together(comm, sized)
-        stores, keep_pad, owned_pad, rounds = together(comm, lambda: exchange_epoch(comm, MPI, ne, per_round, layout))
+        stores, keep_pad, owned_pad, rounds = together(
+            comm, lambda: exchange_epoch(comm, MPI, ne, per_round, layout, shown)
+        )
         if fmt.padded:  # every row is some node's and some owner's: both sums are the table's padding
             sums = comm.allreduce(np.array([keep_pad.sum(), owned_pad.sum()], dtype=np.int64)).tolist()
             together(comm, lambda: _same_padding(sums, prepared["padding"], epoch))
         log(f"shuffle --to-nodes: epoch {epoch}: {plan.samples} samples exchanged among {N} nodes in {rounds} rounds")
         d = dest / epoch_dir_name(epoch)
+        log(f"shuffle --to-nodes: epoch {epoch}: writing the slice's rank files, then hashing the owned shards")
         entries = together(comm, lambda: write_slice_epoch(output, d, ne, stores, keep_pad, fmt))
         scratch = Path(job.work_dir) / "owned"
         owned_entries = together(
@@ -316,20 +322,18 @@ def _run(mpi, spec: ShuffleSpec, out: Path, dest: Path, template: str, ranks, w,
             want["shards"] = entries
             want["tokens"] = sum(s["tokens"] for s in entries)
             output.finish(d, want)
-            return want["tokens"]
+            return want["tokens"], parse_manifest(raw, Path(job.epoch_dir) / MANIFEST, "epoch")
 
-        tokens = together(comm, commit_slice_epoch)
-        summaries.append(
-            {
-                "epoch": epoch,
-                "rounds": rounds,
-                "buckets": 0 if layout is None else len(layout.bucket_starts) - 1,  # 0: in memory
-                "rows_kept": sum(s["samples"] for s in entries),
-                "source_bytes_kept_now": kept,
-                "tokens_kept": tokens,
-                "seconds": round(time.perf_counter() - e0, 3),
-            }
-        )
+        tokens, manifest = together(comm, commit_slice_epoch)
+        node_figures = {
+            "rounds": rounds,
+            "buckets": 0 if layout is None else len(layout.bucket_starts) - 1,  # 0: in memory
+            "rows_kept": sum(s["samples"] for s in entries),
+            "source_bytes_kept_now": kept,
+            "tokens_kept": tokens,
+            "seconds": round(time.perf_counter() - e0, 3),
+        }
+        summaries.append(epoch_detail(job, setup.runplan.stage_name(epoch), report, manifest, entries, node_figures))
 
     def commit_root():
         run = parse_manifest(read_raw(out / MANIFEST), out / MANIFEST, "run")
@@ -353,7 +357,9 @@ def _run(mpi, spec: ShuffleSpec, out: Path, dest: Path, template: str, ranks, w,
         f"shuffle --to-nodes: {N} node slices of ranks {k} a node, epochs {final['epochs']}; RUN {out} holds "
         f"the manifests and row hashes"
     )
+    seconds = time.perf_counter() - t0
     return {
+        **run_summary(setup, out, final["epochs"], summaries, skipped, seconds),
         "node": n,
         "nodes": N,
         "dest": str(dest),
@@ -365,5 +371,5 @@ def _run(mpi, spec: ShuffleSpec, out: Path, dest: Path, template: str, ranks, w,
         "epochs_detail": summaries,
         "skipped": skipped,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
-        "seconds": round(time.perf_counter() - t0, 3),
+        "seconds": round(seconds, 3),
     }

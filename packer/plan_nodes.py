@@ -244,7 +244,7 @@ def plan_to_nodes(
     from tokpack.packer.slicing import SLICE_ENTRY_BYTES, SLICE_HEADER_BYTES
     from tokpack.packer.staging import on_disk
     from tokpack.shuffle.packed import release_passes
-    from tokpack.shuffle.run import run_manifest_of, setup_run
+    from tokpack.shuffle.run import repeat_warnings, run_manifest_of, setup_run
     from tokpack.packer.slicing import slice_ranks
 
     dest, keep_sources, memory = spec.nodes.dest, spec.nodes.keep_sources, spec.memory
@@ -293,6 +293,8 @@ def plan_to_nodes(
         if job is None:
             details.append({"epoch": epoch, "path": "complete already", "samples": plan.samples})
             continue
+        # the warnings shuffle --to-nodes gives (a plain shuffle's), counted before the epoch's table
+        notes += repeat_warnings(epoch, plan.source_report(), setup.runplan.stage_name(epoch))
         manifest, padding = _planned_manifest(job, opened, memory)
         written_manifests[epoch] = manifest
         manifests[f"{epoch_dir_name(epoch)}/{MANIFEST}"] = len(canonical_bytes(manifest))

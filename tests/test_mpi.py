@@ -45,7 +45,14 @@ EVERY_LINE = ["--enable-recovery"]
 
 
 def to_nodes(
-    run: Path, dest: str, *args, n: int = NODES, timeout: int = 120, env: dict | None = None, every_line: bool = False
+    run: Path,
+    dest: str,
+    *args,
+    n: int = NODES,
+    timeout: int = 120,
+    env: dict | None = None,
+    every_line: bool = False,
+    json_out: bool = True,
 ) -> subprocess.CompletedProcess:
     """`env`: more variables for every process (an audit hook's, with its PYTHONPATH);
     `every_line`: EVERY_LINE, for a failure every process reports by itself."""
@@ -77,7 +84,7 @@ def to_nodes(
         str(K),
         "--micro-batch",
         str(M),
-        "--json",
+        *(["--json"] if json_out else []),
     ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 

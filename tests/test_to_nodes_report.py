@@ -1,0 +1,103 @@
+"""`shuffle --to-nodes` reports what `tokpack shuffle` reports of the same epochs (issue 42, item 5).
+On main its summary, --json and `plan` omitted the warnings of sources drawn more than once, its
+summary lacked a plain shuffle's fields, and it wrote no progress line in a log."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from conftest import random_docs, write_source
+from test_mpi import K, M, MEMORY, SEQ, summaries, to_nodes
+from tokpack.packer.api import ShuffleResult
+from tokpack.packer.cli import main
+
+N = 2
+
+
+@pytest.fixture(scope="module")
+def upsampled(tmp_path_factory) -> list[str]:
+    """A big source and a tiny one weighted 1:1: the tiny one is drawn several passes an epoch."""
+    root = tmp_path_factory.mktemp("report")
+    rng = np.random.default_rng(5)
+    big = write_source(root / "big", random_docs(rng, 300, 600, 0), docs_per_shard=60)
+    tiny = write_source(root / "tiny", random_docs(rng, 6, 300, 0), docs_per_shard=6)
+    return [f"{big}=1", f"{tiny}=1", "--seq-len", str(SEQ), "--seed", "3", "--shard-samples", "16", "--epochs", "2"]
+
+
+def _json(*args) -> dict:
+    done = CliRunner().invoke(main, [*map(str, args), "--json"])
+    assert done.exit_code == 0, done.output
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])
+def test_the_summary_holds_a_plain_shuffles_fields_and_warnings(upsampled, tmp_path, packing):
+    args = [*upsampled, "--packing", packing, "--memory", MEMORY]
+    plain = _json("shuffle", *args, "-o", tmp_path / "plain")
+    assert plain["warnings"], plain  # the case: a source drawn more than once
+    done = to_nodes(tmp_path / "run", str(tmp_path / "node{node}"), *args, n=N)
+    assert done.returncode == 0, done.stderr[-2000:]
+    info = summaries(done)
+    fields = {f for f in ShuffleResult.__dataclass_fields__ if f not in ("seconds", "ok")}
+    for node, s in info.items():
+        assert fields <= set(s), (node, fields - set(s))
+        assert s["warnings"] == plain["warnings"]
+        for key in ("epochs", "written", "samples_per_epoch", "epoch_samples", "seq_len", "shard_samples", "packing"):
+            assert s[key] == plain[key], key
+        for mine, theirs in zip(s["epochs_detail"], plain["epochs_detail"]):
+            for key in ("epoch", "samples", "shards", "sample_multiset_hash", "packing", "stage", "sources"):
+                assert mine[key] == theirs[key], key
+            assert mine["path"] == "to-nodes"
+    # the nodes' slices hold the epochs' bytes between them
+    assert (
+        sum(s["bytes_written"] for s in info.values()) == sum(d["bytes_written"] for d in plain["epochs_detail"])
+        or packing == "concat"
+    )
+
+
+def test_the_text_summary_gives_the_warnings_once_and_progress_in_a_log(upsampled, tmp_path):
+    plain = _json("shuffle", *upsampled, "--memory", MEMORY, "-o", tmp_path / "plain")
+    done = to_nodes(
+        tmp_path / "run",
+        str(tmp_path / "node{node}"),
+        *upsampled,
+        "--memory",
+        MEMORY,
+        n=N,
+        env={"TOKPACK_PROGRESS": "1", "TOKPACK_LOG_INTERVAL": "0.01"},
+        json_out=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("tokpack: warning:")]
+    assert warnings == [f"tokpack: warning: {w}" for w in plain["warnings"]], done.stderr[-2000:]  # once, not a node
+    assert 'epoch 1, source "tiny"' in done.stdout and "to-nodes" in done.stdout
+    assert "node 1 of 2" in done.stdout and "node 0 of 2" in done.stdout
+    progress = [line for line in done.stderr.splitlines() if "read and exchange (node 0)" in line]
+    assert progress and "MB" in progress[0], done.stderr[-2000:]
+    # the total is about the bytes it sends: the last line is near the end, never past it
+    assert 90 <= float(progress[-1].split("(")[-1].split("%")[0]) <= 100, progress[-1]
+    assert "writing the slice's rank files" in done.stderr
+
+
+def test_plan_to_nodes_gives_the_warnings_shuffle_gives(upsampled, tmp_path):
+    plain = _json("plan", "shuffle", *upsampled, "-o", tmp_path / "plain")
+    nodes = _json(
+        "plan",
+        "shuffle",
+        *upsampled,
+        "-o",
+        tmp_path / "run",
+        "--to-nodes",
+        tmp_path / "node{node}",
+        "--nodes",
+        N,
+        "--ranks-per-node",
+        K,
+        "--micro-batch",
+        M,
+    )
+    assert plain["warnings"] and set(plain["warnings"]) <= set(nodes["warnings"]), nodes["warnings"]
