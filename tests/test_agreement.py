@@ -143,3 +143,39 @@ def test_a_source_manifest_or_the_version_that_differs_is_named(sources, tmp_pat
     assert "source 0 manifest" in str(disagreement([mine, mine, other]))
     assert "tokpack's version" in str(disagreement([mine, {**mine, "version": "0.9"}]))
     assert disagreement([mine, dict(mine)]) is None
+
+
+# ------------------------------------------------------------------ a property over every setting
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+SETTINGS = ("seed", "epochs", "pad_id", "memory", "nodes.micro_batch")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    nodes=st.integers(2, 9),
+    odd_node=st.integers(0, 8),
+    setting=st.sampled_from(SETTINGS),
+    value=st.text(min_size=1, max_size=20),
+)
+def test_any_one_node_with_any_other_value_is_named(nodes, odd_node, setting, value):
+    """Whatever setting one node holds otherwise, whatever the value, that node is named (the
+    others hold the most common value), with the option's name and both values."""
+    from tokpack.packer.agreement import OPTION
+
+    base = {"version": "1", **{k: "0" for k in SETTINGS}}
+    odd_node %= nodes
+    if value == base[setting]:
+        value += "x"
+    gathered = [dict(base) for _ in range(nodes)]
+    gathered[odd_node][setting] = value
+    e = disagreement(gathered)
+    if nodes == 2:  # a tie: node 0's value is taken as the job's
+        assert isinstance(e, MismatchError) and "on node" in str(e)
+        return
+    assert isinstance(e, MismatchError)
+    assert f"{value} on node {odd_node}" in e.found and e.where == OPTION[setting], str(e)
+    assert disagreement([dict(base) for _ in range(nodes)]) is None
