@@ -11,14 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from pathlib import Path
-
-import xxhash
 
 from tokpack import __version__
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import read_limited
-from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES
 from tokpack.packer.transport import together
 from tokpack.shuffle.spec import ShuffleSpec
 
@@ -52,8 +47,8 @@ MAX_FACT_CHARS = 1 << 16  # a setting's text: a spec's longest is a list of sour
 
 
 def spec_facts(spec: ShuffleSpec, version: str) -> dict[str, str]:
-    """What this process runs, as text a peer can compare: each setting, each source's manifest
-    (its xxh3_128: a source re-packed on one node's view of the filesystem differs) and the version."""
+    """What this process was started with, as text a peer can compare: each setting and the
+    version (the sources' content is compared once they are opened: agree_sources)."""
     facts = {"version": version}
     for f in dataclasses.fields(spec):
         value = getattr(spec, f.name)
@@ -65,11 +60,6 @@ def spec_facts(spec: ShuffleSpec, version: str) -> dict[str, str]:
             facts["schedule"] = f"{value.file} ({value.file_hash})"
         else:
             facts[f.name] = repr(value)
-    for i, source in enumerate(spec.sources):
-        path = Path(source) / MANIFEST
-        if path.is_file():  # a missing source is the run's own error, named where it is opened
-            raw = read_limited(path, MAX_MANIFEST_BYTES, "manifest")
-            facts[f"source {i} manifest"] = xxhash.xxh3_128_hexdigest(raw)
     return facts
 
 
@@ -83,7 +73,29 @@ def agree(comm, spec: ShuffleSpec, version: str = __version__) -> None:
         raise line
 
 
-def disagreement(gathered: list) -> TokpackError | None:
+def agree_sources(comm, opened) -> None:
+    """The sources each process opened (the shared folders, or a node's kept copies of them)
+    hold the same data: their fingerprints (each source manifest's xxh3_128) agree. Read from
+    what the run opened, so that a later epoch from kept sources opens no shared file for it."""
+    facts = {f"source {i} ({src.path.name})": str(src.fingerprint) for i, src in enumerate(opened)}
+    line = disagreement(comm.allgather(facts), SOURCES_DIFFER)
+    if line is not None:
+        raise line
+
+
+STARTED_DIFFERENTLY = (
+    "the job's processes were started with different {what}",
+    "start every process with the same command line and environment (a wrapper script or a per-node "
+    "variable differs), then rerun",
+)
+SOURCES_DIFFER = (
+    "the job's processes read different data as {what} (its manifest's fingerprint)",
+    "every node must see the same packed source: one node's view of the shared filesystem is stale, or "
+    "it was re-packed during the job; rerun once every node sees the same",
+)
+
+
+def disagreement(gathered: list, words: tuple[str, str] = STARTED_DIFFERENTLY) -> TokpackError | None:
     """The error for the first fact the processes (node k's facts at index k) disagree on: the
     nodes that differ from the most common value (node 0's on a tie) are named, with both values."""
     for k, facts in enumerate(gathered):
@@ -105,12 +117,11 @@ def disagreement(gathered: list) -> TokpackError | None:
         odd = [k for k, v in enumerate(values) if v != usual]
         what = OPTION.get(name, name)
         return MismatchError(
-            f"the job's processes were started with different {what}",
+            words[0].format(what=what),
             where=what,
             expected=f"{usual} (as on node {values.index(usual)})",
             found="; ".join(f"{values[k]} on node {k}" for k in odd[:4]) + (" and more" if len(odd) > 4 else ""),
-            hint="start every process with the same command line and environment (a wrapper script or a "
-            "per-node variable differs), then rerun",
+            hint=words[1],
         )
     return None
 

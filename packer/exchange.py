@@ -77,7 +77,7 @@ from tokpack.formats.manifest import (
 )
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
 from tokpack.formats.slices import RankRows, slice_epoch_manifest, slice_manifest
-from tokpack.packer.agreement import agree
+from tokpack.packer.agreement import agree, agree_sources
 from tokpack.packer.kept_sources import kept_copies, kept_folder
 from tokpack.packer.node_buckets import bucket_layout
 from tokpack.packer.node_dest import (
@@ -202,6 +202,7 @@ def _resumed_setup(comm, n, out: Path, dest: Path, ranks, w, micro_batch, source
     the same bytes: process 0 withdraws its RUN epoch manifest first (rewritten identically)."""
     previous = together(comm, lambda: own_dest(dest, out, ranks, w, micro_batch))
     setup = together(comm, lambda: setup_run(sources, str(out), to=LocalOutput(), **options))
+    agree_sources(comm, setup.sources)  # before a rerun's bookkeeping writes: every node reads the same data
     numbering = run_numbering(setup, out)
     written = [(e, plan) for e, plan, job in setup.todo if job is None]
     here = together(

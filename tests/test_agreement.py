@@ -134,13 +134,27 @@ def test_a_malformed_peer_description_is_named_not_compared(tmp_path, hostile):
     assert isinstance(e, MismatchError) and "node 1 sent a malformed" in str(e)
 
 
-def test_a_source_manifest_or_the_version_that_differs_is_named(sources, tmp_path):
-    a, _ = sources
+def test_sources_that_differ_or_the_version_are_named(sources, tmp_path):
+    """What each process opened (a node's view of the shared folder, or its kept copies) is
+    compared by fingerprint; the version by text."""
+    from types import SimpleNamespace
+
+    from tokpack.packer.agreement import agree_sources
+
+    class Comm:  # allgather as MPI's, each process's facts in node order
+        def __init__(self, *others):
+            self.others = others
+
+        def allgather(self, mine):
+            return [mine, *self.others]
+
+    a, b = sources
+    opened = [SimpleNamespace(path=a, fingerprint="f" * 32), SimpleNamespace(path=b, fingerprint="e" * 32)]
+    agree_sources(Comm({"source 0 (a)": "f" * 32, "source 1 (b)": "e" * 32}), opened)  # the same: no error
+    with pytest.raises(MismatchError, match=r"read different data as source 1 \(b\).*0{32} on node 1"):
+        agree_sources(Comm({"source 0 (a)": "f" * 32, "source 1 (b)": "0" * 32}), opened)
     spec = ShuffleSpec(sources=(str(a),), output="run", seq_len=64, seed=1)
     mine = spec_facts(spec, "1.0")
-    assert "source 0 manifest" in mine
-    other = {**mine, "source 0 manifest": "0" * 32}
-    assert "source 0 manifest" in str(disagreement([mine, mine, other]))
     assert "tokpack's version" in str(disagreement([mine, {**mine, "version": "0.9"}]))
     assert disagreement([mine, dict(mine)]) is None
 
