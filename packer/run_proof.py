@@ -58,7 +58,9 @@ def prove_on_nodes(d: DirReport, planned: list[int] | None, source_rows) -> bool
     padding) is not the plan's and reports it in one line. True when it reported a problem (the
     caller's coarser lines of the same fault, multiset or replay refusal, are then left out)."""
     m = d.manifest
-    shards, per = m["shards"], int(m["shard_samples"])
+    if not _sound(m):
+        return False  # its manifest's own lines say what is wrong; there is nothing to follow
+    shards, per = m["shards"], m["shard_samples"]
     if planned is not None:
         try:
             found = [
@@ -67,7 +69,7 @@ def prove_on_nodes(d: DirReport, planned: list[int] | None, source_rows) -> bool
             ]
         except (TokpackError, OSError):
             return False  # a row file that cannot be read whole: already reported by its own check
-        wrong = [i for i in range(len(shards)) if found[i] != planned[i]]
+        wrong = [i for i, (have, want) in enumerate(zip(found, planned)) if have != want]
         if not wrong:
             d.proven = proven_text(m)
             return False
@@ -80,7 +82,7 @@ def prove_on_nodes(d: DirReport, planned: list[int] | None, source_rows) -> bool
     if planned is None:
         return False  # nothing found position by position: the replay's own line says what is wrong
     i = wrong[0]
-    d.add(  # the sources could not be read row by row: the shard is named, without the position
+    d.add(  # no row rebuilt from the sources (unreadable, or no `source_rows`): the shard, not the position
         d.path / f"{shards[i]['path']}{ROWS_SUFFIX}",
         "order_hash",
         f"{hash_hex64(planned[i])} (replayed from the sources)",
@@ -89,6 +91,24 @@ def prove_on_nodes(d: DirReport, planned: list[int] | None, source_rows) -> bool
         hint=RESTORE_HINT,
     )
     return True
+
+
+def _sound(m: dict) -> bool:
+    """Whether the fields the proof follows are there: shard entries with a file name and a
+    count of samples, and the epoch's shard size (a broken manifest is reported by its checks)."""
+    shards, per = m.get("shards"), m.get("shard_samples")
+    return (
+        isinstance(shards, list)
+        and type(per) is int
+        and per > 0
+        and all(
+            isinstance(s, dict)
+            and isinstance(s.get("path"), str)
+            and type(s.get("samples")) is int
+            and s["samples"] >= 0
+            for s in shards
+        )
+    )
 
 
 def _order_of(f: Path, g0: int, n: int) -> int:
@@ -175,7 +195,7 @@ def _locate(d: DirReport, wrong: list[int], source_rows) -> _Found | None:
     there (SourceRows, a part of its `part_rows` at a time); None when nothing differs, or the
     sources cannot be replayed (the replay's own line says why)."""
     m = d.manifest
-    per = int(m["shard_samples"])
+    per = m["shard_samples"]
     out = _Found()
     with tempfile.TemporaryDirectory(prefix="tokpack-validate-") as work:
         try:

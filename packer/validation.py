@@ -329,7 +329,8 @@ def validate_all(
     every epoch's content and order through its plan, replayed by `replay` (tokpack.shuffle.plan's
     replay_hashes, given by the caller: this layer does not import shuffle). A slice against a
     --to-nodes RUN is proven from the sources by `source_rows` (tokpack.packer.replacement's
-    SourceRows, given by the caller too; see slice_against_run)."""
+    SourceRows, given by the caller too; see slice_against_run), and so is, where its row hashes
+    differ from the plan's, an epoch of such a RUN (tokpack.packer.run_proof)."""
     t0 = time.perf_counter()
     against = list(against or [])
     known = {as_path(x).resolve() for x in dirs}

@@ -193,3 +193,24 @@ def test_each_node_slice_still_validates_against_the_run(run):
         code, lines = _validate(path.parent / f"node{n}", "--against", path)
         assert code == 0, lines
         assert lines[-1].startswith("OK: 1 directory") and lines[-1].endswith("against 1 run"), lines
+
+
+def test_without_the_row_rebuilder_a_swap_is_still_one_line_naming_the_shard(copy, source):
+    """validate_all without `source_rows` (an API caller that gives only the replay): the order
+    hash of shard 0's `.ds.rows` differs from the replay's, one line naming RUN's file."""
+    from tokpack.packer.validation import validate_all
+    from tokpack.shuffle.packings import replay
+
+    epoch = copy / E0
+
+    def swap(m, folder):
+        h = _rows(folder, m, 0)
+        h[[3, 7]] = h[[7, 3]]
+        _put_rows(folder, m, 0, h)
+
+    m = _rewrite(epoch, swap)
+    res = validate_all([str(copy)], against=[str(source)], replay=replay, source_rows=None)
+    assert not res.ok and len(res.problems) == 1, res.problems
+    p = res.problems[0]
+    assert p["file"] == f"{epoch / m['shards'][0]['path']}.rows" and p["where"] == "order_hash", p
+    assert "1 of" in p["message"], p
