@@ -125,6 +125,7 @@ class DirReport(Findings):
     kind: str | None = None  # "source", "run", "epoch", or None when the manifest is unreadable
     manifest: dict | None = None  # its tokpack.json, when readable
     shard_orders: dict[str, int] = field(default_factory=dict)  # epoch: order hash recomputed per shard path
+    proven: str | None = None  # an epoch of a --to-nodes RUN proven by --against: what (tokpack.packer.run_proof)
 
     @property
     def status(self) -> str:

@@ -44,6 +44,7 @@ from .dir_checks import (
     plan_dir,
 )
 from .run_checks import check_run
+from .run_proof import on_nodes, prove_on_nodes
 from .slice_validation import slice_against_run
 
 
@@ -179,13 +180,14 @@ def _missing_sources(m: dict, given: dict[str, PackedSource], mfile: str) -> Pro
     )
 
 
-def _against(report: ValidationReport, against: list[str], replay) -> list[Problem]:
+def _against(report: ValidationReport, against: list[str], replay, source_rows=None) -> list[Problem]:
     """For every readable epoch: its sources are among `against` (by fingerprint), the multiset
     hash of the windows the plan assigns it equals the epoch's, and so does the order hash of
     every shard the scan read (`replay(manifest, sources)` gives the planned multiset hash and
     per-shard order hashes). A problem with an epoch goes into that epoch's report, so its
     status line says it too; the problems returned are those of the `against` sources that
-    cannot be opened."""
+    cannot be opened. An epoch of a --to-nodes RUN is proven from its row hashes
+    (tokpack.packer.run_proof, `source_rows` rebuilding its rows where they differ)."""
     sources, problems = [], []
     for a in against:
         try:
@@ -202,9 +204,12 @@ def _against(report: ValidationReport, against: list[str], replay) -> list[Probl
         if missing is not None:
             d.problems.append(missing)
             continue
+        nodes = on_nodes(d)  # shuffle --to-nodes: RUN holds row hashes, no samples to scan
         try:
             expected, orders = replay(m, sources)
         except (TokpackError, OSError) as e:
+            if nodes and prove_on_nodes(d, None, source_rows):
+                continue  # the position the replay's refusal comes from, named in one line
             err = e if isinstance(e, TokpackError) else TokpackError(f"cannot replay the plan: {e}", file=e.filename)
             d.add(err.file or mfile, err.where, err.expected, err.found, err.message)
             continue
@@ -212,6 +217,8 @@ def _against(report: ValidationReport, against: list[str], replay) -> list[Probl
             if any(p.file == mfile for p in d.problems):
                 continue  # a manifest already reported broken cannot drive the replay
             raise  # from a manifest that passed every check: a bug in tokpack, not in the data
+        if nodes and prove_on_nodes(d, orders, source_rows):
+            continue
         if expected != m.get("sample_multiset_hash"):
             d.add(
                 mfile,
@@ -322,7 +329,8 @@ def validate_all(
     every epoch's content and order through its plan, replayed by `replay` (tokpack.shuffle.plan's
     replay_hashes, given by the caller: this layer does not import shuffle). A slice against a
     --to-nodes RUN is proven from the sources by `source_rows` (tokpack.packer.replacement's
-    SourceRows, given by the caller too; see slice_against_run)."""
+    SourceRows, given by the caller too; see slice_against_run), and so is, where its row hashes
+    differ from the plan's, an epoch of such a RUN (tokpack.packer.run_proof)."""
     t0 = time.perf_counter()
     against = list(against or [])
     known = {as_path(x).resolve() for x in dirs}
@@ -340,7 +348,7 @@ def validate_all(
     report = validate_dirs(
         list(dirs) + extra, quick=quick, workers=workers, show_progress=show_progress, order=bool(against)
     )
-    extra_problems = _against(report, against, replay) if against else []
+    extra_problems = _against(report, against, replay, source_rows) if against else []
     for d in report.dirs:
         if d.kind == SLICE and d.manifest is not None:
             for run in slice_runs:
@@ -367,6 +375,7 @@ def validate_all(
                 "files": d.files,
                 "bytes": d.bytes,
                 **({"vocab_known": False, "vocab_size": d.manifest.get("vocab_size")} if _vocab_unknown(d) else {}),
+                **({"proven": d.proven} if d.proven else {}),
             }
             for d in report.dirs
         ],
@@ -397,7 +406,7 @@ def report_lines(r: ValidateResult) -> list[str]:
         )
         lines.append(
             f"OK {what} {d['path']} ({d['files']} file{'s' * (d['files'] != 1)}, {_size(d['bytes'])}"
-            f"{', quick' if r.quick else ''}{vocab})"
+            f"{', quick' if r.quick else ''}{vocab}{'; ' + d['proven'] if d.get('proven') else ''})"
             if d["status"] == "ok"
             else f"{d['status'].upper()} {what} {d['path']}: {n} problem{'s' * (n != 1)}"
         )

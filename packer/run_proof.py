@@ -1,0 +1,243 @@
+"""`validate RUN --against SOURCES` of an epoch `shuffle --to-nodes` wrote (issue 42, item 3): RUN
+holds no token file, only each shard's row hashes (`.ds.rows`) and, best-fit, its padding
+(`.ds.pad`), so the proof a materialised epoch gets from its scanned samples is made from those.
+
+Each shard's order hash is recomputed from its `.ds.rows` (the order terms of docs/FORMAT.md,
+"Checksums", keyed by each row's epoch position) and compared with the one the plan's replay gives
+(tokpack.packer.validation's `replay`, which reads the sources once): equal for every shard, the
+epoch's content and order are proven, and best-fit padding with them (the replay proves each
+shard's `pad_xxh3_128`, dir_checks each `.ds.pad` against it). A shard that differs, or a replay
+that refuses the epoch, sends the proof position by position: the rows the plan puts at each of
+the shard's positions rebuilt from the sources by `source_rows` (tokpack.packer.replacement's
+SourceRows, given by the caller: this layer imports nothing from shuffle/), a part at a time, their
+xxh3-64 and padding against RUN's files, streamed. The first position that differs is one line
+naming RUN's file, the position, what the sources give there and what RUN holds.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import open_read, read_full
+from tokpack.formats.manifest import has_pad, hash_hex64, order_hash, row_hashes
+from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROW_HASH_DTYPE, ROWS_SUFFIX, tokens_on_nodes
+
+from .dir_checks import DirReport
+
+# Row hashes read at a time when an order hash is recomputed from `.ds.rows`: 8 MiB of hashes.
+ORDER_BLOCK = 1 << 20
+
+RESTORE_HINT = (
+    "RUN's file was changed after the run was written (its checksum with it): restore RUN from a good copy, or "
+    "rerun the --to-nodes command that wrote it (if a source is reported damaged too, restore the source first)"
+)
+
+
+def on_nodes(d: DirReport) -> bool:
+    """Whether `d` is an epoch whose tokens `shuffle --to-nodes` wrote to the nodes (RUN has
+    its row hashes only)."""
+    m = d.manifest
+    return d.kind == "epoch" and isinstance(m, dict) and tokens_on_nodes(d.path, m.get("shards") or [])
+
+
+def proven_text(m: dict) -> str:
+    """What the report says a proven --to-nodes epoch was shown to hold."""
+    what = "order, content and padding" if any(has_pad(s) for s in m["shards"]) else "order and content"
+    return f"{what} proven from its row hashes against the sources"
+
+
+def prove_on_nodes(d: DirReport, planned: list[int] | None, source_rows) -> bool:
+    """An epoch of a --to-nodes RUN against its plan: `planned`, each shard's order hash the
+    replay gave (None: the replay refused the epoch). Marks `d.proven` when every shard's
+    `.ds.rows` gives its planned order hash; otherwise finds the first position whose row (or
+    padding) is not the plan's and reports it in one line. True when it reported a problem (the
+    caller's coarser lines of the same fault, multiset or replay refusal, are then left out)."""
+    m = d.manifest
+    if not _sound(m):
+        return False  # its manifest's own lines say what is wrong; there is nothing to follow
+    shards, per = m["shards"], m["shard_samples"]
+    if planned is not None:
+        try:
+            found = [
+                _order_of(d.path / f"{s['path']}{ROWS_SUFFIX}", i * per, int(s["samples"]))
+                for i, s in enumerate(shards)
+            ]
+        except (TokpackError, OSError):
+            return False  # a row file that cannot be read whole: already reported by its own check
+        wrong = [i for i, (have, want) in enumerate(zip(found, planned)) if have != want]
+        if not wrong:
+            d.proven = proven_text(m)
+            return False
+    else:
+        wrong, found = list(range(len(shards))), None
+    first = _locate(d, wrong, source_rows) if source_rows is not None else None
+    if first is not None:
+        first.report(d)
+        return True
+    if planned is None:
+        return False  # nothing found position by position: the replay's own line says what is wrong
+    i = wrong[0]
+    d.add(  # no row rebuilt from the sources (unreadable, or no `source_rows`): the shard, not the position
+        d.path / f"{shards[i]['path']}{ROWS_SUFFIX}",
+        "order_hash",
+        f"{hash_hex64(planned[i])} (replayed from the sources)",
+        f"{hash_hex64(found[i])} (from its row hashes)",
+        f"row hashes are not the plan's rows in the plan's order ({len(wrong)} of {len(shards)} shards differ)",
+        hint=RESTORE_HINT,
+    )
+    return True
+
+
+def _sound(m: dict) -> bool:
+    """Whether the fields the proof follows are there: shard entries with a file name and a
+    count of samples, and the epoch's shard size (a broken manifest is reported by its checks)."""
+    shards, per = m.get("shards"), m.get("shard_samples")
+    return (
+        isinstance(shards, list)
+        and type(per) is int
+        and per > 0
+        and all(
+            isinstance(s, dict)
+            and isinstance(s.get("path"), str)
+            and type(s.get("samples")) is int
+            and s["samples"] >= 0
+            for s in shards
+        )
+    )
+
+
+def _order_of(f: Path, g0: int, n: int) -> int:
+    """The order hash of a `.ds.rows` of `n` row hashes whose first sits at epoch position g0,
+    read ORDER_BLOCK hashes at a time."""
+    total = 0
+    buf = np.empty(min(max(n, 1), ORDER_BLOCK), dtype=ROW_HASH_DTYPE)
+    with open_read(f, size=n * ROW_HASH_DTYPE.itemsize, what="row hashes") as fh:
+        for a in range(0, n, len(buf)):
+            k = min(len(buf), n - a)
+            _read_exactly(fh, buf[:k], f, a)
+            total += order_hash(np.arange(g0 + a, g0 + a + k, dtype=np.int64), buf[:k])
+    return total & 0xFFFFFFFFFFFFFFFF
+
+
+def _read_exactly(fh, out: np.ndarray, f: Path, row: int) -> None:
+    view = memoryview(out.view(np.uint8))
+    if read_full(fh, view) != view.nbytes:
+        raise TokpackError("file is shorter than its manifest says", file=f, where=f"row {row}")
+
+
+@dataclass
+class _Mismatch:
+    """The first place RUN's `suffix` file differs from the rows the sources give (and how many)."""
+
+    suffix: str
+    file: Path
+    row: int  # in the file
+    position: int  # in the epoch
+    want: int
+    found: int
+    count: int = 1
+    shards: int = 1
+
+    def line(self, d: DirReport, e) -> None:
+        more = f" ({self.count} rows differ in {self.shards} shard{'s' * (self.shards != 1)})" if self.count > 1 else ""
+        if self.suffix == ROWS_SUFFIX:
+            d.add(
+                self.file,
+                f"row {self.row} (epoch {e}, sample {self.position})",
+                f"{self.want:016x} (the row the plan puts there, rebuilt from the sources)",
+                f"{self.found:016x}",
+                "row hash is not the plan's row at that position: rows swapped, dropped, duplicated or altered" + more,
+                hint=RESTORE_HINT,
+            )
+        else:
+            d.add(
+                self.file,
+                f"row {self.row} (epoch {e}, sample {self.position})",
+                f"{self.want} padding tokens (the plan's row there, rebuilt from the sources)",
+                self.found,
+                "padding is not the plan's row's at that position: the loader would mask other tokens" + more,
+                hint=RESTORE_HINT,
+            )
+
+
+class _Found:
+    """The first row and padding mismatches over the shards compared."""
+
+    def __init__(self):
+        self.by_suffix: dict[str, _Mismatch] = {}
+        self.shards: dict[str, set] = {}
+
+    def add(self, suffix: str, f: Path, i: int, a: int, g0: int, want: np.ndarray, have: np.ndarray) -> None:
+        bad = np.flatnonzero(want != have)
+        if not len(bad):
+            return
+        j = int(bad[0])
+        first = self.by_suffix.get(suffix)
+        if first is None:
+            self.by_suffix[suffix] = _Mismatch(suffix, f, a + j, g0 + a + j, int(want[j]), int(have[j]), len(bad))
+        else:
+            first.count += len(bad)
+        self.shards.setdefault(suffix, set()).add(i)
+
+    def report(self, d: DirReport) -> None:
+        for suffix, first in self.by_suffix.items():
+            first.shards = len(self.shards[suffix])
+            first.line(d, d.manifest.get("epoch"))
+
+
+def _locate(d: DirReport, wrong: list[int], source_rows) -> _Found | None:
+    """Shards `wrong` of epoch `d` compared position by position with the rows the sources give
+    there (SourceRows, a part of its `part_rows` at a time); None when nothing differs, or the
+    sources cannot be replayed (the replay's own line says why)."""
+    m = d.manifest
+    per = m["shard_samples"]
+    out = _Found()
+    with tempfile.TemporaryDirectory(prefix="tokpack-validate-") as work:
+        try:
+            rows = source_rows(d.path, m, Path(work) / "table")
+        except (TokpackError, OSError):
+            return None
+        try:
+            for i in wrong:
+                _compare_shard(d.path, m["shards"][i], i, i * per, rows, out)
+        except (TokpackError, OSError):
+            return None  # a file that cannot be read whole is reported by its own check
+        finally:
+            rows.close()
+    return out if out.by_suffix else None
+
+
+def _compare_shard(folder: Path, s: dict, i: int, g0: int, rows, out: _Found) -> None:
+    """Shard i's `.ds.rows` (and `.ds.pad`) against the rows `rows` rebuilds at its positions."""
+    n = int(s["samples"])
+    f, fp = folder / f"{s['path']}{ROWS_SUFFIX}", folder / f"{s['path']}{PAD_SUFFIX}"
+    part = max(1, min(n, int(rows.part_rows)))
+    have = np.empty(part, dtype=ROW_HASH_DTYPE)
+    have_pad = np.empty(part, dtype=PAD_DTYPE)
+    with (
+        open_read(f, size=n * ROW_HASH_DTYPE.itemsize, what="row hashes") as fh,
+        open_read(fp, size=n * PAD_DTYPE.itemsize, what="padding sidecar") if has_pad(s) else _NoFile() as ph,
+    ):
+        for a in range(0, n, part):
+            k = min(part, n - a)
+            tokens, pad = rows.rows(np.arange(g0 + a, g0 + a + k, dtype=np.int64))
+            _read_exactly(fh, have[:k], f, a)
+            out.add(ROWS_SUFFIX, f, i, a, g0, row_hashes(tokens), have[:k])
+            if ph is not None and pad is not None:
+                _read_exactly(ph, have_pad[:k], fp, a)
+                out.add(PAD_SUFFIX, fp, i, a, g0, pad, have_pad[:k])
+
+
+class _NoFile:
+    """A shard without a `.ds.pad` (windows): no padding to compare."""
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
