@@ -198,13 +198,15 @@ def memory_plan(ne: NodeEpoch, memory: int) -> tuple[int, int | None]:
     bucket_rows = budget // bucket_row_bytes(job.row_bytes)
     if t < least or bucket_rows < MIN_ROUND_ROWS:
         need = ne.index_bytes + max(per_token * least, MIN_ROUND_ROWS * bucket_row_bytes(job.row_bytes))
+        whose = "node" if ne.procs == 1 else "process"  # a process of P plans with --memory / P
         raise TokpackError(
-            f"this node's rows of epoch {job.plan.epoch} do not fit --memory, even out of core",
+            f"this {whose}'s rows of epoch {job.plan.epoch} do not fit --memory, even out of core",
             where="--memory",
             expected=f">= {need} bytes ({ne.index_bytes} for the positions and unfilled counts of "
-            f"the node's {ne.store_rows} rows, the rest for a round's buffers or a bucket "
+            f"the {whose}'s {ne.store_rows} rows, the rest for a round's buffers or a bucket "
             f"of {MIN_ROUND_ROWS} rows)",
-            found=f"{memory} bytes",
+            found=f"{memory} bytes"
+            + ("" if ne.procs == 1 else f" (--memory / {ne.procs}: the node's processes share it)"),
             hint="give more --memory, or more nodes",
         )
     return int(t), int(bucket_rows)
