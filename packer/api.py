@@ -267,9 +267,9 @@ def shuffle(
     whole documents of each source set aside from every epoch, a fraction of its documents
     ("0.01", "1%") or a token count ("5M"), chosen from the seed, and written once to
     `output`/holdout/ (tokpack.shuffle.holdout; either packing).
-    `to_nodes`: a node-local folder (`{node}` is replaced by n): run under MPI (one process per
-    node; docs/COMMANDS.md, "Straight to the nodes"), each process writes its node's slice of
-    each epoch there, as `stage(output, to_nodes, node="n/N")` would, and `output` gets only the
+    `to_nodes`: a node-local folder (`{node}` is replaced by n): run under MPI (`procs_per_node`
+    processes a node; docs/COMMANDS.md, "Straight to the nodes"), a node's processes write its
+    slice of each epoch there, as `stage(output, to_nodes, node="n/N")` would, and `output` gets only the
     manifests and row hashes; needs `ranks_per_node` and `micro_batch`; `keep_sources`: a
     node-local folder keeping the source shards the node reads, for later epochs;
     `procs_per_node`: P MPI processes a node, sharing its DEST and `memory` (`mpirun --map-by

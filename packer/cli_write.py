@@ -214,8 +214,8 @@ def epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
     "to_nodes",
     default=None,
     metavar="DEST",
-    help="Under MPI (mpirun/srun, one process per node; pip install 'tokpack[mpi]'): process n writes "
-    "node n's slice (as `stage RUN DEST --node n/N`) into its local DEST ({node} is replaced by n); "
+    help="Under MPI (mpirun/srun, --procs-per-node processes a node; pip install 'tokpack[mpi]'): node n's "
+    "processes write its slice (as `stage RUN DEST --node n/N`) into its local DEST ({node} is replaced by n); "
     "-o RUN gets only the manifests and row hashes.",
 )
 @click.option("--ranks-per-node", type=click.IntRange(min=1), default=None, help="With --to-nodes: K ranks a node.")

@@ -1,23 +1,27 @@
 """`tokpack shuffle SOURCES... -o RUN --to-nodes DEST --ranks-per-node K --micro-batch M` (issue 33):
-each epoch goes from the sources straight to the nodes' local disks, one process per node under
-MPI (`mpirun -n N`, `srun`), and RUN on the shared filesystem gets only small files.
+each epoch goes from the sources straight to the nodes' local disks, P processes per node under
+MPI (`mpirun -n N*P --map-by ppr:P:node`, `srun`; issue 41: P from --procs-per-node or the
+launcher, tokpack.packer.node_procs), and RUN on the shared filesystem gets only small files.
+A node's processes share its DEST (its leader, process 0, locks it and writes its manifests),
+its kept sources and its --memory (each plans with --memory / P); the bytes do not depend on P.
 
-Process n of N:
+Process p of node n (world process q = n*P + p of N*P):
 
 1. plans the epoch exactly as `tokpack shuffle` does (tokpack.shuffle.run.setup_run: the same
    plan, permutation and packing registry), so every process knows where every row goes;
 2. reads a disjoint, contiguous part of the sources: the runs of whole source shards that
-   tokpack.shuffle.steps.split_shards gives scatter task n of N, sequentially, verifying each
+   tokpack.shuffle.steps.split_shards gives scatter task q of N*P, sequentially, verifying each
    source shard's xxh3_128 from the bytes it reads (ShardHashes, as the scatter pass does);
 3. sends every row, tagged with its output position g, with `Alltoallv` in rounds whose buffers
-   fit what --memory leaves beside the rows it keeps: to the node whose ranks read g
-   (tokpack.formats.slices.RankRows: the arithmetic `stage --node` uses), and to the node that
-   owns g's epoch shard (shard i: node i mod N);
-4. puts the rows it receives in training order, in memory when they fit --memory, else out of
-   core through bucket files in DEST's scratch (tokpack.packer.node_buckets: the scatter/order
-   engine's Layout and best-fit bucket files, read back a bucket at a time), and writes node n's
-   slice into DEST through tokpack.packer.rank_files.RankFiles, the bytes `stage RUN DEST --node
-   n/N` writes;
+   fit what its memory leaves beside the rows it keeps: to the node whose ranks read g
+   (tokpack.formats.slices.RankRows: the arithmetic `stage --node` uses), once, to the process
+   of that node that writes the file of g's rank (NodeEpoch.keeper_of), and to the process that
+   owns g's epoch shard (shard i: process i mod N*P);
+4. puts the rows it receives in training order, in memory when they fit, else out of
+   core through bucket files in its scratch in DEST (tokpack.packer.node_buckets: the scatter/order
+   engine's Layout and best-fit bucket files, read back a bucket at a time), and writes its
+   ranks' files of node n's slice into DEST through tokpack.packer.rank_files.RankFiles, the
+   bytes `stage RUN DEST --node n/N` writes;
 5. as the owner of some epoch shards, passes each one through the epoch shard writer
    (`hashed_only`: its tokens and index are hashed, not written), which gives the shard's
    manifest entry (its checksums) exactly as `tokpack shuffle` records it, and writes of it only
@@ -28,14 +32,15 @@ Process n of N:
    25 GB/s a node), and the owned shards' rows in the node's memory (or buckets).
 
 Process 0 writes RUN's manifests (the epoch's after every owner's entries, then the run's);
-then every process reads them back (a few KiB from the shared filesystem) and commits its
-slice epoch's manifest, then its slice's root. A best-fit epoch moves document pieces instead of
+then each node's leader reads them back (a few KiB from the shared filesystem) and commits its
+slice epoch's manifest (its processes' rank files gathered over the node's communicator, in
+rank order), then its slice's root. A best-fit epoch moves document pieces instead of
 rows (a window is a piece of a whole row): every process builds the row table in its DEST's
 scratch, and the rows are assembled, with their padding, where they arrive.
 
 A rerun resumes (`_resumed_setup`): the epochs complete on every node are skipped, the others
 written again on every node. `--keep-sources DIR` keeps each process's source shards on its
-disk for the later epochs. `stage RUN DEST --node n/N` on such a RUN (a replacement node) is
+node's disk for the later epochs (a folder a node, whose shared files its leader keeps first). `stage RUN DEST --node n/N` on such a RUN (a replacement node) is
 tokpack.packer.replacement: the node's rows rebuilt from the sources, checked against RUN's row hashes.
 
 SIGTERM to one process is one line naming its node (tokpack.packer.transport.OnSigterm); a
