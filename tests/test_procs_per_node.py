@@ -125,20 +125,22 @@ def test_two_nodes_of_two_processes_equal_shuffle_then_stage_node(source, staged
             assert rows == sum(sh["samples"] for sh in slice_epoch["shards"])
 
 
-def test_a_later_epoch_from_the_nodes_kept_sources_whatever_p_was_before(source, tmp_path):
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])
+def test_a_later_epoch_from_the_nodes_kept_sources_whatever_p_was_before(source, tmp_path, packing):
     """--keep-sources is a folder a node: epoch 0 as 2 nodes x 2 keeps each process's source
-    shards there (its leader the manifests and the record, once); epoch 1, the shared shards
-    overwritten, reads the kept copies alone; epoch 2, the shards back, as 2 nodes x 1 from the
-    same folders. Every epoch equals shuffle + stage --node n/2."""
+    shards there (its leader the manifests, best-fit's document indexes and the record, once);
+    epoch 1, the shared shards overwritten, reads the kept copies alone; epoch 2, the shards
+    back, as 2 nodes x 1 from the same folders; a rerun of epoch 0 as 2 x 2 skips it. Every
+    epoch equals shuffle + stage --node n/2."""
     work = tmp_path / "src"  # a copy of its own: its shards are overwritten below
     shutil.copytree(source, work)
     run = tmp_path / "run"  # RUN's manifests name the sources' paths: shuffled from this copy
-    cli("shuffle", *_args(work, "concat", "--epochs", 3), "-o", run)
+    cli("shuffle", *_args(work, packing, "--epochs", 3), "-o", run)
     dests = [tmp_path / f"staged{n}" for n in range(N)]
     for n, d in enumerate(dests):
         cli("stage", run, d, "--node", f"{n}/{N}", "--ranks-per-node", K, "--micro-batch", M)
     keep = ["--keep-sources", str(tmp_path / "kept{node}"), "--memory", IN_MEMORY]
-    lines = _run(tmp_path, [*_args(work, "concat", "--epoch", 0), *keep])
+    lines = _run(tmp_path, [*_args(work, packing, "--epoch", 0), *keep])
     shard_bytes = sum(p.stat().st_size for p in work.glob("*.ds"))
     kept = sum(s["epochs_detail"][0]["source_bytes_kept_now"] for s in lines)
     assert shard_bytes <= kept < 2 * shard_bytes  # each process its part, and the shard after it at most once a node
@@ -148,11 +150,14 @@ def test_a_later_epoch_from_the_nodes_kept_sources_whatever_p_was_before(source,
     saved = {p: p.read_bytes() for p in work.glob("*.ds")}
     for p in saved:
         p.write_bytes(bytes(p.stat().st_size))  # any read of a shared shard fails its checksum
-    lines = _run(tmp_path, [*_args(work, "concat", "--epoch", 1), *keep])
+    lines = _run(tmp_path, [*_args(work, packing, "--epoch", 1), *keep])
     assert all(s["epochs_detail"][0]["source_bytes_kept_now"] == 0 for s in lines)
     for p, data in saved.items():
         p.write_bytes(data)
-    _run(tmp_path, [*_args(work, "concat", "--epoch", 2), *keep], n=N, procs=1)
+    _run(tmp_path, [*_args(work, packing, "--epoch", 2), *keep], n=N, procs=1)
+    _assert_equal(tmp_path, tmp_path / "exchanged", run, dests, [0, 1, 2])
+    lines = _run(tmp_path, [*_args(work, packing, "--epoch", 0), *keep])
+    assert all(s["skipped"] == [0] and not s["epochs_detail"] for s in lines), lines
     _assert_equal(tmp_path, tmp_path / "exchanged", run, dests, [0, 1, 2])
 
 
@@ -170,6 +175,13 @@ def test_four_nodes_of_one_process_are_unchanged(source, staged, tmp_path):
             k: v for k, v in _sums(staged_n, run).items() if k != MANIFEST
         }
     assert json.loads((tmp_path / "exchanged" / NODES_SIDECAR).read_text())["nodes"] == 4
+    files = [
+        p for p in (tmp_path / "exchanged").rglob("*") if p.is_file() and p.name not in ("tokpack.lock", NODES_SIDECAR)
+    ]
+    assert files and all(p.name.endswith((MANIFEST, ROWS_SUFFIX)) for p in files)
+    for p in files:
+        if p.name != MANIFEST or p.parent.name.startswith("epoch-"):  # RUN's own lists only epochs 0-1
+            assert p.read_bytes() == (run / p.relative_to(tmp_path / "exchanged")).read_bytes(), p
 
 
 def test_a_world_not_a_multiple_of_the_procs_per_node_is_refused_in_one_line(source, tmp_path):
