@@ -213,3 +213,55 @@ def test_p_from_the_launcher_is_the_processes_a_host_in_blocks_else_one():
     assert launcher_procs([0, 0, 0, 3]) == 1  # uneven
     assert launcher_procs([0, 0, 2, 2, 2, 2]) == 1  # a host of two blocks
     assert launcher_procs([0]) == 1
+
+
+def _epoch(procs: tuple[int, int], node: int = 0, nodes: int = 3, k: int = 4, m: int = 2):
+    """A NodeEpoch of 200 samples in shards of 16 (no sources: routes and positions only)."""
+    from types import SimpleNamespace
+
+    from tokpack.formats.slices import RankRows
+    from tokpack.packer.node_epoch import NodeEpoch
+    from tokpack.shuffle.plan import PLAN_ALGORITHM
+
+    samples, shard = 200, 16
+    job = SimpleNamespace(
+        plan=SimpleNamespace(samples=samples, algorithm=PLAN_ALGORITHM, row_tokens=8),
+        row_bytes=16,
+        n_shards=-(-samples // shard),
+        shard_samples=shard,
+        shard_range=lambda i: (i * shard, min(samples, (i + 1) * shard)),
+        token_dtype=np.dtype(np.uint16),
+    )
+    ranks = (node * k, node * k + k - 1)
+    return NodeEpoch(job, [], RankRows(nodes * k, m, 0), 7, node, nodes, ranks, {}, procs)
+
+
+def test_a_row_reaches_its_node_once_at_the_process_writing_its_ranks_file():
+    """3 nodes of 2 processes, 4 ranks a node: each row goes to one process of the node whose
+    ranks read it (process p writes ranks a+p, a+p+2) and to its shard's owner (process i mod 6);
+    the node's processes' positions split the node's as P = 1 keeps them; owned shards spread."""
+    from tokpack.packer.pieces import WIRE_PIECE
+
+    whole = [_epoch((0, 1), n) for n in range(3)]
+    parts = {(n, p): _epoch((p, 2), n) for n in range(3) for p in range(2)}
+    for n in range(3):
+        mine = [parts[n, p].positions for p in range(2)]
+        assert sorted(np.concatenate(mine).tolist()) == whole[n].positions.tolist()
+        assert not set(mine[0].tolist()) & set(mine[1].tolist())
+        for p in range(2):
+            ranks = whole[n].rows.rank_of(parts[n, p].positions + 7)
+            assert set(ranks.tolist()) <= set(parts[n, p].mine) and list(parts[n, p].mine) == [4 * n + p, 4 * n + p + 2]
+    pieces = np.zeros(200, WIRE_PIECE)
+    pieces["g"] = np.arange(200)
+    dest, which = parts[0, 0].routes(pieces)
+    for g in range(200):
+        to = dest[which == g].tolist()
+        node = int(whole[0].node_of(np.array([g]))[0])
+        keeper = [q for q in to if q // 2 == node and g in parts[node, q % 2].positions]
+        owner = (g // 16) % 6
+        assert len(keeper) == 1 and sorted(to) == sorted({keeper[0], owner}), (g, to)
+        assert g // 16 in parts[owner // 2, owner % 2].owned  # the owner holds its shard's rows
+    assert sorted(i for e in parts.values() for i in e.owned) == list(range(13))
+    # P = 1 routes as before: to the node, and the shard's owner node (shard i: node i mod N)
+    dest, which = whole[0].routes(pieces)
+    assert set(dest[which == 5].tolist()) == {int(whole[0].node_of(np.array([5]))[0]), 0}
