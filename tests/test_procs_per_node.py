@@ -265,3 +265,26 @@ def test_a_row_reaches_its_node_once_at_the_process_writing_its_ranks_file():
     # P = 1 routes as before: to the node, and the shard's owner node (shard i: node i mod N)
     dest, which = whole[0].routes(pieces)
     assert set(dest[which == 5].tolist()) == {int(whole[0].node_of(np.array([5]))[0]), 0}
+
+
+def test_a_failure_names_the_node_and_its_process(source, tmp_path):
+    """--memory is the node's: 2 processes a node each plan with half, and too little is one
+    line a process, naming its node (not its world rank) and which of the node's processes."""
+    done = to_nodes(
+        tmp_path / "run",
+        str(tmp_path / "node{node}"),
+        *_args(source, "concat", "--epoch", 0),
+        "--memory",
+        "20KiB",
+        "--procs-per-node",
+        P,
+        n=N * P,
+        every_line=True,
+    )
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("tokpack: error:")]
+    for q in range(N * P):
+        mine = [line for line in lines if f"node {q // P} (process {q % P}): this process's rows of epoch 0" in line]
+        assert len(mine) == 1, lines
+        assert "found 10240 bytes (--memory / 2: the node's processes share it)" in mine[0], mine
+    assert not list(tmp_path.glob("node*/epoch-*/*.ds"))
