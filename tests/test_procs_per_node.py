@@ -288,3 +288,57 @@ def test_a_failure_names_the_node_and_its_process(source, tmp_path):
         assert len(mine) == 1, lines
         assert "found 10240 bytes (--memory / 2: the node's processes share it)" in mine[0], mine
     assert not list(tmp_path.glob("node*/epoch-*/*.ds"))
+
+
+class _World:
+    """MPI's world as node_of_process sees it, from process `rank`, each process on `hosts[q]`
+    (a host named by its first process): no MPI needed."""
+
+    COMM_TYPE_SHARED = "shared"
+
+    def __init__(self, rank: int, hosts: list[int]):
+        self.rank, self.hosts = rank, hosts
+
+    def Get_size(self):
+        return len(self.hosts)
+
+    def Get_rank(self):
+        return self.rank
+
+    def Split_type(self, kind, key):
+        from types import SimpleNamespace
+
+        members = [q for q, h in enumerate(self.hosts) if h == self.hosts[self.rank]]
+        return SimpleNamespace(allgather=lambda q: members, Free=lambda: None)
+
+    def allgather(self, value):  # each process's own first process on its host
+        return [min(r for r, h in enumerate(self.hosts) if h == self.hosts[q]) for q in range(len(self.hosts))]
+
+    def Split(self, color, key):
+        return ("node", color)
+
+
+def test_a_node_whose_processes_are_on_two_hosts_is_refused_on_every_process():
+    """--procs-per-node 2 with processes dealt round robin over 2 hosts (`--map-by node`): node 0
+    would be processes 0 and 1, on two hosts; every process refuses with the same line. In
+    blocks (`--map-by ppr:2:node`) each process gets its node, process and node communicator."""
+    from tokpack.formats.errors import TokpackError
+    from tokpack.packer.node_procs import node_of_process
+
+    lines = set()
+    for q in range(4):
+        with pytest.raises(TokpackError) as e:
+            node_of_process(_World, _World(q, [0, 1, 0, 1]), 2)
+        lines.add(str(e.value))
+    assert len(lines) == 1 and "the processes of node 0 are not on one host: processes 0 and 1" in lines.pop()
+    for q in range(4):
+        node = node_of_process(_World, _World(q, [0, 0, 2, 2]), None)  # P from the launcher: 2
+        assert (node.n, node.p, node.N, node.P, node.local, node.name) == (
+            q // 2,
+            q % 2,
+            2,
+            2,
+            ("node", q // 2),
+            f"node {q // 2} (process {q % 2})",
+        )
+    assert node_of_process(_World, _World(1, [0, 1, 0, 1]), None).P == 1  # round robin: each process a node
