@@ -40,15 +40,16 @@ scratch, and the rows are assembled, with their padding, where they arrive.
 
 A rerun resumes (`_resumed_setup`): the epochs complete on every node are skipped, the others
 written again on every node. `--keep-sources DIR` keeps each process's source shards on its
-node's disk for the later epochs (a folder a node, whose shared files its leader keeps first). `stage RUN DEST --node n/N` on such a RUN (a replacement node) is
-tokpack.packer.replacement: the node's rows rebuilt from the sources, checked against RUN's row hashes.
+node's disk for the later epochs (a folder a node, whose shared files its leader keeps first).
+`stage RUN DEST --node n/N` on such a RUN (a replacement node) is tokpack.packer.replacement:
+the node's rows rebuilt from the sources, checked against RUN's row hashes.
 
-SIGTERM to one process is one line naming its node (tokpack.packer.transport.OnSigterm); a
-SIGKILL is named by the launcher.
+SIGTERM to one process is one line naming its node, and which of its processes when it has
+several (tokpack.packer.transport.OnSigterm); a SIGKILL is named by the launcher.
 
 The modules, each one idea, data flowing one way: this one (the entry points and an epoch's
-steps) -> tokpack.packer.node_epoch (what a process reads, keeps and owns; the memory plan) ->
-node_reads (its pieces from the sources), transport (MPI: failures as one line, the rounds),
+steps; node_procs: a node's P processes, their communicator) -> tokpack.packer.node_epoch (what
+a process reads, keeps and owns; the memory plan) -> node_reads (its pieces from the sources), transport (MPI: failures as one line, the rounds),
 node_store (the node's rows in memory; write_slice_epoch) and node_buckets (out of core),
 owned_shards (the owner's role), kept_sources (--keep-sources), node_dest (DEST beside RUN),
 rank_files and pieces. The replacement node (tokpack.packer.replacement) shares rank_files and
