@@ -14,7 +14,7 @@ from collections import Counter
 
 from tokpack import __version__
 from tokpack.formats.errors import TokpackError
-from tokpack.packer.transport import together
+from tokpack.packer.transport import process_name, together
 from tokpack.shuffle.spec import ShuffleSpec
 
 # A setting as the user names it (the CLI's option; the Python API's keyword is the field's name).
@@ -66,19 +66,27 @@ def spec_facts(spec: ShuffleSpec, version: str) -> dict[str, str]:
 def agree(comm, spec: ShuffleSpec, version: str = __version__) -> None:
     """Raises on every process, with the same line, unless every process of `comm` runs the same
     spec_facts. One allgather: a few KiB a process."""
-    mine = together(comm, lambda: spec_facts(spec, version))  # a source unreadable on one node: its line
+    mine = together(comm, lambda: spec_facts(spec, version))
     gathered = comm.allgather(mine)
-    line = disagreement(gathered)
+    line = disagreement(gathered, per_node=_agreed_procs(gathered))
     if line is not None:
         raise line
 
 
-def agree_sources(comm, opened) -> None:
+def _agreed_procs(gathered: list) -> int:
+    """Processes a node, to name each process by its node: --procs-per-node when every process
+    was given the same (else each is named by its world rank, as a node of one)."""
+    values = {facts.get("nodes.procs_per_node") if isinstance(facts, dict) else None for facts in gathered}
+    given = values.pop() if len(values) == 1 else None
+    return int(given) if isinstance(given, str) and given.isdigit() and int(given) > 0 else 1
+
+
+def agree_sources(comm, opened, per_node: int = 1) -> None:
     """The sources each process opened (the shared folders, or a node's kept copies of them)
     hold the same data: their fingerprints (each source manifest's xxh3_128) agree. Read from
     what the run opened, so that a later epoch from kept sources opens no shared file for it."""
     facts = {f"source {i} ({src.path.name})": str(src.fingerprint) for i, src in enumerate(opened)}
-    line = disagreement(comm.allgather(facts), SOURCES_DIFFER)
+    line = disagreement(comm.allgather(facts), SOURCES_DIFFER, per_node)
     if line is not None:
         raise line
 
@@ -95,13 +103,15 @@ SOURCES_DIFFER = (
 )
 
 
-def disagreement(gathered: list, words: tuple[str, str] = STARTED_DIFFERENTLY) -> TokpackError | None:
+def disagreement(
+    gathered: list, words: tuple[str, str] = STARTED_DIFFERENTLY, per_node: int = 1
+) -> TokpackError | None:
     """The error for the first fact the processes (node k's facts at index k) disagree on: the
     nodes that differ from the most common value (node 0's on a tie) are named, with both values."""
     for k, facts in enumerate(gathered):
         if not _well_formed(facts):
             return MismatchError(
-                f"node {k} sent a malformed description of its shuffle",
+                f"{process_name(k, per_node)} sent a malformed description of its shuffle",
                 where="the job's processes",
                 expected="a dict of settings as text",
                 found=type(facts).__name__,
@@ -119,8 +129,9 @@ def disagreement(gathered: list, words: tuple[str, str] = STARTED_DIFFERENTLY) -
         return MismatchError(
             words[0].format(what=what),
             where=what,
-            expected=f"{usual} (as on node {values.index(usual)})",
-            found="; ".join(f"{values[k]} on node {k}" for k in odd[:4]) + (" and more" if len(odd) > 4 else ""),
+            expected=f"{usual} (as on {process_name(values.index(usual), per_node)})",
+            found="; ".join(f"{values[k]} on {process_name(k, per_node)}" for k in odd[:4])
+            + (" and more" if len(odd) > 4 else ""),
             hint=words[1],
         )
     return None

@@ -95,6 +95,7 @@ ARGUMENTS = {
         "holdout": _TEXT,
         "ranks_per_node": _COUNT[1],
         "micro_batch": _COUNT[1],
+        "procs_per_node": _COUNT[1],
     },
     "validate": {
         "dirs": _paths,
@@ -247,6 +248,7 @@ def shuffle(
     ranks_per_node: int | None = None,
     micro_batch: int | None = None,
     keep_sources: PathLike | None = None,
+    procs_per_node: int | None = None,
 ) -> ShuffleResult | dict:
     """Writes globally shuffled epochs of `seq_len + 1` tokens from packed sources into the run
     directory `output`. `sources`: a path or URL, a list of them, or a mapping path -> weight
@@ -265,12 +267,14 @@ def shuffle(
     whole documents of each source set aside from every epoch, a fraction of its documents
     ("0.01", "1%") or a token count ("5M"), chosen from the seed, and written once to
     `output`/holdout/ (tokpack.shuffle.holdout; either packing).
-    `to_nodes`: a node-local folder (`{node}` is replaced by n): run under MPI (one process per
-    node; docs/COMMANDS.md, "Straight to the nodes"), each process writes its node's slice of
-    each epoch there, as `stage(output, to_nodes, node="n/N")` would, and `output` gets only the
+    `to_nodes`: a node-local folder (`{node}` is replaced by n): run under MPI (`procs_per_node`
+    processes a node; docs/COMMANDS.md, "Straight to the nodes"), a node's processes write its
+    slice of each epoch there, as `stage(output, to_nodes, node="n/N")` would, and `output` gets only the
     manifests and row hashes; needs `ranks_per_node` and `micro_batch`; `keep_sources`: a
-    node-local folder keeping the source shards the node reads, for later epochs. It returns this
-    process's summary (a dict: node, nodes, ranks, dest, epochs...), not a ShuffleResult."""
+    node-local folder keeping the source shards the node reads, for later epochs;
+    `procs_per_node`: P MPI processes a node, sharing its DEST and `memory` (`mpirun --map-by
+    ppr:P:node`; None: as the launcher placed them, tokpack.packer.node_procs). It returns this
+    process's summary (a dict: node, process, nodes, ranks, dest, epochs...), not a ShuffleResult."""
     from tokpack.packer.executors import local_paths, pass_runner, runs_in_process
     from tokpack.shuffle.run import shuffle_run
     from tokpack.shuffle.packings import named
@@ -278,11 +282,13 @@ def shuffle(
     spec = shuffle_spec(locals())
     if spec.nodes is not None:
         return _shuffle_to_nodes(spec, scratch, log)
-    if ranks_per_node is not None or micro_batch is not None or keep_sources is not None:
+    if any(v is not None for v in (ranks_per_node, micro_batch, keep_sources, procs_per_node)):
         from tokpack.formats.errors import TokpackError
 
         raise TokpackError(
-            "ranks_per_node, micro_batch and keep_sources go with to_nodes", where="to_nodes", hint="give to_nodes=DEST"
+            "ranks_per_node, micro_batch, keep_sources and procs_per_node go with to_nodes",
+            where="to_nodes",
+            hint="give to_nodes=DEST",
         )
     config = executor or ExecutorConfig()
     named(spec.packing)  # an unknown packing is refused before any source is fetched
@@ -336,7 +342,11 @@ def shuffle_spec(values: dict):
     nodes = None
     if values.get("to_nodes") is not None:
         nodes = NodesSpec(
-            text("to_nodes"), values.get("ranks_per_node"), values.get("micro_batch"), text("keep_sources")
+            text("to_nodes"),
+            values.get("ranks_per_node"),
+            values.get("micro_batch"),
+            text("keep_sources"),
+            values.get("procs_per_node"),
         )
     spec = ShuffleSpec.given_as(
         **{k: values[k] for k in _SETTINGS if k in values},

@@ -214,8 +214,8 @@ def epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
     "to_nodes",
     default=None,
     metavar="DEST",
-    help="Under MPI (mpirun/srun, one process per node; pip install 'tokpack[mpi]'): process n writes "
-    "node n's slice (as `stage RUN DEST --node n/N`) into its local DEST ({node} is replaced by n); "
+    help="Under MPI (mpirun/srun, --procs-per-node processes a node; pip install 'tokpack[mpi]'): node n's "
+    "processes write its slice (as `stage RUN DEST --node n/N`) into its local DEST ({node} is replaced by n); "
     "-o RUN gets only the manifests and row hashes.",
 )
 @click.option("--ranks-per-node", type=click.IntRange(min=1), default=None, help="With --to-nodes: K ranks a node.")
@@ -229,6 +229,15 @@ def epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
     metavar="DIR",
     help="With --to-nodes: each process keeps the source shards it reads, verified, in its local DIR "
     "({node} is replaced by n) and reads them there in later epochs, not on the shared filesystem.",
+)
+@click.option(
+    "--procs-per-node",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="P",
+    help="With --to-nodes: P MPI processes a node (`mpirun --map-by ppr:P:node`, one a GPU), sharing its DEST, "
+    "its lock, its kept sources and its --memory; a row crosses the network once to a node [default: as the "
+    "launcher placed them on several hosts, else 1].",
 )
 @click.option(
     "--holdout",
@@ -257,8 +266,10 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
     epochs = epochs_asked(sources, epochs, epoch, {**kw, "output": output})
     if kw["to_nodes"] is not None:
         return _shuffle_to_nodes(sources, output, epochs, as_json, kw)
-    if kw.pop("ranks_per_node") is not None or kw.pop("micro_batch") is not None or kw.pop("keep_sources") is not None:
-        raise click.UsageError("--ranks-per-node, --micro-batch and --keep-sources go with --to-nodes DEST")
+    if any(kw.pop(k) is not None for k in ("ranks_per_node", "micro_batch", "keep_sources", "procs_per_node")):
+        raise click.UsageError(
+            "--ranks-per-node, --micro-batch, --keep-sources and --procs-per-node go with --to-nodes DEST"
+        )
     kw.pop("to_nodes")
     executor = executor_config(kw)
     quiet = as_json and log_interval() == 0  # --json asked for no lines: no bar on a terminal either
@@ -334,12 +345,13 @@ def _shuffle_to_nodes(sources, output, epochs, as_json, kw):
     if as_json:
         click.echo(json.dumps(result))
     else:
-        if result["node"] == 0:  # the epochs' figures are every node's: said once
+        P, p = result["procs_per_node"], result["process"]
+        if result["node"] == 0 and p == 0:  # the epochs' figures are every node's: said once
             _epoch_lines(result["epochs_detail"])
             _warnings(result["warnings"])
         click.echo(
-            f"node {result['node']} of {result['nodes']}: slice of ranks {result['ranks'][0]}-"
-            f"{result['ranks'][-1]} at {result['dest']}: epochs {result['epochs']}"
+            f"node {result['node']} of {result['nodes']}{'' if P == 1 else f' (process {p} of {P})'}: slice of "
+            f"ranks {result['ranks'][0]}-{result['ranks'][-1]} at {result['dest']}: epochs {result['epochs']}"
         )
 
 

@@ -1,23 +1,27 @@
 """`tokpack shuffle SOURCES... -o RUN --to-nodes DEST --ranks-per-node K --micro-batch M` (issue 33):
-each epoch goes from the sources straight to the nodes' local disks, one process per node under
-MPI (`mpirun -n N`, `srun`), and RUN on the shared filesystem gets only small files.
+each epoch goes from the sources straight to the nodes' local disks, P processes per node under
+MPI (`mpirun -n N*P --map-by ppr:P:node`, `srun`; issue 41: P from --procs-per-node or the
+launcher, tokpack.packer.node_procs), and RUN on the shared filesystem gets only small files.
+A node's processes share its DEST (its leader, process 0, locks it and writes its manifests),
+its kept sources and its --memory (each plans with --memory / P); the bytes do not depend on P.
 
-Process n of N:
+Process p of node n (world process q = n*P + p of N*P):
 
 1. plans the epoch exactly as `tokpack shuffle` does (tokpack.shuffle.run.setup_run: the same
    plan, permutation and packing registry), so every process knows where every row goes;
 2. reads a disjoint, contiguous part of the sources: the runs of whole source shards that
-   tokpack.shuffle.steps.split_shards gives scatter task n of N, sequentially, verifying each
+   tokpack.shuffle.steps.split_shards gives scatter task q of N*P, sequentially, verifying each
    source shard's xxh3_128 from the bytes it reads (ShardHashes, as the scatter pass does);
 3. sends every row, tagged with its output position g, with `Alltoallv` in rounds whose buffers
-   fit what --memory leaves beside the rows it keeps: to the node whose ranks read g
-   (tokpack.formats.slices.RankRows: the arithmetic `stage --node` uses), and to the node that
-   owns g's epoch shard (shard i: node i mod N);
-4. puts the rows it receives in training order, in memory when they fit --memory, else out of
-   core through bucket files in DEST's scratch (tokpack.packer.node_buckets: the scatter/order
-   engine's Layout and best-fit bucket files, read back a bucket at a time), and writes node n's
-   slice into DEST through tokpack.packer.rank_files.RankFiles, the bytes `stage RUN DEST --node
-   n/N` writes;
+   fit what its memory leaves beside the rows it keeps: to the node whose ranks read g
+   (tokpack.formats.slices.RankRows: the arithmetic `stage --node` uses), once, to the process
+   of that node that writes the file of g's rank (NodeEpoch.keeper_of), and to the process that
+   owns g's epoch shard (shard i: process i mod N*P);
+4. puts the rows it receives in training order, in memory when they fit, else out of
+   core through bucket files in its scratch in DEST (tokpack.packer.node_buckets: the scatter/order
+   engine's Layout and best-fit bucket files, read back a bucket at a time), and writes its
+   ranks' files of node n's slice into DEST through tokpack.packer.rank_files.RankFiles, the
+   bytes `stage RUN DEST --node n/N` writes;
 5. as the owner of some epoch shards, passes each one through the epoch shard writer
    (`hashed_only`: its tokens and index are hashed, not written), which gives the shard's
    manifest entry (its checksums) exactly as `tokpack shuffle` records it, and writes of it only
@@ -28,22 +32,24 @@ Process n of N:
    25 GB/s a node), and the owned shards' rows in the node's memory (or buckets).
 
 Process 0 writes RUN's manifests (the epoch's after every owner's entries, then the run's);
-then every process reads them back (a few KiB from the shared filesystem) and commits its
-slice epoch's manifest, then its slice's root. A best-fit epoch moves document pieces instead of
+then each node's leader reads them back (a few KiB from the shared filesystem) and commits its
+slice epoch's manifest (its processes' rank files gathered over the node's communicator, in
+rank order), then its slice's root. A best-fit epoch moves document pieces instead of
 rows (a window is a piece of a whole row): every process builds the row table in its DEST's
 scratch, and the rows are assembled, with their padding, where they arrive.
 
 A rerun resumes (`_resumed_setup`): the epochs complete on every node are skipped, the others
 written again on every node. `--keep-sources DIR` keeps each process's source shards on its
-disk for the later epochs. `stage RUN DEST --node n/N` on such a RUN (a replacement node) is
-tokpack.packer.replacement: the node's rows rebuilt from the sources, checked against RUN's row hashes.
+node's disk for the later epochs (a folder a node, whose shared files its leader keeps first).
+`stage RUN DEST --node n/N` on such a RUN (a replacement node) is tokpack.packer.replacement:
+the node's rows rebuilt from the sources, checked against RUN's row hashes.
 
-SIGTERM to one process is one line naming its node (tokpack.packer.transport.OnSigterm); a
-SIGKILL is named by the launcher.
+SIGTERM to one process is one line naming its node, and which of its processes when it has
+several (tokpack.packer.transport.OnSigterm); a SIGKILL is named by the launcher.
 
 The modules, each one idea, data flowing one way: this one (the entry points and an epoch's
-steps) -> tokpack.packer.node_epoch (what a process reads, keeps and owns; the memory plan) ->
-node_reads (its pieces from the sources), transport (MPI: failures as one line, the rounds),
+steps; node_procs: a node's P processes, their communicator) -> tokpack.packer.node_epoch (what
+a process reads, keeps and owns; the memory plan) -> node_reads (its pieces from the sources), transport (MPI: failures as one line, the rounds),
 node_store (the node's rows in memory; write_slice_epoch) and node_buckets (out of core),
 owned_shards (the owner's role), kept_sources (--keep-sources), node_dest (DEST beside RUN),
 rank_files and pieces. The replacement node (tokpack.packer.replacement) shares rank_files and
@@ -89,12 +95,14 @@ from tokpack.packer.node_dest import (
     slice_epoch_here,
 )
 from tokpack.packer.node_epoch import NodeEpoch, round_tokens
+from tokpack.packer.node_procs import Node, node_of_process
 from tokpack.packer.node_reads import source_pieces
 from tokpack.packer.node_report import counted, epoch_detail, reading_bar, run_summary
 from tokpack.packer.node_store import open_stores, receive, write_slice_epoch
 from tokpack.packer.owned_shards import hash_owned_shards
+from tokpack.packer.rank_files import ready_epoch_dir
 from tokpack.packer.slicing import slice_ranks
-from tokpack.packer.transport import OnSigterm, exchange_rounds, together, world
+from tokpack.packer.transport import OnSigterm, exchange_rounds, world
 from tokpack.shuffle import packings
 from tokpack.shuffle.plan import use_kept_sources
 from tokpack.shuffle.run import epoch_manifest_of, run_manifest_of, setup_run
@@ -120,7 +128,7 @@ def exchange_epoch(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | No
 
     with reading_bar(ne, shown) as bar:
         reads = counted(source_pieces(ne, per_round), bar)
-        rounds = exchange_rounds(comm, MPI, reads, per_round, row, job.token_dtype, ne.routes, deliver)
+        rounds = exchange_rounds(comm, MPI, reads, per_round, row, job.token_dtype, ne.routes, deliver, ne.procs)
     stores.finish()
     if len(pad) and (pad.min() < 0 or (not ne.padded and pad.max() > 0)):
         raise TokpackError(
@@ -158,10 +166,11 @@ def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
     output, dest, keep_sources = spec.output, spec.nodes.dest, spec.nodes.keep_sources
     ranks_per_node, micro_batch = spec.nodes.ranks_per_node, spec.nodes.micro_batch
     MPI, comm = world()
-    n, N = comm.Get_rank(), comm.Get_size()
-    stop.attach(MPI, comm)
-    agree(comm, spec)  # before anything is written: every process runs this spec
-    log = log if n == 0 else None  # node 0's lines and bars stand for every node's
+    agree(comm, spec)  # before anything is written (and before the node's layout): every process runs this spec
+    node = node_of_process(MPI, comm, spec.nodes.procs_per_node)
+    n, N = node.n, node.N
+    stop.attach(MPI, comm, node.P)
+    log = log if node.q == 0 else None  # process 0's lines and bars stand for every node's
     t0 = time.perf_counter()
     a, b, w = slice_ranks(node=f"{n}/{N}", ranks_per_node=ranks_per_node, micro_batch=micro_batch)
     template = dest_template(dest)
@@ -173,53 +182,62 @@ def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
             hint="RUN is a shared-filesystem path, DEST a node-local one",
         )
     out = Path(output)
+    # A process's scratch (buckets, row table, owned shards on their way): DEST's, its own
+    # folder there when the node's processes share DEST
+    scratch = dest / WORK_DIR if node.P == 1 else dest / WORK_DIR / f"process-{node.p}"
     locks, mine = stop.locks, []
     try:
 
-        def lock():
-            if n == 0:
+        def lock():  # the node's DEST is its leader's to lock
+            if node.q == 0:
                 locks.append(OutputLock(str(out), holder_name("shuffle")).acquire())
-            locks.append(OutputLock(str(dest), holder_name("shuffle")).acquire())
-            mine.append(dest)
+            if node.leader:
+                locks.append(OutputLock(str(dest), holder_name("shuffle")).acquire())
+                mine.append(dest / WORK_DIR)
 
-        keep = together(
-            comm, lambda: kept_folder(keep_sources, n, dest, out, spec.sources, spec.schedule)
+        keep = node.together(
+            lambda: kept_folder(keep_sources, n, dest, out, spec.sources, spec.schedule)
         )  # before any write
-        together(comm, lock)
+        node.together(lock)
+        if not node.leader:
+            mine.append(scratch)
         if keep is not None:  # kept copies from an earlier epoch: planned from them, the shared source folders unread
-            together(comm, lambda: use_kept_sources(kept_copies(keep, out)))
-        return _run((comm, MPI, n, N), spec, out, dest, template, (a, b), w, keep, log, t0)
+            node.together(lambda: use_kept_sources(kept_copies(keep, out)))
+        return _run(node, spec, out, (dest, scratch), template, (a, b), w, keep, log, t0)
     finally:
         for d in mine:  # DEST is this command's: its scratch (buckets, row table) goes, whatever happened
-            shutil.rmtree(d / WORK_DIR, ignore_errors=True)
+            shutil.rmtree(d, ignore_errors=True)
         for held in reversed(locks):
             held.release()
 
 
-def _resumed_setup(comm, n, out: Path, dest: Path, ranks, w, micro_batch, sources, options):
+def _resumed_setup(node: Node, out: Path, dest: Path, ranks, w, micro_batch, sources, options):
     """setup_run on every process, after a rerun's bookkeeping: an epoch RUN lists but some node
     lacks (killed before its slice was committed) is written again, whole, on every node, with
     the same bytes: process 0 withdraws its RUN epoch manifest first (rewritten identically)."""
-    previous = together(comm, lambda: own_dest(dest, out, ranks, w, micro_batch))
-    setup = together(comm, lambda: setup_run(sources, str(out), to=LocalOutput(), **options))
-    agree_sources(comm, setup.sources)  # before a rerun's bookkeeping writes: every node reads the same data
+    previous = node.together(lambda: own_dest(dest, out, ranks, w, micro_batch))
+    setup = node.together(lambda: setup_run(sources, str(out), to=LocalOutput(), **options))
+    agree_sources(
+        node.comm, setup.sources, node.P
+    )  # before a rerun's bookkeeping writes: every node reads the same data
     numbering = run_numbering(setup, out)
     written = [(e, plan) for e, plan, job in setup.todo if job is None]
-    here = together(
-        comm,
+    here = node.together(
         lambda: [
             slice_epoch_here(out, dest, e, numbering.first(e), plan.samples, ranks, w, micro_batch)
             for e, plan in written
         ],
     )
-    everywhere = np.logical_and.reduce(np.array(comm.allgather(here), dtype=bool).reshape(comm.Get_size(), -1), axis=0)
+    everywhere = np.logical_and.reduce(
+        np.array(node.comm.allgather(here), dtype=bool).reshape(node.comm.Get_size(), -1), axis=0
+    )
     again = [e for (e, _), ok in zip(written, everywhere.tolist()) if not ok]
     if again:
-        if n == 0:
+        if node.q == 0:
             for e in again:
                 LocalOutput().unfinish(out / epoch_dir_name(e))
-        comm.Barrier()
-        setup = together(comm, lambda: setup_run(sources, str(out), to=LocalOutput(), **options))
+        node.comm.Barrier()
+        setup = node.together(lambda: setup_run(sources, str(out), to=LocalOutput(), **options))
     return setup, previous
 
 
@@ -233,26 +251,29 @@ def _declare_nodes(out: Path, nodes: int, k: int, micro_batch: int, dest: str) -
         write_bytes_atomic(path, sidecar)
 
 
-def _run(mpi, spec: ShuffleSpec, out: Path, dest: Path, template: str, ranks, w, keep, log, t0) -> dict:
-    comm, MPI, n, N = mpi
+def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, w, keep, log, t0) -> dict:
+    comm, MPI, n, N, P = node.comm, node.MPI, node.n, node.N, node.P
+    dest, scratch = dests
     shown, log = log is not None, log or (lambda line: None)
-    k, micro_batch, memory = spec.nodes.ranks_per_node, spec.nodes.micro_batch, spec.memory
+    # --memory is the node's: each of its P processes plans with its share
+    k, micro_batch, memory = spec.nodes.ranks_per_node, spec.nodes.micro_batch, spec.memory // P
     # one process a node plans alone (workers=1), and says nothing of its progress
     sources, options = spec, {"workers": 1, "progress": False}
-    setup, previous = _resumed_setup(comm, n, out, dest, ranks, w, micro_batch, sources, options)
+    setup, previous = _resumed_setup(node, out, dest, ranks, w, micro_batch, sources, options)
     runplan, opened, weights, shard_samples = setup.runplan, setup.sources, setup.weights, setup.shard_samples
     rows = RankRows(w, micro_batch, 0)
     output: Output = LocalOutput()  # DEST is on the node
     created = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
     numbering = run_numbering(setup, out)
     done_epochs = list(setup.done_epochs)
-    together(comm, lambda: _declare_nodes(out, N, k, micro_batch, template) if n == 0 else None)
+    node.together(lambda: _declare_nodes(out, N, k, micro_batch, template) if node.q == 0 else None)
     if (
-        n == 0 and setup.run_params is not None and setup.todo and created is None
+        node.q == 0 and setup.run_params is not None and setup.todo and created is None
     ):  # a schedule's numbering, fixed at creation
         out.mkdir(parents=True, exist_ok=True)
         output.finish(out, run_manifest_of({}, setup.todo[0][1], weights, opened, shard_samples, runplan))
     summaries, skipped = [], []
+    among = f"{N} nodes" if P == 1 else f"{N} nodes of {P} processes"
     # As stage --node: the root manifest stays, listing the complete epochs, and is replaced at the
     # end; a loader opening the slice meanwhile (training on epoch 0 while epoch 1 is built) sees those.
     for epoch, plan, job in setup.todo:
@@ -264,42 +285,41 @@ def _run(mpi, spec: ShuffleSpec, out: Path, dest: Path, template: str, ranks, w,
         e0 = time.perf_counter()
         # Scratch (a best-fit epoch's row table, the owned shards on their way to their checksums)
         # goes to the node's DEST, never to RUN.
-        job = replace(job, work_dir=str(dest / WORK_DIR / Path(job.work_dir).name))
+        job = replace(job, work_dir=str(scratch / Path(job.work_dir).name))
         report = plan.source_report()  # before the epoch's table, as a plain shuffle's summary counts it
         packing = packings.of_plan(plan)
-        prepared = together(comm, lambda: packing.prepare(job, memory))  # every node builds the same table
+        prepared = node.together(lambda: packing.prepare(job, memory))  # every process builds the same table
         fmt = EpochShardFormat(job.token_dtype, plan.seq_len, job.eos_id, job.tokenizer, padded=packing.padded)
-        ne = NodeEpoch(job, job.open_sources(), rows, first, n, N, ranks, prepared)
-        kept = 0 if keep is None else together(comm, lambda: ne.keep_sources(keep))
-
-        def sized():
-            per_round, layout = round_tokens(ne, memory), bucket_layout(ne, memory, Path(job.work_dir))
-            check_space(
-                [(dest, ne.disk_bytes(layout is not None))], "shuffle", hint="free some space on this node's DEST"
-            )
-            return per_round, layout
-
-        per_round, layout = together(comm, sized)
-        stores, keep_pad, owned_pad, rounds = together(
-            comm, lambda: exchange_epoch(comm, MPI, ne, per_round, layout, shown)
+        ne = NodeEpoch(job, job.open_sources(), rows, first, n, N, ranks, prepared, (node.p, P))
+        kept = _keep(node, ne, keep)
+        per_round, layout = node.together(
+            lambda: (round_tokens(ne, memory), bucket_layout(ne, memory, Path(job.work_dir)))
+        )
+        disk = node.local.allreduce(ne.disk_bytes(layout is not None))  # the node's processes share DEST
+        node.together(lambda: check_space([(dest, disk)], "shuffle", hint="free some space on this node's DEST"))
+        stores, keep_pad, owned_pad, rounds = node.together(
+            lambda: exchange_epoch(comm, MPI, ne, per_round, layout, shown)
         )
         if fmt.padded:  # every row is some node's and some owner's: both sums are the table's padding
             sums = comm.allreduce(np.array([keep_pad.sum(), owned_pad.sum()], dtype=np.int64)).tolist()
-            together(comm, lambda: _same_padding(sums, prepared["padding"], epoch))
-        log(f"shuffle --to-nodes: epoch {epoch}: {plan.samples} samples exchanged among {N} nodes in {rounds} rounds")
+            node.together(lambda: _same_padding(sums, prepared["padding"], epoch))
+        log(f"shuffle --to-nodes: epoch {epoch}: {plan.samples} samples exchanged among {among} in {rounds} rounds")
         d = dest / epoch_dir_name(epoch)
+        if P > 1:  # the node's epoch folder readied once, before its processes open their rank files there
+            node.together(lambda: ready_epoch_dir(output, d) if node.leader else None)
         log(f"shuffle --to-nodes: epoch {epoch}: writing the slice's rank files, then hashing the owned shards")
-        entries = together(comm, lambda: write_slice_epoch(output, d, ne, stores, keep_pad, fmt))
-        scratch = Path(job.work_dir) / "owned"
-        owned_entries = together(
-            comm, lambda: hash_owned_shards(ne, stores, owned_pad, scratch, Path(job.epoch_dir), fmt)
+        entries = node.together(lambda: write_slice_epoch(output, d, ne, stores, keep_pad, fmt))
+        owned_entries = node.together(
+            lambda: hash_owned_shards(ne, stores, owned_pad, Path(job.work_dir) / "owned", Path(job.epoch_dir), fmt)
         )
-        shutil.rmtree(dest / WORK_DIR, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
         stores = None  # freed before the next epoch's stores
         gathered = comm.gather(owned_entries, root=0)
+        # the node's rank files, each process's, in rank order: the slice epoch manifest lists them so
+        node_entries = sorted((e for part in node.local.allgather(entries) for e in part), key=lambda e: e["rank"])
 
         def run_manifests():
-            if n != 0:
+            if node.q != 0:
                 return
             by_shard = dict(entry for part in gathered for entry in part)
             manifest = epoch_manifest_of(job, [by_shard[i] for i in range(job.n_shards)], prepared)
@@ -312,31 +332,37 @@ def _run(mpi, spec: ShuffleSpec, out: Path, dest: Path, template: str, ranks, w,
             have = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
             output.finish(out, run_manifest_of(written, plan, weights, opened, shard_samples, runplan, have))
 
-        together(comm, run_manifests)
+        node.together(run_manifests)
         done_epochs = sorted(set(done_epochs) | {epoch})
 
-        def commit_slice_epoch():
+        def commit_slice_epoch():  # the node's leader's, once every process of it wrote its rank files
+            if not node.leader:
+                return
             run = parse_manifest(read_raw(out / MANIFEST), out / MANIFEST, "run")
             root = slice_manifest(run, str(out.absolute()), RankRows(w, micro_batch, rows.phase), *ranks)
             raw = read_raw(Path(job.epoch_dir) / MANIFEST)
             want = slice_epoch_manifest(root, epoch, plan.samples, first, raw)
-            want["shards"] = entries
-            want["tokens"] = sum(s["tokens"] for s in entries)
+            want["shards"] = node_entries
+            want["tokens"] = sum(s["tokens"] for s in node_entries)
             output.finish(d, want)
-            return want["tokens"], parse_manifest(raw, Path(job.epoch_dir) / MANIFEST, "epoch")
 
-        tokens, manifest = together(comm, commit_slice_epoch)
+        node.together(commit_slice_epoch)
+        manifest = node.together(
+            lambda: parse_manifest(read_raw(Path(job.epoch_dir) / MANIFEST), job.epoch_dir, "epoch")
+        )
         node_figures = {
             "rounds": rounds,
             "buckets": 0 if layout is None else len(layout.bucket_starts) - 1,  # 0: in memory
-            "rows_kept": sum(s["samples"] for s in entries),
+            "rows_kept": sum(s["samples"] for s in entries),  # this process's (its node's, P = 1)
             "source_bytes_kept_now": kept,
-            "tokens_kept": tokens,
+            "tokens_kept": sum(s["tokens"] for s in entries),
             "seconds": round(time.perf_counter() - e0, 3),
         }
         summaries.append(epoch_detail(job, setup.runplan.stage_name(epoch), report, manifest, entries, node_figures))
 
     def commit_root():
+        if not node.leader:
+            return None
         run = parse_manifest(read_raw(out / MANIFEST), out / MANIFEST, "run")
         final = slice_manifest(run, str(out.absolute()), RankRows(w, micro_batch, rows.phase), *ranks)
         final["epochs"] = sorted(set(previous) | set(skipped) | {s["epoch"] for s in summaries})
@@ -353,16 +379,18 @@ def _run(mpi, spec: ShuffleSpec, out: Path, dest: Path, template: str, ranks, w,
         output.finish(dest, final)
         return final
 
-    final = together(comm, commit_root)
+    final = node.local.bcast(node.together(commit_root), root=0)
     log(
-        f"shuffle --to-nodes: {N} node slices of ranks {k} a node, epochs {final['epochs']}; RUN {out} holds "
-        f"the manifests and row hashes"
+        f"shuffle --to-nodes: {N} node slices of ranks {k} a node{'' if P == 1 else f', {P} processes a node'}, "
+        f"epochs {final['epochs']}; RUN {out} holds the manifests and row hashes"
     )
     seconds = time.perf_counter() - t0
     return {
         **run_summary(setup, out, final["epochs"], summaries, skipped, seconds),
         "node": n,
         "nodes": N,
+        "process": node.p,
+        "procs_per_node": P,
         "dest": str(dest),
         "run": str(out),
         "ranks": final["ranks"],
@@ -374,3 +402,14 @@ def _run(mpi, spec: ShuffleSpec, out: Path, dest: Path, template: str, ranks, w,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
         "seconds": round(seconds, 3),
     }
+
+
+def _keep(node: Node, ne: NodeEpoch, keep: Path | None) -> int:
+    """--keep-sources: this process's source shards kept in its node's folder (NodeEpoch.keep_sources);
+    the files every process of the node reads kept by its leader first. Returns the bytes copied now."""
+    if keep is None:
+        return 0
+    kept = 0
+    if node.P > 1:  # the others open the copies by the sources' manifests there
+        kept = node.together(lambda: ne.keep_sources(keep, own=False) if node.leader else 0)
+    return kept + node.together(lambda: ne.keep_sources(keep, shared=node.P == 1))

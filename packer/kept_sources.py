@@ -87,23 +87,26 @@ def kept_folder(keep_sources, node: int, dest, out, sources, schedule=None) -> P
     return keep
 
 
-def keep_sources(sources: list, runs, need: dict[int, set[int]], padded: bool, folder: Path) -> tuple[list, int]:
+def keep_sources(
+    sources: list, runs, need: dict[int, set[int]], padded: bool, folder: Path, shared: bool = True
+) -> tuple[list, int]:
     """The source shards `need` names (source -> shards: those a process reads, `runs` whole, and
     the next one, which its last windows may run into) copied, verified, into `folder` once.
-    Also every source's manifest (each process plans every source) and, `padded` (a best-fit
-    epoch), every source shard's `.ds.index` (the row table is built from all of them, small),
-    and `folder`'s record of them (KEPT_RECORD). Every copy already there is verified before the
-    epoch reads it (once a command: _VERIFIED), a damaged one copied again from the source; the
-    free space for what is copied is checked first. Returns (the sources, opened from their
-    copies, the bytes copied now)."""
+    Also (`shared`) every source's manifest (each process plans every source) and, `padded` (a
+    best-fit epoch), every source shard's `.ds.index` (the row table is built from all of them,
+    small), and `folder`'s record of them (KEPT_RECORD): the files every process of a node
+    reads, which one of them keeps (its leader, before the others: they open the copies by
+    their manifests). Every copy already there is verified before the epoch reads it (once a
+    command: _VERIFIED), a damaged one copied again from the source; the free space for what is
+    copied is checked first. Returns (the sources, opened from their copies, the bytes copied now)."""
     del runs  # every kept shard is verified here, those this epoch reads whole too
-    wanted = _wanted(sources, need, padded)
+    wanted = _wanted(sources, need, padded and shared)
     try:
         missing = sum(
             size for s, k, suffix, size in wanted if not _there(_kept_path(sources[s], k, suffix, folder), size)
         )
         check_space([(folder, missing)], f"shuffle {OPTION}", hint=_FULL_HINT)
-        return _keep(sources, wanted, folder)
+        return _keep(sources, wanted, folder, shared)
     except OSError as e:
         if not is_no_space(e):
             raise
@@ -140,21 +143,21 @@ def _there(path: Path, size: int) -> bool:
     return path.is_file() and path.stat().st_size == size
 
 
-def _keep(sources: list, wanted: list[tuple], folder: Path) -> tuple[list, int]:
+def _keep(sources: list, wanted: list[tuple], folder: Path, shared: bool = True) -> tuple[list, int]:
     copied = 0
     kept = list(sources)
-    record = _kept_record(folder)
+    record = _kept_record(folder) if shared else {}
     for s, src in enumerate(sources):
         home = src.home  # the shared folder, also when `src` is already a kept copy
         d = folder / src.fingerprint
         d.mkdir(parents=True, exist_ok=True)
-        if not _manifest_is(d, src.fingerprint):  # new, or damaged: the source's own, again
+        if shared and not _manifest_is(d, src.fingerprint):  # new, or damaged: the source's own, again
             write_bytes_atomic(d / MANIFEST, read_limited(home / MANIFEST, MAX_MANIFEST_BYTES, "manifest"), fsync=True)
         for _, k, suffix, _ in (item for item in wanted if item[0] == s):
             copied += _keep_shard(src, k, d, suffix)
         kept[s] = replace(open_source(d, check_sizes=False), kept_from=home)  # its other shards are never read here
         record[source_location(home)] = src.fingerprint
-    if record != _kept_record(folder):
+    if shared and record != _kept_record(folder):
         write_bytes_atomic(folder / KEPT_RECORD, canonical_bytes(record), fsync=True)
     return kept, copied
 

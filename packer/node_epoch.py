@@ -1,8 +1,12 @@
 """One epoch of `shuffle --to-nodes` on one process (tokpack.packer.exchange): what it reads
-(its runs of whole source shards), what its node keeps (the slice's positions, in increasing
-order) and owns (epoch shards i with i mod N its node), each piece's two destinations, and the
-memory plan (`memory_plan`: a round's tokens, and whether the node's rows fit in memory or go
-out of core to bucket files). `plan shuffle --to-nodes` asks the same object."""
+(its runs of whole source shards), what it keeps (its ranks' part of the node's slice, in
+increasing position order) and owns (epoch shards i with i mod N*P the process), each piece's
+two destinations, and the memory plan (`memory_plan`: a round's tokens, and whether its rows
+fit in memory or go out of core to bucket files). A node is P processes (tokpack.packer.
+node_procs): process p of node n is world process q = n*P + p; it reads part q of N*P of the
+sources and keeps the rows of the node's ranks r with (r - a) mod P = p (a: the node's first
+rank), so a row reaches its node once, at the process that writes its rank file. With P = 1
+a process is its node. `plan shuffle --to-nodes` asks the same object (P = 1)."""
 
 from __future__ import annotations
 
@@ -30,11 +34,26 @@ class NodeEpoch:
     """One epoch on one process: what it reads, what it keeps, what it owns."""
 
     def __init__(
-        self, job, sources, rows: RankRows, first: int, node: int, nodes: int, ranks: tuple[int, int], prepared: dict
+        self,
+        job,
+        sources,
+        rows: RankRows,
+        first: int,
+        node: int,
+        nodes: int,
+        ranks: tuple[int, int],
+        prepared: dict,
+        procs: tuple[int, int] = (0, 1),
     ):
+        """`node` of `nodes`, of `ranks` (its first and last); `procs`: (p, P), this process's
+        place among its node's P (node_procs)."""
         self.job, self.plan, self.sources, self.prepared = job, job.plan, sources, prepared
         self.rows, self.first, self.node, self.nodes, self.ranks = rows, first, node, nodes, ranks
+        self.proc, self.procs = procs
+        self.me, self.world = node * self.procs + self.proc, nodes * self.procs  # this process, all of them
         self.per_node = ranks[1] - ranks[0] + 1
+        # the node's ranks whose rank files this process writes
+        self.mine = range(ranks[0] + self.proc, ranks[1] + 1, self.procs)
         # The packing answers how its rows are built: from a row table's document pieces (with
         # padding), or windows the plan locates.
         self.entry = packings.of_plan(job.plan)
@@ -43,9 +62,11 @@ class NodeEpoch:
         rb = job.row_bytes
         # The slice: its epoch positions in increasing order (every rank's, mixed), as stage --node plans them.
         parts = list(rows.node_positions(first, n, ranks, max(1, (8 << 20) // 8)))
+        if self.procs > 1:  # this process's ranks' among them
+            parts = [pos[(rows.rank_of(pos + first) - ranks[0]) % self.procs == self.proc] for pos in parts]
         self.positions = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        # The epoch shards this node owns (checksums and row hashes for RUN), and where each starts in its store.
-        self.owned = list(range(node, job.n_shards, nodes))
+        # The epoch shards this process owns (checksums and row hashes for RUN), and where each starts in its store.
+        self.owned = list(range(self.me, job.n_shards, self.world))
         self.owned_base = np.full(job.n_shards, -1, dtype=np.int64)
         base = 0
         for i in self.owned:
@@ -78,36 +99,56 @@ class NodeEpoch:
     def node_of(self, g: np.ndarray) -> np.ndarray:
         return self.rows.rank_of(g + self.first) // self.per_node
 
+    def keeper_of(self, g: np.ndarray) -> np.ndarray:
+        """The process that writes row g's rank file: of its node, the one whose ranks hold g's."""
+        if self.procs == 1:
+            return self.node_of(g)
+        r = self.rows.rank_of(g + self.first)
+        node = r // self.per_node
+        return node * self.procs + (r - node * self.per_node) % self.procs
+
     def owner_of(self, g: np.ndarray) -> np.ndarray:
-        return (g // self.job.shard_samples) % self.nodes
+        """The process that owns row g's epoch shard (shard i: process i mod N*P)."""
+        return (g // self.job.shard_samples) % self.world
 
     def routes(self, pieces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(destination of each copy, the piece it is): each piece goes to the node whose ranks
-        read its row, and to its epoch shard's owner when that is another node (a node that both
-        keeps a row and owns its shard gets it once)."""
-        to_node, to_owner = self.node_of(pieces["g"]), self.owner_of(pieces["g"])
-        twice = to_owner != to_node
-        return np.concatenate([to_node, to_owner[twice]]), np.concatenate(
+        """(destination process of each copy, the piece it is): each piece goes to the process
+        that writes its row's rank file, and to its epoch shard's owner when that is another
+        process (one that both keeps a row and owns its shard gets it once)."""
+        to_keeper, to_owner = self.keeper_of(pieces["g"]), self.owner_of(pieces["g"])
+        twice = to_owner != to_keeper
+        return np.concatenate([to_keeper, to_owner[twice]]), np.concatenate(
             [np.arange(len(pieces)), np.flatnonzero(twice)]
         )
 
-    def runs(self) -> list[tuple[int, int, int]]:
-        """This process's part of the sources: runs (source, first shard, end shard) of whole shards."""
-        runs = split_shards(self.plan, self.sources, self.nodes)
-        return runs[self.node] if self.node < len(runs) else []  # fewer source shards than nodes: none
+    def runs(self, q: int | None = None) -> list[tuple[int, int, int]]:
+        """This process's (or process `q`'s) part of the sources: runs (source, first shard, end
+        shard) of whole shards."""
+        q = self.me if q is None else q
+        runs = split_shards(self.plan, self.sources, self.world)
+        return runs[q] if q < len(runs) else []  # fewer source shards than processes: none
 
     def kept_shards(self) -> dict[int, set[int]]:
         """source -> the shards --keep-sources keeps of it: those this process reads, and the next
-        one, which its last windows may run into (also what `plan shuffle --to-nodes` counts)."""
+        one, which its last windows may run into, unless another process of its node reads it
+        (that one keeps it) (also what `plan shuffle --to-nodes` counts)."""
         need: dict[int, set[int]] = {}
         for s, k0, k1 in self.runs():
             need.setdefault(s, set()).update(range(k0, min(k1 + 1, len(self.sources[s].shards))))
+        first = self.node * self.procs
+        for q in range(first, first + self.procs):
+            for s, k0, k1 in self.runs(q) if q != self.me else ():
+                need.get(s, set()).difference_update(range(k0, k1))
         return need
 
-    def keep_sources(self, folder: Path) -> int:
-        """--keep-sources: this process's source shards kept in `folder` (tokpack.packer.kept_sources);
-        from then on they are read there, not on the shared filesystem. Returns the bytes copied now."""
-        self.sources, copied = keep_sources(self.sources, self.runs(), self.kept_shards(), self.padded, folder)
+    def keep_sources(self, folder: Path, shared: bool = True, own: bool = True) -> int:
+        """--keep-sources: this process's source shards (`own`) kept in `folder`, its node's
+        (tokpack.packer.kept_sources), with (`shared`) the files every process of the node
+        reads (the sources' manifests, a best-fit epoch's document indexes, the folder's
+        record); from then on the sources are read there, not on the shared filesystem.
+        Returns the bytes copied now."""
+        need = self.kept_shards() if own else {}
+        self.sources, copied = keep_sources(self.sources, self.runs(), need, self.padded, folder, shared)
         return copied
 
 
@@ -157,13 +198,15 @@ def memory_plan(ne: NodeEpoch, memory: int) -> tuple[int, int | None]:
     bucket_rows = budget // bucket_row_bytes(job.row_bytes)
     if t < least or bucket_rows < MIN_ROUND_ROWS:
         need = ne.index_bytes + max(per_token * least, MIN_ROUND_ROWS * bucket_row_bytes(job.row_bytes))
+        whose = "node" if ne.procs == 1 else "process"  # a process of P plans with --memory / P
         raise TokpackError(
-            f"this node's rows of epoch {job.plan.epoch} do not fit --memory, even out of core",
+            f"this {whose}'s rows of epoch {job.plan.epoch} do not fit --memory, even out of core",
             where="--memory",
             expected=f">= {need} bytes ({ne.index_bytes} for the positions and unfilled counts of "
-            f"the node's {ne.store_rows} rows, the rest for a round's buffers or a bucket "
+            f"the {whose}'s {ne.store_rows} rows, the rest for a round's buffers or a bucket "
             f"of {MIN_ROUND_ROWS} rows)",
-            found=f"{memory} bytes",
+            found=f"{memory} bytes"
+            + ("" if ne.procs == 1 else f" (--memory / {ne.procs}: the node's processes share it)"),
             hint="give more --memory, or more nodes",
         )
     return int(t), int(bucket_rows)

@@ -16,7 +16,7 @@ from tokpack.shuffle.steps import ShardHashes, shard_segments, source_changed_er
 
 
 def source_pieces(ne, tokens: int):
-    """(pieces, their tokens back to back): every piece process `ne.node` reads, about `tokens`
+    """(pieces, their tokens back to back): every piece process `ne.me` reads, about `tokens`
     tokens at a time, in read order, each with its output row g, offset in the row and length
     (WIRE_PIECE). A window is a piece of a whole row; one the epoch uses twice comes twice."""
     if ne.padded:

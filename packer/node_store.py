@@ -1,5 +1,5 @@
-"""A node's two stores of one epoch of `shuffle --to-nodes`, one numbering (NodeEpoch.store_rows):
-its slice's rows (in position order), then its owned epoch shards' rows. In memory (InMemory,
+"""A process's two stores of one epoch of `shuffle --to-nodes`, one numbering (NodeEpoch.store_rows):
+its part of the node's slice (in position order), then its owned epoch shards' rows. In memory (InMemory,
 every row at once) or out of core (tokpack.packer.node_buckets.Buckets); both take a round's
 pieces (`receive`: each at its store row and offset) and give their rows back in order
 (`rows(lo, hi)`), with each row's unfilled count (its padding, once every piece is in); the
@@ -50,19 +50,19 @@ class InMemory:
 
 
 def receive(ne: NodeEpoch, stores, pad: np.ndarray, got_pieces: np.ndarray, got_tokens: np.ndarray) -> None:
-    """A round's pieces for this node into its stores: each at its store row, its slice row
+    """A round's pieces for this process into its stores: each at its store row, its slice row
     and (as well, when it both keeps the row and owns its shard) its owned shard's row."""
     job, P = ne.job, len(ne.positions)
     glen = got_pieces["length"].astype(np.int64)
     gstart = np.cumsum(glen) - glen
     g = got_pieces["g"]
-    mine = np.flatnonzero(ne.node_of(g) == ne.node)
+    mine = np.flatnonzero(ne.keeper_of(g) == ne.me)
     at = np.searchsorted(ne.positions, g[mine])
     if len(mine) and (at.max() >= P or (ne.positions[at] != g[mine]).any()):
         raise TokpackError(
             "internal error: a row was sent to a node whose ranks do not read it", where=f"epoch {job.plan.epoch}"
         )
-    ours = np.flatnonzero(ne.owner_of(g) == ne.node)
+    ours = np.flatnonzero(ne.owner_of(g) == ne.me)
     shard = g[ours] // job.shard_samples
     sel = np.concatenate([mine, ours])
     if len(sel):
@@ -73,11 +73,13 @@ def receive(ne: NodeEpoch, stores, pad: np.ndarray, got_pieces: np.ndarray, got_
 def write_slice_epoch(
     output: Output, d: Path, ne: NodeEpoch, stores, pad: np.ndarray, fmt: EpochShardFormat
 ) -> list[dict]:
-    """Node n's rank files of the epoch, from its rows in epoch order (the stores' slice rows, all
-    at once in memory, a bucket at a time out of core): rank r's are those of its positions rank
-    r reads, in increasing order (what stage --node writes), with their padding (best-fit: the
-    `.ds.pad` beside them)."""
-    files = RankFiles(output, d, ne.rows, ne.first, ne.ranks, ne.plan.epoch, fmt)
+    """This process's rank files of node n's epoch (all of them when the node is one process),
+    from its rows in epoch order (the stores' slice rows, all at once in memory, a bucket at a
+    time out of core): rank r's are those of its positions rank r reads, in increasing order
+    (what stage --node writes), with their padding (best-fit: the `.ds.pad` beside them). A node
+    of several processes has its leader ready `d` first (rank_files.ready_epoch_dir)."""
+    mine = None if ne.procs == 1 else ne.mine
+    files = RankFiles(output, d, ne.rows, ne.first, ne.ranks, ne.plan.epoch, fmt, mine)
     try:
         for a, rows in stores.rows(0, len(ne.positions)):
             files.add(ne.positions[a : a + len(rows)], rows, pad[a : a + len(rows)])

@@ -1,5 +1,5 @@
-"""The owner's role in `shuffle --to-nodes` (tokpack.packer.exchange): node n owns the epoch
-shards i with i mod N = n. It passes each through the epoch shard writer (`hashed_only`: its
+"""The owner's role in `shuffle --to-nodes` (tokpack.packer.exchange): world process q of N*P
+owns the epoch shards i with i mod N*P = q (node n with P = 1). It passes each through the epoch shard writer (`hashed_only`: its
 tokens and index are hashed, not written) in its DEST's scratch, which gives the shard's
 manifest entry exactly as `tokpack shuffle` records it, and sends of it to RUN only the row
 hashes (`.ds.rows`) and a best-fit shard's padding (`.ds.pad`), through RUN's Output."""

@@ -418,6 +418,12 @@ def plan_to_nodes(
             "--keep-sources DIR is not visible from here and RUN lists epochs already: the sources are "
             "taken as kept by the command that wrote them"
         )
+    procs = spec.nodes.procs_per_node or 1
+    if procs > 1:  # the node's bytes are its processes' together; their memory plans are not modelled apart
+        notes.append(
+            f"--procs-per-node {procs}: each node's figures are its {procs} processes' together, planned "
+            f"as one process with the node's --memory (each process plans with --memory / {procs})"
+        )
     # Throughputs: given, or measured where this machine sees the filesystem (one probe each).
     measured: dict = {}
     seen = [_visible(d) for d in dests]
@@ -493,6 +499,7 @@ def plan_to_nodes(
             "world_size": nodes * ranks_per_node,
             "keep_sources": keep_sources,
             "memory": memory,
+            "procs_per_node": procs,
         },
         per_node=per_node,
         run_files=run_files,

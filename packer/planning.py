@@ -48,11 +48,11 @@ def check_nodes(given: dict, nodes, shared_mbps, nic_mbps, executor) -> tuple:
 
     if given.get("to_nodes") is None:
         if any(v is not None for v in (nodes, shared_mbps, nic_mbps)) or any(
-            given.get(k) is not None for k in ("ranks_per_node", "micro_batch", "keep_sources")
+            given.get(k) is not None for k in ("ranks_per_node", "micro_batch", "keep_sources", "procs_per_node")
         ):
             raise TokpackError(
-                "--nodes, --ranks-per-node, --micro-batch, --keep-sources, --shared-mbps and --nic-mbps "
-                "go with --to-nodes DEST",
+                "--nodes, --ranks-per-node, --micro-batch, --keep-sources, --procs-per-node, --shared-mbps and "
+                "--nic-mbps go with --to-nodes DEST",
                 where="to_nodes",
             )
         return nodes, shared_mbps, nic_mbps

@@ -22,14 +22,18 @@ class RankFiles:
     an out-of-core order or a replacement node's reads): each rank file gets its rows in the
     order stage --node writes them, so the bytes do not depend on how the rows were cut."""
 
-    def __init__(self, output: Output, d: Path, rows: RankRows, first: int, ranks, epoch: int, fmt: EpochShardFormat):
+    def __init__(
+        self, output: Output, d: Path, rows: RankRows, first: int, ranks, epoch: int, fmt: EpochShardFormat, mine=None
+    ):
+        """`mine`: the ranks of `ranks` whose files this process writes, when its node's
+        processes share them (its leader readied `d` before: ready_epoch_dir); None: every rank's,
+        `d` readied here."""
         self.rows, self.first, self.fmt, self.last = rows, first, fmt, -1
-        d.mkdir(parents=True, exist_ok=True)
-        output.unfinish(d)
-        remove_tmp_files(d)
+        if mine is None:
+            ready_epoch_dir(output, d)
         self.writers = {}
         try:
-            for r in range(ranks[0], ranks[1] + 1):
+            for r in range(ranks[0], ranks[1] + 1) if mine is None else mine:
                 self.writers[r] = output.open_shard(ShardPlace(str(d), rank_file_name(r), r, epoch=epoch, rank=r), fmt)
         except BaseException:
             self.abort()
@@ -57,6 +61,14 @@ class RankFiles:
     def abort(self) -> None:
         for wr in self.writers.values():
             wr.abort()
+
+
+def ready_epoch_dir(output: Output, d: Path) -> None:
+    """`d`, a slice epoch's folder, ready for its rank files: there, its manifest withdrawn (the
+    epoch is incomplete until they are all written), a killed run's temporary files gone."""
+    d.mkdir(parents=True, exist_ok=True)
+    output.unfinish(d)
+    remove_tmp_files(d)
 
 
 def write_rows(writer, rows: np.ndarray, pad: np.ndarray | None, sel) -> None:

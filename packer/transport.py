@@ -53,7 +53,8 @@ class OnSigterm:
     LAUNCHERS = ("prterun", "mpirun", "mpiexec", "orterun")  # Open MPI's launcher, whose stderr is the user's
 
     def __init__(self):
-        self.node: int | None = None
+        self.node: str | None = None  # the line's name of this process (process_name)
+        self.rank = 0
         self.locks: list = []
         self.previous = None
         self.comm = self.notice = None
@@ -71,10 +72,12 @@ class OnSigterm:
         )
         threading.Thread(target=self._wait, args=(r,), name="tokpack-sigterm", daemon=True).start()
 
-    def attach(self, MPI, comm) -> None:
+    def attach(self, MPI, comm, per_node: int = 1) -> None:
         """Listens for another process's notice that it was stopped (only where MPI lets a
-        second thread call it while the main thread waits in a collective)."""
-        self.node = comm.Get_rank()
+        second thread call it while the main thread waits in a collective). `per_node`: the
+        processes a node (process_name)."""
+        self.rank = comm.Get_rank()
+        self.node = process_name(self.rank, per_node)
         if self.previous is not None and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
             self.comm = comm.Dup()
             self.notice = self.comm.irecv(source=MPI.ANY_SOURCE, tag=self.TAG)
@@ -96,7 +99,7 @@ class OnSigterm:
             pass
         launcher = sender is not None and sender == os.getppid()
         if not told and not OnSigterm.failing:  # at once: the launcher may SIGKILL within 0.25 s
-            node = "" if self.node is None else f"node {self.node}: "
+            node = "" if self.node is None else f"{self.node}: "
             by = f" from the launcher ({_name(sender)})" if launcher else ""
             _to_launcher(
                 f"tokpack: error: {node}stopped by SIGTERM{by}; every node stops. HINT: rerun the same "
@@ -117,7 +120,7 @@ class OnSigterm:
                 return
             time.sleep(self.NOTICE_DELAY)
             sent = [
-                self.comm.isend(self.node, dest=k, tag=self.TAG) for k in range(self.comm.Get_size()) if k != self.node
+                self.comm.isend(self.rank, dest=k, tag=self.TAG) for k in range(self.comm.Get_size()) if k != self.rank
             ]
             deadline = time.monotonic() + 1.0  # a peer already gone never takes it
             while sent and time.monotonic() < deadline:
@@ -228,11 +231,17 @@ class PeerFailed(TokpackError):
     """Another node failed: this one stops too, naming it."""
 
 
-def together(comm, fn):
+def process_name(rank: int, per_node: int = 1) -> str:
+    """How a line names world process `rank` when a node is `per_node` processes (block
+    mapping): its node, and which of the node's processes when there are several."""
+    return f"node {rank}" if per_node == 1 else f"node {rank // per_node} (process {rank % per_node})"
+
+
+def together(comm, fn, per_node: int = 1):
     """Runs `fn` on every process; if any failed, every process raises: its own error, its line
     naming its node, or one line naming the first node that failed (no process is left waiting
-    in a collective)."""
-    node = comm.Get_rank()
+    in a collective). `per_node`: the processes a node (process_name)."""
+    node = process_name(comm.Get_rank(), per_node)
     try:
         result, mine = fn(), None
     except (TokpackError, OSError) as e:
@@ -244,12 +253,12 @@ def together(comm, fn):
     failed = comm.allgather(None if mine is None or isinstance(mine, PeerFailed) else str(mine))
     OnSigterm.failing = OnSigterm.failing or mine is not None or any(line is not None for line in failed)
     if mine is not None:
-        if comm.Get_size() > 1 and not isinstance(mine, PeerFailed) and not mine.message.startswith(f"node {node}: "):
-            mine.message = f"node {node}: {mine.message}"
+        if comm.Get_size() > 1 and not isinstance(mine, PeerFailed) and not mine.message.startswith(f"{node}: "):
+            mine.message = f"{node}: {mine.message}"
         raise mine
     for other, line in enumerate(failed):
         if line is not None:
-            raise PeerFailed(f"node {other} failed: {line}")
+            raise PeerFailed(f"{process_name(other, per_node)} failed: {line}")
     return result
 
 
@@ -275,13 +284,14 @@ def as_error(e: TokpackError | OSError) -> TokpackError:
     return TokpackError(f"{type(e).__name__}: {e.strerror or e}", file=e.filename)
 
 
-def exchange_rounds(comm, MPI, reads, per_round: int, row: int, dtype, route, deliver) -> int:
+def exchange_rounds(comm, MPI, reads, per_round: int, row: int, dtype, route, deliver, per_node: int = 1) -> int:
     """The rounds: every process sends about `per_round` tokens a round of the (pieces, tokens)
     `reads` yields (whole pieces, WIRE_PIECE), each piece to the nodes `route(pieces)` names
     ((destination of each copy, the piece each copy is)), and hands what it receives to
     `deliver(pieces, tokens)`. Every round every process takes part (sending nothing once it has
     read all), until none has anything left; a failure on one (a source shard changed since pack,
-    a full disk while delivering) stops them all at the same round. Returns the rounds."""
+    a full disk while delivering) stops them all at the same round, named as process_name
+    (`per_node`) names them. Returns the rounds."""
     pending: list = []  # (pieces, tokens) read but not sent yet
     rounds, exhausted = 0, False
     # A failure while reading or delivering is reported at the next round's allgather, where
@@ -295,7 +305,7 @@ def exchange_rounds(comm, MPI, reads, per_round: int, row: int, dtype, route, de
             except Exception as e:  # noqa: BLE001 - reported at the next round's allgather, where every process is
                 failure = _held(e)
         take, count = _take(pending, per_round)
-        if not _agree(comm, count, failure):
+        if not _agree(comm, count, failure, per_node):
             return rounds
         rounds += 1
         pieces = np.concatenate([p for p, _ in take]) if take else np.zeros(0, WIRE_PIECE)
@@ -336,7 +346,7 @@ def _take(pending: list, per_round: int) -> tuple[list, int]:
     return take, count
 
 
-def _agree(comm, count: int, failure) -> bool:
+def _agree(comm, count: int, failure, per_node: int = 1) -> bool:
     """Every process's status of this round: raises this one's failure, or names the first
     node that failed; whether any process has tokens to send."""
     status = comm.allgather((count, None if failure is None else peer_line(failure)))
@@ -345,7 +355,7 @@ def _agree(comm, count: int, failure) -> bool:
         raise failure
     for node, (_, line) in enumerate(status):
         if line is not None:
-            raise PeerFailed(f"node {node} failed: {line}")
+            raise PeerFailed(f"{process_name(node, per_node)} failed: {line}")
     return any(c for c, _ in status)
 
 

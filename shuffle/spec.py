@@ -24,13 +24,15 @@ DEFAULT_MEMORY = 4 << 30  # --memory: the whole run's budget, in bytes
 
 @dataclass(frozen=True)
 class NodesSpec:
-    """shuffle --to-nodes (tokpack.packer.exchange): each MPI process writes its node's slice into
-    its local `dest` (`{node}` replaced by the node's number)."""
+    """shuffle --to-nodes (tokpack.packer.exchange): each node's MPI processes write its slice
+    into its local `dest` (`{node}` replaced by the node's number)."""
 
     dest: str
     ranks_per_node: int | None = None
     micro_batch: int | None = None
     keep_sources: str | None = None  # a node-local folder keeping the source shards the node reads
+    # MPI processes a node (None: the launcher's, tokpack.packer.node_procs); --memory is the node's
+    procs_per_node: int | None = None
 
 
 @dataclass(frozen=True)
