@@ -187,3 +187,28 @@ def test_inverse_each_is_each_bijection():
         y = np.arange(n, dtype=np.int64)
         want = np.stack([Bijection(n, "docs", 5, 2, p).inverse(y) for p in range(7, 40)])
         assert np.array_equal(inverse_each(n, ("docs", 5, 2), range(7, 40), y), want)
+
+
+@pytest.mark.parametrize("one_by_one", [False, True])
+@pytest.mark.parametrize("epoch,samples", [(0, 900), (1, 900), (3, 500), (2, 5000)])
+def test_repeats_are_the_brute_count_on_either_path(many, monkeypatch, one_by_one, epoch, samples):
+    """repeat_counts compares the keys of the first two passes an epoch takes when the first is
+    partial: from OneGroupPasses, or from passes packed one by one, through bucket files by
+    document range and then by row range (several of each here: MIN_CHUNK made small)."""
+    big, tiny, few = many
+    if one_by_one:
+        monkeypatch.setattr(packed_plan, "one_group_passes", lambda *a, **k: None)
+        monkeypatch.setattr(packed_plan, "MIN_CHUNK", 8)
+    release_passes()
+    packed_plan._ROWS.clear()
+    opened = [PackedSource.open(p) for p in (big, few, tiny)]
+    plan = packed_epoch_plan(opened, seq_len=31, seed=3, epoch=epoch, weights=["6", "3", "1"], samples=samples)
+    plan = type(plan)(**{**plan.__dict__, "memory": 1 << 12}) if one_by_one else plan
+    table = whole_table(plan, opened)
+    straddled = 0
+    for s, sp in enumerate(plan.sources):
+        repeats, total = plan.repeat_counts(s)
+        assert repeats == brute_repeats(plan, table, s) <= sp.samples, (s, sp)
+        assert total == (None if sp.passes < 2 else sp.samples)
+        straddled += sp.passes >= 2 and plan.chain_start(s) % sp.windows != 0
+    assert straddled or epoch == 0

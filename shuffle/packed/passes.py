@@ -436,8 +436,9 @@ class OneGroupPasses:
         return self.full_rows + len(self.tail_docs)
 
     def batch(self, memory: int) -> int:
-        """Passes a call of `place` holds within `memory` (ten int64 columns a piece and a document)."""
-        return max(1, memory // (80 * (self.pieces + len(self.doc))))
+        """Passes a call of `place` holds within `memory`: a dozen int64 columns a piece, and a
+        document's position and sort (16 columns, the bound counted for both)."""
+        return max(1, memory // (128 * (self.pieces + len(self.doc))))
 
     def place(self, seed: int, s: int, p0: int, p1: int) -> tuple[np.ndarray, ...]:
         """Passes [p0, p1) of source s: (pass, row in the pass, row_offset, doc, doc_offset,
@@ -487,7 +488,7 @@ def one_group_passes(
     key = (*_pass_key(src, 0, 0, 0, row_tokens, group_tokens), holdout)
     if key not in _ONE_GROUP:
         _ONE_GROUP[key] = _one_group(src, row_tokens, group_tokens, holdout)
-        while len(_ONE_GROUP) > 64:
+        while len(_ONE_GROUP) > 8:  # a plan's sources; each is O(documents), dropped with the kept passes
             _ONE_GROUP.pop(next(iter(_ONE_GROUP)))
     found = _ONE_GROUP[key]
     return found if found is not None and found.n <= max(MIN_CHUNK, memory // DOC_STATE_BYTES) else None
