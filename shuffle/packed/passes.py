@@ -2,6 +2,7 @@
 `.ds.index`, permuted per pass by rho_{s,p} (in memory, or through bucket files within a budget),
 cut into groups and packed by best-fit decreasing. A pass read whole is kept while it fits a
 quarter of the caller's budget (iter_pass), since an epoch needs each of its passes three times.
+A source whose pass is one group is read and packed once for all its passes (OneGroupPasses).
 """
 
 from __future__ import annotations
