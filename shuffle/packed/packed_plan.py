@@ -481,9 +481,9 @@ REPEAT_KEY = np.dtype([("doc", "<u8"), ("doc_offset", "<u8"), ("row", "<i8")])  
 def rows_holding_repeats(plan, s: int, src: PackedSource, cut: tuple[int, int]) -> int:
     """The rows [0, cut[1]) of the second pass over source s this epoch touches that hold a
     piece of the first pass's rows [cut[0], ...): the pieces of both go, keyed, to bucket files
-    by document range (or one array when they fit the plan's memory), each bucket names the
-    second pass's rows holding a key of the first, and those go to bucket files by row range,
-    each counted once."""
+    by document range (one file when they fit the plan's memory), each bucket names the second
+    pass's rows holding a key of the first, and those go to bucket files by row range, each
+    counted once. Two passes' pieces, whatever the passes the epoch takes."""
     sp, memory = plan.sources[s], plan.memory
     first, second = sp.first_pass, sp.first_pass + 1
     per_doc = 2 * (1 + src.tokens // max(1, sp.documents * plan.row_tokens))  # pieces of a document in two passes
