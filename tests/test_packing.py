@@ -590,57 +590,68 @@ def test_a_schedule_declares_best_fit(sources, tmp_path):
     assert res.exit_code == 1 and "unknown packing" in res.output and "Traceback" not in res.output
 
 
-def test_repeats_count_the_pieces_an_upsampled_epoch_holds_twice(corpus3):
+def brute_repeats(plan, table, s: int) -> int:
+    """Rows of source s in the epoch's table holding a piece (doc, doc_offset) that a row earlier
+    in its chain holds: from the table alone, each row's chain position by sigma_e's inverse."""
+    sel = table[table["source"] == s]
+    sp = plan.sources[s]
+    chain = plan.order().inverse(sel["g"].astype(np.int64)) - sp.base + plan.chain_start(s)
+    first = {}
+    for c, d, o in sorted(zip(chain.tolist(), sel["doc"].tolist(), sel["doc_offset"].tolist())):
+        first.setdefault((d, o), c)
+    return len(
+        {c for c, d, o in zip(chain.tolist(), sel["doc"].tolist(), sel["doc_offset"].tolist()) if first[d, o] < c}
+    )
+
+
+def test_repeats_count_the_rows_an_upsampled_epoch_holds_twice(corpus3):
+    """Issue 42: `repeats` counted document pieces, so it could exceed the samples; it counts
+    the rows (samples) holding a piece an earlier row of the source holds, out of the samples."""
     plan = packed_epoch_plan(corpus3, seq_len=63, seed=2, epoch=0, weights=["1", "1", "4"], samples=300)
     table = whole_table(plan, corpus3)
     for s, r in enumerate(plan.source_report()):
-        sel = table[table["source"] == s]
-        distinct = len(np.unique(np.stack([sel["doc"], sel["doc_offset"]], axis=1), axis=0))
-        assert r["repeats"] == len(sel) - distinct
-        assert r["repeat_unit"] == "document pieces" and r["repeat_total"] in (None, len(sel))
+        assert r["repeats"] == brute_repeats(plan, table, s) <= r["samples"]
+        assert r["repeat_unit"] == "rows" and r["repeat_total"] in (None, r["samples"])
     assert plan.source_report()[2]["repeats"] > 0  # math is upsampled
 
 
 @pytest.mark.parametrize("epoch", [0, 1, 3])
 @pytest.mark.parametrize("samples,weights", [(300, ["1", "1", "4"]), (120, ["1", "1", "1"]), (900, ["1", "2", "9"])])
 def test_repeats_by_whole_passes_are_the_brute_count(corpus3, epoch, samples, weights):
-    """The repeat count takes a shortcut when the epoch holds one pass of a source whole
-    (every pass holds the same pieces); straddling two partial passes it compares keys. Both
-    are the count of the table's pieces held twice."""
+    """The repeat count takes a shortcut when the epoch's first pass of a source is whole
+    (every pass holds the same pieces); otherwise it compares the keys of its first two
+    passes. Both are the count of the table's rows holding a piece an earlier row holds."""
     plan = packed_epoch_plan(corpus3, seq_len=63, seed=2, epoch=epoch, weights=weights, samples=samples)
     table = whole_table(plan, corpus3)
     for s in range(3):
-        sel = table[table["source"] == s]
-        distinct = len(np.unique(np.stack([sel["doc"], sel["doc_offset"]], axis=1), axis=0))
         repeats, total = plan.repeat_counts(s)
-        assert repeats == len(sel) - distinct and total in (None, len(sel)), (s, plan.sources[s])
+        assert repeats == brute_repeats(plan, table, s), (s, plan.sources[s])
+        assert total in (None, plan.sources[s].samples)
         assert (total is None) == (plan.sources[s].passes < 2)
 
 
 def test_a_best_fit_repeat_warning_counts_one_unit(corpus3, tmp_path):
     """Issue 32: the line said '198 of its 100 samples repeat': a count of pieces over a total
-    of samples. Now both are pieces, in shuffle's summary, its warning and plan's."""
+    of samples. Issue 42: both are rows (the samples), in shuffle's summary, its warning and plan's."""
     from tokpack.shuffle.run import repeat_warnings
 
     plan = packed_epoch_plan(corpus3, seq_len=63, seed=2, epoch=0, weights=["1", "1", "4"], samples=300)
-    table = whole_table(plan, corpus3)
     report = plan.source_report()
     math = report[2]
-    pieces = int((table["source"] == 2).sum())
-    assert math["repeat_total"] == pieces and 0 < math["repeats"] < pieces
+    samples = plan.sources[2].samples
+    assert math["repeat_total"] == samples and 0 < math["repeats"] < samples
     [line] = repeat_warnings(0, report)
-    assert f"{math['repeats']} of its {pieces} document pieces repeat" in line and "samples repeat" not in line
+    assert f"{math['repeats']} of its {samples} rows repeat a piece" in line and "pieces repeat" not in line
     args = ["--seq-len", "63", "--seed", "2", "--epochs", "1", "--samples", "300", "--packing", "best-fit"]
     srcs = [f"{p.path}={w}" for p, w in zip(corpus3, ["1", "1", "4"])]
     for command in (["shuffle"], ["plan", "shuffle"]):
         res = CliRunner().invoke(main, [*command, *srcs, "-o", str(tmp_path / "o"), *args])
         assert res.exit_code == 0, res.output
         warned = [x for x in res.stderr.splitlines() if "more than once" in x]
-        assert len(warned) == 1 and f"{math['repeats']} of its {pieces} document pieces" in warned[0], res.stderr
-        assert (
-            f"{math['repeats']:,} document pieces repeated" in res.stdout
-            or f"{math['repeats']} document pieces repeated" in res.stdout
-        ), res.stdout
+        assert len(warned) == 1 and f"{math['repeats']} of its {samples} rows" in warned[0], res.stderr
+        assert f"{math['repeats']:,} rows repeated" in res.stdout or f"{math['repeats']} rows repeated" in res.stdout, (
+            res.stdout
+        )
 
 
 def test_an_upsampled_best_fit_epoch_packs_each_pass_once(tmp_path, monkeypatch):
@@ -660,6 +671,8 @@ def test_an_upsampled_best_fit_epoch_packs_each_pass_once(tmp_path, monkeypatch)
     passes._PASSES.clear()
     passes._PASSES_BYTES[0] = 0
     packed_plan._ROWS.clear()
+    # the passes packed one by one (a source of one group a pass takes no pass: test_bestfit_repeated.py)
+    monkeypatch.setattr(packed_plan, "one_group_passes", lambda *a, **k: None)
     calls, folders = collections.Counter(), []
     real_pack, real_scratch = passes._pack_pass, passes.scratch
     monkeypatch.setattr(passes, "_pack_pass", lambda src, s, p, *a: calls.update([(s, p)]) or real_pack(src, s, p, *a))
@@ -726,6 +739,7 @@ def test_plan_counts_the_pieces_an_upsampled_epoch_packs(tmp_path, monkeypatch):
     packed_plan._PIECES.clear()
     passes._PASSES.clear()
     passes._PASSES_BYTES[0] = 0
+    monkeypatch.setattr(packed_plan, "one_group_passes", lambda *a, **k: None)  # passes packed one by one
     packed, real_pack = [], passes._pack_pass
 
     def counting(*a):

@@ -25,6 +25,7 @@ from .passes import (
     check_real,
     document_count,
     iter_pass,
+    one_group_passes,
     pass_scratch,
     permuted_documents,
     scratch,
@@ -99,69 +100,42 @@ class PackedPlan:
         return self.sources[s].passes
 
     def repeats(self, s: int) -> int:
-        """Pieces (documents or fragments) of source s this epoch holds more than once: nonzero
-        when its chain range spans more than one pass (upsampled, or straddling two)."""
+        """Samples (rows) of source s this epoch holds that hold a piece an earlier row of its
+        chain holds: nonzero when its chain range spans more than one pass (upsampled, or
+        straddling two). At most its samples."""
         return self.repeat_counts(s)[0]
 
     def repeat_counts(self, s: int) -> tuple[int, int | None]:
-        """(the pieces of source s that repeat a piece the epoch holds already, the epoch's
-        pieces of s): one unit, pieces, for both (a pass's rows are packed afresh, so a
-        row never repeats a row; its pieces do). The total is None when no pass repeats (not
-        counted). Out of core: the epoch's pieces of s go to bucket files by document range,
-        and each bucket counts its duplicates."""
+        """(the rows of source s that hold a piece (a document or a fragment) an earlier row of
+        its chain in this epoch holds, its samples): one unit, rows, the samples' (a pass's
+        rows are packed afresh, so a row never repeats a row; its pieces repeat), as the window
+        plan counts samples. None for the total when it takes one pass (not counted).
+
+        Every pass holds every piece once, so the first pass the epoch takes whole holds every
+        piece: each row after it repeats. The rows before it are those of the first pass, which
+        repeat nothing, and (when that is partial) of the second, whose rows repeat when they
+        hold a piece of the first's part (compared by keys, rows_holding_repeats)."""
         sp = self.sources[s]
         if sp.passes < 2:
             return 0, None
         src = PackedSource.open(sp.path, check_sizes=False)
-        memory = self.memory
-        # A document is cut the same way in every pass (full rows, then its tail), so every pass
-        # holds the same pieces, once each: when the epoch takes one pass whole, the distinct
-        # pieces are that pass's, and only the pieces counted per pass are needed (no keys).
         lo, hi = self.chain_start(s), self.chain_start(s) + sp.samples
-        starts = [pass_start(self, s, sp.first_pass, src)]
-        for p in range(sp.first_pass, sp.first_pass + sp.passes):
-            starts.append(starts[-1] + pass_rows(self, s, p, src))
-        if any(lo <= x and y <= hi for x, y in zip(starts, starts[1:])):
-            taken = whole = 0
-            for p, at, end in zip(range(sp.first_pass, sp.first_pass + sp.passes), starts, starts[1:]):
-                a, b = lo - at, hi - at
-                with pass_scratch(src, memory) as d:
-                    n = sum(
-                        int(((row >= a) & (row < b)).sum())
-                        for _, _, (row, *_) in iter_pass(
-                            src, s, p, self.seed, self.row_tokens, self.group_tokens, memory, d, self.holdout_of(s)
-                        )
-                    )
-                if lo <= at and end <= hi:
-                    whole = n
-                taken += n
-            return taken - whole, taken
-        per = max(
-            MIN_CHUNK,
-            memory // (KEY.itemsize * 4 * sp.passes * (1 + src.tokens // max(1, sp.documents * self.row_tokens))),
-        )
-        with scratch() as d:
-            from pathlib import Path
-
-            files = Buckets(Path(d), "keys")
-            pieces = 0
-            for _, ro, doc, do, *_ in chain_pieces(self, s, src, memory, d):
-                keys = np.empty(len(doc), KEY)
-                keys["doc"], keys["doc_offset"] = doc, do
-                files.append(doc // per, keys)
-                pieces += len(doc)
-            repeats = 0
-            for b in files.names():
-                keys = files.read(b, KEY)
-                repeats += len(keys) - len(np.unique(keys))
-            return int(repeats), int(pieces)
+        p0 = sp.first_pass
+        at0 = pass_start(self, s, p0, src)
+        at1 = at0 + pass_rows(self, s, p0, src)
+        if lo == at0:  # the first pass is whole
+            return hi - at1, sp.samples
+        end1 = at1 + pass_rows(self, s, p0 + 1, src)
+        later = max(0, hi - end1)  # the rows after the second pass, which is whole when they exist
+        return later + rows_holding_repeats(self, s, src, (lo - at0, hi - at1)), sp.samples
 
     def source_report(self) -> list[dict]:
-        """As the window plan's, but `repeats` counts document pieces, out of `repeat_total`
-        pieces (`repeat_unit` names the unit for the summary and the warnings)."""
+        """As the window plan's: `repeats` counts the samples (rows) that hold a piece the
+        epoch's earlier rows of the source hold, out of `repeat_total` samples (`repeat_unit`
+        names them rows for the summary and the warnings, since no row repeats a row)."""
         report = []
         for i, s in enumerate(self.sources):
-            repeats, pieces = self.repeat_counts(i)
+            repeats, total = self.repeat_counts(i)
             report.append(
                 {
                     "name": s.name,
@@ -173,8 +147,8 @@ class PackedPlan:
                     "passes": s.passes,
                     "first_pass": s.first_pass,
                     "repeats": repeats,
-                    "repeat_total": pieces,
-                    "repeat_unit": "document pieces",
+                    "repeat_total": total,
+                    "repeat_unit": "rows",
                 }
             )
         return report
@@ -229,11 +203,22 @@ def _rows_key(plan, s: int, p: int) -> tuple:
     return (sp.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens, sp.held, plan.split)
 
 
+def one_group_of(plan, s: int, src: PackedSource, memory: int | None = None):
+    """Source s's passes as one_group_passes gives them (None: packed one by one)."""
+    return one_group_passes(
+        src, plan.row_tokens, plan.group_tokens, plan.memory if memory is None else memory, plan.holdout_of(s)
+    )
+
+
 def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
     """R_{s,p}, the rows of pass p over source s: the pass is packed group by group (iter_pass,
-    bounded by the plan's memory) and counted; the count is kept."""
+    bounded by the plan's memory) and counted; the count is kept. A source of one group a pass
+    has the same rows every pass, counted once (OneGroupPasses)."""
     key = _rows_key(plan, s, p)
     if key not in _ROWS:
+        one = one_group_of(plan, s, src)
+        if one is not None:
+            return one.rows
         rows = pieces = 0
         with pass_scratch(src, plan.memory) as d:
             for _, n, (row, *_) in iter_pass(
@@ -250,15 +235,20 @@ def epoch_pieces(plan, s: int) -> tuple[int, int] | None:
     those passes' rows in this process (pass_rows), else None. For `tokpack plan`'s time."""
     sp = plan.sources[s]
     lo, hi = plan.chain_start(s), plan.chain_start(s) + sp.samples
+    one = one_group_of(plan, s, PackedSource.open(sp.path, check_sizes=False)) if sp.passes else None
     packed = taken = 0.0
     at = None
     for p in range(sp.first_pass, sp.first_pass + sp.passes):
-        key = _rows_key(plan, s, p)
-        if key not in _PIECES:
-            return None
-        if at is None:
-            at = sum(_ROWS.get(_rows_key(plan, s, k), 0) for k in range(p))
-        rows, pieces = _ROWS[key], _PIECES[key]
+        if one is not None:
+            rows, pieces = one.rows, one.pieces
+            at = p * rows if at is None else at
+        else:
+            key = _rows_key(plan, s, p)
+            if key not in _PIECES:
+                return None
+            if at is None:
+                at = sum(_ROWS.get(_rows_key(plan, s, k), 0) for k in range(p))
+            rows, pieces = _ROWS[key], _PIECES[key]
         share = max(0, min(hi, at + rows) - max(lo, at)) / max(1, rows)
         packed, taken, at = packed + pieces, taken + pieces * share, at + rows
     return int(packed), int(taken)
@@ -266,11 +256,18 @@ def epoch_pieces(plan, s: int) -> tuple[int, int] | None:
 
 def pass_start(plan, s: int, p: int, src: PackedSource) -> int:
     """Chain position of the first row of pass p: the rows of passes 0..p-1."""
+    one = one_group_of(plan, s, src)
+    if one is not None:
+        return p * one.rows
     return sum(pass_rows(plan, s, k, src) for k in range(p))
 
 
 def _locate_chain(plan, s: int, lo: int, n: int, src: PackedSource) -> tuple[int, int, tuple[int, ...]]:
     """(first pass, passes, their row counts) covering chain positions [lo, lo + n)."""
+    one = one_group_of(plan, s, src)
+    if one is not None:  # every pass the same rows: arithmetic
+        first, last = lo // one.rows, (lo + n - 1) // one.rows
+        return first, last - first + 1, (one.rows,) * (last - first + 1)
     p, at = 0, 0
     while True:
         r = pass_rows(plan, s, p, src)
@@ -450,9 +447,19 @@ def packed_plan_from_manifest(
 def chain_pieces(plan, s: int, src: PackedSource, memory: int, scratch: str | None):
     """The pieces of source s this epoch takes, group by group: (chain-derived output position
     q = base + chain position - cursor, row_offset, doc, doc_offset, length, first token in
-    the stream, the document's length), passes packed by iter_pass."""
+    the stream, the document's length, the pass), passes packed by iter_pass; a source of one
+    group a pass (OneGroupPasses), a batch of passes at a time within `memory`."""
     sp = plan.sources[s]
     lo, hi = plan.chain_start(s), plan.chain_start(s) + sp.samples
+    one = one_group_of(plan, s, src, memory)
+    if one is not None:
+        end, step = sp.first_pass + sp.passes, one.batch(memory)
+        for p0 in range(sp.first_pass, end, step):
+            p, row, *rest = one.place(plan.seed, s, p0, min(end, p0 + step))
+            chain = p * one.rows + row
+            sel = np.flatnonzero((chain >= lo) & (chain < hi))
+            yield (sp.base + chain[sel] - lo, *(c[sel] for c in rest), p[sel])
+        return
     at = pass_start(plan, s, sp.first_pass, src)
     for p in range(sp.first_pass, sp.first_pass + sp.passes):
         a, b = lo - at, hi - at  # the pass's rows this epoch takes
@@ -464,8 +471,56 @@ def chain_pieces(plan, s: int, src: PackedSource, memory: int, scratch: str | No
             if first >= b:
                 break
             sel = np.flatnonzero((row >= a) & (row < b))
-            yield (sp.base + at + row[sel] - lo, *(c[sel] for c in rest))
+            yield (sp.base + at + row[sel] - lo, *(c[sel] for c in rest), np.full(len(sel), p, np.int64))
         at += pass_rows(plan, s, p, src)
+
+
+REPEAT_KEY = np.dtype([("doc", "<u8"), ("doc_offset", "<u8"), ("row", "<i8")])  # row -1: a piece of the first pass
+
+
+def rows_holding_repeats(plan, s: int, src: PackedSource, cut: tuple[int, int]) -> int:
+    """The rows [0, cut[1]) of the second pass over source s this epoch touches that hold a
+    piece of the first pass's rows [cut[0], ...): the pieces of both go, keyed, to bucket files
+    by document range (one file when they fit the plan's memory), each bucket names the second
+    pass's rows holding a key of the first, and those go to bucket files by row range, each
+    counted once. Two passes' pieces, whatever the passes the epoch takes."""
+    sp, memory = plan.sources[s], plan.memory
+    first, second = sp.first_pass, sp.first_pass + 1
+    per_doc = 2 * (1 + src.tokens // max(1, sp.documents * plan.row_tokens))  # pieces of a document in two passes
+    per = max(MIN_CHUNK, memory // (4 * REPEAT_KEY.itemsize * per_doc))  # documents a bucket
+    per_row = max(MIN_CHUNK, memory // (4 * 8))
+    one = one_group_of(plan, s, src)
+    with scratch() as d:
+        from pathlib import Path
+
+        keys, rows = Buckets(Path(d), "keys"), Buckets(Path(d), "rows")
+        if one is not None:
+            p, row, _, doc, do, *_ = one.place(plan.seed, s, first, second + 1)
+            parts = [(row[p == q], doc[p == q], do[p == q], q == second) for q in (first, second)]
+        else:
+            parts = (
+                (row, doc, do, p == second)
+                for p in (first, second)
+                for _, _, (row, _, doc, do, *_) in iter_pass(
+                    src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, memory, d, plan.holdout_of(s)
+                )
+            )
+        for row, doc, do, later in parts:
+            sel = row < cut[1] if later else row >= cut[0]
+            rec = np.empty(int(sel.sum()), REPEAT_KEY)
+            rec["doc"], rec["doc_offset"], rec["row"] = doc[sel], do[sel], row[sel] if later else -1
+            if len(rec):
+                keys.append(rec["doc"].astype(np.int64) // per, rec)
+        for b in keys.names():
+            rec = keys.read(b, REPEAT_KEY)
+            rec = rec[np.lexsort((rec["row"], rec["doc_offset"], rec["doc"]))]
+            new = np.ones(len(rec), bool)
+            new[1:] = (rec["doc"][1:] != rec["doc"][:-1]) | (rec["doc_offset"][1:] != rec["doc_offset"][:-1])
+            head = rec["row"][np.flatnonzero(new)][np.cumsum(new) - 1]  # the row of its key's first record
+            hit = rec["row"][(rec["row"] >= 0) & (head < 0)]
+            if len(hit):
+                rows.append(hit // per_row, hit)
+        return sum(len(np.unique(rows.read(b, "<i8"))) for b in rows.names())
 
 
 def plan_options(pad_id: int | None = None, group_tokens: int | None = None) -> dict:

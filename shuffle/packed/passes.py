@@ -2,6 +2,7 @@
 `.ds.index`, permuted per pass by rho_{s,p} (in memory, or through bucket files within a budget),
 cut into groups and packed by best-fit decreasing. A pass read whole is kept while it fits a
 quarter of the caller's budget (iter_pass), since an epoch needs each of its passes three times.
+A source whose pass is one group is read and packed once for all its passes (OneGroupPasses).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tokpack.formats.io import open_append, read_array, regular_size
 from tokpack.formats.shards import PackedSource
 
 from ..holdout import Holdout
-from ..permutation import Bijection
+from ..permutation import Bijection, inverse_each
 
 _BIG = 1 << 40  # BFD keys: remaining capacity * _BIG + row, so one sorted int list orders by (capacity, row)
 
@@ -312,6 +313,7 @@ def release_passes() -> None:
     _PASSES.clear()
     _PASSES_BYTES[0] = 0
     _DOCS.clear()
+    _ONE_GROUP.clear()
 
 
 def _pass_key(src: PackedSource, s: int, p: int, seed: int, row_tokens: int, group_tokens: int) -> tuple:
@@ -396,6 +398,145 @@ _LENGTHS: dict[str, np.ndarray] = {}  # fingerprint -> document lengths, filled 
 def _pass_cached(fingerprint: str, seed: int, s: int, p: int, row_tokens: int, group_tokens: int) -> PassRows:
     lengths = _LENGTHS[fingerprint]
     return pack_pass(lengths, Bijection(max(len(lengths), 1), "docs", seed, s, p), row_tokens, group_tokens)
+
+
+# -------------------------------------------------------------------- a source of one group a pass
+
+
+@dataclass(frozen=True, eq=False)
+class OneGroupPasses:
+    """Every pass over a source whose pass is one group (its tokens, but for its shortest
+    document, fewer than G: no prefix of any order reaches G). Such passes all hold the same
+    pieces in the same rows at the same offsets: best-fit decreasing places tails by length,
+    and the lengths are the pass's whatever its order; the order only decides which document
+    takes a full row's place (in position order) and which of equal tails takes which slot
+    (ties by position). So the rows are counted and best-fit packed once, and a batch of
+    passes is the order's choices for all of them at once (inverse_each): a source drawn
+    20,000 times costs what its rows cost, not 20,000 packings (issue 42). The pieces are
+    those pack_group gives each pass, in its order."""
+
+    n: int  # the order's domain: D_s
+    doc: np.ndarray  # the documents a pass holds (held-out ones dropped), ascending
+    start: np.ndarray  # each one's first token in the stream
+    length: np.ndarray
+    full_of: np.ndarray  # the full rows of each
+    full_docs: np.ndarray  # which of them have full rows (indices into doc)
+    tail_docs: np.ndarray  # which have a tail, by tail length descending
+    tail_rank: np.ndarray  # of each of tail_docs: how many distinct tail lengths are longer
+    slot_row: np.ndarray  # per tail slot, in (row, offset) order: its row after the full rows
+    slot_offset: np.ndarray
+    slot_of: np.ndarray  # per slot in that order, its place in tail_docs' order
+    full_rows: int
+    rows: int  # R_{s,p}, every pass
+    row_tokens: int
+    fixed: bool  # no choice is left to the order: every pass is the same
+
+    @property
+    def pieces(self) -> int:
+        """Pieces a pass holds."""
+        return self.full_rows + len(self.tail_docs)
+
+    def batch(self, memory: int) -> int:
+        """Passes a call of `place` holds within `memory`: a dozen int64 columns a piece, and a
+        document's position and sort (16 columns, the bound counted for both)."""
+        return max(1, memory // (128 * (self.pieces + len(self.doc))))
+
+    def place(self, seed: int, s: int, p0: int, p1: int) -> tuple[np.ndarray, ...]:
+        """Passes [p0, p1) of source s: (pass, row in the pass, row_offset, doc, doc_offset,
+        length, first token in the stream, the document's length) per piece, passes in order,
+        each pass's pieces by (row, row_offset), as pack_group orders them."""
+        count, nf = p1 - p0, self.full_rows
+        if self.fixed or count == 0:
+            full = np.broadcast_to(self.full_docs, (count, len(self.full_docs)))
+            tails = np.broadcast_to(self.tail_docs, (count, len(self.tail_docs)))
+        else:
+            pos = inverse_each(self.n, ("docs", seed, s), range(p0, p1), self.doc)  # each document's position
+            full = self.full_docs[np.argsort(pos[:, self.full_docs], axis=1, kind="stable")]
+            key = self.tail_rank * self.n + pos[:, self.tail_docs]  # tail descending, then position
+            tails = self.tail_docs[np.argsort(key, axis=1, kind="stable")]
+        counts = self.full_of[full].ravel()
+        which_full = np.repeat(full.ravel(), counts).reshape(count, nf)
+        first = (np.cumsum(self.full_of[full], axis=1) - self.full_of[full]).ravel()
+        fragment = np.arange(nf, dtype=np.int64) - np.repeat(first, counts).reshape(count, nf)
+        which_tail = tails[:, self.slot_of]
+        which = np.concatenate([which_full, which_tail], axis=1)
+        r = self.row_tokens
+        doc_offset = np.concatenate([fragment * r, self.full_of[which_tail] * r], axis=1)
+        length = np.concatenate(
+            [np.full((count, nf), r, np.int64), self.length[which_tail] - self.full_of[which_tail] * r], axis=1
+        )
+        m = self.pieces
+        row = np.tile(np.concatenate([np.arange(nf, dtype=np.int64), nf + self.slot_row]), count)
+        offset = np.tile(np.concatenate([np.zeros(nf, np.int64), self.slot_offset]), count)
+        which, doc_offset, length = which.ravel(), doc_offset.ravel(), length.ravel()
+        return (
+            np.repeat(np.arange(p0, p1, dtype=np.int64), m),
+            row,
+            offset,
+            self.doc[which],
+            doc_offset,
+            length,
+            self.start[which] + doc_offset,
+            self.length[which],
+        )
+
+
+def one_group_passes(
+    src: PackedSource, row_tokens: int, group_tokens: int, memory: int, holdout: "Holdout | None" = None
+) -> OneGroupPasses | None:
+    """The source's passes as OneGroupPasses when its pass is one group and its documents fit
+    `memory` (as permuted_documents holds them), else None (each pass packed by iter_pass)."""
+    key = (*_pass_key(src, 0, 0, 0, row_tokens, group_tokens), holdout)
+    if key not in _ONE_GROUP:
+        _ONE_GROUP[key] = _one_group(src, row_tokens, group_tokens, holdout)
+        while len(_ONE_GROUP) > 8:  # a plan's sources; each is O(documents), dropped with the kept passes
+            _ONE_GROUP.pop(next(iter(_ONE_GROUP)))
+    found = _ONE_GROUP[key]
+    return found if found is not None and found.n <= max(MIN_CHUNK, memory // DOC_STATE_BYTES) else None
+
+
+_ONE_GROUP: dict[tuple, "OneGroupPasses | None"] = {}
+
+
+def _one_group(src: PackedSource, row_tokens: int, group_tokens: int, holdout) -> OneGroupPasses | None:
+    check_real(src)
+    d = document_count(src)
+    if d == 0 or src.tokens - 1 >= group_tokens:  # cheap refusals before any read (a document holds a token)
+        return None
+    parts = list(source_documents(src, d))
+    doc, start, length = (np.concatenate([q[i] for q in parts]) for i in range(3))
+    if holdout is not None:
+        keep = ~holdout.left_out(doc)
+        doc, start, length = doc[keep], start[keep], length[keep]
+    if not len(doc) or int(length.sum()) - int(length.min()) >= group_tokens:
+        return None
+    full_of, tail = length // row_tokens, length % row_tokens
+    full_docs = np.flatnonzero(full_of)
+    has = np.flatnonzero(tail)
+    tail_docs = has[np.argsort(-tail[has], kind="stable")]
+    sorted_tails = tail[tail_docs]
+    _, tail_rank = np.unique(-sorted_tails, return_inverse=True)
+    # best-fit decreasing of the tails in that order (ties already broken: positions 0, 1, ...)
+    row, offset, opened = best_fit_decreasing(sorted_tails, np.arange(len(has), dtype=np.int64), row_tokens)
+    slot_of = np.lexsort((offset, row))
+    nf = int(full_of.sum())
+    return OneGroupPasses(
+        n=max(d, 1),
+        doc=doc,
+        start=start,
+        length=length,
+        full_of=full_of,
+        full_docs=full_docs,
+        tail_docs=tail_docs,
+        tail_rank=tail_rank.astype(np.int64).ravel(),
+        slot_row=row[slot_of],
+        slot_offset=offset[slot_of],
+        slot_of=slot_of,
+        full_rows=nf,
+        rows=nf + opened,
+        row_tokens=row_tokens,
+        fixed=len(full_docs) <= 1 and len(np.unique(sorted_tails)) == len(sorted_tails),
+    )
 
 
 def source_pass(plan, s: int, p: int) -> PassRows:

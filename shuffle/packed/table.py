@@ -63,8 +63,8 @@ def row_padding(table: np.ndarray, samples: int, row_tokens: int, g0: int = 0) -
 class RowFigures:
     """What the summaries show of a best-fit epoch's rows (shuffle's summary and manifest,
     `inspect`, `plan`), counted over the pieces chain_pieces yields: one call per group of
-    one pass, which holds every piece of its rows and of its documents, so each count is exact
-    without holding the table."""
+    one pass (or batch of whole passes), which holds every piece of its rows and of its
+    documents, so each count is exact without holding the table."""
 
     row_tokens: int
     padding_tokens: int = 0
@@ -73,8 +73,18 @@ class RowFigures:
     # counted as the loader counts them (formats/shards.py row_segments: a segment starting at the
     # row's last token, a label only, is not one): the smallest max_documents that reads the epoch
 
-    def add(self, q: np.ndarray, offset: np.ndarray, doc: np.ndarray, length: np.ndarray, full: np.ndarray) -> None:
-        """One group's pieces: output position, offset in its row, document, length, the document's length."""
+    def add(
+        self,
+        q: np.ndarray,
+        offset: np.ndarray,
+        doc: np.ndarray,
+        length: np.ndarray,
+        full: np.ndarray,
+        passes: np.ndarray | None = None,
+    ) -> None:
+        """Pieces holding every piece of their rows and documents (a group, or a batch of
+        passes): output position, offset in its row, document, length, the document's length,
+        and the pass of each (None: all of one pass), for a document cut counts once a pass."""
         if not len(q):
             return
         _, row = np.unique(q, return_inverse=True)
@@ -88,7 +98,14 @@ class RowFigures:
             self.row_tokens,
         )
         self.max_documents_per_row = max(self.max_documents_per_row, int(segments.max()))
-        self.documents_cut += int(np.unique(doc[length < full]).size)
+        cut = length < full
+        if passes is None:
+            self.documents_cut += int(np.unique(doc[cut]).size)
+        else:
+            d, p = doc[cut].astype(np.int64), passes[cut]
+            at = np.lexsort((d, p))
+            d, p = d[at], p[at]
+            self.documents_cut += int(np.count_nonzero((d[1:] != d[:-1]) | (p[1:] != p[:-1]))) + (len(d) > 0)
 
     def fields(self) -> dict:
         """The epoch manifest's `packing` fields of these figures (padding_tokens is recorded apart)."""
@@ -102,8 +119,8 @@ def row_figures(plan, sources: list[PackedSource], memory: int) -> RowFigures:
     with scratch() as d:
         for s, sp in enumerate(plan.sources):
             if sp.samples:
-                for q, ro, doc, _, ln, _, full in chain_pieces(plan, s, sources[s], memory, d):
-                    figures.add(q, ro, doc, ln, full)
+                for q, ro, doc, _, ln, _, full, p in chain_pieces(plan, s, sources[s], memory, d):
+                    figures.add(q, ro, doc, ln, full, p)
     return figures
 
 
@@ -254,9 +271,9 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
 
     with scratch(tmp) as perm_scratch:
         for s in used:
-            for q, ro, doc, do, ln, start, full in chain_pieces(plan, s, sources[s], memory, perm_scratch):
+            for q, ro, doc, do, ln, start, full, p in chain_pieces(plan, s, sources[s], memory, perm_scratch):
                 problems.update(_cut_problems(ln, do, ro, full, plan.row_tokens))
-                figures.add(q, ro, doc, ln, full)
+                figures.add(q, ro, doc, ln, full, p)
                 rec = np.empty(len(q), _BUILD)
                 rec["g"], rec["row_offset"], rec["source"] = order.forward(q), ro, s
                 rec["doc"], rec["doc_offset"], rec["length"], rec["start"] = doc, do, ln, start
