@@ -18,6 +18,8 @@ WIRE_PIECE = np.dtype([("g", "<i8"), ("row_offset", "<u4"), ("length", "<u4")])
 # hundreds of tokens); shorter ones by an index of their tokens, RANGE_CHUNK tokens at a time.
 LONG_PIECE = 128
 RANGE_CHUNK = 1 << 20
+# Whole rows placed as runs of the receive buffer when the runs average at least this many rows.
+MIN_RUN_ROWS = 8
 
 
 def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -73,7 +75,18 @@ def place(
     lengths = pieces["length"].astype(np.int64)
     row = store.shape[1]
     if not pieces["row_offset"].any() and whole_rows(tokens, starts, lengths, row):
-        store[at] = tokens.reshape(-1, row)[starts // row]
+        # Whole rows arrive in runs (a sender's rows for this node, then those for the shards it
+        # owns): each run is a view of the receive buffer, copied once into its store rows, where
+        # indexing the buffer by row would copy every row twice (a temporary, then the store).
+        # Runs of a few rows (a row this node both keeps and owns is placed twice, out of the
+        # runs) cost more in Python than the temporary: indexed at once then.
+        src, idx = tokens.reshape(-1, row), starts // row
+        cuts = [0, *(np.flatnonzero(np.diff(idx) != 1) + 1).tolist(), len(idx)]
+        if len(cuts) > 2 + len(idx) // MIN_RUN_ROWS:
+            store[at] = src[idx]
+            cuts = []
+        for a, b in zip(cuts, cuts[1:]):
+            store[at[a:b]] = src[idx[a] : idx[a] + b - a]
     else:
         copy_pieces(store.reshape(-1), at * row + pieces["row_offset"].astype(np.int64), tokens, starts, lengths)
     np.subtract.at(pad, at, lengths)  # a row filled twice goes below 0: exchange_epoch's check

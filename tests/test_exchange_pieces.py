@@ -5,6 +5,7 @@ every path against a brute copy, and the rows' unfilled counts."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -121,3 +122,25 @@ def test_a_round_reads_at_most_max_round_bytes_whatever_memory_allows():
     assert memory_plan(node(4097), (1 << 20) + 32 * 50_000) == (50_000, None)  # below the cap: --memory's
     long_row = MAX_ROUND_BYTES  # tokens: 4 rows are 8x the cap
     assert memory_plan(node(long_row), 1 << 40) == (MIN_ROUND_ROWS * long_row, None)
+
+
+@pytest.mark.parametrize("runs", [1, 2, 7, 300])
+def test_whole_rows_placed_by_runs_of_the_receive_buffer_equal_a_row_by_row_copy(runs):
+    """`place` copies each run of consecutive buffer rows as one view (a sender's block for this
+    node, then its owned rows), and short runs by index: both give what a row-by-row copy gives,
+    wherever the runs start and whatever the rows' destinations."""
+    rng = np.random.default_rng(runs)
+    row, R = 16, 600
+    tokens = rng.integers(0, 1000, R * row).astype(np.uint16)
+    blocks = np.array_split(rng.permutation(R) if runs == 300 else np.arange(R), runs)
+    order = np.concatenate([blocks[i] for i in rng.permutation(len(blocks))])  # runs out of buffer order
+    pieces = np.zeros(R, WIRE_PIECE)
+    pieces["length"] = row
+    at = rng.permutation(2 * R)[:R]
+    store, pad = np.zeros((2 * R, row), np.uint16), np.full(2 * R, row, np.int64)
+    place(store, pad, at, pieces, tokens, order * row)
+    want = np.zeros_like(store)
+    for k, i in enumerate(order):
+        want[at[k]] = tokens[i * row : (i + 1) * row]
+    assert np.array_equal(store, want)
+    assert (pad[at] == 0).all() and (np.delete(pad, at) == row).all()
