@@ -93,6 +93,7 @@ from tokpack.packer.node_reads import source_pieces
 from tokpack.packer.node_report import counted, epoch_detail, reading_bar, run_summary
 from tokpack.packer.node_store import open_stores, receive, write_slice_epoch
 from tokpack.packer.owned_shards import hash_owned_shards
+from tokpack.packer.phases import Phases, TimedRows, collecting, count, phase, process_cpu, timed
 from tokpack.packer.slicing import slice_ranks
 from tokpack.packer.transport import OnSigterm, exchange_rounds, together, world
 from tokpack.shuffle import packings
@@ -116,11 +117,18 @@ def exchange_epoch(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | No
     P = len(ne.positions)
 
     def deliver(got_pieces, got_tokens):
-        receive(ne, stores, pad, got_pieces, got_tokens)
+        with phase("place" if layout is None else "bucket_write", got_tokens.nbytes):
+            receive(ne, stores, pad, got_pieces, got_tokens)
+
+    def routes(pieces):
+        routed = ne.routes(pieces)
+        count("route", int(pieces["length"][routed[1]].sum()) * job.token_dtype.itemsize)
+        return routed
 
     with reading_bar(ne, shown) as bar:
-        reads = counted(source_pieces(ne, per_round), bar)
-        rounds = exchange_rounds(comm, MPI, reads, per_round, row, job.token_dtype, ne.routes, deliver)
+        reads = counted(timed("cut", source_pieces(ne, per_round), lambda item: item[1].nbytes), bar)
+        with phase("route"):
+            rounds = exchange_rounds(comm, MPI, reads, per_round, row, job.token_dtype, routes, deliver)
     stores.finish()
     if len(pad) and (pad.min() < 0 or (not ne.padded and pad.max() > 0)):
         raise TokpackError(
@@ -280,20 +288,25 @@ def _run(mpi, spec: ShuffleSpec, out: Path, dest: Path, template: str, ranks, w,
             return per_round, layout
 
         per_round, layout = together(comm, sized)
-        stores, keep_pad, owned_pad, rounds = together(
-            comm, lambda: exchange_epoch(comm, MPI, ne, per_round, layout, shown)
-        )
+        phases, cpu0 = Phases(), process_cpu()  # this epoch's CPU by phase (tokpack.packer.phases)
+        with collecting(phases):
+            stores, keep_pad, owned_pad, rounds = together(
+                comm, lambda: exchange_epoch(comm, MPI, ne, per_round, layout, shown)
+            )
+        stores = stores if layout is None else TimedRows(stores)  # out of core: the buckets read back
         if fmt.padded:  # every row is some node's and some owner's: both sums are the table's padding
             sums = comm.allreduce(np.array([keep_pad.sum(), owned_pad.sum()], dtype=np.int64)).tolist()
             together(comm, lambda: _same_padding(sums, prepared["padding"], epoch))
         log(f"shuffle --to-nodes: epoch {epoch}: {plan.samples} samples exchanged among {N} nodes in {rounds} rounds")
         d = dest / epoch_dir_name(epoch)
         log(f"shuffle --to-nodes: epoch {epoch}: writing the slice's rank files, then hashing the owned shards")
-        entries = together(comm, lambda: write_slice_epoch(output, d, ne, stores, keep_pad, fmt))
+        with collecting(phases), phase("write", len(ne.positions) * job.row_bytes):
+            entries = together(comm, lambda: write_slice_epoch(output, d, ne, stores, keep_pad, fmt))
         scratch = Path(job.work_dir) / "owned"
-        owned_entries = together(
-            comm, lambda: hash_owned_shards(ne, stores, owned_pad, scratch, Path(job.epoch_dir), fmt)
-        )
+        with collecting(phases), phase("hash_owned", ne.owned_rows * job.row_bytes):
+            owned_entries = together(
+                comm, lambda: hash_owned_shards(ne, stores, owned_pad, scratch, Path(job.epoch_dir), fmt)
+            )
         shutil.rmtree(dest / WORK_DIR, ignore_errors=True)
         stores = None  # freed before the next epoch's stores
         gathered = comm.gather(owned_entries, root=0)
@@ -333,6 +346,7 @@ def _run(mpi, spec: ShuffleSpec, out: Path, dest: Path, template: str, ranks, w,
             "source_bytes_kept_now": kept,
             "tokens_kept": tokens,
             "seconds": round(time.perf_counter() - e0, 3),
+            "phases": phases.summary(process_cpu() - cpu0),
         }
         summaries.append(epoch_detail(job, setup.runplan.stage_name(epoch), report, manifest, entries, node_figures))
 
