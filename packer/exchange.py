@@ -386,5 +386,6 @@ def _run(mpi, spec: ShuffleSpec, out: Path, dest: Path, template: str, ranks, w,
         "epochs_detail": summaries,
         "skipped": skipped,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+        "cpu_s": round(process_cpu(), 3),  # user+sys of every thread since the process started (its epochs' "phases")
         "seconds": round(seconds, 3),
     }
