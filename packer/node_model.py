@@ -7,6 +7,7 @@ machine's load does not move them; MEASURED, or a caller's), the bytes each phas
 its readers, a node's network and local disk, its processes and cores). Combined as the engine
 runs them (`epoch`):
 
+  keep        --keep-sources' first epoch: the process's source shards copied to its disk first.
   rounds      a window epoch's source blocks are read on a thread of their own (read_ahead)
               while the main thread cuts, routes (Alltoallv) and places the previous round, so
               the rounds take the longer of the two threads, each the sum of its own steps (the
@@ -170,19 +171,22 @@ def epoch(work: NodeWork, rates: Rates, costs: dict | None = None) -> Prediction
     if not work.read_ahead:  # one chain: the main thread reads too
         main = {**src_io, CPU: (read_cpu + main_cpu) / P, NETWORK: net}
     chains = {"read": reader, "main": main} if work.read_ahead else {"main": main}
-    disk_rounds = (0 if work.from_shared else work.source_bytes) + work.kept_copied
+    disk_rounds = 0 if work.from_shared else work.source_bytes
     disk_rounds += work.slice_bytes + work.owned_bytes if work.out_of_core else 0  # every store row to a bucket
     rounds = _phase(
         "rounds",
         chains,
         {
-            SHARED: (src_io.get(SHARED, 0.0) + keep_io),
+            SHARED: src_io.get(SHARED, 0.0),
             NETWORK: net,
             DISK: _mbps(disk_rounds, rates.disk_mbps),
             CPU: (read_cpu + main_cpu) / cores_rounds,
         },
     )
-    phases = [rounds]
+    # --keep-sources' first epoch copies the process's shards to its disk before the rounds
+    # (kept_sources: read from the shared filesystem, written behind by the kernel)
+    keep = _phase("keep", {}, {SHARED: keep_io, DISK: _mbps(work.kept_copied, rates.disk_mbps)})
+    phases = [keep, rounds] if work.kept_copied else [rounds]
     # Out of core the buckets are read back: the slice's in the write phase, the owned shards' in
     # hash_owned (both directions of the local disk: written in the rounds, read here).
     for name, nbytes, written in (
@@ -205,7 +209,8 @@ def epoch(work: NodeWork, rates: Rates, costs: dict | None = None) -> Prediction
 def _total(phases: list, start_s: float) -> Prediction:
     by: dict = {}
     for p in phases:
-        by[p.binding] = by.get(p.binding, 0.0) + p.seconds
+        if p.seconds > 0:
+            by[p.binding] = by.get(p.binding, 0.0) + p.seconds
     if start_s:
         phases = [*phases, Phase("start", start_s, CPU, {CPU: start_s})]
         by[CPU] = by.get(CPU, 0.0) + start_s
