@@ -29,7 +29,10 @@ Rows (4 processes, N = 4 nodes, K = 2 ranks a node, micro-batch 4, seq_len 4096)
                                stage, sources in the page cache, DEST in RAM (tmpfs): what a byte
                                costs the code on this machine's core, without its disk
 The second table is each exchange process's own --json line (rounds, seconds, peak RSS); the
-third the projection (its formula in BENCHMARKS.md, "Straight to the nodes").
+third the model (tokpack.packer.node_model) against the 4-process runs: its prediction from
+their phases' CPU a byte (their --json "phases", user+sys), this machine's disk (measured) and
+the cores 4 busy processes get just before each run, beside their measured wall time; the
+fourth the 48-node projection through the same model, with the resource that binds.
 
 --quick (16 MiB) checks that every row runs: bench/run_all.py --quick runs it.
 """
