@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shlex
 import shutil
 import signal
@@ -235,7 +236,8 @@ class Step:
     bytes: dict
     json: list  # the --json lines the command printed
     memory: int = 0  # the --memory each process was given (exchange rows)
-    cores: float | None = None  # cores NODES busy processes got just before (cores_now): the machine's load
+    cores: float | None = None  # the cores the step had: the machine's less what others ran meanwhile
+    cpu: float = 0.0  # CPU seconds of the step's processes (user+sys, every one reaped)
     run_bytes: int | None = None  # the size of RUN's files after the step (exchange rows)
 
 
@@ -249,16 +251,17 @@ def mpi_env() -> dict:
     }
 
 
-def cores_now(procs: int = NODES, seconds: float = 1.0) -> float:
-    """Cores `procs` busy processes get on this machine now (their CPU seconds over the wall
-    time): what the exchange's processes can have of a machine others load too."""
-    spin = f"import time\nt=time.time()\nwhile time.time()-t<{seconds}: pass\nprint(time.process_time())"
-    t0 = time.perf_counter()
-    kids = [
-        subprocess.Popen([sys.executable, "-S", "-c", spin], stdout=subprocess.PIPE, text=True) for _ in range(procs)
-    ]
-    cpu = sum(float(k.communicate()[0]) for k in kids)
-    return cpu / max(seconds, time.perf_counter() - t0 - 0.05)
+def machine_busy() -> float:
+    """CPU seconds every process of the machine has run (/proc/stat: user, nice, system, irq,
+    softirq, and a VM's steal, which others took)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def step(devs: Devices, cmd: str, out: Path, cold: bool = True) -> Step:
@@ -268,10 +271,16 @@ def step(devs: Devices, cmd: str, out: Path, cold: bool = True) -> Step:
         os.sync()
     before = devs.snapshot()
     out.unlink(missing_ok=True)
+    busy, ours = machine_busy(), children_cpu()
     m = run_measured(f"{cmd} > {shlex.quote(str(out))} && sync", env=mpi_env(), cold=False)
+    # The cores the step had: the machine's, less what the rest of the machine ran meanwhile
+    # (its busy CPU less the step's own: this process's reaped children's)
+    others = max(0.0, (machine_busy() - busy) - (children_cpu() - ours))
+    cores = max(0.05, (os.cpu_count() or 1) - others / m.seconds)
     after = devs.snapshot()
     lines = [json.loads(x) for x in out.read_text().splitlines() if x.startswith("{")] if out.exists() else []
-    return Step(m.seconds, m.peak_rss_mb, devs.delta(before, after), lines)
+    cpu = children_cpu() - ours
+    return Step(m.seconds, m.peak_rss_mb, devs.delta(before, after), lines, cores=cores, cpu=cpu)
 
 
 def tokpack(*args) -> str:
@@ -280,6 +289,17 @@ def tokpack(*args) -> str:
 
 def mpirun(n: int, *args) -> str:
     return shlex.join([shutil.which("mpirun") or "mpirun", "--oversubscribe", "-n", str(n)]) + " " + tokpack(*args)
+
+
+# What a 4-process run spends before the engine: the launcher (prterun's wire-up) and each
+# process's imports and MPI_Init, timed alone (a real run's processes report from after it)
+LAUNCH = "import tokpack.packer.cli, tokpack.packer.exchange\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()"
+
+
+def launch_only(n: int) -> str:
+    return shlex.join(
+        [shutil.which("mpirun") or "mpirun", "--oversubscribe", "-n", str(n), sys.executable, "-c", LAUNCH]
+    )
 
 
 def mpi_missing() -> str | None:
@@ -328,7 +348,7 @@ def one_round(devs: Devices, src: Path, work: Path, token_bytes: int, shard_samp
     got["cp"] = step(devs, f"cp -r {shlex.quote(str(src))} {shlex.quote(str(nd / 'cp'))}", res)
     shutil.rmtree(nd / "cp")
     if no_mpi is None:
-        cores = cores_now()
+        got["launch"] = step(devs, launch_only(NODES), res)
         got["exchange"] = step(
             devs,
             mpirun(
@@ -348,7 +368,6 @@ def one_round(devs: Devices, src: Path, work: Path, token_bytes: int, shard_samp
             ),
             res,
         )
-        got["exchange"].cores = cores
         got["keep"] = step(
             devs,
             mpirun(
@@ -370,7 +389,6 @@ def one_round(devs: Devices, src: Path, work: Path, token_bytes: int, shard_samp
             ),
             res,
         )
-        cores = cores_now()
         got["later"] = step(
             devs,
             mpirun(
@@ -392,10 +410,8 @@ def one_round(devs: Devices, src: Path, work: Path, token_bytes: int, shard_samp
             ),
             res,
         )
-        got["later"].cores = cores
         shutil.rmtree(nd / "k")
         # Out of core (--memory below the rows a process keeps and owns): the bucket phases' cost a byte
-        cores = cores_now()
         got["ooc"] = step(
             devs,
             mpirun(
@@ -415,7 +431,6 @@ def one_round(devs: Devices, src: Path, work: Path, token_bytes: int, shard_samp
             ),
             res,
         )
-        got["ooc"].cores = cores
         shutil.rmtree(nd / "o")
         got["exchange"].run_bytes = dir_bytes(sh / "run-x")  # RUN's own files: what the shared fs should be written
         got["later"].run_bytes = dir_bytes(sh / "run-k")  # two epochs' manifests and row hashes
@@ -495,7 +510,9 @@ def check_exchange(name: str, s: Step, nodes: int) -> None:
 def median_step(steps: list[Step]) -> Step:
     """The run of median wall time (its bytes and --json lines with it); peak RSS the highest."""
     s = sorted(steps, key=lambda x: x.seconds)[len(steps) // 2]
-    return Step(s.seconds, max(x.peak_rss_mb for x in steps), s.bytes, s.json, run_bytes=s.run_bytes, cores=s.cores)
+    return Step(
+        s.seconds, max(x.peak_rss_mb for x in steps), s.bytes, s.json, run_bytes=s.run_bytes, cores=s.cores, cpu=s.cpu
+    )
 
 
 def table_rows(
@@ -688,7 +705,7 @@ def fixed_cpu(s: Step) -> float:
 def local_check(got: dict, costs: dict, disk_mbps: float) -> list[dict]:
     """The model's prediction for this machine's 4-process runs (one machine: its cores and one
     disk shared by the 4 processes, MPI's copies its CPU) beside their measured wall time. The
-    cores: what 4 busy processes got just before each run (cores_now), as others load the machine."""
+    cores: the machine's less what its other processes ran during each run (Step.cores)."""
     from tokpack.packer.node_model import Rates, epoch
 
     rows = []
@@ -698,13 +715,16 @@ def local_check(got: dict, costs: dict, disk_mbps: float) -> list[dict]:
         ("ooc", "first epoch, out of core", True, True),
     ):
         s = got[name]
-        cores = s.cores or os.cpu_count() or 1  # what 4 busy processes got of the machine just before
-        start = fixed_cpu(s) / min(cores, NODES)  # every process starts at once, on the machine's cores
+        cores = s.cores or os.cpu_count() or 1  # what the rest of the machine left the run
+        # before the engine: the launch as timed alone, then what the processes' CPU outside the
+        # phases holds beyond the launch's (planning, manifests), on the cores left
+        launch = got["launch"]
+        start = launch.seconds + max(0.0, fixed_cpu(s) - launch.cpu) / min(cores, NODES)
         rates = Rates(disk_mbps, None, disk_mbps, readers=1, procs=NODES, cores=cores, start_s=start)
         p = epoch(run_work(s, shared, ooc), rates, costs)
         rows.append(
             {
-                "case": f"{case} ({NODES} processes, {cores:.2f} cores free)",
+                "case": f"{case} ({NODES} processes, {cores:.2f} cores left)",
                 "measured s": s.seconds,
                 "model s": p.seconds,
                 "model / measured": p.seconds / s.seconds,
@@ -895,8 +915,8 @@ def main(
         parts.append(
             print_table(
                 f"the model (tokpack.packer.node_model) against the runs above: this machine's disk "
-                f"{here_mbps:,.0f} MB/s (measured), its {cores} cores shared by the {NODES} processes and "
-                "whatever else runs (the cores they got just before each run)",
+                f"{here_mbps:,.0f} MB/s (measured), its {cores} cores shared by the {NODES} processes, less "
+                "what the machine's other processes ran during each run (/proc/stat); the launch timed alone",
                 check,
                 ["case", "measured s", "model s", "model / measured", "binds", "terms (s)"],
             )

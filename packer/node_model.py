@@ -39,6 +39,7 @@ SHARED, NETWORK, DISK, CPU, REPLACEMENT_READS = (
     "CPU",
     "replacement reads",
 )
+START = "start-up"  # the launcher, the imports, MPI's wire-up: before any byte moves
 READ_LATENCY_S = 100e-6  # one small read of the shared filesystem (issue 41: 100 us)
 START_SECONDS = 0.5  # a process's start (tokpack.packer.plan_result.COMMAND_START_SECONDS)
 
@@ -215,8 +216,8 @@ def _total(phases: list, start_s: float) -> Prediction:
         if p.seconds > 0:
             by[p.binding] = by.get(p.binding, 0.0) + p.seconds
     if start_s:
-        phases = [*phases, Phase("start", start_s, CPU, {CPU: start_s})]
-        by[CPU] = by.get(CPU, 0.0) + start_s
+        phases = [*phases, Phase("start", start_s, START, {START: start_s})]
+        by[START] = by.get(START, 0.0) + start_s
     seconds = sum(p.seconds for p in phases)
     return Prediction(seconds, max(by, key=by.get) if by else CPU, phases, by)
 

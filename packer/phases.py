@@ -1,7 +1,8 @@
 """Per-phase CPU accounting of `shuffle --to-nodes` (tokpack.packer.exchange): each phase's CPU
 seconds (its thread's user+sys, `time.thread_time`: the machine's load does not move them, a
 wait does not count) and the bytes it moved, per epoch, in the process's --json summary
-(`"phases": {name: {"cpu_s", "bytes"}}`). tokpack.packer.node_model turns them into seconds a
+(`"phases": {name: {"cpu_s", "bytes", "wall_s"}}`; wall_s: a main-thread phase's wall time, its
+waits included; the read-ahead thread's read has none). tokpack.packer.node_model turns them into seconds a
 byte and a projection. Phases nest: an inner phase's time is its own, not its caller's.
 
 The phases, and the thread each runs on:
@@ -35,31 +36,33 @@ class Phases:
     def __init__(self):
         self.cpu = dict.fromkeys(PHASES, 0.0)
         self.bytes = dict.fromkeys(PHASES, 0)
+        self.wall = dict.fromkeys(PHASES, 0.0)  # a main-thread phase's wall time (its waits too)
         self._lock = threading.Lock()
         self._local = threading.local()  # a thread's open phases and its CPU at its last lap
 
-    def _add(self, name: str, cpu: float, nbytes: int) -> None:
+    def _add(self, name: str, cpu: float, nbytes: int, wall: float = 0.0) -> None:
         with self._lock:
             self.cpu[name] = self.cpu.get(name, 0.0) + cpu
             self.bytes[name] = self.bytes.get(name, 0) + int(nbytes)
+            self.wall[name] = self.wall.get(name, 0.0) + wall
 
     @contextmanager
     def phase(self, name: str, nbytes: int = 0):
         """The calling thread's CPU inside the block, to `name` (an enclosing phase pauses)."""
         stack = self._local.__dict__.setdefault("stack", [])
-        now = time.thread_time()
+        now, wall = time.thread_time(), time.perf_counter()
         if stack:  # the enclosing phase's time until now is its own
-            outer, since = stack[-1]
-            self._add(outer, now - since, 0)
-        stack.append([name, now])
+            outer, since, since_wall = stack[-1]
+            self._add(outer, now - since, 0, wall - since_wall)
+        stack.append([name, now, wall])
         try:
             yield
         finally:
-            now = time.thread_time()
-            _, since = stack.pop()
-            self._add(name, now - since, nbytes)
+            now, wall = time.thread_time(), time.perf_counter()
+            _, since, since_wall = stack.pop()
+            self._add(name, now - since, nbytes, wall - since_wall)
             if stack:
-                stack[-1][1] = now
+                stack[-1][1:] = [now, wall]
 
     def count(self, name: str, nbytes: int) -> None:
         self._add(name, 0.0, nbytes)
@@ -88,10 +91,13 @@ class Phases:
         """{phase: {"cpu_s", "bytes"}}, every phase (0 where it did not run); "other": what `process_cpu` (the
         process's CPU over the same span) holds beyond them."""
         with self._lock:
-            out = {k: {"cpu_s": round(v, 4), "bytes": self.bytes[k]} for k, v in self.cpu.items()}
+            out = {
+                k: {"cpu_s": round(v, 4), "bytes": self.bytes[k], "wall_s": round(self.wall[k], 4)}
+                for k, v in self.cpu.items()
+            }
             spent = sum(self.cpu.values())
         if process_cpu is not None:
-            out["other"] = {"cpu_s": round(max(0.0, process_cpu - spent), 4), "bytes": 0}
+            out["other"] = {"cpu_s": round(max(0.0, process_cpu - spent), 4), "bytes": 0, "wall_s": 0.0}
         return out
 
 
