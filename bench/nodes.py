@@ -29,7 +29,10 @@ Rows (4 processes, N = 4 nodes, K = 2 ranks a node, micro-batch 4, seq_len 4096)
                                stage, sources in the page cache, DEST in RAM (tmpfs): what a byte
                                costs the code on this machine's core, without its disk
 The second table is each exchange process's own --json line (rounds, seconds, peak RSS); the
-third the projection (its formula in BENCHMARKS.md, "Straight to the nodes").
+third the model (tokpack.packer.node_model) against the 4-process runs: its prediction from
+their phases' CPU a byte (their --json "phases", user+sys), this machine's disk (measured) and
+the cores 4 busy processes get just before each run, beside their measured wall time; the
+fourth the 48-node projection through the same model, with the resource that binds.
 
 --quick (16 MiB) checks that every row runs: bench/run_all.py --quick runs it.
 """
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shlex
 import shutil
 import signal
@@ -64,6 +68,7 @@ from bench.common import (
     run_measured,
 )
 from bench.shuffle import pack_corpus  # noqa: E402
+from tokpack.packer.replacement import READ_QUEUE_DEPTH as REPLACEMENT_QD  # noqa: E402
 
 SIZE, QUICK_SIZE = "512MiB", "16MiB"
 NODES, K, M, SEQ_LEN = 4, 2, 4, 4096
@@ -78,6 +83,8 @@ MODEL_NODES, MODEL_TOKENS, MODEL_TOKEN_BYTES = 48, 11 * 10**12, 2
 # 65.1-minute shuffle, then node slices at 2,000 MB/s a node and 1.6x cp (bench/stage.py --slices): 80.5 minutes.
 TODAY_SHUFFLE_MIN, TODAY_NODE_MBPS, TODAY_SLICE_VS_CP = 65.1, 2000, 1.6
 FIRST_GOAL_MIN, LATER_GOAL_MIN = 15.0, 5.0
+OOC_MEMORY = 256 << 30  # --memory a node of the out-of-core case
+READ_LATENCY_US = 100  # a replacement node's read of the shared filesystem (issue 41)
 COLUMNS = [
     "case",
     "wall s",
@@ -229,6 +236,8 @@ class Step:
     bytes: dict
     json: list  # the --json lines the command printed
     memory: int = 0  # the --memory each process was given (exchange rows)
+    cores: float | None = None  # the cores the step had: the machine's less what others ran meanwhile
+    cpu: float = 0.0  # CPU seconds of the step's processes (user+sys, every one reaped)
     run_bytes: int | None = None  # the size of RUN's files after the step (exchange rows)
 
 
@@ -242,6 +251,19 @@ def mpi_env() -> dict:
     }
 
 
+def machine_busy() -> float:
+    """CPU seconds every process of the machine has run (/proc/stat: user, nice, system, irq,
+    softirq, and a VM's steal, which others took)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def step(devs: Devices, cmd: str, out: Path, cold: bool = True) -> Step:
     """`cmd` (a shell line whose --json lines go to `out`), then sync, timed in a child; the page
     cache dropped first (cold), the devices' counters read before and after."""
@@ -249,10 +271,16 @@ def step(devs: Devices, cmd: str, out: Path, cold: bool = True) -> Step:
         os.sync()
     before = devs.snapshot()
     out.unlink(missing_ok=True)
+    busy, ours = machine_busy(), children_cpu()
     m = run_measured(f"{cmd} > {shlex.quote(str(out))} && sync", env=mpi_env(), cold=False)
+    # The cores the step had: the machine's, less what the rest of the machine ran meanwhile
+    # (its busy CPU less the step's own: this process's reaped children's)
+    others = max(0.0, (machine_busy() - busy) - (children_cpu() - ours))
+    cores = max(0.05, (os.cpu_count() or 1) - others / m.seconds)
     after = devs.snapshot()
     lines = [json.loads(x) for x in out.read_text().splitlines() if x.startswith("{")] if out.exists() else []
-    return Step(m.seconds, m.peak_rss_mb, devs.delta(before, after), lines)
+    cpu = children_cpu() - ours
+    return Step(m.seconds, m.peak_rss_mb, devs.delta(before, after), lines, cores=cores, cpu=cpu)
 
 
 def tokpack(*args) -> str:
@@ -261,6 +289,17 @@ def tokpack(*args) -> str:
 
 def mpirun(n: int, *args) -> str:
     return shlex.join([shutil.which("mpirun") or "mpirun", "--oversubscribe", "-n", str(n)]) + " " + tokpack(*args)
+
+
+# What a 4-process run spends before the engine: the launcher (prterun's wire-up) and each
+# process's imports and MPI_Init, timed alone (a real run's processes report from after it)
+LAUNCH = "import tokpack.packer.cli, tokpack.packer.exchange\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()"
+
+
+def launch_only(n: int) -> str:
+    return shlex.join(
+        [shutil.which("mpirun") or "mpirun", "--oversubscribe", "-n", str(n), sys.executable, "-c", LAUNCH]
+    )
 
 
 def mpi_missing() -> str | None:
@@ -278,6 +317,11 @@ def rows_memory(token_bytes: int, nodes: int) -> int:
     """--memory for one process: the rows it keeps (its slice, about 1/N of the epoch) and owns
     (its epoch shards, 1/N), with their positions, and room for the exchange's rounds."""
     return int(2.1 * token_bytes / nodes) + ROUND_ROOM
+
+
+def ooc_memory(token_bytes: int, nodes: int) -> int:
+    """--memory for one process below the rows it keeps and owns (about 2/N of the epoch): out of core."""
+    return token_bytes // (2 * nodes) + (4 << 20)
 
 
 def slice_shards(dest: Path, epoch: int = 0) -> list:
@@ -304,6 +348,7 @@ def one_round(devs: Devices, src: Path, work: Path, token_bytes: int, shard_samp
     got["cp"] = step(devs, f"cp -r {shlex.quote(str(src))} {shlex.quote(str(nd / 'cp'))}", res)
     shutil.rmtree(nd / "cp")
     if no_mpi is None:
+        got["launch"] = step(devs, launch_only(NODES), res)
         got["exchange"] = step(
             devs,
             mpirun(
@@ -366,6 +411,27 @@ def one_round(devs: Devices, src: Path, work: Path, token_bytes: int, shard_samp
             res,
         )
         shutil.rmtree(nd / "k")
+        # Out of core (--memory below the rows a process keeps and owns): the bucket phases' cost a byte
+        got["ooc"] = step(
+            devs,
+            mpirun(
+                NODES,
+                "shuffle",
+                src,
+                "-o",
+                sh / "run-o",
+                "--to-nodes",
+                nd / "o" / "node{node}",
+                *slice_args,
+                *common,
+                "--epoch",
+                0,
+                "--memory",
+                ooc_memory(token_bytes, NODES),
+            ),
+            res,
+        )
+        shutil.rmtree(nd / "o")
         got["exchange"].run_bytes = dir_bytes(sh / "run-x")  # RUN's own files: what the shared fs should be written
         got["later"].run_bytes = dir_bytes(sh / "run-k")  # two epochs' manifests and row hashes
         got["replacement"] = step(
@@ -444,7 +510,9 @@ def check_exchange(name: str, s: Step, nodes: int) -> None:
 def median_step(steps: list[Step]) -> Step:
     """The run of median wall time (its bytes and --json lines with it); peak RSS the highest."""
     s = sorted(steps, key=lambda x: x.seconds)[len(steps) // 2]
-    return Step(s.seconds, max(x.peak_rss_mb for x in steps), s.bytes, s.json, run_bytes=s.run_bytes)
+    return Step(
+        s.seconds, max(x.peak_rss_mb for x in steps), s.bytes, s.json, run_bytes=s.run_bytes, cores=s.cores, cpu=s.cpu
+    )
 
 
 def table_rows(
@@ -489,6 +557,7 @@ def table_rows(
                 "each process also copies its part (and the shard after it) to its node disk",
             ),
             ("later", "exchange, later epoch from kept sources", "--epoch 1; reads the node disk, not the sources"),
+            ("ooc", "exchange, first epoch, out of core", "--memory below a process's rows: bucket files"),
         ):
             if name == "keep":
                 kept = sum(j["epochs_detail"][0]["source_bytes_kept_now"] for j in got[name].json)
@@ -568,6 +637,7 @@ def process_rows(got: dict, no_mpi: str | None) -> list[dict]:
     for name, case in (
         ("exchange", "first epoch"),
         ("later", "later epoch"),
+        ("ooc", "out of core"),
         ("warm exchange", "per byte, 2 processes"),
     ):
         for j in sorted(got[name].json, key=lambda j: j["node"]):
@@ -591,141 +661,141 @@ def process_rows(got: dict, no_mpi: str | None) -> list[dict]:
 # ------------------------------------------------------------------------------- projection
 
 
-def projection(
-    got: dict,
-    token_bytes: int,
-    node_tokens: int,
-    nic_mbps: float,
-    shared_mbps: float,
-    disk_mbps: float,
-    no_mpi: str | None,
-) -> tuple[list[dict], dict]:
-    """Ready on MODEL_NODES nodes for MODEL_TOKENS tokens. Each node's bytes B = D / nodes move
-    through each resource at its rate; the terms add, as the exchange runs them one after the
-    other (read a round, send it, place it; write the slice at the end). Rates: the shared
-    filesystem's share a node, shared / nodes (all read at once; a replacement node alone gets
-    min(nic, shared)); the NIC; the node disk; and the code's own per-byte rate, measured here
-    on 2 processes with a core each, without disk. Byte factors (what a node reads and writes
-    per byte of its tokens) are this run's counters."""
-    if no_mpi is not None:
-        return [], {}
-    nodes = MODEL_NODES
-    D = MODEL_TOKENS * MODEL_TOKEN_BYTES
-    B = D / nodes
-    share = shared_mbps / nodes
-    w = got["warm exchange"]
-    cpu = (
-        sum(j["epochs_detail"][0]["tokens_kept"] for j in w.json)
-        * MODEL_TOKEN_BYTES
-        / len(w.json)
-        / 1e6
-        / max(j["epochs_detail"][0]["seconds"] for j in w.json)
-    )  # MB/s a process, a core each
-    wr = got["warm replacement"]
-    cpu_stage = node_tokens / 1e6 / wr.json[0]["seconds"]
+def phase_costs(steps: list) -> tuple[dict, dict]:
+    """(CPU seconds a byte of each phase, {phase: (cpu_s, bytes)}) over every process of `steps`'
+    runs: their --json "phases" (tokpack.packer.phases), summed."""
+    from tokpack.packer.phases import PHASES
 
-    def factor(name, key, over=token_bytes):
-        v = got[name].bytes[key]
-        return None if v is None else v / over
+    tot = {k: [0.0, 0] for k in PHASES}
+    for s in steps:
+        for j in s.json:
+            for k, v in j["epochs_detail"][0]["phases"].items():
+                if k in tot:
+                    tot[k][0] += v["cpu_s"]
+                    tot[k][1] += v["bytes"]
+    return {k: c / b for k, (c, b) in tot.items() if b}, {k: tuple(v) for k, v in tot.items()}
 
-    f = {
-        "first_read": factor("exchange", "shared_read"),
-        "first_write": factor("exchange", "node_written"),
-        "later_shared": factor("later", "shared_read"),
-        "later_read": factor("later", "node_read"),
-        "later_write": factor("later", "node_written"),
-        "repl_read": factor("replacement 48", "shared_read", got["replacement 48"].json[0]["bytes_kept"]),
-        "repl_write": factor("replacement", "node_written", node_tokens),
-        "cpu": cpu,
-        "cpu_stage": cpu_stage,
-    }
-    if f["first_write"] is None:  # /proc/io: neither the disks apart nor the interpreter's reads: the format's factors
-        f.update(
-            first_read=1.0,
-            first_write=2.0,
-            later_shared=0.0,
-            later_read=1.0,
-            later_write=2.0,
-            repl_read=got["replacement 48"].json[0]["read_amplification"],
-            repl_write=1.0,
+
+def run_work(s: Step, from_shared: bool, out_of_core: bool):
+    """What the 4 processes of one run moved (their --json phases' bytes), as one machine's
+    NodeWork: every process here shares its disk and cores (tokpack.packer.node_model)."""
+    from tokpack.packer.node_model import NodeWork
+
+    def total(phase):
+        return sum(j["epochs_detail"][0]["phases"][phase]["bytes"] for j in s.json)
+
+    return NodeWork(
+        source_bytes=total("read") or total("cut"),
+        from_shared=from_shared,
+        routed=total("route"),
+        placed=total("bucket_write" if out_of_core else "place"),
+        slice_bytes=total("write"),
+        owned_bytes=total("hash_owned"),
+        out_of_core=out_of_core,
+    )
+
+
+def fixed_cpu(s: Step) -> float:
+    """CPU seconds of the run's processes outside the phases: start-up, planning, manifests."""
+    from tokpack.packer.phases import PHASES
+
+    return sum(j["cpu_s"] - sum(j["epochs_detail"][0]["phases"][k]["cpu_s"] for k in PHASES) for j in s.json)
+
+
+def local_check(got: dict, costs: dict, disk_mbps: float) -> list[dict]:
+    """The model's prediction for this machine's 4-process runs (one machine: its cores and one
+    disk shared by the 4 processes, MPI's copies its CPU) beside their measured wall time. The
+    cores: the machine's less what its other processes ran during each run (Step.cores)."""
+    from tokpack.packer.node_model import Rates, epoch
+
+    rows = []
+    for name, case, shared, ooc in (
+        ("exchange", "first epoch", True, False),
+        ("later", "later epoch from kept sources", False, False),
+        ("ooc", "first epoch, out of core", True, True),
+    ):
+        s = got[name]
+        cores = s.cores or os.cpu_count() or 1  # what the rest of the machine left the run
+        # before the engine: the launch as timed alone, then what the processes' CPU outside the
+        # phases holds beyond the launch's (planning, manifests), on the cores left
+        launch = got["launch"]
+        start = launch.seconds + max(0.0, fixed_cpu(s) - launch.cpu) / min(cores, NODES)
+        rates = Rates(disk_mbps, None, disk_mbps, readers=1, procs=NODES, cores=cores, start_s=start)
+        p = epoch(run_work(s, shared, ooc), rates, costs)
+        rows.append(
+            {
+                "case": f"{case} ({NODES} processes, {cores:.2f} cores left)",
+                "measured s": s.seconds,
+                "model s": p.seconds,
+                "model / measured": p.seconds / s.seconds,
+                "binds": p.binding,
+                "terms (s)": "; ".join(f"{x.name} {x.seconds:.2f} ({x.binding})" for x in p.phases),
+            }
         )
-    net = 2 * (nodes - 1) / nodes  # a row to its node and to its shard's owner; 1/N of each stays on the node
+    return rows
 
-    def minutes(terms):
-        return sum(terms.values()) / 60
 
-    first = {
-        "shared read": B * f["first_read"] / (share * 1e6),
-        "code": B / (cpu * 1e6),
-        "network": B * net / (nic_mbps * 1e6),
-        "node disk writes": B * f["first_write"] / (disk_mbps * 1e6),
-    }
-    later = {
-        "shared read": B * (f["later_shared"] or 0) / (share * 1e6),
-        "node disk reads": B * f["later_read"] / (disk_mbps * 1e6),
-        "code": B / (cpu * 1e6),
-        "network": B * net / (nic_mbps * 1e6),
-        "node disk writes": B * f["later_write"] / (disk_mbps * 1e6),
-    }
-    alone = min(nic_mbps, shared_mbps)
-    repl = {
-        "shared read": B * f["repl_read"] / (alone * 1e6),
-        "code": B / (cpu_stage * 1e6),
-        "node disk writes": B * f["repl_write"] / (disk_mbps * 1e6),
-    }
-    floor = D / (shared_mbps * 1e6) / 60
-
-    def fmt(terms):
-        return " + ".join(f"{k} {v / 60:,.1f}" for k, v in terms.items())
-
-    def met(value, goal):
-        return "yes" if value <= goal else f"no ({value / goal:.1f}x)"
-
-    def needed(terms, goal):
-        """MB/s a process the code would need for the goal: with the terms adding, and with them
-        overlapped (read, exchange and writes at once); or which other term alone exceeds it."""
-        others = {k: v for k, v in terms.items() if k != "code"}
-        rest = goal * 60 - sum(others.values())
-        worst = max(others, key=others.get)
-        if others[worst] >= goal * 60:
-            return f"none: {worst} alone {others[worst] / 60:,.1f} min"
-        added = (
-            f"{B / rest / 1e6:,.0f} (terms add)"
-            if rest > 0
-            else f"none with terms adding ({sum(others.values()) / 60:,.1f} min)"
-        )
-        return f"{added}; {B / (goal * 60) / 1e6:,.0f} overlapped"
-
+def projection(costs: dict, nic_mbps: float, shared_mbps: float, disk_mbps: float) -> list[dict]:
+    """Ready on MODEL_NODES nodes for MODEL_TOKENS tokens (tokpack.packer.node_model): a node's
+    bytes by the exchange's arithmetic (uniform_work), the phases' CPU a byte measured here."""
     from bench.scale_model import ready_rows
+    from tokpack.packer.node_model import Rates, epoch, ranges_at_density, replacement, uniform_work
 
+    D = MODEL_TOKENS * MODEL_TOKEN_BYTES
+    row_bytes = (SEQ_LEN + 1) * MODEL_TOKEN_BYTES
+    rates = Rates(shared_mbps, nic_mbps, disk_mbps, readers=MODEL_NODES)
+    rows_a_node = MODEL_TOKENS // (SEQ_LEN + 1) // MODEL_NODES
+    work = uniform_work(D, MODEL_NODES, row_bytes)
     _, today, today_alone = ready_rows(TODAY_SHUFFLE_MIN * 60, TODAY_NODE_MBPS, shared_mbps, TODAY_SLICE_VS_CP)
-    rows = [
-        {
-            "case": "first epoch",
-            "today min": today["ready min"],
-            "projected min": minutes(first),
-            "goal min": FIRST_GOAL_MIN,
-            "met": met(minutes(first), FIRST_GOAL_MIN),
-            "code MB/s a process for the goal": needed(first, FIRST_GOAL_MIN),
-            "terms (min)": f"{fmt(first)}; floor {floor:.1f}; overlapped {max(first.values()) / 60:,.1f}",
-        },
-        {
-            "case": "later epoch from kept sources",
-            "today min": today["ready min"],
-            "projected min": minutes(later),
-            "goal min": LATER_GOAL_MIN,
-            "met": met(minutes(later), LATER_GOAL_MIN),
-            "code MB/s a process for the goal": needed(later, LATER_GOAL_MIN),
-            "terms (min)": f"{fmt(later)}; overlapped {max(later.values()) / 60:,.1f}",
-        },
-        {
-            "case": "replacement node alone",
-            "today min": today_alone["ready min"],
-            "projected min": minutes(repl),
-            "terms (min)": f"{fmt(repl)}; alone: min(nic, shared) = {alone:,.0f} MB/s",
-        },
+    ranges = ranges_at_density(rows_a_node, MODEL_NODES)
+    cases = [
+        ("first epoch", epoch(work, rates, costs), today["ready min"], FIRST_GOAL_MIN, work.memory_needed),
+        (
+            "later epoch from kept sources",
+            epoch(uniform_work(D, MODEL_NODES, row_bytes, from_shared=False), rates, costs),
+            today["ready min"],
+            LATER_GOAL_MIN,
+            work.memory_needed,
+        ),
+        (
+            f"first epoch, out of core (--memory {OOC_MEMORY >> 30} GiB)",
+            epoch(uniform_work(D, MODEL_NODES, row_bytes, out_of_core=True), rates, costs),
+            today["ready min"],
+            FIRST_GOAL_MIN,
+            OOC_MEMORY,
+        ),
+        (
+            f"replacement node alone ({ranges:,} reads at {READ_LATENCY_US} us, queue depth {REPLACEMENT_QD})",
+            replacement(
+                rows_a_node * row_bytes,
+                ranges,
+                rates,
+                costs,
+                latency_s=READ_LATENCY_US * 1e-6,
+                queue_depth=REPLACEMENT_QD,
+            ),
+            today_alone["ready min"],
+            None,
+            None,
+        ),
     ]
-    return rows, f
+    out = []
+    for case, p, today_min, goal, memory in cases:
+        out.append(
+            {
+                "case": case,
+                "today min": today_min,
+                "model min": p.minutes,
+                "binds": p.binding,
+                "goal min": goal,
+                "met": None if goal is None else ("yes" if p.minutes <= goal else f"no ({p.minutes / goal:.1f}x)"),
+                "--memory a node": None if memory is None else f"{memory / 1e9:,.0f} GB",
+                "phases (min)": "; ".join(
+                    f"{x.name} {x.seconds / 60:.1f} ({x.binding})" for x in p.phases if x.name != "start"
+                ),
+            }
+        )
+    return out
 
 
 # ------------------------------------------------------------------------------------- main
@@ -775,20 +845,39 @@ def main(
         for _ in range(runs):
             got = one_round(devs, src, work, token_bytes, shard_samples, no_mpi)
             if no_mpi is None:
-                for name, n in (("exchange", NODES), ("keep", NODES), ("later", NODES), ("warm exchange", 2)):
+                for name, n in (
+                    ("exchange", NODES),
+                    ("keep", NODES),
+                    ("later", NODES),
+                    ("ooc", NODES),
+                    ("warm exchange", 2),
+                ):
                     check_exchange(name, got[name], n)
             rounds.append(got)
         got = {name: median_step([r[name] for r in rounds]) for name in rounds[0]}
         for name in ("exchange", "keep", "later"):
             if name in got:
                 got[name].memory = rows_memory(token_bytes, NODES)
+        if "ooc" in got:
+            got["ooc"].memory = ooc_memory(token_bytes, NODES)
         if "warm exchange" in got:
             got["warm exchange"].memory = rows_memory(token_bytes, 2)
         if no_mpi is None:  # the node the replacement row rebuilds: its slice's tokens, as its --json counts them
             node_tokens = got["replacement"].json[0]["bytes_kept"]
         rows = table_rows(got, token_bytes, node_tokens, devs, runs, no_mpi)
         procs = process_rows(got, no_mpi)
-        model, factors = projection(got, token_bytes, node_tokens, nic_mbps, shared_mbps, disk_mbps, no_mpi)
+        check, model, costs, spent, here_mbps = [], [], {}, {}, None
+        if no_mpi is None:
+            from tokpack.packer.plan_result import measure_disk
+
+            # this machine's disk, where the sources and slices are (the two images share it)
+            here_mbps, how = measure_disk(devs.shared)
+            if here_mbps is None:
+                print(f"nodes: this machine's disk {how}; measured in {work} instead", file=sys.stderr, flush=True)
+                here_mbps, _ = measure_disk(work)
+            costs, spent = phase_costs([got["exchange"], got["later"], got["ooc"]])
+            check = local_check(got, costs, here_mbps or disk_mbps)
+            model = projection(costs, nic_mbps, shared_mbps, disk_mbps)
     finally:
         signal.signal(signal.SIGTERM, previous)
         if devs is not None:
@@ -822,33 +911,35 @@ def main(
                 PROCESS_COLUMNS,
             )
         )
+    if check:
+        parts.append(
+            print_table(
+                f"the model (tokpack.packer.node_model) against the runs above: this machine's disk "
+                f"{here_mbps:,.0f} MB/s (measured), its {cores} cores shared by the {NODES} processes, less "
+                "what the machine's other processes ran during each run (/proc/stat); the launch timed alone",
+                check,
+                ["case", "measured s", "model s", "model / measured", "binds", "terms (s)"],
+            )
+        )
+        notes.append(
+            "CPU a byte of each phase (user+sys, the 4-process first, later and out-of-core runs' --json "
+            "phases, summed): "
+            + ", ".join(
+                f"{k} {v * 1e9:.3g} ns ({spent[k][0]:.2f} s / {spent[k][1] / 1e6:,.0f} MB)" for k, v in costs.items()
+            )
+        )
     if model:
         parts.append(
             print_table(
                 f"ready on {MODEL_NODES} nodes, {MODEL_TOKENS / 1e12:g}T tokens ({MODEL_TOKENS * MODEL_TOKEN_BYTES / 1e12:g} "
-                f"TB): --nic-mbps {nic_mbps:g}, --shared-mbps {shared_mbps:g} ({shared_mbps / MODEL_NODES:,.0f} a node), "
-                f"--disk-mbps {disk_mbps:g}",
+                f"TB), a process a node: --nic-mbps {nic_mbps:g}, --shared-mbps {shared_mbps:g} "
+                f"({shared_mbps / MODEL_NODES:,.0f} a node), --disk-mbps {disk_mbps:g}; the phases' CPU a byte above",
                 model,
-                [
-                    "case",
-                    "today min",
-                    "projected min",
-                    "goal min",
-                    "met",
-                    "code MB/s a process for the goal",
-                    "terms (min)",
-                ],
+                ["case", "today min", "model min", "binds", "goal min", "met", "--memory a node", "phases (min)"],
             )
         )
         notes.append(
-            (
-                "factors measured here: "
-                if devs.loop
-                else "factors: bytes the format's (no device counters here), cpu measured: "
-            )
-            + ", ".join(f"{k} {v:.4g}" for k, v in factors.items() if v is not None)
-            + " (read/write: bytes per token byte; "
-            "cpu, cpu_stage: MB/s a process on one core)"
+            f"floor: the sources read once from the shared filesystem, {MODEL_TOKENS * MODEL_TOKEN_BYTES / (shared_mbps * 1e6) / 60:.1f} min"
         )
     notes.append(f"Total wall time: {time.perf_counter() - t_start:.0f} s")
     print("\n".join(f"- {x}" for x in notes))
@@ -857,7 +948,10 @@ def main(
         out.parent.mkdir(parents=True, exist_ok=True)
         command = "python bench/nodes.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         out.with_suffix(".json").write_text(
-            json.dumps({"rows": rows, "processes": procs, "model": model, "factors": factors, "notes": notes}, indent=1)
+            json.dumps(
+                {"rows": rows, "processes": procs, "check": check, "model": model, "costs": costs, "notes": notes},
+                indent=1,
+            )
         )
         out.write_text(
             "\n\n".join(parts) + "\n\n" + "\n".join(f"- {x}" for x in [*notes, f"Command: `{command.strip()}`"]) + "\n"

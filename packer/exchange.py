@@ -100,6 +100,7 @@ from tokpack.packer.node_reads import source_pieces
 from tokpack.packer.node_report import counted, epoch_detail, reading_bar, run_summary
 from tokpack.packer.node_store import open_stores, receive, write_slice_epoch
 from tokpack.packer.owned_shards import hash_owned_shards
+from tokpack.packer.phases import Phases, TimedRows, collecting, count, phase, process_cpu, timed
 from tokpack.packer.rank_files import ready_epoch_dir
 from tokpack.packer.slicing import slice_ranks
 from tokpack.packer.transport import OnSigterm, exchange_rounds, world
@@ -124,11 +125,18 @@ def exchange_epoch(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | No
     P = len(ne.positions)
 
     def deliver(got_pieces, got_tokens):
-        receive(ne, stores, pad, got_pieces, got_tokens)
+        with phase("place" if layout is None else "bucket_write", got_tokens.nbytes):
+            receive(ne, stores, pad, got_pieces, got_tokens)
+
+    def routes(pieces):
+        routed = ne.routes(pieces)
+        count("route", int(pieces["length"][routed[1]].sum()) * job.token_dtype.itemsize)
+        return routed
 
     with reading_bar(ne, shown) as bar:
-        reads = counted(source_pieces(ne, per_round), bar)
-        rounds = exchange_rounds(comm, MPI, reads, per_round, row, job.token_dtype, ne.routes, deliver, ne.procs)
+        reads = counted(timed("cut", source_pieces(ne, per_round), lambda item: item[1].nbytes), bar)
+        with phase("route"):
+            rounds = exchange_rounds(comm, MPI, reads, per_round, row, job.token_dtype, routes, deliver, ne.procs)
     stores.finish()
     if len(pad) and (pad.min() < 0 or (not ne.padded and pad.max() > 0)):
         raise TokpackError(
@@ -297,9 +305,12 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         )
         disk = node.local.allreduce(ne.disk_bytes(layout is not None))  # the node's processes share DEST
         node.together(lambda: check_space([(dest, disk)], "shuffle", hint="free some space on this node's DEST"))
-        stores, keep_pad, owned_pad, rounds = node.together(
-            lambda: exchange_epoch(comm, MPI, ne, per_round, layout, shown)
-        )
+        phases, cpu0 = Phases(), process_cpu()  # this epoch's CPU by phase (tokpack.packer.phases)
+        with collecting(phases):
+            stores, keep_pad, owned_pad, rounds = node.together(
+                lambda: exchange_epoch(comm, MPI, ne, per_round, layout, shown)
+            )
+        stores = stores if layout is None else TimedRows(stores)  # out of core: the buckets read back
         if fmt.padded:  # every row is some node's and some owner's: both sums are the table's padding
             sums = comm.allreduce(np.array([keep_pad.sum(), owned_pad.sum()], dtype=np.int64)).tolist()
             node.together(lambda: _same_padding(sums, prepared["padding"], epoch))
@@ -308,10 +319,12 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         if P > 1:  # the node's epoch folder readied once, before its processes open their rank files there
             node.together(lambda: ready_epoch_dir(output, d) if node.leader else None)
         log(f"shuffle --to-nodes: epoch {epoch}: writing the slice's rank files, then hashing the owned shards")
-        entries = node.together(lambda: write_slice_epoch(output, d, ne, stores, keep_pad, fmt))
-        owned_entries = node.together(
-            lambda: hash_owned_shards(ne, stores, owned_pad, Path(job.work_dir) / "owned", Path(job.epoch_dir), fmt)
-        )
+        with collecting(phases), phase("write", len(ne.positions) * job.row_bytes):
+            entries = node.together(lambda: write_slice_epoch(output, d, ne, stores, keep_pad, fmt))
+        with collecting(phases), phase("hash_owned", ne.owned_rows * job.row_bytes):
+            owned_entries = node.together(
+                lambda: hash_owned_shards(ne, stores, owned_pad, Path(job.work_dir) / "owned", Path(job.epoch_dir), fmt)
+            )
         shutil.rmtree(scratch, ignore_errors=True)
         stores = None  # freed before the next epoch's stores
         gathered = comm.gather(owned_entries, root=0)
@@ -357,6 +370,7 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
             "source_bytes_kept_now": kept,
             "tokens_kept": sum(s["tokens"] for s in entries),
             "seconds": round(time.perf_counter() - e0, 3),
+            "phases": phases.summary(process_cpu() - cpu0),
         }
         summaries.append(epoch_detail(job, setup.runplan.stage_name(epoch), report, manifest, entries, node_figures))
 
@@ -400,6 +414,7 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         "epochs_detail": summaries,
         "skipped": skipped,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+        "cpu_s": round(process_cpu(), 3),  # user+sys of every thread since the process started (its epochs' "phases")
         "seconds": round(seconds, 3),
     }
 

@@ -10,6 +10,7 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.io import map_file
+from tokpack.packer.phases import lapped, phase
 from tokpack.packer.pieces import WIRE_PIECE, gather
 from tokpack.shuffle.plan import iter_source_windows
 from tokpack.shuffle.steps import ShardHashes, shard_segments, source_changed_error
@@ -27,8 +28,14 @@ def source_pieces(ne, tokens: int):
     for s, w0, w1, k0, k1 in shard_segments(plan, ne.sources, ne.runs()):
         shards = ShardHashes(ne.sources[s], k0, k1, _changed)
         for a, block in iter_source_windows(
-            plan, s, ne.sources[s], max(1, tokens // row) * job.row_bytes, w0=w0, w1=w1, on_read=shards.feed
-        ):
+            plan,
+            s,
+            ne.sources[s],
+            max(1, tokens // row) * job.row_bytes,
+            w0=w0,
+            w1=w1,
+            on_read=lapped("read", shards.feed),
+        ):  # the read-ahead thread's CPU (its reads and their hashes) is the read phase's
             for _, sel, g in plan.outputs_of(s, np.arange(a, a + len(block), dtype=np.int64)):
                 pieces = np.zeros(len(sel), WIRE_PIECE)
                 pieces["g"], pieces["length"] = g, row
@@ -45,8 +52,9 @@ def _document_pieces(ne, runs, tokens: int):
         src = ne.sources[s]
         for k in range(k0, k1):
             n = int(src.shards[k]["tokens"])
-            data = map_file(src.path / src.shards[k]["path"], 0, n * src.dtype.itemsize).view(src.dtype)
-            found = xxhash.xxh3_128_hexdigest(data)
+            with phase("read", n * src.dtype.itemsize):
+                data = map_file(src.path / src.shards[k]["path"], 0, n * src.dtype.itemsize).view(src.dtype)
+                found = xxhash.xxh3_128_hexdigest(data)
             if found != src.shards[k]["xxh3_128"]:
                 _changed(src.path / src.shards[k]["path"], src.shards[k]["xxh3_128"], found)
             chunk = max(1, tokens // max(1, job.plan.row_tokens // 4))

@@ -14,6 +14,8 @@ import numpy as np
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import space_needs
 from tokpack.formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name
+from tokpack.packer.node_model import MEASURED, MEASURED_BY, NodeWork, Rates
+from tokpack.packer.node_model import epoch as epoch_time
 from tokpack.packer.plan_result import COMMAND_START_SECONDS, PlanResult, local_only, measure_disk, size_text
 
 
@@ -126,6 +128,7 @@ def _node_epoch_figures(
                 # each owned shard's row hashes (and padding) in scratch, copied to RUN; its tokens and
                 # index are only hashed (owned_shards.hash_owned_shards)
                 "owned_bytes": ne.owned_rows * (U64.itemsize + 4 * padded),
+                "owned_token_bytes": ne.owned_rows * job.row_bytes,  # hashed, not written (the model's hash_owned)
                 "owned_peak": max([k * (U64.itemsize + 4 * padded) for k in owned_sizes], default=0),
                 "run_rows_bytes": U64.itemsize * ne.owned_rows,
                 "run_pad_bytes": 4 * ne.owned_rows if padded else 0,
@@ -216,6 +219,41 @@ def _planned_manifest(job, sources, memory: int):
     ), fig
 
 
+def _work(f: dict, kept: bool, kept_now: int, slice_bytes: int, padded: bool) -> NodeWork:
+    """One node's epoch (_node_epoch_figures' `f`) as the model's NodeWork: with --keep-sources
+    it reads its own disk (what it copies now read from the shared filesystem first)."""
+    return NodeWork(
+        source_bytes=f["source_bytes"],
+        from_shared=not kept,
+        kept_copied=kept_now,
+        sent=f["sent_bytes"],
+        received=f["received_bytes"],
+        routed=f["sent_bytes"] + f["to_itself_bytes"],
+        placed=f["received_bytes"] + f["to_itself_bytes"],
+        slice_bytes=f["slice_token_bytes"],
+        small_bytes=slice_bytes - f["slice_token_bytes"] + f["owned_bytes"] + f["table_bytes"],
+        owned_bytes=f["owned_token_bytes"],
+        out_of_core=bool(f["bucket_bytes"]),
+        read_ahead=not padded,  # windows are read on a thread of their own; best-fit documents are not
+        memory_needed=f["keep_bytes"],
+    )
+
+
+def _predict(works: list, rates: Rates) -> dict:
+    """A node's epochs one after the other: their seconds add; the binding resource holds most of them."""
+    preds = [epoch_time(w, rates) for w in works]
+    by: dict = {}
+    for p in preds:
+        for k, v in p.by_resource.items():
+            by[k] = by.get(k, 0.0) + v
+    return {
+        "seconds": round(sum(p.seconds for p in preds), 3),
+        "binding": max(by, key=by.get) if by else None,
+        "by_resource": {k: round(v, 3) for k, v in by.items()},
+        "epochs": [p.as_dict() for p in preds],
+    }
+
+
 def _count_sends(counts: np.ndarray, ne, g: np.ndarray) -> None:
     """Adds to counts[d] the pieces of rows `g` sent to node d: to the node that reads the row,
     and to its shard's owner when that is another node (exchange_epoch's destinations)."""
@@ -288,6 +326,7 @@ def plan_to_nodes(
         "local_read_bytes",
     )
     totals = [{**dict.fromkeys(zero, 0), "epochs": []} for _ in range(nodes)]
+    works: list[list] = [[] for _ in range(nodes)]  # per node, each epoch's NodeWork (tokpack.packer.node_model)
     details, manifests, written_manifests, run_rows = [], {}, {}, {"rows_bytes": 0, "pad_bytes": 0}
     for epoch, plan, job in setup.todo:
         if job is None:
@@ -372,6 +411,7 @@ def plan_to_nodes(
             t["out_of_core_bytes"] = max(t["out_of_core_bytes"], ooc)
             t["local_written_bytes"] += kept_now + slice_bytes + scratch_written
             t["local_read_bytes"] += local + f["table_bytes"] + ooc
+            works[n].append(_work(f, keeps[n] is not None, kept_now, slice_bytes, padded))
             t["epochs"].append(
                 {
                     "epoch": epoch,
@@ -430,6 +470,7 @@ def plan_to_nodes(
     disk, disk_how = _rate(disk_mbps, "--disk-mbps", next((p for p in seen if p is not None), None), measured)
     shared, shared_how = _rate(shared_mbps, "--shared-mbps", _visible(out), measured)
     readers = max(1, sum(1 for t in totals if t["shared_source_bytes"]))
+    procs = int(getattr(spec.nodes, "procs_per_node", None) or 1)  # processes a node (its CPU: that many cores)
     per_node = []
     for n, t in enumerate(totals):
         need = t["slice_on_disk"] + t["scratch_bytes"]
@@ -453,11 +494,14 @@ def plan_to_nodes(
         )
         network_s = max(t["sent_bytes"], t["received_bytes"]) / (nic * 1e6)  # full duplex
         disk_s = None if disk is None else (t["local_read_bytes"] + t["local_written_bytes"]) / (disk * 1e6)
-        seconds = (
+        # The time: the model of the engine (tokpack.packer.node_model), its phases' CPU a byte
+        # measured (node_model.MEASURED), which overlap, the resource that binds.
+        model = (
             None
-            if shared_s is None or disk_s is None
-            else round(shared_s + network_s + disk_s + COMMAND_START_SECONDS, 1)
+            if shared is None or disk is None
+            else _predict(works[n], Rates(shared, nic, disk, readers=readers, procs=procs, start_s=0.0))
         )
+        seconds = None if model is None else round(model["seconds"] + COMMAND_START_SECONDS, 1)
         per_node.append(
             {
                 "node": n,
@@ -470,6 +514,8 @@ def plan_to_nodes(
                 "network_seconds": round(network_s, 1),
                 "disk_seconds": None if disk_s is None else round(disk_s, 1),
                 "predicted_seconds": seconds,
+                "binding": None if model is None else model["binding"],  # the resource that binds this node
+                "model": model,
             }
         )
     times = [p["predicted_seconds"] for p in per_node]
@@ -500,6 +546,10 @@ def plan_to_nodes(
             "keep_sources": keep_sources,
             "memory": memory,
             "procs_per_node": procs,
+            # the slowest node's binding resource, and where the model's CPU a byte comes from
+            "binding": None if slowest is None else per_node[slowest]["binding"],
+            "cpu_seconds_a_byte": MEASURED,
+            "cpu_measured_by": MEASURED_BY,
         },
         per_node=per_node,
         run_files=run_files,

@@ -197,7 +197,11 @@ def _nodes_lines(r: PlanResult) -> list[str]:
         + (f", padding {size_text(f['pad_bytes'])}" if f["pad_bytes"] else "")
         + f", {f['nodes_sidecar_bytes']:,} bytes of sidecar; no token file"
     )
-    slow = "" if r.slowest_node is None else f"the slowest node's, node {r.slowest_node}; "
+    slow = (
+        ""
+        if r.slowest_node is None
+        else f"the slowest node's, node {r.slowest_node}, bound by {r.to_nodes['binding']}; "
+    )
     lines.append(
         f"  predicted wall time: {_duration(r.predicted_seconds)} ({slow}shared filesystem "
         f"{r.shared_mbps if r.shared_mbps is not None else '?'} MB/s {r.shared}, for all nodes; "

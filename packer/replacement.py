@@ -176,6 +176,11 @@ def part_rows_of(row_bytes: int, memory: int) -> int:
     return int(n)
 
 
+# Ranged reads of the sources a replacement node has in flight at once (SourceRows._window_rows:
+# one after the other); tokpack.packer.node_model projects its reads with it.
+READ_QUEUE_DEPTH = 1
+
+
 class SourceRows:
     """An epoch of a --to-nodes RUN, its rows at given positions rebuilt from the sources alone
     (RUN's plan: its epoch manifest): a replacement node's reads, and `validate SLICE --against

@@ -1,0 +1,279 @@
+"""The time model of `shuffle --to-nodes` (tokpack.packer.exchange), in one place: `plan shuffle
+--to-nodes` (tokpack.packer.plan_nodes) and bench/nodes.py both project with it.
+
+Inputs: each phase's CPU seconds a byte (tokpack.packer.phases: a thread's user+sys, so the
+machine's load does not move them; MEASURED, or a caller's), the bytes each phase moves on a node
+(NodeWork: the exchange's own arithmetic), the rates (Rates: the shared filesystem's total and
+its readers, a node's network and local disk, its processes and cores). Combined as the engine
+runs them (`epoch`):
+
+  keep        --keep-sources' first epoch: the process's source shards copied to its disk first.
+  rounds      a window epoch's source blocks are read on a thread of their own (read_ahead)
+              while the main thread cuts, routes (Alltoallv) and places the previous round, so
+              the rounds take the longer of the two threads, each the sum of its own steps (the
+              reading thread: the read's I/O, then its hash; the main thread: its CPU, then its
+              Alltoallv on the network, rounds being synchronous); a best-fit epoch reads in
+              the main thread: one chain. Out of core the pieces received are appended to
+              bucket files (written back by the kernel meanwhile: the local disk's bytes).
+  write       then the slice's rank files (out of core: its buckets read back first, a bucket
+              at a time, then written: the read in the chain, the writes behind by writeback).
+  hash_owned  then the owned epoch shards hashed (out of core: their buckets read back).
+
+Each phase takes the largest of its chains and of each resource's total (shared filesystem,
+network, local disk, CPU over the cores its threads can use); the phases add; the resource that
+binds is the one whose terms hold most of the total. A replacement node (`replacement`) reads
+its rows' merged ranges one after the other (READ_QUEUE_DEPTH at once, tokpack.packer.replacement)
+at a stated latency, checks and writes them: one chain, its disk writes behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokpack.packer.replacement import READ_QUEUE_DEPTH
+
+SHARED, NETWORK, DISK, CPU, REPLACEMENT_READS = (
+    "shared filesystem",
+    "network",
+    "local disk",
+    "CPU",
+    "replacement reads",
+)
+START = "start-up"  # the launcher, the imports, MPI's wire-up: before any byte moves
+READ_LATENCY_S = 100e-6  # one small read of the shared filesystem (issue 41: 100 us)
+START_SECONDS = 0.5  # a process's start (tokpack.packer.plan_result.COMMAND_START_SECONDS)
+
+# CPU seconds a byte of each phase on this machine's core (tokpack.packer.phases; bytes as each
+# phase counts them: read and cut the source bytes read, route every copy sent, place and
+# bucket_write the bytes received, bucket_read the bytes read back, write the slice's token bytes,
+# hash_owned the owned shards' token bytes). Measured by the run below; `python bench/nodes.py`
+# prints them again ("s/byte") from its own 4-process run.
+MEASURED = {
+    "read": 0.516e-9,
+    "cut": 0.373e-9,
+    "route": 1.55e-9,
+    "place": 0.438e-9,
+    "bucket_write": 2.5e-9,
+    "bucket_read": 0.756e-9,
+    "write": 0.909e-9,
+    "hash_owned": 0.679e-9,
+}
+MEASURED_BY = (
+    'bench/nodes.py --size 128MiB at 2e56285, 2026-12-06 04:21 UTC (BENCHMARKS.md, "Straight to the '
+    "nodes\"): the 4-process first, later and out-of-core runs' --json phases summed (2-core Xeon VM)"
+)
+
+
+@dataclass
+class Rates:
+    """What a node has: MB/s of the shared filesystem in all (`shared_mbps`, shared by `readers`
+    nodes reading at once), of its network (`nic_mbps`; None: one machine, where MPI's copies are
+    CPU, counted in route) and of its local disk; `procs` processes a node, `cores` (None: enough
+    for every thread, two a process)."""
+
+    shared_mbps: float
+    nic_mbps: float | None
+    disk_mbps: float
+    readers: int = 1
+    procs: int = 1
+    cores: int | None = None
+    start_s: float = START_SECONDS
+
+
+@dataclass
+class NodeWork:
+    """The bytes one node (all its processes) moves in one epoch."""
+
+    source_bytes: int  # the source tokens its processes read
+    from_shared: bool = True  # from the shared filesystem, else its local disk (kept sources)
+    kept_copied: int = 0  # source bytes copied now to its disk (--keep-sources' first epoch)
+    sent: int = 0  # network bytes out (to other nodes)
+    received: int = 0  # network bytes in
+    routed: int = 0  # tokens sent, every copy, its own included (route's bytes)
+    placed: int = 0  # tokens received into its stores: its slice's and its owned shards'
+    slice_bytes: int = 0  # token bytes of its rank files
+    small_bytes: int = 0  # the rest it writes on its disk: row hashes, index, padding
+    owned_bytes: int = 0  # token bytes of the owned shards, hashed only
+    out_of_core: bool = False  # the stores are bucket files: written in the rounds, read back after
+    read_ahead: bool = True  # windows: read on a thread of their own; best-fit: in the main thread
+    memory_needed: int = 0  # --memory a process needs in memory (NodeEpoch.keep_bytes), for the report
+
+
+@dataclass
+class Phase:
+    name: str
+    seconds: float
+    binding: str
+    terms: dict  # resource or chain -> seconds
+
+
+@dataclass
+class Prediction:
+    seconds: float
+    binding: str
+    phases: list = field(default_factory=list)
+    by_resource: dict = field(default_factory=dict)  # seconds of the total each resource binds
+
+    @property
+    def minutes(self) -> float:
+        return self.seconds / 60
+
+    def as_dict(self) -> dict:
+        return {
+            "seconds": round(self.seconds, 3),
+            "binding": self.binding,
+            "phases": [
+                {"phase": p.name, "seconds": round(p.seconds, 3), "binding": p.binding, "terms": _rounded(p.terms)}
+                for p in self.phases
+            ],
+            "by_resource": _rounded(self.by_resource),
+        }
+
+
+def _rounded(d: dict) -> dict:
+    return {k: round(v, 3) for k, v in d.items()}
+
+
+def _mbps(nbytes: float, mbps: float | None) -> float:
+    return 0.0 if not nbytes or mbps is None else nbytes / (mbps * 1e6)
+
+
+def _phase(name: str, chains: dict, resources: dict) -> Phase:
+    """The phase's time: its longest chain or busiest resource. A chain (a thread's steps one
+    after the other) binds by its largest step."""
+    terms = {**{f"{k} (chain)": sum(v.values()) for k, v in chains.items()}, **resources}
+    top = max(terms, key=terms.get) if terms else CPU
+    if top.endswith(" (chain)"):
+        steps = chains[top.removesuffix(" (chain)")]
+        binding = max(steps, key=steps.get)
+    else:
+        binding = top
+    return Phase(name, terms.get(top, 0.0), binding, terms)
+
+
+def epoch(work: NodeWork, rates: Rates, costs: dict | None = None) -> Prediction:
+    """One epoch on one node: its phases as the engine runs them (the module's docstring), their
+    sum, and the resource that binds."""
+    c = {**MEASURED, **(costs or {})}
+    P = max(1, rates.procs)
+    threads = 2 * P if work.read_ahead else P
+    cores_rounds = threads if rates.cores is None else min(rates.cores, threads)
+    cores_main = P if rates.cores is None else min(rates.cores, P)
+    share = rates.shared_mbps / max(1, rates.readers)
+    src_io = (
+        {SHARED: _mbps(work.source_bytes, share)}
+        if work.from_shared
+        else {DISK: _mbps(work.source_bytes, rates.disk_mbps)}
+    )
+    keep_io = _mbps(work.kept_copied, share)
+    store = "bucket_write" if work.out_of_core else "place"
+    read_cpu = c["read"] * work.source_bytes
+    main_cpu = c["cut"] * work.source_bytes + c["route"] * work.routed + c[store] * work.placed
+    net = max(_mbps(work.sent, rates.nic_mbps), _mbps(work.received, rates.nic_mbps))
+    reader = {**src_io, CPU: read_cpu / P}
+    main = {CPU: main_cpu / P, NETWORK: net}
+    if not work.read_ahead:  # one chain: the main thread reads too
+        main = {**src_io, CPU: (read_cpu + main_cpu) / P, NETWORK: net}
+    chains = {"read": reader, "main": main} if work.read_ahead else {"main": main}
+    disk_rounds = 0 if work.from_shared else work.source_bytes
+    disk_rounds += work.slice_bytes + work.owned_bytes if work.out_of_core else 0  # every store row to a bucket
+    rounds = _phase(
+        "rounds",
+        chains,
+        {
+            SHARED: src_io.get(SHARED, 0.0),
+            NETWORK: net,
+            DISK: _mbps(disk_rounds, rates.disk_mbps),
+            CPU: (read_cpu + main_cpu) / cores_rounds,
+        },
+    )
+    # --keep-sources' first epoch copies the process's shards to its disk before the rounds
+    # (kept_sources: read from the shared filesystem, written behind by the kernel)
+    keep = _phase("keep", {}, {SHARED: keep_io, DISK: _mbps(work.kept_copied, rates.disk_mbps)})
+    phases = [keep, rounds] if work.kept_copied else [rounds]
+    # Out of core the buckets are read back: the slice's in the write phase, the owned shards' in
+    # hash_owned (both directions of the local disk: written in the rounds, read here).
+    for name, nbytes, written in (
+        ("write", work.slice_bytes, work.slice_bytes + work.small_bytes),
+        ("hash_owned", work.owned_bytes, 0),
+    ):
+        back = nbytes if work.out_of_core else 0
+        cpu = c[name] * nbytes + c["bucket_read"] * back
+        chain = {DISK: _mbps(back, rates.disk_mbps), CPU: cpu / P}
+        phases.append(
+            _phase(
+                name,
+                {"main": chain},
+                {DISK: _mbps(back + written, rates.disk_mbps), CPU: cpu / cores_main},
+            )
+        )
+    return _total(phases, rates.start_s)
+
+
+def _total(phases: list, start_s: float) -> Prediction:
+    by: dict = {}
+    for p in phases:
+        if p.seconds > 0:
+            by[p.binding] = by.get(p.binding, 0.0) + p.seconds
+    if start_s:
+        phases = [*phases, Phase("start", start_s, START, {START: start_s})]
+        by[START] = by.get(START, 0.0) + start_s
+    seconds = sum(p.seconds for p in phases)
+    return Prediction(seconds, max(by, key=by.get) if by else CPU, phases, by)
+
+
+def replacement(
+    nbytes: int,
+    ranges: int,
+    rates: Rates,
+    costs: dict | None = None,
+    *,
+    latency_s: float = READ_LATENCY_S,
+    queue_depth: int = READ_QUEUE_DEPTH,
+) -> Prediction:
+    """A replacement node alone (`stage RUN DEST --node n/N` on a --to-nodes RUN): its rows'
+    `ranges` (merged ranged reads) at `latency_s` each, `queue_depth` at once, their `nbytes` at
+    what the shared filesystem gives one node (min(its total, the NIC)); each part checked (its
+    rows hashed: read's cost a byte) and written (write's), one after the other in one thread;
+    the disk writes behind."""
+    c = {**MEASURED, **(costs or {})}
+    alone = rates.shared_mbps if rates.nic_mbps is None else min(rates.shared_mbps, rates.nic_mbps)
+    chain = {
+        REPLACEMENT_READS: ranges * latency_s / max(1, queue_depth),
+        SHARED: _mbps(nbytes, alone),
+        CPU: (c["read"] + c["write"]) * nbytes,
+    }
+    disk = _mbps(nbytes, rates.disk_mbps)
+    return _total([_phase("replacement", {"main": chain}, {DISK: disk})], rates.start_s)
+
+
+def ranges_at_density(rows: int, nodes: int) -> int:
+    """A node's rows' merged ranges when its windows are 1/nodes of the sources' at random (a
+    shuffled epoch): a row's window follows the node's previous one with chance about 1/nodes."""
+    return max(0, round(rows * (1 - 1 / max(1, nodes)))) if rows else 0
+
+
+def uniform_work(token_bytes: float, nodes: int, row_bytes: int, **kw) -> NodeWork:
+    """One node's bytes when the epoch's `token_bytes` spread evenly over `nodes` (the exchange's
+    arithmetic: every row read once, sent to the node whose ranks read it and to its shard's
+    owner when that is another node; a node keeps 1/nodes and owns 1/nodes). What bench/nodes.py
+    projects for a size it cannot plan."""
+    N = max(1, nodes)
+    B = token_bytes / N
+    # copies a row read on node m sends elsewhere: to its node (unless m), to its owner (unless
+    # the owner is its node or m); with 16 bytes of WIRE_PIECE a row
+    wire = 1 + 16 / row_bytes
+    off = (N - 1) / N + (N - 1) ** 2 / N**2
+    routed = 1 + (N - 1) / N  # every copy, its own included
+    return NodeWork(
+        source_bytes=int(B),
+        sent=int(B * off * wire),
+        received=int(B * off * wire),
+        routed=int(B * routed),
+        placed=int(B * routed),  # what arrives: its rows once, its owned rows it does not keep
+        slice_bytes=int(B),
+        small_bytes=int(B / row_bytes * 16),
+        owned_bytes=int(B),
+        memory_needed=int(2 * B * (1 + 8 / row_bytes)),
+        **kw,
+    )

@@ -1,0 +1,148 @@
+"""The time model of `shuffle --to-nodes` (tokpack.packer.node_model), on hand-computed cases:
+which resource binds when, the read-ahead thread's overlap against one chain, out of core's
+both directions on the local disk, a replacement node's reads; and `plan shuffle --to-nodes
+--json` naming the resource that binds. No wall clock: the model's arithmetic only."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from conftest import random_docs, write_source
+
+from tokpack.packer.cli import main
+from tokpack.packer.node_model import (
+    CPU,
+    DISK,
+    NETWORK,
+    REPLACEMENT_READS,
+    SHARED,
+    NodeWork,
+    Rates,
+    epoch,
+    ranges_at_density,
+    replacement,
+    uniform_work,
+)
+from tokpack.packer.phases import PHASES, Phases
+
+FREE = dict.fromkeys(PHASES, 0.0)  # CPU that costs nothing: only the resources count
+GB = 10**9
+
+
+def rates(**kw) -> Rates:
+    return Rates(**{"shared_mbps": 1000.0, "nic_mbps": 1000.0, "disk_mbps": 1000.0, "start_s": 0.0, **kw})
+
+
+def seconds_of(pred, name: str) -> float:
+    return next(p.seconds for p in pred.phases if p.name == name)
+
+
+def test_the_shared_filesystem_binds_when_its_share_is_the_slowest():
+    # 10 GB read by each of 10 readers of a 1,000 MB/s filesystem: 100 MB/s each, 100 s
+    work = NodeWork(source_bytes=10 * GB, sent=GB, received=GB)
+    pred = epoch(work, rates(readers=10), FREE)
+    assert pred.binding == SHARED
+    assert seconds_of(pred, "rounds") == pytest.approx(100.0)
+    assert pred.seconds == pytest.approx(100.0)  # nothing written, nothing to hash
+
+
+def test_the_network_binds_when_a_node_sends_more_than_its_link_moves_first():
+    # 2 GB out, 3 GB in at 100 MB/s (full duplex: the larger) against 1 GB read at 1,000 MB/s
+    work = NodeWork(source_bytes=GB, sent=2 * GB, received=3 * GB)
+    pred = epoch(work, rates(nic_mbps=100.0), FREE)
+    assert pred.binding == NETWORK and seconds_of(pred, "rounds") == pytest.approx(30.0)
+
+
+def test_the_cpu_binds_at_a_cost_a_byte_and_two_threads_a_process():
+    # read 1 ns/B on the read-ahead thread, route 4 ns/B of 2 GB on the main thread: 2 s and 8 s
+    costs = {**FREE, "read": 1e-9, "route": 4e-9}
+    work = NodeWork(source_bytes=2 * GB, routed=2 * GB)
+    fast = rates(shared_mbps=1e6, nic_mbps=1e6, disk_mbps=1e6)
+    pred = epoch(work, fast, costs)
+    assert pred.binding == CPU and seconds_of(pred, "rounds") == pytest.approx(8.0, rel=1e-3)
+    # one core for the process: both threads' CPU on it, 10 s
+    one = epoch(work, Rates(1e6, 1e6, 1e6, cores=1, start_s=0.0), costs)
+    assert seconds_of(one, "rounds") == pytest.approx(10.0, rel=1e-3)
+    # 4 processes a node share the work (and its 8 threads the CPU): a quarter
+    four = epoch(work, Rates(1e6, 1e6, 1e6, procs=4, start_s=0.0), costs)
+    assert seconds_of(four, "rounds") == pytest.approx(2.0, rel=1e-3)
+
+
+def test_the_read_ahead_overlaps_the_rounds_and_a_best_fit_read_does_not():
+    # reading thread: 5 s of I/O (5 GB at 1,000 MB/s) + 5 s of hashing = 10 s; main thread:
+    # 4 s of route + 2 s on the network = 6 s
+    costs = {**FREE, "read": 1e-9, "route": 2e-9}
+    work = NodeWork(source_bytes=5 * GB, routed=2 * GB, sent=2 * GB, received=GB)
+    r = rates()
+    windows = epoch(work, r, costs)
+    assert seconds_of(windows, "rounds") == pytest.approx(10.0, rel=1e-3)  # max(10, 6)
+    assert windows.binding in (SHARED, CPU)  # the reading thread's steps: 5 s each
+    work.read_ahead = False
+    best_fit = epoch(work, r, costs)
+    assert seconds_of(best_fit, "rounds") == pytest.approx(16.0, rel=1e-3)  # 5 + 5 + 4 + 2
+
+
+def test_out_of_core_writes_the_buckets_and_reads_them_back():
+    # slice 3 GB, owned 2 GB; the disk at 1,000 MB/s. In memory: the slice written, 3 s.
+    work = NodeWork(source_bytes=0, slice_bytes=3 * GB, owned_bytes=2 * GB)
+    r = rates()
+    mem = epoch(work, r, FREE)
+    assert mem.seconds == pytest.approx(3.0) and mem.binding == DISK
+    work.out_of_core = True
+    ooc = epoch(work, r, FREE)
+    # the buckets (5 GB) written in the rounds, read back (3 GB with the slice, 2 GB with the
+    # owned shards), the slice written: 5 + 3 + 3 + 2
+    assert seconds_of(ooc, "rounds") == pytest.approx(5.0)
+    assert seconds_of(ooc, "write") == pytest.approx(6.0)
+    assert seconds_of(ooc, "hash_owned") == pytest.approx(2.0)
+    assert ooc.seconds == pytest.approx(13.0) and ooc.binding == DISK
+
+
+def test_a_replacement_node_reads_its_ranges_at_a_latency_and_queue_depth():
+    r = rates(shared_mbps=1e9, nic_mbps=1e9, disk_mbps=1e9)
+    one = replacement(GB, 1_000_000, r, FREE, latency_s=100e-6, queue_depth=1)
+    assert one.seconds == pytest.approx(100.0, rel=1e-6) and one.binding == REPLACEMENT_READS
+    eight = replacement(GB, 1_000_000, r, FREE, latency_s=100e-6, queue_depth=8)
+    assert eight.seconds == pytest.approx(12.5, rel=1e-6)
+    # few ranges: the bandwidth (min(shared, NIC) for a node alone) binds
+    wide = replacement(10 * GB, 10, rates(shared_mbps=40_000.0, nic_mbps=1000.0), FREE)
+    assert wide.binding == SHARED and wide.seconds == pytest.approx(10.0, rel=1e-3)
+
+
+def test_uniform_work_is_the_exchanges_arithmetic():
+    # 48 nodes: a node reads 1/48, keeps 1/48 and owns 1/48; a row goes to its node and to its
+    # owner when that is another: (N-1)/N + (N-1)^2/N^2 of what a node reads leaves it
+    w = uniform_work(48 * GB, 48, 8194)
+    assert w.source_bytes == GB and w.slice_bytes == GB and w.owned_bytes == GB
+    assert w.sent == pytest.approx(GB * (47 / 48 + 47**2 / 48**2) * (1 + 16 / 8194), rel=1e-6)
+    assert ranges_at_density(4800, 48) == 4700
+
+
+def test_phases_nest_and_count_bytes():
+    ph = Phases()
+    with ph.phase("route"):
+        with ph.phase("place", 10):
+            sum(range(200_000))
+        ph.count("route", 7)
+    s = ph.summary(process_cpu=1e9)
+    assert set(PHASES) <= set(s) and s["place"]["bytes"] == 10 and s["route"]["bytes"] == 7
+    assert s["place"]["cpu_s"] > 0 and s["other"]["cpu_s"] > 0
+
+
+def test_plan_to_nodes_names_the_binding_resource(tmp_path):
+    src = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
+    args = ["plan", "shuffle", str(src), "-o", str(tmp_path / "run"), "--seq-len", "64", "--seed", "1"]
+    args += ["--epochs", "1", "--to-nodes", str(tmp_path / "node{node}"), "--ranks-per-node", "2"]
+    args += ["--micro-batch", "2", "--nodes", "4", "--disk-mbps", "1000", "--json"]
+    # a slow shared filesystem binds; then a slow disk
+    slow_shared = json.loads(CliRunner().invoke(main, [*args, "--shared-mbps", "0.001"]).stdout)
+    assert slow_shared["to_nodes"]["binding"] == SHARED
+    node = slow_shared["per_node"][slow_shared["slowest_node"]]
+    assert node["binding"] == SHARED and node["model"]["epochs"][0]["phases"][0]["phase"] == "rounds"
+    slow_disk = json.loads(
+        CliRunner().invoke(main, [*args[:-3], "--disk-mbps", "0.001", "--shared-mbps", "1e6", "--json"]).stdout
+    )
+    assert slow_disk["to_nodes"]["binding"] == DISK
