@@ -79,6 +79,9 @@ ROUND_ROOM = 128 << 20  # --memory beyond the rows a process keeps and owns: the
 REPLACED = 2  # the node the replacement row rebuilds
 # The projection (issue 33, BENCHMARKS.md "Scale model of the 11T-token run")
 MODEL_NODES, MODEL_TOKENS, MODEL_TOKEN_BYTES = 48, 11 * 10**12, 2
+# Processes a node in the projection (issue 41: one a GPU, `--procs-per-node 8`): a node's CPU is 8
+# cores, its --memory shared by them.
+MODEL_PROCS = 8
 # Today's route at that scale, as bench/scale_model.py's ready table projects it (BENCHMARKS.md): the
 # 65.1-minute shuffle, then node slices at 2,000 MB/s a node and 1.6x cp (bench/stage.py --slices): 80.5 minutes.
 TODAY_SHUFFLE_MIN, TODAY_NODE_MBPS, TODAY_SLICE_VS_CP = 65.1, 2000, 1.6
@@ -743,7 +746,7 @@ def projection(costs: dict, nic_mbps: float, shared_mbps: float, disk_mbps: floa
 
     D = MODEL_TOKENS * MODEL_TOKEN_BYTES
     row_bytes = (SEQ_LEN + 1) * MODEL_TOKEN_BYTES
-    rates = Rates(shared_mbps, nic_mbps, disk_mbps, readers=MODEL_NODES)
+    rates = Rates(shared_mbps, nic_mbps, disk_mbps, readers=MODEL_NODES, procs=MODEL_PROCS)
     rows_a_node = MODEL_TOKENS // (SEQ_LEN + 1) // MODEL_NODES
     work = uniform_work(D, MODEL_NODES, row_bytes)
     _, today, today_alone = ready_rows(TODAY_SHUFFLE_MIN * 60, TODAY_NODE_MBPS, shared_mbps, TODAY_SLICE_VS_CP)
