@@ -29,10 +29,18 @@ def progress_mode() -> tuple[str, float]:
     for a number S > 0; ("off", 0) for off or 0; ("bar", 30), ("log", 30). Anything else is one
     line naming the variable and its text ($TOKPACK_LOG_INTERVAL, its former spelling, is read
     when it is unset, with a warning)."""
-    name, text = PROGRESS_ENV, os.environ.get(PROGRESS_ENV)
-    if text is None and os.environ.get(OLD_INTERVAL_ENV) is not None:
-        name, text = OLD_INTERVAL_ENV, os.environ[OLD_INTERVAL_ENV]
-        _warn_old(text)
+    text = os.environ.get(PROGRESS_ENV)
+    if text is not None or os.environ.get(OLD_INTERVAL_ENV) is None:
+        return _parsed(text, PROGRESS_ENV)
+    text = os.environ[OLD_INTERVAL_ENV]
+    _warn_old()
+    mode = _parsed(text, OLD_INTERVAL_ENV)
+    if text.strip():  # the worker processes read the new variable (a bad value stays the old one's)
+        os.environ.setdefault(PROGRESS_ENV, text.strip())
+    return mode
+
+
+def _parsed(text: str | None, name: str) -> tuple[str, float]:
     word = (text or "").strip().lower()
     if word in ("", "on"):
         return "on", DEFAULT_LOG_INTERVAL
@@ -47,16 +55,14 @@ def progress_mode() -> tuple[str, float]:
     return ("on", seconds) if seconds > 0 else ("off", 0.0)
 
 
-def _warn_old(text: str) -> None:
-    """$TOKPACK_LOG_INTERVAL, once a process; its worker processes read the new variable."""
+def _warn_old() -> None:
+    """$TOKPACK_LOG_INTERVAL's warning, once a process."""
     global _warned_old
     if not _warned_old:
         _warned_old = True
         sys.stderr.write(
             f"tokpack: warning: ${OLD_INTERVAL_ENV} is deprecated; use {PROGRESS_ENV}=SECONDS (or off, bar, log)\n"
         )
-    if text.strip():
-        os.environ.setdefault(PROGRESS_ENV, text.strip())
 
 
 def log_interval() -> float:
