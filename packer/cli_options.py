@@ -100,9 +100,12 @@ def Real(least: float = 0, most: float = 1e9, *, above: bool = True) -> click.Pa
 
 
 MAX_WORKERS = 100_000  # processes, tasks in flight: no machine or queue runs more
-MAX_RANKS = 2**31 - 1  # ranks, nodes, samples a rank a step: a torch.distributed world's int32
+MAX_RANKS = 2**31 - 1  # nodes planned: a torch.distributed world's int32
+MAX_SEQ_LEN = 2**31 - 1  # tokens a sample: far past any context a trainer takes
 MAX_TOKEN_ID = 2**32 - 1  # a token id, a vocabulary: uint32 tokens at most
-MAX_EPOCH = 99_999  # an epoch's folder is epoch-NNNNN
+# Epochs, ranks, world sizes and micro-batches are bounded at an int64 here: the commands check
+# each against what the run and the format allow (docs/COMMANDS.md, "Counts are bounded"), in a
+# line that gives the limit and what to do.
 
 
 class ListedChoice(click.Choice):

@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from tokpack.packer.cli_options import BYTES, LOG_INTERVAL, MAX_EPOCH, MAX_RANKS, MAX_WORKERS, TOKENS, Int, command_log
+from tokpack.packer.cli_options import BYTES, LOG_INTERVAL, MAX_SEQ_LEN, MAX_WORKERS, TOKENS, Int, command_log
 from tokpack.packer.cli_report import emit, user_errors
 
 
@@ -48,19 +48,19 @@ def validate(dirs, quick, against, workers, as_json):
 @click.argument("directory")
 @click.option(
     "--rank",
-    type=Int(0, MAX_RANKS),
+    type=Int(0),
     default=0,
     show_default=True,
     help="The data-parallel rank whose samples to print (below --world-size).",
 )
 @click.option(
     "--world-size",
-    type=Int(1, MAX_RANKS),
+    type=Int(1),
     default=1,
     show_default=True,
     help="Data-parallel ranks sharing each global batch of world-size x micro-batch samples.",
 )
-@click.option("--micro-batch", type=Int(1, MAX_RANKS), default=1, show_default=True, help="Samples per rank per step.")
+@click.option("--micro-batch", type=Int(1), default=1, show_default=True, help="Samples per rank per step.")
 @click.option(
     "--start-sample",
     type=Int(0),
@@ -143,12 +143,12 @@ def _read_text(reader, samples, rank: int, tokenizer: str, as_json: bool) -> Non
 )
 @click.option(
     "--epoch",
-    type=Int(0, MAX_EPOCH),
+    type=Int(0),
     default=None,
     help="Run: the epoch whose batches to analyse [default: first].",
 )
 @click.option(
-    "--seq-len", type=Int(1, MAX_RANKS), default=None, help="Packed source: window length for the batch analysis."
+    "--seq-len", type=Int(1, MAX_SEQ_LEN), default=None, help="Packed source: window length for the batch analysis."
 )
 @click.option(
     "--memory",
@@ -195,17 +195,17 @@ def inspect(directory, as_json, **kw):
     default=None,
     help="With --world-size: the node slice of consecutive ranks 'A-B' (only their rows, one file per rank).",
 )
-@click.option("--world-size", type=Int(1, MAX_RANKS), default=None, help="W: data-parallel ranks; makes a node slice.")
+@click.option("--world-size", type=Int(1), default=None, help="W: data-parallel ranks; makes a node slice.")
 @click.option(
     "--node",
     default=None,
     help="'n/N': the node slice of node n of N, 0-based: n is 0 to N-1, "
     "as SLURM_NODEID (with --ranks-per-node K; W = N*K; its ranks are n*K to n*K+K-1).",
 )
-@click.option("--ranks-per-node", type=Int(1, MAX_RANKS), default=None, help="K: ranks on each node, with --node.")
+@click.option("--ranks-per-node", type=Int(1), default=None, help="K: ranks on each node, with --node.")
 @click.option(
     "--micro-batch",
-    type=Int(1, MAX_RANKS),
+    type=Int(1),
     default=None,
     help="m: samples each rank reads per step, as training reads them; required for a node slice "
     "(--node, or --ranks with --world-size), whose rows depend on it; with --shards-of r/W [default: 1].",

@@ -13,8 +13,7 @@ from tokpack.formats.units import counted
 from tokpack.packer.cli_options import (
     BYTES,
     HOLDOUT,
-    MAX_EPOCH,
-    MAX_RANKS,
+    MAX_SEQ_LEN,
     MAX_TOKEN_ID,
     Int,
     LOG_INTERVAL,
@@ -180,10 +179,10 @@ def epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
     help="A schedule YAML (seq_len, seed, stages of sources and weights) instead of SOURCEs, "
     "--seq-len, --seed, --samples/--tokens and --jitter; without --epoch(s), every epoch.",
 )
-@click.option("--seq-len", type=Int(1, MAX_RANKS), default=None, help="Tokens per sample is seq_len + 1.")
+@click.option("--seq-len", type=Int(1, MAX_SEQ_LEN), default=None, help="Tokens per sample is seq_len + 1.")
 @click.option("--seed", type=Int(), default=None, help="Shuffle seed.")
-@click.option("--epochs", type=Int(1, MAX_EPOCH + 1), default=None, help="Write epochs 0..N-1.")
-@click.option("--epoch", type=Int(0, MAX_EPOCH), default=None, help="Write only epoch E (adds to an existing run).")
+@click.option("--epochs", type=Int(1), default=None, help="Write epochs 0..N-1.")
+@click.option("--epoch", type=Int(0), default=None, help="Write only epoch E (adds to an existing run).")
 @click.option("--samples", type=Int(1), default=None, help="Samples per epoch (with weights).")
 @click.option(
     "--tokens",
@@ -229,8 +228,8 @@ def epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
     "node n's slice (as `stage RUN DEST --node n/N`) into its local DEST ({node} is replaced by n); "
     "-o RUN gets only the manifests and row hashes.",
 )
-@click.option("--ranks-per-node", type=Int(1, MAX_RANKS), default=None, help="With --to-nodes: K ranks a node.")
-@click.option("--micro-batch", type=Int(1, MAX_RANKS), default=None, help="With --to-nodes: m samples a rank a step.")
+@click.option("--ranks-per-node", type=Int(1), default=None, help="With --to-nodes: K ranks a node.")
+@click.option("--micro-batch", type=Int(1), default=None, help="With --to-nodes: m samples a rank a step.")
 @click.option(
     "--keep-sources",
     "keep_sources",
