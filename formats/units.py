@@ -268,6 +268,17 @@ def _shown(bound: float) -> str:
     return f"{bound:g}"
 
 
+def digits(text) -> int:
+    """A whole number written in ASCII digits, as a part of a larger spelling ('0-3', 'n/N',
+    'r/W') is: ValueError for anything else, as int() raises, so a caller's refusal names its
+    option. int() alone takes '1_000', Arabic-Indic digits and a 10^4-digit paste (slowly), and
+    str.isdigit() passes '²', which int() then refuses."""
+    text = str(text).strip()
+    if len(text) > MAX_NUMBER_TEXT or not _INTEGER.fullmatch(text):
+        raise ValueError(f"not a whole number: {typed(text)}")
+    return int(text)
+
+
 # Seconds between two progress lines, at most: a day (threading's wait overflows past ~292 years).
 MAX_SECONDS = 86400.0
 

@@ -202,3 +202,33 @@ def test_the_progress_thread_survives_a_line_it_cannot_make(thread_failures, cap
     err = capsys.readouterr().err
     assert thread_failures == [] and "Traceback" not in err
     assert " tokpack: good: " in err  # the writer lived on after the failing lines
+
+
+@pytest.mark.parametrize(
+    ("option", "text"),
+    [
+        ("--shards-of", "0/²"),  # str.isdigit() passed it, int() refused it: an internal error
+        ("--shards-of", "0/" + "9" * 60),
+        ("--epochs", "٠-١"),  # Arabic-Indic digits, which int() takes
+        ("--epochs", "0-1_0"),  # int() takes the underscore
+        ("--ranks", "0-1_0"),
+        ("--node", "0/1_0"),
+    ],
+)
+def test_numbers_inside_a_spelling_are_ascii_digits(option, text, capsys):
+    """'0-3', 'r/W', 'n/N': each number in them goes through the same parser (units.digits)."""
+    extra = ["--ranks-per-node", "1", "--micro-batch", "1"] if option == "--node" else []
+    extra += ["--world-size", "4", "--micro-batch", "1"] if option == "--ranks" else []
+    with pytest.raises(SystemExit) as exit_:
+        main.main(["stage", "no-such-run", "dest", option, text, *extra], prog_name="tokpack")
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and "Traceback" not in err and "internal error" not in err, err
+    (line,) = err.splitlines()
+    assert line.startswith(f"tokpack: error: [{option}]: bad {option}"), line
+
+
+def test_digits():
+    assert units.digits(" 42 ") == 42 and units.digits("-3") == -3
+    for bad in ["²", "٤٢", "1_0", "", "1.0", "9" * 41, "+", "0x1"]:
+        with pytest.raises(ValueError):
+            units.digits(bad)
