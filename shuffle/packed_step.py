@@ -50,8 +50,12 @@ def prepare_table(job: EpochJob, memory: int) -> dict:
     from pathlib import Path
 
     path = Path(job.work_dir) / "packing"
+
     # the kept passes (packed.iter_pass) count against the budget while the table is built (which drops them)
-    built = build_table(job.plan, job.open_sources(), path, max(1, memory - kept_pass_bytes()))
+    def bar(total, desc, unit="B"):  # each phase of the build, named while it runs
+        return progress(total, desc, unit=unit, enabled=job.show_progress, phase=True)
+
+    built = build_table(job.plan, job.open_sources(), path, max(1, memory - kept_pass_bytes()), progress=bar)
     return {
         "table": str(path),
         "table_xxh3_128": built.table_xxh3_128,

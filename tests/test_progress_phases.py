@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import random_docs, write_source
+from tokpack.formats.io import progress_log
 
 ROOT = Path(__file__).resolve().parents[1]
 STAMP = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d tokpack: "
@@ -87,3 +88,21 @@ def test_pack_of_raw_text_names_its_tokenizing_phase(tmp_path):
     assert len(lines) >= 3, r.stderr  # 1.5 s of reading at 0.2 s a line
     done = [float(re.search(r": ([\d.]+)/", line)[1]) for line in lines]
     assert done == sorted(done) and all(" MB (" in line for line in lines), lines
+
+
+def test_best_fit_names_the_two_phases_of_its_row_table(tmp_path, monkeypatch):
+    """Best-fit's row table is built before the epoch is written (in memory or out of core): its
+    packing of the rows, then its sort, each a phase of its own."""
+    from conftest import shuffle_run
+    from tokpack.shuffle import packed_step
+
+    opened = []
+
+    def spy(total, desc, unit="B", enabled=None, unit_bytes=None, phase=False):
+        opened.append((desc, unit, phase))
+        return progress_log._NoBar()
+
+    monkeypatch.setattr(packed_step, "progress", spy)
+    src = write_source(tmp_path / "src", random_docs(np.random.default_rng(2), 300, 1000, 0))
+    shuffle_run([str(src)], str(tmp_path / "run"), seq_len=63, seed=1, epochs=[0], packing="best-fit")
+    assert opened[:2] == [("epoch 0: pack rows", "B", True), ("epoch 0: sort the row table", "bucket", True)]
