@@ -10,6 +10,7 @@ import os
 import click
 
 from tokpack.formats import units
+from tokpack.formats.constants import INT_RANGE
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import OLD_INTERVAL_ENV, PROGRESS_ENV, progress_mode
 from tokpack.formats.units import MAX_COUNT, byte_size, token_count
@@ -62,14 +63,14 @@ class _Bounded:
 
     real = False
 
-    def __init__(self, least=None, most=MAX_COUNT, above: bool = False, name: str | None = None):
+    def __init__(self, least=None, most=MAX_COUNT, above: bool = False, name: str | None = None, floor=None):
         super().__init__(min=least, min_open=above)
-        self.most = most
+        self.most, self.floor = most, floor
         if name is not None:  # no range to show: the plain type's name (INTEGER, FLOAT)
             self.name = name
 
     def convert(self, value, param, ctx):
-        least = -self.most if self.min is None else self.min
+        least = (-self.most if self.floor is None else self.floor) if self.min is None else self.min
         try:
             return units.number(
                 value, _option_name(param), least=least, most=self.most, real=self.real, above=self.min_open
@@ -89,9 +90,10 @@ class _Real(_Bounded, click.FloatRange):
     real = True
 
 
-def Int(least: int | None = None, most: int = MAX_COUNT) -> click.ParamType:
-    """An integer option in [least, most] (no least: a signed one, within -most..most)."""
-    return _Int(least, most, name="integer" if least is None else None)
+def Int(least: int | None = None, most: int = MAX_COUNT, floor: int | None = None) -> click.ParamType:
+    """An integer option in [least, most] (no least: a signed one, within floor..most, floor
+    -most by default; the help then shows no range)."""
+    return _Int(least, most, name="integer" if least is None else None, floor=floor)
 
 
 def Real(least: float = 0, most: float = 1e9, *, above: bool = True) -> click.ParamType:
@@ -103,6 +105,7 @@ MAX_WORKERS = 100_000  # processes, tasks in flight: no machine or queue runs mo
 MAX_RANKS = 2**31 - 1  # nodes planned: a torch.distributed world's int32
 MAX_SEQ_LEN = 2**31 - 1  # tokens a sample: far past any context a trainer takes
 MAX_TOKEN_ID = 2**32 - 1  # a token id, a vocabulary: uint32 tokens at most
+SEED_RANGE = INT_RANGE[0], INT_RANGE[1] - 1  # a seed: any integer a manifest records (64 unsigned bits too)
 # Epochs, ranks, world sizes and micro-batches are bounded at an int64 here: the commands check
 # each against what the run and the format allow (docs/COMMANDS.md, "Counts are bounded"), in a
 # line that gives the limit and what to do.

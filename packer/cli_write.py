@@ -14,6 +14,7 @@ from tokpack.packer.cli_options import (
     BYTES,
     HOLDOUT,
     MAX_SEQ_LEN,
+    SEED_RANGE,
     MAX_TOKEN_ID,
     Int,
     LOG_INTERVAL,
@@ -180,7 +181,7 @@ def epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
     "--seq-len, --seed, --samples/--tokens and --jitter; without --epoch(s), every epoch.",
 )
 @click.option("--seq-len", type=Int(1, MAX_SEQ_LEN), default=None, help="Tokens per sample is seq_len + 1.")
-@click.option("--seed", type=Int(), default=None, help="Shuffle seed.")
+@click.option("--seed", type=Int(floor=SEED_RANGE[0], most=SEED_RANGE[1]), default=None, help="Shuffle seed.")
 @click.option("--epochs", type=Int(1), default=None, help="Write epochs 0..N-1.")
 @click.option("--epoch", type=Int(0), default=None, help="Write only epoch E (adds to an existing run).")
 @click.option("--samples", type=Int(1), default=None, help="Samples per epoch (with weights).")

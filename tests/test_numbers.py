@@ -232,3 +232,29 @@ def test_digits():
     for bad in ["²", "٤٢", "1_0", "", "1.0", "9" * 41, "+", "0x1"]:
         with pytest.raises(ValueError):
             units.digits(bad)
+
+
+def test_a_seed_is_any_integer_a_manifest_records(tmp_path, capsys):
+    """64 unsigned bits too, as before; past them (or below -2**63) one line, and a schedule's
+    seed is checked before anything is written (it wrote the epoch, then refused its manifest)."""
+    from conftest import random_docs, write_source
+
+    import numpy as np
+
+    (seed,) = [p for p in main.commands["shuffle"].params if p.name == "seed"]
+    for ok in (2**64 - 1, -(2**63), 0):
+        assert seed.type.convert(str(ok), seed, None) == ok
+    for bad in (2**64, -(2**63) - 1):
+        with pytest.raises(click.BadParameter, match=f"found '{bad}'"):
+            seed.type.convert(str(bad), seed, None)
+    src = write_source(tmp_path / "src", random_docs(np.random.default_rng(1), 50, 1000, 0))
+    schedule = tmp_path / "s.yaml"
+    schedule.write_text(f"seq_len: 16\nseed: {10**30}\nstages:\n  - {{name: a, sources: {{{src}: 1}}, epochs: 1}}\n")
+    with pytest.raises(SystemExit) as exit_:
+        main.main(["shuffle", "--schedule", str(schedule), "-o", str(tmp_path / "run")], prog_name="tokpack")
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and not (tmp_path / "run").exists(), err
+    assert err.splitlines() == [
+        f"tokpack: error: {schedule} [seed]: schedule value is out of range; expected an integer in "
+        f'[-2**63, 2**64), found {10**30}. HINT: see docs/COMMANDS.md, "Schedules", for the file\'s shape'
+    ]
