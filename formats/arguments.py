@@ -12,11 +12,12 @@ from __future__ import annotations
 import numbers
 
 from .errors import TokpackError
-from .units import byte_size, token_count
+from .units import MAX_COUNT, byte_size, number, token_count
 
 
-def whole(value, name: str, *, least: int | None = 0, optional: bool = True) -> int | None:
-    """`value` as an int: an integer (numpy's too), not a bool, a float or a digit string."""
+def whole(value, name: str, *, least: int | None = 0, optional: bool = True, most: int = MAX_COUNT) -> int | None:
+    """`value` as an int: an integer (numpy's too), not a bool, a float or a digit string; at most
+    `most` (an int64: a larger count overflows the arithmetic it goes into)."""
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -28,6 +29,8 @@ def whole(value, name: str, *, least: int | None = 0, optional: bool = True) -> 
         )
     if least is not None and value < least:
         raise TokpackError(f"{name} is out of range", where=name, expected=f">= {least}", found=int(value))
+    if value > most:
+        raise TokpackError(f"{name} is out of range", where=name, expected=f"<= {most:,}", found=int(value))
     return int(value)
 
 
@@ -63,7 +66,7 @@ def _quantity(parse, value, name: str, least: int, optional: bool, what: str) ->
             found=repr(value),
         )
     try:
-        n = parse(value if isinstance(value, str) else int(value), what=what)
+        n = parse(value if isinstance(value, str) else int(value), what=what, most=MAX_COUNT)
     except TokpackError as e:  # the parser's line, with the argument it was given for
         raise TokpackError(e.message, where=name, expected=e.expected, found=e.found, hint=e.hint) from None
     if n < least:
@@ -81,10 +84,10 @@ def size(value, name: str, *, least: int = 0, optional: bool = True) -> int | No
     return _quantity(byte_size, value, name, least, optional, "byte size")
 
 
-def positive_number(value, name: str, *, optional: bool = True) -> float | None:
-    """A real number > 0 (a disk speed in MB/s)."""
+def positive_number(value, name: str, *, optional: bool = True, most: float = 1e9) -> float | None:
+    """A finite real number > 0, at most `most` (a disk speed in MB/s: 1e9 is a petabyte a second)."""
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TokpackError(f"{name} must be a number > 0", where=name, expected="> 0", found=repr(value))
-    return float(value)
+    return number(value, name, least=0, most=most, real=True, above=True)

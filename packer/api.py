@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 # Defined in the leaf tokpack.packer.shared (the stages import it, not this module); kept importable from here.
 from tokpack.packer.shared import ExecutorConfig, PathLike, Result, as_paths, optional_field, weighted_sources  # noqa: F401
 from tokpack.shuffle.spec import DEFAULT_MEMORY
-from tokpack.formats.constants import DEFAULT_SHARD_TOKENS
+from tokpack.formats.constants import DEFAULT_SHARD_TOKENS, INT_RANGE
 
 if TYPE_CHECKING:  # the stages build their results; importing them here would import their dependencies
     from tokpack.packer.inspection import InspectResult
@@ -81,7 +81,7 @@ ARGUMENTS = {
     },
     "shuffle": {
         "seq_len": _COUNT[1],
-        "seed": ("whole", {"least": None}),
+        "seed": ("whole", {"least": INT_RANGE[0], "most": INT_RANGE[1] - 1}),  # what a manifest records
         "epochs": _epochs,
         "samples": _COUNT[1],
         "tokens": ("tokens", {}),

@@ -9,9 +9,20 @@ import os
 
 import click
 
+from tokpack.formats import units
+from tokpack.formats.constants import INT_RANGE
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import LOG_INTERVAL_ENV
-from tokpack.formats.units import byte_size, token_count
+from tokpack.formats.io import OLD_INTERVAL_ENV, PROGRESS_ENV, progress_mode
+from tokpack.formats.units import MAX_COUNT, byte_size, token_count
+
+
+def _option_name(param) -> str:
+    return (param.opts[0] if param.opts else param.human_readable_name) if param is not None else "value"
+
+
+def _usage_line(e: TokpackError) -> str:
+    """A parser's refusal as click's "Invalid value for '--x': ..." line: the option is named there."""
+    return str(TokpackError(e.message, expected=e.expected, found=e.found, hint=e.hint))
 
 
 class Quantity(click.ParamType):
@@ -26,10 +37,78 @@ class Quantity(click.ParamType):
         try:
             return self.parse(value)
         except TokpackError as e:
-            self.fail(str(e), param, ctx)
+            self.fail(_usage_line(e), param, ctx)
 
 
-TOKENS, BYTES = Quantity("TOKENS", token_count), Quantity("BYTES", byte_size)
+TOKENS = Quantity("TOKENS", functools.partial(token_count, most=MAX_COUNT))
+BYTES = Quantity("BYTES", functools.partial(byte_size, most=MAX_COUNT))
+
+
+class _Checked(Quantity):
+    """Text checked by its parser when the command line is read, and kept as typed (the manifests
+    record `--holdout` as given; tokpack.shuffle.holdout reads it again)."""
+
+    def convert(self, value, param, ctx):
+        super().convert(value, param, ctx)
+        return value
+
+
+HOLDOUT = _Checked("F", units.holdout_amount)
+
+
+class _Bounded:
+    """A number option read by tokpack.formats.units.number, the parser of every number: within
+    [min, most] (min excluded when min_open), finite, and a refusal names the option and the text as
+    typed. click's range types for the help (`[x>=1]`); the upper bound is the parser's."""
+
+    real = False
+
+    def __init__(self, least=None, most=MAX_COUNT, above: bool = False, name: str | None = None, floor=None):
+        super().__init__(min=least, min_open=above)
+        self.most, self.floor = most, floor
+        if name is not None:  # no range to show: the plain type's name (INTEGER, FLOAT)
+            self.name = name
+
+    def convert(self, value, param, ctx):
+        least = (-self.most if self.floor is None else self.floor) if self.min is None else self.min
+        try:
+            return units.number(
+                value, _option_name(param), least=least, most=self.most, real=self.real, above=self.min_open
+            )
+        except TokpackError as e:
+            self.fail(_usage_line(e), param, ctx)
+
+    def _describe_range(self) -> str:
+        return "" if self.min is None else super()._describe_range()
+
+
+class _Int(_Bounded, click.IntRange):
+    pass
+
+
+class _Real(_Bounded, click.FloatRange):
+    real = True
+
+
+def Int(least: int | None = None, most: int = MAX_COUNT, floor: int | None = None) -> click.ParamType:
+    """An integer option in [least, most] (no least: a signed one, within floor..most, floor
+    -most by default; the help then shows no range)."""
+    return _Int(least, most, name="integer" if least is None else None, floor=floor)
+
+
+def Real(least: float = 0, most: float = 1e9, *, above: bool = True) -> click.ParamType:
+    """A finite real option: > least (>= with above=False), <= most."""
+    return _Real(least, most, above)
+
+
+MAX_WORKERS = 100_000  # processes, tasks in flight: no machine or queue runs more
+MAX_RANKS = 2**31 - 1  # nodes planned: a torch.distributed world's int32
+MAX_SEQ_LEN = 2**31 - 1  # tokens a sample: far past any context a trainer takes
+MAX_TOKEN_ID = 2**32 - 1  # a token id, a vocabulary: uint32 tokens at most
+SEED_RANGE = INT_RANGE[0], INT_RANGE[1] - 1  # a seed: any integer a manifest records (64 unsigned bits too)
+# Epochs, ranks, world sizes and micro-batches are bounded at an int64 here: the commands check
+# each against what the run and the format allow (docs/COMMANDS.md, "Counts are bounded"), in a
+# line that gives the limit and what to do.
 
 
 class ListedChoice(click.Choice):
@@ -62,23 +141,26 @@ _LOG_INTERVAL = "tokpack.log_interval"  # ctx.meta key: --log-interval as given 
 
 LOG_INTERVAL = click.option(
     "--log-interval",
-    type=click.FloatRange(min=0),
+    type=_Real(0, units.MAX_SECONDS),
     default=None,
     metavar="SECONDS",
     expose_value=False,
     callback=lambda ctx, param, value: ctx.meta.__setitem__(_LOG_INTERVAL, value),
     help="When stderr is not a terminal (a Slurm log, nohup): one progress line every SECONDS, saying what it "
-    "does, done/total, MB/s and an ETA; 0: none [default: $TOKPACK_LOG_INTERVAL, else 30; under --json, 0].",
+    "does, done/total, MB/s and an ETA; 0: no progress [default: $TOKPACK_PROGRESS, else 30; under --json, 0].",
 )
 
 
 def given_log_interval(ctx, as_json: bool) -> float | None:
-    """The progress-line interval a command runs with (None: $TOKPACK_LOG_INTERVAL or 30 s, as
-    tokpack.formats.io.log_interval reads it): --log-interval, else none under --json (stderr
-    holds a failure only) unless $TOKPACK_LOG_INTERVAL asks for lines."""
+    """The progress-line interval a command runs with (None: as $TOKPACK_PROGRESS says, read by
+    tokpack.formats.io.progress_mode, which is checked here, before the command does anything):
+    --log-interval, else none under --json (stderr holds a failure only) unless $TOKPACK_PROGRESS
+    asks for progress."""
     given = ctx.meta.get(_LOG_INTERVAL) if ctx is not None else None
-    if given is None and as_json and LOG_INTERVAL_ENV not in os.environ:
-        return 0.0
+    if given is None:
+        progress_mode()  # a bad $TOKPACK_PROGRESS is one line now, not after an hour of work
+        if as_json and PROGRESS_ENV not in os.environ and OLD_INTERVAL_ENV not in os.environ:
+            return 0.0
     return given
 
 
@@ -99,7 +181,7 @@ def executor_options(
     options = [
         click.option(
             "--workers",
-            type=click.IntRange(min=1),
+            type=Int(1, MAX_WORKERS),
             default=1,
             show_default=True,
             help="Local worker processes; on slurm/ray a cap on concurrent tasks (1: no cap).",
@@ -111,15 +193,17 @@ def executor_options(
             show_default=True,
             help="datatrove executor that runs the tasks.",
         ),
-        click.option("--tasks", type=click.IntRange(min=1), default=None, help=tasks_help),
+        click.option("--tasks", type=Int(1, MAX_WORKERS * 100), default=None, help=tasks_help),
         click.option("--logging-dir", default=None, help="datatrove logging dir (default: inside OUT's work folder)."),
         click.option("--partition", default=None, help="slurm: partition."),
         click.option("--time", "time_limit", default="24:00:00", show_default=True, help="slurm: time limit."),
-        click.option("--cpus-per-task", type=int, default=1, show_default=True, help="slurm/ray: CPUs per task."),
+        click.option(
+            "--cpus-per-task", type=Int(1, MAX_WORKERS), default=1, show_default=True, help="slurm/ray: CPUs per task."
+        ),
         click.option(
             "--mem-per-cpu-gb",
             "mem_per_cpu_gb",
-            type=float,
+            type=Real(0, 1e6),
             default=2,
             show_default=True,
             help="slurm/ray: memory reserved per CPU of a task, in GB (sbatch --mem-per-cpu); "
@@ -128,7 +212,7 @@ def executor_options(
         click.option(
             "--mem",
             "deprecated_mem",
-            type=float,
+            type=Real(0, 1e6),
             default=None,
             hidden=True,
             help="Deprecated spelling of --mem-per-cpu-gb.",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from tokpack.packer.cli_options import executor_config, weighted_sources
+from tokpack.packer.cli_options import MAX_RANKS, Int, Real, executor_config, weighted_sources
 from tokpack.packer.cli_report import emit, user_errors
 from tokpack.packer.cli_runs import micro_batch_of, stage, stage_selection
 from tokpack.packer.cli_write import epochs_asked, pack, shuffle
@@ -26,7 +26,7 @@ def plan():
 
 DISK_MBPS = click.Option(
     ["--disk-mbps"],
-    type=click.FloatRange(min=0, min_open=True),
+    type=Real(0, 1e9),
     default=None,
     help="Disk throughput in MB/s for the predicted time [default: measured in about 2 s "
     "next to the output, with a temporary file removed at once].",
@@ -46,20 +46,20 @@ PLAN_HELP = {
 NODES_OPTIONS = [  # plan shuffle --to-nodes: what the command learns from MPI, and the machines' speeds
     click.Option(
         ["--nodes"],
-        type=click.IntRange(min=1),
+        type=Int(1, MAX_RANKS),
         default=None,
         help="With --to-nodes: N, the processes (nodes) mpirun would start; plan runs without MPI.",
     ),
     click.Option(
         ["--shared-mbps"],
-        type=click.FloatRange(min=0, min_open=True),
+        type=Real(0, 1e9),
         default=None,
         help="With --to-nodes: the shared filesystem's throughput in MB/s, all nodes together [default: "
         "measured like --disk-mbps, next to RUN, from this machine].",
     ),
     click.Option(
         ["--nic-mbps"],
-        type=click.FloatRange(min=0, min_open=True),
+        type=Real(0, 1e9),
         default=None,
         help="With --to-nodes: a node's network throughput in MB/s, each way [default: 25000].",
     ),

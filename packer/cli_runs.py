@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from tokpack.packer.cli_options import BYTES, LOG_INTERVAL, TOKENS, command_log
+from tokpack.packer.cli_options import BYTES, LOG_INTERVAL, MAX_SEQ_LEN, MAX_WORKERS, TOKENS, Int, command_log
 from tokpack.packer.cli_report import emit, user_errors
 
 
@@ -20,7 +20,7 @@ from tokpack.packer.cli_report import emit, user_errors
 @click.option("--against", multiple=True, help="Packed SOURCE(s) the epoch was shuffled from: recompute its content.")
 @click.option(
     "--workers",
-    type=click.IntRange(min=1),
+    type=Int(1, MAX_WORKERS),
     default=min(4, os.cpu_count() or 1),
     show_default="min(4, cores)",
     help="Files checked in parallel (more reads in flight keep the disk busy).",
@@ -48,24 +48,22 @@ def validate(dirs, quick, against, workers, as_json):
 @click.argument("directory")
 @click.option(
     "--rank",
-    type=click.IntRange(min=0),
+    type=Int(0),
     default=0,
     show_default=True,
     help="The data-parallel rank whose samples to print (below --world-size).",
 )
 @click.option(
     "--world-size",
-    type=click.IntRange(min=1),
+    type=Int(1),
     default=1,
     show_default=True,
     help="Data-parallel ranks sharing each global batch of world-size x micro-batch samples.",
 )
-@click.option(
-    "--micro-batch", type=click.IntRange(min=1), default=1, show_default=True, help="Samples per rank per step."
-)
+@click.option("--micro-batch", type=Int(1), default=1, show_default=True, help="Samples per rank per step.")
 @click.option(
     "--start-sample",
-    type=click.IntRange(min=0),
+    type=Int(0),
     default=None,
     help="Consumed samples so far (Megatron's consumed_samples).",
 )
@@ -75,7 +73,7 @@ def validate(dirs, quick, against, workers, as_json):
     default=None,
     help="Consumed tokens: start = T // seq_len. K/M/B/T are 10^3..10^12.",
 )
-@click.option("--count", type=click.IntRange(min=0), default=10, show_default=True, help="Samples this rank prints.")
+@click.option("--count", type=Int(0), default=10, show_default=True, help="Samples this rank prints.")
 @click.option("--verify", is_flag=True, help="Checksum each shard when it is first read.")
 @click.option(
     "--tokenizer",
@@ -138,21 +136,19 @@ def _read_text(reader, samples, rank: int, tokenizer: str, as_json: bool) -> Non
 
 @click.command()
 @click.argument("directory")
-@click.option(
-    "--batch-size", type=click.IntRange(min=1), default=None, help="Global batch size in samples [default: 64]."
-)
-@click.option("--batches", type=click.IntRange(min=1), default=64, show_default=True, help="Global batches to analyse.")
+@click.option("--batch-size", type=Int(1), default=None, help="Global batch size in samples [default: 64].")
+@click.option("--batches", type=Int(1), default=64, show_default=True, help="Global batches to analyse.")
 @click.option(
     "--plot", type=click.Path(dir_okay=False), default=None, help="Write the figures to FILE.png (needs matplotlib)."
 )
 @click.option(
     "--epoch",
-    type=click.IntRange(min=0),
+    type=Int(0),
     default=None,
     help="Run: the epoch whose batches to analyse [default: first].",
 )
 @click.option(
-    "--seq-len", type=click.IntRange(min=1), default=None, help="Packed source: window length for the batch analysis."
+    "--seq-len", type=Int(1, MAX_SEQ_LEN), default=None, help="Packed source: window length for the batch analysis."
 )
 @click.option(
     "--memory",
@@ -187,7 +183,7 @@ def inspect(directory, as_json, **kw):
 @click.command()
 @click.argument("directory")
 @click.argument("dest")
-@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="Files copied in parallel.")
+@click.option("--workers", type=Int(1, MAX_WORKERS), default=4, show_default=True, help="Files copied in parallel.")
 @click.option("--epochs", default=None, help="Only these epochs of a run, e.g. '0,1' or '0-3'.")
 @click.option(
     "--shards-of",
@@ -199,26 +195,24 @@ def inspect(directory, as_json, **kw):
     default=None,
     help="With --world-size: the node slice of consecutive ranks 'A-B' (only their rows, one file per rank).",
 )
-@click.option(
-    "--world-size", type=click.IntRange(min=1), default=None, help="W: data-parallel ranks; makes a node slice."
-)
+@click.option("--world-size", type=Int(1), default=None, help="W: data-parallel ranks; makes a node slice.")
 @click.option(
     "--node",
     default=None,
     help="'n/N': the node slice of node n of N, 0-based: n is 0 to N-1, "
     "as SLURM_NODEID (with --ranks-per-node K; W = N*K; its ranks are n*K to n*K+K-1).",
 )
-@click.option("--ranks-per-node", type=click.IntRange(min=1), default=None, help="K: ranks on each node, with --node.")
+@click.option("--ranks-per-node", type=Int(1), default=None, help="K: ranks on each node, with --node.")
 @click.option(
     "--micro-batch",
-    type=click.IntRange(min=1),
+    type=Int(1),
     default=None,
     help="m: samples each rank reads per step, as training reads them; required for a node slice "
     "(--node, or --ranks with --world-size), whose rows depend on it; with --shards-of r/W [default: 1].",
 )
 @click.option(
     "--start-sample",
-    type=click.IntRange(min=0),
+    type=Int(0),
     default=0,
     show_default=True,
     help="Node slice: global batches start at this sample mod W*m (a run resumed off that grid).",

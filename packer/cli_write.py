@@ -12,6 +12,11 @@ from tokpack.formats.io import log_interval
 from tokpack.formats.units import counted
 from tokpack.packer.cli_options import (
     BYTES,
+    HOLDOUT,
+    MAX_SEQ_LEN,
+    SEED_RANGE,
+    MAX_TOKEN_ID,
+    Int,
     LOG_INTERVAL,
     SCRATCH,
     SHUFFLE_TASKS_HELP,
@@ -64,10 +69,16 @@ def _real_shard_size(result) -> dict:
 )
 @click.option("--tokenizer", default=None, help="Local tokenizer.json: for raw text, and to learn EOS and vocab size.")
 @click.option(
-    "--eos-id", type=int, default=None, help="EOS token id (default: from the tokenizer or datatrove metadata)."
+    "--eos-id",
+    type=Int(0, MAX_TOKEN_ID),
+    default=None,
+    help="EOS token id (default: from the tokenizer or datatrove metadata).",
 )
 @click.option(
-    "--vocab-size", type=int, default=None, help="Vocabulary size (default: from the tokenizer or the input dtype)."
+    "--vocab-size",
+    type=Int(1, MAX_TOKEN_ID + 1),
+    default=None,
+    help="Vocabulary size (default: from the tokenizer or the input dtype).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an output directory that holds a different packed source.")
 @click.option(
@@ -169,11 +180,11 @@ def epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
     help="A schedule YAML (seq_len, seed, stages of sources and weights) instead of SOURCEs, "
     "--seq-len, --seed, --samples/--tokens and --jitter; without --epoch(s), every epoch.",
 )
-@click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per sample is seq_len + 1.")
-@click.option("--seed", type=int, default=None, help="Shuffle seed.")
-@click.option("--epochs", type=click.IntRange(min=1), default=None, help="Write epochs 0..N-1.")
-@click.option("--epoch", type=click.IntRange(min=0), default=None, help="Write only epoch E (adds to an existing run).")
-@click.option("--samples", type=click.IntRange(min=1), default=None, help="Samples per epoch (with weights).")
+@click.option("--seq-len", type=Int(1, MAX_SEQ_LEN), default=None, help="Tokens per sample is seq_len + 1.")
+@click.option("--seed", type=Int(floor=SEED_RANGE[0], most=SEED_RANGE[1]), default=None, help="Shuffle seed.")
+@click.option("--epochs", type=Int(1), default=None, help="Write epochs 0..N-1.")
+@click.option("--epoch", type=Int(0), default=None, help="Write only epoch E (adds to an existing run).")
+@click.option("--samples", type=Int(1), default=None, help="Samples per epoch (with weights).")
 @click.option(
     "--tokens",
     type=TOKENS,
@@ -182,7 +193,7 @@ def epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
 )
 @click.option(
     "--shard-samples",
-    type=click.IntRange(min=1),
+    type=Int(1),
     default=None,
     help="Samples per output shard [default: 1 GiB // ((seq_len+1) * token_size), about 1 GiB].",
 )
@@ -205,7 +216,7 @@ def epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
 )
 @click.option(
     "--pad-id",
-    type=click.IntRange(min=0),
+    type=Int(0, MAX_TOKEN_ID),
     default=None,
     help="best-fit: the token that fills a sample's tail [default: the EOS id].",
 )
@@ -218,10 +229,8 @@ def epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
     "processes write its slice (as `stage RUN DEST --node n/N`) into its local DEST ({node} is replaced by n); "
     "-o RUN gets only the manifests and row hashes.",
 )
-@click.option("--ranks-per-node", type=click.IntRange(min=1), default=None, help="With --to-nodes: K ranks a node.")
-@click.option(
-    "--micro-batch", type=click.IntRange(min=1), default=None, help="With --to-nodes: m samples a rank a step."
-)
+@click.option("--ranks-per-node", type=Int(1), default=None, help="With --to-nodes: K ranks a node.")
+@click.option("--micro-batch", type=Int(1), default=None, help="With --to-nodes: m samples a rank a step.")
 @click.option(
     "--keep-sources",
     "keep_sources",
@@ -241,6 +250,7 @@ def epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
 )
 @click.option(
     "--holdout",
+    type=HOLDOUT,
     default=None,
     metavar="F",
     help="Set whole documents of each source aside from every epoch, chosen from --seed, and write "

@@ -30,6 +30,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import WORK_DIR, check_space, locked_output
 from tokpack.formats.inputs import BLOCK_BYTES, InputFile
 from tokpack.formats.inputs.discover import check_input, discover, read_blocks
+from tokpack.formats.inputs.tables import table_rows
 from tokpack.formats.io import MAX_RECORD_BYTES, as_path, progress, read_limited, read_record, write_bytes_atomic
 from tokpack.formats.manifest import read_manifest, shard_digits, shard_name, source_manifest
 from tokpack.formats.outputs import LocalOutput, Output, ShardPlace, SourceShardFormat
@@ -253,7 +254,34 @@ class TokenizeTextStep(PipelineStep):
             writer = DocumentTokenizer(
                 self.folder, tokenizer_name_or_path=self.tokenizer, eos_token=self.eos_token, shuffle_documents=False
             )
-            writer.run(reader.run(None, 0, 1), rank=i, world_size=len(self.files))
+            with tokenize_bar(f) as bar:
+                docs = counted_documents(reader.run(None, 0, 1), bar, f.size if kind == "jsonl" else None)
+                writer.run(docs, rank=i, world_size=len(self.files))
+
+
+def tokenize_bar(f: InputFile):
+    """The progress of tokenizing text input `f`, named so that a log says which phase runs (it
+    takes most of a text pack's time): for JSONL, bytes of its text out of the file's size; for
+    Parquet, documents out of its footer's row count; for Arrow, documents."""
+    name = f"tokenize {Path(f.path).name}"
+    if f.extra.get("container") == "jsonl":
+        return progress(f.size, name)
+    return progress(table_rows(f), name, unit="document")
+
+
+def counted_documents(docs, bar, jsonl_size: int | None):
+    """`docs` as they are read, each counted on `bar` (tokenize_bar's): a JSONL file's document
+    counts its text's bytes and its line's end (`jsonl_size`: the file's), short of the file's by
+    the JSON syntax and the other fields, so the bar reaches the file's size at its end, not
+    before; another's counts 1."""
+    done = 0
+    for doc in docs:
+        yield doc
+        n = 1 if jsonl_size is None else len(doc.text.encode("utf-8", "replace")) + 1
+        done += n
+        bar.update(n)
+    if jsonl_size is not None:
+        bar.update(max(0, jsonl_size - done))
 
 
 # ----------------------------------------------------------------------- the driver

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.units import at_most
+from tokpack.formats.units import at_most, digits
 from tokpack.packer.staging import MAX_WORLD_SIZE
 
 
@@ -15,8 +15,8 @@ def parse_rank_range(spec) -> tuple[int, int, int | None]:
     head, sep, tail = str(spec).partition("/")
     lo, dash, hi = head.partition("-")
     try:
-        a, b = int(lo), int(hi) if dash else int(lo)
-        w = int(tail) if sep else None
+        a, b = digits(lo), digits(hi) if dash else digits(lo)
+        w = digits(tail) if sep else None
     except ValueError:
         raise TokpackError(
             "bad --ranks", where="--ranks", expected="'A-B' (consecutive ranks of one node) or 'A'", found=spec
@@ -78,7 +78,7 @@ def _slice_ranks(ranks, world_size, node, ranks_per_node) -> tuple[int, int, int
             raise TokpackError("give --ranks or --node, not both", where="--node")
         try:
             n, _, count = str(node).partition("/")
-            n, count = int(n), int(count)
+            n, count = digits(n), digits(count)
         except ValueError:
             raise TokpackError("bad --node", where="--node", expected="'n/N': node n of N", found=node) from None
         k = ranks_per_node

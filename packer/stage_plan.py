@@ -12,7 +12,7 @@ from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.packing import run_holdout
 from tokpack.formats.shards import contained_shard, shard_files
 from tokpack.formats.slices import RankRows
-from tokpack.formats.units import at_most
+from tokpack.formats.units import at_most, digits
 from tokpack.packer.stage_source import Source, join_rel
 
 # The largest W of --shards-of r/W: bigger than any cluster, small enough that a list of ranks fits in memory.
@@ -44,7 +44,7 @@ def parse_epochs(
     try:
         for part in filter(None, (p.strip() for p in spec.split(","))):
             lo, sep, hi = part.partition("-")
-            spans.append((int(lo), int(hi) if sep else int(lo)))
+            spans.append((digits(lo), digits(hi) if sep else digits(lo)))
     except ValueError:
         raise TokpackError(f"bad {option}", where=option, expected="e.g. '0,1' or '0-3'", found=spec) from None
     for _, hi in spans:
@@ -66,14 +66,17 @@ def parse_ranks(spec, option: str = "--ranks") -> tuple[list[int], int] | None:
         ranks = sorted(set(ranks))
     else:
         head, sep, tail = str(spec).partition("/")
-        world = int(tail) if sep and tail.strip().isdigit() else 0
+        try:
+            world = digits(tail) if sep else 0
+        except ValueError:  # no number: refused below, as a spelling that is not 'r/W'
+            world = 0
         at_most(
             world, MAX_WORLD_SIZE, "world size", where=option, hint="W in r/W is the number of ranks that read the run"
         )
         try:
             if not sep:
                 raise ValueError
-            world = int(tail)
+            world = digits(tail)
             ranks = parse_epochs(head, limit=max(world, 1), option=option, what="rank") or []
         except (ValueError, TokpackError):
             raise TokpackError(

@@ -258,9 +258,11 @@ class Step(PipelineStep):
     def __getstate__(self):
         return {**self.__dict__, "_bar": None}
 
-    def bar(self, total: int, desc: str):
+    def bar(self, total: int, desc: str, unit: str = "B"):
+        """The pass's bar, opened by its first task here: a phase, so that a log names this pass,
+        not the one before it, as soon as it begins."""
         if self._bar is None:
-            self._bar = progress(total, desc, enabled=self.job.show_progress)
+            self._bar = progress(total, desc, unit=unit, enabled=self.job.show_progress, phase=True)
         return self._bar
 
     def close_bar(self) -> None:

@@ -48,36 +48,18 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import regular_size
-from tokpack.formats.units import token_count
+from tokpack.formats.units import holdout_amount
 
 from .permutation import Bijection
 
 
 def parse_holdout(text) -> dict | None:
-    """`--holdout F` as the manifests record it: {"fraction": "0.01"} or {"tokens": N}; None for none."""
+    """`--holdout F` as the manifests record it: {"fraction": "1/100"} or {"tokens": N}; None for
+    none (tokpack.formats.units.holdout_amount parses it)."""
     if text is None:
         return None
-    raw = str(text).strip()
-    hint = "give a fraction of each source's documents (0.01 or 1%) or a token count per source (5M)"
-    try:
-        if raw.endswith("%"):
-            fraction = Fraction(raw[:-1]) / 100
-        elif "." in raw or "/" in raw:
-            fraction = Fraction(raw)
-        else:
-            tokens = token_count(raw)
-            if tokens < 1:
-                raise ValueError
-            return {"tokens": int(tokens)}
-    except (ValueError, ZeroDivisionError, TokpackError):
-        raise TokpackError(
-            "bad --holdout", where="--holdout", expected="a fraction or a token count", found=raw, hint=hint
-        ) from None
-    if not 0 < fraction < 1:
-        raise TokpackError(
-            "--holdout fraction out of range", where="--holdout", expected="0 < F < 1", found=raw, hint=hint
-        )
-    return {"fraction": str(fraction)}
+    kind, amount = holdout_amount(text)
+    return {kind: str(amount) if kind == "fraction" else int(amount)}
 
 
 @dataclass(frozen=True)
@@ -139,7 +121,7 @@ def holdout_of(src, spec: dict | None, seed: int, documents: int, lengths_in_ord
             file=src.path,
             where="--holdout",
             expected=f"fewer than its {d} documents",
-            found=spec,
+            found=f"{spec['tokens']:,} tokens" if "tokens" in spec else f"a fraction {spec['fraction']}",
             hint="hold out a smaller fraction or fewer tokens",
         )
     return Holdout(d, int(k), int(seed), src.fingerprint)

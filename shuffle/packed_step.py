@@ -50,8 +50,12 @@ def prepare_table(job: EpochJob, memory: int) -> dict:
     from pathlib import Path
 
     path = Path(job.work_dir) / "packing"
+
     # the kept passes (packed.iter_pass) count against the budget while the table is built (which drops them)
-    built = build_table(job.plan, job.open_sources(), path, max(1, memory - kept_pass_bytes()))
+    def bar(total, desc, unit="B"):  # each phase of the build, named while it runs
+        return progress(total, desc, unit=unit, enabled=job.show_progress, phase=True)
+
+    built = build_table(job.plan, job.open_sources(), path, max(1, memory - kept_pass_bytes()), progress=bar)
     return {
         "table": str(path),
         "table_xxh3_128": built.table_xxh3_128,
@@ -166,6 +170,7 @@ class PackedInMemoryStep(Step):
             unit="shard",
             enabled=job.show_progress,
             unit_bytes=job.shard_samples * job.row_bytes,
+            phase=True,
         ) as bar:
             for i in todo:
                 g0, g1 = job.shard_range(i)
@@ -207,6 +212,15 @@ class PackedScatterStep(Step):
         counts = np.zeros(nb, np.int64)
         hashes: dict[int, list] = {}  # per bucket written: xxh3_64 of its rows file and of its pos file
         mine = [(s, k) for s, k0, k1 in lay.task_shards[t] for k in range(k0, k1)]
+        scatter_bar = self.bar(
+            sum(
+                int(sources[s].shards[k]["tokens"]) * sources[s].dtype.itemsize
+                for task in lay.task_shards
+                for s, k0, k1 in task
+                for k in range(k0, k1)
+            ),
+            f"epoch {plan.epoch}: scatter",
+        )
         # Pieces read per chunk: their records, sort arrays and tokens fit half the task's budget
         # (the shard being read is mapped beside them).
         chunk = max(1, self.budget // 2 // (PIECE_STATE_BYTES + plan.row_tokens * job.token_dtype.itemsize))
@@ -242,6 +256,7 @@ class PackedScatterStep(Step):
                             out.write(raw)
                         h.update(raw)
                     counts[b] += len(run)
+            scatter_bar.update(n * src.dtype.itemsize)
             del data
         records = np.zeros((nb, 3), dtype="<u8")
         for b in np.flatnonzero(counts).tolist():
@@ -271,6 +286,7 @@ class PackedOrderStep(OrderStep):
     def order(self, i: int) -> None:
         job, lay = self.job, self.layout
         buckets = self._buckets(i)
+        self.order_bar()
         if job.shard_done(i) is None:
             g0, g1 = job.shard_range(i)
             # Filled while write_shard consumes the buckets, and read by it only after the last.
@@ -289,6 +305,7 @@ class PackedOrderStep(OrderStep):
         job, lay = self.job, self.layout
         count = 0  # chunks yielded: picks the ring buffer
         recorded = [lay.recorded(t, buckets) for t in range(lay.tasks)]
+        bar = self.order_bar()
         for b in buckets:
             n = int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
             rows = read_bucket(
@@ -308,6 +325,7 @@ class PackedOrderStep(OrderStep):
                 out[:] = rows[a : a + len(out)]
                 count += 1
                 yield out
+                bar.update(len(out) * job.row_bytes)
             del rows
 
 

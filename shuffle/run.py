@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import time
 import uuid
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import WORK_DIR, bytes_under, check_space, is_no_space, locked_output
-from tokpack.formats.io import MAX_RECORD_BYTES, read_limited, remove_tmp_files
+from tokpack.formats.io import MAX_RECORD_BYTES, progress_on, read_limited, remove_tmp_files
 from tokpack.formats.outputs import LocalOutput, Output
 from tokpack.formats.manifest import MANIFEST, epoch_dir_name
 from tokpack.formats.shards import is_own_file, shard_suffixes
@@ -212,7 +211,7 @@ def shuffle_run(
     gives each of `workers` concurrent tasks memory // workers. `local`: the local copies of
     `spec.sources` when they are URLs (the manifests record the sources as the spec names them:
     plan.source_location, a local path resolved, an object-store URL as given). `progress`: bars
-    on stderr, lines in a log (tokpack.formats.io.progress; default: unless TOKPACK_PROGRESS is 0).
+    on stderr, lines in a log (tokpack.formats.io.progress; default: unless TOKPACK_PROGRESS is off).
     `run_passes([(step, tasks, job_name, logging_dir), ...])` runs dependent passes in order
     (tokpack.packer.executors.pass_runner makes one). `to`: where the run goes
     (tokpack.formats.outputs; to a bucket, `output` is its local folder and holds the state fetched
@@ -226,7 +225,7 @@ def shuffle_run(
     log = log or (lambda line: None)
     memory = spec.memory
     if progress is None:
-        progress = os.environ.get("TOKPACK_PROGRESS", "1") != "0"
+        progress = progress_on()
     virtual = [p for p in (spec.sources if local is None else local) if is_virtual(p)]
     if virtual:
         raise TokpackError(

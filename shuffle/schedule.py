@@ -19,10 +19,10 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import open_read
 from tokpack.formats.manifest import MAX_EPOCHS
 from tokpack.formats.shards import PackedSource
-from tokpack.formats.units import at_most, parse_weight, token_count, weight_text
+from tokpack.formats.units import at_most, parse_weight, token_count, typed, weight_text
 
 from . import packings
-from tokpack.formats.constants import DEFAULT_PLAN_MEMORY
+from tokpack.formats.constants import DEFAULT_PLAN_MEMORY, INT_RANGE
 from .plan import SamplePlan
 
 SCHEDULE_KEYS = ("seq_len", "seed", "jitter", "shard_samples", "stages", "packing")
@@ -141,6 +141,8 @@ def _check_keys(obj, allowed: tuple[str, ...], file, where: str) -> None:
 
 
 def _int(obj: dict, key: str, file, where: str, minimum: int | None = None, required: bool = True):
+    """An integer of the file: at least `minimum`, and one a manifest can record (INT_RANGE: a
+    seed past it wrote the epoch, then refused the manifest it had written)."""
     if key not in obj:
         if required:
             _fail("schedule key missing", file, _field(where, key), f"{key}: an integer", "no such key")
@@ -153,6 +155,14 @@ def _int(obj: dict, key: str, file, where: str, minimum: int | None = None, requ
             _field(where, key),
             "an integer" + ("" if minimum is None else f" >= {minimum}"),
             repr(value),
+        )
+    if not INT_RANGE[0] <= value < INT_RANGE[1]:
+        _fail(
+            "schedule value is out of range",
+            file,
+            _field(where, key),
+            f"an integer in [-2**63, 2**64){'' if minimum is None else f' and >= {minimum}'}",
+            typed(value),
         )
     return value
 

@@ -108,6 +108,7 @@ class InMemoryStep(Step):
                 sum(sp.windows for sp in plan.sources if sp.samples) * job.row_bytes,
                 f"epoch {plan.epoch}: read",
                 enabled=job.show_progress,
+                phase=True,
             ) as read_bar,
             Worker() as helper,
             Worker() as hasher,
@@ -155,6 +156,7 @@ class InMemoryStep(Step):
                 unit="shard",
                 enabled=job.show_progress,
                 unit_bytes=job.shard_samples * job.row_bytes,
+                phase=True,
             ) as write_bar:
                 for i in todo:
                     job.write_shard(i, blocks(i))
@@ -449,6 +451,9 @@ class ScatterStep(Step):
             write_bytes_atomic(done, json.dumps({"task": t, "buckets": len(table)}).encode(), fsync=True)
 
 
+ORDER_PHASE = "order buckets, write shards"  # the out-of-core order pass, as progress names it
+
+
 class OrderStep(Step):
     """Task i writes output shard i: each of its buckets is loaded, placed by g, written."""
 
@@ -461,8 +466,15 @@ class OrderStep(Step):
     def _buckets(self, i: int) -> range:
         return range(int(self.layout.shard_buckets[i]), int(self.layout.shard_buckets[i + 1]))
 
+    def order_bar(self):
+        """The order pass's bar, opened before its first bucket is read: what the pass does, named
+        in the log from its start (the scatter pass's bar, finished, stays open until both end)."""
+        job = self.job
+        return self.bar(job.plan.samples * job.row_bytes, f"epoch {job.plan.epoch}: {ORDER_PHASE}")
+
     def order(self, i: int) -> None:
         job, lay = self.job, self.layout
+        self.order_bar()
         if job.shard_done(i) is None:
             drop_buffers("scatter")
             buckets = self._buckets(i)
@@ -482,7 +494,7 @@ class OrderStep(Step):
         count = 0  # chunks yielded: picks the ring buffer
         buckets = self._buckets(i)
         recorded = [lay.recorded(t, buckets) for t in range(lay.tasks)]
-        order_bar = self.bar(job.plan.samples * job.row_bytes, f"epoch {job.plan.epoch}: order")
+        order_bar = self.order_bar()
         for b in buckets:
             start, n = int(lay.bucket_starts[b]), int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
             parts, positions = [], []

@@ -105,7 +105,7 @@ def test_each_command_section_opens_with_its_options_as_help_prints_them():
         section = text.split(heading + "\n", 1)[1].split("\n## ", 1)[0]
         assert section.index("**`tokpack ") < section.index(HOW), heading  # options and examples first
         assert all(f"| `--{o}" not in section.split(HOW)[0] for o in ("help",)), heading
-    assert "| `--seq-len INTEGER RANGE` |" in text and "| `--eos-id INTEGER` |" in text  # the tables are there
+    assert "| `--seq-len INTEGER RANGE` |" in text and "| `--seed INTEGER` |" in text  # the tables are there
 
 
 def test_every_link_into_commands_md_lands_on_a_heading():

@@ -435,7 +435,8 @@ def test_pass_bars_count_every_byte_once(scattered, tmp_path, monkeypatch):
         def __exit__(self, *exc):
             return False
 
-    def spy(total, desc, unit="B", enabled=None):
+    def spy(total, desc, unit="B", enabled=None, phase=False):
+        assert phase  # a pass's bar ends the lines of the pass before it
         bars.append(Bar(total, desc))
         return bars[-1]
 
@@ -449,7 +450,7 @@ def test_pass_bars_count_every_byte_once(scattered, tmp_path, monkeypatch):
     )
     assert [(b.desc, b.total, b.done) for b in bars] == [
         ("epoch 0: scatter", source_bytes, 913 * ROW_BYTES),
-        ("epoch 0: order", 913 * ROW_BYTES, 913 * ROW_BYTES),
+        ("epoch 0: order buckets, write shards", 913 * ROW_BYTES, 913 * ROW_BYTES),
     ]
 
 

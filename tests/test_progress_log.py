@@ -1,6 +1,6 @@
 """Progress in a log: when stderr is not a terminal (sbatch, nohup, CI), every long command writes
 one plain line at a fixed interval (what it does, done/total, MB/s, ETA), set by --log-interval or
-$TOKPACK_LOG_INTERVAL; 0 turns it off. Real `tokpack` processes with stderr to a pipe, slowed in
+$TOKPACK_PROGRESS; 0 turns it off. Real `tokpack` processes with stderr to a pipe, slowed in
 the child so that a small interval sees them mid-run."""
 
 from __future__ import annotations
@@ -141,13 +141,13 @@ def test_every_long_command_writes_a_progress_line_at_the_interval(data, tmp_pat
 
 def test_the_interval_comes_from_the_environment_and_zero_turns_it_off(data, tmp_path):
     base, src, corpus, run = data
-    by_env = tokpack("validate", run, env={"TOKPACK_LOG_INTERVAL": "0.2"})
+    by_env = tokpack("validate", run, env={"TOKPACK_PROGRESS": "0.2"})
     assert by_env.returncode == 0 and progress_lines(by_env.stderr)
     for off in (["--log-interval", 0], []):  # 0, and the default 30 s for a job of a few seconds
-        r = tokpack("validate", run, *off, env={"TOKPACK_LOG_INTERVAL": "0"} if off else None)
+        r = tokpack("validate", run, *off, env={"TOKPACK_PROGRESS": "0"} if off else None)
         assert r.returncode == 0 and " tokpack: validate:" not in r.stderr, r.stderr
     # the option wins over the environment
-    r = tokpack("validate", run, "--log-interval", 0.2, env={"TOKPACK_LOG_INTERVAL": "0"})
+    r = tokpack("validate", run, "--log-interval", 0.2, env={"TOKPACK_PROGRESS": "0"})
     assert progress_lines(r.stderr)
 
 
@@ -159,12 +159,25 @@ def test_json_keeps_stderr_quiet_unless_lines_are_asked_for(data, tmp_path):
     assert json.loads(asked.stdout)["ok"] is True and progress_lines(asked.stderr)
 
 
+HINT = (
+    "set TOKPACK_PROGRESS to off, bar, log or a number of seconds between two lines in a log (0: none), "
+    "or unset it for a bar on a terminal and a line every 30 s in a log"
+)
+
+
 def test_a_bad_interval_is_one_line(data, tmp_path):
     base, src, corpus, run = data
-    r = tokpack("validate", run, env={"TOKPACK_LOG_INTERVAL": "soon"})
+    r = tokpack("validate", run, env={"TOKPACK_PROGRESS": "soon"})
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
-        "tokpack: error: $TOKPACK_LOG_INTERVAL is not a number of seconds: expected a number >= 0 (0: no lines), "
-        "found 'soon'. HINT: unset it for a line every 30 s"
+        "tokpack: error: [$TOKPACK_PROGRESS]: not a number of seconds; expected a number of seconds >= 0, "
+        f"<= 86,400, found 'soon'. HINT: {HINT}"
+    ]
+    # the former variable: read, with one warning line
+    old = tokpack("validate", run, env={"TOKPACK_LOG_INTERVAL": "soon"})
+    assert old.returncode == 1 and old.stderr.strip().splitlines() == [
+        "tokpack: warning: $TOKPACK_LOG_INTERVAL is deprecated; use TOKPACK_PROGRESS=SECONDS (or off, bar, log)",
+        "tokpack: error: [$TOKPACK_LOG_INTERVAL]: not a number of seconds; expected a number of seconds >= 0, "
+        f"<= 86,400, found 'soon'. HINT: {HINT}",
     ]
     assert tokpack("validate", run, "--log-interval", "-1").returncode == 2
 
@@ -242,5 +255,5 @@ def test_log_interval_reads_the_environment(monkeypatch):
     assert io.LOG_INTERVAL_ENV not in os.environ
     for bad in ("-1", "nan", "inf", "x"):
         monkeypatch.setenv(io.LOG_INTERVAL_ENV, bad)
-        with pytest.raises(TokpackError, match="not a number of seconds"):
+        with pytest.raises(TokpackError, match="not a number of seconds|out of range"):
             io.log_interval()

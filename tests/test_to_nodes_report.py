@@ -68,7 +68,7 @@ def test_the_text_summary_gives_the_warnings_once_and_progress_in_a_log(upsample
         "--memory",
         MEMORY,
         n=N,
-        env={"TOKPACK_PROGRESS": "1", "TOKPACK_LOG_INTERVAL": "0.01"},
+        env={"TOKPACK_PROGRESS": "0.01"},
         json_out=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]

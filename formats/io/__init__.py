@@ -7,7 +7,7 @@
 - `memory`: anonymous private mappings and the reusable buffers a reader owns;
 - `reads`: read-until-full and the one pipelining idiom (Worker, read_ahead);
 - `writes`: atomic and O_DIRECT writes (DurableFile), temporary names, the Outbox to a bucket;
-- `progress_log`: progress, a bar on a terminal, a line every 30 s in a log.
+- `progress_log`: progress, a bar on a terminal, a line every 30 s in a log ($TOKPACK_PROGRESS).
 
 Every public name is importable from here, `from tokpack.formats.io import X`, as before the split,
 but `gate` (the gate's one check, used by the gate's own calls): `tokpack.formats.io.gate` is its
@@ -72,9 +72,13 @@ from .writes import (
 from .progress_log import (
     DEFAULT_LOG_INTERVAL,
     LOG_INTERVAL_ENV,
+    OLD_INTERVAL_ENV,
+    PROGRESS_ENV,
     log_interval,
     logging_every,
     progress,
+    progress_mode,
+    progress_on,
 )
 
 __all__ = [
@@ -126,7 +130,11 @@ __all__ = [
     "write_bytes_atomic",
     "DEFAULT_LOG_INTERVAL",
     "LOG_INTERVAL_ENV",
+    "OLD_INTERVAL_ENV",
+    "PROGRESS_ENV",
     "log_interval",
     "logging_every",
     "progress",
+    "progress_mode",
+    "progress_on",
 ]

@@ -1,4 +1,5 @@
-"""Progress (`progress`): a bar on a terminal, a line every 30 s (`--log-interval`) in a log."""
+"""Progress (`progress`): a bar on a terminal, a line every 30 s (`--log-interval`) in a log, each
+naming the phase that runs. One environment variable governs it, $TOKPACK_PROGRESS (progress_mode)."""
 
 from __future__ import annotations
 
@@ -9,65 +10,111 @@ import threading
 import time
 import weakref
 
+from .. import units
 
-from ..errors import TokpackError
-
-
-# In a log (stderr not a terminal: sbatch, nohup, CI) a long step writes one line this often, in
-# seconds, while it runs; 0: none. `--log-interval` sets it for a command and the worker processes
-# it starts, through this variable (its one home).
-LOG_INTERVAL_ENV = "TOKPACK_LOG_INTERVAL"
+# How a process shows progress: unset (or "on"), a tqdm bar on a terminal and one line every 30 s
+# in a log (stderr not a terminal: sbatch, nohup, CI); SECONDS, lines that often; "off" or 0,
+# nothing; "bar", a bar wherever stderr goes; "log", lines even on a terminal. `--log-interval`
+# sets it for a command and the worker processes it starts, through this variable (its one home).
+PROGRESS_ENV = "TOKPACK_PROGRESS"
+OLD_INTERVAL_ENV = "TOKPACK_LOG_INTERVAL"  # its former spelling (lines in a log), read with a warning
+LOG_INTERVAL_ENV = PROGRESS_ENV  # what --log-interval writes, for worker processes
 DEFAULT_LOG_INTERVAL = 30.0
+MODES = ("on", "off", "bar", "log")
+_warned_old = False
+
+
+def progress_mode() -> tuple[str, float]:
+    """($TOKPACK_PROGRESS's mode, seconds between two lines in a log): ("on", 30) unset; ("on", S)
+    for a number S > 0; ("off", 0) for off or 0; ("bar", 30), ("log", 30). Anything else is one
+    line naming the variable and its text ($TOKPACK_LOG_INTERVAL, its former spelling, is read
+    when it is unset, with a warning)."""
+    text = os.environ.get(PROGRESS_ENV)
+    if text is not None or os.environ.get(OLD_INTERVAL_ENV) is None:
+        return _parsed(text, PROGRESS_ENV)
+    text = os.environ[OLD_INTERVAL_ENV]
+    _warn_old()
+    mode = _parsed(text, OLD_INTERVAL_ENV)
+    if text.strip():  # the worker processes read the new variable (a bad value stays the old one's)
+        os.environ.setdefault(PROGRESS_ENV, text.strip())
+    return mode
+
+
+def _parsed(text: str | None, name: str) -> tuple[str, float]:
+    word = (text or "").strip().lower()
+    if word in ("", "on"):
+        return "on", DEFAULT_LOG_INTERVAL
+    if word in MODES:
+        return word, 0.0 if word == "off" else DEFAULT_LOG_INTERVAL
+    seconds = units.seconds(
+        text,
+        f"${name}",
+        hint=f"set {PROGRESS_ENV} to off, bar, log or a number of seconds between two lines in a log "
+        f"(0: none), or unset it for a bar on a terminal and a line every {DEFAULT_LOG_INTERVAL:g} s in a log",
+    )
+    return ("on", seconds) if seconds > 0 else ("off", 0.0)
+
+
+def _warn_old() -> None:
+    """$TOKPACK_LOG_INTERVAL's warning, once a process."""
+    global _warned_old
+    if not _warned_old:
+        _warned_old = True
+        sys.stderr.write(
+            f"tokpack: warning: ${OLD_INTERVAL_ENV} is deprecated; use {PROGRESS_ENV}=SECONDS (or off, bar, log)\n"
+        )
 
 
 def log_interval() -> float:
-    """Seconds between two progress lines in a log: $TOKPACK_LOG_INTERVAL, else 30; 0: none."""
-    text = os.environ.get(LOG_INTERVAL_ENV, "").strip()
-    if not text:
-        return DEFAULT_LOG_INTERVAL
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not seconds >= 0 or seconds == float("inf"):
-        raise TokpackError(
-            f"${LOG_INTERVAL_ENV} is not a number of seconds",
-            expected="a number >= 0 (0: no lines)",
-            found=repr(text),
-            hint=f"unset it for a line every {DEFAULT_LOG_INTERVAL:g} s",
-        )
-    return seconds
+    """Seconds between two progress lines in a log (progress_mode); 0: none."""
+    return progress_mode()[1]
+
+
+def progress_on() -> bool:
+    """Whether this process shows progress at all ($TOKPACK_PROGRESS is not off or 0)."""
+    return progress_mode()[0] != "off"
 
 
 @contextlib.contextmanager
 def logging_every(seconds: float | None):
-    """Progress lines every `seconds` (0: none) inside the block, in this process and the worker
-    processes it starts; None leaves the interval as it is."""
+    """Progress lines every `seconds` (0: no progress) inside the block, in this process and the
+    worker processes it starts; None leaves the setting as it is."""
     if seconds is None:
         yield
         return
-    before = os.environ.get(LOG_INTERVAL_ENV)
-    os.environ[LOG_INTERVAL_ENV] = repr(float(seconds))
+    before = os.environ.get(PROGRESS_ENV)
+    os.environ[PROGRESS_ENV] = repr(float(seconds))
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop(LOG_INTERVAL_ENV, None)
+            os.environ.pop(PROGRESS_ENV, None)
         else:
-            os.environ[LOG_INTERVAL_ENV] = before
+            os.environ[PROGRESS_ENV] = before
 
 
-def progress(total: int | None, desc: str, unit: str = "B", enabled: bool | None = None, unit_bytes: int | None = None):
-    """The progress of one long step, for whoever watches it: a tqdm bar on a terminal; in a log
-    (stderr not a terminal) one line every log_interval() seconds (_LogBar); nothing when
-    `enabled` is False (a worker process, --json); True: a bar wherever stderr goes.
-    `unit_bytes`: the bytes one unit stands for (a shard's), so that a log line gives MB/s for a
-    bar counted in units."""
+def progress(
+    total: int | None,
+    desc: str,
+    unit: str = "B",
+    enabled: bool | None = None,
+    unit_bytes: int | None = None,
+    phase: bool = False,
+):
+    """The progress of one long step, for whoever watches it, named by `desc`: a tqdm bar on a
+    terminal; in a log (stderr not a terminal) one line every log_interval() seconds (_LogBar);
+    nothing when `enabled` is False (a worker process, --json) or $TOKPACK_PROGRESS is off; True:
+    a bar wherever stderr goes. `unit_bytes`: the bytes one unit stands for (a shard's), so that
+    a log line gives MB/s for a bar counted in units. `phase`: a step of a sequence (a shuffle's
+    scatter, then its order pass): opening it ends the lines of the phases before it, which
+    their owner may keep open."""
     if enabled is False:
         return _NoBar()
-    if enabled is None and not sys.stderr.isatty():
-        interval = log_interval()
-        return _LogBar(total, desc, unit, interval, unit_bytes) if interval > 0 else _NoBar()
+    mode, interval = progress_mode() if enabled is None else ("bar", 0.0)
+    if mode == "off":
+        return _NoBar()
+    if mode == "log" or (mode == "on" and not sys.stderr.isatty()):
+        return _LogBar(total, desc, unit, interval, unit_bytes, phase=phase) if interval > 0 else _NoBar()
     from tqdm import tqdm
 
     return tqdm(
@@ -108,8 +155,10 @@ class _LogBar(_NoBar):
         interval: float,
         unit_bytes: int | None = None,
         clock=time.monotonic,
+        phase: bool = False,
     ):
         self.total, self.desc, self.unit, self.unit_bytes, self.clock = total, desc, unit, unit_bytes, clock
+        self.phase, self.ended = phase, False  # ended: a later phase began
         self.done = 0
         self.started = clock()
         _LOG_LINES.open(self, interval)
@@ -171,9 +220,11 @@ def _duration(seconds: float | None) -> str:
 class _LogLines:
     """The one writer of a process's progress lines: every interval, the line of the oldest open
     bar short of its total (a command's outermost step: pack's bar over all its files, not a
-    file's; a finished pass's bar may stay open while the next pass runs), else of the newest, so
-    a log gets one line per interval however many bars are open. Bars are held weakly: one its
-    owner dropped without closing it (as a tqdm bar closes when collected) writes no more lines."""
+    file's) that no later phase ended (a shuffle's scatter bar, kept open by its pass, gives way to
+    the order pass's as soon as that opens), else of the newest, so a log gets one line per
+    interval however many bars are open. Bars are held weakly: one its owner dropped without
+    closing it (as a tqdm bar closes when collected) writes no more lines. The writer thread never
+    raises: a line that cannot be made is skipped, and a stderr that is gone ends the lines."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -182,12 +233,21 @@ class _LogLines:
 
     def open(self, bar: _LogBar, interval: float) -> None:
         with self.lock:
+            if bar.phase:
+                for earlier in (r() for r in self.bars):
+                    if earlier is not None and earlier.phase:
+                        earlier.ended = True
             self.bars.append(weakref.ref(bar))
             if self.stop is None:
                 self.stop = threading.Event()
-                threading.Thread(
-                    target=self._write, args=(self.stop, interval), name="tokpack-progress-lines", daemon=True
-                ).start()
+                # bounded here too: Event.wait overflows past time_t (an interval parsed elsewhere)
+                wait = min(max(float(interval), 0.01), units.MAX_SECONDS) if interval == interval else 30.0
+                try:
+                    threading.Thread(
+                        target=self._write, args=(self.stop, wait), name="tokpack-progress-lines", daemon=True
+                    ).start()
+                except RuntimeError:  # no thread to be had (a process at its limit): no lines, the work goes on
+                    pass
 
     def close(self, bar: _LogBar | None) -> None:
         with self.lock:
@@ -198,18 +258,28 @@ class _LogLines:
 
     def _write(self, stop: threading.Event, interval: float) -> None:
         while not stop.wait(interval):
-            self.close(None)  # forget the bars collected unclosed; the last one gone stops this thread
-            with self.lock:
-                live = [b for b in (r() for r in self.bars) if b is not None]
-            bar = next((b for b in live if not b.finished), live[-1] if live else None)
-            del live
-            if bar is not None:
-                try:
-                    sys.stderr.write(bar.line() + "\n")
-                    sys.stderr.flush()
-                except (OSError, ValueError):  # stderr closed (a pipe whose reader left): nothing to tell
+            try:
+                if not self._write_one():
                     return
-                del bar  # held no longer than its line: a bar dropped unclosed is collected
+            except Exception:  # noqa: BLE001 - a progress line is never worth a traceback: skip this one
+                continue
+
+    def _write_one(self) -> bool:
+        """Writes the line of the bar to show, if any; False once stderr is gone."""
+        self.close(None)  # forget the bars collected unclosed; the last one gone stops this thread
+        with self.lock:
+            live = [b for b in (r() for r in self.bars) if b is not None]
+        bar = next((b for b in live if not b.finished and not b.ended), live[-1] if live else None)
+        del live
+        if bar is not None:
+            line = bar.line()
+            del bar  # held no longer than its line: a bar dropped unclosed is collected
+            try:
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
+            except (OSError, ValueError):  # stderr closed (a pipe whose reader left): nothing to tell
+                return False
+        return True
 
 
 _LOG_LINES = _LogLines()

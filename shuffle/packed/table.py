@@ -220,13 +220,29 @@ class PackedTable:
             )
 
 
-def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: int) -> PackedTable:
+class _NoBar:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+def _no_bar(total, desc, unit="B"):
+    return _NoBar()
+
+
+def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: int, progress=None) -> PackedTable:
     """Writes the epoch's row table into `folder`, bounded by `memory` (plus a group): each
     source's passes are packed group by group (chain_pieces) and each piece, given its output
     row g = sigma_e(q), is appended to the scratch file of its bucket of output rows and to
     the file of the source shard that holds it; then each bucket, in output order, is sorted by
     (g, row_offset) and appended to the table, whose xxh3_128 is computed as it is written.
-    Atomic: written under a temporary name, renamed whole; BUILT_FILE last."""
+    Atomic: written under a temporary name, renamed whole; BUILT_FILE last. `progress(total, desc)`:
+    a bar of each of the two phases (tokpack.formats.io.progress's), else none."""
     import shutil
     from pathlib import Path
 
@@ -269,9 +285,14 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
                 f.write(raw)
             shard_hashes.setdefault(b, xxhash.xxh3_64()).update(raw)
 
-    with scratch(tmp) as perm_scratch:
+    progress = progress or _no_bar
+    row_bytes = plan.row_tokens * sources[used[0]].dtype.itemsize if used else 0
+    # the epoch's token bytes, less its padding: the bar ends short of its total by the padding
+    packing_bar = progress(plan.samples * row_bytes, f"epoch {plan.epoch}: pack rows")
+    with scratch(tmp) as perm_scratch, packing_bar:
         for s in used:
             for q, ro, doc, do, ln, start, full, p in chain_pieces(plan, s, sources[s], memory, perm_scratch):
+                packing_bar.update(int(ln.astype(np.int64).sum()) * sources[s].dtype.itemsize)
                 problems.update(_cut_problems(ln, do, ro, full, plan.row_tokens))
                 figures.add(q, ro, doc, ln, full, p)
                 rec = np.empty(len(q), _BUILD)
@@ -287,8 +308,13 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
     nb = -(-plan.samples // bucket_rows)
     index = np.zeros((nb + 1, 3), "<u8")
     h, padding, pieces = xxhash.xxh3_128(), 0, 0
-    with open_new(tmp / TABLE_FILE) as tf, open_new(tmp / STARTS_FILE) as sf:
+    with (
+        open_new(tmp / TABLE_FILE) as tf,
+        open_new(tmp / STARTS_FILE) as sf,
+        progress(nb, f"epoch {plan.epoch}: sort the row table", "bucket") as sort_bar,
+    ):
         for b in range(nb):
+            sort_bar.update(1)
             rec = rows_files.read(b, _BUILD)
             rec = rec[np.lexsort((rec["row_offset"], rec["g"]))]
             table = np.empty(len(rec), PIECE)
