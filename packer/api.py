@@ -95,6 +95,7 @@ ARGUMENTS = {
         "holdout": _TEXT,
         "ranks_per_node": _COUNT[1],
         "micro_batch": _COUNT[1],
+        "stall_timeout": ("positive_number", {}),
     },
     "validate": {
         "dirs": _paths,
@@ -247,6 +248,7 @@ def shuffle(
     ranks_per_node: int | None = None,
     micro_batch: int | None = None,
     keep_sources: PathLike | None = None,
+    stall_timeout: float | None = None,
 ) -> ShuffleResult | dict:
     """Writes globally shuffled epochs of `seq_len + 1` tokens from packed sources into the run
     directory `output`. `sources`: a path or URL, a list of them, or a mapping path -> weight
@@ -269,8 +271,9 @@ def shuffle(
     node; docs/COMMANDS.md, "Straight to the nodes"), each process writes its node's slice of
     each epoch there, as `stage(output, to_nodes, node="n/N")` would, and `output` gets only the
     manifests and row hashes; needs `ranks_per_node` and `micro_batch`; `keep_sources`: a
-    node-local folder keeping the source shards the node reads, for later epochs. It returns this
-    process's summary (a dict: node, nodes, ranks, dest, epochs...), not a ShuffleResult."""
+    node-local folder keeping the source shards the node reads, for later epochs; `stall_timeout`:
+    the seconds a process waits without a heartbeat from a peer before the job stops, naming
+    the stalled node [default: 300] (tokpack.packer.stall). It returns this process's summary (a dict: node, nodes, ranks, dest, epochs...), not a ShuffleResult."""
     from tokpack.packer.executors import local_paths, pass_runner, runs_in_process
     from tokpack.shuffle.run import shuffle_run
     from tokpack.shuffle.packings import named
@@ -278,11 +281,13 @@ def shuffle(
     spec = shuffle_spec(locals())
     if spec.nodes is not None:
         return _shuffle_to_nodes(spec, scratch, log)
-    if ranks_per_node is not None or micro_batch is not None or keep_sources is not None:
+    if ranks_per_node is not None or micro_batch is not None or keep_sources is not None or stall_timeout is not None:
         from tokpack.formats.errors import TokpackError
 
         raise TokpackError(
-            "ranks_per_node, micro_batch and keep_sources go with to_nodes", where="to_nodes", hint="give to_nodes=DEST"
+            "ranks_per_node, micro_batch, keep_sources and stall_timeout go with to_nodes",
+            where="to_nodes",
+            hint="give to_nodes=DEST",
         )
     config = executor or ExecutorConfig()
     named(spec.packing)  # an unknown packing is refused before any source is fetched
@@ -336,7 +341,11 @@ def shuffle_spec(values: dict):
     nodes = None
     if values.get("to_nodes") is not None:
         nodes = NodesSpec(
-            text("to_nodes"), values.get("ranks_per_node"), values.get("micro_batch"), text("keep_sources")
+            text("to_nodes"),
+            values.get("ranks_per_node"),
+            values.get("micro_batch"),
+            text("keep_sources"),
+            values.get("stall_timeout"),
         )
     spec = ShuffleSpec.given_as(
         **{k: values[k] for k in _SETTINGS if k in values},

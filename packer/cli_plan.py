@@ -103,7 +103,16 @@ def _emit_plan(command: str, as_json: bool, *args, **kw) -> None:
 def plan_shuffle(sources, output, epochs, epoch, as_json, **kw):
     to_nodes = {
         k: kw.pop(k)
-        for k in ("to_nodes", "ranks_per_node", "micro_batch", "keep_sources", "nodes", "shared_mbps", "nic_mbps")
+        for k in (
+            "to_nodes",
+            "ranks_per_node",
+            "micro_batch",
+            "keep_sources",
+            "stall_timeout",
+            "nodes",
+            "shared_mbps",
+            "nic_mbps",
+        )
     }
     epochs = epochs_asked(sources, epochs, epoch, {**kw, "output": output})
     if to_nodes["to_nodes"] is not None:  # issue 33, item 7: as shuffle --to-nodes, on --nodes N
@@ -115,7 +124,7 @@ def plan_shuffle(sources, output, epochs, epoch, as_json, **kw):
             raise click.UsageError("--to-nodes takes its SOURCEs (or --schedule) and settings; drop --like/--holdout")
     elif any(v is not None for v in to_nodes.values()):
         raise click.UsageError(
-            "--ranks-per-node, --micro-batch, --keep-sources, --nodes, --shared-mbps and "
+            "--ranks-per-node, --micro-batch, --keep-sources, --stall-timeout, --nodes, --shared-mbps and "
             "--nic-mbps go with --to-nodes DEST"
         )
     else:

@@ -231,6 +231,15 @@ def epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
     "({node} is replaced by n) and reads them there in later epochs, not on the shared filesystem.",
 )
 @click.option(
+    "--stall-timeout",
+    "stall_timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="SECONDS",
+    help="With --to-nodes: when a process hears nothing from a peer for this long (a node stopped, "
+    "frozen or cut off), the job stops with one line naming that node; a rerun resumes [default: 300].",
+)
+@click.option(
     "--holdout",
     default=None,
     metavar="F",
@@ -257,8 +266,10 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
     epochs = epochs_asked(sources, epochs, epoch, {**kw, "output": output})
     if kw["to_nodes"] is not None:
         return _shuffle_to_nodes(sources, output, epochs, as_json, kw)
-    if kw.pop("ranks_per_node") is not None or kw.pop("micro_batch") is not None or kw.pop("keep_sources") is not None:
-        raise click.UsageError("--ranks-per-node, --micro-batch and --keep-sources go with --to-nodes DEST")
+    if any(kw.pop(k) is not None for k in ("ranks_per_node", "micro_batch", "keep_sources", "stall_timeout")):
+        raise click.UsageError(
+            "--ranks-per-node, --micro-batch, --keep-sources and --stall-timeout go with --to-nodes DEST"
+        )
     kw.pop("to_nodes")
     executor = executor_config(kw)
     quiet = as_json and log_interval() == 0  # --json asked for no lines: no bar on a terminal either

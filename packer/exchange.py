@@ -39,7 +39,8 @@ disk for the later epochs. `stage RUN DEST --node n/N` on such a RUN (a replacem
 tokpack.packer.replacement: the node's rows rebuilt from the sources, checked against RUN's row hashes.
 
 SIGTERM to one process is one line naming its node (tokpack.packer.transport.OnSigterm); a
-SIGKILL is named by the launcher.
+SIGKILL is named by the launcher; a node stopped, frozen or cut off for --stall-timeout is one
+line naming it (tokpack.packer.stall).
 
 The modules, each one idea, data flowing one way: this one (the entry points and an epoch's
 steps) -> tokpack.packer.node_epoch (what a process reads, keeps and owns; the memory plan) ->
@@ -92,6 +93,7 @@ from tokpack.packer.node_reads import source_pieces
 from tokpack.packer.node_store import open_stores, receive, write_slice_epoch
 from tokpack.packer.owned_shards import hash_owned_shards
 from tokpack.packer.slicing import slice_ranks
+from tokpack.packer.stall import DEFAULT_STALL_TIMEOUT, StallWatch, progressed
 from tokpack.packer.transport import OnSigterm, exchange_rounds, together, world
 from tokpack.shuffle import packings
 from tokpack.shuffle.plan import use_kept_sources
@@ -115,6 +117,7 @@ def exchange_epoch(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | No
 
     def deliver(got_pieces, got_tokens):
         receive(ne, stores, pad, got_pieces, got_tokens)
+        progressed()  # a round done: the heartbeats (tokpack.packer.stall) say how far this process is
 
     rounds = exchange_rounds(
         comm, MPI, source_pieces(ne, per_round), per_round, row, job.token_dtype, ne.routes, deliver
@@ -171,6 +174,8 @@ def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
         )
     out = Path(output)
     locks, mine = stop.locks, []
+    stall = spec.nodes.stall_timeout
+    watch = StallWatch(MPI, comm, DEFAULT_STALL_TIMEOUT if stall is None else stall, stop)
     try:
 
         def lock():
@@ -187,6 +192,7 @@ def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
             together(comm, lambda: use_kept_sources(kept_copies(keep, out)))
         return _run((comm, MPI, n, N), spec, out, dest, template, (a, b), w, keep, log, t0)
     finally:
+        watch.close()
         for d in mine:  # DEST is this command's: its scratch (buckets, row table) goes, whatever happened
             shutil.rmtree(d / WORK_DIR, ignore_errors=True)
         for held in reversed(locks):

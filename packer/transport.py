@@ -98,7 +98,7 @@ class OnSigterm:
         if not told and not OnSigterm.failing:  # at once: the launcher may SIGKILL within 0.25 s
             node = "" if self.node is None else f"node {self.node}: "
             by = f" from the launcher ({_name(sender)})" if launcher else ""
-            _to_launcher(
+            to_launcher(
                 f"tokpack: error: {node}stopped by SIGTERM{by}; every node stops. HINT: rerun the same "
                 f"command: the epochs complete on every node are kept\n",
                 self.LAUNCHERS,
@@ -112,10 +112,15 @@ class OnSigterm:
         launcher's SIGTERM to them, once this one exits, is silent. Sent after NOTICE_DELAY: when
         every process got the launcher's SIGTERM at once (its sender unknown), each writes its
         own line before a peer's notice can silence it."""
+        self.tell_peers(self.NOTICE_DELAY)
+
+    def tell_peers(self, delay: float = 0.0) -> None:
+        """Every other process hears that this one wrote the job's line (SIGTERM's, or a stall's:
+        tokpack.packer.stall): the launcher's SIGTERM to them is silent."""
         try:
             if self.notice is None:
                 return
-            time.sleep(self.NOTICE_DELAY)
+            time.sleep(delay)
             sent = [
                 self.comm.isend(self.node, dest=k, tag=self.TAG) for k in range(self.comm.Get_size()) if k != self.node
             ]
@@ -162,7 +167,7 @@ def _name(pid: int) -> str:
         return f"pid {pid}"
 
 
-def _to_launcher(line: str, launchers) -> None:
+def to_launcher(line: str, launchers) -> None:
     """`line` written at once, unbuffered: to Open MPI's launcher's own stderr when it is this
     process's parent (it stops forwarding ours as it stops the job), else to ours."""
     data = line.encode(errors="replace")

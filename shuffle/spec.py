@@ -31,6 +31,7 @@ class NodesSpec:
     ranks_per_node: int | None = None
     micro_batch: int | None = None
     keep_sources: str | None = None  # a node-local folder keeping the source shards the node reads
+    stall_timeout: float | None = None  # seconds without a peer's heartbeat that stop the job (None: the default)
 
 
 @dataclass(frozen=True)
