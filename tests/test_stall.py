@@ -125,3 +125,36 @@ def test_the_stall_timeout_is_refused_without_to_nodes_and_when_not_a_positive_n
         shuffle("src", tmp_path / "run", to_nodes="d", ranks_per_node=1, micro_batch=1, stall_timeout=float("nan"))
     with pytest.raises(TokpackError, match="stall_timeout go with to_nodes"):
         shuffle("src", tmp_path / "run", stall_timeout=5)
+
+
+WAITER = """
+import sys, time
+from mpi4py import MPI
+from tokpack.packer.transport import together
+comm = MPI.COMM_WORLD
+if comm.Get_rank() == 1:
+    time.sleep(2)  # working (reading, writing): not in MPI
+t, cpu = time.monotonic(), time.process_time()
+together(comm, lambda: None)  # every step the nodes take together ends this way
+if comm.Get_rank() == 0:
+    print(f"{time.monotonic() - t:.3f} {time.process_time() - cpu:.3f}", flush=True)
+"""
+
+
+def test_a_process_waiting_for_a_peer_does_not_burn_a_core(tmp_path):
+    """Node 1 works for 2 s while node 0 waits for it in `together`: node 0 naps (a nonblocking
+    barrier tested between naps), using a few percent of a core; on main it polled in MPI's
+    allgather, a core at 100% (or its share of one on a loaded machine)."""
+    script = tmp_path / "waiter.py"
+    script.write_text(WAITER)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    done = subprocess.run(
+        [mpirun(), "--oversubscribe", "-n", "2", sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    waited, cpu = map(float, done.stdout.split())
+    assert waited >= 1.5 and cpu < 0.1, (waited, cpu)
