@@ -173,6 +173,18 @@ def test_a_replacement_node_merges_small_gaps_and_keeps_reads_in_flight(windows,
     assert in_flight > 1, in_flight
 
 
+def test_a_stream_not_read_as_local_shard_files_gives_the_same_rows(windows, tmp_path, monkeypatch):
+    """A URL source or --holdout's stream of kept documents is read by its own read_into, a call
+    a run of adjacent windows, in the same threads (no gap merged): every row still RUN's."""
+    from tokpack.packer import source_reads
+
+    _, _, run = windows
+    monkeypatch.setattr(source_reads, "local_shards", lambda stream: False)
+    holes = lambda n: np.flatnonzero(np.arange(n) % 32 != 31)  # noqa: E731
+    reads, in_flight, (counted, nbytes), rows, _ = _rows_read(run, tmp_path, monkeypatch, holes, 0.01)
+    assert reads == counted and nbytes == rows * ROW_BYTES and in_flight > 1, (reads, in_flight)
+
+
 def test_a_replacement_node_with_too_little_memory_is_one_line(windows, tmp_path):
     _, _, run = windows
     res = CliRunner().invoke(
