@@ -96,6 +96,7 @@ ARGUMENTS = {
         "ranks_per_node": _COUNT[1],
         "micro_batch": _COUNT[1],
         "procs_per_node": _COUNT[1],
+        "stall_timeout": ("positive_number", {}),
     },
     "validate": {
         "dirs": _paths,
@@ -249,6 +250,7 @@ def shuffle(
     micro_batch: int | None = None,
     keep_sources: PathLike | None = None,
     procs_per_node: int | None = None,
+    stall_timeout: float | None = None,
 ) -> ShuffleResult | dict:
     """Writes globally shuffled epochs of `seq_len + 1` tokens from packed sources into the run
     directory `output`. `sources`: a path or URL, a list of them, or a mapping path -> weight
@@ -273,8 +275,10 @@ def shuffle(
     manifests and row hashes; needs `ranks_per_node` and `micro_batch`; `keep_sources`: a
     node-local folder keeping the source shards the node reads, for later epochs;
     `procs_per_node`: P MPI processes a node, sharing its DEST and `memory` (`mpirun --map-by
-    ppr:P:node`; None: as the launcher placed them, tokpack.packer.node_procs). It returns this
-    process's summary (a dict: node, process, nodes, ranks, dest, epochs...), not a ShuffleResult."""
+    ppr:P:node`; None: as the launcher placed them, tokpack.packer.node_procs); `stall_timeout`:
+    the seconds a process waits without a heartbeat from a peer before the job stops, naming
+    the stalled node [default: 300] (tokpack.packer.stall). It returns this process's summary (a
+    dict: node, process, nodes, ranks, dest, epochs...), not a ShuffleResult."""
     from tokpack.packer.executors import local_paths, pass_runner, runs_in_process
     from tokpack.shuffle.run import shuffle_run
     from tokpack.shuffle.packings import named
@@ -282,11 +286,11 @@ def shuffle(
     spec = shuffle_spec(locals())
     if spec.nodes is not None:
         return _shuffle_to_nodes(spec, scratch, log)
-    if any(v is not None for v in (ranks_per_node, micro_batch, keep_sources, procs_per_node)):
+    if any(v is not None for v in (ranks_per_node, micro_batch, keep_sources, procs_per_node, stall_timeout)):
         from tokpack.formats.errors import TokpackError
 
         raise TokpackError(
-            "ranks_per_node, micro_batch, keep_sources and procs_per_node go with to_nodes",
+            "ranks_per_node, micro_batch, keep_sources, procs_per_node and stall_timeout go with to_nodes",
             where="to_nodes",
             hint="give to_nodes=DEST",
         )
@@ -347,6 +351,7 @@ def shuffle_spec(values: dict):
             values.get("micro_batch"),
             text("keep_sources"),
             values.get("procs_per_node"),
+            values.get("stall_timeout"),
         )
     spec = ShuffleSpec.given_as(
         **{k: values[k] for k in _SETTINGS if k in values},

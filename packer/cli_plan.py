@@ -109,6 +109,7 @@ def plan_shuffle(sources, output, epochs, epoch, as_json, **kw):
             "micro_batch",
             "keep_sources",
             "procs_per_node",
+            "stall_timeout",
             "nodes",
             "shared_mbps",
             "nic_mbps",
@@ -124,7 +125,7 @@ def plan_shuffle(sources, output, epochs, epoch, as_json, **kw):
             raise click.UsageError("--to-nodes takes its SOURCEs (or --schedule) and settings; drop --like/--holdout")
     elif any(v is not None for v in to_nodes.values()):
         raise click.UsageError(
-            "--ranks-per-node, --micro-batch, --keep-sources, --procs-per-node, --nodes, --shared-mbps and "
+            "--ranks-per-node, --micro-batch, --keep-sources, --procs-per-node, --stall-timeout, --nodes, --shared-mbps and "
             "--nic-mbps go with --to-nodes DEST"
         )
     else:

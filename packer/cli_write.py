@@ -16,7 +16,9 @@ from tokpack.packer.cli_options import (
     MAX_SEQ_LEN,
     SEED_RANGE,
     MAX_TOKEN_ID,
+    MAX_WORKERS,
     Int,
+    Real,
     LOG_INTERVAL,
     SCRATCH,
     SHUFFLE_TASKS_HELP,
@@ -241,12 +243,21 @@ def epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
 )
 @click.option(
     "--procs-per-node",
-    type=click.IntRange(min=1),
+    type=Int(1, MAX_WORKERS),
     default=None,
     metavar="P",
     help="With --to-nodes: P MPI processes a node (`mpirun --map-by ppr:P:node`, one a GPU), sharing its DEST, "
     "its lock, its kept sources and its --memory; a row crosses the network once to a node [default: as the "
     "launcher placed them on several hosts, else 1].",
+)
+@click.option(
+    "--stall-timeout",
+    "stall_timeout",
+    type=Real(0, 7 * 86400),
+    default=None,
+    metavar="SECONDS",
+    help="With --to-nodes: when a process hears nothing from a peer for this long (a node stopped, "
+    "frozen or cut off), the job stops with one line naming that node; a rerun resumes [default: 300].",
 )
 @click.option(
     "--holdout",
@@ -276,9 +287,12 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
     epochs = epochs_asked(sources, epochs, epoch, {**kw, "output": output})
     if kw["to_nodes"] is not None:
         return _shuffle_to_nodes(sources, output, epochs, as_json, kw)
-    if any(kw.pop(k) is not None for k in ("ranks_per_node", "micro_batch", "keep_sources", "procs_per_node")):
+    if any(
+        kw.pop(k) is not None
+        for k in ("ranks_per_node", "micro_batch", "keep_sources", "procs_per_node", "stall_timeout")
+    ):
         raise click.UsageError(
-            "--ranks-per-node, --micro-batch, --keep-sources and --procs-per-node go with --to-nodes DEST"
+            "--ranks-per-node, --micro-batch, --keep-sources, --procs-per-node and --stall-timeout go with --to-nodes DEST"
         )
     kw.pop("to_nodes")
     executor = executor_config(kw)

@@ -45,7 +45,8 @@ node's disk for the later epochs (a folder a node, whose shared files its leader
 the node's rows rebuilt from the sources, checked against RUN's row hashes.
 
 SIGTERM to one process is one line naming its node, and which of its processes when it has
-several (tokpack.packer.transport.OnSigterm); a SIGKILL is named by the launcher.
+several (tokpack.packer.transport.OnSigterm); a SIGKILL is named by the launcher; a node stopped,
+frozen or cut off for --stall-timeout is one line naming it (tokpack.packer.stall).
 
 The modules, each one idea, data flowing one way: this one (the entry points and an epoch's
 steps; node_procs: a node's P processes, their communicator) -> tokpack.packer.node_epoch (what
@@ -103,6 +104,7 @@ from tokpack.packer.owned_shards import hash_owned_shards
 from tokpack.packer.phases import Phases, TimedRows, collecting, count, phase, process_cpu, timed
 from tokpack.packer.rank_files import ready_epoch_dir
 from tokpack.packer.slicing import slice_ranks
+from tokpack.packer.stall import DEFAULT_STALL_TIMEOUT, StallWatch, progressed
 from tokpack.packer.transport import OnSigterm, exchange_rounds, world
 from tokpack.shuffle import packings
 from tokpack.shuffle.plan import use_kept_sources
@@ -127,6 +129,7 @@ def exchange_epoch(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | No
     def deliver(got_pieces, got_tokens):
         with phase("place" if layout is None else "bucket_write", got_tokens.nbytes):
             receive(ne, stores, pad, got_pieces, got_tokens)
+        progressed()  # a round done: the heartbeats (tokpack.packer.stall) say how far this process is
 
     def routes(pieces):
         routed = ne.routes(pieces)
@@ -194,6 +197,8 @@ def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
     # folder there when the node's processes share DEST
     scratch = dest / WORK_DIR if node.P == 1 else dest / WORK_DIR / f"process-{node.p}"
     locks, mine = stop.locks, []
+    stall = spec.nodes.stall_timeout
+    watch = StallWatch(MPI, comm, DEFAULT_STALL_TIMEOUT if stall is None else stall, stop, node.P)
     try:
 
         def lock():  # the node's DEST is its leader's to lock
@@ -213,6 +218,7 @@ def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
             node.together(lambda: use_kept_sources(kept_copies(keep, out)))
         return _run(node, spec, out, (dest, scratch), template, (a, b), w, keep, log, t0)
     finally:
+        watch.close()
         for d in mine:  # DEST is this command's: its scratch (buckets, row table) goes, whatever happened
             shutil.rmtree(d, ignore_errors=True)
         for held in reversed(locks):

@@ -32,6 +32,7 @@ from tokpack.packer.rank_files import RankFiles
 from tokpack.packer.shared import Result
 from tokpack.packer.slice_dest import epoch_in_place
 from tokpack.packer.slicing import slice_ranks
+from tokpack.packer.source_reads import READ_DEPTH, SourceReader
 from tokpack.shuffle import packings
 from tokpack.shuffle.plan import open_source
 
@@ -48,7 +49,11 @@ class ReplacementResult(Result):
     micro_batch: int
     epochs: list[int]
     built_from: str  # "sources": no token file in RUN
-    bytes_read: int  # the rows' source tokens and RUN's row hashes (and best-fit padding)
+    bytes_read: (
+        int  # the rows' source tokens (and the small gaps read with them), RUN's row hashes (and best-fit padding)
+    )
+    reads: int  # the ranged reads of the sources (windows; best-fit rows are copied from mapped shards)
+    read_depth: int  # the most reads in flight at once (READ_DEPTH allows)
     bytes_kept: int
     read_amplification: float | None
     parts: int  # the node's rows are read and written a part at a time, each of at most part_rows rows
@@ -85,7 +90,7 @@ def stage_replacement(
         numbering = EpochNumbering.of_run(run, out)
         chosen = sorted(int(e) for e in run.get("epochs") or []) if epochs is None else parse_epochs(epochs)
         output: Output = LocalOutput()
-        read = kept = parts = per_part = 0
+        read = kept = parts = per_part = reads = depth = 0
         for e in chosen:
             d = dest / epoch_dir_name(e)
             first = numbering.first(e)
@@ -115,6 +120,7 @@ def stage_replacement(
             finally:
                 source.close()
             read += source.bytes_read
+            reads, depth = reads + source.reader.reads, max(depth, source.reader.max_in_flight)
             want["shards"], want["tokens"] = entries, sum(x["tokens"] for x in entries)
             output.finish(d, want)
             if log:
@@ -144,6 +150,8 @@ def stage_replacement(
         epochs=root["epochs"],
         built_from="sources",
         bytes_read=read,
+        reads=reads,
+        read_depth=depth,
         bytes_kept=kept,
         read_amplification=round(read / kept, 4) if kept else None,
         parts=parts,
@@ -152,6 +160,9 @@ def stage_replacement(
     )
 
 
+# Best-fit: the runs (a global batch's rows each) whose pieces are asked of the kernel before
+# the run being copied: their reads in flight while it is.
+LOOKAHEAD_RUNS = 4
 DEFAULT_MEMORY = 256 << 20  # a replacement node's (and validate --against RUN's) budget without --memory
 # Bytes a part holds per row beside its tokens twice (read order, then position order): its
 # position, source, window and start (int64 each), the row hash, the sort's and gather's indices.
@@ -176,21 +187,21 @@ def part_rows_of(row_bytes: int, memory: int) -> int:
     return int(n)
 
 
-# Ranged reads of the sources a replacement node has in flight at once (SourceRows._window_rows:
-# one after the other); tokpack.packer.node_model projects its reads with it.
-READ_QUEUE_DEPTH = 1
+# Ranged reads of the sources a replacement node has in flight at once (tokpack.packer.source_reads);
+# tokpack.packer.node_model projects its reads with it.
+READ_QUEUE_DEPTH = READ_DEPTH
 
 
 class SourceRows:
     """An epoch of a --to-nodes RUN, its rows at given positions rebuilt from the sources alone
     (RUN's plan: its epoch manifest): a replacement node's reads, and `validate SLICE --against
     RUN`'s proof. Windows: each part's windows read in source order, a window the part uses
-    twice once, adjacent windows merged into one ranged read (`read_into`, files kept open from
-    part to part). Best-fit: the row table rebuilt in `work` (checked against the manifest's
+    twice once, adjacent windows (and windows a small gap apart) merged into one ranged read,
+    READ_DEPTH reads in flight (tokpack.packer.source_reads; files kept open from part to part). Best-fit: the row table rebuilt in `work` (checked against the manifest's
     table_xxh3_128), rows assembled per run of consecutive positions from their documents.
     `bytes_read` counts the source tokens read and RUN's row hashes and padding."""
 
-    def __init__(self, epoch_dir: Path, m: dict, memory: int, work: Path):
+    def __init__(self, epoch_dir: Path, m: dict, memory: int, work: Path, read_depth: int = READ_DEPTH):
         packing = packings.of_manifest(m)
         self.epoch_dir, self.m, self.work, self.packing = Path(epoch_dir), m, Path(work), packing
         self.padded = packing.padded  # rows from the row table's pieces, and their padding
@@ -215,7 +226,7 @@ class SourceRows:
                 for i, sp in enumerate(self.plan.sources)
             ]
         )
-        self.handles: dict = {}  # fingerprint -> its open shard files, kept from part to part
+        self.reader = SourceReader(read_depth)  # its descriptors kept from part to part
         self.bytes_read = 0
         # RUN's row hashes and padding, each file read through the gate and checked against the manifest
         self.facts = RowFacts(
@@ -277,12 +288,10 @@ class SourceRows:
         unique_of = np.cumsum(new) - 1
         us, ust = ss[new], st[new]
         buf = np.empty((len(us), self.row), dtype=self.dtype)
-        # a ranged read per run of adjacent windows of one source
-        cuts = np.flatnonzero((us[1:] != us[:-1]) | (ust[1:] != ust[:-1] + self.row)) + 1
-        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(us)]):
-            src = self.of_plan[int(us[lo])]
-            src.read_into(int(ust[lo]), buf[lo:hi].reshape(-1), self.handles.setdefault(src.fingerprint, {}))
-        self.bytes_read += buf.nbytes
+        # adjacent windows of one source (and small gaps) one read each, READ_DEPTH reads in flight
+        before = self.reader.bytes
+        self.reader.fill(self.of_plan, us, ust, self.row, buf)
+        self.bytes_read += self.reader.bytes - before
         where = np.empty(len(order), dtype=np.int64)
         where[order] = unique_of
         return buf[where]
@@ -291,9 +300,18 @@ class SourceRows:
         out = np.empty((len(positions), self.row), dtype=self.dtype)
         pad = np.empty(len(positions), dtype=PAD_DTYPE)
         cuts = np.flatnonzero(np.diff(positions) != 1) + 1  # runs of consecutive positions: a global batch's
-        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(positions)]):
+        runs = list(zip([0, *cuts.tolist()], [*cuts.tolist(), len(positions)]))
+        ahead: list = []  # the next runs' tables, their pieces asked of the kernel already
+        for r in range(len(runs)):
+            while len(ahead) < min(LOOKAHEAD_RUNS, len(runs) - r):
+                lo, hi = runs[r + len(ahead)]
+                table, starts = self.built.rows(int(positions[lo]), int(positions[hi - 1]) + 1)
+                a, b = np.searchsorted(table["g"], [int(positions[lo]), int(positions[hi - 1]) + 1])
+                self.reader.will_need(self.sources, table["source"][a:b], starts[a:b], table["length"][a:b])
+                ahead.append((table, starts))
+            lo, hi = runs[r]
             g0, g1 = int(positions[lo]), int(positions[hi - 1]) + 1
-            table, starts = self.built.rows(g0, g1)
+            table, starts = ahead.pop(0)
             out[lo:hi] = self.pool.rows(table, g0, g1, self.row, self.plan.pad_id, starts)
             pad[lo:hi] = self.packing.row_padding(table, g1 - g0, self.row, g0)
         self.bytes_read += int(self.row * len(positions) - pad.astype(np.int64).sum()) * self.dtype.itemsize
@@ -354,10 +372,7 @@ class SourceRows:
         return [data]
 
     def close(self) -> None:
-        for files in self.handles.values():
-            for f in files.values():
-                f.close()
-        self.handles = {}
+        self.reader.close()
         self.pool = self.built = self.facts = None
         shutil.rmtree(self.work.parent if self.work.parent.name == WORK_DIR else self.work, ignore_errors=True)
 

@@ -1,7 +1,8 @@
 """The transport of `shuffle --to-nodes` (tokpack.packer.exchange): MPI's world, one line for a
 failure on any process (`together`, PeerFailed, SIGTERM's OnSigterm), and the exchange's rounds
 (`exchange_rounds`: per round, an allgather of each process's status, an alltoall of the counts,
-then one Alltoallv of the pieces and one of their tokens). It knows pieces (tokpack.packer.pieces)
+then one Alltoallv of the pieces and one of their tokens; the small collectives' waits nap
+instead of polling a core, `patient`). It knows pieces (tokpack.packer.pieces)
 and where each goes (the caller's `route`), not what a node keeps of them (the caller's `deliver`)."""
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class OnSigterm:
         if not told and not OnSigterm.failing:  # at once: the launcher may SIGKILL within 0.25 s
             node = "" if self.node is None else f"{self.node}: "
             by = f" from the launcher ({_name(sender)})" if launcher else ""
-            _to_launcher(
+            to_launcher(
                 f"tokpack: error: {node}stopped by SIGTERM{by}; every node stops. HINT: rerun the same "
                 f"command: the epochs complete on every node are kept\n",
                 self.LAUNCHERS,
@@ -115,10 +116,15 @@ class OnSigterm:
         launcher's SIGTERM to them, once this one exits, is silent. Sent after NOTICE_DELAY: when
         every process got the launcher's SIGTERM at once (its sender unknown), each writes its
         own line before a peer's notice can silence it."""
+        self.tell_peers(self.NOTICE_DELAY)
+
+    def tell_peers(self, delay: float = 0.0) -> None:
+        """Every other process hears that this one wrote the job's line (SIGTERM's, or a stall's:
+        tokpack.packer.stall): the launcher's SIGTERM to them is silent."""
         try:
             if self.notice is None:
                 return
-            time.sleep(self.NOTICE_DELAY)
+            time.sleep(delay)
             sent = [
                 self.comm.isend(self.rank, dest=k, tag=self.TAG) for k in range(self.comm.Get_size()) if k != self.rank
             ]
@@ -165,7 +171,7 @@ def _name(pid: int) -> str:
         return f"pid {pid}"
 
 
-def _to_launcher(line: str, launchers) -> None:
+def to_launcher(line: str, launchers) -> None:
     """`line` written at once, unbuffered: to Open MPI's launcher's own stderr when it is this
     process's parent (it stops forwarding ours as it stops the job), else to ours."""
     data = line.encode(errors="replace")
@@ -227,6 +233,48 @@ def _not_a_singleton_of_many() -> None:
             )
 
 
+# A process waiting at a round's start for its peers: SPIN seconds of MPI's own polling (a
+# round whose processes arrive together pays nothing), then naps of up to MAX_NAP between looks
+# (at most about MAX_NAP a step of the barrier's log2(N) steps, where MPI's wait would burn a core).
+SPIN = 0.001
+MAX_NAP = 0.001
+
+
+def patient(comm) -> None:
+    """Returns once every process has reached this point, without burning a core. MPI's
+    blocking collectives poll (Open MPI's progress loop: a core at 100% for as long as a peer
+    is still reading, writing, or stopped); a nonblocking barrier tested between short naps
+    costs next to nothing. (A peer stopped inside a round's transfers still leaves the others
+    polling: --stall-timeout ends that.)"""
+    _wait(comm.Ibarrier())
+
+
+def _wait(req) -> None:
+    start, nap = time.monotonic(), 1e-4
+    while not req.Test():
+        if time.monotonic() - start > SPIN:
+            time.sleep(nap)
+            nap = min(MAX_NAP, nap * 2)
+
+
+def allgather(comm, obj) -> list:
+    """comm.allgather(obj), its waits patient: after a barrier (`patient`), the objects' sizes
+    then their pickles by nonblocking collectives, so that a peer stopped while it waited at
+    the barrier leaves the others napping, not polling."""
+    import pickle
+
+    from mpi4py import MPI
+
+    patient(comm)
+    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    sizes = np.empty(comm.Get_size(), dtype=np.int64)
+    _wait(comm.Iallgather(np.array([len(data)], dtype=np.int64), sizes))
+    out = np.empty(int(sizes.sum()), dtype=np.uint8)
+    starts = np.cumsum(sizes) - sizes
+    _wait(comm.Iallgatherv(data, [out, sizes.tolist(), starts.tolist(), MPI.BYTE]))
+    return [pickle.loads(out[a : a + n].tobytes()) for a, n in zip(starts.tolist(), sizes.tolist())]
+
+
 class PeerFailed(TokpackError):
     """Another node failed: this one stops too, naming it."""
 
@@ -248,9 +296,9 @@ def together(comm, fn, per_node: int = 1):
         result, mine = None, as_error(e)
     except Exception as e:  # noqa: BLE001 - a bug here: the others hear of it, this process reports it as one
         OnSigterm.failing = True
-        comm.allgather(peer_line(e))
+        allgather(comm, peer_line(e))
         raise
-    failed = comm.allgather(None if mine is None or isinstance(mine, PeerFailed) else str(mine))
+    failed = allgather(comm, None if mine is None or isinstance(mine, PeerFailed) else str(mine))
     OnSigterm.failing = OnSigterm.failing or mine is not None or any(line is not None for line in failed)
     if mine is not None:
         if comm.Get_size() > 1 and not isinstance(mine, PeerFailed) and not mine.message.startswith(f"{node}: "):
@@ -349,7 +397,7 @@ def _take(pending: list, per_round: int) -> tuple[list, int]:
 def _agree(comm, count: int, failure, per_node: int = 1) -> bool:
     """Every process's status of this round: raises this one's failure, or names the first
     node that failed; whether any process has tokens to send."""
-    status = comm.allgather((count, None if failure is None else peer_line(failure)))
+    status = allgather(comm, (count, None if failure is None else peer_line(failure)))
     OnSigterm.failing = OnSigterm.failing or any(line is not None for _, line in status)
     if failure is not None:
         raise failure
@@ -371,7 +419,8 @@ def _send(comm, MPI, pieces: np.ndarray, tokens: np.ndarray, routed, row: int, d
     N = comm.Get_size()
     counts = np.bincount(dst, minlength=N).astype(np.int64)
     token_counts = np.bincount(dst, weights=lengths[copies], minlength=N).astype(np.int64)
-    recv = np.array(comm.alltoall(list(zip(counts.tolist(), token_counts.tolist()))), dtype=np.int64)
+    recv = np.empty((N, 2), dtype=np.int64)  # the pieces and tokens each node sends this one
+    _wait(comm.Ialltoall(np.ascontiguousarray(np.stack([counts, token_counts], axis=1)), recv))  # patient, as allgather
     got_pieces = np.empty(int(recv[:, 0].sum()), WIRE_PIECE)
     got_tokens = np.empty(int(recv[:, 1].sum()), dtype)
     item = np.dtype(dtype).itemsize

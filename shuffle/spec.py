@@ -33,6 +33,7 @@ class NodesSpec:
     keep_sources: str | None = None  # a node-local folder keeping the source shards the node reads
     # MPI processes a node (None: the launcher's, tokpack.packer.node_procs); --memory is the node's
     procs_per_node: int | None = None
+    stall_timeout: float | None = None  # seconds without a peer's heartbeat that stop the job (None: the default)
 
 
 @dataclass(frozen=True)

@@ -96,36 +96,93 @@ def test_a_replacement_node_within_memory_rebuilds_the_exchanges_slice_part_by_p
     assert all(summary["part_rows"] < n for n in rows), (summary, rows)  # the node's rows are never held at once
     assert summary["parts"] >= sum(-(-n // summary["part_rows"]) for n in rows)
     assert summary["read_amplification"] <= 1.3, summary
+    assert summary["reads"] > 0 and summary["read_depth"] > 1, summary  # in flight together
     if kind == "windows":
         assert summary["read_amplification"] > 1  # every row read once, and RUN's row hashes
+        assert summary["reads"] < sum(rows), summary  # adjacent windows: a read (best-fit: a request a run of pieces)
     assert not (tmp_path / "again" / ".tokpack-work").exists()
 
 
-def test_a_replacement_node_merges_adjacent_windows_into_one_ranged_read(windows, tmp_path, monkeypatch):
-    """Every position of an epoch in one part (a node holding them all, one source read once): the
-    part's windows are adjacent in source order, so they are one ranged read, not one per window."""
+def _rows_read(run, tmp_path, monkeypatch, positions_of, pause: float = 0.0):
+    """SourceRows.rows of epoch 0 at `positions_of(samples)`, every row checked against RUN's row
+    hashes; returns (the reads issued: preadv calls and the streams' own read_into calls, the
+    most in flight at once, the reader's counts)."""
+    import threading
+    import time
+
     from tokpack.formats.manifest import read_manifest
     from tokpack.formats.shards import PackedSource
+    from tokpack.packer import source_reads
     from tokpack.packer.replacement import SourceRows
 
-    _, _, run = windows
-    calls = []
-    real = PackedSource.read_into
-    monkeypatch.setattr(
-        PackedSource,
-        "read_into",
-        lambda self, start, out, handles=None: (calls.append(len(out)), real(self, start, out, handles))[1],
-    )
+    calls, flying, lock = [], [0, 0], threading.Lock()
+
+    def counted(fn):
+        def run(*args, **kw):
+            with lock:
+                calls.append(1)
+                flying[0] += 1
+                flying[1] = max(flying[1], flying[0])
+            try:
+                time.sleep(pause)
+                return fn(*args, **kw)
+            finally:
+                with lock:
+                    flying[0] -= 1
+
+        return run
+
+    monkeypatch.setattr(source_reads, "preadv_all", counted(source_reads.preadv_all))
+    monkeypatch.setattr(PackedSource, "read_into", counted(PackedSource.read_into))
     d = run / epoch_dir_name(0)
     m = read_manifest(d, kind="epoch")
     source = SourceRows(d, m, 16 << 20, tmp_path / "work")
     try:
-        positions = np.arange(int(m["samples"]), dtype=np.int64)
+        positions = positions_of(int(m["samples"]))
         assert source.part_rows >= len(positions)
         source.check(positions, *source.rows(positions))  # each row's hash is RUN's
+        reader = (source.reader.reads, source.reader.bytes)
     finally:
         source.close()
-    assert calls == [len(positions) * (SEQ + 1)], calls[:5]
+    return len(calls), flying[1], reader, len(positions), source.sources[0]
+
+
+def test_a_replacement_node_merges_adjacent_windows_into_one_ranged_read(windows, tmp_path, monkeypatch):
+    """Every position of an epoch in one part (a node holding them all, one source read once): the
+    part's windows are adjacent in source order, so they are one ranged read a source shard (and
+    one a window across two shards), not one a window. On main the reads were one request at a
+    time (a read per run of adjacent windows, by read_into)."""
+    _, _, run = windows
+    reads, _, (counted, nbytes), rows, src = _rows_read(run, tmp_path, monkeypatch, lambda n: np.arange(n))
+    assert reads == counted <= 2 * len(src.shards) and reads < rows / 4, (reads, rows)
+    assert nbytes == rows * ROW_BYTES  # no byte twice, no gap
+
+
+def test_a_replacement_node_merges_small_gaps_and_keeps_reads_in_flight(windows, tmp_path, monkeypatch):
+    """Runs of 31 adjacent windows a window apart: each gap is read and dropped (1/62 of the bytes
+    beside it), one read a shard; every other position (random windows): many reads (a one-window gap is not
+    merged but beside 16 adjacent ones), several in flight at once (on main: one at a time)."""
+    _, _, run = windows
+    holes = lambda n: np.flatnonzero(np.arange(n) % 32 != 31)  # noqa: E731
+    reads, _, (counted, nbytes), rows, src = _rows_read(run, tmp_path, monkeypatch, holes)
+    assert reads == counted <= 2 * len(src.shards), (reads, rows)
+    assert rows * ROW_BYTES < nbytes <= rows * ROW_BYTES * 1.04  # the holes inside a read
+    every_other = lambda n: np.arange(0, n, 2)  # noqa: E731
+    reads, in_flight, (counted, nbytes), rows, _ = _rows_read(run, tmp_path, monkeypatch, every_other, 0.01)
+    assert reads == counted > rows / 4 and rows * ROW_BYTES <= nbytes <= rows * ROW_BYTES * 1.13
+    assert in_flight > 1, in_flight
+
+
+def test_a_stream_not_read_as_local_shard_files_gives_the_same_rows(windows, tmp_path, monkeypatch):
+    """A URL source or --holdout's stream of kept documents is read by its own read_into, a call
+    a run of adjacent windows, in the same threads (no gap merged): every row still RUN's."""
+    from tokpack.packer import source_reads
+
+    _, _, run = windows
+    monkeypatch.setattr(source_reads, "local_shards", lambda stream: False)
+    holes = lambda n: np.flatnonzero(np.arange(n) % 32 != 31)  # noqa: E731
+    reads, in_flight, (counted, nbytes), rows, _ = _rows_read(run, tmp_path, monkeypatch, holes, 0.01)
+    assert reads == counted and nbytes == rows * ROW_BYTES and in_flight > 1, (reads, in_flight)
 
 
 def test_a_replacement_node_with_too_little_memory_is_one_line(windows, tmp_path):
