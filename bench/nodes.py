@@ -768,7 +768,8 @@ def projection(costs: dict, nic_mbps: float, shared_mbps: float, disk_mbps: floa
             OOC_MEMORY,
         ),
         (
-            f"replacement node alone ({ranges:,} reads at {READ_LATENCY_US} us, queue depth {REPLACEMENT_QD})",
+            f"replacement node alone (stage --workers {MODEL_PROCS}; {ranges:,} reads at {READ_LATENCY_US} us, "
+            f"{REPLACEMENT_QD} in flight a process)",
             replacement(
                 rows_a_node * row_bytes,
                 ranges,

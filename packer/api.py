@@ -106,7 +106,7 @@ ARGUMENTS = {
         "show_progress": _MAYBE_FLAG,
     },
     "stage": {
-        "workers": ("whole", {"least": 1, **_REQUIRED}),
+        "workers": _COUNT[1],
         "epochs": _TEXT,
         "ranks": _TEXT,
         "micro_batch": ("whole", {"least": 1, **_REQUIRED}),
@@ -434,7 +434,7 @@ def stage(
     directory: PathLike,
     dest: PathLike,
     *,
-    workers: int = 4,
+    workers: int | None = None,
     epochs: str | None = None,
     ranks: str | None = None,
     micro_batch: int = 1,
@@ -450,7 +450,9 @@ def stage(
     StageResult. `shards_of` ('r/W'): only the whole epoch shards ranks r of W read. With
     `world_size` or `node`: the node slice of `ranks` A..B of a run (tokpack.packer.slicing), a
     SliceResult. `ranks='r/W'` without them is the old spelling of `shards_of` (docs/COMMANDS.md, "Words").
-    `memory`: a replacement node's budget (`node` on a RUN of shuffle --to-nodes), refused elsewhere."""
+    `memory`: a replacement node's budget (`node` on a RUN of shuffle --to-nodes), refused elsewhere.
+    `workers`: files copied at once (default 4); a replacement node's processes (default 1), each
+    rebuilding the rank files of a share of its ranks within `memory // workers`."""
     from tokpack.packer.staging import whole_shard_ranks
 
     ranks = whole_shard_ranks(shards_of, ranks, world_size, node)
@@ -467,7 +469,9 @@ def stage(
                 epochs=epochs,
                 log=log,
                 memory=memory,
+                workers=workers or 1,
             )
+    workers = workers or 4  # files copied at once
     if memory is not None:  # a copy or a slice of a materialised run streams its files: no budget to keep
         from tokpack.formats.errors import TokpackError
 

@@ -183,7 +183,13 @@ def inspect(directory, as_json, **kw):
 @click.command()
 @click.argument("directory")
 @click.argument("dest")
-@click.option("--workers", type=Int(1, MAX_WORKERS), default=4, show_default=True, help="Files copied in parallel.")
+@click.option(
+    "--workers",
+    type=Int(1, MAX_WORKERS),
+    default=None,
+    help="Files copied in parallel [default: 4]; a replacement node (--node on a RUN of shuffle --to-nodes): "
+    "processes rebuilding its rank files, each a share of its ranks within --memory / N [default: 1].",
+)
 @click.option("--epochs", default=None, help="Only these epochs of a run, e.g. '0,1' or '0-3'.")
 @click.option(
     "--shards-of",

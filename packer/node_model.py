@@ -234,14 +234,15 @@ def replacement(
     """A replacement node alone (`stage RUN DEST --node n/N` on a --to-nodes RUN): its rows'
     `ranges` (merged ranged reads) at `latency_s` each, `queue_depth` at once, their `nbytes` at
     what the shared filesystem gives one node (min(its total, the NIC)); each part checked (its
-    rows hashed: read's cost a byte) and written (write's), one after the other in one thread;
-    the disk writes behind."""
+    rows hashed: read's cost a byte) and written (write's), one after the other in each of its
+    `rates.procs` processes (`stage --workers`); the disk writes behind."""
     c = {**MEASURED, **(costs or {})}
     alone = rates.shared_mbps if rates.nic_mbps is None else min(rates.shared_mbps, rates.nic_mbps)
+    P = max(1, rates.procs)  # `stage --workers P`: each process its share of the ranks, its own reads in flight
     chain = {
-        REPLACEMENT_READS: ranges * latency_s / max(1, queue_depth),
+        REPLACEMENT_READS: ranges * latency_s / (max(1, queue_depth) * P),
         SHARED: _mbps(nbytes, alone),
-        CPU: (c["read"] + c["write"]) * nbytes,
+        CPU: (c["read"] + c["write"]) * nbytes / P,
     }
     disk = _mbps(nbytes, rates.disk_mbps)
     return _total([_phase("replacement", {"main": chain}, {DISK: disk})], rates.start_s)

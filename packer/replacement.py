@@ -28,7 +28,7 @@ from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
 from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, RowFacts, tokens_on_nodes
 from tokpack.formats.slices import RankRows, slice_epoch_manifest
 from tokpack.packer.node_dest import own_dest, read_raw, slice_root_of_run
-from tokpack.packer.rank_files import RankFiles
+from tokpack.packer.rank_files import RankFiles, ready_epoch_dir
 from tokpack.packer.shared import Result
 from tokpack.packer.slice_dest import epoch_in_place
 from tokpack.packer.slicing import slice_ranks
@@ -71,19 +71,30 @@ def exchanged_run(run_dir) -> bool:
 
 
 def stage_replacement(
-    run_dir, dest, *, node, ranks_per_node: int, micro_batch: int, epochs=None, log=None, memory: int | None = None
+    run_dir,
+    dest,
+    *,
+    node,
+    ranks_per_node: int,
+    micro_batch: int,
+    epochs=None,
+    log=None,
+    memory: int | None = None,
+    workers: int = 1,
 ) -> "ReplacementResult":
     """`tokpack stage RUN DEST --node n/N --ranks-per-node K --micro-batch m` on a RUN --to-nodes
     wrote: node n's slice built from the sources alone (SourceRows), a part of at most
     `part_rows_of(memory)` rows at a time, each part's rows verified against RUN's row hashes
-    (and best-fit padding) and fed to the rank files in increasing position; the exchange's bytes."""
+    (and best-fit padding) and fed to the rank files in increasing position; the exchange's bytes.
+    `workers` processes (`stage --workers`) rebuild it at once, each the rank files of a share of
+    the node's ranks within `memory // workers`: a node's CPU, as its exchange's P processes."""
     from tokpack.packer.staging import parse_epochs
 
     t0 = time.perf_counter()
     memory = DEFAULT_MEMORY if memory is None else int(memory)
     out, dest = Path(run_dir), Path(dest)
     a, b, w = slice_ranks(node=node, ranks_per_node=ranks_per_node, micro_batch=micro_batch)
-    rows = RankRows(w, micro_batch, 0)
+    RankRows(w, micro_batch, 0)  # its checks, before DEST is locked
     with OutputLock(str(dest), holder_name("stage")):
         previous = own_dest(dest, out, (a, b), w, micro_batch)
         run, root = slice_root_of_run(out, (a, b), w, micro_batch, 0)
@@ -100,27 +111,10 @@ def stage_replacement(
             want = slice_epoch_manifest(root, e, int(m["samples"]), first, raw)
             if e in previous and epoch_in_place(d, want):
                 continue
-            source = SourceRows(epoch_dir, m, memory, dest / WORK_DIR / f"replace-{epoch_dir_name(e)}")
-            try:
-                per_part = source.part_rows
-                files = RankFiles(output, d, rows, first, (a, b), e, source.format)
-                try:
-                    done = 0
-                    for positions in rows.node_positions(first, source.plan.samples, (a, b), per_part):
-                        if not len(positions):
-                            continue
-                        tokens, pad = source.rows(positions)
-                        source.check(positions, tokens, pad)
-                        files.add(positions, tokens, pad)
-                        parts, done, kept = parts + 1, done + len(positions), kept + tokens.nbytes
-                    entries = files.close()
-                except BaseException:
-                    files.abort()
-                    raise
-            finally:
-                source.close()
-            read += source.bytes_read
-            reads, depth = reads + source.reader.reads, max(depth, source.reader.max_in_flight)
+            job = (out, dest, e, (a, b), w, micro_batch, first, memory)
+            entries, got = _rebuild_epoch(job, workers)
+            read, kept, parts = read + got["bytes_read"], kept + got["bytes_kept"], parts + got["parts"]
+            reads, depth, per_part, done = reads + got["reads"], max(depth, got["depth"]), got["part_rows"], got["rows"]
             want["shards"], want["tokens"] = entries, sum(x["tokens"] for x in entries)
             output.finish(d, want)
             if log:
@@ -158,6 +152,65 @@ def stage_replacement(
         part_rows=per_part,
         seconds=round(time.perf_counter() - t0, 3),
     )
+
+
+def _rebuild_epoch(job: tuple, workers: int) -> tuple[list[dict], dict]:
+    """One epoch of a replacement node: its rank files' entries (in rank order) and the figures
+    of their rebuilding, by `workers` processes (spawned: a forked copy of a threaded parent is
+    not safe), process p writing the files of ranks r with (r - a) mod workers = p."""
+    out, dest, e, ranks, *_ = job
+    K = ranks[1] - ranks[0] + 1
+    P = max(1, min(workers, K))
+    if P == 1:
+        return _rebuild_ranks(job, 0, 1)
+    ready_epoch_dir(LocalOutput(), dest / epoch_dir_name(e))
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(P, mp_context=multiprocessing.get_context("spawn")) as pool:
+        parts = list(pool.map(_rebuild_ranks, [job] * P, range(P), [P] * P))
+    entries = sorted((x for got, _ in parts for x in got), key=lambda x: x["rank"])
+    figures = {k: sum(f[k] for _, f in parts) for k in ("bytes_read", "bytes_kept", "parts", "reads", "rows")}
+    figures.update(depth=sum(f["depth"] for _, f in parts), part_rows=max(f["part_rows"] for _, f in parts))
+    return entries, figures
+
+
+def _rebuild_ranks(job: tuple, p: int, P: int) -> tuple[list[dict], dict]:
+    """Process p of P: the rank files of its share of the node's ranks (all of them, P = 1)."""
+    out, dest, e, ranks, w, micro_batch, first, memory = job
+    epoch_dir, rows = out / epoch_dir_name(e), RankRows(w, micro_batch, 0)
+    m = parse_manifest(read_raw(epoch_dir / MANIFEST), epoch_dir / MANIFEST, "epoch")
+    work = dest / WORK_DIR / (f"replace-{epoch_dir_name(e)}" + ("" if P == 1 else f"-{p}"))
+    mine = None if P == 1 else [r for r in range(ranks[0], ranks[1] + 1) if (r - ranks[0]) % P == p]
+    source = SourceRows(epoch_dir, m, memory // P, work)
+    figures = {"parts": 0, "rows": 0, "bytes_kept": 0}
+    try:
+        files = RankFiles(LocalOutput(), dest / epoch_dir_name(e), rows, first, ranks, e, source.format, mine)
+        try:
+            for positions in rows.node_positions(first, source.plan.samples, ranks, source.part_rows):
+                if mine is not None and len(positions):
+                    positions = positions[(rows.rank_of(positions + first) - ranks[0]) % P == p]
+                if not len(positions):
+                    continue
+                tokens, pad = source.rows(positions)
+                source.check(positions, tokens, pad)
+                files.add(positions, tokens, pad)
+                figures["parts"] += 1
+                figures["rows"] += len(positions)
+                figures["bytes_kept"] += tokens.nbytes
+            entries = files.close()
+        except BaseException:
+            files.abort()
+            raise
+    finally:
+        source.close()
+    figures.update(
+        bytes_read=source.bytes_read,
+        reads=source.reader.reads,
+        depth=source.reader.max_in_flight,
+        part_rows=source.part_rows,
+    )
+    return entries, figures
 
 
 # Best-fit: the runs (a global batch's rows each) whose pieces are asked of the kernel before

@@ -110,6 +110,20 @@ def test_a_replacement_node_reads_its_ranges_at_a_latency_and_queue_depth():
     # few ranges: the bandwidth (min(shared, NIC) for a node alone) binds
     wide = replacement(10 * GB, 10, rates(shared_mbps=40_000.0, nic_mbps=1000.0), FREE)
     assert wide.binding == SHARED and wide.seconds == pytest.approx(10.0, rel=1e-3)
+    # `stage --workers 4`: four processes, each with its reads in flight and a core of its own
+    four = replacement(
+        GB,
+        1_000_000,
+        rates(shared_mbps=1e9, nic_mbps=1e9, disk_mbps=1e9, procs=4),
+        FREE,
+        latency_s=100e-6,
+        queue_depth=8,
+    )
+    assert four.seconds == pytest.approx(12.5 / 4, rel=1e-6)
+    cpu = replacement(
+        GB, 1, rates(shared_mbps=1e9, nic_mbps=1e9, disk_mbps=1e9, procs=4), {"read": 1e-9, "write": 1e-9}
+    )
+    assert cpu.binding == CPU and cpu.seconds == pytest.approx(2 * GB * 1e-9 / 4, rel=1e-3)
 
 
 def test_uniform_work_is_the_exchanges_arithmetic():

@@ -103,6 +103,21 @@ def test_a_replacement_node_within_memory_rebuilds_the_exchanges_slice_part_by_p
     assert not (tmp_path / "again" / ".tokpack-work").exists()
 
 
+@pytest.mark.parametrize("kind", ["windows", "best_fit"])
+def test_a_replacement_node_of_several_processes_rebuilds_the_same_slice(kind, request, tmp_path):
+    """`stage --workers 2` on a --to-nodes RUN: two processes each rebuild the rank files of half
+    the node's ranks, within --memory / 2 each; the slice is the exchange's, byte for byte, and
+    the figures add up to the one-process rebuild's."""
+    root, _, run = request.getfixturevalue(kind)
+    one = replace_node(run, tmp_path / "one", 1)
+    base = ["stage", run, tmp_path / "two", "--node", f"1/{NODES}", "--ranks-per-node", K, "--micro-batch", M]
+    two = json.loads(cli(*base, "--memory", 2 * SMALL, "--workers", 2, "--json"))
+    assert tree(tmp_path / "two") == tree(root / "node1") == tree(tmp_path / "one")
+    assert two["part_rows"] == one["part_rows"]  # each process plans with half of --memory
+    assert two["bytes_kept"] == one["bytes_kept"] and two["parts"] >= one["parts"], (one, two)
+    assert not (tmp_path / "two" / ".tokpack-work").exists()
+
+
 def _rows_read(run, tmp_path, monkeypatch, positions_of, pause: float = 0.0):
     """SourceRows.rows of epoch 0 at `positions_of(samples)`, every row checked against RUN's row
     hashes; returns (the reads issued: preadv calls and the streams' own read_into calls, the
