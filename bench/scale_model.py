@@ -224,6 +224,7 @@ def run_model(work: Path, tokens: int, tasks: int, shard_samples: int, task_budg
     """The real engine, out of core, each pass timed through the local executor."""
     from tokpack.packer.executors import ExecutorConfig, pass_runner
     from tokpack.shuffle.run import min_memory, shuffle_run
+    from tokpack.shuffle.spec import ShuffleSpec
 
     # one source shard per scatter task (the engine gives a task whole shards)
     corpus = make_datatrove_corpus(
@@ -264,18 +265,10 @@ def run_model(work: Path, tokens: int, tasks: int, shard_samples: int, task_budg
     # at least a shard a task (one bucket per shard, as in the full run), and above the engine's floor
     memory = max(LOCAL_WORKERS * max(task_budget, shard_samples * row_bytes * 2), min_memory(row_bytes, LOCAL_WORKERS))
     try:
-        result = shuffle_run(
-            [str(source)],
-            str(out),
-            seq_len=SEQ_LEN,
-            seed=1,
-            epochs=[0],
-            shard_samples=shard_samples,
-            memory=memory,
-            workers=LOCAL_WORKERS,
-            tasks=tasks,
-            run_passes=run_passes,
+        spec = ShuffleSpec.given_as(
+            sources=[str(source)], seq_len=SEQ_LEN, seed=1, epochs=[0], shard_samples=shard_samples, memory=memory
         )
+        result = shuffle_run(spec, str(out), workers=LOCAL_WORKERS, tasks=tasks, run_passes=run_passes)
         assert result["path"] == "out-of-core", result["path"]
         assert len(list(out.glob("epoch-00000/*.ds"))) == m["order_tasks"]
     except _Sampled:

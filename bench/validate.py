@@ -246,16 +246,10 @@ def main(
         src = make_source(tmp / "src", size)
         from tokpack.packer.executors import ExecutorConfig, pass_runner
         from tokpack.shuffle.run import shuffle_run
+        from tokpack.shuffle.spec import ShuffleSpec
 
-        shuffle_run(
-            [str(src)],
-            str(tmp / "run"),
-            seq_len=SEQ_LEN,
-            seed=0,
-            epochs=[0],
-            memory=max(size, 64 << 20),
-            run_passes=pass_runner(ExecutorConfig()),
-        )
+        spec = ShuffleSpec.given_as(sources=[str(src)], seq_len=SEQ_LEN, seed=0, epochs=[0], memory=max(size, 64 << 20))
+        shuffle_run(spec, str(tmp / "run"), run_passes=pass_runner(ExecutorConfig()))
         rows += against_rows(src, tmp / "run" / "epoch-00000", runs, workers)
         cpu = order_terms_cpu(tmp / "run" / "epoch-00000")
         if against_only:

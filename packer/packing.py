@@ -305,19 +305,16 @@ def _finalize(out: Path, work: Path, plan: dict, to: Output) -> dict:
 def pack(
     inputs: list[str],
     output: str,
-    options: PackOptions | None = None,
+    options: PackOptions,
     *,
     log=None,
     config: ExecutorConfig | None = None,
     block_bytes: int = BLOCK_BYTES,
     to: Output = LocalOutput(),
-    **settings,
 ) -> PackResult:
     """Packs INPUTs (local paths or fsspec URLs, read where they are) into one packed source at
     the local `output`, or, `to` another Output (tokpack.formats.outputs), where it sends them from
-    there (tokpack.packer.api.pack picks the Output). `options`: what the pack makes (PackOptions;
-    tests may give its fields as keywords instead)."""
-    options = options or PackOptions(**settings)
+    there (tokpack.packer.api.pack picks the Output). `options`: what the pack makes."""
     link, shard_tokens = options.link, options.shard_tokens
     t0 = time.perf_counter()
     say = log or (lambda msg: None)

@@ -195,7 +195,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
 
 @locked_output("shuffle")
 def shuffle_run(
-    spec: ShuffleSpec | list[str],
+    spec: ShuffleSpec,
     output: str,
     *,
     local: list[str] | None = None,
@@ -205,7 +205,6 @@ def shuffle_run(
     run_passes,
     progress: bool | None = None,
     to: Output = LocalOutput(),
-    **settings,
 ) -> dict:
     """Writes OUT/epoch-NNNNN/ for each epoch of `spec` (tokpack.shuffle.spec; skipping complete
     identical ones) and the run manifest. `spec.memory` is the total budget: the out-of-core path
@@ -218,10 +217,7 @@ def shuffle_run(
     (tokpack.formats.outputs; to a bucket, `output` is its local folder and holds the state fetched
     from the store). Returns a summary dict, with per-source counts of every epoch written and a
     warning per source an epoch repeats windows of (tokpack.packer.api.shuffle takes URLs and
-    returns it as a ShuffleResult). Tests and benchmarks may give the sources and the spec's
-    settings as keywords instead (`shuffle_run(paths, out, seq_len=..., seed=..., epochs=[0])`)."""
-    if not isinstance(spec, ShuffleSpec):
-        spec = ShuffleSpec.given_as(sources=spec, **settings)
+    returns it as a ShuffleResult)."""
     t0 = time.perf_counter()
     log = log or (lambda line: None)
     memory = spec.memory

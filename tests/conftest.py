@@ -114,13 +114,31 @@ def require(module: str, install_hint: str):
         pytest.skip(f"{module} is not installed ({install_hint})")
 
 
-def shuffle_run(*args, **kw):
-    """tokpack.shuffle.run.shuffle_run with the runner tokpack.packer.api.shuffle gives it for a default
-    ExecutorConfig (every rank in this process), for tests that call the engine directly."""
+# tokpack.shuffle.run.shuffle_run's own keywords: how the work runs, not a setting of the spec
+ENGINE_KEYWORDS = ("local", "log", "workers", "tasks", "run_passes", "progress", "to")
+
+
+def shuffle_run(sources, output, **kw):
+    """tokpack.shuffle.run.shuffle_run of the ShuffleSpec of `sources` and the settings among
+    `kw` (the rest are the engine's own keywords), with the runner tokpack.packer.api.shuffle
+    gives it for a default ExecutorConfig (every rank in this process), for tests that call the
+    engine directly."""
     from tokpack.packer.executors import ExecutorConfig, pass_runner
     from tokpack.shuffle.run import shuffle_run as run
+    from tokpack.shuffle.spec import ShuffleSpec
 
-    return run(*args, run_passes=kw.pop("run_passes", None) or pass_runner(ExecutorConfig()), **kw)
+    engine = {k: kw.pop(k) for k in ENGINE_KEYWORDS if k in kw}
+    engine["run_passes"] = engine.get("run_passes") or pass_runner(ExecutorConfig())
+    return run(ShuffleSpec.given_as(sources=sources, **kw), output, **engine)
+
+
+def pack(inputs, output, **kw):
+    """tokpack.packer.packing.pack of the PackOptions among `kw` (the rest are its own keywords:
+    log, config, block_bytes, to), for tests that call the stage directly."""
+    from tokpack.packer.packing import PackOptions, pack as run
+
+    own = {k: kw.pop(k) for k in ("log", "config", "block_bytes", "to") if k in kw}
+    return run(inputs, output, PackOptions(**kw), **own)
 
 
 EOS_TOKEN = "<|endoftext|>"

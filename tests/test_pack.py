@@ -26,7 +26,7 @@ from tokpack.formats.manifest import MANIFEST
 from tokpack.formats.shards import PackedSource
 from tokpack.packer.cli import main
 from tokpack.packer import packing
-from tokpack.packer.packing import pack
+from conftest import pack
 
 MEGATRON_CORE = "pip install -e '.[test]' installs megatron-core"
 SMALL_BLOCK = 512  # bytes: forces many blocks per file, so block seams are exercised

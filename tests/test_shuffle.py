@@ -298,13 +298,14 @@ PEAK_SCRIPT = """
 import json, sys
 from tokpack.packer.executors import ExecutorConfig, pass_runner
 from tokpack.shuffle.run import shuffle_run
+from tokpack.shuffle.spec import ShuffleSpec
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 base = status("VmRSS:")
-summary = shuffle_run([sys.argv[1]], sys.argv[2], seq_len=2047, seed=1, epochs=[0], memory=int(sys.argv[3]),
-                      run_passes=pass_runner(ExecutorConfig()))
+spec = ShuffleSpec.given_as(sources=[sys.argv[1]], seq_len=2047, seed=1, epochs=[0], memory=int(sys.argv[3]))
+summary = shuffle_run(spec, sys.argv[2], run_passes=pass_runner(ExecutorConfig()))
 print(json.dumps({"growth": status("VmHWM:") - base, "path": summary["path"]}))
 """
 

@@ -451,8 +451,7 @@ def test_any_single_byte_corruption_is_detected(corruptible, data):
 def test_real_pack_and_weighted_jittered_shuffle_validate(tmp_path):
     """No false alarms on the other writers' real outputs: `pack` from JSONL token lists, and a
     two-source weighted, jittered, upsampling shuffle over three epochs."""
-    from tokpack.packer.packing import pack
-    from tests.conftest import shuffle_run
+    from tests.conftest import pack, shuffle_run
 
     rng = np.random.default_rng(5)
     (tmp_path / "in.jsonl").write_text(
