@@ -41,50 +41,20 @@ from tokpack.packer.plan_result import local_only, plan_pass, planned_result, si
 
 
 def check_nodes(given: dict, nodes, shared_mbps, nic_mbps, executor) -> tuple:
-    """plan shuffle's --to-nodes arguments (shuffle's keywords `given`, and the machine's figures),
+    """plan shuffle --to-nodes' machine figures (its usage checked by tokpack.packer.api.shuffle_usage),
     checked as the CLI's option types check them, before any file is read: (nodes, shared_mbps,
     nic_mbps) parsed."""
     from tokpack.formats import arguments
 
-    if given.get("to_nodes") is None:
-        if any(v is not None for v in (nodes, shared_mbps, nic_mbps)) or any(
-            given.get(k) is not None for k in ("ranks_per_node", "micro_batch", "keep_sources")
-        ):
-            raise TokpackError(
-                "--nodes, --ranks-per-node, --micro-batch, --keep-sources, --shared-mbps and --nic-mbps "
-                "go with --to-nodes DEST",
-                where="to_nodes",
-            )
-        return nodes, shared_mbps, nic_mbps
-    # the API's arguments checked as the CLI's option types check them (tokpack.packer.api.ARGUMENTS)
-    nodes, ranks_per_node, micro_batch = (
-        arguments.whole(v, name, least=1)
-        for v, name in (
-            (nodes, "nodes"),
-            (given.get("ranks_per_node"), "ranks_per_node"),
-            (given.get("micro_batch"), "micro_batch"),
-        )
-    )
-    shared_mbps, nic_mbps = (
-        arguments.positive_number(v, name) for v, name in ((shared_mbps, "shared_mbps"), (nic_mbps, "nic_mbps"))
-    )
-    if None in (nodes, ranks_per_node, micro_batch):
-        raise TokpackError(
-            "plan shuffle --to-nodes needs the nodes, ranks a node and micro-batch",
-            where="--nodes/--ranks-per-node/--micro-batch",
-            expected="all three",
-            found={"nodes": nodes, "ranks_per_node": ranks_per_node, "micro_batch": micro_batch},
-        )
-    if (
-        given.get("like") is not None
-        or given.get("holdout") is not None
-        or (executor is not None and executor.executor != "local")
-    ):
+    if given.get("to_nodes") is not None and executor is not None and executor.executor != "local":
         raise TokpackError(
             "shuffle --to-nodes takes its sources and settings, not --like, --holdout or an --executor",
             where="--like/--holdout/--executor",
         )
-    return nodes, shared_mbps, nic_mbps
+    return (
+        arguments.whole(nodes, "nodes", least=1),
+        *(arguments.positive_number(v, name) for v, name in ((shared_mbps, "shared_mbps"), (nic_mbps, "nic_mbps"))),
+    )
 
 
 def plan_shuffle(
