@@ -36,18 +36,14 @@ import numpy as np
 
 from tokpack.formats.arguments import flag, text, tokens, whole
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import as_path, contained, is_url, read_limited
-from tokpack.formats.manifest import (
-    MANIFEST,
-    NODES_SIDECAR,
-    epoch_dir_name,
-    partial_stage_absent,
-    read_manifest,
-    strict_json,
-)
+from tokpack.formats.io.paths import as_path, is_url
+from tokpack.formats.io.gate import contained, read_limited
+from tokpack.formats.constants import MANIFEST, NODES_SIDECAR, SLICE
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.reading import partial_stage_absent, read_manifest, strict_json
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import row_segments
-from tokpack.formats.slices import SLICE, RankRows
+from tokpack.formats.slices import RankRows
 from tokpack.formats.units import counted
 
 from .assembly import (  # noqa: F401 -- re-exported: tests, docs and users import them from here

@@ -22,8 +22,8 @@ from tokpack.formats.constants import DEFAULT_SHARD_TOKENS
 
 if TYPE_CHECKING:  # the stages build their results; importing them here would import their dependencies
     from tokpack.packer.inspection import InspectResult
-    from tokpack.packer.packing import PackResult
-    from tokpack.packer.planning import PlanResult
+    from tokpack.packer.pack_result import PackResult
+    from tokpack.packer.plan_result import PlanResult
 
 
 def _epochs(value, name):
@@ -212,7 +212,8 @@ def pack(
     that already is its shard's bytes (datatrove) is hard-linked or reflinked once verified,
     not copied (docs/COMMANDS.md, "Linking instead of copying")."""
     from tokpack.packer.executors import local_paths, runs_in_process
-    from tokpack.packer.packing import PackOptions, pack as pack_source
+    from tokpack.packer.pack_setup import PackOptions
+    from tokpack.packer.packing import pack as pack_source
 
     in_process = runs_in_process(executor or ExecutorConfig())
     with local_paths([], str(output), scratch and str(scratch), in_process, "pack") as (_, local_output, to):
@@ -490,7 +491,7 @@ def stage(
     `world_size` or `node`: the node slice of `ranks` A..B of a run (tokpack.packer.slicing), a
     SliceResult. `ranks='r/W'` without them is the old spelling of `shards_of` (docs/COMMANDS.md, "Words").
     `memory`: a replacement node's budget (`node` on a RUN of shuffle --to-nodes), refused elsewhere."""
-    from tokpack.packer.staging import whole_shard_ranks
+    from tokpack.packer.stage_plan import whole_shard_ranks
 
     ranks = whole_shard_ranks(shards_of, ranks, world_size, node)
     if node is not None and world_size is None and ranks is None and not start_sample:
@@ -611,7 +612,7 @@ def plan(command: str, *args, **kwargs) -> PlanResult:
     given = checked(command, bound.arguments)
     given["disk_mbps"] = arguments.positive_number(given["disk_mbps"], "disk_mbps")
     if command == "pack":
-        from tokpack.packer.packing import PackOptions
+        from tokpack.packer.pack_setup import PackOptions
 
         paths, output, executor, disk_mbps = (given.pop(k) for k in ("inputs", "output", "executor", "disk_mbps"))
         given.pop("scratch")  # a plan's output is local: the scratch a URL output writes to is unused

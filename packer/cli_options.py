@@ -10,7 +10,7 @@ import os
 import click
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import LOG_INTERVAL_ENV
+from tokpack.formats.io.progress_log import LOG_INTERVAL_ENV
 from tokpack.formats.units import byte_size, token_count
 
 
@@ -145,7 +145,7 @@ def executor_config(kw: dict):
     """The ExecutorConfig of the options `executor_options` added (each named as its field)."""
     from dataclasses import fields
 
-    from tokpack.packer.api import ExecutorConfig
+    from tokpack.packer.shared import ExecutorConfig
 
     deprecated = kw.pop("deprecated_mem", None)
     if deprecated is not None:  # --mem, GB per CPU, read next to --memory, bytes, as one option: renamed

@@ -15,7 +15,7 @@ import traceback
 import click
 
 from tokpack.formats.errors import TokpackError, UsageError
-from tokpack.formats.io import logging_every
+from tokpack.formats.io.progress_log import logging_every
 from tokpack.packer.cli_options import given_log_interval
 
 

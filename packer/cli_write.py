@@ -8,7 +8,7 @@ import json
 import click
 
 from tokpack.formats.constants import DEFAULT_SHARD_TOKENS
-from tokpack.formats.io import log_interval
+from tokpack.formats.io.progress_log import log_interval
 from tokpack.formats.units import counted
 from tokpack.packer.cli_options import (
     BYTES,

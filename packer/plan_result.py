@@ -179,7 +179,7 @@ def plan_pass(name: str, tasks: int, memory: int | None, read: int, written: int
 
 def local_only(paths: list[str]) -> list[str]:
     """The local paths (`file://` URLs included) a plan reads or writes next to; other URLs are refused."""
-    from tokpack.packer.executors import local_path
+    from tokpack.formats.io.paths import local_path
 
     for p in paths:
         if local_path(p) is None:

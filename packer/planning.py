@@ -22,19 +22,14 @@ from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import physical_memory
-from tokpack.formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, source_manifest
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.reading import canonical_bytes
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.builders import source_manifest
 from tokpack.packer.shared import ExecutorConfig, as_paths
-from tokpack.packer.plan_nodes import NIC_MBPS as NIC_MBPS
-from tokpack.packer.plan_nodes import plan_to_nodes as plan_to_nodes
-from tokpack.packer.plan_report import report_lines as report_lines
-from tokpack.packer.plan_result import COMMAND_START_SECONDS as COMMAND_START_SECONDS
-from tokpack.packer.plan_result import EXECUTOR_START_SECONDS as EXECUTOR_START_SECONDS
-from tokpack.packer.plan_result import MEASURE_BLOCK as MEASURE_BLOCK
-from tokpack.packer.plan_result import MEASURE_BYTES as MEASURE_BYTES
-from tokpack.packer.plan_result import MEASURE_SECONDS as MEASURE_SECONDS
-from tokpack.packer.plan_result import PARQUET_VALUES_PER_CORE_S as PARQUET_VALUES_PER_CORE_S
-from tokpack.packer.plan_result import PlanResult as PlanResult
-from tokpack.packer.plan_result import measure_disk as measure_disk
+from tokpack.packer.plan_nodes import plan_to_nodes
+from tokpack.packer.plan_result import PARQUET_VALUES_PER_CORE_S
+from tokpack.packer.plan_result import PlanResult
 from tokpack.packer.plan_result import local_only, plan_pass, planned_result, size_text
 
 # ------------------------------------------------------------------------ the commands
@@ -75,18 +70,17 @@ def plan_shuffle(
         return plan_to_nodes(spec, nodes=nodes, shared_mbps=shared_mbps, nic_mbps=nic_mbps, disk_mbps=disk_mbps)
     from tokpack.shuffle.packings import figures_shown, of_plan
     from tokpack.shuffle.steps import BUCKETS_PER_FOLDER
-    from tokpack.shuffle.run import (
+    from tokpack.shuffle.run_space import (
         bytes_to_write,
         epoch_bytes,
-        epoch_layout,
         memory_path,
         planned_epoch_manifest,
-        repeat_warnings,
-        run_manifest_of,
         scratch_bytes,
-        setup_run,
         task_budget,
     )
+    from tokpack.shuffle.run import epoch_layout, repeat_warnings
+    from tokpack.shuffle.run_records import run_manifest_of
+    from tokpack.shuffle.run_setup import setup_run
 
     memory = spec.memory
     config = executor or ExecutorConfig()
@@ -162,7 +156,7 @@ def plan_shuffle(
     if written:
         run = run_manifest_of(written, setup.todo[-1][1], setup.weights, opened, setup.shard_samples, setup.runplan)
         manifests[MANIFEST] = len(canonical_bytes(run))
-    from tokpack.shuffle.packed import release_passes
+    from tokpack.shuffle.packed.passes import release_passes
 
     release_passes()  # the best-fit passes the plan packed and kept: a caller's process does not keep them
     plan = setup.todo[0][1]
@@ -220,7 +214,7 @@ def plan_pack(
     `scratch`: as in plan_shuffle, unused. `link`: which bytes pack --link would link, not copy
     (a datatrove input whose documents do not all end with EOS is found only by the scan, and copied)."""
     from tokpack.formats.inputs.tables import PARQUET_DECODE_THREADS
-    from tokpack.packer.packing import PackOptions, known_tokens, pack_tasks, setup_pack
+    from tokpack.packer.pack_setup import PackOptions, known_tokens, pack_tasks, setup_pack
 
     options = options or PackOptions()
     shard_tokens, link = options.shard_tokens, options.link
@@ -307,18 +301,10 @@ def plan_stage(directory, dest, selection: dict, *, disk_mbps: float | None = No
     workers, epochs, ranks, micro_batch = (selection[k] for k in ("workers", "epochs", "ranks", "micro_batch"))
     world_size, node, ranks_per_node = selection["world_size"], selection["node"], selection["ranks_per_node"]
     start_sample, shards_of = selection["start_sample"], selection["shards_of"]
-    from tokpack.packer.staging import (
-        STAGE_BLOCK,
-        Source,
-        in_place,
-        bytes_to_copy,
-        bytes_to_write,
-        make_plan,
-        parse_epochs,
-        parse_ranks,
-        whole_copy_note,
-        whole_shard_ranks,
-    )
+    from tokpack.packer.stage_source import STAGE_BLOCK, Source
+    from tokpack.packer.stage_dest import in_place, bytes_to_copy, bytes_to_write
+    from tokpack.packer.stage_plan import make_plan, parse_epochs, parse_ranks, whole_shard_ranks
+    from tokpack.packer.stage_partial import whole_copy_note
 
     ranks = whole_shard_ranks(shards_of, ranks, world_size, node)
     (dest,) = local_only([str(dest)])

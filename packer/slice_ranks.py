@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.units import at_most
-from tokpack.packer.staging import MAX_WORLD_SIZE
+from tokpack.packer.stage_plan import MAX_WORLD_SIZE
 
 
 def parse_rank_range(spec) -> tuple[int, int, int | None]:

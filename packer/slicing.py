@@ -34,44 +34,29 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, is_no_space, locked_output
-from tokpack.formats.io import IO_BLOCK, Worker, regular_fd, remove_tmp_files
-from tokpack.formats.manifest import (
-    canonical_bytes,
-    has_pad,
-    row_bytes_of,
-    MANIFEST,
-    dtype_from_name,
-    epoch_dir_name,
-    hash_hex64,
-    parse_manifest,
-    row_hashes,
-)
+from tokpack.formats.io.gate import IO_BLOCK, regular_fd
+from tokpack.formats.io.reads import Worker
+from tokpack.formats.io.writes import remove_tmp_files
+from tokpack.formats.reading import canonical_bytes, parse_manifest
+from tokpack.formats.packing import has_pad
+from tokpack.formats.checks import row_bytes_of
+from tokpack.formats.constants import MANIFEST, PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, SLICE
+from tokpack.formats.names import dtype_from_name, epoch_dir_name
+from tokpack.formats.hashes import hash_hex64, row_hashes
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace, ShardWriter
-from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, RowFacts, contained_shard
-from tokpack.formats.slices import (
-    SLICE,
-    RankRows,
-    rank_file_name,
-    run_identity,
-    slice_epoch_manifest,
-    slice_manifest,
-)
+from tokpack.formats.shards import RowFacts, contained_shard
+from tokpack.formats.slices import RankRows, rank_file_name, run_identity, slice_epoch_manifest, slice_manifest
 
 from tokpack.packer.shared import Result
-from tokpack.packer.staging import (
-    Source,
-    on_disk,
-    parse_epochs,
-)
+from tokpack.packer.stage_source import Source
+from tokpack.packer.stage_dest import on_disk
+from tokpack.packer.stage_plan import parse_epochs
 from tokpack.shuffle.packings import of_manifest
 
-from .slice_dest import epoch_in_place as epoch_in_place, epoch_tokens, previous_slice
+from .slice_dest import epoch_in_place, epoch_tokens, previous_slice
 from .slice_ranks import (
-    MAX_GLOBAL_BATCH as MAX_GLOBAL_BATCH,
-    MAX_SLICE_RANKS as MAX_SLICE_RANKS,
-    parse_rank_range as parse_rank_range,
-    slice_ranks as slice_ranks,
+    slice_ranks,
 )
 
 # Rows gathered per step: three chunks in flight (read, verified, written), so memory stays near

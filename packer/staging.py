@@ -36,37 +36,29 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, locked_output
-from tokpack.formats.io import ThreadPool, hash_mapped, lent, open_new, open_read, progress, remove_tmp_files, tmp_path
-from tokpack.formats.manifest import HOLDOUT_DIR, STAGE_SIDECAR
+from tokpack.formats.io.reads import ThreadPool
+from tokpack.formats.io.gate import hash_mapped, open_new, open_read
+from tokpack.formats.io.memory import lent
+from tokpack.formats.io.progress_log import progress
+from tokpack.formats.io.writes import remove_tmp_files, tmp_path
+from tokpack.formats.constants import HOLDOUT_DIR, STAGE_SIDECAR
 from tokpack.formats.outputs import LocalOutput, Output
 from tokpack.packer.shared import Result, optional_field
 
 # The parts of a stage, each in its module; their names stay importable from here.
 from tokpack.packer.stage_dest import (
-    FS_BLOCK as FS_BLOCK,
-    UNFINISHED as UNFINISHED,
-    Held as Held,
-    bytes_to_copy as bytes_to_copy,
-    bytes_to_write as bytes_to_write,
+    bytes_to_write,
     check_dest,
-    dest_holds as dest_holds,
-    in_place as in_place,
-    on_disk as on_disk,
-    refuse_dest as refuse_dest,
 )
-from tokpack.packer.stage_partial import partial_sidecar, whole_copy_note as whole_copy_note
+from tokpack.packer.stage_partial import partial_sidecar, whole_copy_note
 from tokpack.packer.stage_plan import (
-    MAX_WORLD_SIZE as MAX_WORLD_SIZE,
-    CopyJob as CopyJob,
-    DirPlan as DirPlan,
-    make_plan as make_plan,
-    parse_epochs as parse_epochs,
-    parse_ranks as parse_ranks,
-    shard_jobs as shard_jobs,
-    shards_for_ranks as shards_for_ranks,
-    whole_shard_ranks as whole_shard_ranks,
+    CopyJob,
+    make_plan,
+    parse_epochs,
+    parse_ranks,
 )
-from tokpack.packer.stage_source import SOURCE_HINT as SOURCE_HINT, STAGE_BLOCK as STAGE_BLOCK, Source as Source
+from tokpack.packer.stage_source import STAGE_BLOCK, Source
+from tokpack.packer.stage_dest import on_disk  # noqa: F401 (the node engine imports it from here)
 
 # A remote file is fetched in ranged reads of a quarter block, this many at a time per file (so
 # memory stays at one block per file in flight): an object store serves one connection far

@@ -18,17 +18,21 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import IO_BLOCK, Worker, lent, progress, read_record, write_bytes_atomic
-from tokpack.formats.manifest import dtype_from_name, shard_digits, shard_name
+from tokpack.formats.io.gate import IO_BLOCK, read_record
+from tokpack.formats.io.reads import Worker
+from tokpack.formats.io.memory import lent
+from tokpack.formats.io.progress_log import progress
+from tokpack.formats.io.writes import write_bytes_atomic
+from tokpack.formats.names import dtype_from_name, shard_digits, shard_name
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace
 from tokpack.formats.shards import PackedSource
 
-from .plan import EpochPlan, open_source
+from .plan import EpochPlan
+from .sources import open_source
 from .sinks import app_sinks_kept
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
 with app_sinks_kept():
-    import datatrove.utils.logging  # noqa: F401
     from datatrove.pipeline.base import PipelineStep
 
 MAX_CHUNK_BYTES = 8 << 20  # rows gathered and written per call: big enough for sequential I/O

@@ -14,10 +14,10 @@ runs: --memory, --workers, the executor, --scratch, and -o (default: RUN itself)
 from __future__ import annotations
 
 from tokpack.formats.errors import IncompleteError, TokpackError
-from tokpack.formats.guard import LOCK_NAME, WORK_DIR
-from tokpack.formats.io import as_path
+from tokpack.formats.constants import LOCK_NAME, WORK_DIR
+from tokpack.formats.io.paths import as_path
 from tokpack.formats.packing import run_holdout
-from tokpack.formats.manifest import read_manifest
+from tokpack.formats.reading import read_manifest
 
 from . import packings
 from .schedule import read_schedule

@@ -23,21 +23,14 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import map_file, open_append, open_read, progress, read_array, write_bytes_atomic
+from tokpack.formats.io.gate import map_file, open_append, open_read, read_array
+from tokpack.formats.io.progress_log import progress
+from tokpack.formats.io.writes import write_bytes_atomic
 
-from .packed import (
-    DOC,
-    PIECE_STATE_BYTES,
-    RECORD,
-    TABLE_PIECE_BYTES,
-    PackedTable,
-    TokenPool,
-    build_table,
-    document_count,
-    epoch_pieces,
-    kept_pass_bytes,
-    row_padding,
-)
+from .packed.passes import DOC, document_count, kept_pass_bytes
+from .packed.table import PIECE_STATE_BYTES, RECORD, TABLE_PIECE_BYTES, PackedTable, build_table, row_padding
+from .packed.replay import TokenPool
+from .packed.packed_plan import epoch_pieces
 from .epoch_job import RING, EpochJob, Step
 from .steps import OrderStep
 

@@ -13,25 +13,22 @@ from pathlib import Path
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.guard import WORK_DIR
+from tokpack.formats.constants import WORK_DIR, HOLDOUT_DIR, MANIFEST
 from tokpack.formats.outputs import LocalOutput, Output
-from tokpack.formats.manifest import (
-    HOLDOUT_DIR,
-    MANIFEST,
-    dtype_name,
-    epoch_dir_name,
-    read_manifest,
-)
+from tokpack.formats.names import dtype_name, epoch_dir_name
+from tokpack.formats.reading import read_manifest
 from tokpack.formats.numbering import shuffle_command
 from tokpack.formats.shards import PackedSource
 from tokpack.formats.units import at_most, weight_text
 
 from . import packings
 from .holdout import parse_holdout
-from .plan import EpochPlan, open_source, source_location
+from .plan import EpochPlan
+from .sources import open_source, source_location
 from .schedule import RunPlan, Schedule, same_source_twice
 from .spec import ShuffleSpec
-from .steps import ORDER_ROW_OVERHEAD, EpochJob
+from .steps import ORDER_ROW_OVERHEAD
+from .epoch_job import EpochJob
 from .run_records import (
     check_same_run,
     existing_run,

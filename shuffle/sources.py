@@ -14,8 +14,8 @@ import xxhash
 
 from tokpack.formats.constants import DEFAULT_SHARD_TOKENS
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import local_path
-from tokpack.formats.manifest import dtype_from_name
+from tokpack.formats.io.paths import local_path
+from tokpack.formats.names import dtype_from_name
 from tokpack.formats.shards import PackedSource
 from tokpack.formats.units import token_count
 

@@ -80,10 +80,6 @@ class ShuffleSpec:
             return list(self.epochs)
         return None if self.schedule is not None else [0]
 
-    def source_pairs(self) -> list[tuple[str, str | None]]:
-        """(path, weight) per source, as given."""
-        return list(zip(self.sources, self.weights or [None] * len(self.sources)))
-
     def checked_schedule(self) -> Schedule | None:
         """The schedule to run: the file's, with a given --packing applied when the file declares
         none. A --packing the file declares as well is refused (one TokpackError line), never

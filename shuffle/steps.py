@@ -43,30 +43,22 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import (
-    Worker,
-    drop_buffers,
-    lent,
-    map_file,
-    open_append,
-    progress,
-    read_array,
-    regular_size,
-    write_bytes_atomic,
-)
+from tokpack.formats.io.reads import Worker
+from tokpack.formats.io.memory import drop_buffers, lent
+from tokpack.formats.io.gate import map_file, open_append, read_array, regular_size
+from tokpack.formats.io.progress_log import progress
+from tokpack.formats.io.writes import write_bytes_atomic
 from tokpack.formats.shards import PackedSource, RowFragments
 
 from .epoch_job import (
     CHUNKS_IN_BUDGET,
-    MAX_CHUNK_BYTES as MAX_CHUNK_BYTES,
-    RING as RING,
-    EpochJob as EpochJob,
-    RowStore as RowStore,
-    ShardHashes as ShardHashes,
+    EpochJob,
+    RowStore,
+    ShardHashes,
     Step,
-    source_changed_error as source_changed_error,
 )
 from .plan import EpochPlan, iter_source_windows
+from .epoch_job import MAX_CHUNK_BYTES, source_changed_error  # noqa: F401 (the node engine imports it from here)
 
 MAX_BLOCK_BYTES = 64 << 20  # scatter read block, unless the buckets need larger (ROWS_PER_APPEND)
 RECORD_BYTES = 24  # a scatter task's record of one bucket: rows, xxh3_64 of its rows file and of its positions file

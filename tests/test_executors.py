@@ -20,7 +20,9 @@ from click.testing import CliRunner
 
 from conftest import random_docs, require, write_source
 from tokpack.packer.cli import main
-from tokpack.packer.executors import PROJECT_ROOT, ExecutorConfig, join_path, local_path, parse_sbatch_args
+from tokpack.packer.executors import PROJECT_ROOT, join_path, parse_sbatch_args
+from tokpack.packer.shared import ExecutorConfig
+from tokpack.formats.io.paths import local_path
 
 # 300 documents, 718 samples of 64 tokens: 8 output shards of 100 samples, out of core at 64 KiB.
 SHUFFLE = ["--seq-len", "63", "--seed", "3", "--epochs", "1", "--shard-samples", "100", "--memory", "64KiB"]

@@ -20,7 +20,9 @@ from click.testing import CliRunner
 
 from conftest import random_docs, write_source
 from tokpack.formats.errors import TokpackError, UsageError
-from tokpack.formats.manifest import MANIFEST, epoch_dir_name, read_manifest, write_manifest
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.reading import read_manifest, write_manifest
 from tokpack.loader.reader import SampleReader
 from tokpack.loader.torch_adapter import TokpackDataset
 from tokpack.packer import api

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from conftest import random_docs, write_source
 from test_mpi import K, M, MEMORY, NODES, SEQ, cli, to_nodes, tree
-from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.names import epoch_dir_name
 from tokpack.packer.cli import main
 
 ROW_BYTES = (SEQ + 1) * 2  # uint16 tokens
@@ -104,7 +105,7 @@ def test_a_replacement_node_within_memory_rebuilds_the_exchanges_slice_part_by_p
 def test_a_replacement_node_merges_adjacent_windows_into_one_ranged_read(windows, tmp_path, monkeypatch):
     """Every position of an epoch in one part (a node holding them all, one source read once): the
     part's windows are adjacent in source order, so they are one ranged read, not one per window."""
-    from tokpack.formats.manifest import read_manifest
+    from tokpack.formats.reading import read_manifest
     from tokpack.formats.shards import PackedSource
     from tokpack.packer.replacement import SourceRows
 

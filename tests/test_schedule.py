@@ -23,12 +23,15 @@ from hypothesis import strategies as st
 
 from conftest import random_docs, write_source
 from tokpack.formats.errors import TokpackError, UsageError
-from tokpack.formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, read_manifest
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.reading import canonical_bytes, read_manifest
+from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.shards import PackedSource
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.api import inspect, shuffle, stage, validate
 from tokpack.packer.cli import main
-from tokpack.shuffle.plan import EpochPlan, jitter_offset
+from tokpack.shuffle.plan import EpochPlan
+from tokpack.shuffle.mixture import jitter_offset
 from tokpack.shuffle.schedule import RunPlan, Schedule, Stage
 
 REPO = Path(__file__).resolve().parents[1]

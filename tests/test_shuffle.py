@@ -19,12 +19,14 @@ from hypothesis import given, settings, strategies as st
 from conftest import random_docs, shuffle_run, write_source
 from tokpack.formats import outputs
 from tokpack.formats.errors import IncompleteError, TokpackError
-from tokpack.formats.manifest import multiset_hash_rows, read_manifest
+from tokpack.formats.hashes import multiset_hash_rows
+from tokpack.formats.reading import read_manifest
 from tokpack.formats.shards import PackedSource
 from tokpack.packer.validation import validate_dirs
 from tokpack.shuffle import run, steps
 from tokpack.shuffle.permutation import Bijection, derive_key
-from tokpack.shuffle.plan import EpochPlan, SourcePlan, epoch_plan, expected_multiset_hash, largest_remainder
+from tokpack.shuffle.plan import EpochPlan, SourcePlan, epoch_plan, expected_multiset_hash
+from tokpack.shuffle.mixture import largest_remainder
 
 REPO = Path(__file__).resolve().parents[1]
 L = 31  # seq_len of most tests: 32-token rows

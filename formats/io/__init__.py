@@ -9,124 +9,15 @@
 - `writes`: atomic and O_DIRECT writes (DurableFile), temporary names, the Outbox to a bucket;
 - `progress_log`: progress, a bar on a terminal, a line every 30 s in a log.
 
-Every public name is importable from here, `from tokpack.formats.io import X`, as before the split,
-but `gate` (the gate's one check, used by the gate's own calls): `tokpack.formats.io.gate` is its
-module, as `tokpack.formats.io.progress` is the function (its module is `progress_log`)."""
+Each name is imported from its module. The names below stay importable from here for the node
+engine (packer/exchange.py, node_*.py...: being rewritten on another branch), which imports
+them as before the split, and for docs/COMMANDS.md and BENCHMARKS.md, which name
+`tokpack.formats.io.contained`, `.progress` and `.DurableFile`."""
 
-from .paths import (
-    RemotePath,
-    as_path,
-    is_url,
-    local_path,
-    name_problem,
-)
-from .gate import (
-    IO_BLOCK,
-    MAX_RECORD_BYTES,
-    contained,
-    hash_mapped,
-    iter_file_blocks,
-    map_array,
-    map_file,
-    open_append,
-    open_new,
-    open_read,
-    read_array,
-    read_limited,
-    read_record,
-    regular_fd,
-    regular_size,
-    sequential,
-)
-from .memory import (
-    Buffer,
-    MADV_POPULATE_READ,
-    anonymous,
-    drop_buffers,
-    give_buffers,
-    lent,
-    populate,
-    take_buffer,
-)
-from .reads import (
-    STOP_GRACE,
-    ThreadPool,
-    Worker,
-    read_ahead,
-    read_full,
-)
-from .writes import (
-    DIRECT_ALIGN,
-    DIRECT_STAGING,
-    DurableFile,
-    HashedFile,
-    Outbox,
-    TMP_MARK,
-    commit_file,
-    fsync_dir,
-    is_tmp_name,
-    remove_tmp_files,
-    tmp_path,
-    write_bytes_atomic,
-)
-from .progress_log import (
-    DEFAULT_LOG_INTERVAL,
-    LOG_INTERVAL_ENV,
-    log_interval,
-    logging_every,
-    progress,
-)
+# ruff: noqa: F401 (every import here is a re-export)
 
-__all__ = [
-    "RemotePath",
-    "as_path",
-    "is_url",
-    "local_path",
-    "name_problem",
-    "IO_BLOCK",
-    "MAX_RECORD_BYTES",
-    "contained",
-    "hash_mapped",
-    "iter_file_blocks",
-    "map_array",
-    "map_file",
-    "open_append",
-    "open_new",
-    "open_read",
-    "read_array",
-    "read_limited",
-    "read_record",
-    "regular_fd",
-    "regular_size",
-    "sequential",
-    "Buffer",
-    "MADV_POPULATE_READ",
-    "anonymous",
-    "drop_buffers",
-    "give_buffers",
-    "lent",
-    "populate",
-    "take_buffer",
-    "STOP_GRACE",
-    "ThreadPool",
-    "Worker",
-    "read_ahead",
-    "read_full",
-    "DIRECT_ALIGN",
-    "DIRECT_STAGING",
-    "DurableFile",
-    "HashedFile",
-    "Outbox",
-    "TMP_MARK",
-    "commit_file",
-    "fsync_dir",
-    "is_tmp_name",
-    "remove_tmp_files",
-    "tmp_path",
-    "write_bytes_atomic",
-    "DEFAULT_LOG_INTERVAL",
-    "LOG_INTERVAL_ENV",
-    "log_interval",
-    "logging_every",
-    "progress",
-]
+from .gate import contained, map_file, open_append, open_new, open_read, read_limited
+from .memory import anonymous
+from .paths import local_path
+from .progress_log import progress
+from .writes import DurableFile, commit_file, remove_tmp_files, tmp_path, write_bytes_atomic
