@@ -20,8 +20,8 @@ from .io.paths import as_path
 from .io.gate import contained, open_read, read_array, regular_size
 from .io.reads import read_full
 from .io.writes import DurableFile, HashedFile, is_tmp_name, write_bytes_atomic
-from .constants import EPOCH_SHARD_SUFFIXES, LOSS_SUFFIX, SHARD_SUFFIXES  # noqa: F401 (importable from here too)
-from .constants import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64  # noqa: F401 (importable from here too)
+from .constants import EPOCH_SHARD_SUFFIXES, LOSS_SUFFIX, SHARD_SUFFIXES
+from .constants import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64
 from .constants import INDEX_ENTRY_BYTES, INDEX_SUFFIX, METADATA_SUFFIX, ROW_HASH_DTYPE
 from .constants import MANIFEST, NODES_SIDECAR
 from .names import dtype_from_name, metadata_text

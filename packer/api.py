@@ -15,8 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 
-# Defined in the leaf tokpack.packer.shared (the stages import it, not this module); kept importable from here.
-from tokpack.packer.shared import ExecutorConfig, PathLike, Result, as_paths, optional_field, weighted_sources  # noqa: F401
+from tokpack.packer.shared import ExecutorConfig, PathLike, Result, as_paths, optional_field, weighted_sources
 from tokpack.shuffle.spec import DEFAULT_MEMORY
 from tokpack.formats.constants import DEFAULT_SHARD_TOKENS
 

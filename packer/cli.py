@@ -21,7 +21,6 @@ import click
 
 from tokpack.packer import cli_report
 
-# Tests import these from here, by their names before cli_options.py held them.
 from tokpack.packer.cli_plan import plan
 from tokpack.packer.cli_report import (
     EXIT_INTERRUPTED,

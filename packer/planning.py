@@ -11,7 +11,7 @@ only file a plan touches.
 
 This module plans pack, stage and shuffle; plan shuffle --to-nodes is tokpack.packer.plan_nodes,
 the result, the disk's measure and the time model tokpack.packer.plan_result, the text printed
-tokpack.packer.plan_report. Their public names stay importable from here.
+tokpack.packer.plan_report.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What DEST already holds of a node slice (tokpack.packer.slicing re-exports these): a slice of
+"""What DEST already holds of a node slice: a slice of
 the same run and ranks, whose epochs already staged are kept in place (previous_slice,
 epoch_in_place), or anything else, refused with the first setting that differs.
 """

@@ -1,4 +1,4 @@
-"""Which ranks a node slice holds (tokpack.packer.slicing re-exports these): `--ranks A-B` of
+"""Which ranks a node slice holds: `--ranks A-B` of
 `--world-size`, or `--node n/N` of `--ranks-per-node`, checked and bounded.
 """
 

@@ -45,7 +45,6 @@ from tokpack.formats.constants import HOLDOUT_DIR, STAGE_SIDECAR
 from tokpack.formats.outputs import LocalOutput, Output
 from tokpack.packer.shared import Result, optional_field
 
-# The parts of a stage, each in its module; their names stay importable from here.
 from tokpack.packer.stage_dest import (
     bytes_to_write,
     check_dest,

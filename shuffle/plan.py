@@ -7,7 +7,7 @@ A plan is stateless and O(#sources): every question ("what is at output position
 The algorithm (windows, jitter, mixture, chains, the epoch permutation) is specified in
 docs/COMMANDS.md, "The shuffle algorithm", and pinned by tests/test_plan_golden.py; the names
 below follow it (L, W_s, o_s, c_s, N, pi_{s,p}, sigma_e). Its sources (tokpack.shuffle.sources) and
-an epoch's mixture (tokpack.shuffle.mixture) have modules of their own, re-exported here.
+an epoch's mixture (tokpack.shuffle.mixture) have modules of their own.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The sources a shuffle reads (tokpack.shuffle.plan re-exports these): a packed source opened
+"""The sources a shuffle reads: a packed source opened
 where it is, or at its local copy under `shuffle --to-nodes --keep-sources`, or a virtual one
 described by its counts for `tokpack plan`.
 """

@@ -1,6 +1,6 @@
 """The datatrove steps that write an epoch plan's shards into `OUT/epoch-NNNNN/` (shuffle/run.py
 runs them, through the injected `run_passes`), on the job and base step of
-tokpack.shuffle.epoch_job (re-exported here):
+tokpack.shuffle.epoch_job:
 
 - in memory (the needed windows of every source fit `--memory`), InMemoryStep: one task maps
   each source shard read-only and reads it ahead in one sequential sweep (MADV_POPULATE_READ),
