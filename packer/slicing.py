@@ -27,7 +27,6 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -50,7 +49,7 @@ from tokpack.formats.slices import RankRows, rank_file_name, run_identity, slice
 
 from tokpack.packer.shared import Result
 from tokpack.packer.stage_source import Source
-from tokpack.packer.stage_dest import on_disk
+from tokpack.packer.stage_dest import local_dest, on_disk
 from tokpack.packer.stage_plan import parse_epochs
 from tokpack.shuffle.packings import of_manifest
 
@@ -450,21 +449,13 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
     """Writes the node slice of ranks A..B of a run (local or any fsspec URL) into the local DEST;
     `ranks`: SliceRanks's fields, by keyword."""
     t0 = time.perf_counter()
-    if "://" in str(dest):
-        raise TokpackError(
-            "DEST must be a local path",
-            file=dest,
-            expected="a local directory (e.g. on NVMe)",
-            found="a URL",
-            hint="stage reads from any fsspec URL but writes to local disk",
-        )
+    dest = local_dest(dest)
     src = Source(str(directory))
     which = SliceRanks(**ranks)
     micro_batch = which.micro_batch
     plan = plan_slice(src, *which, epochs)
     (a, b), w, rows, run, chosen = plan.ranks, plan.world_size, plan.rows, plan.run, plan.epochs
     numbering = EpochNumbering.of_run(run, src.path)
-    dest = Path(dest)
     root = slice_manifest(run, src.local_root or src.path, rows, a, b)
     previous = previous_slice(dest, root, src.path)
     row_bytes = row_bytes_of(run)

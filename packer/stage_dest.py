@@ -16,6 +16,19 @@ from tokpack.packer.stage_plan import DirPlan, shard_jobs
 from tokpack.packer.stage_source import join_rel
 
 
+def local_dest(dest) -> Path:
+    """DEST as a local path: a stage reads from any fsspec URL but writes to local disk."""
+    if "://" in str(dest):
+        raise TokpackError(
+            "DEST must be a local path",
+            file=dest,
+            expected="a local directory (e.g. on NVMe)",
+            found="a URL",
+            hint="stage reads from any fsspec URL but writes to local disk",
+        )
+    return Path(dest)
+
+
 def in_place(path: Path, size: int | None) -> bool:
     """A file a rerun will verify in place, not copy again (or so its size says)."""
     return size is not None and path.is_file() and path.stat().st_size == size

@@ -46,6 +46,7 @@ from tokpack.formats.outputs import LocalOutput, Output
 from tokpack.packer.shared import Result, optional_field
 
 from tokpack.packer.stage_dest import (
+    local_dest,
     bytes_to_write,
     check_dest,
 )
@@ -314,17 +315,9 @@ def stage(
     ranks = parse_ranks(ranks)
     if micro_batch < 1:
         raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
-    if "://" in str(dest):
-        raise TokpackError(
-            "DEST must be a local path",
-            file=dest,
-            expected="a local directory (e.g. on NVMe)",
-            found="a URL",
-            hint="stage reads from any fsspec URL but writes to local disk",
-        )
+    dest = local_dest(dest)
     src = Source(str(directory))
     kind, plans = make_plan(src, epochs, ranks, micro_batch)
-    dest = Path(dest)
     if dest.exists() and not dest.is_dir():
         raise TokpackError("DEST exists and is not a directory", file=dest, hint="choose a directory path")
     check_dest(dest, kind, plans)

@@ -139,6 +139,16 @@ class EpochJob:
         """progress()'s `enabled`: None (a bar, or lines in a log) in the process that asked, else False."""
         return None if self.progress and os.getpid() == self.main_pid else False
 
+    def write_bar(self, shards: int):
+        """The bar of an in-memory path writing `shards` of the epoch's shards."""
+        return progress(
+            shards,
+            f"epoch {self.plan.epoch}: write",
+            unit="shard",
+            enabled=self.show_progress,
+            unit_bytes=self.shard_samples * self.row_bytes,
+        )
+
     @property
     def source_changed_path(self) -> Path:
         return Path(self.work_dir) / SOURCE_CHANGED

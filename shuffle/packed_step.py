@@ -24,7 +24,6 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import map_file, open_append, open_read, read_array
-from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.writes import write_bytes_atomic
 
 from .packed.passes import DOC, document_count, kept_pass_bytes
@@ -153,13 +152,7 @@ class PackedInMemoryStep(Step):
                 chunk = pool.rows(table, a, min(g1, a + rows), plan.row_tokens, plan.pad_id, starts)
                 yield chunk.reshape(-1).view(job.row_void)
 
-        with progress(
-            len(todo),
-            f"epoch {plan.epoch}: write",
-            unit="shard",
-            enabled=job.show_progress,
-            unit_bytes=job.shard_samples * job.row_bytes,
-        ) as bar:
+        with job.write_bar(len(todo)) as bar:
             for i in todo:
                 g0, g1 = job.shard_range(i)
                 table, starts = built.rows(g0, g1)

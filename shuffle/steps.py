@@ -141,13 +141,7 @@ class InMemoryStep(Step):
                         yield store.gather(chunk, ring[c % len(ring)], tmp), facts, chunk
                         c += 1
 
-            with progress(
-                len(todo),
-                f"epoch {plan.epoch}: write",
-                unit="shard",
-                enabled=job.show_progress,
-                unit_bytes=job.shard_samples * job.row_bytes,
-            ) as write_bar:
+            with job.write_bar(len(todo)) as write_bar:
                 for i in todo:
                     job.write_shard(i, blocks(i))
                     write_bar.update(1)
