@@ -207,8 +207,6 @@ def setup_pack(
         options.overwrite,
         options.shard_tokens,
     )
-    if shard_tokens < 1:
-        raise TokpackError("shard size must be positive", where="--shard-tokens", expected=">= 1", found=shard_tokens)
     if tokenizer is not None:
         tokenizer = str(Path(tokenizer).absolute()) if os.path.isfile(tokenizer) else tokenizer
         load_tokenizer(tokenizer)

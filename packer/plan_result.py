@@ -136,8 +136,6 @@ def planned_result(
         }
         for path, where, needed, free in space_needs(needs)
     ]
-    if disk_mbps is not None and disk_mbps <= 0:
-        raise TokpackError("disk throughput must be positive", where="--disk-mbps", expected="> 0", found=disk_mbps)
     mbps, disk = (float(disk_mbps), "given") if disk_mbps else measure_disk(Path(space[0]["filesystem"]))
     for p in passes:
         at_once = 1 if not concurrent else p["tasks"] if config.workers == 1 else min(config.workers, p["tasks"])

@@ -60,8 +60,6 @@ def slice_ranks(
         hint="W is the number of data-parallel ranks that read the run",
     )
     if micro_batch is not None:
-        if micro_batch < 1:
-            raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
         at_most(
             w * micro_batch,
             MAX_GLOBAL_BATCH,

@@ -313,8 +313,6 @@ def stage(
     t0 = time.perf_counter()
     epochs = parse_epochs(epochs)
     ranks = parse_ranks(ranks)
-    if micro_batch < 1:
-        raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
     dest = local_dest(dest)
     src = Source(str(directory))
     kind, plans = make_plan(src, epochs, ranks, micro_batch)
