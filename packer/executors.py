@@ -37,6 +37,7 @@ from tokpack.shuffle.sinks import app_sinks_kept
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
 with app_sinks_kept():
+    import datatrove.utils.logging  # noqa: F401
     from datatrove.pipeline.base import PipelineStep
 
 from tokpack.packer import lifetime

@@ -61,6 +61,7 @@ from tokpack.packer.pack_setup import (
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
 with app_sinks_kept():
+    import datatrove.utils.logging  # noqa: F401
     from datatrove.pipeline.base import PipelineStep
 
 

@@ -33,6 +33,7 @@ from .sinks import app_sinks_kept
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
 with app_sinks_kept():
+    import datatrove.utils.logging  # noqa: F401
     from datatrove.pipeline.base import PipelineStep
 
 MAX_CHUNK_BYTES = 8 << 20  # rows gathered and written per call: big enough for sequential I/O
