@@ -169,7 +169,7 @@ def olmo_padding(packer_cls, lengths: np.ndarray, row: int) -> tuple[int, int]:
 
 
 def cut_rows(lengths_by_source: dict[str, np.ndarray], row: int, groups: list[int], packer_cls) -> tuple[list, list]:
-    from tokpack.shuffle.packed import pack_pass
+    from tokpack.shuffle.packed.passes import pack_pass
     from tokpack.shuffle.permutation import Bijection
 
     cuts, pads = [], []
@@ -244,7 +244,8 @@ def main() -> None:
     ap.add_argument("--cap-cache", action="store_true", help="out of core only, page cache capped (root)")
     args = ap.parse_args()
     from tokpack.formats.shards import PackedSource
-    from tokpack.shuffle.packed import DEFAULT_GROUP_TOKENS, documents_of
+    from tokpack.shuffle.packed.packed_plan import DEFAULT_GROUP_TOKENS
+    from tokpack.shuffle.packed.passes import documents_of
 
     assert DEFAULT_GROUP_TOKENS == DEFAULT_GROUP
     work = Path(tempfile.mkdtemp(prefix="tokpack-bench-packing-"))

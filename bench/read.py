@@ -52,14 +52,10 @@ NANOSET_B, BLEND_B = 16, 10
 
 def make_epoch(out: Path, size: int, seed: int = 0) -> Path:
     """An epoch directory of random documents (EOS = 0) written with the real shard writer."""
-    from tokpack.formats.manifest import (
-        PLAN_ALGORITHM,
-        ShuffleFields,
-        TokenHeader,
-        epoch_manifest,
-        shard_name,
-        write_manifest,
-    )
+    from tokpack.formats.constants import PLAN_ALGORITHM
+    from tokpack.formats.builders import ShuffleFields, TokenHeader, epoch_manifest
+    from tokpack.formats.names import shard_name
+    from tokpack.formats.reading import write_manifest
     from tokpack.formats.shards import EpochShardWriter
 
     out.mkdir(parents=True, exist_ok=True)

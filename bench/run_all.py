@@ -371,7 +371,7 @@ def reader_cmd(epoch: Path, virtual_dir: Path, start: int, samples: int, result:
     return python_cmd(
         "import json, time\n"
         "from pathlib import Path\n"
-        "from tokpack.formats.manifest import read_manifest\n"
+        "from tokpack.formats.reading import read_manifest\n"
         "from tokpack.loader.reader import SampleReader\n"
         f"e, start = Path({str(epoch)!r}), {start}\n"
         "m = read_manifest(e, kind='epoch')\n"
@@ -392,7 +392,8 @@ def reader_cmd(epoch: Path, virtual_dir: Path, start: int, samples: int, result:
 
 def epoch_info(run_dir: Path) -> tuple[Path, int, int]:
     """(epoch 0 dir, samples, shard bytes) of a shuffled run."""
-    from tokpack.formats.manifest import epoch_dir_name, read_manifest
+    from tokpack.formats.names import epoch_dir_name
+    from tokpack.formats.reading import read_manifest
 
     e = run_dir / epoch_dir_name(read_manifest(run_dir, kind="run")["epochs"][0])
     m = read_manifest(e, kind="epoch")

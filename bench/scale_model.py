@@ -163,7 +163,8 @@ def task_overhead(executor: str, tasks: int, work: Path) -> float | None:
     the array element's start): from a pass of `tasks` no-op tasks less a pass of a quarter as
     many (both start the same worker pool)."""
     from bench.scale_model import NoopStep  # by module name, so a Slurm job can unpickle it
-    from tokpack.packer.executors import ExecutorConfig, pass_runner
+    from tokpack.packer.shared import ExecutorConfig
+    from tokpack.packer.executors import pass_runner
 
     if executor == "slurm" and not shutil.which("sinfo"):
         return None
@@ -222,8 +223,11 @@ def appends_per_row(block_rows: int, buckets: int) -> float:
 
 def run_model(work: Path, tokens: int, tasks: int, shard_samples: int, task_budget: int, order_sample: int) -> dict:
     """The real engine, out of core, each pass timed through the local executor."""
-    from tokpack.packer.executors import ExecutorConfig, pass_runner
-    from tokpack.shuffle.run import min_memory, shuffle_run
+    from tokpack.packer.shared import ExecutorConfig
+    from tokpack.packer.executors import pass_runner
+    from tokpack.shuffle.run_setup import min_memory
+    from tokpack.shuffle.run import shuffle_run
+    from tokpack.shuffle.spec import ShuffleSpec
 
     # one source shard per scatter task (the engine gives a task whole shards)
     corpus = make_datatrove_corpus(
@@ -264,18 +268,10 @@ def run_model(work: Path, tokens: int, tasks: int, shard_samples: int, task_budg
     # at least a shard a task (one bucket per shard, as in the full run), and above the engine's floor
     memory = max(LOCAL_WORKERS * max(task_budget, shard_samples * row_bytes * 2), min_memory(row_bytes, LOCAL_WORKERS))
     try:
-        result = shuffle_run(
-            [str(source)],
-            str(out),
-            seq_len=SEQ_LEN,
-            seed=1,
-            epochs=[0],
-            shard_samples=shard_samples,
-            memory=memory,
-            workers=LOCAL_WORKERS,
-            tasks=tasks,
-            run_passes=run_passes,
+        spec = ShuffleSpec.given_as(
+            sources=[str(source)], seq_len=SEQ_LEN, seed=1, epochs=[0], shard_samples=shard_samples, memory=memory
         )
+        result = shuffle_run(spec, str(out), workers=LOCAL_WORKERS, tasks=tasks, run_passes=run_passes)
         assert result["path"] == "out-of-core", result["path"]
         assert len(list(out.glob("epoch-00000/*.ds"))) == m["order_tasks"]
     except _Sampled:
@@ -375,7 +371,7 @@ def main(
     from loguru import logger
 
     from tokpack.packer.executors import SLURM_ELEMENTS_PER_WORKER
-    from tokpack.packer.planning import measure_disk
+    from tokpack.packer.plan_result import measure_disk
 
     logger.remove()  # datatrove's executor logs every task; the tables are the output here
     scale = Fraction(1, 10**6) if quick else scale

@@ -71,8 +71,10 @@ def make_source(
             return out, "source from tokpack pack"
         except RuntimeError as e:
             reason = "tokpack pack failed: " + str(e).strip().splitlines()[-1][:120]
-    from tokpack.formats.manifest import shard_name, write_manifest
-    from tokpack.formats import SourceShardWriter, source_manifest
+    from tokpack.formats.names import shard_name
+    from tokpack.formats.reading import write_manifest
+    from tokpack.formats.shards import SourceShardWriter
+    from tokpack.formats.builders import source_manifest
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

@@ -71,8 +71,10 @@ COLUMNS = [
 def pack_corpus(corpus: Path, out: Path, vocab_size: int = 50257, eos_id: int = 0) -> Path:
     """The datatrove corpus as a tokpack packed source, one shard per .ds file (untimed setup;
     written with the project's shard writer so this bench does not depend on `pack`)."""
-    from tokpack.formats import SourceShardWriter, source_manifest, write_manifest
-    from tokpack.formats.manifest import shard_name
+    from tokpack.formats.shards import SourceShardWriter
+    from tokpack.formats.builders import source_manifest
+    from tokpack.formats.reading import write_manifest
+    from tokpack.formats.names import shard_name
 
     out.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype("<u2")

@@ -51,8 +51,10 @@ QUICK_SIZE = "64MiB"
 def make_packed_source(out: Path, total_bytes: int, shards: int, seed: int = 0) -> Path:
     """A packed source of random uint16 documents, written with the project's shard writer in
     blocks (untimed preparation)."""
-    from tokpack.formats.manifest import shard_name, write_manifest
-    from tokpack.formats import SourceShardWriter, source_manifest
+    from tokpack.formats.names import shard_name
+    from tokpack.formats.reading import write_manifest
+    from tokpack.formats.shards import SourceShardWriter
+    from tokpack.formats.builders import source_manifest
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

@@ -43,8 +43,10 @@ VOCAB, EOS, SEQ_LEN = 50257, 0, 2048
 
 def make_source(out: Path, total_bytes: int, shards: int = 4, seed: int = 0) -> Path:
     """A packed source of random documents (mean 1,200 tokens), written with the shard writer in blocks."""
-    from tokpack.formats.manifest import shard_name, write_manifest
-    from tokpack.formats import SourceShardWriter, source_manifest
+    from tokpack.formats.names import shard_name
+    from tokpack.formats.reading import write_manifest
+    from tokpack.formats.shards import SourceShardWriter
+    from tokpack.formats.builders import source_manifest
 
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -68,14 +70,9 @@ def make_source(out: Path, total_bytes: int, shards: int = 4, seed: int = 0) -> 
 
 def make_many_shards(out: Path, shards: int, samples_per_shard: int = 1, seq_len: int = 15) -> Path:
     """An epoch directory of `shards` tiny shards, written directly with the epoch shard writer."""
-    from tokpack.formats.manifest import (
-        ShuffleFields,
-        TokenHeader,
-        epoch_manifest,
-        shard_name,
-        shard_digits,
-        write_manifest,
-    )
+    from tokpack.formats.builders import ShuffleFields, TokenHeader, epoch_manifest
+    from tokpack.formats.names import shard_name, shard_digits
+    from tokpack.formats.reading import write_manifest
     from tokpack.formats.shards import EpochShardWriter
 
     out.mkdir(parents=True, exist_ok=True)
@@ -164,7 +161,7 @@ def against_cmd(epoch: Path, src: Path, order: bool, scan: bool = True, workers:
     replay over the source alone."""
     if not scan:
         return python_cmd(
-            f"from tokpack.formats.manifest import read_manifest; from tokpack.formats.shards import PackedSource\n"
+            f"from tokpack.formats.reading import read_manifest; from tokpack.formats.shards import PackedSource\n"
             f"from tokpack.shuffle.plan import replay_hashes\n"
             f"replay_hashes(read_manifest({str(epoch)!r}), [PackedSource.open({str(src)!r})], {order})"
         )
@@ -210,7 +207,8 @@ def against_rows(src: Path, epoch: Path, runs: int, workers: int) -> list[dict]:
 def order_terms_cpu(epoch: Path, rounds: int = 5) -> str:
     """The CPU the order proof adds per side, apart from the disk: its terms for as many samples
     as the epoch holds, timed warm in this process (best of `rounds`)."""
-    from tokpack.formats.manifest import order_hash_terms, read_manifest, row_hashes
+    from tokpack.formats.hashes import order_hash_terms, row_hashes
+    from tokpack.formats.reading import read_manifest
 
     m = read_manifest(epoch)
     n = m["samples"]
@@ -244,18 +242,13 @@ def main(
     rows = []
     try:
         src = make_source(tmp / "src", size)
-        from tokpack.packer.executors import ExecutorConfig, pass_runner
+        from tokpack.packer.shared import ExecutorConfig
+        from tokpack.packer.executors import pass_runner
         from tokpack.shuffle.run import shuffle_run
+        from tokpack.shuffle.spec import ShuffleSpec
 
-        shuffle_run(
-            [str(src)],
-            str(tmp / "run"),
-            seq_len=SEQ_LEN,
-            seed=0,
-            epochs=[0],
-            memory=max(size, 64 << 20),
-            run_passes=pass_runner(ExecutorConfig()),
-        )
+        spec = ShuffleSpec.given_as(sources=[str(src)], seq_len=SEQ_LEN, seed=0, epochs=[0], memory=max(size, 64 << 20))
+        shuffle_run(spec, str(tmp / "run"), run_passes=pass_runner(ExecutorConfig()))
         rows += against_rows(src, tmp / "run" / "epoch-00000", runs, workers)
         cpu = order_terms_cpu(tmp / "run" / "epoch-00000")
         if against_only:

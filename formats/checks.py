@@ -15,7 +15,7 @@ from .constants import (
 from .errors import TokpackError
 from .fields import MANIFEST_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, field_problems, type_ok
 from .hashes import fingerprint, hash_hex64
-from .io import as_path, name_problem
+from .io.paths import as_path, name_problem
 from .names import dtype_for_vocab, dtype_from_name, dtype_name
 from .packing import rows_padded
 

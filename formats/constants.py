@@ -1,6 +1,6 @@
 """The format's constants, each defined once: the names, suffixes, dtypes, widths and bounds of
 what tokpack writes (docs/FORMAT.md), and the defaults that decide a written layout. Every other
-module, in formats/ and outside it, imports them from here (formats/manifest.py re-exports them).
+module, in formats/ and outside it, imports them from here.
 
 This module imports nothing, numpy included (`import packer` stays light, tests/test_api.py): the
 dtypes are named here as strings and made numpy dtypes when first imported (`__getattr__`)."""

@@ -71,3 +71,8 @@ def task_failed(job_name: str, rank: int, tasks: int, e: OSError) -> TokpackErro
         file=getattr(e, "filename", None),
         hint="fix the cause and rerun the same command; finished outputs are kept",
     )
+
+
+class UsageError(TokpackError):
+    """Arguments that do not go together, or one missing, found before anything is read: the
+    Python API raises it, the command line reports it as its usage error (exit status 2)."""

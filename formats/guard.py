@@ -26,8 +26,8 @@ import uuid
 from pathlib import Path
 
 from .errors import TokpackError
-from .io import open_read, read_limited
-from .manifest import LOCK_NAME, WORK_DIR  # noqa: F401 (importable from here too)
+from .io.gate import open_read, read_limited
+from .constants import LOCK_NAME
 
 _LOCK_TEMPORARY = re.compile(re.escape(f".{LOCK_NAME}.tmp-") + r"([0-9]+)-[0-9a-f]{8}")
 MAX_LOCK_BYTES = 1 << 12  # a lock names a host, a pid and a command line: a larger file is not one of ours

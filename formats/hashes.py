@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from .io import IO_BLOCK, iter_file_blocks
+from .io.gate import IO_BLOCK, iter_file_blocks
 
 
 def xxh3_128_file(path: str | Path, buf: bytearray | None = None) -> str:

@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import TokpackError
 from .constants import MANIFEST
-from .manifest import epoch_sizes_problem
+from .checks import epoch_sizes_problem
 
 
 class EpochNumbering:

@@ -45,8 +45,10 @@ from typing import Callable, ClassVar
 
 import numpy as np
 
-from .io import Outbox, RemotePath, commit_file, write_bytes_atomic
-from .manifest import MANIFEST, write_manifest
+from .io.writes import Outbox, commit_file, write_bytes_atomic
+from .io.paths import RemotePath
+from .constants import MANIFEST
+from .reading import write_manifest
 from .shards import EpochShardWriter, SourceShardWriter, shard_on_disk, shard_suffixes
 
 

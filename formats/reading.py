@@ -21,7 +21,9 @@ from .constants import (
 )
 from .errors import IncompleteError, TokpackError
 from .fields import STAGE_FIELDS, field_problems, upgrade
-from .io import as_path, fsync_dir, read_limited, write_bytes_atomic
+from .io.paths import as_path
+from .io.writes import fsync_dir, write_bytes_atomic
+from .io.gate import read_limited
 
 
 def canonical_bytes(manifest: dict) -> bytes:

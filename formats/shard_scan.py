@@ -20,10 +20,15 @@ import numpy as np
 import xxhash
 
 from .errors import IncompleteError, TokpackError
-from .io import give_buffers, open_read, read_ahead, read_full, regular_size, take_buffer
+from .io.memory import give_buffers, take_buffer
+from .io.gate import open_read, regular_size
+from .io.reads import read_ahead, read_full
 from .constants import INDEX_ENTRY_BYTES, INDEX_SUFFIX, LOSS_SUFFIX, METADATA_SUFFIX, ROW_HASH_BYTES, ROWS_SUFFIX, U64
 from .constants import ROW_HASH_DTYPE
-from .manifest import MANIFEST, MASK64, hash_hex64, metadata_text, order_hash, parse_metadata_text, row_hashes, type_ok
+from .constants import MANIFEST, MASK64
+from .hashes import hash_hex64, order_hash, row_hashes
+from .names import metadata_text, parse_metadata_text
+from .fields import type_ok
 
 MAX_METADATA = 1 << 16
 # Read block: smaller than tokpack.formats.io.IO_BLOCK, and it keeps a cold read pipelined best

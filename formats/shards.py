@@ -16,12 +16,18 @@ import numpy as np
 import xxhash
 
 from .errors import TokpackError
-from .io import as_path, contained, open_read, read_array, read_full, regular_size
-from .io import DurableFile, HashedFile, is_tmp_name, write_bytes_atomic
-from .constants import EPOCH_SHARD_SUFFIXES, LOSS_SUFFIX, SHARD_SUFFIXES  # noqa: F401 (importable from here too)
-from .constants import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64  # noqa: F401 (importable from here too)
+from .io.paths import as_path
+from .io.gate import contained, open_read, read_array, regular_size
+from .io.reads import read_full
+from .io.writes import DurableFile, HashedFile, is_tmp_name, write_bytes_atomic
+from .constants import EPOCH_SHARD_SUFFIXES, LOSS_SUFFIX, SHARD_SUFFIXES
+from .constants import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64
 from .constants import INDEX_ENTRY_BYTES, INDEX_SUFFIX, METADATA_SUFFIX, ROW_HASH_DTYPE
-from .manifest import MANIFEST, NODES_SIDECAR, dtype_from_name, has_pad, metadata_text, read_manifest, row_hashes
+from .constants import MANIFEST, NODES_SIDECAR
+from .names import dtype_from_name, metadata_text
+from .packing import has_pad
+from .reading import read_manifest
+from .hashes import row_hashes
 
 
 _SHARD_FILE = re.compile(

@@ -21,10 +21,13 @@ from typing import Iterator
 import numpy as np
 
 from .errors import TokpackError
-from .io import contained
+from .io.gate import contained
 import xxhash
 
-from .manifest import MANIFEST, SLICE, SLICE_EPOCH, epoch_dir_name, has_pad, header_like, rows_padded
+from .constants import MANIFEST, SLICE, SLICE_EPOCH
+from .names import epoch_dir_name
+from .packing import has_pad, rows_padded
+from .builders import header_like
 
 # Run-manifest fields that change as epochs are written: not part of the run's identity.
 RUN_SELECTION_KEYS = ("epochs", "tokens", "fragments", "documents")

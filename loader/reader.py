@@ -36,11 +36,14 @@ import numpy as np
 
 from tokpack.formats.arguments import flag, text, tokens, whole
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import as_path, contained, is_url, read_limited
-from tokpack.formats.manifest import NODES_SIDECAR, epoch_dir_name, partial_stage_absent, read_manifest, strict_json
+from tokpack.formats.io.paths import as_path, is_url
+from tokpack.formats.io.gate import contained, read_limited
+from tokpack.formats.constants import MANIFEST, NODES_SIDECAR, SLICE
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.reading import partial_stage_absent, read_manifest, strict_json
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import row_segments
-from tokpack.formats.slices import SLICE, RankRows
+from tokpack.formats.slices import RankRows
 from tokpack.formats.units import counted
 
 from .assembly import (  # noqa: F401 -- re-exported: tests, docs and users import them from here
@@ -190,7 +193,7 @@ class SampleReader(ShardFiles):
             if not isinstance(listed, list) or not listed:
                 raise TokpackError(
                     "run manifest lists no epochs",
-                    file=p / "tokpack.json",
+                    file=p / MANIFEST,
                     where="epochs",
                     expected="a non-empty list",
                     found=listed,
@@ -199,12 +202,12 @@ class SampleReader(ShardFiles):
             if len(paths) == 1:  # a run on its own: its consumed-sample numbers (a chain of several counts from 0)
                 numbering, run = EpochNumbering.of_run(manifest, p), (str(p), manifest)
             for e in sorted(int(e) for e in listed):
-                d = contained(p, epoch_dir_name(e), manifest=p / "tokpack.json", where=f"epochs ({e})", regular=False)
+                d = contained(p, epoch_dir_name(e), manifest=p / MANIFEST, where=f"epochs ({e})", regular=False)
                 m = read_manifest(d, kind="epoch")
                 if "seq_len" in manifest and int(m.get("seq_len", -1)) != int(manifest["seq_len"]):
                     raise TokpackError(
                         "epoch seq_len differs from its run",
-                        file=d / "tokpack.json",
+                        file=d / MANIFEST,
                         where="seq_len",
                         expected=manifest["seq_len"],
                         found=m.get("seq_len"),
@@ -212,7 +215,7 @@ class SampleReader(ShardFiles):
                 if numbering is not None and not (numbering.has(e) and int(m.get("samples", -1)) == numbering.size(e)):
                     raise TokpackError(
                         "epoch size differs from its run's",
-                        file=d / "tokpack.json",
+                        file=d / MANIFEST,
                         where="samples",
                         expected=numbering.size(e) if numbering.has(e) else "no such epoch in the run's plan",
                         found=m.get("samples"),
@@ -276,7 +279,7 @@ class SampleReader(ShardFiles):
             hint = _schedule_end_hint(self.numbering)
         else:
             parent = as_path(self.table.epoch_dirs[-1]).parent  # the run, when the epochs are still in it
-            run = {"kind": "run"} if (parent / "tokpack.json").is_file() else {}
+            run = {"kind": "run"} if (parent / MANIFEST).is_file() else {}
             nxt, numbering = max(self.table.epochs) + 1, None
             if run:
                 try:

@@ -16,10 +16,15 @@ import numpy as np
 
 from tokpack.formats.arguments import whole
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import as_path, is_url, open_read, read_full, regular_fd, regular_size
-from tokpack.formats.manifest import dtype_from_name, has_pad, rows_padded, xxh3_128_file
+from tokpack.formats.io.paths import as_path, is_url
+from tokpack.formats.io.gate import open_read, regular_fd, regular_size
+from tokpack.formats.io.reads import read_full
+from tokpack.formats.names import dtype_from_name
+from tokpack.formats.packing import has_pad, rows_padded
+from tokpack.formats.hashes import xxh3_128_file
 from tokpack.formats.numbering import EpochNumbering
-from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, U64, contained_shard
+from tokpack.formats.constants import PAD_DTYPE, PAD_SUFFIX, U64
+from tokpack.formats.shards import contained_shard
 
 from .assembly import positions_from_starts
 

@@ -13,12 +13,16 @@ from typing import Iterator
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import as_path, regular_size
-from tokpack.formats.manifest import MANIFEST, dtype_from_name, has_pad, read_manifest, row_bytes_of
+from tokpack.formats.io.paths import as_path
+from tokpack.formats.io.gate import regular_size
+from tokpack.formats.constants import MANIFEST, PAD_DTYPE, PAD_SUFFIX, SLICE_EPOCH
+from tokpack.formats.names import dtype_from_name
+from tokpack.formats.packing import has_pad
+from tokpack.formats.reading import read_manifest
+from tokpack.formats.checks import row_bytes_of
 from tokpack.formats.numbering import EpochNumbering
-from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, contained_shard
+from tokpack.formats.shards import contained_shard
 from tokpack.formats.slices import (
-    SLICE_EPOCH,
     RankRows,
     contained_epoch_dir,
     missing_padding,

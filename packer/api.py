@@ -1,4 +1,4 @@
-"""tokpack's Python API (docs/API.md): `pack`, `shuffle`, `validate`, `stage`, `inspect`, `plan`.
+"""tokpack's Python API (docs/API.md): `pack`, `shuffle`, `validate`, `read`, `stage`, `inspect`, `plan`.
 
 Each takes paths or fsspec URLs and returns a dataclass holding the facts the command prints
 under `--json` (`to_json()`), and no text for humans. This module imports no heavy dependency:
@@ -15,15 +15,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 
-# Defined in the leaf tokpack.packer.shared (the stages import it, not this module); kept importable from here.
-from tokpack.packer.shared import ExecutorConfig, PathLike, Result, as_paths, optional_field, weighted_sources  # noqa: F401
+from tokpack.packer.shared import ExecutorConfig, PathLike, Result, as_paths, optional_field, weighted_sources
 from tokpack.shuffle.spec import DEFAULT_MEMORY
 from tokpack.formats.constants import DEFAULT_SHARD_TOKENS, INT_RANGE
 
 if TYPE_CHECKING:  # the stages build their results; importing them here would import their dependencies
     from tokpack.packer.inspection import InspectResult
-    from tokpack.packer.packing import PackResult
-    from tokpack.packer.planning import PlanResult
+    from tokpack.packer.pack_result import PackResult
+    from tokpack.packer.plan_result import PlanResult
 
 
 def _epochs(value, name):
@@ -116,6 +115,15 @@ ARGUMENTS = {
         "start_sample": ("whole", _REQUIRED),
         "memory": ("size", {}),
     },
+    "read": {
+        "rank": ("whole", _REQUIRED),
+        "world_size": ("whole", {"least": 1, **_REQUIRED}),
+        "micro_batch": ("whole", {"least": 1, **_REQUIRED}),
+        "start_sample": _COUNT[0],
+        "consumed_tokens": ("tokens", {}),
+        "count": ("whole", _REQUIRED),
+        "verify": _FLAG,
+    },
     "inspect": {
         "batch_size": _COUNT[1],
         "batches": ("whole", {"least": 1, **_REQUIRED}),
@@ -205,7 +213,8 @@ def pack(
     that already is its shard's bytes (datatrove) is hard-linked or reflinked once verified,
     not copied (docs/COMMANDS.md, "Linking instead of copying")."""
     from tokpack.packer.executors import local_paths, runs_in_process
-    from tokpack.packer.packing import PackOptions, pack as pack_source
+    from tokpack.packer.pack_setup import PackOptions
+    from tokpack.packer.packing import pack as pack_source
 
     in_process = runs_in_process(executor or ExecutorConfig())
     with local_paths([], str(output), scratch and str(scratch), in_process, "pack") as (_, local_output, to):
@@ -283,17 +292,13 @@ def shuffle(
     from tokpack.shuffle.run import shuffle_run
     from tokpack.shuffle.packings import named
 
-    spec = shuffle_spec(locals())
+    values = locals()
+    shuffle_usage(values)
+    spec = shuffle_spec(values)
     if spec.nodes is not None:
-        return _shuffle_to_nodes(spec, scratch, log)
-    if any(v is not None for v in (ranks_per_node, micro_batch, keep_sources, procs_per_node, stall_timeout)):
-        from tokpack.formats.errors import TokpackError
+        from tokpack.packer.exchange import shuffle_to_nodes
 
-        raise TokpackError(
-            "ranks_per_node, micro_batch, keep_sources, procs_per_node and stall_timeout go with to_nodes",
-            where="to_nodes",
-            hint="give to_nodes=DEST",
-        )
+        return shuffle_to_nodes(spec, log=log)
     config = executor or ExecutorConfig()
     named(spec.packing)  # an unknown packing is refused before any source is fetched
     with local_paths(list(spec.sources), spec.output, scratch and str(scratch), runs_in_process(config)) as (
@@ -331,10 +336,9 @@ _SETTINGS = (
 
 
 def shuffle_spec(values: dict):
-    """The ShuffleSpec of `shuffle`'s (or `plan("shuffle")`'s) keywords `values`, checked already:
-    --like's run read (tokpack.shuffle.like), the schedule file read. The one place the API's and
-    the CLI's keywords become a spec."""
-    from tokpack.formats.errors import TokpackError
+    """The ShuffleSpec of `shuffle`'s (or `plan("shuffle")`'s) keywords `values`, checked already
+    (shuffle_usage): --like's run read (tokpack.shuffle.like), the schedule file read. The one
+    place the API's and the CLI's keywords become a spec."""
     from tokpack.shuffle.like import like_spec
     from tokpack.shuffle.schedule import epoch_numbers, read_schedule
     from tokpack.shuffle.spec import NodesSpec, ShuffleSpec
@@ -367,35 +371,88 @@ def shuffle_spec(values: dict):
     spec = like_spec(spec)
     if spec.like is not None:
         return spec
-    if spec.output is None:
-        raise TokpackError("no output given", where="output", hint="give the run directory to write (or like=RUN)")
     scheduled = read_schedule(schedule) if schedule is not None else None
-    if scheduled is None and not sources:
-        raise TokpackError("no sources given", hint="give the packed sources, or schedule=FILE")
     paths, weights = weighted_sources(sources) if scheduled is None else ([], None)
     return spec.with_settings(sources=paths, weights=weights, schedule=scheduled)
 
 
-def _shuffle_to_nodes(spec, scratch, log) -> dict:
-    """shuffle(to_nodes=DEST) (tokpack.packer.exchange): this process's node slice."""
-    from tokpack.formats.errors import TokpackError
-    from tokpack.packer.exchange import shuffle_to_nodes
+# What --like reads from the run, as its usage line names it (the sources aside).
+TAKEN_BY_LIKE = (
+    "--seq-len, --seed, --samples/--tokens, --shard-samples, --jitter, --schedule, --packing, --pad-id, --holdout"
+)
 
-    if spec.nodes.ranks_per_node is None or spec.nodes.micro_batch is None:
-        raise TokpackError(
-            "to_nodes needs ranks_per_node and micro_batch",
-            where="--ranks-per-node/--micro-batch",
-            hint="give both: K ranks a node, m samples a rank a step",
+
+def shuffle_usage(values: dict, plan: bool = False) -> list[int] | int | None:
+    """The usage checks of `shuffle`'s keywords `values` (`plan("shuffle")`'s with `plan`), before
+    any file is read but --like's run: one UsageError, the command line's usage error. The command
+    line gives its --epoch E as `values["epoch"]`, beside --epochs N. Returns the epochs asked."""
+    from tokpack.formats.errors import UsageError
+    from tokpack.shuffle.like import given_with_like
+
+    epochs, epoch, like, schedule = (values.get(k) for k in ("epochs", "epoch", "like", "schedule"))
+    if like is not None:
+        twice = given_with_like(values)
+        if twice:
+            raise UsageError(f"--like takes the sources and {TAKEN_BY_LIKE} from the run; drop {' '.join(twice)}")
+    elif values.get("output") is None:
+        raise UsageError("give -o OUT (or --like RUN to add epochs to RUN with its own settings)")
+    elif schedule is not None:
+        given = [
+            f"--{k.replace('_', '-')}" for k in ("seq_len", "seed", "samples", "tokens") if values.get(k) is not None
+        ]
+        given += ["--jitter"] * bool(values.get("jitter"))
+        if values.get("sources") or given:
+            raise UsageError(
+                "--schedule declares the sources, --seq-len, --seed, --samples/--tokens and "
+                f"--jitter; drop {' '.join(given) or 'the SOURCEs'}"
+            )
+    elif not values.get("sources") or values.get("seq_len") is None or values.get("seed") is None:
+        raise UsageError("give SOURCE[=WEIGHT]..., --seq-len and --seed (or --schedule FILE)")
+    elif "epoch" in values and epochs is None and epoch is None:  # the API's default is epoch 0
+        raise UsageError("give exactly one of --epochs N or --epoch E")
+    if epochs is not None and epoch is not None:
+        given = "at most one of --epochs N and" if like or schedule else "exactly one of --epochs N or"
+        raise UsageError(f"give {given} --epoch E")
+    if values.get("samples") is not None and values.get("tokens") is not None:
+        raise UsageError("give at most one of --samples and --tokens")
+    _nodes_usage(values, plan)
+    return [epoch] if epoch is not None else epochs
+
+
+def _nodes_usage(values: dict, plan: bool) -> None:
+    """shuffle's (or plan shuffle's) --to-nodes usage checks (tokpack.packer.exchange)."""
+    from tokpack.formats.errors import UsageError
+    from tokpack.shuffle.like import run_settings
+
+    if values.get("to_nodes") is None:
+        nodes = ("ranks_per_node", "micro_batch", "keep_sources", "procs_per_node", "stall_timeout") + (
+            "nodes",
+            "shared_mbps",
+            "nic_mbps",
+        ) * plan
+        if any(values.get(k) is not None for k in nodes):
+            listed = (
+                "--micro-batch, --keep-sources, --procs-per-node, --stall-timeout, --nodes, --shared-mbps and "
+                "--nic-mbps"
+                if plan
+                else "--micro-batch, --keep-sources, --procs-per-node and --stall-timeout"
+            )
+            raise UsageError(f"--ranks-per-node, {listed} go with --to-nodes DEST")
+        return
+    if plan and None in (values.get("ranks_per_node"), values.get("micro_batch"), values.get("nodes")):
+        raise UsageError("plan shuffle --to-nodes needs --nodes N, --ranks-per-node K and --micro-batch M")
+    if not plan and (values.get("ranks_per_node") is None or values.get("micro_batch") is None):
+        raise UsageError("--to-nodes needs --ranks-per-node K and --micro-batch M")
+    if values.get("scratch") is not None:
+        raise UsageError("--to-nodes writes no scratch to the shared filesystem; drop --scratch")
+    if plan and (values.get("like") is not None or values.get("holdout") is not None):
+        raise UsageError("--to-nodes takes its SOURCEs (or --schedule) and settings; drop --like/--holdout")
+    like = values.get("like")
+    if values.get("holdout") is not None or (like is not None and run_settings(str(like)).get("holdout")):
+        raise UsageError(
+            "--to-nodes does not write a held-out split (--holdout) yet; shuffle the run without "
+            "--to-nodes, then `tokpack stage` it to the nodes"
         )
-    if scratch is not None:
-        raise TokpackError("to_nodes writes no scratch to the shared filesystem", where="--scratch", hint="drop it")
-    if spec.holdout is not None:  # given, or the run's (like=RUN)
-        raise TokpackError(
-            "to_nodes does not write a held-out split (--holdout) yet",
-            where="--holdout",
-            hint="shuffle the run without to_nodes, then `tokpack stage` it to the nodes",
-        )
-    return shuffle_to_nodes(spec, log=log)
 
 
 @_checks("validate")
@@ -453,7 +510,7 @@ def stage(
     `memory`: a replacement node's budget (`node` on a RUN of shuffle --to-nodes), refused elsewhere.
     `workers`: files copied at once (default 4); a replacement node's processes (default 1), each
     rebuilding the rank files of a share of its ranks within `memory // workers`."""
-    from tokpack.packer.staging import whole_shard_ranks
+    from tokpack.packer.stage_plan import whole_shard_ranks
 
     ranks = whole_shard_ranks(shards_of, ranks, world_size, node)
     if node is not None and world_size is None and ranks is None and not start_sample:
@@ -503,6 +560,34 @@ def stage(
     )
 
 
+@_checks("read")
+def read(
+    directory: PathLike,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    micro_batch: int = 1,
+    start_sample: int | None = None,
+    consumed_tokens: int | None = None,
+    count: int = 10,
+    verify: bool = False,
+):
+    """What rank `rank` of `world_size` is fed from `directory` (a run or an epoch), `micro_batch`
+    samples a step, from `start_sample` (or `consumed_tokens`) on: its SampleReader
+    (tokpack.loader.reader) and an iterator over its next `count` samples (`tokpack read`)."""
+    from tokpack.formats.errors import UsageError
+    from tokpack.loader.reader import SampleReader
+
+    if start_sample is not None and consumed_tokens is not None:
+        raise UsageError("give at most one of --start-sample and --consumed-tokens")
+    if rank >= world_size:
+        raise UsageError(f"--rank {rank} must be below --world-size {world_size}")
+    reader = SampleReader.open(directory, verify=verify)
+    start = reader.start_from(start_sample=start_sample, consumed_tokens=consumed_tokens)
+    reader.require_batch(world_size, micro_batch, start)  # else a command would print nothing and exit 0
+    return reader, reader.rank_samples(rank, world_size, micro_batch, start=start, count=count)
+
+
 @_checks("inspect")
 def inspect(
     directory: PathLike,
@@ -548,7 +633,7 @@ def plan(command: str, *args, **kwargs) -> PlanResult:
     given = checked(command, bound.arguments)
     given["disk_mbps"] = arguments.positive_number(given["disk_mbps"], "disk_mbps")
     if command == "pack":
-        from tokpack.packer.packing import PackOptions
+        from tokpack.packer.pack_setup import PackOptions
 
         paths, output, executor, disk_mbps = (given.pop(k) for k in ("inputs", "output", "executor", "disk_mbps"))
         given.pop("scratch")  # a plan's output is local: the scratch a URL output writes to is unused
@@ -556,6 +641,7 @@ def plan(command: str, *args, **kwargs) -> PlanResult:
     if command == "stage":
         directory, dest, disk_mbps = (given.pop(k) for k in ("directory", "dest", "disk_mbps"))
         return planning.plan_stage(directory, dest, given, disk_mbps=disk_mbps)
+    shuffle_usage(given, plan=True)
     machine = {k: given.pop(k) for k in ("executor", "disk_mbps", "nodes", "shared_mbps", "nic_mbps")}
     machine["nodes"], machine["shared_mbps"], machine["nic_mbps"] = planning.check_nodes(
         given, *(machine.get(k) for k in ("nodes", "shared_mbps", "nic_mbps", "executor"))

@@ -21,10 +21,6 @@ import click
 
 from tokpack.packer import cli_report
 
-# Tests import these from here, by their names before cli_options.py held them.
-from tokpack.packer.cli_options import executor_config as _executor_config  # noqa: F401
-from tokpack.packer.cli_options import weighted_sources as _weighted_sources  # noqa: F401
-from tokpack.packer.cli_options import executor_options as executor_options
 from tokpack.packer.cli_plan import plan
 from tokpack.packer.cli_report import (
     EXIT_INTERRUPTED,

@@ -12,7 +12,7 @@ import click
 from tokpack.formats import units
 from tokpack.formats.constants import INT_RANGE
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import OLD_INTERVAL_ENV, PROGRESS_ENV, progress_mode
+from tokpack.formats.io.progress_log import OLD_INTERVAL_ENV, PROGRESS_ENV, progress_mode
 from tokpack.formats.units import MAX_COUNT, byte_size, token_count
 
 
@@ -229,7 +229,7 @@ def executor_config(kw: dict):
     """The ExecutorConfig of the options `executor_options` added (each named as its field)."""
     from dataclasses import fields
 
-    from tokpack.packer.api import ExecutorConfig
+    from tokpack.packer.shared import ExecutorConfig
 
     deprecated = kw.pop("deprecated_mem", None)
     if deprecated is not None:  # --mem, GB per CPU, read next to --memory, bytes, as one option: renamed

@@ -8,7 +8,7 @@ import click
 from tokpack.packer.cli_options import MAX_RANKS, Int, Real, executor_config, weighted_sources
 from tokpack.packer.cli_report import emit, user_errors
 from tokpack.packer.cli_runs import micro_batch_of, stage, stage_selection
-from tokpack.packer.cli_write import epochs_asked, pack, shuffle
+from tokpack.packer.cli_write import pack, shuffle
 
 
 @click.group()
@@ -90,7 +90,7 @@ def _planned(command: click.Command, extra=()):
 
 def _emit_plan(command: str, as_json: bool, *args, **kw) -> None:
     from tokpack.packer.api import plan as plan_api
-    from tokpack.packer.planning import report_lines
+    from tokpack.packer.plan_report import report_lines
 
     result = plan_api(command, *args, **kw)
     emit(result, as_json, report_lines)
@@ -101,45 +101,11 @@ def _emit_plan(command: str, as_json: bool, *args, **kw) -> None:
 
 @_planned(shuffle, NODES_OPTIONS)
 def plan_shuffle(sources, output, epochs, epoch, as_json, **kw):
-    to_nodes = {
-        k: kw.pop(k)
-        for k in (
-            "to_nodes",
-            "ranks_per_node",
-            "micro_batch",
-            "keep_sources",
-            "procs_per_node",
-            "stall_timeout",
-            "nodes",
-            "shared_mbps",
-            "nic_mbps",
-        )
-    }
-    epochs = epochs_asked(sources, epochs, epoch, {**kw, "output": output})
-    if to_nodes["to_nodes"] is not None:  # issue 33, item 7: as shuffle --to-nodes, on --nodes N
-        if None in (to_nodes["ranks_per_node"], to_nodes["micro_batch"], to_nodes["nodes"]):
-            raise click.UsageError("plan shuffle --to-nodes needs --nodes N, --ranks-per-node K and --micro-batch M")
-        if kw.get("scratch") is not None:
-            raise click.UsageError("--to-nodes writes no scratch to the shared filesystem; drop --scratch")
-        if kw.get("like") is not None or kw.get("holdout") is not None:
-            raise click.UsageError("--to-nodes takes its SOURCEs (or --schedule) and settings; drop --like/--holdout")
-    elif any(v is not None for v in to_nodes.values()):
-        raise click.UsageError(
-            "--ranks-per-node, --micro-batch, --keep-sources, --procs-per-node, --stall-timeout, --nodes, --shared-mbps and "
-            "--nic-mbps go with --to-nodes DEST"
-        )
-    else:
-        to_nodes = {}
-    _emit_plan(
-        "shuffle",
-        as_json,
-        weighted_sources(sources) if sources else None,
-        output,
-        epochs=epochs,
-        executor=executor_config(kw),
-        **kw,
-        **to_nodes,
-    )
+    from tokpack.packer.api import shuffle_usage
+
+    epochs = shuffle_usage({**kw, "sources": sources, "output": output, "epochs": epochs, "epoch": epoch}, plan=True)
+    sources = weighted_sources(sources) if sources else None
+    _emit_plan("shuffle", as_json, sources, output, epochs=epochs, executor=executor_config(kw), **kw)
 
 
 @_planned(pack)

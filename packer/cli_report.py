@@ -14,8 +14,8 @@ import traceback
 
 import click
 
-from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import logging_every
+from tokpack.formats.errors import TokpackError, UsageError
+from tokpack.formats.io.progress_log import logging_every
 from tokpack.packer.cli_options import given_log_interval
 
 
@@ -164,6 +164,8 @@ def user_errors(fn):
                 return fn(*args, **kwargs)
         except (SystemExit, click.exceptions.Exit, click.ClickException, click.Abort):
             raise  # a status chosen already, or a usage error: main reports those
+        except UsageError as e:  # the API's usage checks (tokpack.packer.api): click's usage error
+            raise click.UsageError(e.message) from None
         except TokpackError as e:
             _report(f"tokpack: error: {e}", e.to_json(), getattr(e, "exit_status", EXIT_DATA), as_json)
         except ModuleNotFoundError as e:  # an optional dependency this command needs

@@ -91,16 +91,18 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
       tokpack read /data/runs/r1 --rank 3 --world-size 8 --micro-batch 4 --start-sample 1024 --count 4
       tokpack read /data/runs/r1 --count 2 --tokenizer tokenizer.json
     """
-    from tokpack.loader.reader import SampleReader
+    from tokpack.packer.api import read as read_api
 
-    if start_sample is not None and consumed_tokens is not None:
-        raise click.UsageError("give at most one of --start-sample and --consumed-tokens")
-    if rank >= world_size:
-        raise click.UsageError(f"--rank {rank} must be below --world-size {world_size}")
-    reader = SampleReader.open(directory, verify=verify)
-    start = reader.start_from(start_sample=start_sample, consumed_tokens=consumed_tokens)
-    reader.require_batch(world_size, micro_batch, start)  # else the command would print nothing and exit 0
-    samples = reader.rank_samples(rank, world_size, micro_batch, start=start, count=count)
+    reader, samples = read_api(
+        directory,
+        rank=rank,
+        world_size=world_size,
+        micro_batch=micro_batch,
+        start_sample=start_sample,
+        consumed_tokens=consumed_tokens,
+        count=count,
+        verify=verify,
+    )
     if tokenizer is not None:
         return _read_text(reader, samples, rank, tokenizer, as_json)
     for item in samples:

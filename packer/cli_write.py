@@ -8,7 +8,7 @@ import json
 import click
 
 from tokpack.formats.constants import DEFAULT_SHARD_TOKENS
-from tokpack.formats.io import log_interval
+from tokpack.formats.io.progress_log import log_interval
 from tokpack.formats.units import counted
 from tokpack.packer.cli_options import (
     BYTES,
@@ -112,54 +112,6 @@ def pack(inputs, output, as_json, **kw):
 
     executor = executor_config(kw)
     emit(pack_api(list(inputs), output, executor=executor, log=command_log(as_json), **kw), as_json)
-
-
-# What --like reads from the run, as its usage line names it (the sources aside).
-TAKEN_BY_LIKE = (
-    "--seq-len",
-    "--seed",
-    "--samples/--tokens",
-    "--shard-samples",
-    "--jitter",
-    "--schedule",
-    "--packing",
-    "--pad-id",
-    "--holdout",
-)
-
-
-def epochs_asked(sources, epochs, epoch, kw) -> list[int] | int | None:
-    """shuffle's --epochs N / --epoch E (None: every epoch of --schedule), with the usage checks
-    of its arguments."""
-    if kw.get("like") is not None:
-        from tokpack.shuffle.like import given_with_like
-
-        twice = given_with_like({**kw, "sources": sources}, cli=True)
-        if twice:
-            raise click.UsageError(
-                f"--like takes the sources and {', '.join(TAKEN_BY_LIKE)} from the run; drop {' '.join(twice)}"
-            )
-        if epochs is not None and epoch is not None:
-            raise click.UsageError("give at most one of --epochs N and --epoch E")
-        return [epoch] if epoch is not None else epochs
-    if kw["output"] is None:
-        raise click.UsageError("give -o OUT (or --like RUN to add epochs to RUN with its own settings)")
-    if kw["schedule"] is not None:
-        given = [f"--{k.replace('_', '-')}" for k in ("seq_len", "seed", "samples", "tokens") if kw[k] is not None]
-        if sources or given or kw["jitter"]:
-            raise click.UsageError(
-                "--schedule declares the sources, --seq-len, --seed, --samples/--tokens and "
-                f"--jitter; drop {' '.join(given + ['--jitter'] * kw['jitter']) or 'the SOURCEs'}"
-            )
-        if epochs is not None and epoch is not None:
-            raise click.UsageError("give at most one of --epochs N and --epoch E")
-    elif not sources or kw["seq_len"] is None or kw["seed"] is None:
-        raise click.UsageError("give SOURCE[=WEIGHT]..., --seq-len and --seed (or --schedule FILE)")
-    elif (epochs is None) == (epoch is None):
-        raise click.UsageError("give exactly one of --epochs N or --epoch E")
-    if kw["samples"] is not None and kw["tokens"] is not None:
-        raise click.UsageError("give at most one of --samples and --tokens")
-    return [epoch] if epoch is not None else epochs
 
 
 @click.command()
@@ -282,29 +234,31 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
       tokpack shuffle --schedule run.yaml -o /data/runs/r2
       tokpack shuffle --like /data/runs/r1 --epoch 3
     """
-    from tokpack.packer.api import shuffle as shuffle_api
+    from tokpack.packer.api import shuffle as shuffle_api, shuffle_usage
 
-    epochs = epochs_asked(sources, epochs, epoch, {**kw, "output": output})
-    if kw["to_nodes"] is not None:
-        return _shuffle_to_nodes(sources, output, epochs, as_json, kw)
-    if any(
-        kw.pop(k) is not None
-        for k in ("ranks_per_node", "micro_batch", "keep_sources", "procs_per_node", "stall_timeout")
-    ):
-        raise click.UsageError(
-            "--ranks-per-node, --micro-batch, --keep-sources, --procs-per-node and --stall-timeout go with --to-nodes DEST"
+    epochs = shuffle_usage({**kw, "sources": sources, "output": output, "epochs": epochs, "epoch": epoch})
+    sources = weighted_sources(sources) if sources else None
+    if kw["to_nodes"] is not None:  # this process's node slice (tokpack.packer.exchange): one line a process
+        kw.pop("deprecated_mem", None)  # how tasks run is not --to-nodes' business: one process a node
+        executor_config(kw)
+        result = shuffle_api(sources, output, epochs=epochs, log=command_log(as_json), **kw)
+        if as_json:
+            click.echo(json.dumps(result))
+            return
+        P, p = result["procs_per_node"], result["process"]
+        if result["node"] == 0 and p == 0:  # the epochs' figures are every node's: said once
+            _epoch_lines(result["epochs_detail"])
+            _warnings(result["warnings"])
+        click.echo(
+            f"node {result['node']} of {result['nodes']}{'' if P == 1 else f' (process {p} of {P})'}: slice of "
+            f"ranks {result['ranks'][0]}-{result['ranks'][-1]} at {result['dest']}: epochs {result['epochs']}"
         )
-    kw.pop("to_nodes")
+        return
     executor = executor_config(kw)
     quiet = as_json and log_interval() == 0  # --json asked for no lines: no bar on a terminal either
+    progress = False if quiet else None
     result = shuffle_api(
-        weighted_sources(sources) if sources else None,
-        output,
-        epochs=epochs,
-        executor=executor,
-        log=command_log(as_json),
-        progress=False if quiet else None,
-        **kw,
+        sources, output, epochs=epochs, executor=executor, log=command_log(as_json), progress=progress, **kw
     )
     emit(result, as_json, shown=_real_shard_size(result))
     if not as_json:
@@ -344,39 +298,6 @@ def _epoch_lines(details: list[dict]) -> None:
 def _warnings(lines: list[str]) -> None:
     for line in lines:
         click.echo(f"tokpack: warning: {line}", err=True)
-
-
-def _shuffle_to_nodes(sources, output, epochs, as_json, kw):
-    """shuffle --to-nodes (tokpack.packer.api.shuffle, to_nodes=): this process's node slice; one
-    JSON line per process. The usage checks are the command line's; the API runs it."""
-    from tokpack.packer.api import shuffle as shuffle_api
-    from tokpack.shuffle.like import run_settings
-
-    if kw["ranks_per_node"] is None or kw["micro_batch"] is None:
-        raise click.UsageError("--to-nodes needs --ranks-per-node K and --micro-batch M")
-    if kw.get("scratch") is not None:
-        raise click.UsageError("--to-nodes writes no scratch to the shared filesystem; drop --scratch")
-    if kw.get("holdout") is not None or (kw.get("like") is not None and run_settings(kw["like"]).get("holdout")):
-        raise click.UsageError(
-            "--to-nodes does not write a held-out split (--holdout) yet; shuffle the run without "
-            "--to-nodes, then `tokpack stage` it to the nodes"
-        )
-    kw.pop("deprecated_mem", None)  # how tasks run is not --to-nodes' business: one process a node
-    executor_config(kw)
-    result = shuffle_api(
-        weighted_sources(sources) if sources else None, output, epochs=epochs, log=command_log(as_json), **kw
-    )
-    if as_json:
-        click.echo(json.dumps(result))
-    else:
-        P, p = result["procs_per_node"], result["process"]
-        if result["node"] == 0 and p == 0:  # the epochs' figures are every node's: said once
-            _epoch_lines(result["epochs_detail"])
-            _warnings(result["warnings"])
-        click.echo(
-            f"node {result['node']} of {result['nodes']}{'' if P == 1 else f' (process {p} of {P})'}: slice of "
-            f"ranks {result['ranks'][0]}-{result['ranks'][-1]} at {result['dest']}: epochs {result['epochs']}"
-        )
 
 
 def _repeated(r: dict) -> str:

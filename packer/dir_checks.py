@@ -14,30 +14,20 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import TMP_MARK, name_problem, read_limited
-from tokpack.formats.manifest import (
-    LOSS_SUFFIX,
-    KINDS,
-    MANIFEST,
-    MAX_MANIFEST_BYTES,
-    canonical_bytes,
-    check_manifest,
-    dtype_from_name,
-    has_pad,
-    hash_hex64,
-    read_manifest,
-    rows_padded,
-    type_ok,
-)
+from tokpack.formats.io.writes import TMP_MARK
+from tokpack.formats.io.paths import name_problem
+from tokpack.formats.io.gate import read_limited
+from tokpack.formats.constants import LOSS_SUFFIX, KINDS, MANIFEST, MAX_MANIFEST_BYTES
+from tokpack.formats.reading import canonical_bytes, read_manifest
+from tokpack.formats.checks import check_manifest
+from tokpack.formats.names import dtype_from_name
+from tokpack.formats.packing import has_pad, rows_padded
+from tokpack.formats.hashes import hash_hex64
+from tokpack.formats.fields import type_ok
 from tokpack.formats.shard_scan import Findings, Problem, ShardJob, worst_status
-from tokpack.formats.shards import (
-    PAD_DTYPE,
-    PAD_SUFFIX,
-    ROWS_SUFFIX,
-    contained_shard,
-    shard_suffixes,
-)
-from tokpack.formats.slices import SLICE
+from tokpack.formats.constants import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX
+from tokpack.formats.shards import contained_shard, shard_suffixes
+from tokpack.formats.constants import SLICE
 
 from .slice_validation import slice_shard_jobs
 

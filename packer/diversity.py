@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import map_array, read_array, regular_size
-from tokpack.formats.shards import U64, PackedSource
+from tokpack.formats.io.gate import map_array, read_array, regular_size
+from tokpack.formats.constants import U64
+from tokpack.formats.shards import PackedSource
 from tokpack.loader.reader import SampleReader
 
 DOC_ID_SHIFT = 48  # a document's id in a batch: source index << 48 | document number in the source

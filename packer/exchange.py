@@ -70,18 +70,14 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.guard import WORK_DIR, OutputLock, check_space, holder_name
-from tokpack.formats.io import read_limited, write_bytes_atomic
-from tokpack.formats.manifest import (
-    MANIFEST,
-    MAX_MANIFEST_BYTES,
-    NODES_SIDECAR,
-    canonical_bytes,
-    epoch_dir_name,
-    nodes_sidecar,
-    parse_manifest,
-    read_manifest,
-)
+from tokpack.formats.constants import WORK_DIR
+from tokpack.formats.guard import OutputLock, check_space, holder_name
+from tokpack.formats.io.gate import read_limited
+from tokpack.formats.io.writes import write_bytes_atomic
+from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES, NODES_SIDECAR
+from tokpack.formats.reading import canonical_bytes, parse_manifest, read_manifest
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.builders import nodes_sidecar
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
 from tokpack.formats.slices import RankRows, slice_epoch_manifest, slice_manifest
 from tokpack.packer.agreement import agree, agree_sources
@@ -107,8 +103,9 @@ from tokpack.packer.slicing import slice_ranks
 from tokpack.packer.stall import DEFAULT_STALL_TIMEOUT, StallWatch, progressed
 from tokpack.packer.transport import OnSigterm, exchange_rounds, world
 from tokpack.shuffle import packings
-from tokpack.shuffle.plan import use_kept_sources
-from tokpack.shuffle.run import epoch_manifest_of, run_manifest_of, setup_run
+from tokpack.shuffle.sources import use_kept_sources
+from tokpack.shuffle.run import epoch_manifest_of, setup_run
+from tokpack.shuffle.run_records import run_manifest_of
 from tokpack.shuffle.spec import ShuffleSpec
 from tokpack.shuffle.steps import Layout
 

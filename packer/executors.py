@@ -28,9 +28,11 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError, task_failed
 from tokpack.formats.guard import OutputLock, holder_name
-from tokpack.formats.io import Outbox, RemotePath, is_url, local_path, open_new
+from tokpack.formats.io.writes import Outbox
+from tokpack.formats.io.paths import RemotePath, is_url, local_path
+from tokpack.formats.io.gate import open_new
 from tokpack.formats.outputs import BucketOutput, LocalOutput
-from tokpack.formats.manifest import MANIFEST
+from tokpack.formats.constants import MANIFEST
 from tokpack.shuffle.sinks import app_sinks_kept
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.

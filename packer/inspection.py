@@ -25,10 +25,14 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import as_path, progress, read_array, regular_size
-from tokpack.formats.manifest import HOLDOUT_DIR, MANIFEST, epoch_dir_name, read_manifest
+from tokpack.formats.io.paths import as_path
+from tokpack.formats.io.progress_log import progress
+from tokpack.formats.io.gate import read_array, regular_size
+from tokpack.formats.constants import HOLDOUT_DIR, MANIFEST, U64
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.reading import read_manifest
 from tokpack.formats.packing import holdout_recorded
-from tokpack.formats.shards import U64, PackedSource
+from tokpack.formats.shards import PackedSource
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.shared import Result, optional_field
 

@@ -2,7 +2,7 @@
 to its node's disk once; later epochs read them there, not on the shared filesystem. DIR
 holds a folder per source (its fingerprint: manifest and kept shards) and KEPT_RECORD, which
 maps each source's location to it, so a later command plans from the copies (`kept_copies`,
-for tokpack.shuffle.plan.use_kept_sources) and opens nothing in the shared source folders.
+for tokpack.shuffle.sources.use_kept_sources) and opens nothing in the shared source folders.
 
 Trust (issue 42): DIR is refused inside DEST, RUN or a source folder before anything is written
 (`kept_folder`); its disk's free space is checked before a copy, and a full one is named as
@@ -22,19 +22,15 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, is_no_space
-from tokpack.formats.io import (
-    commit_file,
-    local_path,
-    open_new,
-    open_read,
-    read_limited,
-    tmp_path,
-    write_bytes_atomic,
-)
-from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES, canonical_bytes, read_manifest
+from tokpack.formats.io.writes import commit_file, tmp_path, write_bytes_atomic
+from tokpack.formats.io.paths import local_path
+from tokpack.formats.io.gate import open_new, open_read, read_limited
+from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES
+from tokpack.formats.reading import canonical_bytes, read_manifest
 from tokpack.packer.node_dest import node_dest
-from tokpack.shuffle.plan import is_virtual, open_source, source_location
-from tokpack.shuffle.steps import source_changed_error
+from tokpack.shuffle.plan import is_virtual
+from tokpack.shuffle.sources import open_source, source_location
+from tokpack.shuffle.epoch_job import source_changed_error
 
 # In a --keep-sources folder: each kept source's location (as manifests name it) -> its fingerprint,
 # the subfolder holding its copy.
@@ -247,7 +243,7 @@ def _kept_record(folder: Path) -> dict:
 
 def kept_copies(folder: Path, run=None) -> dict[str, Path]:
     """The sources a --keep-sources folder holds copies of (their location -> the copy), for
-    tokpack.shuffle.plan.use_kept_sources before the run is planned. A source RUN (`run`, when
+    tokpack.shuffle.sources.use_kept_sources before the run is planned. A source RUN (`run`, when
     it has a manifest) names is read from the copy of RUN's fingerprint, whatever the record
     says (a damaged or stale record cannot put another source's copy in its place), or from
     its own folder when no valid copy of it is kept; a copy whose manifest is damaged is not

@@ -36,8 +36,12 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import existing_ancestor
 from tokpack.formats.inputs import InputFile
 from tokpack.formats.inputs.discover import read_blocks
-from tokpack.formats.io import HashedFile, as_path, is_url, open_new, progress, regular_fd, regular_size, tmp_path
-from tokpack.formats.manifest import shard_name, xxh3_128_file
+from tokpack.formats.io.writes import HashedFile, tmp_path
+from tokpack.formats.io.paths import as_path, is_url
+from tokpack.formats.io.gate import open_new, regular_fd, regular_size
+from tokpack.formats.io.progress_log import progress
+from tokpack.formats.names import shard_name
+from tokpack.formats.hashes import xxh3_128_file
 from tokpack.formats.shards import SourceShardWriter
 from tokpack.packer.vocab import Normalizer
 

@@ -12,10 +12,11 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import open_append, write_bytes_atomic
+from tokpack.formats.io.gate import open_append
+from tokpack.formats.io.writes import write_bytes_atomic
 from tokpack.packer.node_epoch import NodeEpoch, memory_plan
 from tokpack.packer.pieces import gather
-from tokpack.shuffle.packed import RECORD
+from tokpack.shuffle.packed.table import RECORD
 from tokpack.shuffle.packed_step import read_bucket  # the order pass's reader, for windows and pieces alike
 from tokpack.shuffle.steps import Layout
 

@@ -8,13 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.guard import LOCK_NAME, WORK_DIR
-from tokpack.formats.io import open_read
-from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES, epoch_dir_name, parse_manifest, read_manifest
+from tokpack.formats.constants import LOCK_NAME, WORK_DIR
+from tokpack.formats.io.gate import open_read
+from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.reading import parse_manifest, read_manifest
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.slices import RankRows, slice_epoch_manifest, slice_manifest
 from tokpack.packer.slice_dest import epoch_in_place, previous_slice
-from tokpack.shuffle.run import run_manifest_of
+from tokpack.shuffle.run_records import run_manifest_of
 
 NODE = "{node}"  # in DEST: replaced by the process's node number
 

@@ -19,7 +19,7 @@ from tokpack.formats.slices import RankRows
 from tokpack.packer.kept_sources import keep_sources
 from tokpack.packer.transport import MAX_MESSAGE_BYTES
 from tokpack.shuffle import packings
-from tokpack.shuffle.packed import RECORD
+from tokpack.shuffle.packed.table import RECORD
 from tokpack.shuffle.steps import split_shards
 
 # Rows a round's buffers hold at least: fewer, and the exchange spends its time per round.

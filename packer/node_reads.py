@@ -9,11 +9,12 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-from tokpack.formats.io import map_file
+from tokpack.formats.io.gate import map_file
 from tokpack.packer.phases import lapped, phase
 from tokpack.packer.pieces import WIRE_PIECE, gather
 from tokpack.shuffle.plan import iter_source_windows
-from tokpack.shuffle.steps import ShardHashes, shard_segments, source_changed_error
+from tokpack.shuffle.steps import ShardHashes, shard_segments
+from tokpack.shuffle.epoch_job import source_changed_error
 
 
 def source_pieces(ne, tokens: int):

@@ -6,7 +6,7 @@ whose share stands for every node's)."""
 
 from __future__ import annotations
 
-from tokpack.formats.io import progress
+from tokpack.formats.io.progress_log import progress
 from tokpack.shuffle import packings
 from tokpack.shuffle.run import epoch_samples, repeat_warnings
 

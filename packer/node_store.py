@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import anonymous
+from tokpack.formats.io.memory import anonymous
 from tokpack.formats.outputs import EpochShardFormat, Output
 from tokpack.packer.node_buckets import Buckets
 from tokpack.packer.node_epoch import NodeEpoch

@@ -13,7 +13,8 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import open_new, open_read, tmp_path
+from tokpack.formats.io.gate import open_new, open_read
+from tokpack.formats.io.writes import tmp_path
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace
 from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, shard_files
 from tokpack.packer.node_epoch import NodeEpoch

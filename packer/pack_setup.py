@@ -12,17 +12,20 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.constants import DEFAULT_SHARD_TOKENS
-from tokpack.formats.guard import LOCK_NAME, WORK_DIR, bytes_under
+from tokpack.formats.constants import DEFAULT_SHARD_TOKENS, LOCK_NAME, WORK_DIR, MANIFEST
+from tokpack.formats.guard import bytes_under
 from tokpack.formats.inputs import InputFile
 from tokpack.formats.inputs.discover import check_input, discover
 from tokpack.formats.inputs.tables import parquet_values
-from tokpack.formats.io import as_path, is_tmp_name, is_url, read_record
-from tokpack.formats.manifest import MANIFEST, dtype_for_vocab, read_manifest
+from tokpack.formats.io.paths import as_path, is_url
+from tokpack.formats.io.writes import is_tmp_name
+from tokpack.formats.io.gate import read_record
+from tokpack.formats.names import dtype_for_vocab
+from tokpack.formats.reading import read_manifest
 from tokpack.formats.outputs import LocalOutput, Output
 from tokpack.formats.shards import PackedSource, is_own_file
 from tokpack.formats.units import counted
-from tokpack.packer.executors import ExecutorConfig
+from tokpack.packer.shared import ExecutorConfig
 from tokpack.packer.linking import LinkPlan, plan_links
 from tokpack.packer.vocab import load_tokenizer, resolve_vocab_eos
 
@@ -204,8 +207,6 @@ def setup_pack(
         options.overwrite,
         options.shard_tokens,
     )
-    if shard_tokens < 1:
-        raise TokpackError("shard size must be positive", where="--shard-tokens", expected=">= 1", found=shard_tokens)
     if tokenizer is not None:
         tokenizer = str(Path(tokenizer).absolute()) if os.path.isfile(tokenizer) else tokenizer
         load_tokenizer(tokenizer)

@@ -27,34 +27,37 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.guard import WORK_DIR, check_space, locked_output
+from tokpack.formats.constants import WORK_DIR
+from tokpack.formats.guard import check_space, locked_output
 from tokpack.formats.inputs import BLOCK_BYTES, InputFile
 from tokpack.formats.inputs.discover import check_input, discover, read_blocks
 from tokpack.formats.inputs.tables import table_rows
-from tokpack.formats.io import MAX_RECORD_BYTES, as_path, progress, read_limited, read_record, write_bytes_atomic
-from tokpack.formats.manifest import read_manifest, shard_digits, shard_name, source_manifest
+from tokpack.formats.io.gate import MAX_RECORD_BYTES, read_limited, read_record
+from tokpack.formats.io.paths import as_path
+from tokpack.formats.io.progress_log import progress
+from tokpack.formats.io.writes import write_bytes_atomic
+from tokpack.formats.reading import read_manifest
+from tokpack.formats.names import shard_digits, shard_name
+from tokpack.formats.builders import source_manifest
 from tokpack.formats.outputs import LocalOutput, Output, ShardPlace, SourceShardFormat
 from tokpack.formats.shards import shard_suffixes
 from tokpack.formats.units import counted
 from tokpack.shuffle.sinks import app_sinks_kept
-from tokpack.packer.executors import ExecutorConfig, run_steps, runs_in_process
+from tokpack.packer.shared import ExecutorConfig
+from tokpack.packer.executors import run_steps, runs_in_process
 from tokpack.packer.linking import Linked, link_part, summary as link_summary
 from tokpack.packer.vocab import Normalizer
 from tokpack.packer.pack_result import (
-    NOTES_SHOWN as NOTES_SHOWN,
-    ONE_DOCUMENT_TOKENS as ONE_DOCUMENT_TOKENS,
-    PackResult as PackResult,
-    eos_warnings as eos_warnings,
+    PackResult,
+    eos_warnings,
     pack_result,
     say_result,
 )
 from tokpack.packer.pack_setup import (
-    PackOptions as PackOptions,
-    PackSetup as PackSetup,
+    PackOptions,
     clear_output,
-    known_tokens as known_tokens,
-    pack_tasks as pack_tasks,
-    setup_pack as setup_pack,
+    pack_tasks,
+    setup_pack,
 )
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
@@ -333,19 +336,16 @@ def _finalize(out: Path, work: Path, plan: dict, to: Output) -> dict:
 def pack(
     inputs: list[str],
     output: str,
-    options: PackOptions | None = None,
+    options: PackOptions,
     *,
     log=None,
     config: ExecutorConfig | None = None,
     block_bytes: int = BLOCK_BYTES,
     to: Output = LocalOutput(),
-    **settings,
 ) -> PackResult:
     """Packs INPUTs (local paths or fsspec URLs, read where they are) into one packed source at
     the local `output`, or, `to` another Output (tokpack.formats.outputs), where it sends them from
-    there (tokpack.packer.api.pack picks the Output). `options`: what the pack makes (PackOptions;
-    tests may give its fields as keywords instead)."""
-    options = options or PackOptions(**settings)
+    there (tokpack.packer.api.pack picks the Output). `options`: what the pack makes."""
     link, shard_tokens = options.link, options.shard_tokens
     t0 = time.perf_counter()
     say = log or (lambda msg: None)

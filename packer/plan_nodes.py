@@ -13,7 +13,9 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import space_needs
-from tokpack.formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.reading import canonical_bytes
+from tokpack.formats.names import epoch_dir_name
 from tokpack.packer.node_model import MEASURED, MEASURED_BY, NodeWork, Rates
 from tokpack.packer.node_model import epoch as epoch_time
 from tokpack.packer.plan_result import COMMAND_START_SECONDS, PlanResult, local_only, measure_disk, size_text
@@ -207,7 +209,8 @@ def _planned_manifest(job, sources, memory: int):
     counted by packing its passes once more, as plan shuffle shows it) and each shard's
     pad_xxh3_128, which --to-nodes RUNs hold (tokpack.shuffle.run.epoch_manifest_of)."""
     from tokpack.shuffle import packings
-    from tokpack.shuffle.run import epoch_manifest_of, planned_epoch_manifest
+    from tokpack.shuffle.run import epoch_manifest_of
+    from tokpack.shuffle.run_space import planned_epoch_manifest
 
     manifest, entry = planned_epoch_manifest(job, sources), packings.of_plan(job.plan)
     if entry.figures is None:
@@ -274,15 +277,16 @@ def plan_to_nodes(
     """What `mpirun -n NODES tokpack shuffle ... --to-nodes DEST` would do, per node (docs/COMMANDS.md,
     "Straight to the nodes"): from the exchange's own arithmetic (_node_epoch_figures), then the
     time of each node's shared-filesystem, network and local-disk bytes; the slowest node's is the run's."""
-    from tokpack.formats.manifest import nodes_sidecar
+    from tokpack.formats.builders import nodes_sidecar
     from tokpack.formats.slices import RankRows
     from tokpack.packer.node_dest import dest_template, node_dest
     from tokpack.packer.node_dest import run_numbering
     from tokpack.shuffle import packings
     from tokpack.packer.slicing import SLICE_ENTRY_BYTES, SLICE_HEADER_BYTES
-    from tokpack.packer.staging import on_disk
-    from tokpack.shuffle.packed import release_passes
-    from tokpack.shuffle.run import repeat_warnings, run_manifest_of, setup_run
+    from tokpack.packer.stage_dest import on_disk
+    from tokpack.shuffle.packed.passes import release_passes
+    from tokpack.shuffle.run import repeat_warnings, setup_run
+    from tokpack.shuffle.run_records import run_manifest_of
     from tokpack.packer.slicing import slice_ranks
 
     dest, keep_sources, memory = spec.nodes.dest, spec.nodes.keep_sources, spec.memory

@@ -136,8 +136,6 @@ def planned_result(
         }
         for path, where, needed, free in space_needs(needs)
     ]
-    if disk_mbps is not None and disk_mbps <= 0:
-        raise TokpackError("disk throughput must be positive", where="--disk-mbps", expected="> 0", found=disk_mbps)
     mbps, disk = (float(disk_mbps), "given") if disk_mbps else measure_disk(Path(space[0]["filesystem"]))
     for p in passes:
         at_once = 1 if not concurrent else p["tasks"] if config.workers == 1 else min(config.workers, p["tasks"])
@@ -179,7 +177,7 @@ def plan_pass(name: str, tasks: int, memory: int | None, read: int, written: int
 
 def local_only(paths: list[str]) -> list[str]:
     """The local paths (`file://` URLs included) a plan reads or writes next to; other URLs are refused."""
-    from tokpack.packer.executors import local_path
+    from tokpack.formats.io.paths import local_path
 
     for p in paths:
         if local_path(p) is None:

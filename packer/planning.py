@@ -11,7 +11,7 @@ only file a plan touches.
 
 This module plans pack, stage and shuffle; plan shuffle --to-nodes is tokpack.packer.plan_nodes,
 the result, the disk's measure and the time model tokpack.packer.plan_result, the text printed
-tokpack.packer.plan_report. Their public names stay importable from here.
+tokpack.packer.plan_report.
 """
 
 from __future__ import annotations
@@ -22,69 +22,34 @@ from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import physical_memory
-from tokpack.formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, source_manifest
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.reading import canonical_bytes
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.builders import source_manifest
 from tokpack.packer.shared import ExecutorConfig, as_paths
-from tokpack.packer.plan_nodes import NIC_MBPS as NIC_MBPS
-from tokpack.packer.plan_nodes import plan_to_nodes as plan_to_nodes
-from tokpack.packer.plan_report import report_lines as report_lines
-from tokpack.packer.plan_result import COMMAND_START_SECONDS as COMMAND_START_SECONDS
-from tokpack.packer.plan_result import EXECUTOR_START_SECONDS as EXECUTOR_START_SECONDS
-from tokpack.packer.plan_result import MEASURE_BLOCK as MEASURE_BLOCK
-from tokpack.packer.plan_result import MEASURE_BYTES as MEASURE_BYTES
-from tokpack.packer.plan_result import MEASURE_SECONDS as MEASURE_SECONDS
-from tokpack.packer.plan_result import PARQUET_VALUES_PER_CORE_S as PARQUET_VALUES_PER_CORE_S
-from tokpack.packer.plan_result import PlanResult as PlanResult
-from tokpack.packer.plan_result import measure_disk as measure_disk
+from tokpack.packer.plan_nodes import plan_to_nodes
+from tokpack.packer.plan_result import PARQUET_VALUES_PER_CORE_S
+from tokpack.packer.plan_result import PlanResult
 from tokpack.packer.plan_result import local_only, plan_pass, planned_result, size_text
 
 # ------------------------------------------------------------------------ the commands
 
 
 def check_nodes(given: dict, nodes, shared_mbps, nic_mbps, executor) -> tuple:
-    """plan shuffle's --to-nodes arguments (shuffle's keywords `given`, and the machine's figures),
+    """plan shuffle --to-nodes' machine figures (its usage checked by tokpack.packer.api.shuffle_usage),
     checked as the CLI's option types check them, before any file is read: (nodes, shared_mbps,
     nic_mbps) parsed."""
     from tokpack.formats import arguments
 
-    if given.get("to_nodes") is None:
-        if any(v is not None for v in (nodes, shared_mbps, nic_mbps)) or any(
-            given.get(k) is not None for k in ("ranks_per_node", "micro_batch", "keep_sources", "procs_per_node")
-        ):
-            raise TokpackError(
-                "--nodes, --ranks-per-node, --micro-batch, --keep-sources, --procs-per-node, --shared-mbps and "
-                "--nic-mbps go with --to-nodes DEST",
-                where="to_nodes",
-            )
-        return nodes, shared_mbps, nic_mbps
-    # the API's arguments checked as the CLI's option types check them (tokpack.packer.api.ARGUMENTS)
-    nodes, ranks_per_node, micro_batch = (
-        arguments.whole(v, name, least=1)
-        for v, name in (
-            (nodes, "nodes"),
-            (given.get("ranks_per_node"), "ranks_per_node"),
-            (given.get("micro_batch"), "micro_batch"),
-        )
-    )
-    shared_mbps, nic_mbps = (
-        arguments.positive_number(v, name) for v, name in ((shared_mbps, "shared_mbps"), (nic_mbps, "nic_mbps"))
-    )
-    if None in (nodes, ranks_per_node, micro_batch):
-        raise TokpackError(
-            "plan shuffle --to-nodes needs the nodes, ranks a node and micro-batch",
-            where="--nodes/--ranks-per-node/--micro-batch",
-            expected="all three",
-            found={"nodes": nodes, "ranks_per_node": ranks_per_node, "micro_batch": micro_batch},
-        )
-    if (
-        given.get("like") is not None
-        or given.get("holdout") is not None
-        or (executor is not None and executor.executor != "local")
-    ):
+    if given.get("to_nodes") is not None and executor is not None and executor.executor != "local":
         raise TokpackError(
             "shuffle --to-nodes takes its sources and settings, not --like, --holdout or an --executor",
             where="--like/--holdout/--executor",
         )
-    return nodes, shared_mbps, nic_mbps
+    return (
+        arguments.whole(nodes, "nodes", least=1),
+        *(arguments.positive_number(v, name) for v, name in ((shared_mbps, "shared_mbps"), (nic_mbps, "nic_mbps"))),
+    )
 
 
 def plan_shuffle(
@@ -105,18 +70,17 @@ def plan_shuffle(
         return plan_to_nodes(spec, nodes=nodes, shared_mbps=shared_mbps, nic_mbps=nic_mbps, disk_mbps=disk_mbps)
     from tokpack.shuffle.packings import figures_shown, of_plan
     from tokpack.shuffle.steps import BUCKETS_PER_FOLDER
-    from tokpack.shuffle.run import (
+    from tokpack.shuffle.run_space import (
         bytes_to_write,
         epoch_bytes,
-        epoch_layout,
         memory_path,
         planned_epoch_manifest,
-        repeat_warnings,
-        run_manifest_of,
         scratch_bytes,
-        setup_run,
         task_budget,
     )
+    from tokpack.shuffle.run import epoch_layout, repeat_warnings
+    from tokpack.shuffle.run_records import run_manifest_of
+    from tokpack.shuffle.run_setup import setup_run
 
     memory = spec.memory
     config = executor or ExecutorConfig()
@@ -192,7 +156,7 @@ def plan_shuffle(
     if written:
         run = run_manifest_of(written, setup.todo[-1][1], setup.weights, opened, setup.shard_samples, setup.runplan)
         manifests[MANIFEST] = len(canonical_bytes(run))
-    from tokpack.shuffle.packed import release_passes
+    from tokpack.shuffle.packed.passes import release_passes
 
     release_passes()  # the best-fit passes the plan packed and kept: a caller's process does not keep them
     plan = setup.todo[0][1]
@@ -250,7 +214,7 @@ def plan_pack(
     `scratch`: as in plan_shuffle, unused. `link`: which bytes pack --link would link, not copy
     (a datatrove input whose documents do not all end with EOS is found only by the scan, and copied)."""
     from tokpack.formats.inputs.tables import PARQUET_DECODE_THREADS
-    from tokpack.packer.packing import PackOptions, known_tokens, pack_tasks, setup_pack
+    from tokpack.packer.pack_setup import PackOptions, known_tokens, pack_tasks, setup_pack
 
     options = options or PackOptions()
     shard_tokens, link = options.shard_tokens, options.link
@@ -337,18 +301,10 @@ def plan_stage(directory, dest, selection: dict, *, disk_mbps: float | None = No
     workers, epochs, ranks, micro_batch = (selection[k] for k in ("workers", "epochs", "ranks", "micro_batch"))
     world_size, node, ranks_per_node = selection["world_size"], selection["node"], selection["ranks_per_node"]
     start_sample, shards_of = selection["start_sample"], selection["shards_of"]
-    from tokpack.packer.staging import (
-        STAGE_BLOCK,
-        Source,
-        in_place,
-        bytes_to_copy,
-        bytes_to_write,
-        make_plan,
-        parse_epochs,
-        parse_ranks,
-        whole_copy_note,
-        whole_shard_ranks,
-    )
+    from tokpack.packer.stage_source import STAGE_BLOCK, Source
+    from tokpack.packer.stage_dest import in_place, bytes_to_copy, bytes_to_write
+    from tokpack.packer.stage_plan import make_plan, parse_epochs, parse_ranks, whole_shard_ranks
+    from tokpack.packer.stage_partial import whole_copy_note
 
     ranks = whole_shard_ranks(shards_of, ranks, world_size, node)
     (dest,) = local_only([str(dest)])

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import remove_tmp_files
+from tokpack.formats.io.writes import remove_tmp_files
 from tokpack.formats.outputs import EpochShardFormat, Output, ShardPlace
 from tokpack.formats.slices import RankRows, rank_file_name
-from tokpack.shuffle.steps import MAX_CHUNK_BYTES
+from tokpack.shuffle.epoch_job import MAX_CHUNK_BYTES
 
 
 class RankFiles:

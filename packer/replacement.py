@@ -20,9 +20,13 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.constants import PAD_DTYPE
-from tokpack.formats.guard import WORK_DIR, OutputLock, holder_name
-from tokpack.formats.io import open_read, read_limited
-from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES, epoch_dir_name, parse_manifest, row_hashes
+from tokpack.formats.constants import WORK_DIR
+from tokpack.formats.guard import OutputLock, holder_name
+from tokpack.formats.io.gate import open_read, read_limited
+from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.reading import parse_manifest
+from tokpack.formats.hashes import row_hashes
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
 from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, RowFacts, tokens_on_nodes
@@ -34,7 +38,7 @@ from tokpack.packer.slice_dest import epoch_in_place
 from tokpack.packer.slicing import slice_ranks
 from tokpack.packer.source_reads import READ_DEPTH, SourceReader
 from tokpack.shuffle import packings
-from tokpack.shuffle.plan import open_source
+from tokpack.shuffle.sources import open_source
 
 
 @dataclass

@@ -9,19 +9,13 @@ from pathlib import Path
 
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import contained
-from tokpack.formats.manifest import (
-    chain_start,
-    EPOCH_DIR,
-    HOLDOUT_DIR,
-    MANIFEST,
-    STAGE_SIDECAR,
-    check_manifest,
-    epoch_dir_name,
-    partial_stage_absent,
-    type_ok,
-    xxh3_128_file,
-)
+from tokpack.formats.io.gate import contained
+from tokpack.formats.checks import chain_start, EPOCH_DIR, check_manifest
+from tokpack.formats.constants import HOLDOUT_DIR, MANIFEST, STAGE_SIDECAR
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.reading import partial_stage_absent
+from tokpack.formats.fields import type_ok
+from tokpack.formats.hashes import xxh3_128_file
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.shard_scan import Problem
 from tokpack.formats.shards import (

@@ -23,8 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import open_read, read_full
-from tokpack.formats.manifest import has_pad, hash_hex64, order_hash, row_hashes
+from tokpack.formats.io.gate import open_read
+from tokpack.formats.io.reads import read_full
+from tokpack.formats.hashes import hash_hex64, order_hash, row_hashes
+from tokpack.formats.packing import has_pad
 from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROW_HASH_DTYPE, ROWS_SUFFIX, tokens_on_nodes
 
 from .dir_checks import DirReport

@@ -1,4 +1,4 @@
-"""What DEST already holds of a node slice (tokpack.packer.slicing re-exports these): a slice of
+"""What DEST already holds of a node slice: a slice of
 the same run and ranks, whose epochs already staged are kept in place (previous_slice,
 epoch_in_place), or anything else, refused with the first setting that differs.
 """
@@ -8,19 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import is_tmp_name, read_limited
-from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES, parse_manifest, require_valid, strict_json
+from tokpack.formats.io.writes import is_tmp_name
+from tokpack.formats.io.gate import read_limited
+from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES, SLICE, SLICE_EPOCH
+from tokpack.formats.reading import parse_manifest, require_valid, strict_json
 from tokpack.formats.shards import shard_suffixes
-from tokpack.formats.slices import (
-    SLICE,
-    SLICE_EPOCH,
-    SLICE_EPOCH_KEYS,
-    SLICE_SHAPE_KEYS,
-    missing_padding,
-    rank_file_name,
-    stage_command,
-)
-from tokpack.packer.staging import UNFINISHED, Held, dest_holds, refuse_dest
+from tokpack.formats.slices import SLICE_EPOCH_KEYS, SLICE_SHAPE_KEYS, missing_padding, rank_file_name, stage_command
+from tokpack.packer.stage_dest import UNFINISHED, Held, dest_holds, refuse_dest
 from tokpack.shuffle.packings import DEFAULT as DEFAULT_PACKING
 
 

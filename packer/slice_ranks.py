@@ -1,4 +1,4 @@
-"""Which ranks a node slice holds (tokpack.packer.slicing re-exports these): `--ranks A-B` of
+"""Which ranks a node slice holds: `--ranks A-B` of
 `--world-size`, or `--node n/N` of `--ranks-per-node`, checked and bounded.
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.units import at_most, digits
-from tokpack.packer.staging import MAX_WORLD_SIZE
+from tokpack.packer.stage_plan import MAX_WORLD_SIZE
 
 
 def parse_rank_range(spec) -> tuple[int, int, int | None]:
@@ -60,8 +60,6 @@ def slice_ranks(
         hint="W is the number of data-parallel ranks that read the run",
     )
     if micro_batch is not None:
-        if micro_batch < 1:
-            raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
         at_most(
             w * micro_batch,
             MAX_GLOBAL_BATCH,

@@ -11,28 +11,18 @@ from typing import NamedTuple
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import IO_BLOCK, as_path, open_read, read_full, read_limited, regular_size
-from tokpack.formats.manifest import (
-    MANIFEST,
-    MAX_MANIFEST_BYTES,
-    check_manifest,
-    row_bytes_of,
-    dtype_from_name,
-    epoch_dir_name,
-    has_pad,
-    read_manifest,
-    row_hashes,
-)
+from tokpack.formats.io.gate import IO_BLOCK, open_read, read_limited, regular_size
+from tokpack.formats.io.paths import as_path
+from tokpack.formats.io.reads import read_full
+from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES, PAD_DTYPE, PAD_SUFFIX, SLICE_EPOCH
+from tokpack.formats.checks import check_manifest, row_bytes_of
+from tokpack.formats.names import dtype_from_name, epoch_dir_name
+from tokpack.formats.packing import has_pad
+from tokpack.formats.reading import read_manifest
+from tokpack.formats.hashes import row_hashes
 from tokpack.formats.numbering import EpochNumbering
-from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, RowFacts, contained_shard, tokens_on_nodes
-from tokpack.formats.slices import (
-    SLICE_EPOCH,
-    RankRows,
-    contained_epoch_dir,
-    missing_padding,
-    slice_epoch_problems,
-    run_identity,
-)
+from tokpack.formats.shards import RowFacts, contained_shard, tokens_on_nodes
+from tokpack.formats.slices import RankRows, contained_epoch_dir, missing_padding, slice_epoch_problems, run_identity
 
 
 def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:

@@ -27,51 +27,35 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, is_no_space, locked_output
-from tokpack.formats.io import IO_BLOCK, Worker, regular_fd, remove_tmp_files
-from tokpack.formats.manifest import (
-    canonical_bytes,
-    has_pad,
-    row_bytes_of,
-    MANIFEST,
-    dtype_from_name,
-    epoch_dir_name,
-    hash_hex64,
-    parse_manifest,
-    row_hashes,
-)
+from tokpack.formats.io.gate import IO_BLOCK, regular_fd
+from tokpack.formats.io.reads import Worker
+from tokpack.formats.io.writes import remove_tmp_files
+from tokpack.formats.reading import canonical_bytes, parse_manifest
+from tokpack.formats.packing import has_pad
+from tokpack.formats.checks import row_bytes_of
+from tokpack.formats.constants import MANIFEST, PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, SLICE
+from tokpack.formats.names import dtype_from_name, epoch_dir_name
+from tokpack.formats.hashes import hash_hex64, row_hashes
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace, ShardWriter
-from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, RowFacts, contained_shard
-from tokpack.formats.slices import (
-    SLICE,
-    RankRows,
-    rank_file_name,
-    run_identity,
-    slice_epoch_manifest,
-    slice_manifest,
-)
+from tokpack.formats.shards import RowFacts, contained_shard
+from tokpack.formats.slices import RankRows, rank_file_name, run_identity, slice_epoch_manifest, slice_manifest
 
 from tokpack.packer.shared import Result
-from tokpack.packer.staging import (
-    Source,
-    on_disk,
-    parse_epochs,
-)
+from tokpack.packer.stage_source import Source
+from tokpack.packer.stage_dest import local_dest, on_disk
+from tokpack.packer.stage_plan import parse_epochs
 from tokpack.shuffle.packings import of_manifest
 
-from .slice_dest import epoch_in_place as epoch_in_place, epoch_tokens, previous_slice
+from .slice_dest import epoch_in_place, epoch_tokens, previous_slice
 from .slice_ranks import (
-    MAX_GLOBAL_BATCH as MAX_GLOBAL_BATCH,
-    MAX_SLICE_RANKS as MAX_SLICE_RANKS,
-    parse_rank_range as parse_rank_range,
-    slice_ranks as slice_ranks,
+    slice_ranks,
 )
 
 # Rows gathered per step: three chunks in flight (read, verified, written), so memory stays near
@@ -465,21 +449,13 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
     """Writes the node slice of ranks A..B of a run (local or any fsspec URL) into the local DEST;
     `ranks`: SliceRanks's fields, by keyword."""
     t0 = time.perf_counter()
-    if "://" in str(dest):
-        raise TokpackError(
-            "DEST must be a local path",
-            file=dest,
-            expected="a local directory (e.g. on NVMe)",
-            found="a URL",
-            hint="stage reads from any fsspec URL but writes to local disk",
-        )
+    dest = local_dest(dest)
     src = Source(str(directory))
     which = SliceRanks(**ranks)
     micro_batch = which.micro_batch
     plan = plan_slice(src, *which, epochs)
     (a, b), w, rows, run, chosen = plan.ranks, plan.world_size, plan.rows, plan.run, plan.epochs
     numbering = EpochNumbering.of_run(run, src.path)
-    dest = Path(dest)
     root = slice_manifest(run, src.local_root or src.path, rows, a, b)
     previous = previous_slice(dest, root, src.path)
     row_bytes = row_bytes_of(run)

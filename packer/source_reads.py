@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import ThreadPool, regular_fd
+from tokpack.formats.io.reads import ThreadPool
+from tokpack.formats.io.gate import regular_fd
 from tokpack.formats.shards import PackedSource
 
 READ_DEPTH = 32  # reads in flight: an NVMe's queue wants dozens, a network filesystem as many

@@ -8,11 +8,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import read_limited
-from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES, STAGE_SIDECAR, canonical_bytes, strict_json
+from tokpack.formats.io.gate import read_limited
+from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES, STAGE_SIDECAR
+from tokpack.formats.reading import canonical_bytes, strict_json
 from tokpack.formats.slices import RUN_SELECTION_KEYS
 from tokpack.packer.stage_plan import DirPlan, shard_jobs
 from tokpack.packer.stage_source import join_rel
+
+
+def local_dest(dest) -> Path:
+    """DEST as a local path: a stage reads from any fsspec URL but writes to local disk."""
+    if "://" in str(dest):
+        raise TokpackError(
+            "DEST must be a local path",
+            file=dest,
+            expected="a local directory (e.g. on NVMe)",
+            found="a URL",
+            hint="stage reads from any fsspec URL but writes to local disk",
+        )
+    return Path(dest)
 
 
 def in_place(path: Path, size: int | None) -> bool:
@@ -98,7 +112,7 @@ def _check_unvouched(dest: Path, p: DirPlan) -> None:
     sizes other than the recorded ones for more of its files than match. A killed stage of this
     copy leaves the files it verified, at their sizes (and temporaries, removed), and at most a
     few of the copy's own files damaged before a repair began: those a rerun replaces."""
-    from tokpack.formats.io import is_tmp_name
+    from tokpack.formats.io.writes import is_tmp_name
     from tokpack.formats.shards import is_own_file
 
     folder = dest / p.rel if p.rel else dest
@@ -213,7 +227,7 @@ def dest_holds(dest: Path, path: Path | None = None, other_run: bool = False) ->
         return Held(kind if kind in UNFINISHED else "other", words, root, m)
     if not dest.is_dir():
         return Held(None, "nothing", dest)
-    from tokpack.formats.io import is_tmp_name
+    from tokpack.formats.io.writes import is_tmp_name
     from tokpack.formats.shards import is_own_file
 
     held = Held(None, "nothing", dest)

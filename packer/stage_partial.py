@@ -6,8 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import read_limited
-from tokpack.formats.manifest import MAX_MANIFEST_BYTES, STAGE_SIDECAR, stage_sidecar, strict_json
+from tokpack.formats.io.gate import read_limited
+from tokpack.formats.constants import MAX_MANIFEST_BYTES, STAGE_SIDECAR
+from tokpack.formats.builders import stage_sidecar
+from tokpack.formats.reading import strict_json
 from tokpack.formats.outputs import Output
 from tokpack.formats.slices import stage_command
 from tokpack.packer.stage_plan import DirPlan

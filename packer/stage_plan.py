@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.manifest import HOLDOUT_DIR, MAX_EPOCHS, epoch_dir_name, upgrade
+from tokpack.formats.constants import HOLDOUT_DIR, MAX_EPOCHS
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.fields import upgrade
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.packing import run_holdout
 from tokpack.formats.shards import contained_shard, shard_files

@@ -7,8 +7,10 @@ import os
 from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import as_path, contained, open_read, regular_size
-from tokpack.formats.manifest import MANIFEST, MAX_MANIFEST_BYTES, parse_manifest, require_valid
+from tokpack.formats.io.paths import as_path
+from tokpack.formats.io.gate import contained, open_read, regular_size
+from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES
+from tokpack.formats.reading import parse_manifest, require_valid
 
 # Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
 # handful of workers the memory stays at workers x STAGE_BLOCK.

@@ -36,37 +36,28 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, locked_output
-from tokpack.formats.io import ThreadPool, hash_mapped, lent, open_new, open_read, progress, remove_tmp_files, tmp_path
-from tokpack.formats.manifest import HOLDOUT_DIR, STAGE_SIDECAR
+from tokpack.formats.io.reads import ThreadPool
+from tokpack.formats.io.gate import hash_mapped, open_new, open_read
+from tokpack.formats.io.memory import lent
+from tokpack.formats.io.progress_log import progress
+from tokpack.formats.io.writes import remove_tmp_files, tmp_path
+from tokpack.formats.constants import HOLDOUT_DIR, STAGE_SIDECAR
 from tokpack.formats.outputs import LocalOutput, Output
 from tokpack.packer.shared import Result, optional_field
 
-# The parts of a stage, each in its module; their names stay importable from here.
 from tokpack.packer.stage_dest import (
-    FS_BLOCK as FS_BLOCK,
-    UNFINISHED as UNFINISHED,
-    Held as Held,
-    bytes_to_copy as bytes_to_copy,
-    bytes_to_write as bytes_to_write,
+    local_dest,
+    bytes_to_write,
     check_dest,
-    dest_holds as dest_holds,
-    in_place as in_place,
-    on_disk as on_disk,
-    refuse_dest as refuse_dest,
 )
-from tokpack.packer.stage_partial import partial_sidecar, whole_copy_note as whole_copy_note
+from tokpack.packer.stage_partial import partial_sidecar, whole_copy_note
 from tokpack.packer.stage_plan import (
-    MAX_WORLD_SIZE as MAX_WORLD_SIZE,
-    CopyJob as CopyJob,
-    DirPlan as DirPlan,
-    make_plan as make_plan,
-    parse_epochs as parse_epochs,
-    parse_ranks as parse_ranks,
-    shard_jobs as shard_jobs,
-    shards_for_ranks as shards_for_ranks,
-    whole_shard_ranks as whole_shard_ranks,
+    CopyJob,
+    make_plan,
+    parse_epochs,
+    parse_ranks,
 )
-from tokpack.packer.stage_source import SOURCE_HINT as SOURCE_HINT, STAGE_BLOCK as STAGE_BLOCK, Source as Source
+from tokpack.packer.stage_source import STAGE_BLOCK, Source
 
 # A remote file is fetched in ranged reads of a quarter block, this many at a time per file (so
 # memory stays at one block per file in flight): an object store serves one connection far
@@ -321,19 +312,9 @@ def stage(
     t0 = time.perf_counter()
     epochs = parse_epochs(epochs)
     ranks = parse_ranks(ranks)
-    if micro_batch < 1:
-        raise TokpackError("bad --micro-batch", where="--micro-batch", expected=">= 1", found=micro_batch)
-    if "://" in str(dest):
-        raise TokpackError(
-            "DEST must be a local path",
-            file=dest,
-            expected="a local directory (e.g. on NVMe)",
-            found="a URL",
-            hint="stage reads from any fsspec URL but writes to local disk",
-        )
+    dest = local_dest(dest)
     src = Source(str(directory))
     kind, plans = make_plan(src, epochs, ranks, micro_batch)
-    dest = Path(dest)
     if dest.exists() and not dest.is_dir():
         raise TokpackError("DEST exists and is not a directory", file=dest, hint="choose a directory path")
     check_dest(dest, kind, plans)

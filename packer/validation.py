@@ -21,25 +21,21 @@ from pathlib import Path
 
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import ThreadPool, as_path, progress, read_limited
-from tokpack.formats.manifest import (
-    MANIFEST,
-    MASK64,
-    MAX_MANIFEST_BYTES,
-    hash_hex64,
-    strict_json,
-)
+from tokpack.formats.io.reads import ThreadPool
+from tokpack.formats.io.paths import as_path
+from tokpack.formats.io.progress_log import progress
+from tokpack.formats.io.gate import read_limited
+from tokpack.formats.constants import MANIFEST, MASK64, MAX_MANIFEST_BYTES, SLICE
+from tokpack.formats.hashes import hash_hex64
+from tokpack.formats.reading import strict_json
 from tokpack.formats.shard_scan import Findings, Problem, check_shard, problem_line, worst_status
 from tokpack.formats.shards import (
     PackedSource,
 )
-from tokpack.formats.slices import SLICE
 
 from .dir_checks import (
-    MAX_PROBLEMS_LISTED as MAX_PROBLEMS_LISTED,
     Dir,
-    DirReport as DirReport,
-    ProblemList as ProblemList,
+    DirReport,
     ValidationReport,
     plan_dir,
 )

@@ -12,8 +12,8 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.inputs import Block, InputFile, input_error as _err
-from tokpack.formats.io import give_buffers, take_buffer
-from tokpack.formats.manifest import dtype_for_vocab
+from tokpack.formats.io.memory import give_buffers, take_buffer
+from tokpack.formats.names import dtype_for_vocab
 
 EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
 # Hub tokenizers whose EOS id and vocabulary are fixed facts: datatrove metadata names them

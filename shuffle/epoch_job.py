@@ -18,12 +18,17 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import IO_BLOCK, Worker, lent, progress, read_record, write_bytes_atomic
-from tokpack.formats.manifest import dtype_from_name, shard_digits, shard_name
+from tokpack.formats.io.gate import IO_BLOCK, read_record
+from tokpack.formats.io.reads import Worker
+from tokpack.formats.io.memory import lent
+from tokpack.formats.io.progress_log import progress
+from tokpack.formats.io.writes import write_bytes_atomic
+from tokpack.formats.names import dtype_from_name, shard_digits, shard_name
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace
 from tokpack.formats.shards import PackedSource
 
-from .plan import EpochPlan, open_source
+from .plan import EpochPlan
+from .sources import open_source
 from .sinks import app_sinks_kept
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
@@ -134,6 +139,17 @@ class EpochJob:
     def show_progress(self) -> bool | None:
         """progress()'s `enabled`: None (a bar, or lines in a log) in the process that asked, else False."""
         return None if self.progress and os.getpid() == self.main_pid else False
+
+    def write_bar(self, shards: int):
+        """The bar of an in-memory path writing `shards` of the epoch's shards."""
+        return progress(
+            shards,
+            f"epoch {self.plan.epoch}: write",
+            unit="shard",
+            enabled=self.show_progress,
+            unit_bytes=self.shard_samples * self.row_bytes,
+            phase=True,
+        )
 
     @property
     def source_changed_path(self) -> Path:

@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import regular_size
+from tokpack.formats.io.gate import regular_size
 from tokpack.formats.units import holdout_amount
 
 from .permutation import Bijection

@@ -14,10 +14,10 @@ runs: --memory, --workers, the executor, --scratch, and -o (default: RUN itself)
 from __future__ import annotations
 
 from tokpack.formats.errors import IncompleteError, TokpackError
-from tokpack.formats.guard import LOCK_NAME, WORK_DIR
-from tokpack.formats.io import as_path
+from tokpack.formats.constants import LOCK_NAME, WORK_DIR
+from tokpack.formats.io.paths import as_path
 from tokpack.formats.packing import run_holdout
-from tokpack.formats.manifest import read_manifest
+from tokpack.formats.reading import read_manifest
 
 from . import packings
 from .schedule import read_schedule
@@ -40,12 +40,11 @@ TAKEN = {
 }
 
 
-def given_with_like(spec: ShuffleSpec | dict, cli: bool = False) -> list[str]:
-    """The settings `spec`'s user gave (or those among the keywords `spec`: given_names), though
-    --like takes them from the run: their flags (`cli`) or keywords. Given is not truthy:
-    `--seed 0` and `--packing concat` are given."""
-    given = spec.given if isinstance(spec, ShuffleSpec) else given_names(spec)
-    return [TAKEN[k] if cli else k for k in TAKEN if k in given]
+def given_with_like(values: dict) -> list[str]:
+    """The flags of the settings given among the keywords `values` (given_names), though --like
+    takes them from the run. Given is not truthy: `--seed 0` and `--packing concat` are given."""
+    given = given_names(values)
+    return [TAKEN[k] for k in TAKEN if k in given]
 
 
 def _started_run(run_dir) -> bool:
@@ -105,18 +104,11 @@ def run_settings(run_dir) -> dict:
 
 def like_spec(spec: ShuffleSpec) -> ShuffleSpec:
     """`spec` with its `like` run's own settings, its output defaulting to the run; unchanged
-    without `like`. A setting the run declares that the user gave as well is refused."""
+    without `like` (a setting the run declares that the user gave as well is refused before:
+    tokpack.packer.api.shuffle_usage)."""
     like = spec.like
     if like is None:
         return spec
-    twice = given_with_like(spec)
-    if twice:
-        raise TokpackError(
-            "like= takes these settings from the run",
-            where=", ".join(twice),
-            file=like,
-            hint="drop them; the run's own settings write its epochs",
-        )
     taken = run_settings(like)
     if taken.get("schedule") is None and spec.epochs is None:
         raise TokpackError(

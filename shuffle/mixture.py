@@ -1,4 +1,4 @@
-"""How an epoch's samples are drawn from its sources (tokpack.shuffle.plan re-exports these):
+"""How an epoch's samples are drawn from its sources:
 weights, the largest-remainder mixture, windows a source holds, the jitter of their starts,
 and the bound on passes over one source.
 """

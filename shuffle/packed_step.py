@@ -23,21 +23,14 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import map_file, open_append, open_read, progress, read_array, write_bytes_atomic
+from tokpack.formats.io.progress_log import progress
+from tokpack.formats.io.gate import map_file, open_append, open_read, read_array
+from tokpack.formats.io.writes import write_bytes_atomic
 
-from .packed import (
-    DOC,
-    PIECE_STATE_BYTES,
-    RECORD,
-    TABLE_PIECE_BYTES,
-    PackedTable,
-    TokenPool,
-    build_table,
-    document_count,
-    epoch_pieces,
-    kept_pass_bytes,
-    row_padding,
-)
+from .packed.passes import DOC, document_count, kept_pass_bytes
+from .packed.table import PIECE_STATE_BYTES, RECORD, TABLE_PIECE_BYTES, PackedTable, build_table, row_padding
+from .packed.replay import TokenPool
+from .packed.packed_plan import epoch_pieces
 from .epoch_job import RING, EpochJob, Step
 from .steps import OrderStep
 
@@ -164,14 +157,7 @@ class PackedInMemoryStep(Step):
                 chunk = pool.rows(table, a, min(g1, a + rows), plan.row_tokens, plan.pad_id, starts)
                 yield chunk.reshape(-1).view(job.row_void)
 
-        with progress(
-            len(todo),
-            f"epoch {plan.epoch}: write",
-            unit="shard",
-            enabled=job.show_progress,
-            unit_bytes=job.shard_samples * job.row_bytes,
-            phase=True,
-        ) as bar:
+        with job.write_bar(len(todo)) as bar:
             for i in todo:
                 g0, g1 = job.shard_range(i)
                 table, starts = built.rows(g0, g1)

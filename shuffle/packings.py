@@ -20,10 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from tokpack.formats.constants import DEFAULT_PLAN_MEMORY
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.packing import record_holdout
 
-from . import packed, packed_step, plan, steps
+from . import packed_step, plan, steps
+from .packed import packed_plan, replay as packed_replay, table as packed_table
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ class Packing:
     # and its manifests record a `packing` object (formats/manifest.py rows_padded of what it wrote).
     padded: bool = False
     # How its rows are built when they are not windows located in the sources: (plan, sources) ->
-    # a context manager of its row table (tokpack.shuffle.packed.PackedTable: `rows(g0, g1)` gives
+    # a context manager of its row table (tokpack.shuffle.packed_table.PackedTable: `rows(g0, g1)` gives
     # the pieces of output rows [g0, g1) and their first tokens), built in a temporary folder.
     # None: each row is a window the plan locates (plan.locate), no table.
     table_rows: Callable | None = None
@@ -230,7 +232,7 @@ def shown_line(fig: dict) -> str:
     return words
 
 
-def replay(manifest: dict, sources, order: bool = True, memory: int = packed.DEFAULT_PLAN_MEMORY):
+def replay(manifest: dict, sources, order: bool = True, memory: int = DEFAULT_PLAN_MEMORY):
     """`validate --against`'s replay of an epoch of any registered packing: (sample multiset
     hash, per-shard order hashes), by its entry's replay."""
     return of_manifest(manifest).replay(manifest, sources, order, memory)
@@ -240,7 +242,7 @@ def replay(manifest: dict, sources, order: bool = True, memory: int = packed.DEF
 
 
 def _windows_plan(sources, *, memory, holdout=None, **kw):
-    return plan.epoch_plan(sources, holdout=plan.HoldoutChoice(holdout, False, packed.held_out), **kw)
+    return plan.epoch_plan(sources, holdout=plan.HoldoutChoice(holdout, False, packed_plan.held_out), **kw)
 
 
 def _windows_in_memory(job, prepared, memory, needed, held):
@@ -255,10 +257,10 @@ WINDOWS = register(
         options=lambda pad_id, group_tokens: {},
         plan=_windows_plan,
         chained=lambda p, *, members, sources, names, cursors, weights, counts, memory, **options: plan.chained_plan(
-            p, members, sources, names, cursors, packed.held_out
+            p, members, sources, names, cursors, packed_plan.held_out
         ),
-        from_manifest=lambda m, sources, memory: plan.EpochPlan.from_manifest(m, sources, packed.held_out),
-        replay=lambda m, sources, order, memory: plan.replay_hashes(m, sources, order, held_out=packed.held_out),
+        from_manifest=lambda m, sources, memory: plan.EpochPlan.from_manifest(m, sources, packed_plan.held_out),
+        replay=lambda m, sources, order, memory: plan.replay_hashes(m, sources, order, held_out=packed_plan.held_out),
         settings=lambda sources, **options: None,
         run_fields=lambda p: None,
         epoch_fields=lambda p, prepared: plan.holdout_fields(p),
@@ -272,7 +274,7 @@ WINDOWS = register(
         ),
         scattered=lambda job, layout, i: layout.holds_rows_of(i, job.row_bytes),
         unit="windows",
-        holdout=lambda sources, **kw: plan.windows_holdout_plan(sources, held_out=packed.held_out, **kw),
+        holdout=lambda sources, **kw: plan.windows_holdout_plan(sources, held_out=packed_plan.held_out, **kw),
         run_holdout=lambda p: record_holdout(p.holdout, padded=False),
     )
 )
@@ -282,8 +284,8 @@ WINDOWS = register(
 
 
 def _best_fit_plan(sources, *, jitter, memory, pad_id=None, group_tokens=None, holdout=None, **kw):
-    options = packed.PackedOptions(group_tokens, pad_id, holdout=holdout)
-    return packed.packed_epoch_plan(sources, memory=memory, options=options, **kw)
+    options = packed_plan.PackedOptions(group_tokens, pad_id, holdout=holdout)
+    return packed_plan.packed_epoch_plan(sources, memory=memory, options=options, **kw)
 
 
 def _best_fit_in_memory(job, prepared, memory, needed, held):
@@ -296,16 +298,16 @@ def _best_fit_in_memory(job, prepared, memory, needed, held):
 
 BEST_FIT = register(
     Packing(
-        name=packed.BEST_FIT,
-        shuffle=packed.PACKED_ALGORITHM,
+        name=packed_plan.BEST_FIT,
+        shuffle=packed_plan.PACKED_ALGORITHM,
         jitter=False,
-        options=packed.plan_options,
+        options=packed_plan.plan_options,
         plan=_best_fit_plan,
-        chained=packed.chained_packed_plan,
-        from_manifest=lambda m, sources, memory: packed.packed_plan_from_manifest(m, sources, memory),
-        replay=packed.replay_packed,
-        settings=packed.packing_settings,
-        run_fields=packed.run_packing,
+        chained=packed_plan.chained_packed_plan,
+        from_manifest=lambda m, sources, memory: packed_plan.packed_plan_from_manifest(m, sources, memory),
+        replay=packed_replay.replay_packed,
+        settings=packed_plan.packing_settings,
+        run_fields=packed_plan.run_packing,
         epoch_fields=lambda p, prepared: {
             "packing": p.packing_entry(prepared["table_xxh3_128"], prepared["padding"], prepared.get("figures"))
         },
@@ -319,13 +321,13 @@ BEST_FIT = register(
         ),
         scattered=lambda job, layout, i: packed_step.holds_pieces_of(layout, i),
         table_estimate=packed_step.table_estimate,
-        figures=lambda p, sources, memory: packed.row_figures(p, sources, memory),
-        holdout=packed.holdout_plan,
+        figures=lambda p, sources, memory: packed_table.row_figures(p, sources, memory),
+        holdout=packed_plan.holdout_plan,
         padded=True,
-        table_rows=packed.table_rows,
-        token_pool=packed.TokenPool,
-        open_table=packed.PackedTable.open,
-        row_padding=packed.row_padding,
+        table_rows=packed_table.table_rows,
+        token_pool=packed_replay.TokenPool,
+        open_table=packed_table.PackedTable.open,
+        row_padding=packed_table.row_padding,
         read_bucket=packed_step.read_bucket,
     )
 )

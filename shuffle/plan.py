@@ -7,7 +7,7 @@ A plan is stateless and O(#sources): every question ("what is at output position
 The algorithm (windows, jitter, mixture, chains, the epoch permutation) is specified in
 docs/COMMANDS.md, "The shuffle algorithm", and pinned by tests/test_plan_golden.py; the names
 below follow it (L, W_s, o_s, c_s, N, pi_{s,p}, sigma_e). Its sources (tokpack.shuffle.sources) and
-an epoch's mixture (tokpack.shuffle.mixture) have modules of their own, re-exported here.
+an epoch's mixture (tokpack.shuffle.mixture) have modules of their own.
 """
 
 from __future__ import annotations
@@ -19,35 +19,23 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.packing import holdout_recorded, record_holdout
-from tokpack.formats.io import IO_BLOCK, read_ahead
-from tokpack.formats.manifest import (
-    PLAN_ALGORITHM,
-    chain_start,
-    hash_hex64,
-    order_hash_terms,
-    pass_span,
-    row_hashes,
-)
+from tokpack.formats.io.gate import IO_BLOCK
+from tokpack.formats.io.reads import read_ahead
+from tokpack.formats.constants import PLAN_ALGORITHM
+from tokpack.formats.checks import chain_start, pass_span
+from tokpack.formats.hashes import hash_hex64, order_hash_terms, row_hashes
 from tokpack.formats.shards import PackedSource
 
 from .holdout import Holdout, KeptStream, stream_table
 from .mixture import (
-    MAX_PASSES as MAX_PASSES,
-    check_passes as check_passes,
-    jitter_offset as jitter_offset,
-    largest_remainder as largest_remainder,
-    mixture as mixture,
-    windows_of as windows_of,
+    check_passes,
+    jitter_offset,
+    mixture,
+    windows_of,
 )
 from .permutation import Bijection
 from .sources import (
-    VIRTUAL as VIRTUAL,
-    VIRTUAL_KEYS as VIRTUAL_KEYS,
-    is_virtual as is_virtual,
-    open_source as open_source,
-    source_location as source_location,
-    use_kept_sources as use_kept_sources,
-    virtual_source as virtual_source,
+    is_virtual,
 )
 
 

@@ -9,7 +9,8 @@ shard is done, then the run manifest; the work folder is removed last.
 
 What a run decides before it writes is tokpack.shuffle.run_setup; its records, and whether OUT
 holds the same run, tokpack.shuffle.run_records; what an epoch holds in memory and on disk,
-tokpack.shuffle.run_space. Their public names stay importable from here.
+tokpack.shuffle.run_space. Each is imported from its module (the node engine, being rewritten
+on another branch, still imports run_manifest_of and planned_epoch_manifest from here).
 """
 
 from __future__ import annotations
@@ -22,36 +23,28 @@ import uuid
 from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.guard import WORK_DIR, bytes_under, check_space, is_no_space, locked_output
-from tokpack.formats.io import MAX_RECORD_BYTES, progress_on, read_limited, remove_tmp_files
+from tokpack.formats.constants import WORK_DIR, MANIFEST
+from tokpack.formats.guard import bytes_under, check_space, is_no_space, locked_output
+from tokpack.formats.io.gate import MAX_RECORD_BYTES, read_limited
+from tokpack.formats.io.writes import remove_tmp_files
+from tokpack.formats.io.progress_log import progress_on
 from tokpack.formats.outputs import LocalOutput, Output
-from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.shards import is_own_file, shard_suffixes
 from tokpack.formats.units import counted
 
 from . import packings
-from .plan import is_virtual
+from .sources import is_virtual
 from .schedule import RunPlan
 from .spec import ShuffleSpec
-from .steps import EpochJob, Layout, make_layout, source_changed_error
-from .run_records import epoch_manifest_of as epoch_manifest_of
-from .run_records import existing_run as existing_run
-from .run_records import run_manifest_of as run_manifest_of
+from .epoch_job import EpochJob, source_changed_error
+from .steps import Layout, make_layout
+from .run_records import epoch_manifest_of  # noqa: F401 (the node engine's)
 from .run_records import written_run_manifest
-from .run_setup import DEFAULT_SHARD_BYTES as DEFAULT_SHARD_BYTES
-from .run_setup import MAX_SHARDS as MAX_SHARDS
-from .run_setup import MIN_BUCKET_ROWS as MIN_BUCKET_ROWS
-from .run_setup import RunSetup as RunSetup
-from .run_setup import min_memory as min_memory
-from .run_setup import open_sources as open_sources
-from .run_setup import setup_run as setup_run
-from .run_space import bytes_to_write as bytes_to_write
-from .run_space import docs_per_token as docs_per_token
-from .run_space import epoch_bytes as epoch_bytes
-from .run_space import memory_path as memory_path
-from .run_space import planned_epoch_manifest as planned_epoch_manifest
-from .run_space import scratch_bytes as scratch_bytes
-from .run_space import task_budget as task_budget
+from .run_setup import setup_run
+from .run_space import bytes_to_write  # noqa: F401 (the node engine's)
+from .run_space import memory_path
+from .run_space import task_budget
 
 
 def epoch_layout(job: EpochJob, *, memory: int, workers: int, tasks: int | None) -> Layout | None:
@@ -194,7 +187,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
 
 @locked_output("shuffle")
 def shuffle_run(
-    spec: ShuffleSpec | list[str],
+    spec: ShuffleSpec,
     output: str,
     *,
     local: list[str] | None = None,
@@ -204,7 +197,6 @@ def shuffle_run(
     run_passes,
     progress: bool | None = None,
     to: Output = LocalOutput(),
-    **settings,
 ) -> dict:
     """Writes OUT/epoch-NNNNN/ for each epoch of `spec` (tokpack.shuffle.spec; skipping complete
     identical ones) and the run manifest. `spec.memory` is the total budget: the out-of-core path
@@ -217,10 +209,7 @@ def shuffle_run(
     (tokpack.formats.outputs; to a bucket, `output` is its local folder and holds the state fetched
     from the store). Returns a summary dict, with per-source counts of every epoch written and a
     warning per source an epoch repeats windows of (tokpack.packer.api.shuffle takes URLs and
-    returns it as a ShuffleResult). Tests and benchmarks may give the sources and the spec's
-    settings as keywords instead (`shuffle_run(paths, out, seq_len=..., seed=..., epochs=[0])`)."""
-    if not isinstance(spec, ShuffleSpec):
-        spec = ShuffleSpec.given_as(sources=spec, **settings)
+    returns it as a ShuffleResult)."""
     t0 = time.perf_counter()
     log = log or (lambda line: None)
     memory = spec.memory

@@ -9,19 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.guard import LOCK_NAME, WORK_DIR
-from tokpack.formats.io import TMP_MARK
+from tokpack.formats.constants import LOCK_NAME, WORK_DIR, HOLDOUT_DIR, MANIFEST, NODES_SIDECAR
+from tokpack.formats.io.writes import TMP_MARK
 from tokpack.formats.outputs import LocalOutput, Output
-from tokpack.formats.manifest import (
-    HOLDOUT_DIR,
-    MANIFEST,
-    NODES_SIDECAR,
-    epoch_dir_name,
-    epoch_manifest,
-    read_manifest,
-    run_manifest,
-)
-from tokpack.formats.builders import ShuffleFields, TokenHeader
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.builders import epoch_manifest, run_manifest, ShuffleFields, TokenHeader
+from tokpack.formats.reading import read_manifest
 from tokpack.formats.packing import PackingRecord, holdout_recorded
 from tokpack.formats.shards import PackedSource, is_own_file
 from tokpack.formats.units import parse_weight
@@ -29,7 +22,7 @@ from tokpack.formats.units import parse_weight
 from . import packings
 from .plan import EpochPlan, SamplePlan
 from .schedule import RunPlan
-from .steps import EpochJob
+from .epoch_job import EpochJob
 
 
 def weights_key(weights: list[str | None]) -> list[str] | None:

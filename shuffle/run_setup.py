@@ -13,25 +13,22 @@ from pathlib import Path
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.guard import WORK_DIR
+from tokpack.formats.constants import WORK_DIR, HOLDOUT_DIR, MANIFEST
 from tokpack.formats.outputs import LocalOutput, Output
-from tokpack.formats.manifest import (
-    HOLDOUT_DIR,
-    MANIFEST,
-    dtype_name,
-    epoch_dir_name,
-    read_manifest,
-)
+from tokpack.formats.names import dtype_name, epoch_dir_name
+from tokpack.formats.reading import read_manifest
 from tokpack.formats.numbering import shuffle_command
 from tokpack.formats.shards import PackedSource
 from tokpack.formats.units import at_most, weight_text
 
 from . import packings
 from .holdout import parse_holdout
-from .plan import EpochPlan, open_source, source_location
+from .plan import EpochPlan
+from .sources import open_source, source_location
 from .schedule import RunPlan, Schedule, same_source_twice
 from .spec import ShuffleSpec
-from .steps import ORDER_ROW_OVERHEAD, EpochJob
+from .steps import ORDER_ROW_OVERHEAD
+from .epoch_job import EpochJob
 from .run_records import (
     check_same_run,
     existing_run,
@@ -208,6 +205,28 @@ def setup_run(
     done_epochs = []
     if (out / MANIFEST).exists():
         done_epochs = list(read_manifest(out, kind="run")["epochs"])
+
+    def new_job(plan, folder: Path, identity: list) -> EpochJob:
+        """The job writing `plan` into `folder`, its work folder named by the hash of `identity`."""
+        refuse_foreign_files(folder, to)
+        key = xxhash.xxh3_64_hexdigest(json.dumps(identity).encode())
+        locations = tuple(source_location(p) for p in paths)
+        work = out / WORK_DIR / f"{folder.name}-{key}"
+        eos, tokenizer = int(first["eos_id"]), first.get("tokenizer", "")
+        return EpochJob(
+            plan,
+            locations,
+            dtype,
+            eos,
+            tokenizer,
+            str(folder),
+            str(work),
+            shard_samples,
+            progress=bool(progress),
+            main_pid=os.getpid(),
+            output=to,
+        )
+
     todo = []  # (epoch, plan, job or None when the epoch is complete already): planned before any write
     shards = 0
     for epoch in epochs:
@@ -239,21 +258,7 @@ def setup_run(
                     hint="delete that epoch directory or use another -o",
                 )
         else:
-            refuse_foreign_files(edir, to)
-            key = xxhash.xxh3_64_hexdigest(json.dumps([params, plan.source_entries(), plan.algorithm, dtype]).encode())
-            job = EpochJob(
-                plan,
-                tuple(source_location(p) for p in paths),
-                dtype,
-                int(first["eos_id"]),
-                first.get("tokenizer", ""),
-                str(edir),
-                str(out / WORK_DIR / f"{edir.name}-{key}"),
-                shard_samples,
-                progress=bool(progress),
-                main_pid=os.getpid(),
-                output=to,
-            )
+            job = new_job(plan, edir, [params, plan.source_entries(), plan.algorithm, dtype])
         todo.append((epoch, plan, job))
     held = None
     if holdout is not None and not (out / HOLDOUT_DIR / MANIFEST).exists():  # written once, with the first epochs
@@ -261,20 +266,5 @@ def setup_run(
             opened, seq_len=seq_len, seed=seed, holdout=holdout, names=names, memory=memory, pad_id=pad_id
         )
         hp = replace(hp, sources=tuple(replace(sp, path=recorded[sp.index]) for sp in hp.sources))
-        hdir = out / HOLDOUT_DIR
-        refuse_foreign_files(hdir, to)
-        key = xxhash.xxh3_64_hexdigest(json.dumps([hp.source_entries(), hp.algorithm, dtype, seq_len]).encode())
-        held = EpochJob(
-            hp,
-            tuple(source_location(p) for p in paths),
-            dtype,
-            int(first["eos_id"]),
-            first.get("tokenizer", ""),
-            str(hdir),
-            str(out / WORK_DIR / f"{HOLDOUT_DIR}-{key}"),
-            shard_samples,
-            progress=bool(progress),
-            main_pid=os.getpid(),
-            output=to,
-        )
+        held = new_job(hp, out / HOLDOUT_DIR, [hp.source_entries(), hp.algorithm, dtype, seq_len])
     return RunSetup(opened, weights, shard_samples, done_epochs, todo, existing, runplan, run_params, held)

@@ -6,12 +6,13 @@ filesystem (checked before a byte is written, and reported by `tokpack plan shuf
 from __future__ import annotations
 
 from tokpack.formats.guard import bytes_under
-from tokpack.formats.manifest import canonical_bytes, metadata_text
+from tokpack.formats.reading import canonical_bytes
+from tokpack.formats.names import metadata_text
 from tokpack.formats.shards import PackedSource
 
 from . import packings
 from .run_records import job_epoch_manifest
-from .steps import EpochJob
+from .epoch_job import EpochJob
 
 
 def memory_path(job: EpochJob, memory: int) -> tuple[int, int]:

@@ -16,13 +16,13 @@ from pathlib import Path
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import open_read
-from tokpack.formats.manifest import MAX_EPOCHS
+from tokpack.formats.io.gate import open_read
+from tokpack.formats.constants import MAX_EPOCHS, DEFAULT_PLAN_MEMORY
 from tokpack.formats.shards import PackedSource
 from tokpack.formats.units import at_most, parse_weight, token_count, typed, weight_text
 
 from . import packings
-from tokpack.formats.constants import DEFAULT_PLAN_MEMORY, INT_RANGE
+from tokpack.formats.constants import INT_RANGE
 from .plan import SamplePlan
 
 SCHEDULE_KEYS = ("seq_len", "seed", "jitter", "shard_samples", "stages", "packing")

@@ -1,4 +1,4 @@
-"""The sources a shuffle reads (tokpack.shuffle.plan re-exports these): a packed source opened
+"""The sources a shuffle reads: a packed source opened
 where it is, or at its local copy under `shuffle --to-nodes --keep-sources`, or a virtual one
 described by its counts for `tokpack plan`.
 """
@@ -14,8 +14,8 @@ import xxhash
 
 from tokpack.formats.constants import DEFAULT_SHARD_TOKENS
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import local_path
-from tokpack.formats.manifest import dtype_from_name
+from tokpack.formats.io.paths import local_path
+from tokpack.formats.names import dtype_from_name
 from tokpack.formats.shards import PackedSource
 from tokpack.formats.units import token_count
 

@@ -83,29 +83,16 @@ class ShuffleSpec:
             return list(self.epochs)
         return None if self.schedule is not None else [0]
 
-    def source_pairs(self) -> list[tuple[str, str | None]]:
-        """(path, weight) per source, as given."""
-        return list(zip(self.sources, self.weights or [None] * len(self.sources)))
-
     def checked_schedule(self) -> Schedule | None:
         """The schedule to run: the file's, with a given --packing applied when the file declares
-        none. A setting the file declares and the user gave as well is refused (one TokpackError
-        line), never silently dropped: `--packing concat` beside a best-fit schedule is an answer."""
+        none. A --packing the file declares as well is refused (one TokpackError line), never
+        silently dropped: `--packing concat` beside a best-fit schedule is an answer (the other
+        settings a file declares are refused before: tokpack.packer.api.shuffle_usage)."""
         from tokpack.formats.errors import TokpackError  # formats/ imports numpy: `import tokpack` stays light
 
         sc = self.schedule
         if sc is None:
             return None
-        declared = [
-            k for k in ("sources", "weights", "seq_len", "seed", "samples", "tokens", "jitter") if k in self.given
-        ]
-        if declared:
-            raise TokpackError(
-                "the schedule declares these settings",
-                file=sc.file,
-                where=", ".join(declared),
-                hint="drop them; the schedule file sets them for the whole run",
-            )
         if self.packing is None or self.packing == sc.packing:
             return sc
         if "packing" in sc.declared:

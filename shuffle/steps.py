@@ -1,6 +1,6 @@
 """The datatrove steps that write an epoch plan's shards into `OUT/epoch-NNNNN/` (shuffle/run.py
 runs them, through the injected `run_passes`), on the job and base step of
-tokpack.shuffle.epoch_job (re-exported here):
+tokpack.shuffle.epoch_job:
 
 - in memory (the needed windows of every source fit `--memory`), InMemoryStep: one task maps
   each source shard read-only and reads it ahead in one sequential sweep (MADV_POPULATE_READ),
@@ -43,28 +43,19 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import (
-    Worker,
-    drop_buffers,
-    lent,
-    map_file,
-    open_append,
-    progress,
-    read_array,
-    regular_size,
-    write_bytes_atomic,
-)
+from tokpack.formats.io.reads import Worker
+from tokpack.formats.io.memory import drop_buffers, lent
+from tokpack.formats.io.gate import map_file, open_append, read_array, regular_size
+from tokpack.formats.io.progress_log import progress
+from tokpack.formats.io.writes import write_bytes_atomic
 from tokpack.formats.shards import PackedSource, RowFragments
 
 from .epoch_job import (
     CHUNKS_IN_BUDGET,
-    MAX_CHUNK_BYTES as MAX_CHUNK_BYTES,
-    RING as RING,
-    EpochJob as EpochJob,
-    RowStore as RowStore,
-    ShardHashes as ShardHashes,
+    EpochJob,
+    RowStore,
+    ShardHashes,
     Step,
-    source_changed_error as source_changed_error,
 )
 from .plan import EpochPlan, iter_source_windows
 
@@ -150,14 +141,7 @@ class InMemoryStep(Step):
                         yield store.gather(chunk, ring[c % len(ring)], tmp), facts, chunk
                         c += 1
 
-            with progress(
-                len(todo),
-                f"epoch {plan.epoch}: write",
-                unit="shard",
-                enabled=job.show_progress,
-                unit_bytes=job.shard_samples * job.row_bytes,
-                phase=True,
-            ) as write_bar:
+            with job.write_bar(len(todo)) as write_bar:
                 for i in todo:
                     job.write_shard(i, blocks(i))
                     write_bar.update(1)

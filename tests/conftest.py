@@ -13,8 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokpack.formats import SourceShardWriter, source_manifest, write_manifest
-from tokpack.formats.manifest import shard_name
+from tokpack.formats.shards import SourceShardWriter
+
+from tokpack.formats.builders import source_manifest
+
+from tokpack.formats.reading import write_manifest
+from tokpack.formats.names import shard_name
 
 PROJECT_PACKAGES = ("tokpack",)
 REPO = Path(__file__).resolve().parents[1]
@@ -114,13 +118,33 @@ def require(module: str, install_hint: str):
         pytest.skip(f"{module} is not installed ({install_hint})")
 
 
-def shuffle_run(*args, **kw):
-    """tokpack.shuffle.run.shuffle_run with the runner tokpack.packer.api.shuffle gives it for a default
-    ExecutorConfig (every rank in this process), for tests that call the engine directly."""
-    from tokpack.packer.executors import ExecutorConfig, pass_runner
-    from tokpack.shuffle.run import shuffle_run as run
+# tokpack.shuffle.run.shuffle_run's own keywords: how the work runs, not a setting of the spec
+ENGINE_KEYWORDS = ("local", "log", "workers", "tasks", "run_passes", "progress", "to")
 
-    return run(*args, run_passes=kw.pop("run_passes", None) or pass_runner(ExecutorConfig()), **kw)
+
+def shuffle_run(sources, output, **kw):
+    """tokpack.shuffle.run.shuffle_run of the ShuffleSpec of `sources` and the settings among
+    `kw` (the rest are the engine's own keywords), with the runner tokpack.packer.api.shuffle
+    gives it for a default ExecutorConfig (every rank in this process), for tests that call the
+    engine directly."""
+    from tokpack.packer.shared import ExecutorConfig
+    from tokpack.packer.executors import pass_runner
+    from tokpack.shuffle.run import shuffle_run as run
+    from tokpack.shuffle.spec import ShuffleSpec
+
+    engine = {k: kw.pop(k) for k in ENGINE_KEYWORDS if k in kw}
+    engine["run_passes"] = engine.get("run_passes") or pass_runner(ExecutorConfig())
+    return run(ShuffleSpec.given_as(sources=sources, **kw), output, **engine)
+
+
+def pack(inputs, output, **kw):
+    """tokpack.packer.packing.pack of the PackOptions among `kw` (the rest are its own keywords:
+    log, config, block_bytes, to), for tests that call the stage directly."""
+    from tokpack.packer.pack_setup import PackOptions
+    from tokpack.packer.packing import pack as run
+
+    own = {k: kw.pop(k) for k in ("log", "config", "block_bytes", "to") if k in kw}
+    return run(inputs, output, PackOptions(**kw), **own)
 
 
 EOS_TOKEN = "<|endoftext|>"

@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 
 from tokpack.shuffle import packings
-from tokpack.shuffle.plan import PLAN_ALGORITHM, EpochPlan, replay_hashes
+from tokpack.formats.constants import PLAN_ALGORITHM
+from tokpack.shuffle.plan import EpochPlan, replay_hashes
 
 NAME, SHUFFLE = "ordered", "test-ordered-windows-v1"
 

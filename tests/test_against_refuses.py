@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import random_docs, shuffle_run, write_source
-from tokpack.formats.manifest import epoch_dir_name
+from tokpack.formats.names import epoch_dir_name
 from tokpack.packer.cli import main
 from tokpack.packer.slicing import stage_slice
 

@@ -15,7 +15,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from conftest import random_docs, shuffle_run, write_source
 from tokpack.formats import arguments
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.manifest import epoch_dir_name
+from tokpack.formats.names import epoch_dir_name
 from tokpack.loader.reader import SampleReader
 from tokpack.loader.torch_adapter import TokpackDataset
 from tokpack.packer import api

@@ -14,7 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import random_docs, write_source
-from tokpack.formats.manifest import epoch_dir_name, read_manifest
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.reading import read_manifest
 from tokpack.loader.reader import document_masks
 from tokpack.packer.cli import main
 
@@ -308,7 +309,7 @@ def test_validate_against_checks_the_recorded_figures(corpus, run, tmp_path):
     manifest edited to show others fails there, naming the field."""
     import shutil
 
-    from tokpack.formats.manifest import write_manifest
+    from tokpack.formats.reading import write_manifest
 
     root, _ = corpus
     epoch = tmp_path / "e"

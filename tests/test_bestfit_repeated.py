@@ -16,10 +16,13 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import shuffle_run, write_source
-from tokpack.formats.manifest import read_manifest
+from tokpack.formats.reading import read_manifest
 from tokpack.formats.shards import PackedSource
 from tokpack.packer.cli import main
-from tokpack.shuffle.packed import packed_epoch_plan, packed_plan, passes, release_passes, whole_table
+from tokpack.shuffle.packed import packed_plan, passes
+from tokpack.shuffle.packed.packed_plan import packed_epoch_plan
+from tokpack.shuffle.packed.passes import release_passes
+from tokpack.shuffle.packed.table import whole_table
 from tokpack.shuffle.permutation import Bijection, inverse_each
 
 

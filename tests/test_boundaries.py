@@ -225,7 +225,8 @@ def test_the_manifests_documents_per_row_is_the_count_the_loader_makes(case, bes
 
     from click.testing import CliRunner
 
-    from tokpack.formats.manifest import epoch_dir_name, read_manifest
+    from tokpack.formats.names import epoch_dir_name
+    from tokpack.formats.reading import read_manifest
     from tokpack.packer.cli import main
 
     if case == "fixture":

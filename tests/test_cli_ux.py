@@ -13,7 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import random_docs
-from tokpack.packer.cli import _executor_config, executor_options, main
+from tokpack.packer.cli_options import executor_config as _executor_config, executor_options
+from tokpack.packer.cli import main
 
 VOCAB, EOS = 1000, 0
 

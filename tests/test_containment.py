@@ -22,8 +22,9 @@ import pytest
 from conftest import random_docs, require, shuffle_run, write_source
 from probes import default_sigint
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.guard import LOCK_NAME
-from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.formats.constants import LOCK_NAME
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.names import epoch_dir_name
 from tokpack.loader.reader import SampleReader
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,9 +16,9 @@ import xxhash
 from conftest import random_docs, shuffle_run, write_source
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import memory as io  # the reusable buffers
-from tokpack.formats.guard import WORK_DIR
-from tokpack.shuffle import epoch_job, run, steps
-from tokpack.shuffle.steps import RowStore
+from tokpack.formats.constants import WORK_DIR
+from tokpack.shuffle import epoch_job, run, run_setup, steps
+from tokpack.shuffle.epoch_job import RowStore
 
 L = 31  # 32-token rows
 ROW_BYTES = (L + 1) * 2
@@ -402,7 +402,7 @@ def test_source_rows_refuses_more_windows_than_the_source_holds(tmp_path):
     """An internal check: asked for windows past the source's end, source_rows says how many
     it was asked for and how many it found instead of yielding short."""
     web = write_source(tmp_path / "web", random_docs(np.random.default_rng(7), 150, 1000, 0))
-    (src,) = run.open_sources([str(web)])
+    (src,) = run_setup.open_sources([str(web)])
     whole = int(src.tokens) // 32
     got = sum(len(part) for part in steps.source_rows(src, 0, whole, 32))
     assert got == whole

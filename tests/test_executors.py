@@ -20,7 +20,9 @@ from click.testing import CliRunner
 
 from conftest import random_docs, require, write_source
 from tokpack.packer.cli import main
-from tokpack.packer.executors import PROJECT_ROOT, ExecutorConfig, join_path, local_path, parse_sbatch_args
+from tokpack.packer.executors import PROJECT_ROOT, join_path, parse_sbatch_args
+from tokpack.packer.shared import ExecutorConfig
+from tokpack.formats.io.paths import local_path
 
 # 300 documents, 718 samples of 64 tokens: 8 output shards of 100 samples, out of core at 64 KiB.
 SHUFFLE = ["--seq-len", "63", "--seed", "3", "--epochs", "1", "--shard-samples", "100", "--memory", "64KiB"]
@@ -119,6 +121,7 @@ KILLER = textwrap.dedent(
     from datatrove.pipeline.base import PipelineStep
     from tokpack.packer.executors import ExecutorConfig, pass_runner
     from tokpack.shuffle.run import shuffle_run
+    from tokpack.shuffle.spec import ShuffleSpec
 
     class KillMidway(PipelineStep):
         # Runs the wrapped step; in rank {rank} SIGKILLs the whole process right after the
@@ -145,8 +148,8 @@ KILLER = textwrap.dedent(
         inner([(KillMidway(step) if job_name.endswith("-order") else step, tasks, job_name, logging_dir)
                for step, tasks, job_name, logging_dir in passes])
 
-    shuffle_run([{src!r}], {out!r}, seq_len=63, seed=3, epochs=[0], shard_samples=100, memory=64 << 10,
-                workers=2, tasks=5, run_passes=run_passes)
+    spec = ShuffleSpec.given_as(sources=[{src!r}], seq_len=63, seed=3, epochs=[0], shard_samples=100, memory=64 << 10)
+    shuffle_run(spec, {out!r}, workers=2, tasks=5, run_passes=run_passes)
     """
 )
 
@@ -429,6 +432,7 @@ def test_forked_workers_do_not_share_buffers(source, reference, tmp_path):
     from datatrove.executor import LocalPipelineExecutor
 
     from tokpack.shuffle.run import shuffle_run
+    from tokpack.shuffle.spec import ShuffleSpec
 
     def forked(passes):
         for step, tasks, job_name, logging_dir in passes:
@@ -437,19 +441,8 @@ def test_forked_workers_do_not_share_buffers(source, reference, tmp_path):
             ).run()
 
     cli("shuffle", source, "-o", tmp_path / "warm", *SHUFFLE)  # fills this process's buffers
-    shuffle_run(
-        [str(source)],
-        str(tmp_path / "run"),
-        seq_len=63,
-        seed=3,
-        epochs=[0],
-        samples=None,
-        tokens=None,
-        shard_samples=100,
-        memory=64 << 10,
-        jitter=False,
-        workers=2,
-        tasks=5,
-        run_passes=forked,
+    spec = ShuffleSpec.given_as(
+        sources=[str(source)], seq_len=63, seed=3, epochs=[0], shard_samples=100, memory=64 << 10
     )
+    shuffle_run(spec, str(tmp_path / "run"), workers=2, tasks=5, run_passes=forked)
     assert tree(tmp_path / "run") == reference

@@ -13,16 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokpack.formats.manifest import (
-    MANIFEST,
-    MANIFEST_FIELDS,
-    SHARD_FIELDS,
-    SOURCE_FIELDS,
-    STAGE_FIELDS,
-    canonical_bytes,
-    epoch_dir_name,
-    read_manifest,
-)
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.fields import MANIFEST_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, STAGE_FIELDS
+from tokpack.formats.reading import canonical_bytes, read_manifest
+from tokpack.formats.names import epoch_dir_name
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.validation import validate_dirs
 from tests.conftest import random_docs, require, write_source
@@ -143,7 +137,7 @@ def test_metadata_count_as_datatrove_writes_it():
     tokpack makes it itself (humanize is not its dependency) and must write the same text."""
     import random
 
-    from tokpack.formats.manifest import metric_tokens
+    from tokpack.formats.names import metric_tokens
 
     humanize = require("humanize", "a datatrove dependency: pip install datatrove")
     rng = random.Random(0)
@@ -158,7 +152,7 @@ def test_metadata_count_as_datatrove_writes_it():
 def test_stage_reads_dest_manifests_strictly(tmp_path, body):
     """stage reads what DEST holds through the format's strict parser: a manifest with a value
     outside the format (NaN), or not JSON, vouches for nothing."""
-    from tokpack.packer.staging import dest_holds
+    from tokpack.packer.stage_dest import dest_holds
 
     (tmp_path / MANIFEST).write_bytes(body)
     held = dest_holds(tmp_path)

@@ -176,7 +176,8 @@ def pristine(tmp_path_factory) -> Path:
     (data / "sched.yaml").write_text(SCHEDULE)
     np.save(data / "tokens.npy", np.array([5, 6, 0, 7, 8, 9, 0, 3, 0] * 40, dtype=np.uint16))
 
-    from tokpack.packer.executors import ExecutorConfig, pass_runner
+    from tokpack.packer.shared import ExecutorConfig
+    from tokpack.packer.executors import pass_runner
 
     real = pass_runner(ExecutorConfig())
 
@@ -1615,7 +1616,7 @@ def _entry_of(pad: Path) -> tuple[Path, dict, dict]:
 
 
 def _write_canonical(manifest: Path, doc: dict) -> None:
-    from tokpack.formats.manifest import canonical_bytes  # a resealed manifest is tokpack's own bytes
+    from tokpack.formats.reading import canonical_bytes  # a resealed manifest is tokpack's own bytes
 
     manifest.write_bytes(canonical_bytes(doc))
 

@@ -17,7 +17,8 @@ import pytest
 from conftest import random_docs, require, shuffle_run, write_source
 from test_containment import corrupt, one_line, tokpack
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.slices import rank_file_name
 from tokpack.packer.slicing import stage_slice
 

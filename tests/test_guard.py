@@ -13,7 +13,8 @@ import time
 import pytest
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.guard import LOCK_NAME, OutputLock, process_start, process_state
+from tokpack.formats.constants import LOCK_NAME
+from tokpack.formats.guard import OutputLock, process_start, process_state
 
 
 def holder(pid: int, token: str = "f" * 32, host: str | None = None) -> dict:

@@ -20,11 +20,14 @@ from click.testing import CliRunner
 
 from conftest import random_docs, write_source
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.manifest import epoch_dir_name, read_manifest, write_manifest
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.reading import read_manifest, write_manifest
 from tokpack.formats.shards import PackedSource
 from tokpack.packer.cli import main
 from tokpack.shuffle.holdout import Holdout, parse_holdout
-from tokpack.shuffle.packed import doc_table, held_out, packed_plan_from_manifest, whole_table
+from tokpack.shuffle.packed.passes import doc_table
+from tokpack.shuffle.packed.packed_plan import held_out, packed_plan_from_manifest
+from tokpack.shuffle.packed.table import whole_table
 
 SEQ = 63
 EOS = 0

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 
 from conftest import EOS_TOKEN, random_docs, write_source
 from tokpack.formats.inputs.discover import discover, read_blocks
-from tokpack.formats.io import TMP_MARK
-from tokpack.formats.manifest import MANIFEST
+from tokpack.formats.io.writes import TMP_MARK
+from tokpack.formats.constants import MANIFEST
 
 REPO = Path(__file__).resolve().parents[1]
 

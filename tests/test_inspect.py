@@ -13,7 +13,8 @@ from click.testing import CliRunner
 
 from conftest import random_docs, shuffle_run, write_source
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.names import epoch_dir_name
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.cli import main
 from tokpack.packer.inspection import LengthHistogram, report_lines
@@ -228,7 +229,7 @@ def test_cli_inspect(huge_doc_run):
 def test_document_lengths_sample_large_corpora(tmp_path, monkeypatch):
     """Above the cap, evenly spaced blocks of the indexes are read, not all of them; the
     sample's mean stays close to the corpus's, and the report says it was sampled."""
-    from tokpack.formats import PackedSource
+    from tokpack.formats.shards import PackedSource
     from tokpack.packer import inspection
 
     rng = np.random.default_rng(3)
@@ -250,10 +251,12 @@ def test_inspect_of_a_best_fit_epoch_stays_within_its_memory(tmp_path, monkeypat
     import tracemalloc
 
     import tokpack.shuffle.packed.packed_plan as packed
-    from tokpack.formats.manifest import read_manifest
+    from tokpack.formats.reading import read_manifest
     from tokpack.formats.shards import PackedSource
     from tokpack.packer.diversity import DOC_ID_SHIFT, _series, batch_stats
-    from tokpack.shuffle.packed import PIECE, TokenPool, packed_plan_from_manifest, whole_table
+    from tokpack.shuffle.packed.table import PIECE, whole_table
+    from tokpack.shuffle.packed.replay import TokenPool
+    from tokpack.shuffle.packed.packed_plan import packed_plan_from_manifest
 
     monkeypatch.setattr(packed, "DEFAULT_GROUP_TOKENS", 1 << 14)  # a group's plan state: small beside the table
     rng = np.random.default_rng(3)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import random_docs, shuffle_run, write_source
-from tokpack.formats.manifest import HOLDOUT_DIR, epoch_dir_name
+from tokpack.formats.constants import HOLDOUT_DIR
+from tokpack.formats.names import epoch_dir_name
 from tokpack.packer import inspection
 from tokpack.packer.inspection import inspect, report_lines
 
@@ -67,7 +68,7 @@ def test_each_source_is_sampled_from_its_own_blocks(mixed, monkeypatch):
     """Above the cap the sources' figures come from the blocks drawn for the whole corpus, and a
     source none of whose blocks was drawn still gets one of its own; the whole corpus's figures
     are those of the drawn blocks alone."""
-    from tokpack.formats import PackedSource
+    from tokpack.formats.shards import PackedSource
 
     _, srcs, docs = mixed
     opened = [PackedSource.open(srcs["short"]), PackedSource.open(srcs["long"])]

@@ -19,7 +19,8 @@ import pytest
 
 from conftest import random_docs, write_source
 from probes import default_sigint, ignore_sigint
-from tokpack.formats.guard import LOCK_NAME, process_start
+from tokpack.formats.constants import LOCK_NAME
+from tokpack.formats.guard import process_start
 
 ROOT = Path(__file__).resolve().parents[1]
 SHUFFLE = ["--seq-len", "127", "--seed", "1", "--epochs", "1"]
@@ -449,7 +450,7 @@ def test_disk_filled_while_staging_a_node_slice_is_one_line_and_leaves_no_partia
     written. The write runs out of space: one line naming the epoch folder, no temporary left
     to fill the disk, and the rerun with space completes and validates."""
     from tokpack.packer.slicing import plan_slice
-    from tokpack.packer.staging import Source
+    from tokpack.packer.stage_source import Source
 
     _, big = sources
     run = tmp_path / "run"

@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from tokpack.formats.io import Worker, drop_buffers, give_buffers, lent, read_full, take_buffer
+from tokpack.formats.io.reads import Worker, read_full
+from tokpack.formats.io.memory import drop_buffers, give_buffers, lent, take_buffer
 
 
 def test_read_full_waits_through_short_reads_and_stops_at_end_of_file():
@@ -97,7 +98,7 @@ def test_rerun_from_the_same_scratch_after_an_interrupted_send_completes_the_sto
     import fsspec
 
     from conftest import random_docs, write_source
-    from tokpack.formats.io import Outbox
+    from tokpack.formats.io.writes import Outbox
     from tokpack.packer import shuffle
 
     src = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 60, 1000, 0))

@@ -19,8 +19,10 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import random_docs, write_source
-from tokpack.formats.errors import TokpackError
-from tokpack.formats.manifest import MANIFEST, epoch_dir_name, read_manifest, write_manifest
+from tokpack.formats.errors import TokpackError, UsageError
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.reading import read_manifest, write_manifest
 from tokpack.loader.reader import SampleReader
 from tokpack.loader.torch_adapter import TokpackDataset
 from tokpack.packer import api
@@ -271,9 +273,9 @@ def test_like_misuse_is_one_line(corpus, tmp_path):
         assert code == 1 and f"--like takes a run directory; expected {RUN_DIR}, found {kind}" in err
     code, _, err = cli("shuffle", corpus / "web", "--seq-len", 31, "--seed", 1, "--epochs", 1, cwd=base)
     assert code == 2 and "give -o OUT (or --like RUN" in err
-    with pytest.raises(TokpackError, match=r"\[seed\]: like= takes these settings from the run"):
+    with pytest.raises(UsageError, match=r"^--like takes the sources and --seq-len, .* from the run; drop --seed$"):
         api.shuffle(like=base / "run", epochs=[5], seed=2)
-    with pytest.raises(TokpackError, match=r"\[output\]: no output given"):
+    with pytest.raises(UsageError, match=r"^give -o OUT \(or --like RUN"):
         api.shuffle(corpus / "web", seq_len=31, seed=1)
     assert not (base / "run" / epoch_dir_name(5)).exists()
 
@@ -338,6 +340,7 @@ def test_like_refuses_a_setting_given_as_zero(corpus, tmp_path):
     assert code == 2 and "drop --seed" in err
     for given in ({"seed": 0}, {"pad_id": 0}, {"packing": "concat"}):
         key = next(iter(given))
-        with pytest.raises(TokpackError, match=rf"\[{key}\]: like= takes these settings from the run"):
+        flag = "--" + key.replace("_", "-")
+        with pytest.raises(UsageError, match=rf"from the run; drop {flag}$"):
             api.shuffle(like=tmp_path / "run", epochs=[1], **given)
     assert not (tmp_path / "run" / epoch_dir_name(1)).exists()

@@ -23,7 +23,7 @@ from tokpack.formats.shards import PackedSource, contained_shard
 from tokpack.packer import linking, packing
 from tokpack.packer.api import plan, stage, validate
 from tokpack.packer.cli import main
-from tokpack.packer.packing import pack
+from conftest import pack
 
 EOS, VOCAB = 0, 1000
 OPTS = dict(eos_id=EOS, vocab_size=VOCAB)

@@ -17,8 +17,9 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import random_docs, require, write_source
-from tokpack.formats.manifest import MANIFEST, NODES_SIDECAR, epoch_dir_name
-from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX
+from tokpack.formats.constants import MANIFEST, NODES_SIDECAR
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.constants import PAD_SUFFIX, ROWS_SUFFIX
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.cli import main
 
@@ -735,8 +736,9 @@ def test_a_run_killed_before_its_manifest_holds_only_its_sidecar_and_is_still_it
     first manifest leaves tokpack-nodes.json alone in RUN: the rerun takes RUN as its own (an
     empty run), where a foreign file is refused."""
     from tokpack.formats.errors import TokpackError
-    from tokpack.formats.manifest import canonical_bytes, nodes_sidecar
-    from tokpack.shuffle.run import existing_run
+    from tokpack.formats.reading import canonical_bytes
+    from tokpack.formats.builders import nodes_sidecar
+    from tokpack.shuffle.run_records import existing_run
 
     run = tmp_path / "run"
     run.mkdir()
@@ -751,7 +753,8 @@ def test_a_reader_on_a_run_whose_tokens_are_on_the_nodes_names_the_slices(tmp_pa
     """Opening RUN of --to-nodes (manifests and row hashes) for training is one line pointing to
     the node slices, not "shard missing, restore the file"."""
     from tokpack.formats.errors import TokpackError
-    from tokpack.formats.manifest import canonical_bytes, nodes_sidecar
+    from tokpack.formats.reading import canonical_bytes
+    from tokpack.formats.builders import nodes_sidecar
 
     run = tmp_path / "run"
     src = write_source(tmp_path / "src", random_docs(np.random.default_rng(1), 200, 500, 0, 1, 60))

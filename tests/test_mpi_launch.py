@@ -294,7 +294,7 @@ def test_the_python_api_runs_to_nodes_as_the_cli_does(source, tmp_path):
     summary a process."""
     from test_mpi import tree
 
-    from tokpack.formats.manifest import NODES_SIDECAR
+    from tokpack.formats.constants import NODES_SIDECAR
 
     mpi = [mpirun(), "--oversubscribe", "-n", str(NODES)]
     cli_run, api_run = tmp_path / "cli-run", tmp_path / "api-run"

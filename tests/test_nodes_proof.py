@@ -17,7 +17,10 @@ from click.testing import CliRunner
 
 from conftest import random_docs, write_source
 from test_mpi import MEMORY, NODES, SEQ, to_nodes
-from tokpack.formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, hash_hex64
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.reading import canonical_bytes
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.hashes import hash_hex64
 from tokpack.packer.cli import main
 
 E0 = epoch_dir_name(0)

@@ -19,7 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import random_docs, shuffle_run, write_source
-from tokpack.formats.manifest import epoch_dir_name, hash_hex64, order_hash_terms, read_manifest
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.hashes import hash_hex64, order_hash_terms
+from tokpack.formats.reading import read_manifest
 from tokpack.formats.shards import PackedSource, shard_suffixes
 from tokpack.packer.api import shuffle, validate
 from tokpack.packer.validation import validate_dirs

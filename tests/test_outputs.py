@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 
 from conftest import project_files, random_docs, shuffle_run, write_source
-from tokpack.formats.io import Outbox
-from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.formats.io.writes import Outbox
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.outputs import BucketOutput, LocalOutput, ShardPlace
 from tokpack.formats.slices import RankRows, rank_file_name
-from tokpack.formats.guard import WORK_DIR
+from tokpack.formats.constants import WORK_DIR
 from tokpack.packer import pack, shuffle
 from tokpack.packer.slicing import stage_slice
 
@@ -116,7 +117,7 @@ def test_pack_through_a_bucket_output_writes_the_local_output_bytes_manifest_las
 def test_outputs_travel_to_tasks_and_answer_for_their_place(tmp_path):
     """An EpochJob (pickled to executor tasks) keeps its Output; each Output names and sizes
     its own place, and a local folder's removal removes it."""
-    from tokpack.shuffle.steps import EpochJob
+    from tokpack.shuffle.epoch_job import EpochJob
 
     bucket = BucketOutput(Outbox(tmp_path / "out", "s3://b/run/"))
     job = EpochJob(None, (), "uint16", 0, "", str(tmp_path / "out" / "epoch-00000"), "w", 10, output=bucket)

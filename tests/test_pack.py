@@ -22,11 +22,11 @@ from hypothesis import strategies as st
 from conftest import EOS_TOKEN, generate_texts, random_docs, require
 from tokpack.formats import outputs
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.manifest import MANIFEST
+from tokpack.formats.constants import MANIFEST
 from tokpack.formats.shards import PackedSource
 from tokpack.packer.cli import main
-from tokpack.packer import packing
-from tokpack.packer.packing import pack
+from tokpack.packer import pack_result, packing
+from conftest import pack
 
 MEGATRON_CORE = "pip install -e '.[test]' installs megatron-core"
 SMALL_BLOCK = 512  # bytes: forces many blocks per file, so block seams are exercised
@@ -1447,7 +1447,8 @@ def test_durable_file_writes_exact_bytes(tmp_path, monkeypatch, where, pieces, s
     buffer is shrunk to 16 KiB so that small pieces cross it."""
     import xxhash
 
-    from tokpack.formats.io import DurableFile, writes
+    from tokpack.formats.io.writes import DurableFile
+    from tokpack.formats.io import writes
 
     monkeypatch.setattr(writes, "DIRECT_STAGING", 16 << 10)
 
@@ -1483,7 +1484,7 @@ def _takes_o_direct(directory: Path) -> bool:
 
 
 def test_durable_file_abort_leaves_nothing(tmp_path):
-    from tokpack.formats.io import DurableFile
+    from tokpack.formats.io.writes import DurableFile
 
     f = DurableFile(tmp_path / "x.ds", direct=True)
     f.write(b"\1" * 10000)
@@ -1502,7 +1503,7 @@ def test_a_large_raw_input_without_eos_warns(tmp_path):
     """A raw file packed with the wrong --eos-id became '1 document' of 3.4M tokens with no word:
     it warns on stderr and in --json; the same file with EOS in it, or a small one, does not."""
     rng = np.random.default_rng(3)
-    n = packing.ONE_DOCUMENT_TOKENS + 10
+    n = pack_result.ONE_DOCUMENT_TOKENS + 10
     raw = rng.integers(1, 1000, n).astype("<u2")
     raw.tofile(tmp_path / "train.bin")
     res = cli(
@@ -1531,7 +1532,7 @@ def test_a_large_raw_input_without_eos_warns(tmp_path):
     with_eos = raw.copy()
     with_eos[::5000] = 0
     with_eos.tofile(tmp_path / "ok.bin")
-    raw[: packing.ONE_DOCUMENT_TOKENS // 2].tofile(tmp_path / "small.bin")
+    raw[: pack_result.ONE_DOCUMENT_TOKENS // 2].tofile(tmp_path / "small.bin")
     for name in ("ok.bin", "small.bin"):
         res = cli(
             tmp_path / name,

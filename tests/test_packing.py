@@ -17,27 +17,21 @@ from hypothesis import strategies as st
 
 from conftest import random_docs, require, shuffle_run, write_source
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.manifest import canonical_bytes, read_manifest
-from tokpack.formats.shards import PAD_DTYPE, PackedSource
+from tokpack.formats.reading import canonical_bytes, read_manifest
+from tokpack.formats.constants import PAD_DTYPE
+from tokpack.formats.shards import PackedSource
 from tokpack.loader.reader import SampleReader, cu_seqlens, document_masks, positions_from_eos
 from tokpack.packer.api import validate
 from tokpack.packer.cli import main
-from tokpack.shuffle.packed import (
+from tokpack.shuffle.packed.packed_plan import (
     PACKED_ALGORITHM,
-    PIECE,
     PackedOptions,
-    TokenPool,
-    best_fit_decreasing,
-    cut_problems,
-    documents_of,
-    pack_pass,
     packed_epoch_plan,
     packed_plan_from_manifest,
-    row_padding,
-    source_pass,
-    table_hash,
-    whole_table,
 )
+from tokpack.shuffle.packed.table import PIECE, cut_problems, row_padding, table_hash, whole_table
+from tokpack.shuffle.packed.replay import TokenPool
+from tokpack.shuffle.packed.passes import best_fit_decreasing, documents_of, pack_pass, source_pass
 from tokpack.shuffle.permutation import Bijection
 from tokpack.shuffle.schedule import RunPlan, Schedule, Stage
 
@@ -530,8 +524,8 @@ def test_plan_shuffle_predicts_the_row_tables_scratch(sources, tmp_path, memory)
     """The plan's "table" pass and its scratch, estimated from the sources' counts, against the
     files build_table writes for the same epoch: at least them, within 3x."""
     from tokpack.packer.api import plan
-    from tokpack.packer.planning import report_lines
-    from tokpack.shuffle.packed import build_table
+    from tokpack.packer.plan_report import report_lines
+    from tokpack.shuffle.packed.table import build_table
 
     weights = {str(sources[0]): "2", str(sources[1]): "1"}
     got = plan(
@@ -1134,7 +1128,7 @@ def test_the_memory_of_an_out_of_core_best_fit_epoch_does_not_grow_with_its_docu
 
 
 def test_a_damaged_row_table_in_the_work_folder_is_refused(golden, tmp_path):
-    from tokpack.shuffle.packed import PackedTable, build_table
+    from tokpack.shuffle.packed.table import PackedTable, build_table
 
     plan = packed_epoch_plan(
         golden,

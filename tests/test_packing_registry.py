@@ -22,11 +22,12 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import random_docs, write_source
-from tokpack.formats.manifest import read_manifest, write_manifest
+from tokpack.formats.reading import read_manifest, write_manifest
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.cli import main  # imported before the packing is registered: its choices are read at parse time
 from tokpack.shuffle import packings
-from tokpack.shuffle.plan import PLAN_ALGORITHM, EpochPlan, replay_hashes
+from tokpack.formats.constants import PLAN_ALGORITHM
+from tokpack.shuffle.plan import EpochPlan, replay_hashes
 from tokpack.shuffle.schedule import read_schedule
 
 NAME, SHUFFLE = "reversed", "test-reversed-feistel6-splitmix-xxh3-v1"
@@ -266,7 +267,7 @@ def test_each_entry_says_whether_its_rows_carry_padding_as_its_epochs_show(sourc
     """The registry's `padded` and `table_rows` are what an epoch of the packing is: padded rows
     carry a `.ds.pad` per shard and a `packing` object (the format's rows_padded), and a packing
     whose rows come from a row table has a pool to assemble them and the hooks to reopen it."""
-    from tokpack.formats.manifest import has_pad, rows_padded
+    from tokpack.formats.packing import has_pad, rows_padded
 
     for name in packings.names():
         entry = packings.named(name)

@@ -18,11 +18,14 @@ from click.testing import CliRunner
 
 from conftest import random_docs, require, shuffle_run, write_source
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.manifest import canonical_bytes, read_manifest
-from tokpack.formats.shards import PAD_DTYPE, PackedSource
+from tokpack.formats.reading import canonical_bytes, read_manifest
+from tokpack.formats.constants import PAD_DTYPE
+from tokpack.formats.shards import PackedSource
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.cli import main
-from tokpack.shuffle.packed import TokenPool, packed_plan_from_manifest, row_padding, whole_table
+from tokpack.shuffle.packed.replay import TokenPool
+from tokpack.shuffle.packed.packed_plan import packed_plan_from_manifest
+from tokpack.shuffle.packed.table import row_padding, whole_table
 
 SEQ = 63
 ROW = SEQ + 1

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import random_docs, shuffle_run, write_source
 from probes import AUDIT_SITE, audit_env, audited
-from tokpack.formats.guard import LOCK_NAME, WORK_DIR
+from tokpack.formats.constants import LOCK_NAME, WORK_DIR
 from tokpack.packer import ExecutorConfig, pack, plan, stage
 from tokpack.packer.executors import pass_runner
 
@@ -141,7 +141,7 @@ def test_plan_seconds_are_bytes_over_the_disks_working_at_once(corpus, tmp_path,
         assert p["seconds"] == round((p["read_bytes"] + p["written_bytes"]) / 2.5e6 / at_once(p["tasks"]), 1), p
     # plus the start-up: the command's, and datatrove's executor's for each pass it runs
     from tokpack.packer.executors import runs_in_process
-    from tokpack.packer.planning import COMMAND_START_SECONDS, EXECUTOR_START_SECONDS
+    from tokpack.packer.plan_result import COMMAND_START_SECONDS, EXECUTOR_START_SECONDS
 
     startup = COMMAND_START_SECONDS + (0 if runs_in_process(config) else EXECUTOR_START_SECONDS * len(planned.passes))
     assert planned.startup_seconds == startup and startup > COMMAND_START_SECONDS

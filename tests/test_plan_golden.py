@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from conftest import write_source
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.shards import PackedSource
-from tokpack.shuffle.plan import PLAN_ALGORITHM, EpochPlan, SourcePlan, epoch_plan, jitter_offset, windows_of
+from tokpack.formats.constants import PLAN_ALGORITHM
+from tokpack.shuffle.plan import EpochPlan, SourcePlan, epoch_plan
+from tokpack.shuffle.mixture import jitter_offset, windows_of
 
 # The algorithm the values below were computed with. Changing the order means bumping
 # PLAN_ALGORITHM in formats/constants.py, recomputing every value here, and changing this line.
@@ -960,7 +962,7 @@ def test_expected_multiset_hash(sources, epoch, jitter):
     """The multiset hash validate --against recomputes through the plan is the golden value, and
     equals the hash of the windows locate() names, read straight from the shard files."""
     import tokpack.shuffle.plan as plan_mod
-    from tokpack.formats.manifest import hash_hex64, row_hash
+    from tokpack.formats.hashes import hash_hex64, row_hash
 
     plan = plan_of(sources, epoch, jitter)
     manifest = {
@@ -1057,7 +1059,7 @@ def test_replay_details(sources, monkeypatch):
     import functools
 
     import tokpack.shuffle.plan as plan_mod
-    from tokpack.formats.manifest import hash_hex64, row_hash
+    from tokpack.formats.hashes import hash_hex64, row_hash
 
     root = str(sources[0].path.parent)
     good = {

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 from conftest import random_docs, write_source
 from probes import AUDIT_SITE
 from test_mpi import K, M, MEMORY, NODES, REPO, SEQ, mpirun, summaries
-from tokpack.formats.manifest import MANIFEST, NODES_SIDECAR
-from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX
+from tokpack.formats.constants import MANIFEST, NODES_SIDECAR
+from tokpack.formats.constants import PAD_SUFFIX, ROWS_SUFFIX
 from tokpack.packer.cli import main
 
 SPEEDS = ["--disk-mbps", 1000, "--shared-mbps", 4000]  # given: no disk probe

@@ -16,7 +16,9 @@ import pytest
 
 from conftest import random_docs, write_source
 from test_mpi import K, M, SEQ, cli, to_nodes
-from tokpack.formats.manifest import MANIFEST, NODES_SIDECAR, canonical_bytes, nodes_sidecar
+from tokpack.formats.constants import MANIFEST, NODES_SIDECAR
+from tokpack.formats.reading import canonical_bytes
+from tokpack.formats.builders import nodes_sidecar
 from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX
 from tokpack.packer.node_procs import launcher_procs
 

@@ -20,15 +20,9 @@ from click.testing import CliRunner
 from hypothesis import given, settings, strategies as st
 
 from tokpack.formats.errors import IncompleteError, TokpackError
-from tokpack.formats.manifest import (
-    ShuffleFields,
-    TokenHeader,
-    epoch_dir_name,
-    epoch_manifest,
-    run_manifest,
-    shard_name,
-    write_manifest,
-)
+from tokpack.formats.builders import ShuffleFields, TokenHeader, epoch_manifest, run_manifest
+from tokpack.formats.names import epoch_dir_name, shard_name
+from tokpack.formats.reading import write_manifest
 from tokpack.formats.shards import EpochShardWriter
 from tokpack.loader.reader import SampleReader, positions_from_eos
 
@@ -267,7 +261,8 @@ def sort_rows(rows: np.ndarray) -> np.ndarray:
 
 
 def test_real_shuffled_run(shuffled_run):
-    from tokpack.formats.manifest import hash_hex64, multiset_hash_rows, read_manifest
+    from tokpack.formats.hashes import hash_hex64, multiset_hash_rows
+    from tokpack.formats.reading import read_manifest
 
     run, windows = shuffled_run
     r = SampleReader.open(run)

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from conftest import random_docs, write_source
 from test_mpi import K, M, MEMORY, NODES, SEQ, cli, to_nodes, tree
-from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.names import epoch_dir_name
 from tokpack.packer.cli import main
 
 ROW_BYTES = (SEQ + 1) * 2  # uint16 tokens
@@ -125,7 +126,7 @@ def _rows_read(run, tmp_path, monkeypatch, positions_of, pause: float = 0.0):
     import threading
     import time
 
-    from tokpack.formats.manifest import read_manifest
+    from tokpack.formats.reading import read_manifest
     from tokpack.formats.shards import PackedSource
     from tokpack.packer import source_reads
     from tokpack.packer.replacement import SourceRows

@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader
 
 from conftest import random_docs, shuffle_run, write_source
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.manifest import epoch_dir_name, read_manifest
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.reading import read_manifest
 from tokpack.loader.reader import SampleReader
 from tokpack.loader.torch_adapter import TokpackDataset
 from tokpack.packer.cli import main

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import EOS_TOKEN, S3_ENV, random_docs, start_s3_server, write_source
-from tokpack.formats.manifest import MANIFEST
+from tokpack.formats.constants import MANIFEST
 from tokpack.packer import ExecutorConfig, pack, shuffle, stage, validate
 from test_pack import dt_tokenize, varied_docs, write_text_jsonl
 
@@ -100,7 +100,8 @@ def bucket_run(s3_bucket, tmp_path):
 def test_stage_reads_large_objects_in_parallel_ranges(bucket_run, tmp_path, monkeypatch):
     """Files larger than a range are fetched as ranged reads, several at once, and still
     hashed in order: the copy is byte-identical and verified."""
-    from tokpack.packer.staging import RANGES_IN_FLIGHT, Source, stage as stage_copy
+    from tokpack.packer.staging import RANGES_IN_FLIGHT, stage as stage_copy
+    from tokpack.packer.stage_source import Source
 
     fs, bucket, run = bucket_run
     block = 4096

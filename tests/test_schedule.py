@@ -22,13 +22,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import random_docs, write_source
-from tokpack.formats.errors import TokpackError
-from tokpack.formats.manifest import MANIFEST, canonical_bytes, epoch_dir_name, read_manifest
+from tokpack.formats.errors import TokpackError, UsageError
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.reading import canonical_bytes, read_manifest
+from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.shards import PackedSource
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.api import inspect, shuffle, stage, validate
 from tokpack.packer.cli import main
-from tokpack.shuffle.plan import EpochPlan, jitter_offset
+from tokpack.shuffle.plan import EpochPlan
+from tokpack.shuffle.mixture import jitter_offset
 from tokpack.shuffle.schedule import RunPlan, Schedule, Stage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -626,7 +629,7 @@ def test_a_setting_the_schedule_declares_given_too_is_refused_not_ignored(corpus
     ]
     with pytest.raises(TokpackError, match=r"\[--packing\]: --packing differs from the schedule's packing"):
         shuffle(None, tmp_path / "b", schedule=sched, packing="concat", epochs=[0], memory=MEMORY)
-    with pytest.raises(TokpackError, match=r"\[seq_len\]: the schedule declares these settings"):
+    with pytest.raises(UsageError, match=r"^--schedule declares the sources, .*; drop --seq-len$"):
         shuffle(None, tmp_path / "c", schedule=corpus / "run.yaml", seq_len=63, epochs=[0], memory=MEMORY)
     assert not any((tmp_path / d).exists() for d in "abc")
     # a schedule without `packing:` takes --packing, as before

@@ -19,12 +19,14 @@ from hypothesis import given, settings, strategies as st
 from conftest import random_docs, shuffle_run, write_source
 from tokpack.formats import outputs
 from tokpack.formats.errors import IncompleteError, TokpackError
-from tokpack.formats.manifest import multiset_hash_rows, read_manifest
+from tokpack.formats.hashes import multiset_hash_rows
+from tokpack.formats.reading import read_manifest
 from tokpack.formats.shards import PackedSource
 from tokpack.packer.validation import validate_dirs
 from tokpack.shuffle import run, steps
 from tokpack.shuffle.permutation import Bijection, derive_key
-from tokpack.shuffle.plan import EpochPlan, SourcePlan, epoch_plan, expected_multiset_hash, largest_remainder
+from tokpack.shuffle.plan import EpochPlan, SourcePlan, epoch_plan, expected_multiset_hash
+from tokpack.shuffle.mixture import largest_remainder
 
 REPO = Path(__file__).resolve().parents[1]
 L = 31  # seq_len of most tests: 32-token rows
@@ -298,13 +300,14 @@ PEAK_SCRIPT = """
 import json, sys
 from tokpack.packer.executors import ExecutorConfig, pass_runner
 from tokpack.shuffle.run import shuffle_run
+from tokpack.shuffle.spec import ShuffleSpec
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 base = status("VmRSS:")
-summary = shuffle_run([sys.argv[1]], sys.argv[2], seq_len=2047, seed=1, epochs=[0], memory=int(sys.argv[3]),
-                      run_passes=pass_runner(ExecutorConfig()))
+spec = ShuffleSpec.given_as(sources=[sys.argv[1]], seq_len=2047, seed=1, epochs=[0], memory=int(sys.argv[3]))
+summary = shuffle_run(spec, sys.argv[2], run_passes=pass_runner(ExecutorConfig()))
 print(json.dumps({"growth": status("VmHWM:") - base, "path": summary["path"]}))
 """
 

@@ -22,9 +22,9 @@ from click.testing import CliRunner
 
 from conftest import random_docs, shuffle_run, write_source
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.manifest import read_manifest
+from tokpack.formats.reading import read_manifest
 from tokpack.formats.shards import PackedSource
-from tokpack.shuffle import run, steps
+from tokpack.shuffle import run_setup, steps
 from tokpack.shuffle.plan import EpochPlan, SourcePlan, epoch_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -370,7 +370,7 @@ def test_repeats_is_exact(windows, samples):
 
 def test_memory_below_one_useful_bucket_is_refused(sources, tmp_path):
     web, _ = sources
-    floor = run.min_memory(ROW_BYTES, 1)
+    floor = run_setup.min_memory(ROW_BYTES, 1)
     for memory in (0, 1, floor - 1):
         r = cli("shuffle", web, "-o", tmp_path / "run", "--seq-len", L, "--seed", 1, "--epochs", 1, "--memory", memory)
         assert r.returncode == 1, r.stderr

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from conftest import random_docs, require, write_source
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.slices import RankRows, rank_file_name
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.cli import main
@@ -122,7 +123,7 @@ def test_one_rank_arithmetic_for_streams_slices_and_stage(w, m, start, batches, 
     stage --ranks' shard choice ask RankRows, so they agree with a count of who reads what in
     the global batches from `start`: rank r takes rows [r*m, (r+1)*m) of each."""
     from tokpack.loader.reader import StreamState
-    from tokpack.packer.staging import shards_for_ranks
+    from tokpack.packer.stage_plan import shards_for_ranks
 
     rows, gb = RankRows(w, m, start), w * m
     end = start + batches * gb + tail % gb
@@ -701,7 +702,7 @@ def test_a_best_fit_slice_validates_and_a_flipped_pad_byte_is_caught(packed_run,
     the first (its checksum), and with the checksum resealed, the second (the run's padding);
     a flipped byte in the run's `.ds.pad` stops the stage with one line, nothing kept."""
     from tokpack.packer.slicing import plan_slice
-    from tokpack.packer.staging import Source
+    from tokpack.packer.stage_source import Source
 
     s = tmp_path / "s"
     res = stage_slice(str(packed_run), s, ranks="1-2", world_size=BW, micro_batch=BM)
@@ -750,8 +751,8 @@ def test_validate_against_reads_rank_files_in_bounded_memory(tmp_path):
     the streamed comparison still finds a flipped byte and a swapped pair of rows."""
     import tracemalloc
 
-    from tokpack.packer.validation import DirReport
-    from tokpack.formats.manifest import read_manifest
+    from tokpack.packer.dir_checks import DirReport
+    from tokpack.formats.reading import read_manifest
     from tokpack.packer.slice_validation import slice_against_run
 
     big = write_source(tmp_path / "src", random_docs(np.random.default_rng(4), 600, 1000, 0, 4000, 6000))

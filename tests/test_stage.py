@@ -14,17 +14,14 @@ from hypothesis import strategies as st
 from click.testing import CliRunner
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import TMP_MARK
-from tokpack.formats.manifest import MANIFEST, STAGE_SIDECAR, epoch_dir_name
+from tokpack.formats.io.writes import TMP_MARK
+from tokpack.formats.constants import MANIFEST, STAGE_SIDECAR
+from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.slices import RankRows
 from tokpack.formats.shards import shard_suffixes
 from tokpack.packer.cli import main
-from tokpack.packer.staging import (
-    parse_epochs,
-    parse_ranks,
-    shards_for_ranks,
-    stage,
-)
+from tokpack.packer.stage_plan import parse_epochs, parse_ranks, shards_for_ranks
+from tokpack.packer.staging import stage
 from conftest import random_docs, write_source
 
 
@@ -336,8 +333,10 @@ def test_stage_epoch_dir_and_loss_files(run_dir, tmp_path):
     stage(run / epoch_dir_name(1), tmp_path / "e1")
     assert tree(tmp_path / "e1") == tree(run / epoch_dir_name(1))
     # A packed source with a loss mask: the .ds.loss files travel and are verified too.
-    from tokpack.formats import SourceShardWriter, source_manifest, write_manifest
-    from tokpack.formats.manifest import shard_name
+    from tokpack.formats.shards import SourceShardWriter
+    from tokpack.formats.builders import source_manifest
+    from tokpack.formats.reading import write_manifest
+    from tokpack.formats.names import shard_name
 
     src = tmp_path / "lsrc"
     src.mkdir()

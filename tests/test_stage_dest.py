@@ -20,10 +20,14 @@ from click.testing import CliRunner
 
 from conftest import random_docs, shuffle_run, write_source
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.names import epoch_dir_name
 from tokpack.packer.cli import main
 from tokpack.packer.slicing import plan_slice, stage_slice
-from tokpack.packer.staging import FS_BLOCK, Source, bytes_to_write, make_plan, on_disk, stage
+from tokpack.packer.stage_dest import FS_BLOCK, bytes_to_write, on_disk
+from tokpack.packer.stage_source import Source
+from tokpack.packer.stage_plan import make_plan
+from tokpack.packer.staging import stage
 
 SEQ, W, M = 63, 4, 3
 
@@ -316,7 +320,7 @@ def test_a_best_fit_shard_without_its_pad_checksum_is_not_staged_as_unpadded(run
     Now one line naming the entry, before anything is written."""
     import json
 
-    from tokpack.formats.manifest import canonical_bytes
+    from tokpack.formats.reading import canonical_bytes
 
     run = tmp_path / "packed"
     shutil.copytree(runs["packed"], run)

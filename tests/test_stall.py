@@ -31,7 +31,8 @@ from test_mpi import (
     to_nodes,
 )
 from tokpack.formats.guard import process_state
-from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.names import epoch_dir_name
 from tokpack.packer.cli import main
 
 VICTIM = 2

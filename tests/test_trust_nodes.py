@@ -21,7 +21,8 @@ from click.testing import CliRunner
 from conftest import random_docs, write_source
 from test_mpi import K, M, MEMORY, REPO, SEQ, assert_every_rank_exits, cli, mpirun, summaries, to_nodes, tree
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.manifest import MANIFEST, epoch_dir_name
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.names import epoch_dir_name
 from tokpack.packer.cli import main
 
 N = 2  # processes (nodes) for most tests here: the machine is shared
@@ -126,7 +127,7 @@ def test_a_kept_sources_disk_that_fills_during_the_copy_is_named_as_that_folder(
     """The check passed, the disk filled anyway (another writer): one line naming the
     --keep-sources folder, and no half copy left."""
     from tokpack.packer import kept_sources
-    from tokpack.shuffle.plan import open_source
+    from tokpack.shuffle.sources import open_source
 
     source = _source(tmp_path / "src")
     folder = tmp_path / "kept"
@@ -177,7 +178,7 @@ def test_a_damaged_kept_copy_is_copied_again_from_the_intact_source(tmp_path):
 def test_a_damaged_kept_copy_of_a_damaged_source_blames_the_source(tmp_path):
     """Only when the shared source's own bytes fail their checksum is the source named."""
     from tokpack.packer.kept_sources import keep_sources
-    from tokpack.shuffle.plan import open_source
+    from tokpack.shuffle.sources import open_source
 
     source = _source(tmp_path / "src")
     src, folder = open_source(source), tmp_path / "kept"

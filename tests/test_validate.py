@@ -17,8 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokpack.formats.io import TMP_MARK
-from tokpack.formats.manifest import MANIFEST, epoch_dir_name, hash_hex64, xxh3_128_file
+from tokpack.formats.io.writes import TMP_MARK
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.hashes import hash_hex64, xxh3_128_file
 from tokpack.formats.shards import EpochShardWriter
 from tokpack.packer.api import validate as validate_result
 from tokpack.packer.validation import report_lines, validate_dirs
@@ -93,7 +95,7 @@ def save(path: Path, manifest: dict) -> None:
 
 def reseal_source(src: Path) -> None:
     """Recomputes every checksum and the fingerprint after an edit, so only content checks remain."""
-    from tokpack.formats.manifest import fingerprint
+    from tokpack.formats.hashes import fingerprint
 
     m = load(src)
     for s in m["shards"]:
@@ -451,8 +453,7 @@ def test_any_single_byte_corruption_is_detected(corruptible, data):
 def test_real_pack_and_weighted_jittered_shuffle_validate(tmp_path):
     """No false alarms on the other writers' real outputs: `pack` from JSONL token lists, and a
     two-source weighted, jittered, upsampling shuffle over three epochs."""
-    from tokpack.packer.packing import pack
-    from tests.conftest import shuffle_run
+    from tests.conftest import pack, shuffle_run
 
     rng = np.random.default_rng(5)
     (tmp_path / "in.jsonl").write_text(
@@ -541,7 +542,7 @@ def test_against_one_source_of_a_mixed_run_is_unverified_not_corrupt(tmp_path):
 def test_epoch_multiset_line_expects_the_recorded_hash(env):
     """An altered sample whose shard checksums were rewritten: the epoch's multiset line
     expects what its manifest records and found what its samples hash to."""
-    from tokpack.formats.manifest import multiset_hash_rows
+    from tokpack.formats.hashes import multiset_hash_rows
 
     m = load(env / E0)
     recorded = m["sample_multiset_hash"]
@@ -771,8 +772,10 @@ def test_manifest_field_checks(env, target, field, value, problem):
 def lossy(tmp_path) -> Path:
     """A source whose shards carry a .loss mask (datatrove's save_loss_metadata), written with
     the project's shard writer."""
-    from tokpack.formats import SourceShardWriter, source_manifest, write_manifest
-    from tokpack.formats.manifest import shard_name
+    from tokpack.formats.shards import SourceShardWriter
+    from tokpack.formats.builders import source_manifest
+    from tokpack.formats.reading import write_manifest
+    from tokpack.formats.names import shard_name
 
     docs = random_docs(np.random.default_rng(11), 40, VOCAB, EOS, max_len=50)
     src = tmp_path / "lossy"
@@ -1003,7 +1006,7 @@ def test_manifest_byte_count_line(env):
 def test_metadata_field_lines(env):
     """Metadata naming another tokenizer, token size and token count: one line each, and its
     checksum in full mode."""
-    from tokpack.formats.manifest import metadata_text
+    from tokpack.formats.names import metadata_text
 
     meta = env / "src/00000.ds.metadata"
     meta.write_text(metadata_text("other-tokenizer", 4, 999))
@@ -1343,7 +1346,9 @@ def test_token_files_gone_from_a_run_are_missing_unless_it_says_its_tokens_are_o
     """An epoch folder whose token files are gone but whose row hashes are there is a damaged
     run, reported as such; only a run that declares itself written by shuffle --to-nodes
     (its tokpack-nodes.json) may lack them."""
-    from tokpack.formats.manifest import NODES_SIDECAR, canonical_bytes, nodes_sidecar
+    from tokpack.formats.constants import NODES_SIDECAR
+    from tokpack.formats.reading import canonical_bytes
+    from tokpack.formats.builders import nodes_sidecar
 
     run = tmp_path / "copy"
     shutil.copytree(env / "run", run)
@@ -1686,8 +1691,10 @@ def test_run_epoch_list_of_booleans(env):
 def test_empty_shard_with_a_loss_mask_validates(lossy):
     """A shard of no tokens, written by the shard writer with its (empty) .loss: valid, and its
     empty loss mask is scanned without error."""
-    from tokpack.formats import SourceShardWriter, source_manifest, write_manifest
-    from tokpack.formats.manifest import shard_name
+    from tokpack.formats.shards import SourceShardWriter
+    from tokpack.formats.builders import source_manifest
+    from tokpack.formats.reading import write_manifest
+    from tokpack.formats.names import shard_name
 
     m = load(lossy)
     w = SourceShardWriter(lossy, shard_name(2), np.dtype("<u2"), "test-tokenizer", with_loss=True)
@@ -1703,8 +1710,9 @@ def test_a_manifest_of_many_broken_shard_entries_lists_a_bounded_report(tmp_path
     problems. Each directory lists its first MAX_PROBLEMS_LISTED problems (a few per file), then
     counts the rest in one line; the total and the status are those of every problem, and the
     directory's list never holds more than the cap while it is collected."""
-    from tokpack.formats.manifest import canonical_bytes, shard_digits, shard_name
-    from tokpack.packer import validation
+    from tokpack.formats.reading import canonical_bytes
+    from tokpack.formats.names import shard_digits, shard_name
+    from tokpack.packer import dir_checks
 
     src = write_source(tmp_path / "many", random_docs(np.random.default_rng(1), 20, VOCAB, 0), vocab_size=VOCAB)
     m = json.loads((src / MANIFEST).read_text())
@@ -1714,23 +1722,23 @@ def test_a_manifest_of_many_broken_shard_entries_lists_a_bounded_report(tmp_path
     for f in src.glob("*.ds*"):
         f.unlink()
     held = []
-    real_append = validation.ProblemList.append
+    real_append = dir_checks.ProblemList.append
 
     def watching(self, p):
         real_append(self, p)
         held.append(list.__len__(self))
 
-    validation.ProblemList.append = watching
+    dir_checks.ProblemList.append = watching
     try:
         r = validate_result([str(src)])
     finally:
-        validation.ProblemList.append = real_append
-    assert max(held) <= validation.MAX_PROBLEMS_LISTED
+        dir_checks.ProblemList.append = real_append
+    assert max(held) <= dir_checks.MAX_PROBLEMS_LISTED
     total = 3 * n + 3  # tokens, documents, fingerprint of the manifest, and .ds, .ds.index, .ds.metadata per entry
     assert r.problems_total == total and r.dirs[0]["problems"] == total and r.status == "corrupt" and not r.ok
-    assert len(r.problems) == validation.MAX_PROBLEMS_LISTED + 1
+    assert len(r.problems) == dir_checks.MAX_PROBLEMS_LISTED + 1
     last = r.problems[-1]
-    listed = validation.MAX_PROBLEMS_LISTED
+    listed = dir_checks.MAX_PROBLEMS_LISTED
     assert last["file"] == str(src) and last["message"].startswith(f"{total - listed:,} more problems"), last
     lines = report_lines(r)
     assert lines[-1].endswith(f"{total} problems") and len(lines) == listed + 3
@@ -1744,7 +1752,7 @@ def test_a_manifest_of_many_broken_shard_entries_lists_a_bounded_report(tmp_path
 def test_an_unlisted_problem_still_sets_the_status():
     """The first unlisted problem of each severity is kept: a MISSING past the cap still counts."""
     from tokpack.formats.shard_scan import Problem
-    from tokpack.packer.validation import MAX_PROBLEMS_LISTED, ProblemList
+    from tokpack.packer.dir_checks import MAX_PROBLEMS_LISTED, ProblemList
 
     ps = ProblemList(Problem(f"f{i}", None, None, None, "x", incomplete=True) for i in range(MAX_PROBLEMS_LISTED))
     ps.append(Problem("late", None, None, None, "corrupt one"))

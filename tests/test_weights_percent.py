@@ -98,7 +98,7 @@ def test_api_mapping_and_schedule_file_take_percentages(sources, tmp_path):
 
 def test_a_url_source_takes_a_percentage():
     """In a URL, `=` starts a weight only when a number follows: `70%` is one."""
-    from tokpack.packer.cli import _weighted_sources
+    from tokpack.packer.cli_options import weighted_sources as _weighted_sources
 
     assert _weighted_sources(["s3://bucket/web=70%", "s3://bucket/q?a=b"]) == [
         ("s3://bucket/web", "70%"),
@@ -130,7 +130,7 @@ def test_a_weight_at_ten_to_the_thirty_is_taken(text, fraction):
 def test_a_weight_out_of_range_is_one_line_from_the_command_line(sources, tmp_path):
     """A URL's `=1e99999` is a weight (a number, if not a valid one), told apart without building
     it; a local source's is refused in one line, before anything is written."""
-    from tokpack.packer.cli import _weighted_sources
+    from tokpack.packer.cli_options import weighted_sources as _weighted_sources
 
     assert _weighted_sources(["s3://bucket/web=1e99999"]) == [("s3://bucket/web", "1e99999")]
     args = ["shuffle", f"{sources[0]}=1e99999", "-o", tmp_path / "r", "--seq-len", 8, "--seed", 1, "--epochs", 1]

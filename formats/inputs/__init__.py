@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import TokpackError
-from ..io import read_full
+from ..io.reads import read_full
 
 # Input bytes per block: big enough for sequential I/O and to amortise per-block numpy
 # calls, small enough that its buffer stays in cache-friendly, already-faulted memory

@@ -9,8 +9,12 @@ from typing import Iterator
 import numpy as np
 
 from ..constants import INDEX_ENTRY_BYTES, U64  # datatrove's .ds.index is the shard index tokpack writes
-from ..io import as_path, give_buffers, open_read, read_ahead, read_array, read_limited, take_buffer
-from ..manifest import MAX_MANIFEST_BYTES, parse_metadata_text
+from ..io.paths import as_path
+from ..io.memory import give_buffers, take_buffer
+from ..io.gate import open_read, read_array, read_limited
+from ..io.reads import read_ahead
+from ..constants import MAX_MANIFEST_BYTES
+from ..names import parse_metadata_text
 from . import INDEX_CHUNK, Block, InputFile, input_error as _err, read_exact
 
 

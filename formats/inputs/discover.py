@@ -10,8 +10,10 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import TokpackError
-from ..io import TMP_MARK, as_path, read_limited
-from ..manifest import MANIFEST, MAX_MANIFEST_BYTES
+from ..io.writes import TMP_MARK
+from ..io.paths import as_path
+from ..io.gate import read_limited
+from ..constants import MANIFEST, MAX_MANIFEST_BYTES
 from . import BLOCK_BYTES, Block, InputFile, input_error as _err
 from .datatrove_ds import check_datatrove, datatrove_blocks, datatrove_file
 from .jsonl import JSONL_SUFFIXES, jsonl_blocks, jsonl_file

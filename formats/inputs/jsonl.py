@@ -11,7 +11,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..io import open_read
+from ..io.gate import open_read
 from . import Block, InputFile, input_error as _err
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson")

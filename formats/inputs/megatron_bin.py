@@ -8,7 +8,10 @@ from typing import Iterator
 
 import numpy as np
 
-from ..io import as_path, give_buffers, open_read, read_ahead, read_array, take_buffer
+from ..io.paths import as_path
+from ..io.memory import give_buffers, take_buffer
+from ..io.gate import open_read, read_array
+from ..io.reads import read_ahead
 from . import INDEX_CHUNK, Block, InputFile, input_error as _err, read_exact
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"

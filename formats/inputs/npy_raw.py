@@ -7,7 +7,8 @@ from typing import Iterator
 
 import numpy as np
 
-from ..io import Buffer, open_read
+from ..io.memory import Buffer
+from ..io.gate import open_read
 from . import Block, InputFile, input_error as _err, read_exact
 
 RAW_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64")

@@ -9,7 +9,9 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import TokpackError
-from ..io import is_url, open_read, read_ahead
+from ..io.paths import is_url
+from ..io.gate import open_read
+from ..io.reads import read_ahead
 from . import Block, InputFile, input_error as _err
 
 TABLE_ROWS = 8192  # Parquet/Arrow rows per record batch

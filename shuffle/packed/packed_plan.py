@@ -18,7 +18,8 @@ from tokpack.formats.packing import holdout_recorded, record_holdout
 from tokpack.formats.shards import PackedSource
 
 from ..holdout import Holdout, holdout_of
-from ..plan import EpochPlan, check_passes, mixture
+from ..plan import EpochPlan
+from ..mixture import check_passes, mixture
 from .passes import (
     MIN_CHUNK,
     Buckets,

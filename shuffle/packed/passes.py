@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import open_append, read_array, regular_size
+from tokpack.formats.io.gate import open_append, read_array, regular_size
 from tokpack.formats.shards import PackedSource
 
 from ..holdout import Holdout

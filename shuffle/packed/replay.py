@@ -11,8 +11,8 @@ import xxhash
 
 from tokpack.formats.constants import DEFAULT_PLAN_MEMORY
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import map_file
-from tokpack.formats.manifest import hash_hex64, order_hash_terms, row_hashes
+from tokpack.formats.io.gate import map_file
+from tokpack.formats.hashes import hash_hex64, order_hash_terms, row_hashes
 from tokpack.formats.shards import PackedSource
 
 from ..plan import shard_count_checked

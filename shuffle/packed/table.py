@@ -15,7 +15,8 @@ import xxhash
 
 from tokpack.formats.constants import PAD_DTYPE
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io import open_append, open_new, read_array, read_record, regular_size, write_bytes_atomic
+from tokpack.formats.io.gate import open_append, open_new, read_array, read_record, regular_size
+from tokpack.formats.io.writes import write_bytes_atomic
 from tokpack.formats.shards import PackedSource, row_segments
 
 from .packed_plan import PackedPlan, chain_pieces
