@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from array import array
 
+import numpy as np
 import xxhash
 
 from .constants import (
@@ -190,11 +191,8 @@ def _check_shard_names(shards: list[dict], mfile: str, add) -> None:
     def good(name) -> bool:
         return not (name_problem(name) or name.startswith(".") or not name.endswith(".ds"))
 
-    keys = array("Q", (_name_hash(s.get("path")) for s in shards if good(s.get("path"))))
-    shared: set[int] = set()
-    if len(keys) > 1:
-        keys = sorted(keys)
-        shared = {a for a, b in zip(keys, keys[1:]) if a == b}
+    keys = np.sort(np.array(array("Q", (_name_hash(s.get("path")) for s in shards if good(s.get("path"))))))
+    shared = {int(k) for k in keys[1:][keys[1:] == keys[:-1]]}
     del keys
     listed, first, widths = set(), [], set()
     in_order, previous = True, None
