@@ -215,7 +215,7 @@ class ShardEntries(list):
         self._text, self._starts, self._ends = text, starts, ends
 
     def _entry(self, i: int):
-        return _DECODER.raw_decode(self._text, self._starts[i])[0]
+        return _DECODER.scan_once(self._text, self._starts[i])[0]  # read once already: no error
 
     def __len__(self) -> int:
         return len(self._starts)
@@ -224,8 +224,9 @@ class ShardEntries(list):
         return len(self._starts) > 0
 
     def __iter__(self):
-        for i in range(len(self._starts)):
-            yield self._entry(i)
+        scan, text = _DECODER.scan_once, self._text
+        for start in self._starts:
+            yield scan(text, start)[0]
 
     def __reversed__(self):
         for i in range(len(self._starts) - 1, -1, -1):
@@ -299,11 +300,21 @@ def _space(text: str, i: int) -> int:
 def _value(text: str, i: int, depth: int):
     """The JSON value at `i` (its end too), checked as strict_json checks a value `depth` deep."""
     try:
-        value, end = _DECODER.raw_decode(text, i)
-        _check_values([value], depth - 1)  # a scalar too: in a list one level up
-    except (ValueError, _Refused, RecursionError):  # JSONDecodeError is a ValueError
+        value, end = _DECODER.scan_once(text, i)  # raw_decode's own call, less its frame
+    except (StopIteration, ValueError, _Refused, RecursionError):  # StopIteration: no value at `i`
         raise _Irregular from None
+    kind = type(value)
+    if kind is dict or kind is list:
+        try:
+            _check_values(value, depth)
+        except _Refused:
+            raise _Irregular from None
+    elif (kind is int and not INT_RANGE[0] <= value < INT_RANGE[1]) or (kind is float and not math.isfinite(value)):
+        raise _Irregular
     return value, end
+
+
+_BETWEEN = ",\n  "  # between two entries, as canonical_bytes writes them: the common case first
 
 
 def _shard_entries(text: str, i: int) -> tuple[ShardEntries, int]:
@@ -316,6 +327,9 @@ def _shard_entries(text: str, i: int) -> tuple[ShardEntries, int]:
         _, end = _value(text, i, 3)
         starts.append(i)
         ends.append(end)
+        if text.startswith(_BETWEEN, end) and not text.startswith((" ", "\t", "\n", "\r"), end + 4):
+            i = end + 4
+            continue
         i = _space(text, end)
         if text.startswith(",", i):
             i = _space(text, i + 1)
