@@ -4,6 +4,10 @@ sample counts and hashes), a run's epochs, a node slice's: each problem reported
 from __future__ import annotations
 
 import re
+from array import array
+
+import numpy as np
+import xxhash
 
 from .constants import (
     MANIFEST,
@@ -78,7 +82,7 @@ def check_manifest(m: dict, directory, add) -> bool:
         docs = sum(s["documents"] for s in shards)
         if docs != m["documents"]:
             add(mfile, "documents", f"{docs} (sum over shards)", m["documents"], "document count wrong")
-        fp = fingerprint([s["xxh3_128"] for s in shards], m["dtype"], m["vocab_size"], m["eos_id"])
+        fp = fingerprint((s["xxh3_128"] for s in shards), m["dtype"], m["vocab_size"], m["eos_id"])
         if fp != m["fingerprint"]:
             add(
                 mfile,
@@ -179,10 +183,28 @@ def _check_slice_manifest(m: dict, shards: list[dict], mfile: str, add) -> None:
 
 def _check_shard_names(shards: list[dict], mfile: str, add) -> None:
     """Each shard's `path` a plain `.ds` file name (tokpack.formats.io's containment rule), once each,
-    of one width, in sorted order."""
-    listed = set()
-    names = [s.get("path") for s in shards]
-    for i, name in enumerate(names):
+    of one width, in sorted order. Two passes over the entries, holding neither their names nor
+    a set of them (validate's memory is not the manifest's length, issue 42): the first finds
+    the names whose 64-bit hash another shares, the second checks each name, only those
+    hashes' names kept to tell a name listed twice."""
+
+    def good(name) -> bool:
+        return not (name_problem(name) or name.startswith(".") or not name.endswith(".ds"))
+
+    keys = np.sort(np.array(array("Q", (_name_hash(s.get("path")) for s in shards if good(s.get("path"))))))
+    shared = {int(k) for k in keys[1:][keys[1:] == keys[:-1]]}
+    del keys
+    listed, first, widths = set(), [], set()
+    in_order, previous = True, None
+    for i, s in enumerate(shards):
+        name = s.get("path")
+        if len(first) < 5:
+            first.append(name)
+        if isinstance(name, str):
+            widths.add(len(name))
+        if i and in_order and str(name) < previous:
+            in_order = False
+        previous = str(name)
         why = name_problem(name)
         if why or name.startswith(".") or not name.endswith(".ds"):
             add(
@@ -193,11 +215,17 @@ def _check_shard_names(shards: list[dict], mfile: str, add) -> None:
                 f"bad shard path ({why})" if why else "bad shard path",
             )
             continue
+        if _name_hash(name) not in shared:
+            continue
         if name in listed:
             add(mfile, f"shards[{i}].path", "unique names", name, "shard listed twice")
         listed.add(name)
-    if names != sorted(names, key=str) or len({len(n) for n in names if isinstance(n, str)}) > 1:
-        add(mfile, "shards", "names of one width, in sorted order", names[:5], "shard names out of order")
+    if not in_order or len(widths) > 1:
+        add(mfile, "shards", "names of one width, in sorted order", first, "shard names out of order")
+
+
+def _name_hash(name: str) -> int:
+    return xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogatepass"))
 
 
 def row_bytes_of(manifest: dict) -> int:
@@ -252,9 +280,10 @@ def _check_epoch_manifest(path, m: dict, mfile: str, add, row: int) -> None:
             sum(s["samples"] for s in srcs),
             "per-source sample counts do not add up",
         )
-    frags = [s.get("fragments") for s in shards]
-    if "fragments" in m and all(type_ok(f, int) for f in frags) and sum(frags) != m["fragments"]:
-        add(mfile, "fragments", f"{sum(frags)} (sum of the shards' fragments)", m["fragments"], "fragment count wrong")
+    if "fragments" in m and all(type_ok(s.get("fragments"), int) for s in shards):
+        frags = sum(s["fragments"] for s in shards)
+        if frags != m["fragments"]:
+            add(mfile, "fragments", f"{frags} (sum of the shards' fragments)", m["fragments"], "fragment count wrong")
     if not rows_padded(m):  # a padded epoch has no windows: its plan is proven by --against's replay
         _check_epoch_sources(m, srcs, row, lambda *a: add(mfile, *a))
     dir_epoch = EPOCH_DIR.match(path.name)

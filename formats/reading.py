@@ -1,11 +1,14 @@
 """Writing and reading manifests: the one serialisation (`canonical_bytes`), the strict bounded
 JSON parser every manifest read goes through (`strict_json`, `parse_manifest`, `read_manifest`),
-and the partial-stage sidecar's reader."""
+validate's reader of a manifest whose shard entries stay text until used (`read_manifest_text`,
+`ShardEntries`), and the partial-stage sidecar's reader."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
+from array import array
 from pathlib import Path
 
 from .checks import check_manifest, raise_first
@@ -80,11 +83,11 @@ def _constant(name: str):
     raise _Refused(name, "a finite number (JSON has no NaN or Infinity)")
 
 
-def _check_values(obj) -> None:
+def _check_values(obj, depth: int = 1) -> None:
     """Every integer in range, every number finite, lists and objects nested at most
-    MAX_MANIFEST_DEPTH deep: one walk without recursion (json's own parser does the work of
-    reading the numbers, which a per-number hook would slow down 1.6x)."""
-    stack = [(obj, 1)]
+    MAX_MANIFEST_DEPTH deep (`obj` is `depth` deep): one walk without recursion (json's own parser
+    does the work of reading the numbers, which a per-number hook would slow down 1.6x)."""
+    stack = [(obj, depth)]
     while stack:
         o, depth = stack.pop()
         if depth > MAX_MANIFEST_DEPTH:
@@ -149,7 +152,11 @@ def strict_json(raw: bytes, path, what: str = "manifest"):
 def parse_manifest(raw: bytes, path: str | Path, kind: str | tuple[str, ...] | None = None) -> dict:
     """A manifest's bytes as written (earlier writers' keys unchanged), read by strict_json, its
     header checked."""
-    manifest = strict_json(raw, path)
+    return _checked_header(strict_json(raw, path), path, kind)
+
+
+def _checked_header(manifest, path, kind) -> dict:
+    """parse_manifest's checks of a parsed manifest: an object of tokpack's format, version and kind."""
     if not isinstance(manifest, dict):
         raise TokpackError(
             "manifest is not a JSON object",
@@ -181,6 +188,259 @@ def parse_manifest(raw: bytes, path: str | Path, kind: str | tuple[str, ...] | N
             found=manifest.get("kind"),
         )
     return manifest
+
+
+# ------------------------------------------------------------------ a manifest read by validate
+#
+# validate of a 1.5M-entry manifest (20 MB) peaked at 1.16 GB (issue 42, item 7): every entry a
+# dict, twice (the canonical-bytes check parsed it again), plus what the checks built of them.
+# read_manifest_text keeps the manifest's text and, per shard entry, where it starts and ends:
+# 16 bytes an entry; each pass over `shards` parses one entry at a time from the text.
+
+_SPACE = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder(parse_constant=_constant)
+
+
+class _Irregular(Exception):
+    """Text the entry-by-entry reader does not follow: the whole-manifest parser reads it (and
+    words its error, if any, as every command does)."""
+
+
+class ShardEntries(list):
+    """A manifest's `shards`, read from its text entry by entry, each time it is iterated or
+    indexed: the same dicts json.loads gives, never all held. It is a list for the field checks
+    (a JSON array), but holds no items of its own: anything that reads a list's storage directly
+    (json.dumps, numpy, `==` on two lists) must be given `list(entries)` instead."""
+
+    def __init__(self, text: str, starts: array, ends: array):
+        super().__init__()
+        self._text, self._starts, self._ends = text, starts, ends
+
+    def _entry(self, i: int):
+        return _DECODER.scan_once(self._text, self._starts[i])[0]  # read once already: no error
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __bool__(self) -> bool:
+        return len(self._starts) > 0
+
+    def __iter__(self):
+        scan, text = _DECODER.scan_once, self._text
+        for start in self._starts:
+            yield scan(text, start)[0]
+
+    def __reversed__(self):
+        for i in range(len(self._starts) - 1, -1, -1):
+            yield self._entry(i)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._entry(k) for k in range(*i.indices(len(self._starts)))]
+        n = len(self._starts)
+        if not -n <= i < n:
+            raise IndexError("list index out of range")
+        return self._entry(i % n)
+
+    def __contains__(self, value) -> bool:
+        return any(e == value for e in self)
+
+    def __eq__(self, other) -> bool:
+        return list(self) == (list(other) if isinstance(other, ShardEntries) else other)
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+    def __add__(self, other):
+        return list(self) + list(other)
+
+    def __reduce__(self):  # a copy or a pickle is the plain list
+        return (list, (list(self),))
+
+    def copy(self) -> list:
+        return list(self)
+
+    def index(self, value, *args) -> int:
+        return list(self).index(value, *args)
+
+    def count(self, value) -> int:
+        return sum(e == value for e in self)
+
+    def _read_only(self, *args, **kw):
+        raise TypeError("a manifest's shard entries read from its text are read-only: use list(entries)")
+
+    append = extend = insert = pop = remove = clear = sort = reverse = _read_only
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
+
+    def canonical(self, start: int, chunk: int = 4096) -> bool:
+        """The entries' text is canonical_bytes' (entries 2 deep, as json.dumps(indent=1) writes
+        them), the first starting at `start`: compared `chunk` entries at a time, each chunk
+        written as a list of its own (1 deep), each line then indented once more."""
+        text, starts, ends = self._text, self._starts, self._ends
+        if not starts or starts[0] != start:
+            return False
+        for lo in range(0, len(starts), chunk):
+            hi = min(lo + chunk, len(starts))
+            want = json.dumps([self._entry(i) for i in range(lo, hi)], indent=1).replace("\n", "\n ")
+            want = want[len("[\n  ") : -len("\n ]")]  # the entries and the ",\n  " between them
+            if ends[hi - 1] - starts[lo] != len(want) or not text.startswith(want, starts[lo]):
+                return False
+            if hi < len(starts) and text[ends[hi - 1] : starts[hi]] != ",\n  ":
+                return False
+        return True
+
+
+def _space(text: str, i: int) -> int:
+    return _SPACE.match(text, i).end()
+
+
+def _value(text: str, i: int, depth: int):
+    """The JSON value at `i` (its end too), checked as strict_json checks a value `depth` deep."""
+    try:
+        value, end = _DECODER.scan_once(text, i)  # raw_decode's own call, less its frame
+    except (StopIteration, ValueError, _Refused, RecursionError):  # StopIteration: no value at `i`
+        raise _Irregular from None
+    kind = type(value)
+    if kind is dict or kind is list:
+        try:
+            _check_values(value, depth)
+        except _Refused:
+            raise _Irregular from None
+    elif (kind is int and not INT_RANGE[0] <= value < INT_RANGE[1]) or (kind is float and not math.isfinite(value)):
+        raise _Irregular
+    return value, end
+
+
+_BETWEEN = ",\n  "  # between two entries, as canonical_bytes writes them: the common case first
+
+
+def _shard_entries(text: str, i: int) -> tuple[ShardEntries, int]:
+    """The array at `i` (the manifest's `shards`, 2 deep): each entry's span, each checked."""
+    starts, ends = array("q"), array("q")
+    i = _space(text, i + 1)
+    if text.startswith("]", i):
+        return ShardEntries(text, starts, ends), i + 1
+    while True:
+        _, end = _value(text, i, 3)
+        starts.append(i)
+        ends.append(end)
+        if text.startswith(_BETWEEN, end) and not text.startswith((" ", "\t", "\n", "\r"), end + 4):
+            i = end + 4
+            continue
+        i = _space(text, end)
+        if text.startswith(",", i):
+            i = _space(text, i + 1)
+        elif text.startswith("]", i):
+            return ShardEntries(text, starts, ends), i + 1
+        else:
+            raise _Irregular
+
+
+def _parse_text(text: str) -> tuple[dict, int | None]:
+    """The manifest object of `text` with its `shards` as ShardEntries, and where in the text the
+    first entry starts (None: no entries). _Irregular for anything else."""
+    obj: dict = {}
+    first = None
+    i = _space(text, 0)
+    if not text.startswith("{", i):
+        raise _Irregular
+    i = _space(text, i + 1)
+    if text.startswith("}", i):
+        i += 1
+    else:
+        while True:
+            if not text.startswith('"', i):
+                raise _Irregular
+            try:
+                key, i = json.decoder.scanstring(text, i + 1, True)
+            except ValueError:
+                raise _Irregular from None
+            i = _space(text, i)
+            if not text.startswith(":", i):
+                raise _Irregular
+            i = _space(text, i + 1)
+            if key == "shards" and text.startswith("[", i):
+                value, i = _shard_entries(text, i)
+                first = value._starts[0] if value else None
+            else:
+                value, i = _value(text, i, 2)
+            obj[key] = value
+            i = _space(text, i)
+            if text.startswith(",", i):
+                i = _space(text, i + 1)
+            elif text.startswith("}", i):
+                i += 1
+                break
+            else:
+                raise _Irregular
+    if _space(text, i) != len(text):
+        raise _Irregular
+    shards = obj.get("shards")
+    if isinstance(shards, ShardEntries) and not shards:
+        obj["shards"] = []  # an empty array is the plain one
+    return obj, first if isinstance(obj.get("shards"), ShardEntries) else None
+
+
+def _canonical(raw: bytes, text: str, m: dict, first: int | None) -> bool:
+    """raw == canonical_bytes(m), `m` as parsed (before upgrade), its entries compared one by one."""
+    shards = m.get("shards")
+    if not isinstance(shards, ShardEntries):
+        return raw == canonical_bytes(m)
+    if not raw.isascii():  # canonical bytes escape every other character
+        return False
+    mark = "\x00tokpack: the shard entries\x00"  # a string no manifest holds: where the entries go
+    head = json.dumps({**m, "shards": [mark]}, indent=1) + "\n"
+    cut = head.index(json.dumps(mark))
+    before, after = head[:cut], head[cut + len(json.dumps(mark)) :]
+    last = shards._ends[-1]
+    return (
+        text.startswith(before)
+        and first == len(before)
+        and len(text) - last == len(after)
+        and text.endswith(after)
+        and shards.canonical(len(before))
+    )
+
+
+def read_manifest_text(directory: str | Path, kind: str | tuple[str, ...] | None = None) -> tuple[dict, bool, int]:
+    """validate's read_manifest(directory, kind, checked=False): (the manifest, upgraded, with its
+    `shards` as ShardEntries when it has any; whether its bytes are canonical_bytes'; its size).
+    Anything but a plain manifest object (bad JSON, a value outside the format) is read by
+    read_manifest, so its error is the one every command gives."""
+    directory = as_path(directory)
+    path = directory / MANIFEST
+    if not path.exists():
+        read_manifest(directory, kind, checked=False)  # raises its own error: no such directory, ...
+    raw = read_limited(path, MAX_MANIFEST_BYTES, "manifest")
+    try:
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise _Irregular
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+        parsed, first = _parse_text(text)
+    except (_Irregular, UnicodeDecodeError):
+        manifest = parse_manifest(raw, path, kind)  # raises strict_json's or the header's own error
+        return upgrade(manifest), raw == canonical_bytes(manifest), len(raw)
+    _checked_header(parsed, path, kind)
+    return upgrade(parsed), _canonical(raw, text, parsed, first), len(raw)
+
+
+def manifest_kind(directory) -> str | None:
+    """The `kind` of the JSON object in `directory`'s manifest (None: unreadable, or not an
+    object), read as read_manifest_text reads it: not one dict per shard entry."""
+    path = as_path(directory) / MANIFEST
+    try:
+        raw = read_limited(path, MAX_MANIFEST_BYTES, "manifest")
+        try:
+            return _parse_text(raw.decode(json.detect_encoding(raw), "surrogatepass"))[0].get("kind")
+        except (_Irregular, UnicodeDecodeError):
+            return strict_json(raw, path).get("kind")
+    except (TokpackError, OSError, AttributeError):
+        return None
 
 
 def partial_stage_absent(run_dir: Path) -> dict[str, str]:

@@ -77,6 +77,7 @@ ARGUMENTS = {
         "shard_tokens": ("tokens", {"least": 1, **_REQUIRED}),
         "executor": _executor,
         "link": _FLAG,
+        "append_eos": _FLAG,
     },
     "shuffle": {
         "seq_len": _COUNT[1],
@@ -205,13 +206,16 @@ def pack(
     log=None,
     scratch: PathLike | None = None,
     link: bool = False,
+    append_eos: bool = False,
 ) -> PackResult:
     """Packs tokenized inputs (files, folders or URLs) into one packed source at `output`.
     URL inputs are read where they are (streamed). A URL output is written under `scratch` (a
     local or shared folder; default $TOKPACK_STAGE_DIR, else the system temp dir) and each shard
     is sent to the store once written (tokpack.packer.executors.local_paths). `link`: an input
     that already is its shard's bytes (datatrove) is hard-linked or reflinked once verified,
-    not copied (docs/COMMANDS.md, "Linking instead of copying")."""
+    not copied (docs/COMMANDS.md, "Linking instead of copying"). An input whose documents all end
+    with one id that is not `eos_id` is refused (a wrong `eos_id`) unless `append_eos` is True:
+    then each gets an EOS appended, as a document lacking one always does."""
     from tokpack.packer.executors import local_paths, runs_in_process
     from tokpack.packer.pack_setup import PackOptions
     from tokpack.packer.packing import pack as pack_source
@@ -228,6 +232,7 @@ def pack(
             overwrite=overwrite,
             shard_tokens=shard_tokens,
             link=link,
+            append_eos=append_eos,
         )
         return pack_source(as_paths(inputs), local_output, options, config=executor, log=log, to=to)
 

@@ -95,6 +95,12 @@ def _real_shard_size(result) -> dict:
     help="Hard-link (else reflink) a datatrove input that already is its shard's bytes, once verified, "
     "instead of copying it; the input must then not be edited in place (docs/COMMANDS.md).",
 )
+@click.option(
+    "--append-eos",
+    is_flag=True,
+    help="Pack an input whose documents all end with one id that is not the EOS id, an EOS appended "
+    "to each; without it such an input is refused as a wrong --eos-id.",
+)
 @executor_options
 @SCRATCH
 @LOG_INTERVAL

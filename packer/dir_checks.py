@@ -5,8 +5,9 @@ its problems go to, bounded (ProblemList, DirReport).
 
 from __future__ import annotations
 
-import json
+import os
 import re
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,8 +18,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.writes import TMP_MARK
 from tokpack.formats.io.paths import name_problem
 from tokpack.formats.io.gate import read_limited
-from tokpack.formats.constants import LOSS_SUFFIX, KINDS, MANIFEST, MAX_MANIFEST_BYTES
-from tokpack.formats.reading import canonical_bytes, read_manifest
+from tokpack.formats.constants import LOSS_SUFFIX, KINDS, MANIFEST
 from tokpack.formats.checks import check_manifest
 from tokpack.formats.names import dtype_from_name
 from tokpack.formats.packing import has_pad, rows_padded
@@ -28,6 +28,8 @@ from tokpack.formats.shard_scan import Findings, Problem, ShardJob, worst_status
 from tokpack.formats.constants import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX
 from tokpack.formats.shards import contained_shard, shard_suffixes
 from tokpack.formats.constants import SLICE
+from tokpack.formats.reading import ShardEntries, read_manifest_text
+from tokpack.formats.constants import SHARD_SUFFIXES
 
 from .slice_validation import slice_shard_jobs
 
@@ -143,13 +145,15 @@ class Dir:
 
 
 def open_manifest(path: Path, rep: DirReport, kinds) -> dict | None:
+    """The directory's manifest, every problem reported (not the first): a source's or an
+    epoch's `shards` read from its text entry by entry (ShardEntries), so validate's memory does
+    not grow with the manifest's entries."""
     try:
-        manifest = read_manifest(path, kind=kinds, checked=False)  # every problem reported, not the first
+        manifest, canonical, size = read_manifest_text(path, kinds)
     except TokpackError as e:
         rep.problems.append(Problem.from_error(e))
         return None
-    raw = read_limited(path / MANIFEST, MAX_MANIFEST_BYTES, "manifest")
-    if raw != canonical_bytes(json.loads(raw)):  # as written, before earlier keys are renamed
+    if not canonical:  # as written, before earlier keys are renamed
         rep.add(
             path / MANIFEST,
             "bytes",
@@ -157,24 +161,64 @@ def open_manifest(path: Path, rep: DirReport, kinds) -> dict | None:
             "different bytes (edited after writing?)",
             "manifest text was altered",
         )
+    if manifest["kind"] not in ("source", "epoch") and isinstance(manifest.get("shards"), ShardEntries):
+        manifest["shards"] = list(manifest["shards"])  # a slice's rank files: read as every command reads them
     rep.manifest = manifest
     rep.kind = manifest["kind"]
-    rep.saw(len(raw))
+    rep.saw(size)
     return manifest
+
+
+# The files a shard entry can have, after its name, each a bit of the entry's mask in check_listing.
+_SUFFIX_BITS = {suffix: 1 << k for k, suffix in enumerate((*SHARD_SUFFIXES, ROWS_SUFFIX, PAD_SUFFIX))}
+
+
+def _name_key(name: str) -> int:
+    return xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogatepass"))
 
 
 def check_listing(path: Path, shards: list[dict], rep: DirReport) -> None:
     """The directory holds no shard file the manifest does not list (the names were checked): a
     sidecar its entry does not record (a `.ds.pad` beside a window shard) is unlisted too."""
-    # an unlisted loss mask has the shard scan's own line (formats/shard_scan.py)
-    allowed = {s["path"] + suffix for s in shards for suffix in (*shard_suffixes(s), LOSS_SUFFIX)}
-    for p in sorted(path.iterdir()):
-        if TMP_MARK in p.name:
-            continue  # a killed writer's leftover: never data
-        if SHARD_FILE.match(p.name) and p.name not in allowed:
-            rep.add(
-                p, None, "only the files listed in the manifest", "an unlisted file", "file not listed in the manifest"
-            )
+    # An entry's name as a 64-bit hash and its files as a bit mask, sorted by hash: 9 bytes an
+    # entry, not a set of 4 names (validate's memory is not the manifest's length, issue 42).
+    # A file is listed when its name less one of the suffixes hashes to a listed name whose
+    # mask has that suffix; two names of one hash would only ever hide an unlisted file.
+    n = len(shards)
+    keys, masks = np.empty(n, np.uint64), np.empty(n, np.uint8)
+    for i, s in enumerate(shards):
+        keys[i] = _name_key(s["path"])
+        # an unlisted loss mask has the shard scan's own line (formats/shard_scan.py)
+        masks[i] = sum(_SUFFIX_BITS[x] for x in {*shard_suffixes(s), LOSS_SUFFIX})
+    order = np.argsort(keys, kind="stable")
+    keys, masks = keys[order], masks[order]
+    del order
+
+    def listed(name: str) -> bool:
+        for suffix, bit in _SUFFIX_BITS.items():
+            if name.endswith(suffix) and len(name) > len(suffix):
+                key = np.uint64(_name_key(name[: len(name) - len(suffix)]))
+                lo, hi = np.searchsorted(keys, key, "left"), np.searchsorted(keys, key, "right")
+                if lo < hi and int(np.bitwise_or.reduce(masks[lo:hi])) & bit:
+                    return True
+        return False
+
+    def unlisted(name: str) -> bool:  # a killed writer's leftover (TMP_MARK) is never data
+        return TMP_MARK not in name and SHARD_FILE.match(name) is not None and not listed(name)
+
+    if isinstance(path, Path):
+        with os.scandir(path) as found:  # names only, one at a time: the unlisted ones are kept
+            files = [path / name for name in sorted(e.name for e in found if unlisted(e.name))]
+    else:  # a URL's listing
+        files = sorted(p for p in path.iterdir() if unlisted(p.name))
+    for p in files:
+        rep.add(
+            p,
+            None,
+            "only the files listed in the manifest",
+            "an unlisted file",
+            "file not listed in the manifest",
+        )
 
 
 def check_row_hashes(path: Path, shards: list[dict], rep: DirReport, quick: bool) -> None:
@@ -250,11 +294,21 @@ def check_pads(path: Path, shards: list[dict], rep: DirReport, row: int | None =
     return total
 
 
+class _Objects:
+    """The entries of a list that are objects, each time it is iterated (not a list of them)."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __iter__(self):
+        return (s for s in self.items if isinstance(s, dict))
+
+
 def check_padding(path: Path, m: dict, rep: DirReport) -> None:
     """A best-fit epoch (rows_padded): every shard entry lists its `.ds.pad` (without one the
     loader would serve padding as tokens), each fits its row, and together they sum to the
     recorded `packing.padding_tokens`."""
-    shards = [s for s in m.get("shards") or [] if isinstance(s, dict)]
+    shards = _Objects(m.get("shards") or [])
     row = m["seq_len"] + 1 if type_ok(m.get("seq_len"), int) else None
     mfile = path / MANIFEST
     if rows_padded(m):
@@ -293,7 +347,7 @@ def check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> lis
     kind = m["kind"]
     dtype = dtype_from_name(m["dtype"])
     row = m["seq_len"] + 1 if kind == "epoch" else None
-    jobs = []
+    jobs = ShardJobs(path, shards, (kind, dtype, m["vocab_size"], m["eos_id"], m["tokenizer"], row, quick))
     for i, s in enumerate(shards):
         if name_problem(s["path"]):
             continue  # reported by check_manifest; never opened
@@ -302,8 +356,43 @@ def check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> lis
         except TokpackError as e:  # a symlink out of the folder: reported, never opened
             rep.problems.append(Problem.from_error(e))
             continue
-        jobs.append(ShardJob(path, s, kind, dtype, m["vocab_size"], m["eos_id"], m["tokenizer"], row, quick))
+        jobs.indices.append(i)
     return jobs
+
+
+class ShardJobs:
+    """A directory's shard checks, each ShardJob made from its manifest entry when its turn comes
+    (not one held per shard): the entries' indices, and what every job shares."""
+
+    def __init__(self, path: Path, shards: list, shared: tuple):
+        self.path, self.shards, self.shared = path, shards, shared
+        self.indices = array("q")  # the entries that are checked
+        self.per: int | None = None  # number_samples: samples a shard
+        self.last: dict[str, int] = {}  # number_samples: a name listed twice -> its last entry
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __bool__(self) -> bool:
+        return len(self.indices) > 0
+
+    def __iter__(self):
+        for i in self.indices:
+            s = self.shards[i]
+            job = ShardJob(self.path, s, *self.shared)
+            if self.per is not None:
+                job.first_sample = self.last.get(s["path"], i) * self.per
+            yield job
+
+    def number_samples(self, per: int) -> None:
+        """Each job's first_sample: its entry's index times `per` (shard_samples); for a name
+        listed twice, its last entry's, as a name -> position table has it."""
+        keys = np.fromiter((_name_key(s["path"]) for s in self.shards), np.uint64, len(self.shards))
+        order = np.argsort(keys, kind="stable")
+        same = np.flatnonzero(keys[order][1:] == keys[order][:-1])
+        for i in np.union1d(order[same], order[same + 1]):  # the entries sharing a hash, in order
+            self.last[self.shards[int(i)]["path"]] = int(i)
+        self.per = per
 
 
 def plan_dir(path: Path, quick: bool, kinds=None) -> Dir:

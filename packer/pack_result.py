@@ -1,11 +1,13 @@
 """What `tokpack pack` says when done: its result (PackResult, what --json prints), the lines for a
-person, and the warnings of an EOS id that looks wrong (eos_warnings)."""
+person, the warning of an EOS id that looks wrong (eos_warnings) and the refusal of one that is
+(check_document_ends)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokpack.formats.errors import TokpackError
 from tokpack.formats.units import counted
 from tokpack.packer.shared import Result, optional_field
 
@@ -84,8 +86,7 @@ ONE_DOCUMENT_TOKENS = 1 << 20
 
 def eos_warnings(parts: list[dict], eos_id: int) -> list[str]:
     """The `tokpack pack:` lines for an EOS id that looks wrong, per input: no EOS in a large
-    input (it became one document), or EOS appended to every document of an input whose
-    documents all end with one other id (that id is likely its EOS)."""
+    input (it became one document; the data is packed as asked)."""
     lines = []
     for part in parts:
         name, docs, appended = part.get("input"), part.get("documents", 0), part.get("eos_appended", 0)
@@ -95,13 +96,27 @@ def eos_warnings(parts: list[dict], eos_id: int) -> list[str]:
                 f"packed as one document. HINT: pass the id its documents end with as --eos-id (or "
                 f"--tokenizer tokenizer.json), then pack again with --overwrite"
             )
-        elif docs >= 2 and appended == docs and isinstance(part.get("end_id"), int):
-            lines.append(
-                f"tokpack pack: {name}: all {docs:,} of its documents end with id {part['end_id']}, not "
-                f"the EOS id {eos_id}, and got an EOS appended each. HINT: if {part['end_id']} is its "
-                f"end-of-document id, pack again with --eos-id {part['end_id']} --overwrite"
-            )
     return lines
+
+
+def check_document_ends(part: dict, eos_id: int, append_eos: bool) -> None:
+    """Refuses an input (a pack task's part record) whose every document lacked the EOS id and
+    ended with one same other id: that id is its EOS and --eos-id is wrong (issue 42, item 8: a
+    warning let CI pass a corpus whose documents were never separated as meant). With
+    `append_eos` the user asked for an EOS after each document, so it is packed."""
+    docs, appended, end_id = part.get("documents", 0), part.get("eos_appended", 0), part.get("end_id")
+    # 2 documents at least: one document ending with some id says nothing about the EOS
+    if append_eos or docs < 2 or appended != docs or not isinstance(end_id, int):
+        return
+    raise TokpackError(
+        "no document ends with the EOS id",
+        file=part.get("input"),
+        where=f"last token of each of its {docs:,} documents",
+        expected=f"{eos_id} (--eos-id)",
+        found=f"{end_id} ending all {docs:,}",
+        hint=f"if {end_id} is its EOS, pass --eos-id {end_id}; to pack it as is, an EOS {eos_id} appended "
+        "to each document, pass --append-eos",
+    )
 
 
 def say_result(result: PackResult, warnings: list[str], link: bool, shown, say) -> None:

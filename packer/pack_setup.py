@@ -142,6 +142,9 @@ class PackOptions:
     overwrite: bool = False
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     link: bool = False  # pack --link: an input that is its shard's bytes is linked, not copied
+    # pack --append-eos: an input whose documents all end with one other id is packed, an EOS
+    # appended to each, not refused (tokpack.packer.pack_result.check_document_ends)
+    append_eos: bool = False
 
 
 @dataclass
@@ -227,6 +230,9 @@ def setup_pack(
         "eos_id": eos_id,
         "vocab_size": vocab_size,
         "shard_tokens": int(shard_tokens),
+        # only when given, so a request without it (and its manifest) is as before; in it at all,
+        # so a pack refused without it is not taken for complete by a rerun of the accepted one
+        **({"append_eos": True} if options.append_eos else {}),
     }
     # `link` is not in the request: a linked pack's manifest and bytes are a copying pack's
     setup = PackSetup(

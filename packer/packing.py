@@ -49,6 +49,7 @@ from tokpack.packer.linking import Linked, link_part, summary as link_summary
 from tokpack.packer.vocab import Normalizer
 from tokpack.packer.pack_result import (
     PackResult,
+    check_document_ends,
     eos_warnings,
     pack_result,
     say_result,
@@ -111,11 +112,15 @@ class PackStep(PipelineStep):
         # The bar over every file, next to each file's own, when the ranks run in the command's
         # process (never pickled to a worker); moved by whole files: a JSONL block's bytes are not known.
         self.overall = None
+        # pack --append-eos, set by the driver: an input whose documents all end with one other id
+        # is packed as asked, not refused
+        self.append_eos = False
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         for i in range(rank, len(self.files), world_size):
             try:
-                self.pack_file(i)
+                # checked here, on a resumed part too: the driver writes no manifest for a refused input
+                check_document_ends(self.pack_file(i), self.eos_id, self.append_eos)
             except TokpackError as e:
                 write_bytes_atomic(Path(self.work) / f"part-{i:05d}.error.json", json.dumps(e.to_json()).encode())
                 raise
@@ -414,6 +419,7 @@ def pack(
         step = PackStep(
             packed_files, str(work), vocab, eos, out_dtype.name, tok_name, int(shard_tokens), block_bytes, to, link=link
         )
+        step.append_eos = options.append_eos
         ntasks = pack_tasks(len(packed_files), config)
         if runs_in_process(config):
             step.overall = progress(sum(f.size for f in packed_files), f"pack: {counted(len(packed_files), 'file')}")

@@ -24,10 +24,9 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.reads import ThreadPool
 from tokpack.formats.io.paths import as_path
 from tokpack.formats.io.progress_log import progress
-from tokpack.formats.io.gate import read_limited
-from tokpack.formats.constants import MANIFEST, MASK64, MAX_MANIFEST_BYTES, SLICE
+from tokpack.formats.constants import MANIFEST, MASK64, SLICE
 from tokpack.formats.hashes import hash_hex64
-from tokpack.formats.reading import strict_json
+from tokpack.formats.reading import manifest_kind
 from tokpack.formats.shard_scan import Findings, Problem, check_shard, problem_line, worst_status
 from tokpack.formats.shards import (
     PackedSource,
@@ -36,6 +35,7 @@ from tokpack.formats.shards import (
 from .dir_checks import (
     Dir,
     DirReport,
+    ShardJobs,
     ValidationReport,
     plan_dir,
 )
@@ -56,6 +56,19 @@ def plan_validation(paths: list[str | Path], quick: bool) -> list[Dir]:
     return plan
 
 
+def _number_samples(plan: list[Dir]) -> None:
+    """Each epoch shard's job its first sample's output position, to sum its order hash."""
+    for d in plan:
+        if d.report.kind == "epoch" and d.jobs:  # jobs exist only for a manifest whose fields are sound
+            m = d.report.manifest
+            if isinstance(d.jobs, ShardJobs):
+                d.jobs.number_samples(m["shard_samples"])
+            else:  # a partial stage's jobs (tokpack.packer.run_checks)
+                first = {s["path"]: i * m["shard_samples"] for i, s in enumerate(m["shards"])}
+                for job in d.jobs:
+                    job.first_sample = first[job.entry["path"]]
+
+
 def validate_dirs(
     paths: list[str | Path],
     quick: bool = False,
@@ -67,21 +80,20 @@ def validate_dirs(
     `order` (full mode): also each epoch shard's order hash, for `--against` to compare."""
     plan = plan_validation(paths, quick)
     if order and not quick:
-        for d in plan:
-            if d.report.kind == "epoch" and d.jobs:  # jobs exist only for a manifest whose fields are sound
-                m = d.report.manifest
-                first = {s["path"]: i * m["shard_samples"] for i, s in enumerate(m["shards"])}
-                for job in d.jobs:
-                    job.first_sample = first[job.entry["path"]]
-    jobs = [(d, j) for d in plan for j in d.jobs]
-    total = sum(j.size() for _, j in jobs) if not quick else len(jobs)
-    recomputed: dict[int, list] = {}
+        _number_samples(plan)
+    # Each job made when its turn comes, twice (its size first), never all held: a manifest of
+    # 1.5M entries held a ShardJob and an entry dict each (issue 42, item 7).
+    jobs = lambda: ((d, j) for d in plan for j in d.jobs)  # noqa: E731
+    count = sum(len(d.jobs) for d in plan)
+    total = sum(j.size() for _, j in jobs()) if not quick else count
+    recomputed: dict[int, int | None] = {}  # an epoch's multiset so far: None once a shard has none
 
     def merge(d, job, res) -> None:  # each shard's findings as it ends, in job order: the report is deterministic
         d.report.problems += res.problems
         d.report.files += res.files
         d.report.bytes += res.bytes
-        recomputed.setdefault(id(d), []).append(res.multiset)
+        so_far = recomputed.get(id(d), 0)
+        recomputed[id(d)] = None if so_far is None or res.multiset is None else so_far + res.multiset
         if res.order is not None:
             d.report.shard_orders[job.entry["path"]] = res.order
 
@@ -111,24 +123,24 @@ def validate_dirs(
             return d, job, res
 
         # merged as they end, never all held: a shard's findings are dropped once counted
-        if workers > 1 and len(jobs) > 1:
+        if workers > 1 and count > 1:
             with ThreadPool(workers) as pool:  # Ctrl-C, SIGTERM: the shards not started are dropped
                 pending: deque = deque()  # a few calls ahead of the merge, not one future per shard
-                for item in jobs:
+                for item in jobs():
                     pending.append(pool.submit(run, item))
                     if len(pending) >= 4 * workers:
                         merge(*pending.popleft().result())
                 while pending:
                     merge(*pending.popleft().result())
         else:
-            for item in jobs:
+            for item in jobs():
                 merge(*run(item))
     for d in plan:
         rep, m = d.report, d.report.manifest
         if rep.kind == "epoch" and d.jobs and not quick and not d.partial:
-            parts = recomputed.get(id(d), [])
-            if all(x is not None for x in parts):
-                rep.multiset = sum(parts) & MASK64
+            multiset = recomputed.get(id(d), 0)
+            if multiset is not None:
+                rep.multiset = multiset & MASK64
                 if (
                     isinstance(m.get("sample_multiset_hash"), str)
                     and hash_hex64(rep.multiset) != m["sample_multiset_hash"]
@@ -277,11 +289,7 @@ def _not_a_source(given) -> Problem:
 
 
 def _kind(path) -> str | None:
-    try:
-        manifest = as_path(path) / MANIFEST
-        return strict_json(read_limited(manifest, MAX_MANIFEST_BYTES, "manifest"), manifest).get("kind")
-    except (TokpackError, OSError, AttributeError):
-        return None
+    return manifest_kind(path)
 
 
 def _size(n: int) -> str:

@@ -1360,8 +1360,11 @@ def test_known_tokenizer_in_datatrove_metadata(name, tmp_path):
     m = json.loads((tmp_path / "a" / MANIFEST).read_text())
     assert (m["eos_id"], m["vocab_size"], m["dtype"], m["tokenizer"]) == (50256, 50257, "uint16", name)
     assert packed_docs(tmp_path / "a") == docs and m["eos_appended"] == 0
-    # explicit options win over the table
-    res = cli(tmp_path / "dt", "-o", tmp_path / "b", "--eos-id", 7, "--vocab-size", 60000)
+    # explicit options win over the table: an EOS id its documents do not end with is refused
+    # (they all end with 50256) unless --append-eos asks for one after each
+    line = one_error_line(cli(tmp_path / "dt", "-o", tmp_path / "b", "--eos-id", 7, "--vocab-size", 60000))
+    assert "expected 7 (--eos-id), found 50256 ending all" in line, line
+    res = cli(tmp_path / "dt", "-o", tmp_path / "b", "--eos-id", 7, "--vocab-size", 60000, "--append-eos")
     assert res.exit_code == 0, res.stderr
     assert "known tokenizer" not in res.stderr
     m = json.loads((tmp_path / "b" / MANIFEST).read_text())
@@ -1548,22 +1551,76 @@ def test_a_large_raw_input_without_eos_warns(tmp_path):
         assert res.exit_code == 0 and not _warned(res), res.stderr
 
 
-def test_eos_appended_to_every_document_that_ends_with_another_id_warns(tmp_path):
+def test_documents_that_all_end_with_another_id_are_refused_unless_append_eos(tmp_path):
     """A gpt2 datatrove input (EOS 50256) packed with --eos-id 0 got an EOS appended to each of
-    its documents silently. The line names the id they end with; the right id warns nothing,
-    and an input whose documents end with many ids (no EOS of its own) warns nothing either."""
+    its documents, exit 0 with a warning, so CI passed it (issue 42, item 8). It is one error
+    line now (the input, the EOS id expected, the id found ending every document, both ways
+    out), exit 1, with no manifest and no shard left in OUT; --append-eos (append_eos=True)
+    packs it as before. The right id, and documents ending with assorted ids, pack as before."""
+    import tokpack
+
     write_named_datatrove(tmp_path / "dt", "gpt2", 40)
-    res = cli(tmp_path / "dt", "-o", tmp_path / "a", "--eos-id", "0")
-    assert res.exit_code == 0, res.stderr
-    [line] = _warned(res)
-    assert "all 40 of its documents end with id 50256, not the EOS id 0" in line and "--eos-id 50256" in line
-    res = cli(tmp_path / "dt", "-o", tmp_path / "b")
+    write_named_datatrove(tmp_path / "dt2", "gpt2", 40)
+    for args in ([], [tmp_path / "dt2", "--workers", "2"]):  # the task's check, in this process and in workers
+        line = one_error_line(cli(tmp_path / "dt", "-o", tmp_path / "a", "--eos-id", "0", *args))
+        assert "00000_unshuffled.ds [last token of each of its 40 documents]: no document ends with the EOS id" in line
+        assert "expected 0 (--eos-id), found 50256 ending all 40" in line, line
+        assert "pass --eos-id 50256" in line and "--append-eos" in line, line
+        assert not (tmp_path / "a").exists()  # nothing that could pass for data, not even the folder
+    rows = lambda docs: "".join(json.dumps({"input_ids": d.tolist()}) + "\n" for d in docs)  # noqa: E731
+    (tmp_path / "good.jsonl").write_text(rows(random_docs(np.random.default_rng(2), 30, 1000, 0)))
+    (tmp_path / "bad.jsonl").write_text(
+        rows([np.append(d[:-1], 7) for d in random_docs(np.random.default_rng(3), 9, 7, 0)])
+    )
+    line = one_error_line(
+        cli(
+            tmp_path / "good.jsonl",
+            tmp_path / "bad.jsonl",
+            "-o",
+            tmp_path / "a",
+            "--eos-id",
+            "0",
+            "--vocab-size",
+            "1000",
+        )
+    )
+    assert "bad.jsonl [last token of each of its 9 documents]" in line and "found 7 ending all 9" in line, line
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "kept").mkdir()  # an OUT that existed keeps nothing of the refused pack either
+    res = cli(tmp_path / "dt", "-o", tmp_path / "kept", "--eos-id", "0", "--json")
+    assert res.exit_code == 1 and "no document ends with the EOS id" in res.stdout + res.stderr
+    assert list((tmp_path / "kept").iterdir()) == []
+    with pytest.raises(TokpackError, match="found 50256 ending all 40"):
+        tokpack.pack([str(tmp_path / "dt")], str(tmp_path / "api"), eos_id=0)
+    assert not (tmp_path / "api").exists()
+
+    res = cli(
+        tmp_path / "dt", tmp_path / "dt2", "-o", tmp_path / "b", "--eos-id", "0", "--append-eos", "--workers", "2"
+    )
     assert res.exit_code == 0 and not _warned(res), res.stderr
+    m = json.loads((tmp_path / "b" / MANIFEST).read_text())
+    assert m["eos_appended"] == 80 and m["documents"] == 80 and m["request"]["append_eos"] is True
+    assert all(d[-2:] == [50256, 0] for d in packed_docs(tmp_path / "b"))
+    r = tokpack.pack([str(tmp_path / "dt"), str(tmp_path / "dt2")], str(tmp_path / "api"), eos_id=0, append_eos=True)
+    assert r.eos_appended == 80 and r.warnings == [] and r.fingerprint == m["fingerprint"]
+    # the accepted pack is not taken for a rerun of the refused one
+    line = one_error_line(cli(tmp_path / "dt", "-o", tmp_path / "b", "--eos-id", "0"))
+    assert "already holds a different packed source" in line
+    line = one_error_line(cli(tmp_path / "dt", "-o", tmp_path / "b", "--eos-id", "0", "--overwrite"))
+    assert "found 50256 ending all 40" in line and not (tmp_path / "b" / MANIFEST).exists()
+
+    res = cli(tmp_path / "dt", "-o", tmp_path / "c")  # EOS 50256 from the metadata: nothing appended
+    assert res.exit_code == 0 and not _warned(res), res.stderr
+    c = json.loads((tmp_path / "c" / MANIFEST).read_text())
+    assert c["eos_appended"] == 0 and "append_eos" not in c["request"]  # the request as before
     docs = [d[:-1] for d in random_docs(np.random.default_rng(1), 40, 1000, 0)]  # no EOS, assorted last ids
     (tmp_path / "x.jsonl").write_text("".join(json.dumps({"input_ids": d.tolist()}) + "\n" for d in docs))
-    res = cli(tmp_path / "x.jsonl", "-o", tmp_path / "c", "--eos-id", "0", "--vocab-size", "1000")
+    res = cli(tmp_path / "x.jsonl", "-o", tmp_path / "d", "--eos-id", "0", "--vocab-size", "1000")
     assert res.exit_code == 0 and not _warned(res), res.stderr
-    assert json.loads((tmp_path / "c" / MANIFEST).read_text())["eos_appended"] == 40
+    assert json.loads((tmp_path / "d" / MANIFEST).read_text())["eos_appended"] == 40
+    (tmp_path / "one.jsonl").write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n")  # one document says nothing
+    res = cli(tmp_path / "one.jsonl", "-o", tmp_path / "e", "--eos-id", "0", "--vocab-size", "1000")
+    assert res.exit_code == 0 and not _warned(res), res.stderr
 
 
 def test_an_unknown_vocabulary_is_recorded_as_unknown_and_named_by_validate(tmp_path):
