@@ -85,7 +85,9 @@ def agree_sources(comm, opened, per_node: int = 1) -> None:
     """The sources each process opened (the shared folders, or a node's kept copies of them)
     hold the same data: their fingerprints (each source manifest's xxh3_128) agree. Read from
     what the run opened, so that a later epoch from kept sources opens no shared file for it."""
-    facts = {f"source {i} ({src.path.name})": str(src.fingerprint) for i, src in enumerate(opened)}
+    # keyed by place, not path: a node reading its kept copy and one reading the shared folder
+    # (a rerun after one node's copy was refused) open the same source under two names
+    facts = {f"source {i}": str(src.fingerprint) for i, src in enumerate(opened)}
     line = disagreement(comm.allgather(facts), SOURCES_DIFFER, per_node)
     if line is not None:
         raise line

@@ -299,6 +299,7 @@ def plan_stage(directory, dest, selection: dict, *, disk_mbps: float | None = No
     `selection`: stage's other keywords, all of them (tokpack.packer.api.plan binds them to stage's
     signature); its `memory` (a replacement node's budget) changes none of these bytes."""
     workers, epochs, ranks, micro_batch = (selection[k] for k in ("workers", "epochs", "ranks", "micro_batch"))
+    workers = workers or 4  # stage's copy threads (its default)
     world_size, node, ranks_per_node = selection["world_size"], selection["node"], selection["ranks_per_node"]
     start_sample, shards_of = selection["start_sample"], selection["shards_of"]
     from tokpack.packer.stage_source import STAGE_BLOCK, Source

@@ -171,8 +171,11 @@ def _rebuild_epoch(job: tuple, workers: int) -> tuple[list[dict], dict]:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(P, mp_context=multiprocessing.get_context("spawn")) as pool:
-        parts = list(pool.map(_rebuild_ranks, [job] * P, range(P), [P] * P))
+    try:
+        with ProcessPoolExecutor(P, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = list(pool.map(_rebuild_ranks, [job] * P, range(P), [P] * P))
+    finally:
+        shutil.rmtree(dest / WORK_DIR, ignore_errors=True)
     entries = sorted((x for got, _ in parts for x in got), key=lambda x: x["rank"])
     figures = {k: sum(f[k] for _, f in parts) for k in ("bytes_read", "bytes_kept", "parts", "reads", "rows")}
     figures.update(depth=sum(f["depth"] for _, f in parts), part_rows=max(f["part_rows"] for _, f in parts))
@@ -184,7 +187,10 @@ def _rebuild_ranks(job: tuple, p: int, P: int) -> tuple[list[dict], dict]:
     out, dest, e, ranks, w, micro_batch, first, memory = job
     epoch_dir, rows = out / epoch_dir_name(e), RankRows(w, micro_batch, 0)
     m = parse_manifest(read_raw(epoch_dir / MANIFEST), epoch_dir / MANIFEST, "epoch")
-    work = dest / WORK_DIR / (f"replace-{epoch_dir_name(e)}" + ("" if P == 1 else f"-{p}"))
+    # P > 1: a folder of its own below the epoch's (SourceRows.close removes its `work`, or the
+    # whole scratch when `work` is its child: the other processes' too)
+    work = dest / WORK_DIR / f"replace-{epoch_dir_name(e)}"
+    work = work if P == 1 else work / f"process-{p}"
     mine = None if P == 1 else [r for r in range(ranks[0], ranks[1] + 1) if (r - ranks[0]) % P == p]
     source = SourceRows(epoch_dir, m, memory // P, work)
     figures = {"parts": 0, "rows": 0, "bytes_kept": 0}

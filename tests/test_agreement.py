@@ -150,9 +150,9 @@ def test_sources_that_differ_or_the_version_are_named(sources, tmp_path):
 
     a, b = sources
     opened = [SimpleNamespace(path=a, fingerprint="f" * 32), SimpleNamespace(path=b, fingerprint="e" * 32)]
-    agree_sources(Comm({"source 0 (a)": "f" * 32, "source 1 (b)": "e" * 32}), opened)  # the same: no error
-    with pytest.raises(MismatchError, match=r"read different data as source 1 \(b\).*0{32} on node 1"):
-        agree_sources(Comm({"source 0 (a)": "f" * 32, "source 1 (b)": "0" * 32}), opened)
+    agree_sources(Comm({"source 0": "f" * 32, "source 1": "e" * 32}), opened)  # the same: no error
+    with pytest.raises(MismatchError, match=r"read different data as source 1 .*0{32} on node 1"):
+        agree_sources(Comm({"source 0": "f" * 32, "source 1": "0" * 32}), opened)
     spec = ShuffleSpec(sources=(str(a),), output="run", seq_len=64, seed=1)
     mine = spec_facts(spec, "1.0")
     assert "tokpack's version" in str(disagreement([mine, {**mine, "version": "0.9"}]))
