@@ -125,7 +125,7 @@ def test_the_stall_timeout_is_refused_without_to_nodes_and_when_not_a_positive_n
     with pytest.raises(TokpackError, match=r"\[stall_timeout\]: out of range; expected a number > 0"):
         shuffle("src", tmp_path / "run", to_nodes="d", ranks_per_node=1, micro_batch=1, stall_timeout=float("nan"))
     with pytest.raises(TokpackError, match="--stall-timeout go with --to-nodes DEST"):
-        shuffle("src", tmp_path / "run", stall_timeout=5)
+        shuffle("src", tmp_path / "run", seq_len=7, seed=1, stall_timeout=5)
 
 
 WAITER = """
