@@ -3,7 +3,7 @@
     from torchdata.stateful_dataloader import StatefulDataLoader
     ds = TokpackDataset(run_dir, rank=r, world_size=W, micro_batch=m, positions="eos")
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=2)
-    ds.load_loader_state(loader, saved)             # optional: resume, O(1) (checks the worker count)
+    loader.load_state_dict(saved)                   # optional: resume, O(1) (another worker count: one line)
     for batch in loader:                            # one micro-batch per item
         batch["input_ids"], batch["labels"], batch["position_ids"]   # [m, seq_len] int64
         saved = loader.state_dict()                 # exact, with or without workers
@@ -58,6 +58,35 @@ def _ignore_set_vital_warning() -> None:
         category=UserWarning,
         module=r"torchdata\.stateful_dataloader\.stateful_dataloader",
     )
+
+
+def _check_worker_count_at_iteration() -> None:
+    """torchdata's StatefulDataLoader checks a state saved with workers loaded into a loader
+    without (or the reverse) by a bare AssertionError ("State doesn't contain key '_num_yielded'
+    ...") when the loader next makes its iterator, before any dataset code sees the state; a
+    change between two counts of workers reached the dataset in the workers. So the method that
+    makes the iterator (`_get_iterator`, which `iter(loader)` and `loader.state_dict()` call) is
+    wrapped once: for a loader over a TokpackDataset with a loaded state, a worker count other
+    than the state's is the one TokpackError line `load_loader_state` gives, in the main process,
+    before any worker starts. Any other loader, or a torchdata without that method, is untouched."""
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:  # no torchdata: no StatefulDataLoader to check
+        return
+    made = getattr(StatefulDataLoader, "_get_iterator", None)
+    if made is None or getattr(made, "_tokpack_checks_workers", False):
+        return
+
+    def _get_iterator(loader):
+        state = getattr(loader, "next_iter_state", None)
+        if state is not None and isinstance(loader.dataset, TokpackDataset):
+            saved = saved_workers(state)
+            if saved != loader.num_workers:
+                raise _other_workers(saved, loader.num_workers)
+        return made(loader)
+
+    _get_iterator._tokpack_checks_workers = True
+    StatefulDataLoader._get_iterator = _get_iterator
 
 
 _RESTART_HINT = (
@@ -284,6 +313,7 @@ class TokpackDataset(IterableDataset):
         error either way. With DataLoader workers, the error reaches the loop as one line too
         (`WorkerError`, a TokpackError)."""
         _ignore_set_vital_warning()
+        _check_worker_count_at_iteration()
         rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
         text(positions, "positions", choices=(None, "eos", "index"))
         flag(verify, "verify")
@@ -483,9 +513,8 @@ class TokpackDataset(IterableDataset):
 
     def load_loader_state(self, loader, loader_state: dict) -> None:
         """`loader.load_state_dict(loader_state)` for a StatefulDataLoader over this dataset, after
-        checking that the state was saved with the loader's number of workers. torchdata itself
-        checks a change to or from 0 workers with a bare AssertionError when the loader is next
-        iterated, before this dataset sees the state; here every change is the same one line."""
+        checking that the state was saved with the loader's number of workers: the line that
+        `iter(loader)` gives otherwise (`_check_worker_count_at_iteration`), at the load."""
         saved = saved_workers(loader_state)
         if saved != loader.num_workers:
             raise _other_workers(saved, loader.num_workers)
