@@ -154,12 +154,13 @@ _ALIGN = 8  # every field starts on a multiple of 8 bytes (the widest dtype, int
 # The loader asks a worker for its next batch from inside the training process's `next(loader)`,
 # which then still has its own share of the hand-off to finish (torch's bookkeeping, the thread
 # that sends the request). A worker that starts reading and assembling at once takes a CPU from it
-# where the cores are few: on a 2-core machine, 1 ms of a worker's work right then added about
-# 1 ms to the training process's wait (bench/train_loop.py; tokpack's wait with 2 workers was
-# twice the floor's). The worker has several steps of slack (its batch is asked for prefetch_factor
-# batches ahead), so it starts each batch after its first this long after the request: far less
-# than a step, and a worker still serves a batch a few milliseconds, some thousand times what a
-# GPU consumes.
+# where the cores are few: on a 2-core machine, the floor of bench/train_loop.py with 1 ms of work
+# in its worker waited about 1 ms more, and tokpack's wait with 2 workers was twice the floor's.
+# The worker has several steps of slack (its batch is asked for prefetch_factor batches ahead), so
+# it starts each batch after its first this long after the request: far less than a step, and a
+# worker still serves a batch every few milliseconds, far more than a GPU consumes. Without the
+# pause, tokpack's median wait there was 1.4-2.3 ms; with it 0.9-1.05, below the floor's
+# (BENCHMARKS.md, "The hand-off, before and after").
 HANDOFF_PAUSE_S = 0.001
 
 
