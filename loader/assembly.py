@@ -7,6 +7,7 @@ reads the rows), and nothing imports torch.
 
 from __future__ import annotations
 
+
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
@@ -179,3 +180,65 @@ def micro_batch(
         else:
             out.update(fixed_boundaries(pos, max_documents, first_row, locate))
     return out
+
+
+# ------------------------------------------------------------- a window epoch's batch, in place
+#
+# The common case (a window epoch: no padding; positions from EOS or none; no max_documents, no
+# eod_mask_loss) written straight into the arrays the caller gives (views of the one buffer a
+# batch crosses a process as), each field written once from the rows as read. Its cost is mostly
+# the count of numpy calls (a training step leaves the caches cold: each call costs tens of
+# microseconds there, more than its bytes), so what is constant for a batch shape is built once
+# and the scratch arrays are reused. The values are `micro_batch`'s (tests check it).
+
+WINDOW_KEYS = ("input_ids", "labels", "loss_mask")  # then position_ids and cu_seqlens, with positions
+I64, I32 = np.dtype(np.int64), np.dtype(np.int32)
+
+
+class WindowBatch:
+    """Writes window-epoch micro-batches of [m, seq_len+1] rows (one stream's: not shared between
+    threads). `eos_id` None: no positions (no position_ids, no cu_seqlens)."""
+
+    def __init__(self, m: int, seq_len: int, eos_id: int | None):
+        self.m, self.seq_len, self.eos_id = m, seq_len, eos_id
+        if eos_id is not None:
+            # Where a segment starts among the [m, L] inputs: each row's first input (always) and
+            # each input after an EOS input (the columns from 1, written per batch).
+            self._starts = np.zeros((m, seq_len), dtype=bool)
+            self._starts[:, 0] = True
+            self._narrow = np.min_scalar_type(max(seq_len - 1, 0))  # holds a column: uint16 up to 65,536
+            self._columns = np.arange(seq_len, dtype=self._narrow)  # 0..L-1 on each row (broadcast)
+
+    def starts(self, rows: np.ndarray) -> np.ndarray | None:
+        """The flat indices, among the [m, L] inputs, where a segment starts (None without
+        positions): `cu_seqlens(positions_from_eos(rows, eos_id)[:, :-1])[:-1]`."""
+        if self.eos_id is None:
+            return None
+        np.equal(rows[:, : self.seq_len - 1], self.eos_id, out=self._starts[:, 1:])
+        return np.flatnonzero(self._starts)
+
+    def fields(self, starts: np.ndarray | None) -> list[tuple[str, np.dtype, tuple]]:
+        """(key, dtype, shape) of the batch whose segments start at `starts`, in `micro_batch`'s order."""
+        shape = (self.m, self.seq_len)
+        fields = [(key, I64, shape) for key in WINDOW_KEYS]
+        if starts is not None:
+            fields += [("position_ids", I64, shape), ("cu_seqlens", I32, (len(starts) + 1,))]
+        return fields
+
+    def fill(self, out: list[np.ndarray], rows: np.ndarray, starts: np.ndarray | None) -> None:
+        """Writes the batch of `rows` (`starts`: `self.starts(rows)`, the call just before) into
+        `out`, arrays of `fields(starts)` in its order: `micro_batch(rows, None,
+        positions_from_eos(rows, eos_id), eos_id)`'s values."""
+        np.copyto(out[0], rows[:, :-1], casting="unsafe")  # input_ids: astype's cast, in place
+        np.copyto(out[1], rows[:, 1:], casting="unsafe")  # labels
+        out[2].fill(1)  # loss_mask: no padding, every label is a real token
+        if starts is None:
+            return
+        # A position is the input's column less its segment's first column (every row starts a
+        # segment, so a segment never spans rows): each segment's first column, repeated over it.
+        m, L = self.m, self.seq_len
+        cu = out[4]
+        cu[:-1] = starts
+        cu[-1] = m * L
+        first = np.repeat((starts % L).astype(self._narrow), cu[1:] - cu[:-1])
+        np.subtract(self._columns, first.reshape(m, L), out=out[3])

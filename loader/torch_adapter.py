@@ -3,7 +3,7 @@
     from torchdata.stateful_dataloader import StatefulDataLoader
     ds = TokpackDataset(run_dir, rank=r, world_size=W, micro_batch=m, positions="eos")
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=2)
-    ds.load_loader_state(loader, saved)             # optional: resume, O(1) (checks the worker count)
+    loader.load_state_dict(saved)                   # optional: resume, O(1) (another worker count: one line)
     for batch in loader:                            # one micro-batch per item
         batch["input_ids"], batch["labels"], batch["position_ids"]   # [m, seq_len] int64
         saved = loader.state_dict()                 # exact, with or without workers
@@ -31,6 +31,8 @@ consumed-sample count to start a fresh dataset from. Without StatefulDataLoader,
 
 from __future__ import annotations
 
+import math
+import time
 import warnings
 from contextlib import contextmanager
 
@@ -41,6 +43,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from tokpack.formats.arguments import flag, text, whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.slices import RankRows
+from .assembly import I64, WindowBatch
 from .reader import AT_END, SampleReader, stream_shape
 
 
@@ -58,6 +61,35 @@ def _ignore_set_vital_warning() -> None:
         category=UserWarning,
         module=r"torchdata\.stateful_dataloader\.stateful_dataloader",
     )
+
+
+def _check_worker_count_at_iteration() -> None:
+    """torchdata's StatefulDataLoader checks a state saved with workers loaded into a loader
+    without (or the reverse) by a bare AssertionError ("State doesn't contain key '_num_yielded'
+    ...") when the loader next makes its iterator, before any dataset code sees the state; a
+    change between two counts of workers reached the dataset in the workers. So the method that
+    makes the iterator (`_get_iterator`, which `iter(loader)` and `loader.state_dict()` call) is
+    wrapped once: for a loader over a TokpackDataset with a loaded state, a worker count other
+    than the state's is the one TokpackError line `load_loader_state` gives, in the main process,
+    before any worker starts. Any other loader, or a torchdata without that method, is untouched."""
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:  # no torchdata: no StatefulDataLoader to check
+        return
+    made = getattr(StatefulDataLoader, "_get_iterator", None)
+    if made is None or getattr(made, "_tokpack_checks_workers", False):
+        return
+
+    def _get_iterator(loader):
+        state = getattr(loader, "next_iter_state", None)
+        if state is not None and isinstance(loader.dataset, TokpackDataset):
+            saved = saved_workers(state)
+            if saved != loader.num_workers:
+                raise _other_workers(saved, loader.num_workers)
+        return made(loader)
+
+    _get_iterator._tokpack_checks_workers = True
+    StatefulDataLoader._get_iterator = _get_iterator
 
 
 _RESTART_HINT = (
@@ -119,14 +151,43 @@ def _other_workers(saved: int, found: int) -> TokpackError:
 
 _ALIGN = 8  # every field starts on a multiple of 8 bytes (the widest dtype, int64)
 
+# The loader asks a worker for its next batch from inside the training process's `next(loader)`,
+# which then still has its own share of the hand-off to finish (torch's bookkeeping, the thread
+# that sends the request). A worker that starts reading and assembling at once takes a CPU from it
+# where the cores are few: on a 2-core machine, the floor of bench/train_loop.py with 1 ms of work
+# in its worker waited about 1 ms more, and tokpack's wait with 2 workers was twice the floor's.
+# The worker has several steps of slack (its batch is asked for prefetch_factor batches ahead), so
+# it starts each batch after its first this long after the request: far less than a step, and a
+# worker still serves a batch every few milliseconds, far more than a GPU consumes. Without the
+# pause, tokpack's median wait there was 1.4-2.3 ms; with it 0.9-1.05, below the floor's
+# (BENCHMARKS.md, "The hand-off, before and after").
+HANDOFF_PAUSE_S = 0.001
+
 
 def _views(buffer: torch.Tensor, layout: tuple) -> list[torch.Tensor]:
-    """The fields of `layout` ((key, dtype, shape, offset), ...) as views of the uint8 `buffer`."""
-    out = []
-    for _, dtype, shape, offset in layout:
-        n = torch.Size(shape).numel() * dtype.itemsize
-        out.append(buffer[offset : offset + n].view(dtype).view(shape))
+    """The fields of `layout` ((key, dtype, shape, offset), ...) as views of the uint8 `buffer`.
+    A run of fields of one dtype and shape, back to back, is one view unbound into its fields: the
+    main process builds these on every batch, and a torch call costs more than its bytes here."""
+    out, i = [], 0
+    while i < len(layout):
+        _, dtype, shape, offset = layout[i]
+        n = math.prod(shape) * dtype.itemsize
+        j = i + 1
+        while j < len(layout) and layout[j][1:] == (dtype, shape, offset + (j - i) * n):
+            j += 1
+        block = buffer[offset : offset + (j - i) * n].view(dtype)
+        out += [block.view(shape)] if j == i + 1 else block.view((j - i, *shape)).unbind(0)
+        i = j
     return out
+
+
+_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    if dtype not in _TORCH_DTYPES:
+        _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    return _TORCH_DTYPES[dtype]
 
 
 def _rebuild(buffer: torch.Tensor, layout: tuple) -> "Batch":
@@ -145,20 +206,42 @@ class Batch(dict):
     _packed: tuple | None = None  # (buffer, layout, the views as built)
 
     @classmethod
-    def packed(cls, arrays: dict) -> "Batch":
-        """The numpy `arrays` copied into one buffer in shared memory (torch would move each
-        tensor there to send it), each field a view of it."""
-        layout, offset = [], 0
-        for key, value in arrays.items():
-            dtype = torch.from_numpy(value[:0] if value.ndim else value.reshape(1)[:0]).dtype
-            layout.append((key, dtype, tuple(value.shape), offset))
-            offset += -(-value.nbytes // _ALIGN) * _ALIGN
-        storage = torch.UntypedStorage._new_shared(max(offset, 1))
-        buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
-        layout = tuple(layout)
-        batch = _rebuild(buffer, layout)
-        for view, value in zip(batch._packed[2], arrays.values()):
-            view.numpy()[...] = value
+    def empty(cls, fields, shared: bool) -> tuple["Batch", list[np.ndarray]]:
+        """A Batch of the (key, numpy dtype, shape) `fields` and the same fields as numpy arrays,
+        for the caller to write the values into. `shared` (a DataLoader worker's): views of one
+        new buffer in shared memory, where torch would move each tensor to send it, so that the
+        batch crosses as that one tensor. Otherwise (the training process's own batch, which
+        crosses nothing): a numpy array a field, made a tensor by torch.from_numpy. malloc hands
+        the last batches' pages back for arrays of a field's size, where one buffer of the
+        batch's (a MiB and more) came as fresh pages, a page fault each 4 KiB (132 a batch at
+        seq_len 4096, m = 9), and so did torch.empty's."""
+        if not shared:
+            arrays = [np.empty(shape, dtype=dtype) for _, dtype, shape in fields]
+            return cls(zip((key for key, *_ in fields), map(torch.from_numpy, arrays))), arrays
+        layout, spans, offset = [], [], 0
+        for key, dtype, shape in fields:
+            n = math.prod(shape) * dtype.itemsize
+            layout.append((key, _torch_dtype(dtype), shape, offset))
+            spans.append((offset, n, dtype, shape))
+            offset += -(-n // _ALIGN) * _ALIGN
+        buffer = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(offset, 1)))
+        raw = buffer.numpy()
+        arrays = [raw[o : o + n].view(dtype).reshape(shape) for o, n, dtype, shape in spans]
+        return _rebuild(buffer, tuple(layout)), arrays
+
+    @classmethod
+    def packed(cls, arrays: dict, shared: bool = True) -> "Batch":
+        """The numpy `arrays` copied into one buffer (`empty`), each field a view of it."""
+        batch, views = cls.empty([(key, value.dtype, value.shape) for key, value in arrays.items()], shared)
+        for view, value in zip(views, arrays.values()):
+            view[...] = value
+        return batch
+
+    def __copy__(self) -> "Batch":
+        """The same fields (DataLoader's default_convert copies each item it is given): the copy
+        keeps the buffer's layout, so it still crosses a process as one tensor."""
+        batch = Batch(self)
+        batch._packed = self._packed
         return batch
 
     def __reduce__(self):
@@ -284,6 +367,7 @@ class TokpackDataset(IterableDataset):
         error either way. With DataLoader workers, the error reaches the loop as one line too
         (`WorkerError`, a TokpackError)."""
         _ignore_set_vital_warning()
+        _check_worker_count_at_iteration()
         rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
         text(positions, "positions", choices=(None, "eos", "index"))
         flag(verify, "verify")
@@ -336,33 +420,58 @@ class TokpackDataset(IterableDataset):
         if self._worker_resume is not None:  # once: a later pass over the loader starts afresh
             start, first_step = self._resume_share(self._worker_resume, worker, workers)
             self._worker_resume = None
+        # A window epoch's batch (no padding, positions from EOS or none, no max_documents, no
+        # eod_mask_loss) is written straight into the buffer it is handed over in, from the rows
+        # as read (assembly.fill_window); any other goes through micro_batch's arrays.
+        window = (
+            not self.reader.packed
+            and (self.positions is None or (self.positions == "eos" and self.reader.eos_id is not None))
+            and self.max_documents is None
+            and not self.eod_mask_loss
+        )
         stream = self._stream = self.reader.batches(
             self.rank,
             self.world_size,
             self.micro_batch,
             start,
-            positions=self.positions,
+            positions=None if window else self.positions,
             worker=worker,
             num_workers=workers,
             first_step=first_step,
             at_end=self.at_end,
+            copy=not window,  # the window batch copies the rows into its buffer: the read buffer is reused
+        )
+        assembly = (
+            WindowBatch(self.micro_batch, self.reader.seq_len, self.reader.eos_id if self.positions else None)
+            if window
+            else None
         )
         for item in stream:
-            rows, pos = item if self.positions else (item, None)
-            arrays = self.reader.micro_batch(
-                rows,
-                pos,
-                stream.state.first_sample(stream.last_step),
-                max_documents=self.max_documents,
-                eod_mask_loss=self.eod_mask_loss,
-            )
             consumed = stream.state.consumed_after(stream.last_step)
-            arrays["consumed_samples"] = np.array(consumed, dtype=np.int64)
+            if window:
+                starts = assembly.starts(item)
+                batch, out = Batch.empty(assembly.fields(starts) + [("consumed_samples", I64, ())], info is not None)
+                assembly.fill(out, item, starts)
+                out[-1][...] = consumed
+            else:
+                rows, pos = item if self.positions else (item, None)
+                arrays = self.reader.micro_batch(
+                    rows,
+                    pos,
+                    stream.state.first_sample(stream.last_step),
+                    max_documents=self.max_documents,
+                    eod_mask_loss=self.eod_mask_loss,
+                )
+                arrays["consumed_samples"] = np.array(consumed, dtype=np.int64)
+                if info is None:
+                    batch = Batch({key: torch.from_numpy(value) for key, value in arrays.items()})
+                else:  # crosses to the main process as one tensor (the hand-off, above)
+                    batch = Batch.packed(arrays)
             if info is None:
                 self.consumed = consumed  # in-process iteration: state_dict() follows by itself
-                yield Batch({key: torch.from_numpy(value) for key, value in arrays.items()})
-            else:  # crosses to the main process as one tensor (the hand-off, above)
-                yield Batch.packed(arrays)
+            yield batch
+            if info is not None:  # resumed by the loader's next request: the hand-off first (HANDOFF_PAUSE_S)
+                time.sleep(HANDOFF_PAUSE_S)
 
     def _resume_share(self, saved: dict, worker: int, workers: int) -> tuple[int, int]:
         """(start, first step) of this worker's share of the steps, from its saved state."""
@@ -483,9 +592,8 @@ class TokpackDataset(IterableDataset):
 
     def load_loader_state(self, loader, loader_state: dict) -> None:
         """`loader.load_state_dict(loader_state)` for a StatefulDataLoader over this dataset, after
-        checking that the state was saved with the loader's number of workers. torchdata itself
-        checks a change to or from 0 workers with a bare AssertionError when the loader is next
-        iterated, before this dataset sees the state; here every change is the same one line."""
+        checking that the state was saved with the loader's number of workers: the line that
+        `iter(loader)` gives otherwise (`_check_worker_count_at_iteration`), at the load."""
         saved = saved_workers(loader_state)
         if saved != loader.num_workers:
             raise _other_workers(saved, loader.num_workers)

@@ -61,3 +61,73 @@ def test_a_batch_pickles_as_one_tensor_until_a_field_changes():
     batch["input_ids"] = batch["input_ids"] + 1  # a collate_fn's change: pickled as it now is
     changed = pickle.loads(pickle.dumps(batch))
     assert np.array_equal(changed["input_ids"].numpy(), arrays["input_ids"] + 1) and len(storages(changed)) == 3
+
+
+def _rows(rng, m: int, width: int, dtype, eos: int, p: float) -> np.ndarray:
+    rows = rng.integers(0, 7, size=(m, width)).astype(dtype)
+    rows[rng.random(rows.shape) < p] = eos
+    return rows
+
+
+@pytest.mark.parametrize("seq_len", [1, 2, 3, 15, 4096])
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+def test_a_window_batch_written_in_place_holds_micro_batchs_values(seq_len, dtype):
+    """WindowBatch (the loader's window-epoch path: every field written once into the buffer the
+    batch is handed over in) gives micro_batch's values, dtypes and shapes, on rows with EOS at a
+    row's first and last token, runs of EOS, rows of EOS only and rows without any; its scratch
+    arrays are reused from batch to batch."""
+    from tokpack.loader.assembly import I64, WindowBatch, micro_batch, positions_from_eos
+
+    rng = np.random.default_rng(seq_len)
+    m, eos = 3, 5
+    for positions in (True, False):
+        window = WindowBatch(m, seq_len, eos if positions else None)
+        for p in (0.0, 0.05, 0.5, 1.0):
+            rows = _rows(rng, m, seq_len + 1, dtype, eos, p)
+            rows[0, 0] = rows[-1, -1] = eos
+            if seq_len > 1:
+                rows[1, -2] = eos  # the last input is an EOS: its label starts the next document
+            want = micro_batch(rows, None, positions_from_eos(rows, eos) if positions else None, eos)
+            starts = window.starts(rows)
+            fields = window.fields(starts) + [("consumed_samples", I64, ())]
+            batch, out = Batch.empty(fields, shared=False)
+            window.fill(out, rows, starts)
+            out[-1][...] = 7
+            assert list(batch) == [*want, "consumed_samples"]
+            for key, value in want.items():
+                got = batch[key].numpy()
+                assert got.dtype == value.dtype and got.shape == value.shape and np.array_equal(got, value), key
+            assert int(batch["consumed_samples"]) == 7
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_an_empty_batch_holds_its_fields_written_through_its_arrays(shared):
+    """Batch.empty: each field its own bytes, written through the numpy arrays it returns; a
+    worker's (shared) is one buffer in shared memory, every field a view of it, and pickles as
+    that buffer."""
+    fields = [("a", np.dtype(np.int64), (2, 3)), ("b", np.dtype(np.int32), (3,)), ("c", np.dtype(np.int64), ())]
+    batch, out = Batch.empty(fields, shared=shared)
+    for i, array in enumerate(out):
+        array[...] = np.arange(array.size).reshape(array.shape) + 10 * i
+    assert [t.dtype for t in batch.values()] == [torch.int64, torch.int32, torch.int64]
+    assert batch["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and batch["b"].tolist() == [10, 11, 12]
+    assert int(batch["c"]) == 20
+    assert [t.data_ptr() for t in batch.values()] == [a.ctypes.data for a in out]  # the tensors are the arrays
+    assert len(storages(batch)) == (1 if shared else 3)
+    if shared:
+        assert batch.__reduce__()[1][0].untyped_storage().is_shared()
+        again = pickle.loads(pickle.dumps(batch))
+        assert all(torch.equal(again[k], batch[k]) for k in batch) and len(storages(again)) == 1
+
+
+def test_without_workers_the_loader_never_pauses(run, monkeypatch):
+    """The hand-off pause (HANDOFF_PAUSE_S) is a worker's: iterating in the training process
+    itself (num_workers=0) never sleeps."""
+    import tokpack.loader.torch_adapter as adapter
+
+    def no_sleep(seconds):
+        raise AssertionError(f"slept {seconds} s in the training process")
+
+    monkeypatch.setattr(adapter.time, "sleep", no_sleep)
+    for kw in ({}, {"positions": None}, {"max_documents": 6}):
+        assert len(list(TokpackDataset(run, micro_batch=M, at_end="stop", **kw))) == N // M

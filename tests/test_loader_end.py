@@ -128,3 +128,51 @@ def test_state_of_another_worker_count_is_one_line_through_load_state_dict(run, 
         assert words in line, line
     assert "use num_workers=2, or restart from the consumed-sample count" in line, line
     assert TokpackDataset.consumed_samples(state) == 3 * M  # the way out the hint names
+
+
+def _saved_state(run: Path, workers: int) -> dict:
+    loader = StatefulDataLoader(
+        TokpackDataset(run, micro_batch=M, positions=None), batch_size=None, num_workers=workers
+    )
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = loader.state_dict()
+    del it
+    return state
+
+
+@pytest.mark.parametrize("saved_with, loaded_with", [(2, 0), (2, 1), (0, 2), (1, 0)])
+@pytest.mark.parametrize("then", ["iter", "state_dict"])
+def test_state_of_another_worker_count_is_one_line_to_and_from_no_workers(run, saved_with, loaded_with, then):
+    """A real StatefulDataLoader, its own `load_state_dict(state)`: to or from num_workers=0,
+    torchdata refused the state with a bare AssertionError ("State doesn't contain key
+    '_num_yielded' expected for single process dataloader") before the dataset saw it; now every
+    change is the same line, in the main process, at `iter(loader)` or `loader.state_dict()`
+    (both make the iterator), and resuming as the hint says works."""
+    state = _saved_state(run, saved_with)
+    again = StatefulDataLoader(
+        TokpackDataset(run, micro_batch=M, positions=None), batch_size=None, num_workers=loaded_with
+    )
+    again.load_state_dict(state)
+    with pytest.raises(TokpackError) as e:
+        next(iter(again)) if then == "iter" else again.state_dict()
+    line = str(e.value)
+    assert "\n" not in line, line
+    for words in (
+        "[num_workers]: loader state was saved with another number of DataLoader workers",
+        f"expected {saved_with}, found {loaded_with}",
+        f"HINT: use num_workers={saved_with}, or restart from the consumed-sample count",
+    ):
+        assert words in line, line
+    fresh = StatefulDataLoader(
+        TokpackDataset(run, micro_batch=M, positions=None, start_sample=TokpackDataset.consumed_samples(state)),
+        batch_size=None,
+        num_workers=loaded_with,
+    )
+    assert int(next(iter(fresh))["consumed_samples"]) == 4 * M  # the batch after the 3 the state saw
+    same = StatefulDataLoader(
+        TokpackDataset(run, micro_batch=M, positions=None), batch_size=None, num_workers=saved_with
+    )
+    same.load_state_dict(state)  # the other way out: the saved count of workers
+    assert int(next(iter(same))["consumed_samples"]) == 4 * M
