@@ -6,7 +6,6 @@ process naming the node and the setting, exit 2, and neither RUN nor any DEST ho
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import random_docs, write_source
-from test_mpi import K, M, MEMORY, REPO, SEQ, mpirun
+from test_mpi import K, M, MEMORY, SEQ, mpi_env, mpirun
 from tokpack.packer.agreement import MismatchError, disagreement, spec_facts
 from tokpack.shuffle.spec import NodesSpec, ShuffleSpec
 
@@ -50,13 +49,7 @@ def _command(a: Path, b: Path, run: Path, dest: str, **change) -> list[str]:
 def _launch(commands: list[list[str]]) -> subprocess.CompletedProcess:
     """One MPI job of len(commands) processes, process k started with commands[k] (MPMD), as a
     wrapper script that passes one node other options would."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "OMPI_ALLOW_RUN_AS_ROOT": "1",
-        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-        "TOKPACK_PROGRESS": "0",
-    }
+    env = mpi_env()
     cmd = [mpirun(), "--oversubscribe", "--enable-recovery"]
     for k, c in enumerate(commands):
         cmd += [*([":"] if k else []), "-n", "1", *c]

@@ -45,6 +45,18 @@ def mpirun() -> str:
 EVERY_LINE = ["--enable-recovery"]
 
 
+def mpi_env(**more) -> dict:
+    """The environment of an MPI job of this checkout's code: as root, quiet, `more` added."""
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "TOKPACK_PROGRESS": "0",
+        **more,
+    }
+
+
 def to_nodes(
     run: Path,
     dest: str,
@@ -57,15 +69,7 @@ def to_nodes(
 ) -> subprocess.CompletedProcess:
     """`env`: more variables for every process (an audit hook's, with its PYTHONPATH);
     `every_line`: EVERY_LINE, for a failure every process reports by itself."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "OMPI_ALLOW_RUN_AS_ROOT": "1",
-        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-        "OMPI_MCA_rmaps_base_oversubscribe": "1",
-        "TOKPACK_PROGRESS": "0",
-        **(env or {}),
-    }
+    env = mpi_env(OMPI_MCA_rmaps_base_oversubscribe="1", **(env or {}))
     cmd = [
         mpirun(),
         "--oversubscribe",
@@ -451,13 +455,7 @@ def test_a_killed_process_stops_the_job_naming_its_node_and_a_rerun_gives_the_sa
     source = write_source(tmp_path / "src", random_docs(np.random.default_rng(4), 1500, 1000, 0), docs_per_shard=150)
     args = [source, "--seq-len", SEQ, "--seed", 6, "--epochs", 2, "--shard-samples", 100]
     run, dests = staged(tmp_path, args)
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(REPO),
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        TOKPACK_PROGRESS="0",
-    )
+    env = mpi_env()
     exchanged, dest = tmp_path / "exchanged", str(tmp_path / "node{node}")
     cmd = [
         mpirun(),
@@ -514,13 +512,7 @@ def test_a_sigterm_to_one_process_stops_every_node_with_one_line_naming_it_and_a
     source = write_source(tmp_path / "src", random_docs(np.random.default_rng(4), 1500, 1000, 0), docs_per_shard=150)
     args = [source, "--seq-len", SEQ, "--seed", 6, "--epochs", 2, "--shard-samples", 100]
     run, dests = staged(tmp_path, args)
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(REPO),
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        TOKPACK_PROGRESS="0",
-    )
+    env = mpi_env()
     exchanged, dest = tmp_path / "exchanged", str(tmp_path / "node{node}")
     cmd = [
         mpirun(),

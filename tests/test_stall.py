@@ -25,6 +25,7 @@ from test_mpi import (
     SEQ,
     assert_every_rank_exits,
     assert_same_slices,
+    mpi_env,
     mpirun,
     staged,
     summaries,
@@ -59,13 +60,7 @@ def test_a_node_stopped_by_sigstop_stops_the_job_with_one_line_naming_it_and_a_r
     source = write_source(tmp_path / "src", random_docs(np.random.default_rng(4), 1500, 1000, 0), docs_per_shard=150)
     args = [source, "--seq-len", SEQ, "--seed", 6, "--epochs", 2, "--shard-samples", 100]
     run, dests = staged(tmp_path, args)
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(REPO),
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        TOKPACK_PROGRESS="0",
-    )
+    env = mpi_env()
     exchanged, dest = tmp_path / "exchanged", str(tmp_path / "node{node}")
     slow = [*args, "--memory", "64KiB", "--stall-timeout", 3]  # out of core, many rounds
     job = subprocess.Popen(

@@ -19,7 +19,7 @@ import xxhash
 from click.testing import CliRunner
 
 from conftest import random_docs, write_source
-from test_mpi import K, M, MEMORY, REPO, SEQ, assert_every_rank_exits, cli, mpirun, summaries, to_nodes, tree
+from test_mpi import K, M, MEMORY, SEQ, assert_every_rank_exits, cli, mpi_env, mpirun, summaries, to_nodes, tree
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.constants import MANIFEST
 from tokpack.formats.names import epoch_dir_name
@@ -272,13 +272,7 @@ def test_a_sigterm_to_mpirun_is_one_line_on_every_node_and_a_rerun_resumes(tmp_p
     nodes = 4
     source = write_source(tmp_path / "src", random_docs(np.random.default_rng(4), 1500, 1000, 0), docs_per_shard=150)
     args = [source, "--seq-len", SEQ, "--seed", 6, "--epochs", 2, "--shard-samples", 100, "--memory", "64KiB"]
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(REPO),
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        TOKPACK_PROGRESS="0",
-    )
+    env = mpi_env()
     run, dest = tmp_path / "run", str(tmp_path / "node{node}")
     cmd = [mpirun(), "--oversubscribe", "-n", str(nodes), sys.executable, "-m", "tokpack", "shuffle"]
     cmd += [*map(str, args), "-o", str(run), "--to-nodes", dest, "--ranks-per-node", str(K)]

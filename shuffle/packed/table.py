@@ -16,6 +16,7 @@ import xxhash
 from tokpack.formats.constants import PAD_DTYPE
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import open_append, open_new, read_array, read_record, regular_size
+from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.writes import write_bytes_atomic
 from tokpack.formats.shards import PackedSource, row_segments
 
@@ -221,19 +222,8 @@ class PackedTable:
             )
 
 
-class _NoBar:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-
 def _no_bar(total, desc, unit="B"):
-    return _NoBar()
+    return progress(total, desc, unit, enabled=False)
 
 
 def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: int, progress=None) -> PackedTable:
