@@ -15,10 +15,10 @@ from conftest import random_docs, require, shuffle_run, write_source
 from tokpack.loader.reader import SampleReader
 
 torch = require("torch", "pip install torch")
-from tokpack.loader.torch_adapter import (  # noqa: E402 (after the torch check)
-    TokpackDataset,
+from tokpack.loader.torch_adapter import TokpackDataset  # noqa: E402 (after the torch check)
+from tokpack.loader.trainer_forms import (  # noqa: E402
     dense_document_mask,
-    hf_flat_batch,  # noqa: E402
+    hf_flat_batch,
     megatron_batch,
     olmo_core_batch,
     packed_seq_params,
