@@ -202,7 +202,9 @@ def make_datatrove_corpus(
     eos_id: int = 0,
 ) -> Path:
     """A datatrove-layout tokenized folder (.ds/.ds.index/.ds.metadata) of random documents,
-    written in blocks so generation needs little memory."""
+    written in blocks so generation needs little memory. Each document ends with `eos_id` (0),
+    not the EOS of the tokenizer its metadata names (gpt2's 50256): pack it with `--eos-id 0`,
+    or pack refuses it as documents never separated by their EOS."""
     out.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype("<u2") if token_size == 2 else np.dtype("<u4")
     vocab_size = vocab_size or (50257 if token_size == 2 else 128256)

@@ -165,7 +165,7 @@ def cases_for(packed: Path, corpus: Path, run: Path) -> list[Case]:
     ]
     ooc = ["--memory", "384KiB"]  # under half the windows: the out-of-core path
     return [
-        Case("pack", ["pack", str(corpus), "-o", "{out}", "--shard-tokens", "300000", "--json"]),
+        Case("pack", ["pack", str(corpus), "-o", "{out}", "--eos-id", "0", "--shard-tokens", "300000", "--json"]),
         Case("shuffle in memory w1", [*shuffle, "--workers", "1", "--json"]),
         Case("shuffle in memory w2", [*shuffle, "--workers", "2", "--json"]),
         Case("shuffle out of core w1", [*shuffle, *ooc, "--workers", "1", "--json"]),
