@@ -1,6 +1,7 @@
 """Every process of a `shuffle --to-nodes` job runs the same shuffle (issue 42, item 1): before
 anything is written, one collective comparison of what each process was started with (each
-setting of its ShuffleSpec, each source's manifest, tokpack's version). A launcher that gives one
+setting of its ShuffleSpec, tokpack's version); once the sources are opened, a second of their
+fingerprints (a node's kept copy, or its view of the shared folder). A launcher that gives one
 node another `--seed`, `--epochs` or `--pad-id` (a wrapper script, an environment that differs
 per node) would otherwise hang the job, or write that node's rows otherwise than RUN records.
 A mismatch is the same one line on every process, naming the node(s) and the setting: a usage
