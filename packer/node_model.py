@@ -49,18 +49,18 @@ START_SECONDS = 0.5  # a process's start (tokpack.packer.plan_result.COMMAND_STA
 # hash_owned the owned shards' token bytes). Measured by the run below; `python bench/nodes.py`
 # prints them again ("s/byte") from its own 4-process run.
 MEASURED = {
-    "read": 0.516e-9,
-    "cut": 0.373e-9,
-    "route": 1.55e-9,
-    "place": 0.438e-9,
-    "bucket_write": 2.5e-9,
-    "bucket_read": 0.756e-9,
-    "write": 0.909e-9,
-    "hash_owned": 0.679e-9,
+    "read": 0.549e-9,
+    "cut": 0.402e-9,
+    "route": 1.18e-9,
+    "place": 0.256e-9,
+    "bucket_write": 2.47e-9,
+    "bucket_read": 0.665e-9,
+    "write": 0.757e-9,
+    "hash_owned": 0.573e-9,
 }
 MEASURED_BY = (
-    'bench/nodes.py --size 128MiB at 2e56285, 2026-12-06 04:21 UTC (BENCHMARKS.md, "Straight to the '
-    "nodes\"): the 4-process first, later and out-of-core runs' --json phases summed (2-core Xeon VM)"
+    'bench/nodes.py --size 128MiB at a22a544, 2026-12-06 05:31 UTC, quiet machine (BENCHMARKS.md, "Straight '
+    "to the nodes\"): the 4-process first, later and out-of-core runs' --json phases summed (2-core Xeon VM)"
 )
 
 
