@@ -10,7 +10,10 @@ bytes are the exchange's; DEST and RUN's manifests as tokpack.packer.node_dest r
 
 from __future__ import annotations
 
+import pickle
 import shutil
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +35,7 @@ from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
 from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, RowFacts, tokens_on_nodes
 from tokpack.formats.slices import RankRows, slice_epoch_manifest
 from tokpack.packer.node_dest import own_dest, read_raw, slice_root_of_run
+from tokpack.packer.lifetime import children_bound, set_parent_death_signal
 from tokpack.packer.rank_files import RankFiles, ready_epoch_dir
 from tokpack.packer.shared import Result
 from tokpack.packer.slice_dest import epoch_in_place
@@ -168,18 +172,43 @@ def _rebuild_epoch(job: tuple, workers: int) -> tuple[list[dict], dict]:
     if P == 1:
         return _rebuild_ranks(job, 0, 1)
     ready_epoch_dir(LocalOutput(), dest / epoch_dir_name(e))
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
+    procs: list[subprocess.Popen] = []
     try:
-        with ProcessPoolExecutor(P, mp_context=multiprocessing.get_context("spawn")) as pool:
-            parts = list(pool.map(_rebuild_ranks, [job] * P, range(P), [P] * P))
+        # Each in a session of its own: a Ctrl-C reaches the command's process group, whose
+        # process alone answers it (one line, then it stops these); bound to it by lifetime.
+        with children_bound():
+            for p in range(P):
+                cmd = [sys.executable, "-m", "tokpack.packer.replacement"]
+                procs.append(
+                    subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+                )
+        for p, proc in enumerate(procs):
+            proc.stdin.write(pickle.dumps((job, p, P)))
+            proc.stdin.close()
+        parts = [_part_of(proc) for proc in procs]
+    except BaseException:  # Ctrl-C, SIGTERM or one process's error: the others stop now
+        for proc in procs:
+            proc.kill()
+        raise
     finally:
+        for proc in procs:
+            proc.wait()
         shutil.rmtree(dest / WORK_DIR, ignore_errors=True)
     entries = sorted((x for got, _ in parts for x in got), key=lambda x: x["rank"])
     figures = {k: sum(f[k] for _, f in parts) for k in ("bytes_read", "bytes_kept", "parts", "reads", "rows")}
     figures.update(depth=sum(f["depth"] for _, f in parts), part_rows=max(f["part_rows"] for _, f in parts))
     return entries, figures
+
+
+def _part_of(proc: subprocess.Popen) -> tuple[list[dict], dict]:
+    """What one rebuilding process sent back (our own child: its pickle is ours): its part, or
+    its error raised here as the command's one line."""
+    kind, value = pickle.load(proc.stdout)
+    if kind == "error":
+        raise value
+    if kind == "bug":
+        raise RuntimeError(value)
+    return value
 
 
 def _rebuild_ranks(job: tuple, p: int, P: int) -> tuple[list[dict], dict]:
@@ -448,3 +477,15 @@ def _hash_of(path: Path, size: int) -> str:
         while n := f.readinto(buf):
             h.update(buf[:n])
     return h.hexdigest()
+
+
+if __name__ == "__main__":  # a rebuilding process of _rebuild_epoch: (job, p, P) on stdin, its part on stdout
+    set_parent_death_signal()
+    job_p_P = pickle.load(sys.stdin.buffer)
+    try:
+        result = ("part", _rebuild_ranks(*job_p_P))
+    except (TokpackError, OSError) as e:
+        result = ("error", e)
+    except BaseException as e:  # noqa: BLE001 - a bug: the command's process reports it
+        result = ("bug", f"{type(e).__name__}: {e}")
+    pickle.dump(result, sys.stdout.buffer)

@@ -119,6 +119,53 @@ def test_a_replacement_node_of_several_processes_rebuilds_the_same_slice(kind, r
     assert not (tmp_path / "two" / ".tokpack-work").exists()
 
 
+def test_ctrl_c_of_a_replacement_node_of_several_processes_is_one_line_and_a_rerun_gives_its_bytes(windows, tmp_path):
+    """Ctrl-C reaches the terminal's whole process group: the command's process says one line
+    and stops its rebuilding processes (they run in sessions of their own, so none prints a
+    traceback of its own, and none outlives it); the rerun gives the exchange's slice."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_mpi import REPO
+
+    root, _, run = windows
+    dest = tmp_path / "again"
+    cmd = [sys.executable, "-m", "tokpack", "stage", str(run), str(dest), "--node", f"1/{NODES}"]
+    cmd += ["--ranks-per-node", str(K), "--micro-batch", str(M), "--workers", "2"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKPACK_PROGRESS": "0"}
+
+    def rebuilding() -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if b"tokpack.packer.replacement" in open(f"/proc/{pid}/cmdline", "rb").read():
+                    found.append(int(pid))
+            except OSError:
+                pass
+        return found
+
+    job = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    deadline = time.monotonic() + 60
+    while not rebuilding() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert job.poll() is None, "the command ended before its rebuilding processes started"
+    os.killpg(job.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the foreground process group
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines() == [
+        "tokpack: interrupted; rerun the same command to resume"
+    ], err
+    time.sleep(0.5)
+    assert rebuilding() == []  # stopped with the command, not left running
+    replace_node(run, dest, 1)
+    assert tree(dest) == tree(root / "node1")
+
+
 def _rows_read(run, tmp_path, monkeypatch, positions_of, pause: float = 0.0):
     """SourceRows.rows of epoch 0 at `positions_of(samples)`, every row checked against RUN's row
     hashes; returns (the reads issued: preadv calls and the streams' own read_into calls, the
