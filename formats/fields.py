@@ -31,7 +31,7 @@ _FIELD_TABLES = """
 | `empty_documents_dropped` | int >= 0 | no | source | empty input documents pack dropped |
 | `vocab_known` | bool | no | source | `false` when pack knew no vocabulary (no `--vocab-size`, no tokenizer): `vocab_size` is then the input dtype's width, the bound ids were checked against, not the tokenizer's vocabulary; absent: known (as in every manifest before it) |
 | `created_by` | string | no | source | the writing tokpack's version |
-| `request` | object | no | source | pack's normalised options, which tell a rerun from another pack |
+| `request` | object | no | source | pack's normalised options, which tell a rerun from another pack (`append_eos: true` only when `--append-eos` was given, so older manifests read the same) |
 | `epoch` | int >= 0 | yes | epoch, slice-epoch | the epoch number, as in the directory name |
 | `seed` | int | yes | epoch, run | the shuffle seed |
 | `seq_len` | int >= 1 | yes | epoch, run, slice, slice-epoch | `L`: a sample is `L + 1` tokens |
