@@ -5,6 +5,17 @@ through the shared filesystem and its time, side by side in one run, against `to
 
     python bench/nodes.py [--size 512MiB] [--runs 1] [--quick] [--out FILE] [--no-loop]
                           [--nic-mbps 25000] [--shared-mbps 40000] [--disk-mbps 2000]
+    python bench/nodes.py --against REV [--size 512MiB] [--runs 3] [--out FILE]
+
+--against REV (issue 41, "Done when": CPU seconds a GB of an exchange process against today's
+engine, in one run): only the exchange cases below (first epoch, first epoch + --keep-sources,
+later epoch from the kept sources, out of core), each with REV's engine (checked out in a
+temporary detached worktree, removed after, run with PYTHONPATH at it) as 4 nodes x 1 process,
+this tree's the same, and this tree's as 2 nodes x 2 processes (K doubled: the same 8 ranks),
+one after the other on the same paths, the first engine in turn each round. Only options both
+trees accept (a tree's `shuffle --help` says which). The table: wall, the CPU of the mpirun tree
+(user+sys) and a GB of tokens, the processes' --json cpu_s and phases a GB, old/new; every output
+file's sha256 against REV's (2x2: the rank files and RUN but its nodes sidecar).
 
 Where the bytes are counted. As root the sources sit on a block device of their own: an ext4
 image, loop-mounted ("the shared filesystem"), and RUN goes there too, so what is written to it
@@ -40,6 +51,7 @@ fourth the 48-node projection through the same model, with the resource that bin
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -267,15 +279,16 @@ def children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def step(devs: Devices, cmd: str, out: Path, cold: bool = True) -> Step:
+def step(devs: Devices, cmd: str, out: Path, cold: bool = True, env: dict | None = None) -> Step:
     """`cmd` (a shell line whose --json lines go to `out`), then sync, timed in a child; the page
-    cache dropped first (cold), the devices' counters read before and after."""
+    cache dropped first (cold), the devices' counters read before and after. `env` over
+    mpi_env() (--against: PYTHONPATH at the other tree)."""
     if not cold or not drop_caches():
         os.sync()
     before = devs.snapshot()
     out.unlink(missing_ok=True)
     busy, ours = machine_busy(), children_cpu()
-    m = run_measured(f"{cmd} > {shlex.quote(str(out))} && sync", env=mpi_env(), cold=False)
+    m = run_measured(f"{cmd} > {shlex.quote(str(out))} && sync", env={**mpi_env(), **(env or {})}, cold=False)
     # The cores the step had: the machine's, less what the rest of the machine ran meanwhile
     # (its busy CPU less the step's own: this process's reaped children's)
     others = max(0.0, (machine_busy() - busy) - (children_cpu() - ours))
@@ -334,6 +347,16 @@ def slice_shards(dest: Path, epoch: int = 0) -> list:
 
 
 # ------------------------------------------------------------------------------------ a round
+
+
+def make_source(devs: Devices, work: Path, nbytes: int, quick: bool) -> tuple[Path, int, int, int]:
+    """The packed sources on the shared filesystem: (folder, token bytes, samples, --shard-samples)."""
+    corpus = make_datatrove_corpus(work / "corpus", nbytes, files=QUICK_SOURCE_SHARDS if quick else SOURCE_SHARDS)
+    src = pack_corpus(corpus, devs.shared / "src")
+    shutil.rmtree(corpus)
+    token_bytes = dir_bytes(src, ".ds")
+    samples = token_bytes // MODEL_TOKEN_BYTES // (SEQ_LEN + 1)
+    return src, token_bytes, samples, max(1, -(-samples // EPOCH_SHARDS))
 
 
 def one_round(devs: Devices, src: Path, work: Path, token_bytes: int, shard_samples: int, no_mpi: str | None) -> dict:
@@ -802,6 +825,356 @@ def projection(costs: dict, nic_mbps: float, shared_mbps: float, disk_mbps: floa
     return out
 
 
+# ---------------------------------------------------------------------------- --against REV
+
+# Issue 41, "Done when": CPU seconds per GB of an exchange process at least halved against today's
+# engine, measured beside it in one run. The cases, in the order their inputs need ("keep" writes
+# the kept sources "later" reads); the engines alternate within each case.
+AGAINST_CASES = {
+    "first": "first epoch",
+    "keep": "first epoch + --keep-sources",
+    "later": "later epoch from kept sources",
+    "ooc": "first epoch, out of core",
+}
+AGAINST_GROUPS = (("first",), ("keep", "later"), ("ooc",))
+AGAINST_COLUMNS = [
+    "case",
+    "engine",
+    "runs",
+    "wall s",
+    "cores left",
+    "CPU s",
+    "CPU s/GB",
+    "old/new",
+    "--json CPU s/GB",
+    "phases CPU s/GB",
+    "phases old/new",
+    "same bytes",
+]
+SIDECAR = "tokpack-nodes.json"  # RUN's record of the nodes: N and K differ between 4x1 and 2x2
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One engine of the comparison: its tree (PYTHONPATH) and how its processes are nodes."""
+
+    label: str  # REV's short hash, HEAD's, or HEAD's with "2x2"
+    tree: Path
+    nodes: int
+    procs: int  # processes a node; 1 gives no --procs-per-node (a tree before issue 41 has none)
+    ranks: int  # --ranks-per-node: nodes x ranks is the same world for every engine
+
+    @property
+    def processes(self) -> int:
+        return self.nodes * self.procs
+
+    @property
+    def shape(self) -> str:
+        return f"{self.nodes} nodes x {self.procs}"
+
+
+def against_engines(rev_label: str, rev_tree: Path, head_label: str) -> list[Engine]:
+    """REV as 4 nodes of 1 process (the reference), this tree the same, and this tree as 2 nodes
+    of 2 processes with K doubled: the same 8 ranks, so each rank file is the same bytes."""
+    return [
+        Engine(rev_label, rev_tree, NODES, 1, K),
+        Engine(head_label, REPO, NODES, 1, K),
+        Engine(f"{head_label} 2x2", REPO, NODES // 2, 2, 2 * K),
+    ]
+
+
+def tree_options(help_text: str) -> set[str]:
+    """The options of the bench's cases newer than the first --to-nodes that a tree's `shuffle
+    --help` lists (b0a2bc6 has --keep-sources, not --procs-per-node)."""
+    words = set(help_text.replace(",", " ").replace("=", " ").split())
+    return {o for o in ("--keep-sources", "--procs-per-node") if o in words}
+
+
+def runnable(e: Engine, case: str, options: set[str]) -> str | None:
+    """Why engine `e` cannot run `case` with its tree's `options`, or None."""
+    if e.procs > 1 and "--procs-per-node" not in options:
+        return "its tree has no --procs-per-node"
+    if case in ("keep", "later") and "--keep-sources" not in options:
+        return "its tree has no --keep-sources"
+    return None
+
+
+def exchange_argv(e: Engine, case: str, src: Path, run: Path, base: Path, token_bytes: int, shard_samples: int) -> list:
+    """shuffle --to-nodes's arguments for engine `e` and `case`: DEST and kept sources under
+    `base`, the same paths for every engine (a slice's manifests name them). --memory is a
+    node's: a process's times the node's processes."""
+    per_process = ooc_memory(token_bytes, NODES) if case == "ooc" else rows_memory(token_bytes, NODES)
+    argv = ["shuffle", src, "-o", run, "--to-nodes", base / "node{node}", "--ranks-per-node", e.ranks]
+    argv += ["--micro-batch", M, "--seq-len", SEQ_LEN, "--seed", 1, "--shard-samples", shard_samples]
+    argv += ["--epoch", 1 if case == "later" else 0, "--memory", per_process * e.procs]
+    if case in ("keep", "later"):
+        argv += ["--keep-sources", base / "keep{node}"]
+    if e.procs > 1:
+        argv += ["--procs-per-node", e.procs]
+    return argv
+
+
+def file_digests(root: Path, prefix: str) -> dict[str, str]:
+    """Every file under `root` (the lock aside), sha256, keyed `prefix/relative path`."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != "tokpack.lock":
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                while block := f.read(1 << 20):
+                    h.update(block)
+            out[f"{prefix}/{p.relative_to(root).as_posix()}"] = h.hexdigest()
+    return out
+
+
+def comparable(digests: dict[str, str], whole: bool) -> dict[str, str]:
+    """What two engines' outputs share: everything (same nodes and ranks a node), or, across
+    shapes (4x1 against 2x2), the rank files by epoch and name (a rank's file is the same
+    whichever node holds it) and RUN's files but its nodes sidecar."""
+    if whole:
+        return dict(digests)
+    out = {}
+    for key, digest in digests.items():
+        parts = key.split("/")
+        if parts[0] == "dest" and parts[-1].startswith("rank-"):
+            out[f"dest/{parts[-2]}/{parts[-1]}"] = digest
+        elif parts[0] == "run" and parts[-1] != SIDECAR:
+            out[key] = digest
+    return out
+
+
+def same_bytes(ref: dict[str, str], got: dict[str, str], whole: bool) -> str:
+    """'yes (n files)' when `got` holds the reference's bytes, else 'NO: ...' naming a file."""
+    a, b = comparable(ref, whole), comparable(got, whole)
+    if a == b and a:
+        return f"yes ({len(a)} files)"
+    differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    return f"NO: {len(differ)} of {len(a.keys() | b.keys())} files differ ({differ[0] if differ else 'none written'})"
+
+
+def exchange_sample(s: Step, same: str) -> dict:
+    """One run's figures: wall, the mpirun tree's CPU (user+sys of every process, reaped), the
+    processes' own --json cpu_s and the CPU of each --json phase, summed over processes."""
+    phases: dict[str, float] = {}
+    for j in s.json:
+        for d in j["epochs_detail"]:
+            for k, v in d.get("phases", {}).items():
+                phases[k] = phases.get(k, 0.0) + v["cpu_s"]
+    procs = [j.get("cpu_s") for j in s.json]
+    return {
+        "wall": s.seconds,
+        "cores": s.cores,
+        "cpu": s.cpu,
+        "procs_cpu": sum(procs) if procs and None not in procs else None,
+        "phases": phases,
+        "same": same,
+    }
+
+
+def _median(values: list):
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
+
+
+def _per_gb(cpu, gb: float):
+    return None if cpu is None else cpu / gb
+
+
+def _ratio(ref, new):
+    return None if ref is None or not new else ref / new
+
+
+def against_rows(samples: dict, engines: list[Engine], token_bytes: int, skipped: dict | None = None) -> list[dict]:
+    """The comparison table: a row a case and engine (medians over runs), CPU seconds a GB of
+    the epoch's tokens (the processes' sum: a process's CPU over its 1/4 share), and old/new
+    against the first engine (REV) of the same case; the same-bytes verdict of every run."""
+    gb = token_bytes / 1e9
+    rows = []
+    for case, title in AGAINST_CASES.items():
+        ref = None
+        for i, e in enumerate(engines):
+            why = (skipped or {}).get((case, e.label))
+            runs = samples.get((case, e.label), [])
+            if why or not runs:
+                rows.append({"case": title, "engine": f"{e.label} ({e.shape})", "same bytes": f"not run: {why}"})
+                continue
+            phases = [sum(r["phases"].values()) if r["phases"] else None for r in runs]
+            cpu_gb = _per_gb(_median([r["cpu"] for r in runs]), gb)
+            phases_gb = _per_gb(_median(phases), gb)
+            verdicts = sorted({r["same"] for r in runs})
+            row = {
+                "case": title,
+                "engine": f"{e.label} ({e.shape})",
+                "runs": len(runs),
+                "wall s": _median([r["wall"] for r in runs]),
+                "cores left": _median([r["cores"] for r in runs]),
+                "CPU s": _median([r["cpu"] for r in runs]),
+                "CPU s/GB": cpu_gb,
+                "--json CPU s/GB": _per_gb(_median([r["procs_cpu"] for r in runs]), gb),
+                "phases CPU s/GB": phases_gb,
+                "same bytes": "; ".join(verdicts),
+            }
+            if i == 0:
+                ref = row
+                row["same bytes"] = "reference"
+            elif ref is not None:
+                row["old/new"] = _ratio(ref["CPU s/GB"], cpu_gb)
+                row["phases old/new"] = _ratio(ref["phases CPU s/GB"], phases_gb)
+            rows.append(row)
+    return rows
+
+
+def phase_rows(samples: dict, engines: list[Engine], token_bytes: int) -> tuple[list[dict], list[str]]:
+    """CPU seconds a GB of each --json phase (the processes' sum, median over runs), a row a
+    case and engine; and the phases' names in the engines' order."""
+    gb = token_bytes / 1e9
+    names: list[str] = []
+    rows = []
+    for case, title in AGAINST_CASES.items():
+        for e in engines:
+            runs = samples.get((case, e.label), [])
+            if not runs:
+                continue
+            row = {"case": title, "engine": e.label}
+            for r in runs:
+                names += [k for k in r["phases"] if k not in names]
+            for k in names:
+                row[k] = _per_gb(_median([r["phases"].get(k) for r in runs]), gb)
+            rows.append(row)
+    return rows, names
+
+
+def against_round(devs: Devices, src: Path, work: Path, sizes: tuple, order: list, skipped: dict) -> list:
+    """Every case once with every engine of `order`, each case's engines one after the other on
+    the same paths; returns [(case, engine, Step, digests)]. `sizes`: (token bytes, shard samples)."""
+    token_bytes, shard_samples = sizes
+    sh, nd = devs.shared, devs.nodes
+    run, base, res = sh / "run-a", nd / "a", work / "out.json"
+    out = []
+    for group in AGAINST_GROUPS:
+        for e in order:
+            for d in (run, base):
+                shutil.rmtree(d, ignore_errors=True)
+            for case in group:
+                if (case, e.label) in skipped:
+                    continue
+                argv = exchange_argv(e, case, src, run, base, token_bytes, shard_samples)
+                s = step(devs, mpirun(e.processes, *argv), res, env={"PYTHONPATH": str(e.tree)})
+                check_exchange(f"{e.label} {case}", s, e.processes)
+                out.append((case, e, s, {**file_digests(base, "dest"), **file_digests(run, "run")}))
+    for d in (run, base):
+        shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def git(*args: str) -> str:
+    return _run("git", "-C", str(REPO), *args)
+
+
+def main_against(rev: str, size=None, quick: bool = False, *, runs: int = 1, work=None, out=None, loop: bool = True):
+    """--against REV: the exchange cases with REV's engine (a temporary detached worktree) and
+    this tree's, alternated in one run; prints the comparison and the phases' CPU a GB."""
+    t_start = time.perf_counter()
+    nbytes = parse_size(size or (QUICK_SIZE if quick else SIZE))
+    own = work is None
+    work = Path(work or tempfile.mkdtemp(prefix="tokpack-nodes-against-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if no_mpi := mpi_missing():
+        raise SystemExit(f"nodes --against: {no_mpi}")
+    rev_label, head_label = git("rev-parse", "--short", rev), git("rev-parse", "--short", "HEAD")
+    tree = work / f"tree-{rev_label}"
+    git("worktree", "add", "--detach", str(tree), rev)
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    devs = None
+    load = [os.getloadavg()]
+    try:
+        engines = against_engines(rev_label, tree, head_label)
+        helps = {
+            e.tree: _run("env", f"PYTHONPATH={e.tree}", sys.executable, "-m", "tokpack", "shuffle", "--help")
+            for e in engines
+        }
+        skipped = {
+            (case, e.label): why
+            for e in engines
+            for case in AGAINST_CASES
+            if (why := runnable(e, case, tree_options(helps[e.tree])))
+        }
+        devs = open_devices(work, int(2.5 * nbytes) + (256 << 20), int(4 * nbytes) + (256 << 20), loop)
+        src, token_bytes, _, shard_samples = make_source(devs, work, nbytes, quick)
+        samples: dict = {}
+        for r in range(runs):
+            order = engines[r % len(engines) :] + engines[: r % len(engines)]  # each engine first in turn
+            done = against_round(devs, src, work, (token_bytes, shard_samples), order, skipped)
+            refs = {case: d for case, e, _, d in done if e == engines[0]}
+            for case, e, s, d in done:
+                same = same_bytes(refs[case], d, whole=e.shape == engines[0].shape) if case in refs else "no reference"
+                samples.setdefault((case, e.label), []).append(exchange_sample(s, same))
+            print(f"nodes --against: round {r + 1} of {runs} done", file=sys.stderr, flush=True)
+        load.append(os.getloadavg())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if devs is not None:
+            devs.close()
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+    rows = against_rows(samples, engines, token_bytes, skipped)
+    phases, names = phase_rows(samples, engines, token_bytes)
+    report_against(rows, phases, names, engines, token_bytes, runs, quick, devs.note, load, t_start, out)
+    return rows
+
+
+def report_against(rows, phases, names, engines, token_bytes, runs, quick, note, load, t_start, out) -> None:
+    """Prints the two tables and their notes; writes them to `out` (Markdown, and JSON beside it)."""
+    ref, new = engines[0], engines[1]
+    t1 = print_table(
+        f"--against {ref.label}: the exchange's CPU a GB, {ref.label}'s engine beside {new.label}'s, "
+        f"{NODES} processes, alternated in one run",
+        rows,
+        AGAINST_COLUMNS,
+    )
+    t2 = print_table(
+        "CPU seconds a GB of each --json phase (the processes' sum, median over runs)",
+        phases,
+        ["case", "engine", *names],
+    )
+    halved = [
+        f"{r['case']}: {r['old/new']:.2f}x ({'halved' if r['old/new'] >= 2 else 'not halved'})"
+        for r in rows
+        if r.get("old/new") is not None and r["engine"].startswith(f"{new.label} ({new.shape})")
+    ]
+    cores = os.cpu_count() or 1
+    notes = [
+        f"Machine: {machine_line()}, {time.strftime('%H:%M UTC', time.gmtime())}; load average (1, 5, 15 min) "
+        f"{' then '.join('/'.join(f'{x:.2f}' for x in la) for la in load)}; other processes share it: "
+        "'cores left' is the machine's cores less what they ran during each run (/proc/stat)",
+        f"{token_bytes / 2**20:,.0f} MiB of uint16 tokens in {QUICK_SOURCE_SHARDS if quick else SOURCE_SHARDS} source "
+        f"shards, seq_len {SEQ_LEN}, {EPOCH_SHARDS} epoch shards, micro-batch {M}; 8 ranks: {NODES} nodes x "
+        f"{K} ranks, or 2 nodes x {2 * K} ranks for 2x2; {NODES} processes on {cores} cores; {runs} round(s), "
+        "the engines in turn first in each; medians.",
+        note,
+        "CPU s: user+sys of the whole mpirun tree (launcher, interpreters' start, MPI_Init included; reaped "
+        "children's rusage). CPU s/GB: that over the epoch's token GB, which is a process's CPU over its 1/4 "
+        "share; --json CPU s/GB: the processes' own cpu_s; phases CPU s/GB: their --json phases (the epoch's "
+        "engine, start-up and planning out). old/new: the first engine's figure over this row's.",
+        "same bytes: every file under the DESTs and kept sources, and RUN's, by sha256, against the "
+        f"{ref.label} run of the same round; 2x2 by rank file (node folders differ) and RUN but its nodes sidecar.",
+        *halved,
+        f"Total wall time: {time.perf_counter() - t_start:.0f} s",
+    ]
+    print("\n".join(f"- {x}" for x in notes))
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        command = "python bench/nodes.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        commit = git("rev-parse", "--short", "HEAD") + (
+            " (uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
+        )
+        lines = [*notes, f"Commit: {commit}", f"Command: `{command.strip()}`"]
+        out.write_text(t1 + "\n\n" + t2 + "\n\n" + "\n".join(f"- {x}" for x in lines) + "\n")
+        out.with_suffix(".json").write_text(json.dumps({"rows": rows, "phases": phases, "notes": lines}, indent=1))
+
+
 # ------------------------------------------------------------------------------------- main
 
 
@@ -832,12 +1205,7 @@ def main(
     try:
         # shared: sources, the materialised run, RUNs' small files; nodes: cp, slices, kept sources, owned shards
         devs = open_devices(work, int(2.5 * nbytes) + (256 << 20), int(7 * nbytes) + (256 << 20), loop)
-        corpus = make_datatrove_corpus(work / "corpus", nbytes, files=QUICK_SOURCE_SHARDS if quick else SOURCE_SHARDS)
-        src = pack_corpus(corpus, devs.shared / "src")
-        shutil.rmtree(corpus)
-        token_bytes = dir_bytes(src, ".ds")
-        samples = token_bytes // MODEL_TOKEN_BYTES // (SEQ_LEN + 1)
-        shard_samples = max(1, -(-samples // EPOCH_SHARDS))
+        src, token_bytes, samples, shard_samples = make_source(devs, work, nbytes, quick)
         node_tokens = samples // NODES * (SEQ_LEN + 1) * MODEL_TOKEN_BYTES
         print(
             f"nodes: {token_bytes / 2**20:,.0f} MiB of uint16 tokens in {len(list(src.glob('*.ds')))} source shards, "
@@ -1011,7 +1379,18 @@ if __name__ == "__main__":
     ap.add_argument("--nic-mbps", type=float, default=25_000, help="each node's network, MB/s [default: 25000]")
     ap.add_argument("--shared-mbps", type=float, default=40_000, help="the shared filesystem's aggregate, MB/s")
     ap.add_argument("--disk-mbps", type=float, default=2_000, help="each node's local disk, MB/s [default: 2000]")
+    ap.add_argument(
+        "--against",
+        metavar="REV",
+        default=None,
+        help="only the exchange cases, with REV's engine (a temporary worktree) beside this tree's, alternated: "
+        "CPU s a GB and old/new, same bytes checked [default out: bench/results/nodes-against-REV.md]",
+    )
     a = ap.parse_args()
+    if a.against:
+        out = a.out or (None if a.quick else REPO / "bench" / "results" / f"nodes-against-{a.against}.md")
+        main_against(a.against, a.size, a.quick, runs=a.runs, work=a.work, out=out, loop=not a.no_loop)
+        sys.exit(0)
     out = a.out or (None if a.quick else REPO / "bench" / "results" / "nodes.md")
     main(
         a.size,
