@@ -996,7 +996,9 @@ def against_rows(samples: dict, engines: list[Engine], token_bytes: int, skipped
             why = (skipped or {}).get((case, e.label))
             runs = samples.get((case, e.label), [])
             if why or not runs:
-                rows.append({"case": title, "engine": f"{e.label} ({e.shape})", "same bytes": f"not run: {why}"})
+                rows.append(
+                    {"case": title, "engine": f"{e.label} ({e.shape})", "same bytes": f"not run: {why or 'no run'}"}
+                )
                 continue
             phases = [sum(r["phases"].values()) if r["phases"] else None for r in runs]
             cpu_gb = _per_gb(_median([r["cpu"] for r in runs]), gb)
@@ -1076,14 +1078,19 @@ def main_against(rev: str, size=None, quick: bool = False, *, runs: int = 1, wor
     this tree's, alternated in one run; prints the comparison and the phases' CPU a GB."""
     t_start = time.perf_counter()
     nbytes = parse_size(size or (QUICK_SIZE if quick else SIZE))
+    try:  # before anything is made: a REV that is not here is one line
+        rev_label = git("rev-parse", "--short", "--verify", "--end-of-options", f"{rev}^{{commit}}")
+    except OSError as e:
+        raise SystemExit(f"nodes --against: {rev!r} is not a commit of {REPO} ({e})") from None
+    if no_mpi := mpi_missing():
+        raise SystemExit(f"nodes --against: {no_mpi}")
+    head_label = git("rev-parse", "--short", "HEAD")
+    commit = head_label + (" (uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
     own = work is None
     work = Path(work or tempfile.mkdtemp(prefix="tokpack-nodes-against-"))
     work.mkdir(parents=True, exist_ok=True)
-    if no_mpi := mpi_missing():
-        raise SystemExit(f"nodes --against: {no_mpi}")
-    rev_label, head_label = git("rev-parse", "--short", rev), git("rev-parse", "--short", "HEAD")
     tree = work / f"tree-{rev_label}"
-    git("worktree", "add", "--detach", str(tree), rev)
+    git("worktree", "add", "--detach", str(tree), rev_label)
     previous = signal.signal(signal.SIGTERM, _terminated)
     devs = None
     load = [os.getloadavg()]
@@ -1120,12 +1127,15 @@ def main_against(rev: str, size=None, quick: bool = False, *, runs: int = 1, wor
             shutil.rmtree(work, ignore_errors=True)
     rows = against_rows(samples, engines, token_bytes, skipped)
     phases, names = phase_rows(samples, engines, token_bytes)
-    report_against(rows, phases, names, engines, token_bytes, runs, quick, devs.note, load, t_start, out)
+    context = {"note": devs.note, "load": load, "t_start": t_start, "commit": commit}
+    report_against(rows, phases, names, engines, token_bytes, runs, quick, context, out)
     return rows
 
 
-def report_against(rows, phases, names, engines, token_bytes, runs, quick, note, load, t_start, out) -> None:
-    """Prints the two tables and their notes; writes them to `out` (Markdown, and JSON beside it)."""
+def report_against(rows, phases, names, engines, token_bytes, runs, quick, context, out) -> None:
+    """Prints the two tables and their notes; writes them to `out` (Markdown, and JSON beside it).
+    `context`: the devices' note, the load averages, the start time, the commit measured."""
+    load = context["load"]
     ref, new = engines[0], engines[1]
     t1 = print_table(
         f"--against {ref.label}: the exchange's CPU a GB, {ref.label}'s engine beside {new.label}'s, "
@@ -1152,7 +1162,7 @@ def report_against(rows, phases, names, engines, token_bytes, runs, quick, note,
         f"shards, seq_len {SEQ_LEN}, {EPOCH_SHARDS} epoch shards, micro-batch {M}; 8 ranks: {NODES} nodes x "
         f"{K} ranks, or 2 nodes x {2 * K} ranks for 2x2; {NODES} processes on {cores} cores; {runs} round(s), "
         "the engines in turn first in each; medians.",
-        note,
+        context["note"],
         "CPU s: user+sys of the whole mpirun tree (launcher, interpreters' start, MPI_Init included; reaped "
         "children's rusage). CPU s/GB: that over the epoch's token GB, which is a process's CPU over its 1/4 "
         "share; --json CPU s/GB: the processes' own cpu_s; phases CPU s/GB: their --json phases (the epoch's "
@@ -1160,17 +1170,14 @@ def report_against(rows, phases, names, engines, token_bytes, runs, quick, note,
         "same bytes: every file under the DESTs and kept sources, and RUN's, by sha256, against the "
         f"{ref.label} run of the same round; 2x2 by rank file (node folders differ) and RUN but its nodes sidecar.",
         *halved,
-        f"Total wall time: {time.perf_counter() - t_start:.0f} s",
+        f"Total wall time: {time.perf_counter() - context['t_start']:.0f} s",
     ]
     print("\n".join(f"- {x}" for x in notes))
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         command = "python bench/nodes.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        commit = git("rev-parse", "--short", "HEAD") + (
-            " (uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
-        )
-        lines = [*notes, f"Commit: {commit}", f"Command: `{command.strip()}`"]
+        lines = [*notes, f"Commit: {context['commit']}", f"Command: `{command.strip()}`"]
         out.write_text(t1 + "\n\n" + t2 + "\n\n" + "\n".join(f"- {x}" for x in lines) + "\n")
         out.with_suffix(".json").write_text(json.dumps({"rows": rows, "phases": phases, "notes": lines}, indent=1))
 
