@@ -849,6 +849,7 @@ AGAINST_COLUMNS = [
     "--json CPU s/GB",
     "phases CPU s/GB",
     "phases old/new",
+    "other CPU s/GB",
     "same bytes",
 ]
 SIDECAR = "tokpack-nodes.json"  # RUN's record of the nodes: N and K differ between 4x1 and 2x2
@@ -1000,7 +1001,8 @@ def against_rows(samples: dict, engines: list[Engine], token_bytes: int, skipped
                     {"case": title, "engine": f"{e.label} ({e.shape})", "same bytes": f"not run: {why or 'no run'}"}
                 )
                 continue
-            phases = [sum(r["phases"].values()) if r["phases"] else None for r in runs]
+            # the epoch's phases; "other" is the process's start-up, planning and manifests
+            phases = [sum(v for k, v in r["phases"].items() if k != "other") if r["phases"] else None for r in runs]
             cpu_gb = _per_gb(_median([r["cpu"] for r in runs]), gb)
             phases_gb = _per_gb(_median(phases), gb)
             verdicts = sorted({r["same"] for r in runs})
@@ -1014,6 +1016,7 @@ def against_rows(samples: dict, engines: list[Engine], token_bytes: int, skipped
                 "CPU s/GB": cpu_gb,
                 "--json CPU s/GB": _per_gb(_median([r["procs_cpu"] for r in runs]), gb),
                 "phases CPU s/GB": phases_gb,
+                "other CPU s/GB": _per_gb(_median([r["phases"].get("other") for r in runs]), gb),
                 "same bytes": "; ".join(verdicts),
             }
             if i == 0:
@@ -1127,7 +1130,7 @@ def main_against(rev: str, size=None, quick: bool = False, *, runs: int = 1, wor
             shutil.rmtree(work, ignore_errors=True)
     rows = against_rows(samples, engines, token_bytes, skipped)
     phases, names = phase_rows(samples, engines, token_bytes)
-    context = {"note": devs.note, "load": load, "t_start": t_start, "commit": commit}
+    context = {"note": devs.note, "load": load, "t_start": t_start, "commit": commit, "samples": samples}
     report_against(rows, phases, names, engines, token_bytes, runs, quick, context, out)
     return rows
 
@@ -1165,8 +1168,9 @@ def report_against(rows, phases, names, engines, token_bytes, runs, quick, conte
         context["note"],
         "CPU s: user+sys of the whole mpirun tree (launcher, interpreters' start, MPI_Init included; reaped "
         "children's rusage). CPU s/GB: that over the epoch's token GB, which is a process's CPU over its 1/4 "
-        "share; --json CPU s/GB: the processes' own cpu_s; phases CPU s/GB: their --json phases (the epoch's "
-        "engine, start-up and planning out). old/new: the first engine's figure over this row's.",
+        "share; --json CPU s/GB: the processes' own cpu_s; phases CPU s/GB: their --json phases but 'other' "
+        "(the epoch's engine: read, cut, route, place, buckets, write, hash_owned); other CPU s/GB: their 'other' "
+        "phase (start-up, planning, manifests). old/new: the first engine's figure over this row's.",
         "same bytes: every file under the DESTs and kept sources, and RUN's, by sha256, against the "
         f"{ref.label} run of the same round; 2x2 by rank file (node folders differ) and RUN but its nodes sidecar.",
         *halved,
@@ -1179,7 +1183,10 @@ def report_against(rows, phases, names, engines, token_bytes, runs, quick, conte
         command = "python bench/nodes.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         lines = [*notes, f"Commit: {context['commit']}", f"Command: `{command.strip()}`"]
         out.write_text(t1 + "\n\n" + t2 + "\n\n" + "\n".join(f"- {x}" for x in lines) + "\n")
-        out.with_suffix(".json").write_text(json.dumps({"rows": rows, "phases": phases, "notes": lines}, indent=1))
+        raw = [{"case": c, "engine": label, "runs": r} for (c, label), r in context["samples"].items()]
+        out.with_suffix(".json").write_text(
+            json.dumps({"rows": rows, "phases": phases, "samples": raw, "notes": lines}, indent=1)
+        )
 
 
 # ------------------------------------------------------------------------------------- main

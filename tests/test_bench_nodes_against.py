@@ -128,6 +128,10 @@ def test_the_ratio_table_divides_the_reference_by_each_engine_per_case(nodes):
     assert first["CPU s/GB"] == 2.0 and first["old/new"] == 11.0 / 4.0
     assert first["phases CPU s/GB"] == 1.5 and first["phases old/new"] == pytest.approx(7.0 / 3.0)
     assert first["--json CPU s/GB"] == 1.5
+    other = nodes.against_rows({("first", new): [_sample(3.0, 4.0, {"route": 2.0, "other": 4.0})]}, engines, int(gb))
+    assert [(r["phases CPU s/GB"], r["other CPU s/GB"]) for r in other if r.get("runs")] == [
+        (1.0, 2.0)
+    ]  # start-up apart
     assert by[("first epoch", two)]["old/new"] == 11.0 / 5.0
     assert by[("first epoch", two)]["same bytes"].startswith("NO: ")  # a run's difference is shown, not hidden
     assert by[("first epoch, out of core", new)]["old/new"] == 1.5
