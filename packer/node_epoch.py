@@ -166,7 +166,11 @@ BUCKET_ROW_OVERHEAD = 128
 
 
 def bucket_row_bytes(row_bytes: int) -> int:
-    return 4 * row_bytes + BUCKET_ROW_OVERHEAD
+    """--memory a row of a bucket takes out of core: two buckets are in memory at once (the one
+    written, its 4 copies, and the next one read back meanwhile on a thread, node_buckets.
+    BucketRead: its rows, records and arithmetic); at a handover, 3 buckets' rows (the one done,
+    the one given, the next one begun), which this covers as well."""
+    return 4 * row_bytes + BUCKET_ROW_OVERHEAD + row_bytes + BUCKET_ROW_OVERHEAD
 
 
 def round_tokens(ne: NodeEpoch, memory: int) -> int:
