@@ -1,15 +1,21 @@
 """A node's rows out of core (tokpack.packer.node_buckets.Buckets): each bucket read back on a
 thread while the caller writes the one before, within the memory node_epoch.memory_plan gives
-the buckets, a bad bucket one TokpackError in the caller's thread, and no thread left behind."""
+the buckets, a bad bucket one TokpackError in the caller's thread, and no thread left behind;
+under MPI, each bucket file read back once."""
 
 from __future__ import annotations
 
+import os
 import threading
 import tracemalloc
+from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import random_docs, write_source
+from probes import AUDIT_SITE, audit_env, audited
+from test_mpi import OUT_OF_CORE, REPO, summaries, to_nodes
 
 from tokpack.formats.errors import TokpackError
 from tokpack.packer import node_buckets
@@ -132,3 +138,26 @@ def test_a_caller_that_fails_leaves_no_thread_behind(tmp_path):
     for t in readers():
         t.join(10)
     assert not readers() and stores.ahead is None
+
+
+def test_each_bucket_file_is_read_back_once_and_removed(tmp_path):
+    """4 processes out of core, every Python process's opens recorded (tests/audit_site): each
+    bucket file is appended to by the rounds, opened for reading once (the bytes a bucket holds:
+    written once, read once) and removed; nothing else reads it."""
+    source = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
+    log = tmp_path / "audit.log"
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), AUDIT_SITE]), **audit_env(log, tmp_path)}
+    args = [source, "--seq-len", 63, "--seed", 2, "--epochs", 1, "--shard-samples", 12, "--memory", OUT_OF_CORE]
+    done = to_nodes(tmp_path / "run", str(tmp_path / "node{node}"), *args, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    buckets = sum(s["epochs_detail"][0]["buckets"] for s in summaries(done).values())
+    reads, writes, removed = Counter(), Counter(), Counter()
+    for a in audited(log):
+        if "/ooc-node/" in a.path and a.path.endswith((".rows", ".pos")):
+            if a.event == "os.remove":
+                removed[a.path] += 1
+            elif a.event == "open":
+                (writes if a.writes else reads)[a.path] += 1
+    assert buckets > 4 * 4 and len(writes) == 2 * buckets, (buckets, len(writes))
+    assert reads == Counter(dict.fromkeys(writes, 1)), reads
+    assert removed == Counter(dict.fromkeys(writes, 1))
