@@ -1,11 +1,14 @@
 """A node's rows out of core (`shuffle --to-nodes` when its stores do not fit --memory): bucket
 files in DEST's scratch, laid out as the scatter/order engine's Layout (one scatter task: this
 process) and written and read back as the best-fit scatter and order passes do (RECORD,
-read_bucket), each bucket a contiguous range of the node's store rows (NodeEpoch.store_rows)."""
+read_bucket), each bucket a contiguous range of the node's store rows (NodeEpoch.store_rows).
+Each bucket's bytes are written once (the rounds) and read once (`Buckets.rows`, on a thread a
+bucket ahead of its writer: node_epoch.memory_plan counts both buckets)."""
 
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +18,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import open_append
 from tokpack.formats.io.writes import write_bytes_atomic
 from tokpack.packer.node_epoch import NodeEpoch, memory_plan
+from tokpack.packer.phases import active
 from tokpack.packer.pieces import gather
 from tokpack.shuffle.packed.table import RECORD
 from tokpack.shuffle.packed_step import read_bucket  # the order pass's reader, for windows and pieces alike
@@ -60,6 +64,7 @@ class Buckets:
         self.lay, self.row_tokens, self.pad_id, self.dtype = layout, ne.plan.row_tokens, pad_id, ne.job.token_dtype
         self.counts = np.zeros(len(layout.bucket_starts) - 1, np.int64)
         self.hashes: dict[int, list] = {}
+        self.ahead: BucketRead | None = None  # the next bucket, read back while the caller has this one
         shutil.rmtree(layout.dir, ignore_errors=True)  # a killed run's: the epoch is redone whole
         layout.task_dir(0).mkdir(parents=True)
 
@@ -92,7 +97,10 @@ class Buckets:
         write_bytes_atomic(self.lay.task_records(0), records.tobytes())
 
     def rows(self, lo: int, hi: int):
-        """(first store row, rows) of each bucket in [lo, hi) (bucket boundaries), in order."""
+        """(first store row, rows) of each bucket in [lo, hi) (bucket boundaries), in order. The
+        caller takes the buckets in store row order, each once (the slice's, then each owned
+        shard's): while it writes or hashes one, the next is read back on a thread (BucketRead),
+        across calls too, so the epoch takes the longer of the two, not their sum."""
         starts = self.lay.bucket_starts
         b = int(np.searchsorted(starts, lo))
         if lo < hi and (b >= len(starts) - 1 or int(starts[b]) != lo):
@@ -102,14 +110,32 @@ class Buckets:
                 hint="report this with the command line",
             )
         while b < len(starts) - 1 and int(starts[b]) < hi:
-            want = self.lay.recorded(0, range(b, b + 1))[0, 1:]
-            yield (
-                int(starts[b]),
-                read_bucket(self.lay, b, [want], self.row_tokens, self.pad_id, self.dtype, self._check),
-            )
-            for ext in ("rows", "pos"):
-                self.lay.bucket_file(0, b, ext).unlink(missing_ok=True)
+            rows = self._take(b)
+            if b + 2 < len(starts):  # the next bucket read while the caller has this one
+                self.ahead = BucketRead(self._read, b + 1)
+            try:
+                yield int(starts[b]), rows
+            except BaseException:  # the caller failed: the read ahead ends by itself, its rows dropped
+                self.ahead = None
+                raise
             b += 1
+
+    def _take(self, b: int) -> np.ndarray:
+        """Bucket b's rows: the read ahead's (waited for; its failure raised here), or read now."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead.b == b:
+            return ahead.result()
+        if ahead is not None:  # another bucket's (not asked in order): its files are done with first
+            ahead.thread.join()
+        return self._read(b)
+
+    def _read(self, b: int) -> np.ndarray:
+        """Bucket b's rows from its files, checked against its records; its files removed."""
+        want = self.lay.recorded(0, range(b, b + 1))[0, 1:]
+        rows = read_bucket(self.lay, b, [want], self.row_tokens, self.pad_id, self.dtype, self._check)
+        for ext in ("rows", "pos"):
+            self.lay.bucket_file(0, b, ext).unlink(missing_ok=True)
+        return rows
 
     def _check(self, t: int, path, want, found: int) -> None:
         if found != int(want):
@@ -121,3 +147,34 @@ class Buckets:
                 found=f"{found:016x}",
                 hint="check this node's local disk, then rerun the same command (the epoch is written again)",
             )
+
+
+class BucketRead:
+    """`read(b)` on a thread of its own (the read is I/O and its hash and placement release the
+    GIL for most of it): its CPU to the epoch's bucket_read phase (tokpack.packer.phases; the
+    main thread's wait for it counts there too); its rows, or its failure raised in the thread
+    that asks for them (`result`): a bad bucket is the one line it always was, not a thread's
+    traceback. The thread ends with the read, whether or not its rows are asked for."""
+
+    def __init__(self, read, b: int):
+        self.b, self.rows, self.error = b, None, None
+        self.thread = threading.Thread(
+            target=self._run, args=(read, active()), name=f"tokpack-bucket-read-{b}", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, read, phases) -> None:
+        try:
+            self.rows = read(self.b)
+        except BaseException as e:  # noqa: BLE001 - raised in the asking thread, by result()
+            self.error = e
+        finally:
+            if phases is not None:
+                phases.lap("bucket_read", 0)  # its bytes: counted as the caller takes them
+
+    def result(self) -> np.ndarray:
+        self.thread.join()
+        rows, error, self.rows, self.error = self.rows, self.error, None, None
+        if error is not None:
+            raise error
+        return rows

@@ -166,7 +166,11 @@ BUCKET_ROW_OVERHEAD = 128
 
 
 def bucket_row_bytes(row_bytes: int) -> int:
-    return 4 * row_bytes + BUCKET_ROW_OVERHEAD
+    """--memory a row of a bucket takes out of core: two buckets are in memory at once (the one
+    written, its 4 copies, and the next one read back meanwhile on a thread, node_buckets.
+    BucketRead: its rows, records and arithmetic); at a handover, 3 buckets' rows (the one done,
+    the one given, the next one begun), which this covers as well."""
+    return 4 * row_bytes + BUCKET_ROW_OVERHEAD + row_bytes + BUCKET_ROW_OVERHEAD
 
 
 def round_tokens(ne: NodeEpoch, memory: int) -> int:
@@ -175,8 +179,9 @@ def round_tokens(ne: NodeEpoch, memory: int) -> int:
     about as much, each token with its index arithmetic. In memory when the node's stores fit
     beside a round's buffers; else out of core (bucket_layout): the rounds append what they
     receive to bucket files in DEST's scratch (one more copy a token), and the buckets, read
-    back one at a time once the rounds are done, take what the positions and unfilled counts
-    leave of --memory. Raises when even that does not fit."""
+    back in order once the rounds are done (the next one read while one is written: two in
+    memory, bucket_row_bytes), take what the positions and unfilled counts leave of --memory.
+    Raises when even that does not fit."""
     return memory_plan(ne, memory)[0]
 
 

@@ -15,9 +15,10 @@ runs them (`epoch`):
               Alltoallv on the network, rounds being synchronous); a best-fit epoch reads in
               the main thread: one chain. Out of core the pieces received are appended to
               bucket files (written back by the kernel meanwhile: the local disk's bytes).
-  write       then the slice's rank files (out of core: its buckets read back first, a bucket
-              at a time, then written: the read in the chain, the writes behind by writeback).
-  hash_owned  then the owned epoch shards hashed (out of core: their buckets read back).
+  write       then the slice's rank files (out of core: its buckets read back on a thread of
+              their own, a bucket ahead of the main thread's write, tokpack.packer.node_buckets:
+              the longer of the two chains; the writes behind by writeback).
+  hash_owned  then the owned epoch shards hashed (out of core: their buckets read back, as in write).
 
 Each phase takes the largest of its chains and of each resource's total (shared filesystem,
 network, local disk, CPU over the cores its threads can use); the phases add; the resource that
@@ -192,19 +193,23 @@ def epoch(work: NodeWork, rates: Rates, costs: dict | None = None) -> Prediction
     keep = _phase("keep", {}, {SHARED: keep_io, DISK: _mbps(work.kept_copied, rates.disk_mbps)})
     phases = [keep, rounds] if work.kept_copied else [rounds]
     # Out of core the buckets are read back: the slice's in the write phase, the owned shards' in
-    # hash_owned (both directions of the local disk: written in the rounds, read here).
+    # hash_owned (both directions of the local disk: written in the rounds, read here), on a
+    # thread a bucket ahead of the main thread's writing or hashing.
     for name, nbytes, written in (
         ("write", work.slice_bytes, work.slice_bytes + work.small_bytes),
         ("hash_owned", work.owned_bytes, 0),
     ):
         back = nbytes if work.out_of_core else 0
-        cpu = c[name] * nbytes + c["bucket_read"] * back
-        chain = {DISK: _mbps(back, rates.disk_mbps), CPU: cpu / P}
+        read_cpu = c["bucket_read"] * back
+        chains = {"main": {CPU: c[name] * nbytes / P}}
+        if back:
+            chains["read"] = {DISK: _mbps(back, rates.disk_mbps), CPU: read_cpu / P}
+        cores = cores_main if not back else (2 * P if rates.cores is None else min(rates.cores, 2 * P))
         phases.append(
             _phase(
                 name,
-                {"main": chain},
-                {DISK: _mbps(back + written, rates.disk_mbps), CPU: cpu / cores_main},
+                chains,
+                {DISK: _mbps(back + written, rates.disk_mbps), CPU: (c[name] * nbytes + read_cpu) / cores},
             )
         )
     return _total(phases, rates.start_s)

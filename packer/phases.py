@@ -14,7 +14,9 @@ The phases, and the thread each runs on:
                copy (to its node, to its shard's owner), the process's own included
   place        the pieces received put in their rows in memory (main thread)
   bucket_write out of core: the pieces received appended to bucket files (main thread)
-  bucket_read  out of core: the buckets read back and checked (main thread)
+  bucket_read  out of core: the buckets read back and checked (a thread a bucket ahead of
+               write and hash_owned, tokpack.packer.node_buckets.BucketRead; wall_s: the
+               main thread's wait for it)
   write        the slice's rank files written (main thread)
   hash_owned   the owned epoch shards hashed (main thread)
   other        the rest of the process's CPU (start-up, planning, manifests; every thread)

@@ -101,6 +101,20 @@ def test_out_of_core_writes_the_buckets_and_reads_them_back():
     assert ooc.seconds == pytest.approx(13.0) and ooc.binding == DISK
 
 
+def test_out_of_core_reads_a_bucket_ahead_of_the_write():
+    # the slice's 3 GB of buckets read back at 1,000 MB/s (3 s) and 1 ns/B (3 s) on the reading
+    # thread, written at 2 ns/B (6 s) on the main thread: the write phase takes the longer, 6 s,
+    # not the sum (12 s); on one core both threads' CPU (9 s) binds
+    costs = {**FREE, "bucket_read": 1e-9, "write": 2e-9}
+    work = NodeWork(source_bytes=0, slice_bytes=3 * GB, out_of_core=True)
+    fast_disk = rates(disk_mbps=1e6)
+    assert seconds_of(epoch(work, fast_disk, costs), "write") == pytest.approx(6.0, rel=1e-3)
+    slow = epoch(work, rates(), costs)
+    assert seconds_of(slow, "write") == pytest.approx(6.0, rel=1e-3)  # max(3 + 3, 6)
+    one = epoch(work, Rates(1000.0, 1000.0, 1e6, cores=1, start_s=0.0), costs)
+    assert seconds_of(one, "write") == pytest.approx(9.0, rel=1e-3) and one.binding == CPU
+
+
 def test_a_replacement_node_reads_its_ranges_at_a_latency_and_queue_depth():
     r = rates(shared_mbps=1e9, nic_mbps=1e9, disk_mbps=1e9)
     one = replacement(GB, 1_000_000, r, FREE, latency_s=100e-6, queue_depth=1)
