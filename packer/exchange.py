@@ -21,7 +21,8 @@ Process p of node n (world process q = n*P + p of N*P):
    core through bucket files in its scratch in DEST (tokpack.packer.node_buckets: the scatter/order
    engine's Layout and best-fit bucket files, read back a bucket at a time), and writes its
    ranks' files of node n's slice into DEST through tokpack.packer.rank_files.RankFiles, the
-   bytes `stage RUN DEST --node n/N` writes;
+   bytes `stage RUN DEST --node n/N` writes (in memory, windows: each row as soon as a round
+   completes it, at its place, the files open since the rounds began: node_store.open_slice_files);
 5. as the owner of some epoch shards, passes each one through the epoch shard writer
    (`hashed_only`: its tokens and index are hashed, not written), which gives the shard's
    manifest entry (its checksums) exactly as `tokpack shuffle` records it, and writes of it only
