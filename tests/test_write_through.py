@@ -111,13 +111,14 @@ import tokpack.packer.exchange as ex
 copies, original = Path(sys.argv.pop(1)), ex.write_slice_epoch
 
 
-def write_slice_epoch(output, d, *more):
-    # the rank files' temporary token files as the rounds left them, before the write phase
-    for tmp in Path(d).glob("rank-*.ds.tmp-*"):
+def write_slice_epoch(output, d, ne, *more):
+    # this process's rank files' temporary token files as the rounds left them, before its
+    # write phase (another process of the node may be renaming its own meanwhile)
+    for tmp in [t for r in ne.mine for t in Path(d).glob(f"rank-{r:05d}.ds.tmp-*")]:
         to = copies / Path(d).parent.name / Path(d).name / tmp.name.split(".tmp-")[0]
         to.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(tmp, to)
-    return original(output, d, *more)
+    return original(output, d, ne, *more)
 
 
 ex.write_slice_epoch = write_slice_epoch
