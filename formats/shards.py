@@ -353,10 +353,12 @@ class EpochShardWriter:
         """A `placed` shard's token file at its final size: `rows` rows."""
         self._ds.reserve(rows * self.row_tokens * self.dtype.itemsize)
 
-    def write_at(self, row: int, rows: list[memoryview]) -> None:
-        """A `placed` shard's rows `row`, `row + 1`, ... written now: `rows`, a buffer each (the
-        caller's rows, which it keeps unchanged until they reach write_rows in order)."""
-        self._ds.write_at(row * self.row_tokens * self.dtype.itemsize, rows)
+    def write_at(self, data: memoryview, starts: list[int], rows: np.ndarray) -> None:
+        """A `placed` shard's rows `rows` written now: each a row's bytes of `data`, from its
+        byte of `starts` (the caller's rows, which it keeps unchanged until they reach
+        write_rows in order)."""
+        row_bytes = self.row_tokens * self.dtype.itemsize
+        self._ds.write_at(data, starts, (rows * row_bytes).tolist(), row_bytes)
 
     def write_pad(self, pad: np.ndarray) -> None:
         """The padding tokens (at the sample's end) of the next samples, in order, into `.pad`

@@ -75,13 +75,8 @@ class RankFiles:
         flat = memoryview(store.reshape(-1).view(np.uint8))
         for r, writer in self.writers.items():
             sel = np.flatnonzero(rank == r)
-            sel = sel[np.argsort(at[sel])]
-            rows, starts = at[sel], (which[sel] * rb).tolist()
-            # a run of rows next to each other in the file: one write
-            cuts = [0, *(np.flatnonzero(np.diff(rows) != 1) + 1).tolist(), len(sel)]
-            for a, b in zip(cuts, cuts[1:]):
-                if b > a:
-                    writer.write_at(int(rows[a]), [flat[s : s + rb] for s in starts[a:b]])
+            sel = sel[np.argsort(at[sel])]  # in file order: the page cache's pages, and the disk's blocks, in turn
+            writer.write_at(flat, (which[sel] * rb).tolist(), at[sel])
 
     def close(self) -> list[dict]:
         return [{**wr.close(), "rank": r} for r, wr in self.writers.items()]

@@ -80,15 +80,14 @@ def test_rows_missing_or_placed_twice_are_refused_at_commit(tmp_path):
     for places in ([0], [0, 1, 1]):
         f = PlacedFile(tmp_path / "x.ds", size=20)
         for i in places:
-            f.write_at(10 * i, [memoryview(row)])
+            f.write_at(memoryview(row), [0], [10 * i], 10)
         f.write(row * 2)
         with pytest.raises(TokpackError, match="written in place are not the bytes hashed"):
             f.commit()
         f.abort()
         assert not list(tmp_path.iterdir())
     f = PlacedFile(tmp_path / "x.ds", size=20)
-    f.write_at(10, [memoryview(row)])
-    f.write_at(0, [memoryview(row)])
+    f.write_at(memoryview(row * 2), [10, 0], [0, 10], 10)
     f.write(row * 2)
     f.commit()
     assert (tmp_path / "x.ds").read_bytes() == row * 2

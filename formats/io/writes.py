@@ -285,16 +285,16 @@ class PlacedFile:
         os.ftruncate(self.fd, size)
         self.size = size
 
-    def write_at(self, offset: int, pieces: list[memoryview]) -> None:
-        """`pieces` (memoryviews of bytes), back to back from byte `offset`: one pwritev a
-        IOV_MAX of them."""
-        for c in range(0, len(pieces), IOV_MAX):
-            part = pieces[c : c + IOV_MAX]
-            n, total = os.pwritev(self.fd, part, offset), sum(map(len, part))
-            if n < total:  # a short write (a signal, a full disk): the rest a piece at a time, whose error is raised
-                _pwrite_rest(self.fd, part, offset, n)
-            offset += total
-            self.placed += total
+    def write_at(self, data: memoryview, starts: list[int], offsets: list[int], length: int) -> None:
+        """Bytes [s, s + length) of `data` (bytes) at byte o of the file, for each s of `starts`
+        and o of `offsets`: a pwrite each (pieces that arrive in random order are seldom
+        adjacent, and a vector of them would cost more to build than it saves)."""
+        for s, o in zip(starts, offsets):
+            piece = data[s : s + length]
+            n = os.pwrite(self.fd, piece, o)
+            while n < length:  # a short write (a signal, a full disk): the rest, whose error is raised
+                n += os.pwrite(self.fd, piece[n:], o + n)
+        self.placed += length * len(offsets)
 
     def write(self, data) -> None:
         """The next bytes of the file, in order, already placed: hashed, not written."""
@@ -326,22 +326,6 @@ class PlacedFile:
         """Closes and deletes the temporary file; safe after a failed write or commit."""
         self._close()
         Path(self.tmp).unlink(missing_ok=True)
-
-
-# Buffers a pwritev takes at most (Linux's IOV_MAX).
-IOV_MAX = 1024
-
-
-def _pwrite_rest(fd: int, part: list[memoryview], offset: int, done: int) -> None:
-    """The bytes of `part` (from byte `offset` of the file) after the first `done`, written."""
-    for p in part:
-        skip = min(done, len(p))
-        done -= skip
-        view, at = p[skip:], offset + skip
-        while len(view):
-            n = os.pwrite(fd, view, at)
-            view, at = view[n:], at + n
-        offset += len(p)
 
 
 def _set_direct(fd: int, on: bool) -> bool:
