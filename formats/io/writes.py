@@ -264,10 +264,14 @@ class PlacedFile:
     """A file written in place, its pieces in any order, each at its offset, as the caller
     completes them (`write_at`: `shuffle --to-nodes` writes each row of a rank file as its round
     places it): buffered writes, whose dirty pages the kernel writes back while the caller goes
-    on, so the disk's work overlaps the caller's; O_DIRECT would want aligned pieces and rows are
-    not. Then its bytes in order are hashed from the caller's copy (`write`: nothing read back
-    or written again), and `commit` fsyncs and renames it, as DurableFile's. The bytes placed
-    must be exactly those hashed, or commit refuses."""
+    on once they pass its background threshold (vm.dirty_background_*; what is below it, commit's
+    fsync writes), so the disk's work overlaps the caller's; O_DIRECT would want aligned pieces,
+    and rows are not. Those pages are the kernel's page cache, not a copy held here, and the
+    kernel holds a writer back past vm.dirty_ratio: memory stays bounded. A piece that shares a
+    page with one placed later may have that page written twice. Then the file's bytes in order
+    are hashed from the caller's copy (`write`: nothing read back or written again), and
+    `commit` fsyncs and renames it, as DurableFile's. The bytes placed must be exactly those
+    hashed, or commit refuses."""
 
     def __init__(self, final: str | Path, size: int = 0):
         self.final, self.tmp = Path(final), tmp_path(final)
