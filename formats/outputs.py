@@ -80,6 +80,7 @@ class EpochShardFormat:
     tokenizer: str
     padded: bool = False  # best-fit: a `.ds.pad` beside the rows
     hashed_only: bool = False  # tokens and index hashed for the manifest, not written (EpochShardWriter)
+    placed: bool = False  # tokens written row by row in any order first, then hashed in order (EpochShardWriter)
 
     def writer(self, place: ShardPlace) -> EpochShardWriter:
         return EpochShardWriter(
@@ -91,6 +92,7 @@ class EpochShardFormat:
             self.tokenizer,
             padded=self.padded,
             hashed_only=self.hashed_only,
+            placed=self.placed,
         )
 
 

@@ -19,7 +19,7 @@ from .errors import TokpackError
 from .io.paths import as_path
 from .io.gate import contained, open_read, read_array, regular_size
 from .io.reads import read_full
-from .io.writes import DurableFile, HashedFile, is_tmp_name, write_bytes_atomic
+from .io.writes import DurableFile, HashedFile, PlacedFile, is_tmp_name, write_bytes_atomic
 from .constants import EPOCH_SHARD_SUFFIXES, LOSS_SUFFIX, SHARD_SUFFIXES
 from .constants import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64
 from .constants import INDEX_ENTRY_BYTES, INDEX_SUFFIX, METADATA_SUFFIX, ROW_HASH_DTYPE
@@ -280,9 +280,12 @@ class EpochShardWriter:
         tokenizer: str,
         padded: bool = False,
         hashed_only: bool = False,
+        placed: bool = False,
     ):
         """`hashed_only`: the `.ds` and `.ds.index` are hashed and counted, not written (their
-        entry is the same); the row hashes, padding and metadata are written."""
+        entry is the same); the row hashes, padding and metadata are written. `placed`: the
+        `.ds` is written row by row in any order (`reserve`, then `write_at`), before write_rows
+        gets the same rows in order, which then only hashes their tokens (PlacedFile)."""
         self.directory = Path(directory)
         self.name = name  # final file name
         self.dtype = np.dtype(dtype).newbyteorder("<")
@@ -293,9 +296,12 @@ class EpochShardWriter:
         self.multiset = 0  # running sum of xxh3_64 over samples, mod 2^64
         self._ds = self._index = self._rows = self._pad = None
         try:
-            self._ds = (
-                HashedFile(self.directory / name) if hashed_only else DurableFile(self.directory / name, direct=True)
-            )
+            if hashed_only:
+                self._ds = HashedFile(self.directory / name)
+            else:
+                self._ds = (
+                    PlacedFile(self.directory / name) if placed else DurableFile(self.directory / name, direct=True)
+                )
             self._index = (HashedFile if hashed_only else DurableFile)(self.directory / f"{name}.index")
             # Each sample's xxh3_64: what lets a node copy and verify some rows without the others.
             self._rows = DurableFile(self.directory / f"{name}{ROWS_SUFFIX}")
@@ -342,6 +348,17 @@ class EpochShardWriter:
         self._index.write(ends.astype(U64) + np.uint64(self.samples * self.row_tokens))
         self._add_hashes(hashes)
         self.samples += n
+
+    def reserve(self, rows: int) -> None:
+        """A `placed` shard's token file at its final size: `rows` rows."""
+        self._ds.reserve(rows * self.row_tokens * self.dtype.itemsize)
+
+    def write_at(self, data: memoryview, starts: list[int], rows: np.ndarray) -> None:
+        """A `placed` shard's rows `rows` written now: each a row's bytes of `data`, from its
+        byte of `starts` (the caller's rows, which it keeps unchanged until they reach
+        write_rows in order)."""
+        row_bytes = self.row_tokens * self.dtype.itemsize
+        self._ds.write_at(data, starts, (rows * row_bytes).tolist(), row_bytes)
 
     def write_pad(self, pad: np.ndarray) -> None:
         """The padding tokens (at the sample's end) of the next samples, in order, into `.pad`

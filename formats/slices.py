@@ -99,6 +99,14 @@ class RankRows:
         """Samples of rank `rank` in [first, g): the row of G in the file of an epoch starting at `first`."""
         return self.count(rank, g) - self.count(rank, first)
 
+    def file_rows(self, first: int, g: np.ndarray) -> np.ndarray:
+        """Each sample G's row in its rank's file of an epoch starting at `first`: rows(rank_of(G),
+        first, G) of an array at once (G lies in its rank's micro-batch: count's clamp is that of
+        `first` alone)."""
+        rank, gb, m = self.rank_of(g), self.global_batch, self.micro_batch
+        y, y0 = g - self.phase, first - self.phase
+        return (y // gb - y0 // gb) * m + (y % gb - rank * m) - np.clip(y0 % gb - rank * m, 0, m)
+
     def reads_any(self, ranks, lo: int, hi: int) -> bool:
         """Whether any of `ranks` reads a sample in [lo, hi)."""
         return any(self.rows(r, lo, hi) for r in ranks)

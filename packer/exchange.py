@@ -21,7 +21,8 @@ Process p of node n (world process q = n*P + p of N*P):
    core through bucket files in its scratch in DEST (tokpack.packer.node_buckets: the scatter/order
    engine's Layout and best-fit bucket files, read back a bucket at a time), and writes its
    ranks' files of node n's slice into DEST through tokpack.packer.rank_files.RankFiles, the
-   bytes `stage RUN DEST --node n/N` writes;
+   bytes `stage RUN DEST --node n/N` writes (in memory, windows: each row as soon as a round
+   completes it, at its place, the files open since the rounds began: node_store.open_slice_files);
 5. as the owner of some epoch shards, passes each one through the epoch shard writer
    (`hashed_only`: its tokens and index are hashed, not written), which gives the shard's
    manifest entry (its checksums) exactly as `tokpack shuffle` records it, and writes of it only
@@ -95,7 +96,7 @@ from tokpack.packer.node_epoch import NodeEpoch, round_tokens
 from tokpack.packer.node_procs import Node, node_of_process
 from tokpack.packer.node_reads import source_pieces
 from tokpack.packer.node_report import counted, epoch_detail, reading_bar, run_summary
-from tokpack.packer.node_store import open_stores, receive, write_slice_epoch
+from tokpack.packer.node_store import open_slice_files, open_stores, receive, write_slice_epoch
 from tokpack.packer.owned_shards import hash_owned_shards
 from tokpack.packer.phases import Phases, TimedRows, collecting, count, phase, process_cpu, timed
 from tokpack.packer.rank_files import ready_epoch_dir
@@ -110,15 +111,27 @@ from tokpack.shuffle.spec import ShuffleSpec
 from tokpack.shuffle.steps import Layout
 
 
-def exchange_epoch(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None = None, shown: bool = False):
+def exchange_epoch(
+    comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None = None, shown: bool = False, files=None
+):
     """The rounds (tokpack.packer.transport.exchange_rounds) of this process's pieces
     (node_reads.source_pieces), each to its node and its shard's owner (NodeEpoch.routes), what
-    arrives put in the node's stores (node_store.receive). Returns (the stores: in memory, or
-    bucket files by `layout`, both read by `rows(lo, hi)` in store_rows numbering; the slice's
-    padding, the owned shards' padding, rounds)."""
+    arrives put in the node's stores (node_store.receive; `files`, its rank files open for the
+    rounds: node_store.open_slice_files, which are written as rows complete and removed if the
+    rounds fail). Returns (the stores: in memory, or bucket files by `layout`, both read by
+    `rows(lo, hi)` in store_rows numbering; the slice's padding, the owned shards' padding, rounds)."""
+    try:
+        return _exchange(comm, MPI, ne, per_round, layout, shown, files)
+    except BaseException:
+        if files is not None:
+            files.abort()
+        raise
+
+
+def _exchange(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None, shown: bool, files):
     job, row = ne.job, ne.plan.row_tokens
     pad_id = ne.plan.pad_id if ne.padded else 0
-    stores = open_stores(ne, layout, pad_id)
+    stores = open_stores(ne, layout, pad_id, files)
     # Tokens of each row still unfilled: 0 for every window at the end, a best-fit row's padding.
     pad = np.full(ne.store_rows, row, dtype=np.int64)
     P = len(ne.positions)
@@ -308,22 +321,24 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         )
         disk = node.local.allreduce(ne.disk_bytes(layout is not None))  # the node's processes share DEST
         node.together(lambda: check_space([(dest, disk)], "shuffle", hint="free some space on this node's DEST"))
+        d = dest / epoch_dir_name(epoch)
+        if P > 1:  # the node's epoch folder readied once, before its processes open their rank files there
+            node.together(lambda: ready_epoch_dir(output, d) if node.leader else None)
         phases, cpu0 = Phases(), process_cpu()  # this epoch's CPU by phase (tokpack.packer.phases)
+        # in memory, windows: the rank files written during the rounds (node_store.open_slice_files)
+        files = node.together(lambda: open_slice_files(output, d, ne, fmt, layout))
         with collecting(phases):
             stores, keep_pad, owned_pad, rounds = node.together(
-                lambda: exchange_epoch(comm, MPI, ne, per_round, layout, shown)
+                lambda: exchange_epoch(comm, MPI, ne, per_round, layout, shown, files)
             )
         stores = stores if layout is None else TimedRows(stores)  # out of core: the buckets read back
         if fmt.padded:  # every row is some node's and some owner's: both sums are the table's padding
             sums = comm.allreduce(np.array([keep_pad.sum(), owned_pad.sum()], dtype=np.int64)).tolist()
             node.together(lambda: _same_padding(sums, prepared["padding"], epoch))
         log(f"shuffle --to-nodes: epoch {epoch}: {plan.samples} samples exchanged among {among} in {rounds} rounds")
-        d = dest / epoch_dir_name(epoch)
-        if P > 1:  # the node's epoch folder readied once, before its processes open their rank files there
-            node.together(lambda: ready_epoch_dir(output, d) if node.leader else None)
         log(f"shuffle --to-nodes: epoch {epoch}: writing the slice's rank files, then hashing the owned shards")
         with collecting(phases), phase("write", len(ne.positions) * job.row_bytes):
-            entries = node.together(lambda: write_slice_epoch(output, d, ne, stores, keep_pad, fmt))
+            entries = node.together(lambda: write_slice_epoch(output, d, ne, stores, keep_pad, fmt, files))
         with collecting(phases), phase("hash_owned", ne.owned_rows * job.row_bytes):
             owned_entries = node.together(
                 lambda: hash_owned_shards(ne, stores, owned_pad, Path(job.work_dir) / "owned", Path(job.epoch_dir), fmt)

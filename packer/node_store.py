@@ -3,10 +3,14 @@ its part of the node's slice (in position order), then its owned epoch shards' r
 every row at once) or out of core (tokpack.packer.node_buckets.Buckets); both take a round's
 pieces (`receive`: each at its store row and offset) and give their rows back in order
 (`rows(lo, hi)`), with each row's unfilled count (its padding, once every piece is in); the
-slice's rows go to its rank files (`write_slice_epoch`)."""
+slice's rows go to its rank files (`write_slice_epoch`). In memory, a windows epoch's rank files
+are open during the rounds (`open_slice_files`): each slice row is written to its place in its
+rank's file as soon as it is complete, so the local disk works while the rounds go on, and
+after them its tokens are only hashed and indexed in order (issue 41, item 3)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,20 +20,59 @@ from tokpack.formats.io.memory import anonymous
 from tokpack.formats.outputs import EpochShardFormat, Output
 from tokpack.packer.node_buckets import Buckets
 from tokpack.packer.node_epoch import NodeEpoch
+from tokpack.packer.phases import count, phase
 from tokpack.packer.pieces import place
 from tokpack.packer.rank_files import RankFiles
 from tokpack.shuffle.steps import Layout
 
 
-def open_stores(ne: NodeEpoch, layout: Layout | None, pad_id: int) -> "InMemory | Buckets":
-    """The node's stores: in memory, or bucket files by `layout` (node_buckets.bucket_layout)."""
-    return InMemory(ne, pad_id) if layout is None else Buckets(ne, layout, pad_id)
+def open_stores(
+    ne: NodeEpoch, layout: Layout | None, pad_id: int, files: RankFiles | None = None
+) -> "InMemory | Buckets":
+    """The node's stores: in memory, or bucket files by `layout` (node_buckets.bucket_layout);
+    `files`: the slice's rank files, open in memory (open_slice_files), written as rows complete."""
+    return InMemory(ne, pad_id, files) if layout is None else Buckets(ne, layout, pad_id)
+
+
+# Whether an in-memory windows epoch writes its rank files during the rounds (open_slice_files).
+# Measured here (2 cores, 4 processes, ext4 on a VM disk; 256 MiB and 3 GiB of windows): each row's
+# pwrite costs about 1 ns of CPU a byte on the main thread, and while the dirty pages stay below
+# the kernel's background threshold (about 2 GB here) nothing reaches the disk before the write
+# phase's fsync, which then takes as long as the O_DIRECT write it replaces: the epoch was slower.
+# It pays where the slice is many times that threshold and the cores are not all busy.
+WRITE_THROUGH = True
+
+
+def open_slice_files(
+    output: Output, d: Path, ne: NodeEpoch, fmt: EpochShardFormat, layout: Layout | None
+) -> RankFiles | None:
+    """This process's rank files of the epoch, open before its rounds, each token file at its
+    final size, when the rounds can write them (`placed`): in memory, windows. None otherwise:
+    a best-fit row's padding is in only when every piece is, and out of core the rows are in
+    order only when the buckets are read back; those are written after the rounds."""
+    if layout is not None or fmt.padded or not WRITE_THROUGH:
+        return None
+    files = slice_files(output, d, ne, replace(fmt, placed=True))
+    try:
+        files.reserve(ne.plan.samples)
+    except BaseException:
+        files.abort()
+        raise
+    return files
+
+
+def slice_files(output: Output, d: Path, ne: NodeEpoch, fmt: EpochShardFormat) -> RankFiles:
+    """This process's rank files of node n's epoch (all of them when the node is one process; a
+    node of several processes has its leader ready `d` first: rank_files.ready_epoch_dir)."""
+    mine = None if ne.procs == 1 else ne.mine
+    return RankFiles(output, d, ne.rows, ne.first, ne.ranks, ne.plan.epoch, fmt, mine)
 
 
 class InMemory:
     """The node's two stores in memory (store_rows numbering)."""
 
-    def __init__(self, ne: NodeEpoch, pad_id: int):
+    def __init__(self, ne: NodeEpoch, pad_id: int, files: RankFiles | None = None):
+        self.positions, self.files = ne.positions, files
         shape, dtype = (ne.store_rows, ne.plan.row_tokens), ne.job.token_dtype
         # every row is written: its pages faulted in at once, not one by one as the rounds land
         nbytes = shape[0] * shape[1] * dtype.itemsize
@@ -41,6 +84,13 @@ class InMemory:
 
     def put(self, pad, at, pieces, tokens, starts) -> None:
         place(self.rows_of, pad, at, pieces, tokens, starts)
+        if self.files is None:
+            return
+        with phase("write_through"):
+            slice_rows = np.unique(at[at < len(self.positions)])
+            done = slice_rows[pad[slice_rows] == 0]  # complete now, and never again (a row filled twice is refused)
+            self.files.place(self.positions[done], self.rows_of, done)
+        count("write_through", len(done) * self.rows_of[:1].nbytes)
 
     def finish(self) -> None:
         pass
@@ -71,15 +121,14 @@ def receive(ne: NodeEpoch, stores, pad: np.ndarray, got_pieces: np.ndarray, got_
 
 
 def write_slice_epoch(
-    output: Output, d: Path, ne: NodeEpoch, stores, pad: np.ndarray, fmt: EpochShardFormat
+    output: Output, d: Path, ne: NodeEpoch, stores, pad: np.ndarray, fmt: EpochShardFormat, files=None
 ) -> list[dict]:
-    """This process's rank files of node n's epoch (all of them when the node is one process),
-    from its rows in epoch order (the stores' slice rows, all at once in memory, a bucket at a
-    time out of core): rank r's are those of its positions rank r reads, in increasing order
-    (what stage --node writes), with their padding (best-fit: the `.ds.pad` beside them). A node
-    of several processes has its leader ready `d` first (rank_files.ready_epoch_dir)."""
-    mine = None if ne.procs == 1 else ne.mine
-    files = RankFiles(output, d, ne.rows, ne.first, ne.ranks, ne.plan.epoch, fmt, mine)
+    """This process's rank files of node n's epoch (slice_files), from its rows in epoch order
+    (the stores' slice rows, all at once in memory, a bucket at a time out of core): rank r's
+    are those of its positions rank r reads, in increasing order (what stage --node writes), with
+    their padding (best-fit: the `.ds.pad` beside them). `files`: open since the rounds, their
+    tokens written (open_slice_files): here they are hashed, not written again."""
+    files = slice_files(output, d, ne, fmt) if files is None else files
     try:
         for a, rows in stores.rows(0, len(ne.positions)):
             files.add(ne.positions[a : a + len(rows)], rows, pad[a : a + len(rows)])

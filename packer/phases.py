@@ -13,11 +13,14 @@ The phases, and the thread each runs on:
                wait for its peers is CPU too where it polls); its bytes: the tokens sent, every
                copy (to its node, to its shard's owner), the process's own included
   place        the pieces received put in their rows in memory (main thread)
+  write_through  in memory, windows: the rows a round completed written to their place in their
+               rank files (main thread, within place; the kernel writes them back meanwhile)
   bucket_write out of core: the pieces received appended to bucket files (main thread)
   bucket_read  out of core: the buckets read back and checked (a thread a bucket ahead of
                write and hash_owned, tokpack.packer.node_buckets.BucketRead; wall_s: the
                main thread's wait for it)
-  write        the slice's rank files written (main thread)
+  write        the slice's rank files written after the rounds (main thread; with write_through,
+               their tokens only hashed, indexed and fsync'd)
   hash_owned   the owned epoch shards hashed (main thread)
   other        the rest of the process's CPU (start-up, planning, manifests; every thread)
 """
@@ -29,7 +32,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-PHASES = ("read", "cut", "route", "place", "bucket_write", "bucket_read", "write", "hash_owned")
+PHASES = ("read", "cut", "route", "place", "write_through", "bucket_write", "bucket_read", "write", "hash_owned")
 
 
 class Phases:

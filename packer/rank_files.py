@@ -55,6 +55,29 @@ class RankFiles:
         for r, writer in self.writers.items():
             write_rows(writer, keep, pad if self.fmt.padded else None, np.flatnonzero(rank == r))
 
+    def reserve(self, samples: int) -> None:
+        """A `placed` format's (EpochShardFormat.placed): each rank file's tokens at their final
+        size, for an epoch of `samples` samples, so that its rows may reach it (`place`) before
+        `add` hashes and indexes them in order."""
+        for r, writer in self.writers.items():
+            writer.reserve(self.rows.rows(r, self.first, self.first + samples))
+
+    def place(self, positions: np.ndarray, store: np.ndarray, which: np.ndarray) -> None:
+        """Rows `store[which]`, complete and left unchanged until `add`, at epoch `positions` (any
+        order, each once an epoch), written now at their place in their rank's file (`placed`):
+        the disk takes them while the caller goes on, instead of all at the end. Each row is
+        written from `store` itself (a slice of its bytes: no copy, no array a row)."""
+        if not len(positions):
+            return
+        g = positions + self.first
+        rank, at = self.rows.rank_of(g), self.rows.file_rows(self.first, g)
+        rb = store.shape[1] * store.itemsize
+        flat = memoryview(store.reshape(-1).view(np.uint8))
+        for r, writer in self.writers.items():
+            sel = np.flatnonzero(rank == r)
+            sel = sel[np.argsort(at[sel])]  # in file order: the page cache's pages, and the disk's blocks, in turn
+            writer.write_at(flat, (which[sel] * rb).tolist(), at[sel])
+
     def close(self) -> list[dict]:
         return [{**wr.close(), "rank": r} for r, wr in self.writers.items()]
 

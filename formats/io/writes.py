@@ -1,7 +1,8 @@
 """Durable writes: a file is written under a temporary name (`tmp_path`) and renamed into
 place, so a reader never sees half of it; `DurableFile` writes with O_DIRECT where it can (no
-page cache for data read again only by another command), hashing as it writes; `Outbox` sends a
-command's committed files to an object store."""
+page cache for data read again only by another command), hashing as it writes; `PlacedFile`
+is written piece by piece in any order, then hashed in order; `Outbox` sends a command's
+committed files to an object store."""
 
 from __future__ import annotations
 
@@ -257,6 +258,78 @@ class HashedFile:
 
     def abort(self) -> None:
         pass
+
+
+class PlacedFile:
+    """A file written in place, its pieces in any order, each at its offset, as the caller
+    completes them (`write_at`: `shuffle --to-nodes` writes each row of a rank file as its round
+    places it): buffered writes, whose dirty pages the kernel writes back while the caller goes
+    on once they pass its background threshold (vm.dirty_background_*; what is below it, commit's
+    fsync writes), so the disk's work overlaps the caller's; O_DIRECT would want aligned pieces,
+    and rows are not. Those pages are the kernel's page cache, not a copy held here, and the
+    kernel holds a writer back past vm.dirty_ratio: memory stays bounded. A piece that shares a
+    page with one placed later may have that page written twice. Then the file's bytes in order
+    are hashed from the caller's copy (`write`: nothing read back or written again), and
+    `commit` fsyncs and renames it, as DurableFile's. The bytes placed must be exactly those
+    hashed, or commit refuses."""
+
+    def __init__(self, final: str | Path, size: int = 0):
+        self.final, self.tmp = Path(final), tmp_path(final)
+        self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.hash, self.bytes, self.placed, self.size = xxhash.xxh3_128(), 0, 0, 0
+        try:
+            self.reserve(size)
+        except BaseException:
+            self.abort()
+            raise
+
+    def reserve(self, size: int) -> None:
+        """The file at its final size now (a sparse file: no block written twice), so that a
+        piece's place never depends on which came first."""
+        os.ftruncate(self.fd, size)
+        self.size = size
+
+    def write_at(self, data: memoryview, starts: list[int], offsets: list[int], length: int) -> None:
+        """Bytes [s, s + length) of `data` (bytes) at byte o of the file, for each s of `starts`
+        and o of `offsets`: a pwrite each (pieces that arrive in random order are seldom
+        adjacent, and a vector of them would cost more to build than it saves)."""
+        for s, o in zip(starts, offsets):
+            piece = data[s : s + length]
+            n = os.pwrite(self.fd, piece, o)
+            while n < length:  # a short write (a signal, a full disk): the rest, whose error is raised
+                n += os.pwrite(self.fd, piece[n:], o + n)
+        self.placed += length * len(offsets)
+
+    def write(self, data) -> None:
+        """The next bytes of the file, in order, already placed: hashed, not written."""
+        mv = memoryview(data).cast("B")
+        self.hash.update(mv)
+        self.bytes += mv.nbytes
+
+    def commit(self) -> str:
+        """Returns the xxh3_128 hex digest."""
+        if not self.bytes == self.placed == self.size:
+            raise TokpackError(
+                "internal error: a file's bytes written in place are not the bytes hashed",
+                file=self.final,
+                expected=f"{self.size} bytes placed and hashed",
+                found=f"{self.placed} placed, {self.bytes} hashed",
+                hint="report this with the command line",
+            )
+        os.fdatasync(self.fd)
+        self._close()
+        os.replace(self.tmp, self.final)
+        return self.hash.hexdigest()
+
+    def _close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def abort(self) -> None:
+        """Closes and deletes the temporary file; safe after a failed write or commit."""
+        self._close()
+        Path(self.tmp).unlink(missing_ok=True)
 
 
 def _set_direct(fd: int, on: bool) -> bool:

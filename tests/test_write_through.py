@@ -1,0 +1,154 @@
+"""Rank files written during the rounds (issue 41, item 3): in memory, a windows epoch of
+`shuffle --to-nodes` opens its rank files before its rounds and writes each row to its place as
+soon as a round completes it (RankFiles.place, tokpack.formats.io.writes.PlacedFile); after the
+rounds their tokens are only hashed and indexed, in order. The files are byte for byte those
+written after the rounds, and the tokens reach the disk once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import random_docs, write_source
+from tokpack.formats.errors import TokpackError
+from tokpack.formats.io.writes import TMP_MARK, PlacedFile
+from tokpack.formats.outputs import EpochShardFormat, LocalOutput
+from tokpack.formats.slices import RankRows
+from tokpack.packer.rank_files import RankFiles
+
+SEQ = 63
+
+
+def rank_files(d: Path, rows: RankRows, first: int, placed: bool) -> RankFiles:
+    fmt = EpochShardFormat(np.dtype("<u2"), SEQ, 0, "gpt2", placed=placed)
+    return RankFiles(LocalOutput(), d, rows, first, (2, 3), 0, fmt)
+
+
+def test_rows_placed_in_any_order_give_the_files_written_in_order(tmp_path, monkeypatch):
+    """The rows of ranks 2-3 placed in a shuffled order over several calls (as rounds complete
+    them) give the files RankFiles writes from the same rows in order: each temporary token file
+    holds every row at its place before `add` sees them, and add + close write the index, row
+    hashes and metadata but no token byte again."""
+    rows, first, n = RankRows(8, 3, 5), 17, 400
+    positions = np.array([g for g in range(n) if rows.rank_of(g + first) in (2, 3)], dtype=np.int64)
+    store = np.random.default_rng(1).integers(1, 60000, (len(positions), SEQ + 1)).astype(np.uint16)
+    store[::7, 5] = 0  # EOS tokens: fragments in the index
+
+    want = rank_files(tmp_path / "in-order", rows, first, placed=False)
+    want.add(positions, store, None)
+    want_entries = want.close()
+
+    files = rank_files(tmp_path / "placed", rows, first, placed=True)
+    files.reserve(n)
+    order = np.random.default_rng(2).permutation(len(positions))
+    for part in np.array_split(order, 5):  # a round's rows: any of the slice's, in any order
+        files.place(positions[part], store, part)
+    for r in (2, 3):  # before add: the temporary token file holds rank r's rows in order, at its final size
+        (tmp,) = (tmp_path / "placed").glob(f"rank-{r:05d}.ds{TMP_MARK}*")
+        mine = store[rows.rank_of(positions + first) == r]
+        assert tmp.read_bytes() == mine.tobytes()
+
+    written = []
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: written.append(len(data)) or real_write(fd, data))
+    files.add(positions[:100], store[:100], None)  # in as many parts as suit the caller
+    files.add(positions[100:], store[100:], None)
+    entries = files.close()
+    monkeypatch.undo()
+
+    assert entries == want_entries
+    for name in sorted(os.listdir(tmp_path / "in-order")):
+        assert (tmp_path / "placed" / name).read_bytes() == (tmp_path / "in-order" / name).read_bytes(), name
+    assert not [p for p in os.listdir(tmp_path / "placed") if TMP_MARK in p]
+    # the index and the row hashes, not the tokens (the metadata is written by write_bytes_atomic)
+    sidecars = sum(
+        os.path.getsize(p) for p in (tmp_path / "placed").glob("rank-*.ds.*") if p.suffix in (".index", ".rows")
+    )
+    assert sum(written) == sidecars
+
+
+def test_rows_missing_or_placed_twice_are_refused_at_commit(tmp_path):
+    """A placed file commits only when the bytes placed are exactly the bytes hashed and its
+    size: a row never placed (a hole of zeros) or placed twice would give a wrong file."""
+    row = bytes(range(10))
+    for places in ([0], [0, 1, 1]):
+        f = PlacedFile(tmp_path / "x.ds", size=20)
+        for i in places:
+            f.write_at(memoryview(row), [0], [10 * i], 10)
+        f.write(row * 2)
+        with pytest.raises(TokpackError, match="written in place are not the bytes hashed"):
+            f.commit()
+        f.abort()
+        assert not list(tmp_path.iterdir())
+    f = PlacedFile(tmp_path / "x.ds", size=20)
+    f.write_at(memoryview(row * 2), [10, 0], [0, 10], 10)
+    f.write(row * 2)
+    f.commit()
+    assert (tmp_path / "x.ds").read_bytes() == row * 2
+
+
+def test_file_rows_are_each_samples_row_in_its_ranks_file():
+    for w, m, phase in ((4, 2, 0), (8, 3, 5), (3, 5, 7), (1, 1, 0)):
+        rows = RankRows(w, m, phase)
+        for first in (0, 1, 13, 40):
+            g = np.arange(first, first + 200)
+            want = [rows.rows(int(rows.rank_of(x)), first, int(x)) for x in g]
+            assert rows.file_rows(first, g).tolist() == want
+
+
+HOOK = """
+import runpy, shutil, sys
+from pathlib import Path
+import tokpack.packer.exchange as ex
+
+copies, original = Path(sys.argv.pop(1)), ex.write_slice_epoch
+
+
+def write_slice_epoch(output, d, ne, *more):
+    # this process's rank files' temporary token files as the rounds left them, before its
+    # write phase (another process of the node may be renaming its own meanwhile)
+    for tmp in [t for r in ne.mine for t in Path(d).glob(f"rank-{r:05d}.ds.tmp-*")]:
+        to = copies / Path(d).parent.name / Path(d).name / tmp.name.split(".tmp-")[0]
+        to.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tmp, to)
+    return original(output, d, ne, *more)
+
+
+ex.write_slice_epoch = write_slice_epoch
+sys.argv[0] = "tokpack"
+runpy.run_module("tokpack", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_the_rounds_leave_every_rank_file_written_before_the_write_phase(tmp_path, procs):
+    """4 MPI processes (4 nodes, or 2 nodes of 2 processes), windows in memory, 2 epochs of
+    several rounds: when the write phase starts, each rank file's temporary token file already
+    holds the tokens of the rank file committed after it, byte for byte."""
+    from test_mpi import mpi_env, mpirun
+
+    source = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
+    (tmp_path / "hook.py").write_text(HOOK)
+    copies, dest = tmp_path / "copies", tmp_path / "node{node}"
+    cmd = [mpirun(), "--oversubscribe", "-n", "4", sys.executable, str(tmp_path / "hook.py"), str(copies)]
+    cmd += ["shuffle", str(source), "--seq-len", str(SEQ), "--seed", "2", "--epochs", "2", "--shard-samples", "100"]
+    cmd += ["-o", str(tmp_path / "run"), "--to-nodes", str(dest), "--ranks-per-node", "2"]
+    cmd += ["--micro-batch", "3", "--procs-per-node", str(procs), "--memory", f"{64 * procs}KiB", "--json"]
+
+    done = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    info = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert all(e["rounds"] > 1 and e["buckets"] == 0 for s in info for e in s["epochs_detail"])  # in memory
+    assert all(e["phases"]["write_through"]["bytes"] > 0 for s in info for e in s["epochs_detail"])
+    nodes = 4 // procs
+    finals = sorted(tmp_path.glob("node*/epoch-*/rank-*.ds"))
+    assert len(finals) == 2 * 2 * nodes  # 2 epochs, 2 ranks a node
+    for final in finals:
+        copy = copies / final.parent.parent.name / final.parent.name / final.name
+        assert copy.read_bytes() == final.read_bytes(), final
