@@ -351,14 +351,14 @@ class EpochShardWriter:
 
     def reserve(self, rows: int) -> None:
         """A `placed` shard's token file at its final size: `rows` rows."""
-        self._ds.reserve(rows * self.row_tokens * self.dtype.itemsize)
+        self._ds.reserve(rows, self.row_tokens * self.dtype.itemsize)
 
-    def write_at(self, data: memoryview, starts: list[int], rows: np.ndarray) -> None:
-        """A `placed` shard's rows `rows` written now: each a row's bytes of `data`, from its
-        byte of `starts` (the caller's rows, which it keeps unchanged until they reach
-        write_rows in order)."""
-        row_bytes = self.row_tokens * self.dtype.itemsize
-        self._ds.write_at(data, starts, (rows * row_bytes).tolist(), row_bytes)
+    def write_at(self, data: memoryview, starts: np.ndarray, rows: np.ndarray) -> None:
+        """A `placed` shard's rows `rows` (in any order) now complete: each a row's bytes of
+        `data` (the same buffer each call), from its byte of `starts` (the caller's rows, which
+        it keeps unchanged until they reach write_rows in order); the pages they complete are
+        written now (PlacedFile.place)."""
+        self._ds.place(data, starts, rows)
 
     def write_pad(self, pad: np.ndarray) -> None:
         """The padding tokens (at the sample's end) of the next samples, in order, into `.pad`

@@ -64,9 +64,10 @@ class RankFiles:
 
     def place(self, positions: np.ndarray, store: np.ndarray, which: np.ndarray) -> None:
         """Rows `store[which]`, complete and left unchanged until `add`, at epoch `positions` (any
-        order, each once an epoch), written now at their place in their rank's file (`placed`):
-        the disk takes them while the caller goes on, instead of all at the end. Each row is
-        written from `store` itself (a slice of its bytes: no copy, no array a row)."""
+        order, each once an epoch; `store` the same array each call), written at their place in
+        their rank's file (`placed`) as soon as the pages they share with their neighbours are
+        complete: the disk takes them while the caller goes on, instead of all at the end, each
+        page once. Each row is written from `store` itself (slices of its bytes: no copy)."""
         if not len(positions):
             return
         g = positions + self.first
@@ -75,8 +76,7 @@ class RankFiles:
         flat = memoryview(store.reshape(-1).view(np.uint8))
         for r, writer in self.writers.items():
             sel = np.flatnonzero(rank == r)
-            sel = sel[np.argsort(at[sel])]  # in file order: the page cache's pages, and the disk's blocks, in turn
-            writer.write_at(flat, (which[sel] * rb).tolist(), at[sel])
+            writer.write_at(flat, which[sel] * rb, at[sel])
 
     def close(self) -> list[dict]:
         return [{**wr.close(), "rank": r} for r, wr in self.writers.items()]

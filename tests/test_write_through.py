@@ -17,7 +17,7 @@ import pytest
 
 from conftest import random_docs, write_source
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io.writes import TMP_MARK, PlacedFile
+from tokpack.formats.io.writes import PAGE, TMP_MARK, PlacedFile, RowPages
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput
 from tokpack.formats.slices import RankRows
 from tokpack.packer.rank_files import RankFiles
@@ -25,34 +25,49 @@ from tokpack.packer.rank_files import RankFiles
 SEQ = 63
 
 
-def rank_files(d: Path, rows: RankRows, first: int, placed: bool) -> RankFiles:
-    fmt = EpochShardFormat(np.dtype("<u2"), SEQ, 0, "gpt2", placed=placed)
+def rank_files(d: Path, rows: RankRows, first: int, placed: bool, seq: int = SEQ) -> RankFiles:
+    fmt = EpochShardFormat(np.dtype("<u2"), seq, 0, "gpt2", placed=placed)
     return RankFiles(LocalOutput(), d, rows, first, (2, 3), 0, fmt)
 
 
-def test_rows_placed_in_any_order_give_the_files_written_in_order(tmp_path, monkeypatch):
+@pytest.mark.parametrize("seq", [SEQ, 1000, 4096])  # rows of 128 bytes (32 a page), 2002 and 8194 (across pages)
+def test_rows_placed_in_any_order_give_the_files_written_in_order(tmp_path, monkeypatch, seq):
     """The rows of ranks 2-3 placed in a shuffled order over several calls (as rounds complete
     them) give the files RankFiles writes from the same rows in order: each temporary token file
-    holds every row at its place before `add` sees them, and add + close write the index, row
-    hashes and metadata but no token byte again."""
+    holds every row at its place before `add` sees them, each of its pages written once, whole
+    (but the file's last), and add + close write the index, row hashes and metadata but no token
+    byte again."""
     rows, first, n = RankRows(8, 3, 5), 17, 400
     positions = np.array([g for g in range(n) if rows.rank_of(g + first) in (2, 3)], dtype=np.int64)
-    store = np.random.default_rng(1).integers(1, 60000, (len(positions), SEQ + 1)).astype(np.uint16)
+    store = np.random.default_rng(1).integers(1, 60000, (len(positions), seq + 1)).astype(np.uint16)
     store[::7, 5] = 0  # EOS tokens: fragments in the index
 
-    want = rank_files(tmp_path / "in-order", rows, first, placed=False)
+    want = rank_files(tmp_path / "in-order", rows, first, placed=False, seq=seq)
     want.add(positions, store, None)
     want_entries = want.close()
 
-    files = rank_files(tmp_path / "placed", rows, first, placed=True)
+    files = rank_files(tmp_path / "placed", rows, first, placed=True, seq=seq)
     files.reserve(n)
+    regions, real_write_at = {}, PlacedFile.write_at
+
+    def write_at(self, data, offset, starts, ends):
+        regions.setdefault(self.tmp.name, []).append((offset, sum(ends) - sum(starts)))
+        return real_write_at(self, data, offset, starts, ends)
+
+    monkeypatch.setattr(PlacedFile, "write_at", write_at)
     order = np.random.default_rng(2).permutation(len(positions))
     for part in np.array_split(order, 5):  # a round's rows: any of the slice's, in any order
         files.place(positions[part], store, part)
+    monkeypatch.undo()
     for r in (2, 3):  # before add: the temporary token file holds rank r's rows in order, at its final size
         (tmp,) = (tmp_path / "placed").glob(f"rank-{r:05d}.ds{TMP_MARK}*")
         mine = store[rows.rank_of(positions + first) == r]
         assert tmp.read_bytes() == mine.tobytes()
+        size, at = mine.nbytes, 0
+        for offset, length in sorted(regions[tmp.name]):  # each byte once, each write whole pages
+            assert offset == at and offset % PAGE == 0 and (length % PAGE == 0 or offset + length == size)
+            at += length
+        assert at == size
 
     written = []
     real_write = os.write
@@ -75,22 +90,57 @@ def test_rows_placed_in_any_order_give_the_files_written_in_order(tmp_path, monk
 
 def test_rows_missing_or_placed_twice_are_refused_at_commit(tmp_path):
     """A placed file commits only when the bytes placed are exactly the bytes hashed and its
-    size: a row never placed (a hole of zeros) or placed twice would give a wrong file."""
+    size: a row never placed (a hole of zeros) or its bytes written twice would give a wrong
+    file; a row placed twice is refused at once."""
     row = bytes(range(10))
     for places in ([0], [0, 1, 1]):
-        f = PlacedFile(tmp_path / "x.ds", size=20)
+        f = PlacedFile(tmp_path / "x.ds")
+        f.reserve(2, 10)
         for i in places:
-            f.write_at(memoryview(row), [0], [10 * i], 10)
+            f.write_at(memoryview(row), 10 * i, [0], [10])
         f.write(row * 2)
         with pytest.raises(TokpackError, match="written in place are not the bytes hashed"):
             f.commit()
         f.abort()
         assert not list(tmp_path.iterdir())
-    f = PlacedFile(tmp_path / "x.ds", size=20)
-    f.write_at(memoryview(row * 2), [10, 0], [0, 10], 10)
+    f = PlacedFile(tmp_path / "x.ds")
+    f.reserve(2, 10)
+    f.place(memoryview(row * 2), np.array([10]), np.array([0]))
+    with pytest.raises(TokpackError, match="a row was placed twice"):
+        f.place(memoryview(row * 2), np.array([10, 0]), np.array([0, 1]))
+    f.place(memoryview(row * 2), np.array([0]), np.array([1]))
     f.write(row * 2)
     f.commit()
     assert (tmp_path / "x.ds").read_bytes() == row * 2
+
+
+@pytest.mark.parametrize("row_bytes", [1, 7, 128, 1000, 4095, 4096, 4097, 8194, 3 * 4096 + 5])
+@pytest.mark.parametrize("rows", [1, 2, 5, 37])
+def test_each_page_is_written_once_when_its_rows_are_in(row_bytes, rows):
+    """Rows completed in a random order, a random number at a time: each page's bytes are
+    given once, whole (but the file's last), in the call that completes its last row, and they
+    are those rows' bytes."""
+    rng = np.random.default_rng(row_bytes * 100 + rows)
+    data = rng.integers(0, 256, rows * row_bytes + 11, dtype=np.uint8)
+    where = rng.permutation(rows) * row_bytes + rng.integers(0, 12)  # each row's bytes somewhere in data
+    pages, size, got = RowPages(rows, row_bytes), rows * row_bytes, np.zeros(rows * row_bytes, dtype=np.int64)
+    order, done = rng.permutation(rows), np.zeros(rows, dtype=bool)
+    for part in np.array_split(order, rng.integers(1, rows + 1)):
+        lo, hi, (a, b), cuts = pages.add(part, where[part])
+        done[part] = True
+        for k in range(len(lo)):
+            assert lo[k] % PAGE == 0 and (hi[k] % PAGE == 0 or hi[k] == size)
+            assert (not k or lo[k] > hi[k - 1]) and (b[cuts[k] : cuts[k + 1]] - a[cuts[k] : cuts[k + 1]]).sum() == hi[
+                k
+            ] - lo[k]
+            got[lo[k] : hi[k]] += 1
+            run = np.concatenate([data[x:y] for x, y in zip(a[cuts[k] : cuts[k + 1]], b[cuts[k] : cuts[k + 1]])])
+            rows_at = np.arange(lo[k], hi[k]) // row_bytes
+            assert (run == data[where[rows_at] + np.arange(lo[k], hi[k]) % row_bytes]).all()
+        # every page whose rows are all in is written by now, and no other
+        for p in range(0, size, PAGE):
+            assert bool(got[p]) == bool(done[p // row_bytes : (min(p + PAGE, size) - 1) // row_bytes + 1].all())
+    assert (got == 1).all()
 
 
 def test_file_rows_are_each_samples_row_in_its_ranks_file():

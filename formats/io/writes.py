@@ -1,8 +1,8 @@
 """Durable writes: a file is written under a temporary name (`tmp_path`) and renamed into
 place, so a reader never sees half of it; `DurableFile` writes with O_DIRECT where it can (no
 page cache for data read again only by another command), hashing as it writes; `PlacedFile`
-is written piece by piece in any order, then hashed in order; `Outbox` sends a command's
-committed files to an object store."""
+is written row by row in any order, each page once when its rows are in, then hashed in
+order; `Outbox` sends a command's committed files to an object store."""
 
 from __future__ import annotations
 
@@ -260,45 +260,124 @@ class HashedFile:
         pass
 
 
-class PlacedFile:
-    """A file written in place, its pieces in any order, each at its offset, as the caller
-    completes them (`write_at`: `shuffle --to-nodes` writes each row of a rank file as its round
-    places it): buffered writes, whose dirty pages the kernel writes back while the caller goes
-    on once they pass its background threshold (vm.dirty_background_*; what is below it, commit's
-    fsync writes), so the disk's work overlaps the caller's; O_DIRECT would want aligned pieces,
-    and rows are not. Those pages are the kernel's page cache, not a copy held here, and the
-    kernel holds a writer back past vm.dirty_ratio: memory stays bounded. A piece that shares a
-    page with one placed later may have that page written twice. Then the file's bytes in order
-    are hashed from the caller's copy (`write`: nothing read back or written again), and
-    `commit` fsyncs and renames it, as DurableFile's. The bytes placed must be exactly those
-    hashed, or commit refuses."""
+PAGE = 4096  # the page cache's unit (4 KiB pages): what the kernel writes back at once, a whole page
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16  # pieces a pwritev takes at most
 
-    def __init__(self, final: str | Path, size: int = 0):
+
+class RowPages:
+    """The pages of a file of `rows` rows of `row_bytes` bytes whose rows arrive in any order:
+    which are complete (every byte's row in), so that each page is written once, whole, when
+    its last row arrives, and the kernel writes it back once. A row's bytes stay where the
+    caller said (its start in the caller's data) until its pages are written: its completion
+    (one bool a row) and that start are all that is kept."""
+
+    def __init__(self, rows: int, row_bytes: int):
+        self.row_bytes, self.size = row_bytes, rows * row_bytes
+        self.done = np.zeros(rows, dtype=bool)
+        self.start = np.zeros(rows, dtype=np.int64)
+
+    def add(self, rows: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Rows `rows` (each at most once a file) now complete, row rows[k]'s bytes at byte
+        starts[k] of the caller's data: (lo, hi, pieces, cuts): the runs [lo, hi) of the file
+        whose pages are complete now and were not before, in order, each page-aligned but at the
+        file's end; run k's bytes are the caller's bytes [pieces[0][j], pieces[1][j]) for j in
+        cuts[k]:cuts[k + 1], in order (a piece of a row each)."""
+        rows, starts = np.asarray(rows, dtype=np.int64), np.asarray(starts, dtype=np.int64)
+        order = np.argsort(rows, kind="stable")
+        rows, starts = rows[order], starts[order]
+        twice = self.done[rows]
+        twice[1:] |= rows[1:] == rows[:-1]
+        if twice.any():
+            raise TokpackError(
+                "internal error: a row was placed twice in its file",
+                where=f"row {int(rows[twice][0])}",
+                hint="report this with the command line",
+            )
+        self.done[rows], self.start[rows] = True, starts
+        L = self.row_bytes
+        first, last = rows * L // PAGE, ((rows + 1) * L - 1) // PAGE  # each row's first and last page
+        # a row's pages between its first and last are its own; those two may share its neighbours'
+        lo = np.where(self.complete(first), first, first + 1) * PAGE
+        hi = np.minimum(np.where(self.complete(last), last + 1, last) * PAGE, self.size)
+        keep = lo < hi
+        lo, hi = lo[keep], hi[keep]
+        # rows in file order: lo and hi never decrease; a run overlapping or touching the one
+        # before (a page two rows complete at once) joins it
+        new = np.ones(len(lo), dtype=bool)
+        new[1:] = lo[1:] > hi[:-1]
+        lo, hi = lo[new], hi[np.append(new[1:], True)[: len(new)]]  # each run's first lo, last hi
+        return (lo, hi, *self.pieces(lo, hi))
+
+    def complete(self, pages: np.ndarray) -> np.ndarray:
+        """Whether every row with a byte in each of `pages` is in."""
+        L = self.row_bytes
+        r0, r1 = pages * PAGE // L, (np.minimum((pages + 1) * PAGE, self.size) - 1) // L
+        ok = np.ones(len(pages), dtype=bool)
+        for j in range(int((r1 - r0).max(initial=0)) + 1):  # a page's rows: 2 at most once rows are a page long
+            ok &= self.done[np.minimum(r0 + j, r1)]
+        return ok
+
+    def pieces(self, lo: np.ndarray, hi: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:
+        """Runs [lo, hi) of complete rows' bytes as pieces of the caller's data, a row each."""
+        L = self.row_bytes
+        r0, r1 = lo // L, (hi - 1) // L
+        n = r1 - r0 + 1
+        cuts = np.zeros(len(n) + 1, dtype=np.int64)
+        np.cumsum(n, out=cuts[1:])
+        run = np.repeat(np.arange(len(n)), n)
+        row = r0[run] + np.arange(cuts[-1]) - cuts[run]
+        a, b = np.maximum(lo[run], row * L), np.minimum(hi[run], (row + 1) * L)
+        s = self.start[row] - row * L
+        return (a + s, b + s), cuts
+
+
+class PlacedFile:
+    """A file of equal rows written in place, in any order, as the caller completes them
+    (`place`: `shuffle --to-nodes` writes each row of a rank file as its round places it):
+    buffered writes of whole pages, each once, when all the rows it holds are in (RowPages), so
+    that the kernel writes each page back once, past its background threshold
+    (vm.dirty_background_*; what is below it, commit's fsync writes), while the caller goes on.
+    O_DIRECT would want aligned rows, and the pages are written from the caller's rows, not a
+    copy. Those pages are the kernel's page cache, and the kernel holds a writer back past
+    vm.dirty_ratio: memory stays bounded. Then the file's bytes in order are hashed from the
+    caller's copy (`write`: nothing read back or written again), and `commit` fsyncs and
+    renames it, as DurableFile's. The bytes placed must be exactly those hashed, or commit
+    refuses."""
+
+    def __init__(self, final: str | Path):
         self.final, self.tmp = Path(final), tmp_path(final)
         self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.hash, self.bytes, self.placed, self.size = xxhash.xxh3_128(), 0, 0, 0
-        try:
-            self.reserve(size)
-        except BaseException:
-            self.abort()
-            raise
+        self.pages = RowPages(0, 1)
 
-    def reserve(self, size: int) -> None:
-        """The file at its final size now (a sparse file: no block written twice), so that a
-        piece's place never depends on which came first."""
-        os.ftruncate(self.fd, size)
-        self.size = size
+    def reserve(self, rows: int, row_bytes: int) -> None:
+        """The file at its final size, `rows` rows of `row_bytes` bytes (a sparse file: no block
+        written twice), so that a row's place never depends on which came first."""
+        os.ftruncate(self.fd, rows * row_bytes)
+        self.size, self.pages = rows * row_bytes, RowPages(rows, row_bytes)
 
-    def write_at(self, data: memoryview, starts: list[int], offsets: list[int], length: int) -> None:
-        """Bytes [s, s + length) of `data` (bytes) at byte o of the file, for each s of `starts`
-        and o of `offsets`: a pwrite each (pieces that arrive in random order are seldom
-        adjacent, and a vector of them would cost more to build than it saves)."""
-        for s, o in zip(starts, offsets):
-            piece = data[s : s + length]
-            n = os.pwrite(self.fd, piece, o)
-            while n < length:  # a short write (a signal, a full disk): the rest, whose error is raised
-                n += os.pwrite(self.fd, piece[n:], o + n)
-        self.placed += length * len(offsets)
+    def place(self, data: memoryview, starts: np.ndarray, rows: np.ndarray) -> None:
+        """Rows `rows` of the file, now complete in `data` (bytes: the same buffer each call),
+        row rows[k] at byte starts[k], left unchanged there until `write` hashes them: the pages
+        they complete written now, a run of pages a write."""
+        lo, hi, (a, b), cuts = self.pages.add(rows, starts)
+        a, b, cuts = a.tolist(), b.tolist(), cuts.tolist()
+        for k, o in enumerate(lo.tolist()):
+            self.write_at(data, o, a[cuts[k] : cuts[k + 1]], b[cuts[k] : cuts[k + 1]])
+
+    def write_at(self, data: memoryview, offset: int, starts: list[int], ends: list[int]) -> None:
+        """Bytes [s, e) of `data` (bytes) for each s of `starts` and e of `ends`, one after the
+        other, at byte `offset` of the file: one pwritev (of IOV_MAX pieces at most), no copy."""
+        for c in range(0, len(starts), IOV_MAX):
+            pieces = [data[s:e] for s, e in zip(starts[c : c + IOV_MAX], ends[c : c + IOV_MAX])]
+            length = sum(p.nbytes for p in pieces)
+            n = os.pwritev(self.fd, pieces, offset)
+            if n < length:  # a short write (a signal, a full disk): the rest, whose error is raised
+                rest = memoryview(b"".join(pieces))
+                while n < length:
+                    n += os.pwrite(self.fd, rest[n:], offset + n)
+            offset += length
+            self.placed += length
 
     def write(self, data) -> None:
         """The next bytes of the file, in order, already placed: hashed, not written."""
