@@ -62,6 +62,7 @@ Not yet (docs/COMMANDS.md, "Straight to the nodes"): a batch phase (`--start-sam
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
 import time
@@ -96,7 +97,7 @@ from tokpack.packer.node_epoch import NodeEpoch, round_tokens
 from tokpack.packer.node_procs import Node, node_of_process
 from tokpack.packer.node_reads import source_pieces
 from tokpack.packer.node_report import counted, epoch_detail, reading_bar, run_summary
-from tokpack.packer.node_store import open_slice_files, open_stores, receive, write_slice_epoch
+from tokpack.packer.node_store import open_slice_files, open_stores, receive, write_slice_epoch, write_through_pays
 from tokpack.packer.owned_shards import hash_owned_shards
 from tokpack.packer.phases import Phases, TimedRows, collecting, count, phase, process_cpu, timed
 from tokpack.packer.rank_files import ready_epoch_dir
@@ -325,8 +326,10 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         if P > 1:  # the node's epoch folder readied once, before its processes open their rank files there
             node.together(lambda: ready_epoch_dir(output, d) if node.leader else None)
         phases, cpu0 = Phases(), process_cpu()  # this epoch's CPU by phase (tokpack.packer.phases)
-        # in memory, windows: the rank files written during the rounds (node_store.open_slice_files)
-        files = node.together(lambda: open_slice_files(output, d, ne, fmt, layout))
+        # in memory, windows, where the host has the cores: the rank files written during the
+        # rounds (node_store.open_slice_files, write_through_pays)
+        through = write_through_pays(os.cpu_count(), node.on_host)
+        files = node.together(lambda: open_slice_files(output, d, ne, fmt, layout, through))
         with collecting(phases):
             stores, keep_pad, owned_pad, rounds = node.together(
                 lambda: exchange_epoch(comm, MPI, ne, per_round, layout, shown, files)

@@ -106,6 +106,9 @@ HOOK = """
 import runpy, shutil, sys
 from pathlib import Path
 import tokpack.packer.exchange as ex
+import tokpack.packer.node_store as ns
+
+ns.WRITE_THROUGH = True  # whatever this machine's cores (write_through_pays)
 
 copies, original = Path(sys.argv.pop(1)), ex.write_slice_epoch
 
@@ -152,3 +155,17 @@ def test_the_rounds_leave_every_rank_file_written_before_the_write_phase(tmp_pat
     for final in finals:
         copy = copies / final.parent.parent.name / final.parent.name / final.name
         assert copy.read_bytes() == final.read_bytes(), final
+
+
+def test_the_write_through_is_taken_where_the_host_has_cores_to_spare(monkeypatch):
+    """On by itself only with CORES_A_PROCESS cores a process of the host (this 2-core machine's
+    4 processes: off, where it made the epoch slower); WRITE_THROUGH forces it either way."""
+    import tokpack.packer.node_store as ns
+
+    monkeypatch.setattr(ns, "WRITE_THROUGH", None)
+    assert not ns.write_through_pays(2, 4) and not ns.write_through_pays(None, 1)
+    assert not ns.write_through_pays(23, 8) and ns.write_through_pays(24, 8) and ns.write_through_pays(96, 8)
+    monkeypatch.setattr(ns, "WRITE_THROUGH", True)
+    assert ns.write_through_pays(2, 4)
+    monkeypatch.setattr(ns, "WRITE_THROUGH", False)
+    assert not ns.write_through_pays(96, 1)
