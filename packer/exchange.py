@@ -65,7 +65,9 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -159,6 +161,25 @@ def _exchange(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None, s
             hint="report this with the command line",
         )
     return stores, pad[:P], pad[P:], rounds
+
+
+def _write_and_hash(write, hash_owned, at_once: bool) -> tuple:
+    """(the slice's rank files' entries, the owned shards'): in memory at once, the hashing on a
+    thread of its own (both only read the stores; xxh3 and the writes release the GIL), so the
+    epoch's end takes the longer, not the sum; out of core one after the other (one bucket
+    reader, node_buckets.BucketRead, serves both in store order). A failure of the write stops
+    the hashing at its next shard before it is raised."""
+    if not at_once:
+        return write(), hash_owned()
+    stop = threading.Event()
+    with ThreadPoolExecutor(1, thread_name_prefix="hash_owned") as pool:
+        hashed = pool.submit(hash_owned, stop)
+        try:
+            entries = write()
+        except BaseException:
+            stop.set()
+            raise
+        return entries, hashed.result()
 
 
 def _same_padding(sums, padding: int, epoch: int) -> None:
@@ -339,13 +360,23 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
             sums = comm.allreduce(np.array([keep_pad.sum(), owned_pad.sum()], dtype=np.int64)).tolist()
             node.together(lambda: _same_padding(sums, prepared["padding"], epoch))
         log(f"shuffle --to-nodes: epoch {epoch}: {plan.samples} samples exchanged among {among} in {rounds} rounds")
-        log(f"shuffle --to-nodes: epoch {epoch}: writing the slice's rank files, then hashing the owned shards")
-        with collecting(phases), phase("write", len(ne.positions) * job.row_bytes):
-            entries = node.together(lambda: write_slice_epoch(output, d, ne, stores, keep_pad, fmt, files))
-        with collecting(phases), phase("hash_owned", ne.owned_rows * job.row_bytes):
-            owned_entries = node.together(
-                lambda: hash_owned_shards(ne, stores, owned_pad, Path(job.work_dir) / "owned", Path(job.epoch_dir), fmt)
-            )
+        at_once = layout is None
+        log(
+            f"shuffle --to-nodes: epoch {epoch}: writing the slice's rank files, "
+            + ("hashing the owned shards meanwhile" if at_once else "then hashing the owned shards")
+        )
+
+        def write():
+            with phase("write", len(ne.positions) * job.row_bytes):
+                return write_slice_epoch(output, d, ne, stores, keep_pad, fmt, files)
+
+        def hash_owned(stop=None):
+            with phase("hash_owned", ne.owned_rows * job.row_bytes):
+                owned = Path(job.work_dir) / "owned"
+                return hash_owned_shards(ne, stores, owned_pad, owned, Path(job.epoch_dir), fmt, stop=stop)
+
+        with collecting(phases):
+            entries, owned_entries = node.together(lambda: _write_and_hash(write, hash_owned, at_once))
         shutil.rmtree(scratch, ignore_errors=True)
         stores = None  # freed before the next epoch's stores
         gathered = comm.gather(owned_entries, root=0)

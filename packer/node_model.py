@@ -19,10 +19,11 @@ runs them (`epoch`):
               completes also written to its rank file (its CPU on the main thread, its bytes the
               disk's during the rounds, what is left of them waited for by the write phase's fsync).
   write       then the slice's rank files: written, or (written through) hashed and indexed
-              only (out of core: its buckets read back on a thread of
-              their own, a bucket ahead of the main thread's write, tokpack.packer.node_buckets:
-              the longer of the two chains; the writes behind by writeback).
-  hash_owned  then the owned epoch shards hashed (out of core: their buckets read back, as in write).
+              only; in memory the owned epoch shards hashed meanwhile on a thread of their own
+              (exchange._write_and_hash): the longer of the two. Out of core, its buckets read
+              back on a thread a bucket ahead of the main thread's write (node_buckets: the
+              longer of the two chains; the writes behind by writeback), and then
+  hash_owned  the owned epoch shards hashed (their buckets read back, as in write).
 
 Each phase takes the largest of its chains and of each resource's total (shared filesystem,
 network, local disk (its reads and writes apart where it does both at once: Rates.disk_duplex),
@@ -188,7 +189,6 @@ def epoch(work: NodeWork, rates: Rates, costs: dict | None = None) -> Prediction
     P = max(1, rates.procs)
     threads = 2 * P if work.read_ahead else P
     cores_rounds = threads if rates.cores is None else min(rates.cores, threads)
-    cores_main = P if rates.cores is None else min(rates.cores, P)
     share = rates.shared_mbps / max(1, rates.readers)
     src_io = (
         {SHARED: _mbps(work.source_bytes, share)} if work.from_shared else _only(rates.disk(read=work.source_bytes))
@@ -225,27 +225,23 @@ def epoch(work: NodeWork, rates: Rates, costs: dict | None = None) -> Prediction
     # (kept_sources: read from the shared filesystem, written behind by the kernel)
     keep = _phase("keep", {}, {SHARED: keep_io, **rates.disk(written=work.kept_copied)})
     phases = [keep, rounds] if work.kept_copied else [rounds]
+    slice_written = work.small_bytes + (0 if through else work.slice_bytes)
+    if not work.out_of_core:
+        # In memory the owned shards are hashed on a thread of their own while the main thread
+        # writes the slice (exchange._write_and_hash): one phase, the longer of the two.
+        cpu = {"write": c["write"] * work.slice_bytes, "hash_owned": c["hash_owned"] * work.owned_bytes}
+        two = 2 * P if rates.cores is None else min(rates.cores, 2 * P)
+        chains = {name: {CPU: v / P} for name, v in cpu.items()}
+        phases.append(_phase("write", chains, {**rates.disk(written=slice_written), CPU: sum(cpu.values()) / two}))
+        return _total(phases, rates.start_s)
     # Out of core the buckets are read back: the slice's in the write phase, the owned shards' in
     # hash_owned (both directions of the local disk: written in the rounds, read here), on a
     # thread a bucket ahead of the main thread's writing or hashing.
-    for name, nbytes, written in (
-        ("write", work.slice_bytes, work.small_bytes),
-        ("hash_owned", work.owned_bytes, 0),
-    ):
-        written += work.slice_bytes if name == "write" and not through else 0
-        back = nbytes if work.out_of_core else 0
-        read_cpu = c["bucket_read"] * back
-        chains = {"main": {CPU: c[name] * nbytes / P}}
-        if back:
-            chains["read"] = {**_only(rates.disk(read=back)), CPU: read_cpu / P}
-        cores = cores_main if not back else (2 * P if rates.cores is None else min(rates.cores, 2 * P))
-        phases.append(
-            _phase(
-                name,
-                chains,
-                {**rates.disk(back, written), CPU: (c[name] * nbytes + read_cpu) / cores},
-            )
-        )
+    for name, nbytes, written in (("write", work.slice_bytes, slice_written), ("hash_owned", work.owned_bytes, 0)):
+        read_cpu = c["bucket_read"] * nbytes
+        chains = {"main": {CPU: c[name] * nbytes / P}, "read": {**_only(rates.disk(read=nbytes)), CPU: read_cpu / P}}
+        cores = 2 * P if rates.cores is None else min(rates.cores, 2 * P)
+        phases.append(_phase(name, chains, {**rates.disk(nbytes, written), CPU: (c[name] * nbytes + read_cpu) / cores}))
     return _total(phases, rates.start_s)
 
 

@@ -138,6 +138,22 @@ def test_written_through_the_slice_reaches_the_disk_during_the_rounds():
     assert seconds_of(epoch(work, duplex, FREE), "write") == pytest.approx(3.0)
 
 
+def test_in_memory_the_owned_shards_are_hashed_while_the_slice_is_written():
+    # 3 GB of slice written at 1 ns/B, 2 GB of owned shards hashed at 1 ns/B: at once, 3 s (the
+    # longer), where out of core they follow each other; one core: both on it, 5 s
+    costs = {**FREE, "write": 1e-9, "hash_owned": 1e-9}
+    work = NodeWork(source_bytes=0, slice_bytes=3 * GB, owned_bytes=2 * GB, write_through=True)
+    fast = rates(disk_mbps=1e9)
+    at_once = epoch(work, fast, costs)
+    assert [p.name for p in at_once.phases] == ["rounds", "write"]
+    assert seconds_of(at_once, "write") == pytest.approx(3.0, rel=1e-3) and at_once.binding == CPU
+    one = epoch(work, Rates(1e9, 1e9, 1e9, cores=1, start_s=0.0), costs)
+    assert seconds_of(one, "write") == pytest.approx(5.0, rel=1e-3)
+    work.out_of_core = True
+    ooc = epoch(work, fast, costs)
+    assert seconds_of(ooc, "write") + seconds_of(ooc, "hash_owned") == pytest.approx(5.0, rel=1e-3)
+
+
 def test_a_replacement_node_reads_its_ranges_at_a_latency_and_queue_depth():
     r = rates(shared_mbps=1e9, nic_mbps=1e9, disk_mbps=1e9)
     one = replacement(GB, 1_000_000, r, FREE, latency_s=100e-6, queue_depth=1)
