@@ -718,6 +718,7 @@ def run_work(s: Step, from_shared: bool, out_of_core: bool):
         slice_bytes=total("write"),
         owned_bytes=total("hash_owned"),
         out_of_core=out_of_core,
+        write_through=total("write_through") > 0,  # as the engine chose (node_store.write_through_pays)
     )
 
 
@@ -769,16 +770,17 @@ def projection(costs: dict, nic_mbps: float, shared_mbps: float, disk_mbps: floa
 
     D = MODEL_TOKENS * MODEL_TOKEN_BYTES
     row_bytes = (SEQ_LEN + 1) * MODEL_TOKEN_BYTES
-    rates = Rates(shared_mbps, nic_mbps, disk_mbps, readers=MODEL_NODES, procs=MODEL_PROCS)
+    # a node's NVMe reads and writes at once (each at --disk-mbps), its cores enough for every thread
+    rates = Rates(shared_mbps, nic_mbps, disk_mbps, readers=MODEL_NODES, procs=MODEL_PROCS, disk_duplex=True)
     rows_a_node = MODEL_TOKENS // (SEQ_LEN + 1) // MODEL_NODES
-    work = uniform_work(D, MODEL_NODES, row_bytes)
+    work = uniform_work(D, MODEL_NODES, row_bytes, write_through=True)  # 96 cores for 8 processes
     _, today, today_alone = ready_rows(TODAY_SHUFFLE_MIN * 60, TODAY_NODE_MBPS, shared_mbps, TODAY_SLICE_VS_CP)
     ranges = ranges_at_density(rows_a_node, MODEL_NODES)
     cases = [
         ("first epoch", epoch(work, rates, costs), today["ready min"], FIRST_GOAL_MIN, work.memory_needed),
         (
             "later epoch from kept sources",
-            epoch(uniform_work(D, MODEL_NODES, row_bytes, from_shared=False), rates, costs),
+            epoch(uniform_work(D, MODEL_NODES, row_bytes, from_shared=False, write_through=True), rates, costs),
             today["ready min"],
             LATER_GOAL_MIN,
             work.memory_needed,

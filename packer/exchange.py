@@ -62,9 +62,12 @@ Not yet (docs/COMMANDS.md, "Straight to the nodes"): a batch phase (`--start-sam
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -96,7 +99,7 @@ from tokpack.packer.node_epoch import NodeEpoch, round_tokens
 from tokpack.packer.node_procs import Node, node_of_process
 from tokpack.packer.node_reads import source_pieces
 from tokpack.packer.node_report import counted, epoch_detail, reading_bar, run_summary
-from tokpack.packer.node_store import open_slice_files, open_stores, receive, write_slice_epoch
+from tokpack.packer.node_store import open_slice_files, open_stores, receive, write_slice_epoch, write_through_pays
 from tokpack.packer.owned_shards import hash_owned_shards
 from tokpack.packer.phases import Phases, TimedRows, collecting, count, phase, process_cpu, timed
 from tokpack.packer.rank_files import ready_epoch_dir
@@ -158,6 +161,25 @@ def _exchange(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None, s
             hint="report this with the command line",
         )
     return stores, pad[:P], pad[P:], rounds
+
+
+def _write_and_hash(write, hash_owned, at_once: bool) -> tuple:
+    """(the slice's rank files' entries, the owned shards'): in memory at once, the hashing on a
+    thread of its own (both only read the stores; xxh3 and the writes release the GIL), so the
+    epoch's end takes the longer, not the sum; out of core one after the other (one bucket
+    reader, node_buckets.BucketRead, serves both in store order). A failure of the write stops
+    the hashing at its next shard before it is raised."""
+    if not at_once:
+        return write(), hash_owned()
+    stop = threading.Event()
+    with ThreadPoolExecutor(1, thread_name_prefix="hash_owned") as pool:
+        hashed = pool.submit(hash_owned, stop)
+        try:
+            entries = write()
+        except BaseException:
+            stop.set()
+            raise
+        return entries, hashed.result()
 
 
 def _same_padding(sums, padding: int, epoch: int) -> None:
@@ -325,8 +347,10 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         if P > 1:  # the node's epoch folder readied once, before its processes open their rank files there
             node.together(lambda: ready_epoch_dir(output, d) if node.leader else None)
         phases, cpu0 = Phases(), process_cpu()  # this epoch's CPU by phase (tokpack.packer.phases)
-        # in memory, windows: the rank files written during the rounds (node_store.open_slice_files)
-        files = node.together(lambda: open_slice_files(output, d, ne, fmt, layout))
+        # in memory, windows, where the host has the cores: the rank files written during the
+        # rounds (node_store.open_slice_files, write_through_pays)
+        through = write_through_pays(os.cpu_count(), node.on_host)
+        files = node.together(lambda: open_slice_files(output, d, ne, fmt, layout, through))
         with collecting(phases):
             stores, keep_pad, owned_pad, rounds = node.together(
                 lambda: exchange_epoch(comm, MPI, ne, per_round, layout, shown, files)
@@ -336,13 +360,23 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
             sums = comm.allreduce(np.array([keep_pad.sum(), owned_pad.sum()], dtype=np.int64)).tolist()
             node.together(lambda: _same_padding(sums, prepared["padding"], epoch))
         log(f"shuffle --to-nodes: epoch {epoch}: {plan.samples} samples exchanged among {among} in {rounds} rounds")
-        log(f"shuffle --to-nodes: epoch {epoch}: writing the slice's rank files, then hashing the owned shards")
-        with collecting(phases), phase("write", len(ne.positions) * job.row_bytes):
-            entries = node.together(lambda: write_slice_epoch(output, d, ne, stores, keep_pad, fmt, files))
-        with collecting(phases), phase("hash_owned", ne.owned_rows * job.row_bytes):
-            owned_entries = node.together(
-                lambda: hash_owned_shards(ne, stores, owned_pad, Path(job.work_dir) / "owned", Path(job.epoch_dir), fmt)
-            )
+        at_once = layout is None
+        log(
+            f"shuffle --to-nodes: epoch {epoch}: writing the slice's rank files, "
+            + ("hashing the owned shards meanwhile" if at_once else "then hashing the owned shards")
+        )
+
+        def write():
+            with phase("write", len(ne.positions) * job.row_bytes):
+                return write_slice_epoch(output, d, ne, stores, keep_pad, fmt, files)
+
+        def hash_owned(stop=None):
+            with phase("hash_owned", ne.owned_rows * job.row_bytes):
+                owned = Path(job.work_dir) / "owned"
+                return hash_owned_shards(ne, stores, owned_pad, owned, Path(job.epoch_dir), fmt, stop=stop)
+
+        with collecting(phases):
+            entries, owned_entries = node.together(lambda: _write_and_hash(write, hash_owned, at_once))
         shutil.rmtree(scratch, ignore_errors=True)
         stores = None  # freed before the next epoch's stores
         gathered = comm.gather(owned_entries, root=0)

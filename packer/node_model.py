@@ -14,14 +14,20 @@ runs them (`epoch`):
               reading thread: the read's I/O, then its hash; the main thread: its CPU, then its
               Alltoallv on the network, rounds being synchronous); a best-fit epoch reads in
               the main thread: one chain. Out of core the pieces received are appended to
-              bucket files (written back by the kernel meanwhile: the local disk's bytes).
-  write       then the slice's rank files (out of core: its buckets read back on a thread of
-              their own, a bucket ahead of the main thread's write, tokpack.packer.node_buckets:
-              the longer of the two chains; the writes behind by writeback).
-  hash_owned  then the owned epoch shards hashed (out of core: their buckets read back, as in write).
+              bucket files (written back by the kernel meanwhile: the local disk's bytes). In
+              memory, windows, written through (NodeWork.write_through): each row a round
+              completes also written to its rank file (its CPU on the main thread, its bytes the
+              disk's during the rounds, what is left of them waited for by the write phase's fsync).
+  write       then the slice's rank files: written, or (written through) hashed and indexed
+              only; in memory the owned epoch shards hashed meanwhile on a thread of their own
+              (exchange._write_and_hash): the longer of the two. Out of core, its buckets read
+              back on a thread a bucket ahead of the main thread's write (node_buckets: the
+              longer of the two chains; the writes behind by writeback), and then
+  hash_owned  the owned epoch shards hashed (their buckets read back, as in write).
 
 Each phase takes the largest of its chains and of each resource's total (shared filesystem,
-network, local disk, CPU over the cores its threads can use); the phases add; the resource that
+network, local disk (its reads and writes apart where it does both at once: Rates.disk_duplex),
+CPU over the cores its threads can use); the phases add; the resource that
 binds is the one whose terms hold most of the total. A replacement node (`replacement`) reads
 its rows' merged ranges one after the other (READ_QUEUE_DEPTH at once, tokpack.packer.replacement)
 at a stated latency, checks and writes them: one chain, its disk writes behind.
@@ -40,6 +46,8 @@ SHARED, NETWORK, DISK, CPU, REPLACEMENT_READS = (
     "CPU",
     "replacement reads",
 )
+# A local disk that reads and writes at once (Rates.disk_duplex), each direction its own resource
+DISK_READS, DISK_WRITES = "local disk reads", "local disk writes"
 START = "start-up"  # the launcher, the imports, MPI's wire-up: before any byte moves
 READ_LATENCY_S = 100e-6  # one small read of the shared filesystem (issue 41: 100 us)
 START_SECONDS = 0.5  # a process's start (tokpack.packer.plan_result.COMMAND_START_SECONDS)
@@ -58,10 +66,16 @@ MEASURED = {
     "bucket_read": 0.665e-9,
     "write": 0.757e-9,
     "hash_owned": 0.573e-9,
+    # in memory, windows, where the host has the cores (node_store.write_through_pays): the rows'
+    # pwrite into the page cache during the rounds, a byte of the slice. The write phase after
+    # costs what it did (its hash and index: the O_DIRECT write it no longer does was DMA).
+    "write_through": 0.97e-9,
 }
 MEASURED_BY = (
     'bench/nodes.py --size 128MiB at a22a544, 2026-12-06 05:31 UTC, quiet machine (BENCHMARKS.md, "Straight '
-    "to the nodes\"): the 4-process first, later and out-of-core runs' --json phases summed (2-core Xeon VM)"
+    "to the nodes\"): the 4-process first, later and out-of-core runs' --json phases summed (2-core Xeon VM); "
+    "write_through: 4-process in-memory runs of 3 GiB with the write-through forced on, 07:24 UTC (its write "
+    "phase after: 0.436 ns a byte, without it 0.437)"
 )
 
 
@@ -69,8 +83,9 @@ MEASURED_BY = (
 class Rates:
     """What a node has: MB/s of the shared filesystem in all (`shared_mbps`, shared by `readers`
     nodes reading at once), of its network (`nic_mbps`; None: one machine, where MPI's copies are
-    CPU, counted in route) and of its local disk; `procs` processes a node, `cores` (None: enough
-    for every thread, two a process)."""
+    CPU, counted in route) and of its local disk (`disk_duplex`: reads and writes at once, each at
+    `disk_mbps`, as an NVMe drive does; else one resource for both); `procs` processes a node,
+    `cores` (None: enough for every thread, two a process)."""
 
     shared_mbps: float
     nic_mbps: float | None
@@ -79,6 +94,13 @@ class Rates:
     procs: int = 1
     cores: int | None = None
     start_s: float = START_SECONDS
+    disk_duplex: bool = False
+
+    def disk(self, read: float = 0, written: float = 0) -> dict:
+        """The local disk's seconds for `read` and `written` bytes: one term, or one a direction."""
+        if not self.disk_duplex:
+            return {DISK: _mbps(read + written, self.disk_mbps)}
+        return {DISK_READS: _mbps(read, self.disk_mbps), DISK_WRITES: _mbps(written, self.disk_mbps)}
 
 
 @dataclass
@@ -97,6 +119,9 @@ class NodeWork:
     owned_bytes: int = 0  # token bytes of the owned shards, hashed only
     out_of_core: bool = False  # the stores are bucket files: written in the rounds, read back after
     read_ahead: bool = True  # windows: read on a thread of their own; best-fit: in the main thread
+    # in memory, windows: the slice's rows written to their rank files during the rounds
+    # (node_store.open_slice_files), so that the write phase only hashes and indexes them
+    write_through: bool = False
     memory_needed: int = 0  # --memory a process needs in memory (NodeEpoch.keep_bytes), for the report
 
 
@@ -131,6 +156,11 @@ class Prediction:
         }
 
 
+def _only(terms: dict) -> dict:
+    """A chain's disk step: the one direction it uses (Rates.disk gives both when duplex)."""
+    return {k: v for k, v in terms.items() if v} or dict(list(terms.items())[:1])
+
+
 def _rounded(d: dict) -> dict:
     return {k: round(v, 3) for k, v in d.items()}
 
@@ -159,59 +189,59 @@ def epoch(work: NodeWork, rates: Rates, costs: dict | None = None) -> Prediction
     P = max(1, rates.procs)
     threads = 2 * P if work.read_ahead else P
     cores_rounds = threads if rates.cores is None else min(rates.cores, threads)
-    cores_main = P if rates.cores is None else min(rates.cores, P)
     share = rates.shared_mbps / max(1, rates.readers)
     src_io = (
-        {SHARED: _mbps(work.source_bytes, share)}
-        if work.from_shared
-        else {DISK: _mbps(work.source_bytes, rates.disk_mbps)}
+        {SHARED: _mbps(work.source_bytes, share)} if work.from_shared else _only(rates.disk(read=work.source_bytes))
     )
     keep_io = _mbps(work.kept_copied, share)
     store = "bucket_write" if work.out_of_core else "place"
     read_cpu = c["read"] * work.source_bytes
     main_cpu = c["cut"] * work.source_bytes + c["route"] * work.routed + c[store] * work.placed
+    through = work.write_through and not work.out_of_core
+    main_cpu += c["write_through"] * work.slice_bytes if through else 0
     net = max(_mbps(work.sent, rates.nic_mbps), _mbps(work.received, rates.nic_mbps))
     reader = {**src_io, CPU: read_cpu / P}
     main = {CPU: main_cpu / P, NETWORK: net}
     if not work.read_ahead:  # one chain: the main thread reads too
         main = {**src_io, CPU: (read_cpu + main_cpu) / P, NETWORK: net}
     chains = {"read": reader, "main": main} if work.read_ahead else {"main": main}
-    disk_rounds = 0 if work.from_shared else work.source_bytes
-    disk_rounds += work.slice_bytes + work.owned_bytes if work.out_of_core else 0  # every store row to a bucket
+    read_rounds = 0 if work.from_shared else work.source_bytes
+    # out of core every store row to a bucket; written through, the slice's rows to their rank
+    # files (what the disk has not taken when the rounds end, the write phase's fsync waits for:
+    # counted here, the rounds' time the longer)
+    written_rounds = work.slice_bytes + work.owned_bytes if work.out_of_core else 0
+    written_rounds += work.slice_bytes if through else 0
     rounds = _phase(
         "rounds",
         chains,
         {
             SHARED: src_io.get(SHARED, 0.0),
             NETWORK: net,
-            DISK: _mbps(disk_rounds, rates.disk_mbps),
+            **rates.disk(read_rounds, written_rounds),
             CPU: (read_cpu + main_cpu) / cores_rounds,
         },
     )
     # --keep-sources' first epoch copies the process's shards to its disk before the rounds
     # (kept_sources: read from the shared filesystem, written behind by the kernel)
-    keep = _phase("keep", {}, {SHARED: keep_io, DISK: _mbps(work.kept_copied, rates.disk_mbps)})
+    keep = _phase("keep", {}, {SHARED: keep_io, **rates.disk(written=work.kept_copied)})
     phases = [keep, rounds] if work.kept_copied else [rounds]
+    slice_written = work.small_bytes + (0 if through else work.slice_bytes)
+    if not work.out_of_core:
+        # In memory the owned shards are hashed on a thread of their own while the main thread
+        # writes the slice (exchange._write_and_hash): one phase, the longer of the two.
+        cpu = {"write": c["write"] * work.slice_bytes, "hash_owned": c["hash_owned"] * work.owned_bytes}
+        two = 2 * P if rates.cores is None else min(rates.cores, 2 * P)
+        chains = {name: {CPU: v / P} for name, v in cpu.items()}
+        phases.append(_phase("write", chains, {**rates.disk(written=slice_written), CPU: sum(cpu.values()) / two}))
+        return _total(phases, rates.start_s)
     # Out of core the buckets are read back: the slice's in the write phase, the owned shards' in
     # hash_owned (both directions of the local disk: written in the rounds, read here), on a
     # thread a bucket ahead of the main thread's writing or hashing.
-    for name, nbytes, written in (
-        ("write", work.slice_bytes, work.slice_bytes + work.small_bytes),
-        ("hash_owned", work.owned_bytes, 0),
-    ):
-        back = nbytes if work.out_of_core else 0
-        read_cpu = c["bucket_read"] * back
-        chains = {"main": {CPU: c[name] * nbytes / P}}
-        if back:
-            chains["read"] = {DISK: _mbps(back, rates.disk_mbps), CPU: read_cpu / P}
-        cores = cores_main if not back else (2 * P if rates.cores is None else min(rates.cores, 2 * P))
-        phases.append(
-            _phase(
-                name,
-                chains,
-                {DISK: _mbps(back + written, rates.disk_mbps), CPU: (c[name] * nbytes + read_cpu) / cores},
-            )
-        )
+    for name, nbytes, written in (("write", work.slice_bytes, slice_written), ("hash_owned", work.owned_bytes, 0)):
+        read_cpu = c["bucket_read"] * nbytes
+        chains = {"main": {CPU: c[name] * nbytes / P}, "read": {**_only(rates.disk(read=nbytes)), CPU: read_cpu / P}}
+        cores = 2 * P if rates.cores is None else min(rates.cores, 2 * P)
+        phases.append(_phase(name, chains, {**rates.disk(nbytes, written), CPU: (c[name] * nbytes + read_cpu) / cores}))
     return _total(phases, rates.start_s)
 
 
@@ -249,8 +279,7 @@ def replacement(
         SHARED: _mbps(nbytes, alone),
         CPU: (c["read"] + c["write"]) * nbytes / P,
     }
-    disk = _mbps(nbytes, rates.disk_mbps)
-    return _total([_phase("replacement", {"main": chain}, {DISK: disk})], rates.start_s)
+    return _total([_phase("replacement", {"main": chain}, rates.disk(written=nbytes))], rates.start_s)
 
 
 def ranges_at_density(rows: int, nodes: int) -> int:

@@ -29,6 +29,7 @@ class Node:
     N: int
     p: int
     P: int
+    on_host: int = 1  # the processes on this one's host (several nodes share one under --oversubscribe)
 
     @property
     def leader(self) -> bool:
@@ -79,7 +80,7 @@ def node_of_process(MPI, comm, given: int | None) -> Node:
             )
     n = q // P
     local = comm.Split(n, q)
-    return Node(MPI, comm, local, q, n, W // P, q % P, P)
+    return Node(MPI, comm, local, q, n, W // P, q % P, P, hosts.count(first))
 
 
 def launcher_procs(hosts: list[int]) -> int:

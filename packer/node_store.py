@@ -34,23 +34,35 @@ def open_stores(
     return InMemory(ne, pad_id, files) if layout is None else Buckets(ne, layout, pad_id)
 
 
-# Whether an in-memory windows epoch writes its rank files during the rounds (open_slice_files).
-# Measured here (2 cores, 4 processes, ext4 on a VM disk; 256 MiB and 3 GiB of windows): each row's
-# pwrite costs about 1 ns of CPU a byte on the main thread, and while the dirty pages stay below
-# the kernel's background threshold (about 2 GB here) nothing reaches the disk before the write
-# phase's fsync, which then takes as long as the O_DIRECT write it replaces: the epoch was slower.
-# It pays where the slice is many times that threshold and the cores are not all busy.
-WRITE_THROUGH = True
+# Whether an in-memory windows epoch writes its rank files during the rounds (open_slice_files):
+# None: where the host has the cores for it (write_through_pays); True, False: always, never.
+WRITE_THROUGH: bool | None = None
+# Cores a process needs for the write-through to pay: its main thread (whose CPU the rows' pwrites
+# add to), its read-ahead thread and one for the kernel's writeback. Measured here (2 cores, 4
+# processes, ext4 on a VM disk; 256 MiB and 3 GiB of windows): a row's pwrite costs about 1 ns of
+# CPU a byte on the main thread, and with every core busy the epoch was slower (0.79 -> 0.91 s, 8.7
+# -> 13.4 s), the final fsync taking as long as the O_DIRECT write it replaces. Where the cores are
+# free the disk works while the rounds go on: a later epoch's 458 GB slice at 48 nodes is 3.8
+# minutes of a 2 GB/s disk taken off the end (tokpack.packer.node_model).
+CORES_A_PROCESS = 3
+
+
+def write_through_pays(cores: int | None, on_host: int) -> bool:
+    """Whether the rank files are written during the rounds on a host of `cores` cores running
+    `on_host` of the job's processes (WRITE_THROUGH, when it is None)."""
+    if WRITE_THROUGH is not None:
+        return WRITE_THROUGH
+    return bool(cores) and cores >= CORES_A_PROCESS * max(1, on_host)
 
 
 def open_slice_files(
-    output: Output, d: Path, ne: NodeEpoch, fmt: EpochShardFormat, layout: Layout | None
+    output: Output, d: Path, ne: NodeEpoch, fmt: EpochShardFormat, layout: Layout | None, through: bool = True
 ) -> RankFiles | None:
     """This process's rank files of the epoch, open before its rounds, each token file at its
     final size, when the rounds can write them (`placed`): in memory, windows. None otherwise:
     a best-fit row's padding is in only when every piece is, and out of core the rows are in
     order only when the buckets are read back; those are written after the rounds."""
-    if layout is not None or fmt.padded or not WRITE_THROUGH:
+    if layout is not None or fmt.padded or not through:
         return None
     files = slice_files(output, d, ne, replace(fmt, placed=True))
     try:

@@ -31,12 +31,14 @@ def hash_owned_shards(
     run_epoch: Path,
     fmt: EpochShardFormat,
     output: Output | None = None,
+    stop=None,
 ) -> list[tuple[int, dict]]:
     """Each owned epoch shard through the epoch shard writer (in `scratch`, local), its rows taken
     from the stores (at once in memory, bucket by bucket out of core): its manifest entry as
     `tokpack shuffle` records it; its row hashes (and padding) go to RUN. Its tokens and index are
     hashed, not written (the nodes' slices hold those bytes): a node's disk gets its slice once.
-    `output`: RUN's (a LocalOutput: RUN is a shared filesystem's folder)."""
+    `output`: RUN's (a LocalOutput: RUN is a shared filesystem's folder); `stop` (an Event), set
+    when the epoch failed elsewhere: no shard after it is begun."""
     output = LocalOutput() if output is None else output
     job = ne.job
     fmt = replace(fmt, hashed_only=True)
@@ -44,6 +46,8 @@ def hash_owned_shards(
     run_epoch.mkdir(parents=True, exist_ok=True)
     out = []
     for i in ne.owned:
+        if stop is not None and stop.is_set():
+            break
         g0, g1 = job.shard_range(i)
         place = ShardPlace(str(scratch), job.shard_file(i), i, epoch=job.plan.epoch, samples=(g0, g1))
         writer = LocalOutput().open_shard(place, fmt)

@@ -238,6 +238,9 @@ def _work(f: dict, kept: bool, kept_now: int, slice_bytes: int, padded: bool) ->
         owned_bytes=f["owned_token_bytes"],
         out_of_core=bool(f["bucket_bytes"]),
         read_ahead=not padded,  # windows are read on a thread of their own; best-fit documents are not
+        # in memory, windows: the rank files written during the rounds, where a node has the cores
+        # (node_store.write_through_pays; the model's nodes have them: Rates.cores None)
+        write_through=not padded,
         memory_needed=f["keep_bytes"],
     )
 

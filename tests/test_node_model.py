@@ -16,6 +16,8 @@ from tokpack.packer.cli import main
 from tokpack.packer.node_model import (
     CPU,
     DISK,
+    DISK_READS,
+    DISK_WRITES,
     NETWORK,
     REPLACEMENT_READS,
     SHARED,
@@ -113,6 +115,43 @@ def test_out_of_core_reads_a_bucket_ahead_of_the_write():
     assert seconds_of(slow, "write") == pytest.approx(6.0, rel=1e-3)  # max(3 + 3, 6)
     one = epoch(work, Rates(1000.0, 1000.0, 1e6, cores=1, start_s=0.0), costs)
     assert seconds_of(one, "write") == pytest.approx(9.0, rel=1e-3) and one.binding == CPU
+
+
+def test_written_through_the_slice_reaches_the_disk_during_the_rounds():
+    # a later epoch: 3 GB of kept sources read from the local disk, a 3 GB slice written, the disk
+    # at 1,000 MB/s each way (duplex)
+    work = NodeWork(source_bytes=3 * GB, from_shared=False, slice_bytes=3 * GB)
+    duplex = rates(disk_duplex=True)
+    after = epoch(work, duplex, FREE)  # the rank files written after the rounds: 3 s + 3 s
+    assert seconds_of(after, "rounds") == pytest.approx(3.0) and seconds_of(after, "write") == pytest.approx(3.0)
+    work.write_through = True
+    through = epoch(work, duplex, FREE)  # read and written at once: 3 s, the write phase none
+    assert seconds_of(through, "rounds") == pytest.approx(3.0) and through.seconds == pytest.approx(3.0)
+    assert through.binding in (DISK_READS, DISK_WRITES)
+    # one disk for both directions: the 6 GB take 6 s whichever way
+    assert epoch(work, rates(), FREE).seconds == pytest.approx(6.0) == epoch(work, rates(), FREE).phases[0].seconds
+    # the rows' pwrite is the main thread's CPU: 4 ns/B of 3 GB is 12 s on one process
+    slow = epoch(work, duplex, {**FREE, "write_through": 4e-9})
+    assert seconds_of(slow, "rounds") == pytest.approx(12.0, rel=1e-3) and slow.binding == CPU
+    # out of core the rows are written after the rounds, through or not
+    work.out_of_core = True
+    assert seconds_of(epoch(work, duplex, FREE), "write") == pytest.approx(3.0)
+
+
+def test_in_memory_the_owned_shards_are_hashed_while_the_slice_is_written():
+    # 3 GB of slice written at 1 ns/B, 2 GB of owned shards hashed at 1 ns/B: at once, 3 s (the
+    # longer), where out of core they follow each other; one core: both on it, 5 s
+    costs = {**FREE, "write": 1e-9, "hash_owned": 1e-9}
+    work = NodeWork(source_bytes=0, slice_bytes=3 * GB, owned_bytes=2 * GB, write_through=True)
+    fast = rates(disk_mbps=1e9)
+    at_once = epoch(work, fast, costs)
+    assert [p.name for p in at_once.phases] == ["rounds", "write"]
+    assert seconds_of(at_once, "write") == pytest.approx(3.0, rel=1e-3) and at_once.binding == CPU
+    one = epoch(work, Rates(1e9, 1e9, 1e9, cores=1, start_s=0.0), costs)
+    assert seconds_of(one, "write") == pytest.approx(5.0, rel=1e-3)
+    work.out_of_core = True
+    ooc = epoch(work, fast, costs)
+    assert seconds_of(ooc, "write") + seconds_of(ooc, "hash_owned") == pytest.approx(5.0, rel=1e-3)
 
 
 def test_a_replacement_node_reads_its_ranges_at_a_latency_and_queue_depth():

@@ -156,6 +156,9 @@ HOOK = """
 import runpy, shutil, sys
 from pathlib import Path
 import tokpack.packer.exchange as ex
+import tokpack.packer.node_store as ns
+
+ns.WRITE_THROUGH = True  # whatever this machine's cores (write_through_pays)
 
 copies, original = Path(sys.argv.pop(1)), ex.write_slice_epoch
 
@@ -202,3 +205,41 @@ def test_the_rounds_leave_every_rank_file_written_before_the_write_phase(tmp_pat
     for final in finals:
         copy = copies / final.parent.parent.name / final.parent.name / final.name
         assert copy.read_bytes() == final.read_bytes(), final
+
+
+def test_the_write_through_is_taken_where_the_host_has_cores_to_spare(monkeypatch):
+    """On by itself only with CORES_A_PROCESS cores a process of the host (this 2-core machine's
+    4 processes: off, where it made the epoch slower); WRITE_THROUGH forces it either way."""
+    import tokpack.packer.node_store as ns
+
+    monkeypatch.setattr(ns, "WRITE_THROUGH", None)
+    assert not ns.write_through_pays(2, 4) and not ns.write_through_pays(None, 1)
+    assert not ns.write_through_pays(23, 8) and ns.write_through_pays(24, 8) and ns.write_through_pays(96, 8)
+    monkeypatch.setattr(ns, "WRITE_THROUGH", True)
+    assert ns.write_through_pays(2, 4)
+    monkeypatch.setattr(ns, "WRITE_THROUGH", False)
+    assert not ns.write_through_pays(96, 1)
+
+
+SITE = "import tokpack.packer.node_store as ns\nns.WRITE_THROUGH = True  # whatever this machine's cores\n"
+
+
+def test_written_through_equals_shuffle_then_stage_node(tmp_path):
+    """With the write-through forced on (this machine's cores leave it off: write_through_pays),
+    4 processes' slices, two epochs of several rounds, are byte for byte shuffle + stage --node,
+    and the rounds wrote the tokens (phase write_through)."""
+    from test_mpi import REPO, assert_same_slices, staged, summaries, to_nodes
+
+    source = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITE)
+    args = [source, "--seq-len", 16, "--seed", 5, "--epochs", 2, "--shard-samples", 12]
+    run, dests = staged(tmp_path, args)
+    exchanged = tmp_path / "exchanged"
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
+    done = to_nodes(exchanged, str(tmp_path / "node{node}"), *args, "--memory", "64KiB", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    details = [d for s in summaries(done).values() for d in s["epochs_detail"]]
+    assert len(details) == 8 and all(d["rounds"] > 1 and d["phases"]["write_through"]["bytes"] > 0 for d in details)
+    assert_same_slices(run, dests, exchanged, tmp_path / "node")
