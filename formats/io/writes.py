@@ -360,17 +360,18 @@ class PlacedFile:
         """Rows `rows` of the file, now complete in `data` (bytes: the same buffer each call),
         row rows[k] at byte starts[k], left unchanged there until `write` hashes them: the pages
         they complete written now, a run of pages a write."""
-        lo, hi, (a, b), cuts = self.pages.add(rows, starts)
-        a, b, cuts = a.tolist(), b.tolist(), cuts.tolist()
+        lo, _, (a, b), cuts = self.pages.add(rows, starts)
+        a, b, c = a.tolist(), b.tolist(), cuts.tolist()
         for k, o in enumerate(lo.tolist()):
-            self.write_at(data, o, a[cuts[k] : cuts[k + 1]], b[cuts[k] : cuts[k + 1]])
+            self.write_at(data, o, a[c[k] : c[k + 1]], b[c[k] : c[k + 1]])
 
     def write_at(self, data: memoryview, offset: int, starts: list[int], ends: list[int]) -> None:
         """Bytes [s, e) of `data` (bytes) for each s of `starts` and e of `ends`, one after the
         other, at byte `offset` of the file: one pwritev (of IOV_MAX pieces at most), no copy."""
         for c in range(0, len(starts), IOV_MAX):
-            pieces = [data[s:e] for s, e in zip(starts[c : c + IOV_MAX], ends[c : c + IOV_MAX])]
-            length = sum(p.nbytes for p in pieces)
+            s, e = (starts, ends) if len(starts) <= IOV_MAX else (starts[c : c + IOV_MAX], ends[c : c + IOV_MAX])
+            pieces = [data[x:y] for x, y in zip(s, e)]
+            length = sum(e) - sum(s)
             n = os.pwritev(self.fd, pieces, offset)
             if n < length:  # a short write (a signal, a full disk): the rest, whose error is raised
                 rest = memoryview(b"".join(pieces))
