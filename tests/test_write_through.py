@@ -17,6 +17,7 @@ import pytest
 
 from conftest import random_docs, write_source
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.io import writes
 from tokpack.formats.io.writes import PAGE, TMP_MARK, PlacedFile, RowPages
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput
 from tokpack.formats.slices import RankRows
@@ -30,8 +31,9 @@ def rank_files(d: Path, rows: RankRows, first: int, placed: bool, seq: int = SEQ
     return RankFiles(LocalOutput(), d, rows, first, (2, 3), 0, fmt)
 
 
+@pytest.mark.parametrize("iov_max", [2, writes.IOV_MAX])  # a run of more pieces than a pwritev takes: in parts
 @pytest.mark.parametrize("seq", [SEQ, 1000, 4096])  # rows of 128 bytes (32 a page), 2002 and 8194 (across pages)
-def test_rows_placed_in_any_order_give_the_files_written_in_order(tmp_path, monkeypatch, seq):
+def test_rows_placed_in_any_order_give_the_files_written_in_order(tmp_path, monkeypatch, seq, iov_max):
     """The rows of ranks 2-3 placed in a shuffled order over several calls (as rounds complete
     them) give the files RankFiles writes from the same rows in order: each temporary token file
     holds every row at its place before `add` sees them, each of its pages written once, whole
@@ -50,11 +52,12 @@ def test_rows_placed_in_any_order_give_the_files_written_in_order(tmp_path, monk
     files.reserve(n)
     regions, real_write_at = {}, PlacedFile.write_at
 
-    def write_at(self, data, offset, starts, ends):
-        regions.setdefault(self.tmp.name, []).append((offset, sum(ends) - sum(starts)))
-        return real_write_at(self, data, offset, starts, ends)
+    def write_at(self, offset, pieces, length):
+        regions.setdefault(self.tmp.name, []).append((offset, length))
+        return real_write_at(self, offset, pieces, length)
 
     monkeypatch.setattr(PlacedFile, "write_at", write_at)
+    monkeypatch.setattr(writes, "IOV_MAX", iov_max)
     order = np.random.default_rng(2).permutation(len(positions))
     for part in np.array_split(order, 5):  # a round's rows: any of the slice's, in any order
         files.place(positions[part], store, part)
@@ -88,16 +91,16 @@ def test_rows_placed_in_any_order_give_the_files_written_in_order(tmp_path, monk
     assert sum(written) == sidecars
 
 
-def test_rows_missing_or_placed_twice_are_refused_at_commit(tmp_path):
+def test_rows_missing_or_placed_twice_are_refused_at_commit(tmp_path, monkeypatch):
     """A placed file commits only when the bytes placed are exactly the bytes hashed and its
     size: a row never placed (a hole of zeros) or its bytes written twice would give a wrong
-    file; a row placed twice is refused at once."""
+    file; a row placed twice is refused at once. A short write is completed."""
     row = bytes(range(10))
     for places in ([0], [0, 1, 1]):
         f = PlacedFile(tmp_path / "x.ds")
         f.reserve(2, 10)
         for i in places:
-            f.write_at(memoryview(row), 10 * i, [0], [10])
+            f.write_at(10 * i, [memoryview(row)], 10)
         f.write(row * 2)
         with pytest.raises(TokpackError, match="written in place are not the bytes hashed"):
             f.commit()
@@ -108,7 +111,10 @@ def test_rows_missing_or_placed_twice_are_refused_at_commit(tmp_path):
     f.place(memoryview(row * 2), np.array([10]), np.array([0]))
     with pytest.raises(TokpackError, match="a row was placed twice"):
         f.place(memoryview(row * 2), np.array([10, 0]), np.array([0, 1]))
+    real = os.pwritev
+    monkeypatch.setattr(os, "pwritev", lambda fd, pieces, at: real(fd, [pieces[0][:3]], at))  # 3 bytes of a run
     f.place(memoryview(row * 2), np.array([0]), np.array([1]))
+    monkeypatch.undo()
     f.write(row * 2)
     f.commit()
     assert (tmp_path / "x.ds").read_bytes() == row * 2

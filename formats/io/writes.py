@@ -360,25 +360,26 @@ class PlacedFile:
         """Rows `rows` of the file, now complete in `data` (bytes: the same buffer each call),
         row rows[k] at byte starts[k], left unchanged there until `write` hashes them: the pages
         they complete written now, a run of pages a write."""
-        lo, _, (a, b), cuts = self.pages.add(rows, starts)
-        a, b, c = a.tolist(), b.tolist(), cuts.tolist()
-        for k, o in enumerate(lo.tolist()):
-            self.write_at(data, o, a[c[k] : c[k + 1]], b[c[k] : c[k + 1]])
+        lo, hi, (a, b), cuts = self.pages.add(rows, starts)
+        pieces = [data[x:y] for x, y in zip(a.tolist(), b.tolist())]
+        c = cuts.tolist()
+        for k, (o, n) in enumerate(zip(lo.tolist(), (hi - lo).tolist())):
+            self.write_at(o, pieces[c[k] : c[k + 1]], n)
 
-    def write_at(self, data: memoryview, offset: int, starts: list[int], ends: list[int]) -> None:
-        """Bytes [s, e) of `data` (bytes) for each s of `starts` and e of `ends`, one after the
-        other, at byte `offset` of the file: one pwritev (of IOV_MAX pieces at most), no copy."""
-        for c in range(0, len(starts), IOV_MAX):
-            s, e = (starts, ends) if len(starts) <= IOV_MAX else (starts[c : c + IOV_MAX], ends[c : c + IOV_MAX])
-            pieces = [data[x:y] for x, y in zip(s, e)]
-            length = sum(e) - sum(s)
-            n = os.pwritev(self.fd, pieces, offset)
-            if n < length:  # a short write (a signal, a full disk): the rest, whose error is raised
-                rest = memoryview(b"".join(pieces))
-                while n < length:
-                    n += os.pwrite(self.fd, rest[n:], offset + n)
-            offset += length
-            self.placed += length
+    def write_at(self, offset: int, pieces: list[memoryview], length: int) -> None:
+        """`pieces` (bytes, `length` in all) one after the other at byte `offset` of the file:
+        a pwritev (of IOV_MAX pieces at most), no copy."""
+        at = offset
+        for c in range(0, len(pieces), IOV_MAX):
+            some = pieces if len(pieces) <= IOV_MAX else pieces[c : c + IOV_MAX]
+            want = length if some is pieces else sum(p.nbytes for p in some)
+            n = os.pwritev(self.fd, some, at)
+            if n < want:  # a short write (a signal, a full disk): the rest, whose error is raised
+                rest = memoryview(b"".join(some))
+                while n < want:
+                    n += os.pwrite(self.fd, rest[n:], at + n)
+            at += want
+        self.placed += length
 
     def write(self, data) -> None:
         """The next bytes of the file, in order, already placed: hashed, not written."""
