@@ -336,7 +336,11 @@ class PlacedFile:
     (`place`: `shuffle --to-nodes` writes each row of a rank file as its round places it):
     buffered writes of whole pages, each once, when all the rows it holds are in (RowPages), so
     that the kernel writes each page back once, past its background threshold
-    (vm.dirty_background_*; what is below it, commit's fsync writes), while the caller goes on.
+    (vm.dirty_background_*; what is below it, commit's fsync writes), while the caller goes on
+    (3 GiB of 4098-byte rows in random order on 4 processes: 3.1 GB written to the disk, 4.6 GB
+    when each row was written as it came, its pages shared with rows still to come). Nothing
+    asks the kernel to start that writeback sooner: sync_file_range(SYNC_FILE_RANGE_WRITE)
+    after each call blocked the caller, 0.1-0.4 s a call, and made the epoch slower.
     O_DIRECT would want aligned rows, and the pages are written from the caller's rows, not a
     copy. Those pages are the kernel's page cache, and the kernel holds a writer back past
     vm.dirty_ratio: memory stays bounded. Then the file's bytes in order are hashed from the
