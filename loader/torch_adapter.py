@@ -33,6 +33,8 @@ consumed-sample count to start a fresh dataset from. Without StatefulDataLoader,
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
 import warnings
 from contextlib import contextmanager
@@ -45,6 +47,7 @@ from tokpack.formats.arguments import flag, text, whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.slices import RankRows
 from .assembly import I64, WindowBatch
+from .read_ahead import ReadAhead
 from .reader import AT_END, SampleReader, stream_shape
 
 
@@ -163,6 +166,19 @@ _ALIGN = 8  # every field starts on a multiple of 8 bytes (the widest dtype, int
 # pause, tokpack's median wait there was 1.4-2.3 ms; with it 0.9-1.05, below the floor's
 # (BENCHMARKS.md, "The hand-off, before and after").
 HANDOFF_PAUSE_S = 0.001
+
+# A reader's open files and reused buffers serve one batch at a time: a read-ahead thread and
+# another iteration over the same dataset in the process take turns (a batch each). A child
+# forked while a thread held it starts with it free.
+_READING = threading.Lock()
+
+
+def _free_reading() -> None:
+    global _READING
+    _READING = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_free_reading)
 
 
 def _views(buffer: torch.Tensor, layout: tuple) -> list[torch.Tensor]:
@@ -340,6 +356,7 @@ class TokpackDataset(IterableDataset):
         max_documents: int | None = None,
         eod_mask_loss: bool = False,
         at_end: str = "error",
+        read_ahead: bool = True,
     ):
         """Rank `rank` of `world_size` data-parallel ranks, `micro_batch` samples a step, over
         `path`: a run directory (its epochs chained, in order) or one epoch directory.
@@ -366,7 +383,20 @@ class TokpackDataset(IterableDataset):
         sample, so a job resumed past the written epochs does not finish with zero steps; "stop"
         ends the iteration there. An epoch that is not written, with written ones after it, is an
         error either way. With DataLoader workers, the error reaches the loop as one line too
-        (`WorkerError`, a TokpackError)."""
+        (`WorkerError`, a TokpackError).
+
+        `read_ahead` (default on): iterated in the training process (no DataLoader workers), the
+        next batch is made by one background thread while the training step runs, so that
+        `next(loader)` finds it made; with workers it does nothing (they read ahead already).
+        It is on by default because nothing a consumer sees changes: the same batches, byte for
+        byte, in the same order; `state_dict()` is the position after the last batch handed out
+        (never the one made ahead), so a resume is exact; an error comes where its batch would
+        have; at most one batch is made ahead (one batch's memory). The thread ends with the
+        iteration: at its end or error, when the loop is left and the iterator dropped or
+        garbage-collected, and on Ctrl-C; it is a daemon, never holding the interpreter's exit.
+        It makes a batch once the previous one has been taken, 1 ms later (HANDOFF_PAUSE_S),
+        so the loader's own return is not slowed. Off (`read_ahead=False`): each batch is made
+        inside `next(loader)`, in the training thread."""
         _ignore_set_vital_warning()
         _check_worker_count_at_iteration()
         rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
@@ -397,6 +427,7 @@ class TokpackDataset(IterableDataset):
         self.max_documents = max_documents  # K: fixed-shape boundaries; None: cu_seqlens of the documents there are
         self.eod_mask_loss = eod_mask_loss  # no loss on the label of an EOS input (Megatron's eod_mask_loss)
         self.at_end = at_end  # where the written epochs end: "error" or "stop"
+        self.read_ahead = flag(read_ahead, "read_ahead")  # without workers: one batch made ahead by a thread
         self.consumed = self.reader.start_from(start_sample=start_sample, consumed_tokens=consumed_tokens)  # G
         self.reader.serves(rank, world_size, micro_batch, self.consumed)  # a node slice of other ranks: refused now
         self._worker_resume: dict | None = None  # a worker's saved share of the steps, until __iter__ uses it
@@ -447,32 +478,58 @@ class TokpackDataset(IterableDataset):
             if window
             else None
         )
-        for item in stream:
-            consumed = stream.state.consumed_after(stream.last_step)
-            if window:
-                starts = assembly.starts(item)
-                batch, out = Batch.empty(assembly.fields(starts) + [("consumed_samples", I64, ())], info is not None)
-                assembly.fill(out, item, starts)
-                out[-1][...] = consumed
-            else:
-                rows, pos = item if self.positions else (item, None)
-                arrays = self.reader.micro_batch(
-                    rows,
-                    pos,
-                    stream.state.first_sample(stream.last_step),
-                    max_documents=self.max_documents,
-                    eod_mask_loss=self.eod_mask_loss,
-                )
-                arrays["consumed_samples"] = np.array(consumed, dtype=np.int64)
-                if info is None:
-                    batch = Batch({key: torch.from_numpy(value) for key, value in arrays.items()})
-                else:  # crosses to the main process as one tensor (the hand-off, above)
-                    batch = Batch.packed(arrays)
-            if info is None:
-                self.consumed = consumed  # in-process iteration: state_dict() follows by itself
-            yield batch
-            if info is not None:  # resumed by the loader's next request: the hand-off first (HANDOFF_PAUSE_S)
-                time.sleep(HANDOFF_PAUSE_S)
+        made = self._made(stream, assembly, info is not None)
+        if info is not None:
+            for batch, _ in made:
+                yield batch
+                time.sleep(HANDOFF_PAUSE_S)  # resumed by the loader's next request: the hand-off first
+            return
+        if self.read_ahead:  # made by a thread while the step runs (the class docstring)
+            made = ReadAhead(made, pause_s=HANDOFF_PAUSE_S)
+        try:
+            for batch, consumed in made:
+                # What the consumer has received, not what the read-ahead has made: state_dict()
+                # follows the batches handed out.
+                self.consumed = consumed
+                yield batch
+        finally:
+            if isinstance(made, ReadAhead):
+                made.close()  # a loop left early, or this iterator dropped: no thread outlives it
+
+    def _made(self, stream, assembly: WindowBatch | None, shared: bool):
+        """(batch, consumed samples after it) for each item of `stream`; `assembly`: a window
+        epoch's batch written in place (None: micro_batch's arrays); `shared`: a DataLoader
+        worker's batch, one buffer in shared memory (the hand-off, above). Runs in the read-ahead
+        thread too: the reader's files and buffers are used under `_READING` (one batch at a time
+        a process, whichever iteration makes it)."""
+        items = iter(stream)
+        while True:
+            with _READING:
+                try:
+                    item = next(items)
+                except StopIteration:
+                    return
+                consumed = stream.state.consumed_after(stream.last_step)
+                if assembly is not None:
+                    starts = assembly.starts(item)
+                    batch, out = Batch.empty(assembly.fields(starts) + [("consumed_samples", I64, ())], shared)
+                    assembly.fill(out, item, starts)
+                    out[-1][...] = consumed
+                else:
+                    rows, pos = item if self.positions else (item, None)
+                    arrays = self.reader.micro_batch(
+                        rows,
+                        pos,
+                        stream.state.first_sample(stream.last_step),
+                        max_documents=self.max_documents,
+                        eod_mask_loss=self.eod_mask_loss,
+                    )
+                    arrays["consumed_samples"] = np.array(consumed, dtype=np.int64)
+                    if shared:  # crosses to the main process as one tensor (the hand-off, above)
+                        batch = Batch.packed(arrays)
+                    else:
+                        batch = Batch({key: torch.from_numpy(value) for key, value in arrays.items()})
+            yield batch, consumed
 
     def _resume_share(self, saved: dict, worker: int, workers: int) -> tuple[int, int]:
         """(start, first step) of this worker's share of the steps, from its saved state."""
