@@ -43,6 +43,8 @@ class ReadAhead:
             name=name,
             daemon=True,
         )
+        # Bound now: a close at the interpreter's exit may run after this module's names are cleared.
+        self._finalizing, self._current_thread = sys.is_finalizing, threading.current_thread
         self._thread.start()
 
     def __iter__(self) -> "ReadAhead":
@@ -75,7 +77,7 @@ class ReadAhead:
         thread = self._thread
         # At interpreter exit a daemon thread may already be frozen: joining it would hang. A
         # close run by the thread itself (a garbage collection there) cannot wait for itself.
-        if thread.is_alive() and thread is not threading.current_thread() and not sys.is_finalizing():
+        if thread.is_alive() and thread is not self._current_thread() and not self._finalizing():
             thread.join()
 
     def __del__(self):

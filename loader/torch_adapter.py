@@ -309,11 +309,14 @@ class WorkerError(TokpackError):
 
 
 @contextmanager
-def _one_line_from_workers():
-    """In a DataLoader worker, a TokpackError leaves as a WorkerError (one line in the main process)."""
+def _one_line_from_workers(caught: type = TokpackError):
+    """In a DataLoader worker, a TokpackError leaves as a WorkerError (one line in the main process).
+    `caught` is bound when the function is defined: an iterator left suspended until the
+    interpreter's exit is closed after the module's names are cleared ("catching classes that do
+    not inherit from BaseException", printed at exit)."""
     try:
         yield
-    except TokpackError as err:
+    except caught as err:
         if get_worker_info() is None or isinstance(err, WorkerError):
             raise
         raise WorkerError.of(err) from None
@@ -493,8 +496,7 @@ class TokpackDataset(IterableDataset):
                 self.consumed = consumed
                 yield batch
         finally:
-            if isinstance(made, ReadAhead):
-                made.close()  # a loop left early, or this iterator dropped: no thread outlives it
+            made.close()  # a loop left early, or this iterator dropped: no thread outlives it
 
     def _made(self, stream, assembly: WindowBatch | None, shared: bool):
         """(batch, consumed samples after it) for each item of `stream`; `assembly`: a window

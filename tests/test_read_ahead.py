@@ -193,3 +193,22 @@ def test_read_ahead_thread_is_bounded_and_stops_on_close():
     assert made == [0, 1]  # one ahead of the consumer
     ra.close()
     assert not ra.alive and made == [0, 1]
+
+
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_an_iterator_closed_after_the_modules_names_are_cleared_is_quiet(runs, monkeypatch, read_ahead):
+    """An iterator left suspended until the interpreter's exit is closed after the modules' names
+    are cleared (None): its close must not raise ("Exception ignored ... catching classes that do
+    not inherit from BaseException" was printed at exit)."""
+    import tokpack.loader.read_ahead as ra_module
+    import tokpack.loader.torch_adapter as ta_module
+
+    it = iter(TokpackDataset(runs["window"], micro_batch=M, at_end="stop", read_ahead=read_ahead))
+    next(it)
+    for module in (ta_module, ra_module):
+        for name in ("TokpackError", "WorkerError", "ReadAhead", "get_worker_info", "sys", "threading", "queue"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, None)
+    it.close()
+    monkeypatch.undo()
+    assert threads_left() == []
