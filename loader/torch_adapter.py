@@ -268,11 +268,15 @@ class TokpackDataset(IterableDataset):
         byte, in the same order; `state_dict()` is the position after the last batch handed out
         (never the one made ahead), so a resume is exact; an error comes where its batch would
         have; at most one batch is made ahead (one batch's memory). The thread ends with the
-        iteration: at its end or error, when the loop is left and the iterator dropped or
-        garbage-collected, and on Ctrl-C; it is a daemon, never holding the interpreter's exit.
+        iteration: at its end or error, and when the iterator is dropped or garbage-collected (a
+        StatefulDataLoader keeps its last iterator until the loader goes); a daemon thread, it
+        holds neither Ctrl-C nor the interpreter's exit.
         It makes a batch once the previous one has been taken, 1 ms later (HANDOFF_PAUSE_S),
         so the loader's own return is not slowed. Off (`read_ahead=False`): each batch is made
-        inside `next(loader)`, in the training thread."""
+        inside `next(loader)`, in the training thread. A process forked while the thread lives (the
+        workers of another loader, forked by default on Linux) starts without it; Python 3.12
+        and later warn at such a fork (DeprecationWarning), as at any fork of a process with
+        threads (torch's pin_memory thread alike)."""
         _ignore_set_vital_warning()
         _check_worker_count_at_iteration()
         rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
