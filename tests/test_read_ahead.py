@@ -86,9 +86,12 @@ def test_read_ahead_makes_one_batch_ahead_and_no_more(runs):
     it = iter(ds)
     next(it)
     for k in range(1, 4):
+        deadline = time.monotonic() + 10
+        while ds._stream.last_step < k and time.monotonic() < deadline:  # a busy machine: give it time
+            time.sleep(0.01)
+        assert ds._stream.last_step == k, "the thread made the next batch"
         time.sleep(0.2)  # far longer than a batch takes: a thread not bounded would run on
-        stream = ds._stream
-        assert stream.last_step == k, "the thread made the next batch, and only that one"
+        assert ds._stream.last_step == k, "and only that one"
         batch = next(it)
         assert int(batch["consumed_samples"]) == (k + 1) * M
     it.close()
