@@ -18,7 +18,7 @@ opens (the batches in flight when a loader stops early) is removed when the work
 worker keeps the last `NAMES_KEPT` names it made, far more than the batches a loader has in
 flight (prefetch_factor a worker); the training process removes, at its exit, those of its
 workers that were stopped with no cleanup (SIGTERM, as multiprocessing stops the workers of a
-loader still running at exit). Names left by processes killed outright (SIGKILL), `tokpack-<pid>-*`
+loader still running at exit). Names left by processes killed outright (SIGKILL), `tokpack-<pidns>-<pid>-*`
 in /dev/shm, a few MiB, are removed by the next process that makes one, once a minute old and
 their process gone. Where no such file can be made, the buffer is torch's shared memory, passed
 by descriptor.
@@ -182,6 +182,18 @@ SHM_DIR = "/dev/shm"
 NAMES_KEPT = 1024  # a worker's last names, removed at its exit (the batches in flight are a few)
 SWEEP_AGE_S = 60  # a name left by a process gone is removed once this old (_sweep_gone)
 _COUNT = itertools.count()
+
+
+def _pid_namespace() -> int:
+    """This process's PID namespace (its inode): a name's process id means a process only in it,
+    so a container sharing /dev/shm with another never takes the other's names for orphans."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+PREFIX = f"tokpack-{_pid_namespace()}-"  # then the process id, a count and a random tag
 _made: deque | None = None  # this process's last names made, once one is
 
 
@@ -205,7 +217,7 @@ def _named_buffer(nbytes: int) -> tuple[torch.Tensor, list] | None:
     """A uint8 tensor of `nbytes` in shared memory, a new file of SHM_DIR, and [its name] (the
     Batch's one-shot name); None where no such file can be made (then torch's own)."""
     global _made
-    name = os.path.join(SHM_DIR, f"tokpack-{os.getpid()}-{next(_COUNT)}-{secrets.token_hex(4)}")
+    name = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{next(_COUNT)}-{secrets.token_hex(4)}")
     try:
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except OSError:
@@ -213,7 +225,7 @@ def _named_buffer(nbytes: int) -> tuple[torch.Tensor, list] | None:
     try:
         os.ftruncate(fd, nbytes)
         storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
-    except (OSError, RuntimeError):
+    except (OSError, RuntimeError, AttributeError):  # AttributeError: a torch without the private call
         _remove([name])
         return None
     finally:
@@ -230,7 +242,8 @@ def _named_buffer(nbytes: int) -> tuple[torch.Tensor, list] | None:
 def _sweep_gone(now: float | None = None) -> None:
     """Removes the names of SHM_DIR that processes now gone left (killed outright, or stopped
     with no cleanup by a training process that then exited without its own): this user's, made a
-    minute ago or more, by a process id no process has. Run once a process, at its first name."""
+    minute ago or more, in this PID namespace, by a process id no process has. Run once a
+    process, at its first name."""
     now = time.time() if now is None else now
     try:
         entries = os.listdir(SHM_DIR)
@@ -238,10 +251,10 @@ def _sweep_gone(now: float | None = None) -> None:
         return
     gone: dict[int, bool] = {}
     for entry in entries:
-        parts = entry.split("-")
-        if len(parts) != 4 or parts[0] != "tokpack" or not parts[1].isdigit():
+        parts = entry[len(PREFIX) :].split("-")
+        if not entry.startswith(PREFIX) or len(parts) != 3 or not parts[0].isdigit():
             continue
-        pid = int(parts[1])
+        pid = int(parts[0])
         if pid not in gone:
             gone[pid] = not _running(pid)
         path = os.path.join(SHM_DIR, entry)
@@ -268,7 +281,7 @@ _senders: set[int] | None = None  # the main process's: the workers whose names 
 
 def _sweep(pids) -> None:
     """The names left in SHM_DIR by the processes `pids` (each gone by now)."""
-    prefixes = tuple(f"tokpack-{pid}-" for pid in pids)
+    prefixes = tuple(f"{PREFIX}{pid}-" for pid in pids)
     try:
         left = [f for f in os.listdir(SHM_DIR) if f.startswith(prefixes)] if prefixes else []
     except OSError:
@@ -284,7 +297,7 @@ def _sender(name: str) -> None:
     and a loader whose worker does not stop within its timeout does. Those names are removed when
     this process exits, by a finalizer that runs after multiprocessing has joined its children."""
     global _senders
-    pid = int(os.path.basename(name).split("-")[1])
+    pid = int(os.path.basename(name)[len(PREFIX) :].split("-")[0])
     if _senders is None:
         _senders = set()
         multiprocessing.util.Finalize(None, _sweep, args=(_senders,), exitpriority=-10)

@@ -16,7 +16,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from conftest import random_docs, shuffle_run, write_source
 from torch.utils.data import default_convert
 
-from tokpack.loader.handoff import SHM_DIR
+from tokpack.loader.handoff import PREFIX, SHM_DIR
 from tokpack.loader.torch_adapter import Batch, TokpackDataset
 
 SEQ, N, M = 15, 48, 2
@@ -58,7 +58,7 @@ def test_a_batch_pickles_as_one_tensor_until_a_field_changes():
     assert batch["input_ids"].untyped_storage().is_shared()
     # what a DataLoader worker sends (batch_size=None: default_convert copies the dict, same views)
     sent = pickle.dumps(default_convert(batch))
-    names = [f for f in os.listdir(SHM_DIR) if f.startswith(f"tokpack-{os.getpid()}-")]
+    names = [f for f in os.listdir(SHM_DIR) if f.startswith(f"{PREFIX}{os.getpid()}-")]
     assert len(names) == 1 and f"{SHM_DIR}/{names[0]}".encode() in sent
     again = pickle.loads(sent)
     assert not os.path.exists(f"{SHM_DIR}/{names[0]}")  # the receiver removed the name
@@ -87,7 +87,7 @@ def test_batches_in_flight_when_a_loader_stops_leave_nothing_in_shared_memory(ru
     assert int(got[-1]["consumed_samples"]) == 3 * M
 
     def left():
-        return [f for f in os.listdir(SHM_DIR) if any(f.startswith(f"tokpack-{pid}-") for pid in pids)]
+        return [f for f in os.listdir(SHM_DIR) if any(f.startswith(f"{PREFIX}{pid}-") for pid in pids)]
 
     time.sleep(0.5)
     assert left()  # the batches asked for ahead, made and sent, not yet taken
@@ -193,7 +193,7 @@ def test_a_training_process_that_exits_with_a_loader_running_leaves_nothing_in_s
     )
     pids = out.stdout.split()
     assert len(pids) == 2, out
-    assert [f for f in os.listdir(SHM_DIR) if f.startswith(tuple(f"tokpack-{p}-" for p in pids))] == []
+    assert [f for f in os.listdir(SHM_DIR) if f.startswith(tuple(f"{PREFIX}{p}-" for p in pids))] == []
     assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
@@ -207,9 +207,10 @@ def test_names_left_by_processes_gone_are_removed_by_the_next_that_makes_one():
     dead = int(gone.stdout)
     old = time.time() - 3600
     made = {
-        f"tokpack-{dead}-0-aaaaaaaa": old,  # gone, an hour old: removed
-        f"tokpack-{dead}-1-bbbbbbbb": time.time(),  # gone, just made: kept (another pid namespace's, maybe)
-        f"tokpack-{os.getpid()}-99999-cccccccc": old,  # this process's, running: kept
+        f"{PREFIX}{dead}-0-aaaaaaaa": old,  # gone, an hour old: removed
+        f"{PREFIX}{dead}-1-bbbbbbbb": time.time(),  # gone, just made: kept (its maker may not be done)
+        f"{PREFIX}{os.getpid()}-99999-cccccccc": old,  # this process's, running: kept
+        f"tokpack-1{PREFIX[8:]}{dead}-2-dddddddd": old,  # another PID namespace's (a container's): kept
     }
     for name, when in made.items():
         with open(os.path.join(SHM_DIR, name), "wb") as f:
