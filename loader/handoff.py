@@ -50,7 +50,7 @@ _ALIGN = 8  # every field starts on a multiple of 8 bytes (the widest dtype, int
 # it starts each batch after its first this long after the request: far less than a step, and a
 # worker still serves a batch every few milliseconds, far more than a GPU consumes. Without the
 # pause, tokpack's median wait there was 1.4-2.3 ms; with it 0.9-1.05, below the floor's
-# (BENCHMARKS.md, "The hand-off, before and after").
+# (bench/results/HISTORY.md, "The hand-off, before and after (04:38 UTC)").
 HANDOFF_PAUSE_S = 0.001
 
 
