@@ -17,7 +17,7 @@ import xxhash
 
 from .errors import TokpackError
 from .io.paths import as_path
-from .io.gate import contained, open_read, read_array, regular_size
+from .io.gate import contained, open_read, read_array, regular_size, will_need
 from .io.reads import read_full
 from .io.writes import DurableFile, HashedFile, PlacedFile, is_tmp_name, write_bytes_atomic
 from .constants import EPOCH_SHARD_SUFFIXES, LOSS_SUFFIX, SHARD_SUFFIXES
@@ -536,30 +536,46 @@ class PackedSource:
         if start < 0 or start + count > self.tokens:
             raise IndexError(f"token range [{start}, {start + count}) outside the source's {self.tokens} tokens")
         raw = out.view(np.uint8)
+        for i, in_shard, done, n in self._pieces(start, count):
+            f = self._handle(i, handles)
+            try:
+                f.seek(in_shard * self.dtype.itemsize)
+                view = memoryview(raw[done * self.dtype.itemsize : (done + n) * self.dtype.itemsize])
+                if read_full(f, view) < view.nbytes:
+                    raise TokpackError("shard shorter than its manifest says", file=self.path / self.shards[i]["path"])
+            finally:
+                if handles is None:
+                    f.close()
+        return out
+
+    def will_need(self, start: int, count: int, handles: dict) -> None:
+        """Tokens [start, start+count) asked of the kernel now (gate.will_need), on read_into's
+        `handles` (opened here if they are not yet): the reader's next read_into of them finds
+        them in memory, read while it worked on the last. Past the stream's end: up to it."""
+        count = min(count, self.tokens - start)
+        for i, in_shard, _, n in self._pieces(start, count) if start >= 0 and count > 0 else ():
+            will_need(self._handle(i, handles), in_shard * self.dtype.itemsize, n * self.dtype.itemsize)
+
+    def _pieces(self, start: int, count: int):
+        """(shard, first token in it, tokens before it in the range, tokens) of each shard that
+        tokens [start, start+count) cross, in order."""
         done = 0
         i = int(np.searchsorted(self.shard_starts, start, side="right")) - 1
         while done < count:
-            in_shard = start + done - int(self.shard_starts[i])
             n = min(count - done, int(self.shard_starts[i + 1]) - start - done)
             if n > 0:
-                f = handles.get(i) if handles is not None else None
-                if f is None:
-                    f = open_read(self.path / self.shards[i]["path"], ahead=handles is not None)
-                    if handles is not None:
-                        handles[i] = f
-                try:
-                    f.seek(in_shard * self.dtype.itemsize)
-                    view = memoryview(raw[done * self.dtype.itemsize : (done + n) * self.dtype.itemsize])
-                    if read_full(f, view) < view.nbytes:
-                        raise TokpackError(
-                            "shard shorter than its manifest says", file=self.path / self.shards[i]["path"]
-                        )
-                finally:
-                    if handles is None:
-                        f.close()
+                yield i, start + done - int(self.shard_starts[i]), done, n
             done += n
             i += 1
-        return out
+
+    def _handle(self, i: int, handles: dict | None):
+        """Shard i open for reading: `handles`' (opened and kept there the first time), else a new one."""
+        f = handles.get(i) if handles is not None else None
+        if f is None:
+            f = open_read(self.path / self.shards[i]["path"], ahead=handles is not None)
+            if handles is not None:
+                handles[i] = f
+        return f
 
     def doc_ends(self, shard: int) -> np.ndarray:
         """The shard's `.ds.index`: cumulative document ends in tokens."""

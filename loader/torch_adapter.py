@@ -1,5 +1,6 @@
 """A torch `IterableDataset` over `SampleReader`: with tokpack.loader.trainer_forms (each
-trainer's form of its batch), the only tokpack modules that import torch.
+trainer's form of its batch) and tokpack.loader.handoff (a worker's batch crossing to the
+training process), the only tokpack modules that import torch.
 
     from torchdata.stateful_dataloader import StatefulDataLoader
     ds = TokpackDataset(run_dir, rank=r, world_size=W, micro_batch=m, positions="eos")
@@ -32,7 +33,8 @@ consumed-sample count to start a fresh dataset from. Without StatefulDataLoader,
 
 from __future__ import annotations
 
-import math
+import os
+import threading
 import time
 import warnings
 from contextlib import contextmanager
@@ -45,6 +47,8 @@ from tokpack.formats.arguments import flag, text, whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.slices import RankRows
 from .assembly import I64, WindowBatch
+from .handoff import HANDOFF_PAUSE_S, Batch
+from .read_ahead import ReadAhead
 from .reader import AT_END, SampleReader, stream_shape
 
 
@@ -142,133 +146,18 @@ def _other_workers(saved: int, found: int) -> TokpackError:
     )
 
 
-# --------------------------------------------------------------- the hand-off
-#
-# A DataLoader worker hands each item to the main process through a queue: every tensor in it
-# crosses on its own (torch moves its storage to shared memory and sends a file descriptor, about
-# a millisecond a tensor here), and a batch is five to nine tensors. A worker's `Batch` holds its
-# fields as views of one shared buffer and pickles as that buffer and their layout, so a batch
-# crosses as one tensor; the main process unpickles it into the same fields, views of the buffer.
-
-_ALIGN = 8  # every field starts on a multiple of 8 bytes (the widest dtype, int64)
-
-# The loader asks a worker for its next batch from inside the training process's `next(loader)`,
-# which then still has its own share of the hand-off to finish (torch's bookkeeping, the thread
-# that sends the request). A worker that starts reading and assembling at once takes a CPU from it
-# where the cores are few: on a 2-core machine, the floor of bench/train_loop.py with 1 ms of work
-# in its worker waited about 1 ms more, and tokpack's wait with 2 workers was twice the floor's.
-# The worker has several steps of slack (its batch is asked for prefetch_factor batches ahead), so
-# it starts each batch after its first this long after the request: far less than a step, and a
-# worker still serves a batch every few milliseconds, far more than a GPU consumes. Without the
-# pause, tokpack's median wait there was 1.4-2.3 ms; with it 0.9-1.05, below the floor's
-# (BENCHMARKS.md, "The hand-off, before and after").
-HANDOFF_PAUSE_S = 0.001
+# A reader's open files and reused buffers serve one batch at a time: a read-ahead thread and
+# another iteration over the same dataset in the process take turns (a batch each). A child
+# forked while a thread held it starts with it free.
+_READING = threading.Lock()
 
 
-def _views(buffer: torch.Tensor, layout: tuple) -> list[torch.Tensor]:
-    """The fields of `layout` ((key, dtype, shape, offset), ...) as views of the uint8 `buffer`.
-    A run of fields of one dtype and shape, back to back, is one view unbound into its fields: the
-    main process builds these on every batch, and a torch call costs more than its bytes here."""
-    out, i = [], 0
-    while i < len(layout):
-        _, dtype, shape, offset = layout[i]
-        n = math.prod(shape) * dtype.itemsize
-        j = i + 1
-        while j < len(layout) and layout[j][1:] == (dtype, shape, offset + (j - i) * n):
-            j += 1
-        block = buffer[offset : offset + (j - i) * n].view(dtype)
-        out += [block.view(shape)] if j == i + 1 else block.view((j - i, *shape)).unbind(0)
-        i = j
-    return out
+def _free_reading() -> None:
+    global _READING
+    _READING = threading.Lock()
 
 
-_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
-
-
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    if dtype not in _TORCH_DTYPES:
-        _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-    return _TORCH_DTYPES[dtype]
-
-
-def _rebuild(buffer: torch.Tensor, layout: tuple) -> "Batch":
-    batch = Batch(zip((key for key, *_ in layout), _views(buffer, layout)))
-    batch._packed = (buffer, layout, list(batch.values()))
-    return batch
-
-
-class Batch(dict):
-    """A TokpackDataset batch: a dict of tensors (its keys: TokpackDataset). Built by
-    `Batch.packed` (in a DataLoader worker), its tensors are views of one shared buffer, and
-    pickling it (the worker's queue) sends that buffer once; the main process gets a Batch of the
-    same fields (which keep the whole buffer alive while any of them lives). Once a field is
-    replaced or added (a collate_fn's change), it pickles as its tensors, one by one."""
-
-    _packed: tuple | None = None  # (buffer, layout, the views as built)
-
-    @classmethod
-    def empty(cls, fields, shared: bool) -> tuple["Batch", list[np.ndarray]]:
-        """A Batch of the (key, numpy dtype, shape) `fields` and the same fields as numpy arrays,
-        for the caller to write the values into. `shared` (a DataLoader worker's): views of one
-        new buffer in shared memory, where torch would move each tensor to send it, so that the
-        batch crosses as that one tensor. Otherwise (the training process's own batch, which
-        crosses nothing): a numpy array a field, made a tensor by torch.from_numpy. malloc hands
-        the last batches' pages back for arrays of a field's size, where one buffer of the
-        batch's (a MiB and more) came as fresh pages, a page fault each 4 KiB (132 a batch at
-        seq_len 4096, m = 9), and so did torch.empty's."""
-        if not shared:
-            arrays = [np.empty(shape, dtype=dtype) for _, dtype, shape in fields]
-            return cls(zip((key for key, *_ in fields), map(torch.from_numpy, arrays))), arrays
-        layout, spans, offset = [], [], 0
-        for key, dtype, shape in fields:
-            n = math.prod(shape) * dtype.itemsize
-            layout.append((key, _torch_dtype(dtype), shape, offset))
-            spans.append((offset, n, dtype, shape))
-            offset += -(-n // _ALIGN) * _ALIGN
-        buffer = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(offset, 1)))
-        raw = buffer.numpy()
-        arrays = [raw[o : o + n].view(dtype).reshape(shape) for o, n, dtype, shape in spans]
-        return _rebuild(buffer, tuple(layout)), arrays
-
-    @classmethod
-    def packed(cls, arrays: dict, shared: bool = True) -> "Batch":
-        """The numpy `arrays` copied into one buffer (`empty`), each field a view of it."""
-        batch, views = cls.empty([(key, value.dtype, value.shape) for key, value in arrays.items()], shared)
-        for view, value in zip(views, arrays.values()):
-            view[...] = value
-        return batch
-
-    def __copy__(self) -> "Batch":
-        """The same fields (DataLoader's default_convert copies each item it is given): the copy
-        keeps the buffer's layout, so it still crosses a process as one tensor."""
-        batch = Batch(self)
-        batch._packed = self._packed
-        return batch
-
-    def __reduce__(self):
-        if self._packed is not None and self._as_built():
-            return _rebuild, self._packed[:2]
-        return Batch, (dict(self),)
-
-    def _as_built(self) -> bool:
-        """Whether every field is still its view of the buffer. Checked by place, not by object:
-        DataLoader's default_convert (batch_size=None) puts the same views in a copy."""
-        buffer, layout, _ = self._packed
-        base = buffer.data_ptr()
-        if len(self) != len(layout):
-            return False
-        for key, dtype, shape, offset in layout:
-            t = self.get(key)
-            if not (
-                isinstance(t, torch.Tensor)
-                and t.dtype == dtype
-                and tuple(t.shape) == shape
-                and t.data_ptr() == base + offset
-                and t.is_contiguous()
-                and t.untyped_storage().data_ptr() == base
-            ):
-                return False
-        return True
+os.register_at_fork(after_in_child=_free_reading)
 
 
 class WorkerError(TokpackError):
@@ -293,11 +182,14 @@ class WorkerError(TokpackError):
 
 
 @contextmanager
-def _one_line_from_workers():
-    """In a DataLoader worker, a TokpackError leaves as a WorkerError (one line in the main process)."""
+def _one_line_from_workers(caught: type = TokpackError):
+    """In a DataLoader worker, a TokpackError leaves as a WorkerError (one line in the main process).
+    `caught` is bound when the function is defined: an iterator left suspended until the
+    interpreter's exit is closed after the module's names are cleared ("catching classes that do
+    not inherit from BaseException", printed at exit)."""
     try:
         yield
-    except TokpackError as err:
+    except caught as err:
         if get_worker_info() is None or isinstance(err, WorkerError):
             raise
         raise WorkerError.of(err) from None
@@ -340,6 +232,7 @@ class TokpackDataset(IterableDataset):
         max_documents: int | None = None,
         eod_mask_loss: bool = False,
         at_end: str = "error",
+        read_ahead: bool = True,
     ):
         """Rank `rank` of `world_size` data-parallel ranks, `micro_batch` samples a step, over
         `path`: a run directory (its epochs chained, in order) or one epoch directory.
@@ -366,7 +259,24 @@ class TokpackDataset(IterableDataset):
         sample, so a job resumed past the written epochs does not finish with zero steps; "stop"
         ends the iteration there. An epoch that is not written, with written ones after it, is an
         error either way. With DataLoader workers, the error reaches the loop as one line too
-        (`WorkerError`, a TokpackError)."""
+        (`WorkerError`, a TokpackError).
+
+        `read_ahead` (default on): iterated in the training process (no DataLoader workers), the
+        next batch is made by one background thread while the training step runs, so that
+        `next(loader)` finds it made; with workers it does nothing (they read ahead already).
+        It is on by default because nothing a consumer sees changes: the same batches, byte for
+        byte, in the same order; `state_dict()` is the position after the last batch handed out
+        (never the one made ahead), so a resume is exact; an error comes where its batch would
+        have; at most one batch is made ahead (one batch's memory). The thread ends with the
+        iteration: at its end or error, and when the iterator is dropped or garbage-collected (a
+        StatefulDataLoader keeps its last iterator until the loader goes); a daemon thread, it
+        holds neither Ctrl-C nor the interpreter's exit.
+        It makes a batch once the previous one has been taken, 1 ms later (HANDOFF_PAUSE_S),
+        so the loader's own return is not slowed. Off (`read_ahead=False`): each batch is made
+        inside `next(loader)`, in the training thread. A process forked while the thread lives (the
+        workers of another loader, forked by default on Linux) starts without it; Python 3.12
+        and later warn at such a fork (DeprecationWarning), as at any fork of a process with
+        threads (torch's pin_memory thread alike)."""
         _ignore_set_vital_warning()
         _check_worker_count_at_iteration()
         rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
@@ -397,6 +307,7 @@ class TokpackDataset(IterableDataset):
         self.max_documents = max_documents  # K: fixed-shape boundaries; None: cu_seqlens of the documents there are
         self.eod_mask_loss = eod_mask_loss  # no loss on the label of an EOS input (Megatron's eod_mask_loss)
         self.at_end = at_end  # where the written epochs end: "error" or "stop"
+        self.read_ahead = flag(read_ahead, "read_ahead")  # without workers: one batch made ahead by a thread
         self.consumed = self.reader.start_from(start_sample=start_sample, consumed_tokens=consumed_tokens)  # G
         self.reader.serves(rank, world_size, micro_batch, self.consumed)  # a node slice of other ranks: refused now
         self._worker_resume: dict | None = None  # a worker's saved share of the steps, until __iter__ uses it
@@ -447,32 +358,57 @@ class TokpackDataset(IterableDataset):
             if window
             else None
         )
-        for item in stream:
-            consumed = stream.state.consumed_after(stream.last_step)
-            if window:
-                starts = assembly.starts(item)
-                batch, out = Batch.empty(assembly.fields(starts) + [("consumed_samples", I64, ())], info is not None)
-                assembly.fill(out, item, starts)
-                out[-1][...] = consumed
-            else:
-                rows, pos = item if self.positions else (item, None)
-                arrays = self.reader.micro_batch(
-                    rows,
-                    pos,
-                    stream.state.first_sample(stream.last_step),
-                    max_documents=self.max_documents,
-                    eod_mask_loss=self.eod_mask_loss,
-                )
-                arrays["consumed_samples"] = np.array(consumed, dtype=np.int64)
-                if info is None:
-                    batch = Batch({key: torch.from_numpy(value) for key, value in arrays.items()})
-                else:  # crosses to the main process as one tensor (the hand-off, above)
-                    batch = Batch.packed(arrays)
-            if info is None:
-                self.consumed = consumed  # in-process iteration: state_dict() follows by itself
-            yield batch
-            if info is not None:  # resumed by the loader's next request: the hand-off first (HANDOFF_PAUSE_S)
-                time.sleep(HANDOFF_PAUSE_S)
+        made = self._made(stream, assembly, info is not None)
+        if info is not None:
+            for batch, _ in made:
+                yield batch
+                time.sleep(HANDOFF_PAUSE_S)  # resumed by the loader's next request: the hand-off first
+            return
+        if self.read_ahead:  # made by a thread while the step runs (the class docstring)
+            made = ReadAhead(made, pause_s=HANDOFF_PAUSE_S)
+        try:
+            for batch, consumed in made:
+                # What the consumer has received, not what the read-ahead has made: state_dict()
+                # follows the batches handed out.
+                self.consumed = consumed
+                yield batch
+        finally:
+            made.close()  # a loop left early, or this iterator dropped: no thread outlives it
+
+    def _made(self, stream, assembly: WindowBatch | None, shared: bool):
+        """(batch, consumed samples after it) for each item of `stream`; `assembly`: a window
+        epoch's batch written in place (None: micro_batch's arrays); `shared`: a DataLoader
+        worker's batch, one buffer in shared memory (the hand-off, above). Runs in the read-ahead
+        thread too: the reader's files and buffers are used under `_READING` (one batch at a time
+        a process, whichever iteration makes it)."""
+        items = iter(stream)
+        while True:
+            with _READING:
+                try:
+                    item = next(items)
+                except StopIteration:
+                    return
+                consumed = stream.state.consumed_after(stream.last_step)
+                if assembly is not None:
+                    starts = assembly.starts(item)
+                    batch, out = Batch.empty(assembly.fields(starts) + [("consumed_samples", I64, ())], shared)
+                    assembly.fill(out, item, starts)
+                    out[-1][...] = consumed
+                else:
+                    rows, pos = item if self.positions else (item, None)
+                    arrays = self.reader.micro_batch(
+                        rows,
+                        pos,
+                        stream.state.first_sample(stream.last_step),
+                        max_documents=self.max_documents,
+                        eod_mask_loss=self.eod_mask_loss,
+                    )
+                    arrays["consumed_samples"] = np.array(consumed, dtype=np.int64)
+                    if shared:  # crosses to the main process as one tensor (the hand-off, above)
+                        batch = Batch.packed(arrays)
+                    else:
+                        batch = Batch({key: torch.from_numpy(value) for key, value in arrays.items()})
+            yield batch, consumed
 
     def _resume_share(self, saved: dict, worker: int, workers: int) -> tuple[int, int]:
         """(start, first step) of this worker's share of the steps, from its saved state."""

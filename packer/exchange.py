@@ -149,11 +149,16 @@ def _exchange(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None, s
         count("route", int(pieces["length"][routed[1]].sum()) * job.token_dtype.itemsize)
         return routed
 
-    with reading_bar(ne, shown) as bar:
-        reads = counted(timed("cut", source_pieces(ne, per_round), lambda item: item[1].nbytes), bar)
-        with phase("route"):
-            rounds = exchange_rounds(comm, MPI, reads, per_round, row, job.token_dtype, routes, deliver, ne.procs)
-    stores.finish()
+    try:
+        with reading_bar(ne, shown) as bar:
+            reads = counted(timed("cut", source_pieces(ne, per_round), lambda item: item[1].nbytes), bar)
+            with phase("route"):
+                rounds = exchange_rounds(comm, MPI, reads, per_round, row, job.token_dtype, routes, deliver, ne.procs)
+        stores.finish()
+    except BaseException:
+        stores.close(failed=True)  # its writes behind stopped before the caller removes their files
+        raise
+    stores.close()
     if len(pad) and (pad.min() < 0 or (not ne.padded and pad.max() > 0)):
         raise TokpackError(
             "internal error: the exchange filled a row of this node wrongly",

@@ -96,6 +96,9 @@ class Buckets:
             records[b] = self.counts[b], hr.intdigest(), hp.intdigest()
         write_bytes_atomic(self.lay.task_records(0), records.tobytes())
 
+    def close(self, failed: bool = False) -> None:
+        """Nothing runs behind the rounds (a bucket's read back is rows' own: BucketRead)."""
+
     def rows(self, lo: int, hi: int):
         """(first store row, rows) of each bucket in [lo, hi) (bucket boundaries), in order. The
         caller takes the buckets in store row order, each once (the slice's, then each owned

@@ -10,14 +10,14 @@ runs them (`epoch`):
   keep        --keep-sources' first epoch: the process's source shards copied to its disk first.
   rounds      a window epoch's source blocks are read on a thread of their own (read_ahead)
               while the main thread cuts, routes (Alltoallv) and places the previous round, so
-              the rounds take the longer of the two threads, each the sum of its own steps (the
-              reading thread: the read's I/O, then its hash; the main thread: its CPU, then its
-              Alltoallv on the network, rounds being synchronous); a best-fit epoch reads in
-              the main thread: one chain. Out of core the pieces received are appended to
+              the rounds take the longest of their chains: the reading thread's I/O and its CPU
+              (it asks the disk for the next block before it hashes this one: the two overlap),
+              the main thread's CPU then its Alltoallv on the network (rounds being synchronous);
+              a best-fit epoch reads in the main thread: one chain. Out of core the pieces received are appended to
               bucket files (written back by the kernel meanwhile: the local disk's bytes). In
               memory, windows, written through (NodeWork.write_through): each row a round
-              completes also written to its rank file (its CPU on the main thread, its bytes the
-              disk's during the rounds, what is left of them waited for by the write phase's fsync).
+              completes also written to its rank file by a thread of its own (a third chain; its
+              bytes the disk's during the rounds, what is left waited for by the write phase's fsync).
   write       then the slice's rank files: written, or (written through) hashed and indexed
               only; in memory the owned epoch shards hashed meanwhile on a thread of their own
               (exchange._write_and_hash): the longer of the two. Out of core, its buckets read
@@ -187,7 +187,10 @@ def epoch(work: NodeWork, rates: Rates, costs: dict | None = None) -> Prediction
     sum, and the resource that binds."""
     c = {**MEASURED, **(costs or {})}
     P = max(1, rates.procs)
-    threads = 2 * P if work.read_ahead else P
+    through = work.write_through and not work.out_of_core
+    # a process's threads in the rounds: its main thread, its reading thread (windows), its
+    # writing thread (written through: node_store.InMemory)
+    threads = P * (1 + work.read_ahead + through)
     cores_rounds = threads if rates.cores is None else min(rates.cores, threads)
     share = rates.shared_mbps / max(1, rates.readers)
     src_io = (
@@ -197,14 +200,16 @@ def epoch(work: NodeWork, rates: Rates, costs: dict | None = None) -> Prediction
     store = "bucket_write" if work.out_of_core else "place"
     read_cpu = c["read"] * work.source_bytes
     main_cpu = c["cut"] * work.source_bytes + c["route"] * work.routed + c[store] * work.placed
-    through = work.write_through and not work.out_of_core
-    main_cpu += c["write_through"] * work.slice_bytes if through else 0
+    write_cpu = c["write_through"] * work.slice_bytes if through else 0.0
     net = max(_mbps(work.sent, rates.nic_mbps), _mbps(work.received, rates.nic_mbps))
-    reader = {**src_io, CPU: read_cpu / P}
     main = {CPU: main_cpu / P, NETWORK: net}
     if not work.read_ahead:  # one chain: the main thread reads too
         main = {**src_io, CPU: (read_cpu + main_cpu) / P, NETWORK: net}
-    chains = {"read": reader, "main": main} if work.read_ahead else {"main": main}
+    # windows: the reading thread asks the disk for the next block before it hashes this one
+    # (shuffle.plan.iter_source_windows, gate.will_need): its I/O and its CPU overlap, two chains
+    chains = {"read": src_io, "hash": {CPU: read_cpu / P}, "main": main} if work.read_ahead else {"main": main}
+    if through:
+        chains["write"] = {CPU: write_cpu / P}
     read_rounds = 0 if work.from_shared else work.source_bytes
     # out of core every store row to a bucket; written through, the slice's rows to their rank
     # files (what the disk has not taken when the rounds end, the write phase's fsync waits for:
@@ -218,7 +223,7 @@ def epoch(work: NodeWork, rates: Rates, costs: dict | None = None) -> Prediction
             SHARED: src_io.get(SHARED, 0.0),
             NETWORK: net,
             **rates.disk(read_rounds, written_rounds),
-            CPU: (read_cpu + main_cpu) / cores_rounds,
+            CPU: (read_cpu + main_cpu + write_cpu) / cores_rounds,
         },
     )
     # --keep-sources' first epoch copies the process's shards to its disk before the rounds

@@ -17,10 +17,11 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.memory import anonymous
+from tokpack.formats.io.reads import Worker
 from tokpack.formats.outputs import EpochShardFormat, Output
 from tokpack.packer.node_buckets import Buckets
 from tokpack.packer.node_epoch import NodeEpoch
-from tokpack.packer.phases import count, phase
+from tokpack.packer.phases import phase
 from tokpack.packer.pieces import place
 from tokpack.packer.rank_files import RankFiles
 from tokpack.shuffle.steps import Layout
@@ -45,6 +46,7 @@ WRITE_THROUGH: bool | None = None
 # free the disk works while the rounds go on: a later epoch's 458 GB slice at 48 nodes is 3.8
 # minutes of a 2 GB/s disk taken off the end (tokpack.packer.node_model).
 CORES_A_PROCESS = 3
+BEHIND = 2  # rounds whose completed rows wait for the writing thread (their indices only: no rows copied)
 
 
 def write_through_pays(cores: int | None, on_host: int) -> bool:
@@ -81,10 +83,14 @@ def slice_files(output: Output, d: Path, ne: NodeEpoch, fmt: EpochShardFormat) -
 
 
 class InMemory:
-    """The node's two stores in memory (store_rows numbering)."""
+    """The node's two stores in memory (store_rows numbering). Written through (`files`), the
+    rows each round completes go to their rank files on a thread of their own (a Worker, at most
+    BEHIND rounds pending), so their pwrites' CPU is not the main thread's: a completed window
+    row is never written again, so the thread reads it from the store as it is, no copy."""
 
     def __init__(self, ne: NodeEpoch, pad_id: int, files: RankFiles | None = None):
         self.positions, self.files = ne.positions, files
+        self.behind = None if files is None else Worker(depth=BEHIND)
         shape, dtype = (ne.store_rows, ne.plan.row_tokens), ne.job.token_dtype
         # every row is written: its pages faulted in at once, not one by one as the rounds land
         nbytes = shape[0] * shape[1] * dtype.itemsize
@@ -98,14 +104,25 @@ class InMemory:
         place(self.rows_of, pad, at, pieces, tokens, starts)
         if self.files is None:
             return
-        with phase("write_through"):
-            slice_rows = np.unique(at[at < len(self.positions)])
-            done = slice_rows[pad[slice_rows] == 0]  # complete now, and never again (a row filled twice is refused)
-            self.files.place(self.positions[done], self.rows_of, done)
-        count("write_through", len(done) * self.rows_of[:1].nbytes)
+        slice_rows = np.unique(at[at < len(self.positions)])
+        done = slice_rows[pad[slice_rows] == 0]  # complete now, and never again (a row filled twice is refused)
+        if len(done):
+            self.behind.submit(self._write, self.positions[done], done)
+
+    def _write(self, positions: np.ndarray, done: np.ndarray) -> None:
+        with phase("write_through", len(done) * self.rows_of[:1].nbytes):
+            self.files.place(positions, self.rows_of, done)
 
     def finish(self) -> None:
-        pass
+        """Every row written through is in its file (a failed write raised here)."""
+        if self.behind is not None:
+            self.behind.drain()
+
+    def close(self, failed: bool = False) -> None:
+        """The writing thread ended: after its pending writes, or (`failed`) after the one under way."""
+        if self.behind is not None:
+            behind, self.behind = self.behind, None
+            behind.__exit__(BaseException if failed else None, None, None)
 
     def rows(self, lo: int, hi: int):
         yield lo, self.rows_of[lo:hi]

@@ -13,8 +13,9 @@ The phases, and the thread each runs on:
                wait for its peers is CPU too where it polls); its bytes: the tokens sent, every
                copy (to its node, to its shard's owner), the process's own included
   place        the pieces received put in their rows in memory (main thread)
-  write_through  in memory, windows: the rows a round completed written to their place in their
-               rank files (main thread, within place; the kernel writes them back meanwhile)
+  write_through  in memory, windows, where the host has the cores: the rows a round completed
+               written to their place in their rank files (a thread of its own, behind the
+               rounds: node_store.InMemory; the kernel writes them back meanwhile)
   bucket_write out of core: the pieces received appended to bucket files (main thread)
   bucket_read  out of core: the buckets read back and checked (a thread a bucket ahead of
                write and hash_owned, tokpack.packer.node_buckets.BucketRead; wall_s: the

@@ -606,9 +606,13 @@ def iter_source_windows(
         for a in range(w0, w1, per):
             yield min(w1, a + per) - a, a
 
+    ahead_of = getattr(src, "will_need", None)  # a source's shards (a held-out stream's reads are its own)
+
     def fill(buf, n, a):
         view = buf[: n * row]
         src.read_into(sp.offset + a * row, view, handles)
+        if ahead_of is not None and a + n < w1:  # the next block from the disk while this one is hashed and used
+            ahead_of(sp.offset + (a + n) * row, min(per, w1 - a - n) * row, handles)
         if on_read is not None and hasattr(src, "raw_pieces"):
             for raw, x, y in src.raw_pieces(sp.offset + a * row, len(view)):
                 on_read(raw, view[x:y])

@@ -3,7 +3,9 @@ holding every field), and the main process sees the same fields, bit for bit, as
 
 from __future__ import annotations
 
+import os
 import pickle
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from conftest import random_docs, shuffle_run, write_source
 from torch.utils.data import default_convert
 
+from tokpack.loader.handoff import PREFIX, SHM_DIR
 from tokpack.loader.torch_adapter import Batch, TokpackDataset
 
 SEQ, N, M = 15, 48, 2
@@ -47,20 +50,50 @@ def test_a_workers_batch_is_one_buffer_with_the_same_fields(run, kw):
 
 
 def test_a_batch_pickles_as_one_tensor_until_a_field_changes():
+    """A worker's batch crosses once by its buffer's name in /dev/shm (the receiver opens it and
+    removes the name); pickled again, as that one buffer; once a field changes, field by field."""
     arrays = {"input_ids": np.arange(6, dtype=np.int64).reshape(2, 3), "cu_seqlens": np.array([0, 3, 6], np.int32)}
     arrays["consumed_samples"] = np.array(4, dtype=np.int64)
     batch = Batch.packed(arrays)
-    rebuild, (buffer, layout) = batch.__reduce__()
-    assert isinstance(buffer, torch.Tensor) and buffer.untyped_storage().is_shared()
+    assert batch["input_ids"].untyped_storage().is_shared()
     # what a DataLoader worker sends (batch_size=None: default_convert copies the dict, same views)
-    assert default_convert(batch).__reduce__()[0] is rebuild
-    again = pickle.loads(pickle.dumps(batch))
-    assert type(again) is Batch and list(again) == list(arrays)
+    sent = pickle.dumps(default_convert(batch))
+    names = [f for f in os.listdir(SHM_DIR) if f.startswith(f"{PREFIX}{os.getpid()}-")]
+    assert len(names) == 1 and f"{SHM_DIR}/{names[0]}".encode() in sent
+    again = pickle.loads(sent)
+    assert not os.path.exists(f"{SHM_DIR}/{names[0]}")  # the receiver removed the name
+    assert type(again) is Batch and list(again) == list(arrays) and len(storages(again)) == 1
     for key, value in arrays.items():
         assert np.array_equal(again[key].numpy(), value) and again[key].numpy().dtype == value.dtype
+    assert again["input_ids"].untyped_storage().is_shared()  # torch's shared memory: it crosses on as any tensor
+    again["input_ids"][0, 0] = 9
+    assert int(batch["input_ids"][0, 0]) == 9  # one buffer, mapped in both
+    rebuild, (buffer, layout) = batch.__reduce__()  # the name went once: now the buffer itself
+    assert isinstance(buffer, torch.Tensor) and buffer.untyped_storage().is_shared()
+    twice = pickle.loads(pickle.dumps(again))
+    assert all(torch.equal(twice[k], again[k]) for k in again) and len(storages(twice)) == 1
     batch["input_ids"] = batch["input_ids"] + 1  # a collate_fn's change: pickled as it now is
     changed = pickle.loads(pickle.dumps(batch))
-    assert np.array_equal(changed["input_ids"].numpy(), arrays["input_ids"] + 1) and len(storages(changed)) == 3
+    assert np.array_equal(changed["input_ids"].numpy()[0, 1:], arrays["input_ids"][0, 1:] + 1)
+    assert len(storages(changed)) == 3
+
+
+def test_batches_in_flight_when_a_loader_stops_leave_nothing_in_shared_memory(run):
+    """The names of the batches a loader stopped early never took are removed as its workers exit."""
+    loader = StatefulDataLoader(TokpackDataset(run, micro_batch=M, at_end="stop"), batch_size=None, num_workers=2)
+    it = iter(loader)
+    pids = [w.pid for w in it._workers]
+    got = [next(it) for _ in range(3)]
+    assert int(got[-1]["consumed_samples"]) == 3 * M
+
+    def left():
+        return [f for f in os.listdir(SHM_DIR) if any(f.startswith(f"{PREFIX}{pid}-") for pid in pids)]
+
+    time.sleep(0.5)
+    assert left()  # the batches asked for ahead, made and sent, not yet taken
+    it._shutdown_workers()
+    del it, loader
+    assert left() == []
 
 
 def _rows(rng, m: int, width: int, dtype, eos: int, p: float) -> np.ndarray:
@@ -115,7 +148,7 @@ def test_an_empty_batch_holds_its_fields_written_through_its_arrays(shared):
     assert [t.data_ptr() for t in batch.values()] == [a.ctypes.data for a in out]  # the tensors are the arrays
     assert len(storages(batch)) == (1 if shared else 3)
     if shared:
-        assert batch.__reduce__()[1][0].untyped_storage().is_shared()
+        assert batch["a"].untyped_storage().is_shared()
         again = pickle.loads(pickle.dumps(batch))
         assert all(torch.equal(again[k], batch[k]) for k in batch) and len(storages(again)) == 1
 
@@ -131,3 +164,64 @@ def test_without_workers_the_loader_never_pauses(run, monkeypatch):
     monkeypatch.setattr(adapter.time, "sleep", no_sleep)
     for kw in ({}, {"positions": None}, {"max_documents": 6}):
         assert len(list(TokpackDataset(run, micro_batch=M, at_end="stop", **kw))) == N // M
+
+
+EXIT_WITH_A_LOADER_RUNNING = """
+import os, sys, time
+from torchdata.stateful_dataloader import StatefulDataLoader
+from tokpack.loader.torch_adapter import TokpackDataset
+loader = StatefulDataLoader(TokpackDataset(sys.argv[1], micro_batch=2, at_end="stop"), batch_size=None, num_workers=2)
+it = iter(loader)
+got = [next(it) for _ in range(3)]
+time.sleep(0.5)
+print(" ".join(str(w.pid) for w in it._workers))
+"""
+
+
+def test_a_training_process_that_exits_with_a_loader_running_leaves_nothing_in_shared_memory(run):
+    """multiprocessing stops the workers of a loader still running at exit (SIGTERM: torch's
+    handler exits at once): the batches they had in flight are removed after they are joined."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", EXIT_WITH_A_LOADER_RUNNING, str(run)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    pids = out.stdout.split()
+    assert len(pids) == 2, out
+    assert [f for f in os.listdir(SHM_DIR) if f.startswith(tuple(f"{PREFIX}{p}-" for p in pids))] == []
+    assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_names_left_by_processes_gone_are_removed_by_the_next_that_makes_one():
+    """A worker killed outright leaves its batches in flight in /dev/shm; the next process that
+    makes a batch buffer removes them once a minute old, and nothing of a running process's."""
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    old = time.time() - 3600
+    made = {
+        f"{PREFIX}{dead}-0-aaaaaaaa": old,  # gone, an hour old: removed
+        f"{PREFIX}{dead}-1-bbbbbbbb": time.time(),  # gone, just made: kept (its maker may not be done)
+        f"{PREFIX}{os.getpid()}-99999-cccccccc": old,  # this process's, running: kept
+        f"tokpack-1{PREFIX[8:]}{dead}-2-dddddddd": old,  # another PID namespace's (a container's): kept
+    }
+    for name, when in made.items():
+        with open(os.path.join(SHM_DIR, name), "wb") as f:
+            f.write(b"x")
+        os.utime(os.path.join(SHM_DIR, name), (when, when))
+    try:
+        code = "import numpy as np; from tokpack.loader.handoff import Batch; Batch.packed({'a': np.zeros(3)})"
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+        left = {name for name in made if os.path.exists(os.path.join(SHM_DIR, name))}
+        assert left == set(list(made)[1:])
+    finally:
+        for name in made:
+            if os.path.exists(os.path.join(SHM_DIR, name)):
+                os.unlink(os.path.join(SHM_DIR, name))

@@ -290,6 +290,8 @@ GATE_ALLOWED = {
     ("packer/slicing.py", "src.open"): "staging.Source.open, which opens through the gate",
     ("formats/inputs/jsonl.py", "gzip.open"): "decompresses a stream the gate opened (its argument is a file object)",
     ("formats/io/memory.py", "mmap.mmap"): "an anonymous mapping (descriptor -1): memory, no file",
+    ("loader/handoff.py", "os.open"): "a batch's buffer in /dev/shm (shared memory, made by a DataLoader worker "
+    "and opened by the training process by its name): memory, no dataset file",
     ("formats/io/paths.py", "self.read_bytes"): "RemotePath.read_text over its read_bytes: an object in a bucket",
     ("formats/io/progress_log.py", "_LOG_LINES.open"): "the progress log's registry of open bars, no file",
 }

@@ -1003,6 +1003,40 @@ def test_iter_source_windows_reads_the_jittered_windows(sources, block, w0, w1):
             assert row == tokens[lo:hi].tolist()
 
 
+def test_iter_source_windows_asks_the_disk_for_the_next_block_while_it_works_on_this_one(sources, monkeypatch):
+    """Before a block is hashed and handed over, the reading thread asks the kernel for the next
+    one (POSIX_FADV_WILLNEED): exactly its bytes, in its shards, so the disk reads it meanwhile."""
+    import os
+
+    from tokpack.shuffle.plan import iter_source_windows
+
+    calls, fadvise, read_into = [], os.posix_fadvise, PackedSource.read_into
+
+    def advised(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_WILLNEED:
+            calls.append(("advise", os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, length))
+        return fadvise(fd, offset, length, advice)
+
+    def read(self, start, out, handles=None):
+        calls.append(("read", start, len(out)))
+        return read_into(self, start, out, handles)
+
+    monkeypatch.setattr(os, "posix_fadvise", advised)
+    monkeypatch.setattr(PackedSource, "read_into", read)
+    src, plan = sources[0], plan_of(sources, 1, False)
+    shard_of = {sh["path"].rsplit("/", 1)[-1]: int(src.shard_starts[i]) for i, sh in enumerate(src.shards)}
+    list(iter_source_windows(plan, 0, src, block_bytes=3 * ROW * 2))
+    reads = [i for i, c in enumerate(calls) if c[0] == "read"]
+    assert len(reads) > 3
+    for before, at in zip(reads, reads[1:]):
+        _, start, n = calls[at]
+        asked = [c for c in calls[before + 1 : at] if c[0] == "advise"]  # after the read before it
+        tokens = [(shard_of[f] + off // 2, length // 2) for _, f, off, length in asked]
+        assert tokens and tokens[0][0] == start and sum(k for _, k in tokens) == n
+        assert all(a + k == b for (a, k), (b, _) in zip(tokens, tokens[1:]))  # one range, shard after shard
+    assert not [c for c in calls[reads[-1] :] if c[0] == "advise"]  # nothing past the last block
+
+
 def test_three_sources_share_bases(sources):
     """Bases accumulate over every source before s (three sources, the same data twice; the
     engine refuses a repeated source, the plan itself does not care)."""

@@ -227,13 +227,29 @@ def test_the_write_through_is_taken_where_the_host_has_cores_to_spare(monkeypatc
     assert not ns.write_through_pays(96, 1)
 
 
-SITE = "import tokpack.packer.node_store as ns\nns.WRITE_THROUGH = True  # whatever this machine's cores\n"
+SITE = """
+import os, threading
+import tokpack.packer.node_store as ns
+import tokpack.packer.rank_files as rf
+
+ns.WRITE_THROUGH = True  # whatever this machine's cores
+place = rf.RankFiles.place
+
+
+def placed_behind(self, *args):
+    if threading.current_thread() is threading.main_thread():  # the rounds' own thread: a mark
+        open(os.environ["MAIN_MARK"], "a").close()
+    return place(self, *args)
+
+
+rf.RankFiles.place = placed_behind
+"""
 
 
 def test_written_through_equals_shuffle_then_stage_node(tmp_path):
     """With the write-through forced on (this machine's cores leave it off: write_through_pays),
     4 processes' slices, two epochs of several rounds, are byte for byte shuffle + stage --node,
-    and the rounds wrote the tokens (phase write_through)."""
+    and the rounds wrote the tokens (phase write_through), never on the rounds' thread."""
     from test_mpi import REPO, assert_same_slices, staged, summaries, to_nodes
 
     source = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
@@ -243,9 +259,10 @@ def test_written_through_equals_shuffle_then_stage_node(tmp_path):
     args = [source, "--seq-len", 16, "--seed", 5, "--epochs", 2, "--shard-samples", 12]
     run, dests = staged(tmp_path, args)
     exchanged = tmp_path / "exchanged"
-    env = {"PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{REPO}", "MAIN_MARK": str(tmp_path / "placed-on-main")}
     done = to_nodes(exchanged, str(tmp_path / "node{node}"), *args, "--memory", "64KiB", env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     details = [d for s in summaries(done).values() for d in s["epochs_detail"]]
     assert len(details) == 8 and all(d["rounds"] > 1 and d["phases"]["write_through"]["bytes"] > 0 for d in details)
     assert_same_slices(run, dests, exchanged, tmp_path / "node")
+    assert not (tmp_path / "placed-on-main").exists()  # the rows were written behind, on a thread of their own

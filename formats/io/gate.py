@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import io
 import os
 import stat
 from pathlib import Path
@@ -294,6 +295,14 @@ def sequential(f) -> None:
     """Tells the kernel to read ahead: the file is read once, front to back."""
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+
+def will_need(f, offset: int, length: int) -> None:
+    """Asks the kernel to read [offset, offset+length) of `f` (open_read's) now, in the background
+    (POSIX_FADV_WILLNEED), so that a read of it later finds it in memory: a reader that hashes a
+    block while the next one comes from the disk. A URL's file: nothing (its reads are its own)."""
+    if isinstance(f, io.FileIO) and hasattr(os, "posix_fadvise") and length > 0:
+        os.posix_fadvise(f.fileno(), offset, length, os.POSIX_FADV_WILLNEED)
 
 
 def iter_file_blocks(
