@@ -340,7 +340,8 @@ class PlacedFile:
     (3 GiB of 4098-byte rows in random order on 4 processes: 3.1 GB written to the disk, 4.6 GB
     when each row was written as it came, its pages shared with rows still to come). Nothing
     asks the kernel to start that writeback sooner: sync_file_range(SYNC_FILE_RANGE_WRITE)
-    after each call blocked the caller, 0.1-0.4 s a call, and made the epoch slower.
+    after each call blocked its caller 0.1-0.4 s a call, and on 2 cores the epoch was slower
+    for it, though commit's fsync then had a third as much left to write.
     O_DIRECT would want aligned rows, and the pages are written from the caller's rows, not a
     copy. Those pages are the kernel's page cache, and the kernel holds a writer back past
     vm.dirty_ratio: memory stays bounded. Then the file's bytes in order are hashed from the
