@@ -58,24 +58,25 @@ START_SECONDS = 0.5  # a process's start (tokpack.packer.plan_result.COMMAND_STA
 # hash_owned the owned shards' token bytes). Measured by the run below; `python bench/nodes.py`
 # prints them again ("s/byte") from its own 4-process run.
 MEASURED = {
-    "read": 0.549e-9,
-    "cut": 0.402e-9,
-    "route": 1.18e-9,
-    "place": 0.256e-9,
-    "bucket_write": 2.47e-9,
-    "bucket_read": 0.665e-9,
-    "write": 0.757e-9,
-    "hash_owned": 0.573e-9,
+    "read": 0.44e-9,
+    "cut": 0.315e-9,
+    "route": 1.0e-9,
+    "place": 0.244e-9,
+    "bucket_write": 2.28e-9,
+    "bucket_read": 0.759e-9,
+    "write": 0.584e-9,
+    "hash_owned": 0.521e-9,
     # in memory, windows, where the host has the cores (node_store.write_through_pays): the rows'
-    # pwrite into the page cache during the rounds, a byte of the slice. The write phase after
-    # costs what it did (its hash and index: the O_DIRECT write it no longer does was DMA).
-    "write_through": 0.97e-9,
+    # pwrites into the page cache during the rounds (whole pages, a thread of their own), a byte
+    # of the slice. The write phase after costs what it did (its hash and index: the O_DIRECT
+    # write it no longer does was DMA).
+    "write_through": 0.79e-9,
 }
 MEASURED_BY = (
-    'bench/nodes.py --size 128MiB at a22a544, 2026-12-06 05:31 UTC, quiet machine (BENCHMARKS.md, "Straight '
+    'bench/nodes.py --size 128MiB at 91a02bb (with this model), 2026-12-06 08:11 UTC, quiet machine (BENCHMARKS.md, "Straight '
     "to the nodes\"): the 4-process first, later and out-of-core runs' --json phases summed (2-core Xeon VM); "
-    "write_through: 4-process in-memory runs of 3 GiB with the write-through forced on, 07:24 UTC (its write "
-    "phase after: 0.436 ns a byte, without it 0.437)"
+    "write_through: 4-process in-memory runs of 3 GiB with the write-through forced on, at 91a02bb, 08:10 UTC "
+    "(0.59-0.84 over 1 and 3 GiB; its write phase after: 0.436 ns a byte, without it 0.437)"
 )
 
 
