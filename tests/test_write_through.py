@@ -266,3 +266,43 @@ def test_written_through_equals_shuffle_then_stage_node(tmp_path):
     assert len(details) == 8 and all(d["rounds"] > 1 and d["phases"]["write_through"]["bytes"] > 0 for d in details)
     assert_same_slices(run, dests, exchanged, tmp_path / "node")
     assert not (tmp_path / "placed-on-main").exists()  # the rows were written behind, on a thread of their own
+
+
+FAILING = """
+import errno, os
+import tokpack.packer.node_store as ns
+import tokpack.formats.io.writes as writes
+
+ns.WRITE_THROUGH = True
+write_at = writes.PlacedFile.write_at
+calls = [0]
+
+
+def full(self, *args):
+    calls[0] += 1
+    if calls[0] > 1:  # the disk fills up after the first write behind the rounds
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.tmp))
+    return write_at(self, *args)
+
+
+writes.PlacedFile.write_at = full
+"""
+
+
+def test_a_failed_write_behind_the_rounds_stops_the_job_in_one_line_and_leaves_no_temporary(tmp_path):
+    """A write of the writing thread that fails (a full disk) is raised in the rounds' thread:
+    each process stops with one line naming the error, no traceback, and no temporary rank file
+    or slice manifest is left that could pass for data."""
+    from test_mpi import REPO, to_nodes
+
+    source = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 200, 1000, 0), docs_per_shard=40)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAILING)
+    args = [source, "--seq-len", 16, "--seed", 5, "--epochs", 1, "--shard-samples", 12, "--memory", "64KiB"]
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
+    done = to_nodes(tmp_path / "run", str(tmp_path / "node{node}"), *args, env=env, every_line=True)
+    assert done.returncode != 0
+    assert "No space left on device" in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+    left = [p for p in tmp_path.glob("node*/**/*") if p.is_file() and (".tmp-" in p.name or p.suffix == ".ds")]
+    assert left == [], left
