@@ -38,13 +38,13 @@ def open_stores(
 # Whether an in-memory windows epoch writes its rank files during the rounds (open_slice_files):
 # None: where the host has the cores for it (write_through_pays); True, False: always, never.
 WRITE_THROUGH: bool | None = None
-# Cores a process needs for the write-through to pay: its main thread (whose CPU the rows' pwrites
-# add to), its read-ahead thread and one for the kernel's writeback. Measured here (2 cores, 4
-# processes, ext4 on a VM disk; 256 MiB and 3 GiB of windows): a row's pwrite costs about 1 ns of
-# CPU a byte on the main thread, and with every core busy the epoch was slower (0.79 -> 0.91 s, 8.7
-# -> 13.4 s), the final fsync taking as long as the O_DIRECT write it replaces. Where the cores are
-# free the disk works while the rounds go on: a later epoch's 458 GB slice at 48 nodes is 3.8
-# minutes of a 2 GB/s disk taken off the end (tokpack.packer.node_model).
+# Cores a process needs for the write-through to pay: its main thread, its read-ahead thread and
+# its writing thread (the rows' pwrites into the page cache, 0.6-0.8 ns of CPU a byte; the
+# kernel's writeback besides). Measured here (2 cores, 4 processes, ext4 on a VM disk; 256 MiB and
+# 3 GiB of windows): with every core busy the epoch was slower (0.79 -> 0.91 s, 8.7 -> 13.4 s),
+# the final fsync taking as long as the O_DIRECT write it replaces. Where the cores are free the
+# disk works while the rounds go on: a later epoch's 458 GB slice at 48 nodes is 3.8 minutes of a
+# 2 GB/s disk taken off the end (tokpack.packer.node_model).
 CORES_A_PROCESS = 3
 BEHIND = 2  # rounds whose completed rows wait for the writing thread (their indices only: no rows copied)
 
