@@ -147,7 +147,44 @@ def remove_tmp_files(directory: str | Path) -> None:
                 p.unlink(missing_ok=True)
 
 
-class DurableFile:
+class TmpFile:
+    """A file under its temporary name (tmp_path), its bytes hashed and counted as they come
+    (`count`), fsync'd and renamed into place (`commit_file`), or removed (`abort`): what
+    DurableFile and PlacedFile share."""
+
+    def __init__(self, final: str | Path):
+        self.final = Path(final)  # the name it gets on commit
+        self.tmp = tmp_path(final)  # the name it is written under
+        self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # None once closed
+        self.hash = xxhash.xxh3_128()  # of every byte counted
+        self.bytes = 0  # counted so far
+
+    def count(self, data) -> memoryview:
+        """`data` hashed and counted, as the file's next bytes; returned as bytes."""
+        mv = memoryview(data).cast("B")
+        self.hash.update(mv)
+        self.bytes += mv.nbytes
+        return mv
+
+    def commit_file(self) -> str:
+        """The file synced and renamed into place; its xxh3_128 hex digest."""
+        os.fdatasync(self.fd)
+        self._close()
+        os.replace(self.tmp, self.final)
+        return self.hash.hexdigest()
+
+    def _close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def abort(self) -> None:
+        """Closes and deletes the temporary file; safe after a failed write or commit."""
+        self._close()
+        Path(self.tmp).unlink(missing_ok=True)
+
+
+class DurableFile(TmpFile):
     """A file written under a temporary name, hashed as it goes, and fsync'd and renamed on
     commit: once committed, it survives a crash.
 
@@ -161,11 +198,7 @@ class DurableFile:
     writes."""
 
     def __init__(self, final: str | Path, direct: bool = False):
-        self.final = Path(final)  # the name it gets on commit
-        self.tmp = tmp_path(final)  # the name it is written under
-        self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # None once closed
-        self.hash = xxhash.xxh3_128()  # of every byte written
-        self.bytes = 0  # written so far (the file may hold fewer until commit, see _staged)
+        super().__init__(final)  # self.bytes: written so far (the file may hold fewer until commit, see _staged)
         self._staging: memoryview | None = None  # O_DIRECT only: the unaligned tail, not yet written
         self._staged = 0  # bytes in _staging
         try:
@@ -177,9 +210,7 @@ class DurableFile:
             raise
 
     def write(self, data) -> None:
-        mv = memoryview(data).cast("B")
-        self.hash.update(mv)
-        self.bytes += mv.nbytes
+        mv = self.count(data)
         if self._staging is None:
             self._write_all(mv)
             return
@@ -224,20 +255,11 @@ class DurableFile:
             self._write_all(self._staging[: self._staged + pad])
             os.ftruncate(self.fd, self.bytes)
             self._staged = 0
-        os.fdatasync(self.fd)
-        self._close()
-        os.replace(self.tmp, self.final)
-        return self.hash.hexdigest()
+        return self.commit_file()
 
     def _close(self) -> None:
-        fd, self.fd, self._staging = self.fd, None, None
-        if fd is not None:
-            os.close(fd)
-
-    def abort(self) -> None:
-        """Closes and deletes the temporary file; safe after a failed write or commit."""
-        self._close()
-        Path(self.tmp).unlink(missing_ok=True)
+        self._staging = None
+        super()._close()
 
 
 class HashedFile:
@@ -331,7 +353,7 @@ class RowPages:
         return (a + s, b + s), cuts
 
 
-class PlacedFile:
+class PlacedFile(TmpFile):
     """A file of equal rows written in place, in any order, as the caller completes them
     (`place`: `shuffle --to-nodes` writes each row of a rank file as its round places it):
     buffered writes of whole pages, each once, when all the rows it holds are in (RowPages), so
@@ -350,10 +372,8 @@ class PlacedFile:
     refuses."""
 
     def __init__(self, final: str | Path):
-        self.final, self.tmp = Path(final), tmp_path(final)
-        self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.hash, self.bytes, self.placed, self.size = xxhash.xxh3_128(), 0, 0, 0
-        self.pages = RowPages(0, 1)
+        super().__init__(final)
+        self.placed, self.size, self.pages = 0, 0, RowPages(0, 1)
 
     def reserve(self, rows: int, row_bytes: int) -> None:
         """The file at its final size, `rows` rows of `row_bytes` bytes (a sparse file: no block
@@ -388,9 +408,7 @@ class PlacedFile:
 
     def write(self, data) -> None:
         """The next bytes of the file, in order, already placed: hashed, not written."""
-        mv = memoryview(data).cast("B")
-        self.hash.update(mv)
-        self.bytes += mv.nbytes
+        self.count(data)
 
     def commit(self) -> str:
         """Returns the xxh3_128 hex digest."""
@@ -402,20 +420,7 @@ class PlacedFile:
                 found=f"{self.placed} placed, {self.bytes} hashed",
                 hint="report this with the command line",
             )
-        os.fdatasync(self.fd)
-        self._close()
-        os.replace(self.tmp, self.final)
-        return self.hash.hexdigest()
-
-    def _close(self) -> None:
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)
-
-    def abort(self) -> None:
-        """Closes and deletes the temporary file; safe after a failed write or commit."""
-        self._close()
-        Path(self.tmp).unlink(missing_ok=True)
+        return self.commit_file()
 
 
 def _set_direct(fd: int, on: bool) -> bool:
