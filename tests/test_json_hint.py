@@ -84,3 +84,42 @@ def test_validate_interrupted_or_missing_a_module_has_its_hint_in_hint(
         1: "tokpack: error: this command needs the module 's3fs', which is not installed. HINT: pip install s3fs",
     }
     assert line == expected[code]  # the human line is the one it always was
+
+
+# Ctrl-C while the command's modules load (the first ~0.2 s), before the command's own handler:
+# the import is made to raise it, as SIGINT would there.
+_STOPPED_LOADING = """
+import sys
+class Stop:
+    def find_spec(self, name, path=None, target=None):
+        if name == "tokpack.packer.cli":
+            raise KeyboardInterrupt
+sys.meta_path.insert(0, Stop())
+sys.argv = ["tokpack", *sys.argv[1:]]
+from tokpack.__main__ import main
+main()
+"""
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_while_the_command_loads_is_one_line_no_traceback(as_json, tmp_path):
+    import subprocess
+    import sys
+
+    args = ["validate", str(tmp_path), *(["--json"] if as_json else [])]
+    r = subprocess.run([sys.executable, "-c", _STOPPED_LOADING, *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 130
+    assert r.stderr == "tokpack: interrupted before the command began; nothing was written\n"
+    if as_json:
+        out = json.loads(r.stdout)
+        assert out["ok"] is False and out["error"]["error"] == "KeyboardInterrupt"
+    else:
+        assert r.stdout == ""
+
+
+def test_the_console_script_is_the_guarded_launcher():
+    import tomllib
+    from pathlib import Path
+
+    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["tokpack"] == "tokpack.__main__:main"
