@@ -171,11 +171,13 @@ def test_stage_refuses_the_copy_naming_the_row(run, tmp_path):
 
 
 def test_stage_checks_a_copy_already_in_place_row_by_row(run, tmp_path):
-    """A rerun keeps a file already at DEST only once verified: a changed byte there is copied again."""
+    """A rerun keeps a file already at DEST once verified, row by row: the intact shards stay, the
+    one with a changed byte is copied again, and only it."""
     dest = tmp_path / "dest"
     stage(run, dest)
     _flip(dest)
-    stage(run, dest)
+    again = stage(run, dest)
+    assert again.copied_files == 1 and again.skipped_files == again.files - 1 - 3  # files counts 3 manifests
     assert (dest / epoch_dir_name(0) / SHARD).read_bytes() == (run / epoch_dir_name(0) / SHARD).read_bytes()
 
 
