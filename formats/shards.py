@@ -2,8 +2,9 @@
 
 A shard is datatrove's layout: `NNNNN.ds` (raw little-endian tokens), `NNNNN.ds.index`
 (uint64 cumulative ends, no leading 0), `NNNNN.ds.metadata` and optionally
-`NNNNN.ds.loss` (one byte per token). Writers hash while they write, so producing a
-manifest never costs a second read.
+`NNNNN.ds.loss` (one byte per token); an epoch's shard also `NNNNN.ds.rows` (each row's
+xxh3-64, which vouches for its token file) and a best-fit one `NNNNN.ds.pad`. Writers hash
+while they write, so producing a manifest never costs a second read.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def shard_suffixes(entry: dict) -> tuple[str, ...]:
 def shard_files(entry: dict, source: bool = False) -> list[tuple[str, int | None, str]]:
     """(suffix, recorded bytes or None where the entry cannot say, checksum field) of each file
     of the shard a manifest entry records; `source`: an entry of a packed source, whose index
-    has an entry per document, where an epoch's has one per fragment."""
+    has an entry per document, where an epoch's has one per fragment. The token file's field,
+    `xxh3_128`, is absent from an epoch's entry written since its row hashes alone vouch for it
+    (formats/token_check.py says what checks it)."""
 
     def sized(key: str, per: int) -> int | None:
         return None if entry.get(key) is None else per * int(entry[key])
@@ -282,10 +285,16 @@ class EpochShardWriter:
         hashed_only: bool = False,
         placed: bool = False,
     ):
-        """`hashed_only`: the `.ds` and `.ds.index` are hashed and counted, not written (their
-        entry is the same); the row hashes, padding and metadata are written. `placed`: the
-        `.ds` is written row by row in any order (`reserve`, then `write_at`), before write_rows
-        gets the same rows in order, which then only hashes their tokens (PlacedFile)."""
+        """`hashed_only`: the `.ds` is neither written nor hashed and the `.ds.index` is hashed,
+        not written (their entry is the same); the row hashes, padding and metadata are written.
+        Then write_known_index and write_pad are all a caller needs: no token is asked for.
+        `placed`: the `.ds` is written row by row in any order (`reserve`, then `write_at`),
+        before write_rows gets the same rows in order, which then only counts their tokens
+        (PlacedFile).
+
+        The entry records no checksum of the `.ds` (docs/FORMAT.md): `.ds.rows` holds each
+        row's xxh3-64 and `rows_xxh3_128` vouches for it, so a reader checks the tokens row by
+        row, and nothing here hashes them a second time."""
         self.directory = Path(directory)
         self.name = name  # final file name
         self.dtype = np.dtype(dtype).newbyteorder("<")
@@ -296,12 +305,10 @@ class EpochShardWriter:
         self.multiset = 0  # running sum of xxh3_64 over samples, mod 2^64
         self._ds = self._index = self._rows = self._pad = None
         try:
-            if hashed_only:
-                self._ds = HashedFile(self.directory / name)
-            else:
-                self._ds = (
-                    PlacedFile(self.directory / name) if placed else DurableFile(self.directory / name, direct=True)
-                )
+            if placed and not hashed_only:
+                self._ds = PlacedFile(self.directory / name, hashed=False)
+            elif not hashed_only:
+                self._ds = DurableFile(self.directory / name, direct=True, hashed=False)
             self._index = (HashedFile if hashed_only else DurableFile)(self.directory / f"{name}.index")
             # Each sample's xxh3_64: what lets a node copy and verify some rows without the others.
             self._rows = DurableFile(self.directory / f"{name}{ROWS_SUFFIX}")
@@ -324,8 +331,8 @@ class EpochShardWriter:
         return np.ascontiguousarray(rows).view(self.dtype).reshape(len(rows), self.row_tokens)
 
     def write_tokens(self, rows: np.ndarray) -> None:
-        """The rows' bytes into the .ds file."""
-        if len(rows):
+        """The rows' bytes into the .ds file (`hashed_only`: nowhere)."""
+        if len(rows) and self._ds is not None:
             self._ds.write(self._tokens(rows))
 
     def write_index(self, rows: np.ndarray, hashes: np.ndarray | None = None) -> None:
@@ -371,12 +378,13 @@ class EpochShardWriter:
 
     def close(self) -> dict:
         tokens = self.samples * self.row_tokens
+        if self._ds is not None:
+            self._ds.commit()  # no checksum: the row hashes are the token file's (__init__)
         entry = {
             "path": self.name,
             "tokens": tokens,
-            "bytes": self._ds.bytes,
+            "bytes": tokens * self.dtype.itemsize if self._ds is None else self._ds.bytes,
             "samples": self.samples,
-            "xxh3_128": self._ds.commit(),
             "index_xxh3_128": self._index.commit(),
             "rows_xxh3_128": self._rows.commit(),
         }

@@ -1,8 +1,8 @@
 """Durable writes: a file is written under a temporary name (`tmp_path`) and renamed into
 place, so a reader never sees half of it; `DurableFile` writes with O_DIRECT where it can (no
-page cache for data read again only by another command), hashing as it writes; `PlacedFile`
-is written row by row in any order, each page once when its rows are in, then hashed in
-order; `Outbox` sends a command's committed files to an object store."""
+page cache for data read again only by another command), hashing as it writes (unless told
+not to); `PlacedFile` is written row by row in any order, each page once when its rows are in,
+then hashed in order; `Outbox` sends a command's committed files to an object store."""
 
 from __future__ import annotations
 
@@ -150,28 +150,31 @@ def remove_tmp_files(directory: str | Path) -> None:
 class TmpFile:
     """A file under its temporary name (tmp_path), its bytes hashed and counted as they come
     (`count`), fsync'd and renamed into place (`commit_file`), or removed (`abort`): what
-    DurableFile and PlacedFile share."""
+    DurableFile and PlacedFile share. `hashed=False`: counted only, for a file whose manifest
+    entry records no checksum of it (an epoch shard's token file: its row hashes vouch for it,
+    docs/FORMAT.md), which saves a pass over every byte."""
 
-    def __init__(self, final: str | Path):
+    def __init__(self, final: str | Path, hashed: bool = True):
         self.final = Path(final)  # the name it gets on commit
         self.tmp = tmp_path(final)  # the name it is written under
         self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # None once closed
-        self.hash = xxhash.xxh3_128()  # of every byte counted
+        self.hash = xxhash.xxh3_128() if hashed else None  # of every byte counted
         self.bytes = 0  # counted so far
 
     def count(self, data) -> memoryview:
-        """`data` hashed and counted, as the file's next bytes; returned as bytes."""
+        """`data` hashed (if `hashed`) and counted, as the file's next bytes; returned as bytes."""
         mv = memoryview(data).cast("B")
-        self.hash.update(mv)
+        if self.hash is not None:
+            self.hash.update(mv)
         self.bytes += mv.nbytes
         return mv
 
-    def commit_file(self) -> str:
-        """The file synced and renamed into place; its xxh3_128 hex digest."""
+    def commit_file(self) -> str | None:
+        """The file synced and renamed into place; its xxh3_128 hex digest (None: not `hashed`)."""
         os.fdatasync(self.fd)
         self._close()
         os.replace(self.tmp, self.final)
-        return self.hash.hexdigest()
+        return None if self.hash is None else self.hash.hexdigest()
 
     def _close(self) -> None:
         fd, self.fd = self.fd, None
@@ -197,8 +200,10 @@ class DurableFile(TmpFile):
     and the file truncated to its length. Filesystems without O_DIRECT (tmpfs) get buffered
     writes."""
 
-    def __init__(self, final: str | Path, direct: bool = False):
-        super().__init__(final)  # self.bytes: written so far (the file may hold fewer until commit, see _staged)
+    def __init__(self, final: str | Path, direct: bool = False, hashed: bool = True):
+        super().__init__(
+            final, hashed
+        )  # self.bytes: written so far (the file may hold fewer until commit, see _staged)
         self._staging: memoryview | None = None  # O_DIRECT only: the unaligned tail, not yet written
         self._staged = 0  # bytes in _staging
         try:
@@ -247,8 +252,8 @@ class DurableFile(TmpFile):
                 n = os.write(self.fd, mv)
             mv = mv[n:]
 
-    def commit(self) -> str:
-        """Returns the xxh3_128 hex digest."""
+    def commit(self) -> str | None:
+        """Returns the xxh3_128 hex digest (None: not `hashed`)."""
         if self._staged:
             pad = -self._staged % DIRECT_ALIGN
             self._staging[self._staged : self._staged + pad] = bytes(pad)
@@ -265,7 +270,7 @@ class DurableFile(TmpFile):
 class HashedFile:
     """A DurableFile whose bytes are hashed and counted, never written: a file whose checksum a
     manifest needs where the file itself lives elsewhere (a linking pack's shard files, which
-    are the input's; a --to-nodes owned epoch shard's tokens and index, the nodes' slices')."""
+    are the input's; a --to-nodes owned epoch shard's index, the nodes' slices')."""
 
     def __init__(self, final: str | Path, direct: bool = False):
         self.final, self.hash, self.bytes = Path(final), xxhash.xxh3_128(), 0
@@ -366,13 +371,13 @@ class PlacedFile(TmpFile):
     for it, though commit's fsync then had a third as much left to write.
     O_DIRECT would want aligned rows, and the pages are written from the caller's rows, not a
     copy. Those pages are the kernel's page cache, and the kernel holds a writer back past
-    vm.dirty_ratio: memory stays bounded. Then the file's bytes in order are hashed from the
-    caller's copy (`write`: nothing read back or written again), and `commit` fsyncs and
-    renames it, as DurableFile's. The bytes placed must be exactly those hashed, or commit
-    refuses."""
+    vm.dirty_ratio: memory stays bounded. Then the file's bytes in order are counted (and, if
+    `hashed`, hashed) from the caller's copy (`write`: nothing read back or written again), and
+    `commit` fsyncs and renames it, as DurableFile's. The bytes placed must be exactly those
+    counted, or commit refuses."""
 
-    def __init__(self, final: str | Path):
-        super().__init__(final)
+    def __init__(self, final: str | Path, hashed: bool = True):
+        super().__init__(final, hashed)
         self.placed, self.size, self.pages = 0, 0, RowPages(0, 1)
 
     def reserve(self, rows: int, row_bytes: int) -> None:
@@ -407,11 +412,12 @@ class PlacedFile(TmpFile):
         self.placed += length
 
     def write(self, data) -> None:
-        """The next bytes of the file, in order, already placed: hashed, not written."""
+        """The next bytes of the file, in order, already placed: hashed (if `hashed`) and
+        counted, not written."""
         self.count(data)
 
-    def commit(self) -> str:
-        """Returns the xxh3_128 hex digest."""
+    def commit(self) -> str | None:
+        """Returns the xxh3_128 hex digest (None: not `hashed`)."""
         if not self.bytes == self.placed == self.size:
             raise TokpackError(
                 "internal error: a file's bytes written in place are not the bytes hashed",
