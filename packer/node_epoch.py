@@ -28,10 +28,14 @@ MIN_ROUND_ROWS = 4
 # fresh memory, and larger ones cost more per byte to fault in than they save in rounds (bench/
 # rounds.py, BENCHMARKS.md "Straight to the nodes"); at 48 nodes a round still sends megabytes a peer.
 MAX_ROUND_BYTES = 64 << 20
-# Bytes a slice row's facts take in its keeper's memory, from its rank file's write until its
-# owner has them (tokpack.packer.owned_facts.KeptFacts): its xxh3-64 (8), its EOS count (4) and
-# about a dozen EOS columns (4 each: natural text ends a document every few hundred tokens).
-FACT_ROW_BYTES = 64
+
+
+def fact_row_bytes(row_tokens: int) -> int:
+    """Bytes a slice row's facts take in its keeper's memory, from its rank file's write until
+    its owner has them (tokpack.packer.owned_facts): its xxh3-64, EOS count, first EOS column's
+    place and its order among the facts' rounds (about 40), and 8 bytes an EOS column (held
+    twice as they are laid out in order), at about a document end every 256 tokens."""
+    return 40 + 8 * (row_tokens // 256 + 1)
 
 
 class NodeEpoch:
@@ -75,12 +79,12 @@ class NodeEpoch:
         self.owned = list(range(self.me, job.n_shards, self.world))
         self.owned_rows = sum(job.shard_range(i)[1] - job.shard_range(i)[0] for i in self.owned)
         # The store (the slice's rows), each row's tokens still unfilled (its padding, once every
-        # piece is in), the positions, and each row's facts for its owner (FACT_ROW_BYTES).
-        P = len(self.positions)
-        self.keep_bytes = P * (rb + 8) + 8 * P + FACT_ROW_BYTES * P
+        # piece is in), the positions, and each row's facts for its owner (fact_row_bytes).
+        P, facts = len(self.positions), fact_row_bytes(self.plan.row_tokens)
+        self.keep_bytes = P * (rb + 8) + 8 * P + facts * P
         # Out of core the store is bucket files: what stays in memory is the positions, the
         # unfilled counts and the facts.
-        self.index_bytes = 8 * P + 8 * P + FACT_ROW_BYTES * P
+        self.index_bytes = 8 * P + 8 * P + facts * P
 
     @property
     def store_rows(self) -> int:

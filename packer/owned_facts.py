@@ -6,7 +6,7 @@ pass): its xxh3-64, its padding and its EOS columns (1 + the column of each EOS 
 end is implied). With them the owner builds the shard's manifest entry (tokpack.packer.
 owned_shards), the same bytes as from the rows themselves.
 
-The keeper holds its slice rows' facts (KeptFacts, about FACT_ROW_BYTES a row), then every
+The keeper holds its slice rows' facts (KeptFacts, node_epoch.fact_row_bytes a row), then every
 process takes part in the same `fact_rounds(ne)` rounds: in round j each keeper sends to each
 owner, with one exchange of small arrays (transport.send_each: a FACT record a row, then the
 EOS columns), the facts of the rows at places [j*FACT_ROWS, (j+1)*FACT_ROWS) of that owner's
@@ -90,12 +90,14 @@ def send_facts(comm, MPI, ne: NodeEpoch, kept: KeptFacts, pad: np.ndarray, owned
     round; one that failed (a peer's facts refused, its scratch's disk full) goes on sending its
     own, so that none is left waiting, and raises its failure after the last round."""
     g = ne.positions
-    rnd = owned_place(ne, g) // FACT_ROWS
     dest = ne.owner_of(g)
-    order = np.lexsort((dest, rnd))  # by round, then owner; each owner's rows in increasing g
-    cuts = np.searchsorted(rnd[order], np.arange(fact_rounds(ne) + 1))
+    key = owned_place(ne, g) // FACT_ROWS * ne.world + dest
+    order = np.argsort(key, kind="stable")  # by round, then owner; each owner's rows in increasing g
+    rounds = fact_rounds(ne)
+    cuts = np.searchsorted(key[order], np.arange(rounds + 1) * ne.world)
+    del key
     failure = None
-    for j in range(fact_rounds(ne)):
+    for j in range(rounds):
         which = order[cuts[j] : cuts[j + 1]]
         rec = np.empty(len(which), FACT)
         rec["g"], rec["hash"], rec["pad"], rec["eos"] = g[which], kept.hashes[which], pad[which], kept.counts[which]

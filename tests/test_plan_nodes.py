@@ -389,7 +389,7 @@ def test_a_large_epoch_counts_a_sample_of_its_windows_close_to_all(monkeypatch, 
 def test_rows_that_do_not_fit_memory_are_planned_out_of_core(source, tmp_path):
     """--memory 20KiB: every node orders its rows out of core (tests/test_mpi.py OUT_OF_CORE);
     the plan's rounds are the real run's and its scratch counts the bucket files, every row of
-    the slice and of the owned shards with its record. --memory 8KiB: not even out of core, which
+    the slice with its record (the owned shards' rows are not sent to their owner). --memory 8KiB: not even out of core, which
     the exchange refuses (test_too_little_memory_is_one_line_per_node_and_writes_no_slice): no rounds."""
     plan = check_against_the_run(
         tmp_path,
@@ -400,8 +400,8 @@ def test_rows_that_do_not_fit_memory_are_planned_out_of_core(source, tmp_path):
     for p in plan["per_node"]:
         e = p["epochs"][0]
         assert not e["fits_memory"] and e["rounds"] is not None
-        stored = (e["rows"] + e["owned_rows"]) * (SEQ + 1) * 2  # uint16 rows
-        assert p["out_of_core_bytes"] > stored > e["slice_token_bytes"] and p["scratch_bytes"] >= p["out_of_core_bytes"]
+        stored = e["rows"] * (SEQ + 1) * 2  # uint16 rows
+        assert p["out_of_core_bytes"] > stored == e["slice_token_bytes"] and p["scratch_bytes"] >= p["out_of_core_bytes"]
     tiny = plan_json(
         tmp_path / "other",
         str(tmp_path / "other{node}"),
