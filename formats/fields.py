@@ -8,8 +8,10 @@ from typing import Iterator
 
 # Every manifest kind's fields, as the markdown rows docs/FORMAT.md shows (tests/test_format.py
 # holds them equal): name, type, required, the kinds that carry it ("stages[]": the sidecar's
-# `stages` entries), meaning. Readers ignore fields they do not know, so a newer writer may add
-# optional ones.
+# `stages` entries), meaning. Required is `yes`, `no`, the kinds among those where it is
+# required, or "unless `F`": required where field F is absent (one of the two checksums that
+# vouch for an epoch shard's tokens). Readers ignore fields they do not know, so a newer writer
+# may add optional ones.
 _FIELD_TABLES = """
 `tokpack.json`
 | `format` | string | yes | source, epoch, run, slice, slice-epoch | `"tokpack"` |
@@ -67,13 +69,13 @@ _FIELD_TABLES = """
 | `documents` | int >= 0 | yes | source | documents, = index entries |
 | `samples` | int >= 0 | yes | epoch, slice-epoch | samples in the shard |
 | `fragments` | int >= 0 | yes | epoch, slice-epoch | index entries |
-| `xxh3_128` | hex32 | yes | source, epoch, slice-epoch | checksum of the `.ds` file |
+| `xxh3_128` | hex32 | source | source, epoch, slice-epoch | checksum of the `.ds` file; an epoch's or slice epoch's entry has it only when written before its row hashes alone vouched for the `.ds` (see History within version 1) |
 | `index_xxh3_128` | hex32 | yes | source, epoch, slice-epoch | checksum of `.ds.index` |
 | `metadata_xxh3_128` | hex32 | yes | source, epoch, slice-epoch | checksum of `.ds.metadata` |
 | `loss_xxh3_128` | hex32 | no | source | checksum of `.ds.loss`, when there is one |
 | `multiset_hash` | hex16 | yes | epoch, slice-epoch | sum of xxh3-64 over the shard's samples mod 2^64 |
 | `pad_xxh3_128` | hex32 | no | epoch, slice-epoch | a best-fit epoch (or a node slice of one): checksum of `.ds.pad` |
-| `rows_xxh3_128` | hex32 | no | epoch, slice-epoch | checksum of `.ds.rows`, the xxh3-64 of each sample (written since node slices) |
+| `rows_xxh3_128` | hex32 | unless `xxh3_128` | epoch, slice-epoch | checksum of `.ds.rows`, the xxh3-64 of each sample, which vouch for the `.ds` file where the entry has no `xxh3_128` (written since node slices; only entries written before them may lack it, and then have `xxh3_128`) |
 | `rank` | int >= 0 | yes | slice-epoch | the rank whose rows the file holds |
 
 `sources[]`
@@ -107,7 +109,7 @@ _FIELD_TABLES = """
 
 MANIFEST_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, STAGE_FIELDS = (  # name -> (type, required, kinds, meaning)
     {
-        name.strip("`"): (typ, required == "yes", kinds, meaning)
+        name.strip("`"): (typ, required, kinds, meaning)
         for name, typ, required, kinds, meaning in (row[2:-2].split(" | ") for row in table.splitlines()[1:])
     }
     for table in _FIELD_TABLES.strip().split("\n\n")
@@ -136,9 +138,18 @@ _SPECS: dict = {}  # (id of a field table, kind) -> its fields of that kind, rea
 _HEX = {"hex32": (HEX32, 32, "malformed checksum"), "hex16": (HEX16, 16, "malformed multiset hash")}
 
 
+def required_in(required: str, kind: str) -> bool | str:
+    """A field table's required cell for `kind`: True, False, or the field whose absence makes
+    it required ("unless `F`")."""
+    if required.startswith("unless `"):
+        return required[len("unless `") : -1]
+    return required == "yes" or required != "no" and kind in required.split(", ")
+
+
 def _spec(table: dict, kind: str) -> list[tuple]:
-    """(name, required, exact JSON types, type names, lower bound or None, _HEX entry or None)
-    of each field of `kind`: worked out once, since every command checks every shard entry."""
+    """(name, required (required_in), exact JSON types, type names, lower bound or None, _HEX
+    entry or None) of each field of `kind`: worked out once, since every command checks every
+    shard entry."""
     spec = _SPECS.get((id(table), kind))
     if spec is None:
         spec = []
@@ -148,7 +159,7 @@ def _spec(table: dict, kind: str) -> list[tuple]:
                 spec.append(
                     (
                         key,
-                        required,
+                        required_in(required, kind),
                         frozenset(_JSON[t] for t in types),
                         types,
                         int(type_name[-1]) if type_name.startswith("int >= ") else None,
@@ -163,8 +174,10 @@ def field_problems(obj: dict, table: dict, kind: str) -> Iterator[tuple[str, str
     """(field, expected, found, what is wrong) for each field of `kind` in `table` that `obj` breaks."""
     for key, required, exact, types, lower, hexa in _spec(table, kind):
         if key not in obj:
-            if required:
+            if required is True:
                 yield key, f"field {key!r}", "no such field", "manifest field missing"
+            elif required and required not in obj:
+                yield key, f"field {key!r} or {required!r}", "neither", "manifest field missing"
             continue
         value = obj[key]
         # parsed JSON has exactly these types (a bool is no int here); a subclass is checked the long way

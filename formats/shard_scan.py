@@ -1,7 +1,8 @@
 """The streaming shard scan of `tokpack validate`: every check of one shard's files (.ds,
 .ds.index, .ds.metadata, .ds.loss). Every mode checks sizes, `.ds.metadata` and each
 `.ds.index` (strictly increasing, ending at the token count; in epochs every sample end is an
-entry). Full mode adds one sequential pass over every file that hashes it (xxh3_128), scans
+entry). Full mode adds one sequential pass over every file that hashes it (xxh3_128; an
+epoch's token file whose entry records none: each row against its `.ds.rows`), scans
 tokens (< vocab_size; a source's documents end with EOS; an epoch's index equals its EOS
 positions plus sample ends) and recomputes the sample multiset hash (and, for `--against`,
 the order hash of the shard's samples at their output positions).
@@ -423,15 +424,20 @@ def _row_hashes_file(job: ShardJob, rows_path: Path, out: Findings) -> _RowHashe
         )
     else:
         out.saw(rows_size)
-        return _RowHashes(rows_path, rows_size, e["rows_xxh3_128"])
+        vouched = None if "xxh3_128" in e else job.directory / e["path"]  # formats/token_check.py
+        return _RowHashes(rows_path, rows_size, e["rows_xxh3_128"], vouched, (job.row_tokens or 0) * job.dtype.itemsize)
     return None
 
 
 class _RowHashes:
-    """An epoch shard's `.ds.rows`, read alongside its tokens: each entry must be its row's xxh3_64."""
+    """An epoch shard's `.ds.rows`, read alongside its tokens: each entry must be its row's xxh3_64.
+    `vouched`: the token file, when its entry records no checksum of it (the row hashes alone
+    vouch for it): a row that differs from its entry here, which matches its checksum, is that
+    file's fault, and reported there."""
 
-    def __init__(self, path: Path, size: int, checksum: str):
+    def __init__(self, path: Path, size: int, checksum: str, vouched: Path | None = None, row_bytes: int = 0):
         self.path, self.size, self.checksum = path, size, checksum
+        self.vouched, self.row_bytes = vouched, row_bytes
         self.hash = xxhash.xxh3_128()
         self.done = 0  # entries compared
         self.bad: tuple[int, int, int] | None = None  # first (row, recorded, recomputed) that differ
@@ -449,6 +455,15 @@ class _RowHashes:
         if self.done * ROW_HASH_BYTES != self.size:  # not compared with the tokens (a bad .ds): the checksum alone
             with open_read(self.path, BLOCK) as f:
                 self.hash = xxhash.xxh3_128(f.read(self.size))
+        elif self.bad is not None and self.vouched is not None and self.hash.hexdigest() == self.checksum:
+            row, have, calc = self.bad
+            out.add(
+                self.vouched,
+                f"row {row} (byte {row * self.row_bytes})",
+                f"xxh3_64 {hash_hex64(have)} (its entry in {self.path.name})",
+                hash_hex64(calc),
+                "sample differs from its row hash",
+            )
         elif self.bad is not None:
             row, have, calc = self.bad
             out.add(
@@ -533,7 +548,8 @@ def _full_pass(
     # Epoch blocks hold whole samples so each row is hashed once, in one piece.
     block_tokens = BLOCK // tsize if not row else max(1, BLOCK // (row * tsize)) * row
     stream = _IndexStream(idx_path, min(max(1024, block_tokens // 64), tokens), hashed=True, size=idx_size)
-    h = xxhash.xxh3_128()
+    whole = "xxh3_128" in job.entry  # else the row hashes alone vouch for the tokens (formats/token_check.py)
+    h = xxhash.xxh3_128() if whole else None
     multiset = order = 0
     vocab_bad = eos_bad = index_bad = False
     a = 0  # token offset of the current block
@@ -545,7 +561,8 @@ def _full_pass(
             if n < min(block_tokens, tokens - a) * tsize:  # the file shrank under us
                 out.add(ds, f"byte {a * tsize + n}", "more data", "end of file", "shard shorter than expected")
                 return None
-            h.update(view)
+            if h is not None:
+                h.update(view)
             blk = np.frombuffer(view, dtype=job.dtype, count=n // tsize)
             b = a + len(blk)
             if not vocab_bad and int(blk.max(initial=0)) >= job.vocab_size:
@@ -621,7 +638,7 @@ def _full_pass(
         if rows_file is not None:
             rows_file.close()
         give_buffers([scratch])
-    if h.hexdigest() != job.entry["xxh3_128"]:
+    if h is not None and h.hexdigest() != job.entry["xxh3_128"]:
         out.add(ds, "xxh3_128", job.entry["xxh3_128"], h.hexdigest(), "checksum mismatch")
     if row:
         if multiset != int(job.entry["multiset_hash"], 16):

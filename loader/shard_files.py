@@ -25,6 +25,7 @@ from tokpack.formats.hashes import xxh3_128_file
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.constants import PAD_DTYPE, PAD_SUFFIX, U64
 from tokpack.formats.shards import contained_shard
+from tokpack.formats.token_check import WHOLE, token_check, verify_token_file
 
 from .assembly import positions_from_starts
 
@@ -45,7 +46,9 @@ class ShardTable:
     epoch_ends: np.ndarray  # int64 [E]: chained index after each epoch's last sample
     epochs: list[int]  # epoch numbers, in chain order
     epoch_dirs: list[str]  # epoch directories, in chain order
-    checksums: list[str | None]  # manifest xxh3_128 of each shard (checked with verify=True)
+    # What vouches for each shard's token file (checked with verify=True): (field, checksum,
+    # samples), formats/token_check.py's token_check and the rows it holds; None: nothing
+    checksums: list[tuple[str, str, int] | None]
     index_checksums: list[str | None]  # manifest xxh3_128 of each shard's .ds.index
 
     @property
@@ -79,6 +82,12 @@ def _close(fd) -> None:
 
 
 PAD_HINT = "the padding sidecar does not match its manifest (4 bytes a sample); run `tokpack validate` on it"
+
+
+def tokens_vouched(entry: dict, samples: int) -> tuple[str, str, int] | None:
+    """ShardTable.checksums' item for a shard entry whose token file holds `samples` rows."""
+    check = token_check(entry)
+    return None if check is None else (*check, samples)
 
 
 def shard_error(message: str, path, **kw) -> TokpackError:
@@ -179,7 +188,7 @@ class _Shards:
         self.paths: list[str] = []
         self.samples: list[int] = []
         self.epoch_of: list[int] = []
-        self.checksums: list[str | None] = []
+        self.checksums: list[tuple[str, str, int] | None] = []
         self.index_checksums: list[str | None] = []
         self.pads: list[tuple[str, str] | None] = []  # per shard: a best-fit epoch's (.pad file, its xxh3_128)
         self.sizes: dict[str, int] = {}  # stat once per distinct file
@@ -217,7 +226,7 @@ class _Shards:
             self.paths.append(f)
             self.samples.append(n)
             self.epoch_of.append(pos)
-            self.checksums.append(s.get("xxh3_128"))
+            self.checksums.append(tokens_vouched(s, n))
             self.index_checksums.append(s.get("index_xxh3_128"))
             self.pads.append((f + PAD_SUFFIX, s["pad_xxh3_128"]) if has_pad(s) else None)
             total += n
@@ -314,7 +323,8 @@ class ShardFiles:
     """Chained rows read from the shard files of a `ShardTable` (SampleReader's I/O). Every
     shard's size was checked against its manifest when the table was built; with `verify=True`,
     each file is checksummed (xxh3_128) the first time it is read, before any of its data is
-    returned."""
+    returned: a token file whose entry records no `xxh3_128` row by row, against its `.ds.rows`
+    (formats/token_check.py)."""
 
     def __init__(self, table: ShardTable, seq_len: int, dtype: np.dtype, eos_id: int | None, verify: bool = False):
         self.table = table  # the shard table (O(#shards))
@@ -386,6 +396,31 @@ class ShardFiles:
             )
         self._verified.add(path)
 
+    def _check_tokens(self, i: int) -> None:
+        """verify=True: shard i's token file against what its entry vouches for it with, once."""
+        path, check = self.table.paths[i], self.table.checksums[i]
+        if check is None or check[0] == WHOLE:
+            self._check(path, None if check is None else check[1])
+            return
+        if path in self._verified:
+            return
+        if self._hash_buf is None:
+            self._hash_buf = bytearray(4 << 20)
+        key, checksum, samples = check
+        try:
+            verify_token_file(
+                path,
+                (key, checksum),
+                samples,
+                self.row_bytes,
+                self._hash_buf,
+                message="row hash mismatch: the shard is corrupt",
+                hint="restore the file (e.g. `tokpack stage` it again from the original)",
+            )
+        except FileNotFoundError:
+            raise shard_error("file disappeared after the reader was opened", path) from None
+        self._verified.add(path)
+
     def _pread(self, fd: int, view: memoryview, offset: int, path: str) -> None:
         n = read_full(fd, view, offset)
         self.reads += 1
@@ -422,7 +457,7 @@ class ShardFiles:
         for i, row, k in self._segments(g, n):
             path = self.table.paths[i]
             if self.verify:
-                self._check(path, self.table.checksums[i])
+                self._check_tokens(i)
             fd, _ = self._file(path)
             self._pread(fd, raw[done : done + k * self.row_bytes], row * self.row_bytes, path)
             done += k * self.row_bytes

@@ -32,7 +32,7 @@ from tokpack.formats.slices import (
 )
 
 from .reader import SampleReader
-from .shard_files import ShardTable, shard_error
+from .shard_files import ShardTable, shard_error, tokens_vouched
 
 
 def slice_error(
@@ -113,7 +113,7 @@ class SliceReader(SampleReader):
                         hint="stage the slice again: the same command resumes",
                     )
                 paths.append(str(f))
-                checksums.append(s.get("xxh3_128"))
+                checksums.append(tokens_vouched(s, want // row_bytes))
                 index_checksums.append(s.get("index_xxh3_128"))
                 pads.append((str(f) + PAD_SUFFIX, s["pad_xxh3_128"]) if has_pad(s) else None)
                 sizes[str(f) + PAD_SUFFIX] = want // row_bytes * PAD_DTYPE.itemsize

@@ -7,12 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.constants import HOLDOUT_DIR, MAX_EPOCHS
+from tokpack.formats.constants import HOLDOUT_DIR, MAX_EPOCHS, ROWS_SUFFIX
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.fields import upgrade
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.packing import run_holdout
 from tokpack.formats.shards import contained_shard, shard_files
+from tokpack.formats.token_check import ROWS, token_check
 from tokpack.formats.slices import RankRows
 from tokpack.formats.units import at_most, digits
 from tokpack.packer.stage_source import Source, join_rel
@@ -141,6 +142,9 @@ class CopyJob:
     size: int | None  # expected bytes, when the manifest says
     checksum: str | None  # expected xxh3_128, when the manifest says
     dir_rel: str  # the directory whose manifest vouches for this file ("" = root)
+    # An epoch shard's token file whose entry records no xxh3_128: (its `.ds.rows`'s rel, that
+    # file's rows_xxh3_128, samples), the rows it is checked against, row by row, as it streams
+    rows: tuple[str, str, int] | None = None
 
 
 @dataclass
@@ -165,8 +169,12 @@ def shard_jobs(
         if keep is not None and not keep[i]:
             skipped.append(name)
             continue
+        check = token_check(s)
+        by_rows = (
+            (join_rel(dir_rel, name + ROWS_SUFFIX), check[1], int(s["samples"])) if check and check[0] == ROWS else None
+        )
         jobs += [
-            CopyJob(join_rel(dir_rel, name + suffix), size, s.get(key), dir_rel)
+            CopyJob(join_rel(dir_rel, name + suffix), size, s.get(key), dir_rel, None if suffix else by_rows)
             for suffix, size, key in shard_files(s, source=manifest.get("kind") == "source")
         ]
     return jobs, skipped

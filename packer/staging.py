@@ -2,7 +2,10 @@
 
 Every file is read once, in large sequential blocks through a buffer reused by its worker
 thread, hashed (xxh3_128) as it streams, and written under a temporary name; it is renamed
-into place only when its checksum equals the manifest's. Manifests are written last: each
+into place only when its checksum equals the manifest's. An epoch shard's token file whose
+entry records no xxh3_128 is checked row by row as it streams instead, each row's xxh3-64
+against the shard's `.ds.rows` (read first, checked against its `rows_xxh3_128`:
+formats/token_check.py). Manifests are written last: each
 epoch's after its shards, the run's after everything. So DEST never holds a manifest
 vouching for a file that was not verified, and a rerun resumes by re-verifying the files
 already in place (one read each) and copying the rest. Each verified file and each manifest is
@@ -32,8 +35,6 @@ from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
-import xxhash
-
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, locked_output
 from tokpack.formats.io.reads import ThreadPool
@@ -43,6 +44,7 @@ from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.writes import remove_tmp_files, tmp_path
 from tokpack.formats.constants import HOLDOUT_DIR, STAGE_SIDECAR
 from tokpack.formats.outputs import LocalOutput, Output
+from tokpack.formats.token_check import FileDigest, RowDigest, digest_error, recorded_rows
 from tokpack.packer.shared import Result, optional_field
 
 from tokpack.packer.stage_dest import (
@@ -134,22 +136,22 @@ class _Stager:
 
     def run_job(self, job: CopyJob) -> None:
         final = self.dest / job.rel
-        if job.checksum and final.is_file() and (job.size is None or final.stat().st_size == job.size):
-            if self._hash_local(final) == job.checksum:
+        digest = self._digest(job)
+        if digest is not None and final.is_file() and (job.size is None or final.stat().st_size == job.size):
+            if self._hash_local(final, digest()).problem() is None:
                 self._count(False, final.stat().st_size)
                 return
         tmp = tmp_path(final)
         try:
-            n, digest = self._copy(job.rel, tmp, job.size)
-            if job.checksum and digest != job.checksum:
-                raise TokpackError(
-                    "checksum mismatch while copying",
-                    file=f"{self.src.path.rstrip('/')}/{job.rel}",
-                    where="xxh3_128",
-                    expected=job.checksum,
-                    found=digest,
-                    hint="the source file is corrupt; run `tokpack validate` on the source",
-                )
+            n, got = self._copy(job.rel, tmp, job.size, digest or _Unchecked)
+            err = digest_error(
+                got,
+                f"{self.src.path.rstrip('/')}/{job.rel}",
+                "checksum mismatch while copying",
+                hint="the source file is corrupt; run `tokpack validate` on the source",
+            )
+            if err is not None:
+                raise err
             if job.size is not None and n != job.size:
                 raise TokpackError(
                     "file size does not match the manifest",
@@ -175,6 +177,23 @@ class _Stager:
             raise
         self._count(True, n)
 
+    def _digest(self, job: CopyJob):
+        """What makes a digest that checks the job's bytes (None: nothing recorded to check them
+        against): its xxh3_128, or, for a token file vouched for by row hashes, its `.ds.rows`
+        from the source, read once and checked against the manifest here."""
+        if job.checksum:
+            return lambda: FileDigest(job.checksum)
+        if job.rows is None:
+            return None
+        rel, checksum, samples = job.rows
+        hint = "the source file is corrupt; run `tokpack validate` on the source"
+        try:
+            recorded = recorded_rows(self.src.root / job.rel, checksum, samples, hint)
+        except OSError as e:
+            raise self.src.read_error(rel, e) from None
+        row_bytes = job.size // samples if samples and job.size is not None else 1
+        return lambda: RowDigest(recorded, row_bytes, rel.rsplit("/", 1)[-1])
+
     def _invalidate(self, dir_rel: str) -> None:
         """Before replacing a file under a directory DEST already calls complete, make it
         incomplete (and the root with it): its manifest returns only once all is verified."""
@@ -185,9 +204,10 @@ class _Stager:
                 self.output.unfinish(self.dest / d)
                 self.invalidated.add(d)
 
-    def _copy(self, rel: str, tmp: Path, size: int | None) -> tuple[int, str]:
+    def _copy(self, rel: str, tmp: Path, size: int | None, digest):
+        """(bytes copied, a digest made by `digest()` and fed them all in order)."""
         if self.fetchers is not None and size is not None and size > self.block // RANGES_IN_FLIGHT:
-            return self._copy_ranges(rel, tmp, size)
+            return self._copy_ranges(rel, tmp, size, digest())
         try:
             fin = self.src.open(rel, size)
         except Exception as e:  # noqa: BLE001 - any fsspec backend error
@@ -195,15 +215,14 @@ class _Stager:
         with fin, open_new(tmp, buffering=0) as fout:
             if self.kernel_copy and self.src.local_root is not None:
                 try:
-                    return self._copy_in_kernel(fin, fout, rel)
+                    return self._copy_in_kernel(fin, fout, rel, digest())
                 except OSError as e:
                     if e.errno not in _NO_KERNEL_COPY:
                         raise
                     self.kernel_copy = False  # e.g. EXDEV across filesystems: user-space copies from now on
                     fout.seek(0)
                     fout.truncate()
-            h = xxhash.xxh3_128()
-            total = 0
+            h, total = digest(), 0
             with lent("", self.block) as (raw,):  # taken only on this path, then reused: fresh pages are not free here
                 buf = memoryview(raw)
                 while n := fin.readinto(buf):
@@ -213,12 +232,11 @@ class _Stager:
                         chunk = chunk[fout.write(chunk) :]
                     total += n
                     self._advance(n)
-        return total, h.hexdigest()
+        return total, h
 
-    def _copy_ranges(self, rel: str, tmp: Path, size: int) -> tuple[int, str]:
+    def _copy_ranges(self, rel: str, tmp: Path, size: int, h):
         """A remote file of known size: RANGES_IN_FLIGHT ranged reads run ahead on the shared
         fetch pool while this thread hashes and writes the earlier ranges, in order."""
-        h = xxhash.xxh3_128()
         span = max(1, self.block // RANGES_IN_FLIGHT)
         offsets = iter(range(0, size, span))
 
@@ -253,16 +271,15 @@ class _Stager:
         finally:
             for f in queued:
                 f.cancel()
-        return size, h.hexdigest()
+        return size, h
 
-    def _copy_in_kernel(self, fin, fout, rel: str) -> tuple[int, str]:
+    def _copy_in_kernel(self, fin, fout, rel: str, h):
         """Local to local: `copy_file_range` moves the bytes inside the kernel (as `cp` does),
         and the hash reads the same source pages through a memory map, now in the page cache.
         Saves the two user-space copies of read+write (BENCHMARKS.md, "Figures cited by the code")."""
         size = os.fstat(fin.fileno()).st_size
-        h = xxhash.xxh3_128()
         if size == 0:
-            return 0, h.hexdigest()
+            return 0, h
         off = 0
         while off < size:
             n = os.copy_file_range(fin.fileno(), fout.fileno(), min(self.block, size - off), off, off)
@@ -277,20 +294,30 @@ class _Stager:
             hash_mapped(h, fin.fileno(), off, n)
             off += n
             self._advance(n)
-        return size, h.hexdigest()
+        return size, h
 
-    def _hash_local(self, path: Path) -> str:
-        """Through a memory map: no buffer to allocate (fresh pages cost more than the hash)."""
-        h = xxhash.xxh3_128()
+    def _hash_local(self, path: Path, h):
+        """`h` (a digest) fed DEST's file `path`, through a memory map: no buffer to allocate
+        (fresh pages cost more than the hash)."""
         with open_read(path, ahead=False) as f:  # DEST's own file, through the gate all the same
             size = os.fstat(f.fileno()).st_size
             if size == 0:
-                return h.hexdigest()
+                return h
             for off in range(0, size, self.block):
                 n = min(self.block, size - off)
                 hash_mapped(h, f.fileno(), off, n)
                 self._advance(n)
-        return h.hexdigest()
+        return h
+
+
+class _Unchecked:
+    """The digest of a file its manifest records no checksum of: nothing to check."""
+
+    def update(self, data) -> None:
+        pass
+
+    def problem(self) -> None:
+        return None
 
 
 @locked_output("stage", arg="dest")

@@ -47,7 +47,6 @@ def planned_epoch_manifest(job: EpochJob, sources: list[PackedSource]) -> dict:
                 "tokens": (g1 - g0) * plan.row_tokens,
                 "bytes": (g1 - g0) * job.row_bytes,
                 "samples": g1 - g0,
-                "xxh3_128": "0" * 32,
                 "index_xxh3_128": "0" * 32,
                 "rows_xxh3_128": "0" * 32,
                 "metadata_xxh3_128": "0" * 32,

@@ -29,7 +29,7 @@ HEADER = "| field | type | required | in | meaning |"
 
 def markdown_rows(table: dict) -> list[str]:
     return [
-        f"| `{name}` | {typ} | {'yes' if required else 'no'} | {kinds} | {meaning} |"
+        f"| `{name}` | {typ} | {required} | {kinds} | {meaning} |"
         for name, (typ, required, kinds, meaning) in table.items()
     ]
 
@@ -55,7 +55,7 @@ def test_format_md_tables_are_the_module_tables():
     for rows, table in zip(found, TABLES):
         parsed = [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows]
         # names, types, required, kinds first: the facts a reader of either relies on
-        assert [(n.strip("`"), t, r == "yes", k) for n, t, r, k, _ in parsed] == [
+        assert [(n.strip("`"), t, r, k) for n, t, r, k, _ in parsed] == [
             (n, t, r, k) for n, (t, r, k, _) in table.items()
         ]
         assert rows == markdown_rows(table)  # and the meanings, word for word
