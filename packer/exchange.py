@@ -352,18 +352,18 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         stores = stores if layout is None else TimedRows(stores)  # out of core: the buckets read back
         log(f"shuffle --to-nodes: epoch {epoch}: {plan.samples} samples exchanged among {among} in {rounds} rounds")
         log(f"shuffle --to-nodes: epoch {epoch}: writing the slice's rank files, then the owned shards' entries")
-        kept = KeptFacts(ne.positions)  # each row's facts, from the rank files' pass over it
+        facts = KeptFacts(ne.positions)  # each row's facts, from the rank files' pass over it
 
         def write():
             with phase("write", len(ne.positions) * job.row_bytes):
-                entries = write_slice_epoch(output, d, ne, stores, keep_pad, fmt, files, kept)
-                kept.finish()
+                entries = write_slice_epoch(output, d, ne, stores, keep_pad, fmt, files, facts)
+                facts.finish()
             return entries, OwnedShards(job, fmt, Path(job.work_dir) / "owned", Path(job.epoch_dir))
 
         with collecting(phases):
             entries, owned = node.together(write)
             stores = None  # freed before the owned shards' entries
-            owned_list, owned_pad = node.together(lambda: owned_entries(comm, MPI, ne, kept, keep_pad, owned))
+            owned_list, owned_pad = node.together(lambda: owned_entries(comm, MPI, ne, facts, keep_pad, owned))
         if fmt.padded:  # every row is some node's and some owner's: both sums are the table's padding
             sums = comm.allreduce(np.array([keep_pad.sum(), owned_pad], dtype=np.int64)).tolist()
             node.together(lambda: _same_padding(sums, prepared["padding"], epoch))
