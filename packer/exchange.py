@@ -13,24 +13,27 @@ Process p of node n (world process q = n*P + p of N*P):
    tokpack.shuffle.steps.split_shards gives scatter task q of N*P, sequentially, verifying each
    source shard's xxh3_128 from the bytes it reads (ShardHashes, as the scatter pass does);
 3. sends every row, tagged with its output position g, with `Alltoallv` in rounds whose buffers
-   fit what its memory leaves beside the rows it keeps: to the node whose ranks read g
-   (tokpack.formats.slices.RankRows: the arithmetic `stage --node` uses), once, to the process
-   of that node that writes the file of g's rank (NodeEpoch.keeper_of), and to the process that
-   owns g's epoch shard (shard i: process i mod N*P);
+   fit what its memory leaves beside the rows it keeps, once: to the node whose ranks read g
+   (tokpack.formats.slices.RankRows: the arithmetic `stage --node` uses), at the process of that
+   node that writes the file of g's rank (NodeEpoch.keeper_of, NodeEpoch.routes);
 4. puts the rows it receives in training order, in memory when they fit, else out of
    core through bucket files in its scratch in DEST (tokpack.packer.node_buckets: the scatter/order
    engine's Layout and best-fit bucket files, read back a bucket at a time), and writes its
    ranks' files of node n's slice into DEST through tokpack.packer.rank_files.RankFiles, the
    bytes `stage RUN DEST --node n/N` writes (in memory, windows: each row as soon as a round
    completes it, at its place, the files open since the rounds began: node_store.open_slice_files);
-5. as the owner of some epoch shards, passes each one through the epoch shard writer
-   (`hashed_only`: its tokens and index are hashed, not written), which gives the shard's
-   manifest entry (its checksums) exactly as `tokpack shuffle` records it, and writes of it only
-   the row hashes (`.ds.rows`, 8 bytes a sample, and a
-   best-fit shard's `.ds.pad`), which go to RUN through its Output (tokpack.packer.owned_shards). So RUN's epoch manifest is byte for byte the one
-   `tokpack shuffle` writes, the slice's manifests are those `stage --node` writes, and RUN holds
-   no token bytes. The price is one more copy of every row on the network (cheap: the issue's
-   25 GB/s a node), and the owned shards' rows in the node's memory (or buckets).
+   the pass that writes each row's `.ds.rows` and `.ds.index` keeps its facts too (its xxh3-64,
+   its EOS columns; tokpack.packer.owned_facts.KeptFacts), with its padding;
+5. sends each row's facts to the owner of its epoch shard (shard i: world process i mod N*P),
+   in rounds of small arrays (owned_facts.send_facts), and, as the owner of some epoch shards,
+   builds each one's manifest entry from its rows' facts, checked as they arrive (each row once,
+   from the process that keeps it), through the epoch shard writer (`hashed_only`: no token is
+   asked for, its index only hashed), exactly as `tokpack shuffle` records it, and writes of it
+   only the row hashes (`.ds.rows`, 8 bytes a sample, and a best-fit shard's `.ds.pad`), which go
+   to RUN through its Output (tokpack.packer.owned_shards). So RUN's epoch manifest is byte for
+   byte the one `tokpack shuffle` writes, the slice's manifests are those `stage --node` writes,
+   and RUN holds no token bytes. A row crosses the network once; its owner gets a few dozen
+   bytes of it (the issue's 25 GB/s a node is not what binds), and holds none of its tokens.
 
 Process 0 writes RUN's manifests (the epoch's after every owner's entries, then the run's);
 then each node's leader reads them back (a few KiB from the shared filesystem) and commits its
@@ -53,7 +56,7 @@ The modules, each one idea, data flowing one way: this one (the entry points and
 steps; node_procs: a node's P processes, their communicator) -> tokpack.packer.node_epoch (what
 a process reads, keeps and owns; the memory plan) -> node_reads (its pieces from the sources), transport (MPI: failures as one line, the rounds),
 node_store (the node's rows in memory; write_slice_epoch) and node_buckets (out of core),
-owned_shards (the owner's role), kept_sources (--keep-sources), node_dest (DEST beside RUN),
+owned_facts (the rows' facts to their owners) and owned_shards (the owner's role), kept_sources (--keep-sources), node_dest (DEST beside RUN),
 rank_files and pieces. The replacement node (tokpack.packer.replacement) shares rank_files and
 node_dest.
 

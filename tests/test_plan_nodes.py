@@ -356,7 +356,8 @@ def test_misuse_is_one_usage_line(source, tmp_path, drop, add, line):
 
 def test_a_large_epoch_counts_a_sample_of_its_windows_close_to_all(monkeypatch, tmp_path):
     """Beyond EXACT_WINDOWS windows the sends are counted on every k-th block and scaled: within
-    1% of the exact count here, and said to be estimates; the kept rows stay exact."""
+    2% of the exact count here (each row sent once, to its node: no owner's copy, spread evenly,
+    to dilute the sample's error), and said to be estimates; the kept rows stay exact."""
     from tokpack.packer import plan_nodes
     from tokpack.packer.api import plan
 
@@ -381,7 +382,7 @@ def test_a_large_epoch_counts_a_sample_of_its_windows_close_to_all(monkeypatch, 
     for a, b in zip(exact.per_node, sampled.per_node):
         assert a["epochs"][0]["exchanged_exact"] and not b["epochs"][0]["exchanged_exact"]
         for key in ("sent_bytes", "received_bytes"):
-            assert abs(b[key] - a[key]) <= 0.01 * a[key], (key, a[key], b[key])
+            assert abs(b[key] - a[key]) <= 0.02 * a[key], (key, a[key], b[key])
         assert a["slice_bytes"] == b["slice_bytes"] and a["shared_source_bytes"] == b["shared_source_bytes"]
     assert abs(sampled.epochs[0]["rounds"] - exact.epochs[0]["rounds"]) <= 1
 
@@ -401,7 +402,9 @@ def test_rows_that_do_not_fit_memory_are_planned_out_of_core(source, tmp_path):
         e = p["epochs"][0]
         assert not e["fits_memory"] and e["rounds"] is not None
         stored = e["rows"] * (SEQ + 1) * 2  # uint16 rows
-        assert p["out_of_core_bytes"] > stored == e["slice_token_bytes"] and p["scratch_bytes"] >= p["out_of_core_bytes"]
+        assert (
+            p["out_of_core_bytes"] > stored == e["slice_token_bytes"] and p["scratch_bytes"] >= p["out_of_core_bytes"]
+        )
     tiny = plan_json(
         tmp_path / "other",
         str(tmp_path / "other{node}"),
