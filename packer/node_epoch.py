@@ -33,9 +33,10 @@ MAX_ROUND_BYTES = 64 << 20
 def fact_row_bytes(row_tokens: int) -> int:
     """Bytes a slice row's facts take in its keeper's memory, from its rank file's write until
     its owner has them (tokpack.packer.owned_facts): its xxh3-64, EOS count, first EOS column's
-    place and its order among the facts' rounds (about 40), and 8 bytes an EOS column (held
-    twice as they are laid out in order), at about a document end every 256 tokens."""
-    return 40 + 8 * (row_tokens // 256 + 1)
+    place and its order among the facts' rounds (29 in all, 32 here), and 8 bytes an EOS column
+    (4, held twice while they are laid out in order) at about a document end every 512 tokens
+    (an estimate: a corpus of shorter documents holds more)."""
+    return 32 + 8 * (row_tokens // 512)
 
 
 class NodeEpoch:

@@ -42,7 +42,7 @@ def owned_rows(tmp_path, padded: bool):
     return ne, rows, pad, fmt, tmp_path / "dest" / ".tokpack-work" / "owned", tmp_path / "run" / "epoch-00000"
 
 
-def hash_owned_shards(ne, rows, pad, fmt, scratch, run_epoch, cut: int = 2) -> list:
+def entries_from_facts(ne, rows, pad, fmt, scratch, run_epoch, cut: int = 2) -> list:
     """Each owned shard fed, `cut` rows a call, the facts its keepers send (rank_files.row_facts's
     EOS counts and columns, made fragment ends as the owner makes them)."""
     owned = OwnedShards(ne.job, fmt, scratch, run_epoch)
@@ -59,7 +59,7 @@ def test_an_owned_shards_entry_from_its_rows_facts_is_the_one_its_rows_give(tmp_
     """The entry and the `.ds.rows`/`.ds.pad` the owner builds from its rows' facts are, byte for
     byte, those the epoch shard writer gives from the rows themselves (`tokpack shuffle`'s)."""
     ne, rows, pad, fmt, scratch, run_epoch = owned_rows(tmp_path, padded)
-    entries = hash_owned_shards(ne, rows, pad, fmt, scratch, run_epoch, cut=3)
+    entries = entries_from_facts(ne, rows, pad, fmt, scratch, run_epoch, cut=3)
     for k, (i, entry) in enumerate(entries):
         whole = tmp_path / "whole"
         whole.mkdir(exist_ok=True)
@@ -85,7 +85,7 @@ def test_an_owned_shards_row_hashes_reach_run_through_its_output(tmp_path, monke
 
     monkeypatch.setattr(LocalOutput, "commit_file", recording)
     ne, rows, pad, fmt, scratch, run_epoch = owned_rows(tmp_path, padded)
-    entries = hash_owned_shards(ne, rows, pad, fmt, scratch, run_epoch)
+    entries = entries_from_facts(ne, rows, pad, fmt, scratch, run_epoch)
     suffixes = [".rows", ".pad"] if padded else [".rows"]
     want = [f"run/epoch-00000/{i:05d}.ds{s}" for i in (1, 3) for s in suffixes]
     assert committed == want
@@ -110,7 +110,7 @@ def test_a_row_hashes_file_swapped_for_a_link_in_scratch_is_refused_by_the_gate(
     monkeypatch.setattr(EpochShardWriter, "close", close_then_link)
     ne, rows, pad, fmt, scratch, run_epoch = owned_rows(tmp_path, False)
     with pytest.raises(TokpackError, match="outside its folder"):
-        hash_owned_shards(ne, rows, pad, fmt, scratch, run_epoch)
+        entries_from_facts(ne, rows, pad, fmt, scratch, run_epoch)
     assert not any(run_epoch.iterdir())  # no file, no temporary left in RUN
 
 
@@ -130,6 +130,6 @@ def test_a_row_hashes_file_changed_in_scratch_is_refused_against_its_entry(tmp_p
     monkeypatch.setattr(EpochShardWriter, "close", close_then_damage)
     ne, rows, pad, fmt, scratch, run_epoch = owned_rows(tmp_path, False)
     with pytest.raises(TokpackError, match="00001.ds.rows") as e:
-        hash_owned_shards(ne, rows, pad, fmt, scratch, run_epoch)
+        entries_from_facts(ne, rows, pad, fmt, scratch, run_epoch)
     assert "\n" not in str(e.value)
     assert not any(run_epoch.iterdir())
