@@ -1093,11 +1093,16 @@ def main_against(rev: str, size=None, quick: bool = False, *, runs: int = 1, wor
     head_label = git("rev-parse", "--short", "HEAD")
     commit = head_label + (" (uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
     own = work is None
-    work = Path(work or tempfile.mkdtemp(prefix="tokpack-nodes-against-"))
+    work = Path(work or tempfile.mkdtemp(prefix="tokpack-nodes-against-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     tree = work / f"tree-{rev_label}"
     git("worktree", "add", "--detach", str(tree), rev_label)
     previous = signal.signal(signal.SIGTERM, _terminated)
+    # Each engine's `python -m tokpack` runs in `work`: `-m` puts the working directory first on
+    # sys.path, so from a checkout's root every engine would import that checkout's tokpack/,
+    # whatever its PYTHONPATH says (REV's runs were this tree's).
+    here = os.getcwd()
+    os.chdir(work)
     devs = None
     load = [os.getloadavg()]
     try:
@@ -1125,6 +1130,7 @@ def main_against(rev: str, size=None, quick: bool = False, *, runs: int = 1, wor
             print(f"nodes --against: round {r + 1} of {runs} done", file=sys.stderr, flush=True)
         load.append(os.getloadavg())
     finally:
+        os.chdir(here)
         signal.signal(signal.SIGTERM, previous)
         if devs is not None:
             devs.close()

@@ -90,20 +90,20 @@ def send_facts(comm, MPI, ne: NodeEpoch, kept: KeptFacts, pad: np.ndarray, owned
     round; one that failed (a peer's facts refused, its scratch's disk full) goes on sending its
     own, so that none is left waiting, and raises its failure after the last round."""
     g = ne.positions
-    dest = ne.owner_of(g)
-    key = owned_place(ne, g) // FACT_ROWS * ne.world + dest
+    key = owned_place(ne, g) // FACT_ROWS * ne.world + ne.owner_of(g)
     order = np.argsort(key, kind="stable")  # by round, then owner; each owner's rows in increasing g
     rounds = fact_rounds(ne)
     cuts = np.searchsorted(key[order], np.arange(rounds + 1) * ne.world)
-    del key
+    del key  # what stays a row: its facts and its place in `order` (node_epoch.fact_row_bytes)
     failure = None
     for j in range(rounds):
         which = order[cuts[j] : cuts[j + 1]]
+        dest = ne.owner_of(g[which])
         rec = np.empty(len(which), FACT)
         rec["g"], rec["hash"], rec["pad"], rec["eos"] = g[which], kept.hashes[which], pad[which], kept.counts[which]
         cols = kept.cols[ranges(kept.starts[which], kept.counts[which].astype(np.int64))]
-        sent_cols = np.bincount(dest[which], weights=kept.counts[which], minlength=ne.world)
-        counts = np.stack([np.bincount(dest[which], minlength=ne.world), sent_cols], axis=1)
+        sent_cols = np.bincount(dest, weights=kept.counts[which], minlength=ne.world)
+        counts = np.stack([np.bincount(dest, minlength=ne.world), sent_cols], axis=1)
         (got, got_cols), recv = send_each(comm, MPI, [rec, cols], counts)
         if failure is not None:
             continue
