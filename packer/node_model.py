@@ -68,8 +68,10 @@ MEASURED = {
     "bucket_read": 0.759e-9,
     "write": 0.584e-9,
     # the facts' rounds and the owned shards' entries (owned_facts), a byte of the owned shards'
-    # tokens: bench/nodes.py --size 128MiB at this commit (BENCHMARKS.md does not have it yet)
-    "facts": 0.05e-9,
+    # tokens (none of which moves): 0.05-0.06 s/GB in the 4-process runs of bench/nodes.py
+    # --size 512MiB --against cfa62d2 at 1ba0103, 09:50 UTC (0.11-0.16 at 128 MiB on a loaded
+    # machine: MPI's polling while a peer writes counts here); not yet in BENCHMARKS.md
+    "facts": 0.055e-9,
     # in memory, windows, where the host has the cores (node_store.write_through_pays): the rows'
     # pwrites into the page cache during the rounds (whole pages, a thread of their own), a byte
     # of the slice. The write phase after costs what it did (its hash and index: the O_DIRECT
