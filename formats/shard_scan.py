@@ -462,7 +462,7 @@ class _RowHashes:
                 f"row {row} (byte {row * self.row_bytes})",
                 f"xxh3_64 {hash_hex64(have)} (its entry in {self.path.name})",
                 hash_hex64(calc),
-                "sample differs from its row hash",
+                "checksum mismatch",
             )
         elif self.bad is not None:
             row, have, calc = self.bad

@@ -66,7 +66,9 @@ def shard_suffixes(entry: dict) -> tuple[str, ...]:
 def shard_files(entry: dict, source: bool = False) -> list[tuple[str, int | None, str]]:
     """(suffix, recorded bytes or None where the entry cannot say, checksum field) of each file
     of the shard a manifest entry records; `source`: an entry of a packed source, whose index
-    has an entry per document, where an epoch's has one per fragment."""
+    has an entry per document, where an epoch's has one per fragment. The token file's field,
+    `xxh3_128`, is absent from an epoch's entry written since its row hashes alone vouch for it
+    (formats/token_check.py says what checks it)."""
 
     def sized(key: str, per: int) -> int | None:
         return None if entry.get(key) is None else per * int(entry[key])

@@ -414,7 +414,7 @@ class ShardFiles:
                 samples,
                 self.row_bytes,
                 self._hash_buf,
-                message="row hash mismatch: the shard is corrupt",
+                message="checksum mismatch: the shard is corrupt",
                 hint="restore the file (e.g. `tokpack stage` it again from the original)",
             )
         except FileNotFoundError:

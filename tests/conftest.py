@@ -137,6 +137,33 @@ def shuffle_run(sources, output, **kw):
     return run(ShuffleSpec.given_as(sources=sources, **kw), output, **engine)
 
 
+def as_written_before(epoch: Path, row_hashes: bool = True) -> None:
+    """Rewrites an epoch's (or a slice epoch's) manifest as tokpack wrote it before its shard
+    entries lost `xxh3_128` (docs/FORMAT.md, "History within version 1"): each entry records its
+    token file's xxh3_128 again, after `samples`, where the writer put it; the manifest is
+    serialised as every manifest is (formats/reading.py canonical_bytes). `row_hashes=False`:
+    also as before row hashes, without `rows_xxh3_128` and `.ds.rows`. Users have both on disk."""
+    from tokpack.formats.constants import MANIFEST
+    from tokpack.formats.hashes import xxh3_128_file
+    from tokpack.formats.reading import canonical_bytes
+    import json
+
+    m = json.loads((epoch / MANIFEST).read_bytes())
+    shards = []
+    for s in m["shards"]:
+        assert "xxh3_128" not in s, "already an entry of the old form"
+        old = {}
+        for k, v in s.items():
+            if k == "rows_xxh3_128" and not row_hashes:
+                (epoch / (s["path"] + ".rows")).unlink()
+                continue
+            old[k] = v
+            if k == "samples":
+                old["xxh3_128"] = xxh3_128_file(epoch / s["path"])
+        shards.append(old)
+    (epoch / MANIFEST).write_bytes(canonical_bytes({**m, "shards": shards}))
+
+
 def pack(inputs, output, **kw):
     """tokpack.packer.packing.pack of the PackOptions among `kw` (the rest are its own keywords:
     log, config, block_bytes, to), for tests that call the stage directly."""

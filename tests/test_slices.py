@@ -24,6 +24,7 @@ from tokpack.formats.slices import RankRows, rank_file_name
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.cli import main
 from tokpack.packer.slicing import stage_slice
+from tests.conftest import as_written_before
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 63
@@ -446,12 +447,7 @@ def test_an_epoch_written_before_row_hashes_stages_from_whole_shards(run, tmp_pa
     old = tmp_path / "old"
     subprocess.run(["cp", "-r", str(run), str(old)], check=True)
     for e in (0, 1):
-        d = old / epoch_dir_name(e)
-        m = json.loads((d / MANIFEST).read_text())
-        for s in m["shards"]:
-            del s["rows_xxh3_128"]
-            (d / (s["path"] + ".rows")).unlink()
-        (d / MANIFEST).write_text(json.dumps(m, indent=1) + "\n")
+        as_written_before(old / epoch_dir_name(e), row_hashes=False)
     lines = []
     res = stage_slice(str(old), tmp_path / "s", ranks="1-2", world_size=W, micro_batch=M, log=lines.append)
     assert res.verified_by == "whole shards" and res.bytes_read > 2 * res.bytes_kept
@@ -594,7 +590,8 @@ def test_validate_a_slice_alone_and_against_its_run(run, tmp_path):
     raw[100] ^= 1
     (s / epoch_dir_name(0) / rank_file_name(1)).write_bytes(bytes(raw))
     code, out = cli("validate", s)
-    assert code != 0 and "rank-00001.ds [xxh3_128]: checksum mismatch" in out, out
+    row = 100 // ((SEQ + 1) * 2)  # the row the byte is in: its xxh3-64 is no longer its entry in .ds.rows
+    assert code != 0 and f"rank-00001.ds [row {row} (byte {row * (SEQ + 1) * 2})]: checksum mismatch" in out, out
 
 
 def test_plan_stage_predicts_the_slice_and_the_old_path_says_whole_run_copy(run, tmp_path):

@@ -137,11 +137,11 @@ def test_interrupted_copy_leaves_incomplete_dest(small_source, tmp_path, monkeyp
     calls = {"n": 0}
     real = _Stager._copy
 
-    def crash_on_second(self, rel, tmp, size):
+    def crash_on_second(self, rel, tmp, size, digest):
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt
-        return real(self, rel, tmp, size)
+        return real(self, rel, tmp, size, digest)
 
     (dst / "00000.ds").write_bytes(b"x")  # forces a rewrite, which must first retract the manifest
     (dst / "00001.ds").write_bytes(b"y")

@@ -604,11 +604,11 @@ def reseal_epoch_index(epoch: Path, shard: str) -> None:
     save(epoch, m)
 
 
-def test_swapped_rows_fail_on_the_token_checksum(env, tmp_path):
+def test_swapped_rows_fail_on_the_row_hashes(env, tmp_path):
     """Two samples of an epoch shard swapped, the index rewritten by the real writer: sizes,
-    index, metadata, fragment count and sample multiset all stay valid. Only the shard's
-    token checksum and its row hashes (`.ds.rows`, in order) can tell, and they must (and, against
-    the sources, the order proof)."""
+    index, metadata, fragment count and sample multiset all stay valid. Only the shard's row
+    hashes (`.ds.rows`, in order, which vouch for its tokens) can tell, and they must, naming
+    the first row that moved (and, against the sources, the order proof)."""
     shard = env / E0 / "00000.ds"
     rows = np.fromfile(shard, dtype="<u2").reshape(-1, ROW)
     assert not np.array_equal(rows[0], rows[3])
@@ -620,11 +620,10 @@ def test_swapped_rows_fail_on_the_token_checksum(env, tmp_path):
     shutil.copy(tmp_path / "00000.ds.index", env / E0 / "00000.ds.index")
     reseal_epoch_index(env / E0, "00000.ds")
     before = next(s for s in load(env / E0)["shards"] if s["path"] == "00000.ds")
-    assert entry["multiset_hash"] == before["multiset_hash"] and entry["xxh3_128"] != before["xxh3_128"]
+    assert entry["multiset_hash"] == before["multiset_hash"] and entry["rows_xxh3_128"] != before["rows_xxh3_128"]
     r = validate_all([str(env / "run")], quick=False, against=[str(env / "src")], workers=1, show_progress=False)
     assert [(Path(p["file"]).name, p["where"], p["message"]) for p in r["problems"]] == [
-        ("00000.ds", "xxh3_128", "checksum mismatch"),
-        ("00000.ds.rows", "entry 0", "row hash disagrees with the sample"),
+        ("00000.ds", "row 0 (byte 0)", "checksum mismatch"),
         ("00000.ds", "order_hash", "sample order differs from the plan (1 of 27 shards checked differ)"),
     ], r["lines"]
     assert r["status"] == "corrupt"
