@@ -81,11 +81,12 @@ class NodeEpoch:
         self.owned_rows = sum(job.shard_range(i)[1] - job.shard_range(i)[0] for i in self.owned)
         # The store (the slice's rows), each row's tokens still unfilled (its padding, once every
         # piece is in), the positions, and each row's facts for its owner (fact_row_bytes).
-        P, facts = len(self.positions), fact_row_bytes(self.plan.row_tokens)
-        self.keep_bytes = P * (rb + 8) + 8 * P + facts * P
-        # Out of core the store is bucket files: what stays in memory is the positions, the
-        # unfilled counts and the facts.
-        self.index_bytes = 8 * P + 8 * P + facts * P
+        P = len(self.positions)
+        self.facts_bytes = fact_row_bytes(self.plan.row_tokens) * P  # after the rounds only
+        self.keep_bytes = P * (rb + 8) + 8 * P + self.facts_bytes
+        # Out of core the store is bucket files: what stays in memory is the positions and the
+        # unfilled counts (beside a round's buffers, then beside two buckets and the facts).
+        self.index_bytes = 8 * P + 8 * P
 
     @property
     def store_rows(self) -> int:
@@ -183,7 +184,8 @@ def round_tokens(ne: NodeEpoch, memory: int) -> int:
     beside a round's buffers; else out of core (bucket_layout): the rounds append what they
     receive to bucket files in DEST's scratch (one more copy a token), and the buckets, read
     back in order once the rounds are done (the next one read while one is written: two in
-    memory, bucket_row_bytes), take what the positions, unfilled counts and facts leave of --memory.
+    memory, bucket_row_bytes), take what the positions, unfilled counts and the rows' facts
+    (which the rounds do not hold: they are taken as the rank files are written) leave of --memory.
     Raises when even that does not fit."""
     return memory_plan(ne, memory)[0]
 
@@ -201,16 +203,18 @@ def memory_plan(ne: NodeEpoch, memory: int) -> tuple[int, int | None]:
     budget = memory - ne.index_bytes
     per_token += job.token_dtype.itemsize + 8  # the copy appended to a bucket file, its index
     t = min(budget // per_token, limit)
-    bucket_rows = budget // bucket_row_bytes(job.row_bytes)
+    bucket_rows = (budget - ne.facts_bytes) // bucket_row_bytes(job.row_bytes)
     if t < least or bucket_rows < MIN_ROUND_ROWS:
-        need = ne.index_bytes + max(per_token * least, MIN_ROUND_ROWS * bucket_row_bytes(job.row_bytes))
+        need = ne.index_bytes + max(
+            per_token * least, ne.facts_bytes + MIN_ROUND_ROWS * bucket_row_bytes(job.row_bytes)
+        )
         whose = "node" if ne.procs == 1 else "process"  # a process of P plans with --memory / P
         raise TokpackError(
             f"this {whose}'s rows of epoch {job.plan.epoch} do not fit --memory, even out of core",
             where="--memory",
-            expected=f">= {need} bytes ({ne.index_bytes} for the positions, unfilled counts and facts of "
-            f"the {whose}'s {ne.store_rows} rows, the rest for a round's buffers or a bucket "
-            f"of {MIN_ROUND_ROWS} rows)",
+            expected=f">= {need} bytes ({ne.index_bytes} for the positions and unfilled counts of "
+            f"the {whose}'s {ne.store_rows} rows, the rest for a round's buffers, or for their facts "
+            f"({ne.facts_bytes}) and a bucket of {MIN_ROUND_ROWS} rows)",
             found=f"{memory} bytes"
             + ("" if ne.procs == 1 else f" (--memory / {ne.procs}: the node's processes share it)"),
             hint="give more --memory, or more nodes",

@@ -375,7 +375,7 @@ def plan_to_nodes(
             )
             notes.append(
                 f"epoch {epoch}: the rows of {names} (up to {size_text(max(f['keep_bytes'] for f in big))} "
-                f"with the owned shards) do not fit --memory {size_text(memory)}, even out of core: shuffle "
+                f"with their facts for the owners) do not fit --memory {size_text(memory)}, even out of core: shuffle "
                 "--to-nodes refuses such a node; give more --memory or more nodes"
             )
         run_rows["rows_bytes"] += sum(f["run_rows_bytes"] for f in figures)
