@@ -5,6 +5,7 @@ is one line naming that node, never an entry built from it."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -127,3 +128,124 @@ def test_eos_columns_more_than_the_records_count_are_refused():
 def test_fragment_ends_hold_an_eos_at_a_rows_end_once():
     ends = fragment_ends(np.array([2, 0, 1]), np.array([2, ROW, ROW - 1]), ROW)
     assert ends.tolist() == [2, ROW, 2 * ROW, 2 * ROW + ROW - 1, 3 * ROW]
+
+
+class _World:
+    """W processes in threads, as MPI's collectives give them to send_each: each call a step all
+    take together (a barrier before and after the board is read)."""
+
+    def __init__(self, size: int):
+        self.size, self.barrier, self.board = size, threading.Barrier(size, timeout=30), [None] * size
+
+
+class _Comm:
+    def __init__(self, world: _World, rank: int):
+        self.world, self.rank = world, rank
+
+    def Get_size(self) -> int:
+        return self.world.size
+
+    def _swap(self, mine, take) -> None:
+        self.world.board[self.rank] = mine
+        self.world.barrier.wait()
+        take(self.world.board)
+        self.world.barrier.wait()
+
+    def Ialltoall(self, send, recv):
+        def take(board):
+            for s, theirs in enumerate(board):
+                recv[s] = theirs[self.rank]
+
+        self._swap(np.array(send), take)
+        return SimpleNamespace(Test=lambda: True)
+
+    def Alltoallv(self, send, recv):
+        buf, counts, displs, _ = send
+        out, _, rdispls, _ = recv
+
+        def take(board):
+            for s, (theirs, c, d) in enumerate(board):
+                out[rdispls[s] : rdispls[s] + c[self.rank]] = theirs[d[self.rank] : d[self.rank] + c[self.rank]]
+
+        self._swap((np.array(buf), counts, displs), take)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_facts_rounds_give_every_owner_the_entries_its_rows_give(tmp_path, monkeypatch, padded):
+    """3 processes, 40 rows in shards of 6 (the last of 4), each row kept by one process and its
+    shard owned by another or the same, 2 rows a round (the owners' rows unequal, 16, 12 and 12:
+    the last two rounds bring two owners nothing): each owner's entries and `.ds.rows`/`.ds.pad` are those the epoch shard writer gives
+    from the rows themselves."""
+    from tokpack.formats.outputs import EpochShardFormat
+    from tokpack.formats.shards import EpochShardWriter
+    from tokpack.packer import owned_facts
+    from tokpack.packer.owned_shards import OwnedShards
+    from tokpack.packer.rank_files import row_facts
+
+    monkeypatch.setattr(owned_facts, "FACT_ROWS", 2)
+    W, n, per, width = 3, 40, 6, 9
+    rng = np.random.default_rng(8)
+    rows = rng.integers(0, 3, (n, width)).astype(np.uint16)  # EOS (0) often
+    pads = rng.integers(0, 4, n) if padded else np.zeros(n, np.int64)
+    fmt = EpochShardFormat(np.dtype(np.uint16), width - 1, 0, "tok", padded=padded)
+    shards = -(-n // per)
+    job = SimpleNamespace(
+        shard_samples=per,
+        n_shards=shards,
+        plan=SimpleNamespace(epoch=0),
+        shard_range=lambda i: (i * per, min(n, (i + 1) * per)),
+        shard_file=lambda i: f"{i:05d}.ds",
+    )
+    keeper = (np.arange(n) * 7) % W
+    world, done, failed = _World(W), {}, []
+
+    def process(q: int) -> None:
+        try:
+            positions = np.flatnonzero(keeper == q)
+            owned = [i for i in range(shards) if i % W == q]
+            ne = SimpleNamespace(
+                job=job,
+                plan=SimpleNamespace(row_tokens=width, samples=n),
+                world=W,
+                me=q,
+                procs=1,
+                positions=positions,
+                owned=owned,
+                owned_rows=sum(job.shard_range(i)[1] - job.shard_range(i)[0] for i in owned),
+                owner_of=lambda g: (g // per) % W,
+                keeper_of=lambda g: (g * 7) % W,
+            )
+            kept = owned_facts.KeptFacts(positions)
+            for part in (positions[::2], positions[1::2]):  # rows given in any order, as rank files give them
+                hashes, counts, cols, _ = row_facts(rows[part], fmt.dtype, width, 0)
+                kept.add(part, hashes, counts, cols)
+            kept.finish()
+            out = OwnedShards(job, fmt, tmp_path / f"scratch{q}", tmp_path / "run")
+            owned_facts.send_facts(_Comm(world, q), SimpleNamespace(BYTE=None), ne, kept, pads[positions], out)
+            done[q] = out.entries
+        except BaseException as e:  # noqa: BLE001 - the test's failure, below
+            failed.append(e)
+            world.barrier.abort()
+
+    threads = [threading.Thread(target=process, args=(q,)) for q in range(W)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failed, failed
+    assert owned_facts.fact_rounds(SimpleNamespace(job=job, world=W)) == 8
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    for q in range(W):
+        assert [i for i, _ in done[q]] == [i for i in range(shards) if i % W == q]
+        for i, entry in done[q]:
+            g0, g1 = job.shard_range(i)
+            writer = EpochShardWriter(whole, f"{i:05d}.ds", np.uint16, width - 1, 0, "tok", padded=padded)
+            writer.write_rows(rows[g0:g1])
+            if padded:
+                writer.write_pad(pads[g0:g1])
+            assert entry == writer.close()
+            for suffix in [".rows", ".pad"] if padded else [".rows"]:
+                assert (tmp_path / "run" / f"{i:05d}.ds{suffix}").read_bytes() == (
+                    whole / f"{i:05d}.ds{suffix}"
+                ).read_bytes()
