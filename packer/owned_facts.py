@@ -25,6 +25,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.packer.node_epoch import NodeEpoch
 from tokpack.packer.owned_shards import OwnedShards
 from tokpack.packer.pieces import ranges
+from tokpack.packer.rank_files import fragment_ends
 from tokpack.packer.transport import process_name, send_each
 
 # A row's facts on the wire: its epoch position g, its xxh3-64, its padding tokens, its EOS
@@ -198,22 +199,3 @@ def _row_at(ne: NodeEpoch, place: int) -> int:
     """The epoch position of this owner's owned row at `place` (owned_place's inverse)."""
     per = ne.job.shard_samples
     return (ne.me + (place // per) * ne.world) * per + place % per
-
-
-def fragment_ends(counts: np.ndarray, cols: np.ndarray, width: int) -> np.ndarray:
-    """The fragment ends, relative to the first row, of rows of `width` tokens with `counts`
-    EOS each at `cols` (1 + column, increasing within a row): each EOS end, then its row's end
-    (an EOS at the row's last token is that end, once), what EpochShardWriter.write_known_index
-    takes: in order, in one pass."""
-    n = len(counts)
-    row = np.repeat(np.arange(n, dtype=np.int64), counts)
-    inner_sel = cols < width
-    row, c = row[inner_sel], cols[inner_sel]
-    inner = np.bincount(row, minlength=n)
-    per = inner + 1
-    start = np.cumsum(per) - per
-    out = np.empty(int(per.sum()), np.int64)
-    rank = np.arange(len(row)) - np.repeat(np.cumsum(inner) - inner, inner)
-    out[start[row] + rank] = row * width + c
-    out[start + inner] = (np.arange(n, dtype=np.int64) + 1) * width
-    return out
