@@ -336,7 +336,8 @@ def rows_memory(token_bytes: int, nodes: int) -> int:
 
 
 def ooc_memory(token_bytes: int, nodes: int) -> int:
-    """--memory for one process below the rows it keeps and owns (about 2/N of the epoch): out of core."""
+    """--memory for one process below the rows it keeps (about 1/N of the epoch; an engine before
+    the owner's rows' facts kept its owned rows too, 2/N): out of core, for either."""
     return token_bytes // (2 * nodes) + (4 << 20)
 
 
@@ -437,7 +438,7 @@ def one_round(devs: Devices, src: Path, work: Path, token_bytes: int, shard_samp
             res,
         )
         shutil.rmtree(nd / "k")
-        # Out of core (--memory below the rows a process keeps and owns): the bucket phases' cost a byte
+        # Out of core (--memory below the rows a process keeps): the bucket phases' cost a byte
         got["ooc"] = step(
             devs,
             mpirun(
@@ -716,7 +717,7 @@ def run_work(s: Step, from_shared: bool, out_of_core: bool):
         routed=total("route"),
         placed=total("bucket_write" if out_of_core else "place"),
         slice_bytes=total("write"),
-        owned_bytes=total("hash_owned"),
+        owned_bytes=total("facts"),
         out_of_core=out_of_core,
         write_through=total("write_through") > 0,  # as the engine chose (node_store.write_through_pays)
     )
@@ -1092,11 +1093,16 @@ def main_against(rev: str, size=None, quick: bool = False, *, runs: int = 1, wor
     head_label = git("rev-parse", "--short", "HEAD")
     commit = head_label + (" (uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
     own = work is None
-    work = Path(work or tempfile.mkdtemp(prefix="tokpack-nodes-against-"))
+    work = Path(work or tempfile.mkdtemp(prefix="tokpack-nodes-against-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     tree = work / f"tree-{rev_label}"
     git("worktree", "add", "--detach", str(tree), rev_label)
     previous = signal.signal(signal.SIGTERM, _terminated)
+    # Each engine's `python -m tokpack` runs in `work`: `-m` puts the working directory first on
+    # sys.path, so from a checkout's root every engine would import that checkout's tokpack/,
+    # whatever its PYTHONPATH says (REV's runs were this tree's).
+    here = os.getcwd()
+    os.chdir(work)
     devs = None
     load = [os.getloadavg()]
     try:
@@ -1124,6 +1130,7 @@ def main_against(rev: str, size=None, quick: bool = False, *, runs: int = 1, wor
             print(f"nodes --against: round {r + 1} of {runs} done", file=sys.stderr, flush=True)
         load.append(os.getloadavg())
     finally:
+        os.chdir(here)
         signal.signal(signal.SIGTERM, previous)
         if devs is not None:
             devs.close()
@@ -1171,7 +1178,7 @@ def report_against(rows, phases, names, engines, token_bytes, runs, quick, conte
         "CPU s: user+sys of the whole mpirun tree (launcher, interpreters' start, MPI_Init included; reaped "
         "children's rusage). CPU s/GB: that over the epoch's token GB, which is a process's CPU over its 1/4 "
         "share; --json CPU s/GB: the processes' own cpu_s; phases CPU s/GB: their --json phases but 'other' "
-        "(the epoch's engine: read, cut, route, place, buckets, write, hash_owned); other CPU s/GB: their 'other' "
+        "(the epoch's engine: read, cut, route, place, buckets, write, facts or, before it, hash_owned); other CPU s/GB: their 'other' "
         "phase (start-up, planning, manifests). old/new: the first engine's figure over this row's.",
         "same bytes: every file under the DESTs and kept sources, and RUN's, by sha256, against the "
         f"{ref.label} run of the same round; 2x2 by rank file (node folders differ) and RUN but its nodes sidecar.",
@@ -1219,7 +1226,7 @@ def main(
     previous = signal.signal(signal.SIGTERM, _terminated)  # a killed bench still unmounts (finally below)
     devs = None
     try:
-        # shared: sources, the materialised run, RUNs' small files; nodes: cp, slices, kept sources, owned shards
+        # shared: sources, the materialised run, RUNs' small files; nodes: cp, slices, kept sources, buckets
         devs = open_devices(work, int(2.5 * nbytes) + (256 << 20), int(7 * nbytes) + (256 << 20), loop)
         src, token_bytes, samples, shard_samples = make_source(devs, work, nbytes, quick)
         node_tokens = samples // NODES * (SEQ_LEN + 1) * MODEL_TOKEN_BYTES
@@ -1286,7 +1293,8 @@ def main(
         f"{runs} round(s), the median's row. MB/s and read / tokens count the sources' token bytes "
         f"({token_bytes / 1e6:,.1f} MB); the replacement row its slice's ({node_tokens / 1e6:,.1f} MB).",
         "shared written: RUN's files (manifests, 8-byte row hashes) and ext4's journal; node disk written: "
-        "slices and kept sources (an owned epoch shard's tokens are hashed, not written).",
+        "slices and kept sources (an owned epoch shard's tokens never reach its owner: its entry is built from "
+        "its rows' facts).",
     ]
     columns = COLUMNS if devs.loop else [PROC_IO.get(c, c) for c in COLUMNS if c != "node disk written MB"]
     t1 = print_table(f"straight to the nodes (issue 33): {NODES} nodes on one machine", rows, columns)

@@ -13,24 +13,27 @@ Process p of node n (world process q = n*P + p of N*P):
    tokpack.shuffle.steps.split_shards gives scatter task q of N*P, sequentially, verifying each
    source shard's xxh3_128 from the bytes it reads (ShardHashes, as the scatter pass does);
 3. sends every row, tagged with its output position g, with `Alltoallv` in rounds whose buffers
-   fit what its memory leaves beside the rows it keeps: to the node whose ranks read g
-   (tokpack.formats.slices.RankRows: the arithmetic `stage --node` uses), once, to the process
-   of that node that writes the file of g's rank (NodeEpoch.keeper_of), and to the process that
-   owns g's epoch shard (shard i: process i mod N*P);
+   fit what its memory leaves beside the rows it keeps, once: to the node whose ranks read g
+   (tokpack.formats.slices.RankRows: the arithmetic `stage --node` uses), at the process of that
+   node that writes the file of g's rank (NodeEpoch.keeper_of, NodeEpoch.routes);
 4. puts the rows it receives in training order, in memory when they fit, else out of
    core through bucket files in its scratch in DEST (tokpack.packer.node_buckets: the scatter/order
    engine's Layout and best-fit bucket files, read back a bucket at a time), and writes its
    ranks' files of node n's slice into DEST through tokpack.packer.rank_files.RankFiles, the
    bytes `stage RUN DEST --node n/N` writes (in memory, windows: each row as soon as a round
    completes it, at its place, the files open since the rounds began: node_store.open_slice_files);
-5. as the owner of some epoch shards, passes each one through the epoch shard writer
-   (`hashed_only`: its tokens and index are hashed, not written), which gives the shard's
-   manifest entry (its checksums) exactly as `tokpack shuffle` records it, and writes of it only
-   the row hashes (`.ds.rows`, 8 bytes a sample, and a
-   best-fit shard's `.ds.pad`), which go to RUN through its Output (tokpack.packer.owned_shards). So RUN's epoch manifest is byte for byte the one
-   `tokpack shuffle` writes, the slice's manifests are those `stage --node` writes, and RUN holds
-   no token bytes. The price is one more copy of every row on the network (cheap: the issue's
-   25 GB/s a node), and the owned shards' rows in the node's memory (or buckets).
+   the pass that writes each row's `.ds.rows` and `.ds.index` keeps its facts too (its xxh3-64,
+   its EOS columns; tokpack.packer.owned_facts.KeptFacts), with its padding;
+5. sends each row's facts to the owner of its epoch shard (shard i: world process i mod N*P),
+   in rounds of small arrays (owned_facts.send_facts), and, as the owner of some epoch shards,
+   builds each one's manifest entry from its rows' facts, checked as they arrive (each row once,
+   from the process that keeps it), through the epoch shard writer (`hashed_only`: no token is
+   asked for, its index only hashed), exactly as `tokpack shuffle` records it, and writes of it
+   only the row hashes (`.ds.rows`, 8 bytes a sample, and a best-fit shard's `.ds.pad`), which go
+   to RUN through its Output (tokpack.packer.owned_shards). So RUN's epoch manifest is byte for
+   byte the one `tokpack shuffle` writes, the slice's manifests are those `stage --node` writes,
+   and RUN holds no token bytes. A row crosses the network once; its owner gets a few dozen
+   bytes of it (the issue's 25 GB/s a node is not what binds), and holds none of its tokens.
 
 Process 0 writes RUN's manifests (the epoch's after every owner's entries, then the run's);
 then each node's leader reads them back (a few KiB from the shared filesystem) and commits its
@@ -53,7 +56,7 @@ The modules, each one idea, data flowing one way: this one (the entry points and
 steps; node_procs: a node's P processes, their communicator) -> tokpack.packer.node_epoch (what
 a process reads, keeps and owns; the memory plan) -> node_reads (its pieces from the sources), transport (MPI: failures as one line, the rounds),
 node_store (the node's rows in memory; write_slice_epoch) and node_buckets (out of core),
-owned_shards (the owner's role), kept_sources (--keep-sources), node_dest (DEST beside RUN),
+owned_facts (the rows' facts to their owners) and owned_shards (the owner's role), kept_sources (--keep-sources), node_dest (DEST beside RUN),
 rank_files and pieces. The replacement node (tokpack.packer.replacement) shares rank_files and
 node_dest.
 
@@ -65,9 +68,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -100,7 +101,8 @@ from tokpack.packer.node_procs import Node, node_of_process
 from tokpack.packer.node_reads import source_pieces
 from tokpack.packer.node_report import counted, epoch_detail, reading_bar, run_summary
 from tokpack.packer.node_store import open_slice_files, open_stores, receive, write_slice_epoch, write_through_pays
-from tokpack.packer.owned_shards import hash_owned_shards
+from tokpack.packer.owned_facts import KeptFacts, send_facts
+from tokpack.packer.owned_shards import OwnedShards
 from tokpack.packer.phases import Phases, TimedRows, collecting, count, phase, process_cpu, timed
 from tokpack.packer.rank_files import ready_epoch_dir
 from tokpack.packer.slicing import slice_ranks
@@ -118,11 +120,11 @@ def exchange_epoch(
     comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None = None, shown: bool = False, files=None
 ):
     """The rounds (tokpack.packer.transport.exchange_rounds) of this process's pieces
-    (node_reads.source_pieces), each to its node and its shard's owner (NodeEpoch.routes), what
-    arrives put in the node's stores (node_store.receive; `files`, its rank files open for the
-    rounds: node_store.open_slice_files, which are written as rows complete and removed if the
-    rounds fail). Returns (the stores: in memory, or bucket files by `layout`, both read by
-    `rows(lo, hi)` in store_rows numbering; the slice's padding, the owned shards' padding, rounds)."""
+    (node_reads.source_pieces), each to the process that keeps its row (NodeEpoch.routes), what
+    arrives put in its store (node_store.receive; `files`, its rank files open for the rounds:
+    node_store.open_slice_files, which are written as rows complete and removed if the rounds
+    fail). Returns (the store: in memory, or bucket files by `layout`, both read by `rows(lo,
+    hi)` in store_rows numbering; the slice's padding, rounds)."""
     try:
         return _exchange(comm, MPI, ne, per_round, layout, shown, files)
     except BaseException:
@@ -137,7 +139,6 @@ def _exchange(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None, s
     stores = open_stores(ne, layout, pad_id, files)
     # Tokens of each row still unfilled: 0 for every window at the end, a best-fit row's padding.
     pad = np.full(ne.store_rows, row, dtype=np.int64)
-    P = len(ne.positions)
 
     def deliver(got_pieces, got_tokens):
         with phase("place" if layout is None else "bucket_write", got_tokens.nbytes):
@@ -165,26 +166,17 @@ def _exchange(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None, s
             where=f"epoch {job.plan.epoch}",
             hint="report this with the command line",
         )
-    return stores, pad[:P], pad[P:], rounds
+    return stores, pad, rounds
 
 
-def _write_and_hash(write, hash_owned, at_once: bool) -> tuple:
-    """(the slice's rank files' entries, the owned shards'): in memory at once, the hashing on a
-    thread of its own (both only read the stores; xxh3 and the writes release the GIL), so the
-    epoch's end takes the longer, not the sum; out of core one after the other (one bucket
-    reader, node_buckets.BucketRead, serves both in store order). A failure of the write stops
-    the hashing at its next shard before it is raised."""
-    if not at_once:
-        return write(), hash_owned()
-    stop = threading.Event()
-    with ThreadPoolExecutor(1, thread_name_prefix="hash_owned") as pool:
-        hashed = pool.submit(hash_owned, stop)
-        try:
-            entries = write()
-        except BaseException:
-            stop.set()
-            raise
-        return entries, hashed.result()
+def owned_entries(comm, MPI, ne: NodeEpoch, kept: KeptFacts, pad: np.ndarray, owned: OwnedShards):
+    """The owner's role, after the slice's rank files are written (and with them `kept`, its
+    rows' facts): the facts' rounds (owned_facts.send_facts), each owned shard's entry built from
+    them by `owned`, its row hashes (and padding) sent to RUN. Returns (the entries, their rows'
+    padding)."""
+    with phase("facts", ne.owned_rows * ne.job.row_bytes):
+        send_facts(comm, MPI, ne, kept, pad, owned)
+    return owned.entries, owned.padding
 
 
 def _same_padding(sums, padding: int, epoch: int) -> None:
@@ -357,34 +349,29 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         through = write_through_pays(os.cpu_count(), node.on_host)
         files = node.together(lambda: open_slice_files(output, d, ne, fmt, layout, through))
         with collecting(phases):
-            stores, keep_pad, owned_pad, rounds = node.together(
+            stores, keep_pad, rounds = node.together(
                 lambda: exchange_epoch(comm, MPI, ne, per_round, layout, shown, files)
             )
         stores = stores if layout is None else TimedRows(stores)  # out of core: the buckets read back
-        if fmt.padded:  # every row is some node's and some owner's: both sums are the table's padding
-            sums = comm.allreduce(np.array([keep_pad.sum(), owned_pad.sum()], dtype=np.int64)).tolist()
-            node.together(lambda: _same_padding(sums, prepared["padding"], epoch))
         log(f"shuffle --to-nodes: epoch {epoch}: {plan.samples} samples exchanged among {among} in {rounds} rounds")
-        at_once = layout is None
-        log(
-            f"shuffle --to-nodes: epoch {epoch}: writing the slice's rank files, "
-            + ("hashing the owned shards meanwhile" if at_once else "then hashing the owned shards")
-        )
+        log(f"shuffle --to-nodes: epoch {epoch}: writing the slice's rank files, then the owned shards' entries")
+        facts = KeptFacts(ne.positions)  # each row's facts, from the rank files' pass over it
 
         def write():
             with phase("write", len(ne.positions) * job.row_bytes):
-                return write_slice_epoch(output, d, ne, stores, keep_pad, fmt, files)
-
-        def hash_owned(stop=None):
-            with phase("hash_owned", ne.owned_rows * job.row_bytes):
-                owned = Path(job.work_dir) / "owned"
-                return hash_owned_shards(ne, stores, owned_pad, owned, Path(job.epoch_dir), fmt, stop=stop)
+                entries = write_slice_epoch(output, d, ne, stores, keep_pad, fmt, files, facts)
+                facts.finish()
+            return entries, OwnedShards(job, fmt, Path(job.work_dir) / "owned", Path(job.epoch_dir))
 
         with collecting(phases):
-            entries, owned_entries = node.together(lambda: _write_and_hash(write, hash_owned, at_once))
+            entries, owned = node.together(write)
+            stores = None  # freed before the owned shards' entries
+            owned_list, owned_pad = node.together(lambda: owned_entries(comm, MPI, ne, facts, keep_pad, owned))
+        if fmt.padded:  # every row is some node's and some owner's: both sums are the table's padding
+            sums = comm.allreduce(np.array([keep_pad.sum(), owned_pad], dtype=np.int64)).tolist()
+            node.together(lambda: _same_padding(sums, prepared["padding"], epoch))
         shutil.rmtree(scratch, ignore_errors=True)
-        stores = None  # freed before the next epoch's stores
-        gathered = comm.gather(owned_entries, root=0)
+        gathered = comm.gather(owned_list, root=0)
         # the node's rank files, each process's, in rank order: the slice epoch manifest lists them so
         node_entries = sorted((e for part in node.local.allgather(entries) for e in part), key=lambda e: e["rank"])
 

@@ -1,7 +1,7 @@
 """A node's rows out of core (`shuffle --to-nodes` when its stores do not fit --memory): bucket
 files in DEST's scratch, laid out as the scatter/order engine's Layout (one scatter task: this
 process) and written and read back as the best-fit scatter and order passes do (RECORD,
-read_bucket), each bucket a contiguous range of the node's store rows (NodeEpoch.store_rows).
+read_bucket), each bucket a contiguous range of the process's slice rows (NodeEpoch.store_rows).
 Each bucket's bytes are written once (the rounds) and read once (`Buckets.rows`, on a thread a
 bucket ahead of its writer: node_epoch.memory_plan counts both buckets)."""
 
@@ -26,35 +26,26 @@ from tokpack.shuffle.steps import Layout
 
 
 def bucket_layout(ne: NodeEpoch, memory: int, work: Path) -> Layout | None:
-    """The out-of-core Layout in `work` (DEST's scratch) of a node whose stores do not fit
+    """The out-of-core Layout in `work` (DEST's scratch) of a process whose store does not fit
     --memory, else None (in memory)."""
     bucket_rows = memory_plan(ne, memory)[1]
     return None if bucket_rows is None else _layout(ne, bucket_rows, work)
 
 
 def _layout(ne: NodeEpoch, bucket_rows: int, work: Path) -> Layout:
-    """The out-of-core stores as the scatter/order engine's Layout (one scatter task: this
-    process): buckets of at most `bucket_rows` store rows, each a contiguous range of the
-    slice's positions or of one owned shard's rows (shard_buckets: each owned shard's first
-    bucket), so each is read back, whole, in the order its writer takes it."""
-    starts, firsts = [], []
-
-    def cut(a: int, n: int) -> None:
-        nb = -(-n // bucket_rows)
-        starts.extend(a + (j * n) // nb for j in range(nb))
-
-    cut(0, len(ne.positions))
-    for i in ne.owned:
-        firsts.append(len(starts))
-        g0, g1 = ne.job.shard_range(i)
-        cut(len(ne.positions) + int(ne.owned_base[i]), g1 - g0)
-    firsts.append(len(starts))
+    """The out-of-core store as the scatter/order engine's Layout (one scatter task: this
+    process): buckets of at most `bucket_rows` slice rows, each a contiguous range of its
+    positions, read back, whole, in order (its one "shard": shard_buckets [0, buckets))."""
+    n = len(ne.positions)
+    nb = -(-n // bucket_rows)
+    starts = [(j * n) // nb for j in range(nb)]
+    firsts = [0, len(starts)]
     starts.append(ne.store_rows)
     return Layout(1, np.array(starts, dtype=np.int64), np.array(firsts, dtype=np.int64), 0, str(work / "ooc-node"), [])
 
 
 class Buckets:
-    """The node's two stores out of core: each received piece appended to its bucket's files
+    """The process's store out of core: each received piece appended to its bucket's files
     (Layout.bucket_file of task 0: the tokens in `.rows`, a RECORD in `.pos`, their store row in
     the record's g), as the best-fit scatter pass writes them, with each file's xxh3_64 in the
     task's records; read back a bucket at a time by the best-fit order pass's read_bucket
@@ -101,9 +92,9 @@ class Buckets:
 
     def rows(self, lo: int, hi: int):
         """(first store row, rows) of each bucket in [lo, hi) (bucket boundaries), in order. The
-        caller takes the buckets in store row order, each once (the slice's, then each owned
-        shard's): while it writes or hashes one, the next is read back on a thread (BucketRead),
-        across calls too, so the epoch takes the longer of the two, not their sum."""
+        caller takes the buckets in store row order, each once: while it writes one, the next
+        is read back on a thread (BucketRead), across calls too, so the epoch takes the longer of
+        the two, not their sum."""
         starts = self.lay.bucket_starts
         b = int(np.searchsorted(starts, lo))
         if lo < hi and (b >= len(starts) - 1 or int(starts[b]) != lo):

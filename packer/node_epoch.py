@@ -1,7 +1,7 @@
 """One epoch of `shuffle --to-nodes` on one process (tokpack.packer.exchange): what it reads
 (its runs of whole source shards), what it keeps (its ranks' part of the node's slice, in
-increasing position order) and owns (epoch shards i with i mod N*P the process), each piece's
-two destinations, and the memory plan (`memory_plan`: a round's tokens, and whether its rows
+increasing position order) and owns (epoch shards i with i mod N*P the process: their rows'
+facts, not their rows, come to it), each piece's one destination, and the memory plan (`memory_plan`: a round's tokens, and whether its rows
 fit in memory or go out of core to bucket files). A node is P processes (tokpack.packer.
 node_procs): process p of node n is world process q = n*P + p; it reads part q of N*P of the
 sources and keeps the rows of the node's ranks r with (r - a) mod P = p (a: the node's first
@@ -28,6 +28,15 @@ MIN_ROUND_ROWS = 4
 # fresh memory, and larger ones cost more per byte to fault in than they save in rounds (bench/
 # rounds.py, BENCHMARKS.md "Straight to the nodes"); at 48 nodes a round still sends megabytes a peer.
 MAX_ROUND_BYTES = 64 << 20
+
+
+def fact_row_bytes(row_tokens: int) -> int:
+    """Bytes a slice row's facts take in its keeper's memory, from its rank file's write until
+    its owner has them (tokpack.packer.owned_facts): its xxh3-64, EOS count, first EOS column's
+    place and its order among the facts' rounds (29 in all, 32 here), and 8 bytes an EOS column
+    (4, held twice while they are laid out in order) at about a document end every 512 tokens
+    (an estimate: a corpus of shorter documents holds more)."""
+    return 32 + 8 * (row_tokens // 512)
 
 
 class NodeEpoch:
@@ -65,36 +74,35 @@ class NodeEpoch:
         if self.procs > 1:  # this process's ranks' among them
             parts = [pos[(rows.rank_of(pos + first) - ranks[0]) % self.procs == self.proc] for pos in parts]
         self.positions = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        # The epoch shards this process owns (checksums and row hashes for RUN), and where each starts in its store.
+        # The epoch shards this process owns (their manifest entries and row hashes for RUN): their
+        # rows are not sent here, only each row's facts (tokpack.packer.owned_facts), once its
+        # keeper has written it.
         self.owned = list(range(self.me, job.n_shards, self.world))
-        self.owned_base = np.full(job.n_shards, -1, dtype=np.int64)
-        base = 0
-        for i in self.owned:
-            self.owned_base[i] = base
-            g0, g1 = job.shard_range(i)
-            base += g1 - g0
-        self.owned_rows = base
-        # Both stores, each row's tokens still unfilled (its padding, once every piece is in), the positions.
-        self.keep_bytes = (len(self.positions) + self.owned_rows) * (rb + 8) + 8 * len(self.positions)
-        # Out of core the stores are bucket files: what stays in memory is the positions and the unfilled counts.
-        self.index_bytes = 8 * len(self.positions) + 8 * (len(self.positions) + self.owned_rows)
+        self.owned_rows = sum(job.shard_range(i)[1] - job.shard_range(i)[0] for i in self.owned)
+        # The store (the slice's rows), each row's tokens still unfilled (its padding, once every
+        # piece is in), the positions, and each row's facts for its owner (fact_row_bytes).
+        P = len(self.positions)
+        self.facts_bytes = fact_row_bytes(self.plan.row_tokens) * P  # after the rounds only
+        self.keep_bytes = P * (rb + 8) + 8 * P + self.facts_bytes
+        # Out of core the store is bucket files: what stays in memory is the positions and the
+        # unfilled counts (beside a round's buffers, then beside two buckets and the facts).
+        self.index_bytes = 8 * P + 8 * P
 
     @property
     def store_rows(self) -> int:
-        """Rows of the node's two stores, one numbering: its slice's (0..P-1, in position order),
-        then its owned shards' (P + the row's place in owned_base's order)."""
-        return len(self.positions) + self.owned_rows
+        """Rows of the process's store: its part of the node's slice, in position order."""
+        return len(self.positions)
 
     def disk_bytes(self, out_of_core: bool) -> int:
         """DEST's bytes at the peak: the rank files (rows, row hashes, index about a fragment a
-        row) and the owned shards' row hashes and padding (their tokens are only hashed,
-        hash_owned_shards); out of core, the bucket files too: every store row with two RECORDs
-        (about one piece a row)."""
+        row) and the owned shards' row hashes and padding (their entries built from their rows'
+        facts, owned_shards); out of core, the bucket files too: every slice row with two
+        RECORDs (about one piece a row)."""
         P, rb = len(self.positions), self.job.row_bytes
         small = P * (16 + 4 * self.padded) + self.owned_rows * (8 + 4 * self.padded)
         # out of core a bucket is removed once read, as the rank files grow: the buckets' bytes
         # are the peak, the slice's rows among them
-        return small + (self.store_rows * (rb + 2 * RECORD.itemsize) if out_of_core else P * rb)
+        return small + (P * (rb + 2 * RECORD.itemsize) if out_of_core else P * rb)
 
     def node_of(self, g: np.ndarray) -> np.ndarray:
         return self.rows.rank_of(g + self.first) // self.per_node
@@ -112,14 +120,10 @@ class NodeEpoch:
         return (g // self.job.shard_samples) % self.world
 
     def routes(self, pieces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(destination process of each copy, the piece it is): each piece goes to the process
-        that writes its row's rank file, and to its epoch shard's owner when that is another
-        process (one that both keeps a row and owns its shard gets it once)."""
-        to_keeper, to_owner = self.keeper_of(pieces["g"]), self.owner_of(pieces["g"])
-        twice = to_owner != to_keeper
-        return np.concatenate([to_keeper, to_owner[twice]]), np.concatenate(
-            [np.arange(len(pieces)), np.flatnonzero(twice)]
-        )
+        """(destination process of each copy, the piece it is): each piece goes once, to the
+        process that writes its row's rank file (its shard's owner gets the row's facts from
+        that process after the rounds: tokpack.packer.owned_facts)."""
+        return self.keeper_of(pieces["g"]), np.arange(len(pieces))
 
     def runs(self, q: int | None = None) -> list[tuple[int, int, int]]:
         """This process's (or process `q`'s) part of the sources: runs (source, first shard, end
@@ -174,13 +178,14 @@ def bucket_row_bytes(row_bytes: int) -> int:
 
 
 def round_tokens(ne: NodeEpoch, memory: int) -> int:
-    """Tokens a process sends per round (tokpack plan --to-nodes calls this too). A round sends
-    at most twice what it reads (each piece to its node and to its shard's owner) and receives
-    about as much, each token with its index arithmetic. In memory when the node's stores fit
+    """Tokens a process sends per round (tokpack plan --to-nodes calls this too). A round holds
+    what it read, its send buffer (each piece once, to its keeper), what it receives (about as
+    much) and what waits for the next round, each token with its index arithmetic. In memory when the node's stores fit
     beside a round's buffers; else out of core (bucket_layout): the rounds append what they
     receive to bucket files in DEST's scratch (one more copy a token), and the buckets, read
     back in order once the rounds are done (the next one read while one is written: two in
-    memory, bucket_row_bytes), take what the positions and unfilled counts leave of --memory.
+    memory, bucket_row_bytes), take what the positions, unfilled counts and the rows' facts
+    (which the rounds do not hold: they are taken as the rank files are written) leave of --memory.
     Raises when even that does not fit."""
     return memory_plan(ne, memory)[0]
 
@@ -191,25 +196,25 @@ def memory_plan(ne: NodeEpoch, memory: int) -> tuple[int, int | None]:
     job = ne.job
     per_token = 4 * job.token_dtype.itemsize + TOKEN_OVERHEAD
     least = MIN_ROUND_ROWS * job.plan.row_tokens
-    limit = min(
-        MAX_MESSAGE_BYTES // (2 * job.token_dtype.itemsize), max(MAX_ROUND_BYTES // job.token_dtype.itemsize, least)
-    )
+    limit = min(MAX_MESSAGE_BYTES // job.token_dtype.itemsize, max(MAX_ROUND_BYTES // job.token_dtype.itemsize, least))
     t = min((memory - ne.keep_bytes) // per_token, limit)
     if t >= least:
         return int(t), None
     budget = memory - ne.index_bytes
     per_token += job.token_dtype.itemsize + 8  # the copy appended to a bucket file, its index
     t = min(budget // per_token, limit)
-    bucket_rows = budget // bucket_row_bytes(job.row_bytes)
+    bucket_rows = (budget - ne.facts_bytes) // bucket_row_bytes(job.row_bytes)
     if t < least or bucket_rows < MIN_ROUND_ROWS:
-        need = ne.index_bytes + max(per_token * least, MIN_ROUND_ROWS * bucket_row_bytes(job.row_bytes))
+        need = ne.index_bytes + max(
+            per_token * least, ne.facts_bytes + MIN_ROUND_ROWS * bucket_row_bytes(job.row_bytes)
+        )
         whose = "node" if ne.procs == 1 else "process"  # a process of P plans with --memory / P
         raise TokpackError(
             f"this {whose}'s rows of epoch {job.plan.epoch} do not fit --memory, even out of core",
             where="--memory",
             expected=f">= {need} bytes ({ne.index_bytes} for the positions and unfilled counts of "
-            f"the {whose}'s {ne.store_rows} rows, the rest for a round's buffers or a bucket "
-            f"of {MIN_ROUND_ROWS} rows)",
+            f"the {whose}'s {ne.store_rows} rows, the rest for a round's buffers, or for their facts "
+            f"({ne.facts_bytes}) and a bucket of {MIN_ROUND_ROWS} rows)",
             found=f"{memory} bytes"
             + ("" if ne.procs == 1 else f" (--memory / {ne.procs}: the node's processes share it)"),
             hint="give more --memory, or more nodes",

@@ -19,11 +19,12 @@ runs them (`epoch`):
               completes also written to its rank file by a thread of its own (a third chain; its
               bytes the disk's during the rounds, what is left waited for by the write phase's fsync).
   write       then the slice's rank files: written, or (written through) hashed and indexed
-              only; in memory the owned epoch shards hashed meanwhile on a thread of their own
-              (exchange._write_and_hash): the longer of the two. Out of core, its buckets read
-              back on a thread a bucket ahead of the main thread's write (node_buckets: the
-              longer of the two chains; the writes behind by writeback), and then
-  hash_owned  the owned epoch shards hashed (their buckets read back, as in write).
+              only, each row's facts for its owner taken from the same pass. Out of core, its
+              buckets read back on a thread a bucket ahead of the main thread's write
+              (node_buckets: the longer of the two chains; the writes behind by writeback).
+  facts       then the rows' facts sent to their epoch shards' owners (small arrays, a few
+              dozen bytes a row: no network term) and the owned shards' entries built from
+              them (tokpack.packer.owned_facts); no token moves.
 
 Each phase takes the largest of its chains and of each resource's total (shared filesystem,
 network, local disk (its reads and writes apart where it does both at once: Rates.disk_duplex),
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokpack.packer.node_epoch import fact_row_bytes
 from tokpack.packer.replacement import READ_QUEUE_DEPTH
 
 SHARED, NETWORK, DISK, CPU, REPLACEMENT_READS = (
@@ -53,9 +55,9 @@ READ_LATENCY_S = 100e-6  # one small read of the shared filesystem (issue 41: 10
 START_SECONDS = 0.5  # a process's start (tokpack.packer.plan_result.COMMAND_START_SECONDS)
 
 # CPU seconds a byte of each phase on this machine's core (tokpack.packer.phases; bytes as each
-# phase counts them: read and cut the source bytes read, route every copy sent, place and
+# phase counts them: read and cut the source bytes read, route the bytes sent, place and
 # bucket_write the bytes received, bucket_read the bytes read back, write the slice's token bytes,
-# hash_owned the owned shards' token bytes). Measured by the run below; `python bench/nodes.py`
+# facts the owned shards' token bytes its rows' facts stand for). Measured by the run below; `python bench/nodes.py`
 # prints them again ("s/byte") from its own 4-process run.
 MEASURED = {
     "read": 0.44e-9,
@@ -65,7 +67,11 @@ MEASURED = {
     "bucket_write": 2.28e-9,
     "bucket_read": 0.759e-9,
     "write": 0.584e-9,
-    "hash_owned": 0.521e-9,
+    # the facts' rounds and the owned shards' entries (owned_facts), a byte of the owned shards'
+    # tokens (none of which moves): 0.05-0.06 s/GB in the 4-process runs of bench/nodes.py
+    # --size 512MiB --against cfa62d2 at 1ba0103, 09:50 UTC (0.11-0.16 at 128 MiB on a loaded
+    # machine: MPI's polling while a peer writes counts here); not yet in BENCHMARKS.md
+    "facts": 0.055e-9,
     # in memory, windows, where the host has the cores (node_store.write_through_pays): the rows'
     # pwrites into the page cache during the rounds (whole pages, a thread of their own), a byte
     # of the slice. The write phase after costs what it did (its hash and index: the O_DIRECT
@@ -113,11 +119,11 @@ class NodeWork:
     kept_copied: int = 0  # source bytes copied now to its disk (--keep-sources' first epoch)
     sent: int = 0  # network bytes out (to other nodes)
     received: int = 0  # network bytes in
-    routed: int = 0  # tokens sent, every copy, its own included (route's bytes)
-    placed: int = 0  # tokens received into its stores: its slice's and its owned shards'
+    routed: int = 0  # tokens sent (each once, to its keeper), its own included (route's bytes)
+    placed: int = 0  # tokens received into its store: its slice's
     slice_bytes: int = 0  # token bytes of its rank files
     small_bytes: int = 0  # the rest it writes on its disk: row hashes, index, padding
-    owned_bytes: int = 0  # token bytes of the owned shards, hashed only
+    owned_bytes: int = 0  # token bytes of the owned shards, whose rows' facts come to it (facts' bytes)
     out_of_core: bool = False  # the stores are bucket files: written in the rounds, read back after
     read_ahead: bool = True  # windows: read on a thread of their own; best-fit: in the main thread
     # in memory, windows: the slice's rows written to their rank files during the rounds
@@ -212,11 +218,10 @@ def epoch(work: NodeWork, rates: Rates, costs: dict | None = None) -> Prediction
     if through:
         chains["write"] = {CPU: write_cpu / P}
     read_rounds = 0 if work.from_shared else work.source_bytes
-    # out of core every store row to a bucket; written through, the slice's rows to their rank
+    # out of core every slice row to a bucket; written through, the slice's rows to their rank
     # files (what the disk has not taken when the rounds end, the write phase's fsync waits for:
     # counted here, the rounds' time the longer)
-    written_rounds = work.slice_bytes + work.owned_bytes if work.out_of_core else 0
-    written_rounds += work.slice_bytes if through else 0
+    written_rounds = work.slice_bytes if work.out_of_core or through else 0
     rounds = _phase(
         "rounds",
         chains,
@@ -232,22 +237,22 @@ def epoch(work: NodeWork, rates: Rates, costs: dict | None = None) -> Prediction
     keep = _phase("keep", {}, {SHARED: keep_io, **rates.disk(written=work.kept_copied)})
     phases = [keep, rounds] if work.kept_copied else [rounds]
     slice_written = work.small_bytes + (0 if through else work.slice_bytes)
+    one = P if rates.cores is None else min(rates.cores, P)  # a main thread a process
+    write_cpu = c["write"] * work.slice_bytes
     if not work.out_of_core:
-        # In memory the owned shards are hashed on a thread of their own while the main thread
-        # writes the slice (exchange._write_and_hash): one phase, the longer of the two.
-        cpu = {"write": c["write"] * work.slice_bytes, "hash_owned": c["hash_owned"] * work.owned_bytes}
+        chains = {"write": {CPU: write_cpu / P}}
+        phases.append(_phase("write", chains, {**rates.disk(written=slice_written), CPU: write_cpu / one}))
+    else:
+        # Out of core the slice's buckets are read back (both directions of the local disk:
+        # written in the rounds, read here), on a thread a bucket ahead of the main thread's write.
+        n = work.slice_bytes
+        read_cpu = c["bucket_read"] * n
+        chains = {"main": {CPU: write_cpu / P}, "read": {**_only(rates.disk(read=n)), CPU: read_cpu / P}}
         two = 2 * P if rates.cores is None else min(rates.cores, 2 * P)
-        chains = {name: {CPU: v / P} for name, v in cpu.items()}
-        phases.append(_phase("write", chains, {**rates.disk(written=slice_written), CPU: sum(cpu.values()) / two}))
-        return _total(phases, rates.start_s)
-    # Out of core the buckets are read back: the slice's in the write phase, the owned shards' in
-    # hash_owned (both directions of the local disk: written in the rounds, read here), on a
-    # thread a bucket ahead of the main thread's writing or hashing.
-    for name, nbytes, written in (("write", work.slice_bytes, slice_written), ("hash_owned", work.owned_bytes, 0)):
-        read_cpu = c["bucket_read"] * nbytes
-        chains = {"main": {CPU: c[name] * nbytes / P}, "read": {**_only(rates.disk(read=nbytes)), CPU: read_cpu / P}}
-        cores = 2 * P if rates.cores is None else min(rates.cores, 2 * P)
-        phases.append(_phase(name, chains, {**rates.disk(nbytes, written), CPU: (c[name] * nbytes + read_cpu) / cores}))
+        phases.append(_phase("write", chains, {**rates.disk(n, slice_written), CPU: (write_cpu + read_cpu) / two}))
+    # the owners' part: the facts' rounds and the owned shards' entries, on the main thread
+    facts_cpu = c["facts"] * work.owned_bytes
+    phases.append(_phase("facts", {"main": {CPU: facts_cpu / P}}, {CPU: facts_cpu / one}))
     return _total(phases, rates.start_s)
 
 
@@ -296,25 +301,24 @@ def ranges_at_density(rows: int, nodes: int) -> int:
 
 def uniform_work(token_bytes: float, nodes: int, row_bytes: int, **kw) -> NodeWork:
     """One node's bytes when the epoch's `token_bytes` spread evenly over `nodes` (the exchange's
-    arithmetic: every row read once, sent to the node whose ranks read it and to its shard's
-    owner when that is another node; a node keeps 1/nodes and owns 1/nodes). What bench/nodes.py
-    projects for a size it cannot plan."""
+    arithmetic: every row read once and sent once, to the node whose ranks read it; a node keeps
+    1/nodes and owns 1/nodes, whose rows' facts come to it). What bench/nodes.py projects for a
+    size it cannot plan."""
     N = max(1, nodes)
     B = token_bytes / N
-    # copies a row read on node m sends elsewhere: to its node (unless m), to its owner (unless
-    # the owner is its node or m); with 16 bytes of WIRE_PIECE a row
+    # a row read on node m goes elsewhere unless its node is m; with 16 bytes of WIRE_PIECE a row
     wire = 1 + 16 / row_bytes
-    off = (N - 1) / N + (N - 1) ** 2 / N**2
-    routed = 1 + (N - 1) / N  # every copy, its own included
+    off = (N - 1) / N
     return NodeWork(
         source_bytes=int(B),
         sent=int(B * off * wire),
         received=int(B * off * wire),
-        routed=int(B * routed),
-        placed=int(B * routed),  # what arrives: its rows once, its owned rows it does not keep
+        routed=int(B),  # every piece once, its own included
+        placed=int(B),  # what arrives: its slice's rows
         slice_bytes=int(B),
         small_bytes=int(B / row_bytes * 16),
         owned_bytes=int(B),
-        memory_needed=int(2 * B * (1 + 8 / row_bytes)),
+        # NodeEpoch.keep_bytes: the rows, their unfilled counts and positions, their facts
+        memory_needed=int(B * (1 + (16 + fact_row_bytes(row_bytes // 2)) / row_bytes)),  # uint16 tokens
         **kw,
     )

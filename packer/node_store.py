@@ -1,5 +1,6 @@
-"""A process's two stores of one epoch of `shuffle --to-nodes`, one numbering (NodeEpoch.store_rows):
-its part of the node's slice (in position order), then its owned epoch shards' rows. In memory (InMemory,
+"""A process's store of one epoch of `shuffle --to-nodes` (NodeEpoch.store_rows): its part of the
+node's slice, in position order (the rows of the epoch shards it owns are not here: their facts
+come to it after the rounds, tokpack.packer.owned_facts). In memory (InMemory,
 every row at once) or out of core (tokpack.packer.node_buckets.Buckets); both take a round's
 pieces (`receive`: each at its store row and offset) and give their rows back in order
 (`rows(lo, hi)`), with each row's unfilled count (its padding, once every piece is in); the
@@ -30,7 +31,7 @@ from tokpack.shuffle.steps import Layout
 def open_stores(
     ne: NodeEpoch, layout: Layout | None, pad_id: int, files: RankFiles | None = None
 ) -> "InMemory | Buckets":
-    """The node's stores: in memory, or bucket files by `layout` (node_buckets.bucket_layout);
+    """The process's store: in memory, or bucket files by `layout` (node_buckets.bucket_layout);
     `files`: the slice's rank files, open in memory (open_slice_files), written as rows complete."""
     return InMemory(ne, pad_id, files) if layout is None else Buckets(ne, layout, pad_id)
 
@@ -83,7 +84,7 @@ def slice_files(output: Output, d: Path, ne: NodeEpoch, fmt: EpochShardFormat) -
 
 
 class InMemory:
-    """The node's two stores in memory (store_rows numbering). Written through (`files`), the
+    """The process's store in memory (store_rows numbering). Written through (`files`), the
     rows each round completes go to their rank files on a thread of their own (a Worker, at most
     BEHIND rounds pending), so their pwrites' CPU is not the main thread's: a completed window
     row is never written again, so the thread reads it from the store as it is, no copy."""
@@ -104,7 +105,7 @@ class InMemory:
         place(self.rows_of, pad, at, pieces, tokens, starts)
         if self.files is None:
             return
-        slice_rows = np.unique(at[at < len(self.positions)])
+        slice_rows = np.unique(at)
         done = slice_rows[pad[slice_rows] == 0]  # complete now, and never again (a row filled twice is refused)
         if len(done):
             self.behind.submit(self._write, self.positions[done], done)
@@ -129,35 +130,32 @@ class InMemory:
 
 
 def receive(ne: NodeEpoch, stores, pad: np.ndarray, got_pieces: np.ndarray, got_tokens: np.ndarray) -> None:
-    """A round's pieces for this process into its stores: each at its store row, its slice row
-    and (as well, when it both keeps the row and owns its shard) its owned shard's row."""
+    """A round's pieces for this process into its store, each at its slice row."""
     job, P = ne.job, len(ne.positions)
     glen = got_pieces["length"].astype(np.int64)
     gstart = np.cumsum(glen) - glen
     g = got_pieces["g"]
-    mine = np.flatnonzero(ne.keeper_of(g) == ne.me)
-    at = np.searchsorted(ne.positions, g[mine])
-    if len(mine) and (at.max() >= P or (ne.positions[at] != g[mine]).any()):
+    at = np.searchsorted(ne.positions, g)
+    if len(g) and (at.max() >= P or (ne.positions[at] != g).any() or (ne.keeper_of(g) != ne.me).any()):
         raise TokpackError(
-            "internal error: a row was sent to a node whose ranks do not read it", where=f"epoch {job.plan.epoch}"
+            "internal error: a row was sent to a process whose ranks do not read it", where=f"epoch {job.plan.epoch}"
         )
-    ours = np.flatnonzero(ne.owner_of(g) == ne.me)
-    shard = g[ours] // job.shard_samples
-    sel = np.concatenate([mine, ours])
-    if len(sel):
-        at = np.concatenate([at, P + ne.owned_base[shard] + g[ours] - shard * job.shard_samples])
-        stores.put(pad, at, got_pieces[sel], got_tokens, gstart[sel])
+    if len(g):
+        stores.put(pad, at, got_pieces, got_tokens, gstart)
 
 
 def write_slice_epoch(
-    output: Output, d: Path, ne: NodeEpoch, stores, pad: np.ndarray, fmt: EpochShardFormat, files=None
+    output: Output, d: Path, ne: NodeEpoch, stores, pad: np.ndarray, fmt: EpochShardFormat, files=None, facts=None
 ) -> list[dict]:
     """This process's rank files of node n's epoch (slice_files), from its rows in epoch order
     (the stores' slice rows, all at once in memory, a bucket at a time out of core): rank r's
     are those of its positions rank r reads, in increasing order (what stage --node writes), with
     their padding (best-fit: the `.ds.pad` beside them). `files`: open since the rounds, their
-    tokens written (open_slice_files): here they are hashed, not written again."""
+    tokens written (open_slice_files): here they are indexed, not written again. `facts`: a
+    collector of each row's facts for its epoch shard's owner (owned_facts.KeptFacts), which the
+    rank files' one pass over the rows gives (RankFiles.facts)."""
     files = slice_files(output, d, ne, fmt) if files is None else files
+    files.facts = facts
     try:
         for a, rows in stores.rows(0, len(ne.positions)):
             files.add(ne.positions[a : a + len(rows)], rows, pad[a : a + len(rows)])

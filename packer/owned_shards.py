@@ -1,8 +1,10 @@
 """The owner's role in `shuffle --to-nodes` (tokpack.packer.exchange): world process q of N*P
-owns the epoch shards i with i mod N*P = q (node n with P = 1). It passes each through the epoch shard writer (`hashed_only`: its
-tokens and index are hashed, not written) in its DEST's scratch, which gives the shard's
-manifest entry exactly as `tokpack shuffle` records it, and sends of it to RUN only the row
-hashes (`.ds.rows`) and a best-fit shard's padding (`.ds.pad`), through RUN's Output."""
+owns the epoch shards i with i mod N*P = q (node n with P = 1). Its rows stay with their keepers;
+it gets each row's facts (tokpack.packer.owned_facts: its xxh3-64, padding and EOS columns) and
+builds each shard's manifest entry through the epoch shard writer (`hashed_only`: no token is
+asked for, write_known_index and write_pad) in its DEST's scratch, exactly as `tokpack shuffle`
+records it, and sends of it to RUN only the row hashes (`.ds.rows`) and a best-fit shard's
+padding (`.ds.pad`), through RUN's Output."""
 
 from __future__ import annotations
 
@@ -17,54 +19,60 @@ from tokpack.formats.io.gate import open_new, open_read
 from tokpack.formats.io.writes import tmp_path
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace
 from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, shard_files
-from tokpack.packer.node_epoch import NodeEpoch
-from tokpack.packer.rank_files import write_rows
 
 COPY_BLOCK = 8 << 20  # the copy to RUN's buffer (a shard's row hashes: 8 bytes a row)
 
 
-def hash_owned_shards(
-    ne: NodeEpoch,
-    stores,
-    pad: np.ndarray,
-    scratch: Path,
-    run_epoch: Path,
-    fmt: EpochShardFormat,
-    output: Output | None = None,
-    stop=None,
-) -> list[tuple[int, dict]]:
-    """Each owned epoch shard through the epoch shard writer (in `scratch`, local), its rows taken
-    from the stores (at once in memory, bucket by bucket out of core): its manifest entry as
-    `tokpack shuffle` records it; its row hashes (and padding) go to RUN. Its tokens and index are
-    hashed, not written (the nodes' slices hold those bytes): a node's disk gets its slice once.
-    `output`: RUN's (a LocalOutput: RUN is a shared filesystem's folder); `stop` (an Event), set
-    when the epoch failed elsewhere: no shard after it is begun."""
-    output = LocalOutput() if output is None else output
-    job = ne.job
-    fmt = replace(fmt, hashed_only=True)
-    scratch.mkdir(parents=True, exist_ok=True)
-    run_epoch.mkdir(parents=True, exist_ok=True)
-    out = []
-    for i in ne.owned:
-        if stop is not None and stop.is_set():
-            break
-        g0, g1 = job.shard_range(i)
-        place = ShardPlace(str(scratch), job.shard_file(i), i, epoch=job.plan.epoch, samples=(g0, g1))
-        writer = LocalOutput().open_shard(place, fmt)
-        try:
-            lo = int(ne.owned_base[i])  # the shard's rows: store rows P + lo ..
-            for a, rows in stores.rows(len(ne.positions) + lo, len(ne.positions) + lo + g1 - g0):
-                a -= len(ne.positions)
-                write_rows(writer, rows, pad[a : a + len(rows)] if fmt.padded else None, np.arange(len(rows)))
-            entry = writer.close()
-        except BaseException:
+class OwnedShards:
+    """The owned epoch shards of one epoch, each fed its rows' facts in order (`add`, in as
+    many calls as the facts' rounds cut them into), its entry built as its last row is in
+    (`close` of its writer), its row hashes (and padding) sent to RUN and its files in
+    `scratch` removed. `output`: RUN's (a LocalOutput: RUN is a shared filesystem's folder)."""
+
+    def __init__(self, job, fmt: EpochShardFormat, scratch: Path, run_epoch: Path, output: Output | None = None):
+        self.job, self.fmt = job, replace(fmt, hashed_only=True)
+        self.scratch, self.run_epoch = scratch, run_epoch
+        self.output = LocalOutput() if output is None else output
+        self.writers: dict[int, tuple] = {}  # shard -> (its place, its writer, rows given so far)
+        self.entries: list[tuple[int, dict]] = []
+        self.padding = 0  # the padding tokens of every row given: the epoch's cross-check (exchange)
+        scratch.mkdir(parents=True, exist_ok=True)
+        run_epoch.mkdir(parents=True, exist_ok=True)
+
+    def add(self, i: int, ends: np.ndarray, hashes: np.ndarray, pad: np.ndarray) -> None:
+        """Shard i's next rows: their fragment ends (relative to the first of them), hashes and
+        padding; the shard is done once its last row is in."""
+        if i not in self.writers:
+            g0, g1 = self.job.shard_range(i)
+            place = ShardPlace(
+                str(self.scratch), self.job.shard_file(i), i, epoch=self.job.plan.epoch, samples=(g0, g1)
+            )
+            self.writers[i] = (place, LocalOutput().open_shard(place, self.fmt), 0)
+        place, writer, done = self.writers[i]
+        writer.write_known_index(len(hashes), ends, hashes)
+        if self.fmt.padded:
+            writer.write_pad(pad)
+        self.padding += int(pad.sum())
+        done += len(hashes)
+        self.writers[i] = (place, writer, done)
+        g0, g1 = self.job.shard_range(i)
+        if done == g1 - g0:
+            del self.writers[i]
+            try:
+                entry = writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+            send_to_run(self.output, self.scratch, self.run_epoch, entry)
+            for f in place.files(entry):
+                f.unlink(missing_ok=True)
+            self.entries.append((i, entry))
+
+    def abort(self) -> None:
+        """The shards begun and not done: their temporary files gone."""
+        for _, writer, _ in self.writers.values():
             writer.abort()
-            raise
-        send_to_run(output, scratch, run_epoch, entry)
-        for f in place.files(entry):
-            f.unlink(missing_ok=True)
-        out.append((i, entry))
-    return out
+        self.writers = {}
 
 
 def send_to_run(output: Output, scratch: Path, run_epoch: Path, entry: dict) -> None:

@@ -10,19 +10,22 @@ The phases, and the thread each runs on:
                thread, tokpack.formats.io.read_ahead; best-fit: the main thread maps and hashes)
   cut          the blocks cut into pieces of output rows (main thread)
   route        the rounds' agreement, counts, send buffers and Alltoallv (main thread; MPI's
-               wait for its peers is CPU too where it polls); its bytes: the tokens sent, every
-               copy (to its node, to its shard's owner), the process's own included
+               wait for its peers is CPU too where it polls); its bytes: the tokens sent (each
+               piece once, to the process that keeps its row), the process's own included
   place        the pieces received put in their rows in memory (main thread)
   write_through  in memory, windows, where the host has the cores: the rows a round completed
                written to their place in their rank files (a thread of its own, behind the
                rounds: node_store.InMemory; the kernel writes them back meanwhile)
   bucket_write out of core: the pieces received appended to bucket files (main thread)
   bucket_read  out of core: the buckets read back and checked (a thread a bucket ahead of
-               write and hash_owned, tokpack.packer.node_buckets.BucketRead; wall_s: the
+               write, tokpack.packer.node_buckets.BucketRead; wall_s: the
                main thread's wait for it)
-  write        the slice's rank files written after the rounds (main thread; with write_through,
-               their tokens only hashed, indexed and fsync'd)
-  hash_owned   the owned epoch shards hashed (main thread)
+  write        the slice's rank files written after the rounds, each row's facts for its owner
+               taken from the same pass (main thread; with write_through, their tokens only
+               hashed, indexed and fsync'd)
+  facts        the rows' facts sent to their epoch shards' owners and the owned shards' entries
+               built from them (tokpack.packer.owned_facts; main thread); its bytes: the owned
+               shards' token bytes they stand for (none of which moves)
   other        the rest of the process's CPU (start-up, planning, manifests; every thread)
 """
 
@@ -33,7 +36,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-PHASES = ("read", "cut", "route", "place", "write_through", "bucket_write", "bucket_read", "write", "hash_owned")
+PHASES = ("read", "cut", "route", "place", "write_through", "bucket_write", "bucket_read", "write", "facts")
 
 
 class Phases:

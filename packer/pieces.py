@@ -11,7 +11,7 @@ import numpy as np
 # its tokens' count; the tokens travel back to back in a buffer of their own. Not the row
 # table's PIECE (tokpack.shuffle.packed, which also says where the piece's document is) nor a
 # bucket file's RECORD (tokpack.shuffle.packed_step, the same fields with an unsigned g): g is
-# signed here because the node arithmetic around it (store rows, owned shards) is int64.
+# signed here because the node arithmetic around it (store rows, positions) is int64.
 WIRE_PIECE = np.dtype([("g", "<i8"), ("row_offset", "<u4"), ("length", "<u4")])
 
 # Pieces at least this long on average are copied one slice each (a best-fit epoch's documents:
@@ -75,11 +75,11 @@ def place(
     lengths = pieces["length"].astype(np.int64)
     row = store.shape[1]
     if not pieces["row_offset"].any() and whole_rows(tokens, starts, lengths, row):
-        # Whole rows arrive in runs (a sender's rows for this node, then those for the shards it
-        # owns): each run is a view of the receive buffer, copied once into its store rows, where
-        # indexing the buffer by row would copy every row twice (a temporary, then the store).
-        # Runs of a few rows (a row this node both keeps and owns is placed twice, out of the
-        # runs) cost more in Python than the temporary: indexed at once then.
+        # Whole rows arrive back to back (every piece received is placed: one run, the receive
+        # buffer, unless a caller places some of them): each run is a view of the buffer, copied
+        # once into its store rows, where indexing the buffer by row would copy every row twice
+        # (a temporary, then the store). Runs of a few rows cost more in Python than the
+        # temporary: indexed at once then.
         src, idx = tokens.reshape(-1, row), starts // row
         cuts = [0, *(np.flatnonzero(np.diff(idx) != 1) + 1).tolist(), len(idx)]
         if len(cuts) > 2 + len(idx) // MIN_RUN_ROWS:

@@ -59,8 +59,8 @@ def _node_epoch_figures(
 ) -> list[dict]:
     """Each node's part of one epoch, from the exchange's own arithmetic (tokpack.packer.exchange):
     its NodeEpoch (the slice's positions, the owned shards, keep_bytes), its runs of source
-    shards (split_shards), round_tokens, and the destinations exchange_epoch sends each piece to
-    (the node that reads its row, and its shard's owner when that is another node)."""
+    shards (split_shards), round_tokens, and the destination exchange_epoch sends each piece to
+    (the node that reads its row; its shard's owner gets only the row's facts)."""
     from tokpack.formats.shards import U64
     from tokpack.formats.slices import RankRows
     from tokpack.packer.node_epoch import NodeEpoch
@@ -127,16 +127,16 @@ def _node_epoch_figures(
                 "slice_on_disk": sum(slice_files(k, job.row_bytes, per_row, padded) for k in rank_rows),
                 "owned_shards": len(ne.owned),
                 "owned_rows": ne.owned_rows,
-                # each owned shard's row hashes (and padding) in scratch, copied to RUN; its tokens and
-                # index are only hashed (owned_shards.hash_owned_shards)
+                # each owned shard's row hashes (and padding) in scratch, copied to RUN; its index only
+                # hashed, from its rows' facts (owned_shards.OwnedShards): its tokens never come here
                 "owned_bytes": ne.owned_rows * (U64.itemsize + 4 * padded),
-                "owned_token_bytes": ne.owned_rows * job.row_bytes,  # hashed, not written (the model's hash_owned)
+                "owned_token_bytes": ne.owned_rows * job.row_bytes,  # their facts come, not them (the model's facts)
                 "owned_peak": max([k * (U64.itemsize + 4 * padded) for k in owned_sizes], default=0),
                 "run_rows_bytes": U64.itemsize * ne.owned_rows,
                 "run_pad_bytes": 4 * ne.owned_rows if padded else 0,
                 "keep_bytes": ne.keep_bytes,
                 "per_round_tokens": per_round,
-                # out of core: every store row (slice, then owned shards) goes through DEST's bucket
+                # out of core: every slice row goes through DEST's bucket
                 # files once, its tokens and a piece record (a window: one; best-fit: about one a document piece)
                 "bucket_bytes": 0 if bucket_rows is None else ne.store_rows * (job.row_bytes + WIRE_PIECE.itemsize),
                 "table_bytes": table["table_bytes"] if table else 0,
@@ -261,12 +261,9 @@ def _predict(works: list, rates: Rates) -> dict:
 
 
 def _count_sends(counts: np.ndarray, ne, g: np.ndarray) -> None:
-    """Adds to counts[d] the pieces of rows `g` sent to node d: to the node that reads the row,
-    and to its shard's owner when that is another node (exchange_epoch's destinations)."""
-    to_node, to_owner = ne.node_of(g), ne.owner_of(g)
-    counts += np.bincount(to_node, minlength=len(counts)) + np.bincount(
-        to_owner[to_owner != to_node], minlength=len(counts)
-    )
+    """Adds to counts[d] the pieces of rows `g` sent to node d: each once, to the node that reads
+    the row (exchange_epoch's destination; its shard's owner gets the row's facts only)."""
+    counts += np.bincount(ne.node_of(g), minlength=len(counts))
 
 
 def plan_to_nodes(
@@ -378,7 +375,7 @@ def plan_to_nodes(
             )
             notes.append(
                 f"epoch {epoch}: the rows of {names} (up to {size_text(max(f['keep_bytes'] for f in big))} "
-                f"with the owned shards) do not fit --memory {size_text(memory)}, even out of core: shuffle "
+                f"with their facts for the owners) do not fit --memory {size_text(memory)}, even out of core: shuffle "
                 "--to-nodes refuses such a node; give more --memory or more nodes"
             )
         run_rows["rows_bytes"] += sum(f["run_rows_bytes"] for f in figures)

@@ -187,8 +187,8 @@ def _nodes_lines(r: PlanResult) -> list[str]:
         )
     if any(p["out_of_core_bytes"] for p in r.per_node):
         lines.append(
-            "  (scratch includes the bucket files of an out-of-core order: every row of the node's slice and "
-            "owned shards, with its record)"
+            "  (scratch includes the bucket files of an out-of-core order: every row of the node's slice, "
+            "with its record)"
         )
     f = r.run_files
     lines.append(

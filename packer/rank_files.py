@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.hashes import row_hashes
 from tokpack.formats.io.writes import remove_tmp_files
 from tokpack.formats.outputs import EpochShardFormat, Output, ShardPlace
 from tokpack.formats.slices import RankRows, rank_file_name
@@ -29,6 +30,10 @@ class RankFiles:
         processes share them (its leader readied `d` before: ready_epoch_dir); None: every rank's,
         `d` readied here."""
         self.rows, self.first, self.fmt, self.last = rows, first, fmt, -1
+        # each row's facts (its xxh3-64 and EOS columns, computed once as its index is written)
+        # given to this collector too (`add(positions, hashes, counts, cols)`): what its epoch
+        # shard's owner needs of it (tokpack.packer.owned_facts); None: not kept
+        self.facts = None
         if mine is None:
             ready_epoch_dir(output, d)
         self.writers = {}
@@ -53,7 +58,26 @@ class RankFiles:
         self.last = int(positions[-1])
         rank = self.rows.rank_of(positions + self.first)
         for r, writer in self.writers.items():
-            write_rows(writer, keep, pad if self.fmt.padded else None, np.flatnonzero(rank == r))
+            sel = np.flatnonzero(rank == r)
+            if self.facts is None:
+                write_rows(writer, keep, pad if self.fmt.padded else None, sel)
+            else:
+                self._write_with_facts(writer, positions, keep, pad, sel)
+
+    def _write_with_facts(self, writer, positions: np.ndarray, keep: np.ndarray, pad: np.ndarray | None, sel) -> None:
+        """write_rows, the index from the rows' facts (row_facts: one pass over their tokens),
+        which the collector gets too."""
+        fmt = self.fmt
+        step = max(1, MAX_CHUNK_BYTES // max(1, keep[:1].nbytes))
+        for c in range(0, len(sel), step):
+            at = sel[c : c + step]
+            t = keep[at]
+            writer.write_tokens(t)
+            hashes, counts, cols, ends = row_facts(t, fmt.dtype, fmt.seq_len + 1, fmt.eos_id)
+            writer.write_known_index(len(t), ends, hashes)
+            self.facts.add(positions[at], hashes, counts, cols)
+        if fmt.padded:
+            writer.write_pad(pad[sel])
 
     def reserve(self, samples: int) -> None:
         """A `placed` format's (EpochShardFormat.placed): each rank file's tokens at their final
@@ -92,6 +116,39 @@ def ready_epoch_dir(output: Output, d: Path) -> None:
     d.mkdir(parents=True, exist_ok=True)
     output.unfinish(d)
     remove_tmp_files(d)
+
+
+def row_facts(rows: np.ndarray, dtype, row_tokens: int, eos_id: int) -> tuple:
+    """(each row's xxh3-64, its EOS count, the EOS columns (1 + the column of each, row by row,
+    uint32), the fragment ends relative to the first row as EpochShardWriter.write_known_index
+    takes them: each EOS end and every row end) of `rows`, from one pass over their tokens (the
+    ends from the EOS found, not from a second look at the rows)."""
+    tokens = np.ascontiguousarray(rows).view(np.dtype(dtype).newbyteorder("<")).reshape(len(rows), row_tokens)
+    flat = np.flatnonzero(tokens == eos_id)
+    row = flat // row_tokens
+    counts = np.bincount(row, minlength=len(rows))
+    cols = flat - row * row_tokens + 1
+    ends = fragment_ends(counts, cols, row_tokens)
+    return row_hashes(tokens), counts.astype(np.uint32), cols.astype(np.uint32), ends
+
+
+def fragment_ends(counts: np.ndarray, cols: np.ndarray, width: int) -> np.ndarray:
+    """The fragment ends, relative to the first row, of rows of `width` tokens with `counts`
+    EOS each at `cols` (1 + column, increasing within a row): each EOS end, then its row's end
+    (an EOS at the row's last token is that end, once), what EpochShardWriter.write_known_index
+    takes: in order, in one pass."""
+    n = len(counts)
+    row = np.repeat(np.arange(n, dtype=np.int64), counts)
+    inner_sel = cols < width
+    row, c = row[inner_sel], cols[inner_sel]
+    inner = np.bincount(row, minlength=n)
+    per = inner + 1
+    start = np.cumsum(per) - per
+    out = np.empty(int(per.sum()), np.int64)
+    rank = np.arange(len(row)) - np.repeat(np.cumsum(inner) - inner, inner)
+    out[start[row] + rank] = row * width + c
+    out[start + inner] = (np.arange(n, dtype=np.int64) + 1) * width
+    return out
 
 
 def write_rows(writer, rows: np.ndarray, pad: np.ndarray | None, sel) -> None:

@@ -436,3 +436,21 @@ def alltoallv(comm, MPI, send, send_bytes, recv, recv_bytes) -> None:
         [np.ascontiguousarray(send).view(np.uint8), send_bytes.tolist(), sdisp.tolist(), MPI.BYTE],
         [recv.view(np.uint8), recv_bytes.tolist(), rdisp.tolist(), MPI.BYTE],
     )
+
+
+def send_each(comm, MPI, arrays: list, counts: np.ndarray) -> tuple[list, np.ndarray]:
+    """One exchange of small arrays (not pieces): `arrays[k]` (1-D, its items grouped by
+    destination) sends counts[d, k] items to process d. Returns (the arrays received, their
+    items grouped by sender; recv[s, k], the items process s sent of array k). The counts'
+    alltoall waits patiently, as exchange_rounds' does."""
+    N, k = comm.Get_size(), len(arrays)
+    counts = np.ascontiguousarray(counts, dtype=np.int64).reshape(N, k)
+    recv = np.empty((N, k), dtype=np.int64)
+    _wait(comm.Ialltoall(counts, recv))
+    got = []
+    for a, array in enumerate(arrays):
+        out = np.empty(int(recv[:, a].sum()), array.dtype)
+        item = array.dtype.itemsize
+        alltoallv(comm, MPI, array, counts[:, a] * item, out, recv[:, a] * item)
+        got.append(out)
+    return got, recv

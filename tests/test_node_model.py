@@ -98,12 +98,12 @@ def test_out_of_core_writes_the_buckets_and_reads_them_back():
     assert mem.seconds == pytest.approx(3.0) and mem.binding == DISK
     work.out_of_core = True
     ooc = epoch(work, r, FREE)
-    # the buckets (5 GB) written in the rounds, read back (3 GB with the slice, 2 GB with the
-    # owned shards), the slice written: 5 + 3 + 3 + 2
-    assert seconds_of(ooc, "rounds") == pytest.approx(5.0)
+    # the slice's buckets (3 GB: the owned shards' rows are not there, only their facts come)
+    # written in the rounds, read back, the slice written: 3 + 3 + 3
+    assert seconds_of(ooc, "rounds") == pytest.approx(3.0)
     assert seconds_of(ooc, "write") == pytest.approx(6.0)
-    assert seconds_of(ooc, "hash_owned") == pytest.approx(2.0)
-    assert ooc.seconds == pytest.approx(13.0) and ooc.binding == DISK
+    assert seconds_of(ooc, "facts") == pytest.approx(0.0)
+    assert ooc.seconds == pytest.approx(9.0) and ooc.binding == DISK
 
 
 def test_out_of_core_reads_a_bucket_ahead_of_the_write():
@@ -141,20 +141,21 @@ def test_written_through_the_slice_reaches_the_disk_during_the_rounds():
     assert seconds_of(epoch(work, duplex, FREE), "write") == pytest.approx(3.0)
 
 
-def test_in_memory_the_owned_shards_are_hashed_while_the_slice_is_written():
-    # 3 GB of slice written at 1 ns/B, 2 GB of owned shards hashed at 1 ns/B: at once, 3 s (the
-    # longer), where out of core they follow each other; one core: both on it, 5 s
-    costs = {**FREE, "write": 1e-9, "hash_owned": 1e-9}
+def test_the_owned_shards_entries_follow_the_slice_from_their_rows_facts():
+    # 3 GB of slice written at 1 ns/B, then the facts of 2 GB of owned shards at 1 ns/B: 3 s then
+    # 2 s, in memory and out of core alike (the owner's rows are not in its store); its CPU only
+    costs = {**FREE, "write": 1e-9, "facts": 1e-9}
     work = NodeWork(source_bytes=0, slice_bytes=3 * GB, owned_bytes=2 * GB, write_through=True)
     fast = rates(disk_mbps=1e9)
-    at_once = epoch(work, fast, costs)
-    assert [p.name for p in at_once.phases] == ["rounds", "write"]
-    assert seconds_of(at_once, "write") == pytest.approx(3.0, rel=1e-3) and at_once.binding == CPU
+    mem = epoch(work, fast, costs)
+    assert [p.name for p in mem.phases] == ["rounds", "write", "facts"]
+    assert seconds_of(mem, "write") == pytest.approx(3.0, rel=1e-3) and mem.binding == CPU
+    assert seconds_of(mem, "facts") == pytest.approx(2.0, rel=1e-3)
     one = epoch(work, Rates(1e9, 1e9, 1e9, cores=1, start_s=0.0), costs)
-    assert seconds_of(one, "write") == pytest.approx(5.0, rel=1e-3)
+    assert seconds_of(one, "write") + seconds_of(one, "facts") == pytest.approx(5.0, rel=1e-3)
     work.out_of_core = True
     ooc = epoch(work, fast, costs)
-    assert seconds_of(ooc, "write") + seconds_of(ooc, "hash_owned") == pytest.approx(5.0, rel=1e-3)
+    assert seconds_of(ooc, "write") + seconds_of(ooc, "facts") == pytest.approx(5.0, rel=1e-3)
 
 
 def test_a_replacement_node_reads_its_ranges_at_a_latency_and_queue_depth():
@@ -183,11 +184,12 @@ def test_a_replacement_node_reads_its_ranges_at_a_latency_and_queue_depth():
 
 
 def test_uniform_work_is_the_exchanges_arithmetic():
-    # 48 nodes: a node reads 1/48, keeps 1/48 and owns 1/48; a row goes to its node and to its
-    # owner when that is another: (N-1)/N + (N-1)^2/N^2 of what a node reads leaves it
+    # 48 nodes: a node reads 1/48, keeps 1/48 and owns 1/48; a row goes once, to its node:
+    # (N-1)/N of what a node reads leaves it (its owner gets only its facts)
     w = uniform_work(48 * GB, 48, 8194)
     assert w.source_bytes == GB and w.slice_bytes == GB and w.owned_bytes == GB
-    assert w.sent == pytest.approx(GB * (47 / 48 + 47**2 / 48**2) * (1 + 16 / 8194), rel=1e-6)
+    assert w.sent == pytest.approx(GB * (47 / 48) * (1 + 16 / 8194), rel=1e-6)
+    assert w.routed == w.placed == GB
     assert ranges_at_density(4800, 48) == 4700
 
 

@@ -1,6 +1,7 @@
 """The owner's role in `shuffle --to-nodes` (tokpack.packer.owned_shards): an owned epoch shard's
-row hashes and padding reach RUN through RUN's Output (the one sink, formats/outputs.py) and are
-read back from the node's scratch through the gate (formats/io.py), never copied past them."""
+entry built from its rows' facts (owned_facts) is the one its rows give; its row hashes and
+padding reach RUN through RUN's Output (the one sink, formats/outputs.py) and are read back from
+the node's scratch through the gate (formats/io.py), never copied past them."""
 
 from __future__ import annotations
 
@@ -13,21 +14,13 @@ import pytest
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput
 from tokpack.formats.shards import EpochShardWriter
-from tokpack.packer.owned_shards import hash_owned_shards
+from tokpack.packer.owned_facts import fragment_ends
+from tokpack.packer.owned_shards import OwnedShards
+from tokpack.packer.rank_files import row_facts
 
 SEQ = 7
 ROW = SEQ + 1
 PER_SHARD = 5
-
-
-class Rows:
-    """A node's stores in memory (store_rows numbering), as node_store.InMemory gives them."""
-
-    def __init__(self, rows: np.ndarray):
-        self.rows_of = rows
-
-    def rows(self, lo: int, hi: int):
-        yield lo, self.rows_of[lo:hi]
 
 
 def node(shards: int, owned: list[int]):
@@ -36,18 +29,47 @@ def node(shards: int, owned: list[int]):
         shard_range=lambda i: (i * PER_SHARD, (i + 1) * PER_SHARD),
         shard_file=lambda i: f"{i:05d}.ds",
     )
-    base = np.full(shards, -1, dtype=np.int64)
-    base[owned] = np.arange(len(owned)) * PER_SHARD
-    return SimpleNamespace(job=job, owned=owned, owned_base=base, positions=np.zeros(0, dtype=np.int64))
+    return SimpleNamespace(job=job, owned=owned)
 
 
 def owned_rows(tmp_path, padded: bool):
     ne = node(4, [1, 3])
     rng = np.random.default_rng(7)
-    rows = rng.integers(1, 1000, (2 * PER_SHARD, ROW)).astype(np.uint16)
+    rows = rng.integers(0, 4, (2 * PER_SHARD, ROW)).astype(np.uint16)  # EOS (0) often, at a row's end too
+    rows[0, -1] = 0
     pad = rng.integers(0, 3, 2 * PER_SHARD).astype(np.int64)
     fmt = EpochShardFormat(np.dtype(np.uint16), SEQ, 0, "tok", padded=padded)
-    return ne, Rows(rows), pad, fmt, tmp_path / "dest" / ".tokpack-work" / "owned", tmp_path / "run" / "epoch-00000"
+    return ne, rows, pad, fmt, tmp_path / "dest" / ".tokpack-work" / "owned", tmp_path / "run" / "epoch-00000"
+
+
+def entries_from_facts(ne, rows, pad, fmt, scratch, run_epoch, cut: int = 2) -> list:
+    """Each owned shard fed, `cut` rows a call, the facts its keepers send (rank_files.row_facts's
+    EOS counts and columns, made fragment ends as the owner makes them)."""
+    owned = OwnedShards(ne.job, fmt, scratch, run_epoch)
+    for k, i in enumerate(ne.owned):
+        for a in range(k * PER_SHARD, (k + 1) * PER_SHARD, cut):
+            b = min(a + cut, (k + 1) * PER_SHARD)
+            hashes, counts, cols, _ = row_facts(rows[a:b], fmt.dtype, ROW, fmt.eos_id)
+            owned.add(i, fragment_ends(counts.astype(np.int64), cols.astype(np.int64), ROW), hashes, pad[a:b])
+    return owned.entries
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_an_owned_shards_entry_from_its_rows_facts_is_the_one_its_rows_give(tmp_path, padded):
+    """The entry and the `.ds.rows`/`.ds.pad` the owner builds from its rows' facts are, byte for
+    byte, those the epoch shard writer gives from the rows themselves (`tokpack shuffle`'s)."""
+    ne, rows, pad, fmt, scratch, run_epoch = owned_rows(tmp_path, padded)
+    entries = entries_from_facts(ne, rows, pad, fmt, scratch, run_epoch, cut=3)
+    for k, (i, entry) in enumerate(entries):
+        whole = tmp_path / "whole"
+        whole.mkdir(exist_ok=True)
+        writer = EpochShardWriter(whole, f"{i:05d}.ds", np.uint16, SEQ, 0, "tok", padded=padded)
+        writer.write_rows(rows[k * PER_SHARD : (k + 1) * PER_SHARD])
+        if padded:
+            writer.write_pad(pad[k * PER_SHARD : (k + 1) * PER_SHARD])
+        assert entry == writer.close()
+        for suffix in [".rows", ".pad"] if padded else [".rows"]:
+            assert (run_epoch / f"{i:05d}.ds{suffix}").read_bytes() == (whole / f"{i:05d}.ds{suffix}").read_bytes()
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -62,8 +84,8 @@ def test_an_owned_shards_row_hashes_reach_run_through_its_output(tmp_path, monke
         original(self, tmp, final)
 
     monkeypatch.setattr(LocalOutput, "commit_file", recording)
-    ne, stores, pad, fmt, scratch, run_epoch = owned_rows(tmp_path, padded)
-    entries = hash_owned_shards(ne, stores, pad, scratch, run_epoch, fmt)
+    ne, rows, pad, fmt, scratch, run_epoch = owned_rows(tmp_path, padded)
+    entries = entries_from_facts(ne, rows, pad, fmt, scratch, run_epoch)
     suffixes = [".rows", ".pad"] if padded else [".rows"]
     want = [f"run/epoch-00000/{i:05d}.ds{s}" for i in (1, 3) for s in suffixes]
     assert committed == want
@@ -86,9 +108,9 @@ def test_a_row_hashes_file_swapped_for_a_link_in_scratch_is_refused_by_the_gate(
         return entry
 
     monkeypatch.setattr(EpochShardWriter, "close", close_then_link)
-    ne, stores, pad, fmt, scratch, run_epoch = owned_rows(tmp_path, False)
+    ne, rows, pad, fmt, scratch, run_epoch = owned_rows(tmp_path, False)
     with pytest.raises(TokpackError, match="outside its folder"):
-        hash_owned_shards(ne, stores, pad, scratch, run_epoch, fmt)
+        entries_from_facts(ne, rows, pad, fmt, scratch, run_epoch)
     assert not any(run_epoch.iterdir())  # no file, no temporary left in RUN
 
 
@@ -106,8 +128,8 @@ def test_a_row_hashes_file_changed_in_scratch_is_refused_against_its_entry(tmp_p
         return entry
 
     monkeypatch.setattr(EpochShardWriter, "close", close_then_damage)
-    ne, stores, pad, fmt, scratch, run_epoch = owned_rows(tmp_path, False)
+    ne, rows, pad, fmt, scratch, run_epoch = owned_rows(tmp_path, False)
     with pytest.raises(TokpackError, match="00001.ds.rows") as e:
-        hash_owned_shards(ne, stores, pad, scratch, run_epoch, fmt)
+        entries_from_facts(ne, rows, pad, fmt, scratch, run_epoch)
     assert "\n" not in str(e.value)
     assert not any(run_epoch.iterdir())

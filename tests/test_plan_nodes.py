@@ -356,7 +356,8 @@ def test_misuse_is_one_usage_line(source, tmp_path, drop, add, line):
 
 def test_a_large_epoch_counts_a_sample_of_its_windows_close_to_all(monkeypatch, tmp_path):
     """Beyond EXACT_WINDOWS windows the sends are counted on every k-th block and scaled: within
-    1% of the exact count here, and said to be estimates; the kept rows stay exact."""
+    2% of the exact count here (each row sent once, to its node: no owner's copy, spread evenly,
+    to dilute the sample's error), and said to be estimates; the kept rows stay exact."""
     from tokpack.packer import plan_nodes
     from tokpack.packer.api import plan
 
@@ -381,7 +382,7 @@ def test_a_large_epoch_counts_a_sample_of_its_windows_close_to_all(monkeypatch, 
     for a, b in zip(exact.per_node, sampled.per_node):
         assert a["epochs"][0]["exchanged_exact"] and not b["epochs"][0]["exchanged_exact"]
         for key in ("sent_bytes", "received_bytes"):
-            assert abs(b[key] - a[key]) <= 0.01 * a[key], (key, a[key], b[key])
+            assert abs(b[key] - a[key]) <= 0.02 * a[key], (key, a[key], b[key])
         assert a["slice_bytes"] == b["slice_bytes"] and a["shared_source_bytes"] == b["shared_source_bytes"]
     assert abs(sampled.epochs[0]["rounds"] - exact.epochs[0]["rounds"]) <= 1
 
@@ -389,7 +390,7 @@ def test_a_large_epoch_counts_a_sample_of_its_windows_close_to_all(monkeypatch, 
 def test_rows_that_do_not_fit_memory_are_planned_out_of_core(source, tmp_path):
     """--memory 20KiB: every node orders its rows out of core (tests/test_mpi.py OUT_OF_CORE);
     the plan's rounds are the real run's and its scratch counts the bucket files, every row of
-    the slice and of the owned shards with its record. --memory 8KiB: not even out of core, which
+    the slice with its record (the owned shards' rows are not sent to their owner). --memory 8KiB: not even out of core, which
     the exchange refuses (test_too_little_memory_is_one_line_per_node_and_writes_no_slice): no rounds."""
     plan = check_against_the_run(
         tmp_path,
@@ -400,8 +401,10 @@ def test_rows_that_do_not_fit_memory_are_planned_out_of_core(source, tmp_path):
     for p in plan["per_node"]:
         e = p["epochs"][0]
         assert not e["fits_memory"] and e["rounds"] is not None
-        stored = (e["rows"] + e["owned_rows"]) * (SEQ + 1) * 2  # uint16 rows
-        assert p["out_of_core_bytes"] > stored > e["slice_token_bytes"] and p["scratch_bytes"] >= p["out_of_core_bytes"]
+        stored = e["rows"] * (SEQ + 1) * 2  # uint16 rows
+        assert (
+            p["out_of_core_bytes"] > stored == e["slice_token_bytes"] and p["scratch_bytes"] >= p["out_of_core_bytes"]
+        )
     tiny = plan_json(
         tmp_path / "other",
         str(tmp_path / "other{node}"),

@@ -239,9 +239,10 @@ def _epoch(procs: tuple[int, int], node: int = 0, nodes: int = 3, k: int = 4, m:
 
 
 def test_a_row_reaches_its_node_once_at_the_process_writing_its_ranks_file():
-    """3 nodes of 2 processes, 4 ranks a node: each row goes to one process of the node whose
-    ranks read it (process p writes ranks a+p, a+p+2) and to its shard's owner (process i mod 6);
-    the node's processes' positions split the node's as P = 1 keeps them; owned shards spread."""
+    """3 nodes of 2 processes, 4 ranks a node: each row goes once, to one process of the node
+    whose ranks read it (process p writes ranks a+p, a+p+2), not to its shard's owner (process
+    i mod 6, which gets its facts later); the node's processes' positions split the node's as
+    P = 1 keeps them; owned shards spread."""
     from tokpack.packer.pieces import WIRE_PIECE
 
     whole = [_epoch((0, 1), n) for n in range(3)]
@@ -261,12 +262,12 @@ def test_a_row_reaches_its_node_once_at_the_process_writing_its_ranks_file():
         node = int(whole[0].node_of(np.array([g]))[0])
         keeper = [q for q in to if q // 2 == node and g in parts[node, q % 2].positions]
         owner = (g // 16) % 6
-        assert len(keeper) == 1 and sorted(to) == sorted({keeper[0], owner}), (g, to)
-        assert g // 16 in parts[owner // 2, owner % 2].owned  # the owner holds its shard's rows
+        assert len(keeper) == 1 and to == keeper, (g, to)
+        assert g // 16 in parts[owner // 2, owner % 2].owned  # the owner builds its shard's entry
     assert sorted(i for e in parts.values() for i in e.owned) == list(range(13))
-    # P = 1 routes as before: to the node, and the shard's owner node (shard i: node i mod N)
+    # P = 1: to the node only (the shard's owner node, shard i: node i mod N, gets its facts)
     dest, which = whole[0].routes(pieces)
-    assert set(dest[which == 5].tolist()) == {int(whole[0].node_of(np.array([5]))[0]), 0}
+    assert dest[which == 5].tolist() == [int(whole[0].node_of(np.array([5]))[0])]
 
 
 def test_a_failure_names_the_node_and_its_process(source, tmp_path):
