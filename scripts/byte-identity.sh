@@ -9,6 +9,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 root="${1:?usage: byte-identity.sh ROOT}"
 rm -rf "$root" && mkdir -p "$root" && root="$(cd "$root" && pwd)"
+cd "$here"  # `python -m` puts the working directory first on the import path: this checkout's
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" TOKPACK_PROGRESS=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 corpus="$here/examples/sample-corpus"
 q() { "$@" >/dev/null; }
