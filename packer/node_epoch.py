@@ -30,13 +30,33 @@ MIN_ROUND_ROWS = 4
 MAX_ROUND_BYTES = 64 << 20
 
 
-def fact_row_bytes(row_tokens: int) -> int:
+# EOS tokens a token where no source says (a virtual source without documents): a document end
+# every 512 tokens.
+DEFAULT_EOS_PER_TOKEN = 1 / 512
+
+
+def fact_row_bytes(row_tokens: int, eos_per_token: float = DEFAULT_EOS_PER_TOKEN) -> int:
     """Bytes a slice row's facts take in its keeper's memory, from its rank file's write until
     its owner has them (tokpack.packer.owned_facts): its xxh3-64, EOS count, first EOS column's
     place and its order among the facts' rounds (29 in all, 32 here), and 8 bytes an EOS column
-    (4, held twice while they are laid out in order) at about a document end every 512 tokens
-    (an estimate: a corpus of shorter documents holds more)."""
-    return 32 + 8 * (row_tokens // 512)
+    (4, held twice while they are laid out in order), `eos_per_token` of its tokens."""
+    return 32 + 8 * int(row_tokens * eos_per_token)
+
+
+def eos_per_token(sources) -> float:
+    """The most EOS tokens a token of any of `sources` (opened sources: their manifests' documents
+    over their tokens; every document of a packed source ends with an EOS): a row's EOS columns
+    planned from the densest source, so that a corpus of short documents is planned as such.
+    DEFAULT_EOS_PER_TOKEN where no source says."""
+    found = [
+        int(m["documents"]) / int(m["tokens"])
+        for m in (getattr(src, "manifest", None) for src in sources)
+        if isinstance(m, dict)
+        and isinstance(m.get("documents"), int)
+        and isinstance(m.get("tokens"), int)
+        and m["tokens"] > 0
+    ]
+    return max(found) if found else DEFAULT_EOS_PER_TOKEN
 
 
 class NodeEpoch:
@@ -82,7 +102,7 @@ class NodeEpoch:
         # The store (the slice's rows), each row's tokens still unfilled (its padding, once every
         # piece is in), the positions, and each row's facts for its owner (fact_row_bytes).
         P = len(self.positions)
-        self.facts_bytes = fact_row_bytes(self.plan.row_tokens) * P  # after the rounds only
+        self.facts_bytes = fact_row_bytes(self.plan.row_tokens, eos_per_token(sources)) * P  # after the rounds only
         self.keep_bytes = P * (rb + 8) + 8 * P + self.facts_bytes
         # Out of core the store is bucket files: what stays in memory is the positions and the
         # unfilled counts (beside a round's buffers, then beside two buckets and the facts).

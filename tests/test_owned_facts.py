@@ -249,3 +249,40 @@ def test_the_facts_rounds_give_every_owner_the_entries_its_rows_give(tmp_path, m
                 assert (tmp_path / "run" / f"{i:05d}.ds{suffix}").read_bytes() == (
                     whole / f"{i:05d}.ds{suffix}"
                 ).read_bytes()
+
+
+def test_the_facts_are_planned_from_the_densest_sources_documents(tmp_path):
+    """node_epoch.eos_per_token: a row's EOS columns planned from the sources' documents a token
+    (each document ends with one EOS), the densest source's, not a fixed guess: a corpus of
+    short documents is planned with the columns it holds."""
+    from conftest import random_docs, write_source
+
+    from tokpack.packer.node_epoch import DEFAULT_EOS_PER_TOKEN, eos_per_token, fact_row_bytes
+    from tokpack.shuffle.sources import open_source
+
+    rng = np.random.default_rng(3)
+    short = open_source(write_source(tmp_path / "short", random_docs(rng, 400, 1000, 0, 5, 30)))
+    long = open_source(write_source(tmp_path / "long", random_docs(rng, 40, 1000, 0, 500, 900)))
+    tokens = np.concatenate([np.fromfile(short.path / s["path"], dtype=short.dtype) for s in short.shards])
+    measured = float((tokens == 0).mean())  # EOS a token, as the rows' facts will count them
+    assert eos_per_token([long, short]) == pytest.approx(measured) and measured > 1 / 30
+    assert eos_per_token([long]) < measured
+    assert eos_per_token([]) == DEFAULT_EOS_PER_TOKEN  # a source that says nothing: the guess
+    row = 4097
+    assert fact_row_bytes(row, eos_per_token([long, short])) == 32 + 8 * int(row * measured)
+    assert fact_row_bytes(row, eos_per_token([long, short])) > 4 * fact_row_bytes(row)
+    # and a process's plan holds them so (NodeEpoch.facts_bytes, in keep_bytes and the buckets' budget)
+    from tokpack.formats.slices import RankRows
+    from tokpack.packer.node_epoch import NodeEpoch
+    from tokpack.shuffle.plan import PLAN_ALGORITHM
+
+    job = SimpleNamespace(
+        plan=SimpleNamespace(samples=64, algorithm=PLAN_ALGORITHM, row_tokens=row),
+        row_bytes=2 * row,
+        n_shards=4,
+        shard_samples=16,
+        shard_range=lambda i: (i * 16, (i + 1) * 16),
+        token_dtype=np.dtype(np.uint16),
+    )
+    ne = NodeEpoch(job, [long, short], RankRows(4, 2, 0), 0, 0, 2, (0, 1), {})
+    assert ne.facts_bytes == len(ne.positions) * fact_row_bytes(row, measured) > 0
