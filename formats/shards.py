@@ -423,9 +423,9 @@ class RowFragments:
         cols, counts = [], np.zeros(n, dtype=np.int64)
         for a in range(0, n, block_rows):  # blocks bound the boolean temporary
             tokens = np.ascontiguousarray(rows[a : a + block_rows]).view(dtype).reshape(-1, width)
-            flat = np.flatnonzero(tokens == eos_id)
-            cols.append((flat % width + 1).astype(np.int32))
-            counts[a : a + len(tokens)] = np.bincount(flat // width, minlength=len(tokens))
+            c, k = eos_columns(tokens, eos_id)
+            cols.append(k.astype(np.int32))
+            counts[a : a + len(tokens)] = c
         self.cols.append(np.concatenate(cols) if cols else np.empty(0, np.int32))
         self.counts.append(counts)
         self.hashes.append(row_hashes(rows))
@@ -439,16 +439,39 @@ class RowFragments:
 
     def of(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(fragment ends relative to the first row, row hashes) of store rows `idx` laid
-        out one after another: each EOS end, and every row end."""
-        width = self.row_tokens
+        out one after another: each EOS end, and every row end (fragment_ends)."""
         first, count = self._first[idx], self._first[idx + 1] - self._first[idx]
-        total = int(count.sum())
-        out_row = np.repeat(np.arange(len(idx), dtype=np.int64), count)
         starts = np.cumsum(count) - count  # first slot of each row in the output
-        at = np.repeat(first - starts, count) + np.arange(total, dtype=np.int64)
-        eos_ends = out_row * width + self._cols[at]
-        row_ends = np.arange(1, len(idx) + 1, dtype=np.int64) * width
-        return np.union1d(eos_ends, row_ends), self._hash[idx]
+        at = np.repeat(first - starts, count) + np.arange(int(count.sum()), dtype=np.int64)
+        return fragment_ends(count, self._cols[at], self.row_tokens), self._hash[idx]
+
+
+def eos_columns(tokens: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(EOS tokens in each row, 1 + the column of each, row by row) of `tokens`, [rows, width]:
+    what a row's fragment ends are made of (fragment_ends)."""
+    width = tokens.shape[1]
+    flat = np.flatnonzero(tokens == eos_id)
+    row = flat // width
+    return np.bincount(row, minlength=len(tokens)), flat - row * width + 1
+
+
+def fragment_ends(counts: np.ndarray, cols: np.ndarray, width: int) -> np.ndarray:
+    """The fragment ends, relative to the first row, of rows of `width` tokens laid out one
+    after another with `counts` EOS each at `cols` (1 + column, increasing within a row): each
+    EOS end, then its row's end (an EOS at the row's last token is that end, once), in order,
+    as the epoch index records them (EpochShardWriter.write_known_index), without a sort."""
+    n = len(counts)
+    row = np.repeat(np.arange(n, dtype=np.int64), counts)
+    inner_sel = cols < width
+    row, c = row[inner_sel], cols[inner_sel]
+    inner = np.bincount(row, minlength=n)
+    per = inner + 1
+    start = np.cumsum(per) - per
+    out = np.empty(int(per.sum()), np.int64)
+    rank = np.arange(len(row)) - np.repeat(np.cumsum(inner) - inner, inner)
+    out[start[row] + rank] = row * width + c
+    out[start + inner] = (np.arange(n, dtype=np.int64) + 1) * width
+    return out
 
 
 def shard_on_disk(directory: str | Path, entry: dict, itemsize: int) -> bool:

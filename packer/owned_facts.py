@@ -22,10 +22,10 @@ from __future__ import annotations
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
+from tokpack.formats.shards import fragment_ends
 from tokpack.packer.node_epoch import NodeEpoch
 from tokpack.packer.owned_shards import OwnedShards
 from tokpack.packer.pieces import ranges
-from tokpack.packer.rank_files import fragment_ends
 from tokpack.packer.transport import process_name, send_each
 
 # A row's facts on the wire: its epoch position g, its xxh3-64, its padding tokens, its EOS

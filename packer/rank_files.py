@@ -13,6 +13,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.hashes import row_hashes
 from tokpack.formats.io.writes import remove_tmp_files
 from tokpack.formats.outputs import EpochShardFormat, Output, ShardPlace
+from tokpack.formats.shards import eos_columns, fragment_ends
 from tokpack.formats.slices import RankRows, rank_file_name
 from tokpack.shuffle.epoch_job import MAX_CHUNK_BYTES
 
@@ -121,34 +122,11 @@ def ready_epoch_dir(output: Output, d: Path) -> None:
 def row_facts(rows: np.ndarray, dtype, row_tokens: int, eos_id: int) -> tuple:
     """(each row's xxh3-64, its EOS count, the EOS columns (1 + the column of each, row by row,
     uint32), the fragment ends relative to the first row as EpochShardWriter.write_known_index
-    takes them: each EOS end and every row end) of `rows`, from one pass over their tokens (the
-    ends from the EOS found, not from a second look at the rows)."""
+    takes them) of `rows`, from one pass over their tokens (formats.shards.eos_columns; the ends
+    from the EOS found, fragment_ends, not from a second look at the rows)."""
     tokens = np.ascontiguousarray(rows).view(np.dtype(dtype).newbyteorder("<")).reshape(len(rows), row_tokens)
-    flat = np.flatnonzero(tokens == eos_id)
-    row = flat // row_tokens
-    counts = np.bincount(row, minlength=len(rows))
-    cols = flat - row * row_tokens + 1
-    ends = fragment_ends(counts, cols, row_tokens)
-    return row_hashes(tokens), counts.astype(np.uint32), cols.astype(np.uint32), ends
-
-
-def fragment_ends(counts: np.ndarray, cols: np.ndarray, width: int) -> np.ndarray:
-    """The fragment ends, relative to the first row, of rows of `width` tokens with `counts`
-    EOS each at `cols` (1 + column, increasing within a row): each EOS end, then its row's end
-    (an EOS at the row's last token is that end, once), what EpochShardWriter.write_known_index
-    takes: in order, in one pass."""
-    n = len(counts)
-    row = np.repeat(np.arange(n, dtype=np.int64), counts)
-    inner_sel = cols < width
-    row, c = row[inner_sel], cols[inner_sel]
-    inner = np.bincount(row, minlength=n)
-    per = inner + 1
-    start = np.cumsum(per) - per
-    out = np.empty(int(per.sum()), np.int64)
-    rank = np.arange(len(row)) - np.repeat(np.cumsum(inner) - inner, inner)
-    out[start[row] + rank] = row * width + c
-    out[start + inner] = (np.arange(n, dtype=np.int64) + 1) * width
-    return out
+    counts, cols = eos_columns(tokens, eos_id)
+    return row_hashes(tokens), counts.astype(np.uint32), cols.astype(np.uint32), fragment_ends(counts, cols, row_tokens)
 
 
 def write_rows(writer, rows: np.ndarray, pad: np.ndarray | None, sel) -> None:

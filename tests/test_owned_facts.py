@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from tokpack.formats.errors import TokpackError
-from tokpack.packer.owned_facts import FACT, fragment_ends, received
+from tokpack.formats.shards import fragment_ends
+from tokpack.packer.owned_facts import FACT, received
 
 ROW = 6  # tokens a row
 PER = 4  # rows a shard
@@ -286,3 +287,32 @@ def test_the_facts_are_planned_from_the_densest_sources_documents(tmp_path):
     )
     ne = NodeEpoch(job, [long, short], RankRows(4, 2, 0), 0, 0, 2, (0, 1), {})
     assert ne.facts_bytes == len(ne.positions) * fact_row_bytes(row, measured) > 0
+
+
+def test_a_slice_row_written_without_its_facts_is_an_internal_error_naming_it():
+    """KeptFacts.finish: every row of the slice must have had its facts taken as its rank file was
+    written; one that did not would leave its owner without them (and is named)."""
+    from tokpack.packer.owned_facts import KeptFacts
+
+    kept = KeptFacts(np.array([3, 8, 11], dtype=np.int64))
+    kept.add(np.array([11, 3]), np.array([7, 9], np.uint64), np.array([1, 0], np.uint32), np.array([5], np.uint32))
+    with pytest.raises(TokpackError, match="without its facts") as e:
+        kept.finish()
+    assert e.value.where == "sample 8"
+    kept.add(np.array([8]), np.array([4], np.uint64), np.array([2], np.uint32), np.array([1, 2], np.uint32))
+    kept.finish()
+    assert kept.hashes.tolist() == [9, 4, 7] and kept.cols.tolist() == [1, 2, 5]
+
+
+def test_fragment_ends_and_eos_columns_equal_the_index_a_writer_scans_from_the_rows():
+    """formats.shards.eos_columns + fragment_ends (the rank files' facts, RowFragments.of) give
+    the index EpochShardWriter.write_index scans from the tokens: after each EOS, every row end."""
+    from tokpack.formats.shards import eos_columns
+
+    rng = np.random.default_rng(5)
+    for width in (1, 2, 7, 64):
+        tokens = rng.integers(0, 3, size=(rng.integers(0, 40), width))  # EOS (0) often, at row ends too
+        counts, cols = eos_columns(tokens, 0)
+        mask = tokens == 0
+        mask[:, -1] = True
+        assert fragment_ends(counts, cols, width).tolist() == (np.flatnonzero(mask.ravel()) + 1).tolist()

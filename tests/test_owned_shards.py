@@ -14,7 +14,7 @@ import pytest
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput
 from tokpack.formats.shards import EpochShardWriter
-from tokpack.packer.owned_facts import fragment_ends
+from tokpack.formats.shards import fragment_ends
 from tokpack.packer.owned_shards import OwnedShards
 from tokpack.packer.rank_files import row_facts
 
