@@ -152,7 +152,8 @@ def _exchange(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None, s
 
     try:
         with reading_bar(ne, shown) as bar:
-            reads = counted(timed("cut", source_pieces(ne, per_round), lambda item: item[1].nbytes), bar)
+            size = lambda item: int(item[0]["length"].sum(dtype=np.int64)) * job.token_dtype.itemsize  # noqa: E731
+            reads = counted(timed("cut", source_pieces(ne, per_round), size), bar, size)
             with phase("route"):
                 rounds = exchange_rounds(comm, MPI, reads, per_round, row, job.token_dtype, routes, deliver, ne.procs)
         stores.finish()

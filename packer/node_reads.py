@@ -11,16 +11,18 @@ import xxhash
 
 from tokpack.formats.io.gate import map_file
 from tokpack.packer.phases import lapped, phase
-from tokpack.packer.pieces import WIRE_PIECE, gather
+from tokpack.packer.pieces import WIRE_PIECE
 from tokpack.shuffle.plan import iter_source_windows
 from tokpack.shuffle.steps import ShardHashes, shard_segments
 from tokpack.shuffle.epoch_job import source_changed_error
 
 
 def source_pieces(ne, tokens: int):
-    """(pieces, their tokens back to back): every piece process `ne.me` reads, about `tokens`
-    tokens at a time, in read order, each with its output row g, offset in the row and length
-    (WIRE_PIECE). A window is a piece of a whole row; one the epoch uses twice comes twice."""
+    """(pieces, tokens, starts): every piece process `ne.me` reads, about `tokens` tokens at a
+    time, in read order, each with its output row g, offset in the row and length (WIRE_PIECE),
+    its tokens tokens[start:][:length]. `tokens` is the read buffer (windows: valid until the next
+    item, as transport.exchange_rounds sends them) or the shard's mapping (best-fit). A window is
+    a piece of a whole row; one the epoch uses twice comes twice."""
     if ne.padded:
         yield from _document_pieces(ne, ne.runs(), tokens)
         return
@@ -37,10 +39,13 @@ def source_pieces(ne, tokens: int):
             w1=w1,
             on_read=lapped("read", shards.feed),
         ):  # the read-ahead thread's CPU (its reads and their hashes) is the read phase's
-            for _, sel, g in plan.outputs_of(s, np.arange(a, a + len(block), dtype=np.int64)):
-                pieces = np.zeros(len(sel), WIRE_PIECE)
-                pieces["g"], pieces["length"] = g, row
-                yield pieces, np.take(block, sel, axis=0).reshape(-1)  # a copy: the block's buffer is reused
+            out = list(plan.outputs_of(s, np.arange(a, a + len(block), dtype=np.int64)))
+            if out:  # one item a block (its windows a source upsampled uses several times, each as often)
+                pieces = np.zeros(sum(len(sel) for _, sel, _ in out), WIRE_PIECE)
+                pieces["g"], pieces["length"] = np.concatenate([g for _, _, g in out]), row
+                # The block itself, not a copy: the rounds send its pieces before they ask for the
+                # next block, which the read-ahead thread reads into this one's buffer after that.
+                yield pieces, block.reshape(-1), np.concatenate([sel for _, sel, _ in out]).astype(np.int64) * row
         shards.finish()
 
 
@@ -63,15 +68,7 @@ def _document_pieces(ne, runs, tokens: int):
                 pieces = np.zeros(len(found_pieces), WIRE_PIECE)
                 for f in ("g", "row_offset", "length"):
                     pieces[f] = found_pieces[f]
-                yield (
-                    pieces,
-                    gather(
-                        data,
-                        found_pieces["local"].astype(np.int64),
-                        found_pieces["length"].astype(np.int64),
-                        job.plan.row_tokens,
-                    ),
-                )
+                yield pieces, data, found_pieces["local"].astype(np.int64)  # the shard's mapping, not a copy
             del data
 
 

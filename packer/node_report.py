@@ -30,11 +30,11 @@ def reading_bar(ne, shown: bool):
     return progress(total, f"shuffle --to-nodes: epoch {ne.plan.epoch}: read and exchange (node {ne.node})")
 
 
-def counted(reads, bar):
-    """`reads` (pieces, tokens) as they pass, counted on `bar`."""
-    for pieces, tokens in reads:
-        bar.update(tokens.nbytes)
-        yield pieces, tokens
+def counted(reads, bar, size):
+    """`reads` as they pass, each item's `size(item)` bytes counted on `bar`."""
+    for item in reads:
+        bar.update(size(item))
+        yield item
 
 
 def epoch_detail(job, stage, report: list[dict], manifest: dict, entries: list[dict], extra: dict) -> dict:

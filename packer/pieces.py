@@ -37,11 +37,17 @@ def whole_rows(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, row:
     return len(tokens) % row == 0 and bool((lengths == row).all()) and not (starts % row).any()
 
 
-def gather(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, row: int) -> np.ndarray:
-    """The pieces' tokens (start, length in `tokens`), back to back."""
-    if whole_rows(tokens, starts, lengths, row):
-        return tokens.reshape(-1, row)[starts // row].reshape(-1)
-    out = np.empty(int(lengths.sum()), tokens.dtype)
+def gather(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, row: int, out: np.ndarray | None = None):
+    """The pieces' tokens (start, length in `tokens`), back to back, in `out` (its first
+    lengths.sum() tokens; a new array where none is given)."""
+    n = int(lengths.sum())
+    out = np.empty(n, tokens.dtype) if out is None else out[:n]
+    if len(starts) and (int(starts.min()) < 0 or int((starts + lengths).max()) > len(tokens)):
+        raise IndexError(f"a piece beyond its {len(tokens)} tokens")  # np.take below does not check
+    if whole_rows(tokens, starts, lengths, row) and out.dtype == tokens.dtype:
+        # Into `out` at once: np.take checking its indices would copy through a temporary.
+        np.take(tokens.reshape(-1, row), starts // row, axis=0, out=out.reshape(-1, row), mode="clip")
+        return out
     copy_pieces(out, np.cumsum(lengths) - lengths, tokens, starts, lengths)
     return out
 

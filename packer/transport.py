@@ -333,32 +333,42 @@ def as_error(e: TokpackError | OSError) -> TokpackError:
 
 
 def exchange_rounds(comm, MPI, reads, per_round: int, row: int, dtype, route, deliver, per_node: int = 1) -> int:
-    """The rounds: every process sends about `per_round` tokens a round of the (pieces, tokens)
-    `reads` yields (whole pieces, WIRE_PIECE), each piece to the nodes `route(pieces)` names
-    ((destination of each copy, the piece each copy is)), and hands what it receives to
-    `deliver(pieces, tokens)`. Every round every process takes part (sending nothing once it has
-    read all), until none has anything left; a failure on one (a source shard changed since pack,
-    a full disk while delivering) stops them all at the same round, named as process_name
+    """The rounds: every process sends about `per_round` tokens a round of the (pieces, tokens,
+    starts) `reads` yields (whole pieces, WIRE_PIECE; piece i's tokens are
+    tokens[starts[i]:][:length]), each piece to the nodes `route(pieces)` names ((destination of
+    each copy, the piece each copy is)), and hands what it receives to `deliver(pieces, tokens)`.
+    An item's tokens may be a reused read buffer, valid only until the next item: a round sends
+    pieces of one item, gathered straight into the round's send buffer, and the next item is
+    asked for once they are sent. Every round every process takes part (sending nothing once it
+    has read all), until none has anything left; a failure on one (a source shard changed since
+    pack, a full disk while delivering) stops them all at the same round, named as process_name
     (`per_node`) names them. Returns the rounds."""
-    pending: list = []  # (pieces, tokens) read but not sent yet
+    item, at = None, 0  # the item being sent, and its first piece not sent yet
     rounds, exhausted = 0, False
+    buffers = RoundBuffers(dtype)
     # A failure while reading or delivering is reported at the next round's allgather, where
     # every process is: raising at once would leave the others waiting in that allgather while
     # this one is in together()'s.
     failure = None
     while True:
-        if failure is None and not exhausted:
+        if failure is None and not exhausted and item is None:
             try:
-                exhausted = _fill(pending, reads, per_round)
+                item, at = next(reads, None), 0
+                exhausted = item is None
             except Exception as e:  # noqa: BLE001 - reported at the next round's allgather, where every process is
                 failure = _held(e)
-        take, count = _take(pending, per_round)
+        if failure is None and item is not None:
+            pieces, tokens, starts = item
+            end = _round_end(pieces["length"][at:], per_round) + at
+            pieces, starts = pieces[at:end], starts[at:end]
+            item, at = (None, 0) if end == len(item[0]) else (item, end)
+        else:
+            pieces, tokens, starts = np.zeros(0, WIRE_PIECE), np.zeros(0, dtype), np.zeros(0, np.int64)
+        count = int(pieces["length"].sum(dtype=np.int64))
         if not _agree(comm, count, failure, per_node):
             return rounds
         rounds += 1
-        pieces = np.concatenate([p for p, _ in take]) if take else np.zeros(0, WIRE_PIECE)
-        tokens = np.concatenate([t for _, t in take]) if take else np.zeros(0, dtype)
-        got_pieces, got_tokens = _send(comm, MPI, pieces, tokens, route(pieces), row, dtype)
+        got_pieces, got_tokens = _send(comm, MPI, (pieces, tokens, starts), route(pieces), row, buffers)
         try:
             deliver(got_pieces, got_tokens)
         except Exception as e:  # noqa: BLE001 - reported at the next round's allgather, where every process is
@@ -369,29 +379,30 @@ def _held(e: Exception) -> Exception:
     return as_error(e) if isinstance(e, (TokpackError, OSError)) else e
 
 
-def _fill(pending: list, reads, per_round: int) -> bool:
-    """Reads until `pending` holds a round's tokens; whether the reads are exhausted."""
-    while sum(len(t) for _, t in pending) < per_round:
-        item = next(reads, None)
-        if item is None:
-            return True
-        pending.append(item)
-    return False
+def _round_end(lengths: np.ndarray, per_round: int) -> int:
+    """How many of the pieces (their `lengths`) one round sends: about per_round tokens, at least one."""
+    ends = np.cumsum(lengths, dtype=np.int64)
+    return max(1, int(np.searchsorted(ends, per_round, side="right")))
 
 
-def _take(pending: list, per_round: int) -> tuple[list, int]:
-    """About per_round tokens of `pending` for this round, whole pieces, and their tokens' count."""
-    take, count = [], 0
-    while pending and count < per_round:
-        pieces, tokens = pending.pop(0)
-        ends = np.cumsum(pieces["length"].astype(np.int64))
-        cut = max(1, int(np.searchsorted(ends, per_round - count, side="right")))
-        if cut < len(pieces):
-            pending.insert(0, (pieces[cut:], tokens[int(ends[cut - 1]) :]))
-            pieces, tokens = pieces[:cut], tokens[: int(ends[cut - 1])]
-        take.append((pieces, tokens))
-        count += len(tokens)
-    return take, count
+class RoundBuffers:
+    """The rounds' token buffers, the same memory round after round (grown when a round needs
+    more): a fresh buffer each round costs the kernel's zeroing of its every page, which cost
+    more than the copy into it (measured: about a third of the rounds' CPU)."""
+
+    def __init__(self, dtype):
+        self.send = np.empty(0, dtype)
+        self.recv = np.empty(0, dtype)
+
+    def sending(self, n: int) -> np.ndarray:
+        if len(self.send) < n:
+            self.send = np.empty(n, self.send.dtype)
+        return self.send[:n]
+
+    def receiving(self, n: int) -> np.ndarray:
+        if len(self.recv) < n:
+            self.recv = np.empty(n, self.recv.dtype)
+        return self.recv[:n]
 
 
 def _agree(comm, count: int, failure, per_node: int = 1) -> bool:
@@ -407,23 +418,24 @@ def _agree(comm, count: int, failure, per_node: int = 1) -> bool:
     return any(c for c, _ in status)
 
 
-def _send(comm, MPI, pieces: np.ndarray, tokens: np.ndarray, routed, row: int, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """One round's exchange: each copy `routed` names ((destination, piece) of each) to its
-    node, grouped by node; returns the pieces and tokens this process receives."""
+def _send(comm, MPI, sent, routed, row: int, buffers: RoundBuffers) -> tuple[np.ndarray, np.ndarray]:
+    """One round's exchange: `sent` (pieces, tokens, starts) as exchange_rounds' items, each copy
+    `routed` names ((destination, piece) of each) to its node, grouped by node; returns the
+    pieces and tokens this process receives (the tokens in `buffers`, valid until the next round)."""
+    pieces, tokens, starts = sent
     dst, copies = routed
     which = copies[np.argsort(dst, kind="stable")]
     lengths = pieces["length"].astype(np.int64)
-    starts = np.cumsum(lengths) - lengths
     send_pieces = pieces[which]
-    send_tokens = gather(tokens, starts[which], lengths[which], row)
+    send_tokens = gather(tokens, starts[which], lengths[which], row, buffers.sending(int(lengths[which].sum())))
     N = comm.Get_size()
     counts = np.bincount(dst, minlength=N).astype(np.int64)
     token_counts = np.bincount(dst, weights=lengths[copies], minlength=N).astype(np.int64)
     recv = np.empty((N, 2), dtype=np.int64)  # the pieces and tokens each node sends this one
     _wait(comm.Ialltoall(np.ascontiguousarray(np.stack([counts, token_counts], axis=1)), recv))  # patient, as allgather
     got_pieces = np.empty(int(recv[:, 0].sum()), WIRE_PIECE)
-    got_tokens = np.empty(int(recv[:, 1].sum()), dtype)
-    item = np.dtype(dtype).itemsize
+    got_tokens = buffers.receiving(int(recv[:, 1].sum()))
+    item = send_tokens.dtype.itemsize
     alltoallv(comm, MPI, send_pieces, counts * WIRE_PIECE.itemsize, got_pieces, recv[:, 0] * WIRE_PIECE.itemsize)
     alltoallv(comm, MPI, send_tokens, token_counts * item, got_tokens, recv[:, 1] * item)
     return got_pieces, got_tokens
