@@ -450,9 +450,23 @@ def eos_columns(tokens: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray
     """(EOS tokens in each row, 1 + the column of each, row by row) of `tokens`, [rows, width]:
     what a row's fragment ends are made of (fragment_ends)."""
     width = tokens.shape[1]
-    flat = np.flatnonzero(tokens == eos_id)
+    flat = _where(tokens == eos_id)
     row = flat // width
     return np.bincount(row, minlength=len(tokens)), flat - row * width + 1
+
+
+def _where(hit: np.ndarray) -> np.ndarray:
+    """np.flatnonzero(hit) of a boolean array, faster where few are set (EOS tokens, one a
+    document): the 8-byte words holding any are found first, then the hits inside them, instead
+    of a look at every byte (0.03 s a GB against 0.10 here: rank_files.row_facts and the scatter
+    pass both look for every EOS of the epoch)."""
+    hit = np.ascontiguousarray(hit).reshape(-1)
+    whole = len(hit) - len(hit) % 8
+    words = np.flatnonzero(hit[:whole].view(np.uint64) != 0)
+    if len(words) > whole // 64:  # dense: the candidates would outweigh the look they save
+        return np.flatnonzero(hit)
+    candidates = (words[:, None] * 8 + np.arange(8)).reshape(-1)
+    return np.concatenate([candidates[hit[candidates]], whole + np.flatnonzero(hit[whole:])])
 
 
 def fragment_ends(counts: np.ndarray, cols: np.ndarray, width: int) -> np.ndarray:

@@ -17,6 +17,7 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import is_no_space
+from tokpack.formats.io.memory import Buffer
 from tokpack.packer.pieces import WIRE_PIECE, gather
 
 # Bytes of one Alltoallv's buffer: MPI's counts and displacements are C ints.
@@ -345,7 +346,10 @@ def exchange_rounds(comm, MPI, reads, per_round: int, row: int, dtype, route, de
     (`per_node`) names them. Returns the rounds."""
     item, at = None, 0  # the item being sent, and its first piece not sent yet
     rounds, exhausted = 0, False
-    buffers = RoundBuffers(dtype)
+    # The rounds' token buffers, the same memory round after round (grown when a round needs
+    # more): a fresh buffer each round cost the kernel's zeroing of its every page, more than the
+    # copy into it (measured: about a third of the rounds' CPU).
+    buffers = (Buffer(dtype, "round-send"), Buffer(dtype, "round-receive"))
     # A failure while reading or delivering is reported at the next round's allgather, where
     # every process is: raising at once would leave the others waiting in that allgather while
     # this one is in together()'s.
@@ -385,26 +389,6 @@ def _round_end(lengths: np.ndarray, per_round: int) -> int:
     return max(1, int(np.searchsorted(ends, per_round, side="right")))
 
 
-class RoundBuffers:
-    """The rounds' token buffers, the same memory round after round (grown when a round needs
-    more): a fresh buffer each round costs the kernel's zeroing of its every page, which cost
-    more than the copy into it (measured: about a third of the rounds' CPU)."""
-
-    def __init__(self, dtype):
-        self.send = np.empty(0, dtype)
-        self.recv = np.empty(0, dtype)
-
-    def sending(self, n: int) -> np.ndarray:
-        if len(self.send) < n:
-            self.send = np.empty(n, self.send.dtype)
-        return self.send[:n]
-
-    def receiving(self, n: int) -> np.ndarray:
-        if len(self.recv) < n:
-            self.recv = np.empty(n, self.recv.dtype)
-        return self.recv[:n]
-
-
 def _agree(comm, count: int, failure, per_node: int = 1) -> bool:
     """Every process's status of this round: raises this one's failure, or names the first
     node that failed; whether any process has tokens to send."""
@@ -418,7 +402,7 @@ def _agree(comm, count: int, failure, per_node: int = 1) -> bool:
     return any(c for c, _ in status)
 
 
-def _send(comm, MPI, sent, routed, row: int, buffers: RoundBuffers) -> tuple[np.ndarray, np.ndarray]:
+def _send(comm, MPI, sent, routed, row: int, buffers: tuple[Buffer, Buffer]) -> tuple[np.ndarray, np.ndarray]:
     """One round's exchange: `sent` (pieces, tokens, starts) as exchange_rounds' items, each copy
     `routed` names ((destination, piece) of each) to its node, grouped by node; returns the
     pieces and tokens this process receives (the tokens in `buffers`, valid until the next round)."""
@@ -427,14 +411,14 @@ def _send(comm, MPI, sent, routed, row: int, buffers: RoundBuffers) -> tuple[np.
     which = copies[np.argsort(dst, kind="stable")]
     lengths = pieces["length"].astype(np.int64)
     send_pieces = pieces[which]
-    send_tokens = gather(tokens, starts[which], lengths[which], row, buffers.sending(int(lengths[which].sum())))
+    send_tokens = gather(tokens, starts[which], lengths[which], row, buffers[0].ensure(int(lengths[which].sum())))
     N = comm.Get_size()
     counts = np.bincount(dst, minlength=N).astype(np.int64)
     token_counts = np.bincount(dst, weights=lengths[copies], minlength=N).astype(np.int64)
     recv = np.empty((N, 2), dtype=np.int64)  # the pieces and tokens each node sends this one
     _wait(comm.Ialltoall(np.ascontiguousarray(np.stack([counts, token_counts], axis=1)), recv))  # patient, as allgather
     got_pieces = np.empty(int(recv[:, 0].sum()), WIRE_PIECE)
-    got_tokens = buffers.receiving(int(recv[:, 1].sum()))
+    got_tokens = buffers[1].ensure(int(recv[:, 1].sum()))[: int(recv[:, 1].sum())]
     item = send_tokens.dtype.itemsize
     alltoallv(comm, MPI, send_pieces, counts * WIRE_PIECE.itemsize, got_pieces, recv[:, 0] * WIRE_PIECE.itemsize)
     alltoallv(comm, MPI, send_tokens, token_counts * item, got_tokens, recv[:, 1] * item)
