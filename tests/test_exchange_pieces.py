@@ -144,3 +144,21 @@ def test_whole_rows_placed_by_runs_of_the_receive_buffer_equal_a_row_by_row_copy
         want[at[k]] = tokens[i * row : (i + 1) * row]
     assert np.array_equal(store, want)
     assert (pad[at] == 0).all() and (np.delete(pad, at) == row).all()
+
+
+def test_pieces_are_gathered_into_a_given_buffer_and_one_beyond_its_tokens_is_refused():
+    """The rounds gather into their reused send buffer (`out`): its first tokens are the pieces',
+    the rest untouched; whole rows go through np.take without its index check (which would copy
+    through a temporary), so a piece outside `tokens` is refused before, not clipped to a row
+    that is there."""
+    row = 5
+    tokens = np.arange(4 * row, dtype=np.uint16)
+    out = np.full(100, 7, dtype=np.uint16)
+    got = gather(tokens, np.array([15, 0]), np.array([5, 5]), row, out)
+    assert np.shares_memory(got, out) and got.tolist() == [*range(15, 20), *range(5)]
+    assert out[10:].tolist() == [7] * 90
+    got = gather(tokens, np.array([2, 11]), np.array([3, 4]), row, out)  # pieces, not rows
+    assert np.shares_memory(got, out) and got.tolist() == [2, 3, 4, 11, 12, 13, 14]
+    for start in (20, -5, 17):
+        with pytest.raises(IndexError, match="beyond its 20 tokens"):
+            gather(tokens, np.array([0, start]), np.array([5, 5]), row, out)
