@@ -33,10 +33,12 @@ def token_check(entry: dict) -> tuple[str, str] | None:
 
 
 class FileDigest:
-    """The xxh3-128 of a token file's bytes as they come, against its entry's `xxh3_128`."""
+    """The xxh3-128 of a file's bytes as they come, against its entry's `where` (a token file's
+    `xxh3_128`, a `.ds.rows`'s `rows_xxh3_128`...)."""
 
-    def __init__(self, expected: str):
+    def __init__(self, expected: str, where: str = WHOLE):
         self.expected = expected
+        self.where = where  # the entry's field, as a mismatch names it
         self.hash = xxhash.xxh3_128()
 
     def update(self, data) -> None:
@@ -45,7 +47,7 @@ class FileDigest:
     def problem(self) -> tuple[str, object, object] | None:
         """(where, expected, found) when the bytes fed are not the file recorded; else None."""
         found = self.hash.hexdigest()
-        return None if found == self.expected else (WHOLE, self.expected, found)
+        return None if found == self.expected else (self.where, self.expected, found)
 
 
 class RowDigest:

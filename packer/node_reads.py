@@ -18,11 +18,11 @@ from tokpack.shuffle.epoch_job import source_changed_error
 
 
 def source_pieces(ne, tokens: int):
-    """(pieces, tokens, starts): every piece process `ne.me` reads, about `tokens` tokens at a
+    """(pieces, tokens, starts, held): every piece process `ne.me` reads, about `tokens` tokens at a
     time, in read order, each with its output row g, offset in the row and length (WIRE_PIECE),
     its tokens tokens[start:][:length]. `tokens` is the read buffer (windows: valid until the next
-    item, as transport.exchange_rounds sends them) or the shard's mapping (best-fit). A window is
-    a piece of a whole row; one the epoch uses twice comes twice."""
+    item, as transport.exchange_rounds sends them) or the shard's mapping (best-fit: `held`, valid
+    after it). A window is a piece of a whole row; one the epoch uses twice comes twice."""
     if ne.padded:
         yield from _document_pieces(ne, ne.runs(), tokens)
         return
@@ -45,7 +45,12 @@ def source_pieces(ne, tokens: int):
                 pieces["g"], pieces["length"] = np.concatenate([g for _, _, g in out]), row
                 # The block itself, not a copy: the rounds send its pieces before they ask for the
                 # next block, which the read-ahead thread reads into this one's buffer after that.
-                yield pieces, block.reshape(-1), np.concatenate([sel for _, sel, _ in out]).astype(np.int64) * row
+                yield (
+                    pieces,
+                    block.reshape(-1),
+                    np.concatenate([sel for _, sel, _ in out]).astype(np.int64) * row,
+                    False,
+                )
         shards.finish()
 
 
@@ -68,7 +73,7 @@ def _document_pieces(ne, runs, tokens: int):
                 pieces = np.zeros(len(found_pieces), WIRE_PIECE)
                 for f in ("g", "row_offset", "length"):
                     pieces[f] = found_pieces[f]
-                yield pieces, data, found_pieces["local"].astype(np.int64)  # the shard's mapping, not a copy
+                yield pieces, data, found_pieces["local"].astype(np.int64), True  # the shard's mapping: held
             del data
 
 

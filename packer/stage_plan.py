@@ -145,6 +145,7 @@ class CopyJob:
     # An epoch shard's token file whose entry records no xxh3_128: (its `.ds.rows`'s rel, that
     # file's rows_xxh3_128, samples), the rows it is checked against, row by row, as it streams
     rows: tuple[str, str, int] | None = None
+    key: str = "xxh3_128"  # the manifest's field `checksum` is (a .ds.rows's: rows_xxh3_128), as its error names it
 
 
 @dataclass
@@ -174,7 +175,7 @@ def shard_jobs(
             (join_rel(dir_rel, name + ROWS_SUFFIX), check[1], int(s["samples"])) if check and check[0] == ROWS else None
         )
         jobs += [
-            CopyJob(join_rel(dir_rel, name + suffix), size, s.get(key), dir_rel, None if suffix else by_rows)
+            CopyJob(join_rel(dir_rel, name + suffix), size, s.get(key), dir_rel, None if suffix else by_rows, key)
             for suffix, size, key in shard_files(s, source=manifest.get("kind") == "source")
         ]
     return jobs, skipped

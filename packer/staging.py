@@ -182,7 +182,7 @@ class _Stager:
         against): its xxh3_128, or, for a token file vouched for by row hashes, its `.ds.rows`
         from the source, read once and checked against the manifest here."""
         if job.checksum:
-            return lambda: FileDigest(job.checksum)
+            return lambda: FileDigest(job.checksum, job.key)
         if job.rows is None:
             return None
         rel, checksum, samples = job.rows

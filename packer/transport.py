@@ -18,7 +18,7 @@ import numpy as np
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import is_no_space
 from tokpack.formats.io.memory import Buffer
-from tokpack.packer.pieces import WIRE_PIECE, gather
+from tokpack.packer.pieces import WIRE_PIECE, copy_pieces, gather
 
 # Bytes of one Alltoallv's buffer: MPI's counts and displacements are C ints.
 MAX_MESSAGE_BYTES = (1 << 31) - 1
@@ -335,16 +335,17 @@ def as_error(e: TokpackError | OSError) -> TokpackError:
 
 def exchange_rounds(comm, MPI, reads, per_round: int, row: int, dtype, route, deliver, per_node: int = 1) -> int:
     """The rounds: every process sends about `per_round` tokens a round of the (pieces, tokens,
-    starts) `reads` yields (whole pieces, WIRE_PIECE; piece i's tokens are
+    starts, held) `reads` yields (whole pieces, WIRE_PIECE; piece i's tokens are
     tokens[starts[i]:][:length]), each piece to the nodes `route(pieces)` names ((destination of
     each copy, the piece each copy is)), and hands what it receives to `deliver(pieces, tokens)`.
-    An item's tokens may be a reused read buffer, valid only until the next item: a round sends
-    pieces of one item, gathered straight into the round's send buffer, and the next item is
-    asked for once they are sent. Every round every process takes part (sending nothing once it
-    has read all), until none has anything left; a failure on one (a source shard changed since
-    pack, a full disk while delivering) stops them all at the same round, named as process_name
-    (`per_node`) names them. Returns the rounds."""
-    item, at = None, 0  # the item being sent, and its first piece not sent yet
+    An item's tokens may be a reused read buffer, valid only until the next item (`held` False):
+    a round then sends pieces of that item alone, gathered straight into the round's send buffer,
+    and the next item is asked for once they are sent; `held` tokens (a mapping) stay valid, and a
+    round takes whole pieces of as many items as its per_round tokens hold. Every round every
+    process takes part (sending nothing once it has read all), until none has anything left; a
+    failure on one (a source shard changed since pack, a full disk while delivering) stops them
+    all at the same round, named as process_name (`per_node`) names them. Returns the rounds."""
+    pending: list = []  # items not sent yet (pieces, tokens, starts, held), their sent pieces cut off
     rounds, exhausted = 0, False
     # The rounds' token buffers, the same memory round after round (grown when a round needs
     # more): a fresh buffer each round cost the kernel's zeroing of its every page, more than the
@@ -355,24 +356,28 @@ def exchange_rounds(comm, MPI, reads, per_round: int, row: int, dtype, route, de
     # this one is in together()'s.
     failure = None
     while True:
-        if failure is None and not exhausted and item is None:
-            try:
-                item, at = next(reads, None), 0
+        take, count = [], 0
+        while failure is None and count < per_round:
+            if not pending and not exhausted and (not take or take[-1][3]):
+                try:
+                    item = next(reads, None)
+                except Exception as e:  # noqa: BLE001 - reported at the next round's allgather, where every process is
+                    failure, take, count = _held(e), [], 0
+                    break
                 exhausted = item is None
-            except Exception as e:  # noqa: BLE001 - reported at the next round's allgather, where every process is
-                failure = _held(e)
-        if failure is None and item is not None:
-            pieces, tokens, starts = item
-            end = _round_end(pieces["length"][at:], per_round) + at
-            pieces, starts = pieces[at:end], starts[at:end]
-            item, at = (None, 0) if end == len(item[0]) else (item, end)
-        else:
-            pieces, tokens, starts = np.zeros(0, WIRE_PIECE), np.zeros(0, dtype), np.zeros(0, np.int64)
-        count = int(pieces["length"].sum(dtype=np.int64))
+                pending += [] if item is None else [item]
+            if not pending or (take and not take[-1][3]):
+                break
+            pieces, tokens, starts, held = pending[0]
+            end = _round_end(pieces["length"], per_round - count)
+            take.append((pieces[:end], tokens, starts[:end], held))
+            count += int(pieces["length"][:end].sum(dtype=np.int64))
+            pending[0:1] = [] if end == len(pieces) else [(pieces[end:], tokens, starts[end:], held)]
         if not _agree(comm, count, failure, per_node):
             return rounds
         rounds += 1
-        got_pieces, got_tokens = _send(comm, MPI, (pieces, tokens, starts), route(pieces), row, buffers)
+        pieces = np.concatenate([t[0] for t in take]) if take else np.zeros(0, WIRE_PIECE)
+        got_pieces, got_tokens = _send(comm, MPI, take, pieces, route(pieces), row, buffers)
         try:
             deliver(got_pieces, got_tokens)
         except Exception as e:  # noqa: BLE001 - reported at the next round's allgather, where every process is
@@ -402,16 +407,27 @@ def _agree(comm, count: int, failure, per_node: int = 1) -> bool:
     return any(c for c, _ in status)
 
 
-def _send(comm, MPI, sent, routed, row: int, buffers: tuple[Buffer, Buffer]) -> tuple[np.ndarray, np.ndarray]:
-    """One round's exchange: `sent` (pieces, tokens, starts) as exchange_rounds' items, each copy
-    `routed` names ((destination, piece) of each) to its node, grouped by node; returns the
-    pieces and tokens this process receives (the tokens in `buffers`, valid until the next round)."""
-    pieces, tokens, starts = sent
+def _send(comm, MPI, take: list, pieces: np.ndarray, routed, row: int, buffers) -> tuple[np.ndarray, np.ndarray]:
+    """One round's exchange: the pieces of `take` (exchange_rounds' items, `pieces` theirs back
+    to back), each copy `routed` names ((destination, piece) of each) to its node, grouped by
+    node; returns the pieces and tokens this process receives (the tokens in `buffers`, valid
+    until the next round)."""
     dst, copies = routed
     which = copies[np.argsort(dst, kind="stable")]
     lengths = pieces["length"].astype(np.int64)
     send_pieces = pieces[which]
-    send_tokens = gather(tokens, starts[which], lengths[which], row, buffers[0].ensure(int(lengths[which].sum())))
+    out = buffers[0].ensure(int(lengths[which].sum()))
+    if len(take) == 1:  # one item: straight from it (whole rows as rows)
+        send_tokens = gather(take[0][1], take[0][2][which], lengths[which], row, out)
+    else:  # none, or several held items: each one's pieces to their places in the send buffer
+        send_tokens = out[: int(lengths[which].sum())]
+    if len(take) > 1:
+        item = np.repeat(np.arange(len(take)), [len(t[0]) for t in take])[which]
+        starts = np.concatenate([t[2] for t in take])[which]
+        at = np.cumsum(lengths[which]) - lengths[which]
+        for i, (_, tokens, _, _) in enumerate(take):
+            mine = item == i
+            copy_pieces(send_tokens, at[mine], tokens, starts[mine], lengths[which][mine])
     N = comm.Get_size()
     counts = np.bincount(dst, minlength=N).astype(np.int64)
     token_counts = np.bincount(dst, weights=lengths[copies], minlength=N).astype(np.int64)

@@ -26,6 +26,7 @@ me, N = comm.Get_rank(), comm.Get_size()
 ROW = 6
 sizes = json.loads(sys.argv[1])  # rows of each item, by process
 per_round = int(sys.argv[2]) * ROW
+HELD = sys.argv[3] == "held"  # a mapping's tokens (best-fit): a round may take several items
 
 
 def tokens_of(g):
@@ -45,8 +46,11 @@ def reads():
         buf[: n * ROW].reshape(n, ROW)[order] = tokens_of(g)
         pieces = np.zeros(n, WIRE_PIECE)
         pieces["g"], pieces["length"] = g, ROW
-        yield pieces, buf[: n * ROW], order.astype(np.int64) * ROW
-        buf[:] = 65535
+        yield pieces, buf[: n * ROW], order.astype(np.int64) * ROW, HELD
+        if not HELD:
+            buf[:] = 65535
+        else:
+            bufs[i % 2] = np.zeros(64 * ROW, np.uint16)  # a held item's tokens stay as they are
 
 
 got = {}
@@ -71,17 +75,19 @@ print(json.dumps({"rank": me, "rounds": rounds, "same": got == want, "rows": len
 
 
 @pytest.mark.parametrize(
-    "sizes, per_round, rounds",
+    "sizes, per_round, held, rounds",
     [
-        ([[5, 1, 9], [], [3, 3], [12]], 4, 6),  # items split over rounds (9 rows: 3 rounds of 4)
-        ([[2], [2, 2, 2, 2], [1], [2]], 8, 4),  # a round takes one item, however small
+        ([[5, 1, 9], [], [3, 3], [12]], 4, "reused", 6),  # items split over rounds (9 rows: 3 rounds of 4)
+        ([[2], [2, 2, 2, 2], [1], [2]], 8, "reused", 4),  # a round takes one reused buffer's item, however small
+        ([[2], [2, 2, 2, 2], [1], [2]], 8, "held", 1),  # held items: as many as a round holds
+        ([[5, 1, 9], [], [3, 3], [12]], 4, "held", 4),  # 15 rows in rounds of 4
     ],
 )
-def test_every_row_reaches_its_node_once_with_its_tokens(tmp_path, sizes, per_round, rounds):
+def test_every_row_reaches_its_node_once_with_its_tokens(tmp_path, sizes, per_round, held, rounds):
     script = tmp_path / "rounds.py"
     script.write_text(SCRIPT)
     done = subprocess.run(
-        [mpirun(), "--oversubscribe", "-n", "4", sys.executable, str(script), json.dumps(sizes), str(per_round)],
+        [mpirun(), "--oversubscribe", "-n", "4", sys.executable, str(script), json.dumps(sizes), str(per_round), held],
         capture_output=True,
         text=True,
         env=mpi_env(),

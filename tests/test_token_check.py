@@ -294,3 +294,27 @@ def test_a_slice_epoch_entry_with_neither_checksum_is_refused(run, tmp_path):
     with pytest.raises(TokpackError) as err:
         SampleReader.open(s)
     assert (err.value.where, err.value.message) == (NEITHER[0], NEITHER[3]), str(err.value)
+
+
+def test_stage_names_the_rows_field_whichever_of_its_checks_sees_a_changed_rows_file_first(run, tmp_path, monkeypatch):
+    """A `.ds.rows` unlike its manifest's is seen by the token file's row check (which reads it
+    first) or by its own copy, whichever of stage's threads comes first: both name the manifest's
+    field `rows_xxh3_128`. Here its own copy runs first (each shard's files in reverse, one
+    worker); it named `xxh3_128`, the token file's field, before."""
+    from tokpack.packer import stage_plan
+
+    listed = stage_plan.shard_jobs
+
+    def rows_files_first(*args, **kwargs):
+        jobs, skipped = listed(*args, **kwargs)
+        return sorted(jobs, key=lambda j: (j.rel.split(".ds")[0], not j.rel.endswith(".rows"))), skipped
+
+    monkeypatch.setattr(stage_plan, "shard_jobs", rows_files_first)
+    rows = run / epoch_dir_name(0) / (SHARD + ".rows")
+    data = bytearray(rows.read_bytes())
+    data[8 * ROW_FLIPPED] ^= 1
+    rows.write_bytes(bytes(data))
+    with pytest.raises(TokpackError) as err:
+        stage(run, tmp_path / "dest", workers=1)
+    e = err.value
+    assert (e.message, e.file, e.where) == ("checksum mismatch while copying", str(rows), "rows_xxh3_128"), str(e)
