@@ -141,10 +141,14 @@ class OnSigterm:
         pending (every thread blocks it: sigtimedwait names the sender), or through the wakeup
         fd when a thread started before (a BLAS pool's) took it."""
         while not self.done.is_set():
-            info = signal.sigtimedwait({signal.SIGTERM}, 0)
+            # Waiting in sigtimedwait, not polling it: the kernel wakes this thread as the signal
+            # comes, where a look every POLL took too long on a loaded machine (the launcher
+            # SIGKILLs 0.25 s after its SIGTERM; with every thread blocking the signal, as where
+            # no BLAS pool runs, 3 nodes of 4 said nothing, 3 runs of 3 on a loaded machine)
+            info = signal.sigtimedwait({signal.SIGTERM}, self.POLL)
             if info is not None:
                 return info.si_pid
-            if select.select([r], [], [], self.POLL)[0]:
+            if select.select([r], [], [], 0)[0]:
                 try:
                     if signal.SIGTERM in os.read(r, 64):
                         return None
