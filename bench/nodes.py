@@ -5,7 +5,7 @@ through the shared filesystem and its time, side by side in one run, against `to
 
     python bench/nodes.py [--size 512MiB] [--runs 1] [--quick] [--out FILE] [--no-loop]
                           [--nic-mbps 25000] [--shared-mbps 40000] [--disk-mbps 2000]
-    python bench/nodes.py --against REV [--size 512MiB] [--runs 3] [--out FILE]
+    python bench/nodes.py --against REV [--size 512MiB] [--runs 3] [--out FILE] [--slope-from SIZE]
 
 --against REV (issue 41, "Done when": CPU seconds a GB of an exchange process against today's
 engine, in one run): only the exchange cases below (first epoch, first epoch + --keep-sources,
@@ -15,7 +15,10 @@ this tree's the same, and this tree's as 2 nodes x 2 processes (K doubled: the s
 one after the other on the same paths, the first engine in turn each round. Only options both
 trees accept (a tree's `shuffle --help` says which). The table: wall, the CPU of the mpirun tree
 (user+sys) and a GB of tokens, the processes' --json cpu_s and phases a GB, old/new; every output
-file's sha256 against REV's (2x2: the rank files and RUN but its nodes sidecar).
+file's sha256 against REV's (2x2: the rank files and RUN but its nodes sidecar). With
+--slope-from SIZE, every case runs at that smaller size too, in the same run, and a third table
+gives the CPU of a GB more (larger less smaller, over their GB): the fixed start-up both sizes
+pay (launch, imports, MPI_Init, planning: about 1.5 s a run here) cancels.
 
 Where the bytes are counted. As root the sources sit on a block device of their own: an ext4
 image, loop-mounted ("the shared filesystem"), and RUN goes there too, so what is written to it
@@ -1079,11 +1082,27 @@ def git(*args: str) -> str:
     return _run("git", "-C", str(REPO), *args)
 
 
-def main_against(rev: str, size=None, quick: bool = False, *, runs: int = 1, work=None, out=None, loop: bool = True):
+def main_against(
+    rev: str,
+    size=None,
+    quick: bool = False,
+    *,
+    runs: int = 1,
+    work=None,
+    out=None,
+    loop: bool = True,
+    slope_from=None,
+):
     """--against REV: the exchange cases with REV's engine (a temporary detached worktree) and
-    this tree's, alternated in one run; prints the comparison and the phases' CPU a GB."""
+    this tree's, alternated in one run; prints the comparison and the phases' CPU a GB.
+    `slope_from` (a smaller size): every case at that size too, in the same run, and the CPU
+    of a GB more (the larger size's less the smaller's, over their GB): what a GB costs
+    without the fixed start-up (launch, imports, MPI_Init, planning) that both sizes pay."""
     t_start = time.perf_counter()
     nbytes = parse_size(size or (QUICK_SIZE if quick else SIZE))
+    sizes = [nbytes] if slope_from is None else [parse_size(slope_from), nbytes]
+    if len(sizes) == 2 and sizes[0] >= sizes[1]:
+        raise SystemExit(f"nodes --against: --slope-from {slope_from} is not below --size {size}")
     try:  # before anything is made: a REV that is not here is one line
         rev_label = git("rev-parse", "--short", "--verify", "--end-of-options", f"{rev}^{{commit}}")
     except OSError as e:
@@ -1103,8 +1122,9 @@ def main_against(rev: str, size=None, quick: bool = False, *, runs: int = 1, wor
     # whatever its PYTHONPATH says (REV's runs were this tree's).
     here = os.getcwd()
     os.chdir(work)
-    devs = None
     load = [os.getloadavg()]
+    measured: list[tuple[dict, int]] = []  # (samples, token bytes) of each size, smallest first
+    note = ""
     try:
         engines = against_engines(rev_label, tree, head_label)
         helps = {
@@ -1117,7 +1137,30 @@ def main_against(rev: str, size=None, quick: bool = False, *, runs: int = 1, wor
             for case in AGAINST_CASES
             if (why := runnable(e, case, tree_options(helps[e.tree])))
         }
-        devs = open_devices(work, int(2.5 * nbytes) + (256 << 20), int(4 * nbytes) + (256 << 20), loop)
+        for n in sizes:
+            samples, token_bytes, note = against_size(work, n, quick, runs, engines, skipped, loop)
+            measured.append((samples, token_bytes))
+        load.append(os.getloadavg())
+    finally:
+        os.chdir(here)
+        signal.signal(signal.SIGTERM, previous)
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+    samples, token_bytes = measured[-1]
+    rows = against_rows(samples, engines, token_bytes, skipped)
+    phases, names = phase_rows(samples, engines, token_bytes)
+    slopes = slope_rows(measured[0], measured[-1], engines) if len(measured) == 2 else None
+    context = {"note": note, "load": load, "t_start": t_start, "commit": commit, "samples": samples, "slopes": slopes}
+    report_against(rows, phases, names, engines, token_bytes, runs, quick, context, out)
+    return rows
+
+
+def against_size(work: Path, nbytes: int, quick: bool, runs: int, engines: list, skipped: dict, loop: bool):
+    """Every case and engine, `runs` rounds, on sources of `nbytes`: (samples, token bytes, the
+    devices' note)."""
+    devs = open_devices(work, int(2.5 * nbytes) + (256 << 20), int(4 * nbytes) + (256 << 20), loop)
+    try:
         src, token_bytes, _, shard_samples = make_source(devs, work, nbytes, quick)
         samples: dict = {}
         for r in range(runs):
@@ -1127,20 +1170,33 @@ def main_against(rev: str, size=None, quick: bool = False, *, runs: int = 1, wor
             for case, e, s, d in done:
                 same = same_bytes(refs[case], d, whole=e.shape == engines[0].shape) if case in refs else "no reference"
                 samples.setdefault((case, e.label), []).append(exchange_sample(s, same))
-            print(f"nodes --against: round {r + 1} of {runs} done", file=sys.stderr, flush=True)
-        load.append(os.getloadavg())
+            print(
+                f"nodes --against: {token_bytes >> 20} MiB, round {r + 1} of {runs} done", file=sys.stderr, flush=True
+            )
+        return samples, token_bytes, devs.note
     finally:
-        os.chdir(here)
-        signal.signal(signal.SIGTERM, previous)
-        if devs is not None:
-            devs.close()
-        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
-        if own:
-            shutil.rmtree(work, ignore_errors=True)
-    rows = against_rows(samples, engines, token_bytes, skipped)
-    phases, names = phase_rows(samples, engines, token_bytes)
-    context = {"note": devs.note, "load": load, "t_start": t_start, "commit": commit, "samples": samples}
-    report_against(rows, phases, names, engines, token_bytes, runs, quick, context, out)
+        devs.close()
+
+
+def slope_rows(small: tuple, large: tuple, engines: list[Engine]) -> list[dict]:
+    """The CPU of a GB more: each case and engine's mpirun-tree CPU (median over runs) at the
+    larger size less at the smaller, over their difference in GB; old/new against the first
+    engine (REV) of the same case. `small`, `large`: (samples, token bytes)."""
+    (s_small, b_small), (s_large, b_large) = small, large
+    gb = (b_large - b_small) / 1e9
+    rows = []
+    for case, title in AGAINST_CASES.items():
+        ref = None
+        for i, e in enumerate(engines):
+            a = _median([r["cpu"] for r in s_small.get((case, e.label), [])])
+            b = _median([r["cpu"] for r in s_large.get((case, e.label), [])])
+            row = {"case": title, "engine": f"{e.label} ({e.shape})", "CPU s, smaller": a, "CPU s, larger": b}
+            row["CPU s a GB more"] = None if a is None or b is None or gb <= 0 else (b - a) / gb
+            if i == 0:
+                ref = row
+            elif ref is not None:
+                row["old/new"] = _ratio(ref["CPU s a GB more"], row["CPU s a GB more"])
+            rows.append(row)
     return rows
 
 
@@ -1160,11 +1216,24 @@ def report_against(rows, phases, names, engines, token_bytes, runs, quick, conte
         phases,
         ["case", "engine", *names],
     )
-    halved = [
-        f"{r['case']}: {r['old/new']:.2f}x ({'halved' if r['old/new'] >= 2 else 'not halved'})"
-        for r in rows
-        if r.get("old/new") is not None and r["engine"].startswith(f"{new.label} ({new.shape})")
-    ]
+    slopes = context.get("slopes")
+    t3 = ""
+    if slopes is not None:
+        t3 = "\n\n" + print_table(
+            "CPU seconds a GB more: the mpirun tree's CPU at the larger size less at the smaller, over their GB "
+            "(the fixed start-up of both cancels)",
+            slopes,
+            ["case", "engine", "CPU s, smaller", "CPU s, larger", "CPU s a GB more", "old/new"],
+        )
+
+    def verdicts(table, what):
+        return [
+            f"{r['case']}, {what}: {r['old/new']:.2f}x ({'halved' if r['old/new'] >= 2 else 'not halved'})"
+            for r in table
+            if r.get("old/new") is not None and r["engine"].startswith(f"{new.label} ({new.shape})")
+        ]
+
+    halved = verdicts(rows, "a run") + (verdicts(slopes, "a GB more") if slopes is not None else [])
     cores = os.cpu_count() or 1
     notes = [
         f"Machine: {machine_line()}, {time.strftime('%H:%M UTC', time.gmtime())}; load average (1, 5, 15 min) "
@@ -1191,10 +1260,10 @@ def report_against(rows, phases, names, engines, token_bytes, runs, quick, conte
         out.parent.mkdir(parents=True, exist_ok=True)
         command = "python bench/nodes.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         lines = [*notes, f"Commit: {context['commit']}", f"Command: `{command.strip()}`"]
-        out.write_text(t1 + "\n\n" + t2 + "\n\n" + "\n".join(f"- {x}" for x in lines) + "\n")
+        out.write_text(t1 + t3 + "\n\n" + t2 + "\n\n" + "\n".join(f"- {x}" for x in lines) + "\n")
         raw = [{"case": c, "engine": label, "runs": r} for (c, label), r in context["samples"].items()]
         out.with_suffix(".json").write_text(
-            json.dumps({"rows": rows, "phases": phases, "samples": raw, "notes": lines}, indent=1)
+            json.dumps({"rows": rows, "slopes": slopes, "phases": phases, "samples": raw, "notes": lines}, indent=1)
         )
 
 
@@ -1410,10 +1479,21 @@ if __name__ == "__main__":
         help="only the exchange cases, with REV's engine (a temporary worktree) beside this tree's, alternated: "
         "CPU s a GB and old/new, same bytes checked [default out: bench/results/nodes-against-REV.md]",
     )
+    ap.add_argument(
+        "--slope-from",
+        metavar="SIZE",
+        default=None,
+        help="with --against: every case at this smaller size too, in the same run, and the CPU of a GB more "
+        "(the fixed start-up cancels)",
+    )
     a = ap.parse_args()
+    if a.slope_from and not a.against:
+        ap.error("--slope-from goes with --against")
     if a.against:
         out = a.out or (None if a.quick else REPO / "bench" / "results" / f"nodes-against-{a.against}.md")
-        main_against(a.against, a.size, a.quick, runs=a.runs, work=a.work, out=out, loop=not a.no_loop)
+        main_against(
+            a.against, a.size, a.quick, runs=a.runs, work=a.work, out=out, loop=not a.no_loop, slope_from=a.slope_from
+        )
         sys.exit(0)
     out = a.out or (None if a.quick else REPO / "bench" / "results" / "nodes.md")
     main(

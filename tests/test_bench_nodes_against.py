@@ -162,3 +162,22 @@ def test_a_rev_that_is_not_here_is_one_line_and_leaves_no_worktree(tmp_path):
     assert "nodes --against: 'no-such-rev-41' is not a commit of" in done.stderr.strip().splitlines()[-1]
     after = subprocess.run(["git", "-C", str(REPO), "worktree", "list"], capture_output=True, text=True).stdout
     assert after == before and not list(tmp_path.iterdir())
+
+
+def test_a_gb_more_is_the_difference_of_two_sizes_over_their_gb(nodes):
+    """--slope-from: each case and engine's CPU at the larger size less the smaller, over their
+    GB; old/new against REV's of the same case; a case an engine did not run has no figure."""
+    old, new, two = nodes.against_engines("b0a2bc6", Path("/old"), "abc1234")
+
+    def runs(*cpu):
+        return [{"cpu": c} for c in cpu]
+
+    small = ({("first", old.label): runs(3.0, 3.2, 9.0), ("first", new.label): runs(2.0)}, 500_000_000)
+    large = ({("first", old.label): runs(8.2), ("first", new.label): runs(4.5)}, 2_500_000_000)
+    rows = {(r["case"], r["engine"]): r for r in nodes.slope_rows(small, large, [old, new])}
+    first = nodes.AGAINST_CASES["first"]
+    a, b = rows[(first, f"{old.label} ({old.shape})")], rows[(first, f"{new.label} ({new.shape})")]
+    assert a["CPU s, smaller"] == 3.2 and a["CPU s a GB more"] == pytest.approx(2.5)  # the median run: 3.2
+    assert b["CPU s a GB more"] == pytest.approx(1.25) and b["old/new"] == pytest.approx(2.0)
+    later = rows[(nodes.AGAINST_CASES["later"], f"{new.label} ({new.shape})")]
+    assert later["CPU s a GB more"] is None and later.get("old/new") is None
