@@ -181,11 +181,17 @@ def test_stage_checks_a_copy_already_in_place_row_by_row(run, tmp_path):
     assert (dest / epoch_dir_name(0) / SHARD).read_bytes() == (run / epoch_dir_name(0) / SHARD).read_bytes()
 
 
-def test_stage_refuses_row_hashes_that_are_not_the_manifests(run, tmp_path):
+def _flip_rows(run) -> Path:
+    """A bit of epoch 0's SHARD's `.ds.rows` changed (its row ROW_FLIPPED's hash): the file."""
     rows = run / epoch_dir_name(0) / (SHARD + ".rows")
     data = bytearray(rows.read_bytes())
     data[8 * ROW_FLIPPED] ^= 1
     rows.write_bytes(bytes(data))
+    return rows
+
+
+def test_stage_refuses_row_hashes_that_are_not_the_manifests(run, tmp_path):
+    rows = _flip_rows(run)
     with pytest.raises(TokpackError) as err:
         stage(run, tmp_path / "dest")
     assert (err.value.file, err.value.where) == (str(rows), "rows_xxh3_128"), str(err.value)
@@ -311,10 +317,7 @@ def test_stage_names_the_rows_field_whichever_of_its_checks_sees_a_changed_rows_
         return [j for j in jobs if not j.rel.endswith("/" + SHARD)], skipped
 
     monkeypatch.setattr(stage_plan, "shard_jobs", without_the_token_file)
-    rows = run / epoch_dir_name(0) / (SHARD + ".rows")
-    data = bytearray(rows.read_bytes())
-    data[8 * ROW_FLIPPED] ^= 1
-    rows.write_bytes(bytes(data))
+    rows = _flip_rows(run)
     with pytest.raises(TokpackError) as err:
         stage(run, tmp_path / "dest")
     e = err.value
