@@ -123,3 +123,31 @@ def test_the_console_script_is_the_guarded_launcher():
 
     scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["tokpack"] == "tokpack.__main__:main"
+
+
+_BLAS_THREADS = """
+import os, sys
+sys.argv = ["tokpack", "--version"]
+from tokpack.__main__ import main
+try:
+    main()
+except SystemExit:
+    pass
+print(os.environ.get("OPENBLAS_NUM_THREADS"), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("given, kept", [(None, "1"), ("4", "4")])
+def test_the_command_starts_no_blas_pool_unless_the_user_asks(given, kept):
+    """The console script sets OPENBLAS_NUM_THREADS=1 before numpy loads (the command does no
+    linear algebra; an idle pool's threads cost about 0.1 s of CPU a process, times every MPI
+    process), and keeps a value the user set."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if given is not None:
+        env["OPENBLAS_NUM_THREADS"] = given
+    r = subprocess.run([sys.executable, "-c", _BLAS_THREADS], capture_output=True, text=True, env=env, timeout=60)
+    assert r.stderr.strip().splitlines()[-1] == kept, r.stderr
