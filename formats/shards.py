@@ -337,15 +337,12 @@ class EpochShardWriter:
 
     def write_index(self, rows: np.ndarray, hashes: np.ndarray | None = None) -> None:
         """The rows' fragment ends into the .ds.index file, and their hashes (`hashes`: when known)."""
-        n = len(rows)
-        if n == 0:
+        if len(rows) == 0:
             return
         tokens = self._tokens(rows)
-        ends = tokens == self.eos_id
-        ends[:, -1] = True
-        self._index.write(np.flatnonzero(ends.ravel()).astype(U64) + np.uint64(self.samples * self.row_tokens + 1))
-        self._add_hashes(row_hashes(tokens) if hashes is None else hashes)
-        self.samples += n
+        counts, cols = eos_columns(tokens, self.eos_id)
+        ends = fragment_ends(counts, cols, self.row_tokens)
+        self.write_known_index(len(rows), ends, row_hashes(tokens) if hashes is None else hashes)
 
     def write_known_index(self, n: int, ends: np.ndarray, hashes: np.ndarray) -> None:
         """What write_index(rows) writes, for n rows whose fragment ends (relative to their

@@ -59,26 +59,7 @@ class RankFiles:
         self.last = int(positions[-1])
         rank = self.rows.rank_of(positions + self.first)
         for r, writer in self.writers.items():
-            sel = np.flatnonzero(rank == r)
-            if self.facts is None:
-                write_rows(writer, keep, pad if self.fmt.padded else None, sel)
-            else:
-                self._write_with_facts(writer, positions, keep, pad, sel)
-
-    def _write_with_facts(self, writer, positions: np.ndarray, keep: np.ndarray, pad: np.ndarray | None, sel) -> None:
-        """write_rows, the index from the rows' facts (row_facts: one pass over their tokens),
-        which the collector gets too."""
-        fmt = self.fmt
-        step = max(1, MAX_CHUNK_BYTES // max(1, keep[:1].nbytes))
-        for c in range(0, len(sel), step):
-            at = sel[c : c + step]
-            t = keep[at]
-            writer.write_tokens(t)
-            hashes, counts, cols, ends = row_facts(t, fmt.dtype, fmt.seq_len + 1, fmt.eos_id)
-            writer.write_known_index(len(t), ends, hashes)
-            self.facts.add(positions[at], hashes, counts, cols)
-        if fmt.padded:
-            writer.write_pad(pad[sel])
+            write_rows(writer, self.fmt, keep, pad, np.flatnonzero(rank == r), self.facts, positions)
 
     def reserve(self, samples: int) -> None:
         """A `placed` format's (EpochShardFormat.placed): each rank file's tokens at their final
@@ -129,13 +110,20 @@ def row_facts(rows: np.ndarray, dtype, row_tokens: int, eos_id: int) -> tuple:
     return row_hashes(tokens), counts.astype(np.uint32), cols.astype(np.uint32), fragment_ends(counts, cols, row_tokens)
 
 
-def write_rows(writer, rows: np.ndarray, pad: np.ndarray | None, sel) -> None:
-    """Rows `sel` of `rows` to `writer`, MAX_CHUNK_BYTES at a time (at least a row), as the
-    scatter/order engine hands its writers rows: bounded temporaries whatever the rows' length."""
+def write_rows(writer, fmt: EpochShardFormat, rows: np.ndarray, pad, sel, facts=None, positions=None) -> None:
+    """Rows `sel` of `rows` (with their padding `pad`, a padded format) to `writer`,
+    MAX_CHUNK_BYTES at a time (at least a row), as the scatter/order engine hands its writers
+    rows: bounded temporaries whatever the rows' length. The index from the rows' facts
+    (row_facts: one pass over their tokens), which `facts` gets too where there is one, the
+    rows at epoch `positions`."""
     step = max(1, MAX_CHUNK_BYTES // max(1, rows[:1].nbytes))
     for c in range(0, len(sel), step):
-        t = rows[sel[c : c + step]]
+        at = sel[c : c + step]
+        t = rows[at]
         writer.write_tokens(t)
-        writer.write_index(t)
-    if pad is not None:
+        hashes, counts, cols, ends = row_facts(t, fmt.dtype, fmt.seq_len + 1, fmt.eos_id)
+        writer.write_known_index(len(t), ends, hashes)
+        if facts is not None:
+            facts.add(positions[at], hashes, counts, cols)
+    if fmt.padded:
         writer.write_pad(pad[sel])

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokpack.formats.outputs import EpochShardFormat
 from tokpack.packer import pieces as pieces_module
 from tokpack.packer import rank_files
 from tokpack.packer.pieces import WIRE_PIECE, gather, place
@@ -83,8 +84,8 @@ def test_a_writer_is_handed_bounded_bytes_of_rows_whatever_their_length(monkeypa
         def write_tokens(self, t):
             self.tokens.append(np.array(t))
 
-        def write_index(self, t):
-            self.index.append(len(t))
+        def write_known_index(self, n, ends, hashes):
+            self.index.append(n)
 
         def write_pad(self, p):
             self.pad = np.array(p)
@@ -94,7 +95,8 @@ def test_a_writer_is_handed_bounded_bytes_of_rows_whatever_their_length(monkeypa
         sel = np.array([3, 0, 22, 5, 5, 9, 1, 17, 2, 11, 4, 8], dtype=np.int64)
         pad = np.arange(23, dtype=np.int64)
         w = Writer()
-        rank_files.write_rows(w, rows, pad, sel)
+        fmt = EpochShardFormat(np.dtype("<u2"), row - 1, 0, "gpt2", padded=True)
+        rank_files.write_rows(w, fmt, rows, pad, sel)
         assert [len(t) for t in w.tokens] == [want] * (len(sel) // want) + (
             [len(sel) % want] if len(sel) % want else []
         )
