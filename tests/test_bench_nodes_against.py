@@ -181,3 +181,10 @@ def test_a_gb_more_is_the_difference_of_two_sizes_over_their_gb(nodes):
     assert b["CPU s a GB more"] == pytest.approx(1.25) and b["old/new"] == pytest.approx(2.0)
     later = rows[(nodes.AGAINST_CASES["later"], f"{new.label} ({new.shape})")]
     assert later["CPU s a GB more"] is None and later.get("old/new") is None
+
+
+@pytest.mark.parametrize("smaller", ["2GiB", "4GiB"])
+def test_a_slope_from_a_size_not_below_the_run_s_is_one_line_before_anything_is_made(nodes, smaller, tmp_path):
+    with pytest.raises(SystemExit, match=f"--slope-from {smaller} is not below --size 2GiB"):
+        nodes.main_against("HEAD", "2GiB", work=tmp_path / "w", slope_from=smaller)
+    assert not (tmp_path / "w").exists()

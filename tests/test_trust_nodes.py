@@ -305,3 +305,26 @@ def test_a_sigterm_to_mpirun_is_one_line_on_every_node_and_a_rerun_resumes(tmp_p
     done = to_nodes(run, dest, *args)
     assert done.returncode == 0, done.stderr[-3000:]
     _same_as_a_replacement(run, tmp_path, 1, nodes)
+
+
+def test_the_sigterm_watcher_waits_for_the_signal_inside_sigtimedwait(monkeypatch):
+    """The watcher waits for a pending SIGTERM inside sigtimedwait, POLL at a time, so the kernel
+    wakes it as the signal comes: a zero-timeout look every POLL between selects left 3 nodes of
+    4 silent on a loaded machine, where the launcher SIGKILLs 0.25 s after its SIGTERM
+    (test_a_sigterm_to_mpirun_is_one_line_on_every_node_and_a_rerun_resumes, 3 runs in parallel)."""
+    from tokpack.packer.transport import OnSigterm
+
+    waits = []
+    real = signal.sigtimedwait
+
+    def spy(signals, timeout):
+        waits.append(timeout)
+        return real(signals, timeout)
+
+    monkeypatch.setattr(signal, "sigtimedwait", spy)
+    stop = OnSigterm()
+    try:
+        time.sleep(3 * OnSigterm.POLL)
+    finally:
+        stop.restore()
+    assert waits and min(waits) == OnSigterm.POLL, waits
