@@ -516,6 +516,9 @@ class PackedSource:
     # A verified local copy (`shuffle --to-nodes --keep-sources`): the source's own folder, which
     # plans and manifests name; its files are read at `path`, the copy.
     kept_from: Path | None = None
+    # Shards of such a copy whose bytes were hashed just now, before this epoch reads them (a
+    # copy made or verified by --keep-sources): the epoch's reads do not hash them a second time.
+    hashed: frozenset = frozenset()
 
     @property
     def home(self) -> Path:

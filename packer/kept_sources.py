@@ -24,7 +24,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, is_no_space
 from tokpack.formats.io.writes import commit_file, tmp_path, write_bytes_atomic
 from tokpack.formats.io.paths import local_path
-from tokpack.formats.io.gate import open_new, open_read, read_limited
+from tokpack.formats.io.gate import iter_mapped, open_new, read_limited
 from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES
 from tokpack.formats.reading import canonical_bytes, read_manifest
 from tokpack.packer.node_dest import node_dest
@@ -149,21 +149,26 @@ def _keep(sources: list, wanted: list[tuple], folder: Path, shared: bool = True)
         d.mkdir(parents=True, exist_ok=True)
         if shared and not _manifest_is(d, src.fingerprint):  # new, or damaged: the source's own, again
             write_bytes_atomic(d / MANIFEST, read_limited(home / MANIFEST, MAX_MANIFEST_BYTES, "manifest"), fsync=True)
+        hashed = set()
         for _, k, suffix, _ in (item for item in wanted if item[0] == s):
-            copied += _keep_shard(src, k, d, suffix)
-        kept[s] = replace(open_source(d, check_sizes=False), kept_from=home)  # its other shards are never read here
+            size, now = _keep_shard(src, k, d, suffix)
+            copied += size
+            if now and not suffix:
+                hashed.add(k)
+        # its other shards are never read here; those hashed now are not hashed again by the epoch's reads
+        kept[s] = replace(open_source(d, check_sizes=False), kept_from=home, hashed=frozenset(hashed))
         record[source_location(home)] = src.fingerprint
     if shared and record != _kept_record(folder):
         write_bytes_atomic(folder / KEPT_RECORD, canonical_bytes(record), fsync=True)
     return kept, copied
 
 
-def _keep_shard(src, k: int, folder: Path, suffix: str = "") -> int:
+def _keep_shard(src, k: int, folder: Path, suffix: str = "") -> tuple[int, bool]:
     """Source shard k (with `suffix` ".index": its document index) copied from the source's own
     folder into `folder` (its xxh3_128 checked as it streams, renamed into place once whole); a
     copy already there is kept once its size and xxh3_128 are the source manifest's (verified
     once a command), else copied again. Only the source's own bytes failing the checksum blame
-    the source. Returns the bytes copied."""
+    the source. Returns (the bytes copied, whether the copy's bytes were hashed now)."""
     shard = src.shards[k]
     if suffix:
         size, want = int(shard["documents"]) * 8, shard["index_xxh3_128"]  # one uint64 end a document
@@ -171,17 +176,20 @@ def _keep_shard(src, k: int, folder: Path, suffix: str = "") -> int:
         size, want = int(shard["tokens"]) * src.dtype.itemsize, shard["xxh3_128"]
     name = f"{shard['path']}{suffix}"
     target = folder / name
-    if _there(target, size) and (_stamp(target) in _VERIFIED or _hash_of(target, size) == want):
-        _VERIFIED.add(_stamp(target))
-        return 0
+    if _there(target, size):
+        if _stamp(target) in _VERIFIED:
+            return 0, False
+        if _hash_of(target, size) == want:
+            _VERIFIED.add(_stamp(target))
+            return 0, True
     tmp = tmp_path(target)
     h = xxhash.xxh3_128()
     try:
-        with open_read(src.home / name, size=size) as fin, open_new(tmp) as fout:
-            buf = memoryview(bytearray(min(max(size, 1), KEEP_BLOCK)))
-            while n := fin.readinto(buf):
-                h.update(buf[:n])
-                fout.write(buf[:n])
+        with open_new(tmp) as fout:
+            # The source's pages mapped, not read into a buffer: hashed and written from the page cache.
+            for block in iter_mapped(src.home / name, size, KEEP_BLOCK):
+                h.update(block)
+                fout.write(block)
         if h.hexdigest() != want:
             raise source_changed_error({"shard": str(src.home / name), "expected": want, "found": h.hexdigest()})
         commit_file(tmp, target, fsync=True)
@@ -189,7 +197,7 @@ def _keep_shard(src, k: int, folder: Path, suffix: str = "") -> int:
         tmp.unlink(missing_ok=True)
         raise
     _VERIFIED.add(_stamp(target))
-    return size
+    return size, True
 
 
 def _stamp(path: Path) -> tuple:
@@ -199,10 +207,8 @@ def _stamp(path: Path) -> tuple:
 
 def _hash_of(path: Path, size: int) -> str:
     h = xxhash.xxh3_128()
-    with open_read(path, size=size) as f:  # through the gate: a regular file of its recorded size
-        buf = memoryview(bytearray(min(max(size, 1), KEEP_BLOCK)))
-        while n := f.readinto(buf):
-            h.update(buf[:n])
+    for block in iter_mapped(path, size, KEEP_BLOCK):  # through the gate: a regular file of its recorded size
+        h.update(block)
     return h.hexdigest()
 
 

@@ -29,7 +29,12 @@ def source_pieces(ne, tokens: int):
     plan, job = ne.plan, ne.job
     row = plan.row_tokens
     for s, w0, w1, k0, k1 in shard_segments(plan, ne.sources, ne.runs()):
-        shards = ShardHashes(ne.sources[s], k0, k1, _changed)
+        # Shards --keep-sources hashed just now, as it copied or verified them, are not hashed again.
+        shards = (
+            _Unhashed()
+            if set(range(k0, k1)) <= getattr(ne.sources[s], "hashed", frozenset())
+            else ShardHashes(ne.sources[s], k0, k1, _changed)
+        )
         for a, block in iter_source_windows(
             plan,
             s,
@@ -65,7 +70,10 @@ def _document_pieces(ne, runs, tokens: int):
             n = int(src.shards[k]["tokens"])
             with phase("read", n * src.dtype.itemsize):
                 data = map_file(src.path / src.shards[k]["path"], 0, n * src.dtype.itemsize).view(src.dtype)
-                found = xxhash.xxh3_128_hexdigest(data)
+                # a shard --keep-sources hashed just now, as it copied or verified it, is not hashed again
+                found = (
+                    src.shards[k]["xxh3_128"] if k in getattr(src, "hashed", ()) else xxhash.xxh3_128_hexdigest(data)
+                )
             if found != src.shards[k]["xxh3_128"]:
                 _changed(src.path / src.shards[k]["path"], src.shards[k]["xxh3_128"], found)
             chunk = max(1, tokens // max(1, job.plan.row_tokens // 4))
@@ -75,6 +83,16 @@ def _document_pieces(ne, runs, tokens: int):
                     pieces[f] = found_pieces[f]
                 yield pieces, data, found_pieces["local"].astype(np.int64), True  # the shard's mapping: held
             del data
+
+
+class _Unhashed:
+    """ShardHashes' place for shards already hashed this epoch: nothing to feed or compare."""
+
+    def feed(self, start: int, tokens) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
 
 
 def _changed(shard, expected: str, found: str):

@@ -88,6 +88,16 @@ def audit_env(log: str | Path, root: str | Path) -> dict[str, str]:
     return {"TOKPACK_AUDIT_LOG": str(log), "TOKPACK_AUDIT_ROOT": str(root)}
 
 
+def hashed(log: str | Path) -> dict[str, int]:
+    """Bytes hashed (xxh3_128) by the processes that had $TOKPACK_HASH_LOG = `log` (and
+    AUDIT_SITE on PYTHONPATH), by the module that fed them."""
+    found: dict[str, int] = {}
+    for line in Path(log).read_text().splitlines() if Path(log).exists() else ():
+        _, module, n = line.split("\t")
+        found[module] = found.get(module, 0) + int(n)
+    return found
+
+
 def audited(log: str | Path) -> list[Access]:
     try:
         text = Path(log).read_bytes().decode("utf-8", "surrogateescape")

@@ -143,3 +143,28 @@ def test_rerun_from_the_same_scratch_after_an_interrupted_send_completes_the_sto
         "epoch-00001/tokpack.json",
     }
     assert {k: v for k, v in got.items() if k.endswith(".ds")} == {k: v for k, v in ref.items() if k.endswith(".ds")}
+
+
+def test_iter_mapped_gives_the_whole_file_in_blocks_across_windows_and_refuses_another_size(tmp_path, monkeypatch):
+    """formats.io.gate.iter_mapped (--keep-sources' copies and checks): every byte once, in order,
+    no block over its size, across several map windows and a tail; a file not of the size given
+    is refused before a byte is given; a URL's file gives the same bytes."""
+    import fsspec
+
+    from tokpack.formats.errors import TokpackError
+    from tokpack.formats.io import gate
+
+    monkeypatch.setattr(gate, "MAP_WINDOW", 3 * 4096 + 100)  # windows of 12 KiB: offsets stay aligned
+    data = np.random.default_rng(1).integers(0, 256, 5 * 4096 + 123, dtype=np.uint8).tobytes()
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    for block in (1000, 4096, 1 << 20):
+        pieces = [bytes(view) for view in gate.iter_mapped(path, len(data), block)]
+        assert b"".join(pieces) == data and max(map(len, pieces)) <= block
+    (tmp_path / "empty").write_bytes(b"")
+    assert list(gate.iter_mapped(tmp_path / "empty", 0, 10)) == []
+    with pytest.raises(TokpackError, match="size"):
+        next(gate.iter_mapped(path, len(data) + 1, 4096))
+    with fsspec.open("memory://iter-mapped/f", "wb") as f:
+        f.write(data)
+    assert b"".join(bytes(v) for v in gate.iter_mapped("memory://iter-mapped/f", len(data), 1000)) == data

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 
 from conftest import random_docs, write_source
-from test_mpi import K, M, SEQ, cli, to_nodes
+from probes import AUDIT_SITE, hashed
+from test_mpi import K, M, REPO, SEQ, cli, to_nodes
 from tokpack.formats.constants import MANIFEST, NODES_SIDECAR
 from tokpack.formats.reading import canonical_bytes
 from tokpack.formats.builders import nodes_sidecar
@@ -97,12 +99,48 @@ def _assert_equal(tmp: Path, exchanged: Path, staged_run: Path, dests: list[Path
     assert not any((tmp / f"node{n}" / ".tokpack-work").exists() for n in range(N))  # every process's scratch gone
 
 
-def _run(tmp: Path, args: list, n: int = N * P, procs: int = P):
-    done = to_nodes(tmp / "exchanged", str(tmp / "node{node}"), *args, "--procs-per-node", procs, n=n)
+def _run(tmp: Path, args: list, n: int = N * P, procs: int = P, env: dict | None = None):
+    done = to_nodes(tmp / "exchanged", str(tmp / "node{node}"), *args, "--procs-per-node", procs, n=n, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert sorted((s["node"], s["process"]) for s in lines) == [(q // procs, q % procs) for q in range(n)]
     return lines
+
+
+# The modules that hash source bytes: --keep-sources as it copies or verifies a shard; the
+# exchange's reads (windows: ShardHashes, fed the blocks read; best-fit: each shard mapped whole).
+KEPT, READS = "tokpack.packer.kept_sources", ("tokpack.shuffle.epoch_job", "tokpack.packer.node_reads")
+
+
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])
+def test_each_source_byte_is_hashed_once_an_epoch_with_kept_sources(source, staged, tmp_path, packing):
+    """Issue 41 item 2, "each byte is hashed once": a shard --keep-sources hashed just now, as it
+    copied or verified it, is not hashed again by the epoch's reads (each process's xxh3_128 feeds
+    counted by module, tests/audit_site). One command of epochs 0-1: epoch 0's copies are hashed
+    as they are made and its reads hash nothing; epoch 1's copies, verified earlier in the command,
+    are not hashed again before it, so its reads hash every source shard once. A later command's
+    epoch 2 hashes each kept file as it verifies it, and its reads nothing. Every epoch still equals
+    shuffle + stage --node n/2 (on main, the reads hash every shard in every epoch)."""
+    run, dests = staged(packing)
+    keep = ["--keep-sources", str(tmp_path / "kept{node}"), "--memory", IN_MEMORY]
+    shard_bytes = sum(p.stat().st_size for p in source.glob("*.ds"))
+    logs = [tmp_path / "hashed-0.log", tmp_path / "hashed-1.log"]
+    lines = _run(tmp_path, [*_args(source, packing, "--epochs", 2), *keep], env=_hash_env(logs[0]))
+    kept = sum(s["epochs_detail"][0]["source_bytes_kept_now"] for s in lines)
+    assert all(d["source_bytes_kept_now"] == 0 for s in lines for d in s["epochs_detail"][1:])
+    fed = hashed(logs[0])
+    assert fed.get(KEPT) == kept > 0
+    assert sum(fed.get(m, 0) for m in READS) == shard_bytes  # epoch 1's reads, each shard once
+    _run(tmp_path, [*_args(source, packing, "--epoch", 2), *keep], env=_hash_env(logs[1]))
+    fed = hashed(logs[1])
+    files = [p for n in range(N) for p in (tmp_path / f"kept{n}").glob("*/*.ds*") if p.suffix in (".ds", ".index")]
+    assert fed.get(KEPT) == sum(p.stat().st_size for p in files) >= shard_bytes
+    assert sum(fed.get(m, 0) for m in READS) == 0
+    _assert_equal(tmp_path, tmp_path / "exchanged", run, dests, [0, 1, 2])
+
+
+def _hash_env(log: Path) -> dict:
+    return {"PYTHONPATH": os.pathsep.join([str(REPO), AUDIT_SITE]), "TOKPACK_HASH_LOG": str(log)}
 
 
 @pytest.mark.parametrize("memory", [IN_MEMORY, OUT_OF_CORE])

@@ -36,6 +36,8 @@ from .paths import RemotePath, as_path, name_problem
 # Reads and checksums stream through buffers of this size: large enough to keep the
 # disk busy, small enough that memory does not depend on file size.
 IO_BLOCK = 16 << 20
+# A file read through its mapping is mapped this much at a time (iter_mapped).
+MAP_WINDOW = 64 << 20
 
 
 def contained(
@@ -282,6 +284,29 @@ def hash_mapped(h, fd: int, offset: int, length: int) -> None:
             mm.madvise(mmap.MADV_SEQUENTIAL)
         with memoryview(mm) as view, view[skip:] as chunk:
             h.update(chunk)
+
+
+def iter_mapped(path, size: int, block: int, **rules) -> Iterator[memoryview]:
+    """A whole file of `size` bytes (through the gate: a regular file of that size, `rules`),
+    front to back, at most `block` bytes at a time: views of its page-cache pages, mapped a
+    window at a time, so nothing is copied into a buffer (a hash and a write read them where
+    they are) and resident memory stays at a window. A view is valid until the next one. A
+    URL's file is read into one reused buffer."""
+    with open_read(path, size=size, **rules) as f:
+        if not isinstance(f, io.FileIO):
+            view = memoryview(bytearray(min(max(size, 1), block)))
+            while n := f.readinto(view):
+                yield view[:n]
+            return
+        window = max(mmap.ALLOCATIONGRANULARITY, MAP_WINDOW - MAP_WINDOW % mmap.ALLOCATIONGRANULARITY)
+        for offset in range(0, size, window):
+            with mmap.mmap(f.fileno(), min(window, size - offset), offset=offset, access=mmap.ACCESS_READ) as mm:
+                if hasattr(mm, "madvise"):
+                    mm.madvise(mmap.MADV_SEQUENTIAL)
+                with memoryview(mm) as mapped:
+                    for a in range(0, len(mm), block):
+                        with mapped[a : a + block] as chunk:
+                            yield chunk
 
 
 def map_array(path, dtype, **rules) -> np.ndarray:
