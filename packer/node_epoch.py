@@ -200,7 +200,8 @@ def bucket_row_bytes(row_bytes: int) -> int:
 def round_tokens(ne: NodeEpoch, memory: int) -> int:
     """Tokens a process sends per round (tokpack plan --to-nodes calls this too). A round holds
     what it read, its send buffer (each piece once, to its keeper), what it receives (about as
-    much) and what waits for the next round, each token with its index arithmetic. In memory when the node's stores fit
+    much), what waits for the next round and what the round before received (delivered
+    meanwhile, transport.exchange_rounds), each token with its index arithmetic. In memory when the node's stores fit
     beside a round's buffers; else out of core (bucket_layout): the rounds append what they
     receive to bucket files in DEST's scratch (one more copy a token), and the buckets, read
     back in order once the rounds are done (the next one read while one is written: two in
@@ -214,7 +215,8 @@ def memory_plan(ne: NodeEpoch, memory: int) -> tuple[int, int | None]:
     """(tokens a round, rows a bucket out of core or None in memory); what `plan shuffle
     --to-nodes` reports too."""
     job = ne.job
-    per_token = 4 * job.token_dtype.itemsize + TOKEN_OVERHEAD
+    # read, sent, received, waiting for the next round, and the round before still being delivered
+    per_token = 5 * job.token_dtype.itemsize + TOKEN_OVERHEAD
     least = MIN_ROUND_ROWS * job.plan.row_tokens
     limit = min(MAX_MESSAGE_BYTES // job.token_dtype.itemsize, max(MAX_ROUND_BYTES // job.token_dtype.itemsize, least))
     t = min((memory - ne.keep_bytes) // per_token, limit)

@@ -9,11 +9,13 @@ runs them (`epoch`):
 
   keep        --keep-sources' first epoch: the process's source shards copied to its disk first.
   rounds      a window epoch's source blocks are read on a thread of their own (read_ahead)
-              while the main thread cuts, routes (Alltoallv) and places the previous round, so
-              the rounds take the longest of their chains: the reading thread's I/O and its CPU
-              (it asks the disk for the next block before it hashes this one: the two overlap),
-              the main thread's CPU then its Alltoallv on the network (rounds being synchronous);
-              a best-fit epoch reads in the main thread: one chain. Out of core the pieces received are appended to
+              while the main thread cuts and routes (Alltoallv) a round and a thread of its own
+              delivers (places) the round before (transport.exchange_rounds), so the rounds take
+              the longest of their chains: the reading thread's I/O and its CPU (it asks the
+              disk for the next block before it hashes this one: the two overlap), the main
+              thread's CPU then its Alltoallv on the network (each round's collectives being
+              synchronous), the delivering thread's CPU; a best-fit epoch reads in the main
+              thread. Out of core the pieces received are appended to
               bucket files (written back by the kernel meanwhile: the local disk's bytes). In
               memory, windows, written through (NodeWork.write_through): each row a round
               completes also written to its rank file by a thread of its own (a third chain; its
@@ -194,9 +196,10 @@ def epoch(work: NodeWork, rates: Rates, costs: dict | None = None) -> Prediction
     c = {**MEASURED, **(costs or {})}
     P = max(1, rates.procs)
     through = work.write_through and not work.out_of_core
-    # a process's threads in the rounds: its main thread, its reading thread (windows), its
-    # writing thread (written through: node_store.InMemory)
-    threads = P * (1 + work.read_ahead + through)
+    # a process's threads in the rounds: its main thread, its delivering thread (transport.
+    # exchange_rounds), its reading thread (windows), its writing thread (written through:
+    # node_store.InMemory)
+    threads = P * (2 + work.read_ahead + through)
     cores_rounds = threads if rates.cores is None else min(rates.cores, threads)
     share = rates.shared_mbps / max(1, rates.readers)
     src_io = (
@@ -205,7 +208,8 @@ def epoch(work: NodeWork, rates: Rates, costs: dict | None = None) -> Prediction
     keep_io = _mbps(work.kept_copied, share)
     store = "bucket_write" if work.out_of_core else "place"
     read_cpu = c["read"] * work.source_bytes
-    main_cpu = c["cut"] * work.source_bytes + c["route"] * work.routed + c[store] * work.placed
+    main_cpu = c["cut"] * work.source_bytes + c["route"] * work.routed
+    store_cpu = c[store] * work.placed  # a round's delivery, on a thread of its own during the next round
     write_cpu = c["write_through"] * work.slice_bytes if through else 0.0
     net = max(_mbps(work.sent, rates.nic_mbps), _mbps(work.received, rates.nic_mbps))
     main = {CPU: main_cpu / P, NETWORK: net}
@@ -214,6 +218,7 @@ def epoch(work: NodeWork, rates: Rates, costs: dict | None = None) -> Prediction
     # windows: the reading thread asks the disk for the next block before it hashes this one
     # (shuffle.plan.iter_source_windows, gate.will_need): its I/O and its CPU overlap, two chains
     chains = {"read": src_io, "hash": {CPU: read_cpu / P}, "main": main} if work.read_ahead else {"main": main}
+    chains["deliver"] = {CPU: store_cpu / P}
     if through:
         chains["write"] = {CPU: write_cpu / P}
     read_rounds = 0 if work.from_shared else work.source_bytes
@@ -228,7 +233,7 @@ def epoch(work: NodeWork, rates: Rates, costs: dict | None = None) -> Prediction
             SHARED: src_io.get(SHARED, 0.0),
             NETWORK: net,
             **rates.disk(read_rounds, written_rounds),
-            CPU: (read_cpu + main_cpu + write_cpu) / cores_rounds,
+            CPU: (read_cpu + main_cpu + store_cpu + write_cpu) / cores_rounds,
         },
     )
     # --keep-sources' first epoch copies the process's shards to its disk before the rounds

@@ -12,11 +12,12 @@ The phases, and the thread each runs on:
   route        the rounds' agreement, counts, send buffers and Alltoallv (main thread; MPI's
                wait for its peers is CPU too where it polls); its bytes: the tokens sent (each
                piece once, to the process that keeps its row), the process's own included
-  place        the pieces received put in their rows in memory (main thread)
+  place        the pieces received put in their rows in memory (the delivering thread, a round
+               behind the main thread's: tokpack.packer.transport.exchange_rounds)
   write_through  in memory, windows, where the host has the cores: the rows a round completed
                written to their place in their rank files (a thread of its own, behind the
                rounds: node_store.InMemory; the kernel writes them back meanwhile)
-  bucket_write out of core: the pieces received appended to bucket files (main thread)
+  bucket_write out of core: the pieces received appended to bucket files (the delivering thread)
   bucket_read  out of core: the buckets read back and checked (a thread a bucket ahead of
                write, tokpack.packer.node_buckets.BucketRead; wall_s: the
                main thread's wait for it)

@@ -18,6 +18,7 @@ import numpy as np
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import is_no_space
 from tokpack.formats.io.memory import Buffer
+from tokpack.formats.io.reads import Worker
 from tokpack.packer.pieces import WIRE_PIECE, copy_pieces, gather
 
 # Bytes of one Alltoallv's buffer: MPI's counts and displacements are C ints.
@@ -353,39 +354,52 @@ def exchange_rounds(comm, MPI, reads, per_round: int, row: int, dtype, route, de
     rounds, exhausted = 0, False
     # The rounds' token buffers, the same memory round after round (grown when a round needs
     # more): a fresh buffer each round cost the kernel's zeroing of its every page, more than the
-    # copy into it (measured: about a third of the rounds' CPU).
-    buffers = (Buffer(dtype, "round-send"), Buffer(dtype, "round-receive"))
+    # copy into it (measured: about a third of the rounds' CPU). Two receive buffers: a round's
+    # tokens are delivered (placed) on a thread of their own while the next round is read, sent
+    # and received into the other one; a round waits for the delivery before the one before it.
+    send = Buffer(dtype, "round-send")
+    received = (Buffer(dtype, "round-receive"), Buffer(dtype, "round-receive"))
     # A failure while reading or delivering is reported at the next round's allgather, where
     # every process is: raising at once would leave the others waiting in that allgather while
     # this one is in together()'s.
     failure = None
-    while True:
-        take, count = [], 0
-        while failure is None and count < per_round:
-            if not pending and not exhausted and (not take or take[-1][3]):
-                try:
-                    item = next(reads, None)
-                except Exception as e:  # noqa: BLE001 - reported at the next round's allgather, where every process is
-                    failure, take, count = _held(e), [], 0
+    with Worker(depth=1) as delivering:
+        while True:
+            take, count = [], 0
+            while failure is None and count < per_round:
+                if not pending and not exhausted and (not take or take[-1][3]):
+                    try:
+                        item = next(reads, None)
+                    except Exception as e:  # noqa: BLE001 - reported at the next round's allgather, where every process is
+                        failure, take, count = _held(e), [], 0
+                        break
+                    exhausted = item is None
+                    pending += [] if item is None else [item]
+                if not pending or (take and not take[-1][3]):
                     break
-                exhausted = item is None
-                pending += [] if item is None else [item]
-            if not pending or (take and not take[-1][3]):
+                pieces, tokens, starts, held = pending[0]
+                end = _round_end(pieces["length"], per_round - count)
+                take.append((pieces[:end], tokens, starts[:end], held))
+                count += int(pieces["length"][:end].sum(dtype=np.int64))
+                pending[0:1] = [] if end == len(pieces) else [(pieces[end:], tokens, starts[end:], held)]
+            if not _agree(comm, count, failure, per_node):
                 break
-            pieces, tokens, starts, held = pending[0]
-            end = _round_end(pieces["length"], per_round - count)
-            take.append((pieces[:end], tokens, starts[:end], held))
-            count += int(pieces["length"][:end].sum(dtype=np.int64))
-            pending[0:1] = [] if end == len(pieces) else [(pieces[end:], tokens, starts[end:], held)]
-        if not _agree(comm, count, failure, per_node):
-            return rounds
-        rounds += 1
-        pieces = np.concatenate([t[0] for t in take]) if take else np.zeros(0, WIRE_PIECE)
-        got_pieces, got_tokens = _send(comm, MPI, take, pieces, route(pieces), row, buffers)
-        try:
-            deliver(got_pieces, got_tokens)
-        except Exception as e:  # noqa: BLE001 - reported at the next round's allgather, where every process is
-            failure = _held(e)
+            rounds += 1
+            pieces = np.concatenate([t[0] for t in take]) if take else np.zeros(0, WIRE_PIECE)
+            got = _send(comm, MPI, take, pieces, route(pieces), row, (send, received[rounds % 2]))
+            failure = failure or _delivered(delivering, lambda: delivering.submit(deliver, *got))
+        # the last round's delivery, and whether any process failed in it
+        _agree(comm, 0, failure or _delivered(delivering, delivering.drain), per_node)
+    return rounds
+
+
+def _delivered(delivering, call) -> Exception | None:
+    """A failure of an earlier round's delivery, which `call` (a submit, or the drain) raises."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - reported at the next round's allgather, where every process is
+        return _held(e)
+    return None
 
 
 def _held(e: Exception) -> Exception:

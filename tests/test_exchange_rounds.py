@@ -15,7 +15,7 @@ import pytest
 from test_mpi import REPO, mpi_env, mpirun
 
 SCRIPT = """
-import json, sys
+import json, sys, threading, time
 import numpy as np
 from mpi4py import MPI
 from tokpack.packer.pieces import WIRE_PIECE
@@ -27,6 +27,7 @@ ROW = 6
 sizes = json.loads(sys.argv[1])  # rows of each item, by process
 per_round = int(sys.argv[2]) * ROW
 HELD = sys.argv[3] == "held"  # a mapping's tokens (best-fit): a round may take several items
+SLOW = float(sys.argv[4])  # seconds a delivery takes before it reads what it was given
 
 
 def tokens_of(g):
@@ -54,9 +55,12 @@ def reads():
 
 
 got = {}
+threads = set()
 
 
 def deliver(pieces, tokens):
+    threads.add(threading.current_thread() is threading.main_thread())
+    time.sleep(SLOW)  # meanwhile the next round is received: into the other buffer, not this one
     ends = np.cumsum(pieces["length"].astype(np.int64))
     for g, end in zip(pieces["g"].tolist(), ends.tolist()):
         assert g not in got, f"row {g} twice"
@@ -70,24 +74,39 @@ for p in range(N):
     g = p * 1000 + np.arange(sum(sizes[p]))
     for x in g[g % N == me].tolist():
         want[x] = tokens_of([x])[0].tolist()
-print(json.dumps({"rank": me, "rounds": rounds, "same": got == want, "rows": len(got)}), flush=True)
+print(json.dumps({"rank": me, "rounds": rounds, "same": got == want, "rows": len(got), "main": sorted(threads)}), flush=True)
 """
 
 
 @pytest.mark.parametrize(
-    "sizes, per_round, held, rounds",
+    "sizes, per_round, held, rounds, slow",
     [
-        ([[5, 1, 9], [], [3, 3], [12]], 4, "reused", 6),  # items split over rounds (9 rows: 3 rounds of 4)
-        ([[2], [2, 2, 2, 2], [1], [2]], 8, "reused", 4),  # a round takes one reused buffer's item, however small
-        ([[2], [2, 2, 2, 2], [1], [2]], 8, "held", 1),  # held items: as many as a round holds
-        ([[5, 1, 9], [], [3, 3], [12]], 4, "held", 4),  # 15 rows in rounds of 4
+        ([[5, 1, 9], [], [3, 3], [12]], 4, "reused", 6, 0),  # items split over rounds (9 rows: 3 rounds of 4)
+        ([[2], [2, 2, 2, 2], [1], [2]], 8, "reused", 4, 0),  # a round takes one reused buffer's item, however small
+        ([[2], [2, 2, 2, 2], [1], [2]], 8, "held", 1, 0),  # held items: as many as a round holds
+        ([[5, 1, 9], [], [3, 3], [12]], 4, "held", 4, 0),  # 15 rows in rounds of 4
+        # each delivery slow: the next round is sent and received meanwhile, into the other buffer
+        ([[5, 1, 9], [], [3, 3], [12]], 4, "reused", 6, 0.05),
     ],
 )
-def test_every_row_reaches_its_node_once_with_its_tokens(tmp_path, sizes, per_round, held, rounds):
+def test_every_row_reaches_its_node_once_with_its_tokens(tmp_path, sizes, per_round, held, rounds, slow):
+    """... and each round's tokens are delivered on a thread of their own (not the main thread,
+    which goes on with the next round), from a buffer the next round does not receive into."""
     script = tmp_path / "rounds.py"
     script.write_text(SCRIPT)
     done = subprocess.run(
-        [mpirun(), "--oversubscribe", "-n", "4", sys.executable, str(script), json.dumps(sizes), str(per_round), held],
+        [
+            mpirun(),
+            "--oversubscribe",
+            "-n",
+            "4",
+            sys.executable,
+            str(script),
+            json.dumps(sizes),
+            str(per_round),
+            held,
+            str(slow),
+        ],
         capture_output=True,
         text=True,
         env=mpi_env(),
@@ -101,3 +120,4 @@ def test_every_row_reaches_its_node_once_with_its_tokens(tmp_path, sizes, per_ro
     assert all(x["same"] for x in lines), lines
     assert sum(x["rows"] for x in lines) == total
     assert {x["rounds"] for x in lines} == {rounds}, lines
+    assert all(x["main"] == [False] for x in lines if x["rows"]), lines
