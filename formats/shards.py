@@ -18,7 +18,7 @@ import xxhash
 
 from .errors import TokpackError
 from .io.paths import as_path
-from .io.gate import contained, open_read, read_array, regular_size, will_need
+from .io.gate import contained, map_range, open_read, read_array, regular_size, will_need
 from .io.reads import read_full
 from .io.writes import DurableFile, HashedFile, PlacedFile, is_tmp_name, write_bytes_atomic
 from .constants import EPOCH_SHARD_SUFFIXES, LOSS_SUFFIX, SHARD_SUFFIXES
@@ -592,6 +592,23 @@ class PackedSource:
                 if handles is None:
                     f.close()
         return out
+
+    def mapped(self, start: int, count: int, handles: dict) -> np.ndarray | None:
+        """Tokens [start, start+count) of one shard as a view of its page-cache pages (mapped
+        and read in: gate.map_range), on read_into's `handles`: no copy into a buffer. None
+        where they cross a shard's end or the file cannot be mapped (a URL): read_into them."""
+        pieces = list(self._pieces(start, count)) if start >= 0 and count > 0 and start + count <= self.tokens else []
+        if len(pieces) != 1:
+            return None
+        i, in_shard, _, n = pieces[0]
+        f = self._handle(i, handles)
+        try:
+            view = map_range(f, in_shard * self.dtype.itemsize, n * self.dtype.itemsize)
+        except TokpackError:
+            raise TokpackError(
+                "shard shorter than its manifest says", file=self.path / self.shards[i]["path"]
+            ) from None
+        return None if view is None else view.view(self.dtype)
 
     def will_need(self, start: int, count: int, handles: dict) -> None:
         """Tokens [start, start+count) asked of the kernel now (gate.will_need), on read_into's

@@ -150,7 +150,7 @@ def _node_epoch_figures(
     pieces = np.zeros((nodes, nodes), dtype=np.int64)
     moved = np.zeros((nodes, nodes), dtype=np.int64)
     reads = np.zeros((nodes, 2), dtype=np.int64)
-    block_rounds = [0] * nodes  # windows: the rounds of each node's blocks
+    block_rounds = [0] * nodes  # windows: each node's rounds
     exact = not padded
     if not padded:
         segments = [shard_segments(plan, sources, ne.runs()) for ne in nes]
@@ -161,31 +161,23 @@ def _node_epoch_figures(
         exact = every == 1
         for m, ne in enumerate(nes):
             seen = taken = 0
-            # A window's round: its source is read a block of `per` rows at a time from each
-            # segment's start (node_reads.source_pieces), and a round sends pieces of one block,
-            # `per` at most (transport.exchange_rounds: the block's buffer is reused after it)
-            per = max(1, (out[m]["per_round_tokens"] or row) // row)
             for s, w0, w1, _, _ in segments[m]:
-                uses = np.zeros(-(-(w1 - w0) // per), dtype=np.int64)  # pieces of each block
                 for c in range(w0, w1, SAMPLE_BLOCK):
                     seen += min(w1, c + SAMPLE_BLOCK) - c
                     if (c - w0) // SAMPLE_BLOCK % every:
                         continue
                     taken += min(w1, c + SAMPLE_BLOCK) - c
-                    for _, used, g in plan.outputs_of(s, np.arange(c, min(w1, c + SAMPLE_BLOCK), dtype=np.int64)):
+                    for _, _, g in plan.outputs_of(s, np.arange(c, min(w1, c + SAMPLE_BLOCK), dtype=np.int64)):
                         _count_sends(pieces[m], ne, g)
                         reads[m] += (len(g), len(g) * row)
-                        uses += np.bincount((c - w0 + used) // per, minlength=len(uses))
-                block_rounds[m] += int((-(-uses // per)).sum())
-            if taken and taken < seen:
-                # sampled: each block as many pieces as the sample's windows had, on average
-                rate = reads[m, 0] / taken
-                block_rounds[m] = sum(
-                    (w1 - w0) // per * math.ceil(rate) + math.ceil(rate * ((w1 - w0) % per) / per)
-                    for _, w0, w1, _, _ in segments[m]
-                )
+            if taken and taken < seen:  # sampled: as many pieces as the sample's windows had, on average
                 pieces[m] = np.round(pieces[m] * (seen / taken)).astype(np.int64)
                 reads[m] = np.round(reads[m] * (seen / taken)).astype(np.int64)
+            # A round takes whole pieces of as many read blocks as it holds (they stay valid:
+            # node_reads.source_pieces), up to per_round tokens and one piece more
+            # (transport.exchange_rounds): a window's pieces, ceil(per_round / row) a round.
+            per = -(-(out[m]["per_round_tokens"] or row) // row)
+            block_rounds[m] = -(-int(reads[m, 0]) // per)
         moved = pieces * row
     else:  # which node reads which piece is in the row table, which only the command builds: the
         # table's pieces and data tokens spread over the nodes by their source bytes, and over
@@ -210,8 +202,9 @@ def _node_epoch_figures(
         f["to_itself_bytes"] = int(wire[n, n])  # Alltoallv's part to itself: no network
         f["exchanged_exact"] = exact
         # Rounds: every process takes part until the last has sent all; a round takes whole pieces
-        # up to its per_round tokens, and one piece more while under it (exchange_epoch's cut):
-        # windows, of one read block (block_rounds); best-fit, of as many as it holds.
+        # up to its per_round tokens, and one piece more while under it (exchange_epoch's cut),
+        # of as many read blocks or shards as it holds: windows, ceil(per_round / row) pieces a
+        # round (block_rounds); best-fit, about per_round tokens.
         p, t = f["per_round_tokens"], int(reads[n, 1])
         f["rounds"] = None if p is None else 0 if not t else block_rounds[n] if not padded else -(-t // p)
         f["rounds_exact"] = exact

@@ -19,7 +19,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import is_no_space
 from tokpack.formats.io.memory import Buffer
 from tokpack.formats.io.reads import Worker
-from tokpack.packer.pieces import WIRE_PIECE, copy_pieces, gather
+from tokpack.packer.pieces import WIRE_PIECE, gather
 
 # Bytes of one Alltoallv's buffer: MPI's counts and displacements are C ints.
 MAX_MESSAGE_BYTES = (1 << 31) - 1
@@ -435,17 +435,19 @@ def _send(comm, MPI, take: list, pieces: np.ndarray, routed, row: int, buffers) 
     lengths = pieces["length"].astype(np.int64)
     send_pieces = pieces[which]
     out = buffers[0].ensure(int(lengths[which].sum()))
-    if len(take) == 1:  # one item: straight from it (whole rows as rows)
-        send_tokens = gather(take[0][1], take[0][2][which], lengths[which], row, out)
-    else:  # none, or several held items: each one's pieces to their places in the send buffer
-        send_tokens = out[: int(lengths[which].sum())]
-    if len(take) > 1:
+    send_tokens = out[: int(lengths[which].sum())]
+    if len(take) > 1:  # several held items
         item = np.repeat(np.arange(len(take)), [len(t[0]) for t in take])[which]
         starts = np.concatenate([t[2] for t in take])[which]
-        at = np.cumsum(lengths[which]) - lengths[which]
-        for i, (_, tokens, _, _) in enumerate(take):
-            mine = item == i
-            copy_pieces(send_tokens, at[mine], tokens, starts[mine], lengths[which][mine])
+    else:  # none, or one
+        item, starts = np.zeros(len(which), dtype=np.int64), take[0][2][which] if take else which
+    # The stable sort keeps each destination's pieces in item order: each run of one item's pieces
+    # is gathered straight into its place (whole rows as rows).
+    cuts = [0, *(np.flatnonzero(np.diff(item)) + 1).tolist(), len(which)]
+    at = np.cumsum(lengths[which]) - lengths[which]
+    for lo, hi in zip(cuts, cuts[1:]):
+        if hi > lo:
+            gather(take[int(item[lo])][1], starts[lo:hi], lengths[which][lo:hi], row, send_tokens[int(at[lo]) :])
     N = comm.Get_size()
     counts = np.bincount(dst, minlength=N).astype(np.int64)
     token_counts = np.bincount(dst, weights=lengths[copies], minlength=N).astype(np.int64)

@@ -168,3 +168,27 @@ def test_iter_mapped_gives_the_whole_file_in_blocks_across_windows_and_refuses_a
     with fsspec.open("memory://iter-mapped/f", "wb") as f:
         f.write(data)
     assert b"".join(bytes(v) for v in gate.iter_mapped("memory://iter-mapped/f", len(data), 1000)) == data
+
+
+def test_a_mapped_block_of_a_shard_cut_short_since_it_was_opened_is_one_line_naming_it(tmp_path):
+    """PackedSource.mapped (the exchange's reads): a shard shorter than its manifest says by the
+    time its block is mapped is refused (never a mapping past its end, whose read would kill the
+    process with SIGBUS); a block across a shard's end is not mapped (None: read instead)."""
+    from conftest import random_docs, write_source
+    from tokpack.formats.errors import TokpackError
+    from tokpack.formats.shards import PackedSource
+
+    src = PackedSource.open(
+        write_source(tmp_path / "src", random_docs(np.random.default_rng(2), 40, 1000, 0), docs_per_shard=20)
+    )
+    first = int(src.shard_starts[1])
+    handles: dict = {}
+    view = src.mapped(0, first, handles)
+    assert view.tolist() == np.fromfile(src.path / src.shards[0]["path"], dtype=src.dtype).tolist()
+    assert src.mapped(first - 1, 2, handles) is None  # across the first shard's end
+    os.truncate(src.path / src.shards[1]["path"], 10)
+    with pytest.raises(TokpackError, match="shard shorter than its manifest says") as e:
+        src.mapped(first, 100, handles)
+    assert e.value.file == str(src.path / src.shards[1]["path"])
+    for f in handles.values():
+        f.close()

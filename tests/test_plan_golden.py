@@ -984,23 +984,79 @@ def test_expected_multiset_hash(sources, epoch, jitter):
     assert hash_hex64(total) == GOLDEN_MULTISET[jitter, epoch]
 
 
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
 @pytest.mark.parametrize("block", [1, 3 * 2 * ROW, 1 << 20], ids=["row-blocks", "3-row-blocks", "one-block"])
 @pytest.mark.parametrize("w0,w1", [(0, None), (2, 5), (4, 4)])
-def test_iter_source_windows_reads_the_jittered_windows(sources, block, w0, w1):
+def test_iter_source_windows_reads_the_jittered_windows(sources, block, w0, w1, mapped):
+    """... and `mapped` (the exchange's reads): the same windows, each block a view of the shard's
+    mapped pages unless a window in it crosses a shard's end (then that window alone, read into
+    an array of its own), every block still valid once the iteration is over."""
+    import mmap
+
     from tokpack.shuffle.plan import iter_source_windows
+
+    def mapping(a):  # the mmap under a view, if any
+        while isinstance(a, (np.ndarray, memoryview)):
+            a = a.base if isinstance(a, np.ndarray) else a.obj
+        return isinstance(a, mmap.mmap)
 
     plan = plan_of(sources, 1, True)
     for s, src in enumerate(sources):
         tokens = np.concatenate([np.fromfile(src.path / sh["path"], dtype="<u2") for sh in src.shards])
         end = plan.sources[s].windows if w1 is None else w1
-        got = {}
-        for a, rows in iter_source_windows(plan, s, src, block_bytes=block, w0=w0, w1=w1):
+        got, blocks = {}, []
+        for a, rows in iter_source_windows(plan, s, src, block_bytes=block, w0=w0, w1=w1, mapped=mapped):
+            blocks.append((a, rows))
             for k, row in enumerate(rows):
                 got[a + k] = row.tolist()
         assert list(got) == list(range(w0, end))
+        for a, rows in blocks if mapped else ():
+            lo = plan.sources[s].offset + a * plan.row_tokens  # the block's stream tokens, read whole
+            hi = lo + len(rows) * plan.row_tokens
+            crosses = bool(((src.shard_starts > lo) & (src.shard_starts < hi)).any())
+            assert len(rows) == 1 if crosses else mapping(rows), (a, len(rows))
+            assert [got[a + k] for k in range(len(rows))] == rows.tolist()  # still valid
         for k, row in got.items():
             lo, hi = plan.token_range(s, k)
             assert row == tokens[lo:hi].tolist()
+
+
+@pytest.mark.parametrize("jitter", [False, True])
+@pytest.mark.parametrize("block", [1, 3 * 2 * ROW, 1 << 20], ids=["row-blocks", "3-row-blocks", "one-block"])
+def test_mapped_windows_are_cut_at_shard_ends_into_mappings_and_lone_crossing_windows(tmp_path, block, jitter):
+    """iter_source_windows(mapped=True) over a source of many shards, some shorter than a window:
+    every window once, in order, with its tokens; a block is a view of one shard's mapped pages,
+    or a lone window that crosses a shard's end (read into an array of its own); every block
+    still valid once the iteration is over."""
+    import mmap
+
+    from conftest import random_docs
+    from tokpack.shuffle.plan import iter_source_windows
+
+    def mapping(a):
+        while isinstance(a, (np.ndarray, memoryview)):
+            a = a.base if isinstance(a, np.ndarray) else a.obj
+        return isinstance(a, mmap.mmap)
+
+    rng = np.random.default_rng(7)
+    docs = random_docs(rng, 120, 1000, 0, 1, 40)  # a shard of 2 documents: 2 to 80 tokens, a window 16
+    src = PackedSource.open(write_source(tmp_path / "src", docs, docs_per_shard=2))
+    assert (np.diff(src.shard_starts) < ROW).any() and len(src.shards) > 20
+    plan = epoch_plan([src], seq_len=SEQ_LEN, seed=SEED, epoch=0, jitter=jitter)
+    tokens = np.concatenate([np.fromfile(src.path / sh["path"], dtype="<u2") for sh in src.shards])
+    sp, blocks, alone = plan.sources[0], [], 0
+    for a, rows in iter_source_windows(plan, 0, src, block_bytes=block, mapped=True):
+        blocks.append((a, rows))
+        lo = sp.offset + a * ROW
+        crosses = bool(((src.shard_starts > lo) & (src.shard_starts < lo + len(rows) * ROW)).any())
+        assert (len(rows) == 1 and not mapping(rows)) if crosses else mapping(rows), (a, len(rows))
+        alone += crosses
+    assert [a + k for a, rows in blocks for k in range(len(rows))] == list(range(sp.windows))
+    assert alone > 5
+    for a, rows in blocks:
+        for k, row in enumerate(rows):
+            lo, hi = plan.token_range(0, a + k)
+            assert row.tolist() == tokens[lo:hi].tolist(), a + k
 
 
 def test_iter_source_windows_asks_the_disk_for_the_next_block_while_it_works_on_this_one(sources, monkeypatch):

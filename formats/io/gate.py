@@ -361,14 +361,33 @@ def map_file(path: Path, offset: int, length: int, **rules) -> np.ndarray:
     if length <= 0:
         gate(path, **rules)
         return np.empty(0, dtype=np.uint8)
-    start = offset - offset % mmap.ALLOCATIONGRANULARITY
     with open_read(path, ahead=False, **rules) as f:
-        m = mmap.mmap(f.fileno(), offset + length - start, prot=mmap.PROT_READ, offset=start)
-    view = np.frombuffer(m, dtype=np.uint8)
-    if not populate(view.ctypes.data, len(m)):  # older kernels: a sequential read fills the page cache
+        view, populated = _mapped(f, offset, length)
+    if not populated:  # older kernels: a sequential read fills the page cache
         for _ in iter_file_blocks(path, bytearray(IO_BLOCK), offset, length, **rules):
             pass
-    return view[offset - start : offset - start + length]
+    return view
+
+
+def map_range(f, offset: int, length: int) -> np.ndarray | None:
+    """Bytes [offset, offset+length) of a file open_read opened (local), memory-mapped
+    read-only and read in now (MADV_POPULATE_READ, the GIL released): a reader's block as a view
+    of the page cache, not a copy of it. The mapping lives as long as the view. None where the
+    kernel cannot populate a mapping (the caller reads instead); a file shorter than the range
+    raises (never a mapping past its end)."""
+    if length <= 0 or not isinstance(f, io.FileIO):
+        return None
+    view, populated = _mapped(f, offset, length)
+    return view if populated else None
+
+
+def _mapped(f, offset: int, length: int) -> tuple[np.ndarray, bool]:
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    if os.fstat(f.fileno()).st_size < offset + length:
+        raise TokpackError("file shorter than expected", file=f.name, where=f"byte {offset + length}")
+    m = mmap.mmap(f.fileno(), offset + length - start, prot=mmap.PROT_READ, offset=start)
+    view = np.frombuffer(m, dtype=np.uint8)
+    return view[offset - start : offset - start + length], populate(view.ctypes.data, len(m))
 
 
 def read_record(path: str | Path, **rules) -> dict | None:
