@@ -153,7 +153,7 @@ def _exchange(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None, s
     try:
         with reading_bar(ne, shown) as bar:
             size = lambda item: int(item[0]["length"].sum(dtype=np.int64)) * job.token_dtype.itemsize  # noqa: E731
-            reads = counted(timed("cut", source_pieces(ne, per_round), size), bar, size)
+            reads = counted(timed("cut", source_pieces(ne, per_round, layout is None), size), bar, size)
             with phase("route"):
                 rounds = exchange_rounds(comm, MPI, reads, per_round, row, job.token_dtype, routes, deliver, ne.procs)
         stores.finish()

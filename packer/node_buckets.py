@@ -16,6 +16,7 @@ import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import open_append
+from tokpack.formats.io.memory import Buffer
 from tokpack.formats.io.writes import write_bytes_atomic
 from tokpack.packer.node_epoch import NodeEpoch, memory_plan
 from tokpack.packer.phases import active
@@ -56,6 +57,9 @@ class Buckets:
         self.counts = np.zeros(len(layout.bucket_starts) - 1, np.int64)
         self.hashes: dict[int, list] = {}
         self.ahead: BucketRead | None = None  # the next bucket, read back while the caller has this one
+        # a bucket's pieces of a round, gathered before they are appended: the same pages every
+        # time (fresh memory each time cost the kernel's zeroing of it, as much as the copy)
+        self.gathered = Buffer(self.dtype, "bucket-put")
         shutil.rmtree(layout.dir, ignore_errors=True)  # a killed run's: the epoch is redone whole
         layout.task_dir(0).mkdir(parents=True)
 
@@ -70,7 +74,8 @@ class Buckets:
             b = int(bucket[sel[0]])
             rec = np.empty(len(sel), RECORD)
             rec["g"], rec["row_offset"], rec["length"] = at[sel], pieces["row_offset"][sel], lengths[sel]
-            payloads = (gather(tokens, starts[sel], lengths[sel], self.row_tokens), rec)
+            out = self.gathered.ensure(int(lengths[sel].sum()))
+            payloads = (gather(tokens, starts[sel], lengths[sel], self.row_tokens, out), rec)
             self.lay.bucket_file(0, b, "rows").parent.mkdir(exist_ok=True)
             for ext, payload, h in zip(
                 ("rows", "pos"), payloads, self.hashes.setdefault(b, [xxhash.xxh3_64(), xxhash.xxh3_64()])

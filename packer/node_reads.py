@@ -17,13 +17,16 @@ from tokpack.shuffle.steps import ShardHashes, shard_segments
 from tokpack.shuffle.epoch_job import source_changed_error
 
 
-def source_pieces(ne, tokens: int):
+def source_pieces(ne, tokens: int, mapped: bool = True):
     """(pieces, tokens, starts, held): every piece process `ne.me` reads, about `tokens` tokens at a
     time, in read order, each with its output row g, offset in the row and length (WIRE_PIECE),
-    its tokens tokens[start:][:length]. `tokens` is a mapping of the source's pages (windows: a
-    read block's, shuffle.plan.iter_source_windows `mapped`; best-fit: the shard's), valid after
-    the next item (`held`, as transport.exchange_rounds sends them). A window is a piece of a
-    whole row; one the epoch uses twice comes twice."""
+    its tokens tokens[start:][:length]. `tokens` is a mapping of the source's pages (windows,
+    `mapped`: a read block's, shuffle.plan.iter_source_windows; best-fit: the shard's), valid
+    after the next item (`held`), or (windows, not `mapped`) the read buffer, valid until the
+    next item, as transport.exchange_rounds sends them. A window is a piece of a whole row; one
+    the epoch uses twice comes twice. Windows are mapped in memory, not out of core: there the
+    mappings cost more CPU than the reads' copies save (measured: 5% of an epoch's, in the
+    rank files' write after the rounds)."""
     if ne.padded:
         yield from _document_pieces(ne, ne.runs(), tokens)
         return
@@ -44,20 +47,22 @@ def source_pieces(ne, tokens: int):
             w0=w0,
             w1=w1,
             on_read=lapped("read", shards.feed),
-            mapped=True,
+            mapped=mapped,
         ):  # the read-ahead thread's CPU (its reads and their hashes) is the read phase's
             out = list(plan.outputs_of(s, np.arange(a, a + len(block), dtype=np.int64)))
             if out:  # one item a block (its windows a source upsampled uses several times, each as often)
                 pieces = np.zeros(sum(len(sel) for _, sel, _ in out), WIRE_PIECE)
                 pieces["g"], pieces["length"] = np.concatenate([g for _, _, g in out]), row
                 # The block itself, not a copy: a mapping of the source's pages (or an array of
-                # its own where it crosses a shard's end), which stays valid (`held`): a round
-                # takes the pieces of as many blocks as it holds.
+                # its own where it crosses a shard's end), which stays valid (`held`: a round
+                # takes the pieces of as many blocks as it holds); or the read buffer, which the
+                # read-ahead thread refills once the next block is asked for (a round sends one
+                # block's pieces first).
                 yield (
                     pieces,
                     block.reshape(-1),
                     np.concatenate([sel for _, sel, _ in out]).astype(np.int64) * row,
-                    True,
+                    mapped,
                 )
         shards.finish()
 

@@ -161,23 +161,37 @@ def _node_epoch_figures(
         exact = every == 1
         for m, ne in enumerate(nes):
             seen = taken = 0
+            # In memory a round takes whole pieces of as many read blocks as it holds (mappings
+            # of the sources, which stay valid: node_reads.source_pieces), up to per_round tokens
+            # and one piece more (transport.exchange_rounds): ceil(per_round / row) windows a
+            # round. Out of core the source is read a block of `per` rows at a time from each
+            # segment's start into a reused buffer, and a round sends pieces of one block, `per`
+            # at most.
+            mapped = out[m]["bucket_bytes"] == 0
+            per = max(1, (out[m]["per_round_tokens"] or row) // row)
             for s, w0, w1, _, _ in segments[m]:
+                uses = np.zeros(-(-(w1 - w0) // per), dtype=np.int64)  # pieces of each block
                 for c in range(w0, w1, SAMPLE_BLOCK):
                     seen += min(w1, c + SAMPLE_BLOCK) - c
                     if (c - w0) // SAMPLE_BLOCK % every:
                         continue
                     taken += min(w1, c + SAMPLE_BLOCK) - c
-                    for _, _, g in plan.outputs_of(s, np.arange(c, min(w1, c + SAMPLE_BLOCK), dtype=np.int64)):
+                    for _, used, g in plan.outputs_of(s, np.arange(c, min(w1, c + SAMPLE_BLOCK), dtype=np.int64)):
                         _count_sends(pieces[m], ne, g)
                         reads[m] += (len(g), len(g) * row)
-            if taken and taken < seen:  # sampled: as many pieces as the sample's windows had, on average
+                        uses += np.bincount((c - w0 + used) // per, minlength=len(uses))
+                block_rounds[m] += int((-(-uses // per)).sum())
+            if taken and taken < seen:
+                # sampled: each block as many pieces as the sample's windows had, on average
+                rate = reads[m, 0] / taken
+                block_rounds[m] = sum(
+                    (w1 - w0) // per * math.ceil(rate) + math.ceil(rate * ((w1 - w0) % per) / per)
+                    for _, w0, w1, _, _ in segments[m]
+                )
                 pieces[m] = np.round(pieces[m] * (seen / taken)).astype(np.int64)
                 reads[m] = np.round(reads[m] * (seen / taken)).astype(np.int64)
-            # A round takes whole pieces of as many read blocks as it holds (they stay valid:
-            # node_reads.source_pieces), up to per_round tokens and one piece more
-            # (transport.exchange_rounds): a window's pieces, ceil(per_round / row) a round.
-            per = -(-(out[m]["per_round_tokens"] or row) // row)
-            block_rounds[m] = -(-int(reads[m, 0]) // per)
+            if mapped:
+                block_rounds[m] = -(-int(reads[m, 0]) // -(-(out[m]["per_round_tokens"] or row) // row))
         moved = pieces * row
     else:  # which node reads which piece is in the row table, which only the command builds: the
         # table's pieces and data tokens spread over the nodes by their source bytes, and over
@@ -203,8 +217,8 @@ def _node_epoch_figures(
         f["exchanged_exact"] = exact
         # Rounds: every process takes part until the last has sent all; a round takes whole pieces
         # up to its per_round tokens, and one piece more while under it (exchange_epoch's cut),
-        # of as many read blocks or shards as it holds: windows, ceil(per_round / row) pieces a
-        # round (block_rounds); best-fit, about per_round tokens.
+        # windows, in memory ceil(per_round / row) pieces a round, out of core of one read
+        # block (block_rounds); best-fit, of as many shards as it holds.
         p, t = f["per_round_tokens"], int(reads[n, 1])
         f["rounds"] = None if p is None else 0 if not t else block_rounds[n] if not padded else -(-t // p)
         f["rounds_exact"] = exact
