@@ -62,17 +62,17 @@ START_SECONDS = 0.5  # a process's start (tokpack.packer.plan_result.COMMAND_STA
 # facts the owned shards' token bytes its rows' facts stand for). Measured by the run below; `python bench/nodes.py`
 # prints them again ("s/byte") from its own 4-process run.
 MEASURED = {
-    "read": 0.306e-9,
-    "cut": 0.0388e-9,
-    "route": 0.434e-9,
-    "place": 0.154e-9,
-    "bucket_write": 0.96e-9,
-    "bucket_read": 0.487e-9,
-    "write": 0.397e-9,
+    "read": 0.209e-9,
+    "cut": 0.0663e-9,
+    "route": 0.55e-9,
+    "place": 0.17e-9,
+    "bucket_write": 0.883e-9,
+    "bucket_read": 0.543e-9,
+    "write": 0.436e-9,
     # the facts' rounds and the owned shards' entries (owned_facts), a byte of the owned shards'
     # tokens (none of which moves); 0.03 s/GB at 2 GiB (bench/nodes.py --against b0a2bc6): at
     # 512 MiB MPI's polling while a peer writes counts here too
-    "facts": 0.0499e-9,
+    "facts": 0.0466e-9,
     # in memory, windows, where the host has the cores (node_store.write_through_pays): the rows'
     # pwrites into the page cache during the rounds (whole pages, a thread of their own), a byte
     # of the slice. The write phase after costs what it did (its hash and index: the O_DIRECT
@@ -80,7 +80,7 @@ MEASURED = {
     "write_through": 0.79e-9,
 }
 MEASURED_BY = (
-    'bench/nodes.py --size 512MiB at 9f6fdb9 (with this model), 2026-12-06 12:55 UTC, quiet machine (BENCHMARKS.md, "Straight '
+    'bench/nodes.py --size 512MiB at 86ddb00 (with this model), 2026-12-06 15:14 UTC, quiet machine (BENCHMARKS.md, "Straight '
     "to the nodes\"): the 4-process first, later and out-of-core runs' --json phases summed (2-core Xeon VM); "
     "write_through: 4-process in-memory runs of 3 GiB with the write-through forced on, at 91a02bb, 08:10 UTC "
     "(0.59-0.84 over 1 and 3 GiB; its write phase after: 0.436 ns a byte, without it 0.437)"
