@@ -40,7 +40,7 @@ _watching: list = []  # the running watch: progressed() bumps it from wherever t
 
 
 def progressed(n: int = 1) -> None:
-    """The main thread's progress (a round of the exchange done): the heartbeats carry its count."""
+    """The exchange's progress (a round delivered, on the delivering thread): the heartbeats carry its count."""
     for watch in _watching:
         watch.bump(n)
 

@@ -342,7 +342,9 @@ def exchange_rounds(comm, MPI, reads, per_round: int, row: int, dtype, route, de
     """The rounds: every process sends about `per_round` tokens a round of the (pieces, tokens,
     starts, held) `reads` yields (whole pieces, WIRE_PIECE; piece i's tokens are
     tokens[starts[i]:][:length]), each piece to the nodes `route(pieces)` names ((destination of
-    each copy, the piece each copy is)), and hands what it receives to `deliver(pieces, tokens)`.
+    each copy, the piece each copy is)), and hands what it receives to `deliver(pieces, tokens)`,
+    on a thread of its own while the next round is exchanged (its tokens stay as they are until
+    the delivery returns; the deliveries run one at a time, in round order).
     An item's tokens may be a reused read buffer, valid only until the next item (`held` False):
     a round then sends pieces of that item alone, gathered straight into the round's send buffer,
     and the next item is asked for once they are sent; `held` tokens (a mapping) stay valid, and a
@@ -429,7 +431,7 @@ def _send(comm, MPI, take: list, pieces: np.ndarray, routed, row: int, buffers) 
     """One round's exchange: the pieces of `take` (exchange_rounds' items, `pieces` theirs back
     to back), each copy `routed` names ((destination, piece) of each) to its node, grouped by
     node; returns the pieces and tokens this process receives (the tokens in `buffers`, valid
-    until the next round)."""
+    until the round after next)."""
     dst, copies = routed
     which = copies[np.argsort(dst, kind="stable")]
     lengths = pieces["length"].astype(np.int64)
