@@ -335,7 +335,6 @@ def read_bucket(
     start, n = int(lay.bucket_starts[b]), int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
     rows = np.full((n, row_tokens), pad_id, dtype=dtype)
     flat = rows.reshape(-1)
-    flat = rows.reshape(-1)
     for t in range(lay.tasks):
         f = lay.bucket_file(t, b, "rows")
         if not f.exists():
