@@ -604,9 +604,14 @@ class PackedSource:
         f = self._handle(i, handles)
         try:
             view = map_range(f, in_shard * self.dtype.itemsize, n * self.dtype.itemsize)
-        except TokpackError:
+        except TokpackError as e:
             raise TokpackError(
-                "shard shorter than its manifest says", file=self.path / self.shards[i]["path"]
+                "shard shorter than its manifest says",
+                file=self.path / self.shards[i]["path"],
+                where="size",
+                expected=e.expected,
+                found=e.found,
+                hint="the shard was truncated or replaced since pack; run `tokpack validate` on the source",
             ) from None
         return None if view is None else view.view(self.dtype)
 

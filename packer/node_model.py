@@ -216,7 +216,7 @@ def epoch(work: NodeWork, rates: Rates, costs: dict | None = None) -> Prediction
     if not work.read_ahead:  # one chain: the main thread reads too
         main = {**src_io, CPU: (read_cpu + main_cpu) / P, NETWORK: net}
     # windows: the reading thread asks the disk for the next block before it hashes this one
-    # (shuffle.plan.iter_source_windows, gate.will_need): its I/O and its CPU overlap, two chains
+    # (shuffle.source_windows.iter_source_windows, gate.will_need): its I/O and its CPU overlap, two chains
     chains = {"read": src_io, "hash": {CPU: read_cpu / P}, "main": main} if work.read_ahead else {"main": main}
     chains["deliver"] = {CPU: store_cpu / P}
     if through:

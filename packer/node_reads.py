@@ -12,7 +12,7 @@ import xxhash
 from tokpack.formats.io.gate import map_file
 from tokpack.packer.phases import lapped, phase
 from tokpack.packer.pieces import WIRE_PIECE
-from tokpack.shuffle.plan import iter_source_windows
+from tokpack.shuffle.source_windows import iter_source_windows
 from tokpack.shuffle.steps import ShardHashes, shard_segments
 from tokpack.shuffle.epoch_job import source_changed_error
 
@@ -21,7 +21,7 @@ def source_pieces(ne, tokens: int, mapped: bool = True):
     """(pieces, tokens, starts, held): every piece process `ne.me` reads, about `tokens` tokens at a
     time, in read order, each with its output row g, offset in the row and length (WIRE_PIECE),
     its tokens tokens[start:][:length]. `tokens` is a mapping of the source's pages (windows,
-    `mapped`: a read block's, shuffle.plan.iter_source_windows; best-fit: the shard's), valid
+    `mapped`: a read block's, shuffle.source_windows.iter_source_windows; best-fit: the shard's), valid
     after the next item (`held`), or (windows, not `mapped`) the read buffer, valid until the
     next item, as transport.exchange_rounds sends them. A window is a piece of a whole row; one
     the epoch uses twice comes twice. Windows are mapped in memory, not out of core: there the

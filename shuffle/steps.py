@@ -57,7 +57,8 @@ from .epoch_job import (
     ShardHashes,
     Step,
 )
-from .plan import EpochPlan, iter_source_windows
+from .plan import EpochPlan
+from .source_windows import iter_source_windows
 
 MAX_BLOCK_BYTES = 64 << 20  # scatter read block, unless the buckets need larger (ROWS_PER_APPEND)
 RECORD_BYTES = 24  # a scatter task's record of one bucket: rows, xxh3_64 of its rows file and of its positions file

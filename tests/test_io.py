@@ -189,6 +189,8 @@ def test_a_mapped_block_of_a_shard_cut_short_since_it_was_opened_is_one_line_nam
     os.truncate(src.path / src.shards[1]["path"], 10)
     with pytest.raises(TokpackError, match="shard shorter than its manifest says") as e:
         src.mapped(first, 100, handles)
-    assert e.value.file == str(src.path / src.shards[1]["path"])
+    assert e.value.file == str(src.path / src.shards[1]["path"]) and e.value.where == "size"
+    line = str(e.value)
+    assert "\n" not in line and "expected >= " in line and "found 10 bytes" in line and "tokpack validate" in line
     for f in handles.values():
         f.close()

@@ -300,13 +300,11 @@ def iter_mapped(path, size: int, block: int, **rules) -> Iterator[memoryview]:
             return
         window = max(mmap.ALLOCATIONGRANULARITY, MAP_WINDOW - MAP_WINDOW % mmap.ALLOCATIONGRANULARITY)
         for offset in range(0, size, window):
-            with mmap.mmap(f.fileno(), min(window, size - offset), offset=offset, access=mmap.ACCESS_READ) as mm:
-                if hasattr(mm, "madvise"):
-                    mm.madvise(mmap.MADV_SEQUENTIAL)
-                with memoryview(mm) as mapped:
-                    for a in range(0, len(mm), block):
-                        with mapped[a : a + block] as chunk:
-                            yield chunk
+            mapped, _ = _mapped(f, offset, min(window, size - offset))  # unmapped once its views are gone
+            with memoryview(mapped) as view:
+                for a in range(0, len(view), block):
+                    with view[a : a + block] as chunk:
+                        yield chunk
 
 
 def map_array(path, dtype, **rules) -> np.ndarray:
@@ -382,9 +380,20 @@ def map_range(f, offset: int, length: int) -> np.ndarray | None:
 
 
 def _mapped(f, offset: int, length: int) -> tuple[np.ndarray, bool]:
+    """Bytes [offset, offset+length) of an open local file, mapped read-only, and whether the
+    kernel read them in (populate); a file shorter than that is one line, never a mapping past
+    its end (whose read would kill the process with SIGBUS)."""
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    if os.fstat(f.fileno()).st_size < offset + length:
-        raise TokpackError("file shorter than expected", file=f.name, where=f"byte {offset + length}")
+    size = os.fstat(f.fileno()).st_size
+    if size < offset + length:
+        raise TokpackError(
+            "file shorter than expected",
+            file=f.name,
+            where="size",
+            expected=f">= {offset + length} bytes",
+            found=f"{size} bytes",
+            hint="the file was truncated or replaced since it was checked",
+        )
     m = mmap.mmap(f.fileno(), offset + length - start, prot=mmap.PROT_READ, offset=start)
     view = np.frombuffer(m, dtype=np.uint8)
     return view[offset - start : offset - start + length], populate(view.ctypes.data, len(m))
