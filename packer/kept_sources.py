@@ -13,6 +13,7 @@ copy a source of RUN is read from, so a damaged record cannot swap sources."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import replace
@@ -104,15 +105,33 @@ def keep_sources(
         check_space([(folder, missing)], f"shuffle {OPTION}", hint=_FULL_HINT)
         return _keep(sources, wanted, folder, shared)
     except OSError as e:
-        if not is_no_space(e):
-            raise
-        raise TokpackError(
-            f"disk full in the {OPTION} folder",
-            file=folder,
-            where=OPTION,
-            found="No space left on device",
-            hint=_FULL_HINT,
-        ) from None
+        if is_no_space(e):
+            raise TokpackError(
+                f"disk full in the {OPTION} folder",
+                file=folder,
+                where=OPTION,
+                found="No space left on device",
+                hint=_FULL_HINT,
+            ) from None
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and _inside(e.filename, folder):
+            raise TokpackError(
+                f"the {OPTION} folder cannot be written",
+                file=folder,
+                where=OPTION,
+                expected="a folder this process can write, on the node's own disk",
+                found=e.strerror,
+                hint=f"give {OPTION} a writable folder (or drop it: the epoch reads the shared sources), "
+                "then rerun the same command",
+            ) from None
+        raise
+
+
+def _inside(name, folder: Path) -> bool:
+    """Whether the file an OSError names lies in `folder` (not a source it was reading)."""
+    if name is None:
+        return False
+    path, folder = Path(os.fsdecode(name)).absolute(), Path(folder).absolute()
+    return path == folder or folder in path.parents
 
 
 _FULL_HINT = (

@@ -145,6 +145,34 @@ def test_a_kept_sources_disk_that_fills_during_the_copy_is_named_as_that_folder(
         subprocess.run(["umount", str(folder)], capture_output=True)
 
 
+def test_a_read_only_keep_sources_folder_is_one_line_naming_it(tmp_path):
+    """A --keep-sources folder on a read-only filesystem (room enough, so the space check
+    passes): one line naming that folder and the option, its cause and a hint, not an OSError
+    naming a subfolder; nothing is copied."""
+    from tokpack.packer.kept_sources import keep_sources
+    from tokpack.shuffle.sources import open_source
+
+    source = _source(tmp_path / "src")
+    folder = tmp_path / "kept"
+    _mount_small(folder, "4m")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+        src = open_source(source)
+        with pytest.raises(TokpackError) as e:
+            keep_sources([src], [], {0: set(range(len(src.shards)))}, False, folder)
+        line = str(e.value)
+        assert line.startswith(f"{folder} [--keep-sources]: the --keep-sources folder cannot be written"), line
+        assert "Read-only file system" in line and "HINT: give --keep-sources a writable folder" in line
+        assert "\n" not in line and not list(folder.rglob("*"))
+    finally:
+        subprocess.run(["umount", str(folder)], capture_output=True)
+    # only a file inside the folder blames it: a source it could not read is that source's error
+    from tokpack.packer import kept_sources
+
+    assert kept_sources._inside(str(folder / "ab" / "00000.ds"), folder)
+    assert not kept_sources._inside(str(source / "00000.ds"), folder) and not kept_sources._inside(None, folder)
+
+
 # ------------------------------------------------------------------ damaged kept copies and records
 
 
