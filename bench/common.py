@@ -3,6 +3,8 @@ peak RSS, and the table every bench script prints."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import platform
 import shutil
@@ -267,3 +269,19 @@ def print_table(title: str, rows: list[dict], columns: list[str]) -> str:
     text = "\n".join(lines)
     print(text, flush=True)
     return text
+
+
+@contextlib.contextmanager
+def disk_full_is_one_line(script: str, work):
+    """A benchmark's scratch disk filling up ends it with one line, not a traceback: the corpus
+    and the runs it writes are the bench's own, so the fix is room or another --work."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        where = e.filename or work or "the scratch folder"
+        sys.exit(
+            f"{script}: no space left on the device of {where}; expected room for the corpus and its runs, "
+            f"found the disk full (hint: free space there, or pass --work on a larger disk, or a smaller --size)"
+        )

@@ -74,6 +74,7 @@ sys.path[0] = str(
 from bench.common import (
     REPO,
     can_drop_caches,
+    disk_full_is_one_line,
     dir_bytes,
     drop_caches,
     machine_line,
@@ -1489,21 +1490,29 @@ if __name__ == "__main__":
     a = ap.parse_args()
     if a.slope_from and not a.against:
         ap.error("--slope-from goes with --against")
-    if a.against:
-        out = a.out or (None if a.quick else REPO / "bench" / "results" / f"nodes-against-{a.against}.md")
-        main_against(
-            a.against, a.size, a.quick, runs=a.runs, work=a.work, out=out, loop=not a.no_loop, slope_from=a.slope_from
+    with disk_full_is_one_line("bench/nodes.py", a.work):
+        if a.against:
+            out = a.out or (None if a.quick else REPO / "bench" / "results" / f"nodes-against-{a.against}.md")
+            main_against(
+                a.against,
+                a.size,
+                a.quick,
+                runs=a.runs,
+                work=a.work,
+                out=out,
+                loop=not a.no_loop,
+                slope_from=a.slope_from,
+            )
+            sys.exit(0)
+        out = a.out or (None if a.quick else REPO / "bench" / "results" / "nodes.md")
+        main(
+            a.size,
+            a.quick,
+            runs=a.runs,
+            work=a.work,
+            out=out,
+            nic_mbps=a.nic_mbps,
+            shared_mbps=a.shared_mbps,
+            disk_mbps=a.disk_mbps,
+            loop=not a.no_loop,
         )
-        sys.exit(0)
-    out = a.out or (None if a.quick else REPO / "bench" / "results" / "nodes.md")
-    main(
-        a.size,
-        a.quick,
-        runs=a.runs,
-        work=a.work,
-        out=out,
-        nic_mbps=a.nic_mbps,
-        shared_mbps=a.shared_mbps,
-        disk_mbps=a.disk_mbps,
-        loop=not a.no_loop,
-    )

@@ -188,3 +188,20 @@ def test_a_slope_from_a_size_not_below_the_run_s_is_one_line_before_anything_is_
     with pytest.raises(SystemExit, match=f"--slope-from {smaller} is not below --size 2GiB"):
         nodes.main_against("HEAD", "2GiB", work=tmp_path / "w", slope_from=smaller)
     assert not (tmp_path / "w").exists()
+
+
+def test_a_full_scratch_disk_ends_a_bench_in_one_line_and_other_errors_still_raise(nodes):
+    """bench/nodes.py filled / once and ended in a traceback from its own corpus writer."""
+    import errno
+
+    from bench.common import disk_full_is_one_line
+
+    with pytest.raises(SystemExit) as stop:
+        with disk_full_is_one_line("bench/nodes.py", Path("/scratch")):
+            raise OSError(errno.ENOSPC, "No space left on device", "/scratch/corpus/000.ds")
+    line = str(stop.value.code)
+    assert "\n" not in line and line.startswith("bench/nodes.py: no space left")
+    assert "/scratch/corpus/000.ds" in line and "hint:" in line and "--work" in line
+    with pytest.raises(PermissionError):
+        with disk_full_is_one_line("bench/nodes.py", Path("/scratch")):
+            raise PermissionError(errno.EACCES, "Permission denied", "/scratch")
