@@ -219,24 +219,19 @@ class DurableFile(TmpFile):
         if self._staging is None:
             self._write_all(mv)
             return
-        if self._staged:  # top the staging block up first: the file offset is unaligned until it is written
+        while mv.nbytes:
+            # straight from `mv` when aligned, but only once the staging block is written: the file
+            # offset is unaligned until then
+            if not self._staged and mv.nbytes >= DIRECT_ALIGN and _address(mv) % DIRECT_ALIGN == 0:
+                k = mv.nbytes - mv.nbytes % DIRECT_ALIGN
+                self._write_all(mv[:k])
+                mv = mv[k:]
+                continue
             take = min(mv.nbytes, DIRECT_STAGING - self._staged)
             self._staging[self._staged : self._staged + take] = mv[:take]
             self._staged += take
             mv = mv[take:]
             if self._staged == DIRECT_STAGING:
-                self._write_all(self._staging)
-                self._staged = 0
-        if mv.nbytes >= DIRECT_ALIGN and _address(mv) % DIRECT_ALIGN == 0:
-            k = mv.nbytes - mv.nbytes % DIRECT_ALIGN
-            self._write_all(mv[:k])
-            mv = mv[k:]
-        while mv.nbytes:
-            take = min(mv.nbytes, DIRECT_STAGING)
-            self._staging[:take] = mv[:take]
-            self._staged = take
-            mv = mv[take:]
-            if take == DIRECT_STAGING:
                 self._write_all(self._staging)
                 self._staged = 0
 
