@@ -201,9 +201,8 @@ class DurableFile(TmpFile):
     writes."""
 
     def __init__(self, final: str | Path, direct: bool = False, hashed: bool = True):
-        super().__init__(
-            final, hashed
-        )  # self.bytes: written so far (the file may hold fewer until commit, see _staged)
+        # self.bytes: written so far (the file may hold fewer until commit, see _staged)
+        super().__init__(final, hashed)
         self._staging: memoryview | None = None  # O_DIRECT only: the unaligned tail, not yet written
         self._staged = 0  # bytes in _staging
         try:
@@ -270,10 +269,7 @@ class HashedFile:
     def __init__(self, final: str | Path, direct: bool = False):
         self.final, self.hash, self.bytes = Path(final), xxhash.xxh3_128(), 0
 
-    def write(self, data) -> None:
-        mv = memoryview(data).cast("B")
-        self.hash.update(mv)
-        self.bytes += mv.nbytes
+    write = TmpFile.count  # hashed and counted, as a TmpFile's bytes are
 
     def commit(self) -> str:
         return self.hash.hexdigest()
