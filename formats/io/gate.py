@@ -19,9 +19,10 @@ from .memory import populate
 from .paths import RemotePath, as_path, name_problem
 
 
-# Every read of a file tokpack did not just write goes through the gate, `regular_size` (docs/COMMANDS.md, "The
-# gate"): manifests, shards and their sidecars, rank files, the run a slice is checked against,
-# work records and scratch files, and (regular-file rule only) a user's input files. Three rules:
+# Every read of a file tokpack did not just write goes through the gate, `regular_size`
+# (docs/COMMANDS.md, "The gate"): manifests, shards and their sidecars, rank files, the run a
+# slice is checked against, work records and scratch files, and (regular-file rule only) a
+# user's input files. Three rules:
 # - containment (issue 24): the file resolves inside the folder whose manifest names it, or
 #   whose work it holds; no `..`, no absolute name, no symlink leaving it, also through a
 #   symlinked folder on the way. A name a manifest gives is checked first, as a string
@@ -30,7 +31,6 @@ from .paths import RemotePath, as_path, name_problem
 #   block a read or feed endless bytes;
 # - the recorded size, when the caller knows it: a longer or shorter file is refused before use.
 # A bucket has no symlinks and no odd file types: a URL is checked by its size only.
-# tests/test_layout.py fails when product code opens a file anywhere but in this module.
 
 
 # Reads and checksums stream through buffers of this size: large enough to keep the
