@@ -246,14 +246,14 @@ def test_a_bar_dropped_without_closing_writes_no_more_lines(capsys):
 
 
 def test_log_interval_reads_the_environment(monkeypatch):
-    monkeypatch.delenv(io.LOG_INTERVAL_ENV, raising=False)
+    monkeypatch.delenv(io.PROGRESS_ENV, raising=False)
     assert io.log_interval() == 30
     with io.logging_every(0.5):
-        assert io.log_interval() == 0.5 and os.environ[io.LOG_INTERVAL_ENV] == "0.5"  # worker processes see it
+        assert io.log_interval() == 0.5 and os.environ[io.PROGRESS_ENV] == "0.5"  # worker processes see it
         with io.logging_every(None):
             assert io.log_interval() == 0.5
-    assert io.LOG_INTERVAL_ENV not in os.environ
+    assert io.PROGRESS_ENV not in os.environ
     for bad in ("-1", "nan", "inf", "x"):
-        monkeypatch.setenv(io.LOG_INTERVAL_ENV, bad)
+        monkeypatch.setenv(io.PROGRESS_ENV, bad)
         with pytest.raises(TokpackError, match="not a number of seconds|out of range"):
             io.log_interval()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import TokpackError
+from ..io.paths import as_path
 from ..io.reads import read_full
 
 # Input bytes per block: big enough for sequential I/O and to amortise per-block numpy
@@ -52,6 +53,23 @@ class InputFile:
 
 def input_error(message, path, **kw) -> TokpackError:
     return TokpackError(message, file=str(path), **kw)
+
+
+def token_count(path, dtype: str, what: str, per_token: str = " bytes", hint: str | None = None) -> tuple[int, int]:
+    """The size of the token file `path` and the `dtype` tokens it holds; one line naming `what`
+    when that size is no whole number of tokens (`per_token`: the unit its message gives)."""
+    itemsize = np.dtype(dtype).itemsize
+    size = as_path(path).stat().st_size
+    if size % itemsize:
+        raise input_error(
+            f"{what} size is not a multiple of the token size",
+            path,
+            where="size",
+            expected=f"a multiple of {itemsize}{per_token} ({dtype})",
+            found=f"{size} bytes",
+            hint=hint,
+        )
+    return size, size // itemsize
 
 
 def read_exact(fh, out: np.ndarray, path, offset: int) -> np.ndarray:

@@ -15,7 +15,7 @@ from ..io.gate import open_read, read_array, read_limited
 from ..io.reads import read_ahead
 from ..constants import MAX_MANIFEST_BYTES
 from ..names import parse_metadata_text
-from . import INDEX_CHUNK, Block, InputFile, input_error as _err, read_exact
+from . import INDEX_CHUNK, Block, InputFile, input_error as _err, read_exact, token_count
 
 
 def datatrove_file(path, dtype: str | None) -> InputFile:
@@ -60,18 +60,8 @@ def datatrove_file(path, dtype: str | None) -> InputFile:
 
 
 def check_datatrove(f: InputFile) -> None:
-    itemsize = np.dtype(f.dtype).itemsize
-    size = as_path(f.path).stat().st_size
-    if size % itemsize:
-        raise _err(
-            ".ds size is not a multiple of the token size",
-            f.path,
-            where="size",
-            expected=f"a multiple of {itemsize} bytes ({f.dtype})",
-            found=f"{size} bytes",
-            hint="the file is truncated or its .ds.metadata names the wrong token size",
-        )
-    tokens = size // itemsize
+    hint = "the file is truncated or its .ds.metadata names the wrong token size"
+    tokens = token_count(f.path, f.dtype, ".ds", hint=hint)[1]
     index = f.extra["index"]
     if not as_path(index).exists():
         raise _err(

@@ -27,12 +27,8 @@ def _open_text(path):
 
 
 def jsonl_file(path, want: str, column: str | None) -> tuple[str, list[InputFile]]:
-    first = None
     with _open_text(path) as fh:
-        for line in fh:
-            if line.strip():
-                first = line
-                break
+        first = next((line for line in fh if line.strip()), None)
     token_key, text_key = column or "input_ids", column or "text"
     fmt = "jsonl"
     if first is not None:

@@ -12,7 +12,7 @@ from ..io.paths import as_path
 from ..io.memory import give_buffers, take_buffer
 from ..io.gate import open_read, read_array
 from ..io.reads import read_ahead
-from . import INDEX_CHUNK, Block, InputFile, input_error as _err, read_exact
+from . import INDEX_CHUNK, Block, InputFile, input_error as _err, read_exact, token_count
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_HEADER = 34  # magic 9 + version 8 + dtype code 1 + sequence count 8 + document count 8
@@ -91,15 +91,7 @@ def check_megatron(f: InputFile) -> None:
             found=f"{isize} bytes",
             hint="the index is truncated or corrupt",
         )
-    bsize = as_path(f.path).stat().st_size
-    if bsize % itemsize:
-        raise _err(
-            "Megatron .bin size is not a multiple of the token size",
-            f.path,
-            where="size",
-            expected=f"a multiple of {itemsize} ({f.dtype})",
-            found=f"{bsize} bytes",
-        )
+    bsize = token_count(f.path, f.dtype, "Megatron .bin", per_token="")[0]
     if docs < 1:
         raise _err("Megatron .idx has no document indices", idx, where="document count", expected=">= 1", found=docs)
     sizes_off, ptr_off, doc_off = _megatron_layout(f)

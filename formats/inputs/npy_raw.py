@@ -9,7 +9,7 @@ import numpy as np
 
 from ..io.memory import Buffer
 from ..io.gate import open_read
-from . import Block, InputFile, input_error as _err, read_exact
+from . import Block, InputFile, input_error as _err, read_exact, token_count
 
 RAW_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64")
 
@@ -69,22 +69,13 @@ def raw_file(path, dtype: str | None) -> InputFile:
             found=dtype,
             hint="pass --dtype with the width the tokens were written in",
         )
-    itemsize = np.dtype(dtype).itemsize
-    size = path.stat().st_size
-    if size % itemsize:
-        raise _err(
-            "raw token file size is not a multiple of the token size",
-            path,
-            where="size",
-            expected=f"a multiple of {itemsize} bytes ({dtype})",
-            found=f"{size} bytes",
-        )
+    size, count = token_count(path, dtype, "raw token file")
     return InputFile(
         str(path),
         "raw",
         dtype,
         size,
-        extra={"offset": 0, "count": size // itemsize, "byteorder": np.dtype(dtype).newbyteorder("<").str},
+        extra={"offset": 0, "count": count, "byteorder": np.dtype(dtype).newbyteorder("<").str},
     )
 
 

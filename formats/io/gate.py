@@ -19,9 +19,10 @@ from .memory import populate
 from .paths import RemotePath, as_path, name_problem
 
 
-# Every read of a file tokpack did not just write goes through `gate` (docs/COMMANDS.md, "The
-# gate"): manifests, shards and their sidecars, rank files, the run a slice is checked against,
-# work records and scratch files, and (regular-file rule only) a user's input files. Three rules:
+# Every read of a file tokpack did not just write goes through the gate, `regular_size`
+# (docs/COMMANDS.md, "The gate"): manifests, shards and their sidecars, rank files, the run a
+# slice is checked against, work records and scratch files, and (regular-file rule only) a
+# user's input files. Three rules:
 # - containment (issue 24): the file resolves inside the folder whose manifest names it, or
 #   whose work it holds; no `..`, no absolute name, no symlink leaving it, also through a
 #   symlinked folder on the way. A name a manifest gives is checked first, as a string
@@ -30,7 +31,6 @@ from .paths import RemotePath, as_path, name_problem
 #   block a read or feed endless bytes;
 # - the recorded size, when the caller knows it: a longer or shorter file is refused before use.
 # A bucket has no symlinks and no odd file types: a URL is checked by its size only.
-# tests/test_layout.py fails when product code opens a file anywhere but in this module.
 
 
 # Reads and checksums stream through buffers of this size: large enough to keep the
@@ -121,16 +121,16 @@ def _not_regular(path, mode: int) -> TokpackError:
     )
 
 
-def gate(
+def regular_size(
     path, *, folder=None, size: int | None = None, user: bool = False, what: str = "file", hint: str | None = None
 ) -> int:
-    """The one check before any file is read; returns its size. `path` must resolve inside
-    `folder` (default: the folder it sits in; a folder named by a manifest is itself checked
-    against its dataset with `contained` before its files are read), be a regular file, and,
-    given `size` (what its manifest or record says), hold exactly that many bytes. `user=True`:
-    a file the user named (a pack input, a schedule), which may live anywhere: only the
-    regular-file rule. A missing file raises FileNotFoundError (its caller names what is
-    missing); anything else refused is one TokpackError line naming the file."""
+    """The gate: the one check before any file (local or URL) is read; returns its size. `path`
+    must resolve inside `folder` (default: the folder it sits in; a folder named by a manifest
+    is itself checked against its dataset with `contained` before its files are read), be a
+    regular file, and, given `size` (what its manifest or record says), hold exactly that many
+    bytes. `user=True`: a file the user named (a pack input, a schedule), which may live
+    anywhere: only the regular-file rule. A missing file raises FileNotFoundError (its caller
+    names what is missing); anything else refused is one TokpackError line naming the file."""
     path = as_path(path)
     if isinstance(path, RemotePath):
         found = path.stat().st_size
@@ -169,18 +169,24 @@ def _wrong_size(path, what: str, size: int, found: int, hint: str | None) -> Tok
 
 
 def regular_fd(path, **rules) -> int:
-    """A read-only descriptor of the local file `path` once it passes the gate (`rules`: gate's
-    keywords). A FIFO, a socket or a device never blocks the open: the file is checked first,
-    then opened with O_NONBLOCK (in case it was swapped in between) and checked again on the
-    descriptor."""
-    gate(path, **rules)
+    """A read-only descriptor of the local file `path` once it passes the gate (`rules`:
+    regular_size's keywords). A FIFO, a socket or a device never blocks the open: the file is
+    checked first, then opened with O_NONBLOCK (in case it was swapped in between) and checked
+    again on the descriptor."""
+    regular_size(path, **rules)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    return _blocking_regular(fd, path, rules.get("size"), rules.get("what", "file"), rules.get("hint"))
+
+
+def _blocking_regular(fd: int, path, size: int | None = None, what: str = "file", hint: str | None = None) -> int:
+    """`fd` (opened with O_NONBLOCK, so that a FIFO swapped in cannot block the open) made
+    blocking once it shows a regular file (of `size` bytes, given it); closed when refused."""
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _not_regular(path, st.st_mode)
-        if rules.get("size") is not None and st.st_size != rules["size"]:
-            raise _wrong_size(path, rules.get("what", "file"), rules["size"], st.st_size, rules.get("hint"))
+        if size is not None and st.st_size != size:
+            raise _wrong_size(path, what, size, st.st_size, hint)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -188,16 +194,11 @@ def regular_fd(path, **rules) -> int:
     return fd
 
 
-def regular_size(path, **rules) -> int:
-    """The size of `path` (local or URL) once it passes the gate."""
-    return gate(path, **rules)
-
-
 def read_limited(path, limit: int, what: str, **rules) -> bytes:
     """The whole of a small file (a manifest, a record) of at most `limit` bytes, through the
     gate: its size is checked before anything is read, so a huge file costs no memory."""
     path = as_path(path)
-    size = gate(path, what=what, **rules)
+    size = regular_size(path, what=what, **rules)
     if size > limit:
         raise TokpackError(
             f"{what} is too large",
@@ -221,7 +222,7 @@ def open_read(path, block: int = IO_BLOCK, ahead: bool = True, **rules):
     path = as_path(path)
     if isinstance(path, RemotePath):
         if rules.get("size") is not None:
-            gate(path, **rules)
+            regular_size(path, **rules)
         return path.call("open", "rb", block_size=block, cache_type="readahead" if ahead else "none")
     f = open(regular_fd(path, **rules), "rb", buffering=0)
     if ahead:
@@ -237,7 +238,7 @@ def read_array(path, dtype, count: int = -1, offset: int = 0, **rules) -> np.nda
         with open_read(path, ahead=False, **rules) as f:
             return np.fromfile(f, dtype=dtype, count=count, offset=offset)
     if rules.get("size") is not None:
-        gate(path, **rules)
+        regular_size(path, **rules)
     dtype = np.dtype(dtype)
     data = path.call("cat_file", start=offset, end=None if count < 0 else offset + count * dtype.itemsize)
     return np.frombuffer(data, dtype=dtype, count=len(data) // dtype.itemsize)
@@ -256,15 +257,7 @@ def open_append(path, *, folder):
             hint="the work folder holds only tokpack's own files: delete it and rerun",
         )
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise _not_regular(path, mode)
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return open(fd, "ab")
+    return open(_blocking_regular(fd, path), "ab")
 
 
 def open_new(path, buffering: int = -1):
@@ -357,7 +350,7 @@ def map_file(path: Path, offset: int, length: int, **rules) -> np.ndarray:
     read-only and read ahead in one sequential sweep. Mapping the page cache costs no fresh
     memory, unlike a read into a buffer."""
     if length <= 0:
-        gate(path, **rules)
+        regular_size(path, **rules)
         return np.empty(0, dtype=np.uint8)
     with open_read(path, ahead=False, **rules) as f:
         view, populated = _mapped(f, offset, length)

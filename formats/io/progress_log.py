@@ -18,7 +18,6 @@ from .. import units
 # sets it for a command and the worker processes it starts, through this variable (its one home).
 PROGRESS_ENV = "TOKPACK_PROGRESS"
 OLD_INTERVAL_ENV = "TOKPACK_LOG_INTERVAL"  # its former spelling (lines in a log), read with a warning
-LOG_INTERVAL_ENV = PROGRESS_ENV  # what --log-interval writes, for worker processes
 DEFAULT_LOG_INTERVAL = 30.0
 MODES = ("on", "off", "bar", "log")
 _warned_old = False
@@ -135,6 +134,7 @@ class _NoBar:
         return self
 
     def __exit__(self, *exc):
+        self.close()
         return False
 
     def update(self, n: int = 1) -> None:
@@ -162,10 +162,6 @@ class _LogBar(_NoBar):
         self.done = 0
         self.started = clock()
         _LOG_LINES.open(self, interval)
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
 
     def update(self, n: int = 1) -> None:
         self.done += n

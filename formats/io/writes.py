@@ -201,9 +201,8 @@ class DurableFile(TmpFile):
     writes."""
 
     def __init__(self, final: str | Path, direct: bool = False, hashed: bool = True):
-        super().__init__(
-            final, hashed
-        )  # self.bytes: written so far (the file may hold fewer until commit, see _staged)
+        # self.bytes: written so far (the file may hold fewer until commit, see _staged)
+        super().__init__(final, hashed)
         self._staging: memoryview | None = None  # O_DIRECT only: the unaligned tail, not yet written
         self._staged = 0  # bytes in _staging
         try:
@@ -219,24 +218,19 @@ class DurableFile(TmpFile):
         if self._staging is None:
             self._write_all(mv)
             return
-        if self._staged:  # top the staging block up first: the file offset is unaligned until it is written
+        while mv.nbytes:
+            # straight from `mv` when aligned, but only once the staging block is written: the file
+            # offset is unaligned until then
+            if not self._staged and mv.nbytes >= DIRECT_ALIGN and _address(mv) % DIRECT_ALIGN == 0:
+                k = mv.nbytes - mv.nbytes % DIRECT_ALIGN
+                self._write_all(mv[:k])
+                mv = mv[k:]
+                continue
             take = min(mv.nbytes, DIRECT_STAGING - self._staged)
             self._staging[self._staged : self._staged + take] = mv[:take]
             self._staged += take
             mv = mv[take:]
             if self._staged == DIRECT_STAGING:
-                self._write_all(self._staging)
-                self._staged = 0
-        if mv.nbytes >= DIRECT_ALIGN and _address(mv) % DIRECT_ALIGN == 0:
-            k = mv.nbytes - mv.nbytes % DIRECT_ALIGN
-            self._write_all(mv[:k])
-            mv = mv[k:]
-        while mv.nbytes:
-            take = min(mv.nbytes, DIRECT_STAGING)
-            self._staging[:take] = mv[:take]
-            self._staged = take
-            mv = mv[take:]
-            if take == DIRECT_STAGING:
                 self._write_all(self._staging)
                 self._staged = 0
 
@@ -275,10 +269,7 @@ class HashedFile:
     def __init__(self, final: str | Path, direct: bool = False):
         self.final, self.hash, self.bytes = Path(final), xxhash.xxh3_128(), 0
 
-    def write(self, data) -> None:
-        mv = memoryview(data).cast("B")
-        self.hash.update(mv)
-        self.bytes += mv.nbytes
+    write = TmpFile.count  # hashed and counted, as a TmpFile's bytes are
 
     def commit(self) -> str:
         return self.hash.hexdigest()
