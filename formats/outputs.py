@@ -83,17 +83,7 @@ class EpochShardFormat:
     placed: bool = False  # tokens written row by row in any order first, then hashed in order (EpochShardWriter)
 
     def writer(self, place: ShardPlace) -> EpochShardWriter:
-        return EpochShardWriter(
-            place.directory,
-            place.name,
-            self.dtype,
-            self.seq_len,
-            self.eos_id,
-            self.tokenizer,
-            padded=self.padded,
-            hashed_only=self.hashed_only,
-            placed=self.placed,
-        )
+        return EpochShardWriter(place.directory, place.name, **vars(self))  # its fields are the writer's arguments
 
 
 @dataclass(frozen=True)
@@ -105,7 +95,7 @@ class SourceShardFormat:
     with_loss: bool = False
 
     def writer(self, place: ShardPlace) -> SourceShardWriter:
-        return SourceShardWriter(place.directory, place.name, self.dtype, self.tokenizer, self.with_loss)
+        return SourceShardWriter(place.directory, place.name, **vars(self))  # its fields are the writer's arguments
 
 
 class ShardWriter:

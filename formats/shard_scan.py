@@ -53,15 +53,8 @@ class Problem:
 
     @property
     def severity(self) -> str:
-        return (
-            "missing"
-            if self.missing
-            else "incomplete"
-            if self.incomplete
-            else "unverified"
-            if self.unverified
-            else "corrupt"
-        )
+        flags = (("missing", self.missing), ("incomplete", self.incomplete), ("unverified", self.unverified))
+        return next((name for name, flag in flags if flag), "corrupt")
 
     def line(self) -> str:
         return problem_line(self.to_json())
