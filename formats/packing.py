@@ -50,16 +50,8 @@ class PackingRecord:
     def settings(self) -> dict:
         """What a rerun of the run must repeat: method, group_tokens, pad_id and holdout, those
         recorded."""
-        return {
-            k: v
-            for k, v in (
-                ("method", self.method),
-                ("group_tokens", self.group_tokens),
-                ("pad_id", self.pad_id),
-                ("holdout", self.holdout),
-            )
-            if v is not None
-        }
+        kept = ("method", "group_tokens", "pad_id", "holdout")
+        return {k: getattr(self, k) for k in kept if getattr(self, k) is not None}
 
 
 def rows_padded(manifest: dict) -> bool:
