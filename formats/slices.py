@@ -119,9 +119,8 @@ class RankRows:
         off = self.phase + ranks[0] * self.micro_batch  # G of a run's first row, mod W*m
         k_lo = -((off + k_rows - 1 - first) // gb)  # first run ending after `first`
         k_hi = (first + n - 1 - off) // gb  # last run starting before the epoch's end
-        if (
-            k_rows > max_rows
-        ):  # a run longer than a chunk (up to a global batch past the epoch): its rows in the epoch, a chunk at a time
+        # a run longer than a chunk (up to a global batch past the epoch): its rows in the epoch, a chunk at a time
+        if k_rows > max_rows:
             for k in range(k_lo, k_hi + 1):
                 start = off - first + k * gb
                 lo, hi = max(start, 0), min(start + k_rows, n)
