@@ -221,8 +221,7 @@ class ShardEntries(list):
             yield scan(text, start)[0]
 
     def __reversed__(self):
-        for i in range(len(self._starts) - 1, -1, -1):
-            yield self._entry(i)
+        return map(self._entry, reversed(range(len(self._starts))))
 
     def __getitem__(self, i):
         if isinstance(i, slice):
