@@ -38,14 +38,8 @@ class PackingRecord:
         if not isinstance(pk, dict):
             return None
         known = ("method", "group_tokens", "pad_id", "holdout", "split")
-        return cls(
-            method=pk.get("method"),
-            group_tokens=pk.get("group_tokens"),
-            pad_id=pk.get("pad_id"),
-            holdout=pk.get("holdout") if isinstance(pk.get("holdout"), dict) else None,
-            split=pk.get("split") == HOLDOUT_SPLIT,
-            figures={k: v for k, v in pk.items() if k not in known},
-        )
+        figures = {k: v for k, v in pk.items() if k not in known}
+        return cls(pk.get("method"), pk.get("group_tokens"), pk.get("pad_id"), *holdout_recorded(manifest), figures)
 
     def settings(self) -> dict:
         """What a rerun of the run must repeat: method, group_tokens, pad_id and holdout, those
