@@ -212,9 +212,6 @@ class ShardEntries(list):
     def __len__(self) -> int:
         return len(self._starts)
 
-    def __bool__(self) -> bool:
-        return len(self._starts) > 0
-
     def __iter__(self):
         scan, text = _DECODER.scan_once, self._text
         for start in self._starts:
@@ -239,8 +236,6 @@ class ShardEntries(list):
 
     def __ne__(self, other) -> bool:
         return not self == other
-
-    __hash__ = None
 
     def __repr__(self) -> str:
         return repr(list(self))
