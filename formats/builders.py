@@ -16,36 +16,6 @@ from .hashes import fingerprint, hash_hex64
 from .names import dtype_from_name, dtype_name
 
 
-def _header(kind: str, dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, tokens: int) -> dict:
-    return {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "kind": kind,
-        "dtype": dtype_name(dtype),
-        "token_size": np.dtype(dtype).itemsize,
-        "vocab_size": int(vocab_size),
-        "eos_id": int(eos_id),
-        "tokenizer": tokenizer,
-        "tokens": int(tokens),
-    }
-
-
-def header_like(m: dict, kind: str) -> dict:
-    """A manifest header of `kind` for tokens described as `m` describes them (a run's, for its
-    slices): the same dtype, vocabulary, EOS id and tokenizer."""
-    return _header(kind, dtype_from_name(m["dtype"]), m["vocab_size"], m["eos_id"], m["tokenizer"], 0)
-
-
-def source_manifest(shards: list[dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, **extra) -> dict:
-    return {
-        **_header("source", dtype, vocab_size, eos_id, tokenizer, sum(s["tokens"] for s in shards)),
-        "documents": sum(s["documents"] for s in shards),
-        "fingerprint": fingerprint([s["xxh3_128"] for s in shards], dtype_name(dtype), vocab_size, eos_id),
-        "shards": shards,
-        **extra,
-    }
-
-
 @dataclass(frozen=True)
 class TokenHeader:
     """What a manifest's tokens are, as every manifest's header records it."""
@@ -54,6 +24,35 @@ class TokenHeader:
     vocab_size: int
     eos_id: int
     tokenizer: str
+
+    def fields(self, kind: str, tokens: int) -> dict:
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "kind": kind,
+            "dtype": dtype_name(self.dtype),
+            "token_size": np.dtype(self.dtype).itemsize,
+            "vocab_size": int(self.vocab_size),
+            "eos_id": int(self.eos_id),
+            "tokenizer": self.tokenizer,
+            "tokens": int(tokens),
+        }
+
+
+def header_like(m: dict, kind: str) -> dict:
+    """A manifest header of `kind` for tokens described as `m` describes them (a run's, for its
+    slices): the same dtype, vocabulary, EOS id and tokenizer."""
+    return TokenHeader(dtype_from_name(m["dtype"]), m["vocab_size"], m["eos_id"], m["tokenizer"]).fields(kind, 0)
+
+
+def source_manifest(shards: list[dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, **extra) -> dict:
+    return {
+        **TokenHeader(dtype, vocab_size, eos_id, tokenizer).fields("source", sum(s["tokens"] for s in shards)),
+        "documents": sum(s["documents"] for s in shards),
+        "fingerprint": fingerprint([s["xxh3_128"] for s in shards], dtype_name(dtype), vocab_size, eos_id),
+        "shards": shards,
+        **extra,
+    }
 
 
 @dataclass(frozen=True)
@@ -79,9 +78,8 @@ def epoch_manifest(
     dropped_tokens: int,
     sources: list[dict],
 ) -> dict:
-    h = header
     return {
-        **_header("epoch", h.dtype, h.vocab_size, h.eos_id, h.tokenizer, tokens),
+        **header.fields("epoch", tokens),
         "fragments": sum(s["fragments"] for s in shards),
         "shards": shards,
         "epoch": epoch,
@@ -111,9 +109,8 @@ def run_manifest(
     `extra`: a scheduled run's fields (epoch_samples, schedule...)."""
     written = [upgrade(m) for m in epochs.values()]
     sources = [{k: s[k] for k, field in SOURCE_FIELDS.items() if "run" in field[2]} for s in sources]
-    h = header
     return {
-        **_header("run", h.dtype, h.vocab_size, h.eos_id, h.tokenizer, sum(int(m["tokens"]) for m in written)),
+        **header.fields("run", sum(int(m["tokens"]) for m in written)),
         "fragments": sum(int(m["fragments"]) for m in written),
         "sources": sources,
         "weights": weights,

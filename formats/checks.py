@@ -28,11 +28,10 @@ EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
 
 def _fields(obj: dict, table: dict, kind: str, mfile: str, add, prefix: str = "") -> int:
     """The fields of `kind` in one of the field tables: presence, type, range. Returns the count."""
-    n = 0
-    for key, expected, found, why in field_problems(obj, table, kind):
+    problems = list(field_problems(obj, table, kind))
+    for key, expected, found, why in problems:
         add(mfile, f"{prefix}{key}", expected, found, why)
-        n += 1
-    return n
+    return len(problems)
 
 
 def _entries(items: list, table: dict, kind: str, mfile: str, name: str, add) -> int:

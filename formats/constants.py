@@ -48,7 +48,6 @@ DTYPES = {
 TOKEN_DTYPE_NAMES = {"uint16": "<u2", "uint32": "<u4"}  # a manifest's `dtype`: TOKEN_DTYPES by name
 INDEX_ENTRY_BYTES = 8  # one .ds.index entry (U64)
 ROW_HASH_BYTES = 8  # one .ds.rows entry (ROW_HASH_DTYPE)
-PAD_ENTRY_BYTES = 4  # one .ds.pad entry (PAD_DTYPE)
 
 
 def __getattr__(name: str):

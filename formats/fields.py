@@ -181,9 +181,7 @@ def field_problems(obj: dict, table: dict, kind: str) -> Iterator[tuple[str, str
             continue
         value = obj[key]
         # parsed JSON has exactly these types (a bool is no int here); a subclass is checked the long way
-        if type(value) not in exact and not any(
-            isinstance(value, _JSON[t]) and not (isinstance(value, bool) and t != "bool") for t in types
-        ):
+        if type(value) not in exact and not any(type_ok(value, _JSON[t]) for t in types):
             yield (
                 key,
                 f"a JSON {'/'.join(_JSON[t].__name__ for t in types)}",

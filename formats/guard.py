@@ -64,9 +64,8 @@ def process_state(pid: int) -> str | None:
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OverflowError:  # past any pid the kernel gives (a lock file's number, never checked there)
+    # OverflowError: past any pid the kernel gives (a lock file's number, never checked there)
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:  # someone else's process: alive
         return True

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from .constants import MASK64
 from .io.gate import IO_BLOCK, iter_file_blocks
 
 
@@ -58,7 +59,7 @@ def order_hash(positions: np.ndarray, hashes: np.ndarray) -> int:
 
 
 def hash_hex64(value: int) -> str:
-    return f"{value & 0xFFFFFFFFFFFFFFFF:016x}"
+    return f"{value & MASK64:016x}"
 
 
 def fingerprint(shard_checksums: list[str], dtype: str, vocab_size: int, eos_id: int) -> str:

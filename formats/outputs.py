@@ -6,13 +6,9 @@ each shard at its place in the plan (`open_shard(ShardPlace, format)`) and gets 
 every file of that shard: `.ds`, `.ds.index`, `.ds.metadata`, `.ds.loss` or `.ds.rows`,
 `.ds.pad`, the fragment count in its entry and its done record. The writer's `close()`
 commits them all and hands them to the Output (`commit`); no caller writes a shard's file
-beside it. A directory ends with its manifest (`finish`), written and sent last. Around those,
-an Output keeps a command's state files (`send_record`), commits a verified copy
-(`commit_file`, `stage`), withdraws a manifest before its directory changes (`unfinish`),
-starts a directory afresh (`start`), says whether a recorded shard is still there (`has`),
-removes a folder in both places (`remove_tree`, `remove_sent`), says where a committed file is
-kept (`where`), what the user calls it (`shown`), and how many bytes the local folder needs
-while files are written (`local_need`).
+beside it. A directory ends with its manifest (`finish`), written and sent last. Its other
+methods (state files, a verified copy, a manifest withdrawn, a folder started afresh or removed)
+keep the local folder and the place the output is kept in step; each says what it does.
 
 The implementations differ only in `where`, `shown`, `send`, `remove_sent` and `local_need`:
 
@@ -83,17 +79,7 @@ class EpochShardFormat:
     placed: bool = False  # tokens written row by row in any order first, then hashed in order (EpochShardWriter)
 
     def writer(self, place: ShardPlace) -> EpochShardWriter:
-        return EpochShardWriter(
-            place.directory,
-            place.name,
-            self.dtype,
-            self.seq_len,
-            self.eos_id,
-            self.tokenizer,
-            padded=self.padded,
-            hashed_only=self.hashed_only,
-            placed=self.placed,
-        )
+        return EpochShardWriter(place.directory, place.name, **vars(self))  # its fields are the writer's arguments
 
 
 @dataclass(frozen=True)
@@ -105,7 +91,7 @@ class SourceShardFormat:
     with_loss: bool = False
 
     def writer(self, place: ShardPlace) -> SourceShardWriter:
-        return SourceShardWriter(place.directory, place.name, self.dtype, self.tokenizer, self.with_loss)
+        return SourceShardWriter(place.directory, place.name, **vars(self))  # its fields are the writer's arguments
 
 
 class ShardWriter:

@@ -38,28 +38,14 @@ class PackingRecord:
         if not isinstance(pk, dict):
             return None
         known = ("method", "group_tokens", "pad_id", "holdout", "split")
-        return cls(
-            method=pk.get("method"),
-            group_tokens=pk.get("group_tokens"),
-            pad_id=pk.get("pad_id"),
-            holdout=pk.get("holdout") if isinstance(pk.get("holdout"), dict) else None,
-            split=pk.get("split") == HOLDOUT_SPLIT,
-            figures={k: v for k, v in pk.items() if k not in known},
-        )
+        figures = {k: v for k, v in pk.items() if k not in known}
+        return cls(pk.get("method"), pk.get("group_tokens"), pk.get("pad_id"), *holdout_recorded(manifest), figures)
 
     def settings(self) -> dict:
         """What a rerun of the run must repeat: method, group_tokens, pad_id and holdout, those
         recorded."""
-        return {
-            k: v
-            for k, v in (
-                ("method", self.method),
-                ("group_tokens", self.group_tokens),
-                ("pad_id", self.pad_id),
-                ("holdout", self.holdout),
-            )
-            if v is not None
-        }
+        kept = ("method", "group_tokens", "pad_id", "holdout")
+        return {k: getattr(self, k) for k in kept if getattr(self, k) is not None}
 
 
 def rows_padded(manifest: dict) -> bool:

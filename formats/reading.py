@@ -129,24 +129,14 @@ def strict_json(raw: bytes, path, what: str = "manifest"):
             **bad,
         ) from None
     except _Refused as e:
-        raise TokpackError(
-            f"{what} holds a value outside the format", expected=e.args[1], found=e.args[0], **bad
-        ) from None
+        found, expected = e.args
     except ValueError:  # an integer of more than 4300 digits, which int() refuses to read
-        raise TokpackError(
-            f"{what} holds a value outside the format",
-            expected="an integer in [-2**63, 2**64)",
-            found="an integer of thousands of digits",
-            **bad,
-        ) from None
+        found, expected = "an integer of thousands of digits", "an integer in [-2**63, 2**64)"
     except RecursionError:
-        raise TokpackError(
-            f"{what} holds a value outside the format",
-            expected=f"at most {MAX_MANIFEST_DEPTH} levels of lists and objects",
-            found="deeper",
-            **bad,
-        ) from None
-    return value
+        found, expected = "deeper", f"at most {MAX_MANIFEST_DEPTH} levels of lists and objects"
+    else:
+        return value
+    raise TokpackError(f"{what} holds a value outside the format", expected=expected, found=found, **bad)
 
 
 def parse_manifest(raw: bytes, path: str | Path, kind: str | tuple[str, ...] | None = None) -> dict:
@@ -222,17 +212,13 @@ class ShardEntries(list):
     def __len__(self) -> int:
         return len(self._starts)
 
-    def __bool__(self) -> bool:
-        return len(self._starts) > 0
-
     def __iter__(self):
         scan, text = _DECODER.scan_once, self._text
         for start in self._starts:
             yield scan(text, start)[0]
 
     def __reversed__(self):
-        for i in range(len(self._starts) - 1, -1, -1):
-            yield self._entry(i)
+        return map(self._entry, reversed(range(len(self._starts))))
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -250,8 +236,6 @@ class ShardEntries(list):
 
     def __ne__(self, other) -> bool:
         return not self == other
-
-    __hash__ = None
 
     def __repr__(self) -> str:
         return repr(list(self))

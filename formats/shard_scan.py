@@ -53,15 +53,8 @@ class Problem:
 
     @property
     def severity(self) -> str:
-        return (
-            "missing"
-            if self.missing
-            else "incomplete"
-            if self.incomplete
-            else "unverified"
-            if self.unverified
-            else "corrupt"
-        )
+        flags = (("missing", self.missing), ("incomplete", self.incomplete), ("unverified", self.unverified))
+        return next((name for name, flag in flags if flag), "corrupt")
 
     def line(self) -> str:
         return problem_line(self.to_json())
@@ -304,38 +297,22 @@ def _check_index_size(job: ShardJob, idx_path: Path, tokens: int, out: Findings)
     if idx_size is None:
         out.add(idx_path, None, "a file listed in the manifest", "no such file", "index missing")
         return None, False
-    idx_ok = idx_size % w == 0 and idx_size > 0 or (idx_size == 0 and tokens == 0)
     out.saw(idx_size)
     if job.kind == "source" and idx_size != w * int(e["documents"]):
-        out.add(
-            idx_path,
-            "size",
-            f"{w * int(e['documents'])} bytes ({e['documents']} documents x {w})",
-            f"{idx_size} bytes",
-            "index size does not match the manifest's document count",
-        )
-        idx_ok = False
+        expected = f"{w * int(e['documents'])} bytes ({e['documents']} documents x {w})"
+        why = "index size does not match the manifest's document count"
     elif job.kind == "epoch" and type_ok(e.get("fragments"), int) and idx_size != w * e["fragments"]:
-        out.add(
-            idx_path,
-            "size",
-            f"{w * e['fragments']} bytes ({e['fragments']} fragments x {w})",
-            f"{idx_size} bytes",
-            "index size does not match the manifest's fragment count",
-        )
-        idx_ok = False
+        expected = f"{w * e['fragments']} bytes ({e['fragments']} fragments x {w})"
+        why = "index size does not match the manifest's fragment count"
     elif job.kind == "epoch" and not (w * int(e["samples"]) <= idx_size <= w * tokens and idx_size % w == 0):
-        out.add(
-            idx_path,
-            "size",
-            f"a multiple of {w} in [{w * int(e['samples'])}, {w * tokens}] bytes",
-            f"{idx_size} bytes",
-            "index size impossible for this shard",
-        )
-        idx_ok = False
-    elif not idx_ok:
-        out.add(idx_path, "size", f"a non-empty multiple of {w} bytes", f"{idx_size} bytes", "index size invalid")
-    return idx_size, idx_ok
+        expected = f"a multiple of {w} in [{w * int(e['samples'])}, {w * tokens}] bytes"
+        why = "index size impossible for this shard"
+    elif not (idx_size % w == 0 and idx_size > 0 or (idx_size == 0 and tokens == 0)):
+        expected, why = f"a non-empty multiple of {w} bytes", "index size invalid"
+    else:
+        return idx_size, True
+    out.add(idx_path, "size", expected, f"{idx_size} bytes", why)
+    return idx_size, False
 
 
 def _check_metadata(job: ShardJob, meta_path: Path, tokens: int, out: Findings) -> None:

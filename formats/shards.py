@@ -24,7 +24,7 @@ from .io.writes import DurableFile, HashedFile, PlacedFile, is_tmp_name, write_b
 from .constants import EPOCH_SHARD_SUFFIXES, LOSS_SUFFIX, SHARD_SUFFIXES
 from .constants import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64
 from .constants import INDEX_ENTRY_BYTES, INDEX_SUFFIX, METADATA_SUFFIX, ROW_HASH_DTYPE
-from .constants import MANIFEST, NODES_SIDECAR
+from .constants import MANIFEST, MASK64, NODES_SIDECAR
 from .names import dtype_from_name, metadata_text
 from .packing import has_pad
 from .reading import read_manifest
@@ -371,7 +371,7 @@ class EpochShardWriter:
 
     def _add_hashes(self, hashes: np.ndarray) -> None:
         self._rows.write(np.ascontiguousarray(hashes, dtype=ROW_HASH_DTYPE))
-        self.multiset = (self.multiset + int(hashes.sum(dtype=np.uint64))) & 0xFFFFFFFFFFFFFFFF
+        self.multiset = (self.multiset + int(hashes.sum(dtype=np.uint64))) & MASK64
 
     def close(self) -> dict:
         tokens = self.samples * self.row_tokens

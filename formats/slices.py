@@ -119,9 +119,8 @@ class RankRows:
         off = self.phase + ranks[0] * self.micro_batch  # G of a run's first row, mod W*m
         k_lo = -((off + k_rows - 1 - first) // gb)  # first run ending after `first`
         k_hi = (first + n - 1 - off) // gb  # last run starting before the epoch's end
-        if (
-            k_rows > max_rows
-        ):  # a run longer than a chunk (up to a global batch past the epoch): its rows in the epoch, a chunk at a time
+        # a run longer than a chunk (up to a global batch past the epoch): its rows in the epoch, a chunk at a time
+        if k_rows > max_rows:
             for k in range(k_lo, k_hi + 1):
                 start = off - first + k * gb
                 lo, hi = max(start, 0), min(start + k_rows, n)
@@ -208,62 +207,46 @@ def slice_epoch_problems(
     file cannot be read, or None for the whole epoch, the error). The reader raises the first;
     `validate` reports them all. A problem of the whole epoch is the last one given: what would
     follow means nothing. (A rank file's missing padding is `missing_padding`'s.)"""
-    where = d / MANIFEST
+
+    def bad(message: str, key: str, expected, found, hint: str = "stage the slice again") -> TokpackError:
+        return TokpackError(message, file=d / MANIFEST, where=key, expected=expected, found=found, hint=hint)
+
     for key in (*SLICE_KEYS, "seq_len", "dtype"):
         if m.get(key) != root.get(key):
             yield (
                 None,
-                TokpackError(
+                bad(
                     "slice epoch belongs to another slice",
-                    file=where,
-                    where=key,
-                    expected=root.get(key) if key != "run" else "the root's run",
-                    found=m.get(key) if key != "run" else "another run",
-                    hint="stage the slice again into an empty directory",
+                    key,
+                    root.get(key) if key != "run" else "the root's run",
+                    m.get(key) if key != "run" else "another run",
+                    "stage the slice again into an empty directory",
                 ),
             )
             return
     if (m.get("epoch"), m.get("first_sample"), m.get("samples")) != (e, first, n):
+        found = (m.get("epoch"), m.get("first_sample"), m.get("samples"))
         yield (
             None,
-            TokpackError(
-                "slice epoch disagrees with its run's numbering",
-                file=where,
-                where="epoch/first_sample/samples",
-                expected=(e, first, n),
-                found=(m.get("epoch"), m.get("first_sample"), m.get("samples")),
-                hint="stage the slice again",
-            ),
+            bad("slice epoch disagrees with its run's numbering", "epoch/first_sample/samples", (e, first, n), found),
         )
         return
     ranks = [int(r) for r in root["ranks"]]
     entries = m.get("shards") if isinstance(m.get("shards"), list) else []
     names = [rank_file_name(r) for r in ranks]
     if [s.get("rank") for s in entries] != ranks or [s.get("path") for s in entries] != names:
-        yield (
-            None,
-            TokpackError(
-                "slice epoch does not list one file per rank, in rank order",
-                file=where,
-                where="shards",
-                expected=names,
-                found=[s.get("path") for s in entries],
-                hint="stage the slice again",
-            ),
-        )
+        paths = [s.get("path") for s in entries]
+        yield None, bad("slice epoch does not list one file per rank, in rank order", "shards", names, paths)
         return
     for r, s in zip(ranks, entries):
         want = rows.rows(r, first, first + n)
         if s.get("samples") != want:
             yield (
                 r,
-                TokpackError(
+                bad(
                     "rank file holds the wrong number of samples",
-                    file=where,
-                    where=f"shards[rank {r}].samples",
-                    expected=f"{want} (the samples rank {r} reads in epoch {e})",
-                    found=s.get("samples"),
-                    hint="stage the slice again",
+                    f"shards[rank {r}].samples",
+                    f"{want} (the samples rank {r} reads in epoch {e})",
+                    s.get("samples"),
                 ),
             )
-            continue

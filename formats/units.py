@@ -30,21 +30,11 @@ from .errors import TokpackError
 
 TOKEN_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 
-BYTE_SUFFIXES = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 1 << 10,
-    "MIB": 1 << 20,
-    "GIB": 1 << 30,
-    "TIB": 1 << 40,
-    "K": 1 << 10,
-    "M": 1 << 20,
-    "G": 1 << 30,
-    "T": 1 << 40,
+# B and the SI units (KB..TB) count in 1000s; the IEC units (KiB..TiB) and a bare K..T, in 1024s.
+BYTE_SUFFIXES = {"": 1, "B": 1} | {
+    prefix + unit: base**k
+    for k, prefix in enumerate("KMGT", 1)
+    for unit, base in (("B", 1000), ("IB", 1024), ("", 1024))
 }
 
 _NUMBER = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
