@@ -8,6 +8,7 @@ tokpack.shuffle.packed.table's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -492,8 +493,6 @@ def rows_holding_repeats(plan, s: int, src: PackedSource, cut: tuple[int, int]) 
     per_row = max(MIN_CHUNK, memory // (4 * 8))
     one = one_group_of(plan, s, src)
     with scratch() as d:
-        from pathlib import Path
-
         keys, rows = Buckets(Path(d), "keys"), Buckets(Path(d), "rows")
         if one is not None:
             p, row, _, doc, do, *_ = one.place(plan.seed, s, first, second + 1)

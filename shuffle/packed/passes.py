@@ -12,9 +12,12 @@ import collections
 import contextlib
 import functools
 import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import open_append, read_array, regular_size
@@ -37,8 +40,6 @@ MIN_CHUNK = 1 << 12  # documents (or pieces) per chunk at the least, whatever th
 def scratch(folder=None):
     """A scratch folder removed after use: in `folder` (an epoch's work folder), else in the
     system's temporary folder (a plan made before any output exists)."""
-    import tempfile
-
     return tempfile.TemporaryDirectory(prefix="tokpack-plan-", dir=folder)
 
 
@@ -136,23 +137,15 @@ def permuted_documents(src: PackedSource, perm: Bijection | None, memory: int, s
         doc = perm.forward(np.arange(d, dtype=np.int64))
         yield doc, start[doc], length[doc]
         return
-    from pathlib import Path
-
-    folder = Path(scratch)
-    nb = -(-d // chunk)
+    buckets = Buckets(Path(scratch), "docs")
     for docs, start, length in source_documents(src, chunk):
         k = perm.inverse(docs)
         rec = np.empty(len(k), DOC)
         rec["k"], rec["doc"], rec["start"], rec["length"] = k, docs, start, length
-        b = k // chunk
-        rec, b = rec[np.argsort(b, kind="stable")], np.sort(b)
-        cuts = np.flatnonzero(np.diff(b)) + 1
-        for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), len(b)]):
-            with open_append(folder / f"docs-{int(b[x]):07d}", folder=folder) as out:
-                out.write(rec[x:y].tobytes())
-    for b in range(nb):
-        f = folder / f"docs-{b:07d}"
-        rec = read_array(f, DOC, folder=folder)
+        buckets.append(k // chunk, rec)
+    for b in range(-(-d // chunk)):
+        f = buckets.file(b)
+        rec = read_array(f, DOC, folder=buckets.folder)
         f.unlink()
         k0, n = b * chunk, min(chunk, d - b * chunk)
         local = rec["k"].astype(np.int64) - k0
@@ -557,10 +550,11 @@ def pass_scratch(src: PackedSource, memory: int):
 
 class Buckets:
     """Append-only numbered scratch files in a folder: records of several buckets at once, each
-    run to its own file."""
+    run to its own file; `hashed`: each file's xxh3_64 kept as it is written (`hashes`)."""
 
-    def __init__(self, folder, stem: str):
+    def __init__(self, folder, stem: str, hashed: bool = False):
         self.folder, self.stem, self.seen = folder, stem, set()
+        self.hashes: dict[int, xxhash.xxh3_64] | None = {} if hashed else None
         folder.mkdir(parents=True, exist_ok=True)
 
     def file(self, b: int):
@@ -573,8 +567,11 @@ class Buckets:
         for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), len(bucket)]):
             b = int(bucket[x])
             self.seen.add(b)
+            raw = records[x:y].tobytes()
             with open_append(self.file(b), folder=self.folder) as out:
-                out.write(records[x:y].tobytes())
+                out.write(raw)
+            if self.hashes is not None:
+                self.hashes.setdefault(b, xxhash.xxh3_64()).update(raw)
 
     def names(self) -> list[int]:
         return sorted(self.seen)

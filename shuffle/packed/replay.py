@@ -6,6 +6,8 @@ sources alone and proves the row table, the packing rules and each shard's paddi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import xxhash
 
@@ -93,8 +95,6 @@ def packed_replay(
     shard_orders = np.zeros(listed, dtype=np.uint64)
     pads = PlannedPadding(per if order else max(plan.samples, 1))
     with scratch() as d:
-        from pathlib import Path
-
         built = build_table(plan, opened, Path(d) / "packing", plan.memory)
         for g0 in range(0, plan.samples, step):
             g1 = min(plan.samples, g0 + step)
