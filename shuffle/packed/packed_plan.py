@@ -39,7 +39,6 @@ PACKED_ALGORITHM = "tokpack-bfd-feistel6-splitmix-xxh3-v1"  # the `shuffle` name
 # tokens the padding of web-like lengths is under 0.5% at seq_len 4096 (BENCHMARKS.md, "Best-fit
 # packing"), and a group is a few MB of plan state, far inside any --memory.
 DEFAULT_GROUP_TOKENS = 1 << 22
-KEY = np.dtype([("doc", "<u8"), ("doc_offset", "<u8")])  # a piece's identity in its source
 
 
 @dataclass(frozen=True)
@@ -542,12 +541,7 @@ def packing_settings(
 
 def run_packing(plan: PackedPlan) -> dict:
     """The same, of a planned epoch (the run manifest's `packing`)."""
-    return {
-        "method": BEST_FIT,
-        "group_tokens": plan.group_tokens,
-        "pad_id": plan.pad_id,
-        **record_holdout(plan.holdout, padded=True),
-    }
+    return packing_settings([], plan.pad_id, plan.group_tokens, plan.holdout)
 
 
 def holdout_plan(

@@ -100,9 +100,7 @@ def document_count_of(index_file) -> int:
 
 def documents_of(src: PackedSource) -> tuple[np.ndarray, np.ndarray]:
     check_real(src)
-    starts, lengths = _doc_table(str(src.path), src.fingerprint)
-    _LENGTHS[src.fingerprint] = lengths
-    return starts, lengths
+    return _doc_table(str(src.path), src.fingerprint)
 
 
 def check_real(src: PackedSource) -> None:
@@ -131,8 +129,7 @@ def permuted_documents(src: PackedSource, perm: Bijection | None, memory: int, s
     if d <= chunk:
         key = _pass_key(src, 0, 0, 0, 0, 0)
         if _DOCS.get("key") != key:  # each pass of a source drawn many times reads the same index
-            parts = list(source_documents(src, d))
-            _DOCS.update(key=key, docs=tuple(np.concatenate([q[i] for q in parts]) for i in (1, 2)))
+            _DOCS.update(key=key, docs=doc_table(src))
         start, length = _DOCS["docs"]
         doc = perm.forward(np.arange(d, dtype=np.int64))
         yield doc, start[doc], length[doc]
@@ -362,17 +359,8 @@ def iter_pass(
             _PASSES_BYTES[0] -= sum(c.nbytes for g in old for c in g[2])
 
 
-def _pack_pass(
-    src: PackedSource,
-    s: int,
-    p: int,
-    seed: int,
-    row_tokens: int,
-    group_tokens: int,
-    memory: int,
-    scratch: str | None,
-    holdout: "Holdout | None" = None,
-):
+def _pack_pass(src, s, p, seed, row_tokens, group_tokens, memory, scratch, holdout):
+    """iter_pass's pass (its arguments), packed afresh."""
     perm = Bijection(max(document_count(src), 1), "docs", seed, s, p)
     docs = permuted_documents(src, perm, memory, scratch)
     if holdout is not None:
@@ -382,15 +370,6 @@ def _pack_pass(
         r, ro, which, do, ln, n = pack_group(gl, np.arange(a, a + len(gl), dtype=np.int64), row_tokens)
         yield rows, n, (rows + r, ro, gd[which], do, ln, gs[which] + do, gl[which])
         rows += n
-
-
-_LENGTHS: dict[str, np.ndarray] = {}  # fingerprint -> document lengths, filled by documents_of
-
-
-@functools.lru_cache(maxsize=16)
-def _pass_cached(fingerprint: str, seed: int, s: int, p: int, row_tokens: int, group_tokens: int) -> PassRows:
-    lengths = _LENGTHS[fingerprint]
-    return pack_pass(lengths, Bijection(max(len(lengths), 1), "docs", seed, s, p), row_tokens, group_tokens)
 
 
 # -------------------------------------------------------------------- a source of one group a pass
@@ -496,8 +475,7 @@ def _one_group(src: PackedSource, row_tokens: int, group_tokens: int, holdout) -
     d = document_count(src)
     if d == 0 or src.tokens - 1 >= group_tokens:  # cheap refusals before any read (a document holds a token)
         return None
-    parts = list(source_documents(src, d))
-    doc, start, length = (np.concatenate([q[i] for q in parts]) for i in range(3))
+    doc, (start, length) = np.arange(d, dtype=np.int64), doc_table(src)
     if holdout is not None:
         keep = ~holdout.left_out(doc)
         doc, start, length = doc[keep], start[keep], length[keep]
@@ -535,9 +513,10 @@ def _one_group(src: PackedSource, row_tokens: int, group_tokens: int, holdout) -
 def source_pass(plan, s: int, p: int) -> PassRows:
     """Pass p over source s, in memory (O(documents): for tests and small tools): its documents
     permuted by rho_{s,p} = Bijection(D_s, "docs", seed, s, p)."""
-    sp = plan.sources[s]
-    documents_of(PackedSource.open(sp.path, check_sizes=False))
-    return _pass_cached(sp.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens)
+    lengths = documents_of(PackedSource.open(plan.sources[s].path, check_sizes=False))[1]
+    return pack_pass(
+        lengths, Bijection(max(len(lengths), 1), "docs", plan.seed, s, p), plan.row_tokens, plan.group_tokens
+    )
 
 
 def pass_scratch(src: PackedSource, memory: int):
