@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tokpack.formats.checks import chain_start
 from tokpack.formats.constants import DEFAULT_PLAN_MEMORY
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.packing import holdout_recorded, record_holdout
@@ -134,25 +135,22 @@ class PackedPlan:
         """As the window plan's: `repeats` counts the samples (rows) that hold a piece the
         epoch's earlier rows of the source hold, out of `repeat_total` samples (`repeat_unit`
         names them rows for the summary and the warnings, since no row repeats a row)."""
-        report = []
-        for i, s in enumerate(self.sources):
-            repeats, total = self.repeat_counts(i)
-            report.append(
-                {
-                    "name": s.name,
-                    "path": s.path,
-                    "fingerprint": s.fingerprint,
-                    "weight": s.weight,
-                    "samples": s.samples,
-                    "windows": s.windows,
-                    "passes": s.passes,
-                    "first_pass": s.first_pass,
-                    "repeats": repeats,
-                    "repeat_total": total,
-                    "repeat_unit": "rows",
-                }
-            )
-        return report
+        return [
+            {
+                "name": s.name,
+                "path": s.path,
+                "fingerprint": s.fingerprint,
+                "weight": s.weight,
+                "samples": s.samples,
+                "windows": s.windows,
+                "passes": s.passes,
+                "first_pass": s.first_pass,
+                "repeats": repeats,
+                "repeat_total": total,
+                "repeat_unit": "rows",
+            }
+            for s, (repeats, total) in zip(self.sources, map(self.repeat_counts, range(len(self.sources))))
+        ]
 
     def source_entries(self) -> list[dict]:
         return [
@@ -211,6 +209,11 @@ def one_group_of(plan, s: int, src: PackedSource, memory: int | None = None):
     )
 
 
+def plan_pass(plan, s: int, p: int, src: PackedSource, memory: int, scratch: str | None):
+    """iter_pass over pass p of source s, with the plan's seed, sizes and holdout."""
+    return iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, memory, scratch, plan.holdout_of(s))
+
+
 def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
     """R_{s,p}, the rows of pass p over source s: the pass is packed group by group (iter_pass,
     bounded by the plan's memory) and counted; the count is kept. A source of one group a pass
@@ -222,9 +225,7 @@ def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
             return one.rows
         rows = pieces = 0
         with pass_scratch(src, plan.memory) as d:
-            for _, n, (row, *_) in iter_pass(
-                src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, plan.memory, d, plan.holdout_of(s)
-            ):
+            for _, n, (row, *_) in plan_pass(plan, s, p, src, plan.memory, d):
                 rows, pieces = rows + n, pieces + len(row)
         _ROWS[key], _PIECES[key] = rows, pieces
     return _ROWS[key]
@@ -362,33 +363,23 @@ def packed_epoch_plan(
         counts = mixture(sources, weights, rows0, samples=samples, tokens=tokens, seq_len=seq_len)[1]
     check_passes(sources, counts, rows0, "rows a pass")
     plans, base = [], 0
-    for s, src in enumerate(sources):
+    for s, sp in enumerate(stub.sources):
         cursor = None if cursors is None else cursors[s]
-        sp = PackedSourcePlan(
-            s,
-            names[s] if names else src.home.name,
-            str(src.home),
-            src.fingerprint,
-            None if weights[s] is None else str(weights[s]),
-            src.tokens,
-            documents[s],
-            rows0[s],
-            counts[s],
-            base,
-            cursor,
-            held=held[s],
+        sp = replace(
+            sp,
+            name=names[s] if names else sources[s].home.name,
+            weight=None if weights[s] is None else str(weights[s]),
+            windows=rows0[s],
+            samples=counts[s],
+            base=base,
+            cursor=cursor,
         )
+        if sp.samples:  # the passes its chain covers (the stub holds what a pass's rows depend on)
+            first, k, rows = _locate_chain(stub, s, chain_start(stub.epoch, sp.samples, cursor), sp.samples, sources[s])
+            sp = replace(sp, first_pass=first, passes=k, pass_rows=rows)
         plans.append(sp)
         base += counts[s]
-    plan = replace(stub, samples=base, sources=tuple(plans))
-    located = []
-    for s, sp in enumerate(plan.sources):
-        if sp.samples:
-            first, k, rows = _locate_chain(plan, s, plan.chain_start(s), sp.samples, sources[s])
-            sp = replace(sp, first_pass=first, passes=k, pass_rows=rows)
-        located.append(sp)
-    plan = replace(plan, sources=tuple(located))
-    return plan
+    return replace(stub, samples=base, sources=tuple(plans))
 
 
 def packed_plan_from_manifest(
@@ -464,9 +455,7 @@ def chain_pieces(plan, s: int, src: PackedSource, memory: int, scratch: str | No
     at = pass_start(plan, s, sp.first_pass, src)
     for p in range(sp.first_pass, sp.first_pass + sp.passes):
         a, b = lo - at, hi - at  # the pass's rows this epoch takes
-        for first, n, (row, *rest) in iter_pass(
-            src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, memory, scratch, plan.holdout_of(s)
-        ):
+        for first, n, (row, *rest) in plan_pass(plan, s, p, src, memory, scratch):
             if first + n <= a:
                 continue
             if first >= b:
@@ -500,9 +489,7 @@ def rows_holding_repeats(plan, s: int, src: PackedSource, cut: tuple[int, int]) 
             parts = (
                 (row, doc, do, p == second)
                 for p in (first, second)
-                for _, _, (row, _, doc, do, *_) in iter_pass(
-                    src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, memory, d, plan.holdout_of(s)
-                )
+                for _, _, (row, _, doc, do, *_) in plan_pass(plan, s, p, src, memory, d)
             )
         for row, doc, do, later in parts:
             sel = row < cut[1] if later else row >= cut[0]
