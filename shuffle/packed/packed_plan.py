@@ -270,18 +270,14 @@ def _locate_chain(plan, s: int, lo: int, n: int, src: PackedSource) -> tuple[int
     if one is not None:  # every pass the same rows: arithmetic
         first, last = lo // one.rows, (lo + n - 1) // one.rows
         return first, last - first + 1, (one.rows,) * (last - first + 1)
-    p, at = 0, 0
-    while True:
-        r = pass_rows(plan, s, p, src)
-        if at + r > lo:
-            break
-        at, p = at + r, p + 1
-    first, counts = p, []
+    p = at = 0
+    counts = []  # of the passes from the first that ends past lo: the last ones the loop reads
     while at < lo + n:
         r = pass_rows(plan, s, p, src)
-        counts.append(r)
+        if at + r > lo:
+            counts.append(r)
         at, p = at + r, p + 1
-    return first, len(counts), tuple(counts)
+    return p - len(counts), len(counts), tuple(counts)
 
 
 class PackedOptions(NamedTuple):

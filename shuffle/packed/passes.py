@@ -45,8 +45,7 @@ def scratch(folder=None):
 
 @functools.lru_cache(maxsize=8)
 def _doc_table(path: str, fingerprint: str) -> tuple[np.ndarray, np.ndarray]:
-    src = PackedSource.open(path, check_sizes=False)
-    return doc_table(src)
+    return doc_table(PackedSource.open(path, check_sizes=False))
 
 
 def doc_table(src: PackedSource) -> tuple[np.ndarray, np.ndarray]:

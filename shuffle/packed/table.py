@@ -7,6 +7,7 @@ Also the figures the summaries show of the rows (RowFigures) and the packing rul
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import xxhash
 from tokpack.formats.constants import PAD_DTYPE
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import open_new, read_array, read_record, regular_size
-from tokpack.formats.io.progress_log import progress
+from tokpack.formats.io import progress_log
 from tokpack.formats.io.writes import write_bytes_atomic
 from tokpack.formats.shards import PackedSource, row_segments
 
@@ -222,10 +223,6 @@ class PackedTable:
             )
 
 
-def _no_bar(total, desc, unit="B"):
-    return progress(total, desc, unit, enabled=False)
-
-
 def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: int, progress=None) -> PackedTable:
     """Writes the epoch's row table into `folder`, bounded by `memory` (plus a group): each
     source's passes are packed group by group (chain_pieces) and each piece, given its output
@@ -264,7 +261,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
         out["g"], out["row_offset"], out["length"], out["local"] = rec["g"], rec["row_offset"], rec["length"], local
         shard_files.append(key, out)
 
-    progress = progress or _no_bar
+    progress = progress or functools.partial(progress_log.progress, enabled=False)  # no bar
     row_bytes = plan.row_tokens * sources[used[0]].dtype.itemsize if used else 0
     # the epoch's token bytes, less its padding: the bar ends short of its total by the padding
     packing_bar = progress(plan.samples * row_bytes, f"epoch {plan.epoch}: pack rows")
@@ -296,10 +293,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
             sort_bar.update(1)
             rec = rows_files.read(b, _BUILD)
             rec = rec[np.lexsort((rec["row_offset"], rec["g"]))]
-            table = np.empty(len(rec), PIECE)
-            for name in PIECE.names:
-                table[name] = rec[name]
-            raw, starts = table.tobytes(), rec["start"].astype("<u8").tobytes()
+            raw, starts = rec[list(PIECE.names)].astype(PIECE).tobytes(), rec["start"].astype("<u8").tobytes()
             tf.write(raw)
             sf.write(starts)
             h.update(raw)
