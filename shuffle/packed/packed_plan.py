@@ -65,6 +65,11 @@ class PackedSourcePlan:
     held: int = 0  # k_s: its documents held out of every epoch (tokpack.shuffle.holdout)
 
 
+def _named(s: PackedSourcePlan) -> dict:
+    """What names a source and its samples: the first fields of its report and of its manifest entry."""
+    return {"name": s.name, "path": s.path, "fingerprint": s.fingerprint, "weight": s.weight, "samples": s.samples}
+
+
 @dataclass(frozen=True)
 class PackedPlan:
     """A packed epoch (see the module docstring). Implements tokpack.shuffle.plan.SamplePlan."""
@@ -101,12 +106,6 @@ class PackedPlan:
     def passes(self, s: int) -> int:
         return self.sources[s].passes
 
-    def repeats(self, s: int) -> int:
-        """Samples (rows) of source s this epoch holds that hold a piece an earlier row of its
-        chain holds: nonzero when its chain range spans more than one pass (upsampled, or
-        straddling two). At most its samples."""
-        return self.repeat_counts(s)[0]
-
     def repeat_counts(self, s: int) -> tuple[int, int | None]:
         """(the rows of source s that hold a piece (a document or a fragment) an earlier row of
         its chain in this epoch holds, its samples): one unit, rows, the samples' (a pass's
@@ -137,11 +136,7 @@ class PackedPlan:
         names them rows for the summary and the warnings, since no row repeats a row)."""
         return [
             {
-                "name": s.name,
-                "path": s.path,
-                "fingerprint": s.fingerprint,
-                "weight": s.weight,
-                "samples": s.samples,
+                **_named(s),
                 "windows": s.windows,
                 "passes": s.passes,
                 "first_pass": s.first_pass,
@@ -155,11 +150,7 @@ class PackedPlan:
     def source_entries(self) -> list[dict]:
         return [
             {
-                "name": s.name,
-                "path": s.path,
-                "fingerprint": s.fingerprint,
-                "weight": s.weight,
-                "samples": s.samples,
+                **_named(s),
                 "first_pass": s.first_pass,
                 "passes": s.passes,
                 "windows": s.windows,
