@@ -62,9 +62,8 @@ class TokenPool:
         for s in np.unique(src).tolist():
             sel = src == s
             if starts is None:
-                start = documents_of(self.sources[s])[0][t["doc"][sel].astype(np.int64)] + t["doc_offset"][sel].astype(
-                    np.int64
-                )
+                doc, offset = t["doc"][sel].astype(np.int64), t["doc_offset"][sel].astype(np.int64)
+                start = documents_of(self.sources[s])[0][doc] + offset
             else:
                 start = starts[a:b][sel]
             k = np.searchsorted(self.part_starts[s], start, side="right") - 1

@@ -85,11 +85,11 @@ class RowFigures:
         doc: np.ndarray,
         length: np.ndarray,
         full: np.ndarray,
-        passes: np.ndarray | None = None,
+        passes: np.ndarray,
     ) -> None:
         """Pieces holding every piece of their rows and documents (a group, or a batch of
         passes): output position, offset in its row, document, length, the document's length,
-        and the pass of each (None: all of one pass), for a document cut counts once a pass."""
+        and the pass of each, for a document cut counts once a pass."""
         if not len(q):
             return
         _, row = np.unique(q, return_inverse=True)
@@ -104,13 +104,10 @@ class RowFigures:
         )
         self.max_documents_per_row = max(self.max_documents_per_row, int(segments.max()))
         cut = length < full
-        if passes is None:
-            self.documents_cut += int(np.unique(doc[cut]).size)
-        else:
-            d, p = doc[cut].astype(np.int64), passes[cut]
-            at = np.lexsort((d, p))
-            d, p = d[at], p[at]
-            self.documents_cut += int(np.count_nonzero((d[1:] != d[:-1]) | (p[1:] != p[:-1]))) + (len(d) > 0)
+        d, p = doc[cut].astype(np.int64), passes[cut]
+        at = np.lexsort((d, p))
+        d, p = d[at], p[at]
+        self.documents_cut += int(np.count_nonzero((d[1:] != d[:-1]) | (p[1:] != p[:-1]))) + (len(d) > 0)
 
     def fields(self) -> dict:
         """The epoch manifest's `packing` fields of these figures (padding_tokens is recorded apart)."""
