@@ -167,9 +167,7 @@ class PackedPlan:
     def packing_entry(self, table_hash: str, padding: int, figures: dict | None = None) -> dict:
         """The epoch manifest's `packing` object; `figures`: RowFigures.fields() of its rows."""
         return {
-            "method": BEST_FIT,
-            "group_tokens": self.group_tokens,
-            "pad_id": self.pad_id,
+            **packing_settings([], self.pad_id, self.group_tokens),  # its holdout fields go last
             "padding_tokens": padding,
             "table_xxh3_128": table_hash,
             **(figures or {}),
@@ -200,7 +198,7 @@ def one_group_of(plan, s: int, src: PackedSource, memory: int | None = None):
     )
 
 
-def plan_pass(plan, s: int, p: int, src: PackedSource, memory: int, scratch: str | None):
+def _iter_plan_pass(plan, s: int, p: int, src: PackedSource, memory: int, scratch: str | None):
     """iter_pass over pass p of source s, with the plan's seed, sizes and holdout."""
     return iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, memory, scratch, plan.holdout_of(s))
 
@@ -216,7 +214,7 @@ def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
             return one.rows
         rows = pieces = 0
         with pass_scratch(src, plan.memory) as d:
-            for _, n, (row, *_) in plan_pass(plan, s, p, src, plan.memory, d):
+            for _, n, (row, *_) in _iter_plan_pass(plan, s, p, src, plan.memory, d):
                 rows, pieces = rows + n, pieces + len(row)
         _ROWS[key], _PIECES[key] = rows, pieces
     return _ROWS[key]
@@ -442,7 +440,7 @@ def chain_pieces(plan, s: int, src: PackedSource, memory: int, scratch: str | No
     at = pass_start(plan, s, sp.first_pass, src)
     for p in range(sp.first_pass, sp.first_pass + sp.passes):
         a, b = lo - at, hi - at  # the pass's rows this epoch takes
-        for first, n, (row, *rest) in plan_pass(plan, s, p, src, memory, scratch):
+        for first, n, (row, *rest) in _iter_plan_pass(plan, s, p, src, memory, scratch):
             if first + n <= a:
                 continue
             if first >= b:
@@ -476,7 +474,7 @@ def rows_holding_repeats(plan, s: int, src: PackedSource, cut: tuple[int, int]) 
             parts = (
                 (row, doc, do, p == second)
                 for p in (first, second)
-                for _, _, (row, _, doc, do, *_) in plan_pass(plan, s, p, src, memory, d)
+                for _, _, (row, _, doc, do, *_) in _iter_plan_pass(plan, s, p, src, memory, d)
             )
         for row, doc, do, later in parts:
             sel = row < cut[1] if later else row >= cut[0]
