@@ -654,7 +654,7 @@ def test_an_upsampled_best_fit_epoch_packs_each_pass_once(tmp_path, monkeypatch)
     Each pass is now packed once, with no folder when its documents fit; the bytes are the same."""
     import collections
 
-    from tokpack.shuffle.packed import packed_plan, passes, replay
+    from tokpack.shuffle.packed import packed_plan, passes
     from tokpack.shuffle.packed import table as table_mod
 
     rng = np.random.default_rng(11)
@@ -670,7 +670,7 @@ def test_an_upsampled_best_fit_epoch_packs_each_pass_once(tmp_path, monkeypatch)
     calls, folders = collections.Counter(), []
     real_pack, real_scratch = passes._pack_pass, passes.scratch
     monkeypatch.setattr(passes, "_pack_pass", lambda src, s, p, *a: calls.update([(s, p)]) or real_pack(src, s, p, *a))
-    for mod in (passes, packed_plan, table_mod, replay):  # each module that makes a scratch folder
+    for mod in (passes, packed_plan, table_mod):  # each module that makes a scratch folder
         monkeypatch.setattr(mod, "scratch", lambda folder=None: folders.append(folder) or real_scratch(folder))
     out = tmp_path / "run"
     shuffle_run(

@@ -15,12 +15,8 @@ itself holds row counts per source and pass, O(#sources x passes).
 The package holds one idea a module: passes.py (a source's documents and one pass packed),
 packed_plan.py (the plan: row counts, mixture, chains, manifest fields), table.py (the row table
 on disk, its figures and rules) and replay.py (rows rebuilt from the table: the token pool and
-`validate --against`). Each name is imported from its module; the node engine (packer/exchange.py,
-node_*.py: being rewritten on another branch) still imports two from here, and docs/COMMANDS.md
-names `tokpack.shuffle.packed.build_table`.
+`validate --against`). Each name is imported from its module; build_table is also here, since
+docs/COMMANDS.md names `tokpack.shuffle.packed.build_table`.
 """
 
-# ruff: noqa: F401 (every import here is a re-export)
-
-from .passes import release_passes
-from .table import RECORD, build_table
+from .table import build_table  # noqa: F401 (a re-export)

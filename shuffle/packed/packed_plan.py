@@ -8,10 +8,12 @@ tokpack.shuffle.packed.table's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
+from tokpack.formats.checks import chain_start
 from tokpack.formats.constants import DEFAULT_PLAN_MEMORY
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.packing import holdout_recorded, record_holdout
@@ -38,7 +40,6 @@ PACKED_ALGORITHM = "tokpack-bfd-feistel6-splitmix-xxh3-v1"  # the `shuffle` name
 # tokens the padding of web-like lengths is under 0.5% at seq_len 4096 (BENCHMARKS.md, "Best-fit
 # packing"), and a group is a few MB of plan state, far inside any --memory.
 DEFAULT_GROUP_TOKENS = 1 << 22
-KEY = np.dtype([("doc", "<u8"), ("doc_offset", "<u8")])  # a piece's identity in its source
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,11 @@ class PackedSourcePlan:
     passes: int = 0
     pass_rows: tuple[int, ...] = ()  # R_{s,p} for the passes this epoch touches
     held: int = 0  # k_s: its documents held out of every epoch (tokpack.shuffle.holdout)
+
+
+def _named(s: PackedSourcePlan) -> dict:
+    """What names a source and its samples: the first fields of its report and of its manifest entry."""
+    return {"name": s.name, "path": s.path, "fingerprint": s.fingerprint, "weight": s.weight, "samples": s.samples}
 
 
 @dataclass(frozen=True)
@@ -100,12 +106,6 @@ class PackedPlan:
     def passes(self, s: int) -> int:
         return self.sources[s].passes
 
-    def repeats(self, s: int) -> int:
-        """Samples (rows) of source s this epoch holds that hold a piece an earlier row of its
-        chain holds: nonzero when its chain range spans more than one pass (upsampled, or
-        straddling two). At most its samples."""
-        return self.repeat_counts(s)[0]
-
     def repeat_counts(self, s: int) -> tuple[int, int | None]:
         """(the rows of source s that hold a piece (a document or a fragment) an earlier row of
         its chain in this epoch holds, its samples): one unit, rows, the samples' (a pass's
@@ -134,34 +134,23 @@ class PackedPlan:
         """As the window plan's: `repeats` counts the samples (rows) that hold a piece the
         epoch's earlier rows of the source hold, out of `repeat_total` samples (`repeat_unit`
         names them rows for the summary and the warnings, since no row repeats a row)."""
-        report = []
-        for i, s in enumerate(self.sources):
-            repeats, total = self.repeat_counts(i)
-            report.append(
-                {
-                    "name": s.name,
-                    "path": s.path,
-                    "fingerprint": s.fingerprint,
-                    "weight": s.weight,
-                    "samples": s.samples,
-                    "windows": s.windows,
-                    "passes": s.passes,
-                    "first_pass": s.first_pass,
-                    "repeats": repeats,
-                    "repeat_total": total,
-                    "repeat_unit": "rows",
-                }
-            )
-        return report
+        return [
+            {
+                **_named(s),
+                "windows": s.windows,
+                "passes": s.passes,
+                "first_pass": s.first_pass,
+                "repeats": repeats,
+                "repeat_total": total,
+                "repeat_unit": "rows",
+            }
+            for s, (repeats, total) in zip(self.sources, map(self.repeat_counts, range(len(self.sources))))
+        ]
 
     def source_entries(self) -> list[dict]:
         return [
             {
-                "name": s.name,
-                "path": s.path,
-                "fingerprint": s.fingerprint,
-                "weight": s.weight,
-                "samples": s.samples,
+                **_named(s),
                 "first_pass": s.first_pass,
                 "passes": s.passes,
                 "windows": s.windows,
@@ -178,9 +167,7 @@ class PackedPlan:
     def packing_entry(self, table_hash: str, padding: int, figures: dict | None = None) -> dict:
         """The epoch manifest's `packing` object; `figures`: RowFigures.fields() of its rows."""
         return {
-            "method": BEST_FIT,
-            "group_tokens": self.group_tokens,
-            "pad_id": self.pad_id,
+            **packing_settings([], self.pad_id, self.group_tokens),  # its holdout fields go last
             "padding_tokens": padding,
             "table_xxh3_128": table_hash,
             **(figures or {}),
@@ -211,6 +198,11 @@ def one_group_of(plan, s: int, src: PackedSource, memory: int | None = None):
     )
 
 
+def _iter_plan_pass(plan, s: int, p: int, src: PackedSource, memory: int, scratch: str | None):
+    """iter_pass over pass p of source s, with the plan's seed, sizes and holdout."""
+    return iter_pass(src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, memory, scratch, plan.holdout_of(s))
+
+
 def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
     """R_{s,p}, the rows of pass p over source s: the pass is packed group by group (iter_pass,
     bounded by the plan's memory) and counted; the count is kept. A source of one group a pass
@@ -222,9 +214,7 @@ def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
             return one.rows
         rows = pieces = 0
         with pass_scratch(src, plan.memory) as d:
-            for _, n, (row, *_) in iter_pass(
-                src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, plan.memory, d, plan.holdout_of(s)
-            ):
+            for _, n, (row, *_) in _iter_plan_pass(plan, s, p, src, plan.memory, d):
                 rows, pieces = rows + n, pieces + len(row)
         _ROWS[key], _PIECES[key] = rows, pieces
     return _ROWS[key]
@@ -269,18 +259,14 @@ def _locate_chain(plan, s: int, lo: int, n: int, src: PackedSource) -> tuple[int
     if one is not None:  # every pass the same rows: arithmetic
         first, last = lo // one.rows, (lo + n - 1) // one.rows
         return first, last - first + 1, (one.rows,) * (last - first + 1)
-    p, at = 0, 0
-    while True:
-        r = pass_rows(plan, s, p, src)
-        if at + r > lo:
-            break
-        at, p = at + r, p + 1
-    first, counts = p, []
+    p = at = 0
+    counts = []  # of the passes from the first that ends past lo: the last ones the loop reads
     while at < lo + n:
         r = pass_rows(plan, s, p, src)
-        counts.append(r)
+        if at + r > lo:
+            counts.append(r)
         at, p = at + r, p + 1
-    return first, len(counts), tuple(counts)
+    return p - len(counts), len(counts), tuple(counts)
 
 
 class PackedOptions(NamedTuple):
@@ -362,33 +348,23 @@ def packed_epoch_plan(
         counts = mixture(sources, weights, rows0, samples=samples, tokens=tokens, seq_len=seq_len)[1]
     check_passes(sources, counts, rows0, "rows a pass")
     plans, base = [], 0
-    for s, src in enumerate(sources):
+    for s, sp in enumerate(stub.sources):
         cursor = None if cursors is None else cursors[s]
-        sp = PackedSourcePlan(
-            s,
-            names[s] if names else src.home.name,
-            str(src.home),
-            src.fingerprint,
-            None if weights[s] is None else str(weights[s]),
-            src.tokens,
-            documents[s],
-            rows0[s],
-            counts[s],
-            base,
-            cursor,
-            held=held[s],
+        sp = replace(
+            sp,
+            name=names[s] if names else sources[s].home.name,
+            weight=None if weights[s] is None else str(weights[s]),
+            windows=rows0[s],
+            samples=counts[s],
+            base=base,
+            cursor=cursor,
         )
+        if sp.samples:  # the passes its chain covers (the stub holds what a pass's rows depend on)
+            first, k, rows = _locate_chain(stub, s, chain_start(stub.epoch, sp.samples, cursor), sp.samples, sources[s])
+            sp = replace(sp, first_pass=first, passes=k, pass_rows=rows)
         plans.append(sp)
         base += counts[s]
-    plan = replace(stub, samples=base, sources=tuple(plans))
-    located = []
-    for s, sp in enumerate(plan.sources):
-        if sp.samples:
-            first, k, rows = _locate_chain(plan, s, plan.chain_start(s), sp.samples, sources[s])
-            sp = replace(sp, first_pass=first, passes=k, pass_rows=rows)
-        located.append(sp)
-    plan = replace(plan, sources=tuple(located))
-    return plan
+    return replace(stub, samples=base, sources=tuple(plans))
 
 
 def packed_plan_from_manifest(
@@ -464,9 +440,7 @@ def chain_pieces(plan, s: int, src: PackedSource, memory: int, scratch: str | No
     at = pass_start(plan, s, sp.first_pass, src)
     for p in range(sp.first_pass, sp.first_pass + sp.passes):
         a, b = lo - at, hi - at  # the pass's rows this epoch takes
-        for first, n, (row, *rest) in iter_pass(
-            src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, memory, scratch, plan.holdout_of(s)
-        ):
+        for first, n, (row, *rest) in _iter_plan_pass(plan, s, p, src, memory, scratch):
             if first + n <= a:
                 continue
             if first >= b:
@@ -492,8 +466,6 @@ def rows_holding_repeats(plan, s: int, src: PackedSource, cut: tuple[int, int]) 
     per_row = max(MIN_CHUNK, memory // (4 * 8))
     one = one_group_of(plan, s, src)
     with scratch() as d:
-        from pathlib import Path
-
         keys, rows = Buckets(Path(d), "keys"), Buckets(Path(d), "rows")
         if one is not None:
             p, row, _, doc, do, *_ = one.place(plan.seed, s, first, second + 1)
@@ -502,9 +474,7 @@ def rows_holding_repeats(plan, s: int, src: PackedSource, cut: tuple[int, int]) 
             parts = (
                 (row, doc, do, p == second)
                 for p in (first, second)
-                for _, _, (row, _, doc, do, *_) in iter_pass(
-                    src, s, p, plan.seed, plan.row_tokens, plan.group_tokens, memory, d, plan.holdout_of(s)
-                )
+                for _, _, (row, _, doc, do, *_) in _iter_plan_pass(plan, s, p, src, memory, d)
             )
         for row, doc, do, later in parts:
             sel = row < cut[1] if later else row >= cut[0]
@@ -543,12 +513,7 @@ def packing_settings(
 
 def run_packing(plan: PackedPlan) -> dict:
     """The same, of a planned epoch (the run manifest's `packing`)."""
-    return {
-        "method": BEST_FIT,
-        "group_tokens": plan.group_tokens,
-        "pad_id": plan.pad_id,
-        **record_holdout(plan.holdout, padded=True),
-    }
+    return packing_settings([], plan.pad_id, plan.group_tokens, plan.holdout)
 
 
 def holdout_plan(

@@ -12,9 +12,12 @@ import collections
 import contextlib
 import functools
 import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import open_append, read_array, regular_size
@@ -37,15 +40,12 @@ MIN_CHUNK = 1 << 12  # documents (or pieces) per chunk at the least, whatever th
 def scratch(folder=None):
     """A scratch folder removed after use: in `folder` (an epoch's work folder), else in the
     system's temporary folder (a plan made before any output exists)."""
-    import tempfile
-
     return tempfile.TemporaryDirectory(prefix="tokpack-plan-", dir=folder)
 
 
 @functools.lru_cache(maxsize=8)
 def _doc_table(path: str, fingerprint: str) -> tuple[np.ndarray, np.ndarray]:
-    src = PackedSource.open(path, check_sizes=False)
-    return doc_table(src)
+    return doc_table(PackedSource.open(path, check_sizes=False))
 
 
 def doc_table(src: PackedSource) -> tuple[np.ndarray, np.ndarray]:
@@ -99,9 +99,7 @@ def document_count_of(index_file) -> int:
 
 def documents_of(src: PackedSource) -> tuple[np.ndarray, np.ndarray]:
     check_real(src)
-    starts, lengths = _doc_table(str(src.path), src.fingerprint)
-    _LENGTHS[src.fingerprint] = lengths
-    return starts, lengths
+    return _doc_table(str(src.path), src.fingerprint)
 
 
 def check_real(src: PackedSource) -> None:
@@ -130,29 +128,20 @@ def permuted_documents(src: PackedSource, perm: Bijection | None, memory: int, s
     if d <= chunk:
         key = _pass_key(src, 0, 0, 0, 0, 0)
         if _DOCS.get("key") != key:  # each pass of a source drawn many times reads the same index
-            parts = list(source_documents(src, d))
-            _DOCS.update(key=key, docs=tuple(np.concatenate([q[i] for q in parts]) for i in (1, 2)))
+            _DOCS.update(key=key, docs=doc_table(src))
         start, length = _DOCS["docs"]
         doc = perm.forward(np.arange(d, dtype=np.int64))
         yield doc, start[doc], length[doc]
         return
-    from pathlib import Path
-
-    folder = Path(scratch)
-    nb = -(-d // chunk)
+    buckets = Buckets(Path(scratch), "docs")
     for docs, start, length in source_documents(src, chunk):
         k = perm.inverse(docs)
         rec = np.empty(len(k), DOC)
         rec["k"], rec["doc"], rec["start"], rec["length"] = k, docs, start, length
-        b = k // chunk
-        rec, b = rec[np.argsort(b, kind="stable")], np.sort(b)
-        cuts = np.flatnonzero(np.diff(b)) + 1
-        for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), len(b)]):
-            with open_append(folder / f"docs-{int(b[x]):07d}", folder=folder) as out:
-                out.write(rec[x:y].tobytes())
-    for b in range(nb):
-        f = folder / f"docs-{b:07d}"
-        rec = read_array(f, DOC, folder=folder)
+        buckets.append(k // chunk, rec)
+    for b in range(-(-d // chunk)):
+        f = buckets.file(b)
+        rec = read_array(f, DOC, folder=buckets.folder)
         f.unlink()
         k0, n = b * chunk, min(chunk, d - b * chunk)
         local = rec["k"].astype(np.int64) - k0
@@ -369,17 +358,8 @@ def iter_pass(
             _PASSES_BYTES[0] -= sum(c.nbytes for g in old for c in g[2])
 
 
-def _pack_pass(
-    src: PackedSource,
-    s: int,
-    p: int,
-    seed: int,
-    row_tokens: int,
-    group_tokens: int,
-    memory: int,
-    scratch: str | None,
-    holdout: "Holdout | None" = None,
-):
+def _pack_pass(src, s, p, seed, row_tokens, group_tokens, memory, scratch, holdout):
+    """iter_pass's pass (its arguments), packed afresh."""
     perm = Bijection(max(document_count(src), 1), "docs", seed, s, p)
     docs = permuted_documents(src, perm, memory, scratch)
     if holdout is not None:
@@ -389,15 +369,6 @@ def _pack_pass(
         r, ro, which, do, ln, n = pack_group(gl, np.arange(a, a + len(gl), dtype=np.int64), row_tokens)
         yield rows, n, (rows + r, ro, gd[which], do, ln, gs[which] + do, gl[which])
         rows += n
-
-
-_LENGTHS: dict[str, np.ndarray] = {}  # fingerprint -> document lengths, filled by documents_of
-
-
-@functools.lru_cache(maxsize=16)
-def _pass_cached(fingerprint: str, seed: int, s: int, p: int, row_tokens: int, group_tokens: int) -> PassRows:
-    lengths = _LENGTHS[fingerprint]
-    return pack_pass(lengths, Bijection(max(len(lengths), 1), "docs", seed, s, p), row_tokens, group_tokens)
 
 
 # -------------------------------------------------------------------- a source of one group a pass
@@ -503,8 +474,7 @@ def _one_group(src: PackedSource, row_tokens: int, group_tokens: int, holdout) -
     d = document_count(src)
     if d == 0 or src.tokens - 1 >= group_tokens:  # cheap refusals before any read (a document holds a token)
         return None
-    parts = list(source_documents(src, d))
-    doc, start, length = (np.concatenate([q[i] for q in parts]) for i in range(3))
+    doc, (start, length) = np.arange(d, dtype=np.int64), doc_table(src)
     if holdout is not None:
         keep = ~holdout.left_out(doc)
         doc, start, length = doc[keep], start[keep], length[keep]
@@ -542,9 +512,10 @@ def _one_group(src: PackedSource, row_tokens: int, group_tokens: int, holdout) -
 def source_pass(plan, s: int, p: int) -> PassRows:
     """Pass p over source s, in memory (O(documents): for tests and small tools): its documents
     permuted by rho_{s,p} = Bijection(D_s, "docs", seed, s, p)."""
-    sp = plan.sources[s]
-    documents_of(PackedSource.open(sp.path, check_sizes=False))
-    return _pass_cached(sp.fingerprint, plan.seed, s, p, plan.row_tokens, plan.group_tokens)
+    lengths = documents_of(PackedSource.open(plan.sources[s].path, check_sizes=False))[1]
+    return pack_pass(
+        lengths, Bijection(max(len(lengths), 1), "docs", plan.seed, s, p), plan.row_tokens, plan.group_tokens
+    )
 
 
 def pass_scratch(src: PackedSource, memory: int):
@@ -557,10 +528,11 @@ def pass_scratch(src: PackedSource, memory: int):
 
 class Buckets:
     """Append-only numbered scratch files in a folder: records of several buckets at once, each
-    run to its own file."""
+    run to its own file; `hashed`: each file's xxh3_64 kept as it is written (`hashes`)."""
 
-    def __init__(self, folder, stem: str):
+    def __init__(self, folder, stem: str, hashed: bool = False):
         self.folder, self.stem, self.seen = folder, stem, set()
+        self.hashes: dict[int, xxhash.xxh3_64] | None = {} if hashed else None
         folder.mkdir(parents=True, exist_ok=True)
 
     def file(self, b: int):
@@ -573,8 +545,11 @@ class Buckets:
         for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), len(bucket)]):
             b = int(bucket[x])
             self.seen.add(b)
+            raw = records[x:y].tobytes()
             with open_append(self.file(b), folder=self.folder) as out:
-                out.write(records[x:y].tobytes())
+                out.write(raw)
+            if self.hashes is not None:
+                self.hashes.setdefault(b, xxhash.xxh3_64()).update(raw)
 
     def names(self) -> list[int]:
         return sorted(self.seen)

@@ -17,8 +17,8 @@ from tokpack.formats.shards import PackedSource
 
 from ..plan import shard_count_checked
 from .packed_plan import PackedPlan, packed_plan_from_manifest
-from .passes import documents_of, scratch
-from .table import build_table, row_padding
+from .passes import documents_of
+from .table import row_padding, table_rows
 
 # -------------------------------------------------------------------- building rows
 
@@ -62,9 +62,8 @@ class TokenPool:
         for s in np.unique(src).tolist():
             sel = src == s
             if starts is None:
-                start = documents_of(self.sources[s])[0][t["doc"][sel].astype(np.int64)] + t["doc_offset"][sel].astype(
-                    np.int64
-                )
+                doc, offset = t["doc"][sel].astype(np.int64), t["doc_offset"][sel].astype(np.int64)
+                start = documents_of(self.sources[s])[0][doc] + offset
             else:
                 start = starts[a:b][sel]
             k = np.searchsorted(self.part_starts[s], start, side="right") - 1
@@ -76,45 +75,6 @@ class TokenPool:
         for d, p, s, n in zip(dest.tolist(), part.tolist(), local.tolist(), t["length"].tolist()):
             flat[d : d + n] = parts[p][s : s + n]
         return out
-
-
-def packed_replay(
-    manifest: dict, sources: list[PackedSource], order: bool = True, memory: int = DEFAULT_PLAN_MEMORY
-) -> tuple[str, list[int], str, list[str], "PlannedPadding", dict]:
-    """(sample multiset hash, each output shard's order hash (with `order`), row table checksum,
-    packing rule problems, the planned padding, the RowFigures fields of its rows) of a packed epoch, recomputed from its manifest's parameters and its
-    sources alone, within `memory`. Rows are rebuilt in output order, so the order terms need no inverse."""
-    plan = packed_plan_from_manifest(manifest, sources, memory)
-    per, listed = shard_count_checked(manifest, plan.samples) if order else (1, 0)
-    by_fp = {s.fingerprint: s for s in sources}
-    opened = [by_fp[sp.fingerprint] for sp in plan.sources]
-    pool = TokenPool(plan, opened)
-    total, step = 0, 1 << 14
-    shard_orders = np.zeros(listed, dtype=np.uint64)
-    pads = PlannedPadding(per if order else max(plan.samples, 1))
-    with scratch() as d:
-        from pathlib import Path
-
-        built = build_table(plan, opened, Path(d) / "packing", plan.memory)
-        for g0 in range(0, plan.samples, step):
-            g1 = min(plan.samples, g0 + step)
-            table, starts = built.rows(g0, g1)
-            for s, sp in enumerate(plan.sources):  # the proof that no held-out document is in a row
-                held = plan.holdout_of(s)
-                if held is not None and held.left_out(table["doc"][table["source"] == s].astype(np.int64)).any():
-                    raise TokpackError(
-                        "a document of the other split is in the epoch",
-                        where=f"sources[{s}] ({sp.name})",
-                        expected="a training epoch: no held-out document; RUN/holdout/: only those",
-                        hint="the epoch is not its plan's: shuffle it again",
-                    )
-            pads.add(row_padding(table, g1 - g0, plan.row_tokens, g0))
-            hashes = row_hashes(pool.rows(table, g0, g1, plan.row_tokens, plan.pad_id, starts))
-            total += int(hashes.sum(dtype=np.uint64))
-            if order:  # uint64 sums wrap: mod 2^64
-                g = np.arange(g0, g1, dtype=np.int64)
-                np.add.at(shard_orders, g // per, order_hash_terms(g, hashes))
-    return hash_hex64(total), shard_orders.tolist(), built.table_xxh3_128, list(built.problems), pads, built.figures
 
 
 class PlannedPadding:
@@ -157,24 +117,53 @@ def replay_packed(
     manifest: dict, sources: list[PackedSource], order: bool = True, memory: int = DEFAULT_PLAN_MEMORY
 ) -> tuple[str, list[int]]:
     """`validate --against`'s replay of a packed epoch (tokpack.shuffle.packings): (multiset
-    hash, per-shard order hashes), as `plan.replay_hashes`. Its row table must also hash to the
-    recorded `packing.table_xxh3_128` and keep the packing rules; either failure is one
-    TokpackError, and so must each shard's recorded padding (PlannedPadding)."""
-    multiset, orders, table_sum, problems, pads, figures = packed_replay(manifest, sources, order, memory)
-    recorded = (manifest.get("packing") or {}).get("table_xxh3_128")
+    hash, per-shard order hashes), as `plan.replay_hashes`, recomputed from its manifest's
+    parameters and its sources alone, within `memory`. Rows are rebuilt in output order, so the
+    order terms need no inverse. Its row table must also hash to the recorded
+    `packing.table_xxh3_128` and keep the packing rules; either failure is one TokpackError, and
+    so must each shard's recorded padding (PlannedPadding)."""
+    plan = packed_plan_from_manifest(manifest, sources, memory)
+    per, listed = shard_count_checked(manifest, plan.samples) if order else (1, 0)
+    by_fp = {s.fingerprint: s for s in sources}
+    opened = [by_fp[sp.fingerprint] for sp in plan.sources]
+    pool = TokenPool(plan, opened)
+    total, step = 0, 1 << 14
+    shard_orders = np.zeros(listed, dtype=np.uint64)
+    pads = PlannedPadding(per if order else max(plan.samples, 1))
+    with table_rows(plan, opened) as built:
+        for g0 in range(0, plan.samples, step):
+            g1 = min(plan.samples, g0 + step)
+            table, starts = built.rows(g0, g1)
+            for s, sp in enumerate(plan.sources):  # the proof that no held-out document is in a row
+                held = plan.holdout_of(s)
+                if held is not None and held.left_out(table["doc"][table["source"] == s].astype(np.int64)).any():
+                    raise TokpackError(
+                        "a document of the other split is in the epoch",
+                        where=f"sources[{s}] ({sp.name})",
+                        expected="a training epoch: no held-out document; RUN/holdout/: only those",
+                        hint="the epoch is not its plan's: shuffle it again",
+                    )
+            pads.add(row_padding(table, g1 - g0, plan.row_tokens, g0))
+            hashes = row_hashes(pool.rows(table, g0, g1, plan.row_tokens, plan.pad_id, starts))
+            total += int(hashes.sum(dtype=np.uint64))
+            if order:  # uint64 sums wrap: mod 2^64
+                g = np.arange(g0, g1, dtype=np.int64)
+                np.add.at(shard_orders, g // per, order_hash_terms(g, hashes))
+    packing, problems = manifest.get("packing") or {}, built.problems
+    recorded = packing.get("table_xxh3_128")
     if problems:
         raise TokpackError(
             problems[0], where="packing", expected="the best-fit packing rules", found="; ".join(problems)
         )
-    if table_sum != recorded:
+    if built.table_xxh3_128 != recorded:
         raise TokpackError(
             "epoch's row table is not the one its plan packs",
             where="packing.table_xxh3_128",
-            expected=f"{table_sum} (replayed from the sources)",
+            expected=f"{built.table_xxh3_128} (replayed from the sources)",
             found=recorded,
         )
-    for key, want in figures.items():  # what the summaries show of the rows: recorded by older epochs or not
-        found = (manifest.get("packing") or {}).get(key, want)
+    for key, want in built.figures.items():  # what the summaries show of the rows: recorded by older epochs or not
+        found = packing.get(key, want)
         if found != want:
             raise TokpackError(
                 "epoch's recorded row figures are not its rows'",
@@ -193,4 +182,4 @@ def replay_packed(
             found=found,
             hint="restore the epoch's .ds.pad files and manifest from a good copy, or shuffle it again",
         )
-    return multiset, orders
+    return hash_hex64(total), shard_orders.tolist()

@@ -7,16 +7,19 @@ Also the figures the summaries show of the rows (RowFigures) and the packing rul
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import xxhash
 
 from tokpack.formats.constants import PAD_DTYPE
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io.gate import open_append, open_new, read_array, read_record, regular_size
-from tokpack.formats.io.progress_log import progress
+from tokpack.formats.io.gate import open_new, read_array, read_record, regular_size
+from tokpack.formats.io import progress_log
 from tokpack.formats.io.writes import write_bytes_atomic
 from tokpack.formats.shards import PackedSource, row_segments
 
@@ -82,11 +85,11 @@ class RowFigures:
         doc: np.ndarray,
         length: np.ndarray,
         full: np.ndarray,
-        passes: np.ndarray | None = None,
+        passes: np.ndarray,
     ) -> None:
         """Pieces holding every piece of their rows and documents (a group, or a batch of
         passes): output position, offset in its row, document, length, the document's length,
-        and the pass of each (None: all of one pass), for a document cut counts once a pass."""
+        and the pass of each, for a document cut counts once a pass."""
         if not len(q):
             return
         _, row = np.unique(q, return_inverse=True)
@@ -101,13 +104,10 @@ class RowFigures:
         )
         self.max_documents_per_row = max(self.max_documents_per_row, int(segments.max()))
         cut = length < full
-        if passes is None:
-            self.documents_cut += int(np.unique(doc[cut]).size)
-        else:
-            d, p = doc[cut].astype(np.int64), passes[cut]
-            at = np.lexsort((d, p))
-            d, p = d[at], p[at]
-            self.documents_cut += int(np.count_nonzero((d[1:] != d[:-1]) | (p[1:] != p[:-1]))) + (len(d) > 0)
+        d, p = doc[cut].astype(np.int64), passes[cut]
+        at = np.lexsort((d, p))
+        d, p = d[at], p[at]
+        self.documents_cut += int(np.count_nonzero((d[1:] != d[:-1]) | (p[1:] != p[:-1]))) + (len(d) > 0)
 
     def fields(self) -> dict:
         """The epoch manifest's `packing` fields of these figures (padding_tokens is recorded apart)."""
@@ -130,7 +130,7 @@ def row_figures(plan, sources: list[PackedSource], memory: int) -> RowFigures:
 class PackedTable:
     """A row table build_table wrote: read by ranges of output rows, or by source shard."""
 
-    folder: object  # pathlib.Path
+    folder: Path
     table_xxh3_128: str
     padding: int
     bucket_rows: int
@@ -140,8 +140,6 @@ class PackedTable:
 
     @classmethod
     def open(cls, folder, expected: str | None = None) -> "PackedTable":
-        from pathlib import Path
-
         folder = Path(folder)
         built = read_record(folder / BUILT_FILE, folder=folder)
         if built is None:
@@ -222,10 +220,6 @@ class PackedTable:
             )
 
 
-def _no_bar(total, desc, unit="B"):
-    return progress(total, desc, unit, enabled=False)
-
-
 def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: int, progress=None) -> PackedTable:
     """Writes the epoch's row table into `folder`, bounded by `memory` (plus a group): each
     source's passes are packed group by group (chain_pieces) and each piece, given its output
@@ -234,9 +228,6 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
     (g, row_offset) and appended to the table, whose xxh3_128 is computed as it is written.
     Atomic: written under a temporary name, renamed whole; BUILT_FILE last. `progress(total, desc)`:
     a bar of each of the two phases (tokpack.formats.io.progress's), else none."""
-    import shutil
-    from pathlib import Path
-
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -248,8 +239,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
     cap = max(MIN_CHUNK, memory // PIECE_STATE_BYTES)  # pieces buffered, and pieces of a bucket of rows
     bucket_rows = max(1, cap // per_row)
     tmp.mkdir(parents=True)
-    rows_files, shard_files = Buckets(tmp / "rows", "rows"), Buckets(tmp / "shards", "s")
-    shard_hashes: dict[int, xxhash.xxh3_64] = {}
+    rows_files, shard_files = Buckets(tmp / "rows", "rows"), Buckets(tmp / "shards", "s", hashed=True)
     first_shard = np.cumsum([0] + [len(src.shards) for src in sources])
     buffered, held, problems = [], 0, set()
     figures = RowFigures(plan.row_tokens)
@@ -266,17 +256,9 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
             key[sel], local[sel] = first_shard[s] + k, rec["start"][sel].astype(np.int64) - sources[s].shard_starts[k]
         out = np.empty(len(rec), SHARD_PIECE)
         out["g"], out["row_offset"], out["length"], out["local"] = rec["g"], rec["row_offset"], rec["length"], local
-        order_ = np.argsort(key, kind="stable")
-        key, out = key[order_], out[order_]
-        cuts = np.flatnonzero(np.diff(key)) + 1
-        for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), len(key)]):
-            raw = out[x:y].tobytes()
-            b = int(key[x])
-            with open_append(shard_files.file(b), folder=shard_files.folder) as f:
-                f.write(raw)
-            shard_hashes.setdefault(b, xxhash.xxh3_64()).update(raw)
+        shard_files.append(key, out)
 
-    progress = progress or _no_bar
+    progress = progress or functools.partial(progress_log.progress, enabled=False)  # no bar
     row_bytes = plan.row_tokens * sources[used[0]].dtype.itemsize if used else 0
     # the epoch's token bytes, less its padding: the bar ends short of its total by the padding
     packing_bar = progress(plan.samples * row_bytes, f"epoch {plan.epoch}: pack rows")
@@ -308,10 +290,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
             sort_bar.update(1)
             rec = rows_files.read(b, _BUILD)
             rec = rec[np.lexsort((rec["row_offset"], rec["g"]))]
-            table = np.empty(len(rec), PIECE)
-            for name in PIECE.names:
-                table[name] = rec[name]
-            raw, starts = table.tobytes(), rec["start"].astype("<u8").tobytes()
+            raw, starts = rec[list(PIECE.names)].astype(PIECE).tobytes(), rec["start"].astype("<u8").tobytes()
             tf.write(raw)
             sf.write(starts)
             h.update(raw)
@@ -325,7 +304,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
     write_bytes_atomic(tmp / INDEX_FILE, index.tobytes())
     shutil.rmtree(tmp / "rows", ignore_errors=True)
     names = {}
-    for b, hs in shard_hashes.items():
+    for b, hs in shard_files.hashes.items():
         s = int(np.searchsorted(first_shard, b, side="right")) - 1
         shard_files.file(b).rename(tmp / f"source-{s:04d}-{b - int(first_shard[s]):06d}")
         names[f"{s}-{b - int(first_shard[s])}"] = hs.intdigest()
@@ -399,6 +378,4 @@ def table_rows(plan: PackedPlan, sources: list[PackedSource]):
     (removed after use) and read back by ranges of rows (PackedTable.rows, a bucket of rows
     at a time)."""
     with scratch() as d:
-        from pathlib import Path
-
         yield build_table(plan, sources, Path(d) / "packing", plan.memory)
