@@ -240,12 +240,9 @@ class SampleReader(ShardFiles):
         The manifests may be built in memory: a test or benchmark can describe a huge
         "virtual" epoch whose shard entries all name one small or sparse real file.
         """
-        chain = chain_table(epochs, absent, numbering)
-        reader = cls(chain.table, chain.seq_len, chain.dtype, chain.eos_id, verify=verify)
+        reader = cls(*chain_table(epochs, absent, numbering), verify=verify)
         reader.absent = dict(absent or {})
         reader.numbering, reader.run = numbering, run
-        reader.pads = chain.pads
-        reader.sizes = chain.pad_sizes
         return reader
 
     # -------------------------------------------------------------- positions

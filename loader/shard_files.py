@@ -50,6 +50,10 @@ class ShardTable:
     # samples), formats/token_check.py's token_check and the rows it holds; None: nothing
     checksums: list[tuple[str, str, int] | None]
     index_checksums: list[str | None]  # manifest xxh3_128 of each shard's .ds.index
+    # Best-fit epochs: per shard its .ds.pad (file, xxh3_128) or None; None when no shard has one
+    pads: list[tuple[str, str] | None] | None
+    pad_sizes: dict[str, int]  # .ds.pad file -> its recorded bytes, checked by the gate at its open
+    # (a shard's size is checked when the reader opens: one cut short later still serves the rows it holds)
 
     @property
     def total(self) -> int:
@@ -84,12 +88,6 @@ def _close(fd) -> None:
 PAD_HINT = "the padding sidecar does not match its manifest (4 bytes a sample); run `tokpack validate` on it"
 
 
-def tokens_vouched(entry: dict, samples: int) -> tuple[str, str, int] | None:
-    """ShardTable.checksums' item for a shard entry whose token file holds `samples` rows."""
-    check = token_check(entry)
-    return None if check is None else (*check, samples)
-
-
 def shard_error(message: str, path, **kw) -> TokpackError:
     return TokpackError(
         message, file=path, hint=kw.pop("hint", "restore the file, or run `tokpack validate` on the directory"), **kw
@@ -118,19 +116,6 @@ def _padding_present(where: Path, m: dict, s: dict, k: int, f: str, size: int | 
                 f + PAD_SUFFIX,
                 hint="run `tokpack validate` on the epoch; restore it or shuffle it again",
             ) from None
-
-
-@dataclass
-class Chain:
-    """What `chain_table` finds in a chain's manifests: its table, the sample shape, and a best-fit
-    epoch's padding sidecars (None when no chained epoch has any)."""
-
-    table: ShardTable
-    seq_len: int
-    dtype: np.dtype
-    eos_id: int | None
-    pads: list[tuple[str, str] | None] | None  # per shard: its .ds.pad (file, xxh3_128), or None
-    pad_sizes: dict[str, int]  # .ds.pad file -> its recorded bytes
 
 
 def _epoch_shape(where: Path, m: dict) -> tuple[int, np.dtype, int, list]:
@@ -180,19 +165,54 @@ def _chains_with(where: Path, first: tuple, this: tuple) -> None:
         )
 
 
-class _Shards:
+class ShardList:
+    """ShardTable's per-shard columns, in chain order: each token file and what its entry vouches
+    for it with (an epoch's shards, from `chain_table`, or a node slice's rank files)."""
+
+    def __init__(self):
+        self.paths: list[str] = []
+        self.checksums: list[tuple[str, str, int] | None] = []  # (field, checksum, samples): token_check's
+        self.index_checksums: list[str | None] = []
+        self.pads: list[tuple[str, str] | None] = []  # per shard: a best-fit epoch's (.pad file, its xxh3_128)
+        self.pad_sizes: dict[str, int] = {}
+
+    def add(self, f: str, s: dict, samples: int) -> None:
+        """Token file `f` of shard entry `s`, which holds `samples` rows."""
+        check = token_check(s)
+        self.paths.append(f)
+        self.checksums.append(None if check is None else (*check, samples))
+        self.index_checksums.append(s.get("index_xxh3_128"))
+        self.pads.append((f + PAD_SUFFIX, s["pad_xxh3_128"]) if has_pad(s) else None)
+        if has_pad(s):
+            self.pad_sizes[f + PAD_SUFFIX] = samples * PAD_DTYPE.itemsize
+
+    def table(self, starts, ends, epoch_starts, epoch_ends, epochs: list[int], epoch_dirs: list[str]) -> ShardTable:
+        """The ShardTable of these files, at chained positions [starts, ends)."""
+        pads = self.pads if any(self.pads) else None
+        return ShardTable(
+            self.paths,
+            starts,
+            ends,
+            epoch_starts,
+            epoch_ends,
+            epochs,
+            epoch_dirs,
+            self.checksums,
+            self.index_checksums,
+            pads,
+            self.pad_sizes,
+        )
+
+
+class _Shards(ShardList):
     """The chain's shard entries as `chain_table` checks them, one epoch after another."""
 
     def __init__(self, absent: dict[str, str] | None):
+        super().__init__()
         self.absent = absent or {}
-        self.paths: list[str] = []
         self.samples: list[int] = []
         self.epoch_of: list[int] = []
-        self.checksums: list[tuple[str, str, int] | None] = []
-        self.index_checksums: list[str | None] = []
-        self.pads: list[tuple[str, str] | None] = []  # per shard: a best-fit epoch's (.pad file, its xxh3_128)
         self.sizes: dict[str, int] = {}  # stat once per distinct file
-        self.pad_sizes: dict[str, int] = {}
 
     def add_epoch(self, pos: int, directory: Path, m: dict, shards: list, row_bytes: int) -> int:
         """Checks and adds an epoch's shards; returns their samples."""
@@ -220,15 +240,10 @@ class _Shards:
                     found=n,
                 )
             self._sized(f, expected)
-            if has_pad(s):
-                self.pad_sizes[f + PAD_SUFFIX] = n * PAD_DTYPE.itemsize
             _padding_present(where, m, s, k, f, None if f in self.absent else n * PAD_DTYPE.itemsize)
-            self.paths.append(f)
+            self.add(f, s, n)
             self.samples.append(n)
             self.epoch_of.append(pos)
-            self.checksums.append(tokens_vouched(s, n))
-            self.index_checksums.append(s.get("index_xxh3_128"))
-            self.pads.append((f + PAD_SUFFIX, s["pad_xxh3_128"]) if has_pad(s) else None)
             total += n
         return total
 
@@ -259,8 +274,8 @@ class _Shards:
 
 def chain_table(
     epochs: Sequence[tuple[str | Path, dict]], absent: dict[str, str] | None, numbering: EpochNumbering | None
-) -> Chain:
-    """The table of (epoch directory, epoch manifest) pairs, chained in order, every shard's
+) -> tuple[ShardTable, int, np.dtype, int | None]:
+    """(table, seq_len, dtype, eos_id) of (epoch directory, epoch manifest) pairs, chained in order, every shard's
     size checked. With a run's `numbering`, epoch e starts at sample numbering.first(e) (epochs
     in increasing order); without one, each epoch starts where the one before it ends."""
     shards = _Shards(absent)
@@ -303,20 +318,10 @@ def chain_table(
         shard_starts.append(at)
         at += n
     shard_starts = np.asarray(shard_starts, dtype=np.int64)
-    table = ShardTable(
-        shards.paths,
-        shard_starts,
-        shard_starts + np.asarray(shards.samples, dtype=np.int64),
-        epoch_starts,
-        epoch_ends,
-        epoch_numbers,
-        [str(d) for d, _ in epochs],
-        shards.checksums,
-        shards.index_checksums,
-    )
+    shard_ends = shard_starts + np.asarray(shards.samples, dtype=np.int64)
+    table = shards.table(shard_starts, shard_ends, epoch_starts, epoch_ends, epoch_numbers, [str(d) for d, _ in epochs])
     seq_len, dtype, eos_id = shape
-    pads = shards.pads if any(shards.pads) else None
-    return Chain(table, seq_len, dtype, None if eos_id is None else int(eos_id), pads, shards.pad_sizes)
+    return table, seq_len, dtype, None if eos_id is None else int(eos_id)
 
 
 class ShardFiles:
@@ -336,9 +341,6 @@ class ShardFiles:
         self.row_bytes = self.row_tokens * self.dtype.itemsize  # bytes per sample
         self._verified: set[str] = set()  # files already checksummed by this reader
         self.absent: dict[str, str] = {}  # shards a partial `tokpack stage --ranks` left out -> why
-        self.pads: list[tuple[str, str] | None] | None = None  # best-fit epochs: per shard its .pad (file, xxh3_128)
-        self.sizes: dict[str, int] = {}  # .pad files -> their recorded bytes, checked by the gate at their open
-        # (a shard's size is checked when the reader opens: one cut short later still serves the rows it holds)
         self._fds: dict[str, tuple[int, int]] = {}  # open files: path -> (fd, size), at most MAX_OPEN_FILES
         self._hash_buf: bytearray | None = None  # reused by verify
         self._index_buf = np.empty(INDEX_CHUNK, dtype=U64)  # reused by index-derived positions
@@ -361,7 +363,8 @@ class ShardFiles:
                 oldest = next(iter(self._fds))
                 _close(self._fds.pop(oldest)[0])
             try:  # a URL: a file read at each place asked (pread needs a descriptor)
-                rules = dict(size=self.sizes[path], what="padding sidecar", hint=PAD_HINT) if path in self.sizes else {}
+                sizes = self.table.pad_sizes
+                rules = dict(size=sizes[path], what="padding sidecar", hint=PAD_HINT) if path in sizes else {}
                 fd = open_read(path, ahead=False, **rules) if is_url(path) else regular_fd(path, **rules)
             except FileNotFoundError:
                 raise shard_error("file disappeared after the reader was opened", path) from None
@@ -488,7 +491,7 @@ class ShardFiles:
     @property
     def packed(self) -> bool:
         """Whether any chained epoch is best-fit packed (its samples may end in padding)."""
-        return self.pads is not None
+        return self.table.pads is not None
 
     def padding(self, g: int, n: int) -> np.ndarray:
         """Padding tokens at the end of each of chained rows [g, g+n) (uint32; 0 for rows of
@@ -498,7 +501,7 @@ class ShardFiles:
             return out
         done = 0
         for i, row, k in self._segments(g, n):
-            pad = self.pads[i]
+            pad = self.table.pads[i]
             if pad is not None:
                 if self.verify:
                     self._check(pad[0], pad[1])

@@ -15,7 +15,7 @@ import numpy as np
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path
 from tokpack.formats.io.gate import regular_size
-from tokpack.formats.constants import MANIFEST, PAD_DTYPE, PAD_SUFFIX, SLICE_EPOCH
+from tokpack.formats.constants import MANIFEST, PAD_SUFFIX, SLICE_EPOCH
 from tokpack.formats.names import dtype_from_name
 from tokpack.formats.packing import has_pad
 from tokpack.formats.reading import read_manifest
@@ -32,7 +32,7 @@ from tokpack.formats.slices import (
 )
 
 from .reader import SampleReader
-from .shard_files import ShardTable, shard_error, tokens_vouched
+from .shard_files import ShardList, shard_error
 
 
 def slice_error(
@@ -70,9 +70,7 @@ class SliceReader(SampleReader):
         numbering = EpochNumbering.of_run(root["run"], path)
         rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
         row_bytes = row_bytes_of(root)
-        paths, checksums, index_checksums, starts, ends, epochs, dirs = [], [], [], [], [], [], []
-        pads: list[tuple[str, str] | None] = []  # per rank file: a best-fit epoch's (.pad file, its xxh3_128)
-        sizes: dict[str, int] = {}  # each .ds.pad's recorded bytes, checked by the gate when the reader opens it
+        shards, starts, ends, epochs, dirs = ShardList(), [], [], [], []
         for e in sorted(int(e) for e in root.get("epochs") or []):
             d = contained_epoch_dir(path, e)
             m = read_manifest(d, kind=SLICE_EPOCH)
@@ -112,11 +110,7 @@ class SliceReader(SampleReader):
                         pad,
                         hint="stage the slice again: the same command resumes",
                     )
-                paths.append(str(f))
-                checksums.append(tokens_vouched(s, want // row_bytes))
-                index_checksums.append(s.get("index_xxh3_128"))
-                pads.append((str(f) + PAD_SUFFIX, s["pad_xxh3_128"]) if has_pad(s) else None)
-                sizes[str(f) + PAD_SUFFIX] = want // row_bytes * PAD_DTYPE.itemsize
+                shards.add(str(f), s, want // row_bytes)
             starts.append(first)
             ends.append(first + n)
             epochs.append(e)
@@ -131,21 +125,11 @@ class SliceReader(SampleReader):
                 hint="stage the slice again",
             )
         starts_a, ends_a = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
-        table = ShardTable(
-            paths,
-            np.repeat(starts_a, len(ranks)),
-            np.repeat(ends_a, len(ranks)),
-            starts_a,
-            ends_a,
-            epochs,
-            dirs,
-            checksums,
-            index_checksums,
+        table = shards.table(
+            np.repeat(starts_a, len(ranks)), np.repeat(ends_a, len(ranks)), starts_a, ends_a, epochs, dirs
         )
         reader = cls(table, int(root["seq_len"]), dtype_from_name(root["dtype"]), int(root["eos_id"]), verify=verify)
         reader.numbering = numbering
-        reader.pads = pads if any(pads) else None
-        reader.sizes = sizes
         reader.run = (root.get("source") or str(path), root["run"])
         reader.slice_path, reader.slice = str(path), root
         reader.rank_rows, reader.slice_ranks = rows, ranks
