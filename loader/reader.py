@@ -55,15 +55,7 @@ from .assembly import (  # noqa: F401 -- re-exported: tests, docs and users impo
     positions_from_eos,
     positions_from_starts,
 )
-from .shard_files import (  # noqa: F401 -- re-exported, as above
-    INDEX_CHUNK,
-    MAX_OPEN_FILES,
-    PAD_HINT,
-    ShardFiles,
-    ShardTable,
-    chain_table,
-    shard_error,
-)
+from .shard_files import ShardFiles, chain_table
 
 # One contiguous read when the rank's rows are contiguous (W == 1): large enough to keep a
 # disk or NFS busy, small enough not to matter next to a training process.
@@ -89,10 +81,6 @@ class StreamState:
 
     def __post_init__(self):
         self.rows = RankRows(self.world_size, self.micro_batch, self.start)  # which samples rank r reads
-
-    @property
-    def global_batch(self) -> int:
-        return self.rows.global_batch
 
     def first_sample(self, step: int) -> int:
         """Chained index of this rank's first row in global batch `step`."""
@@ -146,10 +134,8 @@ class SampleReader(ShardFiles):
     time it is read, before any of its data is returned (ShardFiles, its I/O).
     """
 
-    def __init__(self, table: ShardTable, seq_len: int, dtype: np.dtype, eos_id: int | None, verify: bool = False):
-        super().__init__(table, seq_len, dtype, eos_id, verify)
-        self.numbering: EpochNumbering | None = None  # a run's numbering; None: chain order from 0
-        self.run: tuple[str, dict] | None = None  # (run directory, run manifest), for the command hints
+    numbering: EpochNumbering | None = None  # a run's numbering; None: chain order from 0
+    run: tuple[str, dict] | None = None  # (run directory, run manifest), for the command hints
 
     # ----------------------------------------------------------------- opening
 
