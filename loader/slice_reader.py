@@ -35,31 +35,6 @@ from .reader import SampleReader
 from .shard_files import ShardList, shard_error
 
 
-def slice_error(
-    message: str, path, manifest: dict, rank: int, world_size: int, micro_batch: int, phase: int
-) -> TokpackError:
-    """One line: what the slice holds, and the command that restages this node, in place of the
-    slice, for the stream asked for: the slice's count of ranks, the one holding `rank`."""
-    ranks = manifest["ranks"]
-    source = manifest.get("source") or "RUN"
-    k = len(ranks)
-    first = max(0, ranks[0] + (rank - ranks[0]) // k * k)
-    last = min(first + k, world_size) - 1
-    here = str(path).rstrip("/")
-    return TokpackError(
-        message,
-        file=path,
-        where="rank/world_size/micro_batch",
-        expected=f"ranks {ranks[0]}-{ranks[-1]} of world size {manifest['world_size']}, "
-        f"micro-batch {manifest['micro_batch']}"
-        + (f", global batches from sample {manifest['batch_phase']} mod W*m" if manifest["batch_phase"] else ""),
-        found=f"rank {rank} of world size {world_size}, micro-batch {micro_batch}",
-        hint=f"restage this node's slice for that stream: `rm -r {shlex.quote(here)} && "
-        + stage_command(source, here, first, last, world_size, micro_batch, phase)
-        + "`",
-    )
-
-
 class SliceReader(SampleReader):
     """A SampleReader over a node slice: the run's consumed-sample numbers, the rows of its ranks only."""
 
@@ -135,30 +110,37 @@ class SliceReader(SampleReader):
         reader.rank_rows, reader.slice_ranks = rows, ranks
         return reader
 
+    def _refused(self, message: str, rank: int, world_size: int, micro_batch: int, phase: int) -> TokpackError:
+        """One line: what the slice holds, and the command that restages this node, in place of the
+        slice, for the stream asked for: the slice's count of ranks, the one holding `rank`."""
+        manifest, path = self.slice, self.slice_path
+        ranks = manifest["ranks"]
+        source = manifest.get("source") or "RUN"
+        k = len(ranks)
+        first = max(0, ranks[0] + (rank - ranks[0]) // k * k)
+        last = min(first + k, world_size) - 1
+        here = str(path).rstrip("/")
+        return TokpackError(
+            message,
+            file=path,
+            where="rank/world_size/micro_batch",
+            expected=f"ranks {ranks[0]}-{ranks[-1]} of world size {manifest['world_size']}, "
+            f"micro-batch {manifest['micro_batch']}"
+            + (f", global batches from sample {manifest['batch_phase']} mod W*m" if manifest["batch_phase"] else ""),
+            found=f"rank {rank} of world size {world_size}, micro-batch {micro_batch}",
+            hint=f"restage this node's slice for that stream: `rm -r {shlex.quote(here)} && "
+            + stage_command(source, here, first, last, world_size, micro_batch, phase)
+            + "`",
+        )
+
     def serves(self, rank: int, world_size: int, micro_batch: int, start: int) -> None:
         """Refuses, in one line, a stream this slice does not hold."""
-        rr = self.rank_rows
+        rr, phase = self.rank_rows, start % (world_size * micro_batch)
         if (world_size, micro_batch) != (rr.world_size, rr.micro_batch) or rank not in self.slice_ranks:
-            raise slice_error(
-                "this node slice does not hold that rank's rows",
-                self.slice_path,
-                self.slice,
-                rank,
-                world_size,
-                micro_batch,
-                start % (world_size * micro_batch),
-            )
-        if RankRows(world_size, micro_batch, start).phase != rr.phase:
-            raise slice_error(
-                f"this node slice serves global batches starting at samples = {rr.phase} mod "
-                f"{rr.global_batch}, not at {start}",
-                self.slice_path,
-                self.slice,
-                rank,
-                world_size,
-                micro_batch,
-                start % rr.global_batch,
-            )
+            raise self._refused("this node slice does not hold that rank's rows", rank, world_size, micro_batch, phase)
+        if RankRows(world_size, micro_batch, start).phase != rr.phase:  # the same W*m: phase is start's, mod it
+            message = f"this node slice serves global batches starting at samples = {rr.phase} mod {rr.global_batch}"
+            raise self._refused(f"{message}, not at {start}", rank, world_size, micro_batch, phase)
 
     def _segments(self, g: int, n: int) -> Iterator[tuple[int, int, int]]:
         """Chained rows [g, g+n) -> (rank file, row in it, rows): split at epoch ends and where
@@ -170,15 +152,8 @@ class SliceReader(SampleReader):
                 raise IndexError(f"sample {g} is in no epoch of this slice")
             r = rr.rank_of(g)
             if r not in self.slice_ranks:
-                raise slice_error(
-                    f"sample {g} is read by rank {r}, which this node slice does not hold",
-                    self.slice_path,
-                    self.slice,
-                    r,
-                    rr.world_size,
-                    rr.micro_batch,
-                    rr.phase,
-                )
+                message = f"sample {g} is read by rank {r}, which this node slice does not hold"
+                raise self._refused(message, r, rr.world_size, rr.micro_batch, rr.phase)
             k = min(n, int(table.epoch_ends[pos]) - g, rr.run_left(g))
             yield pos * k_ranks + (r - self.slice_ranks[0]), rr.rows(r, int(table.epoch_starts[pos]), g), k
             g += k
