@@ -122,6 +122,16 @@ def most_documents(positions: np.ndarray) -> int:
     return int((np.atleast_2d(positions) == 0).sum(axis=1).max(initial=0))
 
 
+def eod_mask_needs_eos(eod_mask_loss: bool, eos_id: int | None) -> None:
+    """eod_mask_loss masks the loss at each EOS input: an epoch without eos_id is refused."""
+    if eod_mask_loss and eos_id is None:
+        raise TokpackError(
+            "eod_mask_loss needs eos_id, and the epoch manifest has none",
+            where="eod_mask_loss",
+            hint="leave eod_mask_loss off for this epoch",
+        )
+
+
 def micro_batch(
     rows: np.ndarray,
     pad: np.ndarray | None,
@@ -158,13 +168,8 @@ def micro_batch(
     else:
         real = None  # a window epoch: every label is a real token
     labels = rows[:, 1:].astype(np.int64)
+    eod_mask_needs_eos(eod_mask_loss, eos_id)
     if eod_mask_loss:
-        if eos_id is None:
-            raise TokpackError(
-                "eod_mask_loss needs eos_id, and the epoch manifest has none",
-                where="eod_mask_loss",
-                hint="leave eod_mask_loss off for this epoch",
-            )
         real = rows[:, :-1] != eos_id if real is None else real & (rows[:, :-1] != eos_id)
     if real is None:  # nothing to mask: the ones are written, not masked out (no step waits on a mask of all True)
         loss_mask = np.ones(labels.shape, dtype=np.int64)

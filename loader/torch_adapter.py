@@ -46,7 +46,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from tokpack.formats.arguments import flag, text, whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.slices import RankRows
-from .assembly import I64, WindowBatch
+from .assembly import I64, WindowBatch, eod_mask_needs_eos
 from .handoff import HANDOFF_PAUSE_S, Batch
 from .read_ahead import ReadAhead
 from .reader import AT_END, SampleReader, stream_shape
@@ -294,12 +294,7 @@ class TokpackDataset(IterableDataset):
             )
         # Opened here, in the main process, so a missing or truncated shard fails before training starts.
         self.reader = SampleReader.open(path, verify=verify)  # shard table; fds reopen in each worker
-        if eod_mask_loss and self.reader.eos_id is None:  # refused here, not at the first batch
-            raise TokpackError(
-                "eod_mask_loss needs eos_id, and the epoch manifest has none",
-                where="eod_mask_loss",
-                hint="leave eod_mask_loss off for this epoch",
-            )
+        eod_mask_needs_eos(eod_mask_loss, self.reader.eos_id)  # refused here, not at the first batch
         self.rank = rank  # r
         self.world_size = world_size  # W
         self.micro_batch = micro_batch  # m
@@ -432,16 +427,13 @@ class TokpackDataset(IterableDataset):
             )
         return int(saved["start"]), int(saved["next_step"])
 
+    @_one_line_from_workers()
     def state_dict(self, batch: dict | None = None) -> dict:
-        """Where to resume (`_state_dict`); in a worker, an error is one line in the main process."""
-        with _one_line_from_workers():
-            return self._state_dict(batch)
-
-    def _state_dict(self, batch: dict | None = None) -> dict:
-        """Where to resume. torchdata's `StatefulDataLoader` calls it in each worker (that
-        worker's share of the steps) or, without workers, in the main process. `batch`: the
-        position after a batch the loader returned, {"epoch", "sample", "consumed_samples"}.
-        In the main process while workers iterate, only the batch form is known."""
+        """Where to resume (in a worker, an error is one line in the main process). torchdata's
+        `StatefulDataLoader` calls it in each worker (that worker's share of the steps) or, without
+        workers, in the main process. `batch`: the position after a batch the loader returned,
+        {"epoch", "sample", "consumed_samples"}. In the main process while workers iterate, only
+        the batch form is known."""
         if batch is not None:
             return self._position(int(batch["consumed_samples"]))
         info = get_worker_info()
@@ -473,14 +465,11 @@ class TokpackDataset(IterableDataset):
         epoch, sample = self.reader.epoch_sample(g)
         return {"epoch": int(epoch), "sample": int(sample), "consumed_samples": int(g)}
 
+    @_one_line_from_workers()
     def load_state_dict(self, state: dict) -> None:
-        """Resume from `state_dict()` (`_load_state_dict`); in a worker, an error is one line."""
-        with _one_line_from_workers():
-            self._load_state_dict(state)
-
-    def _load_state_dict(self, state: dict) -> None:
-        """Resume from `state_dict()`: a worker's share (StatefulDataLoader, same workers, same
-        W*m) or a position (epoch, sample) / consumed_samples (any world size). O(1)."""
+        """Resume from `state_dict()` (in a worker, an error is one line): a worker's share
+        (StatefulDataLoader, same workers, same W*m) or a position (epoch, sample) /
+        consumed_samples (any world size). O(1)."""
         state = _as_state(state)
         if "next_step" in state:
             self._worker_resume = self._checked_share(state)
