@@ -202,14 +202,17 @@ def saved_workers(loader_state) -> int:
         return 0
     shares = snapshot.get("_worker_snapshots") if isinstance(snapshot, dict) else None
     if not isinstance(shares, dict) or not shares:
-        raise TokpackError(
-            "not a StatefulDataLoader state of a TokpackDataset",
-            where="_worker_snapshots",
-            expected="one TokpackDataset state per worker",
-            found=shares,
-            hint=_RESTART_HINT,
-        )
+        raise _foreign("_worker_snapshots", _PER_WORKER, shares, hint=_RESTART_HINT)
     return len(shares)
+
+
+_PER_WORKER = "one TokpackDataset state per worker"
+
+
+def _foreign(where: str, expected: str, found, hint: str | None = None) -> TokpackError:
+    """A loader state that is not a StatefulDataLoader's over a TokpackDataset: one line."""
+    message = "not a StatefulDataLoader state of a TokpackDataset"
+    return TokpackError(message, where=where, expected=expected, found=found, hint=hint)
 
 
 class TokpackDataset(IterableDataset):
@@ -534,24 +537,14 @@ class TokpackDataset(IterableDataset):
         if snapshot is None:  # no workers: the dataset's own position
             state = loader_state.get("dataset_state")
             if not isinstance(state, dict) or "consumed_samples" not in state:
-                raise TokpackError(
-                    "not a StatefulDataLoader state of a TokpackDataset",
-                    where="dataset_state",
-                    expected="{epoch, sample, consumed_samples}",
-                    found=state,
-                )
+                raise _foreign("dataset_state", "{epoch, sample, consumed_samples}", state)
             return _state_int(state, "consumed_samples")
         saved_workers(loader_state)
         shares = [
             w.get("dataset_state") if isinstance(w, dict) else None for w in snapshot["_worker_snapshots"].values()
         ]
         if not all(isinstance(s, dict) and "next_step" in s for s in shares):
-            raise TokpackError(
-                "not a StatefulDataLoader state of a TokpackDataset",
-                where="_worker_snapshots",
-                expected="one TokpackDataset state per worker",
-                found=shares,
-            )
+            raise _foreign("_worker_snapshots", _PER_WORKER, shares)
         # Steps below the smallest next step were all yielded (the loader yields in step order),
         # and so were the steps yielded since the snapshot.
         since = _state_int(loader_state, "_steps_since_snapshot") if "_steps_since_snapshot" in loader_state else 0
