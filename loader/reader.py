@@ -27,6 +27,7 @@ This module must not import torch (nor datatrove.utils.dataset, which imports it
 from __future__ import annotations
 
 import importlib
+import itertools
 import numbers
 from dataclasses import dataclass
 from pathlib import Path
@@ -506,17 +507,15 @@ class SampleReader(ShardFiles):
         rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
         self.require_batch(world_size, micro_batch, self.start_from(start_sample=start))
         steps = None if count is None else -(-count // micro_batch)
-        left = count
         stream = self.batches(rank, world_size, micro_batch, start, steps=steps, at_end="stop")
-        for rows in stream:
-            g = stream.state.first_sample(stream.last_step)
-            for j in range(len(rows)):
-                epoch, sample = self.locate(g + j)
-                yield Sample(epoch, sample, g + j, rows[j])
-                if left is not None:
-                    left -= 1
-                    if left == 0:
-                        return
+
+        def samples() -> Iterator[Sample]:
+            for rows in stream:
+                g = stream.state.first_sample(stream.last_step)
+                for j in range(len(rows)):
+                    yield Sample(*self.locate(g + j), g + j, rows[j])
+
+        yield from itertools.islice(samples(), count)
 
 
 # What a stream does where the written samples end: raise `end_error` (the default), or stop.
