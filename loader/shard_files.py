@@ -86,6 +86,9 @@ def _close(fd) -> None:
 
 
 PAD_HINT = "the padding sidecar does not match its manifest (4 bytes a sample); run `tokpack validate` on it"
+# A file verify finds changed: what it says, and what to do.
+_CORRUPT = "checksum mismatch: the shard is corrupt"
+_RESTORE = "restore the file (e.g. `tokpack stage` it again from the original)"
 
 
 def shard_error(message: str, path, **kw) -> TokpackError:
@@ -371,11 +374,13 @@ class ShardFiles:
             got = self._fds[path] = (fd, os.fstat(fd).st_size if isinstance(fd, int) else fd.size)
         return got
 
-    def _check(self, path: str, expected: str | None) -> None:
-        """verify=True: the whole file's xxh3_128 against the manifest, once per file."""
+    def _check(self, path: str, expected: str | None, rows: tuple[str, int] | None = None) -> None:
+        """verify=True: the file against its manifest, once per file: its whole xxh3_128, or, for a
+        token file vouched for row by row, `rows` (its entry's field and samples) against its
+        `.ds.rows` (formats/token_check.py)."""
         if path in self._verified:
             return
-        if not expected:
+        if not expected and rows is None:
             raise shard_error(
                 "cannot verify: the manifest has no checksum for this file",
                 path,
@@ -385,44 +390,23 @@ class ShardFiles:
         if self._hash_buf is None:
             self._hash_buf = bytearray(4 << 20)
         try:
-            found = xxh3_128_file(path, self._hash_buf)
+            if rows is None:
+                found = xxh3_128_file(path, self._hash_buf)
+            else:  # a mismatch is its own line, naming the row
+                verify_token_file(
+                    path, (rows[0], expected), rows[1], self.row_bytes, self._hash_buf, message=_CORRUPT, hint=_RESTORE
+                )
+                found = expected
         except FileNotFoundError:  # as _file says it (a slice's .ds.pad gone was a raw FileNotFoundError here)
             raise shard_error("file disappeared after the reader was opened", path) from None
         if found != expected:
-            raise shard_error(
-                "checksum mismatch: the shard is corrupt",
-                path,
-                where="xxh3_128",
-                expected=expected,
-                found=found,
-                hint="restore the file (e.g. `tokpack stage` it again from the original)",
-            )
+            raise shard_error(_CORRUPT, path, where="xxh3_128", expected=expected, found=found, hint=_RESTORE)
         self._verified.add(path)
 
     def _check_tokens(self, i: int) -> None:
         """verify=True: shard i's token file against what its entry vouches for it with, once."""
-        path, check = self.table.paths[i], self.table.checksums[i]
-        if check is None or check[0] == WHOLE:
-            self._check(path, None if check is None else check[1])
-            return
-        if path in self._verified:
-            return
-        if self._hash_buf is None:
-            self._hash_buf = bytearray(4 << 20)
-        key, checksum, samples = check
-        try:
-            verify_token_file(
-                path,
-                (key, checksum),
-                samples,
-                self.row_bytes,
-                self._hash_buf,
-                message="checksum mismatch: the shard is corrupt",
-                hint="restore the file (e.g. `tokpack stage` it again from the original)",
-            )
-        except FileNotFoundError:
-            raise shard_error("file disappeared after the reader was opened", path) from None
-        self._verified.add(path)
+        key, checksum, samples = self.table.checksums[i] or (WHOLE, None, 0)
+        self._check(self.table.paths[i], checksum, None if key == WHOLE else (key, samples))
 
     def _pread(self, fd: int, view: memoryview, offset: int, path: str) -> None:
         n = read_full(fd, view, offset)
