@@ -214,7 +214,8 @@ class _Shards(ShardList):
         super().__init__()
         self.absent = absent or {}
         self.samples: list[int] = []
-        self.epoch_of: list[int] = []
+        self.epoch_of: list[int] = []  # each shard's epoch, by position in the chain
+        self.offsets: list[int] = []  # each shard's first sample within its epoch
         self.sizes: dict[str, int] = {}  # stat once per distinct file
 
     def add_epoch(self, pos: int, directory: Path, m: dict, shards: list, row_bytes: int) -> int:
@@ -247,6 +248,7 @@ class _Shards(ShardList):
             self.add(f, s, n)
             self.samples.append(n)
             self.epoch_of.append(pos)
+            self.offsets.append(total)
             total += n
         return total
 
@@ -314,13 +316,7 @@ def chain_table(
     epoch_ends = epoch_starts + np.asarray(epoch_sizes, dtype=np.int64)
     if np.any(epoch_starts[1:] < epoch_ends[:-1]):
         raise TokpackError("a run's epochs must be chained in increasing order", where="epochs", found=epoch_numbers)
-    shard_starts, at, prev = [], 0, -1
-    for pos, n in zip(shards.epoch_of, shards.samples):
-        if pos != prev:
-            at, prev = int(epoch_starts[pos]), pos
-        shard_starts.append(at)
-        at += n
-    shard_starts = np.asarray(shard_starts, dtype=np.int64)
+    shard_starts = epoch_starts[np.asarray(shards.epoch_of, dtype=np.intp)] + np.asarray(shards.offsets, dtype=np.int64)
     shard_ends = shard_starts + np.asarray(shards.samples, dtype=np.int64)
     table = shards.table(shard_starts, shard_ends, epoch_starts, epoch_ends, epoch_numbers, [str(d) for d, _ in epochs])
     seq_len, dtype, eos_id = shape
