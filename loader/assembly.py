@@ -29,11 +29,15 @@ def positions_from_starts(starts: np.ndarray) -> np.ndarray:
 
 def positions_from_eos(tokens: np.ndarray, eos_id: int) -> np.ndarray:
     """datatrove's convention: positions restart at 0 on the token AFTER each EOS, and at every row start."""
-    tokens = np.atleast_2d(tokens)
-    starts = np.zeros(tokens.shape, dtype=bool)
+    return positions_from_starts(_eos_starts(np.atleast_2d(tokens), eos_id))
+
+
+def _eos_starts(rows: np.ndarray, eos_id: int) -> np.ndarray:
+    """[m, L] bool: True where a fragment begins, at every row start and on the token after each EOS."""
+    starts = np.zeros(rows.shape, dtype=bool)
     starts[:, 0] = True
-    np.equal(tokens[:, :-1], eos_id, out=starts[:, 1:])
-    return positions_from_starts(starts)
+    np.equal(rows[:, :-1], eos_id, out=starts[:, 1:])
+    return starts
 
 
 def document_masks(rows: np.ndarray, pad: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -43,9 +47,7 @@ def document_masks(rows: np.ndarray, pad: np.ndarray, eos_id: int) -> tuple[np.n
     rows = np.atleast_2d(rows)
     m, width = rows.shape
     real = np.arange(width)[None, :] < (width - pad.astype(np.int64))[:, None]
-    starts = np.zeros(rows.shape, dtype=bool)
-    starts[:, 0] = True
-    np.equal(rows[:, :-1], eos_id, out=starts[:, 1:])
+    starts = _eos_starts(rows, eos_id)
     starts[:, 1:] &= real[:, 1:]
     first_pad = np.clip(width - pad.astype(np.int64), 0, width - 1)
     has = pad > 0
