@@ -88,9 +88,7 @@ def _check_worker_count_at_iteration() -> None:
     def _get_iterator(loader):
         state = getattr(loader, "next_iter_state", None)
         if state is not None and isinstance(loader.dataset, TokpackDataset):
-            saved = saved_workers(state)
-            if saved != loader.num_workers:
-                raise _other_workers(saved, loader.num_workers)
+            _same_workers(saved_workers(state), loader.num_workers)
         return made(loader)
 
     _get_iterator._tokpack_checks_workers = True
@@ -136,14 +134,16 @@ def _as_state(state) -> dict:
     return state
 
 
-def _other_workers(saved: int, found: int) -> TokpackError:
-    return TokpackError(
-        "loader state was saved with another number of DataLoader workers",
-        where="num_workers",
-        expected=saved,
-        found=found,
-        hint=f"use num_workers={saved}, or {_RESTART_HINT}",
-    )
+def _same_workers(saved: int, found: int) -> None:
+    """A loader state saved with `saved` DataLoader workers, loaded where there are `found`."""
+    if saved != found:
+        raise TokpackError(
+            "loader state was saved with another number of DataLoader workers",
+            where="num_workers",
+            expected=saved,
+            found=found,
+            hint=f"use num_workers={saved}, or {_RESTART_HINT}",
+        )
 
 
 # A reader's open files and reused buffers serve one batch at a time: a read-ahead thread and
@@ -410,8 +410,7 @@ class TokpackDataset(IterableDataset):
 
     def _resume_share(self, saved: dict, worker: int, workers: int) -> tuple[int, int]:
         """(start, first step) of this worker's share of the steps, from its saved state."""
-        if int(saved["num_workers"]) != workers:
-            raise _other_workers(int(saved["num_workers"]), workers)
+        _same_workers(int(saved["num_workers"]), workers)
         if int(saved["worker"]) != worker:
             raise TokpackError(
                 "loader state is the share of another DataLoader worker",
@@ -523,9 +522,7 @@ class TokpackDataset(IterableDataset):
         """`loader.load_state_dict(loader_state)` for a StatefulDataLoader over this dataset, after
         checking that the state was saved with the loader's number of workers: the line that
         `iter(loader)` gives otherwise (`_check_worker_count_at_iteration`), at the load."""
-        saved = saved_workers(loader_state)
-        if saved != loader.num_workers:
-            raise _other_workers(saved, loader.num_workers)
+        _same_workers(saved_workers(loader_state), loader.num_workers)
         loader.load_state_dict(loader_state)
 
     @staticmethod
