@@ -7,6 +7,7 @@ the first time it is read (verify), and reads a best-fit epoch's padding and the
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -513,8 +514,8 @@ class ShardFiles:
                     hint="use positions from EOS instead, or restore the file",
                 ) from None
             lo, hi = row * L, (row + k) * L
-            j = self._index_search(fd, size // 8, lo, path)  # first entry > lo
             entries = size // 8
+            j = self._index_search(fd, entries, lo, path)  # first entry > lo
             while j < entries:
                 c = min(INDEX_CHUNK, entries - j)
                 buf = self._index_buf[:c]
@@ -529,17 +530,14 @@ class ShardFiles:
 
     def _index_search(self, fd: int, entries: int, value: int, path: str) -> int:
         """First entry index whose value is > `value` (binary search with 8-byte preads: O(log n), O(1) memory)."""
-        lo, hi = 0, entries
         one = self._index_buf[:1]
         view = memoryview(one.view(np.uint8))
-        while lo < hi:
-            mid = (lo + hi) // 2
-            self._pread(fd, view, mid * 8, path)
-            if int(one[0]) > value:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+
+        def entry(i: int) -> int:
+            self._pread(fd, view, i * 8, path)
+            return int(one[0])
+
+        return bisect.bisect_right(range(entries), value, key=entry)
 
     def close(self) -> None:
         for fd, _ in self._fds.values():
