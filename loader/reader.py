@@ -235,11 +235,6 @@ class SampleReader(ShardFiles):
     # -------------------------------------------------------------- positions
 
     @property
-    def total_samples(self) -> int:
-        """End of the chain: one past its last sample (in a run, a consumed-sample number)."""
-        return self.table.total
-
-    @property
     def epochs(self) -> list[int]:
         return list(self.table.epochs)
 

@@ -56,14 +56,6 @@ class ShardTable:
     pad_sizes: dict[str, int]  # .ds.pad file -> its recorded bytes, checked by the gate at its open
     # (a shard's size is checked when the reader opens: one cut short later still serves the rows it holds)
 
-    @property
-    def total(self) -> int:
-        """End of the chained stream: after the last sample of the last epoch."""
-        return int(self.epoch_ends[-1]) if len(self.epoch_ends) else 0
-
-    def shard_of(self, g: int) -> int:
-        return int(np.searchsorted(self.starts, g, side="right")) - 1
-
     def epoch_pos_of(self, g: int) -> int:
         """Position in `epochs` of the epoch holding g, or -1 when no chained epoch holds it."""
         pos = int(np.searchsorted(self.epoch_starts, g, side="right")) - 1
@@ -421,7 +413,7 @@ class ShardFiles:
     def _segments(self, g: int, n: int) -> Iterator[tuple[int, int, int]]:
         """Splits chained rows [g, g+n) at shard boundaries: (shard, first row in shard, rows)."""
         starts, ends = self.table.starts, self.table.ends
-        i = self.table.shard_of(g)
+        i = int(np.searchsorted(starts, g, side="right")) - 1
         while n > 0:
             if i < 0 or i >= len(starts) or not starts[i] <= g < ends[i]:
                 raise IndexError(f"sample {g} is in no epoch of this chain")
@@ -430,6 +422,11 @@ class ShardFiles:
             g += k
             n -= k
             i += 1
+
+    @property
+    def total_samples(self) -> int:
+        """End of the chain: one past its last sample (in a run, a consumed-sample number)."""
+        return int(self.table.epoch_ends[-1]) if len(self.table.epoch_ends) else 0
 
     def read_into(self, g: int, out: np.ndarray) -> np.ndarray:
         """Fills `out` ([n, seq_len+1] of the token dtype, C-contiguous) with chained rows [g, g+n)."""
