@@ -441,8 +441,7 @@ class TokpackDataset(IterableDataset):
         info = get_worker_info()
         if info is not None:
             if self._stream is not None:
-                st = self._stream.state
-                start, step = st.start, st.step
+                start, step = self._stream.state.start, self._stream.state.step
             elif self._worker_resume is not None:
                 start, step = self._resume_share(self._worker_resume, info.id, info.num_workers)
             else:
