@@ -29,11 +29,15 @@ def positions_from_starts(starts: np.ndarray) -> np.ndarray:
 
 def positions_from_eos(tokens: np.ndarray, eos_id: int) -> np.ndarray:
     """datatrove's convention: positions restart at 0 on the token AFTER each EOS, and at every row start."""
-    tokens = np.atleast_2d(tokens)
-    starts = np.zeros(tokens.shape, dtype=bool)
+    return positions_from_starts(_eos_starts(np.atleast_2d(tokens), eos_id))
+
+
+def _eos_starts(rows: np.ndarray, eos_id: int) -> np.ndarray:
+    """[m, L] bool: True where a fragment begins, at every row start and on the token after each EOS."""
+    starts = np.zeros(rows.shape, dtype=bool)
     starts[:, 0] = True
-    np.equal(tokens[:, :-1], eos_id, out=starts[:, 1:])
-    return positions_from_starts(starts)
+    np.equal(rows[:, :-1], eos_id, out=starts[:, 1:])
+    return starts
 
 
 def document_masks(rows: np.ndarray, pad: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -43,9 +47,7 @@ def document_masks(rows: np.ndarray, pad: np.ndarray, eos_id: int) -> tuple[np.n
     rows = np.atleast_2d(rows)
     m, width = rows.shape
     real = np.arange(width)[None, :] < (width - pad.astype(np.int64))[:, None]
-    starts = np.zeros(rows.shape, dtype=bool)
-    starts[:, 0] = True
-    np.equal(rows[:, :-1], eos_id, out=starts[:, 1:])
+    starts = _eos_starts(rows, eos_id)
     starts[:, 1:] &= real[:, 1:]
     first_pad = np.clip(width - pad.astype(np.int64), 0, width - 1)
     has = pad > 0
@@ -122,6 +124,16 @@ def most_documents(positions: np.ndarray) -> int:
     return int((np.atleast_2d(positions) == 0).sum(axis=1).max(initial=0))
 
 
+def eod_mask_needs_eos(eod_mask_loss: bool, eos_id: int | None) -> None:
+    """eod_mask_loss masks the loss at each EOS input: an epoch without eos_id is refused."""
+    if eod_mask_loss and eos_id is None:
+        raise TokpackError(
+            "eod_mask_loss needs eos_id, and the epoch manifest has none",
+            where="eod_mask_loss",
+            hint="leave eod_mask_loss off for this epoch",
+        )
+
+
 def micro_batch(
     rows: np.ndarray,
     pad: np.ndarray | None,
@@ -158,13 +170,8 @@ def micro_batch(
     else:
         real = None  # a window epoch: every label is a real token
     labels = rows[:, 1:].astype(np.int64)
+    eod_mask_needs_eos(eod_mask_loss, eos_id)
     if eod_mask_loss:
-        if eos_id is None:
-            raise TokpackError(
-                "eod_mask_loss needs eos_id, and the epoch manifest has none",
-                where="eod_mask_loss",
-                hint="leave eod_mask_loss off for this epoch",
-            )
         real = rows[:, :-1] != eos_id if real is None else real & (rows[:, :-1] != eos_id)
     if real is None:  # nothing to mask: the ones are written, not masked out (no step waits on a mask of all True)
         loss_mask = np.ones(labels.shape, dtype=np.int64)

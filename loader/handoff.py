@@ -26,6 +26,7 @@ by descriptor.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import multiprocessing.util
@@ -71,13 +72,14 @@ def _views(buffer: torch.Tensor, layout: tuple) -> list[torch.Tensor]:
     return out
 
 
-_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
-
-
+@functools.cache
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    if dtype not in _TORCH_DTYPES:
-        _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-    return _TORCH_DTYPES[dtype]
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+def _uint8(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole of `storage`."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 def _rebuild(buffer: torch.Tensor, layout: tuple) -> "Batch":
@@ -115,14 +117,8 @@ class Batch(dict):
             layout.append((key, _torch_dtype(dtype), shape, offset))
             spans.append((offset, n, dtype, shape))
             offset += -(-n // _ALIGN) * _ALIGN
-        named = _named_buffer(max(offset, 1))
-        if named is None:
-            buffer, name = (
-                torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(offset, 1))),
-                None,
-            )
-        else:
-            buffer, name = named
+        nbytes = max(offset, 1)
+        buffer, name = _named_buffer(nbytes) or (_uint8(torch.UntypedStorage._new_shared(nbytes)), None)
         raw = buffer.numpy()
         arrays = [raw[o : o + n].view(dtype).reshape(shape) for o, n, dtype, shape in spans]
         batch = _rebuild(buffer, tuple(layout))
@@ -236,7 +232,7 @@ def _named_buffer(nbytes: int) -> tuple[torch.Tensor, list] | None:
         multiprocessing.util.Finalize(None, _remove, args=(_made,), exitpriority=0)
         _sweep_gone()
     _made.append(name)
-    return torch.empty(0, dtype=torch.uint8).set_(storage), [name]
+    return _uint8(storage), [name]
 
 
 def _sweep_gone(now: float | None = None) -> None:
@@ -322,4 +318,4 @@ def _rebuild_named(name: str, nbytes: int, layout: tuple) -> "Batch":
         storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
     finally:
         os.close(fd)
-    return _rebuild(torch.empty(0, dtype=torch.uint8).set_(storage), layout)
+    return _rebuild(_uint8(storage), layout)

@@ -17,9 +17,8 @@ _END = object()  # the items ended (StopIteration in the thread)
 
 class ReadAhead:
     """Iterates `items` (an iterator; a generator is closed in the thread when the read-ahead
-    stops) in one daemon thread, at most `depth` items ahead of what the consumer has taken: the
-    thread makes item k + 1 once the consumer has taken item k (depth 1), so at most one item is
-    made and not yet taken. Items come out in the order `items` makes them, each object as made
+    stops) in one daemon thread, one item ahead of what the consumer has taken: the thread makes
+    item k + 1 once the consumer has taken item k, so at most one item is made and not yet taken. Items come out in the order `items` makes them, each object as made
     (never copied); an exception `items` raises comes out of `__next__` where its item would
     have, after every item made before it, and ends the iteration.
 
@@ -30,9 +29,9 @@ class ReadAhead:
     `close()` (also at garbage collection) stops the thread and waits for it: it finishes the item
     it is making, if any, and exits. The thread ends by itself when `items` ends or raises."""
 
-    def __init__(self, items: Iterator, depth: int = 1, pause_s: float = 0.0, name: str = "tokpack-read-ahead"):
+    def __init__(self, items: Iterator, pause_s: float = 0.0):
         self._ready: queue.SimpleQueue = queue.SimpleQueue()  # (item, error) in order
-        self._room = threading.Semaphore(depth)  # items the thread may make before the consumer takes one
+        self._room = threading.Semaphore(1)  # items the thread may make before the consumer takes one
         self._asked = threading.Event()  # the consumer waits for an item: no pause
         self._stop = threading.Event()
         self._done = False  # the consumer has seen the end (or an error)
@@ -40,7 +39,7 @@ class ReadAhead:
         self._thread = threading.Thread(
             target=_make,
             args=(items, self._ready, self._room, self._asked, self._stop, pause_s),
-            name=name,
+            name="tokpack-read-ahead",
             daemon=True,
         )
         # Bound now: a close at the interpreter's exit may run after this module's names are cleared.

@@ -27,6 +27,7 @@ This module must not import torch (nor datatrove.utils.dataset, which imports it
 from __future__ import annotations
 
 import importlib
+import itertools
 import numbers
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,15 +56,7 @@ from .assembly import (  # noqa: F401 -- re-exported: tests, docs and users impo
     positions_from_eos,
     positions_from_starts,
 )
-from .shard_files import (  # noqa: F401 -- re-exported, as above
-    INDEX_CHUNK,
-    MAX_OPEN_FILES,
-    PAD_HINT,
-    ShardFiles,
-    ShardTable,
-    chain_table,
-    shard_error,
-)
+from .shard_files import ShardFiles, chain_table
 
 # One contiguous read when the rank's rows are contiguous (W == 1): large enough to keep a
 # disk or NFS busy, small enough not to matter next to a training process.
@@ -89,10 +82,6 @@ class StreamState:
 
     def __post_init__(self):
         self.rows = RankRows(self.world_size, self.micro_batch, self.start)  # which samples rank r reads
-
-    @property
-    def global_batch(self) -> int:
-        return self.rows.global_batch
 
     def first_sample(self, step: int) -> int:
         """Chained index of this rank's first row in global batch `step`."""
@@ -146,10 +135,8 @@ class SampleReader(ShardFiles):
     time it is read, before any of its data is returned (ShardFiles, its I/O).
     """
 
-    def __init__(self, table: ShardTable, seq_len: int, dtype: np.dtype, eos_id: int | None, verify: bool = False):
-        super().__init__(table, seq_len, dtype, eos_id, verify)
-        self.numbering: EpochNumbering | None = None  # a run's numbering; None: chain order from 0
-        self.run: tuple[str, dict] | None = None  # (run directory, run manifest), for the command hints
+    numbering: EpochNumbering | None = None  # a run's numbering; None: chain order from 0
+    run: tuple[str, dict] | None = None  # (run directory, run manifest), for the command hints
 
     # ----------------------------------------------------------------- opening
 
@@ -240,20 +227,12 @@ class SampleReader(ShardFiles):
         The manifests may be built in memory: a test or benchmark can describe a huge
         "virtual" epoch whose shard entries all name one small or sparse real file.
         """
-        chain = chain_table(epochs, absent, numbering)
-        reader = cls(chain.table, chain.seq_len, chain.dtype, chain.eos_id, verify=verify)
+        reader = cls(*chain_table(epochs, absent, numbering), verify=verify)
         reader.absent = dict(absent or {})
         reader.numbering, reader.run = numbering, run
-        reader.pads = chain.pads
-        reader.sizes = chain.pad_sizes
         return reader
 
     # -------------------------------------------------------------- positions
-
-    @property
-    def total_samples(self) -> int:
-        """End of the chain: one past its last sample (in a run, a consumed-sample number)."""
-        return self.table.total
 
     @property
     def epochs(self) -> list[int]:
@@ -523,17 +502,15 @@ class SampleReader(ShardFiles):
         rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
         self.require_batch(world_size, micro_batch, self.start_from(start_sample=start))
         steps = None if count is None else -(-count // micro_batch)
-        left = count
         stream = self.batches(rank, world_size, micro_batch, start, steps=steps, at_end="stop")
-        for rows in stream:
-            g = stream.state.first_sample(stream.last_step)
-            for j in range(len(rows)):
-                epoch, sample = self.locate(g + j)
-                yield Sample(epoch, sample, g + j, rows[j])
-                if left is not None:
-                    left -= 1
-                    if left == 0:
-                        return
+
+        def samples() -> Iterator[Sample]:
+            for rows in stream:
+                g = stream.state.first_sample(stream.last_step)
+                for j in range(len(rows)):
+                    yield Sample(*self.locate(g + j), g + j, rows[j])
+
+        yield from itertools.islice(samples(), count)
 
 
 # What a stream does where the written samples end: raise `end_error` (the default), or stop.

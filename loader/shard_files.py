@@ -7,6 +7,7 @@ the first time it is read (verify), and reads a best-fit epoch's padding and the
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,14 +51,10 @@ class ShardTable:
     # samples), formats/token_check.py's token_check and the rows it holds; None: nothing
     checksums: list[tuple[str, str, int] | None]
     index_checksums: list[str | None]  # manifest xxh3_128 of each shard's .ds.index
-
-    @property
-    def total(self) -> int:
-        """End of the chained stream: after the last sample of the last epoch."""
-        return int(self.epoch_ends[-1]) if len(self.epoch_ends) else 0
-
-    def shard_of(self, g: int) -> int:
-        return int(np.searchsorted(self.starts, g, side="right")) - 1
+    # Best-fit epochs: per shard its .ds.pad (file, xxh3_128) or None; None when no shard has one
+    pads: list[tuple[str, str] | None] | None
+    pad_sizes: dict[str, int]  # .ds.pad file -> its recorded bytes, checked by the gate at its open
+    # (a shard's size is checked when the reader opens: one cut short later still serves the rows it holds)
 
     def epoch_pos_of(self, g: int) -> int:
         """Position in `epochs` of the epoch holding g, or -1 when no chained epoch holds it."""
@@ -82,12 +79,9 @@ def _close(fd) -> None:
 
 
 PAD_HINT = "the padding sidecar does not match its manifest (4 bytes a sample); run `tokpack validate` on it"
-
-
-def tokens_vouched(entry: dict, samples: int) -> tuple[str, str, int] | None:
-    """ShardTable.checksums' item for a shard entry whose token file holds `samples` rows."""
-    check = token_check(entry)
-    return None if check is None else (*check, samples)
+# A file verify finds changed: what it says, and what to do.
+_CORRUPT = "checksum mismatch: the shard is corrupt"
+_RESTORE = "restore the file (e.g. `tokpack stage` it again from the original)"
 
 
 def shard_error(message: str, path, **kw) -> TokpackError:
@@ -118,19 +112,6 @@ def _padding_present(where: Path, m: dict, s: dict, k: int, f: str, size: int | 
                 f + PAD_SUFFIX,
                 hint="run `tokpack validate` on the epoch; restore it or shuffle it again",
             ) from None
-
-
-@dataclass
-class Chain:
-    """What `chain_table` finds in a chain's manifests: its table, the sample shape, and a best-fit
-    epoch's padding sidecars (None when no chained epoch has any)."""
-
-    table: ShardTable
-    seq_len: int
-    dtype: np.dtype
-    eos_id: int | None
-    pads: list[tuple[str, str] | None] | None  # per shard: its .ds.pad (file, xxh3_128), or None
-    pad_sizes: dict[str, int]  # .ds.pad file -> its recorded bytes
 
 
 def _epoch_shape(where: Path, m: dict) -> tuple[int, np.dtype, int, list]:
@@ -180,19 +161,55 @@ def _chains_with(where: Path, first: tuple, this: tuple) -> None:
         )
 
 
-class _Shards:
+class ShardList:
+    """ShardTable's per-shard columns, in chain order: each token file and what its entry vouches
+    for it with (an epoch's shards, from `chain_table`, or a node slice's rank files)."""
+
+    def __init__(self):
+        self.paths: list[str] = []
+        self.checksums: list[tuple[str, str, int] | None] = []  # (field, checksum, samples): token_check's
+        self.index_checksums: list[str | None] = []
+        self.pads: list[tuple[str, str] | None] = []  # per shard: a best-fit epoch's (.pad file, its xxh3_128)
+        self.pad_sizes: dict[str, int] = {}
+
+    def add(self, f: str, s: dict, samples: int) -> None:
+        """Token file `f` of shard entry `s`, which holds `samples` rows."""
+        check = token_check(s)
+        self.paths.append(f)
+        self.checksums.append(None if check is None else (*check, samples))
+        self.index_checksums.append(s.get("index_xxh3_128"))
+        self.pads.append((f + PAD_SUFFIX, s["pad_xxh3_128"]) if has_pad(s) else None)
+        if has_pad(s):
+            self.pad_sizes[f + PAD_SUFFIX] = samples * PAD_DTYPE.itemsize
+
+    def table(self, starts, ends, epoch_starts, epoch_ends, epochs: list[int], epoch_dirs: list[str]) -> ShardTable:
+        """The ShardTable of these files, at chained positions [starts, ends)."""
+        pads = self.pads if any(self.pads) else None
+        return ShardTable(
+            self.paths,
+            starts,
+            ends,
+            epoch_starts,
+            epoch_ends,
+            epochs,
+            epoch_dirs,
+            self.checksums,
+            self.index_checksums,
+            pads,
+            self.pad_sizes,
+        )
+
+
+class _Shards(ShardList):
     """The chain's shard entries as `chain_table` checks them, one epoch after another."""
 
     def __init__(self, absent: dict[str, str] | None):
+        super().__init__()
         self.absent = absent or {}
-        self.paths: list[str] = []
         self.samples: list[int] = []
-        self.epoch_of: list[int] = []
-        self.checksums: list[tuple[str, str, int] | None] = []
-        self.index_checksums: list[str | None] = []
-        self.pads: list[tuple[str, str] | None] = []  # per shard: a best-fit epoch's (.pad file, its xxh3_128)
+        self.epoch_of: list[int] = []  # each shard's epoch, by position in the chain
+        self.offsets: list[int] = []  # each shard's first sample within its epoch
         self.sizes: dict[str, int] = {}  # stat once per distinct file
-        self.pad_sizes: dict[str, int] = {}
 
     def add_epoch(self, pos: int, directory: Path, m: dict, shards: list, row_bytes: int) -> int:
         """Checks and adds an epoch's shards; returns their samples."""
@@ -220,15 +237,11 @@ class _Shards:
                     found=n,
                 )
             self._sized(f, expected)
-            if has_pad(s):
-                self.pad_sizes[f + PAD_SUFFIX] = n * PAD_DTYPE.itemsize
             _padding_present(where, m, s, k, f, None if f in self.absent else n * PAD_DTYPE.itemsize)
-            self.paths.append(f)
+            self.add(f, s, n)
             self.samples.append(n)
             self.epoch_of.append(pos)
-            self.checksums.append(tokens_vouched(s, n))
-            self.index_checksums.append(s.get("index_xxh3_128"))
-            self.pads.append((f + PAD_SUFFIX, s["pad_xxh3_128"]) if has_pad(s) else None)
+            self.offsets.append(total)
             total += n
         return total
 
@@ -259,8 +272,8 @@ class _Shards:
 
 def chain_table(
     epochs: Sequence[tuple[str | Path, dict]], absent: dict[str, str] | None, numbering: EpochNumbering | None
-) -> Chain:
-    """The table of (epoch directory, epoch manifest) pairs, chained in order, every shard's
+) -> tuple[ShardTable, int, np.dtype, int | None]:
+    """(table, seq_len, dtype, eos_id) of (epoch directory, epoch manifest) pairs, chained in order, every shard's
     size checked. With a run's `numbering`, epoch e starts at sample numbering.first(e) (epochs
     in increasing order); without one, each epoch starts where the one before it ends."""
     shards = _Shards(absent)
@@ -296,27 +309,11 @@ def chain_table(
     epoch_ends = epoch_starts + np.asarray(epoch_sizes, dtype=np.int64)
     if np.any(epoch_starts[1:] < epoch_ends[:-1]):
         raise TokpackError("a run's epochs must be chained in increasing order", where="epochs", found=epoch_numbers)
-    shard_starts, at, prev = [], 0, -1
-    for pos, n in zip(shards.epoch_of, shards.samples):
-        if pos != prev:
-            at, prev = int(epoch_starts[pos]), pos
-        shard_starts.append(at)
-        at += n
-    shard_starts = np.asarray(shard_starts, dtype=np.int64)
-    table = ShardTable(
-        shards.paths,
-        shard_starts,
-        shard_starts + np.asarray(shards.samples, dtype=np.int64),
-        epoch_starts,
-        epoch_ends,
-        epoch_numbers,
-        [str(d) for d, _ in epochs],
-        shards.checksums,
-        shards.index_checksums,
-    )
+    shard_starts = epoch_starts[np.asarray(shards.epoch_of, dtype=np.intp)] + np.asarray(shards.offsets, dtype=np.int64)
+    shard_ends = shard_starts + np.asarray(shards.samples, dtype=np.int64)
+    table = shards.table(shard_starts, shard_ends, epoch_starts, epoch_ends, epoch_numbers, [str(d) for d, _ in epochs])
     seq_len, dtype, eos_id = shape
-    pads = shards.pads if any(shards.pads) else None
-    return Chain(table, seq_len, dtype, None if eos_id is None else int(eos_id), pads, shards.pad_sizes)
+    return table, seq_len, dtype, None if eos_id is None else int(eos_id)
 
 
 class ShardFiles:
@@ -336,9 +333,6 @@ class ShardFiles:
         self.row_bytes = self.row_tokens * self.dtype.itemsize  # bytes per sample
         self._verified: set[str] = set()  # files already checksummed by this reader
         self.absent: dict[str, str] = {}  # shards a partial `tokpack stage --ranks` left out -> why
-        self.pads: list[tuple[str, str] | None] | None = None  # best-fit epochs: per shard its .pad (file, xxh3_128)
-        self.sizes: dict[str, int] = {}  # .pad files -> their recorded bytes, checked by the gate at their open
-        # (a shard's size is checked when the reader opens: one cut short later still serves the rows it holds)
         self._fds: dict[str, tuple[int, int]] = {}  # open files: path -> (fd, size), at most MAX_OPEN_FILES
         self._hash_buf: bytearray | None = None  # reused by verify
         self._index_buf = np.empty(INDEX_CHUNK, dtype=U64)  # reused by index-derived positions
@@ -361,18 +355,21 @@ class ShardFiles:
                 oldest = next(iter(self._fds))
                 _close(self._fds.pop(oldest)[0])
             try:  # a URL: a file read at each place asked (pread needs a descriptor)
-                rules = dict(size=self.sizes[path], what="padding sidecar", hint=PAD_HINT) if path in self.sizes else {}
+                sizes = self.table.pad_sizes
+                rules = dict(size=sizes[path], what="padding sidecar", hint=PAD_HINT) if path in sizes else {}
                 fd = open_read(path, ahead=False, **rules) if is_url(path) else regular_fd(path, **rules)
             except FileNotFoundError:
                 raise shard_error("file disappeared after the reader was opened", path) from None
             got = self._fds[path] = (fd, os.fstat(fd).st_size if isinstance(fd, int) else fd.size)
         return got
 
-    def _check(self, path: str, expected: str | None) -> None:
-        """verify=True: the whole file's xxh3_128 against the manifest, once per file."""
+    def _check(self, path: str, expected: str | None, rows: tuple[str, int] | None = None) -> None:
+        """verify=True: the file against its manifest, once per file: its whole xxh3_128, or, for a
+        token file vouched for row by row, `rows` (its entry's field and samples) against its
+        `.ds.rows` (formats/token_check.py)."""
         if path in self._verified:
             return
-        if not expected:
+        if not expected and rows is None:
             raise shard_error(
                 "cannot verify: the manifest has no checksum for this file",
                 path,
@@ -382,44 +379,23 @@ class ShardFiles:
         if self._hash_buf is None:
             self._hash_buf = bytearray(4 << 20)
         try:
-            found = xxh3_128_file(path, self._hash_buf)
+            if rows is None:
+                found = xxh3_128_file(path, self._hash_buf)
+            else:  # a mismatch is its own line, naming the row
+                verify_token_file(
+                    path, (rows[0], expected), rows[1], self.row_bytes, self._hash_buf, message=_CORRUPT, hint=_RESTORE
+                )
+                found = expected
         except FileNotFoundError:  # as _file says it (a slice's .ds.pad gone was a raw FileNotFoundError here)
             raise shard_error("file disappeared after the reader was opened", path) from None
         if found != expected:
-            raise shard_error(
-                "checksum mismatch: the shard is corrupt",
-                path,
-                where="xxh3_128",
-                expected=expected,
-                found=found,
-                hint="restore the file (e.g. `tokpack stage` it again from the original)",
-            )
+            raise shard_error(_CORRUPT, path, where="xxh3_128", expected=expected, found=found, hint=_RESTORE)
         self._verified.add(path)
 
     def _check_tokens(self, i: int) -> None:
         """verify=True: shard i's token file against what its entry vouches for it with, once."""
-        path, check = self.table.paths[i], self.table.checksums[i]
-        if check is None or check[0] == WHOLE:
-            self._check(path, None if check is None else check[1])
-            return
-        if path in self._verified:
-            return
-        if self._hash_buf is None:
-            self._hash_buf = bytearray(4 << 20)
-        key, checksum, samples = check
-        try:
-            verify_token_file(
-                path,
-                (key, checksum),
-                samples,
-                self.row_bytes,
-                self._hash_buf,
-                message="checksum mismatch: the shard is corrupt",
-                hint="restore the file (e.g. `tokpack stage` it again from the original)",
-            )
-        except FileNotFoundError:
-            raise shard_error("file disappeared after the reader was opened", path) from None
-        self._verified.add(path)
+        key, checksum, samples = self.table.checksums[i] or (WHOLE, None, 0)
+        self._check(self.table.paths[i], checksum, None if key == WHOLE else (key, samples))
 
     def _pread(self, fd: int, view: memoryview, offset: int, path: str) -> None:
         n = read_full(fd, view, offset)
@@ -437,7 +413,7 @@ class ShardFiles:
     def _segments(self, g: int, n: int) -> Iterator[tuple[int, int, int]]:
         """Splits chained rows [g, g+n) at shard boundaries: (shard, first row in shard, rows)."""
         starts, ends = self.table.starts, self.table.ends
-        i = self.table.shard_of(g)
+        i = int(np.searchsorted(starts, g, side="right")) - 1
         while n > 0:
             if i < 0 or i >= len(starts) or not starts[i] <= g < ends[i]:
                 raise IndexError(f"sample {g} is in no epoch of this chain")
@@ -446,6 +422,11 @@ class ShardFiles:
             g += k
             n -= k
             i += 1
+
+    @property
+    def total_samples(self) -> int:
+        """End of the chain: one past its last sample (in a run, a consumed-sample number)."""
+        return int(self.table.epoch_ends[-1]) if len(self.table.epoch_ends) else 0
 
     def read_into(self, g: int, out: np.ndarray) -> np.ndarray:
         """Fills `out` ([n, seq_len+1] of the token dtype, C-contiguous) with chained rows [g, g+n)."""
@@ -488,7 +469,7 @@ class ShardFiles:
     @property
     def packed(self) -> bool:
         """Whether any chained epoch is best-fit packed (its samples may end in padding)."""
-        return self.pads is not None
+        return self.table.pads is not None
 
     def padding(self, g: int, n: int) -> np.ndarray:
         """Padding tokens at the end of each of chained rows [g, g+n) (uint32; 0 for rows of
@@ -498,7 +479,7 @@ class ShardFiles:
             return out
         done = 0
         for i, row, k in self._segments(g, n):
-            pad = self.pads[i]
+            pad = self.table.pads[i]
             if pad is not None:
                 if self.verify:
                     self._check(pad[0], pad[1])
@@ -530,8 +511,8 @@ class ShardFiles:
                     hint="use positions from EOS instead, or restore the file",
                 ) from None
             lo, hi = row * L, (row + k) * L
-            j = self._index_search(fd, size // 8, lo, path)  # first entry > lo
             entries = size // 8
+            j = self._index_search(fd, entries, lo, path)  # first entry > lo
             while j < entries:
                 c = min(INDEX_CHUNK, entries - j)
                 buf = self._index_buf[:c]
@@ -546,17 +527,14 @@ class ShardFiles:
 
     def _index_search(self, fd: int, entries: int, value: int, path: str) -> int:
         """First entry index whose value is > `value` (binary search with 8-byte preads: O(log n), O(1) memory)."""
-        lo, hi = 0, entries
         one = self._index_buf[:1]
         view = memoryview(one.view(np.uint8))
-        while lo < hi:
-            mid = (lo + hi) // 2
-            self._pread(fd, view, mid * 8, path)
-            if int(one[0]) > value:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+
+        def entry(i: int) -> int:
+            self._pread(fd, view, i * 8, path)
+            return int(one[0])
+
+        return bisect.bisect_right(range(entries), value, key=entry)
 
     def close(self) -> None:
         for fd, _ in self._fds.values():

@@ -15,7 +15,7 @@ import numpy as np
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path
 from tokpack.formats.io.gate import regular_size
-from tokpack.formats.constants import MANIFEST, PAD_DTYPE, PAD_SUFFIX, SLICE_EPOCH
+from tokpack.formats.constants import MANIFEST, PAD_SUFFIX, SLICE_EPOCH
 from tokpack.formats.names import dtype_from_name
 from tokpack.formats.packing import has_pad
 from tokpack.formats.reading import read_manifest
@@ -32,32 +32,7 @@ from tokpack.formats.slices import (
 )
 
 from .reader import SampleReader
-from .shard_files import ShardTable, shard_error, tokens_vouched
-
-
-def slice_error(
-    message: str, path, manifest: dict, rank: int, world_size: int, micro_batch: int, phase: int
-) -> TokpackError:
-    """One line: what the slice holds, and the command that restages this node, in place of the
-    slice, for the stream asked for: the slice's count of ranks, the one holding `rank`."""
-    ranks = manifest["ranks"]
-    source = manifest.get("source") or "RUN"
-    k = len(ranks)
-    first = max(0, ranks[0] + (rank - ranks[0]) // k * k)
-    last = min(first + k, world_size) - 1
-    here = str(path).rstrip("/")
-    return TokpackError(
-        message,
-        file=path,
-        where="rank/world_size/micro_batch",
-        expected=f"ranks {ranks[0]}-{ranks[-1]} of world size {manifest['world_size']}, "
-        f"micro-batch {manifest['micro_batch']}"
-        + (f", global batches from sample {manifest['batch_phase']} mod W*m" if manifest["batch_phase"] else ""),
-        found=f"rank {rank} of world size {world_size}, micro-batch {micro_batch}",
-        hint=f"restage this node's slice for that stream: `rm -r {shlex.quote(here)} && "
-        + stage_command(source, here, first, last, world_size, micro_batch, phase)
-        + "`",
-    )
+from .shard_files import ShardList, shard_error
 
 
 class SliceReader(SampleReader):
@@ -70,9 +45,7 @@ class SliceReader(SampleReader):
         numbering = EpochNumbering.of_run(root["run"], path)
         rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
         row_bytes = row_bytes_of(root)
-        paths, checksums, index_checksums, starts, ends, epochs, dirs = [], [], [], [], [], [], []
-        pads: list[tuple[str, str] | None] = []  # per rank file: a best-fit epoch's (.pad file, its xxh3_128)
-        sizes: dict[str, int] = {}  # each .ds.pad's recorded bytes, checked by the gate when the reader opens it
+        shards, starts, ends, epochs, dirs = ShardList(), [], [], [], []
         for e in sorted(int(e) for e in root.get("epochs") or []):
             d = contained_epoch_dir(path, e)
             m = read_manifest(d, kind=SLICE_EPOCH)
@@ -112,11 +85,7 @@ class SliceReader(SampleReader):
                         pad,
                         hint="stage the slice again: the same command resumes",
                     )
-                paths.append(str(f))
-                checksums.append(tokens_vouched(s, want // row_bytes))
-                index_checksums.append(s.get("index_xxh3_128"))
-                pads.append((str(f) + PAD_SUFFIX, s["pad_xxh3_128"]) if has_pad(s) else None)
-                sizes[str(f) + PAD_SUFFIX] = want // row_bytes * PAD_DTYPE.itemsize
+                shards.add(str(f), s, want // row_bytes)
             starts.append(first)
             ends.append(first + n)
             epochs.append(e)
@@ -131,50 +100,47 @@ class SliceReader(SampleReader):
                 hint="stage the slice again",
             )
         starts_a, ends_a = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
-        table = ShardTable(
-            paths,
-            np.repeat(starts_a, len(ranks)),
-            np.repeat(ends_a, len(ranks)),
-            starts_a,
-            ends_a,
-            epochs,
-            dirs,
-            checksums,
-            index_checksums,
+        table = shards.table(
+            np.repeat(starts_a, len(ranks)), np.repeat(ends_a, len(ranks)), starts_a, ends_a, epochs, dirs
         )
         reader = cls(table, int(root["seq_len"]), dtype_from_name(root["dtype"]), int(root["eos_id"]), verify=verify)
         reader.numbering = numbering
-        reader.pads = pads if any(pads) else None
-        reader.sizes = sizes
         reader.run = (root.get("source") or str(path), root["run"])
         reader.slice_path, reader.slice = str(path), root
         reader.rank_rows, reader.slice_ranks = rows, ranks
         return reader
 
+    def _refused(self, message: str, rank: int, world_size: int, micro_batch: int, phase: int) -> TokpackError:
+        """One line: what the slice holds, and the command that restages this node, in place of the
+        slice, for the stream asked for: the slice's count of ranks, the one holding `rank`."""
+        manifest, path = self.slice, self.slice_path
+        ranks = manifest["ranks"]
+        source = manifest.get("source") or "RUN"
+        k = len(ranks)
+        first = max(0, ranks[0] + (rank - ranks[0]) // k * k)
+        last = min(first + k, world_size) - 1
+        here = str(path).rstrip("/")
+        return TokpackError(
+            message,
+            file=path,
+            where="rank/world_size/micro_batch",
+            expected=f"ranks {ranks[0]}-{ranks[-1]} of world size {manifest['world_size']}, "
+            f"micro-batch {manifest['micro_batch']}"
+            + (f", global batches from sample {manifest['batch_phase']} mod W*m" if manifest["batch_phase"] else ""),
+            found=f"rank {rank} of world size {world_size}, micro-batch {micro_batch}",
+            hint=f"restage this node's slice for that stream: `rm -r {shlex.quote(here)} && "
+            + stage_command(source, here, first, last, world_size, micro_batch, phase)
+            + "`",
+        )
+
     def serves(self, rank: int, world_size: int, micro_batch: int, start: int) -> None:
         """Refuses, in one line, a stream this slice does not hold."""
-        rr = self.rank_rows
+        rr, phase = self.rank_rows, start % (world_size * micro_batch)
         if (world_size, micro_batch) != (rr.world_size, rr.micro_batch) or rank not in self.slice_ranks:
-            raise slice_error(
-                "this node slice does not hold that rank's rows",
-                self.slice_path,
-                self.slice,
-                rank,
-                world_size,
-                micro_batch,
-                start % (world_size * micro_batch),
-            )
-        if RankRows(world_size, micro_batch, start).phase != rr.phase:
-            raise slice_error(
-                f"this node slice serves global batches starting at samples = {rr.phase} mod "
-                f"{rr.global_batch}, not at {start}",
-                self.slice_path,
-                self.slice,
-                rank,
-                world_size,
-                micro_batch,
-                start % rr.global_batch,
-            )
+            raise self._refused("this node slice does not hold that rank's rows", rank, world_size, micro_batch, phase)
+        if RankRows(world_size, micro_batch, start).phase != rr.phase:  # the same W*m: phase is start's, mod it
+            message = f"this node slice serves global batches starting at samples = {rr.phase} mod {rr.global_batch}"
+            raise self._refused(f"{message}, not at {start}", rank, world_size, micro_batch, phase)
 
     def _segments(self, g: int, n: int) -> Iterator[tuple[int, int, int]]:
         """Chained rows [g, g+n) -> (rank file, row in it, rows): split at epoch ends and where
@@ -186,15 +152,8 @@ class SliceReader(SampleReader):
                 raise IndexError(f"sample {g} is in no epoch of this slice")
             r = rr.rank_of(g)
             if r not in self.slice_ranks:
-                raise slice_error(
-                    f"sample {g} is read by rank {r}, which this node slice does not hold",
-                    self.slice_path,
-                    self.slice,
-                    r,
-                    rr.world_size,
-                    rr.micro_batch,
-                    rr.phase,
-                )
+                message = f"sample {g} is read by rank {r}, which this node slice does not hold"
+                raise self._refused(message, r, rr.world_size, rr.micro_batch, rr.phase)
             k = min(n, int(table.epoch_ends[pos]) - g, rr.run_left(g))
             yield pos * k_ranks + (r - self.slice_ranks[0]), rr.rows(r, int(table.epoch_starts[pos]), g), k
             g += k

@@ -46,7 +46,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from tokpack.formats.arguments import flag, text, whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.slices import RankRows
-from .assembly import I64, WindowBatch
+from .assembly import I64, WindowBatch, eod_mask_needs_eos
 from .handoff import HANDOFF_PAUSE_S, Batch
 from .read_ahead import ReadAhead
 from .reader import AT_END, SampleReader, stream_shape
@@ -88,9 +88,7 @@ def _check_worker_count_at_iteration() -> None:
     def _get_iterator(loader):
         state = getattr(loader, "next_iter_state", None)
         if state is not None and isinstance(loader.dataset, TokpackDataset):
-            saved = saved_workers(state)
-            if saved != loader.num_workers:
-                raise _other_workers(saved, loader.num_workers)
+            _same_workers(saved_workers(state), loader.num_workers)
         return made(loader)
 
     _get_iterator._tokpack_checks_workers = True
@@ -136,14 +134,16 @@ def _as_state(state) -> dict:
     return state
 
 
-def _other_workers(saved: int, found: int) -> TokpackError:
-    return TokpackError(
-        "loader state was saved with another number of DataLoader workers",
-        where="num_workers",
-        expected=saved,
-        found=found,
-        hint=f"use num_workers={saved}, or {_RESTART_HINT}",
-    )
+def _same_workers(saved: int, found: int) -> None:
+    """A loader state saved with `saved` DataLoader workers, loaded where there are `found`."""
+    if saved != found:
+        raise TokpackError(
+            "loader state was saved with another number of DataLoader workers",
+            where="num_workers",
+            expected=saved,
+            found=found,
+            hint=f"use num_workers={saved}, or {_RESTART_HINT}",
+        )
 
 
 # A reader's open files and reused buffers serve one batch at a time: a read-ahead thread and
@@ -202,14 +202,17 @@ def saved_workers(loader_state) -> int:
         return 0
     shares = snapshot.get("_worker_snapshots") if isinstance(snapshot, dict) else None
     if not isinstance(shares, dict) or not shares:
-        raise TokpackError(
-            "not a StatefulDataLoader state of a TokpackDataset",
-            where="_worker_snapshots",
-            expected="one TokpackDataset state per worker",
-            found=shares,
-            hint=_RESTART_HINT,
-        )
+        raise _foreign("_worker_snapshots", _PER_WORKER, shares, hint=_RESTART_HINT)
     return len(shares)
+
+
+_PER_WORKER = "one TokpackDataset state per worker"
+
+
+def _foreign(where: str, expected: str, found, hint: str | None = None) -> TokpackError:
+    """A loader state that is not a StatefulDataLoader's over a TokpackDataset: one line."""
+    message = "not a StatefulDataLoader state of a TokpackDataset"
+    return TokpackError(message, where=where, expected=expected, found=found, hint=hint)
 
 
 class TokpackDataset(IterableDataset):
@@ -294,12 +297,7 @@ class TokpackDataset(IterableDataset):
             )
         # Opened here, in the main process, so a missing or truncated shard fails before training starts.
         self.reader = SampleReader.open(path, verify=verify)  # shard table; fds reopen in each worker
-        if eod_mask_loss and self.reader.eos_id is None:  # refused here, not at the first batch
-            raise TokpackError(
-                "eod_mask_loss needs eos_id, and the epoch manifest has none",
-                where="eod_mask_loss",
-                hint="leave eod_mask_loss off for this epoch",
-            )
+        eod_mask_needs_eos(eod_mask_loss, self.reader.eos_id)  # refused here, not at the first batch
         self.rank = rank  # r
         self.world_size = world_size  # W
         self.micro_batch = micro_batch  # m
@@ -412,8 +410,7 @@ class TokpackDataset(IterableDataset):
 
     def _resume_share(self, saved: dict, worker: int, workers: int) -> tuple[int, int]:
         """(start, first step) of this worker's share of the steps, from its saved state."""
-        if int(saved["num_workers"]) != workers:
-            raise _other_workers(int(saved["num_workers"]), workers)
+        _same_workers(int(saved["num_workers"]), workers)
         if int(saved["worker"]) != worker:
             raise TokpackError(
                 "loader state is the share of another DataLoader worker",
@@ -432,23 +429,19 @@ class TokpackDataset(IterableDataset):
             )
         return int(saved["start"]), int(saved["next_step"])
 
+    @_one_line_from_workers()
     def state_dict(self, batch: dict | None = None) -> dict:
-        """Where to resume (`_state_dict`); in a worker, an error is one line in the main process."""
-        with _one_line_from_workers():
-            return self._state_dict(batch)
-
-    def _state_dict(self, batch: dict | None = None) -> dict:
-        """Where to resume. torchdata's `StatefulDataLoader` calls it in each worker (that
-        worker's share of the steps) or, without workers, in the main process. `batch`: the
-        position after a batch the loader returned, {"epoch", "sample", "consumed_samples"}.
-        In the main process while workers iterate, only the batch form is known."""
+        """Where to resume (in a worker, an error is one line in the main process). torchdata's
+        `StatefulDataLoader` calls it in each worker (that worker's share of the steps) or, without
+        workers, in the main process. `batch`: the position after a batch the loader returned,
+        {"epoch", "sample", "consumed_samples"}. In the main process while workers iterate, only
+        the batch form is known."""
         if batch is not None:
             return self._position(int(batch["consumed_samples"]))
         info = get_worker_info()
         if info is not None:
             if self._stream is not None:
-                st = self._stream.state
-                start, step = st.start, st.step
+                start, step = self._stream.state.start, self._stream.state.step
             elif self._worker_resume is not None:
                 start, step = self._resume_share(self._worker_resume, info.id, info.num_workers)
             else:
@@ -473,14 +466,11 @@ class TokpackDataset(IterableDataset):
         epoch, sample = self.reader.epoch_sample(g)
         return {"epoch": int(epoch), "sample": int(sample), "consumed_samples": int(g)}
 
+    @_one_line_from_workers()
     def load_state_dict(self, state: dict) -> None:
-        """Resume from `state_dict()` (`_load_state_dict`); in a worker, an error is one line."""
-        with _one_line_from_workers():
-            self._load_state_dict(state)
-
-    def _load_state_dict(self, state: dict) -> None:
-        """Resume from `state_dict()`: a worker's share (StatefulDataLoader, same workers, same
-        W*m) or a position (epoch, sample) / consumed_samples (any world size). O(1)."""
+        """Resume from `state_dict()` (in a worker, an error is one line): a worker's share
+        (StatefulDataLoader, same workers, same W*m) or a position (epoch, sample) /
+        consumed_samples (any world size). O(1)."""
         state = _as_state(state)
         if "next_step" in state:
             self._worker_resume = self._checked_share(state)
@@ -531,9 +521,7 @@ class TokpackDataset(IterableDataset):
         """`loader.load_state_dict(loader_state)` for a StatefulDataLoader over this dataset, after
         checking that the state was saved with the loader's number of workers: the line that
         `iter(loader)` gives otherwise (`_check_worker_count_at_iteration`), at the load."""
-        saved = saved_workers(loader_state)
-        if saved != loader.num_workers:
-            raise _other_workers(saved, loader.num_workers)
+        _same_workers(saved_workers(loader_state), loader.num_workers)
         loader.load_state_dict(loader_state)
 
     @staticmethod
@@ -545,24 +533,14 @@ class TokpackDataset(IterableDataset):
         if snapshot is None:  # no workers: the dataset's own position
             state = loader_state.get("dataset_state")
             if not isinstance(state, dict) or "consumed_samples" not in state:
-                raise TokpackError(
-                    "not a StatefulDataLoader state of a TokpackDataset",
-                    where="dataset_state",
-                    expected="{epoch, sample, consumed_samples}",
-                    found=state,
-                )
+                raise _foreign("dataset_state", "{epoch, sample, consumed_samples}", state)
             return _state_int(state, "consumed_samples")
         saved_workers(loader_state)
         shares = [
             w.get("dataset_state") if isinstance(w, dict) else None for w in snapshot["_worker_snapshots"].values()
         ]
         if not all(isinstance(s, dict) and "next_step" in s for s in shares):
-            raise TokpackError(
-                "not a StatefulDataLoader state of a TokpackDataset",
-                where="_worker_snapshots",
-                expected="one TokpackDataset state per worker",
-                found=shares,
-            )
+            raise _foreign("_worker_snapshots", _PER_WORKER, shares)
         # Steps below the smallest next step were all yielded (the loader yields in step order),
         # and so were the steps yielded since the snapshot.
         since = _state_int(loader_state, "_steps_since_snapshot") if "_steps_since_snapshot" in loader_state else 0

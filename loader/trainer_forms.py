@@ -41,6 +41,11 @@ def _segment_lengths(batch: dict) -> torch.Tensor:
     return lengths[lengths > 0]
 
 
+def _longest(batch: dict) -> int:
+    """The longest segment: the batch's own `max_seqlen` (max_documents), else of its boundaries."""
+    return int(batch["max_seqlen"]) if "max_seqlen" in batch else int(_segment_lengths(batch).max())
+
+
 def _doc_lens(batch: dict) -> torch.Tensor:
     """[m, K] int32, zero-padded: the batch's own (max_documents) or, without it, K = the most
     segments a row of this batch has (OLMo-core's collator pads so)."""
@@ -81,15 +86,13 @@ def megatron_batch(batch: dict) -> dict:
     mask: it is [L, L] a row, and Transformer Engine's attention ignores it (use the thd
     boundaries); `dense_document_mask(batch)` builds Megatron's when a backend wants it."""
     batch = _boundaries(batch, "megatron_batch")
-    cu = batch["cu_seqlens"]
-    longest = int(batch["max_seqlen"]) if "max_seqlen" in batch else int(_segment_lengths(batch).max())
     return {
         "tokens": batch["input_ids"],
         "labels": batch["labels"].clamp(min=0),
         "loss_mask": batch["loss_mask"].to(torch.float32),
         "position_ids": batch["position_ids"],
-        "cu_seqlens": cu,
-        "max_seqlen": longest,
+        "cu_seqlens": batch["cu_seqlens"],
+        "max_seqlen": _longest(batch),
     }
 
 
@@ -100,8 +103,7 @@ def packed_seq_params(batch: dict):
     batch = _boundaries(batch, "packed_seq_params", ("cu_seqlens",))
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    longest = int(batch["max_seqlen"]) if "max_seqlen" in batch else int(_segment_lengths(batch).max())
-    cu = batch["cu_seqlens"]
+    longest, cu = _longest(batch), batch["cu_seqlens"]
     return PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
     )

@@ -620,7 +620,7 @@ def test_rank_samples_default_to_the_whole_stream_from_sample_0(run_dir):
 def test_reader_keeps_at_most_max_open_files(tmp_path):
     """Reading across 12 shards one sample at a time: never more than MAX_OPEN_FILES shard
     files are open at once (a rank reading a long chain must not run out of descriptors)."""
-    from tokpack.loader.reader import MAX_OPEN_FILES
+    from tokpack.loader.shard_files import MAX_OPEN_FILES
 
     run = make_run(tmp_path / "run", {0: 40}, shard_samples=4)
     reader = SampleReader.open(run)
