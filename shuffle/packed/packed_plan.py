@@ -18,7 +18,7 @@ from tokpack.formats.packing import holdout_recorded, record_holdout
 from tokpack.formats.shards import PackedSource
 
 from ..holdout import Holdout, holdout_of
-from ..plan import EpochPlan
+from ..plan import EpochPlan, source_head
 from ..mixture import check_passes, mixture
 from .passes import (
     MIN_CHUNK,
@@ -139,11 +139,7 @@ class PackedPlan:
             repeats, total = self.repeat_counts(i)
             report.append(
                 {
-                    "name": s.name,
-                    "path": s.path,
-                    "fingerprint": s.fingerprint,
-                    "weight": s.weight,
-                    "samples": s.samples,
+                    **source_head(s),
                     "windows": s.windows,
                     "passes": s.passes,
                     "first_pass": s.first_pass,
@@ -157,11 +153,7 @@ class PackedPlan:
     def source_entries(self) -> list[dict]:
         return [
             {
-                "name": s.name,
-                "path": s.path,
-                "fingerprint": s.fingerprint,
-                "weight": s.weight,
-                "samples": s.samples,
+                **source_head(s),
                 "first_pass": s.first_pass,
                 "passes": s.passes,
                 "windows": s.windows,
