@@ -98,13 +98,10 @@ def table_estimate(job, sources) -> dict:
         src = sources[s]
         docs = int(src.manifest.get("documents") or document_count(src))
         per_token = docs / max(1, src.tokens)
-        pieces += int(sp.samples * (plan.row_tokens * per_token + 1))
+        in_rows = int(sp.samples * (plan.row_tokens * per_token + 1))
+        pieces += in_rows
         # the passes' own counts when the plan packed them here (it has, to count their rows)
-        counted = epoch_pieces(plan, s)
-        packed_s, taken_s = counted or (
-            sp.passes * (docs + src.tokens // plan.row_tokens),
-            int(sp.samples * (plan.row_tokens * per_token + 1)),
-        )
+        packed_s, taken_s = epoch_pieces(plan, s) or (sp.passes * (docs + src.tokens // plan.row_tokens), in_rows)
         kept = packed_s * PASS_PIECE_BYTES <= plan.memory // 4
         packed += (1 if kept else 2) * packed_s
         taken += taken_s

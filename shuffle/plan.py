@@ -18,7 +18,7 @@ from typing import Callable, Iterator, NamedTuple, Protocol
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.packing import holdout_recorded, record_holdout
+from tokpack.formats.packing import holdout_recorded
 from tokpack.formats.constants import PLAN_ALGORITHM
 from tokpack.formats.checks import chain_start, pass_span
 from tokpack.formats.hashes import hash_hex64, order_hash_terms, row_hashes
@@ -492,11 +492,6 @@ def stream_counts(src: PackedSource, spec: dict | None, seed: int, split: bool, 
     }
 
 
-def holdout_fields(plan: EpochPlan) -> dict:
-    """What a window plan with --holdout adds to its epoch manifest (holdout_recorded reads it)."""
-    return record_holdout(plan.holdout, plan.split, padded=False)
-
-
 def windows_holdout_plan(
     sources: list[PackedSource],
     *,
@@ -586,14 +581,12 @@ def replay_hashes(
     caller made it (a packing of windows in another order, tokpack.shuffle.packings)."""
     plan = EpochPlan.from_manifest(epoch_manifest, sources, held_out) if plan is None else plan
     per, listed = shard_count_checked(epoch_manifest, plan.samples) if order else (1, 0)
-    by_fp = {}
-    for src in sources:
-        by_fp.setdefault(src.fingerprint, []).append(src)
     multiset, shard_orders = 0, np.zeros(listed if order else 0, dtype=np.uint64)
     for s, sp in enumerate(plan.sources):
         if not sp.samples:
             continue
-        for a, rows in iter_source_windows(plan, s, plan.stream(s, by_fp[sp.fingerprint][0])):
+        src = next(p for p in sources if p.fingerprint == sp.fingerprint)
+        for a, rows in iter_source_windows(plan, s, plan.stream(s, src)):
             uses = list(plan.outputs_of(s, np.arange(a, a + len(rows), dtype=np.int64)))
             if not uses:
                 continue
