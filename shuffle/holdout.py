@@ -145,8 +145,7 @@ class KeptStream:
         kept = stream_table(raw, holdout) if kept is None else np.asarray(kept, dtype=np.int64)
         if holdout.split:  # the held-out documents' stream: the rest of each shard
             kept = np.diff(np.asarray(raw.shard_starts, dtype=np.int64)) - kept
-        self.shard_starts = np.zeros(len(kept) + 1, dtype=np.int64)
-        self.shard_starts[1:] = np.cumsum(kept, dtype=np.int64)
+        self.shard_starts = np.concatenate([[0], np.cumsum(kept, dtype=np.int64)])
         self._runs: tuple[int, tuple] | None = None  # (shard, its runs): the shard read last
 
     tokens = property(lambda self: int(self.shard_starts[-1]))
