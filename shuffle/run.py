@@ -234,9 +234,8 @@ def shuffle_run(
         "shuffle",
         hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)",
     )
-    if (
-        setup.run_params is not None and setup.todo and not (out / MANIFEST).exists()
-    ):  # its numbering, fixed at creation
+    # a scheduled run's manifest, before any epoch: its numbering, fixed at creation
+    if setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():
         out.mkdir(parents=True, exist_ok=True)
         to.finish(
             out, written_run_manifest(out, setup.todo[0][1], weights, opened, shard_samples, done_epochs, runplan)
