@@ -210,16 +210,12 @@ class PackedScatterStep(ScatterStep):
                 for run in np.split(sel, cuts):
                     b = int(bucket[run[0]])
                     rec = np.empty(len(run), RECORD)
-                    rec["g"], rec["row_offset"], rec["length"] = (
-                        pieces["g"][run],
-                        pieces["row_offset"][run],
-                        pieces["length"][run],
-                    )
+                    for field in ("g", "row_offset", "length"):
+                        rec[field] = pieces[field][run]
                     tokens = np.concatenate(
                         [data[a : a + m] for a, m in zip(pieces["local"][run].tolist(), rec["length"].tolist())]
                     )
-                    f = lay.bucket_file(t, b, "rows")
-                    f.parent.mkdir(exist_ok=True)
+                    lay.bucket_file(t, b, "rows").parent.mkdir(exist_ok=True)
                     for ext, payload, h in zip(
                         ("rows", "pos"), (tokens, rec), hashes.setdefault(b, [xxhash.xxh3_64(), xxhash.xxh3_64()])
                     ):
