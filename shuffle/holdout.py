@@ -110,10 +110,9 @@ def holdout_of(src, spec: dict | None, seed: int, documents: int, lengths_in_ord
             i = int(np.searchsorted(cum, want, side="left"))
             if i < len(cum):
                 k += i + 1
-                total = want
                 break
             k, total = k + len(lengths), int(cum[-1]) if len(cum) else total
-        if total < want:
+        else:  # the documents hold fewer tokens than that: all of them
             k = d
     if k >= d:
         raise TokpackError(
