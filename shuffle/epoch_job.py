@@ -163,6 +163,13 @@ class EpochJob:
         write_bytes_atomic(self.source_changed_path, json.dumps(record).encode(), fsync=True)
         raise source_changed_error(record)
 
+    def check_source_shard(self, src: PackedSource, k: int, found: str) -> None:
+        """Source shard k of `src` read whole hashed to `found` (xxh3_128): source_changed unless
+        it is what `pack` recorded."""
+        shard = src.shards[k]
+        if found != shard["xxh3_128"]:
+            self.source_changed(src.path / shard["path"], shard["xxh3_128"], found)
+
     @property
     def token_dtype(self) -> np.dtype:
         return dtype_from_name(self.dtype)

@@ -110,10 +110,9 @@ def holdout_of(src, spec: dict | None, seed: int, documents: int, lengths_in_ord
             i = int(np.searchsorted(cum, want, side="left"))
             if i < len(cum):
                 k += i + 1
-                total = want
                 break
             k, total = k + len(lengths), int(cum[-1]) if len(cum) else total
-        if total < want:
+        else:  # the documents hold fewer tokens than that: all of them
             k = d
     if k >= d:
         raise TokpackError(
@@ -145,8 +144,7 @@ class KeptStream:
         kept = stream_table(raw, holdout) if kept is None else np.asarray(kept, dtype=np.int64)
         if holdout.split:  # the held-out documents' stream: the rest of each shard
             kept = np.diff(np.asarray(raw.shard_starts, dtype=np.int64)) - kept
-        self.shard_starts = np.zeros(len(kept) + 1, dtype=np.int64)
-        self.shard_starts[1:] = np.cumsum(kept, dtype=np.int64)
+        self.shard_starts = np.concatenate([[0], np.cumsum(kept, dtype=np.int64)])
         self._runs: tuple[int, tuple] | None = None  # (shard, its runs): the shard read last
 
     tokens = property(lambda self: int(self.shard_starts[-1]))

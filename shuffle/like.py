@@ -64,9 +64,7 @@ def run_settings(run_dir) -> dict:
     try:
         m = read_manifest(run_dir, kind="run")
     except TokpackError as e:
-        if e.where == "kind":
-            found = e.found
-        elif e.message == "not a directory":
+        if e.where == "kind" or e.message == "not a directory":
             found = e.found
         elif isinstance(e, IncompleteError) and not _started_run(run_dir):
             found = "a folder without tokpack.json or epoch folders"  # no run ever wrote there: not an unfinished one

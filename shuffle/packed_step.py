@@ -14,7 +14,6 @@ over document pieces, each scatter task reading only its source shards' files of
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from io import BufferedReader
@@ -25,14 +24,13 @@ import xxhash
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.gate import map_file, open_append, open_read, read_array
-from tokpack.formats.io.writes import write_bytes_atomic
 
 from .packed.passes import DOC, document_count, kept_pass_bytes
 from .packed.table import PIECE_STATE_BYTES, RECORD, TABLE_PIECE_BYTES, PackedTable, build_table, row_padding
 from .packed.replay import TokenPool
 from .packed.packed_plan import epoch_pieces
 from .epoch_job import RING, EpochJob, Step
-from .steps import OrderStep
+from .steps import OrderStep, ScatterStep
 
 GATHER_TOKENS = 1 << 20  # tokens of rows assembled per call
 
@@ -100,13 +98,10 @@ def table_estimate(job, sources) -> dict:
         src = sources[s]
         docs = int(src.manifest.get("documents") or document_count(src))
         per_token = docs / max(1, src.tokens)
-        pieces += int(sp.samples * (plan.row_tokens * per_token + 1))
+        in_rows = int(sp.samples * (plan.row_tokens * per_token + 1))
+        pieces += in_rows
         # the passes' own counts when the plan packed them here (it has, to count their rows)
-        counted = epoch_pieces(plan, s)
-        packed_s, taken_s = counted or (
-            sp.passes * (docs + src.tokens // plan.row_tokens),
-            int(sp.samples * (plan.row_tokens * per_token + 1)),
-        )
+        packed_s, taken_s = epoch_pieces(plan, s) or (sp.passes * (docs + src.tokens // plan.row_tokens), in_rows)
         kept = packed_s * PASS_PIECE_BYTES <= plan.memory // 4
         packed += (1 if kept else 2) * packed_s
         taken += taken_s
@@ -145,9 +140,7 @@ class PackedInMemoryStep(Step):
         built = PackedTable.open(self.table_dir, self.table_hash)
 
         def check(src, k, tokens):
-            found = xxhash.xxh3_128_hexdigest(tokens)
-            if found != src.shards[k]["xxh3_128"]:
-                job.source_changed(src.path / src.shards[k]["path"], src.shards[k]["xxh3_128"], found)
+            job.check_source_shard(src, k, xxhash.xxh3_128_hexdigest(tokens))
 
         pool = TokenPool(plan, sources, check)
         rows = max(1, GATHER_TOKENS // plan.row_tokens)
@@ -171,7 +164,7 @@ class PackedInMemoryStep(Step):
 # A scatter record (the tokens are in the rows file, in record order): tokpack.shuffle.packed's RECORD.
 
 
-class PackedScatterStep(Step):
+class PackedScatterStep(ScatterStep):
     """Task t reads its source shards in order (each verified, once, by one task) and appends each
     piece they hold to the files of its output bucket: bBBBBBBB.rows (the tokens) and .pos (RECORD)."""
 
@@ -180,10 +173,6 @@ class PackedScatterStep(Step):
     def __init__(self, job: EpochJob, layout, table_dir: str, table_hash: str, budget: int = 1 << 30):
         super().__init__(job, layout, budget)
         self.table_dir, self.table_hash = table_dir, table_hash
-
-    def run(self, data=None, rank: int = 0, world_size: int = 1):
-        for t in range(rank, self.layout.tasks, world_size):
-            self.scatter(t)
 
     def scatter(self, t: int) -> None:
         job, plan, lay = self.job, self.job.plan, self.layout
@@ -194,8 +183,7 @@ class PackedScatterStep(Step):
         tdir.mkdir(parents=True)
         sources = job.open_sources()
         built = PackedTable.open(self.table_dir, self.table_hash)
-        nb = len(lay.bucket_starts) - 1
-        counts = np.zeros(nb, np.int64)
+        counts: dict[int, int] = {}  # rows written per bucket
         hashes: dict[int, list] = {}  # per bucket written: xxh3_64 of its rows file and of its pos file
         mine = [(s, k) for s, k0, k1 in lay.task_shards[t] for k in range(k0, k1)]
         scatter_bar = self.bar(
@@ -214,9 +202,7 @@ class PackedScatterStep(Step):
             src = sources[s]
             n = int(src.shards[k]["tokens"])
             data = map_file(src.path / src.shards[k]["path"], 0, n * src.dtype.itemsize).view(src.dtype)
-            found = xxhash.xxh3_128_hexdigest(data)
-            if found != src.shards[k]["xxh3_128"]:
-                job.source_changed(src.path / src.shards[k]["path"], src.shards[k]["xxh3_128"], found)
+            job.check_source_shard(src, k, xxhash.xxh3_128_hexdigest(data))
             for pieces in built.shard_pieces(s, k, chunk):
                 bucket = np.searchsorted(lay.bucket_starts, pieces["g"].astype(np.int64), side="right") - 1
                 sel = np.lexsort((pieces["row_offset"], pieces["g"], bucket))
@@ -224,16 +210,12 @@ class PackedScatterStep(Step):
                 for run in np.split(sel, cuts):
                     b = int(bucket[run[0]])
                     rec = np.empty(len(run), RECORD)
-                    rec["g"], rec["row_offset"], rec["length"] = (
-                        pieces["g"][run],
-                        pieces["row_offset"][run],
-                        pieces["length"][run],
-                    )
+                    for field in ("g", "row_offset", "length"):
+                        rec[field] = pieces[field][run]
                     tokens = np.concatenate(
                         [data[a : a + m] for a, m in zip(pieces["local"][run].tolist(), rec["length"].tolist())]
                     )
-                    f = lay.bucket_file(t, b, "rows")
-                    f.parent.mkdir(exist_ok=True)
+                    lay.bucket_file(t, b, "rows").parent.mkdir(exist_ok=True)
                     for ext, payload, h in zip(
                         ("rows", "pos"), (tokens, rec), hashes.setdefault(b, [xxhash.xxh3_64(), xxhash.xxh3_64()])
                     ):
@@ -241,21 +223,17 @@ class PackedScatterStep(Step):
                         with open_append(lay.bucket_file(t, b, ext), folder=lay.dir) as out:
                             out.write(raw)
                         h.update(raw)
-                    counts[b] += len(run)
+                    counts[b] = counts.get(b, 0) + len(run)
             scatter_bar.update(n * src.dtype.itemsize)
             del data
-        records = np.zeros((nb, 3), dtype="<u8")
-        for b in np.flatnonzero(counts).tolist():
-            records[b] = counts[b], hashes[b][0].intdigest(), hashes[b][1].intdigest()
-        write_bytes_atomic(lay.task_records(t), records.tobytes(), fsync=True)
-        write_bytes_atomic(lay.task_done(t), json.dumps({"task": t, "buckets": nb}).encode(), fsync=True)
+        lay.finish_task(t, counts, hashes)
 
 
 def holds_pieces_of(layout, i: int) -> bool:
     """Whether the bucket files still hold every piece of output shard i that the scatter tasks
     recorded (the order pass deletes them once the shard is written): as Layout.holds_rows_of,
     by the pieces' records, since a bucket's token files hold no padding."""
-    buckets = range(int(layout.shard_buckets[i]), int(layout.shard_buckets[i + 1]))
+    buckets = layout.buckets_of(i)
     for t in range(layout.tasks):
         for b, n in zip(buckets, layout.recorded(t, buckets)[:, 0].tolist()):
             pos = layout.bucket_file(t, b, "pos")
@@ -271,7 +249,7 @@ class PackedOrderStep(OrderStep):
 
     def order(self, i: int) -> None:
         job, lay = self.job, self.layout
-        buckets = self._buckets(i)
+        buckets = lay.buckets_of(i)
         self.order_bar()
         if job.shard_done(i) is None:
             g0, g1 = job.shard_range(i)
@@ -279,10 +257,7 @@ class PackedOrderStep(OrderStep):
             pad = np.full(g1 - g0, job.plan.row_tokens, dtype=np.int64)
             with job.chunk_ring(self.budget) as (ring, _):
                 job.write_shard(i, self._pieces(buckets, g0, pad, ring), pad=pad)
-        for b in buckets:  # the shard is safe: its bucket files are no longer needed
-            for t in range(lay.tasks):
-                for ext in ("rows", "pos"):
-                    lay.bucket_file(t, b, ext).unlink(missing_ok=True)
+        lay.remove_buckets(buckets)  # the shard is safe
 
     def _pieces(self, buckets: range, g0: int, pad: np.ndarray, ring: list[np.ndarray]):
         """Each bucket's rows, in output order, as np.void rows copied into the `ring` buffers a

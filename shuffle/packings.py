@@ -263,7 +263,7 @@ WINDOWS = register(
         replay=lambda m, sources, order, memory: plan.replay_hashes(m, sources, order, held_out=packed_plan.held_out),
         settings=lambda sources, **options: None,
         run_fields=lambda p: None,
-        epoch_fields=lambda p, prepared: plan.holdout_fields(p),
+        epoch_fields=lambda p, prepared: record_holdout(p.holdout, p.split, padded=False),
         memory_path=steps.window_memory,
         scratch_bytes=lambda job, out_of_core: job.plan.samples * (job.row_bytes + 8) if out_of_core else 0,
         prepare=lambda job, memory: {},

@@ -18,7 +18,7 @@ from typing import Callable, Iterator, NamedTuple, Protocol
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.packing import holdout_recorded, record_holdout
+from tokpack.formats.packing import holdout_recorded
 from tokpack.formats.constants import PLAN_ALGORITHM
 from tokpack.formats.checks import chain_start, pass_span
 from tokpack.formats.hashes import hash_hex64, order_hash_terms, row_hashes
@@ -71,6 +71,11 @@ class SamplePlan(Protocol):
     def source_entries(self) -> list[dict]: ...  # the epoch manifest's `sources`
 
 
+def source_head(sp) -> dict:
+    """The fields both packings' `source_report` and `source_entries` open each source's entry with."""
+    return {k: getattr(sp, k) for k in ("name", "path", "fingerprint", "weight", "samples")}
+
+
 @dataclass(frozen=True)
 class SourcePlan:
     """One source's share of one epoch."""
@@ -94,6 +99,10 @@ class SourcePlan:
     held: int = 0
     held_tokens: int = 0
     kept_shards: tuple = field(default=(), repr=False, compare=False)
+
+
+# A SourcePlan's holdout fields and the epoch manifest's names of them.
+HELD_FIELDS = (("documents", "documents"), ("held", "held_documents"), ("held_tokens", "held_tokens"))
 
 
 @dataclass(frozen=True)
@@ -177,11 +186,7 @@ class EpochPlan:
         """Per source, what this epoch takes from it: for summaries and warnings."""
         return [
             {
-                "name": src.name,
-                "path": src.path,
-                "fingerprint": src.fingerprint,
-                "weight": src.weight,
-                "samples": src.samples,
+                **source_head(src),
                 "windows": src.windows,
                 "passes": self.passes(i),
                 "first_pass": self.first_pass(i),
@@ -251,11 +256,7 @@ class EpochPlan:
     def source_entries(self) -> list[dict]:
         return [
             {
-                "name": src.name,
-                "path": src.path,
-                "fingerprint": src.fingerprint,
-                "weight": src.weight,
-                "samples": src.samples,
+                **source_head(src),
                 "first_pass": self.first_pass(i),
                 "passes": self.passes(i),
                 "windows": src.windows,
@@ -295,33 +296,8 @@ class EpochPlan:
         spec, split = holdout_recorded(manifest)
         for i, e in enumerate(entries):
             match = next((p for p in pool if p.fingerprint == e.get("fingerprint")), None)
-            held = (
-                {}
-                if spec is None
-                else {
-                    k: int(e.get(n, -1))
-                    for k, n in (("documents", "documents"), ("held", "held_documents"), ("held_tokens", "held_tokens"))
-                }
-            )
-            if match is None and int(e["samples"]) == 0:  # a scheduled run lists every source; this epoch uses none
-                plans.append(
-                    SourcePlan(
-                        i,
-                        e.get("name", ""),
-                        e.get("path", ""),
-                        e.get("fingerprint"),
-                        e.get("weight"),
-                        int(e["tokens"]),
-                        int(e["offset"]),
-                        int(e["windows"]),
-                        0,
-                        base,
-                        e.get("cursor"),
-                        **held,
-                    )
-                )
-                continue
-            if match is None:
+            held = {} if spec is None else {k: int(e.get(n, -1)) for k, n in HELD_FIELDS}
+            if match is None and int(e["samples"]) != 0:  # a scheduled run lists every source; this epoch may use none
                 raise TokpackError(
                     "source of the epoch not given",
                     where=f"sources[{i}] ({e.get('name')})",
@@ -329,41 +305,44 @@ class EpochPlan:
                     found=", ".join(str(p.path) for p in pool) or "none left",
                     hint="pass every source the epoch was shuffled from, unchanged",
                 )
-            pool.remove(match)
-            windows = int(e["windows"])
-            offset = int(e["offset"])
-            tokens = match.tokens
-            if spec is not None:  # the run's rule, applied again: the held-out documents are not the manifest's word
-                h = source_holdout(match, spec, int(manifest["seed"]), split, held_out)
-                table = stream_table(match, h)
-                stream = KeptStream(match, h, table)
-                want = {"documents": h.documents, "held": h.held, "held_tokens": match.tokens - int(table.sum())}
-                for k, n in (("documents", "documents"), ("held", "held_documents"), ("held_tokens", "held_tokens")):
-                    if held[k] != want[k]:
-                        raise TokpackError(
-                            "epoch manifest's held-out documents are not its --holdout's",
-                            file=match.path,
-                            where=f"sources[{i}].{n}",
-                            expected=want[k],
-                            found=e.get(n),
-                            hint="the epoch was not shuffled with the run's --holdout; shuffle it again",
-                        )
-                tokens = stream.tokens
-                held["kept_shards"] = tuple(table.tolist())
-            if offset + windows * row > tokens:
-                raise TokpackError(
-                    "epoch manifest windows exceed the source",
-                    file=match.path,
-                    where=f"sources[{i}]",
-                    expected=f"<= {tokens} tokens",
-                    found=offset + windows * row,
-                )
+            windows, offset = int(e["windows"]), int(e["offset"])
+            if match is None:
+                tokens = int(e["tokens"])
+            else:
+                pool.remove(match)
+                tokens = match.tokens
+                # the run's rule, applied again: the held-out documents are not the manifest's word
+                if spec is not None:
+                    h = source_holdout(match, spec, int(manifest["seed"]), split, held_out)
+                    table = stream_table(match, h)
+                    stream = KeptStream(match, h, table)
+                    want = {"documents": h.documents, "held": h.held, "held_tokens": match.tokens - int(table.sum())}
+                    for k, n in HELD_FIELDS:
+                        if held[k] != want[k]:
+                            raise TokpackError(
+                                "epoch manifest's held-out documents are not its --holdout's",
+                                file=match.path,
+                                where=f"sources[{i}].{n}",
+                                expected=want[k],
+                                found=e.get(n),
+                                hint="the epoch was not shuffled with the run's --holdout; shuffle it again",
+                            )
+                    tokens = stream.tokens
+                    held["kept_shards"] = tuple(table.tolist())
+                if offset + windows * row > tokens:
+                    raise TokpackError(
+                        "epoch manifest windows exceed the source",
+                        file=match.path,
+                        where=f"sources[{i}]",
+                        expected=f"<= {tokens} tokens",
+                        found=offset + windows * row,
+                    )
             plans.append(
                 SourcePlan(
                     i,
                     e.get("name", ""),
                     e.get("path", ""),
-                    match.fingerprint,
+                    e.get("fingerprint"),
                     e.get("weight"),
                     tokens,
                     offset,
@@ -513,11 +492,6 @@ def stream_counts(src: PackedSource, spec: dict | None, seed: int, split: bool, 
     }
 
 
-def holdout_fields(plan: EpochPlan) -> dict:
-    """What a window plan with --holdout adds to its epoch manifest (holdout_recorded reads it)."""
-    return record_holdout(plan.holdout, plan.split, padded=False)
-
-
 def windows_holdout_plan(
     sources: list[PackedSource],
     *,
@@ -607,14 +581,12 @@ def replay_hashes(
     caller made it (a packing of windows in another order, tokpack.shuffle.packings)."""
     plan = EpochPlan.from_manifest(epoch_manifest, sources, held_out) if plan is None else plan
     per, listed = shard_count_checked(epoch_manifest, plan.samples) if order else (1, 0)
-    by_fp = {}
-    for src in sources:
-        by_fp.setdefault(src.fingerprint, []).append(src)
     multiset, shard_orders = 0, np.zeros(listed if order else 0, dtype=np.uint64)
     for s, sp in enumerate(plan.sources):
         if not sp.samples:
             continue
-        for a, rows in iter_source_windows(plan, s, plan.stream(s, by_fp[sp.fingerprint][0])):
+        src = next(p for p in sources if p.fingerprint == sp.fingerprint)
+        for a, rows in iter_source_windows(plan, s, plan.stream(s, src)):
             uses = list(plan.outputs_of(s, np.arange(a, a + len(rows), dtype=np.int64)))
             if not uses:
                 continue

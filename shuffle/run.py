@@ -9,8 +9,7 @@ shard is done, then the run manifest; the work folder is removed last.
 
 What a run decides before it writes is tokpack.shuffle.run_setup; its records, and whether OUT
 holds the same run, tokpack.shuffle.run_records; what an epoch holds in memory and on disk,
-tokpack.shuffle.run_space. Each is imported from its module (the node engine, being rewritten
-on another branch, still imports run_manifest_of and planned_epoch_manifest from here).
+tokpack.shuffle.run_space.
 """
 
 from __future__ import annotations
@@ -39,12 +38,9 @@ from .schedule import RunPlan
 from .spec import ShuffleSpec
 from .epoch_job import EpochJob, source_changed_error
 from .steps import Layout, make_layout
-from .run_records import epoch_manifest_of  # noqa: F401 (the node engine's)
-from .run_records import written_run_manifest
+from .run_records import epoch_manifest_of, written_run_manifest
 from .run_setup import setup_run
-from .run_space import bytes_to_write  # noqa: F401 (the node engine's)
-from .run_space import memory_path
-from .run_space import task_budget
+from .run_space import bytes_to_write, memory_path, task_budget
 
 
 def epoch_layout(job: EpochJob, *, memory: int, workers: int, tasks: int | None) -> Layout | None:
@@ -238,9 +234,8 @@ def shuffle_run(
         "shuffle",
         hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)",
     )
-    if (
-        setup.run_params is not None and setup.todo and not (out / MANIFEST).exists()
-    ):  # its numbering, fixed at creation
+    # a scheduled run's manifest, before any epoch: its numbering, fixed at creation
+    if setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():
         out.mkdir(parents=True, exist_ok=True)
         to.finish(
             out, written_run_manifest(out, setup.todo[0][1], weights, opened, shard_samples, done_epochs, runplan)
@@ -342,8 +337,3 @@ def repeat_warnings(epoch: int, report: list[dict], stage: str | None = None) ->
             f"{total} {unit} {what}. HINT: {why}"
         )
     return lines
-
-
-def source_content(entries) -> list[dict]:
-    """Source entries without where the sources lay: moving a source does not change an epoch."""
-    return [{k: v for k, v in e.items() if k not in ("path", "name")} for e in entries or []]

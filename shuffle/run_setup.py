@@ -176,29 +176,23 @@ def setup_run(
         shard_samples = existing["shard_samples"] if existing else max(1, DEFAULT_SHARD_BYTES // row_bytes)
     recorded = [source_location(p) for p in (spec.sources or paths)]
     names = [p.rstrip("/").rsplit("/", 1)[-1] for p in recorded]
-    runplan = RunPlan(
+
+    def run_plan(sc: Schedule) -> RunPlan:
+        return RunPlan(sc, opened, names, pad_id=pad_id, memory=memory, holdout=holdout)
+
+    runplan = run_plan(
         schedule
         or Schedule.of_flags(
             paths, weights, seq_len=seq_len, seed=seed, samples=samples, tokens=tokens, jitter=jitter, packing=packing
-        ),
-        opened,
-        names,
-        pad_id=pad_id,
-        memory=memory,
-        holdout=holdout,
+        )
     )
     run_params = (
         None if schedule is None or schedule.file is None else schedule_params_of(runplan, opened, shard_samples)
     )
     if run_params is not None and existing is not None and existing["schedule"] == run_params["schedule"]:
         spelled = {e["stage"]: e["weights"] for e in existing["given_schedule"]}  # equal as ratios: keep the run's
-        runplan = RunPlan(
-            replace(schedule, stages=tuple(replace(st, weights=tuple(spelled[st.name])) for st in schedule.stages)),
-            opened,
-            names,
-            pad_id=pad_id,
-            memory=memory,
-            holdout=holdout,
+        runplan = run_plan(
+            replace(schedule, stages=tuple(replace(st, weights=tuple(spelled[st.name])) for st in schedule.stages))
         )
     if epochs is None:
         epochs = list(range(runplan.schedule.epochs or 1))

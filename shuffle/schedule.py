@@ -283,9 +283,8 @@ def read_schedule(path: str | Path) -> Schedule:
             return super().compose_node(parent, index)
 
     path = Path(path)
-    with open_read(
-        path, ahead=False, user=True
-    ) as f:  # a user's file: the regular-file rule only (a FIFO never blocks)
+    # a user's file: the regular-file rule only (a FIFO never blocks)
+    with open_read(path, ahead=False, user=True) as f:
         raw = f.read(MAX_SCHEDULE_BYTES + 1)
     at_most(
         len(raw),

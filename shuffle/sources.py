@@ -102,8 +102,7 @@ def virtual_source(spec: str) -> PackedSource:
     )
     per = max(1, counts["shard_tokens"])
     sizes = [per] * (counts["tokens"] // per) + ([counts["tokens"] % per] if counts["tokens"] % per else [])
-    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
-    starts[1:] = np.cumsum(sizes, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
     manifest = {
         "kind": "source",
         "dtype": fields["dtype"],

@@ -120,8 +120,7 @@ class InMemoryStep(Step):
                         read_bar.update(part.nbytes)
             helper.drain()
             for src, k, f in hashed:
-                if f.result() != src.shards[k]["xxh3_128"]:
-                    job.source_changed(src.path / src.shards[k]["path"], src.shards[k]["xxh3_128"], f.result())
+                job.check_source_shard(src, k, f.result())
         facts.finish()
         store = RowStore(parts)
         with job.chunk_ring(self.budget) as (ring, tmp):
@@ -214,14 +213,6 @@ class Layout:
     def max_bucket(self) -> int:
         return int(np.diff(self.bucket_starts).max())
 
-    def input_segments(
-        self, plan: EpochPlan, sources: list[PackedSource], t: int
-    ) -> list[tuple[int, int, int, int, int]]:
-        """Task t's input: (source, first window, end window, first shard, end shard) per run of
-        whole shards. A task takes the windows that start in its shards, so each shard is read
-        in full, and verified, by exactly one task."""
-        return shard_segments(plan, sources, self.task_shards[t])
-
     def task_dir(self, t: int) -> Path:
         return Path(self.dir) / f"scatter-{t:05d}"
 
@@ -257,10 +248,30 @@ class Layout:
         """Task t's rows (ext "rows") or their output positions ("pos") of bucket b."""
         return self.task_dir(t) / f"{b // BUCKETS_PER_FOLDER:04d}" / f"b{b:07d}.{ext}"
 
+    def buckets_of(self, i: int) -> range:
+        """The buckets of output shard i."""
+        return range(int(self.shard_buckets[i]), int(self.shard_buckets[i + 1]))
+
+    def finish_task(self, t: int, counts: dict[int, int], hashes: dict) -> None:
+        """Scatter task t's records (`counts`: rows per bucket written; `hashes`: its two files'
+        xxh3_64 of each), then its done file, last."""
+        table = np.zeros((len(self.bucket_starts) - 1, 3), dtype="<u8")
+        for b, n in counts.items():
+            table[b] = n, hashes[b][0].intdigest(), hashes[b][1].intdigest()
+        write_bytes_atomic(self.task_records(t), table.tobytes(), fsync=True)
+        write_bytes_atomic(self.task_done(t), json.dumps({"task": t, "buckets": len(table)}).encode(), fsync=True)
+
+    def remove_buckets(self, buckets: range) -> None:
+        """Every task's files of `buckets`: once their shard is written, they are no longer needed."""
+        for b in buckets:
+            for t in range(self.tasks):
+                for ext in ("rows", "pos"):
+                    self.bucket_file(t, b, ext).unlink(missing_ok=True)
+
     def holds_rows_of(self, i: int, row_bytes: int) -> bool:
         """Whether the bucket files still hold every row of output shard i (the order pass
         deletes them once the shard is written)."""
-        for b in range(int(self.shard_buckets[i]), int(self.shard_buckets[i + 1])):
+        for b in self.buckets_of(i):
             files = [self.bucket_file(t, b, "rows") for t in range(self.tasks)]
             held = sum(os.path.getsize(f) for f in files if f.exists())
             if held != int(self.bucket_starts[b + 1] - self.bucket_starts[b]) * row_bytes:
@@ -271,7 +282,8 @@ class Layout:
 def shard_segments(plan: EpochPlan, sources: list[PackedSource], runs) -> list[tuple[int, int, int, int, int]]:
     """(source, first window, end window, first shard, end shard) per run (source, first shard,
     end shard) of whole shards: the windows that start in those shards (split_shards' runs; a
-    scatter task's, or a process's of shuffle --to-nodes)."""
+    scatter task's, or a process's of shuffle --to-nodes), so each shard is read in full, and
+    verified, by exactly one task."""
     out = []
     for s, k0, k1 in runs:
         sp, starts = plan.sources[s], sources[s].shard_starts
@@ -353,7 +365,6 @@ class ScatterStep(Step):
 
     def scatter(self, t: int) -> None:
         job, plan, lay = self.job, self.job.plan, self.layout
-        done = lay.task_done(t)
         if lay.scatter_done(t):
             return
         drop_buffers("inverse")
@@ -361,7 +372,7 @@ class ScatterStep(Step):
         shutil.rmtree(tdir, ignore_errors=True)
         tdir.mkdir(parents=True)
         sources = job.open_sources()
-        segments = lay.input_segments(plan, sources, t)
+        segments = shard_segments(plan, sources, lay.task_shards[t])
         rows_in = max(1, min(lay.block_rows, max([b - a for _, a, b, _, _ in segments], default=1)))
         # Two input buffers (a thread reads one block ahead) and two output buffers (the disk
         # thread appends one to the bucket files while this thread sorts the next block).
@@ -429,11 +440,7 @@ class ScatterStep(Step):
                 for fr, fp in files.values():
                     fr.close()
                     fp.close()
-            table = np.zeros((len(lay.bucket_starts) - 1, 3), dtype="<u8")
-            for b, n in counts.items():
-                table[b] = n, hashes[b][0].intdigest(), hashes[b][1].intdigest()
-            write_bytes_atomic(lay.task_records(t), table.tobytes(), fsync=True)
-            write_bytes_atomic(done, json.dumps({"task": t, "buckets": len(table)}).encode(), fsync=True)
+            lay.finish_task(t, counts, hashes)
 
 
 ORDER_PHASE = "order buckets, write shards"  # the out-of-core order pass, as progress names it
@@ -448,9 +455,6 @@ class OrderStep(Step):
         for i in range(rank, self.job.n_shards, world_size):
             self.order(i)
 
-    def _buckets(self, i: int) -> range:
-        return range(int(self.layout.shard_buckets[i]), int(self.layout.shard_buckets[i + 1]))
-
     def order_bar(self):
         """The order pass's bar, opened before its first bucket is read: what the pass does, named
         in the log from its start (the scatter pass's bar, finished, stays open until both end)."""
@@ -462,22 +466,19 @@ class OrderStep(Step):
         self.order_bar()
         if job.shard_done(i) is None:
             drop_buffers("scatter")
-            buckets = self._buckets(i)
+            buckets = lay.buckets_of(i)
             cap = max(int(np.diff(lay.bucket_starts[buckets.start : buckets.stop + 1]).max()), 1)
             ramp = np.arange(cap, dtype=np.int64)
             with lent("inverse", cap * 8) as (inv,), job.chunk_ring(self.budget) as (ring, tmp):
                 job.write_shard(i, self._blocks(i, inv.view(np.int64), ramp, ring, tmp))
-        for b in self._buckets(i):  # the shard is safe: its bucket files are no longer needed
-            for t in range(lay.tasks):
-                for ext in ("rows", "pos"):
-                    lay.bucket_file(t, b, ext).unlink(missing_ok=True)
+        lay.remove_buckets(lay.buckets_of(i))  # the shard is safe
 
     def _blocks(self, i, inv, ramp, ring, tmp):
         """Each bucket's files are mapped (no copy into fresh memory), placed by g through the
         inverse permutation `inv`, and gathered in output order chunk by chunk."""
         job, lay = self.job, self.layout
         count = 0  # chunks yielded: picks the ring buffer
-        buckets = self._buckets(i)
+        buckets = lay.buckets_of(i)
         recorded = [lay.recorded(t, buckets) for t in range(lay.tasks)]
         order_bar = self.order_bar()
         for b in buckets:

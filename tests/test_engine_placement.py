@@ -387,7 +387,8 @@ def test_scatter_task_borrows_blocks_of_its_own_rows_at_most(scattered, tmp_path
 
     monkeypatch.setattr(steps, "lent", lent)
     runs = [
-        max(b - a for _, a, b, _, _ in lay.input_segments(job.plan, job.open_sources(), t)) for t in range(lay.tasks)
+        max(b - a for _, a, b, _, _ in steps.shard_segments(job.plan, job.open_sources(), lay.task_shards[t]))
+        for t in range(lay.tasks)
     ]
     assert len(set(runs)) > 1
     for block in (min(runs), max(runs) + 7):  # a block between the tasks' runs, and one above both

@@ -140,7 +140,7 @@ def test_scatter_tasks_read_whole_shards(sources, tmp_path):
     lay = steps.Layout(len(runs), np.array([0, plan.samples]), np.array([0, 1]), 64, str(tmp_path), runs)
     covered = Counter()
     for t in range(lay.tasks):
-        for s, w0, w1, _, _ in lay.input_segments(plan, srcs, t):
+        for s, w0, w1, _, _ in steps.shard_segments(plan, srcs, lay.task_shards[t]):
             covered.update((s, w) for w in range(w0, w1))
     assert covered == Counter((s, w) for s, sp in enumerate(plan.sources) for w in range(sp.windows))
 

@@ -20,7 +20,7 @@ from tokpack.formats.packing import holdout_recorded, record_holdout
 from tokpack.formats.shards import PackedSource
 
 from ..holdout import Holdout, holdout_of
-from ..plan import EpochPlan
+from ..plan import EpochPlan, source_head
 from ..mixture import check_passes, mixture
 from .passes import (
     MIN_CHUNK,
@@ -63,11 +63,6 @@ class PackedSourcePlan:
     passes: int = 0
     pass_rows: tuple[int, ...] = ()  # R_{s,p} for the passes this epoch touches
     held: int = 0  # k_s: its documents held out of every epoch (tokpack.shuffle.holdout)
-
-
-def _named(s: PackedSourcePlan) -> dict:
-    """What names a source and its samples: the first fields of its report and of its manifest entry."""
-    return {"name": s.name, "path": s.path, "fingerprint": s.fingerprint, "weight": s.weight, "samples": s.samples}
 
 
 @dataclass(frozen=True)
@@ -136,7 +131,7 @@ class PackedPlan:
         names them rows for the summary and the warnings, since no row repeats a row)."""
         return [
             {
-                **_named(s),
+                **source_head(s),
                 "windows": s.windows,
                 "passes": s.passes,
                 "first_pass": s.first_pass,
@@ -150,7 +145,7 @@ class PackedPlan:
     def source_entries(self) -> list[dict]:
         return [
             {
-                **_named(s),
+                **source_head(s),
                 "first_pass": s.first_pass,
                 "passes": s.passes,
                 "windows": s.windows,
