@@ -52,7 +52,7 @@ PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 SLURM_ELEMENTS_PER_WORKER = 4
 
 
-def run_in_process(step, tasks: int, job_name: str, logging_dir=None) -> None:
+def run_in_process(step, tasks: int, job_name: str) -> None:
     """Every rank in turn, in this process (no executor start-up cost): a single local worker."""
     for rank in range(tasks):
         try:
@@ -340,6 +340,20 @@ def _slurm_job_ids(executor) -> list[str]:
     return [] if job_id in (None, -1, "-1") else [str(job_id)]
 
 
+# squeue's states of an array element that will not run again
+SLURM_ENDED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
+
+
 def _slurm_active(job_ids: list[str]) -> bool:
     """Whether any array element of these jobs is still pending or running."""
     if not job_ids:
@@ -349,21 +363,7 @@ def _slurm_active(job_ids: list[str]) -> bool:
         # squeue forgets finished jobs after MinJobAge and then says "Invalid job id": not active.
         # Any other failure (controller busy, timeout) says nothing: keep waiting, ask again later.
         return "invalid job id" not in out.stderr.lower()
-    return any(
-        s
-        not in (
-            "COMPLETED",
-            "FAILED",
-            "CANCELLED",
-            "TIMEOUT",
-            "OUT_OF_MEMORY",
-            "NODE_FAIL",
-            "BOOT_FAIL",
-            "DEADLINE",
-            "PREEMPTED",
-        )
-        for s in out.stdout.split()
-    )
+    return bool(set(out.stdout.split()) - SLURM_ENDED)
 
 
 def _wait_slurm(executor, config: ExecutorConfig) -> None:
@@ -577,23 +577,28 @@ def join_path(base: str | Path, name: str) -> str:
 
 def stage_in(url: str, workdir: str | Path) -> str:
     """Copies a remote file or folder to a fresh local folder under `workdir`; returns its path."""
-    fs, remote = _fs_and_path(url)
+    from fsspec.core import url_to_fs
+
+    fs, remote = url_to_fs(url)
     dest = Path(tempfile.mkdtemp(prefix="in-", dir=workdir)) / (Path(remote.rstrip("/")).name or "data")
     where = RemotePath(url, fs)  # a store that does not answer is one line, not a bug
     if not where.call("exists"):
         raise TokpackError("input not found", file=url)
     if where.call("isdir"):
-        _download_folder(url, dest)
+        from datatrove.io import get_datafolder
+
+        folder = get_datafolder(url)
+        for rel in folder.list_files(recursive=True):
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            _download(folder.open(rel, "rb"), dest / rel)
     else:
-        with fs.open(remote, "rb") as src, open_new(dest) as out:
-            shutil.copyfileobj(src, out, 1 << 22)
+        _download(fs.open(remote, "rb"), dest)
     return str(dest)
 
 
-def _fs_and_path(url: str):
-    from fsspec.core import url_to_fs
-
-    return url_to_fs(url)
+def _download(remote, target: Path) -> None:
+    with remote as src, open_new(target) as out:
+        shutil.copyfileobj(src, out, 1 << 22)
 
 
 @contextlib.contextmanager
@@ -643,14 +648,3 @@ def local_paths(
     finally:
         if downloads:
             shutil.rmtree(downloads, ignore_errors=True)
-
-
-def _download_folder(url: str, dest: str | Path) -> None:
-    from datatrove.io import get_datafolder
-
-    folder = get_datafolder(url)
-    for rel in folder.list_files(recursive=True):
-        target = Path(dest) / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with folder.open(rel, "rb") as src, open_new(target) as out:
-            shutil.copyfileobj(src, out, 1 << 22)
