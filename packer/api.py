@@ -391,9 +391,7 @@ def shuffle_usage(values: dict, plan: bool = False) -> list[int] | int | None:
     elif values.get("output") is None:
         raise UsageError("give -o OUT (or --like RUN to add epochs to RUN with its own settings)")
     elif schedule is not None:
-        given = [
-            f"--{k.replace('_', '-')}" for k in ("seq_len", "seed", "samples", "tokens") if values.get(k) is not None
-        ]
+        given = [_option(k) for k in ("seq_len", "seed", "samples", "tokens") if values.get(k) is not None]
         given += ["--jitter"] * bool(values.get("jitter"))
         if values.get("sources") or given:
             raise UsageError(
@@ -413,25 +411,22 @@ def shuffle_usage(values: dict, plan: bool = False) -> list[int] | int | None:
     return [epoch] if epoch is not None else epochs
 
 
+def _option(keyword: str) -> str:
+    """The command line's option of a keyword: --seq-len for seq_len."""
+    return f"--{keyword.replace('_', '-')}"
+
+
 def _nodes_usage(values: dict, plan: bool) -> None:
     """shuffle's (or plan shuffle's) --to-nodes usage checks (tokpack.packer.exchange)."""
     from tokpack.formats.errors import UsageError
     from tokpack.shuffle.like import run_settings
 
     if values.get("to_nodes") is None:
-        nodes = ("ranks_per_node", "micro_batch", "keep_sources", "procs_per_node", "stall_timeout") + (
-            "nodes",
-            "shared_mbps",
-            "nic_mbps",
-        ) * plan
-        if any(values.get(k) is not None for k in nodes):
-            listed = (
-                "--micro-batch, --keep-sources, --procs-per-node, --stall-timeout, --nodes, --shared-mbps and "
-                "--nic-mbps"
-                if plan
-                else "--micro-batch, --keep-sources, --procs-per-node and --stall-timeout"
-            )
-            raise UsageError(f"--ranks-per-node, {listed} go with --to-nodes DEST")
+        keys = ("ranks_per_node", "micro_batch", "keep_sources", "procs_per_node", "stall_timeout")
+        keys += ("nodes", "shared_mbps", "nic_mbps") * plan
+        if any(values.get(k) is not None for k in keys):
+            *most, last = (_option(k) for k in keys)
+            raise UsageError(f"{', '.join(most)} and {last} go with --to-nodes DEST")
         return
     if plan and None in (values.get("ranks_per_node"), values.get("micro_batch"), values.get("nodes")):
         raise UsageError("plan shuffle --to-nodes needs --nodes N, --ranks-per-node K and --micro-batch M")
