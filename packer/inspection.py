@@ -332,7 +332,12 @@ def inspect(
 
 def report_lines(r: InspectResult) -> list[str]:
     """The report for humans."""
-    lines = [f"{r.kind} {r.path}" if r.split is None else _split_header(r)]
+    lines = [
+        f"{r.kind} {r.path}"
+        if r.split is None
+        else f"held-out split {r.path} (RUN/holdout/: the documents `shuffle --holdout` sets aside from every "
+        "training epoch; read it as an epoch)"
+    ]
     if r.unreachable_sources:
         lines.append(f"  sources not reachable (no document statistics): {', '.join(r.unreachable_sources)}")
     t = r.totals
@@ -420,13 +425,6 @@ def _split_of(manifest: dict) -> dict:
 def _epoch_name(split: str | None, epoch) -> str:
     """How a line names an epoch of the report: RUN/holdout/ is the held-out split, not "epoch 0"."""
     return "held-out split" if split == "holdout" else f"epoch {epoch}"
-
-
-def _split_header(r: InspectResult) -> str:
-    return (
-        f"held-out split {r.path} (RUN/holdout/: the documents `shuffle --holdout` sets aside from every "
-        "training epoch; read it as an epoch)"
-    )
 
 
 def _source_length_lines(per_source: list[dict]) -> list[str]:
