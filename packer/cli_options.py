@@ -201,7 +201,6 @@ def executor_options(
         ),
         click.option(
             "--mem-per-cpu-gb",
-            "mem_per_cpu_gb",
             type=Real(0, 1e6),
             default=2,
             show_default=True,

@@ -170,7 +170,6 @@ def pack(inputs, output, as_json, **kw):
 )
 @click.option(
     "--to-nodes",
-    "to_nodes",
     metavar="DEST",
     help="Under MPI (mpirun/srun, --procs-per-node processes a node; pip install 'tokpack[mpi]'): node n's "
     "processes write its slice (as `stage RUN DEST --node n/N`) into its local DEST ({node} is replaced by n); "
@@ -180,7 +179,6 @@ def pack(inputs, output, as_json, **kw):
 @click.option("--micro-batch", type=Int(1), help="With --to-nodes: m samples a rank a step.")
 @click.option(
     "--keep-sources",
-    "keep_sources",
     metavar="DIR",
     help="With --to-nodes: each process keeps the source shards it reads, verified, in its local DIR "
     "({node} is replaced by n) and reads them there in later epochs, not on the shared filesystem.",
@@ -195,7 +193,6 @@ def pack(inputs, output, as_json, **kw):
 )
 @click.option(
     "--stall-timeout",
-    "stall_timeout",
     type=Real(0, 7 * 86400),
     metavar="SECONDS",
     help="With --to-nodes: when a process hears nothing from a peer for this long (a node stopped, "
