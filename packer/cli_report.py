@@ -110,7 +110,7 @@ def error_json(kind: str, message: str, **fields) -> dict:
 
 
 def _os_error_line(e: OSError) -> tuple[str, dict]:
-    where = e.filename if e.filename is not None else None
+    where = e.filename
     if getattr(e, "filename2", None):
         where = f"{where} -> {e.filename2}"
     name = errno.errorcode.get(e.errno, "") if e.errno else ""
