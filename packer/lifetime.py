@@ -139,7 +139,7 @@ def slurm_submitting() -> None:
 
 
 def slurm_comment() -> str | None:
-    """`TOKPACK_LIFETIME=<token>` of this process's watchdog, once it runs."""
+    """The <token> of this process's `TOKPACK_LIFETIME=<token>`, once its watchdog runs: a job's --comment."""
     return _marker
 
 
