@@ -125,7 +125,8 @@ def _executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, job_na
     if config.executor == "slurm":
         return _slurm_executor(step, tasks, config, logging_dir, job_name, depends=depends)
     if config.executor == "ray":
-        return _ray_executor(step, tasks, config, logging_dir, job_name)
+        ray_connect(config)
+        return RayPass(step, tasks, config, logging_dir, job_name)
     raise TokpackError(f"unknown executor {config.executor!r}", expected=" or ".join(EXECUTORS))
 
 
@@ -404,31 +405,22 @@ def ray_connect(config: ExecutorConfig) -> None:
     if ray.is_initialized():
         return
     with lifetime.children_bound():  # a local cluster's processes carry the marker: they end with tokpack
-        _ray_init(ray, config)
-
-
-def _ray_init(ray, config: ExecutorConfig) -> None:
-    # Workers import the steps from this checkout even when tokpack is not installed on their path.
-    pythonpath = os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p)
-    runtime_env = {"env_vars": {"PYTHONPATH": pythonpath}}
-    if config.ray_address:
-        try:
-            ray.init(address=config.ray_address, runtime_env=runtime_env, log_to_driver=False)
-        except ConnectionError as e:
-            raise TokpackError(
-                f"cannot connect to the Ray cluster: {e}",
-                where="--ray-address",
-                hint="is the head node up (ray status)? With token authentication (Ray >= 2.59 "
-                "default), export the cluster's RAY_AUTH_TOKEN (ray get-auth-token)",
-            ) from None
-    else:
-        num_cpus = config.workers if config.workers > 1 else os.cpu_count()
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
-
-
-def _ray_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, job_name: str):
-    ray_connect(config)
-    return RayPass(step, tasks, config, logging_dir, job_name)
+        # Workers import the steps from this checkout even when tokpack is not installed on their path.
+        pythonpath = os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p)
+        runtime_env = {"env_vars": {"PYTHONPATH": pythonpath}}
+        if config.ray_address:
+            try:
+                ray.init(address=config.ray_address, runtime_env=runtime_env, log_to_driver=False)
+            except ConnectionError as e:
+                raise TokpackError(
+                    f"cannot connect to the Ray cluster: {e}",
+                    where="--ray-address",
+                    hint="is the head node up (ray status)? With token authentication (Ray >= 2.59 "
+                    "default), export the cluster's RAY_AUTH_TOKEN (ray get-auth-token)",
+                ) from None
+        else:
+            num_cpus = config.workers if config.workers > 1 else os.cpu_count()
+            ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
 
 
 # Ray calls per worker slot in a pass: contiguous runs of ranks, so a slow rank holds back a
