@@ -16,10 +16,6 @@ from tokpack.formats.io.progress_log import OLD_INTERVAL_ENV, PROGRESS_ENV, prog
 from tokpack.formats.units import MAX_COUNT, byte_size, token_count
 
 
-def _option_name(param) -> str:
-    return (param.opts[0] if param.opts else param.human_readable_name) if param is not None else "value"
-
-
 def _usage_line(e: TokpackError) -> str:
     """A parser's refusal as click's "Invalid value for '--x': ..." line: the option is named there."""
     return str(TokpackError(e.message, expected=e.expected, found=e.found, hint=e.hint))
@@ -71,10 +67,9 @@ class _Bounded:
 
     def convert(self, value, param, ctx):
         least = (-self.most if self.floor is None else self.floor) if self.min is None else self.min
+        name = (param.opts[0] if param.opts else param.human_readable_name) if param is not None else "value"
         try:
-            return units.number(
-                value, _option_name(param), least=least, most=self.most, real=self.real, above=self.min_open
-            )
+            return units.number(value, name, least=least, most=self.most, real=self.real, above=self.min_open)
         except TokpackError as e:
             self.fail(_usage_line(e), param, ctx)
 

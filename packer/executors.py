@@ -121,7 +121,15 @@ EXECUTORS = ("local", "slurm", "ray")  # what --executor takes: _executor's case
 
 def _executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, job_name: str, depends=None):
     if config.executor == "local":
-        return _local_executor(step, tasks, config, logging_dir)
+        from datatrove.executor import LocalPipelineExecutor
+
+        return LocalPipelineExecutor(
+            pipeline=[FileLoggedStep(step)],
+            tasks=tasks,
+            workers=max(1, min(config.workers, tasks)),
+            logging_dir=logging_dir,
+            skip_completed=True,
+        )
     if config.executor == "slurm":
         return _slurm_executor(step, tasks, config, logging_dir, job_name, depends=depends)
     if config.executor == "ray":
@@ -154,18 +162,6 @@ def pass_runner(config: ExecutorConfig):
 
 # ----------------------------------------------------------------------------------------------
 # local
-
-
-def _local_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str):
-    from datatrove.executor import LocalPipelineExecutor
-
-    return LocalPipelineExecutor(
-        pipeline=[FileLoggedStep(step)],
-        tasks=tasks,
-        workers=max(1, min(config.workers, tasks)),
-        logging_dir=logging_dir,
-        skip_completed=True,
-    )
 
 
 def _file_only_task_logger(logging_dir, rank, local_rank=0, node_rank=-1):
