@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 
 import click
 
@@ -101,36 +102,24 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
         verify=verify,
     )
     if tokenizer is not None:
-        return _read_text(reader, samples, rank, tokenizer, as_json)
+        from tokpack.packer.vocab import load_tokenizer, sample_text
+
+        tok = load_tokenizer(tokenizer)
     for item in samples:
+        fields = {"epoch": item.epoch, "sample": item.sample, "rank": rank, "tokens": item.tokens.tolist()}
+        header = f"epoch {item.epoch} sample {item.sample} rank {rank}:"
+        if tokenizer is not None:  # decoded by packer.vocab.sample_text
+            pad = int(reader.padding(item.index, 1)[0]) if reader.packed else 0
+            fields.update(text=sample_text(tok, item.tokens, reader.eos_id, pad), padding=pad)
         if as_json:
-            click.echo(
-                json.dumps({"epoch": item.epoch, "sample": item.sample, "rank": rank, "tokens": item.tokens.tolist()})
-            )
+            click.echo(json.dumps(fields))
+        elif tokenizer is not None:
+            # under its header line, indented: a line that starts a sample is never one of the text's own lines
+            click.echo(header)
+            click.echo(textwrap.indent(fields["text"], "    "))
         else:
             head = " ".join(map(str, item.tokens[:16].tolist()))
-            click.echo(
-                f"epoch {item.epoch} sample {item.sample} rank {rank}: [{head}{' ...' if len(item.tokens) > 16 else ''}]"
-            )
-
-
-def _read_text(reader, samples, rank: int, tokenizer: str, as_json: bool) -> None:
-    """`read --tokenizer`: each sample decoded (packer.vocab.sample_text), under a header line
-    and indented, so a line that starts a sample is never one of the text's own lines."""
-    import textwrap
-
-    from tokpack.packer.vocab import load_tokenizer, sample_text
-
-    tok = load_tokenizer(tokenizer)
-    for item in samples:
-        pad = int(reader.padding(item.index, 1)[0]) if reader.packed else 0
-        text = sample_text(tok, item.tokens, reader.eos_id, pad)
-        if as_json:
-            fields = {"epoch": item.epoch, "sample": item.sample, "rank": rank, "tokens": item.tokens.tolist()}
-            click.echo(json.dumps({**fields, "text": text, "padding": pad}))
-        else:
-            click.echo(f"epoch {item.epoch} sample {item.sample} rank {rank}:")
-            click.echo(textwrap.indent(text, "    "))
+            click.echo(f"{header} [{head}{' ...' if len(item.tokens) > 16 else ''}]")
 
 
 @click.command()
