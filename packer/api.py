@@ -220,20 +220,9 @@ def pack(
     from tokpack.packer.pack_setup import PackOptions
     from tokpack.packer.packing import pack as pack_source
 
+    options = PackOptions.of(locals())
     in_process = runs_in_process(executor or ExecutorConfig())
     with local_paths([], str(output), scratch and str(scratch), in_process, "pack") as (_, local_output, to):
-        options = PackOptions(
-            input_format=input_format,
-            column=column,
-            dtype=dtype,
-            tokenizer=tokenizer,
-            eos_id=eos_id,
-            vocab_size=vocab_size,
-            overwrite=overwrite,
-            shard_tokens=shard_tokens,
-            link=link,
-            append_eos=append_eos,
-        )
         return pack_source(as_paths(inputs), local_output, options, config=executor, log=log, to=to)
 
 
@@ -402,9 +391,7 @@ def shuffle_usage(values: dict, plan: bool = False) -> list[int] | int | None:
     elif values.get("output") is None:
         raise UsageError("give -o OUT (or --like RUN to add epochs to RUN with its own settings)")
     elif schedule is not None:
-        given = [
-            f"--{k.replace('_', '-')}" for k in ("seq_len", "seed", "samples", "tokens") if values.get(k) is not None
-        ]
+        given = [_option(k) for k in ("seq_len", "seed", "samples", "tokens") if values.get(k) is not None]
         given += ["--jitter"] * bool(values.get("jitter"))
         if values.get("sources") or given:
             raise UsageError(
@@ -424,25 +411,22 @@ def shuffle_usage(values: dict, plan: bool = False) -> list[int] | int | None:
     return [epoch] if epoch is not None else epochs
 
 
+def _option(keyword: str) -> str:
+    """The command line's option of a keyword: --seq-len for seq_len."""
+    return f"--{keyword.replace('_', '-')}"
+
+
 def _nodes_usage(values: dict, plan: bool) -> None:
     """shuffle's (or plan shuffle's) --to-nodes usage checks (tokpack.packer.exchange)."""
     from tokpack.formats.errors import UsageError
     from tokpack.shuffle.like import run_settings
 
     if values.get("to_nodes") is None:
-        nodes = ("ranks_per_node", "micro_batch", "keep_sources", "procs_per_node", "stall_timeout") + (
-            "nodes",
-            "shared_mbps",
-            "nic_mbps",
-        ) * plan
-        if any(values.get(k) is not None for k in nodes):
-            listed = (
-                "--micro-batch, --keep-sources, --procs-per-node, --stall-timeout, --nodes, --shared-mbps and "
-                "--nic-mbps"
-                if plan
-                else "--micro-batch, --keep-sources, --procs-per-node and --stall-timeout"
-            )
-            raise UsageError(f"--ranks-per-node, {listed} go with --to-nodes DEST")
+        keys = ("ranks_per_node", "micro_batch", "keep_sources", "procs_per_node", "stall_timeout")
+        keys += ("nodes", "shared_mbps", "nic_mbps") * plan
+        if any(values.get(k) is not None for k in keys):
+            *most, last = (_option(k) for k in keys)
+            raise UsageError(f"{', '.join(most)} and {last} go with --to-nodes DEST")
         return
     if plan and None in (values.get("ranks_per_node"), values.get("micro_batch"), values.get("nodes")):
         raise UsageError("plan shuffle --to-nodes needs --nodes N, --ranks-per-node K and --micro-batch M")
@@ -609,18 +593,10 @@ def inspect(
     `memory`: the budget (bytes) of a best-fit epoch's plan and row table [default: 256 MiB].
     `documents_per_row`: also the largest document count of a row of the epoch (the
     `max_documents` it takes), from one pass over its tokens."""
+    arguments = dict(locals())  # tokpack.packer.inspection.inspect's, named as here
     from tokpack.packer.inspection import inspect as inspect_dir
 
-    return inspect_dir(
-        directory,
-        batch_size=batch_size,
-        batches=batches,
-        plot=plot,
-        seq_len=seq_len,
-        epoch=epoch,
-        memory=memory,
-        documents_per_row=documents_per_row,
-    )
+    return inspect_dir(**arguments)
 
 
 def plan(command: str, *args, **kwargs) -> PlanResult:
@@ -640,9 +616,11 @@ def plan(command: str, *args, **kwargs) -> PlanResult:
     if command == "pack":
         from tokpack.packer.pack_setup import PackOptions
 
-        paths, output, executor, disk_mbps = (given.pop(k) for k in ("inputs", "output", "executor", "disk_mbps"))
-        given.pop("scratch")  # a plan's output is local: the scratch a URL output writes to is unused
-        return planning.plan_pack(paths, output, PackOptions(**given), executor=executor, disk_mbps=disk_mbps)
+        # a plan's output is local: the scratch a URL output writes to is unused
+        options = PackOptions.of(given)
+        return planning.plan_pack(
+            given["inputs"], given["output"], options, executor=given["executor"], disk_mbps=given["disk_mbps"]
+        )
     if command == "stage":
         directory, dest, disk_mbps = (given.pop(k) for k in ("directory", "dest", "disk_mbps"))
         return planning.plan_stage(directory, dest, given, disk_mbps=disk_mbps)

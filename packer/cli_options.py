@@ -16,10 +16,6 @@ from tokpack.formats.io.progress_log import OLD_INTERVAL_ENV, PROGRESS_ENV, prog
 from tokpack.formats.units import MAX_COUNT, byte_size, token_count
 
 
-def _option_name(param) -> str:
-    return (param.opts[0] if param.opts else param.human_readable_name) if param is not None else "value"
-
-
 def _usage_line(e: TokpackError) -> str:
     """A parser's refusal as click's "Invalid value for '--x': ..." line: the option is named there."""
     return str(TokpackError(e.message, expected=e.expected, found=e.found, hint=e.hint))
@@ -71,10 +67,9 @@ class _Bounded:
 
     def convert(self, value, param, ctx):
         least = (-self.most if self.floor is None else self.floor) if self.min is None else self.min
+        name = (param.opts[0] if param.opts else param.human_readable_name) if param is not None else "value"
         try:
-            return units.number(
-                value, _option_name(param), least=least, most=self.most, real=self.real, above=self.min_open
-            )
+            return units.number(value, name, least=least, most=self.most, real=self.real, above=self.min_open)
         except TokpackError as e:
             self.fail(_usage_line(e), param, ctx)
 
@@ -142,7 +137,6 @@ _LOG_INTERVAL = "tokpack.log_interval"  # ctx.meta key: --log-interval as given 
 LOG_INTERVAL = click.option(
     "--log-interval",
     type=_Real(0, units.MAX_SECONDS),
-    default=None,
     metavar="SECONDS",
     expose_value=False,
     callback=lambda ctx, param, value: ctx.meta.__setitem__(_LOG_INTERVAL, value),
@@ -193,16 +187,15 @@ def executor_options(
             show_default=True,
             help="datatrove executor that runs the tasks.",
         ),
-        click.option("--tasks", type=Int(1, MAX_WORKERS * 100), default=None, help=tasks_help),
-        click.option("--logging-dir", default=None, help="datatrove logging dir (default: inside OUT's work folder)."),
-        click.option("--partition", default=None, help="slurm: partition."),
+        click.option("--tasks", type=Int(1, MAX_WORKERS * 100), help=tasks_help),
+        click.option("--logging-dir", help="datatrove logging dir (default: inside OUT's work folder)."),
+        click.option("--partition", help="slurm: partition."),
         click.option("--time", "time_limit", default="24:00:00", show_default=True, help="slurm: time limit."),
         click.option(
             "--cpus-per-task", type=Int(1, MAX_WORKERS), default=1, show_default=True, help="slurm/ray: CPUs per task."
         ),
         click.option(
             "--mem-per-cpu-gb",
-            "mem_per_cpu_gb",
             type=Real(0, 1e6),
             default=2,
             show_default=True,
@@ -213,12 +206,11 @@ def executor_options(
             "--mem",
             "deprecated_mem",
             type=Real(0, 1e6),
-            default=None,
             hidden=True,
             help="Deprecated spelling of --mem-per-cpu-gb.",
         ),
-        click.option("--sbatch-args", default=None, help="slurm: extra sbatch arguments as 'key=value,key=value'."),
-        click.option("--ray-address", default=None, help="ray: cluster address (default: start a local cluster)."),
+        click.option("--sbatch-args", help="slurm: extra sbatch arguments as 'key=value,key=value'."),
+        click.option("--ray-address", help="ray: cluster address (default: start a local cluster)."),
     ]
     for opt in reversed(options):
         fn = opt(fn)
@@ -285,7 +277,6 @@ def _is_number(text: str) -> bool:
 SCRATCH = click.option(
     "--scratch",
     type=click.Path(file_okay=False),
-    default=None,
     help="With an -o URL (s3://...): the local or shared folder where shards are written before each is sent, "
     "and out-of-core buckets [default: $TOKPACK_STAGE_DIR, else the system temp dir].",
 )

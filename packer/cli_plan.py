@@ -8,7 +8,7 @@ import click
 from tokpack.packer.cli_options import MAX_RANKS, Int, Real, executor_config, weighted_sources
 from tokpack.packer.cli_report import emit, user_errors
 from tokpack.packer.cli_runs import micro_batch_of, stage, stage_selection
-from tokpack.packer.cli_write import pack, shuffle
+from tokpack.packer.cli_write import pack, print_warnings, shuffle
 
 
 @click.group()
@@ -27,7 +27,6 @@ def plan():
 DISK_MBPS = click.Option(
     ["--disk-mbps"],
     type=Real(0, 1e9),
-    default=None,
     help="Disk throughput in MB/s for the predicted time [default: measured in about 2 s "
     "next to the output, with a temporary file removed at once].",
 )
@@ -47,20 +46,17 @@ NODES_OPTIONS = [  # plan shuffle --to-nodes: what the command learns from MPI, 
     click.Option(
         ["--nodes"],
         type=Int(1, MAX_RANKS),
-        default=None,
         help="With --to-nodes: N, the processes (nodes) mpirun would start; plan runs without MPI.",
     ),
     click.Option(
         ["--shared-mbps"],
         type=Real(0, 1e9),
-        default=None,
         help="With --to-nodes: the shared filesystem's throughput in MB/s, all nodes together [default: "
         "measured like --disk-mbps, next to RUN, from this machine].",
     ),
     click.Option(
         ["--nic-mbps"],
         type=Real(0, 1e9),
-        default=None,
         help="With --to-nodes: a node's network throughput in MB/s, each way [default: 25000].",
     ),
 ]
@@ -95,8 +91,7 @@ def _emit_plan(command: str, as_json: bool, *args, **kw) -> None:
     result = plan_api(command, *args, **kw)
     emit(result, as_json, report_lines)
     if not as_json:
-        for line in result.warnings or []:  # as shuffle gives them
-            click.echo(f"tokpack: warning: {line}", err=True)
+        print_warnings(result.warnings or [])  # as shuffle gives them
 
 
 @_planned(shuffle, NODES_OPTIONS)

@@ -110,7 +110,7 @@ def error_json(kind: str, message: str, **fields) -> dict:
 
 
 def _os_error_line(e: OSError) -> tuple[str, dict]:
-    where = e.filename if e.filename is not None else None
+    where = e.filename
     if getattr(e, "filename2", None):
         where = f"{where} -> {e.filename2}"
     name = errno.errorcode.get(e.errno, "") if e.errno else ""
@@ -173,15 +173,12 @@ def user_errors(fn):
             line = f"tokpack: error: {message}{HINT_MARK}pip install {e.name}"
             _report(line, error_json("ModuleNotFoundError", message, hint=f"pip install {e.name}"), EXIT_DATA, as_json)
         except OSError as e:  # the environment: a full disk, a read-only output, a symlink loop...
-            line, error = _os_error_line(e)
-            _report(line, error, EXIT_DATA, as_json)
+            _report(*_os_error_line(e), EXIT_DATA, as_json)
         except RuntimeError as e:
             if not str(e).startswith("Symlink loop"):  # pathlib's resolve() before Python 3.13
                 internal_error(command, e, as_json)
-            line, error = _os_error_line(
-                OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(e).split("'")[1] if "'" in str(e) else None)
-            )
-            _report(line, error, EXIT_DATA, as_json)
+            loop = OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(e).split("'")[1] if "'" in str(e) else None)
+            _report(*_os_error_line(loop), EXIT_DATA, as_json)
         except KeyboardInterrupt:
             line = f"tokpack: interrupted; {RESUME}"
             _report(line, error_json("KeyboardInterrupt", "interrupted", hint=RESUME), EXIT_INTERRUPTED, as_json)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 
 import click
 
@@ -64,20 +65,17 @@ def validate(dirs, quick, against, workers, as_json):
 @click.option(
     "--start-sample",
     type=Int(0),
-    default=None,
     help="Consumed samples so far (Megatron's consumed_samples).",
 )
 @click.option(
     "--consumed-tokens",
     type=TOKENS,
-    default=None,
     help="Consumed tokens: start = T // seq_len. K/M/B/T are 10^3..10^12.",
 )
 @click.option("--count", type=Int(0), default=10, show_default=True, help="Samples this rank prints.")
 @click.option("--verify", is_flag=True, help="Checksum each shard when it is first read.")
 @click.option(
     "--tokenizer",
-    default=None,
     help="Local tokenizer.json: print each sample as text (EOS as its token, a best-fit row's padding as "
     '[padding: N tokens]); with --json, adds "text" and "padding".',
 )
@@ -104,58 +102,40 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
         verify=verify,
     )
     if tokenizer is not None:
-        return _read_text(reader, samples, rank, tokenizer, as_json)
+        from tokpack.packer.vocab import load_tokenizer, sample_text
+
+        tok = load_tokenizer(tokenizer)
     for item in samples:
+        fields = {"epoch": item.epoch, "sample": item.sample, "rank": rank, "tokens": item.tokens.tolist()}
+        header = f"epoch {item.epoch} sample {item.sample} rank {rank}:"
+        if tokenizer is not None:  # decoded by packer.vocab.sample_text
+            pad = int(reader.padding(item.index, 1)[0]) if reader.packed else 0
+            fields.update(text=sample_text(tok, item.tokens, reader.eos_id, pad), padding=pad)
         if as_json:
-            click.echo(
-                json.dumps({"epoch": item.epoch, "sample": item.sample, "rank": rank, "tokens": item.tokens.tolist()})
-            )
+            click.echo(json.dumps(fields))
+        elif tokenizer is not None:
+            # under its header line, indented: a line that starts a sample is never one of the text's own lines
+            click.echo(header)
+            click.echo(textwrap.indent(fields["text"], "    "))
         else:
             head = " ".join(map(str, item.tokens[:16].tolist()))
-            click.echo(
-                f"epoch {item.epoch} sample {item.sample} rank {rank}: [{head}{' ...' if len(item.tokens) > 16 else ''}]"
-            )
-
-
-def _read_text(reader, samples, rank: int, tokenizer: str, as_json: bool) -> None:
-    """`read --tokenizer`: each sample decoded (packer.vocab.sample_text), under a header line
-    and indented, so a line that starts a sample is never one of the text's own lines."""
-    import textwrap
-
-    from tokpack.packer.vocab import load_tokenizer, sample_text
-
-    tok = load_tokenizer(tokenizer)
-    for item in samples:
-        pad = int(reader.padding(item.index, 1)[0]) if reader.packed else 0
-        text = sample_text(tok, item.tokens, reader.eos_id, pad)
-        if as_json:
-            fields = {"epoch": item.epoch, "sample": item.sample, "rank": rank, "tokens": item.tokens.tolist()}
-            click.echo(json.dumps({**fields, "text": text, "padding": pad}))
-        else:
-            click.echo(f"epoch {item.epoch} sample {item.sample} rank {rank}:")
-            click.echo(textwrap.indent(text, "    "))
+            click.echo(f"{header} [{head}{' ...' if len(item.tokens) > 16 else ''}]")
 
 
 @click.command()
 @click.argument("directory")
-@click.option("--batch-size", type=Int(1), default=None, help="Global batch size in samples [default: 64].")
+@click.option("--batch-size", type=Int(1), help="Global batch size in samples [default: 64].")
 @click.option("--batches", type=Int(1), default=64, show_default=True, help="Global batches to analyse.")
-@click.option(
-    "--plot", type=click.Path(dir_okay=False), default=None, help="Write the figures to FILE.png (needs matplotlib)."
-)
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write the figures to FILE.png (needs matplotlib).")
 @click.option(
     "--epoch",
     type=Int(0),
-    default=None,
     help="Run: the epoch whose batches to analyse [default: first].",
 )
-@click.option(
-    "--seq-len", type=Int(1, MAX_SEQ_LEN), default=None, help="Packed source: window length for the batch analysis."
-)
+@click.option("--seq-len", type=Int(1, MAX_SEQ_LEN), help="Packed source: window length for the batch analysis.")
 @click.option(
     "--memory",
     type=BYTES,
-    default=None,
     help="Memory budget in bytes of a best-fit epoch's plan and row table, built on disk and read "
     "in parts [default: 256MiB].",
 )
@@ -188,33 +168,28 @@ def inspect(directory, as_json, **kw):
 @click.option(
     "--workers",
     type=Int(1, MAX_WORKERS),
-    default=None,
     help="Files copied in parallel [default: 4]; a replacement node (--node on a RUN of shuffle --to-nodes): "
     "processes rebuilding its rank files, each a share of its ranks within --memory / N [default: 1].",
 )
-@click.option("--epochs", default=None, help="Only these epochs of a run, e.g. '0,1' or '0-3'.")
+@click.option("--epochs", help="Only these epochs of a run, e.g. '0,1' or '0-3'.")
 @click.option(
     "--shards-of",
-    default=None,
     help="'r/W' (also 'r1,r2/W', 'a-b/W'): only the whole epoch shards ranks r of W read, manifests unchanged.",
 )
 @click.option(
     "--ranks",
-    default=None,
     help="With --world-size: the node slice of consecutive ranks 'A-B' (only their rows, one file per rank).",
 )
-@click.option("--world-size", type=Int(1), default=None, help="W: data-parallel ranks; makes a node slice.")
+@click.option("--world-size", type=Int(1), help="W: data-parallel ranks; makes a node slice.")
 @click.option(
     "--node",
-    default=None,
     help="'n/N': the node slice of node n of N, 0-based: n is 0 to N-1, "
     "as SLURM_NODEID (with --ranks-per-node K; W = N*K; its ranks are n*K to n*K+K-1).",
 )
-@click.option("--ranks-per-node", type=Int(1), default=None, help="K: ranks on each node, with --node.")
+@click.option("--ranks-per-node", type=Int(1), help="K: ranks on each node, with --node.")
 @click.option(
     "--micro-batch",
     type=Int(1),
-    default=None,
     help="m: samples each rank reads per step, as training reads them; required for a node slice "
     "(--node, or --ranks with --world-size), whose rows depend on it; with --shards-of r/W [default: 1].",
 )
@@ -228,7 +203,6 @@ def inspect(directory, as_json, **kw):
 @click.option(
     "--memory",
     type=BYTES,
-    default=None,
     help="A replacement node (--node on a RUN of shuffle --to-nodes): memory budget in bytes of the "
     "rows it rebuilds at a time, and of a best-fit epoch's row table [default: 256MiB].",
 )

@@ -59,27 +59,23 @@ def _real_shard_size(result) -> dict:
 )
 @click.option(
     "--column",
-    default=None,
     help="Parquet/Arrow column or JSONL key holding token lists [default: input_ids]; "
     "for --format text, the text column/key [default: text].",
 )
 @click.option(
     "--dtype",
-    default=None,
     help="Token dtype of raw token files (uint16, uint32, int32, ...); "
     "inputs that record their own dtype must agree with it.",
 )
-@click.option("--tokenizer", default=None, help="Local tokenizer.json: for raw text, and to learn EOS and vocab size.")
+@click.option("--tokenizer", help="Local tokenizer.json: for raw text, and to learn EOS and vocab size.")
 @click.option(
     "--eos-id",
     type=Int(0, MAX_TOKEN_ID),
-    default=None,
     help="EOS token id (default: from the tokenizer or datatrove metadata).",
 )
 @click.option(
     "--vocab-size",
     type=Int(1, MAX_TOKEN_ID + 1),
-    default=None,
     help="Vocabulary size (default: from the tokenizer or the input dtype).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an output directory that holds a different packed source.")
@@ -122,12 +118,9 @@ def pack(inputs, output, as_json, **kw):
 
 @click.command()
 @click.argument("sources", nargs=-1, metavar="SOURCE[=WEIGHT]...")
-@click.option(
-    "-o", "--output", default=None, help="Run directory; one epoch-NNNNN/ per epoch inside [with --like: RUN]."
-)
+@click.option("-o", "--output", help="Run directory; one epoch-NNNNN/ per epoch inside [with --like: RUN].")
 @click.option(
     "--like",
-    default=None,
     metavar="RUN",
     help="Add epochs to the run RUN with its own settings, read from its manifests (sources, weights, "
     "--seq-len, --seed, --samples, --shard-samples, --jitter, --packing, --pad-id or its "
@@ -136,25 +129,22 @@ def pack(inputs, output, as_json, **kw):
 @click.option(
     "--schedule",
     type=click.Path(dir_okay=False),
-    default=None,
     help="A schedule YAML (seq_len, seed, stages of sources and weights) instead of SOURCEs, "
     "--seq-len, --seed, --samples/--tokens and --jitter; without --epoch(s), every epoch.",
 )
-@click.option("--seq-len", type=Int(1, MAX_SEQ_LEN), default=None, help="Tokens per sample is seq_len + 1.")
-@click.option("--seed", type=Int(floor=SEED_RANGE[0], most=SEED_RANGE[1]), default=None, help="Shuffle seed.")
-@click.option("--epochs", type=Int(1), default=None, help="Write epochs 0..N-1.")
-@click.option("--epoch", type=Int(0), default=None, help="Write only epoch E (adds to an existing run).")
-@click.option("--samples", type=Int(1), default=None, help="Samples per epoch (with weights).")
+@click.option("--seq-len", type=Int(1, MAX_SEQ_LEN), help="Tokens per sample is seq_len + 1.")
+@click.option("--seed", type=Int(floor=SEED_RANGE[0], most=SEED_RANGE[1]), help="Shuffle seed.")
+@click.option("--epochs", type=Int(1), help="Write epochs 0..N-1.")
+@click.option("--epoch", type=Int(0), help="Write only epoch E (adds to an existing run).")
+@click.option("--samples", type=Int(1), help="Samples per epoch (with weights).")
 @click.option(
     "--tokens",
     type=TOKENS,
-    default=None,
     help="Trained tokens per epoch: samples = T // seq_len. K/M/B/T are 10^3..10^12 (100B).",
 )
 @click.option(
     "--shard-samples",
     type=Int(1),
-    default=None,
     help="Samples per output shard [default: 1 GiB // ((seq_len+1) * token_size), about 1 GiB].",
 )
 @click.option(
@@ -169,7 +159,6 @@ def pack(inputs, output, as_json, **kw):
 @click.option(
     "--packing",
     type=PackingChoice(),
-    default=None,
     show_default="concat",
     help="concat: windows of the concatenated documents; best-fit: whole documents packed into samples "
     "by best-fit decreasing, per epoch (only documents longer than a sample are cut).",
@@ -177,24 +166,19 @@ def pack(inputs, output, as_json, **kw):
 @click.option(
     "--pad-id",
     type=Int(0, MAX_TOKEN_ID),
-    default=None,
     help="best-fit: the token that fills a sample's tail [default: the EOS id].",
 )
 @click.option(
     "--to-nodes",
-    "to_nodes",
-    default=None,
     metavar="DEST",
     help="Under MPI (mpirun/srun, --procs-per-node processes a node; pip install 'tokpack[mpi]'): node n's "
     "processes write its slice (as `stage RUN DEST --node n/N`) into its local DEST ({node} is replaced by n); "
     "-o RUN gets only the manifests and row hashes.",
 )
-@click.option("--ranks-per-node", type=Int(1), default=None, help="With --to-nodes: K ranks a node.")
-@click.option("--micro-batch", type=Int(1), default=None, help="With --to-nodes: m samples a rank a step.")
+@click.option("--ranks-per-node", type=Int(1), help="With --to-nodes: K ranks a node.")
+@click.option("--micro-batch", type=Int(1), help="With --to-nodes: m samples a rank a step.")
 @click.option(
     "--keep-sources",
-    "keep_sources",
-    default=None,
     metavar="DIR",
     help="With --to-nodes: each process keeps the source shards it reads, verified, in its local DIR "
     "({node} is replaced by n) and reads them there in later epochs, not on the shared filesystem.",
@@ -202,7 +186,6 @@ def pack(inputs, output, as_json, **kw):
 @click.option(
     "--procs-per-node",
     type=Int(1, MAX_WORKERS),
-    default=None,
     metavar="P",
     help="With --to-nodes: P MPI processes a node (`mpirun --map-by ppr:P:node`, one a GPU), sharing its DEST, "
     "its lock, its kept sources and its --memory; a row crosses the network once to a node [default: as the "
@@ -210,9 +193,7 @@ def pack(inputs, output, as_json, **kw):
 )
 @click.option(
     "--stall-timeout",
-    "stall_timeout",
     type=Real(0, 7 * 86400),
-    default=None,
     metavar="SECONDS",
     help="With --to-nodes: when a process hears nothing from a peer for this long (a node stopped, "
     "frozen or cut off), the job stops with one line naming that node; a rerun resumes [default: 300].",
@@ -220,7 +201,6 @@ def pack(inputs, output, as_json, **kw):
 @click.option(
     "--holdout",
     type=HOLDOUT,
-    default=None,
     metavar="F",
     help="Set whole documents of each source aside from every epoch, chosen from --seed, and write "
     "them once to RUN/holdout/: a fraction of its documents (0.01, 1%) or a token count (5M).",
@@ -254,7 +234,7 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
         P, p = result["procs_per_node"], result["process"]
         if result["node"] == 0 and p == 0:  # the epochs' figures are every node's: said once
             _epoch_lines(result["epochs_detail"])
-            _warnings(result["warnings"])
+            print_warnings(result["warnings"])
         click.echo(
             f"node {result['node']} of {result['nodes']}{'' if P == 1 else f' (process {p} of {P})'}: slice of "
             f"ranks {result['ranks'][0]}-{result['ranks'][-1]} at {result['dest']}: epochs {result['epochs']}"
@@ -274,7 +254,7 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
                 f"holdout: {result.holdout['samples']} samples of held-out documents in "
                 f"{result.holdout['path']} (read it as an epoch; no training epoch holds them)"
             )
-        _warnings(result.warnings)
+        print_warnings(result.warnings)
 
 
 def _epoch_lines(details: list[dict]) -> None:
@@ -301,7 +281,7 @@ def _epoch_lines(details: list[dict]) -> None:
             )
 
 
-def _warnings(lines: list[str]) -> None:
+def print_warnings(lines: list[str]) -> None:
     for line in lines:
         click.echo(f"tokpack: warning: {line}", err=True)
 

@@ -52,7 +52,7 @@ PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 SLURM_ELEMENTS_PER_WORKER = 4
 
 
-def run_in_process(step, tasks: int, job_name: str, logging_dir=None) -> None:
+def run_in_process(step, tasks: int, job_name: str) -> None:
     """Every rank in turn, in this process (no executor start-up cost): a single local worker."""
     for rank in range(tasks):
         try:
@@ -121,11 +121,20 @@ EXECUTORS = ("local", "slurm", "ray")  # what --executor takes: _executor's case
 
 def _executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, job_name: str, depends=None):
     if config.executor == "local":
-        return _local_executor(step, tasks, config, logging_dir)
+        from datatrove.executor import LocalPipelineExecutor
+
+        return LocalPipelineExecutor(
+            pipeline=[FileLoggedStep(step)],
+            tasks=tasks,
+            workers=max(1, min(config.workers, tasks)),
+            logging_dir=logging_dir,
+            skip_completed=True,
+        )
     if config.executor == "slurm":
         return _slurm_executor(step, tasks, config, logging_dir, job_name, depends=depends)
     if config.executor == "ray":
-        return _ray_executor(step, tasks, config, logging_dir, job_name)
+        ray_connect(config)
+        return RayPass(step, tasks, config, logging_dir, job_name)
     raise TokpackError(f"unknown executor {config.executor!r}", expected=" or ".join(EXECUTORS))
 
 
@@ -153,18 +162,6 @@ def pass_runner(config: ExecutorConfig):
 
 # ----------------------------------------------------------------------------------------------
 # local
-
-
-def _local_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str):
-    from datatrove.executor import LocalPipelineExecutor
-
-    return LocalPipelineExecutor(
-        pipeline=[FileLoggedStep(step)],
-        tasks=tasks,
-        workers=max(1, min(config.workers, tasks)),
-        logging_dir=logging_dir,
-        skip_completed=True,
-    )
 
 
 def _file_only_task_logger(logging_dir, rank, local_rank=0, node_rank=-1):
@@ -340,6 +337,20 @@ def _slurm_job_ids(executor) -> list[str]:
     return [] if job_id in (None, -1, "-1") else [str(job_id)]
 
 
+# squeue's states of an array element that will not run again
+SLURM_ENDED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
+
+
 def _slurm_active(job_ids: list[str]) -> bool:
     """Whether any array element of these jobs is still pending or running."""
     if not job_ids:
@@ -349,21 +360,7 @@ def _slurm_active(job_ids: list[str]) -> bool:
         # squeue forgets finished jobs after MinJobAge and then says "Invalid job id": not active.
         # Any other failure (controller busy, timeout) says nothing: keep waiting, ask again later.
         return "invalid job id" not in out.stderr.lower()
-    return any(
-        s
-        not in (
-            "COMPLETED",
-            "FAILED",
-            "CANCELLED",
-            "TIMEOUT",
-            "OUT_OF_MEMORY",
-            "NODE_FAIL",
-            "BOOT_FAIL",
-            "DEADLINE",
-            "PREEMPTED",
-        )
-        for s in out.stdout.split()
-    )
+    return bool(set(out.stdout.split()) - SLURM_ENDED)
 
 
 def _wait_slurm(executor, config: ExecutorConfig) -> None:
@@ -404,31 +401,22 @@ def ray_connect(config: ExecutorConfig) -> None:
     if ray.is_initialized():
         return
     with lifetime.children_bound():  # a local cluster's processes carry the marker: they end with tokpack
-        _ray_init(ray, config)
-
-
-def _ray_init(ray, config: ExecutorConfig) -> None:
-    # Workers import the steps from this checkout even when tokpack is not installed on their path.
-    pythonpath = os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p)
-    runtime_env = {"env_vars": {"PYTHONPATH": pythonpath}}
-    if config.ray_address:
-        try:
-            ray.init(address=config.ray_address, runtime_env=runtime_env, log_to_driver=False)
-        except ConnectionError as e:
-            raise TokpackError(
-                f"cannot connect to the Ray cluster: {e}",
-                where="--ray-address",
-                hint="is the head node up (ray status)? With token authentication (Ray >= 2.59 "
-                "default), export the cluster's RAY_AUTH_TOKEN (ray get-auth-token)",
-            ) from None
-    else:
-        num_cpus = config.workers if config.workers > 1 else os.cpu_count()
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
-
-
-def _ray_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, job_name: str):
-    ray_connect(config)
-    return RayPass(step, tasks, config, logging_dir, job_name)
+        # Workers import the steps from this checkout even when tokpack is not installed on their path.
+        pythonpath = os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p)
+        runtime_env = {"env_vars": {"PYTHONPATH": pythonpath}}
+        if config.ray_address:
+            try:
+                ray.init(address=config.ray_address, runtime_env=runtime_env, log_to_driver=False)
+            except ConnectionError as e:
+                raise TokpackError(
+                    f"cannot connect to the Ray cluster: {e}",
+                    where="--ray-address",
+                    hint="is the head node up (ray status)? With token authentication (Ray >= 2.59 "
+                    "default), export the cluster's RAY_AUTH_TOKEN (ray get-auth-token)",
+                ) from None
+        else:
+            num_cpus = config.workers if config.workers > 1 else os.cpu_count()
+            ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
 
 
 # Ray calls per worker slot in a pass: contiguous runs of ranks, so a slow rank holds back a
@@ -577,23 +565,28 @@ def join_path(base: str | Path, name: str) -> str:
 
 def stage_in(url: str, workdir: str | Path) -> str:
     """Copies a remote file or folder to a fresh local folder under `workdir`; returns its path."""
-    fs, remote = _fs_and_path(url)
+    from fsspec.core import url_to_fs
+
+    fs, remote = url_to_fs(url)
     dest = Path(tempfile.mkdtemp(prefix="in-", dir=workdir)) / (Path(remote.rstrip("/")).name or "data")
     where = RemotePath(url, fs)  # a store that does not answer is one line, not a bug
     if not where.call("exists"):
         raise TokpackError("input not found", file=url)
     if where.call("isdir"):
-        _download_folder(url, dest)
+        from datatrove.io import get_datafolder
+
+        folder = get_datafolder(url)
+        for rel in folder.list_files(recursive=True):
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            _download(folder.open(rel, "rb"), dest / rel)
     else:
-        with fs.open(remote, "rb") as src, open_new(dest) as out:
-            shutil.copyfileobj(src, out, 1 << 22)
+        _download(fs.open(remote, "rb"), dest)
     return str(dest)
 
 
-def _fs_and_path(url: str):
-    from fsspec.core import url_to_fs
-
-    return url_to_fs(url)
+def _download(remote, target: Path) -> None:
+    with remote as src, open_new(target) as out:
+        shutil.copyfileobj(src, out, 1 << 22)
 
 
 @contextlib.contextmanager
@@ -643,14 +636,3 @@ def local_paths(
     finally:
         if downloads:
             shutil.rmtree(downloads, ignore_errors=True)
-
-
-def _download_folder(url: str, dest: str | Path) -> None:
-    from datatrove.io import get_datafolder
-
-    folder = get_datafolder(url)
-    for rel in folder.list_files(recursive=True):
-        target = Path(dest) / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with folder.open(rel, "rb") as src, open_new(target) as out:
-            shutil.copyfileobj(src, out, 1 << 22)

@@ -284,7 +284,7 @@ def inspect(
         raise TokpackError(
             "epoch not in this run", file=directory, where="--epoch", expected=[e for e, _, _ in epochs], found=epoch
         )
-    sources = _sources_of(directory, manifest, epochs, report)
+    names, sources = _sources_of(directory, manifest, epochs, report)
     report["totals"] = _totals(manifest, epochs, sources)
     if epochs:
         from tokpack.shuffle.packings import shown_of_epochs
@@ -309,7 +309,6 @@ def inspect(
     per_source: list[dict] = []
     hist = document_lengths(sources, per_source=per_source) if sources else None
     if hist is not None:
-        names = _source_names(directory, manifest, epochs)
         report["document_lengths"] = {
             **hist.report(),
             "sources": [{"name": n, **d} for n, d in zip(names, per_source)],
@@ -333,7 +332,12 @@ def inspect(
 
 def report_lines(r: InspectResult) -> list[str]:
     """The report for humans."""
-    lines = [f"{r.kind} {r.path}" if r.split is None else _split_header(r)]
+    lines = [
+        f"{r.kind} {r.path}"
+        if r.split is None
+        else f"held-out split {r.path} (RUN/holdout/: the documents `shuffle --holdout` sets aside from every "
+        "training epoch; read it as an epoch)"
+    ]
     if r.unreachable_sources:
         lines.append(f"  sources not reachable (no document statistics): {', '.join(r.unreachable_sources)}")
     t = r.totals
@@ -376,7 +380,7 @@ def report_lines(r: InspectResult) -> list[str]:
             if "max_documents_per_row" in pk:
                 padded += f", at most {pk['max_documents_per_row']:,} documents per row"
         lines.append(
-            f"  {_epoch_name(r, e['epoch'])}: {e['samples']:,} samples; "
+            f"  {_epoch_name(r.split, e['epoch'])}: {e['samples']:,} samples; "
             + ", ".join(_share_text(s) for s in used)
             + padded
         )
@@ -404,7 +408,7 @@ def report_lines(r: InspectResult) -> list[str]:
     if r.documents_per_row is not None:
         d = r.documents_per_row
         lines.append(
-            f"  documents per row ({_epoch_name(r, d['epoch'])}): at most {d['max']} (first at sample {d['sample']}), "
+            f"  documents per row ({_epoch_name(r.split, d['epoch'])}): at most {d['max']} (first at sample {d['sample']}), "
             f"padding counted as one; fixed shapes: TokpackDataset(..., max_documents={d['max']})"
         )
     if r.plot is not None:
@@ -418,25 +422,9 @@ def _split_of(manifest: dict) -> dict:
     return {"split": "holdout"} if holdout_recorded(manifest)[1] else {}
 
 
-def _epoch_name(r: InspectResult, epoch: int) -> str:
+def _epoch_name(split: str | None, epoch) -> str:
     """How a line names an epoch of the report: RUN/holdout/ is the held-out split, not "epoch 0"."""
-    return "held-out split" if r.split == "holdout" else f"epoch {epoch}"
-
-
-def _split_header(r: InspectResult) -> str:
-    return (
-        f"held-out split {r.path} (RUN/holdout/: the documents `shuffle --holdout` sets aside from every "
-        "training epoch; read it as an epoch)"
-    )
-
-
-def _source_names(directory: Path, manifest: dict, epochs) -> list[str]:
-    """The names of the sources `_sources_of` opens, in its order: the epoch's (or run's) names
-    for them, or a packed source's folder name."""
-    if manifest["kind"] == "source":
-        return [directory.name]
-    entries = (epochs[0][2].get("sources") if epochs else manifest.get("sources")) or []
-    return [str(e.get("name") or e.get("path")) for e in entries]
+    return "held-out split" if split == "holdout" else f"epoch {epoch}"
 
 
 def _source_length_lines(per_source: list[dict]) -> list[str]:
@@ -469,19 +457,21 @@ def _epochs_of(directory: Path, manifest: dict) -> list[tuple[int, Path, dict]]:
     return []
 
 
-def _sources_of(directory: Path, manifest: dict, epochs, report: dict) -> list[PackedSource]:
-    """The packed sources to read: the directory itself, or every source the epochs name
-    (all or none: statistics over part of a mixture would mislead)."""
+def _sources_of(directory: Path, manifest: dict, epochs, report: dict) -> tuple[list[str], list[PackedSource]]:
+    """The names and the packed sources to read: the directory itself (named by its folder), or
+    every source the epochs name (all or none: statistics over part of a mixture would mislead),
+    named as the epoch (or run) names them."""
     if manifest["kind"] == "source":
-        return [PackedSource.open(directory)]
+        return [directory.name], [PackedSource.open(directory)]
     entries = (epochs[0][2].get("sources") if epochs else manifest.get("sources")) or []
+    names = [str(e.get("name") or e.get("path")) for e in entries]
     near = directory if manifest["kind"] == "run" else directory.parent
     opened = [_open_source(e, near) for e in entries]
-    missing = [str(e.get("name") or e.get("path")) for e, s in zip(entries, opened) if s is None]
+    missing = [name for name, s in zip(names, opened) if s is None]
     if missing:
         report["unreachable_sources"] = missing
-        return []
-    return opened
+        return names, []
+    return names, opened
 
 
 def _totals(manifest: dict, epochs, sources: list[PackedSource]) -> dict:
@@ -556,8 +546,7 @@ def _diversity_lines(diversity: dict, batch: int, split: str | None = None) -> l
         if when == "before":  # a packed source's batches: no epoch to name
             label = when
         else:
-            shuffled = "held-out split" if split == "holdout" else f"epoch {diversity['epoch']}"
-            label = f"after ({shuffled}, {diversity['document_identity']})"
+            label = f"after ({_epoch_name(split, diversity['epoch'])}, {diversity['document_identity']})"
         if not s:
             lines.append(f"  batches {label}: fewer samples than one batch of {batch}")
             continue
@@ -625,9 +614,7 @@ def write_plot(path, report: dict, hist: LengthHistogram | None) -> None:
         "before": dict(color="#c44e52", label="before shuffle (sequential)"),
         "after": dict(
             color="#55a868",
-            label="after shuffle (held-out split)"
-            if report.get("split") == "holdout"
-            else f"after shuffle (epoch {div.get('epoch')})",
+            label=f"after shuffle ({_epoch_name(report.get('split'), div.get('epoch'))})",
         ),
     }
     for ax, key, title, ylabel in (

@@ -123,11 +123,6 @@ def _forkserver_preload() -> None:
 # ---------------------------------------------------------------------------------- watchdog
 
 
-def marker() -> str | None:
-    """`TOKPACK_LIFETIME=<token>` of this process's watchdog, once it runs."""
-    return _marker
-
-
 def _send(line: str) -> None:
     if _watchdog is not None and _watchdog.poll() is None:
         try:
@@ -144,6 +139,7 @@ def slurm_submitting() -> None:
 
 
 def slurm_comment() -> str | None:
+    """The <token> of this process's `TOKPACK_LIFETIME=<token>`, once its watchdog runs: a job's --comment."""
     return _marker
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -146,6 +146,11 @@ class PackOptions:
     # appended to each, not refused (tokpack.packer.pack_result.check_document_ends)
     append_eos: bool = False
 
+    @classmethod
+    def of(cls, values: dict) -> PackOptions:
+        """The options among `values` (pack's keyword arguments, which hold more)."""
+        return cls(**{f.name: values[f.name] for f in fields(cls)})
+
 
 @dataclass
 class PackSetup:
@@ -203,17 +208,11 @@ def setup_pack(
 ) -> PackSetup:
     """Finds the inputs, checks them (every check that needs no token scan) and OUT (to a
     bucket: what the store holds). Reads only."""
-    input_format, column, dtype, tokenizer = options.input_format, options.column, options.dtype, options.tokenizer
-    eos_id, vocab_size, overwrite, shard_tokens = (
-        options.eos_id,
-        options.vocab_size,
-        options.overwrite,
-        options.shard_tokens,
-    )
+    tokenizer = options.tokenizer
     if tokenizer is not None:
         tokenizer = str(Path(tokenizer).absolute()) if os.path.isfile(tokenizer) else tokenizer
         load_tokenizer(tokenizer)
-    fmt, files = discover(list(inputs), input_format, column, dtype)
+    fmt, files = discover(list(inputs), options.input_format, options.column, options.dtype)
     say(
         f"tokpack pack: detected format {fmt}: {counted(len(files), 'file')}, "
         f"{', '.join(sorted({f.format + (' ' + f.dtype if f.dtype else '') for f in files}))}"
@@ -224,19 +223,19 @@ def setup_pack(
             for f in files
         ],
         "format": fmt,
-        "column": column,
-        "dtype": dtype,
+        "column": options.column,
+        "dtype": options.dtype,
         "tokenizer": tokenizer,
-        "eos_id": eos_id,
-        "vocab_size": vocab_size,
-        "shard_tokens": int(shard_tokens),
+        "eos_id": options.eos_id,
+        "vocab_size": options.vocab_size,
+        "shard_tokens": int(options.shard_tokens),
         # only when given, so a request without it (and its manifest) is as before; in it at all,
         # so a pack refused without it is not taken for complete by a rerun of the accepted one
         **({"append_eos": True} if options.append_eos else {}),
     }
     # `link` is not in the request: a linked pack's manifest and bytes are a copying pack's
     setup = PackSetup(
-        fmt, files, tokenizer, request, _output_state(to.where(out), request, overwrite), link=options.link
+        fmt, files, tokenizer, request, _output_state(to.where(out), request, options.overwrite), link=options.link
     )
     if setup.state == "complete":
         return setup
@@ -250,7 +249,7 @@ def setup_pack(
                 found="none",
                 hint="pass --tokenizer tokenizer.json",
             )
-        resolved = resolve_vocab_eos(files, tokenizer, eos_id, vocab_size)
+        resolved = resolve_vocab_eos(files, tokenizer, options.eos_id, options.vocab_size)
         setup.vocab, setup.eos, setup.tok_name, setup.eos_token = resolved
         if setup.eos_token is None:
             raise TokpackError(
@@ -258,12 +257,12 @@ def setup_pack(
                 file=tokenizer,
                 where="--eos-id",
                 expected="an id the tokenizer knows",
-                found=eos_id,
+                found=options.eos_id,
             )
     else:
         known: list = []
         setup.vocab, setup.eos, setup.tok_name, _ = resolve_vocab_eos(
-            files, tokenizer, eos_id, vocab_size, say, setup.warnings, known
+            files, tokenizer, options.eos_id, options.vocab_size, say, setup.warnings, known
         )
         setup.vocab_known = bool(known and known[0])
         for f in files:

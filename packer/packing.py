@@ -400,17 +400,8 @@ def pack(
     if not plan_path.exists():
         if fmt == "text":
             text_dir = work / "text"
-            run_steps(
-                [
-                    (
-                        TokenizeTextStep(files, str(text_dir), tokenizer, eos_token),
-                        len(files),
-                        "tokenize",
-                        base_logs / "tokenize",
-                    )
-                ],
-                config,
-            )
+            tokenize = TokenizeTextStep(files, str(text_dir), tokenizer, eos_token)
+            run_steps([(tokenize, len(files), "tokenize", base_logs / "tokenize")], config)
             _, packed_files = discover([str(text_dir)], "datatrove", None, None)
             for f in packed_files:
                 check_input(f)

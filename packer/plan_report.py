@@ -109,6 +109,19 @@ def report_lines(r: PlanResult) -> list[str]:
     return lines
 
 
+# the node table's columns of bytes: heading -> field of a per_node entry
+_NODE_SIZES = {
+    "shared read": "shared_source_bytes",
+    "local read": "local_source_bytes",
+    "sent": "sent_bytes",
+    "received": "received_bytes",
+    "slice": "slice_bytes",
+    "kept sources": "kept_source_bytes",
+    "scratch": "scratch_bytes",
+    "needs": "local_needed_bytes",
+}
+
+
 def _nodes_lines(r: PlanResult) -> list[str]:
     """plan shuffle --to-nodes: a line per epoch, a table of the nodes, RUN's files, the time."""
     t = r.to_nodes
@@ -137,19 +150,7 @@ def _nodes_lines(r: PlanResult) -> list[str]:
         lines.append(
             f"  epoch {e['epoch']}: {e['packing']}, {e['samples']:,} samples, {e['shards']:,} epoch shards, {rounds}"
         )
-    head = (
-        "node",
-        "shared read",
-        "local read",
-        "sent",
-        "received",
-        "slice",
-        "kept sources",
-        "scratch",
-        "needs",
-        "free",
-        "time",
-    )
+    head = ("node", *_NODE_SIZES, "free", "time")
     table = [head]
     for p in r.per_node:
         space = p["space"]
@@ -158,26 +159,8 @@ def _nodes_lines(r: PlanResult) -> list[str]:
             if space == "not visible"
             else ", ".join(f"{size_text(s['free_bytes'])}{'' if s['enough'] else ' NOT ENOUGH'}" for s in space)
         )
-        table.append(
-            (
-                str(p["node"]),
-                *(
-                    size_text(p[k])
-                    for k in (
-                        "shared_source_bytes",
-                        "local_source_bytes",
-                        "sent_bytes",
-                        "received_bytes",
-                        "slice_bytes",
-                        "kept_source_bytes",
-                        "scratch_bytes",
-                        "local_needed_bytes",
-                    )
-                ),
-                free,
-                _duration(p["predicted_seconds"]),
-            )
-        )
+        sizes = [size_text(p[k]) for k in _NODE_SIZES.values()]
+        table.append((str(p["node"]), *sizes, free, _duration(p["predicted_seconds"])))
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)).rstrip() for row in table]
     if any(not d["exchanged_exact"] for p in r.per_node for d in p["epochs"]):

@@ -42,10 +42,8 @@ def resolve_vocab_eos(
     named = files[0].tokenizer
     if tok_path is None and named:
         # a metadata path is taken as written, then relative to the input's folder
-        for candidate in (Path(named), Path(files[0].path).parent / named):
-            if candidate.is_file():
-                tok_path = str(candidate)
-                break
+        candidates = (Path(named), Path(files[0].path).parent / named)
+        tok_path = next((str(c) for c in candidates if c.is_file()), None)
     tok = load_tokenizer(tok_path) if tok_path else None
     known = KNOWN_TOKENIZERS.get(named) if tok is None and named else None  # only when nothing more specific
     eos_token = None
