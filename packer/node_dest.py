@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.constants import LOCK_NAME, WORK_DIR
-from tokpack.formats.io.gate import open_read
+from tokpack.formats.io.gate import open_read, read_limited
 from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.reading import parse_manifest, read_manifest
@@ -42,6 +42,18 @@ def slice_root_of_run(out: Path, ranks, w: int, micro_batch: int, phase: int) ->
     """(RUN's run manifest, the root manifest of the slice of `ranks` it gives)."""
     run = parse_manifest(read_raw(out / MANIFEST), out / MANIFEST, "run")
     return run, slice_manifest(run, str(out.absolute()), RankRows(w, micro_batch, phase), *ranks)
+
+
+def slice_tokens(dest: Path, epochs) -> int:
+    """The tokens of the slice epochs `epochs` at DEST, as their manifests record them: its root's count."""
+    return sum(
+        int(
+            parse_manifest(
+                read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES, "manifest"), dest, "slice-epoch"
+            )["tokens"]
+        )
+        for e in epochs
+    )
 
 
 def own_dest(dest: Path, out: Path, ranks, w: int, micro_batch: int) -> list[int]:

@@ -26,7 +26,7 @@ from tokpack.formats.constants import PAD_DTYPE
 from tokpack.formats.constants import WORK_DIR
 from tokpack.formats.guard import OutputLock, holder_name
 from tokpack.formats.io.gate import open_read, read_limited
-from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES
+from tokpack.formats.constants import MANIFEST
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.reading import parse_manifest
 from tokpack.formats.hashes import row_hashes
@@ -34,7 +34,7 @@ from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
 from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, RowFacts, tokens_on_nodes
 from tokpack.formats.slices import RankRows, slice_epoch_manifest
-from tokpack.packer.node_dest import own_dest, read_raw, slice_root_of_run
+from tokpack.packer.node_dest import own_dest, read_raw, slice_root_of_run, slice_tokens
 from tokpack.packer.lifetime import children_bound, set_parent_death_signal
 from tokpack.packer.rank_files import RankFiles, ready_epoch_dir
 from tokpack.packer.shared import Result
@@ -131,16 +131,7 @@ def stage_replacement(
                     f"in parts of at most {per_part:,} rows (--memory)"
                 )
         root["epochs"] = sorted(set(previous) | set(chosen))
-        root["tokens"] = sum(
-            int(
-                parse_manifest(
-                    read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES, "manifest"),
-                    dest,
-                    "slice-epoch",
-                )["tokens"]
-            )
-            for e in root["epochs"]
-        )
+        root["tokens"] = slice_tokens(dest, root["epochs"])
         output.finish(dest, root)
     return ReplacementResult(
         kind="slice",

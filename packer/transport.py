@@ -12,6 +12,7 @@ import select
 import signal
 import threading
 import time
+from contextlib import suppress
 
 import numpy as np
 
@@ -89,17 +90,11 @@ class OnSigterm:
         sender = self._taken(r)
         if sender is False:
             return  # restored: the command ended
-        for held in reversed(self.locks):
-            try:
-                held.release()
-            except Exception:  # noqa: BLE001 - exiting anyway: the next lock, then the exit
-                pass
+        release_all(self.locks)
         told = False
-        try:
+        with suppress(Exception):  # the line below is what matters
             if self.notice is not None:
                 told, _ = self.notice.test()
-        except Exception:  # noqa: BLE001 - the line below is what matters
-            pass
         launcher = sender is not None and sender == os.getppid()
         if not told and not OnSigterm.failing:  # at once: the launcher may SIGKILL within 0.25 s
             node = "" if self.node is None else f"{self.node}: "
@@ -110,20 +105,17 @@ class OnSigterm:
                 self.LAUNCHERS,
             )
         if not told and not launcher:
-            self._tell_peers()
+            # This process was stopped first (or so it seems): the others hear of it, so that the
+            # launcher's SIGTERM to them, once this one exits, is silent. Sent after NOTICE_DELAY:
+            # when every process got the launcher's SIGTERM at once (its sender unknown), each
+            # writes its own line before a peer's notice can silence it.
+            self.tell_peers(self.NOTICE_DELAY)
         os._exit(128 + signal.SIGTERM)
-
-    def _tell_peers(self) -> None:
-        """This process was stopped first (or so it seems): the others hear of it, so that the
-        launcher's SIGTERM to them, once this one exits, is silent. Sent after NOTICE_DELAY: when
-        every process got the launcher's SIGTERM at once (its sender unknown), each writes its
-        own line before a peer's notice can silence it."""
-        self.tell_peers(self.NOTICE_DELAY)
 
     def tell_peers(self, delay: float = 0.0) -> None:
         """Every other process hears that this one wrote the job's line (SIGTERM's, or a stall's:
         tokpack.packer.stall): the launcher's SIGTERM to them is silent."""
-        try:
+        with suppress(Exception):  # exiting anyway
             if self.notice is None:
                 return
             time.sleep(delay)
@@ -134,8 +126,6 @@ class OnSigterm:
             while sent and time.monotonic() < deadline:
                 sent = [req for req in sent if not req.test()[0]]
                 time.sleep(0.01)
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
 
     def _taken(self, r: int):
         """Waits for SIGTERM: its sender's pid (None: unknown), or False once restored. Taken
@@ -150,11 +140,9 @@ class OnSigterm:
             if info is not None:
                 return info.si_pid
             if select.select([r], [], [], 0)[0]:
-                try:
+                with suppress(BlockingIOError):
                     if signal.SIGTERM in os.read(r, 64):
                         return None
-                except BlockingIOError:
-                    pass
         return False
 
     def restore(self) -> None:
@@ -195,10 +183,15 @@ def to_launcher(line: str, launchers) -> None:
                 pass
             finally:
                 os.close(fd)
-    try:
+    with suppress(OSError):
         os.write(2, data)
-    except OSError:
-        pass
+
+
+def release_all(locks) -> None:
+    """The process's locks released, the last taken first, whatever one of them raises: it exits next."""
+    for held in reversed(locks):
+        with suppress(Exception):  # exiting anyway: the next lock, then the exit
+            held.release()
 
 
 def world():
