@@ -75,11 +75,10 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.constants import WORK_DIR
 from tokpack.formats.guard import OutputLock, check_space, holder_name
 from tokpack.formats.io.gate import read_limited
 from tokpack.formats.io.writes import write_bytes_atomic
-from tokpack.formats.constants import MANIFEST, NODES_SIDECAR
+from tokpack.formats.constants import MANIFEST, NODES_SIDECAR, WORK_DIR
 from tokpack.formats.reading import canonical_bytes, parse_manifest, read_manifest
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.builders import nodes_sidecar
@@ -90,6 +89,7 @@ from tokpack.packer.kept_sources import kept_copies, kept_folder
 from tokpack.packer.node_buckets import Buckets, bucket_layout
 from tokpack.packer.node_dest import (
     dest_template,
+    local_dirs,
     node_dest,
     own_dest,
     read_raw,
@@ -218,12 +218,7 @@ def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
     a, b, w = slice_ranks(node=f"{n}/{N}", ranks_per_node=ranks_per_node, micro_batch=micro_batch)
     template = dest_template(dest)
     dest = node_dest(dest, n)
-    if "://" in str(dest) or "://" in str(output):
-        raise TokpackError(
-            "--to-nodes writes local directories",
-            where="--to-nodes/-o",
-            hint="RUN is a shared-filesystem path, DEST a node-local one",
-        )
+    local_dirs("--to-nodes/-o", dest, output)
     out = Path(output)
     # A process's scratch (buckets, row table, owned shards on their way): DEST's, its own
     # folder there when the node's processes share DEST
@@ -240,9 +235,8 @@ def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
                 locks.append(OutputLock(str(dest), holder_name("shuffle")).acquire())
                 mine.append(dest / WORK_DIR)
 
-        keep = node.together(
-            lambda: kept_folder(keep_sources, n, dest, out, spec.sources, spec.schedule)
-        )  # before any write
+        # before any write
+        keep = node.together(lambda: kept_folder(keep_sources, n, dest, out, spec.sources, spec.schedule))
         node.together(lock)
         if not node.leader:
             mine.append(scratch)
@@ -263,9 +257,8 @@ def _resumed_setup(node: Node, out: Path, dest: Path, ranks, w, micro_batch, sou
     the same bytes: process 0 withdraws its RUN epoch manifest first (rewritten identically)."""
     previous = node.together(lambda: own_dest(dest, out, ranks, w, micro_batch))
     setup = node.together(lambda: setup_run(sources, str(out), to=LocalOutput(), **options))
-    agree_sources(
-        node.comm, setup.sources, node.P
-    )  # before a rerun's bookkeeping writes: every node reads the same data
+    # before a rerun's bookkeeping writes: every node reads the same data
+    agree_sources(node.comm, setup.sources, node.P)
     numbering = run_numbering(setup, out)
     written = [(e, plan) for e, plan, job in setup.todo if job is None]
     here = node.together(
@@ -313,9 +306,8 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
     numbering = run_numbering(setup, out)
     done_epochs = list(setup.done_epochs)
     node.together(lambda: _declare_nodes(out, N, k, micro_batch, template) if node.q == 0 else None)
-    if (
-        node.q == 0 and setup.run_params is not None and setup.todo and created is None
-    ):  # a schedule's numbering, fixed at creation
+    # a schedule's numbering, fixed at creation
+    if node.q == 0 and setup.run_params is not None and setup.todo and created is None:
         out.mkdir(parents=True, exist_ok=True)
         output.finish(out, run_manifest_of({}, setup.todo[0][1], weights, opened, shard_samples, runplan))
     summaries, skipped = [], []

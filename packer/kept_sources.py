@@ -85,9 +85,9 @@ def kept_folder(keep_sources, node: int, dest, out, sources, schedule=None) -> P
 
 
 def keep_sources(
-    sources: list, runs, need: dict[int, set[int]], padded: bool, folder: Path, shared: bool = True
+    sources: list, need: dict[int, set[int]], padded: bool, folder: Path, shared: bool = True
 ) -> tuple[list, int]:
-    """The source shards `need` names (source -> shards: those a process reads, `runs` whole, and
+    """The source shards `need` names (source -> shards: those a process reads, whole, and
     the next one, which its last windows may run into) copied, verified, into `folder` once.
     Also (`shared`) every source's manifest (each process plans every source) and, `padded` (a
     best-fit epoch), every source shard's `.ds.index` (the row table is built from all of them,
@@ -96,7 +96,6 @@ def keep_sources(
     their manifests). Every copy already there is verified before the epoch reads it (once a
     command: _VERIFIED), a damaged one copied again from the source; the free space for what is
     copied is checked first. Returns (the sources, opened from their copies, the bytes copied now)."""
-    del runs  # every kept shard is verified here, those this epoch reads whole too
     wanted = _wanted(sources, need, padded and shared)
     try:
         missing = sum(
@@ -198,7 +197,7 @@ def _keep_shard(src, k: int, folder: Path, suffix: str = "") -> tuple[int, bool]
     if _there(target, size):
         if _stamp(target) in _VERIFIED:
             return 0, False
-        if _hash_of(target, size) == want:
+        if file_xxh3_128(target, size) == want:
             _VERIFIED.add(_stamp(target))
             return 0, True
     tmp = tmp_path(target)
@@ -224,7 +223,8 @@ def _stamp(path: Path) -> tuple:
     return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _hash_of(path: Path, size: int) -> str:
+def file_xxh3_128(path: Path, size: int) -> str:
+    """A file's xxh3_128 (a source shard's, a kept copy's), streamed from its mapped pages."""
     h = xxhash.xxh3_128()
     for block in iter_mapped(path, size, KEEP_BLOCK):  # through the gate: a regular file of its recorded size
         h.update(block)

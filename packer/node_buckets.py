@@ -28,15 +28,12 @@ from tokpack.shuffle.steps import Layout
 
 def bucket_layout(ne: NodeEpoch, memory: int, work: Path) -> Layout | None:
     """The out-of-core Layout in `work` (DEST's scratch) of a process whose store does not fit
-    --memory, else None (in memory)."""
-    bucket_rows = memory_plan(ne, memory)[1]
-    return None if bucket_rows is None else _layout(ne, bucket_rows, work)
-
-
-def _layout(ne: NodeEpoch, bucket_rows: int, work: Path) -> Layout:
-    """The out-of-core store as the scatter/order engine's Layout (one scatter task: this
-    process): buckets of at most `bucket_rows` slice rows, each a contiguous range of its
+    --memory, else None (in memory): the scatter/order engine's (one scatter task: this
+    process), buckets of at most memory_plan's bucket rows, each a contiguous range of its
     positions, read back, whole, in order (its one "shard": shard_buckets [0, buckets))."""
+    bucket_rows = memory_plan(ne, memory)[1]
+    if bucket_rows is None:
+        return None
     n = len(ne.positions)
     nb = -(-n // bucket_rows)
     starts = [(j * n) // nb for j in range(nb)]

@@ -8,9 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.constants import LOCK_NAME, WORK_DIR
+from tokpack.formats.constants import LOCK_NAME, MANIFEST, MAX_MANIFEST_BYTES, WORK_DIR
 from tokpack.formats.io.gate import open_read, read_limited
-from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.reading import parse_manifest, read_manifest
 from tokpack.formats.numbering import EpochNumbering
@@ -23,6 +22,17 @@ NODE = "{node}"  # in DEST: replaced by the process's node number
 
 def node_dest(dest, node: int) -> Path:
     return Path(str(dest).replace(NODE, str(node)))
+
+
+def local_dirs(where: str, *paths) -> None:
+    """Refuses a URL among `paths` (those given): RUN and DEST are folders, on the shared
+    filesystem and the node's own disk."""
+    if any(p is not None and "://" in str(p) for p in paths):
+        raise TokpackError(
+            "--to-nodes writes local directories",
+            where=where,
+            hint="RUN is a shared-filesystem path, DEST a node-local one",
+        )
 
 
 def dest_template(dest) -> str:

@@ -166,20 +166,6 @@ def timed(name: str, items, size=None):
     return items if phases is None else phases.generator(name, items, size)
 
 
-class TimedRows:
-    """A node's stores whose `rows` (out of core: the buckets read back) count as `bucket_read`,
-    however the caller's own phase is named."""
-
-    def __init__(self, stores):
-        self.stores = stores
-
-    def rows(self, lo: int, hi: int):
-        return timed("bucket_read", self.stores.rows(lo, hi), lambda item: item[1].nbytes)
-
-    def __getattr__(self, name):
-        return getattr(self.stores, name)
-
-
 def count(name: str, nbytes: int) -> None:
     """Bytes to `name` on the active collector, or nothing."""
     phases = active()

@@ -19,14 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.constants import PAD_DTYPE
-from tokpack.formats.constants import WORK_DIR
+from tokpack.formats.constants import MANIFEST, PAD_DTYPE, WORK_DIR
 from tokpack.formats.guard import OutputLock, holder_name
-from tokpack.formats.io.gate import open_read, read_limited
-from tokpack.formats.constants import MANIFEST
+from tokpack.formats.io.gate import read_limited
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.reading import parse_manifest
 from tokpack.formats.hashes import row_hashes
@@ -34,6 +31,7 @@ from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
 from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, RowFacts, tokens_on_nodes
 from tokpack.formats.slices import RankRows, slice_epoch_manifest
+from tokpack.packer.kept_sources import file_xxh3_128
 from tokpack.packer.node_dest import own_dest, read_raw, slice_root_of_run, slice_tokens
 from tokpack.packer.lifetime import children_bound, set_parent_death_signal
 from tokpack.packer.rank_files import RankFiles, ready_epoch_dir
@@ -57,9 +55,8 @@ class ReplacementResult(Result):
     micro_batch: int
     epochs: list[int]
     built_from: str  # "sources": no token file in RUN
-    bytes_read: (
-        int  # the rows' source tokens (and the small gaps read with them), RUN's row hashes (and best-fit padding)
-    )
+    # the rows' source tokens (and the small gaps read with them), RUN's row hashes (and best-fit padding)
+    bytes_read: int
     reads: int  # the ranged reads of the sources (windows; best-fit rows are copied from mapped shards)
     read_depth: int  # the most reads in flight at once (READ_DEPTH allows)
     bytes_kept: int
@@ -426,7 +423,7 @@ class SourceRows:
         for src in self.sources:
             for shard in src.shards:
                 path = src.path / shard["path"]
-                found = _hash_of(path, int(shard["tokens"]) * src.dtype.itemsize)
+                found = file_xxh3_128(path, int(shard["tokens"]) * src.dtype.itemsize)
                 if found != shard["xxh3_128"]:
                     raise TokpackError(
                         f"a source row differs from the run's {what}: its source shard changed since the run "
@@ -458,16 +455,6 @@ class SourceRows:
         self.reader.close()
         self.pool = self.built = self.facts = None
         shutil.rmtree(self.work.parent if self.work.parent.name == WORK_DIR else self.work, ignore_errors=True)
-
-
-def _hash_of(path: Path, size: int) -> str:
-    """A source shard's xxh3_128, streamed through the gate at its recorded size."""
-    h = xxhash.xxh3_128()
-    with open_read(path, size=size) as f:
-        buf = memoryview(bytearray(min(max(size, 1), 8 << 20)))
-        while n := f.readinto(buf):
-            h.update(buf[:n])
-    return h.hexdigest()
 
 
 if __name__ == "__main__":  # a rebuilding process of _rebuild_epoch: (job, p, P) on stdin, its part on stdout

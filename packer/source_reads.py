@@ -172,17 +172,17 @@ class SourceReader:
         one after another; returns the bytes read."""
         first, end = int(starts[0]), int(starts[-1]) + row
         k = int(np.searchsorted(stream.shard_starts, first, side="right")) - 1
+        runs = (np.flatnonzero(starts[1:] != starts[:-1] + row) + 1).tolist()  # where a run of adjacent rows begins
         if not local_shards(stream) or end > int(stream.shard_starts[k + 1]):
             # a URL, a stream of kept documents, a row across two shards: the stream's own reads,
             # a call a run of adjacent rows (plan_reads merged no gap for them)
             tokens = out.view(stream.dtype)
-            runs = np.flatnonzero(starts[1:] != starts[:-1] + row) + 1
-            for a, b in zip([0, *runs.tolist()], [*runs.tolist(), len(starts)]):
+            for a, b in zip([0, *runs], [*runs, len(starts)]):
                 stream.read_into(int(starts[a]), tokens[a * row : b * row], None)
             return out.nbytes
         itemsize = stream.dtype.itemsize
         views, at, mv = [], 0, memoryview(out)
-        for a in [*(np.flatnonzero(starts[1:] != starts[:-1] + row) + 1).tolist(), len(starts)]:
+        for a in [*runs, len(starts)]:
             views.append(mv[at * row * itemsize : a * row * itemsize])
             if a < len(starts):  # the gap before row a: read, and dropped
                 views.append(self.scratch[: (int(starts[a]) - int(starts[a - 1]) - row) * itemsize])
