@@ -404,7 +404,7 @@ def plan_to_nodes(
                         and not assumed
                         and not (there.is_file() and there.stat().st_size == size)
                     ):
-                        kept_now += size  # kept_sources._keep_shard copies it: read from shared, written here
+                        kept_now += size  # kept_sources._keep_file copies it: read from shared, written here
                     have[n][fingerprint, name] = size
                 t["kept_source_bytes"] = sum(have[n].values())
             from_shared = 0 if keeps[n] is not None else f["source_bytes"]

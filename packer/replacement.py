@@ -281,7 +281,7 @@ class SourceRows:
     table_xxh3_128), rows assembled per run of consecutive positions from their documents.
     `bytes_read` counts the source tokens read and RUN's row hashes and padding."""
 
-    def __init__(self, epoch_dir: Path, m: dict, memory: int, work: Path, read_depth: int = READ_DEPTH):
+    def __init__(self, epoch_dir: Path, m: dict, memory: int, work: Path):
         packing = packings.of_manifest(m)
         self.epoch_dir, self.m, self.work, self.packing = Path(epoch_dir), m, Path(work), packing
         self.padded = packing.padded  # rows from the row table's pieces, and their padding
@@ -306,7 +306,7 @@ class SourceRows:
                 for i, sp in enumerate(self.plan.sources)
             ]
         )
-        self.reader = SourceReader(read_depth)  # its descriptors kept from part to part
+        self.reader = SourceReader()  # its descriptors kept from part to part
         self.bytes_read = 0
         # RUN's row hashes and padding, each file read through the gate and checked against the manifest
         self.facts = RowFacts(
