@@ -35,7 +35,7 @@ from __future__ import annotations
 import resource
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 PHASES = ("read", "cut", "route", "place", "write_through", "bucket_write", "bucket_read", "write", "facts")
 
@@ -149,15 +149,10 @@ def lapped(name: str, fn):
     return call
 
 
-@contextmanager
 def phase(name: str, nbytes: int = 0):
     """Phases.phase on the active collector, or nothing."""
     phases = active()
-    if phases is None:
-        yield
-        return
-    with phases.phase(name, nbytes):
-        yield
+    return nullcontext() if phases is None else phases.phase(name, nbytes)
 
 
 def timed(name: str, items, size=None):

@@ -444,40 +444,29 @@ def _send(comm, MPI, take: list, pieces: np.ndarray, routed, row: int, buffers) 
         if hi > lo:
             gather(take[int(item[lo])][1], starts[lo:hi], lengths[which][lo:hi], row, send_tokens[int(at[lo]) :])
     N = comm.Get_size()
-    counts = np.bincount(dst, minlength=N).astype(np.int64)
-    token_counts = np.bincount(dst, weights=lengths[copies], minlength=N).astype(np.int64)
-    recv = np.empty((N, 2), dtype=np.int64)  # the pieces and tokens each node sends this one
-    _wait(comm.Ialltoall(np.ascontiguousarray(np.stack([counts, token_counts], axis=1)), recv))  # patient, as allgather
-    got_pieces = np.empty(int(recv[:, 0].sum()), WIRE_PIECE)
-    got_tokens = buffers[1].ensure(int(recv[:, 1].sum()))[: int(recv[:, 1].sum())]
-    item = send_tokens.dtype.itemsize
-    alltoallv(comm, MPI, send_pieces, counts * WIRE_PIECE.itemsize, got_pieces, recv[:, 0] * WIRE_PIECE.itemsize)
-    alltoallv(comm, MPI, send_tokens, token_counts * item, got_tokens, recv[:, 1] * item)
-    return got_pieces, got_tokens
+    # the pieces and the tokens for each node
+    counts = np.stack([np.bincount(dst, minlength=N), np.bincount(dst, weights=lengths[copies], minlength=N)], axis=1)
+    return tuple(send_each(comm, MPI, [send_pieces, send_tokens], counts, [None, buffers[1]])[0])
 
 
-def alltoallv(comm, MPI, send, send_bytes, recv, recv_bytes) -> None:
-    sdisp = np.cumsum(send_bytes) - send_bytes
-    rdisp = np.cumsum(recv_bytes) - recv_bytes
-    comm.Alltoallv(
-        [np.ascontiguousarray(send).view(np.uint8), send_bytes.tolist(), sdisp.tolist(), MPI.BYTE],
-        [recv.view(np.uint8), recv_bytes.tolist(), rdisp.tolist(), MPI.BYTE],
-    )
-
-
-def send_each(comm, MPI, arrays: list, counts: np.ndarray) -> tuple[list, np.ndarray]:
-    """One exchange of small arrays (not pieces): `arrays[k]` (1-D, its items grouped by
-    destination) sends counts[d, k] items to process d. Returns (the arrays received, their
-    items grouped by sender; recv[s, k], the items process s sent of array k). The counts'
-    alltoall waits patiently, as exchange_rounds' does."""
+def send_each(comm, MPI, arrays: list, counts: np.ndarray, into=None) -> tuple[list, np.ndarray]:
+    """One exchange of arrays: `arrays[k]` (1-D, its items grouped by destination) sends
+    counts[d, k] items to process d, received into `into[k]` (a Buffer, reused round after
+    round; None, or no `into`: a new array). Returns (the arrays received, their items grouped
+    by sender; recv[s, k], the items process s sent of array k). The counts' alltoall waits
+    patiently, as allgather does."""
     N, k = comm.Get_size(), len(arrays)
     counts = np.ascontiguousarray(counts, dtype=np.int64).reshape(N, k)
     recv = np.empty((N, k), dtype=np.int64)
     _wait(comm.Ialltoall(counts, recv))
     got = []
     for a, array in enumerate(arrays):
-        out = np.empty(int(recv[:, a].sum()), array.dtype)
-        item = array.dtype.itemsize
-        alltoallv(comm, MPI, array, counts[:, a] * item, out, recv[:, a] * item)
+        n = int(recv[:, a].sum())
+        out = np.empty(n, array.dtype) if into is None or into[a] is None else into[a].ensure(n)[:n]
+        sent, taken = counts[:, a] * array.dtype.itemsize, recv[:, a] * array.dtype.itemsize  # bytes
+        comm.Alltoallv(
+            [np.ascontiguousarray(array).view(np.uint8), sent.tolist(), (np.cumsum(sent) - sent).tolist(), MPI.BYTE],
+            [out.view(np.uint8), taken.tolist(), (np.cumsum(taken) - taken).tolist(), MPI.BYTE],
+        )
         got.append(out)
     return got, recv
