@@ -89,6 +89,7 @@ from tokpack.packer.kept_sources import kept_copies, kept_folder
 from tokpack.packer.node_buckets import Buckets, bucket_layout
 from tokpack.packer.node_dest import (
     dest_template,
+    finish_slice_root,
     local_dirs,
     node_dest,
     own_dest,
@@ -96,7 +97,6 @@ from tokpack.packer.node_dest import (
     run_numbering,
     slice_epoch_here,
     slice_root_of_run,
-    slice_tokens,
 )
 from tokpack.packer.node_epoch import NodeEpoch, round_tokens
 from tokpack.packer.node_procs import Node, node_of_process
@@ -414,11 +414,8 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
     def commit_root():
         if not node.leader:
             return None
-        final = slice_root_of_run(out, ranks, w, micro_batch, rows.phase)[1]
-        final["epochs"] = sorted(set(previous) | set(skipped) | {s["epoch"] for s in summaries})
-        final["tokens"] = slice_tokens(dest, final["epochs"])
-        output.finish(dest, final)
-        return final
+        root = slice_root_of_run(out, ranks, w, micro_batch, rows.phase)[1]
+        return finish_slice_root(output, dest, root, set(previous) | set(skipped) | {s["epoch"] for s in summaries})
 
     final = node.local.bcast(node.together(commit_root), root=0)
     log(

@@ -54,16 +54,20 @@ def slice_root_of_run(out: Path, ranks, w: int, micro_batch: int, phase: int) ->
     return run, slice_manifest(run, str(out.absolute()), RankRows(w, micro_batch, phase), *ranks)
 
 
-def slice_tokens(dest: Path, epochs) -> int:
-    """The tokens of the slice epochs `epochs` at DEST, as their manifests record them: its root's count."""
-    return sum(
+def finish_slice_root(output, dest: Path, root: dict, epochs) -> dict:
+    """The slice's root manifest `root` committed at DEST, listing `epochs` (its complete ones)
+    and their tokens, as their manifests record them."""
+    root["epochs"] = sorted(epochs)
+    root["tokens"] = sum(
         int(
             parse_manifest(
                 read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES, "manifest"), dest, "slice-epoch"
             )["tokens"]
         )
-        for e in epochs
+        for e in root["epochs"]
     )
+    output.finish(dest, root)
+    return root
 
 
 def own_dest(dest: Path, out: Path, ranks, w: int, micro_batch: int) -> list[int]:

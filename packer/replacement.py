@@ -32,7 +32,7 @@ from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
 from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, RowFacts, tokens_on_nodes
 from tokpack.formats.slices import RankRows, slice_epoch_manifest
 from tokpack.packer.kept_sources import file_xxh3_128
-from tokpack.packer.node_dest import own_dest, read_raw, slice_root_of_run, slice_tokens
+from tokpack.packer.node_dest import finish_slice_root, own_dest, read_raw, slice_root_of_run
 from tokpack.packer.lifetime import children_bound, set_parent_death_signal
 from tokpack.packer.rank_files import RankFiles, ready_epoch_dir
 from tokpack.packer.shared import Result
@@ -127,9 +127,7 @@ def stage_replacement(
                     f"stage: epoch {e}: {done:,} rows of ranks {a}-{b} rebuilt from the sources, "
                     f"in parts of at most {per_part:,} rows (--memory)"
                 )
-        root["epochs"] = sorted(set(previous) | set(chosen))
-        root["tokens"] = slice_tokens(dest, root["epochs"])
-        output.finish(dest, root)
+        finish_slice_root(output, dest, root, set(previous) | set(chosen))
     return ReplacementResult(
         kind="slice",
         source=str(out),
