@@ -38,7 +38,7 @@ from tokpack.packer.rank_files import RankFiles, ready_epoch_dir
 from tokpack.packer.shared import Result
 from tokpack.packer.slice_dest import epoch_in_place
 from tokpack.packer.slicing import slice_ranks
-from tokpack.packer.source_reads import READ_DEPTH, SourceReader
+from tokpack.packer.source_reads import SourceReader
 from tokpack.shuffle import packings
 from tokpack.shuffle.sources import open_source
 
@@ -263,11 +263,6 @@ def part_rows_of(row_bytes: int, memory: int) -> int:
             hint="give more --memory (256MiB by default)",
         )
     return int(n)
-
-
-# Ranged reads of the sources a replacement node has in flight at once (tokpack.packer.source_reads);
-# tokpack.packer.node_model projects its reads with it.
-READ_QUEUE_DEPTH = READ_DEPTH
 
 
 class SourceRows:
