@@ -84,7 +84,7 @@ from bench.common import (
     run_measured,
 )
 from bench.shuffle import pack_corpus  # noqa: E402
-from tokpack.packer.replacement import READ_QUEUE_DEPTH as REPLACEMENT_QD  # noqa: E402
+from tokpack.packer.source_reads import READ_DEPTH as REPLACEMENT_QD  # noqa: E402
 
 SIZE, QUICK_SIZE = "512MiB", "16MiB"
 NODES, K, M, SEQ_LEN = 4, 2, 4, 4096

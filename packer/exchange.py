@@ -75,35 +75,37 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.constants import WORK_DIR
 from tokpack.formats.guard import OutputLock, check_space, holder_name
 from tokpack.formats.io.gate import read_limited
 from tokpack.formats.io.writes import write_bytes_atomic
-from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES, NODES_SIDECAR
+from tokpack.formats.constants import MANIFEST, NODES_SIDECAR, WORK_DIR
 from tokpack.formats.reading import canonical_bytes, parse_manifest, read_manifest
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.builders import nodes_sidecar
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
-from tokpack.formats.slices import RankRows, slice_epoch_manifest, slice_manifest
+from tokpack.formats.slices import RankRows, slice_epoch_manifest
 from tokpack.packer.agreement import agree, agree_sources
 from tokpack.packer.kept_sources import kept_copies, kept_folder
-from tokpack.packer.node_buckets import bucket_layout
+from tokpack.packer.node_buckets import Buckets, bucket_layout
 from tokpack.packer.node_dest import (
     dest_template,
+    finish_slice_root,
+    local_dirs,
     node_dest,
     own_dest,
     read_raw,
     run_numbering,
     slice_epoch_here,
+    slice_root_of_run,
 )
 from tokpack.packer.node_epoch import NodeEpoch, round_tokens
 from tokpack.packer.node_procs import Node, node_of_process
 from tokpack.packer.node_reads import source_pieces
 from tokpack.packer.node_report import counted, epoch_detail, reading_bar, run_summary
-from tokpack.packer.node_store import open_slice_files, open_stores, receive, write_slice_epoch, write_through_pays
+from tokpack.packer.node_store import InMemory, open_slice_files, receive, write_slice_epoch, write_through_pays
 from tokpack.packer.owned_facts import KeptFacts, send_facts
 from tokpack.packer.owned_shards import OwnedShards
-from tokpack.packer.phases import Phases, TimedRows, collecting, count, phase, process_cpu, timed
+from tokpack.packer.phases import Phases, collecting, count, phase, process_cpu, timed
 from tokpack.packer.rank_files import ready_epoch_dir
 from tokpack.packer.slicing import slice_ranks
 from tokpack.packer.stall import DEFAULT_STALL_TIMEOUT, StallWatch, progressed
@@ -136,7 +138,7 @@ def exchange_epoch(
 def _exchange(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None, shown: bool, files):
     job, row = ne.job, ne.plan.row_tokens
     pad_id = ne.plan.pad_id if ne.padded else 0
-    stores = open_stores(ne, layout, pad_id, files)
+    stores = InMemory(ne, pad_id, files) if layout is None else Buckets(ne, layout, pad_id)
     # Tokens of each row still unfilled: 0 for every window at the end, a best-fit row's padding.
     pad = np.full(ne.store_rows, row, dtype=np.int64)
 
@@ -216,12 +218,7 @@ def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
     a, b, w = slice_ranks(node=f"{n}/{N}", ranks_per_node=ranks_per_node, micro_batch=micro_batch)
     template = dest_template(dest)
     dest = node_dest(dest, n)
-    if "://" in str(dest) or "://" in str(output):
-        raise TokpackError(
-            "--to-nodes writes local directories",
-            where="--to-nodes/-o",
-            hint="RUN is a shared-filesystem path, DEST a node-local one",
-        )
+    local_dirs("--to-nodes/-o", dest, output)
     out = Path(output)
     # A process's scratch (buckets, row table, owned shards on their way): DEST's, its own
     # folder there when the node's processes share DEST
@@ -238,9 +235,8 @@ def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
                 locks.append(OutputLock(str(dest), holder_name("shuffle")).acquire())
                 mine.append(dest / WORK_DIR)
 
-        keep = node.together(
-            lambda: kept_folder(keep_sources, n, dest, out, spec.sources, spec.schedule)
-        )  # before any write
+        # before any write
+        keep = node.together(lambda: kept_folder(keep_sources, n, dest, out, spec.sources, spec.schedule))
         node.together(lock)
         if not node.leader:
             mine.append(scratch)
@@ -261,9 +257,8 @@ def _resumed_setup(node: Node, out: Path, dest: Path, ranks, w, micro_batch, sou
     the same bytes: process 0 withdraws its RUN epoch manifest first (rewritten identically)."""
     previous = node.together(lambda: own_dest(dest, out, ranks, w, micro_batch))
     setup = node.together(lambda: setup_run(sources, str(out), to=LocalOutput(), **options))
-    agree_sources(
-        node.comm, setup.sources, node.P
-    )  # before a rerun's bookkeeping writes: every node reads the same data
+    # before a rerun's bookkeeping writes: every node reads the same data
+    agree_sources(node.comm, setup.sources, node.P)
     numbering = run_numbering(setup, out)
     written = [(e, plan) for e, plan, job in setup.todo if job is None]
     here = node.together(
@@ -311,9 +306,8 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
     numbering = run_numbering(setup, out)
     done_epochs = list(setup.done_epochs)
     node.together(lambda: _declare_nodes(out, N, k, micro_batch, template) if node.q == 0 else None)
-    if (
-        node.q == 0 and setup.run_params is not None and setup.todo and created is None
-    ):  # a schedule's numbering, fixed at creation
+    # a schedule's numbering, fixed at creation
+    if node.q == 0 and setup.run_params is not None and setup.todo and created is None:
         out.mkdir(parents=True, exist_ok=True)
         output.finish(out, run_manifest_of({}, setup.todo[0][1], weights, opened, shard_samples, runplan))
     summaries, skipped = [], []
@@ -353,7 +347,6 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
             stores, keep_pad, rounds = node.together(
                 lambda: exchange_epoch(comm, MPI, ne, per_round, layout, shown, files)
             )
-        stores = stores if layout is None else TimedRows(stores)  # out of core: the buckets read back
         log(f"shuffle --to-nodes: epoch {epoch}: {plan.samples} samples exchanged among {among} in {rounds} rounds")
         log(f"shuffle --to-nodes: epoch {epoch}: writing the slice's rank files, then the owned shards' entries")
         facts = KeptFacts(ne.positions)  # each row's facts, from the rank files' pass over it
@@ -396,8 +389,7 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         def commit_slice_epoch():  # the node's leader's, once every process of it wrote its rank files
             if not node.leader:
                 return
-            run = parse_manifest(read_raw(out / MANIFEST), out / MANIFEST, "run")
-            root = slice_manifest(run, str(out.absolute()), RankRows(w, micro_batch, rows.phase), *ranks)
+            root = slice_root_of_run(out, ranks, w, micro_batch, rows.phase)[1]
             raw = read_raw(Path(job.epoch_dir) / MANIFEST)
             want = slice_epoch_manifest(root, epoch, plan.samples, first, raw)
             want["shards"] = node_entries
@@ -422,21 +414,8 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
     def commit_root():
         if not node.leader:
             return None
-        run = parse_manifest(read_raw(out / MANIFEST), out / MANIFEST, "run")
-        final = slice_manifest(run, str(out.absolute()), RankRows(w, micro_batch, rows.phase), *ranks)
-        final["epochs"] = sorted(set(previous) | set(skipped) | {s["epoch"] for s in summaries})
-        final["tokens"] = sum(
-            int(
-                parse_manifest(
-                    read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES, "manifest"),
-                    dest,
-                    "slice-epoch",
-                )["tokens"]
-            )
-            for e in final["epochs"]
-        )
-        output.finish(dest, final)
-        return final
+        root = slice_root_of_run(out, ranks, w, micro_batch, rows.phase)[1]
+        return finish_slice_root(output, dest, root, set(previous) | set(skipped) | {s["epoch"] for s in summaries})
 
     final = node.local.bcast(node.together(commit_root), root=0)
     log(

@@ -85,9 +85,9 @@ def kept_folder(keep_sources, node: int, dest, out, sources, schedule=None) -> P
 
 
 def keep_sources(
-    sources: list, runs, need: dict[int, set[int]], padded: bool, folder: Path, shared: bool = True
+    sources: list, need: dict[int, set[int]], padded: bool, folder: Path, shared: bool = True
 ) -> tuple[list, int]:
-    """The source shards `need` names (source -> shards: those a process reads, `runs` whole, and
+    """The source shards `need` names (source -> shards: those a process reads, whole, and
     the next one, which its last windows may run into) copied, verified, into `folder` once.
     Also (`shared`) every source's manifest (each process plans every source) and, `padded` (a
     best-fit epoch), every source shard's `.ds.index` (the row table is built from all of them,
@@ -96,11 +96,10 @@ def keep_sources(
     their manifests). Every copy already there is verified before the epoch reads it (once a
     command: _VERIFIED), a damaged one copied again from the source; the free space for what is
     copied is checked first. Returns (the sources, opened from their copies, the bytes copied now)."""
-    del runs  # every kept shard is verified here, those this epoch reads whole too
     wanted = _wanted(sources, need, padded and shared)
     try:
         missing = sum(
-            size for s, k, suffix, size in wanted if not _there(_kept_path(sources[s], k, suffix, folder), size)
+            size for s, name, size, _, _ in wanted if not _there(folder / sources[s].fingerprint / name, size)
         )
         check_space([(folder, missing)], f"shuffle {OPTION}", hint=_FULL_HINT)
         return _keep(sources, wanted, folder, shared)
@@ -140,18 +139,20 @@ _FULL_HINT = (
 )
 
 
-def _wanted(sources, need, padded: bool) -> list[tuple[int, int, str, int]]:
-    """(source, shard, suffix, size) of every file `keep_sources` keeps."""
+def _wanted(sources, need, padded: bool) -> list[tuple[int, str, int, str, int | None]]:
+    """(source, file name, size, xxh3_128, the shard it is, None for an index) of every file
+    `keep_sources` keeps."""
     wanted = []
     for s, src in enumerate(sources):
-        wanted += [(s, k, "", int(src.shards[k]["tokens"]) * src.dtype.itemsize) for k in sorted(need.get(s, ()))]
+        for k in sorted(need.get(s, ())):
+            shard = src.shards[k]
+            wanted.append((s, shard["path"], int(shard["tokens"]) * src.dtype.itemsize, shard["xxh3_128"], k))
         if padded:  # one uint64 end a document
-            wanted += [(s, k, INDEX_SUFFIX, int(shard["documents"]) * 8) for k, shard in enumerate(src.shards)]
+            wanted += [
+                (s, f"{shard['path']}{INDEX_SUFFIX}", int(shard["documents"]) * 8, shard["index_xxh3_128"], None)
+                for shard in src.shards
+            ]
     return wanted
-
-
-def _kept_path(src, k: int, suffix: str, folder: Path) -> Path:
-    return folder / src.fingerprint / f"{src.shards[k]['path']}{suffix}"
 
 
 def _there(path: Path, size: int) -> bool:
@@ -169,10 +170,10 @@ def _keep(sources: list, wanted: list[tuple], folder: Path, shared: bool = True)
         if shared and not _manifest_is(d, src.fingerprint):  # new, or damaged: the source's own, again
             write_bytes_atomic(d / MANIFEST, read_limited(home / MANIFEST, MAX_MANIFEST_BYTES, "manifest"), fsync=True)
         hashed = set()
-        for _, k, suffix, _ in (item for item in wanted if item[0] == s):
-            size, now = _keep_shard(src, k, d, suffix)
-            copied += size
-            if now and not suffix:
+        for _, name, size, want, k in (item for item in wanted if item[0] == s):
+            got, now = _keep_file(src, name, size, want, d)
+            copied += got
+            if now and k is not None:
                 hashed.add(k)
         # its other shards are never read here; those hashed now are not hashed again by the epoch's reads
         kept[s] = replace(open_source(d, check_sizes=False), kept_from=home, hashed=frozenset(hashed))
@@ -182,23 +183,18 @@ def _keep(sources: list, wanted: list[tuple], folder: Path, shared: bool = True)
     return kept, copied
 
 
-def _keep_shard(src, k: int, folder: Path, suffix: str = "") -> tuple[int, bool]:
-    """Source shard k (with `suffix` ".index": its document index) copied from the source's own
-    folder into `folder` (its xxh3_128 checked as it streams, renamed into place once whole); a
-    copy already there is kept once its size and xxh3_128 are the source manifest's (verified
-    once a command), else copied again. Only the source's own bytes failing the checksum blame
-    the source. Returns (the bytes copied, whether the copy's bytes were hashed now)."""
-    shard = src.shards[k]
-    if suffix:
-        size, want = int(shard["documents"]) * 8, shard["index_xxh3_128"]  # one uint64 end a document
-    else:
-        size, want = int(shard["tokens"]) * src.dtype.itemsize, shard["xxh3_128"]
-    name = f"{shard['path']}{suffix}"
+def _keep_file(src, name: str, size: int, want: str, folder: Path) -> tuple[int, bool]:
+    """A source shard's file `name` (the shard, or its document index), of `size` bytes and
+    xxh3_128 `want` (the source manifest's), copied from the source's own folder into `folder`
+    (its xxh3_128 checked as it streams, renamed into place once whole); a copy already there is
+    kept once its size and xxh3_128 are the manifest's (verified once a command), else copied
+    again. Only the source's own bytes failing the checksum blame the source. Returns (the
+    bytes copied, whether the copy's bytes were hashed now)."""
     target = folder / name
     if _there(target, size):
         if _stamp(target) in _VERIFIED:
             return 0, False
-        if _hash_of(target, size) == want:
+        if file_xxh3_128(target, size) == want:
             _VERIFIED.add(_stamp(target))
             return 0, True
     tmp = tmp_path(target)
@@ -224,7 +220,8 @@ def _stamp(path: Path) -> tuple:
     return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _hash_of(path: Path, size: int) -> str:
+def file_xxh3_128(path: Path, size: int) -> str:
+    """A file's xxh3_128 (a source shard's, a kept copy's), streamed from its mapped pages."""
     h = xxhash.xxh3_128()
     for block in iter_mapped(path, size, KEEP_BLOCK):  # through the gate: a regular file of its recorded size
         h.update(block)

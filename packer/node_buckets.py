@@ -19,7 +19,7 @@ from tokpack.formats.io.gate import open_append
 from tokpack.formats.io.memory import Buffer
 from tokpack.formats.io.writes import write_bytes_atomic
 from tokpack.packer.node_epoch import NodeEpoch, memory_plan
-from tokpack.packer.phases import active
+from tokpack.packer.phases import active, timed
 from tokpack.packer.pieces import gather
 from tokpack.shuffle.packed.table import RECORD
 from tokpack.shuffle.packed_step import read_bucket  # the order pass's reader, for windows and pieces alike
@@ -28,15 +28,12 @@ from tokpack.shuffle.steps import Layout
 
 def bucket_layout(ne: NodeEpoch, memory: int, work: Path) -> Layout | None:
     """The out-of-core Layout in `work` (DEST's scratch) of a process whose store does not fit
-    --memory, else None (in memory)."""
-    bucket_rows = memory_plan(ne, memory)[1]
-    return None if bucket_rows is None else _layout(ne, bucket_rows, work)
-
-
-def _layout(ne: NodeEpoch, bucket_rows: int, work: Path) -> Layout:
-    """The out-of-core store as the scatter/order engine's Layout (one scatter task: this
-    process): buckets of at most `bucket_rows` slice rows, each a contiguous range of its
+    --memory, else None (in memory): the scatter/order engine's (one scatter task: this
+    process), buckets of at most memory_plan's bucket rows, each a contiguous range of its
     positions, read back, whole, in order (its one "shard": shard_buckets [0, buckets))."""
+    bucket_rows = memory_plan(ne, memory)[1]
+    if bucket_rows is None:
+        return None
     n = len(ne.positions)
     nb = -(-n // bucket_rows)
     starts = [(j * n) // nb for j in range(nb)]
@@ -99,7 +96,11 @@ class Buckets:
         """(first store row, rows) of each bucket in [lo, hi) (bucket boundaries), in order. The
         caller takes the buckets in store row order, each once: while it writes one, the next
         is read back on a thread (BucketRead), across calls too, so the epoch takes the longer of
-        the two, not their sum."""
+        the two, not their sum. Each step counts as `bucket_read`, however the caller's own phase
+        is named."""
+        return timed("bucket_read", self._rows(lo, hi), lambda item: item[1].nbytes)
+
+    def _rows(self, lo: int, hi: int):
         starts = self.lay.bucket_starts
         b = int(np.searchsorted(starts, lo))
         if lo < hi and (b >= len(starts) - 1 or int(starts[b]) != lo):

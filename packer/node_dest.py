@@ -8,9 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.constants import LOCK_NAME, WORK_DIR
-from tokpack.formats.io.gate import open_read
-from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES
+from tokpack.formats.constants import LOCK_NAME, MANIFEST, MAX_MANIFEST_BYTES, WORK_DIR
+from tokpack.formats.io.gate import open_read, read_limited
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.reading import parse_manifest, read_manifest
 from tokpack.formats.numbering import EpochNumbering
@@ -23,6 +22,17 @@ NODE = "{node}"  # in DEST: replaced by the process's node number
 
 def node_dest(dest, node: int) -> Path:
     return Path(str(dest).replace(NODE, str(node)))
+
+
+def local_dirs(where: str, *paths) -> None:
+    """Refuses a URL among `paths` (those given): RUN and DEST are folders, on the shared
+    filesystem and the node's own disk."""
+    if any(p is not None and "://" in str(p) for p in paths):
+        raise TokpackError(
+            "--to-nodes writes local directories",
+            where=where,
+            hint="RUN is a shared-filesystem path, DEST a node-local one",
+        )
 
 
 def dest_template(dest) -> str:
@@ -42,6 +52,22 @@ def slice_root_of_run(out: Path, ranks, w: int, micro_batch: int, phase: int) ->
     """(RUN's run manifest, the root manifest of the slice of `ranks` it gives)."""
     run = parse_manifest(read_raw(out / MANIFEST), out / MANIFEST, "run")
     return run, slice_manifest(run, str(out.absolute()), RankRows(w, micro_batch, phase), *ranks)
+
+
+def finish_slice_root(output, dest: Path, root: dict, epochs) -> dict:
+    """The slice's root manifest `root` committed at DEST, listing `epochs` (its complete ones)
+    and their tokens, as their manifests record them."""
+    root["epochs"] = sorted(epochs)
+    root["tokens"] = sum(
+        int(
+            parse_manifest(
+                read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES, "manifest"), dest, "slice-epoch"
+            )["tokens"]
+        )
+        for e in root["epochs"]
+    )
+    output.finish(dest, root)
+    return root
 
 
 def own_dest(dest: Path, out: Path, ranks, w: int, micro_batch: int) -> list[int]:

@@ -87,10 +87,8 @@ class NodeEpoch:
         # padding), or windows the plan locates.
         self.entry = packings.of_plan(job.plan)
         self.padded = self.entry.padded
-        n = self.plan.samples
-        rb = job.row_bytes
         # The slice: its epoch positions in increasing order (every rank's, mixed), as stage --node plans them.
-        parts = list(rows.node_positions(first, n, ranks, max(1, (8 << 20) // 8)))
+        parts = list(rows.node_positions(first, self.plan.samples, ranks, max(1, (8 << 20) // 8)))
         if self.procs > 1:  # this process's ranks' among them
             parts = [pos[(rows.rank_of(pos + first) - ranks[0]) % self.procs == self.proc] for pos in parts]
         self.positions = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
@@ -103,7 +101,7 @@ class NodeEpoch:
         # piece is in), the positions, and each row's facts for its owner (fact_row_bytes).
         P = len(self.positions)
         self.facts_bytes = fact_row_bytes(self.plan.row_tokens, eos_per_token(sources)) * P  # after the rounds only
-        self.keep_bytes = P * (rb + 8) + 8 * P + self.facts_bytes
+        self.keep_bytes = P * (job.row_bytes + 8) + 8 * P + self.facts_bytes
         # Out of core the store is bucket files: what stays in memory is the positions and the
         # unfilled counts (beside a round's buffers, then beside two buckets and the facts).
         self.index_bytes = 8 * P + 8 * P
@@ -172,7 +170,7 @@ class NodeEpoch:
         record); from then on the sources are read there, not on the shared filesystem.
         Returns the bytes copied now."""
         need = self.kept_shards() if own else {}
-        self.sources, copied = keep_sources(self.sources, self.runs(), need, self.padded, folder, shared)
+        self.sources, copied = keep_sources(self.sources, need, self.padded, folder, shared)
         return copied
 
 

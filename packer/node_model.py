@@ -32,7 +32,7 @@ Each phase takes the largest of its chains and of each resource's total (shared 
 network, local disk (its reads and writes apart where it does both at once: Rates.disk_duplex),
 CPU over the cores its threads can use); the phases add; the resource that
 binds is the one whose terms hold most of the total. A replacement node (`replacement`) reads
-its rows' merged ranges one after the other (READ_QUEUE_DEPTH at once, tokpack.packer.replacement)
+its rows' merged ranges one after the other (READ_DEPTH at once, tokpack.packer.source_reads)
 at a stated latency, checks and writes them: one chain, its disk writes behind.
 """
 
@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokpack.packer.node_epoch import fact_row_bytes
-from tokpack.packer.replacement import READ_QUEUE_DEPTH
+from tokpack.packer.source_reads import READ_DEPTH
 
 SHARED, NETWORK, DISK, CPU, REPLACEMENT_READS = (
     "shared filesystem",
@@ -279,7 +279,7 @@ def replacement(
     costs: dict | None = None,
     *,
     latency_s: float = READ_LATENCY_S,
-    queue_depth: int = READ_QUEUE_DEPTH,
+    queue_depth: int = READ_DEPTH,
 ) -> Prediction:
     """A replacement node alone (`stage RUN DEST --node n/N` on a --to-nodes RUN): its rows'
     `ranges` (merged ranged reads) at `latency_s` each, `queue_depth` at once, their `nbytes` at

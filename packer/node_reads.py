@@ -33,12 +33,10 @@ def source_pieces(ne, tokens: int, mapped: bool = True):
     plan, job = ne.plan, ne.job
     row = plan.row_tokens
     for s, w0, w1, k0, k1 in shard_segments(plan, ne.sources, ne.runs()):
-        # Shards --keep-sources hashed just now, as it copied or verified them, are not hashed again.
-        shards = (
-            _Unhashed()
-            if set(range(k0, k1)) <= getattr(ne.sources[s], "hashed", frozenset())
-            else ShardHashes(ne.sources[s], k0, k1, _changed)
-        )
+        # Shards --keep-sources hashed just now, as it copied or verified them, are not hashed
+        # again: an empty run of shards to hash, which takes what it is fed and checks nothing.
+        hashed = set(range(k0, k1)) <= getattr(ne.sources[s], "hashed", frozenset())
+        shards = ShardHashes(ne.sources[s], k0, k0 if hashed else k1, _changed)
         for a, block in iter_source_windows(
             plan,
             s,
@@ -91,16 +89,6 @@ def _document_pieces(ne, runs, tokens: int):
                     pieces[f] = found_pieces[f]
                 yield pieces, data, found_pieces["local"].astype(np.int64), True  # the shard's mapping: held
             del data
-
-
-class _Unhashed:
-    """ShardHashes' place for shards already hashed this epoch: nothing to feed or compare."""
-
-    def feed(self, start: int, tokens) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
 
 
 def _changed(shard, expected: str, found: str):

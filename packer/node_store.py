@@ -20,20 +20,11 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.memory import anonymous
 from tokpack.formats.io.reads import Worker
 from tokpack.formats.outputs import EpochShardFormat, Output
-from tokpack.packer.node_buckets import Buckets
 from tokpack.packer.node_epoch import NodeEpoch
 from tokpack.packer.phases import phase
 from tokpack.packer.pieces import place
 from tokpack.packer.rank_files import RankFiles
 from tokpack.shuffle.steps import Layout
-
-
-def open_stores(
-    ne: NodeEpoch, layout: Layout | None, pad_id: int, files: RankFiles | None = None
-) -> "InMemory | Buckets":
-    """The process's store: in memory, or bucket files by `layout` (node_buckets.bucket_layout);
-    `files`: the slice's rank files, open in memory (open_slice_files), written as rows complete."""
-    return InMemory(ne, pad_id, files) if layout is None else Buckets(ne, layout, pad_id)
 
 
 # Whether an in-memory windows epoch writes its rank files during the rounds (open_slice_files):

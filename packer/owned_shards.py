@@ -27,12 +27,12 @@ class OwnedShards:
     """The owned epoch shards of one epoch, each fed its rows' facts in order (`add`, in as
     many calls as the facts' rounds cut them into), its entry built as its last row is in
     (`close` of its writer), its row hashes (and padding) sent to RUN and its files in
-    `scratch` removed. `output`: RUN's (a LocalOutput: RUN is a shared filesystem's folder)."""
+    `scratch` removed; RUN's Output a LocalOutput (RUN is a shared filesystem's folder)."""
 
-    def __init__(self, job, fmt: EpochShardFormat, scratch: Path, run_epoch: Path, output: Output | None = None):
+    def __init__(self, job, fmt: EpochShardFormat, scratch: Path, run_epoch: Path):
         self.job, self.fmt = job, replace(fmt, hashed_only=True)
         self.scratch, self.run_epoch = scratch, run_epoch
-        self.output = LocalOutput() if output is None else output
+        self.output = LocalOutput()
         self.writers: dict[int, tuple] = {}  # shard -> (its place, its writer, rows given so far)
         self.entries: list[tuple[int, dict]] = []
         self.padding = 0  # the padding tokens of every row given: the epoch's cross-check (exchange)
@@ -55,8 +55,7 @@ class OwnedShards:
         self.padding += int(pad.sum())
         done += len(hashes)
         self.writers[i] = (place, writer, done)
-        g0, g1 = self.job.shard_range(i)
-        if done == g1 - g0:
+        if done == place.samples[1] - place.samples[0]:
             del self.writers[i]
             try:
                 entry = writer.close()

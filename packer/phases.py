@@ -35,7 +35,7 @@ from __future__ import annotations
 import resource
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 PHASES = ("read", "cut", "route", "place", "write_through", "bucket_write", "bucket_read", "write", "facts")
 
@@ -149,35 +149,16 @@ def lapped(name: str, fn):
     return call
 
 
-@contextmanager
 def phase(name: str, nbytes: int = 0):
     """Phases.phase on the active collector, or nothing."""
     phases = active()
-    if phases is None:
-        yield
-        return
-    with phases.phase(name, nbytes):
-        yield
+    return nullcontext() if phases is None else phases.phase(name, nbytes)
 
 
 def timed(name: str, items, size=None):
     """`items` with each step's CPU to `name` on the active collector (Phases.generator), or as they are."""
     phases = active()
     return items if phases is None else phases.generator(name, items, size)
-
-
-class TimedRows:
-    """A node's stores whose `rows` (out of core: the buckets read back) count as `bucket_read`,
-    however the caller's own phase is named."""
-
-    def __init__(self, stores):
-        self.stores = stores
-
-    def rows(self, lo: int, hi: int):
-        return timed("bucket_read", self.stores.rows(lo, hi), lambda item: item[1].nbytes)
-
-    def __getattr__(self, name):
-        return getattr(self.stores, name)
 
 
 def count(name: str, nbytes: int) -> None:

@@ -16,8 +16,7 @@ from tokpack.formats.guard import space_needs
 from tokpack.formats.constants import MANIFEST
 from tokpack.formats.reading import canonical_bytes
 from tokpack.formats.names import epoch_dir_name
-from tokpack.packer.node_model import MEASURED, MEASURED_BY, NodeWork, Rates
-from tokpack.packer.node_model import epoch as epoch_time
+from tokpack.packer.node_model import MEASURED, MEASURED_BY, NodeWork, Rates, epoch as epoch_time
 from tokpack.packer.plan_result import COMMAND_START_SECONDS, PlanResult, local_only, measure_disk, size_text
 
 
@@ -63,8 +62,7 @@ def _node_epoch_figures(
     (the node that reads its row; its shard's owner gets only the row's facts)."""
     from tokpack.formats.shards import U64
     from tokpack.formats.slices import RankRows
-    from tokpack.packer.node_epoch import NodeEpoch
-    from tokpack.packer.node_epoch import memory_plan
+    from tokpack.packer.node_epoch import NodeEpoch, memory_plan
     from tokpack.packer.pieces import WIRE_PIECE
     from tokpack.packer.slicing import slice_files, slice_ranks
     from tokpack.shuffle import packings
@@ -301,27 +299,20 @@ def plan_to_nodes(
     time of each node's shared-filesystem, network and local-disk bytes; the slowest node's is the run's."""
     from tokpack.formats.builders import nodes_sidecar
     from tokpack.formats.slices import RankRows
-    from tokpack.packer.node_dest import dest_template, node_dest
-    from tokpack.packer.node_dest import run_numbering
+    from tokpack.packer.node_dest import dest_template, local_dirs, node_dest, run_numbering
     from tokpack.shuffle import packings
-    from tokpack.packer.slicing import SLICE_ENTRY_BYTES, SLICE_HEADER_BYTES
+    from tokpack.packer.slicing import SLICE_ENTRY_BYTES, SLICE_HEADER_BYTES, slice_ranks
     from tokpack.packer.stage_dest import on_disk
     from tokpack.shuffle.packed.passes import release_passes
     from tokpack.shuffle.run import repeat_warnings, setup_run
     from tokpack.shuffle.run_records import run_manifest_of
-    from tokpack.packer.slicing import slice_ranks
 
     dest, keep_sources, memory = spec.nodes.dest, spec.nodes.keep_sources, spec.memory
     ranks_per_node, micro_batch = spec.nodes.ranks_per_node, spec.nodes.micro_batch
     slice_ranks(node=f"0/{nodes}", ranks_per_node=ranks_per_node, micro_batch=micro_batch)  # before a list a node
     nic = float(nic_mbps or NIC_MBPS)
     *paths, output = local_only(list(spec.sources) + [str(spec.output)])
-    if "://" in str(dest) or (keep_sources is not None and "://" in str(keep_sources)):
-        raise TokpackError(
-            "--to-nodes writes local directories",
-            where="--to-nodes/--keep-sources",
-            hint="RUN is a shared-filesystem path, DEST a node-local one",
-        )
+    local_dirs("--to-nodes/--keep-sources", dest, keep_sources)
     out = Path(output)
     setup = setup_run(spec.with_settings(sources=paths), str(output), workers=1)
     numbering = run_numbering(setup, out)
@@ -413,7 +404,7 @@ def plan_to_nodes(
                         and not assumed
                         and not (there.is_file() and there.stat().st_size == size)
                     ):
-                        kept_now += size  # kept_sources._keep_shard copies it: read from shared, written here
+                        kept_now += size  # kept_sources._keep_file copies it: read from shared, written here
                     have[n][fingerprint, name] = size
                 t["kept_source_bytes"] = sum(have[n].values())
             from_shared = 0 if keeps[n] is not None else f["source_bytes"]
@@ -484,7 +475,7 @@ def plan_to_nodes(
             "--keep-sources DIR is not visible from here and RUN lists epochs already: the sources are "
             "taken as kept by the command that wrote them"
         )
-    procs = spec.nodes.procs_per_node or 1
+    procs = int(spec.nodes.procs_per_node or 1)  # processes a node (its CPU: that many cores)
     if procs > 1:  # the node's bytes are its processes' together; their memory plans are not modelled apart
         notes.append(
             f"--procs-per-node {procs}: each node's figures are its {procs} processes' together, planned "
@@ -496,7 +487,6 @@ def plan_to_nodes(
     disk, disk_how = _rate(disk_mbps, "--disk-mbps", next((p for p in seen if p is not None), None), measured)
     shared, shared_how = _rate(shared_mbps, "--shared-mbps", _visible(out), measured)
     readers = max(1, sum(1 for t in totals if t["shared_source_bytes"]))
-    procs = int(getattr(spec.nodes, "procs_per_node", None) or 1)  # processes a node (its CPU: that many cores)
     per_node = []
     for n, t in enumerate(totals):
         need = t["slice_on_disk"] + t["scratch_bytes"]

@@ -28,9 +28,8 @@ from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.builders import source_manifest
 from tokpack.packer.shared import ExecutorConfig, as_paths
 from tokpack.packer.plan_nodes import plan_to_nodes
-from tokpack.packer.plan_result import PARQUET_VALUES_PER_CORE_S
-from tokpack.packer.plan_result import PlanResult
-from tokpack.packer.plan_result import local_only, plan_pass, planned_result, size_text
+from tokpack.packer.plan_result import PARQUET_VALUES_PER_CORE_S, PlanResult, local_only
+from tokpack.packer.plan_result import plan_pass, planned_result, size_text
 
 # ------------------------------------------------------------------------ the commands
 

@@ -19,14 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.constants import PAD_DTYPE
-from tokpack.formats.constants import WORK_DIR
+from tokpack.formats.constants import MANIFEST, PAD_DTYPE, WORK_DIR
 from tokpack.formats.guard import OutputLock, holder_name
-from tokpack.formats.io.gate import open_read, read_limited
-from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES
+from tokpack.formats.io.gate import read_limited
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.reading import parse_manifest
 from tokpack.formats.hashes import row_hashes
@@ -34,13 +31,14 @@ from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
 from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, RowFacts, tokens_on_nodes
 from tokpack.formats.slices import RankRows, slice_epoch_manifest
-from tokpack.packer.node_dest import own_dest, read_raw, slice_root_of_run
+from tokpack.packer.kept_sources import file_xxh3_128
+from tokpack.packer.node_dest import finish_slice_root, own_dest, read_raw, slice_root_of_run
 from tokpack.packer.lifetime import children_bound, set_parent_death_signal
 from tokpack.packer.rank_files import RankFiles, ready_epoch_dir
 from tokpack.packer.shared import Result
 from tokpack.packer.slice_dest import epoch_in_place
 from tokpack.packer.slicing import slice_ranks
-from tokpack.packer.source_reads import READ_DEPTH, SourceReader
+from tokpack.packer.source_reads import SourceReader
 from tokpack.shuffle import packings
 from tokpack.shuffle.sources import open_source
 
@@ -57,9 +55,8 @@ class ReplacementResult(Result):
     micro_batch: int
     epochs: list[int]
     built_from: str  # "sources": no token file in RUN
-    bytes_read: (
-        int  # the rows' source tokens (and the small gaps read with them), RUN's row hashes (and best-fit padding)
-    )
+    # the rows' source tokens (and the small gaps read with them), RUN's row hashes (and best-fit padding)
+    bytes_read: int
     reads: int  # the ranged reads of the sources (windows; best-fit rows are copied from mapped shards)
     read_depth: int  # the most reads in flight at once (READ_DEPTH allows)
     bytes_kept: int
@@ -130,18 +127,7 @@ def stage_replacement(
                     f"stage: epoch {e}: {done:,} rows of ranks {a}-{b} rebuilt from the sources, "
                     f"in parts of at most {per_part:,} rows (--memory)"
                 )
-        root["epochs"] = sorted(set(previous) | set(chosen))
-        root["tokens"] = sum(
-            int(
-                parse_manifest(
-                    read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES, "manifest"),
-                    dest,
-                    "slice-epoch",
-                )["tokens"]
-            )
-            for e in root["epochs"]
-        )
-        output.finish(dest, root)
+        finish_slice_root(output, dest, root, set(previous) | set(chosen))
     return ReplacementResult(
         kind="slice",
         source=str(out),
@@ -279,11 +265,6 @@ def part_rows_of(row_bytes: int, memory: int) -> int:
     return int(n)
 
 
-# Ranged reads of the sources a replacement node has in flight at once (tokpack.packer.source_reads);
-# tokpack.packer.node_model projects its reads with it.
-READ_QUEUE_DEPTH = READ_DEPTH
-
-
 class SourceRows:
     """An epoch of a --to-nodes RUN, its rows at given positions rebuilt from the sources alone
     (RUN's plan: its epoch manifest): a replacement node's reads, and `validate SLICE --against
@@ -293,7 +274,7 @@ class SourceRows:
     table_xxh3_128), rows assembled per run of consecutive positions from their documents.
     `bytes_read` counts the source tokens read and RUN's row hashes and padding."""
 
-    def __init__(self, epoch_dir: Path, m: dict, memory: int, work: Path, read_depth: int = READ_DEPTH):
+    def __init__(self, epoch_dir: Path, m: dict, memory: int, work: Path):
         packing = packings.of_manifest(m)
         self.epoch_dir, self.m, self.work, self.packing = Path(epoch_dir), m, Path(work), packing
         self.padded = packing.padded  # rows from the row table's pieces, and their padding
@@ -318,7 +299,7 @@ class SourceRows:
                 for i, sp in enumerate(self.plan.sources)
             ]
         )
-        self.reader = SourceReader(read_depth)  # its descriptors kept from part to part
+        self.reader = SourceReader()  # its descriptors kept from part to part
         self.bytes_read = 0
         # RUN's row hashes and padding, each file read through the gate and checked against the manifest
         self.facts = RowFacts(
@@ -435,7 +416,7 @@ class SourceRows:
         for src in self.sources:
             for shard in src.shards:
                 path = src.path / shard["path"]
-                found = _hash_of(path, int(shard["tokens"]) * src.dtype.itemsize)
+                found = file_xxh3_128(path, int(shard["tokens"]) * src.dtype.itemsize)
                 if found != shard["xxh3_128"]:
                     raise TokpackError(
                         f"a source row differs from the run's {what}: its source shard changed since the run "
@@ -467,16 +448,6 @@ class SourceRows:
         self.reader.close()
         self.pool = self.built = self.facts = None
         shutil.rmtree(self.work.parent if self.work.parent.name == WORK_DIR else self.work, ignore_errors=True)
-
-
-def _hash_of(path: Path, size: int) -> str:
-    """A source shard's xxh3_128, streamed through the gate at its recorded size."""
-    h = xxhash.xxh3_128()
-    with open_read(path, size=size) as f:
-        buf = memoryview(bytearray(min(max(size, 1), 8 << 20)))
-        while n := f.readinto(buf):
-            h.update(buf[:n])
-    return h.hexdigest()
 
 
 if __name__ == "__main__":  # a rebuilding process of _rebuild_epoch: (job, p, P) on stdin, its part on stdout

@@ -123,12 +123,11 @@ def preadv_all(fd: int, views: list, offset: int) -> int:
 
 
 class SourceReader:
-    """The rows' reads, READ_DEPTH of them in flight (`depth`), through descriptors opened once
+    """The rows' reads, READ_DEPTH of them in flight, through descriptors opened once
     per shard file and kept until `close`. Counts `reads`, `bytes` (rows and merged gaps) and
     the most reads that were in flight at once (`max_in_flight`)."""
 
-    def __init__(self, depth: int = READ_DEPTH):
-        self.depth = depth
+    def __init__(self):
         self.fds: dict[tuple[str, int], int] = {}
         self.lock = threading.Lock()
         self.reads = self.bytes = self.in_flight = self.max_in_flight = 0
@@ -143,9 +142,9 @@ class SourceReader:
         if not reads:
             return
         if self.pool is None:
-            self.pool = ThreadPool(self.depth, thread_name_prefix="tokpack-read")
+            self.pool = ThreadPool(READ_DEPTH, thread_name_prefix="tokpack-read")
         # a few tasks a thread, each a run of reads in source order: a thread's reads follow one another on the disk
-        per = max(1, -(-len(reads) // (4 * self.depth)))
+        per = max(1, -(-len(reads) // (4 * READ_DEPTH)))
         tasks = [reads[i : i + per] for i in range(0, len(reads), per)]
         futures = [self.pool.submit(self._run, streams, us, ust, row, buf, task) for task in tasks]
         for f in futures:
@@ -172,17 +171,17 @@ class SourceReader:
         one after another; returns the bytes read."""
         first, end = int(starts[0]), int(starts[-1]) + row
         k = int(np.searchsorted(stream.shard_starts, first, side="right")) - 1
+        runs = (np.flatnonzero(starts[1:] != starts[:-1] + row) + 1).tolist()  # where a run of adjacent rows begins
         if not local_shards(stream) or end > int(stream.shard_starts[k + 1]):
             # a URL, a stream of kept documents, a row across two shards: the stream's own reads,
             # a call a run of adjacent rows (plan_reads merged no gap for them)
             tokens = out.view(stream.dtype)
-            runs = np.flatnonzero(starts[1:] != starts[:-1] + row) + 1
-            for a, b in zip([0, *runs.tolist()], [*runs.tolist(), len(starts)]):
+            for a, b in zip([0, *runs], [*runs, len(starts)]):
                 stream.read_into(int(starts[a]), tokens[a * row : b * row], None)
             return out.nbytes
         itemsize = stream.dtype.itemsize
         views, at, mv = [], 0, memoryview(out)
-        for a in [*(np.flatnonzero(starts[1:] != starts[:-1] + row) + 1).tolist(), len(starts)]:
+        for a in [*runs, len(starts)]:
             views.append(mv[at * row * itemsize : a * row * itemsize])
             if a < len(starts):  # the gap before row a: read, and dropped
                 views.append(self.scratch[: (int(starts[a]) - int(starts[a - 1]) - row) * itemsize])

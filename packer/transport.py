@@ -12,6 +12,7 @@ import select
 import signal
 import threading
 import time
+from contextlib import suppress
 
 import numpy as np
 
@@ -89,17 +90,11 @@ class OnSigterm:
         sender = self._taken(r)
         if sender is False:
             return  # restored: the command ended
-        for held in reversed(self.locks):
-            try:
-                held.release()
-            except Exception:  # noqa: BLE001 - exiting anyway: the next lock, then the exit
-                pass
+        release_all(self.locks)
         told = False
-        try:
+        with suppress(Exception):  # the line below is what matters
             if self.notice is not None:
                 told, _ = self.notice.test()
-        except Exception:  # noqa: BLE001 - the line below is what matters
-            pass
         launcher = sender is not None and sender == os.getppid()
         if not told and not OnSigterm.failing:  # at once: the launcher may SIGKILL within 0.25 s
             node = "" if self.node is None else f"{self.node}: "
@@ -110,20 +105,17 @@ class OnSigterm:
                 self.LAUNCHERS,
             )
         if not told and not launcher:
-            self._tell_peers()
+            # This process was stopped first (or so it seems): the others hear of it, so that the
+            # launcher's SIGTERM to them, once this one exits, is silent. Sent after NOTICE_DELAY:
+            # when every process got the launcher's SIGTERM at once (its sender unknown), each
+            # writes its own line before a peer's notice can silence it.
+            self.tell_peers(self.NOTICE_DELAY)
         os._exit(128 + signal.SIGTERM)
-
-    def _tell_peers(self) -> None:
-        """This process was stopped first (or so it seems): the others hear of it, so that the
-        launcher's SIGTERM to them, once this one exits, is silent. Sent after NOTICE_DELAY: when
-        every process got the launcher's SIGTERM at once (its sender unknown), each writes its
-        own line before a peer's notice can silence it."""
-        self.tell_peers(self.NOTICE_DELAY)
 
     def tell_peers(self, delay: float = 0.0) -> None:
         """Every other process hears that this one wrote the job's line (SIGTERM's, or a stall's:
         tokpack.packer.stall): the launcher's SIGTERM to them is silent."""
-        try:
+        with suppress(Exception):  # exiting anyway
             if self.notice is None:
                 return
             time.sleep(delay)
@@ -134,8 +126,6 @@ class OnSigterm:
             while sent and time.monotonic() < deadline:
                 sent = [req for req in sent if not req.test()[0]]
                 time.sleep(0.01)
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
 
     def _taken(self, r: int):
         """Waits for SIGTERM: its sender's pid (None: unknown), or False once restored. Taken
@@ -150,11 +140,9 @@ class OnSigterm:
             if info is not None:
                 return info.si_pid
             if select.select([r], [], [], 0)[0]:
-                try:
+                with suppress(BlockingIOError):
                     if signal.SIGTERM in os.read(r, 64):
                         return None
-                except BlockingIOError:
-                    pass
         return False
 
     def restore(self) -> None:
@@ -195,10 +183,15 @@ def to_launcher(line: str, launchers) -> None:
                 pass
             finally:
                 os.close(fd)
-    try:
+    with suppress(OSError):
         os.write(2, data)
-    except OSError:
-        pass
+
+
+def release_all(locks) -> None:
+    """The process's locks released, the last taken first, whatever one of them raises: it exits next."""
+    for held in reversed(locks):
+        with suppress(Exception):  # exiting anyway: the next lock, then the exit
+            held.release()
 
 
 def world():
@@ -451,40 +444,29 @@ def _send(comm, MPI, take: list, pieces: np.ndarray, routed, row: int, buffers) 
         if hi > lo:
             gather(take[int(item[lo])][1], starts[lo:hi], lengths[which][lo:hi], row, send_tokens[int(at[lo]) :])
     N = comm.Get_size()
-    counts = np.bincount(dst, minlength=N).astype(np.int64)
-    token_counts = np.bincount(dst, weights=lengths[copies], minlength=N).astype(np.int64)
-    recv = np.empty((N, 2), dtype=np.int64)  # the pieces and tokens each node sends this one
-    _wait(comm.Ialltoall(np.ascontiguousarray(np.stack([counts, token_counts], axis=1)), recv))  # patient, as allgather
-    got_pieces = np.empty(int(recv[:, 0].sum()), WIRE_PIECE)
-    got_tokens = buffers[1].ensure(int(recv[:, 1].sum()))[: int(recv[:, 1].sum())]
-    item = send_tokens.dtype.itemsize
-    alltoallv(comm, MPI, send_pieces, counts * WIRE_PIECE.itemsize, got_pieces, recv[:, 0] * WIRE_PIECE.itemsize)
-    alltoallv(comm, MPI, send_tokens, token_counts * item, got_tokens, recv[:, 1] * item)
-    return got_pieces, got_tokens
+    # the pieces and the tokens for each node
+    counts = np.stack([np.bincount(dst, minlength=N), np.bincount(dst, weights=lengths[copies], minlength=N)], axis=1)
+    return tuple(send_each(comm, MPI, [send_pieces, send_tokens], counts, [None, buffers[1]])[0])
 
 
-def alltoallv(comm, MPI, send, send_bytes, recv, recv_bytes) -> None:
-    sdisp = np.cumsum(send_bytes) - send_bytes
-    rdisp = np.cumsum(recv_bytes) - recv_bytes
-    comm.Alltoallv(
-        [np.ascontiguousarray(send).view(np.uint8), send_bytes.tolist(), sdisp.tolist(), MPI.BYTE],
-        [recv.view(np.uint8), recv_bytes.tolist(), rdisp.tolist(), MPI.BYTE],
-    )
-
-
-def send_each(comm, MPI, arrays: list, counts: np.ndarray) -> tuple[list, np.ndarray]:
-    """One exchange of small arrays (not pieces): `arrays[k]` (1-D, its items grouped by
-    destination) sends counts[d, k] items to process d. Returns (the arrays received, their
-    items grouped by sender; recv[s, k], the items process s sent of array k). The counts'
-    alltoall waits patiently, as exchange_rounds' does."""
+def send_each(comm, MPI, arrays: list, counts: np.ndarray, into=None) -> tuple[list, np.ndarray]:
+    """One exchange of arrays: `arrays[k]` (1-D, its items grouped by destination) sends
+    counts[d, k] items to process d, received into `into[k]` (a Buffer, reused round after
+    round; None, or no `into`: a new array). Returns (the arrays received, their items grouped
+    by sender; recv[s, k], the items process s sent of array k). The counts' alltoall waits
+    patiently, as allgather does."""
     N, k = comm.Get_size(), len(arrays)
     counts = np.ascontiguousarray(counts, dtype=np.int64).reshape(N, k)
     recv = np.empty((N, k), dtype=np.int64)
     _wait(comm.Ialltoall(counts, recv))
     got = []
     for a, array in enumerate(arrays):
-        out = np.empty(int(recv[:, a].sum()), array.dtype)
-        item = array.dtype.itemsize
-        alltoallv(comm, MPI, array, counts[:, a] * item, out, recv[:, a] * item)
+        n = int(recv[:, a].sum())
+        out = np.empty(n, array.dtype) if into is None or into[a] is None else into[a].ensure(n)[:n]
+        sent, taken = counts[:, a] * array.dtype.itemsize, recv[:, a] * array.dtype.itemsize  # bytes
+        comm.Alltoallv(
+            [np.ascontiguousarray(array).view(np.uint8), sent.tolist(), (np.cumsum(sent) - sent).tolist(), MPI.BYTE],
+            [out.view(np.uint8), taken.tolist(), (np.cumsum(taken) - taken).tolist(), MPI.BYTE],
+        )
         got.append(out)
     return got, recv

@@ -136,7 +136,7 @@ def test_a_kept_sources_disk_that_fills_during_the_copy_is_named_as_that_folder(
         monkeypatch.setattr(kept_sources, "check_space", lambda *a, **k: None, raising=False)  # main has none
         src = open_source(source)
         with pytest.raises(TokpackError) as e:
-            kept_sources.keep_sources([src], [], {0: set(range(len(src.shards)))}, False, folder)
+            kept_sources.keep_sources([src], {0: set(range(len(src.shards)))}, False, folder)
         line = str(e.value)
         assert line.startswith(f"{folder} [--keep-sources]: disk full in the --keep-sources folder"), line
         assert "DEST" not in line and "\n" not in line
@@ -159,7 +159,7 @@ def test_a_read_only_keep_sources_folder_is_one_line_naming_it(tmp_path):
         subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
         src = open_source(source)
         with pytest.raises(TokpackError) as e:
-            keep_sources([src], [], {0: set(range(len(src.shards)))}, False, folder)
+            keep_sources([src], {0: set(range(len(src.shards)))}, False, folder)
         line = str(e.value)
         assert line.startswith(f"{folder} [--keep-sources]: the --keep-sources folder cannot be written"), line
         assert "Read-only file system" in line and "HINT: give --keep-sources a writable folder" in line
@@ -210,13 +210,13 @@ def test_a_damaged_kept_copy_of_a_damaged_source_blames_the_source(tmp_path):
 
     source = _source(tmp_path / "src")
     src, folder = open_source(source), tmp_path / "kept"
-    keep_sources([src], [], {0: {0, 1}}, False, folder)
+    keep_sources([src], {0: {0, 1}}, False, folder)
     for path in (folder / src.fingerprint / "00000.ds", source / "00000.ds"):
         data = bytearray(path.read_bytes())
         data[7] ^= 1
         path.write_bytes(bytes(data))
     with pytest.raises(TokpackError, match="source shard changed") as e:
-        keep_sources([src], [], {0: {0, 1}}, False, folder)
+        keep_sources([src], {0: {0, 1}}, False, folder)
     assert e.value.file == str(source / "00000.ds")
 
 
