@@ -17,6 +17,7 @@ naming RUN's file, the position, what the sources give there and what RUN holds.
 from __future__ import annotations
 
 import tempfile
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -221,9 +222,9 @@ def _compare_shard(folder: Path, s: dict, i: int, g0: int, rows, out: _Found) ->
     part = max(1, min(n, int(rows.part_rows)))
     have = np.empty(part, dtype=ROW_HASH_DTYPE)
     have_pad = np.empty(part, dtype=PAD_DTYPE)
-    with (
+    with (  # a shard without a `.ds.pad` (windows): no padding to compare
         open_read(f, size=n * ROW_HASH_DTYPE.itemsize, what="row hashes") as fh,
-        open_read(fp, size=n * PAD_DTYPE.itemsize, what="padding sidecar") if has_pad(s) else _NoFile() as ph,
+        open_read(fp, size=n * PAD_DTYPE.itemsize, what="padding sidecar") if has_pad(s) else nullcontext() as ph,
     ):
         for a in range(0, n, part):
             k = min(part, n - a)
@@ -233,13 +234,3 @@ def _compare_shard(folder: Path, s: dict, i: int, g0: int, rows, out: _Found) ->
             if ph is not None and pad is not None:
                 _read_exactly(ph, have_pad[:k], fp, a)
                 out.add(PAD_SUFFIX, fp, i, a, g0, pad, have_pad[:k])
-
-
-class _NoFile:
-    """A shard without a `.ds.pad` (windows): no padding to compare."""
-
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

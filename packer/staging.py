@@ -68,6 +68,7 @@ RANGES_IN_FLIGHT = 4
 # copy_file_range errors that mean "not here" (old kernel, cross-filesystem, unsupported fs),
 # not a bad file: stage falls back to read + write through its buffer.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
+CORRUPT_HINT = "the source file is corrupt; run `tokpack validate` on the source"
 
 
 @dataclass
@@ -144,23 +145,11 @@ class _Stager:
         tmp = tmp_path(final)
         try:
             n, got = self._copy(job.rel, tmp, job.size, digest or _Unchecked)
-            err = digest_error(
-                got,
-                f"{self.src.path.rstrip('/')}/{job.rel}",
-                "checksum mismatch while copying",
-                hint="the source file is corrupt; run `tokpack validate` on the source",
-            )
+            err = digest_error(got, self.src.at(job.rel), "checksum mismatch while copying", hint=CORRUPT_HINT)
             if err is not None:
                 raise err
             if job.size is not None and n != job.size:
-                raise TokpackError(
-                    "file size does not match the manifest",
-                    file=f"{self.src.path.rstrip('/')}/{job.rel}",
-                    where="size",
-                    expected=f"{job.size} bytes",
-                    found=f"{n} bytes",
-                    hint="the source file is truncated or replaced; run `tokpack validate` on it",
-                )
+                raise self.src.size_error(job.rel, job.size, f"{n} bytes")
             self._invalidate(job.dir_rel)
             self.output.commit_file(tmp, final)
         except OSError as e:  # disk full, permissions, I/O error: one line, not a traceback
@@ -168,7 +157,7 @@ class _Stager:
             raise TokpackError(
                 "copy failed",
                 file=final,
-                expected=f"a copy of {self.src.path.rstrip('/')}/{job.rel}",
+                expected=f"a copy of {self.src.at(job.rel)}",
                 found=f"{type(e).__name__}: {e.strerror or e}",
                 hint="check free space and permissions at DEST; rerun to resume",
             ) from None
@@ -186,9 +175,8 @@ class _Stager:
         if job.rows is None:
             return None
         rel, checksum, samples = job.rows
-        hint = "the source file is corrupt; run `tokpack validate` on the source"
         try:
-            recorded = recorded_rows(self.src.root / job.rel, checksum, samples, hint)
+            recorded = recorded_rows(self.src.root / job.rel, checksum, samples, CORRUPT_HINT)
         except OSError as e:
             raise self.src.read_error(rel, e) from None
         row_bytes = job.size // samples if samples and job.size is not None else 1
@@ -251,14 +239,7 @@ class _Stager:
                     data = queued.popleft().result()
                     want = min(span, size - done)
                     if len(data) != want:  # the object is shorter than its manifest says
-                        raise TokpackError(
-                            "file size does not match the manifest",
-                            file=f"{self.src.path.rstrip('/')}/{rel}",
-                            where="size",
-                            expected=f"{size} bytes",
-                            found=f"{done + len(data)} bytes or fewer",
-                            hint="the source file is truncated or replaced; run `tokpack validate` on it",
-                        )
+                        raise self.src.size_error(rel, size, f"{done + len(data)} bytes or fewer")
                     nxt = next(offsets, None)
                     if nxt is not None:
                         queued.append(self.fetchers.submit(fetch, nxt))
@@ -286,7 +267,7 @@ class _Stager:
             if n == 0:
                 raise TokpackError(
                     "source file shrank while being copied",
-                    file=f"{self.src.path.rstrip('/')}/{rel}",
+                    file=self.src.at(rel),
                     where=f"byte {off}",
                     expected=f"{size} bytes",
                     found=f"{off} bytes",
