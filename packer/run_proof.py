@@ -148,24 +148,21 @@ class _Mismatch:
 
     def line(self, d: DirReport, e) -> None:
         more = f" ({self.count} rows differ in {self.shards} shard{'s' * (self.shards != 1)})" if self.count > 1 else ""
-        if self.suffix == ROWS_SUFFIX:
-            d.add(
-                self.file,
-                f"row {self.row} (epoch {e}, sample {self.position})",
+        expected, found, message = (
+            (
                 f"{self.want:016x} (the row the plan puts there, rebuilt from the sources)",
                 f"{self.found:016x}",
-                "row hash is not the plan's row at that position: rows swapped, dropped, duplicated or altered" + more,
-                hint=RESTORE_HINT,
+                "row hash is not the plan's row at that position: rows swapped, dropped, duplicated or altered",
             )
-        else:
-            d.add(
-                self.file,
-                f"row {self.row} (epoch {e}, sample {self.position})",
+            if self.suffix == ROWS_SUFFIX
+            else (
                 f"{self.want} padding tokens (the plan's row there, rebuilt from the sources)",
                 self.found,
-                "padding is not the plan's row's at that position: the loader would mask other tokens" + more,
-                hint=RESTORE_HINT,
+                "padding is not the plan's row's at that position: the loader would mask other tokens",
             )
+        )
+        where = f"row {self.row} (epoch {e}, sample {self.position})"
+        d.add(self.file, where, expected, found, message + more, hint=RESTORE_HINT)
 
 
 class _Found:

@@ -11,17 +11,17 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.writes import is_tmp_name
 from tokpack.formats.io.gate import read_limited
 from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES, SLICE, SLICE_EPOCH
-from tokpack.formats.reading import parse_manifest, require_valid, strict_json
+from tokpack.formats.reading import parse_manifest, require_valid
 from tokpack.formats.shards import shard_suffixes
 from tokpack.formats.slices import SLICE_EPOCH_KEYS, SLICE_SHAPE_KEYS, missing_padding, rank_file_name, stage_command
-from tokpack.packer.stage_dest import UNFINISHED, Held, dest_holds, refuse_dest
+from tokpack.packer.stage_dest import UNFINISHED, Held, dest_holds, refuse_dest, small_json
 from tokpack.shuffle.packings import DEFAULT as DEFAULT_PACKING
 
 
 def epoch_in_place(d: Path, want: dict) -> bool:
     """The epoch's slice manifest is there, for this slice and this run epoch, with its files at their sizes."""
     try:
-        have = _small_json(d / MANIFEST)
+        have = small_json(d / MANIFEST)
     except (OSError, TokpackError):
         return False
     if not isinstance(have, dict) or any(have.get(k) != want[k] for k in SLICE_EPOCH_KEYS):
@@ -38,12 +38,7 @@ def epoch_in_place(d: Path, want: dict) -> bool:
 
 
 def epoch_tokens(d: Path) -> int:
-    return int(_small_json(d / MANIFEST)["tokens"])
-
-
-def _small_json(path: Path):
-    """A manifest this command wrote, read bounded and strictly as every manifest is."""
-    return strict_json(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path)
+    return int(small_json(d / MANIFEST)["tokens"])
 
 
 # A run's settings, in the order a difference is named: what the user chose before what follows from it.

@@ -9,8 +9,10 @@ from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import read_limited
+from tokpack.formats.io.writes import is_tmp_name
 from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES, STAGE_SIDECAR
 from tokpack.formats.reading import canonical_bytes, strict_json
+from tokpack.formats.shards import is_own_file
 from tokpack.formats.slices import RUN_SELECTION_KEYS
 from tokpack.packer.stage_plan import DirPlan, shard_jobs
 from tokpack.packer.stage_source import join_rel
@@ -78,7 +80,7 @@ def check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
         if not path.is_file():
             continue
         try:
-            have = strict_json(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path)
+            have = small_json(path)
         except (OSError, TokpackError):
             damaged.append(path)  # an unreadable manifest at DEST vouches for nothing; rewritten at the end
             continue
@@ -112,9 +114,6 @@ def _check_unvouched(dest: Path, p: DirPlan) -> None:
     sizes other than the recorded ones for more of its files than match. A killed stage of this
     copy leaves the files it verified, at their sizes (and temporaries, removed), and at most a
     few of the copy's own files damaged before a repair began: those a rerun replaces."""
-    from tokpack.formats.io.writes import is_tmp_name
-    from tokpack.formats.shards import is_own_file
-
     folder = dest / p.rel if p.rel else dest
     if (folder / MANIFEST).is_file() or not folder.is_dir():
         return
@@ -169,9 +168,14 @@ class Held:
     manifest: dict | None = None  # DEST's root manifest, when it has one
 
 
+def small_json(path: Path):
+    """A manifest a stage wrote, read bounded and strictly as every manifest is."""
+    return strict_json(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path)
+
+
 def _small_manifest(path: Path) -> dict | None:
     try:
-        m = strict_json(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path)
+        m = small_json(path)
     except (OSError, TokpackError):
         return None
     return m if isinstance(m, dict) else None
@@ -227,9 +231,6 @@ def dest_holds(dest: Path, path: Path | None = None, other_run: bool = False) ->
         return Held(kind if kind in UNFINISHED else "other", words, root, m)
     if not dest.is_dir():
         return Held(None, "nothing", dest)
-    from tokpack.formats.io.writes import is_tmp_name
-    from tokpack.formats.shards import is_own_file
-
     held = Held(None, "nothing", dest)
     for p in sorted(dest.iterdir()):
         if p.name in ("tokpack.lock", STAGE_SIDECAR) or is_tmp_name(p.name):

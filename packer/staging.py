@@ -259,8 +259,6 @@ class _Stager:
         and the hash reads the same source pages through a memory map, now in the page cache.
         Saves the two user-space copies of read+write (BENCHMARKS.md, "Figures cited by the code")."""
         size = os.fstat(fin.fileno()).st_size
-        if size == 0:
-            return 0, h
         off = 0
         while off < size:
             n = os.copy_file_range(fin.fileno(), fout.fileno(), min(self.block, size - off), off, off)
@@ -282,8 +280,6 @@ class _Stager:
         (fresh pages cost more than the hash)."""
         with open_read(path, ahead=False) as f:  # DEST's own file, through the gate all the same
             size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                return h
             for off in range(0, size, self.block):
                 n = min(self.block, size - off)
                 hash_mapped(h, f.fileno(), off, n)
