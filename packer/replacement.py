@@ -38,7 +38,7 @@ from tokpack.packer.node_dest import own_dest, read_raw, slice_root_of_run
 from tokpack.packer.lifetime import children_bound, set_parent_death_signal
 from tokpack.packer.rank_files import RankFiles, ready_epoch_dir
 from tokpack.packer.shared import Result
-from tokpack.packer.slice_dest import epoch_in_place
+from tokpack.packer.stage_dest import epoch_in_place
 from tokpack.packer.slicing import slice_ranks
 from tokpack.packer.source_reads import READ_DEPTH, SourceReader
 from tokpack.shuffle import packings

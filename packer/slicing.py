@@ -49,11 +49,10 @@ from tokpack.formats.slices import RankRows, rank_file_name, run_identity, slice
 
 from tokpack.packer.shared import Result
 from tokpack.packer.stage_source import Source
-from tokpack.packer.stage_dest import local_dest, on_disk
+from tokpack.packer.stage_dest import epoch_in_place, epoch_tokens, local_dest, on_disk, previous_slice
 from tokpack.packer.stage_plan import parse_epochs
 from tokpack.shuffle.packings import of_manifest
 
-from .slice_dest import epoch_in_place, epoch_tokens, previous_slice
 from .slice_ranks import (
     slice_ranks,
 )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -31,6 +31,7 @@ from tokpack.formats.shard_scan import Findings, Problem, check_shard, problem_l
 from tokpack.formats.shards import (
     PackedSource,
 )
+from tokpack.packer.shared import Result
 
 from .dir_checks import (
     Dir,
@@ -296,7 +297,7 @@ def _size(n: int) -> str:
 
 
 @dataclass
-class ValidateResult:
+class ValidateResult(Result):
     """What `validate --json` prints: `ok`, the gravest `status` ("ok", "corrupt", "missing", "incomplete",
     "unverified"), each problem and each directory checked."""
 
@@ -311,9 +312,6 @@ class ValidateResult:
     mb_per_s: float
     against: list[str]
     problems_total: int | None = None  # every problem found, listed or counted (None: len(problems))
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 def validate_all(
