@@ -243,7 +243,7 @@ def _against_rank_file(f: Path, s: dict, r: int, run: _RunEpoch, rep) -> None:
         else None
     )
     pad_buf = np.empty(len(buf), dtype=PAD_DTYPE)
-    done, bad_rows, bad_pads = 0, _Diffs(), _Diffs()
+    done, bad_rows, bad_pads = 0, RowDiffs(), RowDiffs()
     proof = _Replayed(replay) if replay is not None else None
     try:
         with open_read(f) as fh:
@@ -289,9 +289,9 @@ def _against_rank_file(f: Path, s: dict, r: int, run: _RunEpoch, rep) -> None:
         proof.report(f, r, e, rep)
 
 
-class _Diffs:
-    """Where a rank file's rows first differ from those it should hold, as (row in the file,
-    wanted, epoch position, found), and how many differ."""
+class RowDiffs:
+    """Where a file's rows (a rank file's, or RUN's row hashes and padding: run_proof) first differ
+    from those it should hold, as (row in the file, wanted, epoch position, found), and how many do."""
 
     def __init__(self):
         self.first, self.count = None, 0
@@ -314,7 +314,7 @@ class _Replayed:
 
     def __init__(self, replay):
         self.replay, self.pad = replay, None
-        self.bad_rows, self.bad_pads = 0, _Diffs()
+        self.bad_rows, self.bad_pads = 0, RowDiffs()
         self.first_row = None  # (row in the rank file, epoch position)
 
     def compare(self, done: int, pos: np.ndarray, have: np.ndarray) -> None:
