@@ -36,6 +36,7 @@ def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
         numbering = EpochNumbering.of_run(root["run"], path)
         rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
         dtype, row = dtype_from_name(root["dtype"]), int(root["seq_len"]) + 1
+        shared = ("epoch", dtype, int(root["vocab_size"]), int(root["eos_id"]), root["tokenizer"], row, quick)
         ranks = [int(r) for r in root["ranks"]]
         epochs = [int(e) for e in root["epochs"]]
     except (KeyError, TypeError, ValueError, TokpackError) as e:
@@ -78,11 +79,7 @@ def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
             except TokpackError as err:  # a rank file or sidecar linked out of the slice: reported, never opened
                 rep.add(err.file, err.where, err.expected, err.found, err.message, hint=err.hint)
                 continue
-            jobs.append(
-                ShardJob(
-                    d, s, "epoch", dtype, int(root["vocab_size"]), int(root["eos_id"]), root["tokenizer"], row, quick
-                )
-            )
+            jobs.append(ShardJob(d, s, *shared))  # every rank file checked as an epoch shard
     return jobs
 
 
