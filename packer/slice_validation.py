@@ -5,6 +5,7 @@ samples that rank reads. tokpack.packer.validation runs these checks and reports
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import NamedTuple
 
@@ -233,37 +234,30 @@ def _against_rank_file(f: Path, s: dict, r: int, run: _RunEpoch, rep) -> None:
             "rank file does not hold that rank's samples",
         )
         return
-    # a rank file of a best-fit run without one is reported by the slice's own checks (missing_padding)
-    pad_file = (
-        open_read(f.with_name(f.name + PAD_SUFFIX), size=want_rows * PAD_DTYPE.itemsize, what="padding sidecar")
-        if has_pad(s)
-        else None
-    )
     pad_buf = np.empty(len(buf), dtype=PAD_DTYPE)
     done, bad_rows, bad_pads = 0, RowDiffs(), RowDiffs()
     proof = _Replayed(replay) if replay is not None else None
-    try:
-        with open_read(f) as fh:
-            for pos in rows.node_positions(first, n, (r, r), len(buf)):
-                k = len(pos)
-                if not k:
-                    continue
-                view = memoryview(buf[:k].reshape(-1))
-                if read_full(fh, view) != view.nbytes:
-                    raise TokpackError("rank file ended early", file=f, where=f"row {done}")
-                bad_rows.add(done, pos, shards.gather(pos, shards.hashes), row_hashes(buf[:k]))
+    pad = f.with_name(f.name + PAD_SUFFIX)
+    # a rank file of a best-fit run without one is reported by the slice's own checks (missing_padding)
+    pads = open_read(pad, size=want_rows * PAD_DTYPE.itemsize, what="padding sidecar") if has_pad(s) else nullcontext()
+    with pads as pad_file, open_read(f) as fh:
+        for pos in rows.node_positions(first, n, (r, r), len(buf)):
+            k = len(pos)
+            if not k:
+                continue
+            view = memoryview(buf[:k].reshape(-1))
+            if read_full(fh, view) != view.nbytes:
+                raise TokpackError("rank file ended early", file=f, where=f"row {done}")
+            bad_rows.add(done, pos, shards.gather(pos, shards.hashes), row_hashes(buf[:k]))
+            if proof is not None:
+                proof.compare(done, pos, buf[:k])
+            if pad_file is not None:
+                pv = memoryview(pad_buf[:k].view(np.uint8))
+                have = pad_buf[:k] if read_full(pad_file, pv) == pv.nbytes else None  # None: the file ended
+                bad_pads.add(done, pos, shards.gather(pos, shards.pads), have)
                 if proof is not None:
-                    proof.compare(done, pos, buf[:k])
-                if pad_file is not None:
-                    pv = memoryview(pad_buf[:k].view(np.uint8))
-                    have = pad_buf[:k] if read_full(pad_file, pv) == pv.nbytes else None  # None: the file ended
-                    bad_pads.add(done, pos, shards.gather(pos, shards.pads), have)
-                    if proof is not None:
-                        proof.compare_padding(done, pos, have)
-                done += k
-    finally:
-        if pad_file is not None:
-            pad_file.close()
+                    proof.compare_padding(done, pos, have)
+            done += k
     if bad_rows.first is not None:
         k, want, p, found = bad_rows.first
         rep.add(
@@ -276,7 +270,7 @@ def _against_rank_file(f: Path, s: dict, r: int, run: _RunEpoch, rep) -> None:
     if bad_pads.first is not None:
         k, want, p, found = bad_pads.first
         rep.add(
-            f.with_name(f.name + PAD_SUFFIX),
+            pad,
             f"row {k}",
             f"{want} padding tokens (run epoch {e}, sample {p})",
             found,
