@@ -474,7 +474,9 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
         try:
             for e in chosen:
                 rel = epoch_dir_name(e)
-                raw = _raw_manifest(src, rel)
+                src.manifest(rel, kind="epoch")  # one line for a missing or broken manifest
+                with src.open(f"{rel}/{MANIFEST}") as fh:
+                    raw = fh.read()
                 m = parse_manifest(raw, src.at(f"{rel}/{MANIFEST}"), "epoch")
                 first = numbering.first(e)
                 if int(m["samples"]) != numbering.size(e) or int(m["seq_len"]) != int(run["seq_len"]):
@@ -570,9 +572,3 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
         seconds=round(seconds, 3),
         mib_per_s=round(reads.bytes / 2**20 / seconds, 1) if seconds > 0 else None,
     )
-
-
-def _raw_manifest(src: Source, rel: str) -> bytes:
-    src.manifest(rel, kind="epoch")  # one line for a missing or broken manifest
-    with src.open(f"{rel}/{MANIFEST}") as f:
-        return f.read()
