@@ -373,9 +373,6 @@ class ShardJobs:
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __bool__(self) -> bool:
-        return len(self.indices) > 0
-
     def __iter__(self):
         for i in self.indices:
             s = self.shards[i]

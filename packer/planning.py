@@ -304,7 +304,7 @@ def plan_stage(directory, dest, selection: dict, *, disk_mbps: float | None = No
     from tokpack.packer.stage_source import STAGE_BLOCK, Source
     from tokpack.packer.stage_dest import in_place, bytes_to_copy, bytes_to_write
     from tokpack.packer.stage_plan import make_plan, parse_epochs, parse_ranks, whole_shard_ranks
-    from tokpack.packer.stage_partial import whole_copy_note
+    from tokpack.packer.staging import whole_copy_note
 
     ranks = whole_shard_ranks(shards_of, ranks, world_size, node)
     (dest,) = local_only([str(dest)])

@@ -36,7 +36,7 @@ from tokpack.packer.node_dest import finish_slice_root, own_dest, read_raw, slic
 from tokpack.packer.lifetime import children_bound, set_parent_death_signal
 from tokpack.packer.rank_files import RankFiles, ready_epoch_dir
 from tokpack.packer.shared import Result
-from tokpack.packer.slice_dest import epoch_in_place
+from tokpack.packer.stage_dest import epoch_in_place
 from tokpack.packer.slicing import slice_ranks
 from tokpack.packer.source_reads import SourceReader
 from tokpack.shuffle import packings

@@ -207,10 +207,9 @@ def check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["Dir"
         d = plan_dir(sub, quick, kinds="epoch")
         present = [j for j in d.jobs if str(j.directory / j.entry["path"]) not in absent]
         d.jobs, d.partial = present, len(present) < len(d.jobs)
-        if d.jobs and tokens_on_nodes(
-            sub, [j.entry for j in d.jobs]
-        ):  # shuffle --to-nodes: the tokens are in node slices
-            check_row_hashes(sub, [j.entry for j in d.jobs], d.report, quick)
+        entries = [j.entry for j in d.jobs]
+        if entries and tokens_on_nodes(sub, entries):  # shuffle --to-nodes: the tokens are in node slices
+            check_row_hashes(sub, entries, d.report, quick)
             d.jobs, d.partial = [], True
         plan.append(d)
         em = d.report.manifest

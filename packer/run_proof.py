@@ -17,7 +17,7 @@ naming RUN's file, the position, what the sources give there and what RUN holds.
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,7 @@ from tokpack.formats.packing import has_pad
 from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROW_HASH_DTYPE, ROWS_SUFFIX, tokens_on_nodes
 
 from .dir_checks import DirReport
+from .slice_validation import RowDiffs
 
 # Row hashes read at a time when an order hash is recomputed from `.ds.rows`: 8 MiB of hashes.
 ORDER_BLOCK = 1 << 20
@@ -132,64 +133,40 @@ def _read_exactly(fh, out: np.ndarray, f: Path, row: int) -> None:
         raise TokpackError("file is shorter than its manifest says", file=f, where=f"row {row}")
 
 
-@dataclass
-class _Mismatch:
-    """The first place RUN's `suffix` file differs from the rows the sources give (and how many)."""
-
-    suffix: str
-    file: Path
-    row: int  # in the file
-    position: int  # in the epoch
-    want: int
-    found: int
-    count: int = 1
-    shards: int = 1
-
-    def line(self, d: DirReport, e) -> None:
-        more = f" ({self.count} rows differ in {self.shards} shard{'s' * (self.shards != 1)})" if self.count > 1 else ""
-        if self.suffix == ROWS_SUFFIX:
-            d.add(
-                self.file,
-                f"row {self.row} (epoch {e}, sample {self.position})",
-                f"{self.want:016x} (the row the plan puts there, rebuilt from the sources)",
-                f"{self.found:016x}",
-                "row hash is not the plan's row at that position: rows swapped, dropped, duplicated or altered" + more,
-                hint=RESTORE_HINT,
-            )
-        else:
-            d.add(
-                self.file,
-                f"row {self.row} (epoch {e}, sample {self.position})",
-                f"{self.want} padding tokens (the plan's row there, rebuilt from the sources)",
-                self.found,
-                "padding is not the plan's row's at that position: the loader would mask other tokens" + more,
-                hint=RESTORE_HINT,
-            )
-
-
 class _Found:
-    """The first row and padding mismatches over the shards compared."""
+    """Where RUN's `.ds.rows` and `.ds.pad` first differ from the rows the sources give, in the
+    order found: per suffix, the file, its RowDiffs and the shards that differ."""
 
     def __init__(self):
-        self.by_suffix: dict[str, _Mismatch] = {}
-        self.shards: dict[str, set] = {}
+        self.by_suffix: dict[str, tuple[Path, RowDiffs, set]] = {}
 
-    def add(self, suffix: str, f: Path, i: int, a: int, g0: int, want: np.ndarray, have: np.ndarray) -> None:
-        bad = np.flatnonzero(want != have)
-        if not len(bad):
-            return
-        j = int(bad[0])
-        first = self.by_suffix.get(suffix)
-        if first is None:
-            self.by_suffix[suffix] = _Mismatch(suffix, f, a + j, g0 + a + j, int(want[j]), int(have[j]), len(bad))
-        else:
-            first.count += len(bad)
-        self.shards.setdefault(suffix, set()).add(i)
+    def add(self, suffix: str, f: Path, i: int, a: int, pos: np.ndarray, want: np.ndarray, have: np.ndarray) -> None:
+        if (want != have).any():
+            _, diffs, shards = self.by_suffix.setdefault(suffix, (f, RowDiffs(), set()))
+            diffs.add(a, pos, want, have)
+            shards.add(i)
 
     def report(self, d: DirReport) -> None:
-        for suffix, first in self.by_suffix.items():
-            first.shards = len(self.shards[suffix])
-            first.line(d, d.manifest.get("epoch"))
+        e = d.manifest.get("epoch")
+        for suffix, (f, diffs, shards) in self.by_suffix.items():
+            row, want, position, have = diffs.first
+            n = len(shards)
+            more = f" ({diffs.count} rows differ in {n} shard{'s' * (n != 1)})" if diffs.count > 1 else ""
+            expected, found, message = (
+                (
+                    f"{want:016x} (the row the plan puts there, rebuilt from the sources)",
+                    f"{have:016x}",
+                    "row hash is not the plan's row at that position: rows swapped, dropped, duplicated or altered",
+                )
+                if suffix == ROWS_SUFFIX
+                else (
+                    f"{want} padding tokens (the plan's row there, rebuilt from the sources)",
+                    have,
+                    "padding is not the plan's row's at that position: the loader would mask other tokens",
+                )
+            )
+            where = f"row {row} (epoch {e}, sample {position})"
+            d.add(f, where, expected, found, message + more, hint=RESTORE_HINT)
 
 
 def _locate(d: DirReport, wrong: list[int], source_rows) -> _Found | None:
@@ -221,25 +198,16 @@ def _compare_shard(folder: Path, s: dict, i: int, g0: int, rows, out: _Found) ->
     part = max(1, min(n, int(rows.part_rows)))
     have = np.empty(part, dtype=ROW_HASH_DTYPE)
     have_pad = np.empty(part, dtype=PAD_DTYPE)
-    with (
+    with (  # a shard without a `.ds.pad` (windows): no padding to compare
         open_read(f, size=n * ROW_HASH_DTYPE.itemsize, what="row hashes") as fh,
-        open_read(fp, size=n * PAD_DTYPE.itemsize, what="padding sidecar") if has_pad(s) else _NoFile() as ph,
+        open_read(fp, size=n * PAD_DTYPE.itemsize, what="padding sidecar") if has_pad(s) else nullcontext() as ph,
     ):
         for a in range(0, n, part):
             k = min(part, n - a)
-            tokens, pad = rows.rows(np.arange(g0 + a, g0 + a + k, dtype=np.int64))
+            pos = np.arange(g0 + a, g0 + a + k, dtype=np.int64)
+            tokens, pad = rows.rows(pos)
             _read_exactly(fh, have[:k], f, a)
-            out.add(ROWS_SUFFIX, f, i, a, g0, row_hashes(tokens), have[:k])
+            out.add(ROWS_SUFFIX, f, i, a, pos, row_hashes(tokens), have[:k])
             if ph is not None and pad is not None:
                 _read_exactly(ph, have_pad[:k], fp, a)
-                out.add(PAD_SUFFIX, fp, i, a, g0, pad, have_pad[:k])
-
-
-class _NoFile:
-    """A shard without a `.ds.pad` (windows): no padding to compare."""
-
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+                out.add(PAD_SUFFIX, fp, i, a, pos, pad, have_pad[:k])

@@ -5,6 +5,7 @@ samples that rank reads. tokpack.packer.validation runs these checks and reports
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import NamedTuple
 
@@ -36,6 +37,7 @@ def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
         numbering = EpochNumbering.of_run(root["run"], path)
         rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
         dtype, row = dtype_from_name(root["dtype"]), int(root["seq_len"]) + 1
+        shared = ("epoch", dtype, int(root["vocab_size"]), int(root["eos_id"]), root["tokenizer"], row, quick)
         ranks = [int(r) for r in root["ranks"]]
         epochs = [int(e) for e in root["epochs"]]
     except (KeyError, TypeError, ValueError, TokpackError) as e:
@@ -78,11 +80,7 @@ def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
             except TokpackError as err:  # a rank file or sidecar linked out of the slice: reported, never opened
                 rep.add(err.file, err.where, err.expected, err.found, err.message, hint=err.hint)
                 continue
-            jobs.append(
-                ShardJob(
-                    d, s, "epoch", dtype, int(root["vocab_size"]), int(root["eos_id"]), root["tokenizer"], row, quick
-                )
-            )
+            jobs.append(ShardJob(d, s, *shared))  # every rank file checked as an epoch shard
     return jobs
 
 
@@ -236,73 +234,69 @@ def _against_rank_file(f: Path, s: dict, r: int, run: _RunEpoch, rep) -> None:
             "rank file does not hold that rank's samples",
         )
         return
-    # a rank file of a best-fit run without one is reported by the slice's own checks (missing_padding)
-    pad_file = (
-        open_read(f.with_name(f.name + PAD_SUFFIX), size=want_rows * PAD_DTYPE.itemsize, what="padding sidecar")
-        if has_pad(s)
-        else None
-    )
     pad_buf = np.empty(len(buf), dtype=PAD_DTYPE)
-    done, bad_rows, bad_pads, first_bad, first_pad = 0, 0, 0, None, None
+    done, bad_rows, bad_pads = 0, RowDiffs(), RowDiffs()
     proof = _Replayed(replay) if replay is not None else None
-    try:
-        with open_read(f) as fh:
-            for pos in rows.node_positions(first, n, (r, r), len(buf)):
-                k = len(pos)
-                if not k:
-                    continue
-                view = memoryview(buf[:k].reshape(-1))
-                if read_full(fh, view) != view.nbytes:
-                    raise TokpackError("rank file ended early", file=f, where=f"row {done}")
-                found, want = row_hashes(buf[:k]), shards.gather(pos, shards.hashes)
-                bad = np.flatnonzero(found != want)
-                if len(bad) and first_bad is None:
-                    j = int(bad[0])
-                    first_bad = (done + j, int(want[j]), int(pos[j]), int(found[j]))
-                bad_rows += len(bad)
+    pad = f.with_name(f.name + PAD_SUFFIX)
+    # a rank file of a best-fit run without one is reported by the slice's own checks (missing_padding)
+    pads = open_read(pad, size=want_rows * PAD_DTYPE.itemsize, what="padding sidecar") if has_pad(s) else nullcontext()
+    with pads as pad_file, open_read(f) as fh:
+        for pos in rows.node_positions(first, n, (r, r), len(buf)):
+            k = len(pos)
+            if not k:
+                continue
+            view = memoryview(buf[:k].reshape(-1))
+            if read_full(fh, view) != view.nbytes:
+                raise TokpackError("rank file ended early", file=f, where=f"row {done}")
+            bad_rows.add(done, pos, shards.gather(pos, shards.hashes), row_hashes(buf[:k]))
+            if proof is not None:
+                proof.compare(done, pos, buf[:k])
+            if pad_file is not None:
+                pv = memoryview(pad_buf[:k].view(np.uint8))
+                have = pad_buf[:k] if read_full(pad_file, pv) == pv.nbytes else None  # None: the file ended
+                bad_pads.add(done, pos, shards.gather(pos, shards.pads), have)
                 if proof is not None:
-                    proof.compare(done, pos, buf[:k])
-                if pad_file is not None:
-                    pv = memoryview(pad_buf[:k].view(np.uint8))
-                    got = read_full(pad_file, pv)
-                    wp = shards.gather(pos, shards.pads)
-                    bad = np.flatnonzero(pad_buf[:k] != wp) if got == pv.nbytes else np.arange(k)
-                    if len(bad) and first_pad is None:
-                        j = int(bad[0])
-                        first_pad = (
-                            done + j,
-                            int(wp[j]),
-                            int(pos[j]),
-                            int(pad_buf[j]) if got == pv.nbytes else "end of file",
-                        )
-                    bad_pads += len(bad)
-                    if proof is not None:
-                        proof.compare_padding(done, pos, pad_buf[:k] if got == pv.nbytes else None)
-                done += k
-    finally:
-        if pad_file is not None:
-            pad_file.close()
-    if first_bad is not None:
-        k, want, p, found = first_bad
+                    proof.compare_padding(done, pos, have)
+            done += k
+    if bad_rows.first is not None:
+        k, want, p, found = bad_rows.first
         rep.add(
             f,
             f"row {k}",
             f"{want:016x} (run epoch {e}, sample {p})",
             f"{found:016x}",
-            f"rank file row differs from the run's sample rank {r} reads there"
-            + (f" ({bad_rows} rows differ)" if bad_rows > 1 else ""),
+            f"rank file row differs from the run's sample rank {r} reads there{bad_rows.more()}",
         )
-    if first_pad is not None:
-        k, want, p, found = first_pad
+    if bad_pads.first is not None:
+        k, want, p, found = bad_pads.first
         rep.add(
-            f.with_name(f.name + PAD_SUFFIX),
+            pad,
             f"row {k}",
             f"{want} padding tokens (run epoch {e}, sample {p})",
             found,
-            "rank file padding differs from the run's" + (f" ({bad_pads} rows differ)" if bad_pads > 1 else ""),
+            f"rank file padding differs from the run's{bad_pads.more()}",
         )
     if proof is not None:
         proof.report(f, r, e, rep)
+
+
+class RowDiffs:
+    """Where a file's rows (a rank file's, or RUN's row hashes and padding: run_proof) first differ
+    from those it should hold, as (row in the file, wanted, epoch position, found), and how many do."""
+
+    def __init__(self):
+        self.first, self.count = None, 0
+
+    def add(self, done: int, pos: np.ndarray, want: np.ndarray, have: np.ndarray | None) -> None:
+        """The file's rows from row `done` on, at epoch positions `pos` (`have` None: it ended before them)."""
+        bad = np.flatnonzero(want != have) if have is not None else np.arange(len(pos))
+        if len(bad) and self.first is None:
+            j = int(bad[0])
+            self.first = (done + j, int(want[j]), int(pos[j]), int(have[j]) if have is not None else "end of file")
+        self.count += len(bad)
+
+    def more(self) -> str:
+        return f" ({self.count} rows differ)" if self.count > 1 else ""
 
 
 class _Replayed:
@@ -311,8 +305,8 @@ class _Replayed:
 
     def __init__(self, replay):
         self.replay, self.pad = replay, None
-        self.bad_rows = self.bad_pads = 0
-        self.first_row = self.first_pad = None  # (row in the rank file, epoch position, found padding)
+        self.bad_rows, self.bad_pads = 0, RowDiffs()
+        self.first_row = None  # (row in the rank file, epoch position)
 
     def compare(self, done: int, pos: np.ndarray, have: np.ndarray) -> None:
         parts = []
@@ -327,18 +321,8 @@ class _Replayed:
         self.pad = np.concatenate(parts) if parts and parts[0] is not None else None  # for compare_padding
 
     def compare_padding(self, done: int, pos: np.ndarray, have: np.ndarray | None) -> None:
-        if self.pad is None:
-            return
-        bad = np.flatnonzero(self.pad != have) if have is not None else np.arange(len(pos))
-        if len(bad) and self.first_pad is None:
-            j = int(bad[0])
-            self.first_pad = (
-                done + j,
-                int(pos[j]),
-                int(self.pad[j]),
-                int(have[j]) if have is not None else "end of file",
-            )
-        self.bad_pads += len(bad)
+        if self.pad is not None:
+            self.bad_pads.add(done, pos, self.pad, have)
 
     def report(self, f: Path, r: int, e: int, rep) -> None:
         if self.first_row is not None:
@@ -352,15 +336,14 @@ class _Replayed:
                 "replayed from the sources" + (f" ({self.bad_rows} rows differ)" if self.bad_rows > 1 else ""),
                 hint=REBUILD_HINT,
             )
-        if self.first_pad is not None:
-            k, p, want, found = self.first_pad
+        if self.bad_pads.first is not None:
+            k, want, p, found = self.bad_pads.first
             rep.add(
                 f.with_name(f.name + PAD_SUFFIX),
                 f"row {k}",
                 f"{want} padding tokens (the sources' row at run epoch {e}, sample {p})",
                 found,
-                "rank file padding is not the plan's, replayed from the sources"
-                + (f" ({self.bad_pads} rows differ)" if self.bad_pads > 1 else ""),
+                f"rank file padding is not the plan's, replayed from the sources{self.bad_pads.more()}",
                 hint=REBUILD_HINT,
             )
 

@@ -49,11 +49,10 @@ from tokpack.formats.slices import RankRows, rank_file_name, run_identity, slice
 
 from tokpack.packer.shared import Result
 from tokpack.packer.stage_source import Source
-from tokpack.packer.stage_dest import local_dest, on_disk
+from tokpack.packer.stage_dest import epoch_in_place, epoch_tokens, local_dest, on_disk, previous_slice
 from tokpack.packer.stage_plan import parse_epochs
 from tokpack.shuffle.packings import of_manifest
 
-from .slice_dest import epoch_in_place, epoch_tokens, previous_slice
 from .slice_ranks import (
     slice_ranks,
 )
@@ -150,7 +149,7 @@ class _Reads:
         if done != out.nbytes:
             raise TokpackError(
                 "shard is shorter than its manifest says",
-                file=f"{self.src.path.rstrip('/')}/{rel}",
+                file=self.src.at(rel),
                 where=f"byte {start + done}",
                 expected=f"{out.nbytes - done} more bytes",
                 found="end of file",
@@ -194,7 +193,7 @@ class _EpochStager:
             manifest,
             self.row_bytes,
             lambda i, suffix, size: [reads.whole(self.shard_path(i) + suffix, size)],
-            f"{src.path.rstrip('/')}/{rel}",
+            src.at(rel),
             "the run's file is corrupt: run `tokpack validate` on the run; nothing was kept",
         )
         self.by_rows = all("rows_xxh3_128" in s for s in self.shards)
@@ -275,7 +274,7 @@ class _EpochStager:
                     k = int(pos[b] - i * self.per_shard)
                     raise TokpackError(
                         "sample differs from the run's row hash",
-                        file=f"{self.src.path.rstrip('/')}/{self.shard_path(i)}",
+                        file=self.src.at(self.shard_path(i)),
                         where=f"sample {k} (byte {k * self.row_bytes})",
                         expected=hash_hex64(int(want[b])),
                         found=hash_hex64(int(found[b])),
@@ -328,7 +327,7 @@ def check_run_files(src: Source, epochs: list[int], row_bytes: int) -> None:
             if of_manifest(m).padded and not has_pad(s):  # found by tests/test_fuzz.py: staged as zero padding
                 raise TokpackError(
                     "best-fit epoch shard lacks its padding sidecar: the slice would train on its padding as tokens",
-                    file=f"{src.path.rstrip('/')}/{rel}/{MANIFEST}",
+                    file=src.at(f"{rel}/{MANIFEST}"),
                     where=f"shards[{i}].pad_xxh3_128",
                     expected="the checksum of its .ds.pad",
                     found="none",
@@ -475,13 +474,15 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
         try:
             for e in chosen:
                 rel = epoch_dir_name(e)
-                raw = _raw_manifest(src, rel)
-                m = parse_manifest(raw, f"{src.path.rstrip('/')}/{rel}/{MANIFEST}", "epoch")
+                src.manifest(rel, kind="epoch")  # one line for a missing or broken manifest
+                with src.open(f"{rel}/{MANIFEST}") as fh:
+                    raw = fh.read()
+                m = parse_manifest(raw, src.at(f"{rel}/{MANIFEST}"), "epoch")
                 first = numbering.first(e)
                 if int(m["samples"]) != numbering.size(e) or int(m["seq_len"]) != int(run["seq_len"]):
                     raise TokpackError(
                         "epoch does not belong to its run",
-                        file=f"{src.path.rstrip('/')}/{rel}",
+                        file=src.at(rel),
                         where="samples/seq_len",
                         expected=(numbering.size(e), run["seq_len"]),
                         found=(m.get("samples"), m.get("seq_len")),
@@ -571,9 +572,3 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
         seconds=round(seconds, 3),
         mib_per_s=round(reads.bytes / 2**20 / seconds, 1) if seconds > 0 else None,
     )
-
-
-def _raw_manifest(src: Source, rel: str) -> bytes:
-    src.manifest(rel, kind="epoch")  # one line for a missing or broken manifest
-    with src.open(f"{rel}/{MANIFEST}") as f:
-        return f.read()

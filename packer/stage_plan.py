@@ -185,30 +185,26 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
     """(kind, [directories]): the root is last, so its manifest is written after everything."""
     root = src.manifest("")
     kind = root["kind"]
-    if kind == "source":
-        if epochs is not None or ranks is not None:
-            raise TokpackError(
-                "--epochs and --ranks apply to runs and epochs, not to a packed source",
-                file=src.path,
-                where="kind",
-                expected="run or epoch",
-                found="source",
-                hint="stage the source without them, or stage the run shuffled from it",
-            )
-        jobs, _ = shard_jobs(root, "", root=src.root)
-        return kind, [DirPlan("", root, jobs)]
-    if kind == "epoch":
-        if epochs is not None and epochs != [root.get("epoch")]:
-            raise TokpackError(
-                "--epochs does not match this epoch directory",
-                file=src.path,
-                where="epoch",
-                expected=epochs,
-                found=root.get("epoch"),
-            )
+    if kind == "source" and (epochs is not None or ranks is not None):
+        raise TokpackError(
+            "--epochs and --ranks apply to runs and epochs, not to a packed source",
+            file=src.path,
+            where="kind",
+            expected="run or epoch",
+            found="source",
+            hint="stage the source without them, or stage the run shuffled from it",
+        )
+    if kind == "epoch" and epochs is not None and epochs != [root.get("epoch")]:
+        raise TokpackError(
+            "--epochs does not match this epoch directory",
+            file=src.path,
+            where="epoch",
+            expected=epochs,
+            found=root.get("epoch"),
+        )
+    if kind in ("source", "epoch"):  # one directory: a source's ranks are None (refused above)
         keep = _rank_keep(root, 0, _samples(root), ranks, micro_batch)
-        jobs, skipped = shard_jobs(root, "", keep, root=src.root)
-        return kind, [DirPlan("", root, jobs, skipped)]
+        return kind, [DirPlan("", root, *shard_jobs(root, "", keep, root=src.root))]
     # A run: its epochs in order, then the run manifest restricted to them.
     available = [int(e) for e in root.get("epochs") or []]
     chosen = sorted(available) if epochs is None else epochs

@@ -65,8 +65,23 @@ class Source:
         except OSError as e:
             raise self.read_error(rel, e) from None
 
+    def at(self, rel: str) -> str:
+        """The file `rel` as errors name it: under the source's path as the user gave it."""
+        return f"{self.path.rstrip('/')}/{rel}"
+
+    def size_error(self, rel: str, size: int, found: str) -> TokpackError:
+        """The file `rel` holds other than the `size` bytes its manifest records (`found`)."""
+        return TokpackError(
+            "file size does not match the manifest",
+            file=self.at(rel),
+            where="size",
+            expected=f"{size} bytes",
+            found=found,
+            hint=SOURCE_HINT,
+        )
+
     def read_error(self, rel: str, e: Exception) -> TokpackError:
-        where = f"{self.path.rstrip('/')}/{rel}"
+        where = self.at(rel)
         if isinstance(e, TokpackError):
             return e
         if isinstance(e, FileNotFoundError):
@@ -81,7 +96,7 @@ class Source:
 
     def manifest(self, rel_dir: str, kind=None) -> dict:
         rel = join_rel(rel_dir, MANIFEST)
-        where = f"{self.path.rstrip('/')}/{rel}"
+        where = self.at(rel)
         if rel_dir:  # an epoch directory of the run: inside it, not a symlink out
             contained(self.root, rel_dir, manifest=self.root / MANIFEST, where=f"epochs ({rel_dir})", regular=False)
         try:

@@ -38,12 +38,15 @@ from pathlib import Path
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, locked_output
 from tokpack.formats.io.reads import ThreadPool
-from tokpack.formats.io.gate import hash_mapped, open_new, open_read
+from tokpack.formats.io.gate import hash_mapped, open_new, open_read, read_limited
 from tokpack.formats.io.memory import lent
 from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.writes import remove_tmp_files, tmp_path
-from tokpack.formats.constants import HOLDOUT_DIR, STAGE_SIDECAR
+from tokpack.formats.constants import HOLDOUT_DIR, MAX_MANIFEST_BYTES, STAGE_SIDECAR
+from tokpack.formats.builders import stage_sidecar
 from tokpack.formats.outputs import LocalOutput, Output
+from tokpack.formats.reading import strict_json
+from tokpack.formats.slices import stage_command
 from tokpack.formats.token_check import FileDigest, RowDigest, digest_error, recorded_rows
 from tokpack.packer.shared import Result, optional_field
 
@@ -52,9 +55,9 @@ from tokpack.packer.stage_dest import (
     bytes_to_write,
     check_dest,
 )
-from tokpack.packer.stage_partial import partial_sidecar, whole_copy_note
 from tokpack.packer.stage_plan import (
     CopyJob,
+    DirPlan,
     make_plan,
     parse_epochs,
     parse_ranks,
@@ -68,6 +71,7 @@ RANGES_IN_FLIGHT = 4
 # copy_file_range errors that mean "not here" (old kernel, cross-filesystem, unsupported fs),
 # not a bad file: stage falls back to read + write through its buffer.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
+CORRUPT_HINT = "the source file is corrupt; run `tokpack validate` on the source"
 
 
 @dataclass
@@ -144,23 +148,11 @@ class _Stager:
         tmp = tmp_path(final)
         try:
             n, got = self._copy(job.rel, tmp, job.size, digest or _Unchecked)
-            err = digest_error(
-                got,
-                f"{self.src.path.rstrip('/')}/{job.rel}",
-                "checksum mismatch while copying",
-                hint="the source file is corrupt; run `tokpack validate` on the source",
-            )
+            err = digest_error(got, self.src.at(job.rel), "checksum mismatch while copying", hint=CORRUPT_HINT)
             if err is not None:
                 raise err
             if job.size is not None and n != job.size:
-                raise TokpackError(
-                    "file size does not match the manifest",
-                    file=f"{self.src.path.rstrip('/')}/{job.rel}",
-                    where="size",
-                    expected=f"{job.size} bytes",
-                    found=f"{n} bytes",
-                    hint="the source file is truncated or replaced; run `tokpack validate` on it",
-                )
+                raise self.src.size_error(job.rel, job.size, f"{n} bytes")
             self._invalidate(job.dir_rel)
             self.output.commit_file(tmp, final)
         except OSError as e:  # disk full, permissions, I/O error: one line, not a traceback
@@ -168,7 +160,7 @@ class _Stager:
             raise TokpackError(
                 "copy failed",
                 file=final,
-                expected=f"a copy of {self.src.path.rstrip('/')}/{job.rel}",
+                expected=f"a copy of {self.src.at(job.rel)}",
                 found=f"{type(e).__name__}: {e.strerror or e}",
                 hint="check free space and permissions at DEST; rerun to resume",
             ) from None
@@ -186,9 +178,8 @@ class _Stager:
         if job.rows is None:
             return None
         rel, checksum, samples = job.rows
-        hint = "the source file is corrupt; run `tokpack validate` on the source"
         try:
-            recorded = recorded_rows(self.src.root / job.rel, checksum, samples, hint)
+            recorded = recorded_rows(self.src.root / job.rel, checksum, samples, CORRUPT_HINT)
         except OSError as e:
             raise self.src.read_error(rel, e) from None
         row_bytes = job.size // samples if samples and job.size is not None else 1
@@ -251,14 +242,7 @@ class _Stager:
                     data = queued.popleft().result()
                     want = min(span, size - done)
                     if len(data) != want:  # the object is shorter than its manifest says
-                        raise TokpackError(
-                            "file size does not match the manifest",
-                            file=f"{self.src.path.rstrip('/')}/{rel}",
-                            where="size",
-                            expected=f"{size} bytes",
-                            found=f"{done + len(data)} bytes or fewer",
-                            hint="the source file is truncated or replaced; run `tokpack validate` on it",
-                        )
+                        raise self.src.size_error(rel, size, f"{done + len(data)} bytes or fewer")
                     nxt = next(offsets, None)
                     if nxt is not None:
                         queued.append(self.fetchers.submit(fetch, nxt))
@@ -278,15 +262,13 @@ class _Stager:
         and the hash reads the same source pages through a memory map, now in the page cache.
         Saves the two user-space copies of read+write (BENCHMARKS.md, "Figures cited by the code")."""
         size = os.fstat(fin.fileno()).st_size
-        if size == 0:
-            return 0, h
         off = 0
         while off < size:
             n = os.copy_file_range(fin.fileno(), fout.fileno(), min(self.block, size - off), off, off)
             if n == 0:
                 raise TokpackError(
                     "source file shrank while being copied",
-                    file=f"{self.src.path.rstrip('/')}/{rel}",
+                    file=self.src.at(rel),
                     where=f"byte {off}",
                     expected=f"{size} bytes",
                     found=f"{off} bytes",
@@ -301,8 +283,6 @@ class _Stager:
         (fresh pages cost more than the hash)."""
         with open_read(path, ahead=False) as f:  # DEST's own file, through the gate all the same
             size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                return h
             for off in range(0, size, self.block):
                 n = min(self.block, size - off)
                 hash_mapped(h, f.fileno(), off, n)
@@ -318,6 +298,59 @@ class _Unchecked:
 
     def problem(self) -> None:
         return None
+
+
+# ------------------------------------------------------- a --shards-of r/W copy (partial, or nearly whole)
+
+
+def whole_copy_note(plans: list[DirPlan], ranks, micro_batch: int, source: str, dest: str) -> str | None:
+    """One line when a `--shards-of r/W` stage copies (nearly) the whole run anyway: how much, why,
+    and the node-slice command that copies only the ranks' rows."""
+    if ranks is None:
+        return None
+    total = sum(int(s.get("bytes") or 0) for p in plans for s in p.manifest.get("shards") or [])
+    left = sum(
+        int(s.get("bytes") or 0)
+        for p in plans
+        for s in p.manifest.get("shards") or []
+        if s.get("path") in p.skipped_shards
+    )
+    if not total or left > total / 2:
+        return None
+    (rs, world), per = ranks, max([int(p.manifest.get("shard_samples") or 0) for p in plans] or [0])
+    return (
+        f"stage: whole-run copy ({100 * (total - left) / total:.0f}% of the run's shard bytes): --shards-of "
+        f"{','.join(map(str, rs))}/{world} copies whole shards, and a shard ({per:,} samples) holds rows of these "
+        f"ranks in any global batch it spans ({world * micro_batch:,} samples each); "
+        f"`{stage_command(source, dest, rs[0], rs[-1], world, micro_batch)}` copies only their rows"
+    )
+
+
+def partial_sidecar(dest: Path, plans: list[DirPlan], ranks, micro_batch: int, output: Output) -> dict:
+    """Records at DEST's root which shards a --ranks stage left out (those not present at
+    DEST, counting earlier stages), or removes the record once nothing is missing."""
+    path = dest / STAGE_SIDECAR
+    try:
+        previous = (
+            strict_json(read_limited(path, MAX_MANIFEST_BYTES, STAGE_SIDECAR), path, STAGE_SIDECAR)
+            if path.is_file()
+            else {}
+        )
+    except (OSError, TokpackError):
+        previous = {}
+    missing = {}
+    for p in plans:
+        absent = [s for s in p.skipped_shards if not (dest / p.rel / s).is_file()]
+        if absent:
+            missing[p.rel or "."] = absent
+    if not missing:
+        output.unfinish(dest, STAGE_SIDECAR)
+        return {}
+    stages = list(previous.get("stages", []))
+    if ranks is not None:
+        stages.append({"ranks": ranks[0], "world_size": ranks[1], "micro_batch": micro_batch})
+    output.finish(dest, stage_sidecar(stages, missing), STAGE_SIDECAR)
+    return missing
 
 
 @locked_output("stage", arg="dest")

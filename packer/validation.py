@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -31,6 +31,7 @@ from tokpack.formats.shard_scan import Findings, Problem, check_shard, problem_l
 from tokpack.formats.shards import (
     PackedSource,
 )
+from tokpack.packer.shared import Result
 
 from .dir_checks import (
     Dir,
@@ -262,7 +263,7 @@ def _order_problem(d: DirReport, planned: list[int]) -> None:
 def _slice_without_run(d: DirReport, given) -> Problem:
     """A slice is compared with its run only: `--against` anything else would compare nothing
     and pass."""
-    kind = _kind(given)
+    kind = manifest_kind(given)
     return Problem(
         str(given),
         "--against",
@@ -281,15 +282,11 @@ def _not_a_source(given) -> Problem:
         str(given),
         "--against",
         "a packed source the epochs were shuffled from",
-        f"a {_kind(given)}",
+        f"a {manifest_kind(given)}",
         "cannot replay epochs from it: --against takes the packed sources of a run",
         hint="give --against each packed source the run was shuffled from (its tokpack.json `sources`)",
         unverified=True,
     )
-
-
-def _kind(path) -> str | None:
-    return manifest_kind(path)
 
 
 def _size(n: int) -> str:
@@ -300,7 +297,7 @@ def _size(n: int) -> str:
 
 
 @dataclass
-class ValidateResult:
+class ValidateResult(Result):
     """What `validate --json` prints: `ok`, the gravest `status` ("ok", "corrupt", "missing", "incomplete",
     "unverified"), each problem and each directory checked."""
 
@@ -315,9 +312,6 @@ class ValidateResult:
     mb_per_s: float
     against: list[str]
     problems_total: int | None = None  # every problem found, listed or counted (None: len(problems))
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 def validate_all(
@@ -339,15 +333,17 @@ def validate_all(
     against = list(against or [])
     known = {as_path(x).resolve() for x in dirs}
     # A slice's --against is its run: compared by row hashes, not validated whole.
-    slice_runs = [a for a in against if _kind(a) == "run"] if any(_kind(x) == SLICE for x in dirs) else []
+    slice_runs = (
+        [a for a in against if manifest_kind(a) == "run"] if any(manifest_kind(x) == SLICE for x in dirs) else []
+    )
     against = [a for a in against if a not in slice_runs]
     not_sources: list[Problem] = []
-    if against and all(_kind(x) == SLICE for x in dirs):  # sources with nothing to check them against
+    if against and all(manifest_kind(x) == SLICE for x in dirs):  # sources with nothing to check them against
         unmatched, against = against, []
     else:
         unmatched = []
-        not_sources = [_not_a_source(a) for a in against if _kind(a) not in (None, "source")]
-        against = [a for a in against if _kind(a) in (None, "source")]
+        not_sources = [_not_a_source(a) for a in against if manifest_kind(a) not in (None, "source")]
+        against = [a for a in against if manifest_kind(a) in (None, "source")]
     extra = [a for a in against if as_path(a).resolve() not in known]
     report = validate_dirs(
         list(dirs) + extra, quick=quick, workers=workers, show_progress=show_progress, order=bool(against)
@@ -426,7 +422,7 @@ def report_lines(r: ValidateResult) -> list[str]:
 
 def _against_text(paths: list[str]) -> str:
     """What --against named: sources, and the runs slices were checked against ("1 run", not "1 source(s)")."""
-    runs = sum(_kind(a) == "run" for a in paths)
+    runs = sum(manifest_kind(a) == "run" for a in paths)
     return " and ".join(
         f"{n} {name}{'s' * (n != 1)}" for n, name in ((len(paths) - runs, "source"), (runs, "run")) if n
     )
