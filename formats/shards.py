@@ -331,7 +331,8 @@ class EpochShardWriter:
         if n == 0:
             return
         self._index.write(ends.astype(U64) + np.uint64(self.samples * self.row_tokens))
-        self._add_hashes(hashes)
+        self._rows.write(np.ascontiguousarray(hashes, dtype=ROW_HASH_DTYPE))
+        self.multiset = (self.multiset + int(hashes.sum(dtype=np.uint64))) & MASK64
         self.samples += n
 
     def reserve(self, rows: int) -> None:
@@ -349,10 +350,6 @@ class EpochShardWriter:
         """The padding tokens (at the sample's end) of the next samples, in order, into `.pad`
         (a shard opened `padded`)."""
         self._pad.write(np.ascontiguousarray(pad, dtype=PAD_DTYPE))
-
-    def _add_hashes(self, hashes: np.ndarray) -> None:
-        self._rows.write(np.ascontiguousarray(hashes, dtype=ROW_HASH_DTYPE))
-        self.multiset = (self.multiset + int(hashes.sum(dtype=np.uint64))) & MASK64
 
     def close(self) -> dict:
         tokens = self.samples * self.row_tokens

@@ -31,8 +31,13 @@ def progress_mode() -> tuple[str, float]:
     text = os.environ.get(PROGRESS_ENV)
     if text is not None or os.environ.get(OLD_INTERVAL_ENV) is None:
         return _parsed(text, PROGRESS_ENV)
+    global _warned_old
     text = os.environ[OLD_INTERVAL_ENV]
-    _warn_old()
+    if not _warned_old:  # once a process
+        _warned_old = True
+        sys.stderr.write(
+            f"tokpack: warning: ${OLD_INTERVAL_ENV} is deprecated; use {PROGRESS_ENV}=SECONDS (or off, bar, log)\n"
+        )
     mode = _parsed(text, OLD_INTERVAL_ENV)
     if text.strip():  # the worker processes read the new variable (a bad value stays the old one's)
         os.environ.setdefault(PROGRESS_ENV, text.strip())
@@ -52,16 +57,6 @@ def _parsed(text: str | None, name: str) -> tuple[str, float]:
         f"(0: none), or unset it for a bar on a terminal and a line every {DEFAULT_LOG_INTERVAL:g} s in a log",
     )
     return ("on", seconds) if seconds > 0 else ("off", 0.0)
-
-
-def _warn_old() -> None:
-    """$TOKPACK_LOG_INTERVAL's warning, once a process."""
-    global _warned_old
-    if not _warned_old:
-        _warned_old = True
-        sys.stderr.write(
-            f"tokpack: warning: ${OLD_INTERVAL_ENV} is deprecated; use {PROGRESS_ENV}=SECONDS (or off, bar, log)\n"
-        )
 
 
 def log_interval() -> float:
