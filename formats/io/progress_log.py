@@ -172,7 +172,8 @@ class _LogBar(_NoBar):
         now = self.clock() if now is None else now
         elapsed = max(now - self.started, 1e-9)
         if self.unit == "B":
-            scale, name = _byte_scale(self.total or self.done)
+            n = self.total or self.done  # MB, GB or TB (powers of 10, as README's byte sizes), whichever keeps it short
+            scale, name = next(((s, u) for s, u in ((1e12, "TB"), (1e9, "GB")) if n >= 10 * s), (1e6, "MB"))
             count = (
                 f"{self.done / scale:,.1f}" + ("" if self.total is None else f"/{self.total / scale:,.1f}") + f" {name}"
             )
@@ -190,14 +191,6 @@ class _LogBar(_NoBar):
         left = None if not self.total or not self.done else max(0.0, (self.total - self.done) * elapsed / self.done)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         return f"{stamp} tokpack: {self.desc}: {count}, {rate}, ETA {_duration(left)}"
-
-
-def _byte_scale(n: int) -> tuple[float, str]:
-    """MB, GB or TB (10^n, as the units of README's byte sizes), whichever keeps the total short."""
-    for scale, name in ((1e12, "TB"), (1e9, "GB")):
-        if n >= 10 * scale:
-            return scale, name
-    return 1e6, "MB"
 
 
 def _duration(seconds: float | None) -> str:
