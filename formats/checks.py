@@ -150,14 +150,7 @@ def _check_slice_manifest(m: dict, shards: list[dict], mfile: str, add) -> None:
         return
     row = m["seq_len"] + 1
     for i, s in enumerate(shards):
-        if s["tokens"] != s["samples"] * row:
-            add(
-                mfile,
-                f"shards[{i}].tokens",
-                f"{s['samples'] * row} (samples x {row})",
-                s["tokens"],
-                "rank file token count wrong",
-            )
+        _whole_rows(i, s, row, mfile, add, "rank file")
         if s["bytes"] != s["tokens"] * m["token_size"]:
             add(
                 mfile,
@@ -177,6 +170,18 @@ def _check_slice_manifest(m: dict, shards: list[dict], mfile: str, add) -> None:
             f"at most {m['samples']} (the run epoch's samples)",
             rows,
             "rank files hold more samples than the epoch",
+        )
+
+
+def _whole_rows(i: int, s: dict, row: int, mfile: str, add, what: str) -> None:
+    """Shard entry `s` (the i-th, a `what`) holds its samples' tokens: rows of `row` tokens."""
+    if s["tokens"] != s["samples"] * row:
+        add(
+            mfile,
+            f"shards[{i}].tokens",
+            f"{s['samples'] * row} (samples x {row})",
+            s["tokens"],
+            f"{what} token count wrong",
         )
 
 
@@ -236,14 +241,7 @@ def _check_epoch_manifest(path, m: dict, mfile: str, add, row: int) -> None:
     shards = m["shards"]
     per = m["shard_samples"]
     for i, s in enumerate(shards):
-        if s["tokens"] != s["samples"] * row:
-            add(
-                mfile,
-                f"shards[{i}].tokens",
-                f"{s['samples'] * row} (samples x {row})",
-                s["tokens"],
-                "shard token count wrong",
-            )
+        _whole_rows(i, s, row, mfile, add, "shard")
         last = i == len(shards) - 1
         if (not last and s["samples"] != per) or (last and not 1 <= s["samples"] <= per):
             add(
@@ -266,11 +264,10 @@ def _check_epoch_manifest(path, m: dict, mfile: str, add, row: int) -> None:
             "multiset hash disagrees with its shards",
         )
     srcs = m["sources"]
-    for i, s in enumerate(srcs):
-        if not isinstance(s, dict):
-            add(mfile, f"sources[{i}]", "an object", repr(s)[:40], "bad source entry")
-            return
-        _fields(s, SOURCE_FIELDS, "epoch", mfile, add, f"sources[{i}].")
+    bad = next((i for i, s in enumerate(srcs) if not isinstance(s, dict)), len(srcs))
+    _entries(srcs[: bad + 1], SOURCE_FIELDS, "epoch", mfile, "sources", add)  # up to the first that is no object
+    if bad < len(srcs):
+        return  # nothing below can read its entries
     if all(type_ok(s.get("samples"), int) for s in srcs) and sum(s["samples"] for s in srcs) != m["samples"]:
         add(
             mfile,

@@ -138,28 +138,24 @@ _SPECS: dict = {}  # (id of a field table, kind) -> its fields of that kind, rea
 _HEX = {"hex32": (HEX32, 32, "malformed checksum"), "hex16": (HEX16, 16, "malformed multiset hash")}
 
 
-def required_in(required: str, kind: str) -> bool | str:
-    """A field table's required cell for `kind`: True, False, or the field whose absence makes
-    it required ("unless `F`")."""
-    if required.startswith("unless `"):
-        return required[len("unless `") : -1]
-    return required == "yes" or required != "no" and kind in required.split(", ")
-
-
 def _spec(table: dict, kind: str) -> list[tuple]:
-    """(name, required (required_in), exact JSON types, type names, lower bound or None, _HEX
-    entry or None) of each field of `kind`: worked out once, since every command checks every
-    shard entry."""
+    """(name, required (True, False, or the field whose absence makes it required: "unless `F`"),
+    exact JSON types, type names, lower bound or None, _HEX entry or None) of each field of
+    `kind`: worked out once, since every command checks every shard entry."""
     spec = _SPECS.get((id(table), kind))
     if spec is None:
         spec = []
         for key, (type_name, required, kinds, _) in table.items():
             if kind in kinds.split(", "):
                 types = type_name.split(" or ")
+                if required.startswith("unless `"):
+                    required = required[len("unless `") : -1]
+                else:
+                    required = required == "yes" or required != "no" and kind in required.split(", ")
                 spec.append(
                     (
                         key,
-                        required_in(required, kind),
+                        required,
                         frozenset(_JSON[t] for t in types),
                         types,
                         int(type_name[-1]) if type_name.startswith("int >= ") else None,

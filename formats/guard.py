@@ -119,16 +119,6 @@ class OutputLock:
         self.token = uuid.uuid4().hex  # tells our lock file from a successor's
         self.created_dir = False  # the directory did not exist: removed again if left empty
 
-    def _mine(self) -> dict:
-        return {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "start": process_start(os.getpid()),
-            "since": time.time(),
-            "command": self.command,
-            "token": self.token,
-        }
-
     def _read(self, path: Path) -> dict | None:
         """The holder a lock file names; None if there is no such file; {} if it names none (not
         JSON, or not the fields tokpack writes: another program's file, or a damaged one)."""
@@ -180,7 +170,15 @@ class OutputLock:
             raise TokpackError("output exists and is not a directory", file=self.directory, hint="choose another path")
         tmp = self.directory / f".{LOCK_NAME}.tmp-{os.getpid()}-{self.token[:8]}"
         try:
-            tmp.write_text(json.dumps(self._mine()))
+            mine = {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "start": process_start(os.getpid()),
+                "since": time.time(),
+                "command": self.command,
+                "token": self.token,
+            }
+            tmp.write_text(json.dumps(mine))
         except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)  # a full disk may have let it be created
@@ -289,19 +287,16 @@ class OutputLock:
         return False
 
 
-def command_line() -> str:
-    """How the running command was invoked, for the lock's holder line."""
-    argv = list(sys.argv)
-    if argv and argv[0].endswith(("cli.py", "__main__.py", "-c")) or argv and argv[0] == "-m":
-        argv[0] = "tokpack"
-    elif argv:
-        argv[0] = os.path.basename(argv[0])
-    return " ".join(argv)
-
-
 def holder_name(command: str) -> str:
-    """How a second command that finds the lock held is told who holds it."""
-    return command_line() if command in sys.argv[1:] else f"tokpack {command} (Python API)"
+    """How a second command that finds the lock held is told who holds it: the command line
+    that runs it, or the Python API's entry point."""
+    if command not in sys.argv[1:]:
+        return f"tokpack {command} (Python API)"
+    argv = list(sys.argv)
+    argv[0] = (
+        "tokpack" if argv[0].endswith(("cli.py", "__main__.py", "-c")) or argv[0] == "-m" else os.path.basename(argv[0])
+    )
+    return " ".join(argv)
 
 
 def locked_output(command: str, arg: str = "output"):

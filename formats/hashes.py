@@ -20,13 +20,9 @@ def xxh3_128_file(path: str | Path, buf: bytearray | None = None) -> str:
     return h.hexdigest()
 
 
-def row_hash(row) -> int:
-    """The per-sample hash summed into `sample_multiset_hash`: xxh3_64, seed 0."""
-    return xxhash.xxh3_64_intdigest(row)
-
-
 def row_hashes(rows: np.ndarray) -> np.ndarray:
-    """xxh3_64 of each row of a 2-D array (or of each item of a 1-D np.void row array)."""
+    """xxh3_64 (seed 0) of each row of a 2-D array (or of each item of a 1-D np.void row array):
+    a sample's hash, which `sample_multiset_hash` sums."""
     rows = np.ascontiguousarray(rows)
     n = rows.shape[0]
     if n == 0:
@@ -37,14 +33,9 @@ def row_hashes(rows: np.ndarray) -> np.ndarray:
     return np.fromiter((digest(flat[i : i + step]) for i in range(0, flat.nbytes, step)), dtype=np.uint64, count=n)
 
 
-def multiset_hash_rows(rows: np.ndarray) -> int:
-    """Sum mod 2^64 of xxh3_64 over the rows (uint64 sums wrap)."""
-    return int(row_hashes(rows).sum(dtype=np.uint64))
-
-
 def order_hash_terms(positions: np.ndarray, hashes: np.ndarray) -> np.ndarray:
     """What a sample adds to an order hash: xxh3_64 (seed 0) of 16 bytes, its output position g
-    in the epoch then its `row_hash`, each a little-endian uint64. Keyed by g, a term moves
+    in the epoch then its hash (`row_hashes`), each a little-endian uint64. Keyed by g, a term moves
     with its position, so samples swapped, shifted or permuted change the sum (docs/FORMAT.md,
     "Checksums"), where the multiset hash cannot see them."""
     pairs = np.empty((len(hashes), 2), dtype="<u8")

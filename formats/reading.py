@@ -287,16 +287,9 @@ def _value(text: str, i: int, depth: int):
     """The JSON value at `i` (its end too), checked as strict_json checks a value `depth` deep."""
     try:
         value, end = _DECODER.scan_once(text, i)  # raw_decode's own call, less its frame
-    except (StopIteration, ValueError, _Refused, RecursionError):  # StopIteration: no value at `i`
+        _check_values(value if type(value) in (dict, list) else (value,), depth)  # a scalar: as a list's item
+    except (StopIteration, ValueError, RecursionError):  # StopIteration: no value at `i`; _Refused is a ValueError
         raise _Irregular from None
-    kind = type(value)
-    if kind is dict or kind is list:
-        try:
-            _check_values(value, depth)
-        except _Refused:
-            raise _Irregular from None
-    elif (kind is int and not INT_RANGE[0] <= value < INT_RANGE[1]) or (kind is float and not math.isfinite(value)):
-        raise _Irregular
     return value, end
 
 

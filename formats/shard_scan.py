@@ -489,10 +489,11 @@ def _index_only(job: ShardJob, idx_path: Path, tokens: int, out: Findings, idx_s
                 want = hi // row - lo // row
                 have = int(np.count_nonzero((ends % row == 0) & (ends <= tokens)))
                 if have != want:
-                    missing = _first_missing_sample_end(ends, lo, hi, row)
+                    expect = np.arange((lo // row + 1) * row, hi + 1, row, dtype=np.int64)
+                    missing = np.setdiff1d(expect, ends.astype(np.int64))
                     out.add(
                         idx_path,
-                        f"sample end {missing}",
+                        f"sample end {int(missing[0]) if len(missing) else -1}",
                         "an index entry at every sample end",
                         "no entry",
                         "index misses a sample boundary",
@@ -502,12 +503,6 @@ def _index_only(job: ShardJob, idx_path: Path, tokens: int, out: Findings, idx_s
         _index_problems(stream, job, idx_path, tokens, out)
     finally:
         stream.close()
-
-
-def _first_missing_sample_end(ends: np.ndarray, lo: int, hi: int, row: int) -> int:
-    expect = np.arange((lo // row + 1) * row, hi + 1, row, dtype=np.int64)
-    missing = np.setdiff1d(expect, ends.astype(np.int64))
-    return int(missing[0]) if len(missing) else -1
 
 
 def _full_pass(

@@ -154,46 +154,27 @@ class RowFacts:
 
     def hashes(self, i: int) -> np.ndarray:
         """Shard i's row hashes."""
-        if i not in self._hashes:
-            s, n = self.shards[i], int(self.shards[i]["samples"])
-            if "rows_xxh3_128" in s:
-                got = self._verified(
-                    i,
-                    ROWS_SUFFIX,
-                    "rows_xxh3_128",
-                    n * ROW_HASH_DTYPE.itemsize,
-                    lambda b: np.frombuffer(bytes(b), dtype=ROW_HASH_DTYPE),
-                )
-            else:
-                got = self._verified(
-                    i,
-                    "",
-                    "xxh3_128",
-                    n * self.row_bytes,
-                    lambda b: row_hashes(np.frombuffer(b, dtype=np.uint8).reshape(-1, self.row_bytes)),
-                )
-            self._hashes = {k: v for k, v in self._hashes.items() if k > i - 2}
-            self._hashes[i] = got
-        return self._hashes[i]
+        if "rows_xxh3_128" in self.shards[i]:
+            return self._kept(self._hashes, i, ROWS_SUFFIX, "rows_xxh3_128", ROW_HASH_DTYPE)
+        rows = np.dtype((np.void, self.row_bytes))  # an epoch written before row hashes: its rows, hashed
+        return self._kept(self._hashes, i, "", "xxh3_128", rows, lambda b: row_hashes(np.frombuffer(b, dtype=rows)))
 
     def pads(self, i: int) -> np.ndarray:
         """Shard i's padding tokens per row."""
-        if i not in self._pads:
-            s, n = self.shards[i], int(self.shards[i]["samples"])
-            got = (
-                self._verified(
-                    i,
-                    PAD_SUFFIX,
-                    "pad_xxh3_128",
-                    n * PAD_DTYPE.itemsize,
-                    lambda b: np.frombuffer(bytes(b), dtype=PAD_DTYPE),
-                )
-                if has_pad(s)
-                else np.zeros(n, dtype=PAD_DTYPE)
-            )
-            self._pads = {k: v for k, v in self._pads.items() if k > i - 2}
-            self._pads[i] = got
-        return self._pads[i]
+        if has_pad(self.shards[i]):
+            return self._kept(self._pads, i, PAD_SUFFIX, "pad_xxh3_128", PAD_DTYPE)
+        return np.zeros(int(self.shards[i]["samples"]), dtype=PAD_DTYPE)
+
+    def _kept(self, kept: dict, i: int, suffix: str, key: str, dtype: np.dtype, each=None) -> np.ndarray:
+        """Shard i's file `suffix`, a `dtype` item a row, checked against its entry's `key` (`each`:
+        what a block of it gives, by default its items), from `kept`: that file's last two shards."""
+        if i not in kept:
+            each = each or (lambda b: np.frombuffer(bytes(b), dtype=dtype))
+            got = self._verified(i, suffix, key, int(self.shards[i]["samples"]) * dtype.itemsize, each)
+            for k in [k for k in kept if k <= i - 2]:
+                del kept[k]
+            kept[i] = got
+        return kept[i]
 
     def gather(self, pos: np.ndarray, of) -> np.ndarray:
         """`of(shard)[row]` at epoch positions `pos` (increasing)."""
@@ -350,7 +331,8 @@ class EpochShardWriter:
         if n == 0:
             return
         self._index.write(ends.astype(U64) + np.uint64(self.samples * self.row_tokens))
-        self._add_hashes(hashes)
+        self._rows.write(np.ascontiguousarray(hashes, dtype=ROW_HASH_DTYPE))
+        self.multiset = (self.multiset + int(hashes.sum(dtype=np.uint64))) & MASK64
         self.samples += n
 
     def reserve(self, rows: int) -> None:
@@ -368,10 +350,6 @@ class EpochShardWriter:
         """The padding tokens (at the sample's end) of the next samples, in order, into `.pad`
         (a shard opened `padded`)."""
         self._pad.write(np.ascontiguousarray(pad, dtype=PAD_DTYPE))
-
-    def _add_hashes(self, hashes: np.ndarray) -> None:
-        self._rows.write(np.ascontiguousarray(hashes, dtype=ROW_HASH_DTYPE))
-        self.multiset = (self.multiset + int(hashes.sum(dtype=np.uint64))) & MASK64
 
     def close(self) -> dict:
         tokens = self.samples * self.row_tokens

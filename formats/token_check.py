@@ -123,16 +123,6 @@ def recorded_rows(ds, checksum: str, samples: int, hint: str) -> np.ndarray:
     return got
 
 
-def token_digest(ds, check: tuple[str, str], samples: int, row_bytes: int, hint: str):
-    """The digest that checks token file `ds` of `samples` rows of `row_bytes` bytes, by the
-    entry's `check` (token_check): a FileDigest, or a RowDigest over its checked `.ds.rows`."""
-    key, checksum = check
-    if key == WHOLE:
-        return FileDigest(checksum)
-    rows_file = f"{ds}{ROWS_SUFFIX}"
-    return RowDigest(recorded_rows(ds, checksum, samples, hint), row_bytes, rows_file.rsplit("/", 1)[-1])
-
-
 def digest_error(digest, file, message: str, hint: str) -> TokpackError | None:
     """One line for a digest fed the whole file (`message`: what the caller was doing), or None
     when the file is the one recorded."""
@@ -144,9 +134,15 @@ def digest_error(digest, file, message: str, hint: str) -> TokpackError | None:
 
 
 def verify_token_file(ds, check: tuple[str, str], samples: int, row_bytes: int, buf: bytearray, **say) -> None:
-    """Token file `ds` read once, front to back (in `buf`), against its entry's `check`: a
-    TokpackError line (`say`: message, hint) naming the file and, checked by row, the row."""
-    digest = token_digest(ds, check, samples, row_bytes, say["hint"])
+    """Token file `ds` of `samples` rows of `row_bytes` bytes read once, front to back (in `buf`),
+    against its entry's `check` (token_check: a FileDigest, or a RowDigest over its checked
+    `.ds.rows`): a TokpackError line (`say`: message, hint) naming the file and, checked by row, the row."""
+    key, checksum = check
+    if key == WHOLE:
+        digest = FileDigest(checksum)
+    else:
+        rows_file = f"{ds}{ROWS_SUFFIX}".rsplit("/", 1)[-1]
+        digest = RowDigest(recorded_rows(ds, checksum, samples, say["hint"]), row_bytes, rows_file)
     for block in iter_file_blocks(ds, buf, length=samples * row_bytes):
         digest.update(block)
     err = digest_error(digest, ds, say["message"], say["hint"])

@@ -83,8 +83,8 @@ def table_file(path, kind: str, want: str, column: str | None) -> tuple[str, lis
     if token_col not in schema.names:
         raise _missing_column(path, token_col, schema.names)
     typ = schema.field(token_col).type
-    value = _list_value_type(typ)
-    if value is None or not pa.types.is_integer(value):
+    listed = pa.types.is_list(typ) or pa.types.is_large_list(typ) or pa.types.is_fixed_size_list(typ)
+    if not listed or not pa.types.is_integer(typ.value_type):
         raise _err(
             "column is not a list of integers",
             path,
@@ -93,7 +93,7 @@ def table_file(path, kind: str, want: str, column: str | None) -> tuple[str, lis
             found=str(typ),
             hint="pass --column with the token-id column",
         )
-    name = np.dtype(value.to_pandas_dtype()).name
+    name = np.dtype(typ.value_type.to_pandas_dtype()).name
     return "parquet", [InputFile(str(path), kind, name, path.stat().st_size, column=token_col)]
 
 
@@ -137,14 +137,6 @@ def _is_string(typ) -> bool:
     import pyarrow as pa
 
     return pa.types.is_string(typ) or pa.types.is_large_string(typ)
-
-
-def _list_value_type(typ):
-    import pyarrow as pa
-
-    if pa.types.is_list(typ) or pa.types.is_large_list(typ) or pa.types.is_fixed_size_list(typ):
-        return typ.value_type
-    return None
 
 
 def iter_record_batches(f: InputFile, columns: list[str]):

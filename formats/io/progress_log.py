@@ -31,8 +31,13 @@ def progress_mode() -> tuple[str, float]:
     text = os.environ.get(PROGRESS_ENV)
     if text is not None or os.environ.get(OLD_INTERVAL_ENV) is None:
         return _parsed(text, PROGRESS_ENV)
+    global _warned_old
     text = os.environ[OLD_INTERVAL_ENV]
-    _warn_old()
+    if not _warned_old:  # once a process
+        _warned_old = True
+        sys.stderr.write(
+            f"tokpack: warning: ${OLD_INTERVAL_ENV} is deprecated; use {PROGRESS_ENV}=SECONDS (or off, bar, log)\n"
+        )
     mode = _parsed(text, OLD_INTERVAL_ENV)
     if text.strip():  # the worker processes read the new variable (a bad value stays the old one's)
         os.environ.setdefault(PROGRESS_ENV, text.strip())
@@ -52,16 +57,6 @@ def _parsed(text: str | None, name: str) -> tuple[str, float]:
         f"(0: none), or unset it for a bar on a terminal and a line every {DEFAULT_LOG_INTERVAL:g} s in a log",
     )
     return ("on", seconds) if seconds > 0 else ("off", 0.0)
-
-
-def _warn_old() -> None:
-    """$TOKPACK_LOG_INTERVAL's warning, once a process."""
-    global _warned_old
-    if not _warned_old:
-        _warned_old = True
-        sys.stderr.write(
-            f"tokpack: warning: ${OLD_INTERVAL_ENV} is deprecated; use {PROGRESS_ENV}=SECONDS (or off, bar, log)\n"
-        )
 
 
 def log_interval() -> float:
@@ -177,7 +172,8 @@ class _LogBar(_NoBar):
         now = self.clock() if now is None else now
         elapsed = max(now - self.started, 1e-9)
         if self.unit == "B":
-            scale, name = _byte_scale(self.total or self.done)
+            n = self.total or self.done  # MB, GB or TB (powers of 10, as README's byte sizes), whichever keeps it short
+            scale, name = next(((s, u) for s, u in ((1e12, "TB"), (1e9, "GB")) if n >= 10 * s), (1e6, "MB"))
             count = (
                 f"{self.done / scale:,.1f}" + ("" if self.total is None else f"/{self.total / scale:,.1f}") + f" {name}"
             )
@@ -195,14 +191,6 @@ class _LogBar(_NoBar):
         left = None if not self.total or not self.done else max(0.0, (self.total - self.done) * elapsed / self.done)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         return f"{stamp} tokpack: {self.desc}: {count}, {rate}, ETA {_duration(left)}"
-
-
-def _byte_scale(n: int) -> tuple[float, str]:
-    """MB, GB or TB (10^n, as the units of README's byte sizes), whichever keeps the total short."""
-    for scale, name in ((1e12, "TB"), (1e9, "GB")):
-        if n >= 10 * scale:
-            return scale, name
-    return 1e6, "MB"
 
 
 def _duration(seconds: float | None) -> str:
