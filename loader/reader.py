@@ -221,7 +221,6 @@ class SampleReader(ShardFiles):
         "virtual" epoch whose shard entries all name one small or sparse real file.
         """
         reader = cls(*chain_table(epochs, absent, numbering), verify=verify)
-        reader.absent = dict(absent or {})
         reader.numbering, reader.run = numbering, run
         return reader
 

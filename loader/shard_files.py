@@ -40,7 +40,8 @@ class ShardTable:
     Its shards are added in chain order (`add`: an epoch's shards, from `chain_table`, or a node
     slice's rank files), then its epochs placed (`place`)."""
 
-    def __init__(self):
+    def __init__(self, absent: dict[str, str] | None = None):
+        self.absent = dict(absent or {})  # shards a partial `tokpack stage --ranks` left out -> why
         self.paths: list[str] = []  # shard files, in chained-stream order
         # What vouches for each shard's token file (checked with verify=True): (field, checksum,
         # samples), formats/token_check.py's token_check and the rows it holds; None: nothing
@@ -199,8 +200,7 @@ class _Shards:
     """The chain's shard entries as `chain_table` checks them, one epoch after another."""
 
     def __init__(self, absent: dict[str, str] | None):
-        self.table = ShardTable()
-        self.absent = absent or {}
+        self.table = ShardTable(absent)
         self.samples: list[int] = []
         self.epoch_of: list[int] = []  # each shard's epoch, by position in the chain
         self.offsets: list[int] = []  # each shard's first sample within its epoch
@@ -232,9 +232,9 @@ class _Shards:
                     found=n,
                 )
             # A file named twice is stat'd once; one a partial stage left out is an error only if a rank reads it.
-            found = expected if f in self.absent else self.sizes.get(f)
+            found = expected if f in self.table.absent else self.sizes.get(f)
             self.sizes[f] = listed_size(f, "shard", expected, (_VALIDATE, _TRUNCATED), found=found)
-            _padding_present(where, m, s, k, f, None if f in self.absent else n * PAD_DTYPE.itemsize)
+            _padding_present(where, m, s, k, f, None if f in self.table.absent else n * PAD_DTYPE.itemsize)
             self.table.add(f, s, n)
             self.samples.append(n)
             self.epoch_of.append(pos)
@@ -307,7 +307,6 @@ class ShardFiles:
         self.row_tokens = seq_len + 1  # tokens per sample
         self.row_bytes = self.row_tokens * self.dtype.itemsize  # bytes per sample
         self._verified: set[str] = set()  # files already checksummed by this reader
-        self.absent: dict[str, str] = {}  # shards a partial `tokpack stage --ranks` left out -> why
         self._fds: dict[str, tuple[int, int]] = {}  # open files: path -> (fd, size), at most MAX_OPEN_FILES
         self._hash_buf: bytearray | None = None  # reused by verify
         self._index_buf = np.empty(INDEX_CHUNK, dtype=U64)  # reused by index-derived positions
@@ -316,13 +315,13 @@ class ShardFiles:
 
     def _file(self, path: str) -> tuple[int, int]:
         got = self._fds.get(path)
-        if got is None and path in self.absent:
+        if got is None and path in self.table.absent:
             raise shard_error(
                 "shard was left out by a partial stage",
                 path,
                 where="tokpack-stage.json",
                 expected="a shard this rank reads",
-                found=self.absent[path],
+                found=self.table.absent[path],
                 hint="stage again with --ranks including this rank (same --micro-batch), or stage the whole run",
             )
         if got is None:
