@@ -258,10 +258,8 @@ def chain_table(
         where = directory / "tokpack.json"
         e_seq, e_dtype, e_samples, entries = _epoch_shape(where, m)
         this = (e_seq, e_dtype, m.get("eos_id"))
-        if shape is None:
-            shape = this
-        else:
-            _chains_with(where, shape, this)
+        shape = shape or this  # the first epoch's: every epoch chains with it
+        _chains_with(where, shape, this)
         total = shards.add_epoch(pos, directory, m, entries, (e_seq + 1) * e_dtype.itemsize)
         if total != e_samples:
             raise TokpackError(

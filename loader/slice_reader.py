@@ -85,8 +85,7 @@ class SliceReader(SampleReader):
             )
         table.place(starts, ends, epochs, dirs)
         reader = cls(table, int(root["seq_len"]), dtype_from_name(root["dtype"]), int(root["eos_id"]), verify=verify)
-        reader.numbering = numbering
-        reader.run = (root.get("source") or str(path), root["run"])
+        reader.numbering, reader.run = numbering, (root.get("source") or str(path), root["run"])
         reader.slice_path, reader.slice = str(path), root
         reader.rank_rows, reader.slice_ranks = rows, ranks
         return reader
