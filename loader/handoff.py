@@ -34,6 +34,7 @@ import os
 import secrets
 import time
 from collections import deque
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -241,25 +242,28 @@ def _sweep_gone(now: float | None = None) -> None:
     minute ago or more, in this PID namespace, by a process id no process has. Run once a
     process, at its first name."""
     now = time.time() if now is None else now
-    try:
-        entries = os.listdir(SHM_DIR)
-    except OSError:
-        return
     gone: dict[int, bool] = {}
-    for entry in entries:
-        parts = entry[len(PREFIX) :].split("-")
-        if not entry.startswith(PREFIX) or len(parts) != 3 or not parts[0].isdigit():
-            continue
-        pid = int(parts[0])
+    for pid, path in _names():
         if pid not in gone:
             gone[pid] = not _running(pid)
-        path = os.path.join(SHM_DIR, entry)
         try:
             st = os.stat(path)
         except OSError:
             continue
         if gone[pid] and st.st_uid == os.getuid() and now - st.st_mtime >= SWEEP_AGE_S:
             _remove([path])
+
+
+def _names() -> Iterator[tuple[int, str]]:
+    """(process id, path) of each name in SHM_DIR that a process of this PID namespace made."""
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for entry in entries:
+        parts = entry[len(PREFIX) :].split("-")
+        if entry.startswith(PREFIX) and len(parts) == 3 and parts[0].isdigit():
+            yield int(parts[0]), os.path.join(SHM_DIR, entry)
 
 
 def _running(pid: int) -> bool:
@@ -277,12 +281,7 @@ _senders: set[int] | None = None  # the main process's: the workers whose names 
 
 def _sweep(pids) -> None:
     """The names left in SHM_DIR by the processes `pids` (each gone by now)."""
-    prefixes = tuple(f"{PREFIX}{pid}-" for pid in pids)
-    try:
-        left = [f for f in os.listdir(SHM_DIR) if f.startswith(prefixes)] if prefixes else []
-    except OSError:
-        return
-    _remove(os.path.join(SHM_DIR, f) for f in left)
+    _remove([path for pid, path in _names() if pid in pids])
 
 
 def _sender(name: str) -> None:

@@ -68,28 +68,25 @@ READAHEAD_BYTES = 8 << 20
 SCAN_TOKENS = 1 << 16
 
 
-@dataclass
-class StreamState:
-    """Everything needed to continue a rank's stream: a handful of integers."""
+class StreamState(RankRows):
+    """Everything needed to continue a rank's stream: a handful of integers. Its RankRows (which
+    samples rank r reads): W ranks of m samples a global batch, from G = `start`, the chained
+    samples consumed before this stream began (Megatron's consumed_samples)."""
 
-    start: int  # G: chained samples consumed before this stream began (Megatron's consumed_samples)
-    step: int  # next global batch b to serve, counted from `start`
-    rank: int  # r: this rank takes rows [r*m, (r+1)*m) of every global batch
-    world_size: int  # W: data-parallel ranks; a global batch is W*m samples
-    micro_batch: int  # m: samples per rank per global batch
-    stride: int  # steps advance by this (DataLoader workers split a rank's steps round-robin)
-    end_step: int  # first step not served: the chained stream ends, or the caller's count
-
-    def __post_init__(self):
-        self.rows = RankRows(self.world_size, self.micro_batch, self.start)  # which samples rank r reads
+    def __init__(self, start: int, step: int, rank: int, world_size: int, micro_batch: int, stride: int, end_step: int):
+        super().__init__(world_size, micro_batch, start)
+        self.step = step  # next global batch b to serve, counted from `start`
+        self.rank = rank  # r: this rank takes rows [r*m, (r+1)*m) of every global batch
+        self.stride = stride  # steps advance by this (DataLoader workers split a rank's steps round-robin)
+        self.end_step = end_step  # first step not served: the chained stream ends, or the caller's count
 
     def first_sample(self, step: int) -> int:
         """Chained index of this rank's first row in global batch `step`."""
-        return self.rows.first(self.rank, step)
+        return self.first(self.rank, step)
 
     def consumed_after(self, step: int) -> int:
         """consumed_samples once every rank has trained on global batch `step`."""
-        return self.rows.first(0, step + 1)
+        return self.first(0, step + 1)
 
 
 @dataclass
@@ -129,11 +126,7 @@ def reader_class(kind: str) -> type:
 
 class SampleReader(ShardFiles):
     """Sequential reader over chained epoch directories. Open with `SampleReader.open(path)`.
-
-    Every shard's size is checked against its manifest when the reader is built, before any
-    sample is returned. With `verify=True`, each shard is checksummed (xxh3_128) the first
-    time it is read, before any of its data is returned (ShardFiles, its I/O).
-    """
+    Its I/O, and the checks of each shard (its size at open, its checksum with `verify=True`): ShardFiles."""
 
     numbering: EpochNumbering | None = None  # a run's numbering; None: chain order from 0
     run: tuple[str, dict] | None = None  # (run directory, run manifest), for the command hints
@@ -228,7 +221,6 @@ class SampleReader(ShardFiles):
         "virtual" epoch whose shard entries all name one small or sparse real file.
         """
         reader = cls(*chain_table(epochs, absent, numbering), verify=verify)
-        reader.absent = dict(absent or {})
         reader.numbering, reader.run = numbering, run
         return reader
 
@@ -561,7 +553,7 @@ class RankStream:
         st = self.state
         if st.step >= st.end_step:
             if self.at_end is not None:
-                end = st.rows.first(0, st.end_step)  # the first global batch not served
+                end = st.first(0, st.end_step)  # the first global batch not served
                 if self.at_end == "error" or self.reader.blocked_at(end) is not None:
                     raise self.reader.end_error(st.world_size, st.micro_batch, end)
             raise StopIteration

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -36,25 +35,43 @@ INDEX_CHUNK = 8192
 MAX_OPEN_FILES = 4
 
 
-@dataclass
 class ShardTable:
-    """Where every sample of the chained stream lives. O(#shards); never grows with the step."""
+    """Where every sample of the chained stream lives. O(#shards); never grows with the step.
+    Its shards are added in chain order (`add`: an epoch's shards, from `chain_table`, or a node
+    slice's rank files), then its epochs placed (`place`)."""
 
-    paths: list[str]  # shard files, in chained-stream order
-    starts: np.ndarray  # int64 [n]: chained index of each shard's first sample
-    ends: np.ndarray  # int64 [n]: chained index after each shard's last sample
-    epoch_starts: np.ndarray  # int64 [E]: chained index of each epoch's first sample
-    epoch_ends: np.ndarray  # int64 [E]: chained index after each epoch's last sample
-    epochs: list[int]  # epoch numbers, in chain order
-    epoch_dirs: list[str]  # epoch directories, in chain order
-    # What vouches for each shard's token file (checked with verify=True): (field, checksum,
-    # samples), formats/token_check.py's token_check and the rows it holds; None: nothing
-    checksums: list[tuple[str, str, int] | None]
-    index_checksums: list[str | None]  # manifest xxh3_128 of each shard's .ds.index
-    # Best-fit epochs: per shard its .ds.pad (file, xxh3_128) or None; None when no shard has one
-    pads: list[tuple[str, str] | None] | None
-    pad_sizes: dict[str, int]  # .ds.pad file -> its recorded bytes, checked by the gate at its open
-    # (a shard's size is checked when the reader opens: one cut short later still serves the rows it holds)
+    def __init__(self, absent: dict[str, str] | None = None):
+        self.absent = dict(absent or {})  # shards a partial `tokpack stage --ranks` left out -> why
+        self.paths: list[str] = []  # shard files, in chained-stream order
+        # What vouches for each shard's token file (checked with verify=True): (field, checksum,
+        # samples), formats/token_check.py's token_check and the rows it holds; None: nothing
+        self.checksums: list[tuple[str, str, int] | None] = []
+        self.index_checksums: list[str | None] = []  # manifest xxh3_128 of each shard's .ds.index
+        # Best-fit epochs: per shard its .ds.pad (file, xxh3_128) or None; None when no shard has one
+        self.pads: list[tuple[str, str] | None] | None = []
+        self.pad_sizes: dict[str, int] = {}  # .ds.pad file -> its recorded bytes, checked by the gate at its open
+        # (a shard's size is checked when the reader opens: one cut short later still serves the rows it holds)
+
+    def add(self, f: str, s: dict, samples: int) -> None:
+        """Token file `f` of shard entry `s`, which holds `samples` rows."""
+        check = token_check(s)
+        self.paths.append(f)
+        self.checksums.append(None if check is None else (*check, samples))
+        self.index_checksums.append(s.get("index_xxh3_128"))
+        self.pads.append((f + PAD_SUFFIX, s["pad_xxh3_128"]) if has_pad(s) else None)
+        if has_pad(s):
+            self.pad_sizes[f + PAD_SUFFIX] = samples * PAD_DTYPE.itemsize
+
+    def place(self, epoch_starts, epoch_ends, epochs: list[int], epoch_dirs: list[str], starts=None, ends=None):
+        """The chain's epochs, and each shard's chained samples [starts, ends) (None: a node
+        slice's rank files, which SliceReader._segments places). Returns the table."""
+        self.epoch_starts = np.asarray(epoch_starts, dtype=np.int64)  # chained index of each epoch's first sample
+        self.epoch_ends = np.asarray(epoch_ends, dtype=np.int64)  # chained index after each epoch's last sample
+        self.epochs, self.epoch_dirs = epochs, epoch_dirs  # epoch numbers and directories, in chain order
+        # int64 [n]: chained index of each shard's first sample, and after its last
+        self.starts, self.ends = starts, ends
+        self.pads = self.pads if any(self.pads) else None
+        return self
 
     def epoch_pos_of(self, g: int) -> int:
         """Position in `epochs` of the epoch holding g, or -1 when no chained epoch holds it."""
@@ -82,12 +99,37 @@ PAD_HINT = "the padding sidecar does not match its manifest (4 bytes a sample); 
 # A file verify finds changed: what it says, and what to do.
 _CORRUPT = "checksum mismatch: the shard is corrupt"
 _RESTORE = "restore the file (e.g. `tokpack stage` it again from the original)"
+# What to do about a file missing or holding another size than its manifest's (`listed_size`).
+_VALIDATE = "restore the file, or run `tokpack validate` on the directory"
+_TRUNCATED = "the shard was truncated or replaced; run `tokpack validate` on the epoch"
+_REPAD = "run `tokpack validate` on the epoch; restore it or shuffle it again"
 
 
 def shard_error(message: str, path, **kw) -> TokpackError:
-    return TokpackError(
-        message, file=path, hint=kw.pop("hint", "restore the file, or run `tokpack validate` on the directory"), **kw
-    )
+    return TokpackError(message, file=path, hint=kw.pop("hint", _VALIDATE), **kw)
+
+
+def listed_size(
+    f, what: str, size: int, hints: tuple[str, str], manifest: str = "manifest", found: int | None = None
+) -> int:
+    """The bytes of file `f`, which `manifest` lists as a `what` of `size` bytes (`found`: its
+    size known already, else the gate's): one line when it is missing or holds another size
+    (`hints`: what to do in each case)."""
+    if found is None:
+        try:
+            found = regular_size(f)
+        except FileNotFoundError:
+            raise shard_error(f"{what} listed in the {manifest} is missing", f, hint=hints[0]) from None
+    if found != size:
+        raise shard_error(
+            f"{what} size does not match the {manifest}",
+            f,
+            where="size",
+            expected=f"{size} bytes",
+            found=f"{found} bytes",
+            hint=hints[1],
+        )
+    return found
 
 
 def _padding_present(where: Path, m: dict, s: dict, k: int, f: str, size: int | None) -> None:
@@ -101,17 +143,10 @@ def _padding_present(where: Path, m: dict, s: dict, k: int, f: str, size: int | 
             where=f"shards[{k}].pad_xxh3_128",
             expected="the checksum of its .ds.pad",
             found="none",
-            hint="run `tokpack validate` on the epoch; restore it or shuffle it again",
+            hint=_REPAD,
         )
     if has_pad(s) and size is not None:
-        try:
-            regular_size(f + PAD_SUFFIX, size=size, what="padding sidecar", hint=PAD_HINT)
-        except FileNotFoundError:
-            raise shard_error(
-                "padding sidecar listed in the manifest is missing",
-                f + PAD_SUFFIX,
-                hint="run `tokpack validate` on the epoch; restore it or shuffle it again",
-            ) from None
+        listed_size(f + PAD_SUFFIX, "padding sidecar", size, (_REPAD, PAD_HINT))
 
 
 def _epoch_shape(where: Path, m: dict) -> tuple[int, np.dtype, int, list]:
@@ -161,55 +196,15 @@ def _chains_with(where: Path, first: tuple, this: tuple) -> None:
         )
 
 
-class ShardList:
-    """ShardTable's per-shard columns, in chain order: each token file and what its entry vouches
-    for it with (an epoch's shards, from `chain_table`, or a node slice's rank files)."""
-
-    def __init__(self):
-        self.paths: list[str] = []
-        self.checksums: list[tuple[str, str, int] | None] = []  # (field, checksum, samples): token_check's
-        self.index_checksums: list[str | None] = []
-        self.pads: list[tuple[str, str] | None] = []  # per shard: a best-fit epoch's (.pad file, its xxh3_128)
-        self.pad_sizes: dict[str, int] = {}
-
-    def add(self, f: str, s: dict, samples: int) -> None:
-        """Token file `f` of shard entry `s`, which holds `samples` rows."""
-        check = token_check(s)
-        self.paths.append(f)
-        self.checksums.append(None if check is None else (*check, samples))
-        self.index_checksums.append(s.get("index_xxh3_128"))
-        self.pads.append((f + PAD_SUFFIX, s["pad_xxh3_128"]) if has_pad(s) else None)
-        if has_pad(s):
-            self.pad_sizes[f + PAD_SUFFIX] = samples * PAD_DTYPE.itemsize
-
-    def table(self, starts, ends, epoch_starts, epoch_ends, epochs: list[int], epoch_dirs: list[str]) -> ShardTable:
-        """The ShardTable of these files, at chained positions [starts, ends)."""
-        pads = self.pads if any(self.pads) else None
-        return ShardTable(
-            self.paths,
-            starts,
-            ends,
-            epoch_starts,
-            epoch_ends,
-            epochs,
-            epoch_dirs,
-            self.checksums,
-            self.index_checksums,
-            pads,
-            self.pad_sizes,
-        )
-
-
-class _Shards(ShardList):
+class _Shards:
     """The chain's shard entries as `chain_table` checks them, one epoch after another."""
 
     def __init__(self, absent: dict[str, str] | None):
-        super().__init__()
-        self.absent = absent or {}
+        self.table = ShardTable(absent)
         self.samples: list[int] = []
         self.epoch_of: list[int] = []  # each shard's epoch, by position in the chain
         self.offsets: list[int] = []  # each shard's first sample within its epoch
-        self.sizes: dict[str, int] = {}  # stat once per distinct file
+        self.sizes: dict[str, int] = {}  # each distinct file's bytes
 
     def add_epoch(self, pos: int, directory: Path, m: dict, shards: list, row_bytes: int) -> int:
         """Checks and adds an epoch's shards; returns their samples."""
@@ -236,38 +231,16 @@ class _Shards(ShardList):
                     expected=per_shard,
                     found=n,
                 )
-            self._sized(f, expected)
-            _padding_present(where, m, s, k, f, None if f in self.absent else n * PAD_DTYPE.itemsize)
-            self.add(f, s, n)
+            # A file named twice is stat'd once; one a partial stage left out is an error only if a rank reads it.
+            found = expected if f in self.table.absent else self.sizes.get(f)
+            self.sizes[f] = listed_size(f, "shard", expected, (_VALIDATE, _TRUNCATED), found=found)
+            _padding_present(where, m, s, k, f, None if f in self.table.absent else n * PAD_DTYPE.itemsize)
+            self.table.add(f, s, n)
             self.samples.append(n)
             self.epoch_of.append(pos)
             self.offsets.append(total)
             total += n
         return total
-
-    def _sized(self, f: str, expected: int) -> None:
-        """The shard file holds its manifest's bytes (a file named twice, with one size)."""
-        if f in self.absent:
-            self.sizes[f] = expected  # left out by a partial stage: an error only if a rank reads it
-        if f not in self.sizes:
-            try:
-                self.sizes[f] = regular_size(
-                    f,
-                    size=expected,
-                    what="shard",
-                    hint="the shard was truncated or replaced; run `tokpack validate` on the epoch",
-                )
-            except FileNotFoundError:
-                raise shard_error("shard listed in the manifest is missing", f) from None
-        if self.sizes[f] != expected:
-            raise shard_error(
-                "shard size does not match the manifest",
-                f,
-                where="size",
-                expected=f"{expected} bytes",
-                found=f"{self.sizes[f]} bytes",
-                hint="the shard was truncated or replaced; run `tokpack validate` on the epoch",
-            )
 
 
 def chain_table(
@@ -285,10 +258,8 @@ def chain_table(
         where = directory / "tokpack.json"
         e_seq, e_dtype, e_samples, entries = _epoch_shape(where, m)
         this = (e_seq, e_dtype, m.get("eos_id"))
-        if shape is None:
-            shape = this
-        else:
-            _chains_with(where, shape, this)
+        shape = shape or this  # the first epoch's: every epoch chains with it
+        _chains_with(where, shape, this)
         total = shards.add_epoch(pos, directory, m, entries, (e_seq + 1) * e_dtype.itemsize)
         if total != e_samples:
             raise TokpackError(
@@ -311,7 +282,9 @@ def chain_table(
         raise TokpackError("a run's epochs must be chained in increasing order", where="epochs", found=epoch_numbers)
     shard_starts = epoch_starts[np.asarray(shards.epoch_of, dtype=np.intp)] + np.asarray(shards.offsets, dtype=np.int64)
     shard_ends = shard_starts + np.asarray(shards.samples, dtype=np.int64)
-    table = shards.table(shard_starts, shard_ends, epoch_starts, epoch_ends, epoch_numbers, [str(d) for d, _ in epochs])
+    table = shards.table.place(
+        epoch_starts, epoch_ends, epoch_numbers, [str(d) for d, _ in epochs], shard_starts, shard_ends
+    )
     seq_len, dtype, eos_id = shape
     return table, seq_len, dtype, None if eos_id is None else int(eos_id)
 
@@ -332,7 +305,6 @@ class ShardFiles:
         self.row_tokens = seq_len + 1  # tokens per sample
         self.row_bytes = self.row_tokens * self.dtype.itemsize  # bytes per sample
         self._verified: set[str] = set()  # files already checksummed by this reader
-        self.absent: dict[str, str] = {}  # shards a partial `tokpack stage --ranks` left out -> why
         self._fds: dict[str, tuple[int, int]] = {}  # open files: path -> (fd, size), at most MAX_OPEN_FILES
         self._hash_buf: bytearray | None = None  # reused by verify
         self._index_buf = np.empty(INDEX_CHUNK, dtype=U64)  # reused by index-derived positions
@@ -341,13 +313,13 @@ class ShardFiles:
 
     def _file(self, path: str) -> tuple[int, int]:
         got = self._fds.get(path)
-        if got is None and path in self.absent:
+        if got is None and path in self.table.absent:
             raise shard_error(
                 "shard was left out by a partial stage",
                 path,
                 where="tokpack-stage.json",
                 expected="a shard this rank reads",
-                found=self.absent[path],
+                found=self.table.absent[path],
                 hint="stage again with --ranks including this rank (same --micro-batch), or stage the whole run",
             )
         if got is None:

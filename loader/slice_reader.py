@@ -10,11 +10,8 @@ import shlex
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
-
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path
-from tokpack.formats.io.gate import regular_size
 from tokpack.formats.constants import MANIFEST, PAD_SUFFIX, SLICE_EPOCH
 from tokpack.formats.names import dtype_from_name
 from tokpack.formats.packing import has_pad
@@ -32,7 +29,9 @@ from tokpack.formats.slices import (
 )
 
 from .reader import SampleReader
-from .shard_files import ShardList, shard_error
+from .shard_files import ShardTable, listed_size, shard_error
+
+_RESTAGE = "stage the slice again: the same command resumes"
 
 
 class SliceReader(SampleReader):
@@ -45,7 +44,7 @@ class SliceReader(SampleReader):
         numbering = EpochNumbering.of_run(root["run"], path)
         rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
         row_bytes = row_bytes_of(root)
-        shards, starts, ends, epochs, dirs = ShardList(), [], [], [], []
+        table, starts, ends, epochs, dirs = ShardTable(), [], [], [], []
         for e in sorted(int(e) for e in root.get("epochs") or []):
             d = contained_epoch_dir(path, e)
             m = read_manifest(d, kind=SLICE_EPOCH)
@@ -56,23 +55,8 @@ class SliceReader(SampleReader):
                 f = d / rank_file_name(r)
                 want = rows.rows(r, first, first + n) * row_bytes
                 contained_shard(d, s, ranks.index(r), regular=False)
-                try:
-                    size = regular_size(f)  # a FIFO or device in its place: refused here, in one line
-                except FileNotFoundError:
-                    raise shard_error(
-                        "rank file listed in the slice manifest is missing",
-                        f,
-                        hint="stage the slice again: the same command resumes",
-                    ) from None
-                if size != want:
-                    raise shard_error(
-                        "rank file size does not match the slice manifest",
-                        f,
-                        where="size",
-                        expected=f"{want} bytes",
-                        found=f"{size} bytes",
-                        hint="stage the slice again: the same command resumes",
-                    )
+                # A FIFO or device in its place: refused here, in one line.
+                listed_size(f, "rank file", want, (_RESTAGE, _RESTAGE), "slice manifest")
                 err = missing_padding(d, root, s)
                 if err is not None:
                     raise err
@@ -83,9 +67,9 @@ class SliceReader(SampleReader):
                     raise shard_error(
                         "padding sidecar listed in the slice manifest is missing",
                         pad,
-                        hint="stage the slice again: the same command resumes",
+                        hint=_RESTAGE,
                     )
-                shards.add(str(f), s, want // row_bytes)
+                table.add(str(f), s, want // row_bytes)
             starts.append(first)
             ends.append(first + n)
             epochs.append(e)
@@ -99,13 +83,9 @@ class SliceReader(SampleReader):
                 found=root.get("epochs"),
                 hint="stage the slice again",
             )
-        starts_a, ends_a = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
-        table = shards.table(
-            np.repeat(starts_a, len(ranks)), np.repeat(ends_a, len(ranks)), starts_a, ends_a, epochs, dirs
-        )
+        table.place(starts, ends, epochs, dirs)
         reader = cls(table, int(root["seq_len"]), dtype_from_name(root["dtype"]), int(root["eos_id"]), verify=verify)
-        reader.numbering = numbering
-        reader.run = (root.get("source") or str(path), root["run"])
+        reader.numbering, reader.run = numbering, (root.get("source") or str(path), root["run"])
         reader.slice_path, reader.slice = str(path), root
         reader.rank_rows, reader.slice_ranks = rows, ranks
         return reader

@@ -88,7 +88,7 @@ def _check_worker_count_at_iteration() -> None:
     def _get_iterator(loader):
         state = getattr(loader, "next_iter_state", None)
         if state is not None and isinstance(loader.dataset, TokpackDataset):
-            _same_workers(saved_workers(state), loader.num_workers)
+            _same_workers(len(_worker_snapshots(state)), loader.num_workers)
         return made(loader)
 
     _get_iterator._tokpack_checks_workers = True
@@ -195,15 +195,15 @@ def _one_line_from_workers(caught: type = TokpackError):
         raise WorkerError.of(err) from None
 
 
-def saved_workers(loader_state) -> int:
-    """How many DataLoader workers a StatefulDataLoader state was saved with (0: none)."""
+def _worker_snapshots(loader_state) -> dict:
+    """A StatefulDataLoader state's snapshot of each DataLoader worker ({}: saved without workers)."""
     snapshot = _as_state(loader_state).get("_snapshot")
     if snapshot is None:
-        return 0
+        return {}
     shares = snapshot.get("_worker_snapshots") if isinstance(snapshot, dict) else None
     if not isinstance(shares, dict) or not shares:
         raise _foreign("_worker_snapshots", _PER_WORKER, shares, hint=_RESTART_HINT)
-    return len(shares)
+    return shares
 
 
 _PER_WORKER = "one TokpackDataset state per worker"
@@ -521,7 +521,7 @@ class TokpackDataset(IterableDataset):
         """`loader.load_state_dict(loader_state)` for a StatefulDataLoader over this dataset, after
         checking that the state was saved with the loader's number of workers: the line that
         `iter(loader)` gives otherwise (`_check_worker_count_at_iteration`), at the load."""
-        _same_workers(saved_workers(loader_state), loader.num_workers)
+        _same_workers(len(_worker_snapshots(loader_state)), loader.num_workers)
         loader.load_state_dict(loader_state)
 
     @staticmethod
@@ -529,16 +529,13 @@ class TokpackDataset(IterableDataset):
         """The consumed-sample count G in a `StatefulDataLoader.state_dict()` of a TokpackDataset,
         with or without workers: start a fresh dataset there (`start_sample=G`) to resume with
         another world size, micro-batch or number of workers."""
-        snapshot = _as_state(loader_state).get("_snapshot")
-        if snapshot is None:  # no workers: the dataset's own position
+        snapshots = _worker_snapshots(loader_state)
+        if not snapshots:  # no workers: the dataset's own position
             state = loader_state.get("dataset_state")
             if not isinstance(state, dict) or "consumed_samples" not in state:
                 raise _foreign("dataset_state", "{epoch, sample, consumed_samples}", state)
             return _state_int(state, "consumed_samples")
-        saved_workers(loader_state)
-        shares = [
-            w.get("dataset_state") if isinstance(w, dict) else None for w in snapshot["_worker_snapshots"].values()
-        ]
+        shares = [w.get("dataset_state") if isinstance(w, dict) else None for w in snapshots.values()]
         if not all(isinstance(s, dict) and "next_step" in s for s in shares):
             raise _foreign("_worker_snapshots", _PER_WORKER, shares)
         # Steps below the smallest next step were all yielded (the loader yields in step order),
