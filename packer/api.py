@@ -21,7 +21,7 @@ from tokpack.formats.constants import DEFAULT_SHARD_TOKENS, INT_RANGE
 
 if TYPE_CHECKING:  # the stages build their results; importing them here would import their dependencies
     from tokpack.packer.inspection import InspectResult
-    from tokpack.packer.pack_result import PackResult
+    from tokpack.packer.packing import PackResult
     from tokpack.packer.plan_result import PlanResult
 
 

@@ -31,13 +31,12 @@ def resolve_vocab_eos(
     vocab_size: int | None,
     say=None,
     warnings: list | None = None,
-    known_vocab: list | None = None,
-) -> tuple[int, int, str, str | None]:
-    """(vocab_size, eos_id, tokenizer name, eos token text) from the options, the tokenizer,
-    the inputs' datatrove metadata (a local tokenizer file, else a KNOWN_TOKENIZERS name) or,
-    for the vocabulary, the input dtype. Lines the user should read once the pack is done are
-    appended to `warnings`; `known_vocab` gets False when the vocabulary is only the input
-    dtype's width (an upper bound the ids are checked against, not the tokenizer's), else True."""
+) -> tuple[int, int, str, str | None, bool]:
+    """(vocab_size, eos_id, tokenizer name, eos token text, vocab known) from the options, the
+    tokenizer, the inputs' datatrove metadata (a local tokenizer file, else a KNOWN_TOKENIZERS name)
+    or, for the vocabulary, the input dtype. Lines the user should read once the pack is done are
+    appended to `warnings`; the vocabulary is not known (False) when it is only the input dtype's
+    width (an upper bound the ids are checked against, not the tokenizer's)."""
     tok_path = tokenizer
     named = files[0].tokenizer
     if tok_path is None and named:
@@ -55,8 +54,7 @@ def resolve_vocab_eos(
     # name (tokpack never downloads), which the user can look up
     hub = named if named and tok is None and not known else None
     seen = f"; datatrove's metadata names the tokenizer {hub!r}, a hub name tokpack does not download" if hub else ""
-    if known_vocab is not None:
-        known_vocab[:] = [vocab_size is not None]
+    known_vocab = vocab_size is not None
     if vocab_size is None:
         vocab_size = native_vocab(files[0].dtype)
         if vocab_size is not None and dtype_for_vocab(vocab_size).itemsize > 2:
@@ -120,7 +118,7 @@ def resolve_vocab_eos(
             hint="check --eos-id and --vocab-size",
         )
     name = tokenizer or named or "unknown"
-    return int(vocab_size), int(eos_id), str(name), eos_token
+    return int(vocab_size), int(eos_id), str(name), eos_token, known_vocab
 
 
 def native_vocab(dtype: str | None) -> int | None:
