@@ -86,7 +86,7 @@ def _planned(command: click.Command, extra=()):
 
 def _emit_plan(command: str, as_json: bool, *args, **kw) -> None:
     from tokpack.packer.api import plan as plan_api
-    from tokpack.packer.plan_report import report_lines
+    from tokpack.packer.plan_result import report_lines
 
     result = plan_api(command, *args, **kw)
     emit(result, as_json, report_lines)
