@@ -136,12 +136,15 @@ ARGUMENTS = {
 }
 
 
-def checked(command: str, given: dict) -> dict:
-    """`given` (keyword -> value) with each argument of `command` checked and parsed (an int
-    for "3M" or "64MiB"), or one TokpackError line naming the argument."""
+def checked(command: str, sig: _signature.Signature, args, kwargs) -> dict:
+    """The arguments of a call (`args`, `kwargs`) to `sig`, by keyword, defaults applied, each
+    argument of `command` checked and parsed (an int for "3M" or "64MiB"), or one TokpackError
+    line naming the argument."""
     from tokpack.formats import arguments
 
-    out = dict(given)
+    bound = sig.bind(*args, **kwargs)  # an unknown keyword stays Python's TypeError
+    bound.apply_defaults()
+    out = bound.arguments
     for name, check in ARGUMENTS[command].items():
         if name in out:
             out[name] = (
@@ -158,9 +161,7 @@ def _checks(command: str):
 
         @functools.wraps(fn)
         def run(*args, **kwargs):
-            bound = sig.bind(*args, **kwargs)  # an unknown keyword stays Python's TypeError
-            bound.apply_defaults()
-            return fn(**checked(command, bound.arguments))
+            return fn(**checked(command, sig, args, kwargs))
 
         return run
 
@@ -609,9 +610,7 @@ def plan(command: str, *args, **kwargs) -> PlanResult:
 
     if not isinstance(command, str) or command not in _PLANNED:
         raise TokpackError("no such command to plan", where="command", expected="pack, shuffle or stage", found=command)
-    bound = _PLANNED[command].bind(*args, **kwargs)  # an unknown keyword stays Python's TypeError
-    bound.apply_defaults()
-    given = checked(command, bound.arguments)
+    given = checked(command, _PLANNED[command], args, kwargs)
     given["disk_mbps"] = arguments.positive_number(given["disk_mbps"], "disk_mbps")
     if command == "pack":
         from tokpack.packer.pack_setup import PackOptions

@@ -127,11 +127,6 @@ class ListedChoice(click.Choice):
         pass
 
 
-def PackingChoice() -> ListedChoice:
-    """`--packing`: the names tokpack.shuffle.packings holds."""
-    return ListedChoice("tokpack.shuffle.packings", "names")
-
-
 _LOG_INTERVAL = "tokpack.log_interval"  # ctx.meta key: --log-interval as given (None: not given)
 
 LOG_INTERVAL = click.option(

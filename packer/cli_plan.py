@@ -7,7 +7,7 @@ import click
 
 from tokpack.packer.cli_options import MAX_RANKS, Int, Real, executor_config, weighted_sources
 from tokpack.packer.cli_report import emit, user_errors
-from tokpack.packer.cli_runs import micro_batch_of, stage, stage_selection
+from tokpack.packer.cli_runs import stage, stage_options
 from tokpack.packer.cli_write import pack, print_warnings, shuffle
 
 
@@ -110,5 +110,4 @@ def plan_pack(inputs, output, as_json, **kw):
 
 @_planned(stage)
 def plan_stage(directory, dest, as_json, **kw):
-    stage_selection(kw)
-    _emit_plan("stage", as_json, directory, dest, **micro_batch_of(kw))
+    _emit_plan("stage", as_json, directory, dest, **stage_options(kw))

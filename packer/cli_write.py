@@ -24,7 +24,6 @@ from tokpack.packer.cli_options import (
     SHUFFLE_TASKS_HELP,
     TOKENS,
     ListedChoice,
-    PackingChoice,
     command_log,
     executor_config,
     executor_options,
@@ -158,7 +157,7 @@ def pack(inputs, output, as_json, **kw):
 @click.option("--jitter", is_flag=True, help="Shift window starts by a seeded per-epoch offset.")
 @click.option(
     "--packing",
-    type=PackingChoice(),
+    type=ListedChoice("tokpack.shuffle.packings", "names"),
     show_default="concat",
     help="concat: windows of the concatenated documents; best-fit: whole documents packed into samples "
     "by best-fit decreasing, per epoch (only documents longer than a sample are cut).",
