@@ -52,15 +52,6 @@ PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 SLURM_ELEMENTS_PER_WORKER = 4
 
 
-def run_in_process(step, tasks: int, job_name: str) -> None:
-    """Every rank in turn, in this process (no executor start-up cost): a single local worker."""
-    for rank in range(tasks):
-        try:
-            step.run(None, rank, tasks)
-        except OSError as e:
-            raise task_failed(job_name, rank, tasks, e) from e
-
-
 def runs_in_process(config: ExecutorConfig) -> bool:
     """One local worker and no logging dir asked for: the ranks run in this process. Importing
     datatrove's executor and starting its manager costs most of a 2 GiB pack or shuffle's margin
@@ -76,9 +67,13 @@ def run_steps(stages: list[tuple], config: ExecutorConfig) -> None:
     with `depends=` (afterok), so the chain waits in the queue instead of in this process.
     Raises TokpackError naming the unfinished ranks if any task failed."""
     stages = [(step, tasks, job_name, str(logging_dir)) for step, tasks, job_name, logging_dir in stages if tasks >= 1]
-    if runs_in_process(config):
+    if runs_in_process(config):  # every rank in turn, in this process
         for step, tasks, job_name, _ in stages:
-            run_in_process(step, tasks, job_name)
+            for rank in range(tasks):
+                try:
+                    step.run(None, rank, tasks)
+                except OSError as e:
+                    raise task_failed(job_name, rank, tasks, e) from e
         return
     with lifetime.children_bound():
         if config.executor == "slurm":
