@@ -215,6 +215,14 @@ def repeated(source: dict) -> str:
     return "repeated" if unit == "samples" else f"{unit} repeated"
 
 
+def _written(r: PlanResult) -> str:
+    """What a plan wrote: nothing, but when it measured a throughput, the probe's file (gone, but written)."""
+    if not (r.disk.startswith("measured") or (r.shared or "").startswith("measured")):
+        return "nothing written"
+    skip = "--disk-mbps skips it" if r.per_node is None else "--disk-mbps and --shared-mbps skip it"
+    return f"no output written (the disk probe wrote and read back a temporary file; {skip})"
+
+
 def report_lines(r: PlanResult) -> list[str]:
     """The human summary of a plan; nothing has been written."""
     from tokpack.shuffle.packings import shown_line
@@ -225,13 +233,7 @@ def report_lines(r: PlanResult) -> list[str]:
     shards = counted(r.shards, "shard")
     if r.command == "pack":
         shards = f"at least {shards}" if r.shards else "shards unknown (the inputs do not tell their token count)"
-    written = (
-        "nothing written"
-        if not r.disk.startswith("measured")
-        # the probe's file: gone, but written
-        else "no output written (the disk probe wrote and read back a temporary file; --disk-mbps skips it)"
-    )
-    lines = [f"plan {r.command} -> {r.output}: {r.path}, {shards}; {written}"]
+    lines = [f"plan {r.command} -> {r.output}: {r.path}, {shards}; {_written(r)}"]
     if r.samples_per_epoch is not None:
         lines.append(f"  samples per epoch: {r.samples_per_epoch:,}")
     tokens = {s["name"]: s["tokens"] for s in r.sources or []}
@@ -323,15 +325,9 @@ _NODE_SIZES = {
 def _nodes_lines(r: PlanResult) -> list[str]:
     """plan shuffle --to-nodes: a line per epoch, a table of the nodes, RUN's files, the time."""
     t = r.to_nodes
-    written = (
-        "nothing written"
-        if not (r.disk.startswith("measured") or (r.shared or "").startswith("measured"))
-        else "no output written (the disk probe wrote and read back a temporary file; --disk-mbps and "
-        "--shared-mbps skip it)"
-    )
     lines = [
         f"plan shuffle -> {r.output} --to-nodes {t['dest']}: {counted(r.nodes, 'node')} of {t['ranks_per_node']} ranks "
-        f"(W = {t['world_size']}), micro-batch {t['micro_batch']}; {written}"
+        f"(W = {t['world_size']}), micro-batch {t['micro_batch']}; {_written(r)}"
     ]
     for e in r.epochs:
         if e["path"] != "to-nodes":

@@ -85,10 +85,9 @@ def resolve_vocab_eos(
         )
     if vocab_size < 1:
         raise TokpackError("vocabulary size must be positive", where="--vocab-size", expected=">= 1", found=vocab_size)
-    if eos_id is None and tok is not None:
-        found = tokenizer_eos(tok)
-        if found:
-            eos_id, eos_token = found
+    if eos_id is None and tok is not None:  # the tokenizer's end-of-document token, by its usual names
+        eos_token = next((token for token in EOS_TOKENS if tok.token_to_id(token) is not None), None)
+        eos_id = None if eos_token is None else tok.token_to_id(eos_token)
     elif eos_id is not None and tok is not None:
         eos_token = tok.id_to_token(eos_id)
     if eos_id is None and known:
@@ -150,15 +149,6 @@ def load_tokenizer(path: str):
         raise TokpackError(
             "unreadable tokenizer", file=path, expected="a tokenizers JSON file", found=str(e).splitlines()[0][:120]
         ) from None
-
-
-def tokenizer_eos(tokenizer) -> tuple[int, str] | None:
-    """(id, token) of the tokenizer's end-of-document token, by its usual names."""
-    for token in EOS_TOKENS:
-        tid = tokenizer.token_to_id(token)
-        if tid is not None:
-            return tid, token
-    return None
 
 
 class Normalizer:
