@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import xxhash
+from loguru import logger
 
 from tokpack.formats.errors import TokpackError, task_failed
 from tokpack.formats.guard import OutputLock, holder_name
@@ -162,8 +163,6 @@ def pass_runner(config: ExecutorConfig):
 def _file_only_task_logger(logging_dir, rank, local_rank=0, node_rank=-1):
     """datatrove's add_task_logger minus the console sink: task logs stay in the log files
     and the command line shows only tokpack's progress and one-line errors."""
-    from loguru import logger
-
     logger.remove()
     logfile = logging_dir.open(f"logs/task_{rank:05d}.log", "w")
     logger.add(
@@ -179,7 +178,6 @@ def _file_only_task_logger(logging_dir, rank, local_rank=0, node_rank=-1):
 def _route_datatrove_logs_to_files() -> tuple:
     import datatrove.executor.base as dt_base
     from datatrove.utils import logging as dt_logging
-    from loguru import logger
 
     original = dt_base.add_task_logger, dt_logging.setup_default_logger
     dt_base.add_task_logger = _file_only_task_logger
@@ -431,7 +429,6 @@ class RankRunner:
         task log and completion marker; the failures, as (rank, exception), for the caller."""
         from datatrove.io import get_datafolder
         from datatrove.utils.logging import close_task_logger
-        from loguru import logger
 
         folder = get_datafolder(logging_dir)
         failures = []

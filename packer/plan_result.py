@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import space_needs
+from tokpack.formats.io.paths import local_path
 from tokpack.formats.units import counted
 from tokpack.packer.shared import ExecutorConfig, Result, optional_field
 
@@ -179,8 +180,6 @@ def plan_pass(name: str, tasks: int, memory: int | None, read: int, written: int
 
 def local_only(paths: list[str]) -> list[str]:
     """The local paths (`file://` URLs included) a plan reads or writes next to; other URLs are refused."""
-    from tokpack.formats.io.paths import local_path
-
     for p in paths:
         if local_path(p) is None:
             raise TokpackError(
