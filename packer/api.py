@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING
 
 from tokpack.packer.shared import ExecutorConfig, PathLike, Result, as_paths, optional_field, weighted_sources
 from tokpack.shuffle.spec import DEFAULT_MEMORY
+from tokpack.formats import arguments
 from tokpack.formats.constants import DEFAULT_SHARD_TOKENS, INT_RANGE
+from tokpack.formats.errors import TokpackError, UsageError
 
 if TYPE_CHECKING:  # the stages build their results; importing them here would import their dependencies
     from tokpack.packer.inspection import InspectResult
-    from tokpack.packer.pack_result import PackResult
+    from tokpack.packer.packing import PackResult
     from tokpack.packer.plan_result import PlanResult
 
 
 def _epochs(value, name):
     """shuffle's `epochs`: a count (>= 1) or a sequence of epoch numbers (>= 0)."""
-    from tokpack.formats import arguments
-
     if value is None or isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         return arguments.whole(value, name, least=1)
     return [arguments.whole(e, f"{name}[{i}]", optional=False) for i, e in enumerate(value)]
@@ -36,8 +36,6 @@ def _epochs(value, name):
 
 def _paths(value, name):
     """A path, or a sequence of paths (str or os.PathLike), as the functions taking them accept."""
-    from tokpack.formats.errors import TokpackError
-
     items = [value] if isinstance(value, (str, os.PathLike)) else value if isinstance(value, Sequence) else None
     if items is None or not all(isinstance(v, (str, os.PathLike)) for v in items):
         raise TokpackError("must be a path or a sequence of paths", where=name, found=repr(value)[:80])
@@ -45,9 +43,6 @@ def _paths(value, name):
 
 
 def _executor(value, name):
-    from tokpack.formats import arguments
-    from tokpack.formats.errors import TokpackError
-
     if value is None:
         return None
     if not isinstance(value, ExecutorConfig):
@@ -136,12 +131,13 @@ ARGUMENTS = {
 }
 
 
-def checked(command: str, given: dict) -> dict:
-    """`given` (keyword -> value) with each argument of `command` checked and parsed (an int
-    for "3M" or "64MiB"), or one TokpackError line naming the argument."""
-    from tokpack.formats import arguments
-
-    out = dict(given)
+def checked(command: str, sig: _signature.Signature, args, kwargs) -> dict:
+    """The arguments of a call (`args`, `kwargs`) to `sig`, by keyword, defaults applied, each
+    argument of `command` checked and parsed (an int for "3M" or "64MiB"), or one TokpackError
+    line naming the argument."""
+    bound = sig.bind(*args, **kwargs)  # an unknown keyword stays Python's TypeError
+    bound.apply_defaults()
+    out = bound.arguments
     for name, check in ARGUMENTS[command].items():
         if name in out:
             out[name] = (
@@ -158,9 +154,7 @@ def _checks(command: str):
 
         @functools.wraps(fn)
         def run(*args, **kwargs):
-            bound = sig.bind(*args, **kwargs)  # an unknown keyword stays Python's TypeError
-            bound.apply_defaults()
-            return fn(**checked(command, bound.arguments))
+            return fn(**checked(command, sig, args, kwargs))
 
         return run
 
@@ -380,7 +374,6 @@ def shuffle_usage(values: dict, plan: bool = False) -> list[int] | int | None:
     """The usage checks of `shuffle`'s keywords `values` (`plan("shuffle")`'s with `plan`), before
     any file is read but --like's run: one UsageError, the command line's usage error. The command
     line gives its --epoch E as `values["epoch"]`, beside --epochs N. Returns the epochs asked."""
-    from tokpack.formats.errors import UsageError
     from tokpack.shuffle.like import given_with_like
 
     epochs, epoch, like, schedule = (values.get(k) for k in ("epochs", "epoch", "like", "schedule"))
@@ -418,7 +411,6 @@ def _option(keyword: str) -> str:
 
 def _nodes_usage(values: dict, plan: bool) -> None:
     """shuffle's (or plan shuffle's) --to-nodes usage checks (tokpack.packer.exchange)."""
-    from tokpack.formats.errors import UsageError
     from tokpack.shuffle.like import run_settings
 
     if values.get("to_nodes") is None:
@@ -519,8 +511,6 @@ def stage(
             )
     workers = workers or 4  # files copied at once
     if memory is not None:  # a copy or a slice of a materialised run streams its files: no budget to keep
-        from tokpack.formats.errors import TokpackError
-
         raise TokpackError(
             "--memory applies only to a replacement node",
             where="--memory",
@@ -564,7 +554,6 @@ def read(
     """What rank `rank` of `world_size` is fed from `directory` (a run or an epoch), `micro_batch`
     samples a step, from `start_sample` (or `consumed_tokens`) on: its SampleReader
     (tokpack.loader.reader) and an iterator over its next `count` samples (`tokpack read`)."""
-    from tokpack.formats.errors import UsageError
     from tokpack.loader.reader import SampleReader
 
     if start_sample is not None and consumed_tokens is not None:
@@ -603,15 +592,11 @@ def plan(command: str, *args, **kwargs) -> PlanResult:
     """What `pack`, `shuffle` or `stage` (`command`) would do with these arguments (that function's,
     plus `disk_mbps`), writing nothing: tasks, files, bytes per pass, space, manifest sizes and a
     predicted wall time (tokpack.packer.planning)."""
-    from tokpack.formats import arguments
-    from tokpack.formats.errors import TokpackError
     from tokpack.packer import planning
 
     if not isinstance(command, str) or command not in _PLANNED:
         raise TokpackError("no such command to plan", where="command", expected="pack, shuffle or stage", found=command)
-    bound = _PLANNED[command].bind(*args, **kwargs)  # an unknown keyword stays Python's TypeError
-    bound.apply_defaults()
-    given = checked(command, bound.arguments)
+    given = checked(command, _PLANNED[command], args, kwargs)
     given["disk_mbps"] = arguments.positive_number(given["disk_mbps"], "disk_mbps")
     if command == "pack":
         from tokpack.packer.pack_setup import PackOptions

@@ -22,13 +22,7 @@ import click
 from tokpack.packer import cli_report
 
 from tokpack.packer.cli_plan import plan
-from tokpack.packer.cli_report import (
-    EXIT_INTERRUPTED,
-    EXIT_TERMINATED,
-    Terminated,
-    error_json,
-    internal_error,
-)
+from tokpack.packer.cli_report import EXIT_INTERRUPTED, STOPPED, Terminated, error_json, internal_error, stopped
 from tokpack.packer.cli_runs import inspect, read, stage, validate
 from tokpack.packer.cli_write import pack, shuffle
 
@@ -55,14 +49,14 @@ def _exit_soon(code: int) -> None:
         threading.Thread(target=leave, name="tokpack-exit-grace", daemon=True).start()
 
 
-def _raise_terminated(signum, frame):
-    _exit_soon(143)
-    raise Terminated()
+def _raising(stop: type[BaseException]):
+    """The signal handler that raises `stop` in the main thread, the process ending soon after whatever happens."""
 
+    def handler(signum, frame):
+        _exit_soon(STOPPED[stop][1])
+        raise stop()
 
-def _raise_interrupt(signum, frame):
-    _exit_soon(130)
-    raise KeyboardInterrupt
+    return handler
 
 
 class _Tokpack(click.Group):
@@ -79,14 +73,14 @@ class _Tokpack(click.Group):
         # files are released. An embedding application's own handler is left alone.
         previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
         if previous is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _raise_terminated)
+            signal.signal(signal.SIGTERM, _raising(Terminated))
         interrupt = signal.getsignal(signal.SIGINT) if previous is not None else None
         # A background job of a non-interactive shell (`cmd &` in a script, nohup) inherits SIGINT
         # ignored, and Python then installs no handler: tokpack's own process takes Ctrl-C back,
         # so that SIGINT stops it wherever it runs (and its worker processes, started after this).
         catch_interrupt = interrupt is signal.default_int_handler or (interrupt is signal.SIG_IGN and _OWN_PROCESS)
         if catch_interrupt:  # Ctrl-C as Python's, with the same grace
-            signal.signal(signal.SIGINT, _raise_interrupt)
+            signal.signal(signal.SIGINT, _raising(KeyboardInterrupt))
         try:
             result = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except click.ClickException as e:
@@ -96,12 +90,10 @@ class _Tokpack(click.Group):
             sys.exit(e.exit_code)
         except click.Abort:
             sys.exit(EXIT_INTERRUPTED)
-        except Terminated:
-            click.echo("tokpack: terminated (SIGTERM)", err=True)
-            sys.exit(EXIT_TERMINATED)
-        except KeyboardInterrupt:
-            click.echo("tokpack: interrupted", err=True)
-            sys.exit(EXIT_INTERRUPTED)
+        except (Terminated, KeyboardInterrupt) as e:
+            _, words, status = stopped(e)
+            click.echo(f"tokpack: {words}", err=True)
+            sys.exit(status)
         except Exception as e:  # noqa: BLE001 - outside any command (option parsing...): a bug too
             internal_error(next((a for a in argv if not a.startswith("-")), "command"), e, as_json)
         finally:

@@ -5,7 +5,9 @@ read from the module that lists them, where a command's tasks run (executor_opti
 from __future__ import annotations
 
 import functools
+import importlib
 import os
+from dataclasses import fields
 
 import click
 
@@ -14,6 +16,7 @@ from tokpack.formats.constants import INT_RANGE
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.progress_log import OLD_INTERVAL_ENV, PROGRESS_ENV, progress_mode
 from tokpack.formats.units import MAX_COUNT, byte_size, token_count
+from tokpack.packer.shared import ExecutorConfig
 
 
 def _usage_line(e: TokpackError) -> str:
@@ -117,19 +120,12 @@ class ListedChoice(click.Choice):
 
     @property
     def choices(self):
-        import importlib
-
         listed = getattr(importlib.import_module(self._list[0]), self._list[1])
         return (*self._extra, *(listed() if callable(listed) else listed))
 
     @choices.setter
     def choices(self, value):  # click.Choice.__init__ sets it
         pass
-
-
-def PackingChoice() -> ListedChoice:
-    """`--packing`: the names tokpack.shuffle.packings holds."""
-    return ListedChoice("tokpack.shuffle.packings", "names")
 
 
 _LOG_INTERVAL = "tokpack.log_interval"  # ctx.meta key: --log-interval as given (None: not given)
@@ -219,10 +215,6 @@ def executor_options(
 
 def executor_config(kw: dict):
     """The ExecutorConfig of the options `executor_options` added (each named as its field)."""
-    from dataclasses import fields
-
-    from tokpack.packer.shared import ExecutorConfig
-
     deprecated = kw.pop("deprecated_mem", None)
     if deprecated is not None:  # --mem, GB per CPU, read next to --memory, bytes, as one option: renamed
         ctx = click.get_current_context()
@@ -263,10 +255,8 @@ def weighted_sources(args) -> list[tuple[str, str | None]]:
 def _is_number(text: str) -> bool:
     """A number as shuffle takes a weight: 0.3, 2, 1/3, 70% (tokpack.formats.units.weight_fraction;
     1/0 is one, if not a valid one)."""
-    from tokpack.formats.units import weight_fraction
-
     try:
-        weight_fraction(text)
+        units.weight_fraction(text)
     except (ZeroDivisionError, OverflowError):  # a number, if not a valid weight: parse_weight says why
         return True
     except ValueError:

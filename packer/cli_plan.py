@@ -7,7 +7,7 @@ import click
 
 from tokpack.packer.cli_options import MAX_RANKS, Int, Real, executor_config, weighted_sources
 from tokpack.packer.cli_report import emit, user_errors
-from tokpack.packer.cli_runs import micro_batch_of, stage, stage_selection
+from tokpack.packer.cli_runs import stage, stage_options
 from tokpack.packer.cli_write import pack, print_warnings, shuffle
 
 
@@ -86,7 +86,7 @@ def _planned(command: click.Command, extra=()):
 
 def _emit_plan(command: str, as_json: bool, *args, **kw) -> None:
     from tokpack.packer.api import plan as plan_api
-    from tokpack.packer.plan_report import report_lines
+    from tokpack.packer.plan_result import report_lines
 
     result = plan_api(command, *args, **kw)
     emit(result, as_json, report_lines)
@@ -110,5 +110,4 @@ def plan_pack(inputs, output, as_json, **kw):
 
 @_planned(stage)
 def plan_stage(directory, dest, as_json, **kw):
-    stage_selection(kw)
-    _emit_plan("stage", as_json, directory, dest, **micro_batch_of(kw))
+    _emit_plan("stage", as_json, directory, dest, **stage_options(kw))

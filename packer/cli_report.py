@@ -42,6 +42,13 @@ class Terminated(BaseException):
 
 
 EXIT_DATA, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 70, 130, 143
+# What stops a command from outside (Ctrl-C, SIGTERM) -> its words and its exit status
+STOPPED = {KeyboardInterrupt: ("interrupted", EXIT_INTERRUPTED), Terminated: ("terminated (SIGTERM)", EXIT_TERMINATED)}
+
+
+def stopped(e: BaseException) -> tuple[str, str, int]:
+    """(its --json error name, its words, its exit status) of a command that Ctrl-C or SIGTERM stopped."""
+    return next((kind.__name__, *told) for kind, told in STOPPED.items() if isinstance(e, kind))
 
 
 _DEBUG = False  # --debug: a bug's traceback goes to stderr instead of a log file
@@ -91,22 +98,13 @@ def _report(line: str, error: dict, status: int, as_json: bool) -> None:
 HINT_MARK = ". HINT: "  # how a line says what to do (TokpackError's str, click's message of a quantity)
 
 
-def error_json(kind: str, message: str, **fields) -> dict:
-    """The --json error object of a failure that is no TokpackError. A message that says its
-    hint (click's line for a bad TOKENS or BYTES value holds the parser's TokpackError line)
-    gives it to `hint`, where a script finds every other failure's."""
-    hint = fields.get("hint")
+def error_json(kind: str, message: str, file: str | None = None, hint: str | None = None) -> dict:
+    """The --json error object of a failure that is no TokpackError, a TokpackError's fields named
+    `kind`. A message that says its hint (click's line for a bad TOKENS or BYTES value holds the
+    parser's TokpackError line) gives it to `hint`, where a script finds every other failure's."""
     if hint is None and HINT_MARK in message:
         message, hint = message.split(HINT_MARK, 1)
-    return {
-        "error": kind,
-        "message": message,
-        "file": fields.get("file"),
-        "where": None,
-        "expected": None,
-        "found": None,
-        "hint": hint,
-    }
+    return {**TokpackError(message, file=file, hint=hint).to_json(), "error": kind}
 
 
 def _os_error_line(e: OSError) -> tuple[str, dict]:
@@ -117,7 +115,7 @@ def _os_error_line(e: OSError) -> tuple[str, dict]:
     message = f"{e.strerror or e}" + (f" ({name})" if name else "")
     hint = _OS_HINTS.get(e.errno)
     line = "tokpack: error: " + (f"{where}: " if where else "") + message + (f". HINT: {hint}" if hint else "")
-    return line, error_json(type(e).__name__, message, file=None if where is None else str(where), hint=hint)
+    return line, error_json(type(e).__name__, message, file=where, hint=hint)
 
 
 def _crash_log(command: str, exc: BaseException) -> str:
@@ -179,13 +177,9 @@ def user_errors(fn):
                 internal_error(command, e, as_json)
             loop = OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(e).split("'")[1] if "'" in str(e) else None)
             _report(*_os_error_line(loop), EXIT_DATA, as_json)
-        except KeyboardInterrupt:
-            line = f"tokpack: interrupted; {RESUME}"
-            _report(line, error_json("KeyboardInterrupt", "interrupted", hint=RESUME), EXIT_INTERRUPTED, as_json)
-        except Terminated:
-            line = f"tokpack: terminated (SIGTERM); {RESUME}"
-            error = error_json("Terminated", "terminated (SIGTERM)", hint=RESUME)
-            _report(line, error, EXIT_TERMINATED, as_json)
+        except (KeyboardInterrupt, Terminated) as e:
+            kind, words, status = stopped(e)
+            _report(f"tokpack: {words}; {RESUME}", error_json(kind, words, hint=RESUME), status, as_json)
         except Exception as e:  # noqa: BLE001 - anything else is a bug in tokpack, not bad data
             internal_error(command, e, as_json)
 

@@ -221,27 +221,15 @@ def stage(directory, dest, as_json, **kw):
     """
     from tokpack.packer.api import stage as stage_api
 
-    stage_selection(kw)
-    emit(stage_api(directory, dest, log=command_log(as_json), **micro_batch_of(kw)), as_json)
+    emit(stage_api(directory, dest, log=command_log(as_json), **stage_options(kw)), as_json)
 
 
-def micro_batch_of(kw: dict) -> dict:
-    """stage's options with --micro-batch checked: a node slice holds the rows of one micro-batch,
-    and one forgotten (it was 1 by default) showed only when training started, on another node."""
-    if kw["micro_batch"] is None:
-        if kw["node"] is not None or kw["world_size"] is not None:
-            raise click.UsageError(
-                "a node slice (--node, or --ranks with --world-size) needs --micro-batch M, the "
-                "samples each rank reads per step: its rows depend on it"
-            )
-        kw["micro_batch"] = 1
-    return kw
-
-
-def stage_selection(kw: dict) -> None:
-    """stage's --ranks names a node slice's ranks A-B (with --world-size or --node); its older
-    shard-level form, `--ranks r/W` alone, still works with one warning and means --shards-of r/W
-    (docs/COMMANDS.md, "Words"). It reaches the stage as before, so it behaves as it did."""
+def stage_options(kw: dict) -> dict:
+    """stage's options, checked. Its --ranks names a node slice's ranks A-B (with --world-size or
+    --node); its older shard-level form, `--ranks r/W` alone, still works with one warning and means
+    --shards-of r/W (docs/COMMANDS.md, "Words"). It reaches the stage as before, so it behaves as it
+    did. --micro-batch: a node slice holds the rows of one micro-batch, and one forgotten (it was 1 by
+    default) showed only when training started, on another node."""
     sliced = kw["world_size"] is not None or kw["node"] is not None
     if kw["shards_of"] is not None and (sliced or kw["ranks"] is not None):
         raise click.UsageError(
@@ -254,3 +242,11 @@ def stage_selection(kw: dict) -> None:
             "slice's --ranks A-B); use --shards-of r/W, the whole shards ranks r of W read",
             err=True,
         )
+    if kw["micro_batch"] is None:
+        if sliced:
+            raise click.UsageError(
+                "a node slice (--node, or --ranks with --world-size) needs --micro-batch M, the "
+                "samples each rank reads per step: its rows depend on it"
+            )
+        kw["micro_batch"] = 1
+    return kw

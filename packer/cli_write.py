@@ -24,7 +24,6 @@ from tokpack.packer.cli_options import (
     SHUFFLE_TASKS_HELP,
     TOKENS,
     ListedChoice,
-    PackingChoice,
     command_log,
     executor_config,
     executor_options,
@@ -158,7 +157,7 @@ def pack(inputs, output, as_json, **kw):
 @click.option("--jitter", is_flag=True, help="Shift window starts by a seeded per-epoch offset.")
 @click.option(
     "--packing",
-    type=PackingChoice(),
+    type=ListedChoice("tokpack.shuffle.packings", "names"),
     show_default="concat",
     help="concat: windows of the concatenated documents; best-fit: whole documents packed into samples "
     "by best-fit decreasing, per epoch (only documents longer than a sample are cut).",
@@ -260,6 +259,7 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
 def _epoch_lines(details: list[dict]) -> None:
     """A shuffle's epochs in words (a plain one's, and node 0's of --to-nodes): per epoch, its
     shards and packing; per source, what the epoch takes of it."""
+    from tokpack.packer.plan_result import repeated
     from tokpack.shuffle.packings import shown_line
 
     for detail in details:
@@ -275,7 +275,7 @@ def _epoch_lines(details: list[dict]) -> None:
                 continue  # a source of the schedule that this epoch's stage does not use
             click.echo(
                 f'epoch {detail["epoch"]}, source "{r["name"]}": {r["samples"]} samples of {r["windows"]} '
-                f"{unit}{' a pass' * (unit != 'windows')}, {counted(r['passes'], 'pass', plural='passes')}, {r['repeats']} {_repeated(r)}"
+                f"{unit}{' a pass' * (unit != 'windows')}, {counted(r['passes'], 'pass', plural='passes')}, {r['repeats']} {repeated(r)}"
                 f"{'' if r['weight'] is None else ', weight ' + r['weight']} ({r['path']}, "
                 f"fingerprint {r['fingerprint'][:16]})"
             )
@@ -284,9 +284,3 @@ def _epoch_lines(details: list[dict]) -> None:
 def print_warnings(lines: list[str]) -> None:
     for line in lines:
         click.echo(f"tokpack: warning: {line}", err=True)
-
-
-def _repeated(r: dict) -> str:
-    """'repeated' for a count of samples; a count in another unit names it (best-fit: pieces)."""
-    unit = r.get("repeat_unit", "samples")
-    return "repeated" if unit == "samples" else f"{unit} repeated"

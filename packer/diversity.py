@@ -14,7 +14,7 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import map_array, read_array, regular_size
-from tokpack.formats.constants import U64
+from tokpack.formats.constants import DEFAULT_PLAN_MEMORY, U64
 from tokpack.formats.shards import PackedSource
 from tokpack.loader.reader import SampleReader
 
@@ -187,7 +187,6 @@ def batch_diversity(
     after, method, note = None, "eos", "sources not reachable"
     if maps:
         try:
-            from tokpack.formats.constants import DEFAULT_PLAN_MEMORY
             from tokpack.shuffle.packings import of_manifest
 
             entry = of_manifest(em)

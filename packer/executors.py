@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import xxhash
+from loguru import logger
 
 from tokpack.formats.errors import TokpackError, task_failed
 from tokpack.formats.guard import OutputLock, holder_name
@@ -52,15 +53,6 @@ PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 SLURM_ELEMENTS_PER_WORKER = 4
 
 
-def run_in_process(step, tasks: int, job_name: str) -> None:
-    """Every rank in turn, in this process (no executor start-up cost): a single local worker."""
-    for rank in range(tasks):
-        try:
-            step.run(None, rank, tasks)
-        except OSError as e:
-            raise task_failed(job_name, rank, tasks, e) from e
-
-
 def runs_in_process(config: ExecutorConfig) -> bool:
     """One local worker and no logging dir asked for: the ranks run in this process. Importing
     datatrove's executor and starting its manager costs most of a 2 GiB pack or shuffle's margin
@@ -76,9 +68,13 @@ def run_steps(stages: list[tuple], config: ExecutorConfig) -> None:
     with `depends=` (afterok), so the chain waits in the queue instead of in this process.
     Raises TokpackError naming the unfinished ranks if any task failed."""
     stages = [(step, tasks, job_name, str(logging_dir)) for step, tasks, job_name, logging_dir in stages if tasks >= 1]
-    if runs_in_process(config):
+    if runs_in_process(config):  # every rank in turn, in this process
         for step, tasks, job_name, _ in stages:
-            run_in_process(step, tasks, job_name)
+            for rank in range(tasks):
+                try:
+                    step.run(None, rank, tasks)
+                except OSError as e:
+                    raise task_failed(job_name, rank, tasks, e) from e
         return
     with lifetime.children_bound():
         if config.executor == "slurm":
@@ -167,8 +163,6 @@ def pass_runner(config: ExecutorConfig):
 def _file_only_task_logger(logging_dir, rank, local_rank=0, node_rank=-1):
     """datatrove's add_task_logger minus the console sink: task logs stay in the log files
     and the command line shows only tokpack's progress and one-line errors."""
-    from loguru import logger
-
     logger.remove()
     logfile = logging_dir.open(f"logs/task_{rank:05d}.log", "w")
     logger.add(
@@ -184,7 +178,6 @@ def _file_only_task_logger(logging_dir, rank, local_rank=0, node_rank=-1):
 def _route_datatrove_logs_to_files() -> tuple:
     import datatrove.executor.base as dt_base
     from datatrove.utils import logging as dt_logging
-    from loguru import logger
 
     original = dt_base.add_task_logger, dt_logging.setup_default_logger
     dt_base.add_task_logger = _file_only_task_logger
@@ -436,7 +429,6 @@ class RankRunner:
         task log and completion marker; the failures, as (rank, exception), for the caller."""
         from datatrove.io import get_datafolder
         from datatrove.utils.logging import close_task_logger
-        from loguru import logger
 
         folder = get_datafolder(logging_dir)
         failures = []

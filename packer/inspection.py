@@ -276,7 +276,9 @@ def inspect(
             hint=f"drop --seq-len: the batch analysis of a {kind} uses its own",
         )
     batch = batch_size or DEFAULT_BATCH_SIZE
-    report: dict = {"kind": kind, "path": str(directory), "batch_size": batch, **_split_of(manifest)}
+    report: dict = {"kind": kind, "path": str(directory), "batch_size": batch}
+    if holdout_recorded(manifest)[1]:  # RUN/holdout/ (its manifest says so): an epoch directory, no epoch of the run
+        report["split"] = "holdout"
 
     epochs = _epochs_of(directory, manifest)
     chosen = next((x for x in epochs if epoch is None or x[0] == epoch), None)
@@ -414,12 +416,6 @@ def report_lines(r: InspectResult) -> list[str]:
     if r.plot is not None:
         lines.append(f"  plot written to {r.plot}")
     return lines
-
-
-def _split_of(manifest: dict) -> dict:
-    """{"split": "holdout"} for RUN/holdout/ (its manifest says so, where formats.packing reads
-    it), which is an epoch directory but no epoch of the run; else {}."""
-    return {"split": "holdout"} if holdout_recorded(manifest)[1] else {}
 
 
 def _epoch_name(split: str | None, epoch) -> str:

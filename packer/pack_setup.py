@@ -143,7 +143,7 @@ class PackOptions:
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     link: bool = False  # pack --link: an input that is its shard's bytes is linked, not copied
     # pack --append-eos: an input whose documents all end with one other id is packed, an EOS
-    # appended to each, not refused (tokpack.packer.pack_result.check_document_ends)
+    # appended to each, not refused (tokpack.packer.packing.check_document_ends)
     append_eos: bool = False
 
     @classmethod
@@ -239,32 +239,28 @@ def setup_pack(
     )
     if setup.state == "complete":
         return setup
-    if fmt == "text":
-        if tokenizer is None:
-            raise TokpackError(
-                "raw text needs a tokenizer",
-                file=files[0].path,
-                where="--tokenizer",
-                expected="a local tokenizer.json",
-                found="none",
-                hint="pass --tokenizer tokenizer.json",
-            )
-        resolved = resolve_vocab_eos(files, tokenizer, options.eos_id, options.vocab_size)
-        setup.vocab, setup.eos, setup.tok_name, setup.eos_token = resolved
-        if setup.eos_token is None:
-            raise TokpackError(
-                "EOS id is not a token of the tokenizer",
-                file=tokenizer,
-                where="--eos-id",
-                expected="an id the tokenizer knows",
-                found=options.eos_id,
-            )
-    else:
-        known: list = []
-        setup.vocab, setup.eos, setup.tok_name, _ = resolve_vocab_eos(
-            files, tokenizer, options.eos_id, options.vocab_size, say, setup.warnings, known
+    if fmt == "text" and tokenizer is None:
+        raise TokpackError(
+            "raw text needs a tokenizer",
+            file=files[0].path,
+            where="--tokenizer",
+            expected="a local tokenizer.json",
+            found="none",
+            hint="pass --tokenizer tokenizer.json",
         )
-        setup.vocab_known = bool(known and known[0])
+    # text: its tokenizer gives the vocabulary and the EOS, so it says no warning nor known tokenizer's line
+    setup.vocab, setup.eos, setup.tok_name, setup.eos_token, setup.vocab_known = resolve_vocab_eos(
+        files, tokenizer, options.eos_id, options.vocab_size, say, setup.warnings
+    )
+    if fmt == "text" and setup.eos_token is None:
+        raise TokpackError(
+            "EOS id is not a token of the tokenizer",
+            file=tokenizer,
+            where="--eos-id",
+            expected="an id the tokenizer knows",
+            found=options.eos_id,
+        )
+    if fmt != "text":
         for f in files:
             check_input(f)
     setup.out_dtype = dtype_for_vocab(setup.vocab)

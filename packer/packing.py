@@ -1,4 +1,6 @@
-"""`tokpack pack`: tokenized inputs -> one packed source (docs/COMMANDS.md, "Packing").
+"""`tokpack pack`: tokenized inputs -> one packed source (docs/COMMANDS.md, "Packing"), and what
+it says when done: its result (PackResult, what --json prints), the lines for a person, the warning
+of an EOS id that looks wrong (eos_warnings) and the refusal of one that is (check_document_ends).
 
 Layout decisions:
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,23 +46,11 @@ from tokpack.formats.outputs import LocalOutput, Output, ShardPlace, SourceShard
 from tokpack.formats.shards import shard_suffixes
 from tokpack.formats.units import counted
 from tokpack.shuffle.sinks import app_sinks_kept
-from tokpack.packer.shared import ExecutorConfig
+from tokpack.packer.shared import ExecutorConfig, Result, optional_field
 from tokpack.packer.executors import run_steps, runs_in_process
 from tokpack.packer.linking import Linked, link_part, summary as link_summary
 from tokpack.packer.vocab import Normalizer
-from tokpack.packer.pack_result import (
-    PackResult,
-    check_document_ends,
-    eos_warnings,
-    pack_result,
-    say_result,
-)
-from tokpack.packer.pack_setup import (
-    PackOptions,
-    clear_output,
-    pack_tasks,
-    setup_pack,
-)
+from tokpack.packer.pack_setup import PackOptions, PackSetup, clear_output, pack_tasks, setup_pack
 
 # Importing datatrove's logging module removes every loguru sink; the application's must stay.
 with app_sinks_kept():
@@ -89,32 +80,27 @@ class PackStep(PipelineStep):
         self,
         files: list[InputFile],
         work: str,
-        vocab_size: int,
-        eos_id: int,
-        dtype: str,
-        tokenizer: str,
-        shard_tokens: int,
+        setup: PackSetup,
+        options: PackOptions,
         block_bytes: int = BLOCK_BYTES,
         output: Output = LocalOutput(),
-        link: bool = False,
     ):
         super().__init__()
         self.files = files  # every input file, in input order
         self.work = work  # OUT/.tokpack-work
-        self.vocab_size = vocab_size
-        self.eos_id = eos_id
-        self.dtype = dtype  # output dtype name
-        self.tokenizer = tokenizer  # written into each shard's .ds.metadata
-        self.shard_tokens = shard_tokens  # max tokens per shard (but one oversized document)
+        self.vocab_size = setup.vocab
+        self.eos_id = setup.eos
+        self.dtype = setup.out_dtype.name  # output dtype name
+        self.tokenizer = setup.tok_name  # written into each shard's .ds.metadata
+        self.shard_tokens = int(options.shard_tokens)  # max tokens per shard (but one oversized document)
         self.block_bytes = block_bytes  # input bytes per read block
         self.output = output  # where the shards go (tokpack.formats.outputs): to a bucket, each is sent once written
-        self.link = link  # pack --link: an input that is its shard's bytes is linked (tokpack.packer.linking)
+        self.link = options.link  # pack --link: an input that is its shard's bytes is linked (tokpack.packer.linking)
         # The bar over every file, next to each file's own, when the ranks run in the command's
         # process (never pickled to a worker); moved by whole files: a JSONL block's bytes are not known.
         self.overall = None
-        # pack --append-eos, set by the driver: an input whose documents all end with one other id
-        # is packed as asked, not refused
-        self.append_eos = False
+        # pack --append-eos: an input whose documents all end with one other id is packed as asked, not refused
+        self.append_eos = options.append_eos
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         for i in range(rank, len(self.files), world_size):
@@ -292,6 +278,140 @@ def counted_documents(docs, bar, jsonl_size: int | None):
         bar.update(max(0, jsonl_size - done))
 
 
+# ----------------------------------------------------------------------- the result
+
+
+NOTES_SHOWN = 10  # pack --link: the inputs copied that the summary names one by one
+
+
+@dataclass
+class PackResult(Result):
+    """What `pack --json` prints."""
+
+    output: str
+    status: str  # "packed" or "already complete"
+    format: str
+    inputs: int
+    tokens: int
+    documents: int
+    shards: int
+    bytes: int
+    input_bytes: int
+    seconds: float
+    mb_per_s: float | None
+    dtype: str
+    vocab_size: int
+    eos_id: int
+    eos_appended: int
+    empty_documents_dropped: int
+    fingerprint: str
+    warnings: list[str]
+    # --link only (tokpack.packer.linking.summary): shard files linked (hard links and reflinks),
+    # their bytes, the reflinks' bytes among them, the bytes written, and per input copied: why
+    linked_files: int | None = optional_field()
+    linked_bytes: int | None = optional_field()
+    reflinked_bytes: int | None = optional_field()
+    copied_bytes: int | None = optional_field()
+    link_notes: list[str] | None = optional_field()
+
+
+def pack_result(
+    manifest: dict,
+    out: Path,
+    fmt: str,
+    seconds: float,
+    input_bytes: int,
+    status: str,
+    warnings: list[str] = (),
+    links: dict | None = None,
+) -> PackResult:
+    return PackResult(
+        output=str(out),
+        status=status,
+        format=fmt,
+        inputs=len(manifest.get("inputs", [])),
+        tokens=manifest["tokens"],
+        documents=manifest["documents"],
+        shards=len(manifest["shards"]),
+        bytes=sum(s["bytes"] for s in manifest["shards"]),
+        input_bytes=input_bytes,
+        seconds=round(seconds, 3),
+        mb_per_s=round(input_bytes / 1e6 / seconds, 1) if seconds > 0 and input_bytes else None,
+        dtype=manifest["dtype"],
+        vocab_size=manifest["vocab_size"],
+        eos_id=manifest["eos_id"],
+        eos_appended=manifest.get("eos_appended", 0),
+        empty_documents_dropped=manifest.get("empty_documents_dropped", 0),
+        fingerprint=manifest["fingerprint"],
+        warnings=list(warnings),
+        **(links or {}),
+    )
+
+
+# An input this large packed as one document is a wrong --eos-id, not a book (issue 32: a raw
+# file of 3.4M tokens packed as "1 document").
+ONE_DOCUMENT_TOKENS = 1 << 20
+
+
+def eos_warnings(parts: list[dict], eos_id: int) -> list[str]:
+    """The `tokpack pack:` lines for an EOS id that looks wrong, per input: no EOS in a large
+    input (it became one document; the data is packed as asked)."""
+    lines = []
+    for part in parts:
+        name, docs, appended = part.get("input"), part.get("documents", 0), part.get("eos_appended", 0)
+        if docs == 1 and appended == 1 and part.get("tokens", 0) >= ONE_DOCUMENT_TOKENS:
+            lines.append(
+                f"tokpack pack: {name}: no EOS id {eos_id} in its {part['tokens'] - 1:,} tokens, so it is "
+                f"packed as one document. HINT: pass the id its documents end with as --eos-id (or "
+                f"--tokenizer tokenizer.json), then pack again with --overwrite"
+            )
+    return lines
+
+
+def check_document_ends(part: dict, eos_id: int, append_eos: bool) -> None:
+    """Refuses an input (a pack task's part record) whose every document lacked the EOS id and
+    ended with one same other id: that id is its EOS and --eos-id is wrong (issue 42, item 8: a
+    warning let CI pass a corpus whose documents were never separated as meant). With
+    `append_eos` the user asked for an EOS after each document, so it is packed."""
+    docs, appended, end_id = part.get("documents", 0), part.get("eos_appended", 0), part.get("end_id")
+    # 2 documents at least: one document ending with some id says nothing about the EOS
+    if append_eos or docs < 2 or appended != docs or not isinstance(end_id, int):
+        return
+    raise TokpackError(
+        "no document ends with the EOS id",
+        file=part.get("input"),
+        where=f"last token of each of its {docs:,} documents",
+        expected=f"{eos_id} (--eos-id)",
+        found=f"{end_id} ending all {docs:,}",
+        hint=f"if {end_id} is its EOS, pass --eos-id {end_id}; to pack it as is, an EOS {eos_id} appended "
+        "to each document, pass --append-eos",
+    )
+
+
+def say_result(result: PackResult, say) -> None:
+    """pack's lines for a person, after the work: a pack that fails prints its one error line only."""
+    for line in result.warnings:
+        say(line)
+    notes = result.link_notes or []
+    for note in notes[:NOTES_SHOWN]:  # all of them are in --json's link_notes
+        say(f"tokpack pack: {note}")
+    if len(notes) > NOTES_SHOWN:
+        say(
+            f"tokpack pack: {counted(len(notes) - NOTES_SHOWN, 'more input')} copied (--json lists them under link_notes)"
+        )
+    say(
+        f"tokpack pack: {result.tokens:,} token{'s' * (result.tokens != 1)}, {result.documents:,} "
+        f"document{'s' * (result.documents != 1)}, {result.shards} shard{'s' * (result.shards != 1)} "
+        f"-> {result.output} ({result.mb_per_s} MB/s)"
+        + (
+            ""
+            if result.linked_files is None
+            else f"; linked {counted(result.linked_files, 'file')}, {result.linked_bytes:,} bytes"
+            f", copied {result.copied_bytes:,} bytes"
+        )
+    )
+
+
 # ----------------------------------------------------------------------- the driver
 
 
@@ -307,12 +427,7 @@ def _raise_task_error(work: Path, out: Path, created: bool, cause: BaseException
     if created and out.exists() and not any(out.iterdir()):
         out.rmdir()
     raise TokpackError(
-        err["message"],
-        file=err.get("file"),
-        where=err.get("where"),
-        expected=err.get("expected"),
-        found=err.get("found"),
-        hint=err.get("hint"),
+        err["message"], **{k: err.get(k) for k in ("file", "where", "expected", "found", "hint")}
     ) from None
 
 
@@ -351,16 +466,14 @@ def pack(
     """Packs INPUTs (local paths or fsspec URLs, read where they are) into one packed source at
     the local `output`, or, `to` another Output (tokpack.formats.outputs), where it sends them from
     there (tokpack.packer.api.pack picks the Output). `options`: what the pack makes."""
-    link, shard_tokens = options.link, options.shard_tokens
     t0 = time.perf_counter()
     say = log or (lambda msg: None)
     out = Path(output).absolute()
     config = config or ExecutorConfig()
     setup = setup_pack(inputs, out, options, say=say, to=to)
-    fmt, files, tokenizer, request, state = setup.fmt, setup.files, setup.tokenizer, setup.request, setup.state
-    input_bytes = sum(f.size for f in files)
+    input_bytes = sum(f.size for f in setup.files)
     shown = to.shown(out)  # where the packed source is
-    if state == "complete":
+    if setup.state == "complete":
         manifest = read_manifest(to.where(out), kind="source")
         # A pack killed between writing its manifest and removing its scratch left the scratch.
         to.remove_tree(out / WORK_DIR)
@@ -368,29 +481,28 @@ def pack(
         return pack_result(
             manifest,
             shown,
-            fmt,
+            setup.fmt,
             time.perf_counter() - t0,
             0,
             "already complete",
-            links=link_summary([]) if link else None,
+            links=link_summary([]) if options.link else None,
         )
 
     work = out / WORK_DIR
-    vocab, eos, tok_name, eos_token, warnings = setup.vocab, setup.eos, setup.tok_name, setup.eos_token, setup.warnings
     out_dtype = setup.out_dtype
-    ntasks = pack_tasks(len(files), config)
+    ntasks = pack_tasks(len(setup.files), config)
     check_space(
         [(out, setup.bytes_to_write(out, to, ntasks))], "pack", hint="free some space there, or choose another -o"
     )
 
     # Nothing has been written so far; from here on, OUT/.tokpack-work holds the run.
     created = not out.exists()
-    if state in ("fresh", "replace"):  # an old pack goes (to a bucket, a stale local copy too: the store decides)
-        to.start(out, clear_output, replace=state == "replace")
+    if setup.state in ("fresh", "replace"):  # an old pack goes (to a bucket, a stale local copy too: the store decides)
+        to.start(out, clear_output, replace=setup.state == "replace")
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(exist_ok=True)
     if not (work / "request.json").exists():
-        write_bytes_atomic(work / "request.json", json.dumps(request).encode())
+        write_bytes_atomic(work / "request.json", json.dumps(setup.request).encode())
         to.send_record(work / "request.json")
     for p in work.glob("part-*.error.json"):
         p.unlink()
@@ -398,19 +510,16 @@ def pack(
 
     plan_path = work / "finalize.json"
     if not plan_path.exists():
-        if fmt == "text":
+        if setup.fmt == "text":
             text_dir = work / "text"
-            tokenize = TokenizeTextStep(files, str(text_dir), tokenizer, eos_token)
-            run_steps([(tokenize, len(files), "tokenize", base_logs / "tokenize")], config)
+            tokenize = TokenizeTextStep(setup.files, str(text_dir), setup.tokenizer, setup.eos_token)
+            run_steps([(tokenize, len(setup.files), "tokenize", base_logs / "tokenize")], config)
             _, packed_files = discover([str(text_dir)], "datatrove", None, None)
             for f in packed_files:
                 check_input(f)
         else:
-            packed_files = files
-        step = PackStep(
-            packed_files, str(work), vocab, eos, out_dtype.name, tok_name, int(shard_tokens), block_bytes, to, link=link
-        )
-        step.append_eos = options.append_eos
+            packed_files = setup.files
+        step = PackStep(packed_files, str(work), setup, options, block_bytes, to)
         ntasks = pack_tasks(len(packed_files), config)
         if runs_in_process(config):
             step.overall = progress(sum(f.size for f in packed_files), f"pack: {counted(len(packed_files), 'file')}")
@@ -460,15 +569,15 @@ def pack(
         manifest = source_manifest(
             entries,
             out_dtype,
-            vocab,
-            eos,
-            tok_name,
-            inputs=[{"path": r["path"], "size": r["size"], "format": r["format"]} for r in request["inputs"]],
-            shard_tokens=int(shard_tokens),
+            setup.vocab,
+            setup.eos,
+            setup.tok_name,
+            inputs=[{"path": r["path"], "size": r["size"], "format": r["format"]} for r in setup.request["inputs"]],
+            shard_tokens=int(options.shard_tokens),
             eos_appended=sum(p["eos_appended"] for p in parts),
             empty_documents_dropped=sum(p["empty_documents_dropped"] for p in parts),
             created_by=_version(),
-            request=request,
+            request=setup.request,
             **({} if setup.vocab_known else {"vocab_known": False}),  # absent when known, as in older manifests
         )
         write_bytes_atomic(
@@ -478,7 +587,7 @@ def pack(
                     "manifest": manifest,
                     "moves": moves,
                     "links": link_summary(parts),
-                    "warnings": eos_warnings(parts, eos),
+                    "warnings": eos_warnings(parts, setup.eos),
                 }
             ).encode(),
         )
@@ -491,17 +600,15 @@ def pack(
             hint="rerun with --overwrite to pack again from scratch",
         )
     manifest = _finalize(out, work, plan, to)
-    warnings = [*warnings, *plan.get("warnings", [])]
-    seconds = time.perf_counter() - t0
     result = pack_result(
         manifest,
         shown,
-        fmt,
-        seconds,
+        setup.fmt,
+        time.perf_counter() - t0,
         input_bytes,
         "packed",
-        warnings,
-        links=plan.get("links", link_summary([])) if link else None,
+        [*setup.warnings, *plan.get("warnings", [])],
+        links=plan.get("links", link_summary([])) if options.link else None,
     )
-    say_result(result, warnings, link, shown, say)
+    say_result(result, say)
     return result

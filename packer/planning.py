@@ -10,8 +10,7 @@ writing (fsync'd) and reading back a temporary file next to the output, removed 
 only file a plan touches.
 
 This module plans pack, stage and shuffle; plan shuffle --to-nodes is tokpack.packer.plan_nodes,
-the result, the disk's measure and the time model tokpack.packer.plan_result, the text printed
-tokpack.packer.plan_report.
+the result, the disk's measure, the time model and the text printed tokpack.packer.plan_result.
 """
 
 from __future__ import annotations

@@ -31,13 +31,12 @@ def resolve_vocab_eos(
     vocab_size: int | None,
     say=None,
     warnings: list | None = None,
-    known_vocab: list | None = None,
-) -> tuple[int, int, str, str | None]:
-    """(vocab_size, eos_id, tokenizer name, eos token text) from the options, the tokenizer,
-    the inputs' datatrove metadata (a local tokenizer file, else a KNOWN_TOKENIZERS name) or,
-    for the vocabulary, the input dtype. Lines the user should read once the pack is done are
-    appended to `warnings`; `known_vocab` gets False when the vocabulary is only the input
-    dtype's width (an upper bound the ids are checked against, not the tokenizer's), else True."""
+) -> tuple[int, int, str, str | None, bool]:
+    """(vocab_size, eos_id, tokenizer name, eos token text, vocab known) from the options, the
+    tokenizer, the inputs' datatrove metadata (a local tokenizer file, else a KNOWN_TOKENIZERS name)
+    or, for the vocabulary, the input dtype. Lines the user should read once the pack is done are
+    appended to `warnings`; the vocabulary is not known (False) when it is only the input dtype's
+    width (an upper bound the ids are checked against, not the tokenizer's)."""
     tok_path = tokenizer
     named = files[0].tokenizer
     if tok_path is None and named:
@@ -55,8 +54,7 @@ def resolve_vocab_eos(
     # name (tokpack never downloads), which the user can look up
     hub = named if named and tok is None and not known else None
     seen = f"; datatrove's metadata names the tokenizer {hub!r}, a hub name tokpack does not download" if hub else ""
-    if known_vocab is not None:
-        known_vocab[:] = [vocab_size is not None]
+    known_vocab = vocab_size is not None
     if vocab_size is None:
         vocab_size = native_vocab(files[0].dtype)
         if vocab_size is not None and dtype_for_vocab(vocab_size).itemsize > 2:
@@ -87,10 +85,9 @@ def resolve_vocab_eos(
         )
     if vocab_size < 1:
         raise TokpackError("vocabulary size must be positive", where="--vocab-size", expected=">= 1", found=vocab_size)
-    if eos_id is None and tok is not None:
-        found = tokenizer_eos(tok)
-        if found:
-            eos_id, eos_token = found
+    if eos_id is None and tok is not None:  # the tokenizer's end-of-document token, by its usual names
+        eos_token = next((token for token in EOS_TOKENS if tok.token_to_id(token) is not None), None)
+        eos_id = None if eos_token is None else tok.token_to_id(eos_token)
     elif eos_id is not None and tok is not None:
         eos_token = tok.id_to_token(eos_id)
     if eos_id is None and known:
@@ -120,7 +117,7 @@ def resolve_vocab_eos(
             hint="check --eos-id and --vocab-size",
         )
     name = tokenizer or named or "unknown"
-    return int(vocab_size), int(eos_id), str(name), eos_token
+    return int(vocab_size), int(eos_id), str(name), eos_token, known_vocab
 
 
 def native_vocab(dtype: str | None) -> int | None:
@@ -152,15 +149,6 @@ def load_tokenizer(path: str):
         raise TokpackError(
             "unreadable tokenizer", file=path, expected="a tokenizers JSON file", found=str(e).splitlines()[0][:120]
         ) from None
-
-
-def tokenizer_eos(tokenizer) -> tuple[int, str] | None:
-    """(id, token) of the tokenizer's end-of-document token, by its usual names."""
-    for token in EOS_TOKENS:
-        tid = tokenizer.token_to_id(token)
-        if tid is not None:
-            return tid, token
-    return None
 
 
 class Normalizer:

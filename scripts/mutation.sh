@@ -27,7 +27,7 @@ MODULES=(shuffle/plan.py shuffle/permutation.py shuffle/steps.py loader/reader.p
          formats/inputs/discover.py formats/inputs/datatrove_ds.py formats/inputs/megatron_bin.py
          formats/inputs/tables.py formats/inputs/npy_raw.py formats/inputs/jsonl.py
          formats/units.py formats/guard.py loader/torch_adapter.py shuffle/schedule.py formats/io/writes.py
-         packer/planning.py packer/plan_result.py packer/plan_report.py packer/plan_nodes.py)
+         packer/planning.py packer/plan_result.py packer/plan_nodes.py)
 CI_TESTS='["tests/test_permutation_golden.py"]'
 # The --ci subset: the mutants of key derivation, the mixer and the Feistel set-up. Pinned
 # by name so the run is the same every time (mutmut numbers a function's mutants in order).
@@ -80,7 +80,6 @@ declare -A TESTS=(
   [formats/io/writes.py]='["tests/test_io.py", "tests/test_api.py", "-k", "send or urls"]'  # memory:// stores: no moto
   [packer/planning.py]='["tests/test_plan_command.py", "-k", "not writes_nothing and not virtual"]'  # (those run the CLI in another folder: mutmut's trampoline finds no config there)
   [packer/plan_result.py]='["tests/test_plan_command.py", "-k", "not writes_nothing and not virtual"]'
-  [packer/plan_report.py]='["tests/test_plan_command.py", "-k", "not writes_nothing and not virtual"]'
   [packer/plan_nodes.py]='["tests/test_plan_nodes.py"]'
 )
 # Within a module, only these functions' mutants (the rest is plumbing other tests cover): the

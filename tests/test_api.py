@@ -19,7 +19,7 @@ from tokpack.packer import ExecutorConfig, inspect, pack, shuffle, stage, valida
 from tokpack.packer.api import ShuffleResult
 from tokpack.packer.cli import main
 from tokpack.packer.inspection import InspectResult
-from tokpack.packer.pack_result import PackResult
+from tokpack.packer.packing import PackResult
 from tokpack.packer.staging import StageResult
 from tokpack.packer.validation import ValidateResult
 

@@ -25,7 +25,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.constants import MANIFEST
 from tokpack.formats.shards import PackedSource
 from tokpack.packer.cli import main
-from tokpack.packer import pack_result, packing
+from tokpack.packer import packing
 from conftest import pack
 
 MEGATRON_CORE = "pip install -e '.[test]' installs megatron-core"
@@ -1506,7 +1506,7 @@ def test_a_large_raw_input_without_eos_warns(tmp_path):
     """A raw file packed with the wrong --eos-id became '1 document' of 3.4M tokens with no word:
     it warns on stderr and in --json; the same file with EOS in it, or a small one, does not."""
     rng = np.random.default_rng(3)
-    n = pack_result.ONE_DOCUMENT_TOKENS + 10
+    n = packing.ONE_DOCUMENT_TOKENS + 10
     raw = rng.integers(1, 1000, n).astype("<u2")
     raw.tofile(tmp_path / "train.bin")
     res = cli(
@@ -1535,7 +1535,7 @@ def test_a_large_raw_input_without_eos_warns(tmp_path):
     with_eos = raw.copy()
     with_eos[::5000] = 0
     with_eos.tofile(tmp_path / "ok.bin")
-    raw[: pack_result.ONE_DOCUMENT_TOKENS // 2].tofile(tmp_path / "small.bin")
+    raw[: packing.ONE_DOCUMENT_TOKENS // 2].tofile(tmp_path / "small.bin")
     for name in ("ok.bin", "small.bin"):
         res = cli(
             tmp_path / name,

@@ -524,7 +524,7 @@ def test_plan_shuffle_predicts_the_row_tables_scratch(sources, tmp_path, memory)
     """The plan's "table" pass and its scratch, estimated from the sources' counts, against the
     files build_table writes for the same epoch: at least them, within 3x."""
     from tokpack.packer.api import plan
-    from tokpack.packer.plan_report import report_lines
+    from tokpack.packer.plan_result import report_lines
     from tokpack.shuffle.packed.table import build_table
 
     weights = {str(sources[0]): "2", str(sources[1]): "1"}
