@@ -140,15 +140,15 @@ class EpochJob:
         """progress()'s `enabled`: None (a bar, or lines in a log) in the process that asked, else False."""
         return None if self.progress and os.getpid() == self.main_pid else False
 
+    def bar(self, total: int, desc: str, unit: str = "B", **options):
+        """A bar of one phase of the epoch (a pass, a step of its table), shown as show_progress says:
+        a phase, so that a log names it, not the one before it, as soon as it begins."""
+        return progress(total, desc, unit=unit, enabled=self.show_progress, phase=True, **options)
+
     def write_bar(self, shards: int):
         """The bar of an in-memory path writing `shards` of the epoch's shards."""
-        return progress(
-            shards,
-            f"epoch {self.plan.epoch}: write",
-            unit="shard",
-            enabled=self.show_progress,
-            unit_bytes=self.shard_samples * self.row_bytes,
-            phase=True,
+        return self.bar(
+            shards, f"epoch {self.plan.epoch}: write", "shard", unit_bytes=self.shard_samples * self.row_bytes
         )
 
     @property
@@ -282,10 +282,9 @@ class Step(PipelineStep):
         return {**self.__dict__, "_bar": None}
 
     def bar(self, total: int, desc: str, unit: str = "B"):
-        """The pass's bar, opened by its first task here: a phase, so that a log names this pass,
-        not the one before it, as soon as it begins."""
+        """The pass's bar (EpochJob.bar), opened by its first task here."""
         if self._bar is None:
-            self._bar = progress(total, desc, unit=unit, enabled=self.job.show_progress, phase=True)
+            self._bar = self.job.bar(total, desc, unit)
         return self._bar
 
     def close_bar(self) -> None:

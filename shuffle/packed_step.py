@@ -22,7 +22,6 @@ import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.gate import map_file, open_append, open_read, read_array
 
 from .packed.passes import DOC, document_count, kept_pass_bytes
@@ -43,10 +42,7 @@ def prepare_table(job: EpochJob, memory: int) -> dict:
     path = Path(job.work_dir) / "packing"
 
     # the kept passes (packed.iter_pass) count against the budget while the table is built (which drops them)
-    def bar(total, desc, unit="B"):  # each phase of the build, named while it runs
-        return progress(total, desc, unit=unit, enabled=job.show_progress, phase=True)
-
-    built = build_table(job.plan, job.open_sources(), path, max(1, memory - kept_pass_bytes()), progress=bar)
+    built = build_table(job.plan, job.open_sources(), path, max(1, memory - kept_pass_bytes()), progress=job.bar)
     return {
         "table": str(path),
         "table_xxh3_128": built.table_xxh3_128,

@@ -182,6 +182,12 @@ class EpochPlan:
                 both += int((first.inverse(second.forward(ks)) >= a).sum())
         return both
 
+    repeat_unit = "samples"  # what source_report's repeats count (PackedPlan's: rows)
+
+    def repeat_counts(self, s: int) -> tuple[int, int | None]:
+        """(repeats, the samples they are out of) of source s, as source_report gives them."""
+        return self.repeats(s), self.sources[s].samples
+
     def source_report(self) -> list[dict]:
         """Per source, what this epoch takes from it: for summaries and warnings."""
         return [
@@ -190,11 +196,12 @@ class EpochPlan:
                 "windows": src.windows,
                 "passes": self.passes(i),
                 "first_pass": self.first_pass(i),
-                "repeats": self.repeats(i),
-                "repeat_total": src.samples,
-                "repeat_unit": "samples",
+                "repeats": repeats,
+                "repeat_total": total,
+                "repeat_unit": self.repeat_unit,
             }
             for i, src in enumerate(self.sources)
+            for repeats, total in [self.repeat_counts(i)]
         ]
 
     def window_perm(self, s: int, p: int) -> Bijection:

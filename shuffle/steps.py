@@ -46,7 +46,6 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.reads import Worker
 from tokpack.formats.io.memory import drop_buffers, lent
 from tokpack.formats.io.gate import map_file, open_append, read_array, regular_size
-from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.writes import write_bytes_atomic
 from tokpack.formats.shards import PackedSource, RowFragments
 
@@ -96,11 +95,8 @@ class InMemoryStep(Step):
         # outruns the disk and releases the GIL: BENCHMARKS.md, "Figures cited by the code"), and
         # checked before anything is written.
         with (
-            progress(
-                sum(sp.windows for sp in plan.sources if sp.samples) * job.row_bytes,
-                f"epoch {plan.epoch}: read",
-                enabled=job.show_progress,
-                phase=True,
+            job.bar(
+                sum(sp.windows for sp in plan.sources if sp.samples) * job.row_bytes, f"epoch {plan.epoch}: read"
             ) as read_bar,
             Worker() as helper,
             Worker() as hasher,

@@ -125,22 +125,11 @@ class PackedPlan:
         later = max(0, hi - end1)  # the rows after the second pass, which is whole when they exist
         return later + rows_holding_repeats(self, s, src, (lo - at0, hi - at1)), sp.samples
 
-    def source_report(self) -> list[dict]:
-        """As the window plan's: `repeats` counts the samples (rows) that hold a piece the
-        epoch's earlier rows of the source hold, out of `repeat_total` samples (`repeat_unit`
-        names them rows for the summary and the warnings, since no row repeats a row)."""
-        return [
-            {
-                **source_head(s),
-                "windows": s.windows,
-                "passes": s.passes,
-                "first_pass": s.first_pass,
-                "repeats": repeats,
-                "repeat_total": total,
-                "repeat_unit": "rows",
-            }
-            for s, (repeats, total) in zip(self.sources, map(self.repeat_counts, range(len(self.sources))))
-        ]
+    # As the window plan's: `repeats` counts the samples (rows) that hold a piece the epoch's
+    # earlier rows of the source hold, out of `repeat_total` samples (`repeat_unit` names them
+    # rows for the summary and the warnings, since no row repeats a row).
+    source_report = EpochPlan.source_report
+    repeat_unit = "rows"
 
     def source_entries(self) -> list[dict]:
         return [
