@@ -15,14 +15,13 @@ over document pieces, each scatter task reading only its source shards' files of
 from __future__ import annotations
 
 import os
-import shutil
 from io import BufferedReader
 
 import numpy as np
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io.gate import map_file, open_append, open_read, read_array
+from tokpack.formats.io.gate import map_file, open_read, read_array
 
 from .packed.passes import DOC, document_count, kept_pass_bytes
 from .packed.table import PIECE_STATE_BYTES, RECORD, TABLE_PIECE_BYTES, PackedTable, build_table, row_padding
@@ -170,31 +169,14 @@ class PackedScatterStep(ScatterStep):
         super().__init__(job, layout, budget)
         self.table_dir, self.table_hash = table_dir, table_hash
 
-    def scatter(self, t: int) -> None:
+    def fill(self, t: int, sources, files) -> None:
         job, plan, lay = self.job, self.job.plan, self.layout
-        if lay.scatter_done(t):
-            return
-        tdir = lay.task_dir(t)
-        shutil.rmtree(tdir, ignore_errors=True)
-        tdir.mkdir(parents=True)
-        sources = job.open_sources()
         built = PackedTable.open(self.table_dir, self.table_hash)
-        counts: dict[int, int] = {}  # rows written per bucket
-        hashes: dict[int, list] = {}  # per bucket written: xxh3_64 of its rows file and of its pos file
-        mine = [(s, k) for s, k0, k1 in lay.task_shards[t] for k in range(k0, k1)]
-        scatter_bar = self.bar(
-            sum(
-                int(sources[s].shards[k]["tokens"]) * sources[s].dtype.itemsize
-                for task in lay.task_shards
-                for s, k0, k1 in task
-                for k in range(k0, k1)
-            ),
-            f"epoch {plan.epoch}: scatter",
-        )
+        scatter_bar = self.scatter_bar(sources)
         # Pieces read per chunk: their records, sort arrays and tokens fit half the task's budget
         # (the shard being read is mapped beside them).
         chunk = max(1, self.budget // 2 // (PIECE_STATE_BYTES + plan.row_tokens * job.token_dtype.itemsize))
-        for s, k in mine:
+        for s, k in [(s, k) for s, k0, k1 in lay.task_shards[t] for k in range(k0, k1)]:
             src = sources[s]
             n = int(src.shards[k]["tokens"])
             data = map_file(src.path / src.shards[k]["path"], 0, n * src.dtype.itemsize).view(src.dtype)
@@ -204,25 +186,15 @@ class PackedScatterStep(ScatterStep):
                 sel = np.lexsort((pieces["row_offset"], pieces["g"], bucket))
                 cuts = np.flatnonzero(np.diff(bucket[sel])) + 1
                 for run in np.split(sel, cuts):
-                    b = int(bucket[run[0]])
                     rec = np.empty(len(run), RECORD)
                     for field in ("g", "row_offset", "length"):
                         rec[field] = pieces[field][run]
                     tokens = np.concatenate(
                         [data[a : a + m] for a, m in zip(pieces["local"][run].tolist(), rec["length"].tolist())]
                     )
-                    lay.bucket_file(t, b, "rows").parent.mkdir(exist_ok=True)
-                    for ext, payload, h in zip(
-                        ("rows", "pos"), (tokens, rec), hashes.setdefault(b, [xxhash.xxh3_64(), xxhash.xxh3_64()])
-                    ):
-                        raw = memoryview(payload).cast("B")
-                        with open_append(lay.bucket_file(t, b, ext), folder=lay.dir) as out:
-                            out.write(raw)
-                        h.update(raw)
-                    counts[b] = counts.get(b, 0) + len(run)
+                    files.append(int(bucket[run[0]]), len(run), tokens, rec)
             scatter_bar.update(n * src.dtype.itemsize)
             del data
-        lay.finish_task(t, counts, hashes)
 
 
 def holds_pieces_of(layout, i: int) -> bool:
@@ -243,17 +215,13 @@ class PackedOrderStep(OrderStep):
 
     name = "shuffle best-fit order"
 
-    def order(self, i: int) -> None:
-        job, lay = self.job, self.layout
-        buckets = lay.buckets_of(i)
-        self.order_bar()
-        if job.shard_done(i) is None:
-            g0, g1 = job.shard_range(i)
-            # Filled while write_shard consumes the buckets, and read by it only after the last.
-            pad = np.full(g1 - g0, job.plan.row_tokens, dtype=np.int64)
-            with job.chunk_ring(self.budget) as (ring, _):
-                job.write_shard(i, self._pieces(buckets, g0, pad, ring), pad=pad)
-        lay.remove_buckets(buckets)  # the shard is safe
+    def write(self, i: int, buckets: range) -> None:
+        job = self.job
+        g0, g1 = job.shard_range(i)
+        # Filled while write_shard consumes the buckets, and read by it only after the last.
+        pad = np.full(g1 - g0, job.plan.row_tokens, dtype=np.int64)
+        with job.chunk_ring(self.budget) as (ring, _):
+            job.write_shard(i, self._pieces(buckets, g0, pad, ring), pad=pad)
 
     def _pieces(self, buckets: range, g0: int, pad: np.ndarray, ring: list[np.ndarray]):
         """Each bucket's rows, in output order, as np.void rows copied into the `ring` buffers a
