@@ -220,6 +220,18 @@ class PackedTable:
             )
 
 
+def shard_places(sources: list[PackedSource], first_shard, source: np.ndarray, start: np.ndarray):
+    """(shard, numbered through the sources from each one's `first_shard[s]`, and first token in
+    it) of pieces of sources `source` starting at stream tokens `start`: no piece spans two
+    shards (no document does)."""
+    shard, local = np.empty(len(start), np.int64), np.empty(len(start), np.int64)
+    for s in np.unique(source).tolist():
+        sel = source == s
+        k = np.searchsorted(sources[s].shard_starts, start[sel], side="right") - 1
+        shard[sel], local[sel] = first_shard[s] + k, start[sel] - sources[s].shard_starts[k]
+    return shard, local
+
+
 def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: int, progress=None) -> PackedTable:
     """Writes the epoch's row table into `folder`, bounded by `memory` (plus a group): each
     source's passes are packed group by group (chain_pieces) and each piece, given its output
@@ -248,12 +260,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
         rec = np.concatenate(buffered)
         buffered.clear()
         rows_files.append(rec["g"].astype(np.int64) // bucket_rows, rec)
-        src = rec["source"].astype(np.int64)
-        key, local = np.empty(len(rec), np.int64), np.empty(len(rec), np.int64)
-        for s in np.unique(src).tolist():
-            sel = src == s
-            k = np.searchsorted(sources[s].shard_starts, rec["start"][sel].astype(np.int64), side="right") - 1
-            key[sel], local[sel] = first_shard[s] + k, rec["start"][sel].astype(np.int64) - sources[s].shard_starts[k]
+        key, local = shard_places(sources, first_shard, rec["source"].astype(np.int64), rec["start"].astype(np.int64))
         out = np.empty(len(rec), SHARD_PIECE)
         out["g"], out["row_offset"], out["length"], out["local"] = rec["g"], rec["row_offset"], rec["length"], local
         shard_files.append(key, out)
