@@ -273,9 +273,10 @@ class Step(PipelineStep):
 
     type = "tokpack"
 
-    def __init__(self, job: EpochJob, layout=None, budget: int = 0):  # layout: tokpack.shuffle.steps.Layout
+    def __init__(self, job: EpochJob, layout=None, budget: int = 0, prepared: dict | None = None):
+        # layout: tokpack.shuffle.steps.Layout; prepared: what the packing built first (Packing.prepare)
         super().__init__()
-        self.job, self.layout, self.budget = job, layout, budget
+        self.job, self.layout, self.budget, self.prepared = job, layout, budget, prepared
         self._bar = None  # one bar for the whole pass, in the submitting process only
 
     def __getstate__(self):

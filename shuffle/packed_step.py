@@ -122,17 +122,13 @@ class PackedInMemoryStep(Step):
 
     name = "shuffle best-fit in memory"
 
-    def __init__(self, job: EpochJob, table_dir: str, table_hash: str, budget: int = 0):
-        super().__init__(job, budget=budget)
-        self.table_dir, self.table_hash = table_dir, table_hash  # the materialised row table (build_table)
-
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         job, plan = self.job, self.job.plan
         todo = [i for i in range(rank, job.n_shards, world_size) if job.shard_done(i) is None]
         if not todo:
             return
         sources = job.open_sources()
-        built = PackedTable.open(self.table_dir, self.table_hash)
+        built = PackedTable.open(self.prepared["table"], self.prepared["table_xxh3_128"])
 
         def check(src, k, tokens):
             job.check_source_shard(src, k, xxhash.xxh3_128_hexdigest(tokens))
@@ -165,13 +161,9 @@ class PackedScatterStep(ScatterStep):
 
     name = "shuffle best-fit scatter"
 
-    def __init__(self, job: EpochJob, layout, table_dir: str, table_hash: str, budget: int = 1 << 30):
-        super().__init__(job, layout, budget)
-        self.table_dir, self.table_hash = table_dir, table_hash
-
     def fill(self, t: int, sources, files) -> None:
         job, plan, lay = self.job, self.job.plan, self.layout
-        built = PackedTable.open(self.table_dir, self.table_hash)
+        built = PackedTable.open(self.prepared["table"], self.prepared["table_xxh3_128"])
         scatter_bar = self.scatter_bar(sources)
         # Pieces read per chunk: their records, sort arrays and tokens fit half the task's budget
         # (the shard being read is mapped beside them).

@@ -290,7 +290,7 @@ def _best_fit_plan(sources, *, jitter, memory, pad_id=None, group_tokens=None, h
 
 def _best_fit_in_memory(job, prepared, memory, needed, held):
     return (
-        packed_step.PackedInMemoryStep(job, prepared["table"], prepared["table_xxh3_128"], budget=memory),
+        packed_step.PackedInMemoryStep(job, budget=memory, prepared=prepared),
         "bestfit",
         f"best-fit in memory ({held / 2**20:.1f} MiB)",
     )
@@ -316,7 +316,7 @@ BEST_FIT = register(
         prepare=packed_step.prepare_table,
         in_memory=_best_fit_in_memory,
         out_of_core=lambda job, layout, prepared, budget: (
-            packed_step.PackedScatterStep(job, layout, prepared["table"], prepared["table_xxh3_128"], budget),
+            packed_step.PackedScatterStep(job, layout, budget, prepared),
             packed_step.PackedOrderStep(job, layout, budget),
         ),
         scattered=lambda job, layout, i: packed_step.holds_pieces_of(layout, i),
