@@ -305,13 +305,7 @@ class EpochPlan:
             match = next((p for p in pool if p.fingerprint == e.get("fingerprint")), None)
             held = {} if spec is None else {k: int(e.get(n, -1)) for k, n in HELD_FIELDS}
             if match is None and int(e["samples"]) != 0:  # a scheduled run lists every source; this epoch may use none
-                raise TokpackError(
-                    "source of the epoch not given",
-                    where=f"sources[{i}] ({e.get('name')})",
-                    expected=f"a source with fingerprint {e.get('fingerprint')}",
-                    found=", ".join(str(p.path) for p in pool) or "none left",
-                    hint="pass every source the epoch was shuffled from, unchanged",
-                )
+                raise source_not_given(i, e, pool, "none left")
             windows, offset = int(e["windows"]), int(e["offset"])
             if match is None:
                 tokens = int(e["tokens"])
@@ -320,10 +314,7 @@ class EpochPlan:
                 tokens = match.tokens
                 # the run's rule, applied again: the held-out documents are not the manifest's word
                 if spec is not None:
-                    h = source_holdout(match, spec, int(manifest["seed"]), split, held_out)
-                    table = stream_table(match, h)
-                    stream = KeptStream(match, h, table)
-                    want = {"documents": h.documents, "held": h.held, "held_tokens": match.tokens - int(table.sum())}
+                    want = stream_counts(match, spec, int(manifest["seed"]), split, held_out)
                     for k, n in HELD_FIELDS:
                         if held[k] != want[k]:
                             raise TokpackError(
@@ -334,8 +325,7 @@ class EpochPlan:
                                 found=e.get(n),
                                 hint="the epoch was not shuffled with the run's --holdout; shuffle it again",
                             )
-                    tokens = stream.tokens
-                    held["kept_shards"] = tuple(table.tolist())
+                    tokens, held["kept_shards"] = want["tokens"], want["kept_shards"]
                 if offset + windows * row > tokens:
                     raise TokpackError(
                         "epoch manifest windows exceed the source",
@@ -361,13 +351,7 @@ class EpochPlan:
                 )
             )
             base += int(e["samples"])
-        if base != int(manifest["samples"]):
-            raise TokpackError(
-                "epoch manifest source samples do not add up",
-                where="sources[].samples",
-                expected=manifest["samples"],
-                found=base,
-            )
+        check_samples(manifest, base)
         return cls(
             int(manifest["seed"]),
             int(manifest["epoch"]),
@@ -377,6 +361,28 @@ class EpochPlan:
             tuple(plans),
             spec,
             split,
+        )
+
+
+def source_not_given(i: int, entry: dict, given: list[PackedSource], none: str) -> TokpackError:
+    """The one line for an epoch manifest's source entry i that none of the sources `given` is."""
+    return TokpackError(
+        "source of the epoch not given",
+        where=f"sources[{i}] ({entry.get('name')})",
+        expected=f"a source with fingerprint {entry.get('fingerprint')}",
+        found=", ".join(str(p.path) for p in given) or none,
+        hint="pass every source the epoch was shuffled from, unchanged",
+    )
+
+
+def check_samples(manifest: dict, total: int) -> None:
+    """An epoch manifest's samples must be its sources' `total`."""
+    if total != int(manifest["samples"]):
+        raise TokpackError(
+            "epoch manifest source samples do not add up",
+            where="sources[].samples",
+            expected=manifest["samples"],
+            found=total,
         )
 
 

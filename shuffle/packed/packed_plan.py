@@ -20,7 +20,7 @@ from tokpack.formats.packing import holdout_recorded, record_holdout
 from tokpack.formats.shards import PackedSource
 
 from ..holdout import Holdout, holdout_of
-from ..plan import EpochPlan, source_head
+from ..plan import EpochPlan, check_samples, source_head, source_not_given
 from ..mixture import check_passes, mixture
 from .passes import (
     MIN_CHUNK,
@@ -367,13 +367,7 @@ def packed_plan_from_manifest(
     for i, e in enumerate(entries):
         src = pool.get(e.get("fingerprint"))
         if src is None:
-            raise TokpackError(
-                "source of the epoch not given",
-                where=f"sources[{i}] ({e.get('name')})",
-                expected=f"a source with fingerprint {e.get('fingerprint')}",
-                found=", ".join(str(p.path) for p in sources) or "none",
-                hint="pass every source the epoch was shuffled from, unchanged",
-            )
+            raise source_not_given(i, e, sources, "none")
         ordered.append(src)
         counts.append(int(e["samples"]))
         cursors.append(e.get("cursor"))
@@ -395,13 +389,7 @@ def packed_plan_from_manifest(
             *holdout_recorded(manifest),  # formats.packing knows where each packing records it
         ),
     )
-    if plan.samples != int(manifest["samples"]):
-        raise TokpackError(
-            "epoch manifest source samples do not add up",
-            where="sources[].samples",
-            expected=manifest["samples"],
-            found=plan.samples,
-        )
+    check_samples(manifest, plan.samples)
     return plan
 
 
