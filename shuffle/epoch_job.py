@@ -145,11 +145,14 @@ class EpochJob:
         a phase, so that a log names it, not the one before it, as soon as it begins."""
         return progress(total, desc, unit=unit, enabled=self.show_progress, phase=True, **options)
 
-    def write_bar(self, shards: int):
-        """The bar of an in-memory path writing `shards` of the epoch's shards."""
-        return self.bar(
-            shards, f"epoch {self.plan.epoch}: write", "shard", unit_bytes=self.shard_samples * self.row_bytes
-        )
+    def write_shards(self, todo: list[int], shard) -> None:
+        """An in-memory path's shards `todo`, in order, under one bar: shard i written from
+        `shard(i)`, its blocks and its padding (write_shard's)."""
+        desc, shard_bytes = f"epoch {self.plan.epoch}: write", self.shard_samples * self.row_bytes
+        with self.bar(len(todo), desc, "shard", unit_bytes=shard_bytes) as bar:
+            for i in todo:
+                self.write_shard(i, *shard(i))
+                bar.update(1)
 
     @property
     def source_changed_path(self) -> Path:

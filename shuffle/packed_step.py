@@ -136,18 +136,14 @@ class PackedInMemoryStep(Step):
         pool = TokenPool(plan, sources, check)
         rows = max(1, GATHER_TOKENS // plan.row_tokens)
 
-        def blocks(table, starts, g0, g1):
-            for a in range(g0, g1, rows):
-                chunk = pool.rows(table, a, min(g1, a + rows), plan.row_tokens, plan.pad_id, starts)
-                yield chunk.reshape(-1).view(job.row_void)
+        def shard(i):  # its rows, assembled from its pieces a chunk at a time, and their padding
+            g0, g1 = job.shard_range(i)
+            table, starts = built.rows(g0, g1)
+            at = range(g0, g1, rows)
+            chunks = (pool.rows(table, a, min(g1, a + rows), plan.row_tokens, plan.pad_id, starts) for a in at)
+            return (c.reshape(-1).view(job.row_void) for c in chunks), row_padding(table, g1 - g0, plan.row_tokens, g0)
 
-        with job.write_bar(len(todo)) as bar:
-            for i in todo:
-                g0, g1 = job.shard_range(i)
-                table, starts = built.rows(g0, g1)
-                pad = row_padding(table, g1 - g0, plan.row_tokens, g0)
-                job.write_shard(i, blocks(table, starts, g0, g1), pad=pad)
-                bar.update(1)
+        job.write_shards(todo, shard)
 
 
 # ---------------------------------------------------------------------- out of core

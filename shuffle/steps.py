@@ -137,10 +137,7 @@ class InMemoryStep(Step):
                         yield store.gather(chunk, ring[c % len(ring)], tmp), facts, chunk
                         c += 1
 
-            with job.write_bar(len(todo)) as write_bar:
-                for i in todo:
-                    job.write_shard(i, blocks(i))
-                    write_bar.update(1)
+            job.write_shards(todo, lambda i: (blocks(i), None))
 
 
 def source_rows(src: PackedSource, offset: int, windows: int, row_tokens: int, on_shard=None) -> Iterator[np.ndarray]:
