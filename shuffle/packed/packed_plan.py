@@ -29,7 +29,6 @@ from .passes import (
     document_count,
     iter_pass,
     one_group_passes,
-    pass_scratch,
     permuted_documents,
     scratch,
 )
@@ -197,9 +196,8 @@ def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
         if one is not None:
             return one.rows
         rows = pieces = 0
-        with pass_scratch(src, plan.memory) as d:
-            for _, n, (row, *_) in _iter_plan_pass(plan, s, p, src, plan.memory, d):
-                rows, pieces = rows + n, pieces + len(row)
+        for _, n, (row, *_) in _iter_plan_pass(plan, s, p, src, plan.memory, None):
+            rows, pieces = rows + n, pieces + len(row)
         _ROWS[key], _PIECES[key] = rows, pieces
     return _ROWS[key]
 
@@ -512,9 +510,7 @@ def held_out(src: PackedSource, spec: dict | None, seed: int, memory: int = DEFA
         return _HELD[key]
 
     def lengths_in_order(order):
-        with scratch() as d:
-            for _, _, lengths in permuted_documents(src, order, memory, d):
-                yield lengths
+        return (lengths for _, _, lengths in permuted_documents(src, order, memory, None))
 
     _HELD[key] = holdout_of(src, spec, seed, document_count(src), lengths_in_order)
     return _HELD[key]
