@@ -505,24 +505,6 @@ def stream_counts(src: PackedSource, spec: dict | None, seed: int, split: bool, 
     }
 
 
-def windows_holdout_plan(
-    sources: list[PackedSource],
-    *,
-    seq_len: int,
-    seed: int,
-    holdout: dict,
-    names: list[str],
-    held_out: HeldOut,
-    **options,
-) -> EpochPlan:
-    """The plan of RUN/holdout/: one pass over the windows of each source's held-out documents'
-    stream, ordered as an epoch is (epoch 0's keys), all of them (no weights, no --samples, no
-    jitter)."""
-    return epoch_plan(
-        sources, seq_len=seq_len, seed=seed, epoch=0, names=names, holdout=HoldoutChoice(holdout, True, held_out)
-    )
-
-
 def chained_plan(
     plan: EpochPlan,
     members: list[int],

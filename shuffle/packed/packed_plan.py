@@ -486,22 +486,6 @@ def run_packing(plan: PackedPlan) -> dict:
     return packing_settings([], plan.pad_id, plan.group_tokens, plan.holdout)
 
 
-def holdout_plan(
-    sources: list[PackedSource], *, seq_len: int, seed: int, holdout: dict, names: list[str], memory: int, **options
-) -> PackedPlan:
-    """The plan of RUN/holdout/: one pass over each source's held-out documents, best-fit packed
-    and ordered as an epoch is (epoch 0's keys), all of them (no weights, no --samples)."""
-    return packed_epoch_plan(
-        sources,
-        seq_len=seq_len,
-        seed=seed,
-        epoch=0,
-        names=names,
-        memory=memory,
-        options=PackedOptions(**options, holdout=holdout, split=True),
-    )
-
-
 def held_out(src: PackedSource, spec: dict | None, seed: int, memory: int = DEFAULT_PLAN_MEMORY) -> "Holdout":
     """Source `src`'s held-out documents for `--holdout` `spec` (a token count reads the
     documents' lengths in the holdout's order, within `memory`)."""
@@ -517,20 +501,3 @@ def held_out(src: PackedSource, spec: dict | None, seed: int, memory: int = DEFA
 
 
 _HELD: dict[tuple, "Holdout"] = {}  # (fingerprint, seed, spec) -> its Holdout: planned once per process
-
-
-def chained_packed_plan(
-    plan: PackedPlan, *, members, sources, names, cursors, weights, counts, memory, **options
-) -> PackedPlan:  # options: pad_id, group_tokens, holdout
-    """An epoch of a schedule of several stages: every source of the schedule, each chain from
-    its cursor over packed rows, the stage's samples from each (`counts`)."""
-    return packed_epoch_plan(
-        sources,
-        seq_len=plan.seq_len,
-        seed=plan.seed,
-        epoch=plan.epoch,
-        weights=weights,
-        names=names,
-        memory=memory,
-        options=PackedOptions(**options, cursors=cursors, counts=counts),
-    )
