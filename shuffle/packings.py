@@ -308,10 +308,10 @@ BEST_FIT = register(
         options=packed_plan.plan_options,
         plan=_best_fit_plan,
         chained=lambda p, *, members, **kw: _best_fit_plan(seq_len=p.seq_len, seed=p.seed, epoch=p.epoch, **kw),
-        from_manifest=lambda m, sources, memory: packed_plan.packed_plan_from_manifest(m, sources, memory),
+        from_manifest=packed_plan.packed_plan_from_manifest,
         replay=packed_replay.replay_packed,
         settings=packed_plan.packing_settings,
-        run_fields=packed_plan.run_packing,
+        run_fields=lambda p: packed_plan.packing_settings([], p.pad_id, p.group_tokens, p.holdout),
         epoch_fields=lambda p, prepared: {
             "packing": p.packing_entry(prepared["table_xxh3_128"], prepared["padding"], prepared.get("figures"))
         },
@@ -325,7 +325,7 @@ BEST_FIT = register(
         ),
         scattered=lambda job, layout, i: packed_step.holds_pieces_of(layout, i),
         table_estimate=packed_step.table_estimate,
-        figures=lambda p, sources, memory: packed_table.row_figures(p, sources, memory),
+        figures=packed_table.row_figures,
         # RUN/holdout/: one pass over each source's held-out documents, best-fit packed and ordered as an
         # epoch is (epoch 0's keys), all of them (no weights, no --samples)
         holdout=lambda sources, **kw: _best_fit_plan(sources, epoch=0, split=True, **kw),

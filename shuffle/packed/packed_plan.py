@@ -481,11 +481,6 @@ def packing_settings(
     }
 
 
-def run_packing(plan: PackedPlan) -> dict:
-    """The same, of a planned epoch (the run manifest's `packing`)."""
-    return packing_settings([], plan.pad_id, plan.group_tokens, plan.holdout)
-
-
 def held_out(src: PackedSource, spec: dict | None, seed: int, memory: int = DEFAULT_PLAN_MEMORY) -> "Holdout":
     """Source `src`'s held-out documents for `--holdout` `spec` (a token count reads the
     documents' lengths in the holdout's order, within `memory`)."""
