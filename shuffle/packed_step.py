@@ -20,7 +20,6 @@ from io import BufferedReader
 import numpy as np
 import xxhash
 
-from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import map_file, open_read, read_array
 
 from .packed.passes import DOC, document_count, kept_pass_bytes
@@ -28,7 +27,7 @@ from .packed.table import PIECE_STATE_BYTES, RECORD, TABLE_PIECE_BYTES, PackedTa
 from .packed.replay import TokenPool
 from .packed.packed_plan import epoch_pieces
 from .epoch_job import RING, EpochJob, Step
-from .steps import OrderStep, ScatterStep
+from .steps import OrderStep, ScatterStep, bucket_damaged
 
 GATHER_TOKENS = 1 << 20  # tokens of rows assembled per call
 
@@ -272,12 +271,7 @@ def read_bucket(
         rec = np.frombuffer(raw, dtype=RECORD)
         local = rec["g"].astype(np.int64) - start
         if len(local) and (local.min() < 0 or local.max() >= n):
-            raise TokpackError(
-                "scatter file holds a piece of another bucket",
-                file=f,
-                where=f"bucket {b}",
-                hint="delete OUT/.tokpack-work and rerun",
-            )
+            raise bucket_damaged("scatter file holds a piece of another bucket", f, b)
         dest = local * row_tokens + rec["row_offset"].astype(np.int64)
         length = rec["length"].astype(np.int64)
         whole = (length == row_tokens) & (rec["row_offset"] == 0)

@@ -456,6 +456,11 @@ class ScatterStep(Step):
                     shards.finish()
 
 
+def bucket_damaged(message: str, file, b: int, **fields) -> TokpackError:
+    """The one line for bucket b's scatter files holding what no scatter task wrote."""
+    return TokpackError(message, file=file, where=f"bucket {b}", hint="delete OUT/.tokpack-work and rerun", **fields)
+
+
 ORDER_PHASE = "order buckets, write shards"  # the out-of-core order pass, as progress names it
 
 
@@ -513,32 +518,21 @@ class OrderStep(Step):
                     del rows, pos  # the maps must go with `parts` below, before the next bucket is mapped
             store = RowStore(parts)
             if len(store) != n:
-                raise TokpackError(
+                raise bucket_damaged(
                     "scatter files do not cover their bucket",
-                    file=lay.dir,
-                    where=f"bucket {b}",
+                    lay.dir,
+                    b,
                     expected=f"{n} rows",
                     found=f"{len(store)} rows",
-                    hint="delete OUT/.tokpack-work and rerun",
                 )
             inv[:n] = -1
             for pos, first in zip(positions, store.starts.tolist()):
                 local = pos - start
                 if len(local) and (local.min() < 0 or local.max() >= n):
-                    raise TokpackError(
-                        "scatter file holds a row of another bucket",
-                        file=lay.dir,
-                        where=f"bucket {b}",
-                        hint="delete OUT/.tokpack-work and rerun",
-                    )
+                    raise bucket_damaged("scatter file holds a row of another bucket", lay.dir, b)
                 inv[local] = ramp[first : first + len(local)]
             if n and inv[:n].min() < 0:
-                raise TokpackError(
-                    "scatter files hold a position twice",
-                    file=lay.dir,
-                    where=f"bucket {b}",
-                    hint="delete OUT/.tokpack-work and rerun",
-                )
+                raise bucket_damaged("scatter files hold a position twice", lay.dir, b)
             for a in range(0, n, len(tmp)):
                 c = min(n, a + len(tmp))
                 yield store.gather(inv[a:c], ring[count % len(ring)], tmp)
