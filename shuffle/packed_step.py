@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from io import BufferedReader
+from pathlib import Path
 
 import numpy as np
 import xxhash
@@ -35,10 +36,7 @@ GATHER_TOKENS = 1 << 20  # tokens of rows assembled per call
 def prepare_table(job: EpochJob, memory: int) -> dict:
     """The epoch's row table, materialised in its work folder (`packing/`) by build_table
     within `memory`: its folder, xxh3_128 and padding tokens, for the steps and the manifest."""
-    from pathlib import Path
-
     path = Path(job.work_dir) / "packing"
-
     # the kept passes (packed.iter_pass) count against the budget while the table is built (which drops them)
     built = build_table(job.plan, job.open_sources(), path, max(1, memory - kept_pass_bytes()), progress=job.bar)
     return {
