@@ -470,8 +470,12 @@ class HoldoutChoice(NamedTuple):
     held_out: HeldOut | None = None
 
 
-def source_holdout(src: PackedSource, spec: dict, seed: int, split: bool, held_out: HeldOut | None) -> Holdout:
-    """Source `src`'s held-out documents for `--holdout` `spec`; `split`: RUN/holdout/'s view of them."""
+def stream_counts(src: PackedSource, spec: dict | None, seed: int, split: bool, held_out: HeldOut | None) -> dict:
+    """A SourcePlan's holdout fields for source `src` ({} without a holdout), its stream's
+    `tokens` among them: of its held-out documents for `--holdout` `spec` (`split`: RUN/holdout/'s
+    view of them, the held-out documents' stream)."""
+    if spec is None:
+        return {}
     if held_out is None:
         raise TokpackError(
             "internal error: a plan with --holdout needs the rule that holds documents out",
@@ -485,15 +489,7 @@ def source_holdout(src: PackedSource, spec: dict, seed: int, split: bool, held_o
             where="--holdout",
             hint="plan a run with --holdout on packed sources, not virtual ones",
         )
-    return replace(held_out(src, spec, seed), split=bool(split))
-
-
-def stream_counts(src: PackedSource, spec: dict | None, seed: int, split: bool, held_out: HeldOut | None) -> dict:
-    """A SourcePlan's holdout fields for source `src` ({} without a holdout), its stream's
-    `tokens` among them."""
-    if spec is None:
-        return {}
-    h = source_holdout(src, spec, seed, split, held_out)
+    h = replace(held_out(src, spec, seed), split=bool(split))
     table = stream_table(src, h)
     kept = int(table.sum())
     return {
