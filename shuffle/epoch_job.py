@@ -140,16 +140,19 @@ class EpochJob:
         """progress()'s `enabled`: None (a bar, or lines in a log) in the process that asked, else False."""
         return None if self.progress and os.getpid() == self.main_pid else False
 
-    def write_bar(self, shards: int):
-        """The bar of an in-memory path writing `shards` of the epoch's shards."""
-        return progress(
-            shards,
-            f"epoch {self.plan.epoch}: write",
-            unit="shard",
-            enabled=self.show_progress,
-            unit_bytes=self.shard_samples * self.row_bytes,
-            phase=True,
-        )
+    def bar(self, total: int, desc: str, unit: str = "B", **options):
+        """A bar of one phase of the epoch (a pass, a step of its table), shown as show_progress says:
+        a phase, so that a log names it, not the one before it, as soon as it begins."""
+        return progress(total, desc, unit=unit, enabled=self.show_progress, phase=True, **options)
+
+    def write_shards(self, todo: list[int], shard) -> None:
+        """An in-memory path's shards `todo`, in order, under one bar: shard i written from
+        `shard(i)`, its blocks and its padding (write_shard's)."""
+        desc, shard_bytes = f"epoch {self.plan.epoch}: write", self.shard_samples * self.row_bytes
+        with self.bar(len(todo), desc, "shard", unit_bytes=shard_bytes) as bar:
+            for i in todo:
+                self.write_shard(i, *shard(i))
+                bar.update(1)
 
     @property
     def source_changed_path(self) -> Path:
@@ -273,19 +276,19 @@ class Step(PipelineStep):
 
     type = "tokpack"
 
-    def __init__(self, job: EpochJob, layout=None, budget: int = 0):  # layout: tokpack.shuffle.steps.Layout
+    def __init__(self, job: EpochJob, layout=None, budget: int = 0, prepared: dict | None = None):
+        # layout: tokpack.shuffle.steps.Layout; prepared: what the packing built first (Packing.prepare)
         super().__init__()
-        self.job, self.layout, self.budget = job, layout, budget
+        self.job, self.layout, self.budget, self.prepared = job, layout, budget, prepared
         self._bar = None  # one bar for the whole pass, in the submitting process only
 
     def __getstate__(self):
         return {**self.__dict__, "_bar": None}
 
     def bar(self, total: int, desc: str, unit: str = "B"):
-        """The pass's bar, opened by its first task here: a phase, so that a log names this pass,
-        not the one before it, as soon as it begins."""
+        """The pass's bar (EpochJob.bar), opened by its first task here."""
         if self._bar is None:
-            self._bar = progress(total, desc, unit=unit, enabled=self.job.show_progress, phase=True)
+            self._bar = self.job.bar(total, desc, unit)
         return self._bar
 
     def close_bar(self) -> None:

@@ -15,22 +15,20 @@ over document pieces, each scatter task reading only its source shards' files of
 from __future__ import annotations
 
 import os
-import shutil
 from io import BufferedReader
+from pathlib import Path
 
 import numpy as np
 import xxhash
 
-from tokpack.formats.errors import TokpackError
-from tokpack.formats.io.progress_log import progress
-from tokpack.formats.io.gate import map_file, open_append, open_read, read_array
+from tokpack.formats.io.gate import map_file, open_read, read_array
 
 from .packed.passes import DOC, document_count, kept_pass_bytes
 from .packed.table import PIECE_STATE_BYTES, RECORD, TABLE_PIECE_BYTES, PackedTable, build_table, row_padding
 from .packed.replay import TokenPool
 from .packed.packed_plan import epoch_pieces
 from .epoch_job import RING, EpochJob, Step
-from .steps import OrderStep, ScatterStep
+from .steps import OrderStep, ScatterStep, bucket_damaged
 
 GATHER_TOKENS = 1 << 20  # tokens of rows assembled per call
 
@@ -38,15 +36,9 @@ GATHER_TOKENS = 1 << 20  # tokens of rows assembled per call
 def prepare_table(job: EpochJob, memory: int) -> dict:
     """The epoch's row table, materialised in its work folder (`packing/`) by build_table
     within `memory`: its folder, xxh3_128 and padding tokens, for the steps and the manifest."""
-    from pathlib import Path
-
     path = Path(job.work_dir) / "packing"
-
     # the kept passes (packed.iter_pass) count against the budget while the table is built (which drops them)
-    def bar(total, desc, unit="B"):  # each phase of the build, named while it runs
-        return progress(total, desc, unit=unit, enabled=job.show_progress, phase=True)
-
-    built = build_table(job.plan, job.open_sources(), path, max(1, memory - kept_pass_bytes()), progress=bar)
+    built = build_table(job.plan, job.open_sources(), path, max(1, memory - kept_pass_bytes()), progress=job.bar)
     return {
         "table": str(path),
         "table_xxh3_128": built.table_xxh3_128,
@@ -127,17 +119,13 @@ class PackedInMemoryStep(Step):
 
     name = "shuffle best-fit in memory"
 
-    def __init__(self, job: EpochJob, table_dir: str, table_hash: str, budget: int = 0):
-        super().__init__(job, budget=budget)
-        self.table_dir, self.table_hash = table_dir, table_hash  # the materialised row table (build_table)
-
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         job, plan = self.job, self.job.plan
         todo = [i for i in range(rank, job.n_shards, world_size) if job.shard_done(i) is None]
         if not todo:
             return
         sources = job.open_sources()
-        built = PackedTable.open(self.table_dir, self.table_hash)
+        built = PackedTable.open(self.prepared["table"], self.prepared["table_xxh3_128"])
 
         def check(src, k, tokens):
             job.check_source_shard(src, k, xxhash.xxh3_128_hexdigest(tokens))
@@ -145,18 +133,14 @@ class PackedInMemoryStep(Step):
         pool = TokenPool(plan, sources, check)
         rows = max(1, GATHER_TOKENS // plan.row_tokens)
 
-        def blocks(table, starts, g0, g1):
-            for a in range(g0, g1, rows):
-                chunk = pool.rows(table, a, min(g1, a + rows), plan.row_tokens, plan.pad_id, starts)
-                yield chunk.reshape(-1).view(job.row_void)
+        def shard(i):  # its rows, assembled from its pieces a chunk at a time, and their padding
+            g0, g1 = job.shard_range(i)
+            table, starts = built.rows(g0, g1)
+            at = range(g0, g1, rows)
+            chunks = (pool.rows(table, a, min(g1, a + rows), plan.row_tokens, plan.pad_id, starts) for a in at)
+            return (c.reshape(-1).view(job.row_void) for c in chunks), row_padding(table, g1 - g0, plan.row_tokens, g0)
 
-        with job.write_bar(len(todo)) as bar:
-            for i in todo:
-                g0, g1 = job.shard_range(i)
-                table, starts = built.rows(g0, g1)
-                pad = row_padding(table, g1 - g0, plan.row_tokens, g0)
-                job.write_shard(i, blocks(table, starts, g0, g1), pad=pad)
-                bar.update(1)
+        job.write_shards(todo, shard)
 
 
 # ---------------------------------------------------------------------- out of core
@@ -170,35 +154,14 @@ class PackedScatterStep(ScatterStep):
 
     name = "shuffle best-fit scatter"
 
-    def __init__(self, job: EpochJob, layout, table_dir: str, table_hash: str, budget: int = 1 << 30):
-        super().__init__(job, layout, budget)
-        self.table_dir, self.table_hash = table_dir, table_hash
-
-    def scatter(self, t: int) -> None:
+    def fill(self, t: int, sources, files) -> None:
         job, plan, lay = self.job, self.job.plan, self.layout
-        if lay.scatter_done(t):
-            return
-        tdir = lay.task_dir(t)
-        shutil.rmtree(tdir, ignore_errors=True)
-        tdir.mkdir(parents=True)
-        sources = job.open_sources()
-        built = PackedTable.open(self.table_dir, self.table_hash)
-        counts: dict[int, int] = {}  # rows written per bucket
-        hashes: dict[int, list] = {}  # per bucket written: xxh3_64 of its rows file and of its pos file
-        mine = [(s, k) for s, k0, k1 in lay.task_shards[t] for k in range(k0, k1)]
-        scatter_bar = self.bar(
-            sum(
-                int(sources[s].shards[k]["tokens"]) * sources[s].dtype.itemsize
-                for task in lay.task_shards
-                for s, k0, k1 in task
-                for k in range(k0, k1)
-            ),
-            f"epoch {plan.epoch}: scatter",
-        )
+        built = PackedTable.open(self.prepared["table"], self.prepared["table_xxh3_128"])
+        scatter_bar = self.scatter_bar(sources)
         # Pieces read per chunk: their records, sort arrays and tokens fit half the task's budget
         # (the shard being read is mapped beside them).
         chunk = max(1, self.budget // 2 // (PIECE_STATE_BYTES + plan.row_tokens * job.token_dtype.itemsize))
-        for s, k in mine:
+        for s, k in [(s, k) for s, k0, k1 in lay.task_shards[t] for k in range(k0, k1)]:
             src = sources[s]
             n = int(src.shards[k]["tokens"])
             data = map_file(src.path / src.shards[k]["path"], 0, n * src.dtype.itemsize).view(src.dtype)
@@ -208,25 +171,15 @@ class PackedScatterStep(ScatterStep):
                 sel = np.lexsort((pieces["row_offset"], pieces["g"], bucket))
                 cuts = np.flatnonzero(np.diff(bucket[sel])) + 1
                 for run in np.split(sel, cuts):
-                    b = int(bucket[run[0]])
                     rec = np.empty(len(run), RECORD)
                     for field in ("g", "row_offset", "length"):
                         rec[field] = pieces[field][run]
                     tokens = np.concatenate(
                         [data[a : a + m] for a, m in zip(pieces["local"][run].tolist(), rec["length"].tolist())]
                     )
-                    lay.bucket_file(t, b, "rows").parent.mkdir(exist_ok=True)
-                    for ext, payload, h in zip(
-                        ("rows", "pos"), (tokens, rec), hashes.setdefault(b, [xxhash.xxh3_64(), xxhash.xxh3_64()])
-                    ):
-                        raw = memoryview(payload).cast("B")
-                        with open_append(lay.bucket_file(t, b, ext), folder=lay.dir) as out:
-                            out.write(raw)
-                        h.update(raw)
-                    counts[b] = counts.get(b, 0) + len(run)
+                    files.append(int(bucket[run[0]]), len(run), tokens, rec)
             scatter_bar.update(n * src.dtype.itemsize)
             del data
-        lay.finish_task(t, counts, hashes)
 
 
 def holds_pieces_of(layout, i: int) -> bool:
@@ -247,17 +200,13 @@ class PackedOrderStep(OrderStep):
 
     name = "shuffle best-fit order"
 
-    def order(self, i: int) -> None:
-        job, lay = self.job, self.layout
-        buckets = lay.buckets_of(i)
-        self.order_bar()
-        if job.shard_done(i) is None:
-            g0, g1 = job.shard_range(i)
-            # Filled while write_shard consumes the buckets, and read by it only after the last.
-            pad = np.full(g1 - g0, job.plan.row_tokens, dtype=np.int64)
-            with job.chunk_ring(self.budget) as (ring, _):
-                job.write_shard(i, self._pieces(buckets, g0, pad, ring), pad=pad)
-        lay.remove_buckets(buckets)  # the shard is safe
+    def write(self, i: int, buckets: range) -> None:
+        job = self.job
+        g0, g1 = job.shard_range(i)
+        # Filled while write_shard consumes the buckets, and read by it only after the last.
+        pad = np.full(g1 - g0, job.plan.row_tokens, dtype=np.int64)
+        with job.chunk_ring(self.budget) as (ring, _):
+            job.write_shard(i, self._pieces(buckets, g0, pad, ring), pad=pad)
 
     def _pieces(self, buckets: range, g0: int, pad: np.ndarray, ring: list[np.ndarray]):
         """Each bucket's rows, in output order, as np.void rows copied into the `ring` buffers a
@@ -320,12 +269,7 @@ def read_bucket(
         rec = np.frombuffer(raw, dtype=RECORD)
         local = rec["g"].astype(np.int64) - start
         if len(local) and (local.min() < 0 or local.max() >= n):
-            raise TokpackError(
-                "scatter file holds a piece of another bucket",
-                file=f,
-                where=f"bucket {b}",
-                hint="delete OUT/.tokpack-work and rerun",
-            )
+            raise bucket_damaged("scatter file holds a piece of another bucket", f, b)
         dest = local * row_tokens + rec["row_offset"].astype(np.int64)
         length = rec["length"].astype(np.int64)
         whole = (length == row_tokens) & (rec["row_offset"] == 0)

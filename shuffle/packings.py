@@ -241,8 +241,8 @@ def replay(manifest: dict, sources, order: bool = True, memory: int = DEFAULT_PL
 # -------------------------------------------------------------------- windows ("concat")
 
 
-def _windows_plan(sources, *, memory, holdout=None, **kw):
-    return plan.epoch_plan(sources, holdout=plan.HoldoutChoice(holdout, False, packed_plan.held_out), **kw)
+def _windows_plan(sources, *, memory, holdout=None, split=False, pad_id=None, **kw):
+    return plan.epoch_plan(sources, holdout=plan.HoldoutChoice(holdout, split, packed_plan.held_out), **kw)
 
 
 def _windows_in_memory(job, prepared, memory, needed, held):
@@ -274,7 +274,9 @@ WINDOWS = register(
         ),
         scattered=lambda job, layout, i: layout.holds_rows_of(i, job.row_bytes),
         unit="windows",
-        holdout=lambda sources, **kw: plan.windows_holdout_plan(sources, held_out=packed_plan.held_out, **kw),
+        # RUN/holdout/: one pass over the windows of each source's held-out documents' stream, ordered as an
+        # epoch is (epoch 0's keys), all of them (no weights, no --samples, no jitter)
+        holdout=lambda sources, **kw: _windows_plan(sources, epoch=0, split=True, **kw),
         run_holdout=lambda p: record_holdout(p.holdout, padded=False),
     )
 )
@@ -283,14 +285,16 @@ WINDOWS = register(
 # -------------------------------------------------------------------- best-fit
 
 
-def _best_fit_plan(sources, *, jitter, memory, pad_id=None, group_tokens=None, holdout=None, **kw):
-    options = packed_plan.PackedOptions(group_tokens, pad_id, holdout=holdout)
+def _best_fit_plan(sources, *, memory, jitter=False, **kw):
+    """packed_epoch_plan, with the keywords that are PackedOptions' (pad_id, holdout, a schedule's
+    cursors and counts...) as its options."""
+    options = packed_plan.PackedOptions(**{k: kw.pop(k) for k in packed_plan.PackedOptions._fields if k in kw})
     return packed_plan.packed_epoch_plan(sources, memory=memory, options=options, **kw)
 
 
 def _best_fit_in_memory(job, prepared, memory, needed, held):
     return (
-        packed_step.PackedInMemoryStep(job, prepared["table"], prepared["table_xxh3_128"], budget=memory),
+        packed_step.PackedInMemoryStep(job, budget=memory, prepared=prepared),
         "bestfit",
         f"best-fit in memory ({held / 2**20:.1f} MiB)",
     )
@@ -303,11 +307,11 @@ BEST_FIT = register(
         jitter=False,
         options=packed_plan.plan_options,
         plan=_best_fit_plan,
-        chained=packed_plan.chained_packed_plan,
-        from_manifest=lambda m, sources, memory: packed_plan.packed_plan_from_manifest(m, sources, memory),
+        chained=lambda p, *, members, **kw: _best_fit_plan(seq_len=p.seq_len, seed=p.seed, epoch=p.epoch, **kw),
+        from_manifest=packed_plan.packed_plan_from_manifest,
         replay=packed_replay.replay_packed,
         settings=packed_plan.packing_settings,
-        run_fields=packed_plan.run_packing,
+        run_fields=lambda p: packed_plan.packing_settings([], p.pad_id, p.group_tokens, p.holdout),
         epoch_fields=lambda p, prepared: {
             "packing": p.packing_entry(prepared["table_xxh3_128"], prepared["padding"], prepared.get("figures"))
         },
@@ -316,13 +320,15 @@ BEST_FIT = register(
         prepare=packed_step.prepare_table,
         in_memory=_best_fit_in_memory,
         out_of_core=lambda job, layout, prepared, budget: (
-            packed_step.PackedScatterStep(job, layout, prepared["table"], prepared["table_xxh3_128"], budget),
+            packed_step.PackedScatterStep(job, layout, budget, prepared),
             packed_step.PackedOrderStep(job, layout, budget),
         ),
         scattered=lambda job, layout, i: packed_step.holds_pieces_of(layout, i),
         table_estimate=packed_step.table_estimate,
-        figures=lambda p, sources, memory: packed_table.row_figures(p, sources, memory),
-        holdout=packed_plan.holdout_plan,
+        figures=packed_table.row_figures,
+        # RUN/holdout/: one pass over each source's held-out documents, best-fit packed and ordered as an
+        # epoch is (epoch 0's keys), all of them (no weights, no --samples)
+        holdout=lambda sources, **kw: _best_fit_plan(sources, epoch=0, split=True, **kw),
         padded=True,
         table_rows=packed_table.table_rows,
         token_pool=packed_replay.TokenPool,

@@ -182,6 +182,12 @@ class EpochPlan:
                 both += int((first.inverse(second.forward(ks)) >= a).sum())
         return both
 
+    repeat_unit = "samples"  # what source_report's repeats count (PackedPlan's: rows)
+
+    def repeat_counts(self, s: int) -> tuple[int, int | None]:
+        """(repeats, the samples they are out of) of source s, as source_report gives them."""
+        return self.repeats(s), self.sources[s].samples
+
     def source_report(self) -> list[dict]:
         """Per source, what this epoch takes from it: for summaries and warnings."""
         return [
@@ -190,11 +196,12 @@ class EpochPlan:
                 "windows": src.windows,
                 "passes": self.passes(i),
                 "first_pass": self.first_pass(i),
-                "repeats": self.repeats(i),
-                "repeat_total": src.samples,
-                "repeat_unit": "samples",
+                "repeats": repeats,
+                "repeat_total": total,
+                "repeat_unit": self.repeat_unit,
             }
             for i, src in enumerate(self.sources)
+            for repeats, total in [self.repeat_counts(i)]
         ]
 
     def window_perm(self, s: int, p: int) -> Bijection:
@@ -298,13 +305,7 @@ class EpochPlan:
             match = next((p for p in pool if p.fingerprint == e.get("fingerprint")), None)
             held = {} if spec is None else {k: int(e.get(n, -1)) for k, n in HELD_FIELDS}
             if match is None and int(e["samples"]) != 0:  # a scheduled run lists every source; this epoch may use none
-                raise TokpackError(
-                    "source of the epoch not given",
-                    where=f"sources[{i}] ({e.get('name')})",
-                    expected=f"a source with fingerprint {e.get('fingerprint')}",
-                    found=", ".join(str(p.path) for p in pool) or "none left",
-                    hint="pass every source the epoch was shuffled from, unchanged",
-                )
+                raise source_not_given(i, e, pool, "none left")
             windows, offset = int(e["windows"]), int(e["offset"])
             if match is None:
                 tokens = int(e["tokens"])
@@ -313,10 +314,7 @@ class EpochPlan:
                 tokens = match.tokens
                 # the run's rule, applied again: the held-out documents are not the manifest's word
                 if spec is not None:
-                    h = source_holdout(match, spec, int(manifest["seed"]), split, held_out)
-                    table = stream_table(match, h)
-                    stream = KeptStream(match, h, table)
-                    want = {"documents": h.documents, "held": h.held, "held_tokens": match.tokens - int(table.sum())}
+                    want = stream_counts(match, spec, int(manifest["seed"]), split, held_out)
                     for k, n in HELD_FIELDS:
                         if held[k] != want[k]:
                             raise TokpackError(
@@ -327,8 +325,7 @@ class EpochPlan:
                                 found=e.get(n),
                                 hint="the epoch was not shuffled with the run's --holdout; shuffle it again",
                             )
-                    tokens = stream.tokens
-                    held["kept_shards"] = tuple(table.tolist())
+                    tokens, held["kept_shards"] = want["tokens"], want["kept_shards"]
                 if offset + windows * row > tokens:
                     raise TokpackError(
                         "epoch manifest windows exceed the source",
@@ -354,13 +351,7 @@ class EpochPlan:
                 )
             )
             base += int(e["samples"])
-        if base != int(manifest["samples"]):
-            raise TokpackError(
-                "epoch manifest source samples do not add up",
-                where="sources[].samples",
-                expected=manifest["samples"],
-                found=base,
-            )
+        check_samples(manifest, base)
         return cls(
             int(manifest["seed"]),
             int(manifest["epoch"]),
@@ -370,6 +361,28 @@ class EpochPlan:
             tuple(plans),
             spec,
             split,
+        )
+
+
+def source_not_given(i: int, entry: dict, given: list[PackedSource], none: str) -> TokpackError:
+    """The one line for an epoch manifest's source entry i that none of the sources `given` is."""
+    return TokpackError(
+        "source of the epoch not given",
+        where=f"sources[{i}] ({entry.get('name')})",
+        expected=f"a source with fingerprint {entry.get('fingerprint')}",
+        found=", ".join(str(p.path) for p in given) or none,
+        hint="pass every source the epoch was shuffled from, unchanged",
+    )
+
+
+def check_samples(manifest: dict, total: int) -> None:
+    """An epoch manifest's samples must be its sources' `total`."""
+    if total != int(manifest["samples"]):
+        raise TokpackError(
+            "epoch manifest source samples do not add up",
+            where="sources[].samples",
+            expected=manifest["samples"],
+            found=total,
         )
 
 
@@ -457,8 +470,12 @@ class HoldoutChoice(NamedTuple):
     held_out: HeldOut | None = None
 
 
-def source_holdout(src: PackedSource, spec: dict, seed: int, split: bool, held_out: HeldOut | None) -> Holdout:
-    """Source `src`'s held-out documents for `--holdout` `spec`; `split`: RUN/holdout/'s view of them."""
+def stream_counts(src: PackedSource, spec: dict | None, seed: int, split: bool, held_out: HeldOut | None) -> dict:
+    """A SourcePlan's holdout fields for source `src` ({} without a holdout), its stream's
+    `tokens` among them: of its held-out documents for `--holdout` `spec` (`split`: RUN/holdout/'s
+    view of them, the held-out documents' stream)."""
+    if spec is None:
+        return {}
     if held_out is None:
         raise TokpackError(
             "internal error: a plan with --holdout needs the rule that holds documents out",
@@ -472,15 +489,7 @@ def source_holdout(src: PackedSource, spec: dict, seed: int, split: bool, held_o
             where="--holdout",
             hint="plan a run with --holdout on packed sources, not virtual ones",
         )
-    return replace(held_out(src, spec, seed), split=bool(split))
-
-
-def stream_counts(src: PackedSource, spec: dict | None, seed: int, split: bool, held_out: HeldOut | None) -> dict:
-    """A SourcePlan's holdout fields for source `src` ({} without a holdout), its stream's
-    `tokens` among them."""
-    if spec is None:
-        return {}
-    h = source_holdout(src, spec, seed, split, held_out)
+    h = replace(held_out(src, spec, seed), split=bool(split))
     table = stream_table(src, h)
     kept = int(table.sum())
     return {
@@ -490,24 +499,6 @@ def stream_counts(src: PackedSource, spec: dict | None, seed: int, split: bool, 
         "held_tokens": src.tokens - kept,
         "kept_shards": tuple(table.tolist()),
     }
-
-
-def windows_holdout_plan(
-    sources: list[PackedSource],
-    *,
-    seq_len: int,
-    seed: int,
-    holdout: dict,
-    names: list[str],
-    held_out: HeldOut,
-    **options,
-) -> EpochPlan:
-    """The plan of RUN/holdout/: one pass over the windows of each source's held-out documents'
-    stream, ordered as an epoch is (epoch 0's keys), all of them (no weights, no --samples, no
-    jitter)."""
-    return epoch_plan(
-        sources, seq_len=seq_len, seed=seed, epoch=0, names=names, holdout=HoldoutChoice(holdout, True, held_out)
-    )
 
 
 def chained_plan(

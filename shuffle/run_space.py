@@ -27,17 +27,12 @@ def task_budget(memory: int, workers: int) -> int:
     return max(1, memory // workers)
 
 
-def docs_per_token(sources: list[PackedSource]) -> float:
-    return sum(int(s.manifest.get("documents", 0)) for s in sources) / max(
-        1, sum(int(s.manifest.get("tokens", 0)) for s in sources)
-    )
-
-
 def planned_epoch_manifest(job: EpochJob, sources: list[PackedSource]) -> dict:
     """The epoch manifest as the run will write it, but for its checksums and its fragment
     counts, which are estimates (a sample is cut at each document end: one fragment per sample
     plus the sources' documents per token): its size is the written one's to a few bytes."""
-    plan, per_row = job.plan, 1 + docs_per_token(sources) * job.plan.row_tokens
+    docs, tokens = (sum(int(s.manifest.get(k, 0)) for s in sources) for k in ("documents", "tokens"))
+    plan, per_row = job.plan, 1 + docs / max(1, tokens) * job.plan.row_tokens
     entries = []
     for i in range(job.n_shards):
         g0, g1 = job.shard_range(i)

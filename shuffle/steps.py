@@ -46,7 +46,6 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.reads import Worker
 from tokpack.formats.io.memory import drop_buffers, lent
 from tokpack.formats.io.gate import map_file, open_append, read_array, regular_size
-from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.writes import write_bytes_atomic
 from tokpack.formats.shards import PackedSource, RowFragments
 
@@ -96,11 +95,8 @@ class InMemoryStep(Step):
         # outruns the disk and releases the GIL: BENCHMARKS.md, "Figures cited by the code"), and
         # checked before anything is written.
         with (
-            progress(
-                sum(sp.windows for sp in plan.sources if sp.samples) * job.row_bytes,
-                f"epoch {plan.epoch}: read",
-                enabled=job.show_progress,
-                phase=True,
+            job.bar(
+                sum(sp.windows for sp in plan.sources if sp.samples) * job.row_bytes, f"epoch {plan.epoch}: read"
             ) as read_bar,
             Worker() as helper,
             Worker() as hasher,
@@ -141,10 +137,7 @@ class InMemoryStep(Step):
                         yield store.gather(chunk, ring[c % len(ring)], tmp), facts, chunk
                         c += 1
 
-            with job.write_bar(len(todo)) as write_bar:
-                for i in todo:
-                    job.write_shard(i, blocks(i))
-                    write_bar.update(1)
+            job.write_shards(todo, lambda i: (blocks(i), None))
 
 
 def source_rows(src: PackedSource, offset: int, windows: int, row_tokens: int, on_shard=None) -> Iterator[np.ndarray]:
@@ -353,6 +346,43 @@ def split_shards(plan: EpochPlan, sources: list[PackedSource], tasks: int) -> li
     return out
 
 
+class BucketFiles:
+    """Scatter task t's bucket files, appended to by one thread (two at once could interleave one
+    block's rows with another's positions), at most MAX_OPEN_BUCKET_FILES buckets' open at once
+    (the open-files ulimit), with the rows each bucket got. Each file's xxh3_64 as written is
+    recorded in task_records and checked by the order pass: a file a crash cut short or garbled is
+    caught without an fsync of every bucket file (which the done JSON, fsync'd, would otherwise
+    have to wait for)."""
+
+    def __init__(self, lay: Layout, t: int):
+        self.lay, self.t = lay, t
+        self.files: dict[int, tuple] = {}  # open (rows, pos) files per bucket
+        self.counts: dict[int, int] = {}  # rows written per bucket
+        self.hashes: dict[int, tuple] = {}  # per bucket written: xxh3_64 of its rows file and of its pos file
+
+    def append(self, b: int, n: int, rows: np.ndarray, pos: np.ndarray) -> None:
+        """`n` rows (or pieces) of bucket b: their tokens `rows` and their positions `pos`."""
+        if b not in self.files:
+            if len(self.files) >= MAX_OPEN_BUCKET_FILES:
+                self.close()
+            self.lay.bucket_file(self.t, b, "rows").parent.mkdir(exist_ok=True)
+            self.files[b] = tuple(
+                open_append(self.lay.bucket_file(self.t, b, ext), folder=self.lay.dir) for ext in ("rows", "pos")
+            )
+            self.hashes.setdefault(b, (xxhash.xxh3_64(), xxhash.xxh3_64()))
+        for f, h, data in zip(self.files[b], self.hashes[b], (rows, pos)):
+            raw = memoryview(data).cast("B")
+            f.write(raw)
+            h.update(raw)
+        self.counts[b] = self.counts.get(b, 0) + n
+
+    def close(self) -> None:
+        for pair in self.files.values():
+            for f in pair:
+                f.close()
+        self.files.clear()
+
+
 class ScatterStep(Step):
     """Task t reads its input range sequentially and appends rows + output positions to the
     files of their buckets: scatter-TTTTT/bBBBBBB.rows and .pos (int64 g per row)."""
@@ -364,14 +394,31 @@ class ScatterStep(Step):
             self.scatter(t)
 
     def scatter(self, t: int) -> None:
-        job, plan, lay = self.job, self.job.plan, self.layout
+        """Scatter task t, unless its records are written: its folder made afresh, its bucket files
+        filled (`fill`, each packing's), then its records and done file."""
+        lay = self.layout
         if lay.scatter_done(t):
             return
+        shutil.rmtree(lay.task_dir(t), ignore_errors=True)
+        lay.task_dir(t).mkdir(parents=True)
+        files = BucketFiles(lay, t)
+        try:
+            self.fill(t, self.job.open_sources(), files)
+        finally:
+            files.close()
+        lay.finish_task(t, files.counts, files.hashes)
+
+    def scatter_bar(self, sources: list[PackedSource]):
+        """The pass's bar: the bytes of every source the epoch uses, each read by one task."""
+        plan = self.job.plan
+        return self.bar(
+            sum(int(src.tokens) * src.dtype.itemsize for s, src in enumerate(sources) if plan.sources[s].samples),
+            f"epoch {plan.epoch}: scatter",
+        )
+
+    def fill(self, t: int, sources: list[PackedSource], files: BucketFiles) -> None:
+        job, plan, lay = self.job, self.job.plan, self.layout
         drop_buffers("inverse")
-        tdir = lay.task_dir(t)
-        shutil.rmtree(tdir, ignore_errors=True)
-        tdir.mkdir(parents=True)
-        sources = job.open_sources()
         segments = shard_segments(plan, sources, lay.task_shards[t])
         rows_in = max(1, min(lay.block_rows, max([b - a for _, a, b, _, _ in segments], default=1)))
         # Two input buffers (a thread reads one block ahead) and two output buffers (the disk
@@ -379,68 +426,39 @@ class ScatterStep(Step):
         with lent("scatter", rows_in * job.row_bytes, 4) as bufs:
             inbufs = [b.view(job.token_dtype) for b in bufs[:2]]
             outbufs = [b.view(job.row_void) for b in bufs[2:]]
-            counts: dict[int, int] = {}  # rows written per bucket
-            files: dict[int, tuple] = {}  # open (rows, pos) files per bucket; used by the disk thread only
-            # xxh3_64 of each bucket's (rows, pos) file as written, recorded in task_records and
-            # checked by the order pass: a file a crash cut short or garbled is caught without an
-            # fsync of every bucket file (which the done JSON, fsync'd, would otherwise have to wait for).
-            hashes: dict[int, tuple] = {}
-            scatter_bar = self.bar(
-                sum(int(src.tokens) * src.dtype.itemsize for s, src in enumerate(sources) if plan.sources[s].samples),
-                f"epoch {plan.epoch}: scatter",
-            )
+            scatter_bar = self.scatter_bar(sources)
 
             def append(out: np.ndarray, g: np.ndarray, runs: list[tuple[int, int, int]]) -> None:
                 for b, x, y in runs:
-                    if b not in files:
-                        if len(files) >= MAX_OPEN_BUCKET_FILES:
-                            for fr, fp in files.values():
-                                fr.close()
-                                fp.close()
-                            files.clear()
-                        lay.bucket_file(t, b, "rows").parent.mkdir(exist_ok=True)
-                        files[b] = tuple(
-                            open_append(lay.bucket_file(t, b, ext), folder=lay.dir) for ext in ("rows", "pos")
-                        )
-                        hashes.setdefault(b, (xxhash.xxh3_64(), xxhash.xxh3_64()))
-                    rows_bytes, pos_bytes = memoryview(out[x:y]).cast("B"), g[x:y].astype("<i8").tobytes()
-                    files[b][0].write(rows_bytes)
-                    files[b][1].write(pos_bytes)
-                    hashes[b][0].update(rows_bytes)
-                    hashes[b][1].update(pos_bytes)
+                    files.append(b, y - x, out[x:y], g[x:y].astype("<i8"))
 
             used = 0  # output buffers filled so far
-            try:
-                with Worker(len(outbufs) - 1) as disk:  # the append of one buffer overlaps the fill of the other
-                    for s, w0, w1, k0, k1 in segments:
-                        shards = ShardHashes(getattr(sources[s], "raw", sources[s]), k0, k1, job.source_changed)
-                        for a, block in iter_source_windows(
-                            plan, s, sources[s], w0=w0, w1=w1, bufs=inbufs, on_read=shards.feed
-                        ):
-                            scatter_bar.update(block.nbytes)
-                            rows = block.reshape(-1).view(job.row_void)
-                            windows = np.arange(a, a + len(rows), dtype=np.int64)
-                            for _, sel, g in plan.outputs_of(s, windows):
-                                bucket = np.searchsorted(lay.bucket_starts, g, side="right") - 1
-                                order = np.argsort(bucket, kind="stable")
-                                m = len(order)
-                                out = outbufs[used % len(outbufs)]
-                                used += 1
-                                np.take(rows, sel[order], out=out[:m], mode="clip")
-                                g, bucket = g[order], bucket[order]
-                                cuts = np.flatnonzero(np.diff(bucket)) + 1
-                                runs = [
-                                    (int(bucket[x]), x, y) for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), m])
-                                ]
-                                for b, x, y in runs:
-                                    counts[b] = counts.get(b, 0) + (y - x)
-                                disk.submit(append, out, g, runs)
-                        shards.finish()
-            finally:
-                for fr, fp in files.values():
-                    fr.close()
-                    fp.close()
-            lay.finish_task(t, counts, hashes)
+            with Worker(len(outbufs) - 1) as disk:  # the append of one buffer overlaps the fill of the other
+                for s, w0, w1, k0, k1 in segments:
+                    shards = ShardHashes(getattr(sources[s], "raw", sources[s]), k0, k1, job.source_changed)
+                    for a, block in iter_source_windows(
+                        plan, s, sources[s], w0=w0, w1=w1, bufs=inbufs, on_read=shards.feed
+                    ):
+                        scatter_bar.update(block.nbytes)
+                        rows = block.reshape(-1).view(job.row_void)
+                        windows = np.arange(a, a + len(rows), dtype=np.int64)
+                        for _, sel, g in plan.outputs_of(s, windows):
+                            bucket = np.searchsorted(lay.bucket_starts, g, side="right") - 1
+                            order = np.argsort(bucket, kind="stable")
+                            m = len(order)
+                            out = outbufs[used % len(outbufs)]
+                            used += 1
+                            np.take(rows, sel[order], out=out[:m], mode="clip")
+                            g, bucket = g[order], bucket[order]
+                            cuts = np.flatnonzero(np.diff(bucket)) + 1
+                            runs = [(int(bucket[x]), x, y) for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), m])]
+                            disk.submit(append, out, g, runs)
+                    shards.finish()
+
+
+def bucket_damaged(message: str, file, b: int, **fields) -> TokpackError:
+    """The one line for bucket b's scatter files holding what no scatter task wrote."""
+    return TokpackError(message, file=file, where=f"bucket {b}", hint="delete OUT/.tokpack-work and rerun", **fields)
 
 
 ORDER_PHASE = "order buckets, write shards"  # the out-of-core order pass, as progress names it
@@ -462,16 +480,19 @@ class OrderStep(Step):
         return self.bar(job.plan.samples * job.row_bytes, f"epoch {job.plan.epoch}: {ORDER_PHASE}")
 
     def order(self, i: int) -> None:
-        job, lay = self.job, self.layout
+        """Task i: shard i written from its buckets (`write`, each packing's) unless it is done, then
+        its buckets' files removed."""
         self.order_bar()
-        if job.shard_done(i) is None:
-            drop_buffers("scatter")
-            buckets = lay.buckets_of(i)
-            cap = max(int(np.diff(lay.bucket_starts[buckets.start : buckets.stop + 1]).max()), 1)
-            ramp = np.arange(cap, dtype=np.int64)
-            with lent("inverse", cap * 8) as (inv,), job.chunk_ring(self.budget) as (ring, tmp):
-                job.write_shard(i, self._blocks(i, inv.view(np.int64), ramp, ring, tmp))
-        lay.remove_buckets(lay.buckets_of(i))  # the shard is safe
+        if self.job.shard_done(i) is None:
+            self.write(i, self.layout.buckets_of(i))
+        self.layout.remove_buckets(self.layout.buckets_of(i))  # the shard is safe
+
+    def write(self, i: int, buckets: range) -> None:
+        drop_buffers("scatter")
+        cap = max(int(np.diff(self.layout.bucket_starts[buckets.start : buckets.stop + 1]).max()), 1)
+        ramp = np.arange(cap, dtype=np.int64)
+        with lent("inverse", cap * 8) as (inv,), self.job.chunk_ring(self.budget) as (ring, tmp):
+            self.job.write_shard(i, self._blocks(i, inv.view(np.int64), ramp, ring, tmp))
 
     def _blocks(self, i, inv, ramp, ring, tmp):
         """Each bucket's files are mapped (no copy into fresh memory), placed by g through the
@@ -497,32 +518,21 @@ class OrderStep(Step):
                     del rows, pos  # the maps must go with `parts` below, before the next bucket is mapped
             store = RowStore(parts)
             if len(store) != n:
-                raise TokpackError(
+                raise bucket_damaged(
                     "scatter files do not cover their bucket",
-                    file=lay.dir,
-                    where=f"bucket {b}",
+                    lay.dir,
+                    b,
                     expected=f"{n} rows",
                     found=f"{len(store)} rows",
-                    hint="delete OUT/.tokpack-work and rerun",
                 )
             inv[:n] = -1
             for pos, first in zip(positions, store.starts.tolist()):
                 local = pos - start
                 if len(local) and (local.min() < 0 or local.max() >= n):
-                    raise TokpackError(
-                        "scatter file holds a row of another bucket",
-                        file=lay.dir,
-                        where=f"bucket {b}",
-                        hint="delete OUT/.tokpack-work and rerun",
-                    )
+                    raise bucket_damaged("scatter file holds a row of another bucket", lay.dir, b)
                 inv[local] = ramp[first : first + len(local)]
             if n and inv[:n].min() < 0:
-                raise TokpackError(
-                    "scatter files hold a position twice",
-                    file=lay.dir,
-                    where=f"bucket {b}",
-                    hint="delete OUT/.tokpack-work and rerun",
-                )
+                raise bucket_damaged("scatter files hold a position twice", lay.dir, b)
             for a in range(0, n, len(tmp)):
                 c = min(n, a + len(tmp))
                 yield store.gather(inv[a:c], ring[count % len(ring)], tmp)

@@ -441,8 +441,7 @@ def test_pass_bars_count_every_byte_once(scattered, tmp_path, monkeypatch):
         bars.append(Bar(total, desc))
         return bars[-1]
 
-    for mod in (steps, epoch_job):  # a pass's bar is its Step's (epoch_job), or the step's own
-        monkeypatch.setattr(mod, "progress", spy)
+    monkeypatch.setattr(epoch_job, "progress", spy)  # every bar of an epoch is its job's (EpochJob.bar)
     shuffle_run(srcs, str(tmp_path / "again"), **KW)
     source_bytes = sum(
         (Path(s) / m["path"]).stat().st_size

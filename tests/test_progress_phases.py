@@ -94,7 +94,7 @@ def test_best_fit_names_the_two_phases_of_its_row_table(tmp_path, monkeypatch):
     """Best-fit's row table is built before the epoch is written (in memory or out of core): its
     packing of the rows, then its sort, each a phase of its own."""
     from conftest import shuffle_run
-    from tokpack.shuffle import packed_step
+    from tokpack.shuffle import epoch_job
 
     opened = []
 
@@ -102,7 +102,7 @@ def test_best_fit_names_the_two_phases_of_its_row_table(tmp_path, monkeypatch):
         opened.append((desc, unit, phase))
         return progress_log._NoBar()
 
-    monkeypatch.setattr(packed_step, "progress", spy)
+    monkeypatch.setattr(epoch_job, "progress", spy)
     src = write_source(tmp_path / "src", random_docs(np.random.default_rng(2), 300, 1000, 0))
     shuffle_run([str(src)], str(tmp_path / "run"), seq_len=63, seed=1, epochs=[0], packing="best-fit")
     assert opened[:2] == [("epoch 0: pack rows", "B", True), ("epoch 0: sort the row table", "bucket", True)]

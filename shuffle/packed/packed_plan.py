@@ -20,7 +20,7 @@ from tokpack.formats.packing import holdout_recorded, record_holdout
 from tokpack.formats.shards import PackedSource
 
 from ..holdout import Holdout, holdout_of
-from ..plan import EpochPlan, source_head
+from ..plan import EpochPlan, check_samples, source_head, source_not_given
 from ..mixture import check_passes, mixture
 from .passes import (
     MIN_CHUNK,
@@ -29,7 +29,6 @@ from .passes import (
     document_count,
     iter_pass,
     one_group_passes,
-    pass_scratch,
     permuted_documents,
     scratch,
 )
@@ -125,22 +124,11 @@ class PackedPlan:
         later = max(0, hi - end1)  # the rows after the second pass, which is whole when they exist
         return later + rows_holding_repeats(self, s, src, (lo - at0, hi - at1)), sp.samples
 
-    def source_report(self) -> list[dict]:
-        """As the window plan's: `repeats` counts the samples (rows) that hold a piece the
-        epoch's earlier rows of the source hold, out of `repeat_total` samples (`repeat_unit`
-        names them rows for the summary and the warnings, since no row repeats a row)."""
-        return [
-            {
-                **source_head(s),
-                "windows": s.windows,
-                "passes": s.passes,
-                "first_pass": s.first_pass,
-                "repeats": repeats,
-                "repeat_total": total,
-                "repeat_unit": "rows",
-            }
-            for s, (repeats, total) in zip(self.sources, map(self.repeat_counts, range(len(self.sources))))
-        ]
+    # As the window plan's: `repeats` counts the samples (rows) that hold a piece the epoch's
+    # earlier rows of the source hold, out of `repeat_total` samples (`repeat_unit` names them
+    # rows for the summary and the warnings, since no row repeats a row).
+    source_report = EpochPlan.source_report
+    repeat_unit = "rows"
 
     def source_entries(self) -> list[dict]:
         return [
@@ -208,9 +196,8 @@ def pass_rows(plan, s: int, p: int, src: PackedSource) -> int:
         if one is not None:
             return one.rows
         rows = pieces = 0
-        with pass_scratch(src, plan.memory) as d:
-            for _, n, (row, *_) in _iter_plan_pass(plan, s, p, src, plan.memory, d):
-                rows, pieces = rows + n, pieces + len(row)
+        for _, n, (row, *_) in _iter_plan_pass(plan, s, p, src, plan.memory, None):
+            rows, pieces = rows + n, pieces + len(row)
         _ROWS[key], _PIECES[key] = rows, pieces
     return _ROWS[key]
 
@@ -378,13 +365,7 @@ def packed_plan_from_manifest(
     for i, e in enumerate(entries):
         src = pool.get(e.get("fingerprint"))
         if src is None:
-            raise TokpackError(
-                "source of the epoch not given",
-                where=f"sources[{i}] ({e.get('name')})",
-                expected=f"a source with fingerprint {e.get('fingerprint')}",
-                found=", ".join(str(p.path) for p in sources) or "none",
-                hint="pass every source the epoch was shuffled from, unchanged",
-            )
+            raise source_not_given(i, e, sources, "none")
         ordered.append(src)
         counts.append(int(e["samples"]))
         cursors.append(e.get("cursor"))
@@ -406,13 +387,7 @@ def packed_plan_from_manifest(
             *holdout_recorded(manifest),  # formats.packing knows where each packing records it
         ),
     )
-    if plan.samples != int(manifest["samples"]):
-        raise TokpackError(
-            "epoch manifest source samples do not add up",
-            where="sources[].samples",
-            expected=manifest["samples"],
-            found=plan.samples,
-        )
+    check_samples(manifest, plan.samples)
     return plan
 
 
@@ -506,27 +481,6 @@ def packing_settings(
     }
 
 
-def run_packing(plan: PackedPlan) -> dict:
-    """The same, of a planned epoch (the run manifest's `packing`)."""
-    return packing_settings([], plan.pad_id, plan.group_tokens, plan.holdout)
-
-
-def holdout_plan(
-    sources: list[PackedSource], *, seq_len: int, seed: int, holdout: dict, names: list[str], memory: int, **options
-) -> PackedPlan:
-    """The plan of RUN/holdout/: one pass over each source's held-out documents, best-fit packed
-    and ordered as an epoch is (epoch 0's keys), all of them (no weights, no --samples)."""
-    return packed_epoch_plan(
-        sources,
-        seq_len=seq_len,
-        seed=seed,
-        epoch=0,
-        names=names,
-        memory=memory,
-        options=PackedOptions(**options, holdout=holdout, split=True),
-    )
-
-
 def held_out(src: PackedSource, spec: dict | None, seed: int, memory: int = DEFAULT_PLAN_MEMORY) -> "Holdout":
     """Source `src`'s held-out documents for `--holdout` `spec` (a token count reads the
     documents' lengths in the holdout's order, within `memory`)."""
@@ -535,29 +489,10 @@ def held_out(src: PackedSource, spec: dict | None, seed: int, memory: int = DEFA
         return _HELD[key]
 
     def lengths_in_order(order):
-        with scratch() as d:
-            for _, _, lengths in permuted_documents(src, order, memory, d):
-                yield lengths
+        return (lengths for _, _, lengths in permuted_documents(src, order, memory, None))
 
     _HELD[key] = holdout_of(src, spec, seed, document_count(src), lengths_in_order)
     return _HELD[key]
 
 
 _HELD: dict[tuple, "Holdout"] = {}  # (fingerprint, seed, spec) -> its Holdout: planned once per process
-
-
-def chained_packed_plan(
-    plan: PackedPlan, *, members, sources, names, cursors, weights, counts, memory, **options
-) -> PackedPlan:  # options: pad_id, group_tokens, holdout
-    """An epoch of a schedule of several stages: every source of the schedule, each chain from
-    its cursor over packed rows, the stage's samples from each (`counts`)."""
-    return packed_epoch_plan(
-        sources,
-        seq_len=plan.seq_len,
-        seed=plan.seed,
-        epoch=plan.epoch,
-        weights=weights,
-        names=names,
-        memory=memory,
-        options=PackedOptions(**options, cursors=cursors, counts=counts),
-    )

@@ -114,12 +114,13 @@ def check_real(src: PackedSource) -> None:
 _DOCS: dict = {}  # the last source's (start, length) per document that fit in memory, and its _pass_key
 
 
-def permuted_documents(src: PackedSource, perm: Bijection | None, memory: int, scratch: str | None):
+def permuted_documents(src: PackedSource, perm: Bijection | None, memory: int, folder: str | None):
     """The source's documents in the order of `perm` (position k holds document perm(k)), as
     chunks (doc, start, length) in position order. Bounded by `memory`: when the documents do
     not fit it, each is appended, with its position k, to the bucket file of its range of k
-    (in `scratch`), and each bucket is read back and placed: one write and one read of 32
-    bytes a document."""
+    (in `folder`, else in a scratch folder of its own, made only then: making and removing a
+    folder per pass cost more than packing a small pass), and each bucket is read back and
+    placed: one write and one read of 32 bytes a document."""
     check_real(src)
     d = document_count(src)
     if d == 0:
@@ -133,30 +134,31 @@ def permuted_documents(src: PackedSource, perm: Bijection | None, memory: int, s
         doc = perm.forward(np.arange(d, dtype=np.int64))
         yield doc, start[doc], length[doc]
         return
-    buckets = Buckets(Path(scratch), "docs")
-    for docs, start, length in source_documents(src, chunk):
-        k = perm.inverse(docs)
-        rec = np.empty(len(k), DOC)
-        rec["k"], rec["doc"], rec["start"], rec["length"] = k, docs, start, length
-        buckets.append(k // chunk, rec)
-    for b in range(-(-d // chunk)):
-        f = buckets.file(b)
-        rec = read_array(f, DOC, folder=buckets.folder)
-        f.unlink()
-        k0, n = b * chunk, min(chunk, d - b * chunk)
-        local = rec["k"].astype(np.int64) - k0
-        if len(rec) != n or np.any(np.bincount(local, minlength=n) != 1):  # only damage to our own scratch
-            raise TokpackError(
-                "packing scratch file is damaged",
-                file=f,
-                expected=f"{n} documents",
-                found=len(rec),
-                hint="rerun the same command",
-            )
-        out = np.empty(n, DOC)
-        out[local] = rec
-        del rec
-        yield out["doc"].astype(np.int64), out["start"].astype(np.int64), out["length"].astype(np.int64)
+    with scratch() if folder is None else contextlib.nullcontext(folder) as where:
+        buckets = Buckets(Path(where), "docs")
+        for docs, start, length in source_documents(src, chunk):
+            k = perm.inverse(docs)
+            rec = np.empty(len(k), DOC)
+            rec["k"], rec["doc"], rec["start"], rec["length"] = k, docs, start, length
+            buckets.append(k // chunk, rec)
+        for b in range(-(-d // chunk)):
+            f = buckets.file(b)
+            rec = read_array(f, DOC, folder=buckets.folder)
+            f.unlink()
+            k0, n = b * chunk, min(chunk, d - b * chunk)
+            local = rec["k"].astype(np.int64) - k0
+            if len(rec) != n or np.any(np.bincount(local, minlength=n) != 1):  # only damage to our own scratch
+                raise TokpackError(
+                    "packing scratch file is damaged",
+                    file=f,
+                    expected=f"{n} documents",
+                    found=len(rec),
+                    hint="rerun the same command",
+                )
+            out = np.empty(n, DOC)
+            out[local] = rec
+            del rec
+            yield out["doc"].astype(np.int64), out["start"].astype(np.int64), out["length"].astype(np.int64)
 
 
 def pass_groups(chunks, group_tokens: int):
@@ -516,14 +518,6 @@ def source_pass(plan, s: int, p: int) -> PassRows:
     return pack_pass(
         lengths, Bijection(max(len(lengths), 1), "docs", plan.seed, s, p), plan.row_tokens, plan.group_tokens
     )
-
-
-def pass_scratch(src: PackedSource, memory: int):
-    """A scratch folder for a pass only when its documents do not fit `memory`
-    (permuted_documents), else None: making and removing a folder per pass cost more than
-    packing a small pass."""
-    spills = document_count(src) > max(MIN_CHUNK, memory // DOC_STATE_BYTES)
-    return scratch() if spills else contextlib.nullcontext(None)
 
 
 class Buckets:

@@ -126,6 +126,14 @@ def row_figures(plan, sources: list[PackedSource], memory: int) -> RowFigures:
     return figures
 
 
+DAMAGED = "packing table in the work folder is damaged"
+
+
+def table_damaged(message: str, file, **fields) -> TokpackError:
+    """A row table in the work folder that is not what build_table wrote: built again by a rerun."""
+    return TokpackError(message, file=file, hint="rerun the same command", **fields)
+
+
 @dataclass(frozen=True)
 class PackedTable:
     """A row table build_table wrote: read by ranges of output rows, or by source shard."""
@@ -143,19 +151,14 @@ class PackedTable:
         folder = Path(folder)
         built = read_record(folder / BUILT_FILE, folder=folder)
         if built is None:
-            raise TokpackError(
-                "packing table in the work folder is missing or damaged",
-                file=folder / BUILT_FILE,
-                hint="rerun the same command",
-            )
+            raise table_damaged("packing table in the work folder is missing or damaged", folder / BUILT_FILE)
         if expected is not None and built["table_xxh3_128"] != expected:
-            raise TokpackError(
+            raise table_damaged(
                 "packing table in the work folder is not this epoch's",
-                file=folder / BUILT_FILE,
+                folder / BUILT_FILE,
                 where="table_xxh3_128",
                 expected=expected,
                 found=built["table_xxh3_128"],
-                hint="rerun the same command",
             )
         return cls(
             folder,
@@ -175,9 +178,7 @@ class PackedTable:
         b0, b1 = g0 // self.bucket_rows, (g1 - 1) // self.bucket_rows + 1
         index = read_array(self.folder / INDEX_FILE, "<u8", 3 * (b1 - b0 + 1), 24 * b0, folder=self.folder)
         if len(index) != 3 * (b1 - b0 + 1):
-            raise TokpackError(
-                "packing table index is cut short", file=self.folder / INDEX_FILE, hint="rerun the same command"
-            )
+            raise table_damaged("packing table index is cut short", self.folder / INDEX_FILE)
         index = index.reshape(-1, 3)
         a, n = int(index[0, 0]), int(index[-1, 0] - index[0, 0])
         table = read_array(self.folder / TABLE_FILE, PIECE, n, PIECE.itemsize * a, folder=self.folder)
@@ -186,13 +187,8 @@ class PackedTable:
             x, y = int(index[k, 0]) - a, int(index[k + 1, 0]) - a
             for name, part, want in ((TABLE_FILE, table[x:y], index[k, 1]), (STARTS_FILE, starts[x:y], index[k, 2])):
                 if len(table) != n or len(starts) != n or xxhash.xxh3_64_intdigest(part.tobytes()) != int(want):
-                    raise TokpackError(
-                        "packing table in the work folder is damaged",
-                        file=self.folder / name,
-                        where=f"rows {(b0 + k) * self.bucket_rows}..",
-                        expected=f"xxh3_64 {int(want):016x}",
-                        hint="rerun the same command",
-                    )
+                    where, expected = f"rows {(b0 + k) * self.bucket_rows}..", f"xxh3_64 {int(want):016x}"
+                    raise table_damaged(DAMAGED, self.folder / name, where=where, expected=expected)
         x, y = np.searchsorted(table["g"], [g0, g1])
         return table[x:y], starts[x:y].astype(np.int64)
 
@@ -210,14 +206,21 @@ class PackedTable:
             h.update(rec.tobytes())
             yield rec
         if h.intdigest() != int(want) or regular_size(f, folder=self.folder) != count * SHARD_PIECE.itemsize:
-            raise TokpackError(
-                "packing table in the work folder is damaged",
-                file=f,
-                where="xxh3_64",
-                expected=f"{int(want):016x}",
-                found=f"{h.intdigest():016x}",
-                hint="rerun the same command",
+            raise table_damaged(
+                DAMAGED, f, where="xxh3_64", expected=f"{int(want):016x}", found=f"{h.intdigest():016x}"
             )
+
+
+def shard_places(sources: list[PackedSource], first_shard, source: np.ndarray, start: np.ndarray):
+    """(shard, numbered through the sources from each one's `first_shard[s]`, and first token in
+    it) of pieces of sources `source` starting at stream tokens `start`: no piece spans two
+    shards (no document does)."""
+    shard, local = np.empty(len(start), np.int64), np.empty(len(start), np.int64)
+    for s in np.unique(source).tolist():
+        sel = source == s
+        k = np.searchsorted(sources[s].shard_starts, start[sel], side="right") - 1
+        shard[sel], local[sel] = first_shard[s] + k, start[sel] - sources[s].shard_starts[k]
+    return shard, local
 
 
 def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: int, progress=None) -> PackedTable:
@@ -248,12 +251,7 @@ def build_table(plan: PackedPlan, sources: list[PackedSource], folder, memory: i
         rec = np.concatenate(buffered)
         buffered.clear()
         rows_files.append(rec["g"].astype(np.int64) // bucket_rows, rec)
-        src = rec["source"].astype(np.int64)
-        key, local = np.empty(len(rec), np.int64), np.empty(len(rec), np.int64)
-        for s in np.unique(src).tolist():
-            sel = src == s
-            k = np.searchsorted(sources[s].shard_starts, rec["start"][sel].astype(np.int64), side="right") - 1
-            key[sel], local[sel] = first_shard[s] + k, rec["start"][sel].astype(np.int64) - sources[s].shard_starts[k]
+        key, local = shard_places(sources, first_shard, rec["source"].astype(np.int64), rec["start"].astype(np.int64))
         out = np.empty(len(rec), SHARD_PIECE)
         out["g"], out["row_offset"], out["length"], out["local"] = rec["g"], rec["row_offset"], rec["length"], local
         shard_files.append(key, out)
