@@ -98,7 +98,7 @@ from tokpack.packer.node_dest import (
     slice_epoch_here,
     slice_root_of_run,
 )
-from tokpack.packer.node_epoch import NodeEpoch, round_tokens
+from tokpack.packer.node_epoch import NodeEpoch, memory_plan
 from tokpack.packer.node_procs import Node, node_of_process
 from tokpack.packer.node_reads import source_pieces
 from tokpack.packer.node_report import counted, epoch_detail, reading_bar, run_summary
@@ -170,16 +170,6 @@ def _exchange(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None, s
             hint="report this with the command line",
         )
     return stores, pad, rounds
-
-
-def owned_entries(comm, MPI, ne: NodeEpoch, kept: KeptFacts, pad: np.ndarray, owned: OwnedShards):
-    """The owner's role, after the slice's rank files are written (and with them `kept`, its
-    rows' facts): the facts' rounds (owned_facts.send_facts), each owned shard's entry built from
-    them by `owned`, its row hashes (and padding) sent to RUN. Returns (the entries, their rows'
-    padding)."""
-    with phase("facts", ne.owned_rows * ne.job.row_bytes):
-        send_facts(comm, MPI, ne, kept, pad, owned)
-    return owned.entries, owned.padding
 
 
 def _same_padding(sums, padding: int, epoch: int) -> None:
@@ -330,9 +320,8 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         fmt = EpochShardFormat(job.token_dtype, plan.seq_len, job.eos_id, job.tokenizer, padded=packing.padded)
         ne = NodeEpoch(job, job.open_sources(), rows, first, n, N, ranks, prepared, (node.p, P))
         kept = _keep(node, ne, keep)
-        per_round, layout = node.together(
-            lambda: (round_tokens(ne, memory), bucket_layout(ne, memory, Path(job.work_dir)))
-        )
+        per_round, bucket_rows = node.together(lambda: memory_plan(ne, memory))
+        layout = bucket_layout(ne, bucket_rows, Path(job.work_dir))
         disk = node.local.allreduce(ne.disk_bytes(layout is not None))  # the node's processes share DEST
         node.together(lambda: check_space([(dest, disk)], "shuffle", hint="free some space on this node's DEST"))
         d = dest / epoch_dir_name(epoch)
@@ -357,15 +346,19 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
                 facts.finish()
             return entries, OwnedShards(job, fmt, Path(job.work_dir) / "owned", Path(job.epoch_dir))
 
+        def owners():  # the owner's role: each owned shard's entry from its rows' facts, its row hashes to RUN
+            with phase("facts", ne.owned_rows * job.row_bytes):
+                send_facts(comm, MPI, ne, facts, keep_pad, owned)
+
         with collecting(phases):
             entries, owned = node.together(write)
             stores = None  # freed before the owned shards' entries
-            owned_list, owned_pad = node.together(lambda: owned_entries(comm, MPI, ne, facts, keep_pad, owned))
+            node.together(owners)
         if fmt.padded:  # every row is some node's and some owner's: both sums are the table's padding
-            sums = comm.allreduce(np.array([keep_pad.sum(), owned_pad], dtype=np.int64)).tolist()
+            sums = comm.allreduce(np.array([keep_pad.sum(), owned.padding], dtype=np.int64)).tolist()
             node.together(lambda: _same_padding(sums, prepared["padding"], epoch))
         shutil.rmtree(scratch, ignore_errors=True)
-        gathered = comm.gather(owned_list, root=0)
+        gathered = comm.gather(owned.entries, root=0)
         # the node's rank files, each process's, in rank order: the slice epoch manifest lists them so
         node_entries = sorted((e for part in node.local.allgather(entries) for e in part), key=lambda e: e["rank"])
 

@@ -18,7 +18,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import open_append
 from tokpack.formats.io.memory import Buffer
 from tokpack.formats.io.writes import write_bytes_atomic
-from tokpack.packer.node_epoch import NodeEpoch, memory_plan
+from tokpack.packer.node_epoch import NodeEpoch
 from tokpack.packer.phases import active, timed
 from tokpack.packer.pieces import gather
 from tokpack.shuffle.packed.table import RECORD
@@ -26,12 +26,11 @@ from tokpack.shuffle.packed_step import read_bucket  # the order pass's reader, 
 from tokpack.shuffle.steps import Layout
 
 
-def bucket_layout(ne: NodeEpoch, memory: int, work: Path) -> Layout | None:
+def bucket_layout(ne: NodeEpoch, bucket_rows: int | None, work: Path) -> Layout | None:
     """The out-of-core Layout in `work` (DEST's scratch) of a process whose store does not fit
-    --memory, else None (in memory): the scatter/order engine's (one scatter task: this
-    process), buckets of at most memory_plan's bucket rows, each a contiguous range of its
-    positions, read back, whole, in order (its one "shard": shard_buckets [0, buckets))."""
-    bucket_rows = memory_plan(ne, memory)[1]
+    --memory (memory_plan's `bucket_rows`), else None (in memory): the scatter/order engine's
+    (one scatter task: this process), buckets of at most bucket_rows rows, each a contiguous
+    range of its positions, read back, whole, in order (its one "shard": shard_buckets [0, buckets))."""
     if bucket_rows is None:
         return None
     n = len(ne.positions)

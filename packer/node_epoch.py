@@ -195,23 +195,18 @@ def bucket_row_bytes(row_bytes: int) -> int:
     return 4 * row_bytes + BUCKET_ROW_OVERHEAD + row_bytes + BUCKET_ROW_OVERHEAD
 
 
-def round_tokens(ne: NodeEpoch, memory: int) -> int:
-    """Tokens a process sends per round (tokpack plan --to-nodes calls this too). A round holds
-    what it read, its send buffer (each piece once, to its keeper), what it receives (about as
-    much), what waits for the next round and what the round before received (delivered
-    meanwhile, transport.exchange_rounds), each token with its index arithmetic. In memory when the node's stores fit
-    beside a round's buffers; else out of core (bucket_layout): the rounds append what they
-    receive to bucket files in DEST's scratch (one more copy a token), and the buckets, read
-    back in order once the rounds are done (the next one read while one is written: two in
-    memory, bucket_row_bytes), take what the positions, unfilled counts and the rows' facts
-    (which the rounds do not hold: they are taken as the rank files are written) leave of --memory.
-    Raises when even that does not fit."""
-    return memory_plan(ne, memory)[0]
-
-
 def memory_plan(ne: NodeEpoch, memory: int) -> tuple[int, int | None]:
-    """(tokens a round, rows a bucket out of core or None in memory); what `plan shuffle
-    --to-nodes` reports too."""
+    """(tokens a process sends per round, rows a bucket out of core or None in memory); what
+    `plan shuffle --to-nodes` reports too. A round holds what it read, its send buffer (each
+    piece once, to its keeper), what it receives (about as much), what waits for the next round
+    and what the round before received (delivered meanwhile, transport.exchange_rounds), each
+    token with its index arithmetic. In memory when the node's stores fit beside a round's
+    buffers; else out of core (node_buckets.bucket_layout): the rounds append what they receive
+    to bucket files in DEST's scratch (one more copy a token), and the buckets, read back in
+    order once the rounds are done (the next one read while one is written: two in memory,
+    bucket_row_bytes), take what the positions, unfilled counts and the rows' facts (which the
+    rounds do not hold: they are taken as the rank files are written) leave of --memory.
+    Raises when even that does not fit."""
     job = ne.job
     # read, sent, received, waiting for the next round, and the round before still being delivered
     per_token = 5 * job.token_dtype.itemsize + TOKEN_OVERHEAD

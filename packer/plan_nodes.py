@@ -58,7 +58,7 @@ def _node_epoch_figures(
 ) -> list[dict]:
     """Each node's part of one epoch, from the exchange's own arithmetic (tokpack.packer.exchange):
     its NodeEpoch (the slice's positions, the owned shards, keep_bytes), its runs of source
-    shards (split_shards), round_tokens, and the destination exchange_epoch sends each piece to
+    shards (split_shards), memory_plan, and the destination exchange_epoch sends each piece to
     (the node that reads its row; its shard's owner gets only the row's facts)."""
     from tokpack.formats.shards import U64
     from tokpack.formats.slices import RankRows
