@@ -30,7 +30,7 @@ Process p of node n (world process q = n*P + p of N*P):
    from the process that keeps it), through the epoch shard writer (`hashed_only`: no token is
    asked for, its index only hashed), exactly as `tokpack shuffle` records it, and writes of it
    only the row hashes (`.ds.rows`, 8 bytes a sample, and a best-fit shard's `.ds.pad`), which go
-   to RUN through its Output (tokpack.packer.owned_shards). So RUN's epoch manifest is byte for
+   to RUN through its Output (owned_facts.OwnedShards). So RUN's epoch manifest is byte for
    byte the one `tokpack shuffle` writes, the slice's manifests are those `stage --node` writes,
    and RUN holds no token bytes. A row crosses the network once; its owner gets a few dozen
    bytes of it (the issue's 25 GB/s a node is not what binds), and holds none of its tokens.
@@ -56,7 +56,7 @@ The modules, each one idea, data flowing one way: this one (the entry points and
 steps; node_procs: a node's P processes, their communicator) -> tokpack.packer.node_epoch (what
 a process reads, keeps and owns; the memory plan) -> node_reads (its pieces from the sources), transport (MPI: failures as one line, the rounds),
 node_store (the node's rows in memory; write_slice_epoch) and node_buckets (out of core),
-owned_facts (the rows' facts to their owners) and owned_shards (the owner's role), kept_sources (--keep-sources), node_dest (DEST beside RUN),
+owned_facts (the rows' facts to their owners, the owner's role), kept_sources (--keep-sources), node_dest (DEST beside RUN),
 rank_files and pieces. The replacement node (tokpack.packer.replacement) shares rank_files and
 node_dest.
 
@@ -103,8 +103,7 @@ from tokpack.packer.node_procs import Node, node_of_process
 from tokpack.packer.node_reads import source_pieces
 from tokpack.packer.node_report import counted, epoch_detail, reading_bar, run_summary
 from tokpack.packer.node_store import InMemory, open_slice_files, receive, write_slice_epoch, write_through_pays
-from tokpack.packer.owned_facts import KeptFacts, send_facts
-from tokpack.packer.owned_shards import OwnedShards
+from tokpack.packer.owned_facts import KeptFacts, OwnedShards, send_facts
 from tokpack.packer.phases import Phases, collecting, count, phase, process_cpu, timed
 from tokpack.packer.rank_files import ready_epoch_dir
 from tokpack.packer.slicing import slice_ranks

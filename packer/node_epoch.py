@@ -114,7 +114,7 @@ class NodeEpoch:
     def disk_bytes(self, out_of_core: bool) -> int:
         """DEST's bytes at the peak: the rank files (rows, row hashes, index about a fragment a
         row) and the owned shards' row hashes and padding (their entries built from their rows'
-        facts, owned_shards); out of core, the bucket files too: every slice row with two
+        facts, owned_facts.OwnedShards); out of core, the bucket files too: every slice row with two
         RECORDs (about one piece a row)."""
         P, rb = len(self.positions), self.job.row_bytes
         small = P * (16 + 4 * self.padded) + self.owned_rows * (8 + 4 * self.padded)

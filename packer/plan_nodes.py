@@ -126,7 +126,7 @@ def _node_epoch_figures(
                 "owned_shards": len(ne.owned),
                 "owned_rows": ne.owned_rows,
                 # each owned shard's row hashes (and padding) in scratch, copied to RUN; its index only
-                # hashed, from its rows' facts (owned_shards.OwnedShards): its tokens never come here
+                # hashed, from its rows' facts (owned_facts.OwnedShards): its tokens never come here
                 "owned_bytes": ne.owned_rows * (U64.itemsize + 4 * padded),
                 "owned_token_bytes": ne.owned_rows * job.row_bytes,  # their facts come, not them (the model's facts)
                 "owned_peak": max([k * (U64.itemsize + 4 * padded) for k in owned_sizes], default=0),
