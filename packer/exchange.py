@@ -17,7 +17,7 @@ Process p of node n (world process q = n*P + p of N*P):
    (tokpack.formats.slices.RankRows: the arithmetic `stage --node` uses), at the process of that
    node that writes the file of g's rank (NodeEpoch.keeper_of, NodeEpoch.routes);
 4. puts the rows it receives in training order, in memory when they fit, else out of
-   core through bucket files in its scratch in DEST (tokpack.packer.node_buckets: the scatter/order
+   core through bucket files in its scratch in DEST (tokpack.packer.node_store.Buckets: the scatter/order
    engine's Layout and best-fit bucket files, read back a bucket at a time), and writes its
    ranks' files of node n's slice into DEST through tokpack.packer.rank_files.RankFiles, the
    bytes `stage RUN DEST --node n/N` writes (in memory, windows: each row as soon as a round
@@ -55,7 +55,7 @@ frozen or cut off for --stall-timeout is one line naming it (tokpack.packer.stal
 The modules, each one idea, data flowing one way: this one (the entry points and an epoch's
 steps; node_procs: a node's P processes, their communicator) -> tokpack.packer.node_epoch (what
 a process reads, keeps and owns; the memory plan) -> node_reads (its pieces from the sources), transport (MPI: failures as one line, the rounds),
-node_store (the node's rows in memory; write_slice_epoch) and node_buckets (out of core),
+node_store (the node's rows, in memory or out of core; write_slice_epoch),
 owned_facts (the rows' facts to their owners, the owner's role), kept_sources (--keep-sources), node_dest (DEST beside RUN),
 rank_files and pieces. The replacement node (tokpack.packer.replacement) shares rank_files and
 node_dest.
@@ -86,7 +86,6 @@ from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
 from tokpack.formats.slices import RankRows, slice_epoch_manifest
 from tokpack.packer.agreement import agree, agree_sources
 from tokpack.packer.kept_sources import kept_copies, kept_folder
-from tokpack.packer.node_buckets import Buckets, bucket_layout
 from tokpack.packer.node_dest import (
     dest_template,
     finish_slice_root,
@@ -102,7 +101,8 @@ from tokpack.packer.node_epoch import NodeEpoch, memory_plan
 from tokpack.packer.node_procs import Node, node_of_process
 from tokpack.packer.node_reads import source_pieces
 from tokpack.packer.node_report import counted, epoch_detail, reading_bar, run_summary
-from tokpack.packer.node_store import InMemory, open_slice_files, receive, write_slice_epoch, write_through_pays
+from tokpack.packer.node_store import Buckets, InMemory, bucket_layout, open_slice_files, receive
+from tokpack.packer.node_store import write_slice_epoch, write_through_pays
 from tokpack.packer.owned_facts import KeptFacts, OwnedShards, send_facts
 from tokpack.packer.phases import Phases, collecting, count, phase, process_cpu, timed
 from tokpack.packer.rank_files import ready_epoch_dir

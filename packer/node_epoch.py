@@ -189,7 +189,7 @@ BUCKET_ROW_OVERHEAD = 128
 
 def bucket_row_bytes(row_bytes: int) -> int:
     """--memory a row of a bucket takes out of core: two buckets are in memory at once (the one
-    written, its 4 copies, and the next one read back meanwhile on a thread, node_buckets.
+    written, its 4 copies, and the next one read back meanwhile on a thread, node_store.
     BucketRead: its rows, records and arithmetic); at a handover, 3 buckets' rows (the one done,
     the one given, the next one begun), which this covers as well."""
     return 4 * row_bytes + BUCKET_ROW_OVERHEAD + row_bytes + BUCKET_ROW_OVERHEAD
@@ -201,7 +201,7 @@ def memory_plan(ne: NodeEpoch, memory: int) -> tuple[int, int | None]:
     piece once, to its keeper), what it receives (about as much), what waits for the next round
     and what the round before received (delivered meanwhile, transport.exchange_rounds), each
     token with its index arithmetic. In memory when the node's stores fit beside a round's
-    buffers; else out of core (node_buckets.bucket_layout): the rounds append what they receive
+    buffers; else out of core (node_store.bucket_layout): the rounds append what they receive
     to bucket files in DEST's scratch (one more copy a token), and the buckets, read back in
     order once the rounds are done (the next one read while one is written: two in memory,
     bucket_row_bytes), take what the positions, unfilled counts and the rows' facts (which the
