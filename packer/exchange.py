@@ -126,20 +126,9 @@ def exchange_epoch(
     node_store.open_slice_files, which are written as rows complete and removed if the rounds
     fail). Returns (the store: in memory, or bucket files by `layout`, both read by `rows(lo,
     hi)` in store_rows numbering; the slice's padding, rounds)."""
-    try:
-        return _exchange(comm, MPI, ne, per_round, layout, shown, files)
-    except BaseException:
-        if files is not None:
-            files.abort()
-        raise
-
-
-def _exchange(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None, shown: bool, files):
     job, row = ne.job, ne.plan.row_tokens
     pad_id = ne.plan.pad_id if ne.padded else 0
-    stores = InMemory(ne, pad_id, files) if layout is None else Buckets(ne, layout, pad_id)
-    # Tokens of each row still unfilled: 0 for every window at the end, a best-fit row's padding.
-    pad = np.full(ne.store_rows, row, dtype=np.int64)
+    stores = None
 
     def deliver(got_pieces, got_tokens):
         with phase("place" if layout is None else "bucket_write", got_tokens.nbytes):
@@ -152,22 +141,28 @@ def _exchange(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None, s
         return routed
 
     try:
+        stores = InMemory(ne, pad_id, files) if layout is None else Buckets(ne, layout, pad_id)
+        # Tokens of each row still unfilled: 0 for every window at the end, a best-fit row's padding.
+        pad = np.full(ne.store_rows, row, dtype=np.int64)
         with reading_bar(ne, shown) as bar:
             size = lambda item: int(item[0]["length"].sum(dtype=np.int64)) * job.token_dtype.itemsize  # noqa: E731
             reads = counted(timed("cut", source_pieces(ne, per_round, layout is None), size), bar, size)
             with phase("route"):
                 rounds = exchange_rounds(comm, MPI, reads, per_round, row, job.token_dtype, routes, deliver, ne.procs)
         stores.finish()
+        stores.close()
+        if len(pad) and (pad.min() < 0 or (not ne.padded and pad.max() > 0)):
+            raise TokpackError(
+                "internal error: the exchange filled a row of this node wrongly",
+                where=f"epoch {job.plan.epoch}",
+                hint="report this with the command line",
+            )
     except BaseException:
-        stores.close(failed=True)  # its writes behind stopped before the caller removes their files
+        if stores is not None:  # its writes behind stopped before its files are removed
+            stores.close(failed=True)
+        if files is not None:
+            files.abort()
         raise
-    stores.close()
-    if len(pad) and (pad.min() < 0 or (not ne.padded and pad.max() > 0)):
-        raise TokpackError(
-            "internal error: the exchange filled a row of this node wrongly",
-            where=f"epoch {job.plan.epoch}",
-            hint="report this with the command line",
-        )
     return stores, pad, rounds
 
 
