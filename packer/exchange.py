@@ -286,12 +286,11 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
     runplan, opened, weights, shard_samples = setup.runplan, setup.sources, setup.weights, setup.shard_samples
     rows = RankRows(w, micro_batch, 0)
     output: Output = LocalOutput()  # DEST is on the node
-    created = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
     numbering = run_numbering(setup, out)
     done_epochs = list(setup.done_epochs)
     node.together(lambda: _declare_nodes(out, N, k, micro_batch, template) if node.q == 0 else None)
-    # a schedule's numbering, fixed at creation
-    if node.q == 0 and setup.run_params is not None and setup.todo and created is None:
+    # a schedule's numbering, fixed at creation (process 0 alone writes RUN's manifest)
+    if node.q == 0 and setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():
         out.mkdir(parents=True, exist_ok=True)
         output.finish(out, run_manifest_of({}, setup.todo[0][1], weights, opened, shard_samples, runplan))
     summaries, skipped = [], []
@@ -376,7 +375,7 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         def commit_slice_epoch():  # the node's leader's, once every process of it wrote its rank files
             if not node.leader:
                 return
-            root = slice_root_of_run(out, ranks, w, micro_batch, rows.phase)[1]
+            root = slice_root_of_run(out, ranks, w, micro_batch)[1]
             raw = read_raw(Path(job.epoch_dir) / MANIFEST)
             want = slice_epoch_manifest(root, epoch, plan.samples, first, raw)
             want["shards"] = node_entries
@@ -401,7 +400,7 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
     def commit_root():
         if not node.leader:
             return None
-        root = slice_root_of_run(out, ranks, w, micro_batch, rows.phase)[1]
+        root = slice_root_of_run(out, ranks, w, micro_batch)[1]
         return finish_slice_root(output, dest, root, set(previous) | set(skipped) | {s["epoch"] for s in summaries})
 
     final = node.local.bcast(node.together(commit_root), root=0)
