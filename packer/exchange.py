@@ -17,7 +17,7 @@ Process p of node n (world process q = n*P + p of N*P):
    (tokpack.formats.slices.RankRows: the arithmetic `stage --node` uses), at the process of that
    node that writes the file of g's rank (NodeEpoch.keeper_of, NodeEpoch.routes);
 4. puts the rows it receives in training order, in memory when they fit, else out of
-   core through bucket files in its scratch in DEST (tokpack.packer.node_buckets: the scatter/order
+   core through bucket files in its scratch in DEST (tokpack.packer.node_store.Buckets: the scatter/order
    engine's Layout and best-fit bucket files, read back a bucket at a time), and writes its
    ranks' files of node n's slice into DEST through tokpack.packer.rank_files.RankFiles, the
    bytes `stage RUN DEST --node n/N` writes (in memory, windows: each row as soon as a round
@@ -30,7 +30,7 @@ Process p of node n (world process q = n*P + p of N*P):
    from the process that keeps it), through the epoch shard writer (`hashed_only`: no token is
    asked for, its index only hashed), exactly as `tokpack shuffle` records it, and writes of it
    only the row hashes (`.ds.rows`, 8 bytes a sample, and a best-fit shard's `.ds.pad`), which go
-   to RUN through its Output (tokpack.packer.owned_shards). So RUN's epoch manifest is byte for
+   to RUN through its Output (owned_facts.OwnedShards). So RUN's epoch manifest is byte for
    byte the one `tokpack shuffle` writes, the slice's manifests are those `stage --node` writes,
    and RUN holds no token bytes. A row crosses the network once; its owner gets a few dozen
    bytes of it (the issue's 25 GB/s a node is not what binds), and holds none of its tokens.
@@ -55,8 +55,8 @@ frozen or cut off for --stall-timeout is one line naming it (tokpack.packer.stal
 The modules, each one idea, data flowing one way: this one (the entry points and an epoch's
 steps; node_procs: a node's P processes, their communicator) -> tokpack.packer.node_epoch (what
 a process reads, keeps and owns; the memory plan) -> node_reads (its pieces from the sources), transport (MPI: failures as one line, the rounds),
-node_store (the node's rows in memory; write_slice_epoch) and node_buckets (out of core),
-owned_facts (the rows' facts to their owners) and owned_shards (the owner's role), kept_sources (--keep-sources), node_dest (DEST beside RUN),
+node_store (the node's rows, in memory or out of core; write_slice_epoch),
+owned_facts (the rows' facts to their owners, the owner's role), kept_sources (--keep-sources), node_dest (DEST beside RUN),
 rank_files and pieces. The replacement node (tokpack.packer.replacement) shares rank_files and
 node_dest.
 
@@ -86,7 +86,6 @@ from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
 from tokpack.formats.slices import RankRows, slice_epoch_manifest
 from tokpack.packer.agreement import agree, agree_sources
 from tokpack.packer.kept_sources import kept_copies, kept_folder
-from tokpack.packer.node_buckets import Buckets, bucket_layout
 from tokpack.packer.node_dest import (
     dest_template,
     finish_slice_root,
@@ -98,13 +97,13 @@ from tokpack.packer.node_dest import (
     slice_epoch_here,
     slice_root_of_run,
 )
-from tokpack.packer.node_epoch import NodeEpoch, round_tokens
+from tokpack.packer.node_epoch import NodeEpoch, memory_plan
 from tokpack.packer.node_procs import Node, node_of_process
 from tokpack.packer.node_reads import source_pieces
 from tokpack.packer.node_report import counted, epoch_detail, reading_bar, run_summary
-from tokpack.packer.node_store import InMemory, open_slice_files, receive, write_slice_epoch, write_through_pays
-from tokpack.packer.owned_facts import KeptFacts, send_facts
-from tokpack.packer.owned_shards import OwnedShards
+from tokpack.packer.node_store import Buckets, InMemory, bucket_layout, open_slice_files, receive
+from tokpack.packer.node_store import write_slice_epoch, write_through_pays
+from tokpack.packer.owned_facts import KeptFacts, OwnedShards, send_facts
 from tokpack.packer.phases import Phases, collecting, count, phase, process_cpu, timed
 from tokpack.packer.rank_files import ready_epoch_dir
 from tokpack.packer.slicing import slice_ranks
@@ -127,20 +126,9 @@ def exchange_epoch(
     node_store.open_slice_files, which are written as rows complete and removed if the rounds
     fail). Returns (the store: in memory, or bucket files by `layout`, both read by `rows(lo,
     hi)` in store_rows numbering; the slice's padding, rounds)."""
-    try:
-        return _exchange(comm, MPI, ne, per_round, layout, shown, files)
-    except BaseException:
-        if files is not None:
-            files.abort()
-        raise
-
-
-def _exchange(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None, shown: bool, files):
     job, row = ne.job, ne.plan.row_tokens
     pad_id = ne.plan.pad_id if ne.padded else 0
-    stores = InMemory(ne, pad_id, files) if layout is None else Buckets(ne, layout, pad_id)
-    # Tokens of each row still unfilled: 0 for every window at the end, a best-fit row's padding.
-    pad = np.full(ne.store_rows, row, dtype=np.int64)
+    stores = None
 
     def deliver(got_pieces, got_tokens):
         with phase("place" if layout is None else "bucket_write", got_tokens.nbytes):
@@ -153,33 +141,29 @@ def _exchange(comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None, s
         return routed
 
     try:
+        stores = InMemory(ne, pad_id, files) if layout is None else Buckets(ne, layout, pad_id)
+        # Tokens of each row still unfilled: 0 for every window at the end, a best-fit row's padding.
+        pad = np.full(ne.store_rows, row, dtype=np.int64)
         with reading_bar(ne, shown) as bar:
             size = lambda item: int(item[0]["length"].sum(dtype=np.int64)) * job.token_dtype.itemsize  # noqa: E731
             reads = counted(timed("cut", source_pieces(ne, per_round, layout is None), size), bar, size)
             with phase("route"):
                 rounds = exchange_rounds(comm, MPI, reads, per_round, row, job.token_dtype, routes, deliver, ne.procs)
         stores.finish()
+        stores.close()
+        if len(pad) and (pad.min() < 0 or (not ne.padded and pad.max() > 0)):
+            raise TokpackError(
+                "internal error: the exchange filled a row of this node wrongly",
+                where=f"epoch {job.plan.epoch}",
+                hint="report this with the command line",
+            )
     except BaseException:
-        stores.close(failed=True)  # its writes behind stopped before the caller removes their files
+        if stores is not None:  # its writes behind stopped before its files are removed
+            stores.close(failed=True)
+        if files is not None:
+            files.abort()
         raise
-    stores.close()
-    if len(pad) and (pad.min() < 0 or (not ne.padded and pad.max() > 0)):
-        raise TokpackError(
-            "internal error: the exchange filled a row of this node wrongly",
-            where=f"epoch {job.plan.epoch}",
-            hint="report this with the command line",
-        )
     return stores, pad, rounds
-
-
-def owned_entries(comm, MPI, ne: NodeEpoch, kept: KeptFacts, pad: np.ndarray, owned: OwnedShards):
-    """The owner's role, after the slice's rank files are written (and with them `kept`, its
-    rows' facts): the facts' rounds (owned_facts.send_facts), each owned shard's entry built from
-    them by `owned`, its row hashes (and padding) sent to RUN. Returns (the entries, their rows'
-    padding)."""
-    with phase("facts", ne.owned_rows * ne.job.row_bytes):
-        send_facts(comm, MPI, ne, kept, pad, owned)
-    return owned.entries, owned.padding
 
 
 def _same_padding(sums, padding: int, epoch: int) -> None:
@@ -302,12 +286,11 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
     runplan, opened, weights, shard_samples = setup.runplan, setup.sources, setup.weights, setup.shard_samples
     rows = RankRows(w, micro_batch, 0)
     output: Output = LocalOutput()  # DEST is on the node
-    created = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
     numbering = run_numbering(setup, out)
     done_epochs = list(setup.done_epochs)
     node.together(lambda: _declare_nodes(out, N, k, micro_batch, template) if node.q == 0 else None)
-    # a schedule's numbering, fixed at creation
-    if node.q == 0 and setup.run_params is not None and setup.todo and created is None:
+    # a schedule's numbering, fixed at creation (process 0 alone writes RUN's manifest)
+    if node.q == 0 and setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():
         out.mkdir(parents=True, exist_ok=True)
         output.finish(out, run_manifest_of({}, setup.todo[0][1], weights, opened, shard_samples, runplan))
     summaries, skipped = [], []
@@ -330,9 +313,8 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         fmt = EpochShardFormat(job.token_dtype, plan.seq_len, job.eos_id, job.tokenizer, padded=packing.padded)
         ne = NodeEpoch(job, job.open_sources(), rows, first, n, N, ranks, prepared, (node.p, P))
         kept = _keep(node, ne, keep)
-        per_round, layout = node.together(
-            lambda: (round_tokens(ne, memory), bucket_layout(ne, memory, Path(job.work_dir)))
-        )
+        per_round, bucket_rows = node.together(lambda: memory_plan(ne, memory))
+        layout = bucket_layout(ne, bucket_rows, Path(job.work_dir))
         disk = node.local.allreduce(ne.disk_bytes(layout is not None))  # the node's processes share DEST
         node.together(lambda: check_space([(dest, disk)], "shuffle", hint="free some space on this node's DEST"))
         d = dest / epoch_dir_name(epoch)
@@ -357,15 +339,19 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
                 facts.finish()
             return entries, OwnedShards(job, fmt, Path(job.work_dir) / "owned", Path(job.epoch_dir))
 
+        def owners():  # the owner's role: each owned shard's entry from its rows' facts, its row hashes to RUN
+            with phase("facts", ne.owned_rows * job.row_bytes):
+                send_facts(comm, MPI, ne, facts, keep_pad, owned)
+
         with collecting(phases):
             entries, owned = node.together(write)
             stores = None  # freed before the owned shards' entries
-            owned_list, owned_pad = node.together(lambda: owned_entries(comm, MPI, ne, facts, keep_pad, owned))
+            node.together(owners)
         if fmt.padded:  # every row is some node's and some owner's: both sums are the table's padding
-            sums = comm.allreduce(np.array([keep_pad.sum(), owned_pad], dtype=np.int64)).tolist()
+            sums = comm.allreduce(np.array([keep_pad.sum(), owned.padding], dtype=np.int64)).tolist()
             node.together(lambda: _same_padding(sums, prepared["padding"], epoch))
         shutil.rmtree(scratch, ignore_errors=True)
-        gathered = comm.gather(owned_list, root=0)
+        gathered = comm.gather(owned.entries, root=0)
         # the node's rank files, each process's, in rank order: the slice epoch manifest lists them so
         node_entries = sorted((e for part in node.local.allgather(entries) for e in part), key=lambda e: e["rank"])
 
@@ -389,7 +375,7 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         def commit_slice_epoch():  # the node's leader's, once every process of it wrote its rank files
             if not node.leader:
                 return
-            root = slice_root_of_run(out, ranks, w, micro_batch, rows.phase)[1]
+            root = slice_root_of_run(out, ranks, w, micro_batch)[1]
             raw = read_raw(Path(job.epoch_dir) / MANIFEST)
             want = slice_epoch_manifest(root, epoch, plan.samples, first, raw)
             want["shards"] = node_entries
@@ -414,7 +400,7 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
     def commit_root():
         if not node.leader:
             return None
-        root = slice_root_of_run(out, ranks, w, micro_batch, rows.phase)[1]
+        root = slice_root_of_run(out, ranks, w, micro_batch)[1]
         return finish_slice_root(output, dest, root, set(previous) | set(skipped) | {s["epoch"] for s in summaries})
 
     final = node.local.bcast(node.together(commit_root), root=0)

@@ -48,10 +48,11 @@ def read_raw(path: Path) -> bytes:
     return raw
 
 
-def slice_root_of_run(out: Path, ranks, w: int, micro_batch: int, phase: int) -> tuple[dict, dict]:
-    """(RUN's run manifest, the root manifest of the slice of `ranks` it gives)."""
+def slice_root_of_run(out: Path, ranks, w: int, micro_batch: int) -> tuple[dict, dict]:
+    """(RUN's run manifest, the root manifest of the slice of `ranks` it gives: from its first
+    batch, as --to-nodes has no --start-sample)."""
     run = parse_manifest(read_raw(out / MANIFEST), out / MANIFEST, "run")
-    return run, slice_manifest(run, str(out.absolute()), RankRows(w, micro_batch, phase), *ranks)
+    return run, slice_manifest(run, str(out.absolute()), RankRows(w, micro_batch, 0), *ranks)
 
 
 def finish_slice_root(output, dest: Path, root: dict, epochs) -> dict:
@@ -95,7 +96,7 @@ def own_dest(dest: Path, out: Path, ranks, w: int, micro_batch: int) -> list[int
             file=dest / MANIFEST,
             hint="give an empty or new DEST, or the RUN the slice came from",
         )
-    return previous_slice(dest, slice_root_of_run(out, ranks, w, micro_batch, 0)[1], str(out))
+    return previous_slice(dest, slice_root_of_run(out, ranks, w, micro_batch)[1], str(out))
 
 
 def slice_epoch_here(
@@ -104,7 +105,7 @@ def slice_epoch_here(
     """This node's slice of `epoch` is complete at DEST, for RUN's epoch manifest as it is."""
     if not (dest / epoch_dir_name(epoch) / MANIFEST).exists():
         return False
-    run, root = slice_root_of_run(out, ranks, w, micro_batch, 0)
+    root = slice_root_of_run(out, ranks, w, micro_batch)[1]
     raw = read_raw(out / epoch_dir_name(epoch) / MANIFEST)
     return epoch_in_place(dest / epoch_dir_name(epoch), slice_epoch_manifest(root, epoch, samples, first, raw))
 

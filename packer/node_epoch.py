@@ -114,7 +114,7 @@ class NodeEpoch:
     def disk_bytes(self, out_of_core: bool) -> int:
         """DEST's bytes at the peak: the rank files (rows, row hashes, index about a fragment a
         row) and the owned shards' row hashes and padding (their entries built from their rows'
-        facts, owned_shards); out of core, the bucket files too: every slice row with two
+        facts, owned_facts.OwnedShards); out of core, the bucket files too: every slice row with two
         RECORDs (about one piece a row)."""
         P, rb = len(self.positions), self.job.row_bytes
         small = P * (16 + 4 * self.padded) + self.owned_rows * (8 + 4 * self.padded)
@@ -189,29 +189,24 @@ BUCKET_ROW_OVERHEAD = 128
 
 def bucket_row_bytes(row_bytes: int) -> int:
     """--memory a row of a bucket takes out of core: two buckets are in memory at once (the one
-    written, its 4 copies, and the next one read back meanwhile on a thread, node_buckets.
+    written, its 4 copies, and the next one read back meanwhile on a thread, node_store.
     BucketRead: its rows, records and arithmetic); at a handover, 3 buckets' rows (the one done,
     the one given, the next one begun), which this covers as well."""
     return 4 * row_bytes + BUCKET_ROW_OVERHEAD + row_bytes + BUCKET_ROW_OVERHEAD
 
 
-def round_tokens(ne: NodeEpoch, memory: int) -> int:
-    """Tokens a process sends per round (tokpack plan --to-nodes calls this too). A round holds
-    what it read, its send buffer (each piece once, to its keeper), what it receives (about as
-    much), what waits for the next round and what the round before received (delivered
-    meanwhile, transport.exchange_rounds), each token with its index arithmetic. In memory when the node's stores fit
-    beside a round's buffers; else out of core (bucket_layout): the rounds append what they
-    receive to bucket files in DEST's scratch (one more copy a token), and the buckets, read
-    back in order once the rounds are done (the next one read while one is written: two in
-    memory, bucket_row_bytes), take what the positions, unfilled counts and the rows' facts
-    (which the rounds do not hold: they are taken as the rank files are written) leave of --memory.
-    Raises when even that does not fit."""
-    return memory_plan(ne, memory)[0]
-
-
 def memory_plan(ne: NodeEpoch, memory: int) -> tuple[int, int | None]:
-    """(tokens a round, rows a bucket out of core or None in memory); what `plan shuffle
-    --to-nodes` reports too."""
+    """(tokens a process sends per round, rows a bucket out of core or None in memory); what
+    `plan shuffle --to-nodes` reports too. A round holds what it read, its send buffer (each
+    piece once, to its keeper), what it receives (about as much), what waits for the next round
+    and what the round before received (delivered meanwhile, transport.exchange_rounds), each
+    token with its index arithmetic. In memory when the node's stores fit beside a round's
+    buffers; else out of core (node_store.bucket_layout): the rounds append what they receive
+    to bucket files in DEST's scratch (one more copy a token), and the buckets, read back in
+    order once the rounds are done (the next one read while one is written: two in memory,
+    bucket_row_bytes), take what the positions, unfilled counts and the rows' facts (which the
+    rounds do not hold: they are taken as the rank files are written) leave of --memory.
+    Raises when even that does not fit."""
     job = ne.job
     # read, sent, received, waiting for the next round, and the round before still being delivered
     per_token = 5 * job.token_dtype.itemsize + TOKEN_OVERHEAD

@@ -23,7 +23,7 @@ runs them (`epoch`):
   write       then the slice's rank files: written, or (written through) hashed and indexed
               only, each row's facts for its owner taken from the same pass. Out of core, its
               buckets read back on a thread a bucket ahead of the main thread's write
-              (node_buckets: the longer of the two chains; the writes behind by writeback).
+              (node_store.Buckets: the longer of the two chains; the writes behind by writeback).
   facts       then the rows' facts sent to their epoch shards' owners (small arrays, a few
               dozen bytes a row: no network term) and the owned shards' entries built from
               them (tokpack.packer.owned_facts); no token moves.

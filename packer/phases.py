@@ -19,7 +19,7 @@ The phases, and the thread each runs on:
                rounds: node_store.InMemory; the kernel writes them back meanwhile)
   bucket_write out of core: the pieces received appended to bucket files (the delivering thread)
   bucket_read  out of core: the buckets read back and checked (a thread a bucket ahead of
-               write, tokpack.packer.node_buckets.BucketRead; wall_s: the
+               write, tokpack.packer.node_store.BucketRead; wall_s: the
                main thread's wait for it)
   write        the slice's rank files written after the rounds, each row's facts for its owner
                taken from the same pass (main thread; with write_through, their tokens only

@@ -58,7 +58,7 @@ def _node_epoch_figures(
 ) -> list[dict]:
     """Each node's part of one epoch, from the exchange's own arithmetic (tokpack.packer.exchange):
     its NodeEpoch (the slice's positions, the owned shards, keep_bytes), its runs of source
-    shards (split_shards), round_tokens, and the destination exchange_epoch sends each piece to
+    shards (split_shards), memory_plan, and the destination exchange_epoch sends each piece to
     (the node that reads its row; its shard's owner gets only the row's facts)."""
     from tokpack.formats.shards import U64
     from tokpack.formats.slices import RankRows
@@ -126,7 +126,7 @@ def _node_epoch_figures(
                 "owned_shards": len(ne.owned),
                 "owned_rows": ne.owned_rows,
                 # each owned shard's row hashes (and padding) in scratch, copied to RUN; its index only
-                # hashed, from its rows' facts (owned_shards.OwnedShards): its tokens never come here
+                # hashed, from its rows' facts (owned_facts.OwnedShards): its tokens never come here
                 "owned_bytes": ne.owned_rows * (U64.itemsize + 4 * padded),
                 "owned_token_bytes": ne.owned_rows * job.row_bytes,  # their facts come, not them (the model's facts)
                 "owned_peak": max([k * (U64.itemsize + 4 * padded) for k in owned_sizes], default=0),
@@ -175,7 +175,9 @@ def _node_epoch_figures(
                         continue
                     taken += min(w1, c + SAMPLE_BLOCK) - c
                     for _, used, g in plan.outputs_of(s, np.arange(c, min(w1, c + SAMPLE_BLOCK), dtype=np.int64)):
-                        _count_sends(pieces[m], ne, g)
+                        # each piece once, to the node that reads its row (exchange_epoch's
+                        # destination; its shard's owner gets the row's facts only)
+                        pieces[m] += np.bincount(ne.node_of(g), minlength=nodes)
                         reads[m] += (len(g), len(g) * row)
                         uses += np.bincount((c - w0 + used) // per, minlength=len(uses))
                 block_rounds[m] += int((-(-uses // per)).sum())
@@ -198,7 +200,8 @@ def _node_epoch_figures(
         dests, every, taken = np.zeros(nodes, dtype=np.int64), max(1, -(-plan.samples // EXACT_WINDOWS)), 0
         for c in range(0, plan.samples, SAMPLE_BLOCK * every):  # a large epoch's: every k-th block
             g = np.arange(c, min(plan.samples, c + SAMPLE_BLOCK), dtype=np.int64)
-            _count_sends(dests, nes[0], g)  # a row's destinations do not depend on who sends it
+            # a row's destinations do not depend on who sends it
+            dests += np.bincount(nes[0].node_of(g), minlength=nodes)
             taken += len(g)
         share = dests / max(1, taken)  # per destination: copies it gets of a piece sent
         for m, f in enumerate(out):
@@ -278,12 +281,6 @@ def _predict(works: list, rates: Rates) -> dict:
         "by_resource": {k: round(v, 3) for k, v in by.items()},
         "epochs": [p.as_dict() for p in preds],
     }
-
-
-def _count_sends(counts: np.ndarray, ne, g: np.ndarray) -> None:
-    """Adds to counts[d] the pieces of rows `g` sent to node d: each once, to the node that reads
-    the row (exchange_epoch's destination; its shard's owner gets the row's facts only)."""
-    counts += np.bincount(ne.node_of(g), minlength=len(counts))
 
 
 def plan_to_nodes(

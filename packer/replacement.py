@@ -102,7 +102,7 @@ def stage_replacement(
     RankRows(w, micro_batch, 0)  # its checks, before DEST is locked
     with OutputLock(str(dest), holder_name("stage")):
         previous = own_dest(dest, out, (a, b), w, micro_batch)
-        run, root = slice_root_of_run(out, (a, b), w, micro_batch, 0)
+        run, root = slice_root_of_run(out, (a, b), w, micro_batch)
         numbering = EpochNumbering.of_run(run, out)
         chosen = sorted(int(e) for e in run.get("epochs") or []) if epochs is None else parse_epochs(epochs)
         output: Output = LocalOutput()

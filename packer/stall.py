@@ -31,7 +31,7 @@ from contextlib import suppress
 
 import numpy as np
 
-from tokpack.packer.transport import OnSigterm, process_name, release_all, to_launcher
+from tokpack.packer.transport import OnSigterm, process_name, release_all, settle, to_launcher
 
 DEFAULT_STALL_TIMEOUT = 300.0  # seconds: minutes, far beyond any GC pause or slow write of a node that runs
 BEAT, BYE, STALLED = 1, 2, 3  # a message's kind: [kind, value]
@@ -122,7 +122,7 @@ class StallWatch:
                 stalled = [k for k in peers if k not in gone and now - heard[k] >= self.timeout]
                 if stalled and min(k for k in range(N) if k not in stalled) == node:
                     self._report(stalled, {k: now - heard[k] for k in stalled}, theirs, peers, gone)
-            _settle(self._send(peers, gone, BYE, self.progress) + sends)
+            settle(self._send(peers, gone, BYE, self.progress) + sends)
         finally:
             for r in recvs:  # the listening receives go before MPI's finalize
                 with suppress(Exception):  # the process ends anyway
@@ -153,7 +153,7 @@ class StallWatch:
             OnSigterm.LAUNCHERS,
         )
         self.stop_on.tell_peers()  # their SIGTERM from the launcher: silent
-        _settle(self._send(peers, gone, STALLED, 0))
+        settle(self._send(peers, gone, STALLED, 0))
         time.sleep(self.POLL * 2)  # their threads take the notice before the launcher's SIGTERM
         self._exit(1)
 
@@ -163,12 +163,3 @@ class StallWatch:
         OnSigterm.failing = True
         release_all(self.stop_on.locks)
         os._exit(1 if code is None else code)
-
-
-def _settle(sends: list) -> None:
-    """Waits for `sends` ((request, buffer) each) to complete, a second at most: a peer that
-    exited never takes its message."""
-    deadline = time.monotonic() + 1.0
-    while sends and time.monotonic() < deadline:
-        sends = [(r, b) for r, b in sends if not r.Test()]
-        time.sleep(0.005)

@@ -119,13 +119,8 @@ class OnSigterm:
             if self.notice is None:
                 return
             time.sleep(delay)
-            sent = [
-                self.comm.isend(self.rank, dest=k, tag=self.TAG) for k in range(self.comm.Get_size()) if k != self.rank
-            ]
-            deadline = time.monotonic() + 1.0  # a peer already gone never takes it
-            while sent and time.monotonic() < deadline:
-                sent = [req for req in sent if not req.test()[0]]
-                time.sleep(0.01)
+            peers = [k for k in range(self.comm.Get_size()) if k != self.rank]
+            settle([(self.comm.isend(self.rank, dest=k, tag=self.TAG), None) for k in peers])
 
     def _taken(self, r: int):
         """Waits for SIGTERM: its sender's pid (None: unknown), or False once restored. Taken
@@ -185,6 +180,15 @@ def to_launcher(line: str, launchers) -> None:
                 os.close(fd)
     with suppress(OSError):
         os.write(2, data)
+
+
+def settle(sends: list) -> None:
+    """Waits for `sends` ((request, its buffer) each) to complete, a second at most: a peer that
+    exited never takes its message."""
+    deadline = time.monotonic() + 1.0
+    while sends and time.monotonic() < deadline:
+        sends = [(r, b) for r, b in sends if not r.Test()]
+        time.sleep(0.005)
 
 
 def release_all(locks) -> None:

@@ -1,4 +1,4 @@
-"""A node's rows out of core (tokpack.packer.node_buckets.Buckets): each bucket read back on a
+"""A node's rows out of core (tokpack.packer.node_store.Buckets): each bucket read back on a
 thread while the caller writes the one before, within the memory node_epoch.memory_plan gives
 the buckets, a bad bucket one TokpackError in the caller's thread, and no thread left behind;
 under MPI, each bucket file read back once."""
@@ -18,8 +18,8 @@ from probes import AUDIT_SITE, audit_env, audited
 from test_mpi import OUT_OF_CORE, REPO, summaries, to_nodes
 
 from tokpack.formats.errors import TokpackError
-from tokpack.packer import node_buckets
-from tokpack.packer.node_buckets import Buckets
+from tokpack.packer import node_store
+from tokpack.packer.node_store import Buckets
 from tokpack.packer.node_epoch import bucket_row_bytes
 from tokpack.packer.pieces import WIRE_PIECE
 from tokpack.shuffle.steps import Layout
@@ -60,13 +60,13 @@ def test_the_next_bucket_is_read_while_the_caller_has_this_one(tmp_path, monkeyp
     no thread is left once the last bucket is taken."""
     stores, expected = filled(tmp_path, 5, 8, 16)
     started = {b: threading.Event() for b in range(5)}
-    read = node_buckets.read_bucket
+    read = node_store.read_bucket
 
     def recording(lay, b, *args):
         started[b].set()
         return read(lay, b, *args)
 
-    monkeypatch.setattr(node_buckets, "read_bucket", recording)
+    monkeypatch.setattr(node_store, "read_bucket", recording)
     got = []
     for lo, hi in ((0, 24), (24, 40)):
         for a, rows in stores.rows(lo, hi):

@@ -180,7 +180,7 @@ def test_the_facts_rounds_give_every_owner_the_entries_its_rows_give(tmp_path, m
     from tokpack.formats.outputs import EpochShardFormat
     from tokpack.formats.shards import EpochShardWriter
     from tokpack.packer import owned_facts
-    from tokpack.packer.owned_shards import OwnedShards
+    from tokpack.packer.owned_facts import OwnedShards
     from tokpack.packer.rank_files import row_facts
 
     monkeypatch.setattr(owned_facts, "FACT_ROWS", 2)

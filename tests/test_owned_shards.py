@@ -1,4 +1,4 @@
-"""The owner's role in `shuffle --to-nodes` (tokpack.packer.owned_shards): an owned epoch shard's
+"""The owner's role in `shuffle --to-nodes` (tokpack.packer.owned_facts.OwnedShards): an owned epoch shard's
 entry built from its rows' facts (owned_facts) is the one its rows give; its row hashes and
 padding reach RUN through RUN's Output (the one sink, formats/outputs.py) and are read back from
 the node's scratch through the gate (formats/io.py), never copied past them."""
@@ -15,7 +15,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput
 from tokpack.formats.shards import EpochShardWriter
 from tokpack.formats.shards import fragment_ends
-from tokpack.packer.owned_shards import OwnedShards
+from tokpack.packer.owned_facts import OwnedShards
 from tokpack.packer.rank_files import row_facts
 
 SEQ = 7
