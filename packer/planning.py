@@ -2,7 +2,7 @@
 command itself runs, with nothing written (docs/COMMANDS.md, "Planning a run").
 
 Each plan_* function calls its command's own setup (tokpack.shuffle.run.setup_run and epoch_layout,
-tokpack.packer.pack_setup.setup_pack, tokpack.packer.staging.make_plan) and byte counts, then predicts the wall
+tokpack.packer.pack_setup.setup_pack, tokpack.packer.stage_plan.make_plan) and byte counts, then predicts the wall
 time: each pass moves the bytes it reads and writes at the disk throughput, over the tasks
 that run at once on separate disks (slurm, ray: one node each) or over one disk (local: its
 workers share it). The throughput is `disk_mbps`, or is measured in about two seconds by
