@@ -393,9 +393,8 @@ def plan_slice(
             hint="give the run directory (the one holding epoch-NNNNN/)",
         )
     numbering = EpochNumbering.of_run(run, src.path)
-    available = sorted(
-        int(e) for e in run.get("epochs") or []
-    )  # complete epochs only: a run being shuffled lists those
+    # complete epochs only: a run being shuffled lists those
+    available = sorted(int(e) for e in run.get("epochs") or [])
     chosen = available if epochs is None else parse_epochs(epochs)
     missing = [e for e in chosen if e not in available]
     if missing:
