@@ -144,6 +144,46 @@ def link_part(
 ) -> Linked:
     """Links input `f` as shard 0 of `part_dir` (an empty folder) once the scan has verified it;
     otherwise leaves `part_dir` empty and says why."""
+
+    def scan(files: dict) -> tuple[dict | None, str | None]:
+        """(the entry a copying pack records, None) when the placed `files` hold exactly what it would
+        write; else (None, why not)."""
+        linked = InputFile(
+            str(files[""]),
+            f.format,
+            f.dtype,
+            f.size,
+            tokenizer=f.tokenizer,
+            extra={"index": str(files[".index"]), "loss": str(files[".loss"]) if ".loss" in files else None},
+        )
+        norm = Normalizer(f, vocab_size, eos_id, out_dtype)  # its messages name the input
+        writer = SourceShardWriter(part_dir, name, out_dtype, tokenizer, ".loss" in files, sink=HashedFile)
+        read = {s: xxhash.xxh3_128() for s in ("", ".loss")}  # the bytes as they are
+        itemsize = np.dtype(f.dtype).itemsize
+        bar = progress(f.size, f"pack --link {Path(f.path).name}")
+        blocks = read_blocks(linked, eos_id, block_bytes)
+        try:
+            for block in blocks:
+                read[""].update(memoryview(np.ascontiguousarray(block.tokens)).cast("B"))
+                if block.loss is not None:
+                    read[".loss"].update(memoryview(np.ascontiguousarray(block.loss)).cast("B"))
+                tokens, ends, loss = norm(block)
+                if norm.eos_appended or norm.empty_dropped:
+                    return None, "a document does not end with EOS (pack appends it, so the bytes differ)"
+                writer.write(tokens, ends, loss)
+                bar.update(len(block.tokens) * itemsize)
+        finally:
+            blocks.close()
+            bar.close()
+        entry = writer.close()  # writes the shard's .ds.metadata, as a copying pack does
+        same = (
+            entry["xxh3_128"] == read[""].hexdigest()
+            and entry["tokens"] * itemsize == os.stat(files[""]).st_size
+            and entry["index_xxh3_128"] == xxh3_128_file(files[".index"])
+            and entry.get("loss_xxh3_128", read[".loss"].hexdigest()) == read[".loss"].hexdigest()
+        )
+        return (entry, None) if same else (None, "its bytes differ from what pack writes")
+
     why = why_not(f, out_dtype, shard_tokens)
     if why is not None:
         return Linked(note=why)
@@ -158,17 +198,7 @@ def link_part(
                 return Linked(note=why)
             placed[suffix] = (dst, _state(dst))  # what the scan must still find after it
             methods.add(how)
-        entry, why = _scan(
-            f,
-            {s: p for s, (p, _) in placed.items()},
-            part_dir,
-            name,
-            vocab_size,
-            eos_id,
-            out_dtype,
-            tokenizer,
-            block_bytes,
-        )
+        entry, why = scan({s: p for s, (p, _) in placed.items()})
         for suffix, (dst, before) in placed.items():
             if _state(dst) != before:
                 raise TokpackError(
@@ -201,56 +231,6 @@ def _empty(part_dir: Path) -> None:
     """Unlinks what was placed (the input keeps its own names and bytes)."""
     shutil.rmtree(part_dir, ignore_errors=True)
     part_dir.mkdir(parents=True)
-
-
-def _scan(
-    f: InputFile,
-    placed: dict,
-    part_dir: Path,
-    name: str,
-    vocab_size: int,
-    eos_id: int,
-    out_dtype: np.dtype,
-    tokenizer: str,
-    block_bytes: int,
-) -> tuple[dict | None, str | None]:
-    """(the entry a copying pack records, None) when the placed files hold exactly what it would
-    write; else (None, why not)."""
-    linked = InputFile(
-        str(placed[""]),
-        f.format,
-        f.dtype,
-        f.size,
-        tokenizer=f.tokenizer,
-        extra={"index": str(placed[".index"]), "loss": str(placed[".loss"]) if ".loss" in placed else None},
-    )
-    norm = Normalizer(f, vocab_size, eos_id, out_dtype)  # its messages name the input
-    writer = SourceShardWriter(part_dir, name, out_dtype, tokenizer, ".loss" in placed, sink=HashedFile)
-    read = {s: xxhash.xxh3_128() for s in ("", ".loss")}  # the bytes as they are
-    itemsize = np.dtype(f.dtype).itemsize
-    bar = progress(f.size, f"pack --link {Path(f.path).name}")
-    blocks = read_blocks(linked, eos_id, block_bytes)
-    try:
-        for block in blocks:
-            read[""].update(memoryview(np.ascontiguousarray(block.tokens)).cast("B"))
-            if block.loss is not None:
-                read[".loss"].update(memoryview(np.ascontiguousarray(block.loss)).cast("B"))
-            tokens, ends, loss = norm(block)
-            if norm.eos_appended or norm.empty_dropped:
-                return None, "a document does not end with EOS (pack appends it, so the bytes differ)"
-            writer.write(tokens, ends, loss)
-            bar.update(len(block.tokens) * itemsize)
-    finally:
-        blocks.close()
-        bar.close()
-    entry = writer.close()  # writes the shard's .ds.metadata, as a copying pack does
-    same = (
-        entry["xxh3_128"] == read[""].hexdigest()
-        and entry["tokens"] * itemsize == os.stat(placed[""]).st_size
-        and entry["index_xxh3_128"] == xxh3_128_file(placed[".index"])
-        and entry.get("loss_xxh3_128", read[".loss"].hexdigest()) == read[".loss"].hexdigest()
-    )
-    return (entry, None) if same else (None, "its bytes differ from what pack writes")
 
 
 # ------------------------------------------------------------------------ planning and summaries

@@ -18,10 +18,7 @@ from tokpack.formats.fields import type_ok
 from tokpack.formats.hashes import xxh3_128_file
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.shard_scan import Problem
-from tokpack.formats.shards import (
-    tokens_on_nodes,
-)
-
+from tokpack.formats.shards import tokens_on_nodes
 
 from .dir_checks import Dir, DirReport, check_row_hashes, plan_dir
 

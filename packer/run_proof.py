@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tokpack.formats.constants import MASK64
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import open_read
 from tokpack.formats.io.reads import read_full
@@ -124,7 +125,7 @@ def _order_of(f: Path, g0: int, n: int) -> int:
             k = min(len(buf), n - a)
             _read_exactly(fh, buf[:k], f, a)
             total += order_hash(np.arange(g0 + a, g0 + a + k, dtype=np.int64), buf[:k])
-    return total & 0xFFFFFFFFFFFFFFFF
+    return total & MASK64
 
 
 def _read_exactly(fh, out: np.ndarray, f: Path, row: int) -> None:

@@ -50,12 +50,8 @@ from tokpack.formats.slices import RankRows, rank_file_name, run_identity, slice
 from tokpack.packer.shared import Result
 from tokpack.packer.stage_source import Source
 from tokpack.packer.stage_dest import epoch_in_place, epoch_tokens, local_dest, on_disk, previous_slice
-from tokpack.packer.stage_plan import parse_epochs
+from tokpack.packer.stage_plan import parse_epochs, slice_ranks
 from tokpack.shuffle.packings import of_manifest
-
-from .slice_ranks import (
-    slice_ranks,
-)
 
 # Rows gathered per step: three chunks in flight (read, verified, written), so memory stays near
 # 3x this whatever the epoch's size.
@@ -397,9 +393,8 @@ def plan_slice(
             hint="give the run directory (the one holding epoch-NNNNN/)",
         )
     numbering = EpochNumbering.of_run(run, src.path)
-    available = sorted(
-        int(e) for e in run.get("epochs") or []
-    )  # complete epochs only: a run being shuffled lists those
+    # complete epochs only: a run being shuffled lists those
+    available = sorted(int(e) for e in run.get("epochs") or [])
     chosen = available if epochs is None else parse_epochs(epochs)
     missing = [e for e in chosen if e not in available]
     if missing:

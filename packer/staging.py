@@ -49,19 +49,8 @@ from tokpack.formats.reading import strict_json
 from tokpack.formats.slices import stage_command
 from tokpack.formats.token_check import FileDigest, RowDigest, digest_error, recorded_rows
 from tokpack.packer.shared import Result, optional_field
-
-from tokpack.packer.stage_dest import (
-    local_dest,
-    bytes_to_write,
-    check_dest,
-)
-from tokpack.packer.stage_plan import (
-    CopyJob,
-    DirPlan,
-    make_plan,
-    parse_epochs,
-    parse_ranks,
-)
+from tokpack.packer.stage_dest import local_dest, bytes_to_write, check_dest
+from tokpack.packer.stage_plan import CopyJob, DirPlan, make_plan, parse_epochs, parse_ranks
 from tokpack.packer.stage_source import STAGE_BLOCK, Source
 
 # A remote file is fetched in ranged reads of a quarter block, this many at a time per file (so

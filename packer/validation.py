@@ -19,7 +19,6 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.reads import ThreadPool
 from tokpack.formats.io.paths import as_path
@@ -28,18 +27,10 @@ from tokpack.formats.constants import MANIFEST, MASK64, SLICE
 from tokpack.formats.hashes import hash_hex64
 from tokpack.formats.reading import manifest_kind
 from tokpack.formats.shard_scan import Findings, Problem, check_shard, problem_line, worst_status
-from tokpack.formats.shards import (
-    PackedSource,
-)
+from tokpack.formats.shards import PackedSource
 from tokpack.packer.shared import Result
 
-from .dir_checks import (
-    Dir,
-    DirReport,
-    ShardJobs,
-    ValidationReport,
-    plan_dir,
-)
+from .dir_checks import Dir, DirReport, ShardJobs, ValidationReport, plan_dir
 from .run_checks import check_run
 from .run_proof import on_nodes, prove_on_nodes
 from .slice_validation import slice_against_run

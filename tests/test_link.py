@@ -280,15 +280,15 @@ def test_a_bad_id_under_link_is_the_copying_packs_error(tmp_path):
 
 
 def test_an_input_changed_while_linked_is_refused(dt, tmp_path, monkeypatch):
-    real = linking._scan
+    real = linking.xxh3_128_file
 
-    def edits_the_input(f, placed, *a):  # the user's own tool writes into the input mid-pack
-        result = real(f, placed, *a)
-        with open(f.path, "r+b") as fh:
+    def edits_the_input(index):  # the user's own tool writes into the input mid-pack (the scan's last read)
+        result = real(index)
+        with open(str(index).removesuffix(".index"), "r+b") as fh:  # the shard: a hard link to the input
             fh.write(b"\x01\x00")
         return result
 
-    monkeypatch.setattr(linking, "_scan", edits_the_input)
+    monkeypatch.setattr(linking, "xxh3_128_file", edits_the_input)
     with pytest.raises(TokpackError, match="input changed while pack --link read it"):
         pack([str(dt)], str(tmp_path / "out"), link=True, **OPTS)
     assert set(links_of(dt).values()) == {1} and not (tmp_path / "out").exists()
