@@ -146,3 +146,29 @@ def test_a_run_file_longer_or_shorter_than_recorded_is_refused_before_anything_i
         assert f.name in line and "size does not match the manifest" in line and "HINT" in line, line
         assert f"expected {size} bytes, found {size + change} bytes" in line, line
         assert nothing_staged(dest), list(dest.rglob("*"))
+
+
+def test_a_file_swapped_for_another_size_after_its_check_is_refused_on_the_descriptor(tmp_path, monkeypatch):
+    """regular_fd checks the path, opens it, then checks the descriptor again: a file replaced in
+    between (here: the path check skipped, as if the swap came right after it) is still refused,
+    as one line naming its size, and the descriptor is closed; the same for a FIFO on append."""
+    import os
+
+    from tokpack.formats.io import gate
+
+    f = tmp_path / "00000.ds"
+    f.write_bytes(b"x" * 10)
+    monkeypatch.setattr(gate, "regular_size", lambda path, **rules: rules.get("size"))
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(TokpackError) as e:
+        gate.regular_fd(f, size=12, what="shard")
+    assert "size" in str(e.value) and "12 bytes" in str(e.value) and "10 bytes" in str(e.value), str(e.value)
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert os.read(fd := gate.regular_fd(f, size=10), 10) == b"x" * 10
+    os.close(fd)
+    fifo = tmp_path / "work" / "b.rows"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    with pytest.raises(TokpackError) as e:
+        gate.open_append(fifo, folder=tmp_path / "work")
+    assert "regular" in str(e.value).lower() or "fifo" in str(e.value).lower(), str(e.value)

@@ -5,6 +5,7 @@ formats/io/writes.py, which opens only what it writes)."""
 from __future__ import annotations
 
 import json
+import errno
 import mmap
 import io
 import os
@@ -256,7 +257,12 @@ def open_append(path, *, folder):
             expected=f"a file inside {folder}",
             hint="the work folder holds only tokpack's own files: delete it and rerun",
         )
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError as e:  # a FIFO with no reader refuses a non-blocking write open (ENXIO)
+        if e.errno != errno.ENXIO:
+            raise
+        raise _not_regular(path, os.stat(path).st_mode) from None
     return open(_blocking_regular(fd, path), "ab")
 
 
