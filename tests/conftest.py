@@ -8,6 +8,7 @@ import importlib
 import os
 import random
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,27 @@ def run_launching_again(*args, **kwargs):
 
 
 subprocess.run = run_launching_again
+
+
+def start_job(cmd: list[str], env: dict, ready, what: str, seconds: float = 60) -> subprocess.Popen:
+    """An MPI job started in the background (stdout, stderr piped, text), returned once `ready()`
+    holds, for a test that then stops it. A launcher that failed to start (LAUNCHER_FAILED, as
+    run_launching_again) launches again, at most twice; a job that ends or is not ready within
+    `seconds` fails the test with its exit status and stderr."""
+    for _ in range(3):
+        job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + seconds
+        while job.poll() is None and not ready() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if job.poll() is None and ready():
+            return job
+        if job.poll() is None:
+            job.kill()
+        out, err = job.communicate()
+        if not _launcher_failed_to_start([cmd], subprocess.CompletedProcess(cmd, job.returncode, out, err)):
+            break
+    pytest.fail(f"{what}: the job ended (exit {job.returncode}) or was not ready in {seconds} s: {err[-3000:]}")
+
 
 REPO = Path(__file__).resolve().parents[1]
 # Folders a checkout may hold that are not the project's: a virtual environment made in the clone

@@ -1,17 +1,22 @@
-"""tests/conftest.py's run_launching_again: an MPI job whose launcher failed to start (Open
-MPI's exit 213, its PMIx listener) is launched again; anything else, even from mpirun, is
-returned as it came, once."""
+"""tests/conftest.py's run_launching_again and start_job: an MPI job whose launcher failed to
+start (Open MPI's exit 213, its PMIx listener) is launched again; anything else, even from
+mpirun, is returned as it came (start_job: fails the test), once."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
+
+import pytest
 
 import conftest
 
 
-def _fake_mpirun(tmp_path: Path, failures: int, code: int = 213, text: str = conftest.LAUNCHER_FAILED) -> Path:
-    """An executable named mpirun that fails `failures` times (counted in a file), then prints ok."""
+def _fake_mpirun(
+    tmp_path: Path, failures: int, code: int = 213, text: str = conftest.LAUNCHER_FAILED, then: str = "echo ok"
+) -> Path:
+    """An executable named mpirun that fails `failures` times (counted in a file), then runs `then`."""
     counter = tmp_path / "count"
     counter.write_text("0")
     exe = tmp_path / "mpirun"
@@ -19,7 +24,7 @@ def _fake_mpirun(tmp_path: Path, failures: int, code: int = 213, text: str = con
         "#!/bin/sh\n"
         f"n=$(cat {counter}); echo $((n + 1)) > {counter}\n"
         f'if [ "$n" -lt {failures} ]; then echo "{text}" >&2; exit {code}; fi\n'
-        "echo ok\n"
+        f"{then}\n"
     )
     exe.chmod(0o755)
     return exe
@@ -39,3 +44,29 @@ def test_any_other_failure_is_the_tests_at_once(tmp_path):
         exe = _fake_mpirun(sub, failures=5, code=code, text=text)
         r = subprocess.run([str(exe)], capture_output=True, text=True)
         assert r.returncode == code and (sub / "count").read_text().strip() == "1"
+
+
+def test_a_background_job_whose_launcher_failed_to_start_is_started_again_and_returned_ready(tmp_path):
+    ready = tmp_path / "ready"
+    exe = _fake_mpirun(tmp_path, failures=2, then=f"touch {ready}; exec sleep 60")
+    job = conftest.start_job([str(exe)], dict(os.environ), ready.exists, "ready")
+    try:
+        assert job.poll() is None and ready.exists()
+        assert (tmp_path / "count").read_text().strip() == "3"
+    finally:
+        job.kill()
+        job.communicate()
+
+
+@pytest.mark.parametrize(
+    ("failures", "code", "text", "launches"),
+    [(5, 213, conftest.LAUNCHER_FAILED, "3"), (5, 1, conftest.LAUNCHER_FAILED, "1"), (5, 213, "a process failed", "1")],
+)
+def test_a_background_job_that_ends_before_it_is_ready_fails_the_test_with_its_stderr(
+    tmp_path, failures, code, text, launches
+):
+    exe = _fake_mpirun(tmp_path, failures=failures, code=code, text=text)
+    with pytest.raises(pytest.fail.Exception) as failed:
+        conftest.start_job([str(exe)], dict(os.environ), (tmp_path / "never").exists, "the lock")
+    assert f"the lock: the job ended (exit {code})" in str(failed.value) and text in str(failed.value)
+    assert (tmp_path / "count").read_text().strip() == launches

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import random_docs, require, write_source
+from conftest import random_docs, require, start_job, write_source
 from tokpack.formats.constants import MANIFEST, NODES_SIDECAR
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.constants import PAD_SUFFIX, ROWS_SUFFIX
@@ -450,7 +450,6 @@ def test_a_killed_process_stops_the_job_naming_its_node_and_a_rerun_gives_the_sa
     parts is test_rerun_redoes_an_epoch_a_node_lacks_and_skips_the_complete_ones's state, made there
     by hand: a kill's timing here depends on the machine's load."""
     import signal
-    import time
 
     source = write_source(tmp_path / "src", random_docs(np.random.default_rng(4), 1500, 1000, 0), docs_per_shard=150)
     args = [source, "--seq-len", SEQ, "--seed", 6, "--epochs", 2, "--shard-samples", 100]
@@ -479,11 +478,8 @@ def test_a_killed_process_stops_the_job_naming_its_node_and_a_rerun_gives_the_sa
         "1MiB",
         "--json",
     ]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    job = start_job(cmd, env, (tmp_path / "node2" / "tokpack.lock").exists, "node 2's lock")
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "node2" / "tokpack.lock").exists() and job.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
         kids = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
         victim = [int(k) for k in kids if b"OMPI_COMM_WORLD_RANK=2\0" in Path(f"/proc/{k}/environ").read_bytes()]
         assert victim and job.poll() is None, "node 2 finished before it could be killed"
@@ -507,7 +503,6 @@ def test_a_sigterm_to_one_process_stops_every_node_with_one_line_naming_it_and_a
     process exits within seconds (the timeout below, not a threshold), one tokpack line names
     node 2, and no node releases a line of its own; the rerun gives shuffle + stage's bytes."""
     import signal
-    import time
 
     source = write_source(tmp_path / "src", random_docs(np.random.default_rng(4), 1500, 1000, 0), docs_per_shard=150)
     args = [source, "--seq-len", SEQ, "--seed", 6, "--epochs", 2, "--shard-samples", 100]
@@ -536,11 +531,8 @@ def test_a_sigterm_to_one_process_stops_every_node_with_one_line_naming_it_and_a
         "64KiB",
         "--json",
     ]  # out of core: its slice and owned shards are about 230 KiB
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    job = start_job(cmd, env, (tmp_path / "node2" / "tokpack.lock").exists, "node 2's lock")
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "node2" / "tokpack.lock").exists() and job.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
         kids = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
         victim = [int(k) for k in kids if b"OMPI_COMM_WORLD_RANK=2\0" in Path(f"/proc/{k}/environ").read_bytes()]
         assert victim and job.poll() is None, "node 2 finished before it could be stopped"

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import random_docs, write_source
+from conftest import random_docs, start_job, write_source
 from test_mpi import (
     K,
     M,
@@ -63,15 +63,10 @@ def test_a_node_stopped_by_sigstop_stops_the_job_with_one_line_naming_it_and_a_r
     env = mpi_env()
     exchanged, dest = tmp_path / "exchanged", str(tmp_path / "node{node}")
     slow = [*args, "--memory", "64KiB", "--stall-timeout", 3]  # out of core, many rounds
-    job = subprocess.Popen(
-        _command(exchanged, dest, slow), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+    first = tmp_path / f"node{VICTIM}" / epoch_dir_name(0) / MANIFEST
+    job = start_job(_command(exchanged, dest, slow), env, first.exists, f"node {VICTIM}'s epoch 0")
     victim = None
     try:
-        deadline = time.monotonic() + 60
-        first = tmp_path / f"node{VICTIM}" / epoch_dir_name(0) / MANIFEST
-        while not first.exists() and job.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
         time.sleep(0.2)  # inside epoch 1 (its exchange: 53 rounds, about 0.5 s here)
         kids = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
         victim = _rank_pid(kids, VICTIM)

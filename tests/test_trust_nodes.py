@@ -18,7 +18,7 @@ import pytest
 import xxhash
 from click.testing import CliRunner
 
-from conftest import random_docs, write_source
+from conftest import random_docs, start_job, write_source
 from test_mpi import K, M, MEMORY, SEQ, assert_every_rank_exits, cli, mpi_env, mpirun, summaries, to_nodes, tree
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.constants import MANIFEST
@@ -305,15 +305,15 @@ def test_a_sigterm_to_mpirun_is_one_line_on_every_node_and_a_rerun_resumes(tmp_p
     cmd = [mpirun(), "--oversubscribe", "-n", str(nodes), sys.executable, "-m", "tokpack", "shuffle"]
     cmd += [*map(str, args), "-o", str(run), "--to-nodes", dest, "--ranks-per-node", str(K)]
     cmd += ["--micro-batch", str(M), "--json"]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    locks = [tmp_path / f"node{n}" / "tokpack.lock" for n in range(nodes)]
+    # every process holds its lock: its SIGTERM watcher runs
+    job = start_job(cmd, env, lambda: all(p.exists() for p in locks), "every node's lock")
     try:
-        deadline = time.monotonic() + 60
-        locks = [tmp_path / f"node{n}" / "tokpack.lock" for n in range(nodes)]
-        while not all(p.exists() for p in locks) and job.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)  # every process holds its lock: its SIGTERM watcher runs
         time.sleep(0.3)  # inside the exchange's rounds
         kids = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
-        assert job.poll() is None, "the job finished before it could be stopped"
+        if job.poll() is not None:
+            _, err = job.communicate()
+            raise AssertionError(f"the job finished ({job.returncode}) before it could be stopped: {err[-3000:]}")
         os.kill(job.pid, signal.SIGTERM)
         _, err = job.communicate(timeout=30)
     finally:
