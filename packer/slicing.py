@@ -27,7 +27,6 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
@@ -168,19 +167,9 @@ class _Reads:
 class _EpochStager:
     """Copies one epoch's rows of the node's ranks into their rank files, verified row by row."""
 
-    def __init__(
-        self,
-        src: Source,
-        reads: _Reads,
-        rel: str,
-        manifest: dict,
-        rows: RankRows,
-        ranks: tuple[int, int],
-        first: int,
-        log,
-    ):
-        self.src, self.reads, self.rel, self.m = src, reads, rel, manifest
-        self.rows, self.ranks, self.first, self.log = rows, ranks, first, log
+    def __init__(self, reads: _Reads, rel: str, manifest: dict, rows: RankRows, ranks: tuple[int, int], first: int):
+        self.reads, self.rel, self.m = reads, rel, manifest
+        self.rows, self.ranks, self.first = rows, ranks, first
         self.shards = manifest["shards"]
         self.per_shard = int(manifest["shard_samples"])
         self.row_bytes = row_bytes_of(manifest)
@@ -189,7 +178,7 @@ class _EpochStager:
             manifest,
             self.row_bytes,
             lambda i, suffix, size: [reads.whole(self.shard_path(i) + suffix, size)],
-            src.at(rel),
+            reads.src.at(rel),
             "the run's file is corrupt: run `tokpack validate` on the run; nothing was kept",
         )
         self.by_rows = all("rows_xxh3_128" in s for s in self.shards)
@@ -270,7 +259,7 @@ class _EpochStager:
                     k = int(pos[b] - i * self.per_shard)
                     raise TokpackError(
                         "sample differs from the run's row hash",
-                        file=self.src.at(self.shard_path(i)),
+                        file=self.reads.src.at(self.shard_path(i)),
                         where=f"sample {k} (byte {k * self.row_bytes})",
                         expected=hash_hex64(int(want[b])),
                         found=hash_hex64(int(found[b])),
@@ -426,28 +415,14 @@ def plan_slice(
     return SlicePlan((a, b), w, rows, run, chosen, kept, read, by_rows, written, on_disk(header))
 
 
-class SliceRanks(NamedTuple):
-    """Which ranks a slice holds, as `stage` takes them: `ranks` A..B of `world_size`, or `node`
-    n/N of `ranks_per_node` each; `micro_batch` and `start_sample` number the rows (plan_slice)."""
-
-    ranks: object = None
-    world_size: int | None = None
-    micro_batch: int = 1
-    node: object = None
-    ranks_per_node: int | None = None
-    start_sample: int = 0
-
-
 @locked_output("stage", arg="dest")
 def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **ranks) -> SliceResult:
     """Writes the node slice of ranks A..B of a run (local or any fsspec URL) into the local DEST;
-    `ranks`: SliceRanks's fields, by keyword."""
+    `ranks`: plan_slice's ranks, world_size, micro_batch, node, ranks_per_node and start_sample, by keyword."""
     t0 = time.perf_counter()
     dest = local_dest(dest)
     src = Source(str(directory))
-    which = SliceRanks(**ranks)
-    micro_batch = which.micro_batch
-    plan = plan_slice(src, *which, epochs)
+    plan = plan_slice(src, epochs=epochs, **ranks)
     (a, b), w, rows, run, chosen = plan.ranks, plan.world_size, plan.rows, plan.run, plan.epochs
     numbering = EpochNumbering.of_run(run, src.path)
     root = slice_manifest(run, src.local_root or src.path, rows, a, b)
@@ -491,7 +466,7 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
                 d.mkdir(parents=True, exist_ok=True)
                 output.unfinish(d)
                 remove_tmp_files(d)
-                stager = _EpochStager(src, reads, rel, m, rows, (a, b), first, log)
+                stager = _EpochStager(reads, rel, m, rows, (a, b), first)
                 verified_by.add("row hashes" if stager.by_rows else "whole shards")
                 if log and not stager.by_rows:
                     log(
@@ -543,8 +518,8 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
     kept = kept_rows * row_bytes
     if log:
         log(
-            f"stage: slice of ranks {a}-{b} of {w} (micro-batch {micro_batch}) at {dest}: epochs {root['epochs']}, "
-            f"{len(staged)} staged, {len(in_place)} already in place; read {reads.bytes / 2**20:,.1f} MiB "
+            f"stage: slice of ranks {a}-{b} of {w} (micro-batch {rows.micro_batch}) at {dest}: "
+            f"epochs {root['epochs']}, {len(staged)} staged, {len(in_place)} already in place; read {reads.bytes / 2**20:,.1f} MiB "
             f"for {kept / 2**20:,.1f} MiB kept"
         )
     return SliceResult(
@@ -554,7 +529,7 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
         dest=str(dest),
         ranks=root["ranks"],
         world_size=w,
-        micro_batch=micro_batch,
+        micro_batch=rows.micro_batch,
         batch_phase=rows.phase,
         epochs=root["epochs"],
         epochs_staged=staged,
