@@ -105,7 +105,7 @@ def check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
         # for them yet, so each must come from this run (another --epochs selection of it).
         run, planned = plans[-1].manifest, {p.rel for p in plans}
         for d in sorted(dest.glob("epoch-*/" + MANIFEST)):
-            if d.parent.name not in planned and not _same_run(_small_manifest(d), run):
+            if d.parent.name not in planned and not _same_run(small_manifest(d), run):
                 raise refuse_dest(dest_holds(dest, d, other_run=True), "a copy of this run")
     for path in damaged:  # removed once DEST is known to be this copy: nothing is written before
         path.unlink()
@@ -176,7 +176,7 @@ def small_json(path: Path):
     return strict_json(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path)
 
 
-def _small_manifest(path: Path) -> dict | None:
+def small_manifest(path: Path) -> dict | None:
     try:
         m = small_json(path)
     except (OSError, TokpackError):
@@ -218,13 +218,13 @@ def dest_holds(dest: Path, path: Path | None = None, other_run: bool = False) ->
     dest = Path(dest)
     root = dest / MANIFEST
     if path is not None and path != root:
-        m = _small_manifest(path)
+        m = small_manifest(path)
         words = _describe(m) if m else "an unreadable tokpack.json"
         if m and m.get("kind") == "epoch":  # no root manifest: a whole-run copy a stage left unfinished
             words = f"an unfinished whole-run copy{' of another run' if other_run else ''} ({path.parent.name}: {words[2:]})"
         return Held(m.get("kind") if m else "damaged", words, path, m)
     if root.is_file():
-        m = _small_manifest(root)
+        m = small_manifest(root)
         if m is None:
             return Held("damaged", "an unreadable tokpack.json", root)
         kind = m.get("kind")
@@ -241,7 +241,7 @@ def dest_holds(dest: Path, path: Path | None = None, other_run: bool = False) ->
                 held = Held(UNFINISHED["run"], f"an unfinished whole-run copy for some ranks ({p.name})", p)
             continue
         if p.is_dir() and p.name.startswith("epoch-"):
-            m = _small_manifest(p / MANIFEST) if (p / MANIFEST).is_file() else None
+            m = small_manifest(p / MANIFEST) if (p / MANIFEST).is_file() else None
             if m is not None and m.get("kind") == "slice-epoch":
                 return Held(
                     UNFINISHED["slice"],

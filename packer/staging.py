@@ -38,18 +38,17 @@ from pathlib import Path
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, locked_output
 from tokpack.formats.io.reads import ThreadPool
-from tokpack.formats.io.gate import hash_mapped, open_new, open_read, read_limited
+from tokpack.formats.io.gate import hash_mapped, open_new, open_read
 from tokpack.formats.io.memory import lent
 from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.writes import remove_tmp_files, tmp_path
-from tokpack.formats.constants import HOLDOUT_DIR, MAX_MANIFEST_BYTES, STAGE_SIDECAR
+from tokpack.formats.constants import HOLDOUT_DIR, STAGE_SIDECAR
 from tokpack.formats.builders import stage_sidecar
 from tokpack.formats.outputs import LocalOutput, Output
-from tokpack.formats.reading import strict_json
 from tokpack.formats.slices import stage_command
 from tokpack.formats.token_check import FileDigest, RowDigest, digest_error, recorded_rows
 from tokpack.packer.shared import Result, optional_field
-from tokpack.packer.stage_dest import local_dest, bytes_to_write, check_dest
+from tokpack.packer.stage_dest import local_dest, bytes_to_write, check_dest, small_manifest
 from tokpack.packer.stage_plan import CopyJob, DirPlan, make_plan, parse_epochs, parse_ranks
 from tokpack.packer.stage_source import STAGE_BLOCK, Source
 
@@ -93,14 +92,7 @@ class StageResult(Result):
 class _Stager:
     """Runs the copy jobs on a thread pool; reads and writes release the GIL."""
 
-    def __init__(
-        self,
-        src: Source,
-        dest: Path,
-        block: int,
-        fetchers: ThreadPoolExecutor | None = None,
-        output: Output = LocalOutput(),
-    ):
+    def __init__(self, src: Source, dest: Path, block: int, fetchers: ThreadPoolExecutor | None, output: Output):
         self.src = src  # where files come from
         self.dest = dest  # local root they go to
         self.output = output  # what each verified file is committed through
@@ -297,13 +289,11 @@ def whole_copy_note(plans: list[DirPlan], ranks, micro_batch: int, source: str, 
     and the node-slice command that copies only the ranks' rows."""
     if ranks is None:
         return None
-    total = sum(int(s.get("bytes") or 0) for p in plans for s in p.manifest.get("shards") or [])
-    left = sum(
-        int(s.get("bytes") or 0)
-        for p in plans
-        for s in p.manifest.get("shards") or []
-        if s.get("path") in p.skipped_shards
-    )
+    total = left = 0  # the run's shard bytes, and those of the shards left out
+    for p in plans:
+        for s in p.manifest.get("shards") or []:
+            total += int(s.get("bytes") or 0)
+            left += int(s.get("bytes") or 0) if s.get("path") in p.skipped_shards else 0
     if not total or left > total / 2:
         return None
     (rs, world), per = ranks, max([int(p.manifest.get("shard_samples") or 0) for p in plans] or [0])
@@ -318,15 +308,7 @@ def whole_copy_note(plans: list[DirPlan], ranks, micro_batch: int, source: str, 
 def partial_sidecar(dest: Path, plans: list[DirPlan], ranks, micro_batch: int, output: Output) -> dict:
     """Records at DEST's root which shards a --ranks stage left out (those not present at
     DEST, counting earlier stages), or removes the record once nothing is missing."""
-    path = dest / STAGE_SIDECAR
-    try:
-        previous = (
-            strict_json(read_limited(path, MAX_MANIFEST_BYTES, STAGE_SIDECAR), path, STAGE_SIDECAR)
-            if path.is_file()
-            else {}
-        )
-    except (OSError, TokpackError):
-        previous = {}
+    previous = small_manifest(dest / STAGE_SIDECAR) or {}
     missing = {}
     for p in plans:
         absent = [s for s in p.skipped_shards if not (dest / p.rel / s).is_file()]
