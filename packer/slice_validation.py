@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
@@ -167,7 +166,6 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
             continue
         em = read_manifest(rd, kind="epoch")
         shards = RowFacts(em, row_bytes, _local_blocks(rd, em, row_bytes), str(rd), "run `tokpack validate` on the run")
-        first, n = numbering.first(e), numbering.size(e)
         with tempfile.TemporaryDirectory(prefix="tokpack-validate-") as work:  # a best-fit row table, rebuilt
             replay = None
             if source_rows is not None and tokens_on_nodes(rd, em.get("shards") or []):
@@ -182,13 +180,12 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
                         f"cannot replay epoch {e} from the sources",
                         hint="give the sources back at the paths the run's manifest names, then validate again",
                     )
-            against = _RunEpoch(e, rows, first, n, shards, buf, row_bytes, replay)
             try:
                 for s in m["shards"]:
                     r = int(s["rank"])
                     f = d / s["path"]
                     try:
-                        _against_rank_file(f, s, r, against, rep)
+                        _against_rank_file(f, s, r, e, numbering, rows, shards, buf, replay, rep)
                     except TokpackError as err:
                         rep.add(err.file or f, err.where, err.expected, err.found, err.message, hint=err.hint)
                     except OSError as err:
@@ -204,25 +201,12 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
                     replay.close()
 
 
-class _RunEpoch(NamedTuple):
-    """What every rank file of a slice epoch is compared with: the run's epoch e (its rows
-    [first, first + n) as `rows` deals them, their recorded hashes and padding `shards`), a read
-    buffer of whole micro-batches and, with `replay` (a SourceRows), the rows the sources give."""
-
-    e: int
-    rows: RankRows
-    first: int
-    n: int
-    shards: RowFacts
-    buf: np.ndarray
-    row_bytes: int
-    replay: object = None
-
-
-def _against_rank_file(f: Path, s: dict, r: int, run: _RunEpoch, rep) -> None:
-    """One rank file (and its `.ds.pad`) against the run's rows rank r reads in epoch e, block by
-    block; with `replay` (a SourceRows), also against the rows the sources give at those positions."""
-    e, rows, first, n, shards, buf, row_bytes, replay = run
+def _against_rank_file(f: Path, s: dict, r: int, e: int, numbering, rows: RankRows, shards: RowFacts, buf, replay, rep):
+    """One rank file (and its `.ds.pad`) against the run's rows rank r reads in epoch e (its rows
+    as `numbering` places them and `rows` deals them, their recorded hashes and padding `shards`),
+    block by block in `buf` (whole micro-batches of rows); with `replay` (a SourceRows), also
+    against the rows the sources give at those positions."""
+    first, n, row_bytes = numbering.first(e), numbering.size(e), buf.shape[1]
     want_rows = rows.rows(r, first, first + n)
     size = regular_size(f)
     if size != want_rows * row_bytes:
