@@ -300,9 +300,8 @@ def plan_stage(directory, dest, selection: dict, *, disk_mbps: float | None = No
     workers = workers or 4  # stage's copy threads (its default)
     world_size, node, ranks_per_node = selection["world_size"], selection["node"], selection["ranks_per_node"]
     start_sample, shards_of = selection["start_sample"], selection["shards_of"]
-    from tokpack.packer.stage_source import STAGE_BLOCK, Source
     from tokpack.packer.stage_dest import in_place, bytes_to_copy, bytes_to_write
-    from tokpack.packer.stage_plan import make_plan, parse_epochs, parse_ranks, whole_shard_ranks
+    from tokpack.packer.stage_plan import STAGE_BLOCK, Source, make_plan, parse_epochs, parse_ranks, whole_shard_ranks
     from tokpack.packer.staging import whole_copy_note
 
     ranks = whole_shard_ranks(shards_of, ranks, world_size, node)

@@ -47,9 +47,8 @@ from tokpack.formats.shards import RowFacts, contained_shard
 from tokpack.formats.slices import RankRows, rank_file_name, run_identity, slice_epoch_manifest, slice_manifest
 
 from tokpack.packer.shared import Result
-from tokpack.packer.stage_source import Source
 from tokpack.packer.stage_dest import epoch_in_place, epoch_tokens, local_dest, on_disk, previous_slice
-from tokpack.packer.stage_plan import parse_epochs, slice_ranks
+from tokpack.packer.stage_plan import Source, parse_epochs, slice_ranks
 from tokpack.shuffle.packings import of_manifest
 
 # Rows gathered per step: three chunks in flight (read, verified, written), so memory stays near

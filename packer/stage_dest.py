@@ -17,8 +17,7 @@ from tokpack.formats.reading import canonical_bytes, parse_manifest, require_val
 from tokpack.formats.shards import is_own_file, shard_suffixes
 from tokpack.formats.slices import RUN_SELECTION_KEYS, SLICE_EPOCH_KEYS, SLICE_SHAPE_KEYS
 from tokpack.formats.slices import missing_padding, rank_file_name, stage_command
-from tokpack.packer.stage_plan import DirPlan, shard_jobs
-from tokpack.packer.stage_source import join_rel
+from tokpack.packer.stage_plan import DirPlan, join_rel, shard_jobs
 
 
 def local_dest(dest) -> Path:

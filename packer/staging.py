@@ -49,8 +49,7 @@ from tokpack.formats.slices import stage_command
 from tokpack.formats.token_check import FileDigest, RowDigest, digest_error, recorded_rows
 from tokpack.packer.shared import Result, optional_field
 from tokpack.packer.stage_dest import local_dest, bytes_to_write, check_dest, small_manifest
-from tokpack.packer.stage_plan import CopyJob, DirPlan, make_plan, parse_epochs, parse_ranks
-from tokpack.packer.stage_source import STAGE_BLOCK, Source
+from tokpack.packer.stage_plan import STAGE_BLOCK, CopyJob, DirPlan, Source, make_plan, parse_epochs, parse_ranks
 
 # A remote file is fetched in ranged reads of a quarter block, this many at a time per file (so
 # memory stays at one block per file in flight): an object store serves one connection far

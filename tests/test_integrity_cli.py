@@ -450,7 +450,7 @@ def test_disk_filled_while_staging_a_node_slice_is_one_line_and_leaves_no_partia
     written. The write runs out of space: one line naming the epoch folder, no temporary left
     to fill the disk, and the rerun with space completes and validates."""
     from tokpack.packer.slicing import plan_slice
-    from tokpack.packer.stage_source import Source
+    from tokpack.packer.stage_plan import Source
 
     _, big = sources
     run = tmp_path / "run"

@@ -285,7 +285,7 @@ GATE_ALLOWED = {
     ("packer/executors.py", "folder.open"): "datatrove's folders: an executor's completion markers, and the remote "
     "side of a download (the local copy is then read through the gate)",
     ("packer/executors.py", "fs.open"): "the remote side of a download (an fsspec object, not a local file)",
-    ("packer/stage_source.py", "self.open"): "stage_source.Source.open, which opens through the gate",
+    ("packer/stage_plan.py", "self.open"): "stage_plan.Source.open, which opens through the gate",
     ("packer/staging.py", "self.src.open"): "staging.Source.open, which opens through the gate",
     ("packer/slicing.py", "src.open"): "staging.Source.open, which opens through the gate",
     ("formats/inputs/jsonl.py", "gzip.open"): "decompresses a stream the gate opened (its argument is a file object)",

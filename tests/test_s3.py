@@ -101,7 +101,7 @@ def test_stage_reads_large_objects_in_parallel_ranges(bucket_run, tmp_path, monk
     """Files larger than a range are fetched as ranged reads, several at once, and still
     hashed in order: the copy is byte-identical and verified."""
     from tokpack.packer.staging import RANGES_IN_FLIGHT, stage as stage_copy
-    from tokpack.packer.stage_source import Source
+    from tokpack.packer.stage_plan import Source
 
     fs, bucket, run = bucket_run
     block = 4096

@@ -699,7 +699,7 @@ def test_a_best_fit_slice_validates_and_a_flipped_pad_byte_is_caught(packed_run,
     the first (its checksum), and with the checksum resealed, the second (the run's padding);
     a flipped byte in the run's `.ds.pad` stops the stage with one line, nothing kept."""
     from tokpack.packer.slicing import plan_slice
-    from tokpack.packer.stage_source import Source
+    from tokpack.packer.stage_plan import Source
 
     s = tmp_path / "s"
     res = stage_slice(str(packed_run), s, ranks="1-2", world_size=BW, micro_batch=BM)

@@ -25,8 +25,7 @@ from tokpack.formats.names import epoch_dir_name
 from tokpack.packer.cli import main
 from tokpack.packer.slicing import plan_slice, stage_slice
 from tokpack.packer.stage_dest import FS_BLOCK, bytes_to_write, on_disk
-from tokpack.packer.stage_source import Source
-from tokpack.packer.stage_plan import make_plan
+from tokpack.packer.stage_plan import Source, make_plan
 from tokpack.packer.staging import stage
 
 SEQ, W, M = 63, 4, 3
