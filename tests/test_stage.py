@@ -386,3 +386,57 @@ def test_unwritable_dest_is_one_clear_error(small_source, tmp_path):
         stage(src, tmp_path / "file" / "sub")
     with pytest.raises(TokpackError, match="not a directory"):
         stage(src, tmp_path / "file")
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False], ids=["copy_file_range", "read-write"])
+def test_a_source_file_cut_short_after_its_check_is_refused_and_never_kept(
+    small_source, tmp_path, monkeypatch, kernel_copy
+):
+    """A source file truncated after the gate checked its size (at its open) and before its copy
+    read it: where a checksum vouches for the file, its mismatch says so first; for a file whose
+    entry records its size only (here every job's checksum left out), the byte count copied
+    against that size is the one check left. One line naming the file and both sizes; the short
+    copy is neither committed nor left as a temporary, and DEST gets no manifest."""
+    import dataclasses
+
+    from tokpack.packer import stage_plan
+
+    src, _ = small_source
+    victim, cut = "00001.ds", 7
+    size = (src / victim).stat().st_size
+    listed, real_open = stage_plan.shard_jobs, stage_plan.Source.open
+
+    def sizes_only(*args, **kwargs):
+        jobs, skipped = listed(*args, **kwargs)
+        return [dataclasses.replace(j, checksum=None, rows=None) for j in jobs], skipped
+
+    def open_then_cut(self, rel, recorded=None):
+        f = real_open(self, rel, recorded)  # the gate's size check passes here
+        if rel == victim:
+            os.truncate(src / victim, recorded - cut)
+        return f
+
+    monkeypatch.setattr(stage_plan, "shard_jobs", sizes_only)
+    monkeypatch.setattr(stage_plan.Source, "open", open_then_cut)
+    if not kernel_copy:  # as across filesystems: the read+write path copies
+
+        def refuse(*args):
+            raise OSError(errno.EXDEV, "cross-device")
+
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    dst = tmp_path / "dst"
+    with pytest.raises(TokpackError) as err:
+        stage(src, dst, workers=1)
+    e = err.value
+    assert (e.message, e.file, e.where, e.expected, e.found, e.hint) == (
+        "file size does not match the manifest",
+        str(src / victim),
+        "size",
+        f"{size} bytes",
+        f"{size - cut} bytes",
+        stage_plan.SOURCE_HINT,
+    ), str(e)
+    assert "\n" not in str(e)
+    assert not (dst / victim).exists()
+    assert not [p for p in dst.iterdir() if TMP_MARK in p.name]
+    assert not (dst / MANIFEST).exists()
