@@ -122,6 +122,47 @@ def test_stage_reads_large_objects_in_parallel_ranges(bucket_run, tmp_path, monk
     assert validate(tmp_path / "staged").ok
 
 
+def test_a_short_ranged_read_is_refused_and_nothing_half_written_is_kept(bucket_run, tmp_path, monkeypatch):
+    """A ranged read that returns fewer bytes than asked (the object shrank after its size was
+    checked, or a store cut the response short) is refused where it happens, before its bytes
+    are hashed or written: one line naming the object, its recorded size and how far the bytes
+    came, not a checksum mismatch after the fact. The object's copy is neither committed nor
+    left as a temporary, and its epoch and the run get no manifest at DEST."""
+    from tokpack.formats.io.writes import TMP_MARK
+    from tokpack.formats.errors import TokpackError
+    from tokpack.packer.staging import RANGES_IN_FLIGHT, stage as stage_copy
+    from tokpack.packer.stage_plan import SOURCE_HINT, Source
+
+    fs, bucket, run = bucket_run
+    block = 4096
+    span, victim, cut = block // RANGES_IN_FLIGHT, "epoch-00000/00000.ds", 5
+    size = (run / victim).stat().st_size
+    assert size > 2 * span  # the second range is a whole span
+    real = Source.read_range
+
+    def second_range_short(self, rel: str, a: int, b: int) -> bytes:
+        data = real(self, rel, a, b)
+        return data[:-cut] if (rel, a) == (victim, span) else data
+
+    monkeypatch.setattr(Source, "read_range", second_range_short)
+    dest = tmp_path / "staged"
+    with pytest.raises(TokpackError) as err:
+        stage_copy(f"s3://{bucket}/run", dest, workers=2, block=block)
+    e = err.value
+    assert (e.message, e.file, e.where, e.expected, e.found, e.hint) == (
+        "file size does not match the manifest",
+        f"s3://{bucket}/run/{victim}",
+        "size",
+        f"{size} bytes",
+        f"{2 * span - cut} bytes or fewer",
+        SOURCE_HINT,
+    ), str(e)
+    assert "\n" not in str(e)
+    assert not (dest / victim).exists()
+    assert not [p for p in dest.rglob("*") if TMP_MARK in p.name]
+    assert not (dest / "epoch-00000" / MANIFEST).exists() and not (dest / MANIFEST).exists()
+
+
 def test_stage_killed_midway_then_rerun_is_identical(bucket_run, tmp_path):
     fs, bucket, run = bucket_run
     dest = tmp_path / "staged"
