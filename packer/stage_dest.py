@@ -176,6 +176,7 @@ def small_json(path: Path):
 
 
 def small_manifest(path: Path) -> dict | None:
+    """A JSON object a stage wrote (a manifest, the partial-copy record), or None for any it cannot read as one."""
     try:
         m = small_json(path)
     except (OSError, TokpackError):
@@ -295,11 +296,8 @@ def refuse_dest(held: Held, expected: str) -> TokpackError:
 
 def epoch_in_place(d: Path, want: dict) -> bool:
     """The epoch's slice manifest is there, for this slice and this run epoch, with its files at their sizes."""
-    try:
-        have = small_json(d / MANIFEST)
-    except (OSError, TokpackError):
-        return False
-    if not isinstance(have, dict) or any(have.get(k) != want[k] for k in SLICE_EPOCH_KEYS):
+    have = small_manifest(d / MANIFEST)
+    if have is None or any(have.get(k) != want[k] for k in SLICE_EPOCH_KEYS):
         return False
     try:
         return all(
