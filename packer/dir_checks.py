@@ -294,25 +294,16 @@ def check_pads(path: Path, shards: list[dict], rep: DirReport, row: int | None =
     return total
 
 
-class _Objects:
-    """The entries of a list that are objects, each time it is iterated (not a list of them)."""
-
-    def __init__(self, items):
-        self.items = items
-
-    def __iter__(self):
-        return (s for s in self.items if isinstance(s, dict))
-
-
 def check_padding(path: Path, m: dict, rep: DirReport) -> None:
     """A best-fit epoch (rows_padded): every shard entry lists its `.ds.pad` (without one the
     loader would serve padding as tokens), each fits its row, and together they sum to the
     recorded `packing.padding_tokens`."""
-    shards = _Objects(m.get("shards") or [])
+    # the entries that are objects, anew each time they are iterated: never a list of them
+    shards = lambda: (s for s in m.get("shards") or [] if isinstance(s, dict))
     row = m["seq_len"] + 1 if type_ok(m.get("seq_len"), int) else None
     mfile = path / MANIFEST
     if rows_padded(m):
-        for i, s in enumerate(shards):
+        for i, s in enumerate(shards()):
             if not has_pad(s):
                 rep.add(
                     mfile,
@@ -322,9 +313,9 @@ def check_padding(path: Path, m: dict, rep: DirReport) -> None:
                     "best-fit epoch shard lacks its padding sidecar: the loader would train on padding",
                     hint="restore the epoch from a good copy, or shuffle it again",
                 )
-    total = check_pads(path, shards, rep, row)
+    total = check_pads(path, shards(), rep, row)
     recorded = m.get("packing", {}).get("padding_tokens") if rows_padded(m) else None
-    if total is not None and recorded is not None and all(has_pad(s) for s in shards) and total != recorded:
+    if total is not None and recorded is not None and all(has_pad(s) for s in shards()) and total != recorded:
         rep.add(
             mfile,
             "packing.padding_tokens",

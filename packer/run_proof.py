@@ -49,12 +49,6 @@ def on_nodes(d: DirReport) -> bool:
     return d.kind == "epoch" and isinstance(m, dict) and tokens_on_nodes(d.path, m.get("shards") or [])
 
 
-def proven_text(m: dict) -> str:
-    """What the report says a proven --to-nodes epoch was shown to hold."""
-    what = "order, content and padding" if any(has_pad(s) for s in m["shards"]) else "order and content"
-    return f"{what} proven from its row hashes against the sources"
-
-
 def prove_on_nodes(d: DirReport, planned: list[int] | None, source_rows) -> bool:
     """An epoch of a --to-nodes RUN against its plan: `planned`, each shard's order hash the
     replay gave (None: the replay refused the epoch). Marks `d.proven` when every shard's
@@ -75,7 +69,8 @@ def prove_on_nodes(d: DirReport, planned: list[int] | None, source_rows) -> bool
             return False  # a row file that cannot be read whole: already reported by its own check
         wrong = [i for i, (have, want) in enumerate(zip(found, planned)) if have != want]
         if not wrong:
-            d.proven = proven_text(m)
+            what = "order, content and padding" if any(has_pad(s) for s in shards) else "order and content"
+            d.proven = f"{what} proven from its row hashes against the sources"  # what the report says it holds
             return False
     else:
         wrong, found = list(range(len(shards))), None

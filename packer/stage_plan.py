@@ -253,22 +253,6 @@ def shards_for_ranks(
     return out
 
 
-def parse_rank_range(spec) -> tuple[int, int, int | None]:
-    """'A-B', 'A' or 'A-B/W' -> (A, B, W or None)."""
-    head, sep, tail = str(spec).partition("/")
-    lo, dash, hi = head.partition("-")
-    try:
-        a, b = digits(lo), digits(hi) if dash else digits(lo)
-        w = digits(tail) if sep else None
-    except ValueError:
-        raise TokpackError(
-            "bad --ranks", where="--ranks", expected="'A-B' (consecutive ranks of one node) or 'A'", found=spec
-        ) from None
-    if a < 0 or b < a:
-        raise TokpackError("bad --ranks", where="--ranks", expected="0 <= A <= B", found=spec)
-    return a, b, w
-
-
 # Ranks one node slice holds: each is a file written at once during a stage, so the bound is the
 # open files a process may hold, far above the GPUs a node has.
 MAX_SLICE_RANKS = 256
@@ -342,7 +326,17 @@ def _slice_ranks(ranks, world_size, node, ranks_per_node) -> tuple[int, int, int
         raise TokpackError(
             "a node slice needs its ranks", where="--ranks", hint="add --ranks A-B, or --node n/N --ranks-per-node K"
         )
-    a, b, w = parse_rank_range(ranks)
+    head, sep, tail = str(ranks).partition("/")  # 'A-B', 'A' or 'A-B/W'
+    lo, dash, hi = head.partition("-")
+    try:
+        a, b = digits(lo), digits(hi) if dash else digits(lo)
+        w = digits(tail) if sep else None
+    except ValueError:
+        raise TokpackError(
+            "bad --ranks", where="--ranks", expected="'A-B' (consecutive ranks of one node) or 'A'", found=ranks
+        ) from None
+    if a < 0 or b < a:
+        raise TokpackError("bad --ranks", where="--ranks", expected="0 <= A <= B", found=ranks)
     if w is not None and world_size is not None and w != world_size:
         raise TokpackError("--ranks and --world-size disagree", where="--ranks", expected=f"/{world_size}", found=ranks)
     w = world_size if world_size is not None else w
