@@ -328,13 +328,11 @@ def validate_all(
         [a for a in against if manifest_kind(a) == "run"] if any(manifest_kind(x) == SLICE for x in dirs) else []
     )
     against = [a for a in against if a not in slice_runs]
-    not_sources: list[Problem] = []
+    unmatched = []
     if against and all(manifest_kind(x) == SLICE for x in dirs):  # sources with nothing to check them against
         unmatched, against = against, []
-    else:
-        unmatched = []
-        not_sources = [_not_a_source(a) for a in against if manifest_kind(a) not in (None, "source")]
-        against = [a for a in against if manifest_kind(a) in (None, "source")]
+    not_sources = [_not_a_source(a) for a in against if manifest_kind(a) not in (None, "source")]
+    against = [a for a in against if manifest_kind(a) in (None, "source")]
     extra = [a for a in against if as_path(a).resolve() not in known]
     report = validate_dirs(
         list(dirs) + extra, quick=quick, workers=workers, show_progress=show_progress, order=bool(against)
