@@ -518,8 +518,8 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
     if log:
         log(
             f"stage: slice of ranks {a}-{b} of {w} (micro-batch {rows.micro_batch}) at {dest}: "
-            f"epochs {root['epochs']}, {len(staged)} staged, {len(in_place)} already in place; read {reads.bytes / 2**20:,.1f} MiB "
-            f"for {kept / 2**20:,.1f} MiB kept"
+            f"epochs {root['epochs']}, {len(staged)} staged, {len(in_place)} already in place; "
+            f"read {reads.bytes / 2**20:,.1f} MiB for {kept / 2**20:,.1f} MiB kept"
         )
     return SliceResult(
         ok=True,
