@@ -18,18 +18,16 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.writes import TMP_MARK
 from tokpack.formats.io.paths import name_problem
 from tokpack.formats.io.gate import read_limited
-from tokpack.formats.constants import LOSS_SUFFIX, KINDS, MANIFEST
+from tokpack.formats.constants import KINDS, LOSS_SUFFIX, MANIFEST, PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX
+from tokpack.formats.constants import SHARD_SUFFIXES, SLICE
 from tokpack.formats.checks import check_manifest
 from tokpack.formats.names import dtype_from_name
 from tokpack.formats.packing import has_pad, rows_padded
 from tokpack.formats.hashes import hash_hex64
 from tokpack.formats.fields import type_ok
 from tokpack.formats.shard_scan import Findings, Problem, ShardJob, worst_status
-from tokpack.formats.constants import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX
 from tokpack.formats.shards import contained_shard, shard_suffixes
-from tokpack.formats.constants import SLICE
 from tokpack.formats.reading import ShardEntries, read_manifest_text
-from tokpack.formats.constants import SHARD_SUFFIXES
 
 from .slice_validation import slice_shard_jobs
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import contained
 from tokpack.formats.checks import chain_start, EPOCH_DIR, check_manifest
