@@ -514,24 +514,19 @@ class PackedSource:
             starts[i + 1] = starts[i] + int(s["tokens"])
             f = contained_shard(path, s, i)
             if check_sizes:
-                expected = int(s["tokens"]) * dtype.itemsize
                 try:
-                    found = regular_size(f)
+                    regular_size(
+                        f,
+                        size=int(s["tokens"]) * dtype.itemsize,
+                        what="shard",
+                        hint="the shard was truncated or replaced; run `tokpack validate` on the source",
+                    )
                 except FileNotFoundError:
                     raise TokpackError(
                         "shard listed in the manifest is missing",
                         file=f,
                         hint="restore the file, or run `tokpack validate` on the source",
                     ) from None
-                if found != expected:
-                    raise TokpackError(
-                        "shard size does not match the manifest",
-                        file=f,
-                        where="size",
-                        expected=f"{expected} bytes",
-                        found=f"{found} bytes",
-                        hint="the shard was truncated or replaced; run `tokpack validate` on the source",
-                    )
         return cls(path, manifest, dtype, shards, starts)
 
     @property
