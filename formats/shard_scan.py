@@ -160,9 +160,7 @@ class _IndexStream:
             self.hash.update(raw[:n])
         entries = self.buf[: n // U64.itemsize]
         if len(entries) and self.broken is None:
-            prev = np.empty(len(entries), dtype=U64)
-            prev[0] = self.last
-            prev[1:] = entries[:-1]
+            prev = np.concatenate([np.array([self.last], dtype=U64), entries[:-1]])
             bad = np.flatnonzero(entries <= prev)
             if len(bad):
                 k = int(bad[0])
