@@ -620,13 +620,3 @@ class PackedSource:
     def doc_ends(self, shard: int) -> np.ndarray:
         """The shard's `.ds.index`: cumulative document ends in tokens."""
         return read_array(self.path / f"{self.shards[shard]['path']}{INDEX_SUFFIX}", U64)
-
-    def iter_documents(self):
-        """Yields every document as a token array, in stream order. For tests and small tools:
-        it reads one shard at a time."""
-        for i, s in enumerate(self.shards):
-            tokens = read_array(self.path / s["path"], self.dtype)
-            prev = 0
-            for end in self.doc_ends(i).tolist():
-                yield tokens[prev:end]
-                prev = end
