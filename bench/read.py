@@ -75,7 +75,7 @@ def make_epoch(out: Path, size: int, seed: int = 0) -> Path:
         s["fragments"] = (out / f"{s['path']}.index").stat().st_size // 8
     row = SEQ_LEN + 1
     # One stand-in source whose windows are the epoch's samples: the manifest checks every reader
-    # applies (tokpack.formats.manifest.check_manifest) hold, as for an epoch the shuffle wrote.
+    # applies (tokpack.formats.checks.check_manifest) hold, as for an epoch the shuffle wrote.
     source = {
         "name": "bench",
         "path": "bench",

@@ -8,8 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .constants import (
+    EPOCH,
     FORMAT_NAME,
     FORMAT_VERSION,
+    RUN,
+    SOURCE,
 )
 from .fields import SOURCE_FIELDS, upgrade
 from .hashes import fingerprint, hash_hex64
@@ -47,7 +50,7 @@ def header_like(m: dict, kind: str) -> dict:
 
 def source_manifest(shards: list[dict], dtype: np.dtype, vocab_size: int, eos_id: int, tokenizer: str, **extra) -> dict:
     return {
-        **TokenHeader(dtype, vocab_size, eos_id, tokenizer).fields("source", sum(s["tokens"] for s in shards)),
+        **TokenHeader(dtype, vocab_size, eos_id, tokenizer).fields(SOURCE, sum(s["tokens"] for s in shards)),
         "documents": sum(s["documents"] for s in shards),
         "fingerprint": fingerprint([s["xxh3_128"] for s in shards], dtype_name(dtype), vocab_size, eos_id),
         "shards": shards,
@@ -79,7 +82,7 @@ def epoch_manifest(
     sources: list[dict],
 ) -> dict:
     return {
-        **header.fields("epoch", tokens),
+        **header.fields(EPOCH, tokens),
         "fragments": sum(s["fragments"] for s in shards),
         "shards": shards,
         "epoch": epoch,
@@ -108,9 +111,9 @@ def run_manifest(
     """`epochs`: the manifests of the epochs written so far, by number; `sources`: an epoch's entries;
     `extra`: a scheduled run's fields (epoch_samples, schedule...)."""
     written = [upgrade(m) for m in epochs.values()]
-    sources = [{k: s[k] for k, field in SOURCE_FIELDS.items() if "run" in field[2]} for s in sources]
+    sources = [{k: s[k] for k, field in SOURCE_FIELDS.items() if RUN in field[2]} for s in sources]
     return {
-        **header.fields("run", sum(int(m["tokens"]) for m in written)),
+        **header.fields(RUN, sum(int(m["tokens"]) for m in written)),
         "fragments": sum(int(m["fragments"]) for m in written),
         "sources": sources,
         "weights": weights,

@@ -10,11 +10,14 @@ import numpy as np
 import xxhash
 
 from .constants import (
+    EPOCH,
     MANIFEST,
     MASK64,
+    RUN,
     SLICE,
     SLICE_EPOCH,
     SLICE_KINDS,
+    SOURCE,
 )
 from .errors import TokpackError
 from .fields import MANIFEST_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, field_problems, type_ok
@@ -61,7 +64,7 @@ def check_manifest(m: dict, directory, add) -> bool:
     drive the file checks (every field well-formed and the rows cut evenly)."""
     mfile = str(as_path(directory) / MANIFEST)
     kind = m["kind"]
-    if kind == "run":
+    if kind == RUN:
         _check_run_manifest(m, mfile, add)
         return False
     shards = m.get("shards") if isinstance(m.get("shards"), list) else []
@@ -77,7 +80,7 @@ def check_manifest(m: dict, directory, add) -> bool:
     if total != m["tokens"]:
         add(mfile, "tokens", f"{total} (sum over shards)", m["tokens"], "token count wrong")
     _check_shard_names(shards, mfile, add)
-    if kind == "source":
+    if kind == SOURCE:
         docs = sum(s["documents"] for s in shards)
         if docs != m["documents"]:
             add(mfile, "documents", f"{docs} (sum over shards)", m["documents"], "document count wrong")
@@ -265,7 +268,7 @@ def _check_epoch_manifest(path, m: dict, mfile: str, add, row: int) -> None:
         )
     srcs = m["sources"]
     bad = next((i for i, s in enumerate(srcs) if not isinstance(s, dict)), len(srcs))
-    _entries(srcs[: bad + 1], SOURCE_FIELDS, "epoch", mfile, "sources", add)  # up to the first that is no object
+    _entries(srcs[: bad + 1], SOURCE_FIELDS, EPOCH, mfile, "sources", add)  # up to the first that is no object
     if bad < len(srcs):
         return  # nothing below can read its entries
     if all(type_ok(s.get("samples"), int) for s in srcs) and sum(s["samples"] for s in srcs) != m["samples"]:
@@ -351,7 +354,7 @@ def _check_epoch_sources(m: dict, srcs: list, row: int, add) -> None:
 
 def _check_run_manifest(m: dict, mfile: str, add) -> None:
     sources = m.get("sources") if isinstance(m.get("sources"), list) else []
-    if _fields(m, MANIFEST_FIELDS, "run", mfile, add) + _entries(sources, SOURCE_FIELDS, "run", mfile, "sources", add):
+    if _fields(m, MANIFEST_FIELDS, RUN, mfile, add) + _entries(sources, SOURCE_FIELDS, RUN, mfile, "sources", add):
         return
     if not _check_header(m, mfile, add):
         return

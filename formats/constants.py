@@ -10,7 +10,10 @@ from __future__ import annotations
 FORMAT_NAME = "tokpack"
 FORMAT_VERSION = 1
 MANIFEST = "tokpack.json"
-KINDS = ("source", "run", "epoch")
+SOURCE = "source"  # kind of a packed source's manifest
+RUN = "run"  # kind of a run's root manifest (RUN/tokpack.json)
+EPOCH = "epoch"  # kind of an epoch's manifest (a run's epoch-NNNNN/, or RUN/holdout/)
+KINDS = (SOURCE, RUN, EPOCH)
 SLICE = "slice"  # kind of a node slice's root manifest (docs/FORMAT.md, "Node slices")
 SLICE_EPOCH = "slice-epoch"  # kind of a node slice epoch's manifest
 SLICE_KINDS = (SLICE, SLICE_EPOCH)

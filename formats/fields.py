@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from typing import Iterator
 
+from .constants import EPOCH, RUN
+
 # Every manifest kind's fields, as the markdown rows docs/FORMAT.md shows (tests/test_format.py
 # holds them equal): name, type, required, the kinds that carry it ("stages[]": the sidecar's
 # `stages` entries), meaning. Required is `yes`, `no`, the kinds among those where it is
@@ -117,7 +119,7 @@ MANIFEST_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, STAGE_FIELDS = (  # name -> (type,
 
 
 # Keys earlier writers used, by kind: readers accept them under the current name.
-RENAMED = {"epoch": {"documents": "fragments"}, "run": {"documents": "fragments"}}
+RENAMED = {EPOCH: {"documents": "fragments"}, RUN: {"documents": "fragments"}}
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _JSON = {

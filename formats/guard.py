@@ -191,11 +191,9 @@ class OutputLock:
             ) from None
         try:
             for _ in range(8):  # each turn either wins, fails, or removes one stale lock
-                try:
+                with contextlib.suppress(FileExistsError):
                     os.link(tmp, self.path)
                     break
-                except FileExistsError:
-                    pass
                 holder = self._read(self.path)
                 if holder is None:
                     continue  # released meanwhile
@@ -363,13 +361,10 @@ def check_space(needs: list[tuple[str | Path, int]], command: str, hint: str | N
 
 def physical_memory() -> int | None:
     """This machine's RAM in bytes (MemTotal in /proc/meminfo), or None where it is unknown."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemTotal:"):
-                    return int(line.split()[1]) * 1024  # in kB
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo", "rb") as f:
+        for line in f:
+            if line.startswith(b"MemTotal:"):
+                return int(line.split()[1]) * 1024  # in kB
     return None
 
 

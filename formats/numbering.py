@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import TokpackError
-from .constants import MANIFEST
+from .constants import MANIFEST, RUN
 from .checks import epoch_sizes_problem
 
 
@@ -81,5 +81,5 @@ def shuffle_command(run: dict, run_dir: str | Path, epoch: int) -> str:
     manifest is `run`): `--like`, which reads every setting from the run's own manifests
     (tokpack.shuffle.like), so that the command cannot leave out one the run was made with (its
     packing, its schedule...). Without a run manifest (`run` empty), RUN stands for the run."""
-    where = shlex.quote(str(run_dir)) if run.get("kind") == "run" else "RUN"
+    where = shlex.quote(str(run_dir)) if run.get("kind") == RUN else "RUN"
     return f"tokpack shuffle --like {where} --epoch {epoch}"

@@ -26,7 +26,7 @@ from .io.gate import open_read, regular_size
 from .io.reads import read_ahead, read_full
 from .constants import INDEX_ENTRY_BYTES, INDEX_SUFFIX, LOSS_SUFFIX, METADATA_SUFFIX, ROW_HASH_BYTES, ROWS_SUFFIX, U64
 from .constants import ROW_HASH_DTYPE
-from .constants import MANIFEST, MASK64
+from .constants import EPOCH, MANIFEST, MASK64, SOURCE
 from .hashes import hash_hex64, order_hash, row_hashes
 from .names import metadata_text, parse_metadata_text
 from .fields import type_ok
@@ -106,7 +106,7 @@ class ShardJob:
 
     directory: Path  # where the shard lives
     entry: dict  # its manifest entry (fields already type-checked)
-    kind: str  # "source" or "epoch"
+    kind: str  # SOURCE or EPOCH
     dtype: np.dtype  # token dtype from the manifest
     vocab_size: int  # token ids must be below it
     eos_id: int  # end-of-document id
@@ -160,9 +160,7 @@ class _IndexStream:
             self.hash.update(raw[:n])
         entries = self.buf[: n // U64.itemsize]
         if len(entries) and self.broken is None:
-            prev = np.empty(len(entries), dtype=U64)
-            prev[0] = self.last
-            prev[1:] = entries[:-1]
+            prev = np.concatenate([np.array([self.last], dtype=U64), entries[:-1]])
             bad = np.flatnonzero(entries <= prev)
             if len(bad):
                 k = int(bad[0])
@@ -298,13 +296,13 @@ def _check_index_size(job: ShardJob, idx_path: Path, tokens: int, out: Findings)
         out.add(idx_path, None, "a file listed in the manifest", "no such file", "index missing")
         return None, False
     out.saw(idx_size)
-    if job.kind == "source" and idx_size != w * int(e["documents"]):
+    if job.kind == SOURCE and idx_size != w * int(e["documents"]):
         expected = f"{w * int(e['documents'])} bytes ({e['documents']} documents x {w})"
         why = "index size does not match the manifest's document count"
-    elif job.kind == "epoch" and type_ok(e.get("fragments"), int) and idx_size != w * e["fragments"]:
+    elif job.kind == EPOCH and type_ok(e.get("fragments"), int) and idx_size != w * e["fragments"]:
         expected = f"{w * e['fragments']} bytes ({e['fragments']} fragments x {w})"
         why = "index size does not match the manifest's fragment count"
-    elif job.kind == "epoch" and not (w * int(e["samples"]) <= idx_size <= w * tokens and idx_size % w == 0):
+    elif job.kind == EPOCH and not (w * int(e["samples"]) <= idx_size <= w * tokens and idx_size % w == 0):
         expected = f"a multiple of {w} in [{w * int(e['samples'])}, {w * tokens}] bytes"
         why = "index size impossible for this shard"
     elif not (idx_size % w == 0 and idx_size > 0 or (idx_size == 0 and tokens == 0)):

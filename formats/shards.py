@@ -24,7 +24,7 @@ from .io.writes import DurableFile, HashedFile, PlacedFile, is_tmp_name, write_b
 from .constants import EPOCH_SHARD_SUFFIXES, LOSS_SUFFIX, SHARD_SUFFIXES
 from .constants import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64
 from .constants import INDEX_ENTRY_BYTES, INDEX_SUFFIX, METADATA_SUFFIX, ROW_HASH_DTYPE
-from .constants import MANIFEST, MASK64, NODES_SIDECAR
+from .constants import MANIFEST, MASK64, NODES_SIDECAR, SOURCE
 from .names import dtype_from_name, metadata_text
 from .packing import has_pad
 from .reading import read_manifest
@@ -506,7 +506,7 @@ class PackedSource:
     @classmethod
     def open(cls, path: str | Path, check_sizes: bool = True) -> "PackedSource":
         path = as_path(path)
-        manifest = read_manifest(path, kind="source")
+        manifest = read_manifest(path, kind=SOURCE)
         dtype = dtype_from_name(manifest.get("dtype"))
         shards = manifest.get("shards") or []
         starts = np.zeros(len(shards) + 1, dtype=np.int64)
@@ -514,24 +514,19 @@ class PackedSource:
             starts[i + 1] = starts[i] + int(s["tokens"])
             f = contained_shard(path, s, i)
             if check_sizes:
-                expected = int(s["tokens"]) * dtype.itemsize
                 try:
-                    found = regular_size(f)
+                    regular_size(
+                        f,
+                        size=int(s["tokens"]) * dtype.itemsize,
+                        what="shard",
+                        hint="the shard was truncated or replaced; run `tokpack validate` on the source",
+                    )
                 except FileNotFoundError:
                     raise TokpackError(
                         "shard listed in the manifest is missing",
                         file=f,
                         hint="restore the file, or run `tokpack validate` on the source",
                     ) from None
-                if found != expected:
-                    raise TokpackError(
-                        "shard size does not match the manifest",
-                        file=f,
-                        where="size",
-                        expected=f"{expected} bytes",
-                        found=f"{found} bytes",
-                        hint="the shard was truncated or replaced; run `tokpack validate` on the source",
-                    )
         return cls(path, manifest, dtype, shards, starts)
 
     @property
@@ -625,13 +620,3 @@ class PackedSource:
     def doc_ends(self, shard: int) -> np.ndarray:
         """The shard's `.ds.index`: cumulative document ends in tokens."""
         return read_array(self.path / f"{self.shards[shard]['path']}{INDEX_SUFFIX}", U64)
-
-    def iter_documents(self):
-        """Yields every document as a token array, in stream order. For tests and small tools:
-        it reads one shard at a time."""
-        for i, s in enumerate(self.shards):
-            tokens = read_array(self.path / s["path"], self.dtype)
-            prev = 0
-            for end in self.doc_ends(i).tolist():
-                yield tokens[prev:end]
-                prev = end

@@ -207,10 +207,10 @@ def at_most(value: int, limit: int, what: str, *, hint: str, where: str | None =
     return value
 
 
-def counted(n: int, noun: str, fmt: str = ",", plural: str | None = None) -> str:
+def counted(n: int, noun: str, plural: str | None = None) -> str:
     """`n noun` with the noun's plural when n is not 1 ("1 shard", "2 shards"): a command's
     lines say so, never "shard(s)". `noun` is the singular; its plural adds "s", or is `plural`."""
-    return f"{n:{fmt}} {noun if n == 1 else plural or noun + 's'}"
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
 
 
 _INTEGER = re.compile(r"[+-]?[0-9]+")

@@ -324,7 +324,7 @@ def check_padding(path: Path, m: dict, rep: DirReport) -> None:
 
 
 def check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> list[ShardJob]:
-    """The manifest checks (tokpack.formats.manifest.check_manifest, which every command applies) and the
+    """The manifest checks (tokpack.formats.checks.check_manifest, which every command applies) and the
     listing; returns the shard jobs (empty if the manifest cannot drive them)."""
     usable = check_manifest(m, path, rep.add)
     shards = m.get("shards") if isinstance(m.get("shards"), list) else []

@@ -4,7 +4,7 @@ in the code (not comments or docstrings) of tokpack's packages at a git revision
     python scripts/name_tests.py [REV]          # default HEAD; BENCHMARKS.md quotes its output
 
 Issue 31's measure of "one home per fact": a packing's name belongs to the registry
-(shuffle/packings.py) and its own module, a kind's string to the format (formats/manifest.py).
+(shuffle/packings.py) and its own module, a kind's string to the format (formats/constants.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 PACKING_NAMES = {"best-fit", "concat", "tokpack-feistel6-splitmix-xxh3-v1", "tokpack-bfd-feistel6-splitmix-xxh3-v1"}
 PACKING_CONSTANTS = {"PACKED_ALGORITHM", "PLAN_ALGORITHM", "PACKINGS", "BEST_FIT"}
 KINDS = {"source", "run", "epoch", "slice", "slice-epoch"}
-KIND_CONSTANTS = {"SLICE", "SLICE_EPOCH"}
+KIND_CONSTANTS = {"SOURCE", "RUN", "EPOCH", "SLICE", "SLICE_EPOCH"}
 FOLDERS = ("formats", "loader", "shuffle", "packer")
 
 

@@ -83,7 +83,7 @@ class Packing:
     # tokpack.shuffle.plan.holdout_recorded reads it): (plan) -> dict.
     run_holdout: Callable = lambda p: {}
     # Whether its rows may end in padding: each epoch shard has a `.ds.pad` (the loader masks it),
-    # and its manifests record a `packing` object (formats/manifest.py rows_padded of what it wrote).
+    # and its manifests record a `packing` object (formats/packing.py rows_padded of what it wrote).
     padded: bool = False
     # How its rows are built when they are not windows located in the sources: (plan, sources) ->
     # a context manager of its row table (tokpack.shuffle.packed_table.PackedTable: `rows(g0, g1)` gives

@@ -51,7 +51,7 @@ def doc_tables() -> list[list[str]]:
 
 def test_format_md_tables_are_the_module_tables():
     found = doc_tables()
-    assert len(found) == len(TABLES), "FORMAT.md must hold one field table per table of tokpack.formats.manifest"
+    assert len(found) == len(TABLES), "FORMAT.md must hold one field table per table of tokpack.formats.fields"
     for rows, table in zip(found, TABLES):
         parsed = [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows]
         # names, types, required, kinds first: the facts a reader of either relies on

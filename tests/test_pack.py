@@ -37,7 +37,11 @@ def cli(*args):
 
 
 def packed_docs(out) -> list[list[int]]:
-    return [d.tolist() for d in PackedSource.open(out).iter_documents()]
+    """Every document of the packed source `out`, in stream order: its tokens cut at its shards' index entries."""
+    src = PackedSource.open(out)
+    tokens = src.read_into(0, np.empty(src.tokens, src.dtype)).tolist()
+    ends = [0, *(int(src.shard_starts[i]) + end for i in range(len(src.shards)) for end in src.doc_ends(i).tolist())]
+    return [tokens[a:b] for a, b in zip(ends, ends[1:])]
 
 
 def write_text_jsonl(folder: Path, files: int, docs: int, seed: int = 0, words=None) -> list[list[str]]:

@@ -660,7 +660,7 @@ def _edit_manifest(directory: Path, **fields) -> None:
     write_manifest(directory, m)
 
 
-# The hint of a manifest that tokpack.formats.manifest.check_manifest refuses (every command applies it).
+# The hint of a manifest that tokpack.formats.checks.check_manifest refuses (every command applies it).
 CHECKED = (
     ". HINT: the manifest was edited or damaged; restore it (or rerun the command that wrote it), and run "
     "`tokpack validate` on the directory"

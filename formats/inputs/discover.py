@@ -96,10 +96,8 @@ def _discover_one(path: Path, want: str, column, dtype) -> tuple[str, list[Input
         and path.with_suffix(".bin").exists()
     ):
         return "megatron", [megatron_file(path.with_suffix(".bin"))]
-    if want in ("auto", "parquet", "text") and path.suffix == ".parquet":
-        return table_file(path, "parquet", want, column)
-    if want in ("auto", "parquet", "text") and path.suffix in ARROW_SUFFIXES:
-        return table_file(path, "arrow", want, column)
+    if want in ("auto", "parquet", "text") and path.suffix in (".parquet", *ARROW_SUFFIXES):
+        return table_file(path, "parquet" if path.suffix == ".parquet" else "arrow", want, column)
     if want in ("auto", "numpy") and path.suffix == ".npy":
         return "numpy", [npy_file(path)]
     if want in ("auto", "jsonl", "text") and name.endswith(JSONL_SUFFIXES):

@@ -93,9 +93,7 @@ def eos_split_blocks(f: InputFile, block_tokens: int, eos_id: int) -> Iterator[B
         while pos < count or carry:
             if pos < count:
                 if carry == len(buf.array):  # one document longer than the buffer: grow it
-                    old = buf.array
-                    buf.array = np.empty(2 * len(old), dtype)
-                    buf.array[:carry] = old[:carry]
+                    buf.array = np.concatenate([buf.array, np.empty_like(buf.array)])
                 n = min(len(buf.array) - carry, count - pos)
                 read_exact(fh, buf.array[carry : carry + n], f.path, pos)
                 pos += n

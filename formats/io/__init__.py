@@ -9,15 +9,13 @@
 - `writes`: atomic and O_DIRECT writes (DurableFile), temporary names, the Outbox to a bucket;
 - `progress_log`: progress, a bar on a terminal, a line every 30 s in a log ($TOKPACK_PROGRESS).
 
-Each name is imported from its module. The names below stay importable from here for the node
-engine (packer/exchange.py, node_*.py...: being rewritten on another branch), which imports
-them as before the split, and for docs/COMMANDS.md and BENCHMARKS.md, which name
-`tokpack.formats.io.contained`, `.progress` and `.DurableFile`."""
+Each name is imported from its module; the four below stay importable from here by the names
+docs/COMMANDS.md and BENCHMARKS.md give them (`tokpack.formats.io.contained`, `.anonymous`,
+`.DurableFile`, `.progress`)."""
 
 # ruff: noqa: F401 (every import here is a re-export)
 
-from .gate import contained, map_file, open_append, open_new, open_read, read_limited
+from .gate import contained
 from .memory import anonymous
-from .paths import local_path
 from .progress_log import progress
-from .writes import DurableFile, commit_file, remove_tmp_files, tmp_path, write_bytes_atomic
+from .writes import DurableFile

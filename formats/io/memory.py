@@ -53,10 +53,8 @@ def anonymous(nbytes: int, populate: bool = False) -> np.ndarray:
     size = max(int(nbytes), 1)
     m = mmap.mmap(-1, size, flags=flags)
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
+        with contextlib.suppress(OSError):
             m.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
     if populate and not _populated(m):  # a kernel before 5.14: at mapping time, as 4 KiB pages
         m.close()
         m = mmap.mmap(-1, size, flags=flags | getattr(mmap, "MAP_POPULATE", 0))
