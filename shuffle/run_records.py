@@ -227,7 +227,7 @@ def run_manifest_of(
 
 def job_epoch_manifest(job: EpochJob, entries: list[dict], shuffle: str) -> dict:
     """An epoch manifest of `job`'s plan over its shards' entries, naming `shuffle` as its
-    algorithm: the written epoch's (epoch_manifest_of) and the one `plan` sizes (run_space)."""
+    algorithm: the written epoch's (epoch_manifest_of) and the one `plan` sizes (run.planned_epoch_manifest)."""
     plan = job.plan
     sources = job.open_sources()
     return epoch_manifest(
