@@ -35,15 +35,11 @@ def weights_key(weights: list[str | None]) -> list[str] | None:
     return [None if f is None else str(f / total if total else f) for f in fr]
 
 
-def _packing_of(plan: SamplePlan) -> dict | None:
-    return packings.of_plan(plan).run_fields(plan)
-
-
 def run_params_of(plan: SamplePlan, weights, shard_samples: int) -> dict:
     """What must match for two invocations to belong to the same run."""
     return {
         "shuffle": plan.algorithm,
-        "packing": _packing_of(plan),
+        "packing": packings.of_plan(plan).run_fields(plan),
         "fingerprints": [sp.fingerprint for sp in plan.sources],
         "weights": weights_key(weights),
         "seq_len": plan.seq_len,
@@ -204,10 +200,10 @@ def run_manifest_of(
     extra = runplan.manifest_fields() if scheduled else None
     if scheduled and created is not None:
         extra = {key: created.get(key) for key in extra}
-    if _packing_of(plan) is not None:
-        extra = {**(extra or {}), "packing": _packing_of(plan)}
-    if packings.of_plan(plan).run_holdout(plan):
-        extra = {**(extra or {}), **packings.of_plan(plan).run_holdout(plan)}
+    entry = packings.of_plan(plan)
+    packing, holdout = entry.run_fields(plan), entry.run_holdout(plan)
+    if packing is not None or holdout:
+        extra = {**(extra or {}), **({} if packing is None else {"packing": packing}), **holdout}
     return run_manifest(
         written,
         TokenHeader(sources[0].dtype, first["vocab_size"], first["eos_id"], first.get("tokenizer", "")),
