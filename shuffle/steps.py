@@ -145,50 +145,34 @@ def source_rows(src: PackedSource, offset: int, windows: int, row_tokens: int, o
     window order, each yielded once read: a mapped view per shard for the windows inside it,
     and a small copy for each window that crosses a shard boundary. Every shard is mapped
     whole and handed to `on_shard(k, bytes)` once read (to verify it). A held-out split's stream
-    (EpochPlan.stream): each raw shard is mapped and handed over as well, and the windows that end
-    in it are gathered from its runs into a buffer of their own."""
-    if hasattr(src, "raw"):
-        yield from _stream_rows(src, offset, windows, row_tokens, on_shard)
-        return
-    ts = src.dtype.itemsize
+    (EpochPlan.stream, its `raw` source): each raw shard is mapped and handed over as well, and
+    the windows that end in it are gathered from its runs into a buffer of their own."""
+    raw = getattr(src, "raw", src)
+    stream, ts = raw is not src, src.dtype.itemsize
     void = np.dtype((np.void, row_tokens * ts))
     w = 0
-    for k, shard in enumerate(src.shards):
+    for k, shard in enumerate(raw.shards):
         t0, t1 = int(src.shard_starts[k]), int(src.shard_starts[k + 1])
-        while w < windows and offset + w * row_tokens < t0:  # starts in an earlier shard, crosses into this one
+        while not stream and w < windows and offset + w * row_tokens < t0:  # starts in an earlier shard
             row = np.empty(row_tokens, dtype=src.dtype)
             src.read_into(offset + w * row_tokens, row)
             yield row.view(void)
             w += 1
         first = w
         last = min(windows, max(first, (t1 - offset) // row_tokens))  # windows that end inside this shard
-        whole = map_file(src.path / shard["path"], 0, (t1 - t0) * ts)
+        whole = map_file(raw.path / shard["path"], 0, int(shard["tokens"]) * ts)
         if on_shard is not None:
             on_shard(k, whole)
-        if last > first:
+        if last > first and stream:
+            rows = np.empty((last - first) * row_tokens, dtype=src.dtype)
+            yield src.read_into(offset + first * row_tokens, rows).view(void)
+        elif last > first:
             start = (offset + first * row_tokens - t0) * ts
             yield whole[start : start + (last - first) * row_tokens * ts].view(void)
-            w = last
+        w = last
     if w != windows:
-        raise TokpackError("internal error: source windows", file=src.path, expected=windows, found=w)
-
-
-def _stream_rows(stream, offset: int, windows: int, row_tokens: int, on_shard=None) -> Iterator[np.ndarray]:
-    """source_rows of a tokpack.shuffle.holdout.KeptStream."""
-    raw, void, w = stream.raw, np.dtype((np.void, row_tokens * stream.dtype.itemsize)), 0
-    for k, shard in enumerate(raw.shards):
-        whole = map_file(raw.path / shard["path"], 0, int(shard["tokens"]) * raw.dtype.itemsize)
-        if on_shard is not None:
-            on_shard(k, whole)
-        del whole
-        last = min(windows, max(w, (int(stream.shard_starts[k + 1]) - offset) // row_tokens))
-        if last > w:
-            rows = np.empty((last - w) * row_tokens, dtype=stream.dtype)
-            stream.read_into(offset + w * row_tokens, rows)
-            yield rows.view(void)
-            w = last
-    if w != windows:
-        raise TokpackError("internal error: stream windows", file=raw.path, expected=windows, found=w)
+        what = "stream" if stream else "source"
+        raise TokpackError(f"internal error: {what} windows", file=raw.path, expected=windows, found=w)
 
 
 @dataclass
