@@ -87,7 +87,6 @@ class RunSetup:
     shard_samples: int
     done_epochs: list[int]  # listed by OUT's run manifest already
     todo: list[tuple[int, EpochPlan, EpochJob | None]]  # per epoch asked for; no job: complete already
-    params: dict | None  # what makes two invocations the same run
     runplan: RunPlan  # the run's stages (one, for a run made with flags), planning any epoch
     run_params: dict | None  # a run made from a schedule file: its schedule, fixed when the run is created
     holdout: EpochJob | None = None  # RUN/holdout/ to write (shuffle --holdout), once: None when written or none
@@ -261,4 +260,4 @@ def setup_run(
         )
         hp = replace(hp, sources=tuple(replace(sp, path=recorded[sp.index]) for sp in hp.sources))
         held = new_job(hp, out / HOLDOUT_DIR, [hp.source_entries(), hp.algorithm, dtype, seq_len])
-    return RunSetup(opened, weights, shard_samples, done_epochs, todo, existing, runplan, run_params, held)
+    return RunSetup(opened, weights, shard_samples, done_epochs, todo, runplan, run_params, held)
