@@ -112,7 +112,7 @@ from tokpack.packer.transport import OnSigterm, exchange_rounds, world
 from tokpack.shuffle import packings
 from tokpack.shuffle.sources import use_kept_sources
 from tokpack.shuffle.run import epoch_manifest_of, setup_run
-from tokpack.shuffle.run_records import run_manifest_of
+from tokpack.shuffle.run_setup import run_manifest_of
 from tokpack.shuffle.spec import ShuffleSpec
 from tokpack.shuffle.steps import Layout
 

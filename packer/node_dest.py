@@ -15,7 +15,7 @@ from tokpack.formats.reading import parse_manifest, read_manifest
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.slices import RankRows, slice_epoch_manifest, slice_manifest
 from tokpack.packer.stage_dest import epoch_in_place, previous_slice
-from tokpack.shuffle.run_records import run_manifest_of
+from tokpack.shuffle.run_setup import run_manifest_of
 
 NODE = "{node}"  # in DEST: replaced by the process's node number
 

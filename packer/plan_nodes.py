@@ -302,7 +302,7 @@ def plan_to_nodes(
     from tokpack.packer.stage_dest import on_disk
     from tokpack.shuffle.packed.passes import release_passes
     from tokpack.shuffle.run import repeat_warnings, setup_run
-    from tokpack.shuffle.run_records import run_manifest_of
+    from tokpack.shuffle.run_setup import run_manifest_of
 
     dest, keep_sources, memory = spec.nodes.dest, spec.nodes.keep_sources, spec.memory
     ranks_per_node, micro_batch = spec.nodes.ranks_per_node, spec.nodes.micro_batch

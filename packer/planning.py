@@ -76,8 +76,7 @@ def plan_shuffle(
         repeat_warnings,
         task_budget,
     )
-    from tokpack.shuffle.run_records import run_manifest_of
-    from tokpack.shuffle.run_setup import setup_run
+    from tokpack.shuffle.run_setup import run_manifest_of, setup_run
 
     memory = spec.memory
     config = executor or ExecutorConfig()

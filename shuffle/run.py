@@ -10,8 +10,8 @@ shard is done, then the run manifest; the work folder is removed last.
 What an epoch holds in memory and on disk is here too: whether it runs in memory (its packing's
 `memory_path`), each out-of-core task's budget, its planned manifest, its bytes and scratch, and
 the peak bytes a run writes on OUT's filesystem (checked before a byte is written, and reported
-by `tokpack plan shuffle`). What a run decides before it writes is tokpack.shuffle.run_setup; its
-records, and whether OUT holds the same run, tokpack.shuffle.run_records.
+by `tokpack plan shuffle`). What a run decides before it writes, its records, and whether OUT
+holds the same run are tokpack.shuffle.run_setup's.
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ from .schedule import RunPlan
 from .spec import ShuffleSpec
 from .epoch_job import EpochJob, source_changed_error
 from .steps import Layout, make_layout
-from .run_records import epoch_manifest_of, job_epoch_manifest, written_run_manifest
-from .run_setup import setup_run
+from .run_setup import epoch_manifest_of, job_epoch_manifest, setup_run, written_run_manifest
 
 
 def epoch_layout(job: EpochJob, *, memory: int, workers: int, tasks: int | None) -> Layout | None:
