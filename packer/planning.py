@@ -76,7 +76,7 @@ def plan_shuffle(
         repeat_warnings,
         task_budget,
     )
-    from tokpack.shuffle.run_setup import run_manifest_of, setup_run
+    from tokpack.shuffle.run_setup import setup_run
 
     memory = spec.memory
     config = executor or ExecutorConfig()
@@ -150,7 +150,7 @@ def plan_shuffle(
             ]
         details.append(detail)
     if written:
-        run = run_manifest_of(written, setup.todo[-1][1], setup.weights, opened, setup.shard_samples, setup.runplan)
+        run = setup.run_manifest(written, setup.todo[-1][1])
         manifests[MANIFEST] = len(canonical_bytes(run))
     from tokpack.shuffle.packed.passes import release_passes
 

@@ -41,7 +41,7 @@ from .schedule import RunPlan
 from .spec import ShuffleSpec
 from .epoch_job import EpochJob, source_changed_error
 from .steps import Layout, make_layout
-from .run_setup import epoch_manifest_of, job_epoch_manifest, setup_run, written_run_manifest
+from .run_setup import epoch_manifest_of, job_epoch_manifest, setup_run
 
 
 def epoch_layout(job: EpochJob, *, memory: int, workers: int, tasks: int | None) -> Layout | None:
@@ -291,7 +291,7 @@ def shuffle_run(
             hint="plan it instead: tokpack plan shuffle ...",
         )
     setup = setup_run(spec, output, local=local, workers=workers, progress=bool(progress), to=to)
-    out, opened, weights, shard_samples = Path(output), setup.sources, setup.weights, setup.shard_samples
+    out = Path(output)
     done_epochs, runplan, skipped, summaries = setup.done_epochs, setup.runplan, [], []
     # The samples alone, by arithmetic, before the exact count below spends time per shard.
     check_space(
@@ -300,16 +300,14 @@ def shuffle_run(
         hint="ask for fewer samples, free some space there, or choose another -o",
     )
     check_space(
-        [(out, bytes_to_write(setup.jobs, opened, memory, workers))],
+        [(out, bytes_to_write(setup.jobs, setup.sources, memory, workers))],
         "shuffle",
         hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)",
     )
     # a scheduled run's manifest, before any epoch: its numbering, fixed at creation
     if setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():
         out.mkdir(parents=True, exist_ok=True)
-        to.finish(
-            out, written_run_manifest(out, setup.todo[0][1], weights, opened, shard_samples, done_epochs, runplan)
-        )
+        to.finish(out, setup.written_run_manifest(out, setup.todo[0][1], done_epochs))
     for epoch, plan, job in setup.todo:
         out.mkdir(parents=True, exist_ok=True)
         if job is None:
@@ -325,7 +323,7 @@ def shuffle_run(
             summary["sources"] = report
             summaries.append(summary)
         done_epochs = sorted(set(done_epochs) | {epoch})
-        to.finish(out, written_run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan))
+        to.finish(out, setup.written_run_manifest(out, plan, done_epochs))
     if setup.holdout is not None:  # the held-out documents, an epoch directory of their own (never listed)
         log(f"holdout: writing {setup.holdout.plan.samples} samples of held-out documents to {setup.holdout.epoch_dir}")
         held = run_epoch(setup.holdout, memory=memory, workers=workers, tasks=tasks, run_passes=run_passes, log=log)
@@ -349,7 +347,7 @@ def shuffle_run(
         "samples_per_epoch": sizes[0] if len(set(sizes)) == 1 else None,
         "epoch_samples": sizes,
         "seq_len": runplan.schedule.seq_len,
-        "shard_samples": shard_samples,
+        "shard_samples": setup.shard_samples,
         "packing": runplan.packing.name,
         "holdout": None if setup.holdout is None else held,
         "path": ",".join(sorted({s["path"] for s in summaries})) or "none",

@@ -91,6 +91,44 @@ class RunSetup:
     def jobs(self) -> list[EpochJob]:
         return [job for _, _, job in self.todo if job is not None] + ([self.holdout] if self.holdout else [])
 
+    def written_run_manifest(self, out: Path, plan: EpochPlan, epochs: list[int]) -> dict:
+        """The run manifest over `epochs`' manifests written in `out`, keeping what its own says."""
+        written = {
+            e: read_manifest(out / epoch_dir_name(e), kind="epoch")
+            for e in epochs
+            if (out / epoch_dir_name(e) / MANIFEST).exists()
+        }
+        return self.run_manifest(written, plan, read_manifest(out, kind="run") if (out / MANIFEST).exists() else None)
+
+    def run_manifest(self, written: dict, plan: EpochPlan, created: dict | None = None) -> dict:
+        """The run manifest over the epoch manifests `written`; `created`: the run's manifest so far,
+        whose schedule fields (fixed when the run was created, maybe spelled otherwise) it keeps."""
+        first = self.sources[0].manifest
+        entries = plan.source_entries()
+        scheduled = self.runplan.schedule.file is not None  # the weights and sizes are per epoch, in `schedule`
+        extra = self.runplan.manifest_fields() if scheduled else None
+        if scheduled and created is not None:
+            extra = {key: created.get(key) for key in extra}
+        entry = packings.of_plan(plan)
+        packing, holdout = entry.run_fields(plan), entry.run_holdout(plan)
+        if packing is not None or holdout:
+            extra = {**(extra or {}), **({} if packing is None else {"packing": packing}), **holdout}
+        return run_manifest(
+            written,
+            TokenHeader(self.sources[0].dtype, first["vocab_size"], first["eos_id"], first.get("tokenizer", "")),
+            ShuffleFields(
+                seed=plan.seed,
+                seq_len=plan.seq_len,
+                samples=0 if scheduled else plan.samples,
+                shard_samples=self.shard_samples,
+                jitter=plan.jitter,
+                shuffle=plan.algorithm,
+            ),
+            sources=[{**e, "weight": None} for e in entries] if scheduled else entries,
+            weights=None if scheduled or all(w is None for w in self.weights) else list(self.weights),
+            extra=extra,
+        )
+
 
 def setup_run(
     spec: ShuffleSpec,
@@ -400,62 +438,6 @@ def existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
     for p in sorted(out.glob("epoch-*/" + MANIFEST)):
         return params_of_manifest(read_manifest(p.parent, kind="epoch"))
     return None
-
-
-def written_run_manifest(
-    out: Path,
-    plan: EpochPlan,
-    weights,
-    sources: list[PackedSource],
-    shard_samples: int,
-    epochs: list[int],
-    runplan: RunPlan,
-) -> dict:
-    written = {
-        e: read_manifest(out / epoch_dir_name(e), kind="epoch")
-        for e in epochs
-        if (out / epoch_dir_name(e) / MANIFEST).exists()
-    }
-    created = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
-    return run_manifest_of(written, plan, weights, sources, shard_samples, runplan, created)
-
-
-def run_manifest_of(
-    written: dict,
-    plan: EpochPlan,
-    weights,
-    sources: list[PackedSource],
-    shard_samples: int,
-    runplan: RunPlan,
-    created: dict | None = None,
-) -> dict:
-    """The run manifest over the epoch manifests `written`; `created`: the run's manifest so far,
-    whose schedule fields (fixed when the run was created, maybe spelled otherwise) it keeps."""
-    first = sources[0].manifest
-    entries = plan.source_entries()
-    scheduled = runplan.schedule.file is not None  # the weights and sizes are per epoch, in `schedule`
-    extra = runplan.manifest_fields() if scheduled else None
-    if scheduled and created is not None:
-        extra = {key: created.get(key) for key in extra}
-    entry = packings.of_plan(plan)
-    packing, holdout = entry.run_fields(plan), entry.run_holdout(plan)
-    if packing is not None or holdout:
-        extra = {**(extra or {}), **({} if packing is None else {"packing": packing}), **holdout}
-    return run_manifest(
-        written,
-        TokenHeader(sources[0].dtype, first["vocab_size"], first["eos_id"], first.get("tokenizer", "")),
-        ShuffleFields(
-            seed=plan.seed,
-            seq_len=plan.seq_len,
-            samples=0 if scheduled else plan.samples,
-            shard_samples=shard_samples,
-            jitter=plan.jitter,
-            shuffle=plan.algorithm,
-        ),
-        sources=[{**e, "weight": None} for e in entries] if scheduled else entries,
-        weights=None if scheduled or all(w is None for w in weights) else list(weights),
-        extra=extra,
-    )
 
 
 def job_epoch_manifest(job: EpochJob, entries: list[dict], shuffle: str) -> dict:
