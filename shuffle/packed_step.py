@@ -171,9 +171,7 @@ class PackedScatterStep(ScatterStep):
                 sel = np.lexsort((pieces["row_offset"], pieces["g"], bucket))
                 cuts = np.flatnonzero(np.diff(bucket[sel])) + 1
                 for run in np.split(sel, cuts):
-                    rec = np.empty(len(run), RECORD)
-                    for field in ("g", "row_offset", "length"):
-                        rec[field] = pieces[field][run]
+                    rec = pieces[run][list(RECORD.names)].astype(RECORD)
                     tokens = np.concatenate(
                         [data[a : a + m] for a, m in zip(pieces["local"][run].tolist(), rec["length"].tolist())]
                     )
