@@ -79,7 +79,7 @@ from tokpack.formats.guard import OutputLock, check_space, holder_name
 from tokpack.formats.io.gate import read_limited
 from tokpack.formats.io.writes import write_bytes_atomic
 from tokpack.formats.constants import MANIFEST, NODES_SIDECAR, WORK_DIR
-from tokpack.formats.reading import canonical_bytes, parse_manifest, read_manifest
+from tokpack.formats.reading import canonical_bytes, parse_manifest
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.builders import nodes_sidecar
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
@@ -112,7 +112,6 @@ from tokpack.packer.transport import OnSigterm, exchange_rounds, world
 from tokpack.shuffle import packings
 from tokpack.shuffle.sources import use_kept_sources
 from tokpack.shuffle.run import epoch_manifest_of, setup_run
-from tokpack.shuffle.run_records import run_manifest_of
 from tokpack.shuffle.spec import ShuffleSpec
 from tokpack.shuffle.steps import Layout
 
@@ -283,7 +282,6 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
     # one process a node plans alone (workers=1), and says nothing of its progress
     sources, options = spec, {"workers": 1, "progress": False}
     setup, previous = _resumed_setup(node, out, dest, ranks, w, micro_batch, sources, options)
-    runplan, opened, weights, shard_samples = setup.runplan, setup.sources, setup.weights, setup.shard_samples
     rows = RankRows(w, micro_batch, 0)
     output: Output = LocalOutput()  # DEST is on the node
     numbering = run_numbering(setup, out)
@@ -292,7 +290,7 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
     # a schedule's numbering, fixed at creation (process 0 alone writes RUN's manifest)
     if node.q == 0 and setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():
         out.mkdir(parents=True, exist_ok=True)
-        output.finish(out, run_manifest_of({}, setup.todo[0][1], weights, opened, shard_samples, runplan))
+        output.finish(out, setup.run_manifest({}, setup.todo[0][1]))
     summaries, skipped = [], []
     among = f"{N} nodes" if P == 1 else f"{N} nodes of {P} processes"
     # As stage --node: the root manifest stays, listing the complete epochs, and is replaced at the
@@ -361,13 +359,7 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
             by_shard = dict(entry for part in gathered for entry in part)
             manifest = epoch_manifest_of(job, [by_shard[i] for i in range(job.n_shards)], prepared)
             output.finish(job.epoch_dir, manifest)
-            written = {
-                e: read_manifest(out / epoch_dir_name(e), kind="epoch")
-                for e in sorted(set(done_epochs) | {epoch})
-                if (out / epoch_dir_name(e) / MANIFEST).exists()
-            }
-            have = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
-            output.finish(out, run_manifest_of(written, plan, weights, opened, shard_samples, runplan, have))
+            output.finish(out, setup.written_run_manifest(out, plan, sorted(set(done_epochs) | {epoch})))
 
         node.together(run_manifests)
         done_epochs = sorted(set(done_epochs) | {epoch})

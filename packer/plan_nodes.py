@@ -233,7 +233,7 @@ def _planned_manifest(job, sources, memory: int):
     pad_xxh3_128, which --to-nodes RUNs hold (tokpack.shuffle.run.epoch_manifest_of)."""
     from tokpack.shuffle import packings
     from tokpack.shuffle.run import epoch_manifest_of
-    from tokpack.shuffle.run_space import planned_epoch_manifest
+    from tokpack.shuffle.run import planned_epoch_manifest
 
     manifest, entry = planned_epoch_manifest(job, sources), packings.of_plan(job.plan)
     if entry.figures is None:
@@ -302,7 +302,6 @@ def plan_to_nodes(
     from tokpack.packer.stage_dest import on_disk
     from tokpack.shuffle.packed.passes import release_passes
     from tokpack.shuffle.run import repeat_warnings, setup_run
-    from tokpack.shuffle.run_records import run_manifest_of
 
     dest, keep_sources, memory = spec.nodes.dest, spec.nodes.keep_sources, spec.memory
     ranks_per_node, micro_batch = spec.nodes.ranks_per_node, spec.nodes.micro_batch
@@ -454,9 +453,7 @@ def plan_to_nodes(
                 }
             )
     if written_manifests:
-        run = run_manifest_of(
-            written_manifests, setup.todo[-1][1], setup.weights, opened, setup.shard_samples, setup.runplan
-        )
+        run = setup.run_manifest(written_manifests, setup.todo[-1][1])
         manifests[MANIFEST] = len(canonical_bytes(run))
     release_passes()  # the best-fit passes the plan packed: a caller's process does not keep them
     for t in totals:  # each process reads RUN's manifests back, the run's once an epoch (exchange.commit_slice_epoch)

@@ -68,16 +68,14 @@ def plan_shuffle(
         return plan_to_nodes(spec, nodes=nodes, shared_mbps=shared_mbps, nic_mbps=nic_mbps, disk_mbps=disk_mbps)
     from tokpack.shuffle.packings import figures_shown, of_plan
     from tokpack.shuffle.steps import BUCKETS_PER_FOLDER
-    from tokpack.shuffle.run_space import (
+    from tokpack.shuffle.run import (
         bytes_to_write,
         epoch_bytes,
-        memory_path,
+        epoch_layout,
         planned_epoch_manifest,
-        scratch_bytes,
+        repeat_warnings,
         task_budget,
     )
-    from tokpack.shuffle.run import epoch_layout, repeat_warnings
-    from tokpack.shuffle.run_records import run_manifest_of
     from tokpack.shuffle.run_setup import setup_run
 
     memory = spec.memory
@@ -126,7 +124,7 @@ def plan_shuffle(
             detail.update(table_pieces=est["pieces"], table_bytes=table)
             passes.append(plan_pass("table", 1, memory, table, table, epoch=epoch, pack_seconds=est["pack_seconds"]))
         if layout is None:
-            detail["memory_bytes"] = memory_path(job, memory)[1]
+            detail["memory_bytes"] = entry.memory_path(job, memory)[1]
             if ram is not None and detail["memory_bytes"] > ram:
                 warnings.append(
                     f"epoch {epoch} runs in memory (it fits --memory {memory:,}) and needs "
@@ -135,7 +133,7 @@ def plan_shuffle(
                 )
             passes.append(plan_pass("in-memory", 1, detail["memory_bytes"], read, size, epoch=epoch))
         else:
-            budget, scratch = task_budget(memory, config.workers), scratch_bytes(job)
+            budget, scratch = task_budget(memory, config.workers), entry.scratch_bytes(job, True)
             detail.update(
                 scatter_tasks=layout.tasks,
                 buckets=len(layout.bucket_starts) - 1,
@@ -152,7 +150,7 @@ def plan_shuffle(
             ]
         details.append(detail)
     if written:
-        run = run_manifest_of(written, setup.todo[-1][1], setup.weights, opened, setup.shard_samples, setup.runplan)
+        run = setup.run_manifest(written, setup.todo[-1][1])
         manifests[MANIFEST] = len(canonical_bytes(run))
     from tokpack.shuffle.packed.passes import release_passes
 

@@ -171,9 +171,7 @@ class PackedScatterStep(ScatterStep):
                 sel = np.lexsort((pieces["row_offset"], pieces["g"], bucket))
                 cuts = np.flatnonzero(np.diff(bucket[sel])) + 1
                 for run in np.split(sel, cuts):
-                    rec = np.empty(len(run), RECORD)
-                    for field in ("g", "row_offset", "length"):
-                        rec[field] = pieces[field][run]
+                    rec = pieces[run][list(RECORD.names)].astype(RECORD)
                     tokens = np.concatenate(
                         [data[a : a + m] for a, m in zip(pieces["local"][run].tolist(), rec["length"].tolist())]
                     )
@@ -206,37 +204,24 @@ class PackedOrderStep(OrderStep):
         # Filled while write_shard consumes the buckets, and read by it only after the last.
         pad = np.full(g1 - g0, job.plan.row_tokens, dtype=np.int64)
         with job.chunk_ring(self.budget) as (ring, _):
-            job.write_shard(i, self._pieces(buckets, g0, pad, ring), pad=pad)
-
-    def _pieces(self, buckets: range, g0: int, pad: np.ndarray, ring: list[np.ndarray]):
-        """Each bucket's rows, in output order, as np.void rows copied into the `ring` buffers a
-        chunk at a time (write_shard keeps up to RING - 1 chunks in flight: never a whole
-        bucket); `pad` gets their padding."""
-        job, lay = self.job, self.layout
-        count = 0  # chunks yielded: picks the ring buffer
-        recorded = [lay.recorded(t, buckets) for t in range(lay.tasks)]
-        bar = self.order_bar()
-        for b in buckets:
-            n = int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
-            rows = read_bucket(
-                lay,
-                b,
-                [r[b - buckets.start, 1:] for r in recorded],
-                job.plan.row_tokens,
-                job.plan.pad_id,
-                job.token_dtype,
-                self._check_file,
-                pad,
-                g0,
+            job.write_shard(
+                i, self.chunks(buckets, ring, lambda b, records: self._piece_rows(b, records, pad, g0)), pad=pad
             )
-            rows = rows.reshape(-1).view(job.row_void)
-            for a in range(0, n, len(ring[0])):
-                out = ring[count % len(ring)][: min(n - a, len(ring[0]))]
-                out[:] = rows[a : a + len(out)]
-                count += 1
-                yield out
-                bar.update(len(out) * job.row_bytes)
-            del rows
+
+    def _piece_rows(self, b: int, records: list, pad: np.ndarray, g0: int):
+        """Bucket b's rows (read_bucket's), as np.void rows; `pad` gets their padding."""
+        plan = self.job.plan
+        wants = [r[1:] for r in records]
+        rows = read_bucket(
+            self.layout, b, wants, plan.row_tokens, plan.pad_id, self.job.token_dtype, self._check_file, pad, g0
+        )
+        rows = rows.reshape(-1).view(self.job.row_void)
+
+        def take(a: int, c: int, out: np.ndarray) -> np.ndarray:
+            out[: c - a] = rows[a:c]
+            return out[: c - a]
+
+        return take
 
 
 def read_bucket(

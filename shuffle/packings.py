@@ -265,6 +265,7 @@ WINDOWS = register(
         run_fields=lambda p: None,
         epoch_fields=lambda p, prepared: record_holdout(p.holdout, p.split, padded=False),
         memory_path=steps.window_memory,
+        # out of core, the buckets hold every output row and its 8-byte position
         scratch_bytes=lambda job, out_of_core: job.plan.samples * (job.row_bytes + 8) if out_of_core else 0,
         prepare=lambda job, memory: {},
         in_memory=_windows_in_memory,

@@ -271,11 +271,7 @@ class EpochPlan:
                 "offset": src.offset,
                 "dropped_tokens": src.tokens - src.windows * self.row_tokens,
                 **({} if src.cursor is None else {"cursor": src.cursor}),
-                **(
-                    {}
-                    if self.holdout is None
-                    else {"documents": src.documents, "held_documents": src.held, "held_tokens": src.held_tokens}
-                ),
+                **({} if self.holdout is None else {n: getattr(src, k) for k, n in HELD_FIELDS}),
             }
             for i, src in enumerate(self.sources)
         ]

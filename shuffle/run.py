@@ -7,9 +7,11 @@ Every task is idempotent: a finished task leaves a done JSON (written last) in t
 folder `OUT/.tokpack-work/`, and a rerun skips it. The epoch manifest is written after every
 shard is done, then the run manifest; the work folder is removed last.
 
-What a run decides before it writes is tokpack.shuffle.run_setup; its records, and whether OUT
-holds the same run, tokpack.shuffle.run_records; what an epoch holds in memory and on disk,
-tokpack.shuffle.run_space.
+What an epoch holds in memory and on disk is here too: whether it runs in memory (its packing's
+`memory_path`), each out-of-core task's budget, its planned manifest, its bytes and scratch, and
+the peak bytes a run writes on OUT's filesystem (checked before a byte is written, and reported
+by `tokpack plan shuffle`). What a run decides before it writes, its records, and whether OUT
+holds the same run are tokpack.shuffle.run_setup's.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from tokpack.formats.io.gate import MAX_RECORD_BYTES, read_limited
 from tokpack.formats.io.writes import remove_tmp_files
 from tokpack.formats.io.progress_log import progress_on
 from tokpack.formats.outputs import LocalOutput, Output
-from tokpack.formats.names import epoch_dir_name
-from tokpack.formats.shards import is_own_file, shard_suffixes
+from tokpack.formats.names import epoch_dir_name, metadata_text
+from tokpack.formats.reading import canonical_bytes
+from tokpack.formats.shards import PackedSource, is_own_file, shard_suffixes
 from tokpack.formats.units import counted
 
 from . import packings
@@ -38,16 +41,83 @@ from .schedule import RunPlan
 from .spec import ShuffleSpec
 from .epoch_job import EpochJob, source_changed_error
 from .steps import Layout, make_layout
-from .run_records import epoch_manifest_of, written_run_manifest
-from .run_setup import setup_run
-from .run_space import bytes_to_write, memory_path, task_budget
+from .run_setup import epoch_manifest_of, job_epoch_manifest, setup_run
 
 
 def epoch_layout(job: EpochJob, *, memory: int, workers: int, tasks: int | None) -> Layout | None:
     """The out-of-core layout of the epoch's passes, or None when it runs in memory."""
-    if memory_path(job, memory)[1] <= memory:
+    if packings.of_plan(job.plan).memory_path(job, memory)[1] <= memory:
         return None
     return make_layout(job, task_budget(memory, workers), tasks or workers)
+
+
+def task_budget(memory: int, workers: int) -> int:
+    """Out of core, the bytes each of `workers` concurrent tasks may use."""
+    return max(1, memory // workers)
+
+
+def planned_epoch_manifest(job: EpochJob, sources: list[PackedSource]) -> dict:
+    """The epoch manifest as the run will write it, but for its checksums and its fragment
+    counts, which are estimates (a sample is cut at each document end: one fragment per sample
+    plus the sources' documents per token): its size is the written one's to a few bytes."""
+    docs, tokens = (sum(int(s.manifest.get(k, 0)) for s in sources) for k in ("documents", "tokens"))
+    plan, per_row = job.plan, 1 + docs / max(1, tokens) * job.plan.row_tokens
+    entries = []
+    for i in range(job.n_shards):
+        g0, g1 = job.shard_range(i)
+        entries.append(
+            {
+                "path": job.shard_file(i),
+                "tokens": (g1 - g0) * plan.row_tokens,
+                "bytes": (g1 - g0) * job.row_bytes,
+                "samples": g1 - g0,
+                "index_xxh3_128": "0" * 32,
+                "rows_xxh3_128": "0" * 32,
+                "metadata_xxh3_128": "0" * 32,
+                "multiset_hash": "0" * 16,
+                "fragments": int((g1 - g0) * per_row),
+            }
+        )
+    # the default packing's name whatever the packing: `plan` has always counted a planned
+    # epoch manifest's bytes so
+    return job_epoch_manifest(job, entries, packings.named(packings.DEFAULT).shuffle)
+
+
+def epoch_bytes(job: EpochJob, manifest: dict) -> int:
+    """Bytes of the epoch directory its planned manifest describes: each shard's rows, its
+    index (8 bytes a fragment), its row hashes (8 bytes a sample), its .ds.metadata, and the manifest."""
+    meta = sum(
+        len(metadata_text(job.tokenizer, job.token_dtype.itemsize, s["tokens"]).encode()) for s in manifest["shards"]
+    )
+    return (
+        manifest["tokens"] * job.token_dtype.itemsize
+        + 8 * manifest["fragments"]
+        + 8 * manifest["samples"]
+        + meta
+        + len(canonical_bytes(manifest))
+    )
+
+
+def bytes_to_write(jobs: list[EpochJob], sources: list[PackedSource], memory: int, workers: int = 1) -> int:
+    """Peak bytes on OUT's filesystem while these epochs are written, less what a resumed run has
+    there already: the epochs written before, then this epoch's files with, out of core, its
+    bucket scratch, of which the order pass deletes each shard's part once the shard is
+    written: the peak is the scratch plus the first shard. To a bucket, the local folder holds
+    the scratch and a shard per worker at most, each sent and removed once committed."""
+    peak = written = 0
+    for job in jobs:
+        epoch = epoch_bytes(job, planned_epoch_manifest(job, sources))
+        shard = epoch * min(1, job.shard_samples / max(job.plan.samples, 1))
+        have = bytes_under(job.epoch_dir) + bytes_under(job.work_dir)
+        during = job.output.local_need(epoch, workers * shard)
+        entry = packings.of_plan(job.plan)
+        if entry.memory_path(job, memory)[1] > memory:
+            during = entry.scratch_bytes(job, True) + shard
+        else:
+            during += entry.scratch_bytes(job, False)
+        peak = max(peak, written + max(0, during - have))
+        written += job.output.local_need(max(0, epoch - have), 0)
+    return int(max(peak, written))
 
 
 @contextlib.contextmanager
@@ -85,7 +155,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
     # completion markers from an earlier attempt (maybe with another layout) must never match.
     attempt = uuid.uuid4().hex[:8]
     logs = work / "logs" / attempt
-    needed, held = memory_path(job, memory)
+    needed, held = packing.memory_path(job, memory)
     in_memory = held <= memory
     prepared = packing.prepare(job, memory)  # what its steps need built first (best-fit: the row table)
     name = f"{epoch_dir_name(plan.epoch)}-{attempt}"
@@ -111,7 +181,7 @@ def run_epoch(job: EpochJob, *, memory: int, workers: int, tasks: int | None, ru
                 run_passes([(step, 1, f"{name}-{label}", str(logs / label))])
         else:
             budget = task_budget(memory, workers)
-            layout = epoch_layout(job, memory=memory, workers=workers, tasks=tasks)
+            layout = make_layout(job, budget, tasks or workers)
             log(
                 f"epoch {plan.epoch}: writing {plan.samples} samples, out of core ({needed / 2**20:.1f} MiB of windows, "
                 f"{counted(layout.tasks, 'scatter task')}, {counted(len(layout.bucket_starts) - 1, 'bucket')}, "
@@ -221,7 +291,7 @@ def shuffle_run(
             hint="plan it instead: tokpack plan shuffle ...",
         )
     setup = setup_run(spec, output, local=local, workers=workers, progress=bool(progress), to=to)
-    out, opened, weights, shard_samples = Path(output), setup.sources, setup.weights, setup.shard_samples
+    out = Path(output)
     done_epochs, runplan, skipped, summaries = setup.done_epochs, setup.runplan, [], []
     # The samples alone, by arithmetic, before the exact count below spends time per shard.
     check_space(
@@ -230,16 +300,14 @@ def shuffle_run(
         hint="ask for fewer samples, free some space there, or choose another -o",
     )
     check_space(
-        [(out, bytes_to_write(setup.jobs, opened, memory, workers))],
+        [(out, bytes_to_write(setup.jobs, setup.sources, memory, workers))],
         "shuffle",
         hint="free some space there, choose another -o, or write fewer epochs per command (--epoch E)",
     )
     # a scheduled run's manifest, before any epoch: its numbering, fixed at creation
     if setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():
         out.mkdir(parents=True, exist_ok=True)
-        to.finish(
-            out, written_run_manifest(out, setup.todo[0][1], weights, opened, shard_samples, done_epochs, runplan)
-        )
+        to.finish(out, setup.written_run_manifest(out, setup.todo[0][1], done_epochs))
     for epoch, plan, job in setup.todo:
         out.mkdir(parents=True, exist_ok=True)
         if job is None:
@@ -255,7 +323,7 @@ def shuffle_run(
             summary["sources"] = report
             summaries.append(summary)
         done_epochs = sorted(set(done_epochs) | {epoch})
-        to.finish(out, written_run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan))
+        to.finish(out, setup.written_run_manifest(out, plan, done_epochs))
     if setup.holdout is not None:  # the held-out documents, an epoch directory of their own (never listed)
         log(f"holdout: writing {setup.holdout.plan.samples} samples of held-out documents to {setup.holdout.epoch_dir}")
         held = run_epoch(setup.holdout, memory=memory, workers=workers, tasks=tasks, run_passes=run_passes, log=log)
@@ -279,7 +347,7 @@ def shuffle_run(
         "samples_per_epoch": sizes[0] if len(set(sizes)) == 1 else None,
         "epoch_samples": sizes,
         "seq_len": runplan.schedule.seq_len,
-        "shard_samples": shard_samples,
+        "shard_samples": setup.shard_samples,
         "packing": runplan.packing.name,
         "holdout": None if setup.holdout is None else held,
         "path": ",".join(sorted({s["path"] for s in summaries})) or "none",

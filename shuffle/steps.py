@@ -145,50 +145,34 @@ def source_rows(src: PackedSource, offset: int, windows: int, row_tokens: int, o
     window order, each yielded once read: a mapped view per shard for the windows inside it,
     and a small copy for each window that crosses a shard boundary. Every shard is mapped
     whole and handed to `on_shard(k, bytes)` once read (to verify it). A held-out split's stream
-    (EpochPlan.stream): each raw shard is mapped and handed over as well, and the windows that end
-    in it are gathered from its runs into a buffer of their own."""
-    if hasattr(src, "raw"):
-        yield from _stream_rows(src, offset, windows, row_tokens, on_shard)
-        return
-    ts = src.dtype.itemsize
+    (EpochPlan.stream, its `raw` source): each raw shard is mapped and handed over as well, and
+    the windows that end in it are gathered from its runs into a buffer of their own."""
+    raw = getattr(src, "raw", src)
+    stream, ts = raw is not src, src.dtype.itemsize
     void = np.dtype((np.void, row_tokens * ts))
     w = 0
-    for k, shard in enumerate(src.shards):
+    for k, shard in enumerate(raw.shards):
         t0, t1 = int(src.shard_starts[k]), int(src.shard_starts[k + 1])
-        while w < windows and offset + w * row_tokens < t0:  # starts in an earlier shard, crosses into this one
+        while not stream and w < windows and offset + w * row_tokens < t0:  # starts in an earlier shard
             row = np.empty(row_tokens, dtype=src.dtype)
             src.read_into(offset + w * row_tokens, row)
             yield row.view(void)
             w += 1
         first = w
         last = min(windows, max(first, (t1 - offset) // row_tokens))  # windows that end inside this shard
-        whole = map_file(src.path / shard["path"], 0, (t1 - t0) * ts)
+        whole = map_file(raw.path / shard["path"], 0, int(shard["tokens"]) * ts)
         if on_shard is not None:
             on_shard(k, whole)
-        if last > first:
+        if last > first and stream:
+            rows = np.empty((last - first) * row_tokens, dtype=src.dtype)
+            yield src.read_into(offset + first * row_tokens, rows).view(void)
+        elif last > first:
             start = (offset + first * row_tokens - t0) * ts
             yield whole[start : start + (last - first) * row_tokens * ts].view(void)
-            w = last
+        w = last
     if w != windows:
-        raise TokpackError("internal error: source windows", file=src.path, expected=windows, found=w)
-
-
-def _stream_rows(stream, offset: int, windows: int, row_tokens: int, on_shard=None) -> Iterator[np.ndarray]:
-    """source_rows of a tokpack.shuffle.holdout.KeptStream."""
-    raw, void, w = stream.raw, np.dtype((np.void, row_tokens * stream.dtype.itemsize)), 0
-    for k, shard in enumerate(raw.shards):
-        whole = map_file(raw.path / shard["path"], 0, int(shard["tokens"]) * raw.dtype.itemsize)
-        if on_shard is not None:
-            on_shard(k, whole)
-        del whole
-        last = min(windows, max(w, (int(stream.shard_starts[k + 1]) - offset) // row_tokens))
-        if last > w:
-            rows = np.empty((last - w) * row_tokens, dtype=stream.dtype)
-            stream.read_into(offset + w * row_tokens, rows)
-            yield rows.view(void)
-            w = last
-    if w != windows:
-        raise TokpackError("internal error: stream windows", file=raw.path, expected=windows, found=w)
+        what = "stream" if stream else "source"
+        raise TokpackError(f"internal error: {what} windows", file=raw.path, expected=windows, found=w)
 
 
 @dataclass
@@ -487,58 +471,68 @@ class OrderStep(Step):
             self.write(i, self.layout.buckets_of(i))
         self.layout.remove_buckets(self.layout.buckets_of(i))  # the shard is safe
 
+    def chunks(self, buckets: range, ring: list[np.ndarray], bucket_rows) -> Iterator[np.ndarray]:
+        """The rows of `buckets` in output order, copied into the `ring` buffers a chunk at a time
+        (write_shard keeps up to RING - 1 chunks in flight: never a whole bucket). `bucket_rows(b,
+        records)`: bucket b's rows, from the files every scatter task wrote of it (`records`: each
+        task's record of it), as `take(a, c, out)`, which puts its rows [a, c) in `out`."""
+        lay, count, bar = self.layout, 0, self.order_bar()  # count: chunks yielded, picks the ring buffer
+        recorded = [lay.recorded(t, buckets) for t in range(lay.tasks)]
+        for b in buckets:
+            n = int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
+            take = bucket_rows(b, [r[b - buckets.start] for r in recorded])
+            for a in range(0, n, len(ring[0])):
+                out = take(a, min(n, a + len(ring[0])), ring[count % len(ring)])
+                count += 1
+                yield out
+                bar.update(len(out) * self.job.row_bytes)
+            del take  # its maps go before the next bucket's are made
+
     def write(self, i: int, buckets: range) -> None:
         drop_buffers("scatter")
         cap = max(int(np.diff(self.layout.bucket_starts[buckets.start : buckets.stop + 1]).max()), 1)
         ramp = np.arange(cap, dtype=np.int64)
         with lent("inverse", cap * 8) as (inv,), self.job.chunk_ring(self.budget) as (ring, tmp):
-            self.job.write_shard(i, self._blocks(i, inv.view(np.int64), ramp, ring, tmp))
+            inv = inv.view(np.int64)
+            self.job.write_shard(
+                i, self.chunks(buckets, ring, lambda b, records: self._rows(b, records, inv, ramp, tmp))
+            )
 
-    def _blocks(self, i, inv, ramp, ring, tmp):
-        """Each bucket's files are mapped (no copy into fresh memory), placed by g through the
-        inverse permutation `inv`, and gathered in output order chunk by chunk."""
+    def _rows(self, b: int, records: list, inv: np.ndarray, ramp: np.ndarray, tmp: np.ndarray):
+        """Bucket b's files are mapped (no copy into fresh memory) and placed by g through the
+        inverse permutation `inv`; its rows are gathered in output order, a chunk at a time."""
         job, lay = self.job, self.layout
-        count = 0  # chunks yielded: picks the ring buffer
-        buckets = lay.buckets_of(i)
-        recorded = [lay.recorded(t, buckets) for t in range(lay.tasks)]
-        order_bar = self.order_bar()
-        for b in buckets:
-            start, n = int(lay.bucket_starts[b]), int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
-            parts, positions = [], []
-            for t in range(lay.tasks):
-                f = lay.bucket_file(t, b, "rows")
-                if f.exists():
-                    size, pos_size = (regular_size(x, folder=lay.dir) for x in (f, f.with_suffix(".pos")))
-                    k = size // job.row_bytes
-                    rows = map_file(f, 0, size, folder=lay.dir)
-                    pos = map_file(f.with_suffix(".pos"), 0, pos_size, folder=lay.dir)
-                    self._check_bucket(t, f, [rows, pos], recorded[t][b - buckets.start, 1:].tolist())
-                    parts.append(rows[: k * job.row_bytes].view(job.row_void))
-                    positions.append(pos[: k * 8].view("<i8"))
-                    del rows, pos  # the maps must go with `parts` below, before the next bucket is mapped
-            store = RowStore(parts)
-            if len(store) != n:
-                raise bucket_damaged(
-                    "scatter files do not cover their bucket",
-                    lay.dir,
-                    b,
-                    expected=f"{n} rows",
-                    found=f"{len(store)} rows",
-                )
-            inv[:n] = -1
-            for pos, first in zip(positions, store.starts.tolist()):
-                local = pos - start
-                if len(local) and (local.min() < 0 or local.max() >= n):
-                    raise bucket_damaged("scatter file holds a row of another bucket", lay.dir, b)
-                inv[local] = ramp[first : first + len(local)]
-            if n and inv[:n].min() < 0:
-                raise bucket_damaged("scatter files hold a position twice", lay.dir, b)
-            for a in range(0, n, len(tmp)):
-                c = min(n, a + len(tmp))
-                yield store.gather(inv[a:c], ring[count % len(ring)], tmp)
-                order_bar.update((c - a) * job.row_bytes)
-                count += 1
-            del store, parts, positions
+        start, n = int(lay.bucket_starts[b]), int(lay.bucket_starts[b + 1] - lay.bucket_starts[b])
+        parts, positions = [], []
+        for t in range(lay.tasks):
+            f = lay.bucket_file(t, b, "rows")
+            if f.exists():
+                size, pos_size = (regular_size(x, folder=lay.dir) for x in (f, f.with_suffix(".pos")))
+                k = size // job.row_bytes
+                rows = map_file(f, 0, size, folder=lay.dir)
+                pos = map_file(f.with_suffix(".pos"), 0, pos_size, folder=lay.dir)
+                self._check_bucket(t, f, [rows, pos], records[t][1:].tolist())
+                parts.append(rows[: k * job.row_bytes].view(job.row_void))
+                positions.append(pos[: k * 8].view("<i8"))
+                del rows, pos  # the maps must go with `parts` (the store's), before the next bucket is mapped
+        store = RowStore(parts)
+        if len(store) != n:
+            raise bucket_damaged(
+                "scatter files do not cover their bucket",
+                lay.dir,
+                b,
+                expected=f"{n} rows",
+                found=f"{len(store)} rows",
+            )
+        inv[:n] = -1
+        for pos, first in zip(positions, store.starts.tolist()):
+            local = pos - start
+            if len(local) and (local.min() < 0 or local.max() >= n):
+                raise bucket_damaged("scatter file holds a row of another bucket", lay.dir, b)
+            inv[local] = ramp[first : first + len(local)]
+        if n and inv[:n].min() < 0:
+            raise bucket_damaged("scatter files hold a position twice", lay.dir, b)
+        return lambda a, c, out: store.gather(inv[a:c], out, tmp)
 
     def _check_bucket(self, t: int, rows_file: Path, data: list[np.ndarray], expected: list) -> None:
         """The bucket's files must be the bytes scatter task t wrote (their checksums in its

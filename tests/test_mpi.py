@@ -722,7 +722,7 @@ def test_a_run_killed_before_its_manifest_holds_only_its_sidecar_and_is_still_it
     from tokpack.formats.errors import TokpackError
     from tokpack.formats.reading import canonical_bytes
     from tokpack.formats.builders import nodes_sidecar
-    from tokpack.shuffle.run_records import existing_run
+    from tokpack.shuffle.run_setup import existing_run
 
     run = tmp_path / "run"
     run.mkdir()

@@ -361,23 +361,17 @@ def packed_plan_from_manifest(
         )
     entries = manifest.get("sources") or []
     pool = {s.fingerprint: s for s in sources}
-    ordered, counts, cursors, weights, names = [], [], [], [], []
     for i, e in enumerate(entries):
-        src = pool.get(e.get("fingerprint"))
-        if src is None:
+        if e.get("fingerprint") not in pool:
             raise source_not_given(i, e, sources, "none")
-        ordered.append(src)
-        counts.append(int(e["samples"]))
-        cursors.append(e.get("cursor"))
-        weights.append(e.get("weight"))
-        names.append(e.get("name", ""))
+    counts, cursors = [int(e["samples"]) for e in entries], [e.get("cursor") for e in entries]
     plan = packed_epoch_plan(
-        ordered,
+        [pool[e["fingerprint"]] for e in entries],
         seq_len=int(manifest["seq_len"]),
         seed=int(manifest["seed"]),
         epoch=int(manifest["epoch"]),
-        weights=weights,
-        names=names,
+        weights=[e.get("weight") for e in entries],
+        names=[e.get("name", "") for e in entries],
         memory=memory,
         options=PackedOptions(
             int(pk["group_tokens"]),
