@@ -308,21 +308,6 @@ def shuffle(
     return ShuffleResult(**summary)
 
 
-# shuffle's keywords that are the shuffle's settings (tokpack.shuffle.spec), as they are given
-_SETTINGS = (
-    "seq_len",
-    "seed",
-    "samples",
-    "tokens",
-    "shard_samples",
-    "memory",
-    "jitter",
-    "packing",
-    "pad_id",
-    "holdout",
-)
-
-
 def shuffle_spec(values: dict):
     """The ShuffleSpec of `shuffle`'s (or `plan("shuffle")`'s) keywords `values`, checked already
     (shuffle_usage): --like's run read (tokpack.shuffle.like), the schedule file read. The one
@@ -345,8 +330,10 @@ def shuffle_spec(values: dict):
             values.get("procs_per_node"),
             values.get("stall_timeout"),
         )
+    # the spec's settings that shuffle's keywords give as they are; the others are built here
+    built = {"sources", "weights", "output", "epochs", "schedule", "like", "nodes", "given"}
     spec = ShuffleSpec.given_as(
-        **{k: values[k] for k in _SETTINGS if k in values},
+        **{f.name: values[f.name] for f in dataclasses.fields(ShuffleSpec) if f.name in values.keys() - built},
         output=text("output"),
         like=text("like"),
         epochs=epoch_numbers(values.get("epochs")),

@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.guard import space_needs
 from tokpack.formats.constants import MANIFEST
 from tokpack.formats.reading import canonical_bytes
 from tokpack.formats.names import epoch_dir_name
 from tokpack.packer.node_model import MEASURED, MEASURED_BY, NodeWork, Rates, epoch as epoch_time
 from tokpack.packer.plan_result import COMMAND_START_SECONDS, PlanResult, local_only, measure_disk, size_text
+from tokpack.packer.plan_result import space_report
 
 
 NIC_MBPS = 25_000.0  # --nic-mbps default: a node's InfiniBand/RoCE link (issue 33, "25-50 GB/s a node")
@@ -487,15 +487,8 @@ def plan_to_nodes(
     per_node = []
     for n, t in enumerate(totals):
         need = t["slice_on_disk"] + t["scratch_bytes"]
-        space = "not visible"
-        if seen[n] is not None:
-            needs = [(dests[n], need)] + (
-                [(keeps[n], t["kept_source_bytes"])] if keeps[n] is not None and _visible(keeps[n]) is not None else []
-            )
-            space = [
-                {"path": str(p), "filesystem": str(w), "needed_bytes": nb, "free_bytes": free, "enough": nb <= free}
-                for p, w, nb, free in space_needs(needs)
-            ]
+        kept = [(keeps[n], t["kept_source_bytes"])] if keeps[n] is not None and _visible(keeps[n]) is not None else []
+        space = "not visible" if seen[n] is None else space_report([(dests[n], need), *kept])
         # The nodes read the shared filesystem at once: each gets its share of --shared-mbps.
         shared_s = (
             None

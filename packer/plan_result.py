@@ -129,16 +129,7 @@ def planned_result(
 ) -> PlanResult:
     """`passes` get their predicted seconds; `concurrent`: whether tasks running at once have a
     disk each (slurm, ray), so a pass of T tasks moves its bytes min(T, workers) times faster."""
-    space = [
-        {
-            "path": str(path),
-            "filesystem": str(where),
-            "needed_bytes": needed,
-            "free_bytes": free,
-            "enough": needed <= free,
-        }
-        for path, where, needed, free in space_needs(needs)
-    ]
+    space = space_report(needs)
     mbps, disk = (float(disk_mbps), "given") if disk_mbps else measure_disk(Path(space[0]["filesystem"]))
     for p in passes:
         at_once = 1 if not concurrent else p["tasks"] if config.workers == 1 else min(config.workers, p["tasks"])
@@ -165,6 +156,14 @@ def planned_result(
         predicted_seconds=total,
         **fields,
     )
+
+
+def space_report(needs: list[tuple]) -> list[dict]:
+    """Each target filesystem of `needs` ((path, bytes) pairs) with its free space: a plan's `space`."""
+    return [
+        {"path": str(p), "filesystem": str(w), "needed_bytes": n, "free_bytes": free, "enough": n <= free}
+        for p, w, n, free in space_needs(needs)
+    ]
 
 
 def plan_pass(name: str, tasks: int, memory: int | None, read: int, written: int, **extra) -> dict:
