@@ -598,9 +598,16 @@ def plan(command: str, *args, **kwargs) -> PlanResult:
         return planning.plan_stage(directory, dest, given, disk_mbps=disk_mbps)
     shuffle_usage(given, plan=True)
     machine = {k: given.pop(k) for k in ("executor", "disk_mbps", "nodes", "shared_mbps", "nic_mbps")}
-    machine["nodes"], machine["shared_mbps"], machine["nic_mbps"] = planning.check_nodes(
-        given, *(machine.get(k) for k in ("nodes", "shared_mbps", "nic_mbps", "executor"))
-    )
+    executor = machine["executor"]
+    if given.get("to_nodes") is not None and executor is not None and executor.executor != "local":
+        raise TokpackError(
+            "shuffle --to-nodes takes its sources and settings, not --like, --holdout or an --executor",
+            where="--like/--holdout/--executor",
+        )
+    # plan shuffle --to-nodes' machine figures, checked as the CLI's option types check them
+    machine["nodes"] = arguments.whole(machine["nodes"], "nodes", least=1)
+    for name in ("shared_mbps", "nic_mbps"):
+        machine[name] = arguments.positive_number(machine[name], name)
     return planning.plan_shuffle(shuffle_spec(given), **machine)
 
 

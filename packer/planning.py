@@ -19,7 +19,6 @@ import os
 from pathlib import Path
 
 
-from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import physical_memory
 from tokpack.formats.constants import MANIFEST
 from tokpack.formats.reading import canonical_bytes
@@ -31,23 +30,6 @@ from tokpack.packer.plan_result import PARQUET_VALUES_PER_CORE_S, PlanResult, lo
 from tokpack.packer.plan_result import plan_pass, planned_result, size_text
 
 # ------------------------------------------------------------------------ the commands
-
-
-def check_nodes(given: dict, nodes, shared_mbps, nic_mbps, executor) -> tuple:
-    """plan shuffle --to-nodes' machine figures (its usage checked by tokpack.packer.api.shuffle_usage),
-    checked as the CLI's option types check them, before any file is read: (nodes, shared_mbps,
-    nic_mbps) parsed."""
-    from tokpack.formats import arguments
-
-    if given.get("to_nodes") is not None and executor is not None and executor.executor != "local":
-        raise TokpackError(
-            "shuffle --to-nodes takes its sources and settings, not --like, --holdout or an --executor",
-            where="--like/--holdout/--executor",
-        )
-    return (
-        arguments.whole(nodes, "nodes", least=1),
-        *(arguments.positive_number(v, name) for v, name in ((shared_mbps, "shared_mbps"), (nic_mbps, "nic_mbps"))),
-    )
 
 
 def plan_shuffle(
