@@ -124,13 +124,13 @@ def planned_result(
     needs: list[tuple],
     config: ExecutorConfig,
     disk_mbps: float | None,
-    concurrent: bool,
     **fields,
 ) -> PlanResult:
-    """`passes` get their predicted seconds; `concurrent`: whether tasks running at once have a
-    disk each (slurm, ray), so a pass of T tasks moves its bytes min(T, workers) times faster."""
+    """`passes` get their predicted seconds: tasks running at once on slurm or ray have a disk
+    each, so there a pass of T tasks moves its bytes min(T, workers) times faster."""
     space = space_report(needs)
     mbps, disk = (float(disk_mbps), "given") if disk_mbps else measure_disk(Path(space[0]["filesystem"]))
+    concurrent = config.executor != "local"
     for p in passes:
         at_once = 1 if not concurrent else p["tasks"] if config.workers == 1 else min(config.workers, p["tasks"])
         moved = p["read_bytes"] + p["written_bytes"]

@@ -174,10 +174,7 @@ class Normalizer:
         tokens, ends, loss = b.tokens, b.ends, b.loss
         if len(tokens):
             self._check_ids(b)
-        starts = np.empty_like(ends)
-        starts[0:1] = 0
-        starts[1:] = ends[:-1]
-        keep = ends > starts
+        keep = np.diff(ends, prepend=0) > 0
         if not keep.all():
             self.empty_dropped += int(len(ends) - keep.sum())
             ends = ends[keep]
