@@ -609,18 +609,15 @@ def write_plot(path, report: dict, hist: LengthHistogram | None) -> None:
             label=f"after shuffle ({_epoch_name(report.get('split'), div.get('epoch'))})",
         ),
     }
-    for ax, key, title, ylabel in (
-        (axes[1], "distinct_documents", "distinct documents per batch", "documents"),
-        (axes[2], "max_doc_share", "largest single-document share per batch", "share of the batch's tokens"),
+    for ax, key, title, ylabel, top in (
+        (axes[1], "distinct_documents", "distinct documents per batch", "documents", None),
+        (axes[2], "max_doc_share", "largest single-document share per batch", "share of the batch's tokens", 1.05),
     ):
         for when, style in styles.items():
             series = div.get(when, {}).get(key)
             if series:
                 ax.plot(range(len(series)), series, marker="o", ms=3, lw=1.2, **style)
-        if key == "max_doc_share":
-            ax.set_ylim(0, 1.05)
-        else:
-            ax.set_ylim(bottom=0)
+        ax.set_ylim(bottom=0, top=top)  # top None: matplotlib's
         ax.set_title(title)
         ax.set_xlabel("global batch")
         ax.set_ylabel(ylabel)

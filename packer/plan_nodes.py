@@ -6,6 +6,7 @@ node_epoch): each node's shared-filesystem, network and local-disk bytes, its sp
 from __future__ import annotations
 
 import math
+from collections import Counter
 import os
 from pathlib import Path
 
@@ -271,10 +272,9 @@ def _work(f: dict, kept: bool, kept_now: int, slice_bytes: int, padded: bool) ->
 def _predict(works: list, rates: Rates) -> dict:
     """A node's epochs one after the other: their seconds add; the binding resource holds most of them."""
     preds = [epoch_time(w, rates) for w in works]
-    by: dict = {}
+    by: Counter = Counter()
     for p in preds:
-        for k, v in p.by_resource.items():
-            by[k] = by.get(k, 0.0) + v
+        by.update(p.by_resource)
     return {
         "seconds": round(sum(p.seconds for p in preds), 3),
         "binding": max(by, key=by.get) if by else None,

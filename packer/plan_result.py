@@ -236,14 +236,12 @@ def report_lines(r: PlanResult) -> list[str]:
         lines.append(f"  samples per epoch: {r.samples_per_epoch:,}")
     tokens = {s["name"]: s["tokens"] for s in r.sources or []}
     for e in r.epochs or []:
-        extra = (
-            ""
-            if e["path"] != "out-of-core"
-            else (
+        extra = ""
+        if e["path"] == "out-of-core":
+            extra = (
                 f", {e['scatter_tasks']} scatter tasks, {e['buckets']:,} buckets (at most {e['bucket_files']:,} bucket "
                 f"files), {size_text(e['scratch_bytes'])} scratch"
             )
-        )
         if "table_bytes" in e:
             extra += f", row table of ~{e['table_pieces']:,} pieces ({size_text(e['table_bytes'])} scratch)"
         stage = "" if e["stage"] is None else f" (stage {e['stage']})"
