@@ -321,15 +321,9 @@ def shuffle_spec(values: dict):
 
     sources, schedule = values.get("sources"), values.get("schedule")
     nodes = None
-    if values.get("to_nodes") is not None:
-        nodes = NodesSpec(
-            text("to_nodes"),
-            values.get("ranks_per_node"),
-            values.get("micro_batch"),
-            text("keep_sources"),
-            values.get("procs_per_node"),
-            values.get("stall_timeout"),
-        )
+    if values.get("to_nodes") is not None:  # NodesSpec's fields are shuffle's keywords, its dest --to-nodes
+        given = {f.name: values.get(f.name) for f in dataclasses.fields(NodesSpec)}
+        nodes = NodesSpec(**{**given, "dest": text("to_nodes"), "keep_sources": text("keep_sources")})
     # the spec's settings that shuffle's keywords give as they are; the others are built here
     built = {"sources", "weights", "output", "epochs", "schedule", "like", "nodes", "given"}
     spec = ShuffleSpec.given_as(

@@ -568,8 +568,7 @@ def _require_matplotlib():
 
 
 def write_plot(path, report: dict, hist: LengthHistogram | None) -> None:
-    _require_matplotlib()
-    import matplotlib
+    import matplotlib  # inspect checked that it is installed
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
