@@ -351,16 +351,13 @@ ONE_DOCUMENT_TOKENS = 1 << 20
 def eos_warnings(parts: list[dict], eos_id: int) -> list[str]:
     """The `tokpack pack:` lines for an EOS id that looks wrong, per input: no EOS in a large
     input (it became one document; the data is packed as asked)."""
-    lines = []
-    for part in parts:
-        name, docs, appended = part.get("input"), part.get("documents", 0), part.get("eos_appended", 0)
-        if docs == 1 and appended == 1 and part.get("tokens", 0) >= ONE_DOCUMENT_TOKENS:
-            lines.append(
-                f"tokpack pack: {name}: no EOS id {eos_id} in its {part['tokens'] - 1:,} tokens, so it is "
-                f"packed as one document. HINT: pass the id its documents end with as --eos-id (or "
-                f"--tokenizer tokenizer.json), then pack again with --overwrite"
-            )
-    return lines
+    return [
+        f"tokpack pack: {p.get('input')}: no EOS id {eos_id} in its {p['tokens'] - 1:,} tokens, so it is "
+        f"packed as one document. HINT: pass the id its documents end with as --eos-id (or "
+        f"--tokenizer tokenizer.json), then pack again with --overwrite"
+        for p in parts
+        if p.get("documents", 0) == 1 and p.get("eos_appended", 0) == 1 and p.get("tokens", 0) >= ONE_DOCUMENT_TOKENS
+    ]
 
 
 def check_document_ends(part: dict, eos_id: int, append_eos: bool) -> None:
