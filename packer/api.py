@@ -308,21 +308,6 @@ def shuffle(
     return ShuffleResult(**summary)
 
 
-# shuffle's keywords that are the shuffle's settings (tokpack.shuffle.spec), as they are given
-_SETTINGS = (
-    "seq_len",
-    "seed",
-    "samples",
-    "tokens",
-    "shard_samples",
-    "memory",
-    "jitter",
-    "packing",
-    "pad_id",
-    "holdout",
-)
-
-
 def shuffle_spec(values: dict):
     """The ShuffleSpec of `shuffle`'s (or `plan("shuffle")`'s) keywords `values`, checked already
     (shuffle_usage): --like's run read (tokpack.shuffle.like), the schedule file read. The one
@@ -336,17 +321,13 @@ def shuffle_spec(values: dict):
 
     sources, schedule = values.get("sources"), values.get("schedule")
     nodes = None
-    if values.get("to_nodes") is not None:
-        nodes = NodesSpec(
-            text("to_nodes"),
-            values.get("ranks_per_node"),
-            values.get("micro_batch"),
-            text("keep_sources"),
-            values.get("procs_per_node"),
-            values.get("stall_timeout"),
-        )
+    if values.get("to_nodes") is not None:  # NodesSpec's fields are shuffle's keywords, its dest --to-nodes
+        given = {f.name: values.get(f.name) for f in dataclasses.fields(NodesSpec)}
+        nodes = NodesSpec(**{**given, "dest": text("to_nodes"), "keep_sources": text("keep_sources")})
+    # the spec's settings that shuffle's keywords give as they are; the others are built here
+    built = {"sources", "weights", "output", "epochs", "schedule", "like", "nodes", "given"}
     spec = ShuffleSpec.given_as(
-        **{k: values[k] for k in _SETTINGS if k in values},
+        **{f.name: values[f.name] for f in dataclasses.fields(ShuffleSpec) if f.name in values.keys() - built},
         output=text("output"),
         like=text("like"),
         epochs=epoch_numbers(values.get("epochs")),
@@ -611,9 +592,16 @@ def plan(command: str, *args, **kwargs) -> PlanResult:
         return planning.plan_stage(directory, dest, given, disk_mbps=disk_mbps)
     shuffle_usage(given, plan=True)
     machine = {k: given.pop(k) for k in ("executor", "disk_mbps", "nodes", "shared_mbps", "nic_mbps")}
-    machine["nodes"], machine["shared_mbps"], machine["nic_mbps"] = planning.check_nodes(
-        given, *(machine.get(k) for k in ("nodes", "shared_mbps", "nic_mbps", "executor"))
-    )
+    executor = machine["executor"]
+    if given.get("to_nodes") is not None and executor is not None and executor.executor != "local":
+        raise TokpackError(
+            "shuffle --to-nodes takes its sources and settings, not --like, --holdout or an --executor",
+            where="--like/--holdout/--executor",
+        )
+    # plan shuffle --to-nodes' machine figures, checked as the CLI's option types check them
+    machine["nodes"] = arguments.whole(machine["nodes"], "nodes", least=1)
+    for name in ("shared_mbps", "nic_mbps"):
+        machine[name] = arguments.positive_number(machine[name], name)
     return planning.plan_shuffle(shuffle_spec(given), **machine)
 
 

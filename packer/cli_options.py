@@ -62,11 +62,11 @@ class _Bounded:
 
     real = False
 
-    def __init__(self, least=None, most=MAX_COUNT, above: bool = False, name: str | None = None, floor=None):
+    def __init__(self, least=None, most=MAX_COUNT, above: bool = False, floor=None):
         super().__init__(min=least, min_open=above)
         self.most, self.floor = most, floor
-        if name is not None:  # no range to show: the plain type's name (INTEGER, FLOAT)
-            self.name = name
+        if least is None:  # no range to show: the plain type's name
+            self.name = "integer"
 
     def convert(self, value, param, ctx):
         least = (-self.most if self.floor is None else self.floor) if self.min is None else self.min
@@ -80,23 +80,18 @@ class _Bounded:
         return "" if self.min is None else super()._describe_range()
 
 
-class _Int(_Bounded, click.IntRange):
-    pass
-
-
-class _Real(_Bounded, click.FloatRange):
-    real = True
-
-
-def Int(least: int | None = None, most: int = MAX_COUNT, floor: int | None = None) -> click.ParamType:
+class Int(_Bounded, click.IntRange):
     """An integer option in [least, most] (no least: a signed one, within floor..most, floor
     -most by default; the help then shows no range)."""
-    return _Int(least, most, name="integer" if least is None else None, floor=floor)
 
 
-def Real(least: float = 0, most: float = 1e9, *, above: bool = True) -> click.ParamType:
+class Real(_Bounded, click.FloatRange):
     """A finite real option: > least (>= with above=False), <= most."""
-    return _Real(least, most, above)
+
+    real = True
+
+    def __init__(self, least: float = 0, most: float = 1e9, *, above: bool = True):
+        super().__init__(least, most, above)
 
 
 MAX_WORKERS = 100_000  # processes, tasks in flight: no machine or queue runs more
@@ -132,7 +127,7 @@ _LOG_INTERVAL = "tokpack.log_interval"  # ctx.meta key: --log-interval as given 
 
 LOG_INTERVAL = click.option(
     "--log-interval",
-    type=_Real(0, units.MAX_SECONDS),
+    type=Real(0, units.MAX_SECONDS, above=False),
     metavar="SECONDS",
     expose_value=False,
     callback=lambda ctx, param, value: ctx.meta.__setitem__(_LOG_INTERVAL, value),

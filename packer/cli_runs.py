@@ -81,7 +81,7 @@ def validate(dirs, quick, against, workers, as_json):
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per sample.")
 @user_errors
-def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens, count, verify, tokenizer, as_json):
+def read(directory, tokenizer, as_json, **kw):
     """Print what rank R of W is fed from DIRECTORY (a run or an epoch), for debugging.
 
     \b
@@ -91,16 +91,8 @@ def read(directory, rank, world_size, micro_batch, start_sample, consumed_tokens
     """
     from tokpack.packer.api import read as read_api
 
-    reader, samples = read_api(
-        directory,
-        rank=rank,
-        world_size=world_size,
-        micro_batch=micro_batch,
-        start_sample=start_sample,
-        consumed_tokens=consumed_tokens,
-        count=count,
-        verify=verify,
-    )
+    reader, samples = read_api(directory, **kw)
+    rank = kw["rank"]
     if tokenizer is not None:
         from tokpack.packer.vocab import load_tokenizer, sample_text
 

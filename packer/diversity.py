@@ -157,17 +157,9 @@ def _series(stats: list[tuple[int, float]]) -> dict:
     distinct, share = [d for d, _ in stats], [m for _, m in stats]
     out = {"batches": len(distinct), "distinct_documents": distinct, "max_doc_share": [round(x, 6) for x in share]}
     if distinct:
-        out["summary"] = {
-            "distinct_documents": {
-                "mean": round(float(np.mean(distinct)), 2),
-                "min": int(min(distinct)),
-                "max": int(max(distinct)),
-            },
-            "max_doc_share": {
-                "mean": round(float(np.mean(share)), 4),
-                "min": round(min(share), 4),
-                "max": round(max(share), 4),
-            },
+        out["summary"] = {  # the counts are ints, which round() keeps
+            name: {"mean": round(float(np.mean(v)), d), "min": round(min(v), d), "max": round(max(v), d)}
+            for name, v, d in (("distinct_documents", distinct, 2), ("max_doc_share", share, 4))
         }
     return out
 

@@ -116,22 +116,18 @@ EXECUTORS = ("local", "slurm", "ray")  # what --executor takes: _executor's case
 
 
 def _executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, job_name: str, depends=None):
-    if config.executor == "local":
-        from datatrove.executor import LocalPipelineExecutor
-
-        return LocalPipelineExecutor(
-            pipeline=[FileLoggedStep(step)],
-            tasks=tasks,
-            workers=max(1, min(config.workers, tasks)),
-            logging_dir=logging_dir,
-            skip_completed=True,
-        )
-    if config.executor == "slurm":
-        return _slurm_executor(step, tasks, config, logging_dir, job_name, depends=depends)
     if config.executor == "ray":
         ray_connect(config)
         return RayPass(step, tasks, config, logging_dir, job_name)
-    raise TokpackError(f"unknown executor {config.executor!r}", expected=" or ".join(EXECUTORS))
+    if config.executor not in EXECUTORS:
+        raise TokpackError(f"unknown executor {config.executor!r}", expected=" or ".join(EXECUTORS))
+    # datatrove's: the step's task logs in files only, a rerun skipping the ranks marked complete
+    run = {"pipeline": [FileLoggedStep(step)], "tasks": tasks, "logging_dir": logging_dir, "skip_completed": True}
+    if config.executor == "slurm":
+        return _slurm_executor(run, config, job_name, depends)
+    from datatrove.executor import LocalPipelineExecutor
+
+    return LocalPipelineExecutor(**run, workers=max(1, min(config.workers, tasks)))
 
 
 def pass_runner(config: ExecutorConfig):
@@ -284,7 +280,8 @@ def default_partition() -> str:
     raise TokpackError("this Slurm cluster has no partition", hint="give --partition")
 
 
-def _slurm_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, job_name: str, depends=None):
+def _slurm_executor(run: dict, config: ExecutorConfig, job_name: str, depends):
+    """A SlurmPipelineExecutor of `run` (_executor's common arguments)."""
     from datatrove.executor import SlurmPipelineExecutor
 
     sbatch = parse_sbatch_args(config.sbatch_args)
@@ -305,9 +302,8 @@ def _slurm_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, 
     if os.environ.get("VIRTUAL_ENV"):
         env.append(f"export VIRTUAL_ENV={shlex.quote(os.environ['VIRTUAL_ENV'])}")
     return SlurmPipelineExecutor(
-        pipeline=[FileLoggedStep(step)],
-        tasks=tasks,
-        tasks_per_job=-(-tasks // (SLURM_ELEMENTS_PER_WORKER * config.workers)) if config.workers > 1 else 1,
+        **run,
+        tasks_per_job=-(-run["tasks"] // (SLURM_ELEMENTS_PER_WORKER * config.workers)) if config.workers > 1 else 1,
         time=config.time_limit,
         partition=config.partition or default_partition(),
         cpus_per_task=config.cpus_per_task,
@@ -317,8 +313,6 @@ def _slurm_executor(step, tasks: int, config: ExecutorConfig, logging_dir: str, 
         qos=qos,
         env_command="; ".join(env),
         sbatch_args=sbatch,
-        logging_dir=logging_dir,
-        skip_completed=True,
         depends=depends,
         requeue_signals=None,  # a requeue would race this process's wait; a rerun redoes the task
         mail_type=None,

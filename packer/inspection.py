@@ -19,6 +19,7 @@ Document lengths come from the sources' `.ds.index` files, streamed in blocks.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,17 +97,12 @@ class LengthHistogram:
 
     def octaves(self) -> list[dict]:
         """Counts per power-of-two bucket [2^k, 2^(k+1)): compact enough for a report."""
-        out: dict[int, int] = {}
-        nz = np.flatnonzero(self.exact)
-        if nz.size:
-            keys = np.where(nz == 0, -1, np.floor(np.log2(np.maximum(nz, 1))).astype(np.int64))
-            sums = np.bincount(keys + 1, weights=self.exact[nz])
-            for k, c in enumerate(sums):
-                if c:
-                    out[k - 1] = out.get(k - 1, 0) + int(c)
+        lengths = np.flatnonzero(self.exact)
+        # frexp's exponent of a length n >= 1 is floor(log2 n) + 1, of 0 is 0: bucket k at k + 1 (length 0: -1)
+        sums = np.bincount(np.frexp(lengths)[1], weights=self.exact[lengths])
+        out = Counter({k - 1: int(c) for k, c in enumerate(sums) if c})
         for b, c in self.log_bins.items():
-            k = 16 + b // LOG_BINS_PER_OCTAVE
-            out[k] = out.get(k, 0) + c
+            out[16 + b // LOG_BINS_PER_OCTAVE] += c
         return [
             {"min": 0 if k < 0 else 1 << k, "max": 0 if k < 0 else (1 << (k + 1)) - 1, "documents": c}
             for k, c in sorted(out.items())
@@ -572,8 +568,7 @@ def _require_matplotlib():
 
 
 def write_plot(path, report: dict, hist: LengthHistogram | None) -> None:
-    _require_matplotlib()
-    import matplotlib
+    import matplotlib  # inspect checked that it is installed
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -613,18 +608,15 @@ def write_plot(path, report: dict, hist: LengthHistogram | None) -> None:
             label=f"after shuffle ({_epoch_name(report.get('split'), div.get('epoch'))})",
         ),
     }
-    for ax, key, title, ylabel in (
-        (axes[1], "distinct_documents", "distinct documents per batch", "documents"),
-        (axes[2], "max_doc_share", "largest single-document share per batch", "share of the batch's tokens"),
+    for ax, key, title, ylabel, top in (
+        (axes[1], "distinct_documents", "distinct documents per batch", "documents", None),
+        (axes[2], "max_doc_share", "largest single-document share per batch", "share of the batch's tokens", 1.05),
     ):
         for when, style in styles.items():
             series = div.get(when, {}).get(key)
             if series:
                 ax.plot(range(len(series)), series, marker="o", ms=3, lw=1.2, **style)
-        if key == "max_doc_share":
-            ax.set_ylim(0, 1.05)
-        else:
-            ax.set_ylim(bottom=0)
+        ax.set_ylim(bottom=0, top=top)  # top None: matplotlib's
         ax.set_title(title)
         ax.set_xlabel("global batch")
         ax.set_ylabel(ylabel)

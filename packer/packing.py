@@ -330,19 +330,14 @@ def pack_result(
         status=status,
         format=fmt,
         inputs=len(manifest.get("inputs", [])),
-        tokens=manifest["tokens"],
-        documents=manifest["documents"],
         shards=len(manifest["shards"]),
         bytes=sum(s["bytes"] for s in manifest["shards"]),
         input_bytes=input_bytes,
         seconds=round(seconds, 3),
         mb_per_s=round(input_bytes / 1e6 / seconds, 1) if seconds > 0 and input_bytes else None,
-        dtype=manifest["dtype"],
-        vocab_size=manifest["vocab_size"],
-        eos_id=manifest["eos_id"],
-        eos_appended=manifest.get("eos_appended", 0),
-        empty_documents_dropped=manifest.get("empty_documents_dropped", 0),
-        fingerprint=manifest["fingerprint"],
+        # the manifest's own figures, named as there
+        **{k: manifest[k] for k in ("tokens", "documents", "dtype", "vocab_size", "eos_id", "fingerprint")},
+        **{k: manifest.get(k, 0) for k in ("eos_appended", "empty_documents_dropped")},
         warnings=list(warnings),
         **(links or {}),
     )
@@ -356,16 +351,13 @@ ONE_DOCUMENT_TOKENS = 1 << 20
 def eos_warnings(parts: list[dict], eos_id: int) -> list[str]:
     """The `tokpack pack:` lines for an EOS id that looks wrong, per input: no EOS in a large
     input (it became one document; the data is packed as asked)."""
-    lines = []
-    for part in parts:
-        name, docs, appended = part.get("input"), part.get("documents", 0), part.get("eos_appended", 0)
-        if docs == 1 and appended == 1 and part.get("tokens", 0) >= ONE_DOCUMENT_TOKENS:
-            lines.append(
-                f"tokpack pack: {name}: no EOS id {eos_id} in its {part['tokens'] - 1:,} tokens, so it is "
-                f"packed as one document. HINT: pass the id its documents end with as --eos-id (or "
-                f"--tokenizer tokenizer.json), then pack again with --overwrite"
-            )
-    return lines
+    return [
+        f"tokpack pack: {p.get('input')}: no EOS id {eos_id} in its {p['tokens'] - 1:,} tokens, so it is "
+        f"packed as one document. HINT: pass the id its documents end with as --eos-id (or "
+        f"--tokenizer tokenizer.json), then pack again with --overwrite"
+        for p in parts
+        if p.get("documents", 0) == 1 and p.get("eos_appended", 0) == 1 and p.get("tokens", 0) >= ONE_DOCUMENT_TOKENS
+    ]
 
 
 def check_document_ends(part: dict, eos_id: int, append_eos: bool) -> None:

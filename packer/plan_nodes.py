@@ -6,18 +6,19 @@ node_epoch): each node's shared-filesystem, network and local-disk bytes, its sp
 from __future__ import annotations
 
 import math
+from collections import Counter
 import os
 from pathlib import Path
 
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.guard import space_needs
 from tokpack.formats.constants import MANIFEST
 from tokpack.formats.reading import canonical_bytes
 from tokpack.formats.names import epoch_dir_name
 from tokpack.packer.node_model import MEASURED, MEASURED_BY, NodeWork, Rates, epoch as epoch_time
 from tokpack.packer.plan_result import COMMAND_START_SECONDS, PlanResult, local_only, measure_disk, size_text
+from tokpack.packer.plan_result import space_report
 
 
 NIC_MBPS = 25_000.0  # --nic-mbps default: a node's InfiniBand/RoCE link (issue 33, "25-50 GB/s a node")
@@ -271,10 +272,9 @@ def _work(f: dict, kept: bool, kept_now: int, slice_bytes: int, padded: bool) ->
 def _predict(works: list, rates: Rates) -> dict:
     """A node's epochs one after the other: their seconds add; the binding resource holds most of them."""
     preds = [epoch_time(w, rates) for w in works]
-    by: dict = {}
+    by: Counter = Counter()
     for p in preds:
-        for k, v in p.by_resource.items():
-            by[k] = by.get(k, 0.0) + v
+        by.update(p.by_resource)
     return {
         "seconds": round(sum(p.seconds for p in preds), 3),
         "binding": max(by, key=by.get) if by else None,
@@ -484,15 +484,8 @@ def plan_to_nodes(
     per_node = []
     for n, t in enumerate(totals):
         need = t["slice_on_disk"] + t["scratch_bytes"]
-        space = "not visible"
-        if seen[n] is not None:
-            needs = [(dests[n], need)] + (
-                [(keeps[n], t["kept_source_bytes"])] if keeps[n] is not None and _visible(keeps[n]) is not None else []
-            )
-            space = [
-                {"path": str(p), "filesystem": str(w), "needed_bytes": nb, "free_bytes": free, "enough": nb <= free}
-                for p, w, nb, free in space_needs(needs)
-            ]
+        kept = [(keeps[n], t["kept_source_bytes"])] if keeps[n] is not None and _visible(keeps[n]) is not None else []
+        space = "not visible" if seen[n] is None else space_report([(dests[n], need), *kept])
         # The nodes read the shared filesystem at once: each gets its share of --shared-mbps.
         shared_s = (
             None

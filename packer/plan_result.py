@@ -124,22 +124,13 @@ def planned_result(
     needs: list[tuple],
     config: ExecutorConfig,
     disk_mbps: float | None,
-    concurrent: bool,
     **fields,
 ) -> PlanResult:
-    """`passes` get their predicted seconds; `concurrent`: whether tasks running at once have a
-    disk each (slurm, ray), so a pass of T tasks moves its bytes min(T, workers) times faster."""
-    space = [
-        {
-            "path": str(path),
-            "filesystem": str(where),
-            "needed_bytes": needed,
-            "free_bytes": free,
-            "enough": needed <= free,
-        }
-        for path, where, needed, free in space_needs(needs)
-    ]
+    """`passes` get their predicted seconds: tasks running at once on slurm or ray have a disk
+    each, so there a pass of T tasks moves its bytes min(T, workers) times faster."""
+    space = space_report(needs)
     mbps, disk = (float(disk_mbps), "given") if disk_mbps else measure_disk(Path(space[0]["filesystem"]))
+    concurrent = config.executor != "local"
     for p in passes:
         at_once = 1 if not concurrent else p["tasks"] if config.workers == 1 else min(config.workers, p["tasks"])
         moved = p["read_bytes"] + p["written_bytes"]
@@ -165,6 +156,14 @@ def planned_result(
         predicted_seconds=total,
         **fields,
     )
+
+
+def space_report(needs: list[tuple]) -> list[dict]:
+    """Each target filesystem of `needs` ((path, bytes) pairs) with its free space: a plan's `space`."""
+    return [
+        {"path": str(p), "filesystem": str(w), "needed_bytes": n, "free_bytes": free, "enough": n <= free}
+        for p, w, n, free in space_needs(needs)
+    ]
 
 
 def plan_pass(name: str, tasks: int, memory: int | None, read: int, written: int, **extra) -> dict:
@@ -237,14 +236,12 @@ def report_lines(r: PlanResult) -> list[str]:
         lines.append(f"  samples per epoch: {r.samples_per_epoch:,}")
     tokens = {s["name"]: s["tokens"] for s in r.sources or []}
     for e in r.epochs or []:
-        extra = (
-            ""
-            if e["path"] != "out-of-core"
-            else (
+        extra = ""
+        if e["path"] == "out-of-core":
+            extra = (
                 f", {e['scatter_tasks']} scatter tasks, {e['buckets']:,} buckets (at most {e['bucket_files']:,} bucket "
                 f"files), {size_text(e['scratch_bytes'])} scratch"
             )
-        )
         if "table_bytes" in e:
             extra += f", row table of ~{e['table_pieces']:,} pieces ({size_text(e['table_bytes'])} scratch)"
         stage = "" if e["stage"] is None else f" (stage {e['stage']})"

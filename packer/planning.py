@@ -19,7 +19,6 @@ import os
 from pathlib import Path
 
 
-from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import physical_memory
 from tokpack.formats.constants import MANIFEST
 from tokpack.formats.reading import canonical_bytes
@@ -31,23 +30,6 @@ from tokpack.packer.plan_result import PARQUET_VALUES_PER_CORE_S, PlanResult, lo
 from tokpack.packer.plan_result import plan_pass, planned_result, size_text
 
 # ------------------------------------------------------------------------ the commands
-
-
-def check_nodes(given: dict, nodes, shared_mbps, nic_mbps, executor) -> tuple:
-    """plan shuffle --to-nodes' machine figures (its usage checked by tokpack.packer.api.shuffle_usage),
-    checked as the CLI's option types check them, before any file is read: (nodes, shared_mbps,
-    nic_mbps) parsed."""
-    from tokpack.formats import arguments
-
-    if given.get("to_nodes") is not None and executor is not None and executor.executor != "local":
-        raise TokpackError(
-            "shuffle --to-nodes takes its sources and settings, not --like, --holdout or an --executor",
-            where="--like/--holdout/--executor",
-        )
-    return (
-        arguments.whole(nodes, "nodes", least=1),
-        *(arguments.positive_number(v, name) for v, name in ((shared_mbps, "shared_mbps"), (nic_mbps, "nic_mbps"))),
-    )
 
 
 def plan_shuffle(
@@ -165,7 +147,6 @@ def plan_shuffle(
         [(output, bytes_to_write(setup.jobs, opened, memory))],
         config,
         disk_mbps,
-        config.executor != "local",
         path=",".join(paths_taken) or "none",
         shards=sum(d.get("shards", 0) for d in details),
         manifests=manifests,
@@ -277,7 +258,6 @@ def plan_pack(
         [(out, written)],
         config,
         disk_mbps,
-        config.executor != "local",
         path=setup.fmt,
         shards=sum(shards),
         manifests=manifests,
@@ -322,7 +302,6 @@ def plan_stage(directory, dest, selection: dict, *, disk_mbps: float | None = No
             [(Path(dest), need)],
             ExecutorConfig(workers=workers),
             disk_mbps,
-            False,
             path=f"node slice of ranks {a}-{b} of {sp.world_size}",
             shards=(b - a + 1) * len(sp.epochs),
             manifests=manifests,
@@ -355,7 +334,6 @@ def plan_stage(directory, dest, selection: dict, *, disk_mbps: float | None = No
         [(dest, bytes_to_write(dest, plans))],
         ExecutorConfig(workers=workers),
         disk_mbps,
-        False,
         path=kind,
         shards=sum(j.rel.endswith(".ds") for j in jobs),
         manifests=manifests,

@@ -29,8 +29,8 @@ def resolve_vocab_eos(
     tokenizer: str | None,
     eos_id: int | None,
     vocab_size: int | None,
-    say=None,
-    warnings: list | None = None,
+    say,
+    warnings: list,
 ) -> tuple[int, int, str, str | None, bool]:
     """(vocab_size, eos_id, tokenizer name, eos token text, vocab known) from the options, the
     tokenizer, the inputs' datatrove metadata (a local tokenizer file, else a KNOWN_TOKENIZERS name)
@@ -59,14 +59,13 @@ def resolve_vocab_eos(
         vocab_size = native_vocab(files[0].dtype)
         if vocab_size is not None and dtype_for_vocab(vocab_size).itemsize > 2:
             # every id the input dtype can hold must fit, so a 16-bit vocabulary costs twice the disk
-            if warnings is not None:
-                warnings.append(
-                    f"tokpack pack: vocabulary size unknown, so tokens are stored as uint32, the width "
-                    f"of the {files[0].dtype} input, and the manifest records the vocabulary as unknown "
-                    f"(vocab_known: false){seen}. HINT: pass --vocab-size N (or --tokenizer) to store "
-                    f"uint16 when the ids fit below 65536"
-                )
-        elif vocab_size is not None and warnings is not None:
+            warnings.append(
+                f"tokpack pack: vocabulary size unknown, so tokens are stored as uint32, the width "
+                f"of the {files[0].dtype} input, and the manifest records the vocabulary as unknown "
+                f"(vocab_known: false){seen}. HINT: pass --vocab-size N (or --tokenizer) to store "
+                f"uint16 when the ids fit below 65536"
+            )
+        elif vocab_size is not None:
             # the id check then means nothing: every id the dtype holds passes it
             warnings.append(
                 f"tokpack pack: vocabulary size unknown, so ids are checked only against the width of "
@@ -92,8 +91,7 @@ def resolve_vocab_eos(
         eos_token = tok.id_to_token(eos_id)
     if eos_id is None and known:
         eos_id, eos_token = known["eos_id"], known["eos_token"]
-        if say:
-            say(f"tokpack pack: EOS id {eos_id} from the known tokenizer {named!r}")
+        say(f"tokpack pack: EOS id {eos_id} from the known tokenizer {named!r}")
     if eos_id is None:
         raise TokpackError(
             "EOS id unknown",
@@ -174,10 +172,7 @@ class Normalizer:
         tokens, ends, loss = b.tokens, b.ends, b.loss
         if len(tokens):
             self._check_ids(b)
-        starts = np.empty_like(ends)
-        starts[0:1] = 0
-        starts[1:] = ends[:-1]
-        keep = ends > starts
+        keep = np.diff(ends, prepend=0) > 0
         if not keep.all():
             self.empty_dropped += int(len(ends) - keep.sum())
             ends = ends[keep]
