@@ -53,10 +53,11 @@ several (tokpack.packer.transport.OnSigterm); a SIGKILL is named by the launcher
 frozen or cut off for --stall-timeout is one line naming it (tokpack.packer.stall).
 
 The modules, each one idea, data flowing one way: this one (the entry points, an epoch's steps
-and what they report; node_procs: a node's P processes, their communicator) -> tokpack.packer.node_epoch (what
-a process reads, keeps and owns, its pieces from the sources; the memory plan) -> transport (MPI: failures as one line, the rounds),
-node_store (the node's rows, in memory or out of core; write_slice_epoch),
-owned_facts (the rows' facts to their owners, the owner's role), kept_sources (--keep-sources), node_dest (DEST beside RUN),
+and what they report; node_procs: a node's P processes, their communicator) ->
+tokpack.packer.node_epoch (what a process reads, keeps and owns, its pieces from the sources;
+the memory plan) -> transport (MPI: failures as one line, the rounds), node_store (the node's
+rows, in memory or out of core; write_slice_epoch), owned_facts (the rows' facts to their
+owners, the owner's role), kept_sources (--keep-sources), node_dest (DEST beside RUN),
 rank_files and pieces. The replacement node (tokpack.packer.replacement) shares rank_files and
 node_dest.
 
