@@ -87,7 +87,7 @@ from tokpack.formats.builders import nodes_sidecar
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
 from tokpack.formats.slices import RankRows, slice_epoch_manifest
 from tokpack.packer.agreement import agree, agree_sources
-from tokpack.packer.kept_sources import kept_copies, kept_folder
+from tokpack.packer.kept_sources import keep_sources, kept_copies, kept_folder
 from tokpack.packer.node_dest import (
     dest_template,
     finish_slice_root,
@@ -372,20 +372,19 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         node.together(run_manifests)
         done_epochs = sorted(set(done_epochs) | {epoch})
 
+        raw = node.together(lambda: read_raw(Path(job.epoch_dir) / MANIFEST))  # RUN's epoch manifest, as written
+        manifest = node.together(lambda: parse_manifest(raw, job.epoch_dir, "epoch"))
+
         def commit_slice_epoch():  # the node's leader's, once every process of it wrote its rank files
             if not node.leader:
                 return
             root = slice_root_of_run(out, ranks, w, micro_batch)[1]
-            raw = read_raw(Path(job.epoch_dir) / MANIFEST)
             want = slice_epoch_manifest(root, epoch, plan.samples, first, raw)
             want["shards"] = node_entries
             want["tokens"] = sum(s["tokens"] for s in node_entries)
             output.finish(d, want)
 
         node.together(commit_slice_epoch)
-        manifest = node.together(
-            lambda: parse_manifest(read_raw(Path(job.epoch_dir) / MANIFEST), job.epoch_dir, "epoch")
-        )
         node_figures = {
             "rounds": rounds,
             "buckets": 0 if layout is None else len(layout.bucket_starts) - 1,  # 0: in memory
@@ -430,14 +429,22 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
 
 
 def _keep(node: Node, ne: NodeEpoch, keep: Path | None) -> int:
-    """--keep-sources: this process's source shards kept in its node's folder (NodeEpoch.keep_sources);
-    the files every process of the node reads kept by its leader first. Returns the bytes copied now."""
+    """--keep-sources: this process's source shards (NodeEpoch.kept_shards) kept in `keep`, its
+    node's folder (tokpack.packer.kept_sources), with the files every process of the node reads
+    (the sources' manifests, a best-fit epoch's document indexes, the folder's record), kept by
+    its leader first; from then on the epoch reads the sources there, not on the shared
+    filesystem. Returns the bytes copied now."""
     if keep is None:
         return 0
-    kept = 0
+
+    def kept(need: dict, shared: bool) -> int:
+        ne.sources, copied = keep_sources(ne.sources, need, ne.padded, keep, shared)
+        return copied
+
+    copied = 0
     if node.P > 1:  # the others open the copies by the sources' manifests there
-        kept = node.together(lambda: ne.keep_sources(keep, own=False) if node.leader else 0)
-    return kept + node.together(lambda: ne.keep_sources(keep, shared=node.P == 1))
+        copied = node.together(lambda: kept({}, True) if node.leader else 0)
+    return copied + node.together(lambda: kept(ne.kept_shards(), node.P == 1))
 
 
 # What `shuffle --to-nodes` reports (issue 42, item 5): what `tokpack shuffle` reports of the same

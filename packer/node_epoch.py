@@ -14,7 +14,6 @@ With P = 1 a process is its node. `plan shuffle --to-nodes` asks the same object
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import xxhash
@@ -22,7 +21,6 @@ import xxhash
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import map_file
 from tokpack.formats.slices import RankRows
-from tokpack.packer.kept_sources import keep_sources
 from tokpack.packer.phases import lapped, phase
 from tokpack.packer.pieces import WIRE_PIECE
 from tokpack.packer.transport import MAX_MESSAGE_BYTES
@@ -172,16 +170,6 @@ class NodeEpoch:
             for s, k0, k1 in self.runs(q) if q != self.me else ():
                 need.get(s, set()).difference_update(range(k0, k1))
         return need
-
-    def keep_sources(self, folder: Path, shared: bool = True, own: bool = True) -> int:
-        """--keep-sources: this process's source shards (`own`) kept in `folder`, its node's
-        (tokpack.packer.kept_sources), with (`shared`) the files every process of the node
-        reads (the sources' manifests, a best-fit epoch's document indexes, the folder's
-        record); from then on the sources are read there, not on the shared filesystem.
-        Returns the bytes copied now."""
-        need = self.kept_shards() if own else {}
-        self.sources, copied = keep_sources(self.sources, need, self.padded, folder, shared)
-        return copied
 
 
 def source_pieces(ne, tokens: int, mapped: bool = True):
