@@ -81,7 +81,7 @@ from tokpack.formats.io.gate import read_limited
 from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.writes import write_bytes_atomic
 from tokpack.formats.constants import MANIFEST, NODES_SIDECAR, WORK_DIR
-from tokpack.formats.reading import canonical_bytes, parse_manifest, read_manifest
+from tokpack.formats.reading import canonical_bytes, parse_manifest
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.builders import nodes_sidecar
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
@@ -112,7 +112,7 @@ from tokpack.packer.transport import OnSigterm, exchange_rounds, world
 from tokpack.shuffle import packings
 from tokpack.shuffle.sources import use_kept_sources
 from tokpack.shuffle.run import epoch_manifest_of, epoch_samples, repeat_warnings, setup_run
-from tokpack.shuffle.run_records import run_manifest_of
+from tokpack.shuffle.run_records import written_run_manifest
 from tokpack.shuffle.spec import ShuffleSpec
 from tokpack.shuffle.steps import Layout
 
@@ -292,7 +292,7 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
     # a schedule's numbering, fixed at creation (process 0 alone writes RUN's manifest)
     if node.q == 0 and setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():
         out.mkdir(parents=True, exist_ok=True)
-        output.finish(out, run_manifest_of({}, setup.todo[0][1], weights, opened, shard_samples, runplan))
+        output.finish(out, written_run_manifest(out, setup.todo[0][1], weights, opened, shard_samples, [], runplan))
     summaries, skipped = [], []
     among = f"{N} nodes" if P == 1 else f"{N} nodes of {P} processes"
     # As stage --node: the root manifest stays, listing the complete epochs, and is replaced at the
@@ -355,22 +355,17 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         # the node's rank files, each process's, in rank order: the slice epoch manifest lists them so
         node_entries = sorted((e for part in node.local.allgather(entries) for e in part), key=lambda e: e["rank"])
 
+        done_epochs = sorted(set(done_epochs) | {epoch})
+
         def run_manifests():
             if node.q != 0:
                 return
             by_shard = dict(entry for part in gathered for entry in part)
             manifest = epoch_manifest_of(job, [by_shard[i] for i in range(job.n_shards)], prepared)
             output.finish(job.epoch_dir, manifest)
-            written = {
-                e: read_manifest(out / epoch_dir_name(e), kind="epoch")
-                for e in sorted(set(done_epochs) | {epoch})
-                if (out / epoch_dir_name(e) / MANIFEST).exists()
-            }
-            have = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
-            output.finish(out, run_manifest_of(written, plan, weights, opened, shard_samples, runplan, have))
+            output.finish(out, written_run_manifest(out, plan, weights, opened, shard_samples, done_epochs, runplan))
 
         node.together(run_manifests)
-        done_epochs = sorted(set(done_epochs) | {epoch})
 
         raw = node.together(lambda: read_raw(Path(job.epoch_dir) / MANIFEST))  # RUN's epoch manifest, as written
         manifest = node.together(lambda: parse_manifest(raw, job.epoch_dir, "epoch"))

@@ -11,11 +11,11 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.constants import LOCK_NAME, MANIFEST, MAX_MANIFEST_BYTES, WORK_DIR
 from tokpack.formats.io.gate import open_read, read_limited
 from tokpack.formats.names import epoch_dir_name
-from tokpack.formats.reading import parse_manifest, read_manifest
+from tokpack.formats.reading import parse_manifest
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.slices import RankRows, slice_epoch_manifest, slice_manifest
 from tokpack.packer.stage_dest import epoch_in_place, previous_slice
-from tokpack.shuffle.run_records import run_manifest_of
+from tokpack.shuffle.run_records import written_run_manifest
 
 NODE = "{node}"  # in DEST: replaced by the process's node number
 
@@ -112,10 +112,7 @@ def slice_epoch_here(
 
 def run_numbering(setup, out: Path) -> EpochNumbering:
     """The epochs' numbering of the run `setup` (tokpack.shuffle.run.setup_run) writes at RUN `out`."""
-    created = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
-    return EpochNumbering.of_run(
-        run_manifest_of(
-            {}, setup.todo[0][1], setup.weights, setup.sources, setup.shard_samples, setup.runplan, created
-        ),
-        out,
+    run = written_run_manifest(
+        out, setup.todo[0][1], setup.weights, setup.sources, setup.shard_samples, [], setup.runplan
     )
+    return EpochNumbering.of_run(run, out)
