@@ -171,7 +171,12 @@ def _rebuild_epoch(job: tuple, workers: int) -> tuple[list[dict], dict]:
         for p, proc in enumerate(procs):
             proc.stdin.write(pickle.dumps((job, p, P)))
             proc.stdin.close()
-        parts = [_part_of(proc) for proc in procs]
+        parts = []
+        for proc in procs:  # what each sent back (our own child: its pickle is ours)
+            kind, value = pickle.load(proc.stdout)
+            if kind == "error":  # raised here as the command's one line
+                raise value
+            parts.append(value)
     except BaseException:  # Ctrl-C, SIGTERM or one process's error: the others stop now
         for proc in procs:
             proc.kill()
@@ -184,17 +189,6 @@ def _rebuild_epoch(job: tuple, workers: int) -> tuple[list[dict], dict]:
     figures = {k: sum(f[k] for _, f in parts) for k in ("bytes_read", "bytes_kept", "parts", "reads", "rows")}
     figures.update(depth=sum(f["depth"] for _, f in parts), part_rows=max(f["part_rows"] for _, f in parts))
     return entries, figures
-
-
-def _part_of(proc: subprocess.Popen) -> tuple[list[dict], dict]:
-    """What one rebuilding process sent back (our own child: its pickle is ours): its part, or
-    its error raised here as the command's one line."""
-    kind, value = pickle.load(proc.stdout)
-    if kind == "error":
-        raise value
-    if kind == "bug":
-        raise RuntimeError(value)
-    return value
 
 
 def _rebuild_ranks(job: tuple, p: int, P: int) -> tuple[list[dict], dict]:
@@ -455,6 +449,6 @@ if __name__ == "__main__":  # a rebuilding process of _rebuild_epoch: (job, p, P
         result = ("part", _rebuild_ranks(*job_p_P))
     except (TokpackError, OSError) as e:
         result = ("error", e)
-    except BaseException as e:  # noqa: BLE001 - a bug: the command's process reports it
-        result = ("bug", f"{type(e).__name__}: {e}")
+    except BaseException as e:  # noqa: BLE001 - a bug: the command's process reports it (as text: it may not pickle)
+        result = ("error", RuntimeError(f"{type(e).__name__}: {e}"))
     pickle.dump(result, sys.stdout.buffer)
