@@ -281,18 +281,12 @@ class SourceRows:
         self.format = EpochShardFormat(
             self.dtype, int(m["seq_len"]), int(m["eos_id"]), m["tokenizer"], padded=self.padded
         )
-        by_fingerprint = {src.fingerprint: src for src in self.sources}
         # windows: what each plan source's windows are read from (EpochPlan.stream: --holdout's kept stream)
-        self.of_plan = (
-            []
-            if self.padded
-            else [
-                None
-                if by_fingerprint.get(sp.fingerprint) is None
-                else self.plan.stream(i, by_fingerprint[sp.fingerprint])
-                for i, sp in enumerate(self.plan.sources)
-            ]
-        )
+        self.of_plan = []
+        if not self.padded:
+            by_fingerprint = {src.fingerprint: src for src in self.sources}
+            found = [by_fingerprint.get(sp.fingerprint) for sp in self.plan.sources]
+            self.of_plan = [None if src is None else self.plan.stream(i, src) for i, src in enumerate(found)]
         self.reader = SourceReader()  # its descriptors kept from part to part
         self.bytes_read = 0
         # RUN's row hashes and padding, each file read through the gate and checked against the manifest
