@@ -52,11 +52,12 @@ SIGTERM to one process is one line naming its node, and which of its processes w
 several (tokpack.packer.transport.OnSigterm); a SIGKILL is named by the launcher; a node stopped,
 frozen or cut off for --stall-timeout is one line naming it (tokpack.packer.stall).
 
-The modules, each one idea, data flowing one way: this one (the entry points and an epoch's
-steps; node_procs: a node's P processes, their communicator) -> tokpack.packer.node_epoch (what
-a process reads, keeps and owns; the memory plan) -> node_reads (its pieces from the sources), transport (MPI: failures as one line, the rounds),
-node_store (the node's rows, in memory or out of core; write_slice_epoch),
-owned_facts (the rows' facts to their owners, the owner's role), kept_sources (--keep-sources), node_dest (DEST beside RUN),
+The modules, each one idea, data flowing one way: this one (the entry points, an epoch's steps
+and what they report; node_procs: a node's P processes, their communicator) ->
+tokpack.packer.node_epoch (what a process reads, keeps and owns, its pieces from the sources;
+the memory plan) -> transport (MPI: failures as one line, the rounds), node_store (the node's
+rows, in memory or out of core; write_slice_epoch), owned_facts (the rows' facts to their
+owners, the owner's role), kept_sources (--keep-sources), node_dest (DEST beside RUN),
 rank_files and pieces. The replacement node (tokpack.packer.replacement) shares rank_files and
 node_dest.
 
@@ -77,6 +78,7 @@ import numpy as np
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import OutputLock, check_space, holder_name
 from tokpack.formats.io.gate import read_limited
+from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.writes import write_bytes_atomic
 from tokpack.formats.constants import MANIFEST, NODES_SIDECAR, WORK_DIR
 from tokpack.formats.reading import canonical_bytes, parse_manifest
@@ -85,7 +87,7 @@ from tokpack.formats.builders import nodes_sidecar
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
 from tokpack.formats.slices import RankRows, slice_epoch_manifest
 from tokpack.packer.agreement import agree, agree_sources
-from tokpack.packer.kept_sources import kept_copies, kept_folder
+from tokpack.packer.kept_sources import keep_sources, kept_copies, kept_folder
 from tokpack.packer.node_dest import (
     dest_template,
     finish_slice_root,
@@ -97,10 +99,8 @@ from tokpack.packer.node_dest import (
     slice_epoch_here,
     slice_root_of_run,
 )
-from tokpack.packer.node_epoch import NodeEpoch, memory_plan
+from tokpack.packer.node_epoch import NodeEpoch, memory_plan, source_pieces
 from tokpack.packer.node_procs import Node, node_of_process
-from tokpack.packer.node_reads import source_pieces
-from tokpack.packer.node_report import counted, epoch_detail, reading_bar, run_summary
 from tokpack.packer.node_store import Buckets, InMemory, bucket_layout, open_slice_files, receive
 from tokpack.packer.node_store import write_slice_epoch, write_through_pays
 from tokpack.packer.owned_facts import KeptFacts, OwnedShards, send_facts
@@ -111,7 +111,7 @@ from tokpack.packer.stall import DEFAULT_STALL_TIMEOUT, StallWatch, progressed
 from tokpack.packer.transport import OnSigterm, exchange_rounds, world
 from tokpack.shuffle import packings
 from tokpack.shuffle.sources import use_kept_sources
-from tokpack.shuffle.run import epoch_manifest_of, setup_run
+from tokpack.shuffle.run import epoch_manifest_of, epoch_samples, repeat_warnings, setup_run
 from tokpack.shuffle.spec import ShuffleSpec
 from tokpack.shuffle.steps import Layout
 
@@ -120,7 +120,7 @@ def exchange_epoch(
     comm, MPI, ne: NodeEpoch, per_round: int, layout: Layout | None = None, shown: bool = False, files=None
 ):
     """The rounds (tokpack.packer.transport.exchange_rounds) of this process's pieces
-    (node_reads.source_pieces), each to the process that keeps its row (NodeEpoch.routes), what
+    (node_epoch.source_pieces), each to the process that keeps its row (NodeEpoch.routes), what
     arrives put in its store (node_store.receive; `files`, its rank files open for the rounds:
     node_store.open_slice_files, which are written as rows complete and removed if the rounds
     fail). Returns (the store: in memory, or bucket files by `layout`, both read by `rows(lo,
@@ -353,31 +353,31 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         # the node's rank files, each process's, in rank order: the slice epoch manifest lists them so
         node_entries = sorted((e for part in node.local.allgather(entries) for e in part), key=lambda e: e["rank"])
 
+        done_epochs = sorted(set(done_epochs) | {epoch})
+
         def run_manifests():
             if node.q != 0:
                 return
             by_shard = dict(entry for part in gathered for entry in part)
             manifest = epoch_manifest_of(job, [by_shard[i] for i in range(job.n_shards)], prepared)
             output.finish(job.epoch_dir, manifest)
-            output.finish(out, setup.written_run_manifest(out, plan, sorted(set(done_epochs) | {epoch})))
+            output.finish(out, setup.written_run_manifest(out, plan, done_epochs))
 
         node.together(run_manifests)
-        done_epochs = sorted(set(done_epochs) | {epoch})
+
+        raw = node.together(lambda: read_raw(Path(job.epoch_dir) / MANIFEST))  # RUN's epoch manifest, as written
+        manifest = node.together(lambda: parse_manifest(raw, job.epoch_dir, "epoch"))
 
         def commit_slice_epoch():  # the node's leader's, once every process of it wrote its rank files
             if not node.leader:
                 return
             root = slice_root_of_run(out, ranks, w, micro_batch)[1]
-            raw = read_raw(Path(job.epoch_dir) / MANIFEST)
             want = slice_epoch_manifest(root, epoch, plan.samples, first, raw)
             want["shards"] = node_entries
             want["tokens"] = sum(s["tokens"] for s in node_entries)
             output.finish(d, want)
 
         node.together(commit_slice_epoch)
-        manifest = node.together(
-            lambda: parse_manifest(read_raw(Path(job.epoch_dir) / MANIFEST), job.epoch_dir, "epoch")
-        )
         node_figures = {
             "rounds": rounds,
             "buckets": 0 if layout is None else len(layout.bucket_starts) - 1,  # 0: in memory
@@ -422,11 +422,92 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
 
 
 def _keep(node: Node, ne: NodeEpoch, keep: Path | None) -> int:
-    """--keep-sources: this process's source shards kept in its node's folder (NodeEpoch.keep_sources);
-    the files every process of the node reads kept by its leader first. Returns the bytes copied now."""
+    """--keep-sources: this process's source shards (NodeEpoch.kept_shards) kept in `keep`, its
+    node's folder (tokpack.packer.kept_sources), with the files every process of the node reads
+    (the sources' manifests, a best-fit epoch's document indexes, the folder's record), kept by
+    its leader first; from then on the epoch reads the sources there, not on the shared
+    filesystem. Returns the bytes copied now."""
     if keep is None:
         return 0
-    kept = 0
+
+    def kept(need: dict, shared: bool) -> int:
+        ne.sources, copied = keep_sources(ne.sources, need, ne.padded, keep, shared)
+        return copied
+
+    copied = 0
     if node.P > 1:  # the others open the copies by the sources' manifests there
-        kept = node.together(lambda: ne.keep_sources(keep, own=False) if node.leader else 0)
-    return kept + node.together(lambda: ne.keep_sources(keep, shared=node.P == 1))
+        copied = node.together(lambda: kept({}, True) if node.leader else 0)
+    return copied + node.together(lambda: kept(ne.kept_shards(), node.P == 1))
+
+
+# What `shuffle --to-nodes` reports (issue 42, item 5): what `tokpack shuffle` reports of the same
+# epochs (the summary's fields, each epoch's per-source counts and packing figures, the warnings
+# of sources drawn more than once), beside what only a node has (its slice, its rounds), and the
+# progress of the epoch's phases while they run (a bar on a terminal, lines in a log: node 0's,
+# whose share stands for every node's).
+PATH = "to-nodes"  # the summaries' "path": where the epoch's tokens went
+
+
+def reading_bar(ne, shown: bool):
+    """The exchange's bar over the tokens this process reads and sends: of each source, the rows
+    the epoch takes of it in proportion to this process's share of its tokens (exact for windows,
+    about right for best-fit's documents)."""
+    if not shown:
+        return progress(None, "", enabled=False)
+    share: dict[int, int] = {}
+    for s, k0, k1 in ne.runs():
+        share[s] = share.get(s, 0) + sum(int(ne.sources[s].shards[k]["tokens"]) for k in range(k0, k1))
+    rows = 0.0
+    for s, r in enumerate(ne.plan.source_report()):
+        every = sum(int(sh["tokens"]) for sh in ne.sources[s].shards)
+        rows += r["samples"] * share.get(s, 0) / every if every else 0
+    total = int(rows * ne.job.row_bytes)
+    return progress(total, f"shuffle --to-nodes: epoch {ne.plan.epoch}: read and exchange (node {ne.node})")
+
+
+def counted(reads, bar, size):
+    """`reads` as they pass, each item's `size(item)` bytes counted on `bar`."""
+    for item in reads:
+        bar.update(size(item))
+        yield item
+
+
+def epoch_detail(job, stage, report: list[dict], manifest: dict, entries: list[dict], extra: dict) -> dict:
+    """One epoch's entry of the summary: a plain shuffle's epochs_detail entry (run_epoch's), its
+    bytes those of this node's slice, and `extra` (the node's rounds, buckets...)."""
+    return {
+        "epoch": job.plan.epoch,
+        "path": PATH,
+        "samples": job.plan.samples,
+        "shards": job.n_shards,
+        "shards_reused": 0,
+        "bytes_written": sum(int(e["bytes"]) for e in entries),
+        "sample_multiset_hash": manifest["sample_multiset_hash"],
+        "packing": packings.shown(manifest),
+        "stage": stage,
+        "sources": report,
+        **extra,
+    }
+
+
+def run_summary(setup, out, epochs: list[int], summaries: list[dict], skipped: list[int], seconds: float) -> dict:
+    """The fields of a plain shuffle's summary (tokpack.shuffle.run.shuffle_run's), for this node."""
+    sizes = epoch_samples(setup.runplan, epochs)
+    written = sum(s["bytes_written"] for s in summaries)
+    return {
+        "output": str(out.absolute()),
+        "epochs": epochs,
+        "written": [s["epoch"] for s in summaries],
+        "skipped": skipped,
+        "reused_shards": 0,
+        "samples_per_epoch": sizes[0] if len(set(sizes)) == 1 else None,
+        "epoch_samples": sizes,
+        "seq_len": setup.runplan.schedule.seq_len,
+        "shard_samples": setup.shard_samples,
+        "packing": setup.runplan.packing.name,
+        "holdout": None,
+        "path": PATH if summaries else "none",
+        "bytes_written": written,
+        "mb_per_s": round(written / 1e6 / seconds, 1) if seconds > 0 and written else None,
+        "warnings": [w for s in summaries for w in repeat_warnings(s["epoch"], s["sources"], s["stage"])],
+    }

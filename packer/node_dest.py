@@ -11,7 +11,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.constants import LOCK_NAME, MANIFEST, MAX_MANIFEST_BYTES, WORK_DIR
 from tokpack.formats.io.gate import open_read, read_limited
 from tokpack.formats.names import epoch_dir_name
-from tokpack.formats.reading import parse_manifest, read_manifest
+from tokpack.formats.reading import parse_manifest
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.slices import RankRows, slice_epoch_manifest, slice_manifest
 from tokpack.packer.stage_dest import epoch_in_place, previous_slice
@@ -111,5 +111,4 @@ def slice_epoch_here(
 
 def run_numbering(setup, out: Path) -> EpochNumbering:
     """The epochs' numbering of the run `setup` (tokpack.shuffle.run.setup_run) writes at RUN `out`."""
-    created = read_manifest(out, kind="run") if (out / MANIFEST).exists() else None
-    return EpochNumbering.of_run(setup.run_manifest({}, setup.todo[0][1], created), out)
+    return EpochNumbering.of_run(setup.written_run_manifest(out, setup.todo[0][1], []), out)

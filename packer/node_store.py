@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import shutil
 import threading
+from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io.gate import open_append
 from tokpack.formats.io.memory import Buffer, anonymous
 from tokpack.formats.io.reads import Worker
 from tokpack.formats.io.writes import write_bytes_atomic
@@ -38,7 +37,7 @@ from tokpack.packer.pieces import gather, place
 from tokpack.packer.rank_files import RankFiles
 from tokpack.shuffle.packed.table import RECORD
 from tokpack.shuffle.packed_step import read_bucket  # the order pass's reader, for windows and pieces alike
-from tokpack.shuffle.steps import Layout
+from tokpack.shuffle.steps import BucketFiles, Layout
 
 
 # Whether an in-memory windows epoch writes its rank files during the rounds (open_slice_files):
@@ -186,16 +185,15 @@ def bucket_layout(ne: NodeEpoch, bucket_rows: int | None, work: Path) -> Layout 
 
 
 class Buckets:
-    """The process's store out of core: each received piece appended to its bucket's files
-    (Layout.bucket_file of task 0: the tokens in `.rows`, a RECORD in `.pos`, their store row in
-    the record's g), as the best-fit scatter pass writes them, with each file's xxh3_64 in the
-    task's records; read back a bucket at a time by the best-fit order pass's read_bucket
-    (checked against those records) and removed once read."""
+    """The process's store out of core: each received piece appended to its bucket's files by
+    the best-fit scatter pass's BucketFiles (task 0: the tokens in `.rows`, a RECORD in `.pos`,
+    their store row in the record's g), with each file's xxh3_64 in the task's records; read
+    back a bucket at a time by the best-fit order pass's read_bucket (checked against those
+    records) and removed once read."""
 
     def __init__(self, ne: NodeEpoch, layout: Layout, pad_id: int):
         self.lay, self.row_tokens, self.pad_id, self.dtype = layout, ne.plan.row_tokens, pad_id, ne.job.token_dtype
-        self.counts = np.zeros(len(layout.bucket_starts) - 1, np.int64)
-        self.hashes: dict[int, list] = {}
+        self.files = BucketFiles(layout, 0)
         self.ahead: BucketRead | None = None  # the next bucket, read back while the caller has this one
         # a bucket's pieces of a round, gathered before they are appended: the same pages every
         # time (fresh memory each time cost the kernel's zeroing of it, as much as the copy)
@@ -211,29 +209,25 @@ class Buckets:
         cuts = np.flatnonzero(np.diff(bucket[order])) + 1
         for x, y in zip([0, *cuts.tolist()], [*cuts.tolist(), len(order)]):
             sel = order[x:y]
-            b = int(bucket[sel[0]])
             rec = np.empty(len(sel), RECORD)
             rec["g"], rec["row_offset"], rec["length"] = at[sel], pieces["row_offset"][sel], lengths[sel]
             out = self.gathered.ensure(int(lengths[sel].sum()))
-            payloads = (gather(tokens, starts[sel], lengths[sel], self.row_tokens, out), rec)
-            self.lay.bucket_file(0, b, "rows").parent.mkdir(exist_ok=True)
-            for ext, payload, h in zip(
-                ("rows", "pos"), payloads, self.hashes.setdefault(b, [xxhash.xxh3_64(), xxhash.xxh3_64()])
-            ):
-                raw = memoryview(payload).cast("B")
-                with open_append(self.lay.bucket_file(0, b, ext), folder=self.lay.dir) as f:
-                    f.write(raw)
-                h.update(raw)
-            self.counts[b] += len(sel)
+            tokens_of = gather(tokens, starts[sel], lengths[sel], self.row_tokens, out)
+            self.files.append(int(bucket[sel[0]]), len(sel), tokens_of, rec)
 
     def finish(self) -> None:
-        records = np.zeros((len(self.counts), 3), dtype="<u8")
-        for b, (hr, hp) in self.hashes.items():
-            records[b] = self.counts[b], hr.intdigest(), hp.intdigest()
+        """The bucket files closed, their records written (not fsync'd: the command's own scratch)."""
+        self.files.close()
+        records = np.zeros((len(self.lay.bucket_starts) - 1, 3), dtype="<u8")
+        for b, (hr, hp) in self.files.hashes.items():
+            records[b] = self.files.counts[b], hr.intdigest(), hp.intdigest()
         write_bytes_atomic(self.lay.task_records(0), records.tobytes())
 
     def close(self, failed: bool = False) -> None:
-        """Nothing runs behind the rounds (a bucket's read back is rows' own: BucketRead)."""
+        """The bucket files closed, should the rounds have failed (nothing runs behind them: a
+        bucket's read back is rows' own, BucketRead)."""
+        with suppress(OSError):  # a failure is being raised: the files are dropped with the scratch
+            self.files.close()
 
     def rows(self, lo: int, hi: int):
         """(first store row, rows) of each bucket in [lo, hi) (bucket boundaries), in order. The

@@ -161,7 +161,7 @@ def _node_epoch_figures(
         for m, ne in enumerate(nes):
             seen = taken = 0
             # In memory a round takes whole pieces of as many read blocks as it holds (mappings
-            # of the sources, which stay valid: node_reads.source_pieces), up to per_round tokens
+            # of the sources, which stay valid: node_epoch.source_pieces), up to per_round tokens
             # and one piece more (transport.exchange_rounds): ceil(per_round / row) windows a
             # round. Out of core the source is read a block of `per` rows at a time from each
             # segment's start into a reused buffer, and a round sends pieces of one block, `per`

@@ -171,7 +171,12 @@ def _rebuild_epoch(job: tuple, workers: int) -> tuple[list[dict], dict]:
         for p, proc in enumerate(procs):
             proc.stdin.write(pickle.dumps((job, p, P)))
             proc.stdin.close()
-        parts = [_part_of(proc) for proc in procs]
+        parts = []
+        for proc in procs:  # what each sent back (our own child: its pickle is ours)
+            kind, value = pickle.load(proc.stdout)
+            if kind == "error":  # raised here as the command's one line
+                raise value
+            parts.append(value)
     except BaseException:  # Ctrl-C, SIGTERM or one process's error: the others stop now
         for proc in procs:
             proc.kill()
@@ -184,17 +189,6 @@ def _rebuild_epoch(job: tuple, workers: int) -> tuple[list[dict], dict]:
     figures = {k: sum(f[k] for _, f in parts) for k in ("bytes_read", "bytes_kept", "parts", "reads", "rows")}
     figures.update(depth=sum(f["depth"] for _, f in parts), part_rows=max(f["part_rows"] for _, f in parts))
     return entries, figures
-
-
-def _part_of(proc: subprocess.Popen) -> tuple[list[dict], dict]:
-    """What one rebuilding process sent back (our own child: its pickle is ours): its part, or
-    its error raised here as the command's one line."""
-    kind, value = pickle.load(proc.stdout)
-    if kind == "error":
-        raise value
-    if kind == "bug":
-        raise RuntimeError(value)
-    return value
 
 
 def _rebuild_ranks(job: tuple, p: int, P: int) -> tuple[list[dict], dict]:
@@ -287,18 +281,12 @@ class SourceRows:
         self.format = EpochShardFormat(
             self.dtype, int(m["seq_len"]), int(m["eos_id"]), m["tokenizer"], padded=self.padded
         )
-        by_fingerprint = {src.fingerprint: src for src in self.sources}
         # windows: what each plan source's windows are read from (EpochPlan.stream: --holdout's kept stream)
-        self.of_plan = (
-            []
-            if self.padded
-            else [
-                None
-                if by_fingerprint.get(sp.fingerprint) is None
-                else self.plan.stream(i, by_fingerprint[sp.fingerprint])
-                for i, sp in enumerate(self.plan.sources)
-            ]
-        )
+        self.of_plan = []
+        if not self.padded:
+            by_fingerprint = {src.fingerprint: src for src in self.sources}
+            found = [by_fingerprint.get(sp.fingerprint) for sp in self.plan.sources]
+            self.of_plan = [None if src is None else self.plan.stream(i, src) for i, src in enumerate(found)]
         self.reader = SourceReader()  # its descriptors kept from part to part
         self.bytes_read = 0
         # RUN's row hashes and padding, each file read through the gate and checked against the manifest
@@ -338,11 +326,9 @@ class SourceRows:
                 hint="the sources changed since the run was shuffled",
             )
         self.built = packing.open_table(prepared["table"], prepared["table_xxh3_128"])
-
-        def changed(src, k, tokens):
-            pass  # each row is checked against RUN's row hash (or the slice) instead: only its documents are read
-
-        self.pool = packing.token_pool(self.plan, self.sources, changed)
+        # no source shard is verified whole: each row is checked against RUN's row hash (or the
+        # slice) instead, and only its documents are read
+        self.pool = packing.token_pool(self.plan, self.sources, lambda src, k, tokens: None)
 
     def rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """(the rows at epoch `positions`, increasing, as an [n, row] array; best-fit: their padding)."""
@@ -457,6 +443,6 @@ if __name__ == "__main__":  # a rebuilding process of _rebuild_epoch: (job, p, P
         result = ("part", _rebuild_ranks(*job_p_P))
     except (TokpackError, OSError) as e:
         result = ("error", e)
-    except BaseException as e:  # noqa: BLE001 - a bug: the command's process reports it
-        result = ("bug", f"{type(e).__name__}: {e}")
+    except BaseException as e:  # noqa: BLE001 - a bug: the command's process reports it (as text: it may not pickle)
+        result = ("error", RuntimeError(f"{type(e).__name__}: {e}"))
     pickle.dump(result, sys.stdout.buffer)

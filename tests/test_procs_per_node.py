@@ -109,7 +109,7 @@ def _run(tmp: Path, args: list, n: int = N * P, procs: int = P, env: dict | None
 
 # The modules that hash source bytes: --keep-sources as it copies or verifies a shard; the
 # exchange's reads (windows: ShardHashes, fed the blocks read; best-fit: each shard mapped whole).
-KEPT, READS = "tokpack.packer.kept_sources", ("tokpack.shuffle.epoch_job", "tokpack.packer.node_reads")
+KEPT, READS = "tokpack.packer.kept_sources", ("tokpack.shuffle.epoch_job", "tokpack.packer.node_epoch")
 
 
 @pytest.mark.parametrize("packing", ["concat", "best-fit"])
