@@ -127,9 +127,9 @@ class Batch(dict):
         return batch, arrays
 
     @classmethod
-    def packed(cls, arrays: dict, shared: bool = True) -> "Batch":
-        """The numpy `arrays` copied into one buffer (`empty`), each field a view of it."""
-        batch, views = cls.empty([(key, value.dtype, value.shape) for key, value in arrays.items()], shared)
+    def packed(cls, arrays: dict) -> "Batch":
+        """The numpy `arrays` copied into one shared buffer (`empty`), each field a view of it."""
+        batch, views = cls.empty([(key, value.dtype, value.shape) for key, value in arrays.items()], True)
         for view, value in zip(views, arrays.values()):
             view[...] = value
         return batch
@@ -236,12 +236,12 @@ def _named_buffer(nbytes: int) -> tuple[torch.Tensor, list] | None:
     return _uint8(storage), [name]
 
 
-def _sweep_gone(now: float | None = None) -> None:
+def _sweep_gone() -> None:
     """Removes the names of SHM_DIR that processes now gone left (killed outright, or stopped
     with no cleanup by a training process that then exited without its own): this user's, made a
     minute ago or more, in this PID namespace, by a process id no process has. Run once a
     process, at its first name."""
-    now = time.time() if now is None else now
+    now = time.time()
     gone: dict[int, bool] = {}
     for pid, path in _names():
         if pid not in gone:

@@ -38,13 +38,12 @@ import numpy as np
 from tokpack.formats.arguments import flag, text, tokens, whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path, is_url
-from tokpack.formats.io.gate import contained, read_limited
+from tokpack.formats.io.gate import read_limited
 from tokpack.formats.constants import MANIFEST, NODES_SIDECAR, SLICE
-from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.reading import partial_stage_absent, read_manifest, strict_json
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import row_segments
-from tokpack.formats.slices import RankRows
+from tokpack.formats.slices import RankRows, contained_epoch_dir
 from tokpack.formats.units import counted
 
 from .assembly import (  # noqa: F401 -- re-exported: tests, docs and users import them from here
@@ -182,7 +181,7 @@ class SampleReader(ShardFiles):
             if len(paths) == 1:  # a run on its own: its consumed-sample numbers (a chain of several counts from 0)
                 numbering, run = EpochNumbering.of_run(manifest, p), (str(p), manifest)
             for e in sorted(int(e) for e in listed):
-                d = contained(p, epoch_dir_name(e), manifest=p / MANIFEST, where=f"epochs ({e})", regular=False)
+                d = contained_epoch_dir(p, e)
                 m = read_manifest(d, kind="epoch")
                 if "seq_len" in manifest and int(m.get("seq_len", -1)) != int(manifest["seq_len"]):
                     raise TokpackError(
