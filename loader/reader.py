@@ -529,10 +529,7 @@ class RankStream:
         self.state = state
         self.positions = positions  # None, "eos" or "index"
         self.copy = copy  # False: yield views of a reused buffer
-        # Where the written samples end before the caller's count: "error" raises `end_error` there,
-        # "stop" stops (but an epoch not written, with written ones after it, is an error either
-        # way); None: the caller's count of steps ends the stream first.
-        self.at_end = at_end
+        self.at_end = at_end  # `batches`' at_end; None: the caller's count of steps ends the stream first
         self.last_step = -1  # global batch of the last item yielded
         m, L = state.micro_batch, reader.row_tokens
         # W == 1 and one worker: the rank's rows are contiguous; read large blocks and slice them.
