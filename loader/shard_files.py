@@ -364,11 +364,6 @@ class ShardFiles:
             raise shard_error(_CORRUPT, path, where="xxh3_128", expected=expected, found=found, hint=_RESTORE)
         self._verified.add(path)
 
-    def _check_tokens(self, i: int) -> None:
-        """verify=True: shard i's token file against what its entry vouches for it with, once."""
-        key, checksum, samples = self.table.checksums[i] or (WHOLE, None, 0)
-        self._check(self.table.paths[i], checksum, None if key == WHOLE else (key, samples))
-
     def _pread(self, fd: int, view: memoryview, offset: int, path: str) -> None:
         n = read_full(fd, view, offset)
         self.reads += 1
@@ -409,8 +404,9 @@ class ShardFiles:
         done = 0
         for i, row, k in self._segments(g, n):
             path = self.table.paths[i]
-            if self.verify:
-                self._check_tokens(i)
+            if self.verify:  # the token file against what its entry vouches for it with
+                key, checksum, samples = self.table.checksums[i] or (WHOLE, None, 0)
+                self._check(path, checksum, None if key == WHOLE else (key, samples))
             fd, _ = self._file(path)
             self._pread(fd, raw[done : done + k * self.row_bytes], row * self.row_bytes, path)
             done += k * self.row_bytes
