@@ -85,7 +85,7 @@ def _uint8(storage: torch.UntypedStorage) -> torch.Tensor:
 
 def _rebuild(buffer: torch.Tensor, layout: tuple) -> "Batch":
     batch = Batch(zip((key for key, *_ in layout), _views(buffer, layout)))
-    batch._packed = (buffer, layout, list(batch.values()))
+    batch._packed = (buffer, layout)
     return batch
 
 
@@ -96,7 +96,7 @@ class Batch(dict):
     same fields (which keep the whole buffer alive while any of them lives). Once a field is
     replaced or added (a collate_fn's change), it pickles as its tensors, one by one."""
 
-    _packed: tuple | None = None  # (buffer, layout, the views as built)
+    _packed: tuple | None = None  # (buffer, layout)
     _name: list | None = None  # [the buffer's name in SHM_DIR], until it is pickled once (shared by copies)
 
     @classmethod
@@ -143,7 +143,7 @@ class Batch(dict):
 
     def __reduce__(self):
         if self._packed is not None and self._as_built():
-            buffer, layout, _ = self._packed
+            buffer, layout = self._packed
             if self._name and self._name[0] is not None:
                 # By name, once (the worker's queue; its receiver removes the name): pickled again,
                 # the buffer goes as a tensor, as torch sends one.
@@ -155,22 +155,17 @@ class Batch(dict):
     def _as_built(self) -> bool:
         """Whether every field is still its view of the buffer. Checked by place, not by object:
         DataLoader's default_convert (batch_size=None) puts the same views in a copy."""
-        buffer, layout, _ = self._packed
+        buffer, layout = self._packed
         base = buffer.data_ptr()
-        if len(self) != len(layout):
-            return False
-        for key, dtype, shape, offset in layout:
-            t = self.get(key)
-            if not (
-                isinstance(t, torch.Tensor)
-                and t.dtype == dtype
-                and tuple(t.shape) == shape
-                and t.data_ptr() == base + offset
-                and t.is_contiguous()
-                and t.untyped_storage().data_ptr() == base
-            ):
-                return False
-        return True
+        return len(self) == len(layout) and all(
+            isinstance(t := self.get(key), torch.Tensor)
+            and t.dtype == dtype
+            and tuple(t.shape) == shape
+            and t.data_ptr() == base + offset
+            and t.is_contiguous()
+            and t.untyped_storage().data_ptr() == base
+            for key, dtype, shape, offset in layout
+        )
 
 
 # ------------------------------------------------------------- the buffer, by name
