@@ -395,26 +395,21 @@ class SampleReader(ShardFiles):
             locate=self.locate,
         )
 
-    def row_documents(self, g: int, n: int) -> np.ndarray:
-        """Each of chained rows [g, g+n)'s segment count, as `micro_batch` counts them against
-        `max_documents` (documents of its inputs, and its padding as one)."""
-        rows = self.read(g, n)
-        if self.packed:
-            pos = document_masks(rows, self.padding(g, n), self.eos_id)[0]
-        else:
-            pos = positions_from_eos(rows, self.eos_id)
-        row, offset = np.nonzero(pos == 0)
-        return row_segments(row, offset, len(rows), self.row_tokens)
-
     def most_documents(self, start: int = 0, stop: int | None = None) -> tuple[int, int]:
         """(largest segment count of a row, first chained row that has it) over rows [start,
         stop) (default: the whole chain), read in blocks of SCAN_TOKENS: one pass, O(1) memory.
-        The smallest `max_documents` these rows take."""
+        The smallest `max_documents` these rows take: a row's segments as `micro_batch` counts
+        them (documents of its inputs, and its padding as one)."""
         stop = self.total_samples if stop is None else stop
         best, where = 0, start
         block = max(1, SCAN_TOKENS // self.row_tokens)
         for g in range(start, stop, block):
-            counts = self.row_documents(g, min(block, stop - g))
+            rows = self.read(g, min(block, stop - g))
+            if self.packed:
+                pos = document_masks(rows, self.padding(g, len(rows)), self.eos_id)[0]
+            else:
+                pos = positions_from_eos(rows, self.eos_id)
+            counts = row_segments(*np.nonzero(pos == 0), len(rows), self.row_tokens)
             i = int(counts.argmax())  # the first row of the block with its largest count
             if counts[i] > best:
                 best, where = int(counts[i]), g + i
