@@ -90,11 +90,10 @@ def _rebuild(buffer: torch.Tensor, layout: tuple) -> "Batch":
 
 
 class Batch(dict):
-    """A TokpackDataset batch: a dict of tensors (its keys: TokpackDataset). Built by
-    `Batch.packed` (in a DataLoader worker), its tensors are views of one shared buffer, and
-    pickling it (the worker's queue) sends that buffer once; the main process gets a Batch of the
-    same fields (which keep the whole buffer alive while any of them lives). Once a field is
-    replaced or added (a collate_fn's change), it pickles as its tensors, one by one."""
+    """A TokpackDataset batch: a dict of tensors (its keys: TokpackDataset). Built in a DataLoader
+    worker (`empty`, `packed`), it crosses as one buffer (the module's docstring); its fields keep
+    the whole buffer alive while any of them lives. Once a field is replaced or added (a
+    collate_fn's change), it pickles as its tensors, one by one."""
 
     _packed: tuple | None = None  # (buffer, layout)
     _name: list | None = None  # [the buffer's name in SHM_DIR], until it is pickled once (shared by copies)

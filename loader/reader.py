@@ -558,8 +558,8 @@ class RankStream:
                 n = min(len(self._buf), last - g)
                 # Keep two blocks in flight ahead of the one being read, so the disk never idles.
                 ahead = min(last, g + 3 * len(self._buf))
-                if ahead > max(self._advised, g + n):
-                    lo = max(self._advised, g + n)
+                lo = max(self._advised, g + n)
+                if ahead > lo:
                     r.advise(lo, ahead - lo)
                     self._advised = ahead
                 r.read_into(g, self._buf[:n])

@@ -292,9 +292,7 @@ def chain_table(
 class ShardFiles:
     """Chained rows read from the shard files of a `ShardTable` (SampleReader's I/O). Every
     shard's size was checked against its manifest when the table was built; with `verify=True`,
-    each file is checksummed (xxh3_128) the first time it is read, before any of its data is
-    returned: a token file whose entry records no `xxh3_128` row by row, against its `.ds.rows`
-    (formats/token_check.py)."""
+    each file is checked (`_check`) the first time it is read, before any of its data is returned."""
 
     def __init__(self, table: ShardTable, seq_len: int, dtype: np.dtype, eos_id: int | None, verify: bool = False):
         self.table = table  # the shard table (O(#shards))
