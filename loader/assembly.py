@@ -63,24 +63,6 @@ def cu_seqlens(positions: np.ndarray) -> np.ndarray:
     return np.append(np.flatnonzero(flat == 0), flat.size).astype(np.int32)
 
 
-def _too_many_documents(first_row: int, row: int, count: int, max_documents: int, locate=None) -> TokpackError:
-    g = first_row + row
-    where = f"sample {g}"
-    if locate is not None:
-        try:
-            epoch, sample = locate(g)
-            where += f" (epoch {epoch}, sample {sample})"
-        except IndexError:
-            pass
-    return TokpackError(
-        "a row holds more documents than max_documents",
-        where=where,
-        expected=f"at most {max_documents} documents (a row's padding is one of them)",
-        found=f"{count} documents",
-        hint='raise max_documents to the largest count `tokpack inspect` reports ("documents per row") for the epoch',
-    )
-
-
 def fixed_boundaries(positions: np.ndarray, max_documents: int, first_row: int = 0, locate=None) -> dict:
     """The document boundaries of a micro-batch in shapes that do not depend on its rows, so a
     compiled model (torch.compile, CUDA graphs) sees the same shapes every step.
@@ -101,8 +83,21 @@ def fixed_boundaries(positions: np.ndarray, max_documents: int, first_row: int =
     counts = starts.sum(axis=1)
     over = np.flatnonzero(counts > max_documents)
     if over.size:
-        row = int(over[0])
-        raise _too_many_documents(first_row, row, int(counts[row]), max_documents, locate)
+        g = first_row + int(over[0])
+        where = f"sample {g}"
+        if locate is not None:
+            try:
+                epoch, sample = locate(g)
+                where += f" (epoch {epoch}, sample {sample})"
+            except IndexError:
+                pass
+        raise TokpackError(
+            "a row holds more documents than max_documents",
+            where=where,
+            expected=f"at most {max_documents} documents (a row's padding is one of them)",
+            found=f"{counts[over[0]]} documents",
+            hint='raise max_documents to the largest count `tokpack inspect` reports ("documents per row") for the epoch',
+        )
     first = np.flatnonzero(starts.reshape(-1))  # every row starts a segment: row i's first is at i*L
     lengths = np.diff(np.append(first, m * L)).astype(np.int32)
     row_of = first // L

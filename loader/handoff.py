@@ -85,18 +85,17 @@ def _uint8(storage: torch.UntypedStorage) -> torch.Tensor:
 
 def _rebuild(buffer: torch.Tensor, layout: tuple) -> "Batch":
     batch = Batch(zip((key for key, *_ in layout), _views(buffer, layout)))
-    batch._packed = (buffer, layout, list(batch.values()))
+    batch._packed = (buffer, layout)
     return batch
 
 
 class Batch(dict):
-    """A TokpackDataset batch: a dict of tensors (its keys: TokpackDataset). Built by
-    `Batch.packed` (in a DataLoader worker), its tensors are views of one shared buffer, and
-    pickling it (the worker's queue) sends that buffer once; the main process gets a Batch of the
-    same fields (which keep the whole buffer alive while any of them lives). Once a field is
-    replaced or added (a collate_fn's change), it pickles as its tensors, one by one."""
+    """A TokpackDataset batch: a dict of tensors (its keys: TokpackDataset). Built in a DataLoader
+    worker (`empty`, `packed`), it crosses as one buffer (the module's docstring); its fields keep
+    the whole buffer alive while any of them lives. Once a field is replaced or added (a
+    collate_fn's change), it pickles as its tensors, one by one."""
 
-    _packed: tuple | None = None  # (buffer, layout, the views as built)
+    _packed: tuple | None = None  # (buffer, layout)
     _name: list | None = None  # [the buffer's name in SHM_DIR], until it is pickled once (shared by copies)
 
     @classmethod
@@ -127,9 +126,9 @@ class Batch(dict):
         return batch, arrays
 
     @classmethod
-    def packed(cls, arrays: dict, shared: bool = True) -> "Batch":
-        """The numpy `arrays` copied into one buffer (`empty`), each field a view of it."""
-        batch, views = cls.empty([(key, value.dtype, value.shape) for key, value in arrays.items()], shared)
+    def packed(cls, arrays: dict) -> "Batch":
+        """The numpy `arrays` copied into one shared buffer (`empty`), each field a view of it."""
+        batch, views = cls.empty([(key, value.dtype, value.shape) for key, value in arrays.items()], True)
         for view, value in zip(views, arrays.values()):
             view[...] = value
         return batch
@@ -143,7 +142,7 @@ class Batch(dict):
 
     def __reduce__(self):
         if self._packed is not None and self._as_built():
-            buffer, layout, _ = self._packed
+            buffer, layout = self._packed
             if self._name and self._name[0] is not None:
                 # By name, once (the worker's queue; its receiver removes the name): pickled again,
                 # the buffer goes as a tensor, as torch sends one.
@@ -155,22 +154,17 @@ class Batch(dict):
     def _as_built(self) -> bool:
         """Whether every field is still its view of the buffer. Checked by place, not by object:
         DataLoader's default_convert (batch_size=None) puts the same views in a copy."""
-        buffer, layout, _ = self._packed
+        buffer, layout = self._packed
         base = buffer.data_ptr()
-        if len(self) != len(layout):
-            return False
-        for key, dtype, shape, offset in layout:
-            t = self.get(key)
-            if not (
-                isinstance(t, torch.Tensor)
-                and t.dtype == dtype
-                and tuple(t.shape) == shape
-                and t.data_ptr() == base + offset
-                and t.is_contiguous()
-                and t.untyped_storage().data_ptr() == base
-            ):
-                return False
-        return True
+        return len(self) == len(layout) and all(
+            isinstance(t := self.get(key), torch.Tensor)
+            and t.dtype == dtype
+            and tuple(t.shape) == shape
+            and t.data_ptr() == base + offset
+            and t.is_contiguous()
+            and t.untyped_storage().data_ptr() == base
+            for key, dtype, shape, offset in layout
+        )
 
 
 # ------------------------------------------------------------- the buffer, by name
@@ -236,12 +230,12 @@ def _named_buffer(nbytes: int) -> tuple[torch.Tensor, list] | None:
     return _uint8(storage), [name]
 
 
-def _sweep_gone(now: float | None = None) -> None:
+def _sweep_gone() -> None:
     """Removes the names of SHM_DIR that processes now gone left (killed outright, or stopped
     with no cleanup by a training process that then exited without its own): this user's, made a
     minute ago or more, in this PID namespace, by a process id no process has. Run once a
     process, at its first name."""
-    now = time.time() if now is None else now
+    now = time.time()
     gone: dict[int, bool] = {}
     for pid, path in _names():
         if pid not in gone:

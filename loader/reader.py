@@ -38,13 +38,12 @@ import numpy as np
 from tokpack.formats.arguments import flag, text, tokens, whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path, is_url
-from tokpack.formats.io.gate import contained, read_limited
+from tokpack.formats.io.gate import read_limited
 from tokpack.formats.constants import MANIFEST, NODES_SIDECAR, SLICE
-from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.reading import partial_stage_absent, read_manifest, strict_json
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import row_segments
-from tokpack.formats.slices import RankRows
+from tokpack.formats.slices import RankRows, contained_epoch_dir
 from tokpack.formats.units import counted
 
 from .assembly import (  # noqa: F401 -- re-exported: tests, docs and users import them from here
@@ -182,7 +181,7 @@ class SampleReader(ShardFiles):
             if len(paths) == 1:  # a run on its own: its consumed-sample numbers (a chain of several counts from 0)
                 numbering, run = EpochNumbering.of_run(manifest, p), (str(p), manifest)
             for e in sorted(int(e) for e in listed):
-                d = contained(p, epoch_dir_name(e), manifest=p / MANIFEST, where=f"epochs ({e})", regular=False)
+                d = contained_epoch_dir(p, e)
                 m = read_manifest(d, kind="epoch")
                 if "seq_len" in manifest and int(m.get("seq_len", -1)) != int(manifest["seq_len"]):
                     raise TokpackError(
@@ -396,26 +395,21 @@ class SampleReader(ShardFiles):
             locate=self.locate,
         )
 
-    def row_documents(self, g: int, n: int) -> np.ndarray:
-        """Each of chained rows [g, g+n)'s segment count, as `micro_batch` counts them against
-        `max_documents` (documents of its inputs, and its padding as one)."""
-        rows = self.read(g, n)
-        if self.packed:
-            pos = document_masks(rows, self.padding(g, n), self.eos_id)[0]
-        else:
-            pos = positions_from_eos(rows, self.eos_id)
-        row, offset = np.nonzero(pos == 0)
-        return row_segments(row, offset, len(rows), self.row_tokens)
-
     def most_documents(self, start: int = 0, stop: int | None = None) -> tuple[int, int]:
         """(largest segment count of a row, first chained row that has it) over rows [start,
         stop) (default: the whole chain), read in blocks of SCAN_TOKENS: one pass, O(1) memory.
-        The smallest `max_documents` these rows take."""
+        The smallest `max_documents` these rows take: a row's segments as `micro_batch` counts
+        them (documents of its inputs, and its padding as one)."""
         stop = self.total_samples if stop is None else stop
         best, where = 0, start
         block = max(1, SCAN_TOKENS // self.row_tokens)
         for g in range(start, stop, block):
-            counts = self.row_documents(g, min(block, stop - g))
+            rows = self.read(g, min(block, stop - g))
+            if self.packed:
+                pos = document_masks(rows, self.padding(g, len(rows)), self.eos_id)[0]
+            else:
+                pos = positions_from_eos(rows, self.eos_id)
+            counts = row_segments(*np.nonzero(pos == 0), len(rows), self.row_tokens)
             i = int(counts.argmax())  # the first row of the block with its largest count
             if counts[i] > best:
                 best, where = int(counts[i]), g + i
@@ -530,10 +524,7 @@ class RankStream:
         self.state = state
         self.positions = positions  # None, "eos" or "index"
         self.copy = copy  # False: yield views of a reused buffer
-        # Where the written samples end before the caller's count: "error" raises `end_error` there,
-        # "stop" stops (but an epoch not written, with written ones after it, is an error either
-        # way); None: the caller's count of steps ends the stream first.
-        self.at_end = at_end
+        self.at_end = at_end  # `batches`' at_end; None: the caller's count of steps ends the stream first
         self.last_step = -1  # global batch of the last item yielded
         m, L = state.micro_batch, reader.row_tokens
         # W == 1 and one worker: the rank's rows are contiguous; read large blocks and slice them.
@@ -567,8 +558,8 @@ class RankStream:
                 n = min(len(self._buf), last - g)
                 # Keep two blocks in flight ahead of the one being read, so the disk never idles.
                 ahead = min(last, g + 3 * len(self._buf))
-                if ahead > max(self._advised, g + n):
-                    lo = max(self._advised, g + n)
+                lo = max(self._advised, g + n)
+                if ahead > lo:
                     r.advise(lo, ahead - lo)
                     self._advised = ahead
                 r.read_into(g, self._buf[:n])

@@ -292,9 +292,7 @@ def chain_table(
 class ShardFiles:
     """Chained rows read from the shard files of a `ShardTable` (SampleReader's I/O). Every
     shard's size was checked against its manifest when the table was built; with `verify=True`,
-    each file is checksummed (xxh3_128) the first time it is read, before any of its data is
-    returned: a token file whose entry records no `xxh3_128` row by row, against its `.ds.rows`
-    (formats/token_check.py)."""
+    each file is checked (`_check`) the first time it is read, before any of its data is returned."""
 
     def __init__(self, table: ShardTable, seq_len: int, dtype: np.dtype, eos_id: int | None, verify: bool = False):
         self.table = table  # the shard table (O(#shards))
@@ -364,11 +362,6 @@ class ShardFiles:
             raise shard_error(_CORRUPT, path, where="xxh3_128", expected=expected, found=found, hint=_RESTORE)
         self._verified.add(path)
 
-    def _check_tokens(self, i: int) -> None:
-        """verify=True: shard i's token file against what its entry vouches for it with, once."""
-        key, checksum, samples = self.table.checksums[i] or (WHOLE, None, 0)
-        self._check(self.table.paths[i], checksum, None if key == WHOLE else (key, samples))
-
     def _pread(self, fd: int, view: memoryview, offset: int, path: str) -> None:
         n = read_full(fd, view, offset)
         self.reads += 1
@@ -409,8 +402,9 @@ class ShardFiles:
         done = 0
         for i, row, k in self._segments(g, n):
             path = self.table.paths[i]
-            if self.verify:
-                self._check_tokens(i)
+            if self.verify:  # the token file against what its entry vouches for it with
+                key, checksum, samples = self.table.checksums[i] or (WHOLE, None, 0)
+                self._check(path, checksum, None if key == WHOLE else (key, samples))
             fd, _ = self._file(path)
             self._pread(fd, raw[done : done + k * self.row_bytes], row * self.row_bytes, path)
             done += k * self.row_bytes

@@ -44,7 +44,7 @@ class SliceReader(SampleReader):
         numbering = EpochNumbering.of_run(root["run"], path)
         rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
         row_bytes = row_bytes_of(root)
-        table, starts, ends, epochs, dirs = ShardTable(), [], [], [], []
+        table, placed = ShardTable(), []  # (start, end, epoch, folder) of each epoch
         for e in sorted(int(e) for e in root.get("epochs") or []):
             d = contained_epoch_dir(path, e)
             m = read_manifest(d, kind=SLICE_EPOCH)
@@ -70,11 +70,8 @@ class SliceReader(SampleReader):
                         hint=_RESTAGE,
                     )
                 table.add(str(f), s, want // row_bytes)
-            starts.append(first)
-            ends.append(first + n)
-            epochs.append(e)
-            dirs.append(str(d))
-        if not epochs:
+            placed.append((first, first + n, e, str(d)))
+        if not placed:
             raise TokpackError(
                 "node slice holds no epoch",
                 file=path / MANIFEST,
@@ -83,7 +80,7 @@ class SliceReader(SampleReader):
                 found=root.get("epochs"),
                 hint="stage the slice again",
             )
-        table.place(starts, ends, epochs, dirs)
+        table.place(*map(list, zip(*placed)))
         reader = cls(table, int(root["seq_len"]), dtype_from_name(root["dtype"]), int(root["eos_id"]), verify=verify)
         reader.numbering, reader.run = numbering, (root.get("source") or str(path), root["run"])
         reader.slice_path, reader.slice = str(path), root

@@ -16,8 +16,7 @@ int32, the document boundaries over the flattened micro-batch (from the EOS toke
 flash-attn varlen or a FlexAttention document mask. A best-fit epoch (`tokpack shuffle
 --packing best-fit`) has padding: `labels` -100 there (torch's cross-entropy ignore_index),
 and its `position_ids` make the padding one segment of its own; a window epoch has none
-(loss_mask all ones). `max_documents=K` makes the boundaries' shapes fixed (`cu_seqlens`
-[m*K+1], `max_seqlen`, `doc_lens` [m, K], `max_doc_lens`), for torch.compile.
+(loss_mask all ones). `max_documents=K` makes the boundaries' shapes fixed (TokpackDataset).
 
 Each item is one micro-batch of rank r (global batch b, Megatron order). With DataLoader
 workers, worker w of K serves global batches b with b % K == w; DataLoader returns items
@@ -216,10 +215,8 @@ def _foreign(where: str, expected: str, found, hint: str | None = None) -> Tokpa
 
 
 class TokpackDataset(IterableDataset):
-    """Rank r's micro-batches as dicts of tensors: input_ids, labels (shifted by one),
-    loss_mask, position_ids and cu_seqlens (restart after each EOS; with positions="eos" or
-    "index") and consumed_samples (Megatron's counter once every rank has trained on this
-    micro-batch); docs/API.md, "Reading", lists every key."""
+    """Rank r's micro-batches as dicts of tensors (`__init__`); docs/API.md, "Reading", lists
+    every key."""
 
     def __init__(  # noqa: PLR0913 -- the public constructor's keywords, each one setting, as packer/api.py's
         self,
@@ -250,11 +247,11 @@ class TokpackDataset(IterableDataset):
         default 0. `verify`: checksum each shard when it is first read. The shard table is
         opened here, so a missing or truncated shard fails before training starts.
 
-        Every epoch, best-fit or window, also gives `loss_mask` and, with positions,
-        `cu_seqlens` (tokpack.loader.reader.micro_batch). `max_documents` (K): boundaries of
-        fixed shapes, so torch.compile does not recompile as the document count changes:
-        `cu_seqlens` [m*K+1], `max_seqlen`, `doc_lens` [m, K], `max_doc_lens` [m]; a row of more
-        than K documents is an error naming it (`tokpack inspect` gives the largest count).
+        Every epoch also gives `loss_mask` and, with positions, `cu_seqlens` (the module's
+        docstring). `max_documents` (K): boundaries of fixed shapes, so torch.compile does not
+        recompile as the document count changes: `cu_seqlens` [m*K+1], `max_seqlen`, `doc_lens`
+        [m, K], `max_doc_lens` [m]; a row of more than K documents is an error naming it
+        (`tokpack inspect` gives the largest count).
         `eod_mask_loss`: Megatron's option, no loss on the label after an EOS input.
 
         `at_end`: where the written epochs end (a start there included), "error" (the default)
@@ -270,16 +267,15 @@ class TokpackDataset(IterableDataset):
         It is on by default because nothing a consumer sees changes: the same batches, byte for
         byte, in the same order; `state_dict()` is the position after the last batch handed out
         (never the one made ahead), so a resume is exact; an error comes where its batch would
-        have; at most one batch is made ahead (one batch's memory). The thread ends with the
-        iteration: at its end or error, and when the iterator is dropped or garbage-collected (a
-        StatefulDataLoader keeps its last iterator until the loader goes); a daemon thread, it
-        holds neither Ctrl-C nor the interpreter's exit.
-        It makes a batch once the previous one has been taken, 1 ms later (HANDOFF_PAUSE_S),
-        so the loader's own return is not slowed. Off (`read_ahead=False`): each batch is made
-        inside `next(loader)`, in the training thread. A process forked while the thread lives (the
-        workers of another loader, forked by default on Linux) starts without it; Python 3.12
-        and later warn at such a fork (DeprecationWarning), as at any fork of a process with
-        threads (torch's pin_memory thread alike)."""
+        have; at most one batch is made ahead (one batch's memory), 1 ms after the last was taken
+        (`ReadAhead`'s pause). The thread ends with the iteration: at its end or error, and when
+        the iterator is dropped or garbage-collected (a StatefulDataLoader keeps its last iterator
+        until the loader goes); a daemon thread, it holds neither Ctrl-C nor the interpreter's
+        exit. Off (`read_ahead=False`): each batch is made inside `next(loader)`, in the training
+        thread. A process forked while the thread lives (the workers of another loader, forked by
+        default on Linux) starts without it; Python 3.12 and later warn at such a fork
+        (DeprecationWarning), as at any fork of a process with threads (torch's pin_memory thread
+        alike)."""
         _ignore_set_vital_warning()
         _check_worker_count_at_iteration()
         rank, world_size, micro_batch = stream_shape(rank, world_size, micro_batch)
@@ -295,7 +291,6 @@ class TokpackDataset(IterableDataset):
                 expected="positions='eos' or 'index'",
                 found="positions=None",
             )
-        # Opened here, in the main process, so a missing or truncated shard fails before training starts.
         self.reader = SampleReader.open(path, verify=verify)  # shard table; fds reopen in each worker
         eod_mask_needs_eos(eod_mask_loss, self.reader.eos_id)  # refused here, not at the first batch
         self.rank = rank  # r
@@ -376,9 +371,8 @@ class TokpackDataset(IterableDataset):
     def _made(self, stream, assembly: WindowBatch | None, shared: bool):
         """(batch, consumed samples after it) for each item of `stream`; `assembly`: a window
         epoch's batch written in place (None: micro_batch's arrays); `shared`: a DataLoader
-        worker's batch, one buffer in shared memory (the hand-off, above). Runs in the read-ahead
-        thread too: the reader's files and buffers are used under `_READING` (one batch at a time
-        a process, whichever iteration makes it)."""
+        worker's batch, one buffer in shared memory (handoff.Batch). Runs in the read-ahead thread
+        too, under `_READING`."""
         items = iter(stream)
         while True:
             with _READING:
@@ -402,7 +396,7 @@ class TokpackDataset(IterableDataset):
                         eod_mask_loss=self.eod_mask_loss,
                     )
                     arrays["consumed_samples"] = np.array(consumed, dtype=np.int64)
-                    if shared:  # crosses to the main process as one tensor (the hand-off, above)
+                    if shared:  # crosses to the main process as one tensor
                         batch = Batch.packed(arrays)
                     else:
                         batch = Batch({key: torch.from_numpy(value) for key, value in arrays.items()})
@@ -431,11 +425,10 @@ class TokpackDataset(IterableDataset):
 
     @_one_line_from_workers()
     def state_dict(self, batch: dict | None = None) -> dict:
-        """Where to resume (in a worker, an error is one line in the main process). torchdata's
-        `StatefulDataLoader` calls it in each worker (that worker's share of the steps) or, without
-        workers, in the main process. `batch`: the position after a batch the loader returned,
-        {"epoch", "sample", "consumed_samples"}. In the main process while workers iterate, only
-        the batch form is known."""
+        """Where to resume. torchdata's `StatefulDataLoader` calls it in each worker (that worker's
+        share of the steps) or, without workers, in the main process. `batch`: the position after
+        a batch the loader returned, {"epoch", "sample", "consumed_samples"}. In the main process
+        while workers iterate, only the batch form is known."""
         if batch is not None:
             return self._position(int(batch["consumed_samples"]))
         info = get_worker_info()
@@ -468,9 +461,8 @@ class TokpackDataset(IterableDataset):
 
     @_one_line_from_workers()
     def load_state_dict(self, state: dict) -> None:
-        """Resume from `state_dict()` (in a worker, an error is one line): a worker's share
-        (StatefulDataLoader, same workers, same W*m) or a position (epoch, sample) /
-        consumed_samples (any world size). O(1)."""
+        """Resume from `state_dict()`: a worker's share (StatefulDataLoader, same workers, same
+        W*m) or a position (epoch, sample) / consumed_samples (any world size). O(1)."""
         state = _as_state(state)
         if "next_step" in state:
             self._worker_resume = self._checked_share(state)
