@@ -39,7 +39,7 @@ from tokpack.formats.arguments import flag, text, tokens, whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path, is_url
 from tokpack.formats.io.gate import read_limited
-from tokpack.formats.constants import MANIFEST, NODES_SIDECAR, SLICE
+from tokpack.formats.constants import EPOCH, MANIFEST, NODES_SIDECAR, RUN, SLICE
 from tokpack.formats.reading import partial_stage_absent, read_manifest, strict_json
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import row_segments
@@ -143,7 +143,7 @@ class SampleReader(ShardFiles):
         numbering = run = None
         for p in paths:
             p = as_path(p)
-            manifest = read_manifest(p, kind=("run", "epoch", *READERS))
+            manifest = read_manifest(p, kind=(RUN, EPOCH, *READERS))
             if manifest["kind"] in READERS:  # a node slice (loader/slice_reader.py): its ranks' rows, the run's numbers
                 if len(paths) != 1:
                     raise TokpackError(
@@ -155,7 +155,7 @@ class SampleReader(ShardFiles):
                     )
                 return reader_class(manifest["kind"]).open_dir(p, manifest, verify=verify)
             absent.update(partial_stage_absent(p))
-            if manifest["kind"] == "epoch":
+            if manifest["kind"] == EPOCH:
                 epochs.append((p, manifest))
                 continue
             if not is_url(str(p)) and (p / NODES_SIDECAR).is_file():  # its tokens are on the nodes, not here
@@ -182,7 +182,7 @@ class SampleReader(ShardFiles):
                 numbering, run = EpochNumbering.of_run(manifest, p), (str(p), manifest)
             for e in sorted(int(e) for e in listed):
                 d = contained_epoch_dir(p, e)
-                m = read_manifest(d, kind="epoch")
+                m = read_manifest(d, kind=EPOCH)
                 if "seq_len" in manifest and int(m.get("seq_len", -1)) != int(manifest["seq_len"]):
                     raise TokpackError(
                         "epoch seq_len differs from its run",
@@ -249,7 +249,7 @@ class SampleReader(ShardFiles):
             hint = _schedule_end_hint(self.numbering)
         else:
             parent = as_path(self.table.epoch_dirs[-1]).parent  # the run, when the epochs are still in it
-            run = {"kind": "run"} if (parent / MANIFEST).is_file() else {}
+            run = {"kind": RUN} if (parent / MANIFEST).is_file() else {}
             nxt, numbering = max(self.table.epochs) + 1, None
             if run:
                 try:

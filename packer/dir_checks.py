@@ -18,7 +18,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.writes import TMP_MARK
 from tokpack.formats.io.paths import name_problem
 from tokpack.formats.io.gate import read_limited
-from tokpack.formats.constants import KINDS, LOSS_SUFFIX, MANIFEST, PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX
+from tokpack.formats.constants import EPOCH, KINDS, LOSS_SUFFIX, MANIFEST, PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, SOURCE
 from tokpack.formats.constants import SHARD_SUFFIXES, SLICE
 from tokpack.formats.checks import check_manifest
 from tokpack.formats.names import dtype_from_name
@@ -159,7 +159,7 @@ def open_manifest(path: Path, rep: DirReport, kinds) -> dict | None:
             "different bytes (edited after writing?)",
             "manifest text was altered",
         )
-    if manifest["kind"] not in ("source", "epoch") and isinstance(manifest.get("shards"), ShardEntries):
+    if manifest["kind"] not in (SOURCE, EPOCH) and isinstance(manifest.get("shards"), ShardEntries):
         manifest["shards"] = list(manifest["shards"])  # a slice's rank files: read as every command reads them
     rep.manifest = manifest
     rep.kind = manifest["kind"]
@@ -335,7 +335,7 @@ def check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> lis
         return []
     kind = m["kind"]
     dtype = dtype_from_name(m["dtype"])
-    row = m["seq_len"] + 1 if kind == "epoch" else None
+    row = m["seq_len"] + 1 if kind == EPOCH else None
     jobs = ShardJobs(path, shards, (kind, dtype, m["vocab_size"], m["eos_id"], m["tokenizer"], row, quick))
     for i, s in enumerate(shards):
         if name_problem(s["path"]):
@@ -400,7 +400,7 @@ def plan_dir(path: Path, quick: bool, kinds=None) -> Dir:
     m = open_manifest(path, rep, kinds or (*KINDS, SLICE))
     if m is None:
         return d
-    if m["kind"] in ("source", "epoch"):
+    if m["kind"] in (SOURCE, EPOCH):
         d.jobs = check_data_manifest(path, m, rep, quick)
     elif m["kind"] == SLICE:  # a node slice: its rank files are checked as epoch shards
         d.jobs = slice_shard_jobs(path, m, rep, quick) if check_manifest(m, path, rep.add) else []

@@ -80,7 +80,7 @@ from tokpack.formats.guard import OutputLock, check_space, holder_name
 from tokpack.formats.io.gate import read_limited
 from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.writes import write_bytes_atomic
-from tokpack.formats.constants import MANIFEST, NODES_SIDECAR, WORK_DIR
+from tokpack.formats.constants import EPOCH, MANIFEST, NODES_SIDECAR, WORK_DIR
 from tokpack.formats.reading import canonical_bytes, parse_manifest
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.builders import nodes_sidecar
@@ -366,7 +366,7 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         node.together(run_manifests)
 
         raw = node.together(lambda: read_raw(Path(job.epoch_dir) / MANIFEST))  # RUN's epoch manifest, as written
-        manifest = node.together(lambda: parse_manifest(raw, job.epoch_dir, "epoch"))
+        manifest = node.together(lambda: parse_manifest(raw, job.epoch_dir, EPOCH))
 
         def commit_slice_epoch():  # the node's leader's, once every process of it wrote its rank files
             if not node.leader:

@@ -29,7 +29,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path
 from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.gate import read_array, regular_size
-from tokpack.formats.constants import HOLDOUT_DIR, MANIFEST, U64
+from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, RUN, SOURCE, U64
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.reading import read_manifest
 from tokpack.formats.packing import holdout_recorded
@@ -262,7 +262,7 @@ def inspect(
         _require_matplotlib()
     manifest = read_manifest(directory)
     kind = manifest["kind"]
-    if seq_len is not None and kind != "source" and seq_len != manifest.get("seq_len"):  # was silently ignored
+    if seq_len is not None and kind != SOURCE and seq_len != manifest.get("seq_len"):  # was silently ignored
         raise TokpackError(
             f"--seq-len is for a packed source: a {kind}'s samples have its seq_len",
             file=directory,
@@ -289,10 +289,10 @@ def inspect(
 
         report["epochs"] = _epoch_shares(epochs)
         report["packing"] = shown_of_epochs([m for _, _, m in epochs])
-    if kind == "run" and (directory / HOLDOUT_DIR / MANIFEST).is_file():
+    if kind == RUN and (directory / HOLDOUT_DIR / MANIFEST).is_file():
         from tokpack.shuffle.packings import shown
 
-        held = read_manifest(directory / HOLDOUT_DIR, "epoch")
+        held = read_manifest(directory / HOLDOUT_DIR, EPOCH)
         report["holdout"] = {
             "path": str(directory / HOLDOUT_DIR),
             "samples": int(held["samples"]),
@@ -301,7 +301,7 @@ def inspect(
             ],
             "packing": shown(held),
         }
-    if kind == "run" and manifest.get("schedule"):
+    if kind == RUN and manifest.get("schedule"):
         report["stages"] = _stages(manifest)
 
     per_source: list[dict] = []
@@ -312,7 +312,7 @@ def inspect(
             "sources": [{"name": n, **d} for n, d in zip(names, per_source)],
         }
 
-    L = report["totals"]["seq_len"] if kind != "source" else seq_len
+    L = report["totals"]["seq_len"] if kind != SOURCE else seq_len
     if L is not None:
         diversity = batch_diversity(sources, chosen, int(L), batch, batches, memory)
         if diversity:
@@ -339,7 +339,7 @@ def report_lines(r: InspectResult) -> list[str]:
     if r.unreachable_sources:
         lines.append(f"  sources not reachable (no document statistics): {', '.join(r.unreachable_sources)}")
     t = r.totals
-    if r.kind == "source":
+    if r.kind == SOURCE:
         lines.append(f"  tokens {t['tokens']:,}  documents {t['documents']:,}  shards {t['shards']}")
     else:
         lines.append(
@@ -395,11 +395,11 @@ def report_lines(r: InspectResult) -> list[str]:
             )
         )
         lines += _source_length_lines(dl.get("sources") or [])
-    if r.batch_diversity is None and (r.kind == "source" or t.get("seq_len") is None):
+    if r.batch_diversity is None and (r.kind == SOURCE or t.get("seq_len") is None):
         lines.append("  batch diversity: pass --seq-len to see it for a packed source")
     elif r.batch_diversity:
         lines += _diversity_lines(r.batch_diversity, r.batch_size, r.split)
-    if r.documents_per_row is None and r.kind != "source":
+    if r.documents_per_row is None and r.kind != SOURCE:
         lines.append(
             "  documents per row: --documents-per-row finds the max_documents to train with (reads the epoch once)"
         )
@@ -439,11 +439,11 @@ def _source_length_lines(per_source: list[dict]) -> list[str]:
 
 def _epochs_of(directory: Path, manifest: dict) -> list[tuple[int, Path, dict]]:
     """(epoch, directory, manifest) of a run's listed epochs, or of an epoch directory itself."""
-    if manifest["kind"] == "epoch":
+    if manifest["kind"] == EPOCH:
         return [(int(manifest["epoch"]), directory, manifest)]
-    if manifest["kind"] == "run":
+    if manifest["kind"] == RUN:
         return [
-            (int(e), directory / epoch_dir_name(int(e)), read_manifest(directory / epoch_dir_name(int(e)), "epoch"))
+            (int(e), directory / epoch_dir_name(int(e)), read_manifest(directory / epoch_dir_name(int(e)), EPOCH))
             for e in manifest.get("epochs") or []
         ]
     return []
@@ -453,11 +453,11 @@ def _sources_of(directory: Path, manifest: dict, epochs, report: dict) -> tuple[
     """The names and the packed sources to read: the directory itself (named by its folder), or
     every source the epochs name (all or none: statistics over part of a mixture would mislead),
     named as the epoch (or run) names them."""
-    if manifest["kind"] == "source":
+    if manifest["kind"] == SOURCE:
         return [directory.name], [PackedSource.open(directory)]
     entries = (epochs[0][2].get("sources") if epochs else manifest.get("sources")) or []
     names = [str(e.get("name") or e.get("path")) for e in entries]
-    near = directory if manifest["kind"] == "run" else directory.parent
+    near = directory if manifest["kind"] == RUN else directory.parent
     opened = [_open_source(e, near) for e in entries]
     missing = [name for name, s in zip(names, opened) if s is None]
     if missing:
@@ -467,7 +467,7 @@ def _sources_of(directory: Path, manifest: dict, epochs, report: dict) -> tuple[
 
 
 def _totals(manifest: dict, epochs, sources: list[PackedSource]) -> dict:
-    if manifest["kind"] == "source":
+    if manifest["kind"] == SOURCE:
         return {
             "tokens": int(manifest["tokens"]),
             "documents": int(manifest["documents"]),

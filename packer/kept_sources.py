@@ -26,7 +26,7 @@ from tokpack.formats.guard import check_space, is_no_space
 from tokpack.formats.io.writes import commit_file, tmp_path, write_bytes_atomic
 from tokpack.formats.io.paths import local_path
 from tokpack.formats.io.gate import iter_mapped, open_new, read_limited
-from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES
+from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES, RUN, SOURCE
 from tokpack.formats.reading import canonical_bytes, read_manifest
 from tokpack.packer.node_dest import node_dest
 from tokpack.shuffle.plan import is_virtual
@@ -233,7 +233,7 @@ def _manifest_is(folder: Path, fingerprint: str) -> bool:
     if not (folder / MANIFEST).is_file():
         return False
     try:
-        return read_manifest(folder, kind="source").get("fingerprint") == fingerprint
+        return read_manifest(folder, kind=SOURCE).get("fingerprint") == fingerprint
     except TokpackError:
         return False
 
@@ -280,7 +280,7 @@ def _run_fingerprints(run) -> dict[str, str]:
     if run is None or not (Path(run) / MANIFEST).is_file():
         return {}
     try:
-        sources = read_manifest(run, kind="run").get("sources") or []
+        sources = read_manifest(run, kind=RUN).get("sources") or []
     except TokpackError:  # planning the run reports it, in its words
         return {}
     return {

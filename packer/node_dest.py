@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.constants import LOCK_NAME, MANIFEST, MAX_MANIFEST_BYTES, WORK_DIR
+from tokpack.formats.constants import LOCK_NAME, MANIFEST, MAX_MANIFEST_BYTES, RUN, SLICE_EPOCH, WORK_DIR
 from tokpack.formats.io.gate import open_read, read_limited
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.reading import parse_manifest
@@ -50,7 +50,7 @@ def read_raw(path: Path) -> bytes:
 def slice_root_of_run(out: Path, ranks, w: int, micro_batch: int) -> tuple[dict, dict]:
     """(RUN's run manifest, the root manifest of the slice of `ranks` it gives: from its first
     batch, as --to-nodes has no --start-sample)."""
-    run = parse_manifest(read_raw(out / MANIFEST), out / MANIFEST, "run")
+    run = parse_manifest(read_raw(out / MANIFEST), out / MANIFEST, RUN)
     return run, slice_manifest(run, str(out.absolute()), RankRows(w, micro_batch, 0), *ranks)
 
 
@@ -61,7 +61,7 @@ def finish_slice_root(output, dest: Path, root: dict, epochs) -> dict:
     root["tokens"] = sum(
         int(
             parse_manifest(
-                read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES, "manifest"), dest, "slice-epoch"
+                read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES, "manifest"), dest, SLICE_EPOCH
             )["tokens"]
         )
         for e in root["epochs"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.constants import DEFAULT_SHARD_TOKENS, LOCK_NAME, WORK_DIR, MANIFEST
+from tokpack.formats.constants import DEFAULT_SHARD_TOKENS, LOCK_NAME, MANIFEST, SOURCE, WORK_DIR
 from tokpack.formats.guard import bytes_under
 from tokpack.formats.inputs import InputFile
 from tokpack.formats.inputs.discover import check_input, discover
@@ -61,7 +61,7 @@ def _output_state(out: Path, request: dict, overwrite: bool) -> str:
         )
     if (out / MANIFEST).exists():
         try:
-            manifest = read_manifest(out, kind="source")
+            manifest = read_manifest(out, kind=SOURCE)
             same = manifest.get("request") == request
             if same:
                 PackedSource.open(out)  # shard sizes match the manifest

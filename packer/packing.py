@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.constants import WORK_DIR
+from tokpack.formats.constants import SOURCE, WORK_DIR
 from tokpack.formats.guard import check_space, locked_output
 from tokpack.formats.inputs import BLOCK_BYTES, InputFile
 from tokpack.formats.inputs.discover import check_input, discover, read_blocks
@@ -466,7 +466,7 @@ def pack(
     input_bytes = sum(f.size for f in setup.files)
     shown = to.shown(out)  # where the packed source is
     if setup.state == "complete":
-        manifest = read_manifest(to.where(out), kind="source")
+        manifest = read_manifest(to.where(out), kind=SOURCE)
         # A pack killed between writing its manifest and removing its scratch left the scratch.
         to.remove_tree(out / WORK_DIR)
         say(f"tokpack pack: {shown} already holds this pack; nothing to do")

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.constants import MANIFEST, PAD_DTYPE, WORK_DIR
+from tokpack.formats.constants import EPOCH, MANIFEST, PAD_DTYPE, SLICE, WORK_DIR
 from tokpack.formats.guard import OutputLock, holder_name
 from tokpack.formats.io.gate import read_limited
 from tokpack.formats.names import epoch_dir_name
@@ -69,7 +69,7 @@ class ReplacementResult(Result):
 def exchanged_run(run_dir) -> bool:
     """Whether RUN was written by --to-nodes: its epochs hold row hashes and no token file."""
     for m in sorted(Path(run_dir).glob(f"epoch-*/{MANIFEST}")):
-        shards = parse_manifest(read_raw(m), m, "epoch").get("shards") or []
+        shards = parse_manifest(read_raw(m), m, EPOCH).get("shards") or []
         if shards:
             return tokens_on_nodes(m.parent, shards)
     return False
@@ -112,7 +112,7 @@ def stage_replacement(
             first = numbering.first(e)
             epoch_dir = out / epoch_dir_name(e)
             raw = read_raw(epoch_dir / MANIFEST)
-            m = parse_manifest(raw, epoch_dir / MANIFEST, "epoch")
+            m = parse_manifest(raw, epoch_dir / MANIFEST, EPOCH)
             want = slice_epoch_manifest(root, e, int(m["samples"]), first, raw)
             if e in previous and epoch_in_place(d, want):
                 continue
@@ -129,7 +129,7 @@ def stage_replacement(
                 )
         finish_slice_root(output, dest, root, set(previous) | set(chosen))
     return ReplacementResult(
-        kind="slice",
+        kind=SLICE,
         source=str(out),
         dest=str(dest),
         ranks=root["ranks"],
@@ -195,7 +195,7 @@ def _rebuild_ranks(job: tuple, p: int, P: int) -> tuple[list[dict], dict]:
     """Process p of P: the rank files of its share of the node's ranks (all of them, P = 1)."""
     out, dest, e, ranks, w, micro_batch, first, memory = job
     epoch_dir, rows = out / epoch_dir_name(e), RankRows(w, micro_batch, 0)
-    m = parse_manifest(read_raw(epoch_dir / MANIFEST), epoch_dir / MANIFEST, "epoch")
+    m = parse_manifest(read_raw(epoch_dir / MANIFEST), epoch_dir / MANIFEST, EPOCH)
     # P > 1: a folder of its own below the epoch's (SourceRows.close removes its `work`, or the
     # whole scratch when `work` is its child: the other processes' too)
     work = dest / WORK_DIR / f"replace-{epoch_dir_name(e)}"

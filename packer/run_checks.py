@@ -10,7 +10,7 @@ from pathlib import Path
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import contained
 from tokpack.formats.checks import chain_start, EPOCH_DIR, check_manifest
-from tokpack.formats.constants import HOLDOUT_DIR, MANIFEST, STAGE_SIDECAR
+from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, STAGE_SIDECAR
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.reading import partial_stage_absent
 from tokpack.formats.fields import type_ok
@@ -209,7 +209,7 @@ def check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["Dir"
             d.jobs, d.partial = [], True
         plan.append(d)
         em = d.report.manifest
-        if em is None or em.get("kind") != "epoch":
+        if em is None or em.get("kind") != EPOCH:
             continue
         efile = str(sub / MANIFEST)
         _check_epoch_of_run(m, e, em, efile, sched, numbering, d.report.add)

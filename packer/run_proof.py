@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpack.formats.constants import MASK64
+from tokpack.formats.constants import EPOCH, MASK64
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import open_read
 from tokpack.formats.io.reads import read_full
@@ -46,7 +46,7 @@ def on_nodes(d: DirReport) -> bool:
     """Whether `d` is an epoch whose tokens `shuffle --to-nodes` wrote to the nodes (RUN has
     its row hashes only)."""
     m = d.manifest
-    return d.kind == "epoch" and isinstance(m, dict) and tokens_on_nodes(d.path, m.get("shards") or [])
+    return d.kind == EPOCH and isinstance(m, dict) and tokens_on_nodes(d.path, m.get("shards") or [])
 
 
 def prove_on_nodes(d: DirReport, planned: list[int] | None, source_rows) -> bool:

@@ -14,7 +14,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import IO_BLOCK, open_read, read_limited, regular_size
 from tokpack.formats.io.paths import as_path
 from tokpack.formats.io.reads import read_full
-from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES, PAD_DTYPE, PAD_SUFFIX, SLICE_EPOCH
+from tokpack.formats.constants import EPOCH, MANIFEST, MAX_MANIFEST_BYTES, PAD_DTYPE, PAD_SUFFIX, RUN, SLICE_EPOCH
 from tokpack.formats.checks import check_manifest, row_bytes_of
 from tokpack.formats.names import dtype_from_name, epoch_dir_name
 from tokpack.formats.packing import has_pad
@@ -127,7 +127,7 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
 
     run_path = as_path(run_path)
     try:
-        run = read_manifest(run_path, kind="run")
+        run = read_manifest(run_path, kind=RUN)
     except TokpackError as e:
         rep.add(e.file or run_path, e.where, e.expected, e.found, e.message)
         return
@@ -164,7 +164,7 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
                 f"slice epoch {e} was staged from another version of the run's epoch",
             )
             continue
-        em = read_manifest(rd, kind="epoch")
+        em = read_manifest(rd, kind=EPOCH)
         shards = RowFacts(em, row_bytes, _local_blocks(rd, em, row_bytes), str(rd), "run `tokpack validate` on the run")
         with tempfile.TemporaryDirectory(prefix="tokpack-validate-") as work:  # a best-fit row table, rebuilt
             replay = None

@@ -38,7 +38,7 @@ from tokpack.formats.io.writes import remove_tmp_files
 from tokpack.formats.reading import canonical_bytes, parse_manifest
 from tokpack.formats.packing import has_pad
 from tokpack.formats.checks import row_bytes_of
-from tokpack.formats.constants import MANIFEST, PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64, SLICE
+from tokpack.formats.constants import EPOCH, MANIFEST, PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, RUN, SLICE, U64
 from tokpack.formats.names import dtype_from_name, epoch_dir_name
 from tokpack.formats.hashes import hash_hex64, row_hashes
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
@@ -305,7 +305,7 @@ def check_run_files(src: Source, epochs: list[int], row_bytes: int) -> None:
     longer or shorter than recorded, is one line and DEST is left as it was."""
     for e in epochs:
         rel = epoch_dir_name(e)
-        m = src.manifest(rel, kind="epoch")
+        m = src.manifest(rel, kind=EPOCH)
         for i, s in enumerate(m["shards"]):
             contained_shard(src.root / rel, s, i)
             if of_manifest(m).padded and not has_pad(s):  # found by tests/test_fuzz.py: staged as zero padding
@@ -371,7 +371,7 @@ def plan_slice(
     a, b, w = slice_ranks(ranks, world_size, node, ranks_per_node, micro_batch)
     rows = RankRows(w, micro_batch, start_sample)
     run = src.manifest("")
-    if run["kind"] != "run":
+    if run["kind"] != RUN:
         raise TokpackError(
             "a node slice is staged from a run",
             file=src.path,
@@ -399,7 +399,7 @@ def plan_slice(
     kept, read, by_rows, written = {}, {}, {}, {}
     header = SLICE_HEADER_BYTES + len(canonical_bytes(run_identity(run)))
     for e in chosen:
-        m = src.manifest(epoch_dir_name(e), kind="epoch")
+        m = src.manifest(epoch_dir_name(e), kind=EPOCH)
         first, n = numbering.first(e), numbering.size(e)
         per_rank = [rows.rows(r, first, first + n) for r in range(a, b + 1)]
         kept[e] = sum(per_rank) * row_bytes
@@ -443,10 +443,10 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
         try:
             for e in chosen:
                 rel = epoch_dir_name(e)
-                src.manifest(rel, kind="epoch")  # one line for a missing or broken manifest
+                src.manifest(rel, kind=EPOCH)  # one line for a missing or broken manifest
                 with src.open(f"{rel}/{MANIFEST}") as fh:
                     raw = fh.read()
-                m = parse_manifest(raw, src.at(f"{rel}/{MANIFEST}"), "epoch")
+                m = parse_manifest(raw, src.at(f"{rel}/{MANIFEST}"), EPOCH)
                 first = numbering.first(e)
                 if int(m["samples"]) != numbering.size(e) or int(m["seq_len"]) != int(run["seq_len"]):
                     raise TokpackError(

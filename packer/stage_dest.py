@@ -12,7 +12,16 @@ from pathlib import Path
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import read_limited
 from tokpack.formats.io.writes import is_tmp_name
-from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES, SLICE, SLICE_EPOCH, STAGE_SIDECAR
+from tokpack.formats.constants import (
+    EPOCH,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    RUN,
+    SLICE,
+    SLICE_EPOCH,
+    SOURCE,
+    STAGE_SIDECAR,
+)
 from tokpack.formats.reading import canonical_bytes, parse_manifest, require_valid, strict_json
 from tokpack.formats.shards import is_own_file, shard_suffixes
 from tokpack.formats.slices import RUN_SELECTION_KEYS, SLICE_EPOCH_KEYS, SLICE_SHAPE_KEYS
@@ -87,7 +96,7 @@ def check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
             damaged.append(path)  # an unreadable manifest at DEST vouches for nothing; rewritten at the end
             continue
         want = p.manifest
-        if kind == "run" and p.rel == "":  # the same run staged with another --epochs selection
+        if kind == RUN and p.rel == "":  # the same run staged with another --epochs selection
             have = {k: v for k, v in have.items() if k not in RUN_SELECTION_KEYS}
             want = {k: v for k, v in want.items() if k not in RUN_SELECTION_KEYS}
         if have != want:
@@ -99,7 +108,7 @@ def check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
             )
     for p in plans:  # a folder no manifest vouches for yet: its shard files must be this copy's
         _check_unvouched(dest, p)
-    if kind == "run" and held.kind == UNFINISHED["run"]:
+    if kind == RUN and held.kind == UNFINISHED[RUN]:
         # Epochs of an unfinished copy that this stage does not write: no run manifest vouches
         # for them yet, so each must come from this run (another --epochs selection of it).
         run, planned = plans[-1].manifest, {p.rel for p in plans}
@@ -186,7 +195,7 @@ def small_manifest(path: Path) -> dict | None:
 
 def _same_run(epoch: dict | None, run: dict) -> bool:
     """Whether an epoch manifest comes from `run` (its settings and its sources' fingerprints)."""
-    if epoch is None or epoch.get("kind") != "epoch":
+    if epoch is None or epoch.get("kind") != EPOCH:
         return False
     prints = [[s.get("fingerprint") for s in m.get("sources") or [] if isinstance(s, dict)] for m in (epoch, run)]
     return prints[0] == prints[1] and all(epoch.get(k) == run.get(k) for k in _EPOCH_RUN_KEYS if k in run)
@@ -196,13 +205,13 @@ def _describe(m: dict) -> str:
     """A manifest's copy in words: its kind and what tells it from another copy of that kind."""
     kind, run = m.get("kind"), m.get("run") if isinstance(m.get("run"), dict) else m
     of_run = f"the run with seed {run.get('seed')}, seq_len {run.get('seq_len')}"
-    if kind == "source":
+    if kind == SOURCE:
         return f"a copy of a packed source ({len(m.get('shards') or [])} shards, {m.get('tokens')} tokens)"
-    if kind == "run":
+    if kind == RUN:
         return f"a whole-run copy of {of_run} (epochs {m.get('epochs')})"
-    if kind == "epoch":
+    if kind == EPOCH:
         return f"a copy of epoch {m.get('epoch')} of {of_run}"
-    if kind in ("slice", "slice-epoch"):
+    if kind in (SLICE, SLICE_EPOCH):
         ranks = m.get("ranks") if isinstance(m.get("ranks"), list) and m.get("ranks") else ["?"]
         return (
             f"a node slice of ranks {ranks[0]}-{ranks[-1]} of {m.get('world_size')} "
@@ -220,7 +229,7 @@ def dest_holds(dest: Path, path: Path | None = None, other_run: bool = False) ->
     if path is not None and path != root:
         m = small_manifest(path)
         words = _describe(m) if m else "an unreadable tokpack.json"
-        if m and m.get("kind") == "epoch":  # no root manifest: a whole-run copy a stage left unfinished
+        if m and m.get("kind") == EPOCH:  # no root manifest: a whole-run copy a stage left unfinished
             words = f"an unfinished whole-run copy{' of another run' if other_run else ''} ({path.parent.name}: {words[2:]})"
         return Held(m.get("kind") if m else "damaged", words, path, m)
     if root.is_file():
@@ -229,7 +238,7 @@ def dest_holds(dest: Path, path: Path | None = None, other_run: bool = False) ->
             return Held("damaged", "an unreadable tokpack.json", root)
         kind = m.get("kind")
         words = _describe(m)
-        if kind == "run" and (dest / STAGE_SIDECAR).is_file():
+        if kind == RUN and (dest / STAGE_SIDECAR).is_file():
             words += f", staged for some ranks only ({STAGE_SIDECAR})"
         return Held(kind if kind in UNFINISHED else "other", words, root, m)
     if not dest.is_dir():
@@ -242,14 +251,14 @@ def dest_holds(dest: Path, path: Path | None = None, other_run: bool = False) ->
             continue
         if p.is_dir() and p.name.startswith("epoch-"):
             m = small_manifest(p / MANIFEST) if (p / MANIFEST).is_file() else None
-            if m is not None and m.get("kind") == "slice-epoch":
+            if m is not None and m.get("kind") == SLICE_EPOCH:
                 return Held(
                     UNFINISHED["slice"],
                     f"an unfinished {_describe(m)[2:]} ({p.name} and no slice manifest yet)",
                     p / MANIFEST,
                     m,
                 )
-            if m is not None and m.get("kind") == "epoch":
+            if m is not None and m.get("kind") == EPOCH:
                 held = Held(
                     UNFINISHED["run"],
                     f"an unfinished whole-run copy ({p.name} and no run manifest yet)",
@@ -362,7 +371,7 @@ def previous_slice(dest: Path, root: dict, source: str) -> list[int]:
                 have = parse_manifest(
                     read_limited(d / MANIFEST, MAX_MANIFEST_BYTES, "manifest"),
                     d / MANIFEST,
-                    kind=(SLICE_EPOCH, "source", "run", "epoch"),
+                    kind=(SLICE_EPOCH, SOURCE, RUN, EPOCH),
                 )
                 if have.get("kind") != SLICE_EPOCH:
                     raise refuse_dest(dest_holds(dest, d / MANIFEST), "a node slice of these ranks of this run")
@@ -382,9 +391,7 @@ def previous_slice(dest: Path, root: dict, source: str) -> list[int]:
                     f"the rank files of ranks {root['ranks'][0]}-{root['ranks'][-1]}",
                 )
         return []
-    have = parse_manifest(
-        read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path, kind=(SLICE, "source", "run", "epoch")
-    )
+    have = parse_manifest(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path, kind=(SLICE, SOURCE, RUN, EPOCH))
     if have.get("kind") != SLICE:
         raise refuse_dest(dest_holds(dest), "nothing, or a node slice of these ranks of this run")
     require_valid(have, dest)  # a damaged slice manifest is one line, as for every reader

@@ -13,7 +13,7 @@ from pathlib import Path
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path
 from tokpack.formats.io.gate import contained, open_read, regular_size
-from tokpack.formats.constants import HOLDOUT_DIR, MANIFEST, MAX_EPOCHS, MAX_MANIFEST_BYTES, ROWS_SUFFIX
+from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, MAX_EPOCHS, MAX_MANIFEST_BYTES, ROWS_SUFFIX, SOURCE
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.fields import upgrade
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
@@ -394,7 +394,7 @@ def shard_jobs(
         )
         jobs += [
             CopyJob(join_rel(dir_rel, name + suffix), size, s.get(key), dir_rel, None if suffix else by_rows, key)
-            for suffix, size, key in shard_files(s, source=manifest.get("kind") == "source")
+            for suffix, size, key in shard_files(s, source=manifest.get("kind") == SOURCE)
         ]
     return jobs, skipped
 
@@ -403,7 +403,7 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
     """(kind, [directories]): the root is last, so its manifest is written after everything."""
     root = src.manifest("")
     kind = root["kind"]
-    if kind == "source" and (epochs is not None or ranks is not None):
+    if kind == SOURCE and (epochs is not None or ranks is not None):
         raise TokpackError(
             "--epochs and --ranks apply to runs and epochs, not to a packed source",
             file=src.path,
@@ -412,7 +412,7 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
             found="source",
             hint="stage the source without them, or stage the run shuffled from it",
         )
-    if kind == "epoch" and epochs is not None and epochs != [root.get("epoch")]:
+    if kind == EPOCH and epochs is not None and epochs != [root.get(EPOCH)]:
         raise TokpackError(
             "--epochs does not match this epoch directory",
             file=src.path,
@@ -420,7 +420,7 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
             expected=epochs,
             found=root.get("epoch"),
         )
-    if kind in ("source", "epoch"):  # one directory: a source's ranks are None (refused above)
+    if kind in (SOURCE, EPOCH):  # one directory: a source's ranks are None (refused above)
         keep = _rank_keep(root, 0, _samples(root), ranks, micro_batch)
         return kind, [DirPlan("", root, *shard_jobs(root, "", keep, root=src.root))]
     # A run: its epochs in order, then the run manifest restricted to them.
@@ -438,7 +438,7 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
             + (", and likewise the others," if len(missing) > 1 else "")
             + " or pick others",
         )
-    manifests = [src.manifest(epoch_dir_name(e), kind="epoch") for e in chosen]
+    manifests = [src.manifest(epoch_dir_name(e), kind=EPOCH) for e in chosen]
     # A reader of DEST numbers samples as the run does (epoch e starts at numbering.first(e)),
     # so the ranks' shards are chosen at those positions, not where the staged epochs chain.
     numbering = EpochNumbering.of_run(root, src.path) if ranks is not None else None
@@ -458,7 +458,7 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
     if ranks is None and run_holdout(root) is not None:
         # shuffle --holdout's held-out documents (an epoch directory the run never lists) come
         # with a copy of the run's epochs: eval reads them beside the training epochs
-        held = src.manifest(HOLDOUT_DIR, kind="epoch")
+        held = src.manifest(HOLDOUT_DIR, kind=EPOCH)
         jobs, skipped = shard_jobs(held, HOLDOUT_DIR, root=src.root)
         plans.append(DirPlan(HOLDOUT_DIR, held, jobs, skipped))
     plans.append(DirPlan("", run))

@@ -42,7 +42,7 @@ from tokpack.formats.io.gate import hash_mapped, open_new, open_read
 from tokpack.formats.io.memory import lent
 from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.writes import remove_tmp_files, tmp_path
-from tokpack.formats.constants import HOLDOUT_DIR, STAGE_SIDECAR
+from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, SOURCE, STAGE_SIDECAR
 from tokpack.formats.builders import stage_sidecar
 from tokpack.formats.outputs import LocalOutput, Output
 from tokpack.formats.slices import stage_command
@@ -433,8 +433,8 @@ def stage(
         kind=kind,
         source=src.path,
         dest=str(dest),
-        epochs=[p.manifest.get("epoch") for p in plans if p.manifest.get("kind") == "epoch" and p.rel != HOLDOUT_DIR]
-        if kind != "source"
+        epochs=[p.manifest.get(EPOCH) for p in plans if p.manifest.get("kind") == EPOCH and p.rel != HOLDOUT_DIR]
+        if kind != SOURCE
         else None,
         files=len(jobs) + len(plans),
         copied_files=stager.copied,

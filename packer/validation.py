@@ -23,7 +23,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.reads import ThreadPool
 from tokpack.formats.io.paths import as_path
 from tokpack.formats.io.progress_log import progress
-from tokpack.formats.constants import MANIFEST, MASK64, SLICE
+from tokpack.formats.constants import EPOCH, MANIFEST, MASK64, RUN, SLICE
 from tokpack.formats.hashes import hash_hex64
 from tokpack.formats.reading import manifest_kind
 from tokpack.formats.shard_scan import Findings, Problem, check_shard, problem_line, worst_status
@@ -43,7 +43,7 @@ def plan_validation(paths: list[str | Path], quick: bool) -> list[Dir]:
         path = as_path(p)
         d = plan_dir(path, quick)
         plan.append(d)
-        if d.report.kind == "run":
+        if d.report.kind == RUN:
             check_run(path, d.report.manifest, d.report, quick, plan)
     return plan
 
@@ -51,7 +51,7 @@ def plan_validation(paths: list[str | Path], quick: bool) -> list[Dir]:
 def _number_samples(plan: list[Dir]) -> None:
     """Each epoch shard's job its first sample's output position, to sum its order hash."""
     for d in plan:
-        if d.report.kind == "epoch" and d.jobs:  # jobs exist only for a manifest whose fields are sound
+        if d.report.kind == EPOCH and d.jobs:  # jobs exist only for a manifest whose fields are sound
             m = d.report.manifest
             if isinstance(d.jobs, ShardJobs):
                 d.jobs.number_samples(m["shard_samples"])
@@ -129,7 +129,7 @@ def validate_dirs(
                 merge(*run(item))
     for d in plan:
         rep, m = d.report, d.report.manifest
-        if rep.kind == "epoch" and d.jobs and not quick and not d.partial:
+        if rep.kind == EPOCH and d.jobs and not quick and not d.partial:
             multiset = recomputed.get(id(d), 0)
             if multiset is not None:
                 rep.multiset = multiset & MASK64
@@ -197,7 +197,7 @@ def _against(report: ValidationReport, against: list[str], replay, source_rows=N
     given = {s.fingerprint: s for s in sources}
     for d in report.dirs:
         m = d.manifest
-        if d.kind != "epoch" or m is None or not isinstance(m.get("sources"), list):
+        if d.kind != EPOCH or m is None or not isinstance(m.get("sources"), list):
             continue
         mfile = str(d.path / MANIFEST)
         missing = _missing_sources(m, given, mfile)
@@ -324,9 +324,7 @@ def validate_all(
     against = list(against or [])
     known = {as_path(x).resolve() for x in dirs}
     # A slice's --against is its run: compared by row hashes, not validated whole.
-    slice_runs = (
-        [a for a in against if manifest_kind(a) == "run"] if any(manifest_kind(x) == SLICE for x in dirs) else []
-    )
+    slice_runs = [a for a in against if manifest_kind(a) == RUN] if any(manifest_kind(x) == SLICE for x in dirs) else []
     against = [a for a in against if a not in slice_runs]
     unmatched = []
     if against and all(manifest_kind(x) == SLICE for x in dirs):  # sources with nothing to check them against
@@ -411,7 +409,7 @@ def report_lines(r: ValidateResult) -> list[str]:
 
 def _against_text(paths: list[str]) -> str:
     """What --against named: sources, and the runs slices were checked against ("1 run", not "1 source(s)")."""
-    runs = sum(manifest_kind(a) == "run" for a in paths)
+    runs = sum(manifest_kind(a) == RUN for a in paths)
     return " and ".join(
         f"{n} {name}{'s' * (n != 1)}" for n, name in ((len(paths) - runs, "source"), (runs, "run")) if n
     )

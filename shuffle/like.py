@@ -14,7 +14,7 @@ runs: --memory, --workers, the executor, --scratch, and -o (default: RUN itself)
 from __future__ import annotations
 
 from tokpack.formats.errors import IncompleteError, TokpackError
-from tokpack.formats.constants import LOCK_NAME, WORK_DIR
+from tokpack.formats.constants import LOCK_NAME, RUN, WORK_DIR
 from tokpack.formats.io.paths import as_path
 from tokpack.formats.packing import run_holdout
 from tokpack.formats.reading import read_manifest
@@ -62,7 +62,7 @@ def run_settings(run_dir) -> dict:
     with its own settings: sources, seq_len, seed, samples, jitter, shard_samples, packing,
     pad_id (or schedule, for a run made from a schedule file)."""
     try:
-        m = read_manifest(run_dir, kind="run")
+        m = read_manifest(run_dir, kind=RUN)
     except TokpackError as e:
         if e.where == "kind" or e.message == "not a directory":
             found = e.found

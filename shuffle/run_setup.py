@@ -16,7 +16,7 @@ from pathlib import Path
 import xxhash
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.constants import LOCK_NAME, WORK_DIR, HOLDOUT_DIR, MANIFEST, NODES_SIDECAR
+from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, LOCK_NAME, MANIFEST, NODES_SIDECAR, RUN, WORK_DIR
 from tokpack.formats.io.writes import TMP_MARK
 from tokpack.formats.outputs import LocalOutput, Output
 from tokpack.formats.names import dtype_name, epoch_dir_name
@@ -94,11 +94,11 @@ class RunSetup:
     def written_run_manifest(self, out: Path, plan: EpochPlan, epochs: list[int]) -> dict:
         """The run manifest over `epochs`' manifests written in `out`, keeping what its own says."""
         written = {
-            e: read_manifest(out / epoch_dir_name(e), kind="epoch")
+            e: read_manifest(out / epoch_dir_name(e), kind=EPOCH)
             for e in epochs
             if (out / epoch_dir_name(e) / MANIFEST).exists()
         }
-        return self.run_manifest(written, plan, read_manifest(out, kind="run") if (out / MANIFEST).exists() else None)
+        return self.run_manifest(written, plan, read_manifest(out, kind=RUN) if (out / MANIFEST).exists() else None)
 
     def run_manifest(self, written: dict, plan: EpochPlan, created: dict | None = None) -> dict:
         """The run manifest over the epoch manifests `written`; `created`: the run's manifest so far,
@@ -231,7 +231,7 @@ def setup_run(
         epochs = list(range(runplan.schedule.epochs or 1))
     done_epochs = []
     if (out / MANIFEST).exists():
-        done_epochs = list(read_manifest(out, kind="run")["epochs"])
+        done_epochs = list(read_manifest(out, kind=RUN)["epochs"])
 
     def new_job(plan, folder: Path, identity: list) -> EpochJob:
         """The job writing `plan` into `folder`, its work folder named by the hash of `identity`."""
@@ -269,13 +269,13 @@ def setup_run(
         plan = replace(plan, sources=tuple(replace(sp, path=recorded[sp.index]) for sp in plan.sources))
         params = run_params_of(plan, [sp.weight for sp in plan.sources], shard_samples)
         if existing is not None:
-            like = shuffle_command({"kind": "run"}, out, epoch) if (out / MANIFEST).exists() else None
+            like = shuffle_command({"kind": RUN}, out, epoch) if (out / MANIFEST).exists() else None
             check_same_run(existing, run_params or params, out, like)
         existing = run_params or params
         edir = out / epoch_dir_name(epoch)
         job = None
         if (edir / MANIFEST).exists():
-            m = read_manifest(edir, kind="epoch")
+            m = read_manifest(edir, kind=EPOCH)
             check_same_run(params_of_manifest(m), params, edir)
             if source_content(m.get("sources")) != source_content(plan.source_entries()):
                 raise TokpackError(
@@ -353,7 +353,7 @@ def _schedule_key(entries) -> list | None:
 
 
 def params_of_manifest(m: dict) -> dict:
-    ws = m.get("weights") if m.get("kind") == "run" else [s.get("weight") for s in m.get("sources", [])]
+    ws = m.get("weights") if m.get("kind") == RUN else [s.get("weight") for s in m.get("sources", [])]
     ws = ws if ws is not None else [None] * len(m.get("sources", []))
     return {
         "fingerprints": [s.get("fingerprint") for s in m.get("sources", [])],
@@ -414,7 +414,7 @@ def existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
     if not out.is_dir():
         raise TokpackError("output is not a directory", file=out)
     if (out / MANIFEST).exists():
-        return params_of_manifest(read_manifest(out, kind="run"))
+        return params_of_manifest(read_manifest(out, kind=RUN))
     kept = to.where(out)
     listed = kept if kept.exists() else out
     foreign = [
@@ -436,7 +436,7 @@ def existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
             hint="choose an empty or new -o directory",
         )
     for p in sorted(out.glob("epoch-*/" + MANIFEST)):
-        return params_of_manifest(read_manifest(p.parent, kind="epoch"))
+        return params_of_manifest(read_manifest(p.parent, kind=EPOCH))
     return None
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from tokpack.formats.constants import DEFAULT_SHARD_TOKENS
+from tokpack.formats.constants import DEFAULT_SHARD_TOKENS, SOURCE
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import local_path
 from tokpack.formats.names import dtype_from_name
@@ -104,7 +104,7 @@ def virtual_source(spec: str) -> PackedSource:
     sizes = [per] * (counts["tokens"] // per) + ([counts["tokens"] % per] if counts["tokens"] % per else [])
     starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
     manifest = {
-        "kind": "source",
+        "kind": SOURCE,
         "dtype": fields["dtype"],
         "vocab_size": vocab,
         "eos_id": counts["eos_id"],
