@@ -595,3 +595,23 @@ def test_bad_input_is_one_line_and_exit_1(sources, tmp_path, case):
     assert "Traceback" not in result.output
     if case == "other_run":
         assert "seed" in lines[0] and read_manifest(out, kind="run")["epochs"] == [0]
+
+
+def test_a_source_shard_cut_short_is_one_line_naming_it_before_anything_is_written(sources, tmp_path):
+    """PackedSource.open checks each listed shard's size through the gate: the line names the
+    shard, its size field, the manifest's bytes and the file's, and points at the source; without
+    that check the read fails later naming a descriptor ("3 [size]: file shorter than expected")."""
+    big, _ = sources
+    shard = sorted(Path(big).glob("*.ds"))[1]
+    size = shard.stat().st_size
+    os.truncate(shard, size - 10)
+    out = tmp_path / "out"
+    result = run_cli(big, "-o", out, "--seq-len", L, "--seed", 1, "--epochs", 1)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert result.stderr.strip().splitlines() == [
+        f"tokpack: error: {shard} [size]: shard size does not match the manifest; expected {size} bytes, found "
+        f"{size - 10} bytes. HINT: the shard was truncated or replaced; run `tokpack validate` on the source"
+    ], result.stderr
+    assert not (out / "tokpack.json").exists() and not list(
+        out.glob("epoch-*/*.ds")
+    )  # nothing that could pass for data
