@@ -135,17 +135,15 @@ def test_ctrl_c_of_a_replacement_node_of_several_processes_is_one_line_and_a_rer
     dest = tmp_path / "again"
     cmd = [sys.executable, "-m", "tokpack", "stage", str(run), str(dest), "--node", f"1/{NODES}"]
     cmd += ["--ranks-per-node", str(K), "--micro-batch", str(M), "--workers", "2"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKPACK_PROGRESS": "0"}
+    import uuid
+
+    from probes import MARK, cmdline, marked
+
+    token = uuid.uuid4().hex  # this command's processes only: another test's may run meanwhile
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKPACK_PROGRESS": "0", MARK: token}
 
     def rebuilding() -> list[int]:
-        found = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                if b"tokpack.packer.replacement" in open(f"/proc/{pid}/cmdline", "rb").read():
-                    found.append(int(pid))
-            except OSError:
-                pass
-        return found
+        return [pid for pid in marked(token) if b"tokpack.packer.replacement" in cmdline(pid)]
 
     job = subprocess.Popen(
         cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
