@@ -196,51 +196,41 @@ def _chains_with(where: Path, first: tuple, this: tuple) -> None:
         )
 
 
-class _Shards:
-    """The chain's shard entries as `chain_table` checks them, one epoch after another."""
-
-    def __init__(self, absent: dict[str, str] | None):
-        self.table = ShardTable(absent)
-        self.samples: list[int] = []
-        self.epoch_of: list[int] = []  # each shard's epoch, by position in the chain
-        self.offsets: list[int] = []  # each shard's first sample within its epoch
-        self.sizes: dict[str, int] = {}  # each distinct file's bytes
-
-    def add_epoch(self, pos: int, directory: Path, m: dict, shards: list, row_bytes: int) -> int:
-        """Checks and adds an epoch's shards; returns their samples."""
-        where = directory / "tokpack.json"
-        per_shard = m.get("shard_samples")
-        total = 0
-        for k, s in enumerate(shards):
-            f = str(contained_shard(directory, s, k))
-            n = int(s["samples"])
-            expected = n * row_bytes
-            if int(s.get("bytes", expected)) != expected:
-                raise TokpackError(
-                    "shard entry is inconsistent: bytes != samples * (seq_len+1) * token_size",
-                    file=where,
-                    where=f"shards[{k}]",
-                    expected=expected,
-                    found=s.get("bytes"),
-                )
-            if per_shard is not None and k < len(shards) - 1 and n != int(per_shard):
-                raise TokpackError(
-                    "only the last shard may hold fewer than shard_samples samples",
-                    file=where,
-                    where=f"shards[{k}].samples",
-                    expected=per_shard,
-                    found=n,
-                )
-            # A file named twice is stat'd once; one a partial stage left out is an error only if a rank reads it.
-            found = expected if f in self.table.absent else self.sizes.get(f)
-            self.sizes[f] = listed_size(f, "shard", expected, (_VALIDATE, _TRUNCATED), found=found)
-            _padding_present(where, m, s, k, f, None if f in self.table.absent else n * PAD_DTYPE.itemsize)
-            self.table.add(f, s, n)
-            self.samples.append(n)
-            self.epoch_of.append(pos)
-            self.offsets.append(total)
-            total += n
-        return total
+def _epoch_shards(
+    table: ShardTable, sizes: dict[str, int], directory: Path, m: dict, shards: list, row_bytes: int
+) -> np.ndarray:
+    """Checks an epoch's shards and adds them to `table`; returns their samples. `sizes`: each
+    distinct file's bytes, across the chain."""
+    where = directory / "tokpack.json"
+    per_shard = m.get("shard_samples")
+    samples = []
+    for k, s in enumerate(shards):
+        f = str(contained_shard(directory, s, k))
+        n = int(s["samples"])
+        expected = n * row_bytes
+        if int(s.get("bytes", expected)) != expected:
+            raise TokpackError(
+                "shard entry is inconsistent: bytes != samples * (seq_len+1) * token_size",
+                file=where,
+                where=f"shards[{k}]",
+                expected=expected,
+                found=s.get("bytes"),
+            )
+        if per_shard is not None and k < len(shards) - 1 and n != int(per_shard):
+            raise TokpackError(
+                "only the last shard may hold fewer than shard_samples samples",
+                file=where,
+                where=f"shards[{k}].samples",
+                expected=per_shard,
+                found=n,
+            )
+        # A file named twice is stat'd once; one a partial stage left out is an error only if a rank reads it.
+        found = expected if f in table.absent else sizes.get(f)
+        sizes[f] = listed_size(f, "shard", expected, (_VALIDATE, _TRUNCATED), found=found)
+        _padding_present(where, m, s, k, f, None if f in table.absent else n * PAD_DTYPE.itemsize)
+        table.add(f, s, n)
+        samples.append(n)
+    return np.asarray(samples, dtype=np.int64)
 
 
 def chain_table(
@@ -249,7 +239,9 @@ def chain_table(
     """(table, seq_len, dtype, eos_id) of (epoch directory, epoch manifest) pairs, chained in order, every shard's
     size checked. With a run's `numbering`, epoch e starts at sample numbering.first(e) (epochs
     in increasing order); without one, each epoch starts where the one before it ends."""
-    shards = _Shards(absent)
+    chain = ShardTable(absent)
+    sizes: dict[str, int] = {}
+    samples: list[np.ndarray] = []  # each epoch's shards' samples
     epoch_sizes: list[int] = []
     epoch_numbers: list[int] = []
     shape = None
@@ -260,7 +252,8 @@ def chain_table(
         this = (e_seq, e_dtype, m.get("eos_id"))
         shape = shape or this  # the first epoch's: every epoch chains with it
         _chains_with(where, shape, this)
-        total = shards.add_epoch(pos, directory, m, entries, (e_seq + 1) * e_dtype.itemsize)
+        samples.append(_epoch_shards(chain, sizes, directory, m, entries, (e_seq + 1) * e_dtype.itemsize))
+        total = int(samples[-1].sum())
         if total != e_samples:
             raise TokpackError(
                 "shards do not add up to the epoch's samples",
@@ -280,11 +273,9 @@ def chain_table(
     epoch_ends = epoch_starts + np.asarray(epoch_sizes, dtype=np.int64)
     if np.any(epoch_starts[1:] < epoch_ends[:-1]):
         raise TokpackError("a run's epochs must be chained in increasing order", where="epochs", found=epoch_numbers)
-    shard_starts = epoch_starts[np.asarray(shards.epoch_of, dtype=np.intp)] + np.asarray(shards.offsets, dtype=np.int64)
-    shard_ends = shard_starts + np.asarray(shards.samples, dtype=np.int64)
-    table = shards.table.place(
-        epoch_starts, epoch_ends, epoch_numbers, [str(d) for d, _ in epochs], shard_starts, shard_ends
-    )
+    shard_ends = np.concatenate([start + np.cumsum(n) for start, n in zip(epoch_starts, samples)])
+    shard_starts = shard_ends - np.concatenate(samples)
+    table = chain.place(epoch_starts, epoch_ends, epoch_numbers, [str(d) for d, _ in epochs], shard_starts, shard_ends)
     seq_len, dtype, eos_id = shape
     return table, seq_len, dtype, None if eos_id is None else int(eos_id)
 

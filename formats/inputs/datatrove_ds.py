@@ -83,11 +83,7 @@ def check_datatrove(f: InputFile) -> None:
             hint="the index is truncated",
         )
     count = isize // INDEX_ENTRY_BYTES
-    prev = 0
-    for start in range(0, count, INDEX_CHUNK):
-        ends = read_array(index, U64, min(INDEX_CHUNK, count - start), start * INDEX_ENTRY_BYTES, user=True)
-        _check_increasing(ends, prev, index, start)
-        prev = int(ends[-1])
+    prev = max((int(ends[-1]) for _, ends in _index_chunks(index, count)), default=0)  # the last entry
     if prev != tokens:
         raise _err(
             ".ds.index last entry differs from the token count",
@@ -108,21 +104,27 @@ def check_datatrove(f: InputFile) -> None:
         )
 
 
-def _check_increasing(ends: np.ndarray, prev: int, index, start: int) -> None:
-    bad = np.flatnonzero(np.diff(ends.astype(np.int64), prepend=np.int64(prev)) <= 0) if len(ends) else []
-    if ends.dtype.kind == "u" and len(ends) and ends.max() > np.iinfo(np.int64).max:
-        bad = [int(np.argmax(ends))]
-    if len(bad):
-        i = int(bad[0])
-        before = prev if i == 0 else int(ends[i - 1])
-        raise _err(
-            ".ds.index does not increase",
-            index,
-            where=f"entry {start + i}",
-            expected=f"> {before}",
-            found=int(ends[i]),
-            hint="document ends must be strictly increasing; the index is corrupt",
-        )
+def _index_chunks(index, count: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(first entry, entries as int64) of `index`, INDEX_CHUNK at a time, each checked increasing."""
+    prev = 0
+    for start in range(0, count, INDEX_CHUNK):
+        ends = read_array(index, U64, min(INDEX_CHUNK, count - start), start * INDEX_ENTRY_BYTES, user=True)
+        bad = np.flatnonzero(np.diff(ends.astype(np.int64), prepend=np.int64(prev)) <= 0)
+        if ends.max() > np.iinfo(np.int64).max:
+            bad = [int(np.argmax(ends))]
+        if len(bad):
+            i = int(bad[0])
+            before = prev if i == 0 else int(ends[i - 1])
+            raise _err(
+                ".ds.index does not increase",
+                index,
+                where=f"entry {start + i}",
+                expected=f"> {before}",
+                found=int(ends[i]),
+                hint="document ends must be strictly increasing; the index is corrupt",
+            )
+        prev = int(ends[-1])
+        yield start, ends.astype(np.int64)
 
 
 def datatrove_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
@@ -132,11 +134,7 @@ def datatrove_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
 
     def plan():  # (tokens, (ends, first document, token offset)) per block; runs in the read-ahead thread
         prev = 0  # token end of the previous document
-        for start in range(0, count, INDEX_CHUNK):
-            ends = read_array(
-                f.extra["index"], U64, min(INDEX_CHUNK, count - start), start * INDEX_ENTRY_BYTES, user=True
-            ).astype(np.int64)
-            _check_increasing(ends, prev, f.extra["index"], start)
+        for start, ends in _index_chunks(f.extra["index"], count):
             i = 0
             while i < len(ends):
                 j = max(int(np.searchsorted(ends, prev + block_tokens, side="right")), i + 1)

@@ -402,10 +402,8 @@ class PlacedFile(TmpFile):
             at += want
         self.placed += length
 
-    def write(self, data) -> None:
-        """The next bytes of the file, in order, already placed: hashed (if `hashed`) and
-        counted, not written."""
-        self.count(data)
+    # The next bytes of the file, in order, already placed: hashed (if `hashed`), counted, not written.
+    write = TmpFile.count
 
     def commit(self) -> str | None:
         """Returns the xxh3_128 hex digest (None: not `hashed`)."""
