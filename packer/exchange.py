@@ -111,7 +111,7 @@ from tokpack.packer.stall import DEFAULT_STALL_TIMEOUT, StallWatch, progressed
 from tokpack.packer.transport import OnSigterm, exchange_rounds, world
 from tokpack.shuffle import packings
 from tokpack.shuffle.sources import use_kept_sources
-from tokpack.shuffle.run import epoch_manifest_of, epoch_samples, repeat_warnings, setup_run
+from tokpack.shuffle.run import epoch_manifest_of, run_summary, setup_run
 from tokpack.shuffle.spec import ShuffleSpec
 from tokpack.shuffle.steps import Layout
 
@@ -401,8 +401,10 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         f"epochs {final['epochs']}; RUN {out} holds the manifests and row hashes"
     )
     seconds = time.perf_counter() - t0
+    summary = run_summary(setup, str(out.absolute()), final["epochs"], summaries, skipped, seconds)
+    del summary["seconds"], summary["epochs_detail"]  # this report's are last, after the node's own
     return {
-        **run_summary(setup, out, final["epochs"], summaries, skipped, seconds),
+        **summary,
         "node": n,
         "nodes": N,
         "process": node.p,
@@ -412,9 +414,7 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         "ranks": final["ranks"],
         "world_size": w,
         "micro_batch": micro_batch,
-        "epochs": final["epochs"],
         "epochs_detail": summaries,
-        "skipped": skipped,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
         "cpu_s": round(process_cpu(), 3),  # user+sys of every thread since the process started (its epochs' "phases")
         "seconds": round(seconds, 3),
@@ -487,27 +487,4 @@ def epoch_detail(job, stage, report: list[dict], manifest: dict, entries: list[d
         "stage": stage,
         "sources": report,
         **extra,
-    }
-
-
-def run_summary(setup, out, epochs: list[int], summaries: list[dict], skipped: list[int], seconds: float) -> dict:
-    """The fields of a plain shuffle's summary (tokpack.shuffle.run.shuffle_run's), for this node."""
-    sizes = epoch_samples(setup.runplan, epochs)
-    written = sum(s["bytes_written"] for s in summaries)
-    return {
-        "output": str(out.absolute()),
-        "epochs": epochs,
-        "written": [s["epoch"] for s in summaries],
-        "skipped": skipped,
-        "reused_shards": 0,
-        "samples_per_epoch": sizes[0] if len(set(sizes)) == 1 else None,
-        "epoch_samples": sizes,
-        "seq_len": setup.runplan.schedule.seq_len,
-        "shard_samples": setup.shard_samples,
-        "packing": setup.runplan.packing.name,
-        "holdout": None,
-        "path": PATH if summaries else "none",
-        "bytes_written": written,
-        "mb_per_s": round(written / 1e6 / seconds, 1) if seconds > 0 and written else None,
-        "warnings": [w for s in summaries for w in repeat_warnings(s["epoch"], s["sources"], s["stage"])],
     }

@@ -58,9 +58,9 @@ def _started_run(run_dir) -> bool:
 
 
 def run_settings(run_dir) -> dict:
-    """The keywords of tokpack.packer.api.shuffle that write epochs of the run at `run_dir`
-    with its own settings: sources, seq_len, seed, samples, jitter, shard_samples, packing,
-    pad_id (or schedule, for a run made from a schedule file)."""
+    """The settings of a ShuffleSpec that write epochs of the run at `run_dir` with its own
+    settings: sources and weights, seq_len, seed, samples, jitter, shard_samples, packing, pad_id
+    and holdout (or schedule, the file's path, for a run made from a schedule file)."""
     try:
         m = read_manifest(run_dir, kind=RUN)
     except TokpackError as e:
@@ -86,17 +86,28 @@ def run_settings(run_dir) -> dict:
         "pad_id": pk.get("pad_id"),
         "holdout": holdout,
         "shard_samples": int(m["shard_samples"]),
+        "tokens": None,
     }
     if m.get("schedule_file"):
-        return {**settings, "sources": None, "schedule": m["schedule_file"]}
-    weights = m.get("weights") or [None] * len(m["sources"])
+        return {
+            **settings,
+            "sources": [],
+            "weights": None,
+            "seq_len": None,
+            "seed": None,
+            "samples": None,
+            "jitter": False,
+            "schedule": m["schedule_file"],
+        }
     return {
         **settings,
-        "sources": [(s["path"], w) for s, w in zip(m["sources"], weights)],
+        "sources": [s["path"] for s in m["sources"]],
+        "weights": m.get("weights") or [None] * len(m["sources"]),
         "seq_len": int(m["seq_len"]),
         "seed": int(m["seed"]),
         "samples": int(m["samples"]),
         "jitter": bool(m.get("jitter")),
+        "schedule": None,
     }
 
 
@@ -108,7 +119,7 @@ def like_spec(spec: ShuffleSpec) -> ShuffleSpec:
     if like is None:
         return spec
     taken = run_settings(like)
-    if taken.get("schedule") is None and spec.epochs is None:
+    if taken["schedule"] is None and spec.epochs is None:
         raise TokpackError(
             "no epochs named to add to the run",
             where="--epoch/--epochs",
@@ -117,19 +128,5 @@ def like_spec(spec: ShuffleSpec) -> ShuffleSpec:
             hint="a run made with flags has no last epoch: name the "
             "ones to add (--epoch E, --epochs N; the API's epochs=)",
         )
-    pairs = taken.get("sources") or []
-    return spec.with_settings(
-        sources=[p for p, _ in pairs],
-        weights=[w for _, w in pairs] if pairs else None,
-        output=like if spec.output is None else spec.output,
-        seq_len=taken.get("seq_len"),
-        seed=taken.get("seed"),
-        samples=taken.get("samples"),
-        tokens=None,
-        shard_samples=taken["shard_samples"],
-        jitter=taken.get("jitter", False),
-        schedule=None if taken.get("schedule") is None else read_schedule(taken["schedule"]),
-        packing=taken["packing"],
-        pad_id=taken["pad_id"],
-        holdout=taken["holdout"],
-    )
+    schedule = None if taken["schedule"] is None else read_schedule(taken["schedule"])
+    return spec.with_settings(**{**taken, "schedule": schedule}, output=like if spec.output is None else spec.output)

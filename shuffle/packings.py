@@ -166,10 +166,7 @@ def of_manifest(manifest: dict) -> Packing:
     """The entry of the `shuffle` an epoch manifest records. A name no entry has goes to the
     default one, whose plan refuses it in one line naming what it expected (as before packings
     were registered)."""
-    for entry in _REGISTRY.values():
-        if entry.shuffle == manifest.get("shuffle"):
-            return entry
-    return _REGISTRY[DEFAULT]
+    return next((entry for entry in _REGISTRY.values() if entry.shuffle == manifest.get("shuffle")), _REGISTRY[DEFAULT])
 
 
 # The figures an epoch's packing object may record besides its padding, as `shown` gives them.

@@ -37,7 +37,6 @@ from tokpack.formats.units import counted
 
 from . import packings
 from .sources import is_virtual
-from .schedule import RunPlan
 from .spec import ShuffleSpec
 from .epoch_job import EpochJob, source_changed_error
 from .steps import Layout, make_layout
@@ -324,6 +323,7 @@ def shuffle_run(
             summaries.append(summary)
         done_epochs = sorted(set(done_epochs) | {epoch})
         to.finish(out, setup.written_run_manifest(out, plan, done_epochs))
+    held = None
     if setup.holdout is not None:  # the held-out documents, an epoch directory of their own (never listed)
         log(f"holdout: writing {setup.holdout.plan.samples} samples of held-out documents to {setup.holdout.epoch_dir}")
         held = run_epoch(setup.holdout, memory=memory, workers=workers, tasks=tasks, run_passes=run_passes, log=log)
@@ -336,34 +336,36 @@ def shuffle_run(
     if work.exists() and not any(work.iterdir()):
         work.rmdir()
     seconds = time.perf_counter() - t0
+    # as pack's: the same folder whatever the job's cwd
+    return run_summary(setup, to.shown(out.absolute()), done_epochs, summaries, skipped, seconds, held)
+
+
+def run_summary(
+    setup, output: str, epochs: list[int], summaries: list[dict], skipped: list[int], seconds: float, holdout=None
+) -> dict:
+    """A run's summary: the epochs written (`summaries`, run_epoch's), `skipped` and `epochs`, all
+    the run holds; `shuffle --to-nodes` reports the same fields (tokpack.packer.exchange)."""
     written = sum(s["bytes_written"] for s in summaries)
-    sizes = epoch_samples(runplan, done_epochs)
+    sizes = [setup.runplan.epoch_plan(e).samples for e in epochs]  # a schedule's stages differ in size
     return {
-        "output": to.shown(out.absolute()),  # as pack's: the same folder whatever the job's cwd
-        "epochs": done_epochs,
+        "output": output,
+        "epochs": epochs,
         "written": [s["epoch"] for s in summaries],
         "skipped": skipped,
         "reused_shards": sum(s["shards_reused"] for s in summaries),
         "samples_per_epoch": sizes[0] if len(set(sizes)) == 1 else None,
         "epoch_samples": sizes,
-        "seq_len": runplan.schedule.seq_len,
+        "seq_len": setup.runplan.schedule.seq_len,
         "shard_samples": setup.shard_samples,
-        "packing": runplan.packing.name,
-        "holdout": None if setup.holdout is None else held,
+        "packing": setup.runplan.packing.name,
+        "holdout": holdout,
         "path": ",".join(sorted({s["path"] for s in summaries})) or "none",
         "bytes_written": written,
         "seconds": round(seconds, 3),
         "mb_per_s": round(written / 1e6 / seconds, 1) if seconds > 0 and written else None,
         "epochs_detail": summaries,
-        "warnings": [
-            w for summary in summaries for w in repeat_warnings(summary["epoch"], summary["sources"], summary["stage"])
-        ],
+        "warnings": [w for s in summaries for w in repeat_warnings(s["epoch"], s["sources"], s["stage"])],
     }
-
-
-def epoch_samples(runplan: RunPlan, epochs: list[int]) -> list[int]:
-    """The samples of each of `epochs` (a schedule's stages differ in size)."""
-    return [runplan.epoch_plan(e).samples for e in epochs]
 
 
 def repeat_warnings(epoch: int, report: list[dict], stage: str | None = None) -> list[str]:
