@@ -33,7 +33,7 @@ import numpy as np
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, is_no_space, locked_output
 from tokpack.formats.io.gate import IO_BLOCK, regular_fd
-from tokpack.formats.io.reads import Worker
+from tokpack.formats.io.reads import Worker, read_full
 from tokpack.formats.io.writes import remove_tmp_files
 from tokpack.formats.reading import canonical_bytes, parse_manifest
 from tokpack.formats.packing import has_pad
@@ -126,13 +126,7 @@ class _Reads:
 
     def read(self, rel: str, start: int, out: memoryview) -> None:
         if self.src.local_root is not None:
-            fd = self._fd(rel)
-            done = 0
-            while done < out.nbytes:
-                n = os.preadv(fd, [out[done:]], start + done)
-                if n == 0:
-                    break
-                done += n
+            done = read_full(self._fd(rel), out, start)
         else:
             if rel not in self._checked:
                 self.src.check(rel, self.sizes[rel], what="run file", hint=RUN_HINT)
