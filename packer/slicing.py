@@ -43,7 +43,7 @@ from tokpack.formats.names import dtype_from_name, epoch_dir_name
 from tokpack.formats.hashes import hash_hex64, row_hashes
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace, ShardWriter
-from tokpack.formats.shards import RowFacts, contained_shard
+from tokpack.formats.shards import RowFacts, contained_shard, shard_files
 from tokpack.formats.slices import RankRows, rank_file_name, run_identity, slice_epoch_manifest, slice_manifest
 
 from tokpack.packer.shared import Result
@@ -285,12 +285,11 @@ RUN_HINT = "the run's file does not match its manifest: run `tokpack validate` o
 def run_files(entry: dict, row_bytes: int) -> list[tuple[str, int]]:
     """(name, recorded bytes) of the files a node slice reads of one run shard: its tokens, and
     its row hashes and padding where it has them."""
-    n, name = int(entry["samples"]), entry["path"]
-    return (
-        [(name, n * row_bytes)]
-        + ([(name + ROWS_SUFFIX, U64.itemsize * n)] if "rows_xxh3_128" in entry else [])
-        + ([(name + PAD_SUFFIX, PAD_DTYPE.itemsize * n)] if has_pad(entry) else [])
-    )
+    return [
+        (entry["path"] + suffix, int(entry["samples"]) * row_bytes if suffix == "" else size)
+        for suffix, size, _ in shard_files(entry)
+        if suffix in ("", ROWS_SUFFIX, PAD_SUFFIX)
+    ]
 
 
 def check_run_files(src: Source, epochs: list[int], row_bytes: int) -> None:
