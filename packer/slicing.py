@@ -34,7 +34,6 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, is_no_space, locked_output
 from tokpack.formats.io.gate import IO_BLOCK, regular_fd
 from tokpack.formats.io.reads import Worker, read_full
-from tokpack.formats.io.writes import remove_tmp_files
 from tokpack.formats.reading import canonical_bytes, parse_manifest
 from tokpack.formats.packing import has_pad
 from tokpack.formats.checks import row_bytes_of
@@ -42,10 +41,11 @@ from tokpack.formats.constants import EPOCH, MANIFEST, PAD_DTYPE, PAD_SUFFIX, RO
 from tokpack.formats.names import dtype_from_name, epoch_dir_name
 from tokpack.formats.hashes import hash_hex64, row_hashes
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
-from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace, ShardWriter
+from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardWriter
 from tokpack.formats.shards import RowFacts, contained_shard, shard_files
-from tokpack.formats.slices import RankRows, rank_file_name, run_identity, slice_epoch_manifest, slice_manifest
+from tokpack.formats.slices import RankRows, run_identity, slice_epoch_manifest, slice_manifest
 
+from tokpack.packer.rank_files import RankFiles, ready_epoch_dir
 from tokpack.packer.shared import Result
 from tokpack.packer.stage_dest import epoch_in_place, epoch_tokens, local_dest, on_disk, previous_slice
 from tokpack.packer.stage_plan import Source, parse_epochs, slice_ranks
@@ -455,9 +455,7 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
                 if epoch_in_place(d, want):
                     in_place.append(e)
                     continue
-                d.mkdir(parents=True, exist_ok=True)
-                output.unfinish(d)
-                remove_tmp_files(d)
+                ready_epoch_dir(output, d)
                 stager = _EpochStager(reads, rel, m, rows, (a, b), first)
                 verified_by.add("row hashes" if stager.by_rows else "whole shards")
                 if log and not stager.by_rows:
@@ -473,15 +471,14 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
                     m["tokenizer"],
                     padded=stager.packed,
                 )
-                writers = {}
+                files = None
                 try:
-                    for r in range(a, b + 1):
-                        writers[r] = output.open_shard(ShardPlace(str(d), rank_file_name(r), r, epoch=e, rank=r), fmt)
-                    kept_rows += stager.run(writers)
-                    entries = [{**wr.close(), "rank": r} for r, wr in writers.items()]
+                    files = RankFiles(output, d, rows, first, (a, b), e, fmt, mine=range(a, b + 1))
+                    kept_rows += stager.run(files.writers)
+                    entries = files.close()
                 except BaseException as err:
-                    for wr in writers.values():
-                        wr.abort()
+                    if files is not None:  # (RankFiles removes its own when one fails to open)
+                        files.abort()
                     if is_no_space(err):  # the rank files' temporaries are gone: the disk is not left full
                         raise TokpackError(
                             f"disk full while staging epoch {e}; its partial rank files were removed",
