@@ -92,18 +92,16 @@ class _Reads:
         self._lock = threading.Lock()  # the read-ahead and the reader threads open files
 
     def _fd(self, rel: str) -> int:
-        fd = self._fds.get(rel)
-        if fd is None:
-            with self._lock:  # once per file, whichever thread comes first
-                fd = self._fds.get(rel)
-                if fd is None:
-                    try:  # through the gate: inside its epoch folder, a regular file (a FIFO would block), its size
-                        fd = self._fds[rel] = regular_fd(
-                            os.path.join(self.src.local_root, rel), size=self.sizes[rel], what="run file", hint=RUN_HINT
-                        )
-                    except OSError as e:
-                        raise self.src.read_error(rel, e) from None
-        return fd
+        with self._lock:  # once per file, whichever thread comes first
+            fd = self._fds.get(rel)
+            if fd is None:
+                try:  # through the gate: inside its epoch folder, a regular file (a FIFO would block), its size
+                    fd = self._fds[rel] = regular_fd(
+                        os.path.join(self.src.local_root, rel), size=self.sizes[rel], what="run file", hint=RUN_HINT
+                    )
+                except OSError as e:
+                    raise self.src.read_error(rel, e) from None
+            return fd
 
     def read_all(self, jobs: list[tuple[str, int, memoryview]], advised: bool = False) -> None:
         """Every (file, offset, buffer): a local file's ranges are all announced to the kernel
