@@ -125,11 +125,9 @@ def _forkserver_preload() -> None:
 
 def _send(line: str) -> None:
     if _watchdog is not None and _watchdog.poll() is None:
-        try:
+        with contextlib.suppress(BrokenPipeError, ValueError, OSError):
             _watchdog.stdin.write((line + "\n").encode())
             _watchdog.stdin.flush()
-        except (BrokenPipeError, ValueError, OSError):
-            pass
 
 
 def slurm_submitting() -> None:
@@ -224,11 +222,8 @@ def _children(pid: int) -> list[int]:
     except OSError:
         return out
     for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(x) for x in f.read().split()]
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
+            out += [int(x) for x in f.read().split()]
     return out
 
 
@@ -268,10 +263,8 @@ def _scancel(job_ids: set[str], token: str) -> None:
         listed = ""
     ids = set(job_ids) | {line.split("|", 1)[0] for line in listed.splitlines() if line.endswith("|" + token)}
     if ids:
-        try:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
             subprocess.run(["scancel", *sorted(ids)], capture_output=True, timeout=30)
-        except (OSError, subprocess.SubprocessError):
-            pass
 
 
 def _kill_all(seen: dict[int, str], token: str) -> None:

@@ -27,9 +27,9 @@ class RankFiles:
     def __init__(
         self, output: Output, d: Path, rows: RankRows, first: int, ranks, epoch: int, fmt: EpochShardFormat, mine=None
     ):
-        """`mine`: the ranks of `ranks` whose files this process writes, when its node's
-        processes share them (its leader readied `d` before: ready_epoch_dir); None: every rank's,
-        `d` readied here."""
+        """`mine`: the ranks of `ranks` whose files this process writes, `d` readied before
+        (ready_epoch_dir: by its node's leader when its processes share them); None: every
+        rank's, `d` readied here."""
         self.rows, self.first, self.fmt, self.last = rows, first, fmt, -1
         # each row's facts (its xxh3-64 and EOS columns, computed once as its index is written)
         # given to this collector too (`add(positions, hashes, counts, cols)`): what its epoch

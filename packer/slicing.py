@@ -33,8 +33,7 @@ import numpy as np
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, is_no_space, locked_output
 from tokpack.formats.io.gate import IO_BLOCK, regular_fd
-from tokpack.formats.io.reads import Worker
-from tokpack.formats.io.writes import remove_tmp_files
+from tokpack.formats.io.reads import Worker, read_full
 from tokpack.formats.reading import canonical_bytes, parse_manifest
 from tokpack.formats.packing import has_pad
 from tokpack.formats.checks import row_bytes_of
@@ -42,10 +41,11 @@ from tokpack.formats.constants import EPOCH, MANIFEST, PAD_DTYPE, PAD_SUFFIX, RO
 from tokpack.formats.names import dtype_from_name, epoch_dir_name
 from tokpack.formats.hashes import hash_hex64, row_hashes
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
-from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace, ShardWriter
-from tokpack.formats.shards import RowFacts, contained_shard
-from tokpack.formats.slices import RankRows, rank_file_name, run_identity, slice_epoch_manifest, slice_manifest
+from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardWriter
+from tokpack.formats.shards import RowFacts, contained_shard, shard_files
+from tokpack.formats.slices import RankRows, run_identity, slice_epoch_manifest, slice_manifest
 
+from tokpack.packer.rank_files import RankFiles, ready_epoch_dir
 from tokpack.packer.shared import Result
 from tokpack.packer.stage_dest import epoch_in_place, epoch_tokens, local_dest, on_disk, previous_slice
 from tokpack.packer.stage_plan import Source, parse_epochs, slice_ranks
@@ -92,18 +92,16 @@ class _Reads:
         self._lock = threading.Lock()  # the read-ahead and the reader threads open files
 
     def _fd(self, rel: str) -> int:
-        fd = self._fds.get(rel)
-        if fd is None:
-            with self._lock:  # once per file, whichever thread comes first
-                fd = self._fds.get(rel)
-                if fd is None:
-                    try:  # through the gate: inside its epoch folder, a regular file (a FIFO would block), its size
-                        fd = self._fds[rel] = regular_fd(
-                            os.path.join(self.src.local_root, rel), size=self.sizes[rel], what="run file", hint=RUN_HINT
-                        )
-                    except OSError as e:
-                        raise self.src.read_error(rel, e) from None
-        return fd
+        with self._lock:  # once per file, whichever thread comes first
+            fd = self._fds.get(rel)
+            if fd is None:
+                try:  # through the gate: inside its epoch folder, a regular file (a FIFO would block), its size
+                    fd = self._fds[rel] = regular_fd(
+                        os.path.join(self.src.local_root, rel), size=self.sizes[rel], what="run file", hint=RUN_HINT
+                    )
+                except OSError as e:
+                    raise self.src.read_error(rel, e) from None
+            return fd
 
     def read_all(self, jobs: list[tuple[str, int, memoryview]], advised: bool = False) -> None:
         """Every (file, offset, buffer): a local file's ranges are all announced to the kernel
@@ -126,13 +124,7 @@ class _Reads:
 
     def read(self, rel: str, start: int, out: memoryview) -> None:
         if self.src.local_root is not None:
-            fd = self._fd(rel)
-            done = 0
-            while done < out.nbytes:
-                n = os.preadv(fd, [out[done:]], start + done)
-                if n == 0:
-                    break
-                done += n
+            done = read_full(self._fd(rel), out, start)
         else:
             if rel not in self._checked:
                 self.src.check(rel, self.sizes[rel], what="run file", hint=RUN_HINT)
@@ -291,12 +283,11 @@ RUN_HINT = "the run's file does not match its manifest: run `tokpack validate` o
 def run_files(entry: dict, row_bytes: int) -> list[tuple[str, int]]:
     """(name, recorded bytes) of the files a node slice reads of one run shard: its tokens, and
     its row hashes and padding where it has them."""
-    n, name = int(entry["samples"]), entry["path"]
-    return (
-        [(name, n * row_bytes)]
-        + ([(name + ROWS_SUFFIX, U64.itemsize * n)] if "rows_xxh3_128" in entry else [])
-        + ([(name + PAD_SUFFIX, PAD_DTYPE.itemsize * n)] if has_pad(entry) else [])
-    )
+    return [
+        (entry["path"] + suffix, int(entry["samples"]) * row_bytes if suffix == "" else size)
+        for suffix, size, _ in shard_files(entry)
+        if suffix in ("", ROWS_SUFFIX, PAD_SUFFIX)
+    ]
 
 
 def check_run_files(src: Source, epochs: list[int], row_bytes: int) -> None:
@@ -462,9 +453,7 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
                 if epoch_in_place(d, want):
                     in_place.append(e)
                     continue
-                d.mkdir(parents=True, exist_ok=True)
-                output.unfinish(d)
-                remove_tmp_files(d)
+                ready_epoch_dir(output, d)
                 stager = _EpochStager(reads, rel, m, rows, (a, b), first)
                 verified_by.add("row hashes" if stager.by_rows else "whole shards")
                 if log and not stager.by_rows:
@@ -480,15 +469,14 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
                     m["tokenizer"],
                     padded=stager.packed,
                 )
-                writers = {}
+                files = None
                 try:
-                    for r in range(a, b + 1):
-                        writers[r] = output.open_shard(ShardPlace(str(d), rank_file_name(r), r, epoch=e, rank=r), fmt)
-                    kept_rows += stager.run(writers)
-                    entries = [{**wr.close(), "rank": r} for r, wr in writers.items()]
+                    files = RankFiles(output, d, rows, first, (a, b), e, fmt, mine=range(a, b + 1))
+                    kept_rows += stager.run(files.writers)
+                    entries = files.close()
                 except BaseException as err:
-                    for wr in writers.values():
-                        wr.abort()
+                    if files is not None:  # (RankFiles removes its own when one fails to open)
+                        files.abort()
                     if is_no_space(err):  # the rank files' temporaries are gone: the disk is not left full
                         raise TokpackError(
                             f"disk full while staging epoch {e}; its partial rank files were removed",

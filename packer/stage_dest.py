@@ -22,7 +22,7 @@ from tokpack.formats.constants import (
     SOURCE,
     STAGE_SIDECAR,
 )
-from tokpack.formats.reading import canonical_bytes, parse_manifest, require_valid, strict_json
+from tokpack.formats.reading import canonical_bytes, read_manifest, require_valid, strict_json
 from tokpack.formats.shards import is_own_file, shard_suffixes
 from tokpack.formats.slices import RUN_SELECTION_KEYS, SLICE_EPOCH_KEYS, SLICE_SHAPE_KEYS
 from tokpack.formats.slices import missing_padding, rank_file_name, stage_command
@@ -368,11 +368,7 @@ def previous_slice(dest: Path, root: dict, source: str) -> list[int]:
         ours = {rank_file_name(r) for r in root["ranks"]}
         for d in sorted(q for q in dest.iterdir() if q.is_dir() and q.name.startswith("epoch-")):
             if (d / MANIFEST).is_file():
-                have = parse_manifest(
-                    read_limited(d / MANIFEST, MAX_MANIFEST_BYTES, "manifest"),
-                    d / MANIFEST,
-                    kind=(SLICE_EPOCH, SOURCE, RUN, EPOCH),
-                )
+                have = read_manifest(d, (SLICE_EPOCH, SOURCE, RUN, EPOCH), checked=False)
                 if have.get("kind") != SLICE_EPOCH:
                     raise refuse_dest(dest_holds(dest, d / MANIFEST), "a node slice of these ranks of this run")
                 _same_slice(have, root, source, dest, d / MANIFEST)
@@ -391,7 +387,7 @@ def previous_slice(dest: Path, root: dict, source: str) -> list[int]:
                     f"the rank files of ranks {root['ranks'][0]}-{root['ranks'][-1]}",
                 )
         return []
-    have = parse_manifest(read_limited(path, MAX_MANIFEST_BYTES, "manifest"), path, kind=(SLICE, SOURCE, RUN, EPOCH))
+    have = read_manifest(dest, (SLICE, SOURCE, RUN, EPOCH), checked=False)
     if have.get("kind") != SLICE:
         raise refuse_dest(dest_holds(dest), "nothing, or a node slice of these ranks of this run")
     require_valid(have, dest)  # a damaged slice manifest is one line, as for every reader

@@ -36,18 +36,6 @@ from .run_proof import on_nodes, prove_on_nodes
 from .slice_validation import slice_against_run
 
 
-def plan_validation(paths: list[str | Path], quick: bool) -> list[Dir]:
-    """Reads every manifest and runs the manifest-level checks; returns the shard jobs to run."""
-    plan: list[Dir] = []
-    for p in paths:
-        path = as_path(p)
-        d = plan_dir(path, quick)
-        plan.append(d)
-        if d.report.kind == RUN:
-            check_run(path, d.report.manifest, d.report, quick, plan)
-    return plan
-
-
 def _number_samples(plan: list[Dir]) -> None:
     """Each epoch shard's job its first sample's output position, to sum its order hash."""
     for d in plan:
@@ -70,7 +58,13 @@ def validate_dirs(
 ) -> ValidationReport:
     """Validates sources, runs (with their epochs) and epoch directories. Never raises for bad data.
     `order` (full mode): also each epoch shard's order hash, for `--against` to compare."""
-    plan = plan_validation(paths, quick)
+    plan: list[Dir] = []  # every manifest read and its manifest-level checks run: the shard jobs to run
+    for p in paths:
+        path = as_path(p)
+        d = plan_dir(path, quick)
+        plan.append(d)
+        if d.report.kind == RUN:
+            check_run(path, d.report.manifest, d.report, quick, plan)
     if order and not quick:
         _number_samples(plan)
     # Each job made when its turn comes, twice (its size first), never all held: a manifest of
