@@ -25,7 +25,7 @@ from tokpack.formats.reading import canonical_bytes
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.builders import source_manifest
 from tokpack.packer.shared import ExecutorConfig, as_paths
-from tokpack.packer.plan_nodes import plan_to_nodes
+from tokpack.packer.plan_nodes import plan_to_nodes, shuffle_figures
 from tokpack.packer.plan_result import PARQUET_VALUES_PER_CORE_S, PlanResult, local_only
 from tokpack.packer.plan_result import plan_pass, planned_result, size_text
 
@@ -65,7 +65,7 @@ def plan_shuffle(
     *paths, output = local_only(list(spec.sources) + [str(spec.output)])
     setup = setup_run(spec.with_settings(sources=paths), str(output), workers=config.workers)
     opened = setup.sources
-    passes, details, manifests, written, warnings = [], [], {}, {}, []
+    passes, details, written, warnings = [], [], {}, []
     ram = physical_memory()
     buckets = bucket_files = 0
     for epoch, plan, job in setup.todo:
@@ -82,7 +82,6 @@ def plan_shuffle(
         manifest = planned_epoch_manifest(job, opened)
         written[epoch] = manifest
         size = epoch_bytes(job, manifest)
-        manifests[f"{epoch_dir_name(epoch)}/{MANIFEST}"] = len(canonical_bytes(manifest))
         layout = epoch_layout(job, memory=memory, workers=config.workers, tasks=config.tasks)
         detail = {
             "epoch": epoch,
@@ -131,14 +130,8 @@ def plan_shuffle(
                 plan_pass("order", job.n_shards, budget, scratch - table, size, epoch=epoch),
             ]
         details.append(detail)
-    if written:
-        run = setup.run_manifest(written, setup.todo[-1][1])
-        manifests[MANIFEST] = len(canonical_bytes(run))
-    from tokpack.shuffle.packed.passes import release_passes
-
-    release_passes()  # the best-fit passes the plan packed and kept: a caller's process does not keep them
+    figures = shuffle_figures(setup, written, details)
     plan = setup.todo[0][1]
-    sizes = {d["samples"] for d in details}
     paths_taken = sorted({d["path"] for d in details if "shards" in d})
     return planned_result(
         "shuffle",
@@ -148,9 +141,6 @@ def plan_shuffle(
         config,
         disk_mbps,
         path=",".join(paths_taken) or "none",
-        shards=sum(d.get("shards", 0) for d in details),
-        manifests=manifests,
-        samples_per_epoch=sizes.pop() if len(sizes) == 1 else None,
         sources=[
             {
                 "name": sp.name,
@@ -163,7 +153,6 @@ def plan_shuffle(
             }
             for i, sp in enumerate(plan.sources)
         ],
-        epochs=details,
         buckets=buckets if bucket_files else None,
         bucket_files=bucket_files or None,
         holdout=None
@@ -175,6 +164,7 @@ def plan_shuffle(
             "sources": setup.holdout.plan.source_report(),
         },
         warnings=warnings or None,
+        **figures,
     )
 
 
