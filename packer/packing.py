@@ -41,7 +41,6 @@ from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.writes import write_bytes_atomic
 from tokpack.formats.reading import read_manifest
 from tokpack.formats.names import shard_digits, shard_name
-from tokpack.formats.builders import source_manifest
 from tokpack.formats.outputs import LocalOutput, Output, ShardPlace, SourceShardFormat
 from tokpack.formats.shards import shard_suffixes
 from tokpack.formats.units import counted
@@ -558,20 +557,8 @@ def pack(
                     # relative to OUT: a rerun elsewhere (another scratch folder for a URL) finds them
                     moves.append((src.relative_to(out).as_posix(), f"{name}{suffix}", size))
                 entries.append({**e, "path": name})
-        manifest = source_manifest(
-            entries,
-            out_dtype,
-            setup.vocab,
-            setup.eos,
-            setup.tok_name,
-            inputs=[{"path": r["path"], "size": r["size"], "format": r["format"]} for r in setup.request["inputs"]],
-            shard_tokens=int(options.shard_tokens),
-            eos_appended=sum(p["eos_appended"] for p in parts),
-            empty_documents_dropped=sum(p["empty_documents_dropped"] for p in parts),
-            created_by=_version(),
-            request=setup.request,
-            **({} if setup.vocab_known else {"vocab_known": False}),  # absent when known, as in older manifests
-        )
+        # vocab_known: absent when known, as in older manifests
+        manifest = setup.manifest(entries, _version(), parts, **({} if setup.vocab_known else {"vocab_known": False}))
         write_bytes_atomic(
             plan_path,
             json.dumps(

@@ -23,7 +23,6 @@ from tokpack.formats.guard import physical_memory
 from tokpack.formats.constants import MANIFEST
 from tokpack.formats.reading import canonical_bytes
 from tokpack.formats.names import epoch_dir_name
-from tokpack.formats.builders import source_manifest
 from tokpack.packer.shared import ExecutorConfig, as_paths
 from tokpack.packer.plan_nodes import plan_to_nodes, shuffle_figures
 from tokpack.packer.plan_result import PARQUET_VALUES_PER_CORE_S, PlanResult, local_only
@@ -210,23 +209,7 @@ def plan_pack(
                 }
                 for i in range(n)
             ]
-            return len(
-                canonical_bytes(
-                    source_manifest(
-                        entries,
-                        setup.out_dtype,
-                        setup.vocab,
-                        setup.eos,
-                        setup.tok_name,
-                        inputs=setup.request["inputs"],
-                        shard_tokens=int(shard_tokens),
-                        eos_appended=0,
-                        empty_documents_dropped=0,
-                        created_by="tokpack",
-                        request=setup.request,
-                    )
-                )
-            )
+            return len(canonical_bytes(setup.manifest(entries, "tokpack")))
 
         # Entries of one size: two tell them all, so a tiny --shard-tokens costs no list of entries.
         manifests[MANIFEST] = size(1) + (sum(shards) - 1) * (size(2) - size(1))
