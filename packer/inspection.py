@@ -34,6 +34,7 @@ from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.reading import read_manifest
 from tokpack.formats.packing import holdout_recorded
 from tokpack.formats.shards import PackedSource
+from tokpack.formats.units import counted
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.shared import Result, optional_field
 
@@ -347,10 +348,8 @@ def report_lines(r: InspectResult) -> list[str]:
             + f"  samples {t['samples']:,}  tokens {t['tokens']:,}  shards {t['shards']}  seq_len {t['seq_len']}"
         )
         if "source_tokens" in t:
-            lines.append(
-                f"  sources: {t['sources']}, {t['source_tokens']:,} tokens, {t['source_documents']:,} "
-                f"document{'s' * (t['source_documents'] != 1)}"
-            )
+            documents = counted(t["source_documents"], "document")
+            lines.append(f"  sources: {t['sources']}, {t['source_tokens']:,} tokens, {documents}")
     if r.packing is not None:
         from tokpack.shuffle.packings import shown_line
 

@@ -391,9 +391,8 @@ def say_result(result: PackResult, say) -> None:
             f"tokpack pack: {counted(len(notes) - NOTES_SHOWN, 'more input')} copied (--json lists them under link_notes)"
         )
     say(
-        f"tokpack pack: {result.tokens:,} token{'s' * (result.tokens != 1)}, {result.documents:,} "
-        f"document{'s' * (result.documents != 1)}, {result.shards} shard{'s' * (result.shards != 1)} "
-        f"-> {result.output} ({result.mb_per_s} MB/s)"
+        f"tokpack pack: {counted(result.tokens, 'token')}, {counted(result.documents, 'document')}, "
+        f"{result.shards} shard{'s' * (result.shards != 1)} -> {result.output} ({result.mb_per_s} MB/s)"
         + (
             ""
             if result.linked_files is None
