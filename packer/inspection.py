@@ -119,10 +119,6 @@ class LengthHistogram:
             counts[min(len(counts) - 1, max(0, np.searchsorted(edges, self._log_bin_value(b), side="right") - 1))] += c
         return edges, counts
 
-    def summary(self) -> dict:
-        """The report without its histogram: one source's line of `document_lengths.sources`."""
-        return {k: v for k, v in self.report().items() if k != "histogram"}
-
     def report(self) -> dict:
         if not self.count:
             return {"documents": 0}
@@ -169,7 +165,8 @@ def document_lengths(
                 if not own.count and own.corpus_documents:  # sampled, and no block of it drawn: one of its own
                     path, n = next((p, n) for (j, p), n in zip(paths, sizes) if j == k and n)
                     own.add(_index_lengths(path, 0, min(INDEX_BLOCK, n)))
-                per_source.append(own.summary())
+                # one source's line of `document_lengths.sources`: its report without its histogram
+                per_source.append({k: v for k, v in own.report().items() if k != "histogram"})
     return hist
 
 
