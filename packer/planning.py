@@ -257,12 +257,11 @@ def plan_stage(directory, dest, selection: dict, *, disk_mbps: float | None = No
 
     ranks = whole_shard_ranks(shards_of, ranks, world_size, node)
     (dest,) = local_only([str(dest)])
+    src = Source(str(directory))
     if world_size is not None or node is not None:
         from tokpack.packer.slicing import CHUNK_BYTES, plan_slice
 
-        sp = plan_slice(
-            Source(str(directory)), ranks, world_size, micro_batch, node, ranks_per_node, start_sample, epochs
-        )
+        sp = plan_slice(src, ranks, world_size, micro_batch, node, ranks_per_node, start_sample, epochs)
         kept, read = sum(sp.kept.values()), sum(sp.read.values())
         passes = [plan_pass("slice", len(sp.epochs), CHUNK_BYTES, read, kept)]
         manifests = {MANIFEST: 0, **{f"{epoch_dir_name(e)}/{MANIFEST}": 0 for e in sp.epochs}}
@@ -284,7 +283,6 @@ def plan_stage(directory, dest, selection: dict, *, disk_mbps: float | None = No
             if all(sp.by_rows.values())
             else "epochs written before row hashes are verified by reading their shards whole",
         )
-    src = Source(str(directory))
     kind, plans = make_plan(src, parse_epochs(epochs), parse_ranks(ranks), micro_batch)
     dest = Path(dest)
     jobs = [j for p in plans for j in p.jobs]
