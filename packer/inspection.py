@@ -256,8 +256,15 @@ def inspect(
     `seq_len` for it. `memory`: the budget (bytes) of the epoch's plan and of a best-fit row
     table [default: tokpack.shuffle.packed.DEFAULT_PLAN_MEMORY]."""
     directory = as_path(directory)
-    if plot is not None:
-        _require_matplotlib()
+    if plot is not None:  # checked before any work
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise TokpackError(
+                "--plot needs matplotlib, which is not installed",
+                where="--plot",
+                hint="pip install matplotlib (or pip install 'tokpack[plot]')",
+            ) from None
     manifest = read_manifest(directory)
     kind = manifest["kind"]
     if seq_len is not None and kind != SOURCE and seq_len != manifest.get("seq_len"):  # was silently ignored
@@ -550,17 +557,6 @@ def _diversity_lines(diversity: dict, batch: int, split: str | None = None) -> l
 
 
 # ------------------------------------------------------------------------------ plot
-
-
-def _require_matplotlib():
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise TokpackError(
-            "--plot needs matplotlib, which is not installed",
-            where="--plot",
-            hint="pip install matplotlib (or pip install 'tokpack[plot]')",
-        ) from None
 
 
 def write_plot(path, report: dict, hist: LengthHistogram | None) -> None:
