@@ -247,23 +247,18 @@ class TokenizeTextStep(PipelineStep):
             writer = DocumentTokenizer(
                 self.folder, tokenizer_name_or_path=self.tokenizer, eos_token=self.eos_token, shuffle_documents=False
             )
-            with tokenize_bar(f) as bar:
+            # named so that a log says which phase runs (it takes most of a text pack's time): for JSONL,
+            # bytes of its text out of the file's size; for Parquet, documents out of its footer's row
+            # count; for Arrow, documents
+            name = f"tokenize {Path(f.path).name}"
+            bar = progress(f.size, name) if kind == "jsonl" else progress(table_rows(f), name, unit="document")
+            with bar:
                 docs = counted_documents(reader.run(None, 0, 1), bar, f.size if kind == "jsonl" else None)
                 writer.run(docs, rank=i, world_size=len(self.files))
 
 
-def tokenize_bar(f: InputFile):
-    """The progress of tokenizing text input `f`, named so that a log says which phase runs (it
-    takes most of a text pack's time): for JSONL, bytes of its text out of the file's size; for
-    Parquet, documents out of its footer's row count; for Arrow, documents."""
-    name = f"tokenize {Path(f.path).name}"
-    if f.extra.get("container") == "jsonl":
-        return progress(f.size, name)
-    return progress(table_rows(f), name, unit="document")
-
-
 def counted_documents(docs, bar, jsonl_size: int | None):
-    """`docs` as they are read, each counted on `bar` (tokenize_bar's): a JSONL file's document
+    """`docs` as they are read, each counted on `bar` (the tokenize bar's): a JSONL file's document
     counts its text's bytes and its line's end (`jsonl_size`: the file's), short of the file's by
     the JSON syntax and the other fields, so the bar reaches the file's size at its end, not
     before; another's counts 1."""
