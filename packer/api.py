@@ -345,12 +345,6 @@ def shuffle_spec(values: dict):
     return spec.with_settings(sources=paths, weights=weights, schedule=scheduled)
 
 
-# What --like reads from the run, as its usage line names it (the sources aside).
-TAKEN_BY_LIKE = (
-    "--seq-len, --seed, --samples/--tokens, --shard-samples, --jitter, --schedule, --packing, --pad-id, --holdout"
-)
-
-
 def shuffle_usage(values: dict, plan: bool = False) -> list[int] | int | None:
     """The usage checks of `shuffle`'s keywords `values` (`plan("shuffle")`'s with `plan`), before
     any file is read but --like's run: one UsageError, the command line's usage error. The command
@@ -361,7 +355,10 @@ def shuffle_usage(values: dict, plan: bool = False) -> list[int] | int | None:
     if like is not None:
         twice = given_with_like(values)
         if twice:
-            raise UsageError(f"--like takes the sources and {TAKEN_BY_LIKE} from the run; drop {' '.join(twice)}")
+            raise UsageError(  # what --like reads from the run
+                "--like takes the sources and --seq-len, --seed, --samples/--tokens, --shard-samples, --jitter, "
+                f"--schedule, --packing, --pad-id, --holdout from the run; drop {' '.join(twice)}"
+            )
     elif values.get("output") is None:
         raise UsageError("give -o OUT (or --like RUN to add epochs to RUN with its own settings)")
     elif schedule is not None:

@@ -87,13 +87,10 @@ def diversity_before(maps: list[DocumentMap], row: int, batch: int, batches: int
     return _series([batch_stats([window_docs(w) for w in range(b * batch, (b + 1) * batch)]) for b in range(n)])
 
 
-def diversity_after_plan(
-    plan, maps: list[DocumentMap], epoch_dir: Path, manifest: dict, batch: int, batches: int
-) -> tuple[dict | None, int]:
-    """Epoch order through the shuffle plan. Returns (series, samples whose bytes did not match
-    their planned window); a mismatch means the plan does not describe this epoch."""
+def diversity_after_plan(plan, maps: list[DocumentMap], reader, batch: int, batches: int) -> tuple[dict | None, int]:
+    """Epoch order (its `reader`'s) through the shuffle plan. Returns (series, samples whose bytes did
+    not match their planned window); a mismatch means the plan does not describe this epoch."""
     stats, mismatches = [], 0
-    reader = SampleReader.from_manifests([(epoch_dir, manifest)])
     window = np.empty(plan.row_tokens, dtype=reader.dtype)
     for b in range(min(batches, plan.samples // batch)):
         s_idx, w_idx, _ = plan.locate(np.arange(b * batch, (b + 1) * batch, dtype=np.int64))
@@ -113,9 +110,7 @@ def diversity_after_plan(
     return _series(stats), mismatches
 
 
-def diversity_after_table(
-    plan, maps: list[DocumentMap], epoch_dir: Path, manifest: dict, batch: int, batches: int
-) -> tuple[dict | None, int]:
+def diversity_after_table(plan, maps: list[DocumentMap], reader, batch: int, batches: int) -> tuple[dict | None, int]:
     """An epoch whose packing builds its rows from a row table (its registry entry's
     `table_rows`: best-fit), in order: each sample's documents from the table, built within the
     plan's memory and read a batch's rows at a time (never whole). Returns (series, samples whose
@@ -125,7 +120,6 @@ def diversity_after_table(
     entry = of_plan(plan)
     opened = [m.src for m in maps]
     pool = entry.token_pool(plan, opened)
-    reader = SampleReader.from_manifests([(epoch_dir, manifest)])
     stats, mismatches = [], 0
     with entry.table_rows(plan, opened) as built:
         for b in range(min(batches, plan.samples // batch)):
@@ -138,9 +132,8 @@ def diversity_after_table(
     return _series(stats), mismatches
 
 
-def diversity_after_eos(epoch_dir: Path, manifest: dict, batch: int, batches: int) -> dict:
-    """Epoch order, documents = EOS-delimited fragments within each sample."""
-    reader = SampleReader.from_manifests([(epoch_dir, manifest)])
+def diversity_after_eos(reader, manifest: dict, batch: int, batches: int) -> dict:
+    """Epoch order (its `reader`'s), documents = EOS-delimited fragments within each sample."""
     eos = int(manifest["eos_id"])
     stats = []
     for b in range(min(batches, int(manifest["samples"]) // batch)):
@@ -176,6 +169,7 @@ def batch_diversity(
     if chosen is None:
         return diversity
     e, edir, em = chosen
+    reader = SampleReader.from_manifests([(edir, em)])
     after, method, note = None, "eos", "sources not reachable"
     if maps:
         try:
@@ -189,14 +183,14 @@ def batch_diversity(
             # A packing with a row table (best-fit) names each sample's documents; a window plan
             # locates each sample's window in its source.
             after, mismatches = (diversity_after_plan if entry.table_rows is None else diversity_after_table)(
-                plan, maps, edir, em, batch, batches
+                plan, maps, reader, batch, batches
             )
             note = None
             if mismatches:
                 after, note = None, f"{mismatches} samples differ from their planned source window: plan not used"
             else:
                 method = "plan"
-    diversity.update(epoch=e, after=after or diversity_after_eos(edir, em, batch, batches), document_identity=method)
+    diversity.update(epoch=e, after=after or diversity_after_eos(reader, em, batch, batches), document_identity=method)
     if note:
         diversity["note"] = note
     return diversity

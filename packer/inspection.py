@@ -34,6 +34,7 @@ from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.reading import read_manifest
 from tokpack.formats.packing import holdout_recorded
 from tokpack.formats.shards import PackedSource
+from tokpack.formats.units import counted
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.shared import Result, optional_field
 
@@ -118,10 +119,6 @@ class LengthHistogram:
             counts[min(len(counts) - 1, max(0, np.searchsorted(edges, self._log_bin_value(b), side="right") - 1))] += c
         return edges, counts
 
-    def summary(self) -> dict:
-        """The report without its histogram: one source's line of `document_lengths.sources`."""
-        return {k: v for k, v in self.report().items() if k != "histogram"}
-
     def report(self) -> dict:
         if not self.count:
             return {"documents": 0}
@@ -168,7 +165,8 @@ def document_lengths(
                 if not own.count and own.corpus_documents:  # sampled, and no block of it drawn: one of its own
                     path, n = next((p, n) for (j, p), n in zip(paths, sizes) if j == k and n)
                     own.add(_index_lengths(path, 0, min(INDEX_BLOCK, n)))
-                per_source.append(own.summary())
+                # one source's line of `document_lengths.sources`: its report without its histogram
+                per_source.append({k: v for k, v in own.report().items() if k != "histogram"})
     return hist
 
 
@@ -258,8 +256,15 @@ def inspect(
     `seq_len` for it. `memory`: the budget (bytes) of the epoch's plan and of a best-fit row
     table [default: tokpack.shuffle.packed.DEFAULT_PLAN_MEMORY]."""
     directory = as_path(directory)
-    if plot is not None:
-        _require_matplotlib()
+    if plot is not None:  # checked before any work
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise TokpackError(
+                "--plot needs matplotlib, which is not installed",
+                where="--plot",
+                hint="pip install matplotlib (or pip install 'tokpack[plot]')",
+            ) from None
     manifest = read_manifest(directory)
     kind = manifest["kind"]
     if seq_len is not None and kind != SOURCE and seq_len != manifest.get("seq_len"):  # was silently ignored
@@ -347,10 +352,8 @@ def report_lines(r: InspectResult) -> list[str]:
             + f"  samples {t['samples']:,}  tokens {t['tokens']:,}  shards {t['shards']}  seq_len {t['seq_len']}"
         )
         if "source_tokens" in t:
-            lines.append(
-                f"  sources: {t['sources']}, {t['source_tokens']:,} tokens, {t['source_documents']:,} "
-                f"document{'s' * (t['source_documents'] != 1)}"
-            )
+            documents = counted(t["source_documents"], "document")
+            lines.append(f"  sources: {t['sources']}, {t['source_tokens']:,} tokens, {documents}")
     if r.packing is not None:
         from tokpack.shuffle.packings import shown_line
 
@@ -554,17 +557,6 @@ def _diversity_lines(diversity: dict, batch: int, split: str | None = None) -> l
 
 
 # ------------------------------------------------------------------------------ plot
-
-
-def _require_matplotlib():
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise TokpackError(
-            "--plot needs matplotlib, which is not installed",
-            where="--plot",
-            hint="pip install matplotlib (or pip install 'tokpack[plot]')",
-        ) from None
 
 
 def write_plot(path, report: dict, hist: LengthHistogram | None) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tokpack.formats.builders import source_manifest
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.constants import DEFAULT_SHARD_TOKENS, LOCK_NAME, MANIFEST, SOURCE, WORK_DIR
 from tokpack.formats.guard import bytes_under
@@ -181,6 +182,23 @@ class PackSetup:
             self.out_dtype,
             int(self.request["shard_tokens"]),
             lambda f: _shard_bytes(f, self.out_dtype),
+        )
+
+    def manifest(self, entries: list[dict], created_by: str, parts: list[dict] = (), **fields) -> dict:
+        """The source manifest of shards `entries`, packed by the tasks whose records are `parts`."""
+        return source_manifest(
+            entries,
+            self.out_dtype,
+            self.vocab,
+            self.eos,
+            self.tok_name,
+            inputs=self.request["inputs"],
+            shard_tokens=self.request["shard_tokens"],
+            eos_appended=sum(p["eos_appended"] for p in parts),
+            empty_documents_dropped=sum(p["empty_documents_dropped"] for p in parts),
+            created_by=created_by,
+            request=self.request,
+            **fields,
         )
 
     def bytes_to_write(self, out: Path, to: Output = LocalOutput(), tasks: int = 1) -> int:

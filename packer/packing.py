@@ -41,7 +41,6 @@ from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.writes import write_bytes_atomic
 from tokpack.formats.reading import read_manifest
 from tokpack.formats.names import shard_digits, shard_name
-from tokpack.formats.builders import source_manifest
 from tokpack.formats.outputs import LocalOutput, Output, ShardPlace, SourceShardFormat
 from tokpack.formats.shards import shard_suffixes
 from tokpack.formats.units import counted
@@ -248,23 +247,18 @@ class TokenizeTextStep(PipelineStep):
             writer = DocumentTokenizer(
                 self.folder, tokenizer_name_or_path=self.tokenizer, eos_token=self.eos_token, shuffle_documents=False
             )
-            with tokenize_bar(f) as bar:
+            # named so that a log says which phase runs (it takes most of a text pack's time): for JSONL,
+            # bytes of its text out of the file's size; for Parquet, documents out of its footer's row
+            # count; for Arrow, documents
+            name = f"tokenize {Path(f.path).name}"
+            bar = progress(f.size, name) if kind == "jsonl" else progress(table_rows(f), name, unit="document")
+            with bar:
                 docs = counted_documents(reader.run(None, 0, 1), bar, f.size if kind == "jsonl" else None)
                 writer.run(docs, rank=i, world_size=len(self.files))
 
 
-def tokenize_bar(f: InputFile):
-    """The progress of tokenizing text input `f`, named so that a log says which phase runs (it
-    takes most of a text pack's time): for JSONL, bytes of its text out of the file's size; for
-    Parquet, documents out of its footer's row count; for Arrow, documents."""
-    name = f"tokenize {Path(f.path).name}"
-    if f.extra.get("container") == "jsonl":
-        return progress(f.size, name)
-    return progress(table_rows(f), name, unit="document")
-
-
 def counted_documents(docs, bar, jsonl_size: int | None):
-    """`docs` as they are read, each counted on `bar` (tokenize_bar's): a JSONL file's document
+    """`docs` as they are read, each counted on `bar` (the tokenize bar's): a JSONL file's document
     counts its text's bytes and its line's end (`jsonl_size`: the file's), short of the file's by
     the JSON syntax and the other fields, so the bar reaches the file's size at its end, not
     before; another's counts 1."""
@@ -392,9 +386,8 @@ def say_result(result: PackResult, say) -> None:
             f"tokpack pack: {counted(len(notes) - NOTES_SHOWN, 'more input')} copied (--json lists them under link_notes)"
         )
     say(
-        f"tokpack pack: {result.tokens:,} token{'s' * (result.tokens != 1)}, {result.documents:,} "
-        f"document{'s' * (result.documents != 1)}, {result.shards} shard{'s' * (result.shards != 1)} "
-        f"-> {result.output} ({result.mb_per_s} MB/s)"
+        f"tokpack pack: {counted(result.tokens, 'token')}, {counted(result.documents, 'document')}, "
+        f"{result.shards} shard{'s' * (result.shards != 1)} -> {result.output} ({result.mb_per_s} MB/s)"
         + (
             ""
             if result.linked_files is None
@@ -558,20 +551,8 @@ def pack(
                     # relative to OUT: a rerun elsewhere (another scratch folder for a URL) finds them
                     moves.append((src.relative_to(out).as_posix(), f"{name}{suffix}", size))
                 entries.append({**e, "path": name})
-        manifest = source_manifest(
-            entries,
-            out_dtype,
-            setup.vocab,
-            setup.eos,
-            setup.tok_name,
-            inputs=[{"path": r["path"], "size": r["size"], "format": r["format"]} for r in setup.request["inputs"]],
-            shard_tokens=int(options.shard_tokens),
-            eos_appended=sum(p["eos_appended"] for p in parts),
-            empty_documents_dropped=sum(p["empty_documents_dropped"] for p in parts),
-            created_by=_version(),
-            request=setup.request,
-            **({} if setup.vocab_known else {"vocab_known": False}),  # absent when known, as in older manifests
-        )
+        # vocab_known: absent when known, as in older manifests
+        manifest = setup.manifest(entries, _version(), parts, **({} if setup.vocab_known else {"vocab_known": False}))
         write_bytes_atomic(
             plan_path,
             json.dumps(

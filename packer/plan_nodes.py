@@ -283,6 +283,23 @@ def _predict(works: list, rates: Rates) -> dict:
     }
 
 
+def shuffle_figures(setup, written: dict, details: list[dict]) -> dict:
+    """A planned shuffle's (or --to-nodes') fields over its epochs `details`: the manifests' sizes
+    (each epoch's of `written`, then RUN's), shards, samples_per_epoch, epochs."""
+    from tokpack.shuffle.packed.passes import release_passes
+
+    manifests = {f"{epoch_dir_name(e)}/{MANIFEST}": len(canonical_bytes(m)) for e, m in written.items()}
+    if written:
+        manifests[MANIFEST] = len(canonical_bytes(setup.run_manifest(written, setup.todo[-1][1])))
+    release_passes()  # the best-fit passes the plan packed and kept: a caller's process does not keep them
+    return {
+        "manifests": manifests,
+        "shards": sum(d.get("shards", 0) for d in details),
+        "samples_per_epoch": details[0]["samples"] if len({d["samples"] for d in details}) == 1 else None,
+        "epochs": details,
+    }
+
+
 def plan_to_nodes(
     spec,
     *,
@@ -300,7 +317,6 @@ def plan_to_nodes(
     from tokpack.shuffle import packings
     from tokpack.packer.slicing import SLICE_ENTRY_BYTES, SLICE_HEADER_BYTES, slice_ranks
     from tokpack.packer.stage_dest import on_disk
-    from tokpack.shuffle.packed.passes import release_passes
     from tokpack.shuffle.run import repeat_warnings, setup_run
 
     dest, keep_sources, memory = spec.nodes.dest, spec.nodes.keep_sources, spec.memory
@@ -340,7 +356,7 @@ def plan_to_nodes(
     )
     totals = [{**dict.fromkeys(zero, 0), "epochs": []} for _ in range(nodes)]
     works: list[list] = [[] for _ in range(nodes)]  # per node, each epoch's NodeWork (tokpack.packer.node_model)
-    details, manifests, written_manifests, run_rows = [], {}, {}, {"rows_bytes": 0, "pad_bytes": 0}
+    details, written_manifests, run_rows = [], {}, {"rows_bytes": 0, "pad_bytes": 0}
     for epoch, plan, job in setup.todo:
         if job is None:
             details.append({"epoch": epoch, "path": "complete already", "samples": plan.samples})
@@ -349,7 +365,6 @@ def plan_to_nodes(
         notes += repeat_warnings(epoch, plan.source_report(), setup.runplan.stage_name(epoch))
         manifest, padding = _planned_manifest(job, opened, memory)
         written_manifests[epoch] = manifest
-        manifests[f"{epoch_dir_name(epoch)}/{MANIFEST}"] = len(canonical_bytes(manifest))
         figures = _node_epoch_figures(
             job, manifest, padding, numbering.first(epoch), nodes, ranks_per_node, micro_batch, memory
         )
@@ -452,10 +467,8 @@ def plan_to_nodes(
                     "rounds": f["rounds"],
                 }
             )
-    if written_manifests:
-        run = setup.run_manifest(written_manifests, setup.todo[-1][1])
-        manifests[MANIFEST] = len(canonical_bytes(run))
-    release_passes()  # the best-fit passes the plan packed: a caller's process does not keep them
+    figures = shuffle_figures(setup, written_manifests, details)
+    manifests = figures["manifests"]
     for t in totals:  # each process reads RUN's manifests back, the run's once an epoch (exchange.commit_slice_epoch)
         t["shared_manifest_bytes"] = sum(manifests.values()) + manifests.get(MANIFEST, 0) * max(
             0, len(written_manifests) - 1
@@ -523,23 +536,18 @@ def plan_to_nodes(
         )
     times = [p["predicted_seconds"] for p in per_node]
     slowest = None if None in times else max(range(nodes), key=lambda n: times[n])
-    sizes = {d["samples"] for d in details}
     return PlanResult(
         command="shuffle",
         output=str(output),
         path="to-nodes",
-        shards=sum(d.get("shards", 0) for d in details),
         passes=[],
         space=[dict(s, node=p["node"]) for p in per_node if isinstance(p["space"], list) for s in p["space"]],
-        manifests=manifests,
         workers=nodes,
         executor="mpi",
         disk_mbps=disk,
         disk=disk_how,
         startup_seconds=COMMAND_START_SECONDS,
         predicted_seconds=None if slowest is None else times[slowest],
-        samples_per_epoch=sizes.pop() if len(sizes) == 1 else None,
-        epochs=details,
         nodes=nodes,
         to_nodes={
             "dest": str(dest),
@@ -561,4 +569,5 @@ def plan_to_nodes(
         shared=shared_how,
         nic_mbps=nic,
         warnings=notes or None,
+        **figures,
     )

@@ -23,9 +23,8 @@ from tokpack.formats.guard import physical_memory
 from tokpack.formats.constants import MANIFEST
 from tokpack.formats.reading import canonical_bytes
 from tokpack.formats.names import epoch_dir_name
-from tokpack.formats.builders import source_manifest
 from tokpack.packer.shared import ExecutorConfig, as_paths
-from tokpack.packer.plan_nodes import plan_to_nodes
+from tokpack.packer.plan_nodes import plan_to_nodes, shuffle_figures
 from tokpack.packer.plan_result import PARQUET_VALUES_PER_CORE_S, PlanResult, local_only
 from tokpack.packer.plan_result import plan_pass, planned_result, size_text
 
@@ -65,7 +64,7 @@ def plan_shuffle(
     *paths, output = local_only(list(spec.sources) + [str(spec.output)])
     setup = setup_run(spec.with_settings(sources=paths), str(output), workers=config.workers)
     opened = setup.sources
-    passes, details, manifests, written, warnings = [], [], {}, {}, []
+    passes, details, written, warnings = [], [], {}, []
     ram = physical_memory()
     buckets = bucket_files = 0
     for epoch, plan, job in setup.todo:
@@ -82,7 +81,6 @@ def plan_shuffle(
         manifest = planned_epoch_manifest(job, opened)
         written[epoch] = manifest
         size = epoch_bytes(job, manifest)
-        manifests[f"{epoch_dir_name(epoch)}/{MANIFEST}"] = len(canonical_bytes(manifest))
         layout = epoch_layout(job, memory=memory, workers=config.workers, tasks=config.tasks)
         detail = {
             "epoch": epoch,
@@ -131,14 +129,8 @@ def plan_shuffle(
                 plan_pass("order", job.n_shards, budget, scratch - table, size, epoch=epoch),
             ]
         details.append(detail)
-    if written:
-        run = setup.run_manifest(written, setup.todo[-1][1])
-        manifests[MANIFEST] = len(canonical_bytes(run))
-    from tokpack.shuffle.packed.passes import release_passes
-
-    release_passes()  # the best-fit passes the plan packed and kept: a caller's process does not keep them
+    figures = shuffle_figures(setup, written, details)
     plan = setup.todo[0][1]
-    sizes = {d["samples"] for d in details}
     paths_taken = sorted({d["path"] for d in details if "shards" in d})
     return planned_result(
         "shuffle",
@@ -148,9 +140,6 @@ def plan_shuffle(
         config,
         disk_mbps,
         path=",".join(paths_taken) or "none",
-        shards=sum(d.get("shards", 0) for d in details),
-        manifests=manifests,
-        samples_per_epoch=sizes.pop() if len(sizes) == 1 else None,
         sources=[
             {
                 "name": sp.name,
@@ -163,7 +152,6 @@ def plan_shuffle(
             }
             for i, sp in enumerate(plan.sources)
         ],
-        epochs=details,
         buckets=buckets if bucket_files else None,
         bucket_files=bucket_files or None,
         holdout=None
@@ -175,6 +163,7 @@ def plan_shuffle(
             "sources": setup.holdout.plan.source_report(),
         },
         warnings=warnings or None,
+        **figures,
     )
 
 
@@ -220,23 +209,7 @@ def plan_pack(
                 }
                 for i in range(n)
             ]
-            return len(
-                canonical_bytes(
-                    source_manifest(
-                        entries,
-                        setup.out_dtype,
-                        setup.vocab,
-                        setup.eos,
-                        setup.tok_name,
-                        inputs=setup.request["inputs"],
-                        shard_tokens=int(shard_tokens),
-                        eos_appended=0,
-                        empty_documents_dropped=0,
-                        created_by="tokpack",
-                        request=setup.request,
-                    )
-                )
-            )
+            return len(canonical_bytes(setup.manifest(entries, "tokpack")))
 
         # Entries of one size: two tell them all, so a tiny --shard-tokens costs no list of entries.
         manifests[MANIFEST] = size(1) + (sum(shards) - 1) * (size(2) - size(1))
@@ -284,12 +257,11 @@ def plan_stage(directory, dest, selection: dict, *, disk_mbps: float | None = No
 
     ranks = whole_shard_ranks(shards_of, ranks, world_size, node)
     (dest,) = local_only([str(dest)])
+    src = Source(str(directory))
     if world_size is not None or node is not None:
         from tokpack.packer.slicing import CHUNK_BYTES, plan_slice
 
-        sp = plan_slice(
-            Source(str(directory)), ranks, world_size, micro_batch, node, ranks_per_node, start_sample, epochs
-        )
+        sp = plan_slice(src, ranks, world_size, micro_batch, node, ranks_per_node, start_sample, epochs)
         kept, read = sum(sp.kept.values()), sum(sp.read.values())
         passes = [plan_pass("slice", len(sp.epochs), CHUNK_BYTES, read, kept)]
         manifests = {MANIFEST: 0, **{f"{epoch_dir_name(e)}/{MANIFEST}": 0 for e in sp.epochs}}
@@ -311,7 +283,6 @@ def plan_stage(directory, dest, selection: dict, *, disk_mbps: float | None = No
             if all(sp.by_rows.values())
             else "epochs written before row hashes are verified by reading their shards whole",
         )
-    src = Source(str(directory))
     kind, plans = make_plan(src, parse_epochs(epochs), parse_ranks(ranks), micro_batch)
     dest = Path(dest)
     jobs = [j for p in plans for j in p.jobs]

@@ -56,7 +56,9 @@ def resolve_vocab_eos(
     seen = f"; datatrove's metadata names the tokenizer {hub!r}, a hub name tokpack does not download" if hub else ""
     known_vocab = vocab_size is not None
     if vocab_size is None:
-        vocab_size = native_vocab(files[0].dtype)
+        # the vocabulary the input dtype can address, when that bounds it usefully (not 64-bit or float)
+        dt = None if files[0].dtype is None else np.dtype(files[0].dtype)
+        vocab_size = None if dt is None or dt.kind == "f" or dt.itemsize == 8 else int(np.iinfo(dt).max) + 1
         if vocab_size is not None and dtype_for_vocab(vocab_size).itemsize > 2:
             # every id the input dtype can hold must fit, so a 16-bit vocabulary costs twice the disk
             warnings.append(
@@ -116,16 +118,6 @@ def resolve_vocab_eos(
         )
     name = tokenizer or named or "unknown"
     return int(vocab_size), int(eos_id), str(name), eos_token, known_vocab
-
-
-def native_vocab(dtype: str | None) -> int | None:
-    """The vocabulary a dtype can address, when that bounds it usefully (not 64-bit or float)."""
-    if dtype is None:
-        return None
-    dt = np.dtype(dtype)
-    if dt.kind == "f" or dt.itemsize == 8:
-        return None
-    return int(np.iinfo(dt).max) + 1
 
 
 def load_tokenizer(path: str):
