@@ -225,9 +225,11 @@ class Buckets:
 
     def close(self, failed: bool = False) -> None:
         """The bucket files closed, should the rounds have failed (nothing runs behind them: a
-        bucket's read back is rows' own, BucketRead)."""
-        with suppress(OSError):  # a failure is being raised: the files are dropped with the scratch
-            self.files.close()
+        bucket's read back is rows' own, BucketRead). After `finish`, which closed them and
+        raised what their last flush met (a full disk), there is nothing to do."""
+        if failed:
+            with suppress(OSError):  # a failure is being raised: the files are dropped with the scratch
+                self.files.close()
 
     def rows(self, lo: int, hi: int):
         """(first store row, rows) of each bucket in [lo, hi) (bucket boundaries), in order. The
