@@ -161,3 +161,50 @@ def test_each_bucket_file_is_read_back_once_and_removed(tmp_path):
     assert buckets > 4 * 4 and len(writes) == 2 * buckets, (buckets, len(writes))
     assert reads == Counter(dict.fromkeys(writes, 1)), reads
     assert removed == Counter(dict.fromkeys(writes, 1))
+
+
+def _appended(tmp_path, n: int = 8, row_tokens: int = 5):
+    """Buckets (2 of 4 rows) given n whole rows in one round, finish not yet called; their files."""
+    ne = SimpleNamespace(plan=SimpleNamespace(row_tokens=row_tokens), job=SimpleNamespace(token_dtype=DTYPE))
+    lay = Layout(1, np.arange(0, n + 1, 4, dtype=np.int64), np.array([0, 2], dtype=np.int64), 0, str(tmp_path), [])
+    stores = Buckets(ne, lay, pad_id=0)
+    pieces = np.zeros(n, WIRE_PIECE)
+    pieces["g"], pieces["length"] = np.arange(n), row_tokens
+    tokens = np.arange(1, n * row_tokens + 1, dtype=DTYPE)
+    stores.put(np.full(n, row_tokens, dtype=np.int64), np.arange(n), pieces, tokens, np.arange(n) * row_tokens)
+    return stores, lay, [f for pair in stores.files.files.values() for f in pair]
+
+
+def test_a_full_disk_at_the_bucket_files_last_flush_is_raised_by_finish(tmp_path):
+    """The bucket files' last buffered bytes reach the disk as finish closes them: a full disk
+    there is finish's error (the exchange's disk-full line), before the task's records are
+    written."""
+    import errno
+
+    stores, lay, opened = _appended(tmp_path)
+    real = stores.files.close
+
+    def full():
+        real()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    stores.files.close = full
+    with pytest.raises(OSError) as raised:
+        stores.finish()
+    assert raised.value.errno == errno.ENOSPC and opened
+    assert not os.path.exists(lay.task_records(0))  # no records for bucket files a full disk cut short
+
+
+def test_rounds_that_failed_close_the_bucket_files_silently(tmp_path):
+    """close(failed=True), the exchange's after a failure in the rounds: the files closed, what
+    closing them meets suppressed (the failure under way is the one reported)."""
+    stores, _, opened = _appended(tmp_path)
+    stores.close(failed=True)
+    assert opened and all(f.closed for f in opened)
+    stores, _, opened = _appended(tmp_path / "again")
+
+    def broken():
+        raise OSError("closing failed")
+
+    stores.files.close = broken
+    stores.close(failed=True)  # no error of its own

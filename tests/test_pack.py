@@ -920,6 +920,15 @@ def bad_index_repeated(c, t):
     return [d]
 
 
+def bad_index_huge(c, t):
+    d = copy_dt(c, t)
+    idx = Path(f"{first_ds(d)}.index")
+    a = np.fromfile(idx, dtype="<u8")
+    a[2:4] = 2**64 - 5, 2**64 - 4  # past int64 (negative, read as signed): the first such is named
+    a.tofile(idx)
+    return [d]
+
+
 def bad_index_last(c, t):
     d = copy_dt(c, t)
     idx = Path(f"{first_ds(d)}.index")
@@ -1146,6 +1155,7 @@ BAD = [
     bad_ds_size,
     bad_index_order,
     bad_index_repeated,
+    bad_index_huge,
     bad_index_last,
     bad_megatron_magic,
     bad_megatron_version,
@@ -1189,6 +1199,7 @@ WHAT = {
     "bad_ds_size": ["not a multiple of the token size"],
     "bad_index_order": ["does not increase", "entry 2"],
     "bad_index_repeated": ["does not increase", "entry 3"],
+    "bad_index_huge": ["does not increase", "[entry 2]", f"found {2**64 - 5}"],
     "bad_index_last": ["last entry differs"],
     "bad_megatron_magic": [
         "m.idx [byte 0]: not a Megatron index: wrong magic; expected b'MMIDIDX\\x00\\x00', found "

@@ -109,9 +109,8 @@ def _index_chunks(index, count: int) -> Iterator[tuple[int, np.ndarray]]:
     prev = 0
     for start in range(0, count, INDEX_CHUNK):
         ends = read_array(index, U64, min(INDEX_CHUNK, count - start), start * INDEX_ENTRY_BYTES, user=True)
+        # an entry past int64 turns negative here: the first such is caught as not increasing
         bad = np.flatnonzero(np.diff(ends.astype(np.int64), prepend=np.int64(prev)) <= 0)
-        if ends.max() > np.iinfo(np.int64).max:
-            bad = [int(np.argmax(ends))]
         if len(bad):
             i = int(bad[0])
             before = prev if i == 0 else int(ends[i - 1])
