@@ -4,8 +4,10 @@ mpirun, is returned as it came (start_job: fails the test), once."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,4 +71,38 @@ def test_a_background_job_that_ends_before_it_is_ready_fails_the_test_with_its_s
     with pytest.raises(pytest.fail.Exception) as failed:
         conftest.start_job([str(exe)], dict(os.environ), (tmp_path / "never").exists, "the lock")
     assert f"the lock: the job ended (exit {code})" in str(failed.value) and text in str(failed.value)
+    assert (tmp_path / "count").read_text().strip() == launches
+
+
+@pytest.fixture(scope="module")
+def bench_common():
+    """bench/common.py as a module, with the repository on sys.path only while importing it."""
+    saved = list(sys.path)
+    sys.path.insert(0, str(conftest.REPO))
+    try:
+        return importlib.import_module("bench.common")
+    finally:
+        sys.path[:] = saved
+
+
+def test_a_benchmarks_launcher_that_failed_to_start_is_launched_again_and_measured_once(tmp_path, bench_common):
+    """run_all --quick (in .ci/run) times mpirun through bench/common.run_measured: a launcher
+    that failed to start is launched again there too, told by the same exit status and text."""
+    assert (bench_common.LAUNCHER_EXIT, bench_common.LAUNCHER_FAILED) == (213, conftest.LAUNCHER_FAILED)
+    exe = _fake_mpirun(tmp_path, failures=2)
+    m = bench_common.run_measured(f"{exe} -n 4", cold=False)
+    assert m.returncode == 0 and (tmp_path / "count").read_text().strip() == "3"
+
+
+@pytest.mark.parametrize(
+    ("code", "text", "launches"),
+    [(213, conftest.LAUNCHER_FAILED, "3"), (1, conftest.LAUNCHER_FAILED, "1"), (213, "a process failed", "1")],
+)
+def test_a_benchmarks_job_that_keeps_failing_is_its_error_with_the_launchers_stderr(
+    tmp_path, bench_common, code, text, launches
+):
+    exe = _fake_mpirun(tmp_path, failures=5, code=code, text=text)
+    with pytest.raises(RuntimeError) as failed:
+        bench_common.run_measured(str(exe), cold=False)
+    assert f"failed with {code}" in str(failed.value) and text in str(failed.value)
     assert (tmp_path / "count").read_text().strip() == launches
