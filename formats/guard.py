@@ -354,7 +354,8 @@ def check_space(needs: list[tuple[str | Path, int]], command: str, hint: str | N
                 f"not enough free space for tokpack {command}",
                 file=path,
                 expected=f"{_mib(needed)} free ({needed} bytes, scratch included)",
-                found=f"{_mib(free)} free on the filesystem of {where}",
+                # in bytes on both sides: rounded to 0.1 MiB, a small shortfall read as two equal sides
+                found=f"{_mib(free)} free ({free} bytes) on the filesystem of {where}",
                 hint=hint or "free some space there, or write somewhere else",
             )
 

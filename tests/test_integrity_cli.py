@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -291,6 +292,9 @@ def test_space_checked_before_the_first_byte(sources, tmp_path):
             assert r.returncode == 1, r.stderr
             line = one_line([x for x in r.stderr.splitlines() if "detected format" not in x][0])
             assert f"not enough free space for tokpack {args[0]}" in line and "MiB free" in line and str(fs) in line
+            # both sides in bytes, the shortfall readable however small (not two equal "x MiB")
+            needed, free = map(int, re.search(r"\((\d+) bytes, scratch.*found .*\((\d+) bytes\) on", line).groups())
+            assert 0 <= free < needed, line
             json_failure(r.stdout)
             assert list(fs.iterdir()) == [], args  # not one byte written
 
