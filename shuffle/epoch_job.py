@@ -216,17 +216,6 @@ class EpochJob:
             entry if entry is not None and self.output.has(self.epoch_dir, entry, self.token_dtype.itemsize) else None
         )
 
-    def shard_place(self, i: int) -> ShardPlace:
-        """Shard i's place in the epoch, as its Output is given it."""
-        return ShardPlace(
-            self.epoch_dir,
-            self.shard_file(i),
-            i,
-            epoch=self.plan.epoch,
-            samples=self.shard_range(i),
-            record=str(self.done_path(i)),
-        )
-
     def write_shard(self, i: int, blocks, pad: np.ndarray | None = None) -> dict:
         """Writes shard i from `blocks` (an iterator, in output order, of np.void row arrays, or
         of (rows, RowFragments, their store rows) when the rows' index is known already) through
@@ -234,7 +223,15 @@ class EpochJob:
         epoch's padding per row (read only after the last block), for the `.pad` sidecar."""
         g0, g1 = self.shard_range(i)
         fmt = EpochShardFormat(self.token_dtype, self.plan.seq_len, self.eos_id, self.tokenizer, padded=pad is not None)
-        writer = self.output.open_shard(self.shard_place(i), fmt)
+        place = ShardPlace(
+            self.epoch_dir,
+            self.shard_file(i),
+            i,
+            epoch=self.plan.epoch,
+            samples=(g0, g1),
+            record=str(self.done_path(i)),
+        )
+        writer = self.output.open_shard(place, fmt)
         try:
             # Three stages overlap: gathering chunk c (here), indexing and hashing an earlier
             # chunk (CPU) and writing one to disk (I/O), each stage in order. `blocks` fills RING

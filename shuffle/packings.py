@@ -98,9 +98,6 @@ class Packing:
     open_table: Callable | None = None
     # With padding: (table, rows, row_tokens, first row) -> each row's padding tokens (`.ds.pad`).
     row_padding: Callable | None = None
-    # With a table, out of core: (layout, bucket, ...) -> a bucket of pieces read back as rows
-    # (tokpack.shuffle.packed_step.read_bucket, the order pass's; the exchange reads its buckets so).
-    read_bucket: Callable | None = None
 
 
 _REGISTRY: dict[str, Packing] = {}
@@ -203,11 +200,8 @@ def shown_of_epochs(manifests: list[dict]) -> dict:
     """`shown` over several epochs of one run (`inspect RUN`): their padding summed, documents
     cut summed and the most documents of a row over all, when every epoch records them."""
     figs = [shown(m) for m in manifests]
-    recorded = {}
-    if figs and all("documents_cut" in f for f in figs):
-        recorded["documents_cut"] = sum(f["documents_cut"] for f in figs)
-    if figs and all("max_documents_per_row" in f for f in figs):
-        recorded["max_documents_per_row"] = max(f["max_documents_per_row"] for f in figs)
+    combined = zip(ROW_FIGURES, (sum, max))  # documents cut sum over the epochs; the most documents a row, max
+    recorded = {k: over(f[k] for f in figs) for k, over in combined if figs and all(k in f for f in figs)}
     return figures_shown(
         of_manifest(manifests[0]),
         sum(int(m.get("tokens") or 0) for m in manifests),
@@ -332,6 +326,5 @@ BEST_FIT = register(
         token_pool=packed_replay.TokenPool,
         open_table=packed_table.PackedTable.open,
         row_padding=packed_table.row_padding,
-        read_bucket=packed_step.read_bucket,
     )
 )

@@ -303,11 +303,9 @@ class EpochPlan:
             if match is None and int(e["samples"]) != 0:  # a scheduled run lists every source; this epoch may use none
                 raise source_not_given(i, e, pool, "none left")
             windows, offset = int(e["windows"]), int(e["offset"])
-            if match is None:
-                tokens = int(e["tokens"])
-            else:
+            tokens = int(e["tokens"]) if match is None else match.tokens
+            if match is not None:
                 pool.remove(match)
-                tokens = match.tokens
                 # the run's rule, applied again: the held-out documents are not the manifest's word
                 if spec is not None:
                     want = stream_counts(match, spec, int(manifest["seed"]), split, held_out)

@@ -229,9 +229,7 @@ def setup_run(
         )
     if epochs is None:
         epochs = list(range(runplan.schedule.epochs or 1))
-    done_epochs = []
-    if (out / MANIFEST).exists():
-        done_epochs = list(read_manifest(out, kind=RUN)["epochs"])
+    done_epochs = list(read_manifest(out, kind=RUN)["epochs"]) if (out / MANIFEST).exists() else []
 
     def new_job(plan, folder: Path, identity: list) -> EpochJob:
         """The job writing `plan` into `folder`, its work folder named by the hash of `identity`."""

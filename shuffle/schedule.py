@@ -15,6 +15,7 @@ from pathlib import Path
 
 import xxhash
 
+from tokpack.formats.checks import raise_first
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import open_read
 from tokpack.formats.constants import MAX_EPOCHS, DEFAULT_PLAN_MEMORY
@@ -111,13 +112,8 @@ def same_source_twice(path, key: str, first) -> TokpackError:
 
 
 def _fail(message: str, file, where: str, expected=None, found=None, hint=None):
-    raise TokpackError(
-        message,
-        file=file,
-        where=where,
-        expected=expected,
-        found=found,
-        hint=hint or 'see docs/COMMANDS.md, "Schedules", for the file\'s shape',
+    raise_first(
+        file, where, expected, found, message, hint=hint or 'see docs/COMMANDS.md, "Schedules", for the file\'s shape'
     )
 
 

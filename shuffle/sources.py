@@ -69,29 +69,20 @@ def source_location(path) -> str:
 def virtual_source(spec: str) -> PackedSource:
     """A source with the counts `spec` gives and no files: shards of `shard_tokens` tokens (the
     last one shorter), so the planning code sees what a packed source of that size would be."""
+
+    def bad(where: str, expected: str, found: str) -> TokpackError:
+        hint = "e.g. virtual:tokens=11T,documents=5.5B,dtype=uint16"
+        return TokpackError("bad virtual source", file=spec, where=where, expected=expected, found=found, hint=hint)
+
     fields: dict[str, str] = {}
     for item in filter(None, spec[len(VIRTUAL) :].split(",")):
         key, sep, value = item.partition("=")
         if key.strip() not in VIRTUAL_KEYS or not sep:
-            raise TokpackError(
-                "bad virtual source",
-                file=spec,
-                where=key.strip() or "(empty)",
-                expected="key=value with key one of " + ", ".join(VIRTUAL_KEYS),
-                found=item,
-                hint="e.g. virtual:tokens=11T,documents=5.5B,dtype=uint16",
-            )
+            raise bad(key.strip() or "(empty)", "key=value with key one of " + ", ".join(VIRTUAL_KEYS), item)
         fields[key.strip()] = value.strip()
     missing = [k for k in ("tokens", "documents", "dtype") if k not in fields]
     if missing:
-        raise TokpackError(
-            "bad virtual source",
-            file=spec,
-            where=missing[0],
-            expected=VIRTUAL_KEYS[missing[0]],
-            found="nothing",
-            hint="e.g. virtual:tokens=11T,documents=5.5B,dtype=uint16",
-        )
+        raise bad(missing[0], VIRTUAL_KEYS[missing[0]], "nothing")
     counts = {
         k: token_count(fields.get(k, default), what=f"count ({k}= of the virtual source)")
         for k, default in (("tokens", 0), ("documents", 0), ("shard_tokens", DEFAULT_SHARD_TOKENS), ("eos_id", 0))

@@ -507,11 +507,14 @@ class OrderStep(Step):
         for t in range(lay.tasks):
             f = lay.bucket_file(t, b, "rows")
             if f.exists():
-                size, pos_size = (regular_size(x, folder=lay.dir) for x in (f, f.with_suffix(".pos")))
-                k = size // job.row_bytes
-                rows = map_file(f, 0, size, folder=lay.dir)
-                pos = map_file(f.with_suffix(".pos"), 0, pos_size, folder=lay.dir)
-                self._check_bucket(t, f, [rows, pos], records[t][1:].tolist())
+                files = (f, f.with_suffix(".pos"))
+                rows, pos = (map_file(x, 0, regular_size(x, folder=lay.dir), folder=lay.dir) for x in files)
+                # The bucket's files must be the bytes scatter task t wrote (their checksums in its records
+                # table). If not (a crash after the task's records and done JSON reached the disk but
+                # before its buffered bucket files did), that task is redone on the next run.
+                for x, data, want in zip(files, (rows, pos), records[t][1:].tolist()):
+                    self._check_file(t, x, want, xxhash.xxh3_64_intdigest(data))
+                k = len(rows) // job.row_bytes
                 parts.append(rows[: k * job.row_bytes].view(job.row_void))
                 positions.append(pos[: k * 8].view("<i8"))
                 del rows, pos  # the maps must go with `parts` (the store's), before the next bucket is mapped
@@ -533,13 +536,6 @@ class OrderStep(Step):
         if n and inv[:n].min() < 0:
             raise bucket_damaged("scatter files hold a position twice", lay.dir, b)
         return lambda a, c, out: store.gather(inv[a:c], out, tmp)
-
-    def _check_bucket(self, t: int, rows_file: Path, data: list[np.ndarray], expected: list) -> None:
-        """The bucket's files must be the bytes scatter task t wrote (their checksums in its
-        records table). If not (a crash after the task's records and done JSON reached the disk
-        but before its buffered bucket files did), that task is redone on the next run."""
-        for f, d, want in zip((rows_file, rows_file.with_suffix(".pos")), data, expected):
-            self._check_file(t, f, want, xxhash.xxh3_64_intdigest(d))
 
     def _check_file(self, t: int, path, want, found: int) -> None:
         """One bucket file of scatter task t hashed to `found`; its task recorded `want`."""

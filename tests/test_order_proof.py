@@ -327,7 +327,7 @@ def test_unchecked_bucket_swap_would_misplace_samples(scattered, monkeypatch, ex
     the order proof fails it."""
     srcs, out = scattered
     swap_in_bucket_file(out, ext)
-    monkeypatch.setattr(steps.OrderStep, "_check_bucket", lambda *a: None)
+    monkeypatch.setattr(steps.OrderStep, "_check_file", lambda *a: None)
     shuffle_run(srcs, str(out), **OOC_KW)
     epoch = out / E0
     assert validate(out).ok

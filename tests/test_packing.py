@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -29,11 +30,17 @@ from tokpack.shuffle.packed.packed_plan import (
     packed_epoch_plan,
     packed_plan_from_manifest,
 )
-from tokpack.shuffle.packed.table import PIECE, cut_problems, row_padding, table_hash, whole_table
+from tokpack.shuffle.packed.table import PIECE, cut_problems, row_padding, whole_table
 from tokpack.shuffle.packed.replay import TokenPool
 from tokpack.shuffle.packed.passes import best_fit_decreasing, documents_of, pack_pass, source_pass
 from tokpack.shuffle.permutation import Bijection
 from tokpack.shuffle.schedule import RunPlan, Schedule, Stage
+
+
+def table_hash(table: np.ndarray) -> str:
+    """A row table's xxh3_128 as `packing.table_xxh3_128` records it: of its PIECE records' bytes."""
+    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(table).tobytes())
+
 
 # ------------------------------------------------------------------ the packing rules
 

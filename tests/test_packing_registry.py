@@ -277,7 +277,7 @@ def test_each_entry_says_whether_its_rows_carry_padding_as_its_epochs_show(sourc
         m = read_manifest(out / E0, kind="epoch")
         assert packings.of_manifest(m) is entry
         assert rows_padded(m) == entry.padded and all(has_pad(s) == entry.padded for s in m["shards"])
-        built = (entry.table_rows, entry.token_pool, entry.open_table, entry.read_bucket)
+        built = (entry.table_rows, entry.token_pool, entry.open_table)
         assert all(hook is None for hook in built) or all(hook is not None for hook in built)
         assert (entry.row_padding is not None) == entry.padded
     assert packings.BEST_FIT.padded and packings.BEST_FIT.table_rows is not None

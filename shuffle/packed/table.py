@@ -53,10 +53,6 @@ PIECE_STATE_BYTES = 4 * _BUILD.itemsize  # a buffered piece and the arrays that 
 TABLE_PIECE_BYTES = _BUILD.itemsize + SHARD_PIECE.itemsize  # on disk a piece, at the build's peak and after it
 
 
-def table_hash(table: np.ndarray) -> str:
-    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(table).tobytes())
-
-
 def row_padding(table: np.ndarray, samples: int, row_tokens: int, g0: int = 0) -> np.ndarray:
     """Padding tokens at the end of each output row g0.. g0 + samples - 1 (uint32), from the
     pieces of those rows."""
