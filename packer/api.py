@@ -210,13 +210,12 @@ def pack(
     not copied (docs/COMMANDS.md, "Linking instead of copying"). An input whose documents all end
     with one id that is not `eos_id` is refused (a wrong `eos_id`) unless `append_eos` is True:
     then each gets an EOS appended, as a document lacking one always does."""
-    from tokpack.packer.executors import local_paths, runs_in_process
+    from tokpack.packer.executors import local_paths
     from tokpack.packer.pack_setup import PackOptions
     from tokpack.packer.packing import pack as pack_source
 
     options = PackOptions.of(locals())
-    in_process = runs_in_process(executor or ExecutorConfig())
-    with local_paths([], str(output), scratch and str(scratch), in_process, "pack") as (_, local_output, to):
+    with local_paths([], str(output), scratch, executor, "pack") as (_, local_output, to):
         return pack_source(as_paths(inputs), local_output, options, config=executor, log=log, to=to)
 
 
@@ -276,7 +275,7 @@ def shuffle(
     the seconds a process waits without a heartbeat from a peer before the job stops, naming
     the stalled node [default: 300] (tokpack.packer.stall). It returns this process's summary (a
     dict: node, process, nodes, ranks, dest, epochs...), not a ShuffleResult."""
-    from tokpack.packer.executors import local_paths, pass_runner, runs_in_process
+    from tokpack.packer.executors import local_paths, pass_runner
     from tokpack.shuffle.run import shuffle_run
     from tokpack.shuffle.packings import named
 
@@ -289,11 +288,7 @@ def shuffle(
         return shuffle_to_nodes(spec, log=log)
     config = executor or ExecutorConfig()
     named(spec.packing)  # an unknown packing is refused before any source is fetched
-    with local_paths(list(spec.sources), spec.output, scratch and str(scratch), runs_in_process(config)) as (
-        local_sources,
-        local_output,
-        to,
-    ):
+    with local_paths(list(spec.sources), spec.output, scratch, config) as (local_sources, local_output, to):
         summary = shuffle_run(
             spec,
             local_output,
