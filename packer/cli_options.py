@@ -27,32 +27,24 @@ def _usage_line(e: TokpackError) -> str:
 class Quantity(click.ParamType):
     """A command-line quantity parsed by one function of tokpack.formats.units, so each quantity has its
     own type and its own units: TOKENS (1000000, 100B, 1.5M: K/M/B/T are 10^3..10^12) or BYTES
-    (16GiB, 2GB, 4G: a bare K/M/G/T is binary)."""
+    (16GiB, 2GB, 4G: a bare K/M/G/T is binary). `as_typed`: the text, checked by its parser when the
+    command line is read, is kept as typed (the manifests record `--holdout` as given;
+    tokpack.shuffle.holdout reads it again)."""
 
-    def __init__(self, name: str, parse):
-        self.name, self.parse = name, parse
+    def __init__(self, name: str, parse, as_typed: bool = False):
+        self.name, self.parse, self.as_typed = name, parse, as_typed
 
     def convert(self, value, param, ctx):
         try:
-            return self.parse(value)
+            parsed = self.parse(value)
         except TokpackError as e:
             self.fail(_usage_line(e), param, ctx)
+        return value if self.as_typed else parsed
 
 
 TOKENS = Quantity("TOKENS", functools.partial(token_count, most=MAX_COUNT))
 BYTES = Quantity("BYTES", functools.partial(byte_size, most=MAX_COUNT))
-
-
-class _Checked(Quantity):
-    """Text checked by its parser when the command line is read, and kept as typed (the manifests
-    record `--holdout` as given; tokpack.shuffle.holdout reads it again)."""
-
-    def convert(self, value, param, ctx):
-        super().convert(value, param, ctx)
-        return value
-
-
-HOLDOUT = _Checked("F", units.holdout_amount)
+HOLDOUT = Quantity("F", units.holdout_amount, as_typed=True)
 
 
 class _Bounded:
@@ -147,13 +139,6 @@ def given_log_interval(ctx, as_json: bool) -> float | None:
         if as_json and PROGRESS_ENV not in os.environ and OLD_INTERVAL_ENV not in os.environ:
             return 0.0
     return given
-
-
-SHUFFLE_TASKS_HELP = (
-    "Out of core: scatter tasks, each reading one input range (a run of whole source shards, "
-    "so at most one task per source shard) [default: --workers]; the order pass runs one task "
-    "per output shard."
-)
 
 
 def executor_options(
