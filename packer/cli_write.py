@@ -110,8 +110,7 @@ def pack(inputs, output, as_json, **kw):
     """
     from tokpack.packer.api import pack as pack_api
 
-    executor = executor_config(kw)
-    emit(pack_api(list(inputs), output, executor=executor, log=command_log(as_json), **kw), as_json)
+    emit(pack_api(list(inputs), output, executor=executor_config(kw), log=command_log(as_json), **kw), as_json)
 
 
 @click.command()
