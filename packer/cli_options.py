@@ -49,13 +49,14 @@ HOLDOUT = Quantity("F", units.holdout_amount, as_typed=True)
 
 class _Bounded:
     """A number option read by tokpack.formats.units.number, the parser of every number: within
-    [min, most] (min excluded when min_open), finite, and a refusal names the option and the text as
-    typed. click's range types for the help (`[x>=1]`); the upper bound is the parser's."""
+    [min, most] (min excluded when min_open: `above`, by default for a real only), finite, and a refusal
+    names the option and the text as typed. click's range types for the help (`[x>=1]`); the upper bound
+    is the parser's."""
 
     real = False
 
-    def __init__(self, least=None, most=MAX_COUNT, above: bool = False, floor=None):
-        super().__init__(min=least, min_open=above)
+    def __init__(self, least=None, most=MAX_COUNT, above: bool | None = None, floor=None):
+        super().__init__(min=least, min_open=self.real if above is None else above)
         self.most, self.floor = most, floor
         if least is None:  # no range to show: the plain type's name
             self.name = "integer"
@@ -81,9 +82,6 @@ class Real(_Bounded, click.FloatRange):
     """A finite real option: > least (>= with above=False), <= most."""
 
     real = True
-
-    def __init__(self, least: float = 0, most: float = 1e9, *, above: bool = True):
-        super().__init__(least, most, above)
 
 
 MAX_WORKERS = 100_000  # processes, tasks in flight: no machine or queue runs more
