@@ -482,7 +482,8 @@ def stage(
                 memory=memory,
                 workers=workers or 1,
             )
-    workers = workers or 4  # files copied at once
+    # what a copy and a slice of a materialised run both take; workers: files copied at once
+    given = {"ranks": ranks, "micro_batch": micro_batch, "epochs": epochs, "workers": workers or 4, "log": log}
     if memory is not None:  # a copy or a slice of a materialised run streams its files: no budget to keep
         raise TokpackError(
             "--memory applies only to a replacement node",
@@ -495,21 +496,15 @@ def stage(
         return stage_slice(
             str(directory),
             dest,
-            ranks=ranks,
             world_size=world_size,
-            micro_batch=micro_batch,
             node=node,
             ranks_per_node=ranks_per_node,
             start_sample=start_sample,
-            epochs=epochs,
-            workers=workers,
-            log=log,
+            **given,
         )
     from tokpack.packer.staging import stage as stage_copy
 
-    return stage_copy(
-        str(directory), dest, workers=workers, epochs=epochs, ranks=ranks, micro_batch=micro_batch, log=log
-    )
+    return stage_copy(str(directory), dest, **given)
 
 
 @_checks("read")
