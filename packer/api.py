@@ -210,13 +210,12 @@ def pack(
     not copied (docs/COMMANDS.md, "Linking instead of copying"). An input whose documents all end
     with one id that is not `eos_id` is refused (a wrong `eos_id`) unless `append_eos` is True:
     then each gets an EOS appended, as a document lacking one always does."""
-    from tokpack.packer.executors import local_paths, runs_in_process
+    from tokpack.packer.executors import local_paths
     from tokpack.packer.pack_setup import PackOptions
     from tokpack.packer.packing import pack as pack_source
 
     options = PackOptions.of(locals())
-    in_process = runs_in_process(executor or ExecutorConfig())
-    with local_paths([], str(output), scratch and str(scratch), in_process, "pack") as (_, local_output, to):
+    with local_paths([], str(output), scratch, executor, "pack") as (_, local_output, to):
         return pack_source(as_paths(inputs), local_output, options, config=executor, log=log, to=to)
 
 
@@ -276,7 +275,7 @@ def shuffle(
     the seconds a process waits without a heartbeat from a peer before the job stops, naming
     the stalled node [default: 300] (tokpack.packer.stall). It returns this process's summary (a
     dict: node, process, nodes, ranks, dest, epochs...), not a ShuffleResult."""
-    from tokpack.packer.executors import local_paths, pass_runner, runs_in_process
+    from tokpack.packer.executors import local_paths, pass_runner
     from tokpack.shuffle.run import shuffle_run
     from tokpack.shuffle.packings import named
 
@@ -289,11 +288,7 @@ def shuffle(
         return shuffle_to_nodes(spec, log=log)
     config = executor or ExecutorConfig()
     named(spec.packing)  # an unknown packing is refused before any source is fetched
-    with local_paths(list(spec.sources), spec.output, scratch and str(scratch), runs_in_process(config)) as (
-        local_sources,
-        local_output,
-        to,
-    ):
+    with local_paths(list(spec.sources), spec.output, scratch, config) as (local_sources, local_output, to):
         summary = shuffle_run(
             spec,
             local_output,
@@ -487,7 +482,8 @@ def stage(
                 memory=memory,
                 workers=workers or 1,
             )
-    workers = workers or 4  # files copied at once
+    # what a copy and a slice of a materialised run both take; workers: files copied at once
+    given = {"ranks": ranks, "micro_batch": micro_batch, "epochs": epochs, "workers": workers or 4, "log": log}
     if memory is not None:  # a copy or a slice of a materialised run streams its files: no budget to keep
         raise TokpackError(
             "--memory applies only to a replacement node",
@@ -500,21 +496,15 @@ def stage(
         return stage_slice(
             str(directory),
             dest,
-            ranks=ranks,
             world_size=world_size,
-            micro_batch=micro_batch,
             node=node,
             ranks_per_node=ranks_per_node,
             start_sample=start_sample,
-            epochs=epochs,
-            workers=workers,
-            log=log,
+            **given,
         )
     from tokpack.packer.staging import stage as stage_copy
 
-    return stage_copy(
-        str(directory), dest, workers=workers, epochs=epochs, ranks=ranks, micro_batch=micro_batch, log=log
-    )
+    return stage_copy(str(directory), dest, **given)
 
 
 @_checks("read")

@@ -10,7 +10,6 @@ traceback (a bug's traceback goes to a log file, or to stderr under `--debug`), 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -84,8 +83,7 @@ class _Tokpack(click.Group):
         try:
             result = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except click.ClickException as e:
-            if as_json and not cli_report.failed():
-                click.echo(json.dumps({"ok": False, "error": error_json(type(e).__name__, e.format_message())}))
+            cli_report.failure_json(error_json(type(e).__name__, e.format_message()), as_json)
             e.show()
             sys.exit(e.exit_code)
         except click.Abort:

@@ -27,43 +27,36 @@ def _usage_line(e: TokpackError) -> str:
 class Quantity(click.ParamType):
     """A command-line quantity parsed by one function of tokpack.formats.units, so each quantity has its
     own type and its own units: TOKENS (1000000, 100B, 1.5M: K/M/B/T are 10^3..10^12) or BYTES
-    (16GiB, 2GB, 4G: a bare K/M/G/T is binary)."""
+    (16GiB, 2GB, 4G: a bare K/M/G/T is binary). `as_typed`: the text, checked by its parser when the
+    command line is read, is kept as typed (the manifests record `--holdout` as given;
+    tokpack.shuffle.holdout reads it again)."""
 
-    def __init__(self, name: str, parse):
-        self.name, self.parse = name, parse
+    def __init__(self, name: str, parse, as_typed: bool = False):
+        self.name, self.parse, self.as_typed = name, parse, as_typed
 
     def convert(self, value, param, ctx):
         try:
-            return self.parse(value)
+            parsed = self.parse(value)
         except TokpackError as e:
             self.fail(_usage_line(e), param, ctx)
+        return value if self.as_typed else parsed
 
 
 TOKENS = Quantity("TOKENS", functools.partial(token_count, most=MAX_COUNT))
 BYTES = Quantity("BYTES", functools.partial(byte_size, most=MAX_COUNT))
-
-
-class _Checked(Quantity):
-    """Text checked by its parser when the command line is read, and kept as typed (the manifests
-    record `--holdout` as given; tokpack.shuffle.holdout reads it again)."""
-
-    def convert(self, value, param, ctx):
-        super().convert(value, param, ctx)
-        return value
-
-
-HOLDOUT = _Checked("F", units.holdout_amount)
+HOLDOUT = Quantity("F", units.holdout_amount, as_typed=True)
 
 
 class _Bounded:
     """A number option read by tokpack.formats.units.number, the parser of every number: within
-    [min, most] (min excluded when min_open), finite, and a refusal names the option and the text as
-    typed. click's range types for the help (`[x>=1]`); the upper bound is the parser's."""
+    [min, most] (min excluded when min_open: `above`, by default for a real only), finite, and a refusal
+    names the option and the text as typed. click's range types for the help (`[x>=1]`); the upper bound
+    is the parser's."""
 
     real = False
 
-    def __init__(self, least=None, most=MAX_COUNT, above: bool = False, floor=None):
-        super().__init__(min=least, min_open=above)
+    def __init__(self, least=None, most=MAX_COUNT, above: bool | None = None, floor=None):
+        super().__init__(min=least, min_open=self.real if above is None else above)
         self.most, self.floor = most, floor
         if least is None:  # no range to show: the plain type's name
             self.name = "integer"
@@ -89,9 +82,6 @@ class Real(_Bounded, click.FloatRange):
     """A finite real option: > least (>= with above=False), <= most."""
 
     real = True
-
-    def __init__(self, least: float = 0, most: float = 1e9, *, above: bool = True):
-        super().__init__(least, most, above)
 
 
 MAX_WORKERS = 100_000  # processes, tasks in flight: no machine or queue runs more
@@ -147,13 +137,6 @@ def given_log_interval(ctx, as_json: bool) -> float | None:
         if as_json and PROGRESS_ENV not in os.environ and OLD_INTERVAL_ENV not in os.environ:
             return 0.0
     return given
-
-
-SHUFFLE_TASKS_HELP = (
-    "Out of core: scatter tasks, each reading one input range (a run of whole source shards, "
-    "so at most one task per source shard) [default: --workers]; the order pass runs one task "
-    "per output shard."
-)
 
 
 def executor_options(

@@ -67,11 +67,6 @@ def debug_on(debug: bool) -> None:
     _DEBUG = _DEBUG or debug
 
 
-def failed() -> bool:
-    """Whether a failure was reported already (its JSON object printed)."""
-    return _FAILED
-
-
 # errno -> what the user can do about it
 _OS_HINTS = {
     errno.ELOOP: "a symbolic link points (through others) back to itself: fix or remove the link",
@@ -85,12 +80,17 @@ _OS_HINTS = {
 }
 
 
-def _report(line: str, error: dict, status: int, as_json: bool) -> None:
-    """The one line on stderr, the one JSON object on stdout under --json, then exit."""
+def failure_json(error: dict, as_json: bool) -> None:
+    """A failure's one JSON object on stdout under --json, unless a failure printed one already."""
     global _FAILED
     if as_json and not _FAILED:
         click.echo(json.dumps({"ok": False, "error": error}))
     _FAILED = True
+
+
+def _report(line: str, error: dict, status: int, as_json: bool) -> None:
+    """The one line on stderr, the one JSON object on stdout under --json, then exit."""
+    failure_json(error, as_json)
     click.echo(line, err=True)
     sys.exit(status)
 

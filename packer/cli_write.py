@@ -21,7 +21,6 @@ from tokpack.packer.cli_options import (
     Real,
     LOG_INTERVAL,
     SCRATCH,
-    SHUFFLE_TASKS_HELP,
     TOKENS,
     ListedChoice,
     command_log,
@@ -111,8 +110,7 @@ def pack(inputs, output, as_json, **kw):
     """
     from tokpack.packer.api import pack as pack_api
 
-    executor = executor_config(kw)
-    emit(pack_api(list(inputs), output, executor=executor, log=command_log(as_json), **kw), as_json)
+    emit(pack_api(list(inputs), output, executor=executor_config(kw), log=command_log(as_json), **kw), as_json)
 
 
 @click.command()
@@ -204,7 +202,11 @@ def pack(inputs, output, as_json, **kw):
     help="Set whole documents of each source aside from every epoch, chosen from --seed, and write "
     "them once to RUN/holdout/: a fraction of its documents (0.01, 1%) or a token count (5M).",
 )
-@executor_options(tasks_help=SHUFFLE_TASKS_HELP)
+@executor_options(
+    tasks_help="Out of core: scatter tasks, each reading one input range (a run of whole source shards, "
+    "so at most one task per source shard) [default: --workers]; the order pass runs one task "
+    "per output shard."
+)
 @SCRATCH
 @LOG_INTERVAL
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")

@@ -136,18 +136,11 @@ def pass_runner(config: ExecutorConfig):
     passes in order (see `run_steps`). A logging dir in `config` holds one subfolder per job."""
 
     def run_passes(passes: list[tuple]) -> None:
-        run_steps(
-            [
-                (
-                    step,
-                    tasks,
-                    job_name,
-                    join_path(config.logging_dir, job_name) if config.logging_dir else str(logging_dir),
-                )
-                for step, tasks, job_name, logging_dir in passes
-            ],
-            config,
-        )
+        if config.logging_dir:
+            passes = [
+                (step, tasks, job_name, join_path(config.logging_dir, job_name)) for step, tasks, job_name, _ in passes
+            ]
+        run_steps(passes, config)
 
     return run_passes
 
@@ -272,12 +265,9 @@ def _slurm_command(*args: str) -> str:
 def default_partition() -> str:
     """The partition sinfo marks with '*'; datatrove needs one by name."""
     names = _slurm_command("sinfo", "-h", "-o", "%P").split()
-    for name in names:
-        if name.endswith("*"):
-            return name[:-1]
-    if names:
-        return names[0]
-    raise TokpackError("this Slurm cluster has no partition", hint="give --partition")
+    if not names:
+        raise TokpackError("this Slurm cluster has no partition", hint="give --partition")
+    return next((name[:-1] for name in names if name.endswith("*")), names[0])
 
 
 def _slurm_executor(run: dict, config: ExecutorConfig, job_name: str, depends):
@@ -577,17 +567,17 @@ def _download(remote, target: Path) -> None:
 
 @contextlib.contextmanager
 def local_paths(
-    inputs: list[str], output: str, scratch: str | None = None, in_process: bool = True, command: str = "shuffle"
+    inputs: list[str], output: str, scratch=None, config: ExecutorConfig | None = None, command: str = "shuffle"
 ):
     """Yields (inputs, output folder, Output): local paths, `file://` URLs made paths, and the
     tokpack.formats.outputs Output the command writes through. Other fsspec URLs: inputs are downloaded
     to a temporary folder; an output is written to a local folder named after the URL under
-    `scratch` (default: TOKPACK_STAGE_DIR, else the system temp dir) and goes to the store file
+    `scratch` (a path; default: TOKPACK_STAGE_DIR, else the system temp dir) and goes to the store file
     by file (a BucketOutput over a tokpack.formats.io.Outbox; a LocalOutput for a local output). That
     folder is locked (for `command`) before the store's state is fetched into it, kept when the
-    command fails, for its rerun, and removed when it succeeds. `in_process`: every task runs in
-    this process (the tasks send the shards)."""
-    scratch = scratch or os.environ.get("TOKPACK_STAGE_DIR") or tempfile.gettempdir()
+    command fails, for its rerun, and removed when it succeeds. `config`: how the tasks run (in
+    this process, by default: the tasks send the shards)."""
+    scratch = str(scratch or os.environ.get("TOKPACK_STAGE_DIR") or tempfile.gettempdir())
     downloads = None
     try:
         with contextlib.ExitStack() as held:
@@ -600,7 +590,7 @@ def local_paths(
                 name = f"tokpack-out-{xxhash.xxh3_64_hexdigest(output.rstrip('/').encode())}"
                 local_output = os.path.join(scratch, name)
                 outbox = Outbox(local_output, output)
-                if not in_process and outbox.in_one_process():
+                if not runs_in_process(config or ExecutorConfig()) and outbox.in_one_process():
                     raise TokpackError(
                         "this store keeps its objects inside one process",
                         file=output,
