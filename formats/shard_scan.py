@@ -30,6 +30,7 @@ from .constants import EPOCH, MANIFEST, MASK64, SOURCE
 from .hashes import hash_hex64, order_hash, row_hashes
 from .names import metadata_text, parse_metadata_text
 from .fields import type_ok
+from .token_check import row_mismatch
 
 MAX_METADATA = 1 << 16
 # Read block: smaller than tokpack.formats.io.IO_BLOCK, and it keeps a cold read pipelined best
@@ -432,13 +433,7 @@ class _RowHashes:
                 self.hash = xxhash.xxh3_128(f.read(self.size))
         elif self.bad is not None and self.vouched is not None and self.hash.hexdigest() == self.checksum:
             row, have, calc = self.bad
-            out.add(
-                self.vouched,
-                f"row {row} (byte {row * self.row_bytes})",
-                f"xxh3_64 {hash_hex64(have)} (its entry in {self.path.name})",
-                hash_hex64(calc),
-                "checksum mismatch",
-            )
+            out.add(self.vouched, *row_mismatch(row, self.row_bytes, have, calc, self.path.name), "checksum mismatch")
         elif self.bad is not None:
             row, have, calc = self.bad
             out.add(
