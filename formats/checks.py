@@ -76,14 +76,10 @@ def check_manifest(m: dict, directory, add) -> bool:
         _check_slice_manifest(m, shards, mfile, add)
         _check_shard_names(shards, mfile, add)
         return m["kind"] == SLICE or all(s["tokens"] == s["samples"] * (m["seq_len"] + 1) for s in shards)
-    total = sum(s["tokens"] for s in shards)
-    if total != m["tokens"]:
-        add(mfile, "tokens", f"{total} (sum over shards)", m["tokens"], "token count wrong")
+    _sum_of(m, shards, "tokens", mfile, add, "sum over shards", "token count wrong")
     _check_shard_names(shards, mfile, add)
     if kind == SOURCE:
-        docs = sum(s["documents"] for s in shards)
-        if docs != m["documents"]:
-            add(mfile, "documents", f"{docs} (sum over shards)", m["documents"], "document count wrong")
+        _sum_of(m, shards, "documents", mfile, add, "sum over shards", "document count wrong")
         fp = fingerprint((s["xxh3_128"] for s in shards), m["dtype"], m["vocab_size"], m["eos_id"])
         if fp != m["fingerprint"]:
             add(
@@ -162,9 +158,7 @@ def _check_slice_manifest(m: dict, shards: list[dict], mfile: str, add) -> None:
                 s["bytes"],
                 "rank file byte count wrong",
             )
-    total = sum(s["tokens"] for s in shards)
-    if total != m["tokens"]:
-        add(mfile, "tokens", f"{total} (sum over rank files)", m["tokens"], "token count wrong")
+    _sum_of(m, shards, "tokens", mfile, add, "sum over rank files", "token count wrong")
     rows = sum(s["samples"] for s in shards)
     if rows > m["samples"]:
         add(
@@ -174,6 +168,13 @@ def _check_slice_manifest(m: dict, shards: list[dict], mfile: str, add) -> None:
             rows,
             "rank files hold more samples than the epoch",
         )
+
+
+def _sum_of(m: dict, entries: list[dict], key: str, mfile: str, add, what: str, message: str) -> None:
+    """The manifest's total `key` is its entries' sum (`what`: how the expected value says so)."""
+    total = sum(s[key] for s in entries)
+    if total != m[key]:
+        add(mfile, key, f"{total} ({what})", m[key], message)
 
 
 def _whole_rows(i: int, s: dict, row: int, mfile: str, add, what: str) -> None:
@@ -254,9 +255,7 @@ def _check_epoch_manifest(path, m: dict, mfile: str, add, row: int) -> None:
                 s["samples"],
                 "every shard but the last holds exactly shard_samples samples",
             )
-    total = sum(s["samples"] for s in shards)
-    if total != m["samples"]:
-        add(mfile, "samples", f"{total} (sum over shards)", m["samples"], "sample count wrong")
+    _sum_of(m, shards, "samples", mfile, add, "sum over shards", "sample count wrong")
     multiset = sum(int(s["multiset_hash"], 16) for s in shards) & MASK64
     if hash_hex64(multiset) != m["sample_multiset_hash"]:
         add(
@@ -280,9 +279,7 @@ def _check_epoch_manifest(path, m: dict, mfile: str, add, row: int) -> None:
             "per-source sample counts do not add up",
         )
     if "fragments" in m and all(type_ok(s.get("fragments"), int) for s in shards):
-        frags = sum(s["fragments"] for s in shards)
-        if frags != m["fragments"]:
-            add(mfile, "fragments", f"{frags} (sum of the shards' fragments)", m["fragments"], "fragment count wrong")
+        _sum_of(m, shards, "fragments", mfile, add, "sum of the shards' fragments", "fragment count wrong")
     if not rows_padded(m):  # a padded epoch has no windows: its plan is proven by --against's replay
         _check_epoch_sources(m, srcs, row, lambda *a: add(mfile, *a))
     dir_epoch = EPOCH_DIR.match(path.name)
