@@ -287,10 +287,8 @@ def holdout_amount(value, name: str = "--holdout") -> tuple[str, Fraction | int]
     if len(raw) > MAX_NUMBER_TEXT or not weight_in_range(raw):
         _refuse("not a fraction or a token count", value, name, expected, hint)
     try:
-        if raw.endswith("%"):
-            fraction = Fraction(raw[:-1]) / 100
-        elif "." in raw or "/" in raw or "e" in raw.lower():
-            fraction = Fraction(raw)
+        if raw.endswith("%") or "." in raw or "/" in raw or "e" in raw.lower():
+            fraction = weight_fraction(raw)  # a weight's grammar, range checked above
         else:
             tokens = token_count(raw, name=name, most=MAX_COUNT)
             if tokens < 1:
