@@ -225,10 +225,14 @@ def _read_blocks(path: Path, total: int, block: int) -> Iterator[memoryview]:
         give_buffers(bufs)
 
 
-def _file_size(path: Path) -> int | None:
+def _file_size(path: Path, missing: str | None, out: Findings) -> int | None:
+    """A shard file's size, or None where it is absent: then, if the manifest lists it, the
+    problem `missing` (what is missing)."""
     try:
         return regular_size(path)
     except FileNotFoundError:
+        if missing:
+            out.add(path, None, "a file listed in the manifest", "no such file", missing)
         return None
 
 
@@ -263,11 +267,9 @@ def check_shard(job: ShardJob) -> Findings:
 def _check_tokens_size(job: ShardJob, ds: Path, tokens: int, out: Findings) -> bool:
     """The token file's size against the manifest's token count (every mode); True if it holds."""
     e, tsize = job.entry, job.dtype.itemsize
-    ds_size = _file_size(ds)
+    ds_size = _file_size(ds, "shard missing", out)
     ds_ok = ds_size == tokens * tsize
-    if ds_size is None:
-        out.add(ds, None, "a file listed in the manifest", "no such file", "shard missing")
-    elif not ds_ok:
+    if ds_size is not None and not ds_ok:
         out.add(
             ds,
             "size",
@@ -292,9 +294,8 @@ def _check_index_size(job: ShardJob, idx_path: Path, tokens: int, out: Findings)
     """The index's size against the manifest's document (source) or fragment and sample
     (epoch) counts (every mode): (its size or None if missing, whether it can be read)."""
     e, w = job.entry, INDEX_ENTRY_BYTES
-    idx_size = _file_size(idx_path)
+    idx_size = _file_size(idx_path, "index missing", out)
     if idx_size is None:
-        out.add(idx_path, None, "a file listed in the manifest", "no such file", "index missing")
         return None, False
     out.saw(idx_size)
     if job.kind == SOURCE and idx_size != w * int(e["documents"]):
@@ -352,10 +353,7 @@ def _check_loss(job: ShardJob, loss_path: Path, tokens: int, out: Findings) -> N
     1, and its checksum (full mode)."""
     e = job.entry
     has_loss = "loss_xxh3_128" in e
-    loss_size = _file_size(loss_path)
-    if has_loss and loss_size is None:
-        out.add(loss_path, None, "a file listed in the manifest", "no such file", "loss mask missing")
-        return
+    loss_size = _file_size(loss_path, "loss mask missing" if has_loss else None, out)
     if loss_size is None:
         return
     out.saw(loss_size)
@@ -387,10 +385,12 @@ def _row_hashes_file(job: ShardJob, rows_path: Path, out: Findings) -> _RowHashe
     e = job.entry
     if "rows_xxh3_128" not in e:
         return None
-    rows_size, want = _file_size(rows_path), ROW_HASH_BYTES * int(e.get("samples", 0))
-    if rows_size is None:
-        out.add(rows_path, None, "a file listed in the manifest", "no such file", "row hashes missing")
-    elif rows_size != want:
+    rows_size, want = _file_size(rows_path, "row hashes missing", out), ROW_HASH_BYTES * int(e.get("samples", 0))
+    if rows_size == want:
+        out.saw(rows_size)
+        vouched = None if "xxh3_128" in e else job.directory / e["path"]  # formats/token_check.py
+        return _RowHashes(rows_path, rows_size, e["rows_xxh3_128"], vouched, (job.row_tokens or 0) * job.dtype.itemsize)
+    if rows_size is not None:
         out.add(
             rows_path,
             "size",
@@ -398,10 +398,6 @@ def _row_hashes_file(job: ShardJob, rows_path: Path, out: Findings) -> _RowHashe
             f"{rows_size} bytes",
             "row hashes size wrong",
         )
-    else:
-        out.saw(rows_size)
-        vouched = None if "xxh3_128" in e else job.directory / e["path"]  # formats/token_check.py
-        return _RowHashes(rows_path, rows_size, e["rows_xxh3_128"], vouched, (job.row_tokens or 0) * job.dtype.itemsize)
     return None
 
 
