@@ -443,7 +443,7 @@ class _RowHashes:
             out.add(self.path, "xxh3_128", self.checksum, self.hash.hexdigest(), "checksum mismatch")
 
 
-def _index_problems(stream: _IndexStream, job: ShardJob, idx_path: Path, tokens: int, out: Findings) -> None:
+def _index_problems(stream: _IndexStream, idx_path: Path, tokens: int, out: Findings) -> None:
     if stream.broken is not None:
         k, prev, found = stream.broken
         out.add(
@@ -489,7 +489,7 @@ def _index_only(job: ShardJob, idx_path: Path, tokens: int, out: Findings, idx_s
                     )
                     return
                 prev_last = stream.last
-        _index_problems(stream, job, idx_path, tokens, out)
+        _index_problems(stream, idx_path, tokens, out)
     finally:
         stream.close()
 
@@ -580,9 +580,7 @@ def _full_pass(
                     recorded.feed(rows_file, hashes)
             a = b
         extra = stream.rest()
-        if stream.broken is not None:
-            _index_problems(stream, job, idx_path, tokens, out)
-        elif extra and not index_bad:
+        if stream.broken is None and extra and not index_bad:
             out.add(
                 idx_path,
                 f"entry {stream.count - extra}",
@@ -590,8 +588,8 @@ def _full_pass(
                 f"{extra} more entries",
                 "index runs past the end of the shard",
             )
-        elif not index_bad:
-            _index_problems(stream, job, idx_path, tokens, out)
+        elif stream.broken is not None or not index_bad:
+            _index_problems(stream, idx_path, tokens, out)
         if stream.hash.hexdigest() != job.entry["index_xxh3_128"]:
             out.add(idx_path, "xxh3_128", job.entry["index_xxh3_128"], stream.hash.hexdigest(), "checksum mismatch")
     finally:
