@@ -7,7 +7,6 @@ import re
 from array import array
 
 import numpy as np
-import xxhash
 
 from .constants import (
     EPOCH,
@@ -21,7 +20,7 @@ from .constants import (
 )
 from .errors import TokpackError
 from .fields import MANIFEST_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, field_problems, type_ok
-from .hashes import fingerprint, hash_hex64
+from .hashes import fingerprint, hash_hex64, name_hash
 from .io.paths import as_path, name_problem
 from .names import dtype_for_vocab, dtype_from_name, dtype_name
 from .packing import rows_padded
@@ -199,7 +198,7 @@ def _check_shard_names(shards: list[dict], mfile: str, add) -> None:
     def good(name) -> bool:
         return not (name_problem(name) or name.startswith(".") or not name.endswith(".ds"))
 
-    keys = np.sort(np.array(array("Q", (_name_hash(s.get("path")) for s in shards if good(s.get("path"))))))
+    keys = np.sort(np.array(array("Q", (name_hash(s.get("path")) for s in shards if good(s.get("path"))))))
     shared = {int(k) for k in keys[1:][keys[1:] == keys[:-1]]}
     del keys
     listed, first, widths = set(), [], set()
@@ -223,17 +222,13 @@ def _check_shard_names(shards: list[dict], mfile: str, add) -> None:
                 f"bad shard path ({why})" if why else "bad shard path",
             )
             continue
-        if _name_hash(name) not in shared:
+        if name_hash(name) not in shared:
             continue
         if name in listed:
             add(mfile, f"shards[{i}].path", "unique names", name, "shard listed twice")
         listed.add(name)
     if not in_order or len(widths) > 1:
         add(mfile, "shards", "names of one width, in sorted order", first, "shard names out of order")
-
-
-def _name_hash(name: str) -> int:
-    return xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogatepass"))
 
 
 def row_bytes_of(manifest: dict) -> int:
