@@ -7,7 +7,6 @@ import re
 from array import array
 
 import numpy as np
-import xxhash
 
 from .constants import (
     EPOCH,
@@ -21,7 +20,7 @@ from .constants import (
 )
 from .errors import TokpackError
 from .fields import MANIFEST_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, field_problems, type_ok
-from .hashes import fingerprint, hash_hex64
+from .hashes import fingerprint, hash_hex64, name_hash
 from .io.paths import as_path, name_problem
 from .names import dtype_for_vocab, dtype_from_name, dtype_name
 from .packing import rows_padded
@@ -76,14 +75,10 @@ def check_manifest(m: dict, directory, add) -> bool:
         _check_slice_manifest(m, shards, mfile, add)
         _check_shard_names(shards, mfile, add)
         return m["kind"] == SLICE or all(s["tokens"] == s["samples"] * (m["seq_len"] + 1) for s in shards)
-    total = sum(s["tokens"] for s in shards)
-    if total != m["tokens"]:
-        add(mfile, "tokens", f"{total} (sum over shards)", m["tokens"], "token count wrong")
+    _sum_of(m, shards, "tokens", mfile, add, "sum over shards", "token count wrong")
     _check_shard_names(shards, mfile, add)
     if kind == SOURCE:
-        docs = sum(s["documents"] for s in shards)
-        if docs != m["documents"]:
-            add(mfile, "documents", f"{docs} (sum over shards)", m["documents"], "document count wrong")
+        _sum_of(m, shards, "documents", mfile, add, "sum over shards", "document count wrong")
         fp = fingerprint((s["xxh3_128"] for s in shards), m["dtype"], m["vocab_size"], m["eos_id"])
         if fp != m["fingerprint"]:
             add(
@@ -162,9 +157,7 @@ def _check_slice_manifest(m: dict, shards: list[dict], mfile: str, add) -> None:
                 s["bytes"],
                 "rank file byte count wrong",
             )
-    total = sum(s["tokens"] for s in shards)
-    if total != m["tokens"]:
-        add(mfile, "tokens", f"{total} (sum over rank files)", m["tokens"], "token count wrong")
+    _sum_of(m, shards, "tokens", mfile, add, "sum over rank files", "token count wrong")
     rows = sum(s["samples"] for s in shards)
     if rows > m["samples"]:
         add(
@@ -174,6 +167,13 @@ def _check_slice_manifest(m: dict, shards: list[dict], mfile: str, add) -> None:
             rows,
             "rank files hold more samples than the epoch",
         )
+
+
+def _sum_of(m: dict, entries: list[dict], key: str, mfile: str, add, what: str, message: str) -> None:
+    """The manifest's total `key` is its entries' sum (`what`: how the expected value says so)."""
+    total = sum(s[key] for s in entries)
+    if total != m[key]:
+        add(mfile, key, f"{total} ({what})", m[key], message)
 
 
 def _whole_rows(i: int, s: dict, row: int, mfile: str, add, what: str) -> None:
@@ -198,7 +198,7 @@ def _check_shard_names(shards: list[dict], mfile: str, add) -> None:
     def good(name) -> bool:
         return not (name_problem(name) or name.startswith(".") or not name.endswith(".ds"))
 
-    keys = np.sort(np.array(array("Q", (_name_hash(s.get("path")) for s in shards if good(s.get("path"))))))
+    keys = np.sort(np.array(array("Q", (name_hash(s.get("path")) for s in shards if good(s.get("path"))))))
     shared = {int(k) for k in keys[1:][keys[1:] == keys[:-1]]}
     del keys
     listed, first, widths = set(), [], set()
@@ -222,17 +222,13 @@ def _check_shard_names(shards: list[dict], mfile: str, add) -> None:
                 f"bad shard path ({why})" if why else "bad shard path",
             )
             continue
-        if _name_hash(name) not in shared:
+        if name_hash(name) not in shared:
             continue
         if name in listed:
             add(mfile, f"shards[{i}].path", "unique names", name, "shard listed twice")
         listed.add(name)
     if not in_order or len(widths) > 1:
         add(mfile, "shards", "names of one width, in sorted order", first, "shard names out of order")
-
-
-def _name_hash(name: str) -> int:
-    return xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogatepass"))
 
 
 def row_bytes_of(manifest: dict) -> int:
@@ -254,9 +250,7 @@ def _check_epoch_manifest(path, m: dict, mfile: str, add, row: int) -> None:
                 s["samples"],
                 "every shard but the last holds exactly shard_samples samples",
             )
-    total = sum(s["samples"] for s in shards)
-    if total != m["samples"]:
-        add(mfile, "samples", f"{total} (sum over shards)", m["samples"], "sample count wrong")
+    _sum_of(m, shards, "samples", mfile, add, "sum over shards", "sample count wrong")
     multiset = sum(int(s["multiset_hash"], 16) for s in shards) & MASK64
     if hash_hex64(multiset) != m["sample_multiset_hash"]:
         add(
@@ -280,9 +274,7 @@ def _check_epoch_manifest(path, m: dict, mfile: str, add, row: int) -> None:
             "per-source sample counts do not add up",
         )
     if "fragments" in m and all(type_ok(s.get("fragments"), int) for s in shards):
-        frags = sum(s["fragments"] for s in shards)
-        if frags != m["fragments"]:
-            add(mfile, "fragments", f"{frags} (sum of the shards' fragments)", m["fragments"], "fragment count wrong")
+        _sum_of(m, shards, "fragments", mfile, add, "sum of the shards' fragments", "fragment count wrong")
     if not rows_padded(m):  # a padded epoch has no windows: its plan is proven by --against's replay
         _check_epoch_sources(m, srcs, row, lambda *a: add(mfile, *a))
     dir_epoch = EPOCH_DIR.match(path.name)

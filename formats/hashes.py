@@ -53,6 +53,11 @@ def hash_hex64(value: int) -> str:
     return f"{value & MASK64:016x}"
 
 
+def name_hash(name: str) -> int:
+    """A file name's xxh3-64: what validate holds of a manifest's shard names, not the names."""
+    return xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogatepass"))
+
+
 def fingerprint(shard_checksums: list[str], dtype: str, vocab_size: int, eos_id: int) -> str:
     """A source's identity: its data (shard checksums, in order) and how to read it."""
     h = xxhash.xxh3_128()

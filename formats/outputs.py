@@ -77,9 +77,7 @@ class EpochShardFormat:
     padded: bool = False  # best-fit: a `.ds.pad` beside the rows
     hashed_only: bool = False  # tokens and index hashed for the manifest, not written (EpochShardWriter)
     placed: bool = False  # tokens written row by row in any order first, then hashed in order (EpochShardWriter)
-
-    def writer(self, place: ShardPlace) -> EpochShardWriter:
-        return EpochShardWriter(place.directory, place.name, **vars(self))  # its fields are the writer's arguments
+    writer: ClassVar[type] = EpochShardWriter  # whose arguments its fields are
 
 
 @dataclass(frozen=True)
@@ -89,9 +87,7 @@ class SourceShardFormat:
     dtype: np.dtype
     tokenizer: str
     with_loss: bool = False
-
-    def writer(self, place: ShardPlace) -> SourceShardWriter:
-        return SourceShardWriter(place.directory, place.name, **vars(self))  # its fields are the writer's arguments
+    writer: ClassVar[type] = SourceShardWriter  # whose arguments its fields are
 
 
 class ShardWriter:
@@ -160,7 +156,7 @@ class Output(ABC):
 
     def open_shard(self, place: ShardPlace, fmt: EpochShardFormat | SourceShardFormat) -> ShardWriter:
         """The writer of every file of the shard at `place`."""
-        return ShardWriter(self, place, fmt.writer(place))
+        return ShardWriter(self, place, fmt.writer(place.directory, place.name, **vars(fmt)))
 
     def commit(self, place: ShardPlace, entry: dict) -> None:
         """The shard at `place` (its manifest entry `entry`) is committed: its files, then its record."""

@@ -30,6 +30,7 @@ from .constants import EPOCH, MANIFEST, MASK64, SOURCE
 from .hashes import hash_hex64, order_hash, row_hashes
 from .names import metadata_text, parse_metadata_text
 from .fields import type_ok
+from .token_check import row_mismatch
 
 MAX_METADATA = 1 << 16
 # Read block: smaller than tokpack.formats.io.IO_BLOCK, and it keeps a cold read pipelined best
@@ -224,10 +225,14 @@ def _read_blocks(path: Path, total: int, block: int) -> Iterator[memoryview]:
         give_buffers(bufs)
 
 
-def _file_size(path: Path) -> int | None:
+def _file_size(path: Path, missing: str | None, out: Findings) -> int | None:
+    """A shard file's size, or None where it is absent: then, if the manifest lists it, the
+    problem `missing` (what is missing)."""
     try:
         return regular_size(path)
     except FileNotFoundError:
+        if missing:
+            out.add(path, None, "a file listed in the manifest", "no such file", missing)
         return None
 
 
@@ -262,11 +267,9 @@ def check_shard(job: ShardJob) -> Findings:
 def _check_tokens_size(job: ShardJob, ds: Path, tokens: int, out: Findings) -> bool:
     """The token file's size against the manifest's token count (every mode); True if it holds."""
     e, tsize = job.entry, job.dtype.itemsize
-    ds_size = _file_size(ds)
+    ds_size = _file_size(ds, "shard missing", out)
     ds_ok = ds_size == tokens * tsize
-    if ds_size is None:
-        out.add(ds, None, "a file listed in the manifest", "no such file", "shard missing")
-    elif not ds_ok:
+    if ds_size is not None and not ds_ok:
         out.add(
             ds,
             "size",
@@ -291,9 +294,8 @@ def _check_index_size(job: ShardJob, idx_path: Path, tokens: int, out: Findings)
     """The index's size against the manifest's document (source) or fragment and sample
     (epoch) counts (every mode): (its size or None if missing, whether it can be read)."""
     e, w = job.entry, INDEX_ENTRY_BYTES
-    idx_size = _file_size(idx_path)
+    idx_size = _file_size(idx_path, "index missing", out)
     if idx_size is None:
-        out.add(idx_path, None, "a file listed in the manifest", "no such file", "index missing")
         return None, False
     out.saw(idx_size)
     if job.kind == SOURCE and idx_size != w * int(e["documents"]):
@@ -351,10 +353,7 @@ def _check_loss(job: ShardJob, loss_path: Path, tokens: int, out: Findings) -> N
     1, and its checksum (full mode)."""
     e = job.entry
     has_loss = "loss_xxh3_128" in e
-    loss_size = _file_size(loss_path)
-    if has_loss and loss_size is None:
-        out.add(loss_path, None, "a file listed in the manifest", "no such file", "loss mask missing")
-        return
+    loss_size = _file_size(loss_path, "loss mask missing" if has_loss else None, out)
     if loss_size is None:
         return
     out.saw(loss_size)
@@ -386,10 +385,12 @@ def _row_hashes_file(job: ShardJob, rows_path: Path, out: Findings) -> _RowHashe
     e = job.entry
     if "rows_xxh3_128" not in e:
         return None
-    rows_size, want = _file_size(rows_path), ROW_HASH_BYTES * int(e.get("samples", 0))
-    if rows_size is None:
-        out.add(rows_path, None, "a file listed in the manifest", "no such file", "row hashes missing")
-    elif rows_size != want:
+    rows_size, want = _file_size(rows_path, "row hashes missing", out), ROW_HASH_BYTES * int(e.get("samples", 0))
+    if rows_size == want:
+        out.saw(rows_size)
+        vouched = None if "xxh3_128" in e else job.directory / e["path"]  # formats/token_check.py
+        return _RowHashes(rows_path, rows_size, e["rows_xxh3_128"], vouched, (job.row_tokens or 0) * job.dtype.itemsize)
+    if rows_size is not None:
         out.add(
             rows_path,
             "size",
@@ -397,10 +398,6 @@ def _row_hashes_file(job: ShardJob, rows_path: Path, out: Findings) -> _RowHashe
             f"{rows_size} bytes",
             "row hashes size wrong",
         )
-    else:
-        out.saw(rows_size)
-        vouched = None if "xxh3_128" in e else job.directory / e["path"]  # formats/token_check.py
-        return _RowHashes(rows_path, rows_size, e["rows_xxh3_128"], vouched, (job.row_tokens or 0) * job.dtype.itemsize)
     return None
 
 
@@ -432,13 +429,7 @@ class _RowHashes:
                 self.hash = xxhash.xxh3_128(f.read(self.size))
         elif self.bad is not None and self.vouched is not None and self.hash.hexdigest() == self.checksum:
             row, have, calc = self.bad
-            out.add(
-                self.vouched,
-                f"row {row} (byte {row * self.row_bytes})",
-                f"xxh3_64 {hash_hex64(have)} (its entry in {self.path.name})",
-                hash_hex64(calc),
-                "checksum mismatch",
-            )
+            out.add(self.vouched, *row_mismatch(row, self.row_bytes, have, calc, self.path.name), "checksum mismatch")
         elif self.bad is not None:
             row, have, calc = self.bad
             out.add(
@@ -452,7 +443,7 @@ class _RowHashes:
             out.add(self.path, "xxh3_128", self.checksum, self.hash.hexdigest(), "checksum mismatch")
 
 
-def _index_problems(stream: _IndexStream, job: ShardJob, idx_path: Path, tokens: int, out: Findings) -> None:
+def _index_problems(stream: _IndexStream, idx_path: Path, tokens: int, out: Findings) -> None:
     if stream.broken is not None:
         k, prev, found = stream.broken
         out.add(
@@ -498,7 +489,7 @@ def _index_only(job: ShardJob, idx_path: Path, tokens: int, out: Findings, idx_s
                     )
                     return
                 prev_last = stream.last
-        _index_problems(stream, job, idx_path, tokens, out)
+        _index_problems(stream, idx_path, tokens, out)
     finally:
         stream.close()
 
@@ -589,9 +580,7 @@ def _full_pass(
                     recorded.feed(rows_file, hashes)
             a = b
         extra = stream.rest()
-        if stream.broken is not None:
-            _index_problems(stream, job, idx_path, tokens, out)
-        elif extra and not index_bad:
+        if stream.broken is None and extra and not index_bad:
             out.add(
                 idx_path,
                 f"entry {stream.count - extra}",
@@ -599,8 +588,8 @@ def _full_pass(
                 f"{extra} more entries",
                 "index runs past the end of the shard",
             )
-        elif not index_bad:
-            _index_problems(stream, job, idx_path, tokens, out)
+        elif stream.broken is not None or not index_bad:
+            _index_problems(stream, idx_path, tokens, out)
         if stream.hash.hexdigest() != job.entry["index_xxh3_128"]:
             out.add(idx_path, "xxh3_128", job.entry["index_xxh3_128"], stream.hash.hexdigest(), "checksum mismatch")
     finally:

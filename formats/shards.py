@@ -29,6 +29,7 @@ from .names import dtype_from_name, metadata_text
 from .packing import has_pad
 from .reading import read_manifest
 from .hashes import row_hashes
+from .token_check import FileDigest, digest_error
 
 
 _SHARD_FILE = re.compile(
@@ -137,19 +138,13 @@ class RowFacts:
         self._pads: dict[int, np.ndarray] = {}
 
     def _verified(self, i: int, suffix: str, key: str, size: int, each) -> np.ndarray:
-        s, digest, parts = self.shards[i], xxhash.xxh3_128(), []
+        s, digest, parts = self.shards[i], FileDigest(self.shards[i][key]), []
         for block in self.blocks(i, suffix, size):
             digest.update(block)
             parts.append(each(block))
-        if digest.hexdigest() != s[key]:
-            raise TokpackError(
-                "checksum mismatch in the run",
-                file=f"{self.where}/{s['path']}{suffix}",
-                where="xxh3_128",
-                expected=s[key],
-                found=digest.hexdigest(),
-                hint=self.hint,
-            )
+        err = digest_error(digest, f"{self.where}/{s['path']}{suffix}", "checksum mismatch in the run", self.hint)
+        if err is not None:
+            raise err
         return np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else each(b"")
 
     def hashes(self, i: int) -> np.ndarray:

@@ -208,27 +208,24 @@ def slice_epoch_problems(
     `validate` reports them all. A problem of the whole epoch is the last one given: what would
     follow means nothing. (A rank file's missing padding is `missing_padding`'s.)"""
 
-    def bad(message: str, key: str, expected, found, hint: str = "stage the slice again") -> TokpackError:
-        return TokpackError(message, file=d / MANIFEST, where=key, expected=expected, found=found, hint=hint)
+    def bad(rank, message: str, key: str, expected, found, hint: str = "stage the slice again"):
+        return rank, TokpackError(message, file=d / MANIFEST, where=key, expected=expected, found=found, hint=hint)
 
     for key in (*SLICE_KEYS, "seq_len", "dtype"):
         if m.get(key) != root.get(key):
-            yield (
+            yield bad(
                 None,
-                bad(
-                    "slice epoch belongs to another slice",
-                    key,
-                    root.get(key) if key != "run" else "the root's run",
-                    m.get(key) if key != "run" else "another run",
-                    "stage the slice again into an empty directory",
-                ),
+                "slice epoch belongs to another slice",
+                key,
+                root.get(key) if key != "run" else "the root's run",
+                m.get(key) if key != "run" else "another run",
+                "stage the slice again into an empty directory",
             )
             return
     if (m.get("epoch"), m.get("first_sample"), m.get("samples")) != (e, first, n):
         found = (m.get("epoch"), m.get("first_sample"), m.get("samples"))
-        yield (
-            None,
-            bad("slice epoch disagrees with its run's numbering", "epoch/first_sample/samples", (e, first, n), found),
+        yield bad(
+            None, "slice epoch disagrees with its run's numbering", "epoch/first_sample/samples", (e, first, n), found
         )
         return
     ranks = [int(r) for r in root["ranks"]]
@@ -236,17 +233,15 @@ def slice_epoch_problems(
     names = [rank_file_name(r) for r in ranks]
     if [s.get("rank") for s in entries] != ranks or [s.get("path") for s in entries] != names:
         paths = [s.get("path") for s in entries]
-        yield None, bad("slice epoch does not list one file per rank, in rank order", "shards", names, paths)
+        yield bad(None, "slice epoch does not list one file per rank, in rank order", "shards", names, paths)
         return
     for r, s in zip(ranks, entries):
         want = rows.rows(r, first, first + n)
         if s.get("samples") != want:
-            yield (
+            yield bad(
                 r,
-                bad(
-                    "rank file holds the wrong number of samples",
-                    f"shards[rank {r}].samples",
-                    f"{want} (the samples rank {r} reads in epoch {e})",
-                    s.get("samples"),
-                ),
+                "rank file holds the wrong number of samples",
+                f"shards[rank {r}].samples",
+                f"{want} (the samples rank {r} reads in epoch {e})",
+                s.get("samples"),
             )

@@ -87,10 +87,8 @@ class RowDigest:
             diff = np.flatnonzero(got[: len(want)] != want)
             if len(diff):
                 k = self.rows + int(diff[0])
-                self.bad = (
-                    f"row {k} (byte {k * self.row_bytes})",
-                    f"xxh3_64 {hash_hex64(int(self.recorded[k]))} (its entry in {self.rows_file})",
-                    hash_hex64(int(got[k - self.rows])),
+                self.bad = row_mismatch(
+                    k, self.row_bytes, int(self.recorded[k]), int(got[k - self.rows]), self.rows_file
                 )
             elif len(want) < n:
                 self.bad = self._count_problem(self.rows + len(want), "more rows")
@@ -106,6 +104,15 @@ class RowDigest:
         if self.bad is None and (self.part or self.rows < len(self.recorded)):
             return self._count_problem(self.rows, f"{self.rows * self.row_bytes + len(self.part)} bytes")
         return self.bad
+
+
+def row_mismatch(row: int, row_bytes: int, recorded: int, got: int, rows_file: str) -> tuple[str, str, str]:
+    """(where, expected, found) of a token file's row whose xxh3-64 `got` is not its entry in `rows_file`."""
+    return (
+        f"row {row} (byte {row * row_bytes})",
+        f"xxh3_64 {hash_hex64(recorded)} (its entry in {rows_file})",
+        hash_hex64(got),
+    )
 
 
 def recorded_rows(ds, checksum: str, samples: int, hint: str) -> np.ndarray:

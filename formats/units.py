@@ -57,13 +57,13 @@ def _refuse(message: str, value, name: str | None, expected: str, hint: str | No
     raise TokpackError(message, where=name, expected=expected, found=typed(value), hint=hint)
 
 
-def _parse(value: str | int, what: str, name: str | None = None) -> int | tuple[Fraction, str] | None:
-    """An int as it is (refused if negative); text as (number, SUFFIX), or None if it is not
+def _parse(value: str | int, what: str, name: str | None = None) -> tuple[Fraction, str] | None:
+    """(number, SUFFIX) of text, or of an int (no suffix; refused if negative); None if it is not
     a number with a suffix."""
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
             raise TokpackError(f"a {what} cannot be negative", where=name, found=value)
-        return value
+        return Fraction(value), ""
     if len(str(value)) > MAX_NUMBER_TEXT:
         return None
     m = _NUMBER.fullmatch(str(value))
@@ -85,8 +85,6 @@ def token_count(
     the option or field the value was given for (a refusal names it); `most`: its bound (a count a
     user types: MAX_COUNT; a virtual corpus's planned size may be larger)."""
     parsed = _parse(value, what, name)
-    if isinstance(parsed, int):
-        return _bounded(parsed, value, name, what, most)
     if parsed is None:
         raise TokpackError(
             f"{typed(value)} is not a {what}",
@@ -117,8 +115,6 @@ def token_count(
 def byte_size(value: str | int, *, what: str = "byte size", name: str | None = None, most: int | None = None) -> int:
     """'16GiB' -> 17179869184; '2GB' -> 2000000000; '4G' -> 4 GiB (a bare letter is binary)."""
     parsed = _parse(value, what, name)
-    if isinstance(parsed, int):
-        return _bounded(parsed, value, name, what, most)
     if parsed is None or parsed[1] not in BYTE_SUFFIXES:
         raise TokpackError(
             f"{typed(value)} is not a {what}",
@@ -287,10 +283,8 @@ def holdout_amount(value, name: str = "--holdout") -> tuple[str, Fraction | int]
     if len(raw) > MAX_NUMBER_TEXT or not weight_in_range(raw):
         _refuse("not a fraction or a token count", value, name, expected, hint)
     try:
-        if raw.endswith("%"):
-            fraction = Fraction(raw[:-1]) / 100
-        elif "." in raw or "/" in raw or "e" in raw.lower():
-            fraction = Fraction(raw)
+        if raw.endswith("%") or "." in raw or "/" in raw or "e" in raw.lower():
+            fraction = weight_fraction(raw)  # a weight's grammar, range checked above
         else:
             tokens = token_count(raw, name=name, most=MAX_COUNT)
             if tokens < 1:

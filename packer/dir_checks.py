@@ -23,7 +23,7 @@ from tokpack.formats.constants import SHARD_SUFFIXES, SLICE
 from tokpack.formats.checks import check_manifest
 from tokpack.formats.names import dtype_from_name
 from tokpack.formats.packing import has_pad, rows_padded
-from tokpack.formats.hashes import hash_hex64
+from tokpack.formats.hashes import hash_hex64, name_hash
 from tokpack.formats.fields import type_ok
 from tokpack.formats.shard_scan import Findings, Problem, ShardJob, worst_status
 from tokpack.formats.shards import contained_shard, shard_suffixes
@@ -171,10 +171,6 @@ def open_manifest(path: Path, rep: DirReport, kinds) -> dict | None:
 _SUFFIX_BITS = {suffix: 1 << k for k, suffix in enumerate((*SHARD_SUFFIXES, ROWS_SUFFIX, PAD_SUFFIX))}
 
 
-def _name_key(name: str) -> int:
-    return xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogatepass"))
-
-
 def check_listing(path: Path, shards: list[dict], rep: DirReport) -> None:
     """The directory holds no shard file the manifest does not list (the names were checked): a
     sidecar its entry does not record (a `.ds.pad` beside a window shard) is unlisted too."""
@@ -185,7 +181,7 @@ def check_listing(path: Path, shards: list[dict], rep: DirReport) -> None:
     n = len(shards)
     keys, masks = np.empty(n, np.uint64), np.empty(n, np.uint8)
     for i, s in enumerate(shards):
-        keys[i] = _name_key(s["path"])
+        keys[i] = name_hash(s["path"])
         # an unlisted loss mask has the shard scan's own line (formats/shard_scan.py)
         masks[i] = sum(_SUFFIX_BITS[x] for x in {*shard_suffixes(s), LOSS_SUFFIX})
     order = np.argsort(keys, kind="stable")
@@ -195,7 +191,7 @@ def check_listing(path: Path, shards: list[dict], rep: DirReport) -> None:
     def listed(name: str) -> bool:
         for suffix, bit in _SUFFIX_BITS.items():
             if name.endswith(suffix) and len(name) > len(suffix):
-                key = np.uint64(_name_key(name[: len(name) - len(suffix)]))
+                key = np.uint64(name_hash(name[: len(name) - len(suffix)]))
                 lo, hi = np.searchsorted(keys, key, "left"), np.searchsorted(keys, key, "right")
                 if lo < hi and int(np.bitwise_or.reduce(masks[lo:hi])) & bit:
                     return True
@@ -373,7 +369,7 @@ class ShardJobs:
     def number_samples(self, per: int) -> None:
         """Each job's first_sample: its entry's index times `per` (shard_samples); for a name
         listed twice, its last entry's, as a name -> position table has it."""
-        keys = np.fromiter((_name_key(s["path"]) for s in self.shards), np.uint64, len(self.shards))
+        keys = np.fromiter((name_hash(s["path"]) for s in self.shards), np.uint64, len(self.shards))
         order = np.argsort(keys, kind="stable")
         same = np.flatnonzero(keys[order][1:] == keys[order][:-1])
         for i in np.union1d(order[same], order[same + 1]):  # the entries sharing a hash, in order

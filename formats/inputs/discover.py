@@ -199,28 +199,25 @@ def _check_dtype_option(files: list[InputFile], dtype: str | None) -> None:
             )
 
 
+# (field, message, hint) of what every input of one pack shares, in the order it is checked
+_ONE_OF_A_PACK = (
+    ("dtype", "mixed token dtypes in one pack", "pack inputs of one dtype together, or convert them first"),
+    (
+        "tokenizer",
+        "mixed vocabularies in one pack",
+        "inputs tokenized with different tokenizers cannot share one packed source",
+    ),
+)
+
+
 def _check_consistent(files: list[InputFile]) -> None:
     """One pack, one token type: files of different dtypes or tokenizers are refused."""
     first = files[0]
     for f in files[1:]:
-        if f.dtype != first.dtype:
-            raise _err(
-                "mixed token dtypes in one pack",
-                f.path,
-                where="dtype",
-                expected=f"{first.dtype} (as in {first.path})",
-                found=f.dtype,
-                hint="pack inputs of one dtype together, or convert them first",
-            )
-        if f.tokenizer != first.tokenizer:
-            raise _err(
-                "mixed vocabularies in one pack",
-                f.path,
-                where="tokenizer",
-                expected=f"{first.tokenizer} (as in {first.path})",
-                found=f.tokenizer,
-                hint="inputs tokenized with different tokenizers cannot share one packed source",
-            )
+        for key, message, hint in _ONE_OF_A_PACK:
+            if getattr(f, key) != getattr(first, key):
+                expected = f"{getattr(first, key)} (as in {first.path})"
+                raise _err(message, f.path, where=key, expected=expected, found=getattr(f, key), hint=hint)
     with_loss = {bool(f.extra.get("loss")) for f in files}
     if len(with_loss) > 1:
         missing = next(f for f in files if not f.extra.get("loss"))
