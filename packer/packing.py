@@ -47,7 +47,7 @@ from tokpack.formats.units import counted
 from tokpack.shuffle.sinks import app_sinks_kept
 from tokpack.packer.shared import ExecutorConfig, Result, optional_field
 from tokpack.packer.executors import run_steps, runs_in_process
-from tokpack.packer.linking import Linked, link_part, summary as link_summary
+from tokpack.packer.linking import link_part, summary as link_summary
 from tokpack.packer.vocab import Normalizer
 from tokpack.packer.pack_setup import PackOptions, PackSetup, clear_output, pack_tasks, setup_pack
 
@@ -129,10 +129,10 @@ class PackStep(PipelineStep):
         self.output.remove_sent(part_dir)
         part_dir.mkdir(parents=True)
         out_dtype = np.dtype(self.dtype)
-        linked = None
+        copied = None  # pack --link: why this input is copied, not linked
         if self.link:
-            linked = (
-                Linked(note="the output is an object store")
+            part, copied = (
+                (None, "the output is an object store")
                 if not self.output.links_files
                 else link_part(
                     f,
@@ -145,9 +145,9 @@ class PackStep(PipelineStep):
                     self.block_bytes,
                 )
             )
-            if linked.part is not None:
-                return self._record(part_json, linked.part)
-            check_space([(part_dir, f.size)], "pack", hint=f"{f.path} is copied: {linked.note}")
+            if part is not None:
+                return self._record(part_json, part)
+            check_space([(part_dir, f.size)], "pack", hint=f"{f.path} is copied: {copied}")
         norm = Normalizer(f, self.vocab_size, self.eos_id, out_dtype)
         with_loss = bool(f.extra.get("loss"))
         entries: list[dict] = []
@@ -208,8 +208,8 @@ class PackStep(PipelineStep):
             "empty_documents_dropped": norm.empty_dropped,
             "end_id": norm.end_id,  # the one id every document lacking EOS ended with, else None
         }
-        if linked is not None:
-            part["link"] = {"how": "copy", "why": linked.note}
+        if copied is not None:
+            part["link"] = {"how": "copy", "why": copied}
         return self._record(part_json, part)
 
     def _record(self, part_json: Path, part: dict) -> dict:
