@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tokpack import __version__
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.constants import SOURCE, WORK_DIR
 from tokpack.formats.guard import check_space, locked_output
@@ -57,13 +58,8 @@ with app_sinks_kept():
     from datatrove.pipeline.base import PipelineStep
 
 
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return f"tokpack {version('tokpack')}"
-    except Exception:
-        return "tokpack"
+# The manifest's created_by: the version tokpack/__init__.py looked up; a checkout never installed has none to name
+CREATED_BY = "tokpack" if __version__ == "0+unknown" else f"tokpack {__version__}"
 
 
 # ------------------------------------------------------------------------ the task
@@ -552,7 +548,7 @@ def pack(
                     moves.append((src.relative_to(out).as_posix(), f"{name}{suffix}", size))
                 entries.append({**e, "path": name})
         # vocab_known: absent when known, as in older manifests
-        manifest = setup.manifest(entries, _version(), parts, **({} if setup.vocab_known else {"vocab_known": False}))
+        manifest = setup.manifest(entries, CREATED_BY, parts, **({} if setup.vocab_known else {"vocab_known": False}))
         write_bytes_atomic(
             plan_path,
             json.dumps(

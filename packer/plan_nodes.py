@@ -233,8 +233,7 @@ def _planned_manifest(job, sources, memory: int):
     counted by packing its passes once more, as plan shuffle shows it) and each shard's
     pad_xxh3_128, which --to-nodes RUNs hold (tokpack.shuffle.run.epoch_manifest_of)."""
     from tokpack.shuffle import packings
-    from tokpack.shuffle.run import epoch_manifest_of
-    from tokpack.shuffle.run import planned_epoch_manifest
+    from tokpack.shuffle.run import epoch_manifest_of, planned_epoch_manifest
 
     manifest, entry = planned_epoch_manifest(job, sources), packings.of_plan(job.plan)
     if entry.figures is None:

@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import space_needs
 from tokpack.formats.io.paths import local_path

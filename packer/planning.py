@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-
 from tokpack.formats.guard import physical_memory
 from tokpack.formats.constants import MANIFEST
 from tokpack.formats.reading import canonical_bytes
