@@ -83,10 +83,7 @@ class PackStep(PipelineStep):
         super().__init__()
         self.files = files  # every input file, in input order
         self.work = work  # OUT/.tokpack-work
-        self.vocab_size = setup.vocab
-        self.eos_id = setup.eos
-        self.dtype = setup.out_dtype.name  # output dtype name
-        self.tokenizer = setup.tok_name  # written into each shard's .ds.metadata
+        self.setup = setup  # vocabulary, EOS id, output dtype, tokenizer name (into each shard's .ds.metadata)
         self.shard_tokens = int(options.shard_tokens)  # max tokens per shard (but one oversized document)
         self.block_bytes = block_bytes  # input bytes per read block
         self.output = output  # where the shards go (tokpack.formats.outputs): to a bucket, each is sent once written
@@ -101,7 +98,7 @@ class PackStep(PipelineStep):
         for i in range(rank, len(self.files), world_size):
             try:
                 # checked here, on a resumed part too: the driver writes no manifest for a refused input
-                check_document_ends(self.pack_file(i), self.eos_id, self.append_eos)
+                check_document_ends(self.pack_file(i), self.setup.eos, self.append_eos)
             except TokpackError as e:
                 write_bytes_atomic(Path(self.work) / f"part-{i:05d}.error.json", json.dumps(e.to_json()).encode())
                 raise
@@ -109,22 +106,19 @@ class PackStep(PipelineStep):
                 self.overall.update(self.files[i].size)
 
     def pack_file(self, i: int) -> dict:
-        f = self.files[i]
+        f, out_dtype = self.files[i], self.setup.out_dtype
         part_dir = Path(self.work) / f"part-{i:05d}"
         part_json = Path(self.work) / f"part-{i:05d}.json"
         part = read_record(part_json)  # a damaged record: the file is packed again
         if part is not None:
             shards = part.get("shards")
-            if isinstance(shards, list) and all(
-                self.output.has(part_dir, e, np.dtype(self.dtype).itemsize) for e in shards
-            ):
+            if isinstance(shards, list) and all(self.output.has(part_dir, e, out_dtype.itemsize) for e in shards):
                 return part  # done by an earlier run
         part_json.unlink(missing_ok=True)
         if part_dir.exists():
             shutil.rmtree(part_dir)
         self.output.remove_sent(part_dir)
         part_dir.mkdir(parents=True)
-        out_dtype = np.dtype(self.dtype)
         copied = None  # pack --link: why this input is copied, not linked
         if self.link:
             part, copied = (
@@ -133,10 +127,10 @@ class PackStep(PipelineStep):
                 else link_part(
                     f,
                     part_dir,
-                    self.vocab_size,
-                    self.eos_id,
+                    self.setup.vocab,
+                    self.setup.eos,
                     out_dtype,
-                    self.tokenizer,
+                    self.setup.tok_name,
                     self.shard_tokens,
                     self.block_bytes,
                 )
@@ -144,7 +138,7 @@ class PackStep(PipelineStep):
             if part is not None:
                 return self._record(part_json, part)
             check_space([(part_dir, f.size)], "pack", hint=f"{f.path} is copied: {copied}")
-        norm = Normalizer(f, self.vocab_size, self.eos_id, out_dtype)
+        norm = Normalizer(f, self.setup.vocab, self.setup.eos, out_dtype)
         with_loss = bool(f.extra.get("loss"))
         entries: list[dict] = []
         writer = None
@@ -154,12 +148,12 @@ class PackStep(PipelineStep):
             entry, writer = writer.close(), None  # committed through the Output: to a bucket, sent
             entries.append(entry)
 
-        fmt = SourceShardFormat(out_dtype, self.tokenizer, with_loss)
+        fmt = SourceShardFormat(out_dtype, self.setup.tok_name, with_loss)
         in_itemsize = np.dtype(f.dtype).itemsize if f.dtype else 0
         bar = progress(f.size, f"pack {Path(f.path).name}")
         blocks = None  # the reader's generator, closed explicitly on failure
         try:
-            blocks = read_blocks(f, self.eos_id, self.block_bytes)
+            blocks = read_blocks(f, self.setup.eos, self.block_bytes)
             for block in blocks:
                 in_bytes = len(block.tokens) * in_itemsize
                 tokens, ends, loss = norm(block)
