@@ -84,21 +84,18 @@ class PackStep(PipelineStep):
         self.files = files  # every input file, in input order
         self.work = work  # OUT/.tokpack-work
         self.setup = setup  # vocabulary, EOS id, output dtype, tokenizer name (into each shard's .ds.metadata)
-        self.shard_tokens = int(options.shard_tokens)  # max tokens per shard (but one oversized document)
+        self.options = options  # shard_tokens (a shard's most, but for one oversized document), link, append_eos
         self.block_bytes = block_bytes  # input bytes per read block
         self.output = output  # where the shards go (tokpack.formats.outputs): to a bucket, each is sent once written
-        self.link = options.link  # pack --link: an input that is its shard's bytes is linked (tokpack.packer.linking)
         # The bar over every file, next to each file's own, when the ranks run in the command's
         # process (never pickled to a worker); moved by whole files: a JSONL block's bytes are not known.
         self.overall = None
-        # pack --append-eos: an input whose documents all end with one other id is packed as asked, not refused
-        self.append_eos = options.append_eos
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         for i in range(rank, len(self.files), world_size):
             try:
                 # checked here, on a resumed part too: the driver writes no manifest for a refused input
-                check_document_ends(self.pack_file(i), self.setup.eos, self.append_eos)
+                check_document_ends(self.pack_file(i), self.setup.eos, self.options.append_eos)
             except TokpackError as e:
                 write_bytes_atomic(Path(self.work) / f"part-{i:05d}.error.json", json.dumps(e.to_json()).encode())
                 raise
@@ -120,7 +117,7 @@ class PackStep(PipelineStep):
         self.output.remove_sent(part_dir)
         part_dir.mkdir(parents=True)
         copied = None  # pack --link: why this input is copied, not linked
-        if self.link:
+        if self.options.link:
             part, copied = (
                 (None, "the output is an object store")
                 if not self.output.links_files
@@ -131,7 +128,7 @@ class PackStep(PipelineStep):
                     self.setup.eos,
                     out_dtype,
                     self.setup.tok_name,
-                    self.shard_tokens,
+                    self.options.shard_tokens,
                     self.block_bytes,
                 )
             )
@@ -163,7 +160,7 @@ class PackStep(PipelineStep):
                         k = len(entries)
                         writer = self.output.open_shard(ShardPlace(str(part_dir), shard_name(k), k, part=i), fmt)
                     base = int(ends[done - 1]) if done else 0
-                    stop = int(np.searchsorted(ends, base + self.shard_tokens - writer.tokens, side="right"))
+                    stop = int(np.searchsorted(ends, base + self.options.shard_tokens - writer.tokens, side="right"))
                     if stop == done:
                         if writer.tokens:  # the next document does not fit: start a new shard
                             close_shard()
@@ -172,7 +169,7 @@ class PackStep(PipelineStep):
                     end = int(ends[stop - 1])
                     writer.write(tokens[base:end], ends[done:stop] - base, None if loss is None else loss[base:end])
                     done = stop
-                    if writer.tokens >= self.shard_tokens:
+                    if writer.tokens >= self.options.shard_tokens:
                         close_shard()
                 bar.update(in_bytes)
             if writer is not None and writer.tokens:
