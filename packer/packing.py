@@ -461,7 +461,6 @@ def pack(
         )
 
     work = out / WORK_DIR
-    out_dtype = setup.out_dtype
     ntasks = pack_tasks(len(setup.files), config)
     check_space(
         [(out, setup.bytes_to_write(out, to, ntasks))], "pack", hint="free some space there, or choose another -o"
@@ -534,7 +533,7 @@ def pack(
                 name = shard_name(len(entries), digits)
                 for suffix in shard_suffixes(e):
                     src = work / f"part-{i:05d}" / f"{e['path']}{suffix}"
-                    size = e["tokens"] * out_dtype.itemsize if suffix == "" else None
+                    size = e["tokens"] * setup.out_dtype.itemsize if suffix == "" else None
                     # relative to OUT: a rerun elsewhere (another scratch folder for a URL) finds them
                     moves.append((src.relative_to(out).as_posix(), f"{name}{suffix}", size))
                 entries.append({**e, "path": name})
