@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 from array import array
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,15 +81,12 @@ class ProblemList(list):
         """The listed problems, then one line per file with more than it lists and one for the
         rest of directory `where`; `total` and the status stay those of every problem."""
         out = ProblemList()
-        listed: dict[str, int] = {}
-        for p in self:
-            list.append(out, p)
-            listed[p.file] = listed.get(p.file, 0) + 1
-        counted = sum(listed.values())
+        list.extend(out, self)
+        listed, counted = Counter(p.file for p in self), len(self)
         for f, n in self.per_file.items():
-            if n > listed.get(f, 0):
-                list.append(out, Problem(f, None, None, None, f"{n - listed.get(f, 0)} more problems in this file"))
-                counted += n - listed.get(f, 0)
+            if n > listed[f]:
+                list.append(out, Problem(f, None, None, None, f"{n - listed[f]} more problems in this file"))
+                counted += n - listed[f]
         if self.total > counted:
             list.append(
                 out,

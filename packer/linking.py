@@ -123,15 +123,6 @@ def _state(path) -> tuple:
 # ------------------------------------------------------------------------ the task
 
 
-@dataclass
-class Linked:
-    """What one input's link attempt gave: a part record (the same as a copying pack's, plus
-    `link`), or the note saying why the input is copied."""
-
-    part: dict | None = None
-    note: str | None = None
-
-
 def link_part(
     f: InputFile,
     part_dir: Path,
@@ -141,9 +132,10 @@ def link_part(
     tokenizer: str,
     shard_tokens: int,
     block_bytes: int,
-) -> Linked:
-    """Links input `f` as shard 0 of `part_dir` (an empty folder) once the scan has verified it;
-    otherwise leaves `part_dir` empty and says why."""
+) -> tuple[dict | None, str | None]:
+    """Links input `f` as shard 0 of `part_dir` (an empty folder) once the scan has verified it:
+    (its part record, the same as a copying pack's plus `link`, None); otherwise leaves `part_dir`
+    empty and says why the input is copied: (None, why)."""
 
     def scan(files: dict) -> tuple[dict | None, str | None]:
         """(the entry a copying pack records, None) when the placed `files` hold exactly what it would
@@ -186,7 +178,7 @@ def link_part(
 
     why = why_not(f, out_dtype, shard_tokens)
     if why is not None:
-        return Linked(note=why)
+        return None, why
     name = shard_name(0)
     placed, methods = {}, set()
     try:
@@ -195,7 +187,7 @@ def link_part(
             how, why = place(src, dst)
             if how is None:
                 _empty(part_dir)
-                return Linked(note=why)
+                return None, why
             placed[suffix] = (dst, _state(dst))  # what the scan must still find after it
             methods.add(how)
         entry, why = scan({s: p for s, (p, _) in placed.items()})
@@ -213,7 +205,7 @@ def link_part(
         raise
     if entry is None:
         _empty(part_dir)
-        return Linked(note=why)
+        return None, why
     how = "hardlink" if methods == {"hardlink"} else "reflink"
     part = {
         "input": f.path,
@@ -224,7 +216,7 @@ def link_part(
         "empty_documents_dropped": 0,
         "link": {"how": how, "files": len(placed), "bytes": sum(p[1][2] for p in placed.values())},
     }
-    return Linked(part=part)
+    return part, None
 
 
 def _empty(part_dir: Path) -> None:

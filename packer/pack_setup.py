@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import suppress
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -61,15 +62,10 @@ def _output_state(out: Path, request: dict, overwrite: bool) -> str:
             hint="choose another -o; --overwrite only replaces tokpack output, never other files",
         )
     if (out / MANIFEST).exists():
-        try:
-            manifest = read_manifest(out, kind=SOURCE)
-            same = manifest.get("request") == request
-            if same:
+        with suppress(TokpackError):  # a damaged pack is not complete
+            if read_manifest(out, kind=SOURCE).get("request") == request:
                 PackedSource.open(out)  # shard sizes match the manifest
-        except TokpackError:
-            same = False
-        if same:
-            return "complete"
+                return "complete"
         if not overwrite:
             raise TokpackError(
                 "output directory already holds a different packed source",

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tokpack import __version__
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.constants import SOURCE, WORK_DIR
 from tokpack.formats.guard import check_space, locked_output
@@ -47,7 +48,7 @@ from tokpack.formats.units import counted
 from tokpack.shuffle.sinks import app_sinks_kept
 from tokpack.packer.shared import ExecutorConfig, Result, optional_field
 from tokpack.packer.executors import run_steps, runs_in_process
-from tokpack.packer.linking import Linked, link_part, summary as link_summary
+from tokpack.packer.linking import link_part, summary as link_summary
 from tokpack.packer.vocab import Normalizer
 from tokpack.packer.pack_setup import PackOptions, PackSetup, clear_output, pack_tasks, setup_pack
 
@@ -57,13 +58,8 @@ with app_sinks_kept():
     from datatrove.pipeline.base import PipelineStep
 
 
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return f"tokpack {version('tokpack')}"
-    except Exception:
-        return "tokpack"
+# The manifest's created_by: the version tokpack/__init__.py looked up; a checkout never installed has none to name
+CREATED_BY = "tokpack" if __version__ == "0+unknown" else f"tokpack {__version__}"
 
 
 # ------------------------------------------------------------------------ the task
@@ -87,25 +83,19 @@ class PackStep(PipelineStep):
         super().__init__()
         self.files = files  # every input file, in input order
         self.work = work  # OUT/.tokpack-work
-        self.vocab_size = setup.vocab
-        self.eos_id = setup.eos
-        self.dtype = setup.out_dtype.name  # output dtype name
-        self.tokenizer = setup.tok_name  # written into each shard's .ds.metadata
-        self.shard_tokens = int(options.shard_tokens)  # max tokens per shard (but one oversized document)
+        self.setup = setup  # vocabulary, EOS id, output dtype, tokenizer name (into each shard's .ds.metadata)
+        self.options = options  # shard_tokens (a shard's most, but for one oversized document), link, append_eos
         self.block_bytes = block_bytes  # input bytes per read block
         self.output = output  # where the shards go (tokpack.formats.outputs): to a bucket, each is sent once written
-        self.link = options.link  # pack --link: an input that is its shard's bytes is linked (tokpack.packer.linking)
         # The bar over every file, next to each file's own, when the ranks run in the command's
         # process (never pickled to a worker); moved by whole files: a JSONL block's bytes are not known.
         self.overall = None
-        # pack --append-eos: an input whose documents all end with one other id is packed as asked, not refused
-        self.append_eos = options.append_eos
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         for i in range(rank, len(self.files), world_size):
             try:
                 # checked here, on a resumed part too: the driver writes no manifest for a refused input
-                check_document_ends(self.pack_file(i), self.eos_id, self.append_eos)
+                check_document_ends(self.pack_file(i), self.setup.eos, self.options.append_eos)
             except TokpackError as e:
                 write_bytes_atomic(Path(self.work) / f"part-{i:05d}.error.json", json.dumps(e.to_json()).encode())
                 raise
@@ -113,42 +103,39 @@ class PackStep(PipelineStep):
                 self.overall.update(self.files[i].size)
 
     def pack_file(self, i: int) -> dict:
-        f = self.files[i]
+        f, out_dtype = self.files[i], self.setup.out_dtype
         part_dir = Path(self.work) / f"part-{i:05d}"
         part_json = Path(self.work) / f"part-{i:05d}.json"
         part = read_record(part_json)  # a damaged record: the file is packed again
         if part is not None:
             shards = part.get("shards")
-            if isinstance(shards, list) and all(
-                self.output.has(part_dir, e, np.dtype(self.dtype).itemsize) for e in shards
-            ):
+            if isinstance(shards, list) and all(self.output.has(part_dir, e, out_dtype.itemsize) for e in shards):
                 return part  # done by an earlier run
         part_json.unlink(missing_ok=True)
         if part_dir.exists():
             shutil.rmtree(part_dir)
         self.output.remove_sent(part_dir)
         part_dir.mkdir(parents=True)
-        out_dtype = np.dtype(self.dtype)
-        linked = None
-        if self.link:
-            linked = (
-                Linked(note="the output is an object store")
+        copied = None  # pack --link: why this input is copied, not linked
+        if self.options.link:
+            part, copied = (
+                (None, "the output is an object store")
                 if not self.output.links_files
                 else link_part(
                     f,
                     part_dir,
-                    self.vocab_size,
-                    self.eos_id,
+                    self.setup.vocab,
+                    self.setup.eos,
                     out_dtype,
-                    self.tokenizer,
-                    self.shard_tokens,
+                    self.setup.tok_name,
+                    self.options.shard_tokens,
                     self.block_bytes,
                 )
             )
-            if linked.part is not None:
-                return self._record(part_json, linked.part)
-            check_space([(part_dir, f.size)], "pack", hint=f"{f.path} is copied: {linked.note}")
-        norm = Normalizer(f, self.vocab_size, self.eos_id, out_dtype)
+            if part is not None:
+                return self._record(part_json, part)
+            check_space([(part_dir, f.size)], "pack", hint=f"{f.path} is copied: {copied}")
+        norm = Normalizer(f, self.setup.vocab, self.setup.eos, out_dtype)
         with_loss = bool(f.extra.get("loss"))
         entries: list[dict] = []
         writer = None
@@ -158,12 +145,12 @@ class PackStep(PipelineStep):
             entry, writer = writer.close(), None  # committed through the Output: to a bucket, sent
             entries.append(entry)
 
-        fmt = SourceShardFormat(out_dtype, self.tokenizer, with_loss)
+        fmt = SourceShardFormat(out_dtype, self.setup.tok_name, with_loss)
         in_itemsize = np.dtype(f.dtype).itemsize if f.dtype else 0
         bar = progress(f.size, f"pack {Path(f.path).name}")
         blocks = None  # the reader's generator, closed explicitly on failure
         try:
-            blocks = read_blocks(f, self.eos_id, self.block_bytes)
+            blocks = read_blocks(f, self.setup.eos, self.block_bytes)
             for block in blocks:
                 in_bytes = len(block.tokens) * in_itemsize
                 tokens, ends, loss = norm(block)
@@ -173,7 +160,7 @@ class PackStep(PipelineStep):
                         k = len(entries)
                         writer = self.output.open_shard(ShardPlace(str(part_dir), shard_name(k), k, part=i), fmt)
                     base = int(ends[done - 1]) if done else 0
-                    stop = int(np.searchsorted(ends, base + self.shard_tokens - writer.tokens, side="right"))
+                    stop = int(np.searchsorted(ends, base + self.options.shard_tokens - writer.tokens, side="right"))
                     if stop == done:
                         if writer.tokens:  # the next document does not fit: start a new shard
                             close_shard()
@@ -182,7 +169,7 @@ class PackStep(PipelineStep):
                     end = int(ends[stop - 1])
                     writer.write(tokens[base:end], ends[done:stop] - base, None if loss is None else loss[base:end])
                     done = stop
-                    if writer.tokens >= self.shard_tokens:
+                    if writer.tokens >= self.options.shard_tokens:
                         close_shard()
                 bar.update(in_bytes)
             if writer is not None and writer.tokens:
@@ -208,8 +195,8 @@ class PackStep(PipelineStep):
             "empty_documents_dropped": norm.empty_dropped,
             "end_id": norm.end_id,  # the one id every document lacking EOS ended with, else None
         }
-        if linked is not None:
-            part["link"] = {"how": "copy", "why": linked.note}
+        if copied is not None:
+            part["link"] = {"how": "copy", "why": copied}
         return self._record(part_json, part)
 
     def _record(self, part_json: Path, part: dict) -> dict:
@@ -474,7 +461,6 @@ def pack(
         )
 
     work = out / WORK_DIR
-    out_dtype = setup.out_dtype
     ntasks = pack_tasks(len(setup.files), config)
     check_space(
         [(out, setup.bytes_to_write(out, to, ntasks))], "pack", hint="free some space there, or choose another -o"
@@ -547,12 +533,12 @@ def pack(
                 name = shard_name(len(entries), digits)
                 for suffix in shard_suffixes(e):
                     src = work / f"part-{i:05d}" / f"{e['path']}{suffix}"
-                    size = e["tokens"] * out_dtype.itemsize if suffix == "" else None
+                    size = e["tokens"] * setup.out_dtype.itemsize if suffix == "" else None
                     # relative to OUT: a rerun elsewhere (another scratch folder for a URL) finds them
                     moves.append((src.relative_to(out).as_posix(), f"{name}{suffix}", size))
                 entries.append({**e, "path": name})
         # vocab_known: absent when known, as in older manifests
-        manifest = setup.manifest(entries, _version(), parts, **({} if setup.vocab_known else {"vocab_known": False}))
+        manifest = setup.manifest(entries, CREATED_BY, parts, **({} if setup.vocab_known else {"vocab_known": False}))
         write_bytes_atomic(
             plan_path,
             json.dumps(

@@ -212,9 +212,8 @@ def _node_epoch_figures(
             moved[m] = np.round(share * reads[m, 1]).astype(np.int64)
     wire = pieces * WIRE_PIECE.itemsize + moved * item
     for n, f in enumerate(out):
-        others = [d for d in range(nodes) if d != n]
-        f["sent_bytes"] = int(wire[n, others].sum())
-        f["received_bytes"] = int(wire[others, n].sum())
+        f["sent_bytes"] = int(wire[n].sum() - wire[n, n])  # to the others
+        f["received_bytes"] = int(wire[:, n].sum() - wire[n, n])
         f["to_itself_bytes"] = int(wire[n, n])  # Alltoallv's part to itself: no network
         f["exchanged_exact"] = exact
         # Rounds: every process takes part until the last has sent all; a round takes whole pieces
@@ -233,8 +232,7 @@ def _planned_manifest(job, sources, memory: int):
     counted by packing its passes once more, as plan shuffle shows it) and each shard's
     pad_xxh3_128, which --to-nodes RUNs hold (tokpack.shuffle.run.epoch_manifest_of)."""
     from tokpack.shuffle import packings
-    from tokpack.shuffle.run import epoch_manifest_of
-    from tokpack.shuffle.run import planned_epoch_manifest
+    from tokpack.shuffle.run import epoch_manifest_of, planned_epoch_manifest
 
     manifest, entry = planned_epoch_manifest(job, sources), packings.of_plan(job.plan)
     if entry.figures is None:

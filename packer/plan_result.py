@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import space_needs
 from tokpack.formats.io.paths import local_path
@@ -96,24 +95,22 @@ def measure_disk(directory: Path) -> tuple[float | None, str]:
     with its pages dropped from the cache, in `directory`; the file is removed before return."""
     try:
         fd, name = tempfile.mkstemp(prefix=".tokpack-plan-", dir=directory)
+        moved, block = 0, memoryview(os.urandom(MEASURE_BLOCK))
+        try:
+            os.unlink(name)  # gone from the directory at once; the open descriptor keeps the data
+            t0 = time.perf_counter()
+            while moved < MEASURE_BYTES and time.perf_counter() - t0 < MEASURE_SECONDS:
+                moved += os.write(fd, block)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the read-back comes from the disk
+            read, buf = 0, bytearray(MEASURE_BLOCK)
+            while n := os.preadv(fd, [buf], read):
+                read += n
+            seconds = time.perf_counter() - t0
+        finally:
+            os.close(fd)
     except OSError as e:
         return None, f"not measured ({e.strerror or e} in {directory}); give --disk-mbps"
-    moved, block = 0, memoryview(os.urandom(MEASURE_BLOCK))
-    try:
-        os.unlink(name)  # gone from the directory at once; the open descriptor keeps the data
-        t0 = time.perf_counter()
-        while moved < MEASURE_BYTES and time.perf_counter() - t0 < MEASURE_SECONDS:
-            moved += os.write(fd, block)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the read-back comes from the disk
-        read, buf = 0, bytearray(MEASURE_BLOCK)
-        while n := os.preadv(fd, [buf], read):
-            read += n
-        seconds = time.perf_counter() - t0
-    except OSError as e:
-        return None, f"not measured ({e.strerror or e} in {directory}); give --disk-mbps"
-    finally:
-        os.close(fd)
     return round(2 * moved / 1e6 / seconds, 1), f"measured: {moved >> 20} MiB written and read back in {directory}"
 
 

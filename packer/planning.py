@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-
 from tokpack.formats.guard import physical_memory
 from tokpack.formats.constants import MANIFEST
 from tokpack.formats.reading import canonical_bytes
@@ -176,15 +175,14 @@ def plan_pack(
     disk_mbps: float | None = None,
 ) -> PlanResult:
     """What `pack` with these arguments would do: one task per input file, its shards of at most
-    `shard_tokens` tokens cut at document ends (so at least tokens / shard_tokens of them).
-    `scratch`: as in plan_shuffle, unused. `link`: which bytes pack --link would link, not copy
-    (a datatrove input whose documents do not all end with EOS is found only by the scan, and copied)."""
+    `shard_tokens` tokens cut at document ends (so at least tokens / shard_tokens of them). With
+    `options.link`: which bytes pack --link would link, not copy (a datatrove input whose
+    documents do not all end with EOS is found only by the scan, and copied)."""
     from tokpack.formats.inputs.tables import PARQUET_DECODE_THREADS
     from tokpack.packer.pack_setup import PackOptions, known_tokens, pack_tasks, setup_pack
 
     options = options or PackOptions()
-    shard_tokens, link = options.shard_tokens, options.link
-
+    shard_tokens = options.shard_tokens
     config = executor or ExecutorConfig()
     *paths, output = local_only(as_paths(inputs) + [str(output)])
     out = Path(output).absolute()
@@ -237,7 +235,7 @@ def plan_pack(
         copy_bytes=links and links.copy,
         link_bytes=links and links.hardlink,
         reflink_bytes=links and links.reflink,
-        link_notes=links.notes if links and link else None,
+        link_notes=links.notes if links and options.link else None,
     )
 
 
@@ -267,46 +265,43 @@ def plan_stage(directory, dest, selection: dict, *, disk_mbps: float | None = No
         manifests = {MANIFEST: 0, **{f"{epoch_dir_name(e)}/{MANIFEST}": 0 for e in sp.epochs}}
         a, b = sp.ranks
         need = sum(sp.written.values()) + sp.root_bytes  # stage's own space check: every file it writes
-        return planned_result(
-            "stage",
-            str(dest),
-            passes,
-            [(Path(dest), need)],
-            ExecutorConfig(workers=workers),
-            disk_mbps,
+        fields = dict(
             path=f"node slice of ranks {a}-{b} of {sp.world_size}",
             shards=(b - a + 1) * len(sp.epochs),
-            manifests=manifests,
             bytes_per_node=kept,
             read_amplification=round(read / kept, 4) if kept else None,
             note=None
             if all(sp.by_rows.values())
             else "epochs written before row hashes are verified by reading their shards whole",
         )
-    kind, plans = make_plan(src, parse_epochs(epochs), parse_ranks(ranks), micro_batch)
-    dest = Path(dest)
-    jobs = [j for p in plans for j in p.jobs]
-    copy = bytes_to_copy(dest, plans)
-    passes = [
-        plan_pass(
-            "copy",
-            len(jobs),
-            STAGE_BLOCK,
-            sum(j.size or 0 for j in jobs),
-            copy,
-            files_in_place=sum(in_place(dest / j.rel, j.size) for j in jobs),
+    else:
+        kind, plans = make_plan(src, parse_epochs(epochs), parse_ranks(ranks), micro_batch)
+        dest = Path(dest)
+        jobs = [j for p in plans for j in p.jobs]
+        passes = [
+            plan_pass(
+                "copy",
+                len(jobs),
+                STAGE_BLOCK,
+                sum(j.size or 0 for j in jobs),
+                bytes_to_copy(dest, plans),
+                files_in_place=sum(in_place(dest / j.rel, j.size) for j in jobs),
+            )
+        ]
+        manifests = {f"{p.rel}/{MANIFEST}".lstrip("/"): len(canonical_bytes(p.manifest)) for p in plans}
+        need = bytes_to_write(dest, plans)
+        fields = dict(
+            path=kind,
+            shards=sum(j.rel.endswith(".ds") for j in jobs),
+            note=whole_copy_note(plans, parse_ranks(ranks), micro_batch, src.path, str(dest)),
         )
-    ]
-    manifests = {f"{p.rel}/{MANIFEST}".lstrip("/"): len(canonical_bytes(p.manifest)) for p in plans}
     return planned_result(
         "stage",
         str(dest),
         passes,
-        [(dest, bytes_to_write(dest, plans))],
+        [(Path(dest), need)],
         ExecutorConfig(workers=workers),
         disk_mbps,
-        path=kind,
-        shards=sum(j.rel.endswith(".ds") for j in jobs),
         manifests=manifests,
-        note=whole_copy_note(plans, parse_ranks(ranks), micro_batch, src.path, str(dest)),
+        **fields,
     )
