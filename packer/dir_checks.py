@@ -136,7 +136,7 @@ class ValidationReport:
 @dataclass
 class Dir:
     report: DirReport  # filled in as checks run
-    jobs: list[ShardJob]  # shard checks still to run
+    jobs: ShardJobs | list  # shard checks still to run (a list: none)
     partial: bool = False  # some shards absent by a partial stage: no whole-epoch sums to check
 
 
@@ -317,7 +317,7 @@ def check_padding(path: Path, m: dict, rep: DirReport) -> None:
         )
 
 
-def check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> list[ShardJob]:
+def check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> ShardJobs | list:
     """The manifest checks (tokpack.formats.checks.check_manifest, which every command applies) and the
     listing; returns the shard jobs (empty if the manifest cannot drive them)."""
     usable = check_manifest(m, path, rep.add)
@@ -363,6 +363,10 @@ class ShardJobs:
             if self.per is not None:
                 job.first_sample = self.last.get(s["path"], i) * self.per
             yield job
+
+    def entries(self):
+        """The checked entries, in order, each read from the manifest's text as it comes."""
+        return (self.shards[i] for i in self.indices)
 
     def number_samples(self, per: int) -> None:
         """Each job's first_sample: its entry's index times `per` (shard_samples); for a name

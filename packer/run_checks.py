@@ -5,6 +5,8 @@ partial stage are named, and RUN/holdout/ is checked as an epoch.
 
 from __future__ import annotations
 
+from array import array
+
 from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
@@ -201,11 +203,11 @@ def check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["Dir"
             rep.add(sub, None, "the epoch directory listed in the run manifest", "no such directory", "epoch missing")
             continue
         d = plan_dir(sub, quick, kinds="epoch")
-        present = [j for j in d.jobs if str(j.directory / j.entry["path"]) not in absent]
-        d.jobs, d.partial = present, len(present) < len(d.jobs)
-        entries = [j.entry for j in d.jobs]
-        if entries and tokens_on_nodes(sub, entries):  # shuffle --to-nodes: the tokens are in node slices
-            check_row_hashes(sub, entries, d.report, quick)
+        if absent and d.jobs:  # a partial stage: its absent shards dropped by index, no job held a shard
+            kept = array("q", (i for i in d.jobs.indices if str(sub / d.jobs.shards[i]["path"]) not in absent))
+            d.jobs.indices, d.partial = kept, len(kept) < len(d.jobs)
+        if d.jobs and tokens_on_nodes(sub, d.jobs.entries()):  # shuffle --to-nodes: the tokens are in node slices
+            check_row_hashes(sub, d.jobs.entries(), d.report, quick)
             d.jobs, d.partial = [], True
         plan.append(d)
         em = d.report.manifest

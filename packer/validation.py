@@ -30,7 +30,7 @@ from tokpack.formats.shard_scan import Findings, Problem, check_shard, problem_l
 from tokpack.formats.shards import PackedSource
 from tokpack.packer.shared import Result
 
-from .dir_checks import Dir, DirReport, ShardJobs, ValidationReport, plan_dir
+from .dir_checks import Dir, DirReport, ValidationReport, plan_dir
 from .run_checks import check_run
 from .run_proof import on_nodes, prove_on_nodes
 from .slice_validation import slice_against_run
@@ -40,13 +40,7 @@ def _number_samples(plan: list[Dir]) -> None:
     """Each epoch shard's job its first sample's output position, to sum its order hash."""
     for d in plan:
         if d.report.kind == EPOCH and d.jobs:  # jobs exist only for a manifest whose fields are sound
-            m = d.report.manifest
-            if isinstance(d.jobs, ShardJobs):
-                d.jobs.number_samples(m["shard_samples"])
-            else:  # a partial stage's jobs (tokpack.packer.run_checks)
-                first = {s["path"]: i * m["shard_samples"] for i, s in enumerate(m["shards"])}
-                for job in d.jobs:
-                    job.first_sample = first[job.entry["path"]]
+            d.jobs.number_samples(d.report.manifest["shard_samples"])
 
 
 def validate_dirs(

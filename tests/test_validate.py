@@ -1341,6 +1341,34 @@ def test_partial_stage_line(env, tmp_path):
     )
 
 
+def test_a_partial_stages_epochs_hold_no_job_per_shard(env, tmp_path, monkeypatch):
+    """validate of a partial stage drops its absent shards by index: each held shard's check is
+    made when its turn comes, as in any epoch (issue 42, item 7), never one held per shard."""
+    from tokpack.packer import dir_checks
+    from tokpack.packer.api import stage
+
+    summary = stage(env / "run", tmp_path / "dst", ranks="0/4", micro_batch=8)
+    held = sorted(str(f) for f in (tmp_path / "dst").glob("epoch-*/*.ds"))
+    live, most, checked = [0], [0], []
+
+    class Counted(dir_checks.ShardJob):
+        def __init__(self, directory, entry, *shared):
+            super().__init__(directory, entry, *shared)
+            live[0] += 1
+            most[0] = max(most[0], live[0])
+            checked.append(str(directory / entry["path"]))
+
+        def __del__(self):
+            live[0] -= 1
+
+    monkeypatch.setattr(dir_checks, "ShardJob", Counted)
+    r = _check(tmp_path / "dst", quick=False)
+    assert [p["message"] for p in r["problems"]] == ["partial stage: serves only the ranks it was staged for"]
+    assert summary.shards_skipped > 0 and len(held) >= 4
+    assert sorted(set(checked)) == held  # a check made for every held shard, none for an absent one
+    assert most[0] <= 2, f"{most[0]} shard checks held at once for {len(held)} shards"
+
+
 def test_token_files_gone_from_a_run_are_missing_unless_it_says_its_tokens_are_on_the_nodes(env, tmp_path):
     """An epoch folder whose token files are gone but whose row hashes are there is a damaged
     run, reported as such; only a run that declares itself written by shuffle --to-nodes
