@@ -1341,9 +1341,10 @@ def test_partial_stage_line(env, tmp_path):
     )
 
 
-def test_a_partial_stages_epochs_hold_no_job_per_shard(env, tmp_path, monkeypatch):
-    """validate of a partial stage drops its absent shards by index: each held shard's check is
-    made when its turn comes, as in any epoch (issue 42, item 7), never one held per shard."""
+def test_a_runs_epochs_hold_no_job_per_shard(env, tmp_path, monkeypatch):
+    """validate of a run, whole or a partial stage (its absent shards dropped by index): each
+    shard's check is made when its turn comes, as in an epoch folder (issue 42, item 7), never
+    one held per shard."""
     from tokpack.packer import dir_checks
     from tokpack.packer.api import stage
 
@@ -1362,6 +1363,9 @@ def test_a_partial_stages_epochs_hold_no_job_per_shard(env, tmp_path, monkeypatc
             live[0] -= 1
 
     monkeypatch.setattr(dir_checks, "ShardJob", Counted)
+    whole = _check(env / "run", quick=False)
+    assert whole["ok"] and len(list((env / "run").glob("epoch-*/*.ds"))) >= 8 and most[0] <= 2, most
+    most[0], checked[:] = 0, []
     r = _check(tmp_path / "dst", quick=False)
     assert [p["message"] for p in r["problems"]] == ["partial stage: serves only the ranks it was staged for"]
     assert summary.shards_skipped > 0 and len(held) >= 4
